@@ -1,0 +1,56 @@
+"""MLX arrays for the verifier cache; the slot logic lives in ``cache.py``.
+
+``RingKVCache`` is a drop-in for what mlx-lm's Gemma-4 attention expects from
+a cache (``offset`` read before ``update_and_fetch``), but writes wherever the
+session's shared :class:`RingLayout` planned, so rollback is always exact.
+Full-attention layers use mlx-lm's own ``KVCache``: it trims in O(1).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from .cache import RingLayout, RingPlan
+
+
+class RingKVCache:
+    """One sliding layer's K/V ring. All rings of a session share one layout."""
+
+    def __init__(self, layout: RingLayout):
+        self.layout = layout
+        self.plan: RingPlan | None = None  # set by the session before each forward
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    @property
+    def offset(self) -> int:
+        return self.layout.offset
+
+    def _write(self, keys: mx.array, values: mx.array) -> None:
+        if self.keys is None:
+            b, h, _, dk = keys.shape
+            cap = self.layout.capacity
+            self.keys = mx.zeros((b, h, cap, dk), keys.dtype)
+            self.values = mx.zeros((b, h, cap, values.shape[-1]), values.dtype)
+        for w in self.plan.writes:
+            self.keys[..., w.dst : w.dst + w.length, :] = keys[..., w.src : w.src + w.length, :]
+            self.values[..., w.dst : w.dst + w.length, :] = values[..., w.src : w.src + w.length, :]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        plan = self.plan
+        if plan.in_place:
+            self._write(keys, values)
+            return self.keys[..., : plan.used, :], self.values[..., : plan.used, :]
+        if self.keys is None or plan.used == 0:
+            all_k, all_v = keys, values
+        else:
+            all_k = mx.concatenate([self.keys[..., : plan.used, :], keys], axis=2)
+            all_v = mx.concatenate([self.values[..., : plan.used, :], values], axis=2)
+        self._write(keys, values)
+        return all_k, all_v
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+

@@ -1,0 +1,98 @@
+"""The Gemma-4 target on MLX: mlx-lm's model code, one forward that also returns aux hidden states.
+
+We drive mlx-lm's own decoder layers. The only thing re-spelled here is the
+short layer loop of ``Gemma4TextModel.__call__``, for two reasons: the outputs
+of the ``target_layer_ids`` layers (the drafter's aux) are taken inside the
+same forward, and sliding layers attend with the masks of our ring layout
+instead of mlx-lm's ``RotatingKVCache`` ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.gemma4_text import logit_softcap
+from mlx_lm.utils import load_model, load_tokenizer
+
+from .cache import RingLayout
+from .cache_mlx import RingKVCache
+
+
+@dataclass
+class Forward:
+    hidden: mx.array  # final-norm hidden [1, L, hidden]
+    aux: mx.array  # [L, len(aux_layers) * hidden]
+
+
+class TargetMLX:
+    """A loaded Gemma-4 target and the forward the verifier needs."""
+
+    def __init__(self, model, path: Path):
+        self.path = path
+        self.model = model
+        # Multimodal gemma4 checkpoints wrap the text model as `language_model`.
+        self.lm = getattr(model, "language_model", model)
+        self.inner = self.lm.model
+        self.args = self.lm.args
+        self.layer_types = list(self.args.layer_types)
+        self.n_cached = self.args.num_hidden_layers - self.args.num_kv_shared_layers
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TargetMLX":
+        path = Path(path)
+        model, _ = load_model(path)
+        return cls(model, path)
+
+    def tokenizer(self):
+        return load_tokenizer(self.path)
+
+    def make_cache(self, layout: RingLayout) -> list:
+        return [
+            RingKVCache(layout) if self.layer_types[i] == "sliding_attention" else KVCache()
+            for i in range(self.n_cached)
+        ]
+
+    def forward(self, ids: mx.array, cache: list, aux_layers: Sequence[int], sliding_mask) -> Forward:
+        """Run ``ids`` [1, L] through the body, appending to ``cache``; no LM head."""
+        inner = self.inner
+        h = inner.embed_tokens(ids) * inner.embed_scale
+        per_layer = [None] * len(inner.layers)
+        if inner.hidden_size_per_layer_input:
+            pli = inner._get_per_layer_inputs(ids)
+            pli = inner._project_per_layer_inputs(h, pli)
+            per_layer = [pli[:, :, i, :] for i in range(len(inner.layers))]
+
+        full_cache = next((c for c in cache if isinstance(c, KVCache)), None)
+        masks = {
+            "full_attention": create_attention_mask(h, full_cache),
+            "sliding_attention": sliding_mask,
+        }
+        cache = cache + [None] * (len(inner.layers) - len(cache))
+        wanted = {layer_id: i for i, layer_id in enumerate(aux_layers)}
+        aux = [None] * len(aux_layers)
+        intermediates = [(None, None)] * len(inner.layers)
+        for idx, layer in enumerate(inner.layers):
+            kvs, offset = intermediates[inner.previous_kvs[idx]]
+            h, kvs, offset = layer(
+                h,
+                masks[layer.layer_type],
+                cache[idx],
+                per_layer_input=per_layer[idx],
+                shared_kv=kvs,
+                offset=offset,
+            )
+            intermediates[idx] = (kvs, offset)
+            if idx in wanted:
+                aux[wanted[idx]] = h
+        return Forward(inner.norm(h), mx.concatenate(aux, axis=-1)[0] if aux else None)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        lm = self.lm
+        out = lm.lm_head(hidden) if not lm.tie_word_embeddings else self.inner.embed_tokens.as_linear(hidden)
+        cap = lm.final_logit_softcapping
+        return logit_softcap(cap, out) if cap is not None else out
