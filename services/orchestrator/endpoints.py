@@ -81,3 +81,21 @@ class Drafter(Protocol):
     block_size: int  # the checkpoint's trained block size (the default)
 
     def open_session(self) -> DrafterSession: ...
+
+
+def local_verifier(target_dir, aux_layers, backend: str = "mlx", **kwargs) -> Verifier:
+    """The in-process verifier for ``backend`` (imported lazily: each backend is optional)."""
+    if backend == "mlx":
+        from services.verifier.session import MLXVerifier
+
+        return MLXVerifier(target_dir, aux_layers, **kwargs)
+    raise ValueError(f"unknown verifier backend {backend!r} (expected 'mlx')")
+
+
+def local_drafter(draft_dir, target_dir, backend: str = "mlx", **kwargs) -> Drafter:
+    """The in-process DFlash drafter for ``backend``."""
+    if backend == "mlx":
+        from services.drafter.session import MLXDrafter
+
+        return MLXDrafter(draft_dir, target_dir, **kwargs)
+    raise ValueError(f"unknown drafter backend {backend!r} (expected 'mlx')")

@@ -1,0 +1,147 @@
+"""The ``kakeya`` command.
+
+Every sub-command registers itself with ``register(subparsers)`` and sets
+``func``; errors a user can fix (bad paths, bad configs, bad arguments) end as
+one ``kakeya: error: ...`` line and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from services.checkpoints.config import CheckpointError
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for; printed as one line."""
+
+
+def _default_pair():
+    from services.checkpoints.tiny import default_pair
+
+    return default_pair()
+
+
+def build_local_engine(target: str | None, draft: str | None, backend: str = "mlx"):
+    """Load the pair in-process (the embedded default models when no paths are given)."""
+    from services.checkpoints.config import check_pair, load_draft_config, load_target_config
+
+    from .endpoints import local_drafter, local_verifier
+    from .engine import Engine
+    from .text import TextCodec
+
+    if (target is None) != (draft is None):
+        raise UsageError("give both --target and --draft, or neither (for the embedded default models)")
+    if target is None:
+        pair = _default_pair()
+        target, draft = str(pair.target), str(pair.draft)
+    tcfg = load_target_config(target)
+    dcfg = load_draft_config(draft)
+    check_pair(tcfg, dcfg, target, draft)
+    aux_layers = dcfg["dflash_config"]["target_layer_ids"]
+    verifier = local_verifier(target, aux_layers, backend)
+    drafter = local_drafter(draft, target, backend)
+    return Engine(verifier, drafter, TextCodec(target), target=str(target), draft=str(draft))
+
+
+def cmd_generate(args) -> int:
+    from .engine import Request, stream_text
+    from .loop import drive
+
+    if args.prompt is not None and not args.prompt.strip():
+        raise UsageError("--prompt is empty")
+    engine = build_local_engine(args.target, args.draft, args.backend)
+    prompt_ids = engine.codec.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
+    req = Request(prompt_ids, max_tokens=args.max_tokens, block_size=args.block_size or 0, ignore_eos=args.ignore_eos)
+    try:
+        engine.validate(req)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+    def show(item):
+        if not args.json:
+            sys.stdout.write(item[1])
+            sys.stdout.flush()
+
+    gen = drive(stream_text(engine.codec, engine.stream(req)), show)
+    out = engine.report(req, gen)
+    if args.compare_ar:
+        out.update(_compare_ar(engine, req, gen))
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print()
+        summary = (
+            f"[{len(gen.token_ids)} tokens, {gen.finish_reason}; mean acceptance {out['mean_acceptance']:.2f} "
+            f"at block {out['block_size']}; decode {out['decode_tok_s']:.1f} tok/s; prefill {out['prefill_s']*1e3:.1f} ms"
+        )
+        if args.compare_ar:
+            summary += f"; AR {out['ar_decode_tok_s']:.1f} tok/s; lossless={out['lossless']}"
+        if out["quality"]["degenerate"]:
+            summary += "; WARNING: runaway repetition"
+        print(summary + "]", file=sys.stderr)
+    return 0
+
+
+def _compare_ar(engine, req, gen) -> dict:
+    """Greedy AR of the same target by an independent implementation (mlx-lm's generate_step)."""
+    target = getattr(engine.verifier, "target", None)
+    if target is None or not hasattr(target, "model"):
+        raise UsageError("--compare-ar needs an in-process MLX verifier")
+    from services.verifier.reference_mlx import greedy_reference
+
+    stop = set(req.stop_ids) | (set() if req.ignore_eos else set(engine.verifier.info.eos_token_ids))
+    ar_ids, _, decode_s = greedy_reference(target.model, req.prompt_ids, req.max_tokens, stop)
+    ar_tok_s = (len(ar_ids) - 1) / decode_s if decode_s > 0 and len(ar_ids) > 1 else 0.0
+    return {
+        "ar_token_ids": ar_ids,
+        "ar_decode_tok_s": round(ar_tok_s, 3),
+        "lossless": ar_ids == gen.token_ids,
+        "speedup": round(gen.decode_tok_s / ar_tok_s, 4) if ar_tok_s else 0.0,
+    }
+
+
+DEFAULT_PROMPT = "def fibonacci(n):\n    "
+
+
+def register_generate(sub) -> None:
+    p = sub.add_parser("generate", help="speculative generation in-process (embedded default models if no paths)")
+    p.add_argument("--target", help="Gemma-4 target checkpoint directory")
+    p.add_argument("--draft", help="DFlash drafter checkpoint directory")
+    p.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=0, help="1..16 (default: the drafter's trained block size)")
+    p.add_argument("--backend", default="mlx", choices=["mlx"])
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    p.add_argument("--compare-ar", action="store_true", help="also run greedy AR and report lossless/speedup")
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    p.set_defaults(func=cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from services.checkpoints import tiny
+
+    parser = argparse.ArgumentParser(prog="kakeya", description="Speculative decoding for Gemma-4 with DFlash drafters")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register_generate(sub)
+    tiny.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, CheckpointError, FileNotFoundError) as exc:
+        print(f"kakeya: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""An orchestrator engine: a verifier, a drafter and a tokenizer behind one generate call.
+
+Shared by the CLI and the public gRPC server, so both report the same stats.
+Which verifier/drafter it holds (in-process MLX, in-process torch, remote
+gRPC) is decided by whoever builds it; the engine never looks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from . import loop
+from .endpoints import Drafter, Verifier
+from .quality import quality_report
+from .text import StreamDecoder, TextCodec
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int = 128
+    block_size: int = 0  # 0: the drafter's trained block size
+    stop_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+
+
+class Engine:
+    def __init__(self, verifier: Verifier, drafter: Drafter | None, codec: TextCodec, target: str = "", draft: str = ""):
+        self.verifier, self.drafter, self.codec = verifier, drafter, codec
+        self.target, self.draft = target, draft
+
+    @property
+    def default_block_size(self) -> int:
+        return self.drafter.block_size if self.drafter is not None else 1
+
+    def validate(self, req: Request) -> None:
+        """Raise ValueError naming the offending field."""
+        if not req.prompt_ids:
+            raise ValueError("prompt: empty prompt")
+        vocab = self.verifier.info.vocab_size
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if req.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {req.max_tokens}")
+        loop.check_block_size(req.block_size or self.default_block_size)
+
+    def stream(self, req: Request, on_drafter_error=None) -> Iterator[loop.Block]:
+        """Yield committed blocks; returns the finished :class:`loop.Generation`."""
+        self.validate(req)
+        stop = set(req.stop_ids)
+        if not req.ignore_eos:
+            stop |= set(self.verifier.info.eos_token_ids)
+        block_size = req.block_size or self.default_block_size
+        vsession = self.verifier.open_session()
+        dsession = self.drafter.open_session() if self.drafter is not None and block_size > 1 else None
+        try:
+            gen = yield from loop.speculative_decode(
+                vsession, dsession, req.prompt_ids, req.max_tokens, block_size, stop, on_drafter_error
+            )
+            gen.verifier_stats = vsession.stats()
+            return gen
+        finally:
+            vsession.close()
+            if dsession is not None:
+                dsession.close()
+
+    def generate(self, req: Request) -> loop.Generation:
+        return loop.drive(self.stream(req))
+
+    def report(self, req: Request, gen: loop.Generation) -> dict:
+        """The stats every front end prints (CLI --json, the Generate API's final message)."""
+        kv = gen.verifier_stats.get("kv_bytes", {})
+        return {
+            "target": self.target,
+            "draft": self.draft,
+            "backend": self.verifier.info.backend,
+            "block_size": req.block_size or self.default_block_size,
+            "prompt_token_ids": gen.prompt_ids,
+            "token_ids": gen.token_ids,
+            "text": self.codec.decode(gen.token_ids),
+            "finish_reason": gen.finish_reason,
+            "acceptance_lengths": gen.acceptance_lengths,
+            "mean_acceptance": round(gen.mean_acceptance, 4),
+            "decode_tok_s": round(gen.decode_tok_s, 3),
+            "prefill_s": round(gen.prefill_s, 6),
+            "drafter_fallback": gen.drafter_fallback,
+            "verifier_kv_bytes": {"sliding": kv.get("sliding", 0), "full": kv.get("full", 0)},
+            "cache_policy": gen.verifier_stats.get("cache_policy", ""),
+            "quality": quality_report(gen.token_ids),
+        }
+
+
+def stream_text(codec: TextCodec, blocks: Iterator[loop.Block]) -> Iterator[tuple[list[int], str]]:
+    """Pair each block's tokens with the text they complete; returns what ``blocks`` returns."""
+    dec = StreamDecoder(codec)
+    while True:
+        try:
+            block = next(blocks)
+        except StopIteration as done:
+            return done.value
+        yield block.tokens, dec.add(block.tokens)

@@ -1,0 +1,180 @@
+"""Greedy speculative decoding: token ids in, token ids out.
+
+Knows no backend and no transport: it is handed a verifier session and a
+drafter session (``endpoints.py``) and only moves ints and opaque aux between
+them. Per block:
+
+1. the drafter extends its context with the aux of the positions committed
+   last block and drafts ``B - 1`` candidates after ``last`` (one forward);
+2. the verifier runs ``[last, c1 .. c_{B-1}]`` in one forward and returns its
+   own greedy choice after every position;
+3. the leading run of candidates equal to the target's choices is accepted,
+   and the target's choice after that run is the bonus token, so every block
+   commits between 1 and ``B`` tokens, all of them the target's greedy tokens;
+4. the verifier keeps the positions it has seen that were accepted and trims
+   the rest; the aux of the kept positions goes to the drafter next block.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Sequence
+
+from .endpoints import DrafterSession, VerifierSession
+
+MAX_BLOCK_SIZE = 16
+
+
+@dataclass
+class Block:
+    """What one step of the loop committed (the prefill's first token is a block of its own)."""
+
+    tokens: list[int]
+    drafted: int  # candidates proposed (0 for the prefill token and block size 1)
+    accepted: int  # candidates accepted
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    commit_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
+    finish_reason: str = "length"  # "stop" | "length"
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    drafter_fallback: bool = False  # the drafter failed and the verifier finished alone
+    verifier_stats: dict = field(default_factory=dict)  # the verifier session's stats() at the end
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        """Tokens committed per speculative block (the prefill token is not a block)."""
+        return [len(b.tokens) for b in self.blocks[1:]]
+
+    @property
+    def mean_acceptance(self) -> float:
+        lengths = self.acceptance_lengths
+        return sum(lengths) / len(lengths) if lengths else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first one, per second of decoding (the first comes from prefill)."""
+        n = len(self.token_ids) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+def check_block_size(block_size: int) -> None:
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be between 1 and {MAX_BLOCK_SIZE}, got {block_size}")
+
+
+def leading_matches(candidates: Sequence[int], choices: Sequence[int]) -> int:
+    """How many candidates equal the target's choice at the position before them."""
+    n = 0
+    for c, t in zip(candidates, choices):
+        if c != t:
+            break
+        n += 1
+    return n
+
+
+def speculative_decode(
+    verifier: VerifierSession,
+    drafter: DrafterSession | None,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    block_size: int,
+    stop_ids: Iterable[int] = (),
+    on_drafter_error: Callable[[Exception], None] | None = None,
+) -> Iterator[Block]:
+    """Yield each committed block; the generator's return value is the :class:`Generation`.
+
+    ``drafter`` may be None (or ``block_size`` 1): the verifier then decodes
+    autoregressively, with identical output. If ``on_drafter_error`` is given,
+    a drafter exception is reported to it and the rest of the generation runs
+    on the verifier alone instead of failing.
+    """
+    check_block_size(block_size)
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not prompt_ids:
+        raise ValueError("prompt is empty")
+    stop = frozenset(stop_ids)
+    gen = Generation(prompt_ids=list(prompt_ids))
+    clock = time.perf_counter
+
+    t0 = clock()
+    first, new_aux = verifier.prefill(prompt_ids)
+    gen.prefill_s = clock() - t0
+    t_decode = clock()
+
+    def emit(block: Block) -> bool:
+        """Record a block, cut it at a stop token; True when generation is over."""
+        for i, tok in enumerate(block.tokens):
+            if tok in stop:
+                del block.tokens[i + 1 :]
+                gen.finish_reason = "stop"
+                break
+        gen.blocks.append(block)
+        gen.token_ids.extend(block.tokens)
+        return gen.finish_reason == "stop" or len(gen.token_ids) >= max_tokens
+
+    done = emit(Block([first], 0, 0, total_s=gen.prefill_s))
+    yield gen.blocks[-1]
+    last = first
+    use_drafter = drafter is not None and block_size > 1
+    while not done:
+        t_block = clock()
+        # Never draft past max_tokens: a block commits at most B tokens.
+        B = min(block_size, max_tokens - len(gen.token_ids)) if use_drafter else 1
+        candidates: list[int] = []
+        if B > 1:
+            try:
+                candidates = drafter.draft(new_aux, last, B)
+            except Exception as exc:  # the verifier alone produces the same tokens
+                if on_drafter_error is None:
+                    raise
+                on_drafter_error(exc)
+                gen.drafter_fallback, use_drafter, B = True, False, 1
+        t_drafted = clock()
+        choices = verifier.verify([last] + candidates)
+        t_verified = clock()
+        n_ok = leading_matches(candidates, choices)
+        tokens = candidates[:n_ok] + [choices[n_ok]]
+        new_aux = verifier.commit(n_ok + 1)
+        t_end = clock()
+        done = emit(
+            Block(
+                tokens,
+                drafted=len(candidates),
+                accepted=n_ok,
+                draft_s=t_drafted - t_block,
+                verify_s=t_verified - t_drafted,
+                commit_s=t_end - t_verified,
+                total_s=t_end - t_block,
+            )
+        )
+        yield gen.blocks[-1]
+        last = tokens[-1]
+    gen.decode_s = clock() - t_decode
+    return gen
+
+
+def drive(it, each: Callable | None = None):
+    """Exhaust a generator, calling ``each`` on every item; return the generator's return value."""
+    while True:
+        try:
+            item = next(it)
+        except StopIteration as done:
+            return done.value
+        if each is not None:
+            each(item)
+
+
+def run(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids=(), on_drafter_error=None) -> Generation:
+    """Run :func:`speculative_decode` to the end and return the whole generation."""
+    return drive(speculative_decode(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids, on_drafter_error))

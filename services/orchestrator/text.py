@@ -1,0 +1,64 @@
+"""Text <-> token ids for the public API, with the checkpoint's own tokenizer.json.
+
+Uses the `tokenizers` library directly (what transformers' fast tokenizers
+wrap), so the orchestrator never imports a model framework.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from tokenizers import Tokenizer
+
+
+class TextCodec:
+    def __init__(self, checkpoint_dir: str | Path):
+        path = Path(checkpoint_dir)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"{path}: no tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(str(tok_file))
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self.add_bos = bool(cfg.get("add_bos_token", True))
+        bos = cfg.get("bos_token")
+        if isinstance(bos, dict):
+            bos = bos.get("content")
+        self.bos_id = self.tokenizer.token_to_id(bos) if bos else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class StreamDecoder:
+    """Turns token chunks into text chunks without splitting multi-byte characters."""
+
+    def __init__(self, codec: TextCodec):
+        self.codec = codec
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def add(self, ids: Sequence[int]) -> str:
+        self.ids.extend(ids)
+        text = self.codec.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
+            return ""
+        new, self.emitted = text[len(self.emitted) :], text
+        return new
+
+    def flush(self) -> str:
+        text = self.codec.decode(self.ids)
+        new, self.emitted = text[len(self.emitted) :], text
+        return new
