@@ -86,9 +86,9 @@ class Drafter(Protocol):
 def local_verifier(target_dir, aux_layers, backend: str = "mlx", **kwargs) -> Verifier:
     """The in-process verifier for ``backend`` (imported lazily: each backend is optional)."""
     if backend == "mlx":
-        from services.verifier.session import MLXVerifier
+        from services.verifier.session import mlx_verifier
 
-        return MLXVerifier(target_dir, aux_layers, **kwargs)
+        return mlx_verifier(target_dir, aux_layers, **kwargs)
     raise ValueError(f"unknown verifier backend {backend!r} (expected 'mlx')")
 
 

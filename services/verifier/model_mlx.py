@@ -17,9 +17,9 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gemma4_text import logit_softcap
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm.utils import load_model
 
-from .cache import RingLayout
+from .cache import RingLayout, RingPlan
 from .cache_mlx import RingKVCache
 
 
@@ -31,6 +31,8 @@ class Forward:
 
 class TargetMLX:
     """A loaded Gemma-4 target and the forward the verifier needs."""
+
+    backend = "mlx"
 
     def __init__(self, model, path: Path):
         self.path = path
@@ -48,14 +50,46 @@ class TargetMLX:
         model, _ = load_model(path)
         return cls(model, path)
 
-    def tokenizer(self):
-        return load_tokenizer(self.path)
+    # -- what services/verifier/session.py needs from a backend --------------------------
 
     def make_cache(self, layout: RingLayout) -> list:
         return [
             RingKVCache(layout) if self.layer_types[i] == "sliding_attention" else KVCache()
             for i in range(self.n_cached)
         ]
+
+    def run(self, ids: Sequence[int], cache: list, aux_layers: Sequence[int], plan: RingPlan) -> Forward:
+        for c in cache:
+            if isinstance(c, RingKVCache):
+                c.plan = plan
+        return self.forward(mx.array([list(ids)]), cache, aux_layers, mx.array(plan.mask))
+
+    def greedy(self, hidden: mx.array) -> list[int]:
+        """The target's argmax at every position of ``hidden`` [1, L, H]: the one host sync of a verify."""
+        return mx.argmax(self.logits(hidden)[0], axis=-1).tolist()
+
+    @staticmethod
+    def materialize(out: Forward, cache: list) -> None:
+        mx.eval(out.aux, [c.keys for c in cache])
+
+    @staticmethod
+    def cat(chunks: list) -> mx.array:
+        return chunks[0] if len(chunks) == 1 else mx.concatenate(chunks, axis=0)
+
+    @staticmethod
+    def trim_full(cache: list, n: int) -> None:
+        for c in cache:
+            if isinstance(c, KVCache):
+                c.trim(n)
+
+    @staticmethod
+    def kv_bytes(cache: list) -> dict:
+        return {
+            "sliding": sum(c.nbytes for c in cache if isinstance(c, RingKVCache)),
+            "full": sum(c.nbytes for c in cache if isinstance(c, KVCache)),
+        }
+
+    # -- the model itself ---------------------------------------------------------------
 
     def forward(self, ids: mx.array, cache: list, aux_layers: Sequence[int], sliding_mask) -> Forward:
         """Run ``ids`` [1, L] through the body, appending to ``cache``; no LM head."""
