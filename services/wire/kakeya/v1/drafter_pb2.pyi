@@ -1,0 +1,126 @@
+from . import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetDrafterInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrafterInfo(_message.Message):
+    __slots__ = ("model_name", "target_model", "block_size", "target_layer_ids", "mask_token_id", "hidden_size", "num_layers", "vocab_size", "backend", "aux_dtype", "device", "version", "max_block_size", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    MASK_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    AUX_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    target_model: str
+    block_size: int
+    target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    mask_token_id: int
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    backend: str
+    aux_dtype: _tensor_pb2.DType
+    device: str
+    version: str
+    max_block_size: int
+    extra: _containers.ScalarMap[str, str]
+    def __init__(self, model_name: _Optional[str] = ..., target_model: _Optional[str] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class DrafterStats(_message.Message):
+    __slots__ = ("context_positions", "kv_bytes", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    CONTEXT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    context_positions: int
+    kv_bytes: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, context_positions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class DrafterRequest(_message.Message):
+    __slots__ = ("open", "draft", "close")
+    class Open(_message.Message):
+        __slots__ = ("request_id",)
+        REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+        request_id: str
+        def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    class Draft(_message.Message):
+        __slots__ = ("new_aux", "last_token", "block_size")
+        NEW_AUX_FIELD_NUMBER: _ClassVar[int]
+        LAST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+        BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+        new_aux: _tensor_pb2.Tensor
+        last_token: int
+        block_size: int
+        def __init__(self, new_aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., last_token: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    class Close(_message.Message):
+        __slots__ = ()
+        def __init__(self) -> None: ...
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    open: DrafterRequest.Open
+    draft: DrafterRequest.Draft
+    close: DrafterRequest.Close
+    def __init__(self, open: _Optional[_Union[DrafterRequest.Open, _Mapping]] = ..., draft: _Optional[_Union[DrafterRequest.Draft, _Mapping]] = ..., close: _Optional[_Union[DrafterRequest.Close, _Mapping]] = ...) -> None: ...
+
+class DrafterResponse(_message.Message):
+    __slots__ = ("opened", "drafted", "closed", "elapsed_s")
+    class Opened(_message.Message):
+        __slots__ = ("info", "session_id")
+        INFO_FIELD_NUMBER: _ClassVar[int]
+        SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+        info: DrafterInfo
+        session_id: str
+        def __init__(self, info: _Optional[_Union[DrafterInfo, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    class Drafted(_message.Message):
+        __slots__ = ("token_ids", "stats")
+        TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        STATS_FIELD_NUMBER: _ClassVar[int]
+        token_ids: _containers.RepeatedScalarFieldContainer[int]
+        stats: DrafterStats
+        def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[DrafterStats, _Mapping]] = ...) -> None: ...
+    class Closed(_message.Message):
+        __slots__ = ("stats",)
+        STATS_FIELD_NUMBER: _ClassVar[int]
+        stats: DrafterStats
+        def __init__(self, stats: _Optional[_Union[DrafterStats, _Mapping]] = ...) -> None: ...
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    opened: DrafterResponse.Opened
+    drafted: DrafterResponse.Drafted
+    closed: DrafterResponse.Closed
+    elapsed_s: float
+    def __init__(self, opened: _Optional[_Union[DrafterResponse.Opened, _Mapping]] = ..., drafted: _Optional[_Union[DrafterResponse.Drafted, _Mapping]] = ..., closed: _Optional[_Union[DrafterResponse.Closed, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,183 @@
+from . import cache_pb2 as _cache_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_ERROR: FinishReason
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "text", "tokenized", "sampling_params", "block_size", "cache_policy")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    tokenized: TokenIds
+    sampling_params: SamplingParams
+    block_size: int
+    cache_policy: _cache_pb2.CachePolicy
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., tokenized: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_size: _Optional[int] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ...) -> None: ...
+
+class SpecStats(_message.Message):
+    __slots__ = ("acceptance_lengths", "mean_acceptance", "decode_tok_s", "prefill_s", "drafter_fallback", "verifier_kv_bytes_sliding", "verifier_kv_bytes_full", "degenerate", "decode_s", "total_s", "block_size", "cache_kind")
+    ACCEPTANCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOK_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_KV_BYTES_SLIDING_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_KV_BYTES_FULL_FIELD_NUMBER: _ClassVar[int]
+    DEGENERATE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_KIND_FIELD_NUMBER: _ClassVar[int]
+    acceptance_lengths: _containers.RepeatedScalarFieldContainer[int]
+    mean_acceptance: float
+    decode_tok_s: float
+    prefill_s: float
+    drafter_fallback: bool
+    verifier_kv_bytes_sliding: int
+    verifier_kv_bytes_full: int
+    degenerate: bool
+    decode_s: float
+    total_s: float
+    block_size: int
+    cache_kind: _cache_pb2.CacheKind
+    def __init__(self, acceptance_lengths: _Optional[_Iterable[int]] = ..., mean_acceptance: _Optional[float] = ..., decode_tok_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., verifier_kv_bytes_sliding: _Optional[int] = ..., verifier_kv_bytes_full: _Optional[int] = ..., degenerate: _Optional[bool] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ..., block_size: _Optional[int] = ..., cache_kind: _Optional[_Union[_cache_pb2.CacheKind, str]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("chunk", "complete")
+    class Chunk(_message.Message):
+        __slots__ = ("token_ids", "text")
+        TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        TEXT_FIELD_NUMBER: _ClassVar[int]
+        token_ids: _containers.RepeatedScalarFieldContainer[int]
+        text: str
+        def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+    class Complete(_message.Message):
+        __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "stats", "error_message")
+        FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+        PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        STATS_FIELD_NUMBER: _ClassVar[int]
+        ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+        finish_reason: FinishReason
+        prompt_tokens: int
+        completion_tokens: int
+        stats: SpecStats
+        error_message: str
+        def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stats: _Optional[_Union[SpecStats, _Mapping]] = ..., error_message: _Optional[str] = ...) -> None: ...
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    chunk: GenerateResponse.Chunk
+    complete: GenerateResponse.Complete
+    def __init__(self, chunk: _Optional[_Union[GenerateResponse.Chunk, _Mapping]] = ..., complete: _Optional[_Union[GenerateResponse.Complete, _Mapping]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("target_model", "draft_model", "vocab_size", "eos_token_ids", "sliding_window", "default_block_size", "max_block_size", "max_tokens_limit", "default_max_tokens", "has_tokenizer", "default_cache_policy", "target_layer_ids")
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    target_model: str
+    draft_model: str
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sliding_window: int
+    default_block_size: int
+    max_block_size: int
+    max_tokens_limit: int
+    default_max_tokens: int
+    has_tokenizer: bool
+    default_cache_policy: _cache_pb2.CachePolicy
+    target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., sliding_window: _Optional[int] = ..., default_block_size: _Optional[int] = ..., max_block_size: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., default_cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("version", "verifier_backend", "drafter_backend", "deployment", "active_requests", "total_requests", "uptime_s", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    verifier_backend: str
+    drafter_backend: str
+    deployment: str
+    active_requests: int
+    total_requests: int
+    uptime_s: float
+    extra: _containers.ScalarMap[str, str]
+    def __init__(self, version: _Optional[str] = ..., verifier_backend: _Optional[str] = ..., drafter_backend: _Optional[str] = ..., deployment: _Optional[str] = ..., active_requests: _Optional[int] = ..., total_requests: _Optional[int] = ..., uptime_s: _Optional[float] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...

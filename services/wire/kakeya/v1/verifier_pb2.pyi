@@ -1,0 +1,165 @@
+from . import cache_pb2 as _cache_pb2
+from . import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetVerifierInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifierInfo(_message.Message):
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "hidden_size", "num_layers", "sliding_window", "target_layer_ids", "backend", "aux_dtype", "device", "version", "default_cache_policy", "max_block_size", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    AUX_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    hidden_size: int
+    num_layers: int
+    sliding_window: int
+    target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    backend: str
+    aux_dtype: _tensor_pb2.DType
+    device: str
+    version: str
+    default_cache_policy: _cache_pb2.CachePolicy
+    max_block_size: int
+    extra: _containers.ScalarMap[str, str]
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., sliding_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., default_cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SessionStats(_message.Message):
+    __slots__ = ("kv_bytes_sliding", "kv_bytes_full", "positions", "pending", "bounded", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    KV_BYTES_SLIDING_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FULL_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    BOUNDED_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    kv_bytes_sliding: int
+    kv_bytes_full: int
+    positions: int
+    pending: int
+    bounded: bool
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, kv_bytes_sliding: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., positions: _Optional[int] = ..., pending: _Optional[int] = ..., bounded: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class VerifierRequest(_message.Message):
+    __slots__ = ("open", "prefill", "verify", "commit", "close")
+    class Open(_message.Message):
+        __slots__ = ("request_id", "cache_policy")
+        REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+        CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
+        request_id: str
+        cache_policy: _cache_pb2.CachePolicy
+        def __init__(self, request_id: _Optional[str] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ...) -> None: ...
+    class Prefill(_message.Message):
+        __slots__ = ("token_ids",)
+        TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        token_ids: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    class Verify(_message.Message):
+        __slots__ = ("block_ids",)
+        BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+        block_ids: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    class Commit(_message.Message):
+        __slots__ = ("n_keep",)
+        N_KEEP_FIELD_NUMBER: _ClassVar[int]
+        n_keep: int
+        def __init__(self, n_keep: _Optional[int] = ...) -> None: ...
+    class Close(_message.Message):
+        __slots__ = ()
+        def __init__(self) -> None: ...
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    open: VerifierRequest.Open
+    prefill: VerifierRequest.Prefill
+    verify: VerifierRequest.Verify
+    commit: VerifierRequest.Commit
+    close: VerifierRequest.Close
+    def __init__(self, open: _Optional[_Union[VerifierRequest.Open, _Mapping]] = ..., prefill: _Optional[_Union[VerifierRequest.Prefill, _Mapping]] = ..., verify: _Optional[_Union[VerifierRequest.Verify, _Mapping]] = ..., commit: _Optional[_Union[VerifierRequest.Commit, _Mapping]] = ..., close: _Optional[_Union[VerifierRequest.Close, _Mapping]] = ...) -> None: ...
+
+class VerifierResponse(_message.Message):
+    __slots__ = ("opened", "prefilled", "verified", "committed", "closed", "elapsed_s")
+    class Opened(_message.Message):
+        __slots__ = ("info", "cache_policy", "session_id")
+        INFO_FIELD_NUMBER: _ClassVar[int]
+        CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
+        SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+        info: VerifierInfo
+        cache_policy: _cache_pb2.CachePolicy
+        session_id: str
+        def __init__(self, info: _Optional[_Union[VerifierInfo, _Mapping]] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    class Prefilled(_message.Message):
+        __slots__ = ("next_token", "aux", "stats")
+        NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+        AUX_FIELD_NUMBER: _ClassVar[int]
+        STATS_FIELD_NUMBER: _ClassVar[int]
+        next_token: int
+        aux: _tensor_pb2.Tensor
+        stats: SessionStats
+        def __init__(self, next_token: _Optional[int] = ..., aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ...) -> None: ...
+    class Verified(_message.Message):
+        __slots__ = ("choices",)
+        CHOICES_FIELD_NUMBER: _ClassVar[int]
+        choices: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, choices: _Optional[_Iterable[int]] = ...) -> None: ...
+    class Committed(_message.Message):
+        __slots__ = ("aux", "stats")
+        AUX_FIELD_NUMBER: _ClassVar[int]
+        STATS_FIELD_NUMBER: _ClassVar[int]
+        aux: _tensor_pb2.Tensor
+        stats: SessionStats
+        def __init__(self, aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ...) -> None: ...
+    class Closed(_message.Message):
+        __slots__ = ("stats",)
+        STATS_FIELD_NUMBER: _ClassVar[int]
+        stats: SessionStats
+        def __init__(self, stats: _Optional[_Union[SessionStats, _Mapping]] = ...) -> None: ...
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    opened: VerifierResponse.Opened
+    prefilled: VerifierResponse.Prefilled
+    verified: VerifierResponse.Verified
+    committed: VerifierResponse.Committed
+    closed: VerifierResponse.Closed
+    elapsed_s: float
+    def __init__(self, opened: _Optional[_Union[VerifierResponse.Opened, _Mapping]] = ..., prefilled: _Optional[_Union[VerifierResponse.Prefilled, _Mapping]] = ..., verified: _Optional[_Union[VerifierResponse.Verified, _Mapping]] = ..., committed: _Optional[_Union[VerifierResponse.Committed, _Mapping]] = ..., closed: _Optional[_Union[VerifierResponse.Closed, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
