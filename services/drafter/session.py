@@ -1,0 +1,110 @@
+"""MLX implementation of the ``Drafter`` / ``DrafterSession`` protocols.
+
+Per ``draft`` call the work is O(new positions + block): the new aux rows are
+projected to per-layer context K/V and appended to the session's
+``ContextKVCache`` (never a rescan of the context), then ONE forward runs over
+the block ``[last_token, mask * (B-1)]`` and the argmax comes back in a single
+host sync.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+from services.drafter.dflash_mlx import DFlashDraftModel, load_dflash_mlx
+
+MAX_BLOCK_SIZE = 64
+
+
+class MLXDrafterSession:
+    def __init__(self, model: DFlashDraftModel):
+        self.model = model
+        self.cache = model.make_cache()
+        self._closed = False
+        self.calls = 0
+
+    # -- validation ------------------------------------------------------------------
+    def _check_aux(self, new_aux) -> mx.array:
+        if not isinstance(new_aux, mx.array):
+            raise ValueError(f"new_aux must be an mx.array, got {type(new_aux).__name__}")
+        if new_aux.ndim == 3:
+            if new_aux.shape[0] != 1:
+                raise ValueError(f"new_aux batch must be 1, got shape {tuple(new_aux.shape)}")
+            new_aux = new_aux[0]
+        if new_aux.ndim != 2:
+            raise ValueError(
+                f"new_aux must be [n, {self.model.config.aux_width}], got shape {tuple(new_aux.shape)}"
+            )
+        width = self.model.config.aux_width
+        if new_aux.shape[1] != width:
+            raise ValueError(
+                f"new_aux width {new_aux.shape[1]} != len(target_layer_ids) * hidden_size = {width}"
+            )
+        if not mx.issubdtype(new_aux.dtype, mx.floating):
+            raise ValueError(f"new_aux must be floating point, got {new_aux.dtype}")
+        return new_aux
+
+    def _check_args(self, last_token, block_size) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise ValueError(f"block_size must be an int, got {block_size!r}")
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+        if isinstance(last_token, bool) or not isinstance(last_token, int):
+            raise ValueError(f"last_token must be an int, got {last_token!r}")
+        vocab = self.model.target.vocab_size
+        if not 0 <= last_token < vocab:
+            raise ValueError(f"last_token must be in 0..{vocab - 1}, got {last_token}")
+
+    # -- protocol --------------------------------------------------------------------
+    def draft(self, new_aux, last_token: int, block_size: int) -> list[int]:
+        if self._closed:
+            raise RuntimeError("drafter session is closed")
+        self._check_args(last_token, block_size)
+        aux = self._check_aux(new_aux)
+        if self.cache.length + aux.shape[0] == 0:
+            raise ValueError("new_aux must hold at least one position on the first draft call")
+        self.calls += 1
+        self.model.extend(self.cache, aux)
+        if block_size == 1:
+            mx.eval(self.cache.state)
+            return []
+        mask_id = self.model.config.mask_token_id
+        block = mx.array([last_token] + [mask_id] * (block_size - 1), dtype=mx.int32)
+        tokens = self.model.draft_tokens(block, self.cache)
+        mx.eval(tokens, self.cache.state)
+        return tokens.tolist()
+
+    def stats(self) -> dict:
+        return {
+            "context_len": self.cache.length,
+            "ctx_cache_bytes": self.cache.nbytes,
+            "draft_calls": self.calls,
+        }
+
+    def close(self) -> None:
+        self._closed = True
+        self.cache = self.model.make_cache()
+
+
+class MLXDrafter:
+    """``Drafter`` protocol over one loaded DFlash model (sessions share the weights)."""
+
+    def __init__(self, model: DFlashDraftModel):
+        if model.target is None:
+            raise ValueError("DFlashDraftModel must be bound to the target's embedding/LM head")
+        self.model = model
+        self.block_size: int = int(model.config.block_size)
+        self.mask_token_id: int = int(model.config.mask_token_id)
+        self.target_layer_ids: tuple[int, ...] = tuple(model.config.target_layer_ids)
+
+    @classmethod
+    def load(
+        cls, draft_dir: str | Path, target_dir: str | Path, dtype: Optional[mx.Dtype] = None
+    ) -> "MLXDrafter":
+        return cls(load_dflash_mlx(draft_dir, target_dir, dtype=dtype))
+
+    def open_session(self) -> MLXDrafterSession:
+        return MLXDrafterSession(self.model)
