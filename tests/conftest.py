@@ -1,0 +1,24 @@
+"""Fixtures shared across the suite: the embedded tiny pair, loaded once."""
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    from services.checkpoints.tiny import default_pair
+
+    return default_pair()
+
+
+@pytest.fixture(scope="session")
+def mlx_target(tiny_pair):
+    from services.verifier.model_mlx import TargetMLX
+
+    return TargetMLX.load(tiny_pair.target)
+
+
+@pytest.fixture(scope="session")
+def aux_layers(tiny_pair):
+    from services.checkpoints.config import load_draft_config
+
+    return tuple(load_draft_config(tiny_pair.draft)["dflash_config"]["target_layer_ids"])
