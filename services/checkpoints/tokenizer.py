@@ -1,0 +1,185 @@
+"""A small byte-level BPE tokenizer for the project's tiny checkpoints.
+
+Trained offline on the running interpreter's standard-library sources (a
+deterministic, sorted subset of ``*.py`` files), with Gemma's special-token ids:
+
+    <pad>=0  <eos>=1  <bos>=2  <unk>=3  <mask>=4   (<mask> is DFlash's mask token)
+
+The written directory opens with ``transformers.AutoTokenizer.from_pretrained``
+and with ``mlx_lm.load``; byte-level pre-tokenisation and decoding make
+``decode(encode(text))`` round-trip any text exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Callable, Iterator
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+PAD, EOS, BOS, UNK, MASK = "<pad>", "<eos>", "<bos>", "<unk>", "<mask>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, EOS, BOS, UNK, MASK)
+PAD_ID, EOS_ID, BOS_ID, UNK_ID, MASK_ID = range(5)
+
+DEFAULT_VOCAB_SIZE = 1024
+DEFAULT_CORPUS_BYTES = 2_000_000
+# Room for the special tokens plus the 256 byte-level symbols.
+MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+
+Progress = Callable[[str], None]
+
+
+def _stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
+    """Sorted ``*.py`` files of the standard library, first ``max_bytes`` bytes' worth.
+
+    Third-party directories (site-/dist-packages) and tests are excluded so the
+    subset depends only on the interpreter's version.
+    """
+    root = _stdlib_dir()
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    files = sorted(
+        (p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+    chosen: list[Path] = []
+    total = 0
+    for path in files:
+        if total >= max_bytes:
+            break
+        chosen.append(path)
+        total += path.stat().st_size
+    if not chosen:
+        raise RuntimeError(f"no standard-library sources found under {root}")
+    return chosen
+
+
+def _corpus_texts(files: list[Path]) -> Iterator[str]:
+    for path in files:
+        yield path.read_bytes().decode("utf-8", errors="replace")
+
+
+def corpus_fingerprint(max_bytes: int = DEFAULT_CORPUS_BYTES) -> str:
+    """sha256 of the training corpus (file names and contents)."""
+    root = _stdlib_dir()
+    digest = hashlib.sha256()
+    for path in corpus_files(max_bytes):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=4)
+def _train_json(vocab_size: int, max_bytes: int) -> str:
+    files = corpus_files(max_bytes)
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus_texts(files), trainer=trainer, length=len(files))
+    for token, want in zip(SPECIAL_TOKENS, range(len(SPECIAL_TOKENS))):
+        got = tok.token_to_id(token)
+        if got != want:  # pragma: no cover - guarded by the trainer's contract
+            raise RuntimeError(f"special token {token} got id {got}, expected {want}")
+    # Gemma prepends <bos>; no <eos> is appended on encode.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A",
+        pair=f"{BOS} $A $B",
+        special_tokens=[(BOS, BOS_ID)],
+    )
+    return tok.to_str(pretty=True)
+
+
+def train_tokenizer(
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    max_bytes: int = DEFAULT_CORPUS_BYTES,
+    progress: Progress | None = None,
+) -> Tokenizer:
+    """Train (or fetch from the in-process cache) the byte-level BPE tokenizer."""
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab_size}")
+    if progress is not None and _train_json.cache_info().currsize == 0:
+        n = len(corpus_files(max_bytes))
+        progress(f"training byte-level BPE tokenizer (vocab {vocab_size}) on {n} stdlib files ...")
+    tok = Tokenizer.from_str(_train_json(vocab_size, max_bytes))
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(
+            f"tokenizer training produced {tok.get_vocab_size()} tokens, expected {vocab_size}"
+            " (corpus too small?)"
+        )
+    if progress is not None:
+        progress("tokenizer ready")
+    return tok
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def write_tokenizer(tok: Tokenizer, out_dir: str | Path) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    added = {
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, t in enumerate(SPECIAL_TOKENS)
+    }
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "added_tokens_decoder": added,
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": PAD,
+            "unk_token": UNK,
+            "mask_token": MASK,
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 131072,
+            "padding_side": "left",
+        },
+    )
+    _write_json(
+        out / "special_tokens_map.json",
+        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK, "mask_token": MASK},
+    )
+
+
+def build_tokenizer(
+    out_dir: str | Path,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    progress: Progress | None = None,
+) -> Tokenizer:
+    """Train the tokenizer and write its files into ``out_dir``."""
+    tok = train_tokenizer(vocab_size, progress=progress)
+    write_tokenizer(tok, out_dir)
+    return tok
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
