@@ -1,0 +1,475 @@
+"""Tiny random Gemma-4 target + DFlash drafter, in real Hugging Face format.
+
+``make_tiny(out_dir)`` writes two checkpoint directories:
+
+* ``out_dir/target`` -- a ``gemma4_text`` / ``Gemma4ForCausalLM`` checkpoint
+  (config.json, generation_config.json, model.safetensors, tokenizer files) that
+  ``mlx_lm.load`` and ``transformers.AutoModelForCausalLM.from_pretrained`` open
+  and read identically. It has the real model's hybrid structure: sliding and
+  full-attention layers, a bigger ``global_head_dim`` and fewer KV heads on full
+  layers, ``attention_k_eq_v``, proportional partial RoPE on full layers, logit
+  soft-capping, optional MoE block.
+* ``out_dir/draft`` -- a DFlash drafter in the reference layout that
+  ``dflash.model_mlx.load_draft`` opens (fc, hidden_norm, layers.N.*, norm; no
+  embedding or LM head of its own).
+
+Weights are random (numpy, float32) and deterministic per seed: each tensor is
+drawn from its own generator seeded by ``(seed, crc32(name))``. They exist for
+correctness tests (fidelity, cache bookkeeping, wire format), not for quality.
+``default_pair()`` returns the copy shipped in ``services/models/tiny``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from . import tokenizer as tk
+
+Progress = Callable[[str], None]
+
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny"
+
+# Architecture of the tiny target. Every field is written explicitly so that
+# mlx-lm's ModelArgs and transformers' Gemma4TextConfig read the same values
+# (their defaults differ, e.g. use_double_wide_mlp, sliding_window_pattern).
+HIDDEN = 64
+NUM_LAYERS = 6
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+HEAD_DIM = 16
+GLOBAL_HEAD_DIM = 32
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+NUM_GLOBAL_KV_HEADS = 1
+INTERMEDIATE = 64
+MAX_POSITIONS = 131072
+SOFTCAP = 30.0
+RMS_EPS = 1e-6
+NUM_EXPERTS = 4
+TOP_K_EXPERTS = 2
+MOE_INTERMEDIATE = 32
+
+DRAFT_LAYERS = 2
+DRAFT_INTERMEDIATE = 64
+BLOCK_SIZE = 8
+TARGET_LAYER_IDS = [1, 4]
+
+# Scale of the LM-head logits before soft-capping (std of the pre-cap logits).
+LOGIT_STD = 4.0
+# Factor on the special tokens' LM-head rows (keeps greedy runs from stopping early).
+SPECIAL_LOGIT_DAMP = 0.25
+# Spread of RMSNorm weights around 1 (non-trivial so a swapped norm is caught).
+NORM_JITTER = 0.1
+
+
+@dataclass(frozen=True)
+class TinyPair:
+    target: Path
+    draft: Path
+
+
+# ---------------------------------------------------------------------------
+# configs
+
+
+def target_config(
+    sliding_window: int = 32, moe: bool = False, vocab_size: int = tk.DEFAULT_VOCAB_SIZE
+) -> dict[str, Any]:
+    if sliding_window < 2:
+        raise ValueError(f"sliding_window must be >= 2, got {sliding_window}")
+    return {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "dtype": "float32",
+        "vocab_size": vocab_size,
+        "vocab_size_per_layer_input": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": NUM_LAYERS,
+        "layer_types": list(LAYER_TYPES),
+        "sliding_window": sliding_window,
+        "sliding_window_pattern": 3,
+        "num_attention_heads": NUM_HEADS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "num_global_key_value_heads": NUM_GLOBAL_KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "global_head_dim": GLOBAL_HEAD_DIM,
+        "attention_k_eq_v": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": RMS_EPS,
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        "global_partial_rotary_factor": 0.25,
+        "max_position_embeddings": MAX_POSITIONS,
+        "final_logit_softcapping": SOFTCAP,
+        "tie_word_embeddings": False,
+        "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0,
+        "use_double_wide_mlp": False,
+        "enable_moe_block": bool(moe),
+        "num_experts": NUM_EXPERTS if moe else None,
+        "top_k_experts": TOP_K_EXPERTS if moe else None,
+        "moe_intermediate_size": MOE_INTERMEDIATE if moe else None,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "pad_token_id": tk.PAD_ID,
+        "bos_token_id": tk.BOS_ID,
+        "eos_token_id": tk.EOS_ID,
+    }
+
+
+def draft_config(vocab_size: int = tk.DEFAULT_VOCAB_SIZE) -> dict[str, Any]:
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "dtype": "float32",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": DRAFT_INTERMEDIATE,
+        "num_hidden_layers": DRAFT_LAYERS,
+        "num_target_layers": NUM_LAYERS,
+        "layer_types": ["full_attention"] * DRAFT_LAYERS,
+        "num_attention_heads": NUM_HEADS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": RMS_EPS,
+        "rope_theta": 10000.0,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "max_position_embeddings": MAX_POSITIONS,
+        "final_logit_softcapping": SOFTCAP,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "block_size": BLOCK_SIZE,
+        "pad_token_id": tk.PAD_ID,
+        "bos_token_id": tk.BOS_ID,
+        "eos_token_id": tk.EOS_ID,
+        "dflash_config": {
+            "block_size": BLOCK_SIZE,
+            "target_layer_ids": list(TARGET_LAYER_IDS),
+            "mask_token_id": tk.MASK_ID,
+            "input_embedding_scale": 1.0,
+            "output_multiplier": 1.0,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------
+# weights
+
+
+class _Init:
+    """Per-tensor deterministic generators: tensor ``name`` uses (seed, crc32(name))."""
+
+    def __init__(self, seed: int):
+        self.seed = int(seed)
+        self.tensors: dict[str, np.ndarray] = {}
+
+    def _rng(self, name: str) -> np.random.Generator:
+        return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+
+    def normal(self, name: str, shape: tuple[int, ...], std: float) -> None:
+        x = self._rng(name).standard_normal(shape) * std
+        self.tensors[name] = x.astype(np.float32)
+
+    def linear(self, name: str, out_dim: int, in_dim: int, gain: float = 1.0) -> None:
+        self.normal(name, (out_dim, in_dim), gain / np.sqrt(in_dim))
+
+    def norm(self, name: str, dim: int) -> None:
+        x = 1.0 + NORM_JITTER * self._rng(name).standard_normal(dim)
+        self.tensors[name] = x.astype(np.float32)
+
+    def const(self, name: str, shape: tuple[int, ...], value: float) -> None:
+        self.tensors[name] = np.full(shape, value, dtype=np.float32)
+
+
+def target_weights(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
+    """Tensors named as in transformers' Gemma4ForCausalLM state_dict."""
+    w = _Init(seed)
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    inter = cfg["intermediate_size"]
+    # Embedding is multiplied by sqrt(hidden) in the model: unit-RMS rows after scaling.
+    w.normal("model.embed_tokens.weight", (v, h), 1.0 / np.sqrt(h))
+    for i, layer_type in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        full = layer_type == "full_attention"
+        hd = cfg["global_head_dim"] if full else cfg["head_dim"]
+        k_eq_v = cfg["attention_k_eq_v"] and full
+        n_kv = cfg["num_global_key_value_heads"] if k_eq_v else cfg["num_key_value_heads"]
+        n_q = cfg["num_attention_heads"]
+        w.linear(p + "self_attn.q_proj.weight", n_q * hd, h)
+        w.linear(p + "self_attn.k_proj.weight", n_kv * hd, h)
+        if not k_eq_v:
+            w.linear(p + "self_attn.v_proj.weight", n_kv * hd, h)
+        w.linear(p + "self_attn.o_proj.weight", h, n_q * hd)
+        w.norm(p + "self_attn.q_norm.weight", hd)
+        w.norm(p + "self_attn.k_norm.weight", hd)
+        w.linear(p + "mlp.gate_proj.weight", inter, h)
+        w.linear(p + "mlp.up_proj.weight", inter, h)
+        w.linear(p + "mlp.down_proj.weight", h, inter)
+        for n in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
+            w.norm(p + n + ".weight", h)
+        if cfg["enable_moe_block"]:
+            e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+            w.linear(p + "router.proj.weight", e, h)
+            w.norm(p + "router.scale", h)
+            w.norm(p + "router.per_expert_scale", e)
+            # gate rows first, then up rows (HF chunks the output in two; mlx-lm splits axis -2)
+            w.normal(p + "experts.gate_up_proj", (e, 2 * mi, h), 1.0 / np.sqrt(h))
+            w.normal(p + "experts.down_proj", (e, h, mi), 1.0 / np.sqrt(mi))
+            for n in (
+                "post_feedforward_layernorm_1",
+                "post_feedforward_layernorm_2",
+                "pre_feedforward_layernorm_2",
+            ):
+                w.norm(p + n + ".weight", h)
+        w.const(p + "layer_scalar", (1,), 1.0)
+    w.norm("model.norm.weight", h)
+    if not cfg["tie_word_embeddings"]:
+        w.linear("lm_head.weight", v, h, gain=LOGIT_STD)
+        # Damp the special tokens' rows so random greedy text rarely hits <eos>/<mask>.
+        w.tensors["lm_head.weight"][: len(tk.SPECIAL_TOKENS)] *= SPECIAL_LOGIT_DAMP
+    return w.tensors
+
+
+def draft_weights(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
+    """Tensors named as the DFlash reference drafter (dflash.model / model_mlx)."""
+    w = _Init(seed + 1_000_003)  # independent of the target's streams
+    h = cfg["hidden_size"]
+    n_ctx = len(cfg["dflash_config"]["target_layer_ids"])
+    hd, n_q, n_kv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    inter = cfg["intermediate_size"]
+    w.linear("fc.weight", h, n_ctx * h)
+    w.norm("hidden_norm.weight", h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        w.linear(p + "self_attn.q_proj.weight", n_q * hd, h)
+        w.linear(p + "self_attn.k_proj.weight", n_kv * hd, h)
+        w.linear(p + "self_attn.v_proj.weight", n_kv * hd, h)
+        w.linear(p + "self_attn.o_proj.weight", h, n_q * hd)
+        w.norm(p + "self_attn.q_norm.weight", hd)
+        w.norm(p + "self_attn.k_norm.weight", hd)
+        w.linear(p + "mlp.gate_proj.weight", inter, h)
+        w.linear(p + "mlp.up_proj.weight", inter, h)
+        w.linear(p + "mlp.down_proj.weight", h, inter)
+        w.norm(p + "input_layernorm.weight", h)
+        w.norm(p + "post_attention_layernorm.weight", h)
+    w.norm("norm.weight", h)
+    return w.tensors
+
+
+# ---------------------------------------------------------------------------
+# writing
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save_file
+
+    save_file({k: tensors[k] for k in sorted(tensors)}, str(path), metadata={"format": "pt"})
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+_CARD = """\
+# kakeya tiny Gemma-4 target + DFlash drafter (random weights)
+
+Generated by `kakeya make-tiny` (`services.checkpoints.tiny.make_tiny`) with
+{args}. **The weights are random**: the pair exists to test correctness
+(speculative output == target greedy output, cache bookkeeping, wire format,
+loading through mlx-lm, transformers and the DFlash reference), never quality.
+
+- `target/`: `gemma4_text` / `Gemma4ForCausalLM`, float32, hidden {hidden},
+  {layers} layers `{pattern}`, sliding window {window}, head_dim {hd} (full layers
+  {ghd}, k_eq_v, {gkv} KV head), proportional partial RoPE on full layers,
+  soft-cap {cap}, untied LM head{moe}. Byte-level BPE tokenizer
+  (vocab {vocab}, Gemma special ids: pad 0, eos 1, bos 2, unk 3, mask 4)
+  trained on the Python standard library's sources.
+- `draft/`: DFlash drafter, {dlayers} layers, block {block},
+  target_layer_ids {tids}, mask_token_id {mask}.
+
+Same seed gives byte-identical weights and configs; `manifest.json` records
+file hashes and the tokenizer corpus fingerprint (the tokenizer depends on the
+Python version whose standard library it was trained on).
+"""
+
+
+def make_tiny(
+    out_dir: str | Path,
+    seed: int = 0,
+    sliding_window: int = 32,
+    moe: bool = False,
+    vocab_size: int = tk.DEFAULT_VOCAB_SIZE,
+    progress: Progress | None = None,
+) -> TinyPair:
+    """Write ``out_dir/target`` and ``out_dir/draft`` (and README.md, manifest.json)."""
+    out = Path(out_dir)
+    target, draft = out / "target", out / "draft"
+    target.mkdir(parents=True, exist_ok=True)
+    draft.mkdir(parents=True, exist_ok=True)
+
+    tok = tk.train_tokenizer(vocab_size, progress=progress)
+    tk.write_tokenizer(tok, target)
+
+    tcfg = target_config(sliding_window=sliding_window, moe=moe, vocab_size=vocab_size)
+    _write_json(target / "config.json", tcfg)
+    _write_json(
+        target / "generation_config.json",
+        {
+            "bos_token_id": tk.BOS_ID,
+            "do_sample": False,
+            "eos_token_id": tk.EOS_ID,
+            "pad_token_id": tk.PAD_ID,
+        },
+    )
+    if progress is not None:
+        progress(f"writing target weights to {target}")
+    _write_safetensors(target / "model.safetensors", target_weights(tcfg, seed))
+
+    dcfg = draft_config(vocab_size=vocab_size)
+    _write_json(draft / "config.json", dcfg)
+    if progress is not None:
+        progress(f"writing draft weights to {draft}")
+    _write_safetensors(draft / "model.safetensors", draft_weights(dcfg, seed))
+
+    args = {"seed": seed, "sliding_window": sliding_window, "moe": moe, "vocab_size": vocab_size}
+    (out / "README.md").write_text(
+        _CARD.format(
+            args=", ".join(f"`{k}={v}`" for k, v in args.items()),
+            hidden=HIDDEN,
+            layers=NUM_LAYERS,
+            pattern="S S F S S F",
+            window=sliding_window,
+            hd=HEAD_DIM,
+            ghd=GLOBAL_HEAD_DIM,
+            gkv=NUM_GLOBAL_KV_HEADS,
+            cap=SOFTCAP,
+            moe=f", MoE block ({NUM_EXPERTS} experts, top {TOP_K_EXPERTS})" if moe else "",
+            vocab=vocab_size,
+            dlayers=DRAFT_LAYERS,
+            block=BLOCK_SIZE,
+            tids=TARGET_LAYER_IDS,
+            mask=tk.MASK_ID,
+        ),
+        encoding="utf-8",
+    )
+    files = sorted(
+        p.relative_to(out).as_posix() for d in (target, draft) for p in d.iterdir() if p.is_file()
+    )
+    _write_json(
+        out / "manifest.json",
+        {
+            "generator": "services.checkpoints.tiny.make_tiny",
+            "args": args,
+            "tokenizer_corpus": {
+                "python": "%d.%d.%d" % sys.version_info[:3],
+                "sha256": tk.corpus_fingerprint(),
+            },
+            "files": {f: _sha256(out / f) for f in files},
+        },
+    )
+    return TinyPair(target=target, draft=draft)
+
+
+def default_pair() -> TinyPair:
+    """The embedded default pair shipped in ``services/models/tiny``."""
+    pair = TinyPair(target=DEFAULT_DIR / "target", draft=DEFAULT_DIR / "draft")
+    for d in (pair.target, pair.draft):
+        if not (d / "config.json").is_file():
+            from .config import CheckpointError
+
+            raise CheckpointError(
+                f"{d}: embedded default checkpoint is missing config.json"
+                " (regenerate with `kakeya make-tiny --out services/models/tiny`)"
+            )
+    return pair
+
+
+# ---------------------------------------------------------------------------
+# CLI
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _run(args: argparse.Namespace) -> int:
+    pair = make_tiny(
+        args.out,
+        seed=args.seed,
+        sliding_window=args.sliding_window,
+        moe=args.moe,
+        vocab_size=args.vocab_size,
+        progress=_stderr,
+    )
+    print(f"target: {pair.target}")
+    print(f"draft: {pair.draft}")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="output directory (gets target/ and draft/)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument(
+        "--sliding-window", type=int, default=32, help="target sliding window (default 32)"
+    )
+    parser.add_argument("--moe", action="store_true", help="give the target an MoE block")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=tk.DEFAULT_VOCAB_SIZE,
+        help=f"tokenizer / model vocabulary (default {tk.DEFAULT_VOCAB_SIZE})",
+    )
+    parser.set_defaults(func=_run)
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``make-tiny`` sub-command to an argparse sub-parsers object."""
+    parser = subparsers.add_parser(
+        "make-tiny",
+        help="write a tiny random Gemma-4 target + DFlash drafter checkpoint pair",
+        description="Write OUT/target (Gemma-4, HF format) and OUT/draft (DFlash drafter)"
+        " with random weights, deterministic per seed.",
+    )
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.checkpoints.tiny")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
