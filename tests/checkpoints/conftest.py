@@ -1,0 +1,31 @@
+"""Shared fixtures: each tiny checkpoint is generated once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.checkpoints.tiny import TinyPair, make_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> TinyPair:
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "seed0", seed=0, sliding_window=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_pair(tmp_path_factory) -> TinyPair:
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "moe", seed=0, sliding_window=32, moe=True)
+
+
+@pytest.fixture(scope="session")
+def mlx_target(tiny_pair):
+    mlx_lm = pytest.importorskip("mlx_lm")
+    return mlx_lm.load(str(tiny_pair.target))
+
+
+@pytest.fixture
+def local_hub(monkeypatch):
+    """Make dflash.model_mlx.load_draft resolve a local directory instead of the hub."""
+    dm = pytest.importorskip("dflash.model_mlx")
+    monkeypatch.setattr(dm, "snapshot_download", lambda repo_id, **kwargs: repo_id)
+    return dm
