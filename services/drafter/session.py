@@ -90,9 +90,27 @@ class MLXDrafterSession:
 
 
 class MLXDrafter:
-    """``Drafter`` protocol over one loaded DFlash model (sessions share the weights)."""
+    """``Drafter`` protocol over one loaded DFlash model (sessions share the weights).
 
-    def __init__(self, model: DFlashDraftModel):
+    ``MLXDrafter(draft_dir, target_dir)`` loads the draft checkpoint and only the
+    target's embedding / LM head; ``MLXDrafter(model)`` wraps an already bound
+    ``DFlashDraftModel``.
+    """
+
+    def __init__(
+        self,
+        draft: str | Path | DFlashDraftModel,
+        target_dir: str | Path | None = None,
+        dtype: Optional[mx.Dtype] = None,
+    ):
+        if isinstance(draft, DFlashDraftModel):
+            if target_dir is not None or dtype is not None:
+                raise ValueError("target_dir/dtype apply only when loading from a draft directory")
+            model = draft
+        else:
+            if target_dir is None:
+                raise ValueError("target_dir is required to load the drafter's embedding/LM head")
+            model = load_dflash_mlx(draft, target_dir, dtype=dtype)
         if model.target is None:
             raise ValueError("DFlashDraftModel must be bound to the target's embedding/LM head")
         self.model = model
@@ -104,7 +122,7 @@ class MLXDrafter:
     def load(
         cls, draft_dir: str | Path, target_dir: str | Path, dtype: Optional[mx.Dtype] = None
     ) -> "MLXDrafter":
-        return cls(load_dflash_mlx(draft_dir, target_dir, dtype=dtype))
+        return cls(draft_dir, target_dir, dtype=dtype)
 
     def open_session(self) -> MLXDrafterSession:
         return MLXDrafterSession(self.model)

@@ -130,3 +130,14 @@ def test_block_mask_rule(n_ctx, n_block, is_causal, window):
     want = _rule(n_ctx, n_block, is_causal, window)
     got = np.ones_like(want) if m is None else np.array(m)
     assert (got == want).all()
+
+
+def test_local_drafter_endpoint(pairs):
+    from services.orchestrator.endpoints import local_drafter
+
+    p = pairs["full"]
+    d = local_drafter(p.draft, p.target, "mlx")
+    assert d.block_size == p.variant.block_size
+    assert isinstance(MLXDrafter(d.model), MLXDrafter)
+    s = d.open_session()
+    assert len(s.draft(random_aux(5, d.model.config.aux_width), 3, d.block_size)) == d.block_size - 1
