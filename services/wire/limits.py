@@ -1,0 +1,90 @@
+"""gRPC channel / server options shared by every kakeya client and server.
+
+Both ends must agree on the message-size ceiling: gRPC's default receive limit
+is 4 MiB, which one prompt's aux hidden states exceed easily
+(``positions x len(target_layer_ids) x hidden x itemsize``: e.g. 2048 x 5 x
+2816 x 2 bytes = 55 MiB in bfloat16). The default here is 256 MiB; set
+``KAKEYA_GRPC_MAX_MESSAGE_BYTES`` on both ends to change it (gRPC caps it below
+2 GiB). Prompts whose aux outgrows it need a chunked prefill (see
+``verifier.proto``).
+
+Keepalive: a session's KV cache lives as long as its stream, so a server must
+notice a peer that vanished without closing the connection (a node gone,
+a dropped route) to free that memory. Both ends ping an idle connection every
+60 s and drop it after 20 s without an answer; the server tolerates client
+pings as often as every 30 s, so the two settings never trip gRPC's
+"too_many_pings" defence.
+
+Usage::
+
+    grpc.insecure_channel(addr, options=channel_options())
+    grpc.server(executor, options=server_options())
+"""
+
+from __future__ import annotations
+
+import os
+
+MiB = 1024 * 1024
+DEFAULT_MAX_MESSAGE_BYTES = 256 * MiB
+GRPC_MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC stores the limit in an int32
+ENV_MAX_MESSAGE_BYTES = "KAKEYA_GRPC_MAX_MESSAGE_BYTES"
+
+KEEPALIVE_TIME_MS = 60_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+MIN_CLIENT_PING_INTERVAL_MS = 30_000  # server side: must stay below KEEPALIVE_TIME_MS
+
+Options = list[tuple[str, int]]
+
+
+def max_message_bytes() -> int:
+    """The message-size ceiling: ``$KAKEYA_GRPC_MAX_MESSAGE_BYTES`` or 256 MiB."""
+    raw = os.environ.get(ENV_MAX_MESSAGE_BYTES, "").strip()
+    if not raw:
+        return DEFAULT_MAX_MESSAGE_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_MAX_MESSAGE_BYTES} must be an integer byte count, got {raw!r}") from None
+    return _check(value, ENV_MAX_MESSAGE_BYTES)
+
+
+def _check(value: int, what: str) -> int:
+    if not 4 * MiB <= value <= GRPC_MAX_MESSAGE_BYTES:
+        raise ValueError(f"{what} must be between {4 * MiB} and {GRPC_MAX_MESSAGE_BYTES} bytes, got {value}")
+    return value
+
+
+def _size_options(limit: int | None) -> Options:
+    n = max_message_bytes() if limit is None else _check(int(limit), "max_message_bytes")
+    return [
+        ("grpc.max_send_message_length", n),
+        ("grpc.max_receive_message_length", n),
+    ]
+
+
+def channel_options(max_message_bytes: int | None = None, keepalive: bool = True) -> Options:
+    """Options for ``grpc.insecure_channel`` / ``grpc.aio.insecure_channel`` (and secure ones)."""
+    opts = _size_options(max_message_bytes)
+    if keepalive:
+        opts += [
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 0),  # ping only while a session is open
+            ("grpc.http2.max_pings_without_data", 0),  # keep pinging a quiet session
+        ]
+    return opts
+
+
+def server_options(max_message_bytes: int | None = None, keepalive: bool = True) -> Options:
+    """Options for ``grpc.server`` / ``grpc.aio.server``."""
+    opts = _size_options(max_message_bytes)
+    if keepalive:
+        opts += [
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+            ("grpc.keepalive_permit_without_calls", 1),  # idle pooled channels may ping too
+            ("grpc.http2.max_pings_without_data", 0),  # keep pinging a quiet session
+        ]
+    return opts
