@@ -52,7 +52,7 @@ LIKES = ("numpy", "mlx", "torch")
 @dataclass(frozen=True)
 class _Spec:
     code: int  # DType value
-    name: str  # "float32", ... (also the mlx.core / torch attribute name)
+    name: str  # "float32", ... (the torch dtype name; mlx calls bool "bool_")
     wire: np.dtype  # numpy dtype of the wire bytes (bfloat16: its uint16 bits)
 
     @property

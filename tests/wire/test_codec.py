@@ -225,3 +225,12 @@ def test_unknown_like_and_unsupported_inputs():
         to_proto([1, 2, 3])
     with pytest.raises(TypeError, match="expected a kakeya.v1.Tensor"):
         from_proto(np.zeros(3, np.float32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", NAMES)
+def test_torch_cuda_round_trip(name):
+    ref = _values(name, (5, 7), seed=4)
+    x = _torch(ref, name).cuda()
+    out = from_proto(to_proto(x), like="torch", device="cuda")
+    assert out.device.type == "cuda" and out.dtype == x.dtype and torch.equal(out, x)
