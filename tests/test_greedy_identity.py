@@ -55,7 +55,7 @@ def test_planted_error_drafter_matches_greedy_ar(mlx_target, aux_layers, referen
     assert block_size in lengths and 1 in lengths  # full and zero acceptance both happened
     if block_size > 2:
         assert any(1 < n < block_size for n in lengths)  # and partial
-    assert min(planted.kinds.values()) > 0
+        assert planted.kinds["partial"] > 0
 
 
 def test_prompt_longer_than_the_window(mlx_target, aux_layers, drafter):
