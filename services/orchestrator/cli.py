@@ -12,7 +12,6 @@ import json
 import sys
 from pathlib import Path
 
-from services.checkpoints.config import CheckpointError
 
 
 class UsageError(Exception):
@@ -40,7 +39,7 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
         target, draft = str(pair.target), str(pair.draft)
     tcfg = load_target_config(target)
     dcfg = load_draft_config(draft)
-    check_pair(tcfg, dcfg, target, draft)
+    check_pair(tcfg, dcfg)
     aux_layers = dcfg["dflash_config"]["target_layer_ids"]
     verifier = local_verifier(target, aux_layers, backend)
     drafter = local_drafter(draft, target, backend)
@@ -49,7 +48,7 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
 
 def cmd_generate(args) -> int:
     from .engine import Request, stream_text
-    from .loop import drive
+    from .loop import check_block_size, drive
 
     if args.prompt is not None and not args.prompt.strip():
         raise UsageError("--prompt is empty")
@@ -57,6 +56,8 @@ def cmd_generate(args) -> int:
     prompt_ids = engine.codec.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
     req = Request(prompt_ids, max_tokens=args.max_tokens, block_size=args.block_size or 0, ignore_eos=args.ignore_eos)
     try:
+        if args.block_size is not None:
+            check_block_size(args.block_size)
         engine.validate(req)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -113,7 +114,7 @@ def register_generate(sub) -> None:
     p.add_argument("--draft", help="DFlash drafter checkpoint directory")
     p.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=0, help="1..16 (default: the drafter's trained block size)")
+    p.add_argument("--block-size", type=int, default=None, help="1..16 (default: the drafter's trained block size)")
     p.add_argument("--backend", default="mlx", choices=["mlx"])
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--compare-ar", action="store_true", help="also run greedy AR and report lossless/speedup")
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (UsageError, CheckpointError, FileNotFoundError) as exc:
+    except (UsageError, ValueError, FileNotFoundError) as exc:  # CheckpointError is a ValueError
         print(f"kakeya: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

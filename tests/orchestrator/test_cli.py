@@ -1,0 +1,82 @@
+"""The `kakeya` command as a user runs it: JSON output, lossless check, one-line errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from services.orchestrator.cli import main
+
+
+def kakeya(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "services.orchestrator.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_generate_json_on_the_embedded_models_is_lossless():
+    res = kakeya("generate", "--json", "--compare-ar", "--max-tokens", "120", "--block-size", "4", "--ignore-eos")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    for key in ("target", "draft", "prompt_token_ids", "token_ids", "text", "acceptance_lengths", "mean_acceptance",
+                "decode_tok_s", "prefill_s", "ar_token_ids", "ar_decode_tok_s", "lossless", "quality", "verifier_kv_bytes"):
+        assert key in out, key
+    assert out["lossless"] is True and out["token_ids"] == out["ar_token_ids"]
+    assert len(out["token_ids"]) == 120 and out["finish_reason"] == "length"
+    assert sum(out["acceptance_lengths"]) == 119 and max(out["acceptance_lengths"]) <= 4
+    assert out["quality"]["degenerate"] is False
+    assert out["target"].endswith("tiny/target") and out["draft"].endswith("tiny/draft")
+
+
+def test_plain_output_streams_text_and_a_summary(capsys):
+    assert main(["generate", "--max-tokens", "12", "--prompt", "x = 1"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "mean acceptance" in captured.err
+
+
+@pytest.fixture
+def bad_dirs(tmp_path, tiny_pair):
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    misfit = tmp_path / "misfit"
+    shutil.copytree(tiny_pair.draft, misfit)
+    cfg = json.loads((misfit / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [1, 40]
+    (misfit / "config.json").write_text(json.dumps(cfg))
+    return {"llama": str(llama), "misfit": str(misfit), "target": str(tiny_pair.target), "draft": str(tiny_pair.draft)}
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--target", "/no/such/dir", "--draft", "{draft}"], "/no/such/dir"),
+        (["--target", "{llama}", "--draft", "{draft}"], "model_type"),
+        (["--target", "{target}", "--draft", "{target}"], "dflash_config"),
+        (["--target", "{target}", "--draft", "{misfit}"], "target_layer_ids"),
+        (["--target", "{target}"], "--draft"),
+        (["--block-size", "0"], "block_size"),
+        (["--block-size", "17"], "block_size"),
+        (["--prompt", ""], "empty"),
+        (["--max-tokens", "0"], "max_tokens"),
+    ],
+)
+def test_bad_input_is_one_clear_line(bad_dirs, args, fragment, capsys):
+    args = [a.format(**bad_dirs) for a in args]
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kakeya: error:") and "\n" not in err and fragment in err, err
+
+
+def test_bad_input_from_the_real_command_has_no_traceback():
+    res = kakeya("generate", "--block-size", "99")
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr and res.stderr.startswith("kakeya: error:")
+
+
+def test_make_tiny_writes_a_loadable_pair(tmp_path):
+    assert main(["make-tiny", "--out", str(tmp_path / "p"), "--seed", "3", "--sliding-window", "16"]) == 0
+    assert main(["generate", "--target", str(tmp_path / "p/target"), "--draft", str(tmp_path / "p/draft"),
+                 "--max-tokens", "5"]) == 0
