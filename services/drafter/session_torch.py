@@ -1,0 +1,118 @@
+"""PyTorch implementation of the ``Drafter`` / ``DrafterSession`` protocols.
+
+Same semantics as the MLX drafter (``session.py``): per ``draft`` call the new
+aux rows are projected to per-layer context K/V and appended to the session's
+``ContextKVCache`` (never a rescan of the context), then ONE forward runs over
+the block ``[last_token, mask * (B-1)]`` and the argmax comes back in a single
+host sync.
+
+``new_aux`` may be a ``torch.Tensor`` on any device (a colocated torch
+verifier), or anything numpy can read (``np.ndarray``, ``mx.array``: a mixed
+deployment converts once per block, only the kept rows).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.drafter.dflash_torch import DFlashDraftModel, load_dflash_torch
+
+MAX_BLOCK_SIZE = 64
+
+
+def as_torch(aux, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``aux`` as a floating tensor on ``device`` (numpy round trip for foreign arrays)."""
+    if isinstance(aux, torch.Tensor):
+        t = aux
+    else:
+        a = np.asarray(aux)
+        if a.dtype.kind != "f":
+            raise ValueError(f"new_aux must be floating point, got {a.dtype}")
+        t = torch.from_numpy(np.ascontiguousarray(a))
+    if not t.is_floating_point():
+        raise ValueError(f"new_aux must be floating point, got {t.dtype}")
+    return t.to(device=device, dtype=dtype, non_blocking=True)
+
+
+class TorchDrafterSession:
+    def __init__(self, model: DFlashDraftModel):
+        self.model = model
+        self.cache = model.make_cache()
+        self._closed = False
+        self.calls = 0
+
+    def _check_aux(self, new_aux) -> torch.Tensor:
+        aux = as_torch(new_aux, self.model.device, self.model.dtype)
+        if aux.ndim == 3:
+            if aux.shape[0] != 1:
+                raise ValueError(f"new_aux batch must be 1, got shape {tuple(aux.shape)}")
+            aux = aux[0]
+        width = self.model.config.aux_width
+        if aux.ndim != 2:
+            raise ValueError(f"new_aux must be [n, {width}], got shape {tuple(aux.shape)}")
+        if aux.shape[1] != width:
+            raise ValueError(f"new_aux width {aux.shape[1]} != len(target_layer_ids) * hidden_size = {width}")
+        return aux
+
+    def _check_args(self, last_token, block_size) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise ValueError(f"block_size must be an int, got {block_size!r}")
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+        if isinstance(last_token, bool) or not isinstance(last_token, int):
+            raise ValueError(f"last_token must be an int, got {last_token!r}")
+        vocab = self.model.target.vocab_size
+        if not 0 <= last_token < vocab:
+            raise ValueError(f"last_token must be in 0..{vocab - 1}, got {last_token}")
+
+    def draft(self, new_aux, last_token: int, block_size: int) -> list[int]:
+        if self._closed:
+            raise RuntimeError("drafter session is closed")
+        self._check_args(last_token, block_size)
+        aux = self._check_aux(new_aux)
+        if self.cache.length + aux.shape[0] == 0:
+            raise ValueError("new_aux must hold at least one position on the first draft call")
+        self.calls += 1
+        self.model.extend(self.cache, aux)
+        if block_size == 1:
+            return []
+        mask_id = self.model.config.mask_token_id
+        block = torch.tensor([last_token] + [mask_id] * (block_size - 1), dtype=torch.long)
+        return self.model.draft_tokens(block.to(self.model.device, non_blocking=True), self.cache).tolist()
+
+    def stats(self) -> dict:
+        return {"context_len": self.cache.length, "ctx_cache_bytes": self.cache.nbytes, "draft_calls": self.calls}
+
+    def close(self) -> None:
+        self._closed = True
+        self.cache = self.model.make_cache()
+
+
+class TorchDrafter:
+    """``Drafter`` protocol over one loaded torch DFlash model (sessions share the weights)."""
+
+    def __init__(
+        self,
+        draft_dir: str | Path | None = None,
+        target_dir: str | Path | None = None,
+        device: str | torch.device | None = "cpu",
+        dtype: str | torch.dtype | None = "float32",
+        *,
+        model: DFlashDraftModel | None = None,
+    ):
+        if model is None:
+            if draft_dir is None or target_dir is None:
+                raise ValueError("TorchDrafter needs draft_dir and target_dir (or model=)")
+            model = load_dflash_torch(draft_dir, target_dir, device, dtype)
+        if model.target is None:
+            raise ValueError("DFlashDraftModel must be bound to the target's embedding/LM head")
+        self.model = model
+        self.block_size: int = int(model.config.block_size)
+        self.mask_token_id: int = int(model.config.mask_token_id)
+        self.target_layer_ids: tuple[int, ...] = tuple(model.config.target_layer_ids)
+
+    def open_session(self) -> TorchDrafterSession:
+        return TorchDrafterSession(self.model)
