@@ -64,7 +64,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., tokenized: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_size: _Optional[int] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("acceptance_lengths", "mean_acceptance", "decode_tok_s", "prefill_s", "drafter_fallback", "verifier_kv_bytes_sliding", "verifier_kv_bytes_full", "degenerate", "decode_s", "total_s", "block_size", "cache_kind")
+    __slots__ = ("acceptance_lengths", "mean_acceptance", "decode_tok_s", "prefill_s", "drafter_fallback", "verifier_kv_bytes_sliding", "verifier_kv_bytes_full", "degenerate", "decode_s", "total_s", "block_size", "cache_kind", "cache_policy", "cache_bounded")
     ACCEPTANCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOK_S_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,8 @@ class SpecStats(_message.Message):
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CACHE_KIND_FIELD_NUMBER: _ClassVar[int]
+    CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BOUNDED_FIELD_NUMBER: _ClassVar[int]
     acceptance_lengths: _containers.RepeatedScalarFieldContainer[int]
     mean_acceptance: float
     decode_tok_s: float
@@ -89,7 +91,9 @@ class SpecStats(_message.Message):
     total_s: float
     block_size: int
     cache_kind: _cache_pb2.CacheKind
-    def __init__(self, acceptance_lengths: _Optional[_Iterable[int]] = ..., mean_acceptance: _Optional[float] = ..., decode_tok_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., verifier_kv_bytes_sliding: _Optional[int] = ..., verifier_kv_bytes_full: _Optional[int] = ..., degenerate: _Optional[bool] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ..., block_size: _Optional[int] = ..., cache_kind: _Optional[_Union[_cache_pb2.CacheKind, str]] = ...) -> None: ...
+    cache_policy: str
+    cache_bounded: bool
+    def __init__(self, acceptance_lengths: _Optional[_Iterable[int]] = ..., mean_acceptance: _Optional[float] = ..., decode_tok_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., verifier_kv_bytes_sliding: _Optional[int] = ..., verifier_kv_bytes_full: _Optional[int] = ..., degenerate: _Optional[bool] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ..., block_size: _Optional[int] = ..., cache_kind: _Optional[_Union[_cache_pb2.CacheKind, str]] = ..., cache_policy: _Optional[str] = ..., cache_bounded: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "complete")
@@ -101,18 +105,20 @@ class GenerateResponse(_message.Message):
         text: str
         def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
     class Complete(_message.Message):
-        __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "stats", "error_message")
+        __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "stats", "error_message", "prompt_token_ids")
         FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
         COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
         STATS_FIELD_NUMBER: _ClassVar[int]
         ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+        PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         finish_reason: FinishReason
         prompt_tokens: int
         completion_tokens: int
         stats: SpecStats
         error_message: str
-        def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stats: _Optional[_Union[SpecStats, _Mapping]] = ..., error_message: _Optional[str] = ...) -> None: ...
+        prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stats: _Optional[_Union[SpecStats, _Mapping]] = ..., error_message: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     chunk: GenerateResponse.Chunk
