@@ -71,20 +71,27 @@ def cmd_generate(args) -> int:
     out = engine.report(req, gen)
     if args.compare_ar:
         out.update(_compare_ar(engine, req, gen))
+    print_result(args, out)
+    return 0
+
+
+def print_result(args, out: dict) -> None:
+    """The end of `generate` and `client generate`: one JSON line, or a summary line on stderr."""
     if args.json:
         print(json.dumps(out))
-    else:
-        print()
-        summary = (
-            f"[{len(gen.token_ids)} tokens, {gen.finish_reason}; mean acceptance {out['mean_acceptance']:.2f} "
-            f"at block {out['block_size']}; decode {out['decode_tok_s']:.1f} tok/s; prefill {out['prefill_s']*1e3:.1f} ms"
-        )
-        if args.compare_ar:
-            summary += f"; AR {out['ar_decode_tok_s']:.1f} tok/s; lossless={out['lossless']}"
-        if out["quality"]["degenerate"]:
-            summary += "; WARNING: runaway repetition"
-        print(summary + "]", file=sys.stderr)
-    return 0
+        return
+    print()
+    summary = (
+        f"[{len(out['token_ids'])} tokens, {out['finish_reason']}; mean acceptance {out['mean_acceptance']:.2f} "
+        f"at block {out['block_size']}; decode {out['decode_tok_s']:.1f} tok/s; prefill {out['prefill_s']*1e3:.1f} ms"
+    )
+    if "ar_decode_tok_s" in out:
+        summary += f"; AR {out['ar_decode_tok_s']:.1f} tok/s; lossless={out['lossless']}"
+    if out["drafter_fallback"]:
+        summary += "; drafter failed, verifier finished alone"
+    if out["quality"]["degenerate"]:
+        summary += "; WARNING: runaway repetition"
+    print(summary + "]", file=sys.stderr)
 
 
 def _compare_ar(engine, req, gen) -> dict:
@@ -108,26 +115,35 @@ def _compare_ar(engine, req, gen) -> dict:
 DEFAULT_PROMPT = "def fibonacci(n):\n    "
 
 
+def add_generation_options(p) -> None:
+    """Options shared by `kakeya generate` and `kakeya client generate`."""
+    p.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=None, help="1..16 (default: the drafter's trained block size)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+
+
 def register_generate(sub) -> None:
     p = sub.add_parser("generate", help="speculative generation in-process (embedded default models if no paths)")
     p.add_argument("--target", help="Gemma-4 target checkpoint directory")
     p.add_argument("--draft", help="DFlash drafter checkpoint directory")
-    p.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=None, help="1..16 (default: the drafter's trained block size)")
+    add_generation_options(p)
     p.add_argument("--backend", default="mlx", choices=["mlx"])
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--compare-ar", action="store_true", help="also run greedy AR and report lossless/speedup")
-    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.set_defaults(func=cmd_generate)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from services.checkpoints import tiny
 
+    from . import serve
+
     parser = argparse.ArgumentParser(prog="kakeya", description="Speculative decoding for Gemma-4 with DFlash drafters")
     sub = parser.add_subparsers(dest="command", required=True)
     register_generate(sub)
+    serve.register_serve(sub)
+    serve.register_client(sub)
     tiny.register(sub)
     return parser
 

@@ -99,3 +99,17 @@ def local_drafter(draft_dir, target_dir, backend: str = "mlx", **kwargs) -> Draf
 
         return MLXDrafter(draft_dir, target_dir, **kwargs)
     raise ValueError(f"unknown drafter backend {backend!r} (expected 'mlx')")
+
+
+def remote_verifier(addr: str, **kwargs) -> Verifier:
+    """A verifier served by ``kakeya serve verifier`` at ``addr`` (HOST:PORT), over gRPC."""
+    from .remote import GrpcVerifier
+
+    return GrpcVerifier(addr, **kwargs)
+
+
+def remote_drafter(addr: str, **kwargs) -> Drafter:
+    """A drafter served by ``kakeya serve drafter`` at ``addr`` (HOST:PORT), over gRPC."""
+    from .remote import GrpcDrafter
+
+    return GrpcDrafter(addr, **kwargs)

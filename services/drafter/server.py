@@ -1,0 +1,201 @@
+"""The drafter's gRPC servicer: one Session stream == one DFlash drafter session.
+
+The stream IS the session: its context K/V cache is created at ``Open`` and
+freed when the stream ends, however it ends. Per block the request carries the
+aux of the newly committed positions (a ``Tensor`` decoded by
+``services/wire/codec.py``) and the token opening the block; the response
+carries ``B - 1`` candidate ids. The drafter loads only the target's embedding
+and LM head (``MLXDrafter.load``), never the whole target.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+
+from services.serving import (
+    ComputeThread,
+    RequestError,
+    ServerSpec,
+    SessionLimitError,
+    SessionRegistry,
+    invalid,
+    precondition,
+    version,
+)
+from services.wire import codec
+from services.wire.kakeya.v1 import drafter_pb2 as pb, drafter_pb2_grpc
+
+log = logging.getLogger("kakeya.drafter")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DrafterService"].full_name
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
+    def __init__(self, max_sessions: int = 0):
+        self.compute = ComputeThread("drafter")
+        self.registry = SessionRegistry(max_sessions)
+        self.drafter = None  # MLXDrafter, set by load()
+        self.ready = False
+        self.names = ("", "")
+        self.aux_dtype = 0
+        self.device = ""
+        self.max_block_size = 16
+
+    # -- loading -----------------------------------------------------------------------
+
+    def load(self, draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx") -> str:
+        return self.compute.run(self._load, str(draft_dir), str(target_dir), backend)
+
+    def _load(self, draft_dir: str, target_dir: str, backend: str) -> str:
+        if backend != "mlx":
+            raise ValueError(f"unknown drafter backend {backend!r} (expected 'mlx')")
+        import mlx.core as mx
+
+        from .session import MAX_BLOCK_SIZE, MLXDrafter
+
+        self.drafter = MLXDrafter.load(draft_dir, target_dir)
+        self.names = (draft_dir, target_dir)
+        self.max_block_size = MAX_BLOCK_SIZE
+        model = self.drafter.model
+        self.aux_dtype = codec.to_proto(mx.zeros((1,), dtype=model.dtype)).dtype
+        self.device = str(mx.default_device())
+        # Warm-up: one context extension and one block forward.
+        session = self.drafter.open_session()
+        aux = mx.zeros((3, model.config.aux_width), dtype=model.dtype)
+        session.draft(aux, 1, max(2, min(self.drafter.block_size, self.max_block_size)))
+        session.close()
+        return (
+            f"draft {draft_dir} + embedding/LM head of {target_dir} (block {self.drafter.block_size},"
+            f" aux layers {list(self.drafter.target_layer_ids)}, {codec.dtype_name(self.aux_dtype)})"
+        )
+
+    # -- RPCs ----------------------------------------------------------------------------
+
+    def GetInfo(self, request, context):
+        if not self.ready:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is loading its model")
+        return self.info()
+
+    def info(self) -> pb.DrafterInfo:
+        d = self.drafter
+        cfg = d.model.config
+        return pb.DrafterInfo(
+            model_name=self.names[0],
+            target_model=self.names[1],
+            block_size=d.block_size,
+            target_layer_ids=list(d.target_layer_ids),
+            mask_token_id=d.mask_token_id,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            vocab_size=d.model.target.vocab_size,
+            backend="mlx",
+            aux_dtype=self.aux_dtype,
+            device=self.device,
+            version=version(),
+            max_block_size=self.max_block_size,
+            live_sessions=self.registry.live,
+            max_sessions=self.registry.max_sessions,
+            live_kv_bytes=self.registry.live_bytes,
+            total_sessions=self.registry.total,
+        )
+
+    def Session(self, request_iterator, context) -> Iterator[pb.DrafterResponse]:
+        if not self.ready:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is loading its model")
+        try:
+            entry = self.registry.open()
+        except SessionLimitError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"drafter: {exc}")
+        context.add_callback(lambda: self.registry.close(entry))
+        try:
+            yield from self._serve(entry, request_iterator)
+        except RequestError as exc:
+            context.abort(exc.code, exc.message)
+        except grpc.RpcError:
+            return
+        except Exception as exc:
+            log.exception("session %s failed", entry.id)
+            context.abort(grpc.StatusCode.INTERNAL, f"drafter: {type(exc).__name__}: {exc}")
+        finally:
+            self.registry.close(entry)
+
+    def _serve(self, entry, requests) -> Iterator[pb.DrafterResponse]:
+        session = None
+        width = self.drafter.model.config.aux_width
+        vocab = self.drafter.model.target.vocab_size
+        for req in requests:
+            kind = req.WhichOneof("request")
+            t0 = time.perf_counter()
+            if session is None:
+                if kind != "open":
+                    raise precondition(f"the first message of a session must be open, got {kind or 'an empty request'}")
+                session = entry.session = self.compute.run(self.drafter.open_session)
+                resp = pb.DrafterResponse(opened=pb.DrafterResponse.Opened(info=self.info(), session_id=entry.id))
+            elif kind == "draft":
+                d = req.draft
+                try:
+                    name, shape, _ = codec.validate(d.new_aux)
+                except ValueError as exc:
+                    raise invalid(f"draft.new_aux: {exc}") from None
+                if name not in FLOAT_DTYPES:
+                    raise invalid(
+                        f"draft.new_aux: dtype {name} is not a floating type (aux is sent in the target's dtype,"
+                        f" this drafter computes in {codec.dtype_name(self.aux_dtype)})"
+                    )
+                if len(shape) != 2 or shape[1] != width:
+                    raise invalid(f"draft.new_aux: shape {list(shape)} must be [n, {width}] (n positions x aux width)")
+                if shape[0] == 0 and session.cache.length == 0:
+                    raise invalid("draft.new_aux: the first draft of a session needs the prompt's aux (n >= 1)")
+                if not 0 <= d.last_token < vocab:
+                    raise invalid(f"draft.last_token: {d.last_token} is outside the vocabulary [0, {vocab})")
+                block = d.block_size or self.drafter.block_size
+                if not 1 <= block <= self.max_block_size:
+                    raise invalid(f"draft.block_size must be 0 (default) or 1..{self.max_block_size}, got {d.block_size}")
+                tokens, stats = self.compute.run(self._draft, entry, session, d.new_aux, d.last_token, block)
+                resp = pb.DrafterResponse(drafted=pb.DrafterResponse.Drafted(token_ids=tokens, stats=stats))
+            elif kind == "close":
+                stats = self.compute.run(self._stats, session)
+                yield pb.DrafterResponse(closed=pb.DrafterResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0)
+                return
+            elif kind == "open":
+                raise precondition("open: the session is already open")
+            else:
+                raise invalid("request: no step set (open, draft or close)")
+            resp.elapsed_s = time.perf_counter() - t0
+            yield resp
+
+    # -- compute-thread steps --------------------------------------------------------------
+
+    @staticmethod
+    def _stats(session) -> pb.DrafterStats:
+        return pb.DrafterStats(context_positions=session.cache.length, kv_bytes=session.cache.nbytes)
+
+    def _draft(self, entry, session, tensor, last_token, block):
+        aux = codec.from_proto(tensor, like="mlx")
+        tokens = session.draft(aux, int(last_token), int(block))
+        stats = self._stats(session)
+        if not entry.closed:
+            entry.cache_bytes = stats.kv_bytes
+        return tokens, stats
+
+
+def server_spec(draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx", max_sessions: int = 0) -> ServerSpec:
+    servicer = DrafterServicer(max_sessions)
+
+    def set_ready(flag: bool) -> None:
+        servicer.ready = flag
+
+    return ServerSpec(
+        name="drafter",
+        service_names=[SERVICE_NAME],
+        add_to_server=lambda server: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server),
+        load=lambda: servicer.load(draft_dir, target_dir, backend),
+        set_ready=set_ready,
+        max_workers=(max_sessions + 16) if max_sessions else 128,
+    )

@@ -1,0 +1,401 @@
+"""The Verifier / Drafter protocols (``endpoints.py``) over gRPC.
+
+One bidirectional ``Session`` stream per session: opening a session starts the
+stream, ``close`` ends it politely (``Close`` -> ``Closed``), ``abort`` cancels
+it; the server frees the session's cache either way. Requests are pipelined
+where the protocol allows it (``Open`` travels with ``Prefill`` / the first
+``Draft``), so a block costs three round trips: draft, verify, commit.
+
+Aux hidden states stay opaque: a verifier session returns the wire ``Tensor``
+as it came and a drafter session sends a ``Tensor`` as it is (an array is
+encoded with ``services/wire/codec.py``), so split deployments never decode
+aux in the orchestrator.
+
+Failures surface as :class:`BackendError` carrying the gRPC status code. A
+``GrpcDrafter`` that failed is skipped for a while (exponential backoff) and
+then tried again, so the orchestrator reconnects once the drafter is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, Sequence
+
+import grpc
+
+from services.wire import codec
+from services.wire.kakeya.v1 import cache_pb2
+from services.wire.kakeya.v1 import drafter_pb2 as dpb
+from services.wire.kakeya.v1 import drafter_pb2_grpc
+from services.wire.kakeya.v1 import verifier_pb2 as vpb
+from services.wire.kakeya.v1 import verifier_pb2_grpc
+from services.wire.kakeya.v1.tensor_pb2 import Tensor
+from services.wire.limits import channel_options
+
+from .endpoints import ModelInfo
+
+log = logging.getLogger("kakeya.remote")
+
+# A backend that restarts is found again within ~2 s (gRPC's default backoff grows to 120 s).
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+_KIND_NAMES = {cache_pb2.CACHE_KIND_NATIVE: "native", cache_pb2.CACHE_KIND_SINK_WINDOW: "sink-window"}
+
+
+def backend_channel(addr: str) -> grpc.Channel:
+    return grpc.insecure_channel(addr, options=channel_options() + RECONNECT_OPTIONS)
+
+
+class BackendError(RuntimeError):
+    """A call to a verifier or drafter failed; ``code`` is its ``grpc.StatusCode``."""
+
+    def __init__(self, service: str, addr: str, code: grpc.StatusCode, details: str):
+        super().__init__(f"{service} at {addr}: {code.name}: {details}")
+        self.service, self.addr, self.code, self.details = service, addr, code, details
+
+    @classmethod
+    def of(cls, service: str, addr: str, exc: grpc.RpcError) -> "BackendError":
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        return cls(service, addr, code or grpc.StatusCode.UNKNOWN, details or "")
+
+
+def _call_unary(service: str, addr: str, fn, request, timeout: float | None, wait: bool = False):
+    try:
+        return fn(request, timeout=timeout, wait_for_ready=wait)
+    except grpc.RpcError as exc:
+        raise BackendError.of(service, addr, exc) from None
+
+
+def _get_info(service: str, addr: str, fn, request, wait_s: float | None):
+    """GetInfo; with ``wait_s``, keep trying (backend not up yet, or still loading) for that long."""
+    if not wait_s:
+        return _call_unary(service, addr, fn, request, 10.0)
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return _call_unary(service, addr, fn, request, max(0.1, left), wait=True)
+        except BackendError as exc:
+            if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or left <= 0.5:
+                raise
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+_END = object()
+
+
+class _Stream:
+    """One bidi Session call: requests are queued, responses read strictly in order."""
+
+    def __init__(self, method, service: str, addr: str, timeout: float | None, request_id: str):
+        self.service, self.addr = service, addr
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._expect: deque[str] = deque()
+        metadata = (("x-request-id", request_id),) if request_id else None
+        self._call = method(iter(self._requests.get, _END), timeout=timeout, metadata=metadata)
+        self.done = False
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def post(self, request, expect: str) -> None:
+        if self.done:
+            raise BackendError(self.service, self.addr, grpc.StatusCode.CANCELLED, "session is closed")
+        self.bytes_sent += request.ByteSize()
+        self._expect.append(expect)
+        self._requests.put(request)
+
+    def wait(self):
+        expect = self._expect.popleft()
+        try:
+            resp = next(self._call)
+        except StopIteration:
+            self.abort()
+            raise BackendError(self.service, self.addr, grpc.StatusCode.INTERNAL, f"stream ended before {expect}") from None
+        except grpc.RpcError as exc:
+            self.abort()
+            raise BackendError.of(self.service, self.addr, exc) from None
+        self.bytes_received += resp.ByteSize()
+        got = resp.WhichOneof("response")
+        if got != expect:
+            self.abort()
+            raise BackendError(self.service, self.addr, grpc.StatusCode.INTERNAL, f"expected {expect}, got {got}")
+        return resp
+
+    def ask(self, request, expect: str):
+        self.post(request, expect)
+        while len(self._expect) > 1:  # answers to pipelined requests come first
+            self.wait()
+        return self.wait()
+
+    def finish(self, request, expect: str):
+        """Polite end: send ``request``, half-close, read the answer; never raises."""
+        if self.done:
+            return None
+        try:
+            resp = self.ask(request, expect)
+        except BackendError:
+            return None
+        finally:
+            self.abort()
+        return resp
+
+    def abort(self) -> None:
+        """Cancel the call (the server frees the session); idempotent, any thread."""
+        if not self.done:
+            self.done = True
+            self._requests.put(_END)  # unblocks gRPC's request-reading thread
+        self._call.cancel()
+
+
+# --------------------------------------------------------------------------- verifier
+
+
+def _policy_proto(policy: Any) -> cache_pb2.CachePolicy | None:
+    if policy is None or isinstance(policy, cache_pb2.CachePolicy):
+        return policy
+    kinds = {v: k for k, v in _KIND_NAMES.items()}
+    if policy.kind not in kinds:
+        raise ValueError(f"cache policy kind must be 'native' or 'sink-window', got {policy.kind!r}")
+    return cache_pb2.CachePolicy(kind=kinds[policy.kind], sink=policy.sink, window=policy.window or 0, slack=policy.slack)
+
+
+class GrpcVerifierSession:
+    """``VerifierSession`` over one Session stream."""
+
+    def __init__(self, verifier: "GrpcVerifier", policy=None, aux_layers: Sequence[int] = (), timeout=None, request_id=""):
+        self.verifier = verifier
+        self._s = _Stream(verifier.stub.Session, "verifier", verifier.addr, timeout, request_id)
+        open_ = vpb.VerifierRequest.Open(request_id=request_id, target_layer_ids=list(aux_layers))
+        p = _policy_proto(policy)
+        if p is not None:
+            open_.cache_policy.CopyFrom(p)
+        self._s.post(vpb.VerifierRequest(open=open_), "opened")  # answered with the prefill
+        self.session_id = ""
+        self.cache_policy = ""
+        self._stats = vpb.SessionStats()
+        self.server_s = 0.0  # server-side time of all steps (the rest of a step's time is the wire)
+
+    def _aux(self, tensor: Tensor):
+        like = self.verifier.aux_like
+        return tensor if like is None else codec.from_proto(tensor, like=like)
+
+    def _step(self, request, expect):
+        resp = self._s.ask(request, expect)
+        self.server_s += resp.elapsed_s
+        return resp
+
+    def prefill(self, prompt_ids: Sequence[int]):
+        self._s.post(vpb.VerifierRequest(prefill=vpb.VerifierRequest.Prefill(token_ids=list(prompt_ids))), "prefilled")
+        opened = self._s.wait().opened
+        self.session_id = opened.session_id
+        self.cache_policy = _KIND_NAMES.get(opened.cache_policy.kind, "")
+        r = self._s.wait()
+        self.server_s += r.elapsed_s
+        self._stats = r.prefilled.stats
+        return r.prefilled.next_token, self._aux(r.prefilled.aux)
+
+    def verify(self, block_ids: Sequence[int]) -> list[int]:
+        r = self._step(vpb.VerifierRequest(verify=vpb.VerifierRequest.Verify(block_ids=list(block_ids))), "verified")
+        return list(r.verified.choices)
+
+    def commit(self, n_keep: int):
+        r = self._step(vpb.VerifierRequest(commit=vpb.VerifierRequest.Commit(n_keep=n_keep)), "committed")
+        self._stats = r.committed.stats
+        return self._aux(r.committed.aux)
+
+    def stats(self) -> dict:
+        s = self._stats
+        return {
+            "cache_policy": self.cache_policy,
+            "bounded": s.bounded,
+            "positions": s.positions,
+            "kv_bytes": {"sliding": s.kv_bytes_sliding, "full": s.kv_bytes_full},
+            "bytes_sent": self._s.bytes_sent,
+            "bytes_received": self._s.bytes_received,
+            "server_s": self.server_s,
+        }
+
+    def close(self) -> None:
+        r = self._s.finish(vpb.VerifierRequest(close=vpb.VerifierRequest.Close()), "closed")
+        if r is not None:
+            self._stats = r.closed.stats
+
+    def abort(self) -> None:
+        self._s.abort()
+
+
+class GrpcVerifier:
+    """``Verifier`` reached over gRPC. ``info`` comes from the server's GetInfo."""
+
+    def __init__(self, addr: str, *, wait_s: float | None = None, aux_like: str | None = None, channel=None):
+        self.addr = addr
+        self.channel = channel or backend_channel(addr)
+        self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
+        self.aux_like = aux_like  # None: aux stays a wire Tensor; "mlx"/"torch"/"numpy": decoded
+        self.remote = _get_info("verifier", addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), wait_s)
+        r = self.remote
+        self.aux_layers = tuple(r.target_layer_ids)
+        self.max_block_size = r.max_block_size
+        self.info = ModelInfo(
+            name=r.model_name,
+            vocab_size=r.vocab_size,
+            eos_token_ids=tuple(r.eos_token_ids),
+            hidden_size=r.hidden_size,
+            num_layers=r.num_layers,
+            sliding_window=r.sliding_window,
+            backend=f"grpc:{addr}",
+            extra={"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)},
+        )
+        self.default_cache_policy = r.default_cache_policy
+
+    def get_info(self, timeout: float = 5.0) -> vpb.VerifierInfo:
+        return _call_unary("verifier", self.addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), timeout)
+
+    def open_session(self, policy=None, *, aux_layers: Sequence[int] = (), timeout: float | None = None, request_id: str = ""):
+        return GrpcVerifierSession(self, policy, aux_layers or self.aux_layers, timeout, request_id)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+# --------------------------------------------------------------------------- drafter
+
+
+class Backoff:
+    """After ``failure()``, ``ready()`` is False for 0.5 s, 1 s, 2 s ... up to ``maximum``."""
+
+    def __init__(self, initial: float = 0.5, factor: float = 2.0, maximum: float = 10.0):
+        self.initial, self.factor, self.maximum = initial, factor, maximum
+        self.failures = 0
+        self.until = 0.0
+        self.last_error = ""
+        self._lock = threading.Lock()
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.until
+
+    def failure(self, error: str) -> float:
+        with self._lock:
+            self.failures += 1
+            delay = min(self.maximum, self.initial * self.factor ** (self.failures - 1))
+            self.until = time.monotonic() + delay
+            self.last_error = error
+            return delay
+
+    def success(self) -> None:
+        with self._lock:
+            self.failures, self.until = 0, 0.0
+
+
+class GrpcDrafterSession:
+    """``DrafterSession`` over one Session stream, opened with the first ``draft``."""
+
+    def __init__(self, drafter: "GrpcDrafter", timeout=None, request_id=""):
+        self.drafter = drafter
+        self._timeout, self._request_id = timeout, request_id
+        self._s: _Stream | None = None
+        self._broken = False
+        self.server_s = 0.0
+
+    def draft(self, new_aux, last_token: int, block_size: int) -> list[int]:
+        if self._broken:
+            raise BackendError("drafter", self.drafter.addr, grpc.StatusCode.CANCELLED, "session failed earlier")
+        try:
+            if self._s is None:
+                self._s = _Stream(self.drafter.stub.Session, "drafter", self.drafter.addr, self._timeout, self._request_id)
+                self._s.post(dpb.DrafterRequest(open=dpb.DrafterRequest.Open(request_id=self._request_id)), "opened")
+            tensor = new_aux if isinstance(new_aux, Tensor) else codec.to_proto(new_aux)
+            req = dpb.DrafterRequest(draft=dpb.DrafterRequest.Draft(new_aux=tensor, last_token=last_token, block_size=block_size))
+            r = self._s.ask(req, "drafted")
+        except BackendError as exc:
+            aborted_here = self._broken  # abort() from our side (client cancelled): not the drafter's fault
+            self._broken = True
+            if self._s is not None:
+                self._s.abort()
+            if not aborted_here and exc.code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self.drafter.failed(exc)
+            raise
+        self.server_s += r.elapsed_s
+        self.drafter.backoff.success()
+        return list(r.drafted.token_ids)
+
+    def stats(self) -> dict:
+        s = self._s
+        return {"bytes_sent": s.bytes_sent if s else 0, "bytes_received": s.bytes_received if s else 0, "server_s": self.server_s}
+
+    def close(self) -> None:
+        if self._s is not None and not self._broken:
+            self._s.finish(dpb.DrafterRequest(close=dpb.DrafterRequest.Close()), "closed")
+
+    def abort(self) -> None:
+        self._broken = True
+        if self._s is not None:
+            self._s.abort()
+
+
+class _SkippedDrafterSession:
+    """Handed out while the drafter is backing off: fails at once, so the verifier decodes alone."""
+
+    def __init__(self, drafter: "GrpcDrafter"):
+        self.drafter = drafter
+
+    def draft(self, new_aux, last_token, block_size):
+        b = self.drafter.backoff
+        raise BackendError(
+            "drafter",
+            self.drafter.addr,
+            grpc.StatusCode.UNAVAILABLE,
+            f"backing off after {b.failures} failure(s), next try in {max(0.0, b.until - time.monotonic()):.1f} s"
+            f" (last: {b.last_error})",
+        )
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+class GrpcDrafter:
+    """``Drafter`` reached over gRPC, with failure backoff and automatic reconnection."""
+
+    def __init__(self, addr: str, *, wait_s: float | None = None, channel=None, backoff: Backoff | None = None):
+        self.addr = addr
+        self.channel = channel or backend_channel(addr)
+        self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
+        self.remote = _get_info("drafter", addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), wait_s)
+        self.block_size = self.remote.block_size
+        self.target_layer_ids = tuple(self.remote.target_layer_ids)
+        self.mask_token_id = self.remote.mask_token_id
+        self.backoff = backoff or Backoff()
+
+    def get_info(self, timeout: float = 5.0) -> dpb.DrafterInfo:
+        return _call_unary("drafter", self.addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), timeout)
+
+    def open_session(self, *, timeout: float | None = None, request_id: str = ""):
+        if not self.backoff.ready():
+            return _SkippedDrafterSession(self)
+        return GrpcDrafterSession(self, timeout, request_id)
+
+    def failed(self, exc: Exception) -> None:
+        delay = self.backoff.failure(str(exc))
+        log.warning("drafter at %s failed (%s); skipping it for %.1f s", self.addr, exc, delay)
+
+    @property
+    def state(self) -> str:
+        return "ok" if self.backoff.failures == 0 else ("backoff" if not self.backoff.ready() else "retrying")
+
+    def close(self) -> None:
+        self.channel.close()

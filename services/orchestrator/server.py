@@ -1,0 +1,573 @@
+"""The public Generation API (``protos/kakeya/v1/generate.proto``).
+
+Holds an :class:`~services.orchestrator.engine.Engine` whose verifier and
+drafter are either in-process (colocated) or gRPC clients (split,
+``remote.py``); the request path is the same: validate, open one verifier and
+one drafter session, run ``loop.speculative_decode`` and stream each committed
+block as a ``Chunk`` (token ids + their text), then one ``Complete`` with the
+finish reason, token counts and the speculative stats the CLI prints.
+
+Faults: a drafter that fails mid-generation is dropped for the rest of that
+generation (``loop``'s ``on_drafter_error``: the verifier finishes alone, same
+output, ``drafter_fallback`` set) and retried by later requests after a
+backoff. A failing verifier ends the RPC with its status (UNAVAILABLE,
+RESOURCE_EXHAUSTED, ...) before the first chunk, or with a ``Complete`` of
+``FINISH_REASON_ERROR`` after it. The client's deadline bounds the backend
+streams; cancelling the call cancels them, which frees the backend sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import grpc
+
+from services.serving import ComputeThread, RequestError, ServerSpec, check_token_ids, invalid, version
+from services.wire.kakeya.v1 import cache_pb2, generate_pb2 as pb, generate_pb2_grpc
+
+from . import loop
+from .engine import Engine
+from .quality import quality_report
+from .remote import BackendError, GrpcDrafter, GrpcVerifier
+from .text import StreamDecoder, TextCodec
+
+log = logging.getLogger("kakeya.orchestrator")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+DEFAULT_MAX_TOKENS = 128
+DEFAULT_MAX_TOKENS_LIMIT = 4096
+
+FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+    "error": pb.FINISH_REASON_ERROR,
+}
+
+
+def _cache_kind(label: str) -> int:
+    """A policy label ("native", "sink-window(4+64)+kv8") -> its CacheKind."""
+    if label.startswith("sink-window"):
+        return cache_pb2.CACHE_KIND_SINK_WINDOW
+    if label.startswith("native"):
+        return cache_pb2.CACHE_KIND_NATIVE
+    return cache_pb2.CACHE_KIND_UNSPECIFIED
+
+
+@dataclass
+class Params:
+    """A validated GenerateRequest."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    block_size: int
+    stop_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
+    policy: Any = None  # backend-specific cache policy, None = the verifier's default
+
+
+class StopStrings:
+    """Cuts streamed text at the first stop string; holds back text that may still become one.
+
+    The stop string itself is not part of the output text; the token that
+    completed it is the last token id sent.
+    """
+
+    def __init__(self, codec: TextCodec, stops: Sequence[str]):
+        self.codec, self.stops = codec, tuple(stops)
+        self.hold = max(len(s) for s in self.stops) - 1
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text already streamed
+        self.searched = 0  # characters already searched for stop strings
+        self.stopped = False
+
+    def _find(self, text: str) -> int:
+        start = max(0, self.searched - self.hold)
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else -1
+
+    def add(self, tokens: Sequence[int]) -> tuple[list[int], str, bool]:
+        """Return (token ids to send, text to send, stop string hit)."""
+        base = len(self.ids)
+        self.ids.extend(tokens)
+        text = self.codec.decode(self.ids)
+        if self._find(text) >= 0:  # find the token that completed it
+            del self.ids[base:]
+            for i, tok in enumerate(tokens):
+                self.ids.append(tok)
+                text = self.codec.decode(self.ids)
+                at = self._find(text)
+                if at >= 0:
+                    out = text[self.sent : at] if at > self.sent else ""
+                    self.sent, self.stopped = max(self.sent, at), True
+                    return list(tokens[: i + 1]), out, True
+        self.searched = len(text)
+        safe = len(text) - self.hold
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
+            safe = min(safe, len(text) - 1)
+        out = text[self.sent : safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        return list(tokens), out, False
+
+    def flush(self) -> str:
+        """The held-back text at the end (nothing after a stop string)."""
+        if self.stopped:
+            return ""
+        text = self.codec.decode(self.ids)
+        out, self.sent = text[self.sent :], len(text)
+        return out
+
+
+class _PlainText:
+    def __init__(self, codec: TextCodec | None):
+        self.dec = StreamDecoder(codec) if codec is not None else None
+
+    def add(self, tokens):
+        return list(tokens), (self.dec.add(tokens) if self.dec else ""), False
+
+    def flush(self) -> str:
+        return self.dec.flush() if self.dec else ""
+
+
+class _Run:
+    """One Generate call's backend sessions; ``cancel`` may come from any thread."""
+
+    def __init__(self):
+        self.cancelled = False
+        self.sessions: list = []
+        self.drafter_fallback = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        for s in list(self.sessions):
+            abort = getattr(s, "abort", None)
+            if abort is not None:
+                abort()
+
+
+def _advance(it):
+    """``next(it)`` as (False, item) or (True, the generator's return value)."""
+    try:
+        return False, next(it)
+    except StopIteration as stop:
+        return True, stop.value
+
+
+def _deadline(context) -> float | None:
+    """Seconds left of the client's deadline (None without one): the backends' timeout."""
+    left = context.time_remaining()
+    return None if left is None or left > 1e7 else max(left, 0.001)
+
+
+def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, BackendError):
+        code = exc.code if exc.code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK) else grpc.StatusCode.INTERNAL
+        return code, str(exc)
+    if isinstance(exc, RequestError):
+        return exc.code, exc.message
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(
+        self,
+        build: Callable[[], Engine],
+        *,
+        colocated: bool,
+        max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_sessions: int = 0,
+    ):
+        if not 1 <= default_max_tokens <= max_tokens_limit:
+            raise ValueError(f"default max tokens {default_max_tokens} must be in 1..{max_tokens_limit} (--max-tokens-limit)")
+        self._build = build
+        self.engine: Engine | None = None
+        self.colocated = colocated
+        self.compute = ComputeThread("orchestrator") if colocated else None
+        self.max_tokens_limit = max_tokens_limit
+        self.default_max_tokens = default_max_tokens
+        self.max_sessions = max_sessions
+        self.ready = False
+        self.aborting = False
+        self._lock = threading.Lock()
+        self.active = 0
+        self.total = 0
+        self.started = time.monotonic()
+
+    # -- loading -----------------------------------------------------------------------
+
+    def step(self, fn, *args):
+        """Model work: on the compute thread when the models are in this process."""
+        return self.compute.run(fn, *args) if self.compute is not None else fn(*args)
+
+    def load(self) -> str:
+        self.engine = self.step(self._build)
+        e = self.engine
+        # Warm-up: one short generation through the very path requests take.
+        vocab = e.verifier.info.vocab_size
+        params = Params("warmup", [i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), frozenset(), ())
+        run = _Run()
+        final = None
+        for resp in self._generate(params, run, None):
+            final = resp
+        c = final.complete
+        if c.finish_reason == pb.FINISH_REASON_ERROR:
+            raise RuntimeError(f"warm-up generation failed: {c.error_message}")
+        if c.stats.drafter_fallback:
+            log.warning("warm-up: the drafter failed, requests will fall back to the verifier until it answers")
+        return (
+            f"{'colocated' if self.colocated else 'split'}: verifier {e.verifier.info.backend} ({e.target}),"
+            f" drafter {self._drafter_backend() or 'none'} ({e.draft or '-'}), block {e.default_block_size}"
+        )
+
+    def _drafter_backend(self) -> str:
+        d = self.engine.drafter
+        if d is None:
+            return ""
+        return f"grpc:{d.addr}" if isinstance(d, GrpcDrafter) else "mlx"
+
+    # -- request validation --------------------------------------------------------------
+
+    def parse(self, r: pb.GenerateRequest) -> Params:
+        e = self.engine
+        vocab = e.verifier.info.vocab_size
+        which = r.WhichOneof("prompt")
+        if which is None:
+            raise invalid("prompt: set prompt.text or prompt.tokenized")
+        if which == "text":
+            if not r.text.strip():
+                raise invalid("prompt.text: empty prompt")
+            if e.codec is None:
+                raise invalid("prompt.text: this server has no tokenizer (--tokenizer); send prompt.tokenized")
+            prompt = e.codec.encode(r.text)
+        else:
+            prompt = check_token_ids(r.tokenized.ids, vocab, "prompt.tokenized.ids")
+        sp = r.sampling_params
+        if sp.temperature < 0:
+            raise invalid(f"sampling_params.temperature must be >= 0, got {sp.temperature:g}")
+        if sp.temperature > 0:
+            raise invalid(
+                f"sampling_params.temperature {sp.temperature:g}: sampling is not supported yet (greedy only: send 0)"
+            )
+        if sp.top_p and not 0 < sp.top_p <= 1:
+            raise invalid(f"sampling_params.top_p must be in (0, 1] (0 = off), got {sp.top_p:g}")
+        if 0 < sp.top_p < 1:
+            raise invalid(f"sampling_params.top_p {sp.top_p:g}: nucleus sampling is not supported yet (greedy only)")
+        if sp.top_k < 0:
+            raise invalid(f"sampling_params.top_k must be >= 0 (0 = off), got {sp.top_k}")
+        if sp.top_k > 1:
+            raise invalid(f"sampling_params.top_k {sp.top_k}: top-k sampling is not supported yet (greedy only)")
+        max_tokens = sp.max_tokens or self.default_max_tokens
+        if max_tokens < 1:
+            raise invalid(f"sampling_params.max_tokens must be >= 1 (0 = the default {self.default_max_tokens}), got {sp.max_tokens}")
+        if max_tokens > self.max_tokens_limit:
+            raise invalid(
+                f"sampling_params.max_tokens {max_tokens} exceeds this server's limit {self.max_tokens_limit} (--max-tokens-limit)"
+            )
+        stops = tuple(sp.stop)
+        if any(not s for s in stops):
+            raise invalid("sampling_params.stop: stop strings must not be empty")
+        if stops and e.codec is None:
+            raise invalid("sampling_params.stop: this server has no tokenizer (--tokenizer); use stop_token_ids")
+        stop_ids = set(check_token_ids(sp.stop_token_ids, vocab, "sampling_params.stop_token_ids", allow_empty=True))
+        if not sp.ignore_eos:
+            stop_ids |= set(e.verifier.info.eos_token_ids)
+        max_block = loop.MAX_BLOCK_SIZE
+        if not 0 <= r.block_size <= max_block:
+            raise invalid(f"block_size must be 0 (the drafter's default) or 1..{max_block}, got {r.block_size}")
+        block_size = r.block_size or e.default_block_size
+        policy = None
+        if r.HasField("cache_policy"):
+            from services.verifier.cache import CachePolicy
+            from services.verifier.server import check_policy, policy_from_proto
+
+            local = policy_from_proto(r.cache_policy, getattr(e.verifier, "policy", None) or CachePolicy(), "cache_policy")
+            check_policy(local, e.verifier.info.sliding_window, "cache_policy")
+            slack = r.cache_policy.slack or self._default_slack()
+            if block_size > slack:
+                raise invalid(f"cache_policy.slack {slack} is smaller than block_size {block_size}: rollback would not be exact")
+            policy = r.cache_policy if isinstance(e.verifier, GrpcVerifier) else local
+        return Params(
+            request_id=r.request_id or uuid.uuid4().hex[:16],
+            prompt_ids=list(prompt),
+            max_tokens=max_tokens,
+            block_size=block_size,
+            stop_ids=frozenset(stop_ids),
+            stop_strings=stops,
+            policy=policy,
+        )
+
+    def _default_slack(self) -> int:
+        v = self.engine.verifier
+        if isinstance(v, GrpcVerifier):
+            return v.default_cache_policy.slack or v.max_block_size
+        return v.policy.slack
+
+    # -- RPCs ----------------------------------------------------------------------------
+
+    def Generate(self, request, context) -> Iterator[pb.GenerateResponse]:
+        if not self.ready:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)")
+        try:
+            params = self.parse(request)
+        except RequestError as exc:
+            context.abort(exc.code, exc.message)
+        with self._lock:
+            if self.max_sessions and self.active >= self.max_sessions:
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"orchestrator: {self.active} of {self.max_sessions} generations in flight (--max-sessions)",
+                )
+            self.active += 1
+            self.total += 1
+        run = _Run()
+        context.add_callback(run.cancel)
+        try:
+            yield from self._generate(params, run, _deadline(context))
+        except RequestError as exc:
+            if not run.cancelled:
+                context.abort(exc.code, exc.message)
+        finally:
+            with self._lock:
+                self.active -= 1
+
+    def _open(self, params: Params, run: _Run, timeout: float | None):
+        e = self.engine
+        if isinstance(e.verifier, GrpcVerifier):
+            layers = e.drafter.target_layer_ids if e.drafter is not None else ()
+            vs = e.verifier.open_session(params.policy, aux_layers=layers, timeout=timeout, request_id=params.request_id)
+        else:
+            vs = e.verifier.open_session(params.policy) if params.policy is not None else e.verifier.open_session()
+        run.sessions.append(vs)
+        ds = None
+        if e.drafter is not None and params.block_size > 1:
+            if isinstance(e.drafter, GrpcDrafter):
+                ds = e.drafter.open_session(timeout=timeout, request_id=params.request_id)
+            else:
+                ds = e.drafter.open_session()
+            run.sessions.append(ds)
+        return vs, ds
+
+    def _generate(self, params: Params, run: _Run, timeout: float | None) -> Iterator[pb.GenerateResponse]:
+        """Stream one generation; RequestError before the first chunk, Complete(error) after it."""
+        e = self.engine
+        t_start = time.perf_counter()
+
+        def on_drafter_error(exc: Exception) -> None:
+            run.drafter_fallback = True
+            if run.cancelled:
+                return
+            log.warning("request %s: drafter failed (%s); the verifier finishes alone", params.request_id, exc)
+            if ds is not None and hasattr(ds, "abort"):
+                ds.abort()
+
+        try:
+            vs, ds = self.step(self._open, params, run, timeout)
+        except Exception as exc:
+            raise RequestError(*_status_of(exc)) from None
+        blocks = loop.speculative_decode(
+            vs, ds, params.prompt_ids, params.max_tokens, params.block_size, params.stop_ids, on_drafter_error
+        )
+        text = StopStrings(e.codec, params.stop_strings) if params.stop_strings else _PlainText(e.codec)
+        seen: list[loop.Block] = []
+        token_ids: list[int] = []
+        gen = None
+        finish, error = "length", ""
+        try:
+            while True:
+                if run.cancelled:
+                    return
+                if self.aborting:
+                    finish = "abort"
+                    break
+                try:
+                    done, value = self.step(_advance, blocks)
+                except Exception as exc:
+                    if run.cancelled:
+                        return
+                    code, msg = _status_of(exc)
+                    if not seen:
+                        raise RequestError(code, msg) from None
+                    log.warning("request %s failed mid-generation: %s", params.request_id, msg)
+                    finish, error = "error", msg
+                    break
+                if done:
+                    gen = value
+                    finish = gen.finish_reason
+                    break
+                seen.append(value)
+                ids, delta, hit = text.add(value.tokens)
+                token_ids.extend(ids)
+                yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(token_ids=ids, text=delta))
+                if hit:
+                    finish = "stop"
+                    break
+            tail = text.flush()
+            if tail:
+                yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=tail))
+            vstats = self.step(vs.stats) if finish != "error" else {}
+        finally:
+            self.step(self._close, blocks, run)
+        if gen is None:
+            gen = loop.Generation(
+                prompt_ids=list(params.prompt_ids),
+                blocks=seen,
+                prefill_s=seen[0].total_s if seen else 0.0,
+                decode_s=sum(b.total_s for b in seen[1:]),
+            )
+        gen.token_ids = token_ids
+        gen.finish_reason = finish
+        gen.drafter_fallback = gen.drafter_fallback or run.drafter_fallback
+        yield pb.GenerateResponse(complete=self._complete(params, gen, vstats, time.perf_counter() - t_start, error))
+
+    @staticmethod
+    def _close(blocks, run: _Run) -> None:
+        blocks.close()
+        for s in run.sessions:
+            try:
+                s.close()
+            except Exception:  # pragma: no cover - closing must not mask the outcome
+                log.exception("closing a backend session")
+
+    def _complete(self, params: Params, gen: loop.Generation, vstats: dict, total_s: float, error: str):
+        kv = vstats.get("kv_bytes", {})
+        stats = pb.SpecStats(
+            acceptance_lengths=gen.acceptance_lengths,
+            mean_acceptance=gen.mean_acceptance,
+            decode_tok_s=gen.decode_tok_s,
+            prefill_s=gen.prefill_s,
+            drafter_fallback=gen.drafter_fallback,
+            verifier_kv_bytes_sliding=int(kv.get("sliding", 0)),
+            verifier_kv_bytes_full=int(kv.get("full", 0)),
+            degenerate=quality_report(gen.token_ids)["degenerate"],
+            decode_s=gen.decode_s,
+            total_s=total_s,
+            block_size=params.block_size,
+            cache_kind=_cache_kind(vstats.get("cache_policy", "")),
+            cache_policy=vstats.get("cache_policy", ""),
+            cache_bounded=bool(vstats.get("bounded", False)),
+        )
+        return pb.GenerateResponse.Complete(
+            finish_reason=FINISH[gen.finish_reason],
+            prompt_tokens=len(params.prompt_ids),
+            completion_tokens=len(gen.token_ids),
+            stats=stats,
+            error_message=error,
+            prompt_token_ids=params.prompt_ids,
+        )
+
+    def GetModelInfo(self, request, context):
+        if self.engine is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is loading")
+        e = self.engine
+        i = e.verifier.info
+        if isinstance(e.verifier, GrpcVerifier):
+            policy = e.verifier.default_cache_policy
+        else:
+            from services.verifier.server import policy_to_proto
+
+            policy = policy_to_proto(e.verifier.policy.resolve(i.sliding_window))
+        layers = e.drafter.target_layer_ids if e.drafter is not None else getattr(e.verifier, "aux_layers", ())
+        return pb.ModelInfo(
+            target_model=e.target,
+            draft_model=e.draft,
+            vocab_size=i.vocab_size,
+            eos_token_ids=list(i.eos_token_ids),
+            sliding_window=i.sliding_window,
+            default_block_size=e.default_block_size,
+            max_block_size=loop.MAX_BLOCK_SIZE,
+            max_tokens_limit=self.max_tokens_limit,
+            default_max_tokens=self.default_max_tokens,
+            has_tokenizer=e.codec is not None,
+            default_cache_policy=policy,
+            target_layer_ids=list(layers),
+        )
+
+    def GetServerInfo(self, request, context):
+        e = self.engine
+        extra = {}
+        if e is not None and isinstance(e.drafter, GrpcDrafter):
+            b = e.drafter.backoff
+            extra = {"drafter_state": e.drafter.state, "drafter_failures": str(b.failures)}
+            if b.last_error:
+                extra["drafter_last_error"] = b.last_error[:500]
+        with self._lock:
+            active, total = self.active, self.total
+        return pb.ServerInfo(
+            version=version(),
+            verifier_backend=e.verifier.info.backend if e is not None else "",
+            drafter_backend=self._drafter_backend() if e is not None else "",
+            deployment="colocated" if self.colocated else "split",
+            active_requests=active,
+            total_requests=total,
+            uptime_s=time.monotonic() - self.started,
+            extra=extra,
+        )
+
+
+# --------------------------------------------------------------------------- building
+
+
+def split_engine(verifier_addr: str, drafter_addr: str | None, tokenizer: str | None, wait_s: float) -> Engine:
+    """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them."""
+    verifier = GrpcVerifier(verifier_addr, wait_s=wait_s)
+    drafter = GrpcDrafter(drafter_addr, wait_s=wait_s) if drafter_addr else None
+    info = verifier.info
+    if drafter is not None:
+        d = drafter.remote
+        problems = []
+        if d.vocab_size != info.vocab_size:
+            problems.append(f"vocab_size {d.vocab_size} != verifier's {info.vocab_size}")
+        if d.hidden_size != info.hidden_size:
+            problems.append(f"hidden_size {d.hidden_size} != verifier's {info.hidden_size}")
+        bad = [i for i in d.target_layer_ids if not 0 <= i < info.num_layers]
+        if bad:
+            problems.append(f"target_layer_ids {bad} outside the verifier's {info.num_layers} layers")
+        if problems:
+            raise ValueError(f"drafter at {drafter_addr} does not fit the verifier at {verifier_addr}: " + "; ".join(problems))
+    tok_dir = tokenizer or info.name
+    codec = None
+    if tok_dir and (Path(tok_dir) / "tokenizer.json").is_file():
+        codec = TextCodec(tok_dir)
+    elif tokenizer:
+        raise FileNotFoundError(f"{tokenizer}: no tokenizer.json")
+    else:
+        log.warning("no tokenizer (verifier's %s is not readable here; pass --tokenizer DIR): token-id prompts only", info.name)
+    draft_name = drafter.remote.model_name if drafter is not None else ""
+    return Engine(verifier, drafter, codec, target=info.name, draft=draft_name)
+
+
+def colocated_engine(target: str | None, draft: str | None, backend: str = "mlx", no_drafter: bool = False) -> Engine:
+    from .cli import build_local_engine
+
+    engine = build_local_engine(target, draft, backend)
+    if no_drafter:
+        engine.drafter, engine.draft = None, ""
+    return engine
+
+
+def server_spec(servicer: GenerationServicer) -> ServerSpec:
+    def set_ready(flag: bool) -> None:
+        servicer.ready = flag
+
+    def near_deadline() -> None:
+        servicer.aborting = True  # in-flight generations end with FINISH_REASON_ABORT
+
+    return ServerSpec(
+        name="orchestrator",
+        service_names=[SERVICE_NAME],
+        add_to_server=lambda server: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
+        load=servicer.load,
+        set_ready=set_ready,
+        near_deadline=near_deadline,
+        max_workers=(servicer.max_sessions + 16) if servicer.max_sessions else 128,
+    )

@@ -1,0 +1,293 @@
+"""What every kakeya gRPC server process shares.
+
+- :class:`ComputeThread`: all model work of a process runs on ONE thread, one
+  step at a time (MLX arrays and streams stay on the thread that made them;
+  there is one device to share anyway). gRPC handler threads only translate
+  messages and wait.
+- :class:`SessionRegistry`: live sessions, their cache bytes and the session
+  limit (one more is ``RESOURCE_EXHAUSTED``).
+- :class:`RequestError`: raised by servicer code to end an RPC with a status.
+- :func:`run_server`: the process lifecycle -- bind, health ``NOT_SERVING``,
+  load + warm up, health ``SERVING`` (and the ready file), wait for
+  SIGTERM/SIGINT or the parent's death, drain in-flight RPCs within a grace
+  period, exit.
+
+Servicers live next to their models (``services/*/server.py``); the command
+line that starts them is ``services/orchestrator/serve.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.wire.limits import server_options
+
+log = logging.getLogger("kakeya")
+
+ENV_PARENT_PID = "KAKEYA_PARENT_PID"  # set by `kakeya serve all`: exit when that process is gone
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as v
+
+        return v("kakeya")
+    except Exception:  # pragma: no cover - not installed
+        return "0.0.0+local"
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("KAKEYA_LOG_LEVEL", "INFO").upper(),
+        format=f"%(asctime)s kakeya-{name}[%(process)d] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class RequestError(Exception):
+    """End the current RPC with ``code`` and ``message`` (the message names the field)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def precondition(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+def check_token_ids(ids: Sequence[int], vocab: int, field_name: str, allow_empty: bool = False) -> list[int]:
+    ids = list(ids)
+    if not ids and not allow_empty:
+        raise invalid(f"{field_name}: must not be empty")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise invalid(f"{field_name}: ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    return ids
+
+
+# --------------------------------------------------------------------------- compute
+
+
+class ComputeThread:
+    """Runs callables on one dedicated thread, in submission order."""
+
+    def __init__(self, name: str):
+        self._ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-compute")
+
+    def run(self, fn: Callable, *args, **kwargs) -> Any:
+        return self._ex.submit(fn, *args, **kwargs).result()
+
+    def submit(self, fn: Callable, *args, **kwargs):
+        return self._ex.submit(fn, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        self._ex.shutdown(wait=False, cancel_futures=True)
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+class SessionLimitError(Exception):
+    pass
+
+
+@dataclass
+class SessionEntry:
+    id: str
+    session: Any = None
+    cache_bytes: int = 0
+    closed: bool = False
+    opened_at: float = field(default_factory=time.monotonic)
+
+
+class SessionRegistry:
+    """Live sessions of one server. ``close`` is idempotent and safe from any thread."""
+
+    def __init__(self, max_sessions: int = 0):
+        self.max_sessions = max(0, int(max_sessions))
+        self._lock = threading.Lock()
+        self._live: dict[str, SessionEntry] = {}
+        self.total = 0
+
+    def open(self) -> SessionEntry:
+        with self._lock:
+            if self.max_sessions and len(self._live) >= self.max_sessions:
+                raise SessionLimitError(
+                    f"session limit reached: {len(self._live)} of {self.max_sessions} sessions live (--max-sessions)"
+                )
+            entry = SessionEntry(uuid.uuid4().hex[:12])
+            self._live[entry.id] = entry
+            self.total += 1
+            return entry
+
+    def close(self, entry: SessionEntry) -> None:
+        with self._lock:
+            if entry.closed:
+                return
+            entry.closed = True
+            self._live.pop(entry.id, None)
+            session, entry.session, entry.cache_bytes = entry.session, None, 0
+        if session is not None:
+            try:
+                session.close()  # drops the cache arrays; safe while a step still holds its own references
+            except Exception:  # pragma: no cover - closing must never fail a stream
+                log.exception("closing session %s", entry.id)
+
+    @property
+    def live(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    @property
+    def live_bytes(self) -> int:
+        with self._lock:
+            return sum(e.cache_bytes for e in self._live.values())
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+@dataclass
+class ServerSpec:
+    """How ``run_server`` builds and readies one kind of server."""
+
+    name: str  # "verifier" | "drafter" | "orchestrator"
+    service_names: list[str]  # full gRPC service names (health + reflection)
+    add_to_server: Callable[[grpc.Server], None]  # registers the servicers (before start)
+    load: Callable[[], str]  # loads + warms up (blocking); returns a one-line description
+    set_ready: Callable[[bool], None]  # servicers refuse work (UNAVAILABLE) until ready
+    before_drain: Callable[[], None] = lambda: None  # e.g. stop admitting requests
+    near_deadline: Callable[[], None] = lambda: None  # grace almost over: end streams cleanly
+    max_workers: int = 64
+
+
+def _parent_watch(parent: int, stop: threading.Event) -> None:
+    while not stop.wait(0.5):
+        if os.getppid() != parent:
+            log.warning("parent process %d is gone: shutting down", parent)
+            stop.set()
+
+
+def write_ready_file(path: str | Path, payload: dict) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
+def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, ready_file: str | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; return the process exit status."""
+    if ready_file:
+        Path(ready_file).unlink(missing_ok=True)  # a stale file must not announce us before we are ready
+    stop = threading.Event()
+    signals = {"n": 0}
+
+    def on_signal(signum, _frame):
+        signals["n"] += 1
+        if signals["n"] > 1:  # a second signal: no more waiting
+            log.warning("second signal: exiting now")
+            os._exit(130)
+        log.info("received %s: draining (grace %.1f s)", signal.Signals(signum).name, grace_s)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    parent = os.environ.get(ENV_PARENT_PID)
+    if parent and parent.isdigit():
+        threading.Thread(target=_parent_watch, args=(int(parent), stop), daemon=True).start()
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=spec.max_workers), options=server_options())
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    spec.add_to_server(server)
+    names = list(spec.service_names)
+    reflection.enable_server_reflection(
+        names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
+    for n in ["", *names]:
+        health_servicer.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:
+        bound, err = 0, exc
+    else:
+        err = None
+    if not bound:
+        print(f"kakeya: error: {spec.name}: cannot listen on {host}:{port} ({err or 'address in use?'})", file=sys.stderr)
+        return 2
+    addr = f"{host}:{bound}"
+    server.start()
+    log.info("%s listening on %s (NOT_SERVING until loaded and warmed up)", spec.name, addr)
+
+    # Load in the background so a signal during a long load still stops us.
+    outcome: dict = {}
+
+    def load():
+        try:
+            t0 = time.perf_counter()
+            outcome["desc"] = spec.load()
+            outcome["load_s"] = time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcome["error"] = exc
+            outcome["tb"] = traceback.format_exc()
+        finally:
+            loaded.set()
+
+    loaded = threading.Event()
+    threading.Thread(target=load, name=f"{spec.name}-load", daemon=True).start()
+    while not (loaded.is_set() or stop.is_set()):
+        loaded.wait(0.2)
+    if "error" in outcome:
+        exc = outcome["error"]
+        log.debug("%s", outcome["tb"])
+        print(f"kakeya: error: {spec.name}: {exc}", file=sys.stderr)
+        server.stop(0)
+        return 2
+    if loaded.is_set() and not stop.is_set():
+        spec.set_ready(True)
+        for n in ["", *names]:
+            health_servicer.set(n, health_pb2.HealthCheckResponse.SERVING)
+        log.info("%s SERVING on %s: %s (loaded + warmed up in %.2f s)", spec.name, addr, outcome["desc"], outcome["load_s"])
+        if ready_file:
+            write_ready_file(ready_file, {"service": spec.name, "addr": addr, "port": bound, "pid": os.getpid()})
+    while not stop.wait(0.5):
+        pass
+
+    # Drain: NOT_SERVING (load balancers stop routing), refuse new RPCs, let in-flight ones finish.
+    health_servicer.enter_graceful_shutdown()
+    spec.before_drain()
+    t_stop = time.monotonic()
+    done = server.stop(grace_s)
+    if not done.wait(max(0.0, grace_s - 1.0)):
+        spec.near_deadline()
+        done.wait(2.0 + 1.0)
+    spec.set_ready(False)
+    if ready_file:
+        Path(ready_file).unlink(missing_ok=True)
+    log.info("%s stopped after %.2f s of draining", spec.name, time.monotonic() - t_stop)
+    return 0

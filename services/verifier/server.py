@@ -1,0 +1,318 @@
+"""The verifier's gRPC servicer: one Session stream == one :class:`VerifierSession`.
+
+The stream IS the session: the KV cache is created at ``Open`` and freed when
+the stream ends, however it ends (``Close``, half-close, cancellation,
+deadline, broken connection) -- through ``context.add_callback`` and the
+handler's ``finally``, both idempotent. Per block only token ids go down and
+the target's choices plus the kept positions' aux come back, the aux encoded
+by ``services/wire/codec.py`` in the model's own dtype; never logits.
+
+All model work runs on the process's single compute thread
+(``services.serving.ComputeThread``); this module translates messages and
+validates them, with errors that name the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import grpc
+
+from services.serving import (
+    ComputeThread,
+    RequestError,
+    ServerSpec,
+    SessionLimitError,
+    SessionRegistry,
+    check_token_ids,
+    invalid,
+    precondition,
+    version,
+)
+from services.wire import codec
+from services.wire.kakeya.v1 import cache_pb2, verifier_pb2 as pb, verifier_pb2_grpc
+
+from .cache import CachePolicy
+
+log = logging.getLogger("kakeya.verifier")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VerifierService"].full_name
+MAX_SLACK = 64  # largest rollback slack a session may ask for (ring memory grows with it)
+
+_KIND_TO_NAME = {cache_pb2.CACHE_KIND_NATIVE: "native", cache_pb2.CACHE_KIND_SINK_WINDOW: "sink-window"}
+_NAME_TO_KIND = {v: k for k, v in _KIND_TO_NAME.items()}
+
+
+def policy_from_proto(p: cache_pb2.CachePolicy, default: CachePolicy, field: str = "cache_policy") -> CachePolicy:
+    """A wire ``CachePolicy`` -> ``cache.CachePolicy`` (unset fields: ``default``'s), or ``invalid``.
+
+    Only the shape is checked here; ``CachePolicy.resolve`` checks the values
+    against the model when the session opens.
+    """
+    knobs = {f.name for f in dataclasses.fields(CachePolicy)}
+    for name in ("full_kv_bits", "full_kv_group_size"):
+        if getattr(p, name) and name not in knobs:
+            raise invalid(f"{field}.{name}: quantised full-layer K/V is not supported by this verifier (send 0)")
+    if p.restore_path:
+        raise invalid(f"{field}.restore_path: f_theta restoration is not supported yet (send an empty string)")
+    if p.kind == cache_pb2.CACHE_KIND_UNSPECIFIED:
+        kind = default.kind
+    elif p.kind in _KIND_TO_NAME:
+        kind = _KIND_TO_NAME[p.kind]
+    else:
+        raise invalid(f"{field}.kind: unknown cache kind {p.kind}")
+    if p.sink < 0:
+        raise invalid(f"{field}.sink must be >= 0, got {p.sink}")
+    if p.window < 0:
+        raise invalid(f"{field}.window must be >= 0 (0 = the model's window), got {p.window}")
+    if not 0 <= p.slack <= MAX_SLACK:
+        raise invalid(f"{field}.slack must be 0 (default) or 1..{MAX_SLACK}, got {p.slack}")
+    if kind == "native" and (p.sink or p.window):
+        raise invalid(f"{field}: sink and window apply to CACHE_KIND_SINK_WINDOW only")
+    values = {
+        "kind": kind,
+        "sink": p.sink if p.kind else default.sink,
+        "window": (p.window or None) if p.kind else default.window,
+        "slack": p.slack or default.slack,
+    }
+    for name in ("full_kv_bits", "full_kv_group_size"):
+        if name in knobs and getattr(p, name):
+            values[name] = getattr(p, name)
+    return dataclasses.replace(default, **values)
+
+
+def check_policy(policy: CachePolicy, model_window: int, field: str = "cache_policy") -> CachePolicy:
+    try:
+        return policy.resolve(model_window)
+    except ValueError as exc:
+        raise invalid(f"{field}: {exc}") from None
+
+
+def policy_to_proto(p: CachePolicy) -> cache_pb2.CachePolicy:
+    return cache_pb2.CachePolicy(
+        kind=_NAME_TO_KIND.get(p.kind, cache_pb2.CACHE_KIND_UNSPECIFIED),
+        sink=p.sink,
+        window=p.window or 0,
+        slack=p.slack,
+        full_kv_bits=getattr(p, "full_kv_bits", 0),
+        full_kv_group_size=getattr(p, "full_kv_group_size", 0) if getattr(p, "full_kv_bits", 0) else 0,
+    )
+
+
+def _stats_proto(stats: dict, pending: int = 0) -> pb.SessionStats:
+    kv = stats.get("kv_bytes", {})
+    return pb.SessionStats(
+        kv_bytes_sliding=int(kv.get("sliding", 0)),
+        kv_bytes_full=int(kv.get("full", 0)),
+        positions=int(stats.get("positions", 0)),
+        pending=pending,
+        bounded=bool(stats.get("bounded", False)),
+    )
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
+    """Serves one loaded target (``LocalVerifier``) to many concurrent session streams."""
+
+    def __init__(self, max_sessions: int = 0):
+        self.compute = ComputeThread("verifier")
+        self.registry = SessionRegistry(max_sessions)
+        self.verifier = None  # LocalVerifier, set by load()
+        self.ready = False
+        self.aux_dtype = 0
+        self.device = ""
+
+    # -- loading -----------------------------------------------------------------------
+
+    def load(self, target_dir: str | Path, aux_layers: Sequence[int] = (), backend: str = "mlx") -> str:
+        """Load the target on the compute thread and warm it up with one short session."""
+        return self.compute.run(self._load, target_dir, tuple(aux_layers), backend)
+
+    def _load(self, target_dir, aux_layers, backend) -> str:
+        from services.orchestrator.endpoints import local_verifier
+
+        self.verifier = local_verifier(str(target_dir), list(aux_layers), backend)
+        info = self.verifier.info
+        warm_layers = aux_layers or (info.num_layers - 1,)
+        session = self._new_session(warm_layers, self.verifier.policy)
+        prompt = [i % info.vocab_size for i in range(1, 6)]
+        _, aux = session.prefill(prompt)
+        session.verify(prompt[:3])
+        session.commit(1)
+        session.close()
+        self.aux_dtype = codec.to_proto(aux[:1]).dtype
+        self.device = _device_name(backend)
+        return f"target {target_dir} ({backend}, {info.num_layers} layers, vocab {info.vocab_size}, aux {codec.dtype_name(self.aux_dtype)})"
+
+    def _new_session(self, aux_layers, policy):
+        from .session import VerifierSession
+
+        return VerifierSession(self.verifier.target, aux_layers, policy)
+
+    # -- RPCs ----------------------------------------------------------------------------
+
+    def GetInfo(self, request, context):
+        if not self.ready:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is loading its model")
+        return self.info()
+
+    def info(self) -> pb.VerifierInfo:
+        i = self.verifier.info
+        return pb.VerifierInfo(
+            model_name=i.name,
+            vocab_size=i.vocab_size,
+            eos_token_ids=list(i.eos_token_ids),
+            hidden_size=i.hidden_size,
+            num_layers=i.num_layers,
+            sliding_window=i.sliding_window,
+            target_layer_ids=list(self.verifier.aux_layers),
+            backend=i.backend,
+            aux_dtype=self.aux_dtype,
+            device=self.device,
+            version=version(),
+            default_cache_policy=policy_to_proto(self.verifier.policy.resolve(i.sliding_window)),
+            max_block_size=self.verifier.policy.slack,
+            live_sessions=self.registry.live,
+            max_sessions=self.registry.max_sessions,
+            live_kv_bytes=self.registry.live_bytes,
+            total_sessions=self.registry.total,
+        )
+
+    def Session(self, request_iterator, context) -> Iterator[pb.VerifierResponse]:
+        if not self.ready:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is loading its model")
+        try:
+            entry = self.registry.open()
+        except SessionLimitError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verifier: {exc}")
+        context.add_callback(lambda: self.registry.close(entry))
+        try:
+            yield from self._serve(entry, request_iterator)
+        except RequestError as exc:
+            context.abort(exc.code, exc.message)
+        except grpc.RpcError:
+            return  # the client went away while we were reading: nothing to answer
+        except Exception as exc:  # a bug: report it, keep the server up
+            log.exception("session %s failed", entry.id)
+            context.abort(grpc.StatusCode.INTERNAL, f"verifier: {type(exc).__name__}: {exc}")
+        finally:
+            self.registry.close(entry)
+
+    def _serve(self, entry, requests) -> Iterator[pb.VerifierResponse]:
+        vocab = self.verifier.info.vocab_size
+        n_layers = self.verifier.info.num_layers
+        session = None
+        prefilled = False
+        pending = 0
+        policy = None
+        for req in requests:
+            kind = req.WhichOneof("request")
+            t0 = time.perf_counter()
+            if session is None:
+                if kind != "open":
+                    raise precondition(f"the first message of a session must be open, got {kind or 'an empty request'}")
+                policy = policy_from_proto(req.open.cache_policy, self.verifier.policy, "open.cache_policy")
+                layers = list(req.open.target_layer_ids) or list(self.verifier.aux_layers)
+                if not layers:
+                    raise invalid("open.target_layer_ids: this verifier has no default aux layers: send them")
+                bad = [i for i in layers if not 0 <= i < n_layers]
+                if bad or len(set(layers)) != len(layers):
+                    raise invalid(
+                        f"open.target_layer_ids: {layers} must be distinct layers in [0, {n_layers})"
+                    )
+                check_policy(policy, self.verifier.info.sliding_window, "open.cache_policy")
+                session = entry.session = self.compute.run(self._new_session, layers, policy)
+                resolved = session.policy
+                resp = pb.VerifierResponse(
+                    opened=pb.VerifierResponse.Opened(
+                        info=self.info(), cache_policy=policy_to_proto(resolved), session_id=entry.id
+                    )
+                )
+            elif kind == "prefill":
+                if prefilled:
+                    raise precondition("prefill: already prefilled (chunked prefill is not supported yet)")
+                ids = check_token_ids(req.prefill.token_ids, vocab, "prefill.token_ids")
+                next_token, aux, stats = self.compute.run(self._prefill, entry, session, ids)
+                prefilled = True
+                resp = pb.VerifierResponse(prefilled=pb.VerifierResponse.Prefilled(next_token=next_token, aux=aux, stats=stats))
+            elif kind == "verify":
+                if not prefilled:
+                    raise precondition("verify: prefill the prompt first")
+                if pending:
+                    raise precondition("verify: commit the previous block first")
+                ids = check_token_ids(req.verify.block_ids, vocab, "verify.block_ids")
+                if len(ids) > session.policy.slack:
+                    raise invalid(
+                        f"verify.block_ids: {len(ids)} positions exceed this session's max block size {session.policy.slack}"
+                    )
+                choices = self.compute.run(session.verify, ids)
+                pending = len(ids)
+                resp = pb.VerifierResponse(verified=pb.VerifierResponse.Verified(choices=choices))
+            elif kind == "commit":
+                if not pending:
+                    raise precondition("commit: no verified block is pending")
+                n_keep = req.commit.n_keep
+                if not 0 <= n_keep <= pending:
+                    raise invalid(f"commit.n_keep must be in 0..{pending}, got {n_keep}")
+                aux, stats = self.compute.run(self._commit, entry, session, n_keep)
+                pending = 0
+                resp = pb.VerifierResponse(committed=pb.VerifierResponse.Committed(aux=aux, stats=stats))
+            elif kind == "close":
+                stats = _stats_proto(self.compute.run(session.stats), pending)
+                yield pb.VerifierResponse(closed=pb.VerifierResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0)
+                return
+            elif kind == "open":
+                raise precondition("open: the session is already open")
+            else:
+                raise invalid("request: no step set (open, prefill, verify, commit or close)")
+            resp.elapsed_s = time.perf_counter() - t0
+            yield resp
+
+    # -- compute-thread steps --------------------------------------------------------------
+
+    @staticmethod
+    def _account(entry, stats: dict) -> None:
+        kv = stats.get("kv_bytes", {})
+        if not entry.closed:
+            entry.cache_bytes = int(kv.get("sliding", 0)) + int(kv.get("full", 0))
+
+    def _prefill(self, entry, session, ids):
+        next_token, aux = session.prefill(ids)
+        tensor = codec.to_proto(aux)  # evaluates; the model's own dtype
+        stats = session.stats()
+        self._account(entry, stats)
+        return int(next_token), tensor, _stats_proto(stats)
+
+    def _commit(self, entry, session, n_keep):
+        aux = session.commit(n_keep)
+        tensor = codec.to_proto(aux)
+        stats = session.stats()
+        self._account(entry, stats)
+        return tensor, _stats_proto(stats)
+
+
+def _device_name(backend: str) -> str:
+    if backend == "mlx":
+        import mlx.core as mx
+
+        return str(mx.default_device())
+    return backend
+
+
+def server_spec(target_dir: str | Path, aux_layers: Sequence[int] = (), backend: str = "mlx", max_sessions: int = 0) -> ServerSpec:
+    servicer = VerifierServicer(max_sessions)
+
+    def set_ready(flag: bool) -> None:
+        servicer.ready = flag
+
+    return ServerSpec(
+        name="verifier",
+        service_names=[SERVICE_NAME],
+        add_to_server=lambda server: verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server),
+        load=lambda: servicer.load(target_dir, aux_layers, backend),
+        set_ready=set_ready,
+        max_workers=(max_sessions + 16) if max_sessions else 128,
+    )

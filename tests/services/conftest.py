@@ -1,0 +1,191 @@
+"""Real server processes on loopback, started with the project's own commands.
+
+Every process is started as ``python -m services.orchestrator.cli serve ...``
+with ``--port 0`` (or a port it had before, for restarts) and a ``--ready-file``
+it writes once SERVING. Each runs in its own process group, and every fixture's
+finalizer terminates it (SIGTERM, then SIGKILL of the group), so a failing test
+never leaves a server behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.wire.kakeya.v1 import drafter_pb2, drafter_pb2_grpc, generate_pb2, generate_pb2_grpc
+from services.wire.kakeya.v1 import verifier_pb2, verifier_pb2_grpc
+from services.wire.limits import channel_options
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 180.0  # model servers import mlx + mlx-lm and warm up; slow on 2 shared cores
+
+
+class Server:
+    """One `kakeya serve ...` process."""
+
+    def __init__(self, name: str, argv: list[str], tmp: Path, port: int = 0):
+        self.name, self.argv, self.tmp = name, list(argv), tmp
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+        self.addr = ""
+        self.info: dict = {}
+        self.starts = 0
+
+    def start(self) -> "Server":
+        self.starts += 1
+        self.ready_file = self.tmp / f"{self.name}-{self.starts}.ready.json"
+        self.log_file = self.tmp / f"{self.name}-{self.starts}.log"
+        cmd = [sys.executable, "-m", "services.orchestrator.cli", "serve", *self.argv]
+        cmd += ["--port", str(self.port), "--ready-file", str(self.ready_file)]
+        with open(self.log_file, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> "Server":
+        deadline = time.monotonic() + timeout
+        while not self.ready_file.is_file():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) before ready:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} not ready after {timeout} s:\n{self.log()}")
+            time.sleep(0.05)
+        self.info = json.loads(self.ready_file.read_text())
+        self.addr = self.info["addr"]
+        if "port" in self.info:
+            self.port = self.info["port"]  # a restart comes back on the same port
+        return self
+
+    def log(self) -> str:
+        try:
+            return self.log_file.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL the whole process group (children of `serve all` included)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # our own child's group: nothing else is in it
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
+
+
+def start_all(servers: list[Server]) -> None:
+    for s in servers:
+        s.start()
+    for s in servers:
+        s.wait_ready()
+
+
+@pytest.fixture(scope="module")
+def server_factory(tmp_path_factory):
+    """Start servers that are stopped when the module is done, whatever happens."""
+    tmp = tmp_path_factory.mktemp("servers")
+    started: list[Server] = []
+
+    def make(name: str, argv: list[str], port: int = 0) -> Server:
+        s = Server(name, argv, tmp, port)
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        s.stop()
+
+
+# --------------------------------------------------------------------------- clients
+
+
+def channel(addr: str) -> grpc.Channel:
+    return grpc.insecure_channel(addr, options=channel_options())
+
+
+def generation_stub(addr: str):
+    return generate_pb2_grpc.GenerationStub(channel(addr))
+
+
+def verifier_stub(addr: str):
+    return verifier_pb2_grpc.VerifierServiceStub(channel(addr))
+
+
+def drafter_stub(addr: str):
+    return drafter_pb2_grpc.DrafterServiceStub(channel(addr))
+
+
+def verifier_info(addr: str):
+    return verifier_stub(addr).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
+
+
+def drafter_info(addr: str):
+    return drafter_stub(addr).GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10)
+
+
+def request(ids=None, text=None, max_tokens=16, block_size=0, ignore_eos=True, **sampling) -> generate_pb2.GenerateRequest:
+    sp = generate_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **sampling)
+    req = generate_pb2.GenerateRequest(sampling_params=sp, block_size=block_size)
+    if text is not None:
+        req.text = text
+    elif ids is not None:
+        req.tokenized.ids.extend(ids)
+        req.tokenized.SetInParent()
+    return req
+
+
+def generate(addr: str, req, timeout: float = 120):
+    """Run one Generate; return (token ids, text, Complete, number of chunks)."""
+    ids, text, complete, chunks = [], [], None, 0
+    for resp in generation_stub(addr).Generate(req, timeout=timeout):
+        if resp.HasField("chunk"):
+            ids.extend(resp.chunk.token_ids)
+            text.append(resp.chunk.text)
+            chunks += 1
+        else:
+            assert complete is None, "two Complete messages"
+            complete = resp.complete
+    assert complete is not None, "no Complete message"
+    return ids, "".join(text), complete, chunks
+
+
+def wait_until(pred, timeout: float = 15.0, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {value!r})")
+        time.sleep(interval)
+
+
+def sessions_freed(verifier_addr: str, drafter_addr: str):
+    v, d = verifier_info(verifier_addr), drafter_info(drafter_addr)
+    return v.live_sessions == 0 and v.live_kv_bytes == 0 and d.live_sessions == 0 and d.live_kv_bytes == 0

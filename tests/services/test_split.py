@@ -1,0 +1,334 @@
+"""Split (verifier + drafter + orchestrator processes) vs colocated vs mlx-lm greedy AR, and the API's edges.
+
+Four real servers for the whole module: a verifier (session limit 3), a
+drafter, a split orchestrator reaching both over gRPC, and a colocated
+orchestrator holding the same embedded tiny pair in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from services.wire import codec
+from services.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, verifier_pb2
+
+from .conftest import (
+    ROOT,
+    channel,
+    drafter_info,
+    drafter_stub,
+    generate,
+    generation_stub,
+    request,
+    sessions_freed,
+    start_all,
+    verifier_info,
+    verifier_stub,
+    wait_until,
+)
+
+PROMPT = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60]
+LONG = 300  # the tiny target's sliding window is 32: the ring wraps 9+ times
+MAX_SESSIONS = 3
+LIMIT = 2000  # --max-tokens-limit of the orchestrators
+
+
+@pytest.fixture(scope="module")
+def servers(server_factory):
+    verifier = server_factory("verifier", ["verifier", "--max-sessions", str(MAX_SESSIONS), "--grace", "5"])
+    drafter = server_factory("drafter", ["drafter", "--grace", "5"])
+    colocated = server_factory("colocated", ["orchestrator", "--max-tokens-limit", str(LIMIT), "--grace", "5"])
+    start_all([verifier, drafter, colocated])
+    split = server_factory(
+        "split",
+        ["orchestrator", "--verifier", verifier.addr, "--drafter", drafter.addr, "--max-tokens-limit", str(LIMIT), "--grace", "5"],
+    )
+    start_all([split])
+    return {"verifier": verifier, "drafter": drafter, "split": split, "colocated": colocated}
+
+
+@pytest.fixture(scope="module")
+def reference(mlx_target):
+    from services.verifier.reference_mlx import greedy_reference
+
+    ids, _, _ = greedy_reference(mlx_target.model, PROMPT, LONG)
+    return ids
+
+
+def test_every_server_is_serving_with_health_and_reflection(servers):
+    for name, s in servers.items():
+        ch = channel(s.addr)
+        health = health_pb2_grpc.HealthStub(ch)
+        assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == health_pb2.HealthCheckResponse.SERVING, name
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        names = {x.name for x in resp.list_services_response.service}
+        assert "grpc.health.v1.Health" in names, name
+        want = {"verifier": "kakeya.v1.VerifierService", "drafter": "kakeya.v1.DrafterService"}.get(name, "kakeya.v1.Generation")
+        assert want in names, (name, names)
+        assert health.Check(health_pb2.HealthCheckRequest(service=want), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_split_equals_colocated_equals_mlx_lm_greedy_ar_past_ring_wraps(servers, reference):
+    assert len(set(reference)) > 50, "degenerate reference: the comparison would prove little"
+    results = {}
+    for name in ("split", "colocated"):
+        ids, _, complete, chunks = generate(servers[name].addr, request(PROMPT, max_tokens=LONG, ignore_eos=True))
+        st = complete.stats
+        assert complete.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        assert complete.completion_tokens == LONG and complete.prompt_tokens == len(PROMPT)
+        assert list(complete.prompt_token_ids) == PROMPT
+        assert sum(st.acceptance_lengths) == LONG - 1 and st.block_size == 8 and not st.drafter_fallback
+        assert chunks == len(st.acceptance_lengths) + 1  # one chunk per committed block
+        assert st.verifier_kv_bytes_sliding > 0 and st.verifier_kv_bytes_full > 0 and not st.degenerate
+        results[name] = ids
+    assert results["split"] == reference
+    assert results["colocated"] == reference
+
+
+def test_client_cli_prints_the_same_json_as_generate(servers, capsys):
+    from services.orchestrator.cli import main
+
+    args = ["--json", "--max-tokens", "24", "--block-size", "4", "--prompt", "def f(x):"]
+    assert main(["generate", *args]) == 0
+    local = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    res = subprocess.run(
+        [sys.executable, "-m", "services.orchestrator.cli", "client", "--addr", servers["split"].addr, "generate", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    remote = json.loads(res.stdout.strip().splitlines()[-1])
+    assert remote.keys() == local.keys()
+    for key in ("target", "draft", "prompt_token_ids", "token_ids", "text", "finish_reason", "block_size",
+                "acceptance_lengths", "verifier_kv_bytes", "cache_policy", "quality", "drafter_fallback"):  # fmt: skip
+        assert remote[key] == local[key], key
+    assert remote["backend"] == f"grpc:{servers['verifier'].addr}" and local["backend"] == "mlx"
+
+
+def test_stop_strings_and_stop_token_ids(servers):
+    addr = servers["split"].addr
+    full_ids, full_text, _, _ = generate(addr, request(text="def fibonacci(n):", max_tokens=60))
+    # a stop string from the middle of the output (not at its very start)
+    clean = full_text.replace("\ufffd", "")
+    stop = next(clean[i : i + 3] for i in range(10, len(clean) - 3) if "\ufffd" not in clean[i : i + 3] and clean[i : i + 3].strip())
+    cut = full_text.index(stop)
+    ids, text, complete, _ = generate(addr, request(text="def fibonacci(n):", max_tokens=60, stop=[stop]))
+    assert text == full_text[:cut] and stop not in text
+    assert complete.finish_reason == generate_pb2.FINISH_REASON_STOP
+    assert ids == full_ids[: len(ids)] and 0 < len(ids) < len(full_ids)
+    # stop token ids: generation ends on (and includes) the first one
+    stop_tok = full_ids[20]
+    ids, _, complete, _ = generate(addr, request(text="def fibonacci(n):", max_tokens=60, stop_token_ids=[stop_tok]))
+    assert ids == full_ids[: full_ids.index(stop_tok) + 1]
+    assert complete.finish_reason == generate_pb2.FINISH_REASON_STOP
+
+
+def test_model_and_server_info(servers):
+    stub = generation_stub(servers["split"].addr)
+    m = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=5)
+    assert m.vocab_size == 1024 and m.default_block_size == 8 and m.max_tokens_limit == LIMIT and m.has_tokenizer
+    assert m.target_model.endswith("tiny/target") and m.draft_model.endswith("tiny/draft")
+    s = stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5)
+    assert s.deployment == "split" and s.verifier_backend == f"grpc:{servers['verifier'].addr}"
+    c = generation_stub(servers["colocated"].addr).GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5)
+    assert c.deployment == "colocated" and c.verifier_backend == "mlx"
+
+
+def test_cancelled_stream_frees_verifier_and_drafter_sessions(servers):
+    v, d = servers["verifier"].addr, servers["drafter"].addr
+    wait_until(lambda: sessions_freed(v, d), what="idle backends")
+    call = generation_stub(servers["split"].addr).Generate(request(PROMPT, max_tokens=LIMIT, block_size=4), timeout=120)
+    for _ in range(3):
+        assert next(call).HasField("chunk")
+    vi, di = verifier_info(v), drafter_info(d)
+    assert vi.live_sessions == 1 and vi.live_kv_bytes > 0
+    assert di.live_sessions == 1 and di.live_kv_bytes > 0
+    call.cancel()
+    wait_until(lambda: sessions_freed(v, d), what="sessions freed after cancel")
+
+
+def test_deadline_propagates_to_the_backends(servers):
+    v, d = servers["verifier"].addr, servers["drafter"].addr
+    call = generation_stub(servers["split"].addr).Generate(request(PROMPT, max_tokens=LIMIT, block_size=4), timeout=1.5)
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: sessions_freed(v, d), what="sessions freed after the deadline")
+
+
+# --------------------------------------------------------------------------- bad requests
+
+
+def _policy(**kw):
+    return cache_pb2.CachePolicy(**kw)
+
+
+BAD_GENERATE = [
+    ("no prompt", request(), "prompt"),
+    ("empty text", request(text=""), "prompt.text"),
+    ("empty ids", request(ids=[]), "prompt.tokenized.ids"),
+    ("id = vocab", request(ids=[2, 1024]), "prompt.tokenized.ids"),
+    ("negative id", request(ids=[2, -1]), "prompt.tokenized.ids"),
+    ("max_tokens < 0", request(PROMPT, max_tokens=-1), "sampling_params.max_tokens"),
+    ("max_tokens > limit", request(PROMPT, max_tokens=LIMIT + 1), "sampling_params.max_tokens"),
+    ("block size 17", request(PROMPT, block_size=17), "block_size"),
+    ("block size -1", request(PROMPT, block_size=-1), "block_size"),
+    ("temperature", request(PROMPT, temperature=0.7), "not supported yet"),
+    ("top_k", request(PROMPT, top_k=5), "sampling_params.top_k"),
+    ("stop id outside vocab", request(PROMPT, stop_token_ids=[5000]), "sampling_params.stop_token_ids"),
+    ("empty stop string", request(PROMPT, stop=[""]), "sampling_params.stop"),
+]
+
+
+def _with_policy(**kw):
+    r = request(PROMPT)
+    r.cache_policy.CopyFrom(_policy(**kw))
+    return r
+
+
+BAD_GENERATE += [
+    ("restore_path", _with_policy(restore_path="/x"), "cache_policy.restore_path"),
+    ("slack < block", _with_policy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, slack=4), "cache_policy.slack"),
+    ("unknown cache kind", _with_policy(kind=7), "cache_policy.kind"),
+]
+
+
+def _good(servers):
+    ids, _, complete, _ = generate(servers["split"].addr, request(PROMPT, max_tokens=12))
+    assert len(ids) == 12 and complete.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+
+
+@pytest.mark.parametrize("deployment", ["split", "colocated"])
+@pytest.mark.parametrize("case", BAD_GENERATE, ids=[c[0] for c in BAD_GENERATE])
+def test_bad_generate_request_then_a_good_one(servers, case, deployment):
+    _, req, field = case
+    with pytest.raises(grpc.RpcError) as err:
+        generate(servers[deployment].addr, req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    _good(servers)
+
+
+def _aux(rows=3, width=128, dtype=np.float32):
+    return codec.to_proto(np.zeros((rows, width), dtype=dtype))
+
+
+V = verifier_pb2.VerifierRequest
+D = drafter_pb2.DrafterRequest
+OPEN_V = V(open=V.Open())
+OPEN_D = D(open=D.Open())
+_corrupt = _aux()
+_corrupt.data = _corrupt.data[:-4]
+
+BAD_VERIFIER = [
+    ("first not open", [V(prefill=V.Prefill(token_ids=[2]))], grpc.StatusCode.FAILED_PRECONDITION, "open"),
+    ("prefill id outside vocab", [OPEN_V, V(prefill=V.Prefill(token_ids=[2, 4096]))], grpc.StatusCode.INVALID_ARGUMENT, "prefill.token_ids"),
+    ("empty prefill", [OPEN_V, V(prefill=V.Prefill())], grpc.StatusCode.INVALID_ARGUMENT, "prefill.token_ids"),
+    ("verify before prefill", [OPEN_V, V(verify=V.Verify(block_ids=[2]))], grpc.StatusCode.FAILED_PRECONDITION, "prefill"),
+    ("block too long", [OPEN_V, V(prefill=V.Prefill(token_ids=[2])), V(verify=V.Verify(block_ids=[3] * 17))], grpc.StatusCode.INVALID_ARGUMENT, "verify.block_ids"),
+    ("n_keep too big", [OPEN_V, V(prefill=V.Prefill(token_ids=[2])), V(verify=V.Verify(block_ids=[3, 4])), V(commit=V.Commit(n_keep=3))], grpc.StatusCode.INVALID_ARGUMENT, "commit.n_keep"),
+    ("aux layer out of range", [V(open=V.Open(target_layer_ids=[1, 9]))], grpc.StatusCode.INVALID_ARGUMENT, "open.target_layer_ids"),
+    ("quantised kv bits 3", [V(open=V.Open(cache_policy=_policy(full_kv_bits=3)))], grpc.StatusCode.INVALID_ARGUMENT, "open.cache_policy"),
+]
+BAD_DRAFTER = [
+    ("first not open", [D(draft=D.Draft(new_aux=_aux(), last_token=2))], grpc.StatusCode.FAILED_PRECONDITION, "open"),
+    ("int32 aux", [OPEN_D, D(draft=D.Draft(new_aux=_aux(dtype=np.int32), last_token=2))], grpc.StatusCode.INVALID_ARGUMENT, "draft.new_aux"),
+    ("aux wrong width", [OPEN_D, D(draft=D.Draft(new_aux=_aux(width=100), last_token=2))], grpc.StatusCode.INVALID_ARGUMENT, "draft.new_aux"),
+    ("aux 3-d", [OPEN_D, D(draft=D.Draft(new_aux=codec.to_proto(np.zeros((1, 3, 128), np.float32)), last_token=2))], grpc.StatusCode.INVALID_ARGUMENT, "draft.new_aux"),
+    ("aux bytes short", [OPEN_D, D(draft=D.Draft(new_aux=_corrupt, last_token=2))], grpc.StatusCode.INVALID_ARGUMENT, "draft.new_aux"),
+    ("empty first aux", [OPEN_D, D(draft=D.Draft(new_aux=_aux(rows=0), last_token=2))], grpc.StatusCode.INVALID_ARGUMENT, "draft.new_aux"),
+    ("last token outside vocab", [OPEN_D, D(draft=D.Draft(new_aux=_aux(), last_token=1024))], grpc.StatusCode.INVALID_ARGUMENT, "draft.last_token"),
+    ("block size 100", [OPEN_D, D(draft=D.Draft(new_aux=_aux(), last_token=2, block_size=100))], grpc.StatusCode.INVALID_ARGUMENT, "draft.block_size"),
+]  # fmt: skip
+
+
+def _session(stub, msgs):
+    """Send ``msgs`` on one Session stream; return the responses (the RpcError propagates)."""
+    return list(stub.Session(iter(msgs), timeout=30))
+
+
+@pytest.mark.parametrize("case", BAD_VERIFIER, ids=[c[0] for c in BAD_VERIFIER])
+def test_bad_verifier_stream_then_a_good_request(servers, case):
+    _, msgs, code, field = case
+    with pytest.raises(grpc.RpcError) as err:
+        _session(verifier_stub(servers["verifier"].addr), msgs)
+    assert err.value.code() == code and field in err.value.details(), err.value.details()
+    _good(servers)
+
+
+@pytest.mark.parametrize("case", BAD_DRAFTER, ids=[c[0] for c in BAD_DRAFTER])
+def test_bad_drafter_stream_then_a_good_request(servers, case):
+    _, msgs, code, field = case
+    with pytest.raises(grpc.RpcError) as err:
+        _session(drafter_stub(servers["drafter"].addr), msgs)
+    assert err.value.code() == code and field in err.value.details(), err.value.details()
+    _good(servers)
+
+
+def test_a_good_raw_verifier_session(servers):
+    out = _session(
+        verifier_stub(servers["verifier"].addr),
+        [OPEN_V, V(prefill=V.Prefill(token_ids=PROMPT)), V(verify=V.Verify(block_ids=[5, 6, 7])), V(commit=V.Commit(n_keep=2)), V(close=V.Close())],
+    )  # fmt: skip
+    assert [r.WhichOneof("response") for r in out] == ["opened", "prefilled", "verified", "committed", "closed"]
+    aux = codec.from_proto(out[1].prefilled.aux)
+    assert aux.shape == (len(PROMPT), 128) and aux.dtype == np.float32  # the model's dtype, 2 aux layers x 64
+    assert len(out[2].verified.choices) == 3 and codec.from_proto(out[3].committed.aux).shape == (2, 128)
+    assert out[4].closed.stats.positions == len(PROMPT) + 2
+
+
+def test_session_limit_is_resource_exhausted_then_recovers(servers):
+    v, d = servers["verifier"].addr, servers["drafter"].addr
+    wait_until(lambda: sessions_freed(v, d), what="idle backends")
+    stub = verifier_stub(v)
+    release = threading.Event()
+
+    def held():  # an open session that sends nothing more until released
+        yield OPEN_V
+        yield V(prefill=V.Prefill(token_ids=PROMPT))
+        release.wait(60)
+
+    holders = []
+    for _ in range(MAX_SESSIONS):
+        call = stub.Session(held(), timeout=60)
+        assert next(call).HasField("opened")
+        holders.append(call)
+    wait_until(lambda: verifier_info(v).live_sessions == MAX_SESSIONS, what="sessions held")
+    with pytest.raises(grpc.RpcError) as err:
+        generate(servers["split"].addr, request(PROMPT, max_tokens=8))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "session limit" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        _session(stub, [OPEN_V])
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    release.set()
+    for call in holders:
+        call.cancel()
+    wait_until(lambda: sessions_freed(v, d), what="sessions freed")
+    _good(servers)
+
+
+def test_client_cli_reports_status_and_exits_non_zero(servers):
+    def client(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "services.orchestrator.cli", "client", *args],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    res = client("--addr", servers["split"].addr, "generate", "--prompt", "")
+    assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "prompt.text" in res.stderr
+    res = client("--addr", servers["split"].addr, "generate", "--prompt", "x", "--temperature", "0.5")
+    assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "not supported yet" in res.stderr
+    res = client("--addr", "127.0.0.1:1", "--timeout", "5", "generate", "--prompt", "x")
+    assert res.returncode == 1 and "UNAVAILABLE" in res.stderr
+    res = client("--addr", servers["split"].addr, "health")
+    assert res.returncode == 0 and res.stdout.strip() == "SERVING"
