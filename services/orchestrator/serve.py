@@ -223,6 +223,8 @@ def cmd_serve_all(args) -> int:
     setup_logging("all")
     log = logging.getLogger("kakeya.all")
     target, draft = _pair(args.target, args.draft)
+    if args.ready_file:
+        Path(args.ready_file).unlink(missing_ok=True)
     sup = Supervisor(args.grace)
 
     def on_signal(signum, _frame):
@@ -272,6 +274,8 @@ def cmd_serve_all(args) -> int:
             rc = 1
         finally:
             sup.shutdown()
+            if args.ready_file:
+                Path(args.ready_file).unlink(missing_ok=True)
     return rc
 
 

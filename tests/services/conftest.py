@@ -41,8 +41,9 @@ class Server:
 
     def start(self) -> "Server":
         self.starts += 1
-        self.ready_file = self.tmp / f"{self.name}-{self.starts}.ready.json"
-        self.log_file = self.tmp / f"{self.name}-{self.starts}.log"
+        tag = f"{self.name}-{id(self):x}-{self.starts}"
+        self.ready_file = self.tmp / f"{tag}.ready.json"
+        self.log_file = self.tmp / f"{tag}.log"
         cmd = [sys.executable, "-m", "services.orchestrator.cli", "serve", *self.argv]
         cmd += ["--port", str(self.port), "--ready-file", str(self.ready_file)]
         with open(self.log_file, "wb") as log:

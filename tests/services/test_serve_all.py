@@ -1,0 +1,82 @@
+"""`kakeya serve all`: three processes that start together and stop together."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, wait_until
+
+
+def pid_alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    if Path("/proc/self/stat").exists():  # Linux: a zombie (exited, not yet reaped) counts as gone
+        try:
+            return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def serve_all(server_factory, tmp_path):
+    """Start `kakeya serve all`; afterwards make sure none of its children survive."""
+    started = []
+
+    def start():
+        s = server_factory("all", ["all", "--grace", "5"]).start().wait_ready()
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
+        for name, pid in s.info.get("pids", {}).items():
+            if pid_alive(pid):
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    cmd = b""
+                if b"services.orchestrator.cli" in cmd:  # still ours: never signal a reused pid
+                    os.kill(pid, signal.SIGKILL)
+
+
+def client(addr, *args):
+    return subprocess.run(
+        [sys.executable, "-m", "services.orchestrator.cli", "client", "--addr", addr, *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_serve_all_runs_three_processes_and_sigterm_stops_them_all(serve_all):
+    s = serve_all()
+    pids = s.info["pids"]
+    assert set(pids) == {"verifier", "drafter", "orchestrator"}
+    assert len({s.proc.pid, *pids.values()}) == 4 and all(pid_alive(p) for p in pids.values())
+    assert client(s.addr, "health").stdout.strip() == "SERVING"
+    res = client(s.addr, "generate", "--json", "--max-tokens", "16", "--ignore-eos")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 16 and out["backend"] == f"grpc:{s.info['verifier']}"
+    s.signal(signal.SIGTERM)
+    assert s.wait(60) == 0
+    wait_until(lambda: not any(pid_alive(p) for p in pids.values()), timeout=10, what="children gone")
+
+
+def test_children_die_with_the_parent(serve_all):
+    s = serve_all()
+    pids = s.info["pids"]
+    assert all(pid_alive(p) for p in pids.values())
+    s.signal(signal.SIGKILL)
+    s.wait(10)
+    wait_until(lambda: not any(pid_alive(p) for p in pids.values()), timeout=30, what="orphaned children to exit")
