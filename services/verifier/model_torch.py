@@ -651,7 +651,10 @@ class TargetTorch:
 
     # -- what services/verifier/session.py needs from a backend --------------------------
 
-    def make_cache(self, layout: RingLayout) -> list:
+    def make_cache(self, layout: RingLayout, policy=None) -> list:
+        bits = getattr(policy, "full_kv_bits", 0) if policy is not None else 0
+        if bits:
+            raise NotImplementedError("quantized full-attention K/V is not implemented by the torch backend yet")
         return [RingKVCache(layout) if self.layer_types[i] == SLIDING else FullKVCache() for i in range(self.n_cached)]
 
     def make_plain_cache(self) -> list:
