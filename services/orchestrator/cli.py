@@ -46,6 +46,26 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
     return Engine(verifier, drafter, TextCodec(target), target=str(target), draft=str(draft))
 
 
+def add_cache_args(p) -> None:
+    """Cache-policy flags, shared by every command that opens verifier sessions."""
+    g = p.add_argument_group("verifier cache policy")
+    g.add_argument("--cache", default="native", choices=["native", "sink-window"],
+                   help="native: the model's own sliding window (not bounded as a whole); "
+                        "sink-window: --sink first positions + a --window of recent ones on sliding layers")
+    g.add_argument("--sink", type=int, default=4, help="attention sinks kept forever (sink-window)")
+    g.add_argument("--window", type=int, default=None, help="sliding window (sink-window; default: the model's)")
+    g.add_argument("--full-kv-bits", type=int, default=0, choices=[0, 4, 8],
+                   help="affine-quantize full-attention K/V to 4 or 8 bits (0: exact)")
+
+
+def cache_policy_from_args(args):
+    from services.verifier.cache import CachePolicy
+
+    if args.cache == "native":
+        return CachePolicy("native", full_kv_bits=args.full_kv_bits)
+    return CachePolicy("sink-window", sink=args.sink, window=args.window, full_kv_bits=args.full_kv_bits)
+
+
 def cmd_generate(args) -> int:
     from .engine import Request, stream_text
     from .loop import check_block_size, drive
@@ -54,10 +74,12 @@ def cmd_generate(args) -> int:
         raise UsageError("--prompt is empty")
     engine = build_local_engine(args.target, args.draft, args.backend)
     prompt_ids = engine.codec.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
-    req = Request(prompt_ids, max_tokens=args.max_tokens, block_size=args.block_size or 0, ignore_eos=args.ignore_eos)
+    req = Request(prompt_ids, max_tokens=args.max_tokens, block_size=args.block_size or 0, ignore_eos=args.ignore_eos,
+                  cache_policy=cache_policy_from_args(args))
     try:
         if args.block_size is not None:
             check_block_size(args.block_size)
+        req.cache_policy.resolve(engine.verifier.info.sliding_window)
         engine.validate(req)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -95,16 +117,32 @@ def print_result(args, out: dict) -> None:
 
 
 def _compare_ar(engine, req, gen) -> dict:
-    """Greedy AR of the same target by an independent implementation (mlx-lm's generate_step)."""
-    target = getattr(engine.verifier, "target", None)
-    if target is None or not hasattr(target, "model"):
-        raise UsageError("--compare-ar needs an in-process MLX verifier")
-    from services.verifier.reference_mlx import greedy_reference
+    """Greedy AR of the same target, as independent of the speculative path as the policy allows.
+
+    For the native policy on MLX that is mlx-lm's own ``generate_step`` with its
+    own caches. mlx-lm has no sink-window or quantized-full-layer cache, so for
+    those (and for other backends) the reference is this engine at block size 1
+    with the same policy: plain AR through the same cache semantics.
+    """
+    import time
+    from dataclasses import replace
 
     stop = set(req.stop_ids) | (set() if req.ignore_eos else set(engine.verifier.info.eos_token_ids))
-    ar_ids, _, decode_s = greedy_reference(target.model, req.prompt_ids, req.max_tokens, stop)
+    policy = req.cache_policy
+    target = getattr(engine.verifier, "target", None)
+    native = policy is None or (policy.kind == "native" and not policy.full_kv_bits)
+    if native and getattr(target, "backend", "") == "mlx":
+        from services.verifier.reference_mlx import greedy_reference
+
+        ar_ids, _, decode_s = greedy_reference(target.model, req.prompt_ids, req.max_tokens, stop)
+        reference = "mlx-lm generate_step (native caches)"
+    else:
+        ar = engine.generate(replace(req, block_size=1))
+        ar_ids, decode_s = ar.token_ids, ar.decode_s
+        reference = f"kakeya block size 1, same cache policy ({policy.label if policy else 'default'})"
     ar_tok_s = (len(ar_ids) - 1) / decode_s if decode_s > 0 and len(ar_ids) > 1 else 0.0
     return {
+        "ar_reference": reference,
         "ar_token_ids": ar_ids,
         "ar_decode_tok_s": round(ar_tok_s, 3),
         "lossless": ar_ids == gen.token_ids,
@@ -131,6 +169,7 @@ def register_generate(sub) -> None:
     add_generation_options(p)
     p.add_argument("--backend", default="mlx", choices=["mlx"])
     p.add_argument("--compare-ar", action="store_true", help="also run greedy AR and report lossless/speedup")
+    add_cache_args(p)
     p.set_defaults(func=cmd_generate)
 
 

@@ -74,7 +74,8 @@ class DrafterSession(Protocol):
 class Verifier(Protocol):
     info: ModelInfo
 
-    def open_session(self) -> VerifierSession: ...
+    def open_session(self, policy=None) -> VerifierSession:
+        """A new session; ``policy`` (a ``services.verifier.cache.CachePolicy``) overrides the default."""
 
 
 class Drafter(Protocol):

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+from services.verifier.cache import CachePolicy
+
 from . import loop
 from .endpoints import Drafter, Verifier
 from .quality import quality_report
@@ -23,6 +25,7 @@ class Request:
     block_size: int = 0  # 0: the drafter's trained block size
     stop_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    cache_policy: CachePolicy | None = None  # None: the verifier's default
 
 
 class Engine:
@@ -53,7 +56,7 @@ class Engine:
         if not req.ignore_eos:
             stop |= set(self.verifier.info.eos_token_ids)
         block_size = req.block_size or self.default_block_size
-        vsession = self.verifier.open_session()
+        vsession = self.verifier.open_session(req.cache_policy)
         dsession = self.drafter.open_session() if self.drafter is not None and block_size > 1 else None
         try:
             gen = yield from loop.speculative_decode(
@@ -88,6 +91,7 @@ class Engine:
             "drafter_fallback": gen.drafter_fallback,
             "verifier_kv_bytes": {"sliding": kv.get("sliding", 0), "full": kv.get("full", 0)},
             "cache_policy": gen.verifier_stats.get("cache_policy", ""),
+            "cache_bounded": gen.verifier_stats.get("bounded", False),
             "quality": quality_report(gen.token_ids),
         }
 

@@ -15,11 +15,11 @@ from typing import Sequence
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.models.gemma4_text import logit_softcap
 from mlx_lm.utils import load_model
 
-from .cache import RingLayout, RingPlan
+from .cache import CachePolicy, RingLayout, RingPlan
 from .cache_mlx import RingKVCache
 
 
@@ -52,9 +52,15 @@ class TargetMLX:
 
     # -- what services/verifier/session.py needs from a backend --------------------------
 
-    def make_cache(self, layout: RingLayout) -> list:
+    def make_cache(self, layout: RingLayout, policy: CachePolicy) -> list:
+        def full():
+            if not policy.full_kv_bits:
+                return KVCache()
+            group = min(policy.full_kv_group_size, self.args.global_head_dim or self.args.head_dim)
+            return QuantizedKVCache(group_size=group, bits=policy.full_kv_bits)
+
         return [
-            RingKVCache(layout) if self.layer_types[i] == "sliding_attention" else KVCache()
+            RingKVCache(layout) if self.layer_types[i] == "sliding_attention" else full()
             for i in range(self.n_cached)
         ]
 
@@ -79,14 +85,14 @@ class TargetMLX:
     @staticmethod
     def trim_full(cache: list, n: int) -> None:
         for c in cache:
-            if isinstance(c, KVCache):
+            if not isinstance(c, RingKVCache):
                 c.trim(n)
 
     @staticmethod
     def kv_bytes(cache: list) -> dict:
         return {
             "sliding": sum(c.nbytes for c in cache if isinstance(c, RingKVCache)),
-            "full": sum(c.nbytes for c in cache if isinstance(c, KVCache)),
+            "full": sum(c.nbytes for c in cache if not isinstance(c, RingKVCache)),
         }
 
     # -- the model itself ---------------------------------------------------------------
@@ -101,7 +107,7 @@ class TargetMLX:
             pli = inner._project_per_layer_inputs(h, pli)
             per_layer = [pli[:, :, i, :] for i in range(len(inner.layers))]
 
-        full_cache = next((c for c in cache if isinstance(c, KVCache)), None)
+        full_cache = next((c for c in cache if not isinstance(c, RingKVCache)), None)
         masks = {
             "full_attention": create_attention_mask(h, full_cache),
             "sliding_attention": sliding_mask,

@@ -27,7 +27,7 @@ class VerifierSession:
         self.aux_layers = tuple(aux_layers)
         self.policy = policy.resolve(target.args.sliding_window)
         self.layout = RingLayout(self.policy.sink, self.policy.window, self.policy.slack)
-        self.cache = target.make_cache(self.layout)
+        self.cache = target.make_cache(self.layout, self.policy)
         self._pending = None  # (block length, aux of the block) between verify and commit
         self.closed = False
 
@@ -79,7 +79,7 @@ class VerifierSession:
 
     def stats(self) -> dict:
         return {
-            "cache_policy": self.policy.kind,
+            "cache_policy": self.policy.label,
             "bounded": self.policy.kind != "native",
             "positions": self.offset,
             "kv_bytes": self.target.kv_bytes(self.cache),

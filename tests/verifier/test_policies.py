@@ -1,0 +1,111 @@
+"""Every cache policy: greedy speculative == greedy AR of the same policy, for thousands of tokens.
+
+The reference keeps every position and masks (tests/policy_reference.py), so it
+shares neither the ring nor its rollback with the code under test.
+
+Quantized full-layer K/V are the one place where "token for token" needs a
+qualifier: two equivalent computation orders differ in the last float bits,
+and quantization can round such a difference up to a whole quantization step
+(~1e-3 on a logit). Where the reference's top two logits are that close, either
+token is the target's greedy choice up to rounding; those tests therefore
+require identity up to the reference's first near-tie and a long prefix.
+"""
+
+import pytest
+
+from services.drafter.session import MLXDrafter
+from services.orchestrator.loop import run, speculative_decode
+from services.verifier.cache import CachePolicy
+from services.verifier.session import VerifierSession
+
+from ..planted import PlantedDrafterSession
+from ..policy_reference import policy_greedy
+
+PROMPT = [2] + [(11 * i) % 700 + 20 for i in range(40)]
+# logits: an 8-bit step on these K/V moves a logit by ~1e-3; a 4-bit step is 17x coarser
+NEAR_TIE = {8: 0.01, 4: 0.17}
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_pair):
+    return MLXDrafter(tiny_pair.draft, tiny_pair.target)
+
+
+@pytest.mark.parametrize(
+    "policy,block_size,drafter_kind,n",
+    [
+        (CachePolicy("sink-window", sink=4, window=16), 8, "random", 2500),
+        (CachePolicy("sink-window", sink=4, window=16), 16, "planted", 2500),
+        (CachePolicy("sink-window", sink=0, window=24), 3, "planted", 1200),
+        (CachePolicy("sink-window", sink=4, window=16, full_kv_bits=8), 4, "planted", 1500),
+        (CachePolicy("native", full_kv_bits=8), 8, "random", 1200),
+        (CachePolicy("sink-window", sink=2, window=24, full_kv_bits=4), 16, "planted", 1200),
+    ],
+    ids=lambda v: v.label if isinstance(v, CachePolicy) else str(v),
+)
+def test_speculative_equals_same_policy_ar(mlx_target, aux_layers, drafter, policy, block_size, drafter_kind, n):
+    margins = []
+    ref = policy_greedy(mlx_target, PROMPT, n, policy, margins)
+    assert len(set(ref)) > 100
+    if drafter_kind == "random":
+        dsession = drafter.open_session()
+    else:
+        dsession = PlantedDrafterSession(ref, len(PROMPT), mlx_target.args.vocab_size, seed=block_size)
+    gen = run(VerifierSession(mlx_target, aux_layers, policy), dsession, PROMPT, n, block_size)
+    first_diff = next((i for i, (a, b) in enumerate(zip(gen.token_ids, ref)) if a != b), None)
+    if policy.full_kv_bits and first_diff is not None:
+        assert margins[first_diff] < NEAR_TIE[policy.full_kv_bits], f"diverged at token {first_diff} where the margin was {margins[first_diff]}"
+        assert first_diff >= 300
+    else:
+        assert first_diff is None, f"diverged at token {first_diff} of {n}"
+        assert gen.token_ids == ref
+
+
+def test_policies_change_the_output(mlx_target, aux_layers):
+    """A window of 16 is not the model's 32: the bounded policy must actually act."""
+    native = policy_greedy(mlx_target, PROMPT, 300, CachePolicy())
+    bounded = policy_greedy(mlx_target, PROMPT, 300, CachePolicy("sink-window", sink=4, window=16))
+    assert native != bounded
+
+
+def test_sliding_bytes_flat_full_bytes_linear(mlx_target, aux_layers, drafter):
+    policy = CachePolicy("sink-window", sink=4, window=16)
+    session = VerifierSession(mlx_target, aux_layers, policy)
+    seen = {}
+    it = speculative_decode(session, drafter.open_session(), PROMPT, 3000, 8)
+    for block in it:
+        n = session.offset - len(PROMPT)
+        for mark in (300, 1000, 3000 - 16):
+            if mark not in seen and n >= mark:
+                seen[mark] = (n + len(PROMPT), session.stats()["kv_bytes"])
+    a = mlx_target.args
+    n_full = a.layer_types.count("full_attention")
+    kv_heads = a.num_global_key_value_heads or a.num_key_value_heads
+    per_position = n_full * 2 * kv_heads * a.global_head_dim * 4  # K and V, float32
+    for p, b in seen.values():
+        assert b["sliding"] == seen[300][1]["sliding"] > 0  # flat
+        # linear: mlx-lm's KVCache allocates in steps of 256 positions (a block may straddle one)
+        assert per_position * p <= b["full"] <= per_position * (p + 256 + 16)
+
+
+def test_quantized_full_layers_hold_fewer_bytes(mlx_target, aux_layers, drafter):
+    sizes = {}
+    for bits in (0, 8, 4):
+        session = VerifierSession(mlx_target, aux_layers, CachePolicy(full_kv_bits=bits))
+        run(session, drafter.open_session(), PROMPT, 200, 8)
+        sizes[bits] = session.stats()["kv_bytes"]["full"]
+    assert sizes[4] < sizes[8] < sizes[0]
+
+
+@pytest.mark.parametrize(
+    "policy,fragment",
+    [
+        (CachePolicy("bogus"), "kind"),
+        (CachePolicy(full_kv_bits=3), "full_kv_bits"),
+        (CachePolicy("sink-window", window=0), "window"),
+        (CachePolicy("native", sink=4), "native"),
+    ],
+)
+def test_bad_policies_are_refused(mlx_target, aux_layers, policy, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        VerifierSession(mlx_target, aux_layers, policy)
