@@ -56,7 +56,8 @@ class Engine:
         if not req.ignore_eos:
             stop |= set(self.verifier.info.eos_token_ids)
         block_size = req.block_size or self.default_block_size
-        vsession = self.verifier.open_session(req.cache_policy)
+        policy = req.cache_policy
+        vsession = self.verifier.open_session(policy) if policy is not None else self.verifier.open_session()
         dsession = self.drafter.open_session() if self.drafter is not None and block_size > 1 else None
         try:
             gen = yield from loop.speculative_decode(
