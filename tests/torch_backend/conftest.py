@@ -51,7 +51,7 @@ def torch_drafter(tiny):
     return TorchDrafter(tiny.draft, tiny.target, "cpu", "float32")
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def _one_thread():
     """Tiny models: one intra-op thread is fastest (and does not fight a shared CPU)."""
     before = torch.get_num_threads()
