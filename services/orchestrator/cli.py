@@ -175,6 +175,7 @@ def register_generate(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from services.checkpoints import tiny
+    from services.verifier import memory
 
     from . import serve
 
@@ -184,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register_serve(sub)
     serve.register_client(sub)
     tiny.register(sub)
+    memory.register(sub)
     return parser
 
 

@@ -1,0 +1,148 @@
+"""KV bytes one verifier session holds at a given context, per cache policy, from the config alone.
+
+The same numbers a live session reports (``stats()["kv_bytes"]``), so a
+deployment can size its memory before loading anything:
+
+    kakeya memory --preset gemma-4-26b-a4b --context 32768
+    kakeya memory --config /models/gemma-4-26b-a4b --context 4096 --json
+
+Policies: ``full`` (every layer keeps every position: the yardstick),
+``native`` (sliding layers keep the model's window), ``sink-window`` (sinks +
+a smaller window), each also with 8- and 4-bit affine-quantized full layers.
+Sliding layers hold a ring of ``window - 1 + slack`` slots (+ sinks): that is
+the price of exact rollback (``cache.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .cache import CachePolicy
+
+# Published text configs (only the fields the KV size depends on).
+PRESETS = {
+    "gemma-4-26b-a4b": {
+        "num_hidden_layers": 30, "sliding_window": 1024, "layer_pattern": 6,
+        "num_key_value_heads": 8, "head_dim": 256, "num_global_key_value_heads": 2, "global_head_dim": 512,
+        "attention_k_eq_v": True, "num_kv_shared_layers": 0, "dtype": "bfloat16",
+    },
+    "gemma-4-31b": {
+        "num_hidden_layers": 60, "sliding_window": 1024, "layer_pattern": 6,
+        "num_key_value_heads": 16, "head_dim": 256, "num_global_key_value_heads": 4, "global_head_dim": 512,
+        "attention_k_eq_v": True, "num_kv_shared_layers": 0, "dtype": "bfloat16",
+    },
+}
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class KVShape:
+    layer_types: tuple[str, ...]  # of the layers that hold their own K/V
+    sliding_window: int
+    sliding_kv_heads: int
+    sliding_head_dim: int
+    full_kv_heads: int
+    full_head_dim: int
+    dtype_bytes: int
+
+    @classmethod
+    def from_config(cls, cfg: dict, dtype: str | None = None) -> "KVShape":
+        n = cfg["num_hidden_layers"]
+        types = cfg.get("layer_types")
+        if not types:
+            pattern = cfg.get("layer_pattern") or cfg.get("sliding_window_pattern", 5)
+            types = [("full_attention" if (i + 1) % pattern == 0 else "sliding_attention") for i in range(n)]
+        cached = n - cfg.get("num_kv_shared_layers", 0)
+        dtype = dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+        kv = cfg.get("num_key_value_heads", 1)
+        head = cfg.get("head_dim", 256)
+        # mlx-lm's rule: full layers use the global KV head count only together with K=V
+        global_kv = cfg.get("num_global_key_value_heads")
+        full_kv = global_kv if cfg.get("attention_k_eq_v") and global_kv else kv
+        return cls(
+            layer_types=tuple(types[:cached]),
+            sliding_window=cfg["sliding_window"],
+            sliding_kv_heads=kv,
+            sliding_head_dim=head,
+            full_kv_heads=full_kv,
+            full_head_dim=cfg.get("global_head_dim") or head,
+            dtype_bytes=DTYPE_BYTES[dtype],
+        )
+
+    def per_position(self, kind: str, bits: int = 0, group: int = 64) -> int:
+        """Bytes of K and V for one position of one layer."""
+        if kind == "sliding_attention":
+            return 2 * self.sliding_kv_heads * self.sliding_head_dim * self.dtype_bytes
+        if not bits:
+            return 2 * self.full_kv_heads * self.full_head_dim * self.dtype_bytes
+        group = min(group, self.full_head_dim)
+        packed = self.full_head_dim * bits // 8
+        scales_biases = 2 * (self.full_head_dim // group) * self.dtype_bytes
+        return 2 * self.full_kv_heads * (packed + scales_biases)
+
+
+def session_bytes(shape: KVShape, policy: CachePolicy | None, context: int) -> dict:
+    """``{"sliding_bytes", "full_bytes", "total_bytes"}``; ``policy=None`` is the unbounded ``full`` yardstick."""
+    n_sliding = shape.layer_types.count("sliding_attention")
+    n_full = len(shape.layer_types) - n_sliding
+    if policy is None:
+        sliding_positions, bits, group = context, 0, 64
+    else:
+        p = policy.resolve(shape.sliding_window)
+        sliding_positions = p.sink + p.window - 1 + p.slack
+        bits, group = p.full_kv_bits, p.full_kv_group_size
+    sliding = n_sliding * sliding_positions * shape.per_position("sliding_attention")
+    full = n_full * context * shape.per_position("full_attention", bits, group)
+    return {"total_bytes": sliding + full, "sliding_bytes": sliding, "full_bytes": full}
+
+
+def policy_table(shape: KVShape, context: int, sink: int = 4, window: int = 64) -> dict:
+    table = {"full": session_bytes(shape, None, context)}
+    for bits in (0, 8, 4):
+        suffix = f"+kv{bits}" if bits else ""
+        table["native" + suffix] = session_bytes(shape, CachePolicy("native", full_kv_bits=bits), context)
+        table["sink-window" + suffix] = session_bytes(
+            shape, CachePolicy("sink-window", sink=sink, window=window, full_kv_bits=bits), context
+        )
+    return table
+
+
+def cmd_memory(args) -> int:
+    from services.checkpoints.config import load_target_config
+
+    if (args.preset is None) == (args.config is None):
+        raise ValueError("give exactly one of --preset or --config")
+    if args.context < 1:
+        raise ValueError(f"--context must be >= 1, got {args.context}")
+    cfg = PRESETS[args.preset] if args.preset else load_target_config(args.config)
+    shape = KVShape.from_config(cfg, args.dtype)
+    table = policy_table(shape, args.context, args.sink, args.window)
+    if args.json:
+        print(json.dumps(table))
+        return 0
+    full = table["full"]["total_bytes"]
+    print(f"KV bytes for one session at context {args.context} ({args.preset or args.config}; "
+          f"sink-window = {args.sink} sinks + window {args.window})")
+    print(f"{'policy':<18}{'total MiB':>12}{'sliding MiB':>13}{'full MiB':>11}{'vs full':>10}")
+    for name, row in table.items():
+        mib = [row[k] / 2**20 for k in ("total_bytes", "sliding_bytes", "full_bytes")]
+        print(f"{name:<18}{mib[0]:>12.2f}{mib[1]:>13.2f}{mib[2]:>11.2f}{full / row['total_bytes']:>9.1f}x")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("memory", help="KV bytes per session and cache policy, from a config")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(PRESETS))
+    src.add_argument("--config", help="a checkpoint directory (its config.json)")
+    p.add_argument("--context", type=int, required=True, help="positions in the session (prompt + generated)")
+    p.add_argument("--sink", type=int, default=4, help="sinks for the sink-window rows (default 4)")
+    p.add_argument("--window", type=int, default=64, help="window for the sink-window rows (default 64)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="K/V dtype (default: the config's)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_memory)
+
