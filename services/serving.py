@@ -286,6 +286,7 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
     if not done.wait(max(0.0, grace_s - 1.0)):
         spec.near_deadline()
         done.wait(2.0 + 1.0)
+    time.sleep(0.25)  # let gRPC's I/O threads flush the last messages and trailers before the process exits
     spec.set_ready(False)
     if ready_file:
         Path(ready_file).unlink(missing_ok=True)

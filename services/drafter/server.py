@@ -119,7 +119,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             context.abort(exc.code, exc.message)
         except grpc.RpcError:
             return
-        except Exception as exc:
+        except Exception as exc:  # a bug: report it, keep the server up
+            if entry.closed:  # the stream ended (cancel, deadline) while a step ran: nobody to answer
+                return
             log.exception("session %s failed", entry.id)
             context.abort(grpc.StatusCode.INTERNAL, f"drafter: {type(exc).__name__}: {exc}")
         finally:

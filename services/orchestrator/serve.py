@@ -372,7 +372,9 @@ def cmd_client_generate(args) -> int:
     from .cli import print_result
 
     if args.max_tokens < 1:
-        raise _usage(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        raise _usage(f"max_tokens must be >= 1, got {args.max_tokens}")
+    if args.block_size is not None and args.block_size < 1:  # as `kakeya generate`; 0 would mean "default" on the wire
+        raise _usage(f"block_size must be between 1 and 16, got {args.block_size}")
     if args.prompt is not None and args.prompt_ids is not None:
         raise _usage("give --prompt or --prompt-ids, not both")
     req = generate_request(args)

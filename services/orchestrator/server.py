@@ -343,7 +343,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def _open(self, params: Params, run: _Run, timeout: float | None):
         e = self.engine
         if isinstance(e.verifier, GrpcVerifier):
+            # The drafter's aux layers; without a drafter the verifier's default (or any one layer).
             layers = e.drafter.target_layer_ids if e.drafter is not None else ()
+            layers = layers or e.verifier.aux_layers or (e.verifier.info.num_layers - 1,)
             vs = e.verifier.open_session(params.policy, aux_layers=layers, timeout=timeout, request_id=params.request_id)
         else:
             vs = e.verifier.open_session(params.policy) if params.policy is not None else e.verifier.open_session()

@@ -196,6 +196,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         except grpc.RpcError:
             return  # the client went away while we were reading: nothing to answer
         except Exception as exc:  # a bug: report it, keep the server up
+            if entry.closed:  # the stream ended (cancel, deadline) while a step ran: nobody to answer
+                return
             log.exception("session %s failed", entry.id)
             context.abort(grpc.StatusCode.INTERNAL, f"verifier: {type(exc).__name__}: {exc}")
         finally:

@@ -107,6 +107,26 @@ def _try(addr):
         return None
 
 
+def test_grace_expiry_ends_streams_with_abort(servers, server_factory, reference):
+    """A generation longer than --grace ends with FINISH_REASON_ABORT and a clean prefix, then the server exits."""
+    v, d = servers["verifier"].addr, servers["drafter"].addr
+    orch = server_factory("short-grace", ["orchestrator", "--verifier", v, "--drafter", d, "--grace", "2"]).start().wait_ready()
+    call = generation_stub(orch.addr).Generate(request(PROMPT, max_tokens=4000, block_size=4), timeout=120)
+    got, complete, signalled = [], None, False
+    for resp in call:
+        if resp.HasField("chunk"):
+            got.extend(resp.chunk.token_ids)
+            if len(got) >= 3 and not signalled:
+                orch.signal(signal.SIGTERM)
+                signalled = True
+        else:
+            complete = resp.complete
+    assert complete is not None and complete.finish_reason == generate_pb2.FINISH_REASON_ABORT
+    assert 3 <= len(got) < 4000 and got[:N] == reference[: len(got[:N])]
+    assert complete.completion_tokens == len(got)
+    assert orch.wait(20) == 0
+
+
 def test_sigterm_drains_in_flight_streams_then_exits(servers, reference):
     orch = servers["orchestrator"]
     call = generation_stub(orch.addr).Generate(request(PROMPT, max_tokens=N), timeout=120)

@@ -332,3 +332,14 @@ def test_client_cli_reports_status_and_exits_non_zero(servers):
     assert res.returncode == 1 and "UNAVAILABLE" in res.stderr
     res = client("--addr", servers["split"].addr, "health")
     assert res.returncode == 0 and res.stdout.strip() == "SERVING"
+
+
+def test_concurrent_streams_are_isolated_sessions(servers, reference):
+    """Three generations at once on each deployment, different block sizes: each equals greedy AR."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(name, b) for name in ("split", "colocated") for b in (1, 4, 8)]
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        outs = list(ex.map(lambda j: generate(servers[j[0]].addr, request(PROMPT, max_tokens=80, block_size=j[1]))[0], jobs))
+    for job, ids in zip(jobs, outs):
+        assert ids == reference[:80], job
