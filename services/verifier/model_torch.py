@@ -323,7 +323,10 @@ class MoE(nn.Module):
         xs = x[tok]
         if self.grouped_mm is not False:
             try:
-                offs = torch.bincount(flat, minlength=self.E).cumsum(0).to(torch.int32)
+                # counts per expert without a host sync (bincount would sync on CUDA)
+                counts = torch.zeros(self.E, dtype=torch.int32, device=x.device)
+                counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+                offs = counts.cumsum(0, dtype=torch.int32)
                 gu = torch._grouped_mm(xs, self.gate_up.transpose(-2, -1), offs=offs)
                 gate, up = gu.split(self.mi, dim=-1)
                 y = torch._grouped_mm(self.act(gate) * up, self.down.transpose(-2, -1), offs=offs)
@@ -423,7 +426,7 @@ class Gemma4Text(nn.Module):
         pos = torch.arange(start, start + n, device=device, dtype=torch.float32)
         out = {}
         for t, inv in self.inv_freq.items():
-            freqs = pos[:, None] * inv.to(device)[None, :]
+            freqs = pos[:, None] * inv[None, :]
             emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [L, 1, D]
             out[t] = (emb.cos().to(dtype), emb.sin().to(dtype))
         return out
@@ -606,6 +609,7 @@ class TargetTorch:
         self.n_cached = self.args.n_cached
         self.device = model.embed.device
         self.dtype = model.embed.dtype
+        model.inv_freq = {t: f.to(self.device) for t, f in model.inv_freq.items()}
 
     @classmethod
     def load(

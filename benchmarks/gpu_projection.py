@@ -1,0 +1,340 @@
+"""Projected DFlash speed-up on a GPU for a gemma-4-26B-A4B-shaped target (torch backend).
+
+Builds the torch verifier (``services.verifier.model_torch.TargetTorch``) with
+RANDOM bf16 weights in the published gemma-4-26B-A4B shape, and a random 5-layer
+DFlash drafter bound to its embedding / LM head, then measures on the real
+session code paths (bounded ring cache, aux captured in the verify forward):
+
+* ``t_ar``        -- one autoregressive step: ``verify([tok]) + commit(1)``;
+* ``t_verify[L]`` -- one verify forward of L positions + its host sync, trimmed
+                     back (``commit(0)``), L = 1..16;
+* ``t_draft[L]``  -- one drafter call at block size L: extend the context cache
+                     with the aux of the kept positions + ONE block forward + sync;
+
+and projects ``speedup(tau, L) = tau * t_ar / (t_draft[L] + t_verify[L])`` for
+an acceptance length ``tau`` (tokens committed per block, 1..8, tau <= L).
+Random weights make acceptance meaningless, so tau is an input of the
+projection, never measured. Published DFlash on gemma-4-26B: tau ~ 3.9.
+
+Warm-up first (a full pass over every measured shape at the full context, so
+the caching allocator is sized); CUDA is synchronised only around timed regions
+(each verify/draft already ends in its one host sync, like the real loop).
+
+    python benchmarks/gpu_projection.py --device cuda             # the real thing
+    python benchmarks/gpu_projection.py --small --device cpu      # scaled down, for CI
+
+Writes JSON to ``benchmarks/results/gpu_projection.json`` (``gpu_projection_small.json`` with
+``--small``; ``--out`` to choose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from services.drafter.dflash_torch import DFlashConfig, DFlashDraftModel, TargetHead  # noqa: E402
+from services.drafter.session_torch import TorchDrafter  # noqa: E402
+from services.verifier.cache import CachePolicy  # noqa: E402
+from services.verifier.model_torch import Gemma4Args, TargetTorch, resolve_device, resolve_dtype  # noqa: E402
+from services.verifier.session import VerifierSession  # noqa: E402
+
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_projection.json"
+SMALL_OUT = ROOT / "benchmarks" / "results" / "gpu_projection_small.json"  # never clobbers the GPU result
+MAX_L = 16
+TAUS = range(1, 9)
+
+
+def _layer_types(n: int, period: int = 6) -> list[str]:
+    """Gemma-4: five sliding layers, then one full-attention layer (the last is full)."""
+    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+
+
+# gemma-4-26B-A4B text model, from its published config (google/gemma-4-26B-A4B-it):
+# hidden 2816, 30 layers (25 sliding + 5 full), 16 heads, 8 KV heads (head_dim 256) on
+# sliding layers, 2 KV heads (global_head_dim 512, K = V) on full layers, window 1024,
+# dense GeGLU MLP 2112 beside an MoE block of 128 experts (top 8, 704 wide), vocab
+# 262144 tied, soft-cap 30. transformers' Gemma4TextConfig notes num_global_key_value_heads=2
+# for this model; mlx-lm's gemma4_text marks k_eq_v and the MoE block as the 26B features.
+GEMMA4_26B_A4B = dict(
+    vocab_size=262_144,
+    hidden_size=2816,
+    intermediate_size=2112,
+    num_hidden_layers=30,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=256,
+    global_head_dim=512,
+    num_global_key_value_heads=2,
+    attention_k_eq_v=True,
+    sliding_window=1024,
+    layer_types=_layer_types(30),
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+    hidden_size_per_layer_input=0,
+    vocab_size_per_layer_input=262_144,
+    num_kv_shared_layers=0,
+    enable_moe_block=True,
+    num_experts=128,
+    top_k_experts=8,
+    moe_intermediate_size=704,
+    max_position_embeddings=262_144,
+)
+
+# DFlash drafter for it: 5 Qwen3-style layers at the target's width (~0.4B parameters),
+# context from 5 target layers (dflash's build_target_layer_ids(30, 5)), block 16.
+DRAFT_26B = dict(
+    hidden_size=2816,
+    num_hidden_layers=5,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=6144,
+    target_layer_ids=[1, 8, 14, 20, 27],
+    block_size=16,
+)
+
+SMALL = dict(
+    vocab_size=2048,
+    hidden_size=128,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    global_head_dim=64,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=64,
+    layer_types=_layer_types(6),
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+    hidden_size_per_layer_input=0,
+    vocab_size_per_layer_input=2048,
+    num_kv_shared_layers=0,
+    enable_moe_block=True,
+    num_experts=8,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+    max_position_embeddings=4096,
+)
+DRAFT_SMALL = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=256,
+    target_layer_ids=[1, 4],
+    block_size=16,
+)
+
+
+def draft_config(d: dict, vocab: int) -> DFlashConfig:
+    return DFlashConfig.from_dict(
+        {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": d["hidden_size"],
+            "num_hidden_layers": d["num_hidden_layers"],
+            "num_attention_heads": d["num_attention_heads"],
+            "num_key_value_heads": d["num_key_value_heads"],
+            "head_dim": d["head_dim"],
+            "intermediate_size": d["intermediate_size"],
+            "vocab_size": vocab,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 262_144,
+            "final_logit_softcapping": 30.0,
+            "dflash_config": {
+                "block_size": d["block_size"],
+                "target_layer_ids": d["target_layer_ids"],
+                "mask_token_id": 4,
+            },
+        }
+    )
+
+
+def random_drafter(cfg: DFlashConfig, target: TargetTorch, seed: int = 1) -> TorchDrafter:
+    """Random weights; the embedding / LM head are the target's own tensors (colocated)."""
+    device, dtype = target.device, target.dtype
+    with torch.device("meta"):
+        model = DFlashDraftModel(cfg)
+    g = torch.Generator(device=device).manual_seed(seed)
+    params = {}
+    for name, p in model.named_parameters():
+        shape = tuple(p.shape)
+        if len(shape) == 1:
+            params[name] = torch.ones(shape, device=device, dtype=dtype)
+        else:
+            params[name] = torch.empty(shape, device=device, dtype=dtype).normal_(0.0, shape[-1] ** -0.5, generator=g)
+    model.load_state_dict(params, strict=True, assign=True)
+    model.inv_freq = model.inv_freq.to(device).float()
+    model.eval().requires_grad_(False)
+    m = target.model
+    model.bind(TargetHead(m.embed, m.lm_head))
+    return TorchDrafter(model=model)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def timed(fn, reps: int, device: torch.device) -> float:
+    """Mean seconds per call of ``fn`` over ``reps`` calls (synchronised around the region only)."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / reps
+
+
+def measure(target: TargetTorch, drafter: TorchDrafter, ctx: int, reps: int, seed: int = 0) -> dict:
+    device = target.device
+    vocab = target.args.vocab_size
+    rng = np.random.default_rng(seed)
+    aux_layers = drafter.target_layer_ids
+    prompt = [2] + [int(t) for t in rng.integers(5, vocab, ctx - 1)]
+
+    session = VerifierSession(target, aux_layers, CachePolicy(slack=MAX_L))
+    t0 = time.perf_counter()
+    first, aux = session.prefill(prompt)
+    sync(device)
+    prefill_s = time.perf_counter() - t0
+    dsession = drafter.open_session()
+    dsession.draft(aux, first, 2)  # the drafter's context cache holds the prompt
+
+    ids = [int(t) for t in rng.integers(5, vocab, MAX_L)]
+    tau_aux = aux[-1:].clone()  # aux rows the drafter extends with per block (1 row per accepted token)
+
+    def ar_step():
+        session.verify(ids[:1])
+        session.commit(1)
+
+    def verify(L):
+        def f():
+            session.verify(ids[:L])
+            session.commit(0)
+
+        return f
+
+    def draft(L):
+        # extend by one committed position + one block forward; the context grows by 1 per call,
+        # like a block that accepted one token (the cost of the extension is O(rows), tiny)
+        return lambda: dsession.draft(tau_aux, ids[0], L)
+
+    shapes = [("ar", ar_step)] + [(f"v{L}", verify(L)) for L in range(1, MAX_L + 1)]
+    shapes += [(f"d{L}", draft(L)) for L in range(2, MAX_L + 1)]
+    for _, fn in shapes:  # warm-up: every shape at the full context, allocator sized
+        for _ in range(2):
+            fn()
+    sync(device)
+
+    t = {name: timed(fn, reps, device) for name, fn in shapes}
+    t_ar = t["ar"]
+    t_verify = {L: t[f"v{L}"] for L in range(1, MAX_L + 1)}
+    t_draft = {1: 0.0, **{L: t[f"d{L}"] for L in range(2, MAX_L + 1)}}
+    projection = {
+        tau: {L: tau * t_ar / (t_draft[L] + t_verify[L]) for L in range(max(tau, 1), MAX_L + 1)} for tau in TAUS
+    }
+    best = {}
+    for tau, row in projection.items():
+        L = max(row, key=row.get)
+        best[tau] = {"block_size": L, "speedup": row[L]}
+    return {
+        "prefill_s": prefill_s,
+        "t_ar_ms": t_ar * 1e3,
+        "t_verify_ms": {str(L): v * 1e3 for L, v in t_verify.items()},
+        "t_draft_ms": {str(L): v * 1e3 for L, v in t_draft.items()},
+        "projected_speedup": {str(tau): {str(L): s for L, s in row.items()} for tau, row in projection.items()},
+        "best_block_per_tau": {str(tau): b for tau, b in best.items()},
+        "kv_bytes": session.stats()["kv_bytes"],
+    }
+
+
+def param_count(target: TargetTorch, drafter: TorchDrafter) -> dict:
+    tgt = sum(b.numel() for b in target.model.buffers())
+    if target.model.lm_head is not None:
+        tgt += target.model.lm_head.numel()
+    drf = sum(p.numel() for p in drafter.model.parameters())
+    return {"target": tgt, "drafter": drf}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--small", action="store_true", help="scaled-down shapes (runs on a CPU in seconds)")
+    p.add_argument("--ctx", type=int, default=None, help="context length (default 1238, --small 160)")
+    p.add_argument("--reps", type=int, default=None, help="timed calls per shape (default 20, --small 3)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
+    p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT.relative_to(ROOT)} ({SMALL_OUT.name} with --small)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.out is None:
+        args.out = SMALL_OUT if args.small else DEFAULT_OUT
+
+    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
+    shape, dshape = (SMALL, DRAFT_SMALL) if args.small else (GEMMA4_26B_A4B, DRAFT_26B)
+    ctx = args.ctx or (160 if args.small else 1238)
+    reps = args.reps or (3 if args.small else 20)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    target = TargetTorch.random(Gemma4Args(**shape), device, dtype, seed=0)
+    drafter = random_drafter(draft_config(dshape, shape["vocab_size"]), target)
+    sync(device)
+    build_s = time.perf_counter() - t0
+
+    with torch.inference_mode():
+        result = measure(target, drafter, ctx, reps)
+
+    out = {
+        "benchmark": "gpu_projection",
+        "small": bool(args.small),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        "dtype": str(dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+        "ctx": ctx,
+        "reps": reps,
+        "target_shape": {k: v for k, v in shape.items() if k != "layer_types"}
+        | {"layer_types": f"{shape['layer_types'].count('sliding_attention')} sliding + {shape['layer_types'].count('full_attention')} full"},
+        "drafter_shape": dshape,
+        "params": param_count(target, drafter),
+        "build_s": build_s,
+        "weights": "random (projection only: acceptance tau is an input, not measured)",
+        "formula": "speedup(tau, L) = tau * t_ar / (t_draft[L] + t_verify[L]), tau <= L",
+        **result,
+    }
+    if device.type == "cuda":
+        out["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    b = out["best_block_per_tau"]
+    print(
+        f"{out['device_name']} {out['dtype']} ctx {ctx}: AR {out['t_ar_ms']:.2f} ms, "
+        f"verify(1/8/16) {out['t_verify_ms']['1']:.2f}/{out['t_verify_ms']['8']:.2f}/{out['t_verify_ms']['16']:.2f} ms, "
+        f"draft(8/16) {out['t_draft_ms']['8']:.2f}/{out['t_draft_ms']['16']:.2f} ms"
+    )
+    print("best projected speedup per tau: " + ", ".join(f"tau {t}: {v['speedup']:.2f}x @L={v['block_size']}" for t, v in b.items()))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

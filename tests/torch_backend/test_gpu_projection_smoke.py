@@ -1,0 +1,51 @@
+"""Smoke test of benchmarks/gpu_projection.py: --small on the CPU, JSON has every key."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_projection", ROOT / "benchmarks" / "gpu_projection.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_small_run_writes_projection_json(tmp_path):
+    gp = _load()
+    out = tmp_path / "gp.json"
+    argv = ["--small", "--device", "cpu", "--dtype", "float32", "--reps", "1", "--ctx", "80", "--out", str(out)]
+    assert gp.main(argv) == 0
+    d = json.loads(out.read_text())
+    for key in (
+        "device", "dtype", "ctx", "target_shape", "drafter_shape", "params", "formula",
+        "t_ar_ms", "t_verify_ms", "t_draft_ms", "projected_speedup", "best_block_per_tau", "kv_bytes",
+    ):
+        assert key in d, key
+    assert d["small"] is True and d["device"] == "cpu" and d["ctx"] == 80
+    assert sorted(map(int, d["t_verify_ms"])) == list(range(1, 17))
+    assert sorted(map(int, d["t_draft_ms"])) == list(range(1, 17)) and d["t_draft_ms"]["1"] == 0.0
+    assert sorted(map(int, d["projected_speedup"])) == list(range(1, 9))
+    for tau, row in d["projected_speedup"].items():
+        assert min(map(int, row)) == int(tau)  # a block commits at most L tokens
+        for L, s in row.items():
+            expect = int(tau) * d["t_ar_ms"] / (d["t_draft_ms"][L] + d["t_verify_ms"][L])
+            assert math.isclose(s, expect, rel_tol=1e-9) and s > 0
+    assert d["target_shape"]["enable_moe_block"] and d["target_shape"]["attention_k_eq_v"]
+
+
+def test_full_shape_is_gemma4_26b_a4b():
+    gp = _load()
+    s = gp.GEMMA4_26B_A4B
+    assert (s["hidden_size"], s["num_hidden_layers"], s["vocab_size"]) == (2816, 30, 262144)
+    assert (s["num_experts"], s["top_k_experts"], s["moe_intermediate_size"]) == (128, 8, 704)
+    assert (s["head_dim"], s["global_head_dim"], s["num_attention_heads"]) == (256, 512, 16)
+    assert (s["num_key_value_heads"], s["num_global_key_value_heads"], s["sliding_window"]) == (8, 2, 1024)
+    assert s["layer_types"].count("full_attention") == 5 and s["layer_types"][-1] == "full_attention"
+    assert gp.DRAFT_26B["num_hidden_layers"] == 5
