@@ -111,3 +111,93 @@ class FullKVCache:
         if self.keys is None:
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+def quantize(x: torch.Tensor, group_size: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Affine per-group quantization of the last dim, the same rule as ``mx.quantize``.
+
+    Returns ``(codes, scales, biases)``: codes uint8 ``[..., D * bits / 8]`` (two
+    4-bit codes per byte), scales/biases ``[..., D / group_size]`` in ``x.dtype``;
+    ``x ~= code * scale + bias``. One end of each group's range is represented
+    exactly (the one with the larger magnitude), as in MLX.
+    """
+    *lead, D = x.shape
+    if D % group_size:
+        raise ValueError(f"head dim {D} is not a multiple of the quantization group size {group_size}")
+    g = x.float().reshape(*lead, D // group_size, group_size)
+    n_bins = 2**bits - 1
+    w_max, w_min = g.amax(-1, keepdim=True), g.amin(-1, keepdim=True)
+    neg = w_min.abs() > w_max.abs()
+    scales = torch.clamp((w_max - w_min) / n_bins, min=1e-7)
+    scales = torch.where(neg, scales, -scales)
+    edge = torch.where(neg, w_min, w_max)
+    q0 = torch.round(edge / scales)
+    scales = torch.where(q0 != 0, edge / q0, scales)
+    biases = torch.where(q0 == 0, torch.zeros_like(edge), edge)
+    codes = torch.clamp(torch.round((g - biases) / scales), 0, n_bins).to(torch.uint8).reshape(*lead, D)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes, scales.squeeze(-1).to(x.dtype), biases.squeeze(-1).to(x.dtype)
+
+
+def dequantize(codes, scales, biases, group_size: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    if bits == 4:
+        codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+    *lead, D = codes.shape
+    g = codes.float().reshape(*lead, D // group_size, group_size)
+    out = g * scales.float().unsqueeze(-1) + biases.float().unsqueeze(-1)
+    return out.reshape(*lead, D).to(dtype)
+
+
+class QuantizedFullKVCache:
+    """A full-attention layer's K/V, affine-quantized (4 or 8 bits) per group of the head dim.
+
+    Same O(1) trim and chunked growth as :class:`FullKVCache`; the attended
+    prefix is dequantized to the compute dtype on fetch. (MLX's
+    ``QuantizedKVCache`` stores the same codes; it multiplies them inside its
+    quantized matmuls instead.)
+    """
+
+    def __init__(self, bits: int = 8, group_size: int = 64, step: int = 256):
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        self.bits, self.group_size, self.step = bits, group_size, step
+        self.offset = 0
+        self.keys: list[torch.Tensor] | None = None  # [codes, scales, biases]
+        self.values: list[torch.Tensor] | None = None
+        self.dtype: torch.dtype | None = None
+
+    def _alloc(self, like: list[torch.Tensor], cap: int) -> list[torch.Tensor]:
+        return [t.new_zeros((*t.shape[:2], cap, t.shape[-1])) for t in like]
+
+    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.dtype = keys.dtype
+        qk = quantize(keys, self.group_size, self.bits)
+        qv = quantize(values, self.group_size, self.bits)
+        n = keys.shape[2]
+        end = self.offset + n
+        cap = 0 if self.keys is None else self.keys[0].shape[2]
+        if end > cap:
+            new_cap = ((end + self.step - 1) // self.step) * self.step
+            nk, nv = self._alloc(qk, new_cap), self._alloc(qv, new_cap)
+            if self.offset:
+                for dst, src in zip(nk + nv, self.keys + self.values):
+                    dst[:, :, : self.offset] = src[:, :, : self.offset]
+            self.keys, self.values = nk, nv
+        for dst, src in zip(self.keys + self.values, list(qk) + list(qv)):
+            dst[:, :, self.offset : end] = src
+        self.offset = end
+        k = dequantize(*(t[:, :, :end] for t in self.keys), self.group_size, self.bits, keys.dtype)
+        v = dequantize(*(t[:, :, :end] for t in self.values), self.group_size, self.bits, values.dtype)
+        return k, v
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import RingLayout, RingPlan
-from .cache_torch import FullKVCache, RingKVCache
+from .cache_torch import FullKVCache, QuantizedFullKVCache, RingKVCache
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -656,10 +656,16 @@ class TargetTorch:
     # -- what services/verifier/session.py needs from a backend --------------------------
 
     def make_cache(self, layout: RingLayout, policy=None) -> list:
+        """Rings on sliding layers; exact (or, with ``policy.full_kv_bits``, affine-quantized) full layers."""
         bits = getattr(policy, "full_kv_bits", 0) if policy is not None else 0
-        if bits:
-            raise NotImplementedError("quantized full-attention K/V is not implemented by the torch backend yet")
-        return [RingKVCache(layout) if self.layer_types[i] == SLIDING else FullKVCache() for i in range(self.n_cached)]
+
+        def full(i: int):
+            if not bits:
+                return FullKVCache()
+            group = min(getattr(policy, "full_kv_group_size", 64), self.args.head_dim_of(i))
+            return QuantizedFullKVCache(bits, group)
+
+        return [RingKVCache(layout) if self.layer_types[i] == SLIDING else full(i) for i in range(self.n_cached)]
 
     def make_plain_cache(self) -> list:
         """Unbounded full caches on every layer (the reference decode: window applied by the mask)."""
@@ -723,14 +729,14 @@ class TargetTorch:
     @staticmethod
     def trim_full(cache: list, n: int) -> None:
         for c in cache:
-            if isinstance(c, FullKVCache):
+            if not isinstance(c, RingKVCache):
                 c.trim(n)
 
     @staticmethod
     def kv_bytes(cache: list) -> dict:
         return {
             "sliding": sum(c.nbytes for c in cache if isinstance(c, RingKVCache)),
-            "full": sum(c.nbytes for c in cache if isinstance(c, FullKVCache)),
+            "full": sum(c.nbytes for c in cache if not isinstance(c, RingKVCache)),
         }
 
     def greedy_reference(self, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:

@@ -1,0 +1,122 @@
+"""Torch cache arrays: ring semantics, O(1) full-cache trim, quantized full-layer K/V (as mx.quantize)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.verifier.cache import CachePolicy, RingLayout
+from services.verifier.cache_torch import FullKVCache, QuantizedFullKVCache, RingKVCache, dequantize, quantize
+
+from .conftest import AUX_LAYERS
+
+
+def _kv(n, start, heads=2, dim=8):
+    """K/V whose every element encodes its absolute position (so slots are checkable)."""
+    pos = torch.arange(start, start + n, dtype=torch.float32)
+    k = pos.view(1, 1, n, 1).expand(1, heads, n, dim).clone()
+    return k, -k
+
+
+def test_ring_holds_exactly_the_positions_the_layout_says():
+    layout = RingLayout(sink=2, window=6, slack=4)
+    ring = RingKVCache(layout)
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        n = int(rng.integers(1, 9))
+        plan = layout.plan(n)
+        ring.plan = plan
+        k, v = _kv(n, layout.offset)
+        all_k, all_v = ring.update_and_fetch(k, v)
+        assert all_k.shape[2] == plan.mask.shape[1] and torch.equal(all_v, -all_k)
+        layout.applied()
+        used = layout.used
+        held = layout.positions[:used]
+        got = ring.keys[0, 0, :used, 0].numpy()
+        live = held >= 0
+        assert (got[live] == held[live]).all()
+        keep = int(rng.integers(0, n + 1)) if n <= layout.slack else n
+        layout.trim(n - keep)
+    assert ring.keys.shape[2] == layout.capacity  # bounded: sink + window - 1 + slack
+
+
+def test_full_cache_trim_is_o1_and_exact():
+    c = FullKVCache(step=4)
+    k, v = _kv(5, 0)
+    c.update_and_fetch(k, v)
+    buf = c.keys
+    k2, _ = c.update_and_fetch(*_kv(2, 5))
+    assert c.keys.shape[2] == 8 and c.keys is buf  # preallocated chunk, no realloc
+    assert c.trim(3) == 3 and c.offset == 4 and c.keys is buf
+    k3, _ = c.update_and_fetch(*_kv(3, 4))
+    assert k3[0, 0, :, 0].tolist() == list(range(7))
+    assert c.keys.shape[2] == 8
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64])
+def test_quantize_is_mx_quantize(bits, group):
+    mx = pytest.importorskip("mlx.core")
+    x = np.random.default_rng(bits + group).standard_normal((1, 3, 9, 128)).astype(np.float32)
+    codes, s, b = quantize(torch.from_numpy(x), group, bits)
+    assert codes.shape[-1] == 128 * bits // 8 and s.shape[-1] == 128 // group
+    mine = dequantize(codes, s, b, group, bits, torch.float32).numpy()
+    wq, ms, mb = mx.quantize(mx.array(x), group_size=group, bits=bits)
+    theirs = np.asarray(mx.dequantize(wq, ms, mb, group_size=group, bits=bits))
+    assert np.array_equal(mine, theirs)
+    assert np.abs(mine - x).max() <= np.abs(s.numpy()).max() + 1e-6  # one edge is snapped exact, as in MLX
+
+
+def test_quantized_full_cache_trims_and_shrinks():
+    c = QuantizedFullKVCache(bits=8, group_size=8, step=4)
+    k, v = _kv(6, 0, dim=16)
+    kk, vv = c.update_and_fetch(k + 0.25, v)
+    assert kk.shape == k.shape and torch.allclose(kk, k + 0.25, atol=0.05)
+    c.trim(2)
+    kk, _ = c.update_and_fetch(*_kv(1, 4, dim=16))
+    assert kk.shape[2] == 5 and torch.allclose(kk[0, 0, :, 0], torch.tensor([0.25, 1.25, 2.25, 3.25, 4.0]), atol=0.05)
+    exact = FullKVCache(step=4)
+    exact.update_and_fetch(*_kv(6, 0, dim=16))
+    assert c.nbytes * 2 == exact.nbytes  # 16 one-byte codes + 2 x 2 float32 (scale, bias) vs 16 x 4 bytes
+
+
+@pytest.mark.skipif(not hasattr(CachePolicy(), "full_kv_bits"), reason="no quantized full-K/V policy")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_policy_matches_mlx_backend(torch_target, tiny, bits):
+    """Same codes as MLX's QuantizedKVCache: logits agree up to rounding-boundary flips.
+
+    The two backends' keys differ by float32 noise (~1e-6), which flips a code
+    now and then (one quantization step, ~1e-2 relative): logits differ by
+    ~1e-3 typically, and the greedy choice practically never.
+    """
+    from services.verifier.model_mlx import TargetMLX
+
+    from .test_verifier_parity import SEQ_LEN, sequence, session_logits
+
+    policy = CachePolicy(full_kv_bits=bits)
+    seq = sequence(torch_target.args.vocab_size, seed=1)
+    mine = session_logits(torch_target, seq, 24, policy, seed=1)
+    theirs = session_logits(TargetMLX.load(tiny.target), seq, 24, policy, seed=1)
+    exact = session_logits(torch_target, seq, 24, CachePolicy(), seed=1)
+    diff = np.abs(mine - theirs).max(-1)
+    assert np.median(diff) < 2e-2 and (mine.argmax(-1) == theirs.argmax(-1)).mean() >= 0.97
+    assert np.abs(mine - exact).max() > 10 * np.median(diff)  # the policy really quantized
+    assert len(seq) == SEQ_LEN
+
+
+def test_quantized_policy_kv_bytes(torch_target, tiny):
+    from services.verifier.session import LocalVerifier
+
+    if not hasattr(CachePolicy(), "full_kv_bits"):
+        pytest.skip("no quantized full-K/V policy")
+    v = LocalVerifier(torch_target, tiny.target, AUX_LAYERS)
+    sizes = {}
+    for bits in (0, 8, 4):
+        s = v.open_session(CachePolicy(full_kv_bits=bits))
+        s.prefill(list(range(5, 105)))
+        sizes[bits] = s.stats()["kv_bytes"]
+    assert sizes[0]["sliding"] == sizes[8]["sliding"] == sizes[4]["sliding"]
+    hd = torch_target.args.global_head_dim  # float32: 4 bytes/value exact; bits/8 + 2 * 4 / group quantized
+    assert sizes[8]["full"] == sizes[0]["full"] * (1 + 8 / hd) / 4
+    assert sizes[4]["full"] == sizes[0]["full"] * (0.5 + 8 / hd) / 4
