@@ -85,8 +85,12 @@ def _get_info(service: str, addr: str, fn, request, wait_s: float | None):
         try:
             return _call_unary(service, addr, fn, request, max(0.1, left), wait=True)
         except BackendError as exc:
-            if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or left <= 0.5:
+            if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
+            if left <= 0.5:
+                raise BackendError(
+                    service, addr, grpc.StatusCode.UNAVAILABLE, f"not ready within {wait_s:g} s (last: {exc.details})"
+                ) from None
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 

@@ -36,10 +36,16 @@ from pathlib import Path
 DEFAULT_PORTS = {"orchestrator": 50051, "verifier": 50061, "drafter": 50062}
 
 
-def _usage(msg: str):
-    from .cli import UsageError
+class ServeUsageError(ValueError):
+    """A bad command line; `kakeya` prints it as one line and exits 2 (it catches ValueError).
 
-    return UsageError(msg)
+    Not cli.UsageError: under `python -m services.orchestrator.cli` that module is
+    ``__main__`` and a class imported from it again would be a different one.
+    """
+
+
+def _usage(msg: str) -> ServeUsageError:
+    return ServeUsageError(msg)
 
 
 def _pair(target: str | None, draft: str | None, need_draft: bool = True) -> tuple[str, str | None]:
@@ -95,10 +101,10 @@ def _run(spec, args) -> int:
 def cmd_serve_verifier(args) -> int:
     from services.verifier.server import server_spec
 
-    if args.target is None:
+    if args.target is None:  # the embedded pair (its drafter's aux layers by default)
         target, draft = _pair(None, None)
         draft = args.draft or draft
-    else:
+    else:  # without --draft/--aux-layers, sessions must name their aux layers at Open
         target, draft = args.target, args.draft
     layers = _aux_layers(args.aux_layers, draft)
     return _run(server_spec(target, layers, args.backend, args.max_sessions), args)
@@ -107,13 +113,8 @@ def cmd_serve_verifier(args) -> int:
 def cmd_serve_drafter(args) -> int:
     from services.drafter.server import server_spec
 
-    draft, target = _pair_draft(args)
-    return _run(server_spec(draft, target, args.backend, args.max_sessions), args)
-
-
-def _pair_draft(args) -> tuple[str, str]:
     target, draft = _pair(args.target, args.draft)
-    return draft, target
+    return _run(server_spec(draft, target, args.backend, args.max_sessions), args)
 
 
 def cmd_serve_orchestrator(args) -> int:

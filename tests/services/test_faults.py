@@ -16,6 +16,8 @@ from services.wire.kakeya.v1 import generate_pb2
 
 from .conftest import channel, generate, generation_stub, request, start_all, wait_until
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real processes: bounded, never hanging
+
 PROMPT = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60]
 N = 200
 

@@ -13,6 +13,8 @@ import pytest
 
 from .conftest import ROOT, wait_until
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real processes: bounded, never hanging
+
 
 def pid_alive(pid: int) -> bool:
     stat = Path(f"/proc/{pid}/stat")

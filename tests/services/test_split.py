@@ -36,6 +36,8 @@ from .conftest import (
     wait_until,
 )
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real processes: bounded, never hanging
+
 PROMPT = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60]
 LONG = 300  # the tiny target's sliding window is 32: the ring wraps 9+ times
 MAX_SESSIONS = 3
