@@ -114,5 +114,29 @@ class TorchDrafter:
         self.mask_token_id: int = int(model.config.mask_token_id)
         self.target_layer_ids: tuple[int, ...] = tuple(model.config.target_layer_ids)
 
+    @classmethod
+    def colocated(cls, draft_dir: str | Path, target) -> "TorchDrafter":
+        """Share a loaded ``TargetTorch``'s embedding / LM head tensors (no second copy on the device)."""
+        from services.drafter.dflash_torch import TargetHead, load_draft_model
+
+        model = load_draft_model(draft_dir, target.device, target.dtype)
+        return cls(model=model.bind(TargetHead(target.model.embed, target.model.lm_head)))
+
     def open_session(self) -> TorchDrafterSession:
         return TorchDrafterSession(self.model)
+
+    def warmup(self, ctx: int = 1024, max_block: int = 16) -> float:
+        """One context extension of ``ctx`` rows and one draft per block size, before serving."""
+        import time
+
+        t0 = time.perf_counter()
+        m = self.model
+        s = self.open_session()
+        aux = torch.zeros((max(1, ctx), m.config.aux_width), device=m.device, dtype=m.dtype)
+        s.draft(aux, 2, 1)
+        for B in range(2, max_block + 1):
+            s.draft(aux[:1], 2, B)
+        s.close()
+        if m.device.type == "cuda":
+            torch.cuda.synchronize(m.device)
+        return time.perf_counter() - t0

@@ -739,6 +739,26 @@ class TargetTorch:
             "full": sum(c.nbytes for c in cache if not isinstance(c, RingKVCache)),
         }
 
+    def warmup(self, aux_layers: Sequence[int], ctx: int = 1024, max_block: int = 16, policy=None) -> float:
+        """Run a full-length prefill and one verify of every block size once (kernel selection,
+        caching-allocator sizing, lazy CUDA init) before serving; returns the seconds it took."""
+        import time
+
+        from .cache import CachePolicy
+        from .session import VerifierSession
+
+        t0 = time.perf_counter()
+        s = VerifierSession(self, aux_layers, policy or CachePolicy(slack=max(max_block, 16)))
+        ids = [2] + [5 + (7 * i) % max(1, self.args.vocab_size - 5) for i in range(max(1, ctx) - 1)]
+        s.prefill(ids)
+        for L in range(1, max_block + 1):
+            s.verify(ids[:L])
+            s.commit(0)
+        s.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
     def greedy_reference(self, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:
         """Token-by-token greedy AR on plain full caches (no ring, no rollback): a test oracle."""
         cache = self.make_plain_cache()
