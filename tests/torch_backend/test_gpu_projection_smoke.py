@@ -49,3 +49,21 @@ def test_full_shape_is_gemma4_26b_a4b():
     assert (s["num_key_value_heads"], s["num_global_key_value_heads"], s["sliding_window"]) == (8, 2, 1024)
     assert s["layer_types"].count("full_attention") == 5 and s["layer_types"][-1] == "full_attention"
     assert gp.DRAFT_26B["num_hidden_layers"] == 5
+
+
+def test_full_shape_parameter_counts_match_the_published_model():
+    """25.2B total / 3.8B active (gemma-4-26B-A4B's published figures), ~0.4B drafter; meta tensors only."""
+    import torch
+
+    from services.drafter.dflash_torch import DFlashDraftModel
+    from services.verifier.model_torch import Gemma4Args, Gemma4Text
+
+    gp = _load()
+    with torch.device("meta"):
+        m = Gemma4Text(Gemma4Args(**gp.GEMMA4_26B_A4B))
+        d = DFlashDraftModel(gp.draft_config(gp.DRAFT_26B, gp.GEMMA4_26B_A4B["vocab_size"]))
+    total = sum(b.numel() for b in m.buffers())
+    experts = sum(l.moe.gate_up.numel() + l.moe.down.numel() for l in m.layers)
+    active = total - experts * (1 - 8 / 128)
+    assert abs(total / 1e9 - 25.2) < 0.1 and abs(active / 1e9 - 3.8) < 0.1
+    assert 0.35 < sum(p.numel() for p in d.parameters()) / 1e9 < 0.5
