@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 import grpc
+import numpy as np
 
 from services.serving import (
     ComputeThread,
@@ -40,7 +41,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     def __init__(self, max_sessions: int = 0):
         self.compute = ComputeThread("drafter")
         self.registry = SessionRegistry(max_sessions)
-        self.drafter = None  # MLXDrafter, set by load()
+        self.drafter = None  # MLXDrafter / TorchDrafter, set by load()
+        self.backend = "mlx"
         self.ready = False
         self.names = ("", "")
         self.aux_dtype = 0
@@ -49,31 +51,38 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     # -- loading -----------------------------------------------------------------------
 
-    def load(self, draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx") -> str:
-        return self.compute.run(self._load, str(draft_dir), str(target_dir), backend)
+    def load(self, draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx", **kwargs) -> str:
+        """Load the drafter (``endpoints.local_drafter``) on the compute thread and warm it up."""
+        from services.orchestrator.endpoints import local_drafter
 
-    def _load(self, draft_dir: str, target_dir: str, backend: str) -> str:
-        if backend != "mlx":
-            raise ValueError(f"unknown drafter backend {backend!r} (expected 'mlx')")
-        import mlx.core as mx
+        def make():
+            return local_drafter(str(draft_dir), str(target_dir), backend, **kwargs)
 
-        from .session import MAX_BLOCK_SIZE, MLXDrafter
+        return self.compute.run(self._setup, make, str(draft_dir), str(target_dir), backend)
 
-        self.drafter = MLXDrafter.load(draft_dir, target_dir)
+    def _setup(self, make, draft_dir: str, target_dir: str, backend: str) -> str:
+        self.drafter = make()
+        self.backend = backend
         self.names = (draft_dir, target_dir)
-        self.max_block_size = MAX_BLOCK_SIZE
         model = self.drafter.model
-        self.aux_dtype = codec.to_proto(mx.zeros((1,), dtype=model.dtype)).dtype
-        self.device = str(mx.default_device())
-        # Warm-up: one context extension and one block forward.
+        self.max_block_size = _max_block_size(backend)
+        self.aux_dtype = codec.DType.Value("DTYPE_" + str(model.dtype).rsplit(".", 1)[-1].upper())
+        self.device = str(getattr(model, "device", "")) or _mlx_device()
+        # Warm-up: one context extension and one block forward, through the wire decoding path.
         session = self.drafter.open_session()
-        aux = mx.zeros((3, model.config.aux_width), dtype=model.dtype)
+        aux = self._decode(codec.to_proto(np.zeros((3, model.config.aux_width), np.float32)))
         session.draft(aux, 1, max(2, min(self.drafter.block_size, self.max_block_size)))
         session.close()
         return (
-            f"draft {draft_dir} + embedding/LM head of {target_dir} (block {self.drafter.block_size},"
-            f" aux layers {list(self.drafter.target_layer_ids)}, {codec.dtype_name(self.aux_dtype)})"
+            f"draft {draft_dir} + embedding/LM head of {target_dir} ({backend} on {self.device}, block"
+            f" {self.drafter.block_size}, aux layers {list(self.drafter.target_layer_ids)}, {codec.dtype_name(self.aux_dtype)})"
         )
+
+    def _decode(self, tensor):
+        """A wire Tensor as the backend's own array (the session casts it to the model's dtype)."""
+        if self.backend == "torch":
+            return codec.from_proto(tensor, like="torch", device=self.drafter.model.device)
+        return codec.from_proto(tensor, like=self.backend)
 
     # -- RPCs ----------------------------------------------------------------------------
 
@@ -94,7 +103,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             hidden_size=cfg.hidden_size,
             num_layers=cfg.num_hidden_layers,
             vocab_size=d.model.target.vocab_size,
-            backend="mlx",
+            backend=self.backend,
             aux_dtype=self.aux_dtype,
             device=self.device,
             version=version(),
@@ -179,15 +188,30 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         return pb.DrafterStats(context_positions=session.cache.length, kv_bytes=session.cache.nbytes)
 
     def _draft(self, entry, session, tensor, last_token, block):
-        aux = codec.from_proto(tensor, like="mlx")
-        tokens = session.draft(aux, int(last_token), int(block))
+        tokens = session.draft(self._decode(tensor), int(last_token), int(block))
         stats = self._stats(session)
         if not entry.closed:
             entry.cache_bytes = stats.kv_bytes
         return tokens, stats
 
 
-def server_spec(draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx", max_sessions: int = 0) -> ServerSpec:
+def _max_block_size(backend: str) -> int:
+    if backend == "torch":
+        from .session_torch import MAX_BLOCK_SIZE
+    else:
+        from .session import MAX_BLOCK_SIZE
+    return MAX_BLOCK_SIZE
+
+
+def _mlx_device() -> str:
+    import mlx.core as mx
+
+    return str(mx.default_device())
+
+
+def server_spec(
+    draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx", max_sessions: int = 0, **kwargs
+) -> ServerSpec:
     servicer = DrafterServicer(max_sessions)
 
     def set_ready(flag: bool) -> None:
@@ -197,7 +221,7 @@ def server_spec(draft_dir: str | Path, target_dir: str | Path, backend: str = "m
         name="drafter",
         service_names=[SERVICE_NAME],
         add_to_server=lambda server: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server),
-        load=lambda: servicer.load(draft_dir, target_dir, backend),
+        load=lambda: servicer.load(draft_dir, target_dir, backend, **kwargs),
         set_ready=set_ready,
         max_workers=(max_sessions + 16) if max_sessions else 128,
     )

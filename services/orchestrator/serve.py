@@ -107,14 +107,23 @@ def cmd_serve_verifier(args) -> int:
     else:  # without --draft/--aux-layers, sessions must name their aux layers at Open
         target, draft = args.target, args.draft
     layers = _aux_layers(args.aux_layers, draft)
-    return _run(server_spec(target, layers, args.backend, args.max_sessions), args)
+    return _run(server_spec(target, layers, args.backend, args.max_sessions, **_backend_kwargs(args)), args)
 
 
 def cmd_serve_drafter(args) -> int:
     from services.drafter.server import server_spec
 
     target, draft = _pair(args.target, args.draft)
-    return _run(server_spec(draft, target, args.backend, args.max_sessions), args)
+    return _run(server_spec(draft, target, args.backend, args.max_sessions, **_backend_kwargs(args)), args)
+
+
+def _backend_kwargs(args) -> dict:
+    """torch: where and in which dtype to load (MLX picks its own device)."""
+    if args.backend != "torch":
+        if args.device or args.dtype:
+            raise _usage("--device/--dtype apply to --backend torch")
+        return {}
+    return {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v}
 
 
 def cmd_serve_orchestrator(args) -> int:
@@ -452,14 +461,14 @@ def register_serve(sub) -> None:
     v.add_argument("--target", help="Gemma-4 target checkpoint directory (default: the embedded tiny target)")
     v.add_argument("--draft", help="a DFlash drafter directory: only its target_layer_ids are read (the default aux layers)")
     v.add_argument("--aux-layers", help="default aux layers, e.g. 1,4 (sessions may send their own)")
-    v.add_argument("--backend", default="mlx", choices=["mlx"])
+    _backend_args(v)
     v.set_defaults(func=cmd_serve_verifier)
 
     d = roles.add_parser("drafter", help="the DFlash drafter and its per-session context caches")
     _common(d, "drafter")
     d.add_argument("--draft", help="DFlash drafter checkpoint directory")
     d.add_argument("--target", help="the target checkpoint: only its embedding and LM head are loaded")
-    d.add_argument("--backend", default="mlx", choices=["mlx"])
+    _backend_args(d)
     d.set_defaults(func=cmd_serve_drafter)
 
     o = roles.add_parser("orchestrator", help="the public Generate API (split: --verifier/--drafter; else colocated)")
@@ -483,6 +492,12 @@ def register_serve(sub) -> None:
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)
     a.set_defaults(func=cmd_serve_all)
+
+
+def _backend_args(p) -> None:
+    p.add_argument("--backend", default="mlx", choices=["mlx", "torch"], help="mlx (Apple silicon / CPU) or torch (CUDA / CPU)")
+    p.add_argument("--device", help="torch: cuda, cuda:1, cpu (default: the backend's)")
+    p.add_argument("--dtype", help="torch: float32, bfloat16, float16 (default: the backend's)")
 
 
 def _limits(p) -> None:

@@ -127,14 +127,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     # -- loading -----------------------------------------------------------------------
 
-    def load(self, target_dir: str | Path, aux_layers: Sequence[int] = (), backend: str = "mlx") -> str:
-        """Load the target on the compute thread and warm it up with one short session."""
-        return self.compute.run(self._load, target_dir, tuple(aux_layers), backend)
-
-    def _load(self, target_dir, aux_layers, backend) -> str:
+    def load(self, target_dir: str | Path, aux_layers: Sequence[int] = (), backend: str = "mlx", **kwargs) -> str:
+        """Load the target (``endpoints.local_verifier``) on the compute thread and warm it up."""
         from services.orchestrator.endpoints import local_verifier
 
-        self.verifier = local_verifier(str(target_dir), list(aux_layers), backend)
+        def make():
+            return local_verifier(str(target_dir), list(aux_layers), backend, **kwargs)
+
+        return self.compute.run(self._setup, make, target_dir, tuple(aux_layers))
+
+    def _setup(self, make, target_dir, aux_layers) -> str:
+        self.verifier = make()
+        backend = self.verifier.info.backend
         info = self.verifier.info
         warm_layers = aux_layers or (info.num_layers - 1,)
         session = self._new_session(warm_layers, self.verifier.policy)
@@ -144,8 +148,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         session.commit(1)
         session.close()
         self.aux_dtype = codec.to_proto(aux[:1]).dtype
-        self.device = _device_name(backend)
-        return f"target {target_dir} ({backend}, {info.num_layers} layers, vocab {info.vocab_size}, aux {codec.dtype_name(self.aux_dtype)})"
+        self.device = _device_name(self.verifier.target)
+        return (
+            f"target {target_dir} ({backend} on {self.device}, {info.num_layers} layers, vocab {info.vocab_size},"
+            f" aux {codec.dtype_name(self.aux_dtype)})"
+        )
 
     def _new_session(self, aux_layers, policy):
         from .session import VerifierSession
@@ -296,15 +303,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         return tensor, _stats_proto(stats)
 
 
-def _device_name(backend: str) -> str:
-    if backend == "mlx":
+def _device_name(target) -> str:
+    if getattr(target, "device", None) is not None:
+        return str(target.device)
+    if target.backend == "mlx":
         import mlx.core as mx
 
         return str(mx.default_device())
-    return backend
+    return target.backend
 
 
-def server_spec(target_dir: str | Path, aux_layers: Sequence[int] = (), backend: str = "mlx", max_sessions: int = 0) -> ServerSpec:
+def server_spec(
+    target_dir: str | Path, aux_layers: Sequence[int] = (), backend: str = "mlx", max_sessions: int = 0, **kwargs
+) -> ServerSpec:
     servicer = VerifierServicer(max_sessions)
 
     def set_ready(flag: bool) -> None:
@@ -314,7 +325,7 @@ def server_spec(target_dir: str | Path, aux_layers: Sequence[int] = (), backend:
         name="verifier",
         service_names=[SERVICE_NAME],
         add_to_server=lambda server: verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server),
-        load=lambda: servicer.load(target_dir, aux_layers, backend),
+        load=lambda: servicer.load(target_dir, aux_layers, backend, **kwargs),
         set_ready=set_ready,
         max_workers=(max_sessions + 16) if max_sessions else 128,
     )
