@@ -24,8 +24,12 @@ def _default_pair():
     return default_pair()
 
 
-def build_local_engine(target: str | None, draft: str | None, backend: str = "mlx"):
-    """Load the pair in-process (the embedded default models when no paths are given)."""
+def build_local_engine(target: str | None, draft: str | None, backend: str = "mlx", device: str | None = None,
+                       dtype: str | None = None):
+    """Load the pair in-process (the embedded default models when no paths are given).
+
+    ``device``/``dtype`` apply to the torch backend (MLX runs where MLX runs, in the weights' dtype).
+    """
     from services.checkpoints.config import check_pair, load_draft_config, load_target_config
 
     from .endpoints import local_drafter, local_verifier
@@ -41,8 +45,13 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
     dcfg = load_draft_config(draft)
     check_pair(tcfg, dcfg)
     aux_layers = dcfg["dflash_config"]["target_layer_ids"]
-    verifier = local_verifier(target, aux_layers, backend)
-    drafter = local_drafter(draft, target, backend)
+    torch_kw = {}
+    if backend == "torch":
+        torch_kw = {"device": device or "cpu", "dtype": dtype or "float32"}
+    elif device not in (None, "cpu") or dtype is not None:
+        raise UsageError("--device/--dtype apply to --backend torch")
+    verifier = local_verifier(target, aux_layers, backend, **torch_kw)
+    drafter = local_drafter(draft, target, backend, **torch_kw)
     return Engine(verifier, drafter, TextCodec(target), target=str(target), draft=str(draft))
 
 
@@ -72,7 +81,7 @@ def cmd_generate(args) -> int:
 
     if args.prompt is not None and not args.prompt.strip():
         raise UsageError("--prompt is empty")
-    engine = build_local_engine(args.target, args.draft, args.backend)
+    engine = build_local_engine(args.target, args.draft, args.backend, args.device, args.dtype)
     prompt_ids = engine.codec.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
     req = Request(prompt_ids, max_tokens=args.max_tokens, block_size=args.block_size or 0, ignore_eos=args.ignore_eos,
                   cache_policy=cache_policy_from_args(args))
@@ -167,7 +176,9 @@ def register_generate(sub) -> None:
     p.add_argument("--target", help="Gemma-4 target checkpoint directory")
     p.add_argument("--draft", help="DFlash drafter checkpoint directory")
     add_generation_options(p)
-    p.add_argument("--backend", default="mlx", choices=["mlx"])
+    p.add_argument("--backend", default="mlx", choices=["mlx", "torch"], help="mlx (default) or torch")
+    p.add_argument("--device", choices=["cpu", "cuda", "mps"], help="torch device (default cpu)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="torch weights dtype (default float32)")
     p.add_argument("--compare-ar", action="store_true", help="also run greedy AR and report lossless/speedup")
     add_cache_args(p)
     p.set_defaults(func=cmd_generate)

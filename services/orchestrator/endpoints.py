@@ -90,7 +90,11 @@ def local_verifier(target_dir, aux_layers, backend: str = "mlx", **kwargs) -> Ve
         from services.verifier.session import mlx_verifier
 
         return mlx_verifier(target_dir, aux_layers, **kwargs)
-    raise ValueError(f"unknown verifier backend {backend!r} (expected 'mlx')")
+    if backend == "torch":
+        from services.verifier.model_torch import torch_verifier
+
+        return torch_verifier(target_dir, aux_layers, **kwargs)  # policy=, device=, dtype=
+    raise ValueError(f"unknown verifier backend {backend!r} (expected 'mlx' or 'torch')")
 
 
 def local_drafter(draft_dir, target_dir, backend: str = "mlx", **kwargs) -> Drafter:
@@ -99,7 +103,11 @@ def local_drafter(draft_dir, target_dir, backend: str = "mlx", **kwargs) -> Draf
         from services.drafter.session import MLXDrafter
 
         return MLXDrafter(draft_dir, target_dir, **kwargs)
-    raise ValueError(f"unknown drafter backend {backend!r} (expected 'mlx')")
+    if backend == "torch":
+        from services.drafter.session_torch import TorchDrafter
+
+        return TorchDrafter(draft_dir, target_dir, **kwargs)  # device=, dtype=
+    raise ValueError(f"unknown drafter backend {backend!r} (expected 'mlx' or 'torch')")
 
 
 def remote_verifier(addr: str, **kwargs) -> Verifier:

@@ -80,3 +80,20 @@ def test_make_tiny_writes_a_loadable_pair(tmp_path):
     assert main(["make-tiny", "--out", str(tmp_path / "p"), "--seed", "3", "--sliding-window", "16"]) == 0
     assert main(["generate", "--target", str(tmp_path / "p/target"), "--draft", str(tmp_path / "p/draft"),
                  "--max-tokens", "5"]) == 0
+
+
+def test_generate_on_the_torch_backend_is_lossless_and_matches_mlx():
+    runs = {}
+    for backend in ("mlx", "torch"):
+        res = kakeya("generate", "--backend", backend, "--json", "--compare-ar", "--max-tokens", "60",
+                     "--block-size", "8", "--ignore-eos")
+        assert res.returncode == 0, res.stderr
+        runs[backend] = json.loads(res.stdout.strip().splitlines()[-1])
+        assert runs[backend]["lossless"] is True
+    assert runs["torch"]["backend"] == "torch"
+    assert runs["torch"]["token_ids"] == runs["mlx"]["token_ids"]
+
+
+def test_device_flags_need_the_torch_backend(capsys):
+    assert main(["generate", "--dtype", "bfloat16", "--max-tokens", "2"]) == 2
+    assert "--backend torch" in capsys.readouterr().err
