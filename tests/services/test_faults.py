@@ -89,16 +89,40 @@ def test_drafter_killed_mid_stream_falls_back_then_reconnects(servers, reference
     assert _server_info(orch.addr).extra["drafter_state"] == "ok"
 
 
-def test_verifier_unreachable_is_unavailable_and_the_server_recovers(servers, reference):
-    orch, verifier = servers["orchestrator"], servers["verifier"]
+def test_verifier_unreachable_is_unavailable_and_the_server_recovers(servers, server_factory, reference):
+    orch, verifier, drafter = servers["orchestrator"], servers["verifier"], servers["drafter"]
     verifier.signal(signal.SIGKILL)
     verifier.wait(10)
     with pytest.raises(grpc.RpcError) as err:
         generate(orch.addr, request(PROMPT, max_tokens=8))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "verifier" in err.value.details()
+    assert _health(orch.addr) == health_pb2.HealthCheckResponse.SERVING  # still up, still answering
+
+    # A new orchestrator started while its verifier is down: up, but NOT_SERVING until it can warm up.
+    late = server_factory("late", ["orchestrator", "--verifier", verifier.addr, "--drafter", drafter.addr]).start()
+    wait_until(lambda: _health_or_none(late), timeout=60, what="the late orchestrator to listen")
+    assert _health(late.addr) == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        generate(late.addr, request(PROMPT, max_tokens=8))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
     verifier.start().wait_ready()
     ids = wait_until(lambda: _try(orch.addr), timeout=30, interval=0.5, what="the verifier to be reachable again")
     assert ids == reference[:8]
+    late.wait_ready(60)
+    assert _health(late.addr) == health_pb2.HealthCheckResponse.SERVING
+    assert generate(late.addr, request(PROMPT, max_tokens=8))[0] == reference[:8]
+
+
+def _health_or_none(server):
+    """The health status once the process listens (its log names the port), else None."""
+    import re
+
+    m = re.search(r"listening on (\S+)", server.log())
+    if not m:
+        return None
+    server.addr = m.group(1)
+    return _health(server.addr) is not None
 
 
 def _try(addr):

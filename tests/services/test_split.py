@@ -345,3 +345,26 @@ def test_concurrent_streams_are_isolated_sessions(servers, reference):
         outs = list(ex.map(lambda j: generate(servers[j[0]].addr, request(PROMPT, max_tokens=80, block_size=j[1]))[0], jobs))
     for job, ids in zip(jobs, outs):
         assert ids == reference[:80], job
+
+
+def test_orchestrator_request_limit_is_resource_exhausted(servers, server_factory):
+    v, d = servers["verifier"].addr, servers["drafter"].addr
+    orch = server_factory("limited", ["orchestrator", "--verifier", v, "--drafter", d, "--max-sessions", "1"])
+    start_all([orch])
+    first = generation_stub(orch.addr).Generate(request(PROMPT, max_tokens=LIMIT, block_size=4), timeout=120)
+    assert next(first).HasField("chunk")
+    with pytest.raises(grpc.RpcError) as err:
+        generate(orch.addr, request(PROMPT, max_tokens=4))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-sessions" in err.value.details()
+    first.cancel()
+    ids = wait_until(lambda: _try_generate(orch.addr), timeout=15, what="the slot to be free again")
+    assert len(ids) == 4
+
+
+def _try_generate(addr):
+    try:
+        return generate(addr, request(PROMPT, max_tokens=4))[0]
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        return None
+
