@@ -375,6 +375,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             vs, ds = self.step(self._open, params, run, timeout)
         except Exception as exc:
+            self.step(self._close, None, run)  # whatever did open
             raise RequestError(*_status_of(exc)) from None
         blocks = loop.speculative_decode(
             vs, ds, params.prompt_ids, params.max_tokens, params.block_size, params.stop_ids, on_drafter_error
@@ -433,7 +434,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     @staticmethod
     def _close(blocks, run: _Run) -> None:
-        blocks.close()
+        if blocks is not None:
+            blocks.close()
         for s in run.sessions:
             try:
                 s.close()
