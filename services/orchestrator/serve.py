@@ -250,8 +250,11 @@ def cmd_serve_all(args) -> int:
         files = {n: Path(tmp) / f"{n}.json" for n in ("verifier", "drafter", "orchestrator")}
         try:
             back = ["--host", args.backend_host, "--port", "0"]
-            sup.spawn("verifier", [*back, "--target", target, "--draft", draft, "--ready-file", str(files["verifier"]), *common, *limits])
-            sup.spawn("drafter", [*back, "--draft", draft, "--target", target, "--ready-file", str(files["drafter"]), *common, *limits])
+            torch_kw = [*(["--device", args.device] if args.device else []), *(["--dtype", args.dtype] if args.dtype else [])]
+            vback = ["--backend", args.verifier_backend, *(torch_kw if args.verifier_backend == "torch" else [])]
+            dback = ["--backend", args.drafter_backend, *(torch_kw if args.drafter_backend == "torch" else [])]
+            sup.spawn("verifier", [*back, "--target", target, "--draft", draft, *vback, "--ready-file", str(files["verifier"]), *common, *limits])
+            sup.spawn("drafter", [*back, "--draft", draft, "--target", target, *dback, "--ready-file", str(files["drafter"]), *common, *limits])
             ready = sup.wait_ready({n: files[n] for n in ("verifier", "drafter")}, args.start_timeout)
             orch = [
                 "--host", args.host, "--port", str(args.port),
@@ -489,6 +492,10 @@ def register_serve(sub) -> None:
     a.add_argument("--target", help="target checkpoint (default: the embedded tiny pair)")
     a.add_argument("--draft", help="drafter checkpoint")
     a.add_argument("--backend-host", default="127.0.0.1", help="interface of the verifier and drafter (default 127.0.0.1)")
+    a.add_argument("--verifier-backend", default="mlx", choices=["mlx", "torch"], help="the verifier process's backend")
+    a.add_argument("--drafter-backend", default="mlx", choices=["mlx", "torch"], help="the drafter process's backend")
+    a.add_argument("--device", help="torch processes: cuda, cuda:1, cpu (default: the backend's)")
+    a.add_argument("--dtype", help="torch processes: float32, bfloat16, float16 (default: the backend's)")
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)
     a.set_defaults(func=cmd_serve_all)

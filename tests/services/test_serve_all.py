@@ -82,3 +82,25 @@ def test_children_die_with_the_parent(serve_all):
     s.signal(signal.SIGKILL)
     s.wait(10)
     wait_until(lambda: not any(pid_alive(p) for p in pids.values()), timeout=30, what="orphaned children to exit")
+
+
+@pytest.mark.parametrize("verifier_backend,drafter_backend", [("torch", "mlx"), ("mlx", "torch")])
+def test_mixed_backends_over_grpc_match_greedy_ar(server_factory, mlx_target, verifier_backend, drafter_backend):
+    """A torch verifier with an MLX drafter (and the reverse), as separate processes: the AR tokens."""
+    from services.verifier.reference_mlx import greedy_reference
+
+    s = server_factory(
+        "all",
+        ["all", "--grace", "5", "--verifier-backend", verifier_backend, "--drafter-backend", drafter_backend],
+    ).start().wait_ready()
+    try:
+        prompt = "0,".join(str(i) for i in range(2, 12))  # any text; compared as token ids below
+        res = client(s.addr, "generate", "--json", "--max-tokens", "120", "--ignore-eos", "--block-size", "8",
+                     "--prompt", prompt)  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        ref, _, _ = greedy_reference(mlx_target.model, out["prompt_token_ids"], 120)
+        assert out["token_ids"] == ref  # 120 tokens: past three wraps of the 32-position window
+        assert out["drafter_fallback"] is False
+    finally:
+        s.stop()
