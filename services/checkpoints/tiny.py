@@ -414,6 +414,26 @@ def default_pair() -> TinyPair:
     return pair
 
 
+DEMO_DIR = DEFAULT_DIR.parent / "demo"
+
+
+def demo_pair() -> TinyPair | None:
+    """The trained demo pair in ``services/models/demo`` (``kakeya train-target`` /
+    ``train-drafter``), or None when it is not shipped (both directories need
+    config.json and model.safetensors)."""
+    pair = TinyPair(target=DEMO_DIR / "target", draft=DEMO_DIR / "draft")
+    for d in (pair.target, pair.draft):
+        if not ((d / "config.json").is_file() and (d / "model.safetensors").is_file()):
+            return None
+    return pair
+
+
+def embedded_pair() -> TinyPair:
+    """What ``kakeya generate`` uses with no model flags: the trained demo pair when
+    shipped, else the tiny random pair (tests use :func:`default_pair` explicitly)."""
+    return demo_pair() or default_pair()
+
+
 # ---------------------------------------------------------------------------
 # CLI
 

@@ -1,0 +1,100 @@
+"""Shared trainer plumbing: progress bar, LR schedule, resumable checkpoints, reports."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+
+class Progress:
+    """A one-line progress bar on stderr (``\\r``-updated when stderr is a TTY, else every ~10%)."""
+
+    def __init__(self, total: int, label: str, start: int = 0, quiet: bool = False):
+        self.total, self.label, self.quiet = total, label, quiet
+        self.t0 = time.time()
+        self.start = start
+        self.tty = sys.stderr.isatty()
+        self._last_pct = -1
+
+    def update(self, step: int, **fields: Any) -> None:
+        if self.quiet:
+            return
+        done = step - self.start
+        el = time.time() - self.t0
+        eta = el / done * (self.total - step) if done > 0 else 0.0
+        pct = int(100 * step / max(self.total, 1))
+        bar = "#" * (pct // 5) + "." * (20 - pct // 5)
+        info = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
+        line = f"{self.label} [{bar}] {step}/{self.total} {info} elapsed {el:.0f}s eta {eta:.0f}s"
+        if self.tty:
+            print("\r" + line, end="", file=sys.stderr, flush=True)
+        elif pct // 10 != self._last_pct // 10 or step == self.total:
+            print(line, file=sys.stderr, flush=True)
+        self._last_pct = pct
+
+    def close(self) -> None:
+        if self.tty and not self.quiet:
+            print(file=sys.stderr, flush=True)
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float = 0.1) -> float:
+    """Linear warm-up then cosine decay to ``min_ratio * lr``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def make_optimizer(lr: float, weight_decay: float) -> optim.AdamW:
+    return optim.AdamW(learning_rate=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+
+
+def save_state(ckpt_dir: Path, model, opt, meta: dict) -> None:
+    """Model + optimizer state + meta (step, loss curve) -- written atomically-ish (meta last)."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(ckpt_dir / "model.safetensors"), dict(tree_flatten(model.trainable_parameters())))
+    opt_flat = dict(tree_flatten(opt.state))
+    mx.save_safetensors(str(ckpt_dir / "optimizer.safetensors"), opt_flat)
+    tmp = ckpt_dir / "state.json.tmp"
+    tmp.write_text(json.dumps(meta) + "\n")
+    tmp.replace(ckpt_dir / "state.json")
+
+
+def load_state(ckpt_dir: Path, model, opt) -> dict | None:
+    """Restore what :func:`save_state` wrote; None when there is nothing to resume."""
+    if not (ckpt_dir / "state.json").is_file():
+        return None
+    meta = json.loads((ckpt_dir / "state.json").read_text())
+    weights = mx.load(str(ckpt_dir / "model.safetensors"))
+    model.load_weights(list(weights.items()), strict=False)
+    opt_flat = mx.load(str(ckpt_dir / "optimizer.safetensors"))
+    opt.state = tree_unflatten(list(opt_flat.items()))
+    mx.eval(model.parameters(), opt.state)
+    return meta
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, default=_np_default) + "\n", encoding="utf-8")
+
+
+def _np_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    raise TypeError(type(o))
+
+
+def seed_all(seed: int) -> None:
+    mx.random.seed(seed)
+    np.random.seed(seed)

@@ -1,0 +1,100 @@
+"""The training corpus: the running interpreter's standard-library sources.
+
+Files are split into train / held-out BY FILE, deterministically (crc32 of the
+path relative to the stdlib root), so held-out text never leaks into training.
+Each file is tokenized with the project's byte-level BPE tokenizer and prefixed
+with ``<bos>``; the training stream is the concatenation of the train files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from services.checkpoints import tokenizer as tk
+
+SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def all_files() -> list[Path]:
+    root = stdlib_root()
+    return sorted(
+        (p for p in root.rglob("*.py") if not SKIP_DIRS.intersection(p.relative_to(root).parts)),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+
+
+def is_heldout(path: Path, heldout_pct: int) -> bool:
+    rel = path.relative_to(stdlib_root()).as_posix()
+    return zlib.crc32(rel.encode()) % 100 < heldout_pct
+
+
+@dataclass
+class Corpus:
+    train: np.ndarray  # int32 token stream of the train files
+    heldout: np.ndarray  # int32 token stream of the held-out files
+    train_files: list[str]
+    heldout_files: list[str]
+    fingerprint: str
+
+    def summary(self) -> dict:
+        return {
+            "source": "Python %s standard library (*.py, tests excluded)" % sysconfig.get_python_version(),
+            "train_files": len(self.train_files),
+            "heldout_files": len(self.heldout_files),
+            "train_tokens": int(self.train.size),
+            "heldout_tokens": int(self.heldout.size),
+            "split": "by file: crc32(relative path) % 100 < heldout_pct -> held out",
+            "sha256": self.fingerprint,
+        }
+
+
+def load_corpus(tokenizer, heldout_pct: int = 5, max_bytes: int | None = None) -> Corpus:
+    """Tokenize the stdlib; ``max_bytes`` caps the train files (held-out files are always all kept)."""
+    root = stdlib_root()
+    train_f, held_f = [], []
+    total = 0
+    for p in all_files():
+        if is_heldout(p, heldout_pct):
+            held_f.append(p)
+        elif max_bytes is None or total < max_bytes:
+            train_f.append(p)
+            total += p.stat().st_size
+    digest = hashlib.sha256()
+
+    def encode(files: list[Path]) -> np.ndarray:
+        texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
+        for f, t in zip(files, texts):
+            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + t.encode())
+        encs = tokenizer.encode_batch(texts)  # each starts with <bos> (post-processor)
+        return np.concatenate([np.asarray(e.ids, dtype=np.int32) for e in encs]) if encs else np.zeros(0, np.int32)
+
+    train, held = encode(train_f), encode(held_f)
+    rel = lambda fs: [f.relative_to(root).as_posix() for f in fs]  # noqa: E731
+    return Corpus(train, held, rel(train_f), rel(held_f), digest.hexdigest())
+
+
+def sample_windows(stream: np.ndarray, n: int, length: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` random windows of ``length`` tokens from ``stream`` -> ``[n, length]`` int32."""
+    starts = rng.integers(0, stream.size - length, size=n)
+    return np.stack([stream[s : s + length] for s in starts])
+
+
+def fixed_windows(stream: np.ndarray, n: int, length: int) -> np.ndarray:
+    """``n`` evenly spaced windows (deterministic evaluation set)."""
+    span = stream.size - length
+    starts = np.linspace(0, span, n).astype(np.int64)
+    return np.stack([stream[s : s + length] for s in starts])
+
+
+def tokenizer_for(vocab_size: int, progress=None):
+    return tk.train_tokenizer(vocab_size, progress=progress)

@@ -1,0 +1,125 @@
+"""Smoke runs of the trainers (a handful of steps, tiny sizes), resume, and the block-forward parity."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from services.training import drafter as tdraft
+from services.training import target as ttarget
+
+
+def _args(add, argv):
+    p = argparse.ArgumentParser()
+    add(p)
+    return p.parse_args(argv)
+
+
+TINY_TARGET = ["--hidden", "32", "--intermediate", "64", "--layers", "3", "--heads", "2", "--kv-heads", "1",
+               "--head-dim", "16", "--global-head-dim", "32", "--sliding-window", "16", "--seq-len", "32",
+               "--batch", "2", "--eval-windows", "2", "--eval-every", "2", "--save-every", "1",
+               "--max-bytes", "20000", "--quiet", "--warmup", "1"]
+
+
+@pytest.mark.parametrize("backend", ["mlx", "torch"])
+def test_train_target_smoke_resume_and_load(tmp_path, backend):
+    out = tmp_path / "t"
+    rep = ttarget.train(_args(ttarget.add_arguments, ["--out", str(out), "--steps", "2", "--backend", backend] + TINY_TARGET))
+    assert rep["steps"] == 2 and len(rep["loss_curve"]) == 2
+    rep2 = ttarget.train(_args(ttarget.add_arguments,
+                               ["--out", str(out), "--steps", "3", "--resume", "--backend", backend] + TINY_TARGET))
+    assert rep2["steps"] == 3 and [s for s, _ in rep2["loss_curve"]] == [1, 2, 3]
+    assert rep2["loss_curve"][:2] == rep["loss_curve"]  # resumed, not restarted
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["final"]["heldout_perplexity"] > 1 and saved["corpus"]["heldout_files"] > 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "gemma4_text" and "full_attention" in cfg["layer_types"]
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, tok = load(str(out))
+    ids = tok.encode("def f(x):\n    return x")
+    assert model(mx.array([ids])).shape == (1, len(ids), cfg["vocab_size"])
+
+
+def test_heldout_split_is_by_file_and_deterministic():
+    from services.training import data
+
+    files = data.all_files()
+    held = [f for f in files if data.is_heldout(f, 5)]
+    assert 0 < len(held) < len(files) // 5
+    assert held == [f for f in files if data.is_heldout(f, 5)]
+
+
+TINY_DRAFT = ["--sequences", "4", "--prompt-len", "12", "--gen-len", "10", "--gen-batch", "4", "--batch", "2",
+              "--anchors", "3", "--head-dim", "16", "--layers", "1", "--intermediate", "32",
+              "--train-block-sizes", "4,8", "--save-every", "1", "--quiet", "--warmup", "1"]
+
+
+def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
+    out = tmp_path / "d"
+    base = ["--target", str(tiny_pair.target), "--out", str(out)] + TINY_DRAFT
+    rep = tdraft.train(_args(tdraft.add_arguments, base + ["--steps", "2", "--no-eval"]))
+    assert rep["steps"] == 2
+    rep2 = tdraft.train(_args(tdraft.add_arguments, base + ["--steps", "3", "--resume", "--eval-prompts", "1",
+                                                            "--eval-max-tokens", "6", "--eval-block-sizes", "4"]))
+    assert [c[0] for c in rep2["loss_curve"]] == [1, 2, 3] and rep2["loss_curve"][:2] == rep["loss_curve"]
+    acc = rep2["acceptance"]["per_block_size"]["4"]
+    assert acc["mean_acceptance"] >= 1 and acc["lossless_vs_block1"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dflash_config"]["mask_token_id"] == 4 and cfg["dflash_config"]["input_embedding_scale"] == 1.0
+
+    from services.drafter.dflash_mlx import load_dflash_mlx
+
+    load_dflash_mlx(out, tiny_pair.target)  # strict load of the reference layout
+
+
+def test_block_training_forward_equals_mlx_drafter(tiny_pair):
+    """The batched training forward (many blocks, per-block masks) == the MLX drafter's inference forward,
+    with aux from the verifier's own capture (TargetMLX.forward)."""
+    import mlx.core as mx
+    import torch
+    from mlx_lm.models.cache import KVCache
+
+    from services.checkpoints.config import load_draft_config
+    from services.drafter.dflash_mlx import load_dflash_mlx
+    from services.verifier.model_mlx import TargetMLX
+
+    target = TargetMLX.load(tiny_pair.target)
+    dcfg = load_draft_config(tiny_pair.draft)
+    tids = dcfg["dflash_config"]["target_layer_ids"]
+    rng = np.random.default_rng(0)
+    T, B = 24, 6
+    seq = rng.integers(5, 1000, size=(1, T)).astype(np.int32)
+    # aux from the verifier path (full causal forward on a fresh cache; T < the tiny sliding window)
+    cache = [KVCache() for _ in range(target.n_cached)]
+    from mlx_lm.models.base import create_causal_mask
+
+    mask = create_causal_mask(T, 0)
+    aux = np.array(target.forward(mx.array(seq), cache, tids, mask).aux)  # [T, A]
+    # the same aux from the trainer's torch hooks
+    tt = tdraft.TorchTarget(tiny_pair.target, torch.device("cpu"))
+    aux_t = tt.aux(seq, tids)[0]
+    assert np.allclose(aux, aux_t, atol=2e-4)
+
+    trainer = tdraft.BlockTrainer(json.loads((tiny_pair.draft / "config.json").read_text()), tiny_pair.target, 0, "cpu")
+    ref = torch.load  # noqa: F841 (keep torch imported)
+    from safetensors.numpy import load_file
+
+    w = load_file(str(tiny_pair.draft / "model.safetensors"))
+    trainer.model.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()})
+    anchors = np.array([[5, 11, 17]])
+    with torch.no_grad():
+        logits, labels = trainer.block_logits(seq, aux_t[None], anchors, B)
+    draft = load_dflash_mlx(tiny_pair.draft, tiny_pair.target)
+    for k, a in enumerate(anchors[0]):
+        c = draft.make_cache()
+        draft.extend(c, mx.array(aux[:a]))
+        block = mx.array([int(seq[0, a])] + [dcfg["dflash_config"]["mask_token_id"]] * (B - 1))
+        want = np.array(draft.draft_logits(block, c))
+        assert np.allclose(logits[k].numpy(), want, atol=2e-3), k
+        assert labels[k].tolist() == seq[0, a + 1 : a + B].tolist()
