@@ -68,11 +68,21 @@ def test_policies_change_the_output(mlx_target, aux_layers):
     assert native != bounded
 
 
-def test_sliding_bytes_flat_full_bytes_linear(mlx_target, aux_layers, drafter):
+class RepeatDrafter:
+    """Proposes the last token over and over: nearly every block is rejected and trimmed, cheaply."""
+
+    def draft(self, new_aux, last_token, block_size):
+        return [last_token] * (block_size - 1)
+
+    def close(self):
+        pass
+
+
+def test_sliding_bytes_flat_full_bytes_linear(mlx_target, aux_layers):
     policy = CachePolicy("sink-window", sink=4, window=16)
     session = VerifierSession(mlx_target, aux_layers, policy)
     seen = {}
-    it = speculative_decode(session, drafter.open_session(), PROMPT, 3000, 8)
+    it = speculative_decode(session, RepeatDrafter(), PROMPT, 3000, 8)
     for block in it:
         n = session.offset - len(PROMPT)
         for mark in (300, 1000, 3000 - 16):
