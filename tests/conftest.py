@@ -22,3 +22,14 @@ def aux_layers(tiny_pair):
     from services.checkpoints.config import load_draft_config
 
     return tuple(load_draft_config(tiny_pair.draft)["dflash_config"]["target_layer_ids"])
+
+
+@pytest.fixture(scope="session")
+def demo_pair():
+    """The trained demo pair (services/models/demo); tests using it skip when it is not shipped."""
+    from services.checkpoints.tiny import demo_pair as _demo
+
+    pair = _demo()
+    if pair is None:
+        pytest.skip("trained demo pair not shipped in services/models/demo")
+    return pair

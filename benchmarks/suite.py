@@ -1,0 +1,314 @@
+"""The benchmark suite: AR vs speculative decoding on one pair, side by side in one process.
+
+    python benchmarks/suite.py                       # embedded default pair (the demo pair when shipped)
+    python benchmarks/suite.py --target T --draft D --block-sizes 1 2 4 8 16 --repeats 3 --torch
+
+Measures, on held-out code prompts (stdlib files the demo pair never trained on):
+
+* decode tok/s -- kakeya colocated MLX at block sizes 1 (plain AR through the
+  same verifier) .. 16; mlx-lm's own greedy AR (``generate_step``, native caches);
+  the ``dflash`` package's MLX speculative loop (``dflash.model_mlx.stream_generate``
+  on our draft directory; a FRESH target, since it wraps the layers with hooks),
+  with its own embedding convention (sqrt(hidden) x input_embedding_scale) and
+  with ours (raw lookup x input_embedding_scale, "Gap-B"); optionally kakeya's
+  colocated torch backend;
+* acceptance-length histogram per block size;
+* per-block time split (draft, verify, accept/trim + hand-off);
+* efficiency against the limit: speedup / (tau * t_AR / (t_draft + t_verify(B))).
+
+Medians over ``--repeats`` runs after one warm-up run per configuration.
+Writes benchmarks/results/suite.json and suite_*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from services.orchestrator.cli import build_local_engine  # noqa: E402
+from services.orchestrator.engine import Request  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def held_out_prompts(n: int, length: int) -> list[list[int]]:
+    from services.checkpoints import tokenizer as tk
+    from services.training import data
+    from services.training.drafter import heldout_prompts
+
+    tok = tk.train_tokenizer()
+    corpus = data.load_corpus(tok, heldout_pct=5, max_bytes=1)  # held-out files only matter here
+    return heldout_prompts(corpus, n, length)
+
+
+def kakeya_runs(engine, prompts, max_tokens, block_size, repeats):
+    tok_s, lengths, split = [], [], {"draft": [], "verify": [], "rest": [], "total": []}
+    outputs = []
+    for p in prompts:
+        req = Request(p, max_tokens=max_tokens, block_size=block_size, ignore_eos=True)
+        engine.generate(req)  # warm-up
+        per = []
+        for _ in range(repeats):
+            g = engine.generate(req)
+            per.append(g.decode_tok_s)
+        tok_s.append(statistics.median(per))
+        lengths += g.acceptance_lengths
+        outputs.append(g.token_ids)
+        for b in g.blocks[1:]:
+            split["draft"].append(b.draft_s)
+            split["verify"].append(b.verify_s)
+            split["rest"].append(b.total_s - b.draft_s - b.verify_s)
+            split["total"].append(b.total_s)
+    return {
+        "decode_tok_s": round(statistics.median(tok_s), 2),
+        "decode_tok_s_per_prompt": [round(x, 2) for x in tok_s],
+        "mean_acceptance": round(float(np.mean(lengths)), 4),
+        "acceptance_histogram": np.bincount(lengths, minlength=block_size + 1)[1:].tolist(),
+        "block_ms_median": {k: round(statistics.median(v) * 1e3, 4) for k, v in split.items()},
+    }, outputs
+
+
+def mlx_lm_ar(target_dir, prompts, max_tokens, repeats):
+    from mlx_lm import load
+
+    from services.verifier.reference_mlx import greedy_reference
+
+    model, _ = load(str(target_dir))
+    tok_s, outs = [], []
+    for p in prompts:
+        greedy_reference(model, p, max_tokens)
+        per = []
+        for _ in range(repeats):
+            ids, _, dec = greedy_reference(model, p, max_tokens)
+            per.append((len(ids) - 1) / dec)
+        tok_s.append(statistics.median(per))
+        outs.append(ids)
+    return {"decode_tok_s": round(statistics.median(tok_s), 2)}, outs
+
+
+def dflash_loop(target_dir, draft_dir, prompts, max_tokens, block_size, repeats, gap_b: bool):
+    """The dflash package's own MLX loop. gap_b=True: our embedding convention (raw lookup x scale)."""
+    import dflash.model_mlx as dm
+    from mlx_lm import load
+
+    dm.snapshot_download = lambda repo_id, **kw: repo_id  # a local directory, no hub
+    model, tokenizer = load(str(target_dir))  # fresh: stream_generate wraps its layers
+    draft = dm.load_draft(str(draft_dir))
+    if gap_b:
+        # its bind() sets embed_scale = target embed_scale x input_embedding_scale on every call
+        orig_bind = draft.bind
+
+        def bind(target_model):
+            orig_bind(target_model)
+            draft.embed_scale = draft.config.input_embedding_scale
+            return draft
+
+        draft.bind = bind
+    tok_s, accepted, outs = [], [], []
+    for p in prompts:
+        def once():
+            toks, acc, t_first, t_end = [], [], None, None
+            for r in dm.stream_generate(model, draft, tokenizer, mx_prompt(p), block_size=block_size,
+                                        max_tokens=max_tokens):
+                if t_first is None:
+                    t_first = time.perf_counter()
+                toks += r.tokens
+                if r.accepted is not None:
+                    acc.append(len(r.tokens))
+            t_end = time.perf_counter()
+            return toks, acc, (len(toks) - 1) / (t_end - t_first)
+
+        once()
+        per = []
+        for _ in range(repeats):
+            toks, acc, ts = once()
+            per.append(ts)
+        tok_s.append(statistics.median(per))
+        accepted += acc
+        outs.append(toks[:max_tokens])
+    return {
+        "decode_tok_s": round(statistics.median(tok_s), 2),
+        "mean_acceptance": round(float(np.mean(accepted)), 4) if accepted else None,
+    }, outs
+
+
+def mx_prompt(p):
+    import mlx.core as mx
+
+    return mx.array(p)
+
+
+def plots(res: dict, out_prefix: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    bss = [int(b) for b in res["kakeya_mlx"]]
+    spec = [res["kakeya_mlx"][str(b)] for b in bss]
+
+    # 1. decode tok/s
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    x = np.arange(len(bss))
+    w = 0.25
+    ax.bar(x - w, [s["decode_tok_s"] for s in spec], w, label="kakeya MLX (block 1 = AR)")
+    if res.get("dflash"):
+        ax.bar(x, [res["dflash"].get(str(b), {}).get("gap_b", {}).get("decode_tok_s", 0) for b in bss], w,
+               label="dflash package MLX loop (Gap-B embedding)")
+    if res.get("kakeya_torch"):
+        ax.bar(x + w, [res["kakeya_torch"].get(str(b), {}).get("decode_tok_s", 0) for b in bss], w,
+               label="kakeya torch CPU")
+    ax.axhline(res["mlx_lm_ar"]["decode_tok_s"], color="k", ls="--", lw=1, label="mlx-lm greedy AR")
+    ax.set_xticks(x, [str(b) for b in bss])
+    ax.set_xlabel("block size")
+    ax.set_ylabel("decode tokens / s (median)")
+    ax.set_title("Decode throughput, demo pair, 2-core CPU")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    f = out_prefix.with_name(out_prefix.name + "_throughput.png")
+    fig.savefig(f, dpi=110)
+    files.append(f.name)
+    plt.close(fig)
+
+    # 2. acceptance histograms
+    sb = [b for b in bss if b > 1]
+    fig, axes = plt.subplots(1, len(sb), figsize=(3.2 * len(sb), 3.2), squeeze=False)
+    for ax, b in zip(axes[0], sb):
+        h = res["kakeya_mlx"][str(b)]["acceptance_histogram"]
+        ax.bar(np.arange(1, b + 1), np.array(h) / max(1, sum(h)))
+        ax.set_title(f"block {b}: mean {res['kakeya_mlx'][str(b)]['mean_acceptance']:.2f}")
+        ax.set_xlabel("tokens committed per block")
+    axes[0][0].set_ylabel("fraction of blocks")
+    fig.tight_layout()
+    f = out_prefix.with_name(out_prefix.name + "_acceptance.png")
+    fig.savefig(f, dpi=110)
+    files.append(f.name)
+    plt.close(fig)
+
+    # 3. time split + efficiency
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    d = np.array([s["block_ms_median"]["draft"] for s in spec])
+    v = np.array([s["block_ms_median"]["verify"] for s in spec])
+    r = np.array([s["block_ms_median"]["rest"] for s in spec])
+    a1.bar(x, d, label="draft")
+    a1.bar(x, v, bottom=d, label="verify")
+    a1.bar(x, r, bottom=d + v, label="accept/trim + hand-off")
+    a1.set_xticks(x, [str(b) for b in bss])
+    a1.set_xlabel("block size")
+    a1.set_ylabel("ms per block (median)")
+    a1.set_title("Per-block time split (kakeya MLX)")
+    a1.legend(fontsize=8)
+    eff = res["efficiency"]
+    a2.plot(sb, [eff[str(b)]["speedup"] for b in sb], "o-", label="measured speedup vs AR")
+    a2.plot(sb, [eff[str(b)]["limit"] for b in sb], "s--", label="limit tau*t_AR/(t_draft+t_verify)")
+    a2.axhline(1.0, color="k", lw=0.8)
+    a2.set_xscale("log", base=2)
+    a2.set_xticks(sb, [str(b) for b in sb])
+    a2.set_xlabel("block size")
+    a2.set_title("Speedup vs its limit")
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    f = out_prefix.with_name(out_prefix.name + "_split_efficiency.png")
+    fig.savefig(f, dpi=110)
+    files.append(f.name)
+    plt.close(fig)
+    return files
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target")
+    ap.add_argument("--draft")
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--torch", action="store_true", help="also kakeya's colocated torch backend")
+    ap.add_argument("--no-dflash", action="store_true", help="skip the dflash package loop")
+    ap.add_argument("--out", default=str(RESULTS / "suite.json"))
+    args = ap.parse_args(argv)
+
+    engine = build_local_engine(args.target, args.draft, "mlx")
+    target_dir, draft_dir = Path(engine.target), Path(engine.draft)
+    prompts = held_out_prompts(args.prompts, args.prompt_len)
+    res: dict = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
+                    "note": "shared 2-core CPU, no GPU"},
+        "pair": {"target": str(target_dir.relative_to(ROOT) if target_dir.is_relative_to(ROOT) else target_dir),
+                 "draft": str(draft_dir.relative_to(ROOT) if draft_dir.is_relative_to(ROOT) else draft_dir)},
+        "prompts": {"n": len(prompts), "tokens": args.prompt_len, "source": "held-out stdlib files"},
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "kakeya_mlx": {},
+    }
+    t0 = time.time()
+    ref = None
+    for b in args.block_sizes:
+        print(f"kakeya mlx block {b} ...", file=sys.stderr, flush=True)
+        r, outs = kakeya_runs(engine, prompts, args.max_tokens, b, args.repeats)
+        if ref is None:
+            ref = outs
+        r["identical_to_block1"] = outs == ref
+        res["kakeya_mlx"][str(b)] = r
+    print("mlx-lm AR ...", file=sys.stderr, flush=True)
+    res["mlx_lm_ar"], ar_outs = mlx_lm_ar(target_dir, prompts, args.max_tokens, args.repeats)
+    res["mlx_lm_ar"]["identical_to_kakeya"] = ar_outs == ref
+    if not args.no_dflash:
+        res["dflash"] = {}
+        for b in [b for b in args.block_sizes if b > 1]:
+            print(f"dflash package loop block {b} ...", file=sys.stderr, flush=True)
+            entry = {}
+            for gap_b in (True, False):
+                r, outs = dflash_loop(target_dir, draft_dir, prompts, args.max_tokens, b, args.repeats, gap_b)
+                r["identical_to_ar"] = outs == ref
+                entry["gap_b" if gap_b else "sqrt_hidden_scale"] = r
+            res["dflash"][str(b)] = entry
+    if args.torch:
+        res["kakeya_torch"] = {}
+        tengine = build_local_engine(str(target_dir), str(draft_dir), "torch")
+        for b in args.block_sizes:
+            print(f"kakeya torch block {b} ...", file=sys.stderr, flush=True)
+            r, outs = kakeya_runs(tengine, prompts, args.max_tokens, b, args.repeats)
+            r["identical_to_mlx"] = outs == ref
+            res["kakeya_torch"][str(b)] = r
+    ar = res["kakeya_mlx"].get("1")
+    res["efficiency"] = {}
+    if ar:
+        t_ar = ar["block_ms_median"]["total"]  # one token per block at block size 1
+        for b in args.block_sizes:
+            if b == 1:
+                continue
+            s = res["kakeya_mlx"][str(b)]
+            ms = s["block_ms_median"]
+            limit = s["mean_acceptance"] * t_ar / (ms["draft"] + ms["verify"])
+            speedup = s["decode_tok_s"] / ar["decode_tok_s"]
+            res["efficiency"][str(b)] = {"speedup": round(speedup, 4), "limit": round(limit, 4),
+                                         "efficiency": round(speedup / limit, 4)}
+    res["wall_s"] = round(time.time() - t0, 1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        res["plots"] = plots(res, out.with_suffix(""))
+    except ImportError:
+        res["plots"] = []
+        print("matplotlib missing: no plots (pip install matplotlib)", file=sys.stderr)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps({b: {k: v[k] for k in ("decode_tok_s", "mean_acceptance")} for b, v in res["kakeya_mlx"].items()}))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""The shipped demo pair: it is the no-flag default, it is lossless, and its drafter accepts something."""
+
+from __future__ import annotations
+
+import json
+
+from services.checkpoints.tiny import demo_pair, embedded_pair
+
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = "
+
+
+def test_demo_pair_is_the_no_flag_default(demo_pair):
+    assert embedded_pair() == demo_pair
+    from services.orchestrator.cli import build_local_engine
+
+    engine = build_local_engine(None, None)
+    assert engine.target == str(demo_pair.target) and engine.draft == str(demo_pair.draft)
+
+
+def test_demo_pair_is_small_and_documented(demo_pair):
+    root = demo_pair.target.parent
+    size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    assert size <= 40 * 2**20
+    assert (root / "README.md").is_file()
+    cfg = json.loads((demo_pair.target / "config.json").read_text())
+    assert {"sliding_attention", "full_attention"} <= set(cfg["layer_types"])
+
+
+def test_demo_pair_greedy_speculative_equals_mlx_lm_ar_and_accepts(demo_pair):
+    from services.orchestrator.cli import build_local_engine
+    from services.orchestrator.engine import Request
+    from services.verifier.reference_mlx import greedy_reference
+
+    engine = build_local_engine(str(demo_pair.target), str(demo_pair.draft))
+    ids = engine.codec.encode(PROMPT)
+    window = json.loads((demo_pair.target / "config.json").read_text())["sliding_window"]
+    n = window + 48  # the sliding ring wraps during generation
+    gen = engine.generate(Request(ids, max_tokens=n, block_size=8, ignore_eos=True))
+    ref, _, _ = greedy_reference(engine.verifier.target.model, ids, n)
+    assert gen.token_ids == ref
+    assert gen.mean_acceptance > 1.0, gen.acceptance_lengths
