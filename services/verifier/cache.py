@@ -40,6 +40,7 @@ class CachePolicy:
     slack: int = 16  # largest block that can be verified and rolled back exactly
     full_kv_bits: int = 0  # 0: exact full-attention K/V; 4 or 8: affine-quantized
     full_kv_group_size: int = 64  # capped at the full layers' head dim
+    restore: str | None = None  # an f_theta directory: restore evicted sliding positions (sink-window only)
 
     def resolve(self, model_window: int) -> "CachePolicy":
         """Fill in the model's defaults and check the values; raise ValueError naming the field."""
@@ -51,6 +52,8 @@ class CachePolicy:
             raise ValueError(f"full_kv_group_size must be 32, 64 or 128, got {self.full_kv_group_size}")
         if self.slack < 1:
             raise ValueError(f"slack must be >= 1, got {self.slack}")
+        if self.restore is not None and (self.kind != "sink-window" or not str(self.restore)):
+            raise ValueError("restore (an f_theta directory) needs kind 'sink-window': full layers stay exact (S5)")
         if self.kind == "native":
             if self.sink or self.window not in (None, model_window):
                 raise ValueError("the native policy takes no sink/window: use kind 'sink-window'")
@@ -58,13 +61,18 @@ class CachePolicy:
         window = self.window if self.window is not None else model_window
         if window < 1 or self.sink < 0:
             raise ValueError(f"sink-window needs window >= 1 and sink >= 0 (got window={window}, sink={self.sink})")
+        if self.restore is not None and window >= model_window:
+            raise ValueError(
+                f"restore needs a window smaller than the model's sliding window {model_window} "
+                f"(got window={window}): nothing is evicted that the model would still attend to"
+            )
         return replace(self, window=window)
 
     @property
     def label(self) -> str:
         """A short name for reports, e.g. ``sink-window(4+64)+kv8``."""
         name = self.kind if self.kind == "native" else f"sink-window({self.sink}+{self.window})"
-        return name + (f"+kv{self.full_kv_bits}" if self.full_kv_bits else "")
+        return name + (f"+kv{self.full_kv_bits}" if self.full_kv_bits else "") + ("+restore" if self.restore else "")
 
 
 @dataclass(frozen=True)
@@ -163,3 +171,32 @@ class RingLayout:
         self.offset -= n
         # Slots of trimmed positions keep stale K/V; marking them empty keeps masks honest.
         self.positions[self.positions >= self.offset] = EMPTY
+
+
+def restore_mask(
+    latent_positions: np.ndarray, start: int, n_new: int, sink: int, window: int, native_window: int
+) -> np.ndarray:
+    """Bool ``[n_new, slots]``: which latent-ring slots each new query attends to as RESTORED K/V.
+
+    Query ``t`` sees position ``p`` restored iff ``p`` was evicted from the exact
+    window but the model itself would still attend to it: ``p >= sink`` and
+    ``t - native_window < p <= t - window``. Exact sinks and window positions
+    are never restored (they are in the K/V ring), and a restored position
+    always precedes ``start``: its latent comes from an earlier forward's aux,
+    which holds as long as ``n_new <= window``.
+    """
+    if n_new > window:
+        raise ValueError(f"a restoring forward may hold at most window={window} positions, got {n_new}")
+    q = np.arange(start, start + n_new)[:, None]
+    p = latent_positions[None, :]
+    return (p >= 0) & (p >= sink) & (p <= q - window) & (p > q - native_window)
+
+
+@dataclass(frozen=True)
+class RestoreView:
+    """What a restoring forward needs besides the K/V ring: f_theta and the latent ring before this forward."""
+
+    restorer: object  # services.verifier.ftheta.Restorer
+    latents: object  # backend array [slots, latent_dim], slot order
+    positions: np.ndarray  # int64 [slots]: absolute position per slot (EMPTY = -1)
+    mask: np.ndarray  # bool [n_new, slots] from restore_mask

@@ -22,6 +22,9 @@ class RingKVCache:
         self.plan: RingPlan | None = None  # set by the session before each forward
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
+        # f_theta: restored K/V [1, kv_heads, slots, head_dim] (RoPE applied) placed in front of the
+        # ring's own for one forward; set by the model before it, cleared after (None: no restoration)
+        self.prefix: tuple[mx.array, mx.array] | None = None
 
     @property
     def offset(self) -> int:
@@ -38,6 +41,13 @@ class RingKVCache:
             self.values[..., w.dst : w.dst + w.length, :] = values[..., w.src : w.src + w.length, :]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        k, v = self._fetch(keys, values)
+        if self.prefix is None:
+            return k, v
+        pk, pv = self.prefix
+        return mx.concatenate([pk.astype(k.dtype), k], axis=2), mx.concatenate([pv.astype(v.dtype), v], axis=2)
+
+    def _fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         plan = self.plan
         if plan.in_place:
             self._write(keys, values)
@@ -54,3 +64,29 @@ class RingKVCache:
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
+
+
+class LatentRing:
+    """f_theta latent codes of one session, one row per slot of its own :class:`RingLayout`.
+
+    The layout (sink 0, the model's window, the session's slack) plans, applies
+    and trims exactly like the K/V ring's, so rollback stays exact; rows are
+    written after each forward, from that forward's aux. Allocated whole at the
+    start: its size never changes.
+    """
+
+    def __init__(self, layout: RingLayout, dim: int):
+        self.layout = layout
+        self.data = mx.zeros((layout.capacity, dim), mx.float32)
+
+    def write(self, plan: RingPlan, z: mx.array) -> None:
+        z = z.astype(self.data.dtype)
+        for w in plan.writes:
+            self.data[w.dst : w.dst + w.length] = z[w.src : w.src + w.length]
+
+    def materialize(self) -> None:
+        mx.eval(self.data)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes

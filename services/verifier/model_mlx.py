@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.models.gemma4_text import logit_softcap
 from mlx_lm.utils import load_model
 
-from .cache import CachePolicy, RingLayout, RingPlan
-from .cache_mlx import RingKVCache
+from .cache import CachePolicy, RestoreView, RingLayout, RingPlan
+from .cache_mlx import LatentRing, RingKVCache
 
 
 @dataclass
@@ -43,6 +44,8 @@ class TargetMLX:
         self.args = self.lm.args
         self.layer_types = list(self.args.layer_types)
         self.n_cached = self.args.num_hidden_layers - self.args.num_kv_shared_layers
+        self._restorers: dict = {}  # f_theta directory -> Restorer
+        self._compiled: dict = {}  # compiled f_theta graphs, per restorer
 
     @classmethod
     def load(cls, path: str | Path) -> "TargetMLX":
@@ -64,11 +67,72 @@ class TargetMLX:
             for i in range(self.n_cached)
         ]
 
-    def run(self, ids: Sequence[int], cache: list, aux_layers: Sequence[int], plan: RingPlan) -> Forward:
+    def run(self, ids: Sequence[int], cache: list, aux_layers: Sequence[int], plan: RingPlan,
+            restore: RestoreView | None = None) -> Forward:
+        mask = plan.mask
         for c in cache:
             if isinstance(c, RingKVCache):
                 c.plan = plan
-        return self.forward(mx.array([list(ids)]), cache, aux_layers, mx.array(plan.mask))
+        if restore is not None:
+            self._set_restored(cache, restore)
+            mask = np.concatenate([restore.mask, plan.mask], axis=1)  # restored slots first, then the ring
+        try:
+            return self.forward(mx.array([list(ids)]), cache, aux_layers, mx.array(mask))
+        finally:
+            for c in cache:
+                if isinstance(c, RingKVCache):
+                    c.prefix = None
+
+    # -- f_theta restoration (services/verifier/ftheta.py) ------------------------------
+
+    def restorer(self, path):
+        """The f_theta at ``path``, loaded once per target and checked against it."""
+        from .ftheta import load_ftheta
+
+        key = str(Path(str(path).removeprefix("ftheta:")).resolve())
+        if key not in self._restorers:
+            r = load_ftheta(key)
+            r.check_target(self)
+            self._restorers[key] = r
+        return self._restorers[key]
+
+    @staticmethod
+    def make_latent_ring(layout: RingLayout, restorer) -> LatentRing:
+        return LatentRing(layout, restorer.latent_dim)
+
+    def encode_latents(self, restorer, aux: mx.array, aux_layers: Sequence[int]) -> mx.array:
+        """Latent codes of a forward's aux rows (compiled once per restorer, aux layout and length)."""
+        key = ("encode", restorer, tuple(aux_layers))
+        if key not in self._compiled:
+            self._compiled[key] = mx.compile(lambda rows: restorer.encode(rows, aux_layers))
+        return self._compiled[key](aux)
+
+    def restored_kv(self, restorer, layer: int, latents: mx.array, offsets: mx.array):
+        """Layer ``layer``'s restored K/V ``[1, kv_heads, slots, head_dim]``, RoPE at each slot's position.
+
+        Slots stay in ring order (a position's index never depends on how the
+        sequence was split into forwards); each row is rotated at its own
+        absolute position (``offsets`` [slots]) through the layer's own RoPE
+        module, one batch offset per slot.
+        """
+        attn = self.inner.layers[layer].self_attn
+        k, v = restorer.layer_kv(latents, layer, attn)  # [slots, kv_heads, head_dim], pre-RoPE
+        k = attn.rope(k[:, :, None, :], offset=offsets)[:, :, 0, :]
+        return k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None]
+
+    def _set_restored(self, cache: list, restore: RestoreView) -> None:
+        layers = [i for i, c in enumerate(cache) if isinstance(c, RingKVCache)]
+        key = ("restore", restore.restorer)
+        if key not in self._compiled:
+            restorer = restore.restorer
+
+            def all_layers(latents, offsets):
+                return [a for i in layers for a in self.restored_kv(restorer, i, latents, offsets)]
+
+            self._compiled[key] = mx.compile(all_layers)
+        kv = self._compiled[key](restore.latents, mx.array(np.maximum(restore.positions, 0)))
+        for j, i in enumerate(layers):
+            cache[i].prefix = (kv[2 * j], kv[2 * j + 1])
 
     def greedy(self, hidden: mx.array) -> list[int]:
         """The target's argmax at every position of ``hidden`` [1, L, H]: the one host sync of a verify."""

@@ -16,7 +16,7 @@ from typing import Sequence
 from services.checkpoints.config import load_target_config
 from services.orchestrator.endpoints import ModelInfo
 
-from .cache import CachePolicy, RingLayout
+from .cache import CachePolicy, RestoreView, RingLayout, restore_mask
 
 PREFILL_CHUNK = 512  # bounds prefill attention memory, like mlx-lm's prefill_step_size
 
@@ -28,6 +28,9 @@ class VerifierSession:
         self.policy = policy.resolve(target.args.sliding_window)
         self.layout = RingLayout(self.policy.sink, self.policy.window, self.policy.slack)
         self.cache = target.make_cache(self.layout, self.policy)
+        self.restorer = self.latents = self.latent_layout = None
+        if self.policy.restore:
+            self._open_restore(target)
         self._pending = None  # (block length, aux of the block) between verify and commit
         self.closed = False
 
@@ -35,9 +38,45 @@ class VerifierSession:
     def offset(self) -> int:
         return self.layout.offset
 
+    def _open_restore(self, target) -> None:
+        """f_theta restoration: a latent ring beside the K/V ring, same plan/applied/trim semantics.
+
+        It holds one latent code per position for the last ``Wn - 1 + slack``
+        positions (``Wn``: the model's window), enough for every position a
+        query may see restored, even after a trim of up to ``slack``.
+        """
+        load = getattr(target, "restorer", None)
+        if load is None:
+            raise ValueError(f"cache policy restore: f_theta restoration is not implemented on the {target.backend} backend")
+        self.restorer = load(self.policy.restore)
+        missing = [i for i in self.restorer.config.target_layer_ids if i not in self.aux_layers]
+        if missing:
+            raise ValueError(f"cache policy restore: f_theta reads aux of layers {missing}, which this session does not capture")
+        self.latent_layout = RingLayout(0, target.args.sliding_window, self.policy.slack)
+        self.latents = target.make_latent_ring(self.latent_layout, self.restorer)
+
+    @property
+    def max_forward(self) -> int:
+        """Most positions one forward may hold (a restored position must precede its forward)."""
+        return self.policy.window if self.restorer is not None else PREFILL_CHUNK
+
     def _forward(self, ids: Sequence[int]):
-        out = self.target.run(ids, self.cache, self.aux_layers, self.layout.plan(len(ids)))
+        if self.restorer is None:
+            out = self.target.run(ids, self.cache, self.aux_layers, self.layout.plan(len(ids)))
+            self.layout.applied()
+            return out
+        start, n = self.offset, len(ids)
+        plan, lplan = self.layout.plan(n), self.latent_layout.plan(n)
+        restore = None
+        if start > 0:  # from the second forward on, always the whole latent ring: a fixed key layout
+            positions = self.latent_layout.positions.copy()
+            p = self.policy
+            mask = restore_mask(positions, start, n, p.sink, p.window, self.target.args.sliding_window)
+            restore = RestoreView(self.restorer, self.latents.data, positions, mask)
+        out = self.target.run(ids, self.cache, self.aux_layers, plan, restore=restore)
         self.layout.applied()
+        self.latents.write(lplan, self.target.encode_latents(self.restorer, out.aux, self.aux_layers))
+        self.latent_layout.applied()
         return out
 
     def prefill(self, prompt_ids: Sequence[int]):
@@ -47,10 +86,13 @@ class VerifierSession:
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
         chunks = []
-        for start in range(0, len(prompt_ids), PREFILL_CHUNK):
-            out = self._forward(prompt_ids[start : start + PREFILL_CHUNK])
+        step = min(PREFILL_CHUNK, self.max_forward)
+        for start in range(0, len(prompt_ids), step):
+            out = self._forward(prompt_ids[start : start + step])
             chunks.append(out.aux)
             self.target.materialize(out, self.cache)  # never one huge graph for a long prompt
+            if self.latents is not None:
+                self.latents.materialize()
         first = self.target.greedy(out.hidden[:, -1:])[0]
         return first, self.target.cat(chunks)
 
@@ -58,8 +100,10 @@ class VerifierSession:
         self._check_open()
         if self._pending is not None:
             raise RuntimeError("commit the previous block before verifying another")
-        if not 1 <= len(block_ids) <= self.policy.slack:
-            raise ValueError(f"block length must be 1..{self.policy.slack}, got {len(block_ids)}")
+        limit = min(self.policy.slack, self.max_forward)
+        if not 1 <= len(block_ids) <= limit:
+            why = " (f_theta restoration: at most the window)" if limit < self.policy.slack else ""
+            raise ValueError(f"block length must be 1..{limit}{why}, got {len(block_ids)}")
         out = self._forward(block_ids)
         self._pending = (len(block_ids), out.aux)
         return self.target.greedy(out.hidden)
@@ -74,19 +118,25 @@ class VerifierSession:
         if n - n_keep:
             self.layout.trim(n - n_keep)
             self.target.trim_full(self.cache, n - n_keep)
+            if self.latent_layout is not None:
+                self.latent_layout.trim(n - n_keep)
         self._pending = None
         return aux[:n_keep]
 
     def stats(self) -> dict:
+        kv = self.target.kv_bytes(self.cache)
+        if self.latents is not None:
+            kv["restored"] = self.latents.nbytes  # f_theta latent ring (constant)
         return {
             "cache_policy": self.policy.label,
             "bounded": self.policy.kind != "native",
             "positions": self.offset,
-            "kv_bytes": self.target.kv_bytes(self.cache),
+            "kv_bytes": kv,
         }
 
     def close(self) -> None:
         self.cache, self._pending, self.closed = [], None, True
+        self.latents = None
 
     def _check_open(self):
         if self.closed:
