@@ -100,7 +100,12 @@ def session_bytes(shape: KVShape, policy: CachePolicy | None, context: int) -> d
     return {"total_bytes": sliding + full, "sliding_bytes": sliding, "full_bytes": full}
 
 
-def policy_table(shape: KVShape, context: int, sink: int = 4, window: int = 64) -> dict:
+def restored_bytes(shape: KVShape, policy: CachePolicy, rank: int) -> int:
+    """f_theta's latent ring: ``2 * rank`` float32 per slot, ``model window - 1 + slack`` slots, all layers together."""
+    return (shape.sliding_window - 1 + policy.slack) * 2 * rank * 4
+
+
+def policy_table(shape: KVShape, context: int, sink: int = 4, window: int = 64, restore_rank: int = 0) -> dict:
     table = {"full": session_bytes(shape, None, context)}
     for bits in (0, 8, 4):
         suffix = f"+kv{bits}" if bits else ""
@@ -108,6 +113,13 @@ def policy_table(shape: KVShape, context: int, sink: int = 4, window: int = 64) 
         table["sink-window" + suffix] = session_bytes(
             shape, CachePolicy("sink-window", sink=sink, window=window, full_kv_bits=bits), context
         )
+    if restore_rank and window < shape.sliding_window:  # restoration needs evicted positions
+        for bits in (0, 8):
+            suffix = f"+kv{bits}" if bits else ""
+            row = dict(table["sink-window" + suffix])
+            row["restored_bytes"] = restored_bytes(shape, CachePolicy("sink-window", sink=sink, window=window), restore_rank)
+            row["total_bytes"] += row["restored_bytes"]
+            table["sink-window" + suffix + "+restore"] = row
     return table
 
 
@@ -120,17 +132,17 @@ def cmd_memory(args) -> int:
         raise ValueError(f"--context must be >= 1, got {args.context}")
     cfg = PRESETS[args.preset] if args.preset else load_target_config(args.config)
     shape = KVShape.from_config(cfg, args.dtype)
-    table = policy_table(shape, args.context, args.sink, args.window)
+    table = policy_table(shape, args.context, args.sink, args.window, args.restore_rank)
     if args.json:
         print(json.dumps(table))
         return 0
     full = table["full"]["total_bytes"]
     print(f"KV bytes for one session at context {args.context} ({args.preset or args.config}; "
           f"sink-window = {args.sink} sinks + window {args.window})")
-    print(f"{'policy':<18}{'total MiB':>12}{'sliding MiB':>13}{'full MiB':>11}{'vs full':>10}")
+    print(f"{'policy':<24}{'total MiB':>12}{'sliding MiB':>13}{'full MiB':>11}{'vs full':>10}")
     for name, row in table.items():
         mib = [row[k] / 2**20 for k in ("total_bytes", "sliding_bytes", "full_bytes")]
-        print(f"{name:<18}{mib[0]:>12.2f}{mib[1]:>13.2f}{mib[2]:>11.2f}{full / row['total_bytes']:>9.1f}x")
+        print(f"{name:<24}{mib[0]:>12.2f}{mib[1]:>13.2f}{mib[2]:>11.2f}{full / row['total_bytes']:>9.1f}x")
     return 0
 
 
@@ -143,6 +155,8 @@ def register(sub) -> None:
     p.add_argument("--sink", type=int, default=4, help="sinks for the sink-window rows (default 4)")
     p.add_argument("--window", type=int, default=64, help="window for the sink-window rows (default 64)")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="K/V dtype (default: the config's)")
+    p.add_argument("--restore-rank", type=int, default=0,
+                   help="also show sink-window+restore rows for an f_theta of this rank (its latent ring)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_memory)
 
