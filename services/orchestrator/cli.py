@@ -65,14 +65,20 @@ def add_cache_args(p) -> None:
     g.add_argument("--window", type=int, default=None, help="sliding window (sink-window; default: the model's)")
     g.add_argument("--full-kv-bits", type=int, default=0, choices=[0, 4, 8],
                    help="affine-quantize full-attention K/V to 4 or 8 bits (0: exact)")
+    g.add_argument("--restore", default=None, metavar="ftheta:DIR",
+                   help="restore evicted sliding-layer K/V with a trained f_theta (sink-window only; "
+                        "see kakeya train-ftheta)")
 
 
 def cache_policy_from_args(args):
     from services.verifier.cache import CachePolicy
 
+    restore = getattr(args, "restore", None)
+    restore = restore.removeprefix("ftheta:") if restore else None
     if args.cache == "native":
-        return CachePolicy("native", full_kv_bits=args.full_kv_bits)
-    return CachePolicy("sink-window", sink=args.sink, window=args.window, full_kv_bits=args.full_kv_bits)
+        return CachePolicy("native", full_kv_bits=args.full_kv_bits, restore=restore)
+    return CachePolicy("sink-window", sink=args.sink, window=args.window, full_kv_bits=args.full_kv_bits,
+                       restore=restore)
 
 
 def cmd_generate(args) -> int:
@@ -186,9 +192,9 @@ def register_generate(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from services.checkpoints import tiny
-    from services.verifier import memory
+    from services.verifier import memory, train_ftheta
 
-    from . import serve
+    from . import niah, serve
 
     parser = argparse.ArgumentParser(prog="kakeya", description="Speculative decoding for Gemma-4 with DFlash drafters")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -201,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train_target.register(sub)
     train_drafter.register(sub)
+    train_ftheta.register(sub)
+    niah.register(sub)
     return parser
 
 

@@ -1,0 +1,230 @@
+"""``kakeya niah``: needle-in-a-haystack recall per verifier cache policy, vs ``native``.
+
+    kakeya niah --target DIR --draft DIR --contexts 1024 2048 --depths 0.1 0.5 0.9 \\
+        --policies native sink-window sink-window+kv8 [--restore DIR] [--json]
+
+Each case is one prompt of about ``context`` tokens: haystack text (docstrings
+of the Python standard library: prose, available offline), a needle sentence
+``The secret code is NNNN.`` inserted at ``depth`` (a fraction of the
+haystack, at a line boundary), then a question whose answer starts the
+generation. The prompt runs through the engine (greedy speculative decoding
+with the drafter, the policy's verifier cache) for ``--max-tokens`` tokens;
+a case is recalled when the needle's digits appear in the output.
+
+Policies: ``native``, ``sink-window``, each optionally ``+kv8`` / ``+kv4``
+(quantized full-attention K/V) and ``+restore`` (f_theta, needs ``--restore``;
+sink-window only). ``--sink`` / ``--window`` set the sink-window shape
+(default: 4 sinks, half the model's window).
+
+On the embedded tiny random models recall is ~0 under every policy, native
+included: they are random weights, so this only proves the machinery. Run it
+on a real checkpoint for a verdict (docs/ftheta.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+import sysconfig
+from pathlib import Path
+
+NEEDLE = "The secret code is {code}."
+QUESTION = "\n\nQuestion: What is the secret code mentioned in the text above?\nAnswer: The secret code is"
+TINY_NOTE = (
+    "recall only means something on a trained checkpoint; on tiny random models it is ~0 under every "
+    "policy (native included) and this run only proves the machinery"
+)
+
+
+def haystack_lines(min_chars: int) -> list[str]:
+    """Prose lines from standard-library module docstrings, in a fixed order, at least ``min_chars`` long in all."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    lines, total = [], 0
+    for f in sorted(root.glob("*.py")):
+        try:
+            doc = ast.get_docstring(ast.parse(f.read_text(encoding="utf-8", errors="replace")))
+        except (SyntaxError, ValueError):
+            continue
+        for line in (doc or "").splitlines():
+            line = line.strip()
+            if len(line) > 20 and not any(ch.isdigit() for ch in line):  # no stray codes in the hay
+                lines.append(line)
+                total += len(line) + 1
+        if total >= min_chars:
+            return lines
+    if not lines:
+        raise FileNotFoundError(f"no docstrings found under {root} for the haystack")
+    while total < min_chars:  # a short standard library: repeat it
+        lines, total = lines + lines, total * 2
+    return lines
+
+
+def needle_code(context: int, depth: float, seed: int = 0) -> str:
+    return str(1000 + (context * 7919 + int(round(depth * 1000)) * 104729 + seed * 15485863) % 9000)
+
+
+def build_prompt(codec, lines: list[str], context: int, depth: float, code: str) -> list[int]:
+    """Token ids of at most ``context`` (and close to it) tokens: haystack, needle at ``depth``, question."""
+    needle = NEEDLE.format(code=code)
+    bos = 1 if codec.add_bos and codec.bos_id is not None else 0
+    sizes = [len(ids) - bos + 1 for ids in (codec.encode(l) for l in lines[: 4 * context])]  # +1: newline
+
+    def assemble(budget: int) -> list[int]:
+        used, n = 0, 0
+        while n < len(sizes) and used + sizes[n] <= budget:
+            used, n = used + sizes[n], n + 1
+        at = min(n, max(0, int(round(depth * n))))
+        return codec.encode("\n".join(lines[:at] + [needle] + lines[at:n]) + QUESTION), n
+
+    fixed = len(codec.encode(needle + QUESTION))
+    budget = context - fixed
+    ids, n = assemble(budget)
+    for _ in range(4):  # per-line counts only estimate the joined text's: rescale towards the target
+        if n == 0 or abs(len(ids) - context) <= max(2, context // 100) and len(ids) <= context:
+            break
+        budget = int(budget * (context - fixed) / max(1, len(ids) - fixed))
+        ids, n = assemble(budget)
+    while len(ids) > context and n > 0:
+        budget -= max(1, (len(ids) - context))
+        ids, n = assemble(budget)
+    if n == 0:
+        raise ValueError(f"context {context} is too small for a needle and a question ({fixed} tokens)")
+    return ids
+
+
+def parse_policy(name: str, sink: int, window: int, restore: str | None):
+    from services.verifier.cache import CachePolicy
+
+    base, *mods = name.split("+")
+    if base not in ("native", "sink-window"):
+        raise ValueError(f"policy {name!r}: must start with 'native' or 'sink-window'")
+    bits, use_restore = 0, False
+    for m in mods:
+        if m in ("kv8", "kv4"):
+            bits = int(m[2:])
+        elif m == "restore":
+            use_restore = True
+        else:
+            raise ValueError(f"policy {name!r}: unknown modifier {m!r} (kv8, kv4, restore)")
+    if use_restore and not restore:
+        raise ValueError(f"policy {name!r} needs --restore DIR (an f_theta directory)")
+    if base == "native":
+        return CachePolicy("native", full_kv_bits=bits, restore=restore if use_restore else None)
+    return CachePolicy("sink-window", sink=sink, window=window, full_kv_bits=bits,
+                       restore=restore if use_restore else None)
+
+
+def run_niah(engine, contexts, depths, policies: dict, max_tokens: int = 16, block_size: int = 0,
+             seed: int = 0, log=None) -> dict:
+    """Recall per policy and per (context, depth). ``policies``: name -> CachePolicy."""
+    from .engine import Request
+
+    codec = engine.codec
+    lines = haystack_lines(max(contexts) * 8)
+    window = engine.verifier.info.sliding_window
+    for name, policy in policies.items():
+        try:
+            policy.resolve(window)
+        except ValueError as exc:
+            raise ValueError(f"policy {name}: {exc}") from exc
+    cases = []
+    for context in contexts:
+        for depth in depths:
+            code = needle_code(context, depth, seed)
+            cases.append((context, depth, code, build_prompt(codec, lines, context, depth, code)))
+    out = {}
+    for name, policy in policies.items():
+        rows, grid = [], {}
+        for context, depth, code, ids in cases:
+            req = Request(ids, max_tokens=max_tokens, block_size=block_size, ignore_eos=False, cache_policy=policy)
+            gen = engine.generate(req)
+            text = codec.decode(gen.token_ids)
+            hit = code in text
+            kv = gen.verifier_stats.get("kv_bytes", {})
+            rows.append({"context": context, "depth": depth, "prompt_tokens": len(ids), "needle": code,
+                         "recalled": hit, "output": text, "mean_acceptance": round(gen.mean_acceptance, 3),
+                         "kv_bytes": kv})
+            grid.setdefault(str(context), {})[str(depth)] = 1.0 if hit else 0.0
+            if log:
+                log(f"{name} context {context} depth {depth}: {'recalled' if hit else 'missed'} ({text[:40]!r})")
+        out[name] = {
+            "label": policy.resolve(window).label,
+            "bounded": policy.kind != "native",
+            "recall": round(sum(r["recalled"] for r in rows) / len(rows), 4),
+            "by_context": {c: round(sum(v.values()) / len(v), 4) for c, v in grid.items()},
+            "by_depth": {str(d): round(sum(grid[str(c)][str(d)] for c in contexts) / len(contexts), 4) for d in depths},
+            "grid": grid,
+            "max_kv_bytes": {k: max(r["kv_bytes"].get(k, 0) for r in rows) for k in ("sliding", "full", "restored")},
+            "cases": rows,
+        }
+    native = out.get("native")
+    for name, row in out.items():
+        row["recall_vs_native"] = None if native is None else round(row["recall"] - native["recall"], 4)
+        if native is not None:
+            row["grid_vs_native"] = {c: {d: v - native["grid"][c][d] for d, v in ds.items()} for c, ds in row["grid"].items()}
+    return out
+
+
+def cmd_niah(args) -> int:
+    from .cli import UsageError, build_local_engine
+
+    if not args.contexts or min(args.contexts) < 16:
+        raise UsageError("--contexts: give context lengths of at least 16 tokens")
+    if not args.depths or not all(0.0 <= d <= 1.0 for d in args.depths):
+        raise UsageError("--depths must lie in [0, 1]")
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    restore = args.restore.removeprefix("ftheta:") if args.restore else None
+    names = list(dict.fromkeys(args.policies))
+    if restore and not any("restore" in n.split("+") for n in names):
+        names.append("sink-window+restore")
+    engine = build_local_engine(args.target, args.draft)
+    model_window = engine.verifier.info.sliding_window
+    window = args.window or max(1, model_window // 2)
+    policies = {n: parse_policy(n, args.sink, window, restore) for n in names}
+    log = None if args.quiet else (lambda m: print(f"niah: {m}", file=sys.stderr, flush=True))
+    table = run_niah(engine, args.contexts, args.depths, policies, args.max_tokens, args.block_size or 0, args.seed, log)
+    result = {
+        "target": engine.target,
+        "draft": engine.draft,
+        "contexts": args.contexts,
+        "depths": args.depths,
+        "max_tokens": args.max_tokens,
+        "block_size": args.block_size or engine.default_block_size,
+        "model_window": model_window,
+        "sink": args.sink,
+        "window": window,
+        "note": TINY_NOTE,
+        "policies": table,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"needle recall ({engine.target}; {len(args.contexts)} contexts x {len(args.depths)} depths; {TINY_NOTE})")
+    print(f"{'policy':<28}{'recall':>8}{'vs native':>11}  by context")
+    for name, row in table.items():
+        vs = "" if row["recall_vs_native"] is None else f"{row['recall_vs_native']:+.2f}"
+        by = " ".join(f"{c}:{v:.2f}" for c, v in row["by_context"].items())
+        print(f"{row['label']:<28}{row['recall']:>8.2f}{vs:>11}  {by}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("niah", help="needle-in-a-haystack recall per cache policy, vs native")
+    p.add_argument("--target", help="Gemma-4 target checkpoint directory")
+    p.add_argument("--draft", help="DFlash drafter checkpoint directory")
+    p.add_argument("--contexts", type=int, nargs="+", default=[256, 512], help="prompt lengths in tokens")
+    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="needle depth, 0 (start) .. 1 (end)")
+    p.add_argument("--policies", nargs="+", default=["native", "sink-window", "sink-window+kv8"],
+                   help="native | sink-window, each optionally +kv8/+kv4 and +restore")
+    p.add_argument("--restore", help="f_theta directory (ftheta:DIR or DIR) for +restore policies; "
+                                     "adds sink-window+restore when no listed policy restores")
+    p.add_argument("--sink", type=int, default=4, help="sinks of the sink-window policies")
+    p.add_argument("--window", type=int, default=None, help="window of the sink-window policies (default: half the model's)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per case")
+    p.add_argument("--block-size", type=int, default=None, help="speculative block size (default: the drafter's)")
+    p.add_argument("--seed", type=int, default=0, help="varies the needle codes")
+    p.add_argument("--quiet", action="store_true", help="no per-case progress on stderr")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(func=cmd_niah)
