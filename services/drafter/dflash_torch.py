@@ -25,7 +25,6 @@ Parameter names follow the reference checkpoint layout (``fc``, ``hidden_norm``,
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -35,102 +34,7 @@ from torch import nn
 
 from services.verifier.model_torch import resolve_device, resolve_dtype
 
-SLIDING = "sliding_attention"
-FULL = "full_attention"
-
-
-# --------------------------------------------------------------------------- config
-
-
-@dataclass
-class DFlashConfig:
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    block_size: int
-    target_layer_ids: tuple[int, ...]
-    mask_token_id: int
-    num_target_layers: Optional[int] = None
-    rope_scaling: Optional[dict] = None
-    layer_types: tuple[str, ...] = field(default_factory=tuple)
-    sliding_window: Optional[int] = None
-    final_logit_softcapping: Optional[float] = None
-    input_embedding_scale: float = 1.0
-    output_multiplier: float = 1.0
-    is_causal: Optional[bool] = None
-    hidden_act: str = "silu"
-    raw: dict = field(default_factory=dict, repr=False)
-
-    def __post_init__(self):
-        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
-        if not self.target_layer_ids:
-            raise ValueError("dflash_config.target_layer_ids must not be empty")
-        if not self.layer_types:
-            self.layer_types = (FULL,) * self.num_hidden_layers
-        self.layer_types = tuple(self.layer_types)
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}"
-            )
-        unknown = set(self.layer_types) - {FULL, SLIDING}
-        if unknown:
-            raise ValueError(f"unsupported layer_types: {sorted(unknown)}")
-        if SLIDING in self.layer_types and not self.sliding_window:
-            raise ValueError("sliding_window is required for sliding_attention layers")
-        if self.block_size < 1:
-            raise ValueError(f"dflash_config.block_size must be >= 1, got {self.block_size}")
-
-    @property
-    def aux_width(self) -> int:
-        return len(self.target_layer_ids) * self.hidden_size
-
-    @classmethod
-    def from_dict(cls, cfg: dict) -> "DFlashConfig":
-        archs = cfg.get("architectures") or []
-        if any("DFlash2" in a for a in archs):
-            raise ValueError(f"unsupported draft architecture {archs}: only DFlashDraftModel")
-        dfl = cfg.get("dflash_config") or {}
-        for key in ("target_layer_ids", "mask_token_id"):
-            if key not in dfl:
-                raise ValueError(f"draft config.json has no dflash_config.{key}")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
-        softcap = dfl.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
-        return cls(
-            hidden_size=int(cfg["hidden_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
-            num_attention_heads=int(cfg["num_attention_heads"]),
-            num_key_value_heads=int(cfg["num_key_value_heads"]),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", (rope or {}).get("rope_theta", 10000.0))),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
-            block_size=int(dfl.get("block_size", cfg.get("block_size", 16))),
-            target_layer_ids=tuple(dfl["target_layer_ids"]),
-            mask_token_id=int(dfl["mask_token_id"]),
-            num_target_layers=cfg.get("num_target_layers"),
-            rope_scaling=rope,
-            layer_types=tuple(cfg.get("layer_types") or ()),
-            sliding_window=cfg.get("sliding_window"),
-            final_logit_softcapping=None if softcap is None else float(softcap),
-            input_embedding_scale=float(dfl.get("input_embedding_scale", 1.0)),
-            output_multiplier=float(dfl.get("output_multiplier", 1.0)),
-            is_causal=cfg.get("is_causal"),
-            hidden_act=cfg.get("hidden_act", "silu"),
-            raw=dict(cfg),
-        )
-
-    @classmethod
-    def from_dir(cls, draft_dir: str | Path) -> "DFlashConfig":
-        return cls.from_dict(json.loads((Path(draft_dir) / "config.json").read_text(encoding="utf-8")))
+from services.drafter.config import FULL, SLIDING, DFlashConfig  # noqa: F401  (FULL, DFlashConfig re-exported)
 
 
 def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:

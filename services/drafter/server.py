@@ -196,10 +196,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
 
 def _max_block_size(backend: str) -> int:
-    if backend == "torch":
-        from .session_torch import MAX_BLOCK_SIZE
-    else:
-        from .session import MAX_BLOCK_SIZE
+    from .config import MAX_BLOCK_SIZE  # the same for every backend
+
     return MAX_BLOCK_SIZE
 
 

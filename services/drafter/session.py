@@ -14,9 +14,9 @@ from typing import Optional
 
 import mlx.core as mx
 
+from services.drafter.config import aux_rows, check_draft_args
 from services.drafter.dflash_mlx import DFlashDraftModel, load_dflash_mlx
 
-MAX_BLOCK_SIZE = 64
 
 
 class MLXDrafterSession:
@@ -30,39 +30,17 @@ class MLXDrafterSession:
     def _check_aux(self, new_aux) -> mx.array:
         if not isinstance(new_aux, mx.array):
             raise ValueError(f"new_aux must be an mx.array, got {type(new_aux).__name__}")
-        if new_aux.ndim == 3:
-            if new_aux.shape[0] != 1:
-                raise ValueError(f"new_aux batch must be 1, got shape {tuple(new_aux.shape)}")
+        if aux_rows(new_aux.shape, self.model.config.aux_width):
             new_aux = new_aux[0]
-        if new_aux.ndim != 2:
-            raise ValueError(
-                f"new_aux must be [n, {self.model.config.aux_width}], got shape {tuple(new_aux.shape)}"
-            )
-        width = self.model.config.aux_width
-        if new_aux.shape[1] != width:
-            raise ValueError(
-                f"new_aux width {new_aux.shape[1]} != len(target_layer_ids) * hidden_size = {width}"
-            )
         if not mx.issubdtype(new_aux.dtype, mx.floating):
             raise ValueError(f"new_aux must be floating point, got {new_aux.dtype}")
         return new_aux
-
-    def _check_args(self, last_token, block_size) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int):
-            raise ValueError(f"block_size must be an int, got {block_size!r}")
-        if not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
-        if isinstance(last_token, bool) or not isinstance(last_token, int):
-            raise ValueError(f"last_token must be an int, got {last_token!r}")
-        vocab = self.model.target.vocab_size
-        if not 0 <= last_token < vocab:
-            raise ValueError(f"last_token must be in 0..{vocab - 1}, got {last_token}")
 
     # -- protocol --------------------------------------------------------------------
     def draft(self, new_aux, last_token: int, block_size: int) -> list[int]:
         if self._closed:
             raise RuntimeError("drafter session is closed")
-        self._check_args(last_token, block_size)
+        check_draft_args(last_token, block_size, self.model.target.vocab_size)
         aux = self._check_aux(new_aux)
         if self.cache.length + aux.shape[0] == 0:
             raise ValueError("new_aux must hold at least one position on the first draft call")

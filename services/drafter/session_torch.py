@@ -18,9 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.drafter.config import aux_rows, check_draft_args
 from services.drafter.dflash_torch import DFlashDraftModel, load_dflash_torch
-
-MAX_BLOCK_SIZE = 64
 
 
 def as_torch(aux, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -46,32 +45,12 @@ class TorchDrafterSession:
 
     def _check_aux(self, new_aux) -> torch.Tensor:
         aux = as_torch(new_aux, self.model.device, self.model.dtype)
-        if aux.ndim == 3:
-            if aux.shape[0] != 1:
-                raise ValueError(f"new_aux batch must be 1, got shape {tuple(aux.shape)}")
-            aux = aux[0]
-        width = self.model.config.aux_width
-        if aux.ndim != 2:
-            raise ValueError(f"new_aux must be [n, {width}], got shape {tuple(aux.shape)}")
-        if aux.shape[1] != width:
-            raise ValueError(f"new_aux width {aux.shape[1]} != len(target_layer_ids) * hidden_size = {width}")
-        return aux
-
-    def _check_args(self, last_token, block_size) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int):
-            raise ValueError(f"block_size must be an int, got {block_size!r}")
-        if not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
-        if isinstance(last_token, bool) or not isinstance(last_token, int):
-            raise ValueError(f"last_token must be an int, got {last_token!r}")
-        vocab = self.model.target.vocab_size
-        if not 0 <= last_token < vocab:
-            raise ValueError(f"last_token must be in 0..{vocab - 1}, got {last_token}")
+        return aux[0] if aux_rows(tuple(aux.shape), self.model.config.aux_width) else aux
 
     def draft(self, new_aux, last_token: int, block_size: int) -> list[int]:
         if self._closed:
             raise RuntimeError("drafter session is closed")
-        self._check_args(last_token, block_size)
+        check_draft_args(last_token, block_size, self.model.target.vocab_size)
         aux = self._check_aux(new_aux)
         if self.cache.length + aux.shape[0] == 0:
             raise ValueError("new_aux must hold at least one position on the first draft call")

@@ -1,0 +1,133 @@
+"""The DFlash drafter's config, read from a checkpoint's ``config.json`` (backend-neutral).
+
+Shared by ``dflash_mlx.py`` and ``dflash_torch.py`` so both backends accept and
+refuse exactly the same checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    num_target_layers: Optional[int] = None
+    rope_scaling: Optional[dict] = None
+    layer_types: tuple[str, ...] = field(default_factory=tuple)
+    sliding_window: Optional[int] = None
+    final_logit_softcapping: Optional[float] = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    is_causal: Optional[bool] = None
+    hidden_act: str = "silu"
+    raw: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        if not self.target_layer_ids:
+            raise ValueError("dflash_config.target_layer_ids must not be empty")
+        if not self.layer_types:
+            self.layer_types = (FULL,) * self.num_hidden_layers
+        self.layer_types = tuple(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}"
+            )
+        unknown = set(self.layer_types) - {FULL, SLIDING}
+        if unknown:
+            raise ValueError(f"unsupported layer_types: {sorted(unknown)}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_window is required for sliding_attention layers")
+        if self.block_size < 1:
+            raise ValueError(f"dflash_config.block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def aux_width(self) -> int:
+        """Width of one aux row: ``len(target_layer_ids) * hidden_size``."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "DFlashConfig":
+        archs = cfg.get("architectures") or []
+        if any("DFlash2" in a for a in archs):
+            raise ValueError(f"unsupported draft architecture {archs}: only DFlashDraftModel")
+        dfl = cfg.get("dflash_config") or {}
+        for key in ("target_layer_ids", "mask_token_id"):
+            if key not in dfl:
+                raise ValueError(f"draft config.json has no dflash_config.{key}")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+        softcap = dfl.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
+        return cls(
+            hidden_size=int(cfg["hidden_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=int(cfg["num_attention_heads"]),
+            num_key_value_heads=int(cfg["num_key_value_heads"]),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", (rope or {}).get("rope_theta", 10000.0))),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+            block_size=int(dfl.get("block_size", cfg.get("block_size", 16))),
+            target_layer_ids=tuple(dfl["target_layer_ids"]),
+            mask_token_id=int(dfl["mask_token_id"]),
+            num_target_layers=cfg.get("num_target_layers"),
+            rope_scaling=rope,
+            layer_types=tuple(cfg.get("layer_types") or ()),
+            sliding_window=cfg.get("sliding_window"),
+            final_logit_softcapping=None if softcap is None else float(softcap),
+            input_embedding_scale=float(dfl.get("input_embedding_scale", 1.0)),
+            output_multiplier=float(dfl.get("output_multiplier", 1.0)),
+            is_causal=cfg.get("is_causal"),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            raw=dict(cfg),
+        )
+
+    @classmethod
+    def from_dir(cls, draft_dir: str | Path) -> "DFlashConfig":
+        return cls.from_dict(json.loads((Path(draft_dir) / "config.json").read_text(encoding="utf-8")))
+
+
+MAX_BLOCK_SIZE = 64  # what a drafter session accepts; the loop itself stops at 16
+
+
+def check_draft_args(last_token, block_size, vocab_size: int) -> None:
+    """Validate a draft call's scalars; ValueError naming the field (servers map it to INVALID_ARGUMENT)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise ValueError(f"block_size must be an int, got {block_size!r}")
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+    if isinstance(last_token, bool) or not isinstance(last_token, int):
+        raise ValueError(f"last_token must be an int, got {last_token!r}")
+    if not 0 <= last_token < vocab_size:
+        raise ValueError(f"last_token must be in 0..{vocab_size - 1}, got {last_token}")
+
+
+def aux_rows(shape: tuple, width: int) -> bool:
+    """Check an aux array's shape ([n, width] or [1, n, width]); True when it has the batch axis."""
+    if len(shape) == 3 and shape[0] != 1:
+        raise ValueError(f"new_aux batch must be 1, got shape {tuple(shape)}")
+    if len(shape) not in (2, 3):
+        raise ValueError(f"new_aux must be [n, {width}], got shape {tuple(shape)}")
+    if shape[-1] != width:
+        raise ValueError(f"new_aux width {shape[-1]} != len(target_layer_ids) * hidden_size = {width}")
+    return len(shape) == 3
