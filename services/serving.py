@@ -172,6 +172,35 @@ class SessionRegistry:
 # --------------------------------------------------------------------------- lifecycle
 
 
+def session_stream(name: str, ready: bool, registry: "SessionRegistry", serve, request_iterator, context):
+    """The body of a bidirectional ``Session`` RPC, shared by the verifier and the drafter.
+
+    The stream IS the session: a registry entry is opened with it and closed
+    however it ends (client close, cancel, deadline, error), which frees the
+    session's cache. ``serve(entry, requests)`` yields the responses.
+    """
+    if not ready:
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"{name} is loading its model")
+    try:
+        entry = registry.open()
+    except SessionLimitError as exc:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {exc}")
+    context.add_callback(lambda: registry.close(entry))
+    try:
+        yield from serve(entry, request_iterator)
+    except RequestError as exc:
+        context.abort(exc.code, exc.message)
+    except grpc.RpcError:
+        return  # the client went away while we were reading: nothing to answer
+    except Exception as exc:  # a bug: report it, keep the server up
+        if entry.closed:  # the stream ended (cancel, deadline) while a step ran: nobody to answer
+            return
+        logging.getLogger(f"kakeya.{name}").exception("session %s failed", entry.id)
+        context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(exc).__name__}: {exc}")
+    finally:
+        registry.close(entry)
+
+
 @dataclass
 class ServerSpec:
     """How ``run_server`` builds and readies one kind of server."""

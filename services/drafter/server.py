@@ -20,9 +20,8 @@ import numpy as np
 
 from services.serving import (
     ComputeThread,
-    RequestError,
     ServerSpec,
-    SessionLimitError,
+    session_stream,
     SessionRegistry,
     invalid,
     precondition,
@@ -115,26 +114,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         )
 
     def Session(self, request_iterator, context) -> Iterator[pb.DrafterResponse]:
-        if not self.ready:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is loading its model")
-        try:
-            entry = self.registry.open()
-        except SessionLimitError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"drafter: {exc}")
-        context.add_callback(lambda: self.registry.close(entry))
-        try:
-            yield from self._serve(entry, request_iterator)
-        except RequestError as exc:
-            context.abort(exc.code, exc.message)
-        except grpc.RpcError:
-            return
-        except Exception as exc:  # a bug: report it, keep the server up
-            if entry.closed:  # the stream ended (cancel, deadline) while a step ran: nobody to answer
-                return
-            log.exception("session %s failed", entry.id)
-            context.abort(grpc.StatusCode.INTERNAL, f"drafter: {type(exc).__name__}: {exc}")
-        finally:
-            self.registry.close(entry)
+        yield from session_stream("drafter", self.ready, self.registry, self._serve, request_iterator, context)
 
     def _serve(self, entry, requests) -> Iterator[pb.DrafterResponse]:
         session = None

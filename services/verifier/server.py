@@ -24,9 +24,8 @@ import grpc
 
 from services.serving import (
     ComputeThread,
-    RequestError,
     ServerSpec,
-    SessionLimitError,
+    session_stream,
     SessionRegistry,
     check_token_ids,
     invalid,
@@ -189,26 +188,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         )
 
     def Session(self, request_iterator, context) -> Iterator[pb.VerifierResponse]:
-        if not self.ready:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is loading its model")
-        try:
-            entry = self.registry.open()
-        except SessionLimitError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verifier: {exc}")
-        context.add_callback(lambda: self.registry.close(entry))
-        try:
-            yield from self._serve(entry, request_iterator)
-        except RequestError as exc:
-            context.abort(exc.code, exc.message)
-        except grpc.RpcError:
-            return  # the client went away while we were reading: nothing to answer
-        except Exception as exc:  # a bug: report it, keep the server up
-            if entry.closed:  # the stream ended (cancel, deadline) while a step ran: nobody to answer
-                return
-            log.exception("session %s failed", entry.id)
-            context.abort(grpc.StatusCode.INTERNAL, f"verifier: {type(exc).__name__}: {exc}")
-        finally:
-            self.registry.close(entry)
+        yield from session_stream("verifier", self.ready, self.registry, self._serve, request_iterator, context)
 
     def _serve(self, entry, requests) -> Iterator[pb.VerifierResponse]:
         vocab = self.verifier.info.vocab_size
