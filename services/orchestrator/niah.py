@@ -167,14 +167,14 @@ def run_niah(engine, contexts, depths, policies: dict, max_tokens: int = 16, blo
 
 
 def cmd_niah(args) -> int:
-    from .cli import UsageError, build_local_engine
+    from .cli import build_local_engine
 
     if not args.contexts or min(args.contexts) < 16:
-        raise UsageError("--contexts: give context lengths of at least 16 tokens")
+        raise ValueError("--contexts: give context lengths of at least 16 tokens")
     if not args.depths or not all(0.0 <= d <= 1.0 for d in args.depths):
-        raise UsageError("--depths must lie in [0, 1]")
+        raise ValueError("--depths must lie in [0, 1]")
     if args.max_tokens < 1:
-        raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     restore = args.restore.removeprefix("ftheta:") if args.restore else None
     names = list(dict.fromkeys(args.policies))
     if restore and not any("restore" in n.split("+") for n in names):

@@ -468,10 +468,8 @@ def train(target_dir, draft_dir, out_dir, args: TrainArgs, *, resume: bool = Fal
 
 
 def cmd_train(args) -> int:
-    from services.orchestrator.cli import UsageError
-
     if (args.target is None) != (args.draft is None):
-        raise UsageError("give both --target and --draft, or neither (for the embedded default models)")
+        raise ValueError("give both --target and --draft, or neither (for the embedded default models)")
     target, draft = args.target, args.draft
     if target is None:
         from services.checkpoints.tiny import default_pair
