@@ -27,7 +27,9 @@ from typing import Any, Sequence
 
 import grpc
 
+from services.verifier.cache import CachePolicy
 from services.wire import codec
+from services.wire import policy as wire_policy
 from services.wire.kakeya.v1 import cache_pb2
 from services.wire.kakeya.v1 import drafter_pb2 as dpb
 from services.wire.kakeya.v1 import drafter_pb2_grpc
@@ -46,8 +48,6 @@ RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
-
-_KIND_NAMES = {cache_pb2.CACHE_KIND_NATIVE: "native", cache_pb2.CACHE_KIND_SINK_WINDOW: "sink-window"}
 
 
 def backend_channel(addr: str) -> grpc.Channel:
@@ -166,10 +166,7 @@ class _Stream:
 def _policy_proto(policy: Any) -> cache_pb2.CachePolicy | None:
     if policy is None or isinstance(policy, cache_pb2.CachePolicy):
         return policy
-    kinds = {v: k for k, v in _KIND_NAMES.items()}
-    if policy.kind not in kinds:
-        raise ValueError(f"cache policy kind must be 'native' or 'sink-window', got {policy.kind!r}")
-    return cache_pb2.CachePolicy(kind=kinds[policy.kind], sink=policy.sink, window=policy.window or 0, slack=policy.slack)
+    return wire_policy.to_proto(policy)
 
 
 class GrpcVerifierSession:
@@ -201,7 +198,7 @@ class GrpcVerifierSession:
         self._s.post(vpb.VerifierRequest(prefill=vpb.VerifierRequest.Prefill(token_ids=list(prompt_ids))), "prefilled")
         opened = self._s.wait().opened
         self.session_id = opened.session_id
-        self.cache_policy = _KIND_NAMES.get(opened.cache_policy.kind, "")
+        self.cache_policy = wire_policy.from_proto(opened.cache_policy, CachePolicy()).label
         r = self._s.wait()
         self.server_s += r.elapsed_s
         self._stats = r.prefilled.stats

@@ -14,7 +14,6 @@ validates them, with errors that name the offending field.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from services.serving import (
     version,
 )
 from services.wire import codec
+from services.wire import policy as wire_policy
 from services.wire.kakeya.v1 import cache_pb2, verifier_pb2 as pb, verifier_pb2_grpc
 
 from .cache import CachePolicy
@@ -40,48 +40,13 @@ from .cache import CachePolicy
 log = logging.getLogger("kakeya.verifier")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VerifierService"].full_name
-MAX_SLACK = 64  # largest rollback slack a session may ask for (ring memory grows with it)
-
-_KIND_TO_NAME = {cache_pb2.CACHE_KIND_NATIVE: "native", cache_pb2.CACHE_KIND_SINK_WINDOW: "sink-window"}
-_NAME_TO_KIND = {v: k for k, v in _KIND_TO_NAME.items()}
-
 
 def policy_from_proto(p: cache_pb2.CachePolicy, default: CachePolicy, field: str = "cache_policy") -> CachePolicy:
-    """A wire ``CachePolicy`` -> ``cache.CachePolicy`` (unset fields: ``default``'s), or ``invalid``.
-
-    Only the shape is checked here; ``CachePolicy.resolve`` checks the values
-    against the model when the session opens.
-    """
-    knobs = {f.name for f in dataclasses.fields(CachePolicy)}
-    for name in ("full_kv_bits", "full_kv_group_size"):
-        if getattr(p, name) and name not in knobs:
-            raise invalid(f"{field}.{name}: quantised full-layer K/V is not supported by this verifier (send 0)")
-    if p.restore_path:
-        raise invalid(f"{field}.restore_path: f_theta restoration is not supported yet (send an empty string)")
-    if p.kind == cache_pb2.CACHE_KIND_UNSPECIFIED:
-        kind = default.kind
-    elif p.kind in _KIND_TO_NAME:
-        kind = _KIND_TO_NAME[p.kind]
-    else:
-        raise invalid(f"{field}.kind: unknown cache kind {p.kind}")
-    if p.sink < 0:
-        raise invalid(f"{field}.sink must be >= 0, got {p.sink}")
-    if p.window < 0:
-        raise invalid(f"{field}.window must be >= 0 (0 = the model's window), got {p.window}")
-    if not 0 <= p.slack <= MAX_SLACK:
-        raise invalid(f"{field}.slack must be 0 (default) or 1..{MAX_SLACK}, got {p.slack}")
-    if kind == "native" and (p.sink or p.window):
-        raise invalid(f"{field}: sink and window apply to CACHE_KIND_SINK_WINDOW only")
-    values = {
-        "kind": kind,
-        "sink": p.sink if p.kind else default.sink,
-        "window": (p.window or None) if p.kind else default.window,
-        "slack": p.slack or default.slack,
-    }
-    for name in ("full_kv_bits", "full_kv_group_size"):
-        if name in knobs and getattr(p, name):
-            values[name] = getattr(p, name)
-    return dataclasses.replace(default, **values)
+    """A wire ``CachePolicy`` -> ``cache.CachePolicy`` (unset fields: ``default``'s), or ``invalid``."""
+    try:
+        return wire_policy.from_proto(p, default, field)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
 
 
 def check_policy(policy: CachePolicy, model_window: int, field: str = "cache_policy") -> CachePolicy:
@@ -91,15 +56,7 @@ def check_policy(policy: CachePolicy, model_window: int, field: str = "cache_pol
         raise invalid(f"{field}: {exc}") from None
 
 
-def policy_to_proto(p: CachePolicy) -> cache_pb2.CachePolicy:
-    return cache_pb2.CachePolicy(
-        kind=_NAME_TO_KIND.get(p.kind, cache_pb2.CACHE_KIND_UNSPECIFIED),
-        sink=p.sink,
-        window=p.window or 0,
-        slack=p.slack,
-        full_kv_bits=getattr(p, "full_kv_bits", 0),
-        full_kv_group_size=getattr(p, "full_kv_group_size", 0) if getattr(p, "full_kv_bits", 0) else 0,
-    )
+policy_to_proto = wire_policy.to_proto
 
 
 def _stats_proto(stats: dict, pending: int = 0) -> pb.SessionStats:

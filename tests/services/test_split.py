@@ -97,6 +97,23 @@ def test_split_equals_colocated_equals_mlx_lm_greedy_ar_past_ring_wraps(servers,
     assert results["colocated"] == reference
 
 
+def test_bounded_quantized_policy_crosses_the_wire_intact(servers, mlx_target, aux_layers):
+    """sink-window + 8-bit full layers, asked for over the public API: every field reaches the verifier."""
+    from services.orchestrator.loop import run
+    from services.verifier.cache import CachePolicy
+    from services.verifier.session import VerifierSession
+
+    wire = _policy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, sink=4, window=16, full_kv_bits=8)
+    local = CachePolicy("sink-window", sink=4, window=16, full_kv_bits=8)
+    expected = run(VerifierSession(mlx_target, aux_layers, local), None, PROMPT, 150, 1).token_ids
+    for name in ("split", "colocated"):
+        req = request(PROMPT, max_tokens=150, ignore_eos=True)
+        req.cache_policy.CopyFrom(wire)
+        ids, _, complete, _ = generate(servers[name].addr, req)
+        assert complete.stats.cache_policy == local.label, name
+        assert ids == expected, name
+
+
 def test_client_cli_prints_the_same_json_as_generate(servers, capsys):
     from services.orchestrator.cli import main
 
@@ -199,7 +216,7 @@ def _with_policy(**kw):
 
 
 BAD_GENERATE += [
-    ("restore_path", _with_policy(restore_path="/x"), "cache_policy.restore_path"),
+    ("restore without sink-window", _with_policy(restore_path="/x"), "cache_policy: restore"),
     ("slack < block", _with_policy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, slack=4), "cache_policy.slack"),
     ("unknown cache kind", _with_policy(kind=7), "cache_policy.kind"),
 ]

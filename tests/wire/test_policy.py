@@ -1,0 +1,32 @@
+"""CachePolicy <-> wire: nothing a client asked for is dropped on the way."""
+
+import pytest
+
+from services.verifier.cache import CachePolicy
+from services.wire import policy as wire_policy
+from services.wire.kakeya.v1 import cache_pb2
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        CachePolicy(),
+        CachePolicy("sink-window", sink=4, window=64, slack=8),
+        CachePolicy("sink-window", sink=2, window=16, full_kv_bits=4, full_kv_group_size=32, restore="/models/ftheta"),
+        CachePolicy(full_kv_bits=8),
+    ],
+    ids=lambda p: p.label,
+)
+def test_round_trip_keeps_every_field(policy):
+    assert wire_policy.from_proto(wire_policy.to_proto(policy), CachePolicy()) == policy
+
+
+def test_unset_fields_take_the_default_and_bad_fields_are_named():
+    default = CachePolicy("sink-window", sink=4, window=32, full_kv_bits=8)
+    assert wire_policy.from_proto(cache_pb2.CachePolicy(), default) == default
+    with pytest.raises(ValueError, match=r"cache_policy\.kind"):
+        wire_policy.from_proto(cache_pb2.CachePolicy(kind=9), default)
+    with pytest.raises(ValueError, match=r"cache_policy\.slack"):
+        wire_policy.from_proto(cache_pb2.CachePolicy(slack=1000), default)
+    with pytest.raises(ValueError, match="SINK_WINDOW only"):
+        wire_policy.from_proto(cache_pb2.CachePolicy(kind=cache_pb2.CACHE_KIND_NATIVE, sink=3), default)
