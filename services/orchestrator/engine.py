@@ -47,7 +47,15 @@ class Engine:
             raise ValueError(f"prompt_token_ids: ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         if req.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {req.max_tokens}")
-        loop.check_block_size(req.block_size or self.default_block_size)
+        block_size = req.block_size or self.default_block_size
+        loop.check_block_size(block_size)
+        policy = req.cache_policy
+        if policy is not None:
+            resolved = policy.resolve(self.verifier.info.sliding_window)
+            if block_size > resolved.slack:
+                raise ValueError(f"block_size {block_size} exceeds the cache policy's rollback slack {resolved.slack}")
+            if resolved.restore and block_size > resolved.window:
+                raise ValueError(f"block_size {block_size} exceeds the restoring window {resolved.window}")
 
     def stream(self, req: Request, on_drafter_error=None) -> Iterator[loop.Block]:
         """Yield committed blocks; returns the finished :class:`loop.Generation`."""
@@ -90,7 +98,8 @@ class Engine:
             "decode_tok_s": round(gen.decode_tok_s, 3),
             "prefill_s": round(gen.prefill_s, 6),
             "drafter_fallback": gen.drafter_fallback,
-            "verifier_kv_bytes": {"sliding": kv.get("sliding", 0), "full": kv.get("full", 0)},
+            "verifier_kv_bytes": {"sliding": kv.get("sliding", 0), "full": kv.get("full", 0)}
+            | ({"restored": kv["restored"]} if "restored" in kv else {}),
             "cache_policy": gen.verifier_stats.get("cache_policy", ""),
             "cache_bounded": gen.verifier_stats.get("bounded", False),
             "quality": quality_report(gen.token_ids),

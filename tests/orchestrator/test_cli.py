@@ -97,3 +97,9 @@ def test_generate_on_the_torch_backend_is_lossless_and_matches_mlx():
 def test_device_flags_need_the_torch_backend(capsys):
     assert main(["generate", "--dtype", "bfloat16", "--max-tokens", "2"]) == 2
     assert "--backend torch" in capsys.readouterr().err
+
+
+def test_policy_block_size_limits_are_checked_up_front(tiny_pair, capsys):
+    args = ["generate", "--cache", "sink-window", "--sink", "2", "--window", "4", "--block-size", "8", "--max-tokens", "4"]
+    assert main([*args, "--restore", "/no/such/ftheta"]) == 2
+    assert "restoring window" in capsys.readouterr().err
