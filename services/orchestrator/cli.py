@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 
 
@@ -25,7 +24,7 @@ def _default_pair():
 
 
 def build_local_engine(target: str | None, draft: str | None, backend: str = "mlx", device: str | None = None,
-                       dtype: str | None = None):
+                       dtype: str | None = None, policy=None):
     """Load the pair in-process (the embedded default models when no paths are given).
 
     ``device``/``dtype`` apply to the torch backend (MLX runs where MLX runs, in the weights' dtype).
@@ -50,15 +49,18 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
         torch_kw = {"device": device or "cpu", "dtype": dtype or "float32"}
     elif device not in (None, "cpu") or dtype is not None:
         raise UsageError("--device/--dtype apply to --backend torch")
-    verifier = local_verifier(target, aux_layers, backend, **torch_kw)
+    verifier = local_verifier(target, aux_layers, backend, **torch_kw, **({"policy": policy} if policy else {}))
     drafter = local_drafter(draft, target, backend, **torch_kw)
     return Engine(verifier, drafter, TextCodec(target), target=str(target), draft=str(draft))
 
 
-def add_cache_args(p) -> None:
-    """Cache-policy flags, shared by every command that opens verifier sessions."""
+def add_cache_args(p, default_kind: str | None = "native") -> None:
+    """Cache-policy flags, shared by every command that opens verifier sessions.
+
+    ``default_kind=None`` (the client): no --cache means "the server's default policy".
+    """
     g = p.add_argument_group("verifier cache policy")
-    g.add_argument("--cache", default="native", choices=["native", "sink-window"],
+    g.add_argument("--cache", default=default_kind, choices=["native", "sink-window"],
                    help="native: the model's own sliding window (not bounded as a whole); "
                         "sink-window: --sink first positions + a --window of recent ones on sliding layers")
     g.add_argument("--sink", type=int, default=4, help="attention sinks kept forever (sink-window)")
@@ -71,8 +73,13 @@ def add_cache_args(p) -> None:
 
 
 def cache_policy_from_args(args):
+    """The CachePolicy the flags ask for, or None when --cache was left to the server."""
     from services.verifier.cache import CachePolicy
 
+    if args.cache is None:
+        if args.full_kv_bits or args.window is not None or getattr(args, "restore", None):
+            raise UsageError("--window/--full-kv-bits/--restore need --cache native|sink-window")
+        return None
     restore = getattr(args, "restore", None)
     restore = restore.removeprefix("ftheta:") if restore else None
     if args.cache == "native":
@@ -139,7 +146,6 @@ def _compare_ar(engine, req, gen) -> dict:
     those (and for other backends) the reference is this engine at block size 1
     with the same policy: plain AR through the same cache semantics.
     """
-    import time
     from dataclasses import replace
 
     stop = set(req.stop_ids) | (set() if req.ignore_eos else set(engine.verifier.info.eos_token_ids))

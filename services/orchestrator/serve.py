@@ -107,7 +107,17 @@ def cmd_serve_verifier(args) -> int:
     else:  # without --draft/--aux-layers, sessions must name their aux layers at Open
         target, draft = args.target, args.draft
     layers = _aux_layers(args.aux_layers, draft)
-    return _run(server_spec(target, layers, args.backend, args.max_sessions, **_backend_kwargs(args)), args)
+    kwargs = _backend_kwargs(args) | {"policy": _default_policy(args)}
+    return _run(server_spec(target, layers, args.backend, args.max_sessions, **kwargs), args)
+
+
+def _default_policy(args):
+    """The sessions' default cache policy from --cache & co. (each request may send its own)."""
+    from services.verifier.cache import CachePolicy
+
+    from .cli import cache_policy_from_args
+
+    return cache_policy_from_args(args) or CachePolicy()  # checked against the model when it loads
 
 
 def cmd_serve_drafter(args) -> int:
@@ -142,7 +152,7 @@ def cmd_serve_orchestrator(args) -> int:
     else:
 
         def build():
-            return colocated_engine(args.target, args.draft, args.backend, args.no_drafter)
+            return colocated_engine(args.target, args.draft, args.backend, args.no_drafter, _default_policy(args))
 
         colocated = True
     servicer = GenerationServicer(
@@ -253,7 +263,10 @@ def cmd_serve_all(args) -> int:
             torch_kw = [*(["--device", args.device] if args.device else []), *(["--dtype", args.dtype] if args.dtype else [])]
             vback = ["--backend", args.verifier_backend, *(torch_kw if args.verifier_backend == "torch" else [])]
             dback = ["--backend", args.drafter_backend, *(torch_kw if args.drafter_backend == "torch" else [])]
-            sup.spawn("verifier", [*back, "--target", target, "--draft", draft, *vback, "--ready-file", str(files["verifier"]), *common, *limits])
+            cache = ["--cache", args.cache, "--sink", str(args.sink), "--full-kv-bits", str(args.full_kv_bits),
+                     *(["--window", str(args.window)] if args.window else []),
+                     *(["--restore", args.restore] if args.restore else [])]  # fmt: skip
+            sup.spawn("verifier", [*back, "--target", target, "--draft", draft, *vback, *cache, "--ready-file", str(files["verifier"]), *common, *limits])
             sup.spawn("drafter", [*back, "--draft", draft, "--target", target, *dback, "--ready-file", str(files["drafter"]), *common, *limits])
             ready = sup.wait_ready({n: files[n] for n in ("verifier", "drafter")}, args.start_timeout)
             orch = [
@@ -354,7 +367,9 @@ def report_from_stream(model, server, complete, token_ids: list[int], text: str)
 def generate_request(args):
     from services.wire.kakeya.v1 import generate_pb2 as pb
 
-    from .cli import DEFAULT_PROMPT
+    from services.wire import policy as wire_policy
+
+    from .cli import DEFAULT_PROMPT, cache_policy_from_args
 
     sp = pb.SamplingParams(
         max_tokens=args.max_tokens,
@@ -374,6 +389,9 @@ def generate_request(args):
             req.tokenized.SetInParent()
     else:
         req.text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    policy = cache_policy_from_args(args)
+    if policy is not None:
+        req.cache_policy.CopyFrom(wire_policy.to_proto(policy))
     return req
 
 
@@ -456,6 +474,8 @@ def cmd_client_health(args) -> int:
 
 
 def register_serve(sub) -> None:
+    from .cli import add_cache_args
+
     p = sub.add_parser("serve", help="run the gRPC services (verifier, drafter, orchestrator, or all three)")
     roles = p.add_subparsers(dest="role", required=True)
 
@@ -465,6 +485,7 @@ def register_serve(sub) -> None:
     v.add_argument("--draft", help="a DFlash drafter directory: only its target_layer_ids are read (the default aux layers)")
     v.add_argument("--aux-layers", help="default aux layers, e.g. 1,4 (sessions may send their own)")
     _backend_args(v)
+    add_cache_args(v)
     v.set_defaults(func=cmd_serve_verifier)
 
     d = roles.add_parser("drafter", help="the DFlash drafter and its per-session context caches")
@@ -483,6 +504,7 @@ def register_serve(sub) -> None:
     o.add_argument("--no-drafter", action="store_true", help="no speculation: the verifier decodes alone")
     o.add_argument("--tokenizer", help="split: directory with the target's tokenizer.json (default: the verifier's path, if readable)")
     o.add_argument("--backend", default="mlx", choices=["mlx"], help="colocated backend")
+    add_cache_args(o)  # colocated: the sessions' default policy
     o.add_argument("--backend-wait", type=float, default=120.0, help="split: seconds to wait for verifier/drafter at start")
     _limits(o)
     o.set_defaults(func=cmd_serve_orchestrator)
@@ -496,6 +518,7 @@ def register_serve(sub) -> None:
     a.add_argument("--drafter-backend", default="mlx", choices=["mlx", "torch"], help="the drafter process's backend")
     a.add_argument("--device", help="torch processes: cuda, cuda:1, cpu (default: the backend's)")
     a.add_argument("--dtype", help="torch processes: float32, bfloat16, float16 (default: the backend's)")
+    add_cache_args(a)  # the verifier process's default policy
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)
     a.set_defaults(func=cmd_serve_all)
@@ -515,7 +538,7 @@ def _limits(p) -> None:
 
 
 def register_client(sub) -> None:
-    from .cli import add_generation_options
+    from .cli import add_cache_args, add_generation_options
 
     p = sub.add_parser("client", help="call a running orchestrator (kakeya serve orchestrator|all)")
     p.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}", help="HOST:PORT of the orchestrator")
@@ -529,6 +552,7 @@ def register_client(sub) -> None:
     g.add_argument("--stop-token-id", type=int, action="append", help="extra stop token id (repeatable)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the only mode supported yet)")
     g.add_argument("--request-id", help="request id for the server's logs")
+    add_cache_args(g, default_kind=None)
     g.set_defaults(func=cmd_client_generate)
 
     i = cmds.add_parser("info", help="GetModelInfo + GetServerInfo as JSON")

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -550,10 +550,12 @@ def split_engine(verifier_addr: str, drafter_addr: str | None, tokenizer: str | 
     return Engine(verifier, drafter, codec, target=info.name, draft=draft_name)
 
 
-def colocated_engine(target: str | None, draft: str | None, backend: str = "mlx", no_drafter: bool = False) -> Engine:
+def colocated_engine(
+    target: str | None, draft: str | None, backend: str = "mlx", no_drafter: bool = False, policy=None
+) -> Engine:
     from .cli import build_local_engine
 
-    engine = build_local_engine(target, draft, backend)
+    engine = build_local_engine(target, draft, backend, policy=policy)
     if no_drafter:
         engine.drafter, engine.draft = None, ""
     return engine

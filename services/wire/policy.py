@@ -31,7 +31,9 @@ def to_proto(p: CachePolicy) -> cache_pb2.CachePolicy:
 
 
 def from_proto(p: cache_pb2.CachePolicy, default: CachePolicy, field: str = "cache_policy") -> CachePolicy:
-    """Unset fields take ``default``'s values. Raises ValueError naming the field.
+    """A message with ``kind`` set is a whole policy (0 / "" mean exact, the model's window, no
+    restoration; ``slack`` 0 means the server's); with ``kind`` unset it is ``default``. Raises
+    ValueError naming the field.
 
     Only the shape is checked here; ``CachePolicy.resolve`` checks the values
     against the model when a session opens.
@@ -55,8 +57,8 @@ def from_proto(p: cache_pb2.CachePolicy, default: CachePolicy, field: str = "cac
         "sink": p.sink if p.kind else default.sink,
         "window": (p.window or None) if p.kind else default.window,
         "slack": p.slack or default.slack,
-        "full_kv_bits": p.full_kv_bits or default.full_kv_bits,
+        "full_kv_bits": p.full_kv_bits if p.kind else default.full_kv_bits,
         "full_kv_group_size": p.full_kv_group_size or default.full_kv_group_size,
-        "restore": p.restore_path or default.restore,
+        "restore": (p.restore_path or None) if p.kind else default.restore,
     }
     return dataclasses.replace(default, **values)

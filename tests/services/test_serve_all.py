@@ -104,3 +104,29 @@ def test_mixed_backends_over_grpc_match_greedy_ar(server_factory, mlx_target, ve
         assert out["drafter_fallback"] is False
     finally:
         s.stop()
+
+
+def test_cache_policy_flags_on_servers_and_client(server_factory, mlx_target, aux_layers):
+    """The verifier's default policy comes from `serve ... --cache`; a client may ask for another."""
+    from services.orchestrator.loop import run
+    from services.verifier.cache import CachePolicy
+    from services.verifier.session import VerifierSession
+
+    s = server_factory(
+        "all-policy",
+        ["all", "--grace", "5", "--cache", "sink-window", "--sink", "4", "--window", "16", "--full-kv-bits", "8"],
+    ).start().wait_ready()
+    try:
+        outs = {}
+        for extra in ([], ["--cache", "native"]):
+            res = client(s.addr, "generate", "--json", "--max-tokens", "80", "--ignore-eos", *extra)
+            assert res.returncode == 0, res.stderr
+            outs[bool(extra)] = json.loads(res.stdout.strip().splitlines()[-1])
+        server_default, asked_native = outs[False], outs[True]
+        policy = CachePolicy("sink-window", sink=4, window=16, full_kv_bits=8)
+        assert server_default["cache_policy"] == policy.label and asked_native["cache_policy"] == "native"
+        expected = run(VerifierSession(mlx_target, aux_layers, policy), None, server_default["prompt_token_ids"], 80, 1)
+        assert server_default["token_ids"] == expected.token_ids
+        assert server_default["verifier_kv_bytes"]["sliding"] < asked_native["verifier_kv_bytes"]["sliding"]
+    finally:
+        s.stop()
