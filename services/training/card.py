@@ -1,0 +1,111 @@
+"""Render the demo pair's model card (README.md) from the two trainers' report.json files.
+
+    python -m services.training.card services/models/demo
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _cmd(rep: dict, skip=("func", "quiet", "resume")) -> str:
+    args = rep["args"]
+    parts = [rep["command"]]
+    for k, v in args.items():
+        if k in skip or v is None or v is False or v == "":
+            continue
+        flag = "--" + k.replace("_", "-")
+        parts.append(flag if v is True else f"{flag} {v}")
+    return " ".join(parts)
+
+
+def render(root: Path) -> str:
+    t = json.loads((root / "target" / "report.json").read_text())
+    d = json.loads((root / "draft" / "report.json").read_text())
+    tc, dc = t["config"], d["config"]
+    pattern = " ".join("F" if x == "full_attention" else "S" for x in tc["layer_types"])
+    evals = ", ".join(f"{e['step']}: {e['heldout_loss']:.3f}" for e in t["evals"])
+    lines = [
+        "# kakeya demo pair: a trained small Gemma-4 target + its DFlash drafter",
+        "",
+        "Trained by the project's own commands (`kakeya train-target`, `kakeya train-drafter`) on the",
+        "Python standard library of the interpreter that ran them, on a shared 2-core CPU with no GPU.",
+        "Used by `kakeya generate` (and the benchmark suite) when no model flags are given. It is a demo:",
+        "a ~1M-parameter code model, not a useful assistant; what it shows is a real drafter accepting",
+        "several tokens per block, losslessly.",
+        "",
+        "## Target (`target/`)",
+        "",
+        f"- `gemma4_text` / `Gemma4ForCausalLM`, float32, **{t['params']/1e6:.2f}M parameters**: hidden {tc['hidden_size']},",
+        f"  {tc['num_hidden_layers']} layers `{pattern}` (sliding window {tc['sliding_window']}), head_dim {tc['head_dim']}"
+        f" (full layers {tc['global_head_dim']}, k_eq_v, 1 KV head),",
+        f"  {tc['num_attention_heads']} heads / {tc['num_key_value_heads']} KV heads, MLP {tc['intermediate_size']},"
+        f" vocab {tc['vocab_size']} (the project's byte-level BPE), soft-cap {tc['final_logit_softcapping']}.",
+        f"- Data: {t['corpus']['source']}; {t['corpus']['train_files']} train files ({t['corpus']['train_tokens']:,} tokens),",
+        f"  {t['corpus']['heldout_files']} held-out files ({t['corpus']['heldout_tokens']:,} tokens), split {t['corpus']['split']}.",
+        f"- Training: {t['steps']} steps x {t['args']['batch']} x {t['args']['seq_len']} tokens"
+        f" ({t['tokens_seen']:,} tokens seen, a fraction of one epoch), AdamW lr {t['args']['lr']} cosine,",
+        f"  backend `{t['backend']}`, {t['train_s']/60:.1f} min wall.",
+        f"- Loss: first step {t['loss_curve'][0][1]:.3f}, last step {t['loss_curve'][-1][1]:.3f};"
+        f" held-out by step: {evals}.",
+        f"- **Held-out loss {t['final']['heldout_loss']:.3f} (perplexity {t['final']['heldout_perplexity']:.1f}),"
+        f" train loss {t['final']['train_loss']:.3f}** ({t['final']['eval_windows']} windows x {t['final']['eval_seq_len']} tokens).",
+        "",
+        "## Drafter (`draft/`)",
+        "",
+        f"- DFlash (`DFlashDraftModel`, reference layout), **{d['params']/1e6:.2f}M parameters** + the target's frozen"
+        f" embedding and LM head: {dc['num_hidden_layers']} layers, hidden {dc['hidden_size']}, MLP {dc['intermediate_size']},",
+        f"  {dc['num_attention_heads']} heads / {dc['num_key_value_heads']} KV heads x {dc['head_dim']};"
+        f" `dflash_config` {json.dumps(dc['dflash_config'])}.",
+        f"- Data: {d['data']['sequences']} prompts of {d['data']['prompt_len']} tokens ({d['data']['from']}),"
+        f" each continued {d['data']['gen_len']} tokens by the target greedily ({d['data']['data_s']/60:.1f} min);",
+        "  aux = outputs of the target layers `target_layer_ids` at every position.",
+        f"- Training: {d['steps']} steps; per step {d['args']['batch']} sequences x {d['args']['anchors']} random anchors"
+        f" in the continuation, block sizes {d['args']['train_block_sizes'] or d['args']['block_size']};",
+        "  loss = CE of block positions 1..B-1 vs the target's greedy tokens, weighted exp(-(k-1)/gamma);"
+        f" {d['train_s']/60:.1f} min wall.",
+        f"- Loss: first step {d['loss_curve'][0][2]:.3f}, last step {d['loss_curve'][-1][2]:.3f}.",
+        "",
+        "## Measured acceptance (held-out code prompts)",
+        "",
+    ]
+    acc = d.get("acceptance")
+    if acc:
+        lines += [
+            f"{acc['prompts']} prompts of {acc['prompt_len']} tokens from {acc['source']}; {acc['max_tokens']} new tokens each;",
+            f"{acc['engine']}. Acceptance = tokens committed per block (bonus token included).",
+            "",
+            "| block size | mean acceptance | blocks | lossless vs block 1 |",
+            "|---:|---:|---:|:---:|",
+        ]
+        for b, v in acc["per_block_size"].items():
+            lines.append(f"| {b} | {v['mean_acceptance']:.2f} | {v['blocks']} | {'yes' if v['lossless_vs_block1'] else 'NO'} |")
+        lines.append("")
+    lines += [
+        "## Reproduce",
+        "",
+        "```bash",
+        _cmd(t) .replace("--out ", "--out ") ,
+        _cmd(d),
+        "python -m services.training.card OUT_DIR   # this card",
+        "```",
+        "",
+        "Same seed and same Python standard library give the same data and initial weights; CPU float",
+        "reductions make the trained weights differ in the last bits between machines. `report.json` in",
+        "each directory has the full loss curves and every argument.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    root = Path((argv or sys.argv[1:])[0])
+    (root / "README.md").write_text(render(root), encoding="utf-8")
+    print(root / "README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
