@@ -118,7 +118,11 @@ def test_client_cli_prints_the_same_json_as_generate(servers, capsys):
     from services.orchestrator.cli import main
 
     args = ["--json", "--max-tokens", "24", "--block-size", "4", "--prompt", "def f(x):"]
-    assert main(["generate", *args]) == 0
+    # the servers run the tiny pair (serve's default); `generate` with no flags would use the demo pair
+    from services.checkpoints.tiny import default_pair
+
+    tiny = ["--target", str(default_pair().target), "--draft", str(default_pair().draft)]
+    assert main(["generate", *tiny, *args]) == 0
     local = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     res = subprocess.run(
         [sys.executable, "-m", "services.orchestrator.cli", "client", "--addr", servers["split"].addr, "generate", *args],
