@@ -152,7 +152,8 @@ def cmd_serve_orchestrator(args) -> int:
     else:
 
         def build():
-            return colocated_engine(args.target, args.draft, args.backend, args.no_drafter, _default_policy(args))
+            target, draft = _pair(args.target, args.draft)  # serve's default: the tiny pair, like verifier/drafter
+            return colocated_engine(target, draft, args.backend, args.no_drafter, _default_policy(args))
 
         colocated = True
     servicer = GenerationServicer(

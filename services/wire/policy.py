@@ -39,7 +39,10 @@ def from_proto(p: cache_pb2.CachePolicy, default: CachePolicy, field: str = "cac
     against the model when a session opens.
     """
     if p.kind == cache_pb2.CACHE_KIND_UNSPECIFIED:
-        kind = default.kind
+        given = [f.name for f, _ in p.ListFields()]
+        if given:  # never drop what a client asked for
+            raise ValueError(f"{field}.kind must be set when {', '.join(given)} is given")
+        return default
     elif p.kind in KIND_TO_NAME:
         kind = KIND_TO_NAME[p.kind]
     else:
@@ -54,11 +57,11 @@ def from_proto(p: cache_pb2.CachePolicy, default: CachePolicy, field: str = "cac
         raise ValueError(f"{field}: sink and window apply to CACHE_KIND_SINK_WINDOW only")
     values = {
         "kind": kind,
-        "sink": p.sink if p.kind else default.sink,
-        "window": (p.window or None) if p.kind else default.window,
+        "sink": p.sink,
+        "window": p.window or None,
         "slack": p.slack or default.slack,
-        "full_kv_bits": p.full_kv_bits if p.kind else default.full_kv_bits,
+        "full_kv_bits": p.full_kv_bits,
         "full_kv_group_size": p.full_kv_group_size or default.full_kv_group_size,
-        "restore": (p.restore_path or None) if p.kind else default.restore,
+        "restore": p.restore_path or None,
     }
     return dataclasses.replace(default, **values)

@@ -26,7 +26,9 @@ def test_unset_fields_take_the_default_and_bad_fields_are_named():
     assert wire_policy.from_proto(cache_pb2.CachePolicy(), default) == default
     with pytest.raises(ValueError, match=r"cache_policy\.kind"):
         wire_policy.from_proto(cache_pb2.CachePolicy(kind=9), default)
+    with pytest.raises(ValueError, match=r"cache_policy\.kind must be set when restore_path"):
+        wire_policy.from_proto(cache_pb2.CachePolicy(restore_path="/x"), default)
     with pytest.raises(ValueError, match=r"cache_policy\.slack"):
-        wire_policy.from_proto(cache_pb2.CachePolicy(slack=1000), default)
+        wire_policy.from_proto(cache_pb2.CachePolicy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, slack=1000), default)
     with pytest.raises(ValueError, match="SINK_WINDOW only"):
         wire_policy.from_proto(cache_pb2.CachePolicy(kind=cache_pb2.CACHE_KIND_NATIVE, sink=3), default)
