@@ -44,7 +44,7 @@ def torch_servers(tiny_pair, aux_layers):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield f"127.0.0.1:{port}", v, d
-    server.stop(0)
+    server.stop(0).wait()
     for s in (v, d):
         s.compute.shutdown()
 
