@@ -20,8 +20,9 @@ def ftheta_dir(tmp_path_factory, tiny_pair, mlx_target):
     return out
 
 
-def test_niah_json_shape(ftheta_dir, capsys):
-    argv = ["niah", "--contexts", "128", "160", "--depths", "0.2", "0.8", "--policies", "native", "sink-window",
+def test_niah_json_shape(ftheta_dir, tiny_pair, capsys):
+    # f_theta was trained against the tiny pair, not `niah`'s no-flag default (the demo pair)
+    argv = ["niah", "--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft), "--contexts", "128", "160", "--depths", "0.2", "0.8", "--policies", "native", "sink-window",
             "sink-window+kv8", "--restore", f"ftheta:{ftheta_dir}", "--max-tokens", "6", "--json", "--quiet"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
