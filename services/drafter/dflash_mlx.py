@@ -33,7 +33,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from services.drafter.config import FULL, SLIDING, DFlashConfig  # noqa: F401  (FULL, DFlashConfig re-exported)
+from services.drafter.config import (  # noqa: F401  (FULL, DFlashConfig re-exported)
+    FULL,
+    NOT_TEXT,
+    SLIDING,
+    TARGET_EMBED_NAMES,
+    TARGET_HEAD_NAMES,
+    DFlashConfig,
+)
 
 
 # --------------------------------------------------------------------------- layers
@@ -398,20 +405,7 @@ class DFlashDraftModel(nn.Module):
 
 # --------------------------------------------------------------------------- loading
 
-_EMBED_NAMES = (
-    "model.embed_tokens",
-    "model.language_model.embed_tokens",
-    "language_model.model.embed_tokens",
-    "model.language_model.model.embed_tokens",
-    "embed_tokens",
-)
-_HEAD_NAMES = (
-    "lm_head",
-    "language_model.lm_head",
-    "model.language_model.lm_head",
-    "model.lm_head",
-)
-_SKIP = ("vision", "audio", "multi_modal")
+_EMBED_NAMES, _HEAD_NAMES, _SKIP = TARGET_EMBED_NAMES, TARGET_HEAD_NAMES, NOT_TEXT
 
 
 def _index_tensors(target_dir: Path) -> dict[str, mx.array]:

@@ -34,7 +34,14 @@ from torch import nn
 
 from services.verifier.model_torch import resolve_device, resolve_dtype
 
-from services.drafter.config import FULL, SLIDING, DFlashConfig  # noqa: F401  (FULL, DFlashConfig re-exported)
+from services.drafter.config import (  # noqa: F401  (FULL, DFlashConfig re-exported)
+    FULL,
+    NOT_TEXT,
+    SLIDING,
+    TARGET_EMBED_NAMES,
+    TARGET_HEAD_NAMES,
+    DFlashConfig,
+)
 
 
 def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
@@ -397,15 +404,7 @@ class DFlashDraftModel(nn.Module):
 
 # --------------------------------------------------------------------------- loading
 
-_EMBED_NAMES = (
-    "model.embed_tokens",
-    "model.language_model.embed_tokens",
-    "language_model.model.embed_tokens",
-    "model.language_model.model.embed_tokens",
-    "embed_tokens",
-)
-_HEAD_NAMES = ("lm_head", "language_model.lm_head", "model.language_model.lm_head", "model.lm_head")
-_SKIP = ("vision", "audio", "multi_modal", "per_layer")
+_EMBED_NAMES, _HEAD_NAMES, _SKIP = TARGET_EMBED_NAMES, TARGET_HEAD_NAMES, NOT_TEXT
 
 
 def _target_index(target_dir: Path) -> dict[str, Path]:
