@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import pytest
 
 from services.checkpoints.tiny import TinyPair, make_tiny
@@ -19,13 +20,13 @@ def tiny_moe_pair(tmp_path_factory) -> TinyPair:
 
 @pytest.fixture(scope="session")
 def mlx_target(tiny_pair):
-    mlx_lm = pytest.importorskip("mlx_lm")
+    mlx_lm = importlib.import_module("mlx_lm")
     return mlx_lm.load(str(tiny_pair.target))
 
 
 @pytest.fixture
 def local_hub(monkeypatch):
     """Make dflash.model_mlx.load_draft resolve a local directory instead of the hub."""
-    dm = pytest.importorskip("dflash.model_mlx")
+    dm = importlib.import_module("dflash.model_mlx")
     monkeypatch.setattr(dm, "snapshot_download", lambda repo_id, **kwargs: repo_id)
     return dm

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import argparse
 import json
 from pathlib import Path
@@ -119,7 +120,7 @@ def test_cli_register(tmp_path, capsys):
 
 
 def test_mlx_greedy_is_not_degenerate(mlx_target):
-    mx = pytest.importorskip("mlx.core")
+    mx = importlib.import_module("mlx.core")
     from mlx_lm.generate import generate_step
 
     model, tokenizer = mlx_target
@@ -131,8 +132,8 @@ def test_mlx_greedy_is_not_degenerate(mlx_target):
 
 
 def _mlx_logits(pair) -> tuple[list[int], np.ndarray]:
-    mx = pytest.importorskip("mlx.core")
-    mlx_lm = pytest.importorskip("mlx_lm")
+    mx = importlib.import_module("mlx.core")
+    mlx_lm = importlib.import_module("mlx_lm")
     model, tokenizer = mlx_lm.load(str(pair.target))
     ids = tokenizer.encode(PROMPT)
     assert ids[0] == tk.BOS_ID and len(ids) > _config(pair.target)["sliding_window"]
@@ -140,8 +141,8 @@ def _mlx_logits(pair) -> tuple[list[int], np.ndarray]:
 
 
 def _hf_logits(pair, ids) -> np.ndarray:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = importlib.import_module("torch")
+    transformers = importlib.import_module("transformers")
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         str(pair.target), dtype=torch.float32, output_loading_info=True
     )
@@ -163,7 +164,7 @@ def test_transformers_matches_mlx(variant, tiny_pair, tiny_moe_pair):
 
 
 def test_dflash_reference_loads_draft(tiny_pair, local_hub):
-    mlx_lm = pytest.importorskip("mlx_lm")
+    mlx_lm = importlib.import_module("mlx_lm")
 
     draft = local_hub.load_draft(str(tiny_pair.draft))
     cfg = draft.config
@@ -180,8 +181,8 @@ def test_dflash_reference_loads_draft(tiny_pair, local_hub):
 
 
 def test_dflash_torch_loads_draft(tiny_pair):
-    torch = pytest.importorskip("torch")
-    dflash_model = pytest.importorskip("dflash.model")
+    torch = importlib.import_module("torch")
+    dflash_model = importlib.import_module("dflash.model")
     model, info = dflash_model.DFlashDraftModel.from_pretrained(
         str(tiny_pair.draft), dtype=torch.float32, output_loading_info=True
     )

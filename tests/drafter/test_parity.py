@@ -160,13 +160,10 @@ def test_gap_b_embedding_convention(pair, ref_loader):
 
 
 def test_parity_on_shipped_tiny_pair(ref_loader):
-    """The embedded tiny checkpoint pair, if present, matches the reference too."""
-    try:
-        from services.checkpoints.tiny import default_pair
+    """The embedded tiny checkpoint pair matches the reference too."""
+    from services.checkpoints.tiny import default_pair
 
-        tiny = default_pair()
-    except Exception as e:  # not generated yet
-        pytest.skip(f"no embedded tiny pair: {e}")
+    tiny = default_pair()
     ours = load_dflash_mlx(tiny.draft, tiny.target)
     ref = ref_loader(str(tiny.draft))
 

@@ -7,12 +7,13 @@ backend object comes from the torch factories), reached through the same
 
 from __future__ import annotations
 
+import importlib
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
-pytest.importorskip("torch")
+importlib.import_module("torch")
 
 from services.orchestrator.loop import run  # noqa: E402
 from services.orchestrator.remote import GrpcDrafter, GrpcVerifier  # noqa: E402

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from services.checkpoints.tiny import make_tiny  # noqa: E402
+from services.checkpoints.tiny import make_tiny
 
 from .ckpt import make_features_target  # noqa: E402
 

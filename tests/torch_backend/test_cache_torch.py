@@ -57,7 +57,7 @@ def test_full_cache_trim_is_o1_and_exact():
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64])
 def test_quantize_is_mx_quantize(bits, group):
-    mx = pytest.importorskip("mlx.core")
+    import mlx.core as mx
     x = np.random.default_rng(bits + group).standard_normal((1, 3, 9, 128)).astype(np.float32)
     codes, s, b = quantize(torch.from_numpy(x), group, bits)
     assert codes.shape[-1] == 128 * bits // 8 and s.shape[-1] == 128 // group
@@ -108,8 +108,6 @@ def test_quantized_policy_matches_mlx_backend(torch_target, tiny, bits):
 def test_quantized_policy_kv_bytes(torch_target, tiny):
     from services.verifier.session import LocalVerifier
 
-    if not hasattr(CachePolicy(), "full_kv_bits"):
-        pytest.skip("no quantized full-K/V policy")
     v = LocalVerifier(torch_target, tiny.target, AUX_LAYERS)
     sizes = {}
     for bits in (0, 8, 4):
