@@ -43,22 +43,30 @@ class TextCodec:
 
 
 class StreamDecoder:
-    """Turns token chunks into text chunks without splitting multi-byte characters."""
+    """Turns token chunks into text chunks without splitting multi-byte characters.
+
+    Only a short trailing window is re-decoded per chunk (the ids since the last
+    emitted text, plus the chunk before them for context), so a long stream costs
+    O(chunk) per block, not O(everything so far).
+    """
 
     def __init__(self, codec: TextCodec):
         self.codec = codec
         self.ids: list[int] = []
-        self.emitted = ""
+        self.prefix = 0  # window start: ids[prefix:read] are already emitted
+        self.read = 0
 
     def add(self, ids: Sequence[int]) -> str:
         self.ids.extend(ids)
-        text = self.codec.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
+        done = self.codec.decode(self.ids[self.prefix : self.read])
+        text = self.codec.decode(self.ids[self.prefix :])
+        if text.endswith("\ufffd") or len(text) <= len(done):  # an incomplete UTF-8 sequence: wait
             return ""
-        new, self.emitted = text[len(self.emitted) :], text
-        return new
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done) :]
 
     def flush(self) -> str:
-        text = self.codec.decode(self.ids)
-        new, self.emitted = text[len(self.emitted) :], text
-        return new
+        done = self.codec.decode(self.ids[self.prefix : self.read])
+        text = self.codec.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return text[len(done) :]
