@@ -227,6 +227,57 @@ def expected_acceptance(acc_prefix: np.ndarray) -> float:
     return 1.0 + float(np.sum(acc_prefix))
 
 
+def cached_continuations(path: Path, key: dict, make, quiet: bool) -> tuple[np.ndarray, np.ndarray, float | None]:
+    """``(seqs, aux, seconds it took to make them)`` from ``path`` when its key matches, else ``make()`` and save."""
+    if path.is_file():
+        z = np.load(path)
+        if json.loads(str(z["key"])) == key:
+            if not quiet:
+                log(f"reusing {len(z['seqs'])} target continuations from {path}")
+            return z["seqs"], z["aux"], float(z["data_s"])
+    t0 = time.time()
+    seqs, aux = make()
+    took = time.time() - t0
+    np.savez(path, seqs=seqs, aux=aux, key=json.dumps(key), data_s=took)
+    return seqs, aux, took
+
+
+def evaluate(trainer: BlockTrainer, seqs: np.ndarray, aux: np.ndarray, prompt_len: int, B: int,
+             anchors: int = 4, batch: int = 16) -> dict:
+    """Teacher-forced held-out figures at block size ``B`` (fixed anchors, so evaluations compare).
+
+    Labels are the target's greedy tokens and the context is the target's aux of them: exactly
+    what the engine sees, so ``expected_acceptance`` (1 + mean over blocks of the number of
+    leading candidates that are right) is the acceptance the loop would measure on these blocks.
+    """
+    torch = trainer.torch
+    rng = np.random.default_rng([12345, B])
+    T = seqs.shape[1]
+    anc = rng.integers(prompt_len, T - B + 1, size=(len(seqs), anchors))
+    ce_sum, n, correct = 0.0, 0, []
+    was_training = trainer.model.training
+    trainer.model.eval()
+    with torch.no_grad():
+        for i in range(0, len(seqs), batch):
+            logits, labels = trainer.block_logits(seqs[i : i + batch], aux[i : i + batch].astype(np.float32),
+                                                  anc[i : i + batch], B)
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                   reduction="sum")
+            ce_sum += float(ce)
+            n += labels.numel()
+            correct.append((logits.argmax(-1) == labels).cpu().numpy())
+    trainer.model.train(was_training)
+    ok = np.concatenate(correct)  # [blocks, B-1]
+    leading = np.cumprod(ok, axis=1).sum(1)
+    return {
+        "block_size": B,
+        "loss": round(ce_sum / n, 5),
+        "acc_per_position": [round(float(a), 4) for a in ok.mean(0)],
+        "expected_acceptance": round(1.0 + float(leading.mean()), 4),
+        "blocks": int(len(ok)),
+    }
+
+
 # --------------------------------------------------------------------------- acceptance with the real engine
 
 
@@ -284,24 +335,31 @@ def train(args) -> dict:
     ckpt = out / "ckpt"
     ckpt.mkdir(parents=True, exist_ok=True)
 
-    # 1. target continuations + aux (cached in ckpt/ so a resumed run reuses them)
-    data_key = {"target": str(target_dir.resolve()), "n_seq": args.sequences, "prompt_len": args.prompt_len,
-                "gen_len": args.gen_len, "tids": tids, "seed": args.seed}
-    data_file = ckpt / "data.npz"
+    # 1. target continuations + aux (cached in ckpt/ so a resumed run reuses them); the held-out
+    #    set continues prompts from held-out FILES, to watch the drafter on text it never saw.
+    key = {"target": str(target_dir.resolve()), "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+           "tids": tids, "seed": args.seed}
+    target_box: list[TorchTarget] = []
+
+    def get_target() -> TorchTarget:
+        if not target_box:
+            target_box.append(TorchTarget(target_dir, device))
+        return target_box[0]
+
     t_data = time.time()
-    if data_file.is_file() and json.loads(str(np.load(data_file)["key"])) == data_key:
-        z = np.load(data_file)
-        seqs, aux = z["seqs"], z["aux"]
-        data_s = float(z["data_s"])
-        if not args.quiet:
-            log(f"reusing {len(seqs)} target continuations from {data_file}")
-    else:
-        target = TorchTarget(target_dir, device)
-        seqs, aux = make_dataset(target, corpus.train, args.sequences, args.prompt_len, args.gen_len, tids,
-                                 args.seed, args.gen_batch, args.quiet)
-        del target
-        data_s = time.time() - t_data
-        np.savez(data_file, seqs=seqs, aux=aux, key=json.dumps(data_key), data_s=data_s)
+    seqs, aux, data_s = cached_continuations(
+        ckpt / "data.npz", key | {"n_seq": args.sequences},
+        lambda: make_dataset(get_target(), corpus.train, args.sequences, args.prompt_len, args.gen_len, tids,
+                             args.seed, args.gen_batch, args.quiet), args.quiet)
+    val = None
+    if args.val_sequences:
+        vseqs, vaux, _ = cached_continuations(
+            ckpt / "val.npz", key | {"n_seq": args.val_sequences, "split": "heldout"},
+            lambda: make_dataset(get_target(), corpus.heldout, args.val_sequences, args.prompt_len, args.gen_len,
+                                 tids, args.seed + 1, args.gen_batch, args.quiet), args.quiet)
+        val = (vseqs, vaux)
+    target_box.clear()
+    data_s = data_s if data_s is not None else time.time() - t_data
 
     # 2. training
     trainer = BlockTrainer(cfg, target_dir, args.seed, device)
@@ -321,6 +379,7 @@ def train(args) -> dict:
         opt.load_state_dict(st["opt"])
     step = meta["step"] if meta else 0
     curve = meta["curve"] if meta else []
+    val_curve = meta.get("val_curve", []) if meta else []
     train_s = meta["train_s"] if meta else 0.0
     block_sizes = [int(b) for b in args.train_block_sizes.split(",")] if args.train_block_sizes else [args.block_size]
     gamma = args.gamma
@@ -336,7 +395,7 @@ def train(args) -> dict:
     def save() -> None:
         torch.save({"model": trainer.model.state_dict(), "opt": opt.state_dict()}, ckpt / "state.pt")
         tmp = ckpt / "state.json.tmp"
-        tmp.write_text(json.dumps({"step": step, "curve": curve, "config": cfg,
+        tmp.write_text(json.dumps({"step": step, "curve": curve, "val_curve": val_curve, "config": cfg,
                                    "train_s": train_s + time.time() - t_start}) + "\n")
         tmp.replace(ckpt / "state.json")
 
@@ -361,6 +420,12 @@ def train(args) -> dict:
         lv = float(loss.detach())
         curve.append([step, B, round(lv, 5), round(float(accs[0]), 4)])
         bar.update(step, B=B, loss=lv, acc1=float(accs[0]))
+        if val is not None and args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+            ev = evaluate(trainer, val[0], val[1], P, args.block_size)
+            val_curve.append({"step": step} | ev)
+            if not args.quiet:
+                log(f"\nstep {step}: held-out loss {ev['loss']:.4f}, acc1 {ev['acc_per_position'][0]:.3f}, "
+                    f"expected acceptance at block {args.block_size}: {ev['expected_acceptance']:.3f}")
         if step % args.save_every == 0:
             save()
     bar.close()
@@ -381,11 +446,12 @@ def train(args) -> dict:
         "params": int(n_params),
         "config": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
                                        "num_key_value_heads", "head_dim")} | {"dflash_config": cfg["dflash_config"]},
-        "data": {"sequences": int(len(seqs)), "prompt_len": P, "gen_len": int(T - P), "from": "train split windows",
+        "data": {"sequences": int(len(seqs)), "heldout_sequences": int(len(val[0])) if val else 0, "prompt_len": P, "gen_len": int(T - P), "from": "train split windows",
                  "labels": "target greedy continuation", "data_s": round(data_s, 1)},
         "steps": step,
         "train_s": round(train_s, 1),
         "loss_curve": curve,
+        "heldout_curve": val_curve,
     }
     if args.eval_prompts and not args.no_eval:
         if not args.quiet:
@@ -429,6 +495,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--gen-batch", type=int, default=64)
     p.add_argument("--heldout-pct", type=int, default=5)
+    p.add_argument("--val-sequences", type=int, default=256,
+                   help="target continuations of held-out prompts for a teacher-forced held-out curve (0: none)")
+    p.add_argument("--eval-every", type=int, default=500, help="steps between held-out evaluations")
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--eval-max-tokens", type=int, default=128)
     p.add_argument("--eval-block-sizes", default="2,4,8,16")

@@ -57,7 +57,8 @@ def test_heldout_split_is_by_file_and_deterministic():
 
 TINY_DRAFT = ["--sequences", "4", "--prompt-len", "12", "--gen-len", "10", "--gen-batch", "4", "--batch", "2",
               "--anchors", "3", "--head-dim", "16", "--layers", "1", "--intermediate", "32",
-              "--train-block-sizes", "4,8", "--save-every", "1", "--quiet", "--warmup", "1"]
+              "--train-block-sizes", "4,8", "--save-every", "1", "--quiet", "--warmup", "1",
+              "--val-sequences", "3", "--eval-every", "2"]
 
 
 def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
@@ -68,6 +69,13 @@ def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
     rep2 = tdraft.train(_args(tdraft.add_arguments, base + ["--steps", "3", "--resume", "--eval-prompts", "1",
                                                             "--eval-max-tokens", "6", "--eval-block-sizes", "4"]))
     assert [c[0] for c in rep2["loss_curve"]] == [1, 2, 3] and rep2["loss_curve"][:2] == rep["loss_curve"]
+    # held-out curve: evaluated at step 2 (eval-every) and at the last step; carried across --resume
+    held = rep2["heldout_curve"]
+    assert [h["step"] for h in held] == [2, 3] and held[0] == rep["heldout_curve"][0]
+    assert rep2["data"]["heldout_sequences"] == 3
+    for h in held:
+        assert h["block_size"] == 8 and len(h["acc_per_position"]) == 7 and 1.0 <= h["expected_acceptance"] <= 8.0
+        assert h["loss"] > 0
     acc = rep2["acceptance"]["per_block_size"]["4"]
     assert acc["mean_acceptance"] >= 1 and acc["lossless_vs_block1"]
     cfg = json.loads((out / "config.json").read_text())
