@@ -51,20 +51,31 @@ def held_out_prompts(n: int, length: int) -> list[list[int]]:
     return heldout_prompts(corpus, n, length)
 
 
-def kakeya_runs(engine, prompts, max_tokens, block_size, repeats):
-    tok_s, lengths, split = [], [], {"draft": [], "verify": [], "rest": [], "total": []}
+def kakeya_runs(generate, prompts, max_tokens, block_size, repeats):
+    """Decode rate, acceptance and per-block time split of ``generate(prompt, max_tokens, block_size)``.
+
+    ``generate`` returns ``(Generation, calls)``: ``calls`` is None in-process, or the split run's
+    per-call log (client time vs the server's own time, benchmarks/wire.py), from which the
+    network's share of each block is separated out of draft/verify/commit.
+    """
+    tok_s, lengths, split = [], [], {"draft": [], "verify": [], "rest": [], "wire": [], "total": []}
     outputs = []
     for p in prompts:
-        req = Request(p, max_tokens=max_tokens, block_size=block_size, ignore_eos=True)
-        engine.generate(req)  # warm-up
+        generate(p, max_tokens, block_size)  # warm-up
         per = []
         for _ in range(repeats):
-            g = engine.generate(req)
+            g, calls = generate(p, max_tokens, block_size)
             per.append(g.decode_tok_s)
-            for b in g.blocks[1:]:  # every repeat's blocks (blocks[0] is the prefill token)
-                split["draft"].append(b.draft_s)
-                split["verify"].append(b.verify_s)
-                split["rest"].append(b.total_s - b.draft_s - b.verify_s)
+            blocks = g.blocks[1:]  # blocks[0] is the prefill token
+            hops = [_hops(c) for c in calls] if calls is not None else [{} for _ in blocks]
+            for b, h in zip(blocks, hops):
+                wire = sum(h.values())
+                draft = b.draft_s - h.get("draft", 0.0)
+                verify = b.verify_s - h.get("verify", 0.0)
+                split["draft"].append(draft)
+                split["verify"].append(verify)
+                split["wire"].append(wire)
+                split["rest"].append(b.total_s - draft - verify - wire)
                 split["total"].append(b.total_s)
         tok_s.append(statistics.median(per))
         lengths += g.acceptance_lengths  # greedy: every repeat commits the same blocks
@@ -78,6 +89,31 @@ def kakeya_runs(engine, prompts, max_tokens, block_size, repeats):
         "block_ms_mean": {k: round(statistics.mean(v) * 1e3, 4) for k, v in split.items()},
         "blocks_timed": len(split["total"]),
     }, outputs
+
+
+def _hops(calls) -> dict[str, float]:
+    """Seconds each call of one block spent outside the server (serialization, loopback, gRPC)."""
+    out: dict[str, float] = {}
+    for c in calls:
+        out[c["step"]] = out.get(c["step"], 0.0) + c["client_s"] - c["server_s"]
+    return out
+
+
+def colocated(engine):
+    def generate(p, max_tokens, block_size):
+        return engine.generate(Request(p, max_tokens=max_tokens, block_size=block_size, ignore_eos=True)), None
+
+    return generate
+
+
+def split_over_loopback(verifier, drafter):
+    from benchmarks.wire import per_block, run_split
+
+    def generate(p, max_tokens, block_size):
+        g, log = run_split(verifier, drafter, p, max_tokens, block_size)
+        return g, per_block(log)[1]
+
+    return generate
 
 
 def mlx_lm_ar(target_dir, prompts, max_tokens, repeats):
@@ -187,16 +223,19 @@ def plots(res: dict, out_prefix: Path) -> list[str]:
     spec = [res["kakeya_mlx"][str(b)] for b in bss]
 
     # 1. decode tok/s
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.2))
     x = np.arange(len(bss))
-    w = 0.25
-    ax.bar(x - w, [s["decode_tok_s"] for s in spec], w, label="kakeya MLX (block 1 = AR)")
+    series = [("kakeya MLX colocated (block 1 = AR)", lambda b: spec[bss.index(b)]["decode_tok_s"])]
+    if res.get("kakeya_split"):
+        series.append(("kakeya MLX split over loopback gRPC", lambda b: res["kakeya_split"].get(str(b), {}).get("decode_tok_s", 0)))
     if res.get("dflash"):
-        ax.bar(x, [res["dflash"].get(str(b), {}).get("gap_b", {}).get("decode_tok_s", 0) for b in bss], w,
-               label="dflash package MLX loop (Gap-B embedding)")
+        series.append(("dflash package MLX loop (Gap-B embedding)",
+                       lambda b: res["dflash"].get(str(b), {}).get("gap_b", {}).get("decode_tok_s", 0)))
     if res.get("kakeya_torch"):
-        ax.bar(x + w, [res["kakeya_torch"].get(str(b), {}).get("decode_tok_s", 0) for b in bss], w,
-               label="kakeya torch CPU")
+        series.append(("kakeya torch CPU colocated", lambda b: res["kakeya_torch"].get(str(b), {}).get("decode_tok_s", 0)))
+    w = 0.8 / len(series)
+    for i, (label, val) in enumerate(series):
+        ax.bar(x + (i - (len(series) - 1) / 2) * w, [val(b) for b in bss], w, label=label)
     ax.axhline(res["mlx_lm_ar"]["decode_tok_s"], color="k", ls="--", lw=1, label="mlx-lm greedy AR")
     ax.set_xticks(x, [str(b) for b in bss])
     ax.set_xlabel("block size")
@@ -226,16 +265,23 @@ def plots(res: dict, out_prefix: Path) -> list[str]:
 
     # 3. time split + efficiency
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    d = np.array([s["block_ms_median"]["draft"] for s in spec])
-    v = np.array([s["block_ms_median"]["verify"] for s in spec])
-    r = np.array([s["block_ms_median"]["rest"] for s in spec])
-    a1.bar(x, d, label="draft")
-    a1.bar(x, v, bottom=d, label="verify")
-    a1.bar(x, r, bottom=d + v, label="accept/trim + hand-off")
+    stacks = [("colocated", spec)]
+    if res.get("kakeya_split"):
+        stacks.append(("split", [res["kakeya_split"][str(b)] for b in bss]))
+    bw = 0.8 / len(stacks)
+    colors = {"draft": "C0", "verify": "C1", "wire": "C3", "rest": "C2"}
+    for i, (name, rows) in enumerate(stacks):
+        bottom = np.zeros(len(bss))
+        for part in ("draft", "verify", "wire", "rest"):
+            h = np.array([r["block_ms_median"].get(part, 0.0) for r in rows])
+            a1.bar(x + (i - (len(stacks) - 1) / 2) * bw, h, bw, bottom=bottom, color=colors[part],
+                   label=(part if part != "rest" else "accept/trim + hand-off") if i == 0 else None,
+                   hatch="//" if name == "split" else None, edgecolor="white" if name == "split" else None)
+            bottom += h
     a1.set_xticks(x, [str(b) for b in bss])
     a1.set_xlabel("block size")
     a1.set_ylabel("ms per block (median)")
-    a1.set_title("Per-block time split (kakeya MLX)")
+    a1.set_title("Per-block time split, kakeya MLX" + (" (left: colocated, right hatched: split)" if len(stacks) > 1 else ""))
     a1.legend(fontsize=8)
     eff = res["efficiency"]
     a2.plot(sb, [eff[str(b)]["speedup"] for b in sb], "o-", label="measured speedup vs AR")
@@ -254,6 +300,32 @@ def plots(res: dict, out_prefix: Path) -> list[str]:
     return files
 
 
+def split_rows(target_dir, draft_dir, prompts, args, ref) -> dict:
+    """The same loop in this process, verifier and drafter in their own ``kakeya serve`` processes."""
+    import tempfile
+
+    from benchmarks.wire import start, stop
+    from services.orchestrator.remote import GrpcDrafter, GrpcVerifier
+
+    pair = ["--target", str(target_dir), "--draft", str(draft_dir)]
+    rows, procs = {}, []
+    with tempfile.TemporaryDirectory(prefix="kakeya-suite-") as tmp:
+        try:
+            vp, vaddr = start("verifier", pair, Path(tmp))
+            procs.append(vp)
+            dp, daddr = start("drafter", pair, Path(tmp))
+            procs.append(dp)
+            gen = split_over_loopback(GrpcVerifier(vaddr), GrpcDrafter(daddr))
+            for b in args.block_sizes:
+                print(f"kakeya split (loopback gRPC) block {b} ...", file=sys.stderr, flush=True)
+                r, outs = kakeya_runs(gen, prompts, args.max_tokens, b, args.repeats)
+                r["identical_to_colocated"] = outs == ref
+                rows[str(b)] = r
+        finally:
+            stop(procs)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target")
@@ -264,6 +336,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--torch", action="store_true", help="also kakeya's colocated torch backend")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads (1: on a small shared CPU a 2-thread team waits for a descheduled thread)")
+    ap.add_argument("--split", action="store_true",
+                    help="also split over loopback: `kakeya serve verifier` + `kakeya serve drafter` processes (MLX)")
     ap.add_argument("--no-dflash", action="store_true", help="skip the dflash package loop")
     ap.add_argument("--out", default=str(RESULTS / "suite.json"))
     ap.add_argument("--replot", action="store_true", help="recompute efficiency and plots from --out, no runs")
@@ -294,7 +370,7 @@ def main(argv=None) -> int:
     ref = None
     for b in args.block_sizes:
         print(f"kakeya mlx block {b} ...", file=sys.stderr, flush=True)
-        r, outs = kakeya_runs(engine, prompts, args.max_tokens, b, args.repeats)
+        r, outs = kakeya_runs(colocated(engine), prompts, args.max_tokens, b, args.repeats)
         if ref is None:
             ref = outs
         r["identical_to_block1"] = outs == ref
@@ -313,13 +389,19 @@ def main(argv=None) -> int:
                 entry["gap_b" if gap_b else "sqrt_hidden_scale"] = r
             res["dflash"][str(b)] = entry
     if args.torch:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+        res["torch_threads"] = torch.get_num_threads()
         res["kakeya_torch"] = {}
         tengine = build_local_engine(str(target_dir), str(draft_dir), "torch")
         for b in args.block_sizes:
             print(f"kakeya torch block {b} ...", file=sys.stderr, flush=True)
-            r, outs = kakeya_runs(tengine, prompts, args.max_tokens, b, args.repeats)
+            r, outs = kakeya_runs(colocated(tengine), prompts, args.max_tokens, b, args.repeats)
             r["identical_to_mlx"] = outs == ref
             res["kakeya_torch"][str(b)] = r
+    if args.split:
+        res["kakeya_split"] = split_rows(target_dir, draft_dir, prompts, args, ref)
     res["efficiency"] = efficiency(res)
     res["wall_s"] = round(time.time() - t0, 1)
     out = Path(args.out)
