@@ -74,7 +74,7 @@ def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
     assert [h["step"] for h in held] == [2, 3] and held[0] == rep["heldout_curve"][0]
     assert rep2["data"]["heldout_sequences"] == 3
     for h in held:
-        assert h["block_size"] == 8 and len(h["acc_per_position"]) == 7 and 1.0 <= h["expected_acceptance"] <= 8.0
+        assert h["block_size"] == 8 and len(h["acc_per_position"]) == 7 and 1.0 <= h["acceptance"] <= 8.0
         assert h["loss"] > 0
     acc = rep2["acceptance"]["per_block_size"]["4"]
     assert acc["mean_acceptance"] >= 1 and acc["lossless_vs_block1"]
