@@ -125,9 +125,14 @@ class TorchTarget:
 
 
 def make_dataset(target: TorchTarget, corpus_stream: np.ndarray, n_seq: int, prompt_len: int, gen_len: int,
-                 layer_ids, seed: int, gen_batch: int, quiet: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                 layer_ids, seed: int, gen_batch: int, quiet: bool = False,
+                 bos: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts (random windows, ``<bos>`` first when ``bos``: every real request starts with it, and
+    the target's hidden states at every later position carry it) continued greedily by the target."""
     rng = np.random.default_rng([seed, 7])
-    prompts = data.sample_windows(corpus_stream, n_seq, prompt_len, rng)
+    prompts = data.sample_windows(corpus_stream, n_seq, prompt_len - bos, rng)
+    if bos:
+        prompts = np.concatenate([np.full((n_seq, 1), tk.BOS_ID, prompts.dtype), prompts], axis=1)
     seqs, auxs = [], []
     bar = common.Progress(n_seq, "target continuations", quiet=quiet)
     for i in range(0, n_seq, gen_batch):
@@ -357,7 +362,7 @@ def train(args) -> dict:
     # 1. target continuations + aux (cached in ckpt/ so a resumed run reuses them); the held-out
     #    set continues prompts from held-out FILES, to watch the drafter on text it never saw.
     key = {"target": str(target_dir.resolve()), "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-           "tids": tids, "seed": args.seed}
+           "tids": tids, "seed": args.seed} | ({"bos": True} if args.bos_prompts else {})
     target_box: list[TorchTarget] = []
 
     def get_target() -> TorchTarget:
@@ -369,13 +374,13 @@ def train(args) -> dict:
     seqs, aux, data_s = cached_continuations(
         ckpt / "data.npz", key | {"n_seq": args.sequences},
         lambda: make_dataset(get_target(), corpus.train, args.sequences, args.prompt_len, args.gen_len, tids,
-                             args.seed, args.gen_batch, args.quiet), args.quiet)
+                             args.seed, args.gen_batch, args.quiet, args.bos_prompts), args.quiet)
     val = None
     if args.val_sequences:
         vseqs, vaux, _ = cached_continuations(
             ckpt / "val.npz", key | {"n_seq": args.val_sequences, "split": "heldout"},
             lambda: make_dataset(get_target(), corpus.heldout, args.val_sequences, args.prompt_len, args.gen_len,
-                                 tids, args.seed + 1, args.gen_batch, args.quiet), args.quiet)
+                                 tids, args.seed + 1, args.gen_batch, args.quiet, args.bos_prompts), args.quiet)
         val = (vseqs, vaux)
     target_box.clear()
     data_s = data_s if data_s is not None else time.time() - t_data
@@ -396,6 +401,14 @@ def train(args) -> dict:
         st = torch.load(ckpt / "state.pt", map_location=device)
         trainer.model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
+    elif args.init_from:
+        init = Path(args.init_from)
+        if json.loads((init / "config.json").read_text()) != cfg:
+            raise ValueError(f"--init-from {init}: its config.json differs from this run's drafter config")
+        from safetensors.numpy import load_file
+
+        trainer.model.load_state_dict({k: torch.from_numpy(v) for k, v in load_file(init / "model.safetensors").items()},
+                                      strict=True)
     step = meta["step"] if meta else 0
     curve = meta["curve"] if meta else []
     val_curve = meta.get("val_curve", []) if meta else []
@@ -465,7 +478,7 @@ def train(args) -> dict:
         "params": int(n_params),
         "config": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
                                        "num_key_value_heads", "head_dim")} | {"dflash_config": cfg["dflash_config"]},
-        "data": {"sequences": int(len(seqs)), "heldout_sequences": int(len(val[0])) if val else 0, "prompt_len": P, "gen_len": int(T - P), "from": "train split windows",
+        "data": {"sequences": int(len(seqs)), "heldout_sequences": int(len(val[0])) if val else 0, "prompt_len": P, "gen_len": int(T - P), "from": "train split windows" + (", <bos> first" if args.bos_prompts else ""),
                  "labels": "target greedy continuation", "data_s": round(data_s, 1)},
         "steps": step,
         "train_s": round(train_s, 1),
@@ -513,6 +526,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--gen-batch", type=int, default=64)
+    p.add_argument("--bos-prompts", action="store_true", help="prompts start with <bos>, as real requests do")
+    p.add_argument("--init-from", default=None, help="start from this drafter checkpoint (same config), e.g. to fine-tune")
     p.add_argument("--heldout-pct", type=int, default=5)
     p.add_argument("--val-sequences", type=int, default=64,
                    help="target continuations of held-out prompts for a teacher-forced held-out curve (0: none)")

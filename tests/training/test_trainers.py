@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from services.checkpoints import tokenizer as tk
 from services.training import drafter as tdraft
 from services.training import target as ttarget
 
@@ -84,6 +85,20 @@ def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
     from services.drafter.dflash_mlx import load_dflash_mlx
 
     load_dflash_mlx(out, tiny_pair.target)  # strict load of the reference layout
+
+    # --init-from (steps 0: the written weights are exactly the source's) and --bos-prompts
+    out2 = tmp_path / "d2"
+    base2 = ["--target", str(tiny_pair.target), "--out", str(out2)] + TINY_DRAFT
+    tdraft.train(_args(tdraft.add_arguments, base2 + ["--steps", "0", "--no-eval", "--init-from", str(out), "--bos-prompts"]))
+    from safetensors.numpy import load_file
+
+    a, b = load_file(out / "model.safetensors"), load_file(out2 / "model.safetensors")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    seqs = np.load(out2 / "ckpt" / "data.npz")["seqs"]
+    assert (seqs[:, 0] == tk.BOS_ID).all() and (seqs[:, 1:] != tk.BOS_ID).any()
+    with pytest.raises(ValueError, match="init-from"):
+        tdraft.train(_args(tdraft.add_arguments, base2 + ["--steps", "0", "--no-eval", "--init-from", str(out),
+                                                           "--layers", "2"]))
 
 
 def test_block_training_forward_equals_mlx_drafter(tiny_pair):
