@@ -10,16 +10,50 @@ import sys
 from pathlib import Path
 
 
-def _cmd(rep: dict, skip=("func", "quiet", "resume", "command")) -> str:
-    args = rep["args"]
+def _cmd(rep: dict, paths: dict[str, str], skip=("func", "quiet", "resume", "command")) -> str:
+    """The command line that produced ``rep``, with machine paths replaced by ``paths`` placeholders."""
     parts = [rep["command"]]
-    for k, v in args.items():
+    for k, v in rep["args"].items():
         if k in skip or v is None or v is False or v == "":
             continue
         flag = "--" + k.replace("_", "-")
-        parts.append(flag if v is True else f"{flag} {v}")
-    return " ".join(parts).replace(args.get("out", "\0"), "OUT/" + ("draft" if "drafter" in rep["command"] else "target")) \
-        .replace(str(args.get("target", "\0")), "OUT/target")
+        parts.append(flag if v is True else f"{flag} {paths.get(str(v), v)}")
+    return " ".join(parts)
+
+
+def _drafter_stage(d: dict, name: str) -> list[str]:
+    a = d["args"]
+    held = d.get("heldout_curve") or []
+    last = held[-1] if held else None
+
+    def lab(what: str) -> str:
+        return f"{name}{what}" if name else what.capitalize()
+
+    lines = [
+        f"- {lab('data')}: {d['data']['sequences']:,} prompts of {d['data']['prompt_len']} tokens ({d['data']['from']}),"
+        f" each continued {d['data']['gen_len']} tokens by the target greedily ({d['data']['data_s']/60:.1f} min);"
+        " aux = outputs of the target layers `target_layer_ids` at every position.",
+        f"- {lab('training')}: {d['steps']} steps{' from ' + a['init_from'].rstrip('/').split('/')[-1] if a.get('init_from') else ''};"
+        f" per step {a['batch']} sequences x {a['anchors']} random anchors in the continuation, block sizes"
+        f" {a['train_block_sizes'] or a['block_size']}, AdamW lr {a['lr']} cosine; loss = CE of block positions 1..B-1 vs the"
+        f" target's greedy tokens, weighted exp(-(k-1)/gamma); {d['train_s']/60:.1f} min wall. Loss: first step"
+        f" {d['loss_curve'][0][2]:.3f}, last step {d['loss_curve'][-1][2]:.3f}.",
+    ]
+    if last and "acceptance" in last:
+        curve = ", ".join(f"{h['step']}: {h['acceptance']:.2f}" for h in held if "acceptance" in h)
+        lines.append(f"- {lab('held-out')} ({d['data'].get('heldout_sequences', '?')} continuations of held-out prompts,"
+                     f" teacher-forced, the loop replayed), acceptance at block {last['block_size']} by step: {curve}.")
+    return lines
+
+
+def _stage1(root: Path, d: dict) -> dict | None:
+    """The report of the run a fine-tuned drafter started from (kept as ``draft/report_stage1.json``)."""
+    f = root / "draft" / "report_stage1.json"
+    if d["args"].get("init_from"):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: the drafter was fine-tuned (--init-from); keep its first stage's report there")
+        return json.loads(f.read_text())
+    return None
 
 
 def render(root: Path) -> str:
@@ -61,14 +95,13 @@ def render(root: Path) -> str:
         f" embedding and LM head: {dc['num_hidden_layers']} layers, hidden {dc['hidden_size']}, MLP {dc['intermediate_size']},",
         f"  {dc['num_attention_heads']} heads / {dc['num_key_value_heads']} KV heads x {dc['head_dim']};"
         f" `dflash_config` {json.dumps(dc['dflash_config'])}.",
-        f"- Data: {d['data']['sequences']} prompts of {d['data']['prompt_len']} tokens ({d['data']['from']}),"
-        f" each continued {d['data']['gen_len']} tokens by the target greedily ({d['data']['data_s']/60:.1f} min);",
-        "  aux = outputs of the target layers `target_layer_ids` at every position.",
-        f"- Training: {d['steps']} steps; per step {d['args']['batch']} sequences x {d['args']['anchors']} random anchors"
-        f" in the continuation, block sizes {d['args']['train_block_sizes'] or d['args']['block_size']};",
-        "  loss = CE of block positions 1..B-1 vs the target's greedy tokens, weighted exp(-(k-1)/gamma);"
-        f" {d['train_s']/60:.1f} min wall.",
-        f"- Loss: first step {d['loss_curve'][0][2]:.3f}, last step {d['loss_curve'][-1][2]:.3f}.",
+    ]
+    stage1 = _stage1(root, d)
+    if stage1:
+        lines += _drafter_stage(stage1, "Stage 1 ") + _drafter_stage(d, "Stage 2 (fine-tune) ")
+    else:
+        lines += _drafter_stage(d, "")
+    lines += [
         "",
         "## Measured acceptance (held-out code prompts)",
         "",
@@ -94,8 +127,10 @@ def render(root: Path) -> str:
         "## Reproduce",
         "",
         "```bash",
-        _cmd(t) .replace("--out ", "--out ") ,
-        _cmd(d),
+        _cmd(t, {t["args"]["out"]: "OUT/target"}),
+        *([_cmd(stage1, {stage1["args"]["out"]: "OUT/draft-stage1", stage1["args"]["target"]: "OUT/target"})] if stage1 else []),
+        _cmd(d, {d["args"]["out"]: "OUT/draft", d["args"]["target"]: "OUT/target",
+                 **({d["args"]["init_from"]: "OUT/draft-stage1"} if stage1 else {})}),
         "python -m services.training.card OUT_DIR   # this card",
         "```",
         "",
