@@ -431,6 +431,13 @@ def train(args) -> dict:
                                    "train_s": train_s + time.time() - t_start}) + "\n")
         tmp.replace(ckpt / "state.json")
 
+    def held_out() -> None:
+        ev = evaluate(trainer, val[0], val[1], P, args.block_size)
+        val_curve.append({"step": step} | ev)
+        if not args.quiet:
+            log(f"\nstep {step}: held-out loss {ev['loss']:.4f}, acc1 {ev['acc_per_position'][0]:.3f}, acceptance at "
+                f"block {args.block_size}: {ev['acceptance']:.3f} (uniform anchors {ev['acceptance_uniform_anchors']:.3f})")
+
     trainer.model.train()
     while step < args.steps:
         if args.time_budget and train_s + (time.time() - t_start) > args.time_budget:
@@ -452,15 +459,13 @@ def train(args) -> dict:
         lv = float(loss.detach())
         curve.append([step, B, round(lv, 5), round(float(accs[0]), 4)])
         bar.update(step, B=B, loss=lv, acc1=float(accs[0]))
-        if val is not None and args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-            ev = evaluate(trainer, val[0], val[1], P, args.block_size)
-            val_curve.append({"step": step} | ev)
-            if not args.quiet:
-                log(f"\nstep {step}: held-out loss {ev['loss']:.4f}, acc1 {ev['acc_per_position'][0]:.3f}, "
-                    f"acceptance at block {args.block_size}: {ev['acceptance']:.3f} (uniform anchors {ev['acceptance_uniform_anchors']:.3f})")
+        if val is not None and args.eval_every and step % args.eval_every == 0:
+            held_out()
         if step % args.save_every == 0:
             save()
     bar.close()
+    if val is not None and (not val_curve or val_curve[-1]["step"] != step):
+        held_out()  # the weights written below (a --time-budget stop lands between evaluations)
     save()
     train_s += time.time() - t_start
 
