@@ -21,7 +21,7 @@ def _cmd(rep: dict, paths: dict[str, str], skip=("func", "quiet", "resume", "com
     return " ".join(parts)
 
 
-def _drafter_stage(d: dict, name: str) -> list[str]:
+def _drafter_stage(d: dict, name: str, init: str = "") -> list[str]:
     a = d["args"]
     held = d.get("heldout_curve") or []
     last = held[-1] if held else None
@@ -33,7 +33,7 @@ def _drafter_stage(d: dict, name: str) -> list[str]:
         f"- {lab('data')}: {d['data']['sequences']:,} prompts of {d['data']['prompt_len']} tokens ({d['data']['from']}),"
         f" each continued {d['data']['gen_len']} tokens by the target greedily ({d['data']['data_s']/60:.1f} min);"
         " aux = outputs of the target layers `target_layer_ids` at every position.",
-        f"- {lab('training')}: {d['steps']} steps{' from ' + a['init_from'].rstrip('/').split('/')[-1] if a.get('init_from') else ''};"
+        f"- {lab('training')}: {d['steps']} steps{' from ' + init if init else ''};"
         f" per step {a['batch']} sequences x {a['anchors']} random anchors in the continuation, block sizes"
         f" {a['train_block_sizes'] or a['block_size']}, AdamW lr {a['lr']} cosine; loss = CE of block positions 1..B-1 vs the"
         f" target's greedy tokens, weighted exp(-(k-1)/gamma); {d['train_s']/60:.1f} min wall. Loss: first step"
@@ -98,7 +98,7 @@ def render(root: Path) -> str:
     ]
     stage1 = _stage1(root, d)
     if stage1:
-        lines += _drafter_stage(stage1, "Stage 1 ") + _drafter_stage(d, "Stage 2 (fine-tune) ")
+        lines += _drafter_stage(stage1, "Stage 1 ") + _drafter_stage(d, "Stage 2 (fine-tune) ", "stage 1's weights")
     else:
         lines += _drafter_stage(d, "")
     lines += [
