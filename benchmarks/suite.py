@@ -281,7 +281,7 @@ def plots(res: dict, out_prefix: Path) -> list[str]:
     a1.set_xticks(x, [str(b) for b in bss])
     a1.set_xlabel("block size")
     a1.set_ylabel("ms per block (median)")
-    a1.set_title("Per-block time split, kakeya MLX" + (" (left: colocated, right hatched: split)" if len(stacks) > 1 else ""))
+    a1.set_title("Per-block time, kakeya MLX" + (" (left: colocated; hatched: split)" if len(stacks) > 1 else ""), fontsize=10)
     a1.legend(fontsize=8)
     eff = res["efficiency"]
     a2.plot(sb, [eff[str(b)]["speedup"] for b in sb], "o-", label="measured speedup vs AR")
