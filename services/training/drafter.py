@@ -227,7 +227,7 @@ class BlockTrainer:
         return {k: v.detach().float().cpu().numpy() for k, v in self.model.state_dict().items()}
 
 
-def cached_continuations(path: Path, key: dict, make, quiet: bool) -> tuple[np.ndarray, np.ndarray, float | None]:
+def cached_continuations(path: Path, key: dict, make, quiet: bool) -> tuple[np.ndarray, np.ndarray, float]:
     """``(seqs, aux, seconds it took to make them)`` from ``path`` when its key matches, else ``make()`` and save."""
     if path.is_file():
         z = np.load(path)
@@ -370,7 +370,6 @@ def train(args) -> dict:
             target_box.append(TorchTarget(target_dir, device))
         return target_box[0]
 
-    t_data = time.time()
     seqs, aux, data_s = cached_continuations(
         ckpt / "data.npz", key | {"n_seq": args.sequences},
         lambda: make_dataset(get_target(), corpus.train, args.sequences, args.prompt_len, args.gen_len, tids,
@@ -383,7 +382,6 @@ def train(args) -> dict:
                                  tids, args.seed + 1, args.gen_batch, args.quiet, args.bos_prompts), args.quiet)
         val = (vseqs, vaux)
     target_box.clear()
-    data_s = data_s if data_s is not None else time.time() - t_data
 
     # 2. training
     trainer = BlockTrainer(cfg, target_dir, args.seed, device)
@@ -483,7 +481,9 @@ def train(args) -> dict:
         "params": int(n_params),
         "config": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
                                        "num_key_value_heads", "head_dim")} | {"dflash_config": cfg["dflash_config"]},
-        "data": {"sequences": int(len(seqs)), "heldout_sequences": int(len(val[0])) if val else 0, "prompt_len": P, "gen_len": int(T - P), "from": "train split windows" + (", <bos> first" if args.bos_prompts else ""),
+        "data": {"sequences": int(len(seqs)), "heldout_sequences": int(len(val[0])) if val else 0,
+                 "prompt_len": P, "gen_len": int(T - P),
+                 "from": "train split windows" + (", <bos> first" if args.bos_prompts else ""),
                  "labels": "target greedy continuation", "data_s": round(data_s, 1)},
         "steps": step,
         "train_s": round(train_s, 1),
@@ -537,7 +537,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-sequences", type=int, default=64,
                    help="target continuations of held-out prompts for a teacher-forced held-out curve (0: none)")
     p.add_argument("--eval-every", type=int, default=500, help="steps between held-out evaluations")
-    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the engine's acceptance")
     p.add_argument("--eval-max-tokens", type=int, default=128)
     p.add_argument("--eval-block-sizes", default="2,4,8,16")
     p.add_argument("--no-eval", action="store_true", help="skip the acceptance measurement")
