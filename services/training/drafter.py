@@ -223,6 +223,13 @@ class BlockTrainer:
         acc = (logits.argmax(-1) == labels).float().mean(0)
         return loss, acc
 
+    def load_weights(self, draft_dir: Path) -> None:
+        """The drafter weights of a reference-layout checkpoint directory (strict)."""
+        from safetensors.numpy import load_file
+
+        w = load_file(Path(draft_dir) / "model.safetensors")
+        self.model.load_state_dict({k: self.torch.from_numpy(v) for k, v in w.items()}, strict=True)
+
     def tensors(self) -> dict[str, np.ndarray]:
         return {k: v.detach().float().cpu().numpy() for k, v in self.model.state_dict().items()}
 
@@ -403,10 +410,7 @@ def train(args) -> dict:
         init = Path(args.init_from)
         if json.loads((init / "config.json").read_text()) != cfg:
             raise ValueError(f"--init-from {init}: its config.json differs from this run's drafter config")
-        from safetensors.numpy import load_file
-
-        trainer.model.load_state_dict({k: torch.from_numpy(v) for k, v in load_file(init / "model.safetensors").items()},
-                                      strict=True)
+        trainer.load_weights(init)
     step = meta["step"] if meta else 0
     curve = meta["curve"] if meta else []
     val_curve = meta.get("val_curve", []) if meta else []

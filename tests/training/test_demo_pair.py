@@ -54,9 +54,7 @@ def test_heldout_replay_predicts_the_engines_blocks(demo_pair):
     engine = build_local_engine(str(demo_pair.target), str(demo_pair.draft))
     cfg = json.loads((demo_pair.draft / "config.json").read_text())
     trainer = BlockTrainer(cfg, demo_pair.target, 0, torch.device("cpu"))
-    from safetensors.numpy import load_file
-
-    trainer.model.load_state_dict({k: torch.from_numpy(v) for k, v in load_file(demo_pair.draft / "model.safetensors").items()})
+    trainer.load_weights(demo_pair.draft)
     texts = [PROMPT, "class Parser:\n    def __init__(self, text):\n        self.text = "]
     P = 16
     prompts = np.array([engine.codec.encode(t)[:P] for t in texts])
