@@ -36,6 +36,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.contract import CachePolicy
+from services.wire import contract as wire_contract
 from services.wire.limits import server_options
 
 log = logging.getLogger("kakeya")
@@ -70,6 +72,22 @@ class RequestError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def policy_from_request(p, default: CachePolicy, field: str = "cache_policy") -> CachePolicy:
+    """A wire ``CachePolicy`` -> the contract's (unset fields: ``default``'s), or ``invalid``."""
+    try:
+        return wire_contract.policy_from_proto(p, default, field)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+
+
+def check_policy(policy: CachePolicy, model_window: int, field: str = "cache_policy") -> CachePolicy:
+    """``policy`` resolved against the model's window, or ``invalid`` naming ``field``."""
+    try:
+        return policy.resolve(model_window)
+    except ValueError as exc:
+        raise invalid(f"{field}: {exc}") from None
 
 
 def invalid(message: str) -> RequestError:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from services.contract import MAX_BLOCK_SIZE
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -107,7 +109,6 @@ class DFlashConfig:
         return cls.from_dict(json.loads((Path(draft_dir) / "config.json").read_text(encoding="utf-8")))
 
 
-MAX_BLOCK_SIZE = 64  # what a drafter session accepts; the loop itself stops at 16
 
 
 def check_draft_args(last_token, block_size, vocab_size: int) -> None:

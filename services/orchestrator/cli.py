@@ -74,7 +74,7 @@ def add_cache_args(p, default_kind: str | None = "native") -> None:
 
 def cache_policy_from_args(args):
     """The CachePolicy the flags ask for, or None when --cache was left to the server."""
-    from services.verifier.cache import CachePolicy
+    from services.contract import CachePolicy
 
     if args.cache is None:
         if args.full_kv_bits or args.window is not None or getattr(args, "restore", None):

@@ -7,25 +7,13 @@ gRPC) is decided by whoever builds it; the engine never looks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator
 
-from services.verifier.cache import CachePolicy
+from services.contract import Drafter, Request, Verifier
 
 from . import loop
-from .endpoints import Drafter, Verifier
 from .quality import quality_report
 from .text import StreamDecoder, TextCodec
-
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    max_tokens: int = 128
-    block_size: int = 0  # 0: the drafter's trained block size
-    stop_ids: Sequence[int] = ()
-    ignore_eos: bool = False
-    cache_policy: CachePolicy | None = None  # None: the verifier's default
 
 
 class Engine:

@@ -1,7 +1,7 @@
 """Greedy speculative decoding: token ids in, token ids out.
 
 Knows no backend and no transport: it is handed a verifier session and a
-drafter session (``endpoints.py``) and only moves ints and opaque aux between
+drafter session (``services/contract.py``) and only moves ints and opaque aux between
 them. Per block:
 
 1. the drafter extends its context with the aux of the positions committed
@@ -18,58 +18,11 @@ them. Per block:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
-from .endpoints import DrafterSession, VerifierSession
+from services.contract import MAX_BLOCK_SIZE, Block, DrafterSession, Generation, VerifierSession, check_block_size
 
-MAX_BLOCK_SIZE = 16
-
-
-@dataclass
-class Block:
-    """What one step of the loop committed (the prefill's first token is a block of its own)."""
-
-    tokens: list[int]
-    drafted: int  # candidates proposed (0 for the prefill token and block size 1)
-    accepted: int  # candidates accepted
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    commit_s: float = 0.0
-    total_s: float = 0.0
-
-
-@dataclass
-class Generation:
-    prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    blocks: list[Block] = field(default_factory=list)
-    finish_reason: str = "length"  # "stop" | "length"
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    drafter_fallback: bool = False  # the drafter failed and the verifier finished alone
-    verifier_stats: dict = field(default_factory=dict)  # the verifier session's stats() at the end
-
-    @property
-    def acceptance_lengths(self) -> list[int]:
-        """Tokens committed per speculative block (the prefill token is not a block)."""
-        return [len(b.tokens) for b in self.blocks[1:]]
-
-    @property
-    def mean_acceptance(self) -> float:
-        lengths = self.acceptance_lengths
-        return sum(lengths) / len(lengths) if lengths else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        """Tokens after the first one, per second of decoding (the first comes from prefill)."""
-        n = len(self.token_ids) - 1
-        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
-
-
-def check_block_size(block_size: int) -> None:
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block_size must be between 1 and {MAX_BLOCK_SIZE}, got {block_size}")
+__all__ = ["MAX_BLOCK_SIZE", "Block", "Generation", "check_block_size", "speculative_decode", "run", "drive"]
 
 
 def leading_matches(candidates: Sequence[int], choices: Sequence[int]) -> int:

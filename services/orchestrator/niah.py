@@ -94,7 +94,7 @@ def build_prompt(codec, lines: list[str], context: int, depth: float, code: str)
 
 
 def parse_policy(name: str, sink: int, window: int, restore: str | None):
-    from services.verifier.cache import CachePolicy
+    from services.contract import CachePolicy
 
     base, *mods = name.split("+")
     if base not in ("native", "sink-window"):

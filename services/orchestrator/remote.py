@@ -1,4 +1,4 @@
-"""The Verifier / Drafter protocols (``endpoints.py``) over gRPC.
+"""The Verifier / Drafter protocols (``services/contract.py``) over gRPC.
 
 One bidirectional ``Session`` stream per session: opening a session starts the
 stream, ``close`` ends it politely (``Close`` -> ``Closed``), ``abort`` cancels
@@ -27,9 +27,9 @@ from typing import Any, Sequence
 
 import grpc
 
-from services.verifier.cache import CachePolicy
+from services.contract import CachePolicy
 from services.wire import codec
-from services.wire import policy as wire_policy
+from services.wire import contract as wire_contract
 from services.wire.kakeya.v1 import cache_pb2
 from services.wire.kakeya.v1 import drafter_pb2 as dpb
 from services.wire.kakeya.v1 import drafter_pb2_grpc
@@ -38,7 +38,6 @@ from services.wire.kakeya.v1 import verifier_pb2_grpc
 from services.wire.kakeya.v1.tensor_pb2 import Tensor
 from services.wire.limits import channel_options
 
-from .endpoints import ModelInfo
 
 log = logging.getLogger("kakeya.remote")
 
@@ -166,7 +165,7 @@ class _Stream:
 def _policy_proto(policy: Any) -> cache_pb2.CachePolicy | None:
     if policy is None or isinstance(policy, cache_pb2.CachePolicy):
         return policy
-    return wire_policy.to_proto(policy)
+    return wire_contract.policy_to_proto(policy)
 
 
 class GrpcVerifierSession:
@@ -198,7 +197,7 @@ class GrpcVerifierSession:
         self._s.post(vpb.VerifierRequest(prefill=vpb.VerifierRequest.Prefill(token_ids=list(prompt_ids))), "prefilled")
         opened = self._s.wait().opened
         self.session_id = opened.session_id
-        self.cache_policy = wire_policy.from_proto(opened.cache_policy, CachePolicy()).label
+        self.cache_policy = wire_contract.policy_from_proto(opened.cache_policy, CachePolicy()).label
         r = self._s.wait()
         self.server_s += r.elapsed_s
         self._stats = r.prefilled.stats
@@ -246,15 +245,8 @@ class GrpcVerifier:
         r = self.remote
         self.aux_layers = tuple(r.target_layer_ids)
         self.max_block_size = r.max_block_size
-        self.info = ModelInfo(
-            name=r.model_name,
-            vocab_size=r.vocab_size,
-            eos_token_ids=tuple(r.eos_token_ids),
-            hidden_size=r.hidden_size,
-            num_layers=r.num_layers,
-            sliding_window=r.sliding_window,
-            backend=f"grpc:{addr}",
-            extra={"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)},
+        self.info = wire_contract.model_info_from_verifier(
+            r, f"grpc:{addr}", {"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)}
         )
         self.default_cache_policy = r.default_cache_policy
 

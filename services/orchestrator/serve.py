@@ -113,7 +113,7 @@ def cmd_serve_verifier(args) -> int:
 
 def _default_policy(args):
     """The sessions' default cache policy from --cache & co. (each request may send its own)."""
-    from services.verifier.cache import CachePolicy
+    from services.contract import CachePolicy
 
     from .cli import cache_policy_from_args
 
@@ -331,7 +331,7 @@ def report_from_stream(model, server, complete, token_ids: list[int], text: str)
     """
     from services.wire.kakeya.v1 import generate_pb2 as pb
 
-    from .endpoints import ModelInfo
+    from services.wire import contract as wire_contract
     from .engine import Engine, Request
     from .loop import Block, Generation
 
@@ -357,7 +357,7 @@ def report_from_stream(model, server, complete, token_ids: list[int], text: str)
             return text
 
     class _Remote:
-        info = ModelInfo(model.target_model, model.vocab_size, tuple(model.eos_token_ids), 0, 0, model.sliding_window, server.verifier_backend)
+        info = wire_contract.model_info_from_public(model, server.verifier_backend)
 
     engine = Engine(_Remote(), None, _Streamed(), target=model.target_model, draft=model.draft_model)
     out = engine.report(Request(gen.prompt_ids, block_size=s.block_size), gen)
@@ -368,7 +368,7 @@ def report_from_stream(model, server, complete, token_ids: list[int], text: str)
 def generate_request(args):
     from services.wire.kakeya.v1 import generate_pb2 as pb
 
-    from services.wire import policy as wire_policy
+    from services.wire import contract as wire_contract
 
     from .cli import DEFAULT_PROMPT, cache_policy_from_args
 
@@ -392,7 +392,7 @@ def generate_request(args):
         req.text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     policy = cache_policy_from_args(args)
     if policy is not None:
-        req.cache_policy.CopyFrom(wire_policy.to_proto(policy))
+        req.cache_policy.CopyFrom(wire_contract.policy_to_proto(policy))
     return req
 
 

@@ -28,7 +28,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 
-from services.serving import ComputeThread, RequestError, ServerSpec, check_token_ids, invalid, version
+from services.contract import MAX_BLOCK_SIZE, CachePolicy
+from services.serving import ComputeThread, RequestError, ServerSpec, check_policy, check_token_ids, invalid, policy_from_request, version
+from services.wire import contract as wire_contract
 from services.wire.kakeya.v1 import cache_pb2, generate_pb2 as pb, generate_pb2_grpc
 
 from . import loop
@@ -281,16 +283,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         stop_ids = set(check_token_ids(sp.stop_token_ids, vocab, "sampling_params.stop_token_ids", allow_empty=True))
         if not sp.ignore_eos:
             stop_ids |= set(e.verifier.info.eos_token_ids)
-        max_block = loop.MAX_BLOCK_SIZE
+        max_block = MAX_BLOCK_SIZE
         if not 0 <= r.block_size <= max_block:
             raise invalid(f"block_size must be 0 (the drafter's default) or 1..{max_block}, got {r.block_size}")
         block_size = r.block_size or e.default_block_size
         policy = None
         if r.HasField("cache_policy"):
-            from services.verifier.cache import CachePolicy
-            from services.verifier.server import check_policy, policy_from_proto
-
-            local = policy_from_proto(r.cache_policy, getattr(e.verifier, "policy", None) or CachePolicy(), "cache_policy")
+            local = policy_from_request(r.cache_policy, getattr(e.verifier, "policy", None) or CachePolicy(), "cache_policy")
             check_policy(local, e.verifier.info.sliding_window, "cache_policy")
             slack = r.cache_policy.slack or self._default_slack()
             if block_size > slack:
@@ -477,18 +476,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if isinstance(e.verifier, GrpcVerifier):
             policy = e.verifier.default_cache_policy
         else:
-            from services.verifier.server import policy_to_proto
-
-            policy = policy_to_proto(e.verifier.policy.resolve(i.sliding_window))
+            policy = wire_contract.policy_to_proto(e.verifier.policy.resolve(i.sliding_window))
         layers = e.drafter.target_layer_ids if e.drafter is not None else getattr(e.verifier, "aux_layers", ())
-        return pb.ModelInfo(
+        return wire_contract.public_model_info(
+            i,
             target_model=e.target,
             draft_model=e.draft,
-            vocab_size=i.vocab_size,
-            eos_token_ids=list(i.eos_token_ids),
-            sliding_window=i.sliding_window,
             default_block_size=e.default_block_size,
-            max_block_size=loop.MAX_BLOCK_SIZE,
             max_tokens_limit=self.max_tokens_limit,
             default_max_tokens=self.default_max_tokens,
             has_tokenizer=e.codec is not None,

@@ -17,62 +17,13 @@ arrays and apply the writes this layout plans.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
+from services.contract import CachePolicy  # noqa: F401  (the policy this module enforces)
+
 EMPTY = -1  # slot holds no position yet
-
-
-@dataclass(frozen=True)
-class CachePolicy:
-    """How a session bounds its sliding-layer K/V. Full-attention layers always stay exact (S5).
-
-    ``native``: the model's own sliding window, no sinks. Not bounded as a
-    whole: full-attention layers still grow with the context.
-    ``sink-window``: ``sink`` first positions are kept forever, plus a window of
-    ``window`` positions (including the query itself).
-    """
-
-    kind: str = "native"
-    sink: int = 0
-    window: int | None = None  # None: the model's sliding_window
-    slack: int = 16  # largest block that can be verified and rolled back exactly
-    full_kv_bits: int = 0  # 0: exact full-attention K/V; 4 or 8: affine-quantized
-    full_kv_group_size: int = 64  # capped at the full layers' head dim
-    restore: str | None = None  # an f_theta directory: restore evicted sliding positions (sink-window only)
-
-    def resolve(self, model_window: int) -> "CachePolicy":
-        """Fill in the model's defaults and check the values; raise ValueError naming the field."""
-        if self.kind not in ("native", "sink-window"):
-            raise ValueError(f"cache policy kind must be 'native' or 'sink-window', got {self.kind!r}")
-        if self.full_kv_bits not in (0, 4, 8):
-            raise ValueError(f"full_kv_bits must be 0 (exact), 4 or 8, got {self.full_kv_bits}")
-        if self.full_kv_group_size not in (32, 64, 128):
-            raise ValueError(f"full_kv_group_size must be 32, 64 or 128, got {self.full_kv_group_size}")
-        if self.slack < 1:
-            raise ValueError(f"slack must be >= 1, got {self.slack}")
-        if self.restore is not None and (self.kind != "sink-window" or not str(self.restore)):
-            raise ValueError("restore (an f_theta directory) needs kind 'sink-window': full layers stay exact (S5)")
-        if self.kind == "native":
-            if self.sink or self.window not in (None, model_window):
-                raise ValueError("the native policy takes no sink/window: use kind 'sink-window'")
-            return replace(self, sink=0, window=model_window)
-        window = self.window if self.window is not None else model_window
-        if window < 1 or self.sink < 0:
-            raise ValueError(f"sink-window needs window >= 1 and sink >= 0 (got window={window}, sink={self.sink})")
-        if self.restore is not None and window >= model_window:
-            raise ValueError(
-                f"restore needs a window smaller than the model's sliding window {model_window} "
-                f"(got window={window}): nothing is evicted that the model would still attend to"
-            )
-        return replace(self, window=window)
-
-    @property
-    def label(self) -> str:
-        """A short name for reports, e.g. ``sink-window(4+64)+kv8``."""
-        name = self.kind if self.kind == "native" else f"sink-window({self.sink}+{self.window})"
-        return name + (f"+kv{self.full_kv_bits}" if self.full_kv_bits else "") + ("+restore" if self.restore else "")
 
 
 @dataclass(frozen=True)

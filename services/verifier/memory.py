@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .cache import CachePolicy
+from services.contract import CachePolicy
 
 # Published text configs (only the fields the KV size depends on).
 PRESETS = {

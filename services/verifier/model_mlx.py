@@ -20,7 +20,9 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.models.gemma4_text import logit_softcap
 from mlx_lm.utils import load_model
 
-from .cache import CachePolicy, RestoreView, RingLayout, RingPlan
+from services.contract import CachePolicy
+
+from .cache import RestoreView, RingLayout, RingPlan
 from .cache_mlx import LatentRing, RingKVCache
 
 

@@ -744,7 +744,7 @@ class TargetTorch:
         caching-allocator sizing, lazy CUDA init) before serving; returns the seconds it took."""
         import time
 
-        from .cache import CachePolicy
+        from services.contract import CachePolicy
         from .session import VerifierSession
 
         t0 = time.perf_counter()
@@ -779,8 +779,8 @@ def torch_verifier(
     device: str | torch.device | None = "cpu",
     dtype: str | torch.dtype | None = "float32",
 ):
-    """The in-process torch verifier (what ``endpoints.local_verifier(..., backend="torch")`` returns)."""
-    from .cache import CachePolicy
+    """The in-process torch verifier (what ``loader.local_verifier(..., backend="torch")`` returns)."""
+    from services.contract import CachePolicy
     from .session import LocalVerifier
 
     return LocalVerifier(TargetTorch.load(target_dir, device, dtype), target_dir, aux_layers, policy or CachePolicy())

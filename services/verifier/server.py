@@ -26,37 +26,21 @@ from services.serving import (
     ServerSpec,
     session_stream,
     SessionRegistry,
+    check_policy,
     check_token_ids,
     invalid,
+    policy_from_request,
     precondition,
     version,
 )
 from services.wire import codec
-from services.wire import policy as wire_policy
-from services.wire.kakeya.v1 import cache_pb2, verifier_pb2 as pb, verifier_pb2_grpc
+from services.wire import contract as wire_contract
+from services.wire.kakeya.v1 import verifier_pb2 as pb, verifier_pb2_grpc
 
-from .cache import CachePolicy
 
 log = logging.getLogger("kakeya.verifier")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VerifierService"].full_name
-
-def policy_from_proto(p: cache_pb2.CachePolicy, default: CachePolicy, field: str = "cache_policy") -> CachePolicy:
-    """A wire ``CachePolicy`` -> ``cache.CachePolicy`` (unset fields: ``default``'s), or ``invalid``."""
-    try:
-        return wire_policy.from_proto(p, default, field)
-    except ValueError as exc:
-        raise invalid(str(exc)) from None
-
-
-def check_policy(policy: CachePolicy, model_window: int, field: str = "cache_policy") -> CachePolicy:
-    try:
-        return policy.resolve(model_window)
-    except ValueError as exc:
-        raise invalid(f"{field}: {exc}") from None
-
-
-policy_to_proto = wire_policy.to_proto
 
 
 def _stats_proto(stats: dict, pending: int = 0) -> pb.SessionStats:
@@ -84,8 +68,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     # -- loading -----------------------------------------------------------------------
 
     def load(self, target_dir: str | Path, aux_layers: Sequence[int] = (), backend: str = "mlx", **kwargs) -> str:
-        """Load the target (``endpoints.local_verifier``) on the compute thread and warm it up."""
-        from services.orchestrator.endpoints import local_verifier
+        """Load the target (``loader.local_verifier``) on the compute thread and warm it up."""
+        from .loader import local_verifier
 
         def make():
             return local_verifier(str(target_dir), list(aux_layers), backend, **kwargs)
@@ -124,19 +108,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     def info(self) -> pb.VerifierInfo:
         i = self.verifier.info
-        return pb.VerifierInfo(
-            model_name=i.name,
-            vocab_size=i.vocab_size,
-            eos_token_ids=list(i.eos_token_ids),
-            hidden_size=i.hidden_size,
-            num_layers=i.num_layers,
-            sliding_window=i.sliding_window,
-            target_layer_ids=list(self.verifier.aux_layers),
-            backend=i.backend,
+        return wire_contract.verifier_info_to_proto(
+            i,
+            self.verifier.aux_layers,
             aux_dtype=self.aux_dtype,
             device=self.device,
             version=version(),
-            default_cache_policy=policy_to_proto(self.verifier.policy.resolve(i.sliding_window)),
+            default_cache_policy=wire_contract.policy_to_proto(self.verifier.policy.resolve(i.sliding_window)),
             max_block_size=self.verifier.policy.slack,
             live_sessions=self.registry.live,
             max_sessions=self.registry.max_sessions,
@@ -160,7 +138,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             if session is None:
                 if kind != "open":
                     raise precondition(f"the first message of a session must be open, got {kind or 'an empty request'}")
-                policy = policy_from_proto(req.open.cache_policy, self.verifier.policy, "open.cache_policy")
+                policy = policy_from_request(req.open.cache_policy, self.verifier.policy, "open.cache_policy")
                 layers = list(req.open.target_layer_ids) or list(self.verifier.aux_layers)
                 if not layers:
                     raise invalid("open.target_layer_ids: this verifier has no default aux layers: send them")
@@ -174,7 +152,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 resolved = session.policy
                 resp = pb.VerifierResponse(
                     opened=pb.VerifierResponse.Opened(
-                        info=self.info(), cache_policy=policy_to_proto(resolved), session_id=entry.id
+                        info=self.info(), cache_policy=wire_contract.policy_to_proto(resolved), session_id=entry.id
                     )
                 )
             elif kind == "prefill":

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Sequence
 
 from services.checkpoints.config import load_target_config
-from services.orchestrator.endpoints import ModelInfo
+from services.contract import CachePolicy, ModelInfo
 
-from .cache import CachePolicy, RestoreView, RingLayout, restore_mask
+from .cache import RestoreView, RingLayout, restore_mask
 
 PREFILL_CHUNK = 512  # bounds prefill attention memory, like mlx-lm's prefill_step_size
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from services.drafter.dflash_mlx import DFlashConfig, load_dflash_mlx
+from services.contract import MAX_BLOCK_SIZE
 from services.drafter.session import MLXDrafter
 
 from .conftest import VARIANTS, draft_config, random_aux
@@ -64,7 +65,7 @@ def test_bad_inputs(drafter, kwargs, field):
 def test_accepts_batched_aux_and_edge_sizes(drafter):
     w = drafter.model.config.aux_width
     s = drafter.open_session()
-    assert len(s.draft(random_aux(4, w)[None], 3, 64)) == 63
+    assert len(s.draft(random_aux(4, w)[None], 3, MAX_BLOCK_SIZE)) == MAX_BLOCK_SIZE - 1
     assert len(s.draft(mx.zeros((0, w)), 3, 2)) == 1  # empty extend is fine after the first call
     assert s.stats()["context_len"] == 4
 

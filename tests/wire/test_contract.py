@@ -3,7 +3,7 @@
 import pytest
 
 from services.verifier.cache import CachePolicy
-from services.wire import policy as wire_policy
+from services.wire import contract as wire_contract
 from services.wire.kakeya.v1 import cache_pb2
 
 
@@ -18,17 +18,17 @@ from services.wire.kakeya.v1 import cache_pb2
     ids=lambda p: p.label,
 )
 def test_round_trip_keeps_every_field(policy):
-    assert wire_policy.from_proto(wire_policy.to_proto(policy), CachePolicy()) == policy
+    assert wire_contract.policy_from_proto(wire_contract.policy_to_proto(policy), CachePolicy()) == policy
 
 
 def test_unset_fields_take_the_default_and_bad_fields_are_named():
     default = CachePolicy("sink-window", sink=4, window=32, full_kv_bits=8)
-    assert wire_policy.from_proto(cache_pb2.CachePolicy(), default) == default
+    assert wire_contract.policy_from_proto(cache_pb2.CachePolicy(), default) == default
     with pytest.raises(ValueError, match=r"cache_policy\.kind"):
-        wire_policy.from_proto(cache_pb2.CachePolicy(kind=9), default)
+        wire_contract.policy_from_proto(cache_pb2.CachePolicy(kind=9), default)
     with pytest.raises(ValueError, match=r"cache_policy\.kind must be set when restore_path"):
-        wire_policy.from_proto(cache_pb2.CachePolicy(restore_path="/x"), default)
+        wire_contract.policy_from_proto(cache_pb2.CachePolicy(restore_path="/x"), default)
     with pytest.raises(ValueError, match=r"cache_policy\.slack"):
-        wire_policy.from_proto(cache_pb2.CachePolicy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, slack=1000), default)
+        wire_contract.policy_from_proto(cache_pb2.CachePolicy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, slack=1000), default)
     with pytest.raises(ValueError, match="SINK_WINDOW only"):
-        wire_policy.from_proto(cache_pb2.CachePolicy(kind=cache_pb2.CACHE_KIND_NATIVE, sink=3), default)
+        wire_contract.policy_from_proto(cache_pb2.CachePolicy(kind=cache_pb2.CACHE_KIND_NATIVE, sink=3), default)

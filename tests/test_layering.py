@@ -1,0 +1,124 @@
+"""The layering holds: no import cycles, no lower layer reaching up, no module too big to read.
+
+The graph is drawn from the source (every ``import``, function-level ones
+included, because a newcomer reading the code sees those too), so a cycle
+fails here before it can bite at run time.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LINES = 520  # "no module over ~500 lines"
+
+# package -> packages it must never import (directly or through a function-level import)
+FORBIDDEN = {
+    "services.contract": ("services.",),
+    "services.wire": ("services.verifier", "services.drafter", "services.orchestrator", "services.training"),
+    "services.checkpoints": ("services.verifier", "services.drafter", "services.orchestrator", "services.training", "services.wire"),
+    "services.verifier": ("services.orchestrator", "services.drafter", "services.training"),
+    "services.drafter": ("services.orchestrator", "services.verifier", "services.training"),
+    "services.serving": ("services.verifier", "services.drafter", "services.orchestrator", "services.training"),
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((ROOT / "services").rglob("*.py")):
+        if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Modules of ``services`` that ``name`` imports, resolved to the most specific known module."""
+    is_pkg = path.name == "__init__.py"
+
+    def resolve(t: str) -> str:
+        while t and t not in known:
+            t = t.rpartition(".")[0]
+        return t
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {resolve(a.name) for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join(pkg + ([base] if base else []))
+            # ``from pkg import mod`` imports the module; ``from mod import name`` the module itself
+            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else resolve(base) for a in node.names}
+    found -= {"", "services", name}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_lower_layers_never_reach_up():
+    bad = []
+    for mod, deps in _graph().items():
+        for pkg, banned in FORBIDDEN.items():
+            if mod == pkg or mod.startswith(pkg + "."):
+                bad += [f"{mod} -> {d}" for d in deps if d.startswith(banned) and not d.startswith(pkg)]
+    assert bad == []
+
+
+def test_the_contract_is_imported_by_every_service_package():
+    users = {m.split(".")[1] for m, deps in _graph().items() if "services.contract" in deps}
+    assert {"orchestrator", "verifier", "drafter", "wire"} <= users
+
+
+def test_no_module_is_too_long_to_read():
+    long = {n: len(p.read_text().splitlines()) for n, p in _modules().items()}
+    assert {n: k for n, k in long.items() if k > MAX_LINES} == {}
