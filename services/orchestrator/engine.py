@@ -7,11 +7,13 @@ gRPC) is decided by whoever builds it; the engine never looks.
 
 from __future__ import annotations
 
+import threading
 from typing import Iterator
 
 from services.contract import Drafter, Request, Verifier
 
 from . import loop
+from .adaptive import AdaptivePolicy, BlockSizer, measure_costs
 from .quality import quality_report
 from .text import StreamDecoder, TextCodec
 
@@ -20,10 +22,38 @@ class Engine:
     def __init__(self, verifier: Verifier, drafter: Drafter | None, codec: TextCodec, target: str = "", draft: str = ""):
         self.verifier, self.drafter, self.codec = verifier, drafter, codec
         self.target, self.draft = target, draft
+        self.adaptive: AdaptivePolicy | None = None  # measured on the first request that asks for it
+        self._calibrating = threading.Lock()
 
     @property
     def default_block_size(self) -> int:
+        """The drafter's trained block size (what ``ModelInfo`` reports; requests default to auto)."""
         return self.drafter.block_size if self.drafter is not None else 1
+
+    def max_block_size(self, policy=None) -> int:
+        """The largest block a session under ``policy`` can verify and roll back exactly."""
+        if self.drafter is None:
+            return 1
+        if policy is None:
+            return loop.MAX_BLOCK_SIZE
+        resolved = policy.resolve(self.verifier.info.sliding_window)
+        return min(loop.MAX_BLOCK_SIZE, resolved.slack, resolved.window if resolved.restore else loop.MAX_BLOCK_SIZE)
+
+    def calibrate(self) -> AdaptivePolicy:
+        """Measure the cost of a block at each size on this engine's endpoints (once)."""
+        with self._calibrating:
+            if self.adaptive is None:
+                sizes = (1, 2, 4, 8, 16) if self.drafter is not None else (1,)
+                self.adaptive = AdaptivePolicy(measure_costs(self.verifier, self.drafter, sizes))
+        return self.adaptive
+
+    def block_policy(self, req: Request) -> "int | BlockSizer":
+        """A fixed size, or for ``block_size`` 0 (auto) a sizer primed with what this engine has seen."""
+        if req.block_size or self.drafter is None:
+            return req.block_size or 1
+        sizer = self.calibrate().sizer()
+        sizer.max_size = self.max_block_size(req.cache_policy)
+        return sizer
 
     def validate(self, req: Request) -> None:
         """Raise ValueError naming the offending field."""
@@ -35,7 +65,9 @@ class Engine:
             raise ValueError(f"prompt_token_ids: ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         if req.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {req.max_tokens}")
-        block_size = req.block_size or self.default_block_size
+        if req.block_size == 0:
+            return  # auto: sized within the policy's limits (``max_block_size``)
+        block_size = req.block_size
         loop.check_block_size(block_size)
         policy = req.cache_policy
         if policy is not None:
@@ -51,15 +83,18 @@ class Engine:
         stop = set(req.stop_ids)
         if not req.ignore_eos:
             stop |= set(self.verifier.info.eos_token_ids)
-        block_size = req.block_size or self.default_block_size
+        block_size = self.block_policy(req)
         policy = req.cache_policy
         vsession = self.verifier.open_session(policy) if policy is not None else self.verifier.open_session()
-        dsession = self.drafter.open_session() if self.drafter is not None and block_size > 1 else None
+        speculate = self.drafter is not None and not (isinstance(block_size, int) and block_size == 1)
+        dsession = self.drafter.open_session() if speculate else None
         try:
             gen = yield from loop.speculative_decode(
                 vsession, dsession, req.prompt_ids, req.max_tokens, block_size, stop, on_drafter_error
             )
             gen.verifier_stats = vsession.stats()
+            if isinstance(block_size, BlockSizer):
+                self.adaptive.learn(block_size)
             return gen
         finally:
             vsession.close()
@@ -76,7 +111,8 @@ class Engine:
             "target": self.target,
             "draft": self.draft,
             "backend": self.verifier.info.backend,
-            "block_size": req.block_size or self.default_block_size,
+            "block_size": req.block_size,  # 0: auto, sized block by block
+            "block_sizes": [b.drafted + 1 for b in gen.blocks[1:]],
             "prompt_token_ids": gen.prompt_ids,
             "token_ids": gen.token_ids,
             "text": self.codec.decode(gen.token_ids),

@@ -18,9 +18,12 @@ them. Per block:
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from services.contract import MAX_BLOCK_SIZE, Block, DrafterSession, Generation, VerifierSession, check_block_size
+
+if TYPE_CHECKING:
+    from .adaptive import BlockSizer
 
 __all__ = ["MAX_BLOCK_SIZE", "Block", "Generation", "check_block_size", "speculative_decode", "run", "drive"]
 
@@ -40,18 +43,22 @@ def speculative_decode(
     drafter: DrafterSession | None,
     prompt_ids: Sequence[int],
     max_tokens: int,
-    block_size: int,
+    block_size: "int | BlockSizer",
     stop_ids: Iterable[int] = (),
     on_drafter_error: Callable[[Exception], None] | None = None,
 ) -> Iterator[Block]:
     """Yield each committed block; the generator's return value is the :class:`Generation`.
 
+    ``block_size`` is a fixed size or a :class:`~services.orchestrator.adaptive.BlockSizer`
+    that picks each block's size from what it has seen (``choose``/``observe``).
     ``drafter`` may be None (or ``block_size`` 1): the verifier then decodes
     autoregressively, with identical output. If ``on_drafter_error`` is given,
     a drafter exception is reported to it and the rest of the generation runs
     on the verifier alone instead of failing.
     """
-    check_block_size(block_size)
+    sizer = None if isinstance(block_size, int) else block_size
+    if sizer is None:
+        check_block_size(block_size)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if not prompt_ids:
@@ -79,11 +86,12 @@ def speculative_decode(
     done = emit(Block([first], 0, 0, total_s=gen.prefill_s))
     yield gen.blocks[-1]
     last = first
-    use_drafter = drafter is not None and block_size > 1
+    use_drafter = drafter is not None and (sizer is not None or block_size > 1)
     while not done:
         t_block = clock()
         # Never draft past max_tokens: a block commits at most B tokens.
-        B = min(block_size, max_tokens - len(gen.token_ids)) if use_drafter else 1
+        want = sizer.choose() if sizer is not None else block_size
+        B = min(want, max_tokens - len(gen.token_ids)) if use_drafter else 1
         candidates: list[int] = []
         if B > 1:
             try:
@@ -111,6 +119,8 @@ def speculative_decode(
                 total_s=t_end - t_block,
             )
         )
+        if sizer is not None and use_drafter:
+            sizer.observe(gen.blocks[-1])
         yield gen.blocks[-1]
         last = tokens[-1]
     gen.decode_s = clock() - t_decode

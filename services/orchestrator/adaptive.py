@@ -1,0 +1,175 @@
+"""Adaptive block size: pick each block's length to maximise expected tokens per second.
+
+A block of length ``L`` commits ``E(L) = 1 + sum_{k<L} prod_{j<=k} a_j`` tokens on
+average, where ``a_k`` is the chance that candidate ``k`` is accepted given
+that the ones before it were, and costs ``t(L) = t_draft(L) + t_verify(L)``.
+The best ``L`` maximises ``E(L) / t(L)``; it moves with the backend (a verify
+of 16 costs about one step on a GPU, several on a CPU, more on an MoE whose
+experts spread with ``L``) and with the text (repetitive code accepts long runs).
+
+Both halves are measured, never assumed: ``measure_costs`` times draft and
+verify at each size on the live endpoints at warm-up (so the wire is in it
+for a split deployment), each block's own timings then refine it, and the
+acceptance chain ``a_k`` is counted from every block. Positions a short block
+never reaches keep the pooled rate as their prior, and every ``explore_every``
+blocks one block is drafted at full length so that prior keeps being tested.
+
+Only token counts and timings go in, so this knows no backend and changes no
+token: the loop is lossless at every block size, whichever is chosen.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from services.contract import MAX_BLOCK_SIZE, Block
+
+PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the pooled rate)
+COST_EMA = 0.2  # weight of a new timing in a size's running cost
+
+
+@dataclass
+class CostCurve:
+    """Seconds per block by block size: measured points, linear in between and beyond."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, size: int, seconds: float) -> None:
+        old = self.seconds.get(size)
+        self.seconds[size] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+
+    def __call__(self, size: int) -> float:
+        pts = sorted(self.seconds.items())
+        if not pts:
+            return float(size)  # nothing measured yet: cost grows with the block
+        if size in self.seconds:
+            return self.seconds[size]
+        if len(pts) == 1:
+            return pts[0][1] * size / pts[0][0] if pts[0][0] else pts[0][1]
+        lo = [p for p in pts if p[0] < size]
+        hi = [p for p in pts if p[0] > size]
+        (x0, y0), (x1, y1) = (lo[-1], hi[0]) if lo and hi else (pts[-2], pts[-1]) if lo else (pts[0], pts[1])
+        return max(y0 + (y1 - y0) * (size - x0) / (x1 - x0), 1e-9)
+
+
+@dataclass
+class AcceptanceChain:
+    """Per-position acceptance counts: ``reached[k]`` blocks drafted a k-th candidate after k-1 accepts."""
+
+    reached: list[float] = field(default_factory=lambda: [0.0] * MAX_BLOCK_SIZE)
+    accepted: list[float] = field(default_factory=lambda: [0.0] * MAX_BLOCK_SIZE)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        for k in range(min(accepted + 1, drafted)):
+            self.reached[k] += 1
+            self.accepted[k] += k < accepted
+
+    def pooled(self) -> float:
+        r = sum(self.reached)
+        return (sum(self.accepted) + 1.0) / (r + 2.0)  # Laplace: 0.5 before any data
+
+    def rates(self) -> list[float]:
+        prior = self.pooled()
+        return [(a + PRIOR_STRENGTH * prior) / (r + PRIOR_STRENGTH) for a, r in zip(self.accepted, self.reached)]
+
+    def expected_tokens(self, size: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.rates()[: size - 1]:
+            run *= a
+            total += run
+        return total
+
+    def merged(self, other: "AcceptanceChain", cap: float) -> "AcceptanceChain":
+        """``self`` + ``other``, scaled so no position holds more than ``cap`` observations."""
+        r = [x + y for x, y in zip(self.reached, other.reached)]
+        a = [x + y for x, y in zip(self.accepted, other.accepted)]
+        scale = min(1.0, cap / max(max(r), 1.0))
+        return AcceptanceChain([x * scale for x in r], [x * scale for x in a])
+
+
+class BlockSizer:
+    """One generation's block-size choice; ``choose`` before a block, ``observe`` after it."""
+
+    def __init__(self, costs: CostCurve, chain: AcceptanceChain | None = None, max_size: int = MAX_BLOCK_SIZE, explore_every: int = 16):
+        self.costs, self.chain = costs, chain or AcceptanceChain()
+        self.max_size, self.explore_every = max_size, explore_every
+        self.blocks = 0
+
+    def throughput(self, size: int) -> float:
+        return self.chain.expected_tokens(size) / self.costs(size)
+
+    def choose(self) -> int:
+        self.blocks += 1
+        if self.explore_every and self.blocks % self.explore_every == 0:
+            return self.max_size
+        return max(range(1, self.max_size + 1), key=self.throughput)
+
+    def observe(self, block: Block) -> None:
+        size = block.drafted + 1
+        self.chain.observe(block.drafted, block.accepted)
+        if block.total_s > 0:
+            self.costs.observe(size, block.draft_s + block.verify_s + block.commit_s)
+
+
+class AdaptivePolicy:
+    """An engine's shared state: the cost curve and the acceptance seen so far, across requests.
+
+    Each request starts from a copy (so concurrent requests never race on it)
+    whose acceptance weighs at most ``carry`` blocks, enough to start well and
+    little enough that the request's own text takes over within a few blocks.
+    """
+
+    def __init__(self, costs: CostCurve | None = None, max_size: int = MAX_BLOCK_SIZE, carry: float = 32.0):
+        self.costs = costs or CostCurve()
+        self.chain = AcceptanceChain()
+        self.max_size, self.carry = max_size, carry
+        self._lock = threading.Lock()
+
+    def sizer(self) -> BlockSizer:
+        with self._lock:
+            chain = AcceptanceChain().merged(self.chain, self.carry)
+            costs = CostCurve(dict(self.costs.seconds))
+        return BlockSizer(costs, chain, self.max_size)
+
+    def learn(self, sizer: BlockSizer) -> None:
+        """Fold a finished request's timings and acceptance back in."""
+        with self._lock:
+            self.costs = CostCurve(dict(sizer.costs.seconds))
+            self.chain = self.chain.merged(sizer.chain, 4 * self.carry)
+
+
+def measure_costs(verifier, drafter, sizes: Sequence[int] = (1, 2, 4, 8, 16), repeats: int = 3, prompt_len: int = 32) -> CostCurve:
+    """Time one block (draft + verify + commit) at each size on live sessions; medians of ``repeats``.
+
+    Runs through the same session API as a generation, so a remote endpoint's
+    wire time is part of its cost, as it is in every real block.
+    """
+    clock = time.perf_counter
+    vocab = verifier.info.vocab_size
+    prompt = [(7 * i + 3) % vocab for i in range(prompt_len)]
+    vs = verifier.open_session()
+    ds = drafter.open_session() if drafter is not None else None
+    curve = CostCurve()
+    try:
+        last, aux = vs.prefill(prompt)
+        for size in sizes:
+            if size > 1 and ds is None:
+                continue
+            times = []
+            for _ in range(repeats):
+                t0 = clock()
+                cands = ds.draft(aux, last, size) if size > 1 else []
+                choices = vs.verify([last] + cands)
+                aux = vs.commit(1)
+                times.append(clock() - t0)
+                last = choices[0]
+            curve.seconds[size] = statistics.median(times)
+    finally:
+        vs.close()
+        if ds is not None:
+            ds.close()
+    return curve

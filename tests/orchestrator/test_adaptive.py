@@ -1,0 +1,93 @@
+"""Adaptive block size: the model of tokens per second, the choice it makes, and that it stays lossless."""
+
+import pytest
+
+from services.contract import Block
+from services.orchestrator.adaptive import AcceptanceChain, AdaptivePolicy, BlockSizer, CostCurve
+from services.orchestrator.loop import run
+
+from .test_loop import CONT, ScriptedDrafter, ScriptedVerifier
+
+
+def test_cost_curve_interpolates_and_extrapolates_linearly():
+    c = CostCurve({1: 1.0, 4: 4.0, 8: 6.0})
+    assert c(4) == 4.0
+    assert c(2) == pytest.approx(2.0)
+    assert c(6) == pytest.approx(5.0)
+    assert c(16) == pytest.approx(10.0)  # beyond the last point: the last segment's slope
+    c.observe(4, 2.0)
+    assert c(4) == pytest.approx(0.8 * 4.0 + 0.2 * 2.0)
+
+
+def test_acceptance_chain_counts_each_position_reached():
+    chain = AcceptanceChain()
+    chain.observe(drafted=7, accepted=2)  # positions 1, 2 accepted, 3 rejected, 4.. never reached
+    assert chain.reached[:4] == [1, 1, 1, 0] and chain.accepted[:4] == [1, 1, 0, 0]
+    chain.observe(drafted=3, accepted=3)  # all accepted: the bonus follows, no position 4 drafted
+    assert chain.reached[:4] == [2, 2, 2, 0] and chain.accepted[:4] == [2, 2, 1, 0]
+
+
+def test_expected_tokens_is_the_geometric_sum_for_a_constant_rate():
+    chain = AcceptanceChain()
+    for _ in range(4000):  # a rate of 0.75 at every position, well measured
+        chain.observe(drafted=15, accepted=15)
+        chain.observe(drafted=15, accepted=0)
+        chain.observe(drafted=15, accepted=15)
+        chain.observe(drafted=15, accepted=15)
+    rates = chain.rates()
+    assert rates[0] == pytest.approx(0.75, abs=0.01)
+    assert chain.expected_tokens(1) == 1.0
+    assert chain.expected_tokens(3) == pytest.approx(1 + rates[0] + rates[0] * rates[1])
+
+
+def _sizer(rate_accepted: int, costs: dict) -> BlockSizer:
+    chain = AcceptanceChain()
+    for _ in range(200):
+        chain.observe(drafted=15, accepted=rate_accepted)
+    return BlockSizer(CostCurve(costs), chain, explore_every=0)
+
+
+def test_choice_follows_cost_and_acceptance():
+    flat = {1: 1.0, 16: 1.1}  # a GPU-like verifier: 16 positions cost about one
+    linear = {1: 1.0, 16: 16.0}  # cost grows as fast as the tokens a block can commit
+    assert _sizer(15, flat).choose() == 16  # everything accepted, cost flat: longest block
+    assert _sizer(0, flat).choose() == 1  # nothing accepted: drafting only costs
+    assert _sizer(15, linear).choose() == 1  # E(L) < L whenever a miss is possible: AR wins
+    assert _sizer(15, {1: 1.0, 16: 8.0}).choose() == 16
+    mid = _sizer(3, {1: 1.0, 2: 1.2, 4: 1.5, 8: 2.5, 16: 5.0})  # 3 accepted then a miss, every time
+    assert mid.choose() == 4
+
+
+def test_exploration_drafts_a_full_block_now_and_then():
+    s = _sizer(0, {1: 1.0, 16: 16.0})
+    s.explore_every = 4
+    sizes = [s.choose() for _ in range(8)]
+    assert sizes.count(16) == 2 and sizes.count(1) == 6
+
+
+def test_observe_learns_cost_and_acceptance_from_blocks():
+    s = BlockSizer(CostCurve({4: 1.0}), explore_every=0)
+    s.observe(Block([1, 2, 3, 4], drafted=3, accepted=3, draft_s=0.5, verify_s=0.4, commit_s=0.1, total_s=1.0))
+    assert s.chain.reached[:3] == [1, 1, 1]
+    assert s.costs(4) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("wrong_every", [None, 2, 5])
+def test_adaptive_blocks_are_lossless_and_vary(wrong_every):
+    v = ScriptedVerifier(3, CONT)
+    sizer = BlockSizer(CostCurve({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4}), explore_every=5)
+    g = run(v, ScriptedDrafter(v, wrong_every=wrong_every), [1, 2, 3], max_tokens=150, block_size=sizer)
+    assert g.token_ids == CONT[:150]
+    sizes = {b.drafted + 1 for b in g.blocks[1:]}
+    assert len(sizes) > 1 and max(sizes) <= 16
+
+
+def test_policy_carries_acceptance_across_requests_but_caps_its_weight():
+    policy = AdaptivePolicy(CostCurve({1: 1.0, 16: 1.2}), carry=8)
+    first = policy.sizer()
+    for _ in range(100):
+        first.observe(Block([0] * 16, drafted=15, accepted=15, total_s=1.0))
+    policy.learn(first)
+    second = policy.sizer()
+    assert max(second.chain.reached) == pytest.approx(8)  # carried, capped at `carry` blocks
+    assert second.chain.rates()[0] > 0.8
