@@ -46,7 +46,9 @@ if str(ROOT) not in sys.path:
 from services.drafter.dflash_torch import DFlashConfig, DFlashDraftModel, TargetHead  # noqa: E402
 from services.drafter.session_torch import TorchDrafter  # noqa: E402
 from services.verifier.cache import CachePolicy  # noqa: E402
-from services.verifier.model_torch import Gemma4Args, TargetTorch, resolve_device, resolve_dtype  # noqa: E402
+from services.torch_ops import resolve_device, resolve_dtype  # noqa: E402
+from services.verifier.gemma4_torch import Gemma4Args  # noqa: E402
+from services.verifier.model_torch import TargetTorch  # noqa: E402
 from services.verifier.session import VerifierSession  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_projection.json"

@@ -132,15 +132,3 @@ def aux_rows(shape: tuple, width: int) -> bool:
     if shape[-1] != width:
         raise ValueError(f"new_aux width {shape[-1]} != len(target_layer_ids) * hidden_size = {width}")
     return len(shape) == 3
-
-
-# Where a target checkpoint keeps the two tensors a drafter borrows (plain, multimodal prefixes).
-TARGET_EMBED_NAMES = (
-    "model.embed_tokens",
-    "model.language_model.embed_tokens",
-    "language_model.model.embed_tokens",
-    "model.language_model.model.embed_tokens",
-    "embed_tokens",
-)
-TARGET_HEAD_NAMES = ("lm_head", "language_model.lm_head", "model.language_model.lm_head", "model.lm_head")
-NOT_TEXT = ("vision", "audio", "multi_modal", "per_layer")  # towers and per-layer tables to skip

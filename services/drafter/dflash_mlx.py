@@ -33,14 +33,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from services.drafter.config import (  # noqa: F401  (FULL, DFlashConfig re-exported)
-    FULL,
-    NOT_TEXT,
-    SLIDING,
-    TARGET_EMBED_NAMES,
-    TARGET_HEAD_NAMES,
-    DFlashConfig,
-)
+from services.checkpoints.layout import find_text_tensors, shard_files
+from services.drafter.config import FULL, SLIDING, DFlashConfig  # noqa: F401  (FULL, DFlashConfig re-exported)
 
 
 # --------------------------------------------------------------------------- layers
@@ -405,28 +399,13 @@ class DFlashDraftModel(nn.Module):
 
 # --------------------------------------------------------------------------- loading
 
-_EMBED_NAMES, _HEAD_NAMES, _SKIP = TARGET_EMBED_NAMES, TARGET_HEAD_NAMES, NOT_TEXT
-
 
 def _index_tensors(target_dir: Path) -> dict[str, mx.array]:
     """Lazy name -> array map over the target's safetensors (nothing is read yet)."""
-    files = sorted(target_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in target dir {target_dir}")
     out: dict[str, mx.array] = {}
-    for f in files:
+    for f in shard_files(target_dir):
         out.update(mx.load(str(f)))  # lazy: only tensors that are used get read
     return out
-
-
-def _find_module(tensors: dict, names: tuple[str, ...], suffix: str) -> Optional[str]:
-    for n in names:
-        if f"{n}.weight" in tensors:
-            return n
-    for k in sorted(tensors):
-        if k.endswith(f".{suffix}.weight") and not any(s in k for s in _SKIP):
-            return k[: -len(".weight")]
-    return None
 
 
 def _quant_for(cfg: dict, module: str) -> Optional[dict]:
@@ -450,10 +429,7 @@ def load_target_head(target_dir: str | Path, dtype: Optional[mx.Dtype] = None) -
     target_dir = Path(target_dir)
     cfg = json.loads((target_dir / "config.json").read_text())
     tensors = _index_tensors(target_dir)
-    emb = _find_module(tensors, _EMBED_NAMES, "embed_tokens")
-    if emb is None:
-        raise ValueError(f"no embed_tokens weight in target checkpoint {target_dir}")
-    head = _find_module(tensors, _HEAD_NAMES, "lm_head")
+    where = find_text_tensors(tensors, target_dir)
 
     def take(prefix: str) -> tuple[dict[str, mx.array], Optional[dict]]:
         d = {
@@ -468,8 +444,8 @@ def load_target_head(target_dir: str | Path, dtype: Optional[mx.Dtype] = None) -
             d["weight"] = d["weight"].astype(dtype)
         return d, quant
 
-    embed, eq = take(emb)
-    head_d, hq = take(head) if head is not None else (None, None)
+    embed, eq = take(where.embed)
+    head_d, hq = take(where.head) if where.head is not None else (None, None)
     del tensors
     th = TargetHead(embed, head_d, eq, hq)
     text = cfg.get("text_config") or cfg
@@ -486,11 +462,8 @@ def load_target_head(target_dir: str | Path, dtype: Optional[mx.Dtype] = None) -
 def load_draft_model(draft_dir: str | Path, dtype: Optional[mx.Dtype] = None) -> DFlashDraftModel:
     draft_dir = Path(draft_dir)
     config = DFlashConfig.from_dir(draft_dir)
-    files = sorted(draft_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in draft dir {draft_dir}")
     weights: dict[str, mx.array] = {}
-    for f in files:
+    for f in shard_files(draft_dir):
         weights.update(mx.load(str(f)))
     if dtype is not None:
         weights = {k: v.astype(dtype) for k, v in weights.items()}

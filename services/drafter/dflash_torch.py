@@ -32,16 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.verifier.model_torch import resolve_device, resolve_dtype
-
-from services.drafter.config import (  # noqa: F401  (FULL, DFlashConfig re-exported)
-    FULL,
-    NOT_TEXT,
-    SLIDING,
-    TARGET_EMBED_NAMES,
-    TARGET_HEAD_NAMES,
-    DFlashConfig,
-)
+from services.checkpoints.layout import find_text_tensors, is_quantized, shard_files, tensor_files
+from services.drafter.config import FULL, SLIDING, DFlashConfig  # noqa: F401  (FULL, DFlashConfig re-exported)
+from services.torch_ops import apply_rope, default_inv_freq, qwen3_rms_norm, resolve_device, resolve_dtype, rope_cos_sin
 
 
 def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
@@ -51,7 +44,7 @@ def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
     hd = config.head_dim
     base = float(rope.get("rope_theta", config.rope_theta))
     if rope_type in ("default", "linear"):
-        inv = 1.0 / (base ** (torch.arange(0, hd, 2, dtype=torch.float32, device="cpu") / hd))
+        inv = default_inv_freq(base, hd)
         if rope_type == "linear":
             inv = inv / float(rope["factor"])
         return inv, 1.0
@@ -63,18 +56,6 @@ def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
     qcfg = Qwen3Config(**raw)
     inv, scale = ROPE_INIT_FUNCTIONS[rope_type](qcfg, torch.device("cpu"))
     return inv.float(), float(scale)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3 RMSNorm: normalise in float32, cast back, times weight."""
-    xf = x.float()
-    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return weight * out
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 # --------------------------------------------------------------------------- layers
@@ -104,17 +85,17 @@ class Attention(nn.Module):
     def kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """K/V ``[1, n_kv, S, hd]`` of rows ``h`` [1, S, hidden] at the positions of ``cos``/``sin`` [S, hd]."""
         B, S, _ = h.shape
-        k = rms_norm(self.k_proj(h).view(B, S, self.n_kv, self.head_dim), self.k_norm.weight, self.eps)
+        k = qwen3_rms_norm(self.k_proj(h).view(B, S, self.n_kv, self.head_dim), self.k_norm.weight, self.eps)
         k = k.transpose(1, 2)
-        k = k * cos + rotate_half(k) * sin
+        k = apply_rope(k, cos, sin)
         v = self.v_proj(h).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
         return k, v
 
     def forward(self, x, ctx_k, ctx_v, cos, sin, mask):
         B, L, _ = x.shape
-        q = rms_norm(self.q_proj(x).view(B, L, self.n_heads, self.head_dim), self.q_norm.weight, self.eps)
+        q = qwen3_rms_norm(self.q_proj(x).view(B, L, self.n_heads, self.head_dim), self.q_norm.weight, self.eps)
         q = q.transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
+        q = apply_rope(q, cos, sin)
         k, v = self.kv(x, cos, sin)
         if ctx_k is not None and ctx_k.shape[2] > 0:
             k = torch.cat([ctx_k, k], dim=2)
@@ -145,7 +126,7 @@ class _Norm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        return qwen3_rms_norm(x, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -339,10 +320,7 @@ class DFlashDraftModel(nn.Module):
         return ContextKVCache(self.config, step=step)
 
     def _cos_sin(self, start: int, n: int):
-        pos = torch.arange(start, start + n, device=self.device, dtype=torch.float32)
-        freqs = pos[:, None] * self.inv_freq.to(self.device)[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
+        return rope_cos_sin(self.inv_freq, start, n, self.device, self.dtype, self.rope_scale)
 
     @torch.inference_mode()
     def context_kv(self, aux: torch.Tensor, offset: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -404,33 +382,6 @@ class DFlashDraftModel(nn.Module):
 
 # --------------------------------------------------------------------------- loading
 
-_EMBED_NAMES, _HEAD_NAMES, _SKIP = TARGET_EMBED_NAMES, TARGET_HEAD_NAMES, NOT_TEXT
-
-
-def _target_index(target_dir: Path) -> dict[str, Path]:
-    from safetensors import safe_open
-
-    files = sorted(target_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in target dir {target_dir}")
-    out: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                out[k] = f
-    return out
-
-
-def _find(names: dict, prefixes: tuple[str, ...], suffix: str) -> Optional[str]:
-    for n in prefixes:
-        if f"{n}.weight" in names:
-            return f"{n}.weight"
-    for k in sorted(names):
-        if k.endswith(f".{suffix}.weight") and not any(s in k for s in _SKIP):
-            return k
-    return None
-
-
 def load_target_head(target_dir: str | Path, device=None, dtype=None) -> TargetHead:
     """Read ONLY the target's embedding table and LM head (tied when the checkpoint has none)."""
     from safetensors import safe_open
@@ -438,19 +389,16 @@ def load_target_head(target_dir: str | Path, device=None, dtype=None) -> TargetH
     target_dir = Path(target_dir)
     device, dtype = resolve_device(device), resolve_dtype(dtype)
     cfg = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
-    names = _target_index(target_dir)
-    if any(k.endswith(".scales") for k in names):
+    names = tensor_files(target_dir)
+    if is_quantized(names):
         raise ValueError(f"quantized target checkpoint {target_dir} is not supported by the torch drafter")
-    emb = _find(names, _EMBED_NAMES, "embed_tokens")
-    if emb is None:
-        raise ValueError(f"no embed_tokens weight in target checkpoint {target_dir}")
-    head = _find(names, _HEAD_NAMES, "lm_head")
+    where = find_text_tensors(names, target_dir)
 
     def get(name: str) -> torch.Tensor:
         with safe_open(str(names[name]), framework="pt") as sf:
             return sf.get_tensor(name).to(device=device, dtype=dtype)
 
-    th = TargetHead(get(emb), get(head) if head is not None else None)
+    th = TargetHead(get(where.embed + ".weight"), get(where.head + ".weight") if where.head is not None else None)
     text = cfg.get("text_config") or cfg
     vocab, hidden = text.get("vocab_size"), text.get("hidden_size")
     if vocab is not None and int(vocab) != th.vocab_size:
@@ -466,11 +414,8 @@ def load_draft_model(draft_dir: str | Path, device=None, dtype=None) -> DFlashDr
     draft_dir = Path(draft_dir)
     device, dtype = resolve_device(device), resolve_dtype(dtype)
     config = DFlashConfig.from_dir(draft_dir)
-    files = sorted(draft_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in draft dir {draft_dir}")
     weights: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in shard_files(draft_dir):
         weights.update(load_file(str(f)))
     with torch.device("meta"):
         model = DFlashDraftModel(config)

@@ -1,599 +1,25 @@
-"""The Gemma-4 target in plain PyTorch: one forward that also returns aux hidden states.
+"""The Gemma-4 target on PyTorch: the verifier's backend adapter over ``gemma4_torch.Gemma4Text``.
 
-Written in the style of gpt-fast: ``nn.Module`` objects holding raw weight
-tensors and a forward of explicit tensor ops -- no hooks, no ``device_map`` /
-accelerate, no transformers classes on the hot path. Weights are read straight
-from the checkpoint's safetensors under the Hugging Face names
-(``model.layers.N.self_attn.q_proj.weight``, ... ``lm_head.weight``; the
-``model.language_model.`` prefix of multimodal checkpoints too), so the same
-directory opens here, in mlx-lm and in transformers.
-
-Architecture covered (semantics of mlx-lm ``gemma4_text`` / transformers
-``gemma4``): sliding / full layer types; ``global_head_dim`` and
-``num_global_key_value_heads`` on full layers; ``attention_k_eq_v`` (V is the
-raw K projection, then a scale-free RMSNorm); q/k norms; attention scale 1;
-default RoPE on sliding layers and *proportional* partial RoPE on full layers
-(``inv_freq_i = 1 / (factor * theta^(2i/head_dim))`` for the first
-``partial_rotary_factor * head_dim / 2`` frequency pairs, 0 for the rest);
-embedding scale sqrt(hidden); ``layer_scalar``; GeGLU MLP (tanh GELU), double
-width on KV-shared layers when ``use_double_wide_mlp``; the MoE block (router +
-experts beside the dense MLP) when ``enable_moe_block``; per-layer inputs when
-``hidden_size_per_layer_input``; KV sharing across the last
-``num_kv_shared_layers`` layers; ``final_logit_softcapping``.
-
-Config defaults are transformers' ``Gemma4TextConfig`` defaults (a checkpoint
-written by transformers spells every field out anyway).
-
-The verifier session (``session.py``) drives :class:`TargetTorch` through the
-same small interface as ``model_mlx.TargetMLX``.
+:class:`TargetTorch` mirrors ``model_mlx.TargetMLX`` method for method (``load``,
+``make_cache``, ``run``, ``greedy``, ``materialize``, ``cat``, ``trim_full``,
+``kv_bytes``, ``forward``, ``logits``), so ``session.py`` drives either backend
+alike. The model itself -- config, layers, weight loading -- is ``gemma4_torch.py``.
+What only the torch backend has (random weights for benchmarks, the plain-cache
+reference decode, a warm-up) comes last; f_theta restoration is MLX-only.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+from services.torch_ops import resolve_device, resolve_dtype
 
 from .cache import RingLayout, RingPlan
 from .cache_torch import FullKVCache, QuantizedFullKVCache, RingKVCache
-
-SLIDING = "sliding_attention"
-FULL = "full_attention"
-
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r} (expected one of {sorted(DTYPES)})") from None
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("device 'mps' requested but torch.backends.mps.is_available() is False")
-    return device
-
-
-# --------------------------------------------------------------------------- config
-
-
-def _default_rope_parameters() -> dict:
-    return {
-        SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
-    }
-
-
-@dataclass
-class Gemma4Args:
-    """The text model's hyper-parameters (transformers' ``Gemma4TextConfig`` defaults)."""
-
-    vocab_size: int = 262_144
-    hidden_size: int = 2304
-    intermediate_size: int = 9216
-    num_hidden_layers: int = 30
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    head_dim: int = 256
-    global_head_dim: int = 512
-    num_global_key_value_heads: int | None = None
-    attention_k_eq_v: bool = False
-    hidden_activation: str = "gelu_pytorch_tanh"
-    rms_norm_eps: float = 1e-6
-    sliding_window: int = 512
-    layer_types: list[str] = field(default_factory=list)
-    rope_parameters: dict = field(default_factory=_default_rope_parameters)
-    final_logit_softcapping: float | None = None
-    tie_word_embeddings: bool = True
-    vocab_size_per_layer_input: int = 262_144
-    hidden_size_per_layer_input: int = 256
-    num_kv_shared_layers: int = 0
-    use_double_wide_mlp: bool = False
-    enable_moe_block: bool = False
-    num_experts: int | None = None
-    top_k_experts: int | None = None
-    moe_intermediate_size: int | None = None
-    max_position_embeddings: int = 131_072
-    # transformers >= 5.2x writes per-layer overrides instead of global_head_dim /
-    # num_global_key_value_heads: {"<layer>": {"head_dim": .., "num_key_value_heads": ..}}
-    per_layer_config: dict | None = None
-
-    def __post_init__(self):
-        if not self.layer_types:
-            self.layer_types = [
-                SLIDING if (i + 1) % 6 else FULL for i in range(self.num_hidden_layers)
-            ]
-        self.layer_types = list(self.layer_types)
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}"
-            )
-        unknown = set(self.layer_types) - {SLIDING, FULL}
-        if unknown:
-            raise ValueError(f"unsupported layer_types {sorted(unknown)}")
-        if self.layer_types[-1] != FULL:  # transformers forces this too
-            self.layer_types[-1] = FULL
-        rope = _default_rope_parameters()
-        for k, v in (self.rope_parameters or {}).items():
-            if isinstance(v, dict):
-                rope[k] = dict(v)
-        self.rope_parameters = rope
-        if self.enable_moe_block and not (self.num_experts and self.top_k_experts and self.moe_intermediate_size):
-            raise ValueError("enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
-        if self.num_kv_shared_layers:
-            first = self.num_hidden_layers - self.num_kv_shared_layers
-            if set(self.layer_types[first:]) - set(self.layer_types[:first]):
-                raise ValueError("every KV-shared layer type needs an earlier layer of that type producing K/V")
-
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "Gemma4Args":
-        if "text_config" in cfg and isinstance(cfg["text_config"], dict):
-            cfg = cfg["text_config"]
-        names = {f for f in cls.__dataclass_fields__}
-        kwargs = {k: v for k, v in cfg.items() if k in names and v is not None}
-        return cls(**kwargs)
-
-    @property
-    def n_cached(self) -> int:
-        """Layers that own K/V (the rest reuse an earlier layer's)."""
-        return self.num_hidden_layers - self.num_kv_shared_layers
-
-    def _override(self, i: int) -> dict | None:
-        if self.per_layer_config is None:
-            return None
-        return self.per_layer_config.get(str(i), self.per_layer_config.get(i, {}))
-
-    def head_dim_of(self, i: int) -> int:
-        o = self._override(i)
-        if o is not None:
-            return int(o.get("head_dim", self.head_dim))
-        return self.global_head_dim if self.layer_types[i] == FULL and self.global_head_dim else self.head_dim
-
-    def k_eq_v(self, i: int) -> bool:
-        return bool(self.attention_k_eq_v) and self.layer_types[i] == FULL
-
-    def kv_heads_of(self, i: int) -> int:
-        o = self._override(i)
-        if o is not None:
-            return int(o.get("num_key_value_heads", self.num_key_value_heads))
-        if self.k_eq_v(i) and self.num_global_key_value_heads is not None:
-            return self.num_global_key_value_heads
-        return self.num_key_value_heads
-
-    def previous_kvs(self) -> list[int]:
-        """For each layer, the layer whose K/V it attends with (itself unless KV-shared)."""
-        out = list(range(self.num_hidden_layers))
-        first = self.n_cached
-        if self.num_kv_shared_layers:
-            last_of_type = {}
-            for i in range(first):
-                last_of_type[self.layer_types[i]] = i
-            for j in range(first, self.num_hidden_layers):
-                out[j] = last_of_type[self.layer_types[j]]
-        return out
-
-
-# --------------------------------------------------------------------------- building blocks
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Gemma-4 RMSNorm: computed in float32, ``x * rsqrt(mean(x^2) + eps) * weight`` (no 1+w)."""
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        out = out * weight.float()
-    return out.to(x.dtype)
-
-
-def _act(name: str):
-    if name in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast"):
-        return lambda x: F.gelu(x, approximate="tanh")
-    if name == "gelu":
-        return F.gelu
-    if name == "silu":
-        return F.silu
-    raise ValueError(f"unsupported hidden_activation {name!r}")
-
-
-def rope_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
-    """float32 inverse frequencies, ``head_dim // 2`` of them (non-traditional, half-split pairs)."""
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    base = float(params.get("rope_theta", 10_000.0))
-    if rope_type == "default":
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
-    if rope_type == "linear":
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
-        return inv / float(params["factor"])
-    if rope_type == "proportional":
-        factor = float(params.get("factor", 1.0))
-        angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
-        rotated = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.float32, device="cpu") / head_dim))
-        inv = torch.cat([rotated, torch.zeros(head_dim // 2 - angles, dtype=torch.float32, device="cpu")])
-        return inv / factor
-    raise ValueError(f"unsupported rope_type {rope_type!r} for Gemma-4")
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` [1, L, H, D]; ``cos``/``sin`` [L, 1, D] in x's dtype."""
-    return x * cos + rotate_half(x) * sin
-
-
-# --------------------------------------------------------------------------- layers
-
-
-class Attention(nn.Module):
-    def __init__(self, args: Gemma4Args, i: int):
-        super().__init__()
-        self.layer_type = args.layer_types[i]
-        self.head_dim = args.head_dim_of(i)
-        self.n_heads = args.num_attention_heads
-        self.n_kv = args.kv_heads_of(i)
-        self.k_eq_v = args.k_eq_v(i)
-        self.has_kv = i < args.n_cached
-        self.eps = args.rms_norm_eps
-        q = self.n_heads * self.head_dim
-        kv = self.n_kv * self.head_dim if self.has_kv else 0
-        # q, k(, v) projections fused into one matmul
-        self.split = [q] + ([kv] if self.has_kv else []) + ([kv] if self.has_kv and not self.k_eq_v else [])
-        self.register_buffer("wqkv", torch.empty(sum(self.split), args.hidden_size), persistent=False)
-        self.register_buffer("wo", torch.empty(args.hidden_size, q), persistent=False)
-        self.register_buffer("q_norm", torch.empty(self.head_dim), persistent=False)
-        if self.has_kv:
-            self.register_buffer("k_norm", torch.empty(self.head_dim), persistent=False)
-
-    def forward(self, x, cos, sin, mask, cache, shared_kv):
-        B, L, _ = x.shape
-        parts = F.linear(x, self.wqkv).split(self.split, dim=-1)
-        q = rms_norm(parts[0].view(B, L, self.n_heads, self.head_dim), self.q_norm, self.eps)
-        q = apply_rope(q, cos, sin).transpose(1, 2)
-        if shared_kv is not None:
-            k, v = shared_kv
-        else:
-            k = parts[1].view(B, L, self.n_kv, self.head_dim)
-            v = k if self.k_eq_v else parts[2].view(B, L, self.n_kv, self.head_dim)
-            k = apply_rope(rms_norm(k, self.k_norm, self.eps), cos, sin).transpose(1, 2)
-            v = rms_norm(v, None, self.eps).transpose(1, 2)
-            if cache is not None:
-                k, v = cache.update_and_fetch(k, v)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=1.0, enable_gqa=self.n_heads != k.shape[1]
-        )
-        out = out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim)
-        return F.linear(out, self.wo), (k, v)
-
-
-class MoE(nn.Module):
-    """Router + experts: the second feed-forward branch of a Gemma-4 MoE layer."""
-
-    def __init__(self, args: Gemma4Args):
-        super().__init__()
-        E, h, mi = args.num_experts, args.hidden_size, args.moe_intermediate_size
-        self.E, self.top_k, self.mi, self.eps = E, args.top_k_experts, mi, args.rms_norm_eps
-        self.root = h**-0.5
-        self.act = _act(args.hidden_activation)
-        self.register_buffer("router_proj", torch.empty(E, h), persistent=False)
-        self.register_buffer("router_scale", torch.empty(h), persistent=False)
-        self.register_buffer("per_expert_scale", torch.empty(E), persistent=False)
-        self.register_buffer("gate_up", torch.empty(E, 2 * mi, h), persistent=False)  # gate rows, then up rows
-        self.register_buffer("down", torch.empty(E, h, mi), persistent=False)
-        self.grouped_mm: bool | None = None  # decided on first use
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        r = rms_norm(x, None, self.eps) * (self.router_scale * self.root).to(x.dtype)
-        probs = torch.softmax(F.linear(r, self.router_proj).float(), dim=-1)
-        w, idx = torch.topk(probs, self.top_k, dim=-1)
-        w = w / w.sum(dim=-1, keepdim=True)
-        return idx, w * self.per_expert_scale[idx].float()
-
-    def experts(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``x`` [T, h]: every token through its top-k experts, weighted; no host sync."""
-        T, k = idx.shape
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        tok = order // k
-        xs = x[tok]
-        if self.grouped_mm is not False:
-            try:
-                # counts per expert without a host sync (bincount would sync on CUDA)
-                counts = torch.zeros(self.E, dtype=torch.int32, device=x.device)
-                counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-                offs = counts.cumsum(0, dtype=torch.int32)
-                gu = torch._grouped_mm(xs, self.gate_up.transpose(-2, -1), offs=offs)
-                gate, up = gu.split(self.mi, dim=-1)
-                y = torch._grouped_mm(self.act(gate) * up, self.down.transpose(-2, -1), offs=offs)
-                self.grouped_mm = True
-            except (RuntimeError, NotImplementedError, AttributeError):
-                if self.grouped_mm:  # it worked before: a real error
-                    raise
-                self.grouped_mm = False
-        if self.grouped_mm is False:
-            e = flat[order]
-            gu = torch.bmm(self.gate_up[e], xs.unsqueeze(-1)).squeeze(-1)
-            gate, up = gu.split(self.mi, dim=-1)
-            y = torch.bmm(self.down[e], (self.act(gate) * up).unsqueeze(-1)).squeeze(-1)
-        y = y * w.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, tok, y)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, args: Gemma4Args, i: int):
-        super().__init__()
-        h = args.hidden_size
-        self.eps = args.rms_norm_eps
-        self.layer_type = args.layer_types[i]
-        self.attn = Attention(args, i)
-        wide = args.use_double_wide_mlp and args.num_kv_shared_layers > 0 and i >= args.n_cached
-        self.inter = args.intermediate_size * (2 if wide else 1)
-        self.act = _act(args.hidden_activation)
-        self.register_buffer("w_gate_up", torch.empty(2 * self.inter, h), persistent=False)
-        self.register_buffer("w_down", torch.empty(h, self.inter), persistent=False)
-        for n in ("input_ln", "post_attn_ln", "pre_ffn_ln", "post_ffn_ln"):
-            self.register_buffer(n, torch.empty(h), persistent=False)
-        self.register_buffer("layer_scalar", torch.ones(1), persistent=False)
-        self.moe = MoE(args) if args.enable_moe_block else None
-        if self.moe is not None:
-            for n in ("post_ffn_ln_1", "post_ffn_ln_2", "pre_ffn_ln_2"):
-                self.register_buffer(n, torch.empty(h), persistent=False)
-        self.ple = args.hidden_size_per_layer_input
-        if self.ple:
-            self.register_buffer("ple_gate", torch.empty(self.ple, h), persistent=False)
-            self.register_buffer("ple_proj", torch.empty(h, self.ple), persistent=False)
-            self.register_buffer("ple_norm", torch.empty(h), persistent=False)
-
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w_gate_up).split(self.inter, dim=-1)
-        return F.linear(self.act(gate) * up, self.w_down)
-
-    def forward(self, x, cos, sin, mask, cache, shared_kv, per_layer_input):
-        eps = self.eps
-        a, kv = self.attn(rms_norm(x, self.input_ln, eps), cos, sin, mask, cache, shared_kv)
-        h = x + rms_norm(a, self.post_attn_ln, eps)
-        f = self.mlp(rms_norm(h, self.pre_ffn_ln, eps))
-        if self.moe is not None:
-            f = rms_norm(f, self.post_ffn_ln_1, eps)
-            flat = h.reshape(-1, h.shape[-1])
-            idx, w = self.moe.route(flat)
-            f2 = self.moe.experts(rms_norm(flat, self.pre_ffn_ln_2, eps), idx, w)
-            f = f + rms_norm(f2.view_as(h), self.post_ffn_ln_2, eps)
-        h = h + rms_norm(f, self.post_ffn_ln, eps)
-        if self.ple and per_layer_input is not None:
-            g = self.act(F.linear(h, self.ple_gate)) * per_layer_input
-            h = h + rms_norm(F.linear(g, self.ple_proj), self.ple_norm, eps)
-        return h * self.layer_scalar.to(h.dtype), kv
-
-
-@dataclass
-class Forward:
-    hidden: torch.Tensor  # final-norm hidden [1, L, hidden]
-    aux: torch.Tensor | None  # [L, len(aux_layers) * hidden]
-
-
-class Gemma4Text(nn.Module):
-    """The decoder stack plus embedding / final norm / LM head as raw tensors."""
-
-    def __init__(self, args: Gemma4Args):
-        super().__init__()
-        self.args = args
-        h = args.hidden_size
-        self.register_buffer("embed", torch.empty(args.vocab_size, h), persistent=False)
-        self.register_buffer("norm", torch.empty(h), persistent=False)
-        self.lm_head: torch.Tensor | None = None  # None: tied to embed
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
-        self.previous_kvs = args.previous_kvs()
-        self.embed_scale = h**0.5
-        self.ple = args.hidden_size_per_layer_input
-        if self.ple:
-            n = args.num_hidden_layers
-            self.register_buffer("embed_per_layer", torch.empty(args.vocab_size_per_layer_input, n * self.ple), persistent=False)
-            self.register_buffer("ple_model_proj", torch.empty(n * self.ple, h), persistent=False)
-            self.register_buffer("ple_proj_norm", torch.empty(self.ple), persistent=False)
-        self.inv_freq = {t: rope_inv_freq(args.rope_parameters[t], self._hd(t)) for t in set(args.layer_types)}
-
-    def _hd(self, layer_type: str) -> int:
-        i = self.args.layer_types.index(layer_type)
-        return self.args.head_dim_of(i)
-
-    def rope(self, start: int, n: int, device, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        pos = torch.arange(start, start + n, device=device, dtype=torch.float32)
-        out = {}
-        for t, inv in self.inv_freq.items():
-            freqs = pos[:, None] * inv[None, :]
-            emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [L, 1, D]
-            out[t] = (emb.cos().to(dtype), emb.sin().to(dtype))
-        return out
-
-    def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        a, n = self.args, self.args.num_hidden_layers
-        tok = F.embedding(ids, self.embed_per_layer) * torch.tensor(self.ple**0.5, dtype=x.dtype)
-        tok = tok.view(*ids.shape, n, self.ple)
-        proj = F.linear(x, self.ple_model_proj) * (a.hidden_size**-0.5)
-        proj = rms_norm(proj.view(*ids.shape, n, self.ple), self.ple_proj_norm, a.rms_norm_eps)
-        return (proj + tok) * (2.0**-0.5)
-
-    def forward(
-        self,
-        ids: torch.Tensor,
-        caches: Sequence,
-        aux_layers: Sequence[int],
-        masks: dict[str, torch.Tensor | None],
-        start: int,
-    ) -> Forward:
-        """Run ``ids`` [1, L] at positions ``start..``, appending to ``caches``; no LM head."""
-        L = ids.shape[1]
-        x = F.embedding(ids, self.embed)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        pli = self.per_layer_inputs(ids, x) if self.ple else None
-        rope = self.rope(start, L, x.device, x.dtype)
-        wanted = {layer_id: j for j, layer_id in enumerate(aux_layers)}
-        aux: list[torch.Tensor | None] = [None] * len(aux_layers)
-        kvs: list = [None] * len(self.layers)
-        n_cached = self.args.n_cached
-        for i, layer in enumerate(self.layers):
-            t = layer.layer_type
-            shared = kvs[self.previous_kvs[i]] if i >= n_cached else None
-            cache = caches[i] if i < n_cached else None
-            cos, sin = rope[t]
-            x, kvs[i] = layer(x, cos, sin, masks[t], cache, shared, None if pli is None else pli[:, :, i])
-            if i in wanted:
-                aux[wanted[i]] = x
-        hidden = rms_norm(x, self.norm, self.args.rms_norm_eps)
-        return Forward(hidden, torch.cat(aux, dim=-1)[0] if aux else None)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed if self.lm_head is None else self.lm_head
-        out = F.linear(hidden, w).float()
-        cap = self.args.final_logit_softcapping
-        return torch.tanh(out / cap) * cap if cap else out
-
-
-# --------------------------------------------------------------------------- loading
-
-
-_SKIP = ("vision", "audio", "multi_modal", "embed_vision", "embed_audio")
-
-
-def _index(path: Path) -> dict[str, Path]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in target checkpoint {path}")
-    from safetensors import safe_open
-
-    out: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                out[k] = f
-    return out
-
-
-def _text_prefix(names: dict[str, Path]) -> str:
-    for cand in ("model.", "model.language_model.", "language_model.model.", "model.language_model.model.", ""):
-        if f"{cand}embed_tokens.weight" in names:
-            return cand
-    hits = [k for k in names if k.endswith("embed_tokens.weight") and not any(s in k for s in _SKIP)]
-    if not hits:
-        raise ValueError("no embed_tokens.weight in the target checkpoint")
-    return hits[0][: -len("embed_tokens.weight")]
-
-
-def _head_name(names: dict[str, Path], prefix: str) -> str | None:
-    for cand in ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight", prefix + "lm_head.weight"):
-        if cand in names:
-            return cand
-    return None
-
-
-class _Reader:
-    """Reads single tensors from the checkpoint's safetensors files, cast and moved."""
-
-    def __init__(self, names: dict[str, Path], device: torch.device, dtype: torch.dtype):
-        from safetensors import safe_open
-
-        self.names, self.device, self.dtype = names, device, dtype
-        self._open = {f: safe_open(str(f), framework="pt") for f in set(names.values())}
-        self.used: set[str] = set()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.names
-
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        if name not in self.names:
-            raise KeyError(f"missing tensor {name!r} in the target checkpoint")
-        self.used.add(name)
-        t = self._open[self.names[name]].get_tensor(name)
-        return t.to(device=self.device, dtype=dtype or self.dtype)
-
-
-def _load_weights(model: Gemma4Text, rd: _Reader, prefix: str, head: str | None) -> None:
-    a = model.args
-    if any(k.endswith(".scales") for k in rd.names):
-        raise ValueError("quantized (mlx) checkpoints are not supported by the torch backend")
-    p = prefix
-    model.embed = rd.get(p + "embed_tokens.weight")
-    model.norm = rd.get(p + "norm.weight")
-    if head is not None and not a.tie_word_embeddings:
-        model.lm_head = rd.get(head)
-    elif head is not None and a.tie_word_embeddings:
-        model.lm_head = None
-    elif not a.tie_word_embeddings:
-        raise KeyError("untied checkpoint without lm_head.weight")
-    if model.ple:
-        model.embed_per_layer = rd.get(p + "embed_tokens_per_layer.weight")
-        model.ple_model_proj = rd.get(p + "per_layer_model_projection.weight")
-        model.ple_proj_norm = rd.get(p + "per_layer_projection_norm.weight")
-    for i, layer in enumerate(model.layers):
-        lp = f"{p}layers.{i}."
-        at = layer.attn
-        ws = [rd.get(lp + "self_attn.q_proj.weight")]
-        if at.has_kv:
-            ws.append(rd.get(lp + "self_attn.k_proj.weight"))
-            if not at.k_eq_v:
-                ws.append(rd.get(lp + "self_attn.v_proj.weight"))
-            at.k_norm = rd.get(lp + "self_attn.k_norm.weight")
-        at.wqkv = torch.cat(ws, dim=0).contiguous()
-        if at.wqkv.shape[0] != sum(at.split):
-            raise ValueError(f"layer {i}: q/k/v projection rows {at.wqkv.shape[0]} != expected {sum(at.split)}")
-        at.wo = rd.get(lp + "self_attn.o_proj.weight")
-        at.q_norm = rd.get(lp + "self_attn.q_norm.weight")
-        gate, up = rd.get(lp + "mlp.gate_proj.weight"), rd.get(lp + "mlp.up_proj.weight")
-        if gate.shape[0] != layer.inter:
-            raise ValueError(f"layer {i}: mlp width {gate.shape[0]} != expected {layer.inter} (use_double_wide_mlp?)")
-        layer.w_gate_up = torch.cat([gate, up], dim=0).contiguous()
-        layer.w_down = rd.get(lp + "mlp.down_proj.weight")
-        layer.input_ln = rd.get(lp + "input_layernorm.weight")
-        layer.post_attn_ln = rd.get(lp + "post_attention_layernorm.weight")
-        layer.pre_ffn_ln = rd.get(lp + "pre_feedforward_layernorm.weight")
-        layer.post_ffn_ln = rd.get(lp + "post_feedforward_layernorm.weight")
-        if lp + "layer_scalar" in rd:
-            layer.layer_scalar = rd.get(lp + "layer_scalar")
-        else:
-            layer.layer_scalar = torch.ones(1, device=rd.device, dtype=rd.dtype)
-        if layer.moe is not None:
-            m = layer.moe
-            m.router_proj = rd.get(lp + "router.proj.weight")
-            m.router_scale = rd.get(lp + "router.scale")
-            m.per_expert_scale = rd.get(lp + "router.per_expert_scale")
-            m.gate_up = rd.get(lp + "experts.gate_up_proj")
-            m.down = rd.get(lp + "experts.down_proj")
-            layer.post_ffn_ln_1 = rd.get(lp + "post_feedforward_layernorm_1.weight")
-            layer.post_ffn_ln_2 = rd.get(lp + "post_feedforward_layernorm_2.weight")
-            layer.pre_ffn_ln_2 = rd.get(lp + "pre_feedforward_layernorm_2.weight")
-        if layer.ple:
-            layer.ple_gate = rd.get(lp + "per_layer_input_gate.weight")
-            layer.ple_proj = rd.get(lp + "per_layer_projection.weight")
-            layer.ple_norm = rd.get(lp + "post_per_layer_input_norm.weight")
-
-
-# --------------------------------------------------------------------------- the backend object
+from .gemma4_torch import FULL, SLIDING, Forward, Gemma4Args, Gemma4Text, load_gemma4
 
 
 class TargetTorch:
@@ -616,42 +42,7 @@ class TargetTorch:
         cls, path: str | Path, device: str | torch.device | None = "cpu", dtype: str | torch.dtype | None = "float32"
     ) -> "TargetTorch":
         path = Path(path)
-        device, dtype = resolve_device(device), resolve_dtype(dtype)
-        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        args = Gemma4Args.from_dict(cfg)
-        names = _index(path)
-        prefix = _text_prefix(names)
-        with torch.device("meta"):
-            model = Gemma4Text(args)
-        rd = _Reader(names, device, dtype)
-        _load_weights(model, rd, prefix, _head_name(names, prefix))
-        model.eval()
-        return cls(model, path)
-
-    @classmethod
-    def random(
-        cls, args: Gemma4Args, device: str | torch.device | None = "cpu", dtype: str | torch.dtype | None = "bfloat16", seed: int = 0
-    ) -> "TargetTorch":
-        """Random weights of the right shapes (for benchmarks: no checkpoint needed)."""
-        device, dtype = resolve_device(device), resolve_dtype(dtype)
-        with torch.device("meta"):
-            model = Gemma4Text(args)
-        g = torch.Generator(device=device).manual_seed(seed)
-
-        def fill(shape: tuple[int, ...]) -> torch.Tensor:
-            if len(shape) == 1:  # norms, scales, layer_scalar
-                return torch.ones(shape, device=device, dtype=dtype)
-            # std 1/sqrt(fan_in): unit-scale activations; drawn on the device (fast for 26B shapes)
-            return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, shape[-1] ** -0.5, generator=g)
-
-        for mod in model.modules():
-            for name, buf in list(mod._buffers.items()):
-                if buf is not None:
-                    mod._buffers[name] = fill(tuple(buf.shape))
-        if not args.tie_word_embeddings:
-            model.lm_head = fill((args.vocab_size, args.hidden_size))
-        model.eval()
-        return cls(model, None)
+        return cls(load_gemma4(path, resolve_device(device), resolve_dtype(dtype)), path)
 
     # -- what services/verifier/session.py needs from a backend --------------------------
 
@@ -666,20 +57,6 @@ class TargetTorch:
             return QuantizedFullKVCache(bits, group)
 
         return [RingKVCache(layout) if self.layer_types[i] == SLIDING else full(i) for i in range(self.n_cached)]
-
-    def make_plain_cache(self) -> list:
-        """Unbounded full caches on every layer (the reference decode: window applied by the mask)."""
-        return [FullKVCache() for _ in range(self.n_cached)]
-
-    def _ids(self, ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor([list(ids)], dtype=torch.long).to(self.device, non_blocking=True)
-
-    def _full_mask(self, start: int, n: int) -> torch.Tensor | None:
-        if n == 1:
-            return None
-        q = torch.arange(start, start + n, device=self.device)[:, None]
-        k = torch.arange(start + n, device=self.device)[None, :]
-        return k <= q
 
     @torch.inference_mode()
     def run(self, ids: Sequence[int], cache: list, aux_layers: Sequence[int], plan: RingPlan) -> Forward:
@@ -696,22 +73,7 @@ class TargetTorch:
         if SLIDING in self.layer_types:
             m = plan.mask
             masks[SLIDING] = None if m.all() else torch.from_numpy(m).to(self.device, non_blocking=True)
-        return self.model(self._ids(ids), cache, aux_layers, masks, start)
-
-    @torch.inference_mode()
-    def run_plain(self, ids: Sequence[int], cache: list, aux_layers: Sequence[int] = ()) -> Forward:
-        """Forward on :meth:`make_plain_cache` caches; sliding layers see ``sliding_window`` keys."""
-        start = cache[0].offset if cache else 0
-        n = len(ids)
-        q = torch.arange(start, start + n, device=self.device)[:, None]
-        k = torch.arange(start + n, device=self.device)[None, :]
-        causal = k <= q
-        masks = {FULL: causal, SLIDING: causal & (k > q - self.args.sliding_window)}
-        return self.model(self._ids(ids), cache, aux_layers, masks, start)
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(hidden)
+        return self.forward(self._ids(ids), cache, aux_layers, masks, start)
 
     @torch.inference_mode()
     def greedy(self, hidden: torch.Tensor) -> list[int]:
@@ -738,6 +100,70 @@ class TargetTorch:
             "sliding": sum(c.nbytes for c in cache if isinstance(c, RingKVCache)),
             "full": sum(c.nbytes for c in cache if not isinstance(c, RingKVCache)),
         }
+
+    # -- the model itself ---------------------------------------------------------------
+
+    def forward(
+        self, ids: torch.Tensor, cache: list, aux_layers: Sequence[int], masks: dict, start: int
+    ) -> Forward:
+        """Run ``ids`` [1, L] at positions ``start..`` through the body, appending to ``cache``; no LM head."""
+        return self.model(ids, cache, aux_layers, masks, start)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    def _ids(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor([list(ids)], dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _full_mask(self, start: int, n: int) -> torch.Tensor | None:
+        if n == 1:
+            return None
+        q = torch.arange(start, start + n, device=self.device)[:, None]
+        k = torch.arange(start + n, device=self.device)[None, :]
+        return k <= q
+
+    # -- torch only: benchmarks, the reference decode, warm-up --------------------------
+
+    @classmethod
+    def random(
+        cls, args: Gemma4Args, device: str | torch.device | None = "cpu", dtype: str | torch.dtype | None = "bfloat16", seed: int = 0
+    ) -> "TargetTorch":
+        """Random weights of the right shapes (for benchmarks: no checkpoint needed)."""
+        device, dtype = resolve_device(device), resolve_dtype(dtype)
+        with torch.device("meta"):
+            model = Gemma4Text(args)
+        g = torch.Generator(device=device).manual_seed(seed)
+
+        def fill(shape: tuple[int, ...]) -> torch.Tensor:
+            if len(shape) == 1:  # norms, scales, layer_scalar
+                return torch.ones(shape, device=device, dtype=dtype)
+            # std 1/sqrt(fan_in): unit-scale activations; drawn on the device (fast for 26B shapes)
+            return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, shape[-1] ** -0.5, generator=g)
+
+        for mod in model.modules():
+            for name, buf in list(mod._buffers.items()):
+                if buf is not None:
+                    mod._buffers[name] = fill(tuple(buf.shape))
+        if not args.tie_word_embeddings:
+            model.lm_head = fill((args.vocab_size, args.hidden_size))
+        model.eval()
+        return cls(model, None)
+
+    def make_plain_cache(self) -> list:
+        """Unbounded full caches on every layer (the reference decode: window applied by the mask)."""
+        return [FullKVCache() for _ in range(self.n_cached)]
+
+    @torch.inference_mode()
+    def run_plain(self, ids: Sequence[int], cache: list, aux_layers: Sequence[int] = ()) -> Forward:
+        """Forward on :meth:`make_plain_cache` caches; sliding layers see ``sliding_window`` keys."""
+        start = cache[0].offset if cache else 0
+        n = len(ids)
+        q = torch.arange(start, start + n, device=self.device)[:, None]
+        k = torch.arange(start + n, device=self.device)[None, :]
+        causal = k <= q
+        masks = {FULL: causal, SLIDING: causal & (k > q - self.args.sliding_window)}
+        return self.forward(self._ids(ids), cache, aux_layers, masks, start)
 
     def warmup(self, aux_layers: Sequence[int], ctx: int = 1024, max_block: int = 16, policy=None) -> float:
         """Run a full-length prefill and one verify of every block size once (kernel selection,

@@ -56,7 +56,7 @@ def test_full_shape_parameter_counts_match_the_published_model():
     import torch
 
     from services.drafter.dflash_torch import DFlashDraftModel
-    from services.verifier.model_torch import Gemma4Args, Gemma4Text
+    from services.verifier.gemma4_torch import Gemma4Args, Gemma4Text
 
     gp = _load()
     with torch.device("meta"):

@@ -1,0 +1,118 @@
+"""Where a Hugging Face checkpoint directory keeps its tensors (framework-free: no torch, no MLX).
+
+* :func:`shard_files` / :func:`tensor_files`: the safetensors files of a
+  checkpoint and which file holds each tensor. A sharded checkpoint says so in
+  ``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file);
+  otherwise every ``*.safetensors`` in the directory is a shard and its header
+  lists its tensors.
+* :func:`find_text_tensors`: where a Gemma-style target keeps its text model --
+  the name prefix (``model.`` for a text-only checkpoint, ``model.language_model.``
+  for a multimodal one ...), the embedding table and the LM head (absent when the
+  head is tied to the embedding). The torch target reads its whole text model
+  under that prefix; both drafters borrow just the embedding and the head.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+# The embedding / LM head module names, plain and multimodal layouts, most common first.
+EMBED_NAMES = (
+    "model.embed_tokens",
+    "model.language_model.embed_tokens",
+    "language_model.model.embed_tokens",
+    "model.language_model.model.embed_tokens",
+    "embed_tokens",
+)
+HEAD_NAMES = ("lm_head", "language_model.lm_head", "model.language_model.lm_head", "model.lm_head")
+# Towers and per-layer tables whose names may also end in embed_tokens / lm_head.
+NOT_TEXT = ("vision", "audio", "multi_modal", "per_layer")
+
+
+def shard_files(ckpt_dir: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files (the index's shards when it has one), sorted."""
+    ckpt_dir = Path(ckpt_dir)
+    index = ckpt_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        files = sorted({ckpt_dir / f for f in _weight_map(index).values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names missing shards {missing}")
+    else:
+        files = sorted(ckpt_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in checkpoint {ckpt_dir}")
+    return files
+
+
+def tensor_files(ckpt_dir: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it (no tensor data is read)."""
+    ckpt_dir = Path(ckpt_dir)
+    index = ckpt_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        shard_files(ckpt_dir)  # every listed shard exists
+        return {name: ckpt_dir / f for name, f in _weight_map(index).items()}
+    return {name: f for f in shard_files(ckpt_dir) for name in safetensors_names(f)}
+
+
+def safetensors_names(path: str | Path) -> list[str]:
+    """The tensor names in one safetensors file, read from its header alone."""
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path} is not a safetensors file (no header)")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(fh.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} is not a safetensors file ({e})") from None
+    return [k for k in header if k != "__metadata__"]
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    wm = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    if not isinstance(wm, dict) or not wm:
+        raise ValueError(f"{index} has no weight_map")
+    return wm
+
+
+def is_quantized(names: Iterable[str]) -> bool:
+    """An MLX-quantized checkpoint (``.scales`` beside the packed weights)."""
+    return any(k.endswith(".scales") for k in names)
+
+
+@dataclass(frozen=True)
+class TextTensors:
+    """Module names (without ``.weight``) of a target's text model in its checkpoint."""
+
+    prefix: str  # put before "layers.N. ...", "norm.weight": "model.", "model.language_model.", ...
+    embed: str  # e.g. "model.embed_tokens"
+    head: str | None  # e.g. "lm_head"; None: the checkpoint has no LM head (tied to the embedding)
+
+
+def find_text_tensors(names: Iterable[str], ckpt: str | Path = "") -> TextTensors:
+    """Locate the embedding table, its prefix and the LM head among a checkpoint's tensor names
+    (``ckpt`` only names the checkpoint in the error)."""
+    names = set(names)
+    embed = _find(names, EMBED_NAMES, "embed_tokens")
+    if embed is None:
+        raise ValueError(f"no embed_tokens weight in target checkpoint {ckpt}".rstrip())
+    prefix = embed[: -len("embed_tokens")]
+    head = _find(names, HEAD_NAMES + (prefix + "lm_head",), "lm_head")
+    return TextTensors(prefix, embed, head)
+
+
+def _find(names: set[str], known: tuple[str, ...], suffix: str) -> str | None:
+    for n in known:
+        if f"{n}.weight" in names:
+            return n
+    for k in sorted(names):
+        if k.endswith(f".{suffix}.weight") and not any(s in k for s in NOT_TEXT):
+            return k[: -len(".weight")]
+    return None

@@ -1,0 +1,108 @@
+"""Tensor helpers shared by the PyTorch target (``verifier/gemma4_torch.py``) and drafter
+(``drafter/dflash_torch.py``): device/dtype resolution, the two RMSNorm conventions, RoPE.
+
+Both models normalise in float32; they differ in *when* the result goes back to
+the activation dtype, which matters in bf16/fp16:
+
+* Gemma-4 (:func:`gemma4_rms_norm`) multiplies by the weight in float32 and casts
+  once at the end (transformers' ``Gemma4RMSNorm``). Gemma-4 scales by ``w``
+  itself -- not Gemma 1-3's ``1 + w`` -- and some of its norms have no weight.
+* Qwen3 (:func:`qwen3_rms_norm`, the DFlash drafter's layers) casts the
+  normalised rows back first and multiplies by the weight in the weight's
+  dtype (transformers' ``Qwen3RMSNorm``).
+
+In float32 the two give the same numbers; the names keep each model bit-exact
+with its reference in low precision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """A torch dtype from its name (``"bf16"``, ``"float32"`` ...); None means float32."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r} (expected one of {sorted(DTYPES)})") from None
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """A torch device that exists on this machine; None means the CPU."""
+    if device is None:
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device 'mps' requested but torch.backends.mps.is_available() is False")
+    return device
+
+
+# --------------------------------------------------------------------------- RMSNorm
+
+
+def _normalized_f32(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def gemma4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Gemma-4 RMSNorm: ``x * rsqrt(mean(x^2) + eps) * weight`` all in float32, then cast to x's
+    dtype; ``weight=None`` is the scale-free norm (Gemma-4's V norm, router input)."""
+    out = _normalized_f32(x, eps)
+    if weight is not None:
+        out = out * weight.float()
+    return out.to(x.dtype)
+
+
+def qwen3_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3 RMSNorm: normalise in float32, cast back to x's dtype, then times ``weight``."""
+    return weight * _normalized_f32(x, eps).to(x.dtype)
+
+
+# --------------------------------------------------------------------------- RoPE (half-split pairs)
+
+
+def default_inv_freq(base: float, dim: int, n_pairs: int | None = None) -> torch.Tensor:
+    """float32 ``1 / base^(2i/dim)`` for the first ``n_pairs`` (default ``dim // 2``) pairs, on the CPU."""
+    stop = dim if n_pairs is None else 2 * n_pairs
+    return 1.0 / (base ** (torch.arange(0, stop, 2, dtype=torch.float32, device="cpu") / dim))
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, start: int, n: int, device, dtype: torch.dtype, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` tables ``[n, 2 * len(inv_freq)]`` for positions ``start .. start+n-1``
+    (angles in float32, optionally times ``scale``, cast to ``dtype``)."""
+    pos = torch.arange(start, start + n, device=device, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq.to(device)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (last axis = head dim) by tables that broadcast against it."""
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,86 @@
+"""services/torch_ops.py: the two RMSNorm conventions against their transformers references, RoPE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.torch_ops import (
+    apply_rope,
+    default_inv_freq,
+    gemma4_rms_norm,
+    qwen3_rms_norm,
+    resolve_device,
+    resolve_dtype,
+    rope_cos_sin,
+)
+
+EPS = 1e-6
+
+
+def _inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 7, 64, generator=g) * 3).to(dtype)
+    w = (torch.randn(64, generator=g) * 0.5 + 1).to(dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma4_rms_norm_matches_transformers(dtype):
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    x, w = _inputs(dtype)
+    ref = Gemma4RMSNorm(64, eps=EPS).to(dtype)
+    ref.weight.data.copy_(w)
+    assert torch.equal(gemma4_rms_norm(x, w, EPS), ref(x))
+    bare = Gemma4RMSNorm(64, eps=EPS, with_scale=False)
+    assert torch.equal(gemma4_rms_norm(x, None, EPS), bare(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen3_rms_norm_matches_transformers(dtype):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    x, w = _inputs(dtype)
+    ref = Qwen3RMSNorm(64, eps=EPS).to(dtype)
+    ref.weight.data.copy_(w)
+    assert torch.equal(qwen3_rms_norm(x, w, EPS), ref(x))
+
+
+def test_the_two_norms_differ_where_they_round_and_only_there():
+    """Gemma-4 scales in float32 and rounds once; Qwen3 rounds, then scales in bf16 (rounds again).
+    Neither is Gemma 1-3's ``1 + w``."""
+    x, w = _inputs(torch.float32)
+    assert torch.equal(gemma4_rms_norm(x, w, EPS), qwen3_rms_norm(x, w, EPS))  # same numbers in float32
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    assert not torch.allclose(gemma4_rms_norm(x, w, EPS), normed * (1 + w), atol=1e-2)
+    xb, wb = _inputs(torch.bfloat16)
+    g, q = gemma4_rms_norm(xb, wb, EPS), qwen3_rms_norm(xb, wb, EPS)
+    assert g.dtype == q.dtype == torch.bfloat16
+    assert not torch.equal(g, q)  # double rounding shows up in bf16 ...
+    assert torch.allclose(g.float(), q.float(), rtol=2e-2, atol=2e-2)  # ... as rounding, nothing more
+
+
+def test_rope_rotates_pairs_by_position():
+    inv = default_inv_freq(10_000.0, 8)
+    assert torch.allclose(inv, 1.0 / 10_000.0 ** (torch.arange(0, 8, 2).float() / 8))
+    assert torch.equal(default_inv_freq(10_000.0, 8, n_pairs=2), inv[:2])
+    cos, sin = rope_cos_sin(inv, 3, 2, "cpu", torch.float32)
+    assert cos.shape == (2, 8) and torch.allclose(cos[0, :4], torch.cos(3 * inv)) and torch.equal(cos[:, :4], cos[:, 4:])
+    x = torch.randn(2, 8)
+    y = apply_rope(x, cos, sin)
+    # pair (i, i + 4) turned by angle p * inv_i: a rotation keeps each pair's length
+    assert torch.allclose(y[:, :4] ** 2 + y[:, 4:] ** 2, x[:, :4] ** 2 + x[:, 4:] ** 2, atol=1e-5)
+    assert torch.allclose(y[1, 0], x[1, 0] * torch.cos(4 * inv[0]) - x[1, 4] * torch.sin(4 * inv[0]))
+    c2, s2 = rope_cos_sin(inv, 3, 2, "cpu", torch.float32, scale=2.0)
+    assert torch.allclose(c2, 2 * cos) and torch.allclose(s2, 2 * sin)
+
+
+def test_device_and_dtype_resolution():
+    assert resolve_dtype(None) is torch.float32 and resolve_dtype("BF16") is torch.bfloat16
+    assert resolve_device(None) == torch.device("cpu")
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        resolve_dtype("int3")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda"):
+            resolve_device("cuda")
