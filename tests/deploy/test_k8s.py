@@ -9,7 +9,17 @@ import pytest
 from services.orchestrator.cli import build_parser
 from services.orchestrator.serve import DEFAULT_PORTS
 
-from .manifests import OVERLAYS, ROLES, argv, config_env, container, deployment, flag, of_kind, render
+from .manifests import (
+    OVERLAYS,
+    ROLES,
+    argv,
+    config_env,
+    container,
+    deployment,
+    flag,
+    of_kind,
+    render,
+)
 from .test_dockerfile import STAGES, TARGETS, inherited
 
 K8S_VERSION = "1.30.0"  # the oldest version we promise (native gRPC probes GA in 1.27, preStop sleep in 1.30)
