@@ -49,8 +49,17 @@ RECONNECT_OPTIONS = [
 ]
 
 
+# Sessions are streams, so balancing is per session: a target that resolves to several replicas
+# (``dns:///verifier-headless:50061``, ``ipv4:10.0.0.1:50061,10.0.0.2:50061``) gets each new
+# session on the next replica; only replicas whose gRPC health says SERVING are picked, so one
+# that is loading or draining gets none (client-side health checking).
+BALANCE_OPTIONS = [
+    ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}}'),
+]
+
+
 def backend_channel(addr: str) -> grpc.Channel:
-    return grpc.insecure_channel(addr, options=channel_options() + RECONNECT_OPTIONS)
+    return grpc.insecure_channel(addr, options=channel_options() + RECONNECT_OPTIONS + BALANCE_OPTIONS)
 
 
 class BackendError(RuntimeError):

@@ -498,8 +498,9 @@ def register_serve(sub) -> None:
 
     o = roles.add_parser("orchestrator", help="the public Generate API (split: --verifier/--drafter; else colocated)")
     _common(o, "orchestrator")
-    o.add_argument("--verifier", metavar="HOST:PORT", help="a `kakeya serve verifier` (split deployment)")
-    o.add_argument("--drafter", metavar="HOST:PORT", help="a `kakeya serve drafter` (split deployment)")
+    o.add_argument("--verifier", metavar="TARGET", help="a `kakeya serve verifier`: HOST:PORT, or a gRPC target naming several "
+                   "replicas (dns:///verifier-headless:50061, ipv4:H1:P,H2:P); each session goes to the next SERVING one")
+    o.add_argument("--drafter", metavar="TARGET", help="a `kakeya serve drafter`: HOST:PORT or a gRPC target, as --verifier")
     o.add_argument("--target", help="colocated: target checkpoint loaded in this process")
     o.add_argument("--draft", help="colocated: drafter checkpoint loaded in this process")
     o.add_argument("--no-drafter", action="store_true", help="no speculation: the verifier decodes alone")

@@ -1,0 +1,150 @@
+"""The Dockerfile's invariants, checked without Docker (none here): parsed, not built.
+
+Non-root user, no weights copied in, every pip install pinned by constraints.txt (which pins what
+the tests ran against), the CUDA image without MLX, and an ENTRYPOINT + CMD that the real
+``kakeya`` parser accepts.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import shlex
+import tomllib
+
+import pytest
+
+from services.orchestrator.cli import build_parser
+
+from .manifests import DOCKER, ROOT, dockerfile_stages, inherited
+
+TARGETS = ("cpu", "cuda")  # the images the manifests use: kakeya:<version>-<target>
+STAGES = dockerfile_stages()
+CONSTRAINTS = DOCKER / "constraints.txt"
+
+
+def exec_form(text: str) -> list[str]:
+    value = json.loads(text)
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), f"not exec form: {text}"
+    return value
+
+
+def pins() -> dict[str, str]:
+    out = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9_.-]+)==([A-Za-z0-9_.!]+)", line)
+        assert m, f"constraints.txt: not an exact pin: {line!r}"
+        out[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+    return out
+
+
+def test_targets_exist_and_run_as_non_root():
+    for t in TARGETS:
+        assert t in STAGES, f"no `FROM ... AS {t}` stage"
+        user = inherited(STAGES, t, "USER")
+        assert user, f"{t}: no USER (would run as root)"
+        uid = user.split(":")[0]
+        assert uid.isdigit() and int(uid) != 0, f"{t}: USER {user!r} must be a numeric non-root uid (runAsNonRoot checks it)"
+
+
+def test_no_weights_copied_in():
+    for st in STAGES.values():
+        for instr, rest in st.instructions:
+            if instr in ("COPY", "ADD"):
+                assert instr == "COPY", "ADD can fetch URLs and unpack archives: use COPY"
+                srcs = [w for w in shlex.split(rest) if not w.startswith("--")][:-1]
+                for src in srcs:
+                    assert not re.search(r"(^|/)models?(/|$)|\.(safetensors|bin|gguf|pt|pth|npz)$", src), f"{st.name}: COPY {src}"
+    # `COPY services` brings the package, whose only weights are the embedded tiny/demo pairs.
+    pairs = sorted(p.name for p in (ROOT / "services" / "models").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert pairs == ["demo", "tiny"], pairs
+    size = sum(f.stat().st_size for f in (ROOT / "services" / "models").rglob("*") if f.is_file())
+    assert size < 32 * 2**20, f"embedded pairs are {size / 2**20:.0f} MiB: real weights belong on a volume"
+    ignore = [ln.strip() for ln in (DOCKER / "Dockerfile.dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    assert ignore[0] == "*", "the build context must start from nothing (`*`), then name what the image needs"
+    assert not any(ln.startswith("!") and "models" in ln for ln in ignore)
+
+
+def test_every_pip_install_is_constrained():
+    copied = [rest for st in STAGES.values() for i, rest in st.instructions if i == "COPY" and "constraints.txt" in rest]
+    assert copied and shlex.split(copied[0])[0] == "deploy/docker/constraints.txt"
+    dest = shlex.split(copied[0])[-1]
+    runs = [(st.name, rest) for st in STAGES.values() for i, rest in st.instructions if i == "RUN" and "pip install" in rest]
+    assert len(runs) >= 3
+    for name, cmd in runs:
+        for part in cmd.split("pip install")[1:]:
+            assert f"-c {dest}" in part.split("&&")[0], f"{name}: a pip install without -c {dest}: {cmd}"
+
+
+def test_constraints_pin_what_the_tests_ran_against():
+    """The image installs the versions this suite ran with (lock.sh regenerates the file)."""
+    pinned = pins()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    runtime = project["dependencies"] + project["optional-dependencies"]["mlx"] + project["optional-dependencies"]["torch"]
+    names = {re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", r).group(0)).lower() for r in runtime}
+    for name in sorted(names | {"pip", "setuptools"}):
+        assert name in pinned, f"{name} is not pinned in constraints.txt (run deploy/docker/lock.sh)"
+        installed = importlib.metadata.version(name).split("+")[0]
+        assert pinned[name] == installed, f"{name}: constraints.txt pins {pinned[name]}, the tests ran {installed} (lock.sh)"
+
+
+def test_cuda_image_is_torch_only_and_cpu_image_has_no_torch():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    def installs(stage: str) -> str:
+        return " ".join(rest for st in [STAGES[stage]] for i, rest in st.instructions if i == "RUN" and "pip install" in rest)
+
+    cuda_build = next(s.name for s in STAGES.values() if s.name == "build-cuda")
+    assert '".[torch]"' in installs(cuda_build) and "mlx" not in installs(cuda_build).replace("import mlx", "")
+    assert not any("mlx" in r for r in extras["torch"])
+    assert 'import mlx' in installs(cuda_build), "the CUDA build should prove MLX is absent"
+    assert '".[mlx]"' in installs("build-cpu") and "torch" not in installs("build-cpu")
+    copies = {t: [rest for i, rest in STAGES[t].instructions if i == "COPY" and "--from=" in rest] for t in TARGETS}
+    assert any("--from=build-cuda" in c for c in copies["cuda"]) and not any("build-cpu" in c for c in copies["cuda"])
+    assert any("--from=build-cpu" in c for c in copies["cpu"]) and not any("build-cuda" in c for c in copies["cpu"])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_entrypoint_and_cmd_are_a_real_kakeya_serve_command(target):
+    entry = exec_form(inherited(STAGES, target, "ENTRYPOINT"))
+    cmd = exec_form(inherited(STAGES, target, "CMD"))
+    assert entry == ["kakeya", "serve"], entry  # the console script pyproject installs
+    args = build_parser().parse_args(["serve", *cmd])
+    assert args.command == "serve" and args.role in ("verifier", "drafter", "orchestrator", "all")
+    assert args.host == "0.0.0.0", "a container must listen beyond its loopback"
+    if target == "cuda":
+        assert args.verifier_backend == args.drafter_backend == "torch" and args.device == "cuda"
+        assert args.target.startswith("/models/") and args.draft.startswith("/models/")
+    else:
+        assert args.verifier_backend == args.drafter_backend == "mlx"
+
+
+def _healthcheck_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kakeya_healthcheck", DOCKER / "healthcheck.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_healthcheck_port_follows_the_command_line():
+    from services.orchestrator.serve import DEFAULT_PORTS
+
+    hc = _healthcheck_module()
+    assert {k: v for k, v in hc.DEFAULT_PORTS.items() if k != "all"} == DEFAULT_PORTS
+    for target in TARGETS:
+        cmd = ["kakeya", "serve", *exec_form(inherited(STAGES, target, "CMD"))]
+        assert hc.port_from_argv(cmd) == DEFAULT_PORTS["orchestrator"]
+    assert hc.port_from_argv(["kakeya", "serve", "verifier", "--port", "7000"]) == 7000
+    assert hc.port_from_argv(["kakeya", "serve", "drafter", "--port=7001"]) == 7001
+    assert hc.port_from_argv(["kakeya", "serve", "drafter"]) == DEFAULT_PORTS["drafter"]
+    with pytest.raises(ValueError):
+        hc.port_from_argv(["python", "x.py"])
+    check = exec_form(inherited(STAGES, "runtime", "HEALTHCHECK").split("CMD", 1)[1].strip())
+    assert check == ["python", "/opt/kakeya/healthcheck.py"]
+    assert any(i == "COPY" and rest.split()[-1] == check[1] for i, rest in STAGES["runtime"].instructions)

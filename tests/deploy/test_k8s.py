@@ -1,0 +1,192 @@
+"""Every overlay renders with `kubectl kustomize`, validates against the Kubernetes schemas offline,
+and says what the servers and the Dockerfile actually accept."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+
+from services.orchestrator.cli import build_parser
+from services.orchestrator.serve import DEFAULT_PORTS
+
+from .manifests import (
+    OVERLAYS,
+    ROLES,
+    argv,
+    config_env,
+    container,
+    deployment,
+    flag,
+    of_kind,
+    render,
+)
+from .test_dockerfile import STAGES, TARGETS, inherited
+
+K8S_VERSION = "1.30.0"  # the oldest version we promise (native gRPC probes GA in 1.27, preStop sleep in 1.30)
+CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}  # no schema in kubernetes-validate: checked below
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("version", [K8S_VERSION, "1.37.0"])
+def test_renders_and_validates_against_the_schemas(overlay, version):
+    docs = render(overlay)
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
+    for d in docs:
+        if (d["apiVersion"], d["kind"]) in CRDS:
+            continue
+        kubernetes_validate.validate(d, version, strict=True)  # raises on an unknown or mistyped field
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_container_args_parse_with_the_real_cli(overlay):
+    docs = render(overlay)
+    parser = build_parser()
+    for role in ROLES:
+        cmd = argv(docs, role)
+        assert cmd[:2] == ["kakeya", "serve"], cmd
+        args = parser.parse_args(cmd[1:])
+        assert args.role == role
+        assert args.port == DEFAULT_PORTS[role] and args.host == "0.0.0.0"
+        if role != "orchestrator":
+            assert args.max_sessions > 0, "a model server must bound its sessions (memory)"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_are_native_grpc_on_the_served_port(overlay):
+    docs = render(overlay)
+    for role in ROLES:
+        c = container(docs, role)
+        port = int(flag(argv(docs, role), "--port"))
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"] == port
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert set(c[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, f"{role} {probe}"
+            assert c[probe]["grpc"]["port"] == port and c[probe]["grpc"].get("service", "") == ""
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_non_root_and_locked_down(overlay):
+    docs = render(overlay)
+    image_uid = int(inherited(STAGES, "runtime", "USER").split(":")[0])
+    for role in ROLES:
+        pod = deployment(docs, role)["spec"]["template"]["spec"]
+        c = container(docs, role)
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == image_uid != 0
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert "/tmp" in mounts, "read-only root: torch/triton/MLX need a writable /tmp (HOME=/tmp)"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_termination_grace_outlasts_the_drain(overlay):
+    docs = render(overlay)
+    for role in ROLES:
+        pod = deployment(docs, role)["spec"]["template"]["spec"]
+        grace = float(flag(argv(docs, role), "--grace") or build_parser().parse_args(argv(docs, role)[1:]).grace)
+        pre = container(docs, role).get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        assert pod["terminationGracePeriodSeconds"] > grace + pre + 5, role
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_images_are_dockerfile_targets_and_fit_the_backend(overlay):
+    docs = render(overlay)
+    for role in ROLES:
+        image = container(docs, role)["image"]
+        name, _, tag = image.rpartition(":")
+        target = tag.rsplit("-", 1)[-1]
+        assert name.endswith("kakeya") and target in TARGETS, f"{role}: {image} is not a Dockerfile target"
+        args = build_parser().parse_args(argv(docs, role)[1:])
+        backend = getattr(args, "backend", None)
+        if role != "orchestrator":
+            # the cuda image has no MLX, the cpu image no torch
+            assert backend == ("torch" if target == "cuda" else "mlx"), f"{role} on {image}: --backend {backend}"
+        if target == "cuda":
+            assert args.device == "cuda"
+
+
+def test_cuda_overlay_gpus_nodes_and_separation():
+    docs = render("cuda")
+    for role, other in (("verifier", "drafter"), ("drafter", "verifier")):
+        pod = deployment(docs, role)["spec"]["template"]["spec"]
+        res = container(docs, role)["resources"]
+        assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == 1
+        assert pod["nodeSelector"]
+        assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+        terms = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert any(
+            t["topologyKey"] == "kubernetes.io/hostname" and t["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == other
+            for t in terms
+        ), f"{role} may share a node with a {other}"
+    orch = container(docs, "orchestrator")
+    assert "nvidia.com/gpu" not in orch["resources"].get("requests", {}), "the orchestrator holds no model"
+
+
+def test_cpu_dev_is_small_and_needs_no_volume_or_gpu():
+    docs = render("cpu-dev")
+    assert not of_kind(docs, "PersistentVolumeClaim")
+    for role in ROLES:
+        d = deployment(docs, role)
+        assert d["spec"]["replicas"] == 1
+        c = container(docs, role)
+        assert "nvidia.com/gpu" not in str(c["resources"])
+        assert all("/models" not in a for a in argv(docs, role)), "cpu-dev uses the image's embedded pair"
+        assert not [v for v in d["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_orchestrator_balances_over_headless_services(overlay):
+    docs = render(overlay)
+    services = of_kind(docs, "Service")
+    args = argv(docs, "orchestrator")
+    for role in ("verifier", "drafter"):
+        target = flag(args, f"--{role}")
+        assert target.startswith("dns:///"), f"--{role} {target}: a dns:/// target lets gRPC see every replica"
+        host, port = target.removeprefix("dns:///").rsplit(":", 1)
+        svc = services[host]
+        assert svc["spec"]["clusterIP"] == "None", f"{host} must be headless (one DNS record per pod)"
+        assert svc["spec"]["selector"] == deployment(docs, role)["spec"]["selector"]["matchLabels"]
+        assert int(port) in [p["port"] for p in svc["spec"]["ports"]] and int(port) == DEFAULT_PORTS[role]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_volumes_secrets_config_and_budgets_line_up(overlay):
+    docs = render(overlay)
+    claims = set(of_kind(docs, "PersistentVolumeClaim"))
+    env = config_env(docs)
+    for role in ROLES:
+        pod = deployment(docs, role)["spec"]["template"]["spec"]
+        vols = {v["name"]: v for v in pod["volumes"]}
+        for v in vols.values():
+            if "persistentVolumeClaim" in v:
+                assert v["persistentVolumeClaim"]["claimName"] in claims
+                assert v["persistentVolumeClaim"]["readOnly"] is True
+        assert vols["tls"]["secret"]["optional"] is True, "TLS is opt-in until the servers take TLS flags (#14)"
+        assert {m["name"] for m in container(docs, role)["volumeMounts"]} <= set(vols)
+        assert container(docs, role)["envFrom"] == [{"configMapRef": {"name": "kakeya-config"}}]
+    assert {"KAKEYA_CACHE", "KAKEYA_SINK", "KAKEYA_FULL_KV_BITS", "KAKEYA_MAX_TOKENS_LIMIT"} <= set(env)
+    verifier = build_parser().parse_args(argv(docs, "verifier")[1:])
+    assert verifier.cache == env["KAKEYA_CACHE"] and verifier.full_kv_bits == int(env["KAKEYA_FULL_KV_BITS"])
+    pdbs = of_kind(docs, "PodDisruptionBudget")
+    for role in ROLES:
+        assert pdbs[f"kakeya-{role}"]["spec"]["selector"]["matchLabels"] == deployment(docs, role)["spec"]["selector"]["matchLabels"]
+
+
+def test_service_monitor_scrapes_a_named_metrics_port():
+    """A CRD kubernetes-validate has no schema for: checked structurally against the Services."""
+    docs = render("cuda")
+    (sm,) = of_kind(docs, "ServiceMonitor").values()
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(sm["spec"]) <= {"selector", "endpoints", "namespaceSelector", "jobLabel"}
+    want = sm["spec"]["selector"]["matchLabels"]
+    selected = [s for s in of_kind(docs, "Service").values() if want.items() <= s["metadata"]["labels"].items()]
+    assert {s["metadata"]["name"] for s in selected} == {"kakeya-verifier-headless", "kakeya-drafter-headless", "kakeya-orchestrator"}
+    for ep in sm["spec"]["endpoints"]:
+        assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "tlsConfig"}
+        for s in selected:
+            assert ep["port"] in {p["name"] for p in s["spec"]["ports"]}
+    for role in ROLES:
+        assert "metrics" in {p["name"] for p in container(docs, role)["ports"]}
+    assert not of_kind(render("cpu-dev"), "ServiceMonitor"), "cpu-dev must apply on clusters without the Prometheus Operator"

@@ -1,0 +1,101 @@
+"""The cpu-dev overlay's pods as local processes: the rendered containers' commands and arguments
+(same flags, same ports' roles), started on loopback, serve real requests, no cluster needed.
+
+Two verifier replicas stand behind the orchestrator's verifier target, the way the headless
+Service's DNS lists every ready pod: the orchestrator must open its sessions on both (gRPC
+round_robin), and every output must equal the colocated engine's and a single-verifier run's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.checkpoints.tiny import default_pair
+from services.orchestrator.cli import build_local_engine
+from services.orchestrator.engine import Request
+from services.orchestrator.server import split_engine
+from tests.services.conftest import Server, generate, request, verifier_info
+
+from .manifests import DOCKER, ROOT, argv, flag, render
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "import os\n"]
+MAX_TOKENS = 12
+
+
+def local_argv(role: str, services: dict[str, str]) -> list[str]:
+    """A cpu-dev container's `kakeya serve ...` arguments for a loopback process.
+
+    Kept: every flag as rendered. Changed: listen on loopback (Server adds `--port 0` and a ready
+    file: the last --port wins, as in argparse), and a Service name resolves to local addresses.
+    """
+    cmd = argv(render("cpu-dev"), role)
+    assert cmd[:2] == ["kakeya", "serve"]
+    out = []
+    for a in cmd[2:]:
+        if a == "--host=0.0.0.0":
+            a = "--host=127.0.0.1"
+        for name, local in services.items():
+            a = a.replace(f"dns:///{name}", local)
+        out.append(a)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cpu-dev")
+    started: list[Server] = []
+    try:
+        backends = [Server(n, local_argv(r, {}), tmp) for n, r in (("verifier-0", "verifier"), ("verifier-1", "verifier"), ("drafter-0", "drafter"))]
+        started += backends
+        for s in backends:
+            s.start()
+        for s in backends:
+            s.wait_ready()
+        v0, v1, d0 = backends
+        # The headless Services' DNS answers: every ready replica, with the port the Service names.
+        verifiers = "ipv4:" + ",".join(v.addr for v in (v0, v1))
+        drafters = f"ipv4:{d0.addr}"
+        orch_args = local_argv("orchestrator", {"kakeya-verifier-headless:50061": verifiers, "kakeya-drafter-headless:50062": drafters})
+        assert flag(orch_args, "--verifier") == verifiers and flag(orch_args, "--drafter") == drafters
+        orch = Server("orchestrator", orch_args, tmp)
+        started.append(orch)
+        orch.start().wait_ready()
+        yield {"orchestrator": orch, "verifiers": [v0, v1], "drafter": d0}
+    finally:
+        for s in started:
+            s.stop()
+
+
+def test_cpu_dev_pods_serve_on_loopback_and_balance_sessions(cluster):
+    orch, (v0, v1), d0 = cluster["orchestrator"], cluster["verifiers"], cluster["drafter"]
+    before = [verifier_info(v.addr).total_sessions for v in (v0, v1)]
+    served = [generate(orch.addr, request(text=p, max_tokens=MAX_TOKENS)) for p in PROMPTS]
+    after = [verifier_info(v.addr).total_sessions for v in (v0, v1)]
+    per_replica = [a - b for a, b in zip(after, before)]
+    assert sum(per_replica) == len(PROMPTS)
+    assert min(per_replica) >= 1, f"sessions per verifier replica: {per_replica} (round_robin should use both)"
+
+    pair = default_pair()  # what the cpu-dev servers load without --target/--draft
+    colocated = build_local_engine(str(pair.target), str(pair.draft))
+    single = split_engine(v0.addr, d0.addr, None, 30.0)  # one verifier: the pre-balancing path
+    for prompt, (ids, _text, complete, _chunks) in zip(PROMPTS, served):
+        prompt_ids = colocated.codec.encode(prompt)
+        assert list(complete.prompt_token_ids) == prompt_ids
+        req = Request(prompt_ids, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert ids == colocated.generate(req).token_ids, f"split over two replicas != colocated for {prompt!r}"
+        assert ids == single.generate(req).token_ids, f"two replicas != one verifier for {prompt!r}"
+        assert len(ids) == MAX_TOKENS and not complete.stats.drafter_fallback
+
+
+def test_image_healthcheck_script_against_a_live_server(cluster):
+    script = str(DOCKER / "healthcheck.py")
+    env = dict(os.environ, KAKEYA_HEALTH_ADDR=cluster["orchestrator"].addr)
+    ok = subprocess.run([sys.executable, script], env=env, check=False, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+    env["KAKEYA_HEALTH_ADDR"] = "127.0.0.1:1"  # nothing listens there
+    down = subprocess.run([sys.executable, script], env=env, check=False, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
