@@ -12,6 +12,7 @@ verifier and drafter their cache bytes. ``docs/operations.md`` lists them all.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -20,6 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services import logs
+
+log = logging.getLogger("kakeya.orchestrator")
 
 # Seconds; from 1 ms (a tiny model's block) to 80 s (a long generation on a CPU).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -106,7 +109,9 @@ class ServerMetrics:
         """``kakeya_kv_cache_bytes{kind}``: bytes held by live sessions' caches, read at scrape time."""
         self.registry.register(_Collected("kakeya_kv_cache_bytes", "KV cache bytes held by live sessions", "kind", read))
 
-    def generation(self, verifier_session: Any = None, drafter_session: Any = None) -> "GenerationObserver":
+    def generation(self, verifier_session: Any = None, drafter_session: Any = None, params: Any = None) -> "GenerationObserver":
+        if params is not None:
+            log.info("generate: %d prompt tokens, max_tokens %d, block %d", len(params.prompt_ids), params.max_tokens, params.block_size)
         return GenerationObserver(self, verifier_session, drafter_session)
 
     def serve_http(self, host: str, port: int):
@@ -129,6 +134,7 @@ class GenerationObserver:
         self.t_last: float | None = None
         self.server_s = self._server_total()
         self.finished = False
+        self.accepted = self.drafts = 0
 
     def _server_total(self) -> float | None:
         v = _server_s(self.vs)
@@ -150,6 +156,7 @@ class GenerationObserver:
                 m.block_latency.labels("wire").observe(max(0.0, client - (total - self.server_s)))
         self.t_last, self.server_s = now, total
         if b.drafted > 0:
+            self.drafts, self.accepted = self.drafts + 1, self.accepted + b.accepted
             m.num_drafts.inc()
             m.num_draft_tokens.inc(b.drafted)
             m.num_accepted_tokens.inc(b.accepted)
@@ -167,6 +174,8 @@ class GenerationObserver:
         m.generation_tokens.inc(tokens)
         if fallback:
             m.ar_fallbacks.inc()
+        log.info("finished: %s, %d tokens, %d drafts, %d accepted%s", reason, tokens, self.drafts, self.accepted,
+                 ", AR fallback (drafter failed)" if fallback else "")  # fmt: skip
 
 
 class _NoObserver:

@@ -381,9 +381,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except Exception as exc:
             self.step(self._close, None, run)  # whatever did open
             raise RequestError(*_status_of(exc)) from None
-        obs = self.metrics.generation(vs, ds) if observe else NO_OBSERVER
-        if observe:
-            log.info("generate: %d prompt tokens, max_tokens %d, block %d", len(params.prompt_ids), params.max_tokens, params.block_size)
+        obs = self.metrics.generation(vs, ds, params) if observe else NO_OBSERVER  # also logs start and finish
         blocks = loop.speculative_decode(
             vs, ds, params.prompt_ids, params.max_tokens, params.block_size, params.stop_ids, on_drafter_error
         )
@@ -441,9 +439,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         gen.finish_reason = finish
         gen.drafter_fallback = gen.drafter_fallback or run.drafter_fallback
         obs.finish(finish, fallback=gen.drafter_fallback, prompt_tokens=len(params.prompt_ids), tokens=len(token_ids))
-        if observe:
-            log.info("finished: %s, %d tokens, acceptance %.2f%s", finish, len(token_ids), gen.mean_acceptance,
-                     ", drafter fallback" if gen.drafter_fallback else "")  # fmt: skip
         yield pb.GenerateResponse(complete=self._complete(params, gen, vstats, time.perf_counter() - t_start, error))
 
     @staticmethod
