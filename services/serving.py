@@ -36,7 +36,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services import logs
 from services.contract import CachePolicy
+from services.metrics import RpcInterceptor
 from services.wire import contract as wire_contract
 from services.wire.limits import server_options
 
@@ -54,12 +56,11 @@ def version() -> str:
         return "0.0.0+local"
 
 
-def setup_logging(name: str) -> None:
-    logging.basicConfig(
-        level=os.environ.get("KAKEYA_LOG_LEVEL", "INFO").upper(),
-        format=f"%(asctime)s kakeya-{name}[%(process)d] %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+def setup_logging(name: str, fmt: str = "text") -> None:
+    """stderr, as text or JSON lines (``--log-format``), each line tagged with its request id."""
+    from services.logs import setup_logging as setup
+
+    setup(name, fmt)
 
 
 # --------------------------------------------------------------------------- errors
@@ -139,6 +140,7 @@ class SessionEntry:
     id: str
     session: Any = None
     cache_bytes: int = 0
+    kv_bytes: dict = field(default_factory=dict)  # by kind (verifier: sliding, full), for the metrics
     closed: bool = False
     opened_at: float = field(default_factory=time.monotonic)
 
@@ -169,7 +171,7 @@ class SessionRegistry:
                 return
             entry.closed = True
             self._live.pop(entry.id, None)
-            session, entry.session, entry.cache_bytes = entry.session, None, 0
+            session, entry.session, entry.cache_bytes, entry.kv_bytes = entry.session, None, 0, {}
         if session is not None:
             try:
                 session.close()  # drops the cache arrays; safe while a step still holds its own references
@@ -185,6 +187,15 @@ class SessionRegistry:
     def live_bytes(self) -> int:
         with self._lock:
             return sum(e.cache_bytes for e in self._live.values())
+
+    def bytes_by_kind(self, default_kind: str) -> dict[str, int]:
+        """Live cache bytes by kind (entries without a breakdown count as ``default_kind``)."""
+        out: dict[str, int] = {}
+        with self._lock:
+            for e in self._live.values():
+                for kind, n in (e.kv_bytes or {default_kind: e.cache_bytes}).items():
+                    out[kind] = out.get(kind, 0) + int(n)
+        return out
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -204,6 +215,10 @@ def session_stream(name: str, ready: bool, registry: "SessionRegistry", serve, r
     except SessionLimitError as exc:
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {exc}")
     context.add_callback(lambda: registry.close(entry))
+    slog = logging.getLogger(f"kakeya.{name}")
+    token = logs.bind(session_id=entry.id)
+    slog.info("session opened (%d live)", registry.live)
+    t_open = time.monotonic()
     try:
         yield from serve(entry, request_iterator)
     except RequestError as exc:
@@ -213,10 +228,12 @@ def session_stream(name: str, ready: bool, registry: "SessionRegistry", serve, r
     except Exception as exc:  # a bug: report it, keep the server up
         if entry.closed:  # the stream ended (cancel, deadline) while a step ran: nobody to answer
             return
-        logging.getLogger(f"kakeya.{name}").exception("session %s failed", entry.id)
+        slog.exception("session %s failed", entry.id)
         context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(exc).__name__}: {exc}")
     finally:
         registry.close(entry)
+        slog.info("session closed after %.3f s", time.monotonic() - t_open)
+        logs.reset(token)
 
 
 @dataclass
@@ -231,6 +248,7 @@ class ServerSpec:
     before_drain: Callable[[], None] = lambda: None  # e.g. stop admitting requests
     near_deadline: Callable[[], None] = lambda: None  # grace almost over: end streams cleanly
     max_workers: int = 64
+    metrics: Any = None  # services.metrics.ServerMetrics: errors counted, /metrics served with --metrics-port
 
 
 def _parent_watch(parent: int, stop: threading.Event) -> None:
@@ -247,8 +265,10 @@ def write_ready_file(path: str | Path, payload: dict) -> None:
     os.replace(tmp, path)  # readers never see a half-written file
 
 
-def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, ready_file: str | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; return the process exit status."""
+def run_server(
+    spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, ready_file: str | None = None, metrics_port: int | None = None
+) -> int:
+    """Serve until SIGTERM/SIGINT; return the process exit status. ``metrics_port``: /metrics (0: any port)."""
     if ready_file:
         Path(ready_file).unlink(missing_ok=True)  # a stale file must not announce us before we are ready
     stop = threading.Event()
@@ -268,7 +288,8 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
     if parent and parent.isdigit():
         threading.Thread(target=_parent_watch, args=(int(parent), stop), daemon=True).start()
 
-    server = grpc.server(ThreadPoolExecutor(max_workers=spec.max_workers), options=server_options())
+    interceptors = [RpcInterceptor(spec.metrics)] if spec.metrics is not None else []
+    server = grpc.server(ThreadPoolExecutor(max_workers=spec.max_workers), options=server_options(), interceptors=interceptors)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     spec.add_to_server(server)
@@ -288,6 +309,17 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
         print(f"kakeya: error: {spec.name}: cannot listen on {host}:{port} ({err or 'address in use?'})", file=sys.stderr)
         return 2
     addr = f"{host}:{bound}"
+    ready_extra: dict = {}
+    httpd = None
+    if metrics_port is not None and spec.metrics is not None:
+        try:
+            httpd = spec.metrics.serve_http(host, metrics_port)
+        except OSError as exc:
+            print(f"kakeya: error: {spec.name}: cannot serve metrics on {host}:{metrics_port} ({exc})", file=sys.stderr)
+            server.stop(0)
+            return 2
+        ready_extra["metrics_port"] = httpd.server_port
+        log.info("%s metrics on http://%s:%d/metrics", spec.name, host, httpd.server_port)
     server.start()
     log.info("%s listening on %s (NOT_SERVING until loaded and warmed up)", spec.name, addr)
 
@@ -321,7 +353,7 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
             health_servicer.set(n, health_pb2.HealthCheckResponse.SERVING)
         log.info("%s SERVING on %s: %s (loaded + warmed up in %.2f s)", spec.name, addr, outcome["desc"], outcome["load_s"])
         if ready_file:
-            write_ready_file(ready_file, {"service": spec.name, "addr": addr, "port": bound, "pid": os.getpid()})
+            write_ready_file(ready_file, {"service": spec.name, "addr": addr, "port": bound, "pid": os.getpid(), **ready_extra})
     while not stop.wait(0.5):
         pass
 
@@ -337,5 +369,7 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
     spec.set_ready(False)
     if ready_file:
         Path(ready_file).unlink(missing_ok=True)
+    if httpd is not None:
+        httpd.shutdown()
     log.info("%s stopped after %.2f s of draining", spec.name, time.monotonic() - t_stop)
     return 0

@@ -27,6 +27,7 @@ from services.serving import (
     precondition,
     version,
 )
+from services.metrics import ServerMetrics
 from services.wire import codec
 from services.wire.kakeya.v1 import drafter_pb2 as pb, drafter_pb2_grpc
 
@@ -40,6 +41,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     def __init__(self, max_sessions: int = 0):
         self.compute = ComputeThread("drafter")
         self.registry = SessionRegistry(max_sessions)
+        self.metrics = ServerMetrics("drafter")
+        self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
+        self.metrics.track_kv_bytes(lambda: {"context": 0} | self.registry.bytes_by_kind("context"))
         self.drafter = None  # MLXDrafter / TorchDrafter, set by load()
         self.backend = "mlx"
         self.ready = False
@@ -202,4 +206,5 @@ def server_spec(
         load=lambda: servicer.load(draft_dir, target_dir, backend, **kwargs),
         set_ready=set_ready,
         max_workers=(max_sessions + 16) if max_sessions else 128,
+        metrics=servicer.metrics,
     )

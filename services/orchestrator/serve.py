@@ -13,8 +13,8 @@
 Without checkpoint paths every server uses the embedded tiny pair. ``serve all``
 runs verifier, drafter and orchestrator as three processes (the backends on
 loopback ports of their own choosing), forwards SIGTERM/SIGINT to them in
-order (orchestrator first, so it can drain), and takes them down with it if it
-dies. Every server: gRPC health checking and reflection, SERVING only once
+order (orchestrator first, so it can drain), restarts a child that dies with
+backoff (``supervisor.py``), and takes them down with it if it dies. Every server: gRPC health checking and reflection, SERVING only once
 loaded and warmed up, ``--ready-file`` written at that moment, SIGTERM drains
 in-flight streams for ``--grace`` seconds.
 """
@@ -26,11 +26,8 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 DEFAULT_PORTS = {"orchestrator": 50051, "verifier": 50061, "drafter": 50062}
@@ -79,13 +76,15 @@ def _common(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight streams (default 30)")
     p.add_argument("--ready-file", help="write {addr, port, pid} as JSON here once SERVING")
     p.add_argument("--max-sessions", type=int, default=0, help="concurrent sessions; one more is RESOURCE_EXHAUSTED (0: no limit)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port of --host (0: any free port; default: off)")
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="stderr log lines: text or JSON (default text)")
 
 
 def _run(spec, args) -> int:
     from services.serving import run_server, setup_logging
 
-    setup_logging(spec.name)
-    rc = run_server(spec, args.host, args.port, args.grace, args.ready_file)
+    setup_logging(spec.name, args.log_format)
+    rc = run_server(spec, args.host, args.port, args.grace, args.ready_file, metrics_port=args.metrics_port)
     # Everything is drained and closed. Leave without joining the compute thread: MLX aborts the
     # process ("terminate called without an active exception") when the thread that owns its
     # arrays is joined while they are alive.
@@ -169,79 +168,12 @@ def cmd_serve_orchestrator(args) -> int:
 # --------------------------------------------------------------------------- serve all
 
 
-def _pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the child gets SIGTERM when its parent dies (the parent-pid watchdog covers macOS)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-class Supervisor:
-    """Children of ``serve all``: started in order, stopped in order, never left behind."""
-
-    def __init__(self, grace: float):
-        self.grace = grace
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.stop = threading.Event()
-
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        from services.serving import ENV_PARENT_PID
-
-        env = dict(os.environ, **{ENV_PARENT_PID: str(os.getpid())})
-        cmd = [sys.executable, "-m", "services.orchestrator.cli", "serve", name, *argv]
-        p = subprocess.Popen(
-            cmd,
-            env=env,
-            start_new_session=True,  # a terminal's Ctrl-C reaches only us; we stop the children in order
-            preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
-        )
-        self.procs[name] = p
-        return p
-
-    def wait_ready(self, files: dict[str, Path], timeout: float) -> dict[str, dict]:
-        deadline = time.monotonic() + timeout
-        out: dict[str, dict] = {}
-        while len(out) < len(files):
-            for name, f in files.items():
-                if name not in out and f.is_file():
-                    out[name] = json.loads(f.read_text())
-                p = self.procs[name]
-                if name not in out and p.poll() is not None:
-                    raise RuntimeError(f"{name} exited with status {p.returncode} before it was ready")
-            if self.stop.is_set():
-                raise KeyboardInterrupt
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not ready after {timeout:.0f} s: {sorted(set(files) - set(out))}")
-            time.sleep(0.1)
-        return out
-
-    def exited(self) -> list[tuple[str, int]]:
-        return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
-
-    def terminate(self, names: list[str]) -> None:
-        live = [self.procs[n] for n in names if n in self.procs and self.procs[n].poll() is None]
-        for p in live:
-            p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.grace + 10
-        for p in live:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-    def shutdown(self) -> None:
-        self.terminate(["orchestrator"])  # drains its generations while the backends still answer
-        self.terminate(["verifier", "drafter"])
-
-
 def cmd_serve_all(args) -> int:
     from services.serving import setup_logging, write_ready_file
 
-    setup_logging("all")
+    from .supervisor import Supervisor
+
+    setup_logging("all", args.log_format)
     log = logging.getLogger("kakeya.all")
     target, draft = _pair(args.target, args.draft)
     if args.ready_file:
@@ -254,7 +186,13 @@ def cmd_serve_all(args) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    common = ["--grace", str(args.grace)]
+    common = ["--grace", str(args.grace), "--log-format", args.log_format]
+
+    def metrics(i: int) -> list[str]:  # orchestrator: the base port, verifier +1, drafter +2 (0: any free ports)
+        if args.metrics_port is None:
+            return []
+        return ["--metrics-port", str(args.metrics_port + i if args.metrics_port else 0)]
+
     limits = ["--max-sessions", str(args.max_sessions)] if args.max_sessions else []
     rc = 0
     with tempfile.TemporaryDirectory(prefix="kakeya-serve-all-") as tmp:
@@ -267,33 +205,41 @@ def cmd_serve_all(args) -> int:
             cache = ["--cache", args.cache, "--sink", str(args.sink), "--full-kv-bits", str(args.full_kv_bits),
                      *(["--window", str(args.window)] if args.window else []),
                      *(["--restore", args.restore] if args.restore else [])]  # fmt: skip
-            sup.spawn("verifier", [*back, "--target", target, "--draft", draft, *vback, *cache, "--ready-file", str(files["verifier"]), *common, *limits])
-            sup.spawn("drafter", [*back, "--draft", draft, "--target", target, *dback, "--ready-file", str(files["drafter"]), *common, *limits])
-            ready = sup.wait_ready({n: files[n] for n in ("verifier", "drafter")}, args.start_timeout)
+            sup.spawn("verifier", [*back, "--target", target, "--draft", draft, *vback, *cache, "--ready-file", str(files["verifier"]), *common, *limits, *metrics(1)], files["verifier"])
+            sup.spawn("drafter", [*back, "--draft", draft, "--target", target, *dback, "--ready-file", str(files["drafter"]), *common, *limits, *metrics(2)], files["drafter"])
+            ready = sup.wait_ready(["verifier", "drafter"], args.start_timeout)
             orch = [
                 "--host", args.host, "--port", str(args.port),
                 "--verifier", ready["verifier"]["addr"], "--drafter", ready["drafter"]["addr"],
                 "--tokenizer", target, "--ready-file", str(files["orchestrator"]),
-                "--max-tokens-limit", str(args.max_tokens_limit), *common, *limits,
+                "--max-tokens-limit", str(args.max_tokens_limit), *common, *limits, *metrics(0),
             ]  # fmt: skip
-            sup.spawn("orchestrator", orch)
-            ready.update(sup.wait_ready({"orchestrator": files["orchestrator"]}, args.start_timeout))
-            summary = {
-                "addr": ready["orchestrator"]["addr"],
-                "verifier": ready["verifier"]["addr"],
-                "drafter": ready["drafter"]["addr"],
-                "pids": {n: p.pid for n, p in sup.procs.items()},
-                "pid": os.getpid(),
-            }
-            log.info("all SERVING: orchestrator %s, verifier %s, drafter %s", summary["addr"], summary["verifier"], summary["drafter"])
-            if args.ready_file:
-                write_ready_file(args.ready_file, summary)
-            while not sup.stop.wait(0.5):
-                gone = sup.exited()
-                if gone:
-                    log.error("%s exited unexpectedly: stopping the others", ", ".join(f"{n} (status {c})" for n, c in gone))
-                    rc = 1
-                    break
+            sup.spawn("orchestrator", orch, files["orchestrator"])
+            ready.update(sup.wait_ready(["orchestrator"], args.start_timeout))
+
+            def summary() -> dict:
+                c = sup.children
+                out = {
+                    "addr": c["orchestrator"].info["addr"],
+                    "verifier": c["verifier"].info["addr"],
+                    "drafter": c["drafter"].info["addr"],
+                    "pids": {n: p.pid for n, p in sup.procs.items()},
+                    "restarts": {n: ch.restarts for n, ch in c.items()},
+                    "pid": os.getpid(),
+                }
+                if args.metrics_port is not None:
+                    out["metrics_ports"] = {n: ch.info.get("metrics_port") for n, ch in c.items()}
+                return out
+
+            def publish() -> None:  # the ready file follows restarts (new pids)
+                if args.ready_file:
+                    write_ready_file(args.ready_file, summary())
+
+            s = summary()
+            log.info("all SERVING: orchestrator %s, verifier %s, drafter %s", s["addr"], s["verifier"], s["drafter"])
+            publish()
+            sup.on_change = publish
+            sup.watch()  # restarts dead children until SIGTERM/SIGINT
         except KeyboardInterrupt:
             pass
         except RuntimeError as exc:

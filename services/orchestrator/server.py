@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator, Sequence
 import grpc
 
 from services.contract import MAX_BLOCK_SIZE, CachePolicy
+from services import logs
+from services.metrics import NO_OBSERVER, ServerMetrics
 from services.serving import ComputeThread, RequestError, ServerSpec, check_policy, check_token_ids, invalid, policy_from_request, version
 from services.wire import contract as wire_contract
 from services.wire.kakeya.v1 import cache_pb2, generate_pb2 as pb, generate_pb2_grpc
@@ -204,6 +206,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.active = 0
         self.total = 0
         self.started = time.monotonic()
+        self.metrics = ServerMetrics("orchestrator")
+        self.metrics.track_sessions(lambda: self.active, lambda: self.total)
 
     # -- loading -----------------------------------------------------------------------
 
@@ -219,7 +223,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         params = Params("warmup", [i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), frozenset(), ())
         run = _Run()
         final = None
-        for resp in self._generate(params, run, None):
+        for resp in self._generate(params, run, None, observe=False):  # warm-up: not in the metrics
             final = resp
         c = final.complete
         if c.finish_reason == pb.FINISH_REASON_ERROR:
@@ -320,6 +324,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             params = self.parse(request)
         except RequestError as exc:
             context.abort(exc.code, exc.message)
+        logs.bind(request_id=params.request_id)  # the interceptor resets it when the RPC ends
         with self._lock:
             if self.max_sessions and self.active >= self.max_sessions:
                 context.abort(
@@ -358,7 +363,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             run.sessions.append(ds)
         return vs, ds
 
-    def _generate(self, params: Params, run: _Run, timeout: float | None) -> Iterator[pb.GenerateResponse]:
+    def _generate(self, params: Params, run: _Run, timeout: float | None, observe: bool = True) -> Iterator[pb.GenerateResponse]:
         """Stream one generation; RequestError before the first chunk, Complete(error) after it."""
         e = self.engine
         t_start = time.perf_counter()
@@ -376,6 +381,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except Exception as exc:
             self.step(self._close, None, run)  # whatever did open
             raise RequestError(*_status_of(exc)) from None
+        obs = self.metrics.generation(vs, ds, params) if observe else NO_OBSERVER  # also logs start and finish
         blocks = loop.speculative_decode(
             vs, ds, params.prompt_ids, params.max_tokens, params.block_size, params.stop_ids, on_drafter_error
         )
@@ -407,6 +413,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     finish = gen.finish_reason
                     break
                 seen.append(value)
+                obs.block(value)
                 ids, delta, hit = text.add(value.tokens)
                 token_ids.extend(ids)
                 yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(token_ids=ids, text=delta))
@@ -419,6 +426,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             vstats = self.step(vs.stats) if finish != "error" else {}
         finally:
             self.step(self._close, blocks, run)
+            if run.cancelled:
+                obs.finish("abort", fallback=run.drafter_fallback, prompt_tokens=len(params.prompt_ids), tokens=len(token_ids))
         if gen is None:
             gen = loop.Generation(
                 prompt_ids=list(params.prompt_ids),
@@ -429,6 +438,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         gen.token_ids = token_ids
         gen.finish_reason = finish
         gen.drafter_fallback = gen.drafter_fallback or run.drafter_fallback
+        obs.finish(finish, fallback=gen.drafter_fallback, prompt_tokens=len(params.prompt_ids), tokens=len(token_ids))
         yield pb.GenerateResponse(complete=self._complete(params, gen, vstats, time.perf_counter() - t_start, error))
 
     @staticmethod
@@ -570,4 +580,5 @@ def server_spec(servicer: GenerationServicer) -> ServerSpec:
         set_ready=set_ready,
         near_deadline=near_deadline,
         max_workers=(servicer.max_sessions + 16) if servicer.max_sessions else 128,
+        metrics=servicer.metrics,
     )

@@ -33,6 +33,7 @@ from services.serving import (
     precondition,
     version,
 )
+from services.metrics import ServerMetrics
 from services.wire import codec
 from services.wire import contract as wire_contract
 from services.wire.kakeya.v1 import verifier_pb2 as pb, verifier_pb2_grpc
@@ -60,6 +61,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def __init__(self, max_sessions: int = 0):
         self.compute = ComputeThread("verifier")
         self.registry = SessionRegistry(max_sessions)
+        self.metrics = ServerMetrics("verifier")
+        self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
+        self.metrics.track_kv_bytes(lambda: {"sliding": 0, "full": 0} | self.registry.bytes_by_kind("full"))
         self.verifier = None  # LocalVerifier, set by load()
         self.ready = False
         self.aux_dtype = 0
@@ -201,7 +205,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def _account(entry, stats: dict) -> None:
         kv = stats.get("kv_bytes", {})
         if not entry.closed:
-            entry.cache_bytes = int(kv.get("sliding", 0)) + int(kv.get("full", 0))
+            entry.kv_bytes = {"sliding": int(kv.get("sliding", 0)), "full": int(kv.get("full", 0))}
+            entry.cache_bytes = sum(entry.kv_bytes.values())
 
     def _prefill(self, entry, session, ids):
         next_token, aux = session.prefill(ids)
@@ -243,4 +248,5 @@ def server_spec(
         load=lambda: servicer.load(target_dir, aux_layers, backend, **kwargs),
         set_ready=set_ready,
         max_workers=(max_sessions + 16) if max_sessions else 128,
+        metrics=servicer.metrics,
     )

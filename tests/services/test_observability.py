@@ -1,0 +1,114 @@
+"""`/metrics` and JSON logs of a real `serve all`: the counters are the generation's own figures,
+and one request id appears in the logs of all three processes."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .conftest import generate, generation_stub, request, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PROMPT = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48]
+
+
+@pytest.fixture(scope="module")
+def served(server_factory):
+    return server_factory("all-obs", ["all", "--grace", "5", "--metrics-port", "0", "--log-format", "json"]).start().wait_ready()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of ``/metrics`` on loopback as {(name, sorted labels): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def expected_spec_counts(acceptance_lengths, max_tokens: int, block_size: int) -> dict:
+    """What the loop drafted and accepted, rebuilt from the Complete's acceptance lengths."""
+    produced, drafts, drafted, per_pos = 1, 0, 0, {}
+    for n in acceptance_lengths:
+        b = min(block_size, max_tokens - produced)
+        if b > 1:
+            drafts, drafted = drafts + 1, drafted + b - 1
+        for pos in range(n - 1):
+            per_pos[str(pos)] = per_pos.get(str(pos), 0) + 1
+        produced += n
+    return {"drafts": drafts, "drafted": drafted, "accepted": sum(n - 1 for n in acceptance_lengths), "per_pos": per_pos}
+
+
+def test_metrics_count_what_the_generation_did(served):
+    ports = served.info["metrics_ports"]
+    assert set(ports) == {"orchestrator", "verifier", "drafter"} and len(set(ports.values())) == 3
+    before = scrape(ports["orchestrator"])
+    assert before[("kakeya_spec_decode_num_drafts_total", ())] == 0  # the warm-up is not counted
+
+    max_tokens, block = 40, 4
+    req = request(PROMPT, max_tokens=max_tokens, block_size=block)
+    req.request_id = "req-metrics-1"
+    ids, _, complete, _ = generate(served.addr, req)
+    assert len(ids) == max_tokens and not complete.stats.drafter_fallback
+    want = expected_spec_counts(list(complete.stats.acceptance_lengths), max_tokens, block)
+    assert want["drafts"] > 0
+
+    m = scrape(ports["orchestrator"])
+    assert m[("kakeya_spec_decode_num_drafts_total", ())] == want["drafts"]
+    assert m[("kakeya_spec_decode_num_draft_tokens_total", ())] == want["drafted"]
+    assert m[("kakeya_spec_decode_num_accepted_tokens_total", ())] == want["accepted"]
+    per_pos = {dict(k[1])["position"]: v for k, v in m.items() if k[0] == "kakeya_spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == want["per_pos"]
+    assert m[("kakeya_request_success_total", (("finished_reason", "length"),))] == 1
+    assert m[("kakeya_generation_tokens_total", ())] == max_tokens
+    assert m[("kakeya_prompt_tokens_total", ())] == len(PROMPT)
+    assert m[("kakeya_time_to_first_token_seconds_count", ())] == 1
+    assert m[("kakeya_inter_token_latency_seconds_count", ())] == len(complete.stats.acceptance_lengths)
+    for phase in ("draft", "verify", "wire", "commit"):
+        assert m[("kakeya_block_latency_seconds_count", (("phase", phase),))] == len(complete.stats.acceptance_lengths)
+    assert m[("kakeya_num_requests_running", ())] == 0 and m[("kakeya_num_requests_waiting", ())] == 0
+    assert m[("kakeya_ar_fallbacks_total", ())] == 0
+
+    v = scrape(ports["verifier"])
+    assert v[("kakeya_sessions_live", ())] == 0 and v[("kakeya_sessions_total", ())] >= 2  # warm-up + ours
+    assert v[("kakeya_kv_cache_bytes", (("kind", "sliding"),))] == 0 and v[("kakeya_kv_cache_bytes", (("kind", "full"),))] == 0
+    d = scrape(ports["drafter"])
+    assert d[("kakeya_sessions_live", ())] == 0 and d[("kakeya_sessions_total", ())] >= 2
+
+
+def test_errors_are_counted_by_grpc_status(served):
+    port = served.info["metrics_ports"]["orchestrator"]
+    key = ("kakeya_errors_total", (("code", "INVALID_ARGUMENT"),))
+    before = scrape(port).get(key, 0)
+    with pytest.raises(grpc.RpcError) as err:
+        list(generation_stub(served.addr).Generate(request(PROMPT, max_tokens=10**6), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert scrape(port)[key] == before + 1
+
+
+def test_one_request_id_in_the_json_logs_of_all_three_processes(served):
+    req = request(PROMPT, max_tokens=8, block_size=4)
+    req.request_id = "req-logs-7"
+    generate(served.addr, req)
+
+    def tagged():
+        out = {}
+        for line in served.log_file.read_text(errors="replace").splitlines():
+            if not line.startswith("{"):
+                continue
+            rec = json.loads(line)  # every JSON line parses
+            assert {"ts", "level", "logger", "msg"} <= set(rec)
+            if rec.get("request_id") == "req-logs-7":
+                out.setdefault(rec["process"], rec)
+        return out if len(out) == 3 else None
+
+    found = wait_until(tagged, timeout=10, what="the request id in every process's log")
+    assert set(found) == {"orchestrator", "verifier", "drafter"}
+    assert found["verifier"].get("session_id") and found["drafter"].get("session_id")
