@@ -51,8 +51,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     # -- loading -----------------------------------------------------------------------
 
     def load(self, draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx", **kwargs) -> str:
-        """Load the drafter (``endpoints.local_drafter``) on the compute thread and warm it up."""
-        from services.orchestrator.endpoints import local_drafter
+        """Load the drafter (``assembly.local_drafter``) on the compute thread and warm it up."""
+        from services.orchestrator.assembly import local_drafter
 
         def make():
             return local_drafter(str(draft_dir), str(target_dir), backend, **kwargs)

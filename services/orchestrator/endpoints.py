@@ -2,7 +2,7 @@
 
 The loop (``loop.py``) only ever sees these protocols, so colocated (in-process)
 and split (gRPC) deployments run the very same code: the difference is only
-which implementation is handed to it.
+which implementation is handed to it (``assembly.py`` chooses and builds them).
 
 Aux hidden states are opaque to the loop: whatever the verifier returns
 (an ``mx.array``, a ``torch.Tensor``, an encoded proto tensor) is handed to the
@@ -82,43 +82,3 @@ class Drafter(Protocol):
     block_size: int  # the checkpoint's trained block size (the default)
 
     def open_session(self) -> DrafterSession: ...
-
-
-def local_verifier(target_dir, aux_layers, backend: str = "mlx", **kwargs) -> Verifier:
-    """The in-process verifier for ``backend`` (imported lazily: each backend is optional)."""
-    if backend == "mlx":
-        from services.verifier.session import mlx_verifier
-
-        return mlx_verifier(target_dir, aux_layers, **kwargs)
-    if backend == "torch":
-        from services.verifier.model_torch import torch_verifier
-
-        return torch_verifier(target_dir, aux_layers, **kwargs)  # policy=, device=, dtype=
-    raise ValueError(f"unknown verifier backend {backend!r} (expected 'mlx' or 'torch')")
-
-
-def local_drafter(draft_dir, target_dir, backend: str = "mlx", **kwargs) -> Drafter:
-    """The in-process DFlash drafter for ``backend``."""
-    if backend == "mlx":
-        from services.drafter.session import MLXDrafter
-
-        return MLXDrafter(draft_dir, target_dir, **kwargs)
-    if backend == "torch":
-        from services.drafter.session_torch import TorchDrafter
-
-        return TorchDrafter(draft_dir, target_dir, **kwargs)  # device=, dtype=
-    raise ValueError(f"unknown drafter backend {backend!r} (expected 'mlx' or 'torch')")
-
-
-def remote_verifier(addr: str, **kwargs) -> Verifier:
-    """A verifier served by ``kakeya serve verifier`` at ``addr`` (HOST:PORT), over gRPC."""
-    from .remote import GrpcVerifier
-
-    return GrpcVerifier(addr, **kwargs)
-
-
-def remote_drafter(addr: str, **kwargs) -> Drafter:
-    """A drafter served by ``kakeya serve drafter`` at ``addr`` (HOST:PORT), over gRPC."""
-    from .remote import GrpcDrafter
-
-    return GrpcDrafter(addr, **kwargs)

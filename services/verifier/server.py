@@ -84,8 +84,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     # -- loading -----------------------------------------------------------------------
 
     def load(self, target_dir: str | Path, aux_layers: Sequence[int] = (), backend: str = "mlx", **kwargs) -> str:
-        """Load the target (``endpoints.local_verifier``) on the compute thread and warm it up."""
-        from services.orchestrator.endpoints import local_verifier
+        """Load the target (``assembly.local_verifier``) on the compute thread and warm it up."""
+        from services.orchestrator.assembly import local_verifier
 
         def make():
             return local_verifier(str(target_dir), list(aux_layers), backend, **kwargs)

@@ -133,7 +133,7 @@ def test_block_mask_rule(n_ctx, n_block, is_causal, window):
 
 
 def test_local_drafter_endpoint(pairs):
-    from services.orchestrator.endpoints import local_drafter
+    from services.orchestrator.assembly import local_drafter
 
     p = pairs["full"]
     d = local_drafter(p.draft, p.target, "mlx")
