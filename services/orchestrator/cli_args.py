@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import sys
 
-# A prompt on which the demo target (trained on the Python stdlib) stays coherent for the default
-# 128 tokens: it writes a plausible argparse main() instead of looping (see docs/demo-pair.md).
-DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = "
+# A prompt on which the demo target (a 6-layer model trained on the Python stdlib) stays coherent
+# for the default 128 tokens (no runaway repetition) and the demo drafter is accepted well (mean
+# acceptance 4.2 at block 8); "def fibonacci(n):" drove it into a loop. Picked from a dozen
+# candidates with `kakeya generate --compare-ar --json --backend torch`.
+DEFAULT_PROMPT = 'def load(path):\n    """Load the data stored at path."""\n    '
 
 
 def add_backend_args(p, *, help_suffix: str = "") -> None:
@@ -58,7 +60,7 @@ def cache_policy_from_args(args):
 
 def add_generation_options(p) -> None:
     """Options shared by `kakeya generate` and `kakeya client generate`."""
-    p.add_argument("--prompt", help="prompt text (default: the start of a Python script's main())")
+    p.add_argument("--prompt", help="prompt text (default: the start of a Python function, def load(path): ...)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None, help="1..16 (default: the drafter's trained block size)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
