@@ -71,6 +71,7 @@ def report_from_stream(model, server, complete, token_ids: list[int], text: str)
     engine = Engine(_Remote(), None, _Streamed(), target=model.target_model, draft=model.draft_model)
     out = engine.report(Request(gen.prompt_ids, block_size=s.block_size), gen)
     out["decode_tok_s"] = round(s.decode_tok_s, 3)  # the server's figure (same formula, its clock)
+    out["device"] = None  # the servers' own: not on the wire (`kakeya generate` reports its own)
     return out
 
 
