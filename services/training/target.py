@@ -21,7 +21,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from services.checkpoints import tiny
 from services.checkpoints import tokenizer as tk
 
 from . import common, data
+
+if TYPE_CHECKING:  # MLX is imported where it runs: `train-target --backend torch` needs no MLX
+    import mlx.core as mx
 
 
 def build_config(args) -> dict[str, Any]:
