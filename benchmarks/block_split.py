@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.orchestrator.cli import build_local_engine  # noqa: E402
+from services.orchestrator.assembly import build_local_engine  # noqa: E402
 from services.orchestrator.engine import Request  # noqa: E402
 
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from services.orchestrator.cli import build_local_engine  # noqa: E402
+from services.orchestrator.assembly import build_local_engine  # noqa: E402
 from services.orchestrator.engine import Request  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

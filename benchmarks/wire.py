@@ -267,7 +267,7 @@ def main(argv=None):
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "wire.json"))
     args = ap.parse_args(argv)
 
-    from services.orchestrator.cli import build_local_engine
+    from services.orchestrator.assembly import build_local_engine
 
     local = build_local_engine(args.target, args.draft)
     pair = ["--target", local.target, "--draft", local.draft]

@@ -167,7 +167,7 @@ def run_niah(engine, contexts, depths, policies: dict, max_tokens: int = 16, blo
 
 
 def cmd_niah(args) -> int:
-    from .cli import build_local_engine
+    from .assembly import build_local_engine
 
     if not args.contexts or min(args.contexts) < 16:
         raise ValueError("--contexts: give context lengths of at least 16 tokens")

@@ -1,4 +1,4 @@
-"""``kakeya serve ...`` (run the gRPC services) and ``kakeya client ...`` (call them).
+"""``kakeya serve ...``: run the gRPC services (``client.py`` calls them).
 
 ::
 
@@ -7,10 +7,11 @@
     kakeya serve orchestrator --port P --verifier HOST:PORT [--drafter HOST:PORT]   (split)
     kakeya serve orchestrator --port P [--target DIR --draft DIR]                   (colocated)
     kakeya serve all          --port P [--target DIR --draft DIR]
-    kakeya client --addr HOST:PORT generate [--prompt TEXT] [--max-tokens N] [--json] ...
-    kakeya client --addr HOST:PORT info | health
 
-Without checkpoint paths every server uses the embedded tiny pair. ``serve all``
+Without checkpoint paths every server uses the embedded pair, the same one as
+``kakeya generate`` (``assembly.default_pair``); ``--backend auto`` (the default)
+is ``assembly.resolve_backend``'s choice, resolved here so each process is told
+a concrete backend. ``serve all``
 runs verifier, drafter and orchestrator as three processes (the backends on
 loopback ports of their own choosing), forwards SIGTERM/SIGINT to them in
 order (orchestrator first, so it can drain), restarts a child that dies with
@@ -33,28 +34,10 @@ from pathlib import Path
 DEFAULT_PORTS = {"orchestrator": 50051, "verifier": 50061, "drafter": 50062}
 
 
-class ServeUsageError(ValueError):
-    """A bad command line; `kakeya` prints it as one line and exits 2 (it catches ValueError).
+def _pair(target: str | None, draft: str | None) -> tuple[str, str]:
+    from .assembly import pair_paths
 
-    Not cli.UsageError: under `python -m services.orchestrator.cli` that module is
-    ``__main__`` and a class imported from it again would be a different one.
-    """
-
-
-def _usage(msg: str) -> ServeUsageError:
-    return ServeUsageError(msg)
-
-
-def _pair(target: str | None, draft: str | None, need_draft: bool = True) -> tuple[str, str | None]:
-    """Checkpoint paths, the embedded tiny pair when none are given."""
-    if target is None and draft is None:
-        from services.checkpoints.tiny import default_pair
-
-        p = default_pair()
-        return str(p.target), str(p.draft)
-    if target is None or (need_draft and draft is None):
-        raise _usage("give both --target and --draft, or neither (for the embedded default models)")
-    return target, draft
+    return pair_paths(target, draft)
 
 
 def _aux_layers(text: str | None, draft: str | None) -> list[int]:
@@ -62,7 +45,7 @@ def _aux_layers(text: str | None, draft: str | None) -> list[int]:
         try:
             return [int(x) for x in text.split(",") if x.strip()]
         except ValueError:
-            raise _usage(f"--aux-layers must be comma-separated layer ids, got {text!r}") from None
+            raise ValueError(f"--aux-layers must be comma-separated layer ids, got {text!r}") from None
     if draft:
         from services.checkpoints.config import load_draft_config
 
@@ -106,15 +89,15 @@ def cmd_serve_verifier(args) -> int:
     else:  # without --draft/--aux-layers, sessions must name their aux layers at Open
         target, draft = args.target, args.draft
     layers = _aux_layers(args.aux_layers, draft)
-    kwargs = _backend_kwargs(args) | {"policy": _default_policy(args)}
-    return _run(server_spec(target, layers, args.backend, args.max_sessions, **kwargs), args)
+    backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
+    return _run(server_spec(target, layers, backend, args.max_sessions, **kwargs, policy=_default_policy(args)), args)
 
 
 def _default_policy(args):
     """The sessions' default cache policy from --cache & co. (each request may send its own)."""
     from services.contract import CachePolicy
 
-    from .cli import cache_policy_from_args
+    from .cli_args import cache_policy_from_args
 
     return cache_policy_from_args(args) or CachePolicy()  # checked against the model when it loads
 
@@ -123,26 +106,33 @@ def cmd_serve_drafter(args) -> int:
     from services.drafter.server import server_spec
 
     target, draft = _pair(args.target, args.draft)
-    return _run(server_spec(draft, target, args.backend, args.max_sessions, **_backend_kwargs(args)), args)
+    backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
+    return _run(server_spec(draft, target, backend, args.max_sessions, **kwargs), args)
 
 
-def _backend_kwargs(args) -> dict:
-    """torch: where and in which dtype to load (MLX picks its own device)."""
-    if args.backend != "torch":
-        if args.device or args.dtype:
-            raise _usage("--device/--dtype apply to --backend torch")
-        return {}
-    return {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v}
+def _backend_kwargs(args, embedded: bool) -> tuple[str, dict]:
+    """The concrete backend for --backend (auto: the fastest here) and, for torch, where and in which
+    dtype; pins torch's CPU threads (``--torch-threads``) for this process."""
+    from .assembly import resolve_backend, set_torch_threads
+
+    backend, device = resolve_backend(args.backend, args.device)
+    if backend != "torch":
+        if args.dtype:
+            raise ValueError("--device/--dtype apply to --backend torch (MLX picks its own device)")
+        return backend, {}
+    set_torch_threads(args.torch_threads, device, embedded)
+    return backend, {"device": device} | ({"dtype": args.dtype} if args.dtype else {})
 
 
 def cmd_serve_orchestrator(args) -> int:
-    from .server import GenerationServicer, colocated_engine, server_spec, split_engine
+    from .assembly import build_local_engine, split_engine
+    from .server import GenerationServicer, server_spec
 
     if args.drafter and not args.verifier:
-        raise _usage("--drafter needs --verifier (a remote drafter with an in-process verifier is not supported)")
+        raise ValueError("--drafter needs --verifier (a remote drafter with an in-process verifier is not supported)")
     if args.verifier:
         if args.target or args.draft:
-            raise _usage("--target/--draft load in-process models: leave them out with --verifier (see --tokenizer)")
+            raise ValueError("--target/--draft load in-process models: leave them out with --verifier (see --tokenizer)")
 
         def build():
             return split_engine(args.verifier, None if args.no_drafter else args.drafter, args.tokenizer, args.backend_wait)
@@ -150,9 +140,11 @@ def cmd_serve_orchestrator(args) -> int:
         colocated = False
     else:
 
-        def build():
-            target, draft = _pair(args.target, args.draft)  # serve's default: the tiny pair, like verifier/drafter
-            return colocated_engine(target, draft, args.backend, args.no_drafter, _default_policy(args))
+        backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
+
+        def build():  # no paths: the embedded pair, as `kakeya generate`
+            return build_local_engine(args.target, args.draft, backend, kwargs.get("device"), kwargs.get("dtype"),
+                                      _default_policy(args), no_drafter=args.no_drafter)
 
         colocated = True
     servicer = GenerationServicer(
@@ -199,9 +191,7 @@ def cmd_serve_all(args) -> int:
         files = {n: Path(tmp) / f"{n}.json" for n in ("verifier", "drafter", "orchestrator")}
         try:
             back = ["--host", args.backend_host, "--port", "0"]
-            torch_kw = [*(["--device", args.device] if args.device else []), *(["--dtype", args.dtype] if args.dtype else [])]
-            vback = ["--backend", args.verifier_backend, *(torch_kw if args.verifier_backend == "torch" else [])]
-            dback = ["--backend", args.drafter_backend, *(torch_kw if args.drafter_backend == "torch" else [])]
+            vback, dback = _child_backend(args.verifier_backend, args), _child_backend(args.drafter_backend, args)
             cache = ["--cache", args.cache, "--sink", str(args.sink), "--full-kv-bits", str(args.full_kv_bits),
                      *(["--window", str(args.window)] if args.window else []),
                      *(["--restore", args.restore] if args.restore else [])]  # fmt: skip
@@ -252,183 +242,30 @@ def cmd_serve_all(args) -> int:
     return rc
 
 
-# --------------------------------------------------------------------------- client
-
-
-def _channel(args):
-    import grpc
-
-    from services.wire.limits import channel_options
-
-    return grpc.insecure_channel(args.addr, options=channel_options())
-
-
-def _rpc_error(exc) -> int:
-    code = exc.code().name if exc.code() else "UNKNOWN"
-    print(f"kakeya: error: {code}: {exc.details()}", file=sys.stderr)
-    return 1
-
-
-def report_from_stream(model, server, complete, token_ids: list[int], text: str) -> dict:
-    """The ``kakeya generate --json`` object, rebuilt from a Generate stream's messages.
-
-    Goes through ``Engine.report`` itself (on a Generation rebuilt from the
-    Complete message), so the keys and their rounding are the CLI's own.
-    """
-    from services.wire.kakeya.v1 import generate_pb2 as pb
-
-    from services.wire import contract as wire_contract
-    from .engine import Engine, Request
-    from .loop import Block, Generation
-
-    s = complete.stats
-    blocks = [Block(token_ids[:1], 0, 0)] + [Block([0] * n, n - 1, n - 1) for n in s.acceptance_lengths]
-    gen = Generation(
-        prompt_ids=list(complete.prompt_token_ids),
-        token_ids=list(token_ids),
-        blocks=blocks,
-        finish_reason=pb.FinishReason.Name(complete.finish_reason).removeprefix("FINISH_REASON_").lower(),
-        prefill_s=s.prefill_s,
-        decode_s=s.decode_s,
-        drafter_fallback=s.drafter_fallback,
-        verifier_stats={
-            "kv_bytes": {"sliding": s.verifier_kv_bytes_sliding, "full": s.verifier_kv_bytes_full},
-            "cache_policy": s.cache_policy,
-            "bounded": s.cache_bounded,
-        },
-    )
-
-    class _Streamed:  # the text as it was streamed (stop strings already cut)
-        def decode(self, _ids):
-            return text
-
-    class _Remote:
-        info = wire_contract.model_info_from_public(model, server.verifier_backend)
-
-    engine = Engine(_Remote(), None, _Streamed(), target=model.target_model, draft=model.draft_model)
-    out = engine.report(Request(gen.prompt_ids, block_size=s.block_size), gen)
-    out["decode_tok_s"] = round(s.decode_tok_s, 3)  # the server's figure (same formula, its clock)
-    return out
-
-
-def generate_request(args):
-    from services.wire.kakeya.v1 import generate_pb2 as pb
-
-    from services.wire import contract as wire_contract
-
-    from .cli import DEFAULT_PROMPT, cache_policy_from_args
-
-    sp = pb.SamplingParams(
-        max_tokens=args.max_tokens,
-        ignore_eos=args.ignore_eos,
-        stop=args.stop or [],
-        stop_token_ids=args.stop_token_id or [],
-        temperature=args.temperature,
-    )
-    req = pb.GenerateRequest(request_id=args.request_id or "", sampling_params=sp, block_size=args.block_size or 0)
-    if args.prompt_ids is not None:
-        try:
-            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise _usage(f"--prompt-ids must be comma-separated token ids, got {args.prompt_ids!r}") from None
-        req.tokenized.ids.extend(ids)
-        if not ids:
-            req.tokenized.SetInParent()
-    else:
-        req.text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    policy = cache_policy_from_args(args)
-    if policy is not None:
-        req.cache_policy.CopyFrom(wire_contract.policy_to_proto(policy))
-    return req
-
-
-def cmd_client_generate(args) -> int:
-    import grpc
-
-    from services.wire.kakeya.v1 import generate_pb2 as pb, generate_pb2_grpc
-
-    from .cli import print_result
-
-    if args.max_tokens < 1:
-        raise _usage(f"max_tokens must be >= 1, got {args.max_tokens}")
-    if args.block_size is not None and args.block_size < 1:  # as `kakeya generate`; 0 would mean "default" on the wire
-        raise _usage(f"block_size must be between 1 and 16, got {args.block_size}")
-    if args.prompt is not None and args.prompt_ids is not None:
-        raise _usage("give --prompt or --prompt-ids, not both")
-    req = generate_request(args)
-    stub = generate_pb2_grpc.GenerationStub(_channel(args))
-    ids: list[int] = []
-    text: list[str] = []
-    complete = None
-    try:
-        model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout or 30)
-        server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=args.timeout or 30)
-        for resp in stub.Generate(req, timeout=args.timeout):
-            if resp.HasField("chunk"):
-                ids.extend(resp.chunk.token_ids)
-                text.append(resp.chunk.text)
-                if not args.json and resp.chunk.text:
-                    sys.stdout.write(resp.chunk.text)
-                    sys.stdout.flush()
-            else:
-                complete = resp.complete
-    except grpc.RpcError as exc:
-        if not args.json and text:
-            print()
-        return _rpc_error(exc)
-    if complete is None:
-        print("kakeya: error: the stream ended without a Complete message", file=sys.stderr)
-        return 1
-    out = report_from_stream(model, server, complete, ids, "".join(text))
-    print_result(args, out)
-    if complete.finish_reason == pb.FINISH_REASON_ERROR:
-        print(f"kakeya: error: generation failed: {complete.error_message}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def cmd_client_info(args) -> int:
-    import grpc
-    from google.protobuf.json_format import MessageToDict
-
-    from services.wire.kakeya.v1 import generate_pb2 as pb, generate_pb2_grpc
-
-    stub = generate_pb2_grpc.GenerationStub(_channel(args))
-    try:
-        model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout or 10)
-        server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=args.timeout or 10)
-    except grpc.RpcError as exc:
-        return _rpc_error(exc)
-    print(json.dumps({"model": MessageToDict(model), "server": MessageToDict(server)}, indent=1))
-    return 0
-
-
-def cmd_client_health(args) -> int:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    stub = health_pb2_grpc.HealthStub(_channel(args))
-    try:
-        r = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout or 5)
-    except grpc.RpcError as exc:
-        return _rpc_error(exc)
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
-    print(status)
-    return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
-
-
 # --------------------------------------------------------------------------- registration
 
 
-def register_serve(sub) -> None:
-    from .cli import add_cache_args
+def _child_backend(choice: str, args) -> list[str]:
+    """A child's backend flags: auto resolved here, so the supervisor's log and the children agree."""
+    from .assembly import resolve_backend, torch_threads
+
+    backend, device = resolve_backend(choice, None if choice == "mlx" else args.device)
+    if backend != "torch":
+        return ["--backend", backend]
+    threads = torch_threads(args.torch_threads, device, embedded=args.target is None)  # children get explicit paths
+    return ["--backend", "torch", "--device", device, *(["--dtype", args.dtype] if args.dtype else []),
+            "--torch-threads", str(threads)]
+
+
+def register(sub) -> None:
+    from .cli_args import add_cache_args
 
     p = sub.add_parser("serve", help="run the gRPC services (verifier, drafter, orchestrator, or all three)")
     roles = p.add_subparsers(dest="role", required=True)
 
     v = roles.add_parser("verifier", help="the target model and its per-session KV caches")
     _common(v, "verifier")
-    v.add_argument("--target", help="Gemma-4 target checkpoint directory (default: the embedded tiny target)")
+    v.add_argument("--target", help="Gemma-4 target checkpoint directory (default: the embedded pair's)")
     v.add_argument("--draft", help="a DFlash drafter directory: only its target_layer_ids are read (the default aux layers)")
     v.add_argument("--aux-layers", help="default aux layers, e.g. 1,4 (sessions may send their own)")
     _backend_args(v)
@@ -451,7 +288,7 @@ def register_serve(sub) -> None:
     o.add_argument("--draft", help="colocated: drafter checkpoint loaded in this process")
     o.add_argument("--no-drafter", action="store_true", help="no speculation: the verifier decodes alone")
     o.add_argument("--tokenizer", help="split: directory with the target's tokenizer.json (default: the verifier's path, if readable)")
-    o.add_argument("--backend", default="mlx", choices=["mlx"], help="colocated backend")
+    _backend_args(o, " (colocated)")
     add_cache_args(o)  # colocated: the sessions' default policy
     o.add_argument("--backend-wait", type=float, default=120.0, help="split: seconds to wait for verifier/drafter at start")
     _limits(o)
@@ -459,23 +296,32 @@ def register_serve(sub) -> None:
 
     a = roles.add_parser("all", help="verifier, drafter and orchestrator as three local processes")
     _common(a, "orchestrator")
-    a.add_argument("--target", help="target checkpoint (default: the embedded tiny pair)")
+    a.add_argument("--target", help="target checkpoint (default: the embedded pair, as `kakeya generate`)")
     a.add_argument("--draft", help="drafter checkpoint")
     a.add_argument("--backend-host", default="127.0.0.1", help="interface of the verifier and drafter (default 127.0.0.1)")
-    a.add_argument("--verifier-backend", default="mlx", choices=["mlx", "torch"], help="the verifier process's backend")
-    a.add_argument("--drafter-backend", default="mlx", choices=["mlx", "torch"], help="the drafter process's backend")
-    a.add_argument("--device", help="torch processes: cuda, cuda:1, cpu (default: the backend's)")
-    a.add_argument("--dtype", help="torch processes: float32, bfloat16, float16 (default: the backend's)")
+    a.add_argument("--verifier-backend", default="auto", choices=["auto", "mlx", "torch"],
+                   help="the verifier process's backend (auto: MLX on Apple silicon, torch elsewhere)")
+    a.add_argument("--drafter-backend", default="auto", choices=["auto", "mlx", "torch"],
+                   help="the drafter process's backend (auto: MLX on Apple silicon, torch elsewhere)")
+    a.add_argument("--device", help="torch processes: cuda, cuda:1, cpu (default: cuda when available, else cpu)")
+    a.add_argument("--dtype", help="torch processes: float32, bfloat16, float16 (default float32)")
+    _torch_threads_arg(a)
     add_cache_args(a)  # the verifier process's default policy
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)
     a.set_defaults(func=cmd_serve_all)
 
 
-def _backend_args(p) -> None:
-    p.add_argument("--backend", default="mlx", choices=["mlx", "torch"], help="mlx (Apple silicon / CPU) or torch (CUDA / CPU)")
-    p.add_argument("--device", help="torch: cuda, cuda:1, cpu (default: the backend's)")
-    p.add_argument("--dtype", help="torch: float32, bfloat16, float16 (default: the backend's)")
+def _backend_args(p, suffix: str = "") -> None:
+    from .cli_args import add_backend_args
+
+    add_backend_args(p, help_suffix=suffix)
+    _torch_threads_arg(p)
+
+
+def _torch_threads_arg(p) -> None:
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 for the embedded pair on CPU, torch's own otherwise; 0: torch's)")
 
 
 def _limits(p) -> None:
@@ -483,29 +329,3 @@ def _limits(p) -> None:
 
     p.add_argument("--max-tokens-limit", type=int, default=DEFAULT_MAX_TOKENS_LIMIT, help="largest max_tokens accepted")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="what max_tokens = 0 means")
-
-
-def register_client(sub) -> None:
-    from .cli import add_cache_args, add_generation_options
-
-    p = sub.add_parser("client", help="call a running orchestrator (kakeya serve orchestrator|all)")
-    p.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}", help="HOST:PORT of the orchestrator")
-    p.add_argument("--timeout", type=float, help="deadline in seconds (propagates to the verifier and drafter)")
-    cmds = p.add_subparsers(dest="client_command", required=True)
-
-    g = cmds.add_parser("generate", help="streaming generation, same options and --json as `kakeya generate`")
-    add_generation_options(g)
-    g.add_argument("--prompt-ids", help="pre-tokenized prompt, comma-separated ids (instead of --prompt)")
-    g.add_argument("--stop", action="append", help="stop string (repeatable); cut from the output")
-    g.add_argument("--stop-token-id", type=int, action="append", help="extra stop token id (repeatable)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the only mode supported yet)")
-    g.add_argument("--request-id", help="request id for the server's logs")
-    add_cache_args(g, default_kind=None)
-    g.set_defaults(func=cmd_client_generate)
-
-    i = cmds.add_parser("info", help="GetModelInfo + GetServerInfo as JSON")
-    i.set_defaults(func=cmd_client_info)
-
-    h = cmds.add_parser("health", help="grpc.health.v1 Check; exit 0 when SERVING")
-    h.add_argument("--service", default="", help="service name ('' = the whole server)")
-    h.set_defaults(func=cmd_client_health)

@@ -23,7 +23,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import grpc
@@ -239,7 +238,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         d = self.engine.drafter
         if d is None:
             return ""
-        return f"grpc:{d.addr}" if isinstance(d, GrpcDrafter) else "mlx"
+        if isinstance(d, GrpcDrafter):
+            return f"grpc:{d.addr}"
+        return getattr(self.engine, "backend", None) or self.engine.verifier.info.backend  # colocated: one backend
 
     # -- request validation --------------------------------------------------------------
 
@@ -522,47 +523,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         )
 
 
-# --------------------------------------------------------------------------- building
-
-
-def split_engine(verifier_addr: str, drafter_addr: str | None, tokenizer: str | None, wait_s: float) -> Engine:
-    """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them."""
-    verifier = GrpcVerifier(verifier_addr, wait_s=wait_s)
-    drafter = GrpcDrafter(drafter_addr, wait_s=wait_s) if drafter_addr else None
-    info = verifier.info
-    if drafter is not None:
-        d = drafter.remote
-        problems = []
-        if d.vocab_size != info.vocab_size:
-            problems.append(f"vocab_size {d.vocab_size} != verifier's {info.vocab_size}")
-        if d.hidden_size != info.hidden_size:
-            problems.append(f"hidden_size {d.hidden_size} != verifier's {info.hidden_size}")
-        bad = [i for i in d.target_layer_ids if not 0 <= i < info.num_layers]
-        if bad:
-            problems.append(f"target_layer_ids {bad} outside the verifier's {info.num_layers} layers")
-        if problems:
-            raise ValueError(f"drafter at {drafter_addr} does not fit the verifier at {verifier_addr}: " + "; ".join(problems))
-    tok_dir = tokenizer or info.name
-    codec = None
-    if tok_dir and (Path(tok_dir) / "tokenizer.json").is_file():
-        codec = TextCodec(tok_dir)
-    elif tokenizer:
-        raise FileNotFoundError(f"{tokenizer}: no tokenizer.json")
-    else:
-        log.warning("no tokenizer (verifier's %s is not readable here; pass --tokenizer DIR): token-id prompts only", info.name)
-    draft_name = drafter.remote.model_name if drafter is not None else ""
-    return Engine(verifier, drafter, codec, target=info.name, draft=draft_name)
-
-
-def colocated_engine(
-    target: str | None, draft: str | None, backend: str = "mlx", no_drafter: bool = False, policy=None
-) -> Engine:
-    from .cli import build_local_engine
-
-    engine = build_local_engine(target, draft, backend, policy=policy)
-    if no_drafter:
-        engine.drafter, engine.draft = None, ""
-    return engine
+# --------------------------------------------------------------------------- serving
 
 
 def server_spec(servicer: GenerationServicer) -> ServerSpec:

@@ -9,10 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+
+# MLX is imported inside the functions that need it: torch trainers share this module.
 
 
 class Progress:
@@ -54,12 +53,18 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float = 0.1)
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def make_optimizer(lr: float, weight_decay: float) -> optim.AdamW:
+def make_optimizer(lr: float, weight_decay: float):
+    """mlx.optimizers.AdamW with the trainers' betas."""
+    import mlx.optimizers as optim
+
     return optim.AdamW(learning_rate=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
 
 
 def save_state(ckpt_dir: Path, model, opt, meta: dict) -> None:
     """Model + optimizer state + meta (step, loss curve) -- written atomically-ish (meta last)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(ckpt_dir / "model.safetensors"), dict(tree_flatten(model.trainable_parameters())))
     opt_flat = dict(tree_flatten(opt.state))
@@ -73,6 +78,9 @@ def load_state(ckpt_dir: Path, model, opt) -> dict | None:
     """Restore what :func:`save_state` wrote; None when there is nothing to resume."""
     if not (ckpt_dir / "state.json").is_file():
         return None
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+
     meta = json.loads((ckpt_dir / "state.json").read_text())
     weights = mx.load(str(ckpt_dir / "model.safetensors"))
     model.load_weights(list(weights.items()), strict=False)
@@ -96,5 +104,9 @@ def _np_default(o):
 
 
 def seed_all(seed: int) -> None:
-    mx.random.seed(seed)
     np.random.seed(seed)
+    try:
+        import mlx.core as mx
+    except ImportError:  # a torch-only node
+        return
+    mx.random.seed(seed)

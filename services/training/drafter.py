@@ -319,12 +319,12 @@ def heldout_prompts(corpus: data.Corpus, n: int, length: int) -> list[list[int]]
 
 
 def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[list[int]], block_sizes: Sequence[int],
-                       max_tokens: int) -> dict:
-    """Mean acceptance per block size with the real loop (MLX verifier + MLX drafter, native cache)."""
-    from services.orchestrator.cli import build_local_engine
+                       max_tokens: int, backend: str = "mlx") -> dict:
+    """Mean acceptance per block size with the real loop (``backend`` verifier + drafter, native cache)."""
+    from services.orchestrator.assembly import build_local_engine
     from services.orchestrator.engine import Request
 
-    engine = build_local_engine(str(target_dir), str(draft_dir), "mlx")
+    engine = build_local_engine(str(target_dir), str(draft_dir), backend)
     out: dict = {}
     ref: list[list[int]] = []
     for p in prompts:
@@ -503,8 +503,9 @@ def train(args) -> dict:
             "prompt_len": args.prompt_len,
             "max_tokens": args.eval_max_tokens,
             "source": "held-out stdlib files (split by file), evenly spaced windows, <bos> prepended",
-            "engine": "services.orchestrator.loop, MLX verifier (native cache) + MLX drafter, greedy",
-            "per_block_size": measure_acceptance(target_dir, out, held_prompts, ev_bs, args.eval_max_tokens),
+            "engine": f"services.orchestrator.loop, {args.eval_backend} verifier (native cache) + drafter, greedy",
+            "per_block_size": measure_acceptance(target_dir, out, held_prompts, ev_bs, args.eval_max_tokens,
+                                                 args.eval_backend),
         }
     common.write_json(out / "report.json", report)
     return report
@@ -545,6 +546,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-max-tokens", type=int, default=128)
     p.add_argument("--eval-block-sizes", default="2,4,8,16")
     p.add_argument("--no-eval", action="store_true", help="skip the acceptance measurement")
+    p.add_argument("--eval-backend", default="mlx", choices=["auto", "mlx", "torch"],
+                   help="engine that measures acceptance (default mlx, as the shipped cards; auto: the fastest here)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100)

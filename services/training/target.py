@@ -1,4 +1,4 @@
-"""``kakeya train-target``: train a small Gemma-4 (gemma4_text) model on the stdlib with MLX.
+"""``kakeya train-target``: train a small Gemma-4 (gemma4_text) model on the stdlib (MLX or torch).
 
 The model is mlx-lm's own ``gemma4_text.Model`` built from the config dict that
 is written to ``config.json`` (the same fields ``services.checkpoints.tiny``
@@ -21,17 +21,17 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
 from services.checkpoints import tiny
 from services.checkpoints import tokenizer as tk
 
 from . import common, data
+
+if TYPE_CHECKING:  # MLX is imported where it runs: `train-target --backend torch` needs no MLX
+    import mlx.core as mx
 
 
 def build_config(args) -> dict[str, Any]:
@@ -55,6 +55,8 @@ def build_config(args) -> dict[str, Any]:
 
 
 def init_model(cfg: dict, seed: int):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
     from mlx_lm.models.gemma4_text import Model, ModelArgs
 
     model = Model(ModelArgs.from_dict(cfg))
@@ -70,11 +72,15 @@ def init_model(cfg: dict, seed: int):
 
 
 def loss_fn(model, batch: mx.array) -> mx.array:
+    import mlx.nn as nn
+
     logits = model(batch[:, :-1])
     return nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean")
 
 
 def evaluate(model, windows: np.ndarray, batch: int) -> float:
+    import mlx.core as mx
+
     losses = []
     for i in range(0, len(windows), batch):
         b = mx.array(windows[i : i + batch])
@@ -90,6 +96,11 @@ class MLXBackend:
     name = "mlx"
 
     def __init__(self, cfg: dict, args):
+        import mlx.core as mx
+        import mlx.nn as nn
+        from mlx.utils import tree_flatten
+
+        self.mx, self.tree_flatten = mx, tree_flatten
         self.cfg, self.args = cfg, args
         self.model = init_model(cfg, args.seed)
         self.opt = common.make_optimizer(args.lr, args.weight_decay)
@@ -97,9 +108,10 @@ class MLXBackend:
 
     @property
     def n_params(self) -> int:
-        return sum(v.size for _, v in tree_flatten(self.model.parameters()))
+        return sum(v.size for _, v in self.tree_flatten(self.model.parameters()))
 
     def step(self, batch: np.ndarray, lr: float) -> float:
+        mx = self.mx
         self.opt.learning_rate = lr
         loss, grads = self.vg(self.model, mx.array(batch))
         if self.args.grad_clip:
@@ -118,7 +130,7 @@ class MLXBackend:
         return common.load_state(ckpt, self.model, self.opt)
 
     def tensors(self) -> dict[str, np.ndarray]:
-        return {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(self.model.parameters())}
+        return {k: np.array(v.astype(self.mx.float32)) for k, v in self.tree_flatten(self.model.parameters())}
 
 
 class TorchBackend:
@@ -226,6 +238,9 @@ def train(args) -> dict:
     tok = data.tokenizer_for(args.vocab_size, progress=None if args.quiet else common_log)
     corpus = data.load_corpus(tok, heldout_pct=args.heldout_pct, max_bytes=args.max_bytes)
     cfg = build_config(args)
+    from services.orchestrator.assembly import require_backend
+
+    require_backend(args.backend)
     be = (TorchBackend if args.backend == "torch" else MLXBackend)(cfg, args)
     ckpt = out / "ckpt"
     meta = be.load(ckpt) if args.resume else None

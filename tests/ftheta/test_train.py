@@ -8,7 +8,7 @@ import pytest
 
 from services.orchestrator.cli import main
 from services.verifier.ftheta import load_ftheta
-from services.verifier.train_ftheta import REPORT_FILE, STATE_DIR, TrainArgs, train
+from services.training.ftheta import REPORT_FILE, STATE_DIR, TrainArgs, train
 
 SMALL = dict(rank=8, batch=2, data_tokens=12_000, eval_seqs=2, lr=3e-3, warmup=4, log_every=8)
 

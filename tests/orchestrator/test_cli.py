@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from services.orchestrator.assembly import resolve_backend
 from services.orchestrator.cli import main
 
 
@@ -97,8 +98,27 @@ def test_generate_on_the_torch_backend_is_lossless_and_matches_mlx():
 
 
 def test_device_flags_need_the_torch_backend(capsys):
-    assert main(["generate", "--dtype", "bfloat16", "--max-tokens", "2"]) == 2
+    assert main(["generate", "--backend", "mlx", "--dtype", "bfloat16", "--max-tokens", "2"]) == 2
     assert "--backend torch" in capsys.readouterr().err
+
+
+def test_the_first_run_says_what_was_compared():
+    """The README's first command: default backend, default prompt, one summary line that names both sides."""
+    res = kakeya("generate", "--compare-ar")
+    assert res.returncode == 0, res.stderr
+    line = res.stderr.strip().splitlines()[-1]
+    backend, device = resolve_backend("auto")  # torch/cpu on a Linux CPU, mlx on Apple silicon
+    where = backend + (f"/{device}" if device else "")
+    assert line.startswith(f"speculative (DFlash, block 8, {where}): "), line
+    assert " tok/s vs autoregressive " in line and "x, lossless (128/128 tokens identical)" in line, line
+    assert "runaway repetition" not in line and res.stdout.strip()
+
+
+def test_json_names_the_resolved_backend_and_device():
+    res = kakeya("generate", "--json", "--max-tokens", "4")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert (out["backend"], out["device"]) == resolve_backend("auto") and out["quality"]["degenerate"] is False
 
 
 def test_policy_block_size_limits_are_checked_up_front(tiny_pair, capsys):

@@ -25,6 +25,20 @@ from services.wire.kakeya.v1 import verifier_pb2, verifier_pb2_grpc
 from services.wire.limits import channel_options
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tiny() -> list[str]:
+    from services.checkpoints.tiny import default_pair
+
+    p = default_pair()
+    return ["--target", str(p.target), "--draft", str(p.draft)]
+
+
+# serve's default is the embedded demo pair on the fastest backend; these tests run the tiny random
+# pair (sliding window 32: rings wrap within a few hundred tokens) on MLX, the mlx-lm reference's.
+TINY = _tiny()
+TINY_MLX = [*TINY, "--backend", "mlx"]
+TINY_ALL_MLX = [*TINY, "--verifier-backend", "mlx", "--drafter-backend", "mlx"]
 START_TIMEOUT = 180.0  # model servers import mlx + mlx-lm and warm up; slow on 2 shared cores
 
 

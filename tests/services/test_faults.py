@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.wire.kakeya.v1 import generate_pb2
 
-from .conftest import channel, generate, generation_stub, request, start_all, wait_until
+from .conftest import TINY_MLX, channel, generate, generation_stub, request, start_all, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real processes: bounded, never hanging
 
@@ -24,8 +24,8 @@ N = 200
 
 @pytest.fixture(scope="module")
 def servers(server_factory):
-    verifier = server_factory("verifier", ["verifier", "--grace", "5"])
-    drafter = server_factory("drafter", ["drafter", "--grace", "5"])
+    verifier = server_factory("verifier", ["verifier", *TINY_MLX, "--grace", "5"])
+    drafter = server_factory("drafter", ["drafter", *TINY_MLX, "--grace", "5"])
     start_all([verifier, drafter])
     orch = server_factory("orchestrator", ["orchestrator", "--verifier", verifier.addr, "--drafter", drafter.addr, "--grace", "20"])
     start_all([orch])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, wait_until
+from .conftest import ROOT, TINY, TINY_ALL_MLX, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real processes: bounded, never hanging
 
@@ -36,7 +36,7 @@ def serve_all(server_factory, tmp_path):
     started = []
 
     def start():
-        s = server_factory("all", ["all", "--grace", "5"]).start().wait_ready()
+        s = server_factory("all", ["all", *TINY_ALL_MLX, "--grace", "5"]).start().wait_ready()
         started.append(s)
         return s
 
@@ -91,7 +91,7 @@ def test_mixed_backends_over_grpc_match_greedy_ar(server_factory, mlx_target, ve
 
     s = server_factory(
         "all",
-        ["all", "--grace", "5", "--verifier-backend", verifier_backend, "--drafter-backend", drafter_backend],
+        ["all", *TINY, "--grace", "5", "--verifier-backend", verifier_backend, "--drafter-backend", drafter_backend],
     ).start().wait_ready()
     try:
         prompt = "0,".join(str(i) for i in range(2, 12))  # any text; compared as token ids below
@@ -114,7 +114,7 @@ def test_cache_policy_flags_on_servers_and_client(server_factory, mlx_target, au
 
     s = server_factory(
         "all-policy",
-        ["all", "--grace", "5", "--cache", "sink-window", "--sink", "4", "--window", "16", "--full-kv-bits", "8"],
+        ["all", *TINY_ALL_MLX, "--grace", "5", "--cache", "sink-window", "--sink", "4", "--window", "16", "--full-kv-bits", "8"],
     ).start().wait_ready()
     try:
         outs = {}

@@ -23,6 +23,7 @@ from services.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, verifi
 
 from .conftest import (
     ROOT,
+    TINY_MLX,
     channel,
     drafter_info,
     drafter_stub,
@@ -46,9 +47,9 @@ LIMIT = 2000  # --max-tokens-limit of the orchestrators
 
 @pytest.fixture(scope="module")
 def servers(server_factory):
-    verifier = server_factory("verifier", ["verifier", "--max-sessions", str(MAX_SESSIONS), "--grace", "5"])
-    drafter = server_factory("drafter", ["drafter", "--grace", "5"])
-    colocated = server_factory("colocated", ["orchestrator", "--max-tokens-limit", str(LIMIT), "--grace", "5"])
+    verifier = server_factory("verifier", ["verifier", *TINY_MLX, "--max-sessions", str(MAX_SESSIONS), "--grace", "5"])
+    drafter = server_factory("drafter", ["drafter", *TINY_MLX, "--grace", "5"])
+    colocated = server_factory("colocated", ["orchestrator", *TINY_MLX, "--max-tokens-limit", str(LIMIT), "--grace", "5"])
     start_all([verifier, drafter, colocated])
     split = server_factory(
         "split",
@@ -118,10 +119,10 @@ def test_client_cli_prints_the_same_json_as_generate(servers, capsys):
     from services.orchestrator.cli import main
 
     args = ["--json", "--max-tokens", "24", "--block-size", "4", "--prompt", "def f(x):"]
-    # the servers run the tiny pair (serve's default); `generate` with no flags would use the demo pair
+    # the servers run the tiny pair on MLX (TINY_MLX); `generate` with no flags would use the demo pair
     from services.checkpoints.tiny import default_pair
 
-    tiny = ["--target", str(default_pair().target), "--draft", str(default_pair().draft)]
+    tiny = ["--target", str(default_pair().target), "--draft", str(default_pair().draft), "--backend", "mlx"]
     assert main(["generate", *tiny, *args]) == 0
     local = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     res = subprocess.run(

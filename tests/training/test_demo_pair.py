@@ -11,7 +11,7 @@ PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = "
 
 def test_demo_pair_is_the_no_flag_default(demo_pair):
     assert embedded_pair() == demo_pair
-    from services.orchestrator.cli import build_local_engine
+    from services.orchestrator.assembly import build_local_engine
 
     engine = build_local_engine(None, None)
     assert engine.target == str(demo_pair.target) and engine.draft == str(demo_pair.draft)
@@ -27,7 +27,7 @@ def test_demo_pair_is_small_and_documented(demo_pair):
 
 
 def test_demo_pair_greedy_speculative_equals_mlx_lm_ar_and_accepts(demo_pair):
-    from services.orchestrator.cli import build_local_engine
+    from services.orchestrator.assembly import build_local_engine
     from services.orchestrator.engine import Request
     from services.verifier.reference_mlx import greedy_reference
 
@@ -47,7 +47,7 @@ def test_heldout_replay_predicts_the_engines_blocks(demo_pair):
     import numpy as np
     import torch
 
-    from services.orchestrator.cli import build_local_engine
+    from services.orchestrator.assembly import build_local_engine
     from services.orchestrator.engine import Request
     from services.training.drafter import BlockTrainer, TorchTarget, leading_right, replay
 

@@ -1,4 +1,4 @@
-"""``kakeya train-ftheta``: fit f_theta (``ftheta.py``) on text available offline.
+"""``kakeya train-ftheta``: fit f_theta (``services/verifier/ftheta.py``) on text available offline (MLX).
 
     kakeya train-ftheta --target DIR --draft DIR --out DIR [--steps N --rank R ...] [--resume]
 
@@ -48,7 +48,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .ftheta import SLIDING, Restorer
+from services.verifier.ftheta import SLIDING, Restorer
 
 STATE_DIR = "train_state"
 REPORT_FILE = "report.json"
@@ -349,7 +349,7 @@ def train(target_dir, draft_dir, out_dir, args: TrainArgs, *, resume: bool = Fal
     from services.checkpoints.config import check_pair, load_draft_config, load_target_config
     from services.drafter.dflash_mlx import load_dflash_mlx
 
-    from .model_mlx import TargetMLX
+    from services.verifier.model_mlx import TargetMLX
 
     log = log or (lambda msg: print(f"train-ftheta: {msg}", file=sys.stderr, flush=True))
     if args.steps < 1:
@@ -476,36 +476,10 @@ def cmd_train(args) -> int:
 
         pair = default_pair()
         target, draft = str(pair.target), str(pair.draft)
-    targs = TrainArgs(
-        steps=args.steps, rank=args.rank, encoder_hidden=args.encoder_hidden, lr=args.lr, warmup=args.warmup,
-        batch=args.batch, seq_len=args.seq_len, data_tokens=args.data_tokens, eval_seqs=args.eval_seqs,
-        seed=args.seed, probe_full=not args.no_probe_full, save_every=args.save_every, log_every=args.log_every,
-    )
+    given = {k: getattr(args, k) for k in ("steps", "rank", "encoder_hidden", "lr", "warmup", "batch", "seq_len",
+                                           "data_tokens", "eval_seqs", "seed", "save_every", "log_every")}
+    targs = TrainArgs(**{k: v for k, v in given.items() if v is not None}, probe_full=not args.no_probe_full)
     report = train(target, draft, args.out, targs, resume=args.resume)
     if args.json:
         print(json.dumps({k: report[k] for k in ("out", "steps", "final_loss", "kv_error", "elapsed_s")}))
     return 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser("train-ftheta", help="train f_theta (drafter K/V -> evicted sliding-layer K/V) on offline text")
-    p.add_argument("--target", help="Gemma-4 target checkpoint directory")
-    p.add_argument("--draft", help="DFlash drafter checkpoint directory (its context projections feed f_theta)")
-    p.add_argument("--out", required=True, help="output f_theta directory (also holds train_state/ and report.json)")
-    d = TrainArgs()
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--rank", type=int, default=d.rank, help="latent rank per path (a position stores 2 x rank floats)")
-    p.add_argument("--encoder-hidden", type=int, default=None, help="encoder MLP width (default 2 x rank; 0: linear)")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps before the cosine decay")
-    p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 2 x the model's window, at most 2048)")
-    p.add_argument("--data-tokens", type=int, default=d.data_tokens, help="tokens of standard-library text to sample from")
-    p.add_argument("--eval-seqs", type=int, default=d.eval_seqs, help="held-out sequences for the report")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--no-probe-full", action="store_true", help="skip the full-layer probe decoders (report: sliding only)")
-    p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint train_state/ every N steps")
-    p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--resume", action="store_true", help="continue the run in --out")
-    p.add_argument("--json", action="store_true", help="print a JSON summary line (the full report is OUT/report.json)")
-    p.set_defaults(func=cmd_train)

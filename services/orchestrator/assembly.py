@@ -1,0 +1,221 @@
+"""Engine assembly: which verifier and drafter, in-process or remote, on which backend.
+
+The one place that turns "these checkpoints (or the embedded pair), this
+backend" or "these addresses" into an :class:`~services.orchestrator.engine.Engine`.
+The CLI, the servers, ``niah``, the trainers and the benchmarks all call it;
+it never calls them. Every backend import is lazy, so a node with only torch
+(or only MLX) assembles engines of that backend without the other installed.
+
+Bad input raises ``ValueError`` (the CLI prints it as one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import platform as _platform
+import sys
+from pathlib import Path
+
+log = logging.getLogger("kakeya.orchestrator")
+
+BACKENDS = ("auto", "mlx", "torch")
+
+
+# --------------------------------------------------------------------------- backend choice
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a blocked module (sys.modules[name] = None) or a broken parent
+        return False
+
+
+def apple_silicon(system: str | None = None, machine: str | None = None) -> bool:
+    system = sys.platform if system is None else system
+    machine = _platform.machine() if machine is None else machine
+    return system == "darwin" and machine in ("arm64", "aarch64")
+
+
+def resolve_backend(backend: str = "auto", device: str | None = None, *, system: str | None = None,
+                    machine: str | None = None, installed=_installed, cuda_available=None) -> tuple[str, str | None]:
+    """``(backend, device)`` for what was asked: ``"auto"`` picks the fastest backend here.
+
+    auto: MLX on Apple silicon (Metal), torch elsewhere (MLX on a Linux CPU is
+    several times slower than torch's kernels); the other one if only it is
+    installed. torch's device defaults to ``cuda`` when ``torch.cuda.is_available()``,
+    else ``cpu``; MLX picks its own device (``None``).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} (expected one of {', '.join(BACKENDS)})")
+    if backend == "auto":
+        order = ("mlx", "torch") if apple_silicon(system, machine) else ("torch", "mlx")
+        found = [b for b in order if installed(b)]
+        if not found:
+            raise ValueError("no backend installed: install torch (Linux, CUDA) or mlx (Apple silicon)")
+        backend = found[0]
+    if backend == "mlx":
+        if device not in (None, "cpu"):
+            raise ValueError("--device/--dtype apply to --backend torch (MLX picks its own device)")
+        return "mlx", None
+    if device is None:
+        if cuda_available is None:
+            cuda_available = _torch_cuda_available
+        device = "cuda" if cuda_available() else "cpu"
+    return "torch", device
+
+
+def _torch_cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def require_backend(backend: str) -> None:
+    """Fail with one clear line when ``backend``'s package is missing (before any model import)."""
+    package = {"mlx": "mlx", "torch": "torch"}[backend]
+    if not _installed(package):
+        extra = "MLX (pip install mlx mlx-lm; Apple silicon or Linux CPU)" if backend == "mlx" else "PyTorch (pip install torch)"
+        raise ValueError(f"the {backend} backend needs {extra}, which is not installed here")
+
+
+def torch_threads(threads: int | None, device: str | None, embedded: bool) -> int:
+    """The torch intra-op thread count to pin (0: leave torch's default).
+
+    ``threads=None`` means: 1 for the embedded demo pair on CPU (a model this
+    small gains nothing from a second thread, and on a small shared CPU a thread
+    team as large as the machine stalls whenever another process takes a core;
+    see docs/benchmarks.md), torch's own default otherwise.
+    """
+    if threads is None:
+        return 1 if embedded and (device or "cpu").startswith("cpu") else 0
+    return max(0, threads)
+
+
+def set_torch_threads(threads: int | None, device: str | None, embedded: bool) -> int | None:
+    """Pin torch's CPU threads as :func:`torch_threads` says; returns the number set (None: left to torch)."""
+    n = torch_threads(threads, device, embedded)
+    if not n:
+        return None
+    import torch
+
+    torch.set_num_threads(n)
+    return n
+
+
+# --------------------------------------------------------------------------- the pair
+
+
+def default_pair() -> tuple[str, str]:
+    """The embedded pair every command uses without paths: the trained demo pair when shipped."""
+    from services.checkpoints.tiny import embedded_pair
+
+    pair = embedded_pair()
+    return str(pair.target), str(pair.draft)
+
+
+def pair_paths(target: str | None, draft: str | None) -> tuple[str, str]:
+    """The checkpoint paths to load: both given, or neither (the embedded pair)."""
+    if target is None and draft is None:
+        return default_pair()
+    if target is None or draft is None:
+        raise ValueError("give both --target and --draft, or neither (for the embedded default models)")
+    return str(target), str(draft)
+
+
+# --------------------------------------------------------------------------- verifiers and drafters
+
+
+def local_verifier(target_dir, aux_layers, backend: str = "mlx", **kwargs):
+    """The in-process verifier for ``backend`` (``policy=``; ``device=``/``dtype=`` for torch)."""
+    require_backend(backend)
+    from services.verifier.loader import local_verifier as load
+
+    return load(target_dir, aux_layers, backend, **kwargs)
+
+
+def local_drafter(draft_dir, target_dir, backend: str = "mlx", **kwargs):
+    """The in-process DFlash drafter for ``backend`` (``device=``/``dtype=`` for torch)."""
+    require_backend(backend)
+    from services.drafter.loader import local_drafter as load
+
+    return load(draft_dir, target_dir, backend, **kwargs)
+
+
+def remote_verifier(addr: str, **kwargs):
+    """A verifier served by ``kakeya serve verifier`` at ``addr`` (HOST:PORT), over gRPC."""
+    from .remote import GrpcVerifier
+
+    return GrpcVerifier(addr, **kwargs)
+
+
+def remote_drafter(addr: str, **kwargs):
+    """A drafter served by ``kakeya serve drafter`` at ``addr`` (HOST:PORT), over gRPC."""
+    from .remote import GrpcDrafter
+
+    return GrpcDrafter(addr, **kwargs)
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def build_local_engine(target: str | None, draft: str | None, backend: str = "mlx", device: str | None = None,
+                       dtype: str | None = None, policy=None, no_drafter: bool = False):
+    """Load the pair in-process (the embedded default pair when no paths are given).
+
+    ``backend`` may be ``"auto"`` (see :func:`resolve_backend`); ``device``/``dtype``
+    apply to torch (MLX runs where MLX runs, in the weights' dtype). The engine's
+    ``backend``/``device`` attributes say what was chosen.
+    """
+    from services.checkpoints.config import check_pair, load_draft_config, load_target_config
+
+    from .engine import Engine
+    from .text import TextCodec
+
+    target, draft = pair_paths(target, draft)
+    backend, device = resolve_backend(backend, device)
+    if backend == "mlx" and dtype is not None:
+        raise ValueError("--device/--dtype apply to --backend torch (MLX picks its own device)")
+    tcfg = load_target_config(target)
+    dcfg = load_draft_config(draft)
+    check_pair(tcfg, dcfg)
+    aux_layers = dcfg["dflash_config"]["target_layer_ids"]
+    torch_kw = {"device": device, "dtype": dtype or "float32"} if backend == "torch" else {}
+    verifier = local_verifier(target, aux_layers, backend, **torch_kw, **({"policy": policy} if policy else {}))
+    drafter = None if no_drafter else local_drafter(draft, target, backend, **torch_kw)
+    engine = Engine(verifier, drafter, TextCodec(target), target=target, draft="" if no_drafter else draft)
+    engine.backend, engine.device = backend, device
+    return engine
+
+
+def split_engine(verifier_addr: str, drafter_addr: str | None, tokenizer: str | None, wait_s: float):
+    """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them."""
+    from .engine import Engine
+    from .text import TextCodec
+
+    verifier = remote_verifier(verifier_addr, wait_s=wait_s)
+    drafter = remote_drafter(drafter_addr, wait_s=wait_s) if drafter_addr else None
+    info = verifier.info
+    if drafter is not None:
+        d = drafter.remote
+        problems = []
+        if d.vocab_size != info.vocab_size:
+            problems.append(f"vocab_size {d.vocab_size} != verifier's {info.vocab_size}")
+        if d.hidden_size != info.hidden_size:
+            problems.append(f"hidden_size {d.hidden_size} != verifier's {info.hidden_size}")
+        bad = [i for i in d.target_layer_ids if not 0 <= i < info.num_layers]
+        if bad:
+            problems.append(f"target_layer_ids {bad} outside the verifier's {info.num_layers} layers")
+        if problems:
+            raise ValueError(f"drafter at {drafter_addr} does not fit the verifier at {verifier_addr}: " + "; ".join(problems))
+    tok_dir = tokenizer or info.name
+    codec = None
+    if tok_dir and (Path(tok_dir) / "tokenizer.json").is_file():
+        codec = TextCodec(tok_dir)
+    elif tokenizer:
+        raise FileNotFoundError(f"{tokenizer}: no tokenizer.json")
+    else:
+        log.warning("no tokenizer (verifier's %s is not readable here; pass --tokenizer DIR): token-id prompts only", info.name)
+    draft_name = drafter.remote.model_name if drafter is not None else ""
+    return Engine(verifier, drafter, codec, target=info.name, draft=draft_name)

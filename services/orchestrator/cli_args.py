@@ -1,0 +1,98 @@
+"""What the `kakeya` sub-commands share: option groups, their parsing, the result line.
+
+Imported by ``cli.py``, ``serve.py`` and ``client.py`` (never the reverse), and
+imports nothing heavy: building the parser needs neither MLX nor torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+# A prompt on which the demo target (a 6-layer model trained on the Python stdlib) stays coherent
+# for the default 128 tokens (no runaway repetition) and the demo drafter is accepted well (mean
+# acceptance 4.2 at block 8); "def fibonacci(n):" drove it into a loop. Picked from a dozen
+# candidates with `kakeya generate --compare-ar --json --backend torch`.
+DEFAULT_PROMPT = 'def load(path):\n    """Load the data stored at path."""\n    '
+
+
+def add_backend_args(p, *, help_suffix: str = "") -> None:
+    """--backend/--device/--dtype for commands that load models in-process."""
+    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "torch"],
+                   help="auto (default): MLX on Apple silicon, torch elsewhere" + help_suffix)
+    p.add_argument("--device", help="torch: cuda, cuda:1, cpu, mps (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="torch weights dtype (default float32)")
+
+
+def add_cache_args(p, default_kind: str | None = "native") -> None:
+    """Cache-policy flags, shared by every command that opens verifier sessions.
+
+    ``default_kind=None`` (the client): no --cache means "the server's default policy".
+    """
+    g = p.add_argument_group("verifier cache policy")
+    g.add_argument("--cache", default=default_kind, choices=["native", "sink-window"],
+                   help="native: the model's own sliding window (not bounded as a whole); "
+                        "sink-window: --sink first positions + a --window of recent ones on sliding layers")
+    g.add_argument("--sink", type=int, default=4, help="attention sinks kept forever (sink-window)")
+    g.add_argument("--window", type=int, default=None, help="sliding window (sink-window; default: the model's)")
+    g.add_argument("--full-kv-bits", type=int, default=0, choices=[0, 4, 8],
+                   help="affine-quantize full-attention K/V to 4 or 8 bits (0: exact)")
+    g.add_argument("--restore", default=None, metavar="ftheta:DIR",
+                   help="restore evicted sliding-layer K/V with a trained f_theta (sink-window only; "
+                        "see kakeya train-ftheta)")
+
+
+def cache_policy_from_args(args):
+    """The CachePolicy the flags ask for, or None when --cache was left to the server."""
+    from services.verifier.cache import CachePolicy
+
+    restore = getattr(args, "restore", None)
+    if args.cache is None:
+        if args.full_kv_bits or args.window is not None or restore:
+            raise ValueError("--window/--full-kv-bits/--restore need --cache native|sink-window")
+        return None
+    restore = restore.removeprefix("ftheta:") if restore else None
+    if args.cache == "native":
+        return CachePolicy("native", full_kv_bits=args.full_kv_bits, restore=restore)
+    return CachePolicy("sink-window", sink=args.sink, window=args.window, full_kv_bits=args.full_kv_bits,
+                       restore=restore)
+
+
+def add_generation_options(p) -> None:
+    """Options shared by `kakeya generate` and `kakeya client generate`."""
+    p.add_argument("--prompt", help="prompt text (default: the start of a Python function, def load(path): ...)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=None, help="1..16 (default: the drafter's trained block size)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+
+
+def summary_line(out: dict) -> str:
+    """One line that says what ran and, with an AR reference, what was compared and how it came out."""
+    where = out.get("backend") or "?"
+    if out.get("device"):
+        where += f"/{out['device']}"
+    head = f"speculative (DFlash, block {out['block_size']}, {where}): {out['decode_tok_s']:.0f} tok/s"
+    if "ar_decode_tok_s" in out:
+        ids, ar = out["token_ids"], out["ar_token_ids"]
+        same = next((i for i, (a, b) in enumerate(zip(ids, ar)) if a != b), min(len(ids), len(ar)))
+        verdict = (f"lossless ({same}/{len(ar)} tokens identical)" if out["lossless"]
+                   else f"NOT lossless (first {same} of {len(ar)} tokens identical)")
+        speedup = f"{out['speedup']:.1f}x" if out.get("speedup") else "n/a"
+        head += f" vs autoregressive {out['ar_decode_tok_s']:.0f} tok/s -> {speedup}, {verdict}"
+    tail = (f"{len(out['token_ids'])} tokens ({out['finish_reason']}), mean acceptance {out['mean_acceptance']:.2f} "
+            f"tokens/block, prefill {out['prefill_s'] * 1e3:.1f} ms")
+    if out["drafter_fallback"]:
+        tail += "; drafter failed, verifier finished alone"
+    if out["quality"]["degenerate"]:
+        tail += "; WARNING: runaway repetition"
+    return f"{head}; {tail}"
+
+
+def print_result(args, out: dict) -> None:
+    """The end of `generate` and `client generate`: one JSON line, or the summary line on stderr."""
+    if args.json:
+        print(json.dumps(out))
+        return
+    print()
+    print(summary_line(out), file=sys.stderr)

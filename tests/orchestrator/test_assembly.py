@@ -1,0 +1,159 @@
+"""Engine assembly: backend choice, torch threads, the layering, and a node without MLX."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.orchestrator.assembly import resolve_backend, torch_threads
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def has(*names):
+    return lambda name: name in names
+
+
+@pytest.mark.parametrize(
+    "system,machine,installed,cuda,expected",
+    [
+        ("darwin", "arm64", ("mlx", "torch"), False, ("mlx", None)),  # Apple silicon: Metal through MLX
+        ("linux", "x86_64", ("mlx", "torch"), False, ("torch", "cpu")),  # MLX on a Linux CPU is the slow one
+        ("linux", "x86_64", ("mlx", "torch"), True, ("torch", "cuda")),
+        ("linux", "aarch64", ("torch",), False, ("torch", "cpu")),
+        ("darwin", "x86_64", ("mlx", "torch"), False, ("torch", "cpu")),  # an Intel Mac has no Metal MLX
+        ("darwin", "arm64", ("torch",), False, ("torch", "cpu")),  # only what is installed
+        ("linux", "x86_64", ("mlx",), False, ("mlx", None)),
+    ],
+)
+def test_auto_picks_the_fastest_installed_backend(system, machine, installed, cuda, expected):
+    got = resolve_backend("auto", system=system, machine=machine, installed=has(*installed), cuda_available=lambda: cuda)
+    assert got == expected
+
+
+def test_explicit_choices_are_kept():
+    never = lambda: pytest.fail("an explicit device must not probe CUDA")  # noqa: E731
+    assert resolve_backend("torch", "cuda:1", cuda_available=never) == ("torch", "cuda:1")
+    assert resolve_backend("torch", cuda_available=lambda: False) == ("torch", "cpu")
+    assert resolve_backend("mlx", system="linux", installed=has()) == ("mlx", None)  # missing: said at load time
+    assert resolve_backend("auto", "cpu", system="linux", machine="x86_64", installed=has("torch")) == ("torch", "cpu")
+
+
+@pytest.mark.parametrize(
+    "backend,device,fragment",
+    [("metal", None, "unknown backend"), ("mlx", "cuda", "--device"), ("auto", None, "no backend installed")],
+)
+def test_bad_choices_raise_value_error(backend, device, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        resolve_backend(backend, device, system="linux", machine="x86_64", installed=has())
+
+
+def test_torch_threads_default_to_one_only_for_the_embedded_pair_on_cpu():
+    assert torch_threads(None, "cpu", embedded=True) == 1
+    assert torch_threads(None, "cuda", embedded=True) == 0
+    assert torch_threads(None, "cpu", embedded=False) == 0  # a real model: torch's own default
+    assert torch_threads(4, "cpu", embedded=True) == 4
+    assert torch_threads(0, "cpu", embedded=True) == 0
+
+
+# --------------------------------------------------------------------------- the layering
+
+CLI_LAYER = {"cli", "cli_args", "serve", "client"}
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (function-level imports included), as dotted names."""
+    pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names}
+    return out
+
+
+def test_cli_only_parses_and_prints():
+    tree = ast.parse((ROOT / "services/orchestrator/cli.py").read_text())
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert "build_local_engine" not in defined and "UsageError" not in defined
+    assert "services.orchestrator.assembly" in imports_of(ROOT / "services/orchestrator/cli.py")
+
+
+def test_nothing_below_the_cli_imports_it():
+    """cli -> serve/client -> cli_args -> assembly -> engine...; never back up (no cycle through the CLI)."""
+    cli_layer = {f"services.orchestrator.{m}" for m in CLI_LAYER}
+    allowed = {  # who may import which CLI-layer module
+        "services.orchestrator.cli": cli_layer,
+        "services.orchestrator.serve": {"services.orchestrator.cli_args"},
+        "services.orchestrator.client": {"services.orchestrator.cli_args", "services.orchestrator.serve"},
+    }
+    offenders = []
+    for path in sorted((ROOT / "services").rglob("*.py")):
+        mod = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        bad = (imports_of(path) & cli_layer) - allowed.get(mod, set()) - {mod}
+        if bad:
+            offenders.append(f"{mod} imports {sorted(bad)}")
+    assert not offenders, offenders
+    assembly = imports_of(ROOT / "services/orchestrator/assembly.py")
+    assert not {m for m in assembly if m.startswith(("services.training", "benchmarks"))}
+
+
+# --------------------------------------------------------------------------- a node without MLX
+
+NO_MLX = """
+import runpy, sys
+
+class NoMLX:
+    def find_spec(self, name, path=None, target=None):
+        if name == "mlx" or name.startswith(("mlx.", "mlx_lm")):
+            raise ImportError(f"{name} is blocked in this test")
+
+sys.meta_path.insert(0, NoMLX())
+sys.argv = ["kakeya", *sys.argv[1:]]
+try:
+    runpy.run_module("services.orchestrator.cli", run_name="__main__")
+finally:
+    assert not [m for m in sys.modules if m == "mlx" or m.startswith(("mlx.", "mlx_lm"))]
+"""
+
+
+def kakeya_without_mlx(*args, timeout=300):
+    return subprocess.run([sys.executable, "-c", NO_MLX, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+
+
+def test_the_parser_needs_neither_backend():
+    code = ("import sys; from services.orchestrator.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'torch')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+    res = kakeya_without_mlx("--help")
+    assert res.returncode == 0 and "generate" in res.stdout and "train-ftheta" in res.stdout, res.stderr
+
+
+def test_torch_generate_runs_without_mlx():
+    res = kakeya_without_mlx("generate", "--backend", "torch", "--json", "--compare-ar", "--max-tokens", "12")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["backend"] == "torch" and out["lossless"] is True and len(out["token_ids"]) == 12
+
+
+@pytest.mark.parametrize("args", [["generate", "--backend", "mlx", "--max-tokens", "2"],
+                                  ["train-ftheta", "--out", "/tmp/kakeya-never-written", "--steps", "1"]])
+def test_an_mlx_command_without_mlx_is_one_clear_line(args):
+    res = kakeya_without_mlx(*args)
+    assert res.returncode == 2, res.stderr
+    err = res.stderr.strip()
+    assert err.startswith("kakeya: error:") and "\n" not in err and "needs MLX" in err, err
