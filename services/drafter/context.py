@@ -9,8 +9,9 @@ the last ``keep`` of them on a sliding layer, all of them on a full layer.
 * Capacity grows geometrically on full layers (``step * 2**k`` rows), so a
   long generation reallocates O(log n) times and a backend can capture a
   static-shape forward per capacity; a sliding layer's buffer has a fixed
-  capacity (``keep + step``) and is compacted in place (the visible rows moved
-  to the front) when it fills.
+  capacity (``keep + max(step, MAX_BLOCK_SIZE)``: room for any block's scratch
+  rows) and is compacted in place (the visible rows moved to the front) when
+  it fills.
 * A block of ``B`` queries sits at positions ``length .. length+B-1``. The
   backend either attends over ``visible ++ block`` (MLX: concatenation) or
   writes the block's K/V into the scratch rows ``[stop, stop+B)`` and attends
@@ -31,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from .config import SLIDING, DFlashConfig
+from .config import MAX_BLOCK_SIZE, SLIDING, DFlashConfig
 
 DEFAULT_STEP = 256  # first capacity of a full layer; spare rows of a sliding layer
 
@@ -97,7 +98,7 @@ class ContextLayout:
             while cap < carry + extra:
                 cap *= 2
         else:
-            cap = max(self.capacity, self.keep + max(self.step, extra))
+            cap = max(self.capacity, self.keep + max(self.step, MAX_BLOCK_SIZE, extra))
         resize = Resize(cap, self.stop - carry, carry)
         self.capacity, self.stop = cap, carry
         return resize

@@ -99,13 +99,11 @@ def local_verifier(target_dir, aux_layers, backend: str = "mlx", **kwargs) -> Ve
 
 def local_drafter(draft_dir, target_dir, backend: str = "mlx", **kwargs) -> Drafter:
     """The in-process DFlash drafter for ``backend``."""
-    if backend == "mlx":
-        from services.drafter.session import MLXDrafter
+    from services.drafter.session import MLXDrafter, TorchDrafter
 
+    if backend == "mlx":
         return MLXDrafter(draft_dir, target_dir, **kwargs)
     if backend == "torch":
-        from services.drafter.session_torch import TorchDrafter
-
         return TorchDrafter(draft_dir, target_dir, **kwargs)  # device=, dtype=
     raise ValueError(f"unknown drafter backend {backend!r} (expected 'mlx' or 'torch')")
 
