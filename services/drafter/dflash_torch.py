@@ -112,7 +112,7 @@ class Attention(nn.Module):
         v = self.v_proj(h).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
         return k, v
 
-    def forward(self, x, ctx: "LayerKV", view: BlockView, cos, sin, mask):
+    def forward(self, x, ctx: "LayerKV | GivenContext", view: Optional[BlockView], cos, sin, mask):
         B, L, _ = x.shape
         q = rms_norm(self.q_proj(x).view(B, L, self.n_heads, self.head_dim), self.q_norm.weight, self.eps)
         q = q.transpose(1, 2)
@@ -221,6 +221,16 @@ class LayerKV:
         if self.keys is None:
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+class GivenContext:
+    """Context K/V handed in as tensors (the block trainer: many blocks over one precomputed context)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    def with_block(self, view, k: torch.Tensor, v: torch.Tensor):
+        return torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
 
 
 class ContextKVCache:
