@@ -144,14 +144,14 @@ class ContextPlan:
             self.layer_layouts.append(kinds[keep])
         self.layouts = list(kinds.values())
 
-    def append(self, n: int) -> dict[int, Append]:
-        """Plan ``n`` new positions for every layout (keyed by ``id(layout)``)."""
-        plans = {id(l): l.append(n) for l in self.layouts}
+    def append(self, n: int) -> dict[ContextLayout, Append]:
+        """Plan ``n`` new positions for every layout."""
+        plans = {l: l.append(n) for l in self.layouts}
         self.length += n
         return plans
 
-    def block(self, n_block: int, scratch: bool = False, span: str = "valid") -> dict[int, BlockView]:
-        return {id(l): l.block(n_block, scratch, span) for l in self.layouts}
+    def block(self, n_block: int, scratch: bool = False, span: str = "valid") -> dict[ContextLayout, BlockView]:
+        return {l: l.block(n_block, scratch, span) for l in self.layouts}
 
 
 def block_mask(

@@ -174,7 +174,7 @@ class ContextKVCache:
             raise ValueError(f"expected K/V for {len(self.layers)} layers, got {len(kv)}")
         plans = self.plan.append(kv[0][0].shape[2])
         for layer, (k, v) in zip(self.layers, kv):
-            layer.append(plans[id(layer.layout)], k, v)
+            layer.append(plans[layer.layout], k, v)
 
     def view(self, i: int):
         return self.layers[i].visible()
@@ -326,8 +326,8 @@ class DFlashDraftModel(nn.Module):
         views = cache.plan.block(B)
         masks: dict[Any, Optional[mx.array]] = {}
         for layer, ctx in zip(self.layers, cache.layers):
-            attn, view = layer.self_attn, views[id(ctx.layout)]
-            key = (id(ctx.layout), attn.is_causal)
+            attn, view = layer.self_attn, views[ctx.layout]
+            key = (ctx.layout, attn.is_causal)
             if key not in masks:
                 m = block_mask(view, B, is_causal=attn.is_causal, window=attn.window)
                 masks[key] = None if m is None else mx.array(m)

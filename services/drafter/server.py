@@ -30,7 +30,6 @@ from services.serving import (
     version,
 )
 from services.drafter.config import MAX_BLOCK_SIZE
-from services.drafter.session import WARM_BLOCK_SIZES
 from services.wire import codec
 from services.wire.kakeya.v1 import drafter_pb2 as pb, drafter_pb2_grpc
 
@@ -74,8 +73,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.device = model.device_name
         # Warm-up: every block size the loop drafts, the first context through the wire decoding path.
         aux = self._decode(codec.to_proto(np.zeros((3, model.config.aux_width), np.float32)))
-        blocks = range(2, min(WARM_BLOCK_SIZES.stop - 1, self.max_block_size) + 1)
-        seconds = self.drafter.warm_up(block_sizes=blocks, aux=aux)
+        seconds = self.drafter.warm_up(aux=aux)
         return (
             f"draft {draft_dir} + embedding/LM head of {target_dir} ({backend} on {self.device}, block"
             f" {self.drafter.block_size}, aux layers {list(self.drafter.target_layer_ids)}, {codec.dtype_name(self.aux_dtype)};"
