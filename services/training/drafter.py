@@ -201,7 +201,7 @@ class BlockTrainer:
         for layer, (ck, cv) in zip(m.layers, ctx):
             if layer.self_attn.is_causal or layer.self_attn.window is not None:
                 raise ValueError("the block trainer supports full-attention, non-causal drafter layers only")
-            x = layer(x, ck, cv, cos, sin, mask)
+            x = layer(x, self.dt.GivenContext(ck, cv), None, cos, sin, mask)
         hfin = m.norm(x)[:, 1:]  # [NK, B-1, H]
         logits = F.linear(hfin, self.head)
         if c.output_multiplier != 1.0:
