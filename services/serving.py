@@ -134,34 +134,107 @@ class SessionLimitError(Exception):
     pass
 
 
+DEFAULT_MAX_SESSIONS = 64  # each open stream holds a server thread: the pool is sized from this
+DEFAULT_IDLE_TIMEOUT_S = 60.0
+
+
 @dataclass
 class SessionEntry:
     id: str
     session: Any = None
     cache_bytes: int = 0
+    reserved_bytes: int = 0  # worst-case K/V bytes this session was admitted with
     closed: bool = False
     opened_at: float = field(default_factory=time.monotonic)
+    last_active: float = field(default_factory=time.monotonic)
+    waiting: bool = False  # blocked on the client's next message (idle time counts only then)
+    cancel: Callable[[], None] | None = None  # ends the stream (the idle watcher's tool)
+    idle_expired: bool = False
 
 
 class SessionRegistry:
-    """Live sessions of one server. ``close`` is idempotent and safe from any thread."""
+    """Live sessions of one server: admission (count and K/V-byte limits, optional wait queue),
+    idle expiry, and the bytes they hold. ``close`` is idempotent and safe from any thread.
+    """
 
-    def __init__(self, max_sessions: int = 0):
+    def __init__(
+        self,
+        max_sessions: int = 0,
+        max_kv_bytes: int = 0,
+        queue: int = 0,
+        queue_timeout_s: float = 0.0,
+        idle_timeout_s: float = 0.0,
+    ):
         self.max_sessions = max(0, int(max_sessions))
+        self.max_kv_bytes = max(0, int(max_kv_bytes))
+        self.queue = max(0, int(queue))
+        self.queue_timeout_s = max(0.0, float(queue_timeout_s))
+        self.idle_timeout_s = max(0.0, float(idle_timeout_s))
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
         self._live: dict[str, SessionEntry] = {}
+        self._waiting = 0
         self.total = 0
+        self.expired = 0
+        if self.idle_timeout_s:
+            threading.Thread(target=self._idle_watch, name="session-idle-watch", daemon=True).start()
+
+    def _admit(self, fits: Callable[[], str | None]) -> None:
+        """Wait (under the lock) until ``fits()`` names no limit, within the queue's bounds."""
+        problem = fits()
+        if problem is None:
+            return
+        if not self.queue or self._waiting >= self.queue:
+            extra = f"; wait queue full ({self._waiting} of {self.queue}, --queue)" if self.queue else ""
+            raise SessionLimitError(problem + extra)
+        self._waiting += 1
+        try:
+            deadline = time.monotonic() + self.queue_timeout_s
+            while problem is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SessionLimitError(f"{problem}; waited {self.queue_timeout_s:g} s in the queue (--queue-timeout)")
+                self._freed.wait(left)
+                problem = fits()
+        finally:
+            self._waiting -= 1
 
     def open(self) -> SessionEntry:
-        with self._lock:
+        def fits():
             if self.max_sessions and len(self._live) >= self.max_sessions:
-                raise SessionLimitError(
-                    f"session limit reached: {len(self._live)} of {self.max_sessions} sessions live (--max-sessions)"
-                )
+                return f"session limit reached: {len(self._live)} of {self.max_sessions} sessions live (--max-sessions)"
+            return None
+
+        with self._lock:
+            self._admit(fits)
             entry = SessionEntry(uuid.uuid4().hex[:12])
             self._live[entry.id] = entry
             self.total += 1
             return entry
+
+    def reserve(self, entry: SessionEntry, nbytes: int) -> None:
+        """Admit ``entry`` for a worst case of ``nbytes`` K/V bytes (the ``--max-kv-bytes`` budget)."""
+
+        def fits():
+            if not self.max_kv_bytes:
+                return None
+            if nbytes > self.max_kv_bytes:
+                return (f"K/V budget: this session may need {nbytes} bytes, more than the whole budget"
+                        f" {self.max_kv_bytes} (--max-kv-bytes); ask for fewer positions or a bounded cache policy")
+            held = self._reserved()
+            if held + nbytes > self.max_kv_bytes:
+                return (f"K/V budget exhausted: {held} of {self.max_kv_bytes} bytes reserved, this session needs"
+                        f" {nbytes} (--max-kv-bytes)")
+            return None
+
+        with self._lock:
+            if entry.closed:
+                return
+            self._admit(fits)
+            entry.reserved_bytes = int(nbytes)
+
+    def _reserved(self) -> int:
+        return sum(e.reserved_bytes for e in self._live.values())
 
     def close(self, entry: SessionEntry) -> None:
         with self._lock:
@@ -169,12 +242,28 @@ class SessionRegistry:
                 return
             entry.closed = True
             self._live.pop(entry.id, None)
-            session, entry.session, entry.cache_bytes = entry.session, None, 0
+            session, entry.session, entry.cache_bytes, entry.reserved_bytes = entry.session, None, 0, 0
+            self._freed.notify_all()
         if session is not None:
             try:
                 session.close()  # drops the cache arrays; safe while a step still holds its own references
             except Exception:  # pragma: no cover - closing must never fail a stream
                 log.exception("closing session %s", entry.id)
+
+    def _idle_watch(self) -> None:
+        period = min(1.0, self.idle_timeout_s / 4)
+        while True:
+            time.sleep(period)
+            now = time.monotonic()
+            with self._lock:
+                idle = [e for e in self._live.values() if e.waiting and now - e.last_active > self.idle_timeout_s]
+            for e in idle:
+                log.warning("session %s idle for %.0f s (--idle-timeout): closing it", e.id, now - e.last_active)
+                e.idle_expired = True
+                self.expired += 1
+                if e.cancel is not None:
+                    e.cancel()
+                self.close(e)
 
     @property
     def live(self) -> int:
@@ -185,6 +274,29 @@ class SessionRegistry:
     def live_bytes(self) -> int:
         with self._lock:
             return sum(e.cache_bytes for e in self._live.values())
+
+    @property
+    def reserved_bytes(self) -> int:
+        with self._lock:
+            return self._reserved()
+
+
+class _Watched:
+    """A request iterator that tells the registry when the session waits on its client."""
+
+    def __init__(self, requests, entry: SessionEntry):
+        self._it, self._entry = iter(requests), entry
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        e = self._entry
+        e.last_active, e.waiting = time.monotonic(), True
+        try:
+            return next(self._it)
+        finally:
+            e.waiting, e.last_active = False, time.monotonic()
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -203,13 +315,16 @@ def session_stream(name: str, ready: bool, registry: "SessionRegistry", serve, r
         entry = registry.open()
     except SessionLimitError as exc:
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {exc}")
+    entry.cancel = context.cancel
     context.add_callback(lambda: registry.close(entry))
     try:
-        yield from serve(entry, request_iterator)
+        yield from serve(entry, _Watched(request_iterator, entry))
+    except SessionLimitError as exc:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {exc}")
     except RequestError as exc:
         context.abort(exc.code, exc.message)
     except grpc.RpcError:
-        return  # the client went away while we were reading: nothing to answer
+        return  # the client went away (or the session idled out) while we were reading
     except Exception as exc:  # a bug: report it, keep the server up
         if entry.closed:  # the stream ended (cancel, deadline) while a step ran: nobody to answer
             return
@@ -230,7 +345,17 @@ class ServerSpec:
     set_ready: Callable[[bool], None]  # servicers refuse work (UNAVAILABLE) until ready
     before_drain: Callable[[], None] = lambda: None  # e.g. stop admitting requests
     near_deadline: Callable[[], None] = lambda: None  # grace almost over: end streams cleanly
-    max_workers: int = 64
+    max_workers: int = 64  # also the concurrent-RPC cap: one more is RESOURCE_EXHAUSTED, never a hang
+    max_receive_bytes: int | None = None  # None: the shared ceiling (services/wire/limits.py)
+    health_watch: Callable[[], bool] | None = None  # polled while serving: False = NOT_SERVING
+    health_interval_s: float = 1.0
+    tls: Any = None  # services.tls.ServerTLS; None/disabled: plaintext
+
+
+def workers_for(max_sessions: int, queue: int = 0) -> int:
+    """Threads for a server whose streams may hold ``max_sessions`` (+ ``queue`` waiting):
+    a margin is left for GetInfo, health and short RPCs, so they answer while sessions are full."""
+    return (max_sessions or DEFAULT_MAX_SESSIONS) + queue + 16
 
 
 def _parent_watch(parent: int, stop: threading.Event) -> None:
@@ -245,6 +370,49 @@ def write_ready_file(path: str | Path, payload: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload))
     os.replace(tmp, path)  # readers never see a half-written file
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be ours (another listener holds it), or None.
+
+    gRPC binds with SO_REUSEPORT, so a second server on a taken port would bind
+    as well and split the connections; a plain bind (no SO_REUSEPORT) fails on
+    a port another socket listens on. Port 0 is always free.
+    """
+    import socket
+
+    if port == 0:
+        return None
+    bind_host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    if bind_host in ("", "0.0.0.0", "::"):
+        bind_host = "::" if family == socket.AF_INET6 else "0.0.0.0"
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((bind_host, port))
+    except OSError as exc:
+        if exc.errno in (98, 48):  # EADDRINUSE on Linux / macOS
+            return f"port {port} is already in use"
+        return None  # e.g. an unresolvable host: gRPC reports it
+    return None
+
+
+def _health_watch(spec: ServerSpec, health_servicer, names: list[str], stop: threading.Event) -> None:
+    """Health follows the backends this server needs (``spec.health_watch``), until we drain."""
+    serving = True
+    while not stop.wait(spec.health_interval_s):
+        try:
+            ok = bool(spec.health_watch())
+        except Exception:  # noqa: BLE001 - a failing probe is a failing backend
+            ok = False
+        if stop.is_set():
+            return
+        if ok != serving:
+            status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+            for n in names:
+                health_servicer.set(n, status)
+            log.warning("%s health: %s (backends %s)", spec.name, "SERVING" if ok else "NOT_SERVING", "back" if ok else "down")
+            serving = ok
 
 
 def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, ready_file: str | None = None) -> int:
@@ -268,7 +436,11 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
     if parent and parent.isdigit():
         threading.Thread(target=_parent_watch, args=(int(parent), stop), daemon=True).start()
 
-    server = grpc.server(ThreadPoolExecutor(max_workers=spec.max_workers), options=server_options())
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=spec.max_workers),
+        options=server_options(max_receive_bytes=spec.max_receive_bytes),
+        maximum_concurrent_rpcs=spec.max_workers,
+    )
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     spec.add_to_server(server)
@@ -278,14 +450,21 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
     )
     for n in ["", *names]:
         health_servicer.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
-    try:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError as exc:
-        bound, err = 0, exc
-    else:
-        err = None
+    problem = port_in_use(host, port)
+    bound = 0
+    if problem is None:
+        try:
+            if spec.tls is not None and spec.tls.enabled:
+                bound = server.add_secure_port(f"{host}:{port}", spec.tls.credentials())
+            else:
+                bound = server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:
+            problem = str(exc)
+        except ValueError as exc:  # unreadable certificate files
+            print(f"kakeya: error: {spec.name}: {exc}", file=sys.stderr)
+            return 2
     if not bound:
-        print(f"kakeya: error: {spec.name}: cannot listen on {host}:{port} ({err or 'address in use?'})", file=sys.stderr)
+        print(f"kakeya: error: {spec.name}: cannot listen on {host}:{port}: {problem or 'address in use'}", file=sys.stderr)
         return 2
     addr = f"{host}:{bound}"
     server.start()
@@ -322,6 +501,10 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
         log.info("%s SERVING on %s: %s (loaded + warmed up in %.2f s)", spec.name, addr, outcome["desc"], outcome["load_s"])
         if ready_file:
             write_ready_file(ready_file, {"service": spec.name, "addr": addr, "port": bound, "pid": os.getpid()})
+        if spec.health_watch is not None:
+            threading.Thread(
+                target=_health_watch, args=(spec, health_servicer, ["", *names], stop), name="health-watch", daemon=True
+            ).start()
     while not stop.wait(0.5):
         pass
 

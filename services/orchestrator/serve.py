@@ -33,6 +33,8 @@ import threading
 import time
 from pathlib import Path
 
+from . import serve_flags
+
 DEFAULT_PORTS = {"orchestrator": 50051, "verifier": 50061, "drafter": 50062}
 
 
@@ -78,7 +80,7 @@ def _common(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORTS[name], help=f"port (0: any free port; default {DEFAULT_PORTS[name]})")
     p.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight streams (default 30)")
     p.add_argument("--ready-file", help="write {addr, port, pid} as JSON here once SERVING")
-    p.add_argument("--max-sessions", type=int, default=0, help="concurrent sessions; one more is RESOURCE_EXHAUSTED (0: no limit)")
+    serve_flags.add_common(p)
 
 
 def _run(spec, args) -> int:
@@ -107,8 +109,11 @@ def cmd_serve_verifier(args) -> int:
     else:  # without --draft/--aux-layers, sessions must name their aux layers at Open
         target, draft = args.target, args.draft
     layers = _aux_layers(args.aux_layers, draft)
+    limits = serve_flags.session_limits(args, kv_budget=True)
+    limits["restore"], args.restore = serve_flags.restore_sources(args)  # the default policy's: the bare DIR
     kwargs = _backend_kwargs(args) | {"policy": _default_policy(args)}
-    return _run(server_spec(target, layers, args.backend, args.max_sessions, **kwargs), args)
+    spec = server_spec(target, layers, args.backend, args.max_sessions, limits=limits, tls=serve_flags.server_tls(args), **kwargs)
+    return _run(spec, args)
 
 
 def _default_policy(args):
@@ -124,7 +129,9 @@ def cmd_serve_drafter(args) -> int:
     from services.drafter.server import server_spec
 
     target, draft = _pair(args.target, args.draft)
-    return _run(server_spec(draft, target, args.backend, args.max_sessions, **_backend_kwargs(args)), args)
+    limits = serve_flags.session_limits(args, kv_budget=False)
+    tls = serve_flags.server_tls(args)
+    return _run(server_spec(draft, target, args.backend, args.max_sessions, limits=limits, tls=tls, **_backend_kwargs(args)), args)
 
 
 def _backend_kwargs(args) -> dict:
@@ -145,11 +152,18 @@ def cmd_serve_orchestrator(args) -> int:
         if args.target or args.draft:
             raise _usage("--target/--draft load in-process models: leave them out with --verifier (see --tokenizer)")
 
+        client_tls = serve_flags.client_tls(args)
+
         def build():
-            return split_engine(args.verifier, None if args.no_drafter else args.drafter, args.tokenizer, args.backend_wait)
+            drafter = None if args.no_drafter else args.drafter
+            return split_engine(
+                args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls, backend_timeout_s=args.backend_timeout
+            )
 
         colocated = False
+        sources = None
     else:
+        sources, args.restore = serve_flags.restore_sources(args)
 
         def build():
             target, draft = _pair(args.target, args.draft)  # serve's default: the tiny pair, like verifier/drafter
@@ -162,8 +176,11 @@ def cmd_serve_orchestrator(args) -> int:
         max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens,
         max_sessions=args.max_sessions,
+        max_prompt_tokens=args.max_prompt_tokens,
+        restore=sources,
+        auth_token=serve_flags.auth_token(args),
     )
-    return _run(server_spec(servicer), args)
+    return _run(server_spec(servicer, tls=serve_flags.server_tls(args)), args)
 
 
 # --------------------------------------------------------------------------- serve all
@@ -241,9 +258,17 @@ class Supervisor:
 def cmd_serve_all(args) -> int:
     from services.serving import setup_logging, write_ready_file
 
+    from services.serving import port_in_use
+
     setup_logging("all")
     log = logging.getLogger("kakeya.all")
     target, draft = _pair(args.target, args.draft)
+    serve_flags.restore_sources(args)  # bad --restore specs: a usage error now, not a child's exit
+    serve_flags.server_tls(args), serve_flags.auth_token(args)
+    taken = port_in_use(args.host, args.port)
+    if taken:
+        print(f"kakeya: error: serve all: cannot listen on {args.host}:{args.port}: {taken}", file=sys.stderr)
+        return 2
     if args.ready_file:
         Path(args.ready_file).unlink(missing_ok=True)
     sup = Supervisor(args.grace)
@@ -255,7 +280,6 @@ def cmd_serve_all(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     common = ["--grace", str(args.grace)]
-    limits = ["--max-sessions", str(args.max_sessions)] if args.max_sessions else []
     rc = 0
     with tempfile.TemporaryDirectory(prefix="kakeya-serve-all-") as tmp:
         files = {n: Path(tmp) / f"{n}.json" for n in ("verifier", "drafter", "orchestrator")}
@@ -265,16 +289,16 @@ def cmd_serve_all(args) -> int:
             vback = ["--backend", args.verifier_backend, *(torch_kw if args.verifier_backend == "torch" else [])]
             dback = ["--backend", args.drafter_backend, *(torch_kw if args.drafter_backend == "torch" else [])]
             cache = ["--cache", args.cache, "--sink", str(args.sink), "--full-kv-bits", str(args.full_kv_bits),
-                     *(["--window", str(args.window)] if args.window else []),
-                     *(["--restore", args.restore] if args.restore else [])]  # fmt: skip
-            sup.spawn("verifier", [*back, "--target", target, "--draft", draft, *vback, *cache, "--ready-file", str(files["verifier"]), *common, *limits])
-            sup.spawn("drafter", [*back, "--draft", draft, "--target", target, *dback, "--ready-file", str(files["drafter"]), *common, *limits])
+                     *(["--window", str(args.window)] if args.window else [])]  # fmt: skip
+            vlim, dlim = serve_flags.child_argv(args, "verifier"), serve_flags.child_argv(args, "drafter")
+            sup.spawn("verifier", [*back, "--target", target, "--draft", draft, *vback, *cache, "--ready-file", str(files["verifier"]), *common, *vlim])
+            sup.spawn("drafter", [*back, "--draft", draft, "--target", target, *dback, "--ready-file", str(files["drafter"]), *common, *dlim])
             ready = sup.wait_ready({n: files[n] for n in ("verifier", "drafter")}, args.start_timeout)
             orch = [
                 "--host", args.host, "--port", str(args.port),
                 "--verifier", ready["verifier"]["addr"], "--drafter", ready["drafter"]["addr"],
                 "--tokenizer", target, "--ready-file", str(files["orchestrator"]),
-                "--max-tokens-limit", str(args.max_tokens_limit), *common, *limits,
+                "--max-tokens-limit", str(args.max_tokens_limit), *common, *serve_flags.child_argv(args, "orchestrator"),
             ]  # fmt: skip
             sup.spawn("orchestrator", orch)
             ready.update(sup.wait_ready({"orchestrator": files["orchestrator"]}, args.start_timeout))
@@ -310,11 +334,7 @@ def cmd_serve_all(args) -> int:
 
 
 def _channel(args):
-    import grpc
-
-    from services.wire.limits import channel_options
-
-    return grpc.insecure_channel(args.addr, options=channel_options())
+    return serve_flags.client_channel(args)
 
 
 def _rpc_error(exc) -> int:
@@ -480,13 +500,15 @@ def register_serve(sub) -> None:
     p = sub.add_parser("serve", help="run the gRPC services (verifier, drafter, orchestrator, or all three)")
     roles = p.add_subparsers(dest="role", required=True)
 
-    v = roles.add_parser("verifier", help="the target model and its per-session KV caches")
+    v = roles.add_parser("verifier", help="the target model and its per-session KV caches", conflict_handler="resolve")
     _common(v, "verifier")
     v.add_argument("--target", help="Gemma-4 target checkpoint directory (default: the embedded tiny target)")
     v.add_argument("--draft", help="a DFlash drafter directory: only its target_layer_ids are read (the default aux layers)")
     v.add_argument("--aux-layers", help="default aux layers, e.g. 1,4 (sessions may send their own)")
     _backend_args(v)
     add_cache_args(v)
+    serve_flags.add_restore(v)
+    serve_flags.add_sessions(v, kv_budget=True)
     v.set_defaults(func=cmd_serve_verifier)
 
     d = roles.add_parser("drafter", help="the DFlash drafter and its per-session context caches")
@@ -494,9 +516,12 @@ def register_serve(sub) -> None:
     d.add_argument("--draft", help="DFlash drafter checkpoint directory")
     d.add_argument("--target", help="the target checkpoint: only its embedding and LM head are loaded")
     _backend_args(d)
+    serve_flags.add_sessions(d, kv_budget=False)
     d.set_defaults(func=cmd_serve_drafter)
 
-    o = roles.add_parser("orchestrator", help="the public Generate API (split: --verifier/--drafter; else colocated)")
+    o = roles.add_parser(
+        "orchestrator", help="the public Generate API (split: --verifier/--drafter; else colocated)", conflict_handler="resolve"
+    )
     _common(o, "orchestrator")
     o.add_argument("--verifier", metavar="HOST:PORT", help="a `kakeya serve verifier` (split deployment)")
     o.add_argument("--drafter", metavar="HOST:PORT", help="a `kakeya serve drafter` (split deployment)")
@@ -506,11 +531,13 @@ def register_serve(sub) -> None:
     o.add_argument("--tokenizer", help="split: directory with the target's tokenizer.json (default: the verifier's path, if readable)")
     o.add_argument("--backend", default="mlx", choices=["mlx"], help="colocated backend")
     add_cache_args(o)  # colocated: the sessions' default policy
+    serve_flags.add_restore(o)
+    serve_flags.add_orchestrator(o)
     o.add_argument("--backend-wait", type=float, default=120.0, help="split: seconds to wait for verifier/drafter at start")
     _limits(o)
     o.set_defaults(func=cmd_serve_orchestrator)
 
-    a = roles.add_parser("all", help="verifier, drafter and orchestrator as three local processes")
+    a = roles.add_parser("all", help="verifier, drafter and orchestrator as three local processes", conflict_handler="resolve")
     _common(a, "orchestrator")
     a.add_argument("--target", help="target checkpoint (default: the embedded tiny pair)")
     a.add_argument("--draft", help="drafter checkpoint")
@@ -520,6 +547,9 @@ def register_serve(sub) -> None:
     a.add_argument("--device", help="torch processes: cuda, cuda:1, cpu (default: the backend's)")
     a.add_argument("--dtype", help="torch processes: float32, bfloat16, float16 (default: the backend's)")
     add_cache_args(a)  # the verifier process's default policy
+    serve_flags.add_restore(a)
+    serve_flags.add_sessions(a, kv_budget=True)
+    serve_flags.add_orchestrator(a)
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)
     a.set_defaults(func=cmd_serve_all)
@@ -544,6 +574,7 @@ def register_client(sub) -> None:
     p = sub.add_parser("client", help="call a running orchestrator (kakeya serve orchestrator|all)")
     p.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}", help="HOST:PORT of the orchestrator")
     p.add_argument("--timeout", type=float, help="deadline in seconds (propagates to the verifier and drafter)")
+    serve_flags.add_client(p)
     cmds = p.add_subparsers(dest="client_command", required=True)
 
     g = cmds.add_parser("generate", help="streaming generation, same options and --json as `kakeya generate`")
