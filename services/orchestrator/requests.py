@@ -115,9 +115,9 @@ def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Params:
     if r.HasField("cache_policy"):
         local = policy_from_request(r.cache_policy, getattr(e.verifier, "policy", None) or CachePolicy(), "cache_policy")
         bounds.check_window(local, max(e.verifier.info.sliding_window, limits.max_context), "cache_policy")
+        check_policy(local, e.verifier.info.sliding_window, "cache_policy")
         if not isinstance(e.verifier, GrpcVerifier):  # colocated: the name picks one of our --restore sources
             local = limits.restore.to_server(local, "cache_policy")
-        check_policy(local, e.verifier.info.sliding_window, "cache_policy")
         slack = r.cache_policy.slack or _default_slack(e)
         if block_size > slack:
             raise invalid(f"cache_policy.slack {slack} is smaller than block_size {block_size}: rollback would not be exact")

@@ -107,6 +107,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self.limits = bounds.ContextLimits.of(
             int(cfg.get("max_position_embeddings") or 131072), info.sliding_window, self.max_context_flag
         )
+        self._check_restore_sources()
         from .memory import DTYPE_BYTES
 
         dtype = str(dtype or _dtype_name(self.verifier.target) or "")
@@ -126,6 +127,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             f"target {target_dir} ({backend} on {self.device}, {info.num_layers} layers, vocab {info.vocab_size},"
             f" aux {codec.dtype_name(self.aux_dtype)})"
         )
+
+    def _check_restore_sources(self) -> None:
+        """Load every configured f_theta now: a bad --restore is a startup error, never a request's."""
+        load = getattr(self.verifier.target, "restorer", None)
+        for name, path in self.restore.by_name.items():
+            if load is None:
+                raise ValueError(f"--restore {name}: f_theta restoration is not implemented on the {self.verifier.info.backend} backend")
+            try:
+                load(path)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"--restore {name}={path}: {exc}") from None
 
     def _new_session(self, aux_layers, policy):
         from .session import VerifierSession
@@ -172,16 +184,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         """
         field = "open.cache_policy"
         policy = policy_from_request(open_.cache_policy, self.verifier.policy, field)
+        try:
+            bounds.check_window(policy, max(self.limits.sliding_window, max_positions), field)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        policy = check_policy(policy, self.verifier.info.sliding_window, field)
         if open_.cache_policy.kind:  # the client's own policy: its restoration source is a NAME
             try:
                 policy = self.restore.to_server(policy, field)
             except ValueError as exc:
                 raise invalid(str(exc)) from None
-        try:
-            bounds.check_window(policy, max(self.limits.sliding_window, max_positions), field)
-        except ValueError as exc:
-            raise invalid(str(exc)) from None
-        return check_policy(policy, self.verifier.info.sliding_window, field)
+        return policy
 
     def _worst_case_bytes(self, policy, positions: int) -> int:
         """K/V bytes a session of ``positions`` may reach (full layers grow in steps of 256 positions)."""
