@@ -216,8 +216,10 @@ def port_in_use(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be ours (another listener holds it), or None.
 
     gRPC binds with SO_REUSEPORT, so a second server on a taken port would bind
-    as well and split the connections; a plain bind (no SO_REUSEPORT) fails on
-    a port another socket listens on. Port 0 is always free.
+    as well and split the connections; a bind without SO_REUSEPORT fails on a
+    port another socket listens on. SO_REUSEADDR lets it pass the TIME_WAIT
+    leftovers of a server that just died (a restart on its own port). Port 0
+    is always free.
     """
     import socket
 
@@ -229,6 +231,7 @@ def port_in_use(host: str, port: int) -> str | None:
         bind_host = "::" if family == socket.AF_INET6 else "0.0.0.0"
     try:
         with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((bind_host, port))
     except OSError as exc:
         if exc.errno in (98, 48):  # EADDRINUSE on Linux / macOS
