@@ -7,6 +7,7 @@ before anything is tokenized past a coarse bound or allocated anywhere (see
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,8 @@ def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Params:
         prompt = check_token_ids(r.tokenized.ids, vocab, "prompt.tokenized.ids")
         field = "prompt.tokenized.ids"
     sp = r.sampling_params
+    if not math.isfinite(sp.temperature):
+        raise invalid(f"sampling_params.temperature must be a finite number, got {sp.temperature}")
     if sp.temperature < 0:
         raise invalid(f"sampling_params.temperature must be >= 0, got {sp.temperature:g}")
     if sp.temperature > 0:

@@ -20,7 +20,7 @@ from .conftest import drafter_info, drafter_stub, generation_stub, start_all, ve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-POSITIONS = 200
+POSITIONS = 600  # worst case rounds to 768 positions; a session of 8 to 256: both fit the budget, two of these do not
 PROMPT = [2, 40, 41, 42, 43, 44]
 V = verifier_pb2.VerifierRequest
 

@@ -195,3 +195,9 @@ def test_stop_lists_are_bounded(servers):
     req.sampling_params.stop_token_ids.extend([5] * 2000)
     code, details, _ = _code(lambda: generate(servers["orchestrator"].addr, req))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "stop_token_ids" in details
+
+
+def test_a_nan_temperature_is_not_greedy(servers):
+    req = request(PROMPT, max_tokens=4, temperature=float("nan"))
+    code, details, _ = _code(lambda: generate(servers["orchestrator"].addr, req))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in details

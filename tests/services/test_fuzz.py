@@ -43,7 +43,7 @@ def servers(server_factory):
     v = server_factory("verifier", ["verifier", "--max-context", "2048", "--grace", "1"])
     d = server_factory("drafter", ["drafter", "--grace", "1"])
     start_all([v, d])
-    o = server_factory("orchestrator", ["orchestrator", "--verifier", v.addr, "--drafter", d.addr, "--max-tokens-limit", "64", "--grace", "1"])
+    o = server_factory("orchestrator", ["orchestrator", "--verifier", v.addr, "--drafter", d.addr, "--max-tokens-limit", "64", "--default-max-tokens", "8", "--grace", "1"])
     start_all([o])
     yield {"verifier": v, "drafter": d, "orchestrator": o}
     for s in (v, d, o):
