@@ -20,7 +20,11 @@ from typing import Iterator
 import grpc
 import numpy as np
 
+from services import bounds
+from services.guard import add_servicer
 from services.serving import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_SESSIONS,
     ComputeThread,
     ServerSpec,
     session_stream,
@@ -28,6 +32,7 @@ from services.serving import (
     invalid,
     precondition,
     version,
+    workers_for,
 )
 from services.metrics import ServerMetrics
 from services.drafter.config import MAX_BLOCK_SIZE
@@ -41,9 +46,19 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, max_sessions: int = 0):
+    def __init__(
+        self,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        *,
+        queue: int = 0,
+        queue_timeout_s: float = 0.0,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_context: int = 0,
+    ):
         self.compute = ComputeThread("drafter")
-        self.registry = SessionRegistry(max_sessions)
+        self.registry = SessionRegistry(max_sessions, 0, queue, queue_timeout_s, idle_timeout_s)
+        self.max_context_flag = max_context
+        self.max_context = 0  # set by load(): --max-context, at most the model's max_position_embeddings
         self.metrics = ServerMetrics("drafter")
         self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
         self.metrics.track_kv_bytes(lambda: {"context": 0} | self.registry.bytes_by_kind("context"))
@@ -73,6 +88,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.backend = backend
         self.names = (draft_dir, target_dir)
         model = self.drafter.model
+        limit = int(getattr(model.config, "max_position_embeddings", 0) or 131072)
+        self.max_context = bounds.ContextLimits.of(limit, 0, self.max_context_flag).max_context
         self.aux_dtype = codec.DType.Value("DTYPE_" + str(model.dtype).rsplit(".", 1)[-1].upper())
         self.device = model.device_name
         # Warm-up: every block size the loop drafts, the first context through the wire decoding path.
@@ -118,6 +135,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             max_sessions=self.registry.max_sessions,
             live_kv_bytes=self.registry.live_bytes,
             total_sessions=self.registry.total,
+            max_context=self.max_context,
         )
 
     def Session(self, request_iterator, context) -> Iterator[pb.DrafterResponse]:
@@ -133,6 +151,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             if session is None:
                 if kind != "open":
                     raise precondition(f"the first message of a session must be open, got {kind or 'an empty request'}")
+                try:
+                    bounds.check_request_id(req.open.request_id, "open.request_id")
+                except ValueError as exc:
+                    raise invalid(str(exc)) from None
                 session = entry.session = self.compute.run(self.drafter.open_session)
                 resp = pb.DrafterResponse(opened=pb.DrafterResponse.Opened(info=self.info(), session_id=entry.id))
             elif kind == "draft":
@@ -148,6 +170,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                     )
                 if len(shape) != 2 or shape[1] != width:
                     raise invalid(f"draft.new_aux: shape {list(shape)} must be [n, {width}] (n positions x aux width)")
+                if session.cache.length + shape[0] > self.max_context:
+                    raise invalid(
+                        f"draft.new_aux: {shape[0]} rows on top of {session.cache.length} context positions exceed"
+                        f" this server's limit {self.max_context} (--max-context)"
+                    )
                 if shape[0] == 0 and session.cache.length == 0:
                     raise invalid("draft.new_aux: the first draft of a session needs the prompt's aux (n >= 1)")
                 if not 0 <= d.last_token < vocab:
@@ -183,9 +210,18 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
 
 def server_spec(
-    draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx", max_sessions: int = 0, **kwargs
+    draft_dir: str | Path,
+    target_dir: str | Path,
+    backend: str = "mlx",
+    max_sessions: int = DEFAULT_MAX_SESSIONS,
+    *,
+    limits: dict | None = None,
+    tls=None,
+    **kwargs,
 ) -> ServerSpec:
-    servicer = DrafterServicer(max_sessions)
+    """``limits``: DrafterServicer's keyword arguments (queue, idle_timeout_s, max_context, ...)."""
+    limits = dict(limits or {})
+    servicer = DrafterServicer(max_sessions, **limits)
 
     def set_ready(flag: bool) -> None:
         servicer.ready = flag
@@ -193,9 +229,10 @@ def server_spec(
     return ServerSpec(
         name="drafter",
         service_names=[SERVICE_NAME],
-        add_to_server=lambda server: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server),
+        add_to_server=lambda server: add_servicer(server, servicer, pb.DESCRIPTOR.services_by_name["DrafterService"]),
         load=lambda: servicer.load(draft_dir, target_dir, backend, **kwargs),
         set_ready=set_ready,
-        max_workers=(max_sessions + 16) if max_sessions else 128,
+        max_workers=workers_for(max_sessions, limits.get("queue", 0)),
+        tls=tls,
         metrics=servicer.metrics,
     )
