@@ -16,7 +16,7 @@ import pytest
 
 from services.wire.kakeya.v1 import drafter_pb2, generate_pb2, verifier_pb2
 
-from .conftest import drafter_info, drafter_stub, generation_stub, start_all, verifier_info, verifier_stub, wait_until
+from .conftest import drafter_info, drafter_stub, generation_stub, start_all, verifier_info, verifier_stub, wait_until, TINY_MLX
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -39,10 +39,10 @@ def _worst_case(tiny_pair) -> int:
 def servers(server_factory, tiny_pair):
     one = _worst_case(tiny_pair)
     budget = ["--max-kv-bytes", str(one + one // 2)]
-    strict = server_factory("strict", ["verifier", *budget, "--max-sessions", "8", "--idle-timeout", "3", "--grace", "1"])
-    queued = server_factory("queued", ["verifier", *budget, "--queue", "1", "--queue-timeout", "8", "--grace", "1"])
-    small = server_factory("small", ["verifier", "--max-sessions", "3", "--grace", "1"])
-    drafter = server_factory("drafter", ["drafter", "--idle-timeout", "2", "--grace", "1"])
+    strict = server_factory("strict", ["verifier", *TINY_MLX, *budget, "--max-sessions", "8", "--idle-timeout", "3", "--grace", "1"])
+    queued = server_factory("queued", ["verifier", *TINY_MLX, *budget, "--queue", "1", "--queue-timeout", "8", "--grace", "1"])
+    small = server_factory("small", ["verifier", *TINY_MLX, "--max-sessions", "3", "--grace", "1"])
+    drafter = server_factory("drafter", ["drafter", *TINY_MLX, "--idle-timeout", "2", "--grace", "1"])
     start_all([strict, queued, small, drafter])
     orch = server_factory("orchestrator", ["orchestrator", "--verifier", small.addr, "--grace", "1"])
     start_all([orch])

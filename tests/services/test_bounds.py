@@ -17,7 +17,7 @@ import pytest
 from services.wire import codec
 from services.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, verifier_pb2
 
-from .conftest import channel, drafter_stub, generate, generation_stub, request, start_all, verifier_info, verifier_stub
+from .conftest import channel, drafter_stub, generate, generation_stub, request, start_all, verifier_info, verifier_stub, TINY_MLX
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -39,8 +39,8 @@ def ftheta_dir(tmp_path_factory, tiny_pair, mlx_target):
 
 @pytest.fixture(scope="module")
 def servers(server_factory, ftheta_dir):
-    v = server_factory("verifier", ["verifier", "--max-context", str(MAX_CONTEXT), "--restore", f"tiny={ftheta_dir}", "--grace", "2"])
-    d = server_factory("drafter", ["drafter", "--max-context", str(MAX_CONTEXT), "--grace", "2"])
+    v = server_factory("verifier", ["verifier", *TINY_MLX, "--max-context", str(MAX_CONTEXT), "--restore", f"tiny={ftheta_dir}", "--grace", "2"])
+    d = server_factory("drafter", ["drafter", *TINY_MLX, "--max-context", str(MAX_CONTEXT), "--grace", "2"])
     start_all([v, d])
     o = server_factory(
         "orchestrator",

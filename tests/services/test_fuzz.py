@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 from services.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, tensor_pb2, verifier_pb2  # noqa: E402
 
-from .conftest import channel, drafter_stub, generate, generation_stub, request, start_all, verifier_stub  # noqa: E402
+from .conftest import TINY_MLX, channel, drafter_stub, generate, generation_stub, request, start_all, verifier_stub  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -40,8 +40,8 @@ ids = st.lists(st.one_of(st.integers(0, 1023), i32), max_size=24)
 
 @pytest.fixture(scope="module")
 def servers(server_factory):
-    v = server_factory("verifier", ["verifier", "--max-context", "2048", "--grace", "1"])
-    d = server_factory("drafter", ["drafter", "--grace", "1"])
+    v = server_factory("verifier", ["verifier", *TINY_MLX, "--max-context", "2048", "--grace", "1"])
+    d = server_factory("drafter", ["drafter", *TINY_MLX, "--grace", "1"])
     start_all([v, d])
     o = server_factory("orchestrator", ["orchestrator", "--verifier", v.addr, "--drafter", d.addr, "--max-tokens-limit", "64", "--default-max-tokens", "8", "--grace", "1"])
     start_all([o])

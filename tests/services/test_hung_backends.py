@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .conftest import channel, generate, request, start_all, wait_until
+from .conftest import channel, generate, request, start_all, wait_until, TINY_MLX
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -23,8 +23,8 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 @pytest.fixture(scope="module")
 def servers(server_factory):
-    v = server_factory("verifier", ["verifier", "--grace", "2"])
-    d = server_factory("drafter", ["drafter", "--grace", "2"])
+    v = server_factory("verifier", ["verifier", *TINY_MLX, "--grace", "2"])
+    d = server_factory("drafter", ["drafter", *TINY_MLX, "--grace", "2"])
     start_all([v, d])
     o = server_factory("orchestrator", ["orchestrator", "--verifier", v.addr, "--drafter", d.addr, "--backend-timeout", "1", "--grace", "2"])
     start_all([o])

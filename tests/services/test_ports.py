@@ -11,7 +11,7 @@ import pytest
 
 from services.wire.kakeya.v1 import generate_pb2
 
-from .conftest import ROOT, generate, generation_stub, request, start_all
+from .conftest import ROOT, generate, generation_stub, request, start_all, TINY_ALL_MLX
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -35,7 +35,7 @@ def test_a_port_held_by_another_socket_is_refused():
 
 
 def test_serve_all_default_max_tokens_and_a_second_serve_all_on_its_port(server_factory):
-    first = server_factory("all", ["all", "--default-max-tokens", "7", "--max-tokens-limit", "100", "--grace", "2"])
+    first = server_factory("all", ["all", *TINY_ALL_MLX, "--default-max-tokens", "7", "--max-tokens-limit", "100", "--grace", "2"])
     start_all([first])
     stub = generation_stub(first.addr)
     info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)

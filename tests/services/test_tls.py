@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.wire.kakeya.v1 import generate_pb2, generate_pb2_grpc
 from services.wire.limits import channel_options
 
-from .conftest import ROOT, start_all
+from .conftest import ROOT, start_all, TINY_ALL_MLX
 
 pytestmark = [
     pytest.mark.slow,
@@ -54,7 +54,7 @@ def pki(tmp_path_factory):
 def secure(server_factory, pki):
     tls = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
            "--tls-client-ca", str(pki / "ca.pem"), "--tls-ca", str(pki / "ca.pem")]  # fmt: skip
-    s = server_factory("all", ["all", *tls, "--auth-token-file", str(pki / "token"), "--grace", "2"])
+    s = server_factory("all", ["all", *TINY_ALL_MLX, *tls, "--auth-token-file", str(pki / "token"), "--grace", "2"])
     start_all([s])
     return s
 
