@@ -14,14 +14,18 @@ from typing import Optional
 
 import mlx.core as mx
 
+from services import sampling_mlx
+from services.contract import SamplingParams
 from services.drafter.config import aux_rows, check_draft_args
 from services.drafter.dflash_mlx import DFlashDraftModel, load_dflash_mlx
+from services.drafter.sampling import sampled_draft, session_sampling
 
 
 
 class MLXDrafterSession:
-    def __init__(self, model: DFlashDraftModel):
+    def __init__(self, model: DFlashDraftModel, sampling: SamplingParams | None = None):
         self.model = model
+        self.sampling, self.rng = session_sampling(sampling)
         self.cache = model.make_cache()
         self._closed = False
         self.calls = 0
@@ -51,6 +55,10 @@ class MLXDrafterSession:
             return []
         mask_id = self.model.config.mask_token_id
         block = mx.array([last_token] + [mask_id] * (block_size - 1), dtype=mx.int32)
+        if self.sampling is not None:
+            draft = sampled_draft(self.model.draft_logits(block, self.cache), sampling_mlx, self.sampling, self.rng)
+            mx.eval(self.cache.state)
+            return draft
         tokens = self.model.draft_tokens(block, self.cache)
         mx.eval(tokens, self.cache.state)
         return tokens.tolist()
@@ -102,5 +110,5 @@ class MLXDrafter:
     ) -> "MLXDrafter":
         return cls(draft_dir, target_dir, dtype=dtype)
 
-    def open_session(self) -> MLXDrafterSession:
-        return MLXDrafterSession(self.model)
+    def open_session(self, sampling: SamplingParams | None = None) -> MLXDrafterSession:
+        return MLXDrafterSession(self.model, sampling)

@@ -18,8 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services import sampling_torch
+from services.contract import SamplingParams
 from services.drafter.config import aux_rows, check_draft_args
 from services.drafter.dflash_torch import DFlashDraftModel, load_dflash_torch
+from services.drafter.sampling import sampled_draft, session_sampling
 
 
 def as_torch(aux, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -37,8 +40,9 @@ def as_torch(aux, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 class TorchDrafterSession:
-    def __init__(self, model: DFlashDraftModel):
+    def __init__(self, model: DFlashDraftModel, sampling: SamplingParams | None = None):
         self.model = model
+        self.sampling, self.rng = session_sampling(sampling)
         self.cache = model.make_cache()
         self._closed = False
         self.calls = 0
@@ -60,7 +64,12 @@ class TorchDrafterSession:
             return []
         mask_id = self.model.config.mask_token_id
         block = torch.tensor([last_token] + [mask_id] * (block_size - 1), dtype=torch.long)
-        return self.model.draft_tokens(block.to(self.model.device, non_blocking=True), self.cache).tolist()
+        block = block.to(self.model.device, non_blocking=True)
+        if self.sampling is not None:
+            with torch.inference_mode():
+                logits = self.model.draft_logits(block, self.cache)
+            return sampled_draft(logits, sampling_torch, self.sampling, self.rng)
+        return self.model.draft_tokens(block, self.cache).tolist()
 
     def stats(self) -> dict:
         return {"context_len": self.cache.length, "ctx_cache_bytes": self.cache.nbytes, "draft_calls": self.calls}
@@ -101,8 +110,8 @@ class TorchDrafter:
         model = load_draft_model(draft_dir, target.device, target.dtype)
         return cls(model=model.bind(TargetHead(target.model.embed, target.model.lm_head)))
 
-    def open_session(self) -> TorchDrafterSession:
-        return TorchDrafterSession(self.model)
+    def open_session(self, sampling: SamplingParams | None = None) -> TorchDrafterSession:
+        return TorchDrafterSession(self.model, sampling)
 
     def warmup(self, ctx: int = 1024, max_block: int = 16) -> float:
         """One context extension of ``ctx`` rows and one draft per block size, before serving."""
