@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 
-from services.contract import MAX_BLOCK_SIZE, CachePolicy
+from services.contract import GREEDY, MAX_BLOCK_SIZE, CachePolicy, SamplingParams
 from services import logs
 from services.metrics import NO_OBSERVER, ServerMetrics
 from services.serving import ComputeThread, RequestError, ServerSpec, check_policy, check_token_ids, invalid, policy_from_request, version
@@ -74,6 +74,7 @@ class Params:
     stop_ids: frozenset[int]
     stop_strings: tuple[str, ...]
     policy: Any = None  # backend-specific cache policy, None = the verifier's default
+    sampling: SamplingParams = GREEDY  # seeded when sampling (the seed Complete reports)
 
 
 class StopStrings:
@@ -259,20 +260,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         else:
             prompt = check_token_ids(r.tokenized.ids, vocab, "prompt.tokenized.ids")
         sp = r.sampling_params
-        if sp.temperature < 0:
-            raise invalid(f"sampling_params.temperature must be >= 0, got {sp.temperature:g}")
-        if sp.temperature > 0:
-            raise invalid(
-                f"sampling_params.temperature {sp.temperature:g}: sampling is not supported yet (greedy only: send 0)"
-            )
-        if sp.top_p and not 0 < sp.top_p <= 1:
-            raise invalid(f"sampling_params.top_p must be in (0, 1] (0 = off), got {sp.top_p:g}")
-        if 0 < sp.top_p < 1:
-            raise invalid(f"sampling_params.top_p {sp.top_p:g}: nucleus sampling is not supported yet (greedy only)")
-        if sp.top_k < 0:
-            raise invalid(f"sampling_params.top_k must be >= 0 (0 = off), got {sp.top_k}")
-        if sp.top_k > 1:
-            raise invalid(f"sampling_params.top_k {sp.top_k}: top-k sampling is not supported yet (greedy only)")
+        try:
+            sampling = wire_contract.public_sampling(sp).seeded()  # an unseeded request draws its seed here
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
         max_tokens = sp.max_tokens or self.default_max_tokens
         if max_tokens < 1:
             raise invalid(f"sampling_params.max_tokens must be >= 1 (0 = the default {self.default_max_tokens}), got {sp.max_tokens}")
@@ -308,6 +299,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             stop_ids=frozenset(stop_ids),
             stop_strings=stops,
             policy=policy,
+            sampling=sampling,
         )
 
     def _default_slack(self) -> int:
@@ -351,16 +343,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             # The drafter's aux layers; without a drafter the verifier's default (or any one layer).
             layers = e.drafter.target_layer_ids if e.drafter is not None else ()
             layers = layers or e.verifier.aux_layers or (e.verifier.info.num_layers - 1,)
-            vs = e.verifier.open_session(params.policy, aux_layers=layers, timeout=timeout, request_id=params.request_id)
+            vs = e.verifier.open_session(
+                params.policy, params.sampling, aux_layers=layers, timeout=timeout, request_id=params.request_id
+            )
         else:
-            vs = e.verifier.open_session(params.policy) if params.policy is not None else e.verifier.open_session()
+            kw = params.sampling.session_kwargs()
+            vs = e.verifier.open_session(params.policy, **kw) if params.policy is not None else e.verifier.open_session(**kw)
         run.sessions.append(vs)
         ds = None
         if e.drafter is not None and params.block_size > 1:
             if isinstance(e.drafter, GrpcDrafter):
-                ds = e.drafter.open_session(timeout=timeout, request_id=params.request_id)
+                ds = e.drafter.open_session(params.sampling, timeout=timeout, request_id=params.request_id)
             else:
-                ds = e.drafter.open_session()
+                ds = e.drafter.open_session(**params.sampling.session_kwargs())
             run.sessions.append(ds)
         return vs, ds
 
@@ -470,7 +465,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             cache_policy=vstats.get("cache_policy", ""),
             cache_bounded=bool(vstats.get("bounded", False)),
         )
-        return pb.GenerateResponse.Complete(
+        complete = pb.GenerateResponse.Complete(
             finish_reason=FINISH[gen.finish_reason],
             prompt_tokens=len(params.prompt_ids),
             completion_tokens=len(gen.token_ids),
@@ -478,6 +473,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             error_message=error,
             prompt_token_ids=params.prompt_ids,
         )
+        if not params.sampling.greedy:
+            complete.seed = params.sampling.seed
+        return complete
 
     def GetModelInfo(self, request, context):
         if self.engine is None:
