@@ -394,3 +394,19 @@ def _try_generate(addr):
         assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         return None
 
+
+
+def test_sampling_is_seeded_reproducible_and_reports_its_seed(servers):
+    """Same seed -> same tokens, split and colocated alike; an unseeded request reports the seed it drew."""
+    seeded = request(PROMPT, max_tokens=40, block_size=8, temperature=0.8, top_k=50, top_p=0.95, min_p=0.01, seed=77)
+    split_ids, _, complete, _ = generate(servers["split"].addr, seeded)
+    assert complete.HasField("seed") and complete.seed == 77 and len(split_ids) == 40
+    assert generate(servers["split"].addr, seeded)[0] == split_ids
+    assert generate(servers["colocated"].addr, seeded)[0] == split_ids
+    unseeded = request(PROMPT, max_tokens=20, block_size=4, temperature=1.0)
+    ids, _, complete, _ = generate(servers["split"].addr, unseeded)
+    assert complete.HasField("seed")
+    unseeded.sampling_params.seed = complete.seed
+    assert generate(servers["colocated"].addr, unseeded)[0] == ids
+    greedy = generate(servers["split"].addr, request(PROMPT, max_tokens=8))[2]
+    assert not greedy.HasField("seed")
