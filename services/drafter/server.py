@@ -6,7 +6,9 @@ aux of the newly committed positions (a ``Tensor`` decoded by
 ``services/wire/codec.py``) and the token opening the block; the response
 carries ``B - 1`` candidate ids (and, in a sampling session, the compact
 proposal each was drawn from). The drafter loads only the target's embedding
-and LM head (``MLXDrafter.load``), never the whole target.
+and LM head (``endpoints.local_drafter``), never the whole target. One servicer
+and one ``server_spec`` for both backends: ``backend`` picks the model, the
+session and the warm-up are the same code.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from services.serving import (
     version,
 )
 from services.metrics import ServerMetrics
+from services.drafter.config import MAX_BLOCK_SIZE
 from services.wire import codec
 from services.wire import contract as wire_contract
 from services.wire.kakeya.v1 import drafter_pb2 as pb, drafter_pb2_grpc
@@ -46,13 +49,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.metrics = ServerMetrics("drafter")
         self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
         self.metrics.track_kv_bytes(lambda: {"context": 0} | self.registry.bytes_by_kind("context"))
-        self.drafter = None  # MLXDrafter / TorchDrafter, set by load()
+        self.drafter = None  # a LocalDrafter (either backend), set by load()
         self.backend = "mlx"
         self.ready = False
         self.names = ("", "")
         self.aux_dtype = 0
         self.device = ""
-        self.max_block_size = 16
+        self.max_block_size = MAX_BLOCK_SIZE
 
     # -- loading -----------------------------------------------------------------------
 
@@ -67,20 +70,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     def _setup(self, make, draft_dir: str, target_dir: str, backend: str) -> str:
         self.drafter = make()
+        if self.drafter.backend != backend:
+            raise ValueError(f"asked for a {backend} drafter, got a {self.drafter.backend} one")
         self.backend = backend
         self.names = (draft_dir, target_dir)
         model = self.drafter.model
-        self.max_block_size = _max_block_size(backend)
         self.aux_dtype = codec.DType.Value("DTYPE_" + str(model.dtype).rsplit(".", 1)[-1].upper())
-        self.device = str(getattr(model, "device", "")) or _mlx_device()
-        # Warm-up: one context extension and one block forward, through the wire decoding path.
-        session = self.drafter.open_session()
+        self.device = model.device_name
+        # Warm-up: every block size the loop drafts, the first context through the wire decoding path.
         aux = self._decode(codec.to_proto(np.zeros((3, model.config.aux_width), np.float32)))
-        session.draft(aux, 1, max(2, min(self.drafter.block_size, self.max_block_size)))
-        session.close()
+        seconds = self.drafter.warm_up(aux=aux)
         return (
             f"draft {draft_dir} + embedding/LM head of {target_dir} ({backend} on {self.device}, block"
-            f" {self.drafter.block_size}, aux layers {list(self.drafter.target_layer_ids)}, {codec.dtype_name(self.aux_dtype)})"
+            f" {self.drafter.block_size}, aux layers {list(self.drafter.target_layer_ids)}, {codec.dtype_name(self.aux_dtype)};"
+            f" warm-up {seconds:.2f}s)"
         )
 
     def _decode(self, tensor):
@@ -187,18 +190,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if not entry.closed:
             entry.cache_bytes = stats.kv_bytes
         return tokens, stats
-
-
-def _max_block_size(backend: str) -> int:
-    from .config import MAX_BLOCK_SIZE  # the same for every backend
-
-    return MAX_BLOCK_SIZE
-
-
-def _mlx_device() -> str:
-    import mlx.core as mx
-
-    return str(mx.default_device())
 
 
 def server_spec(

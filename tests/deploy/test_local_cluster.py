@@ -15,9 +15,8 @@ import sys
 import pytest
 
 from services.checkpoints.tiny import default_pair
-from services.orchestrator.cli import build_local_engine
+from services.orchestrator.assembly import build_local_engine, split_engine
 from services.orchestrator.engine import Request
-from services.orchestrator.server import split_engine
 from tests.services.conftest import Server, generate, request, verifier_info
 
 from .manifests import DOCKER, ROOT, argv, flag, render
