@@ -87,7 +87,7 @@ def test_acceptance_and_residual_match_reference(backend, params):
 
 @pytest.mark.parametrize("backend", ["mlx", "torch"])
 def test_drafter_proposal_is_the_reference_top_k(backend):
-    s, to, back = _backend(backend)
+    s, to, _ = _backend(backend)
     params = SamplingParams(0.8, top_p=0.9)
     x = _logits(5, rows=3)
     ids, probs = s.proposal(to(x), params, 8)
