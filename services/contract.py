@@ -14,6 +14,7 @@ the drafter unchanged. Token ids are plain Python ints.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, Sequence
 
@@ -94,17 +95,137 @@ class CachePolicy:
         return name + (f"+kv{self.full_kv_bits}" if self.full_kv_bits else "") + ("+restore" if self.restore else "")
 
 
+# How many of its most probable tokens a drafter keeps per candidate when it samples: the
+# proposal q' it samples from (and sends) is its processed distribution truncated to these and
+# renormalised. The acceptance rule is exact for ANY proposal it was really sampled from; a
+# smaller K only costs acceptance where the drafter's tail mattered.
+PROPOSAL_TOP_K = 32
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's next-token distribution p is processed and sampled.
+
+    p = softmax(logits / temperature) restricted by top-k, then top-p (the
+    smallest most-probable set reaching ``top_p``; the top token always stays),
+    then min-p (tokens with p >= ``min_p * max p``), renormalised. Temperature 0
+    is greedy: argmax, no randomness, token-identical to greedy AR. ``seed``
+    seeds the sessions' random streams (None: the engine draws one).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check(self) -> "SamplingParams":
+        """Raise ValueError naming the bad field; return self."""
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        return self
+
+    def seeded(self) -> "SamplingParams":
+        """These params with a seed: an unseeded sampling request draws one here (and reports it)."""
+        if self.greedy or self.seed is not None:
+            return self
+        import secrets
+
+        return replace(self, seed=secrets.randbits(63))
+
+    def session_kwargs(self) -> dict:
+        """``open_session`` keyword arguments: none for greedy (every session's default)."""
+        return {} if self.greedy else {"sampling": self}
+
+    @property
+    def label(self) -> str:
+        if self.greedy:
+            return "greedy"
+        parts = [f"temperature {self.temperature:g}"]
+        parts += [f"top-k {self.top_k}"] if self.top_k else []
+        parts += [f"top-p {self.top_p:g}"] if self.top_p < 1 else []
+        parts += [f"min-p {self.min_p:g}"] if self.min_p > 0 else []
+        return ", ".join(parts)
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """The distributions a drafter actually sampled its candidates from (compact).
+
+    Row i is candidate i's proposal q'_i: ``ids`` [n, K] (int32) and ``probs``
+    [n, K] (float32, summing to 1 per row), numpy arrays. Tokens outside a row's
+    ids have probability 0 under it. Never a full-vocabulary tensor.
+    """
+
+    ids: Any
+    probs: Any
+
+    def __post_init__(self):
+        if self.ids.shape != self.probs.shape or self.ids.ndim != 2:
+            raise ValueError(f"proposal ids {self.ids.shape} and probs {self.probs.shape} must both be [n, K]")
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+
+class Draft(list):
+    """A drafter's candidate ids (a plain list to greedy callers) and, when sampling, its :class:`Proposal`."""
+
+    proposal: Proposal | None = None
+
+    def __init__(self, ids=(), proposal: Proposal | None = None):
+        super().__init__(ids)
+        self.proposal = proposal
+
+
+def session_rng(seed: int, stream: int):
+    """The random stream of one session: ``stream`` 0 the verifier, 1 the drafter.
+
+    Host-side numpy PCG64 from the request's seed, so every backend and every
+    deployment (colocated, split, mixed) consumes identical uniforms.
+    """
+    import numpy as np
+
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(stream,))))
+
+
+VERIFIER_STREAM, DRAFTER_STREAM = 0, 1
+
+
 class VerifierSession(Protocol):
     """One generation's verifier state: its KV cache lives exactly as long as this object."""
 
     def prefill(self, prompt_ids: Sequence[int]) -> tuple[int, Aux]:
-        """Run the prompt; return the target's greedy next token and the prompt's aux hidden states."""
+        """Run the prompt; return the target's next token (greedy, or sampled from p when the
+        session samples) and the prompt's aux hidden states."""
 
-    def verify(self, block_ids: Sequence[int]) -> list[int]:
+    def verify(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> list[int]:
         """Append ``block_ids`` to the cache in ONE forward.
 
-        Returns the target's greedy choice after each block position
-        (``len(block_ids)`` ints). The block stays pending until ``commit``.
+        Returns ``len(block_ids)`` ints; the block stays pending until ``commit``.
+        Greedy: the target's argmax after each position. Sampling (``proposal``
+        holds the drafter's q'_i of candidate i = ``block_ids[i+1]``): ``choices[i]``
+        is candidate i+1 if accepted (probability min(1, p_i(x)/q'_i(x))); at the
+        first rejection a sample from norm(max(0, p_i - q'_i)), never the rejected
+        candidate; if all are accepted, a sample from p at the last position;
+        -1 after the first rejection. Either way the loop keeps the leading run of
+        candidates that equal their choice, then the choice after it.
         """
 
     def commit(self, n_keep: int) -> Aux:
@@ -123,8 +244,12 @@ class VerifierSession(Protocol):
 class DrafterSession(Protocol):
     """One generation's drafter state: the DFlash context K/V cache."""
 
-    def draft(self, new_aux: Aux, last_token: int, block_size: int) -> list[int]:
+    def draft(self, new_aux: Aux, last_token: int, block_size: int) -> "Draft | list[int]":
         """Extend the context cache with ``new_aux`` and propose ``block_size - 1`` tokens.
+
+        A sampling session samples each candidate from its proposal q'_i and
+        returns a :class:`Draft` carrying the proposal; a greedy one may return a
+        plain list (argmax candidates, no proposal).
 
         ``new_aux`` holds the aux of every position committed since the last
         call (the whole prompt on the first call). ``last_token`` is the newest
@@ -137,14 +262,14 @@ class DrafterSession(Protocol):
 class Verifier(Protocol):
     info: ModelInfo
 
-    def open_session(self, policy: CachePolicy | None = None) -> VerifierSession:
-        """A new session; ``policy`` overrides the verifier's default."""
+    def open_session(self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None) -> VerifierSession:
+        """A new session; ``policy`` overrides the verifier's default; ``sampling`` None: greedy."""
 
 
 class Drafter(Protocol):
     block_size: int  # the checkpoint's trained block size (the default)
 
-    def open_session(self) -> DrafterSession: ...
+    def open_session(self, sampling: SamplingParams | None = None) -> DrafterSession: ...
 
 
 @dataclass
@@ -157,6 +282,7 @@ class Request:
     stop_ids: Sequence[int] = ()
     ignore_eos: bool = False
     cache_policy: CachePolicy | None = None  # None: the verifier's default
+    sampling: SamplingParams = GREEDY
 
 
 @dataclass
@@ -182,6 +308,7 @@ class Generation:
     decode_s: float = 0.0
     drafter_fallback: bool = False  # the drafter failed and the verifier finished alone
     verifier_stats: dict = field(default_factory=dict)  # the verifier session's stats() at the end
+    sampling: SamplingParams = GREEDY  # as run: with the seed used when sampling
 
     @property
     def acceptance_lengths(self) -> list[int]:

@@ -58,6 +58,7 @@ TOP_K_EXPERTS = 2
 MOE_INTERMEDIATE = 32
 
 DRAFT_LAYERS = 2
+MIN_IDS_VOCAB_SIZE = 16  # a pair without a tokenizer (vocab below tokenizer.MIN_VOCAB_SIZE)
 DRAFT_INTERMEDIATE = 64
 BLOCK_SIZE = 8
 TARGET_LAYER_IDS = [1, 4]
@@ -332,13 +333,18 @@ def make_tiny(
     progress: Progress | None = None,
 ) -> TinyPair:
     """Write ``out_dir/target`` and ``out_dir/draft`` (and README.md, manifest.json)."""
+    if vocab_size < MIN_IDS_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be >= {MIN_IDS_VOCAB_SIZE} (the special ids and a few more), got {vocab_size}")
     out = Path(out_dir)
     target, draft = out / "target", out / "draft"
     target.mkdir(parents=True, exist_ok=True)
     draft.mkdir(parents=True, exist_ok=True)
 
-    tok = tk.train_tokenizer(vocab_size, progress=progress)
-    tk.write_tokenizer(tok, target)
+    # Below the byte-level tokenizer's minimum the pair speaks token ids only: small enough to
+    # enumerate a distribution exactly (the lossless-sampling tests use vocab 32..64).
+    with_tokenizer = vocab_size >= tk.MIN_VOCAB_SIZE
+    if with_tokenizer:
+        tk.write_tokenizer(tk.train_tokenizer(vocab_size, progress=progress), target)
 
     tcfg = target_config(sliding_window=sliding_window, moe=moe, vocab_size=vocab_size)
     _write_json(target / "config.json", tcfg)
@@ -393,7 +399,9 @@ def make_tiny(
             "tokenizer_corpus": {
                 "python": "%d.%d.%d" % sys.version_info[:3],
                 "sha256": tk.corpus_fingerprint(),
-            },
+            }
+            if with_tokenizer
+            else None,
             "files": {f: _sha256(out / f) for f in files},
         },
     )

@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from services import sampling_mlx
 from services.checkpoints.layout import find_text_tensors, shard_files
 from services.drafter.config import FULL, SLIDING, DFlashConfig, aux_rows  # noqa: F401  (FULL, DFlashConfig re-exported)
 from services.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, ContextPlan, block_mask
@@ -348,6 +349,7 @@ class DFlashDraftModel(nn.Module):
     # -- what a backend-neutral ``DrafterSession`` asks of its model ------------------------
 
     backend = "mlx"
+    sampler = sampling_mlx  # the processed q and its top-K proposal when a session samples
 
     @property
     def device_name(self) -> str:
@@ -368,10 +370,16 @@ class DFlashDraftModel(nn.Module):
 
     def propose(self, last_token: int, block_size: int, cache: ContextKVCache) -> list[int]:
         """One block ``[last_token, mask * (B-1)]`` drafted greedily; one host sync."""
-        block = mx.array([last_token] + [self.config.mask_token_id] * (block_size - 1), dtype=mx.int32)
-        tokens = self.draft_tokens(block, cache)
+        tokens = self.draft_tokens(self._block(last_token, block_size), cache)
         mx.eval(tokens, cache.state)
         return tokens.tolist()
+
+    def propose_logits(self, last_token: int, block_size: int, cache: ContextKVCache) -> mx.array:
+        """The same block's logits ``[B-1, vocab]`` (lazy), for a sampling session."""
+        return self.draft_logits(self._block(last_token, block_size), cache)
+
+    def _block(self, last_token: int, block_size: int) -> mx.array:
+        return mx.array([last_token] + [self.config.mask_token_id] * (block_size - 1), dtype=mx.int32)
 
     def settle(self, cache: ContextKVCache) -> None:
         """Evaluate the context K/V now (a block-size-1 call drafts nothing but must not pile up a graph)."""

@@ -35,6 +35,7 @@ from torch import nn
 from services.checkpoints.layout import find_text_tensors, is_quantized, shard_files, tensor_files
 from services.drafter.config import FULL, SLIDING, DFlashConfig, aux_rows  # noqa: F401  (FULL, DFlashConfig re-exported)
 from services.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, ContextPlan, Resize, block_mask
+from services import sampling_torch
 from services.torch_ops import apply_rope, default_inv_freq, qwen3_rms_norm, resolve_device, resolve_dtype, rope_cos_sin
 
 
@@ -372,6 +373,7 @@ class DFlashDraftModel(nn.Module):
     # -- what a backend-neutral ``DrafterSession`` asks of its model ------------------------
 
     backend = "torch"
+    sampler = sampling_torch  # the processed q and its top-K proposal when a session samples
 
     @property
     def device_name(self) -> str:
@@ -387,8 +389,16 @@ class DFlashDraftModel(nn.Module):
 
     def propose(self, last_token: int, block_size: int, cache: ContextKVCache) -> list[int]:
         """One block ``[last_token, mask * (B-1)]`` drafted greedily; one host sync."""
+        return self.draft_tokens(self._block(last_token, block_size), cache).tolist()
+
+    @torch.inference_mode()
+    def propose_logits(self, last_token: int, block_size: int, cache: ContextKVCache) -> torch.Tensor:
+        """The same block's logits ``[B-1, vocab]`` (on the device), for a sampling session."""
+        return self.draft_logits(self._block(last_token, block_size), cache)
+
+    def _block(self, last_token: int, block_size: int) -> torch.Tensor:
         block = torch.tensor([last_token] + [self.config.mask_token_id] * (block_size - 1), dtype=torch.long)
-        return self.draft_tokens(block.to(self.device, non_blocking=True), cache).tolist()
+        return block.to(self.device, non_blocking=True)
 
     def settle(self, cache: ContextKVCache) -> None:
         """Nothing to do: torch runs eagerly."""

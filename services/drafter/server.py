@@ -4,7 +4,8 @@ The stream IS the session: its context K/V cache is created at ``Open`` and
 freed when the stream ends, however it ends. Per block the request carries the
 aux of the newly committed positions (a ``Tensor`` decoded by
 ``services/wire/codec.py``) and the token opening the block; the response
-carries ``B - 1`` candidate ids. The drafter loads only the target's embedding
+carries ``B - 1`` candidate ids (and, in a sampling session, the compact
+proposal each was drawn from). The drafter loads only the target's embedding
 and LM head (``endpoints.local_drafter``), never the whole target. One servicer
 and one ``server_spec`` for both backends: ``backend`` picks the model, the
 session and the warm-up are the same code.
@@ -37,6 +38,7 @@ from services.serving import (
 from services.metrics import ServerMetrics
 from services.drafter.config import MAX_BLOCK_SIZE
 from services.wire import codec
+from services.wire import contract as wire_contract
 from services.wire.kakeya.v1 import drafter_pb2 as pb, drafter_pb2_grpc
 
 log = logging.getLogger("kakeya.drafter")
@@ -153,9 +155,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                     raise precondition(f"the first message of a session must be open, got {kind or 'an empty request'}")
                 try:
                     bounds.check_request_id(req.open.request_id, "open.request_id")
+                    sampling = wire_contract.sampling_from_proto(req.open.sampling, "open.sampling")
                 except ValueError as exc:
                     raise invalid(str(exc)) from None
-                session = entry.session = self.compute.run(self.drafter.open_session)
+                kw = {} if sampling is None else {"sampling": sampling}
+                session = entry.session = self.compute.run(lambda: self.drafter.open_session(**kw))
                 resp = pb.DrafterResponse(opened=pb.DrafterResponse.Opened(info=self.info(), session_id=entry.id))
             elif kind == "draft":
                 d = req.draft
@@ -183,7 +187,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 if not 1 <= block <= self.max_block_size:
                     raise invalid(f"draft.block_size must be 0 (default) or 1..{self.max_block_size}, got {d.block_size}")
                 tokens, stats = self.compute.run(self._draft, entry, session, d.new_aux, d.last_token, block)
-                resp = pb.DrafterResponse(drafted=pb.DrafterResponse.Drafted(token_ids=tokens, stats=stats))
+                drafted = pb.DrafterResponse.Drafted(token_ids=tokens, stats=stats)
+                if getattr(tokens, "proposal", None) is not None:
+                    drafted.proposal.CopyFrom(wire_contract.proposal_to_proto(tokens.proposal))
+                resp = pb.DrafterResponse(drafted=drafted)
             elif kind == "close":
                 stats = self.compute.run(self._stats, session)
                 yield pb.DrafterResponse(closed=pb.DrafterResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0)

@@ -3,7 +3,9 @@
 Per ``draft`` call the work is O(new positions + block): the new aux rows are
 projected to per-layer context K/V and appended to the session's context cache
 (never a rescan of the context), then ONE forward runs over the block
-``[last_token, mask * (B-1)]`` and the argmax comes back in a single host sync.
+``[last_token, mask * (B-1)]`` and the argmax comes back in a single host sync
+(a sampling session: the [B-1, K] proposal, each candidate drawn from it, see
+``sampling.py``).
 
 The model object (``dflash_mlx.DFlashDraftModel`` or
 ``dflash_torch.DFlashDraftModel``) supplies the forward, its cache and the few
@@ -18,19 +20,23 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from services.contract import Draft, SamplingParams
+
 from .config import check_draft_args
+from .sampling import sampled_draft, session_sampling
 
 WARM_BLOCK_SIZES = range(2, 17)  # every block size the loop drafts (it stops at 16)
 
 
 class DrafterSession:
-    def __init__(self, model):
+    def __init__(self, model, sampling: SamplingParams | None = None):
         self.model = model
+        self.sampling, self.rng = session_sampling(sampling)  # (None, None): greedy
         self.cache = model.make_cache()
         self.calls = 0
         self._closed = False
 
-    def draft(self, new_aux, last_token: int, block_size: int) -> list[int]:
+    def draft(self, new_aux, last_token: int, block_size: int) -> "list[int] | Draft":
         """Extend the context by ``new_aux`` and draft ``block_size - 1`` tokens after ``last_token``."""
         if self._closed:
             raise RuntimeError("drafter session is closed")
@@ -43,7 +49,12 @@ class DrafterSession:
         if block_size == 1:
             self.model.settle(self.cache)
             return []
-        return self.model.propose(last_token, block_size, self.cache)
+        if self.sampling is None:
+            return self.model.propose(last_token, block_size, self.cache)
+        logits = self.model.propose_logits(last_token, block_size, self.cache)
+        draft = sampled_draft(logits, self.model.sampler, self.sampling, self.rng)  # syncs on the [B-1, K] proposal
+        self.model.settle(self.cache)
+        return draft
 
     def stats(self) -> dict:
         return {"context_len": self.cache.length, "ctx_cache_bytes": self.cache.nbytes, "draft_calls": self.calls}
@@ -65,8 +76,8 @@ class LocalDrafter:
         self.mask_token_id: int = int(model.config.mask_token_id)
         self.target_layer_ids: tuple[int, ...] = tuple(model.config.target_layer_ids)
 
-    def open_session(self) -> DrafterSession:
-        return DrafterSession(self.model)
+    def open_session(self, sampling: SamplingParams | None = None) -> DrafterSession:
+        return DrafterSession(self.model, sampling)
 
     def warm_up(self, block_sizes: Iterable[int] = WARM_BLOCK_SIZES, ctx: int = 64, aux=None) -> float:
         """One short session drafting each block size once, before serving; returns the seconds it took.

@@ -14,7 +14,14 @@ from __future__ import annotations
 import json
 import sys
 
-from .cli_args import DEFAULT_PROMPT, add_cache_args, add_generation_options, cache_policy_from_args, print_result
+from .cli_args import (
+    DEFAULT_PROMPT,
+    add_cache_args,
+    add_generation_options,
+    cache_policy_from_args,
+    print_result,
+    sampling_from_args,
+)
 from .serve import DEFAULT_PORTS
 
 
@@ -30,12 +37,15 @@ def _rpc_error(exc) -> int:
     return 1
 
 
-def report_from_stream(model, server, complete, token_ids: list[int], text: str) -> dict:
+def report_from_stream(model, server, complete, token_ids: list[int], text: str, sampling=None) -> dict:
     """The ``kakeya generate --json`` object, rebuilt from a Generate stream's messages.
 
     Goes through ``Engine.report`` itself (on a Generation rebuilt from the
     Complete message), so the keys and their rounding are the CLI's own.
+    ``sampling``: the request's SamplingParams (the seed comes from Complete).
     """
+    import dataclasses
+
     from services.wire.kakeya.v1 import generate_pb2 as pb
 
     from services.wire import contract as wire_contract
@@ -67,6 +77,8 @@ def report_from_stream(model, server, complete, token_ids: list[int], text: str)
         info = wire_contract.model_info_from_public(model, server.verifier_backend)
 
     engine = Engine(_Remote(), None, _Streamed(), target=model.target_model, draft=model.draft_model)
+    if sampling is not None and complete.HasField("seed"):  # the request's params, the seed the server used
+        gen.sampling = dataclasses.replace(sampling, seed=complete.seed)
     out = engine.report(Request(gen.prompt_ids, block_size=s.block_size), gen)
     out["decode_tok_s"] = round(s.decode_tok_s, 3)  # the server's figure (same formula, its clock)
     out["device"] = None  # the servers' own: not on the wire (`kakeya generate` reports its own)
@@ -84,7 +96,14 @@ def generate_request(args):
         stop=args.stop or [],
         stop_token_ids=args.stop_token_id or [],
         temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
     )
+    if args.seed is not None:
+        if not 0 <= args.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {args.seed}")
+        sp.seed = args.seed
     req = pb.GenerateRequest(request_id=args.request_id or "", sampling_params=sp, block_size=args.block_size or 0)
     if args.prompt_ids is not None:
         try:
@@ -137,7 +156,7 @@ def cmd_client_generate(args) -> int:
     if complete is None:
         print("kakeya: error: the stream ended without a Complete message", file=sys.stderr)
         return 1
-    out = report_from_stream(model, server, complete, ids, "".join(text))
+    out = report_from_stream(model, server, complete, ids, "".join(text), sampling_from_args(args))
     print_result(args, out)
     if complete.finish_reason == pb.FINISH_REASON_ERROR:
         print(f"kakeya: error: generation failed: {complete.error_message}", file=sys.stderr)
@@ -191,7 +210,6 @@ def register(sub) -> None:
     g.add_argument("--prompt-ids", help="pre-tokenized prompt, comma-separated ids (instead of --prompt)")
     g.add_argument("--stop", action="append", help="stop string (repeatable); cut from the output")
     g.add_argument("--stop-token-id", type=int, action="append", help="extra stop token id (repeatable)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the only mode supported yet)")
     g.add_argument("--request-id", help="request id for the server's logs")
     add_cache_args(g, default_kind=None)
     g.set_defaults(func=cmd_client_generate)

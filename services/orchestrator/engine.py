@@ -66,6 +66,7 @@ class Engine:
             raise ValueError(f"prompt_token_ids: ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         if req.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {req.max_tokens}")
+        req.sampling.check()
         if req.block_size == 0:
             return  # auto: sized within the policy's limits (``max_block_size``)
         block_size = req.block_size
@@ -86,14 +87,17 @@ class Engine:
             stop |= set(self.verifier.info.eos_token_ids)
         block_size = self.block_policy(req)
         policy = req.cache_policy
-        vsession = self.verifier.open_session(policy) if policy is not None else self.verifier.open_session()
+        sampling = req.sampling.seeded()  # one seed for both sessions' streams, reported back
+        kw = sampling.session_kwargs()
+        vsession = self.verifier.open_session(policy, **kw) if policy is not None else self.verifier.open_session(**kw)
         speculate = self.drafter is not None and not (isinstance(block_size, int) and block_size == 1)
-        dsession = self.drafter.open_session() if speculate else None
+        dsession = self.drafter.open_session(**kw) if speculate else None
         try:
             gen = yield from loop.speculative_decode(
                 vsession, dsession, req.prompt_ids, req.max_tokens, block_size, stop, on_drafter_error
             )
             gen.verifier_stats = vsession.stats()
+            gen.sampling = sampling
             if isinstance(block_size, BlockSizer):
                 self.adaptive.learn(block_size)
             return gen
@@ -128,7 +132,14 @@ class Engine:
             "cache_policy": gen.verifier_stats.get("cache_policy", ""),
             "cache_bounded": gen.verifier_stats.get("bounded", False),
             "quality": quality_report(gen.token_ids),
+            "sampling": sampling_report(gen.sampling),
+            "seed": gen.sampling.seed,
         }
+
+
+def sampling_report(s) -> dict:
+    """What ran, as JSON reports show it (``temperature`` 0: greedy)."""
+    return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p}
 
 
 def stream_text(codec: TextCodec, blocks: Iterator[loop.Block]) -> Iterator[tuple[list[int], str]]:

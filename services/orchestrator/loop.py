@@ -1,4 +1,4 @@
-"""Greedy speculative decoding: token ids in, token ids out.
+"""Speculative decoding (greedy, or lossless sampling): token ids in, token ids out.
 
 Knows no backend and no transport: it is handed a verifier session and a
 drafter session (``services/contract.py``) and only moves ints and opaque aux between
@@ -10,7 +10,10 @@ them. Per block:
    own greedy choice after every position;
 3. the leading run of candidates equal to the target's choices is accepted,
    and the target's choice after that run is the bonus token, so every block
-   commits between 1 and ``B`` tokens, all of them the target's greedy tokens;
+   commits between 1 and ``B`` tokens, all of them the target's greedy tokens
+   (sampling: the verifier's choices already encode acceptance, the residual
+   draw and the bonus draw, so the same rule commits exactly-p-distributed
+   tokens; see ``VerifierSession.verify``);
 4. the verifier keeps the positions it has seen that were accepted and trims
    the rest; the aux of the kept positions goes to the drafter next block.
 """
@@ -104,7 +107,11 @@ def speculative_decode(
                 on_drafter_error(exc)
                 gen.drafter_fallback, use_drafter, B = True, False, 1
         t_drafted = clock()
-        choices = verifier.verify([last] + candidates)
+        # Sampling: the draft carries the proposal its candidates were drawn from, and the
+        # verifier's choices follow the same accept-the-leading-run rule (services/sampling.py).
+        proposal = getattr(candidates, "proposal", None)
+        block_ids = [last] + list(candidates)
+        choices = verifier.verify(block_ids, proposal) if proposal is not None else verifier.verify(block_ids)
         t_verified = clock()
         n_ok = leading_matches(candidates, choices)
         tokens = candidates[:n_ok] + [choices[n_ok]]

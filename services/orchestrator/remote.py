@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import grpc
 
-from services.contract import CachePolicy
+from services.contract import CachePolicy, Draft, Proposal, SamplingParams
 from services.wire import codec
 from services.wire import contract as wire_contract
 from services.wire.kakeya.v1 import cache_pb2
@@ -221,7 +221,7 @@ class GrpcVerifierSession:
 
     def __init__(
         self, verifier: "GrpcVerifier", policy=None, aux_layers: Sequence[int] = (), timeout=None, request_id="",
-        max_positions: int = 0,
+        max_positions: int = 0, sampling: SamplingParams | None = None,
     ):
         self.verifier = verifier
         self.clock = verifier.clock
@@ -229,6 +229,8 @@ class GrpcVerifierSession:
         open_ = vpb.VerifierRequest.Open(
             request_id=request_id, target_layer_ids=list(aux_layers), max_positions=max_positions
         )
+        if sampling is not None and not sampling.greedy:
+            open_.sampling.CopyFrom(wire_contract.sampling_to_proto(sampling))
         p = _policy_proto(policy)
         if p is not None:
             open_.cache_policy.CopyFrom(p)
@@ -262,8 +264,11 @@ class GrpcVerifierSession:
         self._stats = r.prefilled.stats
         return r.prefilled.next_token, self._aux(r.prefilled.aux)
 
-    def verify(self, block_ids: Sequence[int]) -> list[int]:
-        r = self._step(vpb.VerifierRequest(verify=vpb.VerifierRequest.Verify(block_ids=list(block_ids))), "verified")
+    def verify(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> list[int]:
+        v = vpb.VerifierRequest.Verify(block_ids=list(block_ids))
+        if proposal is not None:
+            v.proposal.CopyFrom(wire_contract.proposal_to_proto(proposal))
+        r = self._step(vpb.VerifierRequest(verify=v), "verified")
         return list(r.verified.choices)
 
     def commit(self, n_keep: int):
@@ -322,10 +327,10 @@ class GrpcVerifier:
         return _call_unary("verifier", self.addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), timeout)
 
     def open_session(
-        self, policy=None, *, aux_layers: Sequence[int] = (), timeout: float | None = None, request_id: str = "",
-        max_positions: int = 0,
+        self, policy=None, sampling: SamplingParams | None = None, *, aux_layers: Sequence[int] = (),
+        timeout: float | None = None, request_id: str = "", max_positions: int = 0,
     ):
-        return GrpcVerifierSession(self, policy, aux_layers or self.aux_layers, timeout, request_id, max_positions)
+        return GrpcVerifierSession(self, policy, aux_layers or self.aux_layers, timeout, request_id, max_positions, sampling)
 
     def close(self) -> None:
         self.channel.close()
@@ -363,21 +368,25 @@ class Backoff:
 class GrpcDrafterSession:
     """``DrafterSession`` over one Session stream, opened with the first ``draft``."""
 
-    def __init__(self, drafter: "GrpcDrafter", timeout=None, request_id=""):
+    def __init__(self, drafter: "GrpcDrafter", timeout=None, request_id="", sampling: SamplingParams | None = None):
         self.drafter = drafter
         self._timeout, self._request_id = timeout, request_id
+        self._sampling = sampling if sampling is not None and not sampling.greedy else None
         self._s: _Stream | None = None
         self._broken = False
         self._first = True
         self.server_s = 0.0
 
-    def draft(self, new_aux, last_token: int, block_size: int) -> list[int]:
+    def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
         if self._broken:
             raise BackendError("drafter", self.drafter.addr, grpc.StatusCode.CANCELLED, "session failed earlier")
         try:
             if self._s is None:
                 self._s = _Stream(self.drafter.stub.Session, "drafter", self.drafter.addr, self._timeout, self._request_id)
-                self._s.post(dpb.DrafterRequest(open=dpb.DrafterRequest.Open(request_id=self._request_id)), "opened")
+                open_ = dpb.DrafterRequest.Open(request_id=self._request_id)
+                if self._sampling is not None:
+                    open_.sampling.CopyFrom(wire_contract.sampling_to_proto(self._sampling))
+                self._s.post(dpb.DrafterRequest(open=open_), "opened")
             tensor = new_aux if isinstance(new_aux, Tensor) else codec.to_proto(new_aux)
             req = dpb.DrafterRequest(draft=dpb.DrafterRequest.Draft(new_aux=tensor, last_token=last_token, block_size=block_size))
             rows = int(tensor.shape[0]) if self._first and len(tensor.shape) else 0  # the first draft takes the prompt
@@ -397,7 +406,10 @@ class GrpcDrafterSession:
             raise
         self.server_s += r.elapsed_s
         self.drafter.backoff.success()
-        return list(r.drafted.token_ids)
+        d = r.drafted
+        if not d.HasField("proposal"):
+            return Draft(d.token_ids)
+        return Draft(d.token_ids, wire_contract.proposal_from_proto(d.proposal, len(d.token_ids), self.drafter.vocab_size))
 
     def stats(self) -> dict:
         s = self._s
@@ -454,15 +466,16 @@ class GrpcDrafter:
         self.block_size = self.remote.block_size
         self.target_layer_ids = tuple(self.remote.target_layer_ids)
         self.mask_token_id = self.remote.mask_token_id
+        self.vocab_size = self.remote.vocab_size
         self.backoff = backoff or Backoff()
 
     def get_info(self, timeout: float = 5.0) -> dpb.DrafterInfo:
         return _call_unary("drafter", self.addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), timeout)
 
-    def open_session(self, *, timeout: float | None = None, request_id: str = ""):
+    def open_session(self, sampling: SamplingParams | None = None, *, timeout: float | None = None, request_id: str = ""):
         if not self.backoff.ready():
             return _SkippedDrafterSession(self)
-        return GrpcDrafterSession(self, timeout, request_id)
+        return GrpcDrafterSession(self, timeout, request_id, sampling)
 
     def failed(self, exc: Exception) -> None:
         delay = self.backoff.failure(str(exc))

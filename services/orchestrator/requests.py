@@ -7,13 +7,13 @@ before anything is tokenized past a coarse bound or allocated anywhere (see
 
 from __future__ import annotations
 
-import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from services import bounds
-from services.contract import MAX_BLOCK_SIZE, CachePolicy
+from services.contract import GREEDY, MAX_BLOCK_SIZE, CachePolicy, SamplingParams
+from services.wire import contract as wire_contract
 from services.serving import check_policy, check_token_ids, invalid, policy_from_request
 from services.wire.kakeya.v1 import generate_pb2 as pb
 
@@ -43,6 +43,8 @@ class Params:
     stop_ids: frozenset[int]
     stop_strings: tuple[str, ...]
     policy: Any = None  # backend-specific cache policy, None = the verifier's default
+    sampling: SamplingParams = GREEDY  # seeded when sampling (the seed Complete reports)
+    max_block: int = MAX_BLOCK_SIZE  # the largest block auto (block_size 0) may choose
 
 
 
@@ -77,22 +79,10 @@ def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Params:
         prompt = check_token_ids(r.tokenized.ids, vocab, "prompt.tokenized.ids")
         field = "prompt.tokenized.ids"
     sp = r.sampling_params
-    if not math.isfinite(sp.temperature):
-        raise invalid(f"sampling_params.temperature must be a finite number, got {sp.temperature}")
-    if sp.temperature < 0:
-        raise invalid(f"sampling_params.temperature must be >= 0, got {sp.temperature:g}")
-    if sp.temperature > 0:
-        raise invalid(
-            f"sampling_params.temperature {sp.temperature:g}: sampling is not supported yet (greedy only: send 0)"
-        )
-    if sp.top_p and not 0 < sp.top_p <= 1:
-        raise invalid(f"sampling_params.top_p must be in (0, 1] (0 = off), got {sp.top_p:g}")
-    if 0 < sp.top_p < 1:
-        raise invalid(f"sampling_params.top_p {sp.top_p:g}: nucleus sampling is not supported yet (greedy only)")
-    if sp.top_k < 0:
-        raise invalid(f"sampling_params.top_k must be >= 0 (0 = off), got {sp.top_k}")
-    if sp.top_k > 1:
-        raise invalid(f"sampling_params.top_k {sp.top_k}: top-k sampling is not supported yet (greedy only)")
+    try:
+        sampling = wire_contract.public_sampling(sp).seeded()  # an unseeded request draws its seed here
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
     max_tokens = sp.max_tokens or limits.default_max_tokens
     if max_tokens < 1:
         raise invalid(f"sampling_params.max_tokens must be >= 1 (0 = the default {limits.default_max_tokens}), got {sp.max_tokens}")
@@ -112,8 +102,8 @@ def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Params:
         stop_ids |= set(e.verifier.info.eos_token_ids)
     max_block = MAX_BLOCK_SIZE
     if not 0 <= r.block_size <= max_block:
-        raise invalid(f"block_size must be 0 (the drafter's default) or 1..{max_block}, got {r.block_size}")
-    block_size = r.block_size or e.default_block_size
+        raise invalid(f"block_size must be 0 (auto) or 1..{max_block}, got {r.block_size}")
+    block_size = r.block_size if e.drafter is not None else 1
     policy = None
     if r.HasField("cache_policy"):
         local = policy_from_request(r.cache_policy, getattr(e.verifier, "policy", None) or CachePolicy(), "cache_policy")
@@ -122,6 +112,7 @@ def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Params:
         if not isinstance(e.verifier, GrpcVerifier):  # colocated: the name picks one of our --restore sources
             local = limits.restore.to_server(local, "cache_policy")
         slack = r.cache_policy.slack or _default_slack(e)
+        max_block = min(max_block, slack)
         if block_size > slack:
             raise invalid(f"cache_policy.slack {slack} is smaller than block_size {block_size}: rollback would not be exact")
         policy = r.cache_policy if isinstance(e.verifier, GrpcVerifier) else local
@@ -133,6 +124,8 @@ def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Params:
         stop_ids=frozenset(stop_ids),
         stop_strings=stops,
         policy=policy,
+        sampling=sampling,
+        max_block=max_block,
     )
 
 

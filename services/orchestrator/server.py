@@ -45,7 +45,7 @@ from .engine import Engine
 from .quality import quality_report
 from .requests import Limits, Params, parse_request
 from .remote import BackendError, GrpcDrafter, GrpcVerifier
-from .text import StopStrings, PlainText
+from .text import PlainText, StopStrings
 
 log = logging.getLogger("kakeya.orchestrator")
 
@@ -245,18 +245,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             layers = e.drafter.target_layer_ids if e.drafter is not None else ()
             layers = layers or e.verifier.aux_layers or (e.verifier.info.num_layers - 1,)
             vs = e.verifier.open_session(
-                params.policy, aux_layers=layers, timeout=timeout, request_id=params.request_id,
+                params.policy, params.sampling, aux_layers=layers, timeout=timeout, request_id=params.request_id,
                 max_positions=len(params.prompt_ids) + params.max_tokens,
             )
         else:
-            vs = e.verifier.open_session(params.policy) if params.policy is not None else e.verifier.open_session()
+            kw = params.sampling.session_kwargs()
+            vs = e.verifier.open_session(params.policy, **kw) if params.policy is not None else e.verifier.open_session(**kw)
         run.sessions.append(vs)
         ds = None
-        if e.drafter is not None and params.block_size > 1:
+        if e.drafter is not None and params.block_size != 1:  # 0: auto
             if isinstance(e.drafter, GrpcDrafter):
-                ds = e.drafter.open_session(timeout=timeout, request_id=params.request_id)
+                ds = e.drafter.open_session(params.sampling, timeout=timeout, request_id=params.request_id)
             else:
-                ds = e.drafter.open_session()
+                ds = e.drafter.open_session(**params.sampling.session_kwargs())
             run.sessions.append(ds)
         return vs, ds
 
@@ -279,8 +280,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             self.step(self._close, None, run)  # whatever did open
             raise RequestError(*_status_of(exc)) from None
         obs = self.metrics.generation(vs, ds, params) if observe else NO_OBSERVER  # also logs start and finish
+        block_size = params.block_size
+        if block_size == 0:  # auto: sized block by block from what this engine has measured and seen
+            block_size = self.step(e.calibrate).sizer() if ds is not None else 1
+            if ds is not None:
+                block_size.max_size = params.max_block
         blocks = loop.speculative_decode(
-            vs, ds, params.prompt_ids, params.max_tokens, params.block_size, params.stop_ids, on_drafter_error
+            vs, ds, params.prompt_ids, params.max_tokens, block_size, params.stop_ids, on_drafter_error
         )
         text = StopStrings(e.codec, params.stop_strings) if params.stop_strings else PlainText(e.codec)
         seen: list[loop.Block] = []
@@ -308,6 +314,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 if done:
                     gen = value
                     finish = gen.finish_reason
+                    if not isinstance(block_size, int):
+                        e.adaptive.learn(block_size)  # the next request starts from what this one saw
                     break
                 seen.append(value)
                 obs.block(value)
@@ -366,7 +374,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             cache_policy=vstats.get("cache_policy", ""),
             cache_bounded=bool(vstats.get("bounded", False)),
         )
-        return pb.GenerateResponse.Complete(
+        complete = pb.GenerateResponse.Complete(
             finish_reason=FINISH[gen.finish_reason],
             prompt_tokens=len(params.prompt_ids),
             completion_tokens=len(gen.token_ids),
@@ -374,6 +382,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             error_message=error,
             prompt_token_ids=params.prompt_ids,
         )
+        if not params.sampling.greedy:
+            complete.seed = params.sampling.seed
+        return complete
 
     def GetModelInfo(self, request, context):
         if self.engine is None:

@@ -125,6 +125,8 @@ class StopStrings:
 
 
 class PlainText:
+    """Streamed text without stop strings (no tokenizer: no text)."""
+
     def __init__(self, codec: TextCodec | None):
         self.dec = StreamDecoder(codec) if codec is not None else None
 

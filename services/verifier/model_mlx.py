@@ -20,6 +20,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.models.gemma4_text import logit_softcap
 from mlx_lm.utils import load_model
 
+from services import sampling_mlx
 from services.contract import CachePolicy
 
 from .cache import RestoreView, RingLayout, RingPlan
@@ -36,6 +37,7 @@ class TargetMLX:
     """A loaded Gemma-4 target and the forward the verifier needs."""
 
     backend = "mlx"
+    sampler = sampling_mlx  # p, the acceptance test and the draws when a session samples
 
     def __init__(self, model, path: Path):
         self.path = path

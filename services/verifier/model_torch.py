@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from services import sampling_torch
 from services.torch_ops import resolve_device, resolve_dtype
 
 from .cache import RingLayout, RingPlan
@@ -26,6 +27,7 @@ class TargetTorch:
     """A loaded Gemma-4 target and the forward the verifier needs (torch backend)."""
 
     backend = "torch"
+    sampler = sampling_torch  # p, the acceptance test and the draws when a session samples
 
     def __init__(self, model: Gemma4Text, path: Path | None = None):
         self.model = model

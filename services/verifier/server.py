@@ -5,7 +5,9 @@ the stream ends, however it ends (``Close``, half-close, cancellation,
 deadline, broken connection) -- through ``context.add_callback`` and the
 handler's ``finally``, both idempotent. Per block only token ids go down and
 the target's choices plus the kept positions' aux come back, the aux encoded
-by ``services/wire/codec.py`` in the model's own dtype; never logits.
+by ``services/wire/codec.py`` in the model's own dtype; never logits. A
+sampling session (``Open.sampling``) also takes the drafter's compact proposal
+with each Verify and samples with its own seeded stream.
 
 All model work runs on the process's single compute thread
 (``services.serving.ComputeThread``); this module translates messages and
@@ -143,10 +145,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             except (OSError, ValueError) as exc:
                 raise ValueError(f"--restore {name}={path}: {exc}") from None
 
-    def _new_session(self, aux_layers, policy):
+    def _new_session(self, aux_layers, policy, sampling=None):
         from .session import VerifierSession
 
-        return VerifierSession(self.verifier.target, aux_layers, policy)
+        return VerifierSession(self.verifier.target, aux_layers, policy, sampling)
 
     # -- RPCs ----------------------------------------------------------------------------
 
@@ -244,8 +246,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                     raise invalid(
                         f"open.target_layer_ids: {layers} must be distinct layers in [0, {n_layers})"
                     )
+                try:
+                    sampling = wire_contract.sampling_from_proto(req.open.sampling, "open.sampling")
+                except ValueError as exc:
+                    raise invalid(str(exc)) from None
                 self.registry.reserve(entry, self._worst_case_bytes(policy, max_positions))  # may wait (--queue)
-                session = entry.session = self.compute.run(self._new_session, layers, policy)
+                session = entry.session = self.compute.run(self._new_session, layers, policy, sampling)
                 resolved = session.policy
                 resp = pb.VerifierResponse(
                     opened=pb.VerifierResponse.Opened(
@@ -279,7 +285,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                         f"verify.block_ids: {session.offset} + {len(ids)} positions exceed this session's"
                         f" max_positions {max_positions} (open.max_positions / --max-context)"
                     )
-                choices = self.compute.run(session.verify, ids)
+                proposal = self._proposal(session, req.verify, ids, vocab)
+                choices = self.compute.run(session.verify, ids, proposal)
                 pending = len(ids)
                 resp = pb.VerifierResponse(verified=pb.VerifierResponse.Verified(choices=choices))
             elif kind == "commit":
@@ -301,6 +308,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 raise invalid("request: no step set (open, prefill, verify, commit or close)")
             resp.elapsed_s = time.perf_counter() - t0
             yield resp
+
+    @staticmethod
+    def _proposal(session, verify, ids, vocab):
+        """A sampling session's proposal for ``ids[1:]``, checked here so a bad one is INVALID_ARGUMENT."""
+        if session.sampling is None or len(ids) == 1:
+            return None
+        if not verify.HasField("proposal"):
+            raise invalid("verify.proposal: a sampling session needs the drafter's proposal for its candidates")
+        try:
+            proposal = wire_contract.proposal_from_proto(verify.proposal, len(ids) - 1, vocab, "verify.proposal")
+            session._check_proposal(ids[1:], proposal)
+        except ValueError as exc:
+            raise invalid(str(exc).replace("proposal:", "verify.proposal:", 1)) from None
+        return proposal
 
     # -- compute-thread steps --------------------------------------------------------------
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from services import sampling as lossless
 from services.checkpoints.config import load_target_config
-from services.contract import CachePolicy, ModelInfo
+from services.contract import VERIFIER_STREAM, CachePolicy, ModelInfo, Proposal, SamplingParams, session_rng
 
 from .cache import RestoreView, RingLayout, restore_mask
 
@@ -22,8 +23,15 @@ PREFILL_CHUNK = 512  # bounds prefill attention memory, like mlx-lm's prefill_st
 
 
 class VerifierSession:
-    def __init__(self, target, aux_layers: Sequence[int], policy: CachePolicy):
+    def __init__(self, target, aux_layers: Sequence[int], policy: CachePolicy, sampling: SamplingParams | None = None):
         self.target = target
+        # Sampling: p, the acceptance test and the draws run on the device (target.sampler);
+        # the uniforms come from this session's host stream, seeded by the request.
+        self.sampling = None if sampling is None or sampling.check().greedy else sampling
+        if self.sampling is not None:
+            if sampling.seed is None:
+                raise ValueError("seed: a sampling session needs the request's seed (the engine draws one)")
+            self.rng = session_rng(sampling.seed, VERIFIER_STREAM)
         self.aux_layers = tuple(aux_layers)
         self.policy = policy.resolve(target.args.sliding_window)
         self.layout = RingLayout(self.policy.sink, self.policy.window, self.policy.slack)
@@ -93,10 +101,14 @@ class VerifierSession:
             self.target.materialize(out, self.cache)  # never one huge graph for a long prompt
             if self.latents is not None:
                 self.latents.materialize()
-        first = self.target.greedy(out.hidden[:, -1:])[0]
+        if self.sampling is None:
+            first = self.target.greedy(out.hidden[:, -1:])[0]
+        else:
+            _, u = lossless.verify_uniforms(self.rng, 1)
+            first = self.target.sampler.sample_next(self.target.logits(out.hidden[:, -1:])[0], self.sampling, float(u[0]))
         return first, self.target.cat(chunks)
 
-    def verify(self, block_ids: Sequence[int]) -> list[int]:
+    def verify(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> list[int]:
         self._check_open()
         if self._pending is not None:
             raise RuntimeError("commit the previous block before verifying another")
@@ -104,9 +116,31 @@ class VerifierSession:
         if not 1 <= len(block_ids) <= limit:
             why = " (f_theta restoration: at most the window)" if limit < self.policy.slack else ""
             raise ValueError(f"block length must be 1..{limit}{why}, got {len(block_ids)}")
+        if self.sampling is not None:
+            self._check_proposal(block_ids[1:], proposal)
         out = self._forward(block_ids)
         self._pending = (len(block_ids), out.aux)
-        return self.target.greedy(out.hidden)
+        if self.sampling is None:
+            return self.target.greedy(out.hidden)
+        candidates = list(block_ids[1:])
+        u_acc, u_samp = lossless.verify_uniforms(self.rng, len(block_ids))
+        accepted, samples = self.target.sampler.verify_rows(
+            self.target.logits(out.hidden)[0], candidates, proposal, self.sampling, u_acc[: len(candidates)], u_samp
+        )
+        return lossless.assemble(candidates, accepted, samples)
+
+    @staticmethod
+    def _check_proposal(candidates: Sequence[int], proposal: Proposal | None) -> None:
+        """The acceptance test is exact only against the distribution each candidate was drawn from."""
+        if not candidates:
+            return
+        if proposal is None:
+            raise ValueError("proposal: a sampling session needs the drafter's proposal for its candidates")
+        if len(proposal) != len(candidates):
+            raise ValueError(f"proposal: {len(proposal)} rows for {len(candidates)} candidates")
+        for i, c in enumerate(candidates):
+            if not (proposal.ids[i] == c).any():
+                raise ValueError(f"proposal: candidate {i + 1} ({c}) is outside its proposal's support")
 
     def commit(self, n_keep: int):
         self._check_open()
@@ -163,8 +197,8 @@ class LocalVerifier:
             backend=target.backend,
         )
 
-    def open_session(self, policy: CachePolicy | None = None) -> VerifierSession:
-        return VerifierSession(self.target, self.aux_layers, policy or self.policy)
+    def open_session(self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None) -> VerifierSession:
+        return VerifierSession(self.target, self.aux_layers, policy or self.policy, sampling)
 
 
 def mlx_verifier(target_dir: str | Path, aux_layers: Sequence[int], policy: CachePolicy = CachePolicy()) -> LocalVerifier:

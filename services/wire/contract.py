@@ -3,15 +3,20 @@
 Every ``CachePolicy`` field crosses: a policy a client asked for is never
 narrowed on the way (quantized full layers, f_theta restoration included).
 ``ModelInfo`` travels inside the verifier's ``VerifierInfo`` (to the
-orchestrator) and the public ``ModelInfo`` (to clients).
+orchestrator) and the public ``ModelInfo`` (to clients). ``SamplingParams``
+crosses as the sessions' ``Sampling`` (and the public ``SamplingParams``), a
+drafter's ``Proposal`` as its compact [n, K] ids and probabilities.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from services.contract import MAX_BLOCK_SIZE, CachePolicy, ModelInfo
+import numpy as np
+
+from services.contract import MAX_BLOCK_SIZE, CachePolicy, ModelInfo, Proposal, SamplingParams
 from services.wire.kakeya.v1 import cache_pb2
+from services.wire.kakeya.v1 import sampling_pb2 as spb
 from services.wire.kakeya.v1 import generate_pb2 as gpb
 from services.wire.kakeya.v1 import verifier_pb2 as vpb
 
@@ -113,3 +118,67 @@ def public_model_info(info: ModelInfo, **api_fields) -> gpb.ModelInfo:
 def model_info_from_public(m: gpb.ModelInfo, backend: str) -> ModelInfo:
     """What a client of the public API knows of the target (no layer or hidden sizes)."""
     return ModelInfo(m.target_model, m.vocab_size, tuple(m.eos_token_ids), 0, 0, m.sliding_window, backend)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _decimal(x: float) -> float:
+    """A wire float32 back as the shortest decimal that round-trips it (0.7f -> 0.7), so a split
+    deployment processes p with the very numbers a colocated one does."""
+    return float(str(np.float32(x)))
+
+
+def sampling_to_proto(s: SamplingParams) -> spb.Sampling:
+    return spb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed or 0)
+
+
+def sampling_from_proto(m: spb.Sampling, field: str = "sampling") -> SamplingParams | None:
+    """A session's ``Sampling`` (None: greedy); ValueError naming the field."""
+    if not m.temperature:
+        return None
+    return _checked(
+        field,
+        temperature=_decimal(m.temperature),
+        top_k=m.top_k,
+        top_p=_decimal(m.top_p) if m.top_p else 1.0,
+        min_p=_decimal(m.min_p),
+        seed=m.seed,
+    )
+
+
+def public_sampling(sp: gpb.SamplingParams, field: str = "sampling_params") -> SamplingParams:
+    """The public ``SamplingParams``' sampling fields (proto3 zeros: off; seed unset: None)."""
+    return _checked(
+        field,
+        temperature=_decimal(sp.temperature),
+        top_k=sp.top_k,
+        top_p=_decimal(sp.top_p) if sp.top_p else 1.0,
+        min_p=_decimal(sp.min_p),
+        seed=sp.seed if sp.HasField("seed") else None,
+    )
+
+
+def _checked(field: str, **values) -> SamplingParams:
+    try:
+        return SamplingParams(**values).check()
+    except ValueError as exc:
+        raise ValueError(f"{field}.{exc}") from None  # check() messages start with the field's name
+
+
+def proposal_to_proto(p: Proposal) -> spb.Proposal:
+    return spb.Proposal(k=p.ids.shape[1], ids=p.ids.ravel().tolist(), probs=p.probs.ravel().tolist())
+
+
+def proposal_from_proto(m: spb.Proposal, n: int, vocab: int, field: str = "proposal") -> Proposal:
+    """The proposal of ``n`` candidates; ValueError naming the field when its shape or values are off."""
+    k = m.k
+    if k < 1 or len(m.ids) != n * k or len(m.probs) != n * k:
+        raise ValueError(f"{field}: {len(m.ids)} ids and {len(m.probs)} probs with k={k} do not make {n} rows")
+    ids = np.asarray(m.ids, np.int32).reshape(n, k)
+    probs = np.asarray(m.probs, np.float32).reshape(n, k)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"{field}.ids: ids outside the vocabulary [0, {vocab})")
+    if not np.all(np.isfinite(probs)) or (probs < 0).any() or (n and (probs.sum(-1) <= 0).any()):
+        raise ValueError(f"{field}.probs: probabilities must be finite, >= 0, with a positive sum per row")
+    return Proposal(ids, probs)

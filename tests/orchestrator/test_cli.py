@@ -64,6 +64,11 @@ def bad_dirs(tmp_path, tiny_pair):
         (["--block-size", "17"], "block_size"),
         (["--prompt", ""], "empty"),
         (["--max-tokens", "0"], "max_tokens"),
+        (["--temperature", "-1"], "temperature"),
+        (["--temperature", "nan"], "temperature"),
+        (["--temperature", "1", "--top-p", "0"], "top_p"),
+        (["--temperature", "1", "--top-k", "-2"], "top_k"),
+        (["--temperature", "1", "--min-p", "1.5"], "min_p"),
     ],
 )
 def test_bad_input_is_one_clear_line(bad_dirs, args, fragment, capsys):
@@ -71,6 +76,23 @@ def test_bad_input_is_one_clear_line(bad_dirs, args, fragment, capsys):
     assert main(["generate", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kakeya: error:") and "\n" not in err and fragment in err, err
+
+
+def test_sampled_generate_reports_its_seed_and_reproduces(tiny_pair, capsys):
+    pair = ["--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft), "--backend", "mlx"]
+    args = ["generate", *pair, "--json", "--max-tokens", "24", "--block-size", "4", "--ignore-eos",
+            "--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.01"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["sampling"] == {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.01}
+    assert isinstance(out["seed"], int) and len(out["token_ids"]) == 24
+    assert main([*args, "--seed", str(out["seed"]), "--compare-ar"]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["token_ids"] == out["token_ids"] and again["seed"] == out["seed"]
+    assert "lossless" not in again and len(again["ar_token_ids"]) == 24  # AR sampling: speed only
+    assert main([*args[: 1 + len(pair)], "--max-tokens", "4", "--temperature", "1", "--seed", "5", "--compare-ar"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "sampling seed 5" in line and "no token-identity claim" in line, line
 
 
 def test_bad_input_from_the_real_command_has_no_traceback():
@@ -109,7 +131,7 @@ def test_the_first_run_says_what_was_compared():
     line = res.stderr.strip().splitlines()[-1]
     backend, device = resolve_backend("auto")  # torch/cpu on a Linux CPU, mlx on Apple silicon
     where = backend + (f"/{device}" if device else "")
-    assert line.startswith(f"speculative (DFlash, auto blocks, mean "), line
+    assert line.startswith("speculative (DFlash, auto blocks, mean "), line
     assert f", {where}): " in line, line
     assert " tok/s vs autoregressive " in line and "x, lossless (128/128 tokens identical)" in line, line
     assert "runaway repetition" not in line and res.stdout.strip()

@@ -207,8 +207,11 @@ BAD_GENERATE = [
     ("max_tokens > limit", request(PROMPT, max_tokens=LIMIT + 1), "sampling_params.max_tokens"),
     ("block size 17", request(PROMPT, block_size=17), "block_size"),
     ("block size -1", request(PROMPT, block_size=-1), "block_size"),
-    ("temperature", request(PROMPT, temperature=0.7), "not supported yet"),
-    ("top_k", request(PROMPT, top_k=5), "sampling_params.top_k"),
+    ("negative temperature", request(PROMPT, temperature=-0.5), "sampling_params.temperature"),
+    ("nan temperature", request(PROMPT, temperature=float("nan")), "sampling_params.temperature"),
+    ("top_k < 0", request(PROMPT, temperature=1.0, top_k=-5), "sampling_params.top_k"),
+    ("top_p > 1", request(PROMPT, temperature=1.0, top_p=1.5), "sampling_params.top_p"),
+    ("min_p > 1", request(PROMPT, temperature=1.0, min_p=2.0), "sampling_params.min_p"),
     ("stop id outside vocab", request(PROMPT, stop_token_ids=[5000]), "sampling_params.stop_token_ids"),
     ("empty stop string", request(PROMPT, stop=[""]), "sampling_params.stop"),
 ]
@@ -351,8 +354,8 @@ def test_client_cli_reports_status_and_exits_non_zero(servers):
 
     res = client("--addr", servers["split"].addr, "generate", "--prompt", "")
     assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "prompt.text" in res.stderr
-    res = client("--addr", servers["split"].addr, "generate", "--prompt", "x", "--temperature", "0.5")
-    assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "not supported yet" in res.stderr
+    res = client("--addr", servers["split"].addr, "generate", "--prompt", "x", "--top-p", "1.5")
+    assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "sampling_params.top_p" in res.stderr
     res = client("--addr", "127.0.0.1:1", "--timeout", "5", "generate", "--prompt", "x")
     assert res.returncode == 1 and "UNAVAILABLE" in res.stderr
     res = client("--addr", servers["split"].addr, "health")
@@ -391,3 +394,19 @@ def _try_generate(addr):
         assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         return None
 
+
+
+def test_sampling_is_seeded_reproducible_and_reports_its_seed(servers):
+    """Same seed -> same tokens, split and colocated alike; an unseeded request reports the seed it drew."""
+    seeded = request(PROMPT, max_tokens=40, block_size=8, temperature=0.8, top_k=50, top_p=0.95, min_p=0.01, seed=77)
+    split_ids, _, complete, _ = generate(servers["split"].addr, seeded)
+    assert complete.HasField("seed") and complete.seed == 77 and len(split_ids) == 40
+    assert generate(servers["split"].addr, seeded)[0] == split_ids
+    assert generate(servers["colocated"].addr, seeded)[0] == split_ids
+    unseeded = request(PROMPT, max_tokens=20, block_size=4, temperature=1.0)
+    ids, _, complete, _ = generate(servers["split"].addr, unseeded)
+    assert complete.HasField("seed")
+    unseeded.sampling_params.seed = complete.seed
+    assert generate(servers["colocated"].addr, unseeded)[0] == ids
+    greedy = generate(servers["split"].addr, request(PROMPT, max_tokens=8))[2]
+    assert not greedy.HasField("seed")

@@ -18,9 +18,9 @@ CONTRACT = Path(__file__).with_name("wire_contract.json")
 
 
 def _modules():
-    from services.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, tensor_pb2, verifier_pb2
+    from services.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, sampling_pb2, tensor_pb2, verifier_pb2
 
-    return [tensor_pb2, cache_pb2, verifier_pb2, drafter_pb2, generate_pb2]
+    return [tensor_pb2, cache_pb2, sampling_pb2, verifier_pb2, drafter_pb2, generate_pb2]
 
 
 def describe() -> dict:

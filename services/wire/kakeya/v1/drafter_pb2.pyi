@@ -1,3 +1,4 @@
+from . import sampling_pb2 as _sampling_pb2
 from . import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -80,10 +81,12 @@ class DrafterStats(_message.Message):
 class DrafterRequest(_message.Message):
     __slots__ = ("open", "draft", "close")
     class Open(_message.Message):
-        __slots__ = ("request_id",)
+        __slots__ = ("request_id", "sampling")
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+        SAMPLING_FIELD_NUMBER: _ClassVar[int]
         request_id: str
-        def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+        sampling: _sampling_pb2.Sampling
+        def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ...) -> None: ...
     class Draft(_message.Message):
         __slots__ = ("new_aux", "last_token", "block_size")
         NEW_AUX_FIELD_NUMBER: _ClassVar[int]
@@ -114,12 +117,14 @@ class DrafterResponse(_message.Message):
         session_id: str
         def __init__(self, info: _Optional[_Union[DrafterInfo, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
     class Drafted(_message.Message):
-        __slots__ = ("token_ids", "stats")
+        __slots__ = ("token_ids", "stats", "proposal")
         TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         STATS_FIELD_NUMBER: _ClassVar[int]
+        PROPOSAL_FIELD_NUMBER: _ClassVar[int]
         token_ids: _containers.RepeatedScalarFieldContainer[int]
         stats: DrafterStats
-        def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[DrafterStats, _Mapping]] = ...) -> None: ...
+        proposal: _sampling_pb2.Proposal
+        def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[DrafterStats, _Mapping]] = ..., proposal: _Optional[_Union[_sampling_pb2.Proposal, _Mapping]] = ...) -> None: ...
     class Closed(_message.Message):
         __slots__ = ("stats",)
         STATS_FIELD_NUMBER: _ClassVar[int]

@@ -1,4 +1,5 @@
 from . import cache_pb2 as _cache_pb2
+from . import sampling_pb2 as _sampling_pb2
 from . import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -95,26 +96,30 @@ class SessionStats(_message.Message):
 class VerifierRequest(_message.Message):
     __slots__ = ("open", "prefill", "verify", "commit", "close")
     class Open(_message.Message):
-        __slots__ = ("request_id", "cache_policy", "target_layer_ids", "max_positions")
+        __slots__ = ("request_id", "cache_policy", "target_layer_ids", "max_positions", "sampling")
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
         CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
         TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
         MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+        SAMPLING_FIELD_NUMBER: _ClassVar[int]
         request_id: str
         cache_policy: _cache_pb2.CachePolicy
         target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
         max_positions: int
-        def __init__(self, request_id: _Optional[str] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ...) -> None: ...
+        sampling: _sampling_pb2.Sampling
+        def __init__(self, request_id: _Optional[str] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ...) -> None: ...
     class Prefill(_message.Message):
         __slots__ = ("token_ids",)
         TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         token_ids: _containers.RepeatedScalarFieldContainer[int]
         def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
     class Verify(_message.Message):
-        __slots__ = ("block_ids",)
+        __slots__ = ("block_ids", "proposal")
         BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+        PROPOSAL_FIELD_NUMBER: _ClassVar[int]
         block_ids: _containers.RepeatedScalarFieldContainer[int]
-        def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+        proposal: _sampling_pb2.Proposal
+        def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., proposal: _Optional[_Union[_sampling_pb2.Proposal, _Mapping]] = ...) -> None: ...
     class Commit(_message.Message):
         __slots__ = ("n_keep",)
         N_KEEP_FIELD_NUMBER: _ClassVar[int]

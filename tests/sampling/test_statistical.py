@@ -1,0 +1,105 @@
+"""Speculative sampling is distributed exactly as AR sampling from p: a chi-square test that fails
+when the sampler is wrong.
+
+On the vocab-48 pair, the exact distribution of the first three generated
+tokens under AR sampling from the processed p is enumerated with the model
+(numpy, no sampling). Then N independent seeded speculative generations
+(block size 4, the random drafter disagreeing most of the time) are drawn
+in-process and their first three tokens tested against it: Pearson's
+chi-square, cells with expected count < 5 pooled, at ALPHA = 1e-3. The same
+test must reject a deliberately broken rule (every candidate accepted, i.e.
+the drafter's distribution), so it has the power to catch a wrong sampler.
+Half the generations stop at 3 tokens (a block of 2: the bonus draw decides
+token 3), half at 4 (a block of 3: two acceptance tests, residuals at either).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from services import sampling as ref
+from services.orchestrator import loop
+
+from .conftest import BACKENDS, PROMPT, SETTINGS
+
+ALPHA = 1e-3
+N_EXACT = 1200  # generations tested against the exact distribution
+N_BROKEN = 400  # generations of the broken rule (it is far off: fewer suffice)
+TOKENS = 3
+
+
+def next_distribution(verifier, prefix, params) -> np.ndarray:
+    """The processed p after ``prefix`` (numpy reference on the backend's own logits)."""
+    s = verifier.open_session()
+    out = s._forward(prefix)
+    logits = verifier.target.logits(out.hidden)[0, -1]
+    s.close()
+    logits = logits.float().cpu().numpy() if isinstance(logits, torch.Tensor) else np.asarray(logits, np.float32)
+    return ref.process(logits, params)
+
+
+def exact_distribution(verifier, params) -> dict[tuple[int, ...], float]:
+    """P(first TOKENS tokens) under AR sampling, enumerated over p's support."""
+    out = {(): 1.0}
+    for _ in range(TOKENS):
+        nxt = {}
+        for prefix, mass in out.items():
+            p = next_distribution(verifier, PROMPT + list(prefix), params)
+            for t in np.flatnonzero(p):
+                nxt[prefix + (int(t),)] = mass * p[t]
+        out = nxt
+    return out
+
+
+def speculative_counts(verifier, drafter, params, seeds) -> collections.Counter:
+    counts = collections.Counter()
+    for seed in seeds:
+        sp = replace(params, seed=seed)
+        gen = loop.run(verifier.open_session(sampling=sp), drafter.open_session(sampling=sp), PROMPT, TOKENS + seed % 2, 4)
+        counts[tuple(gen.token_ids[:TOKENS])] += 1
+    return counts
+
+
+def chi_square(counts: collections.Counter, dist: dict, n: int) -> tuple[float, int, float]:
+    """(statistic, degrees of freedom, p-value); sequences outside ``dist`` land in the pooled cell."""
+    cells = sorted(dist, key=dist.get)
+    pooled, i = 0.0, 0
+    while i < len(cells) and (dist[cells[i]] * n < 5 or pooled * n < 5):
+        pooled += dist[cells[i]]
+        i += 1
+    kept = cells[i:]
+    observed = [counts[c] for c in kept]
+    expected = [dist[c] * n for c in kept]
+    observed.append(n - sum(observed))  # the pooled cell, with every impossible sequence seen
+    expected.append(n - sum(expected))
+    o, e = np.array(observed, float), np.array(expected, float)
+    stat = float(((o - e) ** 2 / e).sum())
+    df = len(o) - 1
+    return stat, df, float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_speculative_sampling_is_exact_and_a_broken_rule_is_caught(backend, setting, small_models, monkeypatch):
+    verifier, drafter = small_models[backend]
+    params = SETTINGS[setting]
+    dist = exact_distribution(verifier, params)
+    assert abs(sum(dist.values()) - 1) < 1e-9
+
+    counts = speculative_counts(verifier, drafter, params, range(N_EXACT))
+    stat, df, pval = chi_square(counts, dist, N_EXACT)
+    print(f"\n{backend} {setting}: exact rule chi2={stat:.1f} df={df} p={pval:.3g}", end="")
+    assert df >= 5, "too few cells to test anything"
+    assert pval > ALPHA, f"speculative samples differ from AR sampling: chi2={stat:.1f}, df={df}, p={pval:.2g}"
+
+    exact = ref.assemble  # the verifier sessions call it through the module: patch it to accept everything
+    monkeypatch.setattr(ref, "assemble", lambda cands, accepted, samples: exact(cands, [True] * len(cands), samples))
+    counts = speculative_counts(verifier, drafter, params, range(N_EXACT, N_EXACT + N_BROKEN))
+    stat, df, pval = chi_square(counts, dist, N_BROKEN)
+    print(f"; always-accept chi2={stat:.1f} df={df} p={pval:.3g}", end="")
+    assert pval < ALPHA, f"the test did not catch an always-accept rule: chi2={stat:.1f}, df={df}, p={pval:.2g}"
