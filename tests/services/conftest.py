@@ -164,7 +164,8 @@ def drafter_info(addr: str):
     return drafter_stub(addr).GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10)
 
 
-def request(ids=None, text=None, max_tokens=16, block_size=0, ignore_eos=True, **sampling) -> generate_pb2.GenerateRequest:
+def request(ids=None, text=None, max_tokens=16, block_size=8, ignore_eos=True, **sampling) -> generate_pb2.GenerateRequest:
+    """A Generate request; ``block_size`` 8 (the tiny drafter's trained size) unless asked: 0 is auto."""
     sp = generate_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **sampling)
     req = generate_pb2.GenerateRequest(sampling_params=sp, block_size=block_size)
     if text is not None:

@@ -81,6 +81,15 @@ def test_every_server_is_serving_with_health_and_reflection(servers):
         assert health.Check(health_pb2.HealthCheckRequest(service=want), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_auto_block_size_is_lossless_split_and_colocated(servers, reference):
+    """block_size 0: each block sized from the measured cost curve and the acceptance seen so far."""
+    for name in ("split", "colocated"):
+        ids, _, complete, _ = generate(servers[name].addr, request(PROMPT, max_tokens=LONG, ignore_eos=True, block_size=0))
+        st = complete.stats
+        assert ids == reference, name
+        assert st.block_size == 0 and sum(st.acceptance_lengths) == LONG - 1 and not st.drafter_fallback
+
+
 def test_split_equals_colocated_equals_mlx_lm_greedy_ar_past_ring_wraps(servers, reference):
     assert len(set(reference)) > 50, "degenerate reference: the comparison would prove little"
     results = {}
