@@ -1,5 +1,5 @@
 """Tensor helpers shared by the PyTorch target (``verifier/gemma4_torch.py``) and drafter
-(``drafter/dflash_torch.py``): device/dtype resolution, the two RMSNorm conventions, RoPE.
+(``drafter/dflash_torch.py``): device/dtype resolution, the two RMSNorm conventions, RoPE, the one SDPA call.
 
 Both models normalise in float32; they differ in *when* the result goes back to
 the activation dtype, which matters in bf16/fp16:
@@ -18,6 +18,8 @@ with its reference in low precision.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DTYPES = {
     "float32": torch.float32,
@@ -106,3 +108,35 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (last axis = head dim) by tables that broadcast against it."""
     return x * cos + rotate_half(x) * sin
+
+
+def rope_from_positions(
+    inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_cos_sin` for a device tensor of positions ``pos`` [n] (same float32 angles,
+    so the same numbers): nothing is built on the host, so it runs inside a captured step."""
+    freqs = pos.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
+
+
+# --------------------------------------------------------------------------- attention
+
+# cuDNN's SDPA builds (and caches) an execution plan per new shape: with a context that grows every
+# block that is a CPU-side plan build on every call (47 ms per draft on an H100, issue #10). Flash and
+# memory-efficient attention take any length at no set-up cost; MATH is the fallback (and the CPU's).
+SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def sdpa_backends():
+    """The attention backends every torch forward runs under (enter once per forward: ~10 us)."""
+    return sdpa_kernel(list(SDPA_BACKENDS))
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The one scaled-dot-product attention call of the target and the drafter (GQA when the
+    head counts differ); callers run it inside :func:`sdpa_backends`."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

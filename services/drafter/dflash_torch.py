@@ -34,7 +34,9 @@ from torch import nn
 
 from services.checkpoints.layout import find_text_tensors, is_quantized, shard_files, tensor_files
 from services.drafter.config import FULL, SLIDING, DFlashConfig  # noqa: F401  (FULL, DFlashConfig re-exported)
-from services.torch_ops import apply_rope, default_inv_freq, qwen3_rms_norm, resolve_device, resolve_dtype, rope_cos_sin
+from services.torch_ops import (
+    apply_rope, default_inv_freq, qwen3_rms_norm, resolve_device, resolve_dtype, rope_cos_sin, sdpa, sdpa_backends,
+)
 
 
 def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
@@ -100,9 +102,7 @@ class Attention(nn.Module):
         if ctx_k is not None and ctx_k.shape[2] > 0:
             k = torch.cat([ctx_k, k], dim=2)
             v = torch.cat([ctx_v, v], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv
-        )
+        out = sdpa(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -351,6 +351,12 @@ class DFlashDraftModel(nn.Module):
         x = x[None]
         cos, sin = self._cos_sin(cache.length, B)
         masks: dict = {}
+        with sdpa_backends():
+            x = self._layers(x, cos, sin, cache, masks)
+        return self.norm(x[0])
+
+    def _layers(self, x, cos, sin, cache: ContextKVCache, masks: dict) -> torch.Tensor:
+        B = x.shape[1]
         for i, layer in enumerate(self.layers):
             ck, cv = cache.view(i)
             n_ctx = 0 if ck is None else ck.shape[2]
@@ -359,7 +365,7 @@ class DFlashDraftModel(nn.Module):
             if key not in masks:
                 masks[key] = block_mask(n_ctx, B, is_causal=attn.is_causal, window=attn.window, device=self.device)
             x = layer(x, ck, cv, cos, sin, masks[key])
-        return self.norm(x[0])
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,11 @@ class VerifierSession:
         if not 1 <= len(block_ids) <= limit:
             why = " (f_theta restoration: at most the window)" if limit < self.policy.slack else ""
             raise ValueError(f"block length must be 1..{limit}{why}, got {len(block_ids)}")
+        static = getattr(self.target, "verify_block", None)
+        if static is not None and self.restorer is None:  # torch: the static-shape step (step_torch.py)
+            choices, aux = static(block_ids, self.cache, self.aux_layers)
+            self._pending = (len(block_ids), aux)
+            return choices
         out = self._forward(block_ids)
         self._pending = (len(block_ids), out.aux)
         return self.target.greedy(out.hidden)
@@ -135,6 +140,9 @@ class VerifierSession:
         }
 
     def close(self) -> None:
+        release = getattr(self.target, "release_cache", None)
+        if release is not None and not self.closed:
+            release(self.cache)
         self.cache, self._pending, self.closed = [], None, True
         self.latents = None
 
