@@ -86,8 +86,13 @@ class RingKVCache:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
-def grown(cap: int, need: int, step: int) -> int:
-    """The next capacity for ``need`` positions: at least double (O(log n) moves), in ``step`` chunks."""
+def grown(cap: int, need: int, step: int, initial: int = 0) -> int:
+    """The next capacity for ``need`` positions: ``initial`` if that holds them, else at least double
+    (O(log n) moves), in ``step`` chunks when no ``initial`` size was asked for."""
+    if cap == 0 and need <= initial:
+        return initial
+    if initial:
+        return max(need, 2 * cap)
     return ((max(need, 2 * cap) + step - 1) // step) * step
 
 
@@ -113,7 +118,7 @@ class FullKVCache:
         cap = self.capacity
         if n <= cap:
             return False
-        new_cap = max(self.initial, grown(cap, n, self.step))
+        new_cap = grown(cap, n, self.step, self.initial)
         b, h, _, dk = keys.shape
         nk = keys.new_zeros((b, h, new_cap, dk))
         nv = values.new_zeros((b, h, new_cap, values.shape[-1]))
@@ -216,7 +221,7 @@ class QuantizedFullKVCache:
             return False
         qk = quantize(keys[:, :, :1], self.group_size, self.bits)
         qv = quantize(values[:, :, :1], self.group_size, self.bits)
-        new_cap = max(self.initial, grown(self.capacity, n, self.step))
+        new_cap = grown(self.capacity, n, self.step, self.initial)
         nk, nv = self._alloc(qk, new_cap), self._alloc(qv, new_cap)
         if self.offset:
             for dst, src in zip(nk + nv, self.keys + self.values):

@@ -35,7 +35,7 @@ class TargetTorch:
     backend = "torch"
 
     def __init__(self, model: Gemma4Text, path: Path | None = None, *, cuda_graphs: bool | None = None,
-                 max_context: int | None = None):
+                 max_context: int | None = None, graph_options: GraphOptions | None = None):
         self.model = model
         self.path = path
         self.args = model.args
@@ -45,11 +45,14 @@ class TargetTorch:
         self.dtype = model.embed.dtype
         model.inv_freq = {t: f.to(self.device) for t, f in model.inv_freq.items()}
         # static verify step (step_torch.py): graphs on CUDA, eager elsewhere
-        self.graph_options = GraphOptions.for_device(self.device, cuda_graphs)
+        # (graph_options: tests run the graph bookkeeping eagerly on a CPU with capture=False)
+        self.graph_options = graph_options or GraphOptions.for_device(self.device, cuda_graphs)
+        if self.graph_options.capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
         if max_context is not None and max_context < 1:
             raise ValueError(f"max_context must be >= 1, got {max_context}")
-        # full-attention buffers start this big when graphs are captured (a regrowth recaptures)
-        self.max_context = max_context or (DEFAULT_GRAPH_CONTEXT if self.graph_options.capture else 0)
+        # full-attention buffers start this big with fixed shapes (a regrowth means new graphs)
+        self.max_context = max_context or (DEFAULT_GRAPH_CONTEXT if self.graph_options.static_extent else 0)
         self._pool = torch.cuda.graph_pool_handle() if self.graph_options.capture else None
         self._free: list[TorchCaches] = []  # cache sets (and their graphs) of closed sessions, for reuse
 
@@ -97,7 +100,7 @@ class TargetTorch:
     def release_cache(self, cache) -> None:
         """A closed session's caches: kept (with their captured graphs) for the next session when
         graphs are on -- recapturing per session would cost more than a verify -- else dropped."""
-        if self.graph_options.capture and isinstance(cache, TorchCaches) and len(self._free) < MAX_FREE_CACHES:
+        if self.graph_options.static_extent and isinstance(cache, TorchCaches) and len(self._free) < MAX_FREE_CACHES:
             self._free.append(cache)
 
     def kv_like(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
