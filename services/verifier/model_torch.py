@@ -267,14 +267,20 @@ def torch_verifier(
     dtype: str | torch.dtype | None = "float32",
     cuda_graphs: bool | None = None,
     max_context: int | None = None,
+    compile: bool = False,
 ):
     """The in-process torch verifier (what ``loader.local_verifier(..., backend="torch")`` returns).
 
     ``cuda_graphs``: capture the verify step per block-size bucket (default: on for CUDA);
-    ``max_context``: full-attention positions preallocated per session (graphs on: 4096).
+    ``max_context``: full-attention positions preallocated per session (graphs on: 4096);
+    ``compile``: ``torch.compile`` the fused elementwise ops (``gemma4_torch.compile_fused_ops``).
     """
     from services.contract import CachePolicy
     from .session import LocalVerifier
 
+    if compile:
+        from .gemma4_torch import compile_fused_ops
+
+        compile_fused_ops()
     target = TargetTorch.load(target_dir, device, dtype, cuda_graphs=cuda_graphs, max_context=max_context)
     return LocalVerifier(target, target_dir, aux_layers, policy or CachePolicy())

@@ -206,3 +206,28 @@ def test_cuda_graph_replay_equals_eager_token_for_token(tiny, torch_drafter):
         pytest.fail(f"a verify synchronised more than once: {e}")
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cli_fast_path_flags_reach_the_torch_verifier():
+    import argparse
+
+    from services.orchestrator.cli_args import add_backend_args, torch_options
+
+    p = argparse.ArgumentParser()
+    add_backend_args(p)
+    assert torch_options(p.parse_args([])) == {}  # auto: graphs follow the device, nothing compiled
+    assert torch_options(p.parse_args(["--cuda-graphs", "off", "--compile"])) == {"cuda_graphs": False, "compile": True}
+    assert torch_options(p.parse_args(["--cuda-graphs", "on"])) == {"cuda_graphs": True}
+
+
+def test_cpu_never_compiles(tiny, monkeypatch):
+    from services.orchestrator.assembly import build_local_engine
+
+    def refuse(*a, **k):
+        raise AssertionError("torch.compile called on the CPU default path")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    engine = build_local_engine(tiny.target, tiny.draft, "torch", "cpu")
+    assert not engine.verifier.target.graph_options.capture
+    with pytest.raises(ValueError, match="CUDA"):
+        build_local_engine(tiny.target, tiny.draft, "torch", "cpu", torch_options={"cuda_graphs": True})
