@@ -10,7 +10,8 @@ tree), the trees alternate round by round so a noisy shared CPU hits both alike.
     python benchmarks/cpu_fastpath.py --before /tmp/main_checkout   # main vs this tree
     python benchmarks/cpu_fastpath.py                                # this tree only
 
-Writes ``benchmarks/results/cpu_fastpath.json``.
+Per tree: the median over ``--reps`` calls in each round; reported: the best round (a shared CPU
+only adds time) and the median of the rounds. Writes ``benchmarks/results/cpu_fastpath.json``.
 """
 
 from __future__ import annotations
@@ -93,9 +94,9 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for name, tree in trees.items():
             rounds[name].append(run_tree(tree, args.reps, args.ctx))
-    summary = {
-        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rounds.items()
-    }
+    # a shared CPU only ever adds time: the best round is the cleanest measurement; the median is kept too
+    summary = {name: {k: min(r[k] for r in rs) for k in rs[0]} for name, rs in rounds.items()}
+    medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rounds.items()}
     result = {
         "benchmark": "cpu_fastpath",
         "device": "cpu",
@@ -104,7 +105,8 @@ def main(argv=None) -> int:
         "ctx": args.ctx,
         "reps_per_round": args.reps,
         "rounds": args.rounds,
-        "median_ms": summary,
+        "best_round_median_ms": summary,
+        "median_of_rounds_ms": medians,
         "per_round_ms": rounds,
         "trees": {k: str(v) for k, v in trees.items()},
     }

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .cache import RingLayout
@@ -31,6 +32,7 @@ from .gemma4_torch import FULL, SLIDING
 from .graphs import GraphedStep, GraphOptions, StepGraphs, bucket_for
 
 PAD_ID = 0  # token id written into padded block positions (its outputs are dropped)
+EMPTY_FAR = -(2**40)  # ring_pos of a slot holding nothing: before every window, so no mask term needed
 
 
 class TorchCaches(list):
@@ -48,7 +50,7 @@ class TorchCaches(list):
         self.ids = torch.full((1, max_block), PAD_ID, **long)  # static input: block ids (padded)
         self.start = torch.zeros((), **long)  # static input: position of the block's first token
         self.iota = torch.arange(max_block, **long)
-        self.ring_pos = torch.full((layout.capacity,), -1, **long)  # device copy of layout.positions
+        self.ring_pos = torch.full((layout.capacity,), EMPTY_FAR, **long)  # device copy of layout.positions
         self.key_iota = torch.arange(0, **long)  # slot index of the full buffers (= position)
         self.ring_stale = True  # a dynamic forward wrote the ring: resync ring_pos from the host
         self.last_logits: torch.Tensor | None = None  # the latest step's logits (static output on CUDA)
@@ -71,14 +73,18 @@ def verify_step(target, c: TorchCaches, aux_layers: Sequence[int], n: int, ring_
     q = pos[:, None]
     masks: dict = {}
     if c.rings:
-        slots = torch.where(pos < sink, pos, sink + (pos - sink) % rot)
+        slots = torch.where(pos < sink, pos, sink + (pos - sink) % rot) if sink else pos % rot
         c.ring_pos.index_copy_(0, slots, pos)  # write first: the block attends to itself (in place)
         k = c.ring_pos[None, :ring_extent]
-        masks[SLIDING] = (k >= 0) & (k <= q) & ((k > q - layout.window) | (k < sink))
+        if sink:
+            masks[SLIDING] = (k >= 0) & (k <= q) & ((k > q - layout.window) | (k < sink))
+        else:  # empty slots hold EMPTY_FAR, outside every window
+            masks[SLIDING] = (k <= q) & (k > q - layout.window)
         for r in c.rings:
             r.at = (slots, ring_extent)
     if c.fulls:
-        masks[FULL] = c.key_iota[None, :full_extent] <= q
+        # eagerly a single query sees all of its filled prefix: no mask (what SDPA runs fastest)
+        masks[FULL] = None if n == 1 and not c.options.static_extent else c.key_iota[None, :full_extent] <= q
         for f in c.fulls:
             f.at = (pos, full_extent)
     try:
@@ -115,7 +121,7 @@ def verify_block(target, c: TorchCaches, block_ids: Sequence[int], aux_layers: S
     L = len(block_ids)
     n = bucket_for(L, c.options.buckets, min(layout.slack, c.max_block))
     if c.ring_stale:
-        c.ring_pos.copy_(torch.from_numpy(layout.positions))
+        c.ring_pos.copy_(torch.from_numpy(np.where(layout.positions < 0, EMPTY_FAR, layout.positions)))
         c.ring_stale = False
     start = layout.offset
     plan = layout.plan(n)  # in place (n <= slack): the host's slot bookkeeping; the device derives the rest

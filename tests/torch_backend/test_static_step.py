@@ -231,3 +231,16 @@ def test_cpu_never_compiles(tiny, monkeypatch):
     assert not engine.verifier.target.graph_options.capture
     with pytest.raises(ValueError, match="CUDA"):
         build_local_engine(tiny.target, tiny.draft, "torch", "cpu", torch_options={"cuda_graphs": True})
+
+
+def test_sdpa_backends_sets_what_sdpa_kernel_sets():
+    from torch.nn.attention import sdpa_kernel
+
+    from services.torch_ops import SDPA_BACKENDS, _sdp_flags, sdpa_backends
+
+    outside = _sdp_flags()
+    with sdpa_kernel(list(SDPA_BACKENDS)):
+        reference = _sdp_flags()
+    with sdpa_backends():
+        assert _sdp_flags() == reference == (False, True, True, True)
+    assert _sdp_flags() == outside
