@@ -170,3 +170,27 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     """The one scaled-dot-product attention call of the target and the drafter (GQA when the
     head counts differ); callers run it inside :func:`sdpa_backends`."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# --------------------------------------------------------------------------- fused elementwise ops
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Gemma's GeGLU (tanh GELU), the MLP's elementwise half."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
+FUSABLE = ("gemma4_rms_norm", "apply_rope", "geglu")
+
+
+def compile_fused_ops(module) -> None:
+    """``--compile``: rebind ``module``'s RMSNorm, RoPE and GeGLU to ``torch.compile``d versions, so
+    each becomes one fused kernel instead of 4-6 elementwise launches plus dtype copies (inductor
+    keeps the float32 upcasts: the same numbers). Process-wide and idempotent; never on by
+    default (compiling costs start-up time, and the CPU tests never compile)."""
+    if getattr(module, "_fused_ops_compiled", False):
+        return
+    for name in FUSABLE:
+        if hasattr(module, name):
+            setattr(module, name, torch.compile(getattr(module, name), dynamic=True))
+    module._fused_ops_compiled = True

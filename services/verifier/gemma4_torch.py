@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.checkpoints.layout import find_text_tensors, is_quantized, tensor_files
-from services.torch_ops import apply_rope, default_inv_freq, gemma4_rms_norm, rope_from_positions, sdpa, sdpa_backends
+from services.torch_ops import apply_rope, default_inv_freq, geglu, gemma4_rms_norm, rope_from_positions, sdpa, sdpa_backends
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -184,24 +184,6 @@ def rope_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
     raise ValueError(f"unsupported rope_type {rope_type!r} for Gemma-4")
 
 
-def compile_fused_ops() -> None:
-    """``--compile``: route this module's RMSNorm, RoPE and GeGLU through ``torch.compile``, so each
-    becomes one fused kernel instead of 4-6 elementwise launches plus dtype copies (the same
-    numbers: inductor keeps the float32 upcasts). Process-wide and idempotent; never on by default
-    (compiling costs start-up time, and the CPU tests never compile)."""
-    g = globals()
-    if g.get("_compiled"):
-        return
-    for name in ("gemma4_rms_norm", "apply_rope", "geglu"):
-        g[name] = torch.compile(g[name], dynamic=True)
-    g["_compiled"] = True
-
-
-def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Gemma's GeGLU (tanh GELU), the MLP's elementwise half."""
-    return F.gelu(gate, approximate="tanh") * up
-
-
 # --------------------------------------------------------------------------- layers
 
 
@@ -325,8 +307,7 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.w_gate_up).split(self.inter, dim=-1)
-        h = geglu(gate, up) if self.tanh_gelu else self.act(gate) * up
-        return F.linear(h, self.w_down)
+        return F.linear(geglu(gate, up) if self.tanh_gelu else self.act(gate) * up, self.w_down)
 
     def forward(self, x, cos, sin, mask, cache, shared_kv, per_layer_input):
         eps = self.eps
@@ -379,8 +360,7 @@ class Gemma4Text(nn.Module):
         return self.args.head_dim_of(i)
 
     def rope(self, pos: torch.Tensor, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer type, ``cos``/``sin`` ``[L, 1, D]`` (broadcast over the heads of [1, L, H, D])
-        at the positions ``pos`` [L] (a device tensor: nothing is rebuilt on the host)."""
+        """Per layer type, ``cos``/``sin`` ``[L, 1, D]`` at the positions ``pos`` [L] (a device tensor)."""
         out = {}
         for t, inv in self.inv_freq.items():
             cos, sin = rope_from_positions(inv, pos, dtype)
@@ -388,14 +368,11 @@ class Gemma4Text(nn.Module):
         return out
 
     def scalars(self, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The embedding scales as 0-d tensors in the activation dtype (rounded there, as in
-        transformers), made once per dtype/device instead of per call."""
+        """The embedding scales as 0-d tensors in ``dtype`` (rounded there, as in transformers), made once."""
         key = (dtype, torch.device(device))
-        if self._scalars.get(key) is None:
-            self._scalars[key] = (
-                torch.tensor(self.embed_scale, dtype=dtype, device=device),
-                torch.tensor(float(self.ple) ** 0.5, dtype=dtype, device=device),
-            )
+        if key not in self._scalars:
+            scales = (self.embed_scale, float(self.ple) ** 0.5)
+            self._scalars[key] = tuple(torch.tensor(v, dtype=dtype, device=device) for v in scales)
         return self._scalars[key]
 
     def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -414,8 +391,7 @@ class Gemma4Text(nn.Module):
         masks: dict[str, torch.Tensor | None],
         pos: torch.Tensor,
     ) -> Forward:
-        """Run ``ids`` [1, L] at positions ``pos`` [L] (a device tensor), writing K/V into ``caches``
-        (where each cache was told to); no LM head."""
+        """Run ``ids`` [1, L] at positions ``pos`` [L] (a device tensor), writing ``caches``; no LM head."""
         with sdpa_backends():
             return self._forward(ids, caches, aux_layers, masks, pos)
 
@@ -444,8 +420,6 @@ class Gemma4Text(nn.Module):
         out = F.linear(hidden, w).float()
         cap = self.args.final_logit_softcapping
         return torch.tanh(out / cap) * cap if cap else out
-
-
 
 
 # --------------------------------------------------------------------------- loading

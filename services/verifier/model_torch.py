@@ -279,8 +279,10 @@ def torch_verifier(
     from .session import LocalVerifier
 
     if compile:
-        from .gemma4_torch import compile_fused_ops
+        from services.torch_ops import compile_fused_ops
 
-        compile_fused_ops()
+        from . import gemma4_torch
+
+        compile_fused_ops(gemma4_torch)
     target = TargetTorch.load(target_dir, device, dtype, cuda_graphs=cuda_graphs, max_context=max_context)
     return LocalVerifier(target, target_dir, aux_layers, policy or CachePolicy())
