@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from services.drafter.dflash_torch import DFlashConfig, DFlashDraftModel, TargetHead  # noqa: E402
-from services.drafter.session_torch import TorchDrafter  # noqa: E402
+from services.drafter.session import TorchDrafter  # noqa: E402
 from services.verifier.cache import CachePolicy  # noqa: E402
 from services.torch_ops import resolve_device, resolve_dtype  # noqa: E402
 from services.verifier.gemma4_torch import Gemma4Args  # noqa: E402

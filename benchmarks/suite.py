@@ -44,7 +44,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 def held_out_prompts(n: int, length: int) -> list[list[int]]:
     from services.checkpoints import tokenizer as tk
     from services.training import data
-    from services.training.drafter import heldout_prompts
+    from services.training.drafter_eval import heldout_prompts
 
     tok = tk.train_tokenizer()
     corpus = data.load_corpus(tok, heldout_pct=5, max_bytes=1)  # held-out files only matter here

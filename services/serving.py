@@ -4,8 +4,9 @@
   step at a time (MLX arrays and streams stay on the thread that made them;
   there is one device to share anyway). gRPC handler threads only translate
   messages and wait.
-- :class:`SessionRegistry`: live sessions, their cache bytes and the session
-  limit (one more is ``RESOURCE_EXHAUSTED``).
+- :class:`SessionRegistry` (``services/admission.py``): live sessions, their
+  cache bytes, admission (session and K/V-byte limits, a bounded wait queue)
+  and idle expiry.
 - :class:`RequestError`: raised by servicer code to end an RPC with a status.
 - :func:`run_server`: the process lifecycle -- bind, health ``NOT_SERVING``,
   load + warm up, health ``SERVING`` (and the ready file), wait for
@@ -26,9 +27,8 @@ import sys
 import threading
 import time
 import traceback
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -41,6 +41,15 @@ from services.contract import CachePolicy
 from services.metrics import RpcInterceptor
 from services.wire import contract as wire_contract
 from services.wire.limits import server_options
+
+from services.admission import (  # noqa: F401  (re-exported: the servers import them from here)
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_SESSIONS,
+    SessionEntry,
+    SessionLimitError,
+    SessionRegistry,
+    Watched,
+)
 
 log = logging.getLogger("kakeya")
 
@@ -131,73 +140,6 @@ class ComputeThread:
 # --------------------------------------------------------------------------- sessions
 
 
-class SessionLimitError(Exception):
-    pass
-
-
-@dataclass
-class SessionEntry:
-    id: str
-    session: Any = None
-    cache_bytes: int = 0
-    kv_bytes: dict = field(default_factory=dict)  # by kind (verifier: sliding, full), for the metrics
-    closed: bool = False
-    opened_at: float = field(default_factory=time.monotonic)
-
-
-class SessionRegistry:
-    """Live sessions of one server. ``close`` is idempotent and safe from any thread."""
-
-    def __init__(self, max_sessions: int = 0):
-        self.max_sessions = max(0, int(max_sessions))
-        self._lock = threading.Lock()
-        self._live: dict[str, SessionEntry] = {}
-        self.total = 0
-
-    def open(self) -> SessionEntry:
-        with self._lock:
-            if self.max_sessions and len(self._live) >= self.max_sessions:
-                raise SessionLimitError(
-                    f"session limit reached: {len(self._live)} of {self.max_sessions} sessions live (--max-sessions)"
-                )
-            entry = SessionEntry(uuid.uuid4().hex[:12])
-            self._live[entry.id] = entry
-            self.total += 1
-            return entry
-
-    def close(self, entry: SessionEntry) -> None:
-        with self._lock:
-            if entry.closed:
-                return
-            entry.closed = True
-            self._live.pop(entry.id, None)
-            session, entry.session, entry.cache_bytes, entry.kv_bytes = entry.session, None, 0, {}
-        if session is not None:
-            try:
-                session.close()  # drops the cache arrays; safe while a step still holds its own references
-            except Exception:  # pragma: no cover - closing must never fail a stream
-                log.exception("closing session %s", entry.id)
-
-    @property
-    def live(self) -> int:
-        with self._lock:
-            return len(self._live)
-
-    @property
-    def live_bytes(self) -> int:
-        with self._lock:
-            return sum(e.cache_bytes for e in self._live.values())
-
-    def bytes_by_kind(self, default_kind: str) -> dict[str, int]:
-        """Live cache bytes by kind (entries without a breakdown count as ``default_kind``)."""
-        out: dict[str, int] = {}
-        with self._lock:
-            for e in self._live.values():
-                for kind, n in (e.kv_bytes or {default_kind: e.cache_bytes}).items():
-                    out[kind] = out.get(kind, 0) + int(n)
-        return out
-
-
 # --------------------------------------------------------------------------- lifecycle
 
 
@@ -214,17 +156,20 @@ def session_stream(name: str, ready: bool, registry: "SessionRegistry", serve, r
         entry = registry.open()
     except SessionLimitError as exc:
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {exc}")
+    entry.cancel = context.cancel
     context.add_callback(lambda: registry.close(entry))
     slog = logging.getLogger(f"kakeya.{name}")
     token = logs.bind(session_id=entry.id)
     slog.info("session opened (%d live)", registry.live)
     t_open = time.monotonic()
     try:
-        yield from serve(entry, request_iterator)
+        yield from serve(entry, Watched(request_iterator, entry))
+    except SessionLimitError as exc:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {exc}")
     except RequestError as exc:
         context.abort(exc.code, exc.message)
     except grpc.RpcError:
-        return  # the client went away while we were reading: nothing to answer
+        return  # the client went away (or the session idled out) while we were reading
     except Exception as exc:  # a bug: report it, keep the server up
         if entry.closed:  # the stream ended (cancel, deadline) while a step ran: nobody to answer
             return
@@ -247,8 +192,18 @@ class ServerSpec:
     set_ready: Callable[[bool], None]  # servicers refuse work (UNAVAILABLE) until ready
     before_drain: Callable[[], None] = lambda: None  # e.g. stop admitting requests
     near_deadline: Callable[[], None] = lambda: None  # grace almost over: end streams cleanly
-    max_workers: int = 64
+    max_workers: int = 64  # also the concurrent-RPC cap: one more is RESOURCE_EXHAUSTED, never a hang
+    max_receive_bytes: int | None = None  # None: the shared ceiling (services/wire/limits.py)
+    health_watch: Callable[[], bool] | None = None  # polled while serving: False = NOT_SERVING
+    health_interval_s: float = 1.0
+    tls: Any = None  # services.tls.ServerTLS; None/disabled: plaintext
     metrics: Any = None  # services.metrics.ServerMetrics: errors counted, /metrics served with --metrics-port
+
+
+def workers_for(max_sessions: int, queue: int = 0) -> int:
+    """Threads for a server whose streams may hold ``max_sessions`` (+ ``queue`` waiting):
+    a margin is left for GetInfo, health and short RPCs, so they answer while sessions are full."""
+    return (max_sessions or DEFAULT_MAX_SESSIONS) + queue + 16
 
 
 def _parent_watch(parent: int, stop: threading.Event) -> None:
@@ -263,6 +218,52 @@ def write_ready_file(path: str | Path, payload: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload))
     os.replace(tmp, path)  # readers never see a half-written file
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be ours (another listener holds it), or None.
+
+    gRPC binds with SO_REUSEPORT, so a second server on a taken port would bind
+    as well and split the connections; a bind without SO_REUSEPORT fails on a
+    port another socket listens on. SO_REUSEADDR lets it pass the TIME_WAIT
+    leftovers of a server that just died (a restart on its own port). Port 0
+    is always free.
+    """
+    import socket
+
+    if port == 0:
+        return None
+    bind_host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    if bind_host in ("", "0.0.0.0", "::"):
+        bind_host = "::" if family == socket.AF_INET6 else "0.0.0.0"
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((bind_host, port))
+    except OSError as exc:
+        if exc.errno in (98, 48):  # EADDRINUSE on Linux / macOS
+            return f"port {port} is already in use"
+        return None  # e.g. an unresolvable host: gRPC reports it
+    return None
+
+
+def _health_watch(spec: ServerSpec, health_servicer, names: list[str], stop: threading.Event) -> None:
+    """Health follows the backends this server needs (``spec.health_watch``), until we drain."""
+    serving = True
+    while not stop.wait(spec.health_interval_s):
+        try:
+            ok = bool(spec.health_watch())
+        except Exception:  # noqa: BLE001 - a failing probe is a failing backend
+            ok = False
+        if stop.is_set():
+            return
+        if ok != serving:
+            status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+            for n in names:
+                health_servicer.set(n, status)
+            log.warning("%s health: %s (backends %s)", spec.name, "SERVING" if ok else "NOT_SERVING", "back" if ok else "down")
+            serving = ok
 
 
 def run_server(
@@ -289,7 +290,12 @@ def run_server(
         threading.Thread(target=_parent_watch, args=(int(parent), stop), daemon=True).start()
 
     interceptors = [RpcInterceptor(spec.metrics)] if spec.metrics is not None else []
-    server = grpc.server(ThreadPoolExecutor(max_workers=spec.max_workers), options=server_options(), interceptors=interceptors)
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=spec.max_workers),
+        options=server_options(max_receive_bytes=spec.max_receive_bytes),
+        maximum_concurrent_rpcs=spec.max_workers,
+        interceptors=interceptors,
+    )
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     spec.add_to_server(server)
@@ -299,14 +305,21 @@ def run_server(
     )
     for n in ["", *names]:
         health_servicer.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
-    try:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError as exc:
-        bound, err = 0, exc
-    else:
-        err = None
+    problem = port_in_use(host, port)
+    bound = 0
+    if problem is None:
+        try:
+            if spec.tls is not None and spec.tls.enabled:
+                bound = server.add_secure_port(f"{host}:{port}", spec.tls.credentials())
+            else:
+                bound = server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:
+            problem = str(exc)
+        except ValueError as exc:  # unreadable certificate files
+            print(f"kakeya: error: {spec.name}: {exc}", file=sys.stderr)
+            return 2
     if not bound:
-        print(f"kakeya: error: {spec.name}: cannot listen on {host}:{port} ({err or 'address in use?'})", file=sys.stderr)
+        print(f"kakeya: error: {spec.name}: cannot listen on {host}:{port}: {problem or 'address in use'}", file=sys.stderr)
         return 2
     addr = f"{host}:{bound}"
     ready_extra: dict = {}
@@ -354,6 +367,10 @@ def run_server(
         log.info("%s SERVING on %s: %s (loaded + warmed up in %.2f s)", spec.name, addr, outcome["desc"], outcome["load_s"])
         if ready_file:
             write_ready_file(ready_file, {"service": spec.name, "addr": addr, "port": bound, "pid": os.getpid(), **ready_extra})
+        if spec.health_watch is not None:
+            threading.Thread(
+                target=_health_watch, args=(spec, health_servicer, ["", *names], stop), name="health-watch", daemon=True
+            ).start()
     while not stop.wait(0.5):
         pass
 

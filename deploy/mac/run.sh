@@ -2,7 +2,7 @@
 # Kakeya on one Mac: verifier, drafter and orchestrator in ONE process (MLX on the GPU, nothing on
 # the network between them), serving the public Generate API.
 #
-#   deploy/mac/run.sh                                   # embedded tiny pair on 127.0.0.1:50051
+#   deploy/mac/run.sh                                   # embedded demo pair on 127.0.0.1:50051
 #   KAKEYA_TARGET=~/models/gemma-4-26b-a4b KAKEYA_DRAFT=~/models/gemma-4-26b-a4b-dflash deploy/mac/run.sh
 #   deploy/mac/run.sh --cache sink-window --window 1024  # extra flags go to `kakeya serve orchestrator`
 #   kakeya client --addr 127.0.0.1:50051 generate --prompt "def f(x):"

@@ -34,7 +34,8 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from services.checkpoints.layout import find_text_tensors, shard_files
-from services.drafter.config import FULL, SLIDING, DFlashConfig  # noqa: F401  (FULL, DFlashConfig re-exported)
+from services.drafter.config import FULL, SLIDING, DFlashConfig, aux_rows  # noqa: F401  (FULL, DFlashConfig re-exported)
+from services.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, ContextPlan, block_mask
 
 
 # --------------------------------------------------------------------------- layers
@@ -82,22 +83,11 @@ class Attention(nn.Module):
         """K/V ``[1, n_kv, S, head_dim]`` of context rows at positions ``offset..offset+S-1``."""
         return self._kv(h_ctx, rope, offset)
 
-    def __call__(
-        self,
-        x: mx.array,
-        ctx_k: Optional[mx.array],
-        ctx_v: Optional[mx.array],
-        pos: int,
-        rope: nn.Module,
-        mask: Optional[mx.array],
-    ) -> mx.array:
+    def __call__(self, x: mx.array, ctx: "LayerKV", view: BlockView, rope: nn.Module, pos: int, mask) -> mx.array:
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         q = rope(q.transpose(0, 2, 1, 3), offset=pos)
-        k, v = self._kv(x, rope, pos)
-        if ctx_k is not None and ctx_k.shape[2] > 0:
-            k = mx.concatenate([ctx_k, k], axis=2)
-            v = mx.concatenate([ctx_v, v], axis=2)
+        k, v = ctx.with_block(view, *self._kv(x, rope, pos))
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -110,88 +100,51 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x, ctx_k, ctx_v, pos, rope, mask):
-        h = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, pos, rope, mask)
+    def __call__(self, x, ctx, view, rope, pos, mask):
+        h = x + self.self_attn(self.input_layernorm(x), ctx, view, rope, pos, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-def block_mask(
-    n_ctx: int, n_block: int, *, is_causal: bool, window: Optional[int]
-) -> Optional[mx.array]:
-    """Boolean ``[n_block, n_ctx + n_block]`` visibility, or None when all visible.
-
-    Query ``i`` sits at position ``C + i`` (``C`` = total context length) and the
-    ``n_ctx`` visible context keys at ``C - n_ctx .. C - 1``. Context keys obey
-    ``p_q - p_k < window``; block keys obey causality (if ``is_causal``) and,
-    for sliding layers, ``|p_q - p_k| < window`` (the torch reference's training
-    mask; it only bites when ``block_size > window``).
-    """
-    need_ctx = window is not None and n_ctx + n_block - 1 >= window
-    need_block = is_causal or (window is not None and n_block > window)
-    if not (need_ctx or need_block):
-        return None
-    qi = mx.arange(n_block)[:, None]
-    parts = []
-    if n_ctx > 0:
-        kj = mx.arange(n_ctx)[None]
-        if window is not None:
-            parts.append((qi + n_ctx - kj) < window)
-        else:
-            parts.append(mx.ones((n_block, n_ctx), dtype=mx.bool_))
-    kb = mx.arange(n_block)[None]
-    vis = mx.ones((n_block, n_block), dtype=mx.bool_)
-    if is_causal:
-        vis = vis & (kb <= qi)
-    if window is not None:
-        vis = vis & (mx.abs(qi - kb) < window)
-    parts.append(vis)
-    return mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
 
 # --------------------------------------------------------------------------- context cache
 
 
-class _LayerKV:
-    """Growing K/V buffer of one layer; a sliding layer keeps only ``keep`` rows."""
+class LayerKV:
+    """One layer's context K/V: ``[1, n_kv, capacity, hd]`` buffers, rows planned by its layout.
 
-    def __init__(self, keep: Optional[int], step: int):
-        self.keep = keep
-        self.step = step
+    A block attends over ``visible context ++ block`` (a concatenation: MLX
+    arrays are values, so writing the block into the buffer buys nothing).
+    """
+
+    def __init__(self, layout: ContextLayout):
+        self.layout = layout
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
-        self.n = 0  # valid rows at the front of the buffers
 
-    def append(self, k: mx.array, v: mx.array) -> None:
-        S = k.shape[2]
-        if S == 0:
-            return
-        if self.keep is not None and S >= self.keep:
-            k, v = k[..., S - self.keep :, :], v[..., S - self.keep :, :]
-            S, self.n = self.keep, 0
-        cap = 0 if self.keys is None else self.keys.shape[2]
-        if self.n + S > cap:
-            if self.keep is not None:
-                carry = min(self.n, self.keep - S)
-                new_cap = self.keep + self.step
-            else:
-                carry = self.n
-                new_cap = ((self.n + S + self.step - 1) // self.step) * self.step
+    def append(self, plan: Append, k: mx.array, v: mx.array) -> None:
+        r = plan.resize
+        if r is not None:
             B, H, _, D = k.shape
-            nk = mx.zeros((B, H, new_cap, D), dtype=k.dtype)
-            nv = mx.zeros((B, H, new_cap, v.shape[3]), dtype=v.dtype)
-            if carry:
-                nk[..., :carry, :] = self.keys[..., self.n - carry : self.n, :]
-                nv[..., :carry, :] = self.values[..., self.n - carry : self.n, :]
-            self.keys, self.values, self.n = nk, nv, carry
-        self.keys[..., self.n : self.n + S, :] = k
-        self.values[..., self.n : self.n + S, :] = v
-        self.n += S
+            nk = mx.zeros((B, H, r.capacity, D), dtype=k.dtype)
+            nv = mx.zeros((B, H, r.capacity, v.shape[3]), dtype=v.dtype)
+            if r.count:
+                nk[..., : r.count, :] = self.keys[..., r.src : r.src + r.count, :]
+                nv[..., : r.count, :] = self.values[..., r.src : r.src + r.count, :]
+            self.keys, self.values = nk, nv
+        if plan.n:
+            self.keys[..., plan.dst : plan.dst + plan.n, :] = k[..., plan.skip :, :]
+            self.values[..., plan.dst : plan.dst + plan.n, :] = v[..., plan.skip :, :]
 
-    def view(self) -> tuple[Optional[mx.array], Optional[mx.array]]:
-        if self.keys is None or self.n == 0:
+    def visible(self) -> tuple[Optional[mx.array], Optional[mx.array]]:
+        start, stop = self.layout.start, self.layout.stop
+        if self.keys is None or stop == start:
             return None, None
-        start = 0 if self.keep is None else max(0, self.n - self.keep)
-        return self.keys[..., start : self.n, :], self.values[..., start : self.n, :]
+        return self.keys[..., start:stop, :], self.values[..., start:stop, :]
+
+    def with_block(self, view: BlockView, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        if view.n_ctx == 0:
+            return k, v
+        ck, cv = self.keys[..., view.start : view.stop, :], self.values[..., view.start : view.stop, :]
+        return mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
 
     @property
     def nbytes(self) -> int:
@@ -199,30 +152,25 @@ class _LayerKV:
 
 
 class ContextKVCache:
-    """Per-layer context K/V of one generation; only ever extended.
+    """Per-layer context K/V of one generation (only ever extended); the bookkeeping is ``self.plan``."""
 
-    Full-attention layers keep every position (buffers grow by ``step`` rows);
-    sliding layers keep the last ``sliding_window - 1`` positions, which is all
-    a block query can see.
-    """
+    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP):
+        self.plan = ContextPlan(config, step)
+        self.layers = [LayerKV(layout) for layout in self.plan.layer_layouts]
 
-    def __init__(self, config: DFlashConfig, step: int = 256):
-        self.length = 0  # context positions seen so far (absolute)
-        self.layers = [
-            _LayerKV(int(config.sliding_window) - 1 if t == SLIDING else None, step)
-            for t in config.layer_types
-        ]
+    @property
+    def length(self) -> int:
+        return self.plan.length
 
     def append(self, kv: list[tuple[mx.array, mx.array]]) -> None:
         if len(kv) != len(self.layers):
             raise ValueError(f"expected K/V for {len(self.layers)} layers, got {len(kv)}")
-        n = kv[0][0].shape[2]
+        plans = self.plan.append(kv[0][0].shape[2])
         for layer, (k, v) in zip(self.layers, kv):
-            layer.append(k, v)
-        self.length += n
+            layer.append(plans[layer.layout], k, v)
 
     def view(self, i: int):
-        return self.layers[i].view()
+        return self.layers[i].visible()
 
     @property
     def state(self) -> list[mx.array]:
@@ -338,7 +286,7 @@ class DFlashDraftModel(nn.Module):
         self.target = target
         return self
 
-    def make_cache(self, step: int = 256) -> ContextKVCache:
+    def make_cache(self, step: int = DEFAULT_STEP) -> ContextKVCache:
         return ContextKVCache(self.config, step=step)
 
     def context_kv(self, aux: mx.array, offset: int) -> list[tuple[mx.array, mx.array]]:
@@ -368,15 +316,15 @@ class DFlashDraftModel(nn.Module):
         if self.config.input_embedding_scale != 1.0:
             x = x * self.config.input_embedding_scale
         x = x[None]
+        views = cache.plan.block(B)
         masks: dict[Any, Optional[mx.array]] = {}
-        for i, layer in enumerate(self.layers):
-            ck, cv = cache.view(i)
-            n_ctx = 0 if ck is None else ck.shape[2]
-            attn = layer.self_attn
-            key = (n_ctx, attn.is_causal, attn.window)
+        for layer, ctx in zip(self.layers, cache.layers):
+            attn, view = layer.self_attn, views[ctx.layout]
+            key = (ctx.layout, attn.is_causal)
             if key not in masks:
-                masks[key] = block_mask(n_ctx, B, is_causal=attn.is_causal, window=attn.window)
-            x = layer(x, ck, cv, pos, self.rope, masks[key])
+                m = block_mask(view, B, is_causal=attn.is_causal, window=attn.window)
+                masks[key] = None if m is None else mx.array(m)
+            x = layer(x, ctx, view, self.rope, pos, masks[key])
         return self.norm(x[0])
 
     def compute_logits(self, h: mx.array) -> mx.array:
@@ -395,6 +343,42 @@ class DFlashDraftModel(nn.Module):
     def draft_tokens(self, block_ids: mx.array, cache: ContextKVCache) -> mx.array:
         """Greedy draft tokens ``[B-1]`` (lazy)."""
         return mx.argmax(self.draft_logits(block_ids, cache), axis=-1)
+
+
+    # -- what a backend-neutral ``DrafterSession`` asks of its model ------------------------
+
+    backend = "mlx"
+
+    @property
+    def device_name(self) -> str:
+        return str(mx.default_device())
+
+    def read_aux(self, new_aux) -> mx.array:
+        """``new_aux`` (an ``mx.array``, [n, width] or [1, n, width], floating) as ``[n, width]``."""
+        if not isinstance(new_aux, mx.array):
+            raise ValueError(f"new_aux must be an mx.array, got {type(new_aux).__name__}")
+        if aux_rows(new_aux.shape, self.config.aux_width):
+            new_aux = new_aux[0]
+        if not mx.issubdtype(new_aux.dtype, mx.floating):
+            raise ValueError(f"new_aux must be floating point, got {new_aux.dtype}")
+        return new_aux
+
+    def zeros_aux(self, n: int) -> mx.array:
+        return mx.zeros((n, self.config.aux_width), dtype=self.dtype)
+
+    def propose(self, last_token: int, block_size: int, cache: ContextKVCache) -> list[int]:
+        """One block ``[last_token, mask * (B-1)]`` drafted greedily; one host sync."""
+        block = mx.array([last_token] + [self.config.mask_token_id] * (block_size - 1), dtype=mx.int32)
+        tokens = self.draft_tokens(block, cache)
+        mx.eval(tokens, cache.state)
+        return tokens.tolist()
+
+    def settle(self, cache: ContextKVCache) -> None:
+        """Evaluate the context K/V now (a block-size-1 call drafts nothing but must not pile up a graph)."""
+        mx.eval(cache.state)
+
+    def synchronize(self) -> None:
+        mx.synchronize()
 
 
 # --------------------------------------------------------------------------- loading

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.checkpoints.layout import find_text_tensors, is_quantized, shard_files, tensor_files
-from services.drafter.config import FULL, SLIDING, DFlashConfig  # noqa: F401  (FULL, DFlashConfig re-exported)
+from services.drafter.config import FULL, SLIDING, DFlashConfig, aux_rows  # noqa: F401  (FULL, DFlashConfig re-exported)
+from services.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, ContextPlan, Resize, block_mask
 from services.torch_ops import (
     apply_rope, default_inv_freq, qwen3_rms_norm, resolve_device, resolve_dtype, rope_cos_sin, sdpa, sdpa_backends,
 )
@@ -93,15 +94,12 @@ class Attention(nn.Module):
         v = self.v_proj(h).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
         return k, v
 
-    def forward(self, x, ctx_k, ctx_v, cos, sin, mask):
+    def forward(self, x, ctx: "LayerKV | GivenContext", view: Optional[BlockView], cos, sin, mask):
         B, L, _ = x.shape
         q = qwen3_rms_norm(self.q_proj(x).view(B, L, self.n_heads, self.head_dim), self.q_norm.weight, self.eps)
         q = q.transpose(1, 2)
         q = apply_rope(q, cos, sin)
-        k, v = self.kv(x, cos, sin)
-        if ctx_k is not None and ctx_k.shape[2] > 0:
-            k = torch.cat([ctx_k, k], dim=2)
-            v = torch.cat([ctx_v, v], dim=2)
+        k, v = ctx.with_block(view, *self.kv(x, cos, sin))
         out = sdpa(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
 
@@ -137,85 +135,66 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, ctx_k, ctx_v, cos, sin, mask):
-        h = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask)
+    def forward(self, x, ctx, view, cos, sin, mask):
+        h = x + self.self_attn(self.input_layernorm(x), ctx, view, cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-def block_mask(n_ctx: int, n_block: int, *, is_causal: bool, window: Optional[int], device) -> Optional[torch.Tensor]:
-    """Boolean ``[n_block, n_ctx + n_block]`` visibility (True = attend), or None when all visible.
-
-    Same rule as ``dflash_mlx.block_mask``: query ``i`` sits at ``C + i``, the
-    ``n_ctx`` visible context keys at ``C - n_ctx .. C - 1``; context keys obey
-    ``p_q - p_k < window``; block keys causality (if ``is_causal``) and
-    ``|p_q - p_k| < window`` on sliding layers.
-    """
-    need_ctx = window is not None and n_ctx + n_block - 1 >= window
-    need_block = is_causal or (window is not None and n_block > window)
-    if not (need_ctx or need_block):
-        return None
-    qi = torch.arange(n_block, device=device)[:, None]
-    parts = []
-    if n_ctx > 0:
-        kj = torch.arange(n_ctx, device=device)[None]
-        if window is not None:
-            parts.append((qi + n_ctx - kj) < window)
-        else:
-            parts.append(torch.ones((n_block, n_ctx), dtype=torch.bool, device=device))
-    kb = torch.arange(n_block, device=device)[None]
-    vis = torch.ones((n_block, n_block), dtype=torch.bool, device=device)
-    if is_causal:
-        vis = vis & (kb <= qi)
-    if window is not None:
-        vis = vis & ((qi - kb).abs() < window)
-    parts.append(vis)
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
 # --------------------------------------------------------------------------- context cache
 
 
-class _LayerKV:
-    """Growing K/V buffer of one layer (chunked); a sliding layer keeps only ``keep`` rows."""
+class LayerKV:
+    """One layer's context K/V: preallocated ``[1, n_kv, capacity, hd]`` buffers, rows planned by its layout.
 
-    def __init__(self, keep: Optional[int], step: int):
-        self.keep = keep
-        self.step = step
+    A block forward writes the block's K/V into the scratch rows after the
+    context and attends over a span of the buffer (no concatenation): the
+    valid rows (eager; the same keys in the same order as ``context ++ block``)
+    or the whole capacity with a mask (a fixed shape per capacity, for a
+    captured forward). A sliding layer's buffer keeps its storage when it is
+    compacted.
+    """
+
+    def __init__(self, layout: ContextLayout):
+        self.layout = layout
         self.keys: Optional[torch.Tensor] = None
         self.values: Optional[torch.Tensor] = None
-        self.n = 0  # valid rows at the front of the buffers
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        S = k.shape[2]
-        if S == 0:
+    def _resize(self, r: Resize, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.keys is not None and r.capacity == self.keys.shape[2]:
+            if r.src:  # compact in place; the ranges may overlap
+                self.keys[:, :, : r.count] = self.keys[:, :, r.src : r.src + r.count].clone()
+                self.values[:, :, : r.count] = self.values[:, :, r.src : r.src + r.count].clone()
             return
-        if self.keep is not None and S >= self.keep:
-            k, v = k[:, :, S - self.keep :], v[:, :, S - self.keep :]
-            S, self.n = self.keep, 0
-        cap = 0 if self.keys is None else self.keys.shape[2]
-        if self.n + S > cap:
-            if self.keep is not None:
-                carry = min(self.n, self.keep - S)
-                new_cap = self.keep + self.step
-            else:
-                carry = self.n
-                new_cap = ((self.n + S + self.step - 1) // self.step) * self.step
-            B, H, _, D = k.shape
-            nk = k.new_zeros((B, H, new_cap, D))
-            nv = v.new_zeros((B, H, new_cap, v.shape[3]))
-            if carry:
-                nk[:, :, :carry] = self.keys[:, :, self.n - carry : self.n]
-                nv[:, :, :carry] = self.values[:, :, self.n - carry : self.n]
-            self.keys, self.values, self.n = nk, nv, carry
-        self.keys[:, :, self.n : self.n + S] = k
-        self.values[:, :, self.n : self.n + S] = v
-        self.n += S
+        B, H, _, D = k.shape
+        nk = k.new_zeros((B, H, r.capacity, D))
+        nv = v.new_zeros((B, H, r.capacity, v.shape[3]))
+        if r.count:
+            nk[:, :, : r.count] = self.keys[:, :, r.src : r.src + r.count]
+            nv[:, :, : r.count] = self.values[:, :, r.src : r.src + r.count]
+        self.keys, self.values = nk, nv
 
-    def view(self):
-        if self.keys is None or self.n == 0:
+    def append(self, plan: Append, k: torch.Tensor, v: torch.Tensor) -> None:
+        if plan.resize is not None:
+            self._resize(plan.resize, k, v)
+        if plan.n:
+            self.keys[:, :, plan.dst : plan.dst + plan.n] = k[:, :, plan.skip :]
+            self.values[:, :, plan.dst : plan.dst + plan.n] = v[:, :, plan.skip :]
+
+    def with_block(self, view: BlockView, k: torch.Tensor, v: torch.Tensor):
+        """Keys/values a block attends to: its own K/V written after the context, one buffer span."""
+        if view.resize is not None:
+            self._resize(view.resize, k, v)
+        n = k.shape[2]
+        self.keys[:, :, view.stop : view.stop + n] = k
+        self.values[:, :, view.stop : view.stop + n] = v
+        return self.keys[:, :, view.key_start : view.key_stop], self.values[:, :, view.key_start : view.key_stop]
+
+    def visible(self):
+        """The visible context rows (None when empty)."""
+        start, stop = self.layout.start, self.layout.stop
+        if self.keys is None or stop == start:
             return None, None
-        start = 0 if self.keep is None else max(0, self.n - self.keep)
-        return self.keys[:, :, start : self.n], self.values[:, :, start : self.n]
+        return self.keys[:, :, start:stop], self.values[:, :, start:stop]
 
     @property
     def nbytes(self) -> int:
@@ -224,29 +203,36 @@ class _LayerKV:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
+class GivenContext:
+    """Context K/V handed in as tensors (the block trainer: many blocks over one precomputed context)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    def with_block(self, view, k: torch.Tensor, v: torch.Tensor):
+        return torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
+
+
 class ContextKVCache:
-    """Per-layer context K/V of one generation; only ever extended.
+    """Per-layer context K/V of one generation (only ever extended); the bookkeeping is ``self.plan``."""
 
-    Full-attention layers keep every position; sliding layers keep the last
-    ``sliding_window - 1`` positions (all a block query can see).
-    """
+    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP):
+        self.plan = ContextPlan(config, step)
+        self.layers = [LayerKV(layout) for layout in self.plan.layer_layouts]
 
-    def __init__(self, config: DFlashConfig, step: int = 256):
-        self.length = 0
-        self.layers = [
-            _LayerKV(int(config.sliding_window) - 1 if t == SLIDING else None, step) for t in config.layer_types
-        ]
+    @property
+    def length(self) -> int:
+        return self.plan.length
 
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if len(kv) != len(self.layers):
             raise ValueError(f"expected K/V for {len(self.layers)} layers, got {len(kv)}")
-        n = kv[0][0].shape[2]
+        plans = self.plan.append(kv[0][0].shape[2])
         for layer, (k, v) in zip(self.layers, kv):
-            layer.append(k, v)
-        self.length += n
+            layer.append(plans[layer.layout], k, v)
 
     def view(self, i: int):
-        return self.layers[i].view()
+        return self.layers[i].visible()
 
     @property
     def nbytes(self) -> int:
@@ -316,7 +302,7 @@ class DFlashDraftModel(nn.Module):
         self.target = target
         return self
 
-    def make_cache(self, step: int = 256) -> ContextKVCache:
+    def make_cache(self, step: int = DEFAULT_STEP) -> ContextKVCache:
         return ContextKVCache(self.config, step=step)
 
     def _cos_sin(self, start: int, n: int):
@@ -339,8 +325,12 @@ class DFlashDraftModel(nn.Module):
         cache.append(self.context_kv(aux, cache.length))
 
     @torch.inference_mode()
-    def draft_hidden(self, block_ids: torch.Tensor, cache: ContextKVCache) -> torch.Tensor:
-        """Final-norm hidden ``[B, hidden]`` of the block in ONE forward."""
+    def draft_hidden(self, block_ids: torch.Tensor, cache: ContextKVCache, span: str = "valid") -> torch.Tensor:
+        """Final-norm hidden ``[B, hidden]`` of the block in ONE forward.
+
+        ``span`` (see ``context.py``): "valid" attends over exactly the visible
+        rows and the block; "capacity" over every buffer row with a mask.
+        """
         if self.target is None:
             raise RuntimeError("drafter is not bound to a target embedding/LM head")
         ids = block_ids.reshape(-1).to(self.device)
@@ -350,22 +340,17 @@ class DFlashDraftModel(nn.Module):
             x = x * self.config.input_embedding_scale
         x = x[None]
         cos, sin = self._cos_sin(cache.length, B)
+        views = cache.plan.block(B, scratch=True, span=span)
         masks: dict = {}
         with sdpa_backends():
-            x = self._layers(x, cos, sin, cache, masks)
+            for layer, ctx in zip(self.layers, cache.layers):
+                attn, view = layer.self_attn, views[ctx.layout]
+                key = (ctx.layout, attn.is_causal)
+                if key not in masks:
+                    m = block_mask(view, B, is_causal=attn.is_causal, window=attn.window, span=span)
+                    masks[key] = None if m is None else torch.from_numpy(m).to(self.device, non_blocking=True)
+                x = layer(x, ctx, view, cos, sin, masks[key])
         return self.norm(x[0])
-
-    def _layers(self, x, cos, sin, cache: ContextKVCache, masks: dict) -> torch.Tensor:
-        B = x.shape[1]
-        for i, layer in enumerate(self.layers):
-            ck, cv = cache.view(i)
-            n_ctx = 0 if ck is None else ck.shape[2]
-            attn = layer.self_attn
-            key = (n_ctx, attn.is_causal, attn.window)
-            if key not in masks:
-                masks[key] = block_mask(n_ctx, B, is_causal=attn.is_causal, window=attn.window, device=self.device)
-            x = layer(x, ck, cv, cos, sin, masks[key])
-        return x
 
     @torch.inference_mode()
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -377,13 +362,57 @@ class DFlashDraftModel(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def draft_logits(self, block_ids: torch.Tensor, cache: ContextKVCache) -> torch.Tensor:
+    def draft_logits(self, block_ids: torch.Tensor, cache: ContextKVCache, span: str = "valid") -> torch.Tensor:
         """Logits ``[B-1, vocab]`` for block positions ``1..B-1``."""
-        return self.compute_logits(self.draft_hidden(block_ids, cache)[1:])
+        return self.compute_logits(self.draft_hidden(block_ids, cache, span)[1:])
 
-    def draft_tokens(self, block_ids: torch.Tensor, cache: ContextKVCache) -> torch.Tensor:
+    def draft_tokens(self, block_ids: torch.Tensor, cache: ContextKVCache, span: str = "valid") -> torch.Tensor:
         """Greedy draft tokens ``[B-1]`` (on the device; no host sync)."""
-        return torch.argmax(self.draft_logits(block_ids, cache), dim=-1)
+        return torch.argmax(self.draft_logits(block_ids, cache, span), dim=-1)
+
+    # -- what a backend-neutral ``DrafterSession`` asks of its model ------------------------
+
+    backend = "torch"
+
+    @property
+    def device_name(self) -> str:
+        return str(self.device)
+
+    def read_aux(self, new_aux) -> torch.Tensor:
+        """``new_aux`` ([n, width] or [1, n, width], any float array) as ``[n, width]`` on the device."""
+        aux = as_torch(new_aux, self.device, self.dtype)
+        return aux[0] if aux_rows(tuple(aux.shape), self.config.aux_width) else aux
+
+    def zeros_aux(self, n: int) -> torch.Tensor:
+        return torch.zeros((n, self.config.aux_width), device=self.device, dtype=self.dtype)
+
+    def propose(self, last_token: int, block_size: int, cache: ContextKVCache) -> list[int]:
+        """One block ``[last_token, mask * (B-1)]`` drafted greedily; one host sync."""
+        block = torch.tensor([last_token] + [self.config.mask_token_id] * (block_size - 1), dtype=torch.long)
+        return self.draft_tokens(block.to(self.device, non_blocking=True), cache).tolist()
+
+    def settle(self, cache: ContextKVCache) -> None:
+        """Nothing to do: torch runs eagerly."""
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def as_torch(aux, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``aux`` as a floating tensor on ``device`` (numpy round trip for foreign arrays, e.g. ``mx.array``)."""
+    if isinstance(aux, torch.Tensor):
+        t = aux
+    else:
+        import numpy as np
+
+        a = np.asarray(aux)
+        if a.dtype.kind != "f":
+            raise ValueError(f"new_aux must be floating point, got {a.dtype}")
+        t = torch.from_numpy(np.ascontiguousarray(a))
+    if not t.is_floating_point():
+        raise ValueError(f"new_aux must be floating point, got {t.dtype}")
+    return t.to(device=device, dtype=dtype, non_blocking=True)
 
 
 # --------------------------------------------------------------------------- loading

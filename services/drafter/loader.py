@@ -14,7 +14,7 @@ def local_drafter(draft_dir: str | Path, target_dir: str | Path, backend: str = 
 
         return MLXDrafter(draft_dir, target_dir, **kwargs)
     if backend == "torch":
-        from .session_torch import TorchDrafter
+        from .session import TorchDrafter
 
         return TorchDrafter(draft_dir, target_dir, **kwargs)
     raise ValueError(f"unknown drafter backend {backend!r} (expected 'mlx' or 'torch')")

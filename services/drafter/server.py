@@ -5,7 +5,9 @@ freed when the stream ends, however it ends. Per block the request carries the
 aux of the newly committed positions (a ``Tensor`` decoded by
 ``services/wire/codec.py``) and the token opening the block; the response
 carries ``B - 1`` candidate ids. The drafter loads only the target's embedding
-and LM head (``MLXDrafter.load``), never the whole target.
+and LM head (``endpoints.local_drafter``), never the whole target. One servicer
+and one ``server_spec`` for both backends: ``backend`` picks the model, the
+session and the warm-up are the same code.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from typing import Iterator
 import grpc
 import numpy as np
 
+from services import bounds
+from services.guard import add_servicer
 from services.serving import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_SESSIONS,
     ComputeThread,
     ServerSpec,
     session_stream,
@@ -26,8 +32,10 @@ from services.serving import (
     invalid,
     precondition,
     version,
+    workers_for,
 )
 from services.metrics import ServerMetrics
+from services.drafter.config import MAX_BLOCK_SIZE
 from services.wire import codec
 from services.wire.kakeya.v1 import drafter_pb2 as pb, drafter_pb2_grpc
 
@@ -38,19 +46,29 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, max_sessions: int = 0):
+    def __init__(
+        self,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        *,
+        queue: int = 0,
+        queue_timeout_s: float = 0.0,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_context: int = 0,
+    ):
         self.compute = ComputeThread("drafter")
-        self.registry = SessionRegistry(max_sessions)
+        self.registry = SessionRegistry(max_sessions, 0, queue, queue_timeout_s, idle_timeout_s)
+        self.max_context_flag = max_context
+        self.max_context = 0  # set by load(): --max-context, at most the model's max_position_embeddings
         self.metrics = ServerMetrics("drafter")
         self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
         self.metrics.track_kv_bytes(lambda: {"context": 0} | self.registry.bytes_by_kind("context"))
-        self.drafter = None  # MLXDrafter / TorchDrafter, set by load()
+        self.drafter = None  # a LocalDrafter (either backend), set by load()
         self.backend = "mlx"
         self.ready = False
         self.names = ("", "")
         self.aux_dtype = 0
         self.device = ""
-        self.max_block_size = 16
+        self.max_block_size = MAX_BLOCK_SIZE
 
     # -- loading -----------------------------------------------------------------------
 
@@ -65,20 +83,22 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     def _setup(self, make, draft_dir: str, target_dir: str, backend: str) -> str:
         self.drafter = make()
+        if self.drafter.backend != backend:
+            raise ValueError(f"asked for a {backend} drafter, got a {self.drafter.backend} one")
         self.backend = backend
         self.names = (draft_dir, target_dir)
         model = self.drafter.model
-        self.max_block_size = _max_block_size(backend)
+        limit = int(getattr(model.config, "max_position_embeddings", 0) or 131072)
+        self.max_context = bounds.ContextLimits.of(limit, 0, self.max_context_flag).max_context
         self.aux_dtype = codec.DType.Value("DTYPE_" + str(model.dtype).rsplit(".", 1)[-1].upper())
-        self.device = str(getattr(model, "device", "")) or _mlx_device()
-        # Warm-up: one context extension and one block forward, through the wire decoding path.
-        session = self.drafter.open_session()
+        self.device = model.device_name
+        # Warm-up: every block size the loop drafts, the first context through the wire decoding path.
         aux = self._decode(codec.to_proto(np.zeros((3, model.config.aux_width), np.float32)))
-        session.draft(aux, 1, max(2, min(self.drafter.block_size, self.max_block_size)))
-        session.close()
+        seconds = self.drafter.warm_up(aux=aux)
         return (
             f"draft {draft_dir} + embedding/LM head of {target_dir} ({backend} on {self.device}, block"
-            f" {self.drafter.block_size}, aux layers {list(self.drafter.target_layer_ids)}, {codec.dtype_name(self.aux_dtype)})"
+            f" {self.drafter.block_size}, aux layers {list(self.drafter.target_layer_ids)}, {codec.dtype_name(self.aux_dtype)};"
+            f" warm-up {seconds:.2f}s)"
         )
 
     def _decode(self, tensor):
@@ -115,6 +135,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             max_sessions=self.registry.max_sessions,
             live_kv_bytes=self.registry.live_bytes,
             total_sessions=self.registry.total,
+            max_context=self.max_context,
         )
 
     def Session(self, request_iterator, context) -> Iterator[pb.DrafterResponse]:
@@ -130,6 +151,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             if session is None:
                 if kind != "open":
                     raise precondition(f"the first message of a session must be open, got {kind or 'an empty request'}")
+                try:
+                    bounds.check_request_id(req.open.request_id, "open.request_id")
+                except ValueError as exc:
+                    raise invalid(str(exc)) from None
                 session = entry.session = self.compute.run(self.drafter.open_session)
                 resp = pb.DrafterResponse(opened=pb.DrafterResponse.Opened(info=self.info(), session_id=entry.id))
             elif kind == "draft":
@@ -145,6 +170,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                     )
                 if len(shape) != 2 or shape[1] != width:
                     raise invalid(f"draft.new_aux: shape {list(shape)} must be [n, {width}] (n positions x aux width)")
+                if session.cache.length + shape[0] > self.max_context:
+                    raise invalid(
+                        f"draft.new_aux: {shape[0]} rows on top of {session.cache.length} context positions exceed"
+                        f" this server's limit {self.max_context} (--max-context)"
+                    )
                 if shape[0] == 0 and session.cache.length == 0:
                     raise invalid("draft.new_aux: the first draft of a session needs the prompt's aux (n >= 1)")
                 if not 0 <= d.last_token < vocab:
@@ -179,22 +209,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         return tokens, stats
 
 
-def _max_block_size(backend: str) -> int:
-    from .config import MAX_BLOCK_SIZE  # the same for every backend
-
-    return MAX_BLOCK_SIZE
-
-
-def _mlx_device() -> str:
-    import mlx.core as mx
-
-    return str(mx.default_device())
-
-
 def server_spec(
-    draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx", max_sessions: int = 0, **kwargs
+    draft_dir: str | Path,
+    target_dir: str | Path,
+    backend: str = "mlx",
+    max_sessions: int = DEFAULT_MAX_SESSIONS,
+    *,
+    limits: dict | None = None,
+    tls=None,
+    **kwargs,
 ) -> ServerSpec:
-    servicer = DrafterServicer(max_sessions)
+    """``limits``: DrafterServicer's keyword arguments (queue, idle_timeout_s, max_context, ...)."""
+    limits = dict(limits or {})
+    servicer = DrafterServicer(max_sessions, **limits)
 
     def set_ready(flag: bool) -> None:
         servicer.ready = flag
@@ -202,9 +229,10 @@ def server_spec(
     return ServerSpec(
         name="drafter",
         service_names=[SERVICE_NAME],
-        add_to_server=lambda server: drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server),
+        add_to_server=lambda server: add_servicer(server, servicer, pb.DESCRIPTOR.services_by_name["DrafterService"]),
         load=lambda: servicer.load(draft_dir, target_dir, backend, **kwargs),
         set_ready=set_ready,
-        max_workers=(max_sessions + 16) if max_sessions else 128,
+        max_workers=workers_for(max_sessions, limits.get("queue", 0)),
+        tls=tls,
         metrics=servicer.metrics,
     )

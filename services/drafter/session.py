@@ -1,86 +1,97 @@
-"""MLX implementation of the ``Drafter`` / ``DrafterSession`` protocols.
+"""One generation's drafter state, and the loaded drafter that hands sessions out (backend-neutral).
 
 Per ``draft`` call the work is O(new positions + block): the new aux rows are
-projected to per-layer context K/V and appended to the session's
-``ContextKVCache`` (never a rescan of the context), then ONE forward runs over
-the block ``[last_token, mask * (B-1)]`` and the argmax comes back in a single
-host sync.
+projected to per-layer context K/V and appended to the session's context cache
+(never a rescan of the context), then ONE forward runs over the block
+``[last_token, mask * (B-1)]`` and the argmax comes back in a single host sync.
+
+The model object (``dflash_mlx.DFlashDraftModel`` or
+``dflash_torch.DFlashDraftModel``) supplies the forward, its cache and the few
+array operations (``read_aux``, ``propose``, ``settle``, ``zeros_aux``); the
+cache bookkeeping lives in ``context.py``. A session owns its cache; sessions
+share only the weights.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterable
 
-import mlx.core as mx
+from .config import check_draft_args
 
-from services.drafter.config import aux_rows, check_draft_args
-from services.drafter.dflash_mlx import DFlashDraftModel, load_dflash_mlx
-
+WARM_BLOCK_SIZES = range(2, 17)  # every block size the loop drafts (it stops at 16)
 
 
-class MLXDrafterSession:
-    def __init__(self, model: DFlashDraftModel):
+class DrafterSession:
+    def __init__(self, model):
         self.model = model
         self.cache = model.make_cache()
-        self._closed = False
         self.calls = 0
+        self._closed = False
 
-    # -- validation ------------------------------------------------------------------
-    def _check_aux(self, new_aux) -> mx.array:
-        if not isinstance(new_aux, mx.array):
-            raise ValueError(f"new_aux must be an mx.array, got {type(new_aux).__name__}")
-        if aux_rows(new_aux.shape, self.model.config.aux_width):
-            new_aux = new_aux[0]
-        if not mx.issubdtype(new_aux.dtype, mx.floating):
-            raise ValueError(f"new_aux must be floating point, got {new_aux.dtype}")
-        return new_aux
-
-    # -- protocol --------------------------------------------------------------------
     def draft(self, new_aux, last_token: int, block_size: int) -> list[int]:
+        """Extend the context by ``new_aux`` and draft ``block_size - 1`` tokens after ``last_token``."""
         if self._closed:
             raise RuntimeError("drafter session is closed")
         check_draft_args(last_token, block_size, self.model.target.vocab_size)
-        aux = self._check_aux(new_aux)
+        aux = self.model.read_aux(new_aux)
         if self.cache.length + aux.shape[0] == 0:
             raise ValueError("new_aux must hold at least one position on the first draft call")
         self.calls += 1
         self.model.extend(self.cache, aux)
         if block_size == 1:
-            mx.eval(self.cache.state)
+            self.model.settle(self.cache)
             return []
-        mask_id = self.model.config.mask_token_id
-        block = mx.array([last_token] + [mask_id] * (block_size - 1), dtype=mx.int32)
-        tokens = self.model.draft_tokens(block, self.cache)
-        mx.eval(tokens, self.cache.state)
-        return tokens.tolist()
+        return self.model.propose(last_token, block_size, self.cache)
 
     def stats(self) -> dict:
-        return {
-            "context_len": self.cache.length,
-            "ctx_cache_bytes": self.cache.nbytes,
-            "draft_calls": self.calls,
-        }
+        return {"context_len": self.cache.length, "ctx_cache_bytes": self.cache.nbytes, "draft_calls": self.calls}
 
     def close(self) -> None:
         self._closed = True
-        self.cache = self.model.make_cache()
+        self.cache = self.model.make_cache()  # frees the K/V now, not when the session is collected
 
 
-class MLXDrafter:
-    """``Drafter`` protocol over one loaded DFlash model (sessions share the weights).
+class LocalDrafter:
+    """``Drafter`` protocol over one loaded DFlash model (either backend); sessions share the weights."""
 
-    ``MLXDrafter(draft_dir, target_dir)`` loads the draft checkpoint and only the
-    target's embedding / LM head; ``MLXDrafter(model)`` wraps an already bound
-    ``DFlashDraftModel``.
-    """
+    def __init__(self, model):
+        if model.target is None:
+            raise ValueError("DFlashDraftModel must be bound to the target's embedding/LM head")
+        self.model = model
+        self.backend: str = model.backend
+        self.block_size: int = int(model.config.block_size)
+        self.mask_token_id: int = int(model.config.mask_token_id)
+        self.target_layer_ids: tuple[int, ...] = tuple(model.config.target_layer_ids)
 
-    def __init__(
-        self,
-        draft: str | Path | DFlashDraftModel,
-        target_dir: str | Path | None = None,
-        dtype: Optional[mx.Dtype] = None,
-    ):
+    def open_session(self) -> DrafterSession:
+        return DrafterSession(self.model)
+
+    def warm_up(self, block_sizes: Iterable[int] = WARM_BLOCK_SIZES, ctx: int = 64, aux=None) -> float:
+        """One short session drafting each block size once, before serving; returns the seconds it took.
+
+        ``aux``: the first call's context rows (a server passes them through its
+        wire decoding); ``ctx`` zero rows by default.
+        """
+        t0 = time.perf_counter()
+        s = self.open_session()
+        s.draft(self.model.zeros_aux(max(1, ctx)) if aux is None else aux, 2, 1)
+        one = self.model.zeros_aux(1)
+        for B in block_sizes:
+            s.draft(one, 2, B)
+        s.close()
+        self.model.synchronize()
+        return time.perf_counter() - t0
+
+
+class MLXDrafter(LocalDrafter):
+    """The MLX drafter: ``MLXDrafter(draft_dir, target_dir, dtype=None)`` loads the draft and only the
+    target's embedding / LM head; ``MLXDrafter(model)`` wraps an already bound model."""
+
+    def __init__(self, draft, target_dir: str | Path | None = None, dtype=None):
+        from .dflash_mlx import DFlashDraftModel, load_dflash_mlx
+
         if isinstance(draft, DFlashDraftModel):
             if target_dir is not None or dtype is not None:
                 raise ValueError("target_dir/dtype apply only when loading from a draft directory")
@@ -89,18 +100,29 @@ class MLXDrafter:
             if target_dir is None:
                 raise ValueError("target_dir is required to load the drafter's embedding/LM head")
             model = load_dflash_mlx(draft, target_dir, dtype=dtype)
-        if model.target is None:
-            raise ValueError("DFlashDraftModel must be bound to the target's embedding/LM head")
-        self.model = model
-        self.block_size: int = int(model.config.block_size)
-        self.mask_token_id: int = int(model.config.mask_token_id)
-        self.target_layer_ids: tuple[int, ...] = tuple(model.config.target_layer_ids)
+        super().__init__(model)
 
     @classmethod
-    def load(
-        cls, draft_dir: str | Path, target_dir: str | Path, dtype: Optional[mx.Dtype] = None
-    ) -> "MLXDrafter":
+    def load(cls, draft_dir: str | Path, target_dir: str | Path, dtype=None) -> "MLXDrafter":
         return cls(draft_dir, target_dir, dtype=dtype)
 
-    def open_session(self) -> MLXDrafterSession:
-        return MLXDrafterSession(self.model)
+
+class TorchDrafter(LocalDrafter):
+    """The torch drafter: ``TorchDrafter(draft_dir, target_dir, device, dtype)`` or ``TorchDrafter(model=...)``."""
+
+    def __init__(self, draft_dir=None, target_dir=None, device="cpu", dtype="float32", *, model=None):
+        if model is None:
+            if draft_dir is None or target_dir is None:
+                raise ValueError("TorchDrafter needs draft_dir and target_dir (or model=)")
+            from .dflash_torch import load_dflash_torch
+
+            model = load_dflash_torch(draft_dir, target_dir, device, dtype)
+        super().__init__(model)
+
+    @classmethod
+    def colocated(cls, draft_dir: str | Path, target) -> "TorchDrafter":
+        """Share a loaded ``TargetTorch``'s embedding / LM head tensors (no second copy on the device)."""
+        from .dflash_torch import TargetHead, load_draft_model
+
+        model = load_draft_model(draft_dir, target.device, target.dtype)
+        return cls(model=model.bind(TargetHead(target.model.embed, target.model.lm_head)))

@@ -10,8 +10,9 @@ experts spread with ``L``) and with the text (repetitive code accepts long runs)
 Both halves are measured, never assumed: ``measure_costs`` times draft and
 verify at each size on the live endpoints at warm-up (so the wire is in it
 for a split deployment), each block's own timings then refine it, and the
-acceptance chain ``a_k`` is counted from every block. Positions a short block
-never reaches keep the pooled rate as their prior, and every ``explore_every``
+acceptance chain ``a_k`` is counted from every block. Until a few blocks were
+seen the drafter's trained block size is used; positions a short block never
+reaches keep the pooled rate as their prior, and every ``explore_every``
 blocks one block is drafted at full length so that prior keeps being tested.
 
 Only token counts and timings go in, so this knows no backend and changes no
@@ -30,6 +31,7 @@ from services.contract import MAX_BLOCK_SIZE, Block
 
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the pooled rate)
 COST_EMA = 0.2  # weight of a new timing in a size's running cost
+WARM_BLOCKS = 4  # blocks drafted at the trained size before the model of E(L)/t(L) takes over
 
 
 @dataclass
@@ -94,9 +96,11 @@ class AcceptanceChain:
 class BlockSizer:
     """One generation's block-size choice; ``choose`` before a block, ``observe`` after it."""
 
-    def __init__(self, costs: CostCurve, chain: AcceptanceChain | None = None, max_size: int = MAX_BLOCK_SIZE, explore_every: int = 16):
+    def __init__(self, costs: CostCurve, chain: AcceptanceChain | None = None, max_size: int = MAX_BLOCK_SIZE,
+                 explore_every: int = 16, initial: int = 0):
         self.costs, self.chain = costs, chain or AcceptanceChain()
         self.max_size, self.explore_every = max_size, explore_every
+        self.initial = initial  # the size to use until a few blocks were seen (0: the model's choice from the start)
         self.blocks = 0
 
     def throughput(self, size: int) -> float:
@@ -106,6 +110,8 @@ class BlockSizer:
         self.blocks += 1
         if self.explore_every and self.blocks % self.explore_every == 0:
             return self.max_size
+        if self.initial and self.chain.reached[0] < WARM_BLOCKS:
+            return min(self.initial, self.max_size)  # no acceptance seen yet: trust the drafter's training
         return max(range(1, self.max_size + 1), key=self.throughput)
 
     def observe(self, block: Block) -> None:
@@ -123,17 +129,17 @@ class AdaptivePolicy:
     little enough that the request's own text takes over within a few blocks.
     """
 
-    def __init__(self, costs: CostCurve | None = None, max_size: int = MAX_BLOCK_SIZE, carry: float = 32.0):
+    def __init__(self, costs: CostCurve | None = None, max_size: int = MAX_BLOCK_SIZE, carry: float = 32.0, initial: int = 0):
         self.costs = costs or CostCurve()
         self.chain = AcceptanceChain()
-        self.max_size, self.carry = max_size, carry
+        self.max_size, self.carry, self.initial = max_size, carry, initial
         self._lock = threading.Lock()
 
     def sizer(self) -> BlockSizer:
         with self._lock:
             chain = AcceptanceChain().merged(self.chain, self.carry)
             costs = CostCurve(dict(self.costs.seconds))
-        return BlockSizer(costs, chain, self.max_size)
+        return BlockSizer(costs, chain, self.max_size, initial=self.initial)
 
     def learn(self, sizer: BlockSizer) -> None:
         """Fold a finished request's timings and acceptance back in."""
@@ -162,7 +168,7 @@ def measure_costs(verifier, drafter, sizes: Sequence[int] = (1, 2, 4, 8, 16), re
             times = []
             for _ in range(repeats):
                 t0 = clock()
-                cands = ds.draft(aux, last, size) if size > 1 else []
+                cands = ds.draft(aux, last, size) if ds is not None else []  # size 1: the context still grows
                 choices = vs.verify([last] + cands)
                 aux = vs.commit(1)
                 times.append(clock() - t0)

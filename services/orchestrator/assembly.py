@@ -193,13 +193,21 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
     return engine
 
 
-def split_engine(verifier_addr: str, drafter_addr: str | None, tokenizer: str | None, wait_s: float):
-    """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them."""
+def split_engine(
+    verifier_addr: str, drafter_addr: str | None, tokenizer: str | None, wait_s: float, *, tls=None,
+    backend_timeout_s: float | None = None,
+):
+    """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them.
+
+    ``tls``: a ``services.tls.ClientTLS`` for both; ``backend_timeout_s``: the step deadlines' floor.
+    """
+    from .deadlines import DEFAULT_BACKEND_TIMEOUT_S, StepClock
     from .engine import Engine
     from .text import TextCodec
 
-    verifier = remote_verifier(verifier_addr, wait_s=wait_s)
-    drafter = remote_drafter(drafter_addr, wait_s=wait_s) if drafter_addr else None
+    floor = backend_timeout_s or DEFAULT_BACKEND_TIMEOUT_S
+    verifier = remote_verifier(verifier_addr, wait_s=wait_s, tls=tls, clock=StepClock(floor))
+    drafter = remote_drafter(drafter_addr, wait_s=wait_s, tls=tls, clock=StepClock(floor)) if drafter_addr else None
     info = verifier.info
     if drafter is not None:
         d = drafter.remote

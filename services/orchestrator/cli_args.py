@@ -77,7 +77,8 @@ def add_generation_options(p) -> None:
     """Options shared by `kakeya generate` and `kakeya client generate`."""
     p.add_argument("--prompt", help="prompt text (default: the start of a Python function, def load(path): ...)")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=None, help="1..16 (default: the drafter's trained block size)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="1..16 (default: auto, each block sized for the most tokens per second; see docs/design.md)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
@@ -87,7 +88,9 @@ def summary_line(out: dict) -> str:
     where = out.get("backend") or "?"
     if out.get("device"):
         where += f"/{out['device']}"
-    head = f"speculative (DFlash, block {out['block_size']}, {where}): {out['decode_tok_s']:.0f} tok/s"
+    sizes = out.get("block_sizes") or [0]
+    block = f"block {out['block_size']}" if out["block_size"] else f"auto blocks, mean {sum(sizes) / len(sizes):.1f}"
+    head = f"speculative (DFlash, {block}, {where}): {out['decode_tok_s']:.0f} tok/s"
     if "ar_decode_tok_s" in out:
         ids, ar = out["token_ids"], out["ar_token_ids"]
         same = next((i for i, (a, b) in enumerate(zip(ids, ar)) if a != b), min(len(ids), len(ar)))

@@ -19,11 +19,9 @@ from .serve import DEFAULT_PORTS
 
 
 def _channel(args):
-    import grpc
+    from . import serve_flags
 
-    from services.wire.limits import channel_options
-
-    return grpc.insecure_channel(args.addr, options=channel_options())
+    return serve_flags.client_channel(args)  # TLS and the bearer token when asked for
 
 
 def _rpc_error(exc) -> int:
@@ -180,9 +178,12 @@ def cmd_client_health(args) -> int:
 
 
 def register(sub) -> None:
+    from . import serve_flags
+
     p = sub.add_parser("client", help="call a running orchestrator (kakeya serve orchestrator|all)")
     p.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}", help="HOST:PORT of the orchestrator")
     p.add_argument("--timeout", type=float, help="deadline in seconds (propagates to the verifier and drafter)")
+    serve_flags.add_client(p)
     cmds = p.add_subparsers(dest="client_command", required=True)
 
     g = cmds.add_parser("generate", help="streaming generation, same options and --json as `kakeya generate`")

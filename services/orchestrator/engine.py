@@ -44,7 +44,8 @@ class Engine:
         with self._calibrating:
             if self.adaptive is None:
                 sizes = (1, 2, 4, 8, 16) if self.drafter is not None else (1,)
-                self.adaptive = AdaptivePolicy(measure_costs(self.verifier, self.drafter, sizes))
+                costs = measure_costs(self.verifier, self.drafter, sizes)
+                self.adaptive = AdaptivePolicy(costs, initial=self.default_block_size)
         return self.adaptive
 
     def block_policy(self, req: Request) -> "int | BlockSizer":

@@ -93,7 +93,9 @@ def speculative_decode(
         want = sizer.choose() if sizer is not None else block_size
         B = min(want, max_tokens - len(gen.token_ids)) if use_drafter else 1
         candidates: list[int] = []
-        if B > 1:
+        # A sized block of 1 still hands the drafter the new positions (a draft of
+        # size 1 only extends its context), or its context would have gaps later.
+        if B > 1 or (sizer is not None and use_drafter):
             try:
                 candidates = drafter.draft(new_aux, last, B)
             except Exception as exc:  # the verifier alone produces the same tokens

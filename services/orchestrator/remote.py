@@ -14,6 +14,8 @@ aux in the orchestrator.
 Failures surface as :class:`BackendError` carrying the gRPC status code. A
 ``GrpcDrafter`` that failed is skipped for a while (exponential backoff) and
 then tried again, so the orchestrator reconnects once the drafter is back.
+Every step waits at most a deadline sized from measured step times
+(``deadlines.py``), so a hung backend is noticed within seconds.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from services.wire.kakeya.v1 import verifier_pb2_grpc
 from services.wire.kakeya.v1.tensor_pb2 import Tensor
 from services.wire.limits import channel_options
 
+from .deadlines import WATCHDOG, StepClock
+
 
 log = logging.getLogger("kakeya.remote")
 
@@ -58,16 +62,34 @@ BALANCE_OPTIONS = [
 ]
 
 
-def backend_channel(addr: str) -> grpc.Channel:
-    return grpc.insecure_channel(addr, options=channel_options() + RECONNECT_OPTIONS + BALANCE_OPTIONS)
+def backend_channel(addr: str, tls=None) -> grpc.Channel:
+    """A channel to a verifier or drafter; ``tls``: a ``services.tls.ClientTLS`` (None: plaintext)."""
+    from services.tls import channel
+
+    return channel(addr, tls, channel_options() + RECONNECT_OPTIONS + BALANCE_OPTIONS)
+
+
+def backend_healthy(channel: grpc.Channel, timeout: float = 1.0) -> bool:
+    """The backend answers its health check with SERVING within ``timeout``."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    except grpc.RpcError:
+        return False
+    return r.status == health_pb2.HealthCheckResponse.SERVING
 
 
 class BackendError(RuntimeError):
-    """A call to a verifier or drafter failed; ``code`` is its ``grpc.StatusCode``."""
+    """A call to a verifier or drafter failed; ``code`` is its ``grpc.StatusCode``.
 
-    def __init__(self, service: str, addr: str, code: grpc.StatusCode, details: str):
+    ``step_timeout``: the backend did not answer one step within its deadline (hung, not merely slow).
+    """
+
+    def __init__(self, service: str, addr: str, code: grpc.StatusCode, details: str, step_timeout: bool = False):
         super().__init__(f"{service} at {addr}: {code.name}: {details}")
         self.service, self.addr, self.code, self.details = service, addr, code, details
+        self.step_timeout = step_timeout
 
     @classmethod
     def of(cls, service: str, addr: str, exc: grpc.RpcError) -> "BackendError":
@@ -115,6 +137,7 @@ class _Stream:
         metadata = (("x-request-id", request_id),) if request_id else None
         self._call = method(iter(self._requests.get, _END), timeout=timeout, metadata=metadata)
         self.done = False
+        self.expired = 0.0  # the step deadline that passed (seconds), 0 while none did
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -125,8 +148,16 @@ class _Stream:
         self._expect.append(expect)
         self._requests.put(request)
 
-    def wait(self):
+    def wait(self, step_timeout: float | None = None):
         expect = self._expect.popleft()
+        key = None
+        if step_timeout is not None:
+
+            def expire(t=step_timeout):
+                self.expired = t
+                self.abort()
+
+            key = WATCHDOG.arm(step_timeout, expire)
         try:
             resp = next(self._call)
         except StopIteration:
@@ -134,7 +165,15 @@ class _Stream:
             raise BackendError(self.service, self.addr, grpc.StatusCode.INTERNAL, f"stream ended before {expect}") from None
         except grpc.RpcError as exc:
             self.abort()
+            if self.expired:
+                raise BackendError(
+                    self.service, self.addr, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no {expect} answer within {self.expired:.1f} s (hung? see --backend-timeout)", step_timeout=True,
+                ) from None
             raise BackendError.of(self.service, self.addr, exc) from None
+        finally:
+            if key is not None:
+                WATCHDOG.disarm(key)
         self.bytes_received += resp.ByteSize()
         got = resp.WhichOneof("response")
         if got != expect:
@@ -142,18 +181,18 @@ class _Stream:
             raise BackendError(self.service, self.addr, grpc.StatusCode.INTERNAL, f"expected {expect}, got {got}")
         return resp
 
-    def ask(self, request, expect: str):
+    def ask(self, request, expect: str, step_timeout: float | None = None):
         self.post(request, expect)
         while len(self._expect) > 1:  # answers to pipelined requests come first
-            self.wait()
-        return self.wait()
+            self.wait(step_timeout)
+        return self.wait(step_timeout)
 
-    def finish(self, request, expect: str):
+    def finish(self, request, expect: str, step_timeout: float | None = None):
         """Polite end: send ``request``, half-close, read the answer; never raises."""
         if self.done:
             return None
         try:
-            resp = self.ask(request, expect)
+            resp = self.ask(request, expect, step_timeout)
         except BackendError:
             return None
         finally:
@@ -180,10 +219,16 @@ def _policy_proto(policy: Any) -> cache_pb2.CachePolicy | None:
 class GrpcVerifierSession:
     """``VerifierSession`` over one Session stream."""
 
-    def __init__(self, verifier: "GrpcVerifier", policy=None, aux_layers: Sequence[int] = (), timeout=None, request_id=""):
+    def __init__(
+        self, verifier: "GrpcVerifier", policy=None, aux_layers: Sequence[int] = (), timeout=None, request_id="",
+        max_positions: int = 0,
+    ):
         self.verifier = verifier
+        self.clock = verifier.clock
         self._s = _Stream(verifier.stub.Session, "verifier", verifier.addr, timeout, request_id)
-        open_ = vpb.VerifierRequest.Open(request_id=request_id, target_layer_ids=list(aux_layers))
+        open_ = vpb.VerifierRequest.Open(
+            request_id=request_id, target_layer_ids=list(aux_layers), max_positions=max_positions
+        )
         p = _policy_proto(policy)
         if p is not None:
             open_.cache_policy.CopyFrom(p)
@@ -198,16 +243,21 @@ class GrpcVerifierSession:
         return tensor if like is None else codec.from_proto(tensor, like=like)
 
     def _step(self, request, expect):
-        resp = self._s.ask(request, expect)
+        t0 = time.perf_counter()
+        resp = self._s.ask(request, expect, self.clock.timeout())
+        self.clock.record(time.perf_counter() - t0)
         self.server_s += resp.elapsed_s
         return resp
 
     def prefill(self, prompt_ids: Sequence[int]):
+        n = len(prompt_ids)
+        t0 = time.perf_counter()
         self._s.post(vpb.VerifierRequest(prefill=vpb.VerifierRequest.Prefill(token_ids=list(prompt_ids))), "prefilled")
-        opened = self._s.wait().opened
+        opened = self._s.wait(self.clock.timeout()).opened
         self.session_id = opened.session_id
         self.cache_policy = wire_contract.policy_from_proto(opened.cache_policy, CachePolicy()).label
-        r = self._s.wait()
+        r = self._s.wait(self.clock.timeout(prefill_tokens=n))
+        self.clock.record(time.perf_counter() - t0, prefill_tokens=n)
         self.server_s += r.elapsed_s
         self._stats = r.prefilled.stats
         return r.prefilled.next_token, self._aux(r.prefilled.aux)
@@ -234,7 +284,7 @@ class GrpcVerifierSession:
         }
 
     def close(self) -> None:
-        r = self._s.finish(vpb.VerifierRequest(close=vpb.VerifierRequest.Close()), "closed")
+        r = self._s.finish(vpb.VerifierRequest(close=vpb.VerifierRequest.Close()), "closed", self.clock.timeout())
         if r is not None:
             self._stats = r.closed.stats
 
@@ -245,9 +295,13 @@ class GrpcVerifierSession:
 class GrpcVerifier:
     """``Verifier`` reached over gRPC. ``info`` comes from the server's GetInfo."""
 
-    def __init__(self, addr: str, *, wait_s: float | None = None, aux_like: str | None = None, channel=None):
+    def __init__(
+        self, addr: str, *, wait_s: float | None = None, aux_like: str | None = None, channel=None, tls=None,
+        clock: StepClock | None = None,
+    ):
         self.addr = addr
-        self.channel = channel or backend_channel(addr)
+        self.channel = channel or backend_channel(addr, tls)
+        self.clock = clock or StepClock()
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
         self.aux_like = aux_like  # None: aux stays a wire Tensor; "mlx"/"torch"/"numpy": decoded
         self.remote = _get_info("verifier", addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), wait_s)
@@ -258,12 +312,20 @@ class GrpcVerifier:
             r, f"grpc:{addr}", {"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)}
         )
         self.default_cache_policy = r.default_cache_policy
+        self.max_position_embeddings = r.max_position_embeddings  # 0: a server that does not say
+        self.max_context = r.max_context
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        return backend_healthy(self.channel, timeout)
 
     def get_info(self, timeout: float = 5.0) -> vpb.VerifierInfo:
         return _call_unary("verifier", self.addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), timeout)
 
-    def open_session(self, policy=None, *, aux_layers: Sequence[int] = (), timeout: float | None = None, request_id: str = ""):
-        return GrpcVerifierSession(self, policy, aux_layers or self.aux_layers, timeout, request_id)
+    def open_session(
+        self, policy=None, *, aux_layers: Sequence[int] = (), timeout: float | None = None, request_id: str = "",
+        max_positions: int = 0,
+    ):
+        return GrpcVerifierSession(self, policy, aux_layers or self.aux_layers, timeout, request_id, max_positions)
 
     def close(self) -> None:
         self.channel.close()
@@ -306,6 +368,7 @@ class GrpcDrafterSession:
         self._timeout, self._request_id = timeout, request_id
         self._s: _Stream | None = None
         self._broken = False
+        self._first = True
         self.server_s = 0.0
 
     def draft(self, new_aux, last_token: int, block_size: int) -> list[int]:
@@ -317,13 +380,19 @@ class GrpcDrafterSession:
                 self._s.post(dpb.DrafterRequest(open=dpb.DrafterRequest.Open(request_id=self._request_id)), "opened")
             tensor = new_aux if isinstance(new_aux, Tensor) else codec.to_proto(new_aux)
             req = dpb.DrafterRequest(draft=dpb.DrafterRequest.Draft(new_aux=tensor, last_token=last_token, block_size=block_size))
-            r = self._s.ask(req, "drafted")
+            rows = int(tensor.shape[0]) if self._first and len(tensor.shape) else 0  # the first draft takes the prompt
+            clock = self.drafter.clock
+            t0 = time.perf_counter()
+            r = self._s.ask(req, "drafted", clock.timeout(prefill_tokens=rows))
+            clock.record(time.perf_counter() - t0, prefill_tokens=rows)
+            self._first = False
         except BackendError as exc:
             aborted_here = self._broken  # abort() from our side (client cancelled): not the drafter's fault
             self._broken = True
             if self._s is not None:
                 self._s.abort()
-            if not aborted_here and exc.code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+            ours = exc.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED) and not exc.step_timeout
+            if not aborted_here and not ours:
                 self.drafter.failed(exc)
             raise
         self.server_s += r.elapsed_s
@@ -336,7 +405,7 @@ class GrpcDrafterSession:
 
     def close(self) -> None:
         if self._s is not None and not self._broken:
-            self._s.finish(dpb.DrafterRequest(close=dpb.DrafterRequest.Close()), "closed")
+            self._s.finish(dpb.DrafterRequest(close=dpb.DrafterRequest.Close()), "closed", self.drafter.clock.timeout())
 
     def abort(self) -> None:
         self._broken = True
@@ -373,9 +442,13 @@ class _SkippedDrafterSession:
 class GrpcDrafter:
     """``Drafter`` reached over gRPC, with failure backoff and automatic reconnection."""
 
-    def __init__(self, addr: str, *, wait_s: float | None = None, channel=None, backoff: Backoff | None = None):
+    def __init__(
+        self, addr: str, *, wait_s: float | None = None, channel=None, backoff: Backoff | None = None, tls=None,
+        clock: StepClock | None = None,
+    ):
         self.addr = addr
-        self.channel = channel or backend_channel(addr)
+        self.channel = channel or backend_channel(addr, tls)
+        self.clock = clock or StepClock()
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.remote = _get_info("drafter", addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), wait_s)
         self.block_size = self.remote.block_size

@@ -23,13 +23,14 @@ in-flight streams for ``--grace`` seconds.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import sys
 import tempfile
 from pathlib import Path
+
+from . import serve_flags
 
 DEFAULT_PORTS = {"orchestrator": 50051, "verifier": 50061, "drafter": 50062}
 
@@ -58,7 +59,7 @@ def _common(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORTS[name], help=f"port (0: any free port; default {DEFAULT_PORTS[name]})")
     p.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight streams (default 30)")
     p.add_argument("--ready-file", help="write {addr, port, pid} as JSON here once SERVING")
-    p.add_argument("--max-sessions", type=int, default=0, help="concurrent sessions; one more is RESOURCE_EXHAUSTED (0: no limit)")
+    serve_flags.add_common(p)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port of --host (0: any free port; default: off)")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="stderr log lines: text or JSON (default text)")
 
@@ -89,12 +90,16 @@ def cmd_serve_verifier(args) -> int:
     else:  # without --draft/--aux-layers, sessions must name their aux layers at Open
         target, draft = args.target, args.draft
     layers = _aux_layers(args.aux_layers, draft)
+    limits = serve_flags.session_limits(args, kv_budget=True)
+    limits["restore"], args.restore = serve_flags.restore_sources(args)  # the default policy's: the bare DIR
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
     if backend == "torch":
         from .cli_args import torch_options
 
         kwargs |= torch_options(args)
-    return _run(server_spec(target, layers, backend, args.max_sessions, **kwargs, policy=_default_policy(args)), args)
+    spec = server_spec(target, layers, backend, args.max_sessions, limits=limits, tls=serve_flags.server_tls(args),
+                       policy=_default_policy(args), **kwargs)
+    return _run(spec, args)
 
 
 def _default_policy(args):
@@ -110,8 +115,10 @@ def cmd_serve_drafter(args) -> int:
     from services.drafter.server import server_spec
 
     target, draft = _pair(args.target, args.draft)
+    limits = serve_flags.session_limits(args, kv_budget=False)
+    tls = serve_flags.server_tls(args)
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
-    return _run(server_spec(draft, target, backend, args.max_sessions, **kwargs), args)
+    return _run(server_spec(draft, target, backend, args.max_sessions, limits=limits, tls=tls, **kwargs), args)
 
 
 def _backend_kwargs(args, embedded: bool) -> tuple[str, dict]:
@@ -138,11 +145,18 @@ def cmd_serve_orchestrator(args) -> int:
         if args.target or args.draft:
             raise ValueError("--target/--draft load in-process models: leave them out with --verifier (see --tokenizer)")
 
+        client_tls = serve_flags.client_tls(args)
+
         def build():
-            return split_engine(args.verifier, None if args.no_drafter else args.drafter, args.tokenizer, args.backend_wait)
+            drafter = None if args.no_drafter else args.drafter
+            return split_engine(
+                args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls, backend_timeout_s=args.backend_timeout
+            )
 
         colocated = False
+        sources = None
     else:
+        sources, args.restore = serve_flags.restore_sources(args)
 
         backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
 
@@ -160,8 +174,11 @@ def cmd_serve_orchestrator(args) -> int:
         max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens,
         max_sessions=args.max_sessions,
+        max_prompt_tokens=args.max_prompt_tokens,
+        restore=sources,
+        auth_token=serve_flags.auth_token(args),
     )
-    return _run(server_spec(servicer), args)
+    return _run(server_spec(servicer, tls=serve_flags.server_tls(args)), args)
 
 
 # --------------------------------------------------------------------------- serve all
@@ -170,11 +187,19 @@ def cmd_serve_orchestrator(args) -> int:
 def cmd_serve_all(args) -> int:
     from services.serving import setup_logging, write_ready_file
 
+    from services.serving import port_in_use
+
     from .supervisor import Supervisor
 
     setup_logging("all", args.log_format)
     log = logging.getLogger("kakeya.all")
     target, draft = _pair(args.target, args.draft)
+    serve_flags.restore_sources(args)  # bad --restore specs: a usage error now, not a child's exit
+    serve_flags.server_tls(args), serve_flags.auth_token(args)
+    taken = port_in_use(args.host, args.port)
+    if taken:
+        print(f"kakeya: error: serve all: cannot listen on {args.host}:{args.port}: {taken}", file=sys.stderr)
+        return 2
     if args.ready_file:
         Path(args.ready_file).unlink(missing_ok=True)
     sup = Supervisor(args.grace)
@@ -192,7 +217,6 @@ def cmd_serve_all(args) -> int:
             return []
         return ["--metrics-port", str(args.metrics_port + i if args.metrics_port else 0)]
 
-    limits = ["--max-sessions", str(args.max_sessions)] if args.max_sessions else []
     rc = 0
     with tempfile.TemporaryDirectory(prefix="kakeya-serve-all-") as tmp:
         files = {n: Path(tmp) / f"{n}.json" for n in ("verifier", "drafter", "orchestrator")}
@@ -200,16 +224,16 @@ def cmd_serve_all(args) -> int:
             back = ["--host", args.backend_host, "--port", "0"]
             vback, dback = _child_backend(args.verifier_backend, args), _child_backend(args.drafter_backend, args)
             cache = ["--cache", args.cache, "--sink", str(args.sink), "--full-kv-bits", str(args.full_kv_bits),
-                     *(["--window", str(args.window)] if args.window else []),
-                     *(["--restore", args.restore] if args.restore else [])]  # fmt: skip
-            sup.spawn("verifier", [*back, "--target", target, "--draft", draft, *vback, *cache, "--ready-file", str(files["verifier"]), *common, *limits, *metrics(1)], files["verifier"])
-            sup.spawn("drafter", [*back, "--draft", draft, "--target", target, *dback, "--ready-file", str(files["drafter"]), *common, *limits, *metrics(2)], files["drafter"])
+                     *(["--window", str(args.window)] if args.window else [])]  # fmt: skip
+            vlim, dlim = serve_flags.child_argv(args, "verifier"), serve_flags.child_argv(args, "drafter")
+            sup.spawn("verifier", [*back, "--target", target, "--draft", draft, *vback, *cache, "--ready-file", str(files["verifier"]), *common, *vlim, *metrics(1)], files["verifier"])
+            sup.spawn("drafter", [*back, "--draft", draft, "--target", target, *dback, "--ready-file", str(files["drafter"]), *common, *dlim, *metrics(2)], files["drafter"])
             ready = sup.wait_ready(["verifier", "drafter"], args.start_timeout)
             orch = [
                 "--host", args.host, "--port", str(args.port),
                 "--verifier", ready["verifier"]["addr"], "--drafter", ready["drafter"]["addr"],
                 "--tokenizer", target, "--ready-file", str(files["orchestrator"]),
-                "--max-tokens-limit", str(args.max_tokens_limit), *common, *limits, *metrics(0),
+                "--max-tokens-limit", str(args.max_tokens_limit), *common, *serve_flags.child_argv(args, "orchestrator"), *metrics(0),
             ]  # fmt: skip
             sup.spawn("orchestrator", orch, files["orchestrator"])
             ready.update(sup.wait_ready(["orchestrator"], args.start_timeout))
@@ -272,13 +296,15 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="run the gRPC services (verifier, drafter, orchestrator, or all three)")
     roles = p.add_subparsers(dest="role", required=True)
 
-    v = roles.add_parser("verifier", help="the target model and its per-session KV caches")
+    v = roles.add_parser("verifier", help="the target model and its per-session KV caches", conflict_handler="resolve")
     _common(v, "verifier")
     v.add_argument("--target", help="Gemma-4 target checkpoint directory (default: the embedded pair's)")
     v.add_argument("--draft", help="a DFlash drafter directory: only its target_layer_ids are read (the default aux layers)")
     v.add_argument("--aux-layers", help="default aux layers, e.g. 1,4 (sessions may send their own)")
     _backend_args(v)
     add_cache_args(v)
+    serve_flags.add_restore(v)
+    serve_flags.add_sessions(v, kv_budget=True)
     v.set_defaults(func=cmd_serve_verifier)
 
     d = roles.add_parser("drafter", help="the DFlash drafter and its per-session context caches")
@@ -286,9 +312,12 @@ def register(sub) -> None:
     d.add_argument("--draft", help="DFlash drafter checkpoint directory")
     d.add_argument("--target", help="the target checkpoint: only its embedding and LM head are loaded")
     _backend_args(d)
+    serve_flags.add_sessions(d, kv_budget=False)
     d.set_defaults(func=cmd_serve_drafter)
 
-    o = roles.add_parser("orchestrator", help="the public Generate API (split: --verifier/--drafter; else colocated)")
+    o = roles.add_parser(
+        "orchestrator", help="the public Generate API (split: --verifier/--drafter; else colocated)", conflict_handler="resolve"
+    )
     _common(o, "orchestrator")
     o.add_argument("--verifier", metavar="TARGET", help="a `kakeya serve verifier`: HOST:PORT, or a gRPC target naming several "
                    "replicas (dns:///verifier-headless:50061, ipv4:H1:P,H2:P); each session goes to the next SERVING one")
@@ -299,11 +328,13 @@ def register(sub) -> None:
     o.add_argument("--tokenizer", help="split: directory with the target's tokenizer.json (default: the verifier's path, if readable)")
     _backend_args(o, " (colocated)")
     add_cache_args(o)  # colocated: the sessions' default policy
+    serve_flags.add_restore(o)
+    serve_flags.add_orchestrator(o)
     o.add_argument("--backend-wait", type=float, default=120.0, help="split: seconds to wait for verifier/drafter at start")
     _limits(o)
     o.set_defaults(func=cmd_serve_orchestrator)
 
-    a = roles.add_parser("all", help="verifier, drafter and orchestrator as three local processes")
+    a = roles.add_parser("all", help="verifier, drafter and orchestrator as three local processes", conflict_handler="resolve")
     _common(a, "orchestrator")
     a.add_argument("--target", help="target checkpoint (default: the embedded pair, as `kakeya generate`)")
     a.add_argument("--draft", help="drafter checkpoint")
@@ -316,6 +347,9 @@ def register(sub) -> None:
     a.add_argument("--dtype", help="torch processes: float32, bfloat16, float16 (default float32)")
     _torch_threads_arg(a)
     add_cache_args(a)  # the verifier process's default policy
+    serve_flags.add_restore(a)
+    serve_flags.add_sessions(a, kv_budget=True)
+    serve_flags.add_orchestrator(a)
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)
     a.set_defaults(func=cmd_serve_all)

@@ -21,24 +21,31 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import grpc
 
-from services.contract import MAX_BLOCK_SIZE, CachePolicy
-from services import logs
+from services import bounds, logs
+from services.guard import add_servicer
 from services.metrics import NO_OBSERVER, ServerMetrics
-from services.serving import ComputeThread, RequestError, ServerSpec, check_policy, check_token_ids, invalid, policy_from_request, version
+from services.serving import (
+    DEFAULT_MAX_SESSIONS,
+    ComputeThread,
+    RequestError,
+    ServerSpec,
+    version,
+    workers_for,
+)
+from services.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
 from services.wire import contract as wire_contract
 from services.wire.kakeya.v1 import cache_pb2, generate_pb2 as pb, generate_pb2_grpc
 
 from . import loop
 from .engine import Engine
 from .quality import quality_report
+from .requests import Limits, Params, parse_request
 from .remote import BackendError, GrpcDrafter, GrpcVerifier
-from .text import StreamDecoder, TextCodec
+from .text import StopStrings, PlainText
 
 log = logging.getLogger("kakeya.orchestrator")
 
@@ -61,82 +68,6 @@ def _cache_kind(label: str) -> int:
     if label.startswith("native"):
         return cache_pb2.CACHE_KIND_NATIVE
     return cache_pb2.CACHE_KIND_UNSPECIFIED
-
-
-@dataclass
-class Params:
-    """A validated GenerateRequest."""
-
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    block_size: int
-    stop_ids: frozenset[int]
-    stop_strings: tuple[str, ...]
-    policy: Any = None  # backend-specific cache policy, None = the verifier's default
-
-
-class StopStrings:
-    """Cuts streamed text at the first stop string; holds back text that may still become one.
-
-    The stop string itself is not part of the output text; the token that
-    completed it is the last token id sent.
-    """
-
-    def __init__(self, codec: TextCodec, stops: Sequence[str]):
-        self.codec, self.stops = codec, tuple(stops)
-        self.hold = max(len(s) for s in self.stops) - 1
-        self.ids: list[int] = []
-        self.sent = 0  # characters of the decoded text already streamed
-        self.searched = 0  # characters already searched for stop strings
-        self.stopped = False
-
-    def _find(self, text: str) -> int:
-        start = max(0, self.searched - self.hold)
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        return min(hits) if hits else -1
-
-    def add(self, tokens: Sequence[int]) -> tuple[list[int], str, bool]:
-        """Return (token ids to send, text to send, stop string hit)."""
-        base = len(self.ids)
-        self.ids.extend(tokens)
-        text = self.codec.decode(self.ids)
-        if self._find(text) >= 0:  # find the token that completed it
-            del self.ids[base:]
-            for i, tok in enumerate(tokens):
-                self.ids.append(tok)
-                text = self.codec.decode(self.ids)
-                at = self._find(text)
-                if at >= 0:
-                    out = text[self.sent : at] if at > self.sent else ""
-                    self.sent, self.stopped = max(self.sent, at), True
-                    return list(tokens[: i + 1]), out, True
-        self.searched = len(text)
-        safe = len(text) - self.hold
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
-            safe = min(safe, len(text) - 1)
-        out = text[self.sent : safe] if safe > self.sent else ""
-        self.sent = max(self.sent, safe)
-        return list(tokens), out, False
-
-    def flush(self) -> str:
-        """The held-back text at the end (nothing after a stop string)."""
-        if self.stopped:
-            return ""
-        text = self.codec.decode(self.ids)
-        out, self.sent = text[self.sent :], len(text)
-        return out
-
-
-class _PlainText:
-    def __init__(self, codec: TextCodec | None):
-        self.dec = StreamDecoder(codec) if codec is not None else None
-
-    def add(self, tokens):
-        return list(tokens), (self.dec.add(tokens) if self.dec else ""), False
-
-    def flush(self) -> str:
-        return self.dec.flush() if self.dec else ""
 
 
 class _Run:
@@ -188,10 +119,21 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         colocated: bool,
         max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
-        max_sessions: int = 0,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        max_prompt_tokens: int = 0,
+        restore: bounds.RestoreSources | None = None,
+        auth_token: str | None = None,
     ):
         if not 1 <= default_max_tokens <= max_tokens_limit:
             raise ValueError(f"default max tokens {default_max_tokens} must be in 1..{max_tokens_limit} (--max-tokens-limit)")
+        if max_prompt_tokens < 0:
+            raise ValueError(f"--max-prompt-tokens must be >= 0 (0: the default), got {max_prompt_tokens}")
+        self.max_prompt_tokens_flag = max_prompt_tokens
+        self.max_prompt_tokens = 0  # set by load(): never above the target's max_position_embeddings
+        self.max_position_embeddings = 0
+        self.max_context = 0  # positions one verifier session may hold
+        self.restore = restore or bounds.RestoreSources()
+        self.auth_token = auth_token
         self._build = build
         self.engine: Engine | None = None
         self.colocated = colocated
@@ -217,6 +159,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def load(self) -> str:
         self.engine = self.step(self._build)
         e = self.engine
+        self._set_limits()
         # Warm-up: one short generation through the very path requests take.
         vocab = e.verifier.info.vocab_size
         params = Params("warmup", [i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), frozenset(), ())
@@ -234,6 +177,22 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             f" drafter {self._drafter_backend() or 'none'} ({e.draft or '-'}), block {e.default_block_size}"
         )
 
+    def _set_limits(self) -> None:
+        v = self.engine.verifier
+        mpe = ctx = 0
+        if isinstance(v, GrpcVerifier):
+            mpe, ctx = v.max_position_embeddings, v.max_context
+        else:
+            from services.checkpoints.config import load_target_config
+
+            try:
+                mpe = int(load_target_config(self.engine.target).get("max_position_embeddings") or 0)
+            except (OSError, ValueError, KeyError):
+                mpe = 0
+        self.max_position_embeddings = mpe or 131072
+        self.max_context = min(ctx or self.max_position_embeddings, self.max_position_embeddings)
+        self.max_prompt_tokens = bounds.max_prompt_tokens(self.max_prompt_tokens_flag, self.max_context)
+
     def _drafter_backend(self) -> str:
         d = self.engine.drafter
         if d is None:
@@ -245,76 +204,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     # -- request validation --------------------------------------------------------------
 
     def parse(self, r: pb.GenerateRequest) -> Params:
-        e = self.engine
-        vocab = e.verifier.info.vocab_size
-        which = r.WhichOneof("prompt")
-        if which is None:
-            raise invalid("prompt: set prompt.text or prompt.tokenized")
-        if which == "text":
-            if not r.text.strip():
-                raise invalid("prompt.text: empty prompt")
-            if e.codec is None:
-                raise invalid("prompt.text: this server has no tokenizer (--tokenizer); send prompt.tokenized")
-            prompt = e.codec.encode(r.text)
-        else:
-            prompt = check_token_ids(r.tokenized.ids, vocab, "prompt.tokenized.ids")
-        sp = r.sampling_params
-        if sp.temperature < 0:
-            raise invalid(f"sampling_params.temperature must be >= 0, got {sp.temperature:g}")
-        if sp.temperature > 0:
-            raise invalid(
-                f"sampling_params.temperature {sp.temperature:g}: sampling is not supported yet (greedy only: send 0)"
-            )
-        if sp.top_p and not 0 < sp.top_p <= 1:
-            raise invalid(f"sampling_params.top_p must be in (0, 1] (0 = off), got {sp.top_p:g}")
-        if 0 < sp.top_p < 1:
-            raise invalid(f"sampling_params.top_p {sp.top_p:g}: nucleus sampling is not supported yet (greedy only)")
-        if sp.top_k < 0:
-            raise invalid(f"sampling_params.top_k must be >= 0 (0 = off), got {sp.top_k}")
-        if sp.top_k > 1:
-            raise invalid(f"sampling_params.top_k {sp.top_k}: top-k sampling is not supported yet (greedy only)")
-        max_tokens = sp.max_tokens or self.default_max_tokens
-        if max_tokens < 1:
-            raise invalid(f"sampling_params.max_tokens must be >= 1 (0 = the default {self.default_max_tokens}), got {sp.max_tokens}")
-        if max_tokens > self.max_tokens_limit:
-            raise invalid(
-                f"sampling_params.max_tokens {max_tokens} exceeds this server's limit {self.max_tokens_limit} (--max-tokens-limit)"
-            )
-        stops = tuple(sp.stop)
-        if any(not s for s in stops):
-            raise invalid("sampling_params.stop: stop strings must not be empty")
-        if stops and e.codec is None:
-            raise invalid("sampling_params.stop: this server has no tokenizer (--tokenizer); use stop_token_ids")
-        stop_ids = set(check_token_ids(sp.stop_token_ids, vocab, "sampling_params.stop_token_ids", allow_empty=True))
-        if not sp.ignore_eos:
-            stop_ids |= set(e.verifier.info.eos_token_ids)
-        max_block = MAX_BLOCK_SIZE
-        if not 0 <= r.block_size <= max_block:
-            raise invalid(f"block_size must be 0 (the drafter's default) or 1..{max_block}, got {r.block_size}")
-        block_size = r.block_size or e.default_block_size
-        policy = None
-        if r.HasField("cache_policy"):
-            local = policy_from_request(r.cache_policy, getattr(e.verifier, "policy", None) or CachePolicy(), "cache_policy")
-            check_policy(local, e.verifier.info.sliding_window, "cache_policy")
-            slack = r.cache_policy.slack or self._default_slack()
-            if block_size > slack:
-                raise invalid(f"cache_policy.slack {slack} is smaller than block_size {block_size}: rollback would not be exact")
-            policy = r.cache_policy if isinstance(e.verifier, GrpcVerifier) else local
-        return Params(
-            request_id=r.request_id or uuid.uuid4().hex[:16],
-            prompt_ids=list(prompt),
-            max_tokens=max_tokens,
-            block_size=block_size,
-            stop_ids=frozenset(stop_ids),
-            stop_strings=stops,
-            policy=policy,
+        limits = Limits(
+            self.max_tokens_limit, self.default_max_tokens, self.max_prompt_tokens, self.max_context, self.restore
         )
-
-    def _default_slack(self) -> int:
-        v = self.engine.verifier
-        if isinstance(v, GrpcVerifier):
-            return v.default_cache_policy.slack or v.max_block_size
-        return v.policy.slack
+        return parse_request(r, self.engine, limits)
 
     # -- RPCs ----------------------------------------------------------------------------
 
@@ -351,7 +244,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             # The drafter's aux layers; without a drafter the verifier's default (or any one layer).
             layers = e.drafter.target_layer_ids if e.drafter is not None else ()
             layers = layers or e.verifier.aux_layers or (e.verifier.info.num_layers - 1,)
-            vs = e.verifier.open_session(params.policy, aux_layers=layers, timeout=timeout, request_id=params.request_id)
+            vs = e.verifier.open_session(
+                params.policy, aux_layers=layers, timeout=timeout, request_id=params.request_id,
+                max_positions=len(params.prompt_ids) + params.max_tokens,
+            )
         else:
             vs = e.verifier.open_session(params.policy) if params.policy is not None else e.verifier.open_session()
         run.sessions.append(vs)
@@ -386,7 +282,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         blocks = loop.speculative_decode(
             vs, ds, params.prompt_ids, params.max_tokens, params.block_size, params.stop_ids, on_drafter_error
         )
-        text = StopStrings(e.codec, params.stop_strings) if params.stop_strings else _PlainText(e.codec)
+        text = StopStrings(e.codec, params.stop_strings) if params.stop_strings else PlainText(e.codec)
         seen: list[loop.Block] = []
         token_ids: list[int] = []
         gen = None
@@ -487,7 +383,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if isinstance(e.verifier, GrpcVerifier):
             policy = e.verifier.default_cache_policy
         else:
-            policy = wire_contract.policy_to_proto(e.verifier.policy.resolve(i.sliding_window))
+            policy = wire_contract.policy_to_proto(self.restore.to_wire(e.verifier.policy.resolve(i.sliding_window)))
         layers = e.drafter.target_layer_ids if e.drafter is not None else getattr(e.verifier, "aux_layers", ())
         return wire_contract.public_model_info(
             i,
@@ -499,6 +395,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             has_tokenizer=e.codec is not None,
             default_cache_policy=policy,
             target_layer_ids=list(layers),
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_position_embeddings=self.max_position_embeddings,
         )
 
     def GetServerInfo(self, request, context):
@@ -526,9 +424,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 # --------------------------------------------------------------------------- serving
 
 
-def server_spec(servicer: GenerationServicer) -> ServerSpec:
+def server_spec(servicer: GenerationServicer, tls=None) -> ServerSpec:
     def set_ready(flag: bool) -> None:
         servicer.ready = flag
+
+    def backends_ok() -> bool:
+        """SERVING only while the verifier answers (a missing drafter only costs speed: AR fallback)."""
+        e = servicer.engine
+        return e is None or not isinstance(e.verifier, GrpcVerifier) or e.verifier.healthy(timeout=1.0)
 
     def near_deadline() -> None:
         servicer.aborting = True  # in-flight generations end with FINISH_REASON_ABORT
@@ -536,10 +439,15 @@ def server_spec(servicer: GenerationServicer) -> ServerSpec:
     return ServerSpec(
         name="orchestrator",
         service_names=[SERVICE_NAME],
-        add_to_server=lambda server: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
+        add_to_server=lambda server: add_servicer(
+            server, servicer, pb.DESCRIPTOR.services_by_name["Generation"], servicer.auth_token
+        ),
         load=servicer.load,
         set_ready=set_ready,
         near_deadline=near_deadline,
-        max_workers=(servicer.max_sessions + 16) if servicer.max_sessions else 128,
+        max_workers=workers_for(servicer.max_sessions),
+        max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES,
+        health_watch=None if servicer.colocated else backends_ok,
+        tls=tls,
         metrics=servicer.metrics,
     )

@@ -70,3 +70,66 @@ class StreamDecoder:
         text = self.codec.decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
         return text[len(done) :]
+
+
+class StopStrings:
+    """Cuts streamed text at the first stop string; holds back text that may still become one.
+
+    The stop string itself is not part of the output text; the token that
+    completed it is the last token id sent.
+    """
+
+    def __init__(self, codec: TextCodec, stops: Sequence[str]):
+        self.codec, self.stops = codec, tuple(stops)
+        self.hold = max(len(s) for s in self.stops) - 1
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text already streamed
+        self.searched = 0  # characters already searched for stop strings
+        self.stopped = False
+
+    def _find(self, text: str) -> int:
+        start = max(0, self.searched - self.hold)
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else -1
+
+    def add(self, tokens: Sequence[int]) -> tuple[list[int], str, bool]:
+        """Return (token ids to send, text to send, stop string hit)."""
+        base = len(self.ids)
+        self.ids.extend(tokens)
+        text = self.codec.decode(self.ids)
+        if self._find(text) >= 0:  # find the token that completed it
+            del self.ids[base:]
+            for i, tok in enumerate(tokens):
+                self.ids.append(tok)
+                text = self.codec.decode(self.ids)
+                at = self._find(text)
+                if at >= 0:
+                    out = text[self.sent : at] if at > self.sent else ""
+                    self.sent, self.stopped = max(self.sent, at), True
+                    return list(tokens[: i + 1]), out, True
+        self.searched = len(text)
+        safe = len(text) - self.hold
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
+            safe = min(safe, len(text) - 1)
+        out = text[self.sent : safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        return list(tokens), out, False
+
+    def flush(self) -> str:
+        """The held-back text at the end (nothing after a stop string)."""
+        if self.stopped:
+            return ""
+        text = self.codec.decode(self.ids)
+        out, self.sent = text[self.sent :], len(text)
+        return out
+
+
+class PlainText:
+    def __init__(self, codec: TextCodec | None):
+        self.dec = StreamDecoder(codec) if codec is not None else None
+
+    def add(self, tokens):
+        return list(tokens), (self.dec.add(tokens) if self.dec else ""), False
+
+    def flush(self) -> str:
+        return self.dec.flush() if self.dec else ""

@@ -21,7 +21,11 @@ from typing import Iterator, Sequence
 
 import grpc
 
+from services import bounds
+from services.guard import add_servicer
 from services.serving import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_SESSIONS,
     ComputeThread,
     ServerSpec,
     session_stream,
@@ -32,8 +36,10 @@ from services.serving import (
     policy_from_request,
     precondition,
     version,
+    workers_for,
 )
 from services.metrics import ServerMetrics
+from services.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
 from services.wire import codec
 from services.wire import contract as wire_contract
 from services.wire.kakeya.v1 import verifier_pb2 as pb, verifier_pb2_grpc
@@ -58,9 +64,19 @@ def _stats_proto(stats: dict, pending: int = 0) -> pb.SessionStats:
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     """Serves one loaded target (``LocalVerifier``) to many concurrent session streams."""
 
-    def __init__(self, max_sessions: int = 0):
+    def __init__(
+        self,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        *,
+        max_kv_bytes: int = 0,
+        queue: int = 0,
+        queue_timeout_s: float = 0.0,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_context: int = 0,
+        restore: bounds.RestoreSources | None = None,
+    ):
         self.compute = ComputeThread("verifier")
-        self.registry = SessionRegistry(max_sessions)
+        self.registry = SessionRegistry(max_sessions, max_kv_bytes, queue, queue_timeout_s, idle_timeout_s)
         self.metrics = ServerMetrics("verifier")
         self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
         self.metrics.track_kv_bytes(lambda: {"sliding": 0, "full": 0} | self.registry.bytes_by_kind("full"))
@@ -68,6 +84,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self.ready = False
         self.aux_dtype = 0
         self.device = ""
+        self.max_context_flag = max_context
+        self.limits: bounds.ContextLimits | None = None  # set by load(), from the target's config
+        self.kv_shape = None  # memory.KVShape: a session's worst-case bytes, before it allocates any
+        self.restore = restore or bounds.RestoreSources()
 
     # -- loading -----------------------------------------------------------------------
 
@@ -78,10 +98,24 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         def make():
             return local_verifier(str(target_dir), list(aux_layers), backend, **kwargs)
 
-        return self.compute.run(self._setup, make, target_dir, tuple(aux_layers))
+        return self.compute.run(self._setup, make, target_dir, tuple(aux_layers), kwargs.get("dtype"))
 
-    def _setup(self, make, target_dir, aux_layers) -> str:
+    def _setup(self, make, target_dir, aux_layers, dtype=None) -> str:
+        from services.checkpoints.config import load_target_config
+
+        from .memory import KVShape
+
+        cfg = load_target_config(target_dir)
         self.verifier = make()
+        info = self.verifier.info
+        self.limits = bounds.ContextLimits.of(
+            int(cfg.get("max_position_embeddings") or 131072), info.sliding_window, self.max_context_flag
+        )
+        self._check_restore_sources()
+        from .memory import DTYPE_BYTES
+
+        dtype = str(dtype or _dtype_name(self.verifier.target) or "")
+        self.kv_shape = KVShape.from_config(cfg, dtype if dtype in DTYPE_BYTES else None)
         backend = self.verifier.info.backend
         info = self.verifier.info
         warm_layers = aux_layers or (info.num_layers - 1,)
@@ -97,6 +131,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             f"target {target_dir} ({backend} on {self.device}, {info.num_layers} layers, vocab {info.vocab_size},"
             f" aux {codec.dtype_name(self.aux_dtype)})"
         )
+
+    def _check_restore_sources(self) -> None:
+        """Load every configured f_theta now: a bad --restore is a startup error, never a request's."""
+        load = getattr(self.verifier.target, "restorer", None)
+        for name, path in self.restore.by_name.items():
+            if load is None:
+                raise ValueError(f"--restore {name}: f_theta restoration is not implemented on the {self.verifier.info.backend} backend")
+            try:
+                load(path)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"--restore {name}={path}: {exc}") from None
 
     def _new_session(self, aux_layers, policy):
         from .session import VerifierSession
@@ -118,13 +163,49 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             aux_dtype=self.aux_dtype,
             device=self.device,
             version=version(),
-            default_cache_policy=wire_contract.policy_to_proto(self.verifier.policy.resolve(i.sliding_window)),
+            default_cache_policy=self._wire_policy(self.verifier.policy.resolve(i.sliding_window)),
             max_block_size=self.verifier.policy.slack,
             live_sessions=self.registry.live,
             max_sessions=self.registry.max_sessions,
             live_kv_bytes=self.registry.live_bytes,
             total_sessions=self.registry.total,
+            max_position_embeddings=self.limits.max_position_embeddings,
+            max_context=self.limits.max_context,
+            max_kv_bytes=self.registry.max_kv_bytes,
+            reserved_kv_bytes=self.registry.reserved_bytes,
+            restore_sources=self.restore.names(),
         )
+
+    def _wire_policy(self, policy):
+        """A policy as clients see it: restoration by source name, never by server path."""
+        return wire_contract.policy_to_proto(self.restore.to_wire(policy))
+
+    def _open_policy(self, open_, max_positions: int):
+        """Open's cache policy, checked against this server's limits before anything is allocated.
+
+        A window (or sink count) beyond the session's positions would only allocate ring slots
+        that never fill: the bound is the larger of the model's window and ``max_positions``.
+        """
+        field = "open.cache_policy"
+        policy = policy_from_request(open_.cache_policy, self.verifier.policy, field)
+        try:
+            bounds.check_window(policy, max(self.limits.sliding_window, max_positions), field)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        policy = check_policy(policy, self.verifier.info.sliding_window, field)
+        if open_.cache_policy.kind:  # the client's own policy: its restoration source is a NAME
+            try:
+                policy = self.restore.to_server(policy, field)
+            except ValueError as exc:
+                raise invalid(str(exc)) from None
+        return policy
+
+    def _worst_case_bytes(self, policy, positions: int) -> int:
+        """K/V bytes a session of ``positions`` may reach (full layers grow in steps of 256 positions)."""
+        from .memory import session_bytes
+
+        alloc = -(-(positions + policy.slack) // 256) * 256
+        return int(session_bytes(self.kv_shape, policy, alloc)["total_bytes"])
 
     def Session(self, request_iterator, context) -> Iterator[pb.VerifierResponse]:
         yield from session_stream("verifier", self.ready, self.registry, self._serve, request_iterator, context)
@@ -142,7 +223,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             if session is None:
                 if kind != "open":
                     raise precondition(f"the first message of a session must be open, got {kind or 'an empty request'}")
-                policy = policy_from_request(req.open.cache_policy, self.verifier.policy, "open.cache_policy")
+                try:
+                    bounds.check_request_id(req.open.request_id, "open.request_id")
+                except ValueError as exc:
+                    raise invalid(str(exc)) from None
+                if req.open.max_positions < 0:
+                    raise invalid(f"open.max_positions must be >= 0 (0: the server's max_context), got {req.open.max_positions}")
+                try:
+                    max_positions = self.limits.check_positions(
+                        req.open.max_positions or self.limits.max_context, "open.max_positions"
+                    )
+                except ValueError as exc:
+                    raise invalid(str(exc)) from None
+                policy = self._open_policy(req.open, max_positions)
                 layers = list(req.open.target_layer_ids) or list(self.verifier.aux_layers)
                 if not layers:
                     raise invalid("open.target_layer_ids: this verifier has no default aux layers: send them")
@@ -151,17 +244,22 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                     raise invalid(
                         f"open.target_layer_ids: {layers} must be distinct layers in [0, {n_layers})"
                     )
-                check_policy(policy, self.verifier.info.sliding_window, "open.cache_policy")
+                self.registry.reserve(entry, self._worst_case_bytes(policy, max_positions))  # may wait (--queue)
                 session = entry.session = self.compute.run(self._new_session, layers, policy)
                 resolved = session.policy
                 resp = pb.VerifierResponse(
                     opened=pb.VerifierResponse.Opened(
-                        info=self.info(), cache_policy=wire_contract.policy_to_proto(resolved), session_id=entry.id
+                        info=self.info(), cache_policy=self._wire_policy(resolved), session_id=entry.id
                     )
                 )
             elif kind == "prefill":
                 if prefilled:
                     raise precondition("prefill: already prefilled (chunked prefill is not supported yet)")
+                if len(req.prefill.token_ids) > max_positions:
+                    raise invalid(
+                        f"prefill.token_ids: {len(req.prefill.token_ids)} positions exceed this session's"
+                        f" max_positions {max_positions} (open.max_positions / --max-context)"
+                    )
                 ids = check_token_ids(req.prefill.token_ids, vocab, "prefill.token_ids")
                 next_token, aux, stats = self.compute.run(self._prefill, entry, session, ids)
                 prefilled = True
@@ -175,6 +273,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 if len(ids) > session.policy.slack:
                     raise invalid(
                         f"verify.block_ids: {len(ids)} positions exceed this session's max block size {session.policy.slack}"
+                    )
+                if session.offset + len(ids) > max_positions:
+                    raise invalid(
+                        f"verify.block_ids: {session.offset} + {len(ids)} positions exceed this session's"
+                        f" max_positions {max_positions} (open.max_positions / --max-context)"
                     )
                 choices = self.compute.run(session.verify, ids)
                 pending = len(ids)
@@ -223,6 +326,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         return tensor, _stats_proto(stats)
 
 
+def _dtype_name(target) -> str | None:
+    dtype = getattr(target, "dtype", None)
+    if dtype is None:
+        try:
+            dtype = target.inner.embed_tokens.weight.dtype  # MLX
+        except AttributeError:
+            return None
+    return str(dtype).rsplit(".", 1)[-1]
+
+
 def _device_name(target) -> str:
     if getattr(target, "device", None) is not None:
         return str(target.device)
@@ -234,9 +347,18 @@ def _device_name(target) -> str:
 
 
 def server_spec(
-    target_dir: str | Path, aux_layers: Sequence[int] = (), backend: str = "mlx", max_sessions: int = 0, **kwargs
+    target_dir: str | Path,
+    aux_layers: Sequence[int] = (),
+    backend: str = "mlx",
+    max_sessions: int = DEFAULT_MAX_SESSIONS,
+    *,
+    limits: dict | None = None,
+    tls=None,
+    **kwargs,
 ) -> ServerSpec:
-    servicer = VerifierServicer(max_sessions)
+    """``limits``: VerifierServicer's keyword arguments (max_kv_bytes, queue, idle_timeout_s, ...)."""
+    limits = dict(limits or {})
+    servicer = VerifierServicer(max_sessions, **limits)
 
     def set_ready(flag: bool) -> None:
         servicer.ready = flag
@@ -244,9 +366,11 @@ def server_spec(
     return ServerSpec(
         name="verifier",
         service_names=[SERVICE_NAME],
-        add_to_server=lambda server: verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server),
+        add_to_server=lambda server: add_servicer(server, servicer, pb.DESCRIPTOR.services_by_name["VerifierService"]),
         load=lambda: servicer.load(target_dir, aux_layers, backend, **kwargs),
         set_ready=set_ready,
-        max_workers=(max_sessions + 16) if max_sessions else 128,
+        max_workers=workers_for(max_sessions, limits.get("queue", 0)),
+        max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES,  # token ids only; answers may be big
+        tls=tls,
         metrics=servicer.metrics,
     )

@@ -33,6 +33,7 @@ ENV_MAX_MESSAGE_BYTES = "KAKEYA_GRPC_MAX_MESSAGE_BYTES"
 KEEPALIVE_TIME_MS = 60_000
 KEEPALIVE_TIMEOUT_MS = 20_000
 MIN_CLIENT_PING_INTERVAL_MS = 30_000  # server side: must stay below KEEPALIVE_TIME_MS
+PUBLIC_MAX_RECEIVE_BYTES = 4 * MiB  # the public API and the verifier take token ids, never tensors
 
 Options = list[tuple[str, int]]
 
@@ -76,9 +77,22 @@ def channel_options(max_message_bytes: int | None = None, keepalive: bool = True
     return opts
 
 
-def server_options(max_message_bytes: int | None = None, keepalive: bool = True) -> Options:
-    """Options for ``grpc.server`` / ``grpc.aio.server``."""
+def server_options(
+    max_message_bytes: int | None = None, keepalive: bool = True, max_receive_bytes: int | None = None
+) -> Options:
+    """Options for ``grpc.server`` / ``grpc.aio.server``.
+
+    ``max_receive_bytes`` lowers the receive limit only (a public API takes
+    small requests but may answer big ones): a request over it is refused with
+    RESOURCE_EXHAUSTED from its length prefix, before it is read whole.
+    ``grpc.so_reuseport`` is off: a taken port fails to bind instead of
+    silently sharing the connections with another server.
+    """
     opts = _size_options(max_message_bytes)
+    if max_receive_bytes is not None:
+        n = min(_check(int(max_receive_bytes), "max_receive_bytes"), dict(opts)["grpc.max_receive_message_length"])
+        opts = [(k, v) for k, v in opts if k != "grpc.max_receive_message_length"] + [("grpc.max_receive_message_length", n)]
+    opts.append(("grpc.so_reuseport", 0))
     if keepalive:
         opts += [
             ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),

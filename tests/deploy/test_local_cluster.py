@@ -14,10 +14,9 @@ import sys
 
 import pytest
 
-from services.checkpoints.tiny import default_pair
-from services.orchestrator.cli import build_local_engine
+from services.checkpoints.tiny import embedded_pair
+from services.orchestrator.assembly import build_local_engine, split_engine
 from services.orchestrator.engine import Request
-from services.orchestrator.server import split_engine
 from tests.services.conftest import Server, generate, request, verifier_info
 
 from .manifests import DOCKER, ROOT, argv, flag, render
@@ -79,7 +78,7 @@ def test_cpu_dev_pods_serve_on_loopback_and_balance_sessions(cluster):
     assert sum(per_replica) == len(PROMPTS)
     assert min(per_replica) >= 1, f"sessions per verifier replica: {per_replica} (round_robin should use both)"
 
-    pair = default_pair()  # what the cpu-dev servers load without --target/--draft
+    pair = embedded_pair()  # what the cpu-dev servers load without --target/--draft
     colocated = build_local_engine(str(pair.target), str(pair.draft))
     single = split_engine(v0.addr, d0.addr, None, 30.0)  # one verifier: the pre-balancing path
     for prompt, (ids, _text, complete, _chunks) in zip(PROMPTS, served):

@@ -8,7 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.drafter.dflash_mlx import block_mask, load_dflash_mlx
+from services.drafter.config import MAX_BLOCK_SIZE
+from services.drafter.context import BlockView, block_mask
+from services.drafter.dflash_mlx import load_dflash_mlx
 from services.drafter.session import MLXDrafter
 
 from .conftest import random_aux
@@ -51,9 +53,9 @@ def test_sliding_buffers_stay_bounded(pairs):
         model.extend(cache, aux[i : i + 3])
     mx.eval(cache.state)
     for t, layer in zip(model.config.layer_types, cache.layers):
-        k, _ = layer.view()
+        k, _ = layer.visible()
         if t == "sliding_attention":
-            assert k.shape[2] == keep and layer.keys.shape[2] <= keep + 16
+            assert k.shape[2] == keep and layer.keys.shape[2] <= keep + max(16, MAX_BLOCK_SIZE)
         else:
             assert k.shape[2] == 300
     # a sliding layer's visible keys are exactly the last `keep` positions' keys
@@ -126,7 +128,8 @@ def _rule(n_ctx, n_block, is_causal, window):
      (7, 16, False, 8), (7, 16, True, 8), (20, 4, False, 32), (31, 8, True, 32)],
 )
 def test_block_mask_rule(n_ctx, n_block, is_causal, window):
-    m = block_mask(n_ctx, n_block, is_causal=is_causal, window=window)
+    view = BlockView(None, n_ctx, 0, n_ctx, 0, n_ctx)
+    m = block_mask(view, n_block, is_causal=is_causal, window=window)
     want = _rule(n_ctx, n_block, is_causal, window)
     got = np.ones_like(want) if m is None else np.array(m)
     assert (got == want).all()

@@ -21,7 +21,7 @@ import time
 import grpc
 import pytest
 
-from .conftest import generate, generation_stub, request, wait_until
+from .conftest import generate, generation_stub, request, wait_until, TINY_ALL_MLX
 from .test_serve_all import pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -33,7 +33,7 @@ UNAVAILABLE_BOUND_S = 5.0  # docs/operations.md: a dead verifier is UNAVAILABLE 
 
 @pytest.fixture(scope="module")
 def served(server_factory):
-    s = server_factory("all-faults", ["all", "--grace", "5"]).start().wait_ready()
+    s = server_factory("all-faults", ["all", *TINY_ALL_MLX, "--grace", "5"]).start().wait_ready()
     yield s
     s.stop()
     for pid in _info(s)["pids"].values():  # children started after a restart too

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import generate, generation_stub, request, wait_until
+from .conftest import generate, generation_stub, request, wait_until, TINY_ALL_MLX
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -19,7 +19,7 @@ PROMPT = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48]
 
 @pytest.fixture(scope="module")
 def served(server_factory):
-    return server_factory("all-obs", ["all", "--grace", "5", "--metrics-port", "0", "--log-format", "json"]).start().wait_ready()
+    return server_factory("all-obs", ["all", *TINY_ALL_MLX, "--grace", "5", "--metrics-port", "0", "--log-format", "json"]).start().wait_ready()
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

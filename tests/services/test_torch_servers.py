@@ -31,7 +31,7 @@ N = 120  # past three wraps of the 32-position window
 @pytest.fixture(scope="module")
 def torch_servers(tiny_pair, aux_layers):
     from services.drafter.server import DrafterServicer
-    from services.drafter.session_torch import TorchDrafter
+    from services.drafter.session import TorchDrafter
     from services.verifier.model_torch import torch_verifier
     from services.verifier.server import VerifierServicer
 

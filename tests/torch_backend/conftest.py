@@ -45,7 +45,7 @@ def torch_target(tiny):
 
 @pytest.fixture(scope="session")
 def torch_drafter(tiny):
-    from services.drafter.session_torch import TorchDrafter
+    from services.drafter.session import TorchDrafter
 
     return TorchDrafter(tiny.draft, tiny.target, "cpu", "float32")
 

@@ -152,12 +152,12 @@ def test_aux_handed_to_the_drafter_stays_a_torch_tensor(verifier):
 def test_warmup_and_colocated_drafter(tiny, torch_target, torch_drafter, reference):
     """Serving helpers: warm-up leaves no state behind; the colocated drafter shares the
     target's embedding / LM head tensors and drafts exactly like the standalone one."""
-    from services.drafter.session_torch import TorchDrafter
+    from services.drafter.session import TorchDrafter
 
     assert torch_target.warmup(AUX_LAYERS, ctx=64) > 0
     co = TorchDrafter.colocated(tiny.draft, torch_target)
     assert co.model.target.embed is torch_target.model.embed
-    assert co.warmup(ctx=64) > 0
+    assert co.warm_up(ctx=64) > 0
     a = run(LocalVerifier(torch_target, tiny.target, AUX_LAYERS).open_session(), co.open_session(), PROMPT, 120, 8)
     b = run(LocalVerifier(torch_target, tiny.target, AUX_LAYERS).open_session(), torch_drafter.open_session(), PROMPT, 120, 8)
     assert a.token_ids == b.token_ids == reference[:120]

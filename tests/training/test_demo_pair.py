@@ -49,7 +49,8 @@ def test_heldout_replay_predicts_the_engines_blocks(demo_pair):
 
     from services.orchestrator.assembly import build_local_engine
     from services.orchestrator.engine import Request
-    from services.training.drafter import BlockTrainer, TorchTarget, leading_right, replay
+    from services.training.block_trainer import BlockTrainer, TorchTarget
+    from services.training.drafter_eval import leading_right, replay
 
     engine = build_local_engine(str(demo_pair.target), str(demo_pair.draft))
     cfg = json.loads((demo_pair.draft / "config.json").read_text())

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import tensor_pb2 as kakeya_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kakeya/v1/drafter.proto\x12\tkakeya.v1\x1a\x16kakeya/v1/tensor.proto\"\x17\n\x15GetDrafterInfoRequest\"\xe4\x03\n\x0b\x44rafterInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x04 \x03(\x05\x12\x15\n\rmask_token_id\x18\x05 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12#\n\taux_dtype\x18\n \x01(\x0e\x32\x10.kakeya.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x16\n\x0emax_block_size\x18\r \x01(\x05\x12\x30\n\x05\x65xtra\x18\x0f \x03(\x0b\x32!.kakeya.v1.DrafterInfo.ExtraEntry\x12\x15\n\rlive_sessions\x18\x10 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x11 \x01(\x05\x12\x15\n\rlive_kv_bytes\x18\x12 \x01(\x03\x12\x16\n\x0etotal_sessions\x18\x13 \x01(\x03\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa2\x01\n\x0c\x44rafterStats\x12\x19\n\x11\x63ontext_positions\x18\x01 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\x12\x35\n\x07metrics\x18\x0f \x03(\x0b\x32$.kakeya.v1.DrafterStats.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa9\x02\n\x0e\x44rafterRequest\x12.\n\x04open\x18\x01 \x01(\x0b\x32\x1e.kakeya.v1.DrafterRequest.OpenH\x00\x12\x30\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x1f.kakeya.v1.DrafterRequest.DraftH\x00\x12\x30\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1f.kakeya.v1.DrafterRequest.CloseH\x00\x1a\x1a\n\x04Open\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x1aS\n\x05\x44raft\x12\"\n\x07new_aux\x18\x01 \x01(\x0b\x32\x11.kakeya.v1.Tensor\x12\x12\n\nlast_token\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x1a\x07\n\x05\x43loseB\t\n\x07request\"\x8d\x03\n\x0f\x44rafterResponse\x12\x33\n\x06opened\x18\x01 \x01(\x0b\x32!.kakeya.v1.DrafterResponse.OpenedH\x00\x12\x35\n\x07\x64rafted\x18\x02 \x01(\x0b\x32\".kakeya.v1.DrafterResponse.DraftedH\x00\x12\x33\n\x06\x63losed\x18\x03 \x01(\x0b\x32!.kakeya.v1.DrafterResponse.ClosedH\x00\x12\x11\n\telapsed_s\x18\x0f \x01(\x01\x1a\x42\n\x06Opened\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kakeya.v1.DrafterInfo\x12\x12\n\nsession_id\x18\x02 \x01(\t\x1a\x44\n\x07\x44rafted\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.kakeya.v1.DrafterStats\x1a\x30\n\x06\x43losed\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.kakeya.v1.DrafterStatsB\n\n\x08response2\x9b\x01\n\x0e\x44rafterService\x12\x44\n\x07Session\x12\x19.kakeya.v1.DrafterRequest\x1a\x1a.kakeya.v1.DrafterResponse(\x01\x30\x01\x12\x43\n\x07GetInfo\x12 .kakeya.v1.GetDrafterInfoRequest\x1a\x16.kakeya.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kakeya/v1/drafter.proto\x12\tkakeya.v1\x1a\x16kakeya/v1/tensor.proto\"\x17\n\x15GetDrafterInfoRequest\"\xf9\x03\n\x0b\x44rafterInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x04 \x03(\x05\x12\x15\n\rmask_token_id\x18\x05 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12#\n\taux_dtype\x18\n \x01(\x0e\x32\x10.kakeya.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x16\n\x0emax_block_size\x18\r \x01(\x05\x12\x30\n\x05\x65xtra\x18\x0f \x03(\x0b\x32!.kakeya.v1.DrafterInfo.ExtraEntry\x12\x15\n\rlive_sessions\x18\x10 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x11 \x01(\x05\x12\x15\n\rlive_kv_bytes\x18\x12 \x01(\x03\x12\x16\n\x0etotal_sessions\x18\x13 \x01(\x03\x12\x13\n\x0bmax_context\x18\x14 \x01(\x05\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa2\x01\n\x0c\x44rafterStats\x12\x19\n\x11\x63ontext_positions\x18\x01 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\x12\x35\n\x07metrics\x18\x0f \x03(\x0b\x32$.kakeya.v1.DrafterStats.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa9\x02\n\x0e\x44rafterRequest\x12.\n\x04open\x18\x01 \x01(\x0b\x32\x1e.kakeya.v1.DrafterRequest.OpenH\x00\x12\x30\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x1f.kakeya.v1.DrafterRequest.DraftH\x00\x12\x30\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1f.kakeya.v1.DrafterRequest.CloseH\x00\x1a\x1a\n\x04Open\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x1aS\n\x05\x44raft\x12\"\n\x07new_aux\x18\x01 \x01(\x0b\x32\x11.kakeya.v1.Tensor\x12\x12\n\nlast_token\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x1a\x07\n\x05\x43loseB\t\n\x07request\"\x8d\x03\n\x0f\x44rafterResponse\x12\x33\n\x06opened\x18\x01 \x01(\x0b\x32!.kakeya.v1.DrafterResponse.OpenedH\x00\x12\x35\n\x07\x64rafted\x18\x02 \x01(\x0b\x32\".kakeya.v1.DrafterResponse.DraftedH\x00\x12\x33\n\x06\x63losed\x18\x03 \x01(\x0b\x32!.kakeya.v1.DrafterResponse.ClosedH\x00\x12\x11\n\telapsed_s\x18\x0f \x01(\x01\x1a\x42\n\x06Opened\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kakeya.v1.DrafterInfo\x12\x12\n\nsession_id\x18\x02 \x01(\t\x1a\x44\n\x07\x44rafted\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.kakeya.v1.DrafterStats\x1a\x30\n\x06\x43losed\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.kakeya.v1.DrafterStatsB\n\n\x08response2\x9b\x01\n\x0e\x44rafterService\x12\x44\n\x07Session\x12\x19.kakeya.v1.DrafterRequest\x1a\x1a.kakeya.v1.DrafterResponse(\x01\x30\x01\x12\x43\n\x07GetInfo\x12 .kakeya.v1.GetDrafterInfoRequest\x1a\x16.kakeya.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,29 +39,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETDRAFTERINFOREQUEST']._serialized_start=62
   _globals['_GETDRAFTERINFOREQUEST']._serialized_end=85
   _globals['_DRAFTERINFO']._serialized_start=88
-  _globals['_DRAFTERINFO']._serialized_end=572
-  _globals['_DRAFTERINFO_EXTRAENTRY']._serialized_start=528
-  _globals['_DRAFTERINFO_EXTRAENTRY']._serialized_end=572
-  _globals['_DRAFTERSTATS']._serialized_start=575
-  _globals['_DRAFTERSTATS']._serialized_end=737
-  _globals['_DRAFTERSTATS_METRICSENTRY']._serialized_start=691
-  _globals['_DRAFTERSTATS_METRICSENTRY']._serialized_end=737
-  _globals['_DRAFTERREQUEST']._serialized_start=740
-  _globals['_DRAFTERREQUEST']._serialized_end=1037
-  _globals['_DRAFTERREQUEST_OPEN']._serialized_start=906
-  _globals['_DRAFTERREQUEST_OPEN']._serialized_end=932
-  _globals['_DRAFTERREQUEST_DRAFT']._serialized_start=934
-  _globals['_DRAFTERREQUEST_DRAFT']._serialized_end=1017
-  _globals['_DRAFTERREQUEST_CLOSE']._serialized_start=1019
-  _globals['_DRAFTERREQUEST_CLOSE']._serialized_end=1026
-  _globals['_DRAFTERRESPONSE']._serialized_start=1040
-  _globals['_DRAFTERRESPONSE']._serialized_end=1437
-  _globals['_DRAFTERRESPONSE_OPENED']._serialized_start=1239
-  _globals['_DRAFTERRESPONSE_OPENED']._serialized_end=1305
-  _globals['_DRAFTERRESPONSE_DRAFTED']._serialized_start=1307
-  _globals['_DRAFTERRESPONSE_DRAFTED']._serialized_end=1375
-  _globals['_DRAFTERRESPONSE_CLOSED']._serialized_start=1377
-  _globals['_DRAFTERRESPONSE_CLOSED']._serialized_end=1425
-  _globals['_DRAFTERSERVICE']._serialized_start=1440
-  _globals['_DRAFTERSERVICE']._serialized_end=1595
+  _globals['_DRAFTERINFO']._serialized_end=593
+  _globals['_DRAFTERINFO_EXTRAENTRY']._serialized_start=549
+  _globals['_DRAFTERINFO_EXTRAENTRY']._serialized_end=593
+  _globals['_DRAFTERSTATS']._serialized_start=596
+  _globals['_DRAFTERSTATS']._serialized_end=758
+  _globals['_DRAFTERSTATS_METRICSENTRY']._serialized_start=712
+  _globals['_DRAFTERSTATS_METRICSENTRY']._serialized_end=758
+  _globals['_DRAFTERREQUEST']._serialized_start=761
+  _globals['_DRAFTERREQUEST']._serialized_end=1058
+  _globals['_DRAFTERREQUEST_OPEN']._serialized_start=927
+  _globals['_DRAFTERREQUEST_OPEN']._serialized_end=953
+  _globals['_DRAFTERREQUEST_DRAFT']._serialized_start=955
+  _globals['_DRAFTERREQUEST_DRAFT']._serialized_end=1038
+  _globals['_DRAFTERREQUEST_CLOSE']._serialized_start=1040
+  _globals['_DRAFTERREQUEST_CLOSE']._serialized_end=1047
+  _globals['_DRAFTERRESPONSE']._serialized_start=1061
+  _globals['_DRAFTERRESPONSE']._serialized_end=1458
+  _globals['_DRAFTERRESPONSE_OPENED']._serialized_start=1260
+  _globals['_DRAFTERRESPONSE_OPENED']._serialized_end=1326
+  _globals['_DRAFTERRESPONSE_DRAFTED']._serialized_start=1328
+  _globals['_DRAFTERRESPONSE_DRAFTED']._serialized_end=1396
+  _globals['_DRAFTERRESPONSE_CLOSED']._serialized_start=1398
+  _globals['_DRAFTERRESPONSE_CLOSED']._serialized_end=1446
+  _globals['_DRAFTERSERVICE']._serialized_start=1461
+  _globals['_DRAFTERSERVICE']._serialized_end=1616
 # @@protoc_insertion_point(module_scope)

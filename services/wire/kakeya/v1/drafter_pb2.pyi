@@ -12,7 +12,7 @@ class GetDrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("model_name", "target_model", "block_size", "target_layer_ids", "mask_token_id", "hidden_size", "num_layers", "vocab_size", "backend", "aux_dtype", "device", "version", "max_block_size", "extra", "live_sessions", "max_sessions", "live_kv_bytes", "total_sessions")
+    __slots__ = ("model_name", "target_model", "block_size", "target_layer_ids", "mask_token_id", "hidden_size", "num_layers", "vocab_size", "backend", "aux_dtype", "device", "version", "max_block_size", "extra", "live_sessions", "max_sessions", "live_kv_bytes", "total_sessions", "max_context")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class DrafterInfo(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     LIVE_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     target_model: str
     block_size: int
@@ -56,7 +57,8 @@ class DrafterInfo(_message.Message):
     max_sessions: int
     live_kv_bytes: int
     total_sessions: int
-    def __init__(self, model_name: _Optional[str] = ..., target_model: _Optional[str] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., live_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., live_kv_bytes: _Optional[int] = ..., total_sessions: _Optional[int] = ...) -> None: ...
+    max_context: int
+    def __init__(self, model_name: _Optional[str] = ..., target_model: _Optional[str] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., live_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., live_kv_bytes: _Optional[int] = ..., total_sessions: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
 
 class DrafterStats(_message.Message):
     __slots__ = ("context_positions", "kv_bytes", "metrics")

@@ -130,7 +130,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "vocab_size", "eos_token_ids", "sliding_window", "default_block_size", "max_block_size", "max_tokens_limit", "default_max_tokens", "has_tokenizer", "default_cache_policy", "target_layer_ids")
+    __slots__ = ("target_model", "draft_model", "vocab_size", "eos_token_ids", "sliding_window", "default_block_size", "max_block_size", "max_tokens_limit", "default_max_tokens", "has_tokenizer", "default_cache_policy", "target_layer_ids", "max_prompt_tokens", "max_position_embeddings")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,8 @@ class ModelInfo(_message.Message):
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
     TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     vocab_size: int
@@ -155,7 +157,9 @@ class ModelInfo(_message.Message):
     has_tokenizer: bool
     default_cache_policy: _cache_pb2.CachePolicy
     target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., sliding_window: _Optional[int] = ..., default_block_size: _Optional[int] = ..., max_block_size: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., default_cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    max_prompt_tokens: int
+    max_position_embeddings: int
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., sliding_window: _Optional[int] = ..., default_block_size: _Optional[int] = ..., max_block_size: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., default_cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., max_prompt_tokens: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,187 @@
+"""The drafter's context-cache plan: which rows each layer's K/V buffer holds, and the block mask.
+
+Backend-neutral host bookkeeping, in the way ``verifier/cache.py`` plans the
+verifier's rings. The context K/V of a DFlash drafter only ever grows (one row
+per committed position), so a layer's buffer is a preallocated array of
+``capacity`` rows whose rows ``[0, stop)`` are written; the visible ones are
+the last ``keep`` of them on a sliding layer, all of them on a full layer.
+
+* Capacity grows geometrically on full layers (``step * 2**k`` rows), so a
+  long generation reallocates O(log n) times and a backend can capture a
+  static-shape forward per capacity; a sliding layer's buffer has a fixed
+  capacity (``keep + max(step, MAX_BLOCK_SIZE)``: room for any block's scratch
+  rows) and is compacted in place (the visible rows moved to the front) when
+  it fills.
+* A block of ``B`` queries sits at positions ``length .. length+B-1``. The
+  backend either attends over ``visible ++ block`` (MLX: concatenation) or
+  writes the block's K/V into the scratch rows ``[stop, stop+B)`` and attends
+  over a span of its buffer (torch: :meth:`ContextLayout.block` with
+  ``scratch=True``). Its mask comes from here: ``span="valid"`` covers exactly
+  the visible rows and the block (same keys, in the same order, as the plain
+  concatenation), ``span="capacity"`` covers the whole buffer (a fixed shape
+  per capacity, rows that hold nothing masked out).
+
+Layers of the same kind (same ``keep``) share one layout, as all sliding rings
+of a verifier session share one ``RingLayout``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .config import MAX_BLOCK_SIZE, SLIDING, DFlashConfig
+
+DEFAULT_STEP = 256  # first capacity of a full layer; spare rows of a sliding layer
+
+
+@dataclass(frozen=True)
+class Resize:
+    """Make the buffer ``capacity`` rows holding, at its front, the old rows ``[src, src+count)``.
+
+    ``capacity`` equal to the buffer's current one: compact in place (the
+    buffer keeps its storage); larger: allocate a new buffer.
+    """
+
+    capacity: int
+    src: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Append:
+    """Write rows ``skip:`` of the new K/V into buffer rows ``[dst, dst+n)`` (after ``resize``)."""
+
+    resize: Optional[Resize]
+    skip: int
+    dst: int
+    n: int
+
+
+@dataclass(frozen=True)
+class BlockView:
+    """How one layer kind's attention sees a block of ``n_block`` queries."""
+
+    resize: Optional[Resize]  # room for the block's scratch rows (scratch=True only)
+    n_ctx: int  # visible context rows
+    start: int  # buffer rows [start, stop) are the visible context
+    stop: int
+    key_start: int  # scratch=True: attend over buffer rows [key_start, key_stop)
+    key_stop: int
+
+
+class ContextLayout:
+    """Row bookkeeping of one kind of layer (``keep=None``: full attention; else the last ``keep`` rows)."""
+
+    def __init__(self, keep: Optional[int], step: int = DEFAULT_STEP):
+        if step < 1:
+            raise ValueError(f"step must be >= 1, got {step}")
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.keep, self.step = keep, step
+        self.capacity = 0
+        self.stop = 0  # buffer rows [0, stop) are written; the newest row is stop - 1
+
+    @property
+    def start(self) -> int:
+        """First visible buffer row."""
+        return 0 if self.keep is None else max(0, self.stop - self.keep)
+
+    def _room(self, extra: int, carry: int) -> Optional[Resize]:
+        """A resize that leaves room for ``extra`` rows after the last ``carry`` written rows, or None."""
+        if self.stop + extra <= self.capacity:
+            return None
+        if self.keep is None:
+            cap = max(self.capacity, self.step)
+            while cap < carry + extra:
+                cap *= 2
+        else:
+            cap = max(self.capacity, self.keep + max(self.step, MAX_BLOCK_SIZE, extra))
+        resize = Resize(cap, self.stop - carry, carry)
+        self.capacity, self.stop = cap, carry
+        return resize
+
+    def append(self, n: int) -> Append:
+        """Plan writing ``n`` new positions (oldest first)."""
+        if n < 0:
+            raise ValueError(f"cannot append {n} rows")
+        skip = 0
+        if self.keep is not None and n >= self.keep:  # the new rows alone fill the window
+            skip, n = n - self.keep, self.keep
+            self.stop = 0
+        carry = self.stop if self.keep is None else min(self.stop, self.keep - n)
+        resize = self._room(n, carry)
+        plan = Append(resize, skip, self.stop, n)
+        self.stop += n
+        return plan
+
+    def block(self, n_block: int, scratch: bool = False, span: str = "valid") -> BlockView:
+        """Plan one block forward; ``scratch``: the block's K/V go into rows ``[stop, stop+n_block)``."""
+        if span not in ("valid", "capacity"):
+            raise ValueError(f"span must be 'valid' or 'capacity', got {span!r}")
+        resize = self._room(n_block, self.stop - self.start) if scratch else None
+        start, stop = self.start, self.stop
+        if scratch and span == "capacity":
+            key_start, key_stop = 0, self.capacity
+        else:
+            key_start, key_stop = start, stop + (n_block if scratch else 0)
+        return BlockView(resize, stop - start, start, stop, key_start, key_stop)
+
+
+class ContextPlan:
+    """The context-cache plan of one drafter session: one layout per layer kind, one length."""
+
+    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP):
+        self.length = 0  # context positions seen so far (absolute)
+        kinds: dict[Optional[int], ContextLayout] = {}
+        self.layer_layouts: list[ContextLayout] = []
+        for t in config.layer_types:
+            keep = int(config.sliding_window) - 1 if t == SLIDING else None
+            if keep not in kinds:
+                kinds[keep] = ContextLayout(keep, step)
+            self.layer_layouts.append(kinds[keep])
+        self.layouts = list(kinds.values())
+
+    def append(self, n: int) -> dict[ContextLayout, Append]:
+        """Plan ``n`` new positions for every layout."""
+        plans = {l: l.append(n) for l in self.layouts}
+        self.length += n
+        return plans
+
+    def block(self, n_block: int, scratch: bool = False, span: str = "valid") -> dict[ContextLayout, BlockView]:
+        return {l: l.block(n_block, scratch, span) for l in self.layouts}
+
+
+def block_mask(
+    view: BlockView, n_block: int, *, is_causal: bool, window: Optional[int], span: str = "valid"
+) -> Optional[np.ndarray]:
+    """Bool ``[n_block, keys]`` visibility (True = attend), or None when every key is visible.
+
+    Keys are the visible context then the block (``span="valid"``), or every
+    buffer row (``span="capacity"``: rows holding nothing, or a position a
+    query may not see, are False). Query ``i`` sits at ``C + i`` (``C`` = the
+    context length), the visible context at ``C - n_ctx .. C - 1``. Context keys
+    obey ``p_q - p_k < window``; block keys causality (if ``is_causal``) and, on
+    sliding layers, ``|p_q - p_k| < window`` (the reference's training mask;
+    it only bites when ``n_block > window``).
+    """
+    n_ctx = view.n_ctx
+    if span == "valid":
+        need_ctx = window is not None and n_ctx + n_block - 1 >= window
+        need_block = is_causal or (window is not None and n_block > window)
+        if not (need_ctx or need_block):
+            return None
+        rel = np.arange(-n_ctx, n_block)  # key positions relative to C
+    else:
+        rel = np.full(view.key_stop - view.key_start, np.iinfo(np.int64).min // 2, dtype=np.int64)
+        rows = np.arange(view.start, view.stop + n_block) - view.key_start
+        rel[rows] = np.arange(-n_ctx, n_block)
+    q, k = np.arange(n_block)[:, None], rel[None, :]
+    vis = k > np.iinfo(np.int64).min // 4  # a row that holds a position
+    if is_causal:
+        vis = vis & (k <= q)
+    if window is not None:
+        vis = vis & (np.abs(q - k) < window)
+    return vis

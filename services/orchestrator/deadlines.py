@@ -1,0 +1,103 @@
+"""Per-step deadlines on the orchestrator's backend streams.
+
+A hung peer (a stopped process, a wedged accelerator) never closes its
+connection, so only a deadline notices it. The client's deadline bounds a
+whole generation; these bound ONE step (a draft, a verify, a commit, a
+prefill) by what steps have measured so far: ``max(floor, 20 x the median
+step)``, a prefill also ``+ 10 x`` the median prefill time per prompt token
+times its length. ``--backend-timeout`` sets the floor. A step past its
+deadline cancels the stream: the drafter's then falls back to AR, the
+verifier's ends the request with DEADLINE_EXCEEDED, within seconds.
+
+One :class:`Watchdog` thread per process watches every armed step: arming
+and disarming cost a dict update, not a timer thread per step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import statistics
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+DEFAULT_BACKEND_TIMEOUT_S = 2.0
+STEP_FACTOR = 20.0
+PREFILL_FACTOR = 10.0
+
+
+class StepClock:
+    """Recent step times of one backend; turns them into a deadline for the next step."""
+
+    def __init__(self, floor_s: float = DEFAULT_BACKEND_TIMEOUT_S, window: int = 64):
+        if floor_s <= 0:
+            raise ValueError(f"--backend-timeout must be > 0 seconds, got {floor_s:g}")
+        self.floor_s = floor_s
+        self._steps: deque[float] = deque(maxlen=window)
+        self._per_token: deque[float] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def record(self, seconds: float, prefill_tokens: int = 0) -> None:
+        with self._lock:
+            if prefill_tokens:
+                self._per_token.append(seconds / prefill_tokens)
+            else:
+                self._steps.append(seconds)
+
+    def timeout(self, prefill_tokens: int = 0) -> float:
+        with self._lock:
+            step = statistics.median(self._steps) if self._steps else 0.0
+            per_token = statistics.median(self._per_token) if self._per_token else 0.0
+        t = max(self.floor_s, STEP_FACTOR * step)
+        if prefill_tokens:
+            t += PREFILL_FACTOR * per_token * prefill_tokens
+        return t
+
+
+class Watchdog:
+    """Calls ``on_expiry`` of every armed step whose deadline passed (from its own thread)."""
+
+    def __init__(self, tick_s: float = 0.05):
+        self._tick = tick_s
+        self._lock = threading.Lock()
+        self._armed: dict[int, tuple[float, Callable[[], None]]] = {}
+        self._heap: list[tuple[float, int]] = []
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, seconds: float, on_expiry: Callable[[], None]) -> int:
+        with self._lock:
+            key = next(self._ids)
+            at = time.monotonic() + seconds
+            self._armed[key] = (at, on_expiry)
+            heapq.heappush(self._heap, (at, key))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="backend-watchdog", daemon=True)
+                self._thread.start()
+            return key
+
+    def disarm(self, key: int) -> None:
+        with self._lock:
+            self._armed.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self._tick)
+            now = time.monotonic()
+            due = []
+            with self._lock:
+                while self._heap and self._heap[0][0] <= now:
+                    _, key = heapq.heappop(self._heap)
+                    hit = self._armed.pop(key, None)
+                    if hit is not None:
+                        due.append(hit[1])
+            for fn in due:
+                try:
+                    fn()
+                except Exception:  # pragma: no cover - an expiry must never kill the watchdog
+                    pass
+
+
+WATCHDOG = Watchdog()

@@ -1,0 +1,144 @@
+"""A public ``GenerateRequest`` -> validated :class:`Params`, or ``INVALID_ARGUMENT`` naming the field.
+
+Every size a client sends is checked against this server's :class:`Limits`
+before anything is tokenized past a coarse bound or allocated anywhere (see
+``services/bounds.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from services import bounds
+from services.contract import MAX_BLOCK_SIZE, CachePolicy
+from services.serving import check_policy, check_token_ids, invalid, policy_from_request
+from services.wire.kakeya.v1 import generate_pb2 as pb
+
+from .engine import Engine
+from .remote import GrpcVerifier
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What this orchestrator accepts (its flags, capped by the target's facts)."""
+
+    max_tokens_limit: int
+    default_max_tokens: int
+    max_prompt_tokens: int
+    max_context: int  # prompt + max_tokens must fit (the target's max_position_embeddings, or less)
+    restore: bounds.RestoreSources
+
+
+@dataclass
+class Params:
+    """A validated GenerateRequest."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    block_size: int
+    stop_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
+    policy: Any = None  # backend-specific cache policy, None = the verifier's default
+
+
+
+def parse_request(r: pb.GenerateRequest, engine: Engine, limits: Limits) -> Params:
+    try:
+        return _parse(r, engine, limits)
+    except ValueError as exc:  # the bounds module's checks
+        raise invalid(str(exc)) from None
+
+
+def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Params:
+    vocab = e.verifier.info.vocab_size
+    bounds.check_request_id(r.request_id)
+    which = r.WhichOneof("prompt")
+    if which is None:
+        raise invalid("prompt: set prompt.text or prompt.tokenized")
+    if which == "text":
+        if not r.text.strip():
+            raise invalid("prompt.text: empty prompt")
+        if e.codec is None:
+            raise invalid("prompt.text: this server has no tokenizer (--tokenizer); send prompt.tokenized")
+        if len(r.text) > limits.max_prompt_tokens * bounds.CHARS_PER_TOKEN_BOUND:
+            raise invalid(f"prompt.text: {len(r.text)} characters, far beyond the {limits.max_prompt_tokens}-token limit")
+        prompt = e.codec.encode(r.text)
+        field = "prompt.text"
+    else:
+        if len(r.tokenized.ids) > limits.max_prompt_tokens:
+            raise invalid(
+                f"prompt.tokenized.ids: {len(r.tokenized.ids)} tokens exceed this server's limit"
+                f" {limits.max_prompt_tokens} (--max-prompt-tokens)"
+            )
+        prompt = check_token_ids(r.tokenized.ids, vocab, "prompt.tokenized.ids")
+        field = "prompt.tokenized.ids"
+    sp = r.sampling_params
+    if not math.isfinite(sp.temperature):
+        raise invalid(f"sampling_params.temperature must be a finite number, got {sp.temperature}")
+    if sp.temperature < 0:
+        raise invalid(f"sampling_params.temperature must be >= 0, got {sp.temperature:g}")
+    if sp.temperature > 0:
+        raise invalid(
+            f"sampling_params.temperature {sp.temperature:g}: sampling is not supported yet (greedy only: send 0)"
+        )
+    if sp.top_p and not 0 < sp.top_p <= 1:
+        raise invalid(f"sampling_params.top_p must be in (0, 1] (0 = off), got {sp.top_p:g}")
+    if 0 < sp.top_p < 1:
+        raise invalid(f"sampling_params.top_p {sp.top_p:g}: nucleus sampling is not supported yet (greedy only)")
+    if sp.top_k < 0:
+        raise invalid(f"sampling_params.top_k must be >= 0 (0 = off), got {sp.top_k}")
+    if sp.top_k > 1:
+        raise invalid(f"sampling_params.top_k {sp.top_k}: top-k sampling is not supported yet (greedy only)")
+    max_tokens = sp.max_tokens or limits.default_max_tokens
+    if max_tokens < 1:
+        raise invalid(f"sampling_params.max_tokens must be >= 1 (0 = the default {limits.default_max_tokens}), got {sp.max_tokens}")
+    if max_tokens > limits.max_tokens_limit:
+        raise invalid(
+            f"sampling_params.max_tokens {max_tokens} exceeds this server's limit {limits.max_tokens_limit} (--max-tokens-limit)"
+        )
+    bounds.check_prompt(len(prompt), max_tokens, limits.max_prompt_tokens, limits.max_context, field)
+    bounds.check_stops(sp.stop, sp.stop_token_ids)
+    stops = tuple(sp.stop)
+    if any(not s for s in stops):
+        raise invalid("sampling_params.stop: stop strings must not be empty")
+    if stops and e.codec is None:
+        raise invalid("sampling_params.stop: this server has no tokenizer (--tokenizer); use stop_token_ids")
+    stop_ids = set(check_token_ids(sp.stop_token_ids, vocab, "sampling_params.stop_token_ids", allow_empty=True))
+    if not sp.ignore_eos:
+        stop_ids |= set(e.verifier.info.eos_token_ids)
+    max_block = MAX_BLOCK_SIZE
+    if not 0 <= r.block_size <= max_block:
+        raise invalid(f"block_size must be 0 (the drafter's default) or 1..{max_block}, got {r.block_size}")
+    block_size = r.block_size or e.default_block_size
+    policy = None
+    if r.HasField("cache_policy"):
+        local = policy_from_request(r.cache_policy, getattr(e.verifier, "policy", None) or CachePolicy(), "cache_policy")
+        bounds.check_window(local, max(e.verifier.info.sliding_window, limits.max_context), "cache_policy")
+        check_policy(local, e.verifier.info.sliding_window, "cache_policy")
+        if not isinstance(e.verifier, GrpcVerifier):  # colocated: the name picks one of our --restore sources
+            local = limits.restore.to_server(local, "cache_policy")
+        slack = r.cache_policy.slack or _default_slack(e)
+        if block_size > slack:
+            raise invalid(f"cache_policy.slack {slack} is smaller than block_size {block_size}: rollback would not be exact")
+        policy = r.cache_policy if isinstance(e.verifier, GrpcVerifier) else local
+    return Params(
+        request_id=r.request_id or uuid.uuid4().hex[:16],
+        prompt_ids=list(prompt),
+        max_tokens=max_tokens,
+        block_size=block_size,
+        stop_ids=frozenset(stop_ids),
+        stop_strings=stops,
+        policy=policy,
+    )
+
+
+def _default_slack(e: Engine) -> int:
+    v = e.verifier
+    if isinstance(v, GrpcVerifier):
+        return v.default_cache_policy.slack or v.max_block_size
+    return v.policy.slack
+

@@ -1,0 +1,115 @@
+"""How well a drafter drafts: held-out acceptance, replayed from teacher-forced candidates and measured with the real engine."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from services.checkpoints import tokenizer as tk
+
+from . import data
+
+from .block_trainer import BlockTrainer
+
+
+def replay(leading: np.ndarray) -> list[int]:
+    """Tokens each block commits when the loop walks a sequence whose anchor ``i`` (``i``-th position
+    after the prompt) has ``leading[i]`` right candidates: a block commits ``1 + leading[i]``."""
+    out, i = [], 0
+    while i < len(leading):
+        out.append(1 + int(leading[i]))
+        i += out[-1]
+    return out
+
+
+def leading_right(trainer: BlockTrainer, seqs: np.ndarray, aux: np.ndarray, prompt_len: int, B: int,
+                  batch: int = 4) -> tuple[np.ndarray, np.ndarray, float]:
+    """Teacher-forced blocks at EVERY anchor ``prompt_len .. T-B`` of each sequence.
+
+    Returns ``leading`` [N, anchors] (right candidates before the first wrong one), ``right``
+    [N * anchors, B-1] (each candidate right or not) and the mean cross-entropy. Labels are the
+    target's greedy tokens and the context is the target's aux of them, exactly what the engine
+    sees, so the candidates at anchor ``a`` are the ones the loop would draft there.
+    """
+    torch = trainer.torch
+    anchors = np.arange(prompt_len, seqs.shape[1] - B + 1)
+    ce_sum, n, leading, right = 0.0, 0, [], []
+    was_training = trainer.model.training
+    trainer.model.eval()
+    with torch.no_grad():
+        for i in range(0, len(seqs), batch):
+            s = seqs[i : i + batch]
+            anc = np.broadcast_to(anchors, (len(s), len(anchors)))
+            logits, labels = trainer.block_logits(s, aux[i : i + batch].astype(np.float32), anc, B)
+            ce_sum += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                              reduction="sum"))
+            n += labels.numel()
+            ok = (logits.argmax(-1) == labels).cpu().numpy().reshape(len(s), len(anchors), B - 1)
+            right.append(ok.reshape(-1, B - 1))
+            leading.append(np.cumprod(ok, axis=2).sum(2))
+    trainer.model.train(was_training)
+    return np.concatenate(leading), np.concatenate(right), ce_sum / n
+
+
+def evaluate(trainer: BlockTrainer, seqs: np.ndarray, aux: np.ndarray, prompt_len: int, B: int) -> dict:
+    """Held-out figures at block size ``B``.
+
+    ``acceptance`` replays the loop on each sequence (:func:`replay`) and is tokens per block as
+    the engine counts it. ``acceptance_uniform_anchors`` (1 + mean right run over all anchors)
+    overstates it: a long accepted run is one block for the loop but many anchors, and the
+    blocks after a miss start at the hard positions.
+    """
+    lead, right, ce = leading_right(trainer, seqs, aux, prompt_len, B)
+    lengths = [n for row in lead for n in replay(row)]
+    return {
+        "block_size": B,
+        "loss": round(ce, 5),
+        "acc_per_position": [round(float(x), 4) for x in right.mean(0)],
+        "acceptance": round(float(np.mean(lengths)), 4),
+        "acceptance_uniform_anchors": round(1.0 + float(lead.mean()), 4),
+        "blocks": len(lengths),
+        "sequences": int(len(seqs)),
+    }
+
+
+# --------------------------------------------------------------------------- acceptance with the real engine
+
+
+def heldout_prompts(corpus: data.Corpus, n: int, length: int) -> list[list[int]]:
+    """``n`` held-out prompts of ``length`` tokens, evenly spaced over the held-out files, each starting with <bos>."""
+    win = data.fixed_windows(corpus.heldout, n, length - 1)
+    return [[tk.BOS_ID] + [int(t) for t in w] for w in win]
+
+
+def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[list[int]], block_sizes: Sequence[int],
+                       max_tokens: int, backend: str = "mlx") -> dict:
+    """Mean acceptance per block size with the real loop (``backend`` verifier + drafter, native cache)."""
+    from services.orchestrator.assembly import build_local_engine
+    from services.orchestrator.engine import Request
+
+    engine = build_local_engine(str(target_dir), str(draft_dir), backend)
+    out: dict = {}
+    ref: list[list[int]] = []
+    for p in prompts:
+        ref.append(engine.generate(Request(p, max_tokens=max_tokens, block_size=1, ignore_eos=True)).token_ids)
+    for B in block_sizes:
+        lengths, lossless = [], True
+        t0 = time.time()
+        for p, r in zip(prompts, ref):
+            g = engine.generate(Request(p, max_tokens=max_tokens, block_size=B, ignore_eos=True))
+            lengths += g.acceptance_lengths
+            lossless &= g.token_ids == r
+        out[str(B)] = {
+            "mean_acceptance": round(float(np.mean(lengths)), 4),
+            "blocks": len(lengths),
+            "histogram": np.bincount(lengths, minlength=B + 1)[1:].tolist(),
+            "lossless_vs_block1": bool(lossless),
+            "wall_s": round(time.time() - t0, 2),
+        }
+    return out
+
+
+# --------------------------------------------------------------------------- main

@@ -1,0 +1,216 @@
+"""Admission (session limit, K/V budget, wait queue), idle expiry and no leaks, on a real verifier.
+
+The budget admits exactly one session of ``POSITIONS`` positions: its worst
+case is predicted from the config by ``services/verifier/memory.py`` (the
+same arithmetic the server uses), so a second is RESOURCE_EXHAUSTED naming
+``--max-kv-bytes`` (or waits, with ``--queue``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from services.wire.kakeya.v1 import drafter_pb2, generate_pb2, verifier_pb2
+
+from .conftest import drafter_info, drafter_stub, generation_stub, start_all, verifier_info, verifier_stub, wait_until, TINY_MLX
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+POSITIONS = 600  # worst case rounds to 768 positions; a session of 8 to 256: both fit the budget, two of these do not
+PROMPT = [2, 40, 41, 42, 43, 44]
+V = verifier_pb2.VerifierRequest
+
+
+def _worst_case(tiny_pair) -> int:
+    from services.checkpoints.config import load_target_config
+    from services.contract import CachePolicy
+    from services.verifier.memory import KVShape, session_bytes
+
+    shape = KVShape.from_config(load_target_config(tiny_pair.target))
+    alloc = -(-(POSITIONS + 16) // 256) * 256
+    return session_bytes(shape, CachePolicy(), alloc)["total_bytes"]
+
+
+@pytest.fixture(scope="module")
+def servers(server_factory, tiny_pair):
+    one = _worst_case(tiny_pair)
+    budget = ["--max-kv-bytes", str(one + one // 2)]
+    strict = server_factory("strict", ["verifier", *TINY_MLX, *budget, "--max-sessions", "8", "--idle-timeout", "3", "--grace", "1"])
+    queued = server_factory("queued", ["verifier", *TINY_MLX, *budget, "--queue", "1", "--queue-timeout", "8", "--grace", "1"])
+    small = server_factory("small", ["verifier", *TINY_MLX, "--max-sessions", "3", "--grace", "1"])
+    drafter = server_factory("drafter", ["drafter", *TINY_MLX, "--idle-timeout", "2", "--grace", "1"])
+    start_all([strict, queued, small, drafter])
+    orch = server_factory("orchestrator", ["orchestrator", "--verifier", small.addr, "--grace", "1"])
+    start_all([orch])
+    return {"strict": strict, "queued": queued, "small": small, "drafter": drafter, "orchestrator": orch, "one": one}
+
+
+class Session:
+    """A verifier Session stream driven message by message."""
+
+    def __init__(self, addr, timeout=60, max_positions=POSITIONS):
+        self._q: list = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self.call = verifier_stub(addr).Session(self._requests(), timeout=timeout)
+        self.send(V(open=V.Open(max_positions=max_positions)))
+
+    def _requests(self):
+        while True:
+            with self._cv:
+                while not self._q and not self._closed:
+                    if self._cv.wait(0.5) is False and self.call.done():
+                        return  # the call ended: stop feeding it (no thread left behind)
+                if not self._q:
+                    return
+                msg = self._q.pop(0)
+            yield msg
+
+    def send(self, msg):
+        with self._cv:
+            self._q.append(msg)
+            self._cv.notify()
+
+    def half_close(self):
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+    def next(self):
+        return next(self.call)
+
+
+def _free(addr):
+    i = verifier_info(addr)
+    return i.live_sessions == 0 and i.live_kv_bytes == 0 and i.reserved_kv_bytes == 0
+
+
+def test_the_kv_budget_admits_by_worst_case_and_names_the_limit(servers):
+    addr = servers["strict"].addr
+    a = Session(addr)
+    assert a.next().WhichOneof("response") == "opened"
+    assert verifier_info(addr).reserved_kv_bytes == servers["one"]
+    b = Session(addr)
+    with pytest.raises(grpc.RpcError) as err:
+        b.next()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-kv-bytes" in err.value.details()
+    # a small session still fits beside it
+    c = Session(addr, max_positions=8)
+    assert c.next().WhichOneof("response") == "opened"
+    for s in (a, c):
+        s.send(V(close=V.Close()))
+        assert s.next().WhichOneof("response") == "closed"
+    wait_until(lambda: _free(addr), what="the budget back to 0")
+    d = Session(addr)
+    assert d.next().WhichOneof("response") == "opened"
+    d.call.cancel()
+    wait_until(lambda: _free(addr), what="a cancelled session's reservation freed")
+
+
+def test_a_queued_session_waits_for_room(servers):
+    addr = servers["queued"].addr
+    a = Session(addr)
+    assert a.next().WhichOneof("response") == "opened"
+    t0 = time.monotonic()
+    b = Session(addr)
+    threading.Timer(1.0, lambda: a.call.cancel()).start()
+    assert b.next().WhichOneof("response") == "opened"  # admitted once a is gone
+    assert 0.8 < time.monotonic() - t0 < 8
+    # the queue holds one: a third and fourth while b is live -> one waits, one is refused at once
+    c = Session(addr)
+    time.sleep(0.3)
+    d = Session(addr)
+    with pytest.raises(grpc.RpcError) as err:
+        d.next()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:  # c times out in the queue
+        c.next()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--queue-timeout" in err.value.details()
+    b.call.cancel()
+    wait_until(lambda: _free(addr), what="everything freed")
+
+
+@pytest.mark.parametrize("ending", ["finished", "half-closed", "cancelled", "errored", "deadline", "idle"])
+def test_every_way_a_session_ends_frees_its_memory(servers, ending):
+    addr = servers["strict"].addr
+    s = Session(addr, timeout=2 if ending == "deadline" else 60)
+    assert s.next().WhichOneof("response") == "opened"
+    s.send(V(prefill=V.Prefill(token_ids=PROMPT)))
+    assert s.next().WhichOneof("response") == "prefilled"
+    live = verifier_info(addr)
+    assert live.live_sessions == 1 and live.live_kv_bytes > 0 and live.reserved_kv_bytes >= live.live_kv_bytes
+    if ending == "finished":
+        s.send(V(close=V.Close()))
+        assert s.next().WhichOneof("response") == "closed"
+    elif ending == "half-closed":
+        s.half_close()
+        with pytest.raises(StopIteration):
+            s.next()
+    elif ending == "cancelled":
+        s.call.cancel()
+    elif ending == "errored":
+        s.send(V(commit=V.Commit(n_keep=1)))  # nothing pending: FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as err:
+            s.next()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    elif ending == "deadline":
+        with pytest.raises(grpc.RpcError) as err:
+            s.next()
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    else:  # idle: the server closes a session whose client sends nothing for --idle-timeout (3 s)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            s.next()
+        assert err.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert time.monotonic() - t0 < 7
+    wait_until(lambda: _free(addr), timeout=10, what=f"a {ending} session's memory freed")
+
+
+def test_an_idle_drafter_session_expires(servers):
+    addr = servers["drafter"].addr
+    stop = threading.Event()
+
+    def requests():
+        yield drafter_pb2.DrafterRequest(open=drafter_pb2.DrafterRequest.Open())
+        stop.wait(30)
+
+    call = drafter_stub(addr).Session(requests(), timeout=30)
+    assert next(call).WhichOneof("response") == "opened"
+    with pytest.raises(grpc.RpcError):
+        next(call)
+    stop.set()
+    wait_until(lambda: drafter_info(addr).live_sessions == 0, timeout=10, what="the idle drafter session closed")
+
+
+def test_idle_streams_beyond_the_limit_leave_the_public_api_answering(servers):
+    """~128 opened-but-idle verifier streams: the limit refuses the extra ones, GetInfo/Generate still answer."""
+    small, orch = servers["small"].addr, servers["orchestrator"].addr
+    held, refused = [], 0
+    for _ in range(128):
+        s = Session(small, timeout=60)
+        held.append(s)
+    for s in held:
+        try:
+            s.next()
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            refused += 1
+    assert refused == 128 - 3
+    t0 = time.monotonic()
+    assert verifier_info(small).live_sessions == 3
+    stub = generation_stub(orch)
+    assert stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=5).vocab_size > 0
+    req = generate_pb2.GenerateRequest(sampling_params=generate_pb2.SamplingParams(max_tokens=4))
+    req.tokenized.ids.extend(PROMPT)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(req, timeout=10))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-sessions" in err.value.details()
+    assert time.monotonic() - t0 < 5
+    for s in held:
+        s.call.cancel()
+    wait_until(lambda: verifier_info(small).live_sessions == 0, what="the held streams freed")
+    assert len(list(stub.Generate(req, timeout=30))) >= 2

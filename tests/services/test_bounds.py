@@ -1,0 +1,203 @@
+"""Every client-controlled size and string is bounded, on real servers (issue #14's red-team findings).
+
+A verifier (``--max-context 512``, one restoration source ``tiny``), a drafter
+(``--max-context 512``) and a split orchestrator (``--max-prompt-tokens 64``).
+Each bad request ends at once with INVALID_ARGUMENT (or RESOURCE_EXHAUSTED for
+an oversized message) naming the field, and the servers keep serving.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from services.wire import codec
+from services.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, verifier_pb2
+
+from .conftest import channel, drafter_stub, generate, generation_stub, request, start_all, verifier_info, verifier_stub, TINY_MLX
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PROMPT = [2, 40, 41, 42, 43, 44, 45, 46]
+MAX_CONTEXT = 512
+MAX_PROMPT = 64
+
+
+@pytest.fixture(scope="module")
+def ftheta_dir(tmp_path_factory, tiny_pair, mlx_target):
+    from services.drafter.dflash_mlx import load_dflash_mlx
+    from services.verifier.ftheta import Restorer
+
+    draft = load_dflash_mlx(tiny_pair.draft, tiny_pair.target)
+    out = tmp_path_factory.mktemp("ftheta")
+    Restorer.init(mlx_target, draft, rank=16, draft_dir=tiny_pair.draft, target_dir=tiny_pair.target, seed=1).save(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def servers(server_factory, ftheta_dir):
+    v = server_factory("verifier", ["verifier", *TINY_MLX, "--max-context", str(MAX_CONTEXT), "--restore", f"tiny={ftheta_dir}", "--grace", "2"])
+    d = server_factory("drafter", ["drafter", *TINY_MLX, "--max-context", str(MAX_CONTEXT), "--grace", "2"])
+    start_all([v, d])
+    o = server_factory(
+        "orchestrator",
+        ["orchestrator", "--verifier", v.addr, "--drafter", d.addr, "--max-prompt-tokens", str(MAX_PROMPT), "--grace", "2"],
+    )
+    start_all([o])
+    return {"verifier": v, "drafter": d, "orchestrator": o}
+
+
+def _code(fn):
+    """(status code, details, seconds) of a call that must fail."""
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        fn()
+    return err.value.code(), err.value.details(), time.monotonic() - t0
+
+
+def _still_serves(servers):
+    ids, _, complete, _ = generate(servers["orchestrator"].addr, request(PROMPT, max_tokens=6))
+    assert len(ids) == 6 and complete.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+
+
+def _with_policy(**policy):
+    req = request(PROMPT, max_tokens=6)
+    req.cache_policy.CopyFrom(cache_pb2.CachePolicy(**policy))
+    return req
+
+
+@pytest.mark.parametrize(
+    "policy, field",
+    [
+        (dict(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, window=2**31 - 1), "cache_policy.window"),
+        (dict(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, window=8, sink=2**31 - 1), "cache_policy.sink"),
+    ],
+)
+def test_huge_cache_policy_sizes_are_refused_at_once(servers, policy, field):
+    code, details, seconds = _code(lambda: generate(servers["orchestrator"].addr, _with_policy(**policy)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details and seconds < 2
+    # the verifier refuses it on its own too (a client may reach it directly)
+    open_ = verifier_pb2.VerifierRequest.Open(cache_policy=cache_pb2.CachePolicy(**policy))
+    call = verifier_stub(servers["verifier"].addr).Session(iter([verifier_pb2.VerifierRequest(open=open_)]), timeout=10)
+    code, details, seconds = _code(lambda: list(call))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "open." + field in details and seconds < 2
+    _still_serves(servers)
+
+
+def test_prompt_length_and_context_limits(servers):
+    addr = servers["orchestrator"].addr
+    code, details, _ = _code(lambda: generate(addr, request([5] * (MAX_PROMPT + 1), max_tokens=4)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "prompt.tokenized.ids" in details and "--max-prompt-tokens" in details
+    info = generation_stub(addr).GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
+    assert info.max_prompt_tokens == MAX_PROMPT and info.max_position_embeddings == 131072  # the tiny target's
+    # prompt + max_tokens beyond the verifier's context: refused before any session opens
+    code, details, _ = _code(lambda: generate(addr, request(PROMPT, max_tokens=MAX_CONTEXT)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in details
+    ids, _, _, _ = generate(addr, request(PROMPT, max_tokens=MAX_CONTEXT - len(PROMPT)), timeout=200)
+    assert len(ids) == MAX_CONTEXT - len(PROMPT)
+
+
+def test_the_verifier_holds_a_session_to_its_max_positions(servers):
+    stub = verifier_stub(servers["verifier"].addr)
+    msgs = [
+        verifier_pb2.VerifierRequest(open=verifier_pb2.VerifierRequest.Open(max_positions=5)),
+        verifier_pb2.VerifierRequest(prefill=verifier_pb2.VerifierRequest.Prefill(token_ids=PROMPT[:4])),
+        verifier_pb2.VerifierRequest(verify=verifier_pb2.VerifierRequest.Verify(block_ids=[3, 4])),
+    ]
+    code, details, _ = _code(lambda: list(stub.Session(iter(msgs), timeout=10)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "verify.block_ids" in details and "max_positions 5" in details
+    msgs = [verifier_pb2.VerifierRequest(open=verifier_pb2.VerifierRequest.Open(max_positions=MAX_CONTEXT + 1))]
+    code, details, _ = _code(lambda: list(stub.Session(iter(msgs), timeout=10)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "open.max_positions" in details
+
+
+def test_drafter_aux_rows_are_bounded(servers):
+    info = servers["drafter"]
+    width = drafter_stub(info.addr).GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10)
+    aux_width = len(width.target_layer_ids) * width.hidden_size
+    aux = codec.to_proto(np.zeros((MAX_CONTEXT + 1, aux_width), np.float32))
+    msgs = [
+        drafter_pb2.DrafterRequest(open=drafter_pb2.DrafterRequest.Open()),
+        drafter_pb2.DrafterRequest(draft=drafter_pb2.DrafterRequest.Draft(new_aux=aux, last_token=3, block_size=4)),
+    ]
+    code, details, _ = _code(lambda: list(drafter_stub(info.addr).Session(iter(msgs), timeout=10)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "draft.new_aux" in details and "--max-context" in details
+
+
+@pytest.mark.parametrize("rid", ["é", "a\nb", "tab\there", "x" * 129, "\x00"])
+def test_bad_request_ids_are_invalid_argument(servers, rid):
+    req = request(PROMPT, max_tokens=4)
+    req.request_id = rid
+    code, details, _ = _code(lambda: generate(servers["orchestrator"].addr, req))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in details
+
+
+def test_a_good_request_id_travels(servers):
+    req = request(PROMPT, max_tokens=4)
+    req.request_id = "req-" + "A" * 124  # 128 printable characters
+    assert len(generate(servers["orchestrator"].addr, req)[0]) == 4
+
+
+@pytest.mark.parametrize(
+    "method, raw",
+    [
+        ("/kakeya.v1.Generation/Generate", b"\xff\xff\xff\xff"),
+        ("/kakeya.v1.Generation/Generate", b"\x12\x02\xc3\x28"),  # `text` with invalid UTF-8
+        ("/kakeya.v1.Generation/GetModelInfo", b"\x0a\x05ab"),
+    ],
+)
+def test_undecodable_public_requests_are_invalid_argument(servers, method, raw):
+    ch = channel(servers["orchestrator"].addr)
+    if method.endswith("Generate"):
+        call = ch.unary_stream(method, request_serializer=None, response_deserializer=None)
+        code, details, _ = _code(lambda: list(call(raw, timeout=10)))
+    else:
+        call = ch.unary_unary(method, request_serializer=None, response_deserializer=None)
+        code, details, _ = _code(lambda: call(raw, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "cannot decode" in details
+
+
+@pytest.mark.parametrize("service, name", [("verifier", "VerifierService"), ("drafter", "DrafterService")])
+def test_undecodable_session_messages_are_invalid_argument(servers, service, name):
+    ch = channel(servers[service].addr)
+    call = ch.stream_stream(f"/kakeya.v1.{name}/Session", request_serializer=None, response_deserializer=None)
+    code, details, _ = _code(lambda: list(call(iter([b"\x0a\xff\xff\xff\xff\x0f"]), timeout=10)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "cannot decode" in details
+
+
+def test_an_oversized_public_request_is_refused_before_it_is_read(servers):
+    req = generate_pb2.GenerateRequest(text="a" * (5 * 1024 * 1024))
+    code, details, _ = _code(lambda: generate(servers["orchestrator"].addr, req))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details
+    _still_serves(servers)
+
+
+def test_restore_sources_are_names_configured_on_the_server(servers, ftheta_dir):
+    info = verifier_info(servers["verifier"].addr)
+    assert list(info.restore_sources) == ["tiny"]
+    addr = servers["orchestrator"].addr
+    for bad in ("/etc", str(ftheta_dir), "../tiny", "nope"):  # never a path, even the configured one
+        req = _with_policy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, sink=4, window=16, restore_path=bad)
+        code, details, _ = _code(lambda: generate(addr, req))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "restore_path" in details and "unknown restoration source" in details
+    req = _with_policy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, sink=4, window=16, restore_path="tiny")
+    req.sampling_params.max_tokens = 40
+    ids, _, complete, _ = generate(addr, req)
+    assert len(ids) == 40 and complete.stats.cache_policy.endswith("+restore")
+    assert str(ftheta_dir) not in str(complete)  # the server's path never reaches a client
+
+
+def test_stop_lists_are_bounded(servers):
+    req = request(PROMPT, max_tokens=4)
+    req.sampling_params.stop_token_ids.extend([5] * 2000)
+    code, details, _ = _code(lambda: generate(servers["orchestrator"].addr, req))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "stop_token_ids" in details
+
+
+def test_a_nan_temperature_is_not_greedy(servers):
+    req = request(PROMPT, max_tokens=4, temperature=float("nan"))
+    code, details, _ = _code(lambda: generate(servers["orchestrator"].addr, req))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in details
