@@ -23,6 +23,14 @@ the caching allocator is sized); CUDA is synchronised only around timed regions
     python benchmarks/gpu_projection.py --device cuda             # the real thing
     python benchmarks/gpu_projection.py --small --device cpu      # scaled down, for CI
 
+Against the hardware: each ``t_verify[L]`` (L = 1, 2, 4, 8, 16) is reported beside
+its **expert-union roofline** -- the bytes a verify of L tokens must read at least,
+the dense (non-expert) parameters plus the fraction ``1 - (1 - k/E)^L`` of the
+expert parameters that L uniformly routed tokens touch, over the HBM bandwidth
+(H100 3.35 TB/s, H200 4.8 TB/s, picked by device name; ``--bandwidth-tbs`` for
+others). And fidelity in low precision: the speculative decode's tokens vs the
+engine's own AR in the same dtype (fraction identical, first divergence).
+
 Writes JSON to ``benchmarks/results/gpu_projection.json`` (``gpu_projection_small.json`` with
 ``--small``; ``--out`` to choose).
 """
@@ -268,6 +276,67 @@ def measure(target: TargetTorch, drafter: TorchDrafter, ctx: int, reps: int, see
     }
 
 
+# HBM bandwidth (bytes/s) by device-name fragment; the roofline divides the bytes a step must read by it
+HBM_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
+ROOFLINE_L = (1, 2, 4, 8, 16)
+
+
+def hbm_bandwidth(device_name: str) -> float | None:
+    for key, bw in HBM_BANDWIDTH.items():
+        if key in device_name:
+            return bw
+    return None
+
+
+def weight_bytes(target: TargetTorch) -> dict:
+    """Bytes of the target's dense (non-expert) weights and of its routed experts."""
+    m = target.model
+    experts = sum(l.moe.gate_up.nbytes + l.moe.down.nbytes for l in m.layers if l.moe is not None)
+    total = sum(b.nbytes for b in m.buffers()) + (m.lm_head.nbytes if m.lm_head is not None else 0)
+    return {"dense": total - experts, "experts": experts}
+
+
+def expert_fraction(L: int, k: int, E: int) -> float:
+    """Expected fraction of the experts that L tokens with uniform top-k routing touch."""
+    return 1.0 - (1.0 - k / E) ** L
+
+
+def roofline(target: TargetTorch, t_verify_ms: dict, bandwidth: float | None) -> dict:
+    """Per L: bytes read (dense + touched experts), the roofline time and t_verify over it."""
+    a = target.args
+    wb = weight_bytes(target)
+    rows = {}
+    for L in ROOFLINE_L:
+        frac = expert_fraction(L, a.top_k_experts, a.num_experts) if a.enable_moe_block else 0.0
+        nbytes = wb["dense"] + frac * wb["experts"]
+        row = {"experts_touched": frac, "bytes": nbytes, "t_verify_ms": t_verify_ms[str(L)]}
+        if bandwidth:
+            row["roofline_ms"] = nbytes / bandwidth * 1e3
+            row["over_roofline"] = row["t_verify_ms"] / row["roofline_ms"]
+        rows[str(L)] = row
+    return {"bandwidth_bytes_s": bandwidth, "weight_bytes": wb, "per_L": rows,
+            "model": "t_verify(L) >= (dense + (1 - (1 - k/E)^L) * experts) bytes / HBM bandwidth"}
+
+
+def agreement(target: TargetTorch, drafter: TorchDrafter, n: int, block_size: int, seed: int = 2) -> dict:
+    """Speculative vs the engine's own AR in the model's dtype: fraction identical, first divergence."""
+    from services.orchestrator.loop import run
+
+    rng = np.random.default_rng(seed)
+    prompt = [2] + [int(t) for t in rng.integers(5, target.args.vocab_size, 31)]
+    aux = drafter.target_layer_ids
+
+    def decode(L):
+        vs = VerifierSession(target, aux, CachePolicy(slack=MAX_L))
+        return run(vs, drafter.open_session(), prompt, n, L).token_ids
+
+    ar, spec = decode(1), decode(block_size)
+    same = [a == b for a, b in zip(ar, spec)]
+    first = next((i for i, s in enumerate(same) if not s), None)
+    return {"tokens": n, "block_size": block_size, "fraction_identical": sum(same) / max(1, len(same)),
+            "first_divergence": first, "note": "near-tie flips are expected in bf16; silent drift is not"}
+
+
 def param_count(target: TargetTorch, drafter: TorchDrafter) -> dict:
     tgt = sum(b.numel() for b in target.model.buffers())
     if target.model.lm_head is not None:
@@ -284,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=None, help="context length (default 1238, --small 160)")
     p.add_argument("--reps", type=int, default=None, help="timed calls per shape (default 20, --small 3)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
+    p.add_argument("--bandwidth-tbs", type=float, default=None,
+                   help="HBM bandwidth in TB/s for the roofline (default: by device name, H100 3.35, H200 4.8)")
+    p.add_argument("--agree-tokens", type=int, default=None, help="tokens for the AR-vs-speculative check (default 64, --small 12)")
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"], help="the verifier's CUDA graphs")
     p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT.relative_to(ROOT)} ({SMALL_OUT.name} with --small)")
     args = p.parse_args(argv)
     if args.threads:
@@ -297,19 +370,24 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or (3 if args.small else 20)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    target = TargetTorch.random(Gemma4Args(**shape), device, dtype, seed=0)
+    graphs = None if args.cuda_graphs == "auto" else args.cuda_graphs == "on"
+    target = TargetTorch.random(Gemma4Args(**shape), device, dtype, seed=0, cuda_graphs=graphs)
     drafter = random_drafter(draft_config(dshape, shape["vocab_size"]), target)
     sync(device)
     build_s = time.perf_counter() - t0
 
     with torch.inference_mode():
         result = measure(target, drafter, ctx, reps)
+        agree = agreement(target, drafter, args.agree_tokens or (12 if args.small else 64), 8)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    bandwidth = args.bandwidth_tbs * 1e12 if args.bandwidth_tbs else hbm_bandwidth(device_name)
 
     out = {
         "benchmark": "gpu_projection",
         "small": bool(args.small),
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        "device_name": device_name,
+        "cuda_graphs": target.graph_options.capture,
         "dtype": str(dtype).replace("torch.", ""),
         "torch": torch.__version__,
         "ctx": ctx,
@@ -322,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         "weights": "random (projection only: acceptance tau is an input, not measured)",
         "formula": "speedup(tau, L) = tau * t_ar / (t_draft[L] + t_verify[L]), tau <= L",
         **result,
+        "roofline": roofline(target, result["t_verify_ms"], bandwidth),
+        "agreement_with_own_ar": agree,
     }
     if device.type == "cuda":
         out["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -334,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
         f"draft(8/16) {out['t_draft_ms']['8']:.2f}/{out['t_draft_ms']['16']:.2f} ms"
     )
     print("best projected speedup per tau: " + ", ".join(f"tau {t}: {v['speedup']:.2f}x @L={v['block_size']}" for t, v in b.items()))
+    for L, row in out["roofline"]["per_L"].items():
+        if "roofline_ms" in row:
+            print(f"verify({L}): {row['t_verify_ms']:.2f} ms = {row['over_roofline']:.1f}x its expert-union roofline "
+                  f"{row['roofline_ms']:.2f} ms ({row['experts_touched']:.0%} of experts)")
+    g = out["agreement_with_own_ar"]
+    print(f"{out['dtype']} speculative vs own AR: {g['fraction_identical']:.1%} identical, first divergence {g['first_divergence']}")
     print(f"wrote {args.out}")
     return 0
 

@@ -1,5 +1,5 @@
 """Tensor helpers shared by the PyTorch target (``verifier/gemma4_torch.py``) and drafter
-(``drafter/dflash_torch.py``): device/dtype resolution, the two RMSNorm conventions, RoPE.
+(``drafter/dflash_torch.py``): device/dtype resolution, the two RMSNorm conventions, RoPE, the one SDPA call.
 
 Both models normalise in float32; they differ in *when* the result goes back to
 the activation dtype, which matters in bf16/fp16:
@@ -18,6 +18,8 @@ with its reference in low precision.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 DTYPES = {
     "float32": torch.float32,
@@ -64,6 +66,9 @@ def _normalized_f32(x: torch.Tensor, eps: float) -> torch.Tensor:
 def gemma4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Gemma-4 RMSNorm: ``x * rsqrt(mean(x^2) + eps) * weight`` all in float32, then cast to x's
     dtype; ``weight=None`` is the scale-free norm (Gemma-4's V norm, router input)."""
+    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        # one fused op, the same numbers in float32 (tests/torch_backend/test_torch_ops.py); 43 per verify
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     out = _normalized_f32(x, eps)
     if weight is not None:
         out = out * weight.float()
@@ -106,3 +111,86 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (last axis = head dim) by tables that broadcast against it."""
     return x * cos + rotate_half(x) * sin
+
+
+def rope_from_positions(
+    inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_cos_sin` for a device tensor of positions ``pos`` [n] (same float32 angles,
+    so the same numbers): nothing is built on the host, so it runs inside a captured step."""
+    freqs = pos.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
+
+
+# --------------------------------------------------------------------------- attention
+
+# cuDNN's SDPA builds (and caches) an execution plan per new shape: with a context that grows every
+# block that is a CPU-side plan build on every call (47 ms per draft on an H100, issue #10). Flash and
+# memory-efficient attention take any length at no set-up cost; MATH is the fallback (and the CPU's).
+SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+_ON = (False, True, True, True)  # cuDNN, flash, memory-efficient, math
+
+
+def _sdp_flags() -> tuple[bool, bool, bool, bool]:
+    b = torch.backends.cuda
+    return b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled()
+
+
+def _set_sdp_flags(flags: tuple[bool, bool, bool, bool]) -> None:
+    b = torch.backends.cuda
+    b.enable_cudnn_sdp(flags[0])
+    b.enable_flash_sdp(flags[1])
+    b.enable_mem_efficient_sdp(flags[2])
+    b.enable_math_sdp(flags[3])
+
+
+class sdpa_backends:
+    """The attention backends every torch forward runs under: ``sdpa_kernel(SDPA_BACKENDS)``
+    (the same flags, restored on exit), at ~1 us instead of sdpa_kernel's 10-40 us -- it is
+    entered once per forward, and a CPU verify of the demo pair takes ~1.6 ms."""
+
+    def __enter__(self):
+        self.prev = _sdp_flags()
+        if self.prev != _ON:
+            _set_sdp_flags(_ON)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.prev != _ON:
+            _set_sdp_flags(self.prev)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The one scaled-dot-product attention call of the target and the drafter (GQA when the
+    head counts differ); callers run it inside :func:`sdpa_backends`."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# --------------------------------------------------------------------------- fused elementwise ops
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Gemma's GeGLU (tanh GELU), the MLP's elementwise half."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
+FUSABLE = ("gemma4_rms_norm", "apply_rope", "geglu")
+
+
+def compile_fused_ops(module) -> None:
+    """``--compile``: rebind ``module``'s RMSNorm, RoPE and GeGLU to ``torch.compile``d versions, so
+    each becomes one fused kernel instead of 4-6 elementwise launches plus dtype copies (inductor
+    keeps the float32 upcasts: the same numbers). Process-wide and idempotent; never on by
+    default (compiling costs start-up time, and the CPU tests never compile)."""
+    if getattr(module, "_fused_ops_compiled", False):
+        return
+    for name in FUSABLE:
+        if hasattr(module, name):
+            setattr(module, name, torch.compile(getattr(module, name), dynamic=True))
+    module._fused_ops_compiled = True

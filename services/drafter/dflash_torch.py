@@ -36,7 +36,9 @@ from services.checkpoints.layout import find_text_tensors, is_quantized, shard_f
 from services.drafter.config import FULL, SLIDING, DFlashConfig, aux_rows  # noqa: F401  (FULL, DFlashConfig re-exported)
 from services.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, ContextPlan, Resize, block_mask
 from services import sampling_torch
-from services.torch_ops import apply_rope, default_inv_freq, qwen3_rms_norm, resolve_device, resolve_dtype, rope_cos_sin
+from services.torch_ops import (
+    apply_rope, default_inv_freq, qwen3_rms_norm, resolve_device, resolve_dtype, rope_cos_sin, sdpa, sdpa_backends,
+)
 
 
 def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
@@ -99,9 +101,7 @@ class Attention(nn.Module):
         q = q.transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k, v = ctx.with_block(view, *self.kv(x, cos, sin))
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv
-        )
+        out = sdpa(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -343,13 +343,14 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self._cos_sin(cache.length, B)
         views = cache.plan.block(B, scratch=True, span=span)
         masks: dict = {}
-        for layer, ctx in zip(self.layers, cache.layers):
-            attn, view = layer.self_attn, views[ctx.layout]
-            key = (ctx.layout, attn.is_causal)
-            if key not in masks:
-                m = block_mask(view, B, is_causal=attn.is_causal, window=attn.window, span=span)
-                masks[key] = None if m is None else torch.from_numpy(m).to(self.device, non_blocking=True)
-            x = layer(x, ctx, view, cos, sin, masks[key])
+        with sdpa_backends():
+            for layer, ctx in zip(self.layers, cache.layers):
+                attn, view = layer.self_attn, views[ctx.layout]
+                key = (ctx.layout, attn.is_causal)
+                if key not in masks:
+                    m = block_mask(view, B, is_causal=attn.is_causal, window=attn.window, span=span)
+                    masks[key] = None if m is None else torch.from_numpy(m).to(self.device, non_blocking=True)
+                x = layer(x, ctx, view, cos, sin, masks[key])
         return self.norm(x[0])
 
     @torch.inference_mode()

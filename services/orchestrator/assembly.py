@@ -161,11 +161,12 @@ def remote_drafter(addr: str, **kwargs):
 
 
 def build_local_engine(target: str | None, draft: str | None, backend: str = "mlx", device: str | None = None,
-                       dtype: str | None = None, policy=None, no_drafter: bool = False):
+                       dtype: str | None = None, policy=None, no_drafter: bool = False, torch_options: dict | None = None):
     """Load the pair in-process (the embedded default pair when no paths are given).
 
     ``backend`` may be ``"auto"`` (see :func:`resolve_backend`); ``device``/``dtype``
-    apply to torch (MLX runs where MLX runs, in the weights' dtype). The engine's
+    apply to torch (MLX runs where MLX runs, in the weights' dtype), and so do
+    ``torch_options`` (the verifier's ``cuda_graphs``/``compile``). The engine's
     ``backend``/``device`` attributes say what was chosen.
     """
     from services.checkpoints.config import check_pair, load_draft_config, load_target_config
@@ -182,7 +183,10 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
     check_pair(tcfg, dcfg)
     aux_layers = dcfg["dflash_config"]["target_layer_ids"]
     torch_kw = {"device": device, "dtype": dtype or "float32"} if backend == "torch" else {}
-    verifier = local_verifier(target, aux_layers, backend, **torch_kw, **({"policy": policy} if policy else {}))
+    if torch_options and backend != "torch":
+        raise ValueError("--cuda-graphs/--compile apply to --backend torch")
+    vkw = torch_kw | (torch_options or {}) | ({"policy": policy} if policy else {})
+    verifier = local_verifier(target, aux_layers, backend, **vkw)
     drafter = None if no_drafter else local_drafter(draft, target, backend, **torch_kw)
     engine = Engine(verifier, drafter, TextCodec(target), target=target, draft="" if no_drafter else draft)
     engine.backend, engine.device = backend, device

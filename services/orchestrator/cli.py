@@ -20,6 +20,7 @@ from .cli_args import (
     cache_policy_from_args,
     print_result,
     sampling_from_args,
+    torch_options,
 )
 
 
@@ -33,7 +34,8 @@ def cmd_generate(args) -> int:
     if args.block_size is not None:
         check_block_size(args.block_size)
     policy = cache_policy_from_args(args)
-    engine = build_local_engine(args.target, args.draft, args.backend, args.device, args.dtype)
+    engine = build_local_engine(args.target, args.draft, args.backend, args.device, args.dtype,
+                                torch_options=torch_options(args))
     if engine.backend == "torch":
         set_torch_threads(args.torch_threads, engine.device, embedded=args.target is None)
     prompt_ids = engine.codec.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)

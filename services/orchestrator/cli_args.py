@@ -22,6 +22,21 @@ def add_backend_args(p, *, help_suffix: str = "") -> None:
                    help="auto (default): MLX on Apple silicon, torch elsewhere" + help_suffix)
     p.add_argument("--device", help="torch: cuda, cuda:1, cpu, mps (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="torch weights dtype (default float32)")
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="torch: capture the verify step in CUDA graphs per block-size bucket (auto: on for cuda)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch: torch.compile the fused ops (RMSNorm, RoPE); slow start-up, off by default")
+
+
+def torch_options(args) -> dict:
+    """The verifier's torch fast-path options from --cuda-graphs/--compile (only what differs from the defaults)."""
+    out = {}
+    graphs = getattr(args, "cuda_graphs", "auto")
+    if graphs != "auto":
+        out["cuda_graphs"] = graphs == "on"
+    if getattr(args, "compile", False):
+        out["compile"] = True
+    return out
 
 
 def add_cache_args(p, default_kind: str | None = "native") -> None:

@@ -93,6 +93,10 @@ def cmd_serve_verifier(args) -> int:
     limits = serve_flags.session_limits(args, kv_budget=True)
     limits["restore"], args.restore = serve_flags.restore_sources(args)  # the default policy's: the bare DIR
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
+    if backend == "torch":
+        from .cli_args import torch_options
+
+        kwargs |= torch_options(args)
     spec = server_spec(target, layers, backend, args.max_sessions, limits=limits, tls=serve_flags.server_tls(args),
                        policy=_default_policy(args), **kwargs)
     return _run(spec, args)
@@ -157,8 +161,11 @@ def cmd_serve_orchestrator(args) -> int:
         backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
 
         def build():  # no paths: the embedded pair, as `kakeya generate`
+            from .cli_args import torch_options
+
             return build_local_engine(args.target, args.draft, backend, kwargs.get("device"), kwargs.get("dtype"),
-                                      _default_policy(args), no_drafter=args.no_drafter)
+                                      _default_policy(args), no_drafter=args.no_drafter,
+                                      torch_options=torch_options(args) if backend == "torch" else None)
 
         colocated = True
     servicer = GenerationServicer(
@@ -277,8 +284,10 @@ def _child_backend(choice: str, args) -> list[str]:
     if backend != "torch":
         return ["--backend", backend]
     threads = torch_threads(args.torch_threads, device, embedded=args.target is None)  # children get explicit paths
+    graphs = getattr(args, "cuda_graphs", "auto")
     return ["--backend", "torch", "--device", device, *(["--dtype", args.dtype] if args.dtype else []),
-            "--torch-threads", str(threads)]
+            "--torch-threads", str(threads), *(["--cuda-graphs", graphs] if graphs != "auto" else []),
+            *(["--compile"] if getattr(args, "compile", False) else [])]
 
 
 def register(sub) -> None:

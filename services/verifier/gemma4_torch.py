@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.checkpoints.layout import find_text_tensors, is_quantized, tensor_files
-from services.torch_ops import apply_rope, default_inv_freq, gemma4_rms_norm, rope_cos_sin
+from services.torch_ops import apply_rope, default_inv_freq, geglu, gemma4_rms_norm, rope_from_positions, sdpa, sdpa_backends
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -221,7 +221,7 @@ class Attention(nn.Module):
             v = gemma4_rms_norm(v, None, self.eps).transpose(1, 2)
             if cache is not None:
                 k, v = cache.update_and_fetch(k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=self.n_heads != k.shape[1])
+        out = sdpa(q, k, v, mask, 1.0)
         out = out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim)
         return F.linear(out, self.wo), (k, v)
 
@@ -289,6 +289,7 @@ class DecoderLayer(nn.Module):
         wide = args.use_double_wide_mlp and args.num_kv_shared_layers > 0 and i >= args.n_cached
         self.inter = args.intermediate_size * (2 if wide else 1)
         self.act = _act(args.hidden_activation)
+        self.tanh_gelu = args.hidden_activation in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")
         self.register_buffer("w_gate_up", torch.empty(2 * self.inter, h), persistent=False)
         self.register_buffer("w_down", torch.empty(h, self.inter), persistent=False)
         for n in ("input_ln", "post_attn_ln", "pre_ffn_ln", "post_ffn_ln"):
@@ -306,7 +307,7 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.w_gate_up).split(self.inter, dim=-1)
-        return F.linear(self.act(gate) * up, self.w_down)
+        return F.linear(geglu(gate, up) if self.tanh_gelu else self.act(gate) * up, self.w_down)
 
     def forward(self, x, cos, sin, mask, cache, shared_kv, per_layer_input):
         eps = self.eps
@@ -352,22 +353,31 @@ class Gemma4Text(nn.Module):
             self.register_buffer("ple_model_proj", torch.empty(n * self.ple, h), persistent=False)
             self.register_buffer("ple_proj_norm", torch.empty(self.ple), persistent=False)
         self.inv_freq = {t: rope_inv_freq(args.rope_parameters[t], self._hd(t)) for t in set(args.layer_types)}
+        self._scalars: dict = {}
 
     def _hd(self, layer_type: str) -> int:
         i = self.args.layer_types.index(layer_type)
         return self.args.head_dim_of(i)
 
-    def rope(self, start: int, n: int, device, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer type, ``cos``/``sin`` ``[L, 1, D]`` (broadcast over the heads of [1, L, H, D])."""
+    def rope(self, pos: torch.Tensor, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer type, ``cos``/``sin`` ``[L, 1, D]`` at the positions ``pos`` [L] (a device tensor)."""
         out = {}
         for t, inv in self.inv_freq.items():
-            cos, sin = rope_cos_sin(inv, start, n, device, dtype)
+            cos, sin = rope_from_positions(inv, pos, dtype)
             out[t] = (cos[:, None, :], sin[:, None, :])
         return out
 
+    def scalars(self, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding scales as 0-d tensors in ``dtype`` (rounded there, as in transformers), made once."""
+        key = (dtype, torch.device(device))
+        if key not in self._scalars:
+            scales = (self.embed_scale, float(self.ple) ** 0.5)
+            self._scalars[key] = tuple(torch.tensor(v, dtype=dtype, device=device) for v in scales)
+        return self._scalars[key]
+
     def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         a, n = self.args, self.args.num_hidden_layers
-        tok = F.embedding(ids, self.embed_per_layer) * torch.tensor(self.ple**0.5, dtype=x.dtype)
+        tok = F.embedding(ids, self.embed_per_layer) * self.scalars(x.dtype, x.device)[1]
         tok = tok.view(*ids.shape, n, self.ple)
         proj = F.linear(x, self.ple_model_proj) * (a.hidden_size**-0.5)
         proj = gemma4_rms_norm(proj.view(*ids.shape, n, self.ple), self.ple_proj_norm, a.rms_norm_eps)
@@ -379,14 +389,17 @@ class Gemma4Text(nn.Module):
         caches: Sequence,
         aux_layers: Sequence[int],
         masks: dict[str, torch.Tensor | None],
-        start: int,
+        pos: torch.Tensor,
     ) -> Forward:
-        """Run ``ids`` [1, L] at positions ``start..``, appending to ``caches``; no LM head."""
-        L = ids.shape[1]
+        """Run ``ids`` [1, L] at positions ``pos`` [L] (a device tensor), writing ``caches``; no LM head."""
+        with sdpa_backends():
+            return self._forward(ids, caches, aux_layers, masks, pos)
+
+    def _forward(self, ids, caches, aux_layers, masks, pos) -> Forward:
         x = F.embedding(ids, self.embed)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        x = x * self.scalars(x.dtype, x.device)[0]
         pli = self.per_layer_inputs(ids, x) if self.ple else None
-        rope = self.rope(start, L, x.device, x.dtype)
+        rope = self.rope(pos, x.dtype)
         wanted = {layer_id: j for j, layer_id in enumerate(aux_layers)}
         aux: list[torch.Tensor | None] = [None] * len(aux_layers)
         kvs: list = [None] * len(self.layers)
@@ -407,8 +420,6 @@ class Gemma4Text(nn.Module):
         out = F.linear(hidden, w).float()
         cap = self.args.final_logit_softcapping
         return torch.tanh(out / cap) * cap if cap else out
-
-
 
 
 # --------------------------------------------------------------------------- loading

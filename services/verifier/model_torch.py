@@ -18,9 +18,16 @@ import torch
 from services import sampling_torch
 from services.torch_ops import resolve_device, resolve_dtype
 
+from services.contract import MAX_BLOCK_SIZE
+
 from .cache import RingLayout, RingPlan
 from .cache_torch import FullKVCache, QuantizedFullKVCache, RingKVCache
 from .gemma4_torch import FULL, SLIDING, Forward, Gemma4Args, Gemma4Text, load_gemma4
+from .graphs import GraphOptions
+from .step_torch import TorchCaches, verify_block
+
+DEFAULT_GRAPH_CONTEXT = 4096  # full-attention positions preallocated per session when graphs are on
+MAX_FREE_CACHES = 4  # closed sessions' cache sets kept for reuse (graphs on)
 
 
 class TargetTorch:
@@ -29,7 +36,8 @@ class TargetTorch:
     backend = "torch"
     sampler = sampling_torch  # p, the acceptance test and the draws when a session samples
 
-    def __init__(self, model: Gemma4Text, path: Path | None = None):
+    def __init__(self, model: Gemma4Text, path: Path | None = None, *, cuda_graphs: bool | None = None,
+                 max_context: int | None = None, graph_options: GraphOptions | None = None):
         self.model = model
         self.path = path
         self.args = model.args
@@ -38,27 +46,74 @@ class TargetTorch:
         self.device = model.embed.device
         self.dtype = model.embed.dtype
         model.inv_freq = {t: f.to(self.device) for t, f in model.inv_freq.items()}
+        # static verify step (step_torch.py): graphs on CUDA, eager elsewhere
+        # (graph_options: tests run the graph bookkeeping eagerly on a CPU with capture=False)
+        self.graph_options = graph_options or GraphOptions.for_device(self.device, cuda_graphs)
+        if self.graph_options.capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        if max_context is not None and max_context < 1:
+            raise ValueError(f"max_context must be >= 1, got {max_context}")
+        # full-attention buffers start this big with fixed shapes (a regrowth means new graphs)
+        self.max_context = max_context or (DEFAULT_GRAPH_CONTEXT if self.graph_options.static_extent else 0)
+        self._pool = torch.cuda.graph_pool_handle() if self.graph_options.capture else None
+        self._free: list[TorchCaches] = []  # cache sets (and their graphs) of closed sessions, for reuse
 
     @classmethod
     def load(
-        cls, path: str | Path, device: str | torch.device | None = "cpu", dtype: str | torch.dtype | None = "float32"
+        cls, path: str | Path, device: str | torch.device | None = "cpu", dtype: str | torch.dtype | None = "float32",
+        **options,
     ) -> "TargetTorch":
         path = Path(path)
-        return cls(load_gemma4(path, resolve_device(device), resolve_dtype(dtype)), path)
+        return cls(load_gemma4(path, resolve_device(device), resolve_dtype(dtype)), path, **options)
 
     # -- what services/verifier/session.py needs from a backend --------------------------
 
-    def make_cache(self, layout: RingLayout, policy=None) -> list:
-        """Rings on sliding layers; exact (or, with ``policy.full_kv_bits``, affine-quantized) full layers."""
+    def make_cache(self, layout: RingLayout, policy=None) -> TorchCaches:
+        """Rings on sliding layers; exact (or, with ``policy.full_kv_bits``, affine-quantized) full layers;
+        with the static verify step's device state (a closed session's set is reused when graphs are on)."""
         bits = getattr(policy, "full_kv_bits", 0) if policy is not None else 0
+        group = getattr(policy, "full_kv_group_size", 64) if policy is not None else 64
+        key = (layout.sink, layout.window, layout.slack, bits, group)
+        for c in self._free:
+            if c.key == key:
+                self._free.remove(c)
+                return self._reset(c, layout)
 
         def full(i: int):
             if not bits:
-                return FullKVCache()
-            group = min(getattr(policy, "full_kv_group_size", 64), self.args.head_dim_of(i))
-            return QuantizedFullKVCache(bits, group)
+                return FullKVCache(capacity=self.max_context)
+            return QuantizedFullKVCache(bits, min(group, self.args.head_dim_of(i)), capacity=self.max_context)
 
-        return [RingKVCache(layout) if self.layer_types[i] == SLIDING else full(i) for i in range(self.n_cached)]
+        caches = [RingKVCache(layout) if self.layer_types[i] == SLIDING else full(i) for i in range(self.n_cached)]
+        c = TorchCaches(caches, layout, self.device, self.graph_options, MAX_BLOCK_SIZE, self._pool)
+        c.key = key
+        return c
+
+    @staticmethod
+    def _reset(c: TorchCaches, layout: RingLayout) -> TorchCaches:
+        c.layout = layout
+        for r in c.rings:
+            r.layout, r.plan = layout, None
+        for f in c.fulls:
+            f.offset = 0
+        c.ring_stale = True  # the new layout is empty: ring_pos becomes all -1 before the next step
+        return c
+
+    def release_cache(self, cache) -> None:
+        """A closed session's caches: kept (with their captured graphs) for the next session when
+        graphs are on -- recapturing per session would cost more than a verify -- else dropped."""
+        if self.graph_options.static_extent and isinstance(cache, TorchCaches) and len(self._free) < MAX_FREE_CACHES:
+            self._free.append(cache)
+
+    def kv_like(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-position K/V of cached layer ``i`` (shape, dtype, device) to size its buffers."""
+        t = torch.zeros((1, self.args.kv_heads_of(i), 1, self.args.head_dim_of(i)), dtype=self.dtype, device=self.device)
+        return t, t
+
+    @torch.inference_mode()
+    def verify_block(self, ids: Sequence[int], cache: TorchCaches, aux_layers: Sequence[int]):
+        """One verify through the static step (``step_torch.py``): ``(choices, aux of the block)``."""
+        return verify_block(self, cache, ids, aux_layers)
 
     @torch.inference_mode()
     def run(self, ids: Sequence[int], cache: list, aux_layers: Sequence[int], plan: RingPlan) -> Forward:
@@ -71,11 +126,13 @@ class TargetTorch:
                 start = c.offset
         start = 0 if start is None else start
         n = len(ids)
+        if isinstance(cache, TorchCaches):
+            cache.mark_dynamic()
         masks = {FULL: self._full_mask(start, n)}
         if SLIDING in self.layer_types:
             m = plan.mask
             masks[SLIDING] = None if m.all() else torch.from_numpy(m).to(self.device, non_blocking=True)
-        return self.forward(self._ids(ids), cache, aux_layers, masks, start)
+        return self.forward(self._ids(ids), cache, aux_layers, masks, self._positions(start, n))
 
     @torch.inference_mode()
     def greedy(self, hidden: torch.Tensor) -> list[int]:
@@ -106,14 +163,17 @@ class TargetTorch:
     # -- the model itself ---------------------------------------------------------------
 
     def forward(
-        self, ids: torch.Tensor, cache: list, aux_layers: Sequence[int], masks: dict, start: int
+        self, ids: torch.Tensor, cache: list, aux_layers: Sequence[int], masks: dict, pos: torch.Tensor
     ) -> Forward:
-        """Run ``ids`` [1, L] at positions ``start..`` through the body, appending to ``cache``; no LM head."""
-        return self.model(ids, cache, aux_layers, masks, start)
+        """Run ``ids`` [1, L] at positions ``pos`` [L] through the body, appending to ``cache``; no LM head."""
+        return self.model(ids, cache, aux_layers, masks, pos)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
+
+    def _positions(self, start: int, n: int) -> torch.Tensor:
+        return torch.arange(start, start + n, device=self.device)
 
     def _ids(self, ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor([list(ids)], dtype=torch.long).to(self.device, non_blocking=True)
@@ -129,7 +189,8 @@ class TargetTorch:
 
     @classmethod
     def random(
-        cls, args: Gemma4Args, device: str | torch.device | None = "cpu", dtype: str | torch.dtype | None = "bfloat16", seed: int = 0
+        cls, args: Gemma4Args, device: str | torch.device | None = "cpu", dtype: str | torch.dtype | None = "bfloat16", seed: int = 0,
+        **options,
     ) -> "TargetTorch":
         """Random weights of the right shapes (for benchmarks: no checkpoint needed)."""
         device, dtype = resolve_device(device), resolve_dtype(dtype)
@@ -150,7 +211,7 @@ class TargetTorch:
         if not args.tie_word_embeddings:
             model.lm_head = fill((args.vocab_size, args.hidden_size))
         model.eval()
-        return cls(model, None)
+        return cls(model, None, **options)
 
     def make_plain_cache(self) -> list:
         """Unbounded full caches on every layer (the reference decode: window applied by the mask)."""
@@ -165,7 +226,7 @@ class TargetTorch:
         k = torch.arange(start + n, device=self.device)[None, :]
         causal = k <= q
         masks = {FULL: causal, SLIDING: causal & (k > q - self.args.sliding_window)}
-        return self.forward(self._ids(ids), cache, aux_layers, masks, start)
+        return self.forward(self._ids(ids), cache, aux_layers, masks, self._positions(start, n))
 
     def warmup(self, aux_layers: Sequence[int], ctx: int = 1024, max_block: int = 16, policy=None) -> float:
         """Run a full-length prefill and one verify of every block size once (kernel selection,
@@ -206,9 +267,24 @@ def torch_verifier(
     policy=None,
     device: str | torch.device | None = "cpu",
     dtype: str | torch.dtype | None = "float32",
+    cuda_graphs: bool | None = None,
+    max_context: int | None = None,
+    compile: bool = False,
 ):
-    """The in-process torch verifier (what ``loader.local_verifier(..., backend="torch")`` returns)."""
+    """The in-process torch verifier (what ``loader.local_verifier(..., backend="torch")`` returns).
+
+    ``cuda_graphs``: capture the verify step per block-size bucket (default: on for CUDA);
+    ``max_context``: full-attention positions preallocated per session (graphs on: 4096);
+    ``compile``: ``torch.compile`` the fused elementwise ops (``gemma4_torch.compile_fused_ops``).
+    """
     from services.contract import CachePolicy
     from .session import LocalVerifier
 
-    return LocalVerifier(TargetTorch.load(target_dir, device, dtype), target_dir, aux_layers, policy or CachePolicy())
+    if compile:
+        from services.torch_ops import compile_fused_ops
+
+        from . import gemma4_torch
+
+        compile_fused_ops(gemma4_torch)
+    target = TargetTorch.load(target_dir, device, dtype, cuda_graphs=cuda_graphs, max_context=max_context)
+    return LocalVerifier(target, target_dir, aux_layers, policy or CachePolicy())

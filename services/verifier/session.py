@@ -118,6 +118,11 @@ class VerifierSession:
             raise ValueError(f"block length must be 1..{limit}{why}, got {len(block_ids)}")
         if self.sampling is not None:
             self._check_proposal(block_ids[1:], proposal)
+        static = getattr(self.target, "verify_block", None)
+        if static is not None and self.restorer is None and self.sampling is None:  # torch greedy: the static-shape step
+            choices, aux = static(block_ids, self.cache, self.aux_layers)
+            self._pending = (len(block_ids), aux)
+            return choices
         out = self._forward(block_ids)
         self._pending = (len(block_ids), out.aux)
         if self.sampling is None:
@@ -169,6 +174,9 @@ class VerifierSession:
         }
 
     def close(self) -> None:
+        release = getattr(self.target, "release_cache", None)
+        if release is not None and not self.closed:
+            release(self.cache)
         self.cache, self._pending, self.closed = [], None, True
         self.latents = None
 

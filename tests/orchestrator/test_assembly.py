@@ -157,3 +157,65 @@ def test_an_mlx_command_without_mlx_is_one_clear_line(args):
     assert res.returncode == 2, res.stderr
     err = res.stderr.strip()
     assert err.startswith("kakeya: error:") and "\n" not in err and "needs MLX" in err, err
+
+
+# `serve all` starts its services as child processes: the blocker goes in a sitecustomize on their PYTHONPATH
+NO_MLX_SITE = """
+import sys
+
+class NoMLX:
+    def find_spec(self, name, path=None, target=None):
+        if name == "mlx" or name.startswith(("mlx.", "mlx_lm")):
+            raise ImportError(f"{name} is blocked in this test")
+
+sys.meta_path.insert(0, NoMLX())
+"""
+
+
+def _env_without_mlx(tmp_path):
+    import os
+
+    site = tmp_path / "nomlx"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_MLX_SITE)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
+
+
+def test_memory_runs_without_mlx():
+    res = kakeya_without_mlx("memory", "--preset", "gemma-4-26b-a4b", "--context", "4096", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)
+
+
+def test_torch_serve_all_and_client_run_without_mlx(tmp_path):
+    import signal
+    import time
+
+    env = _env_without_mlx(tmp_path)
+    ready = tmp_path / "ready.json"
+    cli = [sys.executable, "-m", "services.orchestrator.cli"]
+    probe = subprocess.run([sys.executable, "-c", "import mlx"], env=env, capture_output=True, text=True)
+    assert probe.returncode != 0 and "blocked" in probe.stderr  # the blocker reaches every child process
+    proc = subprocess.Popen([*cli, "serve", "all", "--port", "0", "--verifier-backend", "torch", "--drafter-backend", "torch",
+                             "--ready-file", str(ready)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=(tmp_path / "serve.log").open("w"))  # a file: a full pipe would block the children
+    try:
+        deadline = time.time() + 240
+        while not ready.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        assert ready.exists(), (tmp_path / "serve.log").read_text()[-2000:]
+        addr = json.loads(ready.read_text())["addr"]
+        res = subprocess.run([*cli, "client", "--addr", addr, "generate", "--json", "--max-tokens", "8"], env=env,
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert len(json.loads(res.stdout.strip().splitlines()[-1])["token_ids"]) == 8
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    log = (tmp_path / "serve.log").read_text()
+    assert rc == 0, log[-2000:]
+    assert "blocked" not in log  # no child tried to import MLX

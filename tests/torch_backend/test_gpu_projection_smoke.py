@@ -38,6 +38,31 @@ def test_small_run_writes_projection_json(tmp_path):
             expect = int(tau) * d["t_ar_ms"] / (d["t_draft_ms"][L] + d["t_verify_ms"][L])
             assert math.isclose(s, expect, rel_tol=1e-9) and s > 0
     assert d["target_shape"]["enable_moe_block"] and d["target_shape"]["attention_k_eq_v"]
+    assert d["device_name"] and d["cuda_graphs"] is False
+    r = d["roofline"]
+    assert sorted(map(int, r["per_L"])) == [1, 2, 4, 8, 16] and r["bandwidth_bytes_s"] is None  # a CPU: no HBM figure
+    k, E = d["target_shape"]["top_k_experts"], d["target_shape"]["num_experts"]
+    for L, row in r["per_L"].items():
+        assert math.isclose(row["experts_touched"], 1 - (1 - k / E) ** int(L))
+        assert math.isclose(row["bytes"], r["weight_bytes"]["dense"] + row["experts_touched"] * r["weight_bytes"]["experts"])
+        assert row["t_verify_ms"] == d["t_verify_ms"][L]
+    g = d["agreement_with_own_ar"]
+    assert g["fraction_identical"] == 1.0 and g["first_divergence"] is None  # float32: lossless
+
+
+def test_roofline_with_a_stated_bandwidth(tmp_path):
+    gp = _load()
+    out = tmp_path / "gp.json"
+    argv = ["--small", "--device", "cpu", "--dtype", "float32", "--reps", "1", "--ctx", "40", "--agree-tokens", "4",
+            "--bandwidth-tbs", "3.35", "--out", str(out)]
+    assert gp.main(argv) == 0
+    r = json.loads(out.read_text())["roofline"]
+    assert r["bandwidth_bytes_s"] == 3.35e12
+    row = r["per_L"]["16"]
+    assert math.isclose(row["roofline_ms"], row["bytes"] / 3.35e12 * 1e3)
+    assert math.isclose(row["over_roofline"], row["t_verify_ms"] / row["roofline_ms"])
+    assert gp.hbm_bandwidth("NVIDIA H200") == 4.8e12 and gp.hbm_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert math.isclose(gp.expert_fraction(16, 8, 128), 0.643, abs_tol=1e-3)  # issue #10: ~64 % at L = 16
 
 
 def test_full_shape_is_gemma4_26b_a4b():

@@ -84,3 +84,17 @@ def test_device_and_dtype_resolution():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda"):
             resolve_device("cuda")
+
+
+def test_float32_gemma4_rms_norm_is_the_reference_formula_bit_for_bit():
+    import torch
+
+    from services.torch_ops import _normalized_f32, gemma4_rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    for D in (16, 64, 256, 2816):
+        for L in (1, 8, 100):
+            x = torch.randn(1, L, D, generator=g) * 7
+            w = torch.randn(D, generator=g)
+            assert torch.equal(gemma4_rms_norm(x, w, 1e-6), _normalized_f32(x, 1e-6) * w)
+            assert torch.equal(gemma4_rms_norm(x, None, 1e-6), _normalized_f32(x, 1e-6))

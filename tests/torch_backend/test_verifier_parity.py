@@ -31,7 +31,16 @@ class Recording:
         self.rows: list[np.ndarray] = []
 
     def __getattr__(self, name):
-        return getattr(self.target, name)
+        attr = getattr(self.target, name)
+        if name == "verify_block":  # torch: the static verify step decides without calling greedy
+
+            def verify_block(ids, cache, aux_layers):
+                out = attr(ids, cache, aux_layers)
+                self.rows.append(to_numpy(cache.last_logits[: len(ids)]))
+                return out
+
+            return verify_block
+        return attr
 
     def greedy(self, hidden):
         self.rows.append(to_numpy(self.target.logits(hidden)[0]))

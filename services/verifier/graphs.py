@@ -1,0 +1,122 @@
+"""CUDA graphs for the static-shape steps: one captured graph per block-size bucket, replayed per block.
+
+The gpt-fast / vLLM pattern: a step function whose inputs live in static
+buffers (written in place before each call) and whose tensor shapes depend only
+on the bucket, so ``torch.cuda.CUDAGraph`` can record its kernels once and
+replay them with one launch. A verify of L tokens runs in the smallest bucket
+``>= L`` (padded positions are masked out by causality and trimmed afterwards),
+as vLLM pads a decode batch up to its captured batch size.
+
+With ``capture=False`` the very same objects run the step eagerly: that is how
+the bookkeeping (bucket choice, padding, static buffers, invalidation when a
+cache grows) is exercised on a CPU, and what serves on devices without graphs.
+Nothing here touches CUDA unless ``capture`` is True.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Hashable, Sequence
+
+import torch
+
+BUCKETS = (1, 2, 4, 8, 16)  # block sizes captured on CUDA (a verify pads up to the next one)
+
+
+def bucket_for(n: int, buckets: Sequence[int] | None, limit: int) -> int:
+    """The padded length a block of ``n`` runs at: the smallest bucket ``>= n`` that is ``<= limit``
+    (the ring's slack: a padded write must stay trimmable), else ``n`` itself; ``buckets=None``: ``n``."""
+    if n < 1:
+        raise ValueError(f"block length must be >= 1, got {n}")
+    if n > limit:
+        raise ValueError(f"block length {n} exceeds the limit {limit}")
+    for b in sorted(buckets or ()):
+        if n <= b <= limit:
+            return b
+    return n
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """How the static steps of a model run.
+
+    ``capture``: record CUDA graphs (only on a CUDA device). ``buckets``: block
+    sizes to pad up to (None: run each length as is -- the CPU default, where
+    padding would only add work). ``static_extent``: attend over whole buffers
+    (fixed shapes, what capture needs) rather than just their filled prefix.
+    """
+
+    capture: bool = False
+    buckets: tuple[int, ...] | None = None
+    static_extent: bool = False
+
+    @classmethod
+    def for_device(cls, device: torch.device, cuda_graphs: bool | None = None) -> "GraphOptions":
+        """The default for ``device``: graphs on CUDA (unless ``cuda_graphs`` is False), eager elsewhere."""
+        on_cuda = torch.device(device).type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ValueError("CUDA graphs need a CUDA device")
+        if on_cuda and cuda_graphs is not False:
+            return cls(capture=True, buckets=BUCKETS, static_extent=True)
+        return cls()
+
+
+class GraphedStep:
+    """One step function bound to static inputs: captured once and replayed, or run eagerly.
+
+    ``fn(*inputs)`` must read its inputs only through the given tensors (write
+    them in place before :meth:`__call__`) and return tensors; with ``capture``
+    the returned tensors are static outputs, overwritten by the next replay.
+    """
+
+    def __init__(self, fn: Callable, inputs: Sequence[torch.Tensor], capture: bool, pool=None, warmup: int = 2):
+        self.fn, self.inputs, self.graph = fn, tuple(inputs), None
+        self.outputs = None
+        if capture:
+            # warm-up on a side stream (lazy inits, cuBLAS workspaces, autotuning), then record
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(warmup):
+                    fn(*self.inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.outputs = fn(*self.inputs)
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def __call__(self):
+        if self.graph is None:
+            return self.fn(*self.inputs)
+        self.graph.replay()
+        return self.outputs
+
+
+class StepGraphs:
+    """The graphed steps of one cache set, keyed by whatever fixes their shapes (bucket, extents).
+
+    A key's step is built on first use (``make(key)`` returns ``(fn, inputs)``);
+    :meth:`invalidate` drops them all -- call it whenever a buffer the steps
+    write or read is reallocated (a graph holds raw device pointers).
+    """
+
+    def __init__(self, options: GraphOptions, pool=None):
+        self.options = options
+        self.pool = pool
+        self.steps: dict[Hashable, GraphedStep] = {}
+        self.captures = 0  # how many graphs were recorded (or, eagerly, steps built)
+
+    def get(self, key: Hashable, make: Callable[[Hashable], tuple[Callable, Sequence[torch.Tensor]]]) -> GraphedStep:
+        step = self.steps.get(key)
+        if step is None:
+            fn, inputs = make(key)
+            step = GraphedStep(fn, inputs, self.options.capture, self.pool)
+            self.steps[key] = step
+            self.captures += 1
+        return step
+
+    def invalidate(self) -> None:
+        self.steps.clear()
