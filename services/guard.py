@@ -84,27 +84,24 @@ def _handler(method, impl, service: str, token: str | None):
         make = grpc.stream_stream_rpc_method_handler if method.server_streaming else grpc.stream_unary_rpc_method_handler
         return make(stream, request_deserializer=None, response_serializer=resp_ser)
 
+    def admitted(raw, context):
+        """The parsed request, or the call aborted (UNAUTHENTICATED / INVALID_ARGUMENT)."""
+        if not _authorized(context, token):
+            _unauthenticated(context, service)
+        try:
+            return _decode(cls, raw, what)
+        except RequestError as exc:
+            context.abort(exc.code, exc.message)
+
     if method.server_streaming:
 
         def unary_stream(raw, context):
-            if not _authorized(context, token):
-                _unauthenticated(context, service)
-            try:
-                req = _decode(cls, raw, what)
-            except RequestError as exc:
-                context.abort(exc.code, exc.message)
-            yield from impl(req, context)
+            yield from impl(admitted(raw, context), context)
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=None, response_serializer=resp_ser)
 
     def unary(raw, context):
-        if not _authorized(context, token):
-            _unauthenticated(context, service)
-        try:
-            req = _decode(cls, raw, what)
-        except RequestError as exc:
-            context.abort(exc.code, exc.message)
-        return impl(req, context)
+        return impl(admitted(raw, context), context)
 
     return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=None, response_serializer=resp_ser)
 

@@ -154,6 +154,40 @@ class ContextPlan:
         return {l: l.block(n_block, scratch, span) for l in self.layouts}
 
 
+
+class ContextKVCache:
+    """Per-layer context K/V of one generation (only ever extended).
+
+    The bookkeeping is ``self.plan`` (shared by both backends); the arrays live
+    in one ``layer_kv`` per layer, the backend's own class.
+    """
+
+    layer_kv: type  # the backend's per-layer K/V holder: append(plan, k, v), visible(), nbytes
+
+    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP):
+        self.plan = ContextPlan(config, step)
+        self.layers = [self.layer_kv(layout) for layout in self.plan.layer_layouts]
+
+    @property
+    def length(self) -> int:
+        return self.plan.length
+
+    def append(self, kv: list) -> None:
+        """``kv``: one ``(keys, values)`` pair per layer, each ``[1, n_kv, n_new, head_dim]``."""
+        if len(kv) != len(self.layers):
+            raise ValueError(f"expected K/V for {len(self.layers)} layers, got {len(kv)}")
+        plans = self.plan.append(kv[0][0].shape[2])
+        for layer, (k, v) in zip(self.layers, kv):
+            layer.append(plans[layer.layout], k, v)
+
+    def view(self, i: int):
+        return self.layers[i].visible()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+
 def block_mask(
     view: BlockView, n_block: int, *, is_causal: bool, window: Optional[int], span: str = "valid"
 ) -> Optional[np.ndarray]:

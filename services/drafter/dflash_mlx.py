@@ -36,7 +36,8 @@ from mlx_lm.models.rope_utils import initialize_rope
 from services import sampling_mlx
 from services.checkpoints.layout import find_text_tensors, shard_files
 from services.drafter.config import FULL, SLIDING, DFlashConfig, aux_rows  # noqa: F401  (FULL, DFlashConfig re-exported)
-from services.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, ContextPlan, block_mask
+from services.drafter import context
+from services.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, block_mask
 
 
 # --------------------------------------------------------------------------- layers
@@ -152,34 +153,14 @@ class LayerKV:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
-class ContextKVCache:
-    """Per-layer context K/V of one generation (only ever extended); the bookkeeping is ``self.plan``."""
+class ContextKVCache(context.ContextKVCache):
+    """The context K/V of one generation, in this backend's arrays (plan: ``context.py``)."""
 
-    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP):
-        self.plan = ContextPlan(config, step)
-        self.layers = [LayerKV(layout) for layout in self.plan.layer_layouts]
-
-    @property
-    def length(self) -> int:
-        return self.plan.length
-
-    def append(self, kv: list[tuple[mx.array, mx.array]]) -> None:
-        if len(kv) != len(self.layers):
-            raise ValueError(f"expected K/V for {len(self.layers)} layers, got {len(kv)}")
-        plans = self.plan.append(kv[0][0].shape[2])
-        for layer, (k, v) in zip(self.layers, kv):
-            layer.append(plans[layer.layout], k, v)
-
-    def view(self, i: int):
-        return self.layers[i].visible()
+    layer_kv = LayerKV
 
     @property
     def state(self) -> list[mx.array]:
         return [a for l in self.layers if l.keys is not None for a in (l.keys, l.values)]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(l.nbytes for l in self.layers)
 
 
 # --------------------------------------------------------------------------- target tensors

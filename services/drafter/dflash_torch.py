@@ -34,7 +34,8 @@ from torch import nn
 
 from services.checkpoints.layout import find_text_tensors, is_quantized, shard_files, tensor_files
 from services.drafter.config import FULL, SLIDING, DFlashConfig, aux_rows  # noqa: F401  (FULL, DFlashConfig re-exported)
-from services.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, ContextPlan, Resize, block_mask
+from services.drafter import context
+from services.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, Resize, block_mask
 from services import sampling_torch
 from services.torch_ops import (
     apply_rope, default_inv_freq, qwen3_rms_norm, resolve_device, resolve_dtype, rope_cos_sin, sdpa, sdpa_backends,
@@ -214,30 +215,10 @@ class GivenContext:
         return torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
 
 
-class ContextKVCache:
-    """Per-layer context K/V of one generation (only ever extended); the bookkeeping is ``self.plan``."""
+class ContextKVCache(context.ContextKVCache):
+    """The context K/V of one generation, in this backend's arrays (plan: ``context.py``)."""
 
-    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP):
-        self.plan = ContextPlan(config, step)
-        self.layers = [LayerKV(layout) for layout in self.plan.layer_layouts]
-
-    @property
-    def length(self) -> int:
-        return self.plan.length
-
-    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if len(kv) != len(self.layers):
-            raise ValueError(f"expected K/V for {len(self.layers)} layers, got {len(kv)}")
-        plans = self.plan.append(kv[0][0].shape[2])
-        for layer, (k, v) in zip(self.layers, kv):
-            layer.append(plans[layer.layout], k, v)
-
-    def view(self, i: int):
-        return self.layers[i].visible()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(l.nbytes for l in self.layers)
+    layer_kv = LayerKV
 
 
 # --------------------------------------------------------------------------- target tensors
