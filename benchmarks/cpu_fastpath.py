@@ -34,9 +34,9 @@ def worker(reps: int, ctx: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from services.orchestrator.assembly import default_pair, local_drafter, local_verifier
+    from services.orchestrator.assembly import embedded_paths, local_drafter, local_verifier
 
-    target, draft = default_pair()
+    target, draft = embedded_paths()
     drafter = local_drafter(draft, target, "torch", device="cpu", dtype="float32")
     verifier = local_verifier(target, drafter.target_layer_ids, "torch", device="cpu", dtype="float32")
     prompt = [2] + [5 + (7 * i) % 1000 for i in range(ctx - 1)]

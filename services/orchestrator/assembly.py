@@ -107,7 +107,7 @@ def set_torch_threads(threads: int | None, device: str | None, embedded: bool) -
 # --------------------------------------------------------------------------- the pair
 
 
-def default_pair() -> tuple[str, str]:
+def embedded_paths() -> tuple[str, str]:
     """The embedded pair every command uses without paths: the trained demo pair when shipped."""
     from services.checkpoints.tiny import embedded_pair
 
@@ -118,7 +118,7 @@ def default_pair() -> tuple[str, str]:
 def pair_paths(target: str | None, draft: str | None) -> tuple[str, str]:
     """The checkpoint paths to load: both given, or neither (the embedded pair)."""
     if target is None and draft is None:
-        return default_pair()
+        return embedded_paths()
     if target is None or draft is None:
         raise ValueError("give both --target and --draft, or neither (for the embedded default models)")
     return str(target), str(draft)

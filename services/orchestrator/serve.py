@@ -9,7 +9,7 @@
     kakeya serve all          --port P [--target DIR --draft DIR]
 
 Without checkpoint paths every server uses the embedded pair, the same one as
-``kakeya generate`` (``assembly.default_pair``); ``--backend auto`` (the default)
+``kakeya generate`` (``assembly.embedded_paths``); ``--backend auto`` (the default)
 is ``assembly.resolve_backend``'s choice, resolved here so each process is told
 a concrete backend. ``serve all``
 runs verifier, drafter and orchestrator as three processes (the backends on
