@@ -1,9 +1,8 @@
 """What every kakeya gRPC server process shares.
 
-- :class:`ComputeThread`: all model work of a process runs on ONE thread, one
-  step at a time (MLX arrays and streams stay on the thread that made them;
-  there is one device to share anyway). gRPC handler threads only translate
-  messages and wait.
+- :class:`ComputeThread` (``services/compute.py``): all model work of a process
+  runs on ONE thread; like steps of concurrent sessions that queue up meanwhile
+  run as one batch. gRPC handler threads only translate messages and wait.
 - :class:`SessionRegistry` (``services/admission.py``): live sessions, their
   cache bytes, admission (session and K/V-byte limits, a bounded wait queue)
   and idle expiry.
@@ -37,6 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services import logs
+from services.compute import ComputeThread  # noqa: F401  (re-exported: servers build theirs from here)
 from services.contract import CachePolicy
 from services.metrics import RpcInterceptor
 from services.wire import contract as wire_contract
@@ -119,22 +119,6 @@ def check_token_ids(ids: Sequence[int], vocab: int, field_name: str, allow_empty
 
 
 # --------------------------------------------------------------------------- compute
-
-
-class ComputeThread:
-    """Runs callables on one dedicated thread, in submission order."""
-
-    def __init__(self, name: str):
-        self._ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-compute")
-
-    def run(self, fn: Callable, *args, **kwargs) -> Any:
-        return self._ex.submit(fn, *args, **kwargs).result()
-
-    def submit(self, fn: Callable, *args, **kwargs):
-        return self._ex.submit(fn, *args, **kwargs)
-
-    def shutdown(self) -> None:
-        self._ex.shutdown(wait=False, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------- sessions

@@ -1,0 +1,143 @@
+"""The one thread a server process runs its model work on, with batching of like work.
+
+All model work of a process runs on ONE thread (MLX arrays and streams stay on
+the thread that made them; there is one device to share anyway); gRPC handler
+threads only translate messages and wait. Jobs run in submission order, with
+one exception that is the point of this module: **batchable** jobs of one kind
+(say "verify") that queue up while the thread is busy are taken together and
+handed to their runner as one list, so N concurrent sessions' steps cost one
+batched forward instead of N. Nothing waits on purpose to form a batch (no
+gather window): a batch is whatever arrived during the previous job, which is
+what continuous batching in vLLM/SGLang amounts to at a step boundary. Under
+no load a batch has one item and costs what an unbatched call did.
+
+Order between sessions may change (a batch takes later jobs of its kind ahead
+of earlier jobs of another kind), order within a session cannot: a session's
+handler waits for each result before submitting its next job.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+DEFAULT_MAX_BATCH = 16
+
+
+@dataclass
+class _Job:
+    fn: Callable | None  # a plain job
+    kind: Hashable | None = None  # a batchable job: its kind, item and runner
+    item: Any = None
+    runner: Callable[[list], Sequence[Any]] | None = None
+    future: Future = field(default_factory=Future)
+
+
+class ComputeThread:
+    """Runs callables on one dedicated thread; see the module docstring for batching.
+
+    ``max_batch``: most items one runner call gets (1: every job alone --
+    the serialised baseline the concurrency benchmark compares against).
+    """
+
+    def __init__(self, name: str, max_batch: int = DEFAULT_MAX_BATCH):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.batches = 0  # runner calls so far, and the items they carried (for metrics/tests)
+        self.batched_items = 0
+        self._jobs: deque[_Job] = deque()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-compute", daemon=True)
+        self._thread.start()
+
+    # -- submitting -------------------------------------------------------------------
+
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        return self._put(_Job(fn=lambda: fn(*args, **kwargs)))
+
+    def run(self, fn: Callable, *args, **kwargs) -> Any:
+        return self.submit(fn, *args, **kwargs).result()
+
+    def batch(self, kind: Hashable, item: Any, runner: Callable[[list], Sequence[Any]]) -> Any:
+        """Run ``item`` through ``runner([item, ...])`` together with like items queued meanwhile.
+
+        ``runner`` gets a list of items of this ``kind`` and returns one result per
+        item, in order; a result that is an ``Exception`` instance is raised to
+        that item's caller alone (one bad session must not fail its batch-mates).
+        """
+        return self._put(_Job(fn=None, kind=kind, item=item, runner=runner)).result()
+
+    def _put(self, job: _Job) -> Future:
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError("compute thread is shut down")
+            self._jobs.append(job)
+            self._cv.notify()
+        return job.future
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            for job in self._jobs:
+                job.future.cancel()
+            self._jobs.clear()
+            self._cv.notify()
+
+    # -- the thread -------------------------------------------------------------------
+
+    def _take(self) -> list[_Job] | None:
+        with self._cv:
+            while not self._jobs and not self._stopped:
+                self._cv.wait()
+            if self._stopped:
+                return None
+            first = self._jobs.popleft()
+            if first.fn is not None or self.max_batch == 1:
+                return [first]
+            group, rest = [first], deque()
+            while self._jobs:
+                job = self._jobs.popleft()
+                if job.fn is None and job.kind == first.kind and len(group) < self.max_batch:
+                    group.append(job)
+                else:
+                    rest.append(job)
+            self._jobs = rest
+            return group
+
+    def _loop(self) -> None:
+        while (group := self._take()) is not None:
+            group = [j for j in group if j.future.set_running_or_notify_cancel()]
+            if not group:
+                continue
+            if group[0].fn is not None:
+                _settle(group[0].future, group[0].fn)
+                continue
+            self.batches += 1
+            self.batched_items += len(group)
+            try:
+                results = list(group[0].runner([j.item for j in group]))
+                if len(results) != len(group):
+                    raise RuntimeError(f"batch runner returned {len(results)} results for {len(group)} items")
+            except BaseException as exc:  # the whole batch failed: every caller hears it
+                for j in group:
+                    j.future.set_exception(exc)
+                continue
+            for j, r in zip(group, results):
+                if isinstance(r, BaseException):
+                    j.future.set_exception(r)
+                else:
+                    j.future.set_result(r)
+
+
+def _settle(future: Future, fn: Callable) -> None:
+    try:
+        result = fn()
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

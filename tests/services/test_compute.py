@@ -1,0 +1,132 @@
+"""The compute thread: FIFO for plain jobs, like batchable jobs that queue up meanwhile run as one batch."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from services.compute import ComputeThread
+
+
+def _blocked(ct: ComputeThread) -> threading.Event:
+    """Occupy the thread until the returned event is set (so jobs queue up behind it)."""
+    release, started = threading.Event(), threading.Event()
+    ct.submit(lambda: (started.set(), release.wait(5)))
+    assert started.wait(5)
+    return release
+
+
+def test_plain_jobs_run_in_order_and_return_or_raise():
+    ct = ComputeThread("t")
+    seen = []
+    futs = [ct.submit(seen.append, i) for i in range(20)]
+    for f in futs:
+        f.result(5)
+    assert seen == list(range(20))
+    with pytest.raises(ZeroDivisionError):
+        ct.run(lambda: 1 / 0)
+    assert ct.run(lambda: 7) == 7  # the thread survives a failed job
+    ct.shutdown()
+
+
+def _submit_batch_items(ct, n, runner, kind="verify"):
+    ex = ThreadPoolExecutor(n)
+    futs = [ex.submit(ct.batch, kind, i, runner) for i in range(n)]
+    return ex, futs
+
+
+def _wait_queued(ct: ComputeThread, n: int) -> None:
+    for _ in range(500):
+        with ct._cv:
+            if len(ct._jobs) >= n:
+                return
+        threading.Event().wait(0.01)
+    raise AssertionError("jobs never queued")
+
+
+def test_like_jobs_that_queue_up_run_as_one_batch_with_results_in_item_order():
+    ct = ComputeThread("t")
+    calls = []
+
+    def runner(items):
+        calls.append(list(items))
+        return [x * 10 for x in items]
+
+    release = _blocked(ct)
+    ex, futs = _submit_batch_items(ct, 6, runner)
+    _wait_queued(ct, 6)
+    release.set()
+    assert sorted(f.result(5) for f in futs) == [0, 10, 20, 30, 40, 50]
+    assert [f.result() for f in futs] == [10 * i for i in range(6)]  # each caller gets its own item's result
+    assert len(calls) == 1 and sorted(calls[0]) == list(range(6))
+    assert (ct.batches, ct.batched_items) == (1, 6)
+    ex.shutdown()
+    ct.shutdown()
+
+
+def test_max_batch_caps_a_batch_and_one_means_serialised():
+    for max_batch, expect in ((4, [4, 4, 2]), (1, [1] * 10)):
+        ct = ComputeThread("t", max_batch=max_batch)
+        sizes = []
+        release = _blocked(ct)
+        ex, futs = _submit_batch_items(ct, 10, lambda items: (sizes.append(len(items)), items)[1])
+        _wait_queued(ct, 10)
+        release.set()
+        assert sorted(f.result(5) for f in futs) == list(range(10))
+        assert sizes == expect
+        ex.shutdown()
+        ct.shutdown()
+
+
+def test_an_exception_result_fails_only_its_own_caller_and_a_failed_runner_fails_all():
+    ct = ComputeThread("t")
+    release = _blocked(ct)
+    ex, futs = _submit_batch_items(ct, 3, lambda items: [ValueError(f"bad {x}") if x == 1 else x for x in items])
+    _wait_queued(ct, 3)
+    release.set()
+    with pytest.raises(ValueError, match="bad 1"):
+        futs[1].result(5)
+    assert futs[0].result(5) == 0 and futs[2].result(5) == 2
+
+    def broken(items):
+        raise RuntimeError("device lost")
+
+    with pytest.raises(RuntimeError, match="device lost"):
+        ct.batch("verify", 0, broken)
+    with pytest.raises(RuntimeError, match="returned 0 results"):
+        ct.batch("verify", 0, lambda items: [])
+    assert ct.run(lambda: "alive") == "alive"
+    ex.shutdown()
+    ct.shutdown()
+
+
+def test_other_kinds_and_plain_jobs_are_not_merged_and_keep_their_order():
+    ct = ComputeThread("t")
+    log = []
+    release = _blocked(ct)
+    ex = ThreadPoolExecutor(4)
+    fa = ex.submit(ct.batch, "verify", "a", lambda items: (log.append(("verify", list(items))), items)[1])
+    _wait_queued(ct, 1)
+    fp = ct.submit(log.append, ("plain",))
+    fd = ex.submit(ct.batch, "draft", "d", lambda items: (log.append(("draft", list(items))), items)[1])
+    _wait_queued(ct, 3)
+    fb = ex.submit(ct.batch, "verify", "b", lambda items: (log.append(("verify", list(items))), items)[1])
+    _wait_queued(ct, 4)
+    release.set()
+    for f in (fa, fp, fd, fb):
+        f.result(5)
+    # "b" joined "a"'s batch; the plain job and the other kind ran after it, in their order
+    assert log == [("verify", ["a", "b"]), ("plain",), ("draft", ["d"])]
+    ex.shutdown()
+    ct.shutdown()
+
+
+def test_shutdown_refuses_new_work():
+    ct = ComputeThread("t")
+    ct.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        ct.submit(lambda: 1)
+    with pytest.raises(ValueError):
+        ComputeThread("t", max_batch=0)
