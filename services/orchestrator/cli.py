@@ -31,7 +31,7 @@ def cmd_generate(args) -> int:
 
     if args.prompt is not None and not args.prompt.strip():
         raise ValueError("--prompt is empty")
-    if args.block_size is not None:
+    if args.block_size:  # 0 or omitted: auto
         check_block_size(args.block_size)
     policy = cache_policy_from_args(args)
     engine = build_local_engine(args.target, args.draft, args.backend, args.device, args.dtype,

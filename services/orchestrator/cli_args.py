@@ -78,7 +78,7 @@ def add_generation_options(p) -> None:
     p.add_argument("--prompt", help="prompt text (default: the start of a Python function, def load(path): ...)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None,
-                   help="1..16 (default: auto, each block sized for the most tokens per second; see docs/design.md)")
+                   help="1..16, or 0 (the default): auto, each block sized for the most tokens per second; see docs/design.md)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     g = p.add_argument_group("sampling (lossless: distributed exactly as AR sampling from the processed p)")

@@ -60,7 +60,7 @@ def bad_dirs(tmp_path, tiny_pair):
         (["--target", "{target}", "--draft", "{target}"], "dflash_config"),
         (["--target", "{target}", "--draft", "{misfit}"], "target_layer_ids"),
         (["--target", "{target}"], "--draft"),
-        (["--block-size", "0"], "block_size"),
+        (["--block-size", "-1"], "block_size"),
         (["--block-size", "17"], "block_size"),
         (["--prompt", ""], "empty"),
         (["--max-tokens", "0"], "max_tokens"),
