@@ -133,14 +133,16 @@ class ContextLayout:
 class ContextPlan:
     """The context-cache plan of one drafter session: one layout per layer kind, one length."""
 
-    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP):
+    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP, full_step: Optional[int] = None):
+        """``full_step``: first capacity of full layers (default ``step``); a captured forward
+        preallocates a long one, since every regrowth means new graphs."""
         self.length = 0  # context positions seen so far (absolute)
         kinds: dict[Optional[int], ContextLayout] = {}
         self.layer_layouts: list[ContextLayout] = []
         for t in config.layer_types:
             keep = int(config.sliding_window) - 1 if t == SLIDING else None
             if keep not in kinds:
-                kinds[keep] = ContextLayout(keep, step)
+                kinds[keep] = ContextLayout(keep, step if keep is not None else (full_step or step))
             self.layer_layouts.append(kinds[keep])
         self.layouts = list(kinds.values())
 
@@ -153,6 +155,12 @@ class ContextPlan:
     def block(self, n_block: int, scratch: bool = False, span: str = "valid") -> dict[ContextLayout, BlockView]:
         return {l: l.block(n_block, scratch, span) for l in self.layouts}
 
+    def reset(self) -> None:
+        """Empty, keeping every capacity (a closed session's buffers reused by the next one)."""
+        self.length = 0
+        for layout in self.layouts:
+            layout.stop = 0
+
 
 
 class ContextKVCache:
@@ -164,8 +172,10 @@ class ContextKVCache:
 
     layer_kv: type  # the backend's per-layer K/V holder: append(plan, k, v), visible(), nbytes
 
-    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP):
-        self.plan = ContextPlan(config, step)
+    static = None  # the torch static step's device state (drafter/step_torch.py), when graphs are on
+
+    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP, full_step: Optional[int] = None):
+        self.plan = ContextPlan(config, step, full_step)
         self.layers = [self.layer_kv(layout) for layout in self.plan.layer_layouts]
 
     @property

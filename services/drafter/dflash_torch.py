@@ -37,6 +37,8 @@ from services.drafter.config import FULL, SLIDING, DFlashConfig, aux_rows  # noq
 from services.drafter import context
 from services.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, Resize, block_mask
 from services import sampling_torch
+from services.drafter.step_torch import propose_static
+from services.torch_graphs import GraphOptions
 from services.torch_ops import (
     apply_rope, default_inv_freq, qwen3_rms_norm, resolve_device, resolve_dtype, rope_cos_sin, sdpa, sdpa_backends,
 )
@@ -61,6 +63,10 @@ def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
     qcfg = Qwen3Config(**raw)
     inv, scale = ROPE_INIT_FUNCTIONS[rope_type](qcfg, torch.device("cpu"))
     return inv.float(), float(scale)
+
+
+STATIC_CONTEXT = 4096  # full-layer context rows preallocated when graphs are on (as the verifier's)
+MAX_FREE_CACHES = 4  # closed sessions' caches (with their graphs) kept for reuse
 
 
 # --------------------------------------------------------------------------- layers
@@ -284,8 +290,31 @@ class DFlashDraftModel(nn.Module):
         self.target = target
         return self
 
+    graph_options = GraphOptions()  # eager, dynamic shapes (the CPU default); see use_graphs
+    graph_pool = None
+
+    def use_graphs(self, options: GraphOptions) -> "DFlashDraftModel":
+        """Draft greedy blocks through the static step (``step_torch.py``): captured in CUDA graphs
+        with ``options.capture``; eagerly with ``static_extent`` alone (how a CPU tests it)."""
+        if options.capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.graph_options = options
+        self.graph_pool = torch.cuda.graph_pool_handle() if options.capture else None
+        self._free: list[ContextKVCache] = []
+        return self
+
     def make_cache(self, step: int = DEFAULT_STEP) -> ContextKVCache:
+        if self.graph_options.static_extent:
+            if self._free:  # a closed session's buffers and graphs: recapturing would cost more than a block
+                return self._free.pop()
+            return ContextKVCache(self.config, step=step, full_step=STATIC_CONTEXT)
         return ContextKVCache(self.config, step=step)
+
+    def release_cache(self, cache: ContextKVCache) -> None:
+        """A closed session's cache: kept for the next session when graphs are on, else dropped."""
+        if self.graph_options.static_extent and cache.static is not None and len(self._free) < MAX_FREE_CACHES:
+            cache.plan.reset()
+            self._free.append(cache)
 
     def _cos_sin(self, start: int, n: int):
         return rope_cos_sin(self.inv_freq, start, n, self.device, self.dtype, self.rope_scale)
@@ -371,6 +400,8 @@ class DFlashDraftModel(nn.Module):
 
     def propose(self, last_token: int, block_size: int, cache: ContextKVCache) -> list[int]:
         """One block ``[last_token, mask * (B-1)]`` drafted greedily; one host sync."""
+        if self.graph_options.static_extent:
+            return propose_static(self, cache, last_token, block_size)
         return self.draft_tokens(self._block(last_token, block_size), cache).tolist()
 
     @torch.inference_mode()

@@ -28,6 +28,15 @@ from .sampling import sampled_draft, session_sampling
 WARM_BLOCK_SIZES = range(2, 17)  # every block size the loop drafts (it stops at 16)
 
 
+class _Empty:
+    """A closed session's cache."""
+
+    length = nbytes = 0
+
+
+_EMPTY = _Empty()
+
+
 class DrafterSession:
     def __init__(self, model, sampling: SamplingParams | None = None):
         self.model = model
@@ -60,8 +69,13 @@ class DrafterSession:
         return {"context_len": self.cache.length, "ctx_cache_bytes": self.cache.nbytes, "draft_calls": self.calls}
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
-        self.cache = self.model.make_cache()  # frees the K/V now, not when the session is collected
+        release = getattr(self.model, "release_cache", None)
+        if release is not None:
+            release(self.cache)
+        self.cache = _EMPTY  # frees the K/V now (or hands it to the next session), not when collected
 
 
 class LocalDrafter:
@@ -121,13 +135,21 @@ class MLXDrafter(LocalDrafter):
 class TorchDrafter(LocalDrafter):
     """The torch drafter: ``TorchDrafter(draft_dir, target_dir, device, dtype)`` or ``TorchDrafter(model=...)``."""
 
-    def __init__(self, draft_dir=None, target_dir=None, device="cpu", dtype="float32", *, model=None):
+    def __init__(self, draft_dir=None, target_dir=None, device="cpu", dtype="float32", *, model=None,
+                 cuda_graphs: bool | None = None, graph_options=None):
+        """``cuda_graphs``: capture greedy block forwards (default: on for CUDA, see step_torch.py);
+        ``graph_options`` (a ``torch_graphs.GraphOptions``) overrides it."""
+        from services.torch_graphs import GraphOptions
+
         if model is None:
             if draft_dir is None or target_dir is None:
                 raise ValueError("TorchDrafter needs draft_dir and target_dir (or model=)")
             from .dflash_torch import load_dflash_torch
 
             model = load_dflash_torch(draft_dir, target_dir, device, dtype)
+        options = graph_options or GraphOptions.for_device(model.device, cuda_graphs)
+        if options.static_extent:
+            model.use_graphs(options)
         super().__init__(model)
 
     @classmethod

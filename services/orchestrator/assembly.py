@@ -187,7 +187,8 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
         raise ValueError("--cuda-graphs/--compile apply to --backend torch")
     vkw = torch_kw | (torch_options or {}) | ({"policy": policy} if policy else {})
     verifier = local_verifier(target, aux_layers, backend, **vkw)
-    drafter = None if no_drafter else local_drafter(draft, target, backend, **torch_kw)
+    dkw = torch_kw | {k: v for k, v in (torch_options or {}).items() if k == "cuda_graphs"}
+    drafter = None if no_drafter else local_drafter(draft, target, backend, **dkw)
     engine = Engine(verifier, drafter, TextCodec(target), target=target, draft="" if no_drafter else draft)
     engine.backend, engine.device = backend, device
     return engine

@@ -23,7 +23,7 @@ def add_backend_args(p, *, help_suffix: str = "") -> None:
     p.add_argument("--device", help="torch: cuda, cuda:1, cpu, mps (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="torch weights dtype (default float32)")
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
-                   help="torch: capture the verify step in CUDA graphs per block-size bucket (auto: on for cuda)")
+                   help="torch: capture the verify step and the drafter's block forward in CUDA graphs per block-size bucket (auto: on for cuda)")
     p.add_argument("--compile", action="store_true",
                    help="torch: torch.compile the fused ops (RMSNorm, RoPE); slow start-up, off by default")
 

@@ -118,6 +118,10 @@ def cmd_serve_drafter(args) -> int:
     limits = serve_flags.session_limits(args, kv_budget=False)
     tls = serve_flags.server_tls(args)
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
+    if backend == "torch":
+        from .cli_args import torch_options
+
+        kwargs |= {k: v for k, v in torch_options(args).items() if k == "cuda_graphs"}  # nothing to compile
     return _run(server_spec(draft, target, backend, args.max_sessions, limits=limits, tls=tls, **kwargs), args)
 
 

@@ -23,7 +23,7 @@ from services.contract import MAX_BLOCK_SIZE
 from .cache import RingLayout, RingPlan
 from .cache_torch import FullKVCache, QuantizedFullKVCache, RingKVCache
 from .gemma4_torch import FULL, SLIDING, Forward, Gemma4Args, Gemma4Text, load_gemma4
-from .graphs import GraphOptions
+from services.torch_graphs import GraphOptions
 from .step_torch import TorchCaches, verify_block
 
 DEFAULT_GRAPH_CONTEXT = 4096  # full-attention positions preallocated per session when graphs are on

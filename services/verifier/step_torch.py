@@ -29,7 +29,7 @@ import torch
 from .cache import RingLayout
 from .cache_torch import RingKVCache
 from .gemma4_torch import FULL, SLIDING
-from .graphs import GraphedStep, GraphOptions, StepGraphs, bucket_for
+from services.torch_graphs import GraphedStep, GraphOptions, StepGraphs, bucket_for
 
 PAD_ID = 0  # token id written into padded block positions (its outputs are dropped)
 EMPTY_FAR = -(2**40)  # ring_pos of a slot holding nothing: before every window, so no mask term needed
@@ -48,6 +48,8 @@ class TorchCaches(list):
         self.max_block = max_block
         long = dict(dtype=torch.long, device=device)
         self.ids = torch.full((1, max_block), PAD_ID, **long)  # static input: block ids (padded)
+        # pinned staging for the ids: a copy from pageable memory would wait for the device
+        self.ids_host = torch.empty(max_block, dtype=torch.long, pin_memory=device.type == "cuda")
         self.start = torch.zeros((), **long)  # static input: position of the block's first token
         self.iota = torch.arange(max_block, **long)
         self.ring_pos = torch.full((layout.capacity,), EMPTY_FAR, **long)  # device copy of layout.positions
@@ -126,7 +128,8 @@ def verify_block(target, c: TorchCaches, block_ids: Sequence[int], aux_layers: S
     start = layout.offset
     plan = layout.plan(n)  # in place (n <= slack): the host's slot bookkeeping; the device derives the rest
     _reserve_full(target, c, start + n)
-    c.ids[0, :L].copy_(torch.tensor(block_ids, dtype=torch.long), non_blocking=True)
+    c.ids_host[:L] = torch.tensor(block_ids, dtype=torch.long)
+    c.ids[0, :L].copy_(c.ids_host[:L], non_blocking=True)
     if n > L:
         c.ids[0, L:n].fill_(PAD_ID)
     c.start.fill_(start)

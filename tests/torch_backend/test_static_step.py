@@ -10,13 +10,15 @@ at the bottom needs a CUDA device.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
 
 from services.contract import CachePolicy
 from services.orchestrator.loop import run
-from services.verifier.graphs import BUCKETS, GraphedStep, GraphOptions, StepGraphs, bucket_for
+from services.torch_graphs import BUCKETS, GraphedStep, GraphOptions, StepGraphs, bucket_for
 from services.verifier.model_torch import TargetTorch
 from services.verifier.session import LocalVerifier, VerifierSession
 
@@ -199,13 +201,16 @@ def test_cuda_graph_replay_equals_eager_token_for_token(tiny, torch_drafter):
     s.verify([61, 62, 63])
     s.commit(0)
     assert any(step.captured for step in s.cache.graphs.steps.values())
-    torch.cuda.set_sync_debug_mode("error")  # any hidden device->host sync but the one .tolist() raises
-    try:
-        s.verify([61, 62, 63])
-    except RuntimeError as e:
-        pytest.fail(f"a verify synchronised more than once: {e}")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:  # each synchronizing call warns once
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            s.verify([61, 62, 63])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    assert len(syncs) <= 1, syncs  # the choices' .tolist(), nothing else
 
 
 def test_cli_fast_path_flags_reach_the_torch_verifier():

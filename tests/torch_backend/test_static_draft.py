@@ -1,0 +1,142 @@
+"""The drafter's static-shape block step (drafter/step_torch.py) against the eager forward.
+
+On a CPU the step runs eagerly (``capture=False``) through exactly the code a
+CUDA graph records: device row indices, the capacity-span mask, bucket padding,
+cache reuse across sessions. On CUDA the captured graph is compared too.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from services.drafter.dflash_torch import DFlashConfig, DFlashDraftModel, TargetHead
+from services.drafter.session import TorchDrafter
+from services.torch_graphs import BUCKETS, GraphOptions
+
+STATIC_CPU = GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)
+VOCAB, HIDDEN = 96, 32
+
+
+def _model(seed: int, layer_types, window: int | None, device="cpu", causal=None) -> DFlashDraftModel:
+    cfg = DFlashConfig.from_dict({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": HIDDEN,
+        "num_hidden_layers": len(layer_types), "layer_types": list(layer_types), "sliding_window": window,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
+        "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+        "final_logit_softcapping": 30.0, **({"is_causal": causal} if causal is not None else {}),
+        "dflash_config": {"block_size": 16, "target_layer_ids": [0, 1], "mask_token_id": 4},
+    })
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5 if p.ndim == 1 else p.shape[-1] ** -0.5).add_(1.0 if p.ndim == 1 else 0.0)
+    embed = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(seed + 1))
+    model = model.to(device).eval().requires_grad_(False)
+    model.inv_freq = model.inv_freq.to(device).float()
+    return model.bind(TargetHead(embed.to(device)))
+
+
+def _pair(seed=0, layer_types=("sliding_attention", "full_attention", "sliding_attention"), window=12, **kw):
+    eager = TorchDrafter(model=_model(seed, layer_types, window, **kw), cuda_graphs=False)
+    static = TorchDrafter(model=_model(seed, layer_types, window, **kw), graph_options=STATIC_CPU)
+    return eager, static
+
+
+def _script(steps: int, seed: int = 3):
+    """(new aux rows, last token, block size) per call: the first call brings a prompt's worth."""
+    rng = np.random.default_rng(seed)
+    out = [(int(rng.integers(5, 40)), int(rng.integers(5, VOCAB)), int(rng.integers(2, 17)))]
+    for _ in range(steps):
+        out.append((int(rng.integers(1, 17)), int(rng.integers(5, VOCAB)), int(rng.integers(1, 17))))
+    return out
+
+
+def _aux(n: int, seed: int, device="cpu") -> torch.Tensor:
+    return torch.randn(n, 2 * HIDDEN, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _drive(drafter, script, device="cpu"):
+    s = drafter.open_session()
+    out = [s.draft(_aux(n, 100 + i, device), last, B) for i, (n, last, B) in enumerate(script)]
+    length = s.cache.length
+    s.close()
+    return out, length
+
+
+@pytest.mark.parametrize("causal", [None, True])
+def test_static_drafts_equal_eager_through_growth_compaction_and_every_block_size(causal):
+    eager, static = _pair(causal=causal)
+    script = _script(60)
+    want, n_eager = _drive(eager, script)
+    got, n_static = _drive(static, script)
+    assert got == want and n_static == n_eager
+    assert any(len(t) == 15 for t in got) and any(t == [] for t in got)  # B = 16 and B = 1 both ran
+    sliding = static.model.make_cache()  # the released cache: the sliding buffer compacted in place
+    assert sliding.plan.length == 0 and sliding.static is not None
+    assert 0 < sliding.plan.layouts[0].capacity < n_static  # bounded by the window, not the context
+
+
+def test_a_reused_cache_drafts_like_a_fresh_one_and_graphs_are_kept():
+    eager, static = _pair(seed=1, layer_types=("full_attention", "full_attention"), window=None)
+    first = _script(20, seed=5)
+    _drive(static, first)
+    cache = static.model._free[-1]
+    graphs = dict(cache.static.graphs.steps)
+    assert graphs, "the static step built no steps"
+    second = _script(25, seed=6)
+    want, _ = _drive(eager, second)
+    got, _ = _drive(static, second)
+    assert got == want
+    assert set(graphs) <= set(cache.static.graphs.steps)  # the first session's steps were reused
+
+
+def test_padding_up_to_a_bucket_never_changes_what_real_rows_see():
+    eager, static = _pair(seed=2, layer_types=("full_attention",), window=None)
+    for B in (3, 5, 6, 7, 9, 12, 15):  # all padded (buckets 4, 8, 16)
+        e, s = eager.open_session(), static.open_session()
+        ctx = _aux(20, B)
+        assert s.draft(ctx, 7, B) == e.draft(ctx, 7, B)
+        assert s.draft(_aux(2, B + 50), 9, B) == e.draft(_aux(2, B + 50), 9, B)
+        e.close(), s.close()
+
+
+def test_closed_session_reports_empty_stats_and_refuses_work():
+    _, static = _pair()
+    s = static.open_session()
+    s.draft(_aux(8, 0), 5, 4)
+    s.close()
+    s.close()  # idempotent: the cache is released once
+    assert s.stats()["context_len"] == 0 and len(static.model._free) == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        s.draft(_aux(1, 0), 5, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_drafts_equal_eager_cuda_with_one_host_sync_per_draft():
+    eager = TorchDrafter(model=_model(0, ("sliding_attention", "full_attention"), 12, device="cuda"), cuda_graphs=False)
+    graphed = TorchDrafter(model=_model(0, ("sliding_attention", "full_attention"), 12, device="cuda"))
+    assert graphed.model.graph_options.capture
+    script = _script(40)
+    want, _ = _drive(eager, script, "cuda")
+    got, _ = _drive(graphed, script, "cuda")
+    assert got == want
+    s = graphed.open_session()
+    s.draft(_aux(20, 0, "cuda"), 5, 8)
+    s.draft(_aux(1, 1, "cuda"), 5, 8)  # captured by now
+    assert any(st.captured for st in s.cache.static.graphs.steps.values())
+    aux = _aux(1, 2, "cuda")  # (made outside: a copy from pageable host memory syncs)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            s.draft(aux, 6, 8)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
+    assert len(syncs) <= 1, [str(w.message) for w in syncs]
