@@ -1,6 +1,7 @@
 """Adaptive block size against every fixed block size, side by side in one run.
 
     python benchmarks/adaptive.py [--backends torch mlx] [--prompts 6] [--max-tokens 128] [--rounds 3]
+    python benchmarks/adaptive.py --backends torch --device cuda --out benchmarks/results/adaptive_cuda.json
 
 For each backend, loads the embedded demo pair once and decodes each held-out
 prompt with ``block_size`` = 2, 4, 8, 16 and 0 (auto), in an interleaved order
@@ -26,13 +27,13 @@ sys.path.insert(0, str(ROOT))
 FIXED = (2, 4, 8, 16)
 
 
-def run_backend(backend: str, prompts: list[list[int]], max_tokens: int, rounds: int) -> dict:
+def run_backend(backend: str, prompts: list[list[int]], max_tokens: int, rounds: int, device: str = "cpu") -> dict:
     from services.contract import Request
     from services.orchestrator.assembly import build_local_engine, set_torch_threads
 
-    if backend == "torch":
+    if backend == "torch" and device == "cpu":
         set_torch_threads(1, "cpu", embedded=True)
-    engine = build_local_engine(None, None, backend, "cpu" if backend == "torch" else None)
+    engine = build_local_engine(None, None, backend, device if backend == "torch" else None)
     engine.generate(Request(prompts[0], max_tokens=16, block_size=0, ignore_eos=True))  # warm-up + calibration
     settings = [*FIXED, 0]
     tok_s: dict[int, list[float]] = {b: [] for b in settings}
@@ -69,6 +70,7 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="torch's device (cuda: the CUDA-graph path)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "adaptive.json"))
     args = p.parse_args()
 
@@ -87,7 +89,8 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "backends": {b: run_backend(b, prompts, args.max_tokens, args.rounds) for b in args.backends},
+        "device": args.device,
+        "backends": {b: run_backend(b, prompts, args.max_tokens, args.rounds, args.device) for b in args.backends},
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out["backends"], indent=1))

@@ -175,7 +175,7 @@ def draft_config(d: dict, vocab: int) -> DFlashConfig:
     )
 
 
-def random_drafter(cfg: DFlashConfig, target: TargetTorch, seed: int = 1) -> TorchDrafter:
+def random_drafter(cfg: DFlashConfig, target: TargetTorch, seed: int = 1, cuda_graphs: bool | None = None) -> TorchDrafter:
     """Random weights; the embedding / LM head are the target's own tensors (colocated)."""
     device, dtype = target.device, target.dtype
     with torch.device("meta"):
@@ -193,7 +193,7 @@ def random_drafter(cfg: DFlashConfig, target: TargetTorch, seed: int = 1) -> Tor
     model.eval().requires_grad_(False)
     m = target.model
     model.bind(TargetHead(m.embed, m.lm_head))
-    return TorchDrafter(model=model)
+    return TorchDrafter(model=model, cuda_graphs=cuda_graphs)
 
 
 def sync(device: torch.device) -> None:
@@ -213,7 +213,7 @@ def timed(fn, reps: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def measure(target: TargetTorch, drafter: TorchDrafter, ctx: int, reps: int, seed: int = 0) -> dict:
+def measure(target: TargetTorch, drafter: TorchDrafter, ctx: int, reps: int, seed: int = 0, profile: bool = False) -> dict:
     device = target.device
     vocab = target.args.vocab_size
     rng = np.random.default_rng(seed)
@@ -255,6 +255,7 @@ def measure(target: TargetTorch, drafter: TorchDrafter, ctx: int, reps: int, see
     sync(device)
 
     t = {name: timed(fn, reps, device) for name, fn in shapes}
+    kernels = {name: top_kernels(fn, device) for name, fn in shapes if name in PROFILED} if profile else None
     t_ar = t["ar"]
     t_verify = {L: t[f"v{L}"] for L in range(1, MAX_L + 1)}
     t_draft = {1: 0.0, **{L: t[f"d{L}"] for L in range(2, MAX_L + 1)}}
@@ -273,7 +274,33 @@ def measure(target: TargetTorch, drafter: TorchDrafter, ctx: int, reps: int, see
         "projected_speedup": {str(tau): {str(L): s for L, s in row.items()} for tau, row in projection.items()},
         "best_block_per_tau": {str(tau): b for tau, b in best.items()},
         "kv_bytes": session.stats()["kv_bytes"],
+        **({"top_kernels": kernels} if kernels else {}),
     }
+
+
+PROFILED = ("ar", "v1", "v16", "d16")
+
+
+def top_kernels(fn, device: torch.device, calls: int = 5, top: int = 12) -> list[dict]:
+    """The device kernels that take the most time over ``calls`` calls (ms per call), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
+        sync(device)
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if device.type != "cuda":
+            dev_us = e.self_cpu_time_total
+        if dev_us:
+            rows.append({"name": e.key[:120], "ms_per_call": dev_us / 1e3 / calls, "count_per_call": e.count / calls})
+    rows.sort(key=lambda r: -r["ms_per_call"])
+    total = sum(r["ms_per_call"] for r in rows)
+    return [{"total_device_ms_per_call": total}] + rows[:top]
 
 
 # HBM bandwidth (bytes/s) by device-name fragment; the roofline divides the bytes a step must read by it
@@ -357,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="HBM bandwidth in TB/s for the roofline (default: by device name, H100 3.35, H200 4.8)")
     p.add_argument("--agree-tokens", type=int, default=None, help="tokens for the AR-vs-speculative check (default 64, --small 12)")
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"], help="the verifier's CUDA graphs")
+    p.add_argument("--compile", action="store_true", help="torch.compile the target's fused ops (RMSNorm, RoPE, GeGLU), as --compile does")
+    p.add_argument("--profile", action="store_true", help="also record the top device kernels of AR, verify(1/16), draft(16)")
     p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT.relative_to(ROOT)} ({SMALL_OUT.name} with --small)")
     args = p.parse_args(argv)
     if args.threads:
@@ -371,13 +400,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     graphs = None if args.cuda_graphs == "auto" else args.cuda_graphs == "on"
+    if args.compile:
+        from services.torch_ops import compile_fused_ops
+        from services.verifier import gemma4_torch
+
+        compile_fused_ops(gemma4_torch)
     target = TargetTorch.random(Gemma4Args(**shape), device, dtype, seed=0, cuda_graphs=graphs)
-    drafter = random_drafter(draft_config(dshape, shape["vocab_size"]), target)
+    drafter = random_drafter(draft_config(dshape, shape["vocab_size"]), target, cuda_graphs=graphs)
     sync(device)
     build_s = time.perf_counter() - t0
 
     with torch.inference_mode():
-        result = measure(target, drafter, ctx, reps)
+        result = measure(target, drafter, ctx, reps, profile=args.profile)
         agree = agreement(target, drafter, args.agree_tokens or (12 if args.small else 64), 8)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     bandwidth = args.bandwidth_tbs * 1e12 if args.bandwidth_tbs else hbm_bandwidth(device_name)
@@ -388,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(device),
         "device_name": device_name,
         "cuda_graphs": target.graph_options.capture,
+        "compiled_fused_ops": bool(args.compile),
         "dtype": str(dtype).replace("torch.", ""),
         "torch": torch.__version__,
         "ctx": ctx,
@@ -420,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['roofline_ms']:.2f} ms ({row['experts_touched']:.0%} of experts)")
     g = out["agreement_with_own_ar"]
     print(f"{out['dtype']} speculative vs own AR: {g['fraction_identical']:.1%} identical, first divergence {g['first_divergence']}")
+    for name, rows in (out.get("top_kernels") or {}).items():
+        print(f"{name}: {rows[0]['total_device_ms_per_call']:.2f} ms of kernels per call; top: " + "; ".join(
+            f"{r['name'][:60]} {r['ms_per_call']:.2f} ms x{r['count_per_call']:.0f}" for r in rows[1:6]))
     print(f"wrote {args.out}")
     return 0
 

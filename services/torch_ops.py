@@ -94,8 +94,13 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos``/``sin`` tables ``[n, 2 * len(inv_freq)]`` for positions ``start .. start+n-1``
     (angles in float32, optionally times ``scale``, cast to ``dtype``)."""
-    pos = torch.arange(start, start + n, device=device, dtype=torch.float32)
-    freqs = pos[:, None] * inv_freq.to(device)[None, :]
+    return rope_at(inv_freq, torch.arange(start, start + n, device=device, dtype=torch.float32), dtype, scale)
+
+
+def rope_at(inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """:func:`rope_cos_sin` at the positions in a device tensor (what a captured step uses: the
+    positions change per call, the kernels do not); the same arithmetic, so the same values."""
+    freqs = pos.to(torch.float32)[:, None] * inv_freq.to(pos.device)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos(), emb.sin()
     if scale != 1.0:
@@ -169,7 +174,48 @@ class sdpa_backends:
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """The one scaled-dot-product attention call of the target and the drafter (GQA when the
     head counts differ); callers run it inside :func:`sdpa_backends`."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if q.is_cuda and (mask is None or mask.dim() == 2):
+        return sdpa_folded(q, k, v, mask, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv)
+
+
+def sdpa_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention with each KV head's query heads folded into its query rows (``mask``: None or
+    ``[L, K]``), so every K/V head is read once: what CUDA runs.
+
+    SDPA's own GQA with a mask falls back to the math kernel, which expands K/V to every query
+    head and upcasts it to float32 -- two full copies of the attended cache per layer, the
+    largest memory traffic of a decode step. Few rows per KV head (a verify or a draft block)
+    go through :func:`decode_attention`, more (a prefill chunk) through the fused kernels.
+    """
+    B, Hq, L, D = q.shape
+    G = Hq // k.shape[1]
+    qg = q.reshape(B, k.shape[1], G * L, D)  # head j*G + g, query l -> row g*L + l of KV head j
+    m = None if mask is None else mask.repeat(G, 1)
+    if G * L <= DECODE_ROWS:
+        out = decode_attention(qg, k, v, m, scale)
+    else:
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)
+    return out.reshape(B, Hq, L, v.shape[-1])
+
+
+DECODE_ROWS = 64  # query rows per KV head up to which decode_attention beats the fused kernels
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention for a few query rows over a long cache: two GEMMs and a float32 softmax.
+
+    The fused kernels parallelise over query blocks and heads: with a handful of
+    rows per KV head they run a few thread blocks that each walk the whole cache
+    (~125 us per layer on an H200 for one token). Here the key axis is the GEMMs'
+    wide dimension, so the cache is read once at full bandwidth. Scores come out
+    in the inputs' dtype and are softmaxed in float32 (what eager attention does).
+    """
+    s = torch.matmul(q * scale if scale != 1.0 else q, k.transpose(-1, -2))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype), v)
 
 
 # --------------------------------------------------------------------------- fused elementwise ops

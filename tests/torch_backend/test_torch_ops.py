@@ -98,3 +98,22 @@ def test_float32_gemma4_rms_norm_is_the_reference_formula_bit_for_bit():
             w = torch.randn(D, generator=g)
             assert torch.equal(gemma4_rms_norm(x, w, 1e-6), _normalized_f32(x, 1e-6) * w)
             assert torch.equal(gemma4_rms_norm(x, None, 1e-6), _normalized_f32(x, 1e-6))
+
+
+@pytest.mark.parametrize("G,L,D", [(1, 5, 64), (2, 1, 512), (2, 16, 256), (4, 7, 128), (8, 3, 64), (8, 16, 64)])
+def test_folded_gqa_attention_equals_sdpa_gqa(G, L, D):
+    """The CUDA attention path (query heads folded per KV head; two GEMMs up to DECODE_ROWS rows, the
+    fused kernel beyond) computes SDPA's GQA, masks included."""
+    from services.torch_ops import sdpa_folded
+
+    g = torch.Generator().manual_seed(G * 100 + L)
+    Hkv, K = 2, 40
+    q = torch.randn(1, Hkv * G, L, D, generator=g)
+    k, v = torch.randn(1, Hkv, K, D, generator=g), torch.randn(1, Hkv, K, D, generator=g)
+    mask = torch.rand(L, K, generator=g) > 0.3
+    mask[:, 0] = True  # every query sees at least one key
+    for m in (mask, None):
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3, enable_gqa=True)
+        out = sdpa_folded(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, m, 0.3)  # non-contiguous q, as callers pass it
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
