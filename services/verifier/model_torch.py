@@ -3,7 +3,7 @@
 :class:`TargetTorch` mirrors ``model_mlx.TargetMLX`` method for method (``load``,
 ``make_cache``, ``run``, ``greedy``, ``materialize``, ``cat``, ``trim_full``,
 ``kv_bytes``, ``forward``, ``logits``), so ``session.py`` drives either backend
-alike. The model itself -- config, layers, weight loading -- is ``gemma4_torch.py``.
+alike. The model itself -- config, layers -- is ``gemma4_torch.py``, its weight loading ``gemma4_load_torch.py``.
 What only the torch backend has (random weights for benchmarks, the plain-cache
 reference decode, a warm-up) comes last; f_theta restoration is MLX-only.
 """
@@ -22,7 +22,8 @@ from services.contract import MAX_BLOCK_SIZE
 
 from .cache import RingLayout, RingPlan
 from .cache_torch import FullKVCache, QuantizedFullKVCache, RingKVCache
-from .gemma4_torch import FULL, SLIDING, Forward, Gemma4Args, Gemma4Text, load_gemma4
+from .gemma4_load_torch import load_gemma4
+from .gemma4_torch import FULL, SLIDING, Forward, Gemma4Args, Gemma4Text
 from .graphs import GraphOptions
 from .step_torch import TorchCaches, verify_block
 
