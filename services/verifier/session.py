@@ -112,6 +112,8 @@ class VerifierSession:
         chunks = []
         step = min(PREFILL_CHUNK, self.max_forward)
         for start in range(0, len(prompt_ids), step):
+            if start:
+                self._check_open()  # a stream that ended between chunks closed the session
             out = self._forward(prompt_ids[start : start + step])
             chunks.append(out.aux)
             self.target.materialize(out, self.cache)  # never one huge graph for a long prompt
