@@ -142,3 +142,39 @@ def test_a_long_prefill_lets_another_streams_verify_run_between_its_chunks(serve
     assert torch.equal(aux, want_aux)
     for s in (short, long):
         s.close()
+
+
+def test_a_prompt_beyond_the_sessions_positions_is_refused_before_any_chunk_runs(served, monkeypatch):
+    from services.wire.kakeya.v1 import verifier_pb2 as vpb
+
+    addr, v = served
+    chunks = []
+    monkeypatch.setattr(v, "_prefill_chunk", lambda *a: chunks.append(a))
+    stub = verifier_pb2_grpc.VerifierServiceStub(grpc.insecure_channel(addr))
+    msgs = [vpb.VerifierRequest(open=vpb.VerifierRequest.Open(max_positions=10)),
+            vpb.VerifierRequest(prefill=vpb.VerifierRequest.Prefill(token_ids=_prompt(0, 11)))]
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Session(iter(msgs), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prefill.token_ids" in err.value.details() and "--max-context" in err.value.details()
+    assert chunks == []
+
+
+def test_max_batch_flag_reaches_the_verifier_and_serve_all_children():
+    from services.orchestrator import serve_flags
+    from services.orchestrator.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "verifier", "--max-batch", "3"])
+    assert serve_flags.session_limits(args, kv_budget=True)["max_batch"] == 3
+    assert build_parser().parse_args(["serve", "verifier"]).max_batch == 16
+    with pytest.raises(ValueError, match="--max-batch"):
+        serve_flags.session_limits(build_parser().parse_args(["serve", "verifier", "--max-batch", "0"]), kv_budget=True)
+    a = build_parser().parse_args(["serve", "all", "--max-batch", "1"])
+    argv = serve_flags.child_argv(a, "verifier")
+    assert argv[argv.index("--max-batch") + 1] == "1"
+    assert "--max-batch" not in serve_flags.child_argv(a, "drafter")
+    from services.verifier.server import VerifierServicer
+
+    s = VerifierServicer(max_batch=1)
+    assert s.compute.max_batch == 1
+    s.compute.shutdown()
