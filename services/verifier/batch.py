@@ -68,8 +68,13 @@ def verify_batch(items: Sequence[Item]) -> list[Any]:
 
 def _batchable(session) -> bool:
     # f_theta restoration (MLX only) writes a latent ring from each forward's aux and attends
-    # over restored K/V: such a session runs alone (correct, no batching gain).
-    return session.restorer is None and hasattr(session.target, "run_batch")
+    # over restored K/V: such a session runs alone (correct, no batching gain); so does what
+    # a backend's batched forward cannot take (MLX: quantized full-attention caches).
+    target = session.target
+    if session.restorer is not None or not hasattr(target, "run_batch"):
+        return False
+    check = getattr(target, "batchable", None)
+    return check is None or check(session.cache)
 
 
 def _together(items: Sequence[Item]) -> list[list[int]]:

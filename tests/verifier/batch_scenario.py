@@ -64,4 +64,4 @@ def lockstep(target, aux_layers, specs, rounds: int, seed: int = 0, close=np.tes
 def as_np(x):
     if hasattr(x, "detach"):
         return x.detach().float().cpu().numpy()
-    return np.array(x.astype("float32") if hasattr(x, "astype") else x)
+    return np.array(x, dtype=np.float32)  # MLX arrays convert through the buffer protocol
