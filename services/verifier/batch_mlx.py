@@ -23,6 +23,8 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
+from .cache_mlx import RingKVCache
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -57,10 +59,7 @@ def _padded(masks: list[np.ndarray], rows: int) -> np.ndarray:
 
 
 def forward_batch(target, blocks: Sequence[tuple]) -> list:
-    """``blocks`` of ``(ids, cache, aux_layers, plan)``; one ``model_mlx.Forward`` per block, in order."""
-    from .cache_mlx import RingKVCache
-    from .model_mlx import Forward
-
+    """``blocks`` of ``(ids, cache, aux_layers, plan)``; one ``(hidden [1, L, H], aux [L, A])`` per block, in order."""
     inner = target.inner
     lengths = [len(ids) for ids, *_ in blocks]
     rows = max(lengths)
@@ -99,5 +98,5 @@ def forward_batch(target, blocks: Sequence[tuple]) -> list:
     out = []
     for b, ((_, _, aux, _), n) in enumerate(zip(blocks, lengths)):
         rows_aux = mx.concatenate([saved[i][b, :n] for i in aux], axis=-1) if aux else None
-        out.append(Forward(hidden[b : b + 1, :n], rows_aux))
+        out.append((hidden[b : b + 1, :n], rows_aux))
     return out

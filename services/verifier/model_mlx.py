@@ -93,7 +93,7 @@ class TargetMLX:
         from .batch_mlx import forward_batch
 
         try:
-            return forward_batch(self, blocks)
+            return [Forward(h, aux) for h, aux in forward_batch(self, blocks)]
         finally:
             for _, cache, _, _ in blocks:
                 for c in cache:
