@@ -109,6 +109,12 @@ class ServerMetrics:
         """``kakeya_kv_cache_bytes{kind}``: bytes held by live sessions' caches, read at scrape time."""
         self.registry.register(_Collected("kakeya_kv_cache_bytes", "KV cache bytes held by live sessions", "kind", read))
 
+    def track_batches(self, compute: Any) -> None:
+        """``kakeya_compute_batches_total`` / ``kakeya_compute_batched_items_total`` of a ``ComputeThread``:
+        batched runner calls and the steps they carried (their ratio is the mean batch size)."""
+        self.registry.register(_Total("kakeya_compute_batches", "batched compute calls (one forward each)", lambda: compute.batches))
+        self.registry.register(_Total("kakeya_compute_batched_items", "session steps those calls carried", lambda: compute.batched_items))
+
     def generation(self, verifier_session: Any = None, drafter_session: Any = None, params: Any = None) -> "GenerationObserver":
         if params is not None:
             log.info("generate: %d prompt tokens, max_tokens %d, block %d", len(params.prompt_ids), params.max_tokens, params.block_size)

@@ -1,4 +1,4 @@
-"""The Gemma-4 text model in plain PyTorch: config, layers, weight loading from a HF checkpoint.
+"""The Gemma-4 text model in plain PyTorch: config and layers (weights: ``gemma4_load_torch.py``).
 
 The torch counterpart of mlx-lm's ``gemma4_text.py``, driven by the verifier's
 backend adapter ``model_torch.TargetTorch``. gpt-fast style: modules hold raw
@@ -22,16 +22,13 @@ transformers' ``Gemma4TextConfig`` ones.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.checkpoints.layout import find_text_tensors, is_quantized, tensor_files
 from services.torch_ops import apply_rope, default_inv_freq, geglu, gemma4_rms_norm, rope_from_positions, sdpa, sdpa_backends
 
 SLIDING = "sliding_attention"
@@ -208,22 +205,29 @@ class Attention(nn.Module):
             self.register_buffer("k_norm", torch.empty(self.head_dim), persistent=False)
 
     def forward(self, x, cos, sin, mask, cache, shared_kv):
+        q, k, v = self.project(x, cos, sin, shared_kv is None)
+        if shared_kv is not None:
+            k, v = shared_kv
+        elif cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        return self.output(sdpa(q, k, v, mask, 1.0)), (k, v)
+
+    def project(self, x, cos, sin, new_kv: bool = True):
+        """``q`` [B, heads, L, D] and (``new_kv``) this block's own ``k``, ``v`` [B, kv_heads, L, D]."""
         B, L, _ = x.shape
         parts = F.linear(x, self.wqkv).split(self.split, dim=-1)
         q = gemma4_rms_norm(parts[0].view(B, L, self.n_heads, self.head_dim), self.q_norm, self.eps)
         q = apply_rope(q, cos, sin).transpose(1, 2)
-        if shared_kv is not None:
-            k, v = shared_kv
-        else:
-            k = parts[1].view(B, L, self.n_kv, self.head_dim)
-            v = k if self.k_eq_v else parts[2].view(B, L, self.n_kv, self.head_dim)
-            k = apply_rope(gemma4_rms_norm(k, self.k_norm, self.eps), cos, sin).transpose(1, 2)
-            v = gemma4_rms_norm(v, None, self.eps).transpose(1, 2)
-            if cache is not None:
-                k, v = cache.update_and_fetch(k, v)
-        out = sdpa(q, k, v, mask, 1.0)
-        out = out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim)
-        return F.linear(out, self.wo), (k, v)
+        if not new_kv:
+            return q, None, None
+        k = parts[1].view(B, L, self.n_kv, self.head_dim)
+        v = k if self.k_eq_v else parts[2].view(B, L, self.n_kv, self.head_dim)
+        k = apply_rope(gemma4_rms_norm(k, self.k_norm, self.eps), cos, sin).transpose(1, 2)
+        return q, k, gemma4_rms_norm(v, None, self.eps).transpose(1, 2)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        B, _, L, _ = out.shape
+        return F.linear(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim), self.wo)
 
 
 class MoE(nn.Module):
@@ -310,8 +314,12 @@ class DecoderLayer(nn.Module):
         return F.linear(geglu(gate, up) if self.tanh_gelu else self.act(gate) * up, self.w_down)
 
     def forward(self, x, cos, sin, mask, cache, shared_kv, per_layer_input):
+        a, kv = self.attn(gemma4_rms_norm(x, self.input_ln, self.eps), cos, sin, mask, cache, shared_kv)
+        return self.after_attention(x, a, per_layer_input), kv
+
+    def after_attention(self, x, a, per_layer_input):
+        """The rest of the layer given the attention output ``a``: row-wise, so batches flatten."""
         eps = self.eps
-        a, kv = self.attn(gemma4_rms_norm(x, self.input_ln, eps), cos, sin, mask, cache, shared_kv)
         h = x + gemma4_rms_norm(a, self.post_attn_ln, eps)
         f = self.mlp(gemma4_rms_norm(h, self.pre_ffn_ln, eps))
         if self.moe is not None:
@@ -324,7 +332,7 @@ class DecoderLayer(nn.Module):
         if self.ple and per_layer_input is not None:
             g = self.act(F.linear(h, self.ple_gate)) * per_layer_input
             h = h + gemma4_rms_norm(F.linear(g, self.ple_proj), self.ple_norm, eps)
-        return h * self.layer_scalar.to(h.dtype), kv
+        return h * self.layer_scalar.to(h.dtype)
 
 
 @dataclass
@@ -420,100 +428,3 @@ class Gemma4Text(nn.Module):
         out = F.linear(hidden, w).float()
         cap = self.args.final_logit_softcapping
         return torch.tanh(out / cap) * cap if cap else out
-
-
-# --------------------------------------------------------------------------- loading
-
-
-class _Reader:
-    """Reads single tensors from the checkpoint's safetensors files, cast and moved."""
-
-    def __init__(self, names: dict[str, Path], device: torch.device, dtype: torch.dtype):
-        from safetensors import safe_open
-
-        self.names, self.device, self.dtype = names, device, dtype
-        self._open = {f: safe_open(str(f), framework="pt") for f in set(names.values())}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.names
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.names:
-            raise KeyError(f"missing tensor {name!r} in the target checkpoint")
-        return self._open[self.names[name]].get_tensor(name).to(device=self.device, dtype=self.dtype)
-
-
-def load_gemma4(path: str | Path, device: torch.device, dtype: torch.dtype) -> Gemma4Text:
-    """The text model of the Hugging Face checkpoint at ``path`` (its ``config.json`` and
-    safetensors), on ``device`` in ``dtype``, in eval mode."""
-    path = Path(path)
-    cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    args = Gemma4Args.from_dict(cfg)
-    names = tensor_files(path)
-    if is_quantized(names):
-        raise ValueError("quantized (mlx) checkpoints are not supported by the torch backend")
-    text = find_text_tensors(names, path)
-    with torch.device("meta"):
-        model = Gemma4Text(args)
-    _load_weights(model, _Reader(names, device, dtype), text.prefix, text.head)
-    return model.eval()
-
-
-def _load_weights(model: Gemma4Text, rd: _Reader, prefix: str, head: str | None) -> None:
-    a = model.args
-    p = prefix
-    model.embed = rd.get(p + "embed_tokens.weight")
-    model.norm = rd.get(p + "norm.weight")
-    if head is not None and not a.tie_word_embeddings:
-        model.lm_head = rd.get(head + ".weight")
-    elif head is not None and a.tie_word_embeddings:
-        model.lm_head = None
-    elif not a.tie_word_embeddings:
-        raise KeyError("untied checkpoint without lm_head.weight")
-    if model.ple:
-        model.embed_per_layer = rd.get(p + "embed_tokens_per_layer.weight")
-        model.ple_model_proj = rd.get(p + "per_layer_model_projection.weight")
-        model.ple_proj_norm = rd.get(p + "per_layer_projection_norm.weight")
-    for i, layer in enumerate(model.layers):
-        lp = f"{p}layers.{i}."
-        at = layer.attn
-        ws = [rd.get(lp + "self_attn.q_proj.weight")]
-        if at.has_kv:
-            ws.append(rd.get(lp + "self_attn.k_proj.weight"))
-            if not at.k_eq_v:
-                ws.append(rd.get(lp + "self_attn.v_proj.weight"))
-            at.k_norm = rd.get(lp + "self_attn.k_norm.weight")
-        at.wqkv = torch.cat(ws, dim=0).contiguous()
-        if at.wqkv.shape[0] != sum(at.split):
-            raise ValueError(f"layer {i}: q/k/v projection rows {at.wqkv.shape[0]} != expected {sum(at.split)}")
-        at.wo = rd.get(lp + "self_attn.o_proj.weight")
-        at.q_norm = rd.get(lp + "self_attn.q_norm.weight")
-        gate, up = rd.get(lp + "mlp.gate_proj.weight"), rd.get(lp + "mlp.up_proj.weight")
-        if gate.shape[0] != layer.inter:
-            raise ValueError(f"layer {i}: mlp width {gate.shape[0]} != expected {layer.inter} (use_double_wide_mlp?)")
-        layer.w_gate_up = torch.cat([gate, up], dim=0).contiguous()
-        layer.w_down = rd.get(lp + "mlp.down_proj.weight")
-        layer.input_ln = rd.get(lp + "input_layernorm.weight")
-        layer.post_attn_ln = rd.get(lp + "post_attention_layernorm.weight")
-        layer.pre_ffn_ln = rd.get(lp + "pre_feedforward_layernorm.weight")
-        layer.post_ffn_ln = rd.get(lp + "post_feedforward_layernorm.weight")
-        if lp + "layer_scalar" in rd:
-            layer.layer_scalar = rd.get(lp + "layer_scalar")
-        else:
-            layer.layer_scalar = torch.ones(1, device=rd.device, dtype=rd.dtype)
-        if layer.moe is not None:
-            m = layer.moe
-            m.router_proj = rd.get(lp + "router.proj.weight")
-            m.router_scale = rd.get(lp + "router.scale")
-            m.per_expert_scale = rd.get(lp + "router.per_expert_scale")
-            m.gate_up = rd.get(lp + "experts.gate_up_proj")
-            m.down = rd.get(lp + "experts.down_proj")
-            layer.post_ffn_ln_1 = rd.get(lp + "post_feedforward_layernorm_1.weight")
-            layer.post_ffn_ln_2 = rd.get(lp + "post_feedforward_layernorm_2.weight")
-            layer.pre_ffn_ln_2 = rd.get(lp + "pre_feedforward_layernorm_2.weight")
-        if layer.ple:
-            layer.ple_gate = rd.get(lp + "per_layer_input_gate.weight")
-            layer.ple_proj = rd.get(lp + "per_layer_projection.weight")
-            layer.ple_norm = rd.get(lp + "post_per_layer_input_norm.weight")
-
-

@@ -87,6 +87,33 @@ class TargetMLX:
                 if isinstance(c, RingKVCache):
                     c.prefix = None
 
+    def run_batch(self, blocks: Sequence[tuple]) -> list[Forward]:
+        """Several sessions' ``run`` in one forward (``batch_mlx.py``): ``blocks`` of
+        ``(ids, cache, aux_layers, plan)``, one ``Forward`` each, every cache written as by ``run``."""
+        from .batch_mlx import forward_batch
+
+        try:
+            return [Forward(h, aux) for h, aux in forward_batch(self, blocks)]
+        finally:
+            for _, cache, _, _ in blocks:
+                for c in cache:
+                    if isinstance(c, RingKVCache):
+                        c.prefix = None
+
+    @staticmethod
+    def batchable(cache: list) -> bool:
+        """Quantized full-attention caches run alone (see ``batch_mlx.py``)."""
+        return not any(isinstance(c, QuantizedKVCache) for c in cache)
+
+    def greedy_batch(self, hiddens: Sequence[mx.array]) -> list[list[int]]:
+        """:meth:`greedy` of several blocks' hidden states with one LM head and one host sync."""
+        flat = self.greedy(hiddens[0] if len(hiddens) == 1 else mx.concatenate(list(hiddens), axis=1))
+        out, a = [], 0
+        for h in hiddens:
+            out.append(flat[a : a + h.shape[1]])
+            a += h.shape[1]
+        return out
+
     # -- f_theta restoration (services/verifier/ftheta.py) ------------------------------
 
     def restorer(self, path):

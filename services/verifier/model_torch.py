@@ -3,7 +3,7 @@
 :class:`TargetTorch` mirrors ``model_mlx.TargetMLX`` method for method (``load``,
 ``make_cache``, ``run``, ``greedy``, ``materialize``, ``cat``, ``trim_full``,
 ``kv_bytes``, ``forward``, ``logits``), so ``session.py`` drives either backend
-alike. The model itself -- config, layers, weight loading -- is ``gemma4_torch.py``.
+alike. The model itself -- config, layers -- is ``gemma4_torch.py``, its weight loading ``gemma4_load_torch.py``.
 What only the torch backend has (random weights for benchmarks, the plain-cache
 reference decode, a warm-up) comes last; f_theta restoration is MLX-only.
 """
@@ -21,8 +21,10 @@ from services.torch_ops import resolve_device, resolve_dtype
 from services.contract import MAX_BLOCK_SIZE
 
 from .cache import RingLayout, RingPlan
+from .batch_torch import Segment, forward_batch
 from .cache_torch import FullKVCache, QuantizedFullKVCache, RingKVCache
-from .gemma4_torch import FULL, SLIDING, Forward, Gemma4Args, Gemma4Text, load_gemma4
+from .gemma4_load_torch import load_gemma4
+from .gemma4_torch import FULL, SLIDING, Forward, Gemma4Args, Gemma4Text
 from services.torch_graphs import GraphOptions
 from .step_torch import TorchCaches, verify_block
 
@@ -117,6 +119,18 @@ class TargetTorch:
 
     @torch.inference_mode()
     def run(self, ids: Sequence[int], cache: list, aux_layers: Sequence[int], plan: RingPlan) -> Forward:
+        masks, pos = self._prepare(len(ids), cache, plan)
+        return self.forward(self._ids(ids), cache, aux_layers, masks, pos)
+
+    @torch.inference_mode()
+    def run_batch(self, blocks: Sequence[tuple[Sequence[int], list, Sequence[int], RingPlan]]) -> list[Forward]:
+        """Several sessions' ``run`` in one forward (``batch_torch.py``): ``blocks`` of
+        ``(ids, cache, aux_layers, plan)``, one ``Forward`` each, every cache written as by ``run``."""
+        segs = [Segment(self._ids(ids), cache, tuple(aux), *self._prepare(len(ids), cache, plan)) for ids, cache, aux, plan in blocks]
+        return forward_batch(self.model, segs)
+
+    def _prepare(self, n: int, cache: list, plan: RingPlan) -> tuple[dict, torch.Tensor]:
+        """Hand the rings their plan; the masks and positions of a dynamic forward of ``n`` positions."""
         start = None
         for c in cache:
             if isinstance(c, RingKVCache):
@@ -125,19 +139,28 @@ class TargetTorch:
             elif start is None:
                 start = c.offset
         start = 0 if start is None else start
-        n = len(ids)
         if isinstance(cache, TorchCaches):
             cache.mark_dynamic()
         masks = {FULL: self._full_mask(start, n)}
         if SLIDING in self.layer_types:
             m = plan.mask
             masks[SLIDING] = None if m.all() else torch.from_numpy(m).to(self.device, non_blocking=True)
-        return self.forward(self._ids(ids), cache, aux_layers, masks, self._positions(start, n))
+        return masks, self._positions(start, n)
 
     @torch.inference_mode()
     def greedy(self, hidden: torch.Tensor) -> list[int]:
         """The target's argmax at every position of ``hidden`` [1, L, H]: the one host sync of a verify."""
         return torch.argmax(self.model.logits(hidden)[0], dim=-1).tolist()
+
+    @torch.inference_mode()
+    def greedy_batch(self, hiddens: Sequence[torch.Tensor]) -> list[list[int]]:
+        """:meth:`greedy` of several blocks' hidden states with one LM head and one host sync."""
+        flat = self.greedy(hiddens[0] if len(hiddens) == 1 else torch.cat(list(hiddens), dim=1))
+        out, a = [], 0
+        for h in hiddens:
+            out.append(flat[a : a + h.shape[1]])
+            a += h.shape[1]
+        return out
 
     @staticmethod
     def materialize(out: Forward, cache: list) -> None:

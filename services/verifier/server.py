@@ -40,11 +40,14 @@ from services.serving import (
     version,
     workers_for,
 )
+from services.compute import DEFAULT_MAX_BATCH
 from services.metrics import ServerMetrics
 from services.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
 from services.wire import codec
 from services.wire import contract as wire_contract
 from services.wire.kakeya.v1 import verifier_pb2 as pb, verifier_pb2_grpc
+
+from .batch import verify_batch
 
 
 log = logging.getLogger("kakeya.verifier")
@@ -76,11 +79,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         max_context: int = 0,
         restore: bounds.RestoreSources | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ):
-        self.compute = ComputeThread("verifier")
+        # concurrent sessions' Verify steps that queue up meanwhile run as one batched forward
+        # (batch.verify_batch); a prefill runs one chunk per job, so verifies run between chunks
+        self.compute = ComputeThread("verifier", max_batch)
         self.registry = SessionRegistry(max_sessions, max_kv_bytes, queue, queue_timeout_s, idle_timeout_s)
         self.metrics = ServerMetrics("verifier")
         self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
+        self.metrics.track_batches(self.compute)
         self.metrics.track_kv_bytes(lambda: {"sliding": 0, "full": 0} | self.registry.bytes_by_kind("full"))
         self.verifier = None  # LocalVerifier, set by load()
         self.ready = False
@@ -267,7 +274,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                         f" max_positions {max_positions} (open.max_positions / --max-context)"
                     )
                 ids = check_token_ids(req.prefill.token_ids, vocab, "prefill.token_ids")
-                next_token, aux, stats = self.compute.run(self._prefill, entry, session, ids)
+                next_token, aux, stats = self._prefill(entry, session, ids)
                 prefilled = True
                 resp = pb.VerifierResponse(prefilled=pb.VerifierResponse.Prefilled(next_token=next_token, aux=aux, stats=stats))
             elif kind == "verify":
@@ -286,7 +293,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                         f" max_positions {max_positions} (open.max_positions / --max-context)"
                     )
                 proposal = self._proposal(session, req.verify, ids, vocab)
-                choices = self.compute.run(session.verify, ids, proposal)
+                choices = self.compute.batch("verify", (session, ids, proposal), verify_batch)
                 pending = len(ids)
                 resp = pb.VerifierResponse(verified=pb.VerifierResponse.Verified(choices=choices))
             elif kind == "commit":
@@ -333,7 +340,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             entry.cache_bytes = sum(entry.kv_bytes.values())
 
     def _prefill(self, entry, session, ids):
-        next_token, aux = session.prefill(ids)
+        """One compute job per prefill chunk (``session.prefill_steps``): other sessions' steps queued
+        meanwhile run between the chunks, so a long prompt never stalls a short request for its whole length."""
+        steps = session.prefill_steps(ids)
+        while (done := self.compute.run(self._prefill_chunk, entry, session, steps)) is None:
+            pass
+        return done
+
+    def _prefill_chunk(self, entry, session, steps):
+        try:
+            next(steps)
+            return None
+        except StopIteration as finished:
+            next_token, aux = finished.value
         tensor = codec.to_proto(aux)  # evaluates; the model's own dtype
         stats = session.stats()
         self._account(entry, stats)

@@ -11,7 +11,7 @@ states stay on the device and only the kept rows are handed on.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Generator, Sequence
 
 from services import sampling as lossless
 from services.checkpoints.config import load_target_config
@@ -88,6 +88,22 @@ class VerifierSession:
         return out
 
     def prefill(self, prompt_ids: Sequence[int]):
+        """Run the prompt; ``(first token, aux of every prompt position)``."""
+        steps = self.prefill_steps(prompt_ids)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_steps(self, prompt_ids: Sequence[int]) -> Generator[int, None, tuple]:
+        """:meth:`prefill` one chunk per ``next()``; the generator's return value is prefill's.
+
+        Yields the positions done after every chunk but the last (which also takes
+        the first token). A server runs each ``next()`` as its own compute job, so
+        other sessions' steps run between the chunks of a long prompt; the chunks
+        are the same as a one-shot prefill's, so is the result.
+        """
         self._check_open()
         if self.offset != 0:
             raise RuntimeError("prefill must be the first call of a session")
@@ -96,11 +112,15 @@ class VerifierSession:
         chunks = []
         step = min(PREFILL_CHUNK, self.max_forward)
         for start in range(0, len(prompt_ids), step):
+            if start:
+                self._check_open()  # a stream that ended between chunks closed the session
             out = self._forward(prompt_ids[start : start + step])
             chunks.append(out.aux)
             self.target.materialize(out, self.cache)  # never one huge graph for a long prompt
             if self.latents is not None:
                 self.latents.materialize()
+            if start + step < len(prompt_ids):
+                yield start + step
         if self.sampling is None:
             first = self.target.greedy(out.hidden[:, -1:])[0]
         else:
@@ -109,6 +129,16 @@ class VerifierSession:
         return first, self.target.cat(chunks)
 
     def verify(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> list[int]:
+        self.check_block(block_ids, proposal)
+        static = getattr(self.target, "verify_block", None)
+        if static is not None and self.restorer is None and self.sampling is None:  # torch greedy: the static-shape step
+            choices, aux = static(block_ids, self.cache, self.aux_layers)
+            self._pending = (len(block_ids), aux)
+            return choices
+        return self.accept(block_ids, proposal, self._forward(block_ids))
+
+    def check_block(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> None:
+        """What :meth:`verify` refuses (ValueError / RuntimeError) before it touches the caches."""
         self._check_open()
         if self._pending is not None:
             raise RuntimeError("commit the previous block before verifying another")
@@ -118,15 +148,14 @@ class VerifierSession:
             raise ValueError(f"block length must be 1..{limit}{why}, got {len(block_ids)}")
         if self.sampling is not None:
             self._check_proposal(block_ids[1:], proposal)
-        static = getattr(self.target, "verify_block", None)
-        if static is not None and self.restorer is None and self.sampling is None:  # torch greedy: the static-shape step
-            choices, aux = static(block_ids, self.cache, self.aux_layers)
-            self._pending = (len(block_ids), aux)
-            return choices
-        out = self._forward(block_ids)
+
+    def accept(self, block_ids: Sequence[int], proposal: Proposal | None, out, greedy: list[int] | None = None) -> list[int]:
+        """After the block's forward ``out``: the pending block for :meth:`commit`, and the choices
+        (greedy: the argmax rows, ``greedy`` when a batched caller already took them; sampling:
+        the acceptance test on this session's logits with its own uniforms)."""
         self._pending = (len(block_ids), out.aux)
         if self.sampling is None:
-            return self.target.greedy(out.hidden)
+            return greedy if greedy is not None else self.target.greedy(out.hidden)
         candidates = list(block_ids[1:])
         u_acc, u_samp = lossless.verify_uniforms(self.rng, len(block_ids))
         accepted, samples = self.target.sampler.verify_rows(

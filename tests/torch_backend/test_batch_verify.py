@@ -1,0 +1,103 @@
+"""verify_batch on torch: several sessions in one forward == each session verified alone.
+
+Choices identical, aux allclose (float32: only the order of a matmul's sums over
+more rows differs), and after every commit the caches and positions are the
+same -- every later round's choices depend on them. Covered: different prompts,
+prompt lengths, block lengths 1..16 and n_keep per session, wrapped native and
+sink-window rings, quantized full layers, KV sharing + per-layer inputs, MoE,
+sampling sessions with seeds, and a bad item in a batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.contract import CachePolicy, SamplingParams
+from services.verifier.batch import verify_batch
+from services.verifier.model_torch import TargetTorch
+from services.verifier.session import VerifierSession
+
+from ..verifier.batch_scenario import lockstep
+from .conftest import AUX_LAYERS, PROMPT
+
+SINK = CachePolicy(kind="sink-window", sink=2, window=8)  # ring of 2 + 7 + 16 slots: wraps at once
+
+
+def _prompt(n: int, salt: int = 0) -> list[int]:
+    return [2] + [5 + (7 * i + salt) % 200 for i in range(n - 1)]
+
+
+def _specs():
+    return [
+        (PROMPT, CachePolicy(), None),
+        (_prompt(5, 1), SINK, None),
+        (_prompt(70, 2), CachePolicy(), None),  # native ring (window 32) already wrapped
+        (_prompt(40, 3), SINK, None),
+        (_prompt(13, 4), CachePolicy(full_kv_bits=8, full_kv_group_size=32), None),
+    ]
+
+
+def test_batched_sessions_match_alone(torch_target):
+    lockstep(torch_target, AUX_LAYERS, _specs(), rounds=8)
+
+
+@pytest.mark.parametrize("which", ["features_target", "tiny_moe"])
+def test_batched_sessions_match_alone_kv_sharing_and_moe(which, request):
+    path = request.getfixturevalue(which)
+    target = TargetTorch.load(getattr(path, "target", path), "cpu", "float32")
+    aux = (1, 4) if target.args.num_hidden_layers > 4 else (1,)
+    specs = [(_prompt(9, 1), CachePolicy(), None), (_prompt(30, 2), CachePolicy(kind="sink-window", sink=1, window=4), None),
+             (_prompt(3, 3), CachePolicy(), None)]
+    lockstep(target, aux, specs, rounds=5)
+
+
+def test_sampling_sessions_in_a_batch_draw_the_same_tokens_as_alone(torch_target):
+    specs = [
+        (PROMPT, CachePolicy(), SamplingParams(temperature=1.0, seed=11)),
+        (_prompt(50, 1), SINK, SamplingParams(temperature=0.7, top_k=20, seed=12)),
+        (_prompt(8, 2), CachePolicy(), None),  # a greedy session among them
+        (_prompt(20, 3), CachePolicy(), SamplingParams(temperature=1.3, top_p=0.9, seed=13)),
+    ]
+    lockstep(torch_target, AUX_LAYERS, specs, rounds=6, seed=1)
+
+
+def test_a_bad_item_fails_alone_and_the_rest_run(torch_target):
+    good = [VerifierSession(torch_target, AUX_LAYERS, CachePolicy()) for _ in range(3)]
+    ref = VerifierSession(torch_target, AUX_LAYERS, CachePolicy())
+    for s in good + [ref]:
+        s.prefill(PROMPT)
+    pending = VerifierSession(torch_target, AUX_LAYERS, CachePolicy())
+    pending.prefill(PROMPT)
+    pending.verify([7])  # not committed: its next verify must refuse
+    sampler = VerifierSession(torch_target, AUX_LAYERS, CachePolicy(), SamplingParams(temperature=1.0, seed=3))
+    sampler.prefill(PROMPT)
+    block = [9, 10, 11]
+    items = [
+        (good[0], block, None),
+        (good[1], [], None),  # empty block
+        (pending, block, None),
+        (good[2], block, None),
+        (sampler, block, None),  # no proposal
+        (good[0], block, None),  # the same session twice in one batch
+    ]
+    got = verify_batch(items)
+    want = ref.verify(block)
+    assert got[0] == want and got[3] == want
+    assert isinstance(got[1], ValueError) and "block length" in str(got[1])
+    assert isinstance(got[2], RuntimeError) and "commit" in str(got[2])
+    assert isinstance(got[4], ValueError) and "proposal" in str(got[4])
+    assert isinstance(got[5], RuntimeError)
+    assert good[1].offset == len(PROMPT) and good[1]._pending is None  # the failed ones are untouched
+    torch.testing.assert_close(good[0].commit(2), ref.commit(2), rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_of_one_takes_the_static_step(torch_target, monkeypatch):
+    s = VerifierSession(torch_target, AUX_LAYERS, CachePolicy())
+    s.prefill(PROMPT)
+    monkeypatch.setattr(torch_target, "run_batch", lambda blocks: pytest.fail("a lone item must not batch"))
+    calls = []
+    real = torch_target.verify_block
+    monkeypatch.setattr(torch_target, "verify_block", lambda *a: calls.append(1) or real(*a))
+    (choices,) = verify_batch([(s, [5, 6, 7], None)])
+    assert len(choices) == 3 and calls == [1]
