@@ -91,6 +91,7 @@ def cmd_serve_verifier(args) -> int:
         target, draft = args.target, args.draft
     layers = _aux_layers(args.aux_layers, draft)
     limits = serve_flags.session_limits(args, kv_budget=True)
+    limits.pop("max_batch")  # batched verify steps: branch batch-verify wires --max-batch into the verifier
     limits["restore"], args.restore = serve_flags.restore_sources(args)  # the default policy's: the bare DIR
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
     if backend == "torch":
