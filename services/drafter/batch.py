@@ -25,12 +25,11 @@ from typing import Any, Sequence
 from .sampling import sampled_draft
 from .session import DrafterSession
 
-Item = tuple  # (DrafterSession, new_aux, last_token, block_size)
 
-
-def draft_batch(items: Sequence[Item]) -> list[Any]:
-    """One result per item, in order: its tokens (greedy), its ``Draft`` (sampling), or the
-    exception it raised (to be raised to that item's caller alone)."""
+def draft_batch(items: Sequence[tuple[DrafterSession, Any, int, int]]) -> list[Any]:
+    """``items``: (session, new_aux, last_token, block_size) each. One result per item, in order:
+    its tokens (greedy), its ``Draft`` (sampling), or the exception it raised (to be raised to
+    that item's caller alone)."""
     results: list[Any] = [None] * len(items)
     groups: dict[int, list] = {}  # sessions of one loaded model batch together
     seen: set[int] = set()

@@ -37,6 +37,7 @@ from services.serving import (
 )
 from services.compute import DEFAULT_MAX_BATCH
 from services.metrics import ServerMetrics
+from services.drafter.batch import draft_batch
 from services.drafter.config import MAX_BLOCK_SIZE
 from services.wire import codec
 from services.wire import contract as wire_contract
@@ -214,20 +215,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     def _draft_batch(self, items: list) -> list:
         """The Draft requests that queued up together, as one batch; one result (or exception) per item."""
-        from .batch import draft_batch
-
-        work = []
-        for entry, session, tensor, last_token, block in items:
+        decoded = []
+        for _, session, tensor, last_token, block in items:
             try:
-                aux = self._decode(tensor)
+                decoded.append((session, self._decode(tensor), int(last_token), int(block)))
             except Exception as exc:  # noqa: BLE001 -- this stream's own failure
-                aux = exc
-            work.append((session, aux, int(last_token), int(block)))
-        bad = {i: aux for i, (_, aux, _, _) in enumerate(work) if isinstance(aux, Exception)}
-        drafted = iter(draft_batch([w for i, w in enumerate(work) if i not in bad]))
+                decoded.append(exc)
+        drafted = iter(draft_batch([w for w in decoded if not isinstance(w, Exception)]))
         results = []
-        for i, (entry, session, *_) in enumerate(items):
-            tokens = bad[i] if i in bad else next(drafted)
+        for (entry, session, *_), w in zip(items, decoded):
+            tokens = w if isinstance(w, Exception) else next(drafted)
             if isinstance(tokens, Exception):
                 results.append(tokens)
                 continue
