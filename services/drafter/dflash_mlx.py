@@ -34,6 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from services import sampling_mlx
+from services.drafter import batch_mlx
 from services.checkpoints.layout import find_text_tensors, shard_files
 from services.drafter.config import FULL, SLIDING, DFlashConfig, aux_rows  # noqa: F401  (FULL, DFlashConfig re-exported)
 from services.drafter import context
@@ -74,12 +75,21 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def _kv(self, h: mx.array, rope: nn.Module, offset: int) -> tuple[mx.array, mx.array]:
+    def project_kv(self, h: mx.array) -> tuple[mx.array, mx.array]:
+        """K (normed, before RoPE) and V ``[B, n_kv, L, head_dim]`` of rows ``h``."""
         B, L, _ = h.shape
         k = self.k_norm(self.k_proj(h).reshape(B, L, self.n_kv_heads, -1))
         v = self.v_proj(h).reshape(B, L, self.n_kv_heads, -1)
-        k = rope(k.transpose(0, 2, 1, 3), offset=offset)
-        return k, v.transpose(0, 2, 1, 3)
+        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def project_q(self, x: mx.array) -> mx.array:
+        """Queries (normed, before RoPE) ``[B, n_heads, L, head_dim]`` of rows ``x``."""
+        B, L, _ = x.shape
+        return self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+
+    def _kv(self, h: mx.array, rope: nn.Module, offset: int) -> tuple[mx.array, mx.array]:
+        k, v = self.project_kv(h)
+        return rope(k, offset=offset), v
 
     def context_kv(self, h_ctx: mx.array, rope: nn.Module, offset: int):
         """K/V ``[1, n_kv, S, head_dim]`` of context rows at positions ``offset..offset+S-1``."""
@@ -87,8 +97,7 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, ctx: "LayerKV", view: BlockView, rope: nn.Module, pos: int, mask) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
-        q = rope(q.transpose(0, 2, 1, 3), offset=pos)
+        q = rope(self.project_q(x), offset=pos)
         k, v = ctx.with_block(view, *self._kv(x, rope, pos))
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -331,6 +340,7 @@ class DFlashDraftModel(nn.Module):
 
     backend = "mlx"
     sampler = sampling_mlx  # the processed q and its top-K proposal when a session samples
+    batched = batch_mlx  # several sessions' extend + block forward as one (``batch.py``)
 
     @property
     def device_name(self) -> str:

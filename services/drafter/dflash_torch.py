@@ -37,6 +37,7 @@ from services.drafter.config import FULL, SLIDING, DFlashConfig, aux_rows  # noq
 from services.drafter import context
 from services.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, Resize, block_mask
 from services import sampling_torch
+from services.drafter import batch_torch
 from services.drafter.step_torch import propose_static
 from services.torch_graphs import GraphOptions
 from services.torch_ops import (
@@ -102,11 +103,15 @@ class Attention(nn.Module):
         v = self.v_proj(h).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
         return k, v
 
-    def forward(self, x, ctx: "LayerKV | GivenContext", view: Optional[BlockView], cos, sin, mask):
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Queries ``[B, n_heads, L, hd]`` of rows ``x`` [B, L, hidden] at the positions of ``cos``/``sin``."""
         B, L, _ = x.shape
         q = qwen3_rms_norm(self.q_proj(x).view(B, L, self.n_heads, self.head_dim), self.q_norm.weight, self.eps)
-        q = q.transpose(1, 2)
-        q = apply_rope(q, cos, sin)
+        return apply_rope(q.transpose(1, 2), cos, sin)
+
+    def forward(self, x, ctx: "LayerKV | GivenContext", view: Optional[BlockView], cos, sin, mask):
+        B, L, _ = x.shape
+        q = self.query(x, cos, sin)
         k, v = ctx.with_block(view, *self.kv(x, cos, sin))
         out = sdpa(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
@@ -385,6 +390,7 @@ class DFlashDraftModel(nn.Module):
 
     backend = "torch"
     sampler = sampling_torch  # the processed q and its top-K proposal when a session samples
+    batched = batch_torch  # several sessions' extend + block forward as one (``batch.py``)
 
     @property
     def device_name(self) -> str:

@@ -35,7 +35,9 @@ from services.serving import (
     version,
     workers_for,
 )
+from services.compute import DEFAULT_MAX_BATCH
 from services.metrics import ServerMetrics
+from services.drafter.batch import draft_batch
 from services.drafter.config import MAX_BLOCK_SIZE
 from services.wire import codec
 from services.wire import contract as wire_contract
@@ -56,8 +58,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         queue_timeout_s: float = 0.0,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         max_context: int = 0,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ):
-        self.compute = ComputeThread("drafter")
+        # Draft requests of several streams that queue up while a batch runs go through ONE forward
+        # (``batch.draft_batch``); max_batch 1: each alone, in turn.
+        self.compute = ComputeThread("drafter", max_batch)
         self.registry = SessionRegistry(max_sessions, 0, queue, queue_timeout_s, idle_timeout_s)
         self.max_context_flag = max_context
         self.max_context = 0  # set by load(): --max-context, at most the model's max_position_embeddings
@@ -186,7 +191,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 block = d.block_size or self.drafter.block_size
                 if not 1 <= block <= self.max_block_size:
                     raise invalid(f"draft.block_size must be 0 (default) or 1..{self.max_block_size}, got {d.block_size}")
-                tokens, stats = self.compute.run(self._draft, entry, session, d.new_aux, d.last_token, block)
+                tokens, stats = self.compute.batch("draft", (entry, session, d.new_aux, d.last_token, block), self._draft_batch)
                 drafted = pb.DrafterResponse.Drafted(token_ids=tokens, stats=stats)
                 if getattr(tokens, "proposal", None) is not None:
                     drafted.proposal.CopyFrom(wire_contract.proposal_to_proto(tokens.proposal))
@@ -208,12 +213,26 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     def _stats(session) -> pb.DrafterStats:
         return pb.DrafterStats(context_positions=session.cache.length, kv_bytes=session.cache.nbytes)
 
-    def _draft(self, entry, session, tensor, last_token, block):
-        tokens = session.draft(self._decode(tensor), int(last_token), int(block))
-        stats = self._stats(session)
-        if not entry.closed:
-            entry.cache_bytes = stats.kv_bytes
-        return tokens, stats
+    def _draft_batch(self, items: list) -> list:
+        """The Draft requests that queued up together, as one batch; one result (or exception) per item."""
+        decoded = []
+        for _, session, tensor, last_token, block in items:
+            try:
+                decoded.append((session, self._decode(tensor), int(last_token), int(block)))
+            except Exception as exc:  # noqa: BLE001 -- this stream's own failure
+                decoded.append(exc)
+        drafted = iter(draft_batch([w for w in decoded if not isinstance(w, Exception)]))
+        results = []
+        for (entry, session, *_), w in zip(items, decoded):
+            tokens = w if isinstance(w, Exception) else next(drafted)
+            if isinstance(tokens, Exception):
+                results.append(tokens)
+                continue
+            stats = self._stats(session)
+            if not entry.closed:
+                entry.cache_bytes = stats.kv_bytes
+            results.append((tokens, stats))
+        return results
 
 
 def server_spec(

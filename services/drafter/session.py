@@ -47,12 +47,10 @@ class DrafterSession:
 
     def draft(self, new_aux, last_token: int, block_size: int) -> "list[int] | Draft":
         """Extend the context by ``new_aux`` and draft ``block_size - 1`` tokens after ``last_token``."""
-        if self._closed:
-            raise RuntimeError("drafter session is closed")
-        check_draft_args(last_token, block_size, self.model.target.vocab_size)
-        aux = self.model.read_aux(new_aux)
-        if self.cache.length + aux.shape[0] == 0:
-            raise ValueError("new_aux must hold at least one position on the first draft call")
+        return self.run(self.check(new_aux, last_token, block_size), last_token, block_size)
+
+    def run(self, aux, last_token: int, block_size: int) -> "list[int] | Draft":
+        """``draft`` after ``check``: ``aux`` is what ``check`` returned."""
         self.calls += 1
         self.model.extend(self.cache, aux)
         if block_size == 1:
@@ -64,6 +62,16 @@ class DrafterSession:
         draft = sampled_draft(logits, self.model.sampler, self.sampling, self.rng)  # syncs on the [B-1, K] proposal
         self.model.settle(self.cache)
         return draft
+
+    def check(self, new_aux, last_token: int, block_size: int):
+        """Validate one draft call's arguments (ValueError naming the field); ``new_aux`` as the model's rows."""
+        if self._closed:
+            raise RuntimeError("drafter session is closed")
+        check_draft_args(last_token, block_size, self.model.target.vocab_size)
+        aux = self.model.read_aux(new_aux)
+        if self.cache.length + aux.shape[0] == 0:
+            raise ValueError("new_aux must hold at least one position on the first draft call")
+        return aux
 
     def stats(self) -> dict:
         return {"context_len": self.cache.length, "ctx_cache_bytes": self.cache.nbytes, "draft_calls": self.calls}

@@ -309,7 +309,6 @@ def register(sub) -> None:
     add_cache_args(v)
     serve_flags.add_restore(v)
     serve_flags.add_sessions(v, kv_budget=True)
-    serve_flags.add_batching(v)
     v.set_defaults(func=cmd_serve_verifier)
 
     d = roles.add_parser("drafter", help="the DFlash drafter and its per-session context caches")
@@ -354,7 +353,6 @@ def register(sub) -> None:
     add_cache_args(a)  # the verifier process's default policy
     serve_flags.add_restore(a)
     serve_flags.add_sessions(a, kv_budget=True)
-    serve_flags.add_batching(a)
     serve_flags.add_orchestrator(a)
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)

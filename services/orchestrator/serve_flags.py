@@ -33,13 +33,9 @@ def add_sessions(p, kv_budget: bool) -> None:
                    help=f"close a session that sends nothing for this long (default {DEFAULT_IDLE_TIMEOUT_S:g} s; 0: never)")
     p.add_argument("--max-context", type=int, default=0,
                    help="most positions one session may hold (default: the model's max_position_embeddings)")
-
-
-def add_batching(p) -> None:
-    """The verifier's batching of concurrent sessions' steps (services/compute.py)."""
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
-                   help="most concurrent sessions' verify steps run as one batched forward"
-                        f" (default {DEFAULT_MAX_BATCH}; 1: every step alone)")  # fmt: skip
+                   help=f"most sessions' steps that queue up together and run as one batched forward"
+                        f" (default {DEFAULT_MAX_BATCH}; 1: each session's step alone, in turn)")  # fmt: skip
 
 
 def add_restore(p) -> None:
@@ -69,15 +65,15 @@ def session_limits(args, kv_budget: bool) -> dict:
         "queue_timeout_s": args.queue_timeout,
         "idle_timeout_s": args.idle_timeout,
         "max_context": args.max_context,
+        "max_batch": args.max_batch,
     }
     if kv_budget:
         out["max_kv_bytes"] = args.max_kv_bytes
-        out["max_batch"] = getattr(args, "max_batch", DEFAULT_MAX_BATCH)
-        if out["max_batch"] < 1:
-            raise ValueError(f"--max-batch must be >= 1, got {out['max_batch']}")
     for k in ("queue", "max_context") + (("max_kv_bytes",) if kv_budget else ()):
         if out[k] < 0:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 0, got {out[k]}")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_sessions < 0:
         raise ValueError(f"--max-sessions must be >= 0, got {args.max_sessions}")
     return out
@@ -111,9 +107,10 @@ def child_argv(args, role: str) -> list[str]:
     out = ["--max-sessions", str(args.max_sessions), *tls.argv()]
     if role in ("verifier", "drafter"):
         out += ["--queue", str(args.queue), "--queue-timeout", str(args.queue_timeout),
-                "--idle-timeout", str(args.idle_timeout), "--max-context", str(args.max_context)]  # fmt: skip
+                "--idle-timeout", str(args.idle_timeout), "--max-context", str(args.max_context),
+                "--max-batch", str(args.max_batch)]  # fmt: skip
         if role == "verifier":
-            out += ["--max-kv-bytes", str(args.max_kv_bytes), "--max-batch", str(args.max_batch)]
+            out += ["--max-kv-bytes", str(args.max_kv_bytes)]
             out += [x for spec in args.restore or [] for x in ("--restore", spec)]
         return out
     out += ["--max-prompt-tokens", str(args.max_prompt_tokens), "--backend-timeout", str(args.backend_timeout),

@@ -1,0 +1,129 @@
+"""The drafter server batches Draft requests of concurrent streams: each stream gets what it gets alone.
+
+An in-process drafter servicer on loopback (torch and MLX), reached through the
+orchestrator's own ``GrpcDrafter`` client by several concurrent streams (a
+sampling one among them). Each step, the compute thread is held busy until
+every stream's Draft has queued up behind it, so the step runs as one batch of
+all streams -- deterministic, no timing -- and the counters say so.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+
+from services.contract import SamplingParams
+from services.orchestrator.deadlines import StepClock
+from services.orchestrator.remote import GrpcDrafter
+from services.wire.kakeya.v1 import drafter_pb2_grpc
+from services.wire.limits import server_options
+
+from .conftest import wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+BLOCKS = [2, 5, 8, 16]  # one stream each
+SAMPLING = [None, SamplingParams(0.9, top_k=50, seed=17), None, None]
+STEPS = 4
+
+
+def _drafter(backend: str, pair):
+    from services.drafter.session import MLXDrafter, TorchDrafter
+
+    return MLXDrafter(pair.draft, pair.target) if backend == "mlx" else TorchDrafter(pair.draft, pair.target)
+
+
+@pytest.fixture(scope="module", params=["torch", "mlx"])
+def server(request, tiny_pair):
+    from services.drafter.server import DrafterServicer
+
+    backend = request.param
+    d = DrafterServicer(max_batch=8)
+    d.compute.run(d._setup, lambda: _drafter(backend, tiny_pair), str(tiny_pair.draft), str(tiny_pair.target), backend)
+    d.ready = True
+    srv = grpc.server(ThreadPoolExecutor(16), options=server_options())
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(d, srv)
+    addr = f"127.0.0.1:{srv.add_insecure_port('127.0.0.1:0')}"
+    srv.start()
+    yield backend, addr, d
+    srv.stop(0).wait()
+    d.compute.shutdown()
+
+
+def _hold(compute) -> threading.Event:
+    """Occupy the compute thread until the returned event is set (jobs queue up behind it)."""
+    release, started = threading.Event(), threading.Event()
+    compute.submit(lambda: (started.set(), release.wait(30)))
+    assert started.wait(30)
+    return release
+
+
+def test_concurrent_streams_are_batched_and_draft_what_they_draft_alone(server, tiny_pair):
+    backend, addr, d = server
+    assert d.compute.max_batch == 8
+    client = GrpcDrafter(addr, clock=StepClock(floor_s=60.0))
+    local = _drafter(backend, tiny_pair)  # the reference: every stream's session drafting alone
+    width, vocab = local.model.config.aux_width, local.model.target.vocab_size
+    remote = [client.open_session(p) for p in SAMPLING]
+    alone = [local.open_session(p) for p in SAMPLING]
+    rng = np.random.default_rng(3)
+    pool = ThreadPoolExecutor(len(BLOCKS))
+    batched_steps = 0
+    try:
+        for step in range(STEPS):
+            work = [(rng.standard_normal((int(rng.integers(1, 40)) if step == 0 else int(rng.integers(0, 9)), width)).astype(np.float32),
+                     int(rng.integers(0, vocab)), b) for b in BLOCKS]  # fmt: skip
+            held = step > 0  # the first step also opens the streams (plain jobs): let it run as it comes
+            if held:
+                release = _hold(d.compute)
+                before = (d.compute.batches, d.compute.batched_items)
+            futs = [pool.submit(s.draft, aux, last, b) for s, (aux, last, b) in zip(remote, work)]
+            if held:
+                wait_until(lambda: len(d.compute._jobs) >= len(BLOCKS), what="every stream's draft queued")
+                release.set()
+            got = [f.result(60) for f in futs]
+            if held:
+                assert (d.compute.batches - before[0], d.compute.batched_items - before[1]) == (1, len(BLOCKS))
+                batched_steps += 1
+            want = [s.draft(_local_aux(backend, aux), last, b) for s, (aux, last, b) in zip(alone, work)]
+            for g, w, p in zip(got, want, SAMPLING):
+                assert list(g) == list(w), step
+                if p is not None:
+                    assert np.array_equal(g.proposal.ids, w.proposal.ids)
+                    np.testing.assert_allclose(g.proposal.probs, w.proposal.probs, atol=1e-5)
+    finally:
+        for s in remote:
+            s.close()
+        pool.shutdown()
+        client.close()
+    assert batched_steps == STEPS - 1
+    wait_until(lambda: d.registry.live == 0, what="sessions closed")
+
+
+def _local_aux(backend: str, aux: np.ndarray):
+    if backend == "mlx":
+        import mlx.core as mx
+
+        return mx.array(aux)
+    return aux
+
+
+def test_max_batch_flag_reaches_the_drafter_and_the_children_of_serve_all():
+    from services.drafter.server import DrafterServicer
+    from services.orchestrator import serve_flags
+    from services.orchestrator.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["serve", "drafter"]).max_batch == 16
+    args = p.parse_args(["serve", "drafter", "--max-batch", "3"])
+    d = DrafterServicer(args.max_sessions, **serve_flags.session_limits(args, kv_budget=False))
+    assert d.compute.max_batch == 3
+    d.compute.shutdown()
+    with pytest.raises(ValueError, match="--max-batch must be >= 1"):
+        serve_flags.session_limits(p.parse_args(["serve", "drafter", "--max-batch", "0"]), kv_budget=False)
+    argv = serve_flags.child_argv(p.parse_args(["serve", "all", "--max-batch", "1"]), "drafter")
+    assert argv[argv.index("--max-batch") + 1] == "1"
