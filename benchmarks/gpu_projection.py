@@ -278,7 +278,7 @@ def measure(target: TargetTorch, drafter: TorchDrafter, ctx: int, reps: int, see
     }
 
 
-PROFILED = ("ar", "v1", "v16", "d16")
+PROFILED = ("ar", "v1", "v8", "v16", "d8", "d16")
 
 
 def top_kernels(fn, device: torch.device, calls: int = 5, top: int = 12) -> list[dict]:
@@ -377,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--small", action="store_true", help="scaled-down shapes (runs on a CPU in seconds)")
+    p.add_argument("--demo", action="store_true", help="the embedded demo pair's real weights instead of a random shape")
     p.add_argument("--ctx", type=int, default=None, help="context length (default 1238, --small 160)")
     p.add_argument("--reps", type=int, default=None, help="timed calls per shape (default 20, --small 3)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agree-tokens", type=int, default=None, help="tokens for the AR-vs-speculative check (default 64, --small 12)")
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"], help="the verifier's CUDA graphs")
     p.add_argument("--compile", action="store_true", help="torch.compile the target's fused ops (RMSNorm, RoPE, GeGLU), as --compile does")
-    p.add_argument("--profile", action="store_true", help="also record the top device kernels of AR, verify(1/16), draft(16)")
+    p.add_argument("--profile", action="store_true", help="also record the top device kernels of AR, verify(1/8/16), draft(8/16)")
     p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT.relative_to(ROOT)} ({SMALL_OUT.name} with --small)")
     args = p.parse_args(argv)
     if args.threads:
@@ -405,8 +406,17 @@ def main(argv: list[str] | None = None) -> int:
         from services.verifier import gemma4_torch
 
         compile_fused_ops(gemma4_torch)
-    target = TargetTorch.random(Gemma4Args(**shape), device, dtype, seed=0, cuda_graphs=graphs)
-    drafter = random_drafter(draft_config(dshape, shape["vocab_size"]), target, cuda_graphs=graphs)
+    if args.demo:  # the embedded trained pair: where a tiny model's step is all overhead
+        from services.orchestrator.assembly import embedded_paths
+
+        target_dir, draft_dir = embedded_paths()
+        target = TargetTorch.load(target_dir, device, dtype, cuda_graphs=graphs)
+        drafter = TorchDrafter.colocated(draft_dir, target, cuda_graphs=graphs)
+        shape = {k: getattr(target.args, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types")}
+        dshape = {"draft": str(draft_dir)}
+    else:
+        target = TargetTorch.random(Gemma4Args(**shape), device, dtype, seed=0, cuda_graphs=graphs)
+        drafter = random_drafter(draft_config(dshape, shape["vocab_size"]), target, cuda_graphs=graphs)
     sync(device)
     build_s = time.perf_counter() - t0
 
@@ -428,11 +438,11 @@ def main(argv: list[str] | None = None) -> int:
         "ctx": ctx,
         "reps": reps,
         "target_shape": {k: v for k, v in shape.items() if k != "layer_types"}
-        | {"layer_types": f"{shape['layer_types'].count('sliding_attention')} sliding + {shape['layer_types'].count('full_attention')} full"},
+        | {"layer_types": f"{list(shape['layer_types']).count('sliding_attention')} sliding + {list(shape['layer_types']).count('full_attention')} full"},
         "drafter_shape": dshape,
         "params": param_count(target, drafter),
         "build_s": build_s,
-        "weights": "random (projection only: acceptance tau is an input, not measured)",
+        "weights": "embedded demo pair" if args.demo else "random (projection only: acceptance tau is an input, not measured)",
         "formula": "speedup(tau, L) = tau * t_ar / (t_draft[L] + t_verify[L]), tau <= L",
         **result,
         "roofline": roofline(target, result["t_verify_ms"], bandwidth),

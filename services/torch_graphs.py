@@ -21,6 +21,10 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 BUCKETS = (1, 2, 4, 8, 16)  # block sizes captured on CUDA (a verify pads up to the next one)
+# Fewest queued sessions worth one batched forward when single steps replay CUDA graphs: the
+# batched forward runs eagerly, so below this the replays win (benchmarks/results/
+# batching_cuda_26b.json, H200: 2 sessions 0.62x / 0.81x (verify / draft), 4 sessions 1.07x / 1.33x).
+GRAPHED_MIN_BATCH = 4
 
 
 def bucket_for(n: int, buckets: Sequence[int] | None, limit: int) -> int:

@@ -215,7 +215,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     s = torch.matmul(q * scale if scale != 1.0 else q, k.transpose(-1, -2))
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype), v)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
+    n_keys = k.shape[-2]
+    chunks = next((c for c in (32, 16, 8, 4, 2) if n_keys % c == 0 and n_keys // c >= 64), 1)
+    if chunks == 1:
+        return torch.matmul(p, v)
+    # p @ v reduces over every key with a tiny output (rows x head_dim): as one GEMM it runs on a
+    # couple of thread blocks walking the whole cache (~40 us per layer). Split the keys into
+    # chunks, one batched GEMM over them, and sum the partials in float32 (flash-decoding's split-K).
+    pc = p.unflatten(-1, (chunks, n_keys // chunks)).transpose(-3, -2)  # [B, H, chunks, rows, keys/chunks]
+    vc = v.unflatten(-2, (chunks, n_keys // chunks))  # [B, H, chunks, keys/chunks, D]
+    return torch.matmul(pc, vc).sum(dim=-3, dtype=torch.float32).to(v.dtype)
 
 
 # --------------------------------------------------------------------------- fused elementwise ops

@@ -44,9 +44,12 @@ def draft_batch(items: Sequence[tuple[DrafterSession, Any, int, int]]) -> list[A
         seen.add(id(session))
         groups.setdefault(id(session.model), []).append((i, session, aux, last_token, block_size))
     for work in groups.values():
-        if len(work) == 1:
-            i, session, aux, last_token, block_size = work[0]
-            results[i] = session.run(aux, last_token, block_size)
+        if len(work) < getattr(work[0][1].model, "min_batch", 2):
+            for i, session, aux, last_token, block_size in work:
+                try:
+                    results[i] = session.run(aux, last_token, block_size)
+                except Exception as exc:  # noqa: BLE001 -- this item's own failure
+                    results[i] = exc
         else:
             for i, out in _run(work):
                 results[i] = out

@@ -39,7 +39,7 @@ from services.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLay
 from services import sampling_torch
 from services.drafter import batch_torch
 from services.drafter.step_torch import propose_static
-from services.torch_graphs import GraphOptions
+from services.torch_graphs import GRAPHED_MIN_BATCH, GraphOptions
 from services.torch_ops import (
     apply_rope, default_inv_freq, qwen3_rms_norm, resolve_device, resolve_dtype, rope_cos_sin, sdpa, sdpa_backends,
 )
@@ -297,6 +297,11 @@ class DFlashDraftModel(nn.Module):
 
     graph_options = GraphOptions()  # eager, dynamic shapes (the CPU default); see use_graphs
     graph_pool = None
+
+    @property
+    def min_batch(self) -> int:
+        """Fewest queued sessions ``draft_batch`` runs as one forward (graphs: see GRAPHED_MIN_BATCH)."""
+        return GRAPHED_MIN_BATCH if self.graph_options.capture else 2
 
     def use_graphs(self, options: GraphOptions) -> "DFlashDraftModel":
         """Draft greedy blocks through the static step (``step_torch.py``): captured in CUDA graphs

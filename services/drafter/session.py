@@ -161,9 +161,9 @@ class TorchDrafter(LocalDrafter):
         super().__init__(model)
 
     @classmethod
-    def colocated(cls, draft_dir: str | Path, target) -> "TorchDrafter":
+    def colocated(cls, draft_dir: str | Path, target, cuda_graphs: bool | None = None) -> "TorchDrafter":
         """Share a loaded ``TargetTorch``'s embedding / LM head tensors (no second copy on the device)."""
         from .dflash_torch import TargetHead, load_draft_model
 
         model = load_draft_model(draft_dir, target.device, target.dtype)
-        return cls(model=model.bind(TargetHead(target.model.embed, target.model.lm_head)))
+        return cls(model=model.bind(TargetHead(target.model.embed, target.model.lm_head)), cuda_graphs=cuda_graphs)

@@ -48,7 +48,7 @@ def verify_batch(items: Sequence[Item]) -> list[Any]:
         else:
             alone.append(i)
     for group in groups.values():
-        if len(group) == 1:
+        if len(group) < getattr(items[group[0]][0].target, "min_batch", 2):
             alone += group
             continue
         try:

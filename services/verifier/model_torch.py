@@ -25,7 +25,7 @@ from .batch_torch import Segment, forward_batch
 from .cache_torch import FullKVCache, QuantizedFullKVCache, RingKVCache
 from .gemma4_load_torch import load_gemma4
 from .gemma4_torch import FULL, SLIDING, Forward, Gemma4Args, Gemma4Text
-from services.torch_graphs import GraphOptions
+from services.torch_graphs import GRAPHED_MIN_BATCH, GraphOptions
 from .step_torch import TorchCaches, verify_block
 
 DEFAULT_GRAPH_CONTEXT = 4096  # full-attention positions preallocated per session when graphs are on
@@ -69,6 +69,11 @@ class TargetTorch:
         return cls(load_gemma4(path, resolve_device(device), resolve_dtype(dtype)), path, **options)
 
     # -- what services/verifier/session.py needs from a backend --------------------------
+
+    @property
+    def min_batch(self) -> int:
+        """Fewest queued sessions ``verify_batch`` runs as one forward (graphs: see GRAPHED_MIN_BATCH)."""
+        return GRAPHED_MIN_BATCH if self.graph_options.capture else 2
 
     def make_cache(self, layout: RingLayout, policy=None) -> TorchCaches:
         """Rings on sliding layers; exact (or, with ``policy.full_kv_bits``, affine-quantized) full layers;

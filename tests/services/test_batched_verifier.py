@@ -172,7 +172,10 @@ def test_max_batch_flag_reaches_the_verifier_and_serve_all_children():
     a = build_parser().parse_args(["serve", "all", "--max-batch", "1"])
     argv = serve_flags.child_argv(a, "verifier")
     assert argv[argv.index("--max-batch") + 1] == "1"
-    assert "--max-batch" not in serve_flags.child_argv(a, "drafter")
+    assert argv.count("--max-batch") == 1
+    drafter_argv = serve_flags.child_argv(a, "drafter")  # the drafter batches its block forwards too
+    assert drafter_argv[drafter_argv.index("--max-batch") + 1] == "1"
+    assert "--max-batch" not in serve_flags.child_argv(a, "orchestrator")
     from services.verifier.server import VerifierServicer
 
     s = VerifierServicer(max_batch=1)

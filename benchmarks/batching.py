@@ -1,0 +1,157 @@
+"""What batching concurrent sessions buys at the model level: N verifies (and drafts) alone vs one batch.
+
+    python benchmarks/batching.py                                   # demo pair, torch CPU
+    python benchmarks/batching.py --device cuda --shape 26b --dtype bfloat16   # the MoE target's shape, random weights
+
+For N = 1, 2, 4, 8, 16 sessions, each prefilled with ``--ctx`` positions: the
+time of one step for all of them -- N ``verify`` + ``commit`` calls one after
+another vs one ``verify_batch`` (``services/verifier/batch.py``), and N
+``draft`` calls vs one ``draft_batch`` (``services/drafter/batch.py``) -- and
+the aggregate positions per second each gives. The batched results are checked
+against the alone ones (choices and drafts identical). No gRPC: this is the
+ceiling the servers' compute threads reach when N steps queue up together.
+Writes ``benchmarks/results/batching[_<device>_<shape>].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from services.contract import CachePolicy  # noqa: E402
+from services.drafter.batch import draft_batch  # noqa: E402
+from services.verifier.batch import verify_batch  # noqa: E402
+from services.verifier.session import VerifierSession  # noqa: E402
+
+
+def build(shape: str, device: str, dtype: str):
+    if shape == "demo":
+        from services.drafter.session import TorchDrafter
+        from services.orchestrator.assembly import embedded_paths
+        from services.verifier.model_torch import TargetTorch
+
+        target_dir, draft_dir = embedded_paths()
+        target = TargetTorch.load(target_dir, device, dtype)
+        return target, TorchDrafter.colocated(draft_dir, target)
+    from gpu_projection import DRAFT_26B, DRAFT_SMALL, GEMMA4_26B_A4B, SMALL, draft_config, random_drafter
+
+    from services.torch_ops import resolve_device, resolve_dtype
+    from services.verifier.gemma4_torch import Gemma4Args
+    from services.verifier.model_torch import TargetTorch
+
+    t, d = (GEMMA4_26B_A4B, DRAFT_26B) if shape == "26b" else (SMALL, DRAFT_SMALL)
+    target = TargetTorch.random(Gemma4Args(**t), resolve_device(device), resolve_dtype(dtype), seed=0)
+    return target, random_drafter(draft_config(d, t["vocab_size"]), target)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def median_time(fn, reps: int, device: str) -> float:
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(target, drafter, n: int, block: int, ctx: int, reps: int, device: str, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed + n)
+    vocab = target.args.vocab_size
+    aux_layers = drafter.target_layer_ids
+    vs = [VerifierSession(target, aux_layers, CachePolicy(slack=16)) for _ in range(n)]
+    ds = [drafter.open_session() for _ in range(n)]
+    blocks = []
+    for v, d in zip(vs, ds):
+        prompt = [2] + [int(t) for t in rng.integers(5, vocab, ctx - 1)]
+        first, aux = v.prefill(prompt)
+        d.draft(aux, first, 2)
+        blocks.append([first] + [int(t) for t in rng.integers(5, vocab, block - 1)])
+    one_aux = [aux[-1:].clone() for _ in range(n)]
+
+    def verify_alone():
+        out = [v.verify(b) for v, b in zip(vs, blocks)]
+        for v in vs:
+            v.commit(0)
+        return out
+
+    def verify_together():
+        out = verify_batch([(v, b, None) for v, b in zip(vs, blocks)])
+        for v in vs:
+            v.commit(0)
+        return out
+
+    def draft_alone():
+        return [d.draft(a, b[0], block) for d, a, b in zip(ds, one_aux, blocks)]
+
+    def draft_together():
+        return draft_batch([(d, a, b[0], block) for d, a, b in zip(ds, one_aux, blocks)])
+
+    for fn in (verify_alone, verify_together, draft_alone, draft_together):  # warm-up (graphs, allocator)
+        fn()
+    same_verify = verify_alone() == verify_together()
+    t = {name: median_time(fn, reps, device) for name, fn in
+         (("verify_alone", verify_alone), ("verify_batch", verify_together), ("draft_alone", draft_alone), ("draft_batch", draft_together))}
+    for s in vs + ds:
+        s.close()
+    return {
+        "ms": {k: round(v * 1e3, 3) for k, v in t.items()},
+        "verify_positions_per_s": {"alone": round(n * block / t["verify_alone"]), "batch": round(n * block / t["verify_batch"])},
+        "verify_speedup": round(t["verify_alone"] / t["verify_batch"], 2),
+        "draft_speedup": round(t["draft_alone"] / t["draft_batch"], 2),
+        "verify_choices_identical": same_verify,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--shape", default="demo", choices=["demo", "26b", "small"])
+    p.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--block", type=int, default=8)
+    p.add_argument("--ctx", type=int, default=256)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    target, drafter = build(args.shape, args.device, args.dtype)
+    rows = {}
+    with torch.inference_mode():
+        for n in args.sessions:
+            rows[str(n)] = measure(target, drafter, n, args.block, args.ctx, args.reps, args.device)
+            r = rows[str(n)]
+            print(f"N={n:>2}: verify {r['ms']['verify_alone']:.2f} -> {r['ms']['verify_batch']:.2f} ms "
+                  f"({r['verify_speedup']:.2f}x), draft {r['ms']['draft_alone']:.2f} -> {r['ms']['draft_batch']:.2f} ms "
+                  f"({r['draft_speedup']:.2f}x), identical {r['verify_choices_identical']}", flush=True)
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or platform.machine()
+    out = {"benchmark": "batching", "device": args.device, "device_name": name, "dtype": args.dtype, "shape": args.shape,
+           "block": args.block, "ctx": args.ctx, "reps": args.reps, "torch": torch.__version__, "sessions": rows}
+    suffix = "" if (args.device, args.shape) == ("cpu", "demo") else f"_{args.device.split(':')[0]}_{args.shape}"
+    path = Path(args.out or ROOT / "benchmarks" / "results" / f"batching{suffix}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""Below a model's ``min_batch`` queued sessions run one by one (CUDA graphs beat an eager batch there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.contract import CachePolicy
+from services.drafter.batch import draft_batch
+from services.torch_graphs import GRAPHED_MIN_BATCH
+from services.verifier.batch import verify_batch
+from services.verifier.session import VerifierSession
+
+from .conftest import AUX_LAYERS, PROMPT
+
+
+def test_eager_models_batch_from_two_sessions(torch_target, torch_drafter):
+    assert torch_target.min_batch == 2 and torch_drafter.model.min_batch == 2
+    assert GRAPHED_MIN_BATCH > 2
+
+
+@pytest.mark.parametrize("min_batch,batched", [(3, False), (2, True)])
+def test_verify_batch_runs_a_smaller_group_alone(torch_target, monkeypatch, min_batch, batched):
+    calls = []
+    run_batch = type(torch_target).run_batch
+    monkeypatch.setattr(type(torch_target), "run_batch", lambda self, *a, **k: calls.append(1) or run_batch(self, *a, **k))
+    monkeypatch.setattr(type(torch_target), "min_batch", min_batch)
+    vs = [VerifierSession(torch_target, AUX_LAYERS, CachePolicy()) for _ in range(2)]
+    firsts = [v.prefill(PROMPT[:n])[0] for v, n in zip(vs, (9, 15))]
+    got = verify_batch([(v, [f, 61, 62], None) for v, f in zip(vs, firsts)])
+    alone = []
+    for n, f in zip((9, 15), firsts):
+        s = VerifierSession(torch_target, AUX_LAYERS, CachePolicy())
+        s.prefill(PROMPT[:n])
+        alone.append(s.verify([f, 61, 62]))
+    assert got == alone
+    assert bool(calls) == batched
+
+
+@pytest.mark.parametrize("min_batch,batched", [(3, False), (2, True)])
+def test_draft_batch_runs_a_smaller_group_alone(torch_drafter, monkeypatch, min_batch, batched):
+    model = torch_drafter.model
+    calls = []
+    logits = model.batched.logits  # model.batched is the module drafter/batch_torch.py
+    monkeypatch.setattr(model.batched, "logits", lambda *a, **k: calls.append(1) or logits(*a, **k))
+    monkeypatch.setattr(type(model), "min_batch", min_batch)
+    width = model.config.aux_width
+    aux = [torch.randn(n, width, generator=torch.Generator().manual_seed(n)) for n in (7, 12)]
+    ss = [torch_drafter.open_session() for _ in range(2)]
+    got = draft_batch([(s, a, 5, 6) for s, a in zip(ss, aux)])
+    alone = [torch_drafter.open_session().draft(a, 5, 6) for a in aux]
+    assert got == alone
+    assert bool(calls) == batched
