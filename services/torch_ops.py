@@ -94,18 +94,8 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos``/``sin`` tables ``[n, 2 * len(inv_freq)]`` for positions ``start .. start+n-1``
     (angles in float32, optionally times ``scale``, cast to ``dtype``)."""
-    return rope_at(inv_freq, torch.arange(start, start + n, device=device, dtype=torch.float32), dtype, scale)
-
-
-def rope_at(inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
-    """:func:`rope_cos_sin` at the positions in a device tensor (what a captured step uses: the
-    positions change per call, the kernels do not); the same arithmetic, so the same values."""
-    freqs = pos.to(torch.float32)[:, None] * inv_freq.to(pos.device)[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos(), emb.sin()
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    return cos.to(dtype), sin.to(dtype)
+    pos = torch.arange(start, start + n, device=device, dtype=torch.float32)
+    return rope_from_positions(inv_freq.to(device), pos, dtype, scale)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

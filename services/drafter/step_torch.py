@@ -26,7 +26,7 @@ import torch
 
 from services.contract import MAX_BLOCK_SIZE
 from services.torch_graphs import GraphOptions, StepGraphs, bucket_for
-from services.torch_ops import rope_at, sdpa_backends
+from services.torch_ops import rope_from_positions, sdpa_backends
 
 from .context import block_mask
 
@@ -93,7 +93,7 @@ def block_step(model, cache, st: StaticDraft, n: int) -> torch.Tensor:
     if model.config.input_embedding_scale != 1.0:
         x = x * model.config.input_embedding_scale
     x = x[None]
-    cos, sin = rope_at(model.inv_freq, st.start + st.iota[:n], model.dtype, model.rope_scale)
+    cos, sin = rope_from_positions(model.inv_freq, st.start + st.iota[:n], model.dtype, model.rope_scale)
     rows = {layout: stop + st.iota[:n] for layout, stop in st.stops.items()}
     with sdpa_backends():
         for layer, ctx in zip(model.layers, cache.layers):
