@@ -210,8 +210,8 @@ def main(argv=None) -> int:
                     proc.wait(60)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
-    out["pair"] = {"target": args.target or "embedded tiny pair", "draft": args.draft or "embedded tiny pair"}
-    out["prompts"] = "text" if args.target else "token ids (tiny pair)"
+    out["pair"] = {"target": args.target or "embedded default pair", "draft": args.draft or "embedded default pair"}
+    out["prompts"] = "text" if args.target else "token ids"
     out["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
