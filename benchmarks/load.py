@@ -5,7 +5,7 @@
     python benchmarks/load.py [--clients 8] [--seconds 60] [--max-tokens 64] [--block-size 0]
                               [--target DIR --draft DIR] [--addr HOST:PORT] [--out benchmarks/results/load.json]
 
-Starts `serve all` (the embedded tiny pair unless --target/--draft; or uses a
+Starts `serve all` (the embedded default pair unless --target/--draft; or uses a
 running one with --addr), computes each prompt's greedy AR reference once
 through the same server with block size 1, then runs ``--clients`` threads that
 stream Generate requests back to back for ``--seconds``. Every output must be
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=0, help="0: the drafter's default")
-    p.add_argument("--target", help="target checkpoint (default: the embedded tiny pair)")
+    p.add_argument("--target", help="target checkpoint (default: the embedded default pair)")
     p.add_argument("--draft", help="drafter checkpoint")
     p.add_argument("--addr", help="a running orchestrator instead of starting `serve all` (no RSS then)")
     p.add_argument("--start-timeout", type=float, default=300.0)
