@@ -18,7 +18,7 @@ import torch
 
 from services.contract import CachePolicy
 from services.orchestrator.loop import run
-from services.torch_graphs import BUCKETS, GraphedStep, GraphOptions, StepGraphs, bucket_for
+from services.torch_graphs import BUCKETS, GraphOptions, StepGraphs, bucket_for
 from services.verifier.model_torch import TargetTorch
 from services.verifier.session import LocalVerifier, VerifierSession
 
