@@ -27,8 +27,6 @@ import argparse
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,31 +39,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import grpc  # noqa: E402
 
-from load import TINY_PROMPTS, percentile, stream  # noqa: E402  (benchmarks/load.py)
+from load import TINY_PROMPTS, percentile, serve_all, stop_serve_all, stream  # noqa: E402  (benchmarks/load.py)
 from services.wire.kakeya.v1 import generate_pb2_grpc  # noqa: E402
-
-
-def start(max_batch: int, tmp: Path, timeout: float, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    ready = tmp / f"all-{max_batch}.json"
-    log = open(tmp / f"serve-all-{max_batch}.log", "wb")
-    cmd = [sys.executable, "-m", "services.orchestrator.cli", "serve", "all", "--port", "0", "--grace", "5",
-           "--ready-file", str(ready), "--max-batch", str(max_batch), "--max-sessions", "64", *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while not ready.is_file():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"serve all did not start:\n{(tmp / f'serve-all-{max_batch}.log').read_text(errors='replace')[-3000:]}")
-        time.sleep(0.1)
-    return proc, json.loads(ready.read_text())["addr"]
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def run_streams(stub, n: int, requests: int, max_tokens: int, block_size: int, refs: list[list[int]]) -> dict:
@@ -150,8 +125,9 @@ def main(argv=None) -> int:
         procs, stubs = {}, {}
         try:
             for mode, mb in modes.items():
-                procs[mode], addr = start(mb, Path(tmp), args.start_timeout, extra)
-                stubs[mode] = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(addr))
+                extra_mode = ["--max-batch", str(mb), "--max-sessions", "64", *extra]
+                procs[mode], info = serve_all(Path(tmp), extra_mode, args.start_timeout, name=mode)
+                stubs[mode] = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(info["addr"]))
             refs = [stream(stubs["serialised"], q, args.max_tokens, 1)[0] for q in TINY_PROMPTS]  # greedy AR
             for n in args.streams:
                 row = {}
@@ -170,7 +146,7 @@ def main(argv=None) -> int:
                     print(json.dumps(row))
         finally:
             for proc in procs.values():
-                stop(proc)
+                stop_serve_all(proc)
     out["all_identical_to_ar"] = all(not r[m]["failed_or_mismatched"] for r in out["streams"].values() for m in modes)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -94,20 +94,27 @@ def stream(stub, prompt: str | list[int], max_tokens: int, block_size: int, time
     return ids, complete, ttft or 0.0, time.perf_counter() - t0
 
 
-def start_serve_all(args, tmp: Path) -> tuple[subprocess.Popen, dict]:
-    ready = tmp / "all.json"
-    cmd = [sys.executable, "-m", "services.orchestrator.cli", "serve", "all", "--port", "0", "--grace", "5", "--ready-file", str(ready)]
-    if args.target:
-        cmd += ["--target", args.target, "--draft", args.draft]
-    log = open(tmp / "serve-all.log", "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + args.start_timeout
+def serve_all(tmp: Path, extra: list[str], timeout: float, name: str = "all") -> tuple[subprocess.Popen, dict]:
+    """Start `kakeya serve all --port 0 EXTRA...` and wait for its ready file: (process, ready info)."""
+    ready, log_path = tmp / f"{name}.json", tmp / f"serve-{name}.log"
+    cmd = [sys.executable, "-m", "services.orchestrator.cli", "serve", "all", "--port", "0", "--grace", "5",
+           "--ready-file", str(ready), *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
     while not ready.is_file():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise SystemExit(f"serve all did not start:\n{(tmp / 'serve-all.log').read_text(errors='replace')[-3000:]}")
+            raise SystemExit(f"serve all did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
         time.sleep(0.1)
     return proc, json.loads(ready.read_text())
+
+
+def stop_serve_all(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def run_load(addr: str, args, pids: dict[str, int]) -> dict:
@@ -199,17 +206,14 @@ def main(argv=None) -> int:
         if args.addr:
             addr, pids = args.addr, {}
         else:
-            proc, info = start_serve_all(args, Path(tmp))
+            proc, info = serve_all(Path(tmp), ["--target", args.target, "--draft", args.draft] if args.target else [],
+                                   args.start_timeout)
             addr, pids = info["addr"], info["pids"]
         try:
             out = run_load(addr, args, pids)
         finally:
             if proc is not None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                stop_serve_all(proc)
     out["pair"] = {"target": args.target or "embedded default pair", "draft": args.draft or "embedded default pair"}
     out["prompts"] = "text" if args.target else "token ids"
     out["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count()}

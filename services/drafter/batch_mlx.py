@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from services.drafter.context import block_mask
+from services.drafter.context import block_mask, draft_rows
 
 
 def extend(model, caches: list, auxs: list[mx.array]) -> None:
@@ -82,11 +82,7 @@ def logits(model, blocks: list[tuple[object, int, int]]) -> mx.array:
     positions ``1..B_i-1``, in order, from one forward and one LM head call (lazy)."""
     mask_id = model.config.mask_token_id
     h = hidden(model, [(c, [last] + [mask_id] * (size - 1)) for c, last, size in blocks])
-    rows, at = [], 0
-    for _, _, size in blocks:
-        rows.extend(range(at + 1, at + size))
-        at += size
-    return model.compute_logits(h[mx.array(rows, dtype=mx.int32)])
+    return model.compute_logits(h[mx.array(draft_rows(size for _, _, size in blocks), dtype=mx.int32)])
 
 
 def argmax(logits: mx.array, caches: list) -> list[int]:

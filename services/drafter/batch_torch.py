@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from services.drafter.context import block_mask
+from services.drafter.context import block_mask, draft_rows
 from services.torch_ops import sdpa, sdpa_backends
 
 
@@ -99,11 +99,7 @@ def logits(model, blocks: list[tuple[object, int, int]]) -> torch.Tensor:
     positions ``1..B_i-1``, in order, from one forward and one LM head call."""
     mask_id = model.config.mask_token_id
     h = hidden(model, [(c, [last] + [mask_id] * (size - 1)) for c, last, size in blocks])
-    rows, at = [], 0
-    for _, _, size in blocks:
-        rows.extend(range(at + 1, at + size))
-        at += size
-    return model.compute_logits(h[torch.tensor(rows, device=h.device)])
+    return model.compute_logits(h[torch.tensor(draft_rows(size for _, _, size in blocks), device=h.device)])
 
 
 def argmax(logits: torch.Tensor, caches: list) -> list[int]:

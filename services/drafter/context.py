@@ -198,6 +198,16 @@ class ContextKVCache:
         return sum(layer.nbytes for layer in self.layers)
 
 
+def draft_rows(block_sizes) -> list[int]:
+    """Rows of every block's positions ``1..B-1`` when blocks of these sizes are flattened in order
+    (row 0 of each block is its last committed token, which drafts nothing)."""
+    rows, at = [], 0
+    for size in block_sizes:
+        rows.extend(range(at + 1, at + size))
+        at += size
+    return rows
+
+
 def block_mask(
     view: BlockView, n_block: int, *, is_causal: bool, window: Optional[int], span: str = "valid"
 ) -> Optional[np.ndarray]:

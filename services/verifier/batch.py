@@ -86,5 +86,10 @@ def _together(items: Sequence[Item]) -> list[list[int]]:
     for session, _, _ in items:
         session.layout.applied()
     greedy_rows = [j for j, (s, _, _) in enumerate(items) if s.sampling is None]
-    greedy = dict(zip(greedy_rows, target.greedy_batch([outs[j].hidden for j in greedy_rows]) if greedy_rows else []))
+    greedy = {}
+    if greedy_rows:  # one LM head over every greedy block, split back per block
+        flat, at = target.greedy_batch([outs[j].hidden for j in greedy_rows]), 0
+        for j in greedy_rows:
+            n = len(items[j][1])
+            greedy[j], at = flat[at : at + n], at + n
     return [s.accept(ids, proposal, outs[j], greedy.get(j)) for j, (s, ids, proposal) in enumerate(items)]

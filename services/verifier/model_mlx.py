@@ -105,14 +105,9 @@ class TargetMLX:
         """Quantized full-attention caches run alone (see ``batch_mlx.py``)."""
         return not any(isinstance(c, QuantizedKVCache) for c in cache)
 
-    def greedy_batch(self, hiddens: Sequence[mx.array]) -> list[list[int]]:
-        """:meth:`greedy` of several blocks' hidden states with one LM head and one host sync."""
-        flat = self.greedy(hiddens[0] if len(hiddens) == 1 else mx.concatenate(list(hiddens), axis=1))
-        out, a = [], 0
-        for h in hiddens:
-            out.append(flat[a : a + h.shape[1]])
-            a += h.shape[1]
-        return out
+    def greedy_batch(self, hiddens: Sequence[mx.array]) -> list[int]:
+        """:meth:`greedy` of several blocks' hidden states, concatenated: one LM head, one host sync."""
+        return self.greedy(hiddens[0] if len(hiddens) == 1 else mx.concatenate(list(hiddens), axis=1))
 
     # -- f_theta restoration (services/verifier/ftheta.py) ------------------------------
 

@@ -158,14 +158,9 @@ class TargetTorch:
         return torch.argmax(self.model.logits(hidden)[0], dim=-1).tolist()
 
     @torch.inference_mode()
-    def greedy_batch(self, hiddens: Sequence[torch.Tensor]) -> list[list[int]]:
-        """:meth:`greedy` of several blocks' hidden states with one LM head and one host sync."""
-        flat = self.greedy(hiddens[0] if len(hiddens) == 1 else torch.cat(list(hiddens), dim=1))
-        out, a = [], 0
-        for h in hiddens:
-            out.append(flat[a : a + h.shape[1]])
-            a += h.shape[1]
-        return out
+    def greedy_batch(self, hiddens: Sequence[torch.Tensor]) -> list[int]:
+        """:meth:`greedy` of several blocks' hidden states, concatenated: one LM head, one host sync."""
+        return self.greedy(hiddens[0] if len(hiddens) == 1 else torch.cat(list(hiddens), dim=1))
 
     @staticmethod
     def materialize(out: Forward, cache: list) -> None:
