@@ -103,6 +103,11 @@ class ContextLayout:
         self.capacity, self.stop = cap, carry
         return resize
 
+    def reserve(self, extra: int) -> Optional[Resize]:
+        """Make room for ``extra`` more rows after the written ones, keeping every visible row
+        (the torch static step: its extension and block then need no resize)."""
+        return self._room(extra, self.stop - self.start)
+
     def append(self, n: int) -> Append:
         """Plan writing ``n`` new positions (oldest first)."""
         if n < 0:

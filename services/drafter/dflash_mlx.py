@@ -359,8 +359,10 @@ class DFlashDraftModel(nn.Module):
     def zeros_aux(self, n: int) -> mx.array:
         return mx.zeros((n, self.config.aux_width), dtype=self.dtype)
 
-    def propose(self, last_token: int, block_size: int, cache: ContextKVCache) -> list[int]:
-        """One block ``[last_token, mask * (B-1)]`` drafted greedily; one host sync."""
+    def propose(self, cache: ContextKVCache, new_aux: mx.array, last_token: int, block_size: int) -> list[int]:
+        """Extend ``cache`` by ``new_aux``, then draft the block ``[last_token, mask * (B-1)]``
+        greedily; one host sync."""
+        self.extend(cache, new_aux)
         tokens = self.draft_tokens(self._block(last_token, block_size), cache)
         mx.eval(tokens, cache.state)
         return tokens.tolist()

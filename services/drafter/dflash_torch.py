@@ -409,10 +409,12 @@ class DFlashDraftModel(nn.Module):
     def zeros_aux(self, n: int) -> torch.Tensor:
         return torch.zeros((n, self.config.aux_width), device=self.device, dtype=self.dtype)
 
-    def propose(self, last_token: int, block_size: int, cache: ContextKVCache) -> list[int]:
-        """One block ``[last_token, mask * (B-1)]`` drafted greedily; one host sync."""
+    def propose(self, cache: ContextKVCache, new_aux: torch.Tensor, last_token: int, block_size: int) -> list[int]:
+        """Extend ``cache`` by ``new_aux``, then draft the block ``[last_token, mask * (B-1)]``
+        greedily; one host sync (with graphs on, both in one static step: ``step_torch.py``)."""
         if self.graph_options.static_extent:
-            return propose_static(self, cache, last_token, block_size)
+            return propose_static(self, cache, new_aux, last_token, block_size)
+        self.extend(cache, new_aux)
         return self.draft_tokens(self._block(last_token, block_size), cache).tolist()
 
     @torch.inference_mode()

@@ -52,12 +52,12 @@ class DrafterSession:
     def run(self, aux, last_token: int, block_size: int) -> "list[int] | Draft":
         """``draft`` after ``check``: ``aux`` is what ``check`` returned."""
         self.calls += 1
+        if block_size > 1 and self.sampling is None:
+            return self.model.propose(self.cache, aux, last_token, block_size)
         self.model.extend(self.cache, aux)
         if block_size == 1:
             self.model.settle(self.cache)
             return []
-        if self.sampling is None:
-            return self.model.propose(last_token, block_size, self.cache)
         logits = self.model.propose_logits(last_token, block_size, self.cache)
         draft = sampled_draft(logits, self.model.sampler, self.sampling, self.rng)  # syncs on the [B-1, K] proposal
         self.model.settle(self.cache)

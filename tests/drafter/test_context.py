@@ -124,7 +124,7 @@ def test_mlx_warm_up_drafts_every_block_size(pairs):
     drafter = MLXDrafter.load(pairs["mixed"].draft, pairs["mixed"].target)
     seen = []
     propose = drafter.model.propose
-    drafter.model.propose = lambda last, B, cache: seen.append(B) or propose(last, B, cache)
+    drafter.model.propose = lambda cache, aux, last, B: seen.append(B) or propose(cache, aux, last, B)
     try:
         assert drafter.warm_up() > 0
     finally:

@@ -85,6 +85,6 @@ def test_torch_warm_up_drafts_every_block_size(tiny):
     drafter = TorchDrafter(tiny.draft, tiny.target, "cpu", "float32")
     seen = []
     propose = drafter.model.propose
-    drafter.model.propose = lambda last, B, cache: seen.append(B) or propose(last, B, cache)
+    drafter.model.propose = lambda cache, aux, last, B: seen.append(B) or propose(cache, aux, last, B)
     assert drafter.warm_up(ctx=16) > 0
     assert seen == list(WARM_BLOCK_SIZES)

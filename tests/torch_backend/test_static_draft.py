@@ -105,6 +105,22 @@ def test_padding_up_to_a_bucket_never_changes_what_real_rows_see():
         e.close(), s.close()
 
 
+@pytest.mark.parametrize("prompt", [5, 16, 40])
+def test_the_extension_runs_inside_the_step_unless_it_outgrows_a_block(prompt):
+    """New aux rows up to a block's worth are extended by the static step itself (no eager
+    extension launches), from the very first call of a short prompt; more rows first go eagerly
+    (as does a block-size-1 call, which drafts nothing)."""
+    eager, static = _pair(seed=4, window=40)
+    eagerly = []
+    extend = static.model.extend
+    static.model.extend = lambda cache, aux: eagerly.append(aux.shape[0]) or extend(cache, aux)
+    script = [(prompt, 9, 8)] + [(n, last, max(B, 2)) for n, last, B in _script(50, seed=8)[1:]]
+    want, n_eager = _drive(eager, script)
+    got, n_static = _drive(static, script)
+    assert got == want and n_static == n_eager
+    assert eagerly == ([prompt] if prompt > 16 else [])  # every later call (1..16 rows) fused
+
+
 def test_closed_session_reports_empty_stats_and_refuses_work():
     _, static = _pair()
     s = static.open_session()

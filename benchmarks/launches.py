@@ -1,0 +1,146 @@
+"""Kernel launches per step of the torch fast path, counted on any machine (no GPU needed).
+
+On a GPU a step costs what its kernels cost plus what the host spends launching
+them: ~5-10 us of Python and dispatch per eager op. A captured CUDA graph
+replays its kernels with one launch, so what matters is (a) how many kernels a
+step's graph holds and (b) how many ops the host still launches around it per
+call. Both are properties of the code, not of the device, so this script counts
+them on a CPU: it runs the very objects CUDA captures (``GraphOptions(capture=
+False, static_extent=True)``, the bucketed static steps) and counts dispatched
+aten ops (views excluded: they launch nothing) inside and outside the step
+functions.
+
+The model has the gemma-4-26B-A4B *structure* (30 layers, 25 sliding + 5 full,
+K = V full layers, MoE beside the dense MLP, soft-cap) and a 5-layer drafter at a
+small width: op counts depend on the structure, not the width.
+
+    python benchmarks/launches.py            # writes benchmarks/results/launches.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_projection import DRAFT_26B, SMALL, _layer_types, draft_config, random_drafter  # noqa: E402
+from services.torch_graphs import BUCKETS, GraphedStep, GraphOptions  # noqa: E402
+from services.verifier.cache import CachePolicy  # noqa: E402
+from services.verifier.gemma4_torch import Gemma4Args  # noqa: E402
+from services.verifier.model_torch import TargetTorch  # noqa: E402
+from services.verifier.session import VerifierSession  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "launches.json"
+STATIC = GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)  # what CUDA captures, run eagerly
+VIEWS = {
+    "view", "_unsafe_view", "transpose", "unsqueeze", "squeeze", "expand", "slice", "select", "split",
+    "split_with_sizes", "reshape", "t", "permute", "alias", "unflatten", "chunk", "detach", "as_strided",
+    "unbind", "lift_fresh", "_local_scalar_dense",
+}
+STRUCTURE_26B = dict(SMALL, num_hidden_layers=30, layer_types=_layer_types(30), num_experts=16, top_k_experts=4)
+DRAFT = dict(DRAFT_26B, hidden_size=SMALL["hidden_size"], num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, intermediate_size=256)
+
+
+class Launches(TorchDispatchMode):
+    """Counts dispatched non-view aten ops, split into inside / outside ``GraphedStep`` calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside, self.outside = collections.Counter(), collections.Counter()
+        self.in_step = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name not in VIEWS:
+            (self.inside if self.in_step else self.outside)[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counted(fn) -> dict:
+    """Run ``fn`` once (after one warm call) and count its launches inside and outside the steps."""
+    fn()
+    call = GraphedStep.__call__
+    mode = Launches()
+
+    def step(self):
+        mode.in_step = True
+        try:
+            return call(self)
+        finally:
+            mode.in_step = False
+
+    GraphedStep.__call__ = step
+    try:
+        with mode:
+            fn()
+    finally:
+        GraphedStep.__call__ = call
+    return {
+        "graphed": sum(mode.inside.values()),
+        "host": sum(mode.outside.values()),
+        "host_ops": dict(mode.outside.most_common()),
+        "graphed_top": dict(mode.inside.most_common(12)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--ctx", type=int, default=300, help="prompt length before the counted steps")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (what a GPU serves; the default) or float32")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    target = TargetTorch.random(Gemma4Args(**STRUCTURE_26B), "cpu", args.dtype, seed=0, graph_options=STATIC)
+    drafter = random_drafter(draft_config(DRAFT, STRUCTURE_26B["vocab_size"]), target, cuda_graphs=False)
+    drafter.model.use_graphs(STATIC)
+    aux_layers = drafter.target_layer_ids
+    result = {}
+    with torch.inference_mode():
+        session = VerifierSession(target, aux_layers, CachePolicy(slack=16))
+        first, aux = session.prefill([2] + list(range(5, 5 + args.ctx - 1)))
+        dsession = drafter.open_session()
+        dsession.draft(aux, first, 2)
+
+        def verify(L):
+            def f():
+                session.verify([7] * L)
+                session.commit(min(L, 3))
+            return f
+
+        def draft(L):
+            return lambda: dsession.draft(aux[-3:], 7, L)  # 3 new rows: a block that accepted 2
+
+        for L in (1, 8, 16):
+            result[f"verify({L}) + commit"] = counted(verify(L))
+        for L in (8, 16):
+            result[f"draft({L}), 3 new context rows"] = counted(draft(L))
+    for name, r in result.items():
+        print(f"{name:32s} graphed {r['graphed']:5d}   host {r['host']:4d}  {r['host_ops']}")
+    out = {
+        "benchmark": "launches",
+        "what": "dispatched aten ops per call (views excluded), inside the static steps (what a CUDA graph "
+                "replays) and outside them (what the host launches one by one)",
+        "target": "gemma-4-26B-A4B structure at small width: 30 layers (25 sliding + 5 full), MoE, K = V",
+        "drafter": "5 layers",
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "counts": result,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,27 @@
+"""benchmarks/launches.py: what the host still launches around the static steps stays a handful.
+
+A regression here means a CUDA graph no longer covers some per-call work (before the
+drafter's extension moved into its step, a draft call launched 114 ops from Python)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_static_steps_leave_only_copies_to_the_host(tmp_path):
+    spec = importlib.util.spec_from_file_location("launches", ROOT / "benchmarks" / "launches.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "launches.json"
+    assert mod.main(["--ctx", "40", "--out", str(out)]) == 0
+    counts = json.loads(out.read_text())["counts"]
+    assert set(counts) == {"verify(1) + commit", "verify(8) + commit", "verify(16) + commit",
+                           "draft(8), 3 new context rows", "draft(16), 3 new context rows"}
+    for name, c in counts.items():
+        assert c["graphed"] > 100, name  # the model's work ran inside the step
+        assert c["host"] <= 8, (name, c["host_ops"])  # staging copies and the one sync, nothing else
+        assert not {"linear", "mul", "add", "index_copy_"} & set(c["host_ops"]), (name, c["host_ops"])
