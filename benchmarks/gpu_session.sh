@@ -7,7 +7,7 @@
 # Parts (each step bounded in time and allowed to fail without stopping the rest):
 #   tests       the CUDA tests (graph replay == eager token for token, one host sync per verify/draft, ...)
 #   projection  benchmarks/gpu_projection.py on the gemma-4-26B-A4B shape, bf16: CUDA graphs, graphs +
-#               compiled fused ops, no graphs (each with the top kernels)
+#               --compile (each layer's row-wise halves fused), no graphs (each with the top kernels)
 #   demo        the same on the embedded demo pair (float32): where a tiny model's step is all overhead
 #   generate    `kakeya generate --backend torch --device cuda --compare-ar` on the embedded demo pair
 #               (float32 and bfloat16, fixed block 8 and auto), JSON lines; benchmarks/adaptive.py on

@@ -226,17 +226,13 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-FUSABLE = ("gemma4_rms_norm", "apply_rope", "geglu")
+def compiled(fn):
+    """``--compile``: ``torch.compile`` one row-wise half of a layer (norms, projections, RoPE,
+    residuals, MLP) into a few fused kernels around its GEMMs.
 
-
-def compile_fused_ops(module) -> None:
-    """``--compile``: rebind ``module``'s RMSNorm, RoPE and GeGLU to ``torch.compile``d versions, so
-    each becomes one fused kernel instead of 4-6 elementwise launches plus dtype copies (inductor
-    keeps the float32 upcasts: the same numbers). Process-wide and idempotent; never on by
-    default (compiling costs start-up time, and the CPU tests never compile)."""
-    if getattr(module, "_fused_ops_compiled", False):
-        return
-    for name in FUSABLE:
-        if hasattr(module, name):
-            setattr(module, name, torch.compile(getattr(module, name), dynamic=True))
-    module._fused_ops_compiled = True
+    ``dynamic``: one graph for every row count (verify buckets and prefill chunks alike);
+    ``fullgraph``: a graph break is an error, not a silent slow path. Inductor keeps
+    intermediates in float32 inside a fused kernel unless told otherwise; with
+    ``emulate_precision_casts`` it rounds them to the activation dtype where eager does, so a
+    compiled bf16 model tracks the eager one (float32 is unaffected)."""
+    return torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})

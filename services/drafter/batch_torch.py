@@ -50,18 +50,15 @@ def extend(model, caches: list, auxs: list[torch.Tensor]) -> None:
         at += n
 
 
-def _attention(attn, x: torch.Tensor, segments: list, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``Attention.forward`` over flattened sessions: ``segments`` = (layer K/V, view, mask, rows) each."""
-    B, L, _ = x.shape
-    q = attn.query(x, cos, sin)
-    k, v = attn.kv(x, cos, sin)
+def _attention(layer, x: torch.Tensor, segments: list, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One layer over flattened sessions: ``segments`` = (layer K/V, view, mask, rows) each."""
+    q, k, v = layer.project(x, cos, sin)
     outs, at = [], 0
     for ctx, view, mask, n in segments:
         ks, vs = ctx.with_block(view, k[:, :, at : at + n], v[:, :, at : at + n])
-        outs.append(sdpa(q[:, :, at : at + n], ks, vs, mask, attn.scale))
+        outs.append(sdpa(q[:, :, at : at + n], ks, vs, mask, layer.self_attn.scale))
         at += n
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return attn.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+    return layer.finish(x, outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
 
 
 @torch.inference_mode()
@@ -88,8 +85,7 @@ def hidden(model, blocks: list[tuple[object, list[int]]]) -> torch.Tensor:
                     m = block_mask(view, n, is_causal=attn.is_causal, window=attn.window)
                     masks[key] = None if m is None else torch.from_numpy(m).to(model.device, non_blocking=True)
                 segments.append((ctx, view, masks[key], n))
-            h = x + _attention(attn, layer.input_layernorm(x), segments, cos, sin)
-            x = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = _attention(layer, x, segments, cos, sin)
     return model.norm(x[0])
 
 

@@ -41,7 +41,7 @@ from services.drafter import batch_torch
 from services.drafter.step_torch import propose_static
 from services.torch_graphs import GRAPHED_MIN_BATCH, GraphOptions
 from services.torch_ops import (
-    apply_rope, default_inv_freq, qwen3_rms_norm, resolve_device, resolve_dtype, rope_cos_sin, sdpa, sdpa_backends,
+    apply_rope, compiled, default_inv_freq, qwen3_rms_norm, resolve_device, resolve_dtype, rope_cos_sin, sdpa, sdpa_backends,
 )
 
 
@@ -109,13 +109,6 @@ class Attention(nn.Module):
         q = qwen3_rms_norm(self.q_proj(x).view(B, L, self.n_heads, self.head_dim), self.q_norm.weight, self.eps)
         return apply_rope(q.transpose(1, 2), cos, sin)
 
-    def forward(self, x, ctx: "LayerKV | GivenContext", view: Optional[BlockView], cos, sin, mask):
-        B, L, _ = x.shape
-        q = self.query(x, cos, sin)
-        k, v = ctx.with_block(view, *self.kv(x, cos, sin))
-        out = sdpa(q, k, v, mask, self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
-
 
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, act: str = "silu"):
@@ -148,8 +141,22 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, ctx, view, cos, sin, mask):
-        h = x + self.self_attn(self.input_layernorm(x), ctx, view, cos, sin, mask)
+    def forward(self, x, ctx: "LayerKV | GivenContext", view: Optional[BlockView], cos, sin, mask):
+        q, k, v = self.project(x, cos, sin)
+        k, v = ctx.with_block(view, k, v)
+        return self.finish(x, sdpa(q, k, v, mask, self.self_attn.scale))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The input norm, then the rows' q, k, v (normed and rotated): row-wise, so batches
+        flatten and ``compile_layers`` fuses it."""
+        h = self.input_layernorm(x)
+        k, v = self.self_attn.kv(h, cos, sin)
+        return self.self_attn.query(h, cos, sin), k, v
+
+    def finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Everything after attention (``out`` [B, heads, L, hd]): o_proj, the residuals, the MLP."""
+        B, _, L, _ = out.shape
+        h = x + self.self_attn.o_proj(out.transpose(1, 2).reshape(B, L, -1))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -312,6 +319,14 @@ class DFlashDraftModel(nn.Module):
         self.graph_pool = torch.cuda.graph_pool_handle() if options.capture else None
         self._free: list[ContextKVCache] = []
         return self
+
+    def compile_layers(self) -> None:
+        """``--compile``: ``torch.compile`` each layer's row-wise halves (``DecoderLayer.project``,
+        ``finish``) and the context K/V projection, as the target's ``compile_layers`` does."""
+        for layer in self.layers:
+            layer.project = compiled(layer.project)
+            layer.finish = compiled(layer.finish)
+            layer.self_attn.kv = compiled(layer.self_attn.kv)
 
     def make_cache(self, step: int = DEFAULT_STEP) -> ContextKVCache:
         if self.graph_options.static_extent:

@@ -144,9 +144,10 @@ class TorchDrafter(LocalDrafter):
     """The torch drafter: ``TorchDrafter(draft_dir, target_dir, device, dtype)`` or ``TorchDrafter(model=...)``."""
 
     def __init__(self, draft_dir=None, target_dir=None, device="cpu", dtype="float32", *, model=None,
-                 cuda_graphs: bool | None = None, graph_options=None):
-        """``cuda_graphs``: capture greedy block forwards (default: on for CUDA, see step_torch.py);
-        ``graph_options`` (a ``torch_graphs.GraphOptions``) overrides it."""
+                 cuda_graphs: bool | None = None, graph_options=None, compile: bool = False):
+        """``cuda_graphs``: capture greedy draft calls (default: on for CUDA, see step_torch.py);
+        ``graph_options`` (a ``torch_graphs.GraphOptions``) overrides it; ``compile``:
+        ``torch.compile`` the layers' row-wise halves (``DFlashDraftModel.compile_layers``)."""
         from services.torch_graphs import GraphOptions
 
         if model is None:
@@ -158,12 +159,15 @@ class TorchDrafter(LocalDrafter):
         options = graph_options or GraphOptions.for_device(model.device, cuda_graphs)
         if options.static_extent:
             model.use_graphs(options)
+        if compile:
+            model.compile_layers()
         super().__init__(model)
 
     @classmethod
-    def colocated(cls, draft_dir: str | Path, target, cuda_graphs: bool | None = None) -> "TorchDrafter":
+    def colocated(cls, draft_dir: str | Path, target, cuda_graphs: bool | None = None, compile: bool = False) -> "TorchDrafter":
         """Share a loaded ``TargetTorch``'s embedding / LM head tensors (no second copy on the device)."""
         from .dflash_torch import TargetHead, load_draft_model
 
         model = load_draft_model(draft_dir, target.device, target.dtype)
-        return cls(model=model.bind(TargetHead(target.model.embed, target.model.lm_head)), cuda_graphs=cuda_graphs)
+        head = TargetHead(target.model.embed, target.model.lm_head)
+        return cls(model=model.bind(head), cuda_graphs=cuda_graphs, compile=compile)

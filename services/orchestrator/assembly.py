@@ -166,7 +166,7 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
 
     ``backend`` may be ``"auto"`` (see :func:`resolve_backend`); ``device``/``dtype``
     apply to torch (MLX runs where MLX runs, in the weights' dtype), and so do
-    ``torch_options`` (the verifier's ``cuda_graphs``/``compile``). The engine's
+    ``torch_options`` (``cuda_graphs``/``compile``, for the verifier and the drafter). The engine's
     ``backend``/``device`` attributes say what was chosen.
     """
     from services.checkpoints.config import check_pair, load_draft_config, load_target_config
@@ -187,7 +187,7 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
         raise ValueError("--cuda-graphs/--compile apply to --backend torch")
     vkw = torch_kw | (torch_options or {}) | ({"policy": policy} if policy else {})
     verifier = local_verifier(target, aux_layers, backend, **vkw)
-    dkw = torch_kw | {k: v for k, v in (torch_options or {}).items() if k == "cuda_graphs"}
+    dkw = torch_kw | (torch_options or {})
     drafter = None if no_drafter else local_drafter(draft, target, backend, **dkw)
     engine = Engine(verifier, drafter, TextCodec(target), target=target, draft="" if no_drafter else draft)
     engine.backend, engine.device = backend, device

@@ -25,11 +25,12 @@ def add_backend_args(p, *, help_suffix: str = "") -> None:
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                    help="torch: capture the verify step and the drafter's block forward in CUDA graphs per block-size bucket (auto: on for cuda)")
     p.add_argument("--compile", action="store_true",
-                   help="torch: torch.compile the fused ops (RMSNorm, RoPE); slow start-up, off by default")
+                   help="torch: torch.compile each layer's norms, projections, RoPE and MLP into fused kernels; "
+                        "slow start-up, off by default")
 
 
 def torch_options(args) -> dict:
-    """The verifier's torch fast-path options from --cuda-graphs/--compile (only what differs from the defaults)."""
+    """The torch fast-path options from --cuda-graphs/--compile (only what differs from the defaults)."""
     out = {}
     graphs = getattr(args, "cuda_graphs", "auto")
     if graphs != "auto":

@@ -121,7 +121,7 @@ def cmd_serve_drafter(args) -> int:
     if backend == "torch":
         from .cli_args import torch_options
 
-        kwargs |= {k: v for k, v in torch_options(args).items() if k == "cuda_graphs"}  # nothing to compile
+        kwargs |= torch_options(args)
     return _run(server_spec(draft, target, backend, args.max_sessions, limits=limits, tls=tls, **kwargs), args)
 
 

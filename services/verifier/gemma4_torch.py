@@ -22,6 +22,7 @@ transformers' ``Gemma4TextConfig`` ones.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -29,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.torch_ops import apply_rope, default_inv_freq, geglu, gemma4_rms_norm, rope_from_positions, sdpa, sdpa_backends
+from services.torch_ops import (
+    apply_rope, compiled, default_inv_freq, geglu, gemma4_rms_norm, rope_from_positions, sdpa, sdpa_backends,
+)
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -230,6 +233,23 @@ class Attention(nn.Module):
         return F.linear(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim), self.wo)
 
 
+@functools.cache
+def _grouped_mm_runs(device: str, dtype: torch.dtype) -> bool:
+    try:
+        a = torch.zeros(4, 16, device=device, dtype=dtype)
+        b = torch.zeros(2, 16, 16, device=device, dtype=dtype)
+        torch._grouped_mm(a, b.transpose(-2, -1), offs=torch.tensor([1, 4], dtype=torch.int32, device=device))
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` (one kernel for every expert) runs here: bf16 on Hopper and
+    on CPUs, not float32. Else the experts run as a batched GEMV per (token, expert)."""
+    return _grouped_mm_runs(str(torch.device(device)), dtype)
+
+
 class MoE(nn.Module):
     """Router + experts: the second feed-forward branch of a Gemma-4 MoE layer."""
 
@@ -244,7 +264,7 @@ class MoE(nn.Module):
         self.register_buffer("per_expert_scale", torch.empty(E), persistent=False)
         self.register_buffer("gate_up", torch.empty(E, 2 * mi, h), persistent=False)  # gate rows, then up rows
         self.register_buffer("down", torch.empty(E, h, mi), persistent=False)
-        self.grouped_mm: bool | None = None  # decided on first use
+        self.grouped_mm: bool | None = None  # torch._grouped_mm for this device/dtype: decided on first use
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = gemma4_rms_norm(x, None, self.eps) * (self.router_scale * self.root).to(x.dtype)
@@ -260,21 +280,17 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         tok = order // k
         xs = x[tok]
-        if self.grouped_mm is not False:
-            try:
-                # counts per expert without a host sync (bincount would sync on CUDA)
-                counts = torch.zeros(self.E, dtype=torch.int32, device=x.device)
-                counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-                offs = counts.cumsum(0, dtype=torch.int32)
-                gu = torch._grouped_mm(xs, self.gate_up.transpose(-2, -1), offs=offs)
-                gate, up = gu.split(self.mi, dim=-1)
-                y = torch._grouped_mm(self.act(gate) * up, self.down.transpose(-2, -1), offs=offs)
-                self.grouped_mm = True
-            except (RuntimeError, NotImplementedError, AttributeError):
-                if self.grouped_mm:  # it worked before: a real error
-                    raise
-                self.grouped_mm = False
-        if self.grouped_mm is False:
+        if self.grouped_mm is None:
+            self.grouped_mm = grouped_mm_supported(x.device, x.dtype)
+        if self.grouped_mm:
+            # counts per expert without a host sync (bincount would sync on CUDA)
+            counts = torch.zeros(self.E, dtype=torch.int32, device=x.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            offs = counts.cumsum(0, dtype=torch.int32)
+            gu = torch._grouped_mm(xs, self.gate_up.transpose(-2, -1), offs=offs)
+            gate, up = gu.split(self.mi, dim=-1)
+            y = torch._grouped_mm(self.act(gate) * up, self.down.transpose(-2, -1), offs=offs)
+        else:
             e = flat[order]
             gu = torch.bmm(self.gate_up[e], xs.unsqueeze(-1)).squeeze(-1)
             gate, up = gu.split(self.mi, dim=-1)
@@ -422,6 +438,22 @@ class Gemma4Text(nn.Module):
                 aux[wanted[i]] = x
         hidden = gemma4_rms_norm(x, self.norm, self.args.rms_norm_eps)
         return Forward(hidden, torch.cat(aux, dim=-1)[0] if aux else None)
+
+    def compile_layers(self) -> None:
+        """``--compile``: ``torch.compile`` every layer's row-wise halves -- the q/k/v projection
+        with its norms and RoPE (``Attention.project``), and everything after attention (norms,
+        residuals, MLP, MoE routing and experts, per-layer input, ``layer_scalar``) -- so each
+        becomes a few fused kernels around its GEMMs instead of ~70 eager ops. Attention itself
+        (cache writes, the folded GEMMs) stays eager. One compiled graph serves every layer of a
+        kind and every length (``dynamic``), prefill chunks included; CUDA graphs then capture
+        the compiled kernels like any others."""
+        for layer in self.layers:
+            if layer.moe is not None and layer.moe.grouped_mm is None:
+                # the traced grouped GEMM is bf16-only (its meta kernel says so, though eager float32 runs)
+                dtype = self.embed.dtype
+                layer.moe.grouped_mm = dtype == torch.bfloat16 and grouped_mm_supported(self.embed.device, dtype)
+            layer.attn.project = compiled(layer.attn.project)
+            layer.after_attention = compiled(layer.after_attention)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed if self.lm_head is None else self.lm_head

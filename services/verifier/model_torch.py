@@ -298,16 +298,12 @@ def torch_verifier(
 
     ``cuda_graphs``: capture the verify step per block-size bucket (default: on for CUDA);
     ``max_context``: full-attention positions preallocated per session (graphs on: 4096);
-    ``compile``: ``torch.compile`` the fused elementwise ops (``gemma4_torch.compile_fused_ops``).
+    ``compile``: ``torch.compile`` every layer's row-wise halves (``Gemma4Text.compile_layers``).
     """
     from services.contract import CachePolicy
     from .session import LocalVerifier
 
-    if compile:
-        from services.torch_ops import compile_fused_ops
-
-        from . import gemma4_torch
-
-        compile_fused_ops(gemma4_torch)
     target = TargetTorch.load(target_dir, device, dtype, cuda_graphs=cuda_graphs, max_context=max_context)
+    if compile:
+        target.model.compile_layers()
     return LocalVerifier(target, target_dir, aux_layers, policy or CachePolicy())

@@ -1,0 +1,76 @@
+"""``--compile``: every layer's row-wise halves through ``torch.compile`` (inductor's C++ backend
+here; Triton on CUDA) decode exactly what the eager layers decode, and compile once per layer
+kind, not once per length. ``fullgraph=True`` makes any graph break an error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from services.contract import CachePolicy
+from services.drafter.session import TorchDrafter
+from services.orchestrator.loop import run
+from services.torch_graphs import BUCKETS, GraphOptions
+from services.verifier.model_torch import TargetTorch
+from services.verifier.session import LocalVerifier, VerifierSession
+
+from .conftest import PROMPT
+
+STATIC = GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)  # what CUDA captures, eagerly
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_moe):
+    """The MoE pair with both models compiled, in CUDA's static-step layout."""
+    torch._dynamo.reset()
+    counters.clear()
+    target = TargetTorch.load(tiny_moe.target, "cpu", "float32", graph_options=STATIC)
+    target.model.compile_layers()
+    drafter = TorchDrafter(tiny_moe.draft, tiny_moe.target, "cpu", "float32", graph_options=STATIC, compile=True)
+    yield target, drafter
+    torch._dynamo.reset()
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_pair_decodes_greedy_ar_token_for_token_and_compiles_once(tiny_moe, compiled):
+    target, drafter = compiled
+    ref = TargetTorch.load(tiny_moe.target, "cpu", "float32").greedy_reference(PROMPT, 48)  # eager, plain caches
+    v = LocalVerifier(target, tiny_moe.target, drafter.target_layer_ids)
+    assert run(v.open_session(), drafter.open_session(), PROMPT, 48, 4).token_ids == ref
+    after_first = _graphs()
+    assert after_first > 0  # the compiled halves ran
+    for block_size in (2, 7, 16):  # other buckets, other prefill and extension lengths
+        assert run(v.open_session(), drafter.open_session(), PROMPT[:9], 48, block_size).token_ids[:1]
+        assert run(v.open_session(), drafter.open_session(), PROMPT, 48, block_size).token_ids == ref
+    assert _graphs() == after_first  # dynamic: no graph per new length
+
+
+def test_compiled_verify_matches_eager_logits_and_aux(tiny_moe, compiled):
+    target, drafter = compiled
+    eager = TargetTorch.load(tiny_moe.target, "cpu", "float32", graph_options=STATIC)
+    aux_layers = drafter.target_layer_ids
+    seq = [2] + [int(t) for t in np.random.default_rng(3).integers(5, eager.args.vocab_size, 60)]
+    a, b = VerifierSession(eager, aux_layers, CachePolicy()), VerifierSession(target, aux_layers, CachePolicy())
+    _, aux_a = a.prefill(seq[:20])
+    _, aux_b = b.prefill(seq[:20])
+    torch.testing.assert_close(aux_b, aux_a, rtol=1e-4, atol=1e-4)
+    for start in range(20, 60, 8):
+        assert b.verify(seq[start : start + 8]) == a.verify(seq[start : start + 8])
+        torch.testing.assert_close(b.cache.last_logits, a.cache.last_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b.commit(5), a.commit(5), rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_drafter_drafts_what_the_eager_one_drafts(tiny_moe, compiled):
+    _, drafter = compiled
+    eager = TorchDrafter(tiny_moe.draft, tiny_moe.target, "cpu", "float32")
+    width = eager.model.config.aux_width
+    rng = np.random.default_rng(4)
+    s, e = drafter.open_session(), eager.open_session()
+    for i, (rows, B) in enumerate([(30, 8)] + [(int(rng.integers(1, 17)), int(rng.integers(2, 17))) for _ in range(20)]):
+        aux = torch.randn(rows, width, generator=torch.Generator().manual_seed(i))
+        assert s.draft(aux, 7 + i, B) == e.draft(aux, 7 + i, B)
