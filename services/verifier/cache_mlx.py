@@ -9,7 +9,6 @@ Full-attention layers use mlx-lm's own ``KVCache``: it trims in O(1).
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from .cache import RingLayout, RingPlan
 
