@@ -278,7 +278,7 @@ def measure(target: TargetTorch, drafter: TorchDrafter, ctx: int, reps: int, see
     }
 
 
-PROFILED = ("ar", "v1", "v8", "v16", "d8", "d16")
+PROFILED = ("ar", "v1", "v2", "v4", "v8", "v16", "d4", "d8", "d16")
 
 
 def top_kernels(fn, device: torch.device, calls: int = 5, top: int = 12) -> list[dict]:

@@ -8,7 +8,8 @@
 #   tests       the CUDA tests (graph replay == eager token for token, one host sync per verify/draft, ...)
 #   projection  benchmarks/gpu_projection.py on the gemma-4-26B-A4B shape, bf16: CUDA graphs, graphs +
 #               --compile (each layer's row-wise halves fused), no graphs (each with the top kernels)
-#   demo        the same on the embedded demo pair (float32): where a tiny model's step is all overhead
+#   demo        the same on the embedded demo pair (float32; also --compile): where a tiny model's step is
+#               all overhead; benchmarks/small_gemm.py (few-row linears, each spelling of the product)
 #   generate    `kakeya generate --backend torch --device cuda --compare-ar` on the embedded demo pair
 #               (float32 and bfloat16, fixed block 8 and auto), JSON lines; benchmarks/adaptive.py on
 #               CUDA (auto vs fixed block sizes) and benchmarks/host_profile.py
@@ -43,6 +44,7 @@ $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda, torc
 if part tests; then
   step cuda_tests 240 $PY -m pytest -q -x -p no:cacheprovider \
     tests/torch_backend/test_static_step.py tests/torch_backend/test_static_draft.py tests/torch_backend/test_torch_ops.py
+  step cuda_compile_tests 300 $PY -m pytest -q -p no:cacheprovider tests/torch_backend/test_compile.py -k cuda
 fi
 
 if part projection; then
@@ -59,6 +61,12 @@ fi
 if part demo; then  # the demo pair's own step costs and kernels (float32, the lossless dtype)
   step projection_demo 180 $PY benchmarks/gpu_projection.py --device cuda --demo --dtype float32 --reps $REPS --profile \
     --out "$OUT/gpu_projection_demo.json"
+fi
+
+if part demo; then  # few-row linears in float32 / bf16: which spelling of the product is fastest
+  step small_gemm 120 $PY benchmarks/small_gemm.py --device cuda --out "$OUT/small_gemm.json"
+  step projection_demo_compiled 240 $PY benchmarks/gpu_projection.py --device cuda --demo --dtype float32 --reps $REPS \
+    --compile --profile --out "$OUT/gpu_projection_demo_compiled.json"
 fi
 
 if part generate; then

@@ -74,3 +74,19 @@ def test_compiled_drafter_drafts_what_the_eager_one_drafts(tiny_moe, compiled):
     for i, (rows, B) in enumerate([(30, 8)] + [(int(rng.integers(1, 17)), int(rng.integers(2, 17))) for _ in range(20)]):
         aux = torch.randn(rows, width, generator=torch.Generator().manual_seed(i))
         assert s.draft(aux, 7 + i, B) == e.draft(aux, 7 + i, B)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_compiled_graphs_decode_what_eager_cuda_decodes(tiny_moe):
+    """Triton kernels captured in the CUDA graphs of both models: float32 greedy output equals
+    the eager CUDA target's own greedy AR, token for token."""
+    torch._dynamo.reset()
+    ref = TargetTorch.load(tiny_moe.target, "cuda", "float32", cuda_graphs=False).greedy_reference(PROMPT, 48)
+    target = TargetTorch.load(tiny_moe.target, "cuda", "float32")
+    target.model.compile_layers()
+    drafter = TorchDrafter.colocated(tiny_moe.draft, target, compile=True)
+    assert target.graph_options.capture and drafter.model.graph_options.capture
+    v = LocalVerifier(target, tiny_moe.target, drafter.target_layer_ids)
+    for block_size in (4, 16):
+        assert run(v.open_session(), drafter.open_session(), PROMPT, 48, block_size).token_ids == ref
+    torch._dynamo.reset()
