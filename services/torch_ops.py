@@ -167,7 +167,10 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     Hq, Hkv = q.shape[1], k.shape[1]
     if q.is_cuda and (mask is None or mask.dim() == 2):
         return sdpa_folded(q, k, v, mask, scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv)
+    # compiled (one graph for every layer kind), the head counts are symbolic and SDPA wants a plain
+    # bool: GQA with groups of one is plain attention, so say True
+    gqa = True if torch.compiler.is_compiling() else Hq != Hkv
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def sdpa_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -230,8 +233,9 @@ def compiled(fn):
     """``--compile``: ``torch.compile`` one row-wise half of a layer (norms, projections, RoPE,
     residuals, MLP) into a few fused kernels around its GEMMs.
 
-    ``dynamic``: one graph for every row count (verify buckets and prefill chunks alike);
-    ``fullgraph``: a graph break is an error, not a silent slow path. Inductor keeps
+    ``dynamic``: one graph per layer kind serves every row count (verify buckets, prefill
+    chunks, extension rows) and every layer of that kind; ``fullgraph``: a graph break is an
+    error, not a silent slow path. Inductor keeps
     intermediates in float32 inside a fused kernel unless told otherwise; with
     ``emulate_precision_casts`` it rounds them to the activation dtype where eager does, so a
     compiled bf16 model tracks the eager one (float32 is unaffected)."""

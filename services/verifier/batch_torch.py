@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from services.torch_ops import gemma4_rms_norm, sdpa, sdpa_backends
+from services.torch_ops import gemma4_rms_norm, sdpa_backends
 
 from .gemma4_torch import Forward, Gemma4Text
 
@@ -62,7 +62,7 @@ def _forward(model: Gemma4Text, segs: Sequence[Segment]) -> list[Forward]:
         t = layer.layer_type
         cos, sin = rope[t]
         shared = kvs[model.previous_kvs[i]] if i >= n_cached else None
-        q, k, v = layer.attn.project(gemma4_rms_norm(x, layer.input_ln, layer.eps), cos, sin, shared is None)
+        q, k, v = layer.qkv(x, cos, sin, shared is None)
         outs, kvs[i] = [], []
         for j, ((lo, hi), s) in enumerate(zip(spans, segs)):
             if shared is not None:
@@ -70,7 +70,7 @@ def _forward(model: Gemma4Text, segs: Sequence[Segment]) -> list[Forward]:
             else:
                 kj, vj = s.cache[i].update_and_fetch(k[:, :, lo:hi], v[:, :, lo:hi])
             kvs[i].append((kj, vj))
-            outs.append(sdpa(q[:, :, lo:hi], kj, vj, s.masks[t], 1.0))
+            outs.append(layer.attn.attend(q[:, :, lo:hi], kj, vj, s.masks[t], 1.0))
         a = layer.attn.output(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
         x = layer.after_attention(x, a, None if pli is None else pli[:, :, i])
         if i in wanted:

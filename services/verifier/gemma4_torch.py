@@ -201,19 +201,12 @@ class Attention(nn.Module):
         kv = self.n_kv * self.head_dim if self.has_kv else 0
         # q, k(, v) projections fused into one matmul
         self.split = [q] + ([kv] if self.has_kv else []) + ([kv] if self.has_kv and not self.k_eq_v else [])
+        self.attend = sdpa  # the attention arithmetic over the fetched K/V (compile_layers fuses it)
         self.register_buffer("wqkv", torch.empty(sum(self.split), args.hidden_size), persistent=False)
         self.register_buffer("wo", torch.empty(args.hidden_size, q), persistent=False)
         self.register_buffer("q_norm", torch.empty(self.head_dim), persistent=False)
         if self.has_kv:
             self.register_buffer("k_norm", torch.empty(self.head_dim), persistent=False)
-
-    def forward(self, x, cos, sin, mask, cache, shared_kv):
-        q, k, v = self.project(x, cos, sin, shared_kv is None)
-        if shared_kv is not None:
-            k, v = shared_kv
-        elif cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        return self.output(sdpa(q, k, v, mask, 1.0)), (k, v)
 
     def project(self, x, cos, sin, new_kv: bool = True):
         """``q`` [B, heads, L, D] and (``new_kv``) this block's own ``k``, ``v`` [B, kv_heads, L, D]."""
@@ -330,8 +323,17 @@ class DecoderLayer(nn.Module):
         return F.linear(geglu(gate, up) if self.tanh_gelu else self.act(gate) * up, self.w_down)
 
     def forward(self, x, cos, sin, mask, cache, shared_kv, per_layer_input):
-        a, kv = self.attn(gemma4_rms_norm(x, self.input_ln, self.eps), cos, sin, mask, cache, shared_kv)
-        return self.after_attention(x, a, per_layer_input), kv
+        q, k, v = self.qkv(x, cos, sin, shared_kv is None)
+        if shared_kv is not None:
+            k, v = shared_kv
+        elif cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        a = self.attn.output(self.attn.attend(q, k, v, mask, 1.0))
+        return self.after_attention(x, a, per_layer_input), (k, v)
+
+    def qkv(self, x, cos, sin, new_kv: bool = True):
+        """The input norm and ``Attention.project``: row-wise, so batches flatten and ``--compile`` fuses it."""
+        return self.attn.project(gemma4_rms_norm(x, self.input_ln, self.eps), cos, sin, new_kv)
 
     def after_attention(self, x, a, per_layer_input):
         """The rest of the layer given the attention output ``a``: row-wise, so batches flatten."""
@@ -440,19 +442,22 @@ class Gemma4Text(nn.Module):
         return Forward(hidden, torch.cat(aux, dim=-1)[0] if aux else None)
 
     def compile_layers(self) -> None:
-        """``--compile``: ``torch.compile`` every layer's row-wise halves -- the q/k/v projection
-        with its norms and RoPE (``Attention.project``), and everything after attention (norms,
+        """``--compile``: ``torch.compile`` every layer's row-wise halves -- the input norm and the
+        q/k/v projection with its norms and RoPE (``DecoderLayer.qkv``), and everything after attention (norms,
         residuals, MLP, MoE routing and experts, per-layer input, ``layer_scalar``) -- so each
-        becomes a few fused kernels around its GEMMs instead of ~70 eager ops. Attention itself
-        (cache writes, the folded GEMMs) stays eager. One compiled graph serves every layer of a
-        kind and every length (``dynamic``), prefill chunks included; CUDA graphs then capture
-        the compiled kernels like any others."""
+        becomes a few fused kernels around its GEMMs instead of ~70 eager ops; and the attention
+        arithmetic over the fetched K/V (``torch_ops.sdpa``: on CUDA the mask, float32 softmax
+        and split-K sum fuse around its two GEMMs). The cache writes stay eager. One compiled
+        graph serves every layer of a kind and every length (``dynamic``), prefill chunks
+        included; CUDA graphs then capture the compiled kernels like any others."""
+        attend = compiled(sdpa)
         for layer in self.layers:
             if layer.moe is not None and layer.moe.grouped_mm is None:
                 # the traced grouped GEMM is bf16-only (its meta kernel says so, though eager float32 runs)
                 dtype = self.embed.dtype
                 layer.moe.grouped_mm = dtype == torch.bfloat16 and grouped_mm_supported(self.embed.device, dtype)
-            layer.attn.project = compiled(layer.attn.project)
+            layer.qkv = compiled(layer.qkv)
+            layer.attn.attend = attend
             layer.after_attention = compiled(layer.after_attention)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
