@@ -156,3 +156,24 @@ def test_cuda_graph_drafts_equal_eager_cuda_with_one_host_sync_per_draft():
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
     assert len(syncs) <= 1, [str(w.message) for w in syncs]
+
+
+@pytest.mark.parametrize("keep,is_causal", [(None, False), (None, True), (7, True), (7, False), (3, True)])
+def test_the_device_mask_is_block_mask_over_the_capacity(keep, is_causal):
+    """step_torch's device-built mask equals context.block_mask(span="capacity") -- the host rule
+    the eager forward uses -- with a padded block's extra rows masked out as keys."""
+    from types import SimpleNamespace
+
+    from services.drafter.context import ContextLayout, block_mask
+    from services.drafter.step_torch import _mask
+
+    attn = SimpleNamespace(is_causal=is_causal, window=None if keep is None else keep + 1)
+    layout = ContextLayout(keep, step=4)
+    for n, B, padded in [(1, 2, 2), (2, 5, 8), (5, 16, 16), (9, 3, 4), (30, 11, 16), (2, 2, 2)]:
+        layout.append(n)
+        view = layout.block(padded, scratch=True, span="capacity")
+        want = block_mask(view, padded, is_causal=is_causal, window=attn.window, span="capacity")
+        want[:, view.stop + B : view.stop + padded] = False  # padded rows are never keys
+        bounds = torch.tensor([0, view.start, view.stop])
+        got = _mask(bounds, torch.arange(layout.capacity), torch.arange(padded), torch.tensor(B), attn)
+        assert torch.equal(got, torch.from_numpy(want))
