@@ -256,6 +256,7 @@ def measure(target: TargetTorch, drafter: TorchDrafter, ctx: int, reps: int, see
 
     t = {name: timed(fn, reps, device) for name, fn in shapes}
     kernels = {name: top_kernels(fn, device) for name, fn in shapes if name in PROFILED} if profile else None
+    ops = {name: top_ops(fn, device) for name, fn in shapes if name in OPS_PROFILED} if profile else None
     t_ar = t["ar"]
     t_verify = {L: t[f"v{L}"] for L in range(1, MAX_L + 1)}
     t_draft = {1: 0.0, **{L: t[f"d{L}"] for L in range(2, MAX_L + 1)}}
@@ -275,10 +276,12 @@ def measure(target: TargetTorch, drafter: TorchDrafter, ctx: int, reps: int, see
         "best_block_per_tau": {str(tau): b for tau, b in best.items()},
         "kv_bytes": session.stats()["kv_bytes"],
         **({"top_kernels": kernels} if kernels else {}),
+        **({"top_ops": ops} if ops else {}),
     }
 
 
 PROFILED = ("ar", "v1", "v2", "v4", "v8", "v16", "d4", "d8", "d16")
+OPS_PROFILED = ("v1", "v8", "d8")  # also profiled op by op, with input shapes
 
 
 def top_kernels(fn, device: torch.device, calls: int = 5, top: int = 12) -> list[dict]:
@@ -301,6 +304,42 @@ def top_kernels(fn, device: torch.device, calls: int = 5, top: int = 12) -> list
     rows.sort(key=lambda r: -r["ms_per_call"])
     total = sum(r["ms_per_call"] for r in rows)
     return [{"total_device_ms_per_call": total}] + rows[:top]
+
+
+def top_ops(fn, device: torch.device, calls: int = 3, top: int = 15) -> list[dict]:
+    """The ops whose kernels take the most device time, grouped by op and input shapes (ms per call).
+
+    A replayed CUDA graph shows its kernels but not the ops that launched them, so this runs
+    the very same static steps eagerly (``GraphedStep.fn`` on its static inputs: the same
+    shapes, hence the same kernels) under a profiler that records shapes. It answers which
+    product a slow kernel computes (say, which 8-row GEMM takes 43 us)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from services.torch_graphs import GraphedStep
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    replay = GraphedStep.__call__
+    GraphedStep.__call__ = lambda self: self.fn(*self.inputs)
+    try:
+        fn()  # the eager step's own warm-up (lazy inits) stays out of the profile
+        sync(device)
+        with profile(activities=acts, record_shapes=True) as prof:
+            for _ in range(calls):
+                fn()
+            sync(device)
+    finally:
+        GraphedStep.__call__ = replay
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.device_type != DeviceType.CPU:
+            continue  # a kernel's own row: its time is also its launching op's self device time
+        us = e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total
+        if us:
+            rows.append({"op": e.key[:80], "input_shapes": str(e.input_shapes)[:200],
+                         "ms_per_call": us / 1e3 / calls, "count_per_call": e.count / calls})
+    rows.sort(key=lambda r: -r["ms_per_call"])
+    return rows[:top]
 
 
 # HBM bandwidth (bytes/s) by device-name fragment; the roofline divides the bytes a step must read by it
@@ -386,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agree-tokens", type=int, default=None, help="tokens for the AR-vs-speculative check (default 64, --small 12)")
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"], help="the verifier's CUDA graphs")
     p.add_argument("--compile", action="store_true", help="torch.compile each layer's row-wise halves in both models, as --compile does")
-    p.add_argument("--profile", action="store_true", help="also record the top device kernels of AR, verify(1/8/16), draft(8/16)")
+    p.add_argument("--profile", action="store_true", help="also record the top device kernels of AR, verify(1/2/4/8/16), draft(4/8/16), "
+                   "and the ops (with input shapes) behind verify(1/8) and draft(8)")
     p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT.relative_to(ROOT)} ({SMALL_OUT.name} with --small)")
     args = p.parse_args(argv)
     if args.threads:
@@ -466,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, rows in (out.get("top_kernels") or {}).items():
         print(f"{name}: {rows[0]['total_device_ms_per_call']:.2f} ms of kernels per call; top: " + "; ".join(
             f"{r['name'][:60]} {r['ms_per_call']:.2f} ms x{r['count_per_call']:.0f}" for r in rows[1:6]))
+    for name, rows in (out.get("top_ops") or {}).items():
+        print(f"{name} ops: " + "; ".join(f"{r['op']} {r['input_shapes'][:48]} {r['ms_per_call']:.3f} ms" for r in rows[:3]))
     print(f"wrote {args.out}")
     return 0
 

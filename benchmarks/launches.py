@@ -7,8 +7,9 @@ step's graph holds and (b) how many ops the host still launches around it per
 call. Both are properties of the code, not of the device, so this script counts
 them on a CPU: it runs the very objects CUDA captures (``GraphOptions(capture=
 False, static_extent=True)``, the bucketed static steps) and counts dispatched
-aten ops (views excluded: they launch nothing) inside and outside the step
-functions.
+aten ops inside and outside the step functions (views and ops that return their
+input, such as a cast to the dtype a tensor already has, are left out: they launch
+nothing).
 
 The model has the gemma-4-26B-A4B *structure* (30 layers, 25 sliding + 5 full,
 K = V full layers, MoE beside the dense MLP, soft-cap) and a 5-layer drafter at a
@@ -60,10 +61,12 @@ class Launches(TorchDispatchMode):
         self.in_step = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         name = func.__name__.split(".")[0]
-        if name not in VIEWS:
+        no_op = args and out is args[0] and not func._schema.is_mutable  # say, a cast to the dtype it has
+        if name not in VIEWS and not no_op:
             (self.inside if self.in_step else self.outside)[name] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 def counted(fn) -> dict:

@@ -92,3 +92,21 @@ def test_full_shape_parameter_counts_match_the_published_model():
     active = total - experts * (1 - 8 / 128)
     assert abs(total / 1e9 - 25.2) < 0.1 and abs(active / 1e9 - 3.8) < 0.1
     assert 0.35 < sum(p.numel() for p in d.parameters()) / 1e9 < 0.5
+
+
+def test_top_ops_name_the_product_a_step_computes():
+    """--profile's op table runs a static step eagerly (a graph replay hides its ops) and groups
+    device time by op and input shapes, so a slow GEMM is named with its shapes."""
+    import torch
+
+    from services.torch_graphs import GraphedStep
+
+    gp = _load()
+    a, b = torch.randn(8, 128), torch.randn(128, 2048)
+    step = GraphedStep(lambda x, y: torch.relu(x @ y), [a, b], capture=False)
+    replay = GraphedStep.__call__
+    rows = gp.top_ops(lambda: step(), torch.device("cpu"), calls=2)
+    assert GraphedStep.__call__ is replay  # put back
+    mm = [r for r in rows if r["op"] == "aten::mm"]
+    assert mm and mm[0]["input_shapes"] == "[[8, 128], [128, 2048]]" and mm[0]["count_per_call"] == 1
+    assert all(r["ms_per_call"] > 0 for r in rows) and rows == sorted(rows, key=lambda r: -r["ms_per_call"])

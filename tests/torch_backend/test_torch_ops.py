@@ -86,18 +86,28 @@ def test_device_and_dtype_resolution():
             resolve_device("cuda")
 
 
-def test_float32_gemma4_rms_norm_is_the_reference_formula_bit_for_bit():
-    import torch
-
-    from services.torch_ops import _normalized_f32, gemma4_rms_norm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_rms_norms_are_the_reference_formulas_bit_for_bit(dtype):
+    """Both norms run as one fused kernel (F.rms_norm); it must round where the unfused
+    float32 formula rounds: Gemma-4 once after the weight, Qwen3 before it."""
+    from services.torch_ops import _normalized_f32
 
     g = torch.Generator().manual_seed(0)
     for D in (16, 64, 256, 2816):
         for L in (1, 8, 100):
-            x = torch.randn(1, L, D, generator=g) * 7
-            w = torch.randn(D, generator=g)
-            assert torch.equal(gemma4_rms_norm(x, w, 1e-6), _normalized_f32(x, 1e-6) * w)
-            assert torch.equal(gemma4_rms_norm(x, None, 1e-6), _normalized_f32(x, 1e-6))
+            x = (torch.randn(1, L, D, generator=g) * 7).to(dtype)
+            w = (torch.randn(D, generator=g) * 0.5 + 1).to(dtype)
+            assert torch.equal(gemma4_rms_norm(x, w, 1e-6), (_normalized_f32(x, 1e-6) * w.float()).to(dtype))
+            assert torch.equal(gemma4_rms_norm(x, None, 1e-6), _normalized_f32(x, 1e-6).to(dtype))
+            assert torch.equal(qwen3_rms_norm(x, w, 1e-6), w * _normalized_f32(x, 1e-6).to(dtype))
+
+
+def test_rms_norm_with_a_weight_of_another_dtype_takes_the_unfused_formula():
+    x, w = _inputs(torch.bfloat16)
+    out = gemma4_rms_norm(x, w.float(), EPS)  # float32 weight on bf16 rows: scale in float32, round once
+    assert out.dtype == torch.bfloat16
+    ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS) * w.float()).to(torch.bfloat16)
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("G,L,D", [(1, 5, 64), (2, 1, 512), (2, 16, 256), (4, 7, 128), (8, 3, 64), (8, 16, 64)])
