@@ -261,30 +261,28 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = gemma4_rms_norm(x, None, self.eps) * (self.router_scale * self.root).to(x.dtype)
-        probs = torch.softmax(F.linear(r, self.router_proj).float(), dim=-1)
+        probs = torch.softmax(F.linear(r, self.router_proj), dim=-1, dtype=torch.float32)  # upcast inside
         w, idx = torch.topk(probs, self.top_k, dim=-1)
         w = w / w.sum(dim=-1, keepdim=True)
-        return idx, w * self.per_expert_scale[idx].float()
+        return idx, w * self.per_expert_scale[idx]  # float32 result: the scale is upcast inside the mul
 
     def experts(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x`` [T, h]: every token through its top-k experts, weighted; no host sync."""
         T, k = idx.shape
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        e, order = torch.sort(idx.reshape(-1), stable=True)  # (token, expert) pairs grouped by expert
         tok = order // k
         xs = x[tok]
         if self.grouped_mm is None:
             self.grouped_mm = grouped_mm_supported(x.device, x.dtype)
         if self.grouped_mm:
-            # counts per expert without a host sync (bincount would sync on CUDA)
-            counts = torch.zeros(self.E, dtype=torch.int32, device=x.device)
-            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-            offs = counts.cumsum(0, dtype=torch.int32)
+            # each expert's end offset in the sorted pairs, on the device: no host sync (bincount
+            # would sync on CUDA), one kernel (not zeros + scatter_add_ + cumsum)
+            experts = torch.arange(self.E, dtype=e.dtype, device=e.device)
+            offs = torch.searchsorted(e, experts, right=True, out_int32=True)
             gu = torch._grouped_mm(xs, self.gate_up.transpose(-2, -1), offs=offs)
             gate, up = gu.split(self.mi, dim=-1)
             y = torch._grouped_mm(self.act(gate) * up, self.down.transpose(-2, -1), offs=offs)
         else:
-            e = flat[order]
             gu = torch.bmm(self.gate_up[e], xs.unsqueeze(-1)).squeeze(-1)
             gate, up = gu.split(self.mi, dim=-1)
             y = torch.bmm(self.down[e], (self.act(gate) * up).unsqueeze(-1)).squeeze(-1)
