@@ -94,20 +94,47 @@ class Attention(nn.Module):
         self.k_norm = nn.Module()
         self.k_norm.weight = nn.Parameter(torch.ones(self.head_dim))
 
+    wqkv: Optional[torch.Tensor] = None  # set by fuse(): q, k, v rows of one weight (inference)
+
+    def fuse(self) -> None:
+        """For inference: q, k and v as one weight, so a block's projections are one GEMM and a
+        context extension's K/V another (a few-row GEMM costs its launch, not its FLOPs). The
+        Linear weights become views of it: no second copy, the same names and values."""
+        if self.wqkv is not None:
+            return
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+        nq, nkv = self.q_proj.out_features, self.k_proj.out_features
+        self.wqkv, self.wkv = w, w[nq:]
+        for proj, rows in ((self.q_proj, w[:nq]), (self.k_proj, w[nq : nq + nkv]), (self.v_proj, w[nq + nkv :])):
+            proj.weight = nn.Parameter(rows, requires_grad=False)
+
     def kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """K/V ``[1, n_kv, S, hd]`` of rows ``h`` [1, S, hidden] at the positions of ``cos``/``sin`` [S, hd]."""
-        B, S, _ = h.shape
-        k = qwen3_rms_norm(self.k_proj(h).view(B, S, self.n_kv, self.head_dim), self.k_norm.weight, self.eps)
-        k = k.transpose(1, 2)
-        k = apply_rope(k, cos, sin)
-        v = self.v_proj(h).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
-        return k, v
+        if self.wqkv is None:
+            return self._kv(self.k_proj(h), self.v_proj(h), cos, sin)
+        return self._kv(*F.linear(h, self.wkv).chunk(2, dim=-1), cos, sin)
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``query`` and ``kv`` of the same rows (one GEMM once fused)."""
+        if self.wqkv is None:
+            return self.query(h, cos, sin), *self.kv(h, cos, sin)
+        q, kv = F.linear(h, self.wqkv).split([self.q_proj.out_features, 2 * self.k_proj.out_features], dim=-1)
+        return self._query(q, cos, sin), *self._kv(*kv.chunk(2, dim=-1), cos, sin)
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Queries ``[B, n_heads, L, hd]`` of rows ``x`` [B, L, hidden] at the positions of ``cos``/``sin``."""
-        B, L, _ = x.shape
-        q = qwen3_rms_norm(self.q_proj(x).view(B, L, self.n_heads, self.head_dim), self.q_norm.weight, self.eps)
+        return self._query(self.q_proj(x), cos, sin)
+
+    def _query(self, q: torch.Tensor, cos, sin) -> torch.Tensor:
+        B, L, _ = q.shape
+        q = qwen3_rms_norm(q.view(B, L, self.n_heads, self.head_dim), self.q_norm.weight, self.eps)
         return apply_rope(q.transpose(1, 2), cos, sin)
+
+    def _kv(self, k: torch.Tensor, v: torch.Tensor, cos, sin):
+        B, S, _ = k.shape
+        k = qwen3_rms_norm(k.view(B, S, self.n_kv, self.head_dim), self.k_norm.weight, self.eps)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        return k, v.view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -119,8 +146,23 @@ class MLP(nn.Module):
         if act != "silu":
             raise ValueError(f"unsupported drafter hidden_act {act!r}")
 
+    w_gate_up: Optional[torch.Tensor] = None  # set by fuse() (inference)
+
+    def fuse(self) -> None:
+        """For inference: gate and up as one weight (one GEMM); the Linear weights become views."""
+        if self.w_gate_up is not None:
+            return
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
+        n = self.gate_proj.out_features
+        self.w_gate_up = w
+        self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.w_gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class _Norm(nn.Module):
@@ -149,9 +191,7 @@ class DecoderLayer(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The input norm, then the rows' q, k, v (normed and rotated): row-wise, so batches
         flatten and ``compile_layers`` fuses it."""
-        h = self.input_layernorm(x)
-        k, v = self.self_attn.kv(h, cos, sin)
-        return self.self_attn.query(h, cos, sin), k, v
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
     def finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Everything after attention (``out`` [B, heads, L, hd]): o_proj, the residuals, the MLP."""
@@ -318,6 +358,15 @@ class DFlashDraftModel(nn.Module):
         self.graph_options = options
         self.graph_pool = torch.cuda.graph_pool_handle() if options.capture else None
         self._free: list[ContextKVCache] = []
+        return self
+
+    def fuse_projections(self) -> "DFlashDraftModel":
+        """For inference (``TorchDrafter`` does it): each layer's q/k/v and gate/up weights as one
+        GEMM each, the way the target stores them (views: no memory added). Training keeps the
+        separate Linear layers."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
         return self
 
     def compile_layers(self) -> None:

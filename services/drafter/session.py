@@ -156,6 +156,7 @@ class TorchDrafter(LocalDrafter):
             from .dflash_torch import load_dflash_torch
 
             model = load_dflash_torch(draft_dir, target_dir, device, dtype)
+        model.fuse_projections()
         options = graph_options or GraphOptions.for_device(model.device, cuda_graphs)
         if options.static_extent:
             model.use_graphs(options)

@@ -58,9 +58,12 @@ def _reference_logits(ref, ours, aux, block):
         return ref.compute_logits(h[:, 1:], lambda x: F.linear(x, ours.target.head))[0]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["as-loaded", "fused"])
 @pytest.mark.parametrize("name", ["tiny", "mixed"])
-def test_incremental_cache_matches_reference(variants, tiny, name):
+def test_incremental_cache_matches_reference(variants, tiny, name, fused):
     ours = load_dflash_torch(variants[name], tiny.target, "cpu", "float32")
+    if fused:  # what TorchDrafter serves: q/k/v and gate/up as one GEMM each
+        ours.fuse_projections()
     ref = _reference(variants[name])
     aux = torch.from_numpy(np.random.default_rng(0).standard_normal((sum(STEPS), ours.config.aux_width)).astype(np.float32))
     cache, pos = ours.make_cache(), 0
@@ -158,3 +161,26 @@ def test_speculative_loop_matches_reference_loop(tiny, torch_target, torch_draft
     assert k > 40
     assert rec.drafted[:k] == drafted[:k]
     assert gen.acceptance_lengths[:k] == st.acceptance_lengths[:k]
+
+
+def test_fused_projections_are_views_of_one_weight(tiny):
+    """Fusing adds no memory and keeps every checkpoint name and value; a second call is a no-op."""
+    model = load_dflash_torch(tiny.draft, tiny.target, "cpu", "float32")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def held_bytes():
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+        return sum(storages.values())
+
+    bytes_before = held_bytes()
+    model.fuse_projections()
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    for part in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert part.weight.untyped_storage().data_ptr() == attn.wqkv.untyped_storage().data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.w_gate_up.untyped_storage().data_ptr()
+    assert held_bytes() == bytes_before
+    wqkv = attn.wqkv
+    model.fuse_projections()
+    assert attn.wqkv is wqkv
