@@ -80,7 +80,10 @@ def gemma4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
 
 def qwen3_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3 RMSNorm: normalise in float32, cast back to x's dtype, then times ``weight``
-    (the weight-free fused norm does the first two in one kernel, rounding once)."""
+    (the weight-free fused norm does the first two in one kernel, rounding once). In float32
+    the cast back rounds nothing, so the weight joins the fused kernel: the same numbers."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 

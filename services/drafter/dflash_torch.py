@@ -24,15 +24,12 @@ Parameter names follow the reference checkpoint layout (``fc``, ``hidden_norm``,
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.checkpoints.layout import find_text_tensors, is_quantized, shard_files, tensor_files
 from services.drafter.config import FULL, SLIDING, DFlashConfig, aux_rows  # noqa: F401  (FULL, DFlashConfig re-exported)
 from services.drafter import context
 from services.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, Resize, block_mask
@@ -41,7 +38,7 @@ from services.drafter import batch_torch
 from services.drafter.step_torch import propose_static
 from services.torch_graphs import GRAPHED_MIN_BATCH, GraphOptions
 from services.torch_ops import (
-    apply_rope, compiled, default_inv_freq, qwen3_rms_norm, resolve_device, resolve_dtype, rope_cos_sin, sdpa, sdpa_backends,
+    apply_rope, compiled, default_inv_freq, qwen3_rms_norm, rope_cos_sin, sdpa, sdpa_backends,
 )
 
 
@@ -118,8 +115,13 @@ class Attention(nn.Module):
         """``query`` and ``kv`` of the same rows (one GEMM once fused)."""
         if self.wqkv is None:
             return self.query(h, cos, sin), *self.kv(h, cos, sin)
-        q, kv = F.linear(h, self.wqkv).split([self.q_proj.out_features, 2 * self.k_proj.out_features], dim=-1)
-        return self._query(q, cos, sin), *self._kv(*kv.chunk(2, dim=-1), cos, sin)
+        B, L, _ = h.shape
+        q, k, v = F.linear(h, self.wqkv).split([self.q_proj.out_features] + [self.k_proj.out_features] * 2, dim=-1)
+        q = qwen3_rms_norm(q.view(B, L, self.n_heads, self.head_dim), self.q_norm.weight, self.eps)
+        k = qwen3_rms_norm(k.view(B, L, self.n_kv, self.head_dim), self.k_norm.weight, self.eps)
+        # q and k rotate as one tensor: one set of RoPE's elementwise kernels instead of two
+        q, k = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin).split([self.n_heads, self.n_kv], dim=1)
+        return q, k, v.view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Queries ``[B, n_heads, L, hd]`` of rows ``x`` [B, L, hidden] at the positions of ``cos``/``sin``."""
@@ -512,56 +514,3 @@ def as_torch(aux, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     if not t.is_floating_point():
         raise ValueError(f"new_aux must be floating point, got {t.dtype}")
     return t.to(device=device, dtype=dtype, non_blocking=True)
-
-
-# --------------------------------------------------------------------------- loading
-
-def load_target_head(target_dir: str | Path, device=None, dtype=None) -> TargetHead:
-    """Read ONLY the target's embedding table and LM head (tied when the checkpoint has none)."""
-    from safetensors import safe_open
-
-    target_dir = Path(target_dir)
-    device, dtype = resolve_device(device), resolve_dtype(dtype)
-    cfg = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
-    names = tensor_files(target_dir)
-    if is_quantized(names):
-        raise ValueError(f"quantized target checkpoint {target_dir} is not supported by the torch drafter")
-    where = find_text_tensors(names, target_dir)
-
-    def get(name: str) -> torch.Tensor:
-        with safe_open(str(names[name]), framework="pt") as sf:
-            return sf.get_tensor(name).to(device=device, dtype=dtype)
-
-    th = TargetHead(get(where.embed + ".weight"), get(where.head + ".weight") if where.head is not None else None)
-    text = cfg.get("text_config") or cfg
-    vocab, hidden = text.get("vocab_size"), text.get("hidden_size")
-    if vocab is not None and int(vocab) != th.vocab_size:
-        raise ValueError(f"target embed has {th.vocab_size} rows, config vocab_size is {vocab}")
-    if hidden is not None and int(hidden) != th.hidden_size:
-        raise ValueError(f"target embed width {th.hidden_size} != config hidden_size {hidden}")
-    return th
-
-
-def load_draft_model(draft_dir: str | Path, device=None, dtype=None) -> DFlashDraftModel:
-    from safetensors.torch import load_file
-
-    draft_dir = Path(draft_dir)
-    device, dtype = resolve_device(device), resolve_dtype(dtype)
-    config = DFlashConfig.from_dir(draft_dir)
-    weights: dict[str, torch.Tensor] = {}
-    for f in shard_files(draft_dir):
-        weights.update(load_file(str(f)))
-    with torch.device("meta"):
-        model = DFlashDraftModel(config)
-    model.inv_freq = rope_inv_freq(config)[0]
-    model.load_state_dict(weights, strict=True, assign=True)
-    model = model.to(device=device, dtype=dtype)
-    model.inv_freq = model.inv_freq.float()
-    model.eval().requires_grad_(False)
-    return model
-
-
-def load_dflash_torch(draft_dir: str | Path, target_dir: str | Path, device=None, dtype=None) -> DFlashDraftModel:
-    """Load the DFlash draft and bind the target's embedding / LM head (same device and dtype)."""
-    model = load_draft_model(draft_dir, device, dtype)
-    return model.bind(load_target_head(target_dir, model.device, model.dtype))

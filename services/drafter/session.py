@@ -153,7 +153,7 @@ class TorchDrafter(LocalDrafter):
         if model is None:
             if draft_dir is None or target_dir is None:
                 raise ValueError("TorchDrafter needs draft_dir and target_dir (or model=)")
-            from .dflash_torch import load_dflash_torch
+            from .load_torch import load_dflash_torch
 
             model = load_dflash_torch(draft_dir, target_dir, device, dtype)
         model.fuse_projections()
@@ -167,7 +167,8 @@ class TorchDrafter(LocalDrafter):
     @classmethod
     def colocated(cls, draft_dir: str | Path, target, cuda_graphs: bool | None = None, compile: bool = False) -> "TorchDrafter":
         """Share a loaded ``TargetTorch``'s embedding / LM head tensors (no second copy on the device)."""
-        from .dflash_torch import TargetHead, load_draft_model
+        from .dflash_torch import TargetHead
+        from .load_torch import load_draft_model
 
         model = load_draft_model(draft_dir, target.device, target.dtype)
         head = TargetHead(target.model.embed, target.model.lm_head)

@@ -101,6 +101,7 @@ class BlockTrainer:
         import torch
 
         from services.drafter import dflash_torch as dt
+        from services.drafter.load_torch import load_target_head
 
         self.torch, self.dt = torch, dt
         torch.manual_seed(seed)
@@ -112,7 +113,7 @@ class BlockTrainer:
             raise RuntimeError(f"draft parameter names differ from the reference layout: {sorted(sd_names ^ set(w))[:8]}")
         self.model.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()}, strict=True)
         self.model.to(device)
-        head = dt.load_target_head(target_dir, device=device, dtype=torch.float32)
+        head = load_target_head(target_dir, device=device, dtype=torch.float32)
         self.embed = head.embed.detach()
         self.head = head.head.detach()
         self.device = device

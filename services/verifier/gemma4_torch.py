@@ -213,13 +213,14 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         parts = F.linear(x, self.wqkv).split(self.split, dim=-1)
         q = gemma4_rms_norm(parts[0].view(B, L, self.n_heads, self.head_dim), self.q_norm, self.eps)
-        q = apply_rope(q, cos, sin).transpose(1, 2)
         if not new_kv:
-            return q, None, None
+            return apply_rope(q, cos, sin).transpose(1, 2), None, None
         k = parts[1].view(B, L, self.n_kv, self.head_dim)
         v = k if self.k_eq_v else parts[2].view(B, L, self.n_kv, self.head_dim)
-        k = apply_rope(gemma4_rms_norm(k, self.k_norm, self.eps), cos, sin).transpose(1, 2)
-        return q, k, gemma4_rms_norm(v, None, self.eps).transpose(1, 2)
+        # q and k rotate as one tensor: one set of RoPE's elementwise kernels instead of two
+        qk = apply_rope(torch.cat([q, gemma4_rms_norm(k, self.k_norm, self.eps)], dim=2), cos, sin)
+        q, k = qk.split([self.n_heads, self.n_kv], dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), gemma4_rms_norm(v, None, self.eps).transpose(1, 2)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         B, _, L, _ = out.shape

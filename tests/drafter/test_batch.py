@@ -25,7 +25,7 @@ def _load(backend: str, pair):
         from services.drafter.dflash_mlx import load_dflash_mlx
 
         return load_dflash_mlx(pair.draft, pair.target)
-    from services.drafter.dflash_torch import load_dflash_torch
+    from services.drafter.load_torch import load_dflash_torch
 
     return load_dflash_torch(pair.draft, pair.target, "cpu", "float32")
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.drafter.dflash_torch import load_dflash_torch
+from services.drafter.load_torch import load_dflash_torch
 from services.drafter.session import WARM_BLOCK_SIZES, TorchDrafter
 
 STEPS = [13, 1, 5, 0, 2, 1, 8, 3, 30, 1, 4, 7, 50, 2]

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.drafter.dflash_torch import load_dflash_torch
+from services.drafter.load_torch import load_dflash_torch
 
 ATOL = 1e-4  # observed: 0 on the tiny pair, ~1e-6 with sliding layers / scales
 
