@@ -16,6 +16,7 @@ K = V full layers, MoE beside the dense MLP, soft-cap) and a 5-layer drafter at 
 small width: op counts depend on the structure, not the width.
 
     python benchmarks/launches.py            # writes benchmarks/results/launches.json
+    python benchmarks/launches.py --demo     # the embedded demo pair, float32: launches_demo.json
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from services.verifier.model_torch import TargetTorch  # noqa: E402
 from services.verifier.session import VerifierSession  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "launches.json"
+OUT_DEMO = OUT.with_name("launches_demo.json")
 STATIC = GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)  # what CUDA captures, run eagerly
 VIEWS = {
     "view", "_unsafe_view", "transpose", "unsqueeze", "squeeze", "expand", "slice", "select", "split",
@@ -98,13 +100,25 @@ def counted(fn) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--out", type=Path, default=None, help=f"default {OUT.name} ({OUT_DEMO.name} with --demo)")
     p.add_argument("--ctx", type=int, default=300, help="prompt length before the counted steps")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (what a GPU serves; the default) or float32")
+    p.add_argument("--dtype", default=None, help="bfloat16 (what a GPU serves; the default) or float32 (--demo's default)")
+    p.add_argument("--demo", action="store_true", help="the embedded demo pair instead of the 26B structure")
     args = p.parse_args(argv)
+    args.out = args.out or (OUT_DEMO if args.demo else OUT)
     torch.manual_seed(0)
-    target = TargetTorch.random(Gemma4Args(**STRUCTURE_26B), "cpu", args.dtype, seed=0, graph_options=STATIC)
-    drafter = random_drafter(draft_config(DRAFT, STRUCTURE_26B["vocab_size"]), target, cuda_graphs=False)
+    if args.demo:  # the trained pair in its lossless dtype: its GPU steps are all launches
+        from services.drafter.session import TorchDrafter
+        from services.orchestrator.assembly import embedded_paths
+
+        args.dtype = args.dtype or "float32"
+        target_dir, draft_dir = embedded_paths()
+        target = TargetTorch.load(target_dir, "cpu", args.dtype, graph_options=STATIC)
+        drafter = TorchDrafter.colocated(draft_dir, target, cuda_graphs=False)
+    else:
+        args.dtype = args.dtype or "bfloat16"
+        target = TargetTorch.random(Gemma4Args(**STRUCTURE_26B), "cpu", args.dtype, seed=0, graph_options=STATIC)
+        drafter = random_drafter(draft_config(DRAFT, STRUCTURE_26B["vocab_size"]), target, cuda_graphs=False)
     drafter.model.use_graphs(STATIC)
     aux_layers = drafter.target_layer_ids
     result = {}
@@ -133,11 +147,20 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "launches",
         "what": "dispatched aten ops per call (views excluded), inside the static steps (what a CUDA graph "
                 "replays) and outside them (what the host launches one by one)",
-        "target": "gemma-4-26B-A4B structure at small width: 30 layers (25 sliding + 5 full), MoE, K = V",
+        "target": "embedded demo target: 6 layers (4 sliding + 2 full)" if args.demo else
+                  "gemma-4-26B-A4B structure at small width: 30 layers (25 sliding + 5 full), MoE, K = V",
         "drafter": "5 layers",
         "dtype": args.dtype,
         "torch": torch.__version__,
         "counts": result,
+        # an AR step is verify(1) + commit; where every kernel costs about the same (a tiny model
+        # on a GPU), a block of L costs about (verify(L) + draft(L)) / AR steps, which caps the
+        # speedup at tau divided by that
+        "block_cost_in_ar_steps": {
+            str(L): (result[f"verify({L}) + commit"]["graphed"] + result[f"draft({L}), 3 new context rows"]["graphed"])
+            / result["verify(1) + commit"]["graphed"]
+            for L in (8, 16)
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")

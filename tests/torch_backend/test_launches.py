@@ -28,3 +28,19 @@ def test_static_steps_leave_only_copies_to_the_host(tmp_path):
         assert not {"linear", "mul", "add", "index_copy_"} & set(c["host_ops"]), (name, c["host_ops"])
         # every RMSNorm is one fused kernel in bf16 too, not ~9 (cast, pow, mean, add, rsqrt, mul, ...)
         assert "rms_norm" in c["graphed_top"] and not {"rsqrt", "pow", "mean"} & set(c["graphed_top"]), name
+
+
+def test_demo_pair_counts_and_block_cost_in_ar_steps(tmp_path):
+    spec = importlib.util.spec_from_file_location("launches", ROOT / "benchmarks" / "launches.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "launches_demo.json"
+    assert mod.main(["--demo", "--ctx", "40", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["dtype"] == "float32" and d["target"].startswith("embedded demo target")
+    c = d["counts"]
+    ar = c["verify(1) + commit"]["graphed"]
+    for L in ("8", "16"):
+        block = c[f"verify({L}) + commit"]["graphed"] + c[f"draft({L}), 3 new context rows"]["graphed"]
+        assert d["block_cost_in_ar_steps"][L] == block / ar > 1
+    assert all(r["host"] <= 8 for r in c.values())
