@@ -42,7 +42,7 @@ def extend(model, caches: list, auxs: list[torch.Tensor]) -> None:
     aux = torch.cat([a.reshape(-1, a.shape[-1]) for _, a in work])
     h = model.hidden_norm(model.fc(aux.to(device=model.device, dtype=model.dtype)[None]))
     cos, sin = _rope(model, [(c.length, a.shape[-2]) for c, a in work])
-    kv = [layer.self_attn.kv(h, cos, sin) for layer in model.layers]
+    kv = model.layers_kv(h, cos, sin)
     at = 0
     for cache, a in work:
         n = a.shape[-2]

@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.drafter.config import FULL, SLIDING, DFlashConfig, aux_rows  # noqa: F401  (FULL, DFlashConfig re-exported)
-from services.drafter import context
-from services.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, Resize, block_mask
+from services.drafter.context import DEFAULT_STEP, BlockView, block_mask
 from services import sampling_torch
 from services.drafter import batch_torch
+from services.drafter.context_torch import ContextKVCache, GivenContext, LayerKV  # noqa: F401  (re-exported)
 from services.drafter.step_torch import propose_static
 from services.torch_graphs import GRAPHED_MIN_BATCH, GraphOptions
 from services.torch_ops import (
@@ -202,85 +202,6 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-# --------------------------------------------------------------------------- context cache
-
-
-class LayerKV:
-    """One layer's context K/V: preallocated ``[1, n_kv, capacity, hd]`` buffers, rows planned by its layout.
-
-    A block forward writes the block's K/V into the scratch rows after the
-    context and attends over a span of the buffer (no concatenation): the
-    valid rows (eager; the same keys in the same order as ``context ++ block``)
-    or the whole capacity with a mask (a fixed shape per capacity, for a
-    captured forward). A sliding layer's buffer keeps its storage when it is
-    compacted.
-    """
-
-    def __init__(self, layout: ContextLayout):
-        self.layout = layout
-        self.keys: Optional[torch.Tensor] = None
-        self.values: Optional[torch.Tensor] = None
-
-    def _resize(self, r: Resize, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.keys is not None and r.capacity == self.keys.shape[2]:
-            if r.src:  # compact in place; the ranges may overlap
-                self.keys[:, :, : r.count] = self.keys[:, :, r.src : r.src + r.count].clone()
-                self.values[:, :, : r.count] = self.values[:, :, r.src : r.src + r.count].clone()
-            return
-        B, H, _, D = k.shape
-        nk = k.new_zeros((B, H, r.capacity, D))
-        nv = v.new_zeros((B, H, r.capacity, v.shape[3]))
-        if r.count:
-            nk[:, :, : r.count] = self.keys[:, :, r.src : r.src + r.count]
-            nv[:, :, : r.count] = self.values[:, :, r.src : r.src + r.count]
-        self.keys, self.values = nk, nv
-
-    def append(self, plan: Append, k: torch.Tensor, v: torch.Tensor) -> None:
-        if plan.resize is not None:
-            self._resize(plan.resize, k, v)
-        if plan.n:
-            self.keys[:, :, plan.dst : plan.dst + plan.n] = k[:, :, plan.skip :]
-            self.values[:, :, plan.dst : plan.dst + plan.n] = v[:, :, plan.skip :]
-
-    def with_block(self, view: BlockView, k: torch.Tensor, v: torch.Tensor):
-        """Keys/values a block attends to: its own K/V written after the context, one buffer span."""
-        if view.resize is not None:
-            self._resize(view.resize, k, v)
-        n = k.shape[2]
-        self.keys[:, :, view.stop : view.stop + n] = k
-        self.values[:, :, view.stop : view.stop + n] = v
-        return self.keys[:, :, view.key_start : view.key_stop], self.values[:, :, view.key_start : view.key_stop]
-
-    def visible(self):
-        """The visible context rows (None when empty)."""
-        start, stop = self.layout.start, self.layout.stop
-        if self.keys is None or stop == start:
-            return None, None
-        return self.keys[:, :, start:stop], self.values[:, :, start:stop]
-
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-
-
-class GivenContext:
-    """Context K/V handed in as tensors (the block trainer: many blocks over one precomputed context)."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        self.keys, self.values = keys, values
-
-    def with_block(self, view, k: torch.Tensor, v: torch.Tensor):
-        return torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
-
-
-class ContextKVCache(context.ContextKVCache):
-    """The context K/V of one generation, in this backend's arrays (plan: ``context.py``)."""
-
-    layer_kv = LayerKV
-
-
 # --------------------------------------------------------------------------- target tensors
 
 
@@ -364,12 +285,32 @@ class DFlashDraftModel(nn.Module):
 
     def fuse_projections(self) -> "DFlashDraftModel":
         """For inference (``TorchDrafter`` does it): each layer's q/k/v and gate/up weights as one
-        GEMM each, the way the target stores them (views: no memory added). Training keeps the
-        separate Linear layers."""
+        GEMM each, the way the target stores them (views: no memory added), and one GEMM for all
+        layers' context K/V. Training keeps the separate Linear layers."""
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        if self.w_context_kv is None:
+            # Every layer projects the SAME context rows: one GEMM, norm and RoPE for all of them.
+            # A copy of the layers' K/V rows (a few % of the drafter), since they sit in wqkv too.
+            self.w_context_kv = torch.cat([layer.self_attn.wkv for layer in self.layers])
+            self.context_k_norm = torch.stack([layer.self_attn.k_norm.weight.detach() for layer in self.layers])
         return self
+
+    w_context_kv: Optional[torch.Tensor] = None  # set by fuse_projections
+
+    def layers_kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's context ``(k, v)`` ``[B, n_kv, S, hd]`` of the context rows ``h`` [B, S, hidden]."""
+        if self.w_context_kv is None:
+            return [layer.self_attn.kv(h, cos, sin) for layer in self.layers]
+        B, S, _ = h.shape
+        a = self.layers[0].self_attn
+        kv = F.linear(h, self.w_context_kv).view(B, S, len(self.layers), 2, a.n_kv, a.head_dim)
+        # Qwen3's k norm per layer: normalise (rounded to the activation dtype), then that layer's weight
+        k = F.rms_norm(kv[:, :, :, 0], (a.head_dim,), None, a.eps) * self.context_k_norm[:, None, :]
+        k = apply_rope(k.permute(0, 2, 3, 1, 4), cos, sin)  # [B, layers, n_kv, S, hd]
+        v = kv[:, :, :, 1].permute(0, 2, 3, 1, 4)
+        return [(k[:, i], v[:, i]) for i in range(len(self.layers))]
 
     def compile_layers(self) -> None:
         """``--compile``: ``torch.compile`` each layer's row-wise halves (``DecoderLayer.project``,
@@ -378,6 +319,7 @@ class DFlashDraftModel(nn.Module):
             layer.project = compiled(layer.project)
             layer.finish = compiled(layer.finish)
             layer.self_attn.kv = compiled(layer.self_attn.kv)
+        self.layers_kv = compiled(self.layers_kv)
 
     def make_cache(self, step: int = DEFAULT_STEP) -> ContextKVCache:
         if self.graph_options.static_extent:
@@ -401,8 +343,7 @@ class DFlashDraftModel(nn.Module):
         if aux.ndim == 2:
             aux = aux[None]
         h = self.hidden_norm(self.fc(aux.to(device=self.device, dtype=self.dtype)))
-        cos, sin = self._cos_sin(offset, h.shape[1])
-        return [l.self_attn.kv(h, cos, sin) for l in self.layers]
+        return self.layers_kv(h, *self._cos_sin(offset, h.shape[1]))
 
     @torch.inference_mode()
     def extend(self, cache: ContextKVCache, aux: torch.Tensor) -> None:

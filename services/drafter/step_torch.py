@@ -98,8 +98,7 @@ def draft_step(model, cache, st: StaticDraft, n: int, m: int) -> torch.Tensor:
             rows = {  # real rows to their planned rows; padded ones onto the block's first scratch row
                 layout: torch.where(iota[:m] < ext_n, b[0] + iota[:m], b[2]) for layout, b in bounds.items()
             }
-            for layer, ctx in zip(model.layers, cache.layers):
-                k, v = layer.self_attn.kv(h, cos, sin)
+            for (k, v), ctx in zip(model.layers_kv(h, cos, sin), cache.layers):
                 ctx.keys.index_copy_(2, rows[ctx.layout], k)
                 ctx.values.index_copy_(2, rows[ctx.layout], v)
         x = model.target.embed_rows(p[IDS:n]).to(model.dtype)

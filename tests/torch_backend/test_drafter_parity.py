@@ -181,6 +181,22 @@ def test_fused_projections_are_views_of_one_weight(tiny):
         assert part.weight.untyped_storage().data_ptr() == attn.wqkv.untyped_storage().data_ptr()
     assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.w_gate_up.untyped_storage().data_ptr()
     assert held_bytes() == bytes_before
-    wqkv = attn.wqkv
+    wqkv, context = attn.wqkv, model.w_context_kv
+    assert context.numel() == sum(l.self_attn.wkv.numel() for l in model.layers)  # the one copy: K/V rows
     model.fuse_projections()
-    assert attn.wqkv is wqkv
+    assert attn.wqkv is wqkv and model.w_context_kv is context
+
+
+def test_fused_context_kv_equals_each_layers_own(tiny):
+    """The context rows go through every layer's K/V projection, norm and RoPE at once."""
+    model = load_dflash_torch(tiny.draft, tiny.target, "cpu", "float32")
+    aux = torch.randn(7, model.config.aux_width, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        each = model.context_kv(aux, offset=5)
+        model.fuse_projections()
+        fused = model.context_kv(aux, offset=5)
+    assert len(fused) == len(each) == len(model.layers)
+    for (k, v), (k1, v1) in zip(fused, each):
+        assert k.shape == k1.shape and v.shape == v1.shape
+        torch.testing.assert_close(k, k1, rtol=0, atol=1e-6)
+        torch.testing.assert_close(v, v1, rtol=0, atol=1e-6)
