@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:32s} graphed {r['graphed']:5d}   host {r['host']:4d}  {r['host_ops']}")
     out = {
         "benchmark": "launches",
-        "what": "dispatched aten ops per call (views excluded), inside the static steps (what a CUDA graph "
+        "what": "dispatched aten ops per call (views and no-op casts excluded), inside the static steps (what a CUDA graph "
                 "replays) and outside them (what the host launches one by one)",
         "target": "embedded demo target: 6 layers (4 sliding + 2 full)" if args.demo else
                   "gemma-4-26B-A4B structure at small width: 30 layers (25 sliding + 5 full), MoE, K = V",

@@ -94,49 +94,41 @@ class Attention(nn.Module):
     wqkv: Optional[torch.Tensor] = None  # set by fuse(): q, k, v rows of one weight (inference)
 
     def fuse(self) -> None:
-        """For inference: q, k and v as one weight, so a block's projections are one GEMM and a
-        context extension's K/V another (a few-row GEMM costs its launch, not its FLOPs). The
-        Linear weights become views of it: no second copy, the same names and values."""
+        """For inference: q, k and v as one weight, so a block's projections are one GEMM (a
+        few-row GEMM costs its launch, not its FLOPs). The Linear weights become views of it:
+        no second copy, the same names and values."""
         if self.wqkv is not None:
             return
         w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
         nq, nkv = self.q_proj.out_features, self.k_proj.out_features
-        self.wqkv, self.wkv = w, w[nq:]
+        self.wqkv = w
         for proj, rows in ((self.q_proj, w[:nq]), (self.k_proj, w[nq : nq + nkv]), (self.v_proj, w[nq + nkv :])):
             proj.weight = nn.Parameter(rows, requires_grad=False)
 
     def kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """K/V ``[1, n_kv, S, hd]`` of rows ``h`` [1, S, hidden] at the positions of ``cos``/``sin`` [S, hd]."""
-        if self.wqkv is None:
-            return self._kv(self.k_proj(h), self.v_proj(h), cos, sin)
-        return self._kv(*F.linear(h, self.wkv).chunk(2, dim=-1), cos, sin)
+        B, S, _ = h.shape
+        k = qwen3_rms_norm(self.k_proj(h).view(B, S, self.n_kv, self.head_dim), self.k_norm.weight, self.eps)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = self.v_proj(h).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
+        return k, v
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Queries ``[B, n_heads, L, hd]`` of rows ``x`` [B, L, hidden] at the positions of ``cos``/``sin``."""
+        B, L, _ = x.shape
+        q = qwen3_rms_norm(self.q_proj(x).view(B, L, self.n_heads, self.head_dim), self.q_norm.weight, self.eps)
+        return apply_rope(q.transpose(1, 2), cos, sin)
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``query`` and ``kv`` of the same rows (one GEMM once fused)."""
+        """``query`` and ``kv`` of the same rows; once fused, one GEMM and one RoPE for q and k."""
         if self.wqkv is None:
             return self.query(h, cos, sin), *self.kv(h, cos, sin)
         B, L, _ = h.shape
         q, k, v = F.linear(h, self.wqkv).split([self.q_proj.out_features] + [self.k_proj.out_features] * 2, dim=-1)
         q = qwen3_rms_norm(q.view(B, L, self.n_heads, self.head_dim), self.q_norm.weight, self.eps)
         k = qwen3_rms_norm(k.view(B, L, self.n_kv, self.head_dim), self.k_norm.weight, self.eps)
-        # q and k rotate as one tensor: one set of RoPE's elementwise kernels instead of two
         q, k = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin).split([self.n_heads, self.n_kv], dim=1)
         return q, k, v.view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
-
-    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Queries ``[B, n_heads, L, hd]`` of rows ``x`` [B, L, hidden] at the positions of ``cos``/``sin``."""
-        return self._query(self.q_proj(x), cos, sin)
-
-    def _query(self, q: torch.Tensor, cos, sin) -> torch.Tensor:
-        B, L, _ = q.shape
-        q = qwen3_rms_norm(q.view(B, L, self.n_heads, self.head_dim), self.q_norm.weight, self.eps)
-        return apply_rope(q.transpose(1, 2), cos, sin)
-
-    def _kv(self, k: torch.Tensor, v: torch.Tensor, cos, sin):
-        B, S, _ = k.shape
-        k = qwen3_rms_norm(k.view(B, S, self.n_kv, self.head_dim), self.k_norm.weight, self.eps)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        return k, v.view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -293,7 +285,7 @@ class DFlashDraftModel(nn.Module):
         if self.w_context_kv is None:
             # Every layer projects the SAME context rows: one GEMM, norm and RoPE for all of them.
             # A copy of the layers' K/V rows (a few % of the drafter), since they sit in wqkv too.
-            self.w_context_kv = torch.cat([layer.self_attn.wkv for layer in self.layers])
+            self.w_context_kv = torch.cat([l.self_attn.wqkv[l.self_attn.q_proj.out_features :] for l in self.layers])
             self.context_k_norm = torch.stack([layer.self_attn.k_norm.weight.detach() for layer in self.layers])
         return self
 
@@ -318,8 +310,7 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             layer.project = compiled(layer.project)
             layer.finish = compiled(layer.finish)
-            layer.self_attn.kv = compiled(layer.self_attn.kv)
-        self.layers_kv = compiled(self.layers_kv)
+        self.layers_kv = compiled(self.layers_kv)  # every layer's context K/V (fused or one by one)
 
     def make_cache(self, step: int = DEFAULT_STEP) -> ContextKVCache:
         if self.graph_options.static_extent:

@@ -182,7 +182,8 @@ def test_fused_projections_are_views_of_one_weight(tiny):
     assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.w_gate_up.untyped_storage().data_ptr()
     assert held_bytes() == bytes_before
     wqkv, context = attn.wqkv, model.w_context_kv
-    assert context.numel() == sum(l.self_attn.wkv.numel() for l in model.layers)  # the one copy: K/V rows
+    kv_rows = sum(l.self_attn.k_proj.weight.numel() + l.self_attn.v_proj.weight.numel() for l in model.layers)
+    assert context.numel() == kv_rows  # the one copy: the layers' K/V rows
     model.fuse_projections()
     assert attn.wqkv is wqkv and model.w_context_kv is context
 
