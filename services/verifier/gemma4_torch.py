@@ -259,6 +259,7 @@ class MoE(nn.Module):
         self.register_buffer("gate_up", torch.empty(E, 2 * mi, h), persistent=False)  # gate rows, then up rows
         self.register_buffer("down", torch.empty(E, h, mi), persistent=False)
         self.grouped_mm: bool | None = None  # torch._grouped_mm for this device/dtype: decided on first use
+        self.expert_ids: torch.Tensor | None = None  # 0..E-1 on the device: made once, not per call in the graph
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = gemma4_rms_norm(x, None, self.eps) * (self.router_scale * self.root).to(x.dtype)
@@ -278,8 +279,9 @@ class MoE(nn.Module):
         if self.grouped_mm:
             # each expert's end offset in the sorted pairs, on the device: no host sync (bincount
             # would sync on CUDA), one kernel (not zeros + scatter_add_ + cumsum)
-            experts = torch.arange(self.E, dtype=e.dtype, device=e.device)
-            offs = torch.searchsorted(e, experts, right=True, out_int32=True)
+            if self.expert_ids is None or self.expert_ids.device != e.device:
+                self.expert_ids = torch.arange(self.E, dtype=e.dtype, device=e.device)
+            offs = torch.searchsorted(e, self.expert_ids, right=True, out_int32=True)
             gu = torch._grouped_mm(xs, self.gate_up.transpose(-2, -1), offs=offs)
             gate, up = gu.split(self.mi, dim=-1)
             y = torch._grouped_mm(self.act(gate) * up, self.down.transpose(-2, -1), offs=offs)
