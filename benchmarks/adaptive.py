@@ -28,8 +28,8 @@ FIXED = (2, 4, 8, 16)
 
 
 def run_backend(backend: str, prompts: list[list[int]], max_tokens: int, rounds: int, device: str = "cpu") -> dict:
-    from services.contract import Request
-    from services.orchestrator.assembly import build_local_engine, set_torch_threads
+    from kakeya.core.contract import Request
+    from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
 
     if backend == "torch" and device == "cpu":
         set_torch_threads(1, "cpu", embedded=True)
@@ -74,7 +74,7 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "adaptive.json"))
     args = p.parse_args()
 
-    from services.checkpoints.tiny import embedded_pair
+    from kakeya.checkpoints.tiny import embedded_pair
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from suite import held_out_prompts  # the suite's held-out code prompts (stdlib files the pair never saw)

@@ -30,26 +30,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from services.contract import CachePolicy  # noqa: E402
-from services.drafter.batch import draft_batch  # noqa: E402
-from services.verifier.batch import verify_batch  # noqa: E402
-from services.verifier.session import VerifierSession  # noqa: E402
+from kakeya.core.contract import CachePolicy  # noqa: E402
+from kakeya.drafter.batch import draft_batch  # noqa: E402
+from kakeya.verifier.batch import verify_batch  # noqa: E402
+from kakeya.verifier.session import VerifierSession  # noqa: E402
 
 
 def build(shape: str, device: str, dtype: str):
     if shape == "demo":
-        from services.drafter.session import TorchDrafter
-        from services.orchestrator.assembly import embedded_paths
-        from services.verifier.model_torch import TargetTorch
+        from kakeya.drafter.session import TorchDrafter
+        from kakeya.orchestrator.assembly import embedded_paths
+        from kakeya.verifier.torch_backend.target import TargetTorch
 
         target_dir, draft_dir = embedded_paths()
         target = TargetTorch.load(target_dir, device, dtype)
         return target, TorchDrafter.colocated(draft_dir, target)
     from gpu_projection import DRAFT_26B, DRAFT_SMALL, GEMMA4_26B_A4B, SMALL, draft_config, random_drafter
 
-    from services.torch_ops import resolve_device, resolve_dtype
-    from services.verifier.gemma4_torch import Gemma4Args
-    from services.verifier.model_torch import TargetTorch
+    from kakeya.backends.torch.ops import resolve_device, resolve_dtype
+    from kakeya.verifier.torch_backend.gemma4 import Gemma4Args
+    from kakeya.verifier.torch_backend.target import TargetTorch
 
     t, d = (GEMMA4_26B_A4B, DRAFT_26B) if shape == "26b" else (SMALL, DRAFT_SMALL)
     target = TargetTorch.random(Gemma4Args(**t), resolve_device(device), resolve_dtype(dtype), seed=0)

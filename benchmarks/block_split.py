@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.orchestrator.assembly import build_local_engine  # noqa: E402
-from services.orchestrator.engine import Request  # noqa: E402
+from kakeya.orchestrator.assembly import build_local_engine  # noqa: E402
+from kakeya.orchestrator.engine import Request  # noqa: E402
 
 
 def measure(engine, prompt_ids, max_tokens, block_size, repeats):

@@ -38,9 +38,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import grpc  # noqa: E402
-
 from load import TINY_PROMPTS, percentile, serve_all, stop_serve_all, stream  # noqa: E402  (benchmarks/load.py)
-from services.wire.kakeya.v1 import generate_pb2_grpc  # noqa: E402
+
+from kakeya.wire.kakeya.v1 import generate_pb2_grpc  # noqa: E402
 
 
 def run_streams(stub, n: int, requests: int, max_tokens: int, block_size: int, refs: list[list[int]]) -> dict:

@@ -23,6 +23,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,11 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "cpu_fastpath.json"
 
 
-def worker(reps: int, ctx: int) -> dict:
+def worker(reps: int, ctx: int, package: str) -> dict:
+    import importlib
+
     import torch
 
     torch.set_num_threads(1)
-    from services.orchestrator.assembly import embedded_paths, local_drafter, local_verifier
+    assembly = importlib.import_module(f"{package}.orchestrator.assembly")
+    embedded_paths, local_drafter, local_verifier = assembly.embedded_paths, assembly.local_drafter, assembly.local_verifier
 
     target, draft = embedded_paths()
     drafter = local_drafter(draft, target, "torch", device="cpu", dtype="float32")
@@ -69,8 +73,17 @@ def worker(reps: int, ctx: int) -> dict:
 
 
 def run_tree(tree: Path, reps: int, ctx: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--reps", str(reps), "--ctx", str(ctx)]
+    """One worker on ``tree``'s code: trees from before the move to the ``kakeya`` import name import as
+    ``services`` from the tree itself; later ones as ``kakeya`` through a link to their ``services/``."""
+    if (tree / "services" / "contract.py").is_file():
+        package, path = "services", str(tree)
+    else:
+        shim = Path(tempfile.mkdtemp(prefix="kakeya-tree-"))
+        (shim / "kakeya").symlink_to(tree / "services")
+        package, path = "kakeya", str(shim)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--reps", str(reps), "--ctx", str(ctx),
+           "--package", package]
     res = subprocess.run(cmd, env=env, cwd=str(tree), capture_output=True, text=True, timeout=600)
     if res.returncode:
         raise RuntimeError(f"worker in {tree} failed:\n{res.stderr[-2000:]}")
@@ -84,10 +97,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--ctx", type=int, default=100)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--package", default="kakeya", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.reps, args.ctx)))
+        print(json.dumps(worker(args.reps, args.ctx, args.package)))
         return 0
     trees = {"after": ROOT} | ({"before": args.before.resolve()} if args.before else {})
     rounds: dict[str, list[dict]] = {k: [] for k in trees}

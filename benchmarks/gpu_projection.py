@@ -1,6 +1,6 @@
 """Projected DFlash speed-up on a GPU for a gemma-4-26B-A4B-shaped target (torch backend).
 
-Builds the torch verifier (``services.verifier.model_torch.TargetTorch``) with
+Builds the torch verifier (``kakeya.verifier.torch_backend.target.TargetTorch``) with
 RANDOM bf16 weights in the published gemma-4-26B-A4B shape, and a random 5-layer
 DFlash drafter bound to its embedding / LM head, then measures on the real
 session code paths (bounded ring cache, aux captured in the verify forward):
@@ -51,13 +51,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from services.drafter.dflash_torch import DFlashConfig, DFlashDraftModel, TargetHead  # noqa: E402
-from services.drafter.session import TorchDrafter  # noqa: E402
-from services.verifier.cache import CachePolicy  # noqa: E402
-from services.torch_ops import resolve_device, resolve_dtype  # noqa: E402
-from services.verifier.gemma4_torch import Gemma4Args  # noqa: E402
-from services.verifier.model_torch import TargetTorch  # noqa: E402
-from services.verifier.session import VerifierSession  # noqa: E402
+from kakeya.backends.torch.ops import resolve_device, resolve_dtype  # noqa: E402
+from kakeya.drafter.session import TorchDrafter  # noqa: E402
+from kakeya.drafter.torch_backend.model import DFlashConfig, DFlashDraftModel, TargetHead  # noqa: E402
+from kakeya.verifier.layout import CachePolicy  # noqa: E402
+from kakeya.verifier.session import VerifierSession  # noqa: E402
+from kakeya.verifier.torch_backend.gemma4 import Gemma4Args  # noqa: E402
+from kakeya.verifier.torch_backend.target import TargetTorch  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_projection.json"
 SMALL_OUT = ROOT / "benchmarks" / "results" / "gpu_projection_small.json"  # never clobbers the GPU result
@@ -316,7 +316,7 @@ def top_ops(fn, device: torch.device, calls: int = 3, top: int = 15) -> list[dic
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from services.torch_graphs import GraphedStep
+    from kakeya.backends.torch.graphs import GraphedStep
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     replay = GraphedStep.__call__
@@ -386,7 +386,7 @@ def roofline(target: TargetTorch, t_verify_ms: dict, bandwidth: float | None) ->
 
 def agreement(target: TargetTorch, drafter: TorchDrafter, n: int, block_size: int, seed: int = 2) -> dict:
     """Speculative vs the engine's own AR in the model's dtype: fraction identical, first divergence."""
-    from services.orchestrator.loop import run
+    from kakeya.orchestrator.loop import run
 
     rng = np.random.default_rng(seed)
     prompt = [2] + [int(t) for t in rng.integers(5, target.args.vocab_size, 31)]
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     graphs = None if args.cuda_graphs == "auto" else args.cuda_graphs == "on"
     if args.demo:  # the embedded trained pair: where a tiny model's step is all overhead
-        from services.orchestrator.assembly import embedded_paths
+        from kakeya.orchestrator.assembly import embedded_paths
 
         target_dir, draft_dir = embedded_paths()
         target = TargetTorch.load(target_dir, device, dtype, cuda_graphs=graphs)

@@ -25,6 +25,12 @@ LOGS=${LOGS:-$OUT}  # each step's full log (LOGS=/tmp/x keeps OUT to the results
 mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+# A GPU node runs the checkout as it is (nothing installed): the source folder imports as `kakeya`
+# (pyproject.toml's package-dir) through a link on PYTHONPATH.
+if ! $PY -c "import kakeya" 2>/dev/null; then
+  SHIM=$(mktemp -d); ln -s "$PWD/services" "$SHIM/kakeya"
+  export PYTHONPATH="$SHIM:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 REPS=${REPS:-20}; [ -n "$QUICK" ] && REPS=5
 
 step() {  # step NAME SECONDS CMD... : run, log to LOGS/NAME.log, never abort the session
@@ -73,7 +79,7 @@ if part generate; then
   : >"$OUT/generate.jsonl"
   for dtype in float32 bfloat16; do
     for block in 8 0; do
-      step "generate_${dtype}_b${block}" 180 $PY -m services.orchestrator.cli generate --backend torch --device cuda \
+      step "generate_${dtype}_b${block}" 180 $PY -m kakeya.app.main generate --backend torch --device cuda \
         --dtype $dtype --block-size $block --max-tokens 256 --ignore-eos --compare-ar --json
       tail -n 1 "$LOGS/generate_${dtype}_b${block}.log" >>"$OUT/generate.jsonl"
     done

@@ -30,8 +30,8 @@ def main() -> int:
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
 
-    from services.contract import Request
-    from services.orchestrator.assembly import build_local_engine
+    from kakeya.core.contract import Request
+    from kakeya.orchestrator.assembly import build_local_engine
 
     engine = build_local_engine(None, None, "torch", args.device, args.dtype)
     prompt = engine.codec.encode("def load(path):\n    ") if hasattr(engine, "codec") else [2, 500, 441]

@@ -35,11 +35,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_projection import DRAFT_26B, SMALL, _layer_types, draft_config, random_drafter  # noqa: E402
-from services.torch_graphs import BUCKETS, GraphedStep, GraphOptions  # noqa: E402
-from services.verifier.cache import CachePolicy  # noqa: E402
-from services.verifier.gemma4_torch import Gemma4Args  # noqa: E402
-from services.verifier.model_torch import TargetTorch  # noqa: E402
-from services.verifier.session import VerifierSession  # noqa: E402
+from kakeya.backends.torch.graphs import BUCKETS, GraphedStep, GraphOptions  # noqa: E402
+from kakeya.verifier.layout import CachePolicy  # noqa: E402
+from kakeya.verifier.session import VerifierSession  # noqa: E402
+from kakeya.verifier.torch_backend.gemma4 import Gemma4Args  # noqa: E402
+from kakeya.verifier.torch_backend.target import TargetTorch  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "launches.json"
 OUT_DEMO = OUT.with_name("launches_demo.json")
@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or (OUT_DEMO if args.demo else OUT)
     torch.manual_seed(0)
     if args.demo:  # the trained pair in its lossless dtype: its GPU steps are all launches
-        from services.drafter.session import TorchDrafter
-        from services.orchestrator.assembly import embedded_paths
+        from kakeya.drafter.session import TorchDrafter
+        from kakeya.orchestrator.assembly import embedded_paths
 
         args.dtype = args.dtype or "float32"
         target_dir, draft_dir = embedded_paths()

@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from services.wire.kakeya.v1 import generate_pb2 as pb, generate_pb2_grpc  # noqa: E402
+from kakeya.wire.kakeya.v1 import generate_pb2 as pb  # noqa: E402
+from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 
 # The tiny pair's drafter learnt counting-like id runs, not text: token-id prompts show it speculating.
 TINY_PROMPTS = [[2] + list(range(40 + 3 * k, 52 + 3 * k)) for k in range(8)]
@@ -97,7 +98,7 @@ def stream(stub, prompt: str | list[int], max_tokens: int, block_size: int, time
 def serve_all(tmp: Path, extra: list[str], timeout: float, name: str = "all") -> tuple[subprocess.Popen, dict]:
     """Start `kakeya serve all --port 0 EXTRA...` and wait for its ready file: (process, ready info)."""
     ready, log_path = tmp / f"{name}.json", tmp / f"serve-{name}.log"
-    cmd = [sys.executable, "-m", "services.orchestrator.cli", "serve", "all", "--port", "0", "--grace", "5",
+    cmd = [sys.executable, "-m", "kakeya.app.main", "serve", "all", "--port", "0", "--grace", "5",
            "--ready-file", str(ready), *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout

@@ -24,9 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.contract import Request, SamplingParams  # noqa: E402
-from services.orchestrator.assembly import build_local_engine, set_torch_threads  # noqa: E402
-from services.orchestrator.cli_args import DEFAULT_PROMPT  # noqa: E402
+from kakeya.app.options import DEFAULT_PROMPT  # noqa: E402
+from kakeya.core.contract import Request, SamplingParams  # noqa: E402
+from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads  # noqa: E402
 
 
 def measure(engine, prompt_ids, max_tokens, block_size, sampling, repeats) -> dict:

@@ -35,16 +35,16 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from services.orchestrator.assembly import build_local_engine  # noqa: E402
-from services.orchestrator.engine import Request  # noqa: E402
+from kakeya.orchestrator.assembly import build_local_engine  # noqa: E402
+from kakeya.orchestrator.engine import Request  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
 
 def held_out_prompts(n: int, length: int) -> list[list[int]]:
-    from services.checkpoints import tokenizer as tk
-    from services.training import data
-    from services.training.drafter_eval import heldout_prompts
+    from kakeya.checkpoints import tokenizer as tk
+    from kakeya.training import data
+    from kakeya.training.drafter_eval import heldout_prompts
 
     tok = tk.train_tokenizer()
     corpus = data.load_corpus(tok, heldout_pct=5, max_bytes=1)  # held-out files only matter here
@@ -119,7 +119,7 @@ def split_over_loopback(verifier, drafter):
 def mlx_lm_ar(target_dir, prompts, max_tokens, repeats):
     from mlx_lm import load
 
-    from services.verifier.reference_mlx import greedy_reference
+    from kakeya.verifier.mlx_backend.reference import greedy_reference
 
     model, _ = load(str(target_dir))
     tok_s, outs = [], []
@@ -305,7 +305,7 @@ def split_rows(target_dir, draft_dir, prompts, args, ref) -> dict:
     import tempfile
 
     from benchmarks.wire import start, stop
-    from services.orchestrator.remote import GrpcDrafter, GrpcVerifier
+    from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier
 
     pair = ["--target", str(target_dir), "--draft", str(draft_dir)]
     rows, procs = {}, []

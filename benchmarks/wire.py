@@ -40,9 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.orchestrator import loop  # noqa: E402
-from services.orchestrator.remote import GrpcDrafter, GrpcVerifier  # noqa: E402
-from services.wire import codec  # noqa: E402
+from kakeya.orchestrator import loop  # noqa: E402
+from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier  # noqa: E402
+from kakeya.wire import codec  # noqa: E402
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -58,7 +58,7 @@ def start(role: str, argv: list[str], tmp: Path) -> tuple[subprocess.Popen, str]
     ready = tmp / f"{role}.json"
     log = open(tmp / f"{role}.log", "wb")
     p = subprocess.Popen(
-        [sys.executable, "-m", "services.orchestrator.cli", "serve", role, *argv, "--port", "0", "--ready-file", str(ready)],
+        [sys.executable, "-m", "kakeya.app.main", "serve", role, *argv, "--port", "0", "--ready-file", str(ready)],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 300
@@ -158,7 +158,7 @@ def per_block(log):
 
 
 def measure_block_size(local, verifier, drafter, prompt, args, block_size):
-    from services.orchestrator.engine import Request
+    from kakeya.orchestrator.engine import Request
 
     req = Request(prompt, max_tokens=args.max_tokens, block_size=block_size, ignore_eos=True)
     local.generate(req)  # warm-up
@@ -217,8 +217,9 @@ def measure_block_size(local, verifier, drafter, prompt, args, block_size):
 def measure_api(addr, prompt, args, block_size):
     import grpc
 
-    from services.wire.kakeya.v1 import generate_pb2 as pb, generate_pb2_grpc
-    from services.wire.limits import channel_options
+    from kakeya.wire.kakeya.v1 import generate_pb2 as pb
+    from kakeya.wire.kakeya.v1 import generate_pb2_grpc
+    from kakeya.wire.limits import channel_options
 
     stub = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(addr, options=channel_options()))
     req = pb.GenerateRequest(
@@ -267,7 +268,7 @@ def main(argv=None):
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "wire.json"))
     args = ap.parse_args(argv)
 
-    from services.orchestrator.assembly import build_local_engine
+    from kakeya.orchestrator.assembly import build_local_engine
 
     local = build_local_engine(args.target, args.draft)
     pair = ["--target", local.target, "--draft", local.draft]

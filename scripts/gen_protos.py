@@ -5,7 +5,7 @@ The stubs land in ``services/wire/kakeya/v1/`` (``*_pb2.py``, ``*_pb2.pyi``,
 ``*_pb2_grpc.py``) with protoc's absolute ``from kakeya.v1 import ...`` lines
 rewritten as relative imports, so they import as::
 
-    from services.wire.kakeya.v1 import verifier_pb2, verifier_pb2_grpc
+    from kakeya.wire.kakeya.v1 import verifier_pb2, verifier_pb2_grpc
 
 Usage::
 
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
 PROTO_PACKAGE = "kakeya"  # top-level directory under protos/ and under the output
 OUT_PARENT = ROOT / "services" / "wire"  # the stubs live in OUT_PARENT / PROTO_PACKAGE
-OUT_PACKAGE = "services.wire"  # the Python package OUT_PARENT is
+OUT_PACKAGE = "kakeya.wire"  # the Python package OUT_PARENT is
 
 _FROM_IMPORT = re.compile(rf"^(\s*)from ({PROTO_PACKAGE}(?:\.\w+)*) import ", re.MULTILINE)
 

@@ -6,11 +6,11 @@ after the first wrap trims rejected positions from a wrapped ring (BRIEF §5).
 
 import pytest
 
-from services.drafter.session import MLXDrafter
-from services.orchestrator.loop import run
-from services.verifier.cache import CachePolicy
-from services.verifier.reference_mlx import greedy_reference
-from services.verifier.session import VerifierSession
+from kakeya.drafter.session import MLXDrafter
+from kakeya.orchestrator.loop import run
+from kakeya.verifier.layout import CachePolicy
+from kakeya.verifier.mlx_backend.reference import greedy_reference
+from kakeya.verifier.session import VerifierSession
 
 from .planted import PlantedDrafterSession
 

@@ -11,32 +11,41 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "services"  # installed under the import name ``kakeya`` (pyproject.toml)
 MAX_LINES = 520  # "no module over ~500 lines"
 
+UPPER = ("kakeya.verifier", "kakeya.drafter", "kakeya.orchestrator", "kakeya.training", "kakeya.app")
 # package -> packages it must never import (directly or through a function-level import)
 FORBIDDEN = {
-    "services.contract": ("services.",),
-    "services.wire": ("services.verifier", "services.drafter", "services.orchestrator", "services.training"),
-    "services.checkpoints": ("services.verifier", "services.drafter", "services.orchestrator", "services.training", "services.wire"),
-    "services.verifier": ("services.orchestrator", "services.drafter", "services.training"),
-    "services.drafter": ("services.orchestrator", "services.verifier", "services.training"),
-    "services.serving": ("services.verifier", "services.drafter", "services.orchestrator", "services.training"),
+    "kakeya.core": ("kakeya.",),
+    "kakeya.backends": ("kakeya.runtime", "kakeya.wire", "kakeya.checkpoints") + UPPER,
+    "kakeya.wire": ("kakeya.runtime", "kakeya.checkpoints", "kakeya.backends") + UPPER,
+    "kakeya.checkpoints": ("kakeya.runtime", "kakeya.wire", "kakeya.backends") + UPPER,
+    "kakeya.runtime": ("kakeya.backends",) + UPPER,
+    "kakeya.verifier": ("kakeya.orchestrator", "kakeya.drafter", "kakeya.training", "kakeya.app"),
+    "kakeya.drafter": ("kakeya.orchestrator", "kakeya.verifier", "kakeya.training", "kakeya.app"),
+    "kakeya.orchestrator": ("kakeya.training", "kakeya.app"),
+    "kakeya.training": ("kakeya.app",),
 }
+
+
+def _name(path: Path) -> str:
+    parts = path.relative_to(SOURCE).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join(("kakeya",) + parts)
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for path in sorted((ROOT / "services").rglob("*.py")):
+    for path in sorted(SOURCE.rglob("*.py")):
         if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
             continue
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out[name] = path
+        out[_name(path)] = path
     return out
 
 
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """Modules of ``services`` that ``name`` imports, resolved to the most specific known module."""
+    """Modules of ``kakeya`` that ``name`` imports, resolved to the most specific known module."""
     is_pkg = path.name == "__init__.py"
 
     def resolve(t: str) -> str:
@@ -56,7 +65,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
                 base = ".".join(pkg + ([base] if base else []))
             # ``from pkg import mod`` imports the module; ``from mod import name`` the module itself
             found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else resolve(base) for a in node.names}
-    found -= {"", "services", name}
+    found -= {"", "kakeya", name}
     return found
 
 
@@ -115,10 +124,18 @@ def test_lower_layers_never_reach_up():
 
 
 def test_the_contract_is_imported_by_every_service_package():
-    users = {m.split(".")[1] for m, deps in _graph().items() if "services.contract" in deps}
+    users = {m.split(".")[1] for m, deps in _graph().items() if "kakeya.core.contract" in deps}
     assert {"orchestrator", "verifier", "drafter", "wire"} <= users
 
 
 def test_no_module_is_too_long_to_read():
     long = {n: len(p.read_text().splitlines()) for n, p in _modules().items()}
     assert {n: k for n, k in long.items() if k > MAX_LINES} == {}
+
+
+def test_every_source_folder_is_a_package_in_pyproject():
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {_name(d / "__init__.py") for d in [SOURCE, *SOURCE.rglob("*")] if d.is_dir() and "__pycache__" not in d.parts}
+    assert listed == folders

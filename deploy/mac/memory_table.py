@@ -1,11 +1,11 @@
 """The memory tables of docs/deploy.md, from `kakeya memory`'s own code (a test keeps them equal).
 
-    PYTHONPATH=. python deploy/mac/memory_table.py
+    .venv/bin/python deploy/mac/memory_table.py
 """
 
 from __future__ import annotations
 
-from services.verifier.memory import PRESETS, KVShape, policy_table
+from kakeya.verifier.memory import PRESETS, KVShape, policy_table
 
 MODELS = ("gemma-4-26b-a4b", "gemma-4-31b")
 CONTEXTS = (8192, 32768, 131072)

@@ -5,8 +5,8 @@ Draft requests of several streams queue up together: each item is checked
 exactly as ``DrafterSession.draft`` checks it (a bad item gets its own
 exception as its result; the others still run), then all sessions' new aux
 rows are projected in ONE context extension and all blocks of size >= 2 run
-through ONE forward and one LM head call (``model.batched``: ``batch_mlx.py``
-or ``batch_torch.py``). Sessions may differ in context length, block size,
+through ONE forward and one LM head call (``model.batched``: ``drafter/mlx_backend/batch.py``
+or ``drafter/torch_backend/batch.py``). Sessions may differ in context length, block size,
 last token and sampling: a greedy session gets its argmax tokens, a sampling
 one its ``Draft`` drawn from its own logits rows with its own seeded stream,
 as it would alone. A batch of one is the plain ``DrafterSession.draft`` path.
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .sampling import sampled_draft
-from .session import DrafterSession
+from kakeya.drafter.sampling import sampled_draft
+from kakeya.drafter.session import DrafterSession
 
 
 def draft_batch(items: Sequence[tuple[DrafterSession, Any, int, int]]) -> list[Any]:

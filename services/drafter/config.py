@@ -1,6 +1,6 @@
 """The DFlash drafter's config, read from a checkpoint's ``config.json`` (backend-neutral).
 
-Shared by ``dflash_mlx.py`` and ``dflash_torch.py`` so both backends accept and
+Shared by ``drafter/mlx_backend/model.py`` and ``drafter/torch_backend/model.py`` so both backends accept and
 refuse exactly the same checkpoints.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from services.contract import MAX_BLOCK_SIZE
+from kakeya.core.contract import MAX_BLOCK_SIZE
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"

@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from .config import MAX_BLOCK_SIZE, SLIDING, DFlashConfig
+from kakeya.drafter.config import MAX_BLOCK_SIZE, SLIDING, DFlashConfig
 
 DEFAULT_STEP = 256  # first capacity of a full layer; spare rows of a sliding layer
 

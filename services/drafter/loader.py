@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.contract import Drafter
+from kakeya.core.contract import Drafter
 
 
 def local_drafter(draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx", **kwargs) -> Drafter:
     """The in-process drafter for ``backend`` (``device=``/``dtype=`` for torch)."""
     if backend == "mlx":
-        from .session import MLXDrafter
+        from kakeya.drafter.session import MLXDrafter
 
         return MLXDrafter(draft_dir, target_dir, **kwargs)
     if backend == "torch":
-        from .session import TorchDrafter
+        from kakeya.drafter.session import TorchDrafter
 
         return TorchDrafter(draft_dir, target_dir, **kwargs)
     raise ValueError(f"unknown drafter backend {backend!r} (expected 'mlx' or 'torch')")

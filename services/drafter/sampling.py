@@ -11,8 +11,8 @@ session's seeded stream, identical for MLX and torch.
 
 from __future__ import annotations
 
-from services import sampling as lossless
-from services.contract import DRAFTER_STREAM, PROPOSAL_TOP_K, Draft, SamplingParams, session_rng
+from kakeya.core import sampling as lossless
+from kakeya.core.contract import DRAFTER_STREAM, PROPOSAL_TOP_K, Draft, SamplingParams, session_rng
 
 
 def session_sampling(sampling: SamplingParams | None):

@@ -21,27 +21,28 @@ from typing import Iterator
 import grpc
 import numpy as np
 
-from services import bounds
-from services.guard import add_servicer
-from services.serving import (
+from kakeya.drafter.batch import draft_batch
+from kakeya.drafter.config import MAX_BLOCK_SIZE
+from kakeya.runtime import bounds
+from kakeya.runtime.compute import DEFAULT_MAX_BATCH
+from kakeya.runtime.guard import add_servicer
+from kakeya.runtime.lifecycle import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_SESSIONS,
     ComputeThread,
     ServerSpec,
-    session_stream,
     SessionRegistry,
     invalid,
     precondition,
+    session_stream,
     version,
     workers_for,
 )
-from services.compute import DEFAULT_MAX_BATCH
-from services.metrics import ServerMetrics
-from services.drafter.batch import draft_batch
-from services.drafter.config import MAX_BLOCK_SIZE
-from services.wire import codec
-from services.wire import contract as wire_contract
-from services.wire.kakeya.v1 import drafter_pb2 as pb, drafter_pb2_grpc
+from kakeya.runtime.metrics import ServerMetrics
+from kakeya.wire import codec
+from kakeya.wire import convert as wire_contract
+from kakeya.wire.kakeya.v1 import drafter_pb2 as pb
+from kakeya.wire.kakeya.v1 import drafter_pb2_grpc
 
 log = logging.getLogger("kakeya.drafter")
 
@@ -81,7 +82,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     def load(self, draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx", **kwargs) -> str:
         """Load the drafter (``loader.local_drafter``) on the compute thread and warm it up."""
-        from .loader import local_drafter
+        from kakeya.drafter.loader import local_drafter
 
         def make():
             return local_drafter(str(draft_dir), str(target_dir), backend, **kwargs)

@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from services.contract import Draft, SamplingParams
-
-from .config import check_draft_args
-from .sampling import sampled_draft, session_sampling
+from kakeya.core.contract import Draft, SamplingParams
+from kakeya.drafter.config import check_draft_args
+from kakeya.drafter.sampling import sampled_draft, session_sampling
 
 WARM_BLOCK_SIZES = range(2, 17)  # every block size the loop drafts (it stops at 16)
 
@@ -123,7 +122,7 @@ class MLXDrafter(LocalDrafter):
     target's embedding / LM head; ``MLXDrafter(model)`` wraps an already bound model."""
 
     def __init__(self, draft, target_dir: str | Path | None = None, dtype=None):
-        from .dflash_mlx import DFlashDraftModel, load_dflash_mlx
+        from kakeya.drafter.mlx_backend.model import DFlashDraftModel, load_dflash_mlx
 
         if isinstance(draft, DFlashDraftModel):
             if target_dir is not None or dtype is not None:
@@ -145,15 +144,15 @@ class TorchDrafter(LocalDrafter):
 
     def __init__(self, draft_dir=None, target_dir=None, device="cpu", dtype="float32", *, model=None,
                  cuda_graphs: bool | None = None, graph_options=None, compile: bool = False):
-        """``cuda_graphs``: capture greedy draft calls (default: on for CUDA, see step_torch.py);
+        """``cuda_graphs``: capture greedy draft calls (default: on for CUDA, see drafter/torch_backend/step.py);
         ``graph_options`` (a ``torch_graphs.GraphOptions``) overrides it; ``compile``:
         ``torch.compile`` the layers' row-wise halves (``DFlashDraftModel.compile_layers``)."""
-        from services.torch_graphs import GraphOptions
+        from kakeya.backends.torch.graphs import GraphOptions
 
         if model is None:
             if draft_dir is None or target_dir is None:
                 raise ValueError("TorchDrafter needs draft_dir and target_dir (or model=)")
-            from .load_torch import load_dflash_torch
+            from kakeya.drafter.torch_backend.load import load_dflash_torch
 
             model = load_dflash_torch(draft_dir, target_dir, device, dtype)
         model.fuse_projections()
@@ -167,8 +166,8 @@ class TorchDrafter(LocalDrafter):
     @classmethod
     def colocated(cls, draft_dir: str | Path, target, cuda_graphs: bool | None = None, compile: bool = False) -> "TorchDrafter":
         """Share a loaded ``TargetTorch``'s embedding / LM head tensors (no second copy on the device)."""
-        from .dflash_torch import TargetHead
-        from .load_torch import load_draft_model
+        from kakeya.drafter.torch_backend.load import load_draft_model
+        from kakeya.drafter.torch_backend.model import TargetHead
 
         model = load_draft_model(draft_dir, target.device, target.dtype)
         head = TargetHead(target.model.embed, target.model.lm_head)

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from services.contract import MAX_BLOCK_SIZE, Block
+from kakeya.core.contract import MAX_BLOCK_SIZE, Block
 
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the pooled rate)
 COST_EMA = 0.2  # weight of a new timing in a size's running cost

@@ -1,7 +1,7 @@
 """Engine assembly: which verifier and drafter, in-process or remote, on which backend.
 
 The one place that turns "these checkpoints (or the embedded pair), this
-backend" or "these addresses" into an :class:`~services.orchestrator.engine.Engine`.
+backend" or "these addresses" into an :class:`~kakeya.orchestrator.engine.Engine`.
 The CLI, the servers, ``niah``, the trainers and the benchmarks all call it;
 it never calls them. Every backend import is lazy, so a node with only torch
 (or only MLX) assembles engines of that backend without the other installed.
@@ -109,7 +109,7 @@ def set_torch_threads(threads: int | None, device: str | None, embedded: bool) -
 
 def embedded_paths() -> tuple[str, str]:
     """The embedded pair every command uses without paths: the trained demo pair when shipped."""
-    from services.checkpoints.tiny import embedded_pair
+    from kakeya.checkpoints.tiny import embedded_pair
 
     pair = embedded_pair()
     return str(pair.target), str(pair.draft)
@@ -130,7 +130,7 @@ def pair_paths(target: str | None, draft: str | None) -> tuple[str, str]:
 def local_verifier(target_dir, aux_layers, backend: str = "mlx", **kwargs):
     """The in-process verifier for ``backend`` (``policy=``; ``device=``/``dtype=`` for torch)."""
     require_backend(backend)
-    from services.verifier.loader import local_verifier as load
+    from kakeya.verifier.loader import local_verifier as load
 
     return load(target_dir, aux_layers, backend, **kwargs)
 
@@ -138,21 +138,21 @@ def local_verifier(target_dir, aux_layers, backend: str = "mlx", **kwargs):
 def local_drafter(draft_dir, target_dir, backend: str = "mlx", **kwargs):
     """The in-process DFlash drafter for ``backend`` (``device=``/``dtype=`` for torch)."""
     require_backend(backend)
-    from services.drafter.loader import local_drafter as load
+    from kakeya.drafter.loader import local_drafter as load
 
     return load(draft_dir, target_dir, backend, **kwargs)
 
 
 def remote_verifier(addr: str, **kwargs):
     """A verifier served by ``kakeya serve verifier`` at ``addr`` (HOST:PORT), over gRPC."""
-    from .remote import GrpcVerifier
+    from kakeya.orchestrator.remote import GrpcVerifier
 
     return GrpcVerifier(addr, **kwargs)
 
 
 def remote_drafter(addr: str, **kwargs):
     """A drafter served by ``kakeya serve drafter`` at ``addr`` (HOST:PORT), over gRPC."""
-    from .remote import GrpcDrafter
+    from kakeya.orchestrator.remote import GrpcDrafter
 
     return GrpcDrafter(addr, **kwargs)
 
@@ -169,10 +169,9 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
     ``torch_options`` (``cuda_graphs``/``compile``, for the verifier and the drafter). The engine's
     ``backend``/``device`` attributes say what was chosen.
     """
-    from services.checkpoints.config import check_pair, load_draft_config, load_target_config
-
-    from .engine import Engine
-    from .text import TextCodec
+    from kakeya.checkpoints.config import check_pair, load_draft_config, load_target_config
+    from kakeya.orchestrator.engine import Engine
+    from kakeya.orchestrator.text import TextCodec
 
     target, draft = pair_paths(target, draft)
     backend, device = resolve_backend(backend, device)
@@ -200,11 +199,11 @@ def split_engine(
 ):
     """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them.
 
-    ``tls``: a ``services.tls.ClientTLS`` for both; ``backend_timeout_s``: the step deadlines' floor.
+    ``tls``: a ``kakeya.runtime.tls.ClientTLS`` for both; ``backend_timeout_s``: the step deadlines' floor.
     """
-    from .deadlines import DEFAULT_BACKEND_TIMEOUT_S, StepClock
-    from .engine import Engine
-    from .text import TextCodec
+    from kakeya.orchestrator.deadlines import DEFAULT_BACKEND_TIMEOUT_S, StepClock
+    from kakeya.orchestrator.engine import Engine
+    from kakeya.orchestrator.text import TextCodec
 
     floor = backend_timeout_s or DEFAULT_BACKEND_TIMEOUT_S
     verifier = remote_verifier(verifier_addr, wait_s=wait_s, tls=tls, clock=StepClock(floor))

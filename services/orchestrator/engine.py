@@ -10,12 +10,11 @@ from __future__ import annotations
 import threading
 from typing import Iterator
 
-from services.contract import Drafter, Request, Verifier
-
-from . import loop
-from .adaptive import AdaptivePolicy, BlockSizer, measure_costs
-from .quality import quality_report
-from .text import StreamDecoder, TextCodec
+from kakeya.core.contract import Drafter, Request, Verifier
+from kakeya.orchestrator import loop
+from kakeya.orchestrator.adaptive import AdaptivePolicy, BlockSizer, measure_costs
+from kakeya.orchestrator.quality import quality_report
+from kakeya.orchestrator.text import StreamDecoder, TextCodec
 
 
 class Engine:

@@ -1,7 +1,7 @@
 """Speculative decoding (greedy, or lossless sampling): token ids in, token ids out.
 
 Knows no backend and no transport: it is handed a verifier session and a
-drafter session (``services/contract.py``) and only moves ints and opaque aux between
+drafter session (``services/core/contract.py``) and only moves ints and opaque aux between
 them. Per block:
 
 1. the drafter extends its context with the aux of the positions committed
@@ -23,10 +23,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
-from services.contract import MAX_BLOCK_SIZE, Block, DrafterSession, Generation, VerifierSession, check_block_size
+from kakeya.core.contract import MAX_BLOCK_SIZE, Block, DrafterSession, Generation, VerifierSession, check_block_size
 
 if TYPE_CHECKING:
-    from .adaptive import BlockSizer
+    from kakeya.orchestrator.adaptive import BlockSizer
 
 __all__ = ["MAX_BLOCK_SIZE", "Block", "Generation", "check_block_size", "speculative_decode", "run", "drive"]
 
@@ -52,7 +52,7 @@ def speculative_decode(
 ) -> Iterator[Block]:
     """Yield each committed block; the generator's return value is the :class:`Generation`.
 
-    ``block_size`` is a fixed size or a :class:`~services.orchestrator.adaptive.BlockSizer`
+    ``block_size`` is a fixed size or a :class:`~kakeya.orchestrator.adaptive.BlockSizer`
     that picks each block's size from what it has seen (``choose``/``observe``).
     ``drafter`` may be None (or ``block_size`` 1): the verifier then decodes
     autoregressively, with identical output. If ``on_drafter_error`` is given,
@@ -108,7 +108,7 @@ def speculative_decode(
                 gen.drafter_fallback, use_drafter, B = True, False, 1
         t_drafted = clock()
         # Sampling: the draft carries the proposal its candidates were drawn from, and the
-        # verifier's choices follow the same accept-the-leading-run rule (services/sampling.py).
+        # verifier's choices follow the same accept-the-leading-run rule (services/core/sampling.py).
         proposal = getattr(candidates, "proposal", None)
         block_ids = [last] + list(candidates)
         choices = verifier.verify(block_ids, proposal) if proposal is not None else verifier.verify(block_ids)

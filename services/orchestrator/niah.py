@@ -94,7 +94,7 @@ def build_prompt(codec, lines: list[str], context: int, depth: float, code: str)
 
 
 def parse_policy(name: str, sink: int, window: int, restore: str | None):
-    from services.contract import CachePolicy
+    from kakeya.core.contract import CachePolicy
 
     base, *mods = name.split("+")
     if base not in ("native", "sink-window"):
@@ -118,7 +118,7 @@ def parse_policy(name: str, sink: int, window: int, restore: str | None):
 def run_niah(engine, contexts, depths, policies: dict, max_tokens: int = 16, block_size: int = 0,
              seed: int = 0, log=None) -> dict:
     """Recall per policy and per (context, depth). ``policies``: name -> CachePolicy."""
-    from .engine import Request
+    from kakeya.orchestrator.engine import Request
 
     codec = engine.codec
     lines = haystack_lines(max(contexts) * 8)
@@ -167,7 +167,7 @@ def run_niah(engine, contexts, depths, policies: dict, max_tokens: int = 16, blo
 
 
 def cmd_niah(args) -> int:
-    from .assembly import build_local_engine
+    from kakeya.orchestrator.assembly import build_local_engine
 
     if not args.contexts or min(args.contexts) < 16:
         raise ValueError("--contexts: give context lengths of at least 16 tokens")

@@ -1,4 +1,4 @@
-"""The Verifier / Drafter protocols (``services/contract.py``) over gRPC.
+"""The Verifier / Drafter protocols (``services/core/contract.py``) over gRPC.
 
 One bidirectional ``Session`` stream per session: opening a session starts the
 stream, ``close`` ends it politely (``Close`` -> ``Closed``), ``abort`` cancels
@@ -29,19 +29,15 @@ from typing import Any, Sequence
 
 import grpc
 
-from services.contract import CachePolicy, Draft, Proposal, SamplingParams
-from services.wire import codec
-from services.wire import contract as wire_contract
-from services.wire.kakeya.v1 import cache_pb2
-from services.wire.kakeya.v1 import drafter_pb2 as dpb
-from services.wire.kakeya.v1 import drafter_pb2_grpc
-from services.wire.kakeya.v1 import verifier_pb2 as vpb
-from services.wire.kakeya.v1 import verifier_pb2_grpc
-from services.wire.kakeya.v1.tensor_pb2 import Tensor
-from services.wire.limits import channel_options
-
-from .deadlines import WATCHDOG, StepClock
-
+from kakeya.core.contract import CachePolicy, Draft, Proposal, SamplingParams
+from kakeya.orchestrator.deadlines import WATCHDOG, StepClock
+from kakeya.wire import codec
+from kakeya.wire import convert as wire_contract
+from kakeya.wire.kakeya.v1 import cache_pb2, drafter_pb2_grpc, verifier_pb2_grpc
+from kakeya.wire.kakeya.v1 import drafter_pb2 as dpb
+from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb
+from kakeya.wire.kakeya.v1.tensor_pb2 import Tensor
+from kakeya.wire.limits import channel_options
 
 log = logging.getLogger("kakeya.remote")
 
@@ -63,8 +59,8 @@ BALANCE_OPTIONS = [
 
 
 def backend_channel(addr: str, tls=None) -> grpc.Channel:
-    """A channel to a verifier or drafter; ``tls``: a ``services.tls.ClientTLS`` (None: plaintext)."""
-    from services.tls import channel
+    """A channel to a verifier or drafter; ``tls``: a ``kakeya.runtime.tls.ClientTLS`` (None: plaintext)."""
+    from kakeya.runtime.tls import channel
 
     return channel(addr, tls, channel_options() + RECONNECT_OPTIONS + BALANCE_OPTIONS)
 

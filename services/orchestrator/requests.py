@@ -2,7 +2,7 @@
 
 Every size a client sends is checked against this server's :class:`Limits`
 before anything is tokenized past a coarse bound or allocated anywhere (see
-``services/bounds.py``).
+``services/runtime/bounds.py``).
 """
 
 from __future__ import annotations
@@ -11,14 +11,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from services import bounds
-from services.contract import GREEDY, MAX_BLOCK_SIZE, CachePolicy, SamplingParams
-from services.wire import contract as wire_contract
-from services.serving import check_policy, check_token_ids, invalid, policy_from_request
-from services.wire.kakeya.v1 import generate_pb2 as pb
-
-from .engine import Engine
-from .remote import GrpcVerifier
+from kakeya.core.contract import GREEDY, MAX_BLOCK_SIZE, CachePolicy, SamplingParams
+from kakeya.orchestrator.engine import Engine
+from kakeya.orchestrator.remote import GrpcVerifier
+from kakeya.runtime import bounds
+from kakeya.runtime.lifecycle import check_policy, check_token_ids, invalid, policy_from_request
+from kakeya.wire import convert as wire_contract
+from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The public Generation API (``protos/kakeya/v1/generate.proto``).
 
-Holds an :class:`~services.orchestrator.engine.Engine` whose verifier and
+Holds an :class:`~kakeya.orchestrator.engine.Engine` whose verifier and
 drafter are either in-process (colocated) or gRPC clients (split,
 ``remote.py``); the request path is the same: validate, open one verifier and
 one drafter session, run ``loop.speculative_decode`` and stream each committed
@@ -25,27 +25,20 @@ from typing import Callable, Iterator
 
 import grpc
 
-from services import bounds, logs
-from services.guard import add_servicer
-from services.metrics import NO_OBSERVER, ServerMetrics
-from services.serving import (
-    DEFAULT_MAX_SESSIONS,
-    ComputeThread,
-    RequestError,
-    ServerSpec,
-    version,
-    workers_for,
-)
-from services.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
-from services.wire import contract as wire_contract
-from services.wire.kakeya.v1 import cache_pb2, generate_pb2 as pb, generate_pb2_grpc
-
-from . import loop
-from .engine import Engine
-from .quality import quality_report
-from .requests import Limits, Params, parse_request
-from .remote import BackendError, GrpcDrafter, GrpcVerifier
-from .text import PlainText, StopStrings
+from kakeya.orchestrator import loop
+from kakeya.orchestrator.engine import Engine
+from kakeya.orchestrator.quality import quality_report
+from kakeya.orchestrator.remote import BackendError, GrpcDrafter, GrpcVerifier
+from kakeya.orchestrator.requests import Limits, Params, parse_request
+from kakeya.orchestrator.text import PlainText, StopStrings
+from kakeya.runtime import bounds, logs
+from kakeya.runtime.guard import add_servicer
+from kakeya.runtime.lifecycle import DEFAULT_MAX_SESSIONS, ComputeThread, RequestError, ServerSpec, version, workers_for
+from kakeya.runtime.metrics import NO_OBSERVER, ServerMetrics
+from kakeya.wire import convert as wire_contract
+from kakeya.wire.kakeya.v1 import cache_pb2, generate_pb2_grpc
+from kakeya.wire.kakeya.v1 import generate_pb2 as pb
+from kakeya.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
 
 log = logging.getLogger("kakeya.orchestrator")
 
@@ -183,7 +176,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if isinstance(v, GrpcVerifier):
             mpe, ctx = v.max_position_embeddings, v.max_context
         else:
-            from services.checkpoints.config import load_target_config
+            from kakeya.checkpoints.config import load_target_config
 
             try:
                 mpe = int(load_target_config(self.engine.target).get("max_position_embeddings") or 0)

@@ -15,10 +15,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from services.checkpoints import tiny
-from services.checkpoints import tokenizer as tk
-
-from . import common, data
+from kakeya.checkpoints import tiny
+from kakeya.checkpoints import tokenizer as tk
+from kakeya.training import common, data
 
 
 def log(msg: str) -> None:
@@ -100,8 +99,8 @@ class BlockTrainer:
     def __init__(self, cfg: dict, target_dir: Path, seed: int, device):
         import torch
 
-        from services.drafter import dflash_torch as dt
-        from services.drafter.load_torch import load_target_head
+        from kakeya.drafter.torch_backend import model as dt
+        from kakeya.drafter.torch_backend.load import load_target_head
 
         self.torch, self.dt = torch, dt
         torch.manual_seed(seed)

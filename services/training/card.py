@@ -1,6 +1,6 @@
 """Render the demo pair's model card (README.md) from the two trainers' report.json files.
 
-    python -m services.training.card services/models/demo
+    python -m kakeya.training.card services/models/demo
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def render(root: Path) -> str:
         *([_cmd(stage1, {stage1["args"]["out"]: "OUT/draft-stage1", stage1["args"]["target"]: "OUT/target"})] if stage1 else []),
         _cmd(d, {d["args"]["out"]: "OUT/draft", d["args"]["target"]: "OUT/target",
                  **({d["args"]["init_from"]: "OUT/draft-stage1"} if stage1 else {})}),
-        "python -m services.training.card OUT_DIR   # this card",
+        "python -m kakeya.training.card OUT_DIR   # this card",
         "```",
         "",
         "Same seed and same Python standard library give the same data and initial weights; CPU float",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
-    from . import drafter, target
+    from kakeya.training import drafter, target
 
     target.register(sub)
     drafter.register(sub)
@@ -18,10 +18,10 @@ def register(sub) -> None:
 
 
 def _train_ftheta(args) -> int:
-    from services.orchestrator.assembly import require_backend
+    from kakeya.orchestrator.assembly import require_backend
 
     require_backend("mlx")
-    from .ftheta import cmd_train
+    from kakeya.training.ftheta import cmd_train
 
     return cmd_train(args)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.checkpoints import tokenizer as tk
+from kakeya.checkpoints import tokenizer as tk
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 

@@ -16,10 +16,10 @@
    matter more: a block is accepted left to right). Embedding and LM head are the
    target's, frozen (block embedding = raw lookup x ``input_embedding_scale``).
 4. **Report** -- acceptance length per block size on held-out prompts, measured
-   with the real engine (``services.orchestrator.loop`` + MLX verifier/drafter).
+   with the real engine (``kakeya.orchestrator.loop`` + MLX verifier/drafter).
 
-Training runs on torch (``services.drafter.dflash_torch`` has the reference
-parameter names); the checkpoint loads strictly in ``services.drafter.dflash_mlx``.
+Training runs on torch (``kakeya.drafter.torch_backend.model`` has the reference
+parameter names); the checkpoint loads strictly in ``kakeya.drafter.mlx_backend.model``.
 """
 
 from __future__ import annotations
@@ -32,13 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from services.checkpoints import tiny
-from services.checkpoints import tokenizer as tk
-
-from . import common, data
-from .block_trainer import BlockTrainer, TorchTarget, cached_continuations, log, make_dataset
-from .drafter_eval import evaluate, heldout_prompts, measure_acceptance
-
+from kakeya.checkpoints import tiny
+from kakeya.checkpoints import tokenizer as tk
+from kakeya.training import common, data
+from kakeya.training.block_trainer import BlockTrainer, TorchTarget, cached_continuations, log, make_dataset
+from kakeya.training.drafter_eval import evaluate, heldout_prompts, measure_acceptance
 
 # --------------------------------------------------------------------------- config
 
@@ -228,7 +226,7 @@ def train(args) -> dict:
             "prompt_len": args.prompt_len,
             "max_tokens": args.eval_max_tokens,
             "source": "held-out stdlib files (split by file), evenly spaced windows, <bos> prepended",
-            "engine": f"services.orchestrator.loop, {args.eval_backend} verifier (native cache) + drafter, greedy",
+            "engine": f"kakeya.orchestrator.loop, {args.eval_backend} verifier (native cache) + drafter, greedy",
             "per_block_size": measure_acceptance(target_dir, out, held_prompts, ev_bs, args.eval_max_tokens,
                                                  args.eval_backend),
         }

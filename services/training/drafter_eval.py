@@ -8,11 +8,9 @@ from typing import Sequence
 
 import numpy as np
 
-from services.checkpoints import tokenizer as tk
-
-from . import data
-
-from .block_trainer import BlockTrainer
+from kakeya.checkpoints import tokenizer as tk
+from kakeya.training import data
+from kakeya.training.block_trainer import BlockTrainer
 
 
 def replay(leading: np.ndarray) -> list[int]:
@@ -87,8 +85,8 @@ def heldout_prompts(corpus: data.Corpus, n: int, length: int) -> list[list[int]]
 def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[list[int]], block_sizes: Sequence[int],
                        max_tokens: int, backend: str = "mlx") -> dict:
     """Mean acceptance per block size with the real loop (``backend`` verifier + drafter, native cache)."""
-    from services.orchestrator.assembly import build_local_engine
-    from services.orchestrator.engine import Request
+    from kakeya.orchestrator.assembly import build_local_engine
+    from kakeya.orchestrator.engine import Request
 
     engine = build_local_engine(str(target_dir), str(draft_dir), backend)
     out: dict = {}

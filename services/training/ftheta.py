@@ -1,4 +1,4 @@
-"""``kakeya train-ftheta``: fit f_theta (``services/verifier/ftheta.py``) on text available offline (MLX).
+"""``kakeya train-ftheta``: fit f_theta (``services/verifier/mlx_backend/ftheta.py``) on text available offline (MLX).
 
     kakeya train-ftheta --target DIR --draft DIR --out DIR [--steps N --rank R ...] [--resume]
 
@@ -48,7 +48,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from services.verifier.ftheta import SLIDING, Restorer
+from kakeya.verifier.mlx_backend.ftheta import SLIDING, Restorer
 
 STATE_DIR = "train_state"
 REPORT_FILE = "report.json"
@@ -86,7 +86,7 @@ def stdlib_files() -> list[Path]:
 
 def stdlib_tokens(target_dir, n_tokens: int) -> tuple[np.ndarray, int | None]:
     """About ``n_tokens`` token ids of standard-library source text, and the tokenizer's BOS id."""
-    from services.orchestrator.text import TextCodec
+    from kakeya.orchestrator.text import TextCodec
 
     codec = TextCodec(target_dir)
     chunks, total = [], 0
@@ -346,10 +346,9 @@ def train(target_dir, draft_dir, out_dir, args: TrainArgs, *, resume: bool = Fal
     ``stop_at``: save the training state after that many steps and return
     ``{"stopped_at": step}`` without a report (a time-boxed slice of a run, or a test of --resume).
     """
-    from services.checkpoints.config import check_pair, load_draft_config, load_target_config
-    from services.drafter.dflash_mlx import load_dflash_mlx
-
-    from services.verifier.model_mlx import TargetMLX
+    from kakeya.checkpoints.config import check_pair, load_draft_config, load_target_config
+    from kakeya.drafter.mlx_backend.model import load_dflash_mlx
+    from kakeya.verifier.mlx_backend.target import TargetMLX
 
     log = log or (lambda msg: print(f"train-ftheta: {msg}", file=sys.stderr, flush=True))
     if args.steps < 1:
@@ -472,7 +471,7 @@ def cmd_train(args) -> int:
         raise ValueError("give both --target and --draft, or neither (for the embedded default models)")
     target, draft = args.target, args.draft
     if target is None:
-        from services.checkpoints.tiny import default_pair
+        from kakeya.checkpoints.tiny import default_pair
 
         pair = default_pair()
         target, draft = str(pair.target), str(pair.draft)

@@ -1,7 +1,7 @@
 """``kakeya train-target``: train a small Gemma-4 (gemma4_text) model on the stdlib (MLX or torch).
 
 The model is mlx-lm's own ``gemma4_text.Model`` built from the config dict that
-is written to ``config.json`` (the same fields ``services.checkpoints.tiny``
+is written to ``config.json`` (the same fields ``kakeya.checkpoints.tiny``
 writes: sliding + full layers, ``global_head_dim``, k_eq_v, proportional
 partial RoPE, soft-capping), so the result opens with ``mlx_lm.load``,
 transformers and our loaders unchanged. Initial weights come from
@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from services.checkpoints import tiny
-from services.checkpoints import tokenizer as tk
-
-from . import common, data
+from kakeya.checkpoints import tiny
+from kakeya.checkpoints import tokenizer as tk
+from kakeya.training import common, data
 
 if TYPE_CHECKING:  # MLX is imported where it runs: `train-target --backend torch` needs no MLX
     import mlx.core as mx
@@ -238,7 +237,7 @@ def train(args) -> dict:
     tok = data.tokenizer_for(args.vocab_size, progress=None if args.quiet else common_log)
     corpus = data.load_corpus(tok, heldout_pct=args.heldout_pct, max_bytes=args.max_bytes)
     cfg = build_config(args)
-    from services.orchestrator.assembly import require_backend
+    from kakeya.orchestrator.assembly import require_backend
 
     require_backend(args.backend)
     be = (TorchBackend if args.backend == "torch" else MLXBackend)(cfg, args)

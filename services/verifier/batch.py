@@ -7,7 +7,7 @@ what its own ``verify`` would have returned or raised:
 * every item is validated as ``verify`` validates it; a bad one gets its own
   ValueError / RuntimeError as its result and the others still run;
 * the good ones of one target run as ONE forward (``target.run_batch``, e.g.
-  ``batch_torch.py``): each session's ring planned, written and applied as in
+  ``verifier/torch_backend/batch.py``): each session's ring planned, written and applied as in
   its own forward, then the choices -- greedy rows through one LM head and one
   host sync (``target.greedy_batch``), a sampling session's acceptance test
   on its own logits rows with its own seeded stream -- and each session left

@@ -5,17 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from services.contract import Verifier
+from kakeya.core.contract import Verifier
 
 
 def local_verifier(target_dir: str | Path, aux_layers: Sequence[int], backend: str = "mlx", **kwargs) -> Verifier:
     """The in-process verifier for ``backend``: ``policy=`` for both, ``device=``/``dtype=`` for torch."""
     if backend == "mlx":
-        from .session import mlx_verifier
+        from kakeya.verifier.session import mlx_verifier
 
         return mlx_verifier(target_dir, aux_layers, **kwargs)
     if backend == "torch":
-        from .model_torch import torch_verifier
+        from kakeya.verifier.torch_backend.target import torch_verifier
 
         return torch_verifier(target_dir, aux_layers, **kwargs)
     raise ValueError(f"unknown verifier backend {backend!r} (expected 'mlx' or 'torch')")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from services.contract import CachePolicy
+from kakeya.core.contract import CachePolicy
 
 # Published text configs (only the fields the KV size depends on).
 PRESETS = {
@@ -124,7 +124,7 @@ def policy_table(shape: KVShape, context: int, sink: int = 4, window: int = 64, 
 
 
 def cmd_memory(args) -> int:
-    from services.checkpoints.config import load_target_config
+    from kakeya.checkpoints.config import load_target_config
 
     if (args.preset is None) == (args.config is None):
         raise ValueError("give exactly one of --preset or --config")

@@ -10,7 +10,7 @@ sampling session (``Open.sampling``) also takes the drafter's compact proposal
 with each Verify and samples with its own seeded stream.
 
 All model work runs on the process's single compute thread
-(``services.serving.ComputeThread``); this module translates messages and
+(``kakeya.runtime.lifecycle.ComputeThread``); this module translates messages and
 validates them, with errors that name the offending field.
 """
 
@@ -23,32 +23,31 @@ from typing import Iterator, Sequence
 
 import grpc
 
-from services import bounds
-from services.guard import add_servicer
-from services.serving import (
+from kakeya.runtime import bounds
+from kakeya.runtime.compute import DEFAULT_MAX_BATCH
+from kakeya.runtime.guard import add_servicer
+from kakeya.runtime.lifecycle import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_SESSIONS,
     ComputeThread,
     ServerSpec,
-    session_stream,
     SessionRegistry,
     check_policy,
     check_token_ids,
     invalid,
     policy_from_request,
     precondition,
+    session_stream,
     version,
     workers_for,
 )
-from services.compute import DEFAULT_MAX_BATCH
-from services.metrics import ServerMetrics
-from services.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
-from services.wire import codec
-from services.wire import contract as wire_contract
-from services.wire.kakeya.v1 import verifier_pb2 as pb, verifier_pb2_grpc
-
-from .batch import verify_batch
-
+from kakeya.runtime.metrics import ServerMetrics
+from kakeya.verifier.batch import verify_batch
+from kakeya.wire import codec
+from kakeya.wire import convert as wire_contract
+from kakeya.wire.kakeya.v1 import verifier_pb2 as pb
+from kakeya.wire.kakeya.v1 import verifier_pb2_grpc
+from kakeya.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
 
 log = logging.getLogger("kakeya.verifier")
 
@@ -102,7 +101,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     def load(self, target_dir: str | Path, aux_layers: Sequence[int] = (), backend: str = "mlx", **kwargs) -> str:
         """Load the target (``loader.local_verifier``) on the compute thread and warm it up."""
-        from .loader import local_verifier
+        from kakeya.verifier.loader import local_verifier
 
         def make():
             return local_verifier(str(target_dir), list(aux_layers), backend, **kwargs)
@@ -110,9 +109,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         return self.compute.run(self._setup, make, target_dir, tuple(aux_layers), kwargs.get("dtype"))
 
     def _setup(self, make, target_dir, aux_layers, dtype=None) -> str:
-        from services.checkpoints.config import load_target_config
-
-        from .memory import KVShape
+        from kakeya.checkpoints.config import load_target_config
+        from kakeya.verifier.memory import KVShape
 
         cfg = load_target_config(target_dir)
         self.verifier = make()
@@ -121,7 +119,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             int(cfg.get("max_position_embeddings") or 131072), info.sliding_window, self.max_context_flag
         )
         self._check_restore_sources()
-        from .memory import DTYPE_BYTES
+        from kakeya.verifier.memory import DTYPE_BYTES
 
         dtype = str(dtype or _dtype_name(self.verifier.target) or "")
         self.kv_shape = KVShape.from_config(cfg, dtype if dtype in DTYPE_BYTES else None)
@@ -153,7 +151,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 raise ValueError(f"--restore {name}={path}: {exc}") from None
 
     def _new_session(self, aux_layers, policy, sampling=None):
-        from .session import VerifierSession
+        from kakeya.verifier.session import VerifierSession
 
         return VerifierSession(self.verifier.target, aux_layers, policy, sampling)
 
@@ -211,7 +209,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     def _worst_case_bytes(self, policy, positions: int) -> int:
         """K/V bytes a session of ``positions`` may reach (full layers grow in steps of 256 positions)."""
-        from .memory import session_bytes
+        from kakeya.verifier.memory import session_bytes
 
         alloc = -(-(positions + policy.slack) // 256) * 256
         return int(session_bytes(self.kv_shape, policy, alloc)["total_bytes"])

@@ -13,11 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Generator, Sequence
 
-from services import sampling as lossless
-from services.checkpoints.config import load_target_config
-from services.contract import VERIFIER_STREAM, CachePolicy, ModelInfo, Proposal, SamplingParams, session_rng
-
-from .cache import RestoreView, RingLayout, restore_mask
+from kakeya.checkpoints.config import load_target_config
+from kakeya.core import sampling as lossless
+from kakeya.core.contract import VERIFIER_STREAM, CachePolicy, ModelInfo, Proposal, SamplingParams, session_rng
+from kakeya.verifier.layout import RestoreView, RingLayout, restore_mask
 
 PREFILL_CHUNK = 512  # bounds prefill attention memory, like mlx-lm's prefill_step_size
 
@@ -239,6 +238,6 @@ class LocalVerifier:
 
 
 def mlx_verifier(target_dir: str | Path, aux_layers: Sequence[int], policy: CachePolicy = CachePolicy()) -> LocalVerifier:
-    from .model_mlx import TargetMLX
+    from kakeya.verifier.mlx_backend.target import TargetMLX
 
     return LocalVerifier(TargetMLX.load(target_dir), target_dir, aux_layers, policy)

@@ -1,13 +1,13 @@
 """The wire: the kakeya.v1 gRPC contract and the one tensor codec.
 
-- ``services.wire.kakeya.v1``: generated stubs (``scripts/gen_protos.py`` from
+- ``kakeya.wire.kakeya.v1``: generated stubs (``scripts/gen_protos.py`` from
   ``protos/kakeya/v1/*.proto``), e.g.
-  ``from services.wire.kakeya.v1 import verifier_pb2, verifier_pb2_grpc``.
-- ``services.wire.codec``: ``to_proto(array) -> Tensor`` and
+  ``from kakeya.wire.kakeya.v1 import verifier_pb2, verifier_pb2_grpc``.
+- ``kakeya.wire.codec``: ``to_proto(array) -> Tensor`` and
   ``from_proto(tensor, like="numpy"|"mlx"|"torch")``.
-- ``services.wire.limits``: ``channel_options()`` / ``server_options()``.
+- ``kakeya.wire.limits``: ``channel_options()`` / ``server_options()``.
 """
 
-from .codec import from_proto, to_proto
+from kakeya.wire.codec import from_proto, to_proto
 
 __all__ = ["to_proto", "from_proto"]

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .kakeya.v1.tensor_pb2 import DType, Tensor
+from kakeya.wire.kakeya.v1.tensor_pb2 import DType, Tensor
 
 __all__ = [
     "DType",

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib
+
 import pytest
 
-from services.checkpoints.tiny import TinyPair, make_tiny
+from kakeya.checkpoints.tiny import TinyPair, make_tiny
 
 
 @pytest.fixture(scope="session")

@@ -7,12 +7,7 @@ import shutil
 
 import pytest
 
-from services.checkpoints.config import (
-    CheckpointError,
-    check_pair,
-    load_draft_config,
-    load_target_config,
-)
+from kakeya.checkpoints.config import CheckpointError, check_pair, load_draft_config, load_target_config
 
 
 def _edit(src, dst, fn):

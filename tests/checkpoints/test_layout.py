@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from services.checkpoints.layout import (
+from kakeya.checkpoints.layout import (
     SAFETENSORS_INDEX,
     find_text_tensors,
     is_quantized,

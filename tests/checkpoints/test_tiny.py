@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
 import argparse
+import importlib
 import json
 from pathlib import Path
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from services.checkpoints import tiny
-from services.checkpoints import tokenizer as tk
-from services.checkpoints.tiny import default_pair, make_tiny
+from kakeya.checkpoints import tiny
+from kakeya.checkpoints import tokenizer as tk
+from kakeya.checkpoints.tiny import default_pair, make_tiny
 
 PROMPT = "def main(argv):\n    parser = argparse.ArgumentParser()\n    return parser.parse_args(argv)\n"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from services.checkpoints import tokenizer as tk
+from kakeya.checkpoints import tokenizer as tk
 
 TEXTS = [
     "def foo(x):\n    return x ** 2  # squared\n",

@@ -15,7 +15,7 @@ import tomllib
 
 import pytest
 
-from services.orchestrator.cli import build_parser
+from kakeya.app.main import build_parser
 
 from .manifests import DOCKER, ROOT, dockerfile_stages, inherited
 
@@ -133,7 +133,7 @@ def _healthcheck_module():
 
 
 def test_healthcheck_port_follows_the_command_line():
-    from services.orchestrator.serve import DEFAULT_PORTS
+    from kakeya.app.serve import DEFAULT_PORTS
 
     hc = _healthcheck_module()
     assert {k: v for k, v in hc.DEFAULT_PORTS.items() if k != "all"} == DEFAULT_PORTS

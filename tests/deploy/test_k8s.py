@@ -6,20 +6,10 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 
-from services.orchestrator.cli import build_parser
-from services.orchestrator.serve import DEFAULT_PORTS
+from kakeya.app.main import build_parser
+from kakeya.app.serve import DEFAULT_PORTS
 
-from .manifests import (
-    OVERLAYS,
-    ROLES,
-    argv,
-    config_env,
-    container,
-    deployment,
-    flag,
-    of_kind,
-    render,
-)
+from .manifests import OVERLAYS, ROLES, argv, config_env, container, deployment, flag, of_kind, render
 from .test_dockerfile import STAGES, TARGETS, inherited
 
 K8S_VERSION = "1.30.0"  # the oldest version we promise (native gRPC probes GA in 1.27, preStop sleep in 1.30)

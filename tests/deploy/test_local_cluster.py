@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from services.checkpoints.tiny import embedded_pair
-from services.orchestrator.assembly import build_local_engine, split_engine
-from services.orchestrator.engine import Request
+from kakeya.checkpoints.tiny import embedded_pair
+from kakeya.orchestrator.assembly import build_local_engine, split_engine
+from kakeya.orchestrator.engine import Request
 from tests.services.conftest import Server, generate, request, verifier_info
 
 from .manifests import DOCKER, ROOT, argv, flag, render

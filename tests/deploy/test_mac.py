@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from services.orchestrator.cli import build_parser
+from kakeya.app.main import build_parser
 
 from .manifests import ROOT
 
@@ -58,10 +58,10 @@ def test_launchd_plist_runs_run_sh_and_waits_for_the_drain():
 def test_run_sh_serves_and_drains(tmp_path):
     """run.sh itself, with `kakeya` = this checkout's CLI: SERVING, a health check, SIGTERM exits 0."""
     shim = tmp_path / "kakeya"
-    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m services.orchestrator.cli "$@"\n')
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kakeya.app.main "$@"\n')
     shim.chmod(0o755)
     ready = tmp_path / "ready.json"
-    env = dict(os.environ, KAKEYA=str(shim), KAKEYA_PORT="0", KAKEYA_GRACE="5", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, KAKEYA=str(shim), KAKEYA_PORT="0", KAKEYA_GRACE="5")
     proc = subprocess.Popen(["bash", str(RUN), "--ready-file", str(ready)], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -93,10 +93,10 @@ def test_docs_memory_tables_are_kakeya_memory_numbers(preset):
     m = re.search(rf"<!-- memory-table:{re.escape(preset)} -->\n(.*?)<!-- /memory-table -->", doc, re.DOTALL)
     assert m, f"docs/deploy.md has no memory table for {preset}"
     shown = [ln for ln in m.group(1).splitlines() if ln.startswith("|")]
-    assert shown == table(preset).splitlines(), "regenerate with: PYTHONPATH=. python deploy/mac/memory_table.py"
+    assert shown == table(preset).splitlines(), "regenerate with: .venv/bin/python deploy/mac/memory_table.py"
     # and the table really is `kakeya memory`: its JSON at 32K for the native policy
-    out = subprocess.run([sys.executable, "-m", "services.orchestrator.cli", "memory", "--preset", preset, "--context", "32768", "--json"],
-                         check=False, capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    out = subprocess.run([sys.executable, "-m", "kakeya.app.main", "memory", "--preset", preset, "--context", "32768", "--json"],
+                         check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
     native = json.loads(out.stdout.strip().splitlines()[-1])["native"]["total_bytes"] / 2**30
     row = next(ln for ln in shown if ln.startswith("| native |"))
     assert row.split("|")[3].strip() == f"{native:.2f} GiB"

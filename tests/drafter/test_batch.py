@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.contract import SamplingParams
-from services.drafter.batch import draft_batch
-from services.drafter.session import DrafterSession
+from kakeya.core.contract import SamplingParams
+from kakeya.drafter.batch import draft_batch
+from kakeya.drafter.session import DrafterSession
 
 BACKENDS = ("torch", "mlx")
 KV_ATOL = 1e-4  # K/V written by a batched extension: a matmul over more rows rounds differently (~1e-6)
@@ -22,10 +22,10 @@ KV_ATOL = 1e-4  # K/V written by a batched extension: a matmul over more rows ro
 
 def _load(backend: str, pair):
     if backend == "mlx":
-        from services.drafter.dflash_mlx import load_dflash_mlx
+        from kakeya.drafter.mlx_backend.model import load_dflash_mlx
 
         return load_dflash_mlx(pair.draft, pair.target)
-    from services.drafter.load_torch import load_dflash_torch
+    from kakeya.drafter.torch_backend.load import load_dflash_torch
 
     return load_dflash_torch(pair.draft, pair.target, "cpu", "float32")
 

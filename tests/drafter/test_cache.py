@@ -8,10 +8,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.drafter.config import MAX_BLOCK_SIZE
-from services.drafter.context import BlockView, block_mask
-from services.drafter.dflash_mlx import load_dflash_mlx
-from services.drafter.session import MLXDrafter
+from kakeya.drafter.config import MAX_BLOCK_SIZE
+from kakeya.drafter.context import BlockView, block_mask
+from kakeya.drafter.mlx_backend.model import load_dflash_mlx
+from kakeya.drafter.session import MLXDrafter
 
 from .conftest import random_aux
 
@@ -136,7 +136,7 @@ def test_block_mask_rule(n_ctx, n_block, is_causal, window):
 
 
 def test_local_drafter_endpoint(pairs):
-    from services.drafter.loader import local_drafter
+    from kakeya.drafter.loader import local_drafter
 
     p = pairs["full"]
     d = local_drafter(p.draft, p.target, "mlx")

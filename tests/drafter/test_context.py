@@ -6,10 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.drafter.config import MAX_BLOCK_SIZE
-from services.drafter.context import ContextLayout, block_mask
-from services.drafter.dflash_mlx import load_dflash_mlx
-from services.drafter.session import MLXDrafter, WARM_BLOCK_SIZES
+from kakeya.drafter.config import MAX_BLOCK_SIZE
+from kakeya.drafter.context import ContextLayout, block_mask
+from kakeya.drafter.mlx_backend.model import load_dflash_mlx
+from kakeya.drafter.session import WARM_BLOCK_SIZES, MLXDrafter
 
 from .conftest import random_aux
 

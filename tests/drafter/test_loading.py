@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.drafter.dflash_mlx import load_dflash_mlx, load_target_head
+from kakeya.drafter.mlx_backend.model import load_dflash_mlx, load_target_head
 
 from .conftest import random_aux, target_tensors
 

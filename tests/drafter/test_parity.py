@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from services.drafter.dflash_mlx import load_dflash_mlx
+from kakeya.drafter.mlx_backend.model import load_dflash_mlx
 
 from .conftest import HIDDEN, VOCAB, random_aux, target_config
 
@@ -161,7 +161,7 @@ def test_gap_b_embedding_convention(pair, ref_loader):
 
 def test_parity_on_shipped_tiny_pair(ref_loader):
     """The embedded tiny checkpoint pair matches the reference too."""
-    from services.checkpoints.tiny import default_pair
+    from kakeya.checkpoints.tiny import default_pair
 
     tiny = default_pair()
     ours = load_dflash_mlx(tiny.draft, tiny.target)

@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.drafter.dflash_mlx import DFlashConfig, load_dflash_mlx
-from services.contract import MAX_BLOCK_SIZE
-from services.drafter.session import MLXDrafter
+from kakeya.core.contract import MAX_BLOCK_SIZE
+from kakeya.drafter.mlx_backend.model import DFlashConfig, load_dflash_mlx
+from kakeya.drafter.session import MLXDrafter
 
 from .conftest import VARIANTS, draft_config, random_aux
 

@@ -17,12 +17,12 @@ import mlx_lm.models.gemma4_text as gemma4_text
 import numpy as np
 import pytest
 
-from services.checkpoints.config import load_target_config
-from services.drafter.session import MLXDrafter
-from services.orchestrator.loop import run, speculative_decode
-from services.verifier.cache import CachePolicy
-from services.verifier.memory import KVShape, policy_table
-from services.verifier.session import VerifierSession
+from kakeya.checkpoints.config import load_target_config
+from kakeya.drafter.session import MLXDrafter
+from kakeya.orchestrator.loop import run, speculative_decode
+from kakeya.verifier.layout import CachePolicy
+from kakeya.verifier.memory import KVShape, policy_table
+from kakeya.verifier.session import VerifierSession
 
 from ..planted import PlantedDrafterSession
 from .conftest import SINK, WINDOW

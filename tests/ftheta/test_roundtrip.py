@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.verifier.ftheta import CONFIG_FILE, DRAFT_FILE, Restorer, load_ftheta
+from kakeya.verifier.mlx_backend.ftheta import CONFIG_FILE, DRAFT_FILE, Restorer, load_ftheta
 
 
 def test_save_load_round_trip_is_identical(tmp_path, tiny_pair, mlx_target, draft_model, aux_layers):

@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.orchestrator.cli import main
-from services.verifier.ftheta import load_ftheta
-from services.training.ftheta import REPORT_FILE, STATE_DIR, TrainArgs, train
+from kakeya.app.main import main
+from kakeya.training.ftheta import REPORT_FILE, STATE_DIR, TrainArgs, train
+from kakeya.verifier.mlx_backend.ftheta import load_ftheta
 
 SMALL = dict(rank=8, batch=2, data_tokens=12_000, eval_seqs=2, lr=3e-3, warmup=4, log_every=8)
 

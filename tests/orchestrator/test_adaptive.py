@@ -2,9 +2,9 @@
 
 import pytest
 
-from services.contract import Block
-from services.orchestrator.adaptive import AcceptanceChain, AdaptivePolicy, BlockSizer, CostCurve
-from services.orchestrator.loop import run
+from kakeya.core.contract import Block
+from kakeya.orchestrator.adaptive import AcceptanceChain, AdaptivePolicy, BlockSizer, CostCurve
+from kakeya.orchestrator.loop import run
 
 from .test_loop import CONT, ScriptedDrafter, ScriptedVerifier
 

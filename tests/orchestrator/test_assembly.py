@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.orchestrator.assembly import resolve_backend, torch_threads
+from kakeya.orchestrator.assembly import resolve_backend, torch_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,19 +84,19 @@ def imports_of(path: Path) -> set[str]:
 
 
 def test_cli_only_parses_and_prints():
-    tree = ast.parse((ROOT / "services/orchestrator/cli.py").read_text())
+    tree = ast.parse((ROOT / "services/app/main.py").read_text())
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert "build_local_engine" not in defined and "UsageError" not in defined
-    assert "services.orchestrator.assembly" in imports_of(ROOT / "services/orchestrator/cli.py")
+    assert "kakeya.orchestrator.assembly" in imports_of(ROOT / "services/app/main.py")
 
 
 def test_nothing_below_the_cli_imports_it():
     """cli -> serve/client -> cli_args -> assembly -> engine...; never back up (no cycle through the CLI)."""
-    cli_layer = {f"services.orchestrator.{m}" for m in CLI_LAYER}
+    cli_layer = {f"kakeya.orchestrator.{m}" for m in CLI_LAYER}
     allowed = {  # who may import which CLI-layer module
-        "services.orchestrator.cli": cli_layer,
-        "services.orchestrator.serve": {"services.orchestrator.cli_args"},
-        "services.orchestrator.client": {"services.orchestrator.cli_args", "services.orchestrator.serve"},
+        "kakeya.app.main": cli_layer,
+        "kakeya.app.serve": {"kakeya.app.options"},
+        "kakeya.app.client": {"kakeya.app.options", "kakeya.app.serve"},
     }
     offenders = []
     for path in sorted((ROOT / "services").rglob("*.py")):
@@ -106,7 +106,7 @@ def test_nothing_below_the_cli_imports_it():
             offenders.append(f"{mod} imports {sorted(bad)}")
     assert not offenders, offenders
     assembly = imports_of(ROOT / "services/orchestrator/assembly.py")
-    assert not {m for m in assembly if m.startswith(("services.training", "benchmarks"))}
+    assert not {m for m in assembly if m.startswith(("kakeya.training", "benchmarks"))}
 
 
 # --------------------------------------------------------------------------- a node without MLX
@@ -122,7 +122,7 @@ class NoMLX:
 sys.meta_path.insert(0, NoMLX())
 sys.argv = ["kakeya", *sys.argv[1:]]
 try:
-    runpy.run_module("services.orchestrator.cli", run_name="__main__")
+    runpy.run_module("kakeya.app.main", run_name="__main__")
 finally:
     assert not [m for m in sys.modules if m == "mlx" or m.startswith(("mlx.", "mlx_lm"))]
 """
@@ -134,7 +134,7 @@ def kakeya_without_mlx(*args, timeout=300):
 
 
 def test_the_parser_needs_neither_backend():
-    code = ("import sys; from services.orchestrator.cli import build_parser; build_parser(); "
+    code = ("import sys; from kakeya.app.main import build_parser; build_parser(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'torch')))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr
@@ -178,7 +178,8 @@ def _env_without_mlx(tmp_path):
     site = tmp_path / "nomlx"
     site.mkdir()
     (site / "sitecustomize.py").write_text(NO_MLX_SITE)
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *inherited]))
 
 
 def test_memory_runs_without_mlx():
@@ -193,7 +194,7 @@ def test_torch_serve_all_and_client_run_without_mlx(tmp_path):
 
     env = _env_without_mlx(tmp_path)
     ready = tmp_path / "ready.json"
-    cli = [sys.executable, "-m", "services.orchestrator.cli"]
+    cli = [sys.executable, "-m", "kakeya.app.main"]
     probe = subprocess.run([sys.executable, "-c", "import mlx"], env=env, capture_output=True, text=True)
     assert probe.returncode != 0 and "blocked" in probe.stderr  # the blocker reaches every child process
     proc = subprocess.Popen([*cli, "serve", "all", "--port", "0", "--verifier-backend", "torch", "--drafter-backend", "torch",

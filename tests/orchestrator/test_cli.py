@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from services.orchestrator.assembly import resolve_backend
-from services.orchestrator.cli import main
+from kakeya.app.main import main
+from kakeya.orchestrator.assembly import resolve_backend
 
 
 def kakeya(*args, timeout=300):
     return subprocess.run(
-        [sys.executable, "-m", "services.orchestrator.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "kakeya.app.main", *args], capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -28,7 +28,7 @@ def test_generate_json_on_the_embedded_models_is_lossless():
     assert len(out["token_ids"]) == 120 and out["finish_reason"] == "length"
     assert sum(out["acceptance_lengths"]) == 119 and max(out["acceptance_lengths"]) <= 4
     assert out["quality"]["degenerate"] is False
-    from services.checkpoints.tiny import embedded_pair  # the trained demo pair when shipped
+    from kakeya.checkpoints.tiny import embedded_pair  # the trained demo pair when shipped
 
     assert out["target"] == str(embedded_pair().target) and out["draft"] == str(embedded_pair().draft)
 

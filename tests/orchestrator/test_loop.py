@@ -2,8 +2,8 @@
 
 import pytest
 
-from services.orchestrator.loop import leading_matches, run
-from services.orchestrator.quality import find_runaway, quality_report
+from kakeya.orchestrator.loop import leading_matches, run
+from kakeya.orchestrator.quality import find_runaway, quality_report
 
 
 class ScriptedVerifier:

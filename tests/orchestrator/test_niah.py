@@ -4,15 +4,15 @@ import json
 
 import pytest
 
-from services.orchestrator.cli import main
-from services.orchestrator.niah import build_prompt, haystack_lines, needle_code
-from services.orchestrator.text import TextCodec
+from kakeya.app.main import main
+from kakeya.orchestrator.niah import build_prompt, haystack_lines, needle_code
+from kakeya.orchestrator.text import TextCodec
 
 
 @pytest.fixture(scope="module")
 def ftheta_dir(tmp_path_factory, tiny_pair, mlx_target):
-    from services.drafter.dflash_mlx import load_dflash_mlx
-    from services.verifier.ftheta import Restorer
+    from kakeya.drafter.mlx_backend.model import load_dflash_mlx
+    from kakeya.verifier.mlx_backend.ftheta import Restorer
 
     out = tmp_path_factory.mktemp("niah_ftheta")
     draft = load_dflash_mlx(tiny_pair.draft, tiny_pair.target)

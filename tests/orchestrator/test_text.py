@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from services.checkpoints.tiny import demo_pair
-from services.orchestrator.text import StreamDecoder, TextCodec
+from kakeya.checkpoints.tiny import demo_pair
+from kakeya.orchestrator.text import StreamDecoder, TextCodec
 
 
 @pytest.mark.parametrize("seed", range(5))

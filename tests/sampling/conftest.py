@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.contract import SamplingParams
+from kakeya.core.contract import SamplingParams
 
 SMALL_VOCAB = 48
 PROMPT = [2, 10, 20]
@@ -19,7 +19,7 @@ SETTINGS = {
 
 @pytest.fixture(scope="session")
 def small_pair(tmp_path_factory):
-    from services.checkpoints.tiny import make_tiny
+    from kakeya.checkpoints.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("small_vocab"), vocab_size=SMALL_VOCAB)
 
@@ -29,9 +29,9 @@ def small_models(small_pair):
     """{backend: (verifier, drafter)} on the small pair, loaded once (torch on one thread: 2 shared cores)."""
     import torch
 
-    from services.checkpoints.config import load_draft_config
-    from services.drafter.loader import local_drafter
-    from services.verifier.loader import local_verifier
+    from kakeya.checkpoints.config import load_draft_config
+    from kakeya.drafter.loader import local_drafter
+    from kakeya.verifier.loader import local_verifier
 
     torch.set_num_threads(1)
     layers = load_draft_config(small_pair.draft)["dflash_config"]["target_layer_ids"]

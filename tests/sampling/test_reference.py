@@ -1,4 +1,4 @@
-"""Both backends' processing, draws and acceptance == the numpy reference (services/sampling.py),
+"""Both backends' processing, draws and acceptance == the numpy reference (services/core/sampling.py),
 and the reference itself keeps p exactly (enumerated, no sampling)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services import sampling as ref
-from services.contract import Proposal, SamplingParams
+from kakeya.core import sampling as ref
+from kakeya.core.contract import Proposal, SamplingParams
 
 PARAMS = [
     SamplingParams(1.0),
@@ -25,12 +25,12 @@ def _backend(name):
     if name == "mlx":
         import mlx.core as mx
 
-        from services import sampling_mlx as s
+        from kakeya.backends.mlx import sampling as s
 
         return s, (lambda a: mx.array(np.asarray(a, np.float32))), (lambda t: np.array(t))
     import torch
 
-    from services import sampling_torch as s
+    from kakeya.backends.torch import sampling as s
 
     return s, (lambda a: torch.tensor(np.asarray(a, np.float32))), (lambda t: t.numpy())
 

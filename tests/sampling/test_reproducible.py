@@ -9,11 +9,11 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from services.contract import Request, SamplingParams
-from services.orchestrator.engine import Engine
-from services.orchestrator.loop import run
-from services.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2_grpc
-from services.wire.limits import server_options
+from kakeya.core.contract import Request, SamplingParams
+from kakeya.orchestrator.engine import Engine
+from kakeya.orchestrator.loop import run
+from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2_grpc
+from kakeya.wire.limits import server_options
 
 PROMPT = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48]
 N = 48
@@ -21,8 +21,8 @@ PARAMS = SamplingParams(0.8, top_k=40, top_p=0.95, seed=1234)
 
 
 def _local(backend, tiny_pair, aux_layers):
-    from services.drafter.loader import local_drafter
-    from services.verifier.loader import local_verifier
+    from kakeya.drafter.loader import local_drafter
+    from kakeya.verifier.loader import local_verifier
 
     return local_verifier(str(tiny_pair.target), list(aux_layers), backend), local_drafter(str(tiny_pair.draft), str(tiny_pair.target), backend)
 
@@ -61,11 +61,11 @@ def test_in_process_same_seed_same_tokens(local, deployment):
 @pytest.fixture(scope="module")
 def split(tiny_pair, aux_layers):
     """Verifier servicers (torch and MLX) and an MLX drafter servicer on one loopback server."""
-    from services.drafter.server import DrafterServicer
-    from services.drafter.session import MLXDrafter
-    from services.orchestrator.remote import GrpcDrafter, GrpcVerifier
-    from services.verifier.loader import local_verifier
-    from services.verifier.server import VerifierServicer
+    from kakeya.drafter.server import DrafterServicer
+    from kakeya.drafter.session import MLXDrafter
+    from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier
+    from kakeya.verifier.loader import local_verifier
+    from kakeya.verifier.server import VerifierServicer
 
     servers, out = [], {}
     for name, backend in (("torch", "torch"), ("mlx", "mlx")):

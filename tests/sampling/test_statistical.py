@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from services import sampling as ref
-from services.orchestrator import loop
+from kakeya.core import sampling as ref
+from kakeya.orchestrator import loop
 
 from .conftest import BACKENDS, PROMPT, SETTINGS
 

@@ -1,6 +1,6 @@
 """Real server processes on loopback, started with the project's own commands.
 
-Every process is started as ``python -m services.orchestrator.cli serve ...``
+Every process is started as ``python -m kakeya.app.main serve ...``
 with ``--port 0`` (or a port it had before, for restarts) and a ``--ready-file``
 it writes once SERVING. Each runs in its own process group, and every fixture's
 finalizer terminates it (SIGTERM, then SIGKILL of the group), so a failing test
@@ -20,15 +20,21 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.wire.kakeya.v1 import drafter_pb2, drafter_pb2_grpc, generate_pb2, generate_pb2_grpc
-from services.wire.kakeya.v1 import verifier_pb2, verifier_pb2_grpc
-from services.wire.limits import channel_options
+from kakeya.wire.kakeya.v1 import (
+    drafter_pb2,
+    drafter_pb2_grpc,
+    generate_pb2,
+    generate_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
+from kakeya.wire.limits import channel_options
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tiny() -> list[str]:
-    from services.checkpoints.tiny import default_pair
+    from kakeya.checkpoints.tiny import default_pair
 
     p = default_pair()
     return ["--target", str(p.target), "--draft", str(p.draft)]
@@ -58,7 +64,7 @@ class Server:
         tag = f"{self.name}-{id(self):x}-{self.starts}"
         self.ready_file = self.tmp / f"{tag}.ready.json"
         self.log_file = self.tmp / f"{tag}.log"
-        cmd = [sys.executable, "-m", "services.orchestrator.cli", "serve", *self.argv]
+        cmd = [sys.executable, "-m", "kakeya.app.main", "serve", *self.argv]
         cmd += ["--port", str(self.port), "--ready-file", str(self.ready_file)]
         with open(self.log_file, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -14,9 +14,18 @@ import time
 import grpc
 import pytest
 
-from services.wire.kakeya.v1 import drafter_pb2, generate_pb2, verifier_pb2
+from kakeya.wire.kakeya.v1 import drafter_pb2, generate_pb2, verifier_pb2
 
-from .conftest import drafter_info, drafter_stub, generation_stub, start_all, verifier_info, verifier_stub, wait_until, TINY_MLX
+from .conftest import (
+    TINY_MLX,
+    drafter_info,
+    drafter_stub,
+    generation_stub,
+    start_all,
+    verifier_info,
+    verifier_stub,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -26,9 +35,9 @@ V = verifier_pb2.VerifierRequest
 
 
 def _worst_case(tiny_pair) -> int:
-    from services.checkpoints.config import load_target_config
-    from services.contract import CachePolicy
-    from services.verifier.memory import KVShape, session_bytes
+    from kakeya.checkpoints.config import load_target_config
+    from kakeya.core.contract import CachePolicy
+    from kakeya.verifier.memory import KVShape, session_bytes
 
     shape = KVShape.from_config(load_target_config(tiny_pair.target))
     alloc = -(-(POSITIONS + 16) // 256) * 256

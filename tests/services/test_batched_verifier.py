@@ -16,12 +16,12 @@ import torch
 
 importlib.import_module("torch")
 
-from services.contract import CachePolicy  # noqa: E402
-from services.orchestrator.remote import GrpcVerifier  # noqa: E402
-from services.verifier import server as verifier_server  # noqa: E402
-from services.verifier.session import PREFILL_CHUNK, VerifierSession  # noqa: E402
-from services.wire.kakeya.v1 import verifier_pb2_grpc  # noqa: E402
-from services.wire.limits import server_options  # noqa: E402
+from kakeya.core.contract import CachePolicy  # noqa: E402
+from kakeya.orchestrator.remote import GrpcVerifier  # noqa: E402
+from kakeya.verifier import server as verifier_server  # noqa: E402
+from kakeya.verifier.session import PREFILL_CHUNK, VerifierSession  # noqa: E402
+from kakeya.wire.kakeya.v1 import verifier_pb2_grpc  # noqa: E402
+from kakeya.wire.limits import server_options  # noqa: E402
 
 from .conftest import wait_until  # noqa: E402
 
@@ -33,8 +33,8 @@ N_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def served(tiny_pair, aux_layers):
-    from services.verifier.model_torch import torch_verifier
-    from services.verifier.server import VerifierServicer
+    from kakeya.verifier.server import VerifierServicer
+    from kakeya.verifier.torch_backend.target import torch_verifier
 
     torch.set_num_threads(1)
     v = VerifierServicer(max_batch=16)
@@ -145,7 +145,7 @@ def test_a_long_prefill_lets_another_streams_verify_run_between_its_chunks(serve
 
 
 def test_a_prompt_beyond_the_sessions_positions_is_refused_before_any_chunk_runs(served, monkeypatch):
-    from services.wire.kakeya.v1 import verifier_pb2 as vpb
+    from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb
 
     addr, v = served
     chunks = []
@@ -161,8 +161,8 @@ def test_a_prompt_beyond_the_sessions_positions_is_refused_before_any_chunk_runs
 
 
 def test_max_batch_flag_reaches_the_verifier_and_serve_all_children():
-    from services.orchestrator import serve_flags
-    from services.orchestrator.cli import build_parser
+    from kakeya.app import flags as serve_flags
+    from kakeya.app.main import build_parser
 
     args = build_parser().parse_args(["serve", "verifier", "--max-batch", "3"])
     assert serve_flags.session_limits(args, kv_budget=True)["max_batch"] == 3
@@ -176,7 +176,7 @@ def test_max_batch_flag_reaches_the_verifier_and_serve_all_children():
     drafter_argv = serve_flags.child_argv(a, "drafter")  # the drafter batches its block forwards too
     assert drafter_argv[drafter_argv.index("--max-batch") + 1] == "1"
     assert "--max-batch" not in serve_flags.child_argv(a, "orchestrator")
-    from services.verifier.server import VerifierServicer
+    from kakeya.verifier.server import VerifierServicer
 
     s = VerifierServicer(max_batch=1)
     assert s.compute.max_batch == 1

@@ -14,10 +14,20 @@ import grpc
 import numpy as np
 import pytest
 
-from services.wire import codec
-from services.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, verifier_pb2
+from kakeya.wire import codec
+from kakeya.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, verifier_pb2
 
-from .conftest import channel, drafter_stub, generate, generation_stub, request, start_all, verifier_info, verifier_stub, TINY_MLX
+from .conftest import (
+    TINY_MLX,
+    channel,
+    drafter_stub,
+    generate,
+    generation_stub,
+    request,
+    start_all,
+    verifier_info,
+    verifier_stub,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -28,8 +38,8 @@ MAX_PROMPT = 64
 
 @pytest.fixture(scope="module")
 def ftheta_dir(tmp_path_factory, tiny_pair, mlx_target):
-    from services.drafter.dflash_mlx import load_dflash_mlx
-    from services.verifier.ftheta import Restorer
+    from kakeya.drafter.mlx_backend.model import load_dflash_mlx
+    from kakeya.verifier.mlx_backend.ftheta import Restorer
 
     draft = load_dflash_mlx(tiny_pair.draft, tiny_pair.target)
     out = tmp_path_factory.mktemp("ftheta")

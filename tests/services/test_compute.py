@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.compute import ComputeThread
+from kakeya.runtime.compute import ComputeThread
 
 
 def _blocked(ct: ComputeThread) -> threading.Event:

@@ -16,11 +16,11 @@ import grpc
 import numpy as np
 import pytest
 
-from services.contract import SamplingParams
-from services.orchestrator.deadlines import StepClock
-from services.orchestrator.remote import GrpcDrafter
-from services.wire.kakeya.v1 import drafter_pb2_grpc
-from services.wire.limits import server_options
+from kakeya.core.contract import SamplingParams
+from kakeya.orchestrator.deadlines import StepClock
+from kakeya.orchestrator.remote import GrpcDrafter
+from kakeya.wire.kakeya.v1 import drafter_pb2_grpc
+from kakeya.wire.limits import server_options
 
 from .conftest import wait_until
 
@@ -32,14 +32,14 @@ STEPS = 4
 
 
 def _drafter(backend: str, pair):
-    from services.drafter.session import MLXDrafter, TorchDrafter
+    from kakeya.drafter.session import MLXDrafter, TorchDrafter
 
     return MLXDrafter(pair.draft, pair.target) if backend == "mlx" else TorchDrafter(pair.draft, pair.target)
 
 
 @pytest.fixture(scope="module", params=["torch", "mlx"])
 def server(request, tiny_pair):
-    from services.drafter.server import DrafterServicer
+    from kakeya.drafter.server import DrafterServicer
 
     backend = request.param
     d = DrafterServicer(max_batch=8)
@@ -113,9 +113,9 @@ def _local_aux(backend: str, aux: np.ndarray):
 
 
 def test_max_batch_flag_reaches_the_drafter_and_the_children_of_serve_all():
-    from services.drafter.server import DrafterServicer
-    from services.orchestrator import serve_flags
-    from services.orchestrator.cli import build_parser
+    from kakeya.app import flags as serve_flags
+    from kakeya.app.main import build_parser
+    from kakeya.drafter.server import DrafterServicer
 
     p = build_parser()
     assert p.parse_args(["serve", "drafter"]).max_batch == 16

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.wire.kakeya.v1 import generate_pb2
+from kakeya.wire.kakeya.v1 import generate_pb2
 
 from .conftest import TINY_MLX, channel, generate, generation_stub, request, start_all, wait_until
 
@@ -34,7 +34,7 @@ def servers(server_factory):
 
 @pytest.fixture(scope="module")
 def reference(mlx_target):
-    from services.verifier.reference_mlx import greedy_reference
+    from kakeya.verifier.mlx_backend.reference import greedy_reference
 
     ids, _, _ = greedy_reference(mlx_target.model, PROMPT, N)
     return ids

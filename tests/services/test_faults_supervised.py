@@ -21,7 +21,7 @@ import time
 import grpc
 import pytest
 
-from .conftest import generate, generation_stub, request, wait_until, TINY_ALL_MLX
+from .conftest import TINY_ALL_MLX, generate, generation_stub, request, wait_until
 from .test_serve_all import pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -43,7 +43,7 @@ def served(server_factory):
 
 @pytest.fixture(scope="module")
 def reference(mlx_target):
-    from services.verifier.reference_mlx import greedy_reference
+    from kakeya.verifier.mlx_backend.reference import greedy_reference
 
     ids, _, _ = greedy_reference(mlx_target.model, PROMPT, N)
     return ids
@@ -135,7 +135,7 @@ def test_sigterm_still_stops_everything(served):
 
 
 def test_restart_backoff_doubles_from_half_a_second_to_ten():
-    from services.orchestrator.supervisor import backoff_delay, with_option
+    from kakeya.app.supervisor import backoff_delay, with_option
 
     assert [backoff_delay(n) for n in range(1, 8)] == [0.5, 1, 2, 4, 8, 10, 10]
     assert with_option(["--port", "0", "--x", "1"], "--port", "5") == ["--port", "5", "--x", "1"]

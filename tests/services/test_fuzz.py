@@ -13,9 +13,10 @@ import grpc
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
-from services.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, tensor_pb2, verifier_pb2  # noqa: E402
+from kakeya.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, tensor_pb2, verifier_pb2  # noqa: E402
 
 from .conftest import TINY_MLX, channel, drafter_stub, generate, generation_stub, request, start_all, verifier_stub  # noqa: E402
 

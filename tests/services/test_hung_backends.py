@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .conftest import channel, generate, request, start_all, wait_until, TINY_MLX
+from .conftest import TINY_MLX, channel, generate, request, start_all, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -33,7 +33,7 @@ def servers(server_factory):
 
 @pytest.fixture(scope="module")
 def reference(mlx_target):
-    from services.verifier.reference_mlx import greedy_reference
+    from kakeya.verifier.mlx_backend.reference import greedy_reference
 
     return greedy_reference(mlx_target.model, PROMPT, 40)[0]
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import generate, generation_stub, request, wait_until, TINY_ALL_MLX
+from .conftest import TINY_ALL_MLX, generate, generation_stub, request, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -9,16 +9,16 @@ import sys
 import grpc
 import pytest
 
-from services.wire.kakeya.v1 import generate_pb2
+from kakeya.wire.kakeya.v1 import generate_pb2
 
-from .conftest import ROOT, generate, generation_stub, request, start_all, TINY_ALL_MLX
+from .conftest import ROOT, TINY_ALL_MLX, generate, generation_stub, request, start_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _serve(*argv, timeout=120):
     return subprocess.run(
-        [sys.executable, "-m", "services.orchestrator.cli", "serve", *argv],
+        [sys.executable, "-m", "kakeya.app.main", "serve", *argv],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 

@@ -49,13 +49,13 @@ def serve_all(server_factory, tmp_path):
                     cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
                 except OSError:
                     cmd = b""
-                if b"services.orchestrator.cli" in cmd:  # still ours: never signal a reused pid
+                if b"kakeya.app.main" in cmd:  # still ours: never signal a reused pid
                     os.kill(pid, signal.SIGKILL)
 
 
 def client(addr, *args):
     return subprocess.run(
-        [sys.executable, "-m", "services.orchestrator.cli", "client", "--addr", addr, *args],
+        [sys.executable, "-m", "kakeya.app.main", "client", "--addr", addr, *args],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
@@ -87,7 +87,7 @@ def test_children_die_with_the_parent(serve_all):
 @pytest.mark.parametrize("verifier_backend,drafter_backend", [("torch", "mlx"), ("mlx", "torch")])
 def test_mixed_backends_over_grpc_match_greedy_ar(server_factory, mlx_target, verifier_backend, drafter_backend):
     """A torch verifier with an MLX drafter (and the reverse), as separate processes: the AR tokens."""
-    from services.verifier.reference_mlx import greedy_reference
+    from kakeya.verifier.mlx_backend.reference import greedy_reference
 
     s = server_factory(
         "all",
@@ -108,9 +108,9 @@ def test_mixed_backends_over_grpc_match_greedy_ar(server_factory, mlx_target, ve
 
 def test_cache_policy_flags_on_servers_and_client(server_factory, mlx_target, aux_layers):
     """The verifier's default policy comes from `serve ... --cache`; a client may ask for another."""
-    from services.orchestrator.loop import run
-    from services.verifier.cache import CachePolicy
-    from services.verifier.session import VerifierSession
+    from kakeya.orchestrator.loop import run
+    from kakeya.verifier.layout import CachePolicy
+    from kakeya.verifier.session import VerifierSession
 
     s = server_factory(
         "all-policy",

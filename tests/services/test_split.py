@@ -18,8 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.wire import codec
-from services.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, verifier_pb2
+from kakeya.wire import codec
+from kakeya.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, verifier_pb2
 
 from .conftest import (
     ROOT,
@@ -61,7 +61,7 @@ def servers(server_factory):
 
 @pytest.fixture(scope="module")
 def reference(mlx_target):
-    from services.verifier.reference_mlx import greedy_reference
+    from kakeya.verifier.mlx_backend.reference import greedy_reference
 
     ids, _, _ = greedy_reference(mlx_target.model, PROMPT, LONG)
     return ids
@@ -109,9 +109,9 @@ def test_split_equals_colocated_equals_mlx_lm_greedy_ar_past_ring_wraps(servers,
 
 def test_bounded_quantized_policy_crosses_the_wire_intact(servers, mlx_target, aux_layers):
     """sink-window + 8-bit full layers, asked for over the public API: every field reaches the verifier."""
-    from services.orchestrator.loop import run
-    from services.verifier.cache import CachePolicy
-    from services.verifier.session import VerifierSession
+    from kakeya.orchestrator.loop import run
+    from kakeya.verifier.layout import CachePolicy
+    from kakeya.verifier.session import VerifierSession
 
     wire = _policy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, sink=4, window=16, full_kv_bits=8)
     local = CachePolicy("sink-window", sink=4, window=16, full_kv_bits=8)
@@ -125,17 +125,17 @@ def test_bounded_quantized_policy_crosses_the_wire_intact(servers, mlx_target, a
 
 
 def test_client_cli_prints_the_same_json_as_generate(servers, capsys):
-    from services.orchestrator.cli import main
+    from kakeya.app.main import main
 
     args = ["--json", "--max-tokens", "24", "--block-size", "4", "--prompt", "def f(x):"]
     # the servers run the tiny pair on MLX (TINY_MLX); `generate` with no flags would use the demo pair
-    from services.checkpoints.tiny import default_pair
+    from kakeya.checkpoints.tiny import default_pair
 
     tiny = ["--target", str(default_pair().target), "--draft", str(default_pair().draft), "--backend", "mlx"]
     assert main(["generate", *tiny, *args]) == 0
     local = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     res = subprocess.run(
-        [sys.executable, "-m", "services.orchestrator.cli", "client", "--addr", servers["split"].addr, "generate", *args],
+        [sys.executable, "-m", "kakeya.app.main", "client", "--addr", servers["split"].addr, "generate", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
@@ -357,7 +357,7 @@ def test_session_limit_is_resource_exhausted_then_recovers(servers):
 def test_client_cli_reports_status_and_exits_non_zero(servers):
     def client(*args):
         return subprocess.run(
-            [sys.executable, "-m", "services.orchestrator.cli", "client", *args],
+            [sys.executable, "-m", "kakeya.app.main", "client", *args],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
 

@@ -16,10 +16,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.wire.kakeya.v1 import generate_pb2, generate_pb2_grpc
-from services.wire.limits import channel_options
+from kakeya.wire.kakeya.v1 import generate_pb2, generate_pb2_grpc
+from kakeya.wire.limits import channel_options
 
-from .conftest import ROOT, start_all, TINY_ALL_MLX
+from .conftest import ROOT, TINY_ALL_MLX, start_all
 
 pytestmark = [
     pytest.mark.slow,
@@ -111,7 +111,7 @@ def test_without_a_client_certificate_or_without_tls_nothing_gets_through(secure
 
 
 def test_kakeya_client_speaks_mtls_with_a_token(secure, pki):
-    base = [sys.executable, "-m", "services.orchestrator.cli", "client", "--addr", secure.addr,
+    base = [sys.executable, "-m", "kakeya.app.main", "client", "--addr", secure.addr,
             "--tls-ca", str(pki / "ca.pem"), "--tls-client-cert", str(pki / "client.pem"),
             "--tls-client-key", str(pki / "client.key")]  # fmt: skip
     gen = ["generate", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "5", "--json"]

@@ -15,10 +15,10 @@ import pytest
 
 importlib.import_module("torch")
 
-from services.orchestrator.loop import run  # noqa: E402
-from services.orchestrator.remote import GrpcDrafter, GrpcVerifier  # noqa: E402
-from services.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2_grpc  # noqa: E402
-from services.wire.limits import server_options  # noqa: E402
+from kakeya.orchestrator.loop import run  # noqa: E402
+from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier  # noqa: E402
+from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2_grpc  # noqa: E402
+from kakeya.wire.limits import server_options  # noqa: E402
 
 from .conftest import wait_until  # noqa: E402
 
@@ -30,10 +30,10 @@ N = 120  # past three wraps of the 32-position window
 
 @pytest.fixture(scope="module")
 def torch_servers(tiny_pair, aux_layers):
-    from services.drafter.server import DrafterServicer
-    from services.drafter.session import TorchDrafter
-    from services.verifier.model_torch import torch_verifier
-    from services.verifier.server import VerifierServicer
+    from kakeya.drafter.server import DrafterServicer
+    from kakeya.drafter.session import TorchDrafter
+    from kakeya.verifier.server import VerifierServicer
+    from kakeya.verifier.torch_backend.target import torch_verifier
 
     d, v = DrafterServicer(), VerifierServicer()
     d.compute.run(d._setup, lambda: TorchDrafter(tiny_pair.draft, tiny_pair.target), str(tiny_pair.draft), str(tiny_pair.target), "torch")
@@ -51,7 +51,7 @@ def torch_servers(tiny_pair, aux_layers):
 
 
 def test_torch_backends_over_grpc_match_mlx_lm_greedy_ar(torch_servers, mlx_target):
-    from services.verifier.reference_mlx import greedy_reference
+    from kakeya.verifier.mlx_backend.reference import greedy_reference
 
     addr, v, d = torch_servers
     verifier, drafter = GrpcVerifier(addr), GrpcDrafter(addr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.checkpoints.tiny import make_tiny
+from kakeya.checkpoints.tiny import make_tiny
 
 from .ckpt import make_features_target  # noqa: E402
 
@@ -38,14 +38,14 @@ def features_mm_target(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def torch_target(tiny):
-    from services.verifier.model_torch import TargetTorch
+    from kakeya.verifier.torch_backend.target import TargetTorch
 
     return TargetTorch.load(tiny.target, "cpu", "float32")
 
 
 @pytest.fixture(scope="session")
 def torch_drafter(tiny):
-    from services.drafter.session import TorchDrafter
+    from kakeya.drafter.session import TorchDrafter
 
     return TorchDrafter(tiny.draft, tiny.target, "cpu", "float32")
 

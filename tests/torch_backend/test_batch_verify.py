@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.contract import CachePolicy, SamplingParams
-from services.verifier.batch import verify_batch
-from services.verifier.model_torch import TargetTorch
-from services.verifier.session import VerifierSession
+from kakeya.core.contract import CachePolicy, SamplingParams
+from kakeya.verifier.batch import verify_batch
+from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.torch_backend.target import TargetTorch
 
 from ..verifier.batch_scenario import lockstep
 from .conftest import AUX_LAYERS, PROMPT

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.verifier.cache import CachePolicy, RingLayout
-from services.verifier.cache_torch import FullKVCache, QuantizedFullKVCache, RingKVCache, dequantize, quantize
+from kakeya.verifier.layout import CachePolicy, RingLayout
+from kakeya.verifier.torch_backend.cache import FullKVCache, QuantizedFullKVCache, RingKVCache, dequantize, quantize
 
 from .conftest import AUX_LAYERS
 
@@ -90,7 +90,7 @@ def test_quantized_policy_matches_mlx_backend(torch_target, tiny, bits):
     now and then (one quantization step, ~1e-2 relative): logits differ by
     ~1e-3 typically, and the greedy choice practically never.
     """
-    from services.verifier.model_mlx import TargetMLX
+    from kakeya.verifier.mlx_backend.target import TargetMLX
 
     from .test_verifier_parity import SEQ_LEN, sequence, session_logits
 
@@ -106,7 +106,7 @@ def test_quantized_policy_matches_mlx_backend(torch_target, tiny, bits):
 
 
 def test_quantized_policy_kv_bytes(torch_target, tiny):
-    from services.verifier.session import LocalVerifier
+    from kakeya.verifier.session import LocalVerifier
 
     v = LocalVerifier(torch_target, tiny.target, AUX_LAYERS)
     sizes = {}

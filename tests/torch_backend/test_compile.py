@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from services.contract import CachePolicy
-from services.drafter.session import TorchDrafter
-from services.orchestrator.loop import run
-from services.torch_graphs import BUCKETS, GraphOptions
-from services.verifier.model_torch import TargetTorch
-from services.verifier.session import LocalVerifier, VerifierSession
+from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
+from kakeya.core.contract import CachePolicy
+from kakeya.drafter.session import TorchDrafter
+from kakeya.orchestrator.loop import run
+from kakeya.verifier.session import LocalVerifier, VerifierSession
+from kakeya.verifier.torch_backend.target import TargetTorch
 
 from .conftest import PROMPT
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.drafter.load_torch import load_dflash_torch
-from services.drafter.session import WARM_BLOCK_SIZES, TorchDrafter
+from kakeya.drafter.session import WARM_BLOCK_SIZES, TorchDrafter
+from kakeya.drafter.torch_backend.load import load_dflash_torch
 
 STEPS = [13, 1, 5, 0, 2, 1, 8, 3, 30, 1, 4, 7, 50, 2]
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.drafter.load_torch import load_dflash_torch
+from kakeya.drafter.torch_backend.load import load_dflash_torch
 
 ATOL = 1e-4  # observed: 0 on the tiny pair, ~1e-6 with sliding layers / scales
 
@@ -99,7 +99,7 @@ def test_gap_b_embedding_convention(tiny, torch_drafter):
 def test_matches_mlx_drafter(tiny, torch_drafter):
     import mlx.core as mx
 
-    from services.drafter.dflash_mlx import load_dflash_mlx
+    from kakeya.drafter.mlx_backend.model import load_dflash_mlx
 
     ours, theirs = torch_drafter.model, load_dflash_mlx(tiny.draft, tiny.target)
     aux = np.random.default_rng(1).standard_normal((sum(STEPS), ours.config.aux_width)).astype(np.float32)
@@ -121,8 +121,8 @@ def test_speculative_loop_matches_reference_loop(tiny, torch_target, torch_draft
     import dflash.model as dm
     from transformers import AutoModelForCausalLM
 
-    from services.orchestrator.loop import run
-    from services.verifier.session import LocalVerifier
+    from kakeya.orchestrator.loop import run
+    from kakeya.verifier.session import LocalVerifier
 
     from .conftest import AUX_LAYERS, PROMPT
 

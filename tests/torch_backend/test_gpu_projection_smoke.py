@@ -80,8 +80,8 @@ def test_full_shape_parameter_counts_match_the_published_model():
     """25.2B total / 3.8B active (gemma-4-26B-A4B's published figures), ~0.4B drafter; meta tensors only."""
     import torch
 
-    from services.drafter.dflash_torch import DFlashDraftModel
-    from services.verifier.gemma4_torch import Gemma4Args, Gemma4Text
+    from kakeya.drafter.torch_backend.model import DFlashDraftModel
+    from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, Gemma4Text
 
     gp = _load()
     with torch.device("meta"):
@@ -99,7 +99,7 @@ def test_top_ops_name_the_product_a_step_computes():
     device time by op and input shapes, so a slow GEMM is named with its shapes."""
     import torch
 
-    from services.torch_graphs import GraphedStep
+    from kakeya.backends.torch.graphs import GraphedStep
 
     gp = _load()
     a, b = torch.randn(8, 128), torch.randn(128, 2048)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.contract import CachePolicy
-from services.drafter.batch import draft_batch
-from services.torch_graphs import GRAPHED_MIN_BATCH
-from services.verifier.batch import verify_batch
-from services.verifier.session import VerifierSession
+from kakeya.backends.torch.graphs import GRAPHED_MIN_BATCH
+from kakeya.core.contract import CachePolicy
+from kakeya.drafter.batch import draft_batch
+from kakeya.verifier.batch import verify_batch
+from kakeya.verifier.session import VerifierSession
 
 from .conftest import AUX_LAYERS, PROMPT
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.verifier.gemma4_torch import Gemma4Args, MoE, grouped_mm_supported
+from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, MoE, grouped_mm_supported
 
 ARGS = dict(hidden_size=64, num_experts=16, top_k_experts=4, moe_intermediate_size=32, hidden_activation="gelu_pytorch_tanh",
             rms_norm_eps=1e-6)

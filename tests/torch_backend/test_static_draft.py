@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.drafter.dflash_torch import DFlashConfig, DFlashDraftModel, TargetHead
-from services.drafter.session import TorchDrafter
-from services.torch_graphs import BUCKETS, GraphOptions
+from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
+from kakeya.drafter.session import TorchDrafter
+from kakeya.drafter.torch_backend.model import DFlashConfig, DFlashDraftModel, TargetHead
 
 STATIC_CPU = GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)
 VOCAB, HIDDEN = 96, 32
@@ -164,8 +164,8 @@ def test_the_device_mask_is_block_mask_over_the_capacity(keep, is_causal):
     the eager forward uses -- with a padded block's extra rows masked out as keys."""
     from types import SimpleNamespace
 
-    from services.drafter.context import ContextLayout, block_mask
-    from services.drafter.step_torch import _mask
+    from kakeya.drafter.context import ContextLayout, block_mask
+    from kakeya.drafter.torch_backend.step import _mask
 
     attn = SimpleNamespace(is_causal=is_causal, window=None if keep is None else keep + 1)
     layout = ContextLayout(keep, step=4)

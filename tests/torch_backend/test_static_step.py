@@ -1,4 +1,4 @@
-"""The static-shape verify step (step_torch.py) and its CUDA-graph wrapper (graphs.py), on a CPU.
+"""The static-shape verify step (verifier/torch_backend/step.py) and its CUDA-graph wrapper (graphs.py), on a CPU.
 
 ``GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)`` runs exactly
 what a CUDA device captures -- padded buckets, whole-buffer extents, static input
@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.contract import CachePolicy
-from services.orchestrator.loop import run
-from services.torch_graphs import BUCKETS, GraphOptions, StepGraphs, bucket_for
-from services.verifier.model_torch import TargetTorch
-from services.verifier.session import LocalVerifier, VerifierSession
+from kakeya.backends.torch.graphs import BUCKETS, GraphOptions, StepGraphs, bucket_for
+from kakeya.core.contract import CachePolicy
+from kakeya.orchestrator.loop import run
+from kakeya.verifier.session import LocalVerifier, VerifierSession
+from kakeya.verifier.torch_backend.target import TargetTorch
 
 from .conftest import AUX_LAYERS, PROMPT
 
@@ -54,7 +54,7 @@ def test_graph_options_per_device():
 
 
 def _small_args():
-    from services.verifier.gemma4_torch import Gemma4Args
+    from kakeya.verifier.torch_backend.gemma4 import Gemma4Args
 
     return Gemma4Args(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, global_head_dim=16, sliding_window=8,
@@ -152,7 +152,7 @@ def test_closed_sessions_cache_sets_are_reused_with_their_steps(graph_target):
 
 
 def test_sdpa_runs_with_cudnn_off_in_the_target_and_the_drafter(torch_target, torch_drafter, monkeypatch):
-    import services.torch_ops as ops
+    import kakeya.backends.torch.ops as ops
 
     seen = []
     real = ops.F.scaled_dot_product_attention
@@ -216,7 +216,7 @@ def test_cuda_graph_replay_equals_eager_token_for_token(tiny, torch_drafter):
 def test_cli_fast_path_flags_reach_the_torch_verifier():
     import argparse
 
-    from services.orchestrator.cli_args import add_backend_args, torch_options
+    from kakeya.app.options import add_backend_args, torch_options
 
     p = argparse.ArgumentParser()
     add_backend_args(p)
@@ -226,7 +226,7 @@ def test_cli_fast_path_flags_reach_the_torch_verifier():
 
 
 def test_cpu_never_compiles(tiny, monkeypatch):
-    from services.orchestrator.assembly import build_local_engine
+    from kakeya.orchestrator.assembly import build_local_engine
 
     def refuse(*a, **k):
         raise AssertionError("torch.compile called on the CPU default path")
@@ -241,7 +241,7 @@ def test_cpu_never_compiles(tiny, monkeypatch):
 def test_sdpa_backends_sets_what_sdpa_kernel_sets():
     from torch.nn.attention import sdpa_kernel
 
-    from services.torch_ops import SDPA_BACKENDS, _sdp_flags, sdpa_backends
+    from kakeya.backends.torch.ops import SDPA_BACKENDS, _sdp_flags, sdpa_backends
 
     outside = _sdp_flags()
     with sdpa_kernel(list(SDPA_BACKENDS)):

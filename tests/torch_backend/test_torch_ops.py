@@ -1,11 +1,11 @@
-"""services/torch_ops.py: the two RMSNorm conventions against their transformers references, RoPE."""
+"""services/backends/torch/ops.py: the two RMSNorm conventions against their transformers references, RoPE."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.torch_ops import (
+from kakeya.backends.torch.ops import (
     apply_rope,
     default_inv_freq,
     gemma4_rms_norm,
@@ -90,7 +90,7 @@ def test_device_and_dtype_resolution():
 def test_fused_rms_norms_are_the_reference_formulas_bit_for_bit(dtype):
     """Both norms run as one fused kernel (F.rms_norm); it must round where the unfused
     float32 formula rounds: Gemma-4 once after the weight, Qwen3 before it."""
-    from services.torch_ops import _normalized_f32
+    from kakeya.backends.torch.ops import _normalized_f32
 
     g = torch.Generator().manual_seed(0)
     for D in (16, 64, 256, 2816):
@@ -114,7 +114,7 @@ def test_rms_norm_with_a_weight_of_another_dtype_takes_the_unfused_formula():
 def test_folded_gqa_attention_equals_sdpa_gqa(G, L, D):
     """The CUDA attention path (query heads folded per KV head; two GEMMs up to DECODE_ROWS rows, the
     fused kernel beyond) computes SDPA's GQA, masks included."""
-    from services.torch_ops import sdpa_folded
+    from kakeya.backends.torch.ops import sdpa_folded
 
     g = torch.Generator().manual_seed(G * 100 + L)
     Hkv, K = 2, 40 if L != 16 else 1040  # 1040 keys: the split-K path (16 chunks of 65)
@@ -135,7 +135,7 @@ def test_cuda_fused_rms_norms_round_like_the_reference(dtype):
     """On CUDA the fused kernel sums squares in its own order, so its float32 rstd may differ
     from ``mean``'s in the last bit: allowed to move an output by about one rounding step
     (and, in bf16, rarely)."""
-    from services.torch_ops import _normalized_f32
+    from kakeya.backends.torch.ops import _normalized_f32
 
     g = torch.Generator().manual_seed(0)
     for D in (64, 256, 2816):

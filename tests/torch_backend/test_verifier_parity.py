@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.verifier.cache import CachePolicy
-from services.verifier.session import VerifierSession
+from kakeya.verifier.layout import CachePolicy
+from kakeya.verifier.session import VerifierSession
 
 from .conftest import AUX_LAYERS
 
@@ -98,7 +98,7 @@ def _check(mine: np.ndarray, ref: np.ndarray, atol: float, what: str) -> None:
 
 
 def _load_torch(path):
-    from services.verifier.model_torch import TargetTorch
+    from kakeya.verifier.torch_backend.target import TargetTorch
 
     return TargetTorch.load(path, "cpu", "float32")
 
@@ -132,7 +132,7 @@ def test_logits_match_transformers(targets, name, prefill):
     ids=["dense", "moe", "features", "dense-sink4-window20"],
 )
 def test_logits_match_mlx_verifier(targets, name, policy):
-    from services.verifier.model_mlx import TargetMLX
+    from kakeya.verifier.mlx_backend.target import TargetMLX
 
     path, target = targets[name]
     seq = sequence(target.args.vocab_size, seed=1)

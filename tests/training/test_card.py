@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.training import card
+from kakeya.training import card
 
 
 def test_shipped_card_is_the_rendering_of_its_reports(demo_pair):

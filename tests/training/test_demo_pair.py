@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
-from services.checkpoints.tiny import demo_pair, embedded_pair
+from kakeya.checkpoints.tiny import demo_pair, embedded_pair
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = "
 
 
 def test_demo_pair_is_the_no_flag_default(demo_pair):
     assert embedded_pair() == demo_pair
-    from services.orchestrator.assembly import build_local_engine
+    from kakeya.orchestrator.assembly import build_local_engine
 
     engine = build_local_engine(None, None)
     assert engine.target == str(demo_pair.target) and engine.draft == str(demo_pair.draft)
@@ -27,9 +27,9 @@ def test_demo_pair_is_small_and_documented(demo_pair):
 
 
 def test_demo_pair_greedy_speculative_equals_mlx_lm_ar_and_accepts(demo_pair):
-    from services.orchestrator.assembly import build_local_engine
-    from services.orchestrator.engine import Request
-    from services.verifier.reference_mlx import greedy_reference
+    from kakeya.orchestrator.assembly import build_local_engine
+    from kakeya.orchestrator.engine import Request
+    from kakeya.verifier.mlx_backend.reference import greedy_reference
 
     engine = build_local_engine(str(demo_pair.target), str(demo_pair.draft))
     ids = engine.codec.encode(PROMPT)
@@ -47,10 +47,10 @@ def test_heldout_replay_predicts_the_engines_blocks(demo_pair):
     import numpy as np
     import torch
 
-    from services.orchestrator.assembly import build_local_engine
-    from services.orchestrator.engine import Request
-    from services.training.block_trainer import BlockTrainer, TorchTarget
-    from services.training.drafter_eval import leading_right, replay
+    from kakeya.orchestrator.assembly import build_local_engine
+    from kakeya.orchestrator.engine import Request
+    from kakeya.training.block_trainer import BlockTrainer, TorchTarget
+    from kakeya.training.drafter_eval import leading_right, replay
 
     engine = build_local_engine(str(demo_pair.target), str(demo_pair.draft))
     cfg = json.loads((demo_pair.draft / "config.json").read_text())

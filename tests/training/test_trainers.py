@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from services.checkpoints import tokenizer as tk
-from services.training import drafter as tdraft
-from services.training import target as ttarget
+from kakeya.checkpoints import tokenizer as tk
+from kakeya.training import drafter as tdraft
+from kakeya.training import target as ttarget
 
 
 def _args(add, argv):
@@ -48,7 +48,7 @@ def test_train_target_smoke_resume_and_load(tmp_path, backend):
 
 
 def test_heldout_split_is_by_file_and_deterministic():
-    from services.training import data
+    from kakeya.training import data
 
     files = data.all_files()
     held = [f for f in files if data.is_heldout(f, 5)]
@@ -82,7 +82,7 @@ def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["dflash_config"]["mask_token_id"] == 4 and cfg["dflash_config"]["input_embedding_scale"] == 1.0
 
-    from services.drafter.dflash_mlx import load_dflash_mlx
+    from kakeya.drafter.mlx_backend.model import load_dflash_mlx
 
     load_dflash_mlx(out, tiny_pair.target)  # strict load of the reference layout
 
@@ -108,9 +108,9 @@ def test_block_training_forward_equals_mlx_drafter(tiny_pair):
     import torch
     from mlx_lm.models.cache import KVCache
 
-    from services.checkpoints.config import load_draft_config
-    from services.drafter.dflash_mlx import load_dflash_mlx
-    from services.verifier.model_mlx import TargetMLX
+    from kakeya.checkpoints.config import load_draft_config
+    from kakeya.drafter.mlx_backend.model import load_dflash_mlx
+    from kakeya.verifier.mlx_backend.target import TargetMLX
 
     target = TargetMLX.load(tiny_pair.target)
     dcfg = load_draft_config(tiny_pair.draft)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.contract import Proposal
-from services.verifier.batch import verify_batch
-from services.verifier.session import VerifierSession
+from kakeya.core.contract import Proposal
+from kakeya.verifier.batch import verify_batch
+from kakeya.verifier.session import VerifierSession
 
 
 def proposal_for(candidates, vocab: int) -> Proposal | None:

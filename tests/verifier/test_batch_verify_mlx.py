@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.contract import CachePolicy, SamplingParams
-from services.verifier.batch import _batchable
+from kakeya.core.contract import CachePolicy, SamplingParams
+from kakeya.verifier.batch import _batchable
 
 from .batch_scenario import lockstep
 
@@ -35,7 +35,7 @@ def test_batched_mlx_sessions_match_alone(mlx_target, aux_layers):
 
 
 def test_mlx_batch_runs_in_one_forward(mlx_target, aux_layers, monkeypatch):
-    from services.verifier import batch_mlx
+    from kakeya.verifier.mlx_backend import batch as batch_mlx
 
     calls = []
     real = batch_mlx.forward_batch

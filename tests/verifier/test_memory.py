@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from services.checkpoints.config import load_target_config
-from services.orchestrator.cli import main
-from services.verifier.cache import CachePolicy
-from services.verifier.memory import KVShape, session_bytes
-from services.verifier.session import VerifierSession
+from kakeya.app.main import main
+from kakeya.checkpoints.config import load_target_config
+from kakeya.verifier.layout import CachePolicy
+from kakeya.verifier.memory import KVShape, session_bytes
+from kakeya.verifier.session import VerifierSession
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,10 @@ require identity up to the reference's first near-tie and a long prefix.
 
 import pytest
 
-from services.drafter.session import MLXDrafter
-from services.orchestrator.loop import run, speculative_decode
-from services.verifier.cache import CachePolicy
-from services.verifier.session import VerifierSession
+from kakeya.drafter.session import MLXDrafter
+from kakeya.orchestrator.loop import run, speculative_decode
+from kakeya.verifier.layout import CachePolicy
+from kakeya.verifier.session import VerifierSession
 
 from ..planted import PlantedDrafterSession
 from ..policy_reference import policy_greedy

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from services.verifier.cache import CachePolicy, RingLayout
+from kakeya.verifier.layout import CachePolicy, RingLayout
 
 
 def expected_visible(q: int, sink: int, window: int) -> set[int]:

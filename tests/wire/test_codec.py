@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.wire.codec import (
+from kakeya.wire.codec import (
     DType,
     Tensor,
     bfloat16_to_float32,

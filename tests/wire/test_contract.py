@@ -2,9 +2,9 @@
 
 import pytest
 
-from services.verifier.cache import CachePolicy
-from services.wire import contract as wire_contract
-from services.wire.kakeya.v1 import cache_pb2
+from kakeya.verifier.layout import CachePolicy
+from kakeya.wire import convert as wire_contract
+from kakeya.wire.kakeya.v1 import cache_pb2
 
 
 @pytest.mark.parametrize(

@@ -14,15 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.wire import limits
-from services.wire.codec import from_proto, to_proto
-from services.wire.kakeya.v1 import (
-    drafter_pb2,
-    drafter_pb2_grpc,
-    tensor_pb2,
-    verifier_pb2,
-    verifier_pb2_grpc,
-)
+from kakeya.wire import limits
+from kakeya.wire.codec import from_proto, to_proto
+from kakeya.wire.kakeya.v1 import drafter_pb2, drafter_pb2_grpc, tensor_pb2, verifier_pb2, verifier_pb2_grpc
 
 VReq, VRes = verifier_pb2.VerifierRequest, verifier_pb2.VerifierResponse
 DReq, DRes = drafter_pb2.DrafterRequest, drafter_pb2.DrafterResponse

@@ -18,7 +18,7 @@ CONTRACT = Path(__file__).with_name("wire_contract.json")
 
 
 def _modules():
-    from services.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, sampling_pb2, tensor_pb2, verifier_pb2
+    from kakeya.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, sampling_pb2, tensor_pb2, verifier_pb2
 
     return [tensor_pb2, cache_pb2, sampling_pb2, verifier_pb2, drafter_pb2, generate_pb2]
 
@@ -78,7 +78,7 @@ def test_stubs_are_fresh():
 
 
 def test_stubs_import_as_a_package():
-    from services.wire.kakeya.v1 import drafter_pb2_grpc, generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+    from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
     assert verifier_pb2_grpc.VerifierServiceStub and drafter_pb2_grpc.DrafterServiceStub
     assert generate_pb2_grpc.GenerationStub

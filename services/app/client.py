@@ -1,0 +1,222 @@
+"""``kakeya client ...``: call a running orchestrator (``kakeya serve orchestrator|all``).
+
+::
+
+    kakeya client --addr HOST:PORT generate [--prompt TEXT] [--max-tokens N] [--json] ...
+    kakeya client --addr HOST:PORT info | health
+
+``client generate`` prints what ``kakeya generate`` prints (the same ``--json``
+object, rebuilt from the stream through ``Engine.report``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kakeya.app.options import (
+    DEFAULT_PROMPT,
+    add_cache_args,
+    add_generation_options,
+    cache_policy_from_args,
+    print_result,
+    sampling_from_args,
+)
+from kakeya.app.serve import DEFAULT_PORTS
+
+
+def _channel(args):
+    from kakeya.app import flags as serve_flags
+
+    return serve_flags.client_channel(args)  # TLS and the bearer token when asked for
+
+
+def _rpc_error(exc) -> int:
+    code = exc.code().name if exc.code() else "UNKNOWN"
+    print(f"kakeya: error: {code}: {exc.details()}", file=sys.stderr)
+    return 1
+
+
+def report_from_stream(model, server, complete, token_ids: list[int], text: str, sampling=None) -> dict:
+    """The ``kakeya generate --json`` object, rebuilt from a Generate stream's messages.
+
+    Goes through ``Engine.report`` itself (on a Generation rebuilt from the
+    Complete message), so the keys and their rounding are the CLI's own.
+    ``sampling``: the request's SamplingParams (the seed comes from Complete).
+    """
+    import dataclasses
+
+    from kakeya.orchestrator.engine import Engine, Request
+    from kakeya.orchestrator.loop import Block, Generation
+    from kakeya.wire import convert as wire_contract
+    from kakeya.wire.kakeya.v1 import generate_pb2 as pb
+
+    s = complete.stats
+    blocks = [Block(token_ids[:1], 0, 0)] + [Block([0] * n, n - 1, n - 1) for n in s.acceptance_lengths]
+    gen = Generation(
+        prompt_ids=list(complete.prompt_token_ids),
+        token_ids=list(token_ids),
+        blocks=blocks,
+        finish_reason=pb.FinishReason.Name(complete.finish_reason).removeprefix("FINISH_REASON_").lower(),
+        prefill_s=s.prefill_s,
+        decode_s=s.decode_s,
+        drafter_fallback=s.drafter_fallback,
+        verifier_stats={
+            "kv_bytes": {"sliding": s.verifier_kv_bytes_sliding, "full": s.verifier_kv_bytes_full},
+            "cache_policy": s.cache_policy,
+            "bounded": s.cache_bounded,
+        },
+    )
+
+    class _Streamed:  # the text as it was streamed (stop strings already cut)
+        def decode(self, _ids):
+            return text
+
+    class _Remote:
+        info = wire_contract.model_info_from_public(model, server.verifier_backend)
+
+    engine = Engine(_Remote(), None, _Streamed(), target=model.target_model, draft=model.draft_model)
+    if sampling is not None and complete.HasField("seed"):  # the request's params, the seed the server used
+        gen.sampling = dataclasses.replace(sampling, seed=complete.seed)
+    out = engine.report(Request(gen.prompt_ids, block_size=s.block_size), gen)
+    out["decode_tok_s"] = round(s.decode_tok_s, 3)  # the server's figure (same formula, its clock)
+    out["device"] = None  # the servers' own: not on the wire (`kakeya generate` reports its own)
+    return out
+
+
+def generate_request(args):
+    from kakeya.wire import convert as wire_contract
+    from kakeya.wire.kakeya.v1 import generate_pb2 as pb
+
+    sp = pb.SamplingParams(
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+        stop=args.stop or [],
+        stop_token_ids=args.stop_token_id or [],
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+    )
+    if args.seed is not None:
+        if not 0 <= args.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {args.seed}")
+        sp.seed = args.seed
+    req = pb.GenerateRequest(request_id=args.request_id or "", sampling_params=sp, block_size=args.block_size or 0)
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated token ids, got {args.prompt_ids!r}") from None
+        req.tokenized.ids.extend(ids)
+        if not ids:
+            req.tokenized.SetInParent()
+    else:
+        req.text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    policy = cache_policy_from_args(args)
+    if policy is not None:
+        req.cache_policy.CopyFrom(wire_contract.policy_to_proto(policy))
+    return req
+
+
+def cmd_client_generate(args) -> int:
+    import grpc
+
+    from kakeya.wire.kakeya.v1 import generate_pb2 as pb
+    from kakeya.wire.kakeya.v1 import generate_pb2_grpc
+
+    if args.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {args.max_tokens}")
+    if args.block_size is not None and args.block_size < 1:  # as `kakeya generate`; 0 would mean "default" on the wire
+        raise ValueError(f"block_size must be between 1 and 16, got {args.block_size}")
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise ValueError("give --prompt or --prompt-ids, not both")
+    req = generate_request(args)
+    stub = generate_pb2_grpc.GenerationStub(_channel(args))
+    ids: list[int] = []
+    text: list[str] = []
+    complete = None
+    try:
+        model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout or 30)
+        server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=args.timeout or 30)
+        for resp in stub.Generate(req, timeout=args.timeout):
+            if resp.HasField("chunk"):
+                ids.extend(resp.chunk.token_ids)
+                text.append(resp.chunk.text)
+                if not args.json and resp.chunk.text:
+                    sys.stdout.write(resp.chunk.text)
+                    sys.stdout.flush()
+            else:
+                complete = resp.complete
+    except grpc.RpcError as exc:
+        if not args.json and text:
+            print()
+        return _rpc_error(exc)
+    if complete is None:
+        print("kakeya: error: the stream ended without a Complete message", file=sys.stderr)
+        return 1
+    out = report_from_stream(model, server, complete, ids, "".join(text), sampling_from_args(args))
+    print_result(args, out)
+    if complete.finish_reason == pb.FINISH_REASON_ERROR:
+        print(f"kakeya: error: generation failed: {complete.error_message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_client_info(args) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from kakeya.wire.kakeya.v1 import generate_pb2 as pb
+    from kakeya.wire.kakeya.v1 import generate_pb2_grpc
+
+    stub = generate_pb2_grpc.GenerationStub(_channel(args))
+    try:
+        model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout or 10)
+        server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=args.timeout or 10)
+    except grpc.RpcError as exc:
+        return _rpc_error(exc)
+    print(json.dumps({"model": MessageToDict(model), "server": MessageToDict(server)}, indent=1))
+    return 0
+
+
+def cmd_client_health(args) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(_channel(args))
+    try:
+        r = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout or 5)
+    except grpc.RpcError as exc:
+        return _rpc_error(exc)
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    print(status)
+    return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+
+
+def register(sub) -> None:
+    from kakeya.app import flags as serve_flags
+
+    p = sub.add_parser("client", help="call a running orchestrator (kakeya serve orchestrator|all)")
+    p.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}", help="HOST:PORT of the orchestrator")
+    p.add_argument("--timeout", type=float, help="deadline in seconds (propagates to the verifier and drafter)")
+    serve_flags.add_client(p)
+    cmds = p.add_subparsers(dest="client_command", required=True)
+
+    g = cmds.add_parser("generate", help="streaming generation, same options and --json as `kakeya generate`")
+    add_generation_options(g)
+    g.add_argument("--prompt-ids", help="pre-tokenized prompt, comma-separated ids (instead of --prompt)")
+    g.add_argument("--stop", action="append", help="stop string (repeatable); cut from the output")
+    g.add_argument("--stop-token-id", type=int, action="append", help="extra stop token id (repeatable)")
+    g.add_argument("--request-id", help="request id for the server's logs")
+    add_cache_args(g, default_kind=None)
+    g.set_defaults(func=cmd_client_generate)
+
+    i = cmds.add_parser("info", help="GetModelInfo + GetServerInfo as JSON")
+    i.set_defaults(func=cmd_client_info)
+
+    h = cmds.add_parser("health", help="grpc.health.v1 Check; exit 0 when SERVING")
+    h.add_argument("--service", default="", help="service name ('' = the whole server)")
+    h.set_defaults(func=cmd_client_health)

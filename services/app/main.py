@@ -1,0 +1,163 @@
+"""The ``kakeya`` command.
+
+Parses arguments and prints; engines are built by ``assembly.py``. Every
+sub-command registers itself with ``register(subparsers)`` and sets ``func``;
+errors a user can fix (bad paths, bad configs, bad arguments: library code
+raises ValueError) end as one ``kakeya: error: ...`` line and exit status 2,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kakeya.app.options import (
+    DEFAULT_PROMPT,
+    add_backend_args,
+    add_cache_args,
+    add_generation_options,
+    cache_policy_from_args,
+    print_result,
+    sampling_from_args,
+    torch_options,
+)
+
+
+def cmd_generate(args) -> int:
+    from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
+    from kakeya.orchestrator.engine import Request, stream_text
+    from kakeya.orchestrator.loop import check_block_size, drive
+
+    if args.prompt is not None and not args.prompt.strip():
+        raise ValueError("--prompt is empty")
+    if args.block_size:  # 0 or omitted: auto
+        check_block_size(args.block_size)
+    policy = cache_policy_from_args(args)
+    engine = build_local_engine(args.target, args.draft, args.backend, args.device, args.dtype,
+                                torch_options=torch_options(args))
+    if engine.backend == "torch":
+        set_torch_threads(args.torch_threads, engine.device, embedded=args.target is None)
+    prompt_ids = engine.codec.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
+    req = Request(prompt_ids, max_tokens=args.max_tokens, block_size=args.block_size or 0, ignore_eos=args.ignore_eos,
+                  cache_policy=policy, sampling=sampling_from_args(args).seeded())
+    req.cache_policy.resolve(engine.verifier.info.sliding_window)
+    engine.validate(req)
+    _warm_up(engine, req, args.compare_ar)
+
+    def show(item):
+        if not args.json:
+            sys.stdout.write(item[1])
+            sys.stdout.flush()
+
+    gen = drive(stream_text(engine.codec, engine.stream(req)), show)
+    out = engine.report(req, gen)
+    out["device"] = engine.device
+    if args.compare_ar:
+        out.update(_compare_ar(engine, req, gen))
+    print_result(args, out)
+    return 0
+
+
+def _warm_up(engine, req, ar: bool) -> None:
+    """A few blocks first, so neither timed run pays for first-call allocation and kernel set-up
+    (the servers warm up the same way before they report SERVING)."""
+    from dataclasses import replace
+
+    block = req.block_size or engine.default_block_size
+    engine.generate(replace(req, max_tokens=2 * block, ignore_eos=True))
+    if ar:
+        engine.generate(replace(req, max_tokens=4, block_size=1, ignore_eos=True))
+
+
+def _compare_ar(engine, req, gen) -> dict:
+    """Greedy AR of the same target, as independent of the speculative path as the policy allows.
+
+    For the native policy on MLX that is mlx-lm's own ``generate_step`` with its
+    own caches. mlx-lm has no sink-window or quantized-full-layer cache, so for
+    those (and for other backends) the reference is this engine at block size 1
+    with the same policy: plain AR through the same cache semantics.
+    """
+    from dataclasses import replace
+
+    stop = set(req.stop_ids) | (set() if req.ignore_eos else set(engine.verifier.info.eos_token_ids))
+    policy = req.cache_policy
+    if not req.sampling.greedy:  # AR sampling, same params and seed: a speed reference, not a token-identity one
+        ar = engine.generate(replace(req, block_size=1))
+        ar_tok_s = ar.decode_tok_s
+        return {
+            "ar_reference": "kakeya block size 1, AR sampling with the same parameters (same distribution, other tokens)",
+            "ar_token_ids": ar.token_ids,
+            "ar_decode_tok_s": round(ar_tok_s, 3),
+            "speedup": round(gen.decode_tok_s / ar_tok_s, 4) if ar_tok_s else 0.0,
+        }
+    target = getattr(engine.verifier, "target", None)
+    native = policy is None or (policy.kind == "native" and not policy.full_kv_bits)
+    if native and getattr(target, "backend", "") == "mlx":
+        from kakeya.verifier.mlx_backend.reference import greedy_reference
+
+        ar_ids, _, decode_s = greedy_reference(target.model, req.prompt_ids, req.max_tokens, stop)
+        reference = "mlx-lm generate_step (native caches)"
+    else:
+        ar = engine.generate(replace(req, block_size=1))
+        ar_ids, decode_s = ar.token_ids, ar.decode_s
+        reference = f"kakeya block size 1, same cache policy ({policy.label if policy else 'default'})"
+    ar_tok_s = (len(ar_ids) - 1) / decode_s if decode_s > 0 and len(ar_ids) > 1 else 0.0
+    return {
+        "ar_reference": reference,
+        "ar_token_ids": ar_ids,
+        "ar_decode_tok_s": round(ar_tok_s, 3),
+        "lossless": ar_ids == gen.token_ids,
+        "speedup": round(gen.decode_tok_s / ar_tok_s, 4) if ar_tok_s else 0.0,
+    }
+
+
+def register_generate(sub) -> None:
+    p = sub.add_parser("generate", help="speculative generation in-process (embedded default models if no paths)")
+    p.add_argument("--target", help="Gemma-4 target checkpoint directory")
+    p.add_argument("--draft", help="DFlash drafter checkpoint directory")
+    add_generation_options(p)
+    add_backend_args(p)
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 for the embedded pair on CPU, where a tiny model gains nothing "
+                        "from more and a thread team stalls on a shared CPU; torch's own default otherwise; 0: torch's)")
+    p.add_argument("--compare-ar", action="store_true", help="also run AR (greedy: report lossless/speedup; sampling: AR sampling, speed only)")
+    add_cache_args(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every sub-command; imports neither MLX nor torch (each command imports its backend when it runs)."""
+    from kakeya.app import client, serve
+    from kakeya.checkpoints import tiny
+    from kakeya.orchestrator import niah
+    from kakeya.training import commands as training
+    from kakeya.verifier import memory
+
+    parser = argparse.ArgumentParser(prog="kakeya", description="Speculative decoding for Gemma-4 with DFlash drafters")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register_generate(sub)
+    serve.register(sub)
+    client.register(sub)
+    tiny.register(sub)
+    memory.register(sub)
+    training.register(sub)
+    niah.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, run, and turn what a user can fix (ValueError, a missing file) into one line and exit 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:  # CheckpointError is a ValueError
+        print(f"kakeya: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""What the `kakeya` sub-commands share: option groups, their parsing, the result line.
+
+Imported by ``app/main.py``, ``serve.py`` and ``client.py`` (never the reverse), and
+imports nothing heavy: building the parser needs neither MLX nor torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+# A prompt on which the demo target (a 6-layer model trained on the Python stdlib) stays coherent
+# for the default 128 tokens (no runaway repetition) and the demo drafter is accepted well (mean
+# acceptance 4.2 at block 8); "def fibonacci(n):" drove it into a loop. Picked from a dozen
+# candidates with `kakeya generate --compare-ar --json --backend torch`.
+DEFAULT_PROMPT = 'def load(path):\n    """Load the data stored at path."""\n    '
+
+
+def add_backend_args(p, *, help_suffix: str = "") -> None:
+    """--backend/--device/--dtype for commands that load models in-process."""
+    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "torch"],
+                   help="auto (default): MLX on Apple silicon, torch elsewhere" + help_suffix)
+    p.add_argument("--device", help="torch: cuda, cuda:1, cpu, mps (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="torch weights dtype (default float32)")
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="torch: capture the verify step and the drafter's block forward in CUDA graphs per block-size bucket (auto: on for cuda)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch: torch.compile each layer's norms, projections, RoPE and MLP into fused kernels; "
+                        "slow start-up, off by default")
+
+
+def torch_options(args) -> dict:
+    """The torch fast-path options from --cuda-graphs/--compile (only what differs from the defaults)."""
+    out = {}
+    graphs = getattr(args, "cuda_graphs", "auto")
+    if graphs != "auto":
+        out["cuda_graphs"] = graphs == "on"
+    if getattr(args, "compile", False):
+        out["compile"] = True
+    return out
+
+
+def add_cache_args(p, default_kind: str | None = "native") -> None:
+    """Cache-policy flags, shared by every command that opens verifier sessions.
+
+    ``default_kind=None`` (the client): no --cache means "the server's default policy".
+    """
+    g = p.add_argument_group("verifier cache policy")
+    g.add_argument("--cache", default=default_kind, choices=["native", "sink-window"],
+                   help="native: the model's own sliding window (not bounded as a whole); "
+                        "sink-window: --sink first positions + a --window of recent ones on sliding layers")
+    g.add_argument("--sink", type=int, default=4, help="attention sinks kept forever (sink-window)")
+    g.add_argument("--window", type=int, default=None, help="sliding window (sink-window; default: the model's)")
+    g.add_argument("--full-kv-bits", type=int, default=0, choices=[0, 4, 8],
+                   help="affine-quantize full-attention K/V to 4 or 8 bits (0: exact)")
+    g.add_argument("--restore", default=None, metavar="ftheta:DIR",
+                   help="restore evicted sliding-layer K/V with a trained f_theta (sink-window only; "
+                        "see kakeya train-ftheta)")
+
+
+def cache_policy_from_args(args):
+    """The CachePolicy the flags ask for, or None when --cache was left to the server."""
+    from kakeya.verifier.layout import CachePolicy
+
+    restore = getattr(args, "restore", None)
+    if args.cache is None:
+        if args.full_kv_bits or args.window is not None or restore:
+            raise ValueError("--window/--full-kv-bits/--restore need --cache native|sink-window")
+        return None
+    restore = restore.removeprefix("ftheta:") if restore else None
+    if args.cache == "native":
+        return CachePolicy("native", full_kv_bits=args.full_kv_bits, restore=restore)
+    return CachePolicy("sink-window", sink=args.sink, window=args.window, full_kv_bits=args.full_kv_bits,
+                       restore=restore)
+
+
+def add_generation_options(p) -> None:
+    """Options shared by `kakeya generate` and `kakeya client generate`."""
+    p.add_argument("--prompt", help="prompt text (default: the start of a Python function, def load(path): ...)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="1..16, or 0 (the default): auto, each block sized for the most tokens per second; see docs/design.md)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    g = p.add_argument_group("sampling (lossless: distributed exactly as AR sampling from the processed p)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy, token-identical to greedy AR")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most probable tokens (0: off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set reaching this mass (1: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * max p (0: off)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the sampling streams (default: drawn, and reported)")
+
+
+def sampling_from_args(args):
+    """The SamplingParams the flags ask for (ValueError naming the flag's field when one is off)."""
+    from kakeya.core.contract import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed).check()
+
+
+def summary_line(out: dict) -> str:
+    """One line that says what ran and, with an AR reference, what was compared and how it came out."""
+    where = out.get("backend") or "?"
+    if out.get("device"):
+        where += f"/{out['device']}"
+    sizes = out.get("block_sizes") or [0]
+    block = f"block {out['block_size']}" if out["block_size"] else f"auto blocks, mean {sum(sizes) / len(sizes):.1f}"
+    head = f"speculative (DFlash, {block}, {where}): {out['decode_tok_s']:.0f} tok/s"
+    sampled = out.get("sampling", {}).get("temperature", 0) > 0
+    if sampled:
+        head = head.replace("): ", f", sampling seed {out['seed']}): ", 1)
+    if "ar_decode_tok_s" in out and sampled:
+        speedup = f"{out['speedup']:.1f}x" if out.get("speedup") else "n/a"
+        head += (f" vs autoregressive sampling {out['ar_decode_tok_s']:.0f} tok/s -> {speedup}"
+                 " (same distribution, not the same tokens: no token-identity claim when sampling)")
+    elif "ar_decode_tok_s" in out:
+        ids, ar = out["token_ids"], out["ar_token_ids"]
+        same = next((i for i, (a, b) in enumerate(zip(ids, ar)) if a != b), min(len(ids), len(ar)))
+        verdict = (f"lossless ({same}/{len(ar)} tokens identical)" if out["lossless"]
+                   else f"NOT lossless (first {same} of {len(ar)} tokens identical)")
+        speedup = f"{out['speedup']:.1f}x" if out.get("speedup") else "n/a"
+        head += f" vs autoregressive {out['ar_decode_tok_s']:.0f} tok/s -> {speedup}, {verdict}"
+    tail = (f"{len(out['token_ids'])} tokens ({out['finish_reason']}), mean acceptance {out['mean_acceptance']:.2f} "
+            f"tokens/block, prefill {out['prefill_s'] * 1e3:.1f} ms")
+    if out["drafter_fallback"]:
+        tail += "; drafter failed, verifier finished alone"
+    if out["quality"]["degenerate"]:
+        tail += "; WARNING: runaway repetition"
+    return f"{head}; {tail}"
+
+
+def print_result(args, out: dict) -> None:
+    """The end of `generate` and `client generate`: one JSON line, or the summary line on stderr."""
+    if args.json:
+        print(json.dumps(out))
+        return
+    print()
+    print(summary_line(out), file=sys.stderr)

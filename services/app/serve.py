@@ -1,0 +1,374 @@
+"""``kakeya serve ...``: run the gRPC services (``client.py`` calls them).
+
+::
+
+    kakeya serve verifier     --port P --target DIR [--draft DIR | --aux-layers 1,4] [--max-sessions N]
+    kakeya serve drafter      --port P --draft DIR --target DIR [--max-sessions N]
+    kakeya serve orchestrator --port P --verifier HOST:PORT [--drafter HOST:PORT]   (split)
+    kakeya serve orchestrator --port P [--target DIR --draft DIR]                   (colocated)
+    kakeya serve all          --port P [--target DIR --draft DIR]
+
+Without checkpoint paths every server uses the embedded pair, the same one as
+``kakeya generate`` (``assembly.embedded_paths``); ``--backend auto`` (the default)
+is ``assembly.resolve_backend``'s choice, resolved here so each process is told
+a concrete backend. ``serve all``
+runs verifier, drafter and orchestrator as three processes (the backends on
+loopback ports of their own choosing), forwards SIGTERM/SIGINT to them in
+order (orchestrator first, so it can drain), restarts a child that dies with
+backoff (``app/supervisor.py``), and takes them down with it if it dies. Every server: gRPC health checking and reflection, SERVING only once
+loaded and warmed up, ``--ready-file`` written at that moment, SIGTERM drains
+in-flight streams for ``--grace`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from kakeya.app import flags as serve_flags
+
+DEFAULT_PORTS = {"orchestrator": 50051, "verifier": 50061, "drafter": 50062}
+
+
+def _pair(target: str | None, draft: str | None) -> tuple[str, str]:
+    from kakeya.orchestrator.assembly import pair_paths
+
+    return pair_paths(target, draft)
+
+
+def _aux_layers(text: str | None, draft: str | None) -> list[int]:
+    if text:
+        try:
+            return [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--aux-layers must be comma-separated layer ids, got {text!r}") from None
+    if draft:
+        from kakeya.checkpoints.config import load_draft_config
+
+        return list(load_draft_config(draft)["dflash_config"]["target_layer_ids"])
+    return []
+
+
+def _common(p: argparse.ArgumentParser, name: str) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 / [::] for all; default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORTS[name], help=f"port (0: any free port; default {DEFAULT_PORTS[name]})")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight streams (default 30)")
+    p.add_argument("--ready-file", help="write {addr, port, pid} as JSON here once SERVING")
+    serve_flags.add_common(p)
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port of --host (0: any free port; default: off)")
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="stderr log lines: text or JSON (default text)")
+
+
+def _run(spec, args) -> int:
+    from kakeya.runtime.lifecycle import run_server, setup_logging
+
+    setup_logging(spec.name, args.log_format)
+    rc = run_server(spec, args.host, args.port, args.grace, args.ready_file, metrics_port=args.metrics_port)
+    # Everything is drained and closed. Leave without joining the compute thread: MLX aborts the
+    # process ("terminate called without an active exception") when the thread that owns its
+    # arrays is joined while they are alive.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+# --------------------------------------------------------------------------- serve <role>
+
+
+def cmd_serve_verifier(args) -> int:
+    from kakeya.verifier.server import server_spec
+
+    if args.target is None:  # the embedded pair (its drafter's aux layers by default)
+        target, draft = _pair(None, None)
+        draft = args.draft or draft
+    else:  # without --draft/--aux-layers, sessions must name their aux layers at Open
+        target, draft = args.target, args.draft
+    layers = _aux_layers(args.aux_layers, draft)
+    limits = serve_flags.session_limits(args, kv_budget=True)
+    limits["restore"], args.restore = serve_flags.restore_sources(args)  # the default policy's: the bare DIR
+    backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
+    if backend == "torch":
+        from kakeya.app.options import torch_options
+
+        kwargs |= torch_options(args)
+    spec = server_spec(target, layers, backend, args.max_sessions, limits=limits, tls=serve_flags.server_tls(args),
+                       policy=_default_policy(args), **kwargs)
+    return _run(spec, args)
+
+
+def _default_policy(args):
+    """The sessions' default cache policy from --cache & co. (each request may send its own)."""
+    from kakeya.app.options import cache_policy_from_args
+    from kakeya.core.contract import CachePolicy
+
+    return cache_policy_from_args(args) or CachePolicy()  # checked against the model when it loads
+
+
+def cmd_serve_drafter(args) -> int:
+    from kakeya.drafter.server import server_spec
+
+    target, draft = _pair(args.target, args.draft)
+    limits = serve_flags.session_limits(args, kv_budget=False)
+    tls = serve_flags.server_tls(args)
+    backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
+    if backend == "torch":
+        from kakeya.app.options import torch_options
+
+        kwargs |= torch_options(args)
+    return _run(server_spec(draft, target, backend, args.max_sessions, limits=limits, tls=tls, **kwargs), args)
+
+
+def _backend_kwargs(args, embedded: bool) -> tuple[str, dict]:
+    """The concrete backend for --backend (auto: the fastest here) and, for torch, where and in which
+    dtype; pins torch's CPU threads (``--torch-threads``) for this process."""
+    from kakeya.orchestrator.assembly import resolve_backend, set_torch_threads
+
+    backend, device = resolve_backend(args.backend, args.device)
+    if backend != "torch":
+        if args.dtype:
+            raise ValueError("--device/--dtype apply to --backend torch (MLX picks its own device)")
+        return backend, {}
+    set_torch_threads(args.torch_threads, device, embedded)
+    return backend, {"device": device} | ({"dtype": args.dtype} if args.dtype else {})
+
+
+def cmd_serve_orchestrator(args) -> int:
+    from kakeya.orchestrator.assembly import build_local_engine, split_engine
+    from kakeya.orchestrator.server import GenerationServicer, server_spec
+
+    if args.drafter and not args.verifier:
+        raise ValueError("--drafter needs --verifier (a remote drafter with an in-process verifier is not supported)")
+    if args.verifier:
+        if args.target or args.draft:
+            raise ValueError("--target/--draft load in-process models: leave them out with --verifier (see --tokenizer)")
+
+        client_tls = serve_flags.client_tls(args)
+
+        def build():
+            drafter = None if args.no_drafter else args.drafter
+            return split_engine(
+                args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls, backend_timeout_s=args.backend_timeout
+            )
+
+        colocated = False
+        sources = None
+    else:
+        sources, args.restore = serve_flags.restore_sources(args)
+
+        backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
+
+        def build():  # no paths: the embedded pair, as `kakeya generate`
+            from kakeya.app.options import torch_options
+
+            return build_local_engine(args.target, args.draft, backend, kwargs.get("device"), kwargs.get("dtype"),
+                                      _default_policy(args), no_drafter=args.no_drafter,
+                                      torch_options=torch_options(args) if backend == "torch" else None)
+
+        colocated = True
+    servicer = GenerationServicer(
+        build,
+        colocated=colocated,
+        max_tokens_limit=args.max_tokens_limit,
+        default_max_tokens=args.default_max_tokens,
+        max_sessions=args.max_sessions,
+        max_prompt_tokens=args.max_prompt_tokens,
+        restore=sources,
+        auth_token=serve_flags.auth_token(args),
+    )
+    return _run(server_spec(servicer, tls=serve_flags.server_tls(args)), args)
+
+
+# --------------------------------------------------------------------------- serve all
+
+
+def cmd_serve_all(args) -> int:
+    from kakeya.app.supervisor import Supervisor
+    from kakeya.runtime.lifecycle import port_in_use, setup_logging, write_ready_file
+
+    setup_logging("all", args.log_format)
+    log = logging.getLogger("kakeya.all")
+    target, draft = _pair(args.target, args.draft)
+    serve_flags.restore_sources(args)  # bad --restore specs: a usage error now, not a child's exit
+    serve_flags.server_tls(args), serve_flags.auth_token(args)
+    taken = port_in_use(args.host, args.port)
+    if taken:
+        print(f"kakeya: error: serve all: cannot listen on {args.host}:{args.port}: {taken}", file=sys.stderr)
+        return 2
+    if args.ready_file:
+        Path(args.ready_file).unlink(missing_ok=True)
+    sup = Supervisor(args.grace)
+
+    def on_signal(signum, _frame):
+        log.info("received %s: stopping orchestrator, then verifier and drafter", signal.Signals(signum).name)
+        sup.stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    common = ["--grace", str(args.grace), "--log-format", args.log_format]
+
+    def metrics(i: int) -> list[str]:  # orchestrator: the base port, verifier +1, drafter +2 (0: any free ports)
+        if args.metrics_port is None:
+            return []
+        return ["--metrics-port", str(args.metrics_port + i if args.metrics_port else 0)]
+
+    rc = 0
+    with tempfile.TemporaryDirectory(prefix="kakeya-serve-all-") as tmp:
+        files = {n: Path(tmp) / f"{n}.json" for n in ("verifier", "drafter", "orchestrator")}
+        try:
+            back = ["--host", args.backend_host, "--port", "0"]
+            vback, dback = _child_backend(args.verifier_backend, args), _child_backend(args.drafter_backend, args)
+            cache = ["--cache", args.cache, "--sink", str(args.sink), "--full-kv-bits", str(args.full_kv_bits),
+                     *(["--window", str(args.window)] if args.window else [])]  # fmt: skip
+            vlim, dlim = serve_flags.child_argv(args, "verifier"), serve_flags.child_argv(args, "drafter")
+            sup.spawn("verifier", [*back, "--target", target, "--draft", draft, *vback, *cache, "--ready-file", str(files["verifier"]), *common, *vlim, *metrics(1)], files["verifier"])
+            sup.spawn("drafter", [*back, "--draft", draft, "--target", target, *dback, "--ready-file", str(files["drafter"]), *common, *dlim, *metrics(2)], files["drafter"])
+            ready = sup.wait_ready(["verifier", "drafter"], args.start_timeout)
+            orch = [
+                "--host", args.host, "--port", str(args.port),
+                "--verifier", ready["verifier"]["addr"], "--drafter", ready["drafter"]["addr"],
+                "--tokenizer", target, "--ready-file", str(files["orchestrator"]),
+                "--max-tokens-limit", str(args.max_tokens_limit), *common, *serve_flags.child_argv(args, "orchestrator"), *metrics(0),
+            ]  # fmt: skip
+            sup.spawn("orchestrator", orch, files["orchestrator"])
+            ready.update(sup.wait_ready(["orchestrator"], args.start_timeout))
+
+            def summary() -> dict:
+                c = sup.children
+                out = {
+                    "addr": c["orchestrator"].info["addr"],
+                    "verifier": c["verifier"].info["addr"],
+                    "drafter": c["drafter"].info["addr"],
+                    "pids": {n: p.pid for n, p in sup.procs.items()},
+                    "restarts": {n: ch.restarts for n, ch in c.items()},
+                    "pid": os.getpid(),
+                }
+                if args.metrics_port is not None:
+                    out["metrics_ports"] = {n: ch.info.get("metrics_port") for n, ch in c.items()}
+                return out
+
+            def publish() -> None:  # the ready file follows restarts (new pids)
+                if args.ready_file:
+                    write_ready_file(args.ready_file, summary())
+
+            s = summary()
+            log.info("all SERVING: orchestrator %s, verifier %s, drafter %s", s["addr"], s["verifier"], s["drafter"])
+            publish()
+            sup.on_change = publish
+            sup.watch()  # restarts dead children until SIGTERM/SIGINT
+        except KeyboardInterrupt:
+            pass
+        except RuntimeError as exc:
+            print(f"kakeya: error: serve all: {exc}", file=sys.stderr)
+            rc = 1
+        finally:
+            sup.shutdown()
+            if args.ready_file:
+                Path(args.ready_file).unlink(missing_ok=True)
+    return rc
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def _child_backend(choice: str, args) -> list[str]:
+    """A child's backend flags: auto resolved here, so the supervisor's log and the children agree."""
+    from kakeya.orchestrator.assembly import resolve_backend, torch_threads
+
+    backend, device = resolve_backend(choice, None if choice == "mlx" else args.device)
+    if backend != "torch":
+        return ["--backend", backend]
+    threads = torch_threads(args.torch_threads, device, embedded=args.target is None)  # children get explicit paths
+    graphs = getattr(args, "cuda_graphs", "auto")
+    return ["--backend", "torch", "--device", device, *(["--dtype", args.dtype] if args.dtype else []),
+            "--torch-threads", str(threads), *(["--cuda-graphs", graphs] if graphs != "auto" else []),
+            *(["--compile"] if getattr(args, "compile", False) else [])]
+
+
+def register(sub) -> None:
+    from kakeya.app.options import add_cache_args
+
+    p = sub.add_parser("serve", help="run the gRPC services (verifier, drafter, orchestrator, or all three)")
+    roles = p.add_subparsers(dest="role", required=True)
+
+    v = roles.add_parser("verifier", help="the target model and its per-session KV caches", conflict_handler="resolve")
+    _common(v, "verifier")
+    v.add_argument("--target", help="Gemma-4 target checkpoint directory (default: the embedded pair's)")
+    v.add_argument("--draft", help="a DFlash drafter directory: only its target_layer_ids are read (the default aux layers)")
+    v.add_argument("--aux-layers", help="default aux layers, e.g. 1,4 (sessions may send their own)")
+    _backend_args(v)
+    add_cache_args(v)
+    serve_flags.add_restore(v)
+    serve_flags.add_sessions(v, kv_budget=True)
+    v.set_defaults(func=cmd_serve_verifier)
+
+    d = roles.add_parser("drafter", help="the DFlash drafter and its per-session context caches")
+    _common(d, "drafter")
+    d.add_argument("--draft", help="DFlash drafter checkpoint directory")
+    d.add_argument("--target", help="the target checkpoint: only its embedding and LM head are loaded")
+    _backend_args(d)
+    serve_flags.add_sessions(d, kv_budget=False)
+    d.set_defaults(func=cmd_serve_drafter)
+
+    o = roles.add_parser(
+        "orchestrator", help="the public Generate API (split: --verifier/--drafter; else colocated)", conflict_handler="resolve"
+    )
+    _common(o, "orchestrator")
+    o.add_argument("--verifier", metavar="TARGET", help="a `kakeya serve verifier`: HOST:PORT, or a gRPC target naming several "
+                   "replicas (dns:///verifier-headless:50061, ipv4:H1:P,H2:P); each session goes to the next SERVING one")
+    o.add_argument("--drafter", metavar="TARGET", help="a `kakeya serve drafter`: HOST:PORT or a gRPC target, as --verifier")
+    o.add_argument("--target", help="colocated: target checkpoint loaded in this process")
+    o.add_argument("--draft", help="colocated: drafter checkpoint loaded in this process")
+    o.add_argument("--no-drafter", action="store_true", help="no speculation: the verifier decodes alone")
+    o.add_argument("--tokenizer", help="split: directory with the target's tokenizer.json (default: the verifier's path, if readable)")
+    _backend_args(o, " (colocated)")
+    add_cache_args(o)  # colocated: the sessions' default policy
+    serve_flags.add_restore(o)
+    serve_flags.add_orchestrator(o)
+    o.add_argument("--backend-wait", type=float, default=120.0, help="split: seconds to wait for verifier/drafter at start")
+    _limits(o)
+    o.set_defaults(func=cmd_serve_orchestrator)
+
+    a = roles.add_parser("all", help="verifier, drafter and orchestrator as three local processes", conflict_handler="resolve")
+    _common(a, "orchestrator")
+    a.add_argument("--target", help="target checkpoint (default: the embedded pair, as `kakeya generate`)")
+    a.add_argument("--draft", help="drafter checkpoint")
+    a.add_argument("--backend-host", default="127.0.0.1", help="interface of the verifier and drafter (default 127.0.0.1)")
+    a.add_argument("--verifier-backend", default="auto", choices=["auto", "mlx", "torch"],
+                   help="the verifier process's backend (auto: MLX on Apple silicon, torch elsewhere)")
+    a.add_argument("--drafter-backend", default="auto", choices=["auto", "mlx", "torch"],
+                   help="the drafter process's backend (auto: MLX on Apple silicon, torch elsewhere)")
+    a.add_argument("--device", help="torch processes: cuda, cuda:1, cpu (default: cuda when available, else cpu)")
+    a.add_argument("--dtype", help="torch processes: float32, bfloat16, float16 (default float32)")
+    _torch_threads_arg(a)
+    add_cache_args(a)  # the verifier process's default policy
+    serve_flags.add_restore(a)
+    serve_flags.add_sessions(a, kv_budget=True)
+    serve_flags.add_orchestrator(a)
+    a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
+    _limits(a)
+    a.set_defaults(func=cmd_serve_all)
+
+
+def _backend_args(p, suffix: str = "") -> None:
+    from kakeya.app.options import add_backend_args
+
+    add_backend_args(p, help_suffix=suffix)
+    _torch_threads_arg(p)
+
+
+def _torch_threads_arg(p) -> None:
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 for the embedded pair on CPU, torch's own otherwise; 0: torch's)")
+
+
+def _limits(p) -> None:
+    from kakeya.orchestrator.server import DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS_LIMIT
+
+    p.add_argument("--max-tokens-limit", type=int, default=DEFAULT_MAX_TOKENS_LIMIT, help="largest max_tokens accepted")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="what max_tokens = 0 means")

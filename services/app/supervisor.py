@@ -1,0 +1,167 @@
+"""The children of ``kakeya serve all``: started in order, restarted when they die, stopped in order.
+
+A child that exits while ``serve all`` is serving is started again, on the
+same port (and metrics port) it had, after an exponential backoff: 0.5 s,
+1 s, 2 s ... at most 10 s; the backoff starts over once a child has stayed up
+for ``stable_s``. Meanwhile the others keep serving: with the drafter down,
+requests complete through the verifier alone (AR fallback, same tokens) and
+the orchestrator goes back to speculation once it answers again
+(``remote.GrpcDrafter``'s own backoff); with the verifier down, requests end
+with ``UNAVAILABLE`` at once (connection refused, or "loading" while it warms
+up) until it is back. Only SIGTERM/SIGINT of ``serve all`` stops everything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("kakeya.all")
+
+STOP_ORDER = (("orchestrator",), ("verifier", "drafter"))  # the orchestrator drains while the backends still answer
+
+
+def _pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the child gets SIGTERM when its parent dies (the parent-pid watchdog covers macOS)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def with_option(argv: list[str], name: str, value: str) -> list[str]:
+    """``argv`` with ``name``'s value replaced (or appended)."""
+    out = list(argv)
+    if name in out:
+        out[out.index(name) + 1] = value
+    else:
+        out += [name, value]
+    return out
+
+
+def backoff_delay(failures: int, initial: float = 0.5, maximum: float = 10.0) -> float:
+    """Delay before restart number ``failures`` (1, 2, ...): 0.5, 1, 2, 4, 8, 10, 10 ... s."""
+    return min(maximum, initial * 2 ** max(0, failures - 1))
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]  # after "serve <name>"
+    ready_file: Path
+    proc: subprocess.Popen | None = None
+    info: dict = field(default_factory=dict)  # its ready file, once SERVING
+    ready_at: float | None = None
+    failures: int = 0  # consecutive deaths (reset once it stays up stable_s)
+    restarts: int = 0
+    restart_at: float | None = None  # when a dead child is due to start again
+
+
+class Supervisor:
+    """Starts, watches, restarts and stops the ``serve all`` children."""
+
+    def __init__(self, grace: float, *, initial: float = 0.5, maximum: float = 10.0, stable_s: float = 30.0):
+        self.grace = grace
+        self.initial, self.maximum, self.stable_s = initial, maximum, stable_s
+        self.children: dict[str, Child] = {}
+        self.stop = threading.Event()
+        self.on_change: Callable[[], None] = lambda: None  # a child (re)became SERVING
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        return {n: c.proc for n, c in self.children.items() if c.proc is not None}
+
+    def spawn(self, name: str, argv: list[str], ready_file: Path) -> subprocess.Popen:
+        from kakeya.runtime.lifecycle import ENV_PARENT_PID
+
+        child = self.children.get(name) or Child(name, list(argv), Path(ready_file))
+        self.children[name] = child
+        child.ready_file.unlink(missing_ok=True)
+        child.ready_at, child.restart_at = None, None
+        env = dict(os.environ, **{ENV_PARENT_PID: str(os.getpid())})
+        child.proc = subprocess.Popen(
+            [sys.executable, "-m", "kakeya.app.main", "serve", name, *child.argv],
+            env=env,
+            start_new_session=True,  # a terminal's Ctrl-C reaches only us; we stop the children in order
+            preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
+        )
+        return child.proc
+
+    def _check_ready(self, child: Child) -> bool:
+        if child.ready_at is None and child.ready_file.is_file():
+            child.info = json.loads(child.ready_file.read_text())
+            child.ready_at = time.monotonic()
+            # A restart comes back where it was: the others (and scrapers) keep their addresses.
+            child.argv = with_option(child.argv, "--port", str(child.info["port"]))
+            if "metrics_port" in child.info:
+                child.argv = with_option(child.argv, "--metrics-port", str(child.info["metrics_port"]))
+            return True
+        return False
+
+    def wait_ready(self, names: list[str], timeout: float) -> dict[str, dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            for n in names:
+                c = self.children[n]
+                self._check_ready(c)
+                if c.ready_at is None and c.proc.poll() is not None:
+                    raise RuntimeError(f"{n} exited with status {c.proc.returncode} before it was ready")
+            if all(self.children[n].ready_at is not None for n in names):
+                return {n: self.children[n].info for n in names}
+            if self.stop.is_set():
+                raise KeyboardInterrupt
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not ready after {timeout:.0f} s: {[n for n in names if self.children[n].ready_at is None]}")
+            time.sleep(0.1)
+
+    def watch(self, interval: float = 0.25) -> None:
+        """Until ``stop``: restart dead children with backoff, report the ones back to SERVING."""
+        while not self.stop.wait(interval):
+            self.poll()
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for c in self.children.values():
+            if c.restart_at is None and c.proc is not None and c.proc.poll() is not None:
+                if c.ready_at is not None and now - c.ready_at >= self.stable_s:
+                    c.failures = 0  # it had been fine for a while: a fresh series of backoffs
+                c.failures += 1
+                delay = backoff_delay(c.failures, self.initial, self.maximum)
+                c.restart_at = now + delay
+                log.error("%s (pid %d) exited with status %s: restarting it in %.1f s (failure %d in a row)",
+                          c.name, c.proc.pid, c.proc.returncode, delay, c.failures)  # fmt: skip
+            elif c.restart_at is not None and now >= c.restart_at and not self.stop.is_set():
+                c.restarts += 1
+                p = self.spawn(c.name, c.argv, c.ready_file)
+                log.warning("%s restarted (pid %d, restart %d)", c.name, p.pid, c.restarts)
+            elif c.ready_at is None and c.proc is not None and self._check_ready(c):
+                log.info("%s SERVING again on %s", c.name, c.info.get("addr"))
+                self.on_change()
+
+    def terminate(self, names) -> None:
+        live = [c.proc for n, c in self.children.items() if n in names and c.proc is not None and c.proc.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace + 10
+        for p in live:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def shutdown(self) -> None:
+        self.stop.set()  # no restarts from here on
+        for names in STOP_ORDER:
+            self.terminate(names)

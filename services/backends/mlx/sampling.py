@@ -1,0 +1,86 @@
+"""Lossless sampling on MLX: the processed distribution, inverse-CDF draws and the acceptance test.
+
+Mirrors ``services/core/sampling.py`` (the numpy reference) operation for operation;
+shared by the verifier (p, acceptance, residual) and the drafter (its own
+processed q, cut to the top-K proposal). Uniforms come from the host; only
+ints (and the drafter's [n, K] proposal) come back.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from kakeya.core.contract import Proposal, SamplingParams
+
+
+def process_sorted(logits: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array]:
+    """p over the last axis in descending order: (probabilities [L, V] float32, token ids [L, V])."""
+    x = logits.astype(mx.float32) / params.temperature
+    order = mx.argsort(-x, axis=-1)
+    xs = mx.take_along_axis(x, order, axis=-1)
+    V = xs.shape[-1]
+    keep = mx.ones(xs.shape, dtype=mx.bool_)
+    if 0 < params.top_k < V:
+        keep = mx.broadcast_to(mx.arange(V) < params.top_k, xs.shape)
+    ps = mx.softmax(mx.where(keep, xs, -mx.inf), axis=-1)
+    if params.top_p < 1:
+        keep = keep & ((mx.cumsum(ps, axis=-1) - ps) < params.top_p)
+    if params.min_p > 0:
+        keep = keep & (ps >= params.min_p * ps[..., :1])
+    ps = mx.where(keep, ps, 0.0)
+    return ps / ps.sum(axis=-1, keepdims=True), order
+
+
+def process(logits: mx.array, params: SamplingParams) -> mx.array:
+    """p [L, V] in vocabulary order."""
+    ps, order = process_sorted(logits, params)
+    return mx.put_along_axis(mx.zeros_like(ps), order, ps, axis=-1)
+
+
+def sample_rows(w: mx.array, u: mx.array) -> mx.array:
+    """Inverse CDF of each row of the weights ``w`` [L, V] at ``u`` [L] (descending order)."""
+    order = mx.argsort(-w, axis=-1)
+    c = mx.cumsum(mx.take_along_axis(w, order, axis=-1), axis=-1)
+    k = mx.sum(c <= u[:, None] * c[:, -1:], axis=-1)
+    k = mx.minimum(k, mx.sum(w > 0, axis=-1) - 1)
+    return mx.take_along_axis(order, k[:, None].astype(mx.int32), axis=-1)[:, 0]
+
+
+def sample_next(logits: mx.array, params: SamplingParams, u: float) -> int:
+    """One token from p at the last row of ``logits`` [L, V]."""
+    return int(sample_rows(process(logits[-1:], params), mx.array([u], mx.float32)).item())
+
+
+def verify_rows(
+    logits: mx.array, candidates: Sequence[int], proposal: Proposal | None, params: SamplingParams, u_acc, u_samp
+) -> tuple[list[bool], list[int]]:
+    """Acceptance of each candidate and the residual / bonus draws, in one host sync.
+
+    ``logits`` [L, V] at block positions 0..L-1; candidate i (``block_ids[i+1]``)
+    is tested at row i against the proposal's row i.
+    """
+    p = process(logits, params)
+    L, V = p.shape
+    n = len(candidates)
+    q = mx.zeros((L, V), mx.float32)
+    accepted = mx.zeros((0,), mx.bool_)
+    if n:
+        probs = proposal.probs / proposal.probs.sum(-1, keepdims=True)
+        q = q.at[mx.arange(n)[:, None], mx.array(proposal.ids)].add(mx.array(probs, mx.float32))
+        rows, x = mx.arange(n), mx.array(list(candidates))
+        accepted = mx.array(u_acc, mx.float32) * q[rows, x] < p[rows, x]
+    samples = sample_rows(mx.maximum(p - q, 0.0), mx.array(u_samp, mx.float32))
+    mx.eval(accepted, samples)
+    return accepted.tolist(), samples.tolist()
+
+
+def proposal(logits: mx.array, params: SamplingParams, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The drafter's top-``k`` of its processed q per row: host (ids [n, k] int32, probs [n, k] float32)."""
+    ps, order = process_sorted(logits, params)
+    k = min(k, ps.shape[-1])
+    ids, probs = order[:, :k], ps[:, :k]
+    mx.eval(ids, probs)
+    return np.array(ids, np.int32), np.array(probs, np.float32)

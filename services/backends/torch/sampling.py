@@ -1,0 +1,88 @@
+"""Lossless sampling on PyTorch: the processed distribution, inverse-CDF draws and the acceptance test.
+
+Mirrors ``services/core/sampling.py`` (the numpy reference) operation for operation;
+shared by the verifier (p, acceptance, residual) and the drafter (its own
+processed q, cut to the top-K proposal). Uniforms come from the host; only
+ints (and the drafter's [n, K] proposal) come back.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kakeya.core.contract import Proposal, SamplingParams
+
+
+@torch.inference_mode()
+def process_sorted(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """p over the last axis in descending order (ties by index): (probabilities float32, token ids)."""
+    x = logits.float() / params.temperature
+    xs, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    V = xs.shape[-1]
+    keep = torch.ones_like(xs, dtype=torch.bool)
+    if 0 < params.top_k < V:
+        keep[..., params.top_k :] = False
+    ps = torch.softmax(xs.masked_fill(~keep, float("-inf")), dim=-1)
+    if params.top_p < 1:
+        keep &= (torch.cumsum(ps, dim=-1) - ps) < params.top_p
+    if params.min_p > 0:
+        keep &= ps >= params.min_p * ps[..., :1]
+    ps = ps.masked_fill(~keep, 0.0)
+    return ps / ps.sum(dim=-1, keepdim=True), order
+
+
+def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """p [L, V] in vocabulary order."""
+    ps, order = process_sorted(logits, params)
+    return torch.zeros_like(ps).scatter_(-1, order, ps)
+
+
+@torch.inference_mode()
+def sample_rows(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF of each row of the weights ``w`` [L, V] at ``u`` [L] (descending order, ties by index)."""
+    ws, order = torch.sort(w, dim=-1, descending=True, stable=True)
+    c = torch.cumsum(ws, dim=-1)
+    k = (c <= u[:, None] * c[:, -1:]).sum(-1)
+    k = torch.minimum(k, (w > 0).sum(-1) - 1)
+    return order.gather(-1, k[:, None])[:, 0]
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
+    """One token from p at the last row of ``logits`` [L, V]."""
+    u_t = torch.tensor([u], dtype=torch.float32, device=logits.device)
+    return int(sample_rows(process(logits[-1:], params), u_t).item())
+
+
+@torch.inference_mode()
+def verify_rows(
+    logits: torch.Tensor, candidates: Sequence[int], proposal: Proposal | None, params: SamplingParams, u_acc, u_samp
+) -> tuple[list[bool], list[int]]:
+    """Acceptance of each candidate and the residual / bonus draws, in one host sync.
+
+    ``logits`` [L, V] at block positions 0..L-1; candidate i (``block_ids[i+1]``)
+    is tested at row i against the proposal's row i.
+    """
+    dev = logits.device
+    p = process(logits, params)
+    L, V = p.shape
+    n = len(candidates)
+    q = torch.zeros((L, V), dtype=torch.float32, device=dev)
+    accepted = torch.zeros((0,), dtype=torch.bool, device=dev)
+    if n:
+        probs = proposal.probs / proposal.probs.sum(-1, keepdims=True)
+        ids = torch.from_numpy(np.asarray(proposal.ids, np.int64)).to(dev)
+        q[:n].scatter_add_(-1, ids, torch.from_numpy(np.asarray(probs, np.float32)).to(dev))
+        rows, x = torch.arange(n, device=dev), torch.tensor(list(candidates), device=dev)
+        accepted = torch.tensor(np.asarray(u_acc, np.float32), device=dev) * q[rows, x] < p[rows, x]
+    samples = sample_rows((p - q).clamp_min(0.0), torch.tensor(np.asarray(u_samp, np.float32), device=dev))
+    return accepted.tolist(), samples.tolist()
+
+
+def proposal(logits: torch.Tensor, params: SamplingParams, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The drafter's top-``k`` of its processed q per row: host (ids [n, k] int32, probs [n, k] float32)."""
+    ps, order = process_sorted(logits, params)
+    k = min(k, ps.shape[-1])
+    return order[:, :k].to(torch.int32).cpu().numpy(), ps[:, :k].cpu().numpy().astype(np.float32)

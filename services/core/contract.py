@@ -1,0 +1,327 @@
+"""The contract between the accept/trim loop and its backends.
+
+Everything the loop, the sessions, the remote stubs, the servers and the
+engine agree on lives here and nowhere else: the ``Verifier``/``Drafter``
+protocols, the facts a verifier publishes (``ModelInfo``), the cache policy
+a session is opened with, the block-size limit, and the request and stats
+types. It imports nothing from ``services``: every package may depend on it,
+it depends on none of them. Its wire form is ``services/wire/convert.py``.
+
+Aux hidden states are opaque to the loop: whatever the verifier returns
+(an ``mx.array``, a ``torch.Tensor``, an encoded proto tensor) is handed to
+the drafter unchanged. Token ids are plain Python ints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, Sequence
+
+# The largest block a loop drafts, a verifier verifies and a drafter drafts,
+# and so the ring's rollback slack: one number for every layer.
+MAX_BLOCK_SIZE = 16
+
+Aux = Any  # [n_positions, len(target_layer_ids) * hidden] in the backend's own array type
+
+
+def check_block_size(block_size: int) -> None:
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be between 1 and {MAX_BLOCK_SIZE}, got {block_size}")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the target that the loop and the public API need."""
+
+    name: str  # the checkpoint directory (or its display name)
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    hidden_size: int
+    num_layers: int
+    sliding_window: int
+    backend: str  # "mlx" | "torch" | "grpc:<addr>"
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """How a session bounds its sliding-layer K/V. Full-attention layers always stay exact (S5).
+
+    ``native``: the model's own sliding window, no sinks. Not bounded as a
+    whole: full-attention layers still grow with the context.
+    ``sink-window``: ``sink`` first positions are kept forever, plus a window of
+    ``window`` positions (including the query itself).
+    """
+
+    kind: str = "native"
+    sink: int = 0
+    window: int | None = None  # None: the model's sliding_window
+    slack: int = MAX_BLOCK_SIZE  # largest block that can be verified and rolled back exactly
+    full_kv_bits: int = 0  # 0: exact full-attention K/V; 4 or 8: affine-quantized
+    full_kv_group_size: int = 64  # capped at the full layers' head dim
+    restore: str | None = None  # an f_theta directory: restore evicted sliding positions (sink-window only)
+
+    def resolve(self, model_window: int) -> "CachePolicy":
+        """Fill in the model's defaults and check the values; raise ValueError naming the field."""
+        if self.kind not in ("native", "sink-window"):
+            raise ValueError(f"cache policy kind must be 'native' or 'sink-window', got {self.kind!r}")
+        if self.full_kv_bits not in (0, 4, 8):
+            raise ValueError(f"full_kv_bits must be 0 (exact), 4 or 8, got {self.full_kv_bits}")
+        if self.full_kv_group_size not in (32, 64, 128):
+            raise ValueError(f"full_kv_group_size must be 32, 64 or 128, got {self.full_kv_group_size}")
+        if not 1 <= self.slack <= MAX_BLOCK_SIZE:
+            raise ValueError(f"slack must be 1..{MAX_BLOCK_SIZE} (the largest block), got {self.slack}")
+        if self.restore is not None and (self.kind != "sink-window" or not str(self.restore)):
+            raise ValueError("restore (an f_theta directory) needs kind 'sink-window': full layers stay exact (S5)")
+        if self.kind == "native":
+            if self.sink or self.window not in (None, model_window):
+                raise ValueError("the native policy takes no sink/window: use kind 'sink-window'")
+            return replace(self, sink=0, window=model_window)
+        window = self.window if self.window is not None else model_window
+        if window < 1 or self.sink < 0:
+            raise ValueError(f"sink-window needs window >= 1 and sink >= 0 (got window={window}, sink={self.sink})")
+        if self.restore is not None and window >= model_window:
+            raise ValueError(
+                f"restore needs a window smaller than the model's sliding window {model_window} "
+                f"(got window={window}): nothing is evicted that the model would still attend to"
+            )
+        return replace(self, window=window)
+
+    @property
+    def label(self) -> str:
+        """A short name for reports, e.g. ``sink-window(4+64)+kv8``."""
+        name = self.kind if self.kind == "native" else f"sink-window({self.sink}+{self.window})"
+        return name + (f"+kv{self.full_kv_bits}" if self.full_kv_bits else "") + ("+restore" if self.restore else "")
+
+
+# How many of its most probable tokens a drafter keeps per candidate when it samples: the
+# proposal q' it samples from (and sends) is its processed distribution truncated to these and
+# renormalised. The acceptance rule is exact for ANY proposal it was really sampled from; a
+# smaller K only costs acceptance where the drafter's tail mattered.
+PROPOSAL_TOP_K = 32
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's next-token distribution p is processed and sampled.
+
+    p = softmax(logits / temperature) restricted by top-k, then top-p (the
+    smallest most-probable set reaching ``top_p``; the top token always stays),
+    then min-p (tokens with p >= ``min_p * max p``), renormalised. Temperature 0
+    is greedy: argmax, no randomness, token-identical to greedy AR. ``seed``
+    seeds the sessions' random streams (None: the engine draws one).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check(self) -> "SamplingParams":
+        """Raise ValueError naming the bad field; return self."""
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        return self
+
+    def seeded(self) -> "SamplingParams":
+        """These params with a seed: an unseeded sampling request draws one here (and reports it)."""
+        if self.greedy or self.seed is not None:
+            return self
+        import secrets
+
+        return replace(self, seed=secrets.randbits(63))
+
+    def session_kwargs(self) -> dict:
+        """``open_session`` keyword arguments: none for greedy (every session's default)."""
+        return {} if self.greedy else {"sampling": self}
+
+    @property
+    def label(self) -> str:
+        if self.greedy:
+            return "greedy"
+        parts = [f"temperature {self.temperature:g}"]
+        parts += [f"top-k {self.top_k}"] if self.top_k else []
+        parts += [f"top-p {self.top_p:g}"] if self.top_p < 1 else []
+        parts += [f"min-p {self.min_p:g}"] if self.min_p > 0 else []
+        return ", ".join(parts)
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """The distributions a drafter actually sampled its candidates from (compact).
+
+    Row i is candidate i's proposal q'_i: ``ids`` [n, K] (int32) and ``probs``
+    [n, K] (float32, summing to 1 per row), numpy arrays. Tokens outside a row's
+    ids have probability 0 under it. Never a full-vocabulary tensor.
+    """
+
+    ids: Any
+    probs: Any
+
+    def __post_init__(self):
+        if self.ids.shape != self.probs.shape or self.ids.ndim != 2:
+            raise ValueError(f"proposal ids {self.ids.shape} and probs {self.probs.shape} must both be [n, K]")
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+
+class Draft(list):
+    """A drafter's candidate ids (a plain list to greedy callers) and, when sampling, its :class:`Proposal`."""
+
+    proposal: Proposal | None = None
+
+    def __init__(self, ids=(), proposal: Proposal | None = None):
+        super().__init__(ids)
+        self.proposal = proposal
+
+
+def session_rng(seed: int, stream: int):
+    """The random stream of one session: ``stream`` 0 the verifier, 1 the drafter.
+
+    Host-side numpy PCG64 from the request's seed, so every backend and every
+    deployment (colocated, split, mixed) consumes identical uniforms.
+    """
+    import numpy as np
+
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(stream,))))
+
+
+VERIFIER_STREAM, DRAFTER_STREAM = 0, 1
+
+
+class VerifierSession(Protocol):
+    """One generation's verifier state: its KV cache lives exactly as long as this object."""
+
+    def prefill(self, prompt_ids: Sequence[int]) -> tuple[int, Aux]:
+        """Run the prompt; return the target's next token (greedy, or sampled from p when the
+        session samples) and the prompt's aux hidden states."""
+
+    def verify(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> list[int]:
+        """Append ``block_ids`` to the cache in ONE forward.
+
+        Returns ``len(block_ids)`` ints; the block stays pending until ``commit``.
+        Greedy: the target's argmax after each position. Sampling (``proposal``
+        holds the drafter's q'_i of candidate i = ``block_ids[i+1]``): ``choices[i]``
+        is candidate i+1 if accepted (probability min(1, p_i(x)/q'_i(x))); at the
+        first rejection a sample from norm(max(0, p_i - q'_i)), never the rejected
+        candidate; if all are accepted, a sample from p at the last position;
+        -1 after the first rejection. Either way the loop keeps the leading run of
+        candidates that equal their choice, then the choice after it.
+        """
+
+    def commit(self, n_keep: int) -> Aux:
+        """Keep the first ``n_keep`` positions of the pending block, trim the rest exactly.
+
+        Returns the aux hidden states of the kept positions (captured by the
+        verify forward, never recomputed).
+        """
+
+    def stats(self) -> dict:
+        """Live session facts, e.g. ``{"kv_bytes": {"sliding": n, "full": m}}``."""
+
+    def close(self) -> None: ...
+
+
+class DrafterSession(Protocol):
+    """One generation's drafter state: the DFlash context K/V cache."""
+
+    def draft(self, new_aux: Aux, last_token: int, block_size: int) -> "Draft | list[int]":
+        """Extend the context cache with ``new_aux`` and propose ``block_size - 1`` tokens.
+
+        A sampling session samples each candidate from its proposal q'_i and
+        returns a :class:`Draft` carrying the proposal; a greedy one may return a
+        plain list (argmax candidates, no proposal).
+
+        ``new_aux`` holds the aux of every position committed since the last
+        call (the whole prompt on the first call). ``last_token`` is the newest
+        committed token, which the verifier has not seen yet: it opens the block.
+        """
+
+    def close(self) -> None: ...
+
+
+class Verifier(Protocol):
+    info: ModelInfo
+
+    def open_session(self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None) -> VerifierSession:
+        """A new session; ``policy`` overrides the verifier's default; ``sampling`` None: greedy."""
+
+
+class Drafter(Protocol):
+    block_size: int  # the checkpoint's trained block size (the default)
+
+    def open_session(self, sampling: SamplingParams | None = None) -> DrafterSession: ...
+
+
+@dataclass
+class Request:
+    """One generation as the engine takes it (token ids; text is the engine's codec's job)."""
+
+    prompt_ids: list[int]
+    max_tokens: int = 128
+    block_size: int = 0  # 0: the drafter's trained block size
+    stop_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    cache_policy: CachePolicy | None = None  # None: the verifier's default
+    sampling: SamplingParams = GREEDY
+
+
+@dataclass
+class Block:
+    """What one step of the loop committed (the prefill's first token is a block of its own)."""
+
+    tokens: list[int]
+    drafted: int  # candidates proposed (0 for the prefill token and block size 1)
+    accepted: int  # candidates accepted
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    commit_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
+    finish_reason: str = "length"  # "stop" | "length"
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    drafter_fallback: bool = False  # the drafter failed and the verifier finished alone
+    verifier_stats: dict = field(default_factory=dict)  # the verifier session's stats() at the end
+    sampling: SamplingParams = GREEDY  # as run: with the seed used when sampling
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        """Tokens committed per speculative block (the prefill token is not a block)."""
+        return [len(b.tokens) for b in self.blocks[1:]]
+
+    @property
+    def mean_acceptance(self) -> float:
+        lengths = self.acceptance_lengths
+        return sum(lengths) / len(lengths) if lengths else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first one, per second of decoding (the first comes from prefill)."""
+        n = len(self.token_ids) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0

@@ -1,0 +1,133 @@
+"""Lossless speculative sampling: the numpy reference, and the host-side steps every backend shares.
+
+The rule (Leviathan et al. 2023, Chen et al. 2023): candidate x at block
+position i, drawn from the drafter's proposal q'_i, is accepted with probability
+min(1, p_i(x) / q'_i(x)); at the first rejection the token is drawn from
+norm(max(0, p_i - q'_i)); if every candidate is accepted the bonus token is
+drawn from p at the last position. Each committed token is then distributed
+exactly as AR sampling from p, whatever q' was, provided the candidate really
+was drawn from q'. So the drafter samples from the very (top-K, renormalised)
+proposal it sends; it never takes an argmax and pretends.
+
+p is the *processed* distribution (``process``): logits / temperature, top-k,
+top-p, min-p, renormalised. ``services/backends/mlx/sampling.py`` and
+``services/backends/torch/sampling.py`` compute the same on the device; the tests hold
+both to this file. Random numbers are host uniforms (``session_rng`` in the
+contract) turned into tokens by inverse CDF over a fixed order (descending
+probability, ties by index), so both backends map a uniform to the same token.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from kakeya.core.contract import PROPOSAL_TOP_K, Proposal, SamplingParams
+
+
+def process(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The processed distribution p over the last axis (float64), for ``params.temperature > 0``."""
+    x = np.asarray(logits, np.float64) / params.temperature
+    order = np.argsort(-x, axis=-1, kind="stable")  # descending, ties by index
+    xs = np.take_along_axis(x, order, axis=-1)
+    keep = np.ones_like(xs, dtype=bool)
+    V = xs.shape[-1]
+    if 0 < params.top_k < V:
+        keep[..., params.top_k :] = False
+    xs = np.where(keep, xs, -np.inf)
+    ps = np.exp(xs - xs[..., :1])
+    ps /= ps.sum(-1, keepdims=True)
+    if params.top_p < 1:
+        before = np.cumsum(ps, -1) - ps  # mass strictly before each entry
+        keep &= before < params.top_p  # the smallest prefix reaching top_p (the first always)
+    if params.min_p > 0:
+        keep &= ps >= params.min_p * ps[..., :1]
+    ps = np.where(keep, ps, 0.0)
+    ps /= ps.sum(-1, keepdims=True)
+    out = np.empty_like(ps)
+    np.put_along_axis(out, order, ps, axis=-1)
+    return out
+
+
+def sample(w: np.ndarray, u: float) -> int:
+    """Inverse CDF of the (unnormalised) weights ``w`` [V] at uniform ``u`` in [0, 1).
+
+    Order: descending weight, ties by index. The token is the count of entries
+    whose running sum is <= u * total, capped at the last positive entry, so a
+    zero-weight token is never drawn.
+    """
+    w = np.asarray(w, np.float64)
+    order = np.argsort(-w, kind="stable")
+    c = np.cumsum(w[order])
+    k = int(np.sum(c <= u * c[-1]))
+    return int(order[min(k, int(np.count_nonzero(w)) - 1)])
+
+
+def proposal_rows(q: np.ndarray, k: int = PROPOSAL_TOP_K) -> tuple[np.ndarray, np.ndarray]:
+    """The top-``k`` of each row of ``q`` [n, V] (descending, ties by index), renormalised."""
+    k = min(k, q.shape[-1])
+    ids = np.argsort(-q, axis=-1, kind="stable")[:, :k]
+    probs = np.take_along_axis(q, ids, axis=-1)
+    return ids.astype(np.int32), (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
+
+
+def draw_from_proposal(ids: np.ndarray, probs: np.ndarray, u: np.ndarray) -> tuple[list[int], Proposal]:
+    """Sample one candidate per row of the compact proposal (host, K entries a row).
+
+    ``probs`` [n, K] float32 in descending order: the drafter sends exactly
+    these, and samples exactly from them (normalised), so the verifier's
+    acceptance uses the very distribution each candidate came from.
+    """
+    probs = np.ascontiguousarray(probs, np.float32)
+    ids = np.ascontiguousarray(ids, np.int32)
+    tokens = [int(ids[i, _first_above(probs[i], u[i])]) for i in range(ids.shape[0])]
+    return tokens, Proposal(ids, probs)
+
+
+def _first_above(row: np.ndarray, u: float) -> int:
+    c = np.cumsum(row, dtype=np.float64)
+    k = int(np.sum(c <= u * c[-1]))
+    return min(k, int(np.count_nonzero(row)) - 1)
+
+
+def dense(proposal: Proposal, vocab: int) -> np.ndarray:
+    """q' as [n, vocab] (float64, each row normalised): for the reference and tests only."""
+    q = np.zeros((len(proposal), vocab))
+    probs = proposal.probs.astype(np.float64)
+    np.put_along_axis(q, proposal.ids.astype(np.int64), probs / probs.sum(-1, keepdims=True), axis=-1)
+    return q
+
+
+def verify_uniforms(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The uniforms of one verify of ``n`` positions: acceptance then sampling, always 2n of them,
+    so a session's stream depends only on its sequence of block lengths."""
+    u = rng.random(2 * n)
+    return u[:n], u[n:]
+
+
+def assemble(candidates: Sequence[int], accepted: Sequence[bool], samples: Sequence[int]) -> list[int]:
+    """The choices a sampling verify returns (see ``VerifierSession.verify``).
+
+    ``accepted[i]``: candidate i passed its test; ``samples[i]``: the draw from
+    the residual at position i (from p at the last position).
+    """
+    choices = [-1] * len(samples)
+    for i, c in enumerate(candidates):
+        if not accepted[i]:
+            choices[i] = int(samples[i])
+            return choices
+        choices[i] = int(c)
+    choices[len(candidates)] = int(samples[len(candidates)])
+    return choices
+
+
+def verify(p: np.ndarray, candidates: Sequence[int], proposal: Proposal | None, u_acc, u_samp) -> tuple[list[bool], list[int]]:
+    """Reference acceptance and residual draws for p [L, V] (``len(candidates) == L - 1``)."""
+    L, V = p.shape
+    q = np.zeros((L, V))
+    if candidates:
+        q[: L - 1] = dense(proposal, V)
+    accepted = [bool(u_acc[i] * q[i, x] < p[i, x]) for i, x in enumerate(candidates)]
+    w = np.maximum(p - q, 0.0)
+    return accepted, [sample(w[i], u_samp[i]) for i in range(L)]

@@ -1,0 +1,65 @@
+"""Loading the torch DFlash drafter: its own checkpoint, and ONLY the embedding table and LM
+head of its target (the drafter has neither of its own; see ``dflash_torch.TargetHead``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kakeya.backends.torch.ops import resolve_device, resolve_dtype
+from kakeya.checkpoints.layout import find_text_tensors, is_quantized, shard_files, tensor_files
+from kakeya.drafter.config import DFlashConfig
+from kakeya.drafter.torch_backend.model import DFlashDraftModel, TargetHead, rope_inv_freq
+
+
+def load_target_head(target_dir: str | Path, device=None, dtype=None) -> TargetHead:
+    """Read ONLY the target's embedding table and LM head (tied when the checkpoint has none)."""
+    from safetensors import safe_open
+
+    target_dir = Path(target_dir)
+    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    cfg = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
+    names = tensor_files(target_dir)
+    if is_quantized(names):
+        raise ValueError(f"quantized target checkpoint {target_dir} is not supported by the torch drafter")
+    where = find_text_tensors(names, target_dir)
+
+    def get(name: str) -> torch.Tensor:
+        with safe_open(str(names[name]), framework="pt") as sf:
+            return sf.get_tensor(name).to(device=device, dtype=dtype)
+
+    th = TargetHead(get(where.embed + ".weight"), get(where.head + ".weight") if where.head is not None else None)
+    text = cfg.get("text_config") or cfg
+    vocab, hidden = text.get("vocab_size"), text.get("hidden_size")
+    if vocab is not None and int(vocab) != th.vocab_size:
+        raise ValueError(f"target embed has {th.vocab_size} rows, config vocab_size is {vocab}")
+    if hidden is not None and int(hidden) != th.hidden_size:
+        raise ValueError(f"target embed width {th.hidden_size} != config hidden_size {hidden}")
+    return th
+
+
+def load_draft_model(draft_dir: str | Path, device=None, dtype=None) -> DFlashDraftModel:
+    from safetensors.torch import load_file
+
+    draft_dir = Path(draft_dir)
+    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    config = DFlashConfig.from_dir(draft_dir)
+    weights: dict[str, torch.Tensor] = {}
+    for f in shard_files(draft_dir):
+        weights.update(load_file(str(f)))
+    with torch.device("meta"):
+        model = DFlashDraftModel(config)
+    model.inv_freq = rope_inv_freq(config)[0]
+    model.load_state_dict(weights, strict=True, assign=True)
+    model = model.to(device=device, dtype=dtype)
+    model.inv_freq = model.inv_freq.float()
+    model.eval().requires_grad_(False)
+    return model
+
+
+def load_dflash_torch(draft_dir: str | Path, target_dir: str | Path, device=None, dtype=None) -> DFlashDraftModel:
+    """Load the DFlash draft and bind the target's embedding / LM head (same device and dtype)."""
+    model = load_draft_model(draft_dir, device, dtype)
+    return model.bind(load_target_head(target_dir, model.device, model.dtype))

@@ -1,0 +1,156 @@
+"""Bounds on everything a client controls, checked before anything is allocated.
+
+A request names sizes (cache window and sinks, prompt length, max_tokens,
+aux rows) and strings (request ids, restoration sources). Each is checked
+here against a limit the server was started with, and a violation is a
+``ValueError`` naming the field; the servers turn it into
+``INVALID_ARGUMENT``. Nothing in this module allocates in proportion to a
+client's number.
+
+Restoration sources (f_theta checkpoints) are configured on the verifier as
+``--restore NAME=DIR`` (a plain ``--restore DIR`` is the source ``default``)
+and chosen by NAME on the wire: a client never names a server path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kakeya.core.contract import CachePolicy
+
+MAX_REQUEST_ID_CHARS = 128
+DEFAULT_MAX_PROMPT_TOKENS = 8192
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+CHARS_PER_TOKEN_BOUND = 64  # a text prompt longer than max_prompt_tokens x this is refused before tokenizing
+DEFAULT_RESTORE_NAME = "default"
+
+_REQUEST_ID = re.compile(r"[\x21-\x7e]*")  # printable ASCII, no space
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_request_id(value: str, field: str = "request_id") -> str:
+    """A request id safe to log and to send as gRPC metadata, or ValueError."""
+    if len(value) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"{field}: {len(value)} characters, at most {MAX_REQUEST_ID_CHARS} allowed")
+    if not _REQUEST_ID.fullmatch(value):
+        raise ValueError(f"{field}: only printable ASCII without whitespace or control characters is allowed")
+    return value
+
+
+def check_window(policy: CachePolicy, max_window: int, field: str = "cache_policy") -> None:
+    """``policy``'s sink and window fit ``max_window`` (a ring of that size is what a session allocates)."""
+    if policy.window is not None and policy.window > max_window:
+        raise ValueError(f"{field}.window {policy.window} exceeds this server's limit {max_window}")
+    if policy.sink > max_window:
+        raise ValueError(f"{field}.sink {policy.sink} exceeds this server's limit {max_window}")
+
+
+@dataclass(frozen=True)
+class ContextLimits:
+    """What one session may hold: ``max_position_embeddings`` of the target, ``max_context`` of the server."""
+
+    max_position_embeddings: int
+    max_context: int  # <= max_position_embeddings
+    sliding_window: int
+
+    @classmethod
+    def of(cls, max_position_embeddings: int, sliding_window: int, max_context: int = 0) -> "ContextLimits":
+        if max_context < 0:
+            raise ValueError(f"--max-context must be >= 0 (0: the model's max_position_embeddings), got {max_context}")
+        ctx = min(max_context, max_position_embeddings) if max_context else max_position_embeddings
+        return cls(max_position_embeddings, ctx, sliding_window)
+
+    @property
+    def max_window(self) -> int:
+        """The largest cache window (or sink count) a session may ask for."""
+        return max(self.sliding_window, self.max_context)
+
+    def check_positions(self, n: int, field: str) -> int:
+        if n > self.max_context:
+            raise ValueError(f"{field}: {n} positions exceed this server's limit {self.max_context} (--max-context)")
+        return n
+
+
+def max_prompt_tokens(limit: int, max_position_embeddings: int) -> int:
+    """``--max-prompt-tokens`` (0: the default), never above the model's ``max_position_embeddings``."""
+    if limit < 0:
+        raise ValueError(f"--max-prompt-tokens must be >= 0 (0: the default), got {limit}")
+    return min(limit or DEFAULT_MAX_PROMPT_TOKENS, max_position_embeddings)
+
+
+def check_prompt(n_prompt: int, max_tokens: int, limit: int, max_position_embeddings: int, field: str) -> None:
+    if n_prompt > limit:
+        raise ValueError(f"{field}: {n_prompt} tokens exceed this server's limit {limit} (--max-prompt-tokens)")
+    if n_prompt + max_tokens > max_position_embeddings:
+        raise ValueError(
+            f"{field}: {n_prompt} prompt tokens + sampling_params.max_tokens {max_tokens} exceed the model's"
+            f" max_position_embeddings {max_position_embeddings}"
+        )
+
+
+def check_stops(stops, stop_token_ids) -> None:
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"sampling_params.stop: {len(stops)} strings, at most {MAX_STOP_STRINGS} allowed")
+    long = [len(s) for s in stops if len(s) > MAX_STOP_STRING_CHARS]
+    if long:
+        raise ValueError(f"sampling_params.stop: a stop string of {long[0]} characters, at most {MAX_STOP_STRING_CHARS}")
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"sampling_params.stop_token_ids: {len(stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS}")
+
+
+# --------------------------------------------------------------------------- restoration sources
+
+
+class RestoreSources:
+    """Named f_theta directories a server may restore from; the wire carries only the names."""
+
+    def __init__(self, sources: dict[str, str] | None = None):
+        self.by_name = dict(sources or {})
+        self.by_path = {v: k for k, v in self.by_name.items()}
+
+    @classmethod
+    def parse(cls, specs) -> "RestoreSources":
+        """``["NAME=DIR", "DIR", "ftheta:DIR"]`` (a bare DIR is the source ``default``); ValueError if bad."""
+        if isinstance(specs, str):
+            specs = [specs]
+        out: dict[str, str] = {}
+        for spec in specs or ():
+            spec = spec.removeprefix("ftheta:")
+            name, sep, path = spec.partition("=")
+            if not sep:
+                name, path = DEFAULT_RESTORE_NAME, spec
+            if not _SOURCE_NAME.fullmatch(name):
+                raise ValueError(f"--restore: source name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
+            if name in out:
+                raise ValueError(f"--restore: source {name!r} given twice")
+            if not Path(path).is_dir():
+                raise ValueError(f"--restore {name}={path}: not a directory")
+            out[name] = str(path)
+        return cls(out)
+
+    @property
+    def default_path(self) -> str | None:
+        return self.by_name.get(DEFAULT_RESTORE_NAME)
+
+    def names(self) -> list[str]:
+        return sorted(self.by_name)
+
+    def to_server(self, policy: CachePolicy, field: str) -> CachePolicy:
+        """A policy from the wire (``restore`` = a NAME) -> the same with the configured directory."""
+        if policy.restore is None:
+            return policy
+        name = policy.restore
+        if name not in self.by_name:
+            known = ", ".join(self.names()) or "none configured (--restore NAME=DIR)"
+            raise ValueError(f"{field}.restore_path: unknown restoration source {name[:64]!r} (known: {known})")
+        return replace(policy, restore=self.by_name[name])
+
+    def to_wire(self, policy: CachePolicy) -> CachePolicy:
+        """A server policy -> the same with its restoration directory replaced by the source's name."""
+        if policy.restore is None:
+            return policy
+        return replace(policy, restore=self.by_path.get(policy.restore, DEFAULT_RESTORE_NAME))

@@ -1,0 +1,115 @@
+"""Registers a servicer so that bad bytes and missing credentials get clear statuses.
+
+grpc-python turns an exception in a request deserializer into ``INTERNAL:
+Exception deserializing request!``. So every method here is registered with
+no deserializer (the handler receives the raw bytes) and parses them itself:
+undecodable bytes, invalid UTF-8 in a ``string`` field included, end the RPC
+with ``INVALID_ARGUMENT``. On a streaming method each message is parsed as the
+servicer reads it, and a bad one raises :class:`~kakeya.runtime.lifecycle.RequestError`
+there (``session_stream`` turns it into the status).
+
+With a bearer token configured (``--auth-token-file``), every method of the
+service requires ``authorization: Bearer <token>`` metadata, else
+``UNAUTHENTICATED``. Health checking and reflection are registered elsewhere
+and stay open, so probes need no secret.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.message import DecodeError
+
+from kakeya.runtime.lifecycle import RequestError
+
+
+def read_token(path: str | Path) -> str:
+    """The bearer token in ``path`` (surrounding whitespace stripped); ValueError if unusable."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"--auth-token-file {path}: {exc.strerror or exc}") from None
+    if len(token) < 16 or any(c.isspace() or not c.isprintable() for c in token):
+        raise ValueError(f"--auth-token-file {path}: the token must be 16+ printable characters without whitespace")
+    return token
+
+
+def _decode(cls, raw: bytes, what: str):
+    try:
+        return cls.FromString(raw)
+    except (DecodeError, ValueError, TypeError) as exc:
+        detail = str(exc) or "malformed protobuf"
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: cannot decode the request ({detail[:200]})") from None
+
+
+class _Requests:
+    """A request stream of raw bytes, decoded one message at a time."""
+
+    def __init__(self, raw_iterator, cls, what: str):
+        self._it, self._cls, self._what = raw_iterator, cls, what
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return _decode(self._cls, next(self._it), self._what)
+
+
+def _authorized(context, token: str | None) -> bool:
+    if token is None:
+        return True
+    got = dict(context.invocation_metadata()).get("authorization", "")
+    return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
+
+
+def _unauthenticated(context, service: str):
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{service}: missing or wrong bearer token (authorization metadata)")
+
+
+def _handler(method, impl, service: str, token: str | None):
+    cls = message_factory.GetMessageClass(method.input_type)
+    resp_ser = message_factory.GetMessageClass(method.output_type).SerializeToString
+    what = f"{method.name}"
+
+    if method.client_streaming:
+
+        def stream(raw_iterator, context):
+            if not _authorized(context, token):
+                _unauthenticated(context, service)
+            return impl(_Requests(raw_iterator, cls, what), context)
+
+        make = grpc.stream_stream_rpc_method_handler if method.server_streaming else grpc.stream_unary_rpc_method_handler
+        return make(stream, request_deserializer=None, response_serializer=resp_ser)
+
+    def admitted(raw, context):
+        """The parsed request, or the call aborted (UNAUTHENTICATED / INVALID_ARGUMENT)."""
+        if not _authorized(context, token):
+            _unauthenticated(context, service)
+        try:
+            return _decode(cls, raw, what)
+        except RequestError as exc:
+            context.abort(exc.code, exc.message)
+
+    if method.server_streaming:
+
+        def unary_stream(raw, context):
+            yield from impl(admitted(raw, context), context)
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=None, response_serializer=resp_ser)
+
+    def unary(raw, context):
+        return impl(admitted(raw, context), context)
+
+    return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=None, response_serializer=resp_ser)
+
+
+def add_servicer(server: grpc.Server, servicer, service_descriptor, token: str | None = None) -> None:
+    """Register every method of ``service_descriptor`` as ``servicer.<Method>``, guarded as above."""
+    handlers = {
+        m.name: _handler(m, getattr(servicer, m.name), service_descriptor.full_name, token)
+        for m in service_descriptor.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_descriptor.full_name, handlers),))

@@ -1,0 +1,375 @@
+"""What every kakeya gRPC server process shares.
+
+- :class:`ComputeThread` (``services/runtime/compute.py``): all model work of a process
+  runs on ONE thread; like steps of concurrent sessions that queue up meanwhile
+  run as one batch. gRPC handler threads only translate messages and wait.
+- :class:`SessionRegistry` (``services/runtime/admission.py``): live sessions, their
+  cache bytes, admission (session and K/V-byte limits, a bounded wait queue)
+  and idle expiry.
+- :class:`RequestError`: raised by servicer code to end an RPC with a status.
+- :func:`run_server`: the process lifecycle -- bind, health ``NOT_SERVING``,
+  load + warm up, health ``SERVING`` (and the ready file), wait for
+  SIGTERM/SIGINT or the parent's death, drain in-flight RPCs within a grace
+  period, exit.
+
+Servicers live next to their models (``services/*/server.py``); the command
+line that starts them is ``services/app/serve.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kakeya.core.contract import CachePolicy
+from kakeya.runtime import logs
+from kakeya.runtime.admission import (  # noqa: F401  (re-exported: the servers import them from here)
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_SESSIONS,
+    SessionEntry,
+    SessionLimitError,
+    SessionRegistry,
+    Watched,
+)
+from kakeya.runtime.compute import ComputeThread  # noqa: F401  (re-exported: servers build theirs from here)
+from kakeya.runtime.metrics import RpcInterceptor
+from kakeya.wire import convert as wire_contract
+from kakeya.wire.limits import server_options
+
+log = logging.getLogger("kakeya")
+
+ENV_PARENT_PID = "KAKEYA_PARENT_PID"  # set by `kakeya serve all`: exit when that process is gone
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as v
+
+        return v("kakeya")
+    except Exception:  # pragma: no cover - not installed
+        return "0.0.0+local"
+
+
+def setup_logging(name: str, fmt: str = "text") -> None:
+    """stderr, as text or JSON lines (``--log-format``), each line tagged with its request id."""
+    from kakeya.runtime.logs import setup_logging as setup
+
+    setup(name, fmt)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class RequestError(Exception):
+    """End the current RPC with ``code`` and ``message`` (the message names the field)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def policy_from_request(p, default: CachePolicy, field: str = "cache_policy") -> CachePolicy:
+    """A wire ``CachePolicy`` -> the contract's (unset fields: ``default``'s), or ``invalid``."""
+    try:
+        return wire_contract.policy_from_proto(p, default, field)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+
+
+def check_policy(policy: CachePolicy, model_window: int, field: str = "cache_policy") -> CachePolicy:
+    """``policy`` resolved against the model's window, or ``invalid`` naming ``field``."""
+    try:
+        return policy.resolve(model_window)
+    except ValueError as exc:
+        raise invalid(f"{field}: {exc}") from None
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def precondition(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+def check_token_ids(ids: Sequence[int], vocab: int, field_name: str, allow_empty: bool = False) -> list[int]:
+    ids = list(ids)
+    if not ids and not allow_empty:
+        raise invalid(f"{field_name}: must not be empty")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise invalid(f"{field_name}: ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    return ids
+
+
+# --------------------------------------------------------------------------- compute
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def session_stream(name: str, ready: bool, registry: "SessionRegistry", serve, request_iterator, context):
+    """The body of a bidirectional ``Session`` RPC, shared by the verifier and the drafter.
+
+    The stream IS the session: a registry entry is opened with it and closed
+    however it ends (client close, cancel, deadline, error), which frees the
+    session's cache. ``serve(entry, requests)`` yields the responses.
+    """
+    if not ready:
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"{name} is loading its model")
+    try:
+        entry = registry.open()
+    except SessionLimitError as exc:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {exc}")
+    entry.cancel = context.cancel
+    context.add_callback(lambda: registry.close(entry))
+    slog = logging.getLogger(f"kakeya.{name}")
+    token = logs.bind(session_id=entry.id)
+    slog.info("session opened (%d live)", registry.live)
+    t_open = time.monotonic()
+    try:
+        yield from serve(entry, Watched(request_iterator, entry))
+    except SessionLimitError as exc:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {exc}")
+    except RequestError as exc:
+        context.abort(exc.code, exc.message)
+    except grpc.RpcError:
+        return  # the client went away (or the session idled out) while we were reading
+    except Exception as exc:  # a bug: report it, keep the server up
+        if entry.closed:  # the stream ended (cancel, deadline) while a step ran: nobody to answer
+            return
+        slog.exception("session %s failed", entry.id)
+        context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(exc).__name__}: {exc}")
+    finally:
+        registry.close(entry)
+        slog.info("session closed after %.3f s", time.monotonic() - t_open)
+        logs.reset(token)
+
+
+@dataclass
+class ServerSpec:
+    """How ``run_server`` builds and readies one kind of server."""
+
+    name: str  # "verifier" | "drafter" | "orchestrator"
+    service_names: list[str]  # full gRPC service names (health + reflection)
+    add_to_server: Callable[[grpc.Server], None]  # registers the servicers (before start)
+    load: Callable[[], str]  # loads + warms up (blocking); returns a one-line description
+    set_ready: Callable[[bool], None]  # servicers refuse work (UNAVAILABLE) until ready
+    before_drain: Callable[[], None] = lambda: None  # e.g. stop admitting requests
+    near_deadline: Callable[[], None] = lambda: None  # grace almost over: end streams cleanly
+    max_workers: int = 64  # also the concurrent-RPC cap: one more is RESOURCE_EXHAUSTED, never a hang
+    max_receive_bytes: int | None = None  # None: the shared ceiling (services/wire/limits.py)
+    health_watch: Callable[[], bool] | None = None  # polled while serving: False = NOT_SERVING
+    health_interval_s: float = 1.0
+    tls: Any = None  # kakeya.runtime.tls.ServerTLS; None/disabled: plaintext
+    metrics: Any = None  # kakeya.runtime.metrics.ServerMetrics: errors counted, /metrics served with --metrics-port
+
+
+def workers_for(max_sessions: int, queue: int = 0) -> int:
+    """Threads for a server whose streams may hold ``max_sessions`` (+ ``queue`` waiting):
+    a margin is left for GetInfo, health and short RPCs, so they answer while sessions are full."""
+    return (max_sessions or DEFAULT_MAX_SESSIONS) + queue + 16
+
+
+def _parent_watch(parent: int, stop: threading.Event) -> None:
+    while not stop.wait(0.5):
+        if os.getppid() != parent:
+            log.warning("parent process %d is gone: shutting down", parent)
+            stop.set()
+
+
+def write_ready_file(path: str | Path, payload: dict) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be ours (another listener holds it), or None.
+
+    gRPC binds with SO_REUSEPORT, so a second server on a taken port would bind
+    as well and split the connections; a bind without SO_REUSEPORT fails on a
+    port another socket listens on. SO_REUSEADDR lets it pass the TIME_WAIT
+    leftovers of a server that just died (a restart on its own port). Port 0
+    is always free.
+    """
+    import socket
+
+    if port == 0:
+        return None
+    bind_host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    if bind_host in ("", "0.0.0.0", "::"):
+        bind_host = "::" if family == socket.AF_INET6 else "0.0.0.0"
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((bind_host, port))
+    except OSError as exc:
+        if exc.errno in (98, 48):  # EADDRINUSE on Linux / macOS
+            return f"port {port} is already in use"
+        return None  # e.g. an unresolvable host: gRPC reports it
+    return None
+
+
+def _health_watch(spec: ServerSpec, health_servicer, names: list[str], stop: threading.Event) -> None:
+    """Health follows the backends this server needs (``spec.health_watch``), until we drain."""
+    serving = True
+    while not stop.wait(spec.health_interval_s):
+        try:
+            ok = bool(spec.health_watch())
+        except Exception:  # noqa: BLE001 - a failing probe is a failing backend
+            ok = False
+        if stop.is_set():
+            return
+        if ok != serving:
+            status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+            for n in names:
+                health_servicer.set(n, status)
+            log.warning("%s health: %s (backends %s)", spec.name, "SERVING" if ok else "NOT_SERVING", "back" if ok else "down")
+            serving = ok
+
+
+def run_server(
+    spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, ready_file: str | None = None, metrics_port: int | None = None
+) -> int:
+    """Serve until SIGTERM/SIGINT; return the process exit status. ``metrics_port``: /metrics (0: any port)."""
+    if ready_file:
+        Path(ready_file).unlink(missing_ok=True)  # a stale file must not announce us before we are ready
+    stop = threading.Event()
+    signals = {"n": 0}
+
+    def on_signal(signum, _frame):
+        signals["n"] += 1
+        if signals["n"] > 1:  # a second signal: no more waiting
+            log.warning("second signal: exiting now")
+            os._exit(130)
+        log.info("received %s: draining (grace %.1f s)", signal.Signals(signum).name, grace_s)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    parent = os.environ.get(ENV_PARENT_PID)
+    if parent and parent.isdigit():
+        threading.Thread(target=_parent_watch, args=(int(parent), stop), daemon=True).start()
+
+    interceptors = [RpcInterceptor(spec.metrics)] if spec.metrics is not None else []
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=spec.max_workers),
+        options=server_options(max_receive_bytes=spec.max_receive_bytes),
+        maximum_concurrent_rpcs=spec.max_workers,
+        interceptors=interceptors,
+    )
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    spec.add_to_server(server)
+    names = list(spec.service_names)
+    reflection.enable_server_reflection(
+        names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
+    for n in ["", *names]:
+        health_servicer.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
+    problem = port_in_use(host, port)
+    bound = 0
+    if problem is None:
+        try:
+            if spec.tls is not None and spec.tls.enabled:
+                bound = server.add_secure_port(f"{host}:{port}", spec.tls.credentials())
+            else:
+                bound = server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:
+            problem = str(exc)
+        except ValueError as exc:  # unreadable certificate files
+            print(f"kakeya: error: {spec.name}: {exc}", file=sys.stderr)
+            return 2
+    if not bound:
+        print(f"kakeya: error: {spec.name}: cannot listen on {host}:{port}: {problem or 'address in use'}", file=sys.stderr)
+        return 2
+    addr = f"{host}:{bound}"
+    ready_extra: dict = {}
+    httpd = None
+    if metrics_port is not None and spec.metrics is not None:
+        try:
+            httpd = spec.metrics.serve_http(host, metrics_port)
+        except OSError as exc:
+            print(f"kakeya: error: {spec.name}: cannot serve metrics on {host}:{metrics_port} ({exc})", file=sys.stderr)
+            server.stop(0)
+            return 2
+        ready_extra["metrics_port"] = httpd.server_port
+        log.info("%s metrics on http://%s:%d/metrics", spec.name, host, httpd.server_port)
+    server.start()
+    log.info("%s listening on %s (NOT_SERVING until loaded and warmed up)", spec.name, addr)
+
+    # Load in the background so a signal during a long load still stops us.
+    outcome: dict = {}
+
+    def load():
+        try:
+            t0 = time.perf_counter()
+            outcome["desc"] = spec.load()
+            outcome["load_s"] = time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcome["error"] = exc
+            outcome["tb"] = traceback.format_exc()
+        finally:
+            loaded.set()
+
+    loaded = threading.Event()
+    threading.Thread(target=load, name=f"{spec.name}-load", daemon=True).start()
+    while not (loaded.is_set() or stop.is_set()):
+        loaded.wait(0.2)
+    if "error" in outcome:
+        exc = outcome["error"]
+        log.debug("%s", outcome["tb"])
+        print(f"kakeya: error: {spec.name}: {exc}", file=sys.stderr)
+        server.stop(0)
+        return 2
+    if loaded.is_set() and not stop.is_set():
+        spec.set_ready(True)
+        for n in ["", *names]:
+            health_servicer.set(n, health_pb2.HealthCheckResponse.SERVING)
+        log.info("%s SERVING on %s: %s (loaded + warmed up in %.2f s)", spec.name, addr, outcome["desc"], outcome["load_s"])
+        if ready_file:
+            write_ready_file(ready_file, {"service": spec.name, "addr": addr, "port": bound, "pid": os.getpid(), **ready_extra})
+        if spec.health_watch is not None:
+            threading.Thread(
+                target=_health_watch, args=(spec, health_servicer, ["", *names], stop), name="health-watch", daemon=True
+            ).start()
+    while not stop.wait(0.5):
+        pass
+
+    # Drain: NOT_SERVING (load balancers stop routing), refuse new RPCs, let in-flight ones finish.
+    health_servicer.enter_graceful_shutdown()
+    spec.before_drain()
+    t_stop = time.monotonic()
+    done = server.stop(grace_s)
+    if not done.wait(max(0.0, grace_s - 1.0)):
+        spec.near_deadline()
+        done.wait(2.0 + 1.0)
+    time.sleep(0.25)  # let gRPC's I/O threads flush the last messages and trailers before the process exits
+    spec.set_ready(False)
+    if ready_file:
+        Path(ready_file).unlink(missing_ok=True)
+    if httpd is not None:
+        httpd.shutdown()
+    log.info("%s stopped after %.2f s of draining", spec.name, time.monotonic() - t_stop)
+    return 0

@@ -1,0 +1,280 @@
+"""Prometheus metrics of every kakeya server, named after vLLM's so its dashboards carry over.
+
+Each server owns a :class:`ServerMetrics` with its own ``CollectorRegistry``
+(never the process-global one, so tests can run several servers in one
+process) and serves it on ``--metrics-port`` at ``/metrics``. Every server
+exports ``kakeya_errors_total{code}`` (RPCs ending with a non-OK gRPC status,
+counted by :class:`RpcInterceptor`, which also binds each RPC's request id to
+the log context) and ``kakeya_sessions_live``. The orchestrator adds the
+request and speculative-decoding series (:class:`GenerationObserver`), the
+verifier and drafter their cache bytes. ``docs/operations.md`` lists them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kakeya.runtime import logs
+
+log = logging.getLogger("kakeya.orchestrator")
+
+# Seconds; from 1 ms (a tiny model's block) to 80 s (a long generation on a CPU).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+PHASES = ("draft", "verify", "wire", "commit")
+
+
+class _Collected:
+    """A gauge family computed at scrape time (e.g. KV bytes by kind, read from the live sessions)."""
+
+    def __init__(self, name: str, doc: str, label: str, read: Callable[[], dict[str, float]]):
+        self.name, self.doc, self.label, self.read = name, doc, label, read
+
+    def collect(self):
+        g = GaugeMetricFamily(self.name, self.doc, labels=[self.label])
+        for key, value in sorted(self.read().items()):
+            g.add_metric([key], float(value))
+        yield g
+
+    def describe(self):
+        return [GaugeMetricFamily(self.name, self.doc, labels=[self.label])]
+
+
+class _Total:
+    """A counter kept by the server itself (e.g. the session registry's total), read at scrape time."""
+
+    def __init__(self, name: str, doc: str, read: Callable[[], int]):
+        self.name, self.doc, self.read = name, doc, read
+
+    def collect(self):
+        c = CounterMetricFamily(self.name, self.doc)
+        c.add_metric([], float(self.read()))
+        yield c
+
+    def describe(self):
+        return [CounterMetricFamily(self.name, self.doc)]
+
+
+class ServerMetrics:
+    """The metrics of one server (``role``: orchestrator, verifier or drafter)."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self.registry = r = CollectorRegistry()
+        self.errors = Counter("kakeya_errors", "RPCs that ended with a non-OK gRPC status", ["code"], registry=r)
+        self.sessions_live = Gauge("kakeya_sessions_live", "sessions (verifier, drafter) or generations (orchestrator) in flight", registry=r)
+        if role == "orchestrator":
+            self._orchestrator(r)
+
+    def _orchestrator(self, r: CollectorRegistry) -> None:
+        self.num_drafts = Counter("kakeya_spec_decode_num_drafts", "blocks the drafter proposed candidates for", registry=r)
+        self.num_draft_tokens = Counter("kakeya_spec_decode_num_draft_tokens", "candidate tokens proposed", registry=r)
+        self.num_accepted_tokens = Counter("kakeya_spec_decode_num_accepted_tokens", "candidate tokens the target accepted", registry=r)
+        self.accepted_per_pos = Counter(
+            "kakeya_spec_decode_num_accepted_tokens_per_pos", "accepted candidates by position in the block (0 = first)",
+            ["position"], registry=r,
+        )  # fmt: skip
+        self.request_success = Counter("kakeya_request_success", "generations finished, by finish reason", ["finished_reason"], registry=r)
+        self.running = Gauge("kakeya_num_requests_running", "generations in flight", registry=r)
+        self.waiting = Gauge("kakeya_num_requests_waiting", "generations queued for admission (no queue yet: always 0)", registry=r)
+        self.prompt_tokens = Counter("kakeya_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter("kakeya_generation_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("kakeya_time_to_first_token_seconds", "request start to first token streamed", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(
+            "kakeya_inter_token_latency_seconds", "time between streamed blocks (one observation per block, as vLLM per step)",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram("kakeya_e2e_request_latency_seconds", "request start to Complete", buckets=LATENCY_BUCKETS, registry=r)
+        self.block_latency = Histogram(
+            "kakeya_block_latency_seconds", "one decode block's time by phase (wire: split deployments only)",
+            ["phase"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ar_fallbacks = Counter("kakeya_ar_fallbacks", "generations the verifier finished alone (drafter failed or backing off)", registry=r)
+
+    # -- wiring ---------------------------------------------------------------------------
+
+    def track_sessions(self, live: Callable[[], int], total: Callable[[], int]) -> None:
+        """``kakeya_sessions_live`` and ``kakeya_sessions_total``, read from the server at scrape time."""
+        self.sessions_live.set_function(lambda: float(live()))
+        self.registry.register(_Total("kakeya_sessions", "sessions (orchestrator: generations) started", total))
+        if self.role == "orchestrator":
+            self.running.set_function(lambda: float(live()))
+
+    def track_kv_bytes(self, read: Callable[[], dict[str, int]]) -> None:
+        """``kakeya_kv_cache_bytes{kind}``: bytes held by live sessions' caches, read at scrape time."""
+        self.registry.register(_Collected("kakeya_kv_cache_bytes", "KV cache bytes held by live sessions", "kind", read))
+
+    def track_batches(self, compute: Any) -> None:
+        """``kakeya_compute_batches_total`` / ``kakeya_compute_batched_items_total`` of a ``ComputeThread``:
+        batched runner calls and the steps they carried (their ratio is the mean batch size)."""
+        self.registry.register(_Total("kakeya_compute_batches", "batched compute calls (one forward each)", lambda: compute.batches))
+        self.registry.register(_Total("kakeya_compute_batched_items", "session steps those calls carried", lambda: compute.batched_items))
+
+    def generation(self, verifier_session: Any = None, drafter_session: Any = None, params: Any = None) -> "GenerationObserver":
+        if params is not None:
+            log.info("generate: %d prompt tokens, max_tokens %d, block %d", len(params.prompt_ids), params.max_tokens, params.block_size)
+        return GenerationObserver(self, verifier_session, drafter_session)
+
+    def serve_http(self, host: str, port: int):
+        """Serve ``/metrics`` on ``host:port`` (0: any free port); returns the HTTP server (``.server_port``)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server
+
+
+def _server_s(session: Any) -> float | None:
+    value = getattr(session, "server_s", None)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+class GenerationObserver:
+    """Feeds one generation's blocks into the orchestrator's metrics as they stream."""
+
+    def __init__(self, metrics: ServerMetrics, vs: Any, ds: Any):
+        self.m, self.vs, self.ds = metrics, vs, ds
+        self.t0 = time.perf_counter()
+        self.t_last: float | None = None
+        self.server_s = self._server_total()
+        self.finished = False
+        self.accepted = self.drafts = 0
+
+    def _server_total(self) -> float | None:
+        v = _server_s(self.vs)
+        return None if v is None else v + (_server_s(self.ds) or 0.0)
+
+    def block(self, b) -> None:
+        m, now = self.m, time.perf_counter()
+        total = self._server_total()
+        if self.t_last is None:  # the prefill's token
+            m.ttft.observe(now - self.t0)
+        else:
+            m.itl.observe(now - self.t_last)
+            m.block_latency.labels("draft").observe(b.draft_s)
+            m.block_latency.labels("verify").observe(b.verify_s)
+            m.block_latency.labels("commit").observe(b.commit_s)
+            if total is not None and self.server_s is not None:
+                # client time minus the backends' own handler time (their Session responses' elapsed_s)
+                client = b.verify_s + b.commit_s + (b.draft_s if _server_s(self.ds) is not None else 0.0)
+                m.block_latency.labels("wire").observe(max(0.0, client - (total - self.server_s)))
+        self.t_last, self.server_s = now, total
+        if b.drafted > 0:
+            self.drafts, self.accepted = self.drafts + 1, self.accepted + b.accepted
+            m.num_drafts.inc()
+            m.num_draft_tokens.inc(b.drafted)
+            m.num_accepted_tokens.inc(b.accepted)
+            for pos in range(b.accepted):
+                m.accepted_per_pos.labels(str(pos)).inc()
+
+    def finish(self, reason: str, *, fallback: bool = False, prompt_tokens: int = 0, tokens: int = 0) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        m = self.m
+        m.request_success.labels(reason).inc()
+        m.e2e.observe(time.perf_counter() - self.t0)
+        m.prompt_tokens.inc(prompt_tokens)
+        m.generation_tokens.inc(tokens)
+        if fallback:
+            m.ar_fallbacks.inc()
+        log.info("finished: %s, %d tokens, %d drafts, %d accepted%s", reason, tokens, self.drafts, self.accepted,
+                 ", AR fallback (drafter failed)" if fallback else "")  # fmt: skip
+
+
+class _NoObserver:
+    def block(self, b) -> None:
+        pass
+
+    def finish(self, reason: str, **_kw) -> None:
+        pass
+
+
+NO_OBSERVER = _NoObserver()
+
+
+# --------------------------------------------------------------------------- RPC interceptor
+
+
+class RpcInterceptor(grpc.ServerInterceptor):
+    """Counts non-OK statuses into ``kakeya_errors_total{code}`` and binds the request id for logs.
+
+    The request id comes from ``x-request-id`` metadata (the orchestrator sends
+    it to the backends) or the request's own ``request_id`` field.
+    """
+
+    def __init__(self, metrics: ServerMetrics | None):
+        self.metrics = metrics
+
+    def _count(self, context, exc: BaseException | None) -> None:
+        if self.metrics is None:
+            return
+        code = None
+        try:
+            code = context.code()
+        except Exception:  # pragma: no cover - older grpc
+            pass
+        if code is None and exc is not None:
+            code = grpc.StatusCode.CANCELLED if isinstance(exc, GeneratorExit) else grpc.StatusCode.UNKNOWN
+        if code is not None and code != grpc.StatusCode.OK:
+            name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+            self.metrics.errors.labels(name).inc()
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None:
+            return None
+        rid = ""
+        for key, value in details.invocation_metadata or ():
+            if key == "x-request-id":
+                rid = value
+        count = self._count
+
+        def bound(request):
+            own = "" if hasattr(request, "__next__") else getattr(request, "request_id", "")
+            return logs.bind(request_id=rid or own)
+
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            def unary(request, context):
+                token = bound(request)
+                try:
+                    out = inner(request, context)
+                except BaseException as exc:
+                    count(context, exc)
+                    raise
+                finally:
+                    logs.reset(token)
+                count(context, None)
+                return out
+
+            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+
+        def streaming(inner):
+            def run(request, context):
+                token = bound(request)
+                try:
+                    yield from inner(request, context)
+                except BaseException as exc:
+                    count(context, exc)
+                    raise
+                else:
+                    count(context, None)
+                finally:
+                    logs.reset(token)
+
+            return run
+
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                streaming(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                streaming(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+            )
+        return handler  # client streaming: none in kakeya's services
+

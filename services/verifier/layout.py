@@ -1,0 +1,153 @@
+"""Verifier cache policy and the sliding-layer ring layout (backend-neutral).
+
+Why a ring *with slack*: mlx-lm's ``RotatingKVCache(max_size=window)`` cannot
+be trimmed once it has wrapped, so rejected draft K/V used to stay in the ring
+and desynchronise RoPE and masks (BRIEF §5). Here every sliding layer keeps
+``window - 1 + slack`` rotating slots. A block of ``L <= slack`` new positions
+then never overwrites a position any of its queries, or any query after a
+trim of up to ``slack`` positions, still needs; so rollback is just moving the
+offset back, exact at any point, and memory stays bounded.
+
+Which position each slot holds is tracked here on the host (it is the same for
+every sliding layer of a session), and the attention mask is derived from it:
+attention is order-free given the mask, so the ring never has to be reordered.
+The backend cache modules (``verifier/mlx_backend/cache.py``, ``verifier/torch_backend/cache.py``) only hold the
+arrays and apply the writes this layout plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kakeya.core.contract import CachePolicy  # noqa: F401  (the policy this module enforces)
+
+EMPTY = -1  # slot holds no position yet
+
+
+@dataclass(frozen=True)
+class RingWrite:
+    """Copy ``length`` new positions starting at ``src`` into slots ``dst .. dst+length``."""
+
+    dst: int
+    src: int
+    length: int
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """Everything a backend needs to run one forward of ``n_new`` positions on its sliding layers."""
+
+    n_new: int
+    in_place: bool  # True: write first, attend over slots[:used]; False: attend over slots[:used] ++ new, then write
+    used: int  # slots attended to from the ring
+    writes: tuple[RingWrite, ...]
+    mask: np.ndarray  # bool [n_new, used (+ n_new if not in_place)], True = attend
+
+
+class RingLayout:
+    """Slot bookkeeping shared by all sliding layers of one session."""
+
+    def __init__(self, sink: int, window: int, slack: int):
+        if slack < 1:
+            raise ValueError("slack must be >= 1")
+        self.sink, self.window, self.slack = sink, window, slack
+        self.rotating = window - 1 + slack
+        self.capacity = sink + self.rotating
+        self.positions = np.full(self.capacity, EMPTY, dtype=np.int64)
+        self.offset = 0  # absolute position of the next token
+        self.used = 0  # slots [0, used) have been written at least once
+        self._pending: RingPlan | None = None
+
+    def slot(self, pos: np.ndarray) -> np.ndarray:
+        return np.where(pos < self.sink, pos, self.sink + (pos - self.sink) % self.rotating)
+
+    def _visible(self, key_pos: np.ndarray, query_pos: np.ndarray) -> np.ndarray:
+        q, k = query_pos[:, None], key_pos[None, :]
+        in_window = (k > q - self.window) | (k < self.sink)
+        return (k >= 0) & (k <= q) & in_window
+
+    def plan(self, n_new: int) -> RingPlan:
+        """Plan a forward of ``n_new`` positions starting at ``offset``."""
+        if self._pending is not None:
+            raise RuntimeError("previous ring plan was not applied")
+        start = self.offset
+        new_pos = np.arange(start, start + n_new)
+        in_place = n_new <= self.slack
+        # Positions that will sit in the ring afterwards: all of them when in place, else the
+        # last `rotating` positions plus any sink positions.
+        keep = new_pos if in_place else new_pos[(new_pos < self.sink) | (new_pos >= start + n_new - self.rotating)]
+        writes = self._runs(keep, start)
+        after = self.positions.copy()
+        after[self.slot(keep)] = keep
+        used = max(self.used, int(self.slot(keep).max()) + 1 if len(keep) else 0)
+        if in_place:
+            mask = self._visible(after[:used], new_pos)
+        else:
+            mask = self._visible(np.concatenate([self.positions[: self.used], new_pos]), new_pos)
+            used = self.used
+        plan = RingPlan(n_new, in_place, used, writes, mask)
+        self._pending = plan
+        self._after = after
+        return plan
+
+    def _runs(self, keep: np.ndarray, start: int) -> tuple[RingWrite, ...]:
+        slots = self.slot(keep)
+        runs, i = [], 0
+        while i < len(keep):
+            j = i
+            while j + 1 < len(keep) and slots[j + 1] == slots[j] + 1:
+                j += 1
+            runs.append(RingWrite(int(slots[i]), int(keep[i] - start), j - i + 1))
+            i = j + 1
+        return tuple(runs)
+
+    def applied(self) -> None:
+        """Record that the planned forward ran on every sliding layer."""
+        plan = self._pending
+        if plan is None:
+            raise RuntimeError("no ring plan to apply")
+        self.positions = self._after
+        self.used = max(self.used, max((w.dst + w.length for w in plan.writes), default=0))
+        self.offset += plan.n_new
+        self._pending = None
+
+    def trim(self, n: int) -> None:
+        """Forget the newest ``n`` positions. Exact for ``n <= slack``."""
+        if n < 0 or n > self.offset:
+            raise ValueError(f"cannot trim {n} positions from a cache holding {self.offset}")
+        if n > self.slack:
+            raise ValueError(f"trim of {n} exceeds the ring's rollback slack {self.slack}")
+        self.offset -= n
+        # Slots of trimmed positions keep stale K/V; marking them empty keeps masks honest.
+        self.positions[self.positions >= self.offset] = EMPTY
+
+
+def restore_mask(
+    latent_positions: np.ndarray, start: int, n_new: int, sink: int, window: int, native_window: int
+) -> np.ndarray:
+    """Bool ``[n_new, slots]``: which latent-ring slots each new query attends to as RESTORED K/V.
+
+    Query ``t`` sees position ``p`` restored iff ``p`` was evicted from the exact
+    window but the model itself would still attend to it: ``p >= sink`` and
+    ``t - native_window < p <= t - window``. Exact sinks and window positions
+    are never restored (they are in the K/V ring), and a restored position
+    always precedes ``start``: its latent comes from an earlier forward's aux,
+    which holds as long as ``n_new <= window``.
+    """
+    if n_new > window:
+        raise ValueError(f"a restoring forward may hold at most window={window} positions, got {n_new}")
+    q = np.arange(start, start + n_new)[:, None]
+    p = latent_positions[None, :]
+    return (p >= 0) & (p >= sink) & (p <= q - window) & (p > q - native_window)
+
+
+@dataclass(frozen=True)
+class RestoreView:
+    """What a restoring forward needs besides the K/V ring: f_theta and the latent ring before this forward."""
+
+    restorer: object  # kakeya.verifier.mlx_backend.ftheta.Restorer
+    latents: object  # backend array [slots, latent_dim], slot order
+    positions: np.ndarray  # int64 [slots]: absolute position per slot (EMPTY = -1)
+    mask: np.ndarray  # bool [n_new, slots] from restore_mask

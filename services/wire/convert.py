@@ -1,0 +1,184 @@
+"""The contract types (``services/core/contract.py``) <-> their wire messages: the one place they meet.
+
+Every ``CachePolicy`` field crosses: a policy a client asked for is never
+narrowed on the way (quantized full layers, f_theta restoration included).
+``ModelInfo`` travels inside the verifier's ``VerifierInfo`` (to the
+orchestrator) and the public ``ModelInfo`` (to clients). ``SamplingParams``
+crosses as the sessions' ``Sampling`` (and the public ``SamplingParams``), a
+drafter's ``Proposal`` as its compact [n, K] ids and probabilities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, ModelInfo, Proposal, SamplingParams
+from kakeya.wire.kakeya.v1 import cache_pb2
+from kakeya.wire.kakeya.v1 import generate_pb2 as gpb
+from kakeya.wire.kakeya.v1 import sampling_pb2 as spb
+from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb
+
+KIND_TO_NAME = {cache_pb2.CACHE_KIND_NATIVE: "native", cache_pb2.CACHE_KIND_SINK_WINDOW: "sink-window"}
+NAME_TO_KIND = {v: k for k, v in KIND_TO_NAME.items()}
+
+
+def policy_to_proto(p: CachePolicy) -> cache_pb2.CachePolicy:
+    if p.kind not in NAME_TO_KIND:
+        raise ValueError(f"cache policy kind must be 'native' or 'sink-window', got {p.kind!r}")
+    return cache_pb2.CachePolicy(
+        kind=NAME_TO_KIND[p.kind],
+        sink=p.sink,
+        window=(p.window or 0) if p.kind != "native" else 0,  # native: always the model's own window
+        slack=p.slack,
+        full_kv_bits=p.full_kv_bits,
+        full_kv_group_size=p.full_kv_group_size if p.full_kv_bits else 0,
+        restore_path=p.restore or "",
+    )
+
+
+def policy_from_proto(p: cache_pb2.CachePolicy, default: CachePolicy, field: str = "cache_policy") -> CachePolicy:
+    """A message with ``kind`` set is a whole policy (0 / "" mean exact, the model's window, no
+    restoration; ``slack`` 0 means the server's); with ``kind`` unset it is ``default``. Raises
+    ValueError naming the field.
+
+    Only the shape is checked here; ``CachePolicy.resolve`` checks the values
+    against the model when a session opens.
+    """
+    if p.kind == cache_pb2.CACHE_KIND_UNSPECIFIED:
+        given = [f.name for f, _ in p.ListFields()]
+        if given:  # never drop what a client asked for
+            raise ValueError(f"{field}.kind must be set when {', '.join(given)} is given")
+        return default
+    elif p.kind in KIND_TO_NAME:
+        kind = KIND_TO_NAME[p.kind]
+    else:
+        raise ValueError(f"{field}.kind: unknown cache kind {p.kind}")
+    if p.sink < 0:
+        raise ValueError(f"{field}.sink must be >= 0, got {p.sink}")
+    if p.window < 0:
+        raise ValueError(f"{field}.window must be >= 0 (0 = the model's window), got {p.window}")
+    if not 0 <= p.slack <= MAX_BLOCK_SIZE:
+        raise ValueError(f"{field}.slack must be 0 (default) or 1..{MAX_BLOCK_SIZE}, got {p.slack}")
+    if kind == "native" and (p.sink or p.window):
+        raise ValueError(f"{field}: sink and window apply to CACHE_KIND_SINK_WINDOW only")
+    values = {
+        "kind": kind,
+        "sink": p.sink,
+        "window": p.window or None,
+        "slack": p.slack or default.slack,
+        "full_kv_bits": p.full_kv_bits,
+        "full_kv_group_size": p.full_kv_group_size or default.full_kv_group_size,
+        "restore": p.restore_path or None,
+    }
+    return dataclasses.replace(default, **values)
+
+
+def verifier_info_to_proto(info: ModelInfo, aux_layers, **server_fields) -> vpb.VerifierInfo:
+    """What a verifier server publishes: the model's facts plus the server's own (``server_fields``)."""
+    return vpb.VerifierInfo(
+        model_name=info.name,
+        vocab_size=info.vocab_size,
+        eos_token_ids=list(info.eos_token_ids),
+        hidden_size=info.hidden_size,
+        num_layers=info.num_layers,
+        sliding_window=info.sliding_window,
+        target_layer_ids=list(aux_layers),
+        backend=info.backend,
+        **server_fields,
+    )
+
+
+def model_info_from_verifier(r: vpb.VerifierInfo, backend: str, extra: dict | None = None) -> ModelInfo:
+    """The ``ModelInfo`` of a remote verifier (``backend``: how this side reaches it)."""
+    return ModelInfo(
+        name=r.model_name,
+        vocab_size=r.vocab_size,
+        eos_token_ids=tuple(r.eos_token_ids),
+        hidden_size=r.hidden_size,
+        num_layers=r.num_layers,
+        sliding_window=r.sliding_window,
+        backend=backend,
+        extra=dict(extra or {}),
+    )
+
+
+def public_model_info(info: ModelInfo, **api_fields) -> gpb.ModelInfo:
+    """The public API's ``ModelInfo``: the target's facts plus the orchestrator's (``api_fields``)."""
+    return gpb.ModelInfo(
+        vocab_size=info.vocab_size,
+        eos_token_ids=list(info.eos_token_ids),
+        sliding_window=info.sliding_window,
+        max_block_size=MAX_BLOCK_SIZE,
+        **api_fields,
+    )
+
+
+def model_info_from_public(m: gpb.ModelInfo, backend: str) -> ModelInfo:
+    """What a client of the public API knows of the target (no layer or hidden sizes)."""
+    return ModelInfo(m.target_model, m.vocab_size, tuple(m.eos_token_ids), 0, 0, m.sliding_window, backend)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _decimal(x: float) -> float:
+    """A wire float32 back as the shortest decimal that round-trips it (0.7f -> 0.7), so a split
+    deployment processes p with the very numbers a colocated one does."""
+    return float(str(np.float32(x)))
+
+
+def sampling_to_proto(s: SamplingParams) -> spb.Sampling:
+    return spb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed or 0)
+
+
+def sampling_from_proto(m: spb.Sampling, field: str = "sampling") -> SamplingParams | None:
+    """A session's ``Sampling`` (None: greedy); ValueError naming the field."""
+    if not m.temperature:
+        return None
+    return _checked(
+        field,
+        temperature=_decimal(m.temperature),
+        top_k=m.top_k,
+        top_p=_decimal(m.top_p) if m.top_p else 1.0,
+        min_p=_decimal(m.min_p),
+        seed=m.seed,
+    )
+
+
+def public_sampling(sp: gpb.SamplingParams, field: str = "sampling_params") -> SamplingParams:
+    """The public ``SamplingParams``' sampling fields (proto3 zeros: off; seed unset: None)."""
+    return _checked(
+        field,
+        temperature=_decimal(sp.temperature),
+        top_k=sp.top_k,
+        top_p=_decimal(sp.top_p) if sp.top_p else 1.0,
+        min_p=_decimal(sp.min_p),
+        seed=sp.seed if sp.HasField("seed") else None,
+    )
+
+
+def _checked(field: str, **values) -> SamplingParams:
+    try:
+        return SamplingParams(**values).check()
+    except ValueError as exc:
+        raise ValueError(f"{field}.{exc}") from None  # check() messages start with the field's name
+
+
+def proposal_to_proto(p: Proposal) -> spb.Proposal:
+    return spb.Proposal(k=p.ids.shape[1], ids=p.ids.ravel().tolist(), probs=p.probs.ravel().tolist())
+
+
+def proposal_from_proto(m: spb.Proposal, n: int, vocab: int, field: str = "proposal") -> Proposal:
+    """The proposal of ``n`` candidates; ValueError naming the field when its shape or values are off."""
+    k = m.k
+    if k < 1 or len(m.ids) != n * k or len(m.probs) != n * k:
+        raise ValueError(f"{field}: {len(m.ids)} ids and {len(m.probs)} probs with k={k} do not make {n} rows")
+    ids = np.asarray(m.ids, np.int32).reshape(n, k)
+    probs = np.asarray(m.probs, np.float32).reshape(n, k)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"{field}.ids: ids outside the vocabulary [0, {vocab})")
+    if not np.all(np.isfinite(probs)) or (probs < 0).any() or (n and (probs.sum(-1) <= 0).any()):
+        raise ValueError(f"{field}.probs: probabilities must be finite, >= 0, with a positive sum per row")
+    return Proposal(ids, probs)
