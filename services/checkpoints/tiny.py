@@ -33,6 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kakeya.checkpoints import tokenizer as tk
+from kakeya.core.contract import FULL, SLIDING
 
 Progress = Callable[[str], None]
 
@@ -43,7 +44,7 @@ DEFAULT_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny"
 # (their defaults differ, e.g. use_double_wide_mlp, sliding_window_pattern).
 HIDDEN = 64
 NUM_LAYERS = 6
-LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+LAYER_TYPES = [SLIDING, SLIDING, FULL] * 2
 HEAD_DIM = 16
 GLOBAL_HEAD_DIM = 32
 NUM_HEADS = 4
@@ -109,12 +110,12 @@ def target_config(
         "hidden_activation": "gelu_pytorch_tanh",
         "rms_norm_eps": RMS_EPS,
         "rope_parameters": {
-            "full_attention": {
+            FULL: {
                 "partial_rotary_factor": 0.25,
                 "rope_theta": 1000000.0,
                 "rope_type": "proportional",
             },
-            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+            SLIDING: {"rope_theta": 10000.0, "rope_type": "default"},
         },
         "global_partial_rotary_factor": 0.25,
         "max_position_embeddings": MAX_POSITIONS,
@@ -145,7 +146,7 @@ def draft_config(vocab_size: int = tk.DEFAULT_VOCAB_SIZE) -> dict[str, Any]:
         "intermediate_size": DRAFT_INTERMEDIATE,
         "num_hidden_layers": DRAFT_LAYERS,
         "num_target_layers": NUM_LAYERS,
-        "layer_types": ["full_attention"] * DRAFT_LAYERS,
+        "layer_types": [FULL] * DRAFT_LAYERS,
         "num_attention_heads": NUM_HEADS,
         "num_key_value_heads": NUM_KV_HEADS,
         "head_dim": HEAD_DIM,
@@ -212,7 +213,7 @@ def target_weights(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     w.normal("model.embed_tokens.weight", (v, h), 1.0 / np.sqrt(h))
     for i, layer_type in enumerate(cfg["layer_types"]):
         p = f"model.layers.{i}."
-        full = layer_type == "full_attention"
+        full = layer_type == FULL
         hd = cfg["global_head_dim"] if full else cfg["head_dim"]
         k_eq_v = cfg["attention_k_eq_v"] and full
         n_kv = cfg["num_global_key_value_heads"] if k_eq_v else cfg["num_key_value_heads"]

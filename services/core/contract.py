@@ -18,6 +18,10 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, Sequence
 
+# Attention layer kinds, as Hugging Face configs spell them in ``layer_types`` (Gemma-4, the DFlash drafter).
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
 # The largest block a loop drafts, a verifier verifies and a drafter drafts,
 # and so the ring's rollback slack: one number for every layer.
 MAX_BLOCK_SIZE = 16

@@ -11,10 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from kakeya.core.contract import MAX_BLOCK_SIZE
-
-SLIDING = "sliding_attention"
-FULL = "full_attention"
+from kakeya.core.contract import FULL, MAX_BLOCK_SIZE, SLIDING
 
 
 @dataclass

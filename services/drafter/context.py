@@ -32,7 +32,8 @@ from typing import Optional
 
 import numpy as np
 
-from kakeya.drafter.config import MAX_BLOCK_SIZE, SLIDING, DFlashConfig
+from kakeya.core.contract import MAX_BLOCK_SIZE, SLIDING
+from kakeya.drafter.config import DFlashConfig
 
 DEFAULT_STEP = 256  # first capacity of a full layer; spare rows of a sliding layer
 

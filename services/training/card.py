@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from kakeya.core.contract import FULL
+
 
 def _cmd(rep: dict, paths: dict[str, str], skip=("func", "quiet", "resume", "command")) -> str:
     """The command line that produced ``rep``, with machine paths replaced by ``paths`` placeholders."""
@@ -60,7 +62,7 @@ def render(root: Path) -> str:
     t = json.loads((root / "target" / "report.json").read_text())
     d = json.loads((root / "draft" / "report.json").read_text())
     tc, dc = t["config"], d["config"]
-    pattern = " ".join("F" if x == "full_attention" else "S" for x in tc["layer_types"])
+    pattern = " ".join("F" if x == FULL else "S" for x in tc["layer_types"])
     evals = ", ".join(f"{e['step']}: {e['heldout_loss']:.3f}" for e in t["evals"])
     lines = [
         "# kakeya demo pair: a trained small Gemma-4 target + its DFlash drafter",

@@ -34,6 +34,7 @@ import numpy as np
 
 from kakeya.checkpoints import tiny
 from kakeya.checkpoints import tokenizer as tk
+from kakeya.core.contract import FULL
 from kakeya.training import common, data
 from kakeya.training.block_trainer import BlockTrainer, TorchTarget, cached_continuations, log, make_dataset
 from kakeya.training.drafter_eval import evaluate, heldout_prompts, measure_acceptance
@@ -52,7 +53,7 @@ def build_draft_config(target_cfg: dict, args) -> dict[str, Any]:
         intermediate_size=args.intermediate,
         num_hidden_layers=args.layers,
         num_target_layers=n,
-        layer_types=["full_attention"] * args.layers,
+        layer_types=[FULL] * args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
         head_dim=args.head_dim,

@@ -48,7 +48,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from kakeya.verifier.mlx_backend.ftheta import SLIDING, Restorer
+from kakeya.core.contract import FULL, SLIDING
+from kakeya.verifier.mlx_backend.ftheta import Restorer
 
 STATE_DIR = "train_state"
 REPORT_FILE = "report.json"
@@ -152,8 +153,8 @@ def capture(target, ids: mx.array, aux_layers, wanted) -> tuple[mx.array, dict[i
         per_layer = [pli[:, :, i, :] for i in range(len(inner.layers))]
     q_pos, k_pos = np.arange(T)[:, None], np.arange(T)[None, :]
     masks = {
-        "full_attention": mx.array(k_pos <= q_pos),
-        "sliding_attention": mx.array((k_pos <= q_pos) & (k_pos > q_pos - a.sliding_window)),
+        FULL: mx.array(k_pos <= q_pos),
+        SLIDING: mx.array((k_pos <= q_pos) & (k_pos > q_pos - a.sliding_window)),
     }
     aux_ids = {layer: i for i, layer in enumerate(aux_layers)}
     aux = [None] * len(aux_ids)
@@ -291,7 +292,7 @@ def evaluate(objective: Objective, ids: mx.array) -> dict:
         t.update(type=spec.type, restored=spec.restored)
         per_layer[str(spec.index)] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in t.items()}
     by_type = {}
-    for kind, name in ((SLIDING, "sliding"), ("full_attention", "full")):
+    for kind, name in ((SLIDING, "sliding"), (FULL, "full")):
         rows = [r for r in per_layer.values() if r["type"] == kind]
         if not rows:
             continue

@@ -27,6 +27,7 @@ import numpy as np
 
 from kakeya.checkpoints import tiny
 from kakeya.checkpoints import tokenizer as tk
+from kakeya.core.contract import FULL, SLIDING
 from kakeya.training import common, data
 
 if TYPE_CHECKING:  # MLX is imported where it runs: `train-target --backend torch` needs no MLX
@@ -37,7 +38,7 @@ def build_config(args) -> dict[str, Any]:
     cfg = tiny.target_config(sliding_window=args.sliding_window, vocab_size=args.vocab_size)
     n = args.layers
     pattern = args.pattern.split(",")
-    layer_types = [("full_attention" if pattern[i % len(pattern)].strip() == "f" else "sliding_attention") for i in range(n)]
+    layer_types = [(FULL if pattern[i % len(pattern)].strip() == "f" else SLIDING) for i in range(n)]
     cfg.update(
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,

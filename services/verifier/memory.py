@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from kakeya.core.contract import CachePolicy
+from kakeya.core.contract import FULL, SLIDING, CachePolicy
 
 # Published text configs (only the fields the KV size depends on).
 PRESETS = {
@@ -53,7 +53,7 @@ class KVShape:
         types = cfg.get("layer_types")
         if not types:
             pattern = cfg.get("layer_pattern") or cfg.get("sliding_window_pattern", 5)
-            types = [("full_attention" if (i + 1) % pattern == 0 else "sliding_attention") for i in range(n)]
+            types = [(FULL if (i + 1) % pattern == 0 else SLIDING) for i in range(n)]
         cached = n - cfg.get("num_kv_shared_layers", 0)
         dtype = dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
         if dtype not in DTYPE_BYTES:
@@ -75,7 +75,7 @@ class KVShape:
 
     def per_position(self, kind: str, bits: int = 0, group: int = 64) -> int:
         """Bytes of K and V for one position of one layer."""
-        if kind == "sliding_attention":
+        if kind == SLIDING:
             return 2 * self.sliding_kv_heads * self.sliding_head_dim * self.dtype_bytes
         if not bits:
             return 2 * self.full_kv_heads * self.full_head_dim * self.dtype_bytes
@@ -87,7 +87,7 @@ class KVShape:
 
 def session_bytes(shape: KVShape, policy: CachePolicy | None, context: int) -> dict:
     """``{"sliding_bytes", "full_bytes", "total_bytes"}``; ``policy=None`` is the unbounded ``full`` yardstick."""
-    n_sliding = shape.layer_types.count("sliding_attention")
+    n_sliding = shape.layer_types.count(SLIDING)
     n_full = len(shape.layer_types) - n_sliding
     if policy is None:
         sliding_positions, bits, group = context, 0, 64
@@ -95,8 +95,8 @@ def session_bytes(shape: KVShape, policy: CachePolicy | None, context: int) -> d
         p = policy.resolve(shape.sliding_window)
         sliding_positions = p.sink + p.window - 1 + p.slack
         bits, group = p.full_kv_bits, p.full_kv_group_size
-    sliding = n_sliding * sliding_positions * shape.per_position("sliding_attention")
-    full = n_full * context * shape.per_position("full_attention", bits, group)
+    sliding = n_sliding * sliding_positions * shape.per_position(SLIDING)
+    full = n_full * context * shape.per_position(FULL, bits, group)
     return {"total_bytes": sliding + full, "sliding_bytes": sliding, "full_bytes": full}
 
 

@@ -35,8 +35,9 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from kakeya.backends.mlx import sampling as sampling_mlx
 from kakeya.checkpoints.layout import find_text_tensors, shard_files
+from kakeya.core.contract import FULL, SLIDING  # noqa: F401  (FULL re-exported)
 from kakeya.drafter import context
-from kakeya.drafter.config import FULL, SLIDING, DFlashConfig, aux_rows  # noqa: F401  (FULL, DFlashConfig re-exported)
+from kakeya.drafter.config import DFlashConfig, aux_rows  # noqa: F401  (DFlashConfig re-exported)
 from kakeya.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, block_mask
 from kakeya.drafter.mlx_backend import batch as batch_mlx
 

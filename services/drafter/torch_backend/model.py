@@ -41,7 +41,8 @@ from kakeya.backends.torch.ops import (
     sdpa,
     sdpa_backends,
 )
-from kakeya.drafter.config import FULL, SLIDING, DFlashConfig, aux_rows  # noqa: F401  (FULL, DFlashConfig re-exported)
+from kakeya.core.contract import FULL, SLIDING  # noqa: F401  (FULL re-exported)
+from kakeya.drafter.config import DFlashConfig, aux_rows  # noqa: F401  (DFlashConfig re-exported)
 from kakeya.drafter.context import DEFAULT_STEP, BlockView, block_mask
 from kakeya.drafter.torch_backend import batch as batch_torch
 from kakeya.drafter.torch_backend.context import ContextKVCache, GivenContext, LayerKV  # noqa: F401  (re-exported)

@@ -23,9 +23,8 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
+from kakeya.core.contract import FULL, SLIDING
 from kakeya.verifier.mlx_backend.cache import RingKVCache
-
-FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 class _Rows:

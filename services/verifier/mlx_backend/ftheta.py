@@ -45,12 +45,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from kakeya.core.contract import SLIDING
+
 FORMAT = "kakeya-ftheta/1"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "ftheta.safetensors"
 DRAFT_FILE = "draft_context.safetensors"
-SLIDING = "sliding_attention"
-FULL = "full_attention"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from mlx_lm.models.gemma4_text import logit_softcap
 from mlx_lm.utils import load_model
 
 from kakeya.backends.mlx import sampling as sampling_mlx
-from kakeya.core.contract import CachePolicy
+from kakeya.core.contract import FULL, SLIDING, CachePolicy
 from kakeya.verifier.layout import RestoreView, RingLayout, RingPlan
 from kakeya.verifier.mlx_backend.cache import LatentRing, RingKVCache
 
@@ -66,7 +66,7 @@ class TargetMLX:
             return QuantizedKVCache(group_size=group, bits=policy.full_kv_bits)
 
         return [
-            RingKVCache(layout) if self.layer_types[i] == "sliding_attention" else full()
+            RingKVCache(layout) if self.layer_types[i] == SLIDING else full()
             for i in range(self.n_cached)
         ]
 
@@ -198,8 +198,8 @@ class TargetMLX:
 
         full_cache = next((c for c in cache if not isinstance(c, RingKVCache)), None)
         masks = {
-            "full_attention": create_attention_mask(h, full_cache),
-            "sliding_attention": sliding_mask,
+            FULL: create_attention_mask(h, full_cache),
+            SLIDING: sliding_mask,
         }
         cache = cache + [None] * (len(inner.layers) - len(cache))
         wanted = {layer_id: i for i, layer_id in enumerate(aux_layers)}

@@ -40,9 +40,7 @@ from kakeya.backends.torch.ops import (
     sdpa,
     sdpa_backends,
 )
-
-SLIDING = "sliding_attention"
-FULL = "full_attention"
+from kakeya.core.contract import FULL, SLIDING
 
 # --------------------------------------------------------------------------- config
 

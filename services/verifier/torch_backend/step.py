@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from kakeya.backends.torch.graphs import GraphedStep, GraphOptions, StepGraphs, bucket_for
+from kakeya.core.contract import FULL, SLIDING
 from kakeya.verifier.layout import RingLayout
 from kakeya.verifier.torch_backend.cache import RingKVCache
-from kakeya.verifier.torch_backend.gemma4 import FULL, SLIDING
 
 PAD_ID = 0  # token id written into padded block positions (its outputs are dropped)
 EMPTY_FAR = -(2**40)  # ring_pos of a slot holding nothing: before every window, so no mask term needed

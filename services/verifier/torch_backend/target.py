@@ -18,11 +18,11 @@ import torch
 from kakeya.backends.torch import sampling as sampling_torch
 from kakeya.backends.torch.graphs import GRAPHED_MIN_BATCH, GraphOptions
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype
-from kakeya.core.contract import MAX_BLOCK_SIZE
+from kakeya.core.contract import FULL, MAX_BLOCK_SIZE, SLIDING
 from kakeya.verifier.layout import RingLayout, RingPlan
 from kakeya.verifier.torch_backend.batch import Segment, forward_batch
 from kakeya.verifier.torch_backend.cache import FullKVCache, QuantizedFullKVCache, RingKVCache
-from kakeya.verifier.torch_backend.gemma4 import FULL, SLIDING, Forward, Gemma4Args, Gemma4Text
+from kakeya.verifier.torch_backend.gemma4 import Forward, Gemma4Args, Gemma4Text
 from kakeya.verifier.torch_backend.load import load_gemma4
 from kakeya.verifier.torch_backend.step import TorchCaches, verify_block
 
