@@ -1,8 +1,11 @@
 """The DFlash block trainer (torch) and the target continuations it learns from.
 
-A data set is the TARGET's own greedy continuations with the aux hidden states
-of every position; a batch is many blocks at once, context K/V shared per
-sequence (see ``drafter.py`` for the whole recipe).
+A data set is the TARGET's own continuations (greedy, and sampled at the
+temperatures asked for) with the aux hidden states of every position and the
+target's final hidden state there (its next-token distribution, recomputed
+through the frozen LM head when a soft-label loss wants it); a batch is many
+blocks at once, context K/V shared per sequence (see ``drafter.py`` for the
+whole recipe).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -38,15 +41,24 @@ class TorchTarget:
 
     def greedy(self, prompts: np.ndarray, n_new: int) -> np.ndarray:
         """``[N, P]`` prompts -> ``[N, P + n_new]`` (prompt + greedy continuation, no early stop)."""
+        return self.continue_(prompts, n_new, 0.0)
+
+    def continue_(self, prompts: np.ndarray, n_new: int, temperature: float, seed: int = 0) -> np.ndarray:
+        """``[N, P]`` prompts -> ``[N, P + n_new]``: greedy at temperature 0, else sampled from
+        softmax(logits / temperature) (no top-k/top-p), the draws seeded by ``seed``."""
         torch = self.torch
         ids = torch.from_numpy(prompts.astype(np.int64)).to(self.device)
+        sample = temperature > 0
+        if sample:
+            torch.manual_seed(seed)
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=n_new,
                 min_new_tokens=n_new,
-                do_sample=False,
+                do_sample=sample,
+                **({"temperature": float(temperature), "top_k": 0, "top_p": 1.0} if sample else {}),
                 eos_token_id=None,
                 pad_token_id=tk.PAD_ID,
             )
@@ -54,6 +66,11 @@ class TorchTarget:
 
     def aux(self, seqs: np.ndarray, layer_ids: Sequence[int]) -> np.ndarray:
         """Outputs of decoder layers ``layer_ids`` for every position -> ``[N, T, len*hidden]`` float32."""
+        return self.hidden_states(seqs, layer_ids)[0]
+
+    def hidden_states(self, seqs: np.ndarray, layer_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``(aux [N, T, len*hidden], final [N, T, hidden])`` float32 for every position: the outputs of
+        decoder layers ``layer_ids`` and the final-norm hidden state (the LM head's input) -- one forward."""
         torch = self.torch
         got: dict[int, Any] = {}
         hooks = []
@@ -63,31 +80,49 @@ class TorchTarget:
             hooks.append(self.model.model.layers[lid].register_forward_hook(hook))
         try:
             with torch.no_grad():
-                self.model.model(torch.from_numpy(seqs.astype(np.int64)).to(self.device))
+                final = self.model.model(torch.from_numpy(seqs.astype(np.int64)).to(self.device)).last_hidden_state
         finally:
             for h in hooks:
                 h.remove()
-        return torch.cat([got[l] for l in layer_ids], dim=-1).float().cpu().numpy()
+        aux = torch.cat([got[l] for l in layer_ids], dim=-1) if layer_ids else final[..., :0]
+        return aux.float().cpu().numpy(), final.float().cpu().numpy()
+
+
+class Continuations(NamedTuple):
+    """A drafter's training data: the target's continuations of prompts, per position.
+
+    ``seqs`` [N, T] int32 token ids (prompt + continuation); ``aux`` [N, T, A] float16 (the
+    verifier's aux capture: outputs of the ``target_layer_ids`` layers); ``final`` [N, T, H] float16
+    (the target's final-norm hidden state: its next-token distribution through the LM head);
+    ``temperature`` [N] float32 (0: greedy continuation, else sampled at that temperature).
+    """
+
+    seqs: np.ndarray
+    aux: np.ndarray
+    final: np.ndarray
+    temperature: np.ndarray
 
 
 def make_dataset(target: TorchTarget, corpus_stream: np.ndarray, n_seq: int, prompt_len: int, gen_len: int,
-                 layer_ids, seed: int, gen_batch: int, quiet: bool = False,
-                 bos: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                 layer_ids, seed: int, gen_batch: int, quiet: bool = False, bos: bool = False,
+                 temperatures: Sequence[float] = (0.0,)) -> Continuations:
     """Prompts (random windows, ``<bos>`` first when ``bos``: every real request starts with it, and
-    the target's hidden states at every later position carry it) continued greedily by the target."""
+    the target's hidden states at every later position carry it) continued by the target: generation
+    batch ``i`` at ``temperatures[i % len(temperatures)]`` (0: greedy; sampled batches seeded per batch)."""
     rng = np.random.default_rng([seed, 7])
     prompts = data.sample_windows(corpus_stream, n_seq, prompt_len - bos, rng)
     if bos:
         prompts = np.concatenate([np.full((n_seq, 1), tk.BOS_ID, prompts.dtype), prompts], axis=1)
-    seqs, auxs = [], []
+    parts: list[tuple] = []
     bar = common.Progress(n_seq, "target continuations", quiet=quiet)
-    for i in range(0, n_seq, gen_batch):
-        s = target.greedy(prompts[i : i + gen_batch], gen_len)
-        seqs.append(s)
-        auxs.append(target.aux(s, layer_ids).astype(np.float16))
+    for k, i in enumerate(range(0, n_seq, gen_batch)):
+        temp = float(temperatures[k % len(temperatures)])
+        s = target.continue_(prompts[i : i + gen_batch], gen_len, temp, seed=seed * 100_003 + k)
+        aux, final = target.hidden_states(s, layer_ids)
+        parts.append((s, aux.astype(np.float16), final.astype(np.float16), np.full(len(s), temp, np.float32)))
         bar.update(min(i + gen_batch, n_seq))
     bar.close()
-    return np.concatenate(seqs), np.concatenate(auxs)
+    return Continuations(*(np.concatenate(x) for x in zip(*parts)))
 
 
 # --------------------------------------------------------------------------- the training forward
@@ -116,6 +151,19 @@ class BlockTrainer:
         self.embed = head.embed.detach()
         self.head = head.head.detach()
         self.device = device
+
+    def target_logits(self, final: np.ndarray, anchors: np.ndarray, B: int):
+        """The target's logits ``[N*K, B-1, vocab]`` for the tokens block positions ``1..B-1`` predict:
+        position ``a+k`` is predicted from the target's final hidden state at ``a+k-1``."""
+        torch, c = self.torch, self.dcfg
+        N, K = anchors.shape
+        rows = anchors[..., None] + np.arange(B - 1)  # [N, K, B-1]: positions a .. a+B-2
+        h = torch.from_numpy(np.take_along_axis(final, rows.reshape(N, -1)[..., None], axis=1).astype(np.float32))
+        logits = self.torch.nn.functional.linear(h.to(self.device), self.head)
+        cap = c.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.reshape(N * K, B - 1, -1)
 
     def block_logits(self, seqs: np.ndarray, aux: np.ndarray, anchors: np.ndarray, B: int):
         """Drafter logits ``[N*K, B-1, vocab]`` and labels ``[N*K, B-1]`` for blocks after ``anchors`` [N, K]."""
@@ -158,15 +206,30 @@ class BlockTrainer:
             logits = torch.tanh(logits / cap) * cap
         return logits, labels
 
-    def loss(self, seqs: np.ndarray, aux: np.ndarray, anchors: np.ndarray, B: int, gamma: float):
-        """Mean weighted CE over ``N*K`` blocks; returns (loss, per-position accuracy [B-1])."""
+    def loss(self, seqs: np.ndarray, aux: np.ndarray, anchors: np.ndarray, B: int, gamma: float,
+             final: np.ndarray | None = None, hard: np.ndarray | None = None, soft_weight: float = 0.0):
+        """Mean position-weighted loss over ``N*K`` blocks; returns (loss, per-position accuracy [B-1]).
+
+        Per block position: ``hard[n]`` x cross-entropy against the continuation's token (1 for
+        every sequence when ``hard`` is None) + ``soft_weight`` x KL(p || q), p the target's own
+        next-token distribution there (from ``final``), q the drafter's. A sampled continuation's
+        tokens are draws from p at some temperature: its hard weight is usually 0 and p teaches
+        the drafter the whole distribution, which is what sampled requests accept against.
+        Accuracy: the drafter's argmax equals the continuation's token.
+        """
         torch, F = self.torch, self.torch.nn.functional
         N, K = anchors.shape
         dev = self.device
         logits, labels = self.block_logits(seqs, aux, anchors, B)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").reshape(N * K, B - 1)
+        logq = F.log_softmax(logits, dim=-1)
+        per = -torch.gather(logq, -1, labels[..., None])[..., 0]  # [N*K, B-1] hard CE
+        if hard is not None:
+            per = per * torch.from_numpy(np.repeat(hard.astype(np.float32), K)).to(dev)[:, None]
+        if soft_weight:
+            logp = F.log_softmax(self.target_logits(final, anchors, B), dim=-1)
+            per = per + soft_weight * (logp.exp() * (logp - logq)).sum(-1)
         w = torch.exp(-torch.arange(B - 1, device=dev, dtype=torch.float32) / gamma)
-        loss = (ce * w).sum() / (w.sum() * N * K)
+        loss = (per * w).sum() / (w.sum() * N * K)
         acc = (logits.argmax(-1) == labels).float().mean(0)
         return loss, acc
 
@@ -181,16 +244,24 @@ class BlockTrainer:
         return {k: v.detach().float().cpu().numpy() for k, v in self.model.state_dict().items()}
 
 
-def cached_continuations(path: Path, key: dict, make, quiet: bool) -> tuple[np.ndarray, np.ndarray, float]:
-    """``(seqs, aux, seconds it took to make them)`` from ``path`` when its key matches, else ``make()`` and save."""
-    if path.is_file():
-        z = np.load(path)
-        if json.loads(str(z["key"])) == key:
+def cached_continuations(path: Path, key: dict, make, quiet: bool) -> tuple[Continuations, float]:
+    """``(continuations, seconds it took to make them)`` from the folder ``path`` when its key matches,
+    else ``make()`` and save there. The arrays are memory-mapped, not read into memory: a 32k-sequence
+    set is gigabytes, and a step reads only its batch."""
+    meta = path / "key.json"
+    if meta.is_file():
+        saved = json.loads(meta.read_text())
+        if saved["key"] == key:
+            data_ = Continuations(*(np.load(path / f"{f}.npy", mmap_mode="r") for f in Continuations._fields))
             if not quiet:
-                log(f"reusing {len(z['seqs'])} target continuations from {path}")
-            return z["seqs"], z["aux"], float(z["data_s"])
+                log(f"reusing {len(data_.seqs)} target continuations from {path}")
+            return data_, float(saved["data_s"])
     t0 = time.time()
-    seqs, aux = make()
+    made = make()
     took = time.time() - t0
-    np.savez(path, seqs=seqs, aux=aux, key=json.dumps(key), data_s=took)
-    return seqs, aux, took
+    path.mkdir(parents=True, exist_ok=True)
+    meta.unlink(missing_ok=True)  # written last: a partial folder is never taken for a finished one
+    for f in Continuations._fields:
+        np.save(path / f"{f}.npy", getattr(made, f))
+    meta.write_text(json.dumps({"key": key, "data_s": took}) + "\n")
+    return cached_continuations(path, key, make, quiet=True)[0], took

@@ -1,10 +1,13 @@
 """``kakeya train-drafter``: train a DFlash drafter for a target, the DFlash way.
 
 1. **Data** -- prompts are random windows of the stdlib train split; the TARGET
-   continues each greedily (batched generation), so every label is what the
-   verifier would choose. The target's hidden states at ``target_layer_ids``
-   (outputs of those decoder layers, as the verifier's aux capture returns them)
-   are recorded for every position of prompt + continuation.
+   continues each (batched generation): greedily, so every label is what the
+   greedy verifier would choose, and with ``--temperatures`` also sampled, so the
+   drafter sees the contexts a sampled request produces. The target's hidden
+   states at ``target_layer_ids`` (outputs of those decoder layers, as the
+   verifier's aux capture returns them) and its final hidden state (its own
+   next-token distribution) are recorded for every position of prompt +
+   continuation, memory-mapped under ``OUT/ckpt/data/``.
 2. **Blocks** -- per sequence, ``--anchors`` random anchor positions ``a`` inside
    the continuation. Each block is ``[token a, mask x (B-1)]`` at positions
    ``a .. a+B-1``; its context is the aux of positions ``0 .. a-1`` (exactly what
@@ -12,9 +15,13 @@
    All blocks of a batch run in ONE forward (blocks in the batch dimension,
    context K/V shared per sequence, per-block visibility masks).
 3. **Loss** -- cross-entropy of block positions ``1..B-1`` against the target's
-   greedy tokens ``a+1 .. a+B-1``, weighted ``exp(-(k-1)/gamma)`` (earlier positions
-   matter more: a block is accepted left to right). Embedding and LM head are the
-   target's, frozen (block embedding = raw lookup x ``input_embedding_scale``).
+   greedy tokens ``a+1 .. a+B-1``, plus (``--soft-weight``) the KL divergence from
+   the target's own distribution at each of those positions to the drafter's --
+   the soft label that makes a drafter pay under sampling, where acceptance is
+   min(1, p/q); sampled continuations are trained on the KL term alone. Each
+   position weighted ``exp(-(k-1)/gamma)`` (earlier positions matter more: a block
+   is accepted left to right). Embedding and LM head are the target's, frozen
+   (block embedding = raw lookup x ``input_embedding_scale``).
 4. **Report** -- acceptance length per block size on held-out prompts, measured
    with the real engine (``kakeya.orchestrator.loop`` + MLX verifier/drafter).
 
@@ -101,17 +108,22 @@ def train(args) -> dict:
             target_box.append(TorchTarget(target_dir, device))
         return target_box[0]
 
-    seqs, aux, data_s = cached_continuations(
-        ckpt / "data.npz", key | {"n_seq": args.sequences},
+    temps = [float(x) for x in args.temperatures.split(",")]
+    if any(x < 0 for x in temps):
+        raise ValueError(f"--temperatures must be >= 0 (0: greedy), got {args.temperatures}")
+    train_key = key | {"n_seq": args.sequences} | ({"temperatures": temps} if temps != [0.0] else {})
+    train_set, data_s = cached_continuations(
+        ckpt / "data", train_key,
         lambda: make_dataset(get_target(), corpus.train, args.sequences, args.prompt_len, args.gen_len, tids,
-                             args.seed, args.gen_batch, args.quiet, args.bos_prompts), args.quiet)
+                             args.seed, args.gen_batch, args.quiet, args.bos_prompts, temps), args.quiet)
+    seqs = train_set.seqs
     val = None
-    if args.val_sequences:
-        vseqs, vaux, _ = cached_continuations(
-            ckpt / "val.npz", key | {"n_seq": args.val_sequences, "split": "heldout"},
+    if args.val_sequences:  # greedy: the replayed acceptance is the greedy engine's
+        val_set, _ = cached_continuations(
+            ckpt / "val", key | {"n_seq": args.val_sequences, "split": "heldout"},
             lambda: make_dataset(get_target(), corpus.heldout, args.val_sequences, args.prompt_len, args.gen_len,
                                  tids, args.seed + 1, args.gen_batch, args.quiet, args.bos_prompts), args.quiet)
-        val = (vseqs, vaux)
+        val = (np.asarray(val_set.seqs), np.asarray(val_set.aux))
     target_box.clear()
 
     # 2. training
@@ -175,7 +187,11 @@ def train(args) -> dict:
         lr = common.lr_at(step, args.steps, args.lr, args.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
-        loss, acc = trainer.loss(seqs[idx], aux[idx].astype(np.float32), anchors, B, gamma if gamma > 0 else B / 2)
+        idx.sort()  # ascending rows read the memory-mapped arrays in order
+        hard = (train_set.temperature[idx] == 0).astype(np.float32) if args.soft_weight else None
+        loss, acc = trainer.loss(seqs[idx], train_set.aux[idx].astype(np.float32), anchors, B, gamma if gamma > 0 else B / 2,
+                                 final=train_set.final[idx] if args.soft_weight else None, hard=hard,
+                                 soft_weight=args.soft_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
@@ -212,7 +228,10 @@ def train(args) -> dict:
         "data": {"sequences": int(len(seqs)), "heldout_sequences": int(len(val[0])) if val else 0,
                  "prompt_len": P, "gen_len": int(T - P),
                  "from": "train split windows" + (", <bos> first" if args.bos_prompts else ""),
-                 "labels": "target greedy continuation", "data_s": round(data_s, 1)},
+                 "labels": "target continuations at temperatures " + ", ".join(f"{x:g}" for x in temps)
+                           + " (0: greedy)" + (f"; + {args.soft_weight:g} x KL to the target's distribution"
+                                                 " (sampled continuations: KL only)" if args.soft_weight else ""),
+                 "data_s": round(data_s, 1)},
         "steps": step,
         "train_s": round(train_s, 1),
         "loss_curve": curve,
@@ -260,6 +279,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--gen-batch", type=int, default=64)
+    p.add_argument("--temperatures", default="0",
+                   help="comma list: generation batch i continues its prompts at temperatures[i %% n] (0: greedy)")
+    p.add_argument("--soft-weight", type=float, default=0.0,
+                   help="weight of KL(target distribution || drafter) per block position (0: hard labels only; "
+                        "then sampled continuations' tokens are the only labels)")
     p.add_argument("--bos-prompts", action="store_true", help="prompts start with <bos>, as real requests do")
     p.add_argument("--init-from", default=None, help="start from this drafter checkpoint (same config), e.g. to fine-tune")
     p.add_argument("--heldout-pct", type=int, default=5)

@@ -94,11 +94,56 @@ def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
 
     a, b = load_file(out / "model.safetensors"), load_file(out2 / "model.safetensors")
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-    seqs = np.load(out2 / "ckpt" / "data.npz")["seqs"]
+    seqs = np.load(out2 / "ckpt" / "data" / "seqs.npy")
     assert (seqs[:, 0] == tk.BOS_ID).all() and (seqs[:, 1:] != tk.BOS_ID).any()
     with pytest.raises(ValueError, match="init-from"):
         tdraft.train(_args(tdraft.add_arguments, base2 + ["--steps", "0", "--no-eval", "--init-from", str(out),
                                                            "--layers", "2"]))
+
+
+def test_sampled_continuations_and_the_soft_label_loss(tmp_path, tiny_pair):
+    """--temperatures cycles generation batches through greedy and sampled continuations (seeded:
+    the same data twice); the target's soft labels are its own logits for the token each block
+    position predicts; the KL term is >= 0 and training with it runs and resumes."""
+    import torch
+
+    from kakeya.training.block_trainer import BlockTrainer, TorchTarget, make_dataset
+
+    tt = TorchTarget(tiny_pair.target, torch.device("cpu"))
+    stream = np.arange(5, 400, dtype=np.int32)
+    make = lambda: make_dataset(tt, stream, 6, 8, 12, [0, 2], seed=3, gen_batch=2, quiet=True,  # noqa: E731
+                                temperatures=(0.0, 1.0))
+    a, b = make(), make()
+    assert a.temperature.tolist() == [0, 0, 1, 1, 0, 0]
+    assert np.array_equal(a.seqs, b.seqs)  # seeded
+    greedy = tt.greedy(a.seqs[2:4, :8], 12)
+    assert not np.array_equal(greedy, a.seqs[2:4])  # the sampled batch is not the greedy one
+    assert np.array_equal(tt.greedy(a.seqs[:2, :8], 12), a.seqs[:2])
+    # soft labels: the target's logits at position a+k-1 for block position k (transformers' own head)
+    trainer = BlockTrainer(json.loads((tiny_pair.draft / "config.json").read_text()), tiny_pair.target, 0, "cpu")
+    anchors, B = np.array([[9, 12]] * 6), 4
+    soft = trainer.target_logits(a.final.astype(np.float32), anchors, B)
+    with torch.no_grad():
+        ref = tt.model(torch.from_numpy(a.seqs.astype(np.int64))).logits  # [N, T, V]
+    for n in range(6):
+        for j, anc in enumerate(anchors[n]):
+            assert torch.allclose(soft[n * 2 + j], ref[n, anc : anc + B - 1], atol=2e-2)
+    loss_hard, _ = trainer.loss(a.seqs, a.aux.astype(np.float32), anchors, B, 2.0)
+    loss_both, _ = trainer.loss(a.seqs, a.aux.astype(np.float32), anchors, B, 2.0, final=a.final,
+                                hard=np.ones(6, np.float32), soft_weight=1.0)
+    loss_soft, _ = trainer.loss(a.seqs, a.aux.astype(np.float32), anchors, B, 2.0, final=a.final,
+                                hard=np.zeros(6, np.float32), soft_weight=1.0)
+    loss_soft, loss_both, loss_hard = (float(x.detach()) for x in (loss_soft, loss_both, loss_hard))
+    assert loss_soft > 0 and loss_both == pytest.approx(loss_hard + loss_soft, rel=1e-5)
+    # end to end: train-drafter with sampled data and the KL term, resumed from its memory-mapped data
+    out = tmp_path / "d"
+    base = ["--target", str(tiny_pair.target), "--out", str(out), "--temperatures", "0,1", "--soft-weight", "0.5",
+            "--no-eval"] + TINY_DRAFT + ["--gen-batch", "2"]  # two generation batches: one greedy, one sampled
+    rep = tdraft.train(_args(tdraft.add_arguments, base + ["--steps", "2"]))
+    rep2 = tdraft.train(_args(tdraft.add_arguments, base + ["--steps", "3", "--resume"]))
+    assert rep2["loss_curve"][:2] == rep["loss_curve"] and "KL" in rep2["data"]["labels"]
+    temps = np.load(out / "ckpt" / "data" / "temperature.npy")
+    assert sorted(set(temps.tolist())) == [0.0, 1.0]
 
 
 def test_block_training_forward_equals_mlx_drafter(tiny_pair):
