@@ -105,24 +105,50 @@ class Continuations(NamedTuple):
 
 def make_dataset(target: TorchTarget, corpus_stream: np.ndarray, n_seq: int, prompt_len: int, gen_len: int,
                  layer_ids, seed: int, gen_batch: int, quiet: bool = False, bos: bool = False,
-                 temperatures: Sequence[float] = (0.0,)) -> Continuations:
+                 temperatures: Sequence[float] = (0.0,), out: Path | None = None) -> Continuations:
     """Prompts (random windows, ``<bos>`` first when ``bos``: every real request starts with it, and
     the target's hidden states at every later position carry it) continued by the target: generation
-    batch ``i`` at ``temperatures[i % len(temperatures)]`` (0: greedy; sampled batches seeded per batch)."""
+    batch ``i`` at ``temperatures[i % len(temperatures)]`` (0: greedy; sampled batches seeded per batch).
+
+    With ``out`` (a folder) every batch is written there as it is made, into memory-mapped ``.npy``
+    files, and a run that was interrupted continues after the last batch written; without it the
+    arrays are built in memory (small sets, tests).
+    """
     rng = np.random.default_rng([seed, 7])
     prompts = data.sample_windows(corpus_stream, n_seq, prompt_len - bos, rng)
     if bos:
         prompts = np.concatenate([np.full((n_seq, 1), tk.BOS_ID, prompts.dtype), prompts], axis=1)
-    parts: list[tuple] = []
-    bar = common.Progress(n_seq, "target continuations", quiet=quiet)
+    T = prompt_len + gen_len
+    arrays: Continuations | None = None
+    done = 0
+    if out is not None and (out / "progress.json").is_file():
+        done = json.loads((out / "progress.json").read_text())["sequences"]
+        arrays = Continuations(*(np.load(out / f"{f}.npy", mmap_mode="r+") for f in Continuations._fields))
+    bar = common.Progress(n_seq, "target continuations", start=done, quiet=quiet)
     for k, i in enumerate(range(0, n_seq, gen_batch)):
+        if i < done:
+            continue
         temp = float(temperatures[k % len(temperatures)])
         s = target.continue_(prompts[i : i + gen_batch], gen_len, temp, seed=seed * 100_003 + k)
         aux, final = target.hidden_states(s, layer_ids)
-        parts.append((s, aux.astype(np.float16), final.astype(np.float16), np.full(len(s), temp, np.float32)))
-        bar.update(min(i + gen_batch, n_seq))
+        if arrays is None:
+            shapes = {"seqs": ((n_seq, T), np.int32), "aux": ((n_seq, T, aux.shape[-1]), np.float16),
+                      "final": ((n_seq, T, final.shape[-1]), np.float16), "temperature": ((n_seq,), np.float32)}
+            if out is None:
+                arrays = Continuations(*(np.zeros(sh, dt) for sh, dt in shapes.values()))
+            else:
+                out.mkdir(parents=True, exist_ok=True)
+                arrays = Continuations(*(np.lib.format.open_memmap(out / f"{f}.npy", mode="w+", shape=sh, dtype=dt)
+                                         for f, (sh, dt) in shapes.items()))
+        j = i + len(s)
+        arrays.seqs[i:j], arrays.aux[i:j], arrays.final[i:j], arrays.temperature[i:j] = s, aux, final, temp
+        if out is not None:
+            for a in arrays:
+                a.flush()
+            (out / "progress.json").write_text(json.dumps({"sequences": j}) + "\n")
+        bar.update(j)
     bar.close()
-    return Continuations(*(np.concatenate(x) for x in zip(*parts)))
+    return arrays
 
 
 # --------------------------------------------------------------------------- the training forward
@@ -245,23 +271,24 @@ class BlockTrainer:
 
 
 def cached_continuations(path: Path, key: dict, make, quiet: bool) -> tuple[Continuations, float]:
-    """``(continuations, seconds it took to make them)`` from the folder ``path`` when its key matches,
-    else ``make()`` and save there. The arrays are memory-mapped, not read into memory: a 32k-sequence
-    set is gigabytes, and a step reads only its batch."""
+    """``(continuations, seconds it took to make them)`` from the folder ``path`` when it holds a
+    finished set made with ``key``, else ``make(path)`` (which writes there, and continues a set of the
+    same key that an interrupted run left half made). The arrays are memory-mapped, not read into
+    memory: a 32k-sequence set is gigabytes, and a step reads only its batch."""
     meta = path / "key.json"
-    if meta.is_file():
-        saved = json.loads(meta.read_text())
-        if saved["key"] == key:
-            data_ = Continuations(*(np.load(path / f"{f}.npy", mmap_mode="r") for f in Continuations._fields))
-            if not quiet:
-                log(f"reusing {len(data_.seqs)} target continuations from {path}")
-            return data_, float(saved["data_s"])
-    t0 = time.time()
-    made = make()
-    took = time.time() - t0
+    saved = json.loads(meta.read_text()) if meta.is_file() else None
+    if saved is not None and saved["key"] == key and saved.get("finished"):
+        data_ = Continuations(*(np.load(path / f"{f}.npy", mmap_mode="r") for f in Continuations._fields))
+        if not quiet:
+            log(f"reusing {len(data_.seqs)} target continuations from {path}")
+        return data_, float(saved["data_s"])
+    if saved is None or saved["key"] != key:  # another set (or none): start afresh
+        for f in path.glob("*") if path.is_dir() else ():
+            f.unlink()
+        saved = {"key": key, "data_s": 0.0}
     path.mkdir(parents=True, exist_ok=True)
-    meta.unlink(missing_ok=True)  # written last: a partial folder is never taken for a finished one
-    for f in Continuations._fields:
-        np.save(path / f"{f}.npy", getattr(made, f))
-    meta.write_text(json.dumps({"key": key, "data_s": took}) + "\n")
-    return cached_continuations(path, key, make, quiet=True)[0], took
+    meta.write_text(json.dumps(saved) + "\n")
+    t0 = time.time()
+    make(path)
+    meta.write_text(json.dumps({"key": key, "data_s": saved["data_s"] + time.time() - t0, "finished": True}) + "\n")
+    return cached_continuations(path, key, make, quiet=True)

@@ -114,15 +114,16 @@ def train(args) -> dict:
     train_key = key | {"n_seq": args.sequences} | ({"temperatures": temps} if temps != [0.0] else {})
     train_set, data_s = cached_continuations(
         ckpt / "data", train_key,
-        lambda: make_dataset(get_target(), corpus.train, args.sequences, args.prompt_len, args.gen_len, tids,
-                             args.seed, args.gen_batch, args.quiet, args.bos_prompts, temps), args.quiet)
+        lambda out: make_dataset(get_target(), corpus.train, args.sequences, args.prompt_len, args.gen_len, tids,
+                                 args.seed, args.gen_batch, args.quiet, args.bos_prompts, temps, out), args.quiet)
     seqs = train_set.seqs
     val = None
     if args.val_sequences:  # greedy: the replayed acceptance is the greedy engine's
         val_set, _ = cached_continuations(
             ckpt / "val", key | {"n_seq": args.val_sequences, "split": "heldout"},
-            lambda: make_dataset(get_target(), corpus.heldout, args.val_sequences, args.prompt_len, args.gen_len,
-                                 tids, args.seed + 1, args.gen_batch, args.quiet, args.bos_prompts), args.quiet)
+            lambda out: make_dataset(get_target(), corpus.heldout, args.val_sequences, args.prompt_len,
+                                     args.gen_len, tids, args.seed + 1, args.gen_batch, args.quiet, args.bos_prompts,
+                                     out=out), args.quiet)
         val = (np.asarray(val_set.seqs), np.asarray(val_set.aux))
     target_box.clear()
 
