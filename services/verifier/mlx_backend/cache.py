@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kakeya.verifier.layout import RingLayout, RingPlan
+from kakeya.verifier.layout import RingLayout, ForwardPlan
 
 
 class RingKVCache:
@@ -18,7 +18,7 @@ class RingKVCache:
 
     def __init__(self, layout: RingLayout):
         self.layout = layout
-        self.plan: RingPlan | None = None  # set by the session before each forward
+        self.plan: ForwardPlan | None = None  # set by the session before each forward
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         # f_theta: restored K/V [1, kv_heads, slots, head_dim] (RoPE applied) placed in front of the
@@ -78,7 +78,7 @@ class LatentRing:
         self.layout = layout
         self.data = mx.zeros((layout.capacity, dim), mx.float32)
 
-    def write(self, plan: RingPlan, z: mx.array) -> None:
+    def write(self, plan: ForwardPlan, z: mx.array) -> None:
         z = z.astype(self.data.dtype)
         for w in plan.writes:
             self.data[w.dst : w.dst + w.length] = z[w.src : w.src + w.length]

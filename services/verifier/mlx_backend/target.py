@@ -22,7 +22,7 @@ from mlx_lm.utils import load_model
 
 from kakeya.backends.mlx import sampling as sampling_mlx
 from kakeya.core.contract import FULL, SLIDING, CachePolicy
-from kakeya.verifier.layout import RestoreView, RingLayout, RingPlan
+from kakeya.verifier.layout import RestoreView, RingLayout, ForwardPlan
 from kakeya.verifier.mlx_backend.cache import LatentRing, RingKVCache
 
 
@@ -70,7 +70,7 @@ class TargetMLX:
             for i in range(self.n_cached)
         ]
 
-    def run(self, ids: Sequence[int], cache: list, aux_layers: Sequence[int], plan: RingPlan,
+    def run(self, ids: Sequence[int], cache: list, aux_layers: Sequence[int], plan: ForwardPlan,
             restore: RestoreView | None = None) -> Forward:
         mask = plan.mask
         for c in cache:

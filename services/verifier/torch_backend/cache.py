@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from kakeya.verifier.layout import RingLayout, RingPlan
+from kakeya.verifier.layout import RingLayout, ForwardPlan
 
 
 class RingKVCache:
@@ -36,7 +36,7 @@ class RingKVCache:
 
     def __init__(self, layout: RingLayout):
         self.layout = layout
-        self.plan: RingPlan | None = None  # set by the model before each forward
+        self.plan: ForwardPlan | None = None  # set by the model before each forward
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.at: tuple[torch.Tensor, int] | None = None  # static step: (slots [L], extent)

@@ -19,7 +19,7 @@ from kakeya.backends.torch import sampling as sampling_torch
 from kakeya.backends.torch.graphs import GRAPHED_MIN_BATCH, GraphOptions
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype
 from kakeya.core.contract import FULL, MAX_BLOCK_SIZE, SLIDING
-from kakeya.verifier.layout import RingLayout, RingPlan
+from kakeya.verifier.layout import RingLayout, ForwardPlan
 from kakeya.verifier.torch_backend.batch import Segment, forward_batch
 from kakeya.verifier.torch_backend.cache import FullKVCache, QuantizedFullKVCache, RingKVCache
 from kakeya.verifier.torch_backend.gemma4 import Forward, Gemma4Args, Gemma4Text
@@ -121,18 +121,18 @@ class TargetTorch:
         return verify_block(self, cache, ids, aux_layers)
 
     @torch.inference_mode()
-    def run(self, ids: Sequence[int], cache: list, aux_layers: Sequence[int], plan: RingPlan) -> Forward:
+    def run(self, ids: Sequence[int], cache: list, aux_layers: Sequence[int], plan: ForwardPlan) -> Forward:
         masks, pos = self._prepare(len(ids), cache, plan)
         return self.forward(self._ids(ids), cache, aux_layers, masks, pos)
 
     @torch.inference_mode()
-    def run_batch(self, blocks: Sequence[tuple[Sequence[int], list, Sequence[int], RingPlan]]) -> list[Forward]:
+    def run_batch(self, blocks: Sequence[tuple[Sequence[int], list, Sequence[int], ForwardPlan]]) -> list[Forward]:
         """Several sessions' ``run`` in one forward (``verifier/torch_backend/batch.py``): ``blocks`` of
         ``(ids, cache, aux_layers, plan)``, one ``Forward`` each, every cache written as by ``run``."""
         segs = [Segment(self._ids(ids), cache, tuple(aux), *self._prepare(len(ids), cache, plan)) for ids, cache, aux, plan in blocks]
         return forward_batch(self.model, segs)
 
-    def _prepare(self, n: int, cache: list, plan: RingPlan) -> tuple[dict, torch.Tensor]:
+    def _prepare(self, n: int, cache: list, plan: ForwardPlan) -> tuple[dict, torch.Tensor]:
         """Hand the rings their plan; the masks and positions of a dynamic forward of ``n`` positions."""
         start = None
         for c in cache:
