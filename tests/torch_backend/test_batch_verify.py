@@ -95,9 +95,9 @@ def test_a_bad_item_fails_alone_and_the_rest_run(torch_target):
 def test_a_batch_of_one_takes_the_static_step(torch_target, monkeypatch):
     s = VerifierSession(torch_target, AUX_LAYERS, CachePolicy())
     s.prefill(PROMPT)
-    monkeypatch.setattr(torch_target, "run_batch", lambda blocks: pytest.fail("a lone item must not batch"))
+    monkeypatch.setattr(torch_target, "forward", lambda segments: pytest.fail("a lone item must not batch"))
     calls = []
-    real = torch_target.verify_block
-    monkeypatch.setattr(torch_target, "verify_block", lambda *a: calls.append(1) or real(*a))
+    real = torch_target.verify_static
+    monkeypatch.setattr(torch_target, "verify_static", lambda *a: calls.append(1) or real(*a))
     (choices,) = verify_batch([(s, [5, 6, 7], None)])
     assert len(choices) == 3 and calls == [1]
