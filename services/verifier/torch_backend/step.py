@@ -49,7 +49,6 @@ class TorchCaches(SessionCaches):
         self.full_layers = [i for i, kind in enumerate(kinds) if kind != SLIDING]
         self.device = device
         self.options = options
-        self.max_block = max_block
         long = dict(dtype=torch.long, device=device)
         self.ids = torch.full((1, max_block), PAD_ID, **long)  # static input: block ids (padded)
         # pinned staging for the ids: a copy from pageable memory would wait for the device
