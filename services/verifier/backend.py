@@ -56,6 +56,18 @@ class ModelShape(Protocol):
     sliding_window: int
 
 
+class Latents(Protocol):
+    """f_theta's latent codes of one session, one row per slot of its latent layout (``make_latent_ring``)."""
+
+    data: Any  # [slots, latent_dim], slot order
+    nbytes: int
+
+    def write(self, plan: ForwardPlan, z) -> None:
+        """The latent codes ``z`` of a forward's positions, into the slots its latent-layout ``plan`` says."""
+
+    def materialize(self) -> None: ...
+
+
 class Target(Protocol):
     """A loaded target model as a verifier backend."""
 
@@ -120,7 +132,7 @@ class Target(Protocol):
         """The f_theta at ``path``, loaded once per target and checked against it."""
         raise NotImplementedError(f"f_theta restoration is not implemented on the {self.backend} backend")
 
-    def make_latent_ring(self, layout: RingLayout, restorer) -> Any:
+    def make_latent_ring(self, layout: RingLayout, restorer) -> Latents:
         raise NotImplementedError(f"f_theta restoration is not implemented on the {self.backend} backend")
 
     def encode_latents(self, restorer, aux, aux_layers: Sequence[int]) -> Any:
