@@ -22,10 +22,11 @@ def policy_greedy(target, prompt_ids, max_tokens, policy, margins=None):
         for t in target.layer_types[: target.n_cached]
     ]
 
-    def sliding_mask(start, n):
+    def masks(start, n):
         q = np.arange(start, start + n)[:, None]
         k = np.arange(start + n)[None, :]
-        return mx.array((k <= q) & ((k > q - policy.window) | (k < policy.sink)))
+        sliding = mx.array((k <= q) & ((k > q - policy.window) | (k < policy.sink)))
+        return {"full_attention": None if n == 1 else "causal", "sliding_attention": sliding}
 
     def pick(hidden):
         logits = target.logits(hidden[:, -1:])[0, -1]
@@ -34,11 +35,11 @@ def policy_greedy(target, prompt_ids, max_tokens, policy, margins=None):
             margins.append(float(mx.max(top2) - mx.min(top2)))
         return int(mx.argmax(logits).item())
 
-    out = target.forward(mx.array([list(prompt_ids)]), cache, (), sliding_mask(0, len(prompt_ids)))
+    hidden, _ = target.body(mx.array([list(prompt_ids)]), cache, masks(0, len(prompt_ids)), ())
     pos = len(prompt_ids)
-    ids = [pick(out.hidden)]
+    ids = [pick(hidden)]
     while len(ids) < max_tokens:
-        out = target.forward(mx.array([[ids[-1]]]), cache, (), sliding_mask(pos, 1))
+        hidden, _ = target.body(mx.array([[ids[-1]]]), cache, masks(pos, 1), ())
         pos += 1
-        ids.append(pick(out.hidden))
+        ids.append(pick(hidden))
     return ids

@@ -6,15 +6,16 @@ what its own ``verify`` would have returned or raised:
 
 * every item is validated as ``verify`` validates it; a bad one gets its own
   ValueError / RuntimeError as its result and the others still run;
-* the good ones of one target run as ONE forward (``target.run_batch``, e.g.
-  ``verifier/torch_backend/batch.py``): each session's ring planned, written and applied as in
-  its own forward, then the choices -- greedy rows through one LM head and one
-  host sync (``target.greedy_batch``), a sampling session's acceptance test
-  on its own logits rows with its own seeded stream -- and each session left
-  with the same pending block, so ``commit`` is unchanged;
-* a lone item, or one a batched forward cannot take, simply runs
-  ``session.verify`` (for a lone torch greedy block that keeps the static
-  step and its CUDA graphs).
+* the good ones of one target run as ONE ``target.forward`` over their
+  segments: each session's plan built by its own layout, its caches written as
+  in its own forward (which is the same forward with one segment), then the
+  choices -- greedy rows through one LM head and one host sync
+  (``target.greedy_batch``), a sampling session's acceptance test on its own
+  logits rows with its own seeded stream -- and each session left with the
+  same pending block, so ``commit`` is unchanged;
+* a lone item, fewer than ``target.min_batch`` of one target, or one a batched
+  forward cannot take (:func:`batchable`) simply runs ``session.verify`` (for a
+  lone torch greedy block that keeps the static step and its CUDA graphs).
 
 Outputs stay identical to running alone because a session's rows meet other
 sessions' rows only in row-wise operations (projections, norms, MLP, MoE, LM
@@ -24,6 +25,8 @@ head); attention, caches, positions, masks and random streams stay its own.
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+from kakeya.verifier.session import VerifierSession
 
 Item = tuple  # (VerifierSession, block_ids, Proposal | None)
 
@@ -43,12 +46,12 @@ def verify_batch(items: Sequence[Item]) -> list[Any]:
             results[i] = exc
             continue
         seen.add(id(session))
-        if _batchable(session):
+        if batchable(session):
             groups.setdefault(id(session.target), []).append(i)
         else:
             alone.append(i)
     for group in groups.values():
-        if len(group) < getattr(items[group[0]][0].target, "min_batch", 2):
+        if len(group) < items[group[0]][0].target.min_batch:
             alone += group
             continue
         try:
@@ -66,25 +69,20 @@ def verify_batch(items: Sequence[Item]) -> list[Any]:
     return results
 
 
-def _batchable(session) -> bool:
-    # f_theta restoration (MLX only) writes a latent ring from each forward's aux and attends
-    # over restored K/V: such a session runs alone (correct, no batching gain); so does what
-    # a backend's batched forward cannot take (MLX: quantized full-attention caches).
-    target = session.target
-    if session.restorer is not None or not hasattr(target, "run_batch"):
-        return False
-    check = getattr(target, "batchable", None)
-    return check is None or check(session.cache)
+def batchable(session: VerifierSession) -> bool:
+    """Whether ``session`` may join a batched forward: f_theta restoration (MLX only) writes a latent
+    ring from each forward's aux and attends over restored K/V, so such a session runs alone
+    (correct, no batching gain); so does a cache set the backend's batched forward cannot take
+    (MLX: quantized full-attention caches)."""
+    return session.restorer is None and session.cache.batchable
 
 
 def _together(items: Sequence[Item]) -> list[list[int]]:
     target = items[0][0].target
-    blocks = []
-    for session, ids, _ in items:
-        blocks.append((ids, session.cache, session.aux_layers, session.layout.plan(len(ids))))
-    outs = target.run_batch(blocks)
-    for session, _, _ in items:
-        session.layout.applied()
+    segments = [session.plan(ids) for session, ids, _ in items]
+    outs = target.forward(segments)
+    for (session, _, _), segment, out in zip(items, segments, outs):
+        session.applied(segment, out)
     greedy_rows = [j for j, (s, _, _) in enumerate(items) if s.sampling is None]
     greedy = {}
     if greedy_rows:  # one LM head over every greedy block, split back per block

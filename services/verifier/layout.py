@@ -11,8 +11,12 @@ offset back, exact at any point, and memory stays bounded.
 Which position each slot holds is tracked here on the host (it is the same for
 every sliding layer of a session), and the attention mask is derived from it:
 attention is order-free given the mask, so the ring never has to be reordered.
-The backend cache modules (``verifier/mlx_backend/cache.py``, ``verifier/torch_backend/cache.py``) only hold the
-arrays and apply the writes this layout plans.
+The layout is a session's only position counter: each forward gets one
+immutable :class:`ForwardPlan` from it (where the new positions start, where
+they go in the ring, what each query sees), passed down to the backend as an
+argument; the backend caches (``verifier/caches.py`` and the backends'
+``cache.py``) only hold the arrays and apply the writes a plan says. A trim
+moves the layout back, and nothing else.
 """
 
 from __future__ import annotations
@@ -36,14 +40,34 @@ class RingWrite:
 
 
 @dataclass(frozen=True)
-class RingPlan:
-    """Everything a backend needs to run one forward of ``n_new`` positions on its sliding layers."""
+class RestoreView:
+    """What a restoring forward needs besides the K/V ring: f_theta and the latent ring before this forward."""
 
+    restorer: object  # kakeya.verifier.mlx_backend.ftheta.Restorer
+    latents: object  # backend array [slots, latent_dim], slot order
+    positions: np.ndarray  # int64 [slots]: absolute position per slot (EMPTY = -1)
+    mask: np.ndarray  # bool [n_new, slots] from restore_mask
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """One forward of ``n_new`` positions from ``start``: everything a backend needs besides the arrays.
+
+    Full-attention layers write the new K/V at positions ``start .. start + n_new``
+    and attend causally over ``start + n_new`` positions; sliding layers write
+    the ring as ``writes`` says and attend as ``mask`` says; a restoring forward
+    (f_theta) also attends over ``restore``'s restored K/V, placed first.
+    """
+
+    start: int  # absolute position of the first new token
     n_new: int
     in_place: bool  # True: write first, attend over slots[:used]; False: attend over slots[:used] ++ new, then write
     used: int  # slots attended to from the ring
     writes: tuple[RingWrite, ...]
     mask: np.ndarray  # bool [n_new, used (+ n_new if not in_place)], True = attend
+    slot_positions: np.ndarray  # int64 [capacity]: each slot's position before this forward (EMPTY: none); never mutated
+    serial: int  # forwards the layout applied before this one: a device copy of slot_positions is current iff it saw them all
+    restore: RestoreView | None = None
 
 
 class RingLayout:
@@ -58,7 +82,8 @@ class RingLayout:
         self.positions = np.full(self.capacity, EMPTY, dtype=np.int64)
         self.offset = 0  # absolute position of the next token
         self.used = 0  # slots [0, used) have been written at least once
-        self._pending: RingPlan | None = None
+        self.forwards = 0  # forwards applied so far
+        self._pending: ForwardPlan | None = None
 
     def slot(self, pos: np.ndarray) -> np.ndarray:
         return np.where(pos < self.sink, pos, self.sink + (pos - self.sink) % self.rotating)
@@ -68,7 +93,7 @@ class RingLayout:
         in_window = (k > q - self.window) | (k < self.sink)
         return (k >= 0) & (k <= q) & in_window
 
-    def plan(self, n_new: int) -> RingPlan:
+    def plan(self, n_new: int) -> ForwardPlan:
         """Plan a forward of ``n_new`` positions starting at ``offset``."""
         if self._pending is not None:
             raise RuntimeError("previous ring plan was not applied")
@@ -87,7 +112,7 @@ class RingLayout:
         else:
             mask = self._visible(np.concatenate([self.positions[: self.used], new_pos]), new_pos)
             used = self.used
-        plan = RingPlan(n_new, in_place, used, writes, mask)
+        plan = ForwardPlan(start, n_new, in_place, used, writes, mask, self.positions, self.forwards)
         self._pending = plan
         self._after = after
         return plan
@@ -111,6 +136,7 @@ class RingLayout:
         self.positions = self._after
         self.used = max(self.used, max((w.dst + w.length for w in plan.writes), default=0))
         self.offset += plan.n_new
+        self.forwards += 1
         self._pending = None
 
     def trim(self, n: int) -> None:
@@ -120,8 +146,9 @@ class RingLayout:
         if n > self.slack:
             raise ValueError(f"trim of {n} exceeds the ring's rollback slack {self.slack}")
         self.offset -= n
-        # Slots of trimmed positions keep stale K/V; marking them empty keeps masks honest.
-        self.positions[self.positions >= self.offset] = EMPTY
+        # Slots of trimmed positions keep stale K/V; marking them empty keeps masks honest. A new
+        # array, not an edit: a plan's slot_positions stay as they were.
+        self.positions = np.where(self.positions >= self.offset, EMPTY, self.positions)
 
 
 def restore_mask(
@@ -141,13 +168,3 @@ def restore_mask(
     q = np.arange(start, start + n_new)[:, None]
     p = latent_positions[None, :]
     return (p >= 0) & (p >= sink) & (p <= q - window) & (p > q - native_window)
-
-
-@dataclass(frozen=True)
-class RestoreView:
-    """What a restoring forward needs besides the K/V ring: f_theta and the latent ring before this forward."""
-
-    restorer: object  # kakeya.verifier.mlx_backend.ftheta.Restorer
-    latents: object  # backend array [slots, latent_dim], slot order
-    positions: np.ndarray  # int64 [slots]: absolute position per slot (EMPTY = -1)
-    mask: np.ndarray  # bool [n_new, slots] from restore_mask

@@ -43,6 +43,7 @@ from kakeya.runtime.lifecycle import (
 )
 from kakeya.runtime.metrics import ServerMetrics
 from kakeya.verifier.batch import verify_batch
+from kakeya.verifier.session import check_proposal
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import verifier_pb2 as pb
@@ -121,7 +122,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self._check_restore_sources()
         from kakeya.verifier.memory import DTYPE_BYTES
 
-        dtype = str(dtype or _dtype_name(self.verifier.target) or "")
+        dtype = str(dtype or self.verifier.target.dtype_name)
         self.kv_shape = KVShape.from_config(cfg, dtype if dtype in DTYPE_BYTES else None)
         backend = self.verifier.info.backend
         info = self.verifier.info
@@ -133,7 +134,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         session.commit(1)
         session.close()
         self.aux_dtype = codec.to_proto(aux[:1]).dtype
-        self.device = _device_name(self.verifier.target)
+        self.device = self.verifier.target.device_name
         return (
             f"target {target_dir} ({backend} on {self.device}, {info.num_layers} layers, vocab {info.vocab_size},"
             f" aux {codec.dtype_name(self.aux_dtype)})"
@@ -141,12 +142,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     def _check_restore_sources(self) -> None:
         """Load every configured f_theta now: a bad --restore is a startup error, never a request's."""
-        load = getattr(self.verifier.target, "restorer", None)
+        target = self.verifier.target
         for name, path in self.restore.by_name.items():
-            if load is None:
+            if not target.restores:
                 raise ValueError(f"--restore {name}: f_theta restoration is not implemented on the {self.verifier.info.backend} backend")
             try:
-                load(path)
+                target.restorer(path)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"--restore {name}={path}: {exc}") from None
 
@@ -323,7 +324,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             raise invalid("verify.proposal: a sampling session needs the drafter's proposal for its candidates")
         try:
             proposal = wire_contract.proposal_from_proto(verify.proposal, len(ids) - 1, vocab, "verify.proposal")
-            session._check_proposal(ids[1:], proposal)
+            check_proposal(ids[1:], proposal)
         except ValueError as exc:
             raise invalid(str(exc).replace("proposal:", "verify.proposal:", 1)) from None
         return proposal
@@ -362,26 +363,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         stats = session.stats()
         self._account(entry, stats)
         return tensor, _stats_proto(stats)
-
-
-def _dtype_name(target) -> str | None:
-    dtype = getattr(target, "dtype", None)
-    if dtype is None:
-        try:
-            dtype = target.inner.embed_tokens.weight.dtype  # MLX
-        except AttributeError:
-            return None
-    return str(dtype).rsplit(".", 1)[-1]
-
-
-def _device_name(target) -> str:
-    if getattr(target, "device", None) is not None:
-        return str(target.device)
-    if target.backend == "mlx":
-        import mlx.core as mx
-
-        return str(mx.default_device())
-    return target.backend
 
 
 def server_spec(

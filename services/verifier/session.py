@@ -1,28 +1,44 @@
 """One generation's verifier state: prefill, verify a block in one forward, commit/trim.
 
-Backend-neutral: the model object (``model_mlx.TargetMLX`` or
-``model_torch.TargetTorch``) supplies the forward, the caches and the few
-array operations; the cache policy and ring bookkeeping live in ``cache.py``.
-A session owns its caches; nothing is shared between sessions but the weights.
+Backend-neutral: the target (``mlx_backend.target.TargetMLX`` or
+``torch_backend.target.TargetTorch``) is driven only through the protocol in
+``backend.py``; the session owns its caches and its ring layout (``layout.py``),
+the one position counter: each forward gets an immutable plan from it, and a
+trim only moves it back. Nothing is shared between sessions but the weights.
 Per block there is one host sync (the target's choices as ints); aux hidden
 states stay on the device and only the kept rows are handed on.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Generator, Sequence
 
 from kakeya.checkpoints.config import load_target_config
 from kakeya.core import sampling as lossless
 from kakeya.core.contract import VERIFIER_STREAM, CachePolicy, ModelInfo, Proposal, SamplingParams, session_rng
+from kakeya.verifier.backend import Forward, Segment, Target
 from kakeya.verifier.layout import RestoreView, RingLayout, restore_mask
 
 PREFILL_CHUNK = 512  # bounds prefill attention memory, like mlx-lm's prefill_step_size
 
 
+def check_proposal(candidates: Sequence[int], proposal: Proposal | None) -> None:
+    """The acceptance test is exact only against the distribution each candidate was drawn from."""
+    if not candidates:
+        return
+    if proposal is None:
+        raise ValueError("proposal: a sampling session needs the drafter's proposal for its candidates")
+    if len(proposal) != len(candidates):
+        raise ValueError(f"proposal: {len(proposal)} rows for {len(candidates)} candidates")
+    for i, c in enumerate(candidates):
+        if not (proposal.ids[i] == c).any():
+            raise ValueError(f"proposal: candidate {i + 1} ({c}) is outside its proposal's support")
+
+
 class VerifierSession:
-    def __init__(self, target, aux_layers: Sequence[int], policy: CachePolicy, sampling: SamplingParams | None = None):
+    def __init__(self, target: Target, aux_layers: Sequence[int], policy: CachePolicy, sampling: SamplingParams | None = None):
         self.target = target
         # Sampling: p, the acceptance test and the draws run on the device (target.sampler);
         # the uniforms come from this session's host stream, seeded by the request.
@@ -45,17 +61,16 @@ class VerifierSession:
     def offset(self) -> int:
         return self.layout.offset
 
-    def _open_restore(self, target) -> None:
+    def _open_restore(self, target: Target) -> None:
         """f_theta restoration: a latent ring beside the K/V ring, same plan/applied/trim semantics.
 
         It holds one latent code per position for the last ``Wn - 1 + slack``
         positions (``Wn``: the model's window), enough for every position a
         query may see restored, even after a trim of up to ``slack``.
         """
-        load = getattr(target, "restorer", None)
-        if load is None:
+        if not target.restores:
             raise ValueError(f"cache policy restore: f_theta restoration is not implemented on the {target.backend} backend")
-        self.restorer = load(self.policy.restore)
+        self.restorer = target.restorer(self.policy.restore)
         missing = [i for i in self.restorer.config.target_layer_ids if i not in self.aux_layers]
         if missing:
             raise ValueError(f"cache policy restore: f_theta reads aux of layers {missing}, which this session does not capture")
@@ -67,23 +82,28 @@ class VerifierSession:
         """Most positions one forward may hold (a restored position must precede its forward)."""
         return self.policy.window if self.restorer is not None else PREFILL_CHUNK
 
-    def _forward(self, ids: Sequence[int]):
-        if self.restorer is None:
-            out = self.target.run(ids, self.cache, self.aux_layers, self.layout.plan(len(ids)))
-            self.layout.applied()
-            return out
-        start, n = self.offset, len(ids)
-        plan, lplan = self.layout.plan(n), self.latent_layout.plan(n)
-        restore = None
-        if start > 0:  # from the second forward on, always the whole latent ring: a fixed key layout
-            positions = self.latent_layout.positions.copy()
-            p = self.policy
-            mask = restore_mask(positions, start, n, p.sink, p.window, self.target.args.sliding_window)
-            restore = RestoreView(self.restorer, self.latents.data, positions, mask)
-        out = self.target.run(ids, self.cache, self.aux_layers, plan, restore=restore)
+    def plan(self, ids: Sequence[int]) -> Segment:
+        """This session's next forward of ``ids`` for ``target.forward`` (then :meth:`applied`): the ring
+        planned by the layout and, with f_theta, the restored positions each query sees."""
+        plan = self.layout.plan(len(ids))
+        if self.restorer is not None and plan.start > 0:  # from the second forward on: the whole latent ring
+            p, positions = self.policy, self.latent_layout.positions
+            mask = restore_mask(positions, plan.start, len(ids), p.sink, p.window, self.target.args.sliding_window)
+            plan = replace(plan, restore=RestoreView(self.restorer, self.latents.data, positions, mask))
+        return Segment(ids, self.cache, self.aux_layers, plan)
+
+    def applied(self, segment: Segment, out: Forward) -> None:
+        """``segment`` ran: the layout moves on (with f_theta, the forward's latent codes join the latent ring)."""
         self.layout.applied()
-        self.latents.write(lplan, self.target.encode_latents(self.restorer, out.aux, self.aux_layers))
-        self.latent_layout.applied()
+        if self.latents is not None:
+            self.latents.write(self.latent_layout.plan(len(segment.ids)),
+                               self.target.encode_latents(self.restorer, out.aux, self.aux_layers))
+            self.latent_layout.applied()
+
+    def _forward(self, ids: Sequence[int]) -> Forward:
+        segment = self.plan(ids)
+        (out,) = self.target.forward([segment])
+        self.applied(segment, out)
         return out
 
     def prefill(self, prompt_ids: Sequence[int]):
@@ -129,12 +149,21 @@ class VerifierSession:
 
     def verify(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> list[int]:
         self.check_block(block_ids, proposal)
-        static = getattr(self.target, "verify_block", None)
-        if static is not None and self.restorer is None and self.sampling is None:  # torch greedy: the static-shape step
-            choices, aux = static(block_ids, self.cache, self.aux_layers)
-            self._pending = (len(block_ids), aux)
-            return choices
+        if self.target.static_verify and self.restorer is None and self.sampling is None:
+            return self._verify_static(block_ids)
         return self.accept(block_ids, proposal, self._forward(block_ids))
+
+    def _verify_static(self, block_ids: Sequence[int]) -> list[int]:
+        """A greedy block through the target's static-shape step, at the (bucket) length it runs at:
+        the padding is planned and written like draft tokens, then trimmed like rejected ones."""
+        L = len(block_ids)
+        n = self.target.static_length(L, self.layout.slack)
+        choices, aux = self.target.verify_static(block_ids, self.cache, self.aux_layers, self.layout.plan(n))
+        self.layout.applied()
+        if n > L:
+            self.layout.trim(n - L)
+        self._pending = (L, aux)
+        return choices
 
     def check_block(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> None:
         """What :meth:`verify` refuses (ValueError / RuntimeError) before it touches the caches."""
@@ -146,7 +175,7 @@ class VerifierSession:
             why = " (f_theta restoration: at most the window)" if limit < self.policy.slack else ""
             raise ValueError(f"block length must be 1..{limit}{why}, got {len(block_ids)}")
         if self.sampling is not None:
-            self._check_proposal(block_ids[1:], proposal)
+            check_proposal(block_ids[1:], proposal)
 
     def accept(self, block_ids: Sequence[int], proposal: Proposal | None, out, greedy: list[int] | None = None) -> list[int]:
         """After the block's forward ``out``: the pending block for :meth:`commit`, and the choices
@@ -162,19 +191,6 @@ class VerifierSession:
         )
         return lossless.assemble(candidates, accepted, samples)
 
-    @staticmethod
-    def _check_proposal(candidates: Sequence[int], proposal: Proposal | None) -> None:
-        """The acceptance test is exact only against the distribution each candidate was drawn from."""
-        if not candidates:
-            return
-        if proposal is None:
-            raise ValueError("proposal: a sampling session needs the drafter's proposal for its candidates")
-        if len(proposal) != len(candidates):
-            raise ValueError(f"proposal: {len(proposal)} rows for {len(candidates)} candidates")
-        for i, c in enumerate(candidates):
-            if not (proposal.ids[i] == c).any():
-                raise ValueError(f"proposal: candidate {i + 1} ({c}) is outside its proposal's support")
-
     def commit(self, n_keep: int):
         self._check_open()
         if self._pending is None:
@@ -184,14 +200,13 @@ class VerifierSession:
             raise ValueError(f"n_keep must be 0..{n}, got {n_keep}")
         if n - n_keep:
             self.layout.trim(n - n_keep)
-            self.target.trim_full(self.cache, n - n_keep)
             if self.latent_layout is not None:
                 self.latent_layout.trim(n - n_keep)
         self._pending = None
         return aux[:n_keep]
 
     def stats(self) -> dict:
-        kv = self.target.kv_bytes(self.cache)
+        kv = {"sliding": 0, "full": 0} if self.closed else self.cache.kv_bytes()
         if self.latents is not None:
             kv["restored"] = self.latents.nbytes  # f_theta latent ring (constant)
         return {
@@ -202,10 +217,9 @@ class VerifierSession:
         }
 
     def close(self) -> None:
-        release = getattr(self.target, "release_cache", None)
-        if release is not None and not self.closed:
-            release(self.cache)
-        self.cache, self._pending, self.closed = [], None, True
+        if not self.closed:
+            self.target.release_cache(self.cache)
+        self.cache, self._pending, self.closed = None, None, True
         self.latents = None
 
     def _check_open(self):
@@ -216,7 +230,7 @@ class VerifierSession:
 class LocalVerifier:
     """A loaded target in this process; hands out independent sessions."""
 
-    def __init__(self, target, target_dir: str | Path, aux_layers: Sequence[int], policy: CachePolicy = CachePolicy()):
+    def __init__(self, target: Target, target_dir: str | Path, aux_layers: Sequence[int], policy: CachePolicy = CachePolicy()):
         cfg = load_target_config(target_dir)
         self.target = target
         self.aux_layers = tuple(aux_layers)

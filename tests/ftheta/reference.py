@@ -47,14 +47,14 @@ def restore_greedy(target, restorer, prompt_ids, max_tokens, policy, aux_layers,
         k = np.arange(t + 1)
         exact = (k > t - window) | (k < sink)
         mask = mx.array(np.concatenate([restored, exact])[None])
-        out = target.forward(mx.array([[token]]), cache, aux_layers, mask)
-        z = restorer.encode(out.aux, aux_layers)  # [1, 2r]
+        hidden, saved = target.body(mx.array([[token]]), cache, {"full_attention": None, "sliding_attention": mask}, aux_layers)
+        z = restorer.encode(mx.concatenate([saved[i][0] for i in aux_layers], axis=-1), aux_layers)  # [1, 2r]
         for i in sliding:
             attn = target.inner.layers[i].self_attn
             rk, rv = restorer.layer_kv(z, i, attn)  # [1, kv, hd]
             cache[i].rk.append(attn.rope(rk.transpose(1, 0, 2)[None], offset=t))
             cache[i].rv.append(rv.transpose(1, 0, 2)[None])
-        logits = target.logits(out.hidden)[0, -1]
+        logits = target.logits(hidden)[0, -1]
         if logits_out is not None:
             logits_out.append(np.array(logits))
         return int(mx.argmax(logits).item())

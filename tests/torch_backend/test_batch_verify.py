@@ -10,6 +10,7 @@ sampling sessions with seeds, and a bad item in a batch.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,12 +93,36 @@ def test_a_bad_item_fails_alone_and_the_rest_run(torch_target):
     torch.testing.assert_close(good[0].commit(2), ref.commit(2), rtol=1e-4, atol=1e-5)
 
 
+def test_a_session_moving_between_batched_and_lone_verifies_matches_one_always_alone(torch_target):
+    """A batched verify is a dynamic forward, a lone greedy one the static step; both write the same
+    ring, so the static step's device copy of the slots' positions must follow every dynamic write."""
+    alone, moving, other = (VerifierSession(torch_target, AUX_LAYERS, SINK) for _ in range(3))
+    last = alone.prefill(PROMPT)[0]
+    assert moving.prefill(PROMPT)[0] == last
+    other_last = other.prefill(_prompt(30, 5))[0]
+    rng = np.random.default_rng(7)
+    for r in range(15):
+        block = [last] + [int(c) for c in rng.integers(3, torch_target.args.vocab_size, int(rng.integers(0, 8)))]
+        want = alone.verify(block)
+        if r % 3:  # batched with another session: the dynamic forward
+            got, theirs = verify_batch([(moving, block, None), (other, [other_last, 5, 6], None)])
+            other.commit(1)
+            other_last = theirs[0]
+        else:  # alone: the static step
+            got = moving.verify(block)
+        assert got == want, f"round {r}"
+        keep = int(rng.integers(1, len(block) + 1))
+        torch.testing.assert_close(moving.commit(keep), alone.commit(keep), rtol=1e-4, atol=1e-4)
+        last = want[keep - 1]
+    assert alone.offset > 2 * alone.layout.capacity  # the ring wrapped, trims after wraps
+
+
 def test_a_batch_of_one_takes_the_static_step(torch_target, monkeypatch):
     s = VerifierSession(torch_target, AUX_LAYERS, CachePolicy())
     s.prefill(PROMPT)
-    monkeypatch.setattr(torch_target, "run_batch", lambda blocks: pytest.fail("a lone item must not batch"))
+    monkeypatch.setattr(torch_target, "forward", lambda segments: pytest.fail("a lone item must not batch"))
     calls = []
-    real = torch_target.verify_block
-    monkeypatch.setattr(torch_target, "verify_block", lambda *a: calls.append(1) or real(*a))
+    real = torch_target.verify_static
+    monkeypatch.setattr(torch_target, "verify_static", lambda *a: calls.append(1) or real(*a))
     (choices,) = verify_batch([(s, [5, 6, 7], None)])
     assert len(choices) == 3 and calls == [1]

@@ -21,14 +21,13 @@ def _kv(n, start, heads=2, dim=8):
 
 def test_ring_holds_exactly_the_positions_the_layout_says():
     layout = RingLayout(sink=2, window=6, slack=4)
-    ring = RingKVCache(layout)
+    ring = RingKVCache(layout.capacity)
     rng = np.random.default_rng(0)
     for _ in range(60):
         n = int(rng.integers(1, 9))
         plan = layout.plan(n)
-        ring.plan = plan
         k, v = _kv(n, layout.offset)
-        all_k, all_v = ring.update_and_fetch(k, v)
+        all_k, all_v = ring.fetch(k, v, plan)
         assert all_k.shape[2] == plan.mask.shape[1] and torch.equal(all_v, -all_k)
         layout.applied()
         used = layout.used
@@ -44,14 +43,15 @@ def test_ring_holds_exactly_the_positions_the_layout_says():
 def test_full_cache_trim_is_o1_and_exact():
     c = FullKVCache(step=4)
     k, v = _kv(5, 0)
-    c.update_and_fetch(k, v)
+    c.write(0, k, v)
     buf = c.keys
-    k2, _ = c.update_and_fetch(*_kv(2, 5))
+    k2, _ = c.write(5, *_kv(2, 5))
     assert c.keys.shape[2] == 8 and c.keys is buf  # preallocated chunk, no realloc
-    assert c.trim(3) == 3 and c.offset == 4 and c.keys is buf
-    k3, _ = c.update_and_fetch(*_kv(3, 4))
+    # a trim of 3 is the session's layout moving back to 4: the cache holds no position counter,
+    # the next forward simply writes from position 4 into the same buffer
+    k3, _ = c.write(4, *_kv(3, 4))
     assert k3[0, 0, :, 0].tolist() == list(range(7))
-    assert c.keys.shape[2] == 8
+    assert c.keys.shape[2] == 8 and c.keys is buf
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -71,13 +71,12 @@ def test_quantize_is_mx_quantize(bits, group):
 def test_quantized_full_cache_trims_and_shrinks():
     c = QuantizedFullKVCache(bits=8, group_size=8, step=4)
     k, v = _kv(6, 0, dim=16)
-    kk, vv = c.update_and_fetch(k + 0.25, v)
+    kk, vv = c.write(0, k + 0.25, v)
     assert kk.shape == k.shape and torch.allclose(kk, k + 0.25, atol=0.05)
-    c.trim(2)
-    kk, _ = c.update_and_fetch(*_kv(1, 4, dim=16))
+    kk, _ = c.write(4, *_kv(1, 4, dim=16))  # after a trim of 2
     assert kk.shape[2] == 5 and torch.allclose(kk[0, 0, :, 0], torch.tensor([0.25, 1.25, 2.25, 3.25, 4.0]), atol=0.05)
     exact = FullKVCache(step=4)
-    exact.update_and_fetch(*_kv(6, 0, dim=16))
+    exact.write(0, *_kv(6, 0, dim=16))
     assert c.nbytes * 2 == exact.nbytes  # 16 one-byte codes + 2 x 2 float32 (scale, bias) vs 16 x 4 bytes
 
 

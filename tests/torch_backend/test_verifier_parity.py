@@ -32,14 +32,14 @@ class Recording:
 
     def __getattr__(self, name):
         attr = getattr(self.target, name)
-        if name == "verify_block":  # torch: the static verify step decides without calling greedy
+        if name == "verify_static":  # torch: the static verify step decides without calling greedy
 
-            def verify_block(ids, cache, aux_layers):
-                out = attr(ids, cache, aux_layers)
+            def verify_static(ids, cache, aux_layers, plan):
+                out = attr(ids, cache, aux_layers, plan)
                 self.rows.append(to_numpy(cache.last_logits[: len(ids)]))
                 return out
 
-            return verify_block
+            return verify_static
         return attr
 
     def greedy(self, hidden):

@@ -189,7 +189,7 @@ def test_interrupted_data_generation_continues_where_it_stopped(tmp_path, tiny_p
 
 def test_block_training_forward_equals_mlx_drafter(tiny_pair):
     """The batched training forward (many blocks, per-block masks) == the MLX drafter's inference forward,
-    with aux from the verifier's own capture (TargetMLX.forward)."""
+    with aux from the verifier's own capture (TargetMLX.body)."""
     import mlx.core as mx
     import torch
     from mlx_lm.models.cache import KVCache
@@ -209,7 +209,8 @@ def test_block_training_forward_equals_mlx_drafter(tiny_pair):
     from mlx_lm.models.base import create_causal_mask
 
     mask = create_causal_mask(T, 0)
-    aux = np.array(target.forward(mx.array(seq), cache, tids, mask).aux)  # [T, A]
+    _, saved = target.body(mx.array(seq), cache, {"full_attention": "causal", "sliding_attention": mask}, tids)
+    aux = np.array(mx.concatenate([saved[i][0] for i in tids], axis=-1))  # [T, A]
     # the same aux from the trainer's torch hooks
     tt = tdraft.TorchTarget(tiny_pair.target, torch.device("cpu"))
     aux_t = tt.aux(seq, tids)[0]

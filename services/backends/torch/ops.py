@@ -1,4 +1,4 @@
-"""Tensor helpers shared by the PyTorch target (``verifier/gemma4_torch.py``) and drafter
+"""Tensor helpers shared by the PyTorch target (``verifier/torch_backend/gemma4.py``) and drafter
 (``drafter/dflash_torch.py``): device/dtype resolution, the two RMSNorm conventions, RoPE, the one SDPA call.
 
 Both models normalise in float32; they differ in *when* the result goes back to

@@ -1,68 +1,88 @@
-"""MLX arrays for the verifier cache; the slot logic lives in ``cache.py``.
+"""MLX arrays for the verifier caches (the shared parts: ``verifier/caches.py``).
 
-``RingKVCache`` is a drop-in for what mlx-lm's Gemma-4 attention expects from
-a cache (``offset`` read before ``update_and_fetch``), but writes wherever the
-session's shared :class:`RingLayout` planned, so rollback is always exact.
-Full-attention layers use mlx-lm's own ``KVCache``: it trims in O(1).
+* :class:`RingKVCache` -- one sliding layer's K/V ring, written wherever the
+  forward's plan says (``caches.RingKV``), so rollback is always exact.
+* :class:`FullKVCache` -- a full-attention layer's exact K/V; a forward from
+  ``start`` writes positions ``start ..``, a trim is the session's layout
+  moving back. It grows as mlx-lm's ``KVCache`` does (256-position steps past
+  what it keeps), so ``kakeya memory``'s formula holds for it.
+  :class:`QuantizedFullKVCache` stores the same as ``mx.quantize`` codes, which
+  mlx-lm's quantized attention multiplies directly.
+
+They hold arrays only: mlx-lm's attention, which wants a cache with ``offset``
+and ``update_and_fetch``, gets a per-forward view of them (``forward.py``).
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import mlx.core as mx
 
-from kakeya.verifier.layout import RingLayout, RingPlan
+from kakeya.verifier.caches import LayerKV, RingKV
+from kakeya.verifier.layout import ForwardPlan
 
 
-class RingKVCache:
-    """One sliding layer's K/V ring. All rings of a session share one layout."""
+def _zeros(like: mx.array, slots: int) -> mx.array:
+    return mx.zeros((*like.shape[:2], slots, like.shape[-1]), like.dtype)
 
-    def __init__(self, layout: RingLayout):
-        self.layout = layout
-        self.plan: RingPlan | None = None  # set by the session before each forward
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        # f_theta: restored K/V [1, kv_heads, slots, head_dim] (RoPE applied) placed in front of the
-        # ring's own for one forward; set by the model before it, cleared after (None: no restoration)
-        self.prefix: tuple[mx.array, mx.array] | None = None
 
-    @property
-    def offset(self) -> int:
-        return self.layout.offset
+class RingKVCache(RingKV):
+    """One sliding layer's K/V ring."""
 
-    def _write(self, keys: mx.array, values: mx.array) -> None:
-        if self.keys is None:
-            b, h, _, dk = keys.shape
-            cap = self.layout.capacity
-            self.keys = mx.zeros((b, h, cap, dk), keys.dtype)
-            self.values = mx.zeros((b, h, cap, values.shape[-1]), values.dtype)
-        for w in self.plan.writes:
-            self.keys[..., w.dst : w.dst + w.length, :] = keys[..., w.src : w.src + w.length, :]
-            self.values[..., w.dst : w.dst + w.length, :] = values[..., w.src : w.src + w.length, :]
+    zeros = staticmethod(_zeros)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        k, v = self._fetch(keys, values)
-        if self.prefix is None:
-            return k, v
-        pk, pv = self.prefix
-        return mx.concatenate([pk.astype(k.dtype), k], axis=2), mx.concatenate([pv.astype(v.dtype), v], axis=2)
+    @staticmethod
+    def concat(parts: Sequence[mx.array]) -> mx.array:
+        return mx.concatenate(list(parts), axis=2)
 
-    def _fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        plan = self.plan
-        if plan.in_place:
-            self._write(keys, values)
-            return self.keys[..., : plan.used, :], self.values[..., : plan.used, :]
-        if self.keys is None or plan.used == 0:
-            all_k, all_v = keys, values
-        else:
-            all_k = mx.concatenate([self.keys[..., : plan.used, :], keys], axis=2)
-            all_v = mx.concatenate([self.values[..., : plan.used, :], values], axis=2)
-        self._write(keys, values)
-        return all_k, all_v
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+class FullKVCache(LayerKV):
+    """A full-attention layer's exact K/V."""
 
+    step = 256
+
+    def fetch(self, keys: mx.array, values: mx.array, plan: ForwardPlan):
+        """Positions ``plan.start ..``; the K/V of every position up to the forward's last."""
+        start, end = plan.start, plan.start + keys.shape[2]
+        if self.keys is None or end > self.arrays()[0].shape[2]:
+            room = (self.step + keys.shape[2] - 1) // self.step * self.step
+            new = [_zeros(t, room) for t in self._stored(keys[..., :1, :]) + self._stored(values[..., :1, :])]
+            old = self.arrays()
+            self._hold([mx.concatenate([o[..., :start, :], z], axis=2) for o, z in zip(old, new)] if old else new)
+        for dst, src in zip(self.arrays(), self._stored(keys) + self._stored(values)):
+            dst[..., start:end, :] = src
+        return self._view(end)
+
+    def _view(self, end: int):
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    # -- how K/V are stored (the quantized cache stores codes, scales and biases) ------------
+
+    def _stored(self, x: mx.array) -> list[mx.array]:
+        return [x]
+
+    def _hold(self, buffers: list[mx.array]) -> None:
+        self.keys, self.values = buffers
+
+
+class QuantizedFullKVCache(FullKVCache):
+    """A full-attention layer's K/V as ``mx.quantize`` codes (4 or 8 bits per group of the head dim)."""
+
+    def __init__(self, group_size: int, bits: int):
+        self.group_size, self.bits = group_size, bits
+
+    def arrays(self) -> list[mx.array]:
+        return [] if self.keys is None else self.keys + self.values
+
+    def _view(self, end: int):
+        return [t[..., :end, :] for t in self.keys], [t[..., :end, :] for t in self.values]
+
+    def _stored(self, x: mx.array) -> list[mx.array]:
+        return list(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def _hold(self, buffers: list[mx.array]) -> None:
+        self.keys, self.values = buffers[:3], buffers[3:]
 
 
 class LatentRing:
@@ -74,11 +94,10 @@ class LatentRing:
     start: its size never changes.
     """
 
-    def __init__(self, layout: RingLayout, dim: int):
-        self.layout = layout
-        self.data = mx.zeros((layout.capacity, dim), mx.float32)
+    def __init__(self, capacity: int, dim: int):
+        self.data = mx.zeros((capacity, dim), mx.float32)
 
-    def write(self, plan: RingPlan, z: mx.array) -> None:
+    def write(self, plan: ForwardPlan, z: mx.array) -> None:
         z = z.astype(self.data.dtype)
         for w in plan.writes:
             self.data[w.dst : w.dst + w.length] = z[w.src : w.src + w.length]

@@ -1,42 +1,39 @@
-"""The Gemma-4 target on MLX: mlx-lm's model code, one forward that also returns aux hidden states.
+"""The Gemma-4 target on MLX (``backend.Target``): mlx-lm's model code, one forward that also returns aux.
 
 We drive mlx-lm's own decoder layers. The only thing re-spelled here is the
-short layer loop of ``Gemma4TextModel.__call__``, for two reasons: the outputs
-of the ``target_layer_ids`` layers (the drafter's aux) are taken inside the
-same forward, and sliding layers attend with the masks of our ring layout
-instead of mlx-lm's ``RotatingKVCache`` ones.
+short layer loop of ``Gemma4TextModel.__call__`` (:meth:`TargetMLX.body`), for
+two reasons: the outputs of the aux layers (the drafter's ``target_layer_ids``)
+are taken inside the same forward, and sliding layers attend with the masks of
+our ring layout instead of mlx-lm's ``RotatingKVCache`` ones. Every forward --
+one session's, or several sessions' on the batch axis -- is that loop over
+per-forward views of the sessions' caches (``mlx_backend/forward.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.models.gemma4_text import logit_softcap
 from mlx_lm.utils import load_model
 
 from kakeya.backends.mlx import sampling as sampling_mlx
-from kakeya.core.contract import FULL, SLIDING, CachePolicy
-from kakeya.verifier.layout import RestoreView, RingLayout, RingPlan
-from kakeya.verifier.mlx_backend.cache import LatentRing, RingKVCache
+from kakeya.core.contract import SLIDING, CachePolicy
+from kakeya.verifier.backend import Forward, Segment, Target
+from kakeya.verifier.caches import SessionCaches
+from kakeya.verifier.layout import RestoreView, RingLayout
+from kakeya.verifier.mlx_backend.cache import FullKVCache, LatentRing, QuantizedFullKVCache, RingKVCache
+from kakeya.verifier.mlx_backend.forward import attention_masks, layer_views
 
 
-@dataclass
-class Forward:
-    hidden: mx.array  # final-norm hidden [1, L, hidden]
-    aux: mx.array  # [L, len(aux_layers) * hidden]
-
-
-class TargetMLX:
+class TargetMLX(Target):
     """A loaded Gemma-4 target and the forward the verifier needs."""
 
     backend = "mlx"
-    sampler = sampling_mlx  # p, the acceptance test and the draws when a session samples
+    sampler = sampling_mlx
+    restores = True
 
     def __init__(self, model, path: Path):
         self.path = path
@@ -56,57 +53,58 @@ class TargetMLX:
         model, _ = load_model(path)
         return cls(model, path)
 
-    # -- what services/verifier/session.py needs from a backend --------------------------
+    # -- the backend protocol (verifier/backend.py) ----------------------------------------
 
-    def make_cache(self, layout: RingLayout, policy: CachePolicy) -> list:
+    @property
+    def device_name(self) -> str:
+        return str(mx.default_device())
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.inner.embed_tokens.weight.dtype).rsplit(".", 1)[-1]
+
+    def make_cache(self, layout: RingLayout, policy: CachePolicy) -> SessionCaches:
+        """Rings on sliding layers, exact or quantized full-attention caches; a quantized set runs alone."""
         def full():
             if not policy.full_kv_bits:
-                return KVCache()
+                return FullKVCache()
             group = min(policy.full_kv_group_size, self.args.global_head_dim or self.args.head_dim)
-            return QuantizedKVCache(group_size=group, bits=policy.full_kv_bits)
+            return QuantizedFullKVCache(group, policy.full_kv_bits)
 
-        return [
-            RingKVCache(layout) if self.layer_types[i] == SLIDING else full()
-            for i in range(self.n_cached)
-        ]
+        kinds = self.layer_types[: self.n_cached]
+        layers = [RingKVCache(layout.capacity) if kind == SLIDING else full() for kind in kinds]
+        return SessionCaches(layers, kinds, batchable=not policy.full_kv_bits)
 
-    def run(self, ids: Sequence[int], cache: list, aux_layers: Sequence[int], plan: RingPlan,
-            restore: RestoreView | None = None) -> Forward:
-        mask = plan.mask
-        for c in cache:
-            if isinstance(c, RingKVCache):
-                c.plan = plan
-        if restore is not None:
-            self._set_restored(cache, restore)
-            mask = np.concatenate([restore.mask, plan.mask], axis=1)  # restored slots first, then the ring
-        try:
-            return self.forward(mx.array([list(ids)]), cache, aux_layers, mx.array(mask))
-        finally:
-            for c in cache:
-                if isinstance(c, RingKVCache):
-                    c.prefix = None
+    def forward(self, segments: Sequence[Segment]) -> list[Forward]:
+        lengths = [len(s.ids) for s in segments]
+        rows = max(lengths)
+        ids = mx.array([list(s.ids) + [0] * (rows - len(s.ids)) for s in segments])
+        restored = [None if s.plan.restore is None else self._restored(s.plan.restore) for s in segments]
+        views = layer_views(segments, self.layer_types[: self.n_cached], restored)
+        aux_layers = {i for s in segments for i in s.aux_layers}
+        hidden, saved = self.body(ids, views, attention_masks(segments, rows), aux_layers)
+        out = []
+        for b, (s, n) in enumerate(zip(segments, lengths)):
+            aux = mx.concatenate([saved[i][b, :n] for i in s.aux_layers], axis=-1) if s.aux_layers else None
+            out.append(Forward(hidden[b : b + 1, :n], aux))
+        return out
 
-    def run_batch(self, blocks: Sequence[tuple]) -> list[Forward]:
-        """Several sessions' ``run`` in one forward (``verifier/mlx_backend/batch.py``): ``blocks`` of
-        ``(ids, cache, aux_layers, plan)``, one ``Forward`` each, every cache written as by ``run``."""
-        from kakeya.verifier.mlx_backend.batch import forward_batch
+    def greedy(self, hidden: mx.array) -> list[int]:
+        return mx.argmax(self.logits(hidden)[0], axis=-1).tolist()
 
-        try:
-            return [Forward(h, aux) for h, aux in forward_batch(self, blocks)]
-        finally:
-            for _, cache, _, _ in blocks:
-                for c in cache:
-                    if isinstance(c, RingKVCache):
-                        c.prefix = None
+    def logits(self, hidden: mx.array) -> mx.array:
+        lm = self.lm
+        out = lm.lm_head(hidden) if not lm.tie_word_embeddings else self.inner.embed_tokens.as_linear(hidden)
+        cap = lm.final_logit_softcapping
+        return logit_softcap(cap, out) if cap is not None else out
 
     @staticmethod
-    def batchable(cache: list) -> bool:
-        """Quantized full-attention caches run alone (see ``verifier/mlx_backend/batch.py``)."""
-        return not any(isinstance(c, QuantizedKVCache) for c in cache)
+    def concat(arrays: Sequence[mx.array], axis: int) -> mx.array:
+        return mx.concatenate(list(arrays), axis=axis)
 
-    def greedy_batch(self, hiddens: Sequence[mx.array]) -> list[int]:
-        """:meth:`greedy` of several blocks' hidden states, concatenated: one LM head, one host sync."""
-        return self.greedy(hiddens[0] if len(hiddens) == 1 else mx.concatenate(list(hiddens), axis=1))
+    @staticmethod
+    def materialize(out: Forward, caches: SessionCaches) -> None:
+        mx.eval(out.aux, caches.arrays())
 
     # -- f_theta restoration (services/verifier/mlx_backend/ftheta.py) ------------------------------
 
@@ -123,7 +121,7 @@ class TargetMLX:
 
     @staticmethod
     def make_latent_ring(layout: RingLayout, restorer) -> LatentRing:
-        return LatentRing(layout, restorer.latent_dim)
+        return LatentRing(layout.capacity, restorer.latent_dim)
 
     def encode_latents(self, restorer, aux: mx.array, aux_layers: Sequence[int]) -> mx.array:
         """Latent codes of a forward's aux rows (compiled once per restorer, aux layout and length)."""
@@ -145,8 +143,9 @@ class TargetMLX:
         k = attn.rope(k[:, :, None, :], offset=offsets)[:, :, 0, :]
         return k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None]
 
-    def _set_restored(self, cache: list, restore: RestoreView) -> None:
-        layers = [i for i, c in enumerate(cache) if isinstance(c, RingKVCache)]
+    def _restored(self, restore: RestoreView) -> list[tuple[mx.array, mx.array]]:
+        """Every sliding layer's restored K/V for one forward (one compiled graph per restorer)."""
+        layers = [i for i in range(self.n_cached) if self.layer_types[i] == SLIDING]
         key = ("restore", restore.restorer)
         if key not in self._compiled:
             restorer = restore.restorer
@@ -156,72 +155,29 @@ class TargetMLX:
 
             self._compiled[key] = mx.compile(all_layers)
         kv = self._compiled[key](restore.latents, mx.array(np.maximum(restore.positions, 0)))
-        for j, i in enumerate(layers):
-            cache[i].prefix = (kv[2 * j], kv[2 * j + 1])
-
-    def greedy(self, hidden: mx.array) -> list[int]:
-        """The target's argmax at every position of ``hidden`` [1, L, H]: the one host sync of a verify."""
-        return mx.argmax(self.logits(hidden)[0], axis=-1).tolist()
-
-    @staticmethod
-    def materialize(out: Forward, cache: list) -> None:
-        mx.eval(out.aux, [c.keys for c in cache])
-
-    @staticmethod
-    def cat(chunks: list) -> mx.array:
-        return chunks[0] if len(chunks) == 1 else mx.concatenate(chunks, axis=0)
-
-    @staticmethod
-    def trim_full(cache: list, n: int) -> None:
-        for c in cache:
-            if not isinstance(c, RingKVCache):
-                c.trim(n)
-
-    @staticmethod
-    def kv_bytes(cache: list) -> dict:
-        return {
-            "sliding": sum(c.nbytes for c in cache if isinstance(c, RingKVCache)),
-            "full": sum(c.nbytes for c in cache if not isinstance(c, RingKVCache)),
-        }
+        return [(kv[2 * j], kv[2 * j + 1]) for j in range(len(layers))]
 
     # -- the model itself ---------------------------------------------------------------
 
-    def forward(self, ids: mx.array, cache: list, aux_layers: Sequence[int], sliding_mask) -> Forward:
-        """Run ``ids`` [1, L] through the body, appending to ``cache``; no LM head."""
+    def body(self, ids: mx.array, caches: Sequence, masks: dict, aux_layers) -> tuple[mx.array, dict]:
+        """Run ``ids`` [B, L] through the decoder layers, each cached layer with its cache (anything with
+        mlx-lm's ``offset`` and ``update_and_fetch``) and its type's mask; no LM head. Returns the
+        final-norm hidden states [B, L, H] and each aux layer's output [B, L, H]."""
         inner = self.inner
         h = inner.embed_tokens(ids) * inner.embed_scale
         per_layer = [None] * len(inner.layers)
         if inner.hidden_size_per_layer_input:
-            pli = inner._get_per_layer_inputs(ids)
-            pli = inner._project_per_layer_inputs(h, pli)
+            pli = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(ids))
             per_layer = [pli[:, :, i, :] for i in range(len(inner.layers))]
-
-        full_cache = next((c for c in cache if not isinstance(c, RingKVCache)), None)
-        masks = {
-            FULL: create_attention_mask(h, full_cache),
-            SLIDING: sliding_mask,
-        }
-        cache = cache + [None] * (len(inner.layers) - len(cache))
-        wanted = {layer_id: i for i, layer_id in enumerate(aux_layers)}
-        aux = [None] * len(aux_layers)
+        caches = list(caches) + [None] * (len(inner.layers) - len(caches))
+        saved = dict.fromkeys(aux_layers)
         intermediates = [(None, None)] * len(inner.layers)
         for idx, layer in enumerate(inner.layers):
             kvs, offset = intermediates[inner.previous_kvs[idx]]
             h, kvs, offset = layer(
-                h,
-                masks[layer.layer_type],
-                cache[idx],
-                per_layer_input=per_layer[idx],
-                shared_kv=kvs,
-                offset=offset,
+                h, masks[layer.layer_type], caches[idx], per_layer_input=per_layer[idx], shared_kv=kvs, offset=offset
             )
             intermediates[idx] = (kvs, offset)
-            if idx in wanted:
-                aux[wanted[idx]] = h
-        return Forward(inner.norm(h), mx.concatenate(aux, axis=-1)[0] if aux else None)
-
-    def logits(self, hidden: mx.array) -> mx.array:
-        lm = self.lm
-        out = lm.lm_head(hidden) if not lm.tie_word_embeddings else self.inner.embed_tokens.as_linear(hidden)
-        cap = lm.final_logit_softcapping
-        return logit_softcap(cap, out) if cap is not None else out
+            if idx in saved:
+                saved[idx] = h
+        return inner.norm(h), saved

@@ -1,89 +1,59 @@
-"""Torch tensors for the verifier cache; the slot logic lives in ``cache.py``.
+"""Torch tensors for the verifier caches (the shared parts: ``verifier/caches.py``).
 
-Mirrors ``verifier/mlx_backend/cache.py`` exactly:
-
-* :class:`RingKVCache` -- one sliding layer's K/V ring of ``layout.capacity``
-  slots (bounded: ``sink + window - 1 + slack``). It writes wherever the
-  session's shared :class:`~kakeya.verifier.layout.RingLayout` planned, so a
-  trim of up to ``slack`` positions is always exact, even after the ring wrapped.
-  ``plan.in_place``: write first, attend over ``ring[:used]``; otherwise attend
-  over ``ring[:used] ++ new`` and write afterwards. The mask comes from the plan.
+* :class:`RingKVCache` -- one sliding layer's K/V ring of ``capacity`` slots
+  (bounded: ``sink + window - 1 + slack``), written wherever the forward's plan
+  says (``caches.RingKV``), so a trim of up to ``slack`` positions is exact even
+  after the ring wrapped.
 * :class:`FullKVCache` -- a full-attention layer's exact K/V, preallocated
-  (``capacity`` positions up front, then doubled when full), so an append is a
-  slice copy and a trim is just moving the offset back (O(1)).
+  (``capacity`` positions up front, then doubled when full): a forward from
+  ``start`` writes positions ``start ..`` as a slice copy; a trim is the layout
+  moving back (the next write starts earlier), O(1) and nothing here.
+  :class:`QuantizedFullKVCache` stores the same affine-quantized (4/8 bits).
 
-The static-shape verify step (``verifier/torch_backend/step.py``) writes differently: it sets
-``cache.at = (index, extent)`` -- a device tensor of slots to ``index_copy_``
-the new K/V into, and how many slots to attend over -- so a block of L tokens
-has the same shapes at every step (the extent is the buffer's capacity when
-the step is captured in a CUDA graph), and nothing about the write is decided
-on the host inside the step. Buffers never move while ``at`` is in use; the
-host grows them (``reserve``) between steps.
+Two ways to write and fetch, each with its arguments, never state left on the
+cache: ``fetch(keys, values, plan)`` for a dynamic forward (the host plan's
+slices), and ``fetch_at(index, extent, keys, values)`` for the static-shape
+verify step (``torch_backend/step.py``): a device tensor of slots to
+``index_copy_`` the new K/V into and how many slots to attend over, so a block
+of L tokens has the same shapes at every step (the extent is the buffer's
+capacity when the step is captured in a CUDA graph). Buffers never move inside
+a step; the host grows them (``reserve``) between steps.
 
-Both are ``[1, n_kv_heads, slots, head_dim]``, the layout torch's
+All are ``[1, n_kv_heads, slots, head_dim]``, the layout torch's
 ``scaled_dot_product_attention`` takes.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from kakeya.verifier.layout import RingLayout, RingPlan
+from kakeya.verifier.caches import LayerKV, RingKV
+from kakeya.verifier.layout import ForwardPlan
 
 
-class RingKVCache:
-    """One sliding layer's K/V ring. All rings of a session share one layout."""
+def _zeros(like: torch.Tensor, slots: int) -> torch.Tensor:
+    return like.new_zeros((*like.shape[:2], slots, like.shape[-1]))
 
-    def __init__(self, layout: RingLayout):
-        self.layout = layout
-        self.plan: RingPlan | None = None  # set by the model before each forward
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.at: tuple[torch.Tensor, int] | None = None  # static step: (slots [L], extent)
 
-    @property
-    def offset(self) -> int:
-        return self.layout.offset
+class RingKVCache(RingKV):
+    """One sliding layer's K/V ring."""
 
-    def _alloc(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    zeros = staticmethod(_zeros)
+
+    @staticmethod
+    def concat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(parts), dim=2)
+
+    def fetch_at(self, slots: torch.Tensor, extent: int, keys: torch.Tensor, values: torch.Tensor):
+        """Static step: ``keys``/``values`` into ``slots`` first (a block never outgrows the slack: in
+        place), then the first ``extent`` slots."""
         if self.keys is None:
-            b, h, _, dk = keys.shape
-            cap = self.layout.capacity
-            self.keys = keys.new_zeros((b, h, cap, dk))
-            self.values = values.new_zeros((b, h, cap, values.shape[-1]))
-
-    def _write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self._alloc(keys, values)
-        for w in self.plan.writes:
-            self.keys[:, :, w.dst : w.dst + w.length] = keys[:, :, w.src : w.src + w.length]
-            self.values[:, :, w.dst : w.dst + w.length] = values[:, :, w.src : w.src + w.length]
-
-    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.at is not None:  # static step: write first (a block never outgrows the slack), attend over extent
-            slots, extent = self.at
-            self._alloc(keys, values)
-            self.keys.index_copy_(2, slots, keys)
-            self.values.index_copy_(2, slots, values)
-            return self.keys[:, :, :extent], self.values[:, :, :extent]
-        plan = self.plan
-        if plan is None:
-            raise RuntimeError("ring cache has no plan for this forward")
-        if plan.in_place:
-            self._write(keys, values)
-            return self.keys[:, :, : plan.used], self.values[:, :, : plan.used]
-        if self.keys is None or plan.used == 0:
-            all_k, all_v = keys, values
-        else:
-            all_k = torch.cat([self.keys[:, :, : plan.used], keys], dim=2)
-            all_v = torch.cat([self.values[:, :, : plan.used], values], dim=2)
-        self._write(keys, values)
-        return all_k, all_v
-
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+            self.keys, self.values = _zeros(keys, self.capacity), _zeros(values, self.capacity)
+        self.keys.index_copy_(2, slots, keys)
+        self.values.index_copy_(2, slots, values)
+        return self.keys[:, :, :extent], self.values[:, :, :extent]
 
 
 def grown(cap: int, need: int, step: int, initial: int = 0) -> int:
@@ -96,62 +66,59 @@ def grown(cap: int, need: int, step: int, initial: int = 0) -> int:
     return ((max(need, 2 * cap) + step - 1) // step) * step
 
 
-class FullKVCache:
-    """A full-attention layer's exact K/V: ``capacity`` slots up front, doubled when full, O(1) trims."""
+class FullKVCache(LayerKV):
+    """A full-attention layer's exact K/V: ``capacity`` slots up front, doubled when full."""
 
     def __init__(self, step: int = 256, capacity: int = 0):
         if step < 1 or capacity < 0:
             raise ValueError("step must be >= 1 and capacity >= 0")
         self.step, self.initial = step, capacity
-        self.offset = 0
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.at: tuple[torch.Tensor, int] | None = None  # static step: (positions [L], extent)
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return 0 if self.keys is None else self.arrays()[0].shape[2]
 
-    def reserve(self, n: int, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        """Room for ``n`` positions (``keys``/``values``: any K/V of this layer, for shape/dtype);
-        True if the buffers moved."""
+    def reserve(self, n: int, keep: int, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Room for ``n`` positions, the first ``keep`` kept (``keys``/``values``: any K/V of this layer,
+        for shape and dtype); True if the buffers moved."""
         cap = self.capacity
         if n <= cap:
             return False
-        new_cap = grown(cap, n, self.step, self.initial)
-        b, h, _, dk = keys.shape
-        nk = keys.new_zeros((b, h, new_cap, dk))
-        nv = values.new_zeros((b, h, new_cap, values.shape[-1]))
-        if self.offset:
-            nk[:, :, : self.offset] = self.keys[:, :, : self.offset]
-            nv[:, :, : self.offset] = self.values[:, :, : self.offset]
-        self.keys, self.values = nk, nv
+        old, cap = self.arrays(), grown(cap, n, self.step, self.initial)
+        new = [_zeros(t, cap) for t in self._stored(keys[:, :, :1]) + self._stored(values[:, :, :1])]
+        for dst, src in zip(new, old):
+            dst[:, :, :keep] = src[:, :, :keep]
+        self._hold(new)
         return True
 
-    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.at is not None:  # static step: the host reserved room and advances the offset
-            pos, extent = self.at
-            self.keys.index_copy_(2, pos, keys)
-            self.values.index_copy_(2, pos, values)
-            return self.keys[:, :, :extent], self.values[:, :, :extent]
-        n = keys.shape[2]
-        end = self.offset + n
-        self.reserve(end, keys, values)
-        self.keys[:, :, self.offset : end] = keys
-        self.values[:, :, self.offset : end] = values
-        self.offset = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+    def fetch(self, keys: torch.Tensor, values: torch.Tensor, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.write(plan.start, keys, values)
 
-    def trim(self, n: int) -> int:
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``start ..`` of a dynamic forward; the K/V of every position up to its last."""
+        end = start + keys.shape[2]
+        self.reserve(end, start, keys, values)
+        for dst, src in zip(self.arrays(), self._stored(keys) + self._stored(values)):
+            dst[:, :, start:end] = src
+        return self._view(end, keys.dtype)
 
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+    def fetch_at(self, positions: torch.Tensor, extent: int, keys: torch.Tensor, values: torch.Tensor):
+        """Static step: ``keys``/``values`` at ``positions`` (the host reserved room), then the first
+        ``extent`` positions."""
+        self.keys.index_copy_(2, positions, keys)
+        self.values.index_copy_(2, positions, values)
+        return self.keys[:, :, :extent], self.values[:, :, :extent]
+
+    def _view(self, extent: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, :extent], self.values[:, :, :extent]
+
+    # -- how K/V are stored (the quantized cache stores codes, scales and biases) ------------
+
+    def _stored(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x]
+
+    def _hold(self, buffers: list[torch.Tensor]) -> None:
+        self.keys, self.values = buffers
 
 
 def quantize(x: torch.Tensor, group_size: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -190,70 +157,35 @@ def dequantize(codes, scales, biases, group_size: int, bits: int, dtype: torch.d
     return out.reshape(*lead, D).to(dtype)
 
 
-class QuantizedFullKVCache:
+class QuantizedFullKVCache(FullKVCache):
     """A full-attention layer's K/V, affine-quantized (4 or 8 bits) per group of the head dim.
 
-    Same O(1) trim and chunked growth as :class:`FullKVCache`; the attended
-    prefix is dequantized to the compute dtype on fetch. (MLX's
-    ``QuantizedKVCache`` stores the same codes; it multiplies them inside its
-    quantized matmuls instead.)
+    Same growth and O(1) trims as :class:`FullKVCache`; the attended prefix is
+    dequantized to the compute dtype on fetch. (MLX's quantized cache stores the
+    same codes; it multiplies them inside its quantized matmuls instead.)
     """
 
     def __init__(self, bits: int = 8, group_size: int = 64, step: int = 256, capacity: int = 0):
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
-        self.bits, self.group_size, self.step, self.initial = bits, group_size, step, capacity
-        self.offset = 0
-        self.keys: list[torch.Tensor] | None = None  # [codes, scales, biases]
-        self.values: list[torch.Tensor] | None = None
-        self.dtype: torch.dtype | None = None
-        self.at: tuple[torch.Tensor, int] | None = None  # static step: (positions [L], extent)
+        super().__init__(step, capacity)
+        self.bits, self.group_size = bits, group_size
 
-    @property
-    def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys[0].shape[2]
+    def arrays(self) -> list[torch.Tensor]:
+        return [] if self.keys is None else self.keys + self.values
 
-    def _alloc(self, like: list[torch.Tensor], cap: int) -> list[torch.Tensor]:
-        return [t.new_zeros((*t.shape[:2], cap, t.shape[-1])) for t in like]
+    def fetch_at(self, positions: torch.Tensor, extent: int, keys: torch.Tensor, values: torch.Tensor):
+        for dst, src in zip(self.arrays(), self._stored(keys) + self._stored(values)):
+            dst.index_copy_(2, positions, src)
+        return self._view(extent, keys.dtype)
 
-    def reserve(self, n: int, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        if n <= self.capacity:
-            return False
-        qk = quantize(keys[:, :, :1], self.group_size, self.bits)
-        qv = quantize(values[:, :, :1], self.group_size, self.bits)
-        new_cap = grown(self.capacity, n, self.step, self.initial)
-        nk, nv = self._alloc(qk, new_cap), self._alloc(qv, new_cap)
-        if self.offset:
-            for dst, src in zip(nk + nv, self.keys + self.values):
-                dst[:, :, : self.offset] = src[:, :, : self.offset]
-        self.keys, self.values = nk, nv
-        return True
-
-    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.dtype = keys.dtype
-        qk = quantize(keys, self.group_size, self.bits)
-        qv = quantize(values, self.group_size, self.bits)
-        if self.at is not None:  # static step: the host reserved room and advances the offset
-            pos, end = self.at
-            for dst, src in zip(self.keys + self.values, list(qk) + list(qv)):
-                dst.index_copy_(2, pos, src)
-        else:
-            end = self.offset + keys.shape[2]
-            self.reserve(end, keys, values)
-            for dst, src in zip(self.keys + self.values, list(qk) + list(qv)):
-                dst[:, :, self.offset : end] = src
-            self.offset = end
-        k = dequantize(*(t[:, :, :end] for t in self.keys), self.group_size, self.bits, keys.dtype)
-        v = dequantize(*(t[:, :, :end] for t in self.values), self.group_size, self.bits, values.dtype)
+    def _view(self, extent: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        k = dequantize(*(t[:, :, :extent] for t in self.keys), self.group_size, self.bits, dtype)
+        v = dequantize(*(t[:, :, :extent] for t in self.values), self.group_size, self.bits, dtype)
         return k, v
 
-    def trim(self, n: int) -> int:
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
+    def _stored(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(quantize(x, self.group_size, self.bits))
 
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+    def _hold(self, buffers: list[torch.Tensor]) -> None:
+        self.keys, self.values = buffers[:3], buffers[3:]

@@ -1,7 +1,7 @@
 """The Gemma-4 text model in plain PyTorch: config and layers (weights: ``verifier/torch_backend/load.py``).
 
 The torch counterpart of mlx-lm's ``gemma4_text.py``, driven by the verifier's
-backend adapter ``model_torch.TargetTorch``. gpt-fast style: modules hold raw
+backend adapter ``TargetTorch`` (``torch_backend/target.py``). gpt-fast style: modules hold raw
 weight tensors, the forward is explicit tensor ops (no hooks, no accelerate, no
 transformers classes on the hot path). Weights are read from the checkpoint's
 safetensors under their Hugging Face names (text-only or multimodal prefix, see
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -191,6 +191,11 @@ def rope_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- layers
 
+# One forward's attention: ``(layer index, layer, q, k, v, shared) -> (output, kv)``. It writes the
+# layer's new ``k``/``v`` (None on a KV-shared layer, which gets ``shared``: the ``kv`` its source
+# layer returned) where that forward says and attends ``q`` over what it says.
+Attend = Callable[[int, "DecoderLayer", torch.Tensor, Any, Any, Any], tuple[torch.Tensor, Any]]
+
 
 class Attention(nn.Module):
     def __init__(self, args: Gemma4Args, i: int):
@@ -328,15 +333,6 @@ class DecoderLayer(nn.Module):
         gate, up = F.linear(x, self.w_gate_up).split(self.inter, dim=-1)
         return F.linear(geglu(gate, up) if self.tanh_gelu else self.act(gate) * up, self.w_down)
 
-    def forward(self, x, cos, sin, mask, cache, shared_kv, per_layer_input):
-        q, k, v = self.qkv(x, cos, sin, shared_kv is None)
-        if shared_kv is not None:
-            k, v = shared_kv
-        elif cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        a = self.attn.output(self.attn.attend(q, k, v, mask, 1.0))
-        return self.after_attention(x, a, per_layer_input), (k, v)
-
     def qkv(self, x, cos, sin, new_kv: bool = True):
         """The input norm and ``Attention.project``: row-wise, so batches flatten and ``--compile`` fuses it."""
         return self.attn.project(gemma4_rms_norm(x, self.input_ln, self.eps), cos, sin, new_kv)
@@ -357,12 +353,6 @@ class DecoderLayer(nn.Module):
             g = self.act(F.linear(h, self.ple_gate)) * per_layer_input
             h = h + gemma4_rms_norm(F.linear(g, self.ple_proj), self.ple_norm, eps)
         return h * self.layer_scalar.to(h.dtype)
-
-
-@dataclass
-class Forward:
-    hidden: torch.Tensor  # final-norm hidden [1, L, hidden]
-    aux: torch.Tensor | None  # [L, len(aux_layers) * hidden]
 
 
 class Gemma4Text(nn.Module):
@@ -416,43 +406,43 @@ class Gemma4Text(nn.Module):
         return (proj + tok) * (2.0**-0.5)
 
     def forward(
-        self,
-        ids: torch.Tensor,
-        caches: Sequence,
-        aux_layers: Sequence[int],
-        masks: dict[str, torch.Tensor | None],
-        pos: torch.Tensor,
-    ) -> Forward:
-        """Run ``ids`` [1, L] at positions ``pos`` [L] (a device tensor), writing ``caches``; no LM head."""
-        with sdpa_backends():
-            return self._forward(ids, caches, aux_layers, masks, pos)
+        self, ids: torch.Tensor, pos: torch.Tensor, attention: Attend, aux_layers: Iterable[int]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run ``ids`` [1, T] at positions ``pos`` [T] (a device tensor) through the body; no LM head.
 
-    def _forward(self, ids, caches, aux_layers, masks, pos) -> Forward:
+        The one layer loop of every forward. What differs between forwards -- where
+        each layer's new K/V go and what its queries attend over (several sessions'
+        segments with their plans, the static verify step, the plain reference
+        decode: ``torch_backend/attention.py``) -- is ``attention``. Returns the
+        final-norm hidden states [1, T, H] and each aux layer's output [1, T, H].
+        """
+        with sdpa_backends():
+            return self._forward(ids, pos, attention, aux_layers)
+
+    def _forward(self, ids, pos, attention: Attend, aux_layers) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         x = F.embedding(ids, self.embed)
         x = x * self.scalars(x.dtype, x.device)[0]
         pli = self.per_layer_inputs(ids, x) if self.ple else None
         rope = self.rope(pos, x.dtype)
-        wanted = {layer_id: j for j, layer_id in enumerate(aux_layers)}
-        aux: list[torch.Tensor | None] = [None] * len(aux_layers)
+        saved = dict.fromkeys(aux_layers)
         kvs: list = [None] * len(self.layers)
         n_cached = self.args.n_cached
         for i, layer in enumerate(self.layers):
-            t = layer.layer_type
+            cos, sin = rope[layer.layer_type]
             shared = kvs[self.previous_kvs[i]] if i >= n_cached else None
-            cache = caches[i] if i < n_cached else None
-            cos, sin = rope[t]
-            x, kvs[i] = layer(x, cos, sin, masks[t], cache, shared, None if pli is None else pli[:, :, i])
-            if i in wanted:
-                aux[wanted[i]] = x
-        hidden = gemma4_rms_norm(x, self.norm, self.args.rms_norm_eps)
-        return Forward(hidden, torch.cat(aux, dim=-1)[0] if aux else None)
+            q, k, v = layer.qkv(x, cos, sin, shared is None)
+            a, kvs[i] = attention(i, layer, q, k, v, shared)
+            x = layer.after_attention(x, layer.attn.output(a), None if pli is None else pli[:, :, i])
+            if i in saved:
+                saved[i] = x
+        return gemma4_rms_norm(x, self.norm, self.args.rms_norm_eps), saved
 
     def compile_layers(self) -> None:
         """``--compile``: ``torch.compile`` every layer's row-wise halves -- the input norm and the
         q/k/v projection with its norms and RoPE (``DecoderLayer.qkv``), and everything after attention (norms,
         residuals, MLP, MoE routing and experts, per-layer input, ``layer_scalar``) -- so each
         becomes a few fused kernels around its GEMMs instead of ~70 eager ops; and the attention
-        arithmetic over the fetched K/V (``torch_ops.sdpa``: on CUDA the mask, float32 softmax
+        arithmetic over the fetched K/V (``backends/torch/ops.py``'s ``sdpa``: on CUDA the mask, float32 softmax
         and split-K sum fuse around its two GEMMs). The cache writes stay eager. One compiled
         graph serves every layer of a kind and every length (``dynamic``), prefill chunks
         included; CUDA graphs then capture the compiled kernels like any others."""

@@ -1,0 +1,139 @@
+"""The verifier's backend protocol: everything a session and the batch runner call on a target.
+
+``TargetMLX`` (``mlx_backend/target.py``) and ``TargetTorch``
+(``torch_backend/target.py``) subclass :class:`Target` explicitly, so the few
+bodies that are the same on both live here once. What only one backend has is
+a capability, declared as data, not probed for:
+
+* ``static_verify`` (torch): a greedy block runs through a static-shape step
+  (CUDA graphs on a GPU, the same step eagerly elsewhere) -- ``static_length``
+  and ``verify_static``;
+* ``restores`` (MLX): f_theta restoration of evicted sliding-layer K/V --
+  ``restorer``, ``make_latent_ring``, ``encode_latents``;
+* ``min_batch``: the fewest queued sessions ``verify_batch`` runs as one
+  forward; and per cache set, ``SessionCaches.batchable``.
+
+Every forward is :meth:`Target.forward` over one or more :class:`Segment`
+(one session's block each, with the immutable plan its session built from its
+own ``RingLayout``): a session's own forward is a batch of one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Protocol, Sequence
+
+from kakeya.core.contract import CachePolicy
+from kakeya.verifier.caches import SessionCaches
+from kakeya.verifier.layout import ForwardPlan, RingLayout
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One session's block in a forward: its ids, its caches and aux layers, and its plan."""
+
+    ids: Sequence[int]
+    caches: SessionCaches
+    aux_layers: tuple[int, ...]
+    plan: ForwardPlan
+
+
+@dataclass
+class Forward:
+    """What a forward hands back per segment (no LM head: logits are taken only where needed)."""
+
+    hidden: Any  # final-norm hidden states [1, L, hidden]
+    aux: Any  # the aux layers' outputs [L, len(aux_layers) * hidden], or None without aux layers
+
+
+class ModelShape(Protocol):
+    """The hyper-parameters a session reads (both backends' model args have them)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    sliding_window: int
+
+
+class Latents(Protocol):
+    """f_theta's latent codes of one session, one row per slot of its latent layout (``make_latent_ring``)."""
+
+    data: Any  # [slots, latent_dim], slot order
+    nbytes: int
+
+    def write(self, plan: ForwardPlan, z) -> None:
+        """The latent codes ``z`` of a forward's positions, into the slots its latent-layout ``plan`` says."""
+
+    def materialize(self) -> None: ...
+
+
+class Target(Protocol):
+    """A loaded target model as a verifier backend."""
+
+    backend: str  # "mlx" | "torch"
+    args: ModelShape
+    sampler: ModuleType  # a sampling session's p, acceptance test and draws (backends/<backend>/sampling.py)
+    static_verify: bool = False
+    restores: bool = False
+    min_batch: int = 2
+
+    @property
+    def device_name(self) -> str: ...
+
+    @property
+    def dtype_name(self) -> str: ...
+
+    def make_cache(self, layout: RingLayout, policy: CachePolicy) -> SessionCaches:
+        """A new session's caches: rings sized by ``layout``, full-attention caches as ``policy`` says."""
+        ...
+
+    def release_cache(self, caches: SessionCaches) -> None:
+        """A closed session's caches; a backend may keep them for the next session."""
+
+    def forward(self, segments: Sequence[Segment]) -> list[Forward]:
+        """Run every segment's block through the body in one pass, each writing its own caches as its
+        plan says; one :class:`Forward` per segment, in order."""
+        ...
+
+    def logits(self, hidden) -> Any: ...
+
+    def greedy(self, hidden) -> list[int]:
+        """The argmax at every position of ``hidden`` [1, L, H]: the one host sync of a verify."""
+        ...
+
+    def concat(self, arrays: Sequence, axis: int) -> Any: ...
+
+    def materialize(self, out: Forward, caches: SessionCaches) -> None:
+        """Evaluate what a lazy backend has only recorded (between prefill chunks)."""
+
+    def cat(self, chunks: Sequence) -> Any:
+        """Aux rows of several forwards, in order."""
+        return chunks[0] if len(chunks) == 1 else self.concat(chunks, 0)
+
+    def greedy_batch(self, hiddens: Sequence) -> list[int]:
+        """:meth:`greedy` of several blocks' hidden states, concatenated: one LM head, one host sync."""
+        return self.greedy(hiddens[0] if len(hiddens) == 1 else self.concat(hiddens, 1))
+
+    # -- static_verify -------------------------------------------------------------------
+
+    def static_length(self, n: int, slack: int) -> int:
+        """The length a block of ``n`` runs at in the static step (padded up to a bucket within ``slack``)."""
+        raise NotImplementedError(f"the {self.backend} backend has no static verify step")
+
+    def verify_static(self, ids: Sequence[int], caches: SessionCaches, aux_layers: tuple[int, ...],
+                      plan: ForwardPlan) -> tuple[list[int], Any]:
+        """A greedy verify of ``ids`` (planned at :meth:`static_length`): ``(choices, aux of ids)``."""
+        raise NotImplementedError(f"the {self.backend} backend has no static verify step")
+
+    # -- restores --------------------------------------------------------------------------
+
+    def restorer(self, path) -> Any:
+        """The f_theta at ``path``, loaded once per target and checked against it."""
+        raise NotImplementedError(f"f_theta restoration is not implemented on the {self.backend} backend")
+
+    def make_latent_ring(self, layout: RingLayout, restorer) -> Latents:
+        raise NotImplementedError(f"f_theta restoration is not implemented on the {self.backend} backend")
+
+    def encode_latents(self, restorer, aux, aux_layers: Sequence[int]) -> Any:
+        raise NotImplementedError(f"f_theta restoration is not implemented on the {self.backend} backend")
