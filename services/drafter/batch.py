@@ -22,14 +22,14 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from kakeya.core.contract import Draft
 from kakeya.drafter.sampling import sampled_draft
 from kakeya.drafter.session import DrafterSession
 
 
 def draft_batch(items: Sequence[tuple[DrafterSession, Any, int, int]]) -> list[Any]:
     """``items``: (session, new_aux, last_token, block_size) each. One result per item, in order:
-    its tokens (greedy), its ``Draft`` (sampling), or the exception it raised (to be raised to
-    that item's caller alone)."""
+    its ``Draft``, or the exception it raised (to be raised to that item's caller alone)."""
     results: list[Any] = [None] * len(items)
     groups: dict[int, list] = {}  # sessions of one loaded model batch together
     seen: set[int] = set()
@@ -64,7 +64,7 @@ def _run(work: list) -> list[tuple[int, Any]]:
         session.calls += 1
     model.batched.extend(model, caches, [aux for _, _, aux, _, _ in work])
     blocks = [w for w in work if w[4] > 1]
-    out = [(i, []) for i, *_, block_size in work if block_size == 1]  # block size 1: extend only
+    out = [(i, Draft(())) for i, *_, block_size in work if block_size == 1]  # block size 1: extend only
     if not blocks:
         for cache in caches:
             model.settle(cache)
@@ -77,7 +77,7 @@ def _run(work: list) -> list[tuple[int, Any]]:
         rows = slice(at, at + size - 1)
         at += size - 1
         if session.sampling is None:
-            out.append((i, tokens[rows]))
+            out.append((i, Draft(tokens[rows])))
         else:
             out.append((i, sampled_draft(logits[rows], model.sampler, session.sampling, session.rng)))
     if not greedy:

@@ -44,19 +44,19 @@ class DrafterSession:
         self.calls = 0
         self._closed = False
 
-    def draft(self, new_aux, last_token: int, block_size: int) -> "list[int] | Draft":
+    def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
         """Extend the context by ``new_aux`` and draft ``block_size - 1`` tokens after ``last_token``."""
         return self.run(self.check(new_aux, last_token, block_size), last_token, block_size)
 
-    def run(self, aux, last_token: int, block_size: int) -> "list[int] | Draft":
+    def run(self, aux, last_token: int, block_size: int) -> Draft:
         """``draft`` after ``check``: ``aux`` is what ``check`` returned."""
         self.calls += 1
         if block_size > 1 and self.sampling is None:
-            return self.model.propose(self.cache, aux, last_token, block_size)
+            return Draft(self.model.propose(self.cache, aux, last_token, block_size))
         self.model.extend(self.cache, aux)
         if block_size == 1:
             self.model.settle(self.cache)
-            return []
+            return Draft(())
         logits = self.model.propose_logits(last_token, block_size, self.cache)
         draft = sampled_draft(logits, self.model.sampler, self.sampling, self.rng)  # syncs on the [B-1, K] proposal
         self.model.settle(self.cache)

@@ -75,7 +75,7 @@ def test_static_drafts_equal_eager_through_growth_compaction_and_every_block_siz
     want, n_eager = _drive(eager, script)
     got, n_static = _drive(static, script)
     assert got == want and n_static == n_eager
-    assert any(len(t) == 15 for t in got) and any(t == [] for t in got)  # B = 16 and B = 1 both ran
+    assert any(len(d.tokens) == 15 for d in got) and any(d.tokens == () for d in got)  # B = 16 and B = 1 both ran
     sliding = static.model.make_cache()  # the released cache: the sliding buffer compacted in place
     assert sliding.plan.length == 0 and sliding.static is not None
     assert 0 < sliding.plan.layouts[0].capacity < n_static  # bounded by the window, not the context
