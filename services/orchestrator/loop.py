@@ -23,7 +23,15 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, Block, Draft, DrafterSession, Generation, VerifierSession, check_block_size
+from kakeya.core.contract import (
+    MAX_BLOCK_SIZE,
+    Block,
+    Draft,
+    DrafterSession,
+    Generation,
+    VerifierSession,
+    check_block_size,
+)
 
 if TYPE_CHECKING:
     from kakeya.orchestrator.adaptive import BlockSizer
