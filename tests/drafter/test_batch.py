@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kakeya.core.contract import Draft, SamplingParams
+from kakeya.drafter.backend import DraftModel
 from kakeya.drafter.batch import draft_batch
 from kakeya.drafter.session import DrafterSession
 
@@ -71,6 +72,16 @@ def _calls(rng, n_sessions: int, width: int, vocab: int, first: list[int]):
         aux = rng.standard_normal((n, width)).astype(np.float32)
         out.append((aux, int(rng.integers(0, vocab)), int(rng.choice([2, 3, 5, 8, 11, 16]))))
     return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_backend_has_every_member_of_the_draft_model_protocol(backend, pair):
+    """session.py and batch.py ask a model for what ``DraftModel`` declares and nothing else."""
+    model = _load(backend, pair)
+    members = {name for name in vars(DraftModel) if not name.startswith("_")} | set(DraftModel.__annotations__)
+    assert {"block_logits", "context_kv", "min_batch", "static_step", "release_cache"} <= members
+    assert sorted(name for name in members if not hasattr(model, name)) == []
+    assert model.backend == backend and model.min_batch == 2 and model.static_step is None  # eager: batch from 2
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
