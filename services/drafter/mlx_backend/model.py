@@ -67,13 +67,13 @@ class Attention(nn.Module):
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
         self.spec = a = config.layer_attention(layer_idx)
-        self.q_norm = nn.RMSNorm(a.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(a.head_dim, eps=config.rms_norm_eps)
         dim = config.hidden_size
         self.q_proj = nn.Linear(dim, a.n_heads * a.head_dim, bias=False)
         self.k_proj = nn.Linear(dim, a.n_kv * a.head_dim, bias=False)
         self.v_proj = nn.Linear(dim, a.n_kv * a.head_dim, bias=False)
         self.o_proj = nn.Linear(a.n_heads * a.head_dim, dim, bias=False)
+        self.q_norm = nn.RMSNorm(a.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(a.head_dim, eps=config.rms_norm_eps)
 
     def project_kv(self, h: mx.array) -> tuple[mx.array, mx.array]:
         """K (normed, before RoPE) and V ``[B, n_kv, L, head_dim]`` of rows ``h``."""
