@@ -71,7 +71,8 @@ class DFlashConfig:
         if self.block_size < 1:
             raise ValueError(f"dflash_config.block_size must be >= 1, got {self.block_size}")
 
-    def layer_attention(self, layer: int) -> "LayerAttention":
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """Layer ``layer``'s attention: every layer has the same heads, a sliding one a window."""
         sliding = self.layer_types[layer] == SLIDING
         return LayerAttention(
             n_heads=self.num_attention_heads,

@@ -176,7 +176,7 @@ class ContextKVCache:
     in one ``layer_kv`` per layer, the backend's own class.
     """
 
-    layer_kv: type  # the backend's per-layer K/V holder: append(plan, k, v), with_block(view, k, v), visible(), nbytes
+    layer_kv: type  # the backend's per-layer K/V: append(plan, k, v), with_block(view, k, v), visible(), nbytes
 
     def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP, full_step: Optional[int] = None):
         self.plan = ContextPlan(config, step, full_step)
