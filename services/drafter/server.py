@@ -96,7 +96,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.backend = backend
         self.names = (draft_dir, target_dir)
         model = self.drafter.model
-        limit = int(getattr(model.config, "max_position_embeddings", 0) or 131072)
+        limit = int(model.config.max_position_embeddings or 131072)
         self.max_context = bounds.ContextLimits.of(limit, 0, self.max_context_flag).max_context
         self.aux_dtype = codec.DType.Value("DTYPE_" + str(model.dtype).rsplit(".", 1)[-1].upper())
         self.device = model.device_name
