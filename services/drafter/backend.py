@@ -7,7 +7,8 @@ of a model and nothing is probed for. ``Array`` is the backend's own array type
 (``torch.Tensor`` or ``mx.array``); a cache is the backend's ``ContextKVCache``
 (its rows planned by ``context.py``).
 
-What differs between backends is data, not a missing method:
+What differs between backends is data or what a declared method does, never
+a missing method:
 
 * ``min_batch``: the fewest queued sessions ``draft_batch`` runs as one forward
   (fewer go one by one: with CUDA graphs a captured step alone beats an eager
