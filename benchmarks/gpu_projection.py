@@ -52,6 +52,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype  # noqa: E402
+from kakeya.drafter.backend import bind  # noqa: E402
 from kakeya.drafter.session import TorchDrafter  # noqa: E402
 from kakeya.drafter.torch_backend.model import DFlashConfig, DFlashDraftModel, TargetHead  # noqa: E402
 from kakeya.verifier.layout import CachePolicy  # noqa: E402
@@ -192,7 +193,7 @@ def random_drafter(cfg: DFlashConfig, target: TargetTorch, seed: int = 1, cuda_g
     model.inv_freq = model.inv_freq.to(device).float()
     model.eval().requires_grad_(False)
     m = target.model
-    model.bind(TargetHead(m.embed, m.lm_head))
+    bind(model, TargetHead(m.embed, m.lm_head))
     return TorchDrafter(model=model, cuda_graphs=cuda_graphs)
 
 

@@ -188,14 +188,18 @@ class Proposal:
         return self.ids.shape[0]
 
 
-class Draft(list):
-    """A drafter's candidate ids (a plain list to greedy callers) and, when sampling, its :class:`Proposal`."""
+@dataclass(frozen=True)
+class Draft:
+    """What a drafter proposes for one block: its candidate ids and, when it samples, the
+    :class:`Proposal` row each candidate was drawn from (None: greedy, argmax candidates)."""
 
+    tokens: tuple[int, ...]
     proposal: Proposal | None = None
 
-    def __init__(self, ids=(), proposal: Proposal | None = None):
-        super().__init__(ids)
-        self.proposal = proposal
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", tuple(self.tokens))  # any sequence of ids in, an immutable value out
+        if self.proposal is not None and len(self.proposal) != len(self.tokens):
+            raise ValueError(f"a draft of {len(self.tokens)} candidates cannot carry {len(self.proposal)} proposal rows")
 
 
 def session_rng(seed: int, stream: int):
@@ -248,12 +252,12 @@ class VerifierSession(Protocol):
 class DrafterSession(Protocol):
     """One generation's drafter state: the DFlash context K/V cache."""
 
-    def draft(self, new_aux: Aux, last_token: int, block_size: int) -> "Draft | list[int]":
+    def draft(self, new_aux: Aux, last_token: int, block_size: int) -> Draft:
         """Extend the context cache with ``new_aux`` and propose ``block_size - 1`` tokens.
 
         A sampling session samples each candidate from its proposal q'_i and
-        returns a :class:`Draft` carrying the proposal; a greedy one may return a
-        plain list (argmax candidates, no proposal).
+        its :class:`Draft` carries the proposal; a greedy one's carries None
+        (argmax candidates).
 
         ``new_aux`` holds the aux of every position committed since the last
         call (the whole prompt on the first call). ``last_token`` is the newest

@@ -3,13 +3,15 @@
 ``draft_batch(items)`` is what the drafter server's compute thread runs when
 Draft requests of several streams queue up together: each item is checked
 exactly as ``DrafterSession.draft`` checks it (a bad item gets its own
-exception as its result; the others still run), then all sessions' new aux
-rows are projected in ONE context extension and all blocks of size >= 2 run
-through ONE forward and one LM head call (``model.batched``: ``drafter/mlx_backend/batch.py``
-or ``drafter/torch_backend/batch.py``). Sessions may differ in context length, block size,
-last token and sampling: a greedy session gets its argmax tokens, a sampling
-one its ``Draft`` drawn from its own logits rows with its own seeded stream,
-as it would alone. A batch of one is the plain ``DrafterSession.draft`` path.
+exception as its result; the others still run), then the sessions of each
+model run as ``session.draft_together``: all new aux rows projected in ONE
+context extension, all blocks of size >= 2 through ONE forward and one LM head
+call (``DraftModel.block_logits``), which is what a session drafting alone
+runs with itself as the only block. Sessions may differ in context length,
+block size, last token and sampling: a greedy session gets its argmax tokens,
+a sampling one its candidates drawn from its own logits rows with its own
+seeded stream, as it would alone. Fewer sessions of a model than its
+``min_batch`` draft one by one.
 
 Alone and batched run the same arithmetic on the same rows, but a matrix
 multiply over more rows may round differently (BLAS picks its kernel by shape:
@@ -22,14 +24,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from kakeya.drafter.sampling import sampled_draft
-from kakeya.drafter.session import DrafterSession
+from kakeya.core.contract import Draft
+from kakeya.drafter.session import DrafterSession, draft_together
 
 
-def draft_batch(items: Sequence[tuple[DrafterSession, Any, int, int]]) -> list[Any]:
+def draft_batch(items: Sequence[tuple[DrafterSession, Any, int, int]]) -> list[Draft | Exception]:
     """``items``: (session, new_aux, last_token, block_size) each. One result per item, in order:
-    its tokens (greedy), its ``Draft`` (sampling), or the exception it raised (to be raised to
-    that item's caller alone)."""
+    its ``Draft``, or the exception it raised (to be raised to that item's caller alone)."""
     results: list[Any] = [None] * len(items)
     groups: dict[int, list] = {}  # sessions of one loaded model batch together
     seen: set[int] = set()
@@ -42,45 +43,16 @@ def draft_batch(items: Sequence[tuple[DrafterSession, Any, int, int]]) -> list[A
             results[i] = exc
             continue
         seen.add(id(session))
-        groups.setdefault(id(session.model), []).append((i, session, aux, last_token, block_size))
-    for work in groups.values():
-        if len(work) < getattr(work[0][1].model, "min_batch", 2):
-            for i, session, aux, last_token, block_size in work:
-                try:
-                    results[i] = session.run(aux, last_token, block_size)
-                except Exception as exc:  # noqa: BLE001 -- this item's own failure
-                    results[i] = exc
-        else:
-            for i, out in _run(work):
-                results[i] = out
+        groups.setdefault(id(session.model), []).append((i, (session, aux, last_token, block_size)))
+    for group in groups.values():
+        work = [call for _, call in group]
+        if len(work) >= work[0][0].model.min_batch:
+            for (i, _), draft in zip(group, draft_together(work)):
+                results[i] = draft
+            continue
+        for i, (session, aux, last_token, block_size) in group:
+            try:
+                results[i] = session.run(aux, last_token, block_size)
+            except Exception as exc:  # noqa: BLE001 -- this item's own failure
+                results[i] = exc
     return results
-
-
-def _run(work: list) -> list[tuple[int, Any]]:
-    """Sessions of one model: one context extension, one block forward, one host sync for the greedy ones."""
-    model = work[0][1].model
-    caches = [session.cache for _, session, *_ in work]
-    for _, session, *_ in work:
-        session.calls += 1
-    model.batched.extend(model, caches, [aux for _, _, aux, _, _ in work])
-    blocks = [w for w in work if w[4] > 1]
-    out = [(i, []) for i, *_, block_size in work if block_size == 1]  # block size 1: extend only
-    if not blocks:
-        for cache in caches:
-            model.settle(cache)
-        return out
-    logits = model.batched.logits(model, [(session.cache, last, size) for _, session, _, last, size in blocks])
-    greedy = any(session.sampling is None for _, session, *_ in blocks)
-    tokens = model.batched.argmax(logits, caches) if greedy else None  # evaluates every cache too
-    at = 0
-    for i, session, _, _, size in blocks:
-        rows = slice(at, at + size - 1)
-        at += size - 1
-        if session.sampling is None:
-            out.append((i, tokens[rows]))
-        else:
-            out.append((i, sampled_draft(logits[rows], model.sampler, session.sampling, session.rng)))
-    if not greedy:
-        for cache in caches:
-            model.settle(cache)
-    return out

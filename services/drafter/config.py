@@ -14,6 +14,18 @@ from typing import Optional
 from kakeya.core.contract import FULL, MAX_BLOCK_SIZE, SLIDING
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """One drafter layer's attention, as both backends' ``Attention`` build it."""
+
+    n_heads: int
+    n_kv: int  # key/value heads
+    head_dim: int
+    window: Optional[int]  # the context positions a query sees: p_query - p_key < window (None: all)
+    is_causal: bool  # a block row sees only the block rows up to its own (default: on sliding layers)
+    scale: float  # the attention scale, head_dim ** -0.5
+
+
 @dataclass
 class DFlashConfig:
     hidden_size: int
@@ -58,6 +70,18 @@ class DFlashConfig:
             raise ValueError("sliding_window is required for sliding_attention layers")
         if self.block_size < 1:
             raise ValueError(f"dflash_config.block_size must be >= 1, got {self.block_size}")
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """Layer ``layer``'s attention: every layer has the same heads, a sliding one a window."""
+        sliding = self.layer_types[layer] == SLIDING
+        return LayerAttention(
+            n_heads=self.num_attention_heads,
+            n_kv=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            window=int(self.sliding_window) if sliding else None,
+            is_causal=sliding if self.is_causal is None else bool(self.is_causal),
+            scale=self.head_dim**-0.5,
+        )
 
     @property
     def aux_width(self) -> int:

@@ -28,12 +28,12 @@ of a verifier session share one ``RingLayout``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from kakeya.core.contract import MAX_BLOCK_SIZE, SLIDING
-from kakeya.drafter.config import DFlashConfig
+from kakeya.drafter.config import DFlashConfig, LayerAttention
 
 DEFAULT_STEP = 256  # first capacity of a full layer; spare rows of a sliding layer
 
@@ -176,9 +176,7 @@ class ContextKVCache:
     in one ``layer_kv`` per layer, the backend's own class.
     """
 
-    layer_kv: type  # the backend's per-layer K/V holder: append(plan, k, v), visible(), nbytes
-
-    static = None  # the torch static step's device state (drafter/step_torch.py), when graphs are on
+    layer_kv: type  # the backend's per-layer K/V: append(plan, k, v), with_block(view, k, v), visible(), nbytes
 
     def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP, full_step: Optional[int] = None):
         self.plan = ContextPlan(config, step, full_step)
@@ -202,6 +200,49 @@ class ContextKVCache:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+
+def split_rows(kv: list, counts: Sequence[int]) -> list[list]:
+    """Per-layer ``(k, v)`` over the rows of several auxes in a row -> one per-layer list per aux."""
+    if len(counts) == 1:
+        return [kv]
+    out, at = [], 0
+    for n in counts:
+        out.append([(k[:, :, at : at + n], v[:, :, at : at + n]) for k, v in kv])
+        at += n
+    return out
+
+
+class Segment(NamedTuple):
+    """One session's rows in a block forward whose rows are several sessions' blocks in a row,
+    as one layer's attention sees them."""
+
+    context: Any  # that layer's context K/V: ``with_block(view, k, v)`` -> the keys/values the rows attend to
+    view: Optional[BlockView]  # where the block sits in that buffer (None: ``context`` knows)
+    mask: Any  # bool [rows, keys] (True = attend) in the backend's array type, or None: every key
+    rows: int  # how many of the forward's rows are this session's
+    position: Optional[int] = None  # the first row's position (MLX rotates per segment; torch's cos/sin cover all rows)
+
+
+def block_segments(
+    blocks, layers: Sequence[LayerAttention], as_array, *, scratch: bool, span: str = "valid"
+) -> list[list[Segment]]:
+    """Per layer, the :class:`Segment` of every ``(cache, n_rows)`` block of one forward.
+
+    ``as_array``: a numpy mask as the backend's array (one per session and
+    layer kind); ``scratch``, ``span``: see :meth:`ContextLayout.block`.
+    """
+    segments: list[list[Segment]] = [[] for _ in layers]
+    for cache, n in blocks:
+        views, position = cache.plan.block(n, scratch, span), cache.length
+        masks: dict = {}
+        for layer, (attn, ctx) in enumerate(zip(layers, cache.layers)):
+            key = (ctx.layout, attn.is_causal)
+            if key not in masks:
+                m = block_mask(views[ctx.layout], n, is_causal=attn.is_causal, window=attn.window, span=span)
+                masks[key] = None if m is None else as_array(m)
+            segments[layer].append(Segment(ctx, views[ctx.layout], masks[key], n, position))
+    return segments
 
 
 def draft_rows(block_sizes) -> list[int]:

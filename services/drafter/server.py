@@ -96,7 +96,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.backend = backend
         self.names = (draft_dir, target_dir)
         model = self.drafter.model
-        limit = int(getattr(model.config, "max_position_embeddings", 0) or 131072)
+        limit = int(model.config.max_position_embeddings or 131072)
         self.max_context = bounds.ContextLimits.of(limit, 0, self.max_context_flag).max_context
         self.aux_dtype = codec.DType.Value("DTYPE_" + str(model.dtype).rsplit(".", 1)[-1].upper())
         self.device = model.device_name
@@ -192,10 +192,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 block = d.block_size or self.drafter.block_size
                 if not 1 <= block <= self.max_block_size:
                     raise invalid(f"draft.block_size must be 0 (default) or 1..{self.max_block_size}, got {d.block_size}")
-                tokens, stats = self.compute.batch("draft", (entry, session, d.new_aux, d.last_token, block), self._draft_batch)
-                drafted = pb.DrafterResponse.Drafted(token_ids=tokens, stats=stats)
-                if getattr(tokens, "proposal", None) is not None:
-                    drafted.proposal.CopyFrom(wire_contract.proposal_to_proto(tokens.proposal))
+                draft, stats = self.compute.batch("draft", (entry, session, d.new_aux, d.last_token, block), self._draft_batch)
+                drafted = pb.DrafterResponse.Drafted(token_ids=draft.tokens, stats=stats)
+                if draft.proposal is not None:
+                    drafted.proposal.CopyFrom(wire_contract.proposal_to_proto(draft.proposal))
                 resp = pb.DrafterResponse(drafted=drafted)
             elif kind == "close":
                 stats = self.compute.run(self._stats, session)
@@ -225,14 +225,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         drafted = iter(draft_batch([w for w in decoded if not isinstance(w, Exception)]))
         results = []
         for (entry, session, *_), w in zip(items, decoded):
-            tokens = w if isinstance(w, Exception) else next(drafted)
-            if isinstance(tokens, Exception):
-                results.append(tokens)
+            draft = w if isinstance(w, Exception) else next(drafted)
+            if isinstance(draft, Exception):
+                results.append(draft)
                 continue
             stats = self._stats(session)
             if not entry.closed:
                 entry.cache_bytes = stats.kv_bytes
-            results.append((tokens, stats))
+            results.append((draft, stats))
         return results
 
 

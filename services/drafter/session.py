@@ -7,20 +7,22 @@ projected to per-layer context K/V and appended to the session's context cache
 (a sampling session: the [B-1, K] proposal, each candidate drawn from it, see
 ``sampling.py``).
 
-The model object (``dflash_mlx.DFlashDraftModel`` or
-``dflash_torch.DFlashDraftModel``) supplies the forward, its cache and the few
-array operations (``read_aux``, ``propose``, ``settle``, ``zeros_aux``); the
-cache bookkeeping lives in ``context.py``. A session owns its cache; sessions
-share only the weights.
+A draft alone is :func:`draft_together` of one session, the same code
+``batch.draft_batch`` runs for several; only a greedy block on a model with a
+static step (torch with CUDA graphs) takes that step instead. The model is a
+``DraftModel`` (``backend.py``: the torch or MLX ``DFlashDraftModel``), asked
+for nothing but what that protocol declares; the cache bookkeeping lives in
+``context.py``. A session owns its cache; sessions share only the weights.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable, Sequence
 
 from kakeya.core.contract import Draft, SamplingParams
+from kakeya.drafter.backend import DraftModel, bind, extend
 from kakeya.drafter.config import check_draft_args
 from kakeya.drafter.sampling import sampled_draft, session_sampling
 
@@ -34,33 +36,28 @@ class _Empty:
 
 
 _EMPTY = _Empty()
+NOTHING = Draft(())  # a block of size 1 drafts nothing (its call only extends the context)
 
 
 class DrafterSession:
-    def __init__(self, model, sampling: SamplingParams | None = None):
+    def __init__(self, model: DraftModel, sampling: SamplingParams | None = None):
         self.model = model
         self.sampling, self.rng = session_sampling(sampling)  # (None, None): greedy
         self.cache = model.make_cache()
         self.calls = 0
         self._closed = False
 
-    def draft(self, new_aux, last_token: int, block_size: int) -> "list[int] | Draft":
+    def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
         """Extend the context by ``new_aux`` and draft ``block_size - 1`` tokens after ``last_token``."""
         return self.run(self.check(new_aux, last_token, block_size), last_token, block_size)
 
-    def run(self, aux, last_token: int, block_size: int) -> "list[int] | Draft":
+    def run(self, aux, last_token: int, block_size: int) -> Draft:
         """``draft`` after ``check``: ``aux`` is what ``check`` returned."""
-        self.calls += 1
-        if block_size > 1 and self.sampling is None:
-            return self.model.propose(self.cache, aux, last_token, block_size)
-        self.model.extend(self.cache, aux)
-        if block_size == 1:
-            self.model.settle(self.cache)
-            return []
-        logits = self.model.propose_logits(last_token, block_size, self.cache)
-        draft = sampled_draft(logits, self.model.sampler, self.sampling, self.rng)  # syncs on the [B-1, K] proposal
-        self.model.settle(self.cache)
-        return draft
+        step = self.model.static_step
+        if step is not None and self.sampling is None and block_size > 1:
+            self.calls += 1
+            return Draft(step.draft(self.cache, aux, last_token, block_size))
+        return draft_together([(self, aux, last_token, block_size)])[0]
 
     def check(self, new_aux, last_token: int, block_size: int):
         """Validate one draft call's arguments (ValueError naming the field); ``new_aux`` as the model's rows."""
@@ -79,16 +76,47 @@ class DrafterSession:
         if self._closed:
             return
         self._closed = True
-        release = getattr(self.model, "release_cache", None)
-        if release is not None:
-            release(self.cache)
+        self.model.release_cache(self.cache)
         self.cache = _EMPTY  # frees the K/V now (or hands it to the next session), not when collected
+
+
+def draft_together(work: Sequence[tuple[DrafterSession, Any, int, int]]) -> list[Draft]:
+    """Checked draft calls ``(session, aux, last_token, block_size)`` of sessions of one model: ONE
+    context extension, ONE forward over every block of size >= 2, one host sync for the greedy ones
+    (a sampling session's candidates are drawn from its own logits rows with its own stream)."""
+    model = work[0][0].model
+    caches = [session.cache for session, *_ in work]
+    for session, *_ in work:
+        session.calls += 1
+    extend(model, caches, [aux for _, aux, _, _ in work])
+    drafting = [(session, last, size) for session, _, last, size in work if size > 1]
+    if not drafting:
+        model.settle(caches)
+        return [NOTHING] * len(work)
+    mask = model.config.mask_token_id
+    logits = model.block_logits([(session.cache, [last] + [mask] * (size - 1)) for session, last, size in drafting])
+    greedy = any(session.sampling is None for session, _, _ in drafting)
+    tokens = model.argmax(logits, caches) if greedy else None  # settles every cache too
+    drafts, at = [], 0
+    for session, _, _, size in work:
+        if size == 1:
+            drafts.append(NOTHING)
+            continue
+        rows = slice(at, at + size - 1)
+        at += size - 1
+        if session.sampling is None:
+            drafts.append(Draft(tokens[rows]))
+        else:  # syncs on the [B-1, K] proposal
+            drafts.append(sampled_draft(logits[rows], model.sampler, session.sampling, session.rng))
+    if not greedy:
+        model.settle(caches)
+    return drafts
 
 
 class LocalDrafter:
     """``Drafter`` protocol over one loaded DFlash model (either backend); sessions share the weights."""
 
-    def __init__(self, model):
+    def __init__(self, model: DraftModel):
         if model.target is None:
             raise ValueError("DFlashDraftModel must be bound to the target's embedding/LM head")
         self.model = model
@@ -171,4 +199,4 @@ class TorchDrafter(LocalDrafter):
 
         model = load_draft_model(draft_dir, target.device, target.dtype)
         head = TargetHead(target.model.embed, target.model.lm_head)
-        return cls(model=model.bind(head), cuda_graphs=cuda_graphs, compile=compile)
+        return cls(model=bind(model, head), cuda_graphs=cuda_graphs, compile=compile)

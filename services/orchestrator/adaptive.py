@@ -168,7 +168,7 @@ def measure_costs(verifier, drafter, sizes: Sequence[int] = (1, 2, 4, 8, 16), re
             times = []
             for _ in range(repeats):
                 t0 = clock()
-                cands = ds.draft(aux, last, size) if ds is not None else []  # size 1: the context still grows
+                cands = list(ds.draft(aux, last, size).tokens) if ds is not None else []  # size 1: the context still grows
                 choices = vs.verify([last] + cands)
                 aux = vs.commit(1)
                 times.append(clock() - t0)

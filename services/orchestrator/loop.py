@@ -23,12 +23,22 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, Block, DrafterSession, Generation, VerifierSession, check_block_size
+from kakeya.core.contract import (
+    MAX_BLOCK_SIZE,
+    Block,
+    Draft,
+    DrafterSession,
+    Generation,
+    VerifierSession,
+    check_block_size,
+)
 
 if TYPE_CHECKING:
     from kakeya.orchestrator.adaptive import BlockSizer
 
 __all__ = ["MAX_BLOCK_SIZE", "Block", "Generation", "check_block_size", "speculative_decode", "run", "drive"]
+
+NO_DRAFT = Draft(())  # a block the drafter sits out: size 1, or the verifier decoding alone
 
 
 def leading_matches(candidates: Sequence[int], choices: Sequence[int]) -> int:
@@ -95,12 +105,12 @@ def speculative_decode(
         # Never draft past max_tokens: a block commits at most B tokens.
         want = sizer.choose() if sizer is not None else block_size
         B = min(want, max_tokens - len(gen.token_ids)) if use_drafter else 1
-        candidates: list[int] = []
+        draft = NO_DRAFT
         # A sized block of 1 still hands the drafter the new positions (a draft of
         # size 1 only extends its context), or its context would have gaps later.
         if B > 1 or (sizer is not None and use_drafter):
             try:
-                candidates = drafter.draft(new_aux, last, B)
+                draft = drafter.draft(new_aux, last, B)
             except Exception as exc:  # the verifier alone produces the same tokens
                 if on_drafter_error is None:
                     raise
@@ -109,8 +119,8 @@ def speculative_decode(
         t_drafted = clock()
         # Sampling: the draft carries the proposal its candidates were drawn from, and the
         # verifier's choices follow the same accept-the-leading-run rule (services/core/sampling.py).
-        proposal = getattr(candidates, "proposal", None)
-        block_ids = [last] + list(candidates)
+        candidates, proposal = list(draft.tokens), draft.proposal
+        block_ids = [last] + candidates
         choices = verifier.verify(block_ids, proposal) if proposal is not None else verifier.verify(block_ids)
         t_verified = clock()
         n_ok = leading_matches(candidates, choices)

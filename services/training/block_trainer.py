@@ -163,7 +163,7 @@ class BlockTrainer:
         from kakeya.drafter.torch_backend import model as dt
         from kakeya.drafter.torch_backend.load import load_target_head
 
-        self.torch, self.dt = torch, dt
+        self.torch = torch
         torch.manual_seed(seed)
         self.dcfg = dt.DFlashConfig.from_dict(cfg)
         self.model = dt.DFlashDraftModel(self.dcfg)
@@ -193,6 +193,9 @@ class BlockTrainer:
 
     def block_logits(self, seqs: np.ndarray, aux: np.ndarray, anchors: np.ndarray, B: int):
         """Drafter logits ``[N*K, B-1, vocab]`` and labels ``[N*K, B-1]`` for blocks after ``anchors`` [N, K]."""
+        from kakeya.drafter.context import Segment
+        from kakeya.drafter.torch_backend.context import GivenContext
+
         torch, F, m, c = self.torch, self.torch.nn.functional, self.model, self.dcfg
         N, T = seqs.shape
         K = anchors.shape[1]
@@ -200,7 +203,7 @@ class BlockTrainer:
         ids = torch.from_numpy(seqs.astype(np.int64)).to(dev)
         a = torch.from_numpy(anchors.astype(np.int64)).to(dev)  # [N, K]
         h_ctx = m.hidden_norm(m.fc(torch.from_numpy(aux).to(dev).float()))  # [N, T, H]
-        cos_c, sin_c = m._cos_sin(0, T)
+        cos_c, sin_c = m.rope([(0, T)])
         ctx = [layer.self_attn.kv(h_ctx, cos_c, sin_c) for layer in m.layers]  # each [N, kv, T, hd]
         ctx = [(k.repeat_interleave(K, 0), v.repeat_interleave(K, 0)) for k, v in ctx]
         # blocks: [token a, mask ...] at positions a..a+B-1
@@ -220,9 +223,9 @@ class BlockTrainer:
         mask = torch.cat([vis_ctx[:, None, :].expand(-1, B, -1), torch.ones(N * K, B, B, dtype=torch.bool, device=dev)], -1)
         mask = mask[:, None]  # [NK, 1, B, T+B]
         for layer, (ck, cv) in zip(m.layers, ctx):
-            if layer.self_attn.is_causal or layer.self_attn.window is not None:
+            if layer.self_attn.spec.is_causal or layer.self_attn.spec.window is not None:
                 raise ValueError("the block trainer supports full-attention, non-causal drafter layers only")
-            x = layer(x, self.dt.GivenContext(ck, cv), None, cos, sin, mask)
+            x = layer(x, cos, sin, [Segment(GivenContext(ck, cv), None, mask, B)])  # blocks: the batch axis
         hfin = m.norm(x)[:, 1:]  # [NK, B-1, H]
         logits = F.linear(hfin, self.head)
         if c.output_multiplier != 1.0:

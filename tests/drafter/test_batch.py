@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kakeya.core.contract import SamplingParams
+from kakeya.core.contract import Draft, SamplingParams
+from kakeya.drafter.backend import DraftModel
 from kakeya.drafter.batch import draft_batch
 from kakeya.drafter.session import DrafterSession
 
@@ -74,6 +75,16 @@ def _calls(rng, n_sessions: int, width: int, vocab: int, first: list[int]):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_each_backend_has_every_member_of_the_draft_model_protocol(backend, pair):
+    """session.py and batch.py ask a model for what ``DraftModel`` declares and nothing else."""
+    model = _load(backend, pair)
+    members = {name for name in vars(DraftModel) if not name.startswith("_")} | set(DraftModel.__annotations__)
+    assert {"block_logits", "context_kv", "min_batch", "static_step", "release_cache"} <= members
+    assert sorted(name for name in members if not hasattr(model, name)) == []
+    assert model.backend == backend and model.min_batch == 2 and model.static_step is None  # eager: batch from 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_batched_drafts_equal_drafting_alone_over_consecutive_calls(backend, pair):
     model = _load(backend, pair)
     width, vocab = model.config.aux_width, model.target.vocab_size
@@ -85,7 +96,7 @@ def test_batched_drafts_equal_drafting_alone_over_consecutive_calls(backend, pai
         want = [s.draft(_aux(backend, a), t, b) for s, (a, t, b) in zip(alone, work)]
         got = draft_batch([(s, _aux(backend, a), t, b) for s, (a, t, b) in zip(batched, work)])
         assert got == want, f"call {call}"
-        assert all(len(g) == b - 1 for g, (_, _, b) in zip(got, work))
+        assert all(len(g.tokens) == b - 1 and g.proposal is None for g, (_, _, b) in zip(got, work))
         for a, b in zip(alone, batched):
             _same_cache(a, b)
     assert [s.calls for s in batched] == [8] * 5
@@ -119,8 +130,8 @@ def test_a_bad_item_fails_alone_and_block_size_one_only_extends(backend, pairs):
         (good, rows(1), 7, 4),  # the same session twice in one batch
         (dup, rows(0), 3, 4),  # the first call of a session with no aux
     ])  # fmt: skip
-    assert got[0] == want and len(want) == 5
-    assert got[1] == [] and ext.cache.length == 11 and ext.calls == 2
+    assert got[0] == want and len(want.tokens) == 5
+    assert got[1] == Draft(()) and ext.cache.length == 11 and ext.calls == 2
     for r, kind, text in [(got[2], ValueError, "last_token"), (got[3], RuntimeError, "closed"),
                           (got[4], ValueError, "width"), (got[5], ValueError, "once per batch"),
                           (got[6], ValueError, "at least one position")]:  # fmt: skip
@@ -130,7 +141,7 @@ def test_a_bad_item_fails_alone_and_block_size_one_only_extends(backend, pairs):
     _same_cache(good, twin)
     # every item extending only: nothing drafted, every cache extended
     before = [s.cache.length for s in (good, ext)]
-    assert draft_batch([(good, rows(3), 1, 1), (ext, rows(2), 1, 1)]) == [[], []]
+    assert draft_batch([(good, rows(3), 1, 1), (ext, rows(2), 1, 1)]) == [Draft(()), Draft(())]
     assert [s.cache.length for s in (good, ext)] == [before[0] + 3, before[1] + 2]
 
 
@@ -147,9 +158,9 @@ def test_seeded_sampling_sessions_draw_the_same_draft_in_a_batch(backend, pairs)
         want = [s.draft(_aux(backend, a), t, b) for s, (a, t, b) in zip(alone, work)]
         got = draft_batch([(s, _aux(backend, a), t, b) for s, (a, t, b) in zip(batched, work)])
         for g, w, p in zip(got, want, params):
-            assert list(g) == list(w)
+            assert g.tokens == w.tokens
             if p is None:
-                assert getattr(g, "proposal", None) is None
+                assert g.proposal is None and w.proposal is None
                 continue
             assert np.array_equal(g.proposal.ids, w.proposal.ids)
             np.testing.assert_allclose(g.proposal.probs, w.proposal.probs, atol=1e-5)

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kakeya.drafter.backend import extend
 from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.drafter.context import BlockView, block_mask
 from kakeya.drafter.mlx_backend.model import load_dflash_mlx
@@ -32,12 +33,12 @@ def test_incremental_equals_scratch(model, step):
     aux = random_aux(sum(sizes), model.config.aux_width, seed=8)
     cache, pos = model.make_cache(step=step), 0
     for i, n in enumerate(sizes):
-        model.extend(cache, aux[pos : pos + n])
+        extend(model, [cache], [aux[pos : pos + n]])
         pos += n
         block = _block(model, (31 * i) % 1000 + 5, 2 + i % 7)
         scratch = model.make_cache()
-        model.extend(scratch, aux[:pos])
-        a, b = model.draft_logits(block, cache), model.draft_logits(block, scratch)
+        extend(model, [scratch], [aux[:pos]])
+        a, b = model.block_logits([(cache, block.tolist())]), model.block_logits([(scratch, block.tolist())])
         assert float(mx.abs(a - b).max()) < 1e-5, f"step {i}"
         assert mx.array_equal(mx.argmax(a, -1), mx.argmax(b, -1)).item()
         assert cache.length == scratch.length == pos
@@ -50,7 +51,7 @@ def test_sliding_buffers_stay_bounded(pairs):
     cache = model.make_cache(step=16)
     aux = random_aux(300, model.config.aux_width, seed=9)
     for i in range(0, 300, 3):
-        model.extend(cache, aux[i : i + 3])
+        extend(model, [cache], [aux[i : i + 3]])
     mx.eval(cache.state)
     for t, layer in zip(model.config.layer_types, cache.layers):
         k, _ = layer.visible()
@@ -59,7 +60,7 @@ def test_sliding_buffers_stay_bounded(pairs):
         else:
             assert k.shape[2] == 300
     # a sliding layer's visible keys are exactly the last `keep` positions' keys
-    full = model.context_kv(aux, 0)
+    full = model.context_kv([aux], [0])[0]
     for (k_full, v_full), t, i in zip(full, model.config.layer_types, itertools.count()):
         if t == "sliding_attention":
             k, v = cache.view(i)
@@ -78,13 +79,14 @@ def test_session_draft_matches_model(pair):
         out = s.draft(aux[pos : pos + n], 50 + i, bs)
         pos += n
         scratch = model.make_cache()
-        model.extend(scratch, aux[:pos])
+        extend(model, [scratch], [aux[:pos]])
+        assert out.proposal is None
         if bs == 1:
-            assert out == []  # but the context still grew
+            assert out.tokens == ()  # but the context still grew
         else:
-            want = model.draft_tokens(_block(model, 50 + i, bs), scratch).tolist()
-            assert out == want and len(out) == bs - 1
-            assert all(isinstance(t, int) for t in out)
+            want = mx.argmax(model.block_logits([(scratch, _block(model, 50 + i, bs).tolist())]), axis=-1).tolist()
+            assert list(out.tokens) == want and len(out.tokens) == bs - 1
+            assert all(isinstance(t, int) for t in out.tokens)
         st = s.stats()
         assert st["context_len"] == pos
         assert st["ctx_cache_bytes"] > 0
@@ -143,4 +145,4 @@ def test_local_drafter_endpoint(pairs):
     assert d.block_size == p.variant.block_size
     assert isinstance(MLXDrafter(d.model), MLXDrafter)
     s = d.open_session()
-    assert len(s.draft(random_aux(5, d.model.config.aux_width), 3, d.block_size)) == d.block_size - 1
+    assert len(s.draft(random_aux(5, d.model.config.aux_width), 3, d.block_size).tokens) == d.block_size - 1

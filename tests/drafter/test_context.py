@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kakeya.drafter.backend import extend
 from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.drafter.context import ContextLayout, block_mask
 from kakeya.drafter.mlx_backend.model import load_dflash_mlx
@@ -109,24 +110,24 @@ def test_mlx_growth_keeps_contents(pairs, name):
     aux = random_aux(200, model.config.aux_width, seed=3)
     pos = 0
     for n in [3, 1, 0, 17, 2, 9, 40, 1, 5, 60, 2]:
-        model.extend(small, aux[pos : pos + n])
-        model.extend(big, aux[pos : pos + n])
+        extend(model, [small], [aux[pos : pos + n]])
+        extend(model, [big], [aux[pos : pos + n]])
         pos += n
         for i in range(len(model.layers)):
             (a, av), (b, bv) = small.view(i), big.view(i)
             assert mx.array_equal(a, b).item() and mx.array_equal(av, bv).item()
         block = mx.array([9 + pos] + [model.config.mask_token_id] * 7)
-        assert mx.array_equal(model.draft_logits(block, small), model.draft_logits(block, big)).item()
+        assert mx.array_equal(model.block_logits([(small, block.tolist())]), model.block_logits([(big, block.tolist())])).item()
     assert small.length == big.length == pos
 
 
 def test_mlx_warm_up_drafts_every_block_size(pairs):
     drafter = MLXDrafter.load(pairs["mixed"].draft, pairs["mixed"].target)
     seen = []
-    propose = drafter.model.propose
-    drafter.model.propose = lambda cache, aux, last, B: seen.append(B) or propose(cache, aux, last, B)
+    block_logits = drafter.model.block_logits
+    drafter.model.block_logits = lambda blocks: seen.extend(len(b) for _, b in blocks) or block_logits(blocks)
     try:
         assert drafter.warm_up() > 0
     finally:
-        del drafter.model.propose
+        del drafter.model.block_logits
     assert seen == list(WARM_BLOCK_SIZES)

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kakeya.drafter.backend import extend
 from kakeya.drafter.mlx_backend.model import load_dflash_mlx, load_target_head
 
 from .conftest import random_aux, target_tensors
@@ -61,10 +62,10 @@ def test_dtype_follows_weights(pairs, tmp_path):
     m = load_dflash_mlx(draft, p.target)
     assert m.dtype == mx.bfloat16 and m.target.embed["weight"].dtype == mx.bfloat16
     cache = m.make_cache()
-    m.extend(cache, random_aux(10, m.config.aux_width))
+    extend(m, [cache], [random_aux(10, m.config.aux_width)])
     assert cache.view(0)[0].dtype == mx.bfloat16
     block = mx.array([5] + [4] * 7)
-    assert m.draft_logits(block, cache).dtype == mx.bfloat16
+    assert m.block_logits([(cache, block.tolist())]).dtype == mx.bfloat16
     # float32 override of a bf16 checkpoint
     assert load_dflash_mlx(draft, p.target, dtype=mx.float32).dtype == mx.float32
 
@@ -94,6 +95,6 @@ def test_quantized_target_tables(pairs, tmp_path):
     out = []
     for m in (mq, mf):
         c = m.make_cache()
-        m.extend(c, aux)
-        out.append(m.draft_logits(block, c))
+        extend(m, [c], [aux])
+        out.append(m.block_logits([(c, block.tolist())]))
     assert float(mx.abs(out[0] - out[1]).max()) < 1e-3

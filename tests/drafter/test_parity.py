@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from kakeya.drafter.backend import extend
 from kakeya.drafter.mlx_backend.model import load_dflash_mlx
 
 from .conftest import HIDDEN, VOCAB, random_aux, target_config
@@ -69,8 +70,8 @@ def test_parity_with_reference_cache(pair, ref_loader):
         pos += n
         block = _block(v, 100 + 37 * i)
         theirs = ref(block[None], new[None], ref_cache, logits_start=1)[0]
-        ours.extend(cache, new)
-        mine = ours.draft_logits(block, cache)
+        extend(ours, [cache], [new])
+        mine = ours.block_logits([(cache, block.tolist())])
         _assert_close(mine, theirs, f"step {i} (ctx {pos})")
     assert cache.length == pos
 
@@ -85,11 +86,11 @@ def test_parity_with_reference_from_scratch(pair, ref_loader, block_size):
     aux = random_aux(sum(steps), ours.config.aux_width, seed=2)
     cache, pos = ours.make_cache(), 0
     for i, n in enumerate(steps):
-        ours.extend(cache, aux[pos : pos + n])
+        extend(ours, [cache], [aux[pos : pos + n]])
         pos += n
         block = _block(v, 11 * i + 5, block_size)
         theirs = ref(block[None], aux[None, :pos], ref.make_cache(), logits_start=1)[0]
-        _assert_close(ours.draft_logits(block, cache), theirs, f"step {i} (ctx {pos})")
+        _assert_close(ours.block_logits([(cache, block.tolist())]), theirs, f"step {i} (ctx {pos})")
 
 
 def test_reference_rotating_cache_quirk(pairs, ref_loader):
@@ -109,9 +110,9 @@ def test_reference_rotating_cache_quirk(pairs, ref_loader):
     block = _block(v, 321)
     for a, b in [(0, 13), (13, 20), (20, 21)]:
         ref_incr = ref(block[None], aux[None, a:b], ref_cache, logits_start=1)[0]
-        ours.extend(cache, aux[a:b])
+        extend(ours, [cache], [aux[a:b]])
     ref_scratch = ref(block[None], aux[None, :21], ref.make_cache(), logits_start=1)[0]
-    mine = ours.draft_logits(block, cache)
+    mine = ours.block_logits([(cache, block.tolist())])
     _assert_close(mine, ref_scratch, "vs reference from scratch")
     assert float(mx.abs(ref_incr - ref_scratch).max()) > 1e-2  # the reference quirk
 
@@ -145,8 +146,8 @@ def test_gap_b_embedding_convention(pair, ref_loader):
     aux = random_aux(20, ours.config.aux_width, seed=4)
     block = _block(v, 77)
     cache = ours.make_cache()
-    ours.extend(cache, aux)
-    mine = ours.draft_logits(block, cache)
+    extend(ours, [cache], [aux])
+    mine = ours.block_logits([(cache, block.tolist())])
     # Our block input really is the raw row x input_embedding_scale.
     raw = ours.target.embed["weight"][block]
     assert mx.allclose(ours.target.embed_rows(block), raw).item()
@@ -184,6 +185,6 @@ def test_parity_on_shipped_tiny_pair(ref_loader):
     for i, n in enumerate([17, 3, 6, 2, 12]):
         block = mx.array([9 + i] + [ours.config.mask_token_id] * (ours.config.block_size - 1))
         theirs = ref(block[None], aux[None, pos : pos + n], ref_cache, logits_start=1)[0]
-        ours.extend(cache, aux[pos : pos + n])
+        extend(ours, [cache], [aux[pos : pos + n]])
         pos += n
-        _assert_close(ours.draft_logits(block, cache), theirs, f"tiny step {i}")
+        _assert_close(ours.block_logits([(cache, block.tolist())]), theirs, f"tiny step {i}")

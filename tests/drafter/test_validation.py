@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -9,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kakeya.core.contract import MAX_BLOCK_SIZE
+from kakeya.core.contract import MAX_BLOCK_SIZE, Draft, Proposal
 from kakeya.drafter.mlx_backend.model import DFlashConfig, load_dflash_mlx
 from kakeya.drafter.session import MLXDrafter
 
@@ -65,8 +66,8 @@ def test_bad_inputs(drafter, kwargs, field):
 def test_accepts_batched_aux_and_edge_sizes(drafter):
     w = drafter.model.config.aux_width
     s = drafter.open_session()
-    assert len(s.draft(random_aux(4, w)[None], 3, MAX_BLOCK_SIZE)) == MAX_BLOCK_SIZE - 1
-    assert len(s.draft(mx.zeros((0, w)), 3, 2)) == 1  # empty extend is fine after the first call
+    assert len(s.draft(random_aux(4, w)[None], 3, MAX_BLOCK_SIZE).tokens) == MAX_BLOCK_SIZE - 1
+    assert len(s.draft(mx.zeros((0, w)), 3, 2).tokens) == 1  # empty extend is fine after the first call
     assert s.stats()["context_len"] == 4
 
 
@@ -99,3 +100,14 @@ def test_mismatched_target_hidden(pairs, tmp_path):
     (target / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="hidden_size"):
         load_dflash_mlx(p.draft, target)
+
+
+def test_a_draft_is_a_frozen_value_with_one_proposal_row_per_candidate():
+    d = Draft([5, 6, 7])
+    assert d.tokens == (5, 6, 7) and d.proposal is None and d == Draft((5, 6, 7))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.tokens = (1,)
+    rows = Proposal(np.zeros((2, 4), np.int32), np.full((2, 4), 0.25, np.float32))
+    assert len(Draft([5, 6], rows).proposal) == 2
+    with pytest.raises(ValueError, match="proposal rows"):
+        Draft([5, 6, 7], rows)

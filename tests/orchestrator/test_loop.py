@@ -2,6 +2,7 @@
 
 import pytest
 
+from kakeya.core.contract import Draft
 from kakeya.orchestrator.loop import leading_matches, run
 from kakeya.orchestrator.quality import find_runaway, quality_report
 
@@ -54,7 +55,7 @@ class ScriptedDrafter:
         self.calls += 1
         good = self.v.cont[self.v.pos + 1 : self.v.pos + B]
         k = self.calls % self.wrong_every if self.wrong_every else -1
-        return [t if i != k else 999 for i, t in enumerate(good)]
+        return Draft([t if i != k else 999 for i, t in enumerate(good)])
 
 
 CONT = list(range(100, 400))
@@ -89,7 +90,7 @@ def test_full_and_zero_acceptance_and_bonus():
 
     class Wrong:
         def draft(self, aux, last, B):
-            return [999] * (B - 1)
+            return Draft([999] * (B - 1))
 
     v = ScriptedVerifier(1, CONT)
     zero = run(v, Wrong(), [0], max_tokens=20, block_size=8)

@@ -91,7 +91,7 @@ def test_cuda_compiled_graphs_decode_what_eager_cuda_decodes(tiny_moe):
     target = TargetTorch.load(tiny_moe.target, "cuda", "float32")
     target.model.compile_layers()
     drafter = TorchDrafter.colocated(tiny_moe.draft, target, compile=True)
-    assert target.graph_options.capture and drafter.model.graph_options.capture
+    assert target.graph_options.capture and drafter.model.static_step.options.capture
     v = LocalVerifier(target, tiny_moe.target, drafter.target_layer_ids)
     for block_size in (4, 16):
         assert run(v.open_session(), drafter.open_session(), PROMPT, 48, block_size).token_ids == ref

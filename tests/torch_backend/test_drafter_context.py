@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from kakeya.drafter.backend import extend
 from kakeya.drafter.session import WARM_BLOCK_SIZES, TorchDrafter
 from kakeya.drafter.torch_backend.load import load_dflash_torch
 
@@ -36,11 +37,11 @@ def test_growth_keeps_contents_and_the_sliding_buffer_keeps_its_storage(mixed):
     small, big = mixed.make_cache(step=2), mixed.make_cache(step=4096)
     caps, ptrs, pos = set(), set(), 0
     for i, n in enumerate(STEPS):
-        mixed.extend(small, aux[pos : pos + n])
-        mixed.extend(big, aux[pos : pos + n])
+        extend(mixed, [small], [aux[pos : pos + n]])
+        extend(mixed, [big], [aux[pos : pos + n]])
         pos += n
         block = torch.tensor([5 + i] + [mixed.config.mask_token_id] * (2 + i % 14))
-        assert torch.equal(mixed.draft_logits(block, small), mixed.draft_logits(block, big)), i
+        assert torch.equal(mixed.block_logits([(small, block.tolist())]), mixed.block_logits([(big, block.tolist())])), i
         for j in range(len(mixed.layers)):
             (a, av), (b, bv) = small.view(j), big.view(j)
             assert torch.equal(a, b) and torch.equal(av, bv)
@@ -55,7 +56,7 @@ def test_growth_keeps_contents_and_the_sliding_buffer_keeps_its_storage(mixed):
 @torch.inference_mode()
 def test_block_attends_over_the_same_keys_as_the_concatenation(mixed):
     aux, cache = _aux(mixed, 1), mixed.make_cache(step=4)
-    mixed.extend(cache, aux[:21])
+    extend(mixed, [cache], [aux[:21]])
     B = 8
     views = cache.plan.block(B, scratch=True)
     for layer in cache.layers:
@@ -72,11 +73,11 @@ def test_capacity_span_drafts_the_same(mixed):
     aux = _aux(mixed, 2)
     cache, pos = mixed.make_cache(step=8), 0
     for i, n in enumerate(STEPS):
-        mixed.extend(cache, aux[pos : pos + n])
+        extend(mixed, [cache], [aux[pos : pos + n]])
         pos += n
         block = torch.tensor([7 + i] + [mixed.config.mask_token_id] * 7)
-        a = mixed.draft_logits(block, cache)
-        b = mixed.draft_logits(block, cache, span="capacity")
+        a = mixed.block_logits([(cache, block.tolist())])
+        b = mixed.block_logits([(cache, block.tolist())], span="capacity")
         assert torch.equal(a.argmax(-1), b.argmax(-1))
         assert float((a - b).abs().max()) < 1e-4  # the parity tolerance: summed in another order
 
@@ -84,7 +85,7 @@ def test_capacity_span_drafts_the_same(mixed):
 def test_torch_warm_up_drafts_every_block_size(tiny):
     drafter = TorchDrafter(tiny.draft, tiny.target, "cpu", "float32")
     seen = []
-    propose = drafter.model.propose
-    drafter.model.propose = lambda cache, aux, last, B: seen.append(B) or propose(cache, aux, last, B)
+    block_logits = drafter.model.block_logits
+    drafter.model.block_logits = lambda blocks: seen.extend(len(b) for _, b in blocks) or block_logits(blocks)
     assert drafter.warm_up(ctx=16) > 0
     assert seen == list(WARM_BLOCK_SIZES)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
+from kakeya.drafter.backend import bind
 from kakeya.drafter.session import TorchDrafter
 from kakeya.drafter.torch_backend.model import DFlashConfig, DFlashDraftModel, TargetHead
 
@@ -38,7 +39,7 @@ def _model(seed: int, layer_types, window: int | None, device="cpu", causal=None
     embed = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(seed + 1))
     model = model.to(device).eval().requires_grad_(False)
     model.inv_freq = model.inv_freq.to(device).float()
-    return model.bind(TargetHead(embed.to(device)))
+    return bind(model, TargetHead(embed.to(device)))
 
 
 def _pair(seed=0, layer_types=("sliding_attention", "full_attention", "sliding_attention"), window=12, **kw):
@@ -75,7 +76,7 @@ def test_static_drafts_equal_eager_through_growth_compaction_and_every_block_siz
     want, n_eager = _drive(eager, script)
     got, n_static = _drive(static, script)
     assert got == want and n_static == n_eager
-    assert any(len(t) == 15 for t in got) and any(t == [] for t in got)  # B = 16 and B = 1 both ran
+    assert any(len(d.tokens) == 15 for d in got) and any(d.tokens == () for d in got)  # B = 16 and B = 1 both ran
     sliding = static.model.make_cache()  # the released cache: the sliding buffer compacted in place
     assert sliding.plan.length == 0 and sliding.static is not None
     assert 0 < sliding.plan.layouts[0].capacity < n_static  # bounded by the window, not the context
@@ -112,8 +113,8 @@ def test_the_extension_runs_inside_the_step_unless_it_outgrows_a_block(prompt):
     (as does a block-size-1 call, which drafts nothing)."""
     eager, static = _pair(seed=4, window=40)
     eagerly = []
-    extend = static.model.extend
-    static.model.extend = lambda cache, aux: eagerly.append(aux.shape[0]) or extend(cache, aux)
+    context_kv = static.model.context_kv  # the eager extension's projection (the step has its own)
+    static.model.context_kv = lambda auxs, offsets: eagerly.extend(a.shape[0] for a in auxs) or context_kv(auxs, offsets)
     script = [(prompt, 9, 8)] + [(n, last, max(B, 2)) for n, last, B in _script(50, seed=8)[1:]]
     want, n_eager = _drive(eager, script)
     got, n_static = _drive(static, script)
@@ -136,7 +137,7 @@ def test_closed_session_reports_empty_stats_and_refuses_work():
 def test_cuda_graph_drafts_equal_eager_cuda_with_one_host_sync_per_draft():
     eager = TorchDrafter(model=_model(0, ("sliding_attention", "full_attention"), 12, device="cuda"), cuda_graphs=False)
     graphed = TorchDrafter(model=_model(0, ("sliding_attention", "full_attention"), 12, device="cuda"))
-    assert graphed.model.graph_options.capture
+    assert graphed.model.static_step.options.capture
     script = _script(40)
     want, _ = _drive(eager, script, "cuda")
     got, _ = _drive(graphed, script, "cuda")

@@ -195,6 +195,7 @@ def test_block_training_forward_equals_mlx_drafter(tiny_pair):
     from mlx_lm.models.cache import KVCache
 
     from kakeya.checkpoints.config import load_draft_config
+    from kakeya.drafter.backend import extend
     from kakeya.drafter.mlx_backend.model import load_dflash_mlx
     from kakeya.verifier.mlx_backend.target import TargetMLX
 
@@ -228,8 +229,8 @@ def test_block_training_forward_equals_mlx_drafter(tiny_pair):
     draft = load_dflash_mlx(tiny_pair.draft, tiny_pair.target)
     for k, a in enumerate(anchors[0]):
         c = draft.make_cache()
-        draft.extend(c, mx.array(aux[:a]))
+        extend(draft, [c], [mx.array(aux[:a])])
         block = mx.array([int(seq[0, a])] + [dcfg["dflash_config"]["mask_token_id"]] * (B - 1))
-        want = np.array(draft.draft_logits(block, c))
+        want = np.array(draft.block_logits([(c, block.tolist())]))
         assert np.allclose(logits[k].numpy(), want, atol=2e-3), k
         assert labels[k].tolist() == seq[0, a + 1 : a + B].tolist()

@@ -13,6 +13,7 @@ require identity up to the reference's first near-tie and a long prefix.
 
 import pytest
 
+from kakeya.core.contract import Draft
 from kakeya.drafter.session import MLXDrafter
 from kakeya.orchestrator.loop import run, speculative_decode
 from kakeya.verifier.layout import CachePolicy
@@ -72,7 +73,7 @@ class RepeatDrafter:
     """Proposes the last token over and over: nearly every block is rejected and trimmed, cheaply."""
 
     def draft(self, new_aux, last_token, block_size):
-        return [last_token] * (block_size - 1)
+        return Draft([last_token] * (block_size - 1))
 
     def close(self):
         pass

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,11 +35,19 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from kakeya.backends.mlx import sampling as sampling_mlx
 from kakeya.checkpoints.layout import find_text_tensors, shard_files
-from kakeya.core.contract import FULL, SLIDING  # noqa: F401  (FULL re-exported)
 from kakeya.drafter import context
+from kakeya.drafter.backend import KV, bind, scale_embedding, scale_logits
 from kakeya.drafter.config import DFlashConfig, aux_rows  # noqa: F401  (DFlashConfig re-exported)
-from kakeya.drafter.context import DEFAULT_STEP, Append, BlockView, ContextLayout, block_mask
-from kakeya.drafter.mlx_backend import batch as batch_mlx
+from kakeya.drafter.context import (
+    DEFAULT_STEP,
+    Append,
+    BlockView,
+    ContextLayout,
+    Segment,
+    block_segments,
+    draft_rows,
+    split_rows,
+)
 
 # --------------------------------------------------------------------------- layers
 
@@ -58,48 +66,40 @@ class MLP(nn.Module):
 class Attention(nn.Module):
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
+        self.spec = a = config.layer_attention(layer_idx)
         dim = config.hidden_size
-        self.n_heads = config.num_attention_heads
-        self.n_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
-        sliding = config.layer_types[layer_idx] == SLIDING
-        # Context positions a query can see: p_query - p_key < window.
-        self.window: Optional[int] = int(config.sliding_window) if sliding else None
-        self.is_causal = sliding if config.is_causal is None else bool(config.is_causal)
-
-        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_proj = nn.Linear(dim, a.n_heads * a.head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, a.n_kv * a.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, a.n_kv * a.head_dim, bias=False)
+        self.o_proj = nn.Linear(a.n_heads * a.head_dim, dim, bias=False)
+        self.q_norm = nn.RMSNorm(a.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(a.head_dim, eps=config.rms_norm_eps)
 
     def project_kv(self, h: mx.array) -> tuple[mx.array, mx.array]:
         """K (normed, before RoPE) and V ``[B, n_kv, L, head_dim]`` of rows ``h``."""
         B, L, _ = h.shape
-        k = self.k_norm(self.k_proj(h).reshape(B, L, self.n_kv_heads, -1))
-        v = self.v_proj(h).reshape(B, L, self.n_kv_heads, -1)
+        k = self.k_norm(self.k_proj(h).reshape(B, L, self.spec.n_kv, -1))
+        v = self.v_proj(h).reshape(B, L, self.spec.n_kv, -1)
         return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def project_q(self, x: mx.array) -> mx.array:
         """Queries (normed, before RoPE) ``[B, n_heads, L, head_dim]`` of rows ``x``."""
         B, L, _ = x.shape
-        return self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        return self.q_norm(self.q_proj(x).reshape(B, L, self.spec.n_heads, -1)).transpose(0, 2, 1, 3)
 
-    def _kv(self, h: mx.array, rope: nn.Module, offset: int) -> tuple[mx.array, mx.array]:
-        k, v = self.project_kv(h)
-        return rope(k, offset=offset), v
-
-    def context_kv(self, h_ctx: mx.array, rope: nn.Module, offset: int):
-        """K/V ``[1, n_kv, S, head_dim]`` of context rows at positions ``offset..offset+S-1``."""
-        return self._kv(h_ctx, rope, offset)
-
-    def __call__(self, x: mx.array, ctx: "LayerKV", view: BlockView, rope: nn.Module, pos: int, mask) -> mx.array:
+    def __call__(self, x: mx.array, segments: Sequence[Segment], rope: nn.Module) -> mx.array:
+        """Block rows ``x`` [1, L, dim], several sessions' blocks in a row: each segment's rows are
+        rotated at its own positions and attend to its own ``visible context ++ block``."""
         B, L, _ = x.shape
-        q = rope(self.project_q(x), offset=pos)
-        k, v = ctx.with_block(view, *self._kv(x, rope, pos))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        q, (k, v) = self.project_q(x), self.project_kv(x)
+        outs, at = [], 0
+        for s in segments:
+            rows = slice(at, at + s.rows)
+            keys, values = s.context.with_block(s.view, rope(k[:, :, rows], offset=s.position), v[:, :, rows])
+            queries = rope(q[:, :, rows], offset=s.position)
+            outs.append(mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.spec.scale, mask=s.mask))
+            at += s.rows
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -111,8 +111,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x, ctx, view, rope, pos, mask):
-        h = x + self.self_attn(self.input_layernorm(x), ctx, view, rope, pos, mask)
+    def __call__(self, x: mx.array, segments: Sequence[Segment], rope: nn.Module) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), segments, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -268,79 +268,31 @@ class DFlashDraftModel(nn.Module):
     def dtype(self) -> mx.Dtype:
         return self.fc.weight.dtype
 
-    def bind(self, target: TargetHead) -> "DFlashDraftModel":
-        if target.hidden_size != self.config.hidden_size:
-            raise ValueError(
-                f"target hidden_size {target.hidden_size} != draft hidden_size "
-                f"{self.config.hidden_size}"
-            )
-        self.target = target
-        return self
+    # capabilities (``drafter/backend.py``): every draft is a ``block_logits`` forward
+    min_batch = 2
+    static_step = None
 
     def make_cache(self, step: int = DEFAULT_STEP) -> ContextKVCache:
         return ContextKVCache(self.config, step=step)
 
-    def context_kv(self, aux: mx.array, offset: int) -> list[tuple[mx.array, mx.array]]:
-        """Per-layer ``(k, v)`` ``[1, n_kv, n, head_dim]`` for aux rows at ``offset..``.
+    def release_cache(self, cache: ContextKVCache) -> None:
+        """Nothing to keep: the arrays go with the cache."""
 
-        ``aux`` is ``[n, aux_width]`` (or ``[1, n, aux_width]``).
-        """
-        if aux.ndim == 2:
-            aux = aux[None]
-        h = self.hidden_norm(self.fc(aux.astype(self.dtype)))
-        return [l.self_attn.context_kv(h, self.rope, offset) for l in self.layers]
-
-    def extend(self, cache: ContextKVCache, aux: mx.array) -> None:
-        """Append the context K/V of ``aux`` (the next positions) to ``cache``."""
-        if aux.shape[-2] == 0:
-            return
-        cache.append(self.context_kv(aux, cache.length))
-
-    def draft_hidden(self, block_ids: mx.array, cache: ContextKVCache) -> mx.array:
-        """Final-norm hidden ``[B, hidden]`` of the block in ONE forward."""
+    def embed_block(self, ids: mx.array) -> mx.array:
+        """Block rows [1, L, hidden] of token ids [L] (Gap-B: the target's RAW embedding row times
+        ``input_embedding_scale``, never Gemma's sqrt(hidden))."""
         if self.target is None:
             raise RuntimeError("drafter is not bound to a target embedding/LM head")
-        ids = block_ids.reshape(-1)
-        B = ids.shape[0]
-        pos = cache.length
-        x = self.target.embed_rows(ids).astype(self.dtype)
-        if self.config.input_embedding_scale != 1.0:
-            x = x * self.config.input_embedding_scale
-        x = x[None]
-        views = cache.plan.block(B)
-        masks: dict[Any, Optional[mx.array]] = {}
-        for layer, ctx in zip(self.layers, cache.layers):
-            attn, view = layer.self_attn, views[ctx.layout]
-            key = (ctx.layout, attn.is_causal)
-            if key not in masks:
-                m = block_mask(view, B, is_causal=attn.is_causal, window=attn.window)
-                masks[key] = None if m is None else mx.array(m)
-            x = layer(x, ctx, view, self.rope, pos, masks[key])
-        return self.norm(x[0])
+        return scale_embedding(self.config, self.target.embed_rows(ids).astype(self.dtype))[None]
 
     def compute_logits(self, h: mx.array) -> mx.array:
-        logits = self.target.logits(h)
-        if self.config.output_multiplier != 1.0:
-            logits = logits * self.config.output_multiplier
-        cap = self.config.final_logit_softcapping
-        if cap is not None and cap > 0:
-            logits = mx.tanh(logits / cap) * cap
-        return logits
+        """Logits of final-norm hidden rows ``h`` through the target's LM head (lazy)."""
+        return scale_logits(self.config, self.target.logits(h), mx.tanh)
 
-    def draft_logits(self, block_ids: mx.array, cache: ContextKVCache) -> mx.array:
-        """Logits ``[B-1, vocab]`` for block positions ``1..B-1``."""
-        return self.compute_logits(self.draft_hidden(block_ids, cache)[1:])
-
-    def draft_tokens(self, block_ids: mx.array, cache: ContextKVCache) -> mx.array:
-        """Greedy draft tokens ``[B-1]`` (lazy)."""
-        return mx.argmax(self.draft_logits(block_ids, cache), axis=-1)
-
-
-    # -- what a backend-neutral ``DrafterSession`` asks of its model ------------------------
+    # -- the ``DraftModel`` protocol (``drafter/backend.py``) ---------------------------------------
 
     backend = "mlx"
     sampler = sampling_mlx  # the processed q and its top-K proposal when a session samples
-    batched = batch_mlx  # several sessions' extend + block forward as one (``batch.py``)
 
     @property
     def device_name(self) -> str:
@@ -359,24 +311,39 @@ class DFlashDraftModel(nn.Module):
     def zeros_aux(self, n: int) -> mx.array:
         return mx.zeros((n, self.config.aux_width), dtype=self.dtype)
 
-    def propose(self, cache: ContextKVCache, new_aux: mx.array, last_token: int, block_size: int) -> list[int]:
-        """Extend ``cache`` by ``new_aux``, then draft the block ``[last_token, mask * (B-1)]``
-        greedily; one host sync."""
-        self.extend(cache, new_aux)
-        tokens = self.draft_tokens(self._block(last_token, block_size), cache)
-        mx.eval(tokens, cache.state)
+    def context_kv(self, auxs: Sequence[mx.array], offsets: Sequence[int]) -> list[list[KV]]:
+        """Per aux, every layer's ``(k, v)`` ``[1, n_kv, n_i, head_dim]`` of ``auxs[i]`` [n_i, aux_width]
+        at positions ``offsets[i]..``: ``fc``, ``hidden_norm`` and the projections once over all rows,
+        RoPE per aux (lazy)."""
+        rows = auxs[0] if len(auxs) == 1 else mx.concatenate(list(auxs))
+        h = self.hidden_norm(self.fc(rows.astype(self.dtype)[None]))
+        kv = [layer.self_attn.project_kv(h) for layer in self.layers]
+        parts = split_rows(kv, [a.shape[0] for a in auxs])
+        return [[(self.rope(k, offset=o), v) for k, v in part] for o, part in zip(offsets, parts)]
+
+    def block_logits(self, blocks: Sequence[tuple[ContextKVCache, Sequence[int]]]) -> mx.array:
+        """Logits ``[sum (B_i - 1), vocab]`` of positions ``1..B_i-1`` of every ``(cache, block ids)``
+        (lazy): ONE forward over the blocks' rows in a row, each block attending to ``its visible
+        context ++ itself`` with its own mask."""
+        ids = mx.array([t for _, block in blocks for t in block], dtype=mx.int32)
+        sized = [(cache, len(block)) for cache, block in blocks]
+        specs = [layer.self_attn.spec for layer in self.layers]
+        x = self.embed_block(ids)
+        for layer, segments in zip(self.layers, block_segments(sized, specs, mx.array, scratch=False)):
+            x = layer(x, segments, self.rope)
+        h = self.norm(x[0])
+        rows = h[1:] if len(blocks) == 1 else h[mx.array(draft_rows(n for _, n in sized), dtype=mx.int32)]
+        return self.compute_logits(rows)
+
+    def argmax(self, logits: mx.array, caches: Sequence[ContextKVCache]) -> list[int]:
+        """Greedy tokens of logits rows, evaluated together with the caches' K/V (one sync)."""
+        tokens = mx.argmax(logits, axis=-1)
+        mx.eval(tokens, *[c.state for c in caches])
         return tokens.tolist()
 
-    def propose_logits(self, last_token: int, block_size: int, cache: ContextKVCache) -> mx.array:
-        """The same block's logits ``[B-1, vocab]`` (lazy), for a sampling session."""
-        return self.draft_logits(self._block(last_token, block_size), cache)
-
-    def _block(self, last_token: int, block_size: int) -> mx.array:
-        return mx.array([last_token] + [self.config.mask_token_id] * (block_size - 1), dtype=mx.int32)
-
-    def settle(self, cache: ContextKVCache) -> None:
-        """Evaluate the context K/V now (a block-size-1 call drafts nothing but must not pile up a graph)."""
-        mx.eval(cache.state)
+    def settle(self, caches: Sequence[ContextKVCache]) -> None:
+        """Evaluate the context K/V now (a call that drafted nothing must not pile up a graph)."""
+        mx.eval(*[c.state for c in caches])
 
     def synchronize(self) -> None:
         mx.synchronize()
@@ -468,5 +435,4 @@ def load_dflash_mlx(
     target's (unquantized) tensors are cast to it.
     """
     model = load_draft_model(draft_dir, dtype)
-    target = load_target_head(target_dir, dtype=model.dtype)
-    return model.bind(target)
+    return bind(model, load_target_head(target_dir, dtype=model.dtype))

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from kakeya.drafter import context
 from kakeya.drafter.context import Append, BlockView, ContextLayout, Resize
+
+if TYPE_CHECKING:
+    from kakeya.drafter.torch_backend.step import StaticDraft
 
 
 class LayerKV:
@@ -27,15 +30,16 @@ class LayerKV:
         self.keys: Optional[torch.Tensor] = None
         self.values: Optional[torch.Tensor] = None
 
-    def _resize(self, r: Resize, k: torch.Tensor, v: torch.Tensor) -> None:
+    def resize(self, r: Resize, like: torch.Tensor) -> None:
+        """Carry out a planned resize; ``like`` ([1, n_kv, any, hd]) gives a new buffer's shape and dtype."""
         if self.keys is not None and r.capacity == self.keys.shape[2]:
             if r.src:  # compact in place; the ranges may overlap
                 self.keys[:, :, : r.count] = self.keys[:, :, r.src : r.src + r.count].clone()
                 self.values[:, :, : r.count] = self.values[:, :, r.src : r.src + r.count].clone()
             return
-        B, H, _, D = k.shape
-        nk = k.new_zeros((B, H, r.capacity, D))
-        nv = v.new_zeros((B, H, r.capacity, v.shape[3]))
+        B, H, _, D = like.shape
+        nk = like.new_zeros((B, H, r.capacity, D))
+        nv = like.new_zeros((B, H, r.capacity, D))
         if r.count:
             nk[:, :, : r.count] = self.keys[:, :, r.src : r.src + r.count]
             nv[:, :, : r.count] = self.values[:, :, r.src : r.src + r.count]
@@ -43,7 +47,7 @@ class LayerKV:
 
     def append(self, plan: Append, k: torch.Tensor, v: torch.Tensor) -> None:
         if plan.resize is not None:
-            self._resize(plan.resize, k, v)
+            self.resize(plan.resize, k)
         if plan.n:
             self.keys[:, :, plan.dst : plan.dst + plan.n] = k[:, :, plan.skip :]
             self.values[:, :, plan.dst : plan.dst + plan.n] = v[:, :, plan.skip :]
@@ -51,11 +55,16 @@ class LayerKV:
     def with_block(self, view: BlockView, k: torch.Tensor, v: torch.Tensor):
         """Keys/values a block attends to: its own K/V written after the context, one buffer span."""
         if view.resize is not None:
-            self._resize(view.resize, k, v)
+            self.resize(view.resize, k)
         n = k.shape[2]
         self.keys[:, :, view.stop : view.stop + n] = k
         self.values[:, :, view.stop : view.stop + n] = v
         return self.keys[:, :, view.key_start : view.key_stop], self.values[:, :, view.key_start : view.key_stop]
+
+    def write_rows(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``/``v`` into the buffer rows ``rows`` (a device index: the static step's planned rows)."""
+        self.keys.index_copy_(2, rows, k)
+        self.values.index_copy_(2, rows, v)
 
     def visible(self):
         """The visible context rows (None when empty)."""
@@ -85,3 +94,19 @@ class ContextKVCache(context.ContextKVCache):
     """The context K/V of one generation, in this backend's arrays (plan: ``context.py``)."""
 
     layer_kv = LayerKV
+    static: "Optional[StaticDraft]" = None  # the static step's device inputs and graphs, once it has run
+
+    @torch.inference_mode()  # the buffers are inference tensors: written in that mode only
+    def append(self, kv: list) -> None:
+        super().append(kv)
+
+    def reserve(self, rows: int, like: torch.Tensor) -> None:
+        """Room for ``rows`` more rows after the written ones in every buffer, every visible row kept
+        (the static step's extension and block then move nothing); ``like`` as in ``LayerKV.resize``."""
+        for layout in self.plan.layouts:
+            resize = layout.reserve(rows)
+            if resize is None:
+                continue
+            for layer in self.layers:
+                if layer.layout is layout:
+                    layer.resize(resize, like)

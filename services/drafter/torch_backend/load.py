@@ -10,6 +10,7 @@ import torch
 
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype
 from kakeya.checkpoints.layout import find_text_tensors, is_quantized, shard_files, tensor_files
+from kakeya.drafter.backend import bind
 from kakeya.drafter.config import DFlashConfig
 from kakeya.drafter.torch_backend.model import DFlashDraftModel, TargetHead, rope_inv_freq
 
@@ -62,4 +63,4 @@ def load_draft_model(draft_dir: str | Path, device=None, dtype=None) -> DFlashDr
 def load_dflash_torch(draft_dir: str | Path, target_dir: str | Path, device=None, dtype=None) -> DFlashDraftModel:
     """Load the DFlash draft and bind the target's embedding / LM head (same device and dtype)."""
     model = load_draft_model(draft_dir, device, dtype)
-    return model.bind(load_target_head(target_dir, model.device, model.dtype))
+    return bind(model, load_target_head(target_dir, model.device, model.dtype))

@@ -24,7 +24,7 @@ Parameter names follow the reference checkpoint layout (``fc``, ``hidden_norm``,
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,12 +41,11 @@ from kakeya.backends.torch.ops import (
     sdpa,
     sdpa_backends,
 )
-from kakeya.core.contract import FULL, SLIDING  # noqa: F401  (FULL re-exported)
+from kakeya.drafter.backend import KV, scale_embedding, scale_logits
 from kakeya.drafter.config import DFlashConfig, aux_rows  # noqa: F401  (DFlashConfig re-exported)
-from kakeya.drafter.context import DEFAULT_STEP, BlockView, block_mask
-from kakeya.drafter.torch_backend import batch as batch_torch
-from kakeya.drafter.torch_backend.context import ContextKVCache, GivenContext, LayerKV  # noqa: F401  (re-exported)
-from kakeya.drafter.torch_backend.step import propose_static
+from kakeya.drafter.context import DEFAULT_STEP, Segment, block_segments, draft_rows, split_rows
+from kakeya.drafter.torch_backend.context import ContextKVCache
+from kakeya.drafter.torch_backend.step import StaticStep
 
 
 def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
@@ -80,23 +79,17 @@ MAX_FREE_CACHES = 4  # closed sessions' caches (with their graphs) kept for reus
 class Attention(nn.Module):
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
-        h = config.hidden_size
-        self.n_heads = config.num_attention_heads
-        self.n_kv = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.spec = a = config.layer_attention(layer_idx)
         self.eps = config.rms_norm_eps
-        sliding = config.layer_types[layer_idx] == SLIDING
-        self.window: Optional[int] = int(config.sliding_window) if sliding else None
-        self.is_causal = sliding if config.is_causal is None else bool(config.is_causal)
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, a.n_heads * a.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, a.n_kv * a.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, a.n_kv * a.head_dim, bias=False)
+        self.o_proj = nn.Linear(a.n_heads * a.head_dim, h, bias=False)
         self.q_norm = nn.Module()
-        self.q_norm.weight = nn.Parameter(torch.ones(self.head_dim))
+        self.q_norm.weight = nn.Parameter(torch.ones(a.head_dim))
         self.k_norm = nn.Module()
-        self.k_norm.weight = nn.Parameter(torch.ones(self.head_dim))
+        self.k_norm.weight = nn.Parameter(torch.ones(a.head_dim))
 
     wqkv: Optional[torch.Tensor] = None  # set by fuse(): q, k, v rows of one weight (inference)
 
@@ -115,15 +108,17 @@ class Attention(nn.Module):
     def kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """K/V ``[1, n_kv, S, hd]`` of rows ``h`` [1, S, hidden] at the positions of ``cos``/``sin`` [S, hd]."""
         B, S, _ = h.shape
-        k = qwen3_rms_norm(self.k_proj(h).view(B, S, self.n_kv, self.head_dim), self.k_norm.weight, self.eps)
+        a = self.spec
+        k = qwen3_rms_norm(self.k_proj(h).view(B, S, a.n_kv, a.head_dim), self.k_norm.weight, self.eps)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        v = self.v_proj(h).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(B, S, a.n_kv, a.head_dim).transpose(1, 2)
         return k, v
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Queries ``[B, n_heads, L, hd]`` of rows ``x`` [B, L, hidden] at the positions of ``cos``/``sin``."""
         B, L, _ = x.shape
-        q = qwen3_rms_norm(self.q_proj(x).view(B, L, self.n_heads, self.head_dim), self.q_norm.weight, self.eps)
+        a = self.spec
+        q = qwen3_rms_norm(self.q_proj(x).view(B, L, a.n_heads, a.head_dim), self.q_norm.weight, self.eps)
         return apply_rope(q.transpose(1, 2), cos, sin)
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -131,11 +126,12 @@ class Attention(nn.Module):
         if self.wqkv is None:
             return self.query(h, cos, sin), *self.kv(h, cos, sin)
         B, L, _ = h.shape
+        a = self.spec
         q, k, v = F.linear(h, self.wqkv).split([self.q_proj.out_features] + [self.k_proj.out_features] * 2, dim=-1)
-        q = qwen3_rms_norm(q.view(B, L, self.n_heads, self.head_dim), self.q_norm.weight, self.eps)
-        k = qwen3_rms_norm(k.view(B, L, self.n_kv, self.head_dim), self.k_norm.weight, self.eps)
-        q, k = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin).split([self.n_heads, self.n_kv], dim=1)
-        return q, k, v.view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
+        q = qwen3_rms_norm(q.view(B, L, a.n_heads, a.head_dim), self.q_norm.weight, self.eps)
+        k = qwen3_rms_norm(k.view(B, L, a.n_kv, a.head_dim), self.k_norm.weight, self.eps)
+        q, k = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin).split([a.n_heads, a.n_kv], dim=1)
+        return q, k, v.view(B, L, a.n_kv, a.head_dim).transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -184,10 +180,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, ctx: "LayerKV | GivenContext", view: Optional[BlockView], cos, sin, mask):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Sequence[Segment]):
+        """Block rows ``x`` [N, L, hidden] at the positions of ``cos``/``sin``: several sessions' blocks in
+        a row, each attending to its own context (its ``Segment``)."""
         q, k, v = self.project(x, cos, sin)
-        k, v = ctx.with_block(view, k, v)
-        return self.finish(x, sdpa(q, k, v, mask, self.self_attn.scale))
+        return self.finish(x, attend(q, k, v, segments, self.self_attn.spec.scale))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The input norm, then the rows' q, k, v (normed and rotated): row-wise, so batches
@@ -199,6 +196,21 @@ class DecoderLayer(nn.Module):
         B, _, L, _ = out.shape
         h = x + self.self_attn.o_proj(out.transpose(1, 2).reshape(B, L, -1))
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment], scale: float):
+    """Attention over rows that are several blocks in a row (dim 2): each segment's queries see its
+    own context and its own block's keys, so a block attends in a batch as it does alone."""
+    if len(segments) == 1:  # one block: no slicing (the CPU path is launch-bound)
+        s = segments[0]
+        return sdpa(q, *s.context.with_block(s.view, k, v), s.mask, scale)
+    outs, at = [], 0
+    for s in segments:
+        rows = slice(at, at + s.rows)
+        keys, values = s.context.with_block(s.view, k[:, :, rows], v[:, :, rows])
+        outs.append(sdpa(q[:, :, rows], keys, values, s.mask, scale))
+        at += s.rows
+    return torch.cat(outs, dim=2)
 
 
 # --------------------------------------------------------------------------- target tensors
@@ -256,29 +268,15 @@ class DFlashDraftModel(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
-    def bind(self, target: TargetHead) -> "DFlashDraftModel":
-        if target.hidden_size != self.config.hidden_size:
-            raise ValueError(
-                f"target hidden_size {target.hidden_size} != draft hidden_size {self.config.hidden_size}"
-            )
-        self.target = target
-        return self
-
-    graph_options = GraphOptions()  # eager, dynamic shapes (the CPU default); see use_graphs
-    graph_pool = None
-
-    @property
-    def min_batch(self) -> int:
-        """Fewest queued sessions ``draft_batch`` runs as one forward (graphs: see GRAPHED_MIN_BATCH)."""
-        return GRAPHED_MIN_BATCH if self.graph_options.capture else 2
+    # capabilities (``drafter/backend.py``): eager, dynamic shapes until use_graphs
+    min_batch = 2
+    static_step: Optional[StaticStep] = None
 
     def use_graphs(self, options: GraphOptions) -> "DFlashDraftModel":
-        """Draft greedy blocks through the static step (``drafter/torch_backend/step.py``): captured in CUDA graphs
-        with ``options.capture``; eagerly with ``static_extent`` alone (how a CPU tests it)."""
-        if options.capture and self.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
-        self.graph_options = options
-        self.graph_pool = torch.cuda.graph_pool_handle() if options.capture else None
+        """Draft greedy blocks through the static step (``drafter/torch_backend/step.py``): captured in CUDA
+        graphs with ``options.capture``; eagerly with ``static_extent`` alone (how a CPU tests it)."""
+        self.static_step = StaticStep(self, options)
+        self.min_batch = GRAPHED_MIN_BATCH if options.capture else 2
         self._free: list[ContextKVCache] = []
         return self
 
@@ -303,10 +301,10 @@ class DFlashDraftModel(nn.Module):
         if self.w_context_kv is None:
             return [layer.self_attn.kv(h, cos, sin) for layer in self.layers]
         B, S, _ = h.shape
-        a = self.layers[0].self_attn
+        a = self.layers[0].self_attn.spec  # every layer's K/V rows have the same shape
         kv = F.linear(h, self.w_context_kv).view(B, S, len(self.layers), 2, a.n_kv, a.head_dim)
         # Qwen3's k norm per layer: normalise (rounded to the activation dtype), then that layer's weight
-        k = F.rms_norm(kv[:, :, :, 0], (a.head_dim,), None, a.eps) * self.context_k_norm[:, None, :]
+        k = F.rms_norm(kv[:, :, :, 0], (a.head_dim,), None, self.config.rms_norm_eps) * self.context_k_norm[:, None, :]
         k = apply_rope(k.permute(0, 2, 3, 1, 4), cos, sin)  # [B, layers, n_kv, S, hd]
         v = kv[:, :, :, 1].permute(0, 2, 3, 1, 4)
         return [(k[:, i], v[:, i]) for i in range(len(self.layers))]
@@ -320,87 +318,55 @@ class DFlashDraftModel(nn.Module):
         self.layers_kv = compiled(self.layers_kv)  # every layer's context K/V (fused or one by one)
 
     def make_cache(self, step: int = DEFAULT_STEP) -> ContextKVCache:
-        if self.graph_options.static_extent:
+        if self.static_step is not None:
             if self._free:  # a closed session's buffers and graphs: recapturing would cost more than a block
                 return self._free.pop()
             return ContextKVCache(self.config, step=step, full_step=STATIC_CONTEXT)
         return ContextKVCache(self.config, step=step)
 
     def release_cache(self, cache: ContextKVCache) -> None:
-        """A closed session's cache: kept for the next session when graphs are on, else dropped."""
-        if self.graph_options.static_extent and cache.static is not None and len(self._free) < MAX_FREE_CACHES:
+        """A closed session's cache: kept for the next session when the static step is on, else dropped."""
+        if self.static_step is not None and cache.static is not None and len(self._free) < MAX_FREE_CACHES:
             cache.plan.reset()
             self._free.append(cache)
 
-    def _cos_sin(self, start: int, n: int):
-        return rope_cos_sin(self.inv_freq, start, n, self.device, self.dtype, self.rope_scale)
+    # -- the pieces of a forward (the eager block forward below and the static step share them) ----------
 
-    @torch.inference_mode()
-    def context_kv(self, aux: torch.Tensor, offset: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer ``(k, v)`` ``[1, n_kv, n, hd]`` for aux rows ``[n, aux_width]`` at ``offset..``."""
-        if aux.ndim == 2:
-            aux = aux[None]
-        h = self.hidden_norm(self.fc(aux.to(device=self.device, dtype=self.dtype)))
-        return self.layers_kv(h, *self._cos_sin(offset, h.shape[1]))
+    def rope(self, spans: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows of each ``(start, n)`` span of positions, the spans in a row."""
+        tables = [rope_cos_sin(self.inv_freq, start, n, self.device, self.dtype, self.rope_scale) for start, n in spans]
+        if len(tables) == 1:
+            return tables[0]
+        return torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
 
-    @torch.inference_mode()
-    def extend(self, cache: ContextKVCache, aux: torch.Tensor) -> None:
-        """Append the context K/V of ``aux`` (the next positions) to ``cache``."""
-        if aux.shape[-2] == 0:
-            return
-        cache.append(self.context_kv(aux, cache.length))
+    def context_rows(self, aux: torch.Tensor) -> torch.Tensor:
+        """The rows every layer projects its context K/V from: ``hidden_norm(fc(aux))`` [1, n, hidden]."""
+        return self.hidden_norm(self.fc(aux.to(device=self.device, dtype=self.dtype)))[None]
 
-    @torch.inference_mode()
-    def draft_hidden(self, block_ids: torch.Tensor, cache: ContextKVCache, span: str = "valid") -> torch.Tensor:
-        """Final-norm hidden ``[B, hidden]`` of the block in ONE forward.
-
-        ``span`` (see ``context.py``): "valid" attends over exactly the visible
-        rows and the block; "capacity" over every buffer row with a mask.
-        """
+    def embed_block(self, ids: torch.Tensor) -> torch.Tensor:
+        """Block rows [1, L, hidden] of token ids [L] (Gap-B: the target's RAW embedding row times
+        ``input_embedding_scale``, never Gemma's sqrt(hidden))."""
         if self.target is None:
             raise RuntimeError("drafter is not bound to a target embedding/LM head")
-        ids = block_ids.reshape(-1).to(self.device)
-        B = ids.shape[0]
-        x = self.target.embed_rows(ids).to(self.dtype)
-        if self.config.input_embedding_scale != 1.0:
-            x = x * self.config.input_embedding_scale
-        x = x[None]
-        cos, sin = self._cos_sin(cache.length, B)
-        views = cache.plan.block(B, scratch=True, span=span)
-        masks: dict = {}
+        return scale_embedding(self.config, self.target.embed_rows(ids).to(self.dtype))[None]
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Sequence[Sequence[Segment]]):
+        """The decoder layers, then the final norm: hidden [L, hidden] of the block rows ``x`` [1, L, hidden];
+        ``segments[i]``: how layer ``i``'s attention sees each block (``attend``)."""
         with sdpa_backends():
-            for layer, ctx in zip(self.layers, cache.layers):
-                attn, view = layer.self_attn, views[ctx.layout]
-                key = (ctx.layout, attn.is_causal)
-                if key not in masks:
-                    m = block_mask(view, B, is_causal=attn.is_causal, window=attn.window, span=span)
-                    masks[key] = None if m is None else torch.from_numpy(m).to(self.device, non_blocking=True)
-                x = layer(x, ctx, view, cos, sin, masks[key])
+            for layer, layer_segments in zip(self.layers, segments):
+                x = layer(x, cos, sin, layer_segments)
         return self.norm(x[0])
 
     @torch.inference_mode()
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.target.logits(h).float()
-        if self.config.output_multiplier != 1.0:
-            logits = logits * self.config.output_multiplier
-        cap = self.config.final_logit_softcapping
-        if cap is not None and cap > 0:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        """float32 logits of final-norm hidden rows ``h`` through the target's LM head."""
+        return scale_logits(self.config, self.target.logits(h).float(), torch.tanh)
 
-    def draft_logits(self, block_ids: torch.Tensor, cache: ContextKVCache, span: str = "valid") -> torch.Tensor:
-        """Logits ``[B-1, vocab]`` for block positions ``1..B-1``."""
-        return self.compute_logits(self.draft_hidden(block_ids, cache, span)[1:])
-
-    def draft_tokens(self, block_ids: torch.Tensor, cache: ContextKVCache, span: str = "valid") -> torch.Tensor:
-        """Greedy draft tokens ``[B-1]`` (on the device; no host sync)."""
-        return torch.argmax(self.draft_logits(block_ids, cache, span), dim=-1)
-
-    # -- what a backend-neutral ``DrafterSession`` asks of its model ------------------------
+    # -- the ``DraftModel`` protocol (``drafter/backend.py``) ---------------------------------------
 
     backend = "torch"
     sampler = sampling_torch  # the processed q and its top-K proposal when a session samples
-    batched = batch_torch  # several sessions' extend + block forward as one (``batch.py``)
 
     @property
     def device_name(self) -> str:
@@ -414,24 +380,41 @@ class DFlashDraftModel(nn.Module):
     def zeros_aux(self, n: int) -> torch.Tensor:
         return torch.zeros((n, self.config.aux_width), device=self.device, dtype=self.dtype)
 
-    def propose(self, cache: ContextKVCache, new_aux: torch.Tensor, last_token: int, block_size: int) -> list[int]:
-        """Extend ``cache`` by ``new_aux``, then draft the block ``[last_token, mask * (B-1)]``
-        greedily; one host sync (with graphs on, both in one static step: ``drafter/torch_backend/step.py``)."""
-        if self.graph_options.static_extent:
-            return propose_static(self, cache, new_aux, last_token, block_size)
-        self.extend(cache, new_aux)
-        return self.draft_tokens(self._block(last_token, block_size), cache).tolist()
+    @torch.inference_mode()
+    def context_kv(self, auxs: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[list[KV]]:
+        """Per aux, every layer's ``(k, v)`` ``[1, n_kv, n_i, hd]`` of ``auxs[i]`` [n_i, aux_width] at
+        positions ``offsets[i]..``: ``fc``, ``hidden_norm`` and the K/V projection once over all rows."""
+        rows = auxs[0] if len(auxs) == 1 else torch.cat(list(auxs))
+        kv = self.layers_kv(self.context_rows(rows), *self.rope([(o, a.shape[0]) for o, a in zip(offsets, auxs)]))
+        return split_rows(kv, [a.shape[0] for a in auxs])
 
     @torch.inference_mode()
-    def propose_logits(self, last_token: int, block_size: int, cache: ContextKVCache) -> torch.Tensor:
-        """The same block's logits ``[B-1, vocab]`` (on the device), for a sampling session."""
-        return self.draft_logits(self._block(last_token, block_size), cache)
+    def block_logits(self, blocks: Sequence[tuple[ContextKVCache, Sequence[int]]], span: str = "valid") -> torch.Tensor:
+        """Logits ``[sum (B_i - 1), vocab]`` of positions ``1..B_i-1`` of every ``(cache, block ids)``.
 
-    def _block(self, last_token: int, block_size: int) -> torch.Tensor:
-        block = torch.tensor([last_token] + [self.config.mask_token_id] * (block_size - 1), dtype=torch.long)
-        return block.to(self.device, non_blocking=True)
+        ONE eager forward: the blocks' rows in a row through every row-wise op
+        (vLLM's layout), each row's RoPE at its own position, each block's K/V
+        written into its own cache's scratch rows and attended with its own
+        mask. ``span`` (see ``context.py``): "valid" attends over exactly the
+        visible rows and the block; "capacity" over every buffer row with a mask.
+        """
+        ids = torch.tensor([t for _, block in blocks for t in block], dtype=torch.long)
+        sized = [(cache, len(block)) for cache, block in blocks]
+        cos, sin = self.rope([(cache.length, n) for cache, n in sized])
+        specs = [layer.self_attn.spec for layer in self.layers]
+        segments = block_segments(sized, specs, self._device_mask, scratch=True, span=span)
+        h = self.decode(self.embed_block(ids.to(self.device, non_blocking=True)), cos, sin, segments)
+        rows = h[1:] if len(blocks) == 1 else h[torch.tensor(draft_rows(n for _, n in sized), device=h.device)]
+        return self.compute_logits(rows)
 
-    def settle(self, cache: ContextKVCache) -> None:
+    def _device_mask(self, mask) -> torch.Tensor:
+        return torch.from_numpy(mask).to(self.device, non_blocking=True)
+
+    def argmax(self, logits: torch.Tensor, caches: Sequence[ContextKVCache]) -> list[int]:
+        """Greedy tokens of logits rows: one host sync (torch runs eagerly: the caches are written)."""
+        return torch.argmax(logits, dim=-1).tolist()
+
+    def settle(self, caches: Sequence[ContextKVCache]) -> None:
         """Nothing to do: torch runs eagerly."""
 
     def synchronize(self) -> None:

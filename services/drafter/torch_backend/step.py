@@ -3,7 +3,9 @@
 A draft call is two things: extend the context by the new aux rows (their K/V
 in every layer), then ONE forward over the block. Eagerly that is ~15 small
 launches per layer for the extension and a block forward whose shapes change
-with the context. Here both run as one static step (:func:`draft_step`):
+with the context. Here both run as one static step (:func:`draft_step`), made
+of the model's own pieces (``context_rows``, ``layers_kv``, ``embed_block``,
+``decode``: the same layers and attention as the eager forward):
 
 * the new aux rows (up to ``MAX_BLOCK_SIZE``, one per committed token) sit in a
   static buffer; their K/V go into the planned buffer rows with ``index_copy_``;
@@ -36,8 +38,10 @@ from __future__ import annotations
 import torch
 
 from kakeya.backends.torch.graphs import GraphOptions, StepGraphs, bucket_for
-from kakeya.backends.torch.ops import rope_from_positions, sdpa_backends
+from kakeya.backends.torch.ops import rope_from_positions
 from kakeya.core.contract import MAX_BLOCK_SIZE
+from kakeya.drafter.backend import extend
+from kakeya.drafter.context import Segment
 
 # the packed long inputs: block ids, then the scalars, then 3 per layout (see StaticDraft.pack)
 IDS, START, EXT_N, REAL = 0, MAX_BLOCK_SIZE, MAX_BLOCK_SIZE + 1, MAX_BLOCK_SIZE + 2
@@ -89,31 +93,26 @@ def draft_step(model, cache, st: StaticDraft, n: int, m: int) -> torch.Tensor:
     p, iota = st.packed, st.iota
     start, real = p[START], p[REAL]
     bounds = {layout: p[PER_LAYOUT + 3 * j : PER_LAYOUT + 3 * j + 3] for j, layout in enumerate(st.layouts)}
+    if m:
+        ext_n = p[EXT_N]
+        cos, sin = rope_from_positions(model.inv_freq, start - ext_n + iota[:m], model.dtype, model.rope_scale)
+        rows = {  # real rows to their planned rows; padded ones onto the block's first scratch row
+            layout: torch.where(iota[:m] < ext_n, b[0] + iota[:m], b[2]) for layout, b in bounds.items()
+        }
+        for (k, v), ctx in zip(model.layers_kv(model.context_rows(st.aux[:m]), cos, sin), cache.layers):
+            ctx.write_rows(rows[ctx.layout], k, v)
+    cos, sin = rope_from_positions(model.inv_freq, start + iota[:n], model.dtype, model.rope_scale)
     block_rows = {layout: b[2] + iota[:n] for layout, b in bounds.items()}
-    with sdpa_backends():
-        if m:
-            ext_n = p[EXT_N]
-            h = model.hidden_norm(model.fc(st.aux[:m]))[None]
-            cos, sin = rope_from_positions(model.inv_freq, start - ext_n + iota[:m], model.dtype, model.rope_scale)
-            rows = {  # real rows to their planned rows; padded ones onto the block's first scratch row
-                layout: torch.where(iota[:m] < ext_n, b[0] + iota[:m], b[2]) for layout, b in bounds.items()
-            }
-            for (k, v), ctx in zip(model.layers_kv(h, cos, sin), cache.layers):
-                ctx.keys.index_copy_(2, rows[ctx.layout], k)
-                ctx.values.index_copy_(2, rows[ctx.layout], v)
-        x = model.target.embed_rows(p[IDS:n]).to(model.dtype)
-        if model.config.input_embedding_scale != 1.0:
-            x = x * model.config.input_embedding_scale
-        cos, sin = rope_from_positions(model.inv_freq, start + iota[:n], model.dtype, model.rope_scale)
-        masks: dict = {}
-        x = x[None]
-        for layer, ctx in zip(model.layers, cache.layers):
-            attn = layer.self_attn
-            key = (ctx.layout, attn.is_causal)
-            if key not in masks:
-                masks[key] = _mask(bounds[ctx.layout], st.rows[: ctx.keys.shape[2]], iota[:n], real, attn)
-            x = layer(x, _Span(ctx, block_rows[ctx.layout]), None, cos, sin, masks[key])
-    return torch.argmax(model.compute_logits(model.norm(x[0])), dim=-1)
+    masks: dict = {}
+    segments = []
+    for layer, ctx in zip(model.layers, cache.layers):
+        attn = layer.self_attn.spec
+        key = (ctx.layout, attn.is_causal)
+        if key not in masks:
+            masks[key] = _mask(bounds[ctx.layout], st.rows[: ctx.keys.shape[2]], iota[:n], real, attn)
+        segments.append([Segment(ScratchRows(ctx, block_rows[ctx.layout]), None, masks[key], n)])
+    h = model.decode(model.embed_block(p[IDS:n]), cos, sin, segments)
+    return torch.argmax(model.compute_logits(h), dim=-1)
 
 
 def _mask(bounds: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, real: torch.Tensor, attn) -> torch.Tensor:
@@ -133,32 +132,16 @@ def _mask(bounds: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, real: torch
     return vis
 
 
-class _Span:
-    """A layer's context buffer as the step sees it: block K/V written at device row indices."""
+class ScratchRows:
+    """A layer's context buffer as the step's attention sees it: the block's K/V written at device
+    row indices, then the whole buffer as keys (the capacity-span mask says which rows count)."""
 
     def __init__(self, kv, rows: torch.Tensor):
         self.kv, self.rows = kv, rows
 
     def with_block(self, view, k: torch.Tensor, v: torch.Tensor):
-        self.kv.keys.index_copy_(2, self.rows, k)
-        self.kv.values.index_copy_(2, self.rows, v)
+        self.kv.write_rows(self.rows, k, v)
         return self.kv.keys, self.kv.values
-
-
-def _make_room(model, cache, rows: int) -> None:
-    """Room for ``rows`` more rows in every buffer (the extension AND the block's scratch rows, so
-    nothing moves in between): grown or compacted on the host, before the step."""
-    for layout in cache.plan.layouts:
-        resize = layout.reserve(rows)
-        if resize is None:
-            continue
-        for layer, ctx in zip(model.layers, cache.layers):
-            if ctx.layout is layout:
-                attn = layer.self_attn
-                like = ctx.keys
-                if like is None:  # a first call: no buffer yet
-                    like = torch.empty((1, attn.n_kv, 0, attn.head_dim), dtype=model.dtype, device=model.device)
-                ctx._resize(resize, like, like)
 
 
 def fuses_extension(cache, rows: int) -> bool:
@@ -166,28 +149,40 @@ def fuses_extension(cache, rows: int) -> bool:
     return 0 < rows <= MAX_BLOCK_SIZE and all(l.keep is None or rows < l.keep for l in cache.plan.layouts)
 
 
-@torch.inference_mode()
-def propose_static(model, cache, new_aux: torch.Tensor, last_token: int, block_size: int) -> list[int]:
-    """Extend ``cache`` by ``new_aux`` [m, aux_width] and draft ``block_size - 1`` greedy tokens
-    after ``last_token``, through the static step."""
-    options: GraphOptions = model.graph_options
-    ext_n = new_aux.shape[0]
-    if ext_n and not fuses_extension(cache, ext_n):
-        model.extend(cache, new_aux)
-        ext_n = 0
-    n = bucket_for(block_size, options.buckets, MAX_BLOCK_SIZE)
-    m = bucket_for(ext_n, options.buckets, MAX_BLOCK_SIZE) if ext_n else 0
-    plan = cache.plan
-    _make_room(model, cache, ext_n + n)
-    start = plan.length + ext_n
-    ext_dst = {layout: a.dst for layout, a in plan.append(ext_n).items()} if ext_n else {}
-    st = cache.static
-    if st is None:
-        st = cache.static = StaticDraft(model, cache, options, model.graph_pool)
-    st.fit()
-    if ext_n:
-        st.aux[:ext_n].copy_(new_aux)
-    mask_id = int(model.config.mask_token_id)
-    st.pack([last_token] + [mask_id] * (n - 1), start, ext_n, block_size, ext_dst)
-    step = st.graphs.get((n, m, st.capacities), lambda k: (lambda: draft_step(model, cache, st, k[0], k[1]), ()))
-    return step()[1:block_size].tolist()  # the one host sync
+class StaticStep:
+    """One model's greedy draft calls through the static step (``DraftModel.static_step``); each
+    cache keeps its own inputs and graphs (``cache.static``), so a reused cache keeps its graphs."""
+
+    def __init__(self, model, options: GraphOptions):
+        if options.capture and model.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.model, self.options = model, options
+        self.pool = torch.cuda.graph_pool_handle() if options.capture else None
+        a = model.layers[0].self_attn.spec  # every layer's K/V rows have this shape (``LayerKV.resize``'s like)
+        self.no_rows = torch.empty((1, a.n_kv, 0, a.head_dim), dtype=model.dtype, device=model.device)
+
+    @torch.inference_mode()
+    def draft(self, cache, new_aux: torch.Tensor, last_token: int, block_size: int) -> list[int]:
+        """Extend ``cache`` by ``new_aux`` [m, aux_width] and draft ``block_size - 1`` greedy tokens
+        after ``last_token``."""
+        model, options = self.model, self.options
+        ext_n = new_aux.shape[0]
+        if ext_n and not fuses_extension(cache, ext_n):
+            extend(model, [cache], [new_aux])
+            ext_n = 0
+        n = bucket_for(block_size, options.buckets, MAX_BLOCK_SIZE)
+        m = bucket_for(ext_n, options.buckets, MAX_BLOCK_SIZE) if ext_n else 0
+        plan = cache.plan
+        cache.reserve(ext_n + n, self.no_rows)
+        start = plan.length + ext_n
+        ext_dst = {layout: a.dst for layout, a in plan.append(ext_n).items()} if ext_n else {}
+        st = cache.static
+        if st is None:
+            st = cache.static = StaticDraft(model, cache, options, self.pool)
+        st.fit()
+        if ext_n:
+            st.aux[:ext_n].copy_(new_aux)
+        mask_id = int(model.config.mask_token_id)
+        st.pack([last_token] + [mask_id] * (n - 1), start, ext_n, block_size, ext_dst)
+        step = st.graphs.get((n, m, st.capacities), lambda k: (lambda: draft_step(model, cache, st, k[0], k[1]), ()))
+        return step()[1:block_size].tolist()  # the one host sync

@@ -1,0 +1,141 @@
+"""What the backend-neutral drafter asks of a loaded DFlash model: the ``DraftModel`` protocol.
+
+``session.py`` and ``batch.py`` drive a drafter through exactly these members,
+and the torch and MLX ``DFlashDraftModel`` (``drafter/torch_backend/model.py``,
+``drafter/mlx_backend/model.py``) implement all of them; nothing else is asked
+of a model and nothing is probed for. ``Array`` is the backend's own array type
+(``torch.Tensor`` or ``mx.array``); a cache is the backend's ``ContextKVCache``
+(its rows planned by ``context.py``).
+
+What differs between backends is data or what a declared method does, never
+a missing method:
+
+* ``min_batch``: the fewest queued sessions ``draft_batch`` runs as one forward
+  (fewer go one by one: with CUDA graphs a captured step alone beats an eager
+  batch);
+* ``static_step``: None, or a step that drafts a greedy block of one session
+  with static shapes (the torch CUDA-graph step, ``torch_backend/step.py``);
+  every other draft is ``block_logits`` over one or more sessions;
+* ``release_cache``: what happens to a closed session's cache (torch with the
+  static step keeps it, graphs and all, for the next session; otherwise it is
+  dropped).
+
+A draft call is: extend every session's context cache by its new aux rows
+(:func:`extend`, one projection for all of them), then one block forward over
+every session's block (``block_logits``), then the tokens: ``argmax`` (one host
+sync) or, for a sampling session, a draw from its logits rows through
+``sampler``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, Sequence
+
+import numpy as np
+
+from kakeya.core.contract import SamplingParams
+from kakeya.drafter.config import DFlashConfig
+from kakeya.drafter.context import DEFAULT_STEP, ContextKVCache
+
+Array = Any  # torch.Tensor or mx.array
+KV = tuple[Array, Array]  # one layer's (keys, values), each [1, n_kv, rows, head_dim]
+
+
+class TargetTensors(Protocol):
+    """The target's embedding table and LM head, which the drafter borrows."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+
+class ProposalSampler(Protocol):
+    """The backend's sampling module (``backends/{torch,mlx}/sampling.py``)."""
+
+    def proposal(self, logits: Array, params: SamplingParams, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` ids and probabilities [rows, k] of the processed distribution of each logits row."""
+
+
+class StaticStep(Protocol):
+    def draft(self, cache: ContextKVCache, new_aux: Array, last_token: int, block_size: int) -> list[int]:
+        """Extend ``cache`` by ``new_aux`` and draft ``block_size - 1`` greedy tokens after ``last_token``."""
+
+
+class DraftModel(Protocol):
+    backend: str  # "torch" | "mlx"
+    config: DFlashConfig
+    target: Optional[TargetTensors]  # set by ``bind`` (``LocalDrafter`` refuses an unbound model)
+    sampler: ProposalSampler
+    min_batch: int
+    static_step: Optional[StaticStep]
+
+    @property
+    def dtype(self) -> Any: ...
+
+    @property
+    def device_name(self) -> str: ...
+
+    def make_cache(self, step: int = DEFAULT_STEP) -> ContextKVCache:
+        """A new session's (empty) context cache."""
+
+    def release_cache(self, cache: ContextKVCache) -> None:
+        """A closed session's cache, handed back once."""
+
+    def read_aux(self, new_aux: Any) -> Array:
+        """A draft call's ``new_aux`` ([n, width] or [1, n, width]) as ``[n, width]`` rows of this model;
+        ValueError naming ``new_aux`` when it is not."""
+
+    def zeros_aux(self, n: int) -> Array: ...
+
+    def context_kv(self, auxs: Sequence[Array], offsets: Sequence[int]) -> list[list[KV]]:
+        """Every layer's context K/V of each ``auxs[i]`` ([n_i, width]) at positions ``offsets[i]..``:
+        one list of per-layer pairs per aux, the projections run once over all rows."""
+
+    def block_logits(self, blocks: Sequence[tuple[ContextKVCache, Sequence[int]]]) -> Array:
+        """Logits ``[sum (B_i - 1), vocab]`` of positions ``1..B_i-1`` of every ``(cache, block ids)``,
+        in order, from ONE forward (each block attends to its own cache) and one LM head call."""
+
+    def argmax(self, logits: Array, caches: Sequence[ContextKVCache]) -> list[int]:
+        """Greedy tokens of ``logits`` rows: the host sync of a draft (the caches' new K/V settle with it)."""
+
+    def settle(self, caches: Sequence[ContextKVCache]) -> None:
+        """Finish writing the caches' new K/V now (a call that synced no ``argmax``)."""
+
+    def synchronize(self) -> None: ...
+
+
+def bind(model: DraftModel, target: TargetTensors) -> DraftModel:
+    """Hand a drafter its target's embedding table and LM head (it has neither of its own)."""
+    if target.hidden_size != model.config.hidden_size:
+        raise ValueError(f"target hidden_size {target.hidden_size} != draft hidden_size {model.config.hidden_size}")
+    model.target = target
+    return model
+
+
+def extend(model: DraftModel, caches: Sequence[ContextKVCache], auxs: Sequence[Array]) -> None:
+    """Append each ``auxs[i]`` (``[n_i, width]``, the next positions) to ``caches[i]``: the context
+    projections run once over every session's new rows, each cache takes its own."""
+    work = [(cache, aux) for cache, aux in zip(caches, auxs) if aux.shape[0]]
+    if not work:
+        return
+    kv = model.context_kv([aux for _, aux in work], [cache.length for cache, _ in work])
+    for (cache, _), layers in zip(work, kv):
+        cache.append(layers)
+
+
+def scale_embedding(config: DFlashConfig, rows: Array) -> Array:
+    """The block rows a drafter embeds, "Gap-B": the target's RAW embedding rows times
+    ``input_embedding_scale`` -- never Gemma's own sqrt(hidden) input scale."""
+    return rows * config.input_embedding_scale if config.input_embedding_scale != 1.0 else rows
+
+
+def scale_logits(config: DFlashConfig, logits: Array, tanh) -> Array:
+    """The target LM head's logits times ``output_multiplier``, then soft-capped (``tanh(l / cap) * cap``)."""
+    if config.output_multiplier != 1.0:
+        logits = logits * config.output_multiplier
+    cap = config.final_logit_softcapping
+    if cap is not None and cap > 0:
+        logits = tanh(logits / cap) * cap
+    return logits
