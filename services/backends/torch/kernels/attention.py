@@ -42,7 +42,7 @@ from kakeya.backends.torch.kernels.common import (
     tl_dtype,
 )
 
-NO_MAX = -1.0e30  # the running max before any visible key: finite, so exp(NO_MAX - NO_MAX) is 1, not NaN
+NO_MAX = tl.constexpr(-1.0e30)  # the running max before any visible key: finite, so exp(NO_MAX - NO_MAX) is 1, not NaN
 
 
 @triton.jit
