@@ -82,7 +82,8 @@ def cases(shape: dict, rows: int, ctx: int, device: torch.device, dtype: torch.d
         qw, kw = rand(D, shift=1), rand(D, shift=1)
         args = (qkv, Hq, n_kv, D, qw, kw, cos, sin, eps)
         moved = (qkv.numel() + (Hq + 2 * n_kv) * D * T + 2 * T * D + 2 * D) * es
-        out.append(Case(f"rope.qkv_norm_rope.{kind}", T, moved, lambda args=args, k=k_eq_v: rope.qkv_norm_rope(*args, k_eq_v=k),
+        out.append(Case(f"rope.qkv_norm_rope.{kind}", T, moved,
+                        lambda args=args, k=k_eq_v: rope.qkv_norm_rope(*args, k_eq_v=k),
                         lambda args=args, k=k_eq_v: rope.qkv_norm_rope_reference(*args, k_eq_v=k)))
         out.append(_attention_case(kind, a, T, ctx, n_kv, D, rand, device, es, attention))
     E, k = a.num_experts, a.top_k_experts
@@ -93,8 +94,9 @@ def cases(shape: dict, rows: int, ctx: int, device: torch.device, dtype: torch.d
     out.append(_experts_case(a, T, rand, device, dtype, es, moe))
     V = a.vocab_size
     lm = rand(T, V, scale=4)
-    out.append(Case("head.softcap_argmax", T, T * V * (es + 4), lambda: head.softcap_argmax(lm, a.final_logit_softcapping),
-                    lambda: head.softcap_argmax_reference(lm, a.final_logit_softcapping)))
+    cap = a.final_logit_softcapping
+    out.append(Case("head.softcap_argmax", T, T * V * (es + 4), lambda: head.softcap_argmax(lm, cap),
+                    lambda: head.softcap_argmax_reference(lm, cap)))
     return out
 
 
@@ -139,7 +141,8 @@ def _experts_case(a, T, rand, device, dtype, es, moe) -> Case:
     idx, w = moe.route(rand(T, E), k, rand(E, shift=1))
     routed = int(idx.unique().numel())
     moved = routed * 3 * mi * H * es + 2 * T * H * es + 2 * T * k * mi * es
-    return Case("moe.experts", T, moved, lambda: moe.experts(x, idx, w, m.gate_up, m.down), lambda: m.experts(x, idx, w))
+    return Case("moe.experts", T, moved, lambda: moe.experts(x, idx, w, m.gate_up, m.down),
+                lambda: m.experts(x, idx, w))
 
 
 def gpu_us(fn: Callable[[], object], reps: int, flush: torch.Tensor) -> tuple[float, bool]:
@@ -184,7 +187,7 @@ def measure_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16, *
                 try:
                     k_us, k_graphed = gpu_us(c.kernel, reps, flush)
                     e_us, e_graphed = gpu_us(c.eager, reps, flush)
-                except Exception as e:  # noqa: BLE001  (a kernel that fails on this GPU is reported; the rest still timed)
+                except Exception as e:  # noqa: BLE001  (a kernel failing on this GPU is reported, the rest timed)
                     out.append({"kernel": c.name, "rows": L, "error": repr(e)[:500]})
                     print(f"{c.name:30s} L={L:<2d} FAILED: {e!r}"[:300], flush=True)
                     continue

@@ -75,7 +75,8 @@ def _gemma4_attention(device, dtype, layer: int):
     attn = Attention(args, layer)
     g = torch.Generator().manual_seed(layer)
     for name, buf in attn.named_buffers():
-        buf.copy_(torch.randn(buf.shape, generator=g) * (buf.shape[-1] ** -0.5 if buf.dim() == 2 else 0.3) + (buf.dim() == 1))
+        scale, shift = (buf.shape[-1] ** -0.5, 0.0) if buf.dim() == 2 else (0.3, 1.0)  # weights; norm scales near 1
+        buf.copy_(torch.randn(buf.shape, generator=g) * scale + shift)
     attn.to(device, dtype)
     inv = rope_inv_freq(args.rope_parameters[args.layer_types[layer]], attn.head_dim)
     return attn, inv

@@ -25,22 +25,13 @@ rounded: before the softmax is normalised here (the running sum is not final yet
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from kakeya.backends.torch import ops
-from kakeya.backends.torch.kernels.common import (
-    check_device,
-    dot_dtype,
-    dot_precision,
-    round_to,
-    rounded,
-    tanh,
-    tl_dtype,
-)
+from kakeya.backends.torch.kernels import common
+from kakeya.backends.torch.kernels.common import round_to, rounded, tanh, tl_dtype
 
 NO_MAX = tl.constexpr(-1.0e30)  # the running max before any visible key: finite, so exp(NO_MAX - NO_MAX) is 1, not NaN
 
@@ -153,14 +144,6 @@ def _blocks(rows: int, head_dim: int) -> tuple[int, int, int]:
 STAGES = 2  # software-pipelined K/V loads in flight: two 32 x 512 bf16 K and V tiles stay well inside shared memory
 
 
-@functools.cache
-def _programs_wanted(device: torch.device) -> int:
-    """Enough programs to keep every SM busy (two waves); the interpreter runs them one by one."""
-    if device.type != "cuda":
-        return 4
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                      key_pos: torch.Tensor, query_pos: torch.Tensor, *, window: int = 0, sinks: int = 0,
                      scale: float = 1.0, softcap: float | None = None, splits: int | None = None) -> torch.Tensor:
@@ -168,7 +151,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     ``k_pool``/``v_pool`` ``[Hkv, rows, D]`` that ``table`` ``[B, S]`` names, masked by ``key_pos``
     ``[B, S]`` and ``query_pos`` ``[B, L]`` (see the module doc). ``splits``: key ranges per
     (session, KV head) run in parallel (default: enough programs for the device)."""
-    check_device(q, k_pool, v_pool, table, key_pos, query_pos)
+    common.check_device(q, k_pool, v_pool, table, key_pos, query_pos)
     dtype = tl_dtype(q)
     if q.dim() != 4 or k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
         raise ValueError(f"q must be [B, L, Hq, D] and k/v pools alike [Hkv, rows, D], got {tuple(q.shape)}, "
@@ -193,7 +176,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     m_tiles = triton.cdiv(G * L, block_m)
     programs = B * Hkv * m_tiles
     if splits is None:
-        splits = max(1, min(triton.cdiv(_programs_wanted(q.device), programs), triton.cdiv(S, block_n)))
+        splits = max(1, min(triton.cdiv(common.programs_wanted(q.device), programs), triton.cdiv(S, block_n)))
     keys_per_split = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
     splits = max(1, triton.cdiv(S, keys_per_split))  # no empty trailing split
     block_d = triton.next_power_of_2(D)
@@ -210,7 +193,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         table.stride(0), key_pos.stride(0), query_pos.stride(0), out.stride(0), out.stride(1), out.stride(2),
         S, keys_per_split, Hkv, m_tiles, L, G, window, sinks, scale, softcap or 1.0,
         HAS_WINDOW=window > 0, SCALED=scale != 1.0, SOFTCAP=softcap is not None, SPLITS=splits, D=D, DTYPE=dtype,
-        DOT=dot_dtype(q), PRECISION=dot_precision(q), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT=common.dot_dtype(q), PRECISION=common.dot_precision(q), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=warps, num_stages=STAGES)
     if splits > 1:
         _combine_kernel[(programs,)](part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),

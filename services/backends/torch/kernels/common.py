@@ -13,6 +13,7 @@ the accumulation is float32 on both).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -55,6 +56,15 @@ def dot_dtype(t: torch.Tensor) -> tl.dtype:
 def dot_precision(t: torch.Tensor) -> str:
     """float32 operands multiply in IEEE float32 (what torch's float32 matmul does by default), not TF32."""
     return "ieee" if t.dtype == torch.float32 or t.device.type == "cpu" else "tf32"
+
+
+@functools.cache
+def programs_wanted(device: torch.device) -> int:
+    """Programs a launch should spread its work over: two waves on every SM of a GPU; a few on the
+    CPU, where the interpreter runs them one by one (enough to exercise a split's reduction)."""
+    if device.type != "cuda":
+        return 4
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit

@@ -11,13 +11,12 @@ choice see the same numbers. ``write_logits=False`` skips writing them (greedy o
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from kakeya.backends.torch.kernels.common import check_device, tanh
+from kakeya.backends.torch.kernels import common
+from kakeya.backends.torch.kernels.common import tanh
 
 BLOCK = 1024  # logits per step of a chunk's loop
 
@@ -57,23 +56,16 @@ def _choose_kernel(best_ptr, where_ptr, choice_ptr, N_CHUNKS, BLOCK_C: tl.conste
     tl.store(choice_ptr + t, tl.sum(tl.where(c == first, where, 0), axis=0).to(tl.int64))
 
 
-@functools.cache
-def _programs_wanted(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few chunks, to exercise the reduction
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def softcap_argmax(logits: torch.Tensor, cap: float | None, *, write_logits: bool = True,
                    chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(choices [T] int64, capped logits [T, V] float32 or None)`` from the LM head's output
     ``logits`` ``[T, V]`` (any float dtype); ``cap=None``: no soft-cap. ``chunks``: programs per row."""
-    check_device(logits)
+    common.check_device(logits)
     if logits.dim() != 2 or logits.stride(1) != 1 or not logits.dtype.is_floating_point:
-        raise ValueError(f"logits must be float [T, V] with unit column stride, got {tuple(logits.shape)} {logits.dtype}")
+        raise ValueError(f"logits must be float [T, V], unit column stride; got {tuple(logits.shape)} {logits.dtype}")
     T, V = logits.shape
     if chunks is None:
-        chunks = max(1, min(triton.cdiv(_programs_wanted(logits.device), T), triton.cdiv(V, BLOCK)))
+        chunks = max(1, min(triton.cdiv(common.programs_wanted(logits.device), T), triton.cdiv(V, BLOCK)))
     chunk = triton.cdiv(triton.cdiv(V, chunks), BLOCK) * BLOCK
     chunks = triton.cdiv(V, chunk)
     capped = torch.empty((T, V), dtype=torch.float32, device=logits.device) if write_logits else None

@@ -23,15 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kakeya.backends.torch.kernels.common import (
-    check_device,
-    dot_dtype,
-    dot_precision,
-    gelu_tanh,
-    round_to,
-    rounded,
-    tl_dtype,
-)
+from kakeya.backends.torch.kernels import common
+from kakeya.backends.torch.kernels.common import gelu_tanh, round_to, rounded, tl_dtype
 
 MAX_ROWS = 64  # rows per call: beyond a few verifies' worth, the grouped GEMM is the better kernel
 
@@ -132,7 +125,7 @@ def _down_kernel(act_ptr, idx_ptr, w_ptr, down_ptr, out_ptr, T, E, H, MI, act_ro
 def route(logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(idx [T, k] int64, weights [T, k] float32)`` from router logits ``[T, E]`` (the router's
     GEMM output, any float dtype): the ``k`` most probable experts, largest first."""
-    check_device(logits, per_expert_scale)
+    common.check_device(logits, per_expert_scale)
     T, E = logits.shape
     if per_expert_scale.shape != (E,) or logits.stride(1) != 1 or not 1 <= top_k <= E:
         raise ValueError(f"logits [T, {E}] (unit column stride), per_expert_scale [{E}], 1 <= top_k <= {E}; got "
@@ -148,7 +141,7 @@ def experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: 
             down: torch.Tensor) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, h]`` for rows ``x`` ``[T, h]`` routed by ``idx``/``weights``
     ``[T, k]`` (:func:`route`), with ``gate_up`` ``[E, 2 * mi, h]`` and ``down`` ``[E, h, mi]``."""
-    check_device(x, idx, weights, gate_up, down)
+    common.check_device(x, idx, weights, gate_up, down)
     dtype = tl_dtype(x)
     T, H = x.shape
     E, two_mi, _ = gate_up.shape
@@ -164,10 +157,10 @@ def experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: 
                          f"{tuple(weights.shape)} {weights.dtype}")
     if not (idx.is_contiguous() and weights.is_contiguous() and x.stride(1) == 1 and gate_up.stride(2) == 1
             and down.stride(2) == 1):
-        raise ValueError("idx and weights must be contiguous, and x, gate_up and down have unit stride along their rows")
+        raise ValueError("idx and weights must be contiguous; x, gate_up and down need unit stride along their rows")
     act = torch.empty((T * K, MI), dtype=x.dtype, device=x.device)  # each (row, choice) pair's GeGLU output
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    blocks = {"K": K, "DTYPE": dtype, "DOT": dot_dtype(x), "PRECISION": dot_precision(x), "BLOCK_I": 64,
+    blocks = {"K": K, "DTYPE": dtype, "DOT": common.dot_dtype(x), "PRECISION": common.dot_precision(x), "BLOCK_I": 64,
               "BLOCK_T": max(16, triton.next_power_of_2(T)), "BLOCK_K": triton.next_power_of_2(K), "BLOCK_H": 64}
     _gate_up_kernel[(T * K, triton.cdiv(MI, 64))](x, idx, gate_up, act, T, H, MI, x.stride(0), gate_up.stride(0),
                                                   gate_up.stride(1), act.stride(0), **blocks)

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from kakeya.backends.torch import ops
-from kakeya.backends.torch.kernels.common import check_device, rounded, tl_dtype
+from kakeya.backends.torch.kernels import common
+from kakeya.backends.torch.kernels.common import rounded, tl_dtype
 
 
 @triton.jit
@@ -78,7 +79,7 @@ def _check_weight(w: torch.Tensor | None, H: int, name: str) -> None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, qwen3: bool = False) -> torch.Tensor:
     """RMSNorm of ``x``'s last axis (any leading shape), in ``x``'s dtype."""
-    check_device(x, weight)
+    common.check_device(x, weight)
     dtype = tl_dtype(x)
     H = x.shape[-1]
     _check_weight(weight, H, "weight")
@@ -96,10 +97,11 @@ def add_rms_norm(residual: torch.Tensor, branch: torch.Tensor, weight: torch.Ten
     """``(h, rms_norm(h, weight))`` with ``h = (residual + branch) * scale``: ``branch`` is normed by
     ``branch_weight`` first when one is given (Gemma-4's sandwich), ``scale`` is a one-element
     tensor (Gemma-4's ``layer_scalar``) or None."""
-    check_device(residual, branch, weight, branch_weight, scale)
+    common.check_device(residual, branch, weight, branch_weight, scale)
     dtype = tl_dtype(residual)
     if branch.shape != residual.shape or branch.dtype != residual.dtype:
-        raise ValueError(f"branch {tuple(branch.shape)} {branch.dtype} != residual {tuple(residual.shape)} {residual.dtype}")
+        raise ValueError(f"branch {tuple(branch.shape)} {branch.dtype} is not like "
+                         f"residual {tuple(residual.shape)} {residual.dtype}")
     H = residual.shape[-1]
     _check_weight(weight, H, "weight")
     _check_weight(branch_weight, H, "branch_weight")
@@ -118,7 +120,7 @@ def add_rms_norm(residual: torch.Tensor, branch: torch.Tensor, weight: torch.Ten
 # --------------------------------------------------------------------------- eager references
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, qwen3: bool = False) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, qwen3: bool = False):
     """The model's own norms (``backends/torch/ops.py``)."""
     if qwen3:
         return ops.qwen3_rms_norm(x, weight, eps) if weight is not None else ops.gemma4_rms_norm(x, None, eps)

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from kakeya.backends.torch import ops
-from kakeya.backends.torch.kernels.common import check_device, round_to, rounded, tl_dtype
+from kakeya.backends.torch.kernels import common
+from kakeya.backends.torch.kernels.common import round_to, rounded, tl_dtype
 
 
 @triton.jit
@@ -103,7 +104,7 @@ def qkv_norm_rope(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, q_w
     (n_heads + n_kv * (1 if k_eq_v else 2)) * D]``; ``n_kv=0``: queries only (a KV-shared layer),
     ``k`` and ``v`` None. Without ``v_norm`` (and ``cache``), ``v`` is a view of ``qkv``. With
     ``cache``, K and V go into the pool rows and are returned as None."""
-    check_device(qkv, q_weight, k_weight, cos, sin, *(cache or ()))
+    common.check_device(qkv, q_weight, k_weight, cos, sin, *(cache or ()))
     dtype = tl_dtype(qkv)
     T, D = qkv.shape[0], head_dim
     q_cols, k_cols = n_heads * D, n_kv * D
@@ -127,7 +128,8 @@ def qkv_norm_rope(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, q_w
         k, v, rows = cache
         for pool, name in ((k, "k_pool"), (v, "v_pool")):
             if pool.dim() != 3 or pool.shape[0] != n_kv or pool.shape[2] != D or pool.dtype != qkv.dtype:
-                raise ValueError(f"{name} must be a [{n_kv}, slots, {D}] {qkv.dtype} view, got {tuple(pool.shape)} {pool.dtype}")
+                raise ValueError(f"{name} must be a [{n_kv}, slots, {D}] {qkv.dtype} view, "
+                                 f"got {tuple(pool.shape)} {pool.dtype}")
         if k.stride() != v.stride() or k.stride(2) != 1 or rows.shape != (T,):
             raise ValueError(f"k_pool/v_pool must be laid out alike (unit stride along D), rows be [{T}]")
         kv_row, kv_head = k.stride(1), k.stride(0)
