@@ -58,6 +58,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, kpos_ptr, qpos_ptr, out_ptr, a
     head = kvh * G + rows // L
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
+    k_ptr += kvh.to(tl.int64) * sk_h  # this KV head's rows of the pools (64-bit: a shared pool may be large)
+    v_ptr += kvh.to(tl.int64) * sv_h
 
     q = tl.load(q_ptr + b * sq_b + l_idx[:, None] * sq_l + head[:, None] * sq_h + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
@@ -82,7 +84,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, kpos_ptr, qpos_ptr, out_ptr, a
         if tl.max(col_seen.to(tl.int32)) > 0:
             slot = tl.load(table_ptr + b * st_b + n, mask=col_seen, other=0).to(tl.int64)
             kv_ok = col_seen[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + kvh * sk_h + slot[:, None] * sk_r + d[None, :], mask=kv_ok, other=0.0)
+            k = tl.load(k_ptr + slot[:, None] * sk_r + d[None, :], mask=kv_ok, other=0.0)
             s = rounded(tl.dot(q, tl.trans(k.to(DOT)), input_precision=PRECISION), DTYPE)
             if SOFTCAP:
                 s = rounded(rounded(tanh(rounded(s / softcap, DTYPE)), DTYPE) * softcap, DTYPE)
@@ -91,7 +93,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, kpos_ptr, qpos_ptr, out_ptr, a
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + kvh * sv_h + slot[:, None] * sv_r + d[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(v_ptr + slot[:, None] * sv_r + d[None, :], mask=kv_ok, other=0.0)
             pv = tl.dot(round_to(p, DTYPE).to(DOT), v.to(DOT), input_precision=PRECISION)
             acc = acc * alpha[:, None] + pv
             m_i = m_new

@@ -81,7 +81,7 @@ def _qkv_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, 
         lo, hi = _rope_halves(lo, hi, cos_ptr, sin_ptr, offs, mask, HALF, DTYPE)
         _store_halves(q_ptr + t * q_row + head * D, lo, hi, offs, mask, HALF, DTYPE)
     else:
-        j = head - N_HEADS
+        j = (head - N_HEADS).to(tl.int64)  # 64-bit offsets: a shared pool may be large
         dst = t * kv_row + j * kv_head  # row t of the outputs, or pool row rows[t]
         if TO_POOL:
             dst = tl.load(rows_ptr + t).to(tl.int64) * kv_row + j * kv_head
