@@ -428,8 +428,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile each layer's row-wise halves in both models, as --compile does")
     p.add_argument("--profile", action="store_true", help="also record the top device kernels of AR, verify(1/2/4/8/16), draft(4/8/16), "
                    "and the ops (with input shapes) behind verify(1/8) and draft(8)")
+    p.add_argument("--kernels", action="store_true", help="also time each Triton kernel at this shape against its eager "
+                   "counterpart (benchmarks/kernels.py): achieved bandwidth, in a `kernels` section")
     p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT.relative_to(ROOT)} ({SMALL_OUT.name} with --small)")
     args = p.parse_args(argv)
+    if args.kernels and args.demo:
+        p.error("--kernels times the kernels at a random shape (the 26B one, or --small), not the demo pair")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.out is None:
@@ -489,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     if device.type == "cuda":
         out["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if args.kernels:  # each kernel's achieved bandwidth beside the step figures
+        from benchmarks.kernels import measure_kernels
+
+        out["kernels"] = measure_kernels(device, dtype, shape=shape, ctx=ctx, bandwidth=bandwidth)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     b = out["best_block_per_tau"]

@@ -6,8 +6,12 @@
 #
 # Parts (each step bounded in time and allowed to fail without stopping the rest):
 #   tests       the CUDA tests (graph replay == eager token for token, one host sync per verify/draft, ...)
-#   projection  benchmarks/gpu_projection.py on the gemma-4-26B-A4B shape, bf16: CUDA graphs, graphs +
-#               --compile (each layer's row-wise halves fused), no graphs (each with the top kernels)
+#   kernels     tests/kernels on CUDA: every Triton kernel (services/backends/torch/kernels) against the eager
+#               path, at the small shapes and the real ones; each kernel's achieved bandwidth comes with the
+#               projection (--kernels), or from benchmarks/kernels.py when that part is not run
+#   projection  benchmarks/gpu_projection.py on the gemma-4-26B-A4B shape, bf16: CUDA graphs (with each Triton
+#               kernel's bandwidth beside the steps), graphs + --compile (each layer's row-wise halves fused),
+#               no graphs (each with the top kernels)
 #   demo        the same on the embedded demo pair (float32; also --compile): where a tiny model's step is
 #               all overhead; benchmarks/small_gemm.py (few-row linears, each spelling of the product)
 #   generate    `kakeya generate --backend torch --device cuda --compare-ar` on the embedded demo pair
@@ -20,7 +24,7 @@
 set -u
 OUT=${1:?usage: gpu_session.sh OUT_DIR [quick]}
 QUICK=${2:-}
-PARTS=${PARTS:-tests projection demo generate batching concurrency}
+PARTS=${PARTS:-tests kernels projection demo generate batching concurrency}
 LOGS=${LOGS:-$OUT}  # each step's full log (LOGS=/tmp/x keeps OUT to the results alone)
 mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
@@ -53,8 +57,13 @@ if part tests; then
   step cuda_compile_tests 300 $PY -m pytest -q -p no:cacheprovider tests/torch_backend/test_compile.py -k cuda
 fi
 
+if part kernels; then  # the interpreter's tests again, compiled; then the real shapes
+  step kernel_tests 420 $PY -m pytest -q -p no:cacheprovider tests/kernels
+  part projection || step kernels 300 $PY benchmarks/kernels.py --reps $((REPS * 2)) --out "$OUT/kernels.json"
+fi
+
 if part projection; then
-  step projection_graphs 240 $PY benchmarks/gpu_projection.py --device cuda --reps $REPS --profile \
+  step projection_graphs 360 $PY benchmarks/gpu_projection.py --device cuda --reps $REPS --profile --kernels \
     --out "$OUT/gpu_projection.json"
   if [ -z "$QUICK" ]; then
     step projection_compiled 300 $PY benchmarks/gpu_projection.py --device cuda --reps $REPS --compile --profile \
