@@ -46,6 +46,8 @@ class ModelInfo:
     sliding_window: int
     backend: str  # "mlx" | "torch" | "grpc:<addr>"
     extra: dict = field(default_factory=dict)
+    max_position_embeddings: int = 0  # the target's config; 0: not known
+    max_context: int = 0  # positions one session may hold (a verifier server's --max-context); 0: no lower limit
 
 
 @dataclass(frozen=True)
@@ -264,16 +266,34 @@ class DrafterSession(Protocol):
 
 
 class Verifier(Protocol):
-    info: ModelInfo
+    """A target that hands out sessions: in this process (``verifier/session.py``) or over gRPC
+    (``orchestrator/remote.py``). What the public API needs of it is here, so no caller asks
+    which one it holds."""
+
+    info: ModelInfo  # also the limits: max_position_embeddings, max_context
+    aux_layers: tuple[int, ...]  # the layers whose hidden states its sessions return (the drafter's)
+    # Its sessions' default cache policy. A restoration source in it is named as this verifier's
+    # clients name it: a directory in process, the source name the verifier server publishes over gRPC.
+    policy: CachePolicy
 
     def open_session(self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None) -> VerifierSession:
         """A new session; ``policy`` overrides the verifier's default; ``sampling`` None: greedy."""
 
+    def healthy(self, timeout: float = 1.0) -> bool:
+        """Whether it answers now (a remote one: its health check within ``timeout``)."""
+
 
 class Drafter(Protocol):
+    """A DFlash drafter that hands out sessions, in this process or over gRPC."""
+
     block_size: int  # the checkpoint's trained block size (the default)
+    target_layer_ids: tuple[int, ...]  # the target layers whose hidden states it drafts from
+    backend: str  # "mlx" | "torch" | "grpc:<addr>"
 
     def open_session(self, sampling: SamplingParams | None = None) -> DrafterSession: ...
+
+    def status(self) -> dict[str, str]:
+        """What a server reports of it beyond its backend (a remote one: its reconnection state); may be empty."""
 
 
 @dataclass

@@ -100,6 +100,9 @@ class LocalDrafter:
     def open_session(self, sampling: SamplingParams | None = None) -> DrafterSession:
         return DrafterSession(self.model, sampling)
 
+    def status(self) -> dict[str, str]:
+        return {}  # in this process: no connection to lose
+
     def warm_up(self, block_sizes: Iterable[int] = WARM_BLOCK_SIZES, ctx: int = 64, aux=None) -> float:
         """One short session drafting each block size once, before serving; returns the seconds it took.
 

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import grpc
 
-from kakeya.core.contract import CachePolicy, Draft, Proposal, SamplingParams
+from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Draft, Proposal, SamplingParams
 from kakeya.orchestrator.deadlines import WATCHDOG, StepClock
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
@@ -294,7 +294,7 @@ class GrpcVerifierSession:
 
 
 class GrpcVerifier:
-    """``Verifier`` reached over gRPC. ``info`` comes from the server's GetInfo."""
+    """``Verifier`` reached over gRPC. ``info`` and the default ``policy`` come from the server's GetInfo."""
 
     def __init__(
         self, addr: str, *, wait_s: float | None = None, aux_like: str | None = None, channel=None, tls=None,
@@ -308,13 +308,11 @@ class GrpcVerifier:
         self.remote = _get_info("verifier", addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), wait_s)
         r = self.remote
         self.aux_layers = tuple(r.target_layer_ids)
-        self.max_block_size = r.max_block_size
         self.info = wire_contract.model_info_from_verifier(
             r, f"grpc:{addr}", {"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)}
         )
-        self.default_cache_policy = r.default_cache_policy
-        self.max_position_embeddings = r.max_position_embeddings  # 0: a server that does not say
-        self.max_context = r.max_context
+        # restoration sources stay named as the server publishes them: it maps the names to directories
+        self.policy = wire_contract.policy_from_proto(r.default_cache_policy, CachePolicy(slack=r.max_block_size or MAX_BLOCK_SIZE))
 
     def healthy(self, timeout: float = 1.0) -> bool:
         return backend_healthy(self.channel, timeout)
@@ -459,6 +457,7 @@ class GrpcDrafter:
         self.clock = clock or StepClock()
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.remote = _get_info("drafter", addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), wait_s)
+        self.backend = f"grpc:{addr}"
         self.block_size = self.remote.block_size
         self.target_layer_ids = tuple(self.remote.target_layer_ids)
         self.mask_token_id = self.remote.mask_token_id
@@ -480,6 +479,11 @@ class GrpcDrafter:
     @property
     def state(self) -> str:
         return "ok" if self.backoff.failures == 0 else ("backoff" if not self.backoff.ready() else "retrying")
+
+    def status(self) -> dict[str, str]:
+        """Its reconnection state: ``state`` (ok, backoff, retrying), ``failures`` in a row, ``last_error``."""
+        b = self.backoff
+        return {"state": self.state, "failures": str(b.failures)} | ({"last_error": b.last_error[:500]} if b.last_error else {})
 
     def close(self) -> None:
         self.channel.close()

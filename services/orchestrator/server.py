@@ -125,7 +125,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.max_prompt_tokens = 0  # set by load(): never above the target's max_position_embeddings
         self.max_position_embeddings = 0
         self.max_context = 0  # positions one verifier session may hold
-        self.restore = restore or bounds.RestoreSources()
+        self.restore = restore  # colocated: the --restore sources requests may name; None: the remote verifier maps names
         self.auth_token = auth_token
         self._build = build
         self.engine: Engine | None = None
@@ -171,28 +171,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         )
 
     def _set_limits(self) -> None:
-        v = self.engine.verifier
-        mpe = ctx = 0
-        if isinstance(v, GrpcVerifier):
-            mpe, ctx = v.max_position_embeddings, v.max_context
-        else:
-            from kakeya.checkpoints.config import load_target_config
-
-            try:
-                mpe = int(load_target_config(self.engine.target).get("max_position_embeddings") or 0)
-            except (OSError, ValueError, KeyError):
-                mpe = 0
-        self.max_position_embeddings = mpe or 131072
-        self.max_context = min(ctx or self.max_position_embeddings, self.max_position_embeddings)
+        info = self.engine.verifier.info
+        self.max_position_embeddings = info.max_position_embeddings or 131072
+        self.max_context = min(info.max_context or self.max_position_embeddings, self.max_position_embeddings)
         self.max_prompt_tokens = bounds.max_prompt_tokens(self.max_prompt_tokens_flag, self.max_context)
 
     def _drafter_backend(self) -> str:
         d = self.engine.drafter
-        if d is None:
-            return ""
-        if isinstance(d, GrpcDrafter):
-            return f"grpc:{d.addr}"
-        return getattr(self.engine, "backend", None) or self.engine.verifier.info.backend  # colocated: one backend
+        return d.backend if d is not None else ""
 
     # -- request validation --------------------------------------------------------------
 
@@ -384,11 +370,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is loading")
         e = self.engine
         i = e.verifier.info
-        if isinstance(e.verifier, GrpcVerifier):
-            policy = e.verifier.default_cache_policy
-        else:
-            policy = wire_contract.policy_to_proto(self.restore.to_wire(e.verifier.policy.resolve(i.sliding_window)))
-        layers = e.drafter.target_layer_ids if e.drafter is not None else getattr(e.verifier, "aux_layers", ())
+        policy = e.verifier.policy.resolve(i.sliding_window)
+        if self.restore is not None:  # colocated: a restoration directory goes out as its source's name
+            policy = self.restore.to_wire(policy)
+        layers = e.drafter.target_layer_ids if e.drafter is not None else e.verifier.aux_layers
         return wire_contract.public_model_info(
             i,
             target_model=e.target,
@@ -397,7 +382,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             max_tokens_limit=self.max_tokens_limit,
             default_max_tokens=self.default_max_tokens,
             has_tokenizer=e.codec is not None,
-            default_cache_policy=policy,
+            default_cache_policy=wire_contract.policy_to_proto(policy),
             target_layer_ids=list(layers),
             max_prompt_tokens=self.max_prompt_tokens,
             max_position_embeddings=self.max_position_embeddings,
@@ -405,12 +390,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     def GetServerInfo(self, request, context):
         e = self.engine
-        extra = {}
-        if e is not None and isinstance(e.drafter, GrpcDrafter):
-            b = e.drafter.backoff
-            extra = {"drafter_state": e.drafter.state, "drafter_failures": str(b.failures)}
-            if b.last_error:
-                extra["drafter_last_error"] = b.last_error[:500]
+        drafter = e.drafter if e is not None else None
+        extra = {f"drafter_{k}": v for k, v in drafter.status().items()} if drafter is not None else {}
         with self._lock:
             active, total = self.active, self.total
         return pb.ServerInfo(
@@ -435,7 +416,7 @@ def server_spec(servicer: GenerationServicer, tls=None) -> ServerSpec:
     def backends_ok() -> bool:
         """SERVING only while the verifier answers (a missing drafter only costs speed: AR fallback)."""
         e = servicer.engine
-        return e is None or not isinstance(e.verifier, GrpcVerifier) or e.verifier.healthy(timeout=1.0)
+        return e is None or e.verifier.healthy(timeout=1.0)
 
     def near_deadline() -> None:
         servicer.aborting = True  # in-flight generations end with FINISH_REASON_ABORT

@@ -231,10 +231,14 @@ class LocalVerifier:
             num_layers=args.num_hidden_layers,
             sliding_window=args.sliding_window,
             backend=target.backend,
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
         )
 
     def open_session(self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None) -> VerifierSession:
         return VerifierSession(self.target, self.aux_layers, policy or self.policy, sampling)
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        return True  # in this process: it answers whenever it is asked
 
 
 def mlx_verifier(target_dir: str | Path, aux_layers: Sequence[int], policy: CachePolicy = CachePolicy()) -> LocalVerifier:
