@@ -3,9 +3,10 @@
 Everything the loop, the sessions, the remote stubs, the servers and the
 engine agree on lives here and nowhere else: the ``Verifier``/``Drafter``
 protocols, the facts a verifier publishes (``ModelInfo``), the cache policy
-a session is opened with, the block-size limit, and the request and stats
-types. It imports nothing from ``services``: every package may depend on it,
-it depends on none of them. Its wire form is ``services/wire/convert.py``.
+and the options a session is opened with, the block-size limit, and the
+request and stats types. It imports nothing from ``services``: every package
+may depend on it, it depends on none of them. Its wire form is
+``services/wire/convert.py``.
 
 Aux hidden states are opaque to the loop: whatever the verifier returns
 (an ``mx.array``, a ``torch.Tensor``, an encoded proto tensor) is handed to
@@ -15,8 +16,9 @@ the drafter unchanged. Token ids are plain Python ints.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 # Attention layer kinds, as Hugging Face configs spell them in ``layer_types`` (Gemma-4, the DFlash drafter).
 SLIDING = "sliding_attention"
@@ -152,10 +154,6 @@ class SamplingParams:
 
         return replace(self, seed=secrets.randbits(63))
 
-    def session_kwargs(self) -> dict:
-        """``open_session`` keyword arguments: none for greedy (every session's default)."""
-        return {} if self.greedy else {"sampling": self}
-
     @property
     def label(self) -> str:
         if self.greedy:
@@ -212,6 +210,52 @@ def session_rng(seed: int, stream: int):
 
 
 VERIFIER_STREAM, DRAFTER_STREAM = 0, 1
+
+
+class Cancellation:
+    """A flag set once, from any thread (a client went away); ``on_cancel`` hooks run when it is.
+
+    A remote session registers how to end its stream, so a cancelled request
+    frees the backends' sessions at once, even while a step waits on one.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._hooks: list[Callable[[], None]] = []
+        self.cancelled = False
+
+    def on_cancel(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` when cancelled (now, if that already happened)."""
+        with self._lock:
+            if not self.cancelled:
+                self._hooks.append(hook)
+                return
+        hook()
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self.cancelled:
+                return
+            self.cancelled, hooks, self._hooks = True, self._hooks, []
+        for hook in hooks:
+            hook()
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """What one request tells the sessions it opens, beyond cache policy and sampling.
+
+    A remote session uses all of it: the request id travels with its stream,
+    the client's deadline bounds it, the verifier reserves ``max_positions``,
+    and ``cancel`` ends the stream. An in-process session accepts the options
+    and ignores them: its steps run on the caller's (or the compute) thread, so
+    a cancelled run simply stops calling it and closes it.
+    """
+
+    request_id: str = ""
+    timeout: float | None = None  # seconds the session may live (the client's deadline); None: no bound
+    max_positions: int = 0  # prompt + max_tokens: the most positions it will hold; 0: the server's limit
+    cancel: Cancellation | None = None
 
 
 class VerifierSession(Protocol):
@@ -276,7 +320,9 @@ class Verifier(Protocol):
     # clients name it: a directory in process, the source name the verifier server publishes over gRPC.
     policy: CachePolicy
 
-    def open_session(self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None) -> VerifierSession:
+    def open_session(
+        self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None, options: SessionOptions | None = None
+    ) -> VerifierSession:
         """A new session; ``policy`` overrides the verifier's default; ``sampling`` None: greedy."""
 
     def healthy(self, timeout: float = 1.0) -> bool:
@@ -290,7 +336,7 @@ class Drafter(Protocol):
     target_layer_ids: tuple[int, ...]  # the target layers whose hidden states it drafts from
     backend: str  # "mlx" | "torch" | "grpc:<addr>"
 
-    def open_session(self, sampling: SamplingParams | None = None) -> DrafterSession: ...
+    def open_session(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None) -> DrafterSession: ...
 
     def status(self) -> dict[str, str]:
         """What a server reports of it beyond its backend (a remote one: its reconnection state); may be empty."""

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from kakeya.core.contract import Draft, SamplingParams
+from kakeya.core.contract import Draft, SamplingParams, SessionOptions
 from kakeya.drafter.config import check_draft_args
 from kakeya.drafter.sampling import sampled_draft, session_sampling
 
@@ -97,7 +97,7 @@ class LocalDrafter:
         self.mask_token_id: int = int(model.config.mask_token_id)
         self.target_layer_ids: tuple[int, ...] = tuple(model.config.target_layer_ids)
 
-    def open_session(self, sampling: SamplingParams | None = None) -> DrafterSession:
+    def open_session(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None) -> DrafterSession:
         return DrafterSession(self.model, sampling)
 
     def status(self) -> dict[str, str]:

@@ -200,14 +200,17 @@ def split_engine(
     """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them.
 
     ``tls``: a ``kakeya.runtime.tls.ClientTLS`` for both; ``backend_timeout_s``: the step deadlines' floor.
+    The verifier's sessions return the hidden states of the drafter's layers (without a drafter:
+    the verifier server's default layers).
     """
     from kakeya.orchestrator.deadlines import DEFAULT_BACKEND_TIMEOUT_S, StepClock
     from kakeya.orchestrator.engine import Engine
     from kakeya.orchestrator.text import TextCodec
 
     floor = backend_timeout_s or DEFAULT_BACKEND_TIMEOUT_S
-    verifier = remote_verifier(verifier_addr, wait_s=wait_s, tls=tls, clock=StepClock(floor))
     drafter = remote_drafter(drafter_addr, wait_s=wait_s, tls=tls, clock=StepClock(floor)) if drafter_addr else None
+    aux_layers = drafter.target_layer_ids if drafter is not None else ()
+    verifier = remote_verifier(verifier_addr, aux_layers=aux_layers, wait_s=wait_s, tls=tls, clock=StepClock(floor))
     info = verifier.info
     if drafter is not None:
         d = drafter.remote

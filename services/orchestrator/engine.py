@@ -87,10 +87,9 @@ class Engine:
         block_size = self.block_policy(req)
         policy = req.cache_policy
         sampling = req.sampling.seeded()  # one seed for both sessions' streams, reported back
-        kw = sampling.session_kwargs()
-        vsession = self.verifier.open_session(policy, **kw) if policy is not None else self.verifier.open_session(**kw)
+        vsession = self.verifier.open_session(policy, sampling)
         speculate = self.drafter is not None and not (isinstance(block_size, int) and block_size == 1)
-        dsession = self.drafter.open_session(**kw) if speculate else None
+        dsession = self.drafter.open_session(sampling) if speculate else None
         try:
             gen = yield from loop.speculative_decode(
                 vsession, dsession, req.prompt_ids, req.max_tokens, block_size, stop, on_drafter_error

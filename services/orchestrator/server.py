@@ -25,10 +25,11 @@ from typing import Callable, Iterator
 
 import grpc
 
+from kakeya.core.contract import Cancellation, SessionOptions
 from kakeya.orchestrator import loop
 from kakeya.orchestrator.engine import Engine
 from kakeya.orchestrator.quality import quality_report
-from kakeya.orchestrator.remote import BackendError, GrpcDrafter, GrpcVerifier
+from kakeya.orchestrator.remote import BackendError
 from kakeya.orchestrator.requests import Limits, Params, parse_request
 from kakeya.orchestrator.text import PlainText, StopStrings
 from kakeya.runtime import bounds, logs
@@ -64,19 +65,19 @@ def _cache_kind(label: str) -> int:
 
 
 class _Run:
-    """One Generate call's backend sessions; ``cancel`` may come from any thread."""
+    """One Generate call's backend sessions; ``cancel`` may come from any thread (remote sessions' streams end)."""
 
     def __init__(self):
-        self.cancelled = False
+        self.cancellation = Cancellation()
         self.sessions: list = []
         self.drafter_fallback = False
 
+    @property
+    def cancelled(self) -> bool:
+        return self.cancellation.cancelled
+
     def cancel(self) -> None:
-        self.cancelled = True
-        for s in list(self.sessions):
-            abort = getattr(s, "abort", None)
-            if abort is not None:
-                abort()
+        self.cancellation.cancel()
 
 
 def _advance(it):
@@ -219,24 +220,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     def _open(self, params: Params, run: _Run, timeout: float | None):
         e = self.engine
-        if isinstance(e.verifier, GrpcVerifier):
-            # The drafter's aux layers; without a drafter the verifier's default (or any one layer).
-            layers = e.drafter.target_layer_ids if e.drafter is not None else ()
-            layers = layers or e.verifier.aux_layers or (e.verifier.info.num_layers - 1,)
-            vs = e.verifier.open_session(
-                params.policy, params.sampling, aux_layers=layers, timeout=timeout, request_id=params.request_id,
-                max_positions=len(params.prompt_ids) + params.max_tokens,
-            )
-        else:
-            kw = params.sampling.session_kwargs()
-            vs = e.verifier.open_session(params.policy, **kw) if params.policy is not None else e.verifier.open_session(**kw)
+        options = SessionOptions(params.request_id, timeout, len(params.prompt_ids) + params.max_tokens, run.cancellation)
+        vs = e.verifier.open_session(params.policy, params.sampling, options)
         run.sessions.append(vs)
         ds = None
         if e.drafter is not None and params.block_size != 1:  # 0: auto
-            if isinstance(e.drafter, GrpcDrafter):
-                ds = e.drafter.open_session(params.sampling, timeout=timeout, request_id=params.request_id)
-            else:
-                ds = e.drafter.open_session(**params.sampling.session_kwargs())
+            ds = e.drafter.open_session(params.sampling, options)
             run.sessions.append(ds)
         return vs, ds
 
@@ -250,8 +239,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             if run.cancelled:
                 return
             log.warning("request %s: drafter failed (%s); the verifier finishes alone", params.request_id, exc)
-            if ds is not None and hasattr(ds, "abort"):
-                ds.abort()
 
         try:
             vs, ds = self.step(self._open, params, run, timeout)
@@ -373,7 +360,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         policy = e.verifier.policy.resolve(i.sliding_window)
         if self.restore is not None:  # colocated: a restoration directory goes out as its source's name
             policy = self.restore.to_wire(policy)
-        layers = e.drafter.target_layer_ids if e.drafter is not None else e.verifier.aux_layers
         return wire_contract.public_model_info(
             i,
             target_model=e.target,
@@ -383,7 +369,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             default_max_tokens=self.default_max_tokens,
             has_tokenizer=e.codec is not None,
             default_cache_policy=wire_contract.policy_to_proto(policy),
-            target_layer_ids=list(layers),
+            target_layer_ids=list(e.verifier.aux_layers),
             max_prompt_tokens=self.max_prompt_tokens,
             max_position_embeddings=self.max_position_embeddings,
         )

@@ -15,7 +15,15 @@ from typing import Generator, Sequence
 
 from kakeya.checkpoints.config import load_target_config
 from kakeya.core import sampling as lossless
-from kakeya.core.contract import VERIFIER_STREAM, CachePolicy, ModelInfo, Proposal, SamplingParams, session_rng
+from kakeya.core.contract import (
+    VERIFIER_STREAM,
+    CachePolicy,
+    ModelInfo,
+    Proposal,
+    SamplingParams,
+    SessionOptions,
+    session_rng,
+)
 from kakeya.verifier.layout import RestoreView, RingLayout, restore_mask
 
 PREFILL_CHUNK = 512  # bounds prefill attention memory, like mlx-lm's prefill_step_size
@@ -234,7 +242,9 @@ class LocalVerifier:
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
         )
 
-    def open_session(self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None) -> VerifierSession:
+    def open_session(
+        self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None, options: SessionOptions | None = None
+    ) -> VerifierSession:
         return VerifierSession(self.target, self.aux_layers, policy or self.policy, sampling)
 
     def healthy(self, timeout: float = 1.0) -> bool:
