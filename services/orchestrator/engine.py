@@ -91,9 +91,9 @@ class Engine:
         speculate = self.drafter is not None and not (isinstance(block_size, int) and block_size == 1)
         dsession = self.drafter.open_session(sampling) if speculate else None
         try:
-            gen = yield from loop.speculative_decode(
-                vsession, dsession, req.prompt_ids, req.max_tokens, block_size, stop, on_drafter_error
-            )
+            decoding = loop.Decoding(vsession, dsession, req.prompt_ids, req.max_tokens, block_size, stop, on_drafter_error)
+            yield from decoding
+            gen = decoding.generation
             gen.verifier_stats = vsession.stats()
             gen.sampling = sampling
             if isinstance(block_size, BlockSizer):

@@ -3,7 +3,7 @@
 Holds an :class:`~kakeya.orchestrator.engine.Engine` whose verifier and
 drafter are either in-process (colocated) or gRPC clients (split,
 ``remote.py``); the request path is the same: validate, open one verifier and
-one drafter session, run ``loop.speculative_decode`` and stream each committed
+one drafter session, run a ``loop.Decoding`` and stream each committed
 block as a ``Chunk`` (token ids + their text), then one ``Complete`` with the
 finish reason, token counts and the speculative stats the CLI prints.
 
@@ -78,14 +78,6 @@ class _Run:
 
     def cancel(self) -> None:
         self.cancellation.cancel()
-
-
-def _advance(it):
-    """``next(it)`` as (False, item) or (True, the generator's return value)."""
-    try:
-        return False, next(it)
-    except StopIteration as stop:
-        return True, stop.value
 
 
 def _deadline(context) -> float | None:
@@ -251,9 +243,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             block_size = self.step(e.calibrate).sizer() if ds is not None else 1
             if ds is not None:
                 block_size.max_size = params.max_block
-        blocks = loop.speculative_decode(
-            vs, ds, params.prompt_ids, params.max_tokens, block_size, params.stop_ids, on_drafter_error
-        )
+        blocks = loop.Decoding(vs, ds, params.prompt_ids, params.max_tokens, block_size, params.stop_ids, on_drafter_error)
         text = StopStrings(e.codec, params.stop_strings) if params.stop_strings else PlainText(e.codec)
         seen: list[loop.Block] = []
         token_ids: list[int] = []
@@ -267,7 +257,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     finish = "abort"
                     break
                 try:
-                    done, value = self.step(_advance, blocks)
+                    value = self.step(next, blocks, None)
                 except Exception as exc:
                     if run.cancelled:
                         return
@@ -277,8 +267,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     log.warning("request %s failed mid-generation: %s", params.request_id, msg)
                     finish, error = "error", msg
                     break
-                if done:
-                    gen = value
+                if value is None:  # the loop is over: its record is complete
+                    gen = blocks.generation
                     finish = gen.finish_reason
                     if not isinstance(block_size, int):
                         e.adaptive.learn(block_size)  # the next request starts from what this one saw
