@@ -344,15 +344,22 @@ class Drafter(Protocol):
 
 @dataclass
 class Request:
-    """One generation as the engine takes it (token ids; text is the engine's codec's job)."""
+    """One generation, as every front (CLI, public API, benchmarks) hands it to the engine.
+
+    Token ids in: turning text into ids, and cutting the streamed text at
+    ``stop_strings``, is the front's work with the engine's codec.
+    """
 
     prompt_ids: list[int]
     max_tokens: int = 128
-    block_size: int = 0  # 0: the drafter's trained block size
-    stop_ids: Sequence[int] = ()
+    block_size: int = 0  # 0: auto, sized block by block (``orchestrator/adaptive.py``)
+    stop_ids: Sequence[int] = ()  # besides the model's EOS ids, unless ``ignore_eos``
+    stop_strings: Sequence[str] = ()
     ignore_eos: bool = False
     cache_policy: CachePolicy | None = None  # None: the verifier's default
-    sampling: SamplingParams = GREEDY
+    sampling: SamplingParams = GREEDY  # unseeded: the engine draws the seed (and reports it)
+    request_id: str = ""  # for logs and the backends' streams
+    max_block_size: int = MAX_BLOCK_SIZE  # the largest block auto may pick (the cache policy may cap it lower)
 
 
 @dataclass

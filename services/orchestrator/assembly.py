@@ -166,8 +166,8 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
 
     ``backend`` may be ``"auto"`` (see :func:`resolve_backend`); ``device``/``dtype``
     apply to torch (MLX runs where MLX runs, in the weights' dtype), and so do
-    ``torch_options`` (``cuda_graphs``/``compile``, for the verifier and the drafter). The engine's
-    ``backend``/``device`` attributes say what was chosen.
+    ``torch_options`` (``cuda_graphs``/``compile``, for the verifier and the drafter). What was
+    chosen: the verifier's ``info.backend`` and the engine's ``device``.
     """
     from kakeya.checkpoints.config import check_pair, load_draft_config, load_target_config
     from kakeya.orchestrator.engine import Engine
@@ -188,9 +188,7 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
     verifier = local_verifier(target, aux_layers, backend, **vkw)
     dkw = torch_kw | (torch_options or {})
     drafter = None if no_drafter else local_drafter(draft, target, backend, **dkw)
-    engine = Engine(verifier, drafter, TextCodec(target), target=target, draft="" if no_drafter else draft)
-    engine.backend, engine.device = backend, device
-    return engine
+    return Engine(verifier, drafter, TextCodec(target), target=target, draft="" if no_drafter else draft, device=device)
 
 
 def split_engine(

@@ -28,7 +28,7 @@ from kakeya.core.contract import MAX_BLOCK_SIZE, Block, DrafterSession, Generati
 if TYPE_CHECKING:
     from kakeya.orchestrator.adaptive import BlockSizer
 
-__all__ = ["MAX_BLOCK_SIZE", "Block", "Generation", "check_block_size", "Decoding", "run", "drive"]
+__all__ = ["MAX_BLOCK_SIZE", "Block", "Generation", "check_block_size", "Decoding", "run"]
 
 
 def leading_matches(candidates: Sequence[int], choices: Sequence[int]) -> int:
@@ -163,17 +163,6 @@ def _decode(
         yield gen.blocks[-1]
         last = tokens[-1]
     gen.decode_s = clock() - t_decode
-
-
-def drive(it, each: Callable | None = None):
-    """Exhaust a generator, calling ``each`` on every item; return the generator's return value."""
-    while True:
-        try:
-            item = next(it)
-        except StopIteration as done:
-            return done.value
-        if each is not None:
-            each(item)
 
 
 def run(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids=(), on_drafter_error=None) -> Generation:

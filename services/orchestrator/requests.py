@@ -1,4 +1,4 @@
-"""A public ``GenerateRequest`` -> validated :class:`Params`, or ``INVALID_ARGUMENT`` naming the field.
+"""A public ``GenerateRequest`` -> a validated :class:`~kakeya.core.contract.Request`, or ``INVALID_ARGUMENT`` naming the field.
 
 Every size a client sends is checked against this server's :class:`Limits`
 before anything is tokenized past a coarse bound or allocated anywhere (see
@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from kakeya.core.contract import GREEDY, MAX_BLOCK_SIZE, CachePolicy, SamplingParams
+from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Request
 from kakeya.orchestrator.engine import Engine
 from kakeya.runtime import bounds
 from kakeya.runtime.lifecycle import check_policy, check_token_ids, invalid, policy_from_request
@@ -32,30 +32,14 @@ class Limits:
     restore: bounds.RestoreSources | None
 
 
-@dataclass
-class Params:
-    """A validated GenerateRequest."""
-
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    block_size: int
-    stop_ids: frozenset[int]
-    stop_strings: tuple[str, ...]
-    policy: CachePolicy | None = None  # None: the verifier's default
-    sampling: SamplingParams = GREEDY  # seeded when sampling (the seed Complete reports)
-    max_block: int = MAX_BLOCK_SIZE  # the largest block auto (block_size 0) may choose
-
-
-
-def parse_request(r: pb.GenerateRequest, engine: Engine, limits: Limits) -> Params:
+def parse_request(r: pb.GenerateRequest, engine: Engine, limits: Limits) -> Request:
     try:
         return _parse(r, engine, limits)
     except ValueError as exc:  # the bounds module's checks
         raise invalid(str(exc)) from None
 
 
-def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Params:
+def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Request:
     vocab = e.verifier.info.vocab_size
     bounds.check_request_id(r.request_id)
     which = r.WhichOneof("prompt")
@@ -97,24 +81,20 @@ def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Params:
         raise invalid("sampling_params.stop: stop strings must not be empty")
     if stops and e.codec is None:
         raise invalid("sampling_params.stop: this server has no tokenizer (--tokenizer); use stop_token_ids")
-    stop_ids = set(check_token_ids(sp.stop_token_ids, vocab, "sampling_params.stop_token_ids", allow_empty=True))
-    if not sp.ignore_eos:
-        stop_ids |= set(e.verifier.info.eos_token_ids)
+    stop_ids = check_token_ids(sp.stop_token_ids, vocab, "sampling_params.stop_token_ids", allow_empty=True)
     if not 0 <= r.block_size <= MAX_BLOCK_SIZE:
         raise invalid(f"block_size must be 0 (auto) or 1..{MAX_BLOCK_SIZE}, got {r.block_size}")
     block_size = r.block_size if e.drafter is not None else 1
-    policy = _cache_policy(r, e, limits, block_size)
-    max_block = MAX_BLOCK_SIZE if policy is None else min(MAX_BLOCK_SIZE, policy.slack)
-    return Params(
-        request_id=r.request_id or uuid.uuid4().hex[:16],
+    return Request(
         prompt_ids=list(prompt),
         max_tokens=max_tokens,
         block_size=block_size,
-        stop_ids=frozenset(stop_ids),
+        stop_ids=tuple(stop_ids),
         stop_strings=stops,
-        policy=policy,
+        ignore_eos=sp.ignore_eos,
+        cache_policy=_cache_policy(r, e, limits, block_size),
         sampling=sampling,
-        max_block=max_block,
+        request_id=r.request_id or uuid.uuid4().hex[:16],
     )
 
 

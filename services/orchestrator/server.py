@@ -1,19 +1,21 @@
-"""The public Generation API (``protos/kakeya/v1/generate.proto``).
+"""The public Generation API (``protos/kakeya/v1/generate.proto``): translation only.
 
 Holds an :class:`~kakeya.orchestrator.engine.Engine` whose verifier and
 drafter are either in-process (colocated) or gRPC clients (split,
-``remote.py``); the request path is the same: validate, open one verifier and
-one drafter session, run a ``loop.Decoding`` and stream each committed
-block as a ``Chunk`` (token ids + their text), then one ``Complete`` with the
-finish reason, token counts and the speculative stats the CLI prints.
+``remote.py``); it never asks which. A request is parsed into a
+:class:`~kakeya.core.contract.Request` (``requests.py``) and run as the
+engine's :class:`~kakeya.orchestrator.engine.Run`; each committed block goes
+out as a ``Chunk`` (token ids + their text, cut at stop strings), then one
+``Complete`` with the finish reason, token counts and the speculative stats
+the CLI prints.
 
 Faults: a drafter that fails mid-generation is dropped for the rest of that
-generation (``loop``'s ``on_drafter_error``: the verifier finishes alone, same
+generation (the run's drafter fallback: the verifier finishes alone, same
 output, ``drafter_fallback`` set) and retried by later requests after a
 backoff. A failing verifier ends the RPC with its status (UNAVAILABLE,
 RESOURCE_EXHAUSTED, ...) before the first chunk, or with a ``Complete`` of
 ``FINISH_REASON_ERROR`` after it. The client's deadline bounds the backend
-streams; cancelling the call cancels them, which frees the backend sessions.
+streams; cancelling the call cancels the run, which frees the backend sessions.
 """
 
 from __future__ import annotations
@@ -25,13 +27,12 @@ from typing import Callable, Iterator
 
 import grpc
 
-from kakeya.core.contract import Cancellation, SessionOptions
-from kakeya.orchestrator import loop
-from kakeya.orchestrator.engine import Engine
+from kakeya.core.contract import Request
+from kakeya.orchestrator.engine import Engine, RunOptions
 from kakeya.orchestrator.quality import quality_report
 from kakeya.orchestrator.remote import BackendError
-from kakeya.orchestrator.requests import Limits, Params, parse_request
-from kakeya.orchestrator.text import PlainText, StopStrings
+from kakeya.orchestrator.requests import Limits, parse_request
+from kakeya.orchestrator.text import text_stream
 from kakeya.runtime import bounds, logs
 from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import DEFAULT_MAX_SESSIONS, ComputeThread, RequestError, ServerSpec, version, workers_for
@@ -64,25 +65,9 @@ def _cache_kind(label: str) -> int:
     return cache_pb2.CACHE_KIND_UNSPECIFIED
 
 
-class _Run:
-    """One Generate call's backend sessions; ``cancel`` may come from any thread (remote sessions' streams end)."""
-
-    def __init__(self):
-        self.cancellation = Cancellation()
-        self.sessions: list = []
-        self.drafter_fallback = False
-
-    @property
-    def cancelled(self) -> bool:
-        return self.cancellation.cancelled
-
-    def cancel(self) -> None:
-        self.cancellation.cancel()
-
-
 def _deadline(context) -> float | None:
     """Seconds left of the client's deadline (None without one): the backends' timeout."""
-    left = context.time_remaining()
+    left = None if context is None else context.time_remaining()
     return None if left is None or left > 1e7 else max(left, 0.001)
 
 
@@ -148,10 +133,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self._set_limits()
         # Warm-up: one short generation through the very path requests take.
         vocab = e.verifier.info.vocab_size
-        params = Params("warmup", [i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), frozenset(), ())
-        run = _Run()
+        warmup = Request([i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), ignore_eos=True, request_id="warmup")
         final = None
-        for resp in self._generate(params, run, None, observe=False):  # warm-up: not in the metrics
+        for resp in self._generate(warmup, observe=False):  # warm-up: not in the metrics
             final = resp
         c = final.complete
         if c.finish_reason == pb.FINISH_REASON_ERROR:
@@ -175,7 +159,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     # -- request validation --------------------------------------------------------------
 
-    def parse(self, r: pb.GenerateRequest) -> Params:
+    def parse(self, r: pb.GenerateRequest) -> Request:
         limits = Limits(
             self.max_tokens_limit, self.default_max_tokens, self.max_prompt_tokens, self.max_context, self.restore
         )
@@ -187,10 +171,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if not self.ready:
             context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)")
         try:
-            params = self.parse(request)
+            req = self.parse(request)
         except RequestError as exc:
             context.abort(exc.code, exc.message)
-        logs.bind(request_id=params.request_id)  # the interceptor resets it when the RPC ends
+        logs.bind(request_id=req.request_id)  # the interceptor resets it when the RPC ends
         with self._lock:
             if self.max_sessions and self.active >= self.max_sessions:
                 context.abort(
@@ -199,120 +183,57 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 )
             self.active += 1
             self.total += 1
-        run = _Run()
-        context.add_callback(run.cancel)
         try:
-            yield from self._generate(params, run, _deadline(context))
+            yield from self._generate(req, context)
         except RequestError as exc:
-            if not run.cancelled:
-                context.abort(exc.code, exc.message)
+            context.abort(exc.code, exc.message)
         finally:
             with self._lock:
                 self.active -= 1
 
-    def _open(self, params: Params, run: _Run, timeout: float | None):
-        e = self.engine
-        options = SessionOptions(params.request_id, timeout, len(params.prompt_ids) + params.max_tokens, run.cancellation)
-        vs = e.verifier.open_session(params.policy, params.sampling, options)
-        run.sessions.append(vs)
-        ds = None
-        if e.drafter is not None and params.block_size != 1:  # 0: auto
-            ds = e.drafter.open_session(params.sampling, options)
-            run.sessions.append(ds)
-        return vs, ds
-
-    def _generate(self, params: Params, run: _Run, timeout: float | None, observe: bool = True) -> Iterator[pb.GenerateResponse]:
-        """Stream one generation; RequestError before the first chunk, Complete(error) after it."""
-        e = self.engine
+    def _generate(self, req: Request, context=None, observe: bool = True) -> Iterator[pb.GenerateResponse]:
+        """Stream one generation; RequestError before the first chunk, Complete(error) after it, nothing once cancelled."""
         t_start = time.perf_counter()
-
-        def on_drafter_error(exc: Exception) -> None:
-            run.drafter_fallback = True
-            if run.cancelled:
-                return
-            log.warning("request %s: drafter failed (%s); the verifier finishes alone", params.request_id, exc)
-
         try:
-            vs, ds = self.step(self._open, params, run, timeout)
+            run = self.engine.start(req, RunOptions(_deadline(context), self.step, drafter_fallback=True))
         except Exception as exc:
-            self.step(self._close, None, run)  # whatever did open
             raise RequestError(*_status_of(exc)) from None
-        obs = self.metrics.generation(vs, ds, params) if observe else NO_OBSERVER  # also logs start and finish
-        block_size = params.block_size
-        if block_size == 0:  # auto: sized block by block from what this engine has measured and seen
-            block_size = self.step(e.calibrate).sizer() if ds is not None else 1
-            if ds is not None:
-                block_size.max_size = params.max_block
-        blocks = loop.Decoding(vs, ds, params.prompt_ids, params.max_tokens, block_size, params.stop_ids, on_drafter_error)
-        text = StopStrings(e.codec, params.stop_strings) if params.stop_strings else PlainText(e.codec)
-        seen: list[loop.Block] = []
-        token_ids: list[int] = []
-        gen = None
-        finish, error = "length", ""
+        if context is not None and not context.add_callback(run.cancel):
+            run.cancel()  # the call ended while the sessions opened
+        obs = self.metrics.generation(run.verifier_session, run.drafter_session, req) if observe else NO_OBSERVER
+        text = text_stream(self.engine.codec, req.stop_strings)
+        chunks, error = 0, ""
         try:
-            while True:
-                if run.cancelled:
-                    return
-                if self.aborting:
-                    finish = "abort"
-                    break
-                try:
-                    value = self.step(next, blocks, None)
-                except Exception as exc:
-                    if run.cancelled:
-                        return
-                    code, msg = _status_of(exc)
-                    if not seen:
-                        raise RequestError(code, msg) from None
-                    log.warning("request %s failed mid-generation: %s", params.request_id, msg)
-                    finish, error = "error", msg
-                    break
-                if value is None:  # the loop is over: its record is complete
-                    gen = blocks.generation
-                    finish = gen.finish_reason
-                    if not isinstance(block_size, int):
-                        e.adaptive.learn(block_size)  # the next request starts from what this one saw
-                    break
-                seen.append(value)
-                obs.block(value)
-                ids, delta, hit = text.add(value.tokens)
-                token_ids.extend(ids)
+            for block in run:
+                obs.block(block)
+                ids, delta, hit = text.add(block.tokens)
+                chunks += 1
                 yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(token_ids=ids, text=delta))
                 if hit:
-                    finish = "stop"
-                    break
-            tail = text.flush()
-            if tail:
-                yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=tail))
-            vstats = self.step(vs.stats) if finish != "error" else {}
+                    run.stop(len(ids))
+                elif self.aborting:
+                    run.close()  # the server is going down: FINISH_REASON_ABORT
+        except Exception as exc:  # the run failed (and closed its sessions)
+            code, msg = _status_of(exc)
+            if not chunks:
+                raise RequestError(code, msg) from None
+            log.warning("request %s failed mid-generation: %s", req.request_id, msg)
+            error = msg
         finally:
-            self.step(self._close, blocks, run)
+            run.close()  # also when the client went away while a chunk was on its way
+            gen = run.result
             if run.cancelled:
-                obs.finish("abort", fallback=run.drafter_fallback, prompt_tokens=len(params.prompt_ids), tokens=len(token_ids))
-        if gen is None:
-            gen = loop.Generation(
-                prompt_ids=list(params.prompt_ids),
-                blocks=seen,
-                prefill_s=seen[0].total_s if seen else 0.0,
-                decode_s=sum(b.total_s for b in seen[1:]),
-            )
-        gen.token_ids = token_ids
-        gen.finish_reason = finish
-        gen.drafter_fallback = gen.drafter_fallback or run.drafter_fallback
-        obs.finish(finish, fallback=gen.drafter_fallback, prompt_tokens=len(params.prompt_ids), tokens=len(token_ids))
-        yield pb.GenerateResponse(complete=self._complete(params, gen, vstats, time.perf_counter() - t_start, error))
+                obs.finish("abort", fallback=gen.drafter_fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids))
+        if run.cancelled:
+            return
+        tail = text.flush()
+        if tail:
+            yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=tail))
+        obs.finish(gen.finish_reason, fallback=gen.drafter_fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids))
+        yield pb.GenerateResponse(complete=self._complete(req, gen, time.perf_counter() - t_start, error))
 
-    @staticmethod
-    def _close(blocks, run: _Run) -> None:
-        if blocks is not None:
-            blocks.close()
-        for s in run.sessions:
-            try:
-                s.close()
-            except Exception:  # pragma: no cover - closing must not mask the outcome
-                log.exception("closing a backend session")
-
-    def _complete(self, params: Params, gen: loop.Generation, vstats: dict, total_s: float, error: str):
+    def _complete(self, req: Request, gen, total_s: float, error: str):
+        vstats = gen.verifier_stats
         kv = vstats.get("kv_bytes", {})
         stats = pb.SpecStats(
             acceptance_lengths=gen.acceptance_lengths,
@@ -325,21 +246,21 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             degenerate=quality_report(gen.token_ids)["degenerate"],
             decode_s=gen.decode_s,
             total_s=total_s,
-            block_size=params.block_size,
+            block_size=req.block_size,
             cache_kind=_cache_kind(vstats.get("cache_policy", "")),
             cache_policy=vstats.get("cache_policy", ""),
             cache_bounded=bool(vstats.get("bounded", False)),
         )
         complete = pb.GenerateResponse.Complete(
             finish_reason=FINISH[gen.finish_reason],
-            prompt_tokens=len(params.prompt_ids),
+            prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(gen.token_ids),
             stats=stats,
             error_message=error,
-            prompt_token_ids=params.prompt_ids,
+            prompt_token_ids=req.prompt_ids,
         )
-        if not params.sampling.greedy:
-            complete.seed = params.sampling.seed
+        if not gen.sampling.greedy:
+            complete.seed = gen.sampling.seed
         return complete
 
     def GetModelInfo(self, request, context):
