@@ -65,7 +65,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     engine = build_local_engine(args.target, args.draft, args.backend)
-    if engine.backend == "torch":
+    if engine.verifier.info.backend == "torch":
         set_torch_threads(None, engine.device, embedded=args.target is None)
     prompt_ids = engine.codec.encode(args.prompt)
     rows = []
@@ -82,7 +82,7 @@ def main(argv=None):
         "benchmark": "sampling",
         "target": _rel(engine.target),
         "draft": _rel(engine.draft),
-        "backend": engine.backend,
+        "backend": engine.verifier.info.backend,
         "device": engine.device,
         "block_size": args.block_size,
         "prompt_tokens": len(prompt_ids),

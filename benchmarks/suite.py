@@ -315,7 +315,8 @@ def split_rows(target_dir, draft_dir, prompts, args, ref) -> dict:
             procs.append(vp)
             dp, daddr = start("drafter", pair, Path(tmp))
             procs.append(dp)
-            gen = split_over_loopback(GrpcVerifier(vaddr), GrpcDrafter(daddr))
+            drafter = GrpcDrafter(daddr)
+            gen = split_over_loopback(GrpcVerifier(vaddr, aux_layers=drafter.target_layer_ids), drafter)
             for b in args.block_sizes:
                 print(f"kakeya split (loopback gRPC) block {b} ...", file=sys.stderr, flush=True)
                 r, outs = kakeya_runs(gen, prompts, args.max_tokens, b, args.repeats)

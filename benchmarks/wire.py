@@ -130,7 +130,7 @@ class Recorded:
 
 def run_split(verifier, drafter, prompt, max_tokens, block_size):
     log: list = []
-    vs = Recorded(verifier.open_session(aux_layers=drafter.target_layer_ids), "verifier", log)
+    vs = Recorded(verifier.open_session(), "verifier", log)
     ds = Recorded(drafter.open_session(), "drafter", log)
     try:
         gen = loop.run(vs, ds, prompt, max_tokens, block_size)
@@ -283,7 +283,8 @@ def main(argv=None):
             procs.append(dp)
             op, oaddr = start("orchestrator", ["--verifier", vaddr, "--drafter", daddr], tmp)
             procs.append(op)
-            verifier, drafter = GrpcVerifier(vaddr), GrpcDrafter(daddr)
+            drafter = GrpcDrafter(daddr)
+            verifier = GrpcVerifier(vaddr, aux_layers=drafter.target_layer_ids)
             rtt = unary_rtt_ms(verifier)
             results = [measure_block_size(local, verifier, drafter, prompt, args, b) for b in args.block_sizes]
             api = [measure_api(oaddr, prompt, args, b) for b in args.block_sizes]

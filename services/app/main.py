@@ -26,8 +26,9 @@ from kakeya.app.options import (
 
 def cmd_generate(args) -> int:
     from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
-    from kakeya.orchestrator.engine import Request, stream_text
-    from kakeya.orchestrator.loop import check_block_size, drive
+    from kakeya.orchestrator.engine import Request
+    from kakeya.orchestrator.loop import check_block_size
+    from kakeya.orchestrator.text import text_stream
 
     if args.prompt is not None and not args.prompt.strip():
         raise ValueError("--prompt is empty")
@@ -36,27 +37,32 @@ def cmd_generate(args) -> int:
     policy = cache_policy_from_args(args)
     engine = build_local_engine(args.target, args.draft, args.backend, args.device, args.dtype,
                                 torch_options=torch_options(args))
-    if engine.backend == "torch":
+    if engine.verifier.info.backend == "torch":
         set_torch_threads(args.torch_threads, engine.device, embedded=args.target is None)
     prompt_ids = engine.codec.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
     req = Request(prompt_ids, max_tokens=args.max_tokens, block_size=args.block_size or 0, ignore_eos=args.ignore_eos,
                   cache_policy=policy, sampling=sampling_from_args(args).seeded())
-    req.cache_policy.resolve(engine.verifier.info.sliding_window)
-    engine.validate(req)
+    engine.validate(req)  # before the warm-up: a bad request costs no model work
     _warm_up(engine, req, args.compare_ar)
-
-    def show(item):
-        if not args.json:
-            sys.stdout.write(item[1])
-            sys.stdout.flush()
-
-    gen = drive(stream_text(engine.codec, engine.stream(req)), show)
+    text = text_stream(engine.codec)
+    with engine.start(req) as run:
+        for block in run:
+            _show(args, text.add(block.tokens)[1])
+    _show(args, text.flush())
+    gen = run.result
     out = engine.report(req, gen)
     out["device"] = engine.device
     if args.compare_ar:
         out.update(_compare_ar(engine, req, gen))
     print_result(args, out)
     return 0
+
+
+def _show(args, text: str) -> None:
+    """The text as it streams (not with --json: stdout is the JSON line then)."""
+    if not args.json:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
 
 def _warm_up(engine, req, ar: bool) -> None:
@@ -80,7 +86,6 @@ def _compare_ar(engine, req, gen) -> dict:
     """
     from dataclasses import replace
 
-    stop = set(req.stop_ids) | (set() if req.ignore_eos else set(engine.verifier.info.eos_token_ids))
     policy = req.cache_policy
     if not req.sampling.greedy:  # AR sampling, same params and seed: a speed reference, not a token-identity one
         ar = engine.generate(replace(req, block_size=1))
@@ -91,12 +96,11 @@ def _compare_ar(engine, req, gen) -> dict:
             "ar_decode_tok_s": round(ar_tok_s, 3),
             "speedup": round(gen.decode_tok_s / ar_tok_s, 4) if ar_tok_s else 0.0,
         }
-    target = getattr(engine.verifier, "target", None)
     native = policy is None or (policy.kind == "native" and not policy.full_kv_bits)
-    if native and getattr(target, "backend", "") == "mlx":
+    if native and engine.verifier.info.backend == "mlx":  # the CLI's engine is in-process: its verifier holds the target
         from kakeya.verifier.mlx_backend.reference import greedy_reference
 
-        ar_ids, _, decode_s = greedy_reference(target.model, req.prompt_ids, req.max_tokens, stop)
+        ar_ids, _, decode_s = greedy_reference(engine.verifier.target.model, req.prompt_ids, req.max_tokens, engine.stop_ids(req))
         reference = "mlx-lm generate_step (native caches)"
     else:
         ar = engine.generate(replace(req, block_size=1))

@@ -3,9 +3,10 @@
 Everything the loop, the sessions, the remote stubs, the servers and the
 engine agree on lives here and nowhere else: the ``Verifier``/``Drafter``
 protocols, the facts a verifier publishes (``ModelInfo``), the cache policy
-a session is opened with, the block-size limit, and the request and stats
-types. It imports nothing from ``services``: every package may depend on it,
-it depends on none of them. Its wire form is ``services/wire/convert.py``.
+and the options a session is opened with, the block-size limit, and the
+request and stats types. It imports nothing from ``services``: every package
+may depend on it, it depends on none of them. Its wire form is
+``services/wire/convert.py``.
 
 Aux hidden states are opaque to the loop: whatever the verifier returns
 (an ``mx.array``, a ``torch.Tensor``, an encoded proto tensor) is handed to
@@ -15,8 +16,9 @@ the drafter unchanged. Token ids are plain Python ints.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 # Attention layer kinds, as Hugging Face configs spell them in ``layer_types`` (Gemma-4, the DFlash drafter).
 SLIDING = "sliding_attention"
@@ -46,6 +48,8 @@ class ModelInfo:
     sliding_window: int
     backend: str  # "mlx" | "torch" | "grpc:<addr>"
     extra: dict = field(default_factory=dict)
+    max_position_embeddings: int = 0  # the target's config; 0: not known
+    max_context: int = 0  # positions one session may hold (a verifier server's --max-context); 0: no lower limit
 
 
 @dataclass(frozen=True)
@@ -150,10 +154,6 @@ class SamplingParams:
 
         return replace(self, seed=secrets.randbits(63))
 
-    def session_kwargs(self) -> dict:
-        """``open_session`` keyword arguments: none for greedy (every session's default)."""
-        return {} if self.greedy else {"sampling": self}
-
     @property
     def label(self) -> str:
         if self.greedy:
@@ -216,6 +216,52 @@ def session_rng(seed: int, stream: int):
 VERIFIER_STREAM, DRAFTER_STREAM = 0, 1
 
 
+class Cancellation:
+    """A flag set once, from any thread (a client went away); ``on_cancel`` hooks run when it is.
+
+    A remote session registers how to end its stream, so a cancelled request
+    frees the backends' sessions at once, even while a step waits on one.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._hooks: list[Callable[[], None]] = []
+        self.cancelled = False
+
+    def on_cancel(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` when cancelled (now, if that already happened)."""
+        with self._lock:
+            if not self.cancelled:
+                self._hooks.append(hook)
+                return
+        hook()
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self.cancelled:
+                return
+            self.cancelled, hooks, self._hooks = True, self._hooks, []
+        for hook in hooks:
+            hook()
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """What one request tells the sessions it opens, beyond cache policy and sampling.
+
+    A remote session uses all of it: the request id travels with its stream,
+    the client's deadline bounds it, the verifier reserves ``max_positions``,
+    and ``cancel`` ends the stream. An in-process session accepts the options
+    and ignores them: its steps run on the caller's (or the compute) thread, so
+    a cancelled run simply stops calling it and closes it.
+    """
+
+    request_id: str = ""
+    timeout: float | None = None  # seconds the session may live (the client's deadline); None: no bound
+    max_positions: int = 0  # prompt + max_tokens: the most positions it will hold; 0: the server's limit
+    cancel: Cancellation | None = None
+
+
 class VerifierSession(Protocol):
     """One generation's verifier state: its KV cache lives exactly as long as this object."""
 
@@ -268,29 +314,56 @@ class DrafterSession(Protocol):
 
 
 class Verifier(Protocol):
-    info: ModelInfo
+    """A target that hands out sessions: in this process (``verifier/session.py``) or over gRPC
+    (``orchestrator/remote.py``). What the public API needs of it is here, so no caller asks
+    which one it holds."""
 
-    def open_session(self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None) -> VerifierSession:
+    info: ModelInfo  # also the limits: max_position_embeddings, max_context
+    aux_layers: tuple[int, ...]  # the layers whose hidden states its sessions return (the drafter's)
+    # Its sessions' default cache policy. A restoration source in it is named as this verifier's
+    # clients name it: a directory in process, the source name the verifier server publishes over gRPC.
+    policy: CachePolicy
+
+    def open_session(
+        self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None, options: SessionOptions | None = None
+    ) -> VerifierSession:
         """A new session; ``policy`` overrides the verifier's default; ``sampling`` None: greedy."""
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        """Whether it answers now (a remote one: its health check within ``timeout``)."""
 
 
 class Drafter(Protocol):
-    block_size: int  # the checkpoint's trained block size (the default)
+    """A DFlash drafter that hands out sessions, in this process or over gRPC."""
 
-    def open_session(self, sampling: SamplingParams | None = None) -> DrafterSession: ...
+    block_size: int  # the checkpoint's trained block size (the default)
+    target_layer_ids: tuple[int, ...]  # the target layers whose hidden states it drafts from
+    backend: str  # "mlx" | "torch" | "grpc:<addr>"
+
+    def open_session(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None) -> DrafterSession: ...
+
+    def status(self) -> dict[str, str]:
+        """What a server reports of it beyond its backend (a remote one: its reconnection state); may be empty."""
 
 
 @dataclass
 class Request:
-    """One generation as the engine takes it (token ids; text is the engine's codec's job)."""
+    """One generation, as every front (CLI, public API, benchmarks) hands it to the engine.
+
+    Token ids in: turning text into ids, and cutting the streamed text at
+    ``stop_strings``, is the front's work with the engine's codec.
+    """
 
     prompt_ids: list[int]
     max_tokens: int = 128
-    block_size: int = 0  # 0: the drafter's trained block size
-    stop_ids: Sequence[int] = ()
+    block_size: int = 0  # 0: auto, sized block by block (``orchestrator/adaptive.py``)
+    stop_ids: Sequence[int] = ()  # besides the model's EOS ids, unless ``ignore_eos``
+    stop_strings: Sequence[str] = ()
     ignore_eos: bool = False
     cache_policy: CachePolicy | None = None  # None: the verifier's default
-    sampling: SamplingParams = GREEDY
+    sampling: SamplingParams = GREEDY  # unseeded: the engine draws the seed (and reports it)
+    request_id: str = ""  # for logs and the backends' streams
+    max_block_size: int = MAX_BLOCK_SIZE  # the largest block auto may pick (the cache policy may cap it lower)
 
 
 @dataclass

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from kakeya.core.contract import Draft, SamplingParams
+from kakeya.core.contract import Draft, SamplingParams, SessionOptions
 from kakeya.drafter.backend import DraftModel, bind, extend
 from kakeya.drafter.config import check_draft_args
 from kakeya.drafter.sampling import sampled_draft, session_sampling
@@ -125,8 +125,11 @@ class LocalDrafter:
         self.mask_token_id: int = int(model.config.mask_token_id)
         self.target_layer_ids: tuple[int, ...] = tuple(model.config.target_layer_ids)
 
-    def open_session(self, sampling: SamplingParams | None = None) -> DrafterSession:
+    def open_session(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None) -> DrafterSession:
         return DrafterSession(self.model, sampling)
+
+    def status(self) -> dict[str, str]:
+        return {}  # in this process: no connection to lose
 
     def warm_up(self, block_sizes: Iterable[int] = WARM_BLOCK_SIZES, ctx: int = 64, aux=None) -> float:
         """One short session drafting each block size once, before serving; returns the seconds it took.

@@ -166,8 +166,8 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
 
     ``backend`` may be ``"auto"`` (see :func:`resolve_backend`); ``device``/``dtype``
     apply to torch (MLX runs where MLX runs, in the weights' dtype), and so do
-    ``torch_options`` (``cuda_graphs``/``compile``, for the verifier and the drafter). The engine's
-    ``backend``/``device`` attributes say what was chosen.
+    ``torch_options`` (``cuda_graphs``/``compile``, for the verifier and the drafter). What was
+    chosen: the verifier's ``info.backend`` and the engine's ``device``.
     """
     from kakeya.checkpoints.config import check_pair, load_draft_config, load_target_config
     from kakeya.orchestrator.engine import Engine
@@ -188,9 +188,7 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
     verifier = local_verifier(target, aux_layers, backend, **vkw)
     dkw = torch_kw | (torch_options or {})
     drafter = None if no_drafter else local_drafter(draft, target, backend, **dkw)
-    engine = Engine(verifier, drafter, TextCodec(target), target=target, draft="" if no_drafter else draft)
-    engine.backend, engine.device = backend, device
-    return engine
+    return Engine(verifier, drafter, TextCodec(target), target=target, draft="" if no_drafter else draft, device=device)
 
 
 def split_engine(
@@ -200,14 +198,17 @@ def split_engine(
     """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them.
 
     ``tls``: a ``kakeya.runtime.tls.ClientTLS`` for both; ``backend_timeout_s``: the step deadlines' floor.
+    The verifier's sessions return the hidden states of the drafter's layers (without a drafter:
+    the verifier server's default layers).
     """
     from kakeya.orchestrator.deadlines import DEFAULT_BACKEND_TIMEOUT_S, StepClock
     from kakeya.orchestrator.engine import Engine
     from kakeya.orchestrator.text import TextCodec
 
     floor = backend_timeout_s or DEFAULT_BACKEND_TIMEOUT_S
-    verifier = remote_verifier(verifier_addr, wait_s=wait_s, tls=tls, clock=StepClock(floor))
     drafter = remote_drafter(drafter_addr, wait_s=wait_s, tls=tls, clock=StepClock(floor)) if drafter_addr else None
+    aux_layers = drafter.target_layer_ids if drafter is not None else ()
+    verifier = remote_verifier(verifier_addr, aux_layers=aux_layers, wait_s=wait_s, tls=tls, clock=StepClock(floor))
     info = verifier.info
     if drafter is not None:
         d = drafter.remote

@@ -1,26 +1,34 @@
-"""An orchestrator engine: a verifier, a drafter and a tokenizer behind one generate call.
+"""An orchestrator engine: a verifier, a drafter and a tokenizer, and the one path a request takes.
 
-Shared by the CLI and the public gRPC server, so both report the same stats.
-Which verifier/drafter it holds (in-process MLX, in-process torch, remote
-gRPC) is decided by whoever builds it; the engine never looks.
+Every front (the CLI, the public gRPC server, niah, the benchmarks) starts a
+:class:`Run` with :meth:`Engine.start` and iterates it, so all of them open,
+size, fall back, stop and close alike, and report the same stats. Which
+verifier/drafter the engine holds (in-process MLX, in-process torch, remote
+gRPC) is decided by whoever builds it (``assembly.py``); the engine never looks.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from kakeya.core.contract import Drafter, Request, Verifier
+from kakeya.core.contract import Cancellation, Drafter, Request, SessionOptions, Verifier
 from kakeya.orchestrator import loop
 from kakeya.orchestrator.adaptive import AdaptivePolicy, BlockSizer, measure_costs
 from kakeya.orchestrator.quality import quality_report
-from kakeya.orchestrator.text import StreamDecoder, TextCodec
+from kakeya.orchestrator.text import TextCodec
+
+log = logging.getLogger("kakeya.orchestrator")
 
 
 class Engine:
-    def __init__(self, verifier: Verifier, drafter: Drafter | None, codec: TextCodec, target: str = "", draft: str = ""):
+    def __init__(self, verifier: Verifier, drafter: Drafter | None, codec: TextCodec | None, target: str = "",
+                 draft: str = "", device: str | None = None):
         self.verifier, self.drafter, self.codec = verifier, drafter, codec
         self.target, self.draft = target, draft
+        self.device = device  # what reports print (in-process torch: "cpu"/"cuda"; None: not known here)
         self.adaptive: AdaptivePolicy | None = None  # measured on the first request that asks for it
         self._calibrating = threading.Lock()
 
@@ -30,12 +38,10 @@ class Engine:
         return self.drafter.block_size if self.drafter is not None else 1
 
     def max_block_size(self, policy=None) -> int:
-        """The largest block a session under ``policy`` can verify and roll back exactly."""
+        """The largest block a session under ``policy`` (None: the verifier's default) can verify and roll back exactly."""
         if self.drafter is None:
             return 1
-        if policy is None:
-            return loop.MAX_BLOCK_SIZE
-        resolved = policy.resolve(self.verifier.info.sliding_window)
+        resolved = (policy or self.verifier.policy).resolve(self.verifier.info.sliding_window)
         return min(loop.MAX_BLOCK_SIZE, resolved.slack, resolved.window if resolved.restore else loop.MAX_BLOCK_SIZE)
 
     def calibrate(self) -> AdaptivePolicy:
@@ -47,13 +53,18 @@ class Engine:
                 self.adaptive = AdaptivePolicy(costs, initial=self.default_block_size)
         return self.adaptive
 
-    def block_policy(self, req: Request) -> "int | BlockSizer":
+    def block_sizer(self, req: Request) -> "int | BlockSizer":
         """A fixed size, or for ``block_size`` 0 (auto) a sizer primed with what this engine has seen."""
         if req.block_size or self.drafter is None:
             return req.block_size or 1
         sizer = self.calibrate().sizer()
-        sizer.max_size = self.max_block_size(req.cache_policy)
+        sizer.max_size = min(req.max_block_size, self.max_block_size(req.cache_policy))
         return sizer
+
+    def stop_ids(self, req: Request) -> frozenset[int]:
+        """The tokens that end ``req``'s generation (included in it)."""
+        eos = () if req.ignore_eos else self.verifier.info.eos_token_ids
+        return frozenset(req.stop_ids) | frozenset(eos)
 
     def validate(self, req: Request) -> None:
         """Raise ValueError naming the offending field."""
@@ -66,47 +77,29 @@ class Engine:
         if req.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {req.max_tokens}")
         req.sampling.check()
+        if not 1 <= req.max_block_size <= loop.MAX_BLOCK_SIZE:
+            raise ValueError(f"max_block_size must be between 1 and {loop.MAX_BLOCK_SIZE}, got {req.max_block_size}")
+        resolved = (req.cache_policy or self.verifier.policy).resolve(self.verifier.info.sliding_window)
         if req.block_size == 0:
             return  # auto: sized within the policy's limits (``max_block_size``)
         block_size = req.block_size
         loop.check_block_size(block_size)
-        policy = req.cache_policy
-        if policy is not None:
-            resolved = policy.resolve(self.verifier.info.sliding_window)
-            if block_size > resolved.slack:
-                raise ValueError(f"block_size {block_size} exceeds the cache policy's rollback slack {resolved.slack}")
-            if resolved.restore and block_size > resolved.window:
-                raise ValueError(f"block_size {block_size} exceeds the restoring window {resolved.window}")
+        if block_size > resolved.slack:
+            raise ValueError(f"block_size {block_size} exceeds the cache policy's rollback slack {resolved.slack}")
+        if resolved.restore and block_size > resolved.window:
+            raise ValueError(f"block_size {block_size} exceeds the restoring window {resolved.window}")
 
-    def stream(self, req: Request, on_drafter_error=None) -> Iterator[loop.Block]:
-        """Yield committed blocks; returns the finished :class:`loop.Generation`."""
+    def start(self, req: Request, options: "RunOptions | None" = None) -> "Run":
+        """Validate ``req`` (ValueError naming the field), open its sessions and return the :class:`Run`."""
         self.validate(req)
-        stop = set(req.stop_ids)
-        if not req.ignore_eos:
-            stop |= set(self.verifier.info.eos_token_ids)
-        block_size = self.block_policy(req)
-        policy = req.cache_policy
-        sampling = req.sampling.seeded()  # one seed for both sessions' streams, reported back
-        kw = sampling.session_kwargs()
-        vsession = self.verifier.open_session(policy, **kw) if policy is not None else self.verifier.open_session(**kw)
-        speculate = self.drafter is not None and not (isinstance(block_size, int) and block_size == 1)
-        dsession = self.drafter.open_session(**kw) if speculate else None
-        try:
-            gen = yield from loop.speculative_decode(
-                vsession, dsession, req.prompt_ids, req.max_tokens, block_size, stop, on_drafter_error
-            )
-            gen.verifier_stats = vsession.stats()
-            gen.sampling = sampling
-            if isinstance(block_size, BlockSizer):
-                self.adaptive.learn(block_size)
-            return gen
-        finally:
-            vsession.close()
-            if dsession is not None:
-                dsession.close()
+        return Run(self, req, options or RunOptions())
 
-    def generate(self, req: Request) -> loop.Generation:
-        return loop.drive(self.stream(req))
+    def generate(self, req: Request, options: "RunOptions | None" = None) -> loop.Generation:
+        """:meth:`start` ``req`` and run it to the end."""
+        with self.start(req, options) as run:
+            for _ in run:
+                pass
+        return run.result
 
     def report(self, req: Request, gen: loop.Generation) -> dict:
         """The stats every front end prints (CLI --json, the Generate API's final message)."""
@@ -141,12 +134,143 @@ def sampling_report(s) -> dict:
     return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p}
 
 
-def stream_text(codec: TextCodec, blocks: Iterator[loop.Block]) -> Iterator[tuple[list[int], str]]:
-    """Pair each block's tokens with the text they complete; returns what ``blocks`` returns."""
-    dec = StreamDecoder(codec)
-    while True:
+def _call(fn: Callable, *args) -> Any:
+    return fn(*args)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a front runs a request (what to generate is the :class:`Request`)."""
+
+    timeout: float | None = None  # the client's deadline in seconds: bounds the backend sessions; None: none
+    step: Callable[..., Any] = _call  # runs each piece of model work; a colocated server: on its compute thread
+    # A failing drafter: the verifier finishes alone (same tokens, ``drafter_fallback`` set) instead of
+    # failing the run. Servers want that; tests and benchmarks want a broken drafter to fail loudly.
+    drafter_fallback: bool = False
+
+
+class Run:
+    """One request through an engine: iterate it for the committed blocks, then read ``result``.
+
+    It owns what lies between a request and its blocks, for every front alike:
+    opening the verifier and drafter sessions, the adaptive sizer (block size 0)
+    and what the engine learns from it, the fallback to the verifier alone when
+    the drafter fails, stop tokens, and closing both sessions however the run
+    ends: exhausted, ended early (``close``, ``stop``), failed (the exception
+    comes out of ``next``), or cancelled from any thread (``cancel``: the
+    iteration then just ends). A context manager: leaving it closes the run.
+    """
+
+    def __init__(self, engine: Engine, req: Request, options: RunOptions):
+        self.request, self._engine, self._step = req, engine, options.step
+        self._sampling = req.sampling.seeded()  # one seed for both sessions' streams, reported back
+        self._cancellation = Cancellation()
+        self._result: loop.Generation | None = None
+        self._decoding: loop.Decoding | None = None
+        self.verifier_session = self.drafter_session = None  # read by a server's metrics (their backends' time)
+        self._sizer = self._step(engine.block_sizer, req)
+        sessions = SessionOptions(req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation)
         try:
-            block = next(blocks)
-        except StopIteration as done:
-            return done.value
-        yield block.tokens, dec.add(block.tokens)
+            self._step(self._open, sessions)
+        except BaseException:
+            self._step(self._close_sessions)
+            raise
+        on_drafter_error = self._drafter_failed if options.drafter_fallback else None
+        self._decoding = loop.Decoding(
+            self.verifier_session, self.drafter_session, req.prompt_ids, req.max_tokens, self._sizer,
+            engine.stop_ids(req), on_drafter_error,
+        )
+
+    def _open(self, options: SessionOptions) -> None:
+        e, req = self._engine, self.request
+        self.verifier_session = e.verifier.open_session(req.cache_policy, self._sampling, options)
+        speculate = isinstance(self._sizer, BlockSizer) or self._sizer > 1
+        if e.drafter is not None and speculate:
+            self.drafter_session = e.drafter.open_session(self._sampling, options)
+
+    def __iter__(self) -> "Run":
+        return self
+
+    def __next__(self) -> loop.Block:
+        if self._result is not None:
+            raise StopIteration
+        block = None if self.cancelled else self._advance()
+        if self.cancelled:
+            self._end("abort")
+        elif block is None:
+            self._end(self._decoding.generation.finish_reason, learn=True)
+        else:
+            return block
+        raise StopIteration
+
+    def _advance(self) -> loop.Block | None:
+        """The loop's next block on the step's thread (None: the loop is over); a failure ends the run."""
+        try:
+            return self._step(next, self._decoding, None)
+        except Exception:
+            if self.cancelled:  # a cancel ends the backends' streams under a step: not a failure
+                return None
+            self._end("error")
+            raise
+
+    @property
+    def result(self) -> loop.Generation:
+        """The finished :class:`Generation`: what was committed, how it ended, the verifier's stats."""
+        if self._result is None:
+            raise RuntimeError("the run is not over: iterate it to the end, or close it")
+        return self._result
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancellation.cancelled
+
+    def cancel(self) -> None:
+        """End the run from any thread (say, a gRPC cancel callback): remote sessions' streams end at once,
+        the iteration ends at its next step and closes what is left."""
+        self._cancellation.cancel()
+
+    def close(self) -> None:
+        """End the run now if it is not over; what was committed is the result (finish reason ``abort``)."""
+        if self._result is None:
+            self._end("abort")
+
+    def stop(self, keep: int) -> None:
+        """End the run at a stop the front found in the last block (a stop string): keep its first ``keep`` tokens."""
+        gen = self._decoding.generation
+        dropped = len(gen.blocks[-1].tokens) - keep
+        if dropped > 0:
+            del gen.blocks[-1].tokens[keep:]
+            del gen.token_ids[-dropped:]
+        self._end("stop")
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _drafter_failed(self, exc: Exception) -> None:
+        if not self.cancelled:  # a cancel ends the drafter's stream too: that is not its failure
+            log.warning("request %s: drafter failed (%s); the verifier finishes alone", self.request.request_id or "-", exc)
+
+    def _end(self, finish_reason: str, learn: bool = False) -> None:
+        gen = self._decoding.generation
+        gen.finish_reason, gen.sampling = finish_reason, self._sampling
+        self._result = gen
+        try:
+            if finish_reason != "error" and not self.cancelled:  # the cache as it ends (what reports show)
+                gen.verifier_stats = self._step(self.verifier_session.stats)
+            if learn and isinstance(self._sizer, BlockSizer):
+                self._engine.adaptive.learn(self._sizer)  # the next request starts from what this one saw
+        finally:
+            self._step(self._close_sessions)
+
+    def _close_sessions(self) -> None:
+        if self._decoding is not None:
+            self._decoding.close()
+        for session in (self.drafter_session, self.verifier_session):
+            if session is not None:
+                try:
+                    session.close()
+                except Exception:  # closing must not mask the outcome
+                    log.exception("closing a backend session")

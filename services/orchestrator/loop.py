@@ -36,7 +36,7 @@ from kakeya.core.contract import (
 if TYPE_CHECKING:
     from kakeya.orchestrator.adaptive import BlockSizer
 
-__all__ = ["MAX_BLOCK_SIZE", "Block", "Generation", "check_block_size", "speculative_decode", "run", "drive"]
+__all__ = ["MAX_BLOCK_SIZE", "Block", "Generation", "check_block_size", "Decoding", "run"]
 
 NO_DRAFT = Draft(())  # a block the drafter sits out: size 1, or the verifier decoding alone
 
@@ -51,16 +51,11 @@ def leading_matches(candidates: Sequence[int], choices: Sequence[int]) -> int:
     return n
 
 
-def speculative_decode(
-    verifier: VerifierSession,
-    drafter: DrafterSession | None,
-    prompt_ids: Sequence[int],
-    max_tokens: int,
-    block_size: "int | BlockSizer",
-    stop_ids: Iterable[int] = (),
-    on_drafter_error: Callable[[Exception], None] | None = None,
-) -> Iterator[Block]:
-    """Yield each committed block; the generator's return value is the :class:`Generation`.
+class Decoding:
+    """One generation through the loop: an iterator of its committed blocks.
+
+    ``generation`` is the record, kept as the blocks come: closing early keeps
+    what was committed; once the iteration has ended it is complete.
 
     ``block_size`` is a fixed size or a :class:`~kakeya.orchestrator.adaptive.BlockSizer`
     that picks each block's size from what it has seen (``choose``/``observe``).
@@ -69,15 +64,49 @@ def speculative_decode(
     a drafter exception is reported to it and the rest of the generation runs
     on the verifier alone instead of failing.
     """
+
+    def __init__(
+        self,
+        verifier: VerifierSession,
+        drafter: DrafterSession | None,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        block_size: "int | BlockSizer",
+        stop_ids: Iterable[int] = (),
+        on_drafter_error: Callable[[Exception], None] | None = None,
+    ):
+        self.generation = Generation(prompt_ids=list(prompt_ids))
+        self._blocks = _decode(self.generation, verifier, drafter, max_tokens, block_size, stop_ids, on_drafter_error)
+
+    def __iter__(self) -> "Decoding":
+        return self
+
+    def __next__(self) -> Block:
+        return next(self._blocks)
+
+    def close(self) -> None:
+        self._blocks.close()
+
+
+def _decode(
+    gen: Generation,
+    verifier: VerifierSession,
+    drafter: DrafterSession | None,
+    max_tokens: int,
+    block_size: "int | BlockSizer",
+    stop_ids: Iterable[int],
+    on_drafter_error: Callable[[Exception], None] | None,
+) -> Iterator[Block]:
+    """:class:`Decoding`'s steps: record each committed block in ``gen`` and yield it."""
     sizer = None if isinstance(block_size, int) else block_size
     if sizer is None:
         check_block_size(block_size)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    prompt_ids = gen.prompt_ids
     if not prompt_ids:
         raise ValueError("prompt is empty")
     stop = frozenset(stop_ids)
-    gen = Generation(prompt_ids=list(prompt_ids))
     clock = time.perf_counter
 
     t0 = clock()
@@ -94,6 +123,7 @@ def speculative_decode(
                 break
         gen.blocks.append(block)
         gen.token_ids.extend(block.tokens)
+        gen.decode_s = clock() - t_decode  # so far: a generation closed early has its time too
         return gen.finish_reason == "stop" or len(gen.token_ids) >= max_tokens
 
     done = emit(Block([first], 0, 0, total_s=gen.prefill_s))
@@ -143,20 +173,11 @@ def speculative_decode(
         yield gen.blocks[-1]
         last = tokens[-1]
     gen.decode_s = clock() - t_decode
-    return gen
-
-
-def drive(it, each: Callable | None = None):
-    """Exhaust a generator, calling ``each`` on every item; return the generator's return value."""
-    while True:
-        try:
-            item = next(it)
-        except StopIteration as done:
-            return done.value
-        if each is not None:
-            each(item)
 
 
 def run(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids=(), on_drafter_error=None) -> Generation:
-    """Run :func:`speculative_decode` to the end and return the whole generation."""
-    return drive(speculative_decode(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids, on_drafter_error))
+    """Run a :class:`Decoding` to the end and return the whole generation."""
+    decoding = Decoding(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids, on_drafter_error)
+    for _ in decoding:
+        pass
+    return decoding.generation

@@ -11,6 +11,10 @@ as it came and a drafter session sends a ``Tensor`` as it is (an array is
 encoded with ``services/wire/codec.py``), so split deployments never decode
 aux in the orchestrator.
 
+A session takes its request's ``SessionOptions``: the request id travels with
+the stream, the client's deadline bounds it, and a cancelled request aborts it
+at once (from whichever thread cancels).
+
 Failures surface as :class:`BackendError` carrying the gRPC status code. A
 ``GrpcDrafter`` that failed is skipped for a while (exponential backoff) and
 then tried again, so the orchestrator reconnects once the drafter is back.
@@ -25,16 +29,16 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Sequence
 
 import grpc
 
-from kakeya.core.contract import CachePolicy, Draft, Proposal, SamplingParams
+from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Draft, Proposal, SamplingParams, SessionOptions
 from kakeya.orchestrator.deadlines import WATCHDOG, StepClock
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
-from kakeya.wire.kakeya.v1 import cache_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 from kakeya.wire.kakeya.v1 import drafter_pb2 as dpb
+from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2_grpc
 from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb
 from kakeya.wire.kakeya.v1.tensor_pb2 import Tensor
 from kakeya.wire.limits import channel_options
@@ -206,30 +210,24 @@ class _Stream:
 # --------------------------------------------------------------------------- verifier
 
 
-def _policy_proto(policy: Any) -> cache_pb2.CachePolicy | None:
-    if policy is None or isinstance(policy, cache_pb2.CachePolicy):
-        return policy
-    return wire_contract.policy_to_proto(policy)
-
-
 class GrpcVerifierSession:
     """``VerifierSession`` over one Session stream."""
 
     def __init__(
-        self, verifier: "GrpcVerifier", policy=None, aux_layers: Sequence[int] = (), timeout=None, request_id="",
-        max_positions: int = 0, sampling: SamplingParams | None = None,
+        self, verifier: "GrpcVerifier", policy: CachePolicy | None, sampling: SamplingParams | None, options: SessionOptions
     ):
         self.verifier = verifier
         self.clock = verifier.clock
-        self._s = _Stream(verifier.stub.Session, "verifier", verifier.addr, timeout, request_id)
+        self._s = _Stream(verifier.stub.Session, "verifier", verifier.addr, options.timeout, options.request_id)
+        if options.cancel is not None:
+            options.cancel.on_cancel(self.abort)
         open_ = vpb.VerifierRequest.Open(
-            request_id=request_id, target_layer_ids=list(aux_layers), max_positions=max_positions
+            request_id=options.request_id, target_layer_ids=list(verifier.aux_layers), max_positions=options.max_positions
         )
         if sampling is not None and not sampling.greedy:
             open_.sampling.CopyFrom(wire_contract.sampling_to_proto(sampling))
-        p = _policy_proto(policy)
-        if p is not None:
-            open_.cache_policy.CopyFrom(p)
+        if policy is not None:
+            open_.cache_policy.CopyFrom(wire_contract.policy_to_proto(policy))
         self._s.post(vpb.VerifierRequest(open=open_), "opened")  # answered with the prefill
         self.session_id = ""
         self.cache_policy = ""
@@ -294,11 +292,16 @@ class GrpcVerifierSession:
 
 
 class GrpcVerifier:
-    """``Verifier`` reached over gRPC. ``info`` comes from the server's GetInfo."""
+    """``Verifier`` reached over gRPC. ``info`` and the default ``policy`` come from the server's GetInfo.
+
+    ``aux_layers``: the layers whose hidden states every session asks for (the
+    drafter's, settled when the engine is assembled); none given: the server's
+    default, or the last layer if it has none.
+    """
 
     def __init__(
-        self, addr: str, *, wait_s: float | None = None, aux_like: str | None = None, channel=None, tls=None,
-        clock: StepClock | None = None,
+        self, addr: str, *, aux_layers: Sequence[int] = (), wait_s: float | None = None, aux_like: str | None = None,
+        channel=None, tls=None, clock: StepClock | None = None,
     ):
         self.addr = addr
         self.channel = channel or backend_channel(addr, tls)
@@ -307,14 +310,12 @@ class GrpcVerifier:
         self.aux_like = aux_like  # None: aux stays a wire Tensor; "mlx"/"torch"/"numpy": decoded
         self.remote = _get_info("verifier", addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), wait_s)
         r = self.remote
-        self.aux_layers = tuple(r.target_layer_ids)
-        self.max_block_size = r.max_block_size
         self.info = wire_contract.model_info_from_verifier(
             r, f"grpc:{addr}", {"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)}
         )
-        self.default_cache_policy = r.default_cache_policy
-        self.max_position_embeddings = r.max_position_embeddings  # 0: a server that does not say
-        self.max_context = r.max_context
+        self.aux_layers = tuple(aux_layers) or tuple(r.target_layer_ids) or (self.info.num_layers - 1,)
+        # restoration sources stay named as the server publishes them: it maps the names to directories
+        self.policy = wire_contract.policy_from_proto(r.default_cache_policy, CachePolicy(slack=r.max_block_size or MAX_BLOCK_SIZE))
 
     def healthy(self, timeout: float = 1.0) -> bool:
         return backend_healthy(self.channel, timeout)
@@ -323,10 +324,9 @@ class GrpcVerifier:
         return _call_unary("verifier", self.addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), timeout)
 
     def open_session(
-        self, policy=None, sampling: SamplingParams | None = None, *, aux_layers: Sequence[int] = (),
-        timeout: float | None = None, request_id: str = "", max_positions: int = 0,
-    ):
-        return GrpcVerifierSession(self, policy, aux_layers or self.aux_layers, timeout, request_id, max_positions, sampling)
+        self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None, options: SessionOptions | None = None
+    ) -> GrpcVerifierSession:
+        return GrpcVerifierSession(self, policy, sampling, options or SessionOptions())
 
     def close(self) -> None:
         self.channel.close()
@@ -364,14 +364,16 @@ class Backoff:
 class GrpcDrafterSession:
     """``DrafterSession`` over one Session stream, opened with the first ``draft``."""
 
-    def __init__(self, drafter: "GrpcDrafter", timeout=None, request_id="", sampling: SamplingParams | None = None):
+    def __init__(self, drafter: "GrpcDrafter", sampling: SamplingParams | None, options: SessionOptions):
         self.drafter = drafter
-        self._timeout, self._request_id = timeout, request_id
+        self._timeout, self._request_id = options.timeout, options.request_id
         self._sampling = sampling if sampling is not None and not sampling.greedy else None
         self._s: _Stream | None = None
         self._broken = False
         self._first = True
         self.server_s = 0.0
+        if options.cancel is not None:
+            options.cancel.on_cancel(self.abort)
 
     def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
         if self._broken:
@@ -459,6 +461,7 @@ class GrpcDrafter:
         self.clock = clock or StepClock()
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.remote = _get_info("drafter", addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), wait_s)
+        self.backend = f"grpc:{addr}"
         self.block_size = self.remote.block_size
         self.target_layer_ids = tuple(self.remote.target_layer_ids)
         self.mask_token_id = self.remote.mask_token_id
@@ -468,10 +471,10 @@ class GrpcDrafter:
     def get_info(self, timeout: float = 5.0) -> dpb.DrafterInfo:
         return _call_unary("drafter", self.addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), timeout)
 
-    def open_session(self, sampling: SamplingParams | None = None, *, timeout: float | None = None, request_id: str = ""):
+    def open_session(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None):
         if not self.backoff.ready():
             return _SkippedDrafterSession(self)
-        return GrpcDrafterSession(self, timeout, request_id, sampling)
+        return GrpcDrafterSession(self, sampling, options or SessionOptions())
 
     def failed(self, exc: Exception) -> None:
         delay = self.backoff.failure(str(exc))
@@ -480,6 +483,11 @@ class GrpcDrafter:
     @property
     def state(self) -> str:
         return "ok" if self.backoff.failures == 0 else ("backoff" if not self.backoff.ready() else "retrying")
+
+    def status(self) -> dict[str, str]:
+        """Its reconnection state: ``state`` (ok, backoff, retrying), ``failures`` in a row, ``last_error``."""
+        b = self.backoff
+        return {"state": self.state, "failures": str(b.failures)} | ({"last_error": b.last_error[:500]} if b.last_error else {})
 
     def close(self) -> None:
         self.channel.close()

@@ -1,4 +1,4 @@
-"""A public ``GenerateRequest`` -> validated :class:`Params`, or ``INVALID_ARGUMENT`` naming the field.
+"""A public ``GenerateRequest`` -> a validated :class:`~kakeya.core.contract.Request`, or ``INVALID_ARGUMENT`` naming the field.
 
 Every size a client sends is checked against this server's :class:`Limits`
 before anything is tokenized past a coarse bound or allocated anywhere (see
@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
-from kakeya.core.contract import GREEDY, MAX_BLOCK_SIZE, CachePolicy, SamplingParams
+from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Request
 from kakeya.orchestrator.engine import Engine
-from kakeya.orchestrator.remote import GrpcVerifier
 from kakeya.runtime import bounds
 from kakeya.runtime.lifecycle import check_policy, check_token_ids, invalid, policy_from_request
 from kakeya.wire import convert as wire_contract
+from kakeya.wire.kakeya.v1 import cache_pb2
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
 
@@ -28,33 +27,19 @@ class Limits:
     default_max_tokens: int
     max_prompt_tokens: int
     max_context: int  # prompt + max_tokens must fit (the target's max_position_embeddings, or less)
-    restore: bounds.RestoreSources
+    # The --restore sources a request's cache policy may name, when this process holds the verifier
+    # (colocated). None: the verifier is remote and maps the names itself.
+    restore: bounds.RestoreSources | None
 
 
-@dataclass
-class Params:
-    """A validated GenerateRequest."""
-
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    block_size: int
-    stop_ids: frozenset[int]
-    stop_strings: tuple[str, ...]
-    policy: Any = None  # backend-specific cache policy, None = the verifier's default
-    sampling: SamplingParams = GREEDY  # seeded when sampling (the seed Complete reports)
-    max_block: int = MAX_BLOCK_SIZE  # the largest block auto (block_size 0) may choose
-
-
-
-def parse_request(r: pb.GenerateRequest, engine: Engine, limits: Limits) -> Params:
+def parse_request(r: pb.GenerateRequest, engine: Engine, limits: Limits) -> Request:
     try:
         return _parse(r, engine, limits)
     except ValueError as exc:  # the bounds module's checks
         raise invalid(str(exc)) from None
 
 
-def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Params:
+def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Request:
     vocab = e.verifier.info.vocab_size
     bounds.check_request_id(r.request_id)
     which = r.WhichOneof("prompt")
@@ -96,41 +81,35 @@ def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Params:
         raise invalid("sampling_params.stop: stop strings must not be empty")
     if stops and e.codec is None:
         raise invalid("sampling_params.stop: this server has no tokenizer (--tokenizer); use stop_token_ids")
-    stop_ids = set(check_token_ids(sp.stop_token_ids, vocab, "sampling_params.stop_token_ids", allow_empty=True))
-    if not sp.ignore_eos:
-        stop_ids |= set(e.verifier.info.eos_token_ids)
-    max_block = MAX_BLOCK_SIZE
-    if not 0 <= r.block_size <= max_block:
-        raise invalid(f"block_size must be 0 (auto) or 1..{max_block}, got {r.block_size}")
+    stop_ids = check_token_ids(sp.stop_token_ids, vocab, "sampling_params.stop_token_ids", allow_empty=True)
+    if not 0 <= r.block_size <= MAX_BLOCK_SIZE:
+        raise invalid(f"block_size must be 0 (auto) or 1..{MAX_BLOCK_SIZE}, got {r.block_size}")
     block_size = r.block_size if e.drafter is not None else 1
-    policy = None
-    if r.HasField("cache_policy"):
-        local = policy_from_request(r.cache_policy, getattr(e.verifier, "policy", None) or CachePolicy(), "cache_policy")
-        bounds.check_window(local, max(e.verifier.info.sliding_window, limits.max_context), "cache_policy")
-        check_policy(local, e.verifier.info.sliding_window, "cache_policy")
-        if not isinstance(e.verifier, GrpcVerifier):  # colocated: the name picks one of our --restore sources
-            local = limits.restore.to_server(local, "cache_policy")
-        slack = r.cache_policy.slack or _default_slack(e)
-        max_block = min(max_block, slack)
-        if block_size > slack:
-            raise invalid(f"cache_policy.slack {slack} is smaller than block_size {block_size}: rollback would not be exact")
-        policy = r.cache_policy if isinstance(e.verifier, GrpcVerifier) else local
-    return Params(
-        request_id=r.request_id or uuid.uuid4().hex[:16],
+    return Request(
         prompt_ids=list(prompt),
         max_tokens=max_tokens,
         block_size=block_size,
-        stop_ids=frozenset(stop_ids),
+        stop_ids=tuple(stop_ids),
         stop_strings=stops,
-        policy=policy,
+        ignore_eos=sp.ignore_eos,
+        cache_policy=_cache_policy(r, e, limits, block_size),
         sampling=sampling,
-        max_block=max_block,
+        request_id=r.request_id or uuid.uuid4().hex[:16],
     )
 
 
-def _default_slack(e: Engine) -> int:
-    v = e.verifier
-    if isinstance(v, GrpcVerifier):
-        return v.default_cache_policy.slack or v.max_block_size
-    return v.policy.slack
-
+def _cache_policy(r: pb.GenerateRequest, e: Engine, limits: Limits, block_size: int) -> CachePolicy | None:
+    """The request's own cache policy (None: the verifier's default), checked against the model and this server."""
+    if not r.HasField("cache_policy"):
+        return None
+    window = e.verifier.info.sliding_window
+    policy = policy_from_request(r.cache_policy, e.verifier.policy, "cache_policy")  # unset fields: the default's
+    if r.cache_policy.kind == cache_pb2.CACHE_KIND_UNSPECIFIED:  # an empty message: the default itself
+        return None
+    bounds.check_window(policy, max(window, limits.max_context), "cache_policy")
+    check_policy(policy, window, "cache_policy")
+    if limits.restore is not None:  # the name picks one of our --restore sources
+        policy = limits.restore.to_server(policy, "cache_policy")
+    if block_size > policy.slack:
+        raise invalid(f"cache_policy.slack {policy.slack} is smaller than block_size {block_size}: rollback would not be exact")
+    return policy

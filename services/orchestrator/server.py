@@ -1,19 +1,21 @@
-"""The public Generation API (``protos/kakeya/v1/generate.proto``).
+"""The public Generation API (``protos/kakeya/v1/generate.proto``): translation only.
 
 Holds an :class:`~kakeya.orchestrator.engine.Engine` whose verifier and
 drafter are either in-process (colocated) or gRPC clients (split,
-``remote.py``); the request path is the same: validate, open one verifier and
-one drafter session, run ``loop.speculative_decode`` and stream each committed
-block as a ``Chunk`` (token ids + their text), then one ``Complete`` with the
-finish reason, token counts and the speculative stats the CLI prints.
+``remote.py``); it never asks which. A request is parsed into a
+:class:`~kakeya.core.contract.Request` (``requests.py``) and run as the
+engine's :class:`~kakeya.orchestrator.engine.Run`; each committed block goes
+out as a ``Chunk`` (token ids + their text, cut at stop strings), then one
+``Complete`` with the finish reason, token counts and the speculative stats
+the CLI prints.
 
 Faults: a drafter that fails mid-generation is dropped for the rest of that
-generation (``loop``'s ``on_drafter_error``: the verifier finishes alone, same
+generation (the run's drafter fallback: the verifier finishes alone, same
 output, ``drafter_fallback`` set) and retried by later requests after a
 backoff. A failing verifier ends the RPC with its status (UNAVAILABLE,
 RESOURCE_EXHAUSTED, ...) before the first chunk, or with a ``Complete`` of
 ``FINISH_REASON_ERROR`` after it. The client's deadline bounds the backend
-streams; cancelling the call cancels them, which frees the backend sessions.
+streams; cancelling the call cancels the run, which frees the backend sessions.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ from typing import Callable, Iterator
 
 import grpc
 
-from kakeya.orchestrator import loop
-from kakeya.orchestrator.engine import Engine
+from kakeya.core.contract import Request
+from kakeya.orchestrator.engine import Engine, RunOptions
 from kakeya.orchestrator.quality import quality_report
-from kakeya.orchestrator.remote import BackendError, GrpcDrafter, GrpcVerifier
-from kakeya.orchestrator.requests import Limits, Params, parse_request
-from kakeya.orchestrator.text import PlainText, StopStrings
+from kakeya.orchestrator.remote import BackendError
+from kakeya.orchestrator.requests import Limits, parse_request
+from kakeya.orchestrator.text import text_stream
 from kakeya.runtime import bounds, logs
 from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import DEFAULT_MAX_SESSIONS, ComputeThread, RequestError, ServerSpec, version, workers_for
@@ -63,33 +65,9 @@ def _cache_kind(label: str) -> int:
     return cache_pb2.CACHE_KIND_UNSPECIFIED
 
 
-class _Run:
-    """One Generate call's backend sessions; ``cancel`` may come from any thread."""
-
-    def __init__(self):
-        self.cancelled = False
-        self.sessions: list = []
-        self.drafter_fallback = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        for s in list(self.sessions):
-            abort = getattr(s, "abort", None)
-            if abort is not None:
-                abort()
-
-
-def _advance(it):
-    """``next(it)`` as (False, item) or (True, the generator's return value)."""
-    try:
-        return False, next(it)
-    except StopIteration as stop:
-        return True, stop.value
-
-
 def _deadline(context) -> float | None:
     """Seconds left of the client's deadline (None without one): the backends' timeout."""
-    left = context.time_remaining()
+    left = None if context is None else context.time_remaining()
     return None if left is None or left > 1e7 else max(left, 0.001)
 
 
@@ -125,7 +103,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.max_prompt_tokens = 0  # set by load(): never above the target's max_position_embeddings
         self.max_position_embeddings = 0
         self.max_context = 0  # positions one verifier session may hold
-        self.restore = restore or bounds.RestoreSources()
+        self.restore = restore  # colocated: the --restore sources requests may name; None: the remote verifier maps names
         self.auth_token = auth_token
         self._build = build
         self.engine: Engine | None = None
@@ -155,10 +133,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self._set_limits()
         # Warm-up: one short generation through the very path requests take.
         vocab = e.verifier.info.vocab_size
-        params = Params("warmup", [i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), frozenset(), ())
-        run = _Run()
+        warmup = Request([i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), ignore_eos=True, request_id="warmup")
         final = None
-        for resp in self._generate(params, run, None, observe=False):  # warm-up: not in the metrics
+        for resp in self._generate(warmup, observe=False):  # warm-up: not in the metrics
             final = resp
         c = final.complete
         if c.finish_reason == pb.FINISH_REASON_ERROR:
@@ -171,32 +148,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         )
 
     def _set_limits(self) -> None:
-        v = self.engine.verifier
-        mpe = ctx = 0
-        if isinstance(v, GrpcVerifier):
-            mpe, ctx = v.max_position_embeddings, v.max_context
-        else:
-            from kakeya.checkpoints.config import load_target_config
-
-            try:
-                mpe = int(load_target_config(self.engine.target).get("max_position_embeddings") or 0)
-            except (OSError, ValueError, KeyError):
-                mpe = 0
-        self.max_position_embeddings = mpe or 131072
-        self.max_context = min(ctx or self.max_position_embeddings, self.max_position_embeddings)
+        info = self.engine.verifier.info
+        self.max_position_embeddings = info.max_position_embeddings or 131072
+        self.max_context = min(info.max_context or self.max_position_embeddings, self.max_position_embeddings)
         self.max_prompt_tokens = bounds.max_prompt_tokens(self.max_prompt_tokens_flag, self.max_context)
 
     def _drafter_backend(self) -> str:
         d = self.engine.drafter
-        if d is None:
-            return ""
-        if isinstance(d, GrpcDrafter):
-            return f"grpc:{d.addr}"
-        return getattr(self.engine, "backend", None) or self.engine.verifier.info.backend  # colocated: one backend
+        return d.backend if d is not None else ""
 
     # -- request validation --------------------------------------------------------------
 
-    def parse(self, r: pb.GenerateRequest) -> Params:
+    def parse(self, r: pb.GenerateRequest) -> Request:
         limits = Limits(
             self.max_tokens_limit, self.default_max_tokens, self.max_prompt_tokens, self.max_context, self.restore
         )
@@ -208,10 +171,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if not self.ready:
             context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)")
         try:
-            params = self.parse(request)
+            req = self.parse(request)
         except RequestError as exc:
             context.abort(exc.code, exc.message)
-        logs.bind(request_id=params.request_id)  # the interceptor resets it when the RPC ends
+        logs.bind(request_id=req.request_id)  # the interceptor resets it when the RPC ends
         with self._lock:
             if self.max_sessions and self.active >= self.max_sessions:
                 context.abort(
@@ -220,136 +183,57 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 )
             self.active += 1
             self.total += 1
-        run = _Run()
-        context.add_callback(run.cancel)
         try:
-            yield from self._generate(params, run, _deadline(context))
+            yield from self._generate(req, context)
         except RequestError as exc:
-            if not run.cancelled:
-                context.abort(exc.code, exc.message)
+            context.abort(exc.code, exc.message)
         finally:
             with self._lock:
                 self.active -= 1
 
-    def _open(self, params: Params, run: _Run, timeout: float | None):
-        e = self.engine
-        if isinstance(e.verifier, GrpcVerifier):
-            # The drafter's aux layers; without a drafter the verifier's default (or any one layer).
-            layers = e.drafter.target_layer_ids if e.drafter is not None else ()
-            layers = layers or e.verifier.aux_layers or (e.verifier.info.num_layers - 1,)
-            vs = e.verifier.open_session(
-                params.policy, params.sampling, aux_layers=layers, timeout=timeout, request_id=params.request_id,
-                max_positions=len(params.prompt_ids) + params.max_tokens,
-            )
-        else:
-            kw = params.sampling.session_kwargs()
-            vs = e.verifier.open_session(params.policy, **kw) if params.policy is not None else e.verifier.open_session(**kw)
-        run.sessions.append(vs)
-        ds = None
-        if e.drafter is not None and params.block_size != 1:  # 0: auto
-            if isinstance(e.drafter, GrpcDrafter):
-                ds = e.drafter.open_session(params.sampling, timeout=timeout, request_id=params.request_id)
-            else:
-                ds = e.drafter.open_session(**params.sampling.session_kwargs())
-            run.sessions.append(ds)
-        return vs, ds
-
-    def _generate(self, params: Params, run: _Run, timeout: float | None, observe: bool = True) -> Iterator[pb.GenerateResponse]:
-        """Stream one generation; RequestError before the first chunk, Complete(error) after it."""
-        e = self.engine
+    def _generate(self, req: Request, context=None, observe: bool = True) -> Iterator[pb.GenerateResponse]:
+        """Stream one generation; RequestError before the first chunk, Complete(error) after it, nothing once cancelled."""
         t_start = time.perf_counter()
-
-        def on_drafter_error(exc: Exception) -> None:
-            run.drafter_fallback = True
-            if run.cancelled:
-                return
-            log.warning("request %s: drafter failed (%s); the verifier finishes alone", params.request_id, exc)
-            if ds is not None and hasattr(ds, "abort"):
-                ds.abort()
-
         try:
-            vs, ds = self.step(self._open, params, run, timeout)
+            run = self.engine.start(req, RunOptions(_deadline(context), self.step, drafter_fallback=True))
         except Exception as exc:
-            self.step(self._close, None, run)  # whatever did open
             raise RequestError(*_status_of(exc)) from None
-        obs = self.metrics.generation(vs, ds, params) if observe else NO_OBSERVER  # also logs start and finish
-        block_size = params.block_size
-        if block_size == 0:  # auto: sized block by block from what this engine has measured and seen
-            block_size = self.step(e.calibrate).sizer() if ds is not None else 1
-            if ds is not None:
-                block_size.max_size = params.max_block
-        blocks = loop.speculative_decode(
-            vs, ds, params.prompt_ids, params.max_tokens, block_size, params.stop_ids, on_drafter_error
-        )
-        text = StopStrings(e.codec, params.stop_strings) if params.stop_strings else PlainText(e.codec)
-        seen: list[loop.Block] = []
-        token_ids: list[int] = []
-        gen = None
-        finish, error = "length", ""
+        if context is not None and not context.add_callback(run.cancel):
+            run.cancel()  # the call ended while the sessions opened
+        obs = self.metrics.generation(run.verifier_session, run.drafter_session, req) if observe else NO_OBSERVER
+        text = text_stream(self.engine.codec, req.stop_strings)
+        chunks, error = 0, ""
         try:
-            while True:
-                if run.cancelled:
-                    return
-                if self.aborting:
-                    finish = "abort"
-                    break
-                try:
-                    done, value = self.step(_advance, blocks)
-                except Exception as exc:
-                    if run.cancelled:
-                        return
-                    code, msg = _status_of(exc)
-                    if not seen:
-                        raise RequestError(code, msg) from None
-                    log.warning("request %s failed mid-generation: %s", params.request_id, msg)
-                    finish, error = "error", msg
-                    break
-                if done:
-                    gen = value
-                    finish = gen.finish_reason
-                    if not isinstance(block_size, int):
-                        e.adaptive.learn(block_size)  # the next request starts from what this one saw
-                    break
-                seen.append(value)
-                obs.block(value)
-                ids, delta, hit = text.add(value.tokens)
-                token_ids.extend(ids)
+            for block in run:
+                obs.block(block)
+                ids, delta, hit = text.add(block.tokens)
+                chunks += 1
                 yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(token_ids=ids, text=delta))
                 if hit:
-                    finish = "stop"
-                    break
-            tail = text.flush()
-            if tail:
-                yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=tail))
-            vstats = self.step(vs.stats) if finish != "error" else {}
+                    run.stop(len(ids))
+                elif self.aborting:
+                    run.close()  # the server is going down: FINISH_REASON_ABORT
+        except Exception as exc:  # the run failed (and closed its sessions)
+            code, msg = _status_of(exc)
+            if not chunks:
+                raise RequestError(code, msg) from None
+            log.warning("request %s failed mid-generation: %s", req.request_id, msg)
+            error = msg
         finally:
-            self.step(self._close, blocks, run)
+            run.close()  # also when the client went away while a chunk was on its way
+            gen = run.result
             if run.cancelled:
-                obs.finish("abort", fallback=run.drafter_fallback, prompt_tokens=len(params.prompt_ids), tokens=len(token_ids))
-        if gen is None:
-            gen = loop.Generation(
-                prompt_ids=list(params.prompt_ids),
-                blocks=seen,
-                prefill_s=seen[0].total_s if seen else 0.0,
-                decode_s=sum(b.total_s for b in seen[1:]),
-            )
-        gen.token_ids = token_ids
-        gen.finish_reason = finish
-        gen.drafter_fallback = gen.drafter_fallback or run.drafter_fallback
-        obs.finish(finish, fallback=gen.drafter_fallback, prompt_tokens=len(params.prompt_ids), tokens=len(token_ids))
-        yield pb.GenerateResponse(complete=self._complete(params, gen, vstats, time.perf_counter() - t_start, error))
+                obs.finish("abort", fallback=gen.drafter_fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids))
+        if run.cancelled:
+            return
+        tail = text.flush()
+        if tail:
+            yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=tail))
+        obs.finish(gen.finish_reason, fallback=gen.drafter_fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids))
+        yield pb.GenerateResponse(complete=self._complete(req, gen, time.perf_counter() - t_start, error))
 
-    @staticmethod
-    def _close(blocks, run: _Run) -> None:
-        if blocks is not None:
-            blocks.close()
-        for s in run.sessions:
-            try:
-                s.close()
-            except Exception:  # pragma: no cover - closing must not mask the outcome
-                log.exception("closing a backend session")
-
-    def _complete(self, params: Params, gen: loop.Generation, vstats: dict, total_s: float, error: str):
+    def _complete(self, req: Request, gen, total_s: float, error: str):
+        vstats = gen.verifier_stats
         kv = vstats.get("kv_bytes", {})
         stats = pb.SpecStats(
             acceptance_lengths=gen.acceptance_lengths,
@@ -362,21 +246,21 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             degenerate=quality_report(gen.token_ids)["degenerate"],
             decode_s=gen.decode_s,
             total_s=total_s,
-            block_size=params.block_size,
+            block_size=req.block_size,
             cache_kind=_cache_kind(vstats.get("cache_policy", "")),
             cache_policy=vstats.get("cache_policy", ""),
             cache_bounded=bool(vstats.get("bounded", False)),
         )
         complete = pb.GenerateResponse.Complete(
             finish_reason=FINISH[gen.finish_reason],
-            prompt_tokens=len(params.prompt_ids),
+            prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(gen.token_ids),
             stats=stats,
             error_message=error,
-            prompt_token_ids=params.prompt_ids,
+            prompt_token_ids=req.prompt_ids,
         )
-        if not params.sampling.greedy:
-            complete.seed = params.sampling.seed
+        if not gen.sampling.greedy:
+            complete.seed = gen.sampling.seed
         return complete
 
     def GetModelInfo(self, request, context):
@@ -384,11 +268,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is loading")
         e = self.engine
         i = e.verifier.info
-        if isinstance(e.verifier, GrpcVerifier):
-            policy = e.verifier.default_cache_policy
-        else:
-            policy = wire_contract.policy_to_proto(self.restore.to_wire(e.verifier.policy.resolve(i.sliding_window)))
-        layers = e.drafter.target_layer_ids if e.drafter is not None else getattr(e.verifier, "aux_layers", ())
+        policy = e.verifier.policy.resolve(i.sliding_window)
+        if self.restore is not None:  # colocated: a restoration directory goes out as its source's name
+            policy = self.restore.to_wire(policy)
         return wire_contract.public_model_info(
             i,
             target_model=e.target,
@@ -397,20 +279,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             max_tokens_limit=self.max_tokens_limit,
             default_max_tokens=self.default_max_tokens,
             has_tokenizer=e.codec is not None,
-            default_cache_policy=policy,
-            target_layer_ids=list(layers),
+            default_cache_policy=wire_contract.policy_to_proto(policy),
+            target_layer_ids=list(e.verifier.aux_layers),
             max_prompt_tokens=self.max_prompt_tokens,
             max_position_embeddings=self.max_position_embeddings,
         )
 
     def GetServerInfo(self, request, context):
         e = self.engine
-        extra = {}
-        if e is not None and isinstance(e.drafter, GrpcDrafter):
-            b = e.drafter.backoff
-            extra = {"drafter_state": e.drafter.state, "drafter_failures": str(b.failures)}
-            if b.last_error:
-                extra["drafter_last_error"] = b.last_error[:500]
+        drafter = e.drafter if e is not None else None
+        extra = {f"drafter_{k}": v for k, v in drafter.status().items()} if drafter is not None else {}
         with self._lock:
             active, total = self.active, self.total
         return pb.ServerInfo(
@@ -435,7 +313,7 @@ def server_spec(servicer: GenerationServicer, tls=None) -> ServerSpec:
     def backends_ok() -> bool:
         """SERVING only while the verifier answers (a missing drafter only costs speed: AR fallback)."""
         e = servicer.engine
-        return e is None or not isinstance(e.verifier, GrpcVerifier) or e.verifier.healthy(timeout=1.0)
+        return e is None or e.verifier.healthy(timeout=1.0)
 
     def near_deadline() -> None:
         servicer.aborting = True  # in-flight generations end with FINISH_REASON_ABORT

@@ -1,4 +1,4 @@
-"""Text <-> token ids for the public API, with the checkpoint's own tokenizer.json.
+"""Text <-> token ids for the fronts, with the checkpoint's own tokenizer.json; streamed text cut at stop strings.
 
 Uses the `tokenizers` library directly (what transformers' fast tokenizers
 wrap), so the orchestrator never imports a model framework.
@@ -125,7 +125,7 @@ class StopStrings:
 
 
 class PlainText:
-    """Streamed text without stop strings (no tokenizer: no text)."""
+    """Streamed text without stop strings (no tokenizer: no text); ``add`` and ``flush`` as :class:`StopStrings`'."""
 
     def __init__(self, codec: TextCodec | None):
         self.dec = StreamDecoder(codec) if codec is not None else None
@@ -135,3 +135,12 @@ class PlainText:
 
     def flush(self) -> str:
         return self.dec.flush() if self.dec else ""
+
+
+def text_stream(codec: TextCodec | None, stop_strings: Sequence[str] = ()) -> "StopStrings | PlainText":
+    """How a front streams a run's text: ``add(block tokens) -> (ids, text, stop string hit)``, then ``flush()``.
+
+    With ``stop_strings`` (they need a codec) the text ends before the first one
+    and the ids with the token that completed it.
+    """
+    return StopStrings(codec, stop_strings) if stop_strings else PlainText(codec)

@@ -17,7 +17,15 @@ from typing import Generator, Sequence
 
 from kakeya.checkpoints.config import load_target_config
 from kakeya.core import sampling as lossless
-from kakeya.core.contract import VERIFIER_STREAM, CachePolicy, ModelInfo, Proposal, SamplingParams, session_rng
+from kakeya.core.contract import (
+    VERIFIER_STREAM,
+    CachePolicy,
+    ModelInfo,
+    Proposal,
+    SamplingParams,
+    SessionOptions,
+    session_rng,
+)
 from kakeya.verifier.backend import Forward, Segment, Target
 from kakeya.verifier.layout import RestoreView, RingLayout, restore_mask
 
@@ -245,10 +253,16 @@ class LocalVerifier:
             num_layers=args.num_hidden_layers,
             sliding_window=args.sliding_window,
             backend=target.backend,
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
         )
 
-    def open_session(self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None) -> VerifierSession:
+    def open_session(
+        self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None, options: SessionOptions | None = None
+    ) -> VerifierSession:
         return VerifierSession(self.target, self.aux_layers, policy or self.policy, sampling)
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        return True  # in this process: it answers whenever it is asked
 
 
 def mlx_verifier(target_dir: str | Path, aux_layers: Sequence[int], policy: CachePolicy = CachePolicy()) -> LocalVerifier:

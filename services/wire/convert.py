@@ -101,6 +101,8 @@ def model_info_from_verifier(r: vpb.VerifierInfo, backend: str, extra: dict | No
         sliding_window=r.sliding_window,
         backend=backend,
         extra=dict(extra or {}),
+        max_position_embeddings=r.max_position_embeddings,  # 0: a server that does not say
+        max_context=r.max_context,
     )
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from kakeya.checkpoints.config import load_target_config
 from kakeya.drafter.session import MLXDrafter
-from kakeya.orchestrator.loop import run, speculative_decode
+from kakeya.orchestrator.loop import Decoding, run
 from kakeya.verifier.layout import CachePolicy
 from kakeya.verifier.memory import KVShape, policy_table
 from kakeya.verifier.session import VerifierSession
@@ -131,14 +131,10 @@ def test_speculative_equals_ar_of_the_same_restore_policy(mlx_target, aux_layers
     else:
         dsession = PlantedDrafterSession(restore_ar, len(PROMPT), mlx_target.args.vocab_size, seed=5)
     session = VerifierSession(mlx_target, aux_layers, restore_policy)
-    it, kv = speculative_decode(session, dsession, PROMPT, n, block_size), []
-    while True:
-        try:
-            next(it)
-        except StopIteration as done:
-            gen = done.value
-            break
+    decoding, kv = Decoding(session, dsession, PROMPT, n, block_size), []
+    for _ in decoding:
         kv.append(session.stats()["kv_bytes"])
+    gen = decoding.generation
     assert len(set(restore_ar)) > 50
     first_diff = next((i for i, (a, b) in enumerate(zip(gen.token_ids, restore_ar)) if a != b), None)
     assert first_diff is None, f"diverged at token {first_diff} of {n}"

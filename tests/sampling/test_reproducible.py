@@ -35,8 +35,8 @@ def local(tiny_pair, aux_layers):
     return {be: _local(be, tiny_pair, aux_layers) for be in ("mlx", "torch")}
 
 
-def _generate(verifier, drafter, params, block_size=8, **open_kw):
-    vs = verifier.open_session(sampling=params, **open_kw)
+def _generate(verifier, drafter, params, block_size=8):
+    vs = verifier.open_session(sampling=params)
     ds = drafter.open_session(params) if block_size > 1 else None
     try:
         return run(vs, ds, PROMPT, N, block_size).token_ids
@@ -79,7 +79,8 @@ def split(tiny_pair, aux_layers):
         addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         server.start()
         servers.append((server, v, d))
-        out[name] = (GrpcVerifier(addr), GrpcDrafter(addr))
+        drafter = GrpcDrafter(addr)
+        out[name] = (GrpcVerifier(addr, aux_layers=drafter.target_layer_ids), drafter)
     yield out
     for server, v, d in servers:
         server.stop(0).wait()
@@ -89,18 +90,18 @@ def split(tiny_pair, aux_layers):
 
 def test_split_over_grpc_same_seed_same_tokens_and_equal_to_colocated(split, local):
     gv, gd = split["mlx"]
-    remote = _generate(gv, gd, PARAMS, aux_layers=gd.target_layer_ids)
-    assert remote == _generate(gv, gd, PARAMS, aux_layers=gd.target_layer_ids)
+    remote = _generate(gv, gd, PARAMS)
+    assert remote == _generate(gv, gd, PARAMS)
     assert remote == _generate(*local["mlx"], PARAMS)  # the same arithmetic and the same uniforms
-    ar = _generate(gv, gd, PARAMS, block_size=1, aux_layers=gd.target_layer_ids)  # AR sampling over the wire
+    ar = _generate(gv, gd, PARAMS, block_size=1)  # AR sampling over the wire
     assert ar == _generate(local["mlx"][0], None, PARAMS, block_size=1)
 
 
 def test_mixed_torch_verifier_mlx_drafter_over_grpc_is_reproducible(split):
     gv, gd = split["torch"]
     assert gv.remote.backend == "torch" and gd.remote.backend == "mlx"
-    first = _generate(gv, gd, PARAMS, aux_layers=gd.target_layer_ids)
-    assert first == _generate(gv, gd, PARAMS, aux_layers=gd.target_layer_ids)
+    first = _generate(gv, gd, PARAMS)
+    assert first == _generate(gv, gd, PARAMS)
     assert len(first) == N
 
 

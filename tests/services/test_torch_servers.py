@@ -54,11 +54,12 @@ def test_torch_backends_over_grpc_match_mlx_lm_greedy_ar(torch_servers, mlx_targ
     from kakeya.verifier.mlx_backend.reference import greedy_reference
 
     addr, v, d = torch_servers
-    verifier, drafter = GrpcVerifier(addr), GrpcDrafter(addr)
+    drafter = GrpcDrafter(addr)
+    verifier = GrpcVerifier(addr, aux_layers=drafter.target_layer_ids)
     assert verifier.remote.backend == "torch" and drafter.remote.backend == "torch"
     ref, _, _ = greedy_reference(mlx_target.model, PROMPT, N)
     for block_size in (1, 4, 8):
-        vs = verifier.open_session(aux_layers=drafter.target_layer_ids)
+        vs = verifier.open_session()
         ds = drafter.open_session() if block_size > 1 else None
         try:
             gen = run(vs, ds, PROMPT, N, block_size)

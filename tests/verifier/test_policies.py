@@ -15,7 +15,7 @@ import pytest
 
 from kakeya.core.contract import Draft
 from kakeya.drafter.session import MLXDrafter
-from kakeya.orchestrator.loop import run, speculative_decode
+from kakeya.orchestrator.loop import Decoding, run
 from kakeya.verifier.layout import CachePolicy
 from kakeya.verifier.session import VerifierSession
 
@@ -83,7 +83,7 @@ def test_sliding_bytes_flat_full_bytes_linear(mlx_target, aux_layers):
     policy = CachePolicy("sink-window", sink=4, window=16)
     session = VerifierSession(mlx_target, aux_layers, policy)
     seen = {}
-    it = speculative_decode(session, RepeatDrafter(), PROMPT, 3000, 8)
+    it = Decoding(session, RepeatDrafter(), PROMPT, 3000, 8)
     for block in it:
         n = session.offset - len(PROMPT)
         for mark in (300, 1000, 3000 - 16):

@@ -1,0 +1,105 @@
+"""What a new user sees: README command 1 (`kakeya generate --compare-ar`) in fresh processes.
+
+    python benchmarks/first_request.py                        # torch, auto vs fixed 4/8/16, 5 rounds
+    python benchmarks/first_request.py --backend mlx --rounds 3
+    python benchmarks/first_request.py --extra --temperature 0.7 --seed 1 --out benchmarks/results/first_request_t07.json
+
+Every run is a new process doing exactly what the README's first command does (load the
+embedded pair, warm up, one speculative generation, then AR for comparison) with one block-size
+setting: auto (the default) or a fixed size. The settings alternate within each round, so a
+noisy shared machine hits them alike. Reported per setting: the median speculative and AR decode
+tok/s and their median ratio (the speed-up printed at the end of the command), the mean
+acceptance, the mean block auto chose, whether every run was lossless, and auto's ratio to the
+best fixed size -- cold, since each process serves exactly one request. The summary line each
+run printed is kept (``lines``): the README quotes one of them, and
+``tests/test_readme_figures.py`` checks that the quoted line is in this file.
+
+Writes ``benchmarks/results/first_request.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "results" / "first_request.json"
+
+
+def one_run(block_size: int, backend: str, extra: list[str]) -> dict:
+    """One fresh `kakeya generate --compare-ar --json` process; its JSON result and summary line."""
+    from kakeya.app.options import summary_line
+
+    cmd = [sys.executable, "-m", "kakeya.app.main", "generate", "--compare-ar", "--json", "--backend", backend]
+    cmd += ["--block-size", str(block_size)] if block_size else []
+    res = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    if res.returncode:
+        raise RuntimeError(f"{' '.join(cmd + extra)} failed:\n{res.stderr[-2000:]}")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out["summary_line"] = summary_line(out)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", default="torch", choices=["torch", "mlx"])
+    ap.add_argument("--sizes", default="0,4,8,16", help="block sizes to compare (0: auto, the default)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `kakeya generate` arguments")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    runs: dict[int, list[dict]] = {s: [] for s in sizes}
+    for r in range(args.rounds):
+        for s in sizes if r % 2 == 0 else sizes[::-1]:
+            out = one_run(s, args.backend, args.extra)
+            runs[s].append(out)
+            print(f"round {r + 1}/{args.rounds} block {s or 'auto'}: {out['summary_line']}", file=sys.stderr, flush=True)
+
+    def summary(rs: list[dict]) -> dict:
+        sizes_used = [b for o in rs for b in o["block_sizes"]]
+        return {
+            "median_decode_tok_s": round(statistics.median(o["decode_tok_s"] for o in rs), 1),
+            "median_ar_decode_tok_s": round(statistics.median(o["ar_decode_tok_s"] for o in rs), 1),
+            "median_speedup": round(statistics.median(o["decode_tok_s"] / o["ar_decode_tok_s"] for o in rs), 3),
+            "speedups": [round(o["decode_tok_s"] / o["ar_decode_tok_s"], 3) for o in rs],
+            "mean_acceptance": round(statistics.mean(o["mean_acceptance"] for o in rs), 3),
+            "mean_block_size": round(statistics.mean(sizes_used), 2) if sizes_used else 0,
+            "lossless": all(o.get("lossless", False) for o in rs),
+            "degenerate": any(o["quality"]["degenerate"] for o in rs),
+            "lines": [o["summary_line"] for o in rs],
+        }
+
+    result = {
+        "benchmark": "first_request",
+        "command": "kakeya generate --compare-ar" + "".join(f" {a}" for a in args.extra),
+        "backend": args.backend,
+        "machine": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "rounds": args.rounds,
+        "settings": {("auto" if s == 0 else str(s)): summary(rs) for s, rs in runs.items()},
+    }
+    fixed = {k: v for k, v in result["settings"].items() if k != "auto"}
+    if "auto" in result["settings"] and fixed:
+        best = max(fixed, key=lambda k: fixed[k]["median_decode_tok_s"])
+        result["best_fixed"] = int(best)
+        result["auto_vs_best_fixed"] = round(
+            result["settings"]["auto"]["median_decode_tok_s"] / fixed[best]["median_decode_tok_s"], 3)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "lines"} for k, v in result["settings"].items()}, indent=1))
+    for k in ("best_fixed", "auto_vs_best_fixed"):
+        if k in result:
+            print(k, result[k])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

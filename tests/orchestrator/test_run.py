@@ -1,0 +1,203 @@
+"""The one request path: ``Engine.start`` -> ``Run``, against scripted verifier/drafter endpoints (no model)."""
+
+import threading
+
+import pytest
+
+from kakeya.core.contract import CachePolicy, Cancellation, ModelInfo, Request, SessionOptions
+from kakeya.orchestrator.adaptive import AdaptivePolicy, CostCurve
+from kakeya.orchestrator.engine import Engine, RunOptions
+
+from .test_loop import CONT, ScriptedDrafter, ScriptedVerifier
+
+PROMPT = [1, 2, 3]
+
+
+class Session(ScriptedVerifier):
+    """A scripted verifier session that remembers how it was opened and whether it was closed or aborted."""
+
+    def __init__(self, options: SessionOptions, fail_verify_at: int | None = None):
+        super().__init__(len(PROMPT), CONT)
+        self.options, self.fail_verify_at = options, fail_verify_at
+        self.closed = self.aborted = False
+        self.verifies = 0
+        if options.cancel is not None:  # as a remote session does
+            options.cancel.on_cancel(self.abort)
+
+    def verify(self, block, proposal=None):
+        self.verifies += 1
+        if self.verifies == self.fail_verify_at:
+            raise ConnectionError("verifier gone")
+        return super().verify(block)
+
+    def stats(self):
+        return {"kv_bytes": {"sliding": 7, "full": self.pos}}
+
+    def close(self):
+        self.closed = True
+
+    def abort(self):
+        self.aborted = True
+
+
+class Verifier:
+    """The ``Verifier`` protocol over scripted sessions."""
+
+    def __init__(self, fail_verify_at: int | None = None):
+        self.info = ModelInfo("scripted", 1024, (), 8, 2, 32, "scripted")
+        self.aux_layers = (0,)
+        self.policy = CachePolicy()
+        self.fail_verify_at = fail_verify_at
+        self.sessions: list[Session] = []
+
+    def open_session(self, policy=None, sampling=None, options=None):
+        self.sessions.append(Session(options or SessionOptions(), self.fail_verify_at))
+        return self.sessions[-1]
+
+    def healthy(self, timeout=1.0):
+        return True
+
+
+class DrafterSession(ScriptedDrafter):
+    def __init__(self, verifier_session, dies_at: int | None):
+        super().__init__(verifier_session, wrong_every=None)
+        self.dies_at, self.closed = dies_at, False
+
+    def draft(self, new_aux, last, B):
+        if self.calls + 1 == self.dies_at:
+            raise ConnectionError("drafter gone")
+        return super().draft(new_aux, last, B)
+
+    def close(self):
+        self.closed = True
+
+
+class Drafter:
+    block_size, target_layer_ids, backend = 8, (0,), "scripted"
+
+    def __init__(self, verifier: Verifier, dies_at: int | None = None):
+        self.verifier, self.dies_at = verifier, dies_at
+        self.sessions: list[DrafterSession] = []
+
+    def open_session(self, sampling=None, options=None):
+        self.sessions.append(DrafterSession(self.verifier.sessions[-1], self.dies_at))
+        return self.sessions[-1]
+
+    def status(self):
+        return {}
+
+
+def _engine(fail_verify_at=None, dies_at=None) -> Engine:
+    v = Verifier(fail_verify_at)
+    return Engine(v, Drafter(v, dies_at), codec=None)
+
+
+def _sessions(engine):
+    return engine.verifier.sessions[-1], engine.drafter.sessions[-1]
+
+
+def test_a_run_yields_its_blocks_then_its_result_and_closes_both_sessions():
+    engine = _engine()
+    run = engine.start(Request(PROMPT, max_tokens=20, block_size=4, request_id="r1"))
+    vs, ds = _sessions(engine)
+    assert vs.options.request_id == "r1" and vs.options.max_positions == len(PROMPT) + 20
+    blocks = []
+    for block in run:
+        with pytest.raises(RuntimeError, match="not over"):
+            run.result  # noqa: B018 - a result only once the run is over
+        blocks.append(block)
+    gen = run.result
+    assert [t for b in blocks for t in b.tokens] == gen.token_ids == CONT[:20]
+    assert gen.finish_reason == "length" and gen.verifier_stats["kv_bytes"]["full"] == 19
+    assert vs.closed and ds.closed and not vs.aborted
+    assert list(run) == []  # over: nothing more, nothing reopened
+
+
+def test_closing_early_keeps_what_was_committed_and_frees_the_sessions():
+    engine = _engine()
+    with engine.start(Request(PROMPT, max_tokens=50, block_size=4)) as run:
+        first, second = next(run), next(run)
+    vs, ds = _sessions(engine)
+    gen = run.result
+    assert gen.finish_reason == "abort" and gen.token_ids == first.tokens + second.tokens
+    assert gen.verifier_stats["kv_bytes"]["sliding"] == 7  # what the cache held when it ended
+    assert vs.closed and ds.closed
+
+
+def test_a_stop_the_front_found_cuts_the_last_block():
+    engine = _engine()
+    run = engine.start(Request(PROMPT, max_tokens=50, block_size=4))
+    next(run)
+    block = next(run)
+    assert len(block.tokens) == 4
+    run.stop(2)  # e.g. a stop string completed by the block's second token
+    gen = run.result
+    assert gen.finish_reason == "stop" and gen.token_ids == CONT[:3] and gen.acceptance_lengths == [2]
+    assert _sessions(engine)[0].closed
+
+
+def test_cancel_from_another_thread_aborts_remote_streams_and_ends_the_iteration():
+    engine = _engine()
+    run = engine.start(Request(PROMPT, max_tokens=200, block_size=4))
+    next(run)
+    canceller = threading.Thread(target=run.cancel)  # say, a gRPC cancel callback
+    canceller.start()
+    canceller.join()
+    vs, ds = _sessions(engine)
+    assert run.cancelled and vs.aborted and not vs.closed  # the stream ends at once, the session at the next step
+    assert list(run) == [] and run.result.finish_reason == "abort"
+    assert vs.closed and ds.closed
+    assert run.result.verifier_stats == {}  # a cancelled run asks its backends nothing more
+
+
+def test_a_failing_verifier_ends_the_run_with_the_error_after_closing_the_sessions():
+    engine = _engine(fail_verify_at=3)
+    run = engine.start(Request(PROMPT, max_tokens=50, block_size=4))
+    with pytest.raises(ConnectionError):
+        for _ in run:
+            pass
+    vs, ds = _sessions(engine)
+    assert run.result.finish_reason == "error" and len(run.result.blocks) == 3  # the prefill's and two more
+    assert vs.closed and ds.closed and run.result.verifier_stats == {}
+
+
+def test_a_failing_drafter_fails_the_run_unless_the_front_asks_for_the_fallback():
+    with pytest.raises(ConnectionError, match="drafter gone"):
+        _engine(dies_at=3).generate(Request(PROMPT, max_tokens=40, block_size=4))
+    gen = _engine(dies_at=3).generate(Request(PROMPT, max_tokens=40, block_size=4), RunOptions(drafter_fallback=True))
+    assert gen.token_ids == CONT[:40] and gen.drafter_fallback and gen.finish_reason == "length"
+
+
+def test_auto_stays_within_the_requests_largest_block_and_learns_only_from_finished_runs():
+    engine = _engine()
+    engine.adaptive = AdaptivePolicy(CostCurve({1: 1.0, 16: 1.1}))  # cost flat in the size: the longest block wins
+    gen = engine.generate(Request(PROMPT, max_tokens=60, block_size=0, max_block_size=4))
+    assert gen.token_ids == CONT[:60] and max(b.drafted + 1 for b in gen.blocks[1:]) == 4
+    learnt = sum(engine.adaptive.chain.reached)
+    assert learnt > 0
+    with engine.start(Request(PROMPT, max_tokens=60, block_size=0)) as run:
+        next(run), next(run)
+    assert sum(engine.adaptive.chain.reached) == learnt  # closed early: nothing learnt
+    with pytest.raises(ValueError, match="max_block_size"):
+        engine.start(Request(PROMPT, block_size=0, max_block_size=17))
+
+
+def test_model_work_runs_through_the_fronts_step():
+    engine, calls = _engine(), []
+
+    def step(fn, *args):
+        calls.append(getattr(fn, "__name__", ""))
+        return fn(*args)
+
+    engine.generate(Request(PROMPT, max_tokens=9, block_size=4), RunOptions(step=step))
+    assert calls[:2] == ["block_sizer", "_open"] and calls[-2:] == ["stats", "_close_sessions"]
+    assert calls.count("next") == 4  # the prefill's block, two blocks of 4, then the end
+
+
+def test_a_cancellation_runs_each_hook_once_and_late_ones_at_once():
+    c, seen = Cancellation(), []
+    c.on_cancel(lambda: seen.append("early"))
+    c.cancel()
+    c.cancel()
+    c.on_cancel(lambda: seen.append("late"))
+    assert seen == ["early", "late"] and c.cancelled
