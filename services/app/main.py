@@ -132,21 +132,15 @@ def register_generate(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every sub-command; imports neither MLX nor torch (each command imports its backend when it runs)."""
-    from kakeya.app import client, serve
-    from kakeya.checkpoints import tiny
-    from kakeya.orchestrator import niah
-    from kakeya.training import commands as training
-    from kakeya.verifier import memory
+    from kakeya.app import client, serve, tools, train
 
     parser = argparse.ArgumentParser(prog="kakeya", description="Speculative decoding for Gemma-4 with DFlash drafters")
     sub = parser.add_subparsers(dest="command", required=True)
     register_generate(sub)
     serve.register(sub)
     client.register(sub)
-    tiny.register(sub)
-    memory.register(sub)
-    training.register(sub)
-    niah.register(sub)
+    tools.register(sub)
+    train.register(sub)
     return parser
 
 

@@ -21,7 +21,6 @@ correctness tests (fidelity, cache bookkeeping, wire format), not for quality.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
@@ -441,64 +440,3 @@ def embedded_pair() -> TinyPair:
     """What ``kakeya generate`` uses with no model flags: the trained demo pair when
     shipped, else the tiny random pair (tests use :func:`default_pair` explicitly)."""
     return demo_pair() or default_pair()
-
-
-# ---------------------------------------------------------------------------
-# CLI
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _run(args: argparse.Namespace) -> int:
-    pair = make_tiny(
-        args.out,
-        seed=args.seed,
-        sliding_window=args.sliding_window,
-        moe=args.moe,
-        vocab_size=args.vocab_size,
-        progress=_stderr,
-    )
-    print(f"target: {pair.target}")
-    print(f"draft: {pair.draft}")
-    return 0
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="output directory (gets target/ and draft/)")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    parser.add_argument(
-        "--sliding-window", type=int, default=32, help="target sliding window (default 32)"
-    )
-    parser.add_argument("--moe", action="store_true", help="give the target an MoE block")
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        default=tk.DEFAULT_VOCAB_SIZE,
-        help=f"tokenizer / model vocabulary (default {tk.DEFAULT_VOCAB_SIZE})",
-    )
-    parser.set_defaults(func=_run)
-
-
-def register(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``make-tiny`` sub-command to an argparse sub-parsers object."""
-    parser = subparsers.add_parser(
-        "make-tiny",
-        help="write a tiny random Gemma-4 target + DFlash drafter checkpoint pair",
-        description="Write OUT/target (Gemma-4, HF format) and OUT/draft (DFlash drafter)"
-        " with random weights, deterministic per seed.",
-    )
-    add_arguments(parser)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kakeya.checkpoints.tiny")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -24,8 +24,6 @@ on a real checkpoint for a verdict (docs/ftheta.md).
 from __future__ import annotations
 
 import ast
-import json
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -164,67 +162,3 @@ def run_niah(engine, contexts, depths, policies: dict, max_tokens: int = 16, blo
         if native is not None:
             row["grid_vs_native"] = {c: {d: v - native["grid"][c][d] for d, v in ds.items()} for c, ds in row["grid"].items()}
     return out
-
-
-def cmd_niah(args) -> int:
-    from kakeya.orchestrator.assembly import build_local_engine
-
-    if not args.contexts or min(args.contexts) < 16:
-        raise ValueError("--contexts: give context lengths of at least 16 tokens")
-    if not args.depths or not all(0.0 <= d <= 1.0 for d in args.depths):
-        raise ValueError("--depths must lie in [0, 1]")
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    restore = args.restore.removeprefix("ftheta:") if args.restore else None
-    names = list(dict.fromkeys(args.policies))
-    if restore and not any("restore" in n.split("+") for n in names):
-        names.append("sink-window+restore")
-    engine = build_local_engine(args.target, args.draft)
-    model_window = engine.verifier.info.sliding_window
-    window = args.window or max(1, model_window // 2)
-    policies = {n: parse_policy(n, args.sink, window, restore) for n in names}
-    log = None if args.quiet else (lambda m: print(f"niah: {m}", file=sys.stderr, flush=True))
-    table = run_niah(engine, args.contexts, args.depths, policies, args.max_tokens, args.block_size or 0, args.seed, log)
-    result = {
-        "target": engine.target,
-        "draft": engine.draft,
-        "contexts": args.contexts,
-        "depths": args.depths,
-        "max_tokens": args.max_tokens,
-        "block_size": args.block_size or engine.default_block_size,
-        "model_window": model_window,
-        "sink": args.sink,
-        "window": window,
-        "note": TINY_NOTE,
-        "policies": table,
-    }
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(f"needle recall ({engine.target}; {len(args.contexts)} contexts x {len(args.depths)} depths; {TINY_NOTE})")
-    print(f"{'policy':<28}{'recall':>8}{'vs native':>11}  by context")
-    for name, row in table.items():
-        vs = "" if row["recall_vs_native"] is None else f"{row['recall_vs_native']:+.2f}"
-        by = " ".join(f"{c}:{v:.2f}" for c, v in row["by_context"].items())
-        print(f"{row['label']:<28}{row['recall']:>8.2f}{vs:>11}  {by}")
-    return 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser("niah", help="needle-in-a-haystack recall per cache policy, vs native")
-    p.add_argument("--target", help="Gemma-4 target checkpoint directory")
-    p.add_argument("--draft", help="DFlash drafter checkpoint directory")
-    p.add_argument("--contexts", type=int, nargs="+", default=[256, 512], help="prompt lengths in tokens")
-    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="needle depth, 0 (start) .. 1 (end)")
-    p.add_argument("--policies", nargs="+", default=["native", "sink-window", "sink-window+kv8"],
-                   help="native | sink-window, each optionally +kv8/+kv4 and +restore")
-    p.add_argument("--restore", help="f_theta directory (ftheta:DIR or DIR) for +restore policies; "
-                                     "adds sink-window+restore when no listed policy restores")
-    p.add_argument("--sink", type=int, default=4, help="sinks of the sink-window policies")
-    p.add_argument("--window", type=int, default=None, help="window of the sink-window policies (default: half the model's)")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per case")
-    p.add_argument("--block-size", type=int, default=None, help="speculative block size (default: the drafter's)")
-    p.add_argument("--seed", type=int, default=0, help="varies the needle codes")
-    p.add_argument("--quiet", action="store_true", help="no per-case progress on stderr")
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    p.set_defaults(func=cmd_niah)

@@ -31,7 +31,6 @@ parameter names); the checkpoint loads strictly in ``kakeya.drafter.mlx_backend.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -253,68 +252,3 @@ def train(args) -> dict:
         }
     common.write_json(out / "report.json", report)
     return report
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="target checkpoint directory (from train-target)")
-    p.add_argument("--out", required=True, help="output drafter directory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--time-budget", type=float, default=0, help="stop after this many training seconds (0: none)")
-    p.add_argument("--batch", type=int, default=16, help="sequences per step")
-    p.add_argument("--anchors", type=int, default=8, help="blocks (anchor positions) per sequence per step")
-    p.add_argument("--block-size", type=int, default=8, help="block size written to dflash_config")
-    p.add_argument("--train-block-sizes", default="", help="comma list sampled per step (default: --block-size)")
-    p.add_argument("--gamma", type=float, default=0, help="position-weight decay exp(-(k-1)/gamma) (0: B/2)")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--target-layer-ids", default="1,3,5", help="target layers whose outputs are the aux context")
-    p.add_argument("--sequences", type=int, default=512, help="target continuations to generate")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--gen-len", type=int, default=128)
-    p.add_argument("--gen-batch", type=int, default=64)
-    p.add_argument("--temperatures", default="0",
-                   help="comma list: generation batch i continues its prompts at temperatures[i %% n] (0: greedy)")
-    p.add_argument("--soft-weight", type=float, default=0.0,
-                   help="weight of KL(target distribution || drafter) per block position (0: hard labels only; "
-                        "then sampled continuations' tokens are the only labels)")
-    p.add_argument("--bos-prompts", action="store_true", help="prompts start with <bos>, as real requests do")
-    p.add_argument("--init-from", default=None, help="start from this drafter checkpoint (same config), e.g. to fine-tune")
-    p.add_argument("--heldout-pct", type=int, default=5)
-    p.add_argument("--val-sequences", type=int, default=64,
-                   help="target continuations of held-out prompts for a teacher-forced held-out curve (0: none)")
-    p.add_argument("--eval-every", type=int, default=500, help="steps between held-out evaluations")
-    p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the engine's acceptance")
-    p.add_argument("--eval-max-tokens", type=int, default=128)
-    p.add_argument("--eval-block-sizes", default="2,4,8,16")
-    p.add_argument("--no-eval", action="store_true", help="skip the acceptance measurement")
-    p.add_argument("--eval-backend", default="mlx", choices=["auto", "mlx", "torch"],
-                   help="engine that measures acceptance (default mlx, as the shipped cards; auto: the fastest here)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt if present")
-    p.add_argument("--quiet", action="store_true")
-    p.set_defaults(func=_run)
-
-
-def _run(args) -> int:
-    rep = train(args)
-    summary = {"out": args.out, "steps": rep["steps"], "final_loss": rep["loss_curve"][-1][2] if rep["loss_curve"] else None}
-    if "acceptance" in rep:
-        summary["mean_acceptance"] = {b: v["mean_acceptance"] for b, v in rep["acceptance"]["per_block_size"].items()}
-    print(json.dumps(summary))
-    return 0
-
-
-def register(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("train-drafter", help="train a DFlash drafter for a target (target-greedy block training)")
-    add_arguments(p)
-    return p

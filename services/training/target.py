@@ -16,7 +16,6 @@ Output directory::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -323,50 +322,3 @@ def common_log(msg: str) -> None:
     import sys
 
     print(msg, file=sys.stderr, flush=True)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="output checkpoint directory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="mlx", choices=["mlx", "torch"],
-                   help="mlx (default) or torch (same model/data/output; much faster on Linux CPUs)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--time-budget", type=float, default=0, help="stop after this many training seconds (0: none)")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--intermediate", type=int, default=384)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--pattern", default="s,s,f", help="layer-type pattern, repeated (s sliding, f full)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--global-head-dim", type=int, default=64)
-    p.add_argument("--sliding-window", type=int, default=64)
-    p.add_argument("--vocab-size", type=int, default=tk.DEFAULT_VOCAB_SIZE)
-    p.add_argument("--heldout-pct", type=int, default=5)
-    p.add_argument("--max-bytes", type=int, default=None, help="cap on train-file bytes (default: all)")
-    p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--eval-windows", type=int, default=64)
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt if present")
-    p.add_argument("--quiet", action="store_true")
-    p.set_defaults(func=_run)
-
-
-def _run(args) -> int:
-    rep = train(args)
-    print(json.dumps({"out": args.out, "steps": rep["steps"], **rep["final"]}))
-    return 0
-
-
-def register(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("train-target", help="train a small Gemma-4 target on the Python stdlib (MLX)")
-    add_arguments(p)
-    return p

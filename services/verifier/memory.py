@@ -15,7 +15,6 @@ the price of exact rollback (``cache.py``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from kakeya.core.contract import FULL, SLIDING, CachePolicy
@@ -121,42 +120,3 @@ def policy_table(shape: KVShape, context: int, sink: int = 4, window: int = 64, 
             row["total_bytes"] += row["restored_bytes"]
             table["sink-window" + suffix + "+restore"] = row
     return table
-
-
-def cmd_memory(args) -> int:
-    from kakeya.checkpoints.config import load_target_config
-
-    if (args.preset is None) == (args.config is None):
-        raise ValueError("give exactly one of --preset or --config")
-    if args.context < 1:
-        raise ValueError(f"--context must be >= 1, got {args.context}")
-    cfg = PRESETS[args.preset] if args.preset else load_target_config(args.config)
-    shape = KVShape.from_config(cfg, args.dtype)
-    table = policy_table(shape, args.context, args.sink, args.window, args.restore_rank)
-    if args.json:
-        print(json.dumps(table))
-        return 0
-    full = table["full"]["total_bytes"]
-    print(f"KV bytes for one session at context {args.context} ({args.preset or args.config}; "
-          f"sink-window = {args.sink} sinks + window {args.window})")
-    print(f"{'policy':<24}{'total MiB':>12}{'sliding MiB':>13}{'full MiB':>11}{'vs full':>10}")
-    for name, row in table.items():
-        mib = [row[k] / 2**20 for k in ("total_bytes", "sliding_bytes", "full_bytes")]
-        print(f"{name:<24}{mib[0]:>12.2f}{mib[1]:>13.2f}{mib[2]:>11.2f}{full / row['total_bytes']:>9.1f}x")
-    return 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser("memory", help="KV bytes per session and cache policy, from a config")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=sorted(PRESETS))
-    src.add_argument("--config", help="a checkpoint directory (its config.json)")
-    p.add_argument("--context", type=int, required=True, help="positions in the session (prompt + generated)")
-    p.add_argument("--sink", type=int, default=4, help="sinks for the sink-window rows (default 4)")
-    p.add_argument("--window", type=int, default=64, help="window for the sink-window rows (default 64)")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="K/V dtype (default: the config's)")
-    p.add_argument("--restore-rank", type=int, default=0,
-                   help="also show sink-window+restore rows for an f_theta of this rank (its latent ring)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_memory)
-

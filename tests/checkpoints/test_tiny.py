@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 from pathlib import Path
@@ -11,7 +10,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from kakeya.checkpoints import tiny
 from kakeya.checkpoints import tokenizer as tk
 from kakeya.checkpoints.tiny import default_pair, make_tiny
 
@@ -102,10 +100,10 @@ def test_embedded_default_pair_is_small():
     assert total < 2_000_000
 
 
-def test_cli_register(tmp_path, capsys):
-    parser = argparse.ArgumentParser(prog="kakeya")
-    sub = parser.add_subparsers(dest="command", required=True)
-    tiny.register(sub)
+def test_cli_make_tiny(tmp_path, capsys):
+    from kakeya.app.main import build_parser
+
+    parser = build_parser()
     out = tmp_path / "cli"
     args = parser.parse_args(["make-tiny", "--out", str(out), "--seed", "3", "--sliding-window", "16"])
     assert args.func(args) == 0

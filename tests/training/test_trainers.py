@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from kakeya.app.train import drafter_arguments, target_arguments
 from kakeya.checkpoints import tokenizer as tk
 from kakeya.training import drafter as tdraft
 from kakeya.training import target as ttarget
@@ -28,9 +29,9 @@ TINY_TARGET = ["--hidden", "32", "--intermediate", "64", "--layers", "3", "--hea
 @pytest.mark.parametrize("backend", ["mlx", "torch"])
 def test_train_target_smoke_resume_and_load(tmp_path, backend):
     out = tmp_path / "t"
-    rep = ttarget.train(_args(ttarget.add_arguments, ["--out", str(out), "--steps", "2", "--backend", backend] + TINY_TARGET))
+    rep = ttarget.train(_args(target_arguments, ["--out", str(out), "--steps", "2", "--backend", backend] + TINY_TARGET))
     assert rep["steps"] == 2 and len(rep["loss_curve"]) == 2
-    rep2 = ttarget.train(_args(ttarget.add_arguments,
+    rep2 = ttarget.train(_args(target_arguments,
                                ["--out", str(out), "--steps", "3", "--resume", "--backend", backend] + TINY_TARGET))
     assert rep2["steps"] == 3 and [s for s, _ in rep2["loss_curve"]] == [1, 2, 3]
     assert rep2["loss_curve"][:2] == rep["loss_curve"]  # resumed, not restarted
@@ -65,9 +66,9 @@ TINY_DRAFT = ["--sequences", "4", "--prompt-len", "12", "--gen-len", "10", "--ge
 def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
     out = tmp_path / "d"
     base = ["--target", str(tiny_pair.target), "--out", str(out)] + TINY_DRAFT
-    rep = tdraft.train(_args(tdraft.add_arguments, base + ["--steps", "2", "--no-eval"]))
+    rep = tdraft.train(_args(drafter_arguments, base + ["--steps", "2", "--no-eval"]))
     assert rep["steps"] == 2
-    rep2 = tdraft.train(_args(tdraft.add_arguments, base + ["--steps", "3", "--resume", "--eval-prompts", "1",
+    rep2 = tdraft.train(_args(drafter_arguments, base + ["--steps", "3", "--resume", "--eval-prompts", "1",
                                                             "--eval-max-tokens", "6", "--eval-block-sizes", "4"]))
     assert [c[0] for c in rep2["loss_curve"]] == [1, 2, 3] and rep2["loss_curve"][:2] == rep["loss_curve"]
     # held-out curve: evaluated at step 2 (eval-every) and at the last step; carried across --resume
@@ -89,7 +90,7 @@ def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
     # --init-from (steps 0: the written weights are exactly the source's) and --bos-prompts
     out2 = tmp_path / "d2"
     base2 = ["--target", str(tiny_pair.target), "--out", str(out2)] + TINY_DRAFT
-    tdraft.train(_args(tdraft.add_arguments, base2 + ["--steps", "0", "--no-eval", "--init-from", str(out), "--bos-prompts"]))
+    tdraft.train(_args(drafter_arguments, base2 + ["--steps", "0", "--no-eval", "--init-from", str(out), "--bos-prompts"]))
     from safetensors.numpy import load_file
 
     a, b = load_file(out / "model.safetensors"), load_file(out2 / "model.safetensors")
@@ -97,7 +98,7 @@ def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
     seqs = np.load(out2 / "ckpt" / "data" / "seqs.npy")
     assert (seqs[:, 0] == tk.BOS_ID).all() and (seqs[:, 1:] != tk.BOS_ID).any()
     with pytest.raises(ValueError, match="init-from"):
-        tdraft.train(_args(tdraft.add_arguments, base2 + ["--steps", "0", "--no-eval", "--init-from", str(out),
+        tdraft.train(_args(drafter_arguments, base2 + ["--steps", "0", "--no-eval", "--init-from", str(out),
                                                            "--layers", "2"]))
 
 
@@ -139,8 +140,8 @@ def test_sampled_continuations_and_the_soft_label_loss(tmp_path, tiny_pair):
     out = tmp_path / "d"
     base = ["--target", str(tiny_pair.target), "--out", str(out), "--temperatures", "0,1", "--soft-weight", "0.5",
             "--no-eval"] + TINY_DRAFT + ["--gen-batch", "2"]  # two generation batches: one greedy, one sampled
-    rep = tdraft.train(_args(tdraft.add_arguments, base + ["--steps", "2"]))
-    rep2 = tdraft.train(_args(tdraft.add_arguments, base + ["--steps", "3", "--resume"]))
+    rep = tdraft.train(_args(drafter_arguments, base + ["--steps", "2"]))
+    rep2 = tdraft.train(_args(drafter_arguments, base + ["--steps", "3", "--resume"]))
     assert rep2["loss_curve"][:2] == rep["loss_curve"] and "KL" in rep2["data"]["labels"]
     temps = np.load(out / "ckpt" / "data" / "temperature.npy")
     assert sorted(set(temps.tolist())) == [0.0, 1.0]
