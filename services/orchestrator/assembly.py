@@ -67,9 +67,9 @@ def resolve_backend(backend: str = "auto", device: str | None = None, *, system:
 
 
 def _torch_cuda_available() -> bool:
-    import torch
+    from kakeya.backends.torch.ops import cuda_available
 
-    return bool(torch.cuda.is_available())
+    return cuda_available()
 
 
 def require_backend(backend: str) -> None:
@@ -98,9 +98,9 @@ def set_torch_threads(threads: int | None, device: str | None, embedded: bool) -
     n = torch_threads(threads, device, embedded)
     if not n:
         return None
-    import torch
+    from kakeya.backends.torch.ops import set_threads
 
-    torch.set_num_threads(n)
+    set_threads(n)
     return n
 
 

@@ -9,7 +9,8 @@ Wire format (``protos/kakeya/v1/tensor.proto``): ``dtype`` + ``shape`` +
 
 Backends: numpy always; ``mx.array`` and ``torch.Tensor`` are recognised
 without importing mlx or torch (an input can only be one of theirs if its
-module is already loaded), and are imported only when ``like=`` asks for them.
+module is already loaded), and are imported only when ``like=`` asks for them;
+their conversions are the backends' own (``kakeya.backends.{torch,mlx}.arrays``).
 
 Copies: encoding makes one host copy into ``bytes`` (plus a device-to-host copy
 for a GPU torch tensor); protobuf then copies that into the message. Decoding
@@ -103,30 +104,25 @@ def _spec_of_arg(dtype: Any) -> _Spec:
 # ---------------------------------------------------------------- encoding
 
 
+def _backend(name: str):
+    """The backend's array adapter (``kakeya.backends.<name>.arrays``), imported when first needed."""
+    if name == "torch":
+        from kakeya.backends.torch import arrays
+    else:
+        from kakeya.backends.mlx import arrays
+    return arrays
+
+
 def _numpy_of(array: Any, want: _Spec | None) -> tuple[np.ndarray, _Spec]:
     """Host numpy view of ``array`` (no copy where possible) and its wire spec."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(array, torch.Tensor):
-        t = array.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        name = str(t.dtype).removeprefix("torch.")
-        spec = _BY_NAME.get(name)
-        if spec is None:
-            raise ValueError(f"torch dtype {name} is not supported; supported: {_SUPPORTED}")
-        if spec is _BF16:
-            return t.contiguous().view(torch.int16).numpy().view(_BF16.wire), spec
-        return t.resolve_conj().resolve_neg().numpy(), spec
-
-    mx = sys.modules.get("mlx.core")
-    if mx is not None and isinstance(array, mx.array):
-        name = str(array.dtype).rsplit(".", 1)[-1]
-        spec = _BY_NAME.get(name)
-        if spec is None:
-            raise ValueError(f"mlx dtype {name} is not supported; supported: {_SUPPORTED}")
-        if spec is _BF16:  # numpy cannot take bfloat16 through the buffer protocol
-            array = array.view(mx.uint16)
-        return np.asarray(array), spec  # evaluates; a view of mlx's memory
+    # a torch tensor or an mx.array can only reach us if its package is already imported
+    for module, backend in (("torch", "torch"), ("mlx.core", "mlx")):
+        if sys.modules.get(module) is not None and _backend(backend).owns(array):
+            arr, name = _backend(backend).to_host(array)
+            spec = _BY_NAME.get(name)
+            if spec is None:
+                raise ValueError(f"{backend} dtype {name} is not supported; supported: {_SUPPORTED}")
+            return (arr.view(_BF16.wire) if spec is _BF16 else arr), spec
 
     if isinstance(array, (np.ndarray, np.generic)):
         arr = np.asarray(array)
@@ -204,20 +200,7 @@ def from_proto(tensor: Tensor, like: str = "numpy", *, device: Any = None) -> An
     if like == "numpy":
         return arr
 
-    if like == "mlx":
-        import mlx.core as mx
-
-        out = mx.array(arr)  # mlx copies into its own memory
-        return out.view(mx.bfloat16) if spec is _BF16 else out
-
-    import torch
-
-    if spec is _BF16:
-        arr = arr.view(np.int16)  # torch has no general uint16 support; reinterpreted below
-    # torch.tensor copies exactly once, straight onto `device` (the message's
-    # bytes are immutable, so the result must own its memory anyway).
-    out = torch.tensor(arr, device=device)
-    return out.view(torch.bfloat16) if spec is _BF16 else out
+    return _backend(like).from_host(arr, spec is _BF16, device)
 
 
 # ---------------------------------------------------------------- helpers

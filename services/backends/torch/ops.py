@@ -31,6 +31,15 @@ DTYPES = {
 }
 
 
+def cuda_available() -> bool:
+    return bool(torch.cuda.is_available())
+
+
+def set_threads(n: int) -> None:
+    """Pin torch's CPU intra-op threads."""
+    torch.set_num_threads(n)
+
+
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     """A torch dtype from its name (``"bf16"``, ``"float32"`` ...); None means float32."""
     if dtype is None:
