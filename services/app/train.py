@@ -21,39 +21,49 @@ def register(sub) -> None:
     p.set_defaults(func=_train_ftheta)
 
 
-def target_arguments(p: argparse.ArgumentParser) -> None:
-    """``kakeya train-target``'s options (the namespace ``training.target.train`` takes)."""
-    p.add_argument("--out", required=True, help="output checkpoint directory")
+def _run_arguments(p: argparse.ArgumentParser, steps: int, lr: float, warmup: int, eval_every: int) -> None:
+    """What every trainer takes: seed, schedule and optimizer, held-out split, device, checkpoints."""
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="mlx", choices=["mlx", "torch"],
-                   help="mlx (default) or torch (same model/data/output; much faster on Linux CPUs)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--time-budget", type=float, default=0, help="stop after this many training seconds (0: none)")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=warmup)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--intermediate", type=int, default=384)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--pattern", default="s,s,f", help="layer-type pattern, repeated (s sliding, f full)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--global-head-dim", type=int, default=64)
-    p.add_argument("--sliding-window", type=int, default=64)
-    p.add_argument("--vocab-size", type=int, default=tk.DEFAULT_VOCAB_SIZE)
     p.add_argument("--heldout-pct", type=int, default=5)
-    p.add_argument("--max-bytes", type=int, default=None, help="cap on train-file bytes (default: all)")
-    p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--eval-windows", type=int, default=64)
+    p.add_argument("--eval-every", type=int, default=eval_every, help="steps between held-out evaluations")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt if present")
     p.add_argument("--quiet", action="store_true")
+
+
+def _layer_arguments(p: argparse.ArgumentParser, layers: int, intermediate: int) -> None:
+    """The model's depth and layer shape (hidden size: the target's; the drafter shares it)."""
+    p.add_argument("--layers", type=int, default=layers)
+    p.add_argument("--intermediate", type=int, default=intermediate, help="MLP width")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=32)
+
+
+def target_arguments(p: argparse.ArgumentParser) -> None:
+    """``kakeya train-target``'s options (the namespace ``training.target.train`` takes)."""
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--backend", default="mlx", choices=["mlx", "torch"],
+                   help="mlx (default) or torch (same model/data/output; much faster on Linux CPUs)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=128)
+    _layer_arguments(p, layers=6, intermediate=384)
+    p.add_argument("--pattern", default="s,s,f", help="layer-type pattern, repeated (s sliding, f full)")
+    p.add_argument("--global-head-dim", type=int, default=64)
+    p.add_argument("--sliding-window", type=int, default=64)
+    p.add_argument("--vocab-size", type=int, default=tk.DEFAULT_VOCAB_SIZE)
+    p.add_argument("--max-bytes", type=int, default=None, help="cap on train-file bytes (default: all)")
+    p.add_argument("--eval-windows", type=int, default=64)
+    _run_arguments(p, steps=2000, lr=3e-3, warmup=100, eval_every=250)
 
 
 def _train_target(args) -> int:
@@ -68,23 +78,12 @@ def drafter_arguments(p: argparse.ArgumentParser) -> None:
     """``kakeya train-drafter``'s options (the namespace ``training.drafter.train`` takes)."""
     p.add_argument("--target", required=True, help="target checkpoint directory (from train-target)")
     p.add_argument("--out", required=True, help="output drafter directory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--time-budget", type=float, default=0, help="stop after this many training seconds (0: none)")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
     p.add_argument("--anchors", type=int, default=8, help="blocks (anchor positions) per sequence per step")
     p.add_argument("--block-size", type=int, default=8, help="block size written to dflash_config")
     p.add_argument("--train-block-sizes", default="", help="comma list sampled per step (default: --block-size)")
     p.add_argument("--gamma", type=float, default=0, help="position-weight decay exp(-(k-1)/gamma) (0: B/2)")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
+    _layer_arguments(p, layers=2, intermediate=256)
     p.add_argument("--target-layer-ids", default="1,3,5", help="target layers whose outputs are the aux context")
     p.add_argument("--sequences", type=int, default=512, help="target continuations to generate")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -97,21 +96,15 @@ def drafter_arguments(p: argparse.ArgumentParser) -> None:
                         "then sampled continuations' tokens are the only labels)")
     p.add_argument("--bos-prompts", action="store_true", help="prompts start with <bos>, as real requests do")
     p.add_argument("--init-from", default=None, help="start from this drafter checkpoint (same config), e.g. to fine-tune")
-    p.add_argument("--heldout-pct", type=int, default=5)
     p.add_argument("--val-sequences", type=int, default=64,
                    help="target continuations of held-out prompts for a teacher-forced held-out curve (0: none)")
-    p.add_argument("--eval-every", type=int, default=500, help="steps between held-out evaluations")
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the engine's acceptance")
     p.add_argument("--eval-max-tokens", type=int, default=128)
     p.add_argument("--eval-block-sizes", default="2,4,8,16")
     p.add_argument("--no-eval", action="store_true", help="skip the acceptance measurement")
     p.add_argument("--eval-backend", default="mlx", choices=["auto", "mlx", "torch"],
                    help="engine that measures acceptance (default mlx, as the shipped cards; auto: the fastest here)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt if present")
-    p.add_argument("--quiet", action="store_true")
+    _run_arguments(p, steps=1000, lr=2e-3, warmup=50, eval_every=500)
 
 
 def _train_drafter(args) -> int:

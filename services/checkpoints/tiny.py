@@ -199,6 +199,20 @@ class _Init:
         x = 1.0 + NORM_JITTER * self._rng(name).standard_normal(dim)
         self.tensors[name] = x.astype(np.float32)
 
+    def attention_and_mlp(self, p: str, h: int, n_q: int, n_kv: int, hd: int, inter: int, v_proj: bool = True) -> None:
+        """A decoder layer's q/k/v/o projections with q/k norms and its gated MLP, under prefix ``p``
+        (Gemma-4 and the drafter name them alike)."""
+        self.linear(p + "self_attn.q_proj.weight", n_q * hd, h)
+        self.linear(p + "self_attn.k_proj.weight", n_kv * hd, h)
+        if v_proj:
+            self.linear(p + "self_attn.v_proj.weight", n_kv * hd, h)
+        self.linear(p + "self_attn.o_proj.weight", h, n_q * hd)
+        self.norm(p + "self_attn.q_norm.weight", hd)
+        self.norm(p + "self_attn.k_norm.weight", hd)
+        self.linear(p + "mlp.gate_proj.weight", inter, h)
+        self.linear(p + "mlp.up_proj.weight", inter, h)
+        self.linear(p + "mlp.down_proj.weight", h, inter)
+
     def const(self, name: str, shape: tuple[int, ...], value: float) -> None:
         self.tensors[name] = np.full(shape, value, dtype=np.float32)
 
@@ -217,16 +231,7 @@ def target_weights(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
         k_eq_v = cfg["attention_k_eq_v"] and full
         n_kv = cfg["num_global_key_value_heads"] if k_eq_v else cfg["num_key_value_heads"]
         n_q = cfg["num_attention_heads"]
-        w.linear(p + "self_attn.q_proj.weight", n_q * hd, h)
-        w.linear(p + "self_attn.k_proj.weight", n_kv * hd, h)
-        if not k_eq_v:
-            w.linear(p + "self_attn.v_proj.weight", n_kv * hd, h)
-        w.linear(p + "self_attn.o_proj.weight", h, n_q * hd)
-        w.norm(p + "self_attn.q_norm.weight", hd)
-        w.norm(p + "self_attn.k_norm.weight", hd)
-        w.linear(p + "mlp.gate_proj.weight", inter, h)
-        w.linear(p + "mlp.up_proj.weight", inter, h)
-        w.linear(p + "mlp.down_proj.weight", h, inter)
+        w.attention_and_mlp(p, h, n_q, n_kv, hd, inter, v_proj=not k_eq_v)
         for n in (
             "input_layernorm",
             "post_attention_layernorm",
@@ -268,15 +273,7 @@ def draft_weights(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     w.norm("hidden_norm.weight", h)
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
-        w.linear(p + "self_attn.q_proj.weight", n_q * hd, h)
-        w.linear(p + "self_attn.k_proj.weight", n_kv * hd, h)
-        w.linear(p + "self_attn.v_proj.weight", n_kv * hd, h)
-        w.linear(p + "self_attn.o_proj.weight", h, n_q * hd)
-        w.norm(p + "self_attn.q_norm.weight", hd)
-        w.norm(p + "self_attn.k_norm.weight", hd)
-        w.linear(p + "mlp.gate_proj.weight", inter, h)
-        w.linear(p + "mlp.up_proj.weight", inter, h)
-        w.linear(p + "mlp.down_proj.weight", h, inter)
+        w.attention_and_mlp(p, h, n_q, n_kv, hd, inter)
         w.norm(p + "input_layernorm.weight", h)
         w.norm(p + "post_attention_layernorm.weight", h)
     w.norm("norm.weight", h)

@@ -24,6 +24,15 @@ from typing import Any, Callable, Protocol, Sequence
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
+
+def check_layer_types(layer_types, num_layers: int) -> None:
+    """A config's ``layer_types``: one known kind per layer (ValueError naming the problem)."""
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries, num_hidden_layers is {num_layers}")
+    unknown = set(layer_types) - {SLIDING, FULL}
+    if unknown:
+        raise ValueError(f"unsupported layer_types {sorted(unknown)}")
+
 # The largest block a loop drafts, a verifier verifies and a drafter drafts,
 # and so the ring's rollback slack: one number for every layer.
 MAX_BLOCK_SIZE = 16

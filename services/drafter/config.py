@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from kakeya.core.contract import FULL, MAX_BLOCK_SIZE, SLIDING
+from kakeya.core.contract import FULL, MAX_BLOCK_SIZE, SLIDING, check_layer_types
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,7 @@ class DFlashConfig:
         if not self.layer_types:
             self.layer_types = (FULL,) * self.num_hidden_layers
         self.layer_types = tuple(self.layer_types)
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}"
-            )
-        unknown = set(self.layer_types) - {FULL, SLIDING}
-        if unknown:
-            raise ValueError(f"unsupported layer_types: {sorted(unknown)}")
+        check_layer_types(self.layer_types, self.num_hidden_layers)
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_window is required for sliding_attention layers")
         if self.block_size < 1:

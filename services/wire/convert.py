@@ -75,35 +75,22 @@ def policy_from_proto(p: cache_pb2.CachePolicy, default: CachePolicy, field: str
     return dataclasses.replace(default, **values)
 
 
+# ModelInfo fields a VerifierInfo carries under the same name (0: a server that does not say, for the limits)
+_VERIFIER_INFO_FIELDS = ("vocab_size", "hidden_size", "num_layers", "sliding_window")
+
+
 def verifier_info_to_proto(info: ModelInfo, aux_layers, **server_fields) -> vpb.VerifierInfo:
     """What a verifier server publishes: the model's facts plus the server's own (``server_fields``)."""
-    return vpb.VerifierInfo(
-        model_name=info.name,
-        vocab_size=info.vocab_size,
-        eos_token_ids=list(info.eos_token_ids),
-        hidden_size=info.hidden_size,
-        num_layers=info.num_layers,
-        sliding_window=info.sliding_window,
-        target_layer_ids=list(aux_layers),
-        backend=info.backend,
-        **server_fields,
-    )
+    same = {f: getattr(info, f) for f in _VERIFIER_INFO_FIELDS}
+    return vpb.VerifierInfo(model_name=info.name, eos_token_ids=list(info.eos_token_ids), target_layer_ids=list(aux_layers),
+                            backend=info.backend, **same, **server_fields)
 
 
 def model_info_from_verifier(r: vpb.VerifierInfo, backend: str, extra: dict | None = None) -> ModelInfo:
     """The ``ModelInfo`` of a remote verifier (``backend``: how this side reaches it)."""
-    return ModelInfo(
-        name=r.model_name,
-        vocab_size=r.vocab_size,
-        eos_token_ids=tuple(r.eos_token_ids),
-        hidden_size=r.hidden_size,
-        num_layers=r.num_layers,
-        sliding_window=r.sliding_window,
-        backend=backend,
-        extra=dict(extra or {}),
-        max_position_embeddings=r.max_position_embeddings,  # 0: a server that does not say
-        max_context=r.max_context,
-    )
+    same = {f: getattr(r, f) for f in _VERIFIER_INFO_FIELDS + ("max_position_embeddings", "max_context")}
+    return ModelInfo(name=r.model_name, eos_token_ids=tuple(r.eos_token_ids), backend=backend, extra=dict(extra or {}),
+                     **same)
 
 
 def public_model_info(info: ModelInfo, **api_fields) -> gpb.ModelInfo:

@@ -40,7 +40,7 @@ from kakeya.backends.torch.ops import (
     sdpa,
     sdpa_backends,
 )
-from kakeya.core.contract import FULL, SLIDING
+from kakeya.core.contract import FULL, SLIDING, check_layer_types
 
 # --------------------------------------------------------------------------- config
 
@@ -90,13 +90,7 @@ class Gemma4Args:
         if not self.layer_types:
             self.layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(self.num_hidden_layers)]
         self.layer_types = list(self.layer_types)
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}"
-            )
-        unknown = set(self.layer_types) - {SLIDING, FULL}
-        if unknown:
-            raise ValueError(f"unsupported layer_types {sorted(unknown)}")
+        check_layer_types(self.layer_types, self.num_hidden_layers)
         if self.layer_types[-1] != FULL:  # transformers forces this too
             self.layer_types[-1] = FULL
         rope = _default_rope_parameters()
