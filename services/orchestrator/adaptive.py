@@ -11,8 +11,11 @@ Both halves are measured, never assumed: ``measure_costs`` times draft and
 verify at each size on the live endpoints at warm-up (so the wire is in it
 for a split deployment), each block's own timings then refine it, and the
 acceptance chain ``a_k`` is counted from every block. Until a few blocks were
-seen the drafter's trained block size is used; positions a short block never
-reaches keep the pooled rate as their prior, and every ``explore_every``
+seen the drafter's trained block size is used. A position short blocks never
+reach takes the rate of the position before it as its prior (not the pooled
+rate, which the first positions dominate: a drafter whose later positions
+accept as well as its first would otherwise look worse the longer its blocks,
+and the sizer would talk itself into short ones), and every ``explore_every``
 blocks one block is drafted at full length so that prior keeps being tested.
 
 Only token counts and timings go in, so this knows no backend and changes no
@@ -21,7 +24,6 @@ token: the loop is lossless at every block size, whichever is chosen.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,8 +77,12 @@ class AcceptanceChain:
         return (sum(self.accepted) + 1.0) / (r + 2.0)  # Laplace: 0.5 before any data
 
     def rates(self) -> list[float]:
-        prior = self.pooled()
-        return [(a + PRIOR_STRENGTH * prior) / (r + PRIOR_STRENGTH) for a, r in zip(self.accepted, self.reached)]
+        """Each position's smoothed rate; its prior is the rate of the position before (the first's: pooled)."""
+        out, prior = [], self.pooled()
+        for a, r in zip(self.accepted, self.reached):
+            prior = (a + PRIOR_STRENGTH * prior) / (r + PRIOR_STRENGTH)
+            out.append(prior)
+        return out
 
     def expected_tokens(self, size: int) -> float:
         total, run = 1.0, 1.0
@@ -148,32 +154,38 @@ class AdaptivePolicy:
             self.chain = self.chain.merged(sizer.chain, 4 * self.carry)
 
 
-def measure_costs(verifier, drafter, sizes: Sequence[int] = (1, 2, 4, 8, 16), repeats: int = 3, prompt_len: int = 32) -> CostCurve:
-    """Time one block (draft + verify + commit) at each size on live sessions; medians of ``repeats``.
+def measure_costs(verifier, drafter, sizes: Sequence[int] = (1, 2, 4, 8, 16), repeats: int = 3, prompt_len: int = 32,
+                  clock=time.perf_counter) -> CostCurve:
+    """Time one block (draft + verify + commit) at each size on live sessions; the fastest of ``repeats``.
 
     Runs through the same session API as a generation, so a remote endpoint's
-    wire time is part of its cost, as it is in every real block.
+    wire time is part of its cost, as it is in every real block. Every size
+    is run once untimed first: a fresh process's first forward at a shape pays
+    for allocations, kernel selection and (MLX) graph building, and timing that
+    made AR look 10x dearer than it is, so a first request chose its blocks on
+    a wrong curve. The fastest repeat, not the median, because on a shared
+    machine the noise only ever adds time.
     """
-    clock = time.perf_counter
     vocab = verifier.info.vocab_size
     prompt = [(7 * i + 3) % vocab for i in range(prompt_len)]
     vs = verifier.open_session()
     ds = drafter.open_session() if drafter is not None else None
     curve = CostCurve()
+    timed: set[int] = set()  # sizes run once untimed (first pass), then measured (second)
     try:
         last, aux = vs.prefill(prompt)
-        for size in sizes:
-            if size > 1 and ds is None:
-                continue
+        for size in [s for s in sizes if s == 1 or ds is not None] * 2:
             times = []
-            for _ in range(repeats):
+            for _ in range(repeats if size in timed else 1):
                 t0 = clock()
                 cands = list(ds.draft(aux, last, size).tokens) if ds is not None else []  # size 1: the context still grows
                 choices = vs.verify([last] + cands)
                 aux = vs.commit(1)
                 times.append(clock() - t0)
                 last = choices[0]
-            curve.seconds[size] = statistics.median(times)
+            if size in timed:
+                curve.seconds[size] = min(times)
+            timed.add(size)
     finally:
         vs.close()
         if ds is not None:

@@ -91,3 +91,52 @@ def test_policy_carries_acceptance_across_requests_but_caps_its_weight():
     second = policy.sizer()
     assert max(second.chain.reached) == pytest.approx(8)  # carried, capped at `carry` blocks
     assert second.chain.rates()[0] > 0.8
+
+
+def test_unreached_positions_inherit_the_rate_before_them_not_the_pooled_one():
+    chain = AcceptanceChain()
+    for _ in range(100):  # blocks of 4: the first candidate is a coin flip, once past it everything accepts
+        chain.observe(drafted=3, accepted=3)
+        chain.observe(drafted=3, accepted=0)
+    rates = chain.rates()
+    assert rates[0] == pytest.approx(0.5, abs=0.02) and rates[2] > 0.95
+    assert rates[3] == rates[2] == rates[15]  # never reached: the last reached position's rate
+    assert rates[15] > chain.pooled() + 0.15  # the pooled rate would have said longer blocks don't pay
+    sizer = BlockSizer(CostCurve({1: 1.0, 4: 1.2, 16: 2.0}), chain, explore_every=0)
+    assert sizer.choose() == 16
+
+
+class _ColdFirstCall:
+    """A session whose first verify at each size is slow (a cold shape), every later one fast."""
+
+    def __init__(self, clock):
+        self.clock, self.seen = clock, set()
+
+    def prefill(self, prompt):
+        return 1, None
+
+    def verify(self, block):
+        self.clock.t += (1.0 if len(block) not in self.seen else 0.0) + 0.01 * len(block)
+        self.seen.add(len(block))
+        return [2] * len(block)
+
+    def commit(self, n):
+        return None
+
+    def close(self):
+        pass
+
+
+def test_measure_costs_times_warm_shapes():
+    import types
+
+    from kakeya.orchestrator import adaptive
+
+    clock = types.SimpleNamespace(t=0.0)
+    session = _ColdFirstCall(clock)
+    verifier = types.SimpleNamespace(info=types.SimpleNamespace(vocab_size=100), open_session=lambda: session)
+    drafter_session = types.SimpleNamespace(draft=lambda aux, last, n: types.SimpleNamespace(tokens=[3] * (n - 1)),
+                                            close=lambda: None)
+    drafter = types.SimpleNamespace(open_session=lambda: drafter_session)
+    curve = adaptive.measure_costs(verifier, drafter, sizes=(1, 4, 16), repeats=1, clock=lambda: clock.t)
+    assert curve.seconds == pytest.approx({1: 0.01, 4: 0.04, 16: 0.16})  # no first-call second in any size
