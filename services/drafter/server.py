@@ -244,9 +244,11 @@ def server_spec(
     *,
     limits: dict | None = None,
     tls=None,
+    token: str | None = None,
     **kwargs,
 ) -> ServerSpec:
-    """``limits``: DrafterServicer's keyword arguments (queue, idle_timeout_s, max_context, ...)."""
+    """``limits``: DrafterServicer's keyword arguments (queue, idle_timeout_s, max_context, ...);
+    ``token``: the bearer token callers must present (None: none)."""
     limits = dict(limits or {})
     servicer = DrafterServicer(max_sessions, **limits)
 
@@ -256,7 +258,7 @@ def server_spec(
     return ServerSpec(
         name="drafter",
         service_names=[SERVICE_NAME],
-        add_to_server=lambda server: add_servicer(server, servicer, pb.DESCRIPTOR.services_by_name["DrafterService"]),
+        add_to_server=lambda server: add_servicer(server, servicer, pb.DESCRIPTOR.services_by_name["DrafterService"], token),
         load=lambda: servicer.load(draft_dir, target_dir, backend, **kwargs),
         set_ready=set_ready,
         max_workers=workers_for(max_sessions, limits.get("queue", 0)),

@@ -62,11 +62,13 @@ BALANCE_OPTIONS = [
 ]
 
 
-def backend_channel(addr: str, tls=None) -> grpc.Channel:
-    """A channel to a verifier or drafter; ``tls``: a ``kakeya.runtime.tls.ClientTLS`` (None: plaintext)."""
+def backend_channel(addr: str, tls=None, token: str | None = None) -> grpc.Channel:
+    """A channel to a verifier or drafter; ``tls``: a ``kakeya.runtime.tls.ClientTLS`` (None: plaintext);
+    ``token``: the bearer token the backend requires (``--backend-token-file``), sent on every call."""
+    from kakeya.runtime.auth import with_bearer
     from kakeya.runtime.tls import channel
 
-    return channel(addr, tls, channel_options() + RECONNECT_OPTIONS + BALANCE_OPTIONS)
+    return with_bearer(channel(addr, tls, channel_options() + RECONNECT_OPTIONS + BALANCE_OPTIONS), token)
 
 
 def backend_healthy(channel: grpc.Channel, timeout: float = 1.0) -> bool:
@@ -301,10 +303,10 @@ class GrpcVerifier:
 
     def __init__(
         self, addr: str, *, aux_layers: Sequence[int] = (), wait_s: float | None = None, aux_like: str | None = None,
-        channel=None, tls=None, clock: StepClock | None = None,
+        channel=None, tls=None, token: str | None = None, clock: StepClock | None = None,
     ):
         self.addr = addr
-        self.channel = channel or backend_channel(addr, tls)
+        self.channel = channel or backend_channel(addr, tls, token)
         self.clock = clock or StepClock()
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
         self.aux_like = aux_like  # None: aux stays a wire Tensor; "mlx"/"torch"/"numpy": decoded
@@ -454,10 +456,10 @@ class GrpcDrafter:
 
     def __init__(
         self, addr: str, *, wait_s: float | None = None, channel=None, backoff: Backoff | None = None, tls=None,
-        clock: StepClock | None = None,
+        token: str | None = None, clock: StepClock | None = None,
     ):
         self.addr = addr
-        self.channel = channel or backend_channel(addr, tls)
+        self.channel = channel or backend_channel(addr, tls, token)
         self.clock = clock or StepClock()
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.remote = _get_info("drafter", addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), wait_s)

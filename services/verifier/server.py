@@ -373,9 +373,11 @@ def server_spec(
     *,
     limits: dict | None = None,
     tls=None,
+    token: str | None = None,
     **kwargs,
 ) -> ServerSpec:
-    """``limits``: VerifierServicer's keyword arguments (max_kv_bytes, queue, idle_timeout_s, ...)."""
+    """``limits``: VerifierServicer's keyword arguments (max_kv_bytes, queue, idle_timeout_s, ...);
+    ``token``: the bearer token callers must present (None: none)."""
     limits = dict(limits or {})
     servicer = VerifierServicer(max_sessions, **limits)
 
@@ -385,7 +387,7 @@ def server_spec(
     return ServerSpec(
         name="verifier",
         service_names=[SERVICE_NAME],
-        add_to_server=lambda server: add_servicer(server, servicer, pb.DESCRIPTOR.services_by_name["VerifierService"]),
+        add_to_server=lambda server: add_servicer(server, servicer, pb.DESCRIPTOR.services_by_name["VerifierService"], token),
         load=lambda: servicer.load(target_dir, aux_layers, backend, **kwargs),
         set_ready=set_ready,
         max_workers=workers_for(max_sessions, limits.get("queue", 0)),

@@ -146,28 +146,50 @@ def server_factory(tmp_path_factory):
 # --------------------------------------------------------------------------- clients
 
 
-def channel(addr: str) -> grpc.Channel:
-    return grpc.insecure_channel(addr, options=channel_options())
+def channel(addr: str, token: str | None = None) -> grpc.Channel:
+    """A plaintext channel; ``token``: sent as ``authorization: Bearer`` on every call."""
+    from kakeya.runtime.auth import with_bearer
+
+    return with_bearer(grpc.insecure_channel(addr, options=channel_options()), token)
 
 
-def generation_stub(addr: str):
-    return generate_pb2_grpc.GenerationStub(channel(addr))
+def generation_stub(addr: str, token: str | None = None):
+    return generate_pb2_grpc.GenerationStub(channel(addr, token))
 
 
-def verifier_stub(addr: str):
-    return verifier_pb2_grpc.VerifierServiceStub(channel(addr))
+def verifier_stub(addr: str, token: str | None = None):
+    return verifier_pb2_grpc.VerifierServiceStub(channel(addr, token))
 
 
-def drafter_stub(addr: str):
-    return drafter_pb2_grpc.DrafterServiceStub(channel(addr))
+def drafter_stub(addr: str, token: str | None = None):
+    return drafter_pb2_grpc.DrafterServiceStub(channel(addr, token))
 
 
-def verifier_info(addr: str):
-    return verifier_stub(addr).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
+def verifier_info(addr: str, token: str | None = None):
+    return verifier_stub(addr, token).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
 
 
-def drafter_info(addr: str):
-    return drafter_stub(addr).GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10)
+def drafter_info(addr: str, token: str | None = None):
+    return drafter_stub(addr, token).GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10)
+
+
+def internal_rpcs(service: str, addr: str, token: str | None = None) -> list:
+    """Every RPC of a verifier or drafter (GetInfo, a short Session) as calls of a client holding ``token``."""
+    if service == "verifier":
+        v, V = verifier_stub(addr, token), verifier_pb2.VerifierRequest
+        return [lambda: v.GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10),
+                lambda: list(v.Session(iter([V(open=V.Open()), V(prefill=V.Prefill(token_ids=[2, 40, 41]))]), timeout=10))]
+    d, D = drafter_stub(addr, token), drafter_pb2.DrafterRequest
+    return [lambda: d.GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10),
+            lambda: list(d.Session(iter([D(open=D.Open())]), timeout=10))]
+
+
+def assert_unauthenticated(service: str, addr: str, token: str | None = None) -> None:
+    """Every RPC of the verifier or drafter at ``addr`` is UNAUTHENTICATED for a client holding ``token``."""
+    for call in internal_rpcs(service, addr, token):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (service, err.value.details())
 
 
 def request(ids=None, text=None, max_tokens=16, block_size=8, ignore_eos=True, **sampling) -> generate_pb2.GenerateRequest:

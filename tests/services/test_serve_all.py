@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, TINY, TINY_ALL_MLX, wait_until
+from .conftest import ROOT, TINY, TINY_ALL_MLX, assert_unauthenticated, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real processes: bounded, never hanging
 
@@ -66,6 +66,9 @@ def test_serve_all_runs_three_processes_and_sigterm_stops_them_all(serve_all):
     assert set(pids) == {"verifier", "drafter", "orchestrator"}
     assert len({s.proc.pid, *pids.values()}) == 4 and all(pid_alive(p) for p in pids.values())
     assert client(s.addr, "health").stdout.strip() == "SERVING"
+    for service in ("verifier", "drafter"):  # loopback only, and only for the orchestrator: a run's own token
+        assert s.info[service].startswith("127.0.0.1:")
+        assert_unauthenticated(service, s.info[service])
     res = client(s.addr, "generate", "--json", "--max-tokens", "16", "--ignore-eos")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
