@@ -7,16 +7,18 @@ commands themselves (``serve.py``) stay about starting processes.
 from __future__ import annotations
 
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
-from kakeya.runtime.lifecycle import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS
+from kakeya.runtime.lifecycle import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S
 from kakeya.runtime.tls import ClientTLS, ServerTLS, add_client_args, add_server_args
 
 
 def add_common(p) -> None:
-    """Every server: TLS and the session limit."""
+    """Every server: TLS and the session limits."""
     p.add_argument(
         "--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
         help=f"concurrent sessions; one more is RESOURCE_EXHAUSTED (default {DEFAULT_MAX_SESSIONS}; the thread pool is sized from it)",
     )  # fmt: skip
+    p.add_argument("--max-sessions-per-peer", type=int, default=0,
+                   help="most sessions one caller (one client address) may hold at once (0: no cap but --max-sessions)")
     add_server_args(p)
 
 
@@ -30,7 +32,7 @@ def add_internal_auth(p) -> None:
 
 
 def add_sessions(p, kv_budget: bool) -> None:
-    """Verifier and drafter: admission queue, idle expiry, context limit."""
+    """Verifier and drafter: admission queue, idle expiry and reclaim, context limit."""
     if kv_budget:
         p.add_argument("--max-kv-bytes", type=int, default=0,
                        help="K/V budget of all sessions; a session is admitted only if its worst case fits (0: none)")
@@ -38,6 +40,9 @@ def add_sessions(p, kv_budget: bool) -> None:
     p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a queued session waits at most (default 10)")
     p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
                    help=f"close a session that sends nothing for this long (default {DEFAULT_IDLE_TIMEOUT_S:g} s; 0: never)")
+    p.add_argument("--reclaim-idle", type=float, default=DEFAULT_RECLAIM_IDLE_S,
+                   help="when a limit would refuse a new session, first end sessions whose clients have sent nothing"
+                        f" for this long, longest idle first (default {DEFAULT_RECLAIM_IDLE_S:g} s; 0: never)")  # fmt: skip
     p.add_argument("--max-context", type=int, default=0,
                    help="most positions one session may hold (default: the model's max_position_embeddings)")
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
@@ -72,22 +77,25 @@ def add_client(p) -> None:
 
 
 def session_limits(args, kv_budget: bool) -> dict:
+    """Verifier and drafter: their servicers' admission keyword arguments."""
     out = {
         "queue": args.queue,
         "queue_timeout_s": args.queue_timeout,
         "idle_timeout_s": args.idle_timeout,
+        "max_per_peer": args.max_sessions_per_peer,
+        "reclaim_idle_s": args.reclaim_idle,
         "max_context": args.max_context,
         "max_batch": args.max_batch,
     }
     if kv_budget:
         out["max_kv_bytes"] = args.max_kv_bytes
-    for k in ("queue", "max_context") + (("max_kv_bytes",) if kv_budget else ()):
-        if out[k] < 0:
-            raise ValueError(f"--{k.replace('_', '-')} must be >= 0, got {out[k]}")
+    for flag, value in (("--max-kv-bytes", out.get("max_kv_bytes", 0)), ("--queue", args.queue), ("--max-context", args.max_context),
+                        ("--max-sessions-per-peer", args.max_sessions_per_peer), ("--reclaim-idle", args.reclaim_idle),
+                        ("--max-sessions", args.max_sessions)):  # fmt: skip
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.max_sessions < 0:
-        raise ValueError(f"--max-sessions must be >= 0, got {args.max_sessions}")
     return out
 
 
@@ -145,14 +153,16 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
     out = ["--max-sessions", str(args.max_sessions), *tls.argv()]
     if role in ("verifier", "drafter"):
         out += ["--queue", str(args.queue), "--queue-timeout", str(args.queue_timeout),
-                "--idle-timeout", str(args.idle_timeout), "--max-context", str(args.max_context),
-                "--max-batch", str(args.max_batch), "--auth-token-file", backend_token_file]  # fmt: skip
+                "--idle-timeout", str(args.idle_timeout), "--reclaim-idle", str(args.reclaim_idle),
+                "--max-context", str(args.max_context), "--max-batch", str(args.max_batch),
+                "--auth-token-file", backend_token_file]  # fmt: skip
         if role == "verifier":
             out += ["--max-kv-bytes", str(args.max_kv_bytes)]
             out += [x for spec in args.restore or [] for x in ("--restore", spec)]
         return out
     out += ["--max-prompt-tokens", str(args.max_prompt_tokens), "--backend-timeout", str(args.backend_timeout),
-            "--default-max-tokens", str(args.default_max_tokens), "--backend-token-file", backend_token_file]  # fmt: skip
+            "--default-max-tokens", str(args.default_max_tokens), "--max-sessions-per-peer", str(args.max_sessions_per_peer),
+            "--backend-token-file", backend_token_file]  # fmt: skip
     if args.auth_token_file:
         out += ["--auth-token-file", args.auth_token_file]
     if tls.enabled:  # the children share one certificate: the orchestrator trusts it towards its backends

@@ -182,6 +182,7 @@ def cmd_serve_orchestrator(args) -> int:
         max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens,
         max_sessions=args.max_sessions,
+        max_sessions_per_peer=args.max_sessions_per_peer,
         max_prompt_tokens=args.max_prompt_tokens,
         restore=sources,
         auth_token=serve_flags.auth_token(args),
@@ -202,6 +203,7 @@ def cmd_serve_all(args) -> int:
     target, draft = _pair(args.target, args.draft)
     serve_flags.restore_sources(args)  # bad --restore specs: a usage error now, not a child's exit
     serve_flags.server_tls(args), serve_flags.auth_token(args)
+    serve_flags.session_limits(args, kv_budget=True)
     taken = port_in_use(args.host, args.port)
     if taken:
         print(f"kakeya: error: serve all: cannot listen on {args.host}:{args.port}: {taken}", file=sys.stderr)

@@ -29,6 +29,7 @@ from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_SESSIONS,
+    DEFAULT_RECLAIM_IDLE_S,
     ComputeThread,
     ServerSpec,
     SessionRegistry,
@@ -58,13 +59,18 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         queue: int = 0,
         queue_timeout_s: float = 0.0,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_per_peer: int = 0,
+        reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S,
         max_context: int = 0,
         max_batch: int = DEFAULT_MAX_BATCH,
     ):
         # Draft requests of several streams that queue up while a batch runs go through ONE forward
         # (``batch.draft_batch``); max_batch 1: each alone, in turn.
         self.compute = ComputeThread("drafter", max_batch)
-        self.registry = SessionRegistry(max_sessions, 0, queue, queue_timeout_s, idle_timeout_s)
+        self.registry = SessionRegistry(
+            max_sessions, 0, queue, queue_timeout_s, idle_timeout_s, max_per_peer=max_per_peer,
+            reclaim_idle_s=reclaim_idle_s,
+        )
         self.max_context_flag = max_context
         self.max_context = 0  # set by load(): --max-context, at most the model's max_position_embeddings
         self.metrics = ServerMetrics("drafter")

@@ -34,6 +34,7 @@ from kakeya.orchestrator.remote import BackendError
 from kakeya.orchestrator.requests import Limits, parse_request
 from kakeya.orchestrator.text import text_stream
 from kakeya.runtime import bounds, logs
+from kakeya.runtime.auth import peer_of
 from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import DEFAULT_MAX_SESSIONS, ComputeThread, RequestError, ServerSpec, version, workers_for
 from kakeya.runtime.metrics import NO_OBSERVER, ServerMetrics
@@ -91,6 +92,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
+        max_sessions_per_peer: int = 0,
         max_prompt_tokens: int = 0,
         restore: bounds.RestoreSources | None = None,
         auth_token: str | None = None,
@@ -112,10 +114,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.max_tokens_limit = max_tokens_limit
         self.default_max_tokens = default_max_tokens
         self.max_sessions = max_sessions
+        self.max_sessions_per_peer = max_sessions_per_peer
         self.ready = False
         self.aborting = False
         self._lock = threading.Lock()
         self.active = 0
+        self.by_peer: dict[str, int] = {}  # generations in flight per caller (auth.peer_of)
         self.total = 0
         self.started = time.monotonic()
         self.metrics = ServerMetrics("orchestrator")
@@ -175,13 +179,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except RequestError as exc:
             context.abort(exc.code, exc.message)
         logs.bind(request_id=req.request_id)  # the interceptor resets it when the RPC ends
+        peer = peer_of(context)
         with self._lock:
-            if self.max_sessions and self.active >= self.max_sessions:
-                context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"orchestrator: {self.active} of {self.max_sessions} generations in flight (--max-sessions)",
-                )
+            problem = self._admission_problem(peer)
+            if problem:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"orchestrator: {problem}")
             self.active += 1
+            self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
             self.total += 1
         try:
             yield from self._generate(req, context)
@@ -190,6 +194,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         finally:
             with self._lock:
                 self.active -= 1
+                self.by_peer[peer] -= 1
+                if not self.by_peer[peer]:
+                    del self.by_peer[peer]
+
+    def _admission_problem(self, peer: str) -> str | None:
+        """Why one more generation of ``peer`` is refused (under the lock), or None."""
+        if self.max_sessions and self.active >= self.max_sessions:
+            return f"{self.active} of {self.max_sessions} generations in flight (--max-sessions)"
+        held = self.by_peer.get(peer, 0)
+        if self.max_sessions_per_peer and held >= self.max_sessions_per_peer:
+            return f"{held} of {self.max_sessions_per_peer} generations in flight from this caller (--max-sessions-per-peer)"
+        return None
 
     def _generate(self, req: Request, context=None, observe: bool = True) -> Iterator[pb.GenerateResponse]:
         """Stream one generation; RequestError before the first chunk, Complete(error) after it, nothing once cancelled."""

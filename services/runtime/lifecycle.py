@@ -4,8 +4,8 @@
   runs on ONE thread; like steps of concurrent sessions that queue up meanwhile
   run as one batch. gRPC handler threads only translate messages and wait.
 - :class:`SessionRegistry` (``services/runtime/admission.py``): live sessions, their
-  cache bytes, admission (session and K/V-byte limits, a bounded wait queue)
-  and idle expiry.
+  cache bytes, admission (session, per-peer and K/V-byte limits, idle reclaim, a
+  bounded wait queue) and idle expiry.
 - :class:`RequestError`: raised by servicer code to end an RPC with a status.
 - :func:`run_server`: the process lifecycle -- bind, health ``NOT_SERVING``,
   load + warm up, health ``SERVING`` (and the ready file), wait for
@@ -40,11 +40,13 @@ from kakeya.runtime import logs
 from kakeya.runtime.admission import (  # noqa: F401  (re-exported: the servers import them from here)
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_SESSIONS,
+    DEFAULT_RECLAIM_IDLE_S,
     SessionEntry,
     SessionLimitError,
     SessionRegistry,
     Watched,
 )
+from kakeya.runtime.auth import peer_of
 from kakeya.runtime.compute import ComputeThread  # noqa: F401  (re-exported: servers build theirs from here)
 from kakeya.runtime.metrics import RpcInterceptor
 from kakeya.wire import convert as wire_contract
@@ -81,6 +83,19 @@ class RequestError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def end_call(context, code: grpc.StatusCode, details: str) -> None:
+    """End ``context``'s RPC now with ``code`` and ``details``, from any thread (idle expiry, reclaim).
+
+    grpc-python ends a call with a status only from its handler's thread (``abort``);
+    from another thread its ``cancel`` reaches the client as a bare CANCELLED. The
+    call object underneath cancels with a status, which the client then receives.
+    """
+    try:
+        context._rpc_event.call.cancel(code.value[0], details)
+    except AttributeError:  # a grpc-python laid out otherwise: the call still ends, without the reason
+        context.cancel()
 
 
 def policy_from_request(p, default: CachePolicy, field: str = "cache_policy") -> CachePolicy:
@@ -136,10 +151,10 @@ def session_stream(name: str, ready: bool, registry: "SessionRegistry", serve, r
     if not ready:
         context.abort(grpc.StatusCode.UNAVAILABLE, f"{name} is loading its model")
     try:
-        entry = registry.open()
+        entry = registry.open(peer_of(context))
     except SessionLimitError as exc:
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {exc}")
-    entry.cancel = context.cancel
+    entry.end = lambda code, why: end_call(context, code, f"{name}: {why}")
     context.add_callback(lambda: registry.close(entry))
     slog = logging.getLogger(f"kakeya.{name}")
     token = logs.bind(session_id=entry.id)

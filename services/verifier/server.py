@@ -29,6 +29,7 @@ from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_SESSIONS,
+    DEFAULT_RECLAIM_IDLE_S,
     ComputeThread,
     ServerSpec,
     SessionRegistry,
@@ -77,6 +78,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         queue: int = 0,
         queue_timeout_s: float = 0.0,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_per_peer: int = 0,
+        reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S,
         max_context: int = 0,
         restore: bounds.RestoreSources | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
@@ -84,7 +87,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         # concurrent sessions' Verify steps that queue up meanwhile run as one batched forward
         # (batch.verify_batch); a prefill runs one chunk per job, so verifies run between chunks
         self.compute = ComputeThread("verifier", max_batch)
-        self.registry = SessionRegistry(max_sessions, max_kv_bytes, queue, queue_timeout_s, idle_timeout_s)
+        self.registry = SessionRegistry(
+            max_sessions, max_kv_bytes, queue, queue_timeout_s, idle_timeout_s, max_per_peer=max_per_peer,
+            reclaim_idle_s=reclaim_idle_s,
+        )
         self.metrics = ServerMetrics("verifier")
         self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
         self.metrics.track_batches(self.compute)

@@ -47,7 +47,8 @@ LIMIT = 2000  # --max-tokens-limit of the orchestrators
 
 @pytest.fixture(scope="module")
 def servers(server_factory):
-    verifier = server_factory("verifier", ["verifier", *TINY_MLX, "--max-sessions", str(MAX_SESSIONS), "--grace", "5"])
+    # --reclaim-idle 0: the session-limit test holds idle sessions and expects the limit to refuse
+    verifier = server_factory("verifier", ["verifier", *TINY_MLX, "--max-sessions", str(MAX_SESSIONS), "--reclaim-idle", "0", "--grace", "5"])
     drafter = server_factory("drafter", ["drafter", *TINY_MLX, "--grace", "5"])
     colocated = server_factory("colocated", ["orchestrator", *TINY_MLX, "--max-tokens-limit", str(LIMIT), "--grace", "5"])
     start_all([verifier, drafter, colocated])
