@@ -31,11 +31,11 @@ def add_internal_auth(p) -> None:
                         " --auth-token-file): only behind something that authenticates callers")  # fmt: skip
 
 
-def add_sessions(p, kv_budget: bool) -> None:
-    """Verifier and drafter: admission queue, idle expiry and reclaim, context limit."""
-    if kv_budget:
-        p.add_argument("--max-kv-bytes", type=int, default=0,
-                       help="K/V budget of all sessions; a session is admitted only if its worst case fits (0: none)")
+def add_sessions(p) -> None:
+    """Verifier and drafter: memory budget, admission queue, idle expiry and reclaim, context limit."""
+    p.add_argument("--max-kv-bytes", type=int, default=0,
+                   help="K/V budget of all sessions (0: none): the verifier admits a session only if its worst case"
+                        " fits; the drafter lets a session's context cache grow only while it fits")  # fmt: skip
     p.add_argument("--queue", type=int, default=0, help="sessions that may wait for room instead of RESOURCE_EXHAUSTED (default 0)")
     p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a queued session waits at most (default 10)")
     p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
@@ -76,9 +76,10 @@ def add_client(p) -> None:
     p.add_argument("--auth-token-file", help="send `authorization: Bearer <token>` read from this file")
 
 
-def session_limits(args, kv_budget: bool) -> dict:
+def session_limits(args) -> dict:
     """Verifier and drafter: their servicers' admission keyword arguments."""
     out = {
+        "max_kv_bytes": args.max_kv_bytes,
         "queue": args.queue,
         "queue_timeout_s": args.queue_timeout,
         "idle_timeout_s": args.idle_timeout,
@@ -87,9 +88,7 @@ def session_limits(args, kv_budget: bool) -> dict:
         "max_context": args.max_context,
         "max_batch": args.max_batch,
     }
-    if kv_budget:
-        out["max_kv_bytes"] = args.max_kv_bytes
-    for flag, value in (("--max-kv-bytes", out.get("max_kv_bytes", 0)), ("--queue", args.queue), ("--max-context", args.max_context),
+    for flag, value in (("--max-kv-bytes", args.max_kv_bytes), ("--queue", args.queue), ("--max-context", args.max_context),
                         ("--max-sessions-per-peer", args.max_sessions_per_peer), ("--reclaim-idle", args.reclaim_idle),
                         ("--max-sessions", args.max_sessions)):  # fmt: skip
         if value < 0:

@@ -91,7 +91,7 @@ def cmd_serve_verifier(args) -> int:
     else:  # without --draft/--aux-layers, sessions must name their aux layers at Open
         target, draft = args.target, args.draft
     layers = _aux_layers(args.aux_layers, draft)
-    limits = serve_flags.session_limits(args, kv_budget=True)
+    limits = serve_flags.session_limits(args)
     limits["restore"], args.restore = serve_flags.restore_sources(args)  # the default policy's: the bare DIR
     tls, token = serve_flags.internal_auth(args, "verifier")
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
@@ -116,7 +116,7 @@ def cmd_serve_drafter(args) -> int:
     from kakeya.drafter.server import server_spec
 
     target, draft = _pair(args.target, args.draft)
-    limits = serve_flags.session_limits(args, kv_budget=False)
+    limits = serve_flags.session_limits(args)
     tls, token = serve_flags.internal_auth(args, "drafter")
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
     if backend == "torch":
@@ -203,7 +203,7 @@ def cmd_serve_all(args) -> int:
     target, draft = _pair(args.target, args.draft)
     serve_flags.restore_sources(args)  # bad --restore specs: a usage error now, not a child's exit
     serve_flags.server_tls(args), serve_flags.auth_token(args)
-    serve_flags.session_limits(args, kv_budget=True)
+    serve_flags.session_limits(args)
     taken = port_in_use(args.host, args.port)
     if taken:
         print(f"kakeya: error: serve all: cannot listen on {args.host}:{args.port}: {taken}", file=sys.stderr)
@@ -314,7 +314,7 @@ def register(sub) -> None:
     _backend_args(v)
     add_cache_args(v)
     serve_flags.add_restore(v)
-    serve_flags.add_sessions(v, kv_budget=True)
+    serve_flags.add_sessions(v)
     serve_flags.add_internal_auth(v)
     v.set_defaults(func=cmd_serve_verifier)
 
@@ -323,7 +323,7 @@ def register(sub) -> None:
     d.add_argument("--draft", help="DFlash drafter checkpoint directory")
     d.add_argument("--target", help="the target checkpoint: only its embedding and LM head are loaded")
     _backend_args(d)
-    serve_flags.add_sessions(d, kv_budget=False)
+    serve_flags.add_sessions(d)
     serve_flags.add_internal_auth(d)
     d.set_defaults(func=cmd_serve_drafter)
 
@@ -360,7 +360,7 @@ def register(sub) -> None:
     _torch_threads_arg(a)
     add_cache_args(a)  # the verifier process's default policy
     serve_flags.add_restore(a)
-    serve_flags.add_sessions(a, kv_budget=True)
+    serve_flags.add_sessions(a)  # the verifier's and drafter's (--max-kv-bytes: the verifier's)
     serve_flags.add_orchestrator(a)
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)
