@@ -332,7 +332,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             proposal = wire_contract.proposal_from_proto(verify.proposal, len(ids) - 1, vocab, "verify.proposal")
             check_proposal(ids[1:], proposal)
         except ValueError as exc:
-            raise invalid(str(exc).replace("proposal:", "verify.proposal:", 1)) from None
+            msg = str(exc)  # check_proposal names "proposal...": the field is verify.proposal here
+            raise invalid(f"verify.{msg}" if msg.startswith("proposal") else msg) from None
         return proposal
 
     # -- compute-thread steps --------------------------------------------------------------

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import grpc
+import numpy as np
 import pytest
 
 from kakeya.wire.kakeya.v1 import sampling_pb2, verifier_pb2
@@ -62,3 +63,44 @@ def test_kakeya_generate_refuses_a_degenerate_temperature_without_a_traceback():
     cmd = [sys.executable, "-m", "kakeya.app.main", "generate", *TINY, "--max-tokens", "4", "--temperature", "1e-39"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2 and "temperature" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# --------------------------------------------------------------------------- proposals
+
+
+def _sampling_session(servers, proposal: sampling_pb2.Proposal, block=(5, 6, 7)):
+    """A sampling verifier session that verifies ``block`` with ``proposal`` for its candidates."""
+    msgs = [V(open=V.Open(sampling=sampling_pb2.Sampling(temperature=1.0, seed=3))),
+            V(prefill=V.Prefill(token_ids=PROMPT)),
+            V(verify=V.Verify(block_ids=list(block), proposal=proposal))]  # fmt: skip
+    return list(verifier_stub(servers["verifier"].addr).Session(iter(msgs), timeout=20))
+
+
+def _proposal(ids, probs) -> sampling_pb2.Proposal:
+    ids, probs = np.asarray(ids, np.int32), np.asarray(probs, np.float32)
+    return sampling_pb2.Proposal(k=ids.shape[1], ids=ids.ravel().tolist(), probs=probs.ravel().tolist())
+
+
+GOOD_IDS = [[6, 9, 11], [7, 9, 12]]
+
+
+@pytest.mark.parametrize(
+    "name, ids, probs",
+    [
+        ("rows sum to 1.8", GOOD_IDS, [[0.9, 0.5, 0.4], [0.6, 0.3, 0.1]]),
+        ("rows sum to 0.2", GOOD_IDS, [[0.1, 0.05, 0.05], [0.6, 0.3, 0.1]]),
+        ("duplicate ids", [[6, 6, 11], [7, 9, 12]], [[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]]),
+        ("negative", GOOD_IDS, [[1.2, -0.3, 0.1], [0.6, 0.3, 0.1]]),
+        ("nan", GOOD_IDS, [[float("nan"), 0.5, 0.5], [0.6, 0.3, 0.1]]),
+        ("id outside vocab", [[6, 9, 5000], [7, 9, 12]], [[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]]),
+    ],
+)
+def test_an_invalid_proposal_is_refused(servers, name, ids, probs):
+    """Proposals that are not distributions used to be accepted silently: sampling is exact only for a valid one."""
+    code, details = _code(lambda: _sampling_session(servers, _proposal(ids, probs)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "verify.proposal" in details, (name, details)
+
+
+def test_a_valid_proposal_is_accepted(servers):
+    out = _sampling_session(servers, _proposal(GOOD_IDS, [[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]]))
+    assert [r.WhichOneof("response") for r in out] == ["opened", "prefilled", "verified"]
