@@ -6,7 +6,8 @@
 - :class:`SessionRegistry` (``services/runtime/admission.py``): live sessions, their
   cache bytes, admission (session, per-peer and K/V-byte limits, idle reclaim, a
   bounded wait queue) and idle expiry.
-- :class:`RequestError`: raised by servicer code to end an RPC with a status.
+- :class:`RequestError`: raised by servicer code to end an RPC with a status
+  (its message bounded: :func:`bounded`).
 - :func:`run_server`: the process lifecycle -- bind, health ``NOT_SERVING``,
   load + warm up, health ``SERVING`` (and the ready file), wait for
   SIGTERM/SIGINT or the parent's death, drain in-flight RPCs within a grace
@@ -76,10 +77,20 @@ def setup_logging(name: str, fmt: str = "text") -> None:
 # --------------------------------------------------------------------------- errors
 
 
+MAX_ERROR_CHARS = 1024  # a status message rides in a trailer: far below gRPC's 8 KiB metadata limit
+
+
+def bounded(message: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``message`` cut to ``limit`` characters: a message that echoes a client's input (a list of
+    10,000 ids) must not outgrow the trailer that carries it."""
+    return message if len(message) <= limit else message[: limit - 16] + " ... (truncated)"
+
+
 class RequestError(Exception):
-    """End the current RPC with ``code`` and ``message`` (the message names the field)."""
+    """End the current RPC with ``code`` and ``message`` (the message names the field; bounded)."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
+        message = bounded(message)
         super().__init__(message)
         self.code = code
         self.message = message
@@ -93,7 +104,7 @@ def end_call(context, code: grpc.StatusCode, details: str) -> None:
     call object underneath cancels with a status, which the client then receives.
     """
     try:
-        context._rpc_event.call.cancel(code.value[0], details)
+        context._rpc_event.call.cancel(code.value[0], bounded(details))
     except AttributeError:  # a grpc-python laid out otherwise: the call still ends, without the reason
         context.cancel()
 
@@ -172,7 +183,7 @@ def session_stream(name: str, ready: bool, registry: "SessionRegistry", serve, r
         if entry.closed:  # the stream ended (cancel, deadline) while a step ran: nobody to answer
             return
         slog.exception("session %s failed", entry.id)
-        context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(exc).__name__}: {exc}")
+        context.abort(grpc.StatusCode.INTERNAL, bounded(f"{name}: {type(exc).__name__}: {exc}"))
     finally:
         registry.close(entry)
         slog.info("session closed after %.3f s", time.monotonic() - t_open)

@@ -255,9 +255,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                     raise invalid("open.target_layer_ids: this verifier has no default aux layers: send them")
                 bad = [i for i in layers if not 0 <= i < n_layers]
                 if bad or len(set(layers)) != len(layers):
-                    raise invalid(
-                        f"open.target_layer_ids: {layers} must be distinct layers in [0, {n_layers})"
-                    )
+                    shown = f"{layers}" if len(layers) <= 8 else f"{layers[:8]} ... ({len(layers)} ids)"
+                    raise invalid(f"open.target_layer_ids: {shown} must be distinct layers in [0, {n_layers})")
                 try:
                     sampling = wire_contract.sampling_from_proto(req.open.sampling, "open.sampling")
                 except ValueError as exc:

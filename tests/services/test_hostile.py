@@ -104,3 +104,13 @@ def test_an_invalid_proposal_is_refused(servers, name, ids, probs):
 def test_a_valid_proposal_is_accepted(servers):
     out = _sampling_session(servers, _proposal(GOOD_IDS, [[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]]))
     assert [r.WhichOneof("response") for r in out] == ["opened", "prefilled", "verified"]
+
+
+# --------------------------------------------------------------------------- error texts
+
+
+def test_an_error_echoing_a_huge_list_stays_bounded(servers):
+    """10,000 target_layer_ids used to come back in the error, overflowing the trailer: RESOURCE_EXHAUSTED."""
+    open_ = V.Open(target_layer_ids=list(range(10_000)))
+    code, details = _code(lambda: list(verifier_stub(servers["verifier"].addr).Session(iter([V(open=open_)]), timeout=10)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "open.target_layer_ids" in details and len(details) <= 1024
