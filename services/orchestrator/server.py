@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterator
 
 import grpc
@@ -30,7 +31,7 @@ import grpc
 from kakeya.core.contract import Request
 from kakeya.orchestrator.engine import Engine, RunOptions
 from kakeya.orchestrator.quality import quality_report
-from kakeya.orchestrator.remote import BackendError
+from kakeya.orchestrator.errors import public_status
 from kakeya.orchestrator.requests import Limits, parse_request
 from kakeya.orchestrator.text import text_stream
 from kakeya.runtime import bounds, logs
@@ -72,15 +73,9 @@ def _deadline(context) -> float | None:
     return None if left is None or left > 1e7 else max(left, 0.001)
 
 
-def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, BackendError):
-        code = exc.code if exc.code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK) else grpc.StatusCode.INTERNAL
-        return code, str(exc)
-    if isinstance(exc, RequestError):
-        return exc.code, exc.message
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+def model_name(path: str) -> str:
+    """A checkpoint's public name: its directory's name, never the server's path to it."""
+    return Path(path).name if path else ""
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -213,7 +208,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             run = self.engine.start(req, RunOptions(_deadline(context), self.step, drafter_fallback=True))
         except Exception as exc:
-            raise RequestError(*_status_of(exc)) from None
+            raise RequestError(*public_status(exc, req.request_id)) from None
         if context is not None and not context.add_callback(run.cancel):
             run.cancel()  # the call ended while the sessions opened
         obs = self.metrics.generation(run.verifier_session, run.drafter_session, req) if observe else NO_OBSERVER
@@ -230,7 +225,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 elif self.aborting:
                     run.close()  # the server is going down: FINISH_REASON_ABORT
         except Exception as exc:  # the run failed (and closed its sessions)
-            code, msg = _status_of(exc)
+            code, msg = public_status(exc, req.request_id)
             if not chunks:
                 raise RequestError(code, msg) from None
             log.warning("request %s failed mid-generation: %s", req.request_id, msg)
@@ -289,8 +284,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             policy = self.restore.to_wire(policy)
         return wire_contract.public_model_info(
             i,
-            target_model=e.target,
-            draft_model=e.draft,
+            target_model=model_name(e.target),
+            draft_model=model_name(e.draft),
             default_block_size=e.default_block_size,
             max_tokens_limit=self.max_tokens_limit,
             default_max_tokens=self.default_max_tokens,

@@ -13,9 +13,9 @@ import grpc
 import numpy as np
 import pytest
 
-from kakeya.wire.kakeya.v1 import sampling_pb2, verifier_pb2
+from kakeya.wire.kakeya.v1 import cache_pb2, generate_pb2, sampling_pb2, verifier_pb2
 
-from .conftest import ROOT, TINY, TINY_MLX, generate, request, start_all, verifier_stub
+from .conftest import ROOT, TINY, TINY_MLX, generate, generation_stub, request, start_all, verifier_stub
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -114,3 +114,28 @@ def test_an_error_echoing_a_huge_list_stays_bounded(servers):
     open_ = V.Open(target_layer_ids=list(range(10_000)))
     code, details = _code(lambda: list(verifier_stub(servers["verifier"].addr).Session(iter([V(open=open_)]), timeout=10)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "open.target_layer_ids" in details and len(details) <= 1024
+
+
+def test_a_cache_window_beyond_the_request_names_the_public_field_and_limit(servers):
+    """It used to reach the verifier: 'open.cache_policy.window ... limit 147' at the verifier's address."""
+    req = request(PROMPT, max_tokens=40)
+    req.cache_policy.CopyFrom(cache_pb2.CachePolicy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, sink=4, window=100_000))
+    code, details = _code(lambda: generate(servers["orchestrator"].addr, req))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "cache_policy.window" in details, details
+    assert str(len(PROMPT) + 40) in details  # the limit this request has: its prompt + max_tokens
+    _public_error_is_clean(details, servers)
+
+
+def test_model_info_names_models_not_server_paths(servers):
+    info = generation_stub(servers["orchestrator"].addr).GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
+    assert (info.target_model, info.draft_model) == ("target", "draft")  # the tiny pair's directories
+
+
+def test_a_backend_failure_reaches_the_public_api_without_internal_details(servers, server_factory):
+    """A verifier that is gone: UNAVAILABLE naming the verifier, not its address."""
+    gone = server_factory("gone", ["verifier", *TINY_MLX, "--grace", "1"]).start().wait_ready()
+    orch = server_factory("orphan", ["orchestrator", "--verifier", gone.addr, "--grace", "1"]).start().wait_ready()
+    gone.stop()
+    code, details = _code(lambda: generate(orch.addr, request(PROMPT, max_tokens=4), timeout=20))
+    assert code == grpc.StatusCode.UNAVAILABLE and "verifier" in details, details
+    assert gone.addr not in details and "grpc:" not in details, details
