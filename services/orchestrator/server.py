@@ -112,6 +112,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.max_sessions_per_peer = max_sessions_per_peer
         self.ready = False
         self.aborting = False
+        self.verifier_down = False  # its health checks fail (the health watch): refuse at once, not after a timeout
         self._lock = threading.Lock()
         self.active = 0
         self.by_peer: dict[str, int] = {}  # generations in flight per caller (auth.peer_of)
@@ -169,6 +170,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def Generate(self, request, context) -> Iterator[pb.GenerateResponse]:
         if not self.ready:
             context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)")
+        if self.verifier_down:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "verifier unavailable (its health checks fail); retry later")
         try:
             req = self.parse(request)
         except RequestError as exc:
@@ -324,7 +327,9 @@ def server_spec(servicer: GenerationServicer, tls=None) -> ServerSpec:
     def backends_ok() -> bool:
         """SERVING only while the verifier answers (a missing drafter only costs speed: AR fallback)."""
         e = servicer.engine
-        return e is None or e.verifier.healthy(timeout=1.0)
+        ok = e is None or e.verifier.healthy(timeout=1.0)
+        servicer.verifier_down = not ok
+        return ok
 
     def near_deadline() -> None:
         servicer.aborting = True  # in-flight generations end with FINISH_REASON_ABORT

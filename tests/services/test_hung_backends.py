@@ -80,6 +80,12 @@ def test_a_stopped_verifier_fails_fast_and_health_follows_it(servers, reference)
         assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
         assert "verifier" in err.value.details() and took < 10, (took, err.value.details())
         wait_until(lambda: _health(orch.addr) == NOT_SERVING, timeout=10, what="NOT_SERVING while the verifier hangs")
+        for _ in range(3):  # known down: each request refused at once, not after the --backend-timeout
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                generate(orch.addr, request(PROMPT, max_tokens=20), timeout=60)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "verifier" in err.value.details()
+            assert time.monotonic() - t0 < 0.5, time.monotonic() - t0
     finally:
         verifier.signal(signal.SIGCONT)
     wait_until(lambda: _health(orch.addr) == SERVING, timeout=15, what="SERVING once the verifier answers again")
