@@ -1,4 +1,4 @@
-"""What a public caller is told when its request fails: a status and a message in its own terms.
+"""What a public caller is told when its request fails, and why a generation lost its drafter.
 
 A backend's error (:class:`~kakeya.orchestrator.remote.BackendError`) carries
 the backend's address and the backend's field names (``open.cache_policy``,
@@ -68,3 +68,20 @@ def _backend_status(exc: BackendError) -> tuple[grpc.StatusCode, str]:
         # unreachable, loading, draining, or refusing this orchestrator: for the caller, not there now
         return grpc.StatusCode.UNAVAILABLE, f"{service} unavailable (not reachable, loading or draining); retry later"
     return grpc.StatusCode.INTERNAL, f"{service} failed (see the orchestrator's log)"
+
+
+def fallback_reason(drafter_error: Exception | None, cancelled: bool) -> str | None:
+    """Why a run finished on the verifier alone, as ``kakeya_ar_fallbacks_total{reason}`` counts it:
+    ``drafter_failed`` (an error, a hang, unreachable), ``drafter_backoff`` (skipped after earlier
+    failures), ``drafter_busy`` (it refused for capacity). None when it did not fall back, or when
+    the client's own cancel or deadline ended the drafter's stream: never the drafter's failure."""
+    if drafter_error is None or cancelled:
+        return None
+    if isinstance(drafter_error, BackendError):
+        if drafter_error.ended_by_caller:
+            return None
+        if drafter_error.skipped:
+            return "drafter_backoff"
+        if drafter_error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return "drafter_busy"
+    return "drafter_failed"

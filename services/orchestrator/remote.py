@@ -88,10 +88,18 @@ class BackendError(RuntimeError):
     ``step_timeout``: the backend did not answer one step within its deadline (hung, not merely slow).
     """
 
-    def __init__(self, service: str, addr: str, code: grpc.StatusCode, details: str, step_timeout: bool = False):
+    def __init__(
+        self, service: str, addr: str, code: grpc.StatusCode, details: str, step_timeout: bool = False, skipped: bool = False
+    ):
         super().__init__(f"{service} at {addr}: {code.name}: {details}")
         self.service, self.addr, self.code, self.details = service, addr, code, details
         self.step_timeout = step_timeout
+        self.skipped = skipped  # never called: the drafter was backing off after earlier failures
+
+    @property
+    def ended_by_caller(self) -> bool:
+        """Our side ended the call (the client cancelled, or its deadline passed): not the backend's failure."""
+        return self.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED) and not self.step_timeout
 
     @classmethod
     def of(cls, service: str, addr: str, exc: grpc.RpcError) -> "BackendError":
@@ -400,8 +408,7 @@ class GrpcDrafterSession:
             self._broken = True
             if self._s is not None:
                 self._s.abort()
-            ours = exc.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED) and not exc.step_timeout
-            if not aborted_here and not ours:
+            if not aborted_here and not exc.ended_by_caller:
                 self.drafter.failed(exc)
             raise
         self.server_s += r.elapsed_s
@@ -439,6 +446,7 @@ class _SkippedDrafterSession:
             grpc.StatusCode.UNAVAILABLE,
             f"backing off after {b.failures} failure(s), next try in {max(0.0, b.until - time.monotonic()):.1f} s"
             f" (last: {b.last_error})",
+            skipped=True,
         )
 
     def stats(self) -> dict:

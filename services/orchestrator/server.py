@@ -31,7 +31,7 @@ import grpc
 from kakeya.core.contract import Request
 from kakeya.orchestrator.engine import Engine, RunOptions
 from kakeya.orchestrator.quality import quality_report
-from kakeya.orchestrator.errors import public_status
+from kakeya.orchestrator.errors import fallback_reason, public_status
 from kakeya.orchestrator.requests import Limits, parse_request
 from kakeya.orchestrator.text import text_stream
 from kakeya.runtime import bounds, logs
@@ -236,14 +236,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         finally:
             run.close()  # also when the client went away while a chunk was on its way
             gen = run.result
+            fallback = fallback_reason(run.drafter_error, run.cancelled)
             if run.cancelled:
-                obs.finish("abort", fallback=gen.drafter_fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids))
+                obs.finish("abort", fallback=fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids))
         if run.cancelled:
             return
         tail = text.flush()
         if tail:
             yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=tail))
-        obs.finish(gen.finish_reason, fallback=gen.drafter_fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids))
+        obs.finish(gen.finish_reason, fallback=fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids))
         yield pb.GenerateResponse(complete=self._complete(req, gen, time.perf_counter() - t_start, error))
 
     def _complete(self, req: Request, gen, total_s: float, error: str):

@@ -219,6 +219,27 @@ def generate(addr: str, req, timeout: float = 120):
     return ids, "".join(text), complete, chunks
 
 
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of a server's ``/metrics`` on loopback as {(name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def ar_fallbacks(port: int, reason: str | None = None) -> float:
+    """The orchestrator's ``kakeya_ar_fallbacks_total`` for ``reason`` (None: every reason)."""
+    return sum(v for (name, labels), v in scrape(port).items()
+               if name == "kakeya_ar_fallbacks_total" and (reason is None or ("reason", reason) in labels))  # fmt: skip
+
+
 def wait_until(pred, timeout: float = 15.0, interval: float = 0.1, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while True:

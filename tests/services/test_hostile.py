@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 
 from kakeya.wire.kakeya.v1 import cache_pb2, generate_pb2, sampling_pb2, verifier_pb2
 
-from .conftest import ROOT, TINY, TINY_MLX, generate, generation_stub, request, start_all, verifier_stub
+from .conftest import ROOT, TINY, TINY_MLX, ar_fallbacks, generate, generation_stub, request, start_all, verifier_stub
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -139,3 +140,29 @@ def test_a_backend_failure_reaches_the_public_api_without_internal_details(serve
     code, details = _code(lambda: generate(orch.addr, request(PROMPT, max_tokens=4), timeout=20))
     assert code == grpc.StatusCode.UNAVAILABLE and "verifier" in details, details
     assert gone.addr not in details and "grpc:" not in details, details
+
+
+# --------------------------------------------------------------------------- cancels are not drafter failures
+
+
+def test_client_cancels_and_deadlines_are_not_drafter_failures(servers):
+    """40 cancels and deadlines against a healthy drafter counted 23 AR fallbacks and logged 'drafter failed'."""
+    orch = servers["orchestrator"]
+    port = orch.info["metrics_port"]
+    before = ar_fallbacks(port)
+    stub = generation_stub(orch.addr)
+    for i in range(10):
+        call = stub.Generate(request(PROMPT, max_tokens=3000, block_size=4), timeout=60)
+        next(call)
+        if i % 2:
+            time.sleep(0.05 * (i % 4))  # cancelled at different points of a block
+        call.cancel()
+    for i in range(10):
+        with pytest.raises(grpc.RpcError) as err:
+            generate(orch.addr, request(PROMPT, max_tokens=3000, block_size=4), timeout=0.3 + 0.05 * i)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(1.0)  # the runs' ends are counted as their streams close
+    assert ar_fallbacks(port) == before
+    assert "drafter failed" not in orch.log() and "AR fallback" not in orch.log()
+    ids, _, complete, _ = generate(orch.addr, request(PROMPT, max_tokens=12))
+    assert len(ids) == 12 and not complete.stats.drafter_fallback
