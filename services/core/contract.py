@@ -110,10 +110,9 @@ class CachePolicy:
 PROPOSAL_TOP_K = 32
 
 
-# The smallest temperature > 0 a request may ask for. Far below it logits / temperature leave float32
-# (a subnormal temperature makes every logit +-inf and the processed distribution NaN); at it any logit
-# under 1e34 stays finite, and logits 0.01 apart already differ by e^100: the distribution is one-hot.
-MIN_TEMPERATURE = 1e-4
+# The smallest temperature that samples (0 is greedy). Below it logits / temperature can leave
+# float32's range (1e-39 makes every logit infinite): such a request is refused, naming the field.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -140,8 +139,10 @@ class SamplingParams:
     def check(self) -> "SamplingParams":
         """Raise ValueError naming the bad field; return self."""
         t = self.temperature
-        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {t!r}")
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
