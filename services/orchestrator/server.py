@@ -262,6 +262,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             decode_s=gen.decode_s,
             total_s=total_s,
             block_size=req.block_size,
+            block_sizes=[b.drafted + 1 for b in gen.blocks[1:]],  # as Engine.report counts them
             cache_kind=_cache_kind(vstats.get("cache_policy", "")),
             cache_policy=vstats.get("cache_policy", ""),
             cache_bounded=bool(vstats.get("bounded", False)),

@@ -69,10 +69,13 @@ def test_serve_all_runs_three_processes_and_sigterm_stops_them_all(serve_all):
     for service in ("verifier", "drafter"):  # loopback only, and only for the orchestrator: a run's own token
         assert s.info[service].startswith("127.0.0.1:")
         assert_unauthenticated(service, s.info[service])
-    res = client(s.addr, "generate", "--json", "--max-tokens", "16", "--ignore-eos")
+    res = client(s.addr, "generate", "--json", "--max-tokens", "16", "--ignore-eos", "--block-size", "8")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 16 and out["backend"] == f"grpc:{s.info['verifier']}"
+    # the blocks' real sizes (the client used to rebuild them from the acceptance lengths)
+    assert out["block_sizes"][0] == 8 and len(out["block_sizes"]) == len(out["acceptance_lengths"])
+    assert all(a <= b <= 8 for a, b in zip(out["acceptance_lengths"], out["block_sizes"]))
     s.signal(signal.SIGTERM)
     assert s.wait(60) == 0
     wait_until(lambda: not any(pid_alive(p) for p in pids.values()), timeout=10, what="children gone")
