@@ -136,3 +136,9 @@ def test_cache_policy_flags_on_servers_and_client(server_factory, mlx_target, au
         assert server_default["verifier_kv_bytes"]["sliding"] < asked_native["verifier_kv_bytes"]["sliding"]
     finally:
         s.stop()
+
+
+def test_client_help_documents_what_the_server_takes():
+    """`kakeya client generate --help` documented --restore ftheta:DIR, which the server refuses: it takes a source NAME."""
+    res = client("127.0.0.1:1", "generate", "--help")
+    assert res.returncode == 0 and "--restore NAME" in res.stdout and "ftheta:DIR" not in res.stdout, res.stdout
