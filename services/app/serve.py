@@ -62,6 +62,9 @@ def _common(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--ready-file", help="write {addr, port, pid} as JSON here once SERVING")
     serve_flags.add_common(p)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port of --host (0: any free port; default: off)")
+    p.add_argument("--health-port", type=int,
+                   help="also answer gRPC health, alone and in plaintext, on this port of --host (for probes"
+                        " that speak no TLS, e.g. Kubernetes'; 0: any free port; default: off)")  # fmt: skip
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="stderr log lines: text or JSON (default text)")
 
 
@@ -69,7 +72,7 @@ def _run(spec, args) -> int:
     from kakeya.runtime.lifecycle import run_server, setup_logging
 
     setup_logging(spec.name, args.log_format)
-    rc = run_server(spec, args.host, args.port, args.grace, args.ready_file, metrics_port=args.metrics_port)
+    rc = run_server(spec, args.host, args.port, args.grace, args.ready_file, metrics_port=args.metrics_port, health_port=args.health_port)
     # Everything is drained and closed. Leave without joining the compute thread: MLX aborts the
     # process ("terminate called without an active exception") when the thread that owns its
     # arrays is joined while they are alive.
@@ -243,7 +246,7 @@ def cmd_serve_all(args) -> int:
                 "--verifier", ready["verifier"]["addr"], "--drafter", ready["drafter"]["addr"],
                 "--tokenizer", target, "--ready-file", str(files["orchestrator"]),
                 "--max-tokens-limit", str(args.max_tokens_limit), *common, *serve_flags.child_argv(args, "orchestrator", token_file),
-                *metrics(0),
+                *metrics(0), *(["--health-port", str(args.health_port)] if args.health_port is not None else []),
             ]  # fmt: skip
             sup.spawn("orchestrator", orch, files["orchestrator"])
             ready.update(sup.wait_ready(["orchestrator"], args.start_timeout))

@@ -275,10 +275,30 @@ def _health_watch(spec: ServerSpec, health_servicer, names: list[str], stop: thr
             serving = ok
 
 
+def _serve_health(health_servicer, host: str, port: int) -> tuple[grpc.Server | None, int]:
+    """A plaintext server answering only ``grpc.health.v1`` with ``health_servicer``'s statuses.
+
+    Kubernetes' native gRPC probes speak no TLS: with mutual TLS on the main port they probe this
+    one. Health carries no data and opens no session, so it needs no credentials.
+    """
+    server = grpc.server(ThreadPoolExecutor(max_workers=2), maximum_concurrent_rpcs=8)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        return None, 0
+    server.start()
+    return server, bound
+
+
 def run_server(
-    spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, ready_file: str | None = None, metrics_port: int | None = None
+    spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, ready_file: str | None = None, metrics_port: int | None = None,
+    health_port: int | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT; return the process exit status. ``metrics_port``: /metrics (0: any port)."""
+    """Serve until SIGTERM/SIGINT; return the process exit status. ``metrics_port``: /metrics (0: any port);
+    ``health_port``: gRPC health alone, also in plaintext (0: any port), for probes that cannot speak TLS."""
     if ready_file:
         Path(ready_file).unlink(missing_ok=True)  # a stale file must not announce us before we are ready
     stop = threading.Event()
@@ -342,6 +362,13 @@ def run_server(
             return 2
         ready_extra["metrics_port"] = httpd.server_port
         log.info("%s metrics on http://%s:%d/metrics", spec.name, host, httpd.server_port)
+    health_server = None
+    if health_port is not None:
+        health_server, ready_extra["health_port"] = _serve_health(health_servicer, host, health_port)
+        if health_server is None:
+            print(f"kakeya: error: {spec.name}: cannot serve health on {host}:{health_port}", file=sys.stderr)
+            server.stop(0)
+            return 2
     server.start()
     log.info("%s listening on %s (NOT_SERVING until loaded and warmed up)", spec.name, addr)
 
@@ -397,5 +424,7 @@ def run_server(
         Path(ready_file).unlink(missing_ok=True)
     if httpd is not None:
         httpd.shutdown()
+    if health_server is not None:
+        health_server.stop(0)
     log.info("%s stopped after %.2f s of draining", spec.name, time.monotonic() - t_stop)
     return 0
