@@ -395,6 +395,8 @@ def run_server(
         log.debug("%s", outcome["tb"])
         print(f"kakeya: error: {spec.name}: {exc}", file=sys.stderr)
         server.stop(0)
+        if health_server is not None:  # a probe must not see this process alive
+            health_server.stop(0)
         return 2
     if loaded.is_set() and not stop.is_set():
         spec.set_ready(True)
