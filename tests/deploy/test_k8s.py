@@ -188,8 +188,10 @@ def test_service_monitor_scrapes_a_named_metrics_port():
         assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "tlsConfig"}
         for s in selected:
             assert ep["port"] in {p["name"] for p in s["spec"]["ports"]}
-    for role in ROLES:
-        assert "metrics" in {p["name"] for p in container(docs, role)["ports"]}
+    for overlay in OVERLAYS:
+        for role in ROLES:
+            ports = {p["name"]: p["containerPort"] for p in container(render(overlay), role)["ports"]}
+            assert int(flag(argv(render(overlay), role), "--metrics-port")) == ports["metrics"], f"{overlay} {role} serves /metrics"
     assert not of_kind(render("cpu-dev"), "ServiceMonitor"), "cpu-dev must apply on clusters without the Prometheus Operator"
 
 

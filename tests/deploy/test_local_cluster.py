@@ -33,8 +33,9 @@ def local_argv(role: str, services: dict[str, str], token_file: str) -> list[str
     """A cpu-dev container's `kakeya serve ...` arguments for a loopback process.
 
     Kept: every flag as rendered. Changed: listen on loopback (Server adds `--port 0` and a ready
-    file: the last --port wins, as in argparse), a Service name resolves to local addresses, and
-    the mounted Secret's token file is ``token_file``.
+    file: the last --port wins, as in argparse), a Service name resolves to local addresses,
+    the mounted Secret's token file is ``token_file``, and metrics take any free port (the pods'
+    9464 would collide on one host).
     """
     cmd = argv(render("cpu-dev"), role)
     assert cmd[:2] == ["kakeya", "serve"]
@@ -44,6 +45,8 @@ def local_argv(role: str, services: dict[str, str], token_file: str) -> list[str
             a = "--host=127.0.0.1"
         for name, local in services.items():
             a = a.replace(f"dns:///{name}", local)
+        if a.startswith("--metrics-port="):
+            a = "--metrics-port=0"
         out.append(a.replace(f"={MOUNTED_TOKEN}", f"={token_file}"))
     return out
 
