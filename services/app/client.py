@@ -52,7 +52,7 @@ def report_from_stream(model, server, complete, token_ids: list[int], text: str,
     from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
     s = complete.stats
-    blocks = [Block(token_ids[:1], 0, 0)] + [Block([0] * n, n - 1, n - 1) for n in s.acceptance_lengths]
+    blocks = [Block(token_ids[:1], 0, 0)] + [Block([0] * n, size - 1, n - 1) for n, size in zip(s.acceptance_lengths, s.block_sizes)]
     gen = Generation(
         prompt_ids=list(complete.prompt_token_ids),
         token_ids=list(token_ids),

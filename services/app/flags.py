@@ -6,31 +6,43 @@ commands themselves (``serve.py``) stay about starting processes.
 
 from __future__ import annotations
 
-import grpc
-
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
-from kakeya.runtime.lifecycle import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS
+from kakeya.runtime.lifecycle import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S
 from kakeya.runtime.tls import ClientTLS, ServerTLS, add_client_args, add_server_args
 
 
 def add_common(p) -> None:
-    """Every server: TLS and the session limit."""
+    """Every server: TLS and the session limits."""
     p.add_argument(
         "--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
         help=f"concurrent sessions; one more is RESOURCE_EXHAUSTED (default {DEFAULT_MAX_SESSIONS}; the thread pool is sized from it)",
     )  # fmt: skip
+    p.add_argument("--max-sessions-per-peer", type=int, default=0,
+                   help="most sessions one caller (one client address) may hold at once (0: no cap but --max-sessions)")
     add_server_args(p)
 
 
-def add_sessions(p, kv_budget: bool) -> None:
-    """Verifier and drafter: admission queue, idle expiry, context limit."""
-    if kv_budget:
-        p.add_argument("--max-kv-bytes", type=int, default=0,
-                       help="K/V budget of all sessions; a session is admitted only if its worst case fits (0: none)")
+def add_internal_auth(p) -> None:
+    """Verifier and drafter: who may open sessions (docs/security.md)."""
+    p.add_argument("--auth-token-file",
+                   help="require `authorization: Bearer <token>` (the orchestrators' --backend-token-file); health stays open")
+    p.add_argument("--insecure", action="store_true",
+                   help="listen beyond loopback without client authentication (neither --tls-client-ca nor"
+                        " --auth-token-file): only behind something that authenticates callers")  # fmt: skip
+
+
+def add_sessions(p) -> None:
+    """Verifier and drafter: memory budget, admission queue, idle expiry and reclaim, context limit."""
+    p.add_argument("--max-kv-bytes", type=int, default=0,
+                   help="K/V budget of all sessions (0: none): the verifier admits a session only if its worst case"
+                        " fits; the drafter lets a session's context cache grow only while it fits")  # fmt: skip
     p.add_argument("--queue", type=int, default=0, help="sessions that may wait for room instead of RESOURCE_EXHAUSTED (default 0)")
     p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a queued session waits at most (default 10)")
     p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
                    help=f"close a session that sends nothing for this long (default {DEFAULT_IDLE_TIMEOUT_S:g} s; 0: never)")
+    p.add_argument("--reclaim-idle", type=float, default=DEFAULT_RECLAIM_IDLE_S,
+                   help="when a limit would refuse a new session, first end sessions whose clients have sent nothing"
+                        f" for this long, longest idle first (default {DEFAULT_RECLAIM_IDLE_S:g} s; 0: never)")  # fmt: skip
     p.add_argument("--max-context", type=int, default=0,
                    help="most positions one session may hold (default: the model's max_position_embeddings)")
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
@@ -54,28 +66,35 @@ def add_orchestrator(p) -> None:
     add_client_args(p, "the verifier and drafter")
 
 
+def add_backend_auth(p) -> None:
+    """The split orchestrator: the token its verifier and drafter require (their --auth-token-file)."""
+    p.add_argument("--backend-token-file", help="split: send `authorization: Bearer <token>` from this file to the verifier and drafter")
+
+
 def add_client(p) -> None:
     add_client_args(p)
     p.add_argument("--auth-token-file", help="send `authorization: Bearer <token>` read from this file")
 
 
-def session_limits(args, kv_budget: bool) -> dict:
+def session_limits(args) -> dict:
+    """Verifier and drafter: their servicers' admission keyword arguments."""
     out = {
+        "max_kv_bytes": args.max_kv_bytes,
         "queue": args.queue,
         "queue_timeout_s": args.queue_timeout,
         "idle_timeout_s": args.idle_timeout,
+        "max_per_peer": args.max_sessions_per_peer,
+        "reclaim_idle_s": args.reclaim_idle,
         "max_context": args.max_context,
         "max_batch": args.max_batch,
     }
-    if kv_budget:
-        out["max_kv_bytes"] = args.max_kv_bytes
-    for k in ("queue", "max_context") + (("max_kv_bytes",) if kv_budget else ()):
-        if out[k] < 0:
-            raise ValueError(f"--{k.replace('_', '-')} must be >= 0, got {out[k]}")
+    for flag, value in (("--max-kv-bytes", args.max_kv_bytes), ("--queue", args.queue), ("--max-context", args.max_context),
+                        ("--max-sessions-per-peer", args.max_sessions_per_peer), ("--reclaim-idle", args.reclaim_idle),
+                        ("--max-sessions", args.max_sessions)):  # fmt: skip
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.max_sessions < 0:
-        raise ValueError(f"--max-sessions must be >= 0, got {args.max_sessions}")
     return out
 
 
@@ -96,25 +115,53 @@ def client_tls(args) -> ClientTLS:
 
 
 def auth_token(args) -> str | None:
-    from kakeya.runtime.guard import read_token
+    """The token callers must present (``--auth-token-file``), or None."""
+    from kakeya.runtime.auth import read_token
 
-    return read_token(args.auth_token_file) if getattr(args, "auth_token_file", None) else None
+    return read_token(args.auth_token_file) if args.auth_token_file else None
 
 
-def child_argv(args, role: str) -> list[str]:
-    """What ``serve all`` passes on to one child (``verifier``, ``drafter`` or ``orchestrator``)."""
+def backend_token(args) -> str | None:
+    """The token a split orchestrator sends its verifier and drafter (``--backend-token-file``), or None."""
+    from kakeya.runtime.auth import read_token
+
+    return read_token(args.backend_token_file, "--backend-token-file") if args.backend_token_file else None
+
+
+def internal_auth(args, service: str) -> tuple[ServerTLS, str | None]:
+    """A verifier's or drafter's TLS and token; ValueError when it would listen beyond loopback
+    with neither mutual TLS nor a token and no ``--insecure`` (``auth.check_exposure``)."""
+    import sys
+
+    from kakeya.runtime.auth import check_exposure
+
+    tls, token = server_tls(args), auth_token(args)
+    warning = check_exposure(service, args.host, mutual_tls=bool(tls.client_ca), token=token is not None, insecure=args.insecure)
+    if warning:
+        print(f"kakeya: warning: {warning}", file=sys.stderr)
+    return tls, token
+
+
+def child_argv(args, role: str, backend_token_file: str) -> list[str]:
+    """What ``serve all`` passes on to one child (``verifier``, ``drafter`` or ``orchestrator``).
+
+    ``backend_token_file``: the run's own secret, which verifier and drafter require and the
+    orchestrator sends (so nothing else on this machine may open their sessions).
+    """
     tls = server_tls(args)
     out = ["--max-sessions", str(args.max_sessions), *tls.argv()]
     if role in ("verifier", "drafter"):
         out += ["--queue", str(args.queue), "--queue-timeout", str(args.queue_timeout),
-                "--idle-timeout", str(args.idle_timeout), "--max-context", str(args.max_context),
-                "--max-batch", str(args.max_batch)]  # fmt: skip
+                "--idle-timeout", str(args.idle_timeout), "--reclaim-idle", str(args.reclaim_idle),
+                "--max-context", str(args.max_context), "--max-batch", str(args.max_batch),
+                "--auth-token-file", backend_token_file]  # fmt: skip
         if role == "verifier":
             out += ["--max-kv-bytes", str(args.max_kv_bytes)]
             out += [x for spec in args.restore or [] for x in ("--restore", spec)]
         return out
     out += ["--max-prompt-tokens", str(args.max_prompt_tokens), "--backend-timeout", str(args.backend_timeout),
-            "--default-max-tokens", str(args.default_max_tokens)]  # fmt: skip
+            "--default-max-tokens", str(args.default_max_tokens), "--max-sessions-per-peer", str(args.max_sessions_per_peer),
+            "--backend-token-file", backend_token_file]  # fmt: skip
     if args.auth_token_file:
         out += ["--auth-token-file", args.auth_token_file]
     if tls.enabled:  # the children share one certificate: the orchestrator trusts it towards its backends
@@ -128,35 +175,8 @@ def child_argv(args, role: str) -> list[str]:
 
 def client_channel(args):
     """The client's channel to ``args.addr`` (TLS with --tls-ca); a bearer token (--auth-token-file) rides on every call."""
+    from kakeya.runtime.auth import with_bearer
     from kakeya.runtime.tls import channel
     from kakeya.wire.limits import channel_options
 
-    ch = channel(args.addr, client_tls(args), channel_options())
-    token = auth_token(args)
-    if token is None:
-        return ch
-    return grpc.intercept_channel(ch, _Bearer(token))
-
-
-class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to unary and server-streaming calls."""
-
-    def __init__(self, token: str):
-        self.header = ("authorization", f"Bearer {token}")
-
-    def _with(self, d):
-        return _Details(d, list(d.metadata or []) + [self.header])
-
-    def intercept_unary_unary(self, cont, details, request):
-        return cont(self._with(details), request)
-
-    def intercept_unary_stream(self, cont, details, request):
-        return cont(self._with(details), request)
-
-
-class _Details(grpc.ClientCallDetails):
-    """``grpc.ClientCallDetails`` with other metadata (the interceptor API has no constructor for it)."""
-
-    def __init__(self, d, metadata):
-        self.method, self.timeout, self.metadata = d.method, d.timeout, metadata
-        self.credentials, self.wait_for_ready, self.compression = d.credentials, d.wait_for_ready, d.compression
+    return with_bearer(channel(args.addr, client_tls(args), channel_options()), auth_token(args))

@@ -53,9 +53,14 @@ def add_cache_args(p, default_kind: str | None = "native") -> None:
     g.add_argument("--window", type=int, default=None, help="sliding window (sink-window; default: the model's)")
     g.add_argument("--full-kv-bits", type=int, default=0, choices=[0, 4, 8],
                    help="affine-quantize full-attention K/V to 4 or 8 bits (0: exact)")
-    g.add_argument("--restore", default=None, metavar="ftheta:DIR",
-                   help="restore evicted sliding-layer K/V with a trained f_theta (sink-window only; "
-                        "see kakeya train-ftheta)")
+    if default_kind is None:  # the wire carries a source's name; the server holds its directory
+        g.add_argument("--restore", default=None, metavar="NAME",
+                       help="restore evicted sliding-layer K/V with the server's f_theta source NAME (one of its"
+                            " --restore NAME=DIR; a bare DIR there is 'default'; sink-window only)")  # fmt: skip
+    else:
+        g.add_argument("--restore", default=None, metavar="ftheta:DIR",
+                       help="restore evicted sliding-layer K/V with a trained f_theta (sink-window only; "
+                            "see kakeya train-ftheta)")
 
 
 def cache_policy_from_args(args):

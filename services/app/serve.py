@@ -13,7 +13,8 @@ Without checkpoint paths every server uses the embedded pair, the same one as
 is ``assembly.resolve_backend``'s choice, resolved here so each process is told
 a concrete backend. ``serve all``
 runs verifier, drafter and orchestrator as three processes (the backends on
-loopback ports of their own choosing), forwards SIGTERM/SIGINT to them in
+loopback ports of their own choosing, requiring a token made for this run,
+which only the orchestrator is given), forwards SIGTERM/SIGINT to them in
 order (orchestrator first, so it can drain), restarts a child that dies with
 backoff (``app/supervisor.py``), and takes them down with it if it dies. Every server: gRPC health checking and reflection, SERVING only once
 loaded and warmed up, ``--ready-file`` written at that moment, SIGTERM drains
@@ -61,6 +62,9 @@ def _common(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--ready-file", help="write {addr, port, pid} as JSON here once SERVING")
     serve_flags.add_common(p)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port of --host (0: any free port; default: off)")
+    p.add_argument("--health-port", type=int,
+                   help="also answer gRPC health, alone and in plaintext, on this port of --host (for probes"
+                        " that speak no TLS, e.g. Kubernetes'; 0: any free port; default: off)")  # fmt: skip
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="stderr log lines: text or JSON (default text)")
 
 
@@ -68,7 +72,7 @@ def _run(spec, args) -> int:
     from kakeya.runtime.lifecycle import run_server, setup_logging
 
     setup_logging(spec.name, args.log_format)
-    rc = run_server(spec, args.host, args.port, args.grace, args.ready_file, metrics_port=args.metrics_port)
+    rc = run_server(spec, args.host, args.port, args.grace, args.ready_file, metrics_port=args.metrics_port, health_port=args.health_port)
     # Everything is drained and closed. Leave without joining the compute thread: MLX aborts the
     # process ("terminate called without an active exception") when the thread that owns its
     # arrays is joined while they are alive.
@@ -90,14 +94,15 @@ def cmd_serve_verifier(args) -> int:
     else:  # without --draft/--aux-layers, sessions must name their aux layers at Open
         target, draft = args.target, args.draft
     layers = _aux_layers(args.aux_layers, draft)
-    limits = serve_flags.session_limits(args, kv_budget=True)
+    limits = serve_flags.session_limits(args)
     limits["restore"], args.restore = serve_flags.restore_sources(args)  # the default policy's: the bare DIR
+    tls, token = serve_flags.internal_auth(args, "verifier")
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
     if backend == "torch":
         from kakeya.app.options import torch_options
 
         kwargs |= torch_options(args)
-    spec = server_spec(target, layers, backend, args.max_sessions, limits=limits, tls=serve_flags.server_tls(args),
+    spec = server_spec(target, layers, backend, args.max_sessions, limits=limits, tls=tls, token=token,
                        policy=_default_policy(args), **kwargs)
     return _run(spec, args)
 
@@ -114,14 +119,14 @@ def cmd_serve_drafter(args) -> int:
     from kakeya.drafter.server import server_spec
 
     target, draft = _pair(args.target, args.draft)
-    limits = serve_flags.session_limits(args, kv_budget=False)
-    tls = serve_flags.server_tls(args)
+    limits = serve_flags.session_limits(args)
+    tls, token = serve_flags.internal_auth(args, "drafter")
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
     if backend == "torch":
         from kakeya.app.options import torch_options
 
         kwargs |= torch_options(args)
-    return _run(server_spec(draft, target, backend, args.max_sessions, limits=limits, tls=tls, **kwargs), args)
+    return _run(server_spec(draft, target, backend, args.max_sessions, limits=limits, tls=tls, token=token, **kwargs), args)
 
 
 def _backend_kwargs(args, embedded: bool) -> tuple[str, dict]:
@@ -148,17 +153,20 @@ def cmd_serve_orchestrator(args) -> int:
         if args.target or args.draft:
             raise ValueError("--target/--draft load in-process models: leave them out with --verifier (see --tokenizer)")
 
-        client_tls = serve_flags.client_tls(args)
+        client_tls, backend_token = serve_flags.client_tls(args), serve_flags.backend_token(args)
 
         def build():
             drafter = None if args.no_drafter else args.drafter
             return split_engine(
-                args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls, backend_timeout_s=args.backend_timeout
+                args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls, token=backend_token,
+                backend_timeout_s=args.backend_timeout,
             )
 
         colocated = False
         sources = None
     else:
+        if args.backend_token_file:
+            raise ValueError("--backend-token-file is for a split orchestrator (--verifier): colocated, nothing to send it to")
         sources, args.restore = serve_flags.restore_sources(args)
 
         backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
@@ -177,6 +185,7 @@ def cmd_serve_orchestrator(args) -> int:
         max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens,
         max_sessions=args.max_sessions,
+        max_sessions_per_peer=args.max_sessions_per_peer,
         max_prompt_tokens=args.max_prompt_tokens,
         restore=sources,
         auth_token=serve_flags.auth_token(args),
@@ -189,6 +198,7 @@ def cmd_serve_orchestrator(args) -> int:
 
 def cmd_serve_all(args) -> int:
     from kakeya.app.supervisor import Supervisor
+    from kakeya.runtime.auth import new_token, write_token
     from kakeya.runtime.lifecycle import port_in_use, setup_logging, write_ready_file
 
     setup_logging("all", args.log_format)
@@ -196,6 +206,7 @@ def cmd_serve_all(args) -> int:
     target, draft = _pair(args.target, args.draft)
     serve_flags.restore_sources(args)  # bad --restore specs: a usage error now, not a child's exit
     serve_flags.server_tls(args), serve_flags.auth_token(args)
+    serve_flags.session_limits(args)
     taken = port_in_use(args.host, args.port)
     if taken:
         print(f"kakeya: error: serve all: cannot listen on {args.host}:{args.port}: {taken}", file=sys.stderr)
@@ -218,14 +229,15 @@ def cmd_serve_all(args) -> int:
         return ["--metrics-port", str(args.metrics_port + i if args.metrics_port else 0)]
 
     rc = 0
-    with tempfile.TemporaryDirectory(prefix="kakeya-serve-all-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kakeya-serve-all-") as tmp:  # mode 0700: ours alone
         files = {n: Path(tmp) / f"{n}.json" for n in ("verifier", "drafter", "orchestrator")}
+        token_file = str(write_token(Path(tmp) / "backend.token", new_token()))
         try:
-            back = ["--host", args.backend_host, "--port", "0"]
+            back = ["--host", "127.0.0.1", "--port", "0"]  # loopback only: the orchestrator is their one client
             vback, dback = _child_backend(args.verifier_backend, args), _child_backend(args.drafter_backend, args)
             cache = ["--cache", args.cache, "--sink", str(args.sink), "--full-kv-bits", str(args.full_kv_bits),
                      *(["--window", str(args.window)] if args.window else [])]  # fmt: skip
-            vlim, dlim = serve_flags.child_argv(args, "verifier"), serve_flags.child_argv(args, "drafter")
+            vlim, dlim = (serve_flags.child_argv(args, role, token_file) for role in ("verifier", "drafter"))
             sup.spawn("verifier", [*back, "--target", target, "--draft", draft, *vback, *cache, "--ready-file", str(files["verifier"]), *common, *vlim, *metrics(1)], files["verifier"])
             sup.spawn("drafter", [*back, "--draft", draft, "--target", target, *dback, "--ready-file", str(files["drafter"]), *common, *dlim, *metrics(2)], files["drafter"])
             ready = sup.wait_ready(["verifier", "drafter"], args.start_timeout)
@@ -233,7 +245,8 @@ def cmd_serve_all(args) -> int:
                 "--host", args.host, "--port", str(args.port),
                 "--verifier", ready["verifier"]["addr"], "--drafter", ready["drafter"]["addr"],
                 "--tokenizer", target, "--ready-file", str(files["orchestrator"]),
-                "--max-tokens-limit", str(args.max_tokens_limit), *common, *serve_flags.child_argv(args, "orchestrator"), *metrics(0),
+                "--max-tokens-limit", str(args.max_tokens_limit), *common, *serve_flags.child_argv(args, "orchestrator", token_file),
+                *metrics(0), *(["--health-port", str(args.health_port)] if args.health_port is not None else []),
             ]  # fmt: skip
             sup.spawn("orchestrator", orch, files["orchestrator"])
             ready.update(sup.wait_ready(["orchestrator"], args.start_timeout))
@@ -304,7 +317,8 @@ def register(sub) -> None:
     _backend_args(v)
     add_cache_args(v)
     serve_flags.add_restore(v)
-    serve_flags.add_sessions(v, kv_budget=True)
+    serve_flags.add_sessions(v)
+    serve_flags.add_internal_auth(v)
     v.set_defaults(func=cmd_serve_verifier)
 
     d = roles.add_parser("drafter", help="the DFlash drafter and its per-session context caches")
@@ -312,7 +326,8 @@ def register(sub) -> None:
     d.add_argument("--draft", help="DFlash drafter checkpoint directory")
     d.add_argument("--target", help="the target checkpoint: only its embedding and LM head are loaded")
     _backend_args(d)
-    serve_flags.add_sessions(d, kv_budget=False)
+    serve_flags.add_sessions(d)
+    serve_flags.add_internal_auth(d)
     d.set_defaults(func=cmd_serve_drafter)
 
     o = roles.add_parser(
@@ -330,6 +345,7 @@ def register(sub) -> None:
     add_cache_args(o)  # colocated: the sessions' default policy
     serve_flags.add_restore(o)
     serve_flags.add_orchestrator(o)
+    serve_flags.add_backend_auth(o)
     o.add_argument("--backend-wait", type=float, default=120.0, help="split: seconds to wait for verifier/drafter at start")
     _limits(o)
     o.set_defaults(func=cmd_serve_orchestrator)
@@ -338,7 +354,6 @@ def register(sub) -> None:
     _common(a, "orchestrator")
     a.add_argument("--target", help="target checkpoint (default: the embedded pair, as `kakeya generate`)")
     a.add_argument("--draft", help="drafter checkpoint")
-    a.add_argument("--backend-host", default="127.0.0.1", help="interface of the verifier and drafter (default 127.0.0.1)")
     a.add_argument("--verifier-backend", default="auto", choices=["auto", "mlx", "torch"],
                    help="the verifier process's backend (auto: MLX on Apple silicon, torch elsewhere)")
     a.add_argument("--drafter-backend", default="auto", choices=["auto", "mlx", "torch"],
@@ -348,7 +363,7 @@ def register(sub) -> None:
     _torch_threads_arg(a)
     add_cache_args(a)  # the verifier process's default policy
     serve_flags.add_restore(a)
-    serve_flags.add_sessions(a, kv_budget=True)
+    serve_flags.add_sessions(a)  # the verifier's and drafter's (--max-kv-bytes: the verifier's)
     serve_flags.add_orchestrator(a)
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)

@@ -119,6 +119,11 @@ class CachePolicy:
 PROPOSAL_TOP_K = 32
 
 
+# The smallest temperature that samples (0 is greedy). Below it logits / temperature can leave
+# float32's range (1e-39 makes every logit infinite): such a request is refused, naming the field.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target's next-token distribution p is processed and sampled.
@@ -145,6 +150,8 @@ class SamplingParams:
         t = self.temperature
         if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):

@@ -27,5 +27,6 @@ def session_sampling(sampling: SamplingParams | None):
 def sampled_draft(logits, sampler, params: SamplingParams, rng, k: int = PROPOSAL_TOP_K) -> Draft:
     """Candidates for the ``logits`` rows [B-1, V] (device), each drawn from its top-``k`` proposal."""
     ids, probs = sampler.proposal(logits, params, k)
+    probs = probs / probs.sum(-1, keepdims=True)  # the top-k cut renormalised: each row a distribution
     tokens, proposal = lossless.draw_from_proposal(ids, probs, rng.random(ids.shape[0]))
     return Draft(tokens, proposal)

@@ -1,7 +1,11 @@
 """The drafter's gRPC servicer: one Session stream == one DFlash drafter session.
 
 The stream IS the session: its context K/V cache is created at ``Open`` and
-freed when the stream ends, however it ends. Per block the request carries the
+freed when the stream ends, however it ends. With ``--max-kv-bytes`` the
+context caches of all sessions stay within that budget: before a Draft extends
+a session's context, the bytes its cache will then hold are reserved
+(``SessionRegistry.reserve``), so one client's 131,072 aux rows cannot take
+the drafter's memory. Per block the request carries the
 aux of the newly committed positions (a ``Tensor`` decoded by
 ``services/wire/codec.py``) and the token opening the block; the response
 carries ``B - 1`` candidate ids (and, in a sampling session, the compact
@@ -13,6 +17,7 @@ session and the warm-up are the same code.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
@@ -29,6 +34,7 @@ from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_SESSIONS,
+    DEFAULT_RECLAIM_IDLE_S,
     ComputeThread,
     ServerSpec,
     SessionRegistry,
@@ -55,16 +61,22 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         *,
+        max_kv_bytes: int = 0,
         queue: int = 0,
         queue_timeout_s: float = 0.0,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_per_peer: int = 0,
+        reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S,
         max_context: int = 0,
         max_batch: int = DEFAULT_MAX_BATCH,
     ):
         # Draft requests of several streams that queue up while a batch runs go through ONE forward
         # (``batch.draft_batch``); max_batch 1: each alone, in turn.
         self.compute = ComputeThread("drafter", max_batch)
-        self.registry = SessionRegistry(max_sessions, 0, queue, queue_timeout_s, idle_timeout_s)
+        self.registry = SessionRegistry(
+            max_sessions, max_kv_bytes, queue, queue_timeout_s, idle_timeout_s, max_per_peer=max_per_peer,
+            reclaim_idle_s=reclaim_idle_s,
+        )
         self.max_context_flag = max_context
         self.max_context = 0  # set by load(): --max-context, at most the model's max_position_embeddings
         self.metrics = ServerMetrics("drafter")
@@ -77,6 +89,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.aux_dtype = 0
         self.device = ""
         self.max_block_size = MAX_BLOCK_SIZE
+        self.row_bytes = 0  # context K/V bytes per cache row of one layer, measured by load()
 
     # -- loading -----------------------------------------------------------------------
 
@@ -103,11 +116,29 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         # Warm-up: every block size the loop drafts, the first context through the wire decoding path.
         aux = self._decode(codec.to_proto(np.zeros((3, model.config.aux_width), np.float32)))
         seconds = self.drafter.warm_up(aux=aux)
+        self.row_bytes = self._measure_row_bytes()
         return (
             f"draft {draft_dir} + embedding/LM head of {target_dir} ({backend} on {self.device}, block"
             f" {self.drafter.block_size}, aux layers {list(self.drafter.target_layer_ids)}, {codec.dtype_name(self.aux_dtype)};"
             f" warm-up {seconds:.2f}s)"
         )
+
+    def _measure_row_bytes(self) -> int:
+        """Bytes of one context row of one layer, as this backend allocates them (one short session)."""
+        probe = self.drafter.open_session()
+        try:
+            probe.draft(self.drafter.model.zeros_aux(1), 2, 1)
+            return probe.cache.nbytes // sum(layout.capacity for layout in probe.cache.plan.layer_layouts)
+        finally:
+            probe.close()
+
+    def _context_bytes(self, session, new_rows: int) -> int:
+        """Bytes ``session``'s context cache holds once ``new_rows`` more positions and a block are in:
+        its own plan run ahead on a copy (host bookkeeping, nothing allocated)."""
+        plan = copy.deepcopy(session.cache.plan)
+        plan.append(new_rows)
+        plan.block(MAX_BLOCK_SIZE, scratch=True)
+        return sum(layout.capacity for layout in plan.layer_layouts) * self.row_bytes
 
     def _decode(self, tensor):
         """A wire Tensor as the backend's own array (the session casts it to the model's dtype)."""
@@ -192,6 +223,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 block = d.block_size or self.drafter.block_size
                 if not 1 <= block <= self.max_block_size:
                     raise invalid(f"draft.block_size must be 0 (default) or 1..{self.max_block_size}, got {d.block_size}")
+                if self.registry.max_kv_bytes:  # a session that holds a context grows only if room is left now
+                    self.registry.reserve(entry, self._context_bytes(session, shape[0]), wait=session.cache.length == 0)
                 draft, stats = self.compute.batch("draft", (entry, session, d.new_aux, d.last_token, block), self._draft_batch)
                 drafted = pb.DrafterResponse.Drafted(token_ids=draft.tokens, stats=stats)
                 if draft.proposal is not None:
@@ -244,9 +277,11 @@ def server_spec(
     *,
     limits: dict | None = None,
     tls=None,
+    token: str | None = None,
     **kwargs,
 ) -> ServerSpec:
-    """``limits``: DrafterServicer's keyword arguments (queue, idle_timeout_s, max_context, ...)."""
+    """``limits``: DrafterServicer's keyword arguments (max_kv_bytes, queue, idle_timeout_s, max_context, ...);
+    ``token``: the bearer token callers must present (None: none)."""
     limits = dict(limits or {})
     servicer = DrafterServicer(max_sessions, **limits)
 
@@ -256,7 +291,7 @@ def server_spec(
     return ServerSpec(
         name="drafter",
         service_names=[SERVICE_NAME],
-        add_to_server=lambda server: add_servicer(server, servicer, pb.DESCRIPTOR.services_by_name["DrafterService"]),
+        add_to_server=lambda server: add_servicer(server, servicer, pb.DESCRIPTOR.services_by_name["DrafterService"], token),
         load=lambda: servicer.load(draft_dir, target_dir, backend, **kwargs),
         set_ready=set_ready,
         max_workers=workers_for(max_sessions, limits.get("queue", 0)),

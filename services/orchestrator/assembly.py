@@ -193,11 +193,12 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
 
 def split_engine(
     verifier_addr: str, drafter_addr: str | None, tokenizer: str | None, wait_s: float, *, tls=None,
-    backend_timeout_s: float | None = None,
+    token: str | None = None, backend_timeout_s: float | None = None,
 ):
     """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them.
 
-    ``tls``: a ``kakeya.runtime.tls.ClientTLS`` for both; ``backend_timeout_s``: the step deadlines' floor.
+    ``tls``: a ``kakeya.runtime.tls.ClientTLS`` for both; ``token``: the bearer token both require;
+    ``backend_timeout_s``: the step deadlines' floor.
     The verifier's sessions return the hidden states of the drafter's layers (without a drafter:
     the verifier server's default layers).
     """
@@ -206,9 +207,9 @@ def split_engine(
     from kakeya.orchestrator.text import TextCodec
 
     floor = backend_timeout_s or DEFAULT_BACKEND_TIMEOUT_S
-    drafter = remote_drafter(drafter_addr, wait_s=wait_s, tls=tls, clock=StepClock(floor)) if drafter_addr else None
+    drafter = remote_drafter(drafter_addr, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor)) if drafter_addr else None
     aux_layers = drafter.target_layer_ids if drafter is not None else ()
-    verifier = remote_verifier(verifier_addr, aux_layers=aux_layers, wait_s=wait_s, tls=tls, clock=StepClock(floor))
+    verifier = remote_verifier(verifier_addr, aux_layers=aux_layers, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor))
     info = verifier.info
     if drafter is not None:
         d = drafter.remote

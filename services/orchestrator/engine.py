@@ -168,6 +168,7 @@ class Run:
         self._result: loop.Generation | None = None
         self._decoding: loop.Decoding | None = None
         self.verifier_session = self.drafter_session = None  # read by a server's metrics (their backends' time)
+        self.drafter_error: Exception | None = None  # why the drafter stopped, if it did (a server counts it by reason)
         self._sizer = self._step(engine.block_sizer, req)
         sessions = SessionOptions(req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation)
         try:
@@ -250,8 +251,9 @@ class Run:
         self.close()
 
     def _drafter_failed(self, exc: Exception) -> None:
-        if not self.cancelled:  # a cancel ends the drafter's stream too: that is not its failure
-            log.warning("request %s: drafter failed (%s); the verifier finishes alone", self.request.request_id or "-", exc)
+        self.drafter_error = exc
+        if not self.cancelled:  # a cancel ends the drafter's stream too: nothing to report
+            log.info("request %s: the drafter stopped (%s); the verifier finishes alone", self.request.request_id or "-", exc)
 
     def _end(self, finish_reason: str, learn: bool = False) -> None:
         gen = self._decoding.generation

@@ -62,11 +62,13 @@ BALANCE_OPTIONS = [
 ]
 
 
-def backend_channel(addr: str, tls=None) -> grpc.Channel:
-    """A channel to a verifier or drafter; ``tls``: a ``kakeya.runtime.tls.ClientTLS`` (None: plaintext)."""
+def backend_channel(addr: str, tls=None, token: str | None = None) -> grpc.Channel:
+    """A channel to a verifier or drafter; ``tls``: a ``kakeya.runtime.tls.ClientTLS`` (None: plaintext);
+    ``token``: the bearer token the backend requires (``--backend-token-file``), sent on every call."""
+    from kakeya.runtime.auth import with_bearer
     from kakeya.runtime.tls import channel
 
-    return channel(addr, tls, channel_options() + RECONNECT_OPTIONS + BALANCE_OPTIONS)
+    return with_bearer(channel(addr, tls, channel_options() + RECONNECT_OPTIONS + BALANCE_OPTIONS), token)
 
 
 def backend_healthy(channel: grpc.Channel, timeout: float = 1.0) -> bool:
@@ -86,10 +88,18 @@ class BackendError(RuntimeError):
     ``step_timeout``: the backend did not answer one step within its deadline (hung, not merely slow).
     """
 
-    def __init__(self, service: str, addr: str, code: grpc.StatusCode, details: str, step_timeout: bool = False):
+    def __init__(
+        self, service: str, addr: str, code: grpc.StatusCode, details: str, step_timeout: bool = False, skipped: bool = False
+    ):
         super().__init__(f"{service} at {addr}: {code.name}: {details}")
         self.service, self.addr, self.code, self.details = service, addr, code, details
         self.step_timeout = step_timeout
+        self.skipped = skipped  # never called: the drafter was backing off after earlier failures
+
+    @property
+    def ended_by_caller(self) -> bool:
+        """Our side ended the call (the client cancelled, or its deadline passed): not the backend's failure."""
+        return self.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED) and not self.step_timeout
 
     @classmethod
     def of(cls, service: str, addr: str, exc: grpc.RpcError) -> "BackendError":
@@ -301,10 +311,10 @@ class GrpcVerifier:
 
     def __init__(
         self, addr: str, *, aux_layers: Sequence[int] = (), wait_s: float | None = None, aux_like: str | None = None,
-        channel=None, tls=None, clock: StepClock | None = None,
+        channel=None, tls=None, token: str | None = None, clock: StepClock | None = None,
     ):
         self.addr = addr
-        self.channel = channel or backend_channel(addr, tls)
+        self.channel = channel or backend_channel(addr, tls, token)
         self.clock = clock or StepClock()
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
         self.aux_like = aux_like  # None: aux stays a wire Tensor; "mlx"/"torch"/"numpy": decoded
@@ -398,8 +408,7 @@ class GrpcDrafterSession:
             self._broken = True
             if self._s is not None:
                 self._s.abort()
-            ours = exc.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED) and not exc.step_timeout
-            if not aborted_here and not ours:
+            if not aborted_here and not exc.ended_by_caller:
                 self.drafter.failed(exc)
             raise
         self.server_s += r.elapsed_s
@@ -437,6 +446,7 @@ class _SkippedDrafterSession:
             grpc.StatusCode.UNAVAILABLE,
             f"backing off after {b.failures} failure(s), next try in {max(0.0, b.until - time.monotonic()):.1f} s"
             f" (last: {b.last_error})",
+            skipped=True,
         )
 
     def stats(self) -> dict:
@@ -454,10 +464,10 @@ class GrpcDrafter:
 
     def __init__(
         self, addr: str, *, wait_s: float | None = None, channel=None, backoff: Backoff | None = None, tls=None,
-        clock: StepClock | None = None,
+        token: str | None = None, clock: StepClock | None = None,
     ):
         self.addr = addr
-        self.channel = channel or backend_channel(addr, tls)
+        self.channel = channel or backend_channel(addr, tls, token)
         self.clock = clock or StepClock()
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.remote = _get_info("drafter", addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), wait_s)

@@ -92,21 +92,24 @@ def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Request:
         stop_ids=tuple(stop_ids),
         stop_strings=stops,
         ignore_eos=sp.ignore_eos,
-        cache_policy=_cache_policy(r, e, limits, block_size),
+        cache_policy=_cache_policy(r, e, limits, block_size, len(prompt) + max_tokens),
         sampling=sampling,
         request_id=r.request_id or uuid.uuid4().hex[:16],
     )
 
 
-def _cache_policy(r: pb.GenerateRequest, e: Engine, limits: Limits, block_size: int) -> CachePolicy | None:
-    """The request's own cache policy (None: the verifier's default), checked against the model and this server."""
+def _cache_policy(r: pb.GenerateRequest, e: Engine, limits: Limits, block_size: int, positions: int) -> CachePolicy | None:
+    """The request's own cache policy (None: the verifier's default), checked against the model and the
+    request's ``positions`` (prompt + max_tokens) as the verifier checks it, so a refusal names public fields."""
     if not r.HasField("cache_policy"):
         return None
     window = e.verifier.info.sliding_window
     policy = policy_from_request(r.cache_policy, e.verifier.policy, "cache_policy")  # unset fields: the default's
     if r.cache_policy.kind == cache_pb2.CACHE_KIND_UNSPECIFIED:  # an empty message: the default itself
         return None
-    bounds.check_window(policy, max(window, limits.max_context), "cache_policy")
+    # a window (or sink count) beyond the session's positions would only allocate ring slots that never fill
+    bounds.check_window(policy, max(window, positions), "cache_policy",
+                        f"the {positions} positions of this request (prompt + max_tokens; or the model's window {window})")
     check_policy(policy, window, "cache_policy")
     if limits.restore is not None:  # the name picks one of our --restore sources
         policy = limits.restore.to_server(policy, "cache_policy")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterator
 
 import grpc
@@ -30,10 +31,11 @@ import grpc
 from kakeya.core.contract import Request
 from kakeya.orchestrator.engine import Engine, RunOptions
 from kakeya.orchestrator.quality import quality_report
-from kakeya.orchestrator.remote import BackendError
+from kakeya.orchestrator.errors import fallback_reason, public_status
 from kakeya.orchestrator.requests import Limits, parse_request
 from kakeya.orchestrator.text import text_stream
 from kakeya.runtime import bounds, logs
+from kakeya.runtime.auth import peer_of
 from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import DEFAULT_MAX_SESSIONS, ComputeThread, RequestError, ServerSpec, version, workers_for
 from kakeya.runtime.metrics import NO_OBSERVER, ServerMetrics
@@ -71,15 +73,9 @@ def _deadline(context) -> float | None:
     return None if left is None or left > 1e7 else max(left, 0.001)
 
 
-def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, BackendError):
-        code = exc.code if exc.code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK) else grpc.StatusCode.INTERNAL
-        return code, str(exc)
-    if isinstance(exc, RequestError):
-        return exc.code, exc.message
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+def model_name(path: str) -> str:
+    """A checkpoint's public name: its directory's name, never the server's path to it."""
+    return Path(path).name if path else ""
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -91,6 +87,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
+        max_sessions_per_peer: int = 0,
         max_prompt_tokens: int = 0,
         restore: bounds.RestoreSources | None = None,
         auth_token: str | None = None,
@@ -112,10 +109,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.max_tokens_limit = max_tokens_limit
         self.default_max_tokens = default_max_tokens
         self.max_sessions = max_sessions
+        self.max_sessions_per_peer = max_sessions_per_peer
         self.ready = False
         self.aborting = False
+        self.verifier_down = False  # its health checks fail (the health watch): refuse at once, not after a timeout
         self._lock = threading.Lock()
         self.active = 0
+        self.by_peer: dict[str, int] = {}  # generations in flight per caller (auth.peer_of)
         self.total = 0
         self.started = time.monotonic()
         self.metrics = ServerMetrics("orchestrator")
@@ -170,18 +170,20 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def Generate(self, request, context) -> Iterator[pb.GenerateResponse]:
         if not self.ready:
             context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)")
+        if self.verifier_down:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "verifier unavailable (its health checks fail); retry later")
         try:
             req = self.parse(request)
         except RequestError as exc:
             context.abort(exc.code, exc.message)
         logs.bind(request_id=req.request_id)  # the interceptor resets it when the RPC ends
+        peer = peer_of(context)
         with self._lock:
-            if self.max_sessions and self.active >= self.max_sessions:
-                context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"orchestrator: {self.active} of {self.max_sessions} generations in flight (--max-sessions)",
-                )
+            problem = self._admission_problem(peer)
+            if problem:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"orchestrator: {problem}")
             self.active += 1
+            self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
             self.total += 1
         try:
             yield from self._generate(req, context)
@@ -190,6 +192,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         finally:
             with self._lock:
                 self.active -= 1
+                self.by_peer[peer] -= 1
+                if not self.by_peer[peer]:
+                    del self.by_peer[peer]
+
+    def _admission_problem(self, peer: str) -> str | None:
+        """Why one more generation of ``peer`` is refused (under the lock), or None."""
+        if self.max_sessions and self.active >= self.max_sessions:
+            return f"{self.active} of {self.max_sessions} generations in flight (--max-sessions)"
+        held = self.by_peer.get(peer, 0)
+        if self.max_sessions_per_peer and held >= self.max_sessions_per_peer:
+            return f"{held} of {self.max_sessions_per_peer} generations in flight from this caller (--max-sessions-per-peer)"
+        return None
 
     def _generate(self, req: Request, context=None, observe: bool = True) -> Iterator[pb.GenerateResponse]:
         """Stream one generation; RequestError before the first chunk, Complete(error) after it, nothing once cancelled."""
@@ -197,7 +211,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             run = self.engine.start(req, RunOptions(_deadline(context), self.step, drafter_fallback=True))
         except Exception as exc:
-            raise RequestError(*_status_of(exc)) from None
+            raise RequestError(*public_status(exc, req.request_id)) from None
         if context is not None and not context.add_callback(run.cancel):
             run.cancel()  # the call ended while the sessions opened
         obs = self.metrics.generation(run.verifier_session, run.drafter_session, req) if observe else NO_OBSERVER
@@ -214,7 +228,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 elif self.aborting:
                     run.close()  # the server is going down: FINISH_REASON_ABORT
         except Exception as exc:  # the run failed (and closed its sessions)
-            code, msg = _status_of(exc)
+            code, msg = public_status(exc, req.request_id)
             if not chunks:
                 raise RequestError(code, msg) from None
             log.warning("request %s failed mid-generation: %s", req.request_id, msg)
@@ -222,14 +236,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         finally:
             run.close()  # also when the client went away while a chunk was on its way
             gen = run.result
+            fallback = fallback_reason(run.drafter_error, run.cancelled)
             if run.cancelled:
-                obs.finish("abort", fallback=gen.drafter_fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids))
+                obs.finish("abort", fallback=fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids))
         if run.cancelled:
             return
         tail = text.flush()
         if tail:
             yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=tail))
-        obs.finish(gen.finish_reason, fallback=gen.drafter_fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids))
+        obs.finish(gen.finish_reason, fallback=fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids))
         yield pb.GenerateResponse(complete=self._complete(req, gen, time.perf_counter() - t_start, error))
 
     def _complete(self, req: Request, gen, total_s: float, error: str):
@@ -247,6 +262,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             decode_s=gen.decode_s,
             total_s=total_s,
             block_size=req.block_size,
+            block_sizes=[b.drafted + 1 for b in gen.blocks[1:]],  # as Engine.report counts them
             cache_kind=_cache_kind(vstats.get("cache_policy", "")),
             cache_policy=vstats.get("cache_policy", ""),
             cache_bounded=bool(vstats.get("bounded", False)),
@@ -273,8 +289,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             policy = self.restore.to_wire(policy)
         return wire_contract.public_model_info(
             i,
-            target_model=e.target,
-            draft_model=e.draft,
+            target_model=model_name(e.target),
+            draft_model=model_name(e.draft),
             default_block_size=e.default_block_size,
             max_tokens_limit=self.max_tokens_limit,
             default_max_tokens=self.default_max_tokens,
@@ -313,7 +329,9 @@ def server_spec(servicer: GenerationServicer, tls=None) -> ServerSpec:
     def backends_ok() -> bool:
         """SERVING only while the verifier answers (a missing drafter only costs speed: AR fallback)."""
         e = servicer.engine
-        return e is None or e.verifier.healthy(timeout=1.0)
+        ok = e is None or e.verifier.healthy(timeout=1.0)
+        servicer.verifier_down = not ok
+        return ok
 
     def near_deadline() -> None:
         servicer.aborting = True  # in-flight generations end with FINISH_REASON_ABORT

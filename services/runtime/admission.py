@@ -1,17 +1,23 @@
 """Admission and lifetime of a server's sessions (verifier and drafter streams).
 
-- a session limit (``--max-sessions``) checked when a stream opens;
+- a session limit (``--max-sessions``) checked when a stream opens, and a
+  per-peer one (``--max-sessions-per-peer``): one caller cannot hold them all;
 - a K/V-byte budget (``--max-kv-bytes``): a session is admitted only if its
-  worst case (the cache policy's exact bytes at its ``max_positions``) fits
-  beside every admitted session's worst case;
-- beyond either, ``RESOURCE_EXHAUSTED`` naming the limit, or a bounded wait
+  bytes (the verifier: the cache policy's worst case at its ``max_positions``;
+  the drafter: its context cache as it grows) fit beside every admitted session's;
+- under pressure, idle sessions are reclaimed before anyone is refused: when a
+  limit would refuse a new session, the session that has waited longest on
+  its client (at least ``--reclaim-idle`` seconds) is ended (``ABORTED``,
+  saying why), oldest first, until the new one fits;
+- beyond that, ``RESOURCE_EXHAUSTED`` naming the limit, or a bounded wait
   (``--queue N --queue-timeout S``);
 - idle expiry (``--idle-timeout``): a session whose client sent nothing for
-  that long (while the server waited on it) is cancelled and freed.
+  that long (while the server waited on it) is ended (``DEADLINE_EXCEEDED``,
+  saying why) and freed.
 
-Every way a session ends -- finished, cancelled, errored, expired -- goes
-through the idempotent :meth:`SessionRegistry.close`, which frees its cache
-and its reservation.
+Every way a session ends -- finished, cancelled, errored, expired, reclaimed --
+goes through the idempotent :meth:`SessionRegistry.close`, which frees its
+cache and its reservation.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import grpc
+
 log = logging.getLogger("kakeya")
 
 
@@ -32,26 +40,43 @@ class SessionLimitError(Exception):
 
 DEFAULT_MAX_SESSIONS = 64  # each open stream holds a server thread: the pool is sized from this
 DEFAULT_IDLE_TIMEOUT_S = 60.0
+# A session's client silent this long may lose it to a new session when the server is full. Far above
+# what a live generation leaves a stream idle (one drafter or verifier step: milliseconds to a second).
+DEFAULT_RECLAIM_IDLE_S = 5.0
+RECLAIM_POLL_S = 0.25  # how often a queued session looks for one that has gone idle
 
 
 @dataclass
 class SessionEntry:
     id: str
+    peer: str = ""  # who opened it (``auth.peer_of``): the per-peer limit counts by this
     session: Any = None
     cache_bytes: int = 0
     kv_bytes: dict = field(default_factory=dict)  # by kind (verifier: sliding, full), for the metrics
-    reserved_bytes: int = 0  # worst-case K/V bytes this session was admitted with
+    reserved_bytes: int = 0  # K/V bytes this session was admitted with (the budget counts these)
     closed: bool = False
     opened_at: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)
     waiting: bool = False  # blocked on the client's next message (idle time counts only then)
-    cancel: Callable[[], None] | None = None  # ends the stream (the idle watcher's tool)
-    idle_expired: bool = False
+    end: Callable[[grpc.StatusCode, str], None] | None = None  # ends the stream with a status (expiry, reclaim)
+
+    def idle_s(self, now: float) -> float:
+        """How long the session has waited on its client (0 while it works)."""
+        return now - self.last_active if self.waiting else 0.0
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """Why a session does not fit, and whose idle sessions could make room (None: anyone's)."""
+
+    problem: str
+    peer: str | None = None
 
 
 class SessionRegistry:
-    """Live sessions of one server: admission (count and K/V-byte limits, optional wait queue),
-    idle expiry, and the bytes they hold. ``close`` is idempotent and safe from any thread.
+    """Live sessions of one server: admission (count, per-peer and K/V-byte limits, idle reclaim,
+    optional wait queue), idle expiry, and the bytes they hold. ``close`` is idempotent and safe
+    from any thread.
     """
 
     def __init__(
@@ -61,91 +86,165 @@ class SessionRegistry:
         queue: int = 0,
         queue_timeout_s: float = 0.0,
         idle_timeout_s: float = 0.0,
+        *,
+        max_per_peer: int = 0,
+        reclaim_idle_s: float = 0.0,
     ):
         self.max_sessions = max(0, int(max_sessions))
         self.max_kv_bytes = max(0, int(max_kv_bytes))
         self.queue = max(0, int(queue))
         self.queue_timeout_s = max(0.0, float(queue_timeout_s))
         self.idle_timeout_s = max(0.0, float(idle_timeout_s))
+        self.max_per_peer = max(0, int(max_per_peer))
+        self.reclaim_idle_s = max(0.0, float(reclaim_idle_s))
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)
         self._live: dict[str, SessionEntry] = {}
         self._waiting = 0
         self.total = 0
         self.expired = 0
+        self.reclaimed = 0
         if self.idle_timeout_s:
             threading.Thread(target=self._idle_watch, name="session-idle-watch", daemon=True).start()
 
-    def _admit(self, fits: Callable[[], str | None]) -> None:
-        """Wait (under the lock) until ``fits()`` names no limit, within the queue's bounds."""
-        problem = fits()
-        if problem is None:
+    def _admit(self, fits: Callable[[], _Refusal | None], reclaimed: list, wait: bool = True) -> None:
+        """Wait (under the lock) until ``fits()`` refuses nothing, within the queue's bounds (``wait``).
+
+        Idle sessions are reclaimed first: each goes, detached, into ``reclaimed`` as
+        ``(entry, why)`` for :meth:`_finish` (the caller's, once the lock is released).
+        """
+        refusal = self._fit_reclaiming(fits, reclaimed)
+        if refusal is None:
             return
-        if not self.queue or self._waiting >= self.queue:
-            extra = f"; wait queue full ({self._waiting} of {self.queue}, --queue)" if self.queue else ""
-            raise SessionLimitError(problem + extra)
+        if not wait or not self.queue or self._waiting >= self.queue:
+            extra = f"; wait queue full ({self._waiting} of {self.queue}, --queue)" if wait and self.queue else ""
+            raise SessionLimitError(refusal.problem + extra)
         self._waiting += 1
         try:
             deadline = time.monotonic() + self.queue_timeout_s
-            while problem is not None:
+            while refusal is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise SessionLimitError(f"{problem}; waited {self.queue_timeout_s:g} s in the queue (--queue-timeout)")
-                self._freed.wait(left)
-                problem = fits()
+                    raise SessionLimitError(f"{refusal.problem}; waited {self.queue_timeout_s:g} s in the queue (--queue-timeout)")
+                if reclaimed:  # end them now, not after the wait (their streams must not hang meanwhile)
+                    self._lock.release()
+                    try:
+                        self._finish(reclaimed)
+                    finally:
+                        self._lock.acquire()
+                # freed room wakes us; a session that goes idle meanwhile does not, so look again now and then
+                self._freed.wait(min(left, RECLAIM_POLL_S) if self.reclaim_idle_s else left)
+                refusal = self._fit_reclaiming(fits, reclaimed)
         finally:
             self._waiting -= 1
 
-    def open(self) -> SessionEntry:
-        def fits():
+    def _fit_reclaiming(self, fits, reclaimed: list) -> _Refusal | None:
+        """``fits()``, reclaiming the longest-idle session it may take while that names a limit."""
+        while (refusal := fits()) is not None:
+            victim = self._longest_idle(refusal.peer)
+            if victim is None:
+                return refusal
+            why = (f"session reclaimed after {victim.idle_s(time.monotonic()):.0f} s without a message from its client:"
+                   f" a new session needed its room ({refusal.problem.partition(':')[0]}; --reclaim-idle {self.reclaim_idle_s:g})")
+            self.reclaimed += 1
+            reclaimed.append((self._detach(victim), why))
+        return None
+
+    def _longest_idle(self, peer: str | None) -> SessionEntry | None:
+        """The session (of ``peer``, or anyone's) waiting longest on its client, if past --reclaim-idle."""
+        if not self.reclaim_idle_s:
+            return None
+        now = time.monotonic()
+        idle = [e for e in self._live.values() if (peer is None or e.peer == peer) and e.idle_s(now) >= self.reclaim_idle_s]
+        return max(idle, key=lambda e: e.idle_s(now), default=None)
+
+    def _finish(self, reclaimed: list) -> None:
+        """End the reclaimed sessions' streams, saying why, and free them (never under the lock)."""
+        while reclaimed:
+            entry, why = reclaimed.pop()
+            log.warning("session %s of %s: %s", entry.id, entry.peer or "?", why)
+            self._end(entry, grpc.StatusCode.ABORTED, why)
+
+    def open(self, peer: str = "") -> SessionEntry:
+        """A new session of ``peer`` (``auth.peer_of``), or SessionLimitError naming the limit."""
+
+        def fits() -> _Refusal | None:
+            if self.max_per_peer:
+                held = sum(1 for e in self._live.values() if e.peer == peer)
+                if held >= self.max_per_peer:
+                    return _Refusal(f"per-peer session limit reached: {held} of {self.max_per_peer} sessions live"
+                                    " from this caller (--max-sessions-per-peer)", peer)  # fmt: skip
             if self.max_sessions and len(self._live) >= self.max_sessions:
-                return f"session limit reached: {len(self._live)} of {self.max_sessions} sessions live (--max-sessions)"
+                return _Refusal(f"session limit reached: {len(self._live)} of {self.max_sessions} sessions live (--max-sessions)")
             return None
 
-        with self._lock:
-            self._admit(fits)
-            entry = SessionEntry(uuid.uuid4().hex[:12])
-            self._live[entry.id] = entry
-            self.total += 1
-            return entry
+        reclaimed: list = []
+        try:
+            with self._lock:
+                self._admit(fits, reclaimed)
+                entry = SessionEntry(uuid.uuid4().hex[:12], peer)
+                self._live[entry.id] = entry
+                self.total += 1
+        finally:
+            self._finish(reclaimed)
+        return entry
 
-    def reserve(self, entry: SessionEntry, nbytes: int) -> None:
-        """Admit ``entry`` for a worst case of ``nbytes`` K/V bytes (the ``--max-kv-bytes`` budget)."""
+    def reserve(self, entry: SessionEntry, nbytes: int, wait: bool = True) -> None:
+        """Admit ``entry`` for ``nbytes`` K/V bytes (the ``--max-kv-bytes`` budget); its reservation
+        becomes ``nbytes``. A session that grows (the drafter's context) asks again with ``wait``
+        False: one that already holds memory must never wait for others that might wait for it."""
 
-        def fits():
+        def fits() -> _Refusal | None:
             if not self.max_kv_bytes:
                 return None
             if nbytes > self.max_kv_bytes:
-                return (f"K/V budget: this session may need {nbytes} bytes, more than the whole budget"
-                        f" {self.max_kv_bytes} (--max-kv-bytes); ask for fewer positions or a bounded cache policy")
-            held = self._reserved()
+                return _Refusal(f"K/V budget: this session may need {nbytes} bytes, more than the whole budget"
+                                f" {self.max_kv_bytes} (--max-kv-bytes); ask for fewer positions or a bounded cache policy")
+            held = self._reserved() - entry.reserved_bytes
             if held + nbytes > self.max_kv_bytes:
-                return (f"K/V budget exhausted: {held} of {self.max_kv_bytes} bytes reserved, this session needs"
-                        f" {nbytes} (--max-kv-bytes)")
+                return _Refusal(f"K/V budget exhausted: {held} of {self.max_kv_bytes} bytes reserved, this session needs"
+                                f" {nbytes} (--max-kv-bytes)")
             return None
 
-        with self._lock:
-            if entry.closed:
-                return
-            self._admit(fits)
-            entry.reserved_bytes = int(nbytes)
+        reclaimed: list = []
+        try:
+            with self._lock:
+                if entry.closed:
+                    return
+                self._admit(fits, reclaimed, wait)
+                entry.reserved_bytes = int(nbytes)
+        finally:
+            self._finish(reclaimed)
 
     def _reserved(self) -> int:
         return sum(e.reserved_bytes for e in self._live.values())
 
-    def close(self, entry: SessionEntry) -> None:
+    def _detach(self, entry: SessionEntry) -> SessionEntry:
+        """Drop ``entry`` from the live sessions (under the lock); :meth:`_end` then frees its session."""
+        entry.closed = True
+        self._live.pop(entry.id, None)
+        entry.cache_bytes, entry.kv_bytes, entry.reserved_bytes = 0, {}, 0
+        self._freed.notify_all()
+        return entry
+
+    def _end(self, entry: SessionEntry, code: grpc.StatusCode | None = None, why: str = "") -> None:
+        """End a detached entry's stream (with ``code`` and ``why``, if given) and free its session."""
+        if code is not None and entry.end is not None:
+            entry.end(code, why)
         with self._lock:
-            if entry.closed:
-                return
-            entry.closed = True
-            self._live.pop(entry.id, None)
-            session, entry.session, entry.cache_bytes, entry.kv_bytes, entry.reserved_bytes = entry.session, None, 0, {}, 0
-            self._freed.notify_all()
+            session, entry.session = entry.session, None
         if session is not None:
             try:
                 session.close()  # drops the cache arrays; safe while a step still holds its own references
             except Exception:  # pragma: no cover - closing must never fail a stream
                 log.exception("closing session %s", entry.id)
+
+    def close(self, entry: SessionEntry) -> None:
+        """End ``entry`` (any thread, any number of times); a session attached after it ended is freed too."""
+        with self._lock:
+            if not entry.closed:
+                self._detach(entry)
+        self._end(entry)
 
     def _idle_watch(self) -> None:
         period = min(1.0, self.idle_timeout_s / 4)
@@ -153,14 +252,12 @@ class SessionRegistry:
             time.sleep(period)
             now = time.monotonic()
             with self._lock:
-                idle = [e for e in self._live.values() if e.waiting and now - e.last_active > self.idle_timeout_s]
+                idle = [self._detach(e) for e in list(self._live.values()) if e.idle_s(now) > self.idle_timeout_s]
+                self.expired += len(idle)
             for e in idle:
-                log.warning("session %s idle for %.0f s (--idle-timeout): closing it", e.id, now - e.last_active)
-                e.idle_expired = True
-                self.expired += 1
-                if e.cancel is not None:
-                    e.cancel()
-                self.close(e)
+                why = f"session closed after {e.idle_s(now):.0f} s without a message from its client (--idle-timeout {self.idle_timeout_s:g})"
+                log.warning("session %s of %s: %s", e.id, e.peer or "?", why)
+                self._end(e, grpc.StatusCode.DEADLINE_EXCEEDED, why)
 
     @property
     def live(self) -> int:

@@ -41,12 +41,14 @@ def check_request_id(value: str, field: str = "request_id") -> str:
     return value
 
 
-def check_window(policy: CachePolicy, max_window: int, field: str = "cache_policy") -> None:
-    """``policy``'s sink and window fit ``max_window`` (a ring of that size is what a session allocates)."""
+def check_window(policy: CachePolicy, max_window: int, field: str = "cache_policy", limit: str = "") -> None:
+    """``policy``'s sink and window fit ``max_window`` (a ring of that size is what a session allocates);
+    ``limit`` says what ``max_window`` is, for the message (default: this server's limit)."""
+    what = limit or f"this server's limit {max_window}"
     if policy.window is not None and policy.window > max_window:
-        raise ValueError(f"{field}.window {policy.window} exceeds this server's limit {max_window}")
+        raise ValueError(f"{field}.window {policy.window} exceeds {what}")
     if policy.sink > max_window:
-        raise ValueError(f"{field}.sink {policy.sink} exceeds this server's limit {max_window}")
+        raise ValueError(f"{field}.sink {policy.sink} exceeds {what}")
 
 
 @dataclass(frozen=True)

@@ -10,31 +10,19 @@ there (``session_stream`` turns it into the status).
 
 With a bearer token configured (``--auth-token-file``), every method of the
 service requires ``authorization: Bearer <token>`` metadata, else
-``UNAUTHENTICATED``. Health checking and reflection are registered elsewhere
-and stay open, so probes need no secret.
+``UNAUTHENTICATED`` (``runtime/auth.py``), checked before the request is
+decoded. Health checking and reflection are registered elsewhere and stay
+open, so probes need no secret.
 """
 
 from __future__ import annotations
-
-import hmac
-from pathlib import Path
 
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 
+from kakeya.runtime.auth import authorized
 from kakeya.runtime.lifecycle import RequestError
-
-
-def read_token(path: str | Path) -> str:
-    """The bearer token in ``path`` (surrounding whitespace stripped); ValueError if unusable."""
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"--auth-token-file {path}: {exc.strerror or exc}") from None
-    if len(token) < 16 or any(c.isspace() or not c.isprintable() for c in token):
-        raise ValueError(f"--auth-token-file {path}: the token must be 16+ printable characters without whitespace")
-    return token
 
 
 def _decode(cls, raw: bytes, what: str):
@@ -58,13 +46,6 @@ class _Requests:
         return _decode(self._cls, next(self._it), self._what)
 
 
-def _authorized(context, token: str | None) -> bool:
-    if token is None:
-        return True
-    got = dict(context.invocation_metadata()).get("authorization", "")
-    return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
-
-
 def _unauthenticated(context, service: str):
     context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{service}: missing or wrong bearer token (authorization metadata)")
 
@@ -77,7 +58,7 @@ def _handler(method, impl, service: str, token: str | None):
     if method.client_streaming:
 
         def stream(raw_iterator, context):
-            if not _authorized(context, token):
+            if not authorized(context, token):
                 _unauthenticated(context, service)
             return impl(_Requests(raw_iterator, cls, what), context)
 
@@ -86,7 +67,7 @@ def _handler(method, impl, service: str, token: str | None):
 
     def admitted(raw, context):
         """The parsed request, or the call aborted (UNAUTHENTICATED / INVALID_ARGUMENT)."""
-        if not _authorized(context, token):
+        if not authorized(context, token):
             _unauthenticated(context, service)
         try:
             return _decode(cls, raw, what)

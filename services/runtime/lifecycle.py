@@ -4,9 +4,10 @@
   runs on ONE thread; like steps of concurrent sessions that queue up meanwhile
   run as one batch. gRPC handler threads only translate messages and wait.
 - :class:`SessionRegistry` (``services/runtime/admission.py``): live sessions, their
-  cache bytes, admission (session and K/V-byte limits, a bounded wait queue)
-  and idle expiry.
-- :class:`RequestError`: raised by servicer code to end an RPC with a status.
+  cache bytes, admission (session, per-peer and K/V-byte limits, idle reclaim, a
+  bounded wait queue) and idle expiry.
+- :class:`RequestError`: raised by servicer code to end an RPC with a status
+  (its message bounded: :func:`bounded`).
 - :func:`run_server`: the process lifecycle -- bind, health ``NOT_SERVING``,
   load + warm up, health ``SERVING`` (and the ready file), wait for
   SIGTERM/SIGINT or the parent's death, drain in-flight RPCs within a grace
@@ -40,11 +41,13 @@ from kakeya.runtime import logs
 from kakeya.runtime.admission import (  # noqa: F401  (re-exported: the servers import them from here)
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_SESSIONS,
+    DEFAULT_RECLAIM_IDLE_S,
     SessionEntry,
     SessionLimitError,
     SessionRegistry,
     Watched,
 )
+from kakeya.runtime.auth import peer_of
 from kakeya.runtime.compute import ComputeThread  # noqa: F401  (re-exported: servers build theirs from here)
 from kakeya.runtime.metrics import RpcInterceptor
 from kakeya.wire import convert as wire_contract
@@ -74,13 +77,36 @@ def setup_logging(name: str, fmt: str = "text") -> None:
 # --------------------------------------------------------------------------- errors
 
 
+MAX_ERROR_CHARS = 1024  # a status message rides in a trailer: far below gRPC's 8 KiB metadata limit
+
+
+def bounded(message: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``message`` cut to ``limit`` characters: a message that echoes a client's input (a list of
+    10,000 ids) must not outgrow the trailer that carries it."""
+    return message if len(message) <= limit else message[: limit - 16] + " ... (truncated)"
+
+
 class RequestError(Exception):
-    """End the current RPC with ``code`` and ``message`` (the message names the field)."""
+    """End the current RPC with ``code`` and ``message`` (the message names the field; bounded)."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
+        message = bounded(message)
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def end_call(context, code: grpc.StatusCode, details: str) -> None:
+    """End ``context``'s RPC now with ``code`` and ``details``, from any thread (idle expiry, reclaim).
+
+    grpc-python ends a call with a status only from its handler's thread (``abort``);
+    from another thread its ``cancel`` reaches the client as a bare CANCELLED. The
+    call object underneath cancels with a status, which the client then receives.
+    """
+    try:
+        context._rpc_event.call.cancel(code.value[0], bounded(details))
+    except AttributeError:  # a grpc-python laid out otherwise: the call still ends, without the reason
+        context.cancel()
 
 
 def policy_from_request(p, default: CachePolicy, field: str = "cache_policy") -> CachePolicy:
@@ -136,10 +162,10 @@ def session_stream(name: str, ready: bool, registry: "SessionRegistry", serve, r
     if not ready:
         context.abort(grpc.StatusCode.UNAVAILABLE, f"{name} is loading its model")
     try:
-        entry = registry.open()
+        entry = registry.open(peer_of(context))
     except SessionLimitError as exc:
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {exc}")
-    entry.cancel = context.cancel
+    entry.end = lambda code, why: end_call(context, code, f"{name}: {why}")
     context.add_callback(lambda: registry.close(entry))
     slog = logging.getLogger(f"kakeya.{name}")
     token = logs.bind(session_id=entry.id)
@@ -157,7 +183,7 @@ def session_stream(name: str, ready: bool, registry: "SessionRegistry", serve, r
         if entry.closed:  # the stream ended (cancel, deadline) while a step ran: nobody to answer
             return
         slog.exception("session %s failed", entry.id)
-        context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(exc).__name__}: {exc}")
+        context.abort(grpc.StatusCode.INTERNAL, bounded(f"{name}: {type(exc).__name__}: {exc}"))
     finally:
         registry.close(entry)
         slog.info("session closed after %.3f s", time.monotonic() - t_open)
@@ -249,10 +275,30 @@ def _health_watch(spec: ServerSpec, health_servicer, names: list[str], stop: thr
             serving = ok
 
 
+def _serve_health(health_servicer, host: str, port: int) -> tuple[grpc.Server | None, int]:
+    """A plaintext server answering only ``grpc.health.v1`` with ``health_servicer``'s statuses.
+
+    Kubernetes' native gRPC probes speak no TLS: with mutual TLS on the main port they probe this
+    one. Health carries no data and opens no session, so it needs no credentials.
+    """
+    server = grpc.server(ThreadPoolExecutor(max_workers=2), maximum_concurrent_rpcs=8)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        return None, 0
+    server.start()
+    return server, bound
+
+
 def run_server(
-    spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, ready_file: str | None = None, metrics_port: int | None = None
+    spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, ready_file: str | None = None, metrics_port: int | None = None,
+    health_port: int | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT; return the process exit status. ``metrics_port``: /metrics (0: any port)."""
+    """Serve until SIGTERM/SIGINT; return the process exit status. ``metrics_port``: /metrics (0: any port);
+    ``health_port``: gRPC health alone, also in plaintext (0: any port), for probes that cannot speak TLS."""
     if ready_file:
         Path(ready_file).unlink(missing_ok=True)  # a stale file must not announce us before we are ready
     stop = threading.Event()
@@ -316,6 +362,13 @@ def run_server(
             return 2
         ready_extra["metrics_port"] = httpd.server_port
         log.info("%s metrics on http://%s:%d/metrics", spec.name, host, httpd.server_port)
+    health_server = None
+    if health_port is not None:
+        health_server, ready_extra["health_port"] = _serve_health(health_servicer, host, health_port)
+        if health_server is None:
+            print(f"kakeya: error: {spec.name}: cannot serve health on {host}:{health_port}", file=sys.stderr)
+            server.stop(0)
+            return 2
     server.start()
     log.info("%s listening on %s (NOT_SERVING until loaded and warmed up)", spec.name, addr)
 
@@ -342,6 +395,8 @@ def run_server(
         log.debug("%s", outcome["tb"])
         print(f"kakeya: error: {spec.name}: {exc}", file=sys.stderr)
         server.stop(0)
+        if health_server is not None:  # a probe must not see this process alive
+            health_server.stop(0)
         return 2
     if loaded.is_set() and not stop.is_set():
         spec.set_ready(True)
@@ -371,5 +426,7 @@ def run_server(
         Path(ready_file).unlink(missing_ok=True)
     if httpd is not None:
         httpd.shutdown()
+    if health_server is not None:
+        health_server.stop(0)
     log.info("%s stopped after %.2f s of draining", spec.name, time.monotonic() - t_stop)
     return 0

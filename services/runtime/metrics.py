@@ -94,7 +94,10 @@ class ServerMetrics:
             "kakeya_block_latency_seconds", "one decode block's time by phase (wire: split deployments only)",
             ["phase"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        self.ar_fallbacks = Counter("kakeya_ar_fallbacks", "generations the verifier finished alone (drafter failed or backing off)", registry=r)
+        self.ar_fallbacks = Counter(
+            "kakeya_ar_fallbacks", "generations the verifier finished alone, by reason (drafter_failed, drafter_backoff,"
+            " drafter_busy); a client's cancel or deadline is never one", ["reason"], registry=r,
+        )  # fmt: skip
 
     # -- wiring ---------------------------------------------------------------------------
 
@@ -169,7 +172,8 @@ class GenerationObserver:
             for pos in range(b.accepted):
                 m.accepted_per_pos.labels(str(pos)).inc()
 
-    def finish(self, reason: str, *, fallback: bool = False, prompt_tokens: int = 0, tokens: int = 0) -> None:
+    def finish(self, reason: str, *, fallback: str | None = None, prompt_tokens: int = 0, tokens: int = 0) -> None:
+        """The generation ended (``reason``: its finish reason); ``fallback``: why it lost its drafter, if it did."""
         if self.finished:
             return
         self.finished = True
@@ -178,10 +182,10 @@ class GenerationObserver:
         m.e2e.observe(time.perf_counter() - self.t0)
         m.prompt_tokens.inc(prompt_tokens)
         m.generation_tokens.inc(tokens)
+        log.info("finished: %s, %d tokens, %d drafts, %d accepted", reason, tokens, self.drafts, self.accepted)
         if fallback:
-            m.ar_fallbacks.inc()
-        log.info("finished: %s, %d tokens, %d drafts, %d accepted%s", reason, tokens, self.drafts, self.accepted,
-                 ", AR fallback (drafter failed)" if fallback else "")  # fmt: skip
+            m.ar_fallbacks.labels(fallback).inc()
+            log.warning("the verifier finished alone: AR fallback (%s)", fallback)
 
 
 class _NoObserver:

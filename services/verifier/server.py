@@ -29,6 +29,7 @@ from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_SESSIONS,
+    DEFAULT_RECLAIM_IDLE_S,
     ComputeThread,
     ServerSpec,
     SessionRegistry,
@@ -77,6 +78,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         queue: int = 0,
         queue_timeout_s: float = 0.0,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_per_peer: int = 0,
+        reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S,
         max_context: int = 0,
         restore: bounds.RestoreSources | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
@@ -84,7 +87,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         # concurrent sessions' Verify steps that queue up meanwhile run as one batched forward
         # (batch.verify_batch); a prefill runs one chunk per job, so verifies run between chunks
         self.compute = ComputeThread("verifier", max_batch)
-        self.registry = SessionRegistry(max_sessions, max_kv_bytes, queue, queue_timeout_s, idle_timeout_s)
+        self.registry = SessionRegistry(
+            max_sessions, max_kv_bytes, queue, queue_timeout_s, idle_timeout_s, max_per_peer=max_per_peer,
+            reclaim_idle_s=reclaim_idle_s,
+        )
         self.metrics = ServerMetrics("verifier")
         self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
         self.metrics.track_batches(self.compute)
@@ -249,9 +255,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                     raise invalid("open.target_layer_ids: this verifier has no default aux layers: send them")
                 bad = [i for i in layers if not 0 <= i < n_layers]
                 if bad or len(set(layers)) != len(layers):
-                    raise invalid(
-                        f"open.target_layer_ids: {layers} must be distinct layers in [0, {n_layers})"
-                    )
+                    shown = f"{layers}" if len(layers) <= 8 else f"{layers[:8]} ... ({len(layers)} ids)"
+                    raise invalid(f"open.target_layer_ids: {shown} must be distinct layers in [0, {n_layers})")
                 try:
                     sampling = wire_contract.sampling_from_proto(req.open.sampling, "open.sampling")
                 except ValueError as exc:
@@ -326,7 +331,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             proposal = wire_contract.proposal_from_proto(verify.proposal, len(ids) - 1, vocab, "verify.proposal")
             check_proposal(ids[1:], proposal)
         except ValueError as exc:
-            raise invalid(str(exc).replace("proposal:", "verify.proposal:", 1)) from None
+            msg = str(exc)  # check_proposal names "proposal...": the field is verify.proposal here
+            raise invalid(f"verify.{msg}" if msg.startswith("proposal") else msg) from None
         return proposal
 
     # -- compute-thread steps --------------------------------------------------------------
@@ -373,9 +379,11 @@ def server_spec(
     *,
     limits: dict | None = None,
     tls=None,
+    token: str | None = None,
     **kwargs,
 ) -> ServerSpec:
-    """``limits``: VerifierServicer's keyword arguments (max_kv_bytes, queue, idle_timeout_s, ...)."""
+    """``limits``: VerifierServicer's keyword arguments (max_kv_bytes, queue, idle_timeout_s, ...);
+    ``token``: the bearer token callers must present (None: none)."""
     limits = dict(limits or {})
     servicer = VerifierServicer(max_sessions, **limits)
 
@@ -385,7 +393,7 @@ def server_spec(
     return ServerSpec(
         name="verifier",
         service_names=[SERVICE_NAME],
-        add_to_server=lambda server: add_servicer(server, servicer, pb.DESCRIPTOR.services_by_name["VerifierService"]),
+        add_to_server=lambda server: add_servicer(server, servicer, pb.DESCRIPTOR.services_by_name["VerifierService"], token),
         load=lambda: servicer.load(target_dir, aux_layers, backend, **kwargs),
         set_ready=set_ready,
         max_workers=workers_for(max_sessions, limits.get("queue", 0)),

@@ -15,6 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Generator, Sequence
 
+import numpy as np
+
 from kakeya.checkpoints.config import load_target_config
 from kakeya.core import sampling as lossless
 from kakeya.core.contract import (
@@ -32,16 +34,30 @@ from kakeya.verifier.layout import RestoreView, RingLayout, restore_mask
 PREFILL_CHUNK = 512  # bounds prefill attention memory, like mlx-lm's prefill_step_size
 
 
+PROPOSAL_SUM_TOLERANCE = 1e-3  # a proposal row's probabilities sum to 1 within this (float32 rounding: ~1e-6)
+
+
 def check_proposal(candidates: Sequence[int], proposal: Proposal | None) -> None:
-    """The acceptance test is exact only against the distribution each candidate was drawn from."""
+    """The acceptance test is exact only against the distribution each candidate was drawn from, so a
+    proposal must be one: per row, distinct ids and finite probabilities >= 0 summing to 1."""
     if not candidates:
         return
     if proposal is None:
         raise ValueError("proposal: a sampling session needs the drafter's proposal for its candidates")
     if len(proposal) != len(candidates):
         raise ValueError(f"proposal: {len(proposal)} rows for {len(candidates)} candidates")
+    ids, probs = proposal.ids, proposal.probs
+    if not np.isfinite(probs).all() or (probs < 0).any():
+        raise ValueError("proposal.probs: probabilities must be finite and >= 0")
+    sums = probs.sum(-1, dtype=np.float64)
+    if (np.abs(sums - 1.0) > PROPOSAL_SUM_TOLERANCE).any():
+        row = int(np.argmax(np.abs(sums - 1.0)))
+        raise ValueError(f"proposal.probs: row {row} sums to {sums[row]:.6g}; each row must sum to 1 (within {PROPOSAL_SUM_TOLERANCE:g})")
+    ordered = np.sort(ids, axis=-1)
+    if (ordered[:, 1:] == ordered[:, :-1]).any():
+        raise ValueError("proposal.ids: an id repeats within a row; each row lists distinct tokens")
     for i, c in enumerate(candidates):
-        if not (proposal.ids[i] == c).any():
+        if not (ids[i] == c).any():
             raise ValueError(f"proposal: candidate {i + 1} ({c}) is outside its proposal's support")
 
 

@@ -13,7 +13,12 @@ from .manifests import OVERLAYS, ROLES, argv, config_env, container, deployment,
 from .test_dockerfile import STAGES, TARGETS, inherited
 
 K8S_VERSION = "1.30.0"  # the oldest version we promise (native gRPC probes GA in 1.27, preStop sleep in 1.30)
-CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}  # no schema in kubernetes-validate: checked below
+CRDS = {  # no schema in kubernetes-validate: checked below
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("cert-manager.io/v1", "Certificate"),
+    ("cert-manager.io/v1", "Issuer"),
+}
+TOKEN_FILE = "/etc/kakeya/internal/token"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -44,14 +49,20 @@ def test_container_args_parse_with_the_real_cli(overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes_are_native_grpc_on_the_served_port(overlay):
+    """On the served port, or where it speaks TLS (which the kubelet's gRPC probes cannot) on --health-port."""
     docs = render(overlay)
     for role in ROLES:
         c = container(docs, role)
-        port = int(flag(argv(docs, role), "--port"))
-        assert {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"] == port
+        args = argv(docs, role)
+        port = int(flag(args, "--port"))
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["grpc"] == port
+        assert flag(args, "--health-port") or not flag(args, "--tls-cert"), f"{role} serves TLS: probes need a --health-port"
+        probed = int(flag(args, "--health-port") or port)
+        assert ports["health" if probed != port else "grpc"] == probed
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert set(c[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, f"{role} {probe}"
-            assert c[probe]["grpc"]["port"] == port and c[probe]["grpc"].get("service", "") == ""
+            assert c[probe]["grpc"]["port"] == probed and c[probe]["grpc"].get("service", "") == ""
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -177,6 +188,92 @@ def test_service_monitor_scrapes_a_named_metrics_port():
         assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "tlsConfig"}
         for s in selected:
             assert ep["port"] in {p["name"] for p in s["spec"]["ports"]}
-    for role in ROLES:
-        assert "metrics" in {p["name"] for p in container(docs, role)["ports"]}
+    for overlay in OVERLAYS:
+        for role in ROLES:
+            ports = {p["name"]: p["containerPort"] for p in container(render(overlay), role)["ports"]}
+            assert int(flag(argv(render(overlay), role), "--metrics-port")) == ports["metrics"], f"{overlay} {role} serves /metrics"
     assert not of_kind(render("cpu-dev"), "ServiceMonitor"), "cpu-dev must apply on clusters without the Prometheus Operator"
+
+
+# --------------------------------------------------------------------------- who may call whom
+
+
+def _mounted_secret(docs, role: str, path: str) -> dict:
+    """The Secret volume a role's container mounts over ``path``'s directory."""
+    pod = deployment(docs, role)["spec"]["template"]["spec"]
+    (mount,) = [m for m in container(docs, role)["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return vol["secret"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_model_servers_admit_only_their_orchestrators(overlay):
+    """Verifier and drafter listen on 0.0.0.0, so they must authenticate callers (they refuse to start
+    otherwise): the token the orchestrators send, from a Secret no pod starts without."""
+    from kakeya.runtime.auth import check_exposure
+
+    docs = render(overlay)
+    orch = build_parser().parse_args(argv(docs, "orchestrator")[1:])
+    assert orch.backend_token_file == TOKEN_FILE
+    assert _mounted_secret(docs, "orchestrator", TOKEN_FILE)["secretName"] == "kakeya-internal-token"
+    for role in ("verifier", "drafter"):
+        args = build_parser().parse_args(argv(docs, role)[1:])
+        assert not args.insecure
+        assert check_exposure(role, args.host, mutual_tls=bool(args.tls_client_ca), token=bool(args.auth_token_file), insecure=False) is None
+        assert args.auth_token_file == TOKEN_FILE
+        secret = _mounted_secret(docs, role, TOKEN_FILE)
+        assert secret["secretName"] == "kakeya-internal-token" and not secret.get("optional", False)
+        assert secret["defaultMode"] & 0o007 == 0, "the token is not world-readable"
+
+
+def test_cuda_overlay_is_mutual_tls_with_a_cert_manager_ca():
+    docs = render("cuda")
+    certs = of_kind(docs, "Certificate")
+    issuers = of_kind(docs, "Issuer")
+    orch = build_parser().parse_args(argv(docs, "orchestrator")[1:])
+    assert orch.tls_ca and orch.tls_client_cert and orch.tls_client_key
+    client_secret = _mounted_secret(docs, "orchestrator", orch.tls_client_cert)["secretName"]
+    (client_cert,) = [c for c in certs.values() if c["spec"]["secretName"] == client_secret]
+    assert client_cert["spec"]["usages"] == ["client auth"]
+    for role in ("verifier", "drafter"):
+        args = build_parser().parse_args(argv(docs, role)[1:])
+        assert args.tls_cert and args.tls_key and args.tls_client_ca, f"{role}: mutual TLS"
+        secret = _mounted_secret(docs, role, args.tls_cert)["secretName"]
+        (cert,) = [c for c in certs.values() if c["spec"]["secretName"] == secret]
+        host = flag(argv(docs, "orchestrator"), f"--{role}").removeprefix("dns:///").rsplit(":", 1)[0]
+        assert host in cert["spec"]["dnsNames"], f"the orchestrator dials {host}: the {role}'s certificate must name it"
+        assert cert["spec"]["issuerRef"] == client_cert["spec"]["issuerRef"], "one CA signs both ends"
+    ca_issuer = issuers[client_cert["spec"]["issuerRef"]["name"]]
+    assert certs[ca_issuer["spec"]["ca"]["secretName"]]["spec"]["isCA"] is True
+    assert not of_kind(render("cpu-dev"), "Certificate"), "cpu-dev must apply on clusters without cert-manager"
+
+
+def _admits(policy: dict, port: str, labels: dict) -> bool:
+    """Whether a NetworkPolicy lets a pod with ``labels`` (in any namespace) in on the named ``port``."""
+    for rule in policy["spec"]["ingress"]:
+        if port not in [p["port"] for p in rule.get("ports", [])]:
+            continue
+        if "from" not in rule:
+            return True
+        if any(f["podSelector"]["matchLabels"].items() <= labels.items() for f in rule["from"]):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_let_only_orchestrators_in_to_the_model_servers(overlay):
+    docs = render(overlay)
+    policies = of_kind(docs, "NetworkPolicy")
+    orchestrator = deployment(docs, "orchestrator")["spec"]["template"]["metadata"]["labels"]
+    prometheus = {"app.kubernetes.io/name": "prometheus"}
+    stranger = {"app.kubernetes.io/name": "kakeya", "app.kubernetes.io/component": "job"}
+    for role in ROLES:
+        (policy,) = [p for p in policies.values()
+                     if p["spec"]["podSelector"]["matchLabels"] == deployment(docs, role)["spec"]["selector"]["matchLabels"]]  # fmt: skip
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert _admits(policy, "metrics", prometheus) and not _admits(policy, "metrics", orchestrator)
+        if role == "orchestrator":
+            assert _admits(policy, "grpc", stranger), "the public API is for everyone"
+        else:
+            assert _admits(policy, "grpc", orchestrator) and not _admits(policy, "grpc", stranger)
+            assert not _admits(policy, "grpc", prometheus)

@@ -17,7 +17,7 @@ import pytest
 from kakeya.checkpoints.tiny import embedded_pair
 from kakeya.orchestrator.assembly import build_local_engine, split_engine
 from kakeya.orchestrator.engine import Request
-from tests.services.conftest import Server, generate, request, verifier_info
+from tests.services.conftest import Server, assert_unauthenticated, generate, request, verifier_info
 
 from .manifests import DOCKER, ROOT, argv, flag, render
 
@@ -25,11 +25,17 @@ PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "impo
 MAX_TOKENS = 12
 
 
-def local_argv(role: str, services: dict[str, str]) -> list[str]:
+TOKEN = "cluster-internal-token-0123456789"
+MOUNTED_TOKEN = "/etc/kakeya/internal/token"  # the kakeya-internal-token Secret's mount
+
+
+def local_argv(role: str, services: dict[str, str], token_file: str) -> list[str]:
     """A cpu-dev container's `kakeya serve ...` arguments for a loopback process.
 
     Kept: every flag as rendered. Changed: listen on loopback (Server adds `--port 0` and a ready
-    file: the last --port wins, as in argparse), and a Service name resolves to local addresses.
+    file: the last --port wins, as in argparse), a Service name resolves to local addresses,
+    the mounted Secret's token file is ``token_file``, and metrics take any free port (the pods'
+    9464 would collide on one host).
     """
     cmd = argv(render("cpu-dev"), role)
     assert cmd[:2] == ["kakeya", "serve"]
@@ -39,16 +45,20 @@ def local_argv(role: str, services: dict[str, str]) -> list[str]:
             a = "--host=127.0.0.1"
         for name, local in services.items():
             a = a.replace(f"dns:///{name}", local)
-        out.append(a)
+        if a.startswith("--metrics-port="):
+            a = "--metrics-port=0"
+        out.append(a.replace(f"={MOUNTED_TOKEN}", f"={token_file}"))
     return out
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cpu-dev")
+    token_file = tmp / "token"
+    token_file.write_text(TOKEN + "\n")
     started: list[Server] = []
     try:
-        backends = [Server(n, local_argv(r, {}), tmp) for n, r in (("verifier-0", "verifier"), ("verifier-1", "verifier"), ("drafter-0", "drafter"))]
+        backends = [Server(n, local_argv(r, {}, str(token_file)), tmp) for n, r in (("verifier-0", "verifier"), ("verifier-1", "verifier"), ("drafter-0", "drafter"))]
         started += backends
         for s in backends:
             s.start()
@@ -58,7 +68,8 @@ def cluster(tmp_path_factory):
         # The headless Services' DNS answers: every ready replica, with the port the Service names.
         verifiers = "ipv4:" + ",".join(v.addr for v in (v0, v1))
         drafters = f"ipv4:{d0.addr}"
-        orch_args = local_argv("orchestrator", {"kakeya-verifier-headless:50061": verifiers, "kakeya-drafter-headless:50062": drafters})
+        services = {"kakeya-verifier-headless:50061": verifiers, "kakeya-drafter-headless:50062": drafters}
+        orch_args = local_argv("orchestrator", services, str(token_file))
         assert flag(orch_args, "--verifier") == verifiers and flag(orch_args, "--drafter") == drafters
         orch = Server("orchestrator", orch_args, tmp)
         started.append(orch)
@@ -71,16 +82,16 @@ def cluster(tmp_path_factory):
 
 def test_cpu_dev_pods_serve_on_loopback_and_balance_sessions(cluster):
     orch, (v0, v1), d0 = cluster["orchestrator"], cluster["verifiers"], cluster["drafter"]
-    before = [verifier_info(v.addr).total_sessions for v in (v0, v1)]
+    before = [verifier_info(v.addr, TOKEN).total_sessions for v in (v0, v1)]
     served = [generate(orch.addr, request(text=p, max_tokens=MAX_TOKENS)) for p in PROMPTS]
-    after = [verifier_info(v.addr).total_sessions for v in (v0, v1)]
+    after = [verifier_info(v.addr, TOKEN).total_sessions for v in (v0, v1)]
     per_replica = [a - b for a, b in zip(after, before)]
     assert sum(per_replica) == len(PROMPTS)
     assert min(per_replica) >= 1, f"sessions per verifier replica: {per_replica} (round_robin should use both)"
 
     pair = embedded_pair()  # what the cpu-dev servers load without --target/--draft
     colocated = build_local_engine(str(pair.target), str(pair.draft))
-    single = split_engine(v0.addr, d0.addr, None, 30.0)  # one verifier: the pre-balancing path
+    single = split_engine(v0.addr, d0.addr, None, 30.0, token=TOKEN)  # one verifier: the pre-balancing path
     for prompt, (ids, _text, complete, _chunks) in zip(PROMPTS, served):
         prompt_ids = colocated.codec.encode(prompt)
         assert list(complete.prompt_token_ids) == prompt_ids
@@ -88,6 +99,15 @@ def test_cpu_dev_pods_serve_on_loopback_and_balance_sessions(cluster):
         assert ids == colocated.generate(req).token_ids, f"split over two replicas != colocated for {prompt!r}"
         assert ids == single.generate(req).token_ids, f"two replicas != one verifier for {prompt!r}"
         assert len(ids) == MAX_TOKENS and not complete.stats.drafter_fallback
+
+
+def test_a_pod_that_is_not_an_orchestrator_is_refused(cluster):
+    """A client without the internal token (any pod the NetworkPolicy would let through by mistake):
+    every verifier and drafter RPC is UNAUTHENTICATED; health stays open for the probes."""
+    for v in cluster["verifiers"]:
+        assert_unauthenticated("verifier", v.addr)
+        assert_unauthenticated("verifier", v.addr, "a-guessed-token-0123456789")
+    assert_unauthenticated("drafter", cluster["drafter"].addr)
 
 
 def test_image_healthcheck_script_against_a_live_server(cluster):

@@ -146,28 +146,50 @@ def server_factory(tmp_path_factory):
 # --------------------------------------------------------------------------- clients
 
 
-def channel(addr: str) -> grpc.Channel:
-    return grpc.insecure_channel(addr, options=channel_options())
+def channel(addr: str, token: str | None = None) -> grpc.Channel:
+    """A plaintext channel; ``token``: sent as ``authorization: Bearer`` on every call."""
+    from kakeya.runtime.auth import with_bearer
+
+    return with_bearer(grpc.insecure_channel(addr, options=channel_options()), token)
 
 
-def generation_stub(addr: str):
-    return generate_pb2_grpc.GenerationStub(channel(addr))
+def generation_stub(addr: str, token: str | None = None):
+    return generate_pb2_grpc.GenerationStub(channel(addr, token))
 
 
-def verifier_stub(addr: str):
-    return verifier_pb2_grpc.VerifierServiceStub(channel(addr))
+def verifier_stub(addr: str, token: str | None = None):
+    return verifier_pb2_grpc.VerifierServiceStub(channel(addr, token))
 
 
-def drafter_stub(addr: str):
-    return drafter_pb2_grpc.DrafterServiceStub(channel(addr))
+def drafter_stub(addr: str, token: str | None = None):
+    return drafter_pb2_grpc.DrafterServiceStub(channel(addr, token))
 
 
-def verifier_info(addr: str):
-    return verifier_stub(addr).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
+def verifier_info(addr: str, token: str | None = None):
+    return verifier_stub(addr, token).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
 
 
-def drafter_info(addr: str):
-    return drafter_stub(addr).GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10)
+def drafter_info(addr: str, token: str | None = None):
+    return drafter_stub(addr, token).GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10)
+
+
+def internal_rpcs(service: str, addr: str, token: str | None = None) -> list:
+    """Every RPC of a verifier or drafter (GetInfo, a short Session) as calls of a client holding ``token``."""
+    if service == "verifier":
+        v, V = verifier_stub(addr, token), verifier_pb2.VerifierRequest
+        return [lambda: v.GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10),
+                lambda: list(v.Session(iter([V(open=V.Open()), V(prefill=V.Prefill(token_ids=[2, 40, 41]))]), timeout=10))]
+    d, D = drafter_stub(addr, token), drafter_pb2.DrafterRequest
+    return [lambda: d.GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10),
+            lambda: list(d.Session(iter([D(open=D.Open())]), timeout=10))]
+
+
+def assert_unauthenticated(service: str, addr: str, token: str | None = None) -> None:
+    """Every RPC of the verifier or drafter at ``addr`` is UNAUTHENTICATED for a client holding ``token``."""
+    for call in internal_rpcs(service, addr, token):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (service, err.value.details())
 
 
 def request(ids=None, text=None, max_tokens=16, block_size=8, ignore_eos=True, **sampling) -> generate_pb2.GenerateRequest:
@@ -195,6 +217,27 @@ def generate(addr: str, req, timeout: float = 120):
             complete = resp.complete
     assert complete is not None, "no Complete message"
     return ids, "".join(text), complete, chunks
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of a server's ``/metrics`` on loopback as {(name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def ar_fallbacks(port: int, reason: str | None = None) -> float:
+    """The orchestrator's ``kakeya_ar_fallbacks_total`` for ``reason`` (None: every reason)."""
+    return sum(v for (name, labels), v in scrape(port).items()
+               if name == "kakeya_ar_fallbacks_total" and (reason is None or ("reason", reason) in labels))  # fmt: skip
 
 
 def wait_until(pred, timeout: float = 15.0, interval: float = 0.1, what: str = "condition"):

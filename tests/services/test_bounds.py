@@ -27,6 +27,7 @@ from .conftest import (
     start_all,
     verifier_info,
     verifier_stub,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -34,6 +35,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 PROMPT = [2, 40, 41, 42, 43, 44, 45, 46]
 MAX_CONTEXT = 512
 MAX_PROMPT = 64
+# The tiny drafter: 2 full-attention layers, 2 K/V heads of 16 float32: 256 bytes a row a layer. A context
+# cache grows in steps of 256 rows (doubling), so a session of up to 240 positions takes 2 x 256 x 256 bytes:
+# two such sessions fit this budget, a third or a longer one does not.
+DRAFTER_BUDGET = 300_000
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +56,14 @@ def ftheta_dir(tmp_path_factory, tiny_pair, mlx_target):
 def servers(server_factory, ftheta_dir):
     v = server_factory("verifier", ["verifier", *TINY_MLX, "--max-context", str(MAX_CONTEXT), "--restore", f"tiny={ftheta_dir}", "--grace", "2"])
     d = server_factory("drafter", ["drafter", *TINY_MLX, "--max-context", str(MAX_CONTEXT), "--grace", "2"])
-    start_all([v, d])
+    budgeted = server_factory("budgeted", ["drafter", *TINY_MLX, "--max-kv-bytes", str(DRAFTER_BUDGET), "--reclaim-idle", "0", "--grace", "2"])
+    start_all([v, d, budgeted])
     o = server_factory(
         "orchestrator",
         ["orchestrator", "--verifier", v.addr, "--drafter", d.addr, "--max-prompt-tokens", str(MAX_PROMPT), "--grace", "2"],
     )
     start_all([o])
-    return {"verifier": v, "drafter": d, "orchestrator": o}
+    return {"verifier": v, "drafter": d, "orchestrator": o, "budgeted": budgeted}
 
 
 def _code(fn):
@@ -135,6 +141,56 @@ def test_drafter_aux_rows_are_bounded(servers):
     ]
     code, details, _ = _code(lambda: list(drafter_stub(info.addr).Session(iter(msgs), timeout=10)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "draft.new_aux" in details and "--max-context" in details
+
+
+class _DraftSession:
+    """A drafter Session driven one message at a time."""
+
+    def __init__(self, addr, width):
+        import queue
+
+        self.width, self._q = width, queue.SimpleQueue()
+        self.call = drafter_stub(addr).Session(iter(self._q.get, None), timeout=30)
+        self._q.put(drafter_pb2.DrafterRequest(open=drafter_pb2.DrafterRequest.Open()))
+        assert next(self.call).WhichOneof("response") == "opened"
+
+    def draft(self, rows: int):
+        aux = codec.to_proto(np.zeros((rows, self.width), np.float32))
+        self._q.put(drafter_pb2.DrafterRequest(draft=drafter_pb2.DrafterRequest.Draft(new_aux=aux, last_token=3, block_size=4)))
+        return next(self.call)
+
+    def close(self):
+        self._q.put(None)
+        self.call.cancel()
+
+
+def test_the_drafter_holds_its_context_caches_to_a_byte_budget(servers):
+    """The red team's 8 sessions of 131,072 aux rows took the drafter from 268 MB to 1.4 GB: a budget bounds it."""
+    addr = servers["budgeted"].addr
+    info = drafter_stub(addr).GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10)
+    width = len(info.target_layer_ids) * info.hidden_size
+    huge = _DraftSession(addr, width)
+    with pytest.raises(grpc.RpcError) as err:
+        huge.draft(4096)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-kv-bytes" in err.value.details()
+    a, b = _DraftSession(addr, width), _DraftSession(addr, width)
+    assert a.draft(100).HasField("drafted") and b.draft(100).HasField("drafted")
+    c = _DraftSession(addr, width)
+    with pytest.raises(grpc.RpcError) as err:
+        c.draft(100)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "budget exhausted" in err.value.details()
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:  # a session that already holds a context grows only into free room
+        a.draft(200)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 2
+    assert drafter_stub(addr).GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10).live_kv_bytes <= DRAFTER_BUDGET
+    for s in (huge, a, b, c):
+        s.close()
+    wait_until(lambda: drafter_stub(addr).GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10).live_sessions == 0,
+               what="the sessions freed")  # fmt: skip
+    again = _DraftSession(addr, width)
+    assert again.draft(200).HasField("drafted")  # the budget is free again
+    again.close()
 
 
 @pytest.mark.parametrize("rid", ["é", "a\nb", "tab\there", "x" * 129, "\x00"])

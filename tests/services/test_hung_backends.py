@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .conftest import TINY_MLX, channel, generate, request, start_all, wait_until
+from .conftest import TINY_MLX, ar_fallbacks, channel, generate, request, start_all, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -26,7 +26,8 @@ def servers(server_factory):
     v = server_factory("verifier", ["verifier", *TINY_MLX, "--grace", "2"])
     d = server_factory("drafter", ["drafter", *TINY_MLX, "--grace", "2"])
     start_all([v, d])
-    o = server_factory("orchestrator", ["orchestrator", "--verifier", v.addr, "--drafter", d.addr, "--backend-timeout", "1", "--grace", "2"])
+    o = server_factory("orchestrator", ["orchestrator", "--verifier", v.addr, "--drafter", d.addr, "--backend-timeout", "1",
+                                        "--metrics-port", "0", "--grace", "2"])  # fmt: skip
     start_all([o])
     return {"verifier": v, "drafter": d, "orchestrator": o}
 
@@ -57,6 +58,7 @@ def test_a_stopped_drafter_falls_back_to_ar_within_seconds(servers, reference):
         assert ids == reference and complete.stats.drafter_fallback
         assert took < 10, f"fallback took {took:.1f} s"
         assert _health(orch.addr) == SERVING  # a drafter down only costs speed
+        assert ar_fallbacks(orch.info["metrics_port"], "drafter_failed") >= 1  # a real failure is counted as one
     finally:
         drafter.signal(signal.SIGCONT)
 
@@ -80,6 +82,12 @@ def test_a_stopped_verifier_fails_fast_and_health_follows_it(servers, reference)
         assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
         assert "verifier" in err.value.details() and took < 10, (took, err.value.details())
         wait_until(lambda: _health(orch.addr) == NOT_SERVING, timeout=10, what="NOT_SERVING while the verifier hangs")
+        for _ in range(3):  # known down: each request refused at once, not after the --backend-timeout
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                generate(orch.addr, request(PROMPT, max_tokens=20), timeout=60)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "verifier" in err.value.details()
+            assert time.monotonic() - t0 < 0.5, time.monotonic() - t0
     finally:
         verifier.signal(signal.SIGCONT)
     wait_until(lambda: _health(orch.addr) == SERVING, timeout=15, what="SERVING once the verifier answers again")

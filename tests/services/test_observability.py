@@ -4,13 +4,11 @@ and one request id appears in the logs of all three processes."""
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import TINY_ALL_MLX, generate, generation_stub, request, wait_until
+from .conftest import TINY_ALL_MLX, ar_fallbacks, generate, generation_stub, request, scrape, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -20,17 +18,6 @@ PROMPT = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48]
 @pytest.fixture(scope="module")
 def served(server_factory):
     return server_factory("all-obs", ["all", *TINY_ALL_MLX, "--grace", "5", "--metrics-port", "0", "--log-format", "json"]).start().wait_ready()
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """Every sample of ``/metrics`` on loopback as {(name, sorted labels): value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
 
 
 def expected_spec_counts(acceptance_lengths, max_tokens: int, block_size: int) -> dict:
@@ -74,7 +61,7 @@ def test_metrics_count_what_the_generation_did(served):
     for phase in ("draft", "verify", "wire", "commit"):
         assert m[("kakeya_block_latency_seconds_count", (("phase", phase),))] == len(complete.stats.acceptance_lengths)
     assert m[("kakeya_num_requests_running", ())] == 0 and m[("kakeya_num_requests_waiting", ())] == 0
-    assert m[("kakeya_ar_fallbacks_total", ())] == 0
+    assert ar_fallbacks(ports["orchestrator"]) == 0  # whatever the reason
 
     v = scrape(ports["verifier"])
     assert v[("kakeya_sessions_live", ())] == 0 and v[("kakeya_sessions_total", ())] >= 2  # warm-up + ours

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, TINY, TINY_ALL_MLX, wait_until
+from .conftest import ROOT, TINY, TINY_ALL_MLX, assert_unauthenticated, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real processes: bounded, never hanging
 
@@ -66,10 +66,16 @@ def test_serve_all_runs_three_processes_and_sigterm_stops_them_all(serve_all):
     assert set(pids) == {"verifier", "drafter", "orchestrator"}
     assert len({s.proc.pid, *pids.values()}) == 4 and all(pid_alive(p) for p in pids.values())
     assert client(s.addr, "health").stdout.strip() == "SERVING"
-    res = client(s.addr, "generate", "--json", "--max-tokens", "16", "--ignore-eos")
+    for service in ("verifier", "drafter"):  # loopback only, and only for the orchestrator: a run's own token
+        assert s.info[service].startswith("127.0.0.1:")
+        assert_unauthenticated(service, s.info[service])
+    res = client(s.addr, "generate", "--json", "--max-tokens", "16", "--ignore-eos", "--block-size", "8")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 16 and out["backend"] == f"grpc:{s.info['verifier']}"
+    # the blocks' real sizes (the client used to rebuild them from the acceptance lengths)
+    assert out["block_sizes"][0] == 8 and len(out["block_sizes"]) == len(out["acceptance_lengths"])
+    assert all(a <= b <= 8 for a, b in zip(out["acceptance_lengths"], out["block_sizes"]))
     s.signal(signal.SIGTERM)
     assert s.wait(60) == 0
     wait_until(lambda: not any(pid_alive(p) for p in pids.values()), timeout=10, what="children gone")
@@ -130,3 +136,9 @@ def test_cache_policy_flags_on_servers_and_client(server_factory, mlx_target, au
         assert server_default["verifier_kv_bytes"]["sliding"] < asked_native["verifier_kv_bytes"]["sliding"]
     finally:
         s.stop()
+
+
+def test_client_help_documents_what_the_server_takes():
+    """`kakeya client generate --help` documented --restore ftheta:DIR, which the server refuses: it takes a source NAME."""
+    res = client("127.0.0.1:1", "generate", "--help")
+    assert res.returncode == 0 and "--restore NAME" in res.stdout and "ftheta:DIR" not in res.stdout, res.stdout

@@ -16,10 +16,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kakeya.wire.kakeya.v1 import generate_pb2, generate_pb2_grpc
+from kakeya.wire.kakeya.v1 import generate_pb2, generate_pb2_grpc, verifier_pb2
 from kakeya.wire.limits import channel_options
 
-from .conftest import ROOT, TINY_ALL_MLX, start_all
+from .conftest import ROOT, TINY_ALL_MLX, TINY_MLX, start_all, verifier_stub
 
 pytestmark = [
     pytest.mark.slow,
@@ -120,3 +120,19 @@ def test_kakeya_client_speaks_mtls_with_a_token(secure, pki):
     assert len(json.loads(r.stdout)["token_ids"]) == 5
     r = subprocess.run([*base, *gen], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "UNAUTHENTICATED" in r.stderr
+
+
+def test_a_health_port_answers_probes_in_plaintext_and_nothing_else(server_factory, pki):
+    """Kubernetes' gRPC probes speak no TLS: with mutual TLS on its port a verifier answers them on --health-port."""
+    tls = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"), "--tls-client-ca", str(pki / "ca.pem")]
+    v = server_factory("verifier-health", ["verifier", *TINY_MLX, *tls, "--health-port", "0", "--grace", "1"])
+    start_all([v])
+    health = grpc.insecure_channel(f"127.0.0.1:{v.info['health_port']}")
+    r = health_pb2_grpc.HealthStub(health).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert r.status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as err:  # health only: no session through the probes' port
+        verifier_stub(f"127.0.0.1:{v.info['health_port']}").GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(grpc.RpcError) as err:  # the main port still wants a client certificate
+        health_pb2_grpc.HealthStub(grpc.insecure_channel(v.addr)).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
