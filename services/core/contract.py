@@ -202,6 +202,25 @@ class Draft:
             raise ValueError(f"a draft of {len(self.tokens)} candidates cannot carry {len(self.proposal)} proposal rows")
 
 
+def accept(candidates: Sequence[int], choices: Sequence[int]) -> tuple[int, int]:
+    """THE acceptance rule, one definition for greedy and every sampling rule: ``(accepted, next_token)``.
+
+    ``choices[i]`` is the verifier's token after block position ``i`` (one more
+    than there are candidates). The leading run of candidates equal to their
+    choice is accepted; the choice right after that run is the next token (the
+    bonus after a full run, the correction at the first mismatch), so a block
+    commits between 1 and ``len(candidates) + 1`` tokens. Greedy choices are the
+    target's argmax; a sampling rule's choices already encode its acceptance and
+    draws (``VerifierSession.verify``), so the same rule commits its tokens.
+    """
+    n = 0
+    for candidate, choice in zip(candidates, choices):
+        if candidate != choice:
+            break
+        n += 1
+    return n, int(choices[n])
+
+
 def session_rng(seed: int, stream: int):
     """The random stream of one session: ``stream`` 0 the verifier, 1 the drafter.
 

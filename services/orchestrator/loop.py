@@ -30,6 +30,7 @@ from kakeya.core.contract import (
     DrafterSession,
     Generation,
     VerifierSession,
+    accept,
     check_block_size,
 )
 
@@ -39,16 +40,6 @@ if TYPE_CHECKING:
 __all__ = ["MAX_BLOCK_SIZE", "Block", "Generation", "check_block_size", "Decoding", "run"]
 
 NO_DRAFT = Draft(())  # a block the drafter sits out: size 1, or the verifier decoding alone
-
-
-def leading_matches(candidates: Sequence[int], choices: Sequence[int]) -> int:
-    """How many candidates equal the target's choice at the position before them."""
-    n = 0
-    for c, t in zip(candidates, choices):
-        if c != t:
-            break
-        n += 1
-    return n
 
 
 class Decoding:
@@ -153,8 +144,8 @@ def _decode(
         block_ids = [last] + candidates
         choices = verifier.verify(block_ids, proposal) if proposal is not None else verifier.verify(block_ids)
         t_verified = clock()
-        n_ok = leading_matches(candidates, choices)
-        tokens = candidates[:n_ok] + [choices[n_ok]]
+        n_ok, next_token = accept(candidates, choices)
+        tokens = candidates[:n_ok] + [next_token]
         new_aux = verifier.commit(n_ok + 1)
         t_end = clock()
         done = emit(

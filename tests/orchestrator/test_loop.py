@@ -2,8 +2,8 @@
 
 import pytest
 
-from kakeya.core.contract import Draft
-from kakeya.orchestrator.loop import leading_matches, run
+from kakeya.core.contract import Draft, accept
+from kakeya.orchestrator.loop import run
 from kakeya.orchestrator.quality import find_runaway, quality_report
 
 
@@ -125,10 +125,11 @@ def test_bad_arguments():
         run(v, None, [], 5, 4)
 
 
-def test_leading_matches():
-    assert leading_matches([1, 2, 3], [1, 2, 3, 4]) == 3
-    assert leading_matches([1, 9, 3], [1, 2, 3, 4]) == 1
-    assert leading_matches([], [5]) == 0
+def test_the_acceptance_rule_keeps_the_leading_run_then_the_choice_after_it():
+    assert accept([1, 2, 3], [1, 2, 3, 4]) == (3, 4)  # all accepted: the bonus
+    assert accept([1, 9, 3], [1, 2, 3, 4]) == (1, 2)  # the correction at the first mismatch
+    assert accept([], [5]) == (0, 5)  # a block of one: the next token alone
+    assert accept([7, 8], [6, -1, -1]) == (0, 6)  # a sampling verify's choices end after its first rejection
 
 
 def test_quality_gate_flags_runaways_only():
