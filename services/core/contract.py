@@ -189,6 +189,15 @@ class Proposal:
 
 
 @dataclass(frozen=True)
+class Verdict:
+    """What a verifier decided about one block: :func:`accept` applied to its choices, committed."""
+
+    accepted: int  # candidates accepted (0 .. len(block) - 1)
+    next_token: int  # the verifier's choice after them: opens the next block (not in the cache yet)
+    aux: Aux  # aux of the kept positions (the block's first ``accepted + 1``): the drafter's new context
+
+
+@dataclass(frozen=True)
 class Draft:
     """What a drafter proposes for one block: its candidate ids and, when it samples, the
     :class:`Proposal` row each candidate was drawn from (None: greedy, argmax candidates)."""
@@ -288,24 +297,18 @@ class VerifierSession(Protocol):
         """Run the prompt; return the target's next token (greedy, or sampled from p when the
         session samples) and the prompt's aux hidden states."""
 
-    def verify(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> list[int]:
-        """Append ``block_ids`` to the cache in ONE forward.
+    def decide(self, last_token: int, draft: Draft) -> Verdict:
+        """Verify the block ``[last_token, *draft.tokens]`` in ONE forward and commit its outcome.
 
-        Returns ``len(block_ids)`` ints; the block stays pending until ``commit``.
-        Greedy: the target's argmax after each position. Sampling (``proposal``
-        holds the drafter's q'_i of candidate i = ``block_ids[i+1]``): ``choices[i]``
-        is candidate i+1 if accepted (probability min(1, p_i(x)/q'_i(x))); at the
-        first rejection a sample from norm(max(0, p_i - q'_i)), never the rejected
-        candidate; if all are accepted, a sample from p at the last position;
-        -1 after the first rejection. Either way the loop keeps the leading run of
-        candidates that equal their choice, then the choice after it.
-        """
-
-    def commit(self, n_keep: int) -> Aux:
-        """Keep the first ``n_keep`` positions of the pending block, trim the rest exactly.
-
-        Returns the aux hidden states of the kept positions (captured by the
-        verify forward, never recomputed).
+        The session takes its choice after every position of the block -- greedy:
+        the target's argmax; sampling (``draft.proposal`` holds the drafter's q'_i of
+        candidate i): candidate i if accepted (probability min(1, p_i(x)/q'_i(x))), at
+        the first rejection a sample from norm(max(0, p_i - q'_i)), never the rejected
+        candidate, after all accepted a sample from p at the last position -- and
+        applies :func:`accept` to them. It keeps the accepted positions (``last_token``
+        and the accepted candidates) in its cache, trims the rest exactly, and
+        returns the :class:`Verdict`, with the kept positions' aux (captured by the
+        forward, never recomputed). One step, so a remote verifier costs one round trip.
         """
 
     def stats(self) -> dict:
@@ -393,8 +396,7 @@ class Block:
     drafted: int  # candidates proposed (0 for the prefill token and block size 1)
     accepted: int  # candidates accepted
     draft_s: float = 0.0
-    verify_s: float = 0.0
-    commit_s: float = 0.0
+    verify_s: float = 0.0  # the verifier's one step: verify and commit
     total_s: float = 0.0
 
 

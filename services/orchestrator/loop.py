@@ -6,16 +6,16 @@ them. Per block:
 
 1. the drafter extends its context with the aux of the positions committed
    last block and drafts ``B - 1`` candidates after ``last`` (one forward);
-2. the verifier runs ``[last, c1 .. c_{B-1}]`` in one forward and returns its
-   own greedy choice after every position;
-3. the leading run of candidates equal to the target's choices is accepted,
-   and the target's choice after that run is the bonus token, so every block
-   commits between 1 and ``B`` tokens, all of them the target's greedy tokens
-   (sampling: the verifier's choices already encode acceptance, the residual
-   draw and the bonus draw, so the same rule commits exactly-p-distributed
-   tokens; see ``VerifierSession.verify``);
-4. the verifier keeps the positions it has seen that were accepted and trims
-   the rest; the aux of the kept positions goes to the drafter next block.
+2. the verifier decides ``[last, c1 .. c_{B-1}]`` in one step
+   (``VerifierSession.decide``): one forward, its own choice after every
+   position, the acceptance rule (``core.contract.accept``: the leading run of
+   candidates equal to its choices, then its choice after that run), the
+   accepted positions kept and the rest trimmed. So every block commits between
+   1 and ``B`` tokens, all of them the target's greedy tokens (sampling: the
+   choices already encode acceptance, the residual draw and the bonus draw, so
+   the same rule commits exactly-p-distributed tokens);
+3. the verdict's next token opens the next block, and its aux (the kept
+   positions') goes to the drafter with the next draft.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from kakeya.core.contract import (
     DrafterSession,
     Generation,
     VerifierSession,
-    accept,
     check_block_size,
 )
 
@@ -138,24 +137,18 @@ def _decode(
                 on_drafter_error(exc)
                 gen.drafter_fallback, use_drafter, B = True, False, 1
         t_drafted = clock()
-        # Sampling: the draft carries the proposal its candidates were drawn from, and the
-        # verifier's choices follow the same accept-the-leading-run rule (services/core/sampling.py).
-        candidates, proposal = list(draft.tokens), draft.proposal
-        block_ids = [last] + candidates
-        choices = verifier.verify(block_ids, proposal) if proposal is not None else verifier.verify(block_ids)
-        t_verified = clock()
-        n_ok, next_token = accept(candidates, choices)
-        tokens = candidates[:n_ok] + [next_token]
-        new_aux = verifier.commit(n_ok + 1)
+        # Sampling: the draft carries the proposal its candidates were drawn from.
+        verdict = verifier.decide(last, draft)
         t_end = clock()
+        tokens = list(draft.tokens[: verdict.accepted]) + [verdict.next_token]
+        new_aux = verdict.aux
         done = emit(
             Block(
                 tokens,
-                drafted=len(candidates),
-                accepted=n_ok,
+                drafted=len(draft.tokens),
+                accepted=verdict.accepted,
                 draft_s=t_drafted - t_block,
-                verify_s=t_verified - t_drafted,
-                commit_s=t_end - t_verified,
+                verify_s=t_end - t_drafted,
                 total_s=t_end - t_block,
             )
         )

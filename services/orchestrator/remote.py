@@ -4,7 +4,7 @@ One bidirectional ``Session`` stream per session: opening a session starts the
 stream, ``close`` ends it politely (``Close`` -> ``Closed``), ``abort`` cancels
 it; the server frees the session's cache either way. Requests are pipelined
 where the protocol allows it (``Open`` travels with ``Prefill`` / the first
-``Draft``), so a block costs three round trips: draft, verify, commit.
+``Draft``), so a block costs two round trips: draft, and verify (which commits).
 
 Aux hidden states stay opaque: a verifier session returns the wire ``Tensor``
 as it came and a drafter session sends a ``Tensor`` as it is (an array is
@@ -33,7 +33,7 @@ from typing import Sequence
 
 import grpc
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Draft, Proposal, SamplingParams, SessionOptions
+from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Draft, SamplingParams, SessionOptions, Verdict
 from kakeya.orchestrator.deadlines import WATCHDOG, StepClock
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
@@ -258,17 +258,13 @@ class GrpcVerifierSession:
         self._stats = r.prefilled.stats
         return r.prefilled.next_token, self._aux(r.prefilled.aux)
 
-    def verify(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> list[int]:
-        v = vpb.VerifierRequest.Verify(block_ids=list(block_ids))
-        if proposal is not None:
-            v.proposal.CopyFrom(wire_contract.proposal_to_proto(proposal))
-        r = self._step(vpb.VerifierRequest(verify=v), "verified")
-        return list(r.verified.choices)
-
-    def commit(self, n_keep: int):
-        r = self._step(vpb.VerifierRequest(commit=vpb.VerifierRequest.Commit(n_keep=n_keep)), "committed")
-        self._stats = r.committed.stats
-        return self._aux(r.committed.aux)
+    def decide(self, last_token: int, draft: Draft) -> Verdict:
+        v = vpb.VerifierRequest.Verify(block_ids=[last_token, *draft.tokens])
+        if draft.proposal is not None:
+            v.proposal.CopyFrom(wire_contract.proposal_to_proto(draft.proposal))
+        r = self._step(vpb.VerifierRequest(verify=v), "verified").verified
+        self._stats = r.stats
+        return Verdict(r.accepted, r.next_token, self._aux(r.aux))
 
     def stats(self) -> dict:
         s = self._stats

@@ -67,7 +67,7 @@ def test_exploration_drafts_a_full_block_now_and_then():
 
 def test_observe_learns_cost_and_acceptance_from_blocks():
     s = BlockSizer(CostCurve({4: 1.0}), explore_every=0)
-    s.observe(Block([1, 2, 3, 4], drafted=3, accepted=3, draft_s=0.5, verify_s=0.4, commit_s=0.1, total_s=1.0))
+    s.observe(Block([1, 2, 3, 4], drafted=3, accepted=3, draft_s=0.5, verify_s=0.5, total_s=1.0))
     assert s.chain.reached[:3] == [1, 1, 1]
     assert s.costs(4) == pytest.approx(1.0)
 

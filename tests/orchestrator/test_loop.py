@@ -2,7 +2,7 @@
 
 import pytest
 
-from kakeya.core.contract import Draft, accept
+from kakeya.core.contract import Draft, Verdict, accept
 from kakeya.orchestrator.loop import run
 from kakeya.orchestrator.quality import find_runaway, quality_report
 
@@ -13,7 +13,6 @@ class ScriptedVerifier:
     def __init__(self, prompt_len, continuation):
         self.cont = continuation
         self.pos = 0  # tokens of the continuation committed into the cache (the last one is not fed yet)
-        self.pending = None
         self.prompt_len = prompt_len
         self.kept = []
 
@@ -21,24 +20,20 @@ class ScriptedVerifier:
         assert len(prompt) == self.prompt_len
         return self.cont[0], list(range(len(prompt)))
 
-    def verify(self, block):
+    def decide(self, last, draft):
+        block = [last, *draft.tokens]
         assert block[0] == self.cont[self.pos], "block must open with the last committed token"
-        self.pending = len(block)
         # the target's choice after block[i] given block[:i] matched is cont[pos+i+1]
-        out = []
+        choices = []
         for i in range(len(block)):
-            out.append(self.cont[self.pos + i + 1])
+            choices.append(self.cont[self.pos + i + 1])
             if i + 1 < len(block) and block[i + 1] != self.cont[self.pos + i + 1]:
-                out.extend([-1] * (len(block) - i - 2))
+                choices.extend([-1] * (len(block) - i - 2))
                 break
-        return out[: len(block)]
-
-    def commit(self, n):
-        assert 1 <= n <= self.pending
-        self.pos += n
-        self.kept.append(n)
-        self.pending = None
-        return ["aux"] * n
+        accepted, next_token = accept(block[1:], choices[: len(block)])
+        self.pos += accepted + 1
+        self.kept.append(accepted + 1)
+        return Verdict(accepted, next_token, ["aux"] * (accepted + 1))
 
     def stats(self):
         return {}

@@ -24,11 +24,11 @@ class Session(ScriptedVerifier):
         if options.cancel is not None:  # as a remote session does
             options.cancel.on_cancel(self.abort)
 
-    def verify(self, block, proposal=None):
+    def decide(self, last, draft):
         self.verifies += 1
         if self.verifies == self.fail_verify_at:
             raise ConnectionError("verifier gone")
-        return super().verify(block)
+        return super().decide(last, draft)
 
     def stats(self):
         return {"kv_bytes": {"sliding": 7, "full": self.pos}}

@@ -273,7 +273,7 @@ BAD_VERIFIER = [
     ("empty prefill", [OPEN_V, V(prefill=V.Prefill())], grpc.StatusCode.INVALID_ARGUMENT, "prefill.token_ids"),
     ("verify before prefill", [OPEN_V, V(verify=V.Verify(block_ids=[2]))], grpc.StatusCode.FAILED_PRECONDITION, "prefill"),
     ("block too long", [OPEN_V, V(prefill=V.Prefill(token_ids=[2])), V(verify=V.Verify(block_ids=[3] * 17))], grpc.StatusCode.INVALID_ARGUMENT, "verify.block_ids"),
-    ("n_keep too big", [OPEN_V, V(prefill=V.Prefill(token_ids=[2])), V(verify=V.Verify(block_ids=[3, 4])), V(commit=V.Commit(n_keep=3))], grpc.StatusCode.INVALID_ARGUMENT, "commit.n_keep"),
+    ("verify id outside vocab", [OPEN_V, V(prefill=V.Prefill(token_ids=[2])), V(verify=V.Verify(block_ids=[3, 4096]))], grpc.StatusCode.INVALID_ARGUMENT, "verify.block_ids"),
     ("aux layer out of range", [V(open=V.Open(target_layer_ids=[1, 9]))], grpc.StatusCode.INVALID_ARGUMENT, "open.target_layer_ids"),
     ("quantised kv bits 3", [V(open=V.Open(cache_policy=_policy(full_kv_bits=3)))], grpc.StatusCode.INVALID_ARGUMENT, "open.cache_policy"),
 ]
@@ -315,13 +315,15 @@ def test_bad_drafter_stream_then_a_good_request(servers, case):
 def test_a_good_raw_verifier_session(servers):
     out = _session(
         verifier_stub(servers["verifier"].addr),
-        [OPEN_V, V(prefill=V.Prefill(token_ids=PROMPT)), V(verify=V.Verify(block_ids=[5, 6, 7])), V(commit=V.Commit(n_keep=2)), V(close=V.Close())],
+        [OPEN_V, V(prefill=V.Prefill(token_ids=PROMPT)), V(verify=V.Verify(block_ids=[5, 6, 7])), V(close=V.Close())],
     )  # fmt: skip
-    assert [r.WhichOneof("response") for r in out] == ["opened", "prefilled", "verified", "committed", "closed"]
+    assert [r.WhichOneof("response") for r in out] == ["opened", "prefilled", "verified", "closed"]
     aux = codec.from_proto(out[1].prefilled.aux)
     assert aux.shape == (len(PROMPT), 128) and aux.dtype == np.float32  # the model's dtype, 2 aux layers x 64
-    assert len(out[2].verified.choices) == 3 and codec.from_proto(out[3].committed.aux).shape == (2, 128)
-    assert out[4].closed.stats.positions == len(PROMPT) + 2
+    verified = out[2].verified  # one step: verified and committed
+    assert 0 <= verified.accepted <= 2 and 0 <= verified.next_token < 1024
+    assert codec.from_proto(verified.aux).shape == (verified.accepted + 1, 128)
+    assert verified.stats.positions == out[3].closed.stats.positions == len(PROMPT) + verified.accepted + 1
 
 
 def test_session_limit_is_resource_exhausted_then_recovers(servers):
