@@ -332,6 +332,20 @@ class DrafterSession(Protocol):
         committed token, which the verifier has not seen yet: it opens the block.
         """
 
+    def predraft(self, new_aux: Aux | None, block_ids: Sequence[int], block_size: int) -> Callable[[], Draft]:
+        """Start drafting the block after ``block_ids`` (being verified now) on the guess that it is all accepted.
+
+        Extends the context with ``new_aux`` as :meth:`draft` does (None: nothing
+        committed since the last call), then drafts ``block_size`` tokens after
+        ``block_ids``: the drafter's guess of the verifier's next token, which would
+        open the next block, and ``block_size - 1`` candidates after it. Its context
+        lacks ``block_ids``' own aux (not verified yet). Returns at once; calling the
+        result waits for the draft. It is of use only if the verdict accepts every
+        candidate of ``block_ids`` and its next token is the guess; it replaces no
+        ``new_aux``: the verdict's aux still goes with the next call. Greedy sessions only;
+        ``block_ids`` holds at least one candidate.
+        """
+
     def close(self) -> None: ...
 
 

@@ -277,6 +277,8 @@ BAD_VERIFIER = [
     ("aux layer out of range", [V(open=V.Open(target_layer_ids=[1, 9]))], grpc.StatusCode.INVALID_ARGUMENT, "open.target_layer_ids"),
     ("quantised kv bits 3", [V(open=V.Open(cache_policy=_policy(full_kv_bits=3)))], grpc.StatusCode.INVALID_ARGUMENT, "open.cache_policy"),
 ]
+_DRAFT = D(draft=D.Draft(new_aux=_aux(), last_token=2, block_size=4))  # a first draft, bringing the prompt's aux
+
 BAD_DRAFTER = [
     ("first not open", [D(draft=D.Draft(new_aux=_aux(), last_token=2))], grpc.StatusCode.FAILED_PRECONDITION, "open"),
     ("int32 aux", [OPEN_D, D(draft=D.Draft(new_aux=_aux(dtype=np.int32), last_token=2))], grpc.StatusCode.INVALID_ARGUMENT, "draft.new_aux"),
@@ -286,6 +288,11 @@ BAD_DRAFTER = [
     ("empty first aux", [OPEN_D, D(draft=D.Draft(new_aux=_aux(rows=0), last_token=2))], grpc.StatusCode.INVALID_ARGUMENT, "draft.new_aux"),
     ("last token outside vocab", [OPEN_D, D(draft=D.Draft(new_aux=_aux(), last_token=1024))], grpc.StatusCode.INVALID_ARGUMENT, "draft.last_token"),
     ("block size 100", [OPEN_D, D(draft=D.Draft(new_aux=_aux(), last_token=2, block_size=100))], grpc.StatusCode.INVALID_ARGUMENT, "draft.block_size"),
+    ("predraft first", [OPEN_D, D(predraft=D.Predraft(new_aux=_aux(), block_ids=[2, 3], block_size=4))], grpc.StatusCode.FAILED_PRECONDITION, "predraft"),
+    ("predraft one id", [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2], block_size=4))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.block_ids"),
+    ("predraft id outside vocab", [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2, 1024], block_size=4))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.block_ids"),
+    ("predraft block size 1", [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2, 3], block_size=1))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.block_size"),
+    ("predraft aux wrong width", [OPEN_D, _DRAFT, D(predraft=D.Predraft(new_aux=_aux(width=100), block_ids=[2, 3], block_size=4))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.new_aux"),
 ]  # fmt: skip
 
 
@@ -324,6 +331,19 @@ def test_a_good_raw_verifier_session(servers):
     assert 0 <= verified.accepted <= 2 and 0 <= verified.next_token < 1024
     assert codec.from_proto(verified.aux).shape == (verified.accepted + 1, 128)
     assert verified.stats.positions == out[3].closed.stats.positions == len(PROMPT) + verified.accepted + 1
+
+
+def test_a_good_raw_drafter_session_predrafts_the_block_after_the_pending_one(servers):
+    out = _session(
+        drafter_stub(servers["drafter"].addr),
+        [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2, 3, 4, 5], block_size=4)),
+         D(predraft=D.Predraft(new_aux=_aux(rows=4), block_ids=[6, 7], block_size=8)), D(close=D.Close())],
+    )  # fmt: skip
+    assert [r.WhichOneof("response") for r in out] == ["opened", "drafted", "predrafted", "predrafted", "closed"]
+    assert len(out[1].drafted.token_ids) == 3  # B - 1 candidates
+    assert len(out[2].predrafted.token_ids) == 4 and len(out[3].predrafted.token_ids) == 8  # the guess, then B - 1
+    assert all(0 <= t < 1024 for r in out[2:4] for t in r.predrafted.token_ids)
+    assert out[4].closed.stats.context_positions == 3 + 4  # the draft's rows and the second pre-draft's; none of a pending block
 
 
 def test_session_limit_is_resource_exhausted_then_recovers(servers):
