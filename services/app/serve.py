@@ -153,7 +153,8 @@ def cmd_serve_orchestrator(args) -> int:
         def build():
             drafter = None if args.no_drafter else args.drafter
             return split_engine(
-                args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls, backend_timeout_s=args.backend_timeout
+                args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls, backend_timeout_s=args.backend_timeout,
+                predraft=args.predraft == "on",
             )
 
         colocated = False

@@ -412,6 +412,7 @@ class Block:
     draft_s: float = 0.0
     verify_s: float = 0.0  # the verifier's one step: verify and commit
     total_s: float = 0.0
+    predrafted: bool = False  # its candidates were pre-drafted while the block before it was verified
 
 
 @dataclass
@@ -423,6 +424,7 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     drafter_fallback: bool = False  # the drafter failed and the verifier finished alone
+    predrafts: int = 0  # pre-drafts started (the blocks with ``predrafted`` set are the ones used)
     verifier_stats: dict = field(default_factory=dict)  # the verifier session's stats() at the end
     sampling: SamplingParams = GREEDY  # as run: with the seed used when sampling
 

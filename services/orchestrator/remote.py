@@ -3,8 +3,10 @@
 One bidirectional ``Session`` stream per session: opening a session starts the
 stream, ``close`` ends it politely (``Close`` -> ``Closed``), ``abort`` cancels
 it; the server frees the session's cache either way. Requests are pipelined
-where the protocol allows it (``Open`` travels with ``Prefill`` / the first
-``Draft``), so a block costs two round trips: draft, and verify (which commits).
+where the protocol allows it (``streams.py``: ``Open`` travels with ``Prefill``
+/ the first ``Draft``; a ``Predraft`` is answered while the verifier verifies),
+so a block costs two round trips: draft, and verify (which commits); one where
+its pre-draft was used.
 
 Aux hidden states stay opaque: a verifier session returns the wire ``Tensor``
 as it came and a drafter session sends a ``Tensor`` as it is (an array is
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 
@@ -174,6 +176,11 @@ class GrpcVerifier:
 # --------------------------------------------------------------------------- drafter
 
 
+def _tensor(aux) -> Tensor:
+    """Aux as the wire Tensor: a verifier's comes as one already (passed on, never decoded here)."""
+    return aux if isinstance(aux, Tensor) else codec.to_proto(aux)
+
+
 class Backoff:
     """After ``failure()``, ``ready()`` is False for 0.5 s, 1 s, 2 s ... up to ``maximum``."""
 
@@ -201,7 +208,11 @@ class Backoff:
 
 
 class GrpcDrafterSession:
-    """``DrafterSession`` over one Session stream, opened with the first ``draft``."""
+    """``DrafterSession`` over one Session stream, opened with the first ``draft``.
+
+    A ``predraft`` is posted at once and its answer read when its result is
+    asked for, or before the answer to the next request (answers come in order).
+    """
 
     def __init__(self, drafter: "GrpcDrafter", sampling: SamplingParams | None, options: SessionOptions):
         self.drafter = drafter
@@ -210,28 +221,26 @@ class GrpcDrafterSession:
         self._s: Stream | None = None
         self._broken = False
         self._first = True
-        self.server_s = 0.0
+        self.server_s = 0.0  # server-side time of the drafts (the steps on a block's critical path)
+        self.predraft_s = 0.0  # ... and of the pre-drafts, which run beside the verifier's steps
         if options.cancel is not None:
             options.cancel.on_cancel(self.abort)
 
-    def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
+    def _stream(self) -> Stream:
+        if self._s is None:
+            self._s = Stream(self.drafter.stub.Session, "drafter", self.drafter.addr, self._timeout, self._request_id)
+            open_ = dpb.DrafterRequest.Open(request_id=self._request_id)
+            if self._sampling is not None:
+                open_.sampling.CopyFrom(wire_contract.sampling_to_proto(self._sampling))
+            self._s.post(dpb.DrafterRequest(open=open_), "opened")  # answered before the first draft's answer
+        return self._s
+
+    def _guarded(self, step):
+        """``step()``; a failure breaks the session and, unless it is ours, counts against the drafter."""
         if self._broken:
             raise BackendError("drafter", self.drafter.addr, grpc.StatusCode.CANCELLED, "session failed earlier")
         try:
-            if self._s is None:
-                self._s = Stream(self.drafter.stub.Session, "drafter", self.drafter.addr, self._timeout, self._request_id)
-                open_ = dpb.DrafterRequest.Open(request_id=self._request_id)
-                if self._sampling is not None:
-                    open_.sampling.CopyFrom(wire_contract.sampling_to_proto(self._sampling))
-                self._s.post(dpb.DrafterRequest(open=open_), "opened")
-            tensor = new_aux if isinstance(new_aux, Tensor) else codec.to_proto(new_aux)
-            req = dpb.DrafterRequest(draft=dpb.DrafterRequest.Draft(new_aux=tensor, last_token=last_token, block_size=block_size))
-            rows = int(tensor.shape[0]) if self._first and len(tensor.shape) else 0  # the first draft takes the prompt
-            clock = self.drafter.clock
-            t0 = time.perf_counter()
-            r = self._s.ask(req, "drafted", clock.timeout(prefill_tokens=rows))
-            clock.record(time.perf_counter() - t0, prefill_tokens=rows)
-            self._first = False
+            return step()
         except BackendError as exc:
             aborted_here = self._broken  # abort() from our side (client cancelled): not the drafter's fault
             self._broken = True
@@ -241,6 +250,21 @@ class GrpcDrafterSession:
             if not aborted_here and not ours:
                 self.drafter.failed(exc)
             raise
+
+    def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
+        tensor = _tensor(new_aux)
+        req = dpb.DrafterRequest(draft=dpb.DrafterRequest.Draft(new_aux=tensor, last_token=last_token, block_size=block_size))
+        rows = int(tensor.shape[0]) if self._first and len(tensor.shape) else 0  # the first draft takes the prompt
+        clock = self.drafter.clock
+
+        def step():
+            t0 = time.perf_counter()
+            r = self._stream().ask(req, "drafted", clock.timeout(prefill_tokens=rows))
+            clock.record(time.perf_counter() - t0, prefill_tokens=rows)
+            return r
+
+        r = self._guarded(step)
+        self._first = False
         self.server_s += r.elapsed_s
         self.drafter.backoff.success()
         d = r.drafted
@@ -248,9 +272,26 @@ class GrpcDrafterSession:
             return Draft(d.token_ids)
         return Draft(d.token_ids, wire_contract.proposal_from_proto(d.proposal, len(d.token_ids), self.drafter.vocab_size))
 
+    def predraft(self, new_aux, block_ids: Sequence[int], block_size: int) -> Callable[[], Draft]:
+        p = dpb.DrafterRequest.Predraft(block_ids=list(block_ids), block_size=block_size)
+        if new_aux is not None:
+            p.new_aux.CopyFrom(_tensor(new_aux))
+        reply = self._guarded(lambda: self._stream().post(dpb.DrafterRequest(predraft=p), "predrafted"))
+        drafted: list[Draft] = []
+
+        def result() -> Draft:
+            if not drafted:
+                r = self._guarded(lambda: self._s.wait(reply, self.drafter.clock.timeout()))
+                self.predraft_s += r.elapsed_s
+                drafted.append(Draft(r.predrafted.token_ids))
+            return drafted[0]
+
+        return result
+
     def stats(self) -> dict:
         s = self._s
-        return {"bytes_sent": s.bytes_sent if s else 0, "bytes_received": s.bytes_received if s else 0, "server_s": self.server_s}
+        return {"bytes_sent": s.bytes_sent if s else 0, "bytes_received": s.bytes_received if s else 0,
+                "server_s": self.server_s, "predraft_s": self.predraft_s}  # fmt: skip
 
     def close(self) -> None:
         if self._s is not None and not self._broken:
@@ -277,6 +318,9 @@ class _SkippedDrafterSession:
             f"backing off after {b.failures} failure(s), next try in {max(0.0, b.until - time.monotonic()):.1f} s"
             f" (last: {b.last_error})",
         )
+
+    def predraft(self, new_aux, block_ids, block_size):
+        return self.draft(new_aux, block_ids[0], block_size)  # fails alike
 
     def stats(self) -> dict:
         return {}

@@ -201,3 +201,17 @@ def test_a_cancellation_runs_each_hook_once_and_late_ones_at_once():
     c.cancel()
     c.on_cancel(lambda: seen.append("late"))
     assert seen == ["early", "late"] and c.cancelled
+
+
+def test_the_engine_predrafts_greedy_runs_only_and_a_run_may_say_otherwise():
+    from kakeya.core.contract import SamplingParams
+
+    engine = _engine()
+    engine.predraft = True
+    gen = engine.generate(Request(PROMPT, max_tokens=40, block_size=4))
+    assert gen.token_ids == CONT[:40] and gen.predrafts > 0 and any(b.predrafted for b in gen.blocks)
+    assert engine.generate(Request(PROMPT, max_tokens=40, block_size=4), RunOptions(predraft=False)).predrafts == 0
+    sampled = engine.generate(Request(PROMPT, max_tokens=40, block_size=4, sampling=SamplingParams(0.8, seed=3)))
+    assert sampled.predrafts == 0  # a sampled block is drawn when it opens
+    engine.predraft = False
+    assert engine.generate(Request(PROMPT, max_tokens=40, block_size=4), RunOptions(predraft=True)).predrafts > 0
