@@ -16,6 +16,10 @@ them. Per block:
    the same rule commits exactly-p-distributed tokens);
 3. the verdict's next token opens the next block, and its aux (the kept
    positions') goes to the drafter with the next draft.
+
+With ``predraft``, step 1 of the next block starts right after step 1 of this
+one (``DrafterSession.predraft``, on the guess that this block is accepted in
+full); the next block takes it only if the verdict bears the guess out.
 """
 
 from __future__ import annotations
