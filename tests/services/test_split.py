@@ -441,3 +441,16 @@ def test_sampling_is_seeded_reproducible_and_reports_its_seed(servers):
     assert generate(servers["colocated"].addr, unseeded)[0] == ids
     greedy = generate(servers["split"].addr, request(PROMPT, max_tokens=8))[2]
     assert not greedy.HasField("seed")
+
+
+@pytest.mark.parametrize("block_size", [2, 8])
+def test_a_predrafting_split_engine_commits_the_reference(servers, reference, block_size):
+    """Pre-drafts over gRPC: each Predraft posted after a Draft, its answer read a block later
+    (used on a hit, passed over on a miss) -- the same tokens as greedy AR either way."""
+    from kakeya.core.contract import Request
+    from kakeya.orchestrator.assembly import split_engine
+
+    engine = split_engine(servers["verifier"].addr, servers["drafter"].addr, None, 30.0, predraft=True)
+    gen = engine.generate(Request(PROMPT, max_tokens=100, block_size=block_size, ignore_eos=True))
+    assert gen.token_ids == reference[:100] and gen.predrafts > 0 and not gen.drafter_fallback
+    assert sum(b.predrafted for b in gen.blocks) <= gen.predrafts
