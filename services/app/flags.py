@@ -51,8 +51,9 @@ def add_orchestrator(p) -> None:
     p.add_argument("--auth-token-file", help="require `authorization: Bearer <token>` on the public API (health stays open)")
     p.add_argument("--backend-timeout", type=float, default=2.0,
                    help="split: floor of the per-step deadline on verifier/drafter calls (default 2 s; 20x the median step if longer)")
-    p.add_argument("--predraft", choices=["on", "off"], default="on",
-                   help="split: the drafter pre-drafts each next block while the verifier verifies (greedy requests; default on)")
+    p.add_argument("--predraft", choices=["on", "off"], default="off",
+                   help="split: the drafter pre-drafts each next block while the verifier verifies (greedy requests; default off:"
+                        " on the demo pair at block 8 almost no pre-draft is used, see benchmarks/split.py)")
     add_client_args(p, "the verifier and drafter")
 
 

@@ -193,7 +193,7 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
 
 def split_engine(
     verifier_addr: str, drafter_addr: str | None, tokenizer: str | None, wait_s: float, *, tls=None,
-    backend_timeout_s: float | None = None, predraft: bool = True,
+    backend_timeout_s: float | None = None, predraft: bool = False,
 ):
     """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them.
 
