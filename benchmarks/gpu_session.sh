@@ -19,12 +19,14 @@
 #               CUDA (auto vs fixed block sizes) and benchmarks/host_profile.py
 #   batching    benchmarks/batching.py: N sessions' verifies/drafts alone vs one batch (26B shape, demo pair)
 #   concurrency benchmarks/concurrency.py: `serve all` on CUDA, 1..16 streams, batched vs serialised
+#   split       benchmarks/split.py on CUDA: split (pre-draft off / on) vs colocated, one stream at block sizes
+#               1..16 and auto with each block's critical path as compute + wire, 1/4/8/16 streams, pre-draft hits
 # Results land in OUT_DIR. Needs torch with CUDA, grpcio, protobuf, safetensors, tokenizers,
 # prometheus-client; no MLX.
 set -u
 OUT=${1:?usage: gpu_session.sh OUT_DIR [quick]}
 QUICK=${2:-}
-PARTS=${PARTS:-tests kernels projection demo generate batching concurrency}
+PARTS=${PARTS:-tests kernels projection demo generate batching concurrency split}
 LOGS=${LOGS:-$OUT}  # each step's full log (LOGS=/tmp/x keeps OUT to the results alone)
 mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
@@ -108,5 +110,9 @@ fi
 if part concurrency; then
   step concurrency_cuda 300 $PY benchmarks/concurrency.py --serve-args "--verifier-backend torch --drafter-backend torch --device cuda --max-prompt-tokens 16384" \
     --long-prompt 16000 --out "$OUT/concurrency_cuda.json"
+fi
+if part split; then
+  step split_cuda 480 $PY benchmarks/split.py --backend torch --device cuda --repeats $([ -n "$QUICK" ] && echo 2 || echo 5) \
+    --out "$OUT/split_cuda.json"
 fi
 echo "== done"

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def measure(backend: str, target: str | None, draft: str | None, device: str, dtype: str | None, sizes: list[int],
             repeats: int) -> dict:
+    from kakeya.core.contract import Draft
     from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
 
     if backend == "torch" and device == "cpu":
@@ -49,19 +50,19 @@ def measure(backend: str, target: str | None, draft: str | None, device: str, dt
         def ar_step() -> float:
             nonlocal last, aux
             t0 = clock()
-            last = vs.verify([last])[0]
-            aux = vs.commit(1)
-            return clock() - t0
+            verdict = vs.decide(last, Draft(()))
+            t1 = clock()
+            last, aux = verdict.next_token, verdict.aux
+            return t1 - t0
 
         def draft_and_verify(b: int) -> tuple[float, float]:
             nonlocal last, aux
             t0 = clock()
-            cands = list(ds.draft(aux, last, b).tokens)
+            draft = ds.draft(aux, last, b)
             t1 = clock()
-            choices = vs.verify([last] + cands)
-            aux = vs.commit(1)  # keep one position, so the cache grows as slowly as an AR step's
+            verdict = vs.decide(last, draft)  # verify the block in one forward and keep its accepted prefix
             t2 = clock()
-            last = choices[0]
+            last, aux = verdict.next_token, verdict.aux
             return t1 - t0, t2 - t1
 
         ar_step()

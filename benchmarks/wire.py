@@ -6,8 +6,8 @@ loopback, then runs the same greedy generations
 
 - colocated: verifier and drafter in this process (``build_local_engine``);
 - split: the same loop in this process, verifier and drafter reached through
-  ``GrpcVerifier`` / ``GrpcDrafter`` (three round trips per block: draft,
-  verify, commit);
+  ``GrpcVerifier`` / ``GrpcDrafter`` (two round trips per block: draft, and
+  verify, which commits);
 - api: through the orchestrator process's Generate RPC (decode tok/s as the
   server reports it).
 
@@ -111,11 +111,8 @@ class Recorded:
     def prefill(self, ids):
         return self._call("prefill", self.inner.prefill, ids)
 
-    def verify(self, ids):
-        return self._call("verify", self.inner.verify, ids)
-
-    def commit(self, n):
-        return self._call("commit", self.inner.commit, n)
+    def decide(self, last, draft):
+        return self._call("verify", self.inner.decide, last, draft)
 
     # DrafterSession
     def draft(self, aux, last, b):
@@ -141,14 +138,14 @@ def run_split(verifier, drafter, prompt, max_tokens, block_size):
 
 
 def per_block(log):
-    """Group the call log into blocks (draft, verify, commit); prefill separately."""
+    """Group the call log into blocks (draft, verify); prefill separately."""
     prefill = [c for c in log if c["step"] == "prefill"]
     blocks, cur = [], []
     for c in log:
         if c["step"] == "prefill":
             continue
         cur.append(c)
-        if c["step"] == "commit":
+        if c["step"] == "verify":
             blocks.append(cur)
             cur = []
     return prefill, blocks
@@ -163,7 +160,7 @@ def measure_block_size(local, verifier, drafter, prompt, args, block_size):
     req = Request(prompt, max_tokens=args.max_tokens, block_size=block_size, ignore_eos=True)
     local.generate(req)  # warm-up
     run_split(verifier, drafter, prompt, args.max_tokens, block_size)  # warm-up
-    co_tok_s, sp_tok_s, co_block, sp_block, hop, hop_steps = [], [], [], [], [], {"draft": [], "verify": [], "commit": []}
+    co_tok_s, sp_tok_s, co_block, sp_block, hop, hop_steps = [], [], [], [], [], {"draft": [], "verify": []}
     sent, received, accept, kept = [], [], [], []
     prefill_bytes = []
     identical = True
@@ -316,7 +313,7 @@ def main(argv=None):
         "notes": (
             "Loopback, all processes on one machine sharing its cores (verifier, drafter, client). "
             "bytes = protobuf payload (Message.ByteSize) of every request and response of a block: "
-            "draft (aux of the rows committed last block + ids), verify (block ids), commit (aux of kept rows); "
+            "draft (aux of the rows committed last block + ids), verify (block ids; answered with the verdict and the aux of kept rows); "
             "never logits. network_hop = client-observed call time minus the server's own elapsed_s. "
             "The tiny pair's drafter is random: acceptance ~1, so each block commits ~1 token; bytes scale with "
             "committed rows x aux bytes_per_position."

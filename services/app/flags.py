@@ -63,6 +63,9 @@ def add_orchestrator(p) -> None:
     p.add_argument("--auth-token-file", help="require `authorization: Bearer <token>` on the public API (health stays open)")
     p.add_argument("--backend-timeout", type=float, default=2.0,
                    help="split: floor of the per-step deadline on verifier/drafter calls (default 2 s; 20x the median step if longer)")
+    p.add_argument("--predraft", choices=["on", "off"], default="off",
+                   help="split: the drafter pre-drafts each next block while the verifier verifies (greedy requests; default off:"
+                        " on the demo pair at block 8 almost no pre-draft is used, see benchmarks/split.py)")
     add_client_args(p, "the verifier and drafter")
 
 
@@ -161,7 +164,7 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
         return out
     out += ["--max-prompt-tokens", str(args.max_prompt_tokens), "--backend-timeout", str(args.backend_timeout),
             "--default-max-tokens", str(args.default_max_tokens), "--max-sessions-per-peer", str(args.max_sessions_per_peer),
-            "--backend-token-file", backend_token_file]  # fmt: skip
+            "--backend-token-file", backend_token_file, "--predraft", args.predraft]  # fmt: skip
     if args.auth_token_file:
         out += ["--auth-token-file", args.auth_token_file]
     if tls.enabled:  # the children share one certificate: the orchestrator trusts it towards its backends

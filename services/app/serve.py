@@ -159,7 +159,7 @@ def cmd_serve_orchestrator(args) -> int:
             drafter = None if args.no_drafter else args.drafter
             return split_engine(
                 args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls, token=backend_token,
-                backend_timeout_s=args.backend_timeout,
+                backend_timeout_s=args.backend_timeout, predraft=args.predraft == "on",
             )
 
         colocated = False

@@ -205,6 +205,15 @@ class Proposal:
 
 
 @dataclass(frozen=True)
+class Verdict:
+    """What a verifier decided about one block: :func:`accept` applied to its choices, committed."""
+
+    accepted: int  # candidates accepted (0 .. len(block) - 1)
+    next_token: int  # the verifier's choice after them: opens the next block (not in the cache yet)
+    aux: Aux  # aux of the kept positions (the block's first ``accepted + 1``): the drafter's new context
+
+
+@dataclass(frozen=True)
 class Draft:
     """What a drafter proposes for one block: its candidate ids and, when it samples, the
     :class:`Proposal` row each candidate was drawn from (None: greedy, argmax candidates)."""
@@ -216,6 +225,25 @@ class Draft:
         object.__setattr__(self, "tokens", tuple(self.tokens))  # any sequence of ids in, an immutable value out
         if self.proposal is not None and len(self.proposal) != len(self.tokens):
             raise ValueError(f"a draft of {len(self.tokens)} candidates cannot carry {len(self.proposal)} proposal rows")
+
+
+def accept(candidates: Sequence[int], choices: Sequence[int]) -> tuple[int, int]:
+    """THE acceptance rule, one definition for greedy and every sampling rule: ``(accepted, next_token)``.
+
+    ``choices[i]`` is the verifier's token after block position ``i`` (one more
+    than there are candidates). The leading run of candidates equal to their
+    choice is accepted; the choice right after that run is the next token (the
+    bonus after a full run, the correction at the first mismatch), so a block
+    commits between 1 and ``len(candidates) + 1`` tokens. Greedy choices are the
+    target's argmax; a sampling rule's choices already encode its acceptance and
+    draws (``VerifierSession.verify``), so the same rule commits its tokens.
+    """
+    n = 0
+    for candidate, choice in zip(candidates, choices):
+        if candidate != choice:
+            break
+        n += 1
+    return n, int(choices[n])
 
 
 def session_rng(seed: int, stream: int):
@@ -285,24 +313,18 @@ class VerifierSession(Protocol):
         """Run the prompt; return the target's next token (greedy, or sampled from p when the
         session samples) and the prompt's aux hidden states."""
 
-    def verify(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> list[int]:
-        """Append ``block_ids`` to the cache in ONE forward.
+    def decide(self, last_token: int, draft: Draft) -> Verdict:
+        """Verify the block ``[last_token, *draft.tokens]`` in ONE forward and commit its outcome.
 
-        Returns ``len(block_ids)`` ints; the block stays pending until ``commit``.
-        Greedy: the target's argmax after each position. Sampling (``proposal``
-        holds the drafter's q'_i of candidate i = ``block_ids[i+1]``): ``choices[i]``
-        is candidate i+1 if accepted (probability min(1, p_i(x)/q'_i(x))); at the
-        first rejection a sample from norm(max(0, p_i - q'_i)), never the rejected
-        candidate; if all are accepted, a sample from p at the last position;
-        -1 after the first rejection. Either way the loop keeps the leading run of
-        candidates that equal their choice, then the choice after it.
-        """
-
-    def commit(self, n_keep: int) -> Aux:
-        """Keep the first ``n_keep`` positions of the pending block, trim the rest exactly.
-
-        Returns the aux hidden states of the kept positions (captured by the
-        verify forward, never recomputed).
+        The session takes its choice after every position of the block -- greedy:
+        the target's argmax; sampling (``draft.proposal`` holds the drafter's q'_i of
+        candidate i): candidate i if accepted (probability min(1, p_i(x)/q'_i(x))), at
+        the first rejection a sample from norm(max(0, p_i - q'_i)), never the rejected
+        candidate, after all accepted a sample from p at the last position -- and
+        applies :func:`accept` to them. It keeps the accepted positions (``last_token``
+        and the accepted candidates) in its cache, trims the rest exactly, and
+        returns the :class:`Verdict`, with the kept positions' aux (captured by the
+        forward, never recomputed). One step, so a remote verifier costs one round trip.
         """
 
     def stats(self) -> dict:
@@ -324,6 +346,20 @@ class DrafterSession(Protocol):
         ``new_aux`` holds the aux of every position committed since the last
         call (the whole prompt on the first call). ``last_token`` is the newest
         committed token, which the verifier has not seen yet: it opens the block.
+        """
+
+    def predraft(self, new_aux: Aux | None, block_ids: Sequence[int], block_size: int) -> Callable[[], Draft]:
+        """Start drafting the block after ``block_ids`` (being verified now) on the guess that it is all accepted.
+
+        Extends the context with ``new_aux`` as :meth:`draft` does (None: nothing
+        committed since the last call), then drafts ``block_size`` tokens after
+        ``block_ids``: the drafter's guess of the verifier's next token, which would
+        open the next block, and ``block_size - 1`` candidates after it. Its context
+        lacks ``block_ids``' own aux (not verified yet). Returns at once; calling the
+        result waits for the draft. It is of use only if the verdict accepts every
+        candidate of ``block_ids`` and its next token is the guess; it replaces no
+        ``new_aux``: the verdict's aux still goes with the next call. Greedy sessions only;
+        ``block_ids`` holds at least one candidate.
         """
 
     def close(self) -> None: ...
@@ -390,9 +426,9 @@ class Block:
     drafted: int  # candidates proposed (0 for the prefill token and block size 1)
     accepted: int  # candidates accepted
     draft_s: float = 0.0
-    verify_s: float = 0.0
-    commit_s: float = 0.0
+    verify_s: float = 0.0  # the verifier's one step: verify and commit
     total_s: float = 0.0
+    predrafted: bool = False  # its candidates were pre-drafted while the block before it was verified
 
 
 @dataclass
@@ -404,6 +440,7 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     drafter_fallback: bool = False  # the drafter failed and the verifier finished alone
+    predrafts: int = 0  # pre-drafts started (the blocks with ``predrafted`` set are the ones used)
     verifier_stats: dict = field(default_factory=dict)  # the verifier session's stats() at the end
     sampling: SamplingParams = GREEDY  # as run: with the seed used when sampling
 

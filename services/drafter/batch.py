@@ -28,31 +28,32 @@ from kakeya.core.contract import Draft
 from kakeya.drafter.session import DrafterSession, draft_together
 
 
-def draft_batch(items: Sequence[tuple[DrafterSession, Any, int, int]]) -> list[Draft | Exception]:
-    """``items``: (session, new_aux, last_token, block_size) each. One result per item, in order:
+def draft_batch(items: Sequence[tuple[DrafterSession, Any, int, int] | tuple[DrafterSession, Any, int, int, tuple]]) -> list[Draft | Exception]:
+    """``items``: (session, new_aux, last_token, block_size) each, and a fifth element for a pre-draft:
+    the candidates still being verified (``DrafterSession.predraft``). One result per item, in order:
     its ``Draft``, or the exception it raised (to be raised to that item's caller alone)."""
     results: list[Any] = [None] * len(items)
     groups: dict[int, list] = {}  # sessions of one loaded model batch together
     seen: set[int] = set()
-    for i, (session, new_aux, last_token, block_size) in enumerate(items):
+    for i, (session, new_aux, last_token, block_size, *pending) in enumerate(items):
         try:
             if id(session) in seen:
                 raise ValueError("a session drafts at most once per batch (its next block needs this one's tokens)")
-            aux = session.check(new_aux, last_token, block_size)
+            call = session.check(new_aux, last_token, block_size, *pending)
         except Exception as exc:  # noqa: BLE001 -- this item's own failure, reported to its caller
             results[i] = exc
             continue
         seen.add(id(session))
-        groups.setdefault(id(session.model), []).append((i, (session, aux, last_token, block_size)))
+        groups.setdefault(id(session.model), []).append((i, call))
     for group in groups.values():
         work = [call for _, call in group]
-        if len(work) >= work[0][0].model.min_batch:
+        if len(work) >= work[0].session.model.min_batch:
             for (i, _), draft in zip(group, draft_together(work)):
                 results[i] = draft
             continue
-        for i, (session, aux, last_token, block_size) in group:
+        for i, call in group:
             try:
-                results[i] = session.run(aux, last_token, block_size)
+                results[i] = call.session.run(call)
             except Exception as exc:  # noqa: BLE001 -- this item's own failure
                 results[i] = exc
     return results

@@ -9,7 +9,9 @@ the drafter's memory. Per block the request carries the
 aux of the newly committed positions (a ``Tensor`` decoded by
 ``services/wire/codec.py``) and the token opening the block; the response
 carries ``B - 1`` candidate ids (and, in a sampling session, the compact
-proposal each was drawn from). The drafter loads only the target's embedding
+proposal each was drawn from). A ``Predraft`` drafts the block after one the
+verifier is still verifying (``DrafterSession.predraft``); it queues and
+batches with other streams' drafts like a Draft. The drafter loads only the target's embedding
 and LM head (``endpoints.local_drafter``), never the whole target. One servicer
 and one ``server_spec`` for both backends: ``backend`` picks the model, the
 session and the warm-up are the same code.
@@ -182,7 +184,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     def _serve(self, entry, requests) -> Iterator[pb.DrafterResponse]:
         session = None
-        width = self.drafter.model.config.aux_width
         vocab = self.drafter.model.target.vocab_size
         for req in requests:
             kind = req.WhichOneof("request")
@@ -200,24 +201,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 resp = pb.DrafterResponse(opened=pb.DrafterResponse.Opened(info=self.info(), session_id=entry.id))
             elif kind == "draft":
                 d = req.draft
-                try:
-                    name, shape, _ = codec.validate(d.new_aux)
-                except ValueError as exc:
-                    raise invalid(f"draft.new_aux: {exc}") from None
-                if name not in FLOAT_DTYPES:
-                    raise invalid(
-                        f"draft.new_aux: dtype {name} is not a floating type (aux is sent in the target's dtype,"
-                        f" this drafter computes in {codec.dtype_name(self.aux_dtype)})"
-                    )
-                if len(shape) != 2 or shape[1] != width:
-                    raise invalid(f"draft.new_aux: shape {list(shape)} must be [n, {width}] (n positions x aux width)")
-                if session.cache.length + shape[0] > self.max_context:
-                    raise invalid(
-                        f"draft.new_aux: {shape[0]} rows on top of {session.cache.length} context positions exceed"
-                        f" this server's limit {self.max_context} (--max-context)"
-                    )
-                if shape[0] == 0 and session.cache.length == 0:
-                    raise invalid("draft.new_aux: the first draft of a session needs the prompt's aux (n >= 1)")
+                self._check_aux(d.new_aux, session, "draft.new_aux")
                 if not 0 <= d.last_token < vocab:
                     raise invalid(f"draft.last_token: {d.last_token} is outside the vocabulary [0, {vocab})")
                 block = d.block_size or self.drafter.block_size
@@ -230,6 +214,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 if draft.proposal is not None:
                     drafted.proposal.CopyFrom(wire_contract.proposal_to_proto(draft.proposal))
                 resp = pb.DrafterResponse(drafted=drafted)
+            elif kind == "predraft":
+                item = self._predraft_item(entry, session, req.predraft, vocab)
+                draft, stats = self.compute.batch("draft", item, self._draft_batch)
+                resp = pb.DrafterResponse(predrafted=pb.DrafterResponse.Predrafted(token_ids=draft.tokens, stats=stats))
             elif kind == "close":
                 stats = self.compute.run(self._stats, session)
                 yield pb.DrafterResponse(closed=pb.DrafterResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0)
@@ -237,9 +225,46 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             elif kind == "open":
                 raise precondition("open: the session is already open")
             else:
-                raise invalid("request: no step set (open, draft or close)")
+                raise invalid("request: no step set (open, draft, predraft or close)")
             resp.elapsed_s = time.perf_counter() - t0
             yield resp
+
+    def _check_aux(self, tensor, session, field: str) -> None:
+        """A Draft's or Predraft's new aux: a float [n, aux width] tensor within --max-context (INVALID_ARGUMENT)."""
+        try:
+            name, shape, _ = codec.validate(tensor)
+        except ValueError as exc:
+            raise invalid(f"{field}: {exc}") from None
+        if name not in FLOAT_DTYPES:
+            raise invalid(
+                f"{field}: dtype {name} is not a floating type (aux is sent in the target's dtype,"
+                f" this drafter computes in {codec.dtype_name(self.aux_dtype)})"
+            )
+        width = self.drafter.model.config.aux_width
+        if len(shape) != 2 or shape[1] != width:
+            raise invalid(f"{field}: shape {list(shape)} must be [n, {width}] (n positions x aux width)")
+        if session.cache.length + shape[0] > self.max_context:
+            raise invalid(
+                f"{field}: {shape[0]} rows on top of {session.cache.length} context positions exceed"
+                f" this server's limit {self.max_context} (--max-context)"
+            )
+        if shape[0] == 0 and session.cache.length == 0:
+            raise invalid(f"{field}: the first draft of a session needs the prompt's aux (n >= 1)")
+
+    def _predraft_item(self, entry, session, p, vocab: int) -> tuple:
+        """A checked Predraft as a ``draft_batch`` item (its fifth element: the pending candidates)."""
+        if session.sampling is not None:
+            raise precondition("predraft: pre-drafting is for greedy sessions (open.sampling is set)")
+        if session.cache.length == 0:
+            raise precondition("predraft: draft the session's first block first (it brings the prompt's aux)")
+        if p.HasField("new_aux"):
+            self._check_aux(p.new_aux, session, "predraft.new_aux")
+        ids = list(p.block_ids)
+        if not 2 <= len(ids) <= self.max_block_size or any(not 0 <= t < vocab for t in ids):
+            raise invalid(f"predraft.block_ids: 2..{self.max_block_size} ids in the vocabulary [0, {vocab}), got {ids[:20]}")
+        if not 2 <= p.block_size <= self.max_block_size:
+            raise invalid(f"predraft.block_size must be 2..{self.max_block_size}, got {p.block_size}")
+        return entry, session, p.new_aux if p.HasField("new_aux") else None, ids[0], p.block_size, tuple(ids[1:])
 
     # -- compute-thread steps --------------------------------------------------------------
 
@@ -250,9 +275,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     def _draft_batch(self, items: list) -> list:
         """The Draft requests that queued up together, as one batch; one result (or exception) per item."""
         decoded = []
-        for _, session, tensor, last_token, block in items:
+        for _, session, tensor, last_token, block, *pending in items:
             try:
-                decoded.append((session, self._decode(tensor), int(last_token), int(block)))
+                aux = None if tensor is None else self._decode(tensor)
+                decoded.append((session, aux, int(last_token), int(block), *pending))
             except Exception as exc:  # noqa: BLE001 -- this stream's own failure
                 decoded.append(exc)
         drafted = iter(draft_batch([w for w in decoded if not isinstance(w, Exception)]))

@@ -7,6 +7,13 @@ projected to per-layer context K/V and appended to the session's context cache
 (a sampling session: the [B-1, K] proposal, each candidate drawn from it, see
 ``sampling.py``).
 
+A pre-draft (``predraft``, greedy sessions) drafts the block after one still
+being verified, on the guess that the verifier accepts all of it: one forward
+over ``[last_token, *pending candidates, mask * B]``, whose first mask is the
+guess of the verifier's next token and the rest are the candidates after it.
+Its context lacks the pending block's aux (the verifier has not answered yet);
+its tokens are proposals like any others.
+
 A draft alone is :func:`draft_together` of one session, the same code
 ``batch.draft_batch`` runs for several; only a greedy block on a model with a
 static step (torch with CUDA graphs) takes that step instead. The model is a
@@ -19,9 +26,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
-from kakeya.core.contract import Draft, SamplingParams, SessionOptions
+from kakeya.core.contract import MAX_BLOCK_SIZE, Draft, SamplingParams, SessionOptions
 from kakeya.drafter.backend import DraftModel, bind, extend
 from kakeya.drafter.config import check_draft_args
 from kakeya.drafter.sampling import sampled_draft, session_sampling
@@ -39,6 +46,29 @@ _EMPTY = _Empty()
 NOTHING = Draft(())  # a block of size 1 drafts nothing (its call only extends the context)
 
 
+class DraftCall(NamedTuple):
+    """One checked draft call: ``aux`` (new context rows, the model's own array) and the block drafted
+    after ``[last_token, *pending]``. No ``pending``: a draft of ``block_size - 1`` candidates. Else a
+    pre-draft (``pending``: the candidates still being verified): ``block_size`` tokens, the guess of
+    the verifier's next token (it opens the next block) and that block's candidates."""
+
+    session: "DrafterSession"
+    aux: Any
+    last_token: int
+    block_size: int
+    pending: tuple[int, ...] = ()
+
+    @property
+    def opening(self) -> list[int]:
+        """The block's known tokens: the newest committed one, then the pending candidates."""
+        return [self.last_token, *self.pending]
+
+    @property
+    def wanted(self) -> int:
+        """Tokens this call drafts (0: it only extends the context)."""
+        return self.block_size if self.pending else self.block_size - 1
+
+
 class DrafterSession:
     def __init__(self, model: DraftModel, sampling: SamplingParams | None = None):
         self.model = model
@@ -49,25 +79,42 @@ class DrafterSession:
 
     def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
         """Extend the context by ``new_aux`` and draft ``block_size - 1`` tokens after ``last_token``."""
-        return self.run(self.check(new_aux, last_token, block_size), last_token, block_size)
+        return self.run(self.check(new_aux, last_token, block_size))
 
-    def run(self, aux, last_token: int, block_size: int) -> Draft:
-        """``draft`` after ``check``: ``aux`` is what ``check`` returned."""
+    def predraft(self, new_aux, block_ids: Sequence[int], block_size: int) -> Callable[[], Draft]:
+        """The contract's pre-draft, run now: in this process nothing runs beside the verifier."""
+        if len(block_ids) < 2:
+            raise ValueError("block_ids: a pre-draft follows a block with candidates (at least 2 ids)")
+        draft = self.run(self.check(new_aux, block_ids[0], block_size, tuple(block_ids[1:])))
+        return lambda: draft
+
+    def run(self, call: DraftCall) -> Draft:
+        """A call ``check`` returned."""
         step = self.model.static_step
-        if step is not None and self.sampling is None and block_size > 1:
+        if step is not None and self.sampling is None and call.block_size > 1 and not call.pending:
             self.calls += 1
-            return Draft(step.draft(self.cache, aux, last_token, block_size))
-        return draft_together([(self, aux, last_token, block_size)])[0]
+            return Draft(step.draft(self.cache, call.aux, call.last_token, call.block_size))
+        return draft_together([call])[0]
 
-    def check(self, new_aux, last_token: int, block_size: int):
-        """Validate one draft call's arguments (ValueError naming the field); ``new_aux`` as the model's rows."""
+    def check(self, new_aux, last_token: int, block_size: int, pending: tuple[int, ...] = ()) -> DraftCall:
+        """Validate one draft call's arguments (ValueError naming the field): the call, with ``new_aux``
+        as the model's rows (None: no new rows, a pre-draft's after a draft)."""
         if self._closed:
             raise RuntimeError("drafter session is closed")
-        check_draft_args(last_token, block_size, self.model.target.vocab_size)
-        aux = self.model.read_aux(new_aux)
+        vocab = self.model.target.vocab_size
+        check_draft_args(last_token, block_size, vocab)
+        if pending:
+            if self.sampling is not None:
+                raise ValueError("pending: pre-drafting is for greedy sessions (a sampled block is drawn once it opens)")
+            if block_size < 2 or len(pending) >= MAX_BLOCK_SIZE:
+                raise ValueError(f"a pre-draft needs block_size >= 2 and at most {MAX_BLOCK_SIZE - 1} pending candidates")
+            bad = [t for t in pending if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"pending: ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        aux = self.model.zeros_aux(0) if new_aux is None else self.model.read_aux(new_aux)
         if self.cache.length + aux.shape[0] == 0:
             raise ValueError("new_aux must hold at least one position on the first draft call")
-        return aux
+        return DraftCall(self, aux, last_token, block_size, tuple(pending))
 
     def stats(self) -> dict:
         return {"context_len": self.cache.length, "ctx_cache_bytes": self.cache.nbytes, "draft_calls": self.calls}
@@ -80,34 +127,34 @@ class DrafterSession:
         self.cache = _EMPTY  # frees the K/V now (or hands it to the next session), not when collected
 
 
-def draft_together(work: Sequence[tuple[DrafterSession, Any, int, int]]) -> list[Draft]:
-    """Checked draft calls ``(session, aux, last_token, block_size)`` of sessions of one model: ONE
-    context extension, ONE forward over every block of size >= 2, one host sync for the greedy ones
-    (a sampling session's candidates are drawn from its own logits rows with its own stream)."""
-    model = work[0][0].model
-    caches = [session.cache for session, *_ in work]
-    for session, *_ in work:
-        session.calls += 1
-    extend(model, caches, [aux for _, aux, _, _ in work])
-    drafting = [(session, last, size) for session, _, last, size in work if size > 1]
+def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
+    """Checked draft calls of sessions of one model: ONE context extension, ONE forward over every
+    block that drafts, one host sync for the greedy ones (a sampling session's candidates are drawn
+    from its own logits rows with its own stream)."""
+    model = work[0].session.model
+    caches = [call.session.cache for call in work]
+    for call in work:
+        call.session.calls += 1
+    extend(model, caches, [call.aux for call in work])
+    drafting = [call for call in work if call.wanted]
     if not drafting:
         model.settle(caches)
         return [NOTHING] * len(work)
     mask = model.config.mask_token_id
-    logits = model.block_logits([(session.cache, [last] + [mask] * (size - 1)) for session, last, size in drafting])
-    greedy = any(session.sampling is None for session, _, _ in drafting)
+    logits = model.block_logits([(call.session.cache, call.opening + [mask] * call.wanted) for call in drafting])
+    greedy = any(call.session.sampling is None for call in drafting)
     tokens = model.argmax(logits, caches) if greedy else None  # settles every cache too
     drafts, at = [], 0
-    for session, _, _, size in work:
-        if size == 1:
+    for call in work:
+        if not call.wanted:
             drafts.append(NOTHING)
             continue
-        rows = slice(at, at + size - 1)
-        at += size - 1
-        if session.sampling is None:
+        at += len(call.opening) + call.wanted - 1  # the block's rows: its positions 1.., the drafted ones last
+        rows = slice(at - call.wanted, at)
+        if call.session.sampling is None:
             drafts.append(Draft(tokens[rows]))
         else:  # syncs on the [B-1, K] proposal
-            drafts.append(sampled_draft(logits[rows], model.sampler, session.sampling, session.rng))
+            drafts.append(sampled_draft(logits[rows], model.sampler, call.session.sampling, call.session.rng))
     if not greedy:
         model.settle(caches)
     return drafts

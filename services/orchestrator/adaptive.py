@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, Block
+from kakeya.core.contract import MAX_BLOCK_SIZE, Block, Draft
 
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the pooled rate)
 COST_EMA = 0.2  # weight of a new timing in a size's running cost
@@ -124,7 +124,7 @@ class BlockSizer:
         size = block.drafted + 1
         self.chain.observe(block.drafted, block.accepted)
         if block.total_s > 0:
-            self.costs.observe(size, block.draft_s + block.verify_s + block.commit_s)
+            self.costs.observe(size, block.draft_s + block.verify_s)
 
 
 class AdaptivePolicy:
@@ -156,7 +156,7 @@ class AdaptivePolicy:
 
 def measure_costs(verifier, drafter, sizes: Sequence[int] = (1, 2, 4, 8, 16), repeats: int = 3, prompt_len: int = 32,
                   clock=time.perf_counter) -> CostCurve:
-    """Time one block (draft + verify + commit) at each size on live sessions; the fastest of ``repeats``.
+    """Time one block (draft + verify) at each size on live sessions; the fastest of ``repeats``.
 
     Runs through the same session API as a generation, so a remote endpoint's
     wire time is part of its cost, as it is in every real block. Every size
@@ -178,11 +178,10 @@ def measure_costs(verifier, drafter, sizes: Sequence[int] = (1, 2, 4, 8, 16), re
             times = []
             for _ in range(repeats if size in timed else 1):
                 t0 = clock()
-                cands = list(ds.draft(aux, last, size).tokens) if ds is not None else []  # size 1: the context still grows
-                choices = vs.verify([last] + cands)
-                aux = vs.commit(1)
+                draft = ds.draft(aux, last, size) if ds is not None else Draft(())  # size 1: the context still grows
+                verdict = vs.decide(last, draft)
                 times.append(clock() - t0)
-                last = choices[0]
+                aux, last = verdict.aux, verdict.next_token
             if size in timed:
                 curve.seconds[size] = min(times)
             timed.add(size)

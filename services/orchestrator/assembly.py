@@ -193,12 +193,13 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
 
 def split_engine(
     verifier_addr: str, drafter_addr: str | None, tokenizer: str | None, wait_s: float, *, tls=None,
-    token: str | None = None, backend_timeout_s: float | None = None,
+    token: str | None = None, backend_timeout_s: float | None = None, predraft: bool = False,
 ):
     """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them.
 
     ``tls``: a ``kakeya.runtime.tls.ClientTLS`` for both; ``token``: the bearer token both require;
-    ``backend_timeout_s``: the step deadlines' floor.
+    ``backend_timeout_s``: the step deadlines' floor; ``predraft``: greedy runs pre-draft the next
+    block while the verifier verifies (``Engine.predraft``).
     The verifier's sessions return the hidden states of the drafter's layers (without a drafter:
     the verifier server's default layers).
     """
@@ -232,4 +233,4 @@ def split_engine(
     else:
         log.warning("no tokenizer (verifier's %s is not readable here; pass --tokenizer DIR): token-id prompts only", info.name)
     draft_name = drafter.remote.model_name if drafter is not None else ""
-    return Engine(verifier, drafter, codec, target=info.name, draft=draft_name)
+    return Engine(verifier, drafter, codec, target=info.name, draft=draft_name, predraft=predraft)

@@ -24,11 +24,15 @@ log = logging.getLogger("kakeya.orchestrator")
 
 
 class Engine:
+    """``predraft``: greedy runs pre-draft each next block while the current one is verified (the
+    loop's ``predraft``): worth it where the drafter works beside the verifier, i.e. split."""
+
     def __init__(self, verifier: Verifier, drafter: Drafter | None, codec: TextCodec | None, target: str = "",
-                 draft: str = "", device: str | None = None):
+                 draft: str = "", device: str | None = None, predraft: bool = False):
         self.verifier, self.drafter, self.codec = verifier, drafter, codec
         self.target, self.draft = target, draft
         self.device = device  # what reports print (in-process torch: "cpu"/"cuda"; None: not known here)
+        self.predraft = predraft
         self.adaptive: AdaptivePolicy | None = None  # measured on the first request that asks for it
         self._calibrating = threading.Lock()
 
@@ -147,6 +151,7 @@ class RunOptions:
     # A failing drafter: the verifier finishes alone (same tokens, ``drafter_fallback`` set) instead of
     # failing the run. Servers want that; tests and benchmarks want a broken drafter to fail loudly.
     drafter_fallback: bool = False
+    predraft: bool | None = None  # None: the engine's choice (``Engine.predraft``); sampling runs never pre-draft
 
 
 class Run:
@@ -177,9 +182,10 @@ class Run:
             self._step(self._close_sessions)
             raise
         on_drafter_error = self._drafter_failed if options.drafter_fallback else None
+        predraft = (engine.predraft if options.predraft is None else options.predraft) and self._sampling.greedy
         self._decoding = loop.Decoding(
             self.verifier_session, self.drafter_session, req.prompt_ids, req.max_tokens, self._sizer,
-            engine.stop_ids(req), on_drafter_error,
+            engine.stop_ids(req), on_drafter_error, predraft,
         )
 
     def _open(self, options: SessionOptions) -> None:

@@ -6,22 +6,26 @@ them. Per block:
 
 1. the drafter extends its context with the aux of the positions committed
    last block and drafts ``B - 1`` candidates after ``last`` (one forward);
-2. the verifier runs ``[last, c1 .. c_{B-1}]`` in one forward and returns its
-   own greedy choice after every position;
-3. the leading run of candidates equal to the target's choices is accepted,
-   and the target's choice after that run is the bonus token, so every block
-   commits between 1 and ``B`` tokens, all of them the target's greedy tokens
-   (sampling: the verifier's choices already encode acceptance, the residual
-   draw and the bonus draw, so the same rule commits exactly-p-distributed
-   tokens; see ``VerifierSession.verify``);
-4. the verifier keeps the positions it has seen that were accepted and trims
-   the rest; the aux of the kept positions goes to the drafter next block.
+2. the verifier decides ``[last, c1 .. c_{B-1}]`` in one step
+   (``VerifierSession.decide``): one forward, its own choice after every
+   position, the acceptance rule (``core.contract.accept``: the leading run of
+   candidates equal to its choices, then its choice after that run), the
+   accepted positions kept and the rest trimmed. So every block commits between
+   1 and ``B`` tokens, all of them the target's greedy tokens (sampling: the
+   choices already encode acceptance, the residual draw and the bonus draw, so
+   the same rule commits exactly-p-distributed tokens);
+3. the verdict's next token opens the next block, and its aux (the kept
+   positions') goes to the drafter with the next draft.
+
+With ``predraft``, step 1 of the next block starts right after step 1 of this
+one (``DrafterSession.predraft``, on the guess that this block is accepted in
+full); the next block takes it only if the verdict bears the guess out.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 from kakeya.core.contract import (
     MAX_BLOCK_SIZE,
@@ -29,6 +33,7 @@ from kakeya.core.contract import (
     Draft,
     DrafterSession,
     Generation,
+    Verdict,
     VerifierSession,
     check_block_size,
 )
@@ -39,16 +44,6 @@ if TYPE_CHECKING:
 __all__ = ["MAX_BLOCK_SIZE", "Block", "Generation", "check_block_size", "Decoding", "run"]
 
 NO_DRAFT = Draft(())  # a block the drafter sits out: size 1, or the verifier decoding alone
-
-
-def leading_matches(candidates: Sequence[int], choices: Sequence[int]) -> int:
-    """How many candidates equal the target's choice at the position before them."""
-    n = 0
-    for c, t in zip(candidates, choices):
-        if c != t:
-            break
-        n += 1
-    return n
 
 
 class Decoding:
@@ -62,7 +57,9 @@ class Decoding:
     ``drafter`` may be None (or ``block_size`` 1): the verifier then decodes
     autoregressively, with identical output. If ``on_drafter_error`` is given,
     a drafter exception is reported to it and the rest of the generation runs
-    on the verifier alone instead of failing.
+    on the verifier alone instead of failing. ``predraft``: while a block is
+    verified, the drafter pre-drafts the next one (greedy sessions; it pays
+    where the drafter works beside the verifier, a remote one).
     """
 
     def __init__(
@@ -74,9 +71,12 @@ class Decoding:
         block_size: "int | BlockSizer",
         stop_ids: Iterable[int] = (),
         on_drafter_error: Callable[[Exception], None] | None = None,
+        predraft: bool = False,
     ):
         self.generation = Generation(prompt_ids=list(prompt_ids))
-        self._blocks = _decode(self.generation, verifier, drafter, max_tokens, block_size, stop_ids, on_drafter_error)
+        self._blocks = _decode(
+            self.generation, verifier, drafter, max_tokens, block_size, stop_ids, on_drafter_error, predraft
+        )
 
     def __iter__(self) -> "Decoding":
         return self
@@ -88,6 +88,77 @@ class Decoding:
         self._blocks.close()
 
 
+class _Ahead(NamedTuple):
+    """A pre-draft in flight: its result, and how many candidates of the block being verified it takes as accepted."""
+
+    result: Callable[[], Draft]
+    assumed: int
+
+
+class _Drafts:
+    """The drafter's side of one generation: the aux it has not been handed yet, the pre-draft in
+    flight, the next block's size when it was chosen early (with that pre-draft), and the fallback
+    to the verifier alone when the drafter fails."""
+
+    def __init__(self, session, gen: Generation, sizer, block_size: int, predraft: bool, on_error, prompt_aux):
+        self.session, self.gen, self.sizer, self.block_size, self.on_error = session, gen, sizer, block_size, on_error
+        self.active = session is not None and (sizer is not None or block_size > 1)
+        self.predraft = predraft
+        self.new_aux = prompt_aux  # the newest verdict's aux (the prompt's at first) until a drafter call takes it
+        self.ahead: _Ahead | None = None
+        self.want: int | None = None
+
+    def next(self, last: int, room: int, verdict: Verdict | None) -> tuple[Draft, bool]:
+        """The draft of the block opened by ``last`` (at most ``room`` tokens) after ``verdict``: the
+        pre-draft when it guessed right (True), else a fresh one."""
+        ahead, self.ahead = self.ahead, None
+        want, self.want = self.want, None
+        if not self.active:
+            return NO_DRAFT, False
+        if ahead is not None and verdict.accepted == ahead.assumed:  # all accepted: was the next token guessed?
+            guess = self._safely(ahead.result)
+            if guess is not None and guess.tokens[0] == last:
+                return Draft(guess.tokens[1:room]), True  # never past max_tokens
+            if not self.active:
+                return NO_DRAFT, False
+        if want is None:
+            want = self.sizer.choose() if self.sizer is not None else self.block_size
+        B = min(want, room)  # never draft past max_tokens: a block commits at most B tokens
+        # A sized block of 1 still hands the drafter the new positions (a draft of
+        # size 1 only extends its context), or its context would have gaps later.
+        if B == 1 and self.sizer is None:
+            return NO_DRAFT, False
+        draft = self._safely(self.session.draft, self.new_aux, last, B)
+        if draft is None:
+            return NO_DRAFT, False
+        self.new_aux = None
+        return draft, False
+
+    def predraft_after(self, last: int, draft: Draft) -> None:
+        """Start pre-drafting the block after ``[last, *draft.tokens]`` (verified meanwhile): it takes the
+        aux the drafter has not had, and the next block's size is chosen now."""
+        if not (self.predraft and self.active and draft.tokens):
+            return
+        self.want = self.sizer.choose() if self.sizer is not None else self.block_size
+        if self.want < 2:
+            return
+        result = self._safely(self.session.predraft, self.new_aux, [last, *draft.tokens], self.want)
+        if result is not None:
+            self.new_aux, self.ahead = None, _Ahead(result, len(draft.tokens))
+            self.gen.predrafts += 1
+
+    def _safely(self, step, *args):
+        """``step(*args)``; a drafter failure ends drafting (None) when the run falls back, else it is raised."""
+        try:
+            return step(*args)
+        except Exception as exc:  # the verifier alone produces the same tokens
+            if self.on_error is None:
+                raise
+            self.on_error(exc)
+            self.gen.drafter_fallback, self.active, self.ahead = True, False, None
+            return None
+
+
 def _decode(
     gen: Generation,
     verifier: VerifierSession,
@@ -96,6 +167,7 @@ def _decode(
     block_size: "int | BlockSizer",
     stop_ids: Iterable[int],
     on_drafter_error: Callable[[Exception], None] | None,
+    predraft: bool,
 ) -> Iterator[Block]:
     """:class:`Decoding`'s steps: record each committed block in ``gen`` and yield it."""
     sizer = None if isinstance(block_size, int) else block_size
@@ -110,7 +182,7 @@ def _decode(
     clock = time.perf_counter
 
     t0 = clock()
-    first, new_aux = verifier.prefill(prompt_ids)
+    first, prompt_aux = verifier.prefill(prompt_ids)
     gen.prefill_s = clock() - t0
     t_decode = clock()
 
@@ -128,56 +200,39 @@ def _decode(
 
     done = emit(Block([first], 0, 0, total_s=gen.prefill_s))
     yield gen.blocks[-1]
-    last = first
-    use_drafter = drafter is not None and (sizer is not None or block_size > 1)
+    last, verdict = first, None
+    drafts = _Drafts(drafter, gen, sizer, block_size, predraft, on_drafter_error, prompt_aux)
     while not done:
         t_block = clock()
-        # Never draft past max_tokens: a block commits at most B tokens.
-        want = sizer.choose() if sizer is not None else block_size
-        B = min(want, max_tokens - len(gen.token_ids)) if use_drafter else 1
-        draft = NO_DRAFT
-        # A sized block of 1 still hands the drafter the new positions (a draft of
-        # size 1 only extends its context), or its context would have gaps later.
-        if B > 1 or (sizer is not None and use_drafter):
-            try:
-                draft = drafter.draft(new_aux, last, B)
-            except Exception as exc:  # the verifier alone produces the same tokens
-                if on_drafter_error is None:
-                    raise
-                on_drafter_error(exc)
-                gen.drafter_fallback, use_drafter, B = True, False, 1
+        draft, predrafted = drafts.next(last, max_tokens - len(gen.token_ids), verdict)
         t_drafted = clock()
-        # Sampling: the draft carries the proposal its candidates were drawn from, and the
-        # verifier's choices follow the same accept-the-leading-run rule (services/core/sampling.py).
-        candidates, proposal = list(draft.tokens), draft.proposal
-        block_ids = [last] + candidates
-        choices = verifier.verify(block_ids, proposal) if proposal is not None else verifier.verify(block_ids)
-        t_verified = clock()
-        n_ok = leading_matches(candidates, choices)
-        tokens = candidates[:n_ok] + [choices[n_ok]]
-        new_aux = verifier.commit(n_ok + 1)
+        drafts.predraft_after(last, draft)  # a remote drafter works on it while the verifier verifies
+        # Sampling: the draft carries the proposal its candidates were drawn from.
+        verdict = verifier.decide(last, draft)
         t_end = clock()
+        drafts.new_aux = verdict.aux
+        tokens = list(draft.tokens[: verdict.accepted]) + [verdict.next_token]
         done = emit(
             Block(
                 tokens,
-                drafted=len(candidates),
-                accepted=n_ok,
+                drafted=len(draft.tokens),
+                accepted=verdict.accepted,
                 draft_s=t_drafted - t_block,
-                verify_s=t_verified - t_drafted,
-                commit_s=t_end - t_verified,
+                verify_s=t_end - t_drafted,
                 total_s=t_end - t_block,
+                predrafted=predrafted,
             )
         )
-        if sizer is not None and use_drafter:
+        if sizer is not None and drafts.active:
             sizer.observe(gen.blocks[-1])
         yield gen.blocks[-1]
         last = tokens[-1]
     gen.decode_s = clock() - t_decode
 
 
-def run(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids=(), on_drafter_error=None) -> Generation:
+def run(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids=(), on_drafter_error=None, predraft=False) -> Generation:
     """Run a :class:`Decoding` to the end and return the whole generation."""
-    decoding = Decoding(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids, on_drafter_error)
+    decoding = Decoding(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids, on_drafter_error, predraft)
     for _ in decoding:
         pass
     return decoding.generation

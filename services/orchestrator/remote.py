@@ -3,8 +3,10 @@
 One bidirectional ``Session`` stream per session: opening a session starts the
 stream, ``close`` ends it politely (``Close`` -> ``Closed``), ``abort`` cancels
 it; the server frees the session's cache either way. Requests are pipelined
-where the protocol allows it (``Open`` travels with ``Prefill`` / the first
-``Draft``), so a block costs three round trips: draft, verify, commit.
+where the protocol allows it (``streams.py``: ``Open`` travels with ``Prefill``
+/ the first ``Draft``; a ``Predraft`` is answered while the verifier verifies),
+so a block costs two round trips: draft, and verify (which commits); one where
+its pre-draft was used.
 
 Aux hidden states stay opaque: a verifier session returns the wire ``Tensor``
 as it came and a drafter session sends a ``Tensor`` as it is (an array is
@@ -15,7 +17,7 @@ A session takes its request's ``SessionOptions``: the request id travels with
 the stream, the client's deadline bounds it, and a cancelled request aborts it
 at once (from whichever thread cancels).
 
-Failures surface as :class:`BackendError` carrying the gRPC status code. A
+Failures surface as ``streams.BackendError`` carrying the gRPC status code. A
 ``GrpcDrafter`` that failed is skipped for a while (exponential backoff) and
 then tried again, so the orchestrator reconnects once the drafter is back.
 Every step waits at most a deadline sized from measured step times
@@ -25,197 +27,30 @@ Every step waits at most a deadline sized from measured step times
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Draft, Proposal, SamplingParams, SessionOptions
-from kakeya.orchestrator.deadlines import WATCHDOG, StepClock
+from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Draft, SamplingParams, SessionOptions, Verdict
+from kakeya.orchestrator.deadlines import StepClock
+from kakeya.orchestrator.streams import (  # noqa: F401  (BackendError, backend_channel, backend_healthy: re-exported)
+    BackendError,
+    Stream,
+    backend_channel,
+    backend_healthy,
+    call_unary,
+    fetch_info,
+)
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import drafter_pb2 as dpb
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2_grpc
 from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb
 from kakeya.wire.kakeya.v1.tensor_pb2 import Tensor
-from kakeya.wire.limits import channel_options
 
 log = logging.getLogger("kakeya.remote")
-
-# A backend that restarts is found again within ~2 s (gRPC's default backoff grows to 120 s).
-RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
-
-
-# Sessions are streams, so balancing is per session: a target that resolves to several replicas
-# (``dns:///verifier-headless:50061``, ``ipv4:10.0.0.1:50061,10.0.0.2:50061``) gets each new
-# session on the next replica; only replicas whose gRPC health says SERVING are picked, so one
-# that is loading or draining gets none (client-side health checking).
-BALANCE_OPTIONS = [
-    ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}}'),
-]
-
-
-def backend_channel(addr: str, tls=None, token: str | None = None) -> grpc.Channel:
-    """A channel to a verifier or drafter; ``tls``: a ``kakeya.runtime.tls.ClientTLS`` (None: plaintext);
-    ``token``: the bearer token the backend requires (``--backend-token-file``), sent on every call."""
-    from kakeya.runtime.auth import with_bearer
-    from kakeya.runtime.tls import channel
-
-    return with_bearer(channel(addr, tls, channel_options() + RECONNECT_OPTIONS + BALANCE_OPTIONS), token)
-
-
-def backend_healthy(channel: grpc.Channel, timeout: float = 1.0) -> bool:
-    """The backend answers its health check with SERVING within ``timeout``."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-    except grpc.RpcError:
-        return False
-    return r.status == health_pb2.HealthCheckResponse.SERVING
-
-
-class BackendError(RuntimeError):
-    """A call to a verifier or drafter failed; ``code`` is its ``grpc.StatusCode``.
-
-    ``step_timeout``: the backend did not answer one step within its deadline (hung, not merely slow).
-    """
-
-    def __init__(
-        self, service: str, addr: str, code: grpc.StatusCode, details: str, step_timeout: bool = False, skipped: bool = False
-    ):
-        super().__init__(f"{service} at {addr}: {code.name}: {details}")
-        self.service, self.addr, self.code, self.details = service, addr, code, details
-        self.step_timeout = step_timeout
-        self.skipped = skipped  # never called: the drafter was backing off after earlier failures
-
-    @property
-    def ended_by_caller(self) -> bool:
-        """Our side ended the call (the client cancelled, or its deadline passed): not the backend's failure."""
-        return self.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED) and not self.step_timeout
-
-    @classmethod
-    def of(cls, service: str, addr: str, exc: grpc.RpcError) -> "BackendError":
-        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-        details = exc.details() if hasattr(exc, "details") else str(exc)
-        return cls(service, addr, code or grpc.StatusCode.UNKNOWN, details or "")
-
-
-def _call_unary(service: str, addr: str, fn, request, timeout: float | None, wait: bool = False):
-    try:
-        return fn(request, timeout=timeout, wait_for_ready=wait)
-    except grpc.RpcError as exc:
-        raise BackendError.of(service, addr, exc) from None
-
-
-def _get_info(service: str, addr: str, fn, request, wait_s: float | None):
-    """GetInfo; with ``wait_s``, keep trying (backend not up yet, or still loading) for that long."""
-    if not wait_s:
-        return _call_unary(service, addr, fn, request, 10.0)
-    deadline = time.monotonic() + wait_s
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            return _call_unary(service, addr, fn, request, max(0.1, left), wait=True)
-        except BackendError as exc:
-            if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise
-            if left <= 0.5:
-                raise BackendError(
-                    service, addr, grpc.StatusCode.UNAVAILABLE, f"not ready within {wait_s:g} s (last: {exc.details})"
-                ) from None
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-
-
-_END = object()
-
-
-class _Stream:
-    """One bidi Session call: requests are queued, responses read strictly in order."""
-
-    def __init__(self, method, service: str, addr: str, timeout: float | None, request_id: str):
-        self.service, self.addr = service, addr
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._expect: deque[str] = deque()
-        metadata = (("x-request-id", request_id),) if request_id else None
-        self._call = method(iter(self._requests.get, _END), timeout=timeout, metadata=metadata)
-        self.done = False
-        self.expired = 0.0  # the step deadline that passed (seconds), 0 while none did
-        self.bytes_sent = 0
-        self.bytes_received = 0
-
-    def post(self, request, expect: str) -> None:
-        if self.done:
-            raise BackendError(self.service, self.addr, grpc.StatusCode.CANCELLED, "session is closed")
-        self.bytes_sent += request.ByteSize()
-        self._expect.append(expect)
-        self._requests.put(request)
-
-    def wait(self, step_timeout: float | None = None):
-        expect = self._expect.popleft()
-        key = None
-        if step_timeout is not None:
-
-            def expire(t=step_timeout):
-                self.expired = t
-                self.abort()
-
-            key = WATCHDOG.arm(step_timeout, expire)
-        try:
-            resp = next(self._call)
-        except StopIteration:
-            self.abort()
-            raise BackendError(self.service, self.addr, grpc.StatusCode.INTERNAL, f"stream ended before {expect}") from None
-        except grpc.RpcError as exc:
-            self.abort()
-            if self.expired:
-                raise BackendError(
-                    self.service, self.addr, grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"no {expect} answer within {self.expired:.1f} s (hung? see --backend-timeout)", step_timeout=True,
-                ) from None
-            raise BackendError.of(self.service, self.addr, exc) from None
-        finally:
-            if key is not None:
-                WATCHDOG.disarm(key)
-        self.bytes_received += resp.ByteSize()
-        got = resp.WhichOneof("response")
-        if got != expect:
-            self.abort()
-            raise BackendError(self.service, self.addr, grpc.StatusCode.INTERNAL, f"expected {expect}, got {got}")
-        return resp
-
-    def ask(self, request, expect: str, step_timeout: float | None = None):
-        self.post(request, expect)
-        while len(self._expect) > 1:  # answers to pipelined requests come first
-            self.wait(step_timeout)
-        return self.wait(step_timeout)
-
-    def finish(self, request, expect: str, step_timeout: float | None = None):
-        """Polite end: send ``request``, half-close, read the answer; never raises."""
-        if self.done:
-            return None
-        try:
-            resp = self.ask(request, expect, step_timeout)
-        except BackendError:
-            return None
-        finally:
-            self.abort()
-        return resp
-
-    def abort(self) -> None:
-        """Cancel the call (the server frees the session); idempotent, any thread."""
-        if not self.done:
-            self.done = True
-            self._requests.put(_END)  # unblocks gRPC's request-reading thread
-        self._call.cancel()
-
 
 # --------------------------------------------------------------------------- verifier
 
@@ -228,7 +63,7 @@ class GrpcVerifierSession:
     ):
         self.verifier = verifier
         self.clock = verifier.clock
-        self._s = _Stream(verifier.stub.Session, "verifier", verifier.addr, options.timeout, options.request_id)
+        self._s = Stream(verifier.stub.Session, "verifier", verifier.addr, options.timeout, options.request_id)
         if options.cancel is not None:
             options.cancel.on_cancel(self.abort)
         open_ = vpb.VerifierRequest.Open(
@@ -238,7 +73,7 @@ class GrpcVerifierSession:
             open_.sampling.CopyFrom(wire_contract.sampling_to_proto(sampling))
         if policy is not None:
             open_.cache_policy.CopyFrom(wire_contract.policy_to_proto(policy))
-        self._s.post(vpb.VerifierRequest(open=open_), "opened")  # answered with the prefill
+        self._opened = self._s.post(vpb.VerifierRequest(open=open_), "opened")  # answered with the prefill
         self.session_id = ""
         self.cache_policy = ""
         self._stats = vpb.SessionStats()
@@ -258,27 +93,23 @@ class GrpcVerifierSession:
     def prefill(self, prompt_ids: Sequence[int]):
         n = len(prompt_ids)
         t0 = time.perf_counter()
-        self._s.post(vpb.VerifierRequest(prefill=vpb.VerifierRequest.Prefill(token_ids=list(prompt_ids))), "prefilled")
-        opened = self._s.wait(self.clock.timeout()).opened
+        prefilled = self._s.post(vpb.VerifierRequest(prefill=vpb.VerifierRequest.Prefill(token_ids=list(prompt_ids))), "prefilled")
+        opened = self._s.wait(self._opened, self.clock.timeout()).opened
         self.session_id = opened.session_id
         self.cache_policy = wire_contract.policy_from_proto(opened.cache_policy, CachePolicy()).label
-        r = self._s.wait(self.clock.timeout(prefill_tokens=n))
+        r = self._s.wait(prefilled, self.clock.timeout(prefill_tokens=n))
         self.clock.record(time.perf_counter() - t0, prefill_tokens=n)
         self.server_s += r.elapsed_s
         self._stats = r.prefilled.stats
         return r.prefilled.next_token, self._aux(r.prefilled.aux)
 
-    def verify(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> list[int]:
-        v = vpb.VerifierRequest.Verify(block_ids=list(block_ids))
-        if proposal is not None:
-            v.proposal.CopyFrom(wire_contract.proposal_to_proto(proposal))
-        r = self._step(vpb.VerifierRequest(verify=v), "verified")
-        return list(r.verified.choices)
-
-    def commit(self, n_keep: int):
-        r = self._step(vpb.VerifierRequest(commit=vpb.VerifierRequest.Commit(n_keep=n_keep)), "committed")
-        self._stats = r.committed.stats
-        return self._aux(r.committed.aux)
+    def decide(self, last_token: int, draft: Draft) -> Verdict:
+        v = vpb.VerifierRequest.Verify(block_ids=[last_token, *draft.tokens])
+        if draft.proposal is not None:
+            v.proposal.CopyFrom(wire_contract.proposal_to_proto(draft.proposal))
+        r = self._step(vpb.VerifierRequest(verify=v), "verified").verified
+        self._stats = r.stats
+        return Verdict(r.accepted, r.next_token, self._aux(r.aux))
 
     def stats(self) -> dict:
         s = self._stats
@@ -318,7 +149,7 @@ class GrpcVerifier:
         self.clock = clock or StepClock()
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
         self.aux_like = aux_like  # None: aux stays a wire Tensor; "mlx"/"torch"/"numpy": decoded
-        self.remote = _get_info("verifier", addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), wait_s)
+        self.remote = fetch_info("verifier", addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), wait_s)
         r = self.remote
         self.info = wire_contract.model_info_from_verifier(
             r, f"grpc:{addr}", {"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)}
@@ -331,7 +162,7 @@ class GrpcVerifier:
         return backend_healthy(self.channel, timeout)
 
     def get_info(self, timeout: float = 5.0) -> vpb.VerifierInfo:
-        return _call_unary("verifier", self.addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), timeout)
+        return call_unary("verifier", self.addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), timeout)
 
     def open_session(
         self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None, options: SessionOptions | None = None
@@ -343,6 +174,11 @@ class GrpcVerifier:
 
 
 # --------------------------------------------------------------------------- drafter
+
+
+def _tensor(aux) -> Tensor:
+    """Aux as the wire Tensor: a verifier's comes as one already (passed on, never decoded here)."""
+    return aux if isinstance(aux, Tensor) else codec.to_proto(aux)
 
 
 class Backoff:
@@ -372,37 +208,39 @@ class Backoff:
 
 
 class GrpcDrafterSession:
-    """``DrafterSession`` over one Session stream, opened with the first ``draft``."""
+    """``DrafterSession`` over one Session stream, opened with the first ``draft``.
+
+    A ``predraft`` is posted at once and its answer read when its result is
+    asked for, or before the answer to the next request (answers come in order).
+    """
 
     def __init__(self, drafter: "GrpcDrafter", sampling: SamplingParams | None, options: SessionOptions):
         self.drafter = drafter
         self._timeout, self._request_id = options.timeout, options.request_id
         self._sampling = sampling if sampling is not None and not sampling.greedy else None
-        self._s: _Stream | None = None
+        self._s: Stream | None = None
         self._broken = False
         self._first = True
-        self.server_s = 0.0
+        self.server_s = 0.0  # server-side time of the drafts (the steps on a block's critical path)
+        self.predraft_s = 0.0  # ... and of the pre-drafts, which run beside the verifier's steps
         if options.cancel is not None:
             options.cancel.on_cancel(self.abort)
 
-    def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
+    def _stream(self) -> Stream:
+        if self._s is None:
+            self._s = Stream(self.drafter.stub.Session, "drafter", self.drafter.addr, self._timeout, self._request_id)
+            open_ = dpb.DrafterRequest.Open(request_id=self._request_id)
+            if self._sampling is not None:
+                open_.sampling.CopyFrom(wire_contract.sampling_to_proto(self._sampling))
+            self._s.post(dpb.DrafterRequest(open=open_), "opened")  # answered before the first draft's answer
+        return self._s
+
+    def _guarded(self, step):
+        """``step()``; a failure breaks the session and, unless it is ours, counts against the drafter."""
         if self._broken:
             raise BackendError("drafter", self.drafter.addr, grpc.StatusCode.CANCELLED, "session failed earlier")
         try:
-            if self._s is None:
-                self._s = _Stream(self.drafter.stub.Session, "drafter", self.drafter.addr, self._timeout, self._request_id)
-                open_ = dpb.DrafterRequest.Open(request_id=self._request_id)
-                if self._sampling is not None:
-                    open_.sampling.CopyFrom(wire_contract.sampling_to_proto(self._sampling))
-                self._s.post(dpb.DrafterRequest(open=open_), "opened")
-            tensor = new_aux if isinstance(new_aux, Tensor) else codec.to_proto(new_aux)
-            req = dpb.DrafterRequest(draft=dpb.DrafterRequest.Draft(new_aux=tensor, last_token=last_token, block_size=block_size))
-            rows = int(tensor.shape[0]) if self._first and len(tensor.shape) else 0  # the first draft takes the prompt
-            clock = self.drafter.clock
-            t0 = time.perf_counter()
-            r = self._s.ask(req, "drafted", clock.timeout(prefill_tokens=rows))
-            clock.record(time.perf_counter() - t0, prefill_tokens=rows)
-            self._first = False
+            return step()
         except BackendError as exc:
             aborted_here = self._broken  # abort() from our side (client cancelled): not the drafter's fault
             self._broken = True
@@ -411,6 +249,21 @@ class GrpcDrafterSession:
             if not aborted_here and not exc.ended_by_caller:
                 self.drafter.failed(exc)
             raise
+
+    def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
+        tensor = _tensor(new_aux)
+        req = dpb.DrafterRequest(draft=dpb.DrafterRequest.Draft(new_aux=tensor, last_token=last_token, block_size=block_size))
+        rows = int(tensor.shape[0]) if self._first and len(tensor.shape) else 0  # the first draft takes the prompt
+        clock = self.drafter.clock
+
+        def step():
+            t0 = time.perf_counter()
+            r = self._stream().ask(req, "drafted", clock.timeout(prefill_tokens=rows))
+            clock.record(time.perf_counter() - t0, prefill_tokens=rows)
+            return r
+
+        r = self._guarded(step)
+        self._first = False
         self.server_s += r.elapsed_s
         self.drafter.backoff.success()
         d = r.drafted
@@ -418,9 +271,26 @@ class GrpcDrafterSession:
             return Draft(d.token_ids)
         return Draft(d.token_ids, wire_contract.proposal_from_proto(d.proposal, len(d.token_ids), self.drafter.vocab_size))
 
+    def predraft(self, new_aux, block_ids: Sequence[int], block_size: int) -> Callable[[], Draft]:
+        p = dpb.DrafterRequest.Predraft(block_ids=list(block_ids), block_size=block_size)
+        if new_aux is not None:
+            p.new_aux.CopyFrom(_tensor(new_aux))
+        reply = self._guarded(lambda: self._stream().post(dpb.DrafterRequest(predraft=p), "predrafted"))
+        drafted: list[Draft] = []
+
+        def result() -> Draft:
+            if not drafted:
+                r = self._guarded(lambda: self._s.wait(reply, self.drafter.clock.timeout()))
+                self.predraft_s += r.elapsed_s
+                drafted.append(Draft(r.predrafted.token_ids))
+            return drafted[0]
+
+        return result
+
     def stats(self) -> dict:
         s = self._s
-        return {"bytes_sent": s.bytes_sent if s else 0, "bytes_received": s.bytes_received if s else 0, "server_s": self.server_s}
+        return {"bytes_sent": s.bytes_sent if s else 0, "bytes_received": s.bytes_received if s else 0,
+                "server_s": self.server_s, "predraft_s": self.predraft_s}  # fmt: skip
 
     def close(self) -> None:
         if self._s is not None and not self._broken:
@@ -449,6 +319,9 @@ class _SkippedDrafterSession:
             skipped=True,
         )
 
+    def predraft(self, new_aux, block_ids, block_size):
+        return self.draft(new_aux, block_ids[0], block_size)  # fails alike
+
     def stats(self) -> dict:
         return {}
 
@@ -470,7 +343,7 @@ class GrpcDrafter:
         self.channel = channel or backend_channel(addr, tls, token)
         self.clock = clock or StepClock()
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
-        self.remote = _get_info("drafter", addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), wait_s)
+        self.remote = fetch_info("drafter", addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), wait_s)
         self.backend = f"grpc:{addr}"
         self.block_size = self.remote.block_size
         self.target_layer_ids = tuple(self.remote.target_layer_ids)
@@ -479,7 +352,7 @@ class GrpcDrafter:
         self.backoff = backoff or Backoff()
 
     def get_info(self, timeout: float = 5.0) -> dpb.DrafterInfo:
-        return _call_unary("drafter", self.addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), timeout)
+        return call_unary("drafter", self.addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), timeout)
 
     def open_session(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None):
         if not self.backoff.ready():

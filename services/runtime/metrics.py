@@ -26,7 +26,7 @@ log = logging.getLogger("kakeya.orchestrator")
 
 # Seconds; from 1 ms (a tiny model's block) to 80 s (a long generation on a CPU).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-PHASES = ("draft", "verify", "wire", "commit")
+PHASES = ("draft", "verify", "wire")
 
 
 class _Collected:
@@ -158,10 +158,9 @@ class GenerationObserver:
             m.itl.observe(now - self.t_last)
             m.block_latency.labels("draft").observe(b.draft_s)
             m.block_latency.labels("verify").observe(b.verify_s)
-            m.block_latency.labels("commit").observe(b.commit_s)
             if total is not None and self.server_s is not None:
                 # client time minus the backends' own handler time (their Session responses' elapsed_s)
-                client = b.verify_s + b.commit_s + (b.draft_s if _server_s(self.ds) is not None else 0.0)
+                client = b.verify_s + (b.draft_s if _server_s(self.ds) is not None else 0.0)
                 m.block_latency.labels("wire").observe(max(0.0, client - (total - self.server_s)))
         self.t_last, self.server_s = now, total
         if b.drafted > 0:

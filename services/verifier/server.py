@@ -3,9 +3,10 @@
 The stream IS the session: the KV cache is created at ``Open`` and freed when
 the stream ends, however it ends (``Close``, half-close, cancellation,
 deadline, broken connection) -- through ``context.add_callback`` and the
-handler's ``finally``, both idempotent. Per block only token ids go down and
-the target's choices plus the kept positions' aux come back, the aux encoded
-by ``services/wire/codec.py`` in the model's own dtype; never logits. A
+handler's ``finally``, both idempotent. A block is one Verify: only token ids
+go down, and the verdict (the acceptance rule applied here, the block
+committed) comes back with the kept positions' aux, encoded by
+``services/wire/codec.py`` in the model's own dtype; never logits. A
 sampling session (``Open.sampling``) also takes the drafter's compact proposal
 with each Verify and samples with its own seeded stream.
 
@@ -23,6 +24,7 @@ from typing import Iterator, Sequence
 
 import grpc
 
+from kakeya.core.contract import Draft
 from kakeya.runtime import bounds
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
 from kakeya.runtime.guard import add_servicer
@@ -56,13 +58,12 @@ log = logging.getLogger("kakeya.verifier")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VerifierService"].full_name
 
 
-def _stats_proto(stats: dict, pending: int = 0) -> pb.SessionStats:
+def _stats_proto(stats: dict) -> pb.SessionStats:
     kv = stats.get("kv_bytes", {})
     return pb.SessionStats(
         kv_bytes_sliding=int(kv.get("sliding", 0)),
         kv_bytes_full=int(kv.get("full", 0)),
         positions=int(stats.get("positions", 0)),
-        pending=pending,
         bounded=bool(stats.get("bounded", False)),
     )
 
@@ -136,8 +137,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         session = self._new_session(warm_layers, self.verifier.policy)
         prompt = [i % info.vocab_size for i in range(1, 6)]
         _, aux = session.prefill(prompt)
-        session.verify(prompt[:3])
-        session.commit(1)
+        session.decide(prompt[0], Draft(prompt[1:3]))
         session.close()
         self.aux_dtype = codec.to_proto(aux[:1]).dtype
         self.device = self.verifier.target.device_name
@@ -229,7 +229,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         n_layers = self.verifier.info.num_layers
         session = None
         prefilled = False
-        pending = 0
         policy = None
         for req in requests:
             kind = req.WhichOneof("request")
@@ -284,8 +283,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             elif kind == "verify":
                 if not prefilled:
                     raise precondition("verify: prefill the prompt first")
-                if pending:
-                    raise precondition("verify: commit the previous block first")
                 ids = check_token_ids(req.verify.block_ids, vocab, "verify.block_ids")
                 if len(ids) > session.policy.slack:
                     raise invalid(
@@ -297,26 +294,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                         f" max_positions {max_positions} (open.max_positions / --max-context)"
                     )
                 proposal = self._proposal(session, req.verify, ids, vocab)
-                choices = self.compute.batch("verify", (session, ids, proposal), verify_batch)
-                pending = len(ids)
-                resp = pb.VerifierResponse(verified=pb.VerifierResponse.Verified(choices=choices))
-            elif kind == "commit":
-                if not pending:
-                    raise precondition("commit: no verified block is pending")
-                n_keep = req.commit.n_keep
-                if not 0 <= n_keep <= pending:
-                    raise invalid(f"commit.n_keep must be in 0..{pending}, got {n_keep}")
-                aux, stats = self.compute.run(self._commit, entry, session, n_keep)
-                pending = 0
-                resp = pb.VerifierResponse(committed=pb.VerifierResponse.Committed(aux=aux, stats=stats))
+                verified = self.compute.batch("verify", (entry, session, ids, proposal), self._verify_batch)
+                resp = pb.VerifierResponse(verified=verified)
             elif kind == "close":
-                stats = _stats_proto(self.compute.run(session.stats), pending)
+                stats = _stats_proto(self.compute.run(session.stats))
                 yield pb.VerifierResponse(closed=pb.VerifierResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0)
                 return
             elif kind == "open":
                 raise precondition("open: the session is already open")
             else:
-                raise invalid("request: no step set (open, prefill, verify, commit or close)")
+                raise invalid("request: no step set (open, prefill, verify or close)")
             resp.elapsed_s = time.perf_counter() - t0
             yield resp
 
@@ -363,12 +350,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self._account(entry, stats)
         return int(next_token), tensor, _stats_proto(stats)
 
-    def _commit(self, entry, session, n_keep):
-        aux = session.commit(n_keep)
-        tensor = codec.to_proto(aux)
+    def _verify_batch(self, items: list) -> list:
+        """The Verify requests that queued up together as one batch (``batch.verify_batch``), each then
+        settled by the acceptance rule and answered; one ``Verified`` (or exception) per item."""
+        choices = verify_batch([(session, ids, proposal) for _, session, ids, proposal in items])
+        return [c if isinstance(c, Exception) else self._verified(item, c) for item, c in zip(items, choices)]
+
+    def _verified(self, item, choices) -> pb.VerifierResponse.Verified:
+        entry, session, ids, _ = item
+        verdict = session.settle(ids, choices)
         stats = session.stats()
         self._account(entry, stats)
-        return tensor, _stats_proto(stats)
+        return pb.VerifierResponse.Verified(
+            accepted=verdict.accepted, next_token=verdict.next_token, aux=codec.to_proto(verdict.aux), stats=_stats_proto(stats)
+        )
 
 
 def server_spec(

@@ -7,6 +7,11 @@ the one position counter: each forward gets an immutable plan from it, and a
 trim only moves it back. Nothing is shared between sessions but the weights.
 Per block there is one host sync (the target's choices as ints); aux hidden
 states stay on the device and only the kept rows are handed on.
+
+A block is :meth:`VerifierSession.decide` (the contract's one step); its two
+halves, :meth:`~VerifierSession.verify` (the forward and the choices, the block
+left pending) and :meth:`~VerifierSession.commit` (keep a prefix, trim the rest),
+are what the batch runner and the backend tests drive.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ from kakeya.core import sampling as lossless
 from kakeya.core.contract import (
     VERIFIER_STREAM,
     CachePolicy,
+    Draft,
     ModelInfo,
     Proposal,
     SamplingParams,
     SessionOptions,
+    Verdict,
+    accept,
     session_rng,
 )
 from kakeya.verifier.backend import Forward, Segment, Target
@@ -171,7 +179,19 @@ class VerifierSession:
             first = self.target.sampler.sample_next(self.target.logits(out.hidden[:, -1:])[0], self.sampling, float(u[0]))
         return first, self.target.cat(chunks)
 
+    def decide(self, last_token: int, draft: Draft) -> Verdict:
+        """The contract's step: verify ``[last_token, *draft.tokens]``, then :meth:`settle` it."""
+        block_ids = [last_token, *draft.tokens]
+        return self.settle(block_ids, self.verify(block_ids, draft.proposal))
+
+    def settle(self, block_ids: Sequence[int], choices: Sequence[int]) -> Verdict:
+        """The pending block decided by the acceptance rule: its accepted run kept, the rest trimmed."""
+        accepted, next_token = accept(block_ids[1:], choices)
+        return Verdict(accepted, next_token, self.commit(accepted + 1))
+
     def verify(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> list[int]:
+        """Run ``block_ids`` in one forward; the choice after each position (see the contract's
+        ``decide``; -1 after a sampling verify's first rejection). The block stays pending until :meth:`commit`."""
         self.check_block(block_ids, proposal)
         if self.target.static_verify and self.restorer is None and self.sampling is None:
             return self._verify_static(block_ids)

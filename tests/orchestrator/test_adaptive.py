@@ -2,7 +2,7 @@
 
 import pytest
 
-from kakeya.core.contract import Block
+from kakeya.core.contract import Block, Draft, Verdict
 from kakeya.orchestrator.adaptive import AcceptanceChain, AdaptivePolicy, BlockSizer, CostCurve
 from kakeya.orchestrator.loop import run
 
@@ -67,7 +67,7 @@ def test_exploration_drafts_a_full_block_now_and_then():
 
 def test_observe_learns_cost_and_acceptance_from_blocks():
     s = BlockSizer(CostCurve({4: 1.0}), explore_every=0)
-    s.observe(Block([1, 2, 3, 4], drafted=3, accepted=3, draft_s=0.5, verify_s=0.4, commit_s=0.1, total_s=1.0))
+    s.observe(Block([1, 2, 3, 4], drafted=3, accepted=3, draft_s=0.5, verify_s=0.5, total_s=1.0))
     assert s.chain.reached[:3] == [1, 1, 1]
     assert s.costs(4) == pytest.approx(1.0)
 
@@ -115,13 +115,11 @@ class _ColdFirstCall:
     def prefill(self, prompt):
         return 1, None
 
-    def verify(self, block):
-        self.clock.t += (1.0 if len(block) not in self.seen else 0.0) + 0.01 * len(block)
-        self.seen.add(len(block))
-        return [2] * len(block)
-
-    def commit(self, n):
-        return None
+    def decide(self, last, draft):
+        size = len(draft.tokens) + 1
+        self.clock.t += (1.0 if size not in self.seen else 0.0) + 0.01 * size
+        self.seen.add(size)
+        return Verdict(accepted=0, next_token=2, aux=None)
 
     def close(self):
         pass
@@ -135,7 +133,7 @@ def test_measure_costs_times_warm_shapes():
     clock = types.SimpleNamespace(t=0.0)
     session = _ColdFirstCall(clock)
     verifier = types.SimpleNamespace(info=types.SimpleNamespace(vocab_size=100), open_session=lambda: session)
-    drafter_session = types.SimpleNamespace(draft=lambda aux, last, n: types.SimpleNamespace(tokens=[3] * (n - 1)),
+    drafter_session = types.SimpleNamespace(draft=lambda aux, last, n: Draft(tuple([3] * (n - 1))),
                                             close=lambda: None)
     drafter = types.SimpleNamespace(open_session=lambda: drafter_session)
     curve = adaptive.measure_costs(verifier, drafter, sizes=(1, 4, 16), repeats=1, clock=lambda: clock.t)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kakeya.core.contract import Draft
-from kakeya.orchestrator.loop import leading_matches, run
+from kakeya.core.contract import Draft, Verdict, accept
+from kakeya.orchestrator.loop import run
 from kakeya.orchestrator.quality import find_runaway, quality_report
 
 
@@ -13,32 +13,28 @@ class ScriptedVerifier:
     def __init__(self, prompt_len, continuation):
         self.cont = continuation
         self.pos = 0  # tokens of the continuation committed into the cache (the last one is not fed yet)
-        self.pending = None
         self.prompt_len = prompt_len
         self.kept = []
 
     def prefill(self, prompt):
         assert len(prompt) == self.prompt_len
-        return self.cont[0], list(range(len(prompt)))
+        return self.cont[0], list(range(len(prompt)))  # aux: one row per position, named by its position
 
-    def verify(self, block):
+    def decide(self, last, draft):
+        block = [last, *draft.tokens]
         assert block[0] == self.cont[self.pos], "block must open with the last committed token"
-        self.pending = len(block)
         # the target's choice after block[i] given block[:i] matched is cont[pos+i+1]
-        out = []
+        choices = []
         for i in range(len(block)):
-            out.append(self.cont[self.pos + i + 1])
+            choices.append(self.cont[self.pos + i + 1])
             if i + 1 < len(block) and block[i + 1] != self.cont[self.pos + i + 1]:
-                out.extend([-1] * (len(block) - i - 2))
+                choices.extend([-1] * (len(block) - i - 2))
                 break
-        return out[: len(block)]
-
-    def commit(self, n):
-        assert 1 <= n <= self.pending
-        self.pos += n
-        self.kept.append(n)
-        self.pending = None
-        return ["aux"] * n
+        accepted, next_token = accept(block[1:], choices[: len(block)])
+        kept = [self.prompt_len + self.pos + i for i in range(accepted + 1)]
+        self.pos += accepted + 1
+        self.kept.append(accepted + 1)
+        return Verdict(accepted, next_token, kept)
 
     def stats(self):
         return {}
@@ -48,14 +44,33 @@ class ScriptedVerifier:
 
 
 class ScriptedDrafter:
-    def __init__(self, verifier, wrong_every=3):
-        self.v, self.calls, self.wrong_every = verifier, 0, wrong_every
+    """Drafts the target's continuation, one candidate in ``wrong_every`` wrong; its pre-drafts guess
+    the next token wrong every ``wrong_guess_every``-th time. Its context is the aux rows it was handed."""
+
+    def __init__(self, verifier, wrong_every=3, wrong_guess_every=None):
+        self.v, self.calls, self.wrong_every, self.wrong_guess_every = verifier, 0, wrong_every, wrong_guess_every
+        self.context: list[int] = []
+        self.predrafts = 0
+
+    def _take(self, new_aux):
+        self.context += new_aux or []
 
     def draft(self, new_aux, last, B):
+        self._take(new_aux)
         self.calls += 1
         good = self.v.cont[self.v.pos + 1 : self.v.pos + B]
         k = self.calls % self.wrong_every if self.wrong_every else -1
         return Draft([t if i != k else 999 for i, t in enumerate(good)])
+
+    def predraft(self, new_aux, block_ids, B):
+        self._take(new_aux)
+        self.predrafts += 1
+        at = self.v.pos + len(block_ids)  # where the next block opens if all of block_ids is accepted
+        guess, *good = self.v.cont[at : at + B]
+        if self.wrong_guess_every and self.predrafts % self.wrong_guess_every == 0:
+            guess = 998
+        k = self.predrafts % self.wrong_every if self.wrong_every else -1
+        return lambda: Draft([guess] + [t if i != k else 999 for i, t in enumerate(good)])
 
 
 CONT = list(range(100, 400))
@@ -115,6 +130,53 @@ def test_drafter_failure_falls_back_to_verifier_alone():
         run(v2, Dies(v2), [0], max_tokens=60, block_size=8)
 
 
+@pytest.mark.parametrize("B", [2, 4, 8, 16])
+@pytest.mark.parametrize("wrong_every, wrong_guess_every", [(None, None), (None, 2), (3, None), (2, 3)])
+def test_predrafting_commits_the_same_tokens_and_hands_every_aux_row_over_once(B, wrong_every, wrong_guess_every):
+    v = ScriptedVerifier(3, CONT)
+    d = ScriptedDrafter(v, wrong_every, wrong_guess_every)
+    g = run(v, d, [1, 2, 3], max_tokens=61, block_size=B, predraft=True)
+    assert g.token_ids == CONT[:61] and g.finish_reason == "length"
+    used = [b for b in g.blocks[1:] if b.predrafted]
+    assert g.predrafts == d.predrafts and len(used) <= g.predrafts
+    if wrong_every is None and wrong_guess_every is None:  # every guess right: the drafter drafts only the first block
+        assert d.calls == 1 and len(used) == len(g.blocks) - 2
+    for before, block in zip(g.blocks[1:], g.blocks[2:]):
+        if block.predrafted:  # only after a block accepted in full, with the next token guessed
+            assert before.accepted == before.drafted and block.tokens[0] == before.tokens[-1] + 1
+    if wrong_every is not None or wrong_guess_every is not None:
+        assert len(used) < len(g.blocks) - 2
+    if wrong_every is None and wrong_guess_every is not None:  # every other guess right: half the pre-drafts used
+        assert 0 < len(used)
+    # the context the drafter was handed: every committed position once, in order, none skipped
+    assert d.context == list(range(len(d.context))) and len(d.context) >= 3 + 61 - B - 1
+
+
+def test_a_predraft_used_near_max_tokens_is_cut_to_the_room_left():
+    v = ScriptedVerifier(1, CONT)
+    g = run(v, ScriptedDrafter(v, wrong_every=None), [0], max_tokens=20, block_size=8, predraft=True)
+    assert g.token_ids == CONT[:20] and g.acceptance_lengths == [8, 8, 3]
+    assert [b.predrafted for b in g.blocks[1:]] == [False, True, True]
+
+
+def test_a_failing_predraft_falls_back_to_the_verifier_alone():
+    for where in ("post", "result"):
+        v = ScriptedVerifier(1, CONT)
+
+        class Dies(ScriptedDrafter):
+            def predraft(self, new_aux, block_ids, B):
+                if self.predrafts == 2:
+                    if where == "post":
+                        raise ConnectionError("drafter gone")
+                    return lambda: (_ for _ in ()).throw(ConnectionError("drafter gone"))
+                return super().predraft(new_aux, block_ids, B)
+
+        errors = []
+        g = run(v, Dies(v, wrong_every=None), [0], max_tokens=60, block_size=8, on_drafter_error=errors.append, predraft=True)
+        assert g.token_ids == CONT[:60] and g.drafter_fallback and len(errors) == 1, where
+        assert all(b.drafted == 0 for b in g.blocks[4:])  # the verifier alone from then on
+
+
 def test_bad_arguments():
     v = ScriptedVerifier(1, CONT)
     for kwargs, msg in [({"block_size": 0}, "block_size"), ({"block_size": 17}, "block_size"), ({"max_tokens": 0}, "max_tokens")]:
@@ -125,10 +187,11 @@ def test_bad_arguments():
         run(v, None, [], 5, 4)
 
 
-def test_leading_matches():
-    assert leading_matches([1, 2, 3], [1, 2, 3, 4]) == 3
-    assert leading_matches([1, 9, 3], [1, 2, 3, 4]) == 1
-    assert leading_matches([], [5]) == 0
+def test_the_acceptance_rule_keeps_the_leading_run_then_the_choice_after_it():
+    assert accept([1, 2, 3], [1, 2, 3, 4]) == (3, 4)  # all accepted: the bonus
+    assert accept([1, 9, 3], [1, 2, 3, 4]) == (1, 2)  # the correction at the first mismatch
+    assert accept([], [5]) == (0, 5)  # a block of one: the next token alone
+    assert accept([7, 8], [6, -1, -1]) == (0, 6)  # a sampling verify's choices end after its first rejection
 
 
 def test_quality_gate_flags_runaways_only():

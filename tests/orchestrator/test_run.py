@@ -24,11 +24,11 @@ class Session(ScriptedVerifier):
         if options.cancel is not None:  # as a remote session does
             options.cancel.on_cancel(self.abort)
 
-    def verify(self, block, proposal=None):
+    def decide(self, last, draft):
         self.verifies += 1
         if self.verifies == self.fail_verify_at:
             raise ConnectionError("verifier gone")
-        return super().verify(block)
+        return super().decide(last, draft)
 
     def stats(self):
         return {"kv_bytes": {"sliding": 7, "full": self.pos}}
@@ -201,3 +201,17 @@ def test_a_cancellation_runs_each_hook_once_and_late_ones_at_once():
     c.cancel()
     c.on_cancel(lambda: seen.append("late"))
     assert seen == ["early", "late"] and c.cancelled
+
+
+def test_the_engine_predrafts_greedy_runs_only_and_a_run_may_say_otherwise():
+    from kakeya.core.contract import SamplingParams
+
+    engine = _engine()
+    engine.predraft = True
+    gen = engine.generate(Request(PROMPT, max_tokens=40, block_size=4))
+    assert gen.token_ids == CONT[:40] and gen.predrafts > 0 and any(b.predrafted for b in gen.blocks)
+    assert engine.generate(Request(PROMPT, max_tokens=40, block_size=4), RunOptions(predraft=False)).predrafts == 0
+    sampled = engine.generate(Request(PROMPT, max_tokens=40, block_size=4, sampling=SamplingParams(0.8, seed=3)))
+    assert sampled.predrafts == 0  # a sampled block is drawn when it opens
+    engine.predraft = False
+    assert engine.generate(Request(PROMPT, max_tokens=40, block_size=4), RunOptions(predraft=True)).predrafts > 0

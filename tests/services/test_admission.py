@@ -163,7 +163,7 @@ def test_every_way_a_session_ends_frees_its_memory(servers, ending):
     elif ending == "cancelled":
         s.call.cancel()
     elif ending == "errored":
-        s.send(V(commit=V.Commit(n_keep=1)))  # nothing pending: FAILED_PRECONDITION
+        s.send(V(prefill=V.Prefill(token_ids=PROMPT)))  # prefilled already: FAILED_PRECONDITION
         with pytest.raises(grpc.RpcError) as err:
             s.next()
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

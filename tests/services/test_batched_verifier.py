@@ -16,7 +16,7 @@ import torch
 
 importlib.import_module("torch")
 
-from kakeya.core.contract import CachePolicy  # noqa: E402
+from kakeya.core.contract import CachePolicy, Draft  # noqa: E402
 from kakeya.orchestrator.remote import GrpcVerifier  # noqa: E402
 from kakeya.verifier import server as verifier_server  # noqa: E402
 from kakeya.verifier.session import PREFILL_CHUNK, VerifierSession  # noqa: E402
@@ -72,12 +72,8 @@ def _decode(session, first: int, reference: list[int], k: int) -> list[int]:
     while len(out) < N_TOKENS:
         L = 1 + (len(out) + k) % 8
         cands = [t if (len(out) + j) % 3 else (t + 1) % 500 for j, t in enumerate(reference[len(out) : len(out) + L - 1])]
-        choices = session.verify([tok] + cands)
-        n = 0
-        while n < len(cands) and cands[n] == choices[n]:
-            n += 1
-        session.commit(n + 1)
-        out += choices[: n + 1]
+        verdict = session.decide(tok, Draft(cands))
+        out += cands[: verdict.accepted] + [verdict.next_token]
         tok = out[-1]
     return out[:N_TOKENS]
 
@@ -132,9 +128,9 @@ def test_a_long_prefill_lets_another_streams_verify_run_between_its_chunks(serve
     with ThreadPoolExecutor(2) as ex:
         prefilled = ex.submit(long.prefill, long_prompt)
         assert first_chunk.wait(60)
-        choices = ex.submit(short.verify, [tok, 7, 8]).result(60)
+        verdict = ex.submit(short.decide, tok, Draft([7, 8])).result(60)
         next_token, aux = prefilled.result(120)
-    assert len(choices) == 3
+    assert 0 <= verdict.accepted <= 2
     assert events == ["chunk", "verify", "chunk", "chunk", "chunk", "chunk"]  # the verify ran between chunks
     one_shot = VerifierSession(v.verifier.target, v.verifier.aux_layers, CachePolicy())
     want_token, want_aux = one_shot.prefill(long_prompt)

@@ -135,7 +135,6 @@ verifier_messages = st.one_of(
               policies, st.lists(st.integers(-1, 7), max_size=3), i32, st.sampled_from(["", "ok-id", "é", "x" * 200])),
     st.builds(lambda t: V(prefill=V.Prefill(token_ids=t)), ids),
     st.builds(lambda t: V(verify=V.Verify(block_ids=t)), ids),
-    st.builds(lambda n: V(commit=V.Commit(n_keep=n)), i32),
     st.just(V(close=V.Close())),
     st.just(V()),
 )  # fmt: skip

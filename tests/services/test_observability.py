@@ -58,7 +58,7 @@ def test_metrics_count_what_the_generation_did(served):
     assert m[("kakeya_prompt_tokens_total", ())] == len(PROMPT)
     assert m[("kakeya_time_to_first_token_seconds_count", ())] == 1
     assert m[("kakeya_inter_token_latency_seconds_count", ())] == len(complete.stats.acceptance_lengths)
-    for phase in ("draft", "verify", "wire", "commit"):
+    for phase in ("draft", "verify", "wire"):
         assert m[("kakeya_block_latency_seconds_count", (("phase", phase),))] == len(complete.stats.acceptance_lengths)
     assert m[("kakeya_num_requests_running", ())] == 0 and m[("kakeya_num_requests_waiting", ())] == 0
     assert ar_fallbacks(ports["orchestrator"]) == 0  # whatever the reason

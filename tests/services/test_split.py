@@ -277,10 +277,12 @@ BAD_VERIFIER = [
     ("empty prefill", [OPEN_V, V(prefill=V.Prefill())], grpc.StatusCode.INVALID_ARGUMENT, "prefill.token_ids"),
     ("verify before prefill", [OPEN_V, V(verify=V.Verify(block_ids=[2]))], grpc.StatusCode.FAILED_PRECONDITION, "prefill"),
     ("block too long", [OPEN_V, V(prefill=V.Prefill(token_ids=[2])), V(verify=V.Verify(block_ids=[3] * 17))], grpc.StatusCode.INVALID_ARGUMENT, "verify.block_ids"),
-    ("n_keep too big", [OPEN_V, V(prefill=V.Prefill(token_ids=[2])), V(verify=V.Verify(block_ids=[3, 4])), V(commit=V.Commit(n_keep=3))], grpc.StatusCode.INVALID_ARGUMENT, "commit.n_keep"),
+    ("verify id outside vocab", [OPEN_V, V(prefill=V.Prefill(token_ids=[2])), V(verify=V.Verify(block_ids=[3, 4096]))], grpc.StatusCode.INVALID_ARGUMENT, "verify.block_ids"),
     ("aux layer out of range", [V(open=V.Open(target_layer_ids=[1, 9]))], grpc.StatusCode.INVALID_ARGUMENT, "open.target_layer_ids"),
     ("quantised kv bits 3", [V(open=V.Open(cache_policy=_policy(full_kv_bits=3)))], grpc.StatusCode.INVALID_ARGUMENT, "open.cache_policy"),
 ]
+_DRAFT = D(draft=D.Draft(new_aux=_aux(), last_token=2, block_size=4))  # a first draft, bringing the prompt's aux
+
 BAD_DRAFTER = [
     ("first not open", [D(draft=D.Draft(new_aux=_aux(), last_token=2))], grpc.StatusCode.FAILED_PRECONDITION, "open"),
     ("int32 aux", [OPEN_D, D(draft=D.Draft(new_aux=_aux(dtype=np.int32), last_token=2))], grpc.StatusCode.INVALID_ARGUMENT, "draft.new_aux"),
@@ -290,6 +292,11 @@ BAD_DRAFTER = [
     ("empty first aux", [OPEN_D, D(draft=D.Draft(new_aux=_aux(rows=0), last_token=2))], grpc.StatusCode.INVALID_ARGUMENT, "draft.new_aux"),
     ("last token outside vocab", [OPEN_D, D(draft=D.Draft(new_aux=_aux(), last_token=1024))], grpc.StatusCode.INVALID_ARGUMENT, "draft.last_token"),
     ("block size 100", [OPEN_D, D(draft=D.Draft(new_aux=_aux(), last_token=2, block_size=100))], grpc.StatusCode.INVALID_ARGUMENT, "draft.block_size"),
+    ("predraft first", [OPEN_D, D(predraft=D.Predraft(new_aux=_aux(), block_ids=[2, 3], block_size=4))], grpc.StatusCode.FAILED_PRECONDITION, "predraft"),
+    ("predraft one id", [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2], block_size=4))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.block_ids"),
+    ("predraft id outside vocab", [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2, 1024], block_size=4))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.block_ids"),
+    ("predraft block size 1", [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2, 3], block_size=1))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.block_size"),
+    ("predraft aux wrong width", [OPEN_D, _DRAFT, D(predraft=D.Predraft(new_aux=_aux(width=100), block_ids=[2, 3], block_size=4))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.new_aux"),
 ]  # fmt: skip
 
 
@@ -319,13 +326,28 @@ def test_bad_drafter_stream_then_a_good_request(servers, case):
 def test_a_good_raw_verifier_session(servers):
     out = _session(
         verifier_stub(servers["verifier"].addr),
-        [OPEN_V, V(prefill=V.Prefill(token_ids=PROMPT)), V(verify=V.Verify(block_ids=[5, 6, 7])), V(commit=V.Commit(n_keep=2)), V(close=V.Close())],
+        [OPEN_V, V(prefill=V.Prefill(token_ids=PROMPT)), V(verify=V.Verify(block_ids=[5, 6, 7])), V(close=V.Close())],
     )  # fmt: skip
-    assert [r.WhichOneof("response") for r in out] == ["opened", "prefilled", "verified", "committed", "closed"]
+    assert [r.WhichOneof("response") for r in out] == ["opened", "prefilled", "verified", "closed"]
     aux = codec.from_proto(out[1].prefilled.aux)
     assert aux.shape == (len(PROMPT), 128) and aux.dtype == np.float32  # the model's dtype, 2 aux layers x 64
-    assert len(out[2].verified.choices) == 3 and codec.from_proto(out[3].committed.aux).shape == (2, 128)
-    assert out[4].closed.stats.positions == len(PROMPT) + 2
+    verified = out[2].verified  # one step: verified and committed
+    assert 0 <= verified.accepted <= 2 and 0 <= verified.next_token < 1024
+    assert codec.from_proto(verified.aux).shape == (verified.accepted + 1, 128)
+    assert verified.stats.positions == out[3].closed.stats.positions == len(PROMPT) + verified.accepted + 1
+
+
+def test_a_good_raw_drafter_session_predrafts_the_block_after_the_pending_one(servers):
+    out = _session(
+        drafter_stub(servers["drafter"].addr),
+        [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2, 3, 4, 5], block_size=4)),
+         D(predraft=D.Predraft(new_aux=_aux(rows=4), block_ids=[6, 7], block_size=8)), D(close=D.Close())],
+    )  # fmt: skip
+    assert [r.WhichOneof("response") for r in out] == ["opened", "drafted", "predrafted", "predrafted", "closed"]
+    assert len(out[1].drafted.token_ids) == 3  # B - 1 candidates
+    assert len(out[2].predrafted.token_ids) == 4 and len(out[3].predrafted.token_ids) == 8  # the guess, then B - 1
+    assert all(0 <= t < 1024 for r in out[2:4] for t in r.predrafted.token_ids)
+    assert out[4].closed.stats.context_positions == 3 + 4  # the draft's rows and the second pre-draft's; none of a pending block
 
 
 def test_session_limit_is_resource_exhausted_then_recovers(servers):
@@ -423,3 +445,16 @@ def test_sampling_is_seeded_reproducible_and_reports_its_seed(servers):
     assert generate(servers["colocated"].addr, unseeded)[0] == ids
     greedy = generate(servers["split"].addr, request(PROMPT, max_tokens=8))[2]
     assert not greedy.HasField("seed")
+
+
+@pytest.mark.parametrize("block_size", [2, 8])
+def test_a_predrafting_split_engine_commits_the_reference(servers, reference, block_size):
+    """Pre-drafts over gRPC: each Predraft posted after a Draft, its answer read a block later
+    (used on a hit, passed over on a miss) -- the same tokens as greedy AR either way."""
+    from kakeya.core.contract import Request
+    from kakeya.orchestrator.assembly import split_engine
+
+    engine = split_engine(servers["verifier"].addr, servers["drafter"].addr, None, 30.0, predraft=True)
+    gen = engine.generate(Request(PROMPT, max_tokens=100, block_size=block_size, ignore_eos=True))
+    assert gen.token_ids == reference[:100] and gen.predrafts > 0 and not gen.drafter_fallback
+    assert sum(b.predrafted for b in gen.blocks) <= gen.predrafts

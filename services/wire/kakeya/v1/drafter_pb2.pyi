@@ -79,7 +79,7 @@ class DrafterStats(_message.Message):
     def __init__(self, context_positions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class DrafterRequest(_message.Message):
-    __slots__ = ("open", "draft", "close")
+    __slots__ = ("open", "draft", "close", "predraft")
     class Open(_message.Message):
         __slots__ = ("request_id", "sampling")
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -96,19 +96,30 @@ class DrafterRequest(_message.Message):
         last_token: int
         block_size: int
         def __init__(self, new_aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., last_token: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    class Predraft(_message.Message):
+        __slots__ = ("new_aux", "block_ids", "block_size")
+        NEW_AUX_FIELD_NUMBER: _ClassVar[int]
+        BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+        BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+        new_aux: _tensor_pb2.Tensor
+        block_ids: _containers.RepeatedScalarFieldContainer[int]
+        block_size: int
+        def __init__(self, new_aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
     class Close(_message.Message):
         __slots__ = ()
         def __init__(self) -> None: ...
     OPEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_FIELD_NUMBER: _ClassVar[int]
     open: DrafterRequest.Open
     draft: DrafterRequest.Draft
     close: DrafterRequest.Close
-    def __init__(self, open: _Optional[_Union[DrafterRequest.Open, _Mapping]] = ..., draft: _Optional[_Union[DrafterRequest.Draft, _Mapping]] = ..., close: _Optional[_Union[DrafterRequest.Close, _Mapping]] = ...) -> None: ...
+    predraft: DrafterRequest.Predraft
+    def __init__(self, open: _Optional[_Union[DrafterRequest.Open, _Mapping]] = ..., draft: _Optional[_Union[DrafterRequest.Draft, _Mapping]] = ..., close: _Optional[_Union[DrafterRequest.Close, _Mapping]] = ..., predraft: _Optional[_Union[DrafterRequest.Predraft, _Mapping]] = ...) -> None: ...
 
 class DrafterResponse(_message.Message):
-    __slots__ = ("opened", "drafted", "closed", "elapsed_s")
+    __slots__ = ("opened", "drafted", "closed", "predrafted", "elapsed_s")
     class Opened(_message.Message):
         __slots__ = ("info", "session_id")
         INFO_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +136,13 @@ class DrafterResponse(_message.Message):
         stats: DrafterStats
         proposal: _sampling_pb2.Proposal
         def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[DrafterStats, _Mapping]] = ..., proposal: _Optional[_Union[_sampling_pb2.Proposal, _Mapping]] = ...) -> None: ...
+    class Predrafted(_message.Message):
+        __slots__ = ("token_ids", "stats")
+        TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        STATS_FIELD_NUMBER: _ClassVar[int]
+        token_ids: _containers.RepeatedScalarFieldContainer[int]
+        stats: DrafterStats
+        def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[DrafterStats, _Mapping]] = ...) -> None: ...
     class Closed(_message.Message):
         __slots__ = ("stats",)
         STATS_FIELD_NUMBER: _ClassVar[int]
@@ -133,9 +151,11 @@ class DrafterResponse(_message.Message):
     OPENED_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     opened: DrafterResponse.Opened
     drafted: DrafterResponse.Drafted
     closed: DrafterResponse.Closed
+    predrafted: DrafterResponse.Predrafted
     elapsed_s: float
-    def __init__(self, opened: _Optional[_Union[DrafterResponse.Opened, _Mapping]] = ..., drafted: _Optional[_Union[DrafterResponse.Drafted, _Mapping]] = ..., closed: _Optional[_Union[DrafterResponse.Closed, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, opened: _Optional[_Union[DrafterResponse.Opened, _Mapping]] = ..., drafted: _Optional[_Union[DrafterResponse.Drafted, _Mapping]] = ..., closed: _Optional[_Union[DrafterResponse.Closed, _Mapping]] = ..., predrafted: _Optional[_Union[DrafterResponse.Predrafted, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...

@@ -71,7 +71,7 @@ class VerifierInfo(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., sliding_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., default_cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., live_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., live_kv_bytes: _Optional[int] = ..., total_sessions: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., max_context: _Optional[int] = ..., max_kv_bytes: _Optional[int] = ..., reserved_kv_bytes: _Optional[int] = ..., restore_sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionStats(_message.Message):
-    __slots__ = ("kv_bytes_sliding", "kv_bytes_full", "positions", "pending", "bounded", "metrics")
+    __slots__ = ("kv_bytes_sliding", "kv_bytes_full", "positions", "bounded", "metrics")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -82,19 +82,17 @@ class SessionStats(_message.Message):
     KV_BYTES_SLIDING_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FULL_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
-    PENDING_FIELD_NUMBER: _ClassVar[int]
     BOUNDED_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     kv_bytes_sliding: int
     kv_bytes_full: int
     positions: int
-    pending: int
     bounded: bool
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, kv_bytes_sliding: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., positions: _Optional[int] = ..., pending: _Optional[int] = ..., bounded: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    def __init__(self, kv_bytes_sliding: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., positions: _Optional[int] = ..., bounded: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class VerifierRequest(_message.Message):
-    __slots__ = ("open", "prefill", "verify", "commit", "close")
+    __slots__ = ("open", "prefill", "verify", "close")
     class Open(_message.Message):
         __slots__ = ("request_id", "cache_policy", "target_layer_ids", "max_positions", "sampling")
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -120,28 +118,21 @@ class VerifierRequest(_message.Message):
         block_ids: _containers.RepeatedScalarFieldContainer[int]
         proposal: _sampling_pb2.Proposal
         def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., proposal: _Optional[_Union[_sampling_pb2.Proposal, _Mapping]] = ...) -> None: ...
-    class Commit(_message.Message):
-        __slots__ = ("n_keep",)
-        N_KEEP_FIELD_NUMBER: _ClassVar[int]
-        n_keep: int
-        def __init__(self, n_keep: _Optional[int] = ...) -> None: ...
     class Close(_message.Message):
         __slots__ = ()
         def __init__(self) -> None: ...
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
-    COMMIT_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     open: VerifierRequest.Open
     prefill: VerifierRequest.Prefill
     verify: VerifierRequest.Verify
-    commit: VerifierRequest.Commit
     close: VerifierRequest.Close
-    def __init__(self, open: _Optional[_Union[VerifierRequest.Open, _Mapping]] = ..., prefill: _Optional[_Union[VerifierRequest.Prefill, _Mapping]] = ..., verify: _Optional[_Union[VerifierRequest.Verify, _Mapping]] = ..., commit: _Optional[_Union[VerifierRequest.Commit, _Mapping]] = ..., close: _Optional[_Union[VerifierRequest.Close, _Mapping]] = ...) -> None: ...
+    def __init__(self, open: _Optional[_Union[VerifierRequest.Open, _Mapping]] = ..., prefill: _Optional[_Union[VerifierRequest.Prefill, _Mapping]] = ..., verify: _Optional[_Union[VerifierRequest.Verify, _Mapping]] = ..., close: _Optional[_Union[VerifierRequest.Close, _Mapping]] = ...) -> None: ...
 
 class VerifierResponse(_message.Message):
-    __slots__ = ("opened", "prefilled", "verified", "committed", "closed", "elapsed_s")
+    __slots__ = ("opened", "prefilled", "verified", "closed", "elapsed_s")
     class Opened(_message.Message):
         __slots__ = ("info", "cache_policy", "session_id")
         INFO_FIELD_NUMBER: _ClassVar[int]
@@ -161,17 +152,16 @@ class VerifierResponse(_message.Message):
         stats: SessionStats
         def __init__(self, next_token: _Optional[int] = ..., aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ...) -> None: ...
     class Verified(_message.Message):
-        __slots__ = ("choices",)
-        CHOICES_FIELD_NUMBER: _ClassVar[int]
-        choices: _containers.RepeatedScalarFieldContainer[int]
-        def __init__(self, choices: _Optional[_Iterable[int]] = ...) -> None: ...
-    class Committed(_message.Message):
-        __slots__ = ("aux", "stats")
+        __slots__ = ("accepted", "next_token", "aux", "stats")
+        ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+        NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
         AUX_FIELD_NUMBER: _ClassVar[int]
         STATS_FIELD_NUMBER: _ClassVar[int]
+        accepted: int
+        next_token: int
         aux: _tensor_pb2.Tensor
         stats: SessionStats
-        def __init__(self, aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ...) -> None: ...
+        def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ...) -> None: ...
     class Closed(_message.Message):
         __slots__ = ("stats",)
         STATS_FIELD_NUMBER: _ClassVar[int]
@@ -180,13 +170,11 @@ class VerifierResponse(_message.Message):
     OPENED_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
-    COMMITTED_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     opened: VerifierResponse.Opened
     prefilled: VerifierResponse.Prefilled
     verified: VerifierResponse.Verified
-    committed: VerifierResponse.Committed
     closed: VerifierResponse.Closed
     elapsed_s: float
-    def __init__(self, opened: _Optional[_Union[VerifierResponse.Opened, _Mapping]] = ..., prefilled: _Optional[_Union[VerifierResponse.Prefilled, _Mapping]] = ..., verified: _Optional[_Union[VerifierResponse.Verified, _Mapping]] = ..., committed: _Optional[_Union[VerifierResponse.Committed, _Mapping]] = ..., closed: _Optional[_Union[VerifierResponse.Closed, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, opened: _Optional[_Union[VerifierResponse.Opened, _Mapping]] = ..., prefilled: _Optional[_Union[VerifierResponse.Prefilled, _Mapping]] = ..., verified: _Optional[_Union[VerifierResponse.Verified, _Mapping]] = ..., closed: _Optional[_Union[VerifierResponse.Closed, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...

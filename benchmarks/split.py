@@ -1,0 +1,298 @@
+"""Split vs colocated: one stream at each block size, where a split block's time goes, many streams, pre-drafts.
+
+Starts ``kakeya serve verifier`` and ``kakeya serve drafter`` as processes on
+loopback and runs the same greedy generations of the same pair three ways,
+alternating run by run so machine noise falls on all alike:
+
+- colocated: verifier and drafter in this process (``build_local_engine``);
+- split: the same loop in this process over ``GrpcVerifier`` / ``GrpcDrafter``
+  (``split_engine``), pre-drafting off: one verifier and one drafter round trip
+  a block;
+- split + pre-draft: the drafter drafts block k+1 while the verifier verifies
+  block k (``--predraft on``), used when block k is accepted in full and the
+  drafter guessed the next token.
+
+Per split block, the critical path (the loop's client-observed block time) is
+split into compute (the servers' own ``elapsed_s`` of the block's verify and
+draft; a pre-draft runs beside the verify and is not on it) and wire (the
+rest: serialisation, gRPC, thread hand-offs, waiting for a pre-draft). Then
+1/4/8/16 concurrent streams through the split engine, aggregate tok/s, pre-draft
+on and off. Every output is checked against the colocated one token for token.
+
+    python benchmarks/split.py                                   # demo pair, CPU, a few minutes
+    python benchmarks/split.py --block-sizes 8 --streams 1 4 --repeats 3 --max-tokens 64
+    python benchmarks/split.py --backend torch --device cuda     # on a GPU node (gpu_session.sh: part split)
+
+Writes benchmarks/results/split.json and split.png (tok/s by block size; wire
+vs compute per block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from wire import start, stop  # noqa: E402  (benchmarks/wire.py: the server processes)
+
+from kakeya.orchestrator.engine import Request, RunOptions  # noqa: E402
+
+MODES = ("colocated", "split", "split_predraft")
+STEP_TIMEOUT_S = 30.0  # a loaded machine is slow, not hung: no step deadline should end a measured run
+
+
+def med(xs):
+    return statistics.median(xs) if xs else 0.0
+
+
+class Sessions:
+    """Keeps the sessions a remote engine opens, so a run's server-side times can be read per block."""
+
+    def __init__(self, engine):
+        self.verifier = self.drafter = None
+        v_open, d_open = engine.verifier.open_session, engine.drafter.open_session
+
+        def open_verifier(*args, **kwargs):
+            self.verifier = v_open(*args, **kwargs)
+            return self.verifier
+
+        def open_drafter(*args, **kwargs):
+            self.drafter = d_open(*args, **kwargs)
+            return self.drafter
+
+        engine.verifier.open_session, engine.drafter.open_session = open_verifier, open_drafter
+
+    def server_s(self) -> float:
+        """The servers' time on the critical path so far: the verifier's steps and the drafter's drafts."""
+        return self.verifier.server_s + (self.drafter.server_s if self.drafter is not None else 0.0)
+
+
+def one_run(engine, req, predraft: bool | None, sessions: Sessions | None):
+    """One generation; per decode block (client-observed ms, servers' compute ms or None)."""
+    blocks = []
+    with engine.start(req, RunOptions(predraft=predraft)) as run:
+        before = None
+        for block in run:
+            now = sessions.server_s() if sessions is not None else None
+            if before is not None or sessions is None:
+                blocks.append((block, None if now is None else now - before))
+            before = now
+    gen = run.result
+    return gen, [(b, s) for b, s in blocks if b is not gen.blocks[0]]
+
+
+def measure_block_size(engines, sessions, prompt, args, block_size):
+    req = Request(prompt, max_tokens=args.max_tokens, block_size=block_size, ignore_eos=True)
+    options = {"colocated": None, "split": False, "split_predraft": True}
+    for mode in MODES:  # warm-up (and, for block size 0, the cost curve's calibration)
+        one_run(engines[mode], req, options[mode], sessions.get(mode))
+    tok_s = {m: [] for m in MODES}
+    block_ms = {m: [] for m in MODES}
+    compute_ms = {m: [] for m in MODES if m != "colocated"}
+    wire_ms = {m: [] for m in MODES if m != "colocated"}
+    accepted = {m: [] for m in MODES}
+    predrafts = used = 0
+    used_accepted, identical = [], True
+    for _ in range(args.repeats):  # alternating, so drifts in machine load hit every mode alike
+        outputs = {}
+        for mode in MODES:
+            gen, blocks = one_run(engines[mode], req, options[mode], sessions.get(mode))
+            outputs[mode] = gen.token_ids
+            tok_s[mode].append(gen.decode_tok_s)
+            accepted[mode] += [b.accepted for b, _ in blocks]
+            for b, server_s in blocks:
+                block_ms[mode].append(b.total_s * 1e3)
+                if server_s is not None:
+                    compute_ms[mode].append(server_s * 1e3)
+                    wire_ms[mode].append((b.total_s - server_s) * 1e3)
+            if mode == "split_predraft":
+                predrafts += gen.predrafts
+                used += sum(b.predrafted for b, _ in blocks)
+                used_accepted += [b.accepted for b, _ in blocks if b.predrafted]
+        identical &= outputs["split"] == outputs["colocated"] == outputs["split_predraft"]
+    co = med(tok_s["colocated"])
+    return {
+        "block_size": block_size,
+        "output_identical": identical,
+        "decode_tok_s_median": {m: round(med(v), 1) for m, v in tok_s.items()},
+        "over_colocated": {m: round(med(tok_s[m]) / co, 3) if co else 0.0 for m in MODES[1:]},
+        "block_ms_median": {m: round(med(v), 3) for m, v in block_ms.items()},
+        "critical_path_ms_median": {
+            m: {"compute": round(med(compute_ms[m]), 3), "wire": round(med(wire_ms[m]), 3)} for m in compute_ms
+        },
+        "mean_accepted": {m: round(statistics.mean(v), 3) if v else 0.0 for m, v in accepted.items()},
+        "predraft": {
+            "started": predrafts,
+            "used": used,
+            "hit_rate": round(used / predrafts, 3) if predrafts else 0.0,
+            "mean_accepted_of_used": round(statistics.mean(used_accepted), 3) if used_accepted else 0.0,
+        },
+    }
+
+
+def measure_streams(engine, prompts, refs, n, args, predraft):
+    """``n`` client threads, each running ``--stream-requests`` generations back to back; aggregate tok/s."""
+    lock = threading.Lock()
+    tokens, mismatched, failed = [0], [0], []
+
+    def client(i):
+        for r in range(args.stream_requests):
+            j = (i + r) % len(prompts)
+            req = Request(prompts[j], max_tokens=args.max_tokens, block_size=args.stream_block_size, ignore_eos=True)
+            try:
+                gen = engine.generate(req, RunOptions(predraft=predraft))
+            except Exception as exc:  # noqa: BLE001 -- reported in the results, the other streams go on
+                with lock:
+                    failed.append(str(exc)[:200])
+                continue
+            with lock:
+                tokens[0] += len(gen.token_ids)
+                mismatched[0] += gen.token_ids != refs[j]
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"aggregate_tok_s": round(tokens[0] / wall, 1), "mismatched": mismatched[0], "failed": failed[:3]}
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["one_stream"]
+    labels = [str(r["block_size"] or "auto") for r in rows]
+    x = range(len(rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for k, mode in enumerate(MODES):
+        a.bar([i + (k - 1) * 0.27 for i in x], [r["decode_tok_s_median"][mode] for r in rows], 0.27, label=mode)
+    a.set_xticks(list(x), labels)
+    a.set_xlabel("block size")
+    a.set_ylabel("decode tok/s (median)")
+    a.set_title("one stream")
+    a.legend()
+    for k, mode in enumerate(MODES[1:]):
+        at = [i + (k - 0.5) * 0.4 for i in x]
+        compute = [r["critical_path_ms_median"][mode]["compute"] for r in rows]
+        wire = [r["critical_path_ms_median"][mode]["wire"] for r in rows]
+        b.bar(at, compute, 0.4, label=f"{mode}: compute")
+        b.bar(at, wire, 0.4, bottom=compute, label=f"{mode}: wire", alpha=0.6)
+    b.set_xticks(list(x), labels)
+    b.set_xlabel("block size")
+    b.set_ylabel("ms per block (median)")
+    b.set_title("split critical path per block")
+    b.legend(fontsize=7)
+    fig.suptitle(f"{out['target']} / {out['draft']} ({out['backend']}, {out['machine']['platform']})", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", help="default: the embedded demo pair")
+    ap.add_argument("--draft")
+    ap.add_argument("--backend", default="auto", help="mlx, torch or auto (the fastest here), for every process alike")
+    ap.add_argument("--device", help="torch: cpu or cuda")
+    ap.add_argument("--prompt", default="import os\nimport sys\n\ndef main(argv):\n    ")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 0], help="0: auto")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 8, 16])
+    ap.add_argument("--stream-requests", type=int, default=2, help="generations per stream, back to back")
+    ap.add_argument("--stream-block-size", type=int, default=8)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split.json"))
+    args = ap.parse_args(argv)
+
+    from kakeya.checkpoints.tiny import demo_pair
+    from kakeya.orchestrator.assembly import build_local_engine, resolve_backend, split_engine
+
+    if args.target is None:
+        pair = demo_pair()
+        args.target, args.draft = str(pair.target), str(pair.draft)
+    backend, device = resolve_backend(args.backend, args.device)
+    local = build_local_engine(args.target, args.draft, backend, device)
+    where = ["--backend", backend] + (["--device", device] if backend == "torch" and device else [])
+    pair_args = ["--target", args.target, "--draft", args.draft, *where]
+    prompt = local.codec.encode(args.prompt)
+    stream_prompts = [local.codec.encode(f"{args.prompt}# part {k}\n    ") for k in range(8)]
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="kakeya-split-") as tmp:
+        tmp = Path(tmp)
+        try:
+            vp, vaddr = start("verifier", [*pair_args, "--max-sessions", "64"], tmp)
+            procs.append(vp)
+            dp, daddr = start("drafter", [*pair_args, "--max-sessions", "64"], tmp)
+            procs.append(dp)
+            engines = {"colocated": local}
+            engines["split"] = split_engine(vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S, predraft=False)
+            engines["split_predraft"] = split_engine(vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S, predraft=True)
+            sessions = {m: Sessions(engines[m]) for m in MODES[1:]}
+            one = []
+            for b in args.block_sizes:
+                print(f"one stream, block size {b or 'auto'} ...", file=sys.stderr, flush=True)
+                one.append(measure_block_size(engines, sessions, prompt, args, b))
+                print(json.dumps(one[-1]), file=sys.stderr, flush=True)
+            refs = [
+                local.generate(Request(p, max_tokens=args.max_tokens, block_size=1, ignore_eos=True)).token_ids
+                for p in stream_prompts
+            ]
+            streams = []
+            for n in args.streams:
+                row = {"streams": n}
+                for mode, predraft in (("split", False), ("split_predraft", True)):  # one engine: its sessions batch
+                    print(f"{n} streams, {mode} ...", file=sys.stderr, flush=True)
+                    row[mode] = measure_streams(engines["split"], stream_prompts, refs, n, args, predraft)
+                streams.append(row)
+        finally:
+            stop(procs)
+
+    base = {m: streams[0][m]["aggregate_tok_s"] for m in ("split", "split_predraft")} if streams else {}
+    for row in streams:
+        for m, one_stream in base.items():
+            row[m]["over_one_stream"] = round(row[m]["aggregate_tok_s"] / one_stream, 2) if one_stream else 0.0
+    out = {
+        "benchmark": "split",
+        "target": local.target,
+        "draft": local.draft,
+        "backend": local.verifier.info.backend,
+        "device": local.device,
+        "prompt_tokens": len(prompt),
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "one_stream": one,
+        "streams": streams,
+        "stream_block_size": args.stream_block_size,
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "notes": (
+            "Loopback; verifier, drafter and this client (the loop) are separate processes sharing the machine's cores. "
+            "Medians over alternating runs after a warm-up. critical_path_ms: per split block, compute = the servers' "
+            "elapsed_s of its verify and draft (a used pre-draft's draft ran beside the previous verify), wire = the "
+            "client-observed block time minus that. predraft.hit_rate = pre-drafts used / started."
+        ),
+    }
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    plot(out, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

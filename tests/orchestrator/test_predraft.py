@@ -1,0 +1,41 @@
+"""Pre-drafting on the trained demo pair, in process: the same tokens as without it, and pre-drafts that are used.
+
+The demo pair's drafter accepts long runs, so some blocks are accepted in full
+with the next token guessed: those blocks open with their pre-draft (the
+drafter's forward over ``[block, mask * B]``, its context short of the block's
+own aux). Both backends; the verifier alone is the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kakeya.core.contract import Request
+from kakeya.orchestrator.engine import RunOptions
+
+PROMPT = "import os\nimport sys\n\ndef main(argv):\n    "
+
+
+@pytest.fixture(scope="module", params=["torch", "mlx"])
+def engine(request, demo_pair):
+    from kakeya.orchestrator.assembly import build_local_engine
+
+    return build_local_engine(str(demo_pair.target), str(demo_pair.draft), request.param)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16, 0])
+def test_predrafted_blocks_commit_the_verifiers_own_tokens(engine, block_size):
+    prompt = engine.codec.encode(PROMPT)
+    alone = engine.generate(Request(prompt, max_tokens=64, block_size=1, ignore_eos=True))
+    req = Request(prompt, max_tokens=64, block_size=block_size, ignore_eos=True)
+    plain = engine.generate(req, RunOptions(predraft=False))
+    ahead = engine.generate(req, RunOptions(predraft=True))
+    assert plain.token_ids == ahead.token_ids == alone.token_ids
+    assert plain.predrafts == 0
+    drafted = [b for b in ahead.blocks[1:] if b.drafted]
+    assert ahead.predrafts <= len(drafted)  # only a drafted block has a next one to pre-draft
+    if block_size:  # auto may choose AR (no draft, nothing to pre-draft) where drafting does not pay
+        assert ahead.predrafts > 0
+    used = [b for b in ahead.blocks[1:] if b.predrafted]
+    if block_size in (2, 4):  # short blocks are accepted in full often: their pre-drafts get used
+        assert used and max(b.accepted for b in used) > 0
