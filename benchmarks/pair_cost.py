@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     result = {
         "benchmark": "pair_cost",
-        "command": "python benchmarks/pair_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(["python benchmarks/pair_cost.py", *(sys.argv[1:] if argv is None else argv)]),
         "machine": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
