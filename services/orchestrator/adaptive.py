@@ -112,18 +112,34 @@ class BlockSizer:
     def throughput(self, size: int) -> float:
         return self.chain.expected_tokens(size) / self.costs(size)
 
+    def candidates(self) -> list[int]:
+        """The sizes to choose from: those with a measured cost (calibration timed them on warm
+        shapes, every chosen size refines its own), and the largest allowed. An in-between size is
+        only ever interpolated, and its first forward in a process pays for a shape no one warmed."""
+        measured = [s for s in self.costs.seconds if s < self.max_size]
+        return sorted(set(measured) | {self.max_size}) if measured else list(range(1, self.max_size + 1))
+
     def choose(self) -> int:
         self.blocks += 1
         if self.explore_every and self.blocks % self.explore_every == 0:
             return self.max_size
         if self.initial and self.chain.reached[0] < WARM_BLOCKS:
             return min(self.initial, self.max_size)  # no acceptance seen yet: trust the drafter's training
-        return max(range(1, self.max_size + 1), key=self.throughput)
+        rates = self.chain.rates()  # once per block: E(L) for every L is one running product
+        expected, run, total = {}, 1.0, 1.0
+        for size in range(1, self.max_size + 1):
+            expected[size] = total
+            if size - 1 < len(rates):
+                run *= rates[size - 1]
+                total += run
+        return max(self.candidates(), key=lambda size: expected[size] / self.costs(size))
 
     def observe(self, block: Block) -> None:
         size = block.drafted + 1
         self.chain.observe(block.drafted, block.accepted)
-        if block.total_s > 0:
+        if block.total_s > 0 and (size in self.costs.seconds or size == self.max_size or not self.costs.seconds):
+            # only the sizes it chooses from: a block cut short by max_tokens would add a size the
+            # sizer then picks on one lucky timing
             self.costs.observe(size, block.draft_s + block.verify_s)
 
 

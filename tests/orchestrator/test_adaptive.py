@@ -70,6 +70,8 @@ def test_observe_learns_cost_and_acceptance_from_blocks():
     s.observe(Block([1, 2, 3, 4], drafted=3, accepted=3, draft_s=0.5, verify_s=0.5, total_s=1.0))
     assert s.chain.reached[:3] == [1, 1, 1]
     assert s.costs(4) == pytest.approx(1.0)
+    s.observe(Block([1, 2, 3], drafted=2, accepted=2, draft_s=0.1, verify_s=0.1, total_s=0.2))  # cut short by max_tokens
+    assert 3 not in s.costs.seconds and s.chain.reached[:3] == [2, 2, 1]  # its acceptance counts, its size is not a choice
 
 
 @pytest.mark.parametrize("wrong_every", [None, 2, 5])
@@ -138,3 +140,11 @@ def test_measure_costs_times_warm_shapes():
     drafter = types.SimpleNamespace(open_session=lambda: drafter_session)
     curve = adaptive.measure_costs(verifier, drafter, sizes=(1, 4, 16), repeats=1, clock=lambda: clock.t)
     assert curve.seconds == pytest.approx({1: 0.01, 4: 0.04, 16: 0.16})  # no first-call second in any size
+
+
+def test_choice_is_among_measured_sizes_and_the_largest_allowed():
+    s = _sizer(15, {1: 1.0, 4: 1.5, 8: 1.6})  # everything accepted: longer is better, 16 interpolated (2.0)
+    assert s.candidates() == [1, 4, 8, 16]
+    s.max_size = 12
+    assert s.candidates() == [1, 4, 8, 12] and s.choose() == 12
+    assert BlockSizer(CostCurve(), explore_every=0, max_size=4).candidates() == [1, 2, 3, 4]  # nothing measured yet
