@@ -33,6 +33,7 @@ from kakeya.core.contract import MAX_BLOCK_SIZE, Block, Draft
 
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the pooled rate)
 COST_EMA = 0.2  # weight of a new timing in a size's running cost
+SPIKE_CAP = 2.0  # a new timing counts as at most this many times the running cost
 WARM_BLOCKS = 4  # blocks drafted at the trained size before the model of E(L)/t(L) takes over
 
 
@@ -44,6 +45,10 @@ class CostCurve:
 
     def observe(self, size: int, seconds: float) -> None:
         old = self.seconds.get(size)
+        if old is not None:
+            # one block stalled by the machine (another process, a GC pause) counts as at most twice the
+            # estimate: unclipped, one stall made its size look dear, and a size not chosen is not re-timed
+            seconds = min(seconds, SPIKE_CAP * old)
         self.seconds[size] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
 
     def __call__(self, size: int) -> float:

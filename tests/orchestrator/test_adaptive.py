@@ -17,6 +17,8 @@ def test_cost_curve_interpolates_and_extrapolates_linearly():
     assert c(16) == pytest.approx(10.0)  # beyond the last point: the last segment's slope
     c.observe(4, 2.0)
     assert c(4) == pytest.approx(0.8 * 4.0 + 0.2 * 2.0)
+    c.observe(1, 50.0)  # a stalled block: counted as twice the estimate, not fifty times
+    assert c(1) == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
 
 
 def test_acceptance_chain_counts_each_position_reached():
