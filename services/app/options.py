@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import sys
 
-# A prompt on which the demo target (a 6-layer model trained on the Python stdlib) stays coherent
-# for the default 128 tokens (no runaway repetition) and the demo drafter is accepted well (mean
-# acceptance 4.2 at block 8); "def fibonacci(n):" drove it into a loop. Picked from a dozen
-# candidates with `kakeya generate --compare-ar --json --backend torch`.
-DEFAULT_PROMPT = 'def load(path):\n    """Load the data stored at path."""\n    '
+# The first held-out prompt of the drafter's evaluation (the start of a stdlib file the demo pair never
+# trained on, ``training.drafter_eval.heldout_prompts``): a rule, not a pick. The previous prompt sent
+# the 18-layer demo target into a repetition loop (README command 1 then printed a warning).
+DEFAULT_PROMPT = '"""Record of phased-in incompatible language changes.\n\nEach line is of the form:\n\n    FeatureName = "_Feature(" OptionalRelease "'
 
 
 def add_backend_args(p, *, help_suffix: str = "") -> None:
