@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "cpu_fastpath.json"
 
 
-def worker(reps: int, ctx: int, package: str) -> dict:
+def worker(reps: int, ctx: int, package: str, pair: Path | None = None) -> dict:
     import importlib
 
     import torch
@@ -40,7 +40,7 @@ def worker(reps: int, ctx: int, package: str) -> dict:
     assembly = importlib.import_module(f"{package}.orchestrator.assembly")
     embedded_paths, local_drafter, local_verifier = assembly.embedded_paths, assembly.local_drafter, assembly.local_verifier
 
-    target, draft = embedded_paths()
+    target, draft = (str(pair / "target"), str(pair / "draft")) if pair else embedded_paths()
     drafter = local_drafter(draft, target, "torch", device="cpu", dtype="float32")
     verifier = local_verifier(target, drafter.target_layer_ids, "torch", device="cpu", dtype="float32")
     prompt = [2] + [5 + (7 * i) % 1000 for i in range(ctx - 1)]
@@ -72,7 +72,7 @@ def worker(reps: int, ctx: int, package: str) -> dict:
     return out
 
 
-def run_tree(tree: Path, reps: int, ctx: int) -> dict:
+def run_tree(tree: Path, reps: int, ctx: int, pair: Path) -> dict:
     """One worker on ``tree``'s code: trees from before the move to the ``kakeya`` import name import as
     ``services`` from the tree itself; later ones as ``kakeya`` through a link to their ``services/``."""
     if (tree / "services" / "contract.py").is_file():
@@ -83,7 +83,7 @@ def run_tree(tree: Path, reps: int, ctx: int) -> dict:
         package, path = "kakeya", str(shim)
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--reps", str(reps), "--ctx", str(ctx),
-           "--package", package]
+           "--package", package, "--pair", str(pair)]
     res = subprocess.run(cmd, env=env, cwd=str(tree), capture_output=True, text=True, timeout=600)
     if res.returncode:
         raise RuntimeError(f"worker in {tree} failed:\n{res.stderr[-2000:]}")
@@ -98,16 +98,18 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=100)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--package", default="kakeya", help=argparse.SUPPRESS)
+    ap.add_argument("--pair", type=Path, default=ROOT / "services" / "models" / "demo",
+                    help="the pair every tree runs (default: this tree's demo pair, so trees shipping another still compare)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.reps, args.ctx, args.package)))
+        print(json.dumps(worker(args.reps, args.ctx, args.package, args.pair)))
         return 0
     trees = {"after": ROOT} | ({"before": args.before.resolve()} if args.before else {})
     rounds: dict[str, list[dict]] = {k: [] for k in trees}
     for _ in range(args.rounds):
         for name, tree in trees.items():
-            rounds[name].append(run_tree(tree, args.reps, args.ctx))
+            rounds[name].append(run_tree(tree, args.reps, args.ctx, args.pair.resolve()))
     # a shared CPU only ever adds time: the best round is the cleanest measurement; the median is kept too
     summary = {name: {k: min(r[k] for r in rs) for k in rs[0]} for name, rs in rounds.items()}
     medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rounds.items()}
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
         "benchmark": "cpu_fastpath",
         "device": "cpu",
         "device_name": platform.processor() or platform.machine(),
-        "pair": "embedded demo pair, float32, torch CPU, 1 thread",
+        "pair": f"{args.pair}, float32, torch CPU, 1 thread",
         "ctx": args.ctx,
         "reps_per_round": args.reps,
         "rounds": args.rounds,
