@@ -139,6 +139,15 @@ class RingLayout:
         self.forwards += 1
         self._pending = None
 
+    def resume(self, positions: np.ndarray, offset: int, used: int) -> None:
+        """Continue where another layout of this geometry stood (a prefix snapshot's): ``positions`` is
+        never edited in place by either (every change makes a new array), so it is shared as it is."""
+        if self.offset or self._pending is not None:
+            raise RuntimeError("only a layout that planned nothing yet can resume another's state")
+        if positions.shape != self.positions.shape:
+            raise ValueError(f"a ring of {positions.shape[0]} slots cannot resume into one of {self.capacity}")
+        self.positions, self.offset, self.used = positions, offset, used
+
     def trim(self, n: int) -> None:
         """Forget the newest ``n`` positions. Exact for ``n <= slack``."""
         if n < 0 or n > self.offset:
