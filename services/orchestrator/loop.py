@@ -62,7 +62,12 @@ class Decoding:
     ``drafter`` may be None (or ``block_size`` 1): the verifier then decodes
     autoregressively, with identical output. If ``on_drafter_error`` is given,
     a drafter exception is reported to it and the rest of the generation runs
-    on the verifier alone instead of failing.
+    on the verifier alone instead of failing. ``prefill`` replaces the
+    verifier's own (the engine's: resuming a cached prefix, ``engine.py``).
+
+    ``unseen`` holds the aux the loop committed that the drafter has not been
+    handed yet (chunks, in order): what a drafter's prefix snapshot still needs
+    when the generation ends.
     """
 
     def __init__(
@@ -74,9 +79,12 @@ class Decoding:
         block_size: "int | BlockSizer",
         stop_ids: Iterable[int] = (),
         on_drafter_error: Callable[[Exception], None] | None = None,
+        prefill: Callable[[Sequence[int]], tuple] | None = None,
     ):
         self.generation = Generation(prompt_ids=list(prompt_ids))
-        self._blocks = _decode(self.generation, verifier, drafter, max_tokens, block_size, stop_ids, on_drafter_error)
+        self.unseen: list = []
+        self._blocks = _decode(self.generation, verifier, drafter, max_tokens, block_size, stop_ids, on_drafter_error,
+                               prefill or verifier.prefill, self.unseen)
 
     def __iter__(self) -> "Decoding":
         return self
@@ -96,6 +104,8 @@ def _decode(
     block_size: "int | BlockSizer",
     stop_ids: Iterable[int],
     on_drafter_error: Callable[[Exception], None] | None,
+    prefill: Callable[[Sequence[int]], tuple],
+    unseen: list,
 ) -> Iterator[Block]:
     """:class:`Decoding`'s steps: record each committed block in ``gen`` and yield it."""
     sizer = None if isinstance(block_size, int) else block_size
@@ -110,7 +120,8 @@ def _decode(
     clock = time.perf_counter
 
     t0 = clock()
-    first, new_aux = verifier.prefill(prompt_ids)
+    first, new_aux = prefill(prompt_ids)
+    unseen.append(new_aux)
     gen.prefill_s = clock() - t0
     t_decode = clock()
 
@@ -141,6 +152,7 @@ def _decode(
         if B > 1 or (sizer is not None and use_drafter):
             try:
                 draft = drafter.draft(new_aux, last, B)
+                unseen.clear()
             except Exception as exc:  # the verifier alone produces the same tokens
                 if on_drafter_error is None:
                     raise
@@ -156,6 +168,7 @@ def _decode(
         n_ok = leading_matches(candidates, choices)
         tokens = candidates[:n_ok] + [choices[n_ok]]
         new_aux = verifier.commit(n_ok + 1)
+        unseen.append(new_aux)
         t_end = clock()
         done = emit(
             Block(
