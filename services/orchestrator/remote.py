@@ -25,187 +25,30 @@ Every step waits at most a deadline sized from measured step times
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections import deque
 from typing import Sequence
 
 import grpc
 
 from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Draft, Proposal, SamplingParams, SessionOptions
-from kakeya.orchestrator.deadlines import WATCHDOG, StepClock
+from kakeya.orchestrator.deadlines import StepClock
+from kakeya.orchestrator.streams import (  # noqa: F401  (BackendError, backend_channel, backend_healthy: re-exported)
+    BackendError,
+    Stream,
+    backend_channel,
+    backend_healthy,
+    call_unary,
+    fetch_info,
+)
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import drafter_pb2 as dpb
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2_grpc
 from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb
 from kakeya.wire.kakeya.v1.tensor_pb2 import Tensor
-from kakeya.wire.limits import channel_options
 
 log = logging.getLogger("kakeya.remote")
-
-# A backend that restarts is found again within ~2 s (gRPC's default backoff grows to 120 s).
-RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
-
-
-# Sessions are streams, so balancing is per session: a target that resolves to several replicas
-# (``dns:///verifier-headless:50061``, ``ipv4:10.0.0.1:50061,10.0.0.2:50061``) gets each new
-# session on the next replica; only replicas whose gRPC health says SERVING are picked, so one
-# that is loading or draining gets none (client-side health checking).
-BALANCE_OPTIONS = [
-    ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}}'),
-]
-
-
-def backend_channel(addr: str, tls=None) -> grpc.Channel:
-    """A channel to a verifier or drafter; ``tls``: a ``kakeya.runtime.tls.ClientTLS`` (None: plaintext)."""
-    from kakeya.runtime.tls import channel
-
-    return channel(addr, tls, channel_options() + RECONNECT_OPTIONS + BALANCE_OPTIONS)
-
-
-def backend_healthy(channel: grpc.Channel, timeout: float = 1.0) -> bool:
-    """The backend answers its health check with SERVING within ``timeout``."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-    except grpc.RpcError:
-        return False
-    return r.status == health_pb2.HealthCheckResponse.SERVING
-
-
-class BackendError(RuntimeError):
-    """A call to a verifier or drafter failed; ``code`` is its ``grpc.StatusCode``.
-
-    ``step_timeout``: the backend did not answer one step within its deadline (hung, not merely slow).
-    """
-
-    def __init__(self, service: str, addr: str, code: grpc.StatusCode, details: str, step_timeout: bool = False):
-        super().__init__(f"{service} at {addr}: {code.name}: {details}")
-        self.service, self.addr, self.code, self.details = service, addr, code, details
-        self.step_timeout = step_timeout
-
-    @classmethod
-    def of(cls, service: str, addr: str, exc: grpc.RpcError) -> "BackendError":
-        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-        details = exc.details() if hasattr(exc, "details") else str(exc)
-        return cls(service, addr, code or grpc.StatusCode.UNKNOWN, details or "")
-
-
-def _call_unary(service: str, addr: str, fn, request, timeout: float | None, wait: bool = False):
-    try:
-        return fn(request, timeout=timeout, wait_for_ready=wait)
-    except grpc.RpcError as exc:
-        raise BackendError.of(service, addr, exc) from None
-
-
-def _get_info(service: str, addr: str, fn, request, wait_s: float | None):
-    """GetInfo; with ``wait_s``, keep trying (backend not up yet, or still loading) for that long."""
-    if not wait_s:
-        return _call_unary(service, addr, fn, request, 10.0)
-    deadline = time.monotonic() + wait_s
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            return _call_unary(service, addr, fn, request, max(0.1, left), wait=True)
-        except BackendError as exc:
-            if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise
-            if left <= 0.5:
-                raise BackendError(
-                    service, addr, grpc.StatusCode.UNAVAILABLE, f"not ready within {wait_s:g} s (last: {exc.details})"
-                ) from None
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-
-
-_END = object()
-
-
-class _Stream:
-    """One bidi Session call: requests are queued, responses read strictly in order."""
-
-    def __init__(self, method, service: str, addr: str, timeout: float | None, request_id: str):
-        self.service, self.addr = service, addr
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._expect: deque[str] = deque()
-        metadata = (("x-request-id", request_id),) if request_id else None
-        self._call = method(iter(self._requests.get, _END), timeout=timeout, metadata=metadata)
-        self.done = False
-        self.expired = 0.0  # the step deadline that passed (seconds), 0 while none did
-        self.bytes_sent = 0
-        self.bytes_received = 0
-
-    def post(self, request, expect: str) -> None:
-        if self.done:
-            raise BackendError(self.service, self.addr, grpc.StatusCode.CANCELLED, "session is closed")
-        self.bytes_sent += request.ByteSize()
-        self._expect.append(expect)
-        self._requests.put(request)
-
-    def wait(self, step_timeout: float | None = None):
-        expect = self._expect.popleft()
-        key = None
-        if step_timeout is not None:
-
-            def expire(t=step_timeout):
-                self.expired = t
-                self.abort()
-
-            key = WATCHDOG.arm(step_timeout, expire)
-        try:
-            resp = next(self._call)
-        except StopIteration:
-            self.abort()
-            raise BackendError(self.service, self.addr, grpc.StatusCode.INTERNAL, f"stream ended before {expect}") from None
-        except grpc.RpcError as exc:
-            self.abort()
-            if self.expired:
-                raise BackendError(
-                    self.service, self.addr, grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"no {expect} answer within {self.expired:.1f} s (hung? see --backend-timeout)", step_timeout=True,
-                ) from None
-            raise BackendError.of(self.service, self.addr, exc) from None
-        finally:
-            if key is not None:
-                WATCHDOG.disarm(key)
-        self.bytes_received += resp.ByteSize()
-        got = resp.WhichOneof("response")
-        if got != expect:
-            self.abort()
-            raise BackendError(self.service, self.addr, grpc.StatusCode.INTERNAL, f"expected {expect}, got {got}")
-        return resp
-
-    def ask(self, request, expect: str, step_timeout: float | None = None):
-        self.post(request, expect)
-        while len(self._expect) > 1:  # answers to pipelined requests come first
-            self.wait(step_timeout)
-        return self.wait(step_timeout)
-
-    def finish(self, request, expect: str, step_timeout: float | None = None):
-        """Polite end: send ``request``, half-close, read the answer; never raises."""
-        if self.done:
-            return None
-        try:
-            resp = self.ask(request, expect, step_timeout)
-        except BackendError:
-            return None
-        finally:
-            self.abort()
-        return resp
-
-    def abort(self) -> None:
-        """Cancel the call (the server frees the session); idempotent, any thread."""
-        if not self.done:
-            self.done = True
-            self._requests.put(_END)  # unblocks gRPC's request-reading thread
-        self._call.cancel()
-
 
 # --------------------------------------------------------------------------- verifier
 
@@ -218,7 +61,7 @@ class GrpcVerifierSession:
     ):
         self.verifier = verifier
         self.clock = verifier.clock
-        self._s = _Stream(verifier.stub.Session, "verifier", verifier.addr, options.timeout, options.request_id)
+        self._s = Stream(verifier.stub.Session, "verifier", verifier.addr, options.timeout, options.request_id)
         if options.cancel is not None:
             options.cancel.on_cancel(self.abort)
         open_ = vpb.VerifierRequest.Open(
@@ -308,7 +151,7 @@ class GrpcVerifier:
         self.clock = clock or StepClock()
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
         self.aux_like = aux_like  # None: aux stays a wire Tensor; "mlx"/"torch"/"numpy": decoded
-        self.remote = _get_info("verifier", addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), wait_s)
+        self.remote = fetch_info("verifier", addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), wait_s)
         r = self.remote
         self.info = wire_contract.model_info_from_verifier(
             r, f"grpc:{addr}", {"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)}
@@ -321,7 +164,7 @@ class GrpcVerifier:
         return backend_healthy(self.channel, timeout)
 
     def get_info(self, timeout: float = 5.0) -> vpb.VerifierInfo:
-        return _call_unary("verifier", self.addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), timeout)
+        return call_unary("verifier", self.addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), timeout)
 
     def open_session(
         self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None, options: SessionOptions | None = None
@@ -368,7 +211,7 @@ class GrpcDrafterSession:
         self.drafter = drafter
         self._timeout, self._request_id = options.timeout, options.request_id
         self._sampling = sampling if sampling is not None and not sampling.greedy else None
-        self._s: _Stream | None = None
+        self._s: Stream | None = None
         self._broken = False
         self._first = True
         self.server_s = 0.0
@@ -380,7 +223,7 @@ class GrpcDrafterSession:
             raise BackendError("drafter", self.drafter.addr, grpc.StatusCode.CANCELLED, "session failed earlier")
         try:
             if self._s is None:
-                self._s = _Stream(self.drafter.stub.Session, "drafter", self.drafter.addr, self._timeout, self._request_id)
+                self._s = Stream(self.drafter.stub.Session, "drafter", self.drafter.addr, self._timeout, self._request_id)
                 open_ = dpb.DrafterRequest.Open(request_id=self._request_id)
                 if self._sampling is not None:
                     open_.sampling.CopyFrom(wire_contract.sampling_to_proto(self._sampling))
@@ -460,7 +303,7 @@ class GrpcDrafter:
         self.channel = channel or backend_channel(addr, tls)
         self.clock = clock or StepClock()
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
-        self.remote = _get_info("drafter", addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), wait_s)
+        self.remote = fetch_info("drafter", addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), wait_s)
         self.backend = f"grpc:{addr}"
         self.block_size = self.remote.block_size
         self.target_layer_ids = tuple(self.remote.target_layer_ids)
@@ -469,7 +312,7 @@ class GrpcDrafter:
         self.backoff = backoff or Backoff()
 
     def get_info(self, timeout: float = 5.0) -> dpb.DrafterInfo:
-        return _call_unary("drafter", self.addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), timeout)
+        return call_unary("drafter", self.addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), timeout)
 
     def open_session(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None):
         if not self.backoff.ready():

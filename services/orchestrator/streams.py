@@ -1,0 +1,180 @@
+"""The streams under the gRPC Verifier / Drafter clients (``remote.py``): channels, errors, one Session call.
+
+A backend's channel reconnects fast and balances sessions over its replicas
+(client-side health checking); a call's failure is a :class:`BackendError`
+with the gRPC status; :class:`Stream` is one bidirectional ``Session`` call,
+its requests queued (pipelined) and its responses read strictly in order, each
+step bounded by a deadline from ``deadlines.py``.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+
+import grpc
+
+from kakeya.orchestrator.deadlines import WATCHDOG
+from kakeya.wire.limits import channel_options
+
+# A backend that restarts is found again within ~2 s (gRPC's default backoff grows to 120 s).
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+# Sessions are streams, so balancing is per session: a target that resolves to several replicas
+# (``dns:///verifier-headless:50061``, ``ipv4:10.0.0.1:50061,10.0.0.2:50061``) gets each new
+# session on the next replica; only replicas whose gRPC health says SERVING are picked, so one
+# that is loading or draining gets none (client-side health checking).
+BALANCE_OPTIONS = [
+    ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}}'),
+]
+
+
+def backend_channel(addr: str, tls=None) -> grpc.Channel:
+    """A channel to a verifier or drafter; ``tls``: a ``kakeya.runtime.tls.ClientTLS`` (None: plaintext)."""
+    from kakeya.runtime.tls import channel
+
+    return channel(addr, tls, channel_options() + RECONNECT_OPTIONS + BALANCE_OPTIONS)
+
+
+def backend_healthy(channel: grpc.Channel, timeout: float = 1.0) -> bool:
+    """The backend answers its health check with SERVING within ``timeout``."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    except grpc.RpcError:
+        return False
+    return r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class BackendError(RuntimeError):
+    """A call to a verifier or drafter failed; ``code`` is its ``grpc.StatusCode``.
+
+    ``step_timeout``: the backend did not answer one step within its deadline (hung, not merely slow).
+    """
+
+    def __init__(self, service: str, addr: str, code: grpc.StatusCode, details: str, step_timeout: bool = False):
+        super().__init__(f"{service} at {addr}: {code.name}: {details}")
+        self.service, self.addr, self.code, self.details = service, addr, code, details
+        self.step_timeout = step_timeout
+
+    @classmethod
+    def of(cls, service: str, addr: str, exc: grpc.RpcError) -> "BackendError":
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        return cls(service, addr, code or grpc.StatusCode.UNKNOWN, details or "")
+
+
+def call_unary(service: str, addr: str, fn, request, timeout: float | None, wait: bool = False):
+    try:
+        return fn(request, timeout=timeout, wait_for_ready=wait)
+    except grpc.RpcError as exc:
+        raise BackendError.of(service, addr, exc) from None
+
+
+def fetch_info(service: str, addr: str, fn, request, wait_s: float | None):
+    """GetInfo; with ``wait_s``, keep trying (backend not up yet, or still loading) for that long."""
+    if not wait_s:
+        return call_unary(service, addr, fn, request, 10.0)
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return call_unary(service, addr, fn, request, max(0.1, left), wait=True)
+        except BackendError as exc:
+            if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            if left <= 0.5:
+                raise BackendError(
+                    service, addr, grpc.StatusCode.UNAVAILABLE, f"not ready within {wait_s:g} s (last: {exc.details})"
+                ) from None
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+_END = object()
+
+
+class Stream:
+    """One bidi Session call: requests are queued, responses read strictly in order."""
+
+    def __init__(self, method, service: str, addr: str, timeout: float | None, request_id: str):
+        self.service, self.addr = service, addr
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._expect: deque[str] = deque()
+        metadata = (("x-request-id", request_id),) if request_id else None
+        self._call = method(iter(self._requests.get, _END), timeout=timeout, metadata=metadata)
+        self.done = False
+        self.expired = 0.0  # the step deadline that passed (seconds), 0 while none did
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def post(self, request, expect: str) -> None:
+        if self.done:
+            raise BackendError(self.service, self.addr, grpc.StatusCode.CANCELLED, "session is closed")
+        self.bytes_sent += request.ByteSize()
+        self._expect.append(expect)
+        self._requests.put(request)
+
+    def wait(self, step_timeout: float | None = None):
+        expect = self._expect.popleft()
+        key = None
+        if step_timeout is not None:
+
+            def expire(t=step_timeout):
+                self.expired = t
+                self.abort()
+
+            key = WATCHDOG.arm(step_timeout, expire)
+        try:
+            resp = next(self._call)
+        except StopIteration:
+            self.abort()
+            raise BackendError(self.service, self.addr, grpc.StatusCode.INTERNAL, f"stream ended before {expect}") from None
+        except grpc.RpcError as exc:
+            self.abort()
+            if self.expired:
+                raise BackendError(
+                    self.service, self.addr, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no {expect} answer within {self.expired:.1f} s (hung? see --backend-timeout)", step_timeout=True,
+                ) from None
+            raise BackendError.of(self.service, self.addr, exc) from None
+        finally:
+            if key is not None:
+                WATCHDOG.disarm(key)
+        self.bytes_received += resp.ByteSize()
+        got = resp.WhichOneof("response")
+        if got != expect:
+            self.abort()
+            raise BackendError(self.service, self.addr, grpc.StatusCode.INTERNAL, f"expected {expect}, got {got}")
+        return resp
+
+    def ask(self, request, expect: str, step_timeout: float | None = None):
+        self.post(request, expect)
+        while len(self._expect) > 1:  # answers to pipelined requests come first
+            self.wait(step_timeout)
+        return self.wait(step_timeout)
+
+    def finish(self, request, expect: str, step_timeout: float | None = None):
+        """Polite end: send ``request``, half-close, read the answer; never raises."""
+        if self.done:
+            return None
+        try:
+            resp = self.ask(request, expect, step_timeout)
+        except BackendError:
+            return None
+        finally:
+            self.abort()
+        return resp
+
+    def abort(self) -> None:
+        """Cancel the call (the server frees the session); idempotent, any thread."""
+        if not self.done:
+            self.done = True
+            self._requests.put(_END)  # unblocks gRPC's request-reading thread
+        self._call.cancel()
