@@ -38,6 +38,28 @@ def add_sessions(p, kv_budget: bool) -> None:
                         f" (default {DEFAULT_MAX_BATCH}; 1: each session's step alone, in turn)")  # fmt: skip
 
 
+def byte_size(text: str) -> int:
+    """``--prefix-cache-bytes``: a byte count, optionally with a binary suffix (``512M``, ``2G``, ``1.5GiB``)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
+    try:
+        n = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise ValueError(f"--prefix-cache-bytes must be a byte count like 1073741824, 512M or 2G, got {text!r}") from None
+    if n < 0:
+        raise ValueError(f"--prefix-cache-bytes must be >= 0, got {text!r}")
+    return int(n)
+
+
+def add_prefix_cache(p, where: str) -> None:
+    """Verifier, drafter, colocated orchestrator, ``serve all``: the prefix cache's budget (``core/prefix.py``)."""
+    p.add_argument(
+        "--prefix-cache-bytes", type=byte_size, default=0, metavar="BYTES",
+        help=f"keep finished generations' state (up to BYTES, e.g. 2G; least recently used evicted) so a prompt that"
+             f" extends one (a chat's next turn) resumes it instead of prefilling; {where} (default 0: off)",
+    )  # fmt: skip
+
+
 def add_restore(p) -> None:
     """Restoration sources, chosen by name on the wire (replaces the plain --restore of the cache flags)."""
     p.add_argument("--restore", action="append", metavar="NAME=DIR",
@@ -66,6 +88,7 @@ def session_limits(args, kv_budget: bool) -> dict:
         "idle_timeout_s": args.idle_timeout,
         "max_context": args.max_context,
         "max_batch": args.max_batch,
+        "prefix_cache_bytes": args.prefix_cache_bytes,
     }
     if kv_budget:
         out["max_kv_bytes"] = args.max_kv_bytes
@@ -108,7 +131,7 @@ def child_argv(args, role: str) -> list[str]:
     if role in ("verifier", "drafter"):
         out += ["--queue", str(args.queue), "--queue-timeout", str(args.queue_timeout),
                 "--idle-timeout", str(args.idle_timeout), "--max-context", str(args.max_context),
-                "--max-batch", str(args.max_batch)]  # fmt: skip
+                "--max-batch", str(args.max_batch), "--prefix-cache-bytes", str(args.prefix_cache_bytes)]  # fmt: skip
         if role == "verifier":
             out += ["--max-kv-bytes", str(args.max_kv_bytes)]
             out += [x for spec in args.restore or [] for x in ("--restore", spec)]

@@ -144,9 +144,12 @@ def cmd_serve_orchestrator(args) -> int:
 
     if args.drafter and not args.verifier:
         raise ValueError("--drafter needs --verifier (a remote drafter with an in-process verifier is not supported)")
+    prefixes = None
     if args.verifier:
         if args.target or args.draft:
             raise ValueError("--target/--draft load in-process models: leave them out with --verifier (see --tokenizer)")
+        if args.prefix_cache_bytes:
+            raise ValueError("--prefix-cache-bytes keeps the models' state: give it to the verifier and drafter servers")
 
         client_tls = serve_flags.client_tls(args)
 
@@ -162,13 +165,17 @@ def cmd_serve_orchestrator(args) -> int:
         sources, args.restore = serve_flags.restore_sources(args)
 
         backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
+        if args.prefix_cache_bytes:  # one budget for both models' snapshots
+            from kakeya.core.prefix import PrefixCache
+
+            prefixes = PrefixCache(args.prefix_cache_bytes)
 
         def build():  # no paths: the embedded pair, as `kakeya generate`
             from kakeya.app.options import torch_options
 
             return build_local_engine(args.target, args.draft, backend, kwargs.get("device"), kwargs.get("dtype"),
                                       _default_policy(args), no_drafter=args.no_drafter,
-                                      torch_options=torch_options(args) if backend == "torch" else None)
+                                      torch_options=torch_options(args) if backend == "torch" else None, prefixes=prefixes)
 
         colocated = True
     servicer = GenerationServicer(
@@ -180,6 +187,7 @@ def cmd_serve_orchestrator(args) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         restore=sources,
         auth_token=serve_flags.auth_token(args),
+        prefixes=prefixes,
     )
     return _run(server_spec(servicer, tls=serve_flags.server_tls(args)), args)
 
@@ -305,6 +313,7 @@ def register(sub) -> None:
     add_cache_args(v)
     serve_flags.add_restore(v)
     serve_flags.add_sessions(v, kv_budget=True)
+    serve_flags.add_prefix_cache(v, "on the device beside the sessions' K/V, outside --max-kv-bytes")
     v.set_defaults(func=cmd_serve_verifier)
 
     d = roles.add_parser("drafter", help="the DFlash drafter and its per-session context caches")
@@ -313,6 +322,7 @@ def register(sub) -> None:
     d.add_argument("--target", help="the target checkpoint: only its embedding and LM head are loaded")
     _backend_args(d)
     serve_flags.add_sessions(d, kv_budget=False)
+    serve_flags.add_prefix_cache(d, "the sessions' context caches")
     d.set_defaults(func=cmd_serve_drafter)
 
     o = roles.add_parser(
@@ -330,6 +340,7 @@ def register(sub) -> None:
     add_cache_args(o)  # colocated: the sessions' default policy
     serve_flags.add_restore(o)
     serve_flags.add_orchestrator(o)
+    serve_flags.add_prefix_cache(o, "colocated: one budget for the verifier's and the drafter's")
     o.add_argument("--backend-wait", type=float, default=120.0, help="split: seconds to wait for verifier/drafter at start")
     _limits(o)
     o.set_defaults(func=cmd_serve_orchestrator)
@@ -350,6 +361,7 @@ def register(sub) -> None:
     serve_flags.add_restore(a)
     serve_flags.add_sessions(a, kv_budget=True)
     serve_flags.add_orchestrator(a)
+    serve_flags.add_prefix_cache(a, "the verifier and the drafter process each keep one of this budget")
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)
     a.set_defaults(func=cmd_serve_all)

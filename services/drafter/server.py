@@ -21,6 +21,7 @@ from typing import Iterator
 import grpc
 import numpy as np
 
+from kakeya.core.prefix import PrefixCache
 from kakeya.drafter.batch import draft_batch
 from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.runtime import bounds
@@ -32,6 +33,7 @@ from kakeya.runtime.lifecycle import (
     ComputeThread,
     ServerSpec,
     SessionRegistry,
+    check_token_ids,
     invalid,
     precondition,
     session_stream,
@@ -60,6 +62,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         max_context: int = 0,
         max_batch: int = DEFAULT_MAX_BATCH,
+        prefix_cache_bytes: int = 0,
     ):
         # Draft requests of several streams that queue up while a batch runs go through ONE forward
         # (``batch.draft_batch``); max_batch 1: each alone, in turn.
@@ -77,6 +80,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.aux_dtype = 0
         self.device = ""
         self.max_block_size = MAX_BLOCK_SIZE
+        # snapshots of finished sessions' contexts that later prompts resume from (Lookup, Draft.resume_at, Save)
+        self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
+        if self.prefixes is not None:
+            self.metrics.track_prefix_cache(self.prefixes)
 
     # -- loading -----------------------------------------------------------------------
 
@@ -91,6 +98,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     def _setup(self, make, draft_dir: str, target_dir: str, backend: str) -> str:
         self.drafter = make()
+        self.drafter.prefixes = self.prefixes
         if self.drafter.backend != backend:
             raise ValueError(f"asked for a {backend} drafter, got a {self.drafter.backend} one")
         self.backend = backend
@@ -144,6 +152,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             live_kv_bytes=self.registry.live_bytes,
             total_sessions=self.registry.total,
             max_context=self.max_context,
+            prefix_cache_bytes=self.prefixes.budget if self.prefixes is not None else 0,
         )
 
     def Session(self, request_iterator, context) -> Iterator[pb.DrafterResponse]:
@@ -167,19 +176,28 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 kw = {} if sampling is None else {"sampling": sampling}
                 session = entry.session = self.compute.run(lambda: self.drafter.open_session(**kw))
                 resp = pb.DrafterResponse(opened=pb.DrafterResponse.Opened(info=self.info(), session_id=entry.id))
+            elif kind == "lookup":
+                if session.calls:
+                    raise precondition("lookup: only before the first draft")
+                ids = check_token_ids(req.lookup.prompt_ids, vocab, "lookup.prompt_ids")
+                positions = self.compute.run(session.cached_prefixes, ids)
+                resp = pb.DrafterResponse(found=pb.DrafterResponse.Found(positions=positions))
+            elif kind == "save":
+                ids = check_token_ids(req.save.token_ids, vocab, "save.token_ids", allow_empty=True)
+                for i, t in enumerate(req.save.unseen_aux):
+                    self._check_aux(t, width, f"save.unseen_aux[{i}]")
+                kept = self.compute.run(self._save, entry, session, ids, list(req.save.unseen_aux))
+                resp = pb.DrafterResponse(saved=pb.DrafterResponse.Saved(kept=kept))
             elif kind == "draft":
                 d = req.draft
-                try:
-                    name, shape, _ = codec.validate(d.new_aux)
-                except ValueError as exc:
-                    raise invalid(f"draft.new_aux: {exc}") from None
-                if name not in FLOAT_DTYPES:
-                    raise invalid(
-                        f"draft.new_aux: dtype {name} is not a floating type (aux is sent in the target's dtype,"
-                        f" this drafter computes in {codec.dtype_name(self.aux_dtype)})"
-                    )
-                if len(shape) != 2 or shape[1] != width:
-                    raise invalid(f"draft.new_aux: shape {list(shape)} must be [n, {width}] (n positions x aux width)")
+                if d.resume_at:
+                    if session.calls:
+                        raise precondition("draft.resume_at: only on the first draft")
+                    try:
+                        self.compute.run(session.resume, d.resume_at)
+                    except ValueError as exc:
+                        raise invalid(str(exc).replace("resume:", "draft.resume_at:", 1)) from None
+                shape = self._check_aux(d.new_aux, width, "draft.new_aux")
                 if session.cache.length + shape[0] > self.max_context:
                     raise invalid(
                         f"draft.new_aux: {shape[0]} rows on top of {session.cache.length} context positions exceed"
@@ -204,11 +222,32 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             elif kind == "open":
                 raise precondition("open: the session is already open")
             else:
-                raise invalid("request: no step set (open, draft or close)")
+                raise invalid("request: no step set (open, lookup, draft, save or close)")
             resp.elapsed_s = time.perf_counter() - t0
             yield resp
 
+    def _check_aux(self, tensor, width: int, field: str) -> tuple:
+        """A wire aux tensor's shape, checked (``field`` names it): a floating type, ``[n, width]``."""
+        try:
+            name, shape, _ = codec.validate(tensor)
+        except ValueError as exc:
+            raise invalid(f"{field}: {exc}") from None
+        if name not in FLOAT_DTYPES:
+            raise invalid(
+                f"{field}: dtype {name} is not a floating type (aux is sent in the target's dtype,"
+                f" this drafter computes in {codec.dtype_name(self.aux_dtype)})"
+            )
+        if len(shape) != 2 or shape[1] != width:
+            raise invalid(f"{field}: shape {list(shape)} must be [n, {width}] (n positions x aux width)")
+        return shape
+
     # -- compute-thread steps --------------------------------------------------------------
+
+    def _save(self, entry, session, ids, tensors) -> bool:
+        kept = session.save(ids, [self._decode(t) for t in tensors])
+        if not entry.closed:
+            entry.cache_bytes = session.cache.nbytes
+        return kept
 
     @staticmethod
     def _stats(session) -> pb.DrafterStats:

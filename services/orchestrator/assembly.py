@@ -162,14 +162,14 @@ def remote_drafter(addr: str, **kwargs):
 
 def build_local_engine(target: str | None, draft: str | None, backend: str = "mlx", device: str | None = None,
                        dtype: str | None = None, policy=None, no_drafter: bool = False, torch_options: dict | None = None,
-                       prefix_cache_bytes: int = 0):
+                       prefixes=None):
     """Load the pair in-process (the embedded default pair when no paths are given).
 
     ``backend`` may be ``"auto"`` (see :func:`resolve_backend`); ``device``/``dtype``
     apply to torch (MLX runs where MLX runs, in the weights' dtype), and so do
     ``torch_options`` (``cuda_graphs``/``compile``, for the verifier and the drafter). What was
-    chosen: the verifier's ``info.backend`` and the engine's ``device``. ``prefix_cache_bytes``:
-    the budget of one prefix cache the verifier and the drafter share (0: none; ``core/prefix.py``).
+    chosen: the verifier's ``info.backend`` and the engine's ``device``. ``prefixes``: a
+    ``core.prefix.PrefixCache`` the verifier and the drafter share (one budget for the process), or None.
     """
     from kakeya.checkpoints.config import check_pair, load_draft_config, load_target_config
     from kakeya.orchestrator.engine import Engine
@@ -190,14 +190,11 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
     verifier = local_verifier(target, aux_layers, backend, **vkw)
     dkw = torch_kw | (torch_options or {})
     drafter = None if no_drafter else local_drafter(draft, target, backend, **dkw)
-    if prefix_cache_bytes:
-        from kakeya.core.prefix import PrefixCache
-
-        verifier.prefixes = PrefixCache(prefix_cache_bytes)  # one budget for the process: both sides' snapshots
-        if drafter is not None:
-            drafter.prefixes = verifier.prefixes
+    verifier.prefixes = prefixes
+    if drafter is not None:
+        drafter.prefixes = prefixes
     return Engine(verifier, drafter, TextCodec(target), target=target, draft="" if no_drafter else draft, device=device,
-                  prefix_cache=bool(prefix_cache_bytes))
+                  prefix_cache=prefixes is not None)
 
 
 def split_engine(
@@ -240,4 +237,4 @@ def split_engine(
     else:
         log.warning("no tokenizer (verifier's %s is not readable here; pass --tokenizer DIR): token-id prompts only", info.name)
     draft_name = drafter.remote.model_name if drafter is not None else ""
-    return Engine(verifier, drafter, codec, target=info.name, draft=draft_name)
+    return Engine(verifier, drafter, codec, target=info.name, draft=draft_name, prefix_cache=verifier.prefix_cache)

@@ -94,6 +94,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         max_prompt_tokens: int = 0,
         restore: bounds.RestoreSources | None = None,
         auth_token: str | None = None,
+        prefixes=None,
     ):
         if not 1 <= default_max_tokens <= max_tokens_limit:
             raise ValueError(f"default max tokens {default_max_tokens} must be in 1..{max_tokens_limit} (--max-tokens-limit)")
@@ -120,6 +121,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.started = time.monotonic()
         self.metrics = ServerMetrics("orchestrator")
         self.metrics.track_sessions(lambda: self.active, lambda: self.total)
+        if prefixes is not None:  # colocated: the prefix cache the engine's verifier and drafter share
+            self.metrics.track_prefix_cache(prefixes)
 
     # -- loading -----------------------------------------------------------------------
 
@@ -229,7 +232,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         tail = text.flush()
         if tail:
             yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=tail))
-        obs.finish(gen.finish_reason, fallback=gen.drafter_fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids))
+        obs.finish(gen.finish_reason, fallback=gen.drafter_fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids),
+                   cached_tokens=gen.cached_tokens)
         yield pb.GenerateResponse(complete=self._complete(req, gen, time.perf_counter() - t_start, error))
 
     def _complete(self, req: Request, gen, total_s: float, error: str):
@@ -258,6 +262,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             stats=stats,
             error_message=error,
             prompt_token_ids=req.prompt_ids,
+            cached_tokens=gen.cached_tokens,
         )
         if not gen.sampling.greedy:
             complete.seed = gen.sampling.seed

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from kakeya.core.contract import Request, SamplingParams
+from kakeya.core.prefix import PrefixCache
 from kakeya.orchestrator.assembly import build_local_engine
 from kakeya.orchestrator.engine import RunOptions
 from kakeya.runtime.compute import ComputeThread
@@ -23,7 +24,7 @@ USER = [[40, 41, 42, 43, 44, 45], [50, 51, 52], [60, 61, 62, 63, 64, 65, 66, 67,
 def _engines(tiny_pair, backend, budget=1 << 28):
     kw = {"device": "cpu"} if backend == "torch" else {}
     args = (str(tiny_pair.target), str(tiny_pair.draft), backend)
-    return build_local_engine(*args, prefix_cache_bytes=budget, **kw), build_local_engine(*args, **kw)
+    return build_local_engine(*args, prefixes=PrefixCache(budget), **kw), build_local_engine(*args, **kw)
 
 
 def _chat(engine, first_prompt, turns, block_size=4, sampling=SamplingParams(), step=None):
