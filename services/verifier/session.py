@@ -193,7 +193,8 @@ class VerifierSession:
         """Keep the state after exactly ``ids`` (the prompt, then the committed tokens) in the prefix cache.
 
         The generation must be over: the session is trimmed back to ``len(ids)``
-        (at most the ring's slack; else nothing is kept) and is only closed after.
+        (only as far as the ring stays exact, ``RingLayout.can_trim``; else nothing
+        is kept) and is only closed after.
         False when nothing was kept (no prefix cache, out of reach, over budget).
         """
         self._check_open()
@@ -202,7 +203,7 @@ class VerifierSession:
         if tuple(ids[: len(self.prompt)]) != self.prompt or len(ids) < len(self.prompt):
             raise ValueError("save: ids must start with the session's prompt")
         back = self.offset - len(ids)
-        if self.prefixes is None or not 0 <= back <= self.policy.slack:
+        if self.prefixes is None or not self.layout.can_trim(back):
             return False
         if back:
             self.layout.trim(back)

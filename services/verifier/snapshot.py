@@ -14,18 +14,16 @@ none of them changes it (``core/prefix.py`` keys and bounds them).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from kakeya.verifier.session import VerifierSession
 
 
 @dataclass(frozen=True)
 class RingState:
     slots: np.ndarray  # each slot's position (EMPTY: none); never edited in place (RingLayout.resume)
     offset: int
+    written: int
     used: int
 
 
@@ -40,11 +38,11 @@ class VerifierSnapshot:
 
 
 def _ring(layout) -> RingState:
-    return RingState(layout.positions, layout.offset, layout.used)
+    return RingState(layout.positions, layout.offset, layout.written, layout.used)
 
 
-def take(session: "VerifierSession") -> VerifierSnapshot:
-    """A copy of ``session``'s state at its current offset (every forward applied, no block pending)."""
+def take(session) -> VerifierSnapshot:
+    """A copy of ``session``'s (a ``VerifierSession``) state at its offset (every forward applied, none pending)."""
     positions = session.offset
     caches = session.target.copy_caches(session.cache, positions)
     nbytes = sum(a.nbytes for layer in caches for a in layer) + session.layout.positions.nbytes
@@ -55,12 +53,12 @@ def take(session: "VerifierSession") -> VerifierSnapshot:
     return VerifierSnapshot(positions, _ring(session.layout), caches, latent_ring, latents, nbytes)
 
 
-def restore(session: "VerifierSession", snap: VerifierSnapshot) -> None:
+def restore(session, snap: VerifierSnapshot) -> None:
     """Set a new session (same target and resolved policy, nothing run yet) to ``snap``'s state."""
     r = snap.ring
-    session.layout.resume(r.slots, r.offset, r.used)
+    session.layout.resume(r.slots, r.offset, r.written, r.used)
     session.target.load_caches(session.cache, snap.caches, snap.positions)
     if snap.latent_ring is not None:
         lr = snap.latent_ring
-        session.latent_layout.resume(lr.slots, lr.offset, lr.used)
+        session.latent_layout.resume(lr.slots, lr.offset, lr.written, lr.used)
         session.latents.load(snap.latents)

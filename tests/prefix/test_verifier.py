@@ -95,6 +95,14 @@ def test_a_snapshot_is_kept_only_within_the_slack_and_for_the_session_prompt(mlx
     assert not s.save(PROMPT + gen[:-6])  # 5 positions back: beyond the slack of 4
     assert s.save(PROMPT + gen[:-4]) and len(cache) == 1
     s.close()
+    s = VerifierSession(mlx_target, aux_layers, CachePolicy(slack=4), prefixes=cache)
+    tok, _ = s.prefill(PROMPT)
+    gen = _decode(s, tok, 3)
+    s.verify([gen[-1], 1, 2, 3])
+    s.commit(1)  # three rejected positions were written: the ring reaches back one more, not two
+    assert not s.save(PROMPT + gen[:-2])
+    assert s.save(PROMPT + gen[:-1])
+    s.close()
     assert not VerifierSession(mlx_target, aux_layers, CachePolicy(), prefixes=None).save([])  # no cache: nothing kept
 
 
