@@ -171,16 +171,26 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     # -- RPCs ----------------------------------------------------------------------------
 
     def Generate(self, request, context) -> Iterator[pb.GenerateResponse]:
-        if not self.ready:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)")
         try:
-            req = self.parse(request)
+            yield from self.stream(request, context)
         except RequestError as exc:
             context.abort(exc.code, exc.message)
-        logs.bind(request_id=req.request_id)  # the interceptor resets it when the RPC ends
+
+    def stream(self, request: pb.GenerateRequest, context) -> Iterator[pb.GenerateResponse]:
+        """One generation, for every front (gRPC, HTTP): RequestError while nothing was streamed (not ready,
+        a bad request, over --max-sessions, a failure before the first chunk), else Chunks then one Complete.
+
+        ``context``: the call's ``time_remaining()`` (the backends' deadline) and ``add_callback(fn)`` (run
+        when the client goes away: it cancels the run).
+        """
+        if not self.ready:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)")
+        req = self.parse(request)
+        token = logs.bind(request_id=req.request_id)
         with self._lock:
             if self.max_sessions and self.active >= self.max_sessions:
-                context.abort(
+                logs.reset(token)
+                raise RequestError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"orchestrator: {self.active} of {self.max_sessions} generations in flight (--max-sessions)",
                 )
@@ -188,11 +198,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             self.total += 1
         try:
             yield from self._generate(req, context)
-        except RequestError as exc:
-            context.abort(exc.code, exc.message)
         finally:
             with self._lock:
                 self.active -= 1
+            logs.reset(token)
 
     def _generate(self, req: Request, context=None, observe: bool = True) -> Iterator[pb.GenerateResponse]:
         """Stream one generation; RequestError before the first chunk, Complete(error) after it, nothing once cancelled."""
@@ -311,7 +320,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 # --------------------------------------------------------------------------- serving
 
 
-def server_spec(servicer: GenerationServicer, tls=None) -> ServerSpec:
+def server_spec(servicer: GenerationServicer, tls=None, http=None) -> ServerSpec:
+    """``http``: the OpenAI HTTP front (``http_server.HttpFront``) served beside the gRPC API, or None."""
     def set_ready(flag: bool) -> None:
         servicer.ready = flag
 
@@ -337,4 +347,5 @@ def server_spec(servicer: GenerationServicer, tls=None) -> ServerSpec:
         health_watch=None if servicer.colocated else backends_ok,
         tls=tls,
         metrics=servicer.metrics,
+        http=http,
     )
