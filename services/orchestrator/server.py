@@ -297,6 +297,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             target_layer_ids=list(e.verifier.aux_layers),
             max_prompt_tokens=self.max_prompt_tokens,
             max_position_embeddings=self.max_position_embeddings,
+            has_chat_template=e.codec is not None and e.codec.chat is not None,
         )
 
     def GetServerInfo(self, request, context):
