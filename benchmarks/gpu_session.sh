@@ -20,7 +20,7 @@
 #   batching    benchmarks/batching.py: N sessions' verifies/drafts alone vs one batch (26B shape, demo pair)
 #   concurrency benchmarks/concurrency.py: `serve all` on CUDA, 1..16 streams, batched vs serialised
 # Results land in OUT_DIR. Needs torch with CUDA, grpcio, protobuf, safetensors, tokenizers,
-# prometheus-client; no MLX.
+# prometheus-client, jinja2 (chat templates); no MLX.
 set -u
 OUT=${1:?usage: gpu_session.sh OUT_DIR [quick]}
 QUICK=${2:-}

@@ -76,6 +76,15 @@ def add_orchestrator(p) -> None:
     add_client_args(p, "the verifier and drafter")
 
 
+def add_http(p) -> None:
+    """The orchestrator's OpenAI-compatible HTTP front (``orchestrator/http_server.py``)."""
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on"
+                        " this port of --host, with the gRPC server's TLS and bearer token (0: any free port; default: off)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id of the HTTP API (default: the target checkpoint's directory name)")
+
+
 def add_client(p) -> None:
     add_client_args(p)
     p.add_argument("--auth-token-file", help="send `authorization: Bearer <token>` read from this file")
@@ -140,6 +149,10 @@ def child_argv(args, role: str) -> list[str]:
             "--default-max-tokens", str(args.default_max_tokens)]  # fmt: skip
     if args.auth_token_file:
         out += ["--auth-token-file", args.auth_token_file]
+    if args.http_port is not None:
+        out += ["--http-port", str(args.http_port)]
+    if args.served_model_name:
+        out += ["--served-model-name", args.served_model_name]
     if tls.enabled:  # the children share one certificate: the orchestrator trusts it towards its backends
         ca = args.tls_ca or args.tls_client_ca or args.tls_cert
         out += ["--tls-ca", ca]

@@ -189,7 +189,12 @@ def cmd_serve_orchestrator(args) -> int:
         auth_token=serve_flags.auth_token(args),
         prefixes=prefixes,
     )
-    return _run(server_spec(servicer, tls=serve_flags.server_tls(args)), args)
+    http = None
+    if args.http_port is not None:
+        from kakeya.orchestrator.http_server import HttpFront
+
+        http = HttpFront(servicer, args.http_port, args.served_model_name)
+    return _run(server_spec(servicer, tls=serve_flags.server_tls(args), http=http), args)
 
 
 # --------------------------------------------------------------------------- serve all
@@ -204,10 +209,11 @@ def cmd_serve_all(args) -> int:
     target, draft = _pair(args.target, args.draft)
     serve_flags.restore_sources(args)  # bad --restore specs: a usage error now, not a child's exit
     serve_flags.server_tls(args), serve_flags.auth_token(args)
-    taken = port_in_use(args.host, args.port)
-    if taken:
-        print(f"kakeya: error: serve all: cannot listen on {args.host}:{args.port}: {taken}", file=sys.stderr)
-        return 2
+    for port in (args.port, args.http_port):
+        taken = port_in_use(args.host, port) if port is not None else None
+        if taken:
+            print(f"kakeya: error: serve all: cannot listen on {args.host}:{port}: {taken}", file=sys.stderr)
+            return 2
     if args.ready_file:
         Path(args.ready_file).unlink(missing_ok=True)
     sup = Supervisor(args.grace)
@@ -258,6 +264,8 @@ def cmd_serve_all(args) -> int:
                 }
                 if args.metrics_port is not None:
                     out["metrics_ports"] = {n: ch.info.get("metrics_port") for n, ch in c.items()}
+                if args.http_port is not None:  # the orchestrator's OpenAI API
+                    out["http_port"] = c["orchestrator"].info.get("http_port")
                 return out
 
             def publish() -> None:  # the ready file follows restarts (new pids)
@@ -340,6 +348,7 @@ def register(sub) -> None:
     add_cache_args(o)  # colocated: the sessions' default policy
     serve_flags.add_restore(o)
     serve_flags.add_orchestrator(o)
+    serve_flags.add_http(o)
     serve_flags.add_prefix_cache(o, "colocated: one budget for the verifier's and the drafter's")
     o.add_argument("--backend-wait", type=float, default=120.0, help="split: seconds to wait for verifier/drafter at start")
     _limits(o)
@@ -361,6 +370,7 @@ def register(sub) -> None:
     serve_flags.add_restore(a)
     serve_flags.add_sessions(a, kv_budget=True)
     serve_flags.add_orchestrator(a)
+    serve_flags.add_http(a)
     serve_flags.add_prefix_cache(a, "the verifier and the drafter process each keep one of this budget")
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)
