@@ -214,3 +214,22 @@ def test_grpc_messages_are_checked_and_the_model_says_it_has_a_template(front):
     with pytest.raises(RequestError) as exc:
         next(servicer.stream(req, HttpCall()))
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt.messages[1].role" in exc.value.message
+
+
+def test_a_client_that_leaves_a_stream_cancels_its_run(front):
+    import time
+
+    servicer, base = front
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    body = json.dumps({"prompt": [2] + list(range(100, 140)), "max_tokens": 4000, "ignore_eos": True, "stream": True})
+    conn.request("POST", "/v1/completions", body, {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.readline().startswith(b"data: ")
+    assert servicer.active == 1
+    conn.close()
+    deadline = time.monotonic() + 30
+    while servicer.active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert servicer.active == 0
+    aborted = servicer.metrics.registry.get_sample_value("kakeya_request_success_total", {"finished_reason": "abort"})
+    assert aborted == 1  # cancelled, not run to its 4000 tokens
