@@ -233,3 +233,25 @@ def test_a_client_that_leaves_a_stream_cancels_its_run(front):
     assert servicer.active == 0
     aborted = servicer.metrics.registry.get_sample_value("kakeya_request_success_total", {"finished_reason": "abort"})
     assert aborted == 1  # cancelled, not run to its 4000 tokens
+
+
+def test_not_ready_is_503_and_a_full_server_429(front):
+    servicer, base = front
+    servicer.ready = False
+    try:
+        assert _get(base, "/health", token=None) == 503
+        status, answer = _post(base, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
+        assert status == 503 and answer["error"]["type"] == "service_unavailable_error"
+    finally:
+        servicer.ready = True
+    limit, servicer.max_sessions = servicer.max_sessions, 1  # --max-sessions 1, with one stream in flight
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    body = json.dumps({"prompt": [2, 40, 41], "max_tokens": 4000, "ignore_eos": True, "stream": True})
+    try:
+        conn.request("POST", "/v1/completions", body, {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+        assert conn.getresponse().status == 200
+        status, answer = _post(base, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
+        assert status == 429 and answer["error"]["type"] == "rate_limit_error"
+    finally:
+        conn.close()
+        servicer.max_sessions = limit
