@@ -87,8 +87,10 @@ async def _messages(servicer, request) -> AsyncIterator:
         except BaseException as exc:  # noqa: BLE001 - handed to the request's coroutine
             loop.call_soon_threadsafe(queue.put_nowait, exc)
         finally:
-            stream.close()  # on this thread: the servicer's bookkeeping ends where it ran
-            loop.call_soon_threadsafe(queue.put_nowait, _END)
+            try:
+                stream.close()  # on this thread: the servicer's bookkeeping ends where it ran
+            finally:  # whatever happens, the request's coroutine stops waiting
+                loop.call_soon_threadsafe(queue.put_nowait, _END)
 
     threading.Thread(target=pump, name="http-generate", daemon=True).start()
     done = False
@@ -172,7 +174,7 @@ class HttpFront:
         if call.stream:
             return StreamingResponse(self._events(answer, first, messages), media_type="text/event-stream")
         try:
-            complete = self._consume(answer, first)
+            complete = None if first is None else self._consume(answer, first)  # None: cancelled before it began
             async for message in messages:
                 complete = self._consume(answer, message) or complete
             if complete is None:  # the run was cancelled under it (the server is going down)

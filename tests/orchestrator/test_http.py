@@ -255,3 +255,23 @@ def test_not_ready_is_503_and_a_full_server_429(front):
     finally:
         conn.close()
         servicer.max_sessions = limit
+
+
+class _Cancelled:
+    """A servicer whose every generation was cancelled before its first message (a server going down)."""
+
+    ready, auth_token, engine, max_context = True, None, object(), 64
+
+    def stream(self, request, call):
+        yield from ()
+
+
+def test_a_generation_cancelled_before_it_began_is_503_not_500():
+    http = HttpFront(_Cancelled(), 0, "tiny")
+    base = f"http://127.0.0.1:{http.start('127.0.0.1')}"
+    try:
+        status, answer = _post(base, "/v1/completions", b'{"prompt": "x"}', token=None)
+        assert status == 503 and answer["error"]["message"] == "the generation was cancelled"
+    finally:
+        http.drain()
+        http.join(5)
