@@ -22,7 +22,6 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 
@@ -64,7 +63,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     @classmethod
-    def of(cls, exc: RequestError) -> "ApiError":
+    def of(cls, exc: RequestError) -> ApiError:
         """A refusal of the shared validation or of the server, its fields named as the HTTP client sent them."""
         message = exc.message
         for field, param in PARAMS:
