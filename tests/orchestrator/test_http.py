@@ -257,6 +257,36 @@ def test_not_ready_is_503_and_a_full_server_429(front):
         servicer.max_sessions = limit
 
 
+def test_per_peer_cap_counts_http_and_grpc_calls_of_one_host_together(front):
+    """--max-sessions-per-peer: an HTTP stream in flight from 127.0.0.1 takes that host's one slot, so a second
+    HTTP request (429) and a gRPC call from the same address are refused; another host is admitted."""
+    import time
+
+    import grpc
+
+    from kakeya.runtime.lifecycle import RequestError
+
+    servicer, base = front
+    limit, servicer.max_sessions_per_peer = servicer.max_sessions_per_peer, 1
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    body = json.dumps({"prompt": [2, 40, 41], "max_tokens": 4000, "ignore_eos": True, "stream": True})
+    try:
+        conn.request("POST", "/v1/completions", body, {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+        assert conn.getresponse().status == 200
+        status, answer = _post(base, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
+        assert status == 429 and "--max-sessions-per-peer" in answer["error"]["message"]
+        with pytest.raises(RequestError) as refused:
+            next(servicer.stream(_greedy(text=PROMPT), HttpCall("ipv4:127.0.0.1:50999")))
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert len(_grpc_ids(servicer, _greedy(text=PROMPT))) == 24  # HttpCall(): another peer, admitted
+    finally:
+        conn.close()
+        deadline = time.monotonic() + 30
+        while servicer.active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        servicer.max_sessions_per_peer = limit
+
+
 class _Cancelled:
     """A servicer whose every generation was cancelled before its first message (a server going down)."""
 
