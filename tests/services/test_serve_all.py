@@ -180,3 +180,24 @@ def test_the_openai_client_through_serve_all_gets_the_grpc_clients_tokens(server
         assert second.usage.prompt_tokens_details.cached_tokens == len(ids) + len(answer) - 1
     finally:
         s.stop()
+
+
+def test_serve_all_hands_each_child_both_branches_flags():
+    """The prefix cache and the HTTP front's flags reach their children beside the internal token, the per-peer
+    cap and pre-drafting (no child is started: the argv alone)."""
+    from kakeya.app import flags as serve_flags
+    from kakeya.app.main import build_parser
+
+    a = build_parser().parse_args(["serve", "all", "--prefix-cache-bytes", "64M", "--http-port", "8000",
+                                   "--served-model-name", "m", "--max-sessions-per-peer", "3", "--predraft", "on"])  # fmt: skip
+
+    def value(argv, flag):
+        return argv[argv.index(flag) + 1]
+
+    for role in ("verifier", "drafter"):
+        argv = serve_flags.child_argv(a, role, "tok")
+        assert value(argv, "--prefix-cache-bytes") == str(64 << 20) and value(argv, "--auth-token-file") == "tok"
+    argv = serve_flags.child_argv(a, "orchestrator", "tok")
+    assert (value(argv, "--http-port"), value(argv, "--served-model-name")) == ("8000", "m")
+    assert (value(argv, "--max-sessions-per-peer"), value(argv, "--backend-token-file"), value(argv, "--predraft")) == ("3", "tok", "on")
+    assert "--prefix-cache-bytes" not in argv  # a split orchestrator keeps no model state
