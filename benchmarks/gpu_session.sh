@@ -22,7 +22,7 @@
 #   split       benchmarks/split.py on CUDA: split (pre-draft off / on) vs colocated, one stream at block sizes
 #               1..16 and auto with each block's critical path as compute + wire, 1/4/8/16 streams, pre-draft hits
 # Results land in OUT_DIR. Needs torch with CUDA, grpcio, protobuf, safetensors, tokenizers,
-# prometheus-client; no MLX.
+# prometheus-client, jinja2 (chat templates); no MLX.
 set -u
 OUT=${1:?usage: gpu_session.sh OUT_DIR [quick]}
 QUICK=${2:-}

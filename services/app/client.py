@@ -57,6 +57,7 @@ def report_from_stream(model, server, complete, token_ids: list[int], text: str,
         prompt_ids=list(complete.prompt_token_ids),
         token_ids=list(token_ids),
         blocks=blocks,
+        cached_tokens=complete.cached_tokens,
         finish_reason=pb.FinishReason.Name(complete.finish_reason).removeprefix("FINISH_REASON_").lower(),
         prefill_s=s.prefill_s,
         decode_s=s.decode_s,
@@ -111,6 +112,8 @@ def generate_request(args):
         req.tokenized.ids.extend(ids)
         if not ids:
             req.tokenized.SetInParent()
+    elif args.chat:  # one user message, in the model's chat template (the server renders it)
+        req.messages.messages.add(role="user", content=args.prompt if args.prompt is not None else DEFAULT_PROMPT)
     else:
         req.text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     policy = cache_policy_from_args(args)
@@ -208,6 +211,7 @@ def register(sub) -> None:
     g = cmds.add_parser("generate", help="streaming generation, same options and --json as `kakeya generate`")
     add_generation_options(g)
     g.add_argument("--prompt-ids", help="pre-tokenized prompt, comma-separated ids (instead of --prompt)")
+    g.add_argument("--chat", action="store_true", help="send --prompt as one user message in the model's chat template")
     g.add_argument("--stop", action="append", help="stop string (repeatable); cut from the output")
     g.add_argument("--stop-token-id", type=int, action="append", help="extra stop token id (repeatable)")
     g.add_argument("--request-id", help="request id for the server's logs")

@@ -50,6 +50,28 @@ def add_sessions(p) -> None:
                         f" (default {DEFAULT_MAX_BATCH}; 1: each session's step alone, in turn)")  # fmt: skip
 
 
+def byte_size(text: str) -> int:
+    """``--prefix-cache-bytes``: a byte count, optionally with a binary suffix (``512M``, ``2G``, ``1.5GiB``)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
+    try:
+        n = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise ValueError(f"--prefix-cache-bytes must be a byte count like 1073741824, 512M or 2G, got {text!r}") from None
+    if n < 0:
+        raise ValueError(f"--prefix-cache-bytes must be >= 0, got {text!r}")
+    return int(n)
+
+
+def add_prefix_cache(p, where: str) -> None:
+    """Verifier, drafter, colocated orchestrator, ``serve all``: the prefix cache's budget (``core/prefix.py``)."""
+    p.add_argument(
+        "--prefix-cache-bytes", type=byte_size, default=0, metavar="BYTES",
+        help=f"keep finished generations' state (up to BYTES, e.g. 2G; least recently used evicted) so a prompt that"
+             f" extends one (a chat's next turn) resumes it instead of prefilling; {where} (default 0: off)",
+    )  # fmt: skip
+
+
 def add_restore(p) -> None:
     """Restoration sources, chosen by name on the wire (replaces the plain --restore of the cache flags)."""
     p.add_argument("--restore", action="append", metavar="NAME=DIR",
@@ -74,6 +96,15 @@ def add_backend_auth(p) -> None:
     p.add_argument("--backend-token-file", help="split: send `authorization: Bearer <token>` from this file to the verifier and drafter")
 
 
+def add_http(p) -> None:
+    """The orchestrator's OpenAI-compatible HTTP front (``orchestrator/http_server.py``)."""
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on"
+                        " this port of --host, with the gRPC server's TLS and bearer token (0: any free port; default: off)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id of the HTTP API (default: the target checkpoint's directory name)")
+
+
 def add_client(p) -> None:
     add_client_args(p)
     p.add_argument("--auth-token-file", help="send `authorization: Bearer <token>` read from this file")
@@ -90,6 +121,7 @@ def session_limits(args) -> dict:
         "reclaim_idle_s": args.reclaim_idle,
         "max_context": args.max_context,
         "max_batch": args.max_batch,
+        "prefix_cache_bytes": args.prefix_cache_bytes,
     }
     for flag, value in (("--max-kv-bytes", args.max_kv_bytes), ("--queue", args.queue), ("--max-context", args.max_context),
                         ("--max-sessions-per-peer", args.max_sessions_per_peer), ("--reclaim-idle", args.reclaim_idle),
@@ -157,7 +189,7 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
         out += ["--queue", str(args.queue), "--queue-timeout", str(args.queue_timeout),
                 "--idle-timeout", str(args.idle_timeout), "--reclaim-idle", str(args.reclaim_idle),
                 "--max-context", str(args.max_context), "--max-batch", str(args.max_batch),
-                "--auth-token-file", backend_token_file]  # fmt: skip
+                "--auth-token-file", backend_token_file, "--prefix-cache-bytes", str(args.prefix_cache_bytes)]  # fmt: skip
         if role == "verifier":
             out += ["--max-kv-bytes", str(args.max_kv_bytes)]
             out += [x for spec in args.restore or [] for x in ("--restore", spec)]
@@ -167,6 +199,10 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
             "--backend-token-file", backend_token_file, "--predraft", args.predraft]  # fmt: skip
     if args.auth_token_file:
         out += ["--auth-token-file", args.auth_token_file]
+    if args.http_port is not None:
+        out += ["--http-port", str(args.http_port)]
+    if args.served_model_name:
+        out += ["--served-model-name", args.served_model_name]
     if tls.enabled:  # the children share one certificate: the orchestrator trusts it towards its backends
         ca = args.tls_ca or args.tls_client_ca or args.tls_cert
         out += ["--tls-ca", ca]

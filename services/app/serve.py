@@ -149,9 +149,12 @@ def cmd_serve_orchestrator(args) -> int:
 
     if args.drafter and not args.verifier:
         raise ValueError("--drafter needs --verifier (a remote drafter with an in-process verifier is not supported)")
+    prefixes = None
     if args.verifier:
         if args.target or args.draft:
             raise ValueError("--target/--draft load in-process models: leave them out with --verifier (see --tokenizer)")
+        if args.prefix_cache_bytes:
+            raise ValueError("--prefix-cache-bytes keeps the models' state: give it to the verifier and drafter servers")
 
         client_tls, backend_token = serve_flags.client_tls(args), serve_flags.backend_token(args)
 
@@ -170,13 +173,17 @@ def cmd_serve_orchestrator(args) -> int:
         sources, args.restore = serve_flags.restore_sources(args)
 
         backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
+        if args.prefix_cache_bytes:  # one budget for both models' snapshots
+            from kakeya.core.prefix import PrefixCache
+
+            prefixes = PrefixCache(args.prefix_cache_bytes)
 
         def build():  # no paths: the embedded pair, as `kakeya generate`
             from kakeya.app.options import torch_options
 
             return build_local_engine(args.target, args.draft, backend, kwargs.get("device"), kwargs.get("dtype"),
                                       _default_policy(args), no_drafter=args.no_drafter,
-                                      torch_options=torch_options(args) if backend == "torch" else None)
+                                      torch_options=torch_options(args) if backend == "torch" else None, prefixes=prefixes)
 
         colocated = True
     servicer = GenerationServicer(
@@ -189,8 +196,14 @@ def cmd_serve_orchestrator(args) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         restore=sources,
         auth_token=serve_flags.auth_token(args),
+        prefixes=prefixes,
     )
-    return _run(server_spec(servicer, tls=serve_flags.server_tls(args)), args)
+    http = None
+    if args.http_port is not None:
+        from kakeya.orchestrator.http_server import HttpFront
+
+        http = HttpFront(servicer, args.http_port, args.served_model_name)
+    return _run(server_spec(servicer, tls=serve_flags.server_tls(args), http=http), args)
 
 
 # --------------------------------------------------------------------------- serve all
@@ -207,10 +220,11 @@ def cmd_serve_all(args) -> int:
     serve_flags.restore_sources(args)  # bad --restore specs: a usage error now, not a child's exit
     serve_flags.server_tls(args), serve_flags.auth_token(args)
     serve_flags.session_limits(args)
-    taken = port_in_use(args.host, args.port)
-    if taken:
-        print(f"kakeya: error: serve all: cannot listen on {args.host}:{args.port}: {taken}", file=sys.stderr)
-        return 2
+    for port in (args.port, args.http_port):
+        taken = port_in_use(args.host, port) if port is not None else None
+        if taken:
+            print(f"kakeya: error: serve all: cannot listen on {args.host}:{port}: {taken}", file=sys.stderr)
+            return 2
     if args.ready_file:
         Path(args.ready_file).unlink(missing_ok=True)
     sup = Supervisor(args.grace)
@@ -263,6 +277,8 @@ def cmd_serve_all(args) -> int:
                 }
                 if args.metrics_port is not None:
                     out["metrics_ports"] = {n: ch.info.get("metrics_port") for n, ch in c.items()}
+                if args.http_port is not None:  # the orchestrator's OpenAI API
+                    out["http_port"] = c["orchestrator"].info.get("http_port")
                 return out
 
             def publish() -> None:  # the ready file follows restarts (new pids)
@@ -319,6 +335,7 @@ def register(sub) -> None:
     serve_flags.add_restore(v)
     serve_flags.add_sessions(v)
     serve_flags.add_internal_auth(v)
+    serve_flags.add_prefix_cache(v, "on the device beside the sessions' K/V, outside --max-kv-bytes")
     v.set_defaults(func=cmd_serve_verifier)
 
     d = roles.add_parser("drafter", help="the DFlash drafter and its per-session context caches")
@@ -328,6 +345,7 @@ def register(sub) -> None:
     _backend_args(d)
     serve_flags.add_sessions(d)
     serve_flags.add_internal_auth(d)
+    serve_flags.add_prefix_cache(d, "the sessions' context caches")
     d.set_defaults(func=cmd_serve_drafter)
 
     o = roles.add_parser(
@@ -346,6 +364,8 @@ def register(sub) -> None:
     serve_flags.add_restore(o)
     serve_flags.add_orchestrator(o)
     serve_flags.add_backend_auth(o)
+    serve_flags.add_http(o)
+    serve_flags.add_prefix_cache(o, "colocated: one budget for the verifier's and the drafter's")
     o.add_argument("--backend-wait", type=float, default=120.0, help="split: seconds to wait for verifier/drafter at start")
     _limits(o)
     o.set_defaults(func=cmd_serve_orchestrator)
@@ -365,6 +385,8 @@ def register(sub) -> None:
     serve_flags.add_restore(a)
     serve_flags.add_sessions(a)  # the verifier's and drafter's (--max-kv-bytes: the verifier's)
     serve_flags.add_orchestrator(a)
+    serve_flags.add_http(a)
+    serve_flags.add_prefix_cache(a, "the verifier and the drafter process each keep one of this budget")
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)
     a.set_defaults(func=cmd_serve_all)

@@ -7,7 +7,10 @@ deterministic, sorted subset of ``*.py`` files), with Gemma's special-token ids:
 
 The written directory opens with ``transformers.AutoTokenizer.from_pretrained``
 and with ``mlx_lm.load``; byte-level pre-tokenisation and decoding make
-``decode(encode(text))`` round-trip any text exactly.
+``decode(encode(text))`` round-trip any text exactly. It ships a minimal
+Gemma-style chat template (``chat_template.jinja``, :data:`CHAT_TEMPLATE`), so
+the pairs made from it (the tiny pairs, the trained demo pair) take chat
+messages offline; its turn markers are plain text to this tokenizer.
 """
 
 from __future__ import annotations
@@ -32,6 +35,17 @@ DEFAULT_CORPUS_BYTES = 2_000_000
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 
 Progress = Callable[[str], None]
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # what transformers (and orchestrator/chat.py) read beside the tokenizer
+# Gemma's turn format: roles as they come ("assistant" is Gemma's "model"), contents verbatim (no trim: a
+# conversation's next prompt then starts with the previous prompt and answer, token for token, as far as the
+# tokenizer splits them alike), and the model's turn opened at the end when asked.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{{ message['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 
 
 def _stdlib_dir() -> Path:
@@ -132,10 +146,11 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def write_tokenizer(tok: Tokenizer, out_dir: str | Path) -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json."""
+    """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and chat_template.jinja."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    (out / CHAT_TEMPLATE_FILE).write_text(CHAT_TEMPLATE + "\n", encoding="utf-8")
     added = {
         str(i): {
             "content": t,

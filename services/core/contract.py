@@ -436,6 +436,7 @@ class Generation:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     blocks: list[Block] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens resumed from a prefix cache's snapshot instead of prefilled
     finish_reason: str = "length"  # "stop" | "length"
     prefill_s: float = 0.0
     decode_s: float = 0.0

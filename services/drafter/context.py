@@ -201,6 +201,33 @@ class ContextKVCache:
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
+    def snapshot(self) -> "ContextSnapshot":
+        """A copy of what this cache holds now (its visible rows), which nothing it does later changes:
+        a prefix snapshot of the drafter (``core/prefix.py``)."""
+        kv = [layer.copy_visible() for layer in self.layers]
+        nbytes = sum(k.nbytes + v.nbytes for k, v in kv if k is not None)
+        return ContextSnapshot(self.length, [layout.stop - layout.start for layout in self.plan.layouts], kv, nbytes)
+
+    def restore(self, snap: "ContextSnapshot") -> None:
+        """An empty cache (of the same model) set to ``snap``'s rows, copied in as an extension writes rows."""
+        if self.length:
+            raise RuntimeError("only an empty context cache can resume a snapshot")
+        plans = {layout: layout.append(rows) for layout, rows in zip(self.plan.layouts, snap.rows)}
+        self.plan.length = snap.length
+        for layer, (k, v) in zip(self.layers, snap.kv):
+            if k is not None:
+                layer.append(plans[layer.layout], k, v)
+
+
+@dataclass(frozen=True)
+class ContextSnapshot:
+    """A context cache's state: ``length`` positions, each layout's visible ``rows``, every layer's K/V of them."""
+
+    length: int
+    rows: list[int]
+    kv: list  # per layer: (keys, values) of its visible rows, or (None, None)
+    nbytes: int
+
 
 def split_rows(kv: list, counts: Sequence[int]) -> list[list]:
     """Per-layer ``(k, v)`` over the rows of several auxes in a row -> one per-layer list per aux."""

@@ -28,6 +28,7 @@ from typing import Iterator
 import grpc
 import numpy as np
 
+from kakeya.core.prefix import PrefixCache
 from kakeya.drafter.batch import draft_batch
 from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.runtime import bounds
@@ -40,6 +41,7 @@ from kakeya.runtime.lifecycle import (
     ComputeThread,
     ServerSpec,
     SessionRegistry,
+    check_token_ids,
     invalid,
     precondition,
     session_stream,
@@ -71,6 +73,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S,
         max_context: int = 0,
         max_batch: int = DEFAULT_MAX_BATCH,
+        prefix_cache_bytes: int = 0,
     ):
         # Draft requests of several streams that queue up while a batch runs go through ONE forward
         # (``batch.draft_batch``); max_batch 1: each alone, in turn.
@@ -92,6 +95,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.device = ""
         self.max_block_size = MAX_BLOCK_SIZE
         self.row_bytes = 0  # context K/V bytes per cache row of one layer, measured by load()
+        # snapshots of finished sessions' contexts that later prompts resume from (Lookup, Draft.resume_at, Save)
+        self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
+        if self.prefixes is not None:
+            self.metrics.track_prefix_cache(self.prefixes)
 
     # -- loading -----------------------------------------------------------------------
 
@@ -106,6 +113,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     def _setup(self, make, draft_dir: str, target_dir: str, backend: str) -> str:
         self.drafter = make()
+        self.drafter.prefixes = self.prefixes
         if self.drafter.backend != backend:
             raise ValueError(f"asked for a {backend} drafter, got a {self.drafter.backend} one")
         self.backend = backend
@@ -177,6 +185,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             live_kv_bytes=self.registry.live_bytes,
             total_sessions=self.registry.total,
             max_context=self.max_context,
+            prefix_cache_bytes=self.prefixes.budget if self.prefixes is not None else 0,
         )
 
     def Session(self, request_iterator, context) -> Iterator[pb.DrafterResponse]:
@@ -199,9 +208,28 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 kw = {} if sampling is None else {"sampling": sampling}
                 session = entry.session = self.compute.run(lambda: self.drafter.open_session(**kw))
                 resp = pb.DrafterResponse(opened=pb.DrafterResponse.Opened(info=self.info(), session_id=entry.id))
+            elif kind == "lookup":
+                if session.calls:
+                    raise precondition("lookup: only before the first draft")
+                ids = check_token_ids(req.lookup.prompt_ids, vocab, "lookup.prompt_ids")
+                positions = self.compute.run(session.cached_prefixes, ids)
+                resp = pb.DrafterResponse(found=pb.DrafterResponse.Found(positions=positions))
+            elif kind == "save":
+                ids = check_token_ids(req.save.token_ids, vocab, "save.token_ids", allow_empty=True)
+                for i, t in enumerate(req.save.unseen_aux):
+                    self._aux_shape(t, f"save.unseen_aux[{i}]")
+                kept = self.compute.run(self._save, entry, session, ids, list(req.save.unseen_aux))
+                resp = pb.DrafterResponse(saved=pb.DrafterResponse.Saved(kept=kept))
             elif kind == "draft":
                 d = req.draft
-                self._check_aux(d.new_aux, session, "draft.new_aux")
+                if d.resume_at:
+                    if session.calls:
+                        raise precondition("draft.resume_at: only on the first draft")
+                    try:
+                        self.compute.run(session.resume, d.resume_at)
+                    except ValueError as exc:
+                        raise invalid(str(exc).replace("resume:", "draft.resume_at:", 1)) from None
+                shape = self._check_aux(d.new_aux, session, "draft.new_aux")
                 if not 0 <= d.last_token < vocab:
                     raise invalid(f"draft.last_token: {d.last_token} is outside the vocabulary [0, {vocab})")
                 block = d.block_size or self.drafter.block_size
@@ -225,12 +253,25 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             elif kind == "open":
                 raise precondition("open: the session is already open")
             else:
-                raise invalid("request: no step set (open, draft, predraft or close)")
+                raise invalid("request: no step set (open, lookup, draft, predraft, save or close)")
             resp.elapsed_s = time.perf_counter() - t0
             yield resp
 
-    def _check_aux(self, tensor, session, field: str) -> None:
-        """A Draft's or Predraft's new aux: a float [n, aux width] tensor within --max-context (INVALID_ARGUMENT)."""
+    def _check_aux(self, tensor, session, field: str) -> tuple:
+        """A Draft's or Predraft's new aux: a float [n, aux width] tensor within --max-context (INVALID_ARGUMENT);
+        its shape."""
+        shape = self._aux_shape(tensor, field)
+        if session.cache.length + shape[0] > self.max_context:
+            raise invalid(
+                f"{field}: {shape[0]} rows on top of {session.cache.length} context positions exceed"
+                f" this server's limit {self.max_context} (--max-context)"
+            )
+        if shape[0] == 0 and session.cache.length == 0:
+            raise invalid(f"{field}: the first draft of a session needs the prompt's aux (n >= 1)")
+        return shape
+
+    def _aux_shape(self, tensor, field: str) -> tuple:
+        """A wire aux tensor's shape, checked (``field`` names it): a floating type, ``[n, aux width]``."""
         try:
             name, shape, _ = codec.validate(tensor)
         except ValueError as exc:
@@ -243,13 +284,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         width = self.drafter.model.config.aux_width
         if len(shape) != 2 or shape[1] != width:
             raise invalid(f"{field}: shape {list(shape)} must be [n, {width}] (n positions x aux width)")
-        if session.cache.length + shape[0] > self.max_context:
-            raise invalid(
-                f"{field}: {shape[0]} rows on top of {session.cache.length} context positions exceed"
-                f" this server's limit {self.max_context} (--max-context)"
-            )
-        if shape[0] == 0 and session.cache.length == 0:
-            raise invalid(f"{field}: the first draft of a session needs the prompt's aux (n >= 1)")
+        return shape
 
     def _predraft_item(self, entry, session, p, vocab: int) -> tuple:
         """A checked Predraft as a ``draft_batch`` item (its fifth element: the pending candidates)."""
@@ -267,6 +302,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         return entry, session, p.new_aux if p.HasField("new_aux") else None, ids[0], p.block_size, tuple(ids[1:])
 
     # -- compute-thread steps --------------------------------------------------------------
+
+    def _save(self, entry, session, ids, tensors) -> bool:
+        kept = session.save(ids, [self._decode(t) for t in tensors])
+        if not entry.closed:
+            entry.cache_bytes = session.cache.nbytes
+        return kept
 
     @staticmethod
     def _stats(session) -> pb.DrafterStats:

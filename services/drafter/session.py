@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from kakeya.core.contract import MAX_BLOCK_SIZE, Draft, SamplingParams, SessionOptions
+from kakeya.core.prefix import PrefixCache
 from kakeya.drafter.backend import DraftModel, bind, extend
 from kakeya.drafter.config import check_draft_args
 from kakeya.drafter.sampling import sampled_draft, session_sampling
@@ -44,6 +45,7 @@ class _Empty:
 
 _EMPTY = _Empty()
 NOTHING = Draft(())  # a block of size 1 drafts nothing (its call only extends the context)
+CONTEXT = "context"  # the prefix cache's namespace: one drafter model per cache
 
 
 class DraftCall(NamedTuple):
@@ -70,12 +72,57 @@ class DraftCall(NamedTuple):
 
 
 class DrafterSession:
-    def __init__(self, model: DraftModel, sampling: SamplingParams | None = None):
+    """``prefixes``: the drafter's prefix cache (None: none): :meth:`cached_prefixes` and :meth:`resume`
+    read it, :meth:`save` fills it."""
+
+    def __init__(self, model: DraftModel, sampling: SamplingParams | None = None, prefixes: PrefixCache | None = None):
         self.model = model
         self.sampling, self.rng = session_sampling(sampling)  # (None, None): greedy
         self.cache = model.make_cache()
+        self.prefixes = prefixes
+        self._held: dict = {}  # positions -> snapshot found for this session's prompt, until it resumes
         self.calls = 0
         self._closed = False
+
+    def cached_prefixes(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The lengths of the prompt prefixes this session can resume at, longest first: the prefix cache's
+        snapshots of them, held for this session (an eviction meanwhile cannot take them) until :meth:`resume`."""
+        found = self.prefixes.find(CONTEXT, prompt_ids) if self.prefixes is not None else []
+        self._held = {e.positions: e.value for e in found}
+        return list(self._held)
+
+    def resume(self, positions: int) -> None:
+        """Start from the held snapshot of ``positions`` prompt tokens (0: from nothing); the first ``draft``'s
+        ``new_aux`` then holds the positions after them."""
+        if self.calls or self.cache.length:
+            raise RuntimeError("resume: the session has drafted already")
+        if positions:
+            if positions not in self._held:
+                raise ValueError(f"resume: no snapshot of {positions} prompt tokens is held (cached_prefixes first)")
+            self.cache.restore(self._held[positions])
+        self._held = {}
+
+    def save(self, ids: Sequence[int], unseen: Sequence) -> bool:
+        """Keep the context after exactly ``ids`` (the prompt, then the committed tokens) in the prefix cache.
+
+        ``unseen``: the aux the loop committed after this session's last draft (a list of chunks, in order);
+        the context is extended by as many of their rows as ``ids`` needs. The generation must be over.
+        False when nothing was kept (no prefix cache, too few rows, over budget).
+        """
+        need = len(ids) - self.cache.length
+        if self.prefixes is None or self._closed or need < 0:
+            return False
+        for chunk in unseen:
+            if need <= 0:
+                break
+            rows = self.model.read_aux(chunk)[:need]
+            extend(self.model, [self.cache], [rows])
+            need -= rows.shape[0]
+        if need:
+            return False
+        self.model.settle([self.cache])
+        snap = self.cache.snapshot()
+        return self.prefixes.put(CONTEXT, ids, snap, snap.nbytes)
 
     def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
         """Extend the context by ``new_aux`` and draft ``block_size - 1`` tokens after ``last_token``."""
@@ -161,19 +208,21 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
 
 
 class LocalDrafter:
-    """``Drafter`` protocol over one loaded DFlash model (either backend); sessions share the weights."""
+    """``Drafter`` protocol over one loaded DFlash model (either backend); sessions share the weights
+    (``prefixes``: their prefix cache, None: none)."""
 
-    def __init__(self, model: DraftModel):
+    def __init__(self, model: DraftModel, prefixes: PrefixCache | None = None):
         if model.target is None:
             raise ValueError("DFlashDraftModel must be bound to the target's embedding/LM head")
         self.model = model
+        self.prefixes = prefixes
         self.backend: str = model.backend
         self.block_size: int = int(model.config.block_size)
         self.mask_token_id: int = int(model.config.mask_token_id)
         self.target_layer_ids: tuple[int, ...] = tuple(model.config.target_layer_ids)
 
     def open_session(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None) -> DrafterSession:
-        return DrafterSession(self.model, sampling)
+        return DrafterSession(self.model, sampling, self.prefixes)
 
     def status(self) -> dict[str, str]:
         return {}  # in this process: no connection to lose

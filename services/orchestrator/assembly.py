@@ -161,13 +161,15 @@ def remote_drafter(addr: str, **kwargs):
 
 
 def build_local_engine(target: str | None, draft: str | None, backend: str = "mlx", device: str | None = None,
-                       dtype: str | None = None, policy=None, no_drafter: bool = False, torch_options: dict | None = None):
+                       dtype: str | None = None, policy=None, no_drafter: bool = False, torch_options: dict | None = None,
+                       prefixes=None):
     """Load the pair in-process (the embedded default pair when no paths are given).
 
     ``backend`` may be ``"auto"`` (see :func:`resolve_backend`); ``device``/``dtype``
     apply to torch (MLX runs where MLX runs, in the weights' dtype), and so do
     ``torch_options`` (``cuda_graphs``/``compile``, for the verifier and the drafter). What was
-    chosen: the verifier's ``info.backend`` and the engine's ``device``.
+    chosen: the verifier's ``info.backend`` and the engine's ``device``. ``prefixes``: a
+    ``core.prefix.PrefixCache`` the verifier and the drafter share (one budget for the process), or None.
     """
     from kakeya.checkpoints.config import check_pair, load_draft_config, load_target_config
     from kakeya.orchestrator.engine import Engine
@@ -188,7 +190,11 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
     verifier = local_verifier(target, aux_layers, backend, **vkw)
     dkw = torch_kw | (torch_options or {})
     drafter = None if no_drafter else local_drafter(draft, target, backend, **dkw)
-    return Engine(verifier, drafter, TextCodec(target), target=target, draft="" if no_drafter else draft, device=device)
+    verifier.prefixes = prefixes
+    if drafter is not None:
+        drafter.prefixes = prefixes
+    return Engine(verifier, drafter, TextCodec(target), target=target, draft="" if no_drafter else draft, device=device,
+                  prefix_cache=prefixes is not None)
 
 
 def split_engine(
@@ -233,4 +239,5 @@ def split_engine(
     else:
         log.warning("no tokenizer (verifier's %s is not readable here; pass --tokenizer DIR): token-id prompts only", info.name)
     draft_name = drafter.remote.model_name if drafter is not None else ""
-    return Engine(verifier, drafter, codec, target=info.name, draft=draft_name, predraft=predraft)
+    return Engine(verifier, drafter, codec, target=info.name, draft=draft_name, predraft=predraft,
+                  prefix_cache=verifier.prefix_cache)

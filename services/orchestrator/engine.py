@@ -25,12 +25,15 @@ log = logging.getLogger("kakeya.orchestrator")
 
 class Engine:
     """``predraft``: greedy runs pre-draft each next block while the current one is verified (the
-    loop's ``predraft``): worth it where the drafter works beside the verifier, i.e. split."""
+    loop's ``predraft``): worth it where the drafter works beside the verifier, i.e. split.
+    ``prefix_cache``: the verifier keeps a prefix cache (``core/prefix.py``), so every run asks it (and
+    the drafter) to resume the longest cached prefix of its prompt and leaves a snapshot when it ends."""
 
     def __init__(self, verifier: Verifier, drafter: Drafter | None, codec: TextCodec | None, target: str = "",
-                 draft: str = "", device: str | None = None, predraft: bool = False):
+                 draft: str = "", device: str | None = None, predraft: bool = False, prefix_cache: bool = False):
         self.verifier, self.drafter, self.codec = verifier, drafter, codec
         self.target, self.draft = target, draft
+        self.prefix_cache = prefix_cache
         self.device = device  # what reports print (in-process torch: "cpu"/"cuda"; None: not known here)
         self.predraft = predraft
         self.adaptive: AdaptivePolicy | None = None  # measured on the first request that asks for it
@@ -115,6 +118,7 @@ class Engine:
             "block_size": req.block_size,  # 0: auto, sized block by block
             "block_sizes": [b.drafted + 1 for b in gen.blocks[1:]],
             "prompt_token_ids": gen.prompt_ids,
+            "cached_tokens": gen.cached_tokens,
             "token_ids": gen.token_ids,
             "text": self.codec.decode(gen.token_ids),
             "finish_reason": gen.finish_reason,
@@ -168,6 +172,7 @@ class Run:
 
     def __init__(self, engine: Engine, req: Request, options: RunOptions):
         self.request, self._engine, self._step = req, engine, options.step
+        self._fallback = options.drafter_fallback
         self._sampling = req.sampling.seeded()  # one seed for both sessions' streams, reported back
         self._cancellation = Cancellation()
         self._result: loop.Generation | None = None
@@ -185,7 +190,7 @@ class Run:
         predraft = (engine.predraft if options.predraft is None else options.predraft) and self._sampling.greedy
         self._decoding = loop.Decoding(
             self.verifier_session, self.drafter_session, req.prompt_ids, req.max_tokens, self._sizer,
-            engine.stop_ids(req), on_drafter_error, predraft,
+            engine.stop_ids(req), on_drafter_error, predraft, self._resume if engine.prefix_cache else None,
         )
 
     def _open(self, options: SessionOptions) -> None:
@@ -194,6 +199,37 @@ class Run:
         speculate = isinstance(self._sizer, BlockSizer) or self._sizer > 1
         if e.drafter is not None and speculate:
             self.drafter_session = e.drafter.open_session(self._sampling, options)
+
+    def _resume(self, prompt_ids) -> tuple:
+        """The prefill with a prefix cache: the drafter names the prompt prefixes it holds a snapshot of, the
+        verifier resumes from the longest of them it holds too (without a drafter: any it holds) and runs the
+        rest, the drafter resumes from the same one -- both or neither, so the drafter's context never has a gap."""
+        ds, reuse = self.drafter_session, None
+        if ds is not None:
+            try:
+                reuse = ds.cached_prefixes(prompt_ids)
+            except Exception as exc:  # its first draft fails the same way: the loop's fallback takes over
+                if not self._fallback:
+                    raise
+                log.warning("request %s: drafter prefix lookup failed (%s)", self.request.request_id or "-", exc)
+                reuse = ()
+        first, aux, cached = self.verifier_session.resume(prompt_ids, reuse)
+        if ds is not None:
+            ds.resume(cached)
+        self._decoding.generation.cached_tokens = cached
+        return first, aux
+
+    def _save(self) -> None:
+        """Leave what this run computed in the prefix caches: the state after its prompt and every committed
+        token but the last (which no forward has seen), the drafter's only if its context is whole."""
+        gen = self._decoding.generation
+        ids = gen.prompt_ids + gen.token_ids[:-1]
+        try:
+            self.verifier_session.save(ids)
+            if self.drafter_session is not None and not gen.drafter_fallback:
+                self.drafter_session.save(ids, self._decoding.unseen)
+        except Exception:  # a snapshot is an optimisation: never the run's failure
+            log.exception("request %s: saving the prefix snapshot", self.request.request_id or "-")
 
     def __iter__(self) -> "Run":
         return self
@@ -268,6 +304,8 @@ class Run:
         try:
             if finish_reason != "error" and not self.cancelled:  # the cache as it ends (what reports show)
                 gen.verifier_stats = self._step(self.verifier_session.stats)
+                if self._engine.prefix_cache and finish_reason in ("stop", "length"):
+                    self._step(self._save)
             if learn and isinstance(self._sizer, BlockSizer):
                 self._engine.adaptive.learn(self._sizer)  # the next request starts from what this one saw
         finally:

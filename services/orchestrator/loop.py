@@ -59,7 +59,13 @@ class Decoding:
     a drafter exception is reported to it and the rest of the generation runs
     on the verifier alone instead of failing. ``predraft``: while a block is
     verified, the drafter pre-drafts the next one (greedy sessions; it pays
-    where the drafter works beside the verifier, a remote one).
+    where the drafter works beside the verifier, a remote one). ``prefill``
+    replaces the verifier's own (the engine's: resuming a cached prefix,
+    ``engine.py``).
+
+    ``unseen`` holds the aux the loop committed that the drafter has not been
+    handed yet (chunks, in order): what a drafter's prefix snapshot still needs
+    when the generation ends.
     """
 
     def __init__(
@@ -72,10 +78,13 @@ class Decoding:
         stop_ids: Iterable[int] = (),
         on_drafter_error: Callable[[Exception], None] | None = None,
         predraft: bool = False,
+        prefill: Callable[[Sequence[int]], tuple] | None = None,
     ):
         self.generation = Generation(prompt_ids=list(prompt_ids))
+        self.unseen: list = []
         self._blocks = _decode(
-            self.generation, verifier, drafter, max_tokens, block_size, stop_ids, on_drafter_error, predraft
+            self.generation, verifier, drafter, max_tokens, block_size, stop_ids, on_drafter_error, predraft,
+            prefill or verifier.prefill, self.unseen,
         )
 
     def __iter__(self) -> "Decoding":
@@ -100,13 +109,26 @@ class _Drafts:
     flight, the next block's size when it was chosen early (with that pre-draft), and the fallback
     to the verifier alone when the drafter fails."""
 
-    def __init__(self, session, gen: Generation, sizer, block_size: int, predraft: bool, on_error, prompt_aux):
+    def __init__(self, session, gen: Generation, sizer, block_size: int, predraft: bool, on_error, prompt_aux,
+                 unseen: list):
         self.session, self.gen, self.sizer, self.block_size, self.on_error = session, gen, sizer, block_size, on_error
         self.active = session is not None and (sizer is not None or block_size > 1)
         self.predraft = predraft
-        self.new_aux = prompt_aux  # the newest verdict's aux (the prompt's at first) until a drafter call takes it
+        self.new_aux = None  # the newest verdict's aux (the prompt's at first) until a drafter call takes it
+        self.unseen = unseen  # every aux committed since a drafter call last took one (Decoding.unseen)
+        self.committed(prompt_aux)
         self.ahead: _Ahead | None = None
         self.want: int | None = None
+
+    def committed(self, aux) -> None:
+        """The aux of newly committed positions, for the next drafter call."""
+        self.new_aux = aux
+        self.unseen.append(aux)
+
+    def _taken(self) -> None:
+        """A drafter call took the new aux: its context now holds every committed position."""
+        self.new_aux = None
+        self.unseen.clear()
 
     def next(self, last: int, room: int, verdict: Verdict | None) -> tuple[Draft, bool]:
         """The draft of the block opened by ``last`` (at most ``room`` tokens) after ``verdict``: the
@@ -131,7 +153,7 @@ class _Drafts:
         draft = self._safely(self.session.draft, self.new_aux, last, B)
         if draft is None:
             return NO_DRAFT, False
-        self.new_aux = None
+        self._taken()
         return draft, False
 
     def predraft_after(self, last: int, draft: Draft) -> None:
@@ -144,7 +166,8 @@ class _Drafts:
             return
         result = self._safely(self.session.predraft, self.new_aux, [last, *draft.tokens], self.want)
         if result is not None:
-            self.new_aux, self.ahead = None, _Ahead(result, len(draft.tokens))
+            self._taken()
+            self.ahead = _Ahead(result, len(draft.tokens))
             self.gen.predrafts += 1
 
     def _safely(self, step, *args):
@@ -168,6 +191,8 @@ def _decode(
     stop_ids: Iterable[int],
     on_drafter_error: Callable[[Exception], None] | None,
     predraft: bool,
+    prefill: Callable[[Sequence[int]], tuple],
+    unseen: list,
 ) -> Iterator[Block]:
     """:class:`Decoding`'s steps: record each committed block in ``gen`` and yield it."""
     sizer = None if isinstance(block_size, int) else block_size
@@ -182,7 +207,7 @@ def _decode(
     clock = time.perf_counter
 
     t0 = clock()
-    first, prompt_aux = verifier.prefill(prompt_ids)
+    first, prompt_aux = prefill(prompt_ids)
     gen.prefill_s = clock() - t0
     t_decode = clock()
 
@@ -201,7 +226,7 @@ def _decode(
     done = emit(Block([first], 0, 0, total_s=gen.prefill_s))
     yield gen.blocks[-1]
     last, verdict = first, None
-    drafts = _Drafts(drafter, gen, sizer, block_size, predraft, on_drafter_error, prompt_aux)
+    drafts = _Drafts(drafter, gen, sizer, block_size, predraft, on_drafter_error, prompt_aux, unseen)
     while not done:
         t_block = clock()
         draft, predrafted = drafts.next(last, max_tokens - len(gen.token_ids), verdict)
@@ -210,7 +235,7 @@ def _decode(
         # Sampling: the draft carries the proposal its candidates were drawn from.
         verdict = verifier.decide(last, draft)
         t_end = clock()
-        drafts.new_aux = verdict.aux
+        drafts.committed(verdict.aux)
         tokens = list(draft.tokens[: verdict.accepted]) + [verdict.next_token]
         done = emit(
             Block(

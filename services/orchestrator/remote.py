@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import grpc
 
@@ -91,17 +91,35 @@ class GrpcVerifierSession:
         return resp
 
     def prefill(self, prompt_ids: Sequence[int]):
-        n = len(prompt_ids)
+        first, aux, _ = self._prefill(vpb.VerifierRequest.Prefill(token_ids=list(prompt_ids)))
+        return first, aux
+
+    def resume(self, prompt_ids: Sequence[int], reuse: Collection[int] | None = None):
+        """The server's prefix cache resumes what it can (``VerifierSession.resume``); one round trip, as a prefill."""
+        p = vpb.VerifierRequest.Prefill(token_ids=list(prompt_ids), reuse_any=reuse is None, reuse_positions=reuse or ())
+        return self._prefill(p)
+
+    def _prefill(self, prefill: vpb.VerifierRequest.Prefill):
+        n = len(prefill.token_ids)
         t0 = time.perf_counter()
-        prefilled = self._s.post(vpb.VerifierRequest(prefill=vpb.VerifierRequest.Prefill(token_ids=list(prompt_ids))), "prefilled")
+        prefilled = self._s.post(vpb.VerifierRequest(prefill=prefill), "prefilled")
         opened = self._s.wait(self._opened, self.clock.timeout()).opened
         self.session_id = opened.session_id
         self.cache_policy = wire_contract.policy_from_proto(opened.cache_policy, CachePolicy()).label
         r = self._s.wait(prefilled, self.clock.timeout(prefill_tokens=n))
-        self.clock.record(time.perf_counter() - t0, prefill_tokens=n)
+        ran = n - r.prefilled.cached_tokens  # a resumed prefix costs next to nothing: not a prefill time
+        self.clock.record(time.perf_counter() - t0, prefill_tokens=max(ran, 1))
         self.server_s += r.elapsed_s
         self._stats = r.prefilled.stats
-        return r.prefilled.next_token, self._aux(r.prefilled.aux)
+        return r.prefilled.next_token, self._aux(r.prefilled.aux), r.prefilled.cached_tokens
+
+    def save(self, ids: Sequence[int]) -> bool:
+        """Ask the server to keep this session's state after ``ids``; sent now, answered before ``Closed``
+        (the generation is over: nothing waits on it). False when the server keeps no prefix cache."""
+        if not self.verifier.prefix_cache:
+            return False
+        self._s.post(vpb.VerifierRequest(save=vpb.VerifierRequest.Save(token_ids=list(ids))), "saved")
+        return True
 
     def decide(self, last_token: int, draft: Draft) -> Verdict:
         v = vpb.VerifierRequest.Verify(block_ids=[last_token, *draft.tokens])
@@ -157,6 +175,7 @@ class GrpcVerifier:
         self.aux_layers = tuple(aux_layers) or tuple(r.target_layer_ids) or (self.info.num_layers - 1,)
         # restoration sources stay named as the server publishes them: it maps the names to directories
         self.policy = wire_contract.policy_from_proto(r.default_cache_policy, CachePolicy(slack=r.max_block_size or MAX_BLOCK_SIZE))
+        self.prefix_cache = r.prefix_cache_bytes > 0  # the server resumes prefixes (and keeps what sessions save)
 
     def healthy(self, timeout: float = 1.0) -> bool:
         return backend_healthy(self.channel, timeout)
@@ -221,10 +240,32 @@ class GrpcDrafterSession:
         self._s: Stream | None = None
         self._broken = False
         self._first = True
+        self._resume_at = 0
         self.server_s = 0.0  # server-side time of the drafts (the steps on a block's critical path)
         self.predraft_s = 0.0  # ... and of the pre-drafts, which run beside the verifier's steps
         if options.cancel is not None:
             options.cancel.on_cancel(self.abort)
+
+    def cached_prefixes(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The server's snapshots of ``prompt_ids``' prefixes (held there for this session); [] without a prefix
+        cache. Opens the stream now: one round trip before the verifier's prefill."""
+        if not self.drafter.prefix_cache:
+            return []
+        req = dpb.DrafterRequest(lookup=dpb.DrafterRequest.Lookup(prompt_ids=list(prompt_ids)))
+        r = self._guarded(lambda: self._stream().ask(req, "found", self.drafter.clock.timeout()))
+        return list(r.found.positions)
+
+    def resume(self, positions: int) -> None:
+        self._resume_at = positions  # travels with the first Draft
+
+    def save(self, ids: Sequence[int], unseen: Sequence) -> bool:
+        """Ask the server to keep the context after ``ids`` (``unseen``: the aux it has not had); sent now,
+        answered before ``Closed``. False when it keeps no prefix cache or the session failed."""
+        if not self.drafter.prefix_cache or self._broken:
+            return False
+        req = dpb.DrafterRequest(save=dpb.DrafterRequest.Save(token_ids=list(ids), unseen_aux=[_tensor(a) for a in unseen]))
+        self._guarded(lambda: self._stream().post(req, "saved"))
+        return True
 
     def _stream(self) -> Stream:
         if self._s is None:
@@ -252,7 +293,8 @@ class GrpcDrafterSession:
 
     def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
         tensor = _tensor(new_aux)
-        req = dpb.DrafterRequest(draft=dpb.DrafterRequest.Draft(new_aux=tensor, last_token=last_token, block_size=block_size))
+        d = dpb.DrafterRequest.Draft(new_aux=tensor, last_token=last_token, block_size=block_size, resume_at=self._resume_at)
+        req = dpb.DrafterRequest(draft=d)
         rows = int(tensor.shape[0]) if self._first and len(tensor.shape) else 0  # the first draft takes the prompt
         clock = self.drafter.clock
 
@@ -263,7 +305,7 @@ class GrpcDrafterSession:
             return r
 
         r = self._guarded(step)
-        self._first = False
+        self._first, self._resume_at = False, 0
         self.server_s += r.elapsed_s
         self.drafter.backoff.success()
         d = r.drafted
@@ -308,6 +350,15 @@ class _SkippedDrafterSession:
     def __init__(self, drafter: "GrpcDrafter"):
         self.drafter = drafter
 
+    def cached_prefixes(self, prompt_ids) -> list[int]:
+        return []  # it holds nothing: the run prefills cold
+
+    def resume(self, positions: int) -> None:
+        pass
+
+    def save(self, ids, unseen) -> bool:
+        return False
+
     def draft(self, new_aux, last_token, block_size):
         b = self.drafter.backoff
         raise BackendError(
@@ -349,6 +400,7 @@ class GrpcDrafter:
         self.target_layer_ids = tuple(self.remote.target_layer_ids)
         self.mask_token_id = self.remote.mask_token_id
         self.vocab_size = self.remote.vocab_size
+        self.prefix_cache = self.remote.prefix_cache_bytes > 0
         self.backoff = backoff or Backoff()
 
     def get_info(self, timeout: float = 5.0) -> dpb.DrafterInfo:

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 
 from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Request
+from kakeya.orchestrator.chat import ChatError
 from kakeya.orchestrator.engine import Engine
 from kakeya.runtime import bounds
 from kakeya.runtime.lifecycle import check_policy, check_token_ids, invalid, policy_from_request
@@ -44,8 +45,11 @@ def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Request:
     bounds.check_request_id(r.request_id)
     which = r.WhichOneof("prompt")
     if which is None:
-        raise invalid("prompt: set prompt.text or prompt.tokenized")
-    if which == "text":
+        raise invalid("prompt: set prompt.text, prompt.tokenized or prompt.messages")
+    if which == "messages":
+        prompt = _messages(r.messages, e, limits)
+        field = "prompt.messages"
+    elif which == "text":
         if not r.text.strip():
             raise invalid("prompt.text: empty prompt")
         if e.codec is None:
@@ -96,6 +100,20 @@ def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Request:
         sampling=sampling,
         request_id=r.request_id or uuid.uuid4().hex[:16],
     )
+
+
+def _messages(m: pb.ChatMessages, e: Engine, limits: Limits) -> list[int]:
+    """A conversation's prompt ids: the checkpoint's chat template, bounded before it renders anything."""
+    if e.codec is None:
+        raise invalid("prompt.messages: this server has no tokenizer (--tokenizer); send prompt.tokenized")
+    chars = sum(len(x.content) + len(x.role) for x in m.messages)
+    if chars > limits.max_prompt_tokens * bounds.CHARS_PER_TOKEN_BOUND:
+        raise invalid(f"prompt.messages: {chars} characters, far beyond the {limits.max_prompt_tokens}-token limit")
+    messages = [{"role": x.role, "content": x.content} for x in m.messages]
+    try:
+        return e.codec.encode_chat(messages, continue_final_message=m.continue_final_message)
+    except ChatError as exc:
+        raise invalid(f"prompt.{exc}" if str(exc).startswith("messages") else f"prompt.messages: {exc}") from None
 
 
 def _cache_policy(r: pb.GenerateRequest, e: Engine, limits: Limits, block_size: int, positions: int) -> CachePolicy | None:

@@ -91,6 +91,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         max_prompt_tokens: int = 0,
         restore: bounds.RestoreSources | None = None,
         auth_token: str | None = None,
+        prefixes=None,
     ):
         if not 1 <= default_max_tokens <= max_tokens_limit:
             raise ValueError(f"default max tokens {default_max_tokens} must be in 1..{max_tokens_limit} (--max-tokens-limit)")
@@ -120,6 +121,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.started = time.monotonic()
         self.metrics = ServerMetrics("orchestrator")
         self.metrics.track_sessions(lambda: self.active, lambda: self.total)
+        if prefixes is not None:  # colocated: the prefix cache the engine's verifier and drafter share
+            self.metrics.track_prefix_cache(prefixes)
 
     # -- loading -----------------------------------------------------------------------
 
@@ -168,33 +171,43 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     # -- RPCs ----------------------------------------------------------------------------
 
     def Generate(self, request, context) -> Iterator[pb.GenerateResponse]:
-        if not self.ready:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)")
-        if self.verifier_down:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "verifier unavailable (its health checks fail); retry later")
         try:
-            req = self.parse(request)
+            yield from self.stream(request, context)
         except RequestError as exc:
             context.abort(exc.code, exc.message)
-        logs.bind(request_id=req.request_id)  # the interceptor resets it when the RPC ends
+
+    def stream(self, request: pb.GenerateRequest, context) -> Iterator[pb.GenerateResponse]:
+        """One generation, for every front (gRPC, HTTP): RequestError while nothing was streamed (not ready,
+        the verifier known down, a bad request, over --max-sessions or --max-sessions-per-peer, a failure
+        before the first chunk), else Chunks then one Complete.
+
+        ``context``: the call's ``peer()`` (for the per-peer cap), ``time_remaining()`` (the backends'
+        deadline) and ``add_callback(fn)`` (run when the client goes away: it cancels the run).
+        """
+        if not self.ready:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)")
+        if self.verifier_down:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "verifier unavailable (its health checks fail); retry later")
+        req = self.parse(request)
+        token = logs.bind(request_id=req.request_id)
         peer = peer_of(context)
         with self._lock:
             problem = self._admission_problem(peer)
             if problem:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"orchestrator: {problem}")
+                logs.reset(token)
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"orchestrator: {problem}")
             self.active += 1
             self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
             self.total += 1
         try:
             yield from self._generate(req, context)
-        except RequestError as exc:
-            context.abort(exc.code, exc.message)
         finally:
             with self._lock:
                 self.active -= 1
                 self.by_peer[peer] -= 1
                 if not self.by_peer[peer]:
                     del self.by_peer[peer]
+            logs.reset(token)
 
     def _admission_problem(self, peer: str) -> str | None:
         """Why one more generation of ``peer`` is refused (under the lock), or None."""
@@ -244,7 +257,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         tail = text.flush()
         if tail:
             yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=tail))
-        obs.finish(gen.finish_reason, fallback=fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids))
+        obs.finish(gen.finish_reason, fallback=fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids),
+                   cached_tokens=gen.cached_tokens)
         yield pb.GenerateResponse(complete=self._complete(req, gen, time.perf_counter() - t_start, error))
 
     def _complete(self, req: Request, gen, total_s: float, error: str):
@@ -274,6 +288,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             stats=stats,
             error_message=error,
             prompt_token_ids=req.prompt_ids,
+            cached_tokens=gen.cached_tokens,
         )
         if not gen.sampling.greedy:
             complete.seed = gen.sampling.seed
@@ -299,6 +314,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             target_layer_ids=list(e.verifier.aux_layers),
             max_prompt_tokens=self.max_prompt_tokens,
             max_position_embeddings=self.max_position_embeddings,
+            has_chat_template=e.codec is not None and e.codec.chat is not None,
         )
 
     def GetServerInfo(self, request, context):
@@ -322,7 +338,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 # --------------------------------------------------------------------------- serving
 
 
-def server_spec(servicer: GenerationServicer, tls=None) -> ServerSpec:
+def server_spec(servicer: GenerationServicer, tls=None, http=None) -> ServerSpec:
+    """``http``: the OpenAI HTTP front (``http_server.HttpFront``) served beside the gRPC API, or None."""
     def set_ready(flag: bool) -> None:
         servicer.ready = flag
 
@@ -350,4 +367,5 @@ def server_spec(servicer: GenerationServicer, tls=None) -> ServerSpec:
         health_watch=None if servicer.colocated else backends_ok,
         tls=tls,
         metrics=servicer.metrics,
+        http=http,
     )

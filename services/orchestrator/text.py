@@ -12,6 +12,8 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
+from kakeya.orchestrator.chat import ChatError, ChatTemplate
+
 
 class TextCodec:
     def __init__(self, checkpoint_dir: str | Path):
@@ -27,6 +29,15 @@ class TextCodec:
         if isinstance(bos, dict):
             bos = bos.get("content")
         self.bos_id = self.tokenizer.token_to_id(bos) if bos else None
+        self.chat = ChatTemplate.load(path)  # None: the checkpoint ships no chat template
+
+    def encode_chat(self, messages, **options) -> list[int]:
+        """The prompt ids of a conversation: rendered by the checkpoint's chat template (``chat.py``), then
+        tokenized without adding special tokens (the template writes its own), as transformers does."""
+        if self.chat is None:
+            raise ChatError("messages: this model's checkpoint ships no chat template (chat_template.jinja or"
+                            " tokenizer_config.json's chat_template); send a text or token prompt")
+        return self.tokenizer.encode(self.chat.render(messages, **options), add_special_tokens=False).ids
 
     @property
     def vocab_size(self) -> int:

@@ -207,6 +207,9 @@ class ServerSpec:
     health_interval_s: float = 1.0
     tls: Any = None  # kakeya.runtime.tls.ServerTLS; None/disabled: plaintext
     metrics: Any = None  # kakeya.runtime.metrics.ServerMetrics: errors counted, /metrics served with --metrics-port
+    # An HTTP front beside the gRPC server (the orchestrator's OpenAI API, orchestrator/http_server.py):
+    # start(host, tls, grace_s) -> port, drain(), join(timeout); None: gRPC only.
+    http: Any = None
 
 
 def workers_for(max_sessions: int, queue: int = 0) -> int:
@@ -371,6 +374,14 @@ def run_server(
             return 2
     server.start()
     log.info("%s listening on %s (NOT_SERVING until loaded and warmed up)", spec.name, addr)
+    if spec.http is not None:
+        try:
+            ready_extra["http_port"] = spec.http.start(host, spec.tls, grace_s)
+        except (OSError, RuntimeError) as exc:
+            print(f"kakeya: error: {spec.name}: cannot serve HTTP on {host} ({exc})", file=sys.stderr)
+            server.stop(0)
+            return 2
+        log.info("%s HTTP (OpenAI API) on %s:%d (503 until SERVING)", spec.name, host, ready_extra["http_port"])
 
     # Load in the background so a signal during a long load still stops us.
     outcome: dict = {}
@@ -415,12 +426,16 @@ def run_server(
     # Drain: NOT_SERVING (load balancers stop routing), refuse new RPCs, let in-flight ones finish.
     health_servicer.enter_graceful_shutdown()
     spec.before_drain()
+    if spec.http is not None:
+        spec.http.drain()
     t_stop = time.monotonic()
     done = server.stop(grace_s)
     if not done.wait(max(0.0, grace_s - 1.0)):
         spec.near_deadline()
         done.wait(2.0 + 1.0)
     time.sleep(0.25)  # let gRPC's I/O threads flush the last messages and trailers before the process exits
+    if spec.http is not None:
+        spec.http.join(max(0.5, grace_s - (time.monotonic() - t_stop)))
     spec.set_ready(False)
     if ready_file:
         Path(ready_file).unlink(missing_ok=True)

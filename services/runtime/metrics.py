@@ -60,6 +60,30 @@ class _Total:
         return [CounterMetricFamily(self.name, self.doc)]
 
 
+class _PrefixCacheMetrics:
+    """A prefix cache's (``core/prefix.py``) series, from one ``stats()`` per scrape."""
+
+    GAUGES = {"bytes": "bytes of snapshots held", "budget_bytes": "the byte budget (--prefix-cache-bytes)",
+              "entries": "snapshots held"}  # fmt: skip
+    COUNTERS = {"hits": "prompts resumed from a snapshot", "misses": "prompts looked up and prefilled cold",
+                "tokens_reused": "prompt tokens resumed instead of prefilled", "insertions": "snapshots kept",
+                "evictions": "snapshots evicted to stay within the budget (least recently used first)"}  # fmt: skip
+
+    def __init__(self, read: Callable[[], dict[str, int]]):
+        self.read = read
+
+    def collect(self):
+        stats = self.read()
+        for key, doc in self.GAUGES.items():
+            yield GaugeMetricFamily(f"kakeya_prefix_cache_{key}", doc, value=float(stats[key]))
+        for key, doc in self.COUNTERS.items():
+            yield CounterMetricFamily(f"kakeya_prefix_cache_{key}", doc, value=float(stats[key]))
+
+    def describe(self):
+        yield from (GaugeMetricFamily(f"kakeya_prefix_cache_{k}", d) for k, d in self.GAUGES.items())
+        yield from (CounterMetricFamily(f"kakeya_prefix_cache_{k}", d) for k, d in self.COUNTERS.items())
+
+
 class ServerMetrics:
     """The metrics of one server (``role``: orchestrator, verifier or drafter)."""
 
@@ -83,6 +107,9 @@ class ServerMetrics:
         self.running = Gauge("kakeya_num_requests_running", "generations in flight", registry=r)
         self.waiting = Gauge("kakeya_num_requests_waiting", "generations queued for admission (no queue yet: always 0)", registry=r)
         self.prompt_tokens = Counter("kakeya_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.cached_tokens = Counter(
+            "kakeya_prompt_tokens_cached", "prompt tokens resumed from a prefix cache instead of prefilled", registry=r
+        )
         self.generation_tokens = Counter("kakeya_generation_tokens", "tokens generated", registry=r)
         self.ttft = Histogram("kakeya_time_to_first_token_seconds", "request start to first token streamed", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(
@@ -111,6 +138,11 @@ class ServerMetrics:
     def track_kv_bytes(self, read: Callable[[], dict[str, int]]) -> None:
         """``kakeya_kv_cache_bytes{kind}``: bytes held by live sessions' caches, read at scrape time."""
         self.registry.register(_Collected("kakeya_kv_cache_bytes", "KV cache bytes held by live sessions", "kind", read))
+
+    def track_prefix_cache(self, cache: Any) -> None:
+        """``kakeya_prefix_cache_*`` of a ``PrefixCache`` (``core/prefix.py``), read at scrape time: bytes,
+        budget and entries held (gauges); hits, misses, tokens reused, insertions, evictions (counters)."""
+        self.registry.register(_PrefixCacheMetrics(cache.stats))
 
     def track_batches(self, compute: Any) -> None:
         """``kakeya_compute_batches_total`` / ``kakeya_compute_batched_items_total`` of a ``ComputeThread``:
@@ -171,8 +203,10 @@ class GenerationObserver:
             for pos in range(b.accepted):
                 m.accepted_per_pos.labels(str(pos)).inc()
 
-    def finish(self, reason: str, *, fallback: str | None = None, prompt_tokens: int = 0, tokens: int = 0) -> None:
-        """The generation ended (``reason``: its finish reason); ``fallback``: why it lost its drafter, if it did."""
+    def finish(self, reason: str, *, fallback: str | None = None, prompt_tokens: int = 0, tokens: int = 0,
+               cached_tokens: int = 0) -> None:
+        """The generation ended (``reason``: its finish reason); ``fallback``: why it lost its drafter, if it did;
+        ``cached_tokens``: prompt positions resumed from the prefix caches."""
         if self.finished:
             return
         self.finished = True
@@ -180,6 +214,7 @@ class GenerationObserver:
         m.request_success.labels(reason).inc()
         m.e2e.observe(time.perf_counter() - self.t0)
         m.prompt_tokens.inc(prompt_tokens)
+        m.cached_tokens.inc(cached_tokens)
         m.generation_tokens.inc(tokens)
         log.info("finished: %s, %d tokens, %d drafts, %d accepted", reason, tokens, self.drafts, self.accepted)
         if fallback:

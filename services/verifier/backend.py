@@ -67,6 +67,12 @@ class Latents(Protocol):
 
     def materialize(self) -> None: ...
 
+    def copy(self) -> Any:
+        """Every slot's codes, as a prefix snapshot keeps them."""
+
+    def load(self, data) -> None:
+        """A snapshot's codes (:meth:`copy`), copied in."""
+
 
 class Target(Protocol):
     """A loaded target model as a verifier backend."""
@@ -106,6 +112,15 @@ class Target(Protocol):
 
     def materialize(self, out: Forward, caches: SessionCaches) -> None:
         """Evaluate what a lazy backend has only recorded (between prefill chunks)."""
+
+    def copy_caches(self, caches: SessionCaches, positions: int) -> list[list]:
+        """Copies of ``caches`` as they hold positions ``< positions`` (``SessionCaches.copy``): a prefix
+        snapshot, which nothing the session does later changes."""
+        ...
+
+    def load_caches(self, caches: SessionCaches, saved: list[list], positions: int) -> None:
+        """A new session's ``caches`` set to a snapshot's (:meth:`copy_caches`), copied: the snapshot stays as it was."""
+        ...
 
     def cat(self, chunks: Sequence) -> Any:
         """Aux rows of several forwards, in order."""

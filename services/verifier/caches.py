@@ -12,7 +12,7 @@ add only their array operations.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kakeya.core.contract import SLIDING
 from kakeya.verifier.layout import ForwardPlan
@@ -87,6 +87,7 @@ class SessionCaches:
 
     def __init__(self, layers: list, kinds: Sequence[str], batchable: bool = True):
         self.layers = layers
+        self.kinds = list(kinds)
         self.rings = [c for c, kind in zip(layers, kinds) if kind == SLIDING]
         self.fulls = [c for c, kind in zip(layers, kinds) if kind != SLIDING]
         self.batchable = batchable
@@ -96,3 +97,12 @@ class SessionCaches:
 
     def kv_bytes(self) -> dict:
         return {"sliding": sum(c.nbytes for c in self.rings), "full": sum(c.nbytes for c in self.fulls)}
+
+    def copy(self, positions: int, copy: Callable) -> list[list]:
+        """Every layer's arrays as they hold positions ``< positions``, each through the backend's ``copy``:
+        a ring whole (its slots hold what the layout says), a full-attention cache's first ``positions``
+        (its buffers may be longer). What a prefix snapshot keeps (``verifier/snapshot.py``)."""
+        return [
+            [copy(a) if kind == SLIDING else copy(a[:, :, :positions]) for a in layer.arrays()]
+            for layer, kind in zip(self.layers, self.kinds)
+        ]

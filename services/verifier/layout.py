@@ -81,6 +81,7 @@ class RingLayout:
         self.capacity = sink + self.rotating
         self.positions = np.full(self.capacity, EMPTY, dtype=np.int64)
         self.offset = 0  # absolute position of the next token
+        self.written = 0  # one past the newest position ever written (a trimmed block's too): what trims reach back from
         self.used = 0  # slots [0, used) have been written at least once
         self.forwards = 0  # forwards applied so far
         self._pending: ForwardPlan | None = None
@@ -136,15 +137,34 @@ class RingLayout:
         self.positions = self._after
         self.used = max(self.used, max((w.dst + w.length for w in plan.writes), default=0))
         self.offset += plan.n_new
+        self.written = max(self.written, self.offset)
         self.forwards += 1
         self._pending = None
 
+    def resume(self, positions: np.ndarray, offset: int, written: int, used: int) -> None:
+        """Continue where another layout of this geometry stood (a prefix snapshot's): ``positions`` is
+        never edited in place by either (every change makes a new array), so it is shared as it is."""
+        if self.offset or self._pending is not None:
+            raise RuntimeError("only a layout that planned nothing yet can resume another's state")
+        if positions.shape != self.positions.shape:
+            raise ValueError(f"a ring of {positions.shape[0]} slots cannot resume into one of {self.capacity}")
+        self.positions, self.offset, self.written, self.used = positions, offset, written, used
+
+    def can_trim(self, n: int) -> bool:
+        """Whether forgetting the newest ``n`` positions is exact: the ring still holds every position the
+        next query needs as long as no write since reached more than ``slack`` past it (a rejected draft's
+        positions were written too, so two trims in a row count together)."""
+        return 0 <= n <= self.offset and self.written - (self.offset - n) <= self.slack
+
     def trim(self, n: int) -> None:
-        """Forget the newest ``n`` positions. Exact for ``n <= slack``."""
+        """Forget the newest ``n`` positions. Exact for ``n <= slack`` past everything written (:meth:`can_trim`)."""
         if n < 0 or n > self.offset:
             raise ValueError(f"cannot trim {n} positions from a cache holding {self.offset}")
-        if n > self.slack:
-            raise ValueError(f"trim of {n} exceeds the ring's rollback slack {self.slack}")
+        if not self.can_trim(n):
+            raise ValueError(
+                f"trim of {n} exceeds the ring's rollback slack {self.slack}"
+                f" ({self.written - self.offset} positions past the offset were written)"
+            )
         self.offset -= n
         # Slots of trimmed positions keep stale K/V; marking them empty keeps masks honest. A new
         # array, not an edit: a plan's slot_positions stay as they were.

@@ -25,6 +25,7 @@ from typing import Iterator, Sequence
 import grpc
 
 from kakeya.core.contract import Draft
+from kakeya.core.prefix import PrefixCache
 from kakeya.runtime import bounds
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
 from kakeya.runtime.guard import add_servicer
@@ -84,6 +85,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         max_context: int = 0,
         restore: bounds.RestoreSources | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
+        prefix_cache_bytes: int = 0,
     ):
         # concurrent sessions' Verify steps that queue up meanwhile run as one batched forward
         # (batch.verify_batch); a prefill runs one chunk per job, so verifies run between chunks
@@ -104,6 +106,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self.limits: bounds.ContextLimits | None = None  # set by load(), from the target's config
         self.kv_shape = None  # memory.KVShape: a session's worst-case bytes, before it allocates any
         self.restore = restore or bounds.RestoreSources()
+        # snapshots of finished sessions that later prompts resume from (Prefill.reuse_*, Save); on the device
+        # beside the sessions' K/V, outside --max-kv-bytes
+        self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
+        if self.prefixes is not None:
+            self.metrics.track_prefix_cache(self.prefixes)
 
     # -- loading -----------------------------------------------------------------------
 
@@ -160,7 +167,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def _new_session(self, aux_layers, policy, sampling=None):
         from kakeya.verifier.session import VerifierSession
 
-        return VerifierSession(self.verifier.target, aux_layers, policy, sampling)
+        return VerifierSession(self.verifier.target, aux_layers, policy, sampling, self.prefixes)
 
     # -- RPCs ----------------------------------------------------------------------------
 
@@ -188,6 +195,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             max_kv_bytes=self.registry.max_kv_bytes,
             reserved_kv_bytes=self.registry.reserved_bytes,
             restore_sources=self.restore.names(),
+            prefix_cache_bytes=self.prefixes.budget if self.prefixes is not None else 0,
         )
 
     def _wire_policy(self, policy):
@@ -277,9 +285,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                         f" max_positions {max_positions} (open.max_positions / --max-context)"
                     )
                 ids = check_token_ids(req.prefill.token_ids, vocab, "prefill.token_ids")
-                next_token, aux, stats = self._prefill(entry, session, ids)
+                reuse = None if req.prefill.reuse_any else tuple(req.prefill.reuse_positions)
+                next_token, aux, stats = self._prefill(entry, session, ids, reuse)
                 prefilled = True
-                resp = pb.VerifierResponse(prefilled=pb.VerifierResponse.Prefilled(next_token=next_token, aux=aux, stats=stats))
+                resp = pb.VerifierResponse(prefilled=pb.VerifierResponse.Prefilled(
+                    next_token=next_token, aux=aux, stats=stats, cached_tokens=session.cached_tokens))
             elif kind == "verify":
                 if not prefilled:
                     raise precondition("verify: prefill the prompt first")
@@ -296,6 +306,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 proposal = self._proposal(session, req.verify, ids, vocab)
                 verified = self.compute.batch("verify", (entry, session, ids, proposal), self._verify_batch)
                 resp = pb.VerifierResponse(verified=verified)
+            elif kind == "save":
+                if not prefilled:
+                    raise precondition("save: the session was never prefilled (save ends a generation)")
+                ids = check_token_ids(req.save.token_ids, vocab, "save.token_ids")
+                try:
+                    kept = self.compute.run(session.save, ids)
+                except ValueError as exc:
+                    raise invalid(str(exc).replace("save:", "save.token_ids:", 1)) from None
+                resp = pb.VerifierResponse(saved=pb.VerifierResponse.Saved(kept=kept))
             elif kind == "close":
                 stats = _stats_proto(self.compute.run(session.stats))
                 yield pb.VerifierResponse(closed=pb.VerifierResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0)
@@ -303,7 +322,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             elif kind == "open":
                 raise precondition("open: the session is already open")
             else:
-                raise invalid("request: no step set (open, prefill, verify or close)")
+                raise invalid("request: no step set (open, prefill, verify, save or close)")
             resp.elapsed_s = time.perf_counter() - t0
             yield resp
 
@@ -331,10 +350,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             entry.kv_bytes = {"sliding": int(kv.get("sliding", 0)), "full": int(kv.get("full", 0))}
             entry.cache_bytes = sum(entry.kv_bytes.values())
 
-    def _prefill(self, entry, session, ids):
+    def _prefill(self, entry, session, ids, reuse=()):
         """One compute job per prefill chunk (``session.prefill_steps``): other sessions' steps queued
-        meanwhile run between the chunks, so a long prompt never stalls a short request for its whole length."""
-        steps = session.prefill_steps(ids)
+        meanwhile run between the chunks, so a long prompt never stalls a short request for its whole length.
+        ``reuse``: the prefix lengths it may resume from (None: any; empty: a cold prefill, no lookup)."""
+        steps = session.prefill_steps(ids, reuse, count=reuse != ())
         while (done := self.compute.run(self._prefill_chunk, entry, session, steps)) is None:
             pass
         return done

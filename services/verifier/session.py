@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Generator, Sequence
+from typing import Collection, Generator, Sequence
 
 import numpy as np
 
@@ -36,6 +36,8 @@ from kakeya.core.contract import (
     accept,
     session_rng,
 )
+from kakeya.core.prefix import PrefixCache
+from kakeya.verifier import snapshot
 from kakeya.verifier.backend import Forward, Segment, Target
 from kakeya.verifier.layout import RestoreView, RingLayout, restore_mask
 
@@ -70,8 +72,12 @@ def check_proposal(candidates: Sequence[int], proposal: Proposal | None) -> None
 
 
 class VerifierSession:
-    def __init__(self, target: Target, aux_layers: Sequence[int], policy: CachePolicy, sampling: SamplingParams | None = None):
+    """``prefixes``: the verifier's prefix cache (None: none), which :meth:`resume` reads and :meth:`save` fills."""
+
+    def __init__(self, target: Target, aux_layers: Sequence[int], policy: CachePolicy, sampling: SamplingParams | None = None,
+                 prefixes: PrefixCache | None = None):
         self.target = target
+        self.prefixes = prefixes
         # Sampling: p, the acceptance test and the draws run on the device (target.sampler);
         # the uniforms come from this session's host stream, seeded by the request.
         self.sampling = None if sampling is None or sampling.check().greedy else sampling
@@ -87,6 +93,8 @@ class VerifierSession:
         if self.policy.restore:
             self._open_restore(target)
         self._pending = None  # (block length, aux of the block) between verify and commit
+        self.prompt: tuple[int, ...] = ()
+        self.cached_tokens = 0  # prompt positions the prefill resumed from a snapshot instead of computing
         self.closed = False
 
     @property
@@ -147,23 +155,38 @@ class VerifierSession:
             except StopIteration as done:
                 return done.value
 
-    def prefill_steps(self, prompt_ids: Sequence[int]) -> Generator[int, None, tuple]:
+    def resume(self, prompt_ids: Sequence[int], reuse: Collection[int] | None = None):
+        """:meth:`prefill`, resuming from the prefix cache's longest snapshot of a prefix of ``prompt_ids``
+        whose length is in ``reuse`` (None: any); ``(first token, aux of the positions it ran, prefix length)``."""
+        steps = self.prefill_steps(prompt_ids, reuse, count=True)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return (*done.value, self.cached_tokens)
+
+    def prefill_steps(self, prompt_ids: Sequence[int], reuse: Collection[int] | None = (),
+                      count: bool = False) -> Generator[int, None, tuple]:
         """:meth:`prefill` one chunk per ``next()``; the generator's return value is prefill's.
 
         Yields the positions done after every chunk but the last (which also takes
         the first token). A server runs each ``next()`` as its own compute job, so
         other sessions' steps run between the chunks of a long prompt; the chunks
-        are the same as a one-shot prefill's, so is the result.
+        are the same as a one-shot prefill's, so is the result. ``reuse``: see
+        :meth:`resume` (the default, none: a cold prefill); ``count``: the lookup counts as a prefix-cache
+        hit or miss (a request's, as :meth:`resume`'s).
         """
         self._check_open()
         if self.offset != 0:
             raise RuntimeError("prefill must be the first call of a session")
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
+        self.prompt = tuple(prompt_ids)
+        self.cached_tokens = self._resume(reuse, count)
         chunks = []
         step = min(PREFILL_CHUNK, self.max_forward)
-        for start in range(0, len(prompt_ids), step):
-            if start:
+        for start in range(self.cached_tokens, len(prompt_ids), step):
+            if start > self.cached_tokens:
                 self._check_open()  # a stream that ended between chunks closed the session
             out = self._forward(prompt_ids[start : start + step])
             chunks.append(out.aux)
@@ -188,6 +211,39 @@ class VerifierSession:
         """The pending block decided by the acceptance rule: its accepted run kept, the rest trimmed."""
         accepted, next_token = accept(block_ids[1:], choices)
         return Verdict(accepted, next_token, self.commit(accepted + 1))
+    def _resume(self, reuse: Collection[int] | None, count: bool) -> int:
+        """Resume from the longest snapshot ``reuse`` allows; the positions it holds (0: none, a cold prefill)."""
+        if self.prefixes is None:
+            return 0
+        found = self.prefixes.find(self.policy, self.prompt, reuse) if reuse is None or reuse else []
+        if found:
+            snapshot.restore(self, found[0].value)
+        if count:  # the verifier's lookup decides (a drafter only offers what it holds): it alone counts
+            self.prefixes.count(self.offset)
+        return self.offset
+
+    def save(self, ids: Sequence[int]) -> bool:
+        """Keep the state after exactly ``ids`` (the prompt, then the committed tokens) in the prefix cache.
+
+        The generation must be over: the session is trimmed back to ``len(ids)``
+        (only as far as the ring stays exact, ``RingLayout.can_trim``; else nothing
+        is kept) and is only closed after.
+        False when nothing was kept (no prefix cache, out of reach, over budget).
+        """
+        self._check_open()
+        if self._pending is not None:
+            raise RuntimeError("save: commit the pending block first")
+        if tuple(ids[: len(self.prompt)]) != self.prompt or len(ids) < len(self.prompt):
+            raise ValueError("save: ids must start with the session's prompt")
+        back = self.offset - len(ids)
+        if self.prefixes is None or not self.layout.can_trim(back):
+            return False
+        if back:
+            self.layout.trim(back)
+            if self.latent_layout is not None:
+                self.latent_layout.trim(back)
+        snap = snapshot.take(self)
+        return self.prefixes.put(self.policy, ids, snap, snap.nbytes)
 
     def verify(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> list[int]:
         """Run ``block_ids`` in one forward; the choice after each position (see the contract's
@@ -272,11 +328,13 @@ class VerifierSession:
 
 
 class LocalVerifier:
-    """A loaded target in this process; hands out independent sessions."""
+    """A loaded target in this process; hands out independent sessions (``prefixes``: their prefix cache)."""
 
-    def __init__(self, target: Target, target_dir: str | Path, aux_layers: Sequence[int], policy: CachePolicy = CachePolicy()):
+    def __init__(self, target: Target, target_dir: str | Path, aux_layers: Sequence[int], policy: CachePolicy = CachePolicy(),
+                 prefixes: PrefixCache | None = None):
         cfg = load_target_config(target_dir)
         self.target = target
+        self.prefixes = prefixes
         self.aux_layers = tuple(aux_layers)
         self.policy = policy
         eos = cfg.get("eos_token_id", [])
@@ -295,7 +353,7 @@ class LocalVerifier:
     def open_session(
         self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None, options: SessionOptions | None = None
     ) -> VerifierSession:
-        return VerifierSession(self.target, self.aux_layers, policy or self.policy, sampling)
+        return VerifierSession(self.target, self.aux_layers, policy or self.policy, sampling, self.prefixes)
 
     def healthy(self, timeout: float = 1.0) -> bool:
         return True  # in this process: it answers whenever it is asked

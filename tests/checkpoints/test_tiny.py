@@ -30,6 +30,7 @@ def _config(d: Path) -> dict:
 
 def test_layout(tiny_pair):
     assert sorted(_files(tiny_pair.target)) == [
+        "chat_template.jinja",  # the tokenizer writer's minimal Gemma-style template (orchestrator/chat.py)
         "config.json",
         "generation_config.json",
         "model.safetensors",
@@ -87,10 +88,10 @@ def test_embedded_default_pair_is_fresh(tiny_pair):
     # byte for byte when this interpreter's corpus is the one recorded.
     if manifest["tokenizer_corpus"]["sha256"] == tk.corpus_fingerprint():
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "generation_config.json"):
+                     "generation_config.json", "chat_template.jinja"):
             assert (pair.target / name).read_bytes() == (tiny_pair.target / name).read_bytes(), name
     else:
-        for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja"):
             assert (pair.target / name).read_bytes() == (tiny_pair.target / name).read_bytes(), name
 
 

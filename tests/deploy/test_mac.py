@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -35,6 +36,9 @@ def test_run_sh_is_a_colocated_mlx_orchestrator():
     args = build_parser().parse_args(argv[1:])
     assert (args.role, args.backend, args.verifier, args.drafter) == ("orchestrator", "mlx", None, None)  # colocated
     assert (args.host, args.port, args.target) == ("127.0.0.1", 50051, None)
+    assert (args.http_port, args.prefix_cache_bytes) == (8000, 0)
+    args = build_parser().parse_args(dry_run({"KAKEYA_HTTP_PORT": "off", "KAKEYA_PREFIX_CACHE_BYTES": "2G"}).stdout.splitlines()[1:])
+    assert (args.http_port, args.prefix_cache_bytes) == (None, 2 << 30)
     out = dry_run({"KAKEYA_TARGET": "/m/t", "KAKEYA_DRAFT": "/m/d", "KAKEYA_CACHE": "sink-window"}, "--window", "256")
     args = build_parser().parse_args(out.stdout.splitlines()[1:])
     assert (args.target, args.draft, args.cache, args.window) == ("/m/t", "/m/d", "sink-window", 256)
@@ -61,7 +65,7 @@ def test_run_sh_serves_and_drains(tmp_path):
     shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kakeya.app.main "$@"\n')
     shim.chmod(0o755)
     ready = tmp_path / "ready.json"
-    env = dict(os.environ, KAKEYA=str(shim), KAKEYA_PORT="0", KAKEYA_GRACE="5")
+    env = dict(os.environ, KAKEYA=str(shim), KAKEYA_PORT="0", KAKEYA_HTTP_PORT="0", KAKEYA_GRACE="5")
     proc = subprocess.Popen(["bash", str(RUN), "--ready-file", str(ready)], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -74,6 +78,9 @@ def test_run_sh_serves_and_drains(tmp_path):
         health = subprocess.run([str(shim), "client", "--addr", addr, "health"], env=env, cwd=ROOT,
                                 check=False, capture_output=True, text=True, timeout=60)
         assert health.returncode == 0 and health.stdout.strip() == "SERVING", health.stderr
+        http_port = json.loads(ready.read_text())["http_port"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=30) as r:  # the OpenAI API's
+            assert r.status == 200
         proc.send_signal(signal.SIGTERM)  # run.sh exec'd the server: the signal reaches it
         assert proc.wait(30) == 0
     finally:

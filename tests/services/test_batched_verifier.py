@@ -161,17 +161,17 @@ def test_max_batch_flag_reaches_the_verifier_and_serve_all_children():
     from kakeya.app.main import build_parser
 
     args = build_parser().parse_args(["serve", "verifier", "--max-batch", "3"])
-    assert serve_flags.session_limits(args, kv_budget=True)["max_batch"] == 3
+    assert serve_flags.session_limits(args)["max_batch"] == 3
     assert build_parser().parse_args(["serve", "verifier"]).max_batch == 16
     with pytest.raises(ValueError, match="--max-batch"):
-        serve_flags.session_limits(build_parser().parse_args(["serve", "verifier", "--max-batch", "0"]), kv_budget=True)
+        serve_flags.session_limits(build_parser().parse_args(["serve", "verifier", "--max-batch", "0"]))
     a = build_parser().parse_args(["serve", "all", "--max-batch", "1"])
-    argv = serve_flags.child_argv(a, "verifier")
+    argv = serve_flags.child_argv(a, "verifier", "token")
     assert argv[argv.index("--max-batch") + 1] == "1"
     assert argv.count("--max-batch") == 1
-    drafter_argv = serve_flags.child_argv(a, "drafter")  # the drafter batches its block forwards too
+    drafter_argv = serve_flags.child_argv(a, "drafter", "token")  # the drafter batches its block forwards too
     assert drafter_argv[drafter_argv.index("--max-batch") + 1] == "1"
-    assert "--max-batch" not in serve_flags.child_argv(a, "orchestrator")
+    assert "--max-batch" not in serve_flags.child_argv(a, "orchestrator", "token")
     from kakeya.verifier.server import VerifierServicer
 
     s = VerifierServicer(max_batch=1)

@@ -120,10 +120,10 @@ def test_max_batch_flag_reaches_the_drafter_and_the_children_of_serve_all():
     p = build_parser()
     assert p.parse_args(["serve", "drafter"]).max_batch == 16
     args = p.parse_args(["serve", "drafter", "--max-batch", "3"])
-    d = DrafterServicer(args.max_sessions, **serve_flags.session_limits(args, kv_budget=False))
+    d = DrafterServicer(args.max_sessions, **serve_flags.session_limits(args))
     assert d.compute.max_batch == 3
     d.compute.shutdown()
     with pytest.raises(ValueError, match="--max-batch must be >= 1"):
-        serve_flags.session_limits(p.parse_args(["serve", "drafter", "--max-batch", "0"]), kv_budget=False)
-    argv = serve_flags.child_argv(p.parse_args(["serve", "all", "--max-batch", "1"]), "drafter")
+        serve_flags.session_limits(p.parse_args(["serve", "drafter", "--max-batch", "0"]))
+    argv = serve_flags.child_argv(p.parse_args(["serve", "all", "--max-batch", "1"]), "drafter", "token")
     assert argv[argv.index("--max-batch") + 1] == "1"

@@ -142,3 +142,62 @@ def test_client_help_documents_what_the_server_takes():
     """`kakeya client generate --help` documented --restore ftheta:DIR, which the server refuses: it takes a source NAME."""
     res = client("127.0.0.1:1", "generate", "--help")
     assert res.returncode == 0 and "--restore NAME" in res.stdout and "ftheta:DIR" not in res.stdout, res.stdout
+
+
+def test_the_openai_client_through_serve_all_gets_the_grpc_clients_tokens(server_factory):
+    """`serve all --http-port`: the official client, completions and chat, streaming and not, gets the tokens
+    `kakeya client generate` gets for the same greedy request; a second chat turn through HTTP resumes the
+    first from both processes' prefix caches."""
+    from openai import OpenAI
+
+    s = server_factory(
+        "all-http", ["all", *TINY_ALL_MLX, "--grace", "5", "--http-port", "0", "--prefix-cache-bytes", "64M"],
+    ).start().wait_ready()  # fmt: skip
+    try:
+        api = OpenAI(base_url=f"http://127.0.0.1:{s.info['http_port']}/v1", api_key="-", max_retries=0)
+        model = api.models.list().data[0].id
+        extra = {"ignore_eos": True}
+        prompt = "def load(path):"
+        for chat in (False, True):
+            res = client(s.addr, "generate", "--json", "--max-tokens", "24", "--ignore-eos", "--prompt", prompt,
+                         *(["--chat"] if chat else []))  # fmt: skip
+            assert res.returncode == 0, res.stderr
+            want = json.loads(res.stdout.strip().splitlines()[-1])["token_ids"]
+            for stream in (False, True):
+                if chat:
+                    out = api.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                      max_tokens=24, temperature=0, stream=stream, extra_body=extra)  # fmt: skip
+                else:
+                    out = api.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=stream,
+                                                 extra_body=extra)  # fmt: skip
+                last = list(out)[-1] if stream else out
+                assert last.model_extra["kakeya"]["token_ids"] == want, (chat, stream)
+        ids = [2] + list(range(100, 140))
+        first = api.completions.create(model=model, prompt=ids, max_tokens=20, temperature=0, extra_body=extra)
+        answer = first.model_extra["kakeya"]["token_ids"]
+        second = api.completions.create(model=model, prompt=ids + answer + [50, 51], max_tokens=8, temperature=0,
+                                        extra_body=extra)  # fmt: skip
+        assert second.usage.prompt_tokens_details.cached_tokens == len(ids) + len(answer) - 1
+    finally:
+        s.stop()
+
+
+def test_serve_all_hands_each_child_both_branches_flags():
+    """The prefix cache and the HTTP front's flags reach their children beside the internal token, the per-peer
+    cap and pre-drafting (no child is started: the argv alone)."""
+    from kakeya.app import flags as serve_flags
+    from kakeya.app.main import build_parser
+
+    a = build_parser().parse_args(["serve", "all", "--prefix-cache-bytes", "64M", "--http-port", "8000",
+                                   "--served-model-name", "m", "--max-sessions-per-peer", "3", "--predraft", "on"])  # fmt: skip
+
+    def value(argv, flag):
+        return argv[argv.index(flag) + 1]
+
+    for role in ("verifier", "drafter"):
+        argv = serve_flags.child_argv(a, role, "tok")
+        assert value(argv, "--prefix-cache-bytes") == str(64 << 20) and value(argv, "--auth-token-file") == "tok"
+    argv = serve_flags.child_argv(a, "orchestrator", "tok")
+    assert (value(argv, "--http-port"), value(argv, "--served-model-name")) == ("8000", "m")
+    assert (value(argv, "--max-sessions-per-peer"), value(argv, "--backend-token-file"), value(argv, "--predraft")) == ("3", "tok", "on")
+    assert "--prefix-cache-bytes" not in argv  # a split orchestrator keeps no model state

@@ -7,8 +7,10 @@ no key is ever committed.
 
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
+import ssl
 import subprocess
 import sys
 
@@ -54,7 +56,8 @@ def pki(tmp_path_factory):
 def secure(server_factory, pki):
     tls = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
            "--tls-client-ca", str(pki / "ca.pem"), "--tls-ca", str(pki / "ca.pem")]  # fmt: skip
-    s = server_factory("all", ["all", *TINY_ALL_MLX, *tls, "--auth-token-file", str(pki / "token"), "--grace", "2"])
+    s = server_factory("all", ["all", *TINY_ALL_MLX, *tls, "--auth-token-file", str(pki / "token"), "--grace", "2",
+                               "--http-port", "0"])  # fmt: skip
     start_all([s])
     return s
 
@@ -136,3 +139,28 @@ def test_a_health_port_answers_probes_in_plaintext_and_nothing_else(server_facto
     with pytest.raises(grpc.RpcError) as err:  # the main port still wants a client certificate
         health_pb2_grpc.HealthStub(grpc.insecure_channel(v.addr)).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_http_api_has_the_grpc_servers_tls_and_token(secure, pki):
+    """`--http-port`: HTTPS with the same certificate, client certificates and bearer token as the gRPC API."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
+
+    def post(client_cert: bool, token: str | None):
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        if client_cert:
+            ctx.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
+        conn = http.client.HTTPSConnection("127.0.0.1", secure.info["http_port"], context=ctx, timeout=60)
+        headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {token}"} if token else {})
+        try:
+            conn.request("POST", "/v1/completions", body, headers)
+            r = conn.getresponse()
+            return r.status, json.loads(r.read())
+        finally:
+            conn.close()
+
+    status, out = post(True, TOKEN)
+    assert status == 200 and len(out["kakeya"]["token_ids"]) == 5
+    status, out = post(True, None)
+    assert status == 401 and out["error"]["type"] == "authentication_error"
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+        post(False, TOKEN)

@@ -69,3 +69,20 @@ def test_policy_resolution_and_errors():
     assert (p.sink, p.window) == (4, 64)
     with pytest.raises(ValueError, match="kind"):
         CachePolicy("bogus").resolve(8)
+
+
+def test_trims_in_a_row_count_from_the_newest_position_written():
+    """A rejected block's positions were written into the ring: trimming further back after its commit is
+    exact only while everything written stays within the slack (what a prefix snapshot's trim relies on)."""
+    layout = RingLayout(0, 8, 4)
+    for n in (20, 4):
+        layout.plan(n)
+        layout.applied()
+    layout.trim(3)  # a block of 4 with one kept
+    assert layout.offset == 21 and layout.written == 24
+    assert layout.can_trim(1) and not layout.can_trim(2)
+    with pytest.raises(ValueError, match="slack"):
+        layout.trim(2)
+    layout.plan(2)
+    layout.applied()  # the newest position written is now 22: a trim of 3 reaches 20, 4 back from 24
+    assert layout.written == 24 and layout.can_trim(3) and not layout.can_trim(4)

@@ -151,6 +151,15 @@ class LayerKV:
             return None, None
         return self.keys[..., start:stop, :], self.values[..., start:stop, :]
 
+    def copy_visible(self) -> tuple[Optional[mx.array], Optional[mx.array]]:
+        """The visible rows as arrays of their own (a slice would keep the whole buffer alive)."""
+        k, v = self.visible()
+        if k is None:
+            return None, None
+        k, v = mx.array(k), mx.array(v)
+        mx.eval(k, v)
+        return k, v
+
     def with_block(self, view: BlockView, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         if view.n_ctx == 0:
             return k, v

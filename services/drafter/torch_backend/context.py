@@ -73,6 +73,11 @@ class LayerKV:
             return None, None
         return self.keys[:, :, start:stop], self.values[:, :, start:stop]
 
+    def copy_visible(self):
+        """The visible rows as tensors of their own (a prefix snapshot; None, None when empty)."""
+        k, v = self.visible()
+        return (None, None) if k is None else (k.clone(), v.clone())
+
     @property
     def nbytes(self) -> int:
         if self.keys is None:
@@ -99,6 +104,14 @@ class ContextKVCache(context.ContextKVCache):
     @torch.inference_mode()  # the buffers are inference tensors: written in that mode only
     def append(self, kv: list) -> None:
         super().append(kv)
+
+    @torch.inference_mode()
+    def snapshot(self) -> context.ContextSnapshot:
+        return super().snapshot()
+
+    @torch.inference_mode()
+    def restore(self, snap: context.ContextSnapshot) -> None:
+        super().restore(snap)
 
     def reserve(self, rows: int, like: torch.Tensor) -> None:
         """Room for ``rows`` more rows after the written ones in every buffer, every visible row kept

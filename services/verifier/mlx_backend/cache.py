@@ -36,6 +36,10 @@ class RingKVCache(RingKV):
     def concat(parts: Sequence[mx.array]) -> mx.array:
         return mx.concatenate(list(parts), axis=2)
 
+    def load(self, saved: Sequence[mx.array]) -> None:
+        """A prefix snapshot's ring (``SessionCaches.copy``), as arrays of this cache's own."""
+        self.keys, self.values = (mx.array(a) for a in saved)
+
 
 class FullKVCache(LayerKV):
     """A full-attention layer's exact K/V."""
@@ -56,6 +60,11 @@ class FullKVCache(LayerKV):
 
     def _view(self, end: int):
         return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def load(self, saved: Sequence[mx.array]) -> None:
+        """A prefix snapshot's positions (``SessionCaches.copy``), as arrays of this cache's own: the next
+        forward writes after them (and grows the buffers, as after any forward that filled them)."""
+        self._hold([mx.array(a) for a in saved])
 
     # -- how K/V are stored (the quantized cache stores codes, scales and biases) ------------
 
@@ -104,6 +113,13 @@ class LatentRing:
 
     def materialize(self) -> None:
         mx.eval(self.data)
+
+    def copy(self) -> mx.array:
+        """The codes of every slot, never changed by this ring's later writes (a prefix snapshot)."""
+        return mx.array(self.data)
+
+    def load(self, data: mx.array) -> None:
+        self.data = mx.array(data)
 
     @property
     def nbytes(self) -> int:

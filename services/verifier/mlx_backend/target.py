@@ -106,6 +106,17 @@ class TargetMLX(Target):
     def materialize(out: Forward, caches: SessionCaches) -> None:
         mx.eval(out.aux, caches.arrays())
 
+    @staticmethod
+    def copy_caches(caches: SessionCaches, positions: int) -> list[list]:
+        saved = caches.copy(positions, mx.array)
+        mx.eval(saved)
+        return saved
+
+    @staticmethod
+    def load_caches(caches: SessionCaches, saved: list[list], positions: int) -> None:
+        for layer, arrays in zip(caches.layers, saved):
+            layer.load(arrays)
+
     # -- f_theta restoration (services/verifier/mlx_backend/ftheta.py) ------------------------------
 
     def restorer(self, path):

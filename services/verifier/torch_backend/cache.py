@@ -46,6 +46,15 @@ class RingKVCache(RingKV):
     def concat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(parts), dim=2)
 
+    def load(self, saved: Sequence[torch.Tensor]) -> None:
+        """A prefix snapshot's ring (``SessionCaches.copy``), copied into this ring's buffers when it has
+        them (a reused cache set's graphs hold their addresses)."""
+        if self.keys is None:
+            self.keys, self.values = (t.clone() for t in saved)
+            return
+        self.keys.copy_(saved[0])
+        self.values.copy_(saved[1])
+
     def fetch_at(self, slots: torch.Tensor, extent: int, keys: torch.Tensor, values: torch.Tensor):
         """Static step: ``keys``/``values`` into ``slots`` first (a block never outgrows the slack: in
         place), then the first ``extent`` slots."""
@@ -93,6 +102,13 @@ class FullKVCache(LayerKV):
 
     def fetch(self, keys: torch.Tensor, values: torch.Tensor, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor]:
         return self.write(plan.start, keys, values)
+
+    def load(self, saved: Sequence[torch.Tensor], positions: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A prefix snapshot's first ``positions`` (``SessionCaches.copy``), copied into this cache's buffers,
+        grown first if they are shorter (``keys``/``values``: as for :meth:`reserve`)."""
+        self.reserve(positions, 0, keys, values)
+        for dst, src in zip(self.arrays(), saved):
+            dst[:, :, :positions].copy_(src)
 
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``start ..`` of a dynamic forward; the K/V of every position up to its last."""

@@ -138,6 +138,20 @@ class TargetTorch(Target):
     def concat(arrays: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
         return torch.cat(list(arrays), dim=axis)
 
+    @torch.inference_mode()
+    def copy_caches(self, caches: TorchCaches, positions: int) -> list[list]:
+        return caches.copy(positions, torch.clone)
+
+    @torch.inference_mode()
+    def load_caches(self, caches: TorchCaches, saved: list[list], positions: int) -> None:
+        """Into the set's own buffers (a reused set's graphs hold their addresses); the static step resyncs
+        its ring positions (the layout's serial) and full-attention extents (``step._reserve_full``) itself."""
+        for i, (layer, arrays) in enumerate(zip(caches.layers, saved)):
+            if caches.kinds[i] == SLIDING:
+                layer.load(arrays)
+            else:
+                layer.load(arrays, positions, *self.kv_like(i))
+
     # -- the inputs of a forward -----------------------------------------------------------
 
     def kv_like(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ class GetDrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("model_name", "target_model", "block_size", "target_layer_ids", "mask_token_id", "hidden_size", "num_layers", "vocab_size", "backend", "aux_dtype", "device", "version", "max_block_size", "extra", "live_sessions", "max_sessions", "live_kv_bytes", "total_sessions", "max_context")
+    __slots__ = ("model_name", "target_model", "block_size", "target_layer_ids", "mask_token_id", "hidden_size", "num_layers", "vocab_size", "backend", "aux_dtype", "device", "version", "max_block_size", "extra", "live_sessions", "max_sessions", "live_kv_bytes", "total_sessions", "max_context", "prefix_cache_bytes")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class DrafterInfo(_message.Message):
     LIVE_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     target_model: str
     block_size: int
@@ -59,7 +60,8 @@ class DrafterInfo(_message.Message):
     live_kv_bytes: int
     total_sessions: int
     max_context: int
-    def __init__(self, model_name: _Optional[str] = ..., target_model: _Optional[str] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., live_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., live_kv_bytes: _Optional[int] = ..., total_sessions: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+    prefix_cache_bytes: int
+    def __init__(self, model_name: _Optional[str] = ..., target_model: _Optional[str] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., live_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., live_kv_bytes: _Optional[int] = ..., total_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class DrafterStats(_message.Message):
     __slots__ = ("context_positions", "kv_bytes", "metrics")
@@ -79,7 +81,7 @@ class DrafterStats(_message.Message):
     def __init__(self, context_positions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class DrafterRequest(_message.Message):
-    __slots__ = ("open", "draft", "close", "predraft")
+    __slots__ = ("open", "draft", "close", "predraft", "lookup", "save")
     class Open(_message.Message):
         __slots__ = ("request_id", "sampling")
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -88,14 +90,16 @@ class DrafterRequest(_message.Message):
         sampling: _sampling_pb2.Sampling
         def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ...) -> None: ...
     class Draft(_message.Message):
-        __slots__ = ("new_aux", "last_token", "block_size")
+        __slots__ = ("new_aux", "last_token", "block_size", "resume_at")
         NEW_AUX_FIELD_NUMBER: _ClassVar[int]
         LAST_TOKEN_FIELD_NUMBER: _ClassVar[int]
         BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+        RESUME_AT_FIELD_NUMBER: _ClassVar[int]
         new_aux: _tensor_pb2.Tensor
         last_token: int
         block_size: int
-        def __init__(self, new_aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., last_token: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+        resume_at: int
+        def __init__(self, new_aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., last_token: _Optional[int] = ..., block_size: _Optional[int] = ..., resume_at: _Optional[int] = ...) -> None: ...
     class Predraft(_message.Message):
         __slots__ = ("new_aux", "block_ids", "block_size")
         NEW_AUX_FIELD_NUMBER: _ClassVar[int]
@@ -108,18 +112,34 @@ class DrafterRequest(_message.Message):
     class Close(_message.Message):
         __slots__ = ()
         def __init__(self) -> None: ...
+    class Lookup(_message.Message):
+        __slots__ = ("prompt_ids",)
+        PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+        prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    class Save(_message.Message):
+        __slots__ = ("token_ids", "unseen_aux")
+        TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        UNSEEN_AUX_FIELD_NUMBER: _ClassVar[int]
+        token_ids: _containers.RepeatedScalarFieldContainer[int]
+        unseen_aux: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
+        def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., unseen_aux: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ...) -> None: ...
     OPEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     PREDRAFT_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    SAVE_FIELD_NUMBER: _ClassVar[int]
     open: DrafterRequest.Open
     draft: DrafterRequest.Draft
     close: DrafterRequest.Close
     predraft: DrafterRequest.Predraft
-    def __init__(self, open: _Optional[_Union[DrafterRequest.Open, _Mapping]] = ..., draft: _Optional[_Union[DrafterRequest.Draft, _Mapping]] = ..., close: _Optional[_Union[DrafterRequest.Close, _Mapping]] = ..., predraft: _Optional[_Union[DrafterRequest.Predraft, _Mapping]] = ...) -> None: ...
+    lookup: DrafterRequest.Lookup
+    save: DrafterRequest.Save
+    def __init__(self, open: _Optional[_Union[DrafterRequest.Open, _Mapping]] = ..., draft: _Optional[_Union[DrafterRequest.Draft, _Mapping]] = ..., close: _Optional[_Union[DrafterRequest.Close, _Mapping]] = ..., predraft: _Optional[_Union[DrafterRequest.Predraft, _Mapping]] = ..., lookup: _Optional[_Union[DrafterRequest.Lookup, _Mapping]] = ..., save: _Optional[_Union[DrafterRequest.Save, _Mapping]] = ...) -> None: ...
 
 class DrafterResponse(_message.Message):
-    __slots__ = ("opened", "drafted", "closed", "predrafted", "elapsed_s")
+    __slots__ = ("opened", "drafted", "closed", "predrafted", "found", "saved", "elapsed_s")
     class Opened(_message.Message):
         __slots__ = ("info", "session_id")
         INFO_FIELD_NUMBER: _ClassVar[int]
@@ -148,14 +168,28 @@ class DrafterResponse(_message.Message):
         STATS_FIELD_NUMBER: _ClassVar[int]
         stats: DrafterStats
         def __init__(self, stats: _Optional[_Union[DrafterStats, _Mapping]] = ...) -> None: ...
+    class Found(_message.Message):
+        __slots__ = ("positions",)
+        POSITIONS_FIELD_NUMBER: _ClassVar[int]
+        positions: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, positions: _Optional[_Iterable[int]] = ...) -> None: ...
+    class Saved(_message.Message):
+        __slots__ = ("kept",)
+        KEPT_FIELD_NUMBER: _ClassVar[int]
+        kept: bool
+        def __init__(self, kept: _Optional[bool] = ...) -> None: ...
     OPENED_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    SAVED_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     opened: DrafterResponse.Opened
     drafted: DrafterResponse.Drafted
     closed: DrafterResponse.Closed
     predrafted: DrafterResponse.Predrafted
+    found: DrafterResponse.Found
+    saved: DrafterResponse.Saved
     elapsed_s: float
-    def __init__(self, opened: _Optional[_Union[DrafterResponse.Opened, _Mapping]] = ..., drafted: _Optional[_Union[DrafterResponse.Drafted, _Mapping]] = ..., closed: _Optional[_Union[DrafterResponse.Closed, _Mapping]] = ..., predrafted: _Optional[_Union[DrafterResponse.Predrafted, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, opened: _Optional[_Union[DrafterResponse.Opened, _Mapping]] = ..., drafted: _Optional[_Union[DrafterResponse.Drafted, _Mapping]] = ..., closed: _Optional[_Union[DrafterResponse.Closed, _Mapping]] = ..., predrafted: _Optional[_Union[DrafterResponse.Predrafted, _Mapping]] = ..., found: _Optional[_Union[DrafterResponse.Found, _Mapping]] = ..., saved: _Optional[_Union[DrafterResponse.Saved, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...

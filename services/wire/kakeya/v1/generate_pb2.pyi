@@ -27,6 +27,22 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages", "continue_final_message")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    continue_final_message: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "min_p")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -50,20 +66,22 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "tokenized", "sampling_params", "block_size", "cache_policy")
+    __slots__ = ("request_id", "text", "tokenized", "messages", "sampling_params", "block_size", "cache_policy")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     tokenized: TokenIds
+    messages: ChatMessages
     sampling_params: SamplingParams
     block_size: int
     cache_policy: _cache_pb2.CachePolicy
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., tokenized: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_size: _Optional[int] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., tokenized: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_size: _Optional[int] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
     __slots__ = ("acceptance_lengths", "mean_acceptance", "decode_tok_s", "prefill_s", "drafter_fallback", "verifier_kv_bytes_sliding", "verifier_kv_bytes_full", "degenerate", "decode_s", "total_s", "block_size", "cache_kind", "cache_policy", "cache_bounded", "block_sizes")
@@ -109,7 +127,7 @@ class GenerateResponse(_message.Message):
         text: str
         def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
     class Complete(_message.Message):
-        __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "stats", "error_message", "prompt_token_ids", "seed")
+        __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "stats", "error_message", "prompt_token_ids", "seed", "cached_tokens")
         FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
         COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +135,7 @@ class GenerateResponse(_message.Message):
         ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         SEED_FIELD_NUMBER: _ClassVar[int]
+        CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
         finish_reason: FinishReason
         prompt_tokens: int
         completion_tokens: int
@@ -124,7 +143,8 @@ class GenerateResponse(_message.Message):
         error_message: str
         prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
         seed: int
-        def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stats: _Optional[_Union[SpecStats, _Mapping]] = ..., error_message: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+        cached_tokens: int
+        def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stats: _Optional[_Union[SpecStats, _Mapping]] = ..., error_message: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     chunk: GenerateResponse.Chunk
@@ -136,7 +156,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "vocab_size", "eos_token_ids", "sliding_window", "default_block_size", "max_block_size", "max_tokens_limit", "default_max_tokens", "has_tokenizer", "default_cache_policy", "target_layer_ids", "max_prompt_tokens", "max_position_embeddings")
+    __slots__ = ("target_model", "draft_model", "vocab_size", "eos_token_ids", "sliding_window", "default_block_size", "max_block_size", "max_tokens_limit", "default_max_tokens", "has_tokenizer", "default_cache_policy", "target_layer_ids", "max_prompt_tokens", "max_position_embeddings", "has_chat_template")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +171,7 @@ class ModelInfo(_message.Message):
     TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     vocab_size: int
@@ -165,7 +186,8 @@ class ModelInfo(_message.Message):
     target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     max_prompt_tokens: int
     max_position_embeddings: int
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., sliding_window: _Optional[int] = ..., default_block_size: _Optional[int] = ..., max_block_size: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., default_cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., max_prompt_tokens: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ...) -> None: ...
+    has_chat_template: bool
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., sliding_window: _Optional[int] = ..., default_block_size: _Optional[int] = ..., max_block_size: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., default_cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., max_prompt_tokens: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

@@ -14,7 +14,7 @@ class GetVerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "hidden_size", "num_layers", "sliding_window", "target_layer_ids", "backend", "aux_dtype", "device", "version", "default_cache_policy", "max_block_size", "extra", "live_sessions", "max_sessions", "live_kv_bytes", "total_sessions", "max_position_embeddings", "max_context", "max_kv_bytes", "reserved_kv_bytes", "restore_sources")
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "hidden_size", "num_layers", "sliding_window", "target_layer_ids", "backend", "aux_dtype", "device", "version", "default_cache_policy", "max_block_size", "extra", "live_sessions", "max_sessions", "live_kv_bytes", "total_sessions", "max_position_embeddings", "max_context", "max_kv_bytes", "reserved_kv_bytes", "restore_sources", "prefix_cache_bytes")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class VerifierInfo(_message.Message):
     MAX_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESTORE_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -68,7 +69,8 @@ class VerifierInfo(_message.Message):
     max_kv_bytes: int
     reserved_kv_bytes: int
     restore_sources: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., sliding_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., default_cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., live_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., live_kv_bytes: _Optional[int] = ..., total_sessions: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., max_context: _Optional[int] = ..., max_kv_bytes: _Optional[int] = ..., reserved_kv_bytes: _Optional[int] = ..., restore_sources: _Optional[_Iterable[str]] = ...) -> None: ...
+    prefix_cache_bytes: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., sliding_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., default_cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., live_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., live_kv_bytes: _Optional[int] = ..., total_sessions: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., max_context: _Optional[int] = ..., max_kv_bytes: _Optional[int] = ..., reserved_kv_bytes: _Optional[int] = ..., restore_sources: _Optional[_Iterable[str]] = ..., prefix_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class SessionStats(_message.Message):
     __slots__ = ("kv_bytes_sliding", "kv_bytes_full", "positions", "bounded", "metrics")
@@ -92,7 +94,7 @@ class SessionStats(_message.Message):
     def __init__(self, kv_bytes_sliding: _Optional[int] = ..., kv_bytes_full: _Optional[int] = ..., positions: _Optional[int] = ..., bounded: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class VerifierRequest(_message.Message):
-    __slots__ = ("open", "prefill", "verify", "close")
+    __slots__ = ("open", "prefill", "verify", "close", "save")
     class Open(_message.Message):
         __slots__ = ("request_id", "cache_policy", "target_layer_ids", "max_positions", "sampling")
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -107,10 +109,14 @@ class VerifierRequest(_message.Message):
         sampling: _sampling_pb2.Sampling
         def __init__(self, request_id: _Optional[str] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ...) -> None: ...
     class Prefill(_message.Message):
-        __slots__ = ("token_ids",)
+        __slots__ = ("token_ids", "reuse_any", "reuse_positions")
         TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        REUSE_ANY_FIELD_NUMBER: _ClassVar[int]
+        REUSE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
         token_ids: _containers.RepeatedScalarFieldContainer[int]
-        def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+        reuse_any: bool
+        reuse_positions: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., reuse_any: _Optional[bool] = ..., reuse_positions: _Optional[_Iterable[int]] = ...) -> None: ...
     class Verify(_message.Message):
         __slots__ = ("block_ids", "proposal")
         BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -121,18 +127,25 @@ class VerifierRequest(_message.Message):
     class Close(_message.Message):
         __slots__ = ()
         def __init__(self) -> None: ...
+    class Save(_message.Message):
+        __slots__ = ("token_ids",)
+        TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        token_ids: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    SAVE_FIELD_NUMBER: _ClassVar[int]
     open: VerifierRequest.Open
     prefill: VerifierRequest.Prefill
     verify: VerifierRequest.Verify
     close: VerifierRequest.Close
-    def __init__(self, open: _Optional[_Union[VerifierRequest.Open, _Mapping]] = ..., prefill: _Optional[_Union[VerifierRequest.Prefill, _Mapping]] = ..., verify: _Optional[_Union[VerifierRequest.Verify, _Mapping]] = ..., close: _Optional[_Union[VerifierRequest.Close, _Mapping]] = ...) -> None: ...
+    save: VerifierRequest.Save
+    def __init__(self, open: _Optional[_Union[VerifierRequest.Open, _Mapping]] = ..., prefill: _Optional[_Union[VerifierRequest.Prefill, _Mapping]] = ..., verify: _Optional[_Union[VerifierRequest.Verify, _Mapping]] = ..., close: _Optional[_Union[VerifierRequest.Close, _Mapping]] = ..., save: _Optional[_Union[VerifierRequest.Save, _Mapping]] = ...) -> None: ...
 
 class VerifierResponse(_message.Message):
-    __slots__ = ("opened", "prefilled", "verified", "closed", "elapsed_s")
+    __slots__ = ("opened", "prefilled", "verified", "closed", "saved", "elapsed_s")
     class Opened(_message.Message):
         __slots__ = ("info", "cache_policy", "session_id")
         INFO_FIELD_NUMBER: _ClassVar[int]
@@ -143,14 +156,16 @@ class VerifierResponse(_message.Message):
         session_id: str
         def __init__(self, info: _Optional[_Union[VerifierInfo, _Mapping]] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
     class Prefilled(_message.Message):
-        __slots__ = ("next_token", "aux", "stats")
+        __slots__ = ("next_token", "aux", "stats", "cached_tokens")
         NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
         AUX_FIELD_NUMBER: _ClassVar[int]
         STATS_FIELD_NUMBER: _ClassVar[int]
+        CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
         next_token: int
         aux: _tensor_pb2.Tensor
         stats: SessionStats
-        def __init__(self, next_token: _Optional[int] = ..., aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ...) -> None: ...
+        cached_tokens: int
+        def __init__(self, next_token: _Optional[int] = ..., aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
     class Verified(_message.Message):
         __slots__ = ("accepted", "next_token", "aux", "stats")
         ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -167,14 +182,21 @@ class VerifierResponse(_message.Message):
         STATS_FIELD_NUMBER: _ClassVar[int]
         stats: SessionStats
         def __init__(self, stats: _Optional[_Union[SessionStats, _Mapping]] = ...) -> None: ...
+    class Saved(_message.Message):
+        __slots__ = ("kept",)
+        KEPT_FIELD_NUMBER: _ClassVar[int]
+        kept: bool
+        def __init__(self, kept: _Optional[bool] = ...) -> None: ...
     OPENED_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
+    SAVED_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     opened: VerifierResponse.Opened
     prefilled: VerifierResponse.Prefilled
     verified: VerifierResponse.Verified
     closed: VerifierResponse.Closed
+    saved: VerifierResponse.Saved
     elapsed_s: float
-    def __init__(self, opened: _Optional[_Union[VerifierResponse.Opened, _Mapping]] = ..., prefilled: _Optional[_Union[VerifierResponse.Prefilled, _Mapping]] = ..., verified: _Optional[_Union[VerifierResponse.Verified, _Mapping]] = ..., closed: _Optional[_Union[VerifierResponse.Closed, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, opened: _Optional[_Union[VerifierResponse.Opened, _Mapping]] = ..., prefilled: _Optional[_Union[VerifierResponse.Prefilled, _Mapping]] = ..., verified: _Optional[_Union[VerifierResponse.Verified, _Mapping]] = ..., closed: _Optional[_Union[VerifierResponse.Closed, _Mapping]] = ..., saved: _Optional[_Union[VerifierResponse.Saved, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,147 @@
+"""The prefix cache both sides keep: snapshots of a session's state after exactly ``ids``, found by a prompt.
+
+A verifier keeps snapshots of its sessions' K/V (``verifier/snapshot.py``), a
+drafter of its sessions' context caches (``drafter/snapshot.py``); each in its
+own :class:`PrefixCache`, so a split deployment's servers keep their own, each
+bounded by its own byte budget. What they agree on is the key: a snapshot of
+the state after the first ``P`` tokens of a conversation is found by any prompt
+that starts with those ``P`` tokens, and both sides find it by the same ``P``
+(the orchestrator resumes both from the same one, or from none).
+
+Keys are token-prefix hashes at block boundaries, as vLLM's prefix caching
+keys its blocks: a chained hash of every :data:`HASH_BLOCK` tokens, so a
+lookup costs one dict probe per boundary of the prompt (O(prompt) hashing, no
+per-entry scan). A snapshot at ``P`` sits under the hash of its last boundary
+``P // HASH_BLOCK * HASH_BLOCK`` with its exact ids beside it, which a hit
+compares, so a collision can cost a miss but never a wrong state.
+
+The cache never holds more than its budget: an insertion first evicts the
+least recently used snapshots; one larger than the whole budget is not kept.
+Snapshots are immutable values: a hit hands out the same object to every
+session that resumes from it, and each copies it into its own caches.
+Everything is guarded by one lock (handlers, compute threads and scrapes read
+it concurrently).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Collection, Hashable, Sequence
+
+HASH_BLOCK = 16  # tokens per hashed block (MAX_BLOCK_SIZE: a snapshot is at most one block past a boundary)
+
+
+def block_hashes(ids: Sequence[int], namespace: Hashable, limit: int | None = None) -> list[bytes]:
+    """``out[j]``: the chained hash of ``ids[: j * HASH_BLOCK]`` (``out[0]``: the namespace alone), for every
+    boundary up to ``limit`` tokens (default: all of ``ids``)."""
+    n = len(ids) if limit is None else min(limit, len(ids))
+    h = hashlib.blake2b(repr(namespace).encode(), digest_size=16).digest()
+    out = [h]
+    for start in range(0, n - HASH_BLOCK + 1, HASH_BLOCK):
+        h = hashlib.blake2b(h + array("q", ids[start : start + HASH_BLOCK]).tobytes(), digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One snapshot: the state after exactly ``ids`` (its ``positions``), ``nbytes`` of it."""
+
+    namespace: Hashable
+    ids: tuple[int, ...]
+    value: Any
+    nbytes: int
+
+    @property
+    def positions(self) -> int:
+        return len(self.ids)
+
+
+class PrefixCache:
+    """Snapshots by token prefix, at most ``budget`` bytes of them, least recently used evicted first."""
+
+    def __init__(self, budget: int):
+        if budget < 0:
+            raise ValueError(f"prefix cache budget must be >= 0 bytes, got {budget}")
+        self.budget = budget
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple, Entry] = OrderedDict()  # (namespace, ids) -> entry, oldest use first
+        self._by_boundary: dict[bytes, set[tuple]] = {}  # hash of the last boundary -> keys of its entries
+        self._boundary: dict[tuple, bytes] = {}  # key -> the hash it is filed under
+        self.bytes = 0
+        # counters (read by the metrics): lookups that found something / nothing, prompt tokens not recomputed
+        self.hits = self.misses = self.tokens_reused = self.insertions = self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, namespace: Hashable, ids: Sequence[int], value: Any, nbytes: int) -> bool:
+        """Keep ``value``, the state after exactly ``ids``; False when it does not fit the budget at all.
+
+        A snapshot of the same ids is the same state: the one kept is refreshed, the new one dropped.
+        """
+        ids = tuple(ids)
+        key = (namespace, ids)
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return True
+            if nbytes > self.budget or not ids:
+                return False
+            while self.bytes + nbytes > self.budget:
+                self._evict(next(iter(self._entries)))
+            self._entries[key] = Entry(namespace, ids, value, nbytes)
+            boundary = self._boundary[key] = block_hashes(ids, namespace)[-1]
+            self._by_boundary.setdefault(boundary, set()).add(key)
+            self.bytes += nbytes
+            self.insertions += 1
+            return True
+
+    def _evict(self, key: tuple) -> None:
+        entry = self._entries.pop(key)
+        boundary = self._boundary.pop(key)
+        keys = self._by_boundary[boundary]
+        keys.discard(key)
+        if not keys:
+            del self._by_boundary[boundary]
+        self.bytes -= entry.nbytes
+        self.evictions += 1
+
+    def find(self, namespace: Hashable, prompt_ids: Sequence[int], allowed: Collection[int] | None = None) -> list[Entry]:
+        """Every snapshot a session may resume ``prompt_ids`` from, longest first: its ids are a prefix of
+        the prompt, at least one prompt token is left to compute (the next token's logits), and its length is
+        in ``allowed`` (None: any). Marks them used (LRU) but counts nothing: see :meth:`count`."""
+        prompt = tuple(prompt_ids)
+        hashes = block_hashes(prompt, namespace, len(prompt) - 1)
+        found = []
+        with self._lock:
+            for h in hashes:
+                for key in self._by_boundary.get(h, ()):
+                    entry = self._entries[key]
+                    n = entry.positions
+                    if n < len(prompt) and (allowed is None or n in allowed) and prompt[:n] == entry.ids:
+                        found.append(entry)
+            for entry in found:
+                self._entries.move_to_end((entry.namespace, entry.ids))
+        return sorted(found, key=lambda e: e.positions, reverse=True)
+
+    def count(self, reused: int) -> None:
+        """One lookup's outcome for the metrics: ``reused`` prompt tokens resumed instead of computed (0: a miss)."""
+        with self._lock:
+            if reused:
+                self.hits += 1
+                self.tokens_reused += reused
+            else:
+                self.misses += 1
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "bytes": self.bytes, "budget_bytes": self.budget, "entries": len(self._entries), "hits": self.hits,
+                "misses": self.misses, "tokens_reused": self.tokens_reused, "insertions": self.insertions,
+                "evictions": self.evictions,
+            }  # fmt: skip

@@ -1,0 +1,114 @@
+"""Chat messages -> the prompt text the checkpoint was tuned on, with the checkpoint's own chat template.
+
+The template is the checkpoint's: ``chat_template.jinja`` beside its tokenizer
+or ``chat_template`` in its ``tokenizer_config.json`` (a string, or a list of
+named templates of which ``default`` is used). It renders the way
+transformers' ``apply_chat_template`` renders it: jinja2's sandbox with
+``trim_blocks`` and ``lstrip_blocks``, the loop controls extension,
+``raise_exception``, ``tojson`` and ``strftime_now``, and the tokenizer's
+special tokens (``bos_token``, ``eos_token``, ...) as variables. The rendered
+text is tokenized without adding special tokens (the template writes its
+own), which is what transformers does too.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+TEMPLATE_FILE = "chat_template.jinja"
+ROLES = ("system", "developer", "user", "assistant", "tool")
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continue_final_message
+
+
+class ChatError(ValueError):
+    """A conversation the template cannot render (raise_exception, a bad message); the message says why."""
+
+
+def _raise(message: str):
+    raise ChatError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class ChatTemplate:
+    """One checkpoint's chat template, compiled once; :meth:`render` is pure (thread-safe)."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str]):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"chat template: {exc}") from None
+        self.special_tokens = dict(special_tokens)
+
+    @classmethod
+    def load(cls, checkpoint_dir: str | Path) -> "ChatTemplate | None":
+        """The template of the tokenizer files in ``checkpoint_dir``; None when it ships none."""
+        path = Path(checkpoint_dir)
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        source = (path / TEMPLATE_FILE).read_text() if (path / TEMPLATE_FILE).is_file() else cfg.get("chat_template")
+        if isinstance(source, list):  # named templates: the default one
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        if not source:
+            return None
+        return cls(source, _special_tokens(cfg))
+
+    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+               **kwargs: Any) -> str:
+        """The prompt text of ``messages`` (``{"role", "content"}`` dicts): with the model's turn opened after
+        them (``add_generation_prompt``), or the last (assistant) message left open to be continued."""
+        check_messages(messages)
+        messages = [dict(m) for m in messages]
+        if continue_final_message:  # as transformers: a tag after the final content, the text cut where it lands
+            if messages[-1]["role"] != "assistant":
+                raise ChatError("continue_final_message: the last message must be the assistant's")
+            messages[-1]["content"] += CONTINUE_TAG
+            add_generation_prompt = False
+        try:
+            text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.special_tokens, **kwargs)  # fmt: skip
+        except ChatError:
+            raise
+        except jinja2.TemplateError as exc:  # the template cannot take these messages
+            raise ChatError(f"chat template: {exc}") from None
+        if continue_final_message:
+            at = text.rfind(CONTINUE_TAG.strip())
+            if at < 0:
+                raise ChatError("continue_final_message: the template drops the final message's content")
+            text = text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
+        return text
+
+
+def check_messages(messages: Sequence[dict]) -> None:
+    """ChatError naming the first bad message: each needs a known role and a string content."""
+    if not messages:
+        raise ChatError("messages: at least one message is needed")
+    for i, m in enumerate(messages):
+        if m.get("role") not in ROLES:
+            raise ChatError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
+        if not isinstance(m.get("content"), str):
+            raise ChatError(f"messages[{i}].content must be a string")
+
+
+def _special_tokens(cfg: dict) -> dict[str, str]:
+    """The tokenizer's special tokens as the template sees them (a token may be written as a dict)."""
+    out = {}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        tok = cfg.get(name)
+        if isinstance(tok, dict):
+            tok = tok.get("content")
+        out[name] = tok or ""
+    return out

@@ -1,0 +1,303 @@
+"""The orchestrator's OpenAI-compatible HTTP front: Starlette on uvicorn, beside the gRPC server in one process.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``:
+server-sent events, ended by ``data: [DONE]``), ``GET /v1/models`` and
+``GET /health`` (200 once the server is SERVING, else 503; open without a
+token, as gRPC health is). Every request runs through
+:meth:`GenerationServicer.stream` -- the same admission, validation, engine
+run, metrics and draining as a gRPC ``Generate`` -- on a thread of its own,
+its messages handed to the event loop; a client that goes away cancels its
+run, which frees the backend sessions. The bearer token (``--auth-token-file``)
+and TLS (``--tls-cert``/``--tls-key``, ``--tls-client-ca``) are the gRPC
+server's. Bodies beyond the public API's receive limit are 413; anything a
+client sends wrong is a 4xx in OpenAI's error shape (``http_api.py``), never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import ssl
+import threading
+import time
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kakeya.orchestrator import http_api
+from kakeya.orchestrator.http_api import ApiError
+from kakeya.runtime.lifecycle import RequestError
+from kakeya.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
+
+log = logging.getLogger("kakeya.http")
+
+_END = object()
+
+
+def served_model_name(target: str) -> str:
+    """The ``model`` a checkpoint is served as by default: its directory's name (the parent's for the embedded
+    pairs' ``.../demo/target``)."""
+    path = Path(target)
+    return path.parent.name if path.name == "target" and path.parent.name else path.name
+
+
+class HttpCall:
+    """What ``GenerationServicer.stream`` asks of a call: the caller (``peer``, named as gRPC names its
+    peers, so --max-sessions-per-peer counts both fronts together), no deadline, and a callback when the
+    client leaves."""
+
+    def __init__(self, peer: str = "unknown"):
+        self._peer = peer
+        self._lock = threading.Lock()
+        self._callbacks: list = []
+        self.gone = False
+
+    def peer(self) -> str:
+        return self._peer
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def add_callback(self, fn) -> bool:
+        with self._lock:
+            if not self.gone:
+                self._callbacks.append(fn)
+        return not self.gone
+
+    def leave(self) -> None:
+        """The client went away: its run is cancelled (from the event loop's thread)."""
+        with self._lock:
+            self.gone, callbacks, self._callbacks = True, self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+
+def grpc_peer(request: Request) -> str:
+    """The HTTP client as gRPC names a peer: ``ipv4:ADDR:PORT`` or ``ipv6:[ADDR]:PORT``."""
+    client = request.client
+    if client is None:
+        return "unknown"
+    return f"ipv6:[{client.host}]:{client.port}" if ":" in client.host else f"ipv4:{client.host}:{client.port}"
+
+
+async def _messages(servicer, request, peer: str) -> AsyncIterator:
+    """The servicer's responses to ``request`` from ``peer``, produced on a thread of their own (each step
+    blocks on the models); a RequestError before the first comes out of the first ``__anext__``."""
+    loop, queue, call = asyncio.get_running_loop(), asyncio.Queue(), HttpCall(peer)
+
+    def pump() -> None:
+        stream: Iterator = servicer.stream(request, call)
+        try:
+            for message in stream:
+                loop.call_soon_threadsafe(queue.put_nowait, message)
+        except BaseException as exc:  # noqa: BLE001 - handed to the request's coroutine
+            loop.call_soon_threadsafe(queue.put_nowait, exc)
+        finally:
+            try:
+                stream.close()  # on this thread: the servicer's bookkeeping ends where it ran
+            finally:  # whatever happens, the request's coroutine stops waiting
+                loop.call_soon_threadsafe(queue.put_nowait, _END)
+
+    threading.Thread(target=pump, name="http-generate", daemon=True).start()
+    done = False
+    try:
+        while (item := await queue.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        done = True
+    finally:
+        if not done:
+            call.leave()
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _event(body: dict) -> bytes:
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+class HttpFront:
+    """The HTTP server of one ``GenerationServicer`` (``lifecycle.run_server`` starts and stops it)."""
+
+    def __init__(self, servicer, port: int, model_name: str | None = None, max_body: int = PUBLIC_MAX_RECEIVE_BYTES):
+        self.servicer, self.port, self.max_body = servicer, port, max_body
+        self._model_name = model_name
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
+        )
+        self.server = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name or served_model_name(self.servicer.engine.target)
+
+    # -- routes ---------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        if self.servicer.ready:
+            return JSONResponse({"status": "ok"})
+        return _error(ApiError(503, "orchestrator is not ready (loading, warming up or draining)"))
+
+    async def models(self, request: Request) -> Response:
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        if self.servicer.engine is None:
+            return _error(ApiError(503, "orchestrator is loading"))
+        return JSONResponse(http_api.models(self.model_name, self.servicer.max_context))
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, http_api.completion_request)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, http_api.chat_request)
+
+    async def _generate(self, request: Request, translate) -> Response:
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        try:
+            if self.servicer.engine is None:
+                raise ApiError(503, "orchestrator is loading")
+            generate, call = translate(await self._body(request), self.model_name)
+            messages = _messages(self.servicer, generate, grpc_peer(request))
+            first = await anext(messages, None)
+        except ApiError as exc:
+            return _error(exc)
+        except RequestError as exc:
+            return _error(ApiError.of(exc))
+        answer = http_api.Answer(call)
+        if call.stream:
+            return StreamingResponse(self._events(answer, first, messages), media_type="text/event-stream")
+        try:
+            complete = None if first is None else self._consume(answer, first)  # None: cancelled before it began
+            async for message in messages:
+                complete = self._consume(answer, message) or complete
+            if complete is None:  # the run was cancelled under it (the server is going down)
+                raise ApiError(503, "the generation was cancelled")
+            return JSONResponse(answer.whole(complete))
+        except ApiError as exc:
+            return _error(exc)
+        finally:
+            await messages.aclose()
+
+    @staticmethod
+    def _consume(answer: http_api.Answer, message):
+        """Add a Chunk to ``answer``; a Complete is returned."""
+        if message.HasField("chunk"):
+            answer.add(message.chunk)
+            return None
+        return message.complete
+
+    async def _events(self, answer: http_api.Answer, first, messages) -> AsyncIterator[bytes]:
+        opening = answer.opening()
+        if opening is not None:
+            yield _event(opening)
+        try:
+            message = first
+            while message is not None:
+                if message.HasField("chunk"):
+                    event = answer.add(message.chunk)
+                    if event is not None:
+                        yield _event(event)
+                else:
+                    for event in answer.closing(message.complete):
+                        yield _event(event)
+                message = await anext(messages, None)
+        except ApiError as exc:  # failed after the first chunk: the stream says so, as vLLM's does
+            yield _event(exc.body())
+        yield b"data: [DONE]\n\n"
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def _refused(self, request: Request) -> Response | None:
+        """401 without the server's bearer token (when it has one)."""
+        token = self.servicer.auth_token
+        if token is None:
+            return None
+        got = request.headers.get("authorization", "")
+        if hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            return None
+        return _error(ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)", code="invalid_api_key"))
+
+    async def _body(self, request: Request):
+        """The JSON body, at most ``max_body`` bytes (413 beyond, as the gRPC API's receive limit)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body:
+            raise ApiError(413, f"request body of {declared} bytes exceeds this server's limit of {self.max_body}")
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > self.max_body:
+                raise ApiError(413, f"request body exceeds this server's limit of {self.max_body} bytes")
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting
+            raise ApiError(400, f"the request body is not valid JSON ({str(exc)[:200]})") from None
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        return _error(ApiError(exc.status_code, exc.detail or "not found"))
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        log.exception("HTTP %s %s failed", request.method, request.url.path)
+        return _error(ApiError(500, f"{type(exc).__name__}: {exc}"))
+
+    # -- serving --------------------------------------------------------------------------
+
+    def start(self, host: str, tls=None, grace_s: float = 30.0) -> int:
+        """Listen on ``host:port`` (TLS as the gRPC server's); returns the port bound (``port`` 0: any free one).
+        OSError when the port cannot be bound."""
+        import uvicorn
+
+        bind_host = host.strip("[]")
+        sock = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((bind_host, self.port))
+            sock.listen(2048)
+        except OSError:
+            sock.close()
+            raise
+        kw = {}
+        if tls is not None and tls.enabled:
+            kw = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+            if tls.client_ca:
+                kw |= {"ssl_ca_certs": tls.client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=max(1, int(grace_s)), **kw)  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not self.server.started:
+            raise RuntimeError(f"the HTTP server did not start on {host}:{self.port}")
+        return sock.getsockname()[1]
+
+    def drain(self) -> None:
+        """Stop listening; in-flight requests go on (up to the grace, then uvicorn cancels them)."""
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)

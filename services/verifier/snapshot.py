@@ -1,0 +1,64 @@
+"""A verifier session's state after a token prefix, kept in its verifier's prefix cache and resumed from.
+
+A snapshot is what a cold prefill of exactly those tokens leaves in a session,
+under one resolved cache policy: the ring layout (which position each slot
+holds), every layer's K/V (a ring whole, a full-attention cache's first
+``positions``) and, with f_theta restoration, the latent ring and its layout.
+It is taken from a session whose generation is over, trimmed back to the
+prefix first (at most the ring's slack, so exactly), and copied: nothing the
+session does afterwards reaches it. Resuming copies it into a new session's
+own caches, so any number of sessions may resume from one snapshot at once and
+none of them changes it (``core/prefix.py`` keys and bounds them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RingState:
+    slots: np.ndarray  # each slot's position (EMPTY: none); never edited in place (RingLayout.resume)
+    offset: int
+    written: int
+    used: int
+
+
+@dataclass(frozen=True)
+class VerifierSnapshot:
+    positions: int
+    ring: RingState
+    caches: list[list]  # per cache layer, its arrays (``SessionCaches.copy``)
+    latent_ring: RingState | None = None  # f_theta restoration only
+    latents: Any = None
+    nbytes: int = 0
+
+
+def _ring(layout) -> RingState:
+    return RingState(layout.positions, layout.offset, layout.written, layout.used)
+
+
+def take(session) -> VerifierSnapshot:
+    """A copy of ``session``'s (a ``VerifierSession``) state at its offset (every forward applied, none pending)."""
+    positions = session.offset
+    caches = session.target.copy_caches(session.cache, positions)
+    nbytes = sum(a.nbytes for layer in caches for a in layer) + session.layout.positions.nbytes
+    latent_ring = latents = None
+    if session.latents is not None:
+        latent_ring, latents = _ring(session.latent_layout), session.latents.copy()
+        nbytes += latents.nbytes
+    return VerifierSnapshot(positions, _ring(session.layout), caches, latent_ring, latents, nbytes)
+
+
+def restore(session, snap: VerifierSnapshot) -> None:
+    """Set a new session (same target and resolved policy, nothing run yet) to ``snap``'s state."""
+    r = snap.ring
+    session.layout.resume(r.slots, r.offset, r.written, r.used)
+    session.target.load_caches(session.cache, snap.caches, snap.positions)
+    if snap.latent_ring is not None:
+        lr = snap.latent_ring
+        session.latent_layout.resume(lr.slots, lr.offset, lr.written, lr.used)
+        session.latents.load(snap.latents)

@@ -1,0 +1,24 @@
+"""benchmarks/chat.py on the tiny pair: the turns resume the conversation and equal the cold engine's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_short_chat_is_measured_cached_and_cold(tmp_path, tiny_pair):
+    spec = importlib.util.spec_from_file_location("chat_benchmark", ROOT / "benchmarks" / "chat.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "chat.json"
+    argv = ["--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft), "--backend", "mlx", "--turns", "2",
+            "--max-tokens", "12", "--rounds", "2", "--no-system", "--out", str(out)]  # fmt: skip
+    assert mod.main(argv) == 0
+    result = json.loads(out.read_text())
+    first, second = result["turns"]
+    assert first["cached_tokens"] == [0, 0] and second["prompt_tokens"] > first["prompt_tokens"]
+    assert result["goals"]["identical_output"] and result["goals"]["acceptance_equal"]
+    assert result["prefix_cache"]["insertions"] > 0 and result["command"].startswith("python benchmarks/chat.py")

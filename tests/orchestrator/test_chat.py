@@ -1,0 +1,87 @@
+"""Chat templates (``orchestrator/chat.py``): rendered and tokenized exactly as transformers does it."""
+
+import json
+import shutil
+
+import pytest
+
+from kakeya.checkpoints import tokenizer as tk
+from kakeya.orchestrator.chat import ChatError, ChatTemplate
+from kakeya.orchestrator.text import TextCodec
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "def add(a, b):"}],
+    [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "import os\n"},
+     {"role": "assistant", "content": "import sys\n\n"}, {"role": "user", "content": "  spaces and ünïcode  "}],
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_pair):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_pair.target))
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_the_shipped_template_renders_and_tokenizes_as_transformers(tiny_pair, hf_tokenizer, messages, add_generation_prompt):
+    codec = TextCodec(tiny_pair.target)
+    text = codec.chat.render(messages, add_generation_prompt=add_generation_prompt)
+    assert text == hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    want = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                            return_dict=True)["input_ids"]  # fmt: skip
+    assert codec.encode_chat(messages, add_generation_prompt=add_generation_prompt) == list(want)
+    assert codec.encode_chat(messages)[0] == tk.BOS_ID  # the template writes <bos>; nothing is added twice
+
+
+def test_continuing_the_final_message_as_transformers(tiny_pair, hf_tokenizer):
+    messages = CONVERSATIONS[1][:3]
+    codec = TextCodec(tiny_pair.target)
+    want = hf_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert codec.chat.render(messages, continue_final_message=True) == want
+    with pytest.raises(ChatError, match="assistant"):
+        codec.chat.render(CONVERSATIONS[0], continue_final_message=True)
+
+
+def test_the_next_turn_starts_with_the_previous_prompt_and_answer(tiny_pair):
+    """What the prefix cache relies on: the second turn's ids begin with the first turn's and its answer's
+    (where the tokenizer splits them alike: here an answer that does not open with whitespace, which this
+    byte-level tokenizer would join to the template's newline)."""
+    codec = TextCodec(tiny_pair.target)
+    first = [{"role": "user", "content": "def add(a, b):"}]
+    answer = "return a + b\n"
+    prompt = codec.encode_chat(first)
+    answer_ids = codec.tokenizer.encode(answer, add_special_tokens=False).ids
+    second = codec.encode_chat(first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and sub?"}])
+    assert second[: len(prompt) + len(answer_ids)] == prompt + answer_ids
+
+
+def test_templates_from_tokenizer_config_and_none(tiny_pair, tmp_path):
+    for source in ("{{ bos_token }}{{ messages[0]['content'] }}", [{"name": "tools", "template": "x"},
+                                                                   {"name": "default", "template": "{{ messages[0]['content'] }}!"}]):
+        d = tmp_path / str(type(source).__name__)
+        shutil.copytree(tiny_pair.target, d)
+        (d / tk.CHAT_TEMPLATE_FILE).unlink()
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": source}))
+        assert ChatTemplate.load(d).render([{"role": "user", "content": "hi"}]) in ("<bos>hi", "hi!")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert ChatTemplate.load(d) is None
+    with pytest.raises(ChatError, match="ships no chat template"):
+        TextCodec(d).encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_bad_conversations_are_chat_errors_naming_the_message(tiny_pair):
+    chat = TextCodec(tiny_pair.target).chat
+    with pytest.raises(ChatError, match="at least one"):
+        chat.render([])
+    with pytest.raises(ChatError, match=r"messages\[1\]\.role"):
+        chat.render([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}])
+    with pytest.raises(ChatError, match=r"messages\[0\]\.content"):
+        chat.render([{"role": "user", "content": 3}])
+    strict = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok", {})
+    with pytest.raises(ChatError, match="user first"):
+        strict.render([{"role": "system", "content": "s"}])
+    with pytest.raises(ValueError, match="chat template"):
+        ChatTemplate("{% for %}", {})

@@ -1,0 +1,307 @@
+"""The OpenAI-compatible HTTP front (``orchestrator/http_server.py`` + ``http_api.py``), colocated on the tiny pair.
+
+The official ``openai`` client, streaming and not, completions and chat, gets
+the tokens a gRPC ``Generate`` of the same request gets; a second chat turn
+reports its cached prompt tokens; the bearer token is enforced; malformed
+bodies get a 4xx in OpenAI's error shape, never a 500.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kakeya.core.prefix import PrefixCache
+from kakeya.orchestrator.assembly import build_local_engine
+from kakeya.orchestrator.http_server import HttpCall, HttpFront
+from kakeya.orchestrator.server import GenerationServicer
+from kakeya.wire.kakeya.v1 import generate_pb2 as pb
+from kakeya.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
+
+TOKEN = "s3cret"
+PROMPT = "def add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def front(tiny_pair):
+    prefixes = PrefixCache(1 << 28)
+    servicer = GenerationServicer(
+        lambda: build_local_engine(str(tiny_pair.target), str(tiny_pair.draft), "mlx", prefixes=prefixes),
+        colocated=True, auth_token=TOKEN, prefixes=prefixes,
+    )  # fmt: skip
+    servicer.load()
+    servicer.ready = True
+    http = HttpFront(servicer, 0, "tiny")
+    port = http.start("127.0.0.1")
+    yield servicer, f"http://127.0.0.1:{port}"
+    http.drain()
+    http.join(5)
+
+
+def _grpc_ids(servicer, req: pb.GenerateRequest) -> list[int]:
+    ids = []
+    for resp in servicer.Generate(req, HttpCall()):
+        if resp.HasField("chunk"):
+            ids.extend(resp.chunk.token_ids)
+    return ids
+
+
+def _client(base):
+    from openai import OpenAI
+
+    return OpenAI(base_url=base + "/v1", api_key=TOKEN, max_retries=0)
+
+
+def _greedy(**kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(sampling_params=pb.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), **kw)
+
+
+def test_openai_completions_equal_grpc(front):
+    servicer, base = front
+    client = _client(base)
+    want = _grpc_ids(servicer, _greedy(text=PROMPT))
+    extra = {"ignore_eos": True}
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, extra_body=extra)
+    assert whole.model_extra["kakeya"]["token_ids"] == want
+    assert whole.usage.completion_tokens == len(want) and whole.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                            extra_body=extra))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].model_extra["kakeya"]["token_ids"] == want
+
+
+def test_openai_chat_equals_grpc_messages(front):
+    servicer, base = front
+    client = _client(base)
+    messages = [{"role": "user", "content": "import os\n"}]
+    req = _greedy()
+    req.messages.messages.add(role="user", content="import os\n")
+    want = _grpc_ids(servicer, req)
+    extra = {"ignore_eos": True}
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=24, temperature=0,
+                                           extra_body=extra)  # fmt: skip
+    assert whole.model_extra["kakeya"]["token_ids"] == want
+    answer = whole.choices[0].message.content
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=extra)  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    assert chunks[-1].usage.completion_tokens == len(want)
+
+
+def test_a_second_turn_reports_its_cached_tokens(front):
+    """Token-id prompts: the tiny random pair's answers need not survive a round trip through text."""
+    _, base = front
+    client = _client(base)
+    first_prompt = [2] + list(range(100, 140))
+    first = client.completions.create(model="tiny", prompt=first_prompt, max_tokens=20, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    answer = first.model_extra["kakeya"]["token_ids"]
+    second = client.completions.create(model="tiny", prompt=first_prompt + answer + [50, 51, 52], max_tokens=8,
+                                       temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert second.usage.prompt_tokens_details.cached_tokens == len(first_prompt) + len(answer) - 1
+
+
+def _post(base, path, body: bytes, token=TOKEN) -> tuple[int, dict]:
+    headers = {"content-type": "application/json"}
+    if token is not None:
+        headers["authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(base + path, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _get(base, path, token=TOKEN) -> int:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(base + path, headers=headers), timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_models_health_and_auth(front):
+    _, base = front
+    assert _get(base, "/health", token=None) == 200
+    assert _get(base, "/v1/models") == 200 and _get(base, "/v1/models", token="wrong") == 401
+    status, body = _post(base, "/v1/completions", b'{"prompt": "x"}', token=None)
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+    assert _get(base, "/v1/nothing") == 404
+
+
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    [
+        ("/v1/completions", b"not json", 400, None),
+        ("/v1/completions", b"[1, 2]", 400, None),
+        ("/v1/completions", b'{"prompt": 3}', 400, "prompt"),
+        ("/v1/completions", b'{"prompt": "x", "model": "other"}', 404, "model"),
+        ("/v1/completions", b'{"prompt": "x", "temperature": "hot"}', 400, "temperature"),
+        ("/v1/completions", b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
+        ("/v1/completions", b'{"prompt": "x", "n": 2}', 400, "n"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 100000000}', 400, "max_tokens"),
+        ("/v1/completions", b'{"prompt": [1, 99999999]}', 400, "prompt"),
+        ("/v1/completions", b'{"prompt": "x", "stop": [1]}', 400, "stop"),
+        ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
+        ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "messages"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "messages"),
+    ],
+)
+def test_bad_requests_get_openai_errors(front, path, body, status, param):
+    _, base = front
+    got, answer = _post(base, path, body)
+    assert got == status, answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["param"] == param
+
+
+def test_a_body_beyond_the_limit_is_413(front):
+    """Refused on its declared length, before the server reads it."""
+    _, base = front
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    for name, value in [("authorization", f"Bearer {TOKEN}"), ("content-type", "application/json"),
+                        ("content-length", str(PUBLIC_MAX_RECEIVE_BYTES + 1))]:  # fmt: skip
+        conn.putheader(name, value)
+    conn.endheaders()
+    r = conn.getresponse()
+    assert r.status == 413 and json.loads(r.read())["error"]["message"]
+    conn.close()
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+          "stop_token_ids", "block_size", "n", "model", "logprobs", "stream_options", "max_completion_tokens"]  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       body=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=5) | JSON)  # fmt: skip
+def test_fuzzed_bodies_never_get_a_500(front, path, body):
+    _, base = front
+    if isinstance(body, dict):  # short generations, answered whole (a stream's errors come before it starts)
+        body = {"max_tokens": 2} | body | {"stream": False}
+    got, answer = _post(base, path, json.dumps(body).encode())
+    assert got < 500, answer
+    if got >= 400:
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+
+
+def test_grpc_messages_are_checked_and_the_model_says_it_has_a_template(front):
+    import grpc
+
+    from kakeya.runtime.lifecycle import RequestError
+
+    servicer, _ = front
+    assert servicer.GetModelInfo(pb.GetModelInfoRequest(), None).has_chat_template
+    req = _greedy()
+    req.messages.messages.add(role="user", content="a")
+    req.messages.messages.add(role="robot", content="b")
+    with pytest.raises(RequestError) as exc:
+        next(servicer.stream(req, HttpCall()))
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt.messages[1].role" in exc.value.message
+
+
+def test_a_client_that_leaves_a_stream_cancels_its_run(front):
+    import time
+
+    servicer, base = front
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    body = json.dumps({"prompt": [2] + list(range(100, 140)), "max_tokens": 4000, "ignore_eos": True, "stream": True})
+    conn.request("POST", "/v1/completions", body, {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.readline().startswith(b"data: ")
+    assert servicer.active == 1
+    conn.close()
+    deadline = time.monotonic() + 30
+    while servicer.active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert servicer.active == 0
+    aborted = servicer.metrics.registry.get_sample_value("kakeya_request_success_total", {"finished_reason": "abort"})
+    assert aborted == 1  # cancelled, not run to its 4000 tokens
+
+
+def test_not_ready_is_503_and_a_full_server_429(front):
+    servicer, base = front
+    servicer.ready = False
+    try:
+        assert _get(base, "/health", token=None) == 503
+        status, answer = _post(base, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
+        assert status == 503 and answer["error"]["type"] == "service_unavailable_error"
+    finally:
+        servicer.ready = True
+    limit, servicer.max_sessions = servicer.max_sessions, 1  # --max-sessions 1, with one stream in flight
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    body = json.dumps({"prompt": [2, 40, 41], "max_tokens": 4000, "ignore_eos": True, "stream": True})
+    try:
+        conn.request("POST", "/v1/completions", body, {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+        assert conn.getresponse().status == 200
+        status, answer = _post(base, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
+        assert status == 429 and answer["error"]["type"] == "rate_limit_error"
+    finally:
+        conn.close()
+        servicer.max_sessions = limit
+
+
+def test_per_peer_cap_counts_http_and_grpc_calls_of_one_host_together(front):
+    """--max-sessions-per-peer: an HTTP stream in flight from 127.0.0.1 takes that host's one slot, so a second
+    HTTP request (429) and a gRPC call from the same address are refused; another host is admitted."""
+    import time
+
+    import grpc
+
+    from kakeya.runtime.lifecycle import RequestError
+
+    servicer, base = front
+    limit, servicer.max_sessions_per_peer = servicer.max_sessions_per_peer, 1
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    body = json.dumps({"prompt": [2, 40, 41], "max_tokens": 4000, "ignore_eos": True, "stream": True})
+    try:
+        conn.request("POST", "/v1/completions", body, {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+        assert conn.getresponse().status == 200
+        status, answer = _post(base, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
+        assert status == 429 and "--max-sessions-per-peer" in answer["error"]["message"]
+        with pytest.raises(RequestError) as refused:
+            next(servicer.stream(_greedy(text=PROMPT), HttpCall("ipv4:127.0.0.1:50999")))
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert len(_grpc_ids(servicer, _greedy(text=PROMPT))) == 24  # HttpCall(): another peer, admitted
+    finally:
+        conn.close()
+        deadline = time.monotonic() + 30
+        while servicer.active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        servicer.max_sessions_per_peer = limit
+
+
+class _Cancelled:
+    """A servicer whose every generation was cancelled before its first message (a server going down)."""
+
+    ready, auth_token, engine, max_context = True, None, object(), 64
+
+    def stream(self, request, call):
+        yield from ()
+
+
+def test_a_generation_cancelled_before_it_began_is_503_not_500():
+    http = HttpFront(_Cancelled(), 0, "tiny")
+    base = f"http://127.0.0.1:{http.start('127.0.0.1')}"
+    try:
+        status, answer = _post(base, "/v1/completions", b'{"prompt": "x"}', token=None)
+        assert status == 503 and answer["error"]["message"] == "the generation was cancelled"
+    finally:
+        http.drain()
+        http.join(5)

@@ -1,0 +1,154 @@
+"""The prefix cache through the one request path (``Engine.start`` -> ``Run``), colocated.
+
+A multi-turn conversation on the tiny pair (each turn's prompt: the last one, its
+answer and a new message) resumes every later turn from the previous turn's
+snapshot, and its output and acceptance equal a cold engine's on the same
+prompt: greedy and sampled, torch and MLX, past the rings' wraps. Sixteen
+conversations at once through one compute thread share one budget that is never
+exceeded.
+"""
+
+import threading
+
+import pytest
+
+from kakeya.core.contract import Request, SamplingParams
+from kakeya.core.prefix import PrefixCache
+from kakeya.orchestrator.assembly import build_local_engine
+from kakeya.orchestrator.engine import RunOptions
+from kakeya.runtime.compute import ComputeThread
+
+USER = [[40, 41, 42, 43, 44, 45], [50, 51, 52], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69]]
+
+
+def _engines(tiny_pair, backend, budget=1 << 28):
+    kw = {"device": "cpu"} if backend == "torch" else {}
+    args = (str(tiny_pair.target), str(tiny_pair.draft), backend)
+    return build_local_engine(*args, prefixes=PrefixCache(budget), **kw), build_local_engine(*args, **kw)
+
+
+def _chat(engine, first_prompt, turns, block_size=4, sampling=SamplingParams(), step=None):
+    """``turns`` generations, each prompt the previous prompt + its answer + a user message; their Generations."""
+    prompt, out = list(first_prompt), []
+    options = RunOptions(step=step) if step is not None else None
+    for t in range(turns):
+        gen = engine.generate(Request(list(prompt), max_tokens=40, block_size=block_size, ignore_eos=True, sampling=sampling), options)
+        out.append(gen)
+        prompt = prompt + gen.token_ids + USER[t % len(USER)]
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=11)], ids=["greedy", "sampled"])
+def test_later_turns_resume_and_equal_a_cold_run(tiny_pair, backend, sampling):
+    cached, cold = _engines(tiny_pair, backend)
+    prompt = [2] + list(range(100, 140))
+    turns = _chat(cached, prompt, 4, sampling=sampling)
+    assert turns[0].cached_tokens == 0
+    for gen in turns:
+        again = cold.generate(Request(list(gen.prompt_ids), max_tokens=40, block_size=4, ignore_eos=True, sampling=sampling))
+        assert gen.token_ids == again.token_ids
+        assert gen.acceptance_lengths == again.acceptance_lengths
+    for prev, gen in zip(turns, turns[1:]):
+        # the previous turn's prompt and answer, but its last token (no forward saw it)
+        assert gen.cached_tokens == len(prev.prompt_ids) + len(prev.token_ids) - 1
+        assert gen.cached_tokens >= 0.8 * len(gen.prompt_ids)
+    s = cached.verifier.prefixes.stats()
+    assert (s["hits"], s["misses"]) == (3, 1) and s["tokens_reused"] == sum(g.cached_tokens for g in turns)
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_pre_drafted_turns_leave_the_drafter_a_whole_snapshot(tiny_pair, backend):
+    """A pre-draft takes the newest aux before its block's verdict: the drafter's snapshot must still hold every
+    committed position once, so later turns resume on both sides (the verifier only resumes what the drafter
+    offers) with the cold run's output and acceptance."""
+    cached, cold = _engines(tiny_pair, backend)
+    prompt, turns = [2] + list(range(100, 140)), []
+    for t in range(3):
+        req = Request(list(prompt), max_tokens=40, block_size=4, ignore_eos=True)
+        turns.append(cached.generate(req, RunOptions(predraft=True)))
+        prompt = prompt + turns[-1].token_ids + USER[t % len(USER)]
+    assert sum(g.predrafts for g in turns) > 0
+    for gen in turns:
+        again = cold.generate(Request(list(gen.prompt_ids), max_tokens=40, block_size=4, ignore_eos=True))
+        assert gen.token_ids == again.token_ids
+        assert gen.acceptance_lengths == again.acceptance_lengths
+    for prev, gen in zip(turns, turns[1:]):
+        assert gen.cached_tokens == len(prev.prompt_ids) + len(prev.token_ids) - 1
+
+
+def test_a_pre_drafting_run_saves_the_drafter_snapshot_a_plain_run_saves(demo_pair):
+    """Pre-drafts that are used (the demo pair accepts whole short blocks) skip a draft call; the aux they took
+    must leave the loop's unseen list, or the snapshot would hold some rows twice."""
+    import numpy as np
+
+    from kakeya.drafter.session import CONTEXT
+
+    engines = [build_local_engine(str(demo_pair.target), str(demo_pair.draft), "torch", "cpu", prefixes=PrefixCache(1 << 28))
+               for _ in range(2)]  # fmt: skip
+    prompt = engines[0].codec.encode("import os\nimport sys\n\ndef main(argv):\n    ")
+    req = Request(prompt, max_tokens=48, block_size=2, ignore_eos=True)
+    gens = [e.generate(req, RunOptions(predraft=p)) for e, p in zip(engines, (False, True))]
+    assert gens[0].token_ids == gens[1].token_ids and any(b.predrafted for b in gens[1].blocks)
+    ids = list(prompt) + gens[0].token_ids[:-1]
+    snaps = [next(x.value for x in e.drafter.prefixes.find(CONTEXT, ids + [0]) if x.positions == len(ids)) for e in engines]
+    assert snaps[0].length == snaps[1].length == len(ids) and snaps[0].rows == snaps[1].rows
+    for (k0, v0), (k1, v1) in zip(snaps[0].kv, snaps[1].kv):
+        if k0 is not None:
+            np.testing.assert_allclose(k1.float().numpy(), k0.float().numpy(), atol=1e-4)
+            np.testing.assert_allclose(v1.float().numpy(), v0.float().numpy(), atol=1e-4)
+
+
+def test_a_verifier_only_snapshot_serves_the_verifier_only(tiny_pair):
+    """Without a drafter session (block size 1) only the verifier saves: a speculative request cannot resume
+    from it (its drafter would have a gap) and runs cold; a non-speculative one resumes it."""
+    cached, cold = _engines(tiny_pair, "mlx")
+    prompt = [2] + list(range(200, 230))
+    (first,) = _chat(cached, prompt, 1, block_size=1)
+    nxt = prompt + first.token_ids + USER[0]
+    spec = cached.generate(Request(list(nxt), max_tokens=30, block_size=4, ignore_eos=True))
+    assert spec.cached_tokens == 0
+    ar = cached.generate(Request(list(nxt), max_tokens=30, block_size=1, ignore_eos=True))
+    assert ar.cached_tokens == len(prompt) + len(first.token_ids) - 1
+    assert spec.token_ids == ar.token_ids == cold.generate(Request(list(nxt), max_tokens=30, block_size=4, ignore_eos=True)).token_ids
+
+
+def test_a_stop_cut_answer_is_saved_as_the_client_saw_it(tiny_pair):
+    cached, cold = _engines(tiny_pair, "mlx")
+    prompt = [2] + list(range(300, 330))
+    probe = cold.generate(Request(list(prompt), max_tokens=30, block_size=8, ignore_eos=True))
+    stop = probe.token_ids[12]
+    gen = cached.generate(Request(list(prompt), max_tokens=30, block_size=8, ignore_eos=True, stop_ids=[stop]))
+    assert gen.token_ids == probe.token_ids[: probe.token_ids.index(stop) + 1]
+    nxt = prompt + gen.token_ids + USER[1]
+    resumed = cached.generate(Request(list(nxt), max_tokens=30, block_size=8, ignore_eos=True))
+    assert resumed.cached_tokens == len(prompt) + len(gen.token_ids) - 1
+    assert resumed.token_ids == cold.generate(Request(list(nxt), max_tokens=30, block_size=8, ignore_eos=True)).token_ids
+
+
+def test_sixteen_concurrent_chats_stay_within_budget_and_equal_cold(tiny_pair):
+    budget = 600_000  # a few snapshots of the tiny pair: chats evict each other's
+    cached, cold = _engines(tiny_pair, "torch", budget)
+    compute = ComputeThread("test", max_batch=1)
+    cache = cached.verifier.prefixes
+    peak, results, errors = [0], {}, []
+
+    def chat(k):
+        try:
+            results[k] = _chat(cached, [2] + [100 + 7 * k + i for i in range(24)], 3, step=compute.run)
+            peak[0] = max(peak[0], cache.bytes)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=chat, args=(k,)) for k in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    s = cache.stats()
+    assert s["bytes"] <= budget and peak[0] <= budget and s["evictions"] > 0 and s["hits"] > 0
+    for k, turns in results.items():
+        for gen in turns:
+            again = cold.generate(Request(list(gen.prompt_ids), max_tokens=40, block_size=4, ignore_eos=True))
+            assert gen.token_ids == again.token_ids and gen.acceptance_lengths == again.acceptance_lengths, k
