@@ -103,11 +103,24 @@ class CachePolicy:
         return name + (f"+kv{self.full_kv_bits}" if self.full_kv_bits else "") + ("+restore" if self.restore else "")
 
 
-# How many of its most probable tokens a drafter keeps per candidate when it samples: the
+# How many of its most probable tokens a drafter keeps per candidate under the rejection rule: the
 # proposal q' it samples from (and sends) is its processed distribution truncated to these and
 # renormalised. The acceptance rule is exact for ANY proposal it was really sampled from; a
 # smaller K only costs acceptance where the drafter's tail mattered.
 PROPOSAL_TOP_K = 32
+
+# The sampling rules (``services/core/sampling.py``). Coupled (the default): every token is
+# argmax(processed logits + G(seed, position, token)), the drafter proposes with the same noise
+# and the verifier keeps the candidates equal to its own choices, so the output is AR sampling
+# with that seed, token for token, whatever the drafter or the block schedule. Rejection: the
+# drafter samples from a proposal it sends and the verifier accepts with min(1, p/q'); exact in
+# distribution, but its tokens depend on the drafter's proposals and the block sizes.
+COUPLED, REJECTION = "coupled", "rejection"
+SAMPLING_RULES = (COUPLED, REJECTION)
+
+# The smallest temperature that samples (0 is greedy). Below it logits / temperature can leave
+# float32's range (1e-39 makes every logit infinite): such a request is refused, naming the field.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -118,7 +131,8 @@ class SamplingParams:
     smallest most-probable set reaching ``top_p``; the top token always stays),
     then min-p (tokens with p >= ``min_p * max p``), renormalised. Temperature 0
     is greedy: argmax, no randomness, token-identical to greedy AR. ``seed``
-    seeds the sessions' random streams (None: the engine draws one).
+    seeds the sampling (None: the engine draws one); ``rule`` is how
+    speculative blocks sample (:data:`COUPLED` or :data:`REJECTION`).
     """
 
     temperature: float = 0.0
@@ -126,16 +140,24 @@ class SamplingParams:
     top_p: float = 1.0  # 1: off
     min_p: float = 0.0  # 0: off
     seed: int | None = None
+    rule: str = COUPLED
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def filtered(self) -> bool:
+        """Whether top-k, top-p or min-p may cut p's support (else it is all of the vocabulary)."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
     def check(self) -> "SamplingParams":
         """Raise ValueError naming the bad field; return self."""
         t = self.temperature
         if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
@@ -144,6 +166,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if self.rule not in SAMPLING_RULES:
+            raise ValueError(f"rule must be one of {', '.join(SAMPLING_RULES)}, got {self.rule!r}")
         return self
 
     def seeded(self) -> "SamplingParams":
@@ -162,7 +186,7 @@ class SamplingParams:
         parts += [f"top-k {self.top_k}"] if self.top_k else []
         parts += [f"top-p {self.top_p:g}"] if self.top_p < 1 else []
         parts += [f"min-p {self.min_p:g}"] if self.min_p > 0 else []
-        return ", ".join(parts)
+        return ", ".join(parts + [f"{self.rule} rule"])
 
 
 GREEDY = SamplingParams()
@@ -190,8 +214,9 @@ class Proposal:
 
 @dataclass(frozen=True)
 class Draft:
-    """What a drafter proposes for one block: its candidate ids and, when it samples, the
-    :class:`Proposal` row each candidate was drawn from (None: greedy, argmax candidates)."""
+    """What a drafter proposes for one block: its candidate ids and, under the rejection rule, the
+    :class:`Proposal` row each candidate was drawn from (None: greedy argmax, or coupled
+    candidates, which are the drafter's noisy argmax and need nothing beside them)."""
 
     tokens: tuple[int, ...]
     proposal: Proposal | None = None
@@ -203,7 +228,7 @@ class Draft:
 
 
 def session_rng(seed: int, stream: int):
-    """The random stream of one session: ``stream`` 0 the verifier, 1 the drafter.
+    """The random stream of one rejection-rule session: ``stream`` 0 the verifier, 1 the drafter.
 
     Host-side numpy PCG64 from the request's seed, so every backend and every
     deployment (colocated, split, mixed) consumes identical uniforms.
@@ -273,13 +298,16 @@ class VerifierSession(Protocol):
         """Append ``block_ids`` to the cache in ONE forward.
 
         Returns ``len(block_ids)`` ints; the block stays pending until ``commit``.
-        Greedy: the target's argmax after each position. Sampling (``proposal``
-        holds the drafter's q'_i of candidate i = ``block_ids[i+1]``): ``choices[i]``
-        is candidate i+1 if accepted (probability min(1, p_i(x)/q'_i(x))); at the
-        first rejection a sample from norm(max(0, p_i - q'_i)), never the rejected
-        candidate; if all are accepted, a sample from p at the last position;
-        -1 after the first rejection. Either way the loop keeps the leading run of
-        candidates that equal their choice, then the choice after it.
+        Greedy: the target's argmax after each position. Coupled sampling: the
+        argmax of the noisy processed logits after each position (no proposal),
+        the very token AR sampling with this seed picks there. Rejection sampling
+        (``proposal`` holds the drafter's q'_i of candidate i = ``block_ids[i+1]``):
+        ``choices[i]`` is candidate i+1 if accepted (probability
+        min(1, p_i(x)/q'_i(x))); at the first rejection a sample from
+        norm(max(0, p_i - q'_i)), never the rejected candidate; if all are
+        accepted, a sample from p at the last position; -1 after the first
+        rejection. Every way the loop keeps the leading run of candidates that
+        equal their choice, then the choice after it.
         """
 
     def commit(self, n_keep: int) -> Aux:
@@ -301,9 +329,10 @@ class DrafterSession(Protocol):
     def draft(self, new_aux: Aux, last_token: int, block_size: int) -> Draft:
         """Extend the context cache with ``new_aux`` and propose ``block_size - 1`` tokens.
 
-        A sampling session samples each candidate from its proposal q'_i and
-        its :class:`Draft` carries the proposal; a greedy one's carries None
-        (argmax candidates).
+        A greedy session's candidates are its argmax, a coupled one's the argmax
+        of its noisy processed logits (the verifier's noise at the same
+        positions); a rejection-rule session samples each candidate from its
+        proposal q'_i and its :class:`Draft` carries the proposals.
 
         ``new_aux`` holds the aux of every position committed since the last
         call (the whole prompt on the first call). ``last_token`` is the newest
