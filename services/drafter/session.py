@@ -4,7 +4,8 @@ Per ``draft`` call the work is O(new positions + block): the new aux rows are
 projected to per-layer context K/V and appended to the session's context cache
 (never a rescan of the context), then ONE forward runs over the block
 ``[last_token, mask * (B-1)]`` and the argmax comes back in a single host sync
-(a sampling session: the [B-1, K] proposal, each candidate drawn from it, see
+(a sampling session: its noisy argmax under the coupled rule, or the [B-1, K]
+proposal each candidate is drawn from under the rejection rule; see
 ``sampling.py``).
 
 A draft alone is :func:`draft_together` of one session, the same code
@@ -24,7 +25,7 @@ from typing import Any, Iterable, Sequence
 from kakeya.core.contract import Draft, SamplingParams, SessionOptions
 from kakeya.drafter.backend import DraftModel, bind, extend
 from kakeya.drafter.config import check_draft_args
-from kakeya.drafter.sampling import sampled_draft, session_sampling
+from kakeya.drafter.sampling import session_rule
 
 WARM_BLOCK_SIZES = range(2, 17)  # every block size the loop drafts (it stops at 16)
 
@@ -42,7 +43,7 @@ NOTHING = Draft(())  # a block of size 1 drafts nothing (its call only extends t
 class DrafterSession:
     def __init__(self, model: DraftModel, sampling: SamplingParams | None = None):
         self.model = model
-        self.sampling, self.rng = session_sampling(sampling)  # (None, None): greedy
+        self.rule = session_rule(sampling)  # None: greedy
         self.cache = model.make_cache()
         self.calls = 0
         self._closed = False
@@ -54,7 +55,7 @@ class DrafterSession:
     def run(self, aux, last_token: int, block_size: int) -> Draft:
         """``draft`` after ``check``: ``aux`` is what ``check`` returned."""
         step = self.model.static_step
-        if step is not None and self.sampling is None and block_size > 1:
+        if step is not None and self.rule is None and block_size > 1:
             self.calls += 1
             return Draft(step.draft(self.cache, aux, last_token, block_size))
         return draft_together([(self, aux, last_token, block_size)])[0]
@@ -83,7 +84,7 @@ class DrafterSession:
 def draft_together(work: Sequence[tuple[DrafterSession, Any, int, int]]) -> list[Draft]:
     """Checked draft calls ``(session, aux, last_token, block_size)`` of sessions of one model: ONE
     context extension, ONE forward over every block of size >= 2, one host sync for the greedy ones
-    (a sampling session's candidates are drawn from its own logits rows with its own stream)."""
+    (a sampling session's candidates come from its own logits rows, its own seed and positions)."""
     model = work[0][0].model
     caches = [session.cache for session, *_ in work]
     for session, *_ in work:
@@ -95,7 +96,7 @@ def draft_together(work: Sequence[tuple[DrafterSession, Any, int, int]]) -> list
         return [NOTHING] * len(work)
     mask = model.config.mask_token_id
     logits = model.block_logits([(session.cache, [last] + [mask] * (size - 1)) for session, last, size in drafting])
-    greedy = any(session.sampling is None for session, _, _ in drafting)
+    greedy = any(session.rule is None for session, _, _ in drafting)
     tokens = model.argmax(logits, caches) if greedy else None  # settles every cache too
     drafts, at = [], 0
     for session, _, _, size in work:
@@ -104,10 +105,11 @@ def draft_together(work: Sequence[tuple[DrafterSession, Any, int, int]]) -> list
             continue
         rows = slice(at, at + size - 1)
         at += size - 1
-        if session.sampling is None:
+        if session.rule is None:
             drafts.append(Draft(tokens[rows]))
-        else:  # syncs on the [B-1, K] proposal
-            drafts.append(sampled_draft(logits[rows], model.sampler, session.sampling, session.rng))
+        else:  # syncs on its candidates (coupled) or its [B-1, K] proposal (rejection)
+            # The context now ends at last_token's position: candidate 1 is the next one.
+            drafts.append(session.rule.draft(logits[rows], model.sampler, session.cache.length + 1))
     if not greedy:
         model.settle(caches)
     return drafts
