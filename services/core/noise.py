@@ -6,10 +6,12 @@ each make on their own device, in any order and batch, and get bit for bit
 alike. So the noise is a pure function of those three integers, not a stream:
 
 * ``session_keys(seed)``: two 32-bit words from the 64-bit seed (host ints);
-* per row: ``ra = mix(position ^ k1)``, ``rb = mix(ra ^ k2)``;
-* per token: ``bits = mix(mix(token ^ ra) ^ rb)`` -- two rounds, so that two rows
-  never share a permutation of each other's noise (``token ^ ra`` alone would
-  whenever two rows' ``ra`` differ only in the token bits);
+* per row: ``ra = mix(position ^ k1)`` and an odd ``step = (mix(ra ^ k2) >> 1) | 1``;
+* per token: ``bits = mix(token * step + ra)`` (mod 2**32). Within a row that is
+  a bijection of the token (no two tokens share a hash); across rows the
+  inputs are arithmetic progressions of different steps, which meet in a few
+  scattered points, never in a pattern (``mix(token ^ ra)`` would hand two rows
+  whose ``ra`` differ only in the token bits one permutation of the same noise);
 * ``u = (2 * (bits >> 9) + 1) * 2**-24``: 2**23 levels, exact in float32,
   never 0 or 1; ``G = -log(-log(u))`` in float32.
 
@@ -63,8 +65,8 @@ def bits(keys: tuple[int, int], positions, tokens, wrap: Callable = _same):
     """The 32-bit hash of every (position, token): ``positions`` [L, 1] and ``tokens`` [V] broadcast to [L, V]."""
     k1, k2 = keys
     ra = mix(positions ^ k1, wrap)
-    rb = mix(ra ^ k2, wrap)
-    return mix(mix(tokens ^ ra, wrap) ^ rb, wrap)
+    step = (mix(ra ^ k2, wrap) >> 1) | 1  # odd, below 2**31
+    return mix(wrap(tokens * step + ra), wrap)
 
 
 def uniform_levels(h):

@@ -36,6 +36,7 @@ def test_the_hash_is_bit_identical_in_numpy_torch_and_mlx(seed):
     assert want.dtype == np.uint32
     assert np.array_equal(_torch_bits(keys, positions, 262_144), want)
     assert np.array_equal(_mlx_bits(keys, positions, 262_144), want)
+    assert all(len(np.unique(row)) == len(row) for row in want)  # within a row: a bijection of the token
     # the Python-int form the keys are made with is the same function
     assert [noise.mix(int(x), noise.wrap32) for x in want[2, :5]] == noise.mix(want[2, :5]).tolist()
 
