@@ -1,4 +1,4 @@
-"""Speculative decoding (greedy, or lossless sampling): token ids in, token ids out.
+"""Speculative decoding (greedy, or lossless sampling by either rule): token ids in, token ids out.
 
 Knows no backend and no transport: it is handed a verifier session and a
 drafter session (``services/core/contract.py``) and only moves ints and opaque aux between
@@ -11,9 +11,11 @@ them. Per block:
 3. the leading run of candidates equal to the target's choices is accepted,
    and the target's choice after that run is the bonus token, so every block
    commits between 1 and ``B`` tokens, all of them the target's greedy tokens
-   (sampling: the verifier's choices already encode acceptance, the residual
-   draw and the bonus draw, so the same rule commits exactly-p-distributed
-   tokens; see ``VerifierSession.verify``);
+   (coupled sampling: the choices are the target's noisy argmax, so the tokens
+   are those of AR sampling with the seed, whatever ``B``; rejection sampling:
+   the choices already encode acceptance, the residual draw and the bonus
+   draw, so the same rule commits exactly-p-distributed tokens; see
+   ``VerifierSession.verify``);
 4. the verifier keeps the positions it has seen that were accepted and trims
    the rest; the aux of the kept positions goes to the drafter next block.
 """
@@ -147,8 +149,8 @@ def _decode(
                 on_drafter_error(exc)
                 gen.drafter_fallback, use_drafter, B = True, False, 1
         t_drafted = clock()
-        # Sampling: the draft carries the proposal its candidates were drawn from, and the
-        # verifier's choices follow the same accept-the-leading-run rule (services/core/sampling.py).
+        # Rejection sampling: the draft carries the proposal its candidates were drawn from. Every
+        # rule's choices follow the same accept-the-leading-run rule (services/core/sampling.py).
         candidates, proposal = list(draft.tokens), draft.proposal
         block_ids = [last] + candidates
         choices = verifier.verify(block_ids, proposal) if proposal is not None else verifier.verify(block_ids)
