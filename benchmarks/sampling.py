@@ -119,7 +119,7 @@ def model_agreement(engines: dict, prompt_ids, max_tokens: int, temperatures, se
 
 
 def sampler_cost(vocab: int, block: int = 16, repeats: int = 7) -> dict:
-    """Milliseconds of one verify's sampling step on torch (this machine's device), [block, vocab] logits."""
+    """Milliseconds of one verify's sampling step on torch, CPU, for [block, vocab] logits (best of ``repeats``)."""
     import torch
 
     from kakeya.backends.torch import sampling as s
