@@ -77,8 +77,9 @@ def report_from_stream(model, server, complete, token_ids: list[int], text: str,
         info = wire_contract.model_info_from_public(model, server.verifier_backend)
 
     engine = Engine(_Remote(), None, _Streamed(), target=model.target_model, draft=model.draft_model)
-    if sampling is not None and complete.HasField("seed"):  # the request's params, the seed the server used
-        gen.sampling = dataclasses.replace(sampling, seed=complete.seed)
+    if sampling is not None and complete.HasField("seed"):  # the request's params, the seed and rule the server used
+        rule = wire_contract.rule_from_proto(complete.sampling_rule)
+        gen.sampling = dataclasses.replace(sampling, seed=complete.seed, rule=rule)
     out = engine.report(Request(gen.prompt_ids, block_size=s.block_size), gen)
     out["decode_tok_s"] = round(s.decode_tok_s, 3)  # the server's figure (same formula, its clock)
     out["device"] = None  # the servers' own: not on the wire (`kakeya generate` reports its own)
@@ -98,6 +99,7 @@ def generate_request(args):
         top_k=args.top_k,
         top_p=args.top_p,
         min_p=args.min_p,
+        rule=wire_contract.rule_to_proto(args.sampling_rule),
     )
     if args.seed is not None:
         if not 0 <= args.seed < 2**64:
@@ -125,13 +127,14 @@ def generate_request(args):
 def cmd_client_generate(args) -> int:
     import grpc
 
+    from kakeya.core.contract import check_block_size
     from kakeya.wire.kakeya.v1 import generate_pb2 as pb
     from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 
     if args.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {args.max_tokens}")
-    if args.block_size is not None and args.block_size < 1:  # as `kakeya generate`; 0 would mean "default" on the wire
-        raise ValueError(f"block_size must be between 1 and 16, got {args.block_size}")
+    if args.block_size:  # as `kakeya generate`: 0 or omitted is auto, on the wire as everywhere
+        check_block_size(args.block_size)
     if args.prompt is not None and args.prompt_ids is not None:
         raise ValueError("give --prompt or --prompt-ids, not both")
     req = generate_request(args)

@@ -50,7 +50,7 @@ def cmd_generate(args) -> int:
             _show(args, text.add(block.tokens)[1])
     _show(args, text.flush())
     gen = run.result
-    out = engine.report(req, gen)
+    out = engine.report(run.request, gen)
     out["device"] = engine.device
     if args.compare_ar:
         out.update(_compare_ar(engine, req, gen))
@@ -77,17 +77,22 @@ def _warm_up(engine, req, ar: bool) -> None:
 
 
 def _compare_ar(engine, req, gen) -> dict:
-    """Greedy AR of the same target, as independent of the speculative path as the policy allows.
+    """AR decoding of the same target, as independent of the speculative path as the policy allows.
 
-    For the native policy on MLX that is mlx-lm's own ``generate_step`` with its
-    own caches. mlx-lm has no sink-window or quantized-full-layer cache, so for
-    those (and for other backends) the reference is this engine at block size 1
-    with the same policy: plain AR through the same cache semantics.
+    Greedy, native policy on MLX: mlx-lm's own ``generate_step`` with its own
+    caches. mlx-lm has no sink-window or quantized-full-layer cache and not our
+    sampling noise, so for those (other backends, and sampling) the reference
+    is this engine at block size 1 with the same policy and seed: plain AR
+    through the same cache semantics. Coupled sampling is compared token for
+    token like greedy; under the rejection rule AR sampling is a speed
+    reference only (same distribution, other tokens).
     """
     from dataclasses import replace
 
+    from kakeya.core.contract import REJECTION
+
     policy = req.cache_policy
-    if not req.sampling.greedy:  # AR sampling, same params and seed: a speed reference, not a token-identity one
+    if not req.sampling.greedy and req.sampling.rule == REJECTION:
         ar = engine.generate(replace(req, block_size=1))
         ar_tok_s = ar.decode_tok_s
         return {
@@ -97,7 +102,7 @@ def _compare_ar(engine, req, gen) -> dict:
             "speedup": round(gen.decode_tok_s / ar_tok_s, 4) if ar_tok_s else 0.0,
         }
     native = policy is None or (policy.kind == "native" and not policy.full_kv_bits)
-    if native and engine.verifier.info.backend == "mlx":  # the CLI's engine is in-process: its verifier holds the target
+    if req.sampling.greedy and native and engine.verifier.info.backend == "mlx":  # the CLI's engine holds the target
         from kakeya.verifier.mlx_backend.reference import greedy_reference
 
         ar_ids, _, decode_s = greedy_reference(engine.verifier.target.model, req.prompt_ids, req.max_tokens, engine.stop_ids(req))
@@ -106,6 +111,7 @@ def _compare_ar(engine, req, gen) -> dict:
         ar = engine.generate(replace(req, block_size=1))
         ar_ids, decode_s = ar.token_ids, ar.decode_s
         reference = f"kakeya block size 1, same cache policy ({policy.label if policy else 'default'})"
+        reference += "" if req.sampling.greedy else ", AR sampling with the same seed (coupled rule: the same tokens)"
     ar_tok_s = (len(ar_ids) - 1) / decode_s if decode_s > 0 and len(ar_ids) > 1 else 0.0
     return {
         "ar_reference": reference,
@@ -125,7 +131,9 @@ def register_generate(sub) -> None:
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch CPU threads (default: 1 for the embedded pair on CPU, where a tiny model gains nothing "
                         "from more and a thread team stalls on a shared CPU; torch's own default otherwise; 0: torch's)")
-    p.add_argument("--compare-ar", action="store_true", help="also run AR (greedy: report lossless/speedup; sampling: AR sampling, speed only)")
+    p.add_argument("--compare-ar", action="store_true",
+                   help="also run AR and report the speedup; greedy and coupled sampling: and whether the tokens are "
+                        "identical (lossless); the rejection rule: AR sampling, speed only")
     add_cache_args(p)
     p.set_defaults(func=cmd_generate)
 

@@ -112,12 +112,20 @@ class CachePolicy:
         return name + (f"+kv{self.full_kv_bits}" if self.full_kv_bits else "") + ("+restore" if self.restore else "")
 
 
-# How many of its most probable tokens a drafter keeps per candidate when it samples: the
+# How many of its most probable tokens a drafter keeps per candidate under the rejection rule: the
 # proposal q' it samples from (and sends) is its processed distribution truncated to these and
 # renormalised. The acceptance rule is exact for ANY proposal it was really sampled from; a
 # smaller K only costs acceptance where the drafter's tail mattered.
 PROPOSAL_TOP_K = 32
 
+# The sampling rules (``services/core/sampling.py``). Coupled (the default): every token is
+# argmax(processed logits + G(seed, position, token)), the drafter proposes with the same noise
+# and the verifier keeps the candidates equal to its own choices, so the output is AR sampling
+# with that seed, token for token, whatever the drafter or the block schedule. Rejection: the
+# drafter samples from a proposal it sends and the verifier accepts with min(1, p/q'); exact in
+# distribution, but its tokens depend on the drafter's proposals and the block sizes.
+COUPLED, REJECTION = "coupled", "rejection"
+SAMPLING_RULES = (COUPLED, REJECTION)
 
 # The smallest temperature that samples (0 is greedy). Below it logits / temperature can leave
 # float32's range (1e-39 makes every logit infinite): such a request is refused, naming the field.
@@ -132,7 +140,8 @@ class SamplingParams:
     smallest most-probable set reaching ``top_p``; the top token always stays),
     then min-p (tokens with p >= ``min_p * max p``), renormalised. Temperature 0
     is greedy: argmax, no randomness, token-identical to greedy AR. ``seed``
-    seeds the sessions' random streams (None: the engine draws one).
+    seeds the sampling (None: the engine draws one); ``rule`` is how
+    speculative blocks sample (:data:`COUPLED` or :data:`REJECTION`).
     """
 
     temperature: float = 0.0
@@ -140,10 +149,16 @@ class SamplingParams:
     top_p: float = 1.0  # 1: off
     min_p: float = 0.0  # 0: off
     seed: int | None = None
+    rule: str = COUPLED
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def filtered(self) -> bool:
+        """Whether top-k, top-p or min-p may cut p's support (else it is all of the vocabulary)."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
     def check(self) -> "SamplingParams":
         """Raise ValueError naming the bad field; return self."""
@@ -160,6 +175,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if self.rule not in SAMPLING_RULES:
+            raise ValueError(f"rule must be one of {', '.join(SAMPLING_RULES)}, got {self.rule!r}")
         return self
 
     def seeded(self) -> "SamplingParams":
@@ -178,7 +195,7 @@ class SamplingParams:
         parts += [f"top-k {self.top_k}"] if self.top_k else []
         parts += [f"top-p {self.top_p:g}"] if self.top_p < 1 else []
         parts += [f"min-p {self.min_p:g}"] if self.min_p > 0 else []
-        return ", ".join(parts)
+        return ", ".join(parts + [f"{self.rule} rule"])
 
 
 GREEDY = SamplingParams()
@@ -215,8 +232,9 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Draft:
-    """What a drafter proposes for one block: its candidate ids and, when it samples, the
-    :class:`Proposal` row each candidate was drawn from (None: greedy, argmax candidates)."""
+    """What a drafter proposes for one block: its candidate ids and, under the rejection rule, the
+    :class:`Proposal` row each candidate was drawn from (None: greedy argmax, or coupled
+    candidates, which are the drafter's noisy argmax and need nothing beside them)."""
 
     tokens: tuple[int, ...]
     proposal: Proposal | None = None
@@ -236,7 +254,7 @@ def accept(candidates: Sequence[int], choices: Sequence[int]) -> tuple[int, int]
     bonus after a full run, the correction at the first mismatch), so a block
     commits between 1 and ``len(candidates) + 1`` tokens. Greedy choices are the
     target's argmax; a sampling rule's choices already encode its acceptance and
-    draws (``VerifierSession.verify``), so the same rule commits its tokens.
+    draws (``VerifierSession.decide``), so the same rule commits its tokens.
     """
     n = 0
     for candidate, choice in zip(candidates, choices):
@@ -247,7 +265,7 @@ def accept(candidates: Sequence[int], choices: Sequence[int]) -> tuple[int, int]
 
 
 def session_rng(seed: int, stream: int):
-    """The random stream of one session: ``stream`` 0 the verifier, 1 the drafter.
+    """The random stream of one rejection-rule session: ``stream`` 0 the verifier, 1 the drafter.
 
     Host-side numpy PCG64 from the request's seed, so every backend and every
     deployment (colocated, split, mixed) consumes identical uniforms.
@@ -316,15 +334,18 @@ class VerifierSession(Protocol):
     def decide(self, last_token: int, draft: Draft) -> Verdict:
         """Verify the block ``[last_token, *draft.tokens]`` in ONE forward and commit its outcome.
 
-        The session takes its choice after every position of the block -- greedy:
-        the target's argmax; sampling (``draft.proposal`` holds the drafter's q'_i of
-        candidate i): candidate i if accepted (probability min(1, p_i(x)/q'_i(x))), at
-        the first rejection a sample from norm(max(0, p_i - q'_i)), never the rejected
-        candidate, after all accepted a sample from p at the last position -- and
-        applies :func:`accept` to them. It keeps the accepted positions (``last_token``
-        and the accepted candidates) in its cache, trims the rest exactly, and
-        returns the :class:`Verdict`, with the kept positions' aux (captured by the
-        forward, never recomputed). One step, so a remote verifier costs one round trip.
+        The session takes its choice after every position of the block and applies
+        :func:`accept` to them. Greedy: the target's argmax. Coupled sampling: the
+        argmax of the noisy processed logits (no proposal), the very token AR
+        sampling with this seed picks there. Rejection sampling (``draft.proposal``
+        holds the drafter's q'_i of candidate i): candidate i if accepted
+        (probability min(1, p_i(x)/q'_i(x))), at the first rejection a sample from
+        norm(max(0, p_i - q'_i)), never the rejected candidate, after all accepted
+        a sample from p at the last position. It keeps the accepted positions
+        (``last_token`` and the accepted candidates) in its cache, trims the rest
+        exactly, and returns the :class:`Verdict`, with the kept positions' aux
+        (captured by the forward, never recomputed). One step, so a remote
+        verifier costs one round trip.
         """
 
     def stats(self) -> dict:
@@ -339,9 +360,10 @@ class DrafterSession(Protocol):
     def draft(self, new_aux: Aux, last_token: int, block_size: int) -> Draft:
         """Extend the context cache with ``new_aux`` and propose ``block_size - 1`` tokens.
 
-        A sampling session samples each candidate from its proposal q'_i and
-        its :class:`Draft` carries the proposal; a greedy one's carries None
-        (argmax candidates).
+        A greedy session's candidates are its argmax, a coupled one's the argmax
+        of its noisy processed logits (the verifier's noise at the same
+        positions); a rejection-rule session samples each candidate from its
+        proposal q'_i and its :class:`Draft` carries the proposals.
 
         ``new_aux`` holds the aux of every position committed since the last
         call (the whole prompt on the first call). ``last_token`` is the newest

@@ -1,20 +1,38 @@
-"""Lossless speculative sampling: the numpy reference, and the host-side steps every backend shares.
+"""Speculative sampling: the numpy reference, and the host-side steps every backend shares.
 
-The rule (Leviathan et al. 2023, Chen et al. 2023): candidate x at block
+Two rules, both exact in distribution (each committed token is distributed as
+AR sampling from p), picked per request (``SamplingParams.rule``):
+
+Coupled (the default; Daliri, Musco, Suresh 2024, "Coupling without
+communication and drafter-invariant speculative decoding"). The token at
+absolute position t is argmax over p's support of (logits / temperature +
+G(seed, t, token)), G the Gumbel noise of ``noise.py``: by the Gumbel-max
+trick that is a draw from p. The drafter proposes argmax(its own processed
+logits + the same G), the verifier's choices are its own noisy argmax, and the
+loop keeps candidates while they equal the verifier's choice -- the greedy rule
+(greedy is the noise-free case). So every token is the one AR sampling with
+that seed picks, whatever the drafter proposed and whatever the block sizes:
+same seed, same tokens, on every path. A candidate matches with probability
+>= (1 - TV(p, q)) / (1 + TV(p, q)).
+
+Rejection (Leviathan et al. 2023, Chen et al. 2023): candidate x at block
 position i, drawn from the drafter's proposal q'_i, is accepted with probability
 min(1, p_i(x) / q'_i(x)); at the first rejection the token is drawn from
 norm(max(0, p_i - q'_i)); if every candidate is accepted the bonus token is
 drawn from p at the last position. Each committed token is then distributed
 exactly as AR sampling from p, whatever q' was, provided the candidate really
 was drawn from q'. So the drafter samples from the very (top-K, renormalised)
-proposal it sends; it never takes an argmax and pretends.
+proposal it sends; it never takes an argmax and pretends. A candidate is
+accepted with probability 1 - TV(p, q'), but which tokens come out depends on
+the proposals and on how the uniforms fall into blocks.
 
 p is the *processed* distribution (``process``): logits / temperature, top-k,
 top-p, min-p, renormalised. ``services/backends/mlx/sampling.py`` and
 ``services/backends/torch/sampling.py`` compute the same on the device; the tests hold
-both to this file. Random numbers are host uniforms (``session_rng`` in the
-contract) turned into tokens by inverse CDF over a fixed order (descending
-probability, ties by index), so both backends map a uniform to the same token.
+both to this file. The rejection rule's random numbers are host uniforms
+(``session_rng`` in the contract) turned into tokens by inverse CDF over a fixed
+order (descending probability, ties by index), so both backends map a uniform
+to the same token.
 """
 
 from __future__ import annotations
@@ -23,6 +41,7 @@ from typing import Sequence
 
 import numpy as np
 
+from kakeya.core import noise
 from kakeya.core.contract import PROPOSAL_TOP_K, Proposal, SamplingParams
 
 
@@ -48,6 +67,23 @@ def process(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     out = np.empty_like(ps)
     np.put_along_axis(out, order, ps, axis=-1)
     return out
+
+
+def inverse_temperature(params: SamplingParams) -> float:
+    """1 / temperature rounded to float32: the coupled rule scales logits by one float32 multiply,
+    rounded alike on every backend (a division by a Python float is not: CUDA multiplies by a
+    reciprocal, Metal may divide approximately)."""
+    return float(np.float32(1.0 / params.temperature))
+
+
+def coupled(logits: np.ndarray, params: SamplingParams, keys: tuple[int, int], first_position: int) -> list[int]:
+    """The coupled rule's token for each row of ``logits`` [L, V], row i predicting position
+    ``first_position + i``: argmax over p's support of logits * (1 / temperature) + G, in float32."""
+    x = np.asarray(logits, np.float32)
+    score = x * np.float32(inverse_temperature(params)) + noise.gumbel(keys, first_position, *x.shape)
+    if params.filtered:
+        score = np.where(process(logits, params) > 0, score, -np.inf)
+    return np.argmax(score, axis=-1).tolist()
 
 
 def sample(w: np.ndarray, u: float) -> int:

@@ -23,7 +23,7 @@ a missing method:
 A draft call is: extend every session's context cache by its new aux rows
 (:func:`extend`, one projection for all of them), then one block forward over
 every session's block (``block_logits``), then the tokens: ``argmax`` (one host
-sync) or, for a sampling session, a draw from its logits rows through
+sync) or, for a sampling session, its candidates from its logits rows through
 ``sampler``.
 """
 
@@ -51,8 +51,11 @@ class TargetTensors(Protocol):
     def hidden_size(self) -> int: ...
 
 
-class ProposalSampler(Protocol):
+class DraftSampler(Protocol):
     """The backend's sampling module (``backends/{torch,mlx}/sampling.py``)."""
+
+    def coupled_rows(self, logits: Array, params: SamplingParams, keys: tuple[int, int], first_position: int) -> list[int]:
+        """The coupled rule's noisy argmax of each logits row (row i at position ``first_position + i``)."""
 
     def proposal(self, logits: Array, params: SamplingParams, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` ids and probabilities [rows, k] of the processed distribution of each logits row."""
@@ -67,7 +70,7 @@ class DraftModel(Protocol):
     backend: str  # "torch" | "mlx"
     config: DFlashConfig
     target: Optional[TargetTensors]  # set by ``bind`` (``LocalDrafter`` refuses an unbound model)
-    sampler: ProposalSampler
+    sampler: DraftSampler
     min_batch: int
     static_step: Optional[StaticStep]
 

@@ -9,15 +9,16 @@ context extension, all blocks of size >= 2 through ONE forward and one LM head
 call (``DraftModel.block_logits``), which is what a session drafting alone
 runs with itself as the only block. Sessions may differ in context length,
 block size, last token and sampling: a greedy session gets its argmax tokens,
-a sampling one its candidates drawn from its own logits rows with its own
-seeded stream, as it would alone. Fewer sessions of a model than its
+a sampling one its candidates from its own logits rows with its own seed (and,
+under the coupled rule, its own positions), as it would alone. Fewer sessions of a model than its
 ``min_batch`` draft one by one.
 
 Alone and batched run the same arithmetic on the same rows, but a matrix
 multiply over more rows may round differently (BLAS picks its kernel by shape:
 on a CPU, ~1e-5 in float32 logits), so the tokens are those of drafting alone
 except at a float tie between two candidates. Drafts are proposals: the
-verifier's greedy or lossless acceptance keeps the output exact either way.
+verifier's acceptance (greedy, coupled or rejection) keeps the output exact
+either way.
 """
 
 from __future__ import annotations

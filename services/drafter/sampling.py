@@ -1,32 +1,58 @@
-"""A sampling drafter's block: candidates drawn from the proposal it sends (backend-neutral).
+"""A sampling drafter's block under either rule (backend-neutral).
 
-The drafter's processed distribution q_i at each block position (the target's
-temperature / top-k / top-p / min-p applied to the drafter's own logits, which
-come through the target's LM head) is cut to its top-K and renormalised: that
-q'_i is both what candidate i is sampled from and what goes to the verifier,
-so the verifier's acceptance test min(1, p/q') is exact. Only [B-1, K] ids and
+The drafter's processed distribution q_i at each block position is the
+target's temperature / top-k / top-p / min-p applied to the drafter's own
+logits (which come through the target's LM head).
+
+Coupled rule: candidate i is argmax(q_i's processed logits + G(seed, position,
+token)), the noise the verifier adds to p at that position, made on the device
+(``services/core/noise.py``). Only the B-1 token ids leave the device, and they
+are all the verifier needs: it keeps each candidate that equals its own noisy
+argmax, which happens with probability >= (1 - TV(p, q)) / (1 + TV(p, q)).
+
+Rejection rule: q_i is cut to its top-K and renormalised; that q'_i is both
+what candidate i is sampled from and what goes to the verifier, so the
+verifier's acceptance test min(1, p/q') is exact. Only [B-1, K] ids and
 probabilities leave the device; the draw itself is on the host from the
 session's seeded stream, identical for MLX and torch.
 """
 
 from __future__ import annotations
 
+from kakeya.core import noise
 from kakeya.core import sampling as lossless
-from kakeya.core.contract import DRAFTER_STREAM, PROPOSAL_TOP_K, Draft, SamplingParams, session_rng
+from kakeya.core.contract import COUPLED, DRAFTER_STREAM, PROPOSAL_TOP_K, Draft, SamplingParams, session_rng
 
 
-def session_sampling(sampling: SamplingParams | None):
-    """(params, rng) of a drafter session: (None, None) when greedy."""
+class CoupledDrafts:
+    """A coupled-rule session's candidates: the noisy argmax of its processed logits."""
+
+    def __init__(self, params: SamplingParams):
+        self.params, self.keys = params, noise.session_keys(params.seed)
+
+    def draft(self, logits, sampler, first_position: int) -> Draft:
+        """Candidates for the ``logits`` rows [B-1, V] (device), row i at position ``first_position + i``."""
+        return Draft(sampler.coupled_rows(logits, self.params, self.keys, first_position))
+
+
+class RejectionDrafts:
+    """A rejection-rule session's candidates, each drawn from the top-``PROPOSAL_TOP_K`` proposal it sends."""
+
+    def __init__(self, params: SamplingParams):
+        self.params, self.rng = params, session_rng(params.seed, DRAFTER_STREAM)
+
+    def draft(self, logits, sampler, first_position: int) -> Draft:
+        """Candidates for the ``logits`` rows [B-1, V] (device) and their proposal (positions play no part)."""
+        ids, probs = sampler.proposal(logits, self.params, PROPOSAL_TOP_K)
+        probs = probs / probs.sum(-1, keepdims=True)  # the top-k cut renormalised: each row a distribution
+        tokens, proposal = lossless.draw_from_proposal(ids, probs, self.rng.random(ids.shape[0]))
+        return Draft(tokens, proposal)
+
+
+def session_rule(sampling: SamplingParams | None) -> CoupledDrafts | RejectionDrafts | None:
+    """How a drafter session samples its candidates: None when greedy."""
     if sampling is None or sampling.check().greedy:
-        return None, None
+        return None
     if sampling.seed is None:
         raise ValueError("seed: a sampling session needs the request's seed (the engine draws one)")
-    return sampling, session_rng(sampling.seed, DRAFTER_STREAM)
-
-
-def sampled_draft(logits, sampler, params: SamplingParams, rng, k: int = PROPOSAL_TOP_K) -> Draft:
-    """Candidates for the ``logits`` rows [B-1, V] (device), each drawn from its top-``k`` proposal."""
-    ids, probs = sampler.proposal(logits, params, k)
-    probs = probs / probs.sum(-1, keepdims=True)  # the top-k cut renormalised: each row a distribution
-    tokens, proposal = lossless.draw_from_proposal(ids, probs, rng.random(ids.shape[0]))
-    return Draft(tokens, proposal)
+    return CoupledDrafts(sampling) if sampling.rule == COUPLED else RejectionDrafts(sampling)

@@ -288,7 +288,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     def _predraft_item(self, entry, session, p, vocab: int) -> tuple:
         """A checked Predraft as a ``draft_batch`` item (its fifth element: the pending candidates)."""
-        if session.sampling is not None:
+        if session.rule is not None:
             raise precondition("predraft: pre-drafting is for greedy sessions (open.sampling is set)")
         if session.cache.length == 0:
             raise precondition("predraft: draft the session's first block first (it brings the prompt's aux)")

@@ -4,7 +4,8 @@ Per ``draft`` call the work is O(new positions + block): the new aux rows are
 projected to per-layer context K/V and appended to the session's context cache
 (never a rescan of the context), then ONE forward runs over the block
 ``[last_token, mask * (B-1)]`` and the argmax comes back in a single host sync
-(a sampling session: the [B-1, K] proposal, each candidate drawn from it, see
+(a sampling session: its noisy argmax under the coupled rule, or the [B-1, K]
+proposal each candidate is drawn from under the rejection rule; see
 ``sampling.py``).
 
 A pre-draft (``predraft``, greedy sessions) drafts the block after one still
@@ -32,7 +33,7 @@ from kakeya.core.contract import MAX_BLOCK_SIZE, Draft, SamplingParams, SessionO
 from kakeya.core.prefix import PrefixCache
 from kakeya.drafter.backend import DraftModel, bind, extend
 from kakeya.drafter.config import check_draft_args
-from kakeya.drafter.sampling import sampled_draft, session_sampling
+from kakeya.drafter.sampling import session_rule
 
 WARM_BLOCK_SIZES = range(2, 17)  # every block size the loop drafts (it stops at 16)
 
@@ -77,7 +78,7 @@ class DrafterSession:
 
     def __init__(self, model: DraftModel, sampling: SamplingParams | None = None, prefixes: PrefixCache | None = None):
         self.model = model
-        self.sampling, self.rng = session_sampling(sampling)  # (None, None): greedy
+        self.rule = session_rule(sampling)  # None: greedy
         self.cache = model.make_cache()
         self.prefixes = prefixes
         self._held: dict = {}  # positions -> snapshot found for this session's prompt, until it resumes
@@ -138,7 +139,7 @@ class DrafterSession:
     def run(self, call: DraftCall) -> Draft:
         """A call ``check`` returned."""
         step = self.model.static_step
-        if step is not None and self.sampling is None and call.block_size > 1 and not call.pending:
+        if step is not None and self.rule is None and call.block_size > 1 and not call.pending:
             self.calls += 1
             return Draft(step.draft(self.cache, call.aux, call.last_token, call.block_size))
         return draft_together([call])[0]
@@ -151,7 +152,7 @@ class DrafterSession:
         vocab = self.model.target.vocab_size
         check_draft_args(last_token, block_size, vocab)
         if pending:
-            if self.sampling is not None:
+            if self.rule is not None:
                 raise ValueError("pending: pre-drafting is for greedy sessions (a sampled block is drawn once it opens)")
             if block_size < 2 or len(pending) >= MAX_BLOCK_SIZE:
                 raise ValueError(f"a pre-draft needs block_size >= 2 and at most {MAX_BLOCK_SIZE - 1} pending candidates")
@@ -176,8 +177,8 @@ class DrafterSession:
 
 def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
     """Checked draft calls of sessions of one model: ONE context extension, ONE forward over every
-    block that drafts, one host sync for the greedy ones (a sampling session's candidates are drawn
-    from its own logits rows with its own stream)."""
+    block that drafts, one host sync for the greedy ones (a sampling session's candidates come from
+    its own logits rows, its own seed and positions)."""
     model = work[0].session.model
     caches = [call.session.cache for call in work]
     for call in work:
@@ -189,7 +190,7 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
         return [NOTHING] * len(work)
     mask = model.config.mask_token_id
     logits = model.block_logits([(call.session.cache, call.opening + [mask] * call.wanted) for call in drafting])
-    greedy = any(call.session.sampling is None for call in drafting)
+    greedy = any(call.session.rule is None for call in drafting)
     tokens = model.argmax(logits, caches) if greedy else None  # settles every cache too
     drafts, at = [], 0
     for call in work:
@@ -198,10 +199,12 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
             continue
         at += len(call.opening) + call.wanted - 1  # the block's rows: its positions 1.., the drafted ones last
         rows = slice(at - call.wanted, at)
-        if call.session.sampling is None:
+        if call.session.rule is None:
             drafts.append(Draft(tokens[rows]))
-        else:  # syncs on the [B-1, K] proposal
-            drafts.append(sampled_draft(logits[rows], model.sampler, call.session.sampling, call.session.rng))
+        else:  # syncs on its candidates (coupled) or its [B-1, K] proposal (rejection)
+            # The context now ends at last_token's position: candidate 1 is the next one
+            # (a sampling call has no pending candidates: pre-drafts are greedy).
+            drafts.append(call.session.rule.draft(logits[rows], model.sampler, call.session.cache.length + 1))
     if not greedy:
         model.settle(caches)
     return drafts

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from kakeya.core.contract import Cancellation, Drafter, Request, SessionOptions, Verifier
+from kakeya.core.contract import REJECTION, Cancellation, Drafter, Request, SessionOptions, Verifier
 from kakeya.orchestrator import loop
 from kakeya.orchestrator.adaptive import AdaptivePolicy, BlockSizer, measure_costs
 from kakeya.orchestrator.quality import quality_report
@@ -60,6 +60,16 @@ class Engine:
                 self.adaptive = AdaptivePolicy(costs, initial=self.default_block_size)
         return self.adaptive
 
+    def as_run(self, req: Request) -> Request:
+        """``req`` as it runs. A rejection-rule sampling request asking for auto runs at the drafter's
+        trained block size instead (within the cache policy's limits): that rule's tokens depend on
+        the block sizes, so its seed must meet one schedule, never one that timings pick. The
+        coupled rule's tokens depend on no schedule: auto stays auto."""
+        if req.block_size or self.drafter is None or req.sampling.greedy or req.sampling.rule != REJECTION:
+            return req
+        fixed = min(self.default_block_size, req.max_block_size, self.max_block_size(req.cache_policy))
+        return replace(req, block_size=fixed)
+
     def block_sizer(self, req: Request) -> "int | BlockSizer":
         """A fixed size, or for ``block_size`` 0 (auto) a sizer primed with what this engine has seen."""
         if req.block_size or self.drafter is None:
@@ -97,9 +107,10 @@ class Engine:
             raise ValueError(f"block_size {block_size} exceeds the restoring window {resolved.window}")
 
     def start(self, req: Request, options: "RunOptions | None" = None) -> "Run":
-        """Validate ``req`` (ValueError naming the field), open its sessions and return the :class:`Run`."""
+        """Validate ``req`` (ValueError naming the field), open its sessions and return the :class:`Run`
+        (its ``request``: ``req`` :meth:`as_run`)."""
         self.validate(req)
-        return Run(self, req, options or RunOptions())
+        return Run(self, self.as_run(req), options or RunOptions())
 
     def generate(self, req: Request, options: "RunOptions | None" = None) -> loop.Generation:
         """:meth:`start` ``req`` and run it to the end."""
@@ -138,8 +149,9 @@ class Engine:
 
 
 def sampling_report(s) -> dict:
-    """What ran, as JSON reports show it (``temperature`` 0: greedy)."""
-    return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p}
+    """What ran, as JSON reports show it (``temperature`` 0: greedy, and no rule)."""
+    return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+            "rule": None if s.greedy else s.rule}
 
 
 def _call(fn: Callable, *args) -> Any:

@@ -1,4 +1,4 @@
-"""Speculative decoding (greedy, or lossless sampling): token ids in, token ids out.
+"""Speculative decoding (greedy, or lossless sampling by either rule): token ids in, token ids out.
 
 Knows no backend and no transport: it is handed a verifier session and a
 drafter session (``services/core/contract.py``) and only moves ints and opaque aux between
@@ -11,9 +11,11 @@ them. Per block:
    position, the acceptance rule (``core.contract.accept``: the leading run of
    candidates equal to its choices, then its choice after that run), the
    accepted positions kept and the rest trimmed. So every block commits between
-   1 and ``B`` tokens, all of them the target's greedy tokens (sampling: the
-   choices already encode acceptance, the residual draw and the bonus draw, so
-   the same rule commits exactly-p-distributed tokens);
+   1 and ``B`` tokens, all of them the target's greedy tokens (coupled
+   sampling: the choices are the target's noisy argmax, so the tokens are those
+   of AR sampling with the seed, whatever ``B``; rejection sampling: the choices
+   already encode acceptance, the residual draw and the bonus draw, so the same
+   rule commits exactly-p-distributed tokens);
 3. the verdict's next token opens the next block, and its aux (the kept
    positions') goes to the drafter with the next draft.
 
@@ -232,7 +234,8 @@ def _decode(
         draft, predrafted = drafts.next(last, max_tokens - len(gen.token_ids), verdict)
         t_drafted = clock()
         drafts.predraft_after(last, draft)  # a remote drafter works on it while the verifier verifies
-        # Sampling: the draft carries the proposal its candidates were drawn from.
+        # Rejection sampling: the draft carries the proposal its candidates were drawn from. Every
+        # rule's choices follow the same acceptance rule (core.contract.accept) inside decide.
         verdict = verifier.decide(last, draft)
         t_end = clock()
         drafts.committed(verdict.aux)

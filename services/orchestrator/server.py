@@ -259,7 +259,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=tail))
         obs.finish(gen.finish_reason, fallback=fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids),
                    cached_tokens=gen.cached_tokens)
-        yield pb.GenerateResponse(complete=self._complete(req, gen, time.perf_counter() - t_start, error))
+        # run.request: a rejection-rule request's auto resolved to the block size it ran at
+        yield pb.GenerateResponse(complete=self._complete(run.request, gen, time.perf_counter() - t_start, error))
 
     def _complete(self, req: Request, gen, total_s: float, error: str):
         vstats = gen.verifier_stats
@@ -292,6 +293,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         )
         if not gen.sampling.greedy:
             complete.seed = gen.sampling.seed
+            complete.sampling_rule = wire_contract.rule_to_proto(gen.sampling.rule)
         return complete
 
     def GetModelInfo(self, request, context):

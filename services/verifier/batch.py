@@ -10,16 +10,16 @@ what its own ``verify`` would have returned or raised:
   segments: each session's plan built by its own layout, its caches written as
   in its own forward (which is the same forward with one segment), then the
   choices -- greedy rows through one LM head and one host sync
-  (``target.greedy_batch``), a sampling session's acceptance test on its own
-  logits rows with its own seeded stream -- and each session left with the
-  same pending block, so ``commit`` is unchanged;
+  (``target.greedy_batch``), a sampling session's choices from its own logits
+  rows with its own seed and positions -- and each session left with the same
+  pending block, so ``commit`` is unchanged;
 * a lone item, fewer than ``target.min_batch`` of one target, or one a batched
   forward cannot take (:func:`batchable`) simply runs ``session.verify`` (for a
   lone torch greedy block that keeps the static step and its CUDA graphs).
 
 Outputs stay identical to running alone because a session's rows meet other
 sessions' rows only in row-wise operations (projections, norms, MLP, MoE, LM
-head); attention, caches, positions, masks and random streams stay its own.
+head); attention, caches, positions, masks, noise and random streams stay its own.
 """
 
 from __future__ import annotations

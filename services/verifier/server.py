@@ -7,8 +7,9 @@ handler's ``finally``, both idempotent. A block is one Verify: only token ids
 go down, and the verdict (the acceptance rule applied here, the block
 committed) comes back with the kept positions' aux, encoded by
 ``services/wire/codec.py`` in the model's own dtype; never logits. A
-sampling session (``Open.sampling``) also takes the drafter's compact proposal
-with each Verify and samples with its own seeded stream.
+sampling session (``Open.sampling``) samples with the request's seed: under the
+coupled rule from the candidates alone, under the rejection rule with the
+drafter's compact proposal beside them in each Verify.
 
 All model work runs on the process's single compute thread
 (``kakeya.runtime.lifecycle.ComputeThread``); this module translates messages and
@@ -328,14 +329,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     @staticmethod
     def _proposal(session, verify, ids, vocab):
-        """A sampling session's proposal for ``ids[1:]``, checked here so a bad one is INVALID_ARGUMENT."""
+        """A rejection-rule session's proposal for ``ids[1:]``, checked here so a bad or missing one (or
+        one sent to a coupled-rule session) is INVALID_ARGUMENT."""
         if session.sampling is None or len(ids) == 1:
             return None
-        if not verify.HasField("proposal"):
-            raise invalid("verify.proposal: a sampling session needs the drafter's proposal for its candidates")
         try:
-            proposal = wire_contract.proposal_from_proto(verify.proposal, len(ids) - 1, vocab, "verify.proposal")
-            check_proposal(ids[1:], proposal)
+            proposal = None
+            if verify.HasField("proposal"):
+                proposal = wire_contract.proposal_from_proto(verify.proposal, len(ids) - 1, vocab, "verify.proposal")
+            check_proposal(ids[1:], proposal, session.sampling.rule)
         except ValueError as exc:
             msg = str(exc)  # check_proposal names "proposal...": the field is verify.proposal here
             raise invalid(f"verify.{msg}" if msg.startswith("proposal") else msg) from None

@@ -23,8 +23,10 @@ from typing import Collection, Generator, Sequence
 import numpy as np
 
 from kakeya.checkpoints.config import load_target_config
+from kakeya.core import noise
 from kakeya.core import sampling as lossless
 from kakeya.core.contract import (
+    COUPLED,
     VERIFIER_STREAM,
     CachePolicy,
     Draft,
@@ -47,9 +49,14 @@ PREFILL_CHUNK = 512  # bounds prefill attention memory, like mlx-lm's prefill_st
 PROPOSAL_SUM_TOLERANCE = 1e-3  # a proposal row's probabilities sum to 1 within this (float32 rounding: ~1e-6)
 
 
-def check_proposal(candidates: Sequence[int], proposal: Proposal | None) -> None:
-    """The acceptance test is exact only against the distribution each candidate was drawn from, so a
-    proposal must be one: per row, distinct ids and finite probabilities >= 0 summing to 1."""
+def check_proposal(candidates: Sequence[int], proposal: Proposal | None, rule: str) -> None:
+    """The rejection rule's test is exact only against the distribution each candidate was drawn from,
+    so a proposal must be one: per row, distinct ids and finite probabilities >= 0 summing to 1. The
+    coupled rule takes candidates alone (a proposal beside them means the drafter ran another rule)."""
+    if rule == COUPLED:
+        if proposal is not None:
+            raise ValueError("proposal: a coupled-rule session takes candidates only, no proposal")
+        return
     if not candidates:
         return
     if proposal is None:
@@ -78,13 +85,17 @@ class VerifierSession:
                  prefixes: PrefixCache | None = None):
         self.target = target
         self.prefixes = prefixes
-        # Sampling: p, the acceptance test and the draws run on the device (target.sampler);
-        # the uniforms come from this session's host stream, seeded by the request.
+        # Sampling runs on the device (target.sampler). The coupled rule's noise is a function of
+        # the seed's keys and the positions; the rejection rule's uniforms come from this
+        # session's host stream. Both are seeded by the request.
         self.sampling = None if sampling is None or sampling.check().greedy else sampling
         if self.sampling is not None:
             if sampling.seed is None:
                 raise ValueError("seed: a sampling session needs the request's seed (the engine draws one)")
-            self.rng = session_rng(sampling.seed, VERIFIER_STREAM)
+            if sampling.rule == COUPLED:
+                self.noise_keys = noise.session_keys(sampling.seed)
+            else:
+                self.rng = session_rng(sampling.seed, VERIFIER_STREAM)
         self.aux_layers = tuple(aux_layers)
         self.policy = policy.resolve(target.args.sliding_window)
         self.layout = RingLayout(self.policy.sink, self.policy.window, self.policy.slack)
@@ -197,6 +208,8 @@ class VerifierSession:
                 yield start + step
         if self.sampling is None:
             first = self.target.greedy(out.hidden[:, -1:])[0]
+        elif self.sampling.rule == COUPLED:  # the first token sits at position len(prompt)
+            first = self._coupled(out.hidden[:, -1:], self.offset)[0]
         else:
             _, u = lossless.verify_uniforms(self.rng, 1)
             first = self.target.sampler.sample_next(self.target.logits(out.hidden[:, -1:])[0], self.sampling, float(u[0]))
@@ -275,21 +288,28 @@ class VerifierSession:
             why = " (f_theta restoration: at most the window)" if limit < self.policy.slack else ""
             raise ValueError(f"block length must be 1..{limit}{why}, got {len(block_ids)}")
         if self.sampling is not None:
-            check_proposal(block_ids[1:], proposal)
+            check_proposal(block_ids[1:], proposal, self.sampling.rule)
 
     def accept(self, block_ids: Sequence[int], proposal: Proposal | None, out, greedy: list[int] | None = None) -> list[int]:
         """After the block's forward ``out``: the pending block for :meth:`commit`, and the choices
-        (greedy: the argmax rows, ``greedy`` when a batched caller already took them; sampling:
-        the acceptance test on this session's logits with its own uniforms)."""
+        (greedy: the argmax rows, ``greedy`` when a batched caller already took them; coupled: the
+        noisy argmax rows; rejection: the acceptance test on this session's logits with its own uniforms)."""
         self._pending = (len(block_ids), out.aux)
         if self.sampling is None:
             return greedy if greedy is not None else self.target.greedy(out.hidden)
+        if self.sampling.rule == COUPLED:  # the block opened at offset - L; row i predicts the position after it
+            return self._coupled(out.hidden, self.offset - len(block_ids) + 1)
         candidates = list(block_ids[1:])
         u_acc, u_samp = lossless.verify_uniforms(self.rng, len(block_ids))
         accepted, samples = self.target.sampler.verify_rows(
             self.target.logits(out.hidden)[0], candidates, proposal, self.sampling, u_acc[: len(candidates)], u_samp
         )
         return lossless.assemble(candidates, accepted, samples)
+
+    def _coupled(self, hidden, first_position: int) -> list[int]:
+        """The coupled rule's token after each row of ``hidden`` [1, L, H], row i predicting ``first_position + i``."""
+        logits = self.target.logits(hidden)[0]
+        return self.target.sampler.coupled_rows(logits, self.sampling, self.noise_keys, first_position)
 
     def commit(self, n_keep: int):
         self._check_open()

@@ -4,8 +4,8 @@ Every ``CachePolicy`` field crosses: a policy a client asked for is never
 narrowed on the way (quantized full layers, f_theta restoration included).
 ``ModelInfo`` travels inside the verifier's ``VerifierInfo`` (to the
 orchestrator) and the public ``ModelInfo`` (to clients). ``SamplingParams``
-crosses as the sessions' ``Sampling`` (and the public ``SamplingParams``), a
-drafter's ``Proposal`` as its compact [n, K] ids and probabilities.
+crosses as the sessions' ``Sampling`` (and the public ``SamplingParams``), rule included; a
+rejection-rule drafter's ``Proposal`` as its compact [n, K] ids and probabilities.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, ModelInfo, Proposal, SamplingParams
+from kakeya.core.contract import COUPLED, MAX_BLOCK_SIZE, REJECTION, CachePolicy, ModelInfo, Proposal, SamplingParams
 from kakeya.wire.kakeya.v1 import cache_pb2
 from kakeya.wire.kakeya.v1 import generate_pb2 as gpb
 from kakeya.wire.kakeya.v1 import sampling_pb2 as spb
@@ -118,8 +118,23 @@ def _decimal(x: float) -> float:
     return float(str(np.float32(x)))
 
 
+_RULES = {COUPLED: spb.SAMPLING_RULE_COUPLED, REJECTION: spb.SAMPLING_RULE_REJECTION}
+_RULE_NAMES = {v: k for k, v in _RULES.items()} | {spb.SAMPLING_RULE_UNSPECIFIED: COUPLED}
+
+
+def rule_to_proto(rule: str) -> int:
+    return _RULES[rule]
+
+
+def rule_from_proto(value: int):
+    """The rule's name (unspecified: the default, coupled); an unknown number as itself, for
+    ``SamplingParams.check`` to refuse naming the field."""
+    return _RULE_NAMES.get(value, value)
+
+
 def sampling_to_proto(s: SamplingParams) -> spb.Sampling:
-    return spb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed or 0)
+    return spb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed or 0,
+                        rule=rule_to_proto(s.rule))
 
 
 def sampling_from_proto(m: spb.Sampling, field: str = "sampling") -> SamplingParams | None:
@@ -133,6 +148,7 @@ def sampling_from_proto(m: spb.Sampling, field: str = "sampling") -> SamplingPar
         top_p=_decimal(m.top_p) if m.top_p else 1.0,
         min_p=_decimal(m.min_p),
         seed=m.seed,
+        rule=rule_from_proto(m.rule),
     )
 
 
@@ -145,6 +161,7 @@ def public_sampling(sp: gpb.SamplingParams, field: str = "sampling_params") -> S
         top_p=_decimal(sp.top_p) if sp.top_p else 1.0,
         min_p=_decimal(sp.min_p),
         seed=sp.seed if sp.HasField("seed") else None,
+        rule=rule_from_proto(sp.rule),
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kakeya.core.contract import Draft, SamplingParams
+from kakeya.core.contract import COUPLED, REJECTION, Draft, SamplingParams
 from kakeya.drafter.backend import DraftModel
 from kakeya.drafter.batch import draft_batch
 from kakeya.drafter.session import DrafterSession
@@ -149,17 +149,18 @@ def test_a_bad_item_fails_alone_and_block_size_one_only_extends(backend, pairs):
 def test_seeded_sampling_sessions_draw_the_same_draft_in_a_batch(backend, pairs):
     model = _load(backend, pairs["mixed"])
     width, vocab = model.config.aux_width, model.target.vocab_size
-    params = [SamplingParams(0.8, seed=3), None, SamplingParams(1.0, top_k=20, top_p=0.9, seed=4), SamplingParams(0.7, seed=5)]
+    params = [SamplingParams(0.8, seed=3), None, SamplingParams(1.0, top_k=20, top_p=0.9, seed=4, rule=REJECTION),
+              SamplingParams(0.7, seed=5, rule=REJECTION), SamplingParams(1.1, min_p=0.02, seed=6)]
     alone = [_session(model, i, p) for i, p in enumerate(params)]
     batched = [_session(model, i, p) for i, p in enumerate(params)]
     rng = np.random.default_rng(21)
     for call in range(4):
-        work = _calls(rng, 4, width, vocab, [5, 17, 2, 40] if call == 0 else [])
+        work = _calls(rng, len(params), width, vocab, [5, 17, 2, 40, 9] if call == 0 else [])
         want = [s.draft(_aux(backend, a), t, b) for s, (a, t, b) in zip(alone, work)]
         got = draft_batch([(s, _aux(backend, a), t, b) for s, (a, t, b) in zip(batched, work)])
         for g, w, p in zip(got, want, params):
             assert g.tokens == w.tokens
-            if p is None:
+            if p is None or p.rule == COUPLED:  # greedy or coupled: candidates only
                 assert g.proposal is None and w.proposal is None
                 continue
             assert np.array_equal(g.proposal.ids, w.proposal.ids)

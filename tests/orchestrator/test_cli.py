@@ -66,6 +66,7 @@ def bad_dirs(tmp_path, tiny_pair):
         (["--max-tokens", "0"], "max_tokens"),
         (["--temperature", "-1"], "temperature"),
         (["--temperature", "nan"], "temperature"),
+        (["--temperature", "1e-39"], "temperature"),
         (["--temperature", "1", "--top-p", "0"], "top_p"),
         (["--temperature", "1", "--top-k", "-2"], "top_k"),
         (["--temperature", "1", "--min-p", "1.5"], "min_p"),
@@ -80,19 +81,50 @@ def test_bad_input_is_one_clear_line(bad_dirs, args, fragment, capsys):
 
 def test_sampled_generate_reports_its_seed_and_reproduces(tiny_pair, capsys):
     pair = ["--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft), "--backend", "mlx"]
-    args = ["generate", *pair, "--json", "--max-tokens", "24", "--block-size", "4", "--ignore-eos",
-            "--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.01"]
+    args = ["generate", *pair, "--json", "--max-tokens", "24", "--block-size", "4", "--ignore-eos", "--sampling-rule",
+            "rejection", "--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.01"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["sampling"] == {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.01}
+    assert out["sampling"] == {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.01, "rule": "rejection"}
     assert isinstance(out["seed"], int) and len(out["token_ids"]) == 24
     assert main([*args, "--seed", str(out["seed"]), "--compare-ar"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["token_ids"] == out["token_ids"] and again["seed"] == out["seed"]
-    assert "lossless" not in again and len(again["ar_token_ids"]) == 24  # AR sampling: speed only
-    assert main([*args[: 1 + len(pair)], "--max-tokens", "4", "--temperature", "1", "--seed", "5", "--compare-ar"]) == 0
+    assert "lossless" not in again and len(again["ar_token_ids"]) == 24  # rejection rule: AR sampling, speed only
+    assert main([*args[: 1 + len(pair)], "--max-tokens", "4", "--temperature", "1", "--seed", "5", "--compare-ar",
+                 "--sampling-rule", "rejection"]) == 0
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "sampling seed 5" in line and "no token-identity claim" in line, line
+    assert "sampling seed 5, rejection rule" in line and "no token-identity claim" in line, line
+
+
+def test_seeded_coupled_sampling_is_one_text_at_every_block_size_and_compare_ar_checks_it(capsys):
+    """The issue's request on the demo pair: the default (auto), fixed sizes and AR give the same tokens."""
+    args = ["generate", "--json", "--prompt", "x =", "--max-tokens", "64", "--temperature", "0.8", "--seed", "42"]
+    runs = {}
+    for block in (None, "0", "1", "8", "16"):
+        assert main([*args, *(["--block-size", block] if block else [])]) == 0
+        runs[block] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs[None]["sampling"]["rule"] == "coupled" and runs[None]["block_size"] == 0
+    assert all(r["token_ids"] == runs["1"]["token_ids"] for r in runs.values())
+    assert max(runs["8"]["block_sizes"]) == 8 and max(runs["16"]["block_sizes"]) == 16  # other schedules, same tokens
+    assert main([*args, "--block-size", "8", "--compare-ar"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["lossless"] is True and out["ar_token_ids"] == out["token_ids"] == runs["1"]["token_ids"]
+    assert main(["generate", "--prompt", "x =", "--max-tokens", "8", "--temperature", "0.8", "--seed", "42", "--compare-ar"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "sampling seed 42, coupled rule" in line and "vs autoregressive sampling" in line and "lossless" in line, line
+
+
+def test_a_rejection_rule_request_for_auto_runs_one_fixed_schedule(tiny_pair, capsys):
+    pair = ["--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft), "--backend", "mlx"]
+    args = ["generate", *pair, "--json", "--max-tokens", "40", "--ignore-eos", "--temperature", "0.9", "--seed", "3",
+            "--sampling-rule", "rejection"]
+    assert main(args) == 0
+    auto = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*args, "--block-size", "8"]) == 0  # the tiny drafter's trained block size
+    fixed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert auto["block_size"] == 8 and auto["block_sizes"] == fixed["block_sizes"] and auto["block_sizes"][0] == 8
+    assert auto["token_ids"] == fixed["token_ids"]
 
 
 def test_bad_input_from_the_real_command_has_no_traceback():

@@ -1,5 +1,5 @@
-"""Speculative sampling is distributed exactly as AR sampling from p: a chi-square test that fails
-when the sampler is wrong.
+"""Speculative sampling, under either rule, is distributed exactly as AR sampling from p: a
+chi-square test that fails when the sampler is wrong.
 
 On the vocab-48 pair, the exact distribution of the first three generated
 tokens under AR sampling from the processed p is enumerated with the model
@@ -11,6 +11,8 @@ test must reject a deliberately broken rule (every candidate accepted, i.e.
 the drafter's distribution), so it has the power to catch a wrong sampler.
 Half the generations stop at 3 tokens (a block of 2: the bonus draw decides
 token 3), half at 4 (a block of 3: two acceptance tests, residuals at either).
+Under the coupled rule each seed's tokens are fixed by its noise: over the
+seeds they must still be distributed as p.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import pytest
 import torch
 
 from kakeya.core import sampling as ref
+from kakeya.core.contract import COUPLED, SAMPLING_RULES
 from kakeya.orchestrator import loop
+from kakeya.verifier import session as verifier_session
 
 from .conftest import BACKENDS, PROMPT, SETTINGS
 
@@ -79,26 +83,36 @@ def chi_square(counts: collections.Counter, dist: dict, n: int) -> tuple[float, 
     expected.append(n - sum(expected))
     o, e = np.array(observed, float), np.array(expected, float)
     stat = float(((o - e) ** 2 / e).sum())
-    df = len(o) - 1
-    return stat, df, float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return stat, len(o) - 1, chi_square_p(o, e)
 
 
+def chi_square_p(observed, expected) -> float:
+    """Pearson's chi-square p-value of ``observed`` counts against ``expected`` ones (same total)."""
+    o, e = np.asarray(observed, float), np.asarray(expected, float)
+    stat, df = float(((o - e) ** 2 / e).sum()), len(o) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("rule", SAMPLING_RULES)
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_speculative_sampling_is_exact_and_a_broken_rule_is_caught(backend, setting, small_models, monkeypatch):
+def test_speculative_sampling_is_exact_and_a_broken_rule_is_caught(backend, setting, rule, small_models, monkeypatch):
     verifier, drafter = small_models[backend]
-    params = SETTINGS[setting]
+    params = replace(SETTINGS[setting], rule=rule)
     dist = exact_distribution(verifier, params)
     assert abs(sum(dist.values()) - 1) < 1e-9
 
     counts = speculative_counts(verifier, drafter, params, range(N_EXACT))
     stat, df, pval = chi_square(counts, dist, N_EXACT)
-    print(f"\n{backend} {setting}: exact rule chi2={stat:.1f} df={df} p={pval:.3g}", end="")
+    print(f"\n{backend} {setting} {rule}: exact rule chi2={stat:.1f} df={df} p={pval:.3g}", end="")
     assert df >= 5, "too few cells to test anything"
     assert pval > ALPHA, f"speculative samples differ from AR sampling: chi2={stat:.1f}, df={df}, p={pval:.2g}"
 
-    exact = ref.assemble  # the verifier sessions call it through the module: patch it to accept everything
-    monkeypatch.setattr(ref, "assemble", lambda cands, accepted, samples: exact(cands, [True] * len(cands), samples))
+    if rule == COUPLED:  # the verifier session's acceptance keeps every candidate, whatever it chose
+        monkeypatch.setattr(verifier_session, "accept", lambda candidates, choices: (len(candidates), int(choices[len(candidates)])))
+    else:  # the verifier sessions call it through the module: patch it to accept everything
+        exact = ref.assemble
+        monkeypatch.setattr(ref, "assemble", lambda cands, accepted, samples: exact(cands, [True] * len(cands), samples))
     counts = speculative_counts(verifier, drafter, params, range(N_EXACT, N_EXACT + N_BROKEN))
     stat, df, pval = chi_square(counts, dist, N_BROKEN)
     print(f"; always-accept chi2={stat:.1f} df={df} p={pval:.3g}", end="")

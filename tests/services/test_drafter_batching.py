@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kakeya.core.contract import SamplingParams
+from kakeya.core.contract import COUPLED, REJECTION, SamplingParams
 from kakeya.orchestrator.deadlines import StepClock
 from kakeya.orchestrator.remote import GrpcDrafter
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc
@@ -27,7 +27,7 @@ from .conftest import wait_until
 pytestmark = pytest.mark.timeout(300)
 
 BLOCKS = [2, 5, 8, 16]  # one stream each
-SAMPLING = [None, SamplingParams(0.9, top_k=50, seed=17), None, None]
+SAMPLING = [None, SamplingParams(0.9, top_k=50, seed=17, rule=REJECTION), SamplingParams(0.8, seed=18), None]
 STEPS = 4
 
 
@@ -92,7 +92,9 @@ def test_concurrent_streams_are_batched_and_draft_what_they_draft_alone(server, 
             want = [s.draft(_local_aux(backend, aux), last, b) for s, (aux, last, b) in zip(alone, work)]
             for g, w, p in zip(got, want, SAMPLING):
                 assert g.tokens == w.tokens, step
-                if p is not None:
+                if p is None or p.rule == COUPLED:  # greedy or coupled: candidates only
+                    assert g.proposal is None and w.proposal is None
+                else:
                     assert np.array_equal(g.proposal.ids, w.proposal.ids)
                     np.testing.assert_allclose(g.proposal.probs, w.proposal.probs, atol=1e-5)
     finally:

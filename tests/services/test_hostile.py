@@ -70,8 +70,10 @@ def test_kakeya_generate_refuses_a_degenerate_temperature_without_a_traceback():
 
 
 def _sampling_session(servers, proposal: sampling_pb2.Proposal, block=(5, 6, 7)):
-    """A sampling verifier session that verifies ``block`` with ``proposal`` for its candidates."""
-    msgs = [V(open=V.Open(sampling=sampling_pb2.Sampling(temperature=1.0, seed=3))),
+    """A rejection-rule verifier session (the rule that takes proposals) that verifies ``block`` with
+    ``proposal`` for its candidates."""
+    sampling = sampling_pb2.Sampling(temperature=1.0, seed=3, rule=sampling_pb2.SAMPLING_RULE_REJECTION)
+    msgs = [V(open=V.Open(sampling=sampling)),
             V(prefill=V.Prefill(token_ids=PROMPT)),
             V(verify=V.Verify(block_ids=list(block), proposal=proposal))]  # fmt: skip
     return list(verifier_stub(servers["verifier"].addr).Session(iter(msgs), timeout=20))

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kakeya.wire import codec
-from kakeya.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, verifier_pb2
+from kakeya.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, sampling_pb2, verifier_pb2
 
 from .conftest import (
     ROOT,
@@ -222,6 +222,8 @@ BAD_GENERATE = [
     ("block size -1", request(PROMPT, block_size=-1), "block_size"),
     ("negative temperature", request(PROMPT, temperature=-0.5), "sampling_params.temperature"),
     ("nan temperature", request(PROMPT, temperature=float("nan")), "sampling_params.temperature"),
+    ("temperature 1e-39", request(PROMPT, temperature=1e-39), "sampling_params.temperature"),
+    ("unknown sampling rule", request(PROMPT, temperature=1.0, rule=9), "sampling_params.rule"),
     ("top_k < 0", request(PROMPT, temperature=1.0, top_k=-5), "sampling_params.top_k"),
     ("top_p > 1", request(PROMPT, temperature=1.0, top_p=1.5), "sampling_params.top_p"),
     ("min_p > 1", request(PROMPT, temperature=1.0, min_p=2.0), "sampling_params.min_p"),
@@ -391,6 +393,8 @@ def test_client_cli_reports_status_and_exits_non_zero(servers):
     assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "prompt.text" in res.stderr
     res = client("--addr", servers["split"].addr, "generate", "--prompt", "x", "--top-p", "1.5")
     assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "sampling_params.top_p" in res.stderr
+    res = client("--addr", servers["split"].addr, "generate", "--prompt", "x", "--temperature", "1e-39")
+    assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "sampling_params.temperature" in res.stderr
     res = client("--addr", "127.0.0.1:1", "--timeout", "5", "generate", "--prompt", "x")
     assert res.returncode == 1 and "UNAVAILABLE" in res.stderr
     res = client("--addr", servers["split"].addr, "health")
@@ -444,7 +448,49 @@ def test_sampling_is_seeded_reproducible_and_reports_its_seed(servers):
     unseeded.sampling_params.seed = complete.seed
     assert generate(servers["colocated"].addr, unseeded)[0] == ids
     greedy = generate(servers["split"].addr, request(PROMPT, max_tokens=8))[2]
-    assert not greedy.HasField("seed")
+    assert not greedy.HasField("seed") and greedy.sampling_rule == sampling_pb2.SAMPLING_RULE_UNSPECIFIED
+
+
+def test_seeded_coupled_sampling_is_ar_sampling_at_any_block_size_split_and_colocated(servers):
+    """The default rule: auto, fixed sizes and AR (block 1), split and colocated, one set of tokens."""
+    params = dict(max_tokens=60, temperature=0.8, top_p=0.95, seed=42)
+    want, _, complete, _ = generate(servers["colocated"].addr, request(PROMPT, block_size=1, **params))
+    assert complete.sampling_rule == sampling_pb2.SAMPLING_RULE_COUPLED and len(want) == 60
+    for name in ("split", "colocated"):
+        for block_size in (0, 2, 8, 16):
+            ids, _, complete, _ = generate(servers[name].addr, request(PROMPT, block_size=block_size, **params))
+            assert ids == want, (name, block_size)
+            assert complete.stats.block_size == block_size and complete.sampling_rule == sampling_pb2.SAMPLING_RULE_COUPLED
+
+
+def test_a_rejection_rule_request_for_auto_runs_at_the_trained_block_size(servers):
+    req = request(PROMPT, block_size=0, max_tokens=30, temperature=0.8, seed=5, rule=sampling_pb2.SAMPLING_RULE_REJECTION)
+    ids, _, complete, _ = generate(servers["split"].addr, req)
+    assert complete.sampling_rule == sampling_pb2.SAMPLING_RULE_REJECTION
+    assert complete.stats.block_size == 8  # the tiny drafter's trained size, not one that timings pick
+    req.block_size = 8
+    assert generate(servers["colocated"].addr, req)[0] == ids
+
+
+def test_client_block_size_0_is_auto_and_sampled_text_equals_the_local_generates(servers):
+    """`kakeya client generate --block-size 0` is auto, as everywhere; with a seed it prints what
+    `kakeya generate` prints for the same pair, whatever block size either ran."""
+    from kakeya.checkpoints.tiny import default_pair
+
+    args = ["--json", "--max-tokens", "40", "--prompt", "x =", "--temperature", "0.8", "--seed", "42"]
+    tiny = ["--target", str(default_pair().target), "--draft", str(default_pair().draft), "--backend", "mlx"]
+    local = subprocess.run([sys.executable, "-m", "kakeya.app.main", "generate", *tiny, *args, "--block-size", "3"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert local.returncode == 0, local.stderr
+    remote = subprocess.run(
+        [sys.executable, "-m", "kakeya.app.main", "client", "--addr", servers["split"].addr, "generate", *args, "--block-size", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert remote.returncode == 0, remote.stderr
+    local, remote = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (local, remote))
+    assert remote["block_size"] == 0 and local["block_size"] == 3
+    assert remote["token_ids"] == local["token_ids"] and remote["seed"] == local["seed"] == 42
+    assert remote["sampling"] == local["sampling"] and remote["sampling"]["rule"] == "coupled"
 
 
 @pytest.mark.parametrize("block_size", [2, 8])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kakeya.core.contract import CachePolicy, SamplingParams
+from kakeya.core.contract import REJECTION, CachePolicy, SamplingParams
 from kakeya.verifier.batch import verify_batch
 from kakeya.verifier.session import VerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch
@@ -56,9 +56,10 @@ def test_batched_sessions_match_alone_kv_sharing_and_moe(which, request):
 def test_sampling_sessions_in_a_batch_draw_the_same_tokens_as_alone(torch_target):
     specs = [
         (PROMPT, CachePolicy(), SamplingParams(temperature=1.0, seed=11)),
-        (_prompt(50, 1), SINK, SamplingParams(temperature=0.7, top_k=20, seed=12)),
+        (_prompt(50, 1), SINK, SamplingParams(temperature=0.7, top_k=20, seed=12, rule=REJECTION)),
         (_prompt(8, 2), CachePolicy(), None),  # a greedy session among them
         (_prompt(20, 3), CachePolicy(), SamplingParams(temperature=1.3, top_p=0.9, seed=13)),
+        (_prompt(12, 4), CachePolicy(), SamplingParams(temperature=0.9, min_p=0.05, seed=14, rule=REJECTION)),
     ]
     lockstep(torch_target, AUX_LAYERS, specs, rounds=6, seed=1)
 
@@ -71,7 +72,7 @@ def test_a_bad_item_fails_alone_and_the_rest_run(torch_target):
     pending = VerifierSession(torch_target, AUX_LAYERS, CachePolicy())
     pending.prefill(PROMPT)
     pending.verify([7])  # not committed: its next verify must refuse
-    sampler = VerifierSession(torch_target, AUX_LAYERS, CachePolicy(), SamplingParams(temperature=1.0, seed=3))
+    sampler = VerifierSession(torch_target, AUX_LAYERS, CachePolicy(), SamplingParams(temperature=1.0, seed=3, rule=REJECTION))
     sampler.prefill(PROMPT)
     block = [9, 10, 11]
     items = [

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from kakeya.core.contract import Proposal
+from kakeya.core.contract import REJECTION, Proposal
 from kakeya.verifier.batch import verify_batch
 from kakeya.verifier.session import VerifierSession
 
 
 def proposal_for(candidates, vocab: int) -> Proposal | None:
-    """A 4-token proposal per candidate that contains it (what a sampling session requires)."""
+    """A 4-token proposal per candidate that contains it (what a rejection-rule session requires)."""
     if not candidates:
         return None
     ids = np.array([[(c + j) % vocab for j in range(4)] for c in candidates], dtype=np.int32)
@@ -45,10 +45,10 @@ def lockstep(target, aux_layers, specs, rounds: int, seed: int = 0, close=np.tes
             L = int(rng.integers(1, 17))
             cands = [int(c) for c in rng.integers(3, vocab, L - 1)]
             block = [last[k]] + cands
-            prop = proposal_for(cands, vocab) if a.sampling is not None else None
+            prop = proposal_for(cands, vocab) if a.sampling is not None and a.sampling.rule == REJECTION else None
             refs.append(a.verify(block, prop))
             items.append((b, block, prop))
-            valid = refs[-1].index(-1) if -1 in refs[-1] else L  # sampling: -1 after the first rejection
+            valid = refs[-1].index(-1) if -1 in refs[-1] else L  # rejection rule: -1 after the first rejection
             keeps.append(int(rng.integers(1, valid + 1)))
         got = verify_batch(items)
         batch_sizes.append(len(items))

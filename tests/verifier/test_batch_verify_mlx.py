@@ -8,7 +8,7 @@ inside the batch.
 
 from __future__ import annotations
 
-from kakeya.core.contract import CachePolicy, SamplingParams
+from kakeya.core.contract import REJECTION, CachePolicy, SamplingParams
 from kakeya.verifier.batch import batchable
 
 from .batch_scenario import lockstep
@@ -27,9 +27,10 @@ def test_batched_mlx_sessions_match_alone(mlx_target, aux_layers):
         (_prompt(70, 2), CachePolicy(), None),  # native ring (window 32) already wrapped
         (_prompt(40, 3), SINK, SamplingParams(temperature=1.0, seed=5)),
         (_prompt(13, 4), CachePolicy(full_kv_bits=8, full_kv_group_size=32), None),  # runs alone in the batch
+        (_prompt(9, 5), CachePolicy(), SamplingParams(temperature=0.8, top_k=30, seed=6, rule=REJECTION)),
     ]
     alone, batched = lockstep(mlx_target, aux_layers, specs, rounds=6)
-    assert [batchable(s) for s in batched] == [True, True, True, True, False]
+    assert [batchable(s) for s in batched] == [True, True, True, True, False, True]
 
 
 def _forwards(target, monkeypatch) -> list[int]:

@@ -1,10 +1,11 @@
-"""CachePolicy <-> wire: nothing a client asked for is dropped on the way."""
+"""CachePolicy and SamplingParams <-> wire: nothing a client asked for is dropped on the way."""
 
 import pytest
 
+from kakeya.core.contract import COUPLED, REJECTION, SamplingParams
 from kakeya.verifier.layout import CachePolicy
 from kakeya.wire import convert as wire_contract
-from kakeya.wire.kakeya.v1 import cache_pb2
+from kakeya.wire.kakeya.v1 import cache_pb2, generate_pb2, sampling_pb2
 
 
 @pytest.mark.parametrize(
@@ -32,3 +33,26 @@ def test_unset_fields_take_the_default_and_bad_fields_are_named():
         wire_contract.policy_from_proto(cache_pb2.CachePolicy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, slack=1000), default)
     with pytest.raises(ValueError, match="SINK_WINDOW only"):
         wire_contract.policy_from_proto(cache_pb2.CachePolicy(kind=cache_pb2.CACHE_KIND_NATIVE, sink=3), default)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(0.7, seed=3), SamplingParams(1.0, top_k=5, top_p=0.9, min_p=0.05, seed=2**64 - 1, rule=REJECTION)],
+    ids=lambda p: p.label,
+)
+def test_sampling_round_trips_with_its_rule(params):
+    assert wire_contract.sampling_from_proto(wire_contract.sampling_to_proto(params)) == params
+    public = generate_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                         min_p=params.min_p, seed=params.seed, rule=wire_contract.rule_to_proto(params.rule))
+    assert wire_contract.public_sampling(public) == params
+
+
+def test_an_unset_rule_is_coupled_and_an_unknown_one_is_named():
+    assert wire_contract.public_sampling(generate_pb2.SamplingParams(temperature=0.5)).rule == COUPLED
+    assert wire_contract.sampling_from_proto(sampling_pb2.Sampling(temperature=0.5, seed=1)).rule == COUPLED
+    with pytest.raises(ValueError, match=r"^sampling_params\.rule must be one of coupled, rejection, got 9"):
+        wire_contract.public_sampling(generate_pb2.SamplingParams(temperature=0.5, rule=9))
+    with pytest.raises(ValueError, match=r"^open\.sampling\.rule "):
+        wire_contract.sampling_from_proto(sampling_pb2.Sampling(temperature=0.5, rule=9), "open.sampling")
+    with pytest.raises(ValueError, match=r"^sampling_params\.temperature must be 0 \(greedy\) or at least 1e-05"):
+        wire_contract.public_sampling(generate_pb2.SamplingParams(temperature=1e-39))

@@ -1,9 +1,11 @@
-"""Lossless sampling on MLX: the processed distribution, inverse-CDF draws and the acceptance test.
+"""Sampling on MLX: the coupled rule's noisy argmax; the processed distribution, inverse-CDF draws
+and the acceptance test of the rejection rule.
 
 Mirrors ``services/core/sampling.py`` (the numpy reference) operation for operation;
-shared by the verifier (p, acceptance, residual) and the drafter (its own
-processed q, cut to the top-K proposal). Uniforms come from the host; only
-ints (and the drafter's [n, K] proposal) come back.
+shared by the verifier and the drafter. The coupled rule's Gumbel noise is made
+here on the device (``services/core/noise.py``, in uint32), never a full-vocabulary
+array on the host; the rejection rule's uniforms come from the host. Only ints
+(and a rejection drafter's [n, K] proposal) come back.
 """
 
 from __future__ import annotations
@@ -13,7 +15,29 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
+from kakeya.core import noise
 from kakeya.core.contract import Proposal, SamplingParams
+from kakeya.core.sampling import inverse_temperature
+
+
+def gumbel(keys: tuple[int, int], first_position: int, rows: int, vocab: int) -> mx.array:
+    """The noise [rows, vocab] (float32) at positions ``first_position ..``, bit for bit ``noise.gumbel``'s uniforms."""
+    positions = mx.arange(first_position, first_position + rows, dtype=mx.uint32)[:, None]
+    h = noise.bits(keys, positions, mx.arange(vocab, dtype=mx.uint32))
+    u = noise.uniform_levels(h).astype(mx.float32) * noise.U_SCALE
+    return -mx.log(-mx.log(u))
+
+
+def coupled_rows(logits: mx.array, params: SamplingParams, keys: tuple[int, int], first_position: int) -> list[int]:
+    """The coupled rule's token of each row of ``logits`` [L, V] (row i: position ``first_position + i``),
+    in one host sync: argmax over p's support of logits * (1 / temperature) + G."""
+    x = logits.astype(mx.float32) * inverse_temperature(params)
+    score = x + gumbel(keys, first_position, x.shape[0], x.shape[1])
+    if params.filtered:
+        ps, order = process_sorted(logits, params)
+        keep = mx.put_along_axis(mx.zeros(ps.shape, mx.bool_), order, ps > 0, axis=-1)
+        score = mx.where(keep, score, -mx.inf)
+    return mx.argmax(score, axis=-1).tolist()
 
 
 def process_sorted(logits: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array]:

@@ -1,9 +1,11 @@
-"""Lossless sampling on PyTorch: the processed distribution, inverse-CDF draws and the acceptance test.
+"""Sampling on PyTorch: the coupled rule's noisy argmax; the processed distribution, inverse-CDF draws
+and the acceptance test of the rejection rule.
 
 Mirrors ``services/core/sampling.py`` (the numpy reference) operation for operation;
-shared by the verifier (p, acceptance, residual) and the drafter (its own
-processed q, cut to the top-K proposal). Uniforms come from the host; only
-ints (and the drafter's [n, K] proposal) come back.
+shared by the verifier and the drafter. The coupled rule's Gumbel noise is made
+here on the device (``services/core/noise.py``, in int64 with 32-bit wrapping), never
+a full-vocabulary tensor on the host; the rejection rule's uniforms come from
+the host. Only ints (and a rejection drafter's [n, K] proposal) come back.
 """
 
 from __future__ import annotations
@@ -13,7 +15,31 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kakeya.core import noise
 from kakeya.core.contract import Proposal, SamplingParams
+from kakeya.core.sampling import inverse_temperature
+
+
+@torch.inference_mode()
+def gumbel(keys: tuple[int, int], first_position: int, rows: int, vocab: int, device) -> torch.Tensor:
+    """The noise [rows, vocab] (float32) at positions ``first_position ..``, bit for bit ``noise.gumbel``'s uniforms."""
+    positions = torch.arange(first_position, first_position + rows, device=device)[:, None]
+    h = noise.bits(keys, positions, torch.arange(vocab, device=device), noise.wrap32)
+    u = noise.uniform_levels(h).float() * noise.U_SCALE
+    return -torch.log(-torch.log(u))
+
+
+@torch.inference_mode()
+def coupled_rows(logits: torch.Tensor, params: SamplingParams, keys: tuple[int, int], first_position: int) -> list[int]:
+    """The coupled rule's token of each row of ``logits`` [L, V] (row i: position ``first_position + i``),
+    in one host sync: argmax over p's support of logits * (1 / temperature) + G."""
+    x = logits.float() * inverse_temperature(params)
+    score = x + gumbel(keys, first_position, x.shape[0], x.shape[1], x.device)
+    if params.filtered:
+        ps, order = process_sorted(logits, params)
+        keep = torch.zeros_like(ps, dtype=torch.bool).scatter_(-1, order, ps > 0)
+        score = score.masked_fill(~keep, float("-inf"))
+    return score.argmax(-1).tolist()
 
 
 @torch.inference_mode()

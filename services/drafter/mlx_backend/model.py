@@ -301,7 +301,7 @@ class DFlashDraftModel(nn.Module):
     # -- the ``DraftModel`` protocol (``drafter/backend.py``) ---------------------------------------
 
     backend = "mlx"
-    sampler = sampling_mlx  # the processed q and its top-K proposal when a session samples
+    sampler = sampling_mlx  # a sampling session's candidates: its noisy argmax, or its top-K proposal
 
     @property
     def device_name(self) -> str:

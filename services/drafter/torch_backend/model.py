@@ -366,7 +366,7 @@ class DFlashDraftModel(nn.Module):
     # -- the ``DraftModel`` protocol (``drafter/backend.py``) ---------------------------------------
 
     backend = "torch"
-    sampler = sampling_torch  # the processed q and its top-K proposal when a session samples
+    sampler = sampling_torch  # a sampling session's candidates: its noisy argmax, or its top-K proposal
 
     @property
     def device_name(self) -> str:
