@@ -33,7 +33,7 @@ from kakeya.drafter.batch import draft_batch
 from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.runtime import bounds
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
-from kakeya.runtime.guard import add_servicer
+from kakeya.runtime.guard import session_server_spec
 from kakeya.runtime.lifecycle import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_SESSIONS,
@@ -46,7 +46,6 @@ from kakeya.runtime.lifecycle import (
     precondition,
     session_stream,
     version,
-    workers_for,
 )
 from kakeya.runtime.metrics import ServerMetrics
 from kakeya.wire import codec
@@ -352,16 +351,7 @@ def server_spec(
     limits = dict(limits or {})
     servicer = DrafterServicer(max_sessions, **limits)
 
-    def set_ready(flag: bool) -> None:
-        servicer.ready = flag
-
-    return ServerSpec(
-        name="drafter",
-        service_names=[SERVICE_NAME],
-        add_to_server=lambda server: add_servicer(server, servicer, pb.DESCRIPTOR.services_by_name["DrafterService"], token),
-        load=lambda: servicer.load(draft_dir, target_dir, backend, **kwargs),
-        set_ready=set_ready,
-        max_workers=workers_for(max_sessions, limits.get("queue", 0)),
-        tls=tls,
-        metrics=servicer.metrics,
+    return session_server_spec(
+        "drafter", servicer, pb.DESCRIPTOR.services_by_name["DrafterService"], lambda: servicer.load(draft_dir, target_dir, backend, **kwargs),
+        max_sessions, limits.get("queue", 0), tls=tls, token=token
     )

@@ -29,7 +29,7 @@ from kakeya.core.contract import Draft
 from kakeya.core.prefix import PrefixCache
 from kakeya.runtime import bounds
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
-from kakeya.runtime.guard import add_servicer
+from kakeya.runtime.guard import session_server_spec
 from kakeya.runtime.lifecycle import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_SESSIONS,
@@ -44,7 +44,6 @@ from kakeya.runtime.lifecycle import (
     precondition,
     session_stream,
     version,
-    workers_for,
 )
 from kakeya.runtime.metrics import ServerMetrics
 from kakeya.verifier.batch import verify_batch
@@ -404,17 +403,8 @@ def server_spec(
     limits = dict(limits or {})
     servicer = VerifierServicer(max_sessions, **limits)
 
-    def set_ready(flag: bool) -> None:
-        servicer.ready = flag
-
-    return ServerSpec(
-        name="verifier",
-        service_names=[SERVICE_NAME],
-        add_to_server=lambda server: add_servicer(server, servicer, pb.DESCRIPTOR.services_by_name["VerifierService"], token),
-        load=lambda: servicer.load(target_dir, aux_layers, backend, **kwargs),
-        set_ready=set_ready,
-        max_workers=workers_for(max_sessions, limits.get("queue", 0)),
+    return session_server_spec(
+        "verifier", servicer, pb.DESCRIPTOR.services_by_name["VerifierService"], lambda: servicer.load(target_dir, aux_layers, backend, **kwargs),
+        max_sessions, limits.get("queue", 0), tls=tls, token=token,
         max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES,  # token ids only; answers may be big
-        tls=tls,
-        metrics=servicer.metrics,
     )
