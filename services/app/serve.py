@@ -360,12 +360,9 @@ def register(sub) -> None:
     o.add_argument("--no-drafter", action="store_true", help="no speculation: the verifier decodes alone")
     o.add_argument("--tokenizer", help="split: directory with the target's tokenizer.json (default: the verifier's path, if readable)")
     _backend_args(o, " (colocated)")
-    add_cache_args(o)  # colocated: the sessions' default policy
-    serve_flags.add_restore(o)
-    serve_flags.add_orchestrator(o)
     serve_flags.add_backend_auth(o)
-    serve_flags.add_http(o)
-    serve_flags.add_prefix_cache(o, "colocated: one budget for the verifier's and the drafter's")
+    # colocated: the sessions' default policy, and one prefix-cache budget for the verifier's and the drafter's
+    _policy_and_front(o, "colocated: one budget for the verifier's and the drafter's")
     o.add_argument("--backend-wait", type=float, default=120.0, help="split: seconds to wait for verifier/drafter at start")
     _limits(o)
     o.set_defaults(func=cmd_serve_orchestrator)
@@ -381,15 +378,24 @@ def register(sub) -> None:
     a.add_argument("--device", help="torch processes: cuda, cuda:1, cpu (default: cuda when available, else cpu)")
     a.add_argument("--dtype", help="torch processes: float32, bfloat16, float16 (default float32)")
     _torch_threads_arg(a)
-    add_cache_args(a)  # the verifier process's default policy
-    serve_flags.add_restore(a)
     serve_flags.add_sessions(a)  # the verifier's and drafter's (--max-kv-bytes: the verifier's)
-    serve_flags.add_orchestrator(a)
-    serve_flags.add_http(a)
-    serve_flags.add_prefix_cache(a, "the verifier and the drafter process each keep one of this budget")
+    # the verifier process's default policy; each of the verifier and drafter processes keeps a prefix cache
+    _policy_and_front(a, "the verifier and the drafter process each keep one of this budget")
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)
     a.set_defaults(func=cmd_serve_all)
+
+
+def _policy_and_front(p, prefix_cache_help: str) -> None:
+    """What an orchestrator that may hold the sessions takes: the cache policy and f_theta restores, its
+    public front (limits, HTTP) and the prefix cache's budget."""
+    from kakeya.app.options import add_cache_args
+
+    add_cache_args(p)
+    serve_flags.add_restore(p)
+    serve_flags.add_orchestrator(p)
+    serve_flags.add_http(p)
+    serve_flags.add_prefix_cache(p, prefix_cache_help)
 
 
 def _backend_args(p, suffix: str = "") -> None:

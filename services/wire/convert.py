@@ -137,32 +137,27 @@ def sampling_to_proto(s: SamplingParams) -> spb.Sampling:
                         rule=rule_to_proto(s.rule))
 
 
-def sampling_from_proto(m: spb.Sampling, field: str = "sampling") -> SamplingParams | None:
-    """A session's ``Sampling`` (None: greedy); ValueError naming the field."""
-    if not m.temperature:
-        return None
+def _sampling(field: str, m, seed: int | None) -> SamplingParams:
+    """The sampling fields both ``Sampling`` (sessions) and the public ``SamplingParams`` carry (proto3 zeros: off)."""
     return _checked(
         field,
         temperature=_decimal(m.temperature),
         top_k=m.top_k,
         top_p=_decimal(m.top_p) if m.top_p else 1.0,
         min_p=_decimal(m.min_p),
-        seed=m.seed,
+        seed=seed,
         rule=rule_from_proto(m.rule),
     )
 
 
+def sampling_from_proto(m: spb.Sampling, field: str = "sampling") -> SamplingParams | None:
+    """A session's ``Sampling`` (None: greedy); ValueError naming the field."""
+    return _sampling(field, m, m.seed) if m.temperature else None
+
+
 def public_sampling(sp: gpb.SamplingParams, field: str = "sampling_params") -> SamplingParams:
-    """The public ``SamplingParams``' sampling fields (proto3 zeros: off; seed unset: None)."""
-    return _checked(
-        field,
-        temperature=_decimal(sp.temperature),
-        top_k=sp.top_k,
-        top_p=_decimal(sp.top_p) if sp.top_p else 1.0,
-        min_p=_decimal(sp.min_p),
-        seed=sp.seed if sp.HasField("seed") else None,
-        rule=rule_from_proto(sp.rule),
-    )
+    """The public ``SamplingParams``' sampling fields (seed unset: None)."""
+    return _sampling(field, sp, sp.seed if sp.HasField("seed") else None)
 
 
 def _checked(field: str, **values) -> SamplingParams:
