@@ -187,8 +187,11 @@ def test_one_peer_cannot_hold_every_session(servers):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_idle_sessions_held_by_a_hostile_client_cannot_make_a_public_request_fail(servers):
-    held = [_Held(servers["v4"]), _Held(servers["v4"]), _Held(servers["v6"])]  # the verifier's 3 sessions
-    assert [h.first() for h in held] == ["opened"] * 3
+    held = []  # the verifier's 3 sessions, opened one after the other so that held[0] is the longest idle
+    for addr in (servers["v4"], servers["v4"], servers["v6"]):
+        held.append(_Held(addr))
+        assert [held[-1].first(), held[-1].first()] == ["opened", "prefilled"]  # its last message was handled
+        time.sleep(0.2)
     wait_until(lambda: verifier_info(servers["v4"]).live_sessions == 3, what="every session held")
     time.sleep(1.5)  # past --reclaim-idle
     ids, _, complete, _ = generate(servers["orchestrator"].addr, request(PROMPT, max_tokens=8))
