@@ -96,7 +96,9 @@ def test_verifier_unreachable_is_unavailable_and_the_server_recovers(servers, se
     with pytest.raises(grpc.RpcError) as err:
         generate(orch.addr, request(PROMPT, max_tokens=8))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "verifier" in err.value.details()
-    assert _health(orch.addr) == health_pb2.HealthCheckResponse.SERVING  # still up, still answering
+    # still up and answering: its health watch (polled each second) turns NOT_SERVING while the verifier is down
+    wait_until(lambda: _health(orch.addr) == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=15,
+               what="the orchestrator to report its verifier down")
 
     # A new orchestrator started while its verifier is down: up, but NOT_SERVING until it can warm up.
     late = server_factory("late", ["orchestrator", "--verifier", verifier.addr, "--drafter", drafter.addr]).start()
