@@ -110,19 +110,10 @@ def add_client(p) -> None:
     p.add_argument("--auth-token-file", help="send `authorization: Bearer <token>` read from this file")
 
 
-def session_limits(args) -> dict:
-    """Verifier and drafter: their servicers' admission keyword arguments."""
-    out = {
-        "max_kv_bytes": args.max_kv_bytes,
-        "queue": args.queue,
-        "queue_timeout_s": args.queue_timeout,
-        "idle_timeout_s": args.idle_timeout,
-        "max_per_peer": args.max_sessions_per_peer,
-        "reclaim_idle_s": args.reclaim_idle,
-        "max_context": args.max_context,
-        "max_batch": args.max_batch,
-        "prefix_cache_bytes": args.prefix_cache_bytes,
-    }
+def session_limits(args):
+    """Verifier and drafter: their servicers' ``SessionLimits`` from the flags."""
+    from kakeya.runtime.servicer import SessionLimits
+
     for flag, value in (("--max-kv-bytes", args.max_kv_bytes), ("--queue", args.queue), ("--max-context", args.max_context),
                         ("--max-sessions-per-peer", args.max_sessions_per_peer), ("--reclaim-idle", args.reclaim_idle),
                         ("--max-sessions", args.max_sessions)):  # fmt: skip
@@ -130,7 +121,18 @@ def session_limits(args) -> dict:
             raise ValueError(f"{flag} must be >= 0, got {value}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    return out
+    return SessionLimits(
+        max_sessions=args.max_sessions,
+        max_kv_bytes=args.max_kv_bytes,
+        queue=args.queue,
+        queue_timeout_s=args.queue_timeout,
+        idle_timeout_s=args.idle_timeout,
+        max_per_peer=args.max_sessions_per_peer,
+        reclaim_idle_s=args.reclaim_idle,
+        max_context=args.max_context,
+        max_batch=args.max_batch,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+    )
 
 
 def restore_sources(args):

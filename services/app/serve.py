@@ -95,15 +95,14 @@ def cmd_serve_verifier(args) -> int:
         target, draft = args.target, args.draft
     layers = _aux_layers(args.aux_layers, draft)
     limits = serve_flags.session_limits(args)
-    limits["restore"], args.restore = serve_flags.restore_sources(args)  # the default policy's: the bare DIR
+    restore, args.restore = serve_flags.restore_sources(args)  # the default policy's: the bare DIR
     tls, token = serve_flags.internal_auth(args, "verifier")
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
     if backend == "torch":
         from kakeya.app.options import torch_options
 
         kwargs |= torch_options(args)
-    spec = server_spec(target, layers, backend, args.max_sessions, limits=limits, tls=tls, token=token,
-                       policy=_default_policy(args), **kwargs)
+    spec = server_spec(target, layers, backend, limits, restore=restore, tls=tls, token=token, policy=_default_policy(args), **kwargs)
     return _run(spec, args)
 
 
@@ -126,7 +125,7 @@ def cmd_serve_drafter(args) -> int:
         from kakeya.app.options import torch_options
 
         kwargs |= torch_options(args)
-    return _run(server_spec(draft, target, backend, args.max_sessions, limits=limits, tls=tls, token=token, **kwargs), args)
+    return _run(server_spec(draft, target, backend, limits, tls=tls, token=token, **kwargs), args)
 
 
 def _backend_kwargs(args, embedded: bool) -> tuple[str, dict]:

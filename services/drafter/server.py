@@ -25,29 +25,13 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import grpc
 import numpy as np
 
-from kakeya.core.prefix import PrefixCache
 from kakeya.drafter.batch import draft_batch
 from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.runtime import bounds
-from kakeya.runtime.compute import DEFAULT_MAX_BATCH
-from kakeya.runtime.guard import session_server_spec
-from kakeya.runtime.lifecycle import (
-    DEFAULT_IDLE_TIMEOUT_S,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_RECLAIM_IDLE_S,
-    ComputeThread,
-    ServerSpec,
-    SessionRegistry,
-    check_token_ids,
-    invalid,
-    precondition,
-    session_stream,
-    version,
-)
-from kakeya.runtime.metrics import ServerMetrics
+from kakeya.runtime.lifecycle import ServerSpec, check_token_ids, invalid, precondition, version
+from kakeya.runtime.servicer import SessionLimits, SessionServicer
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import drafter_pb2 as pb
@@ -59,45 +43,20 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DrafterService"].full_name
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
-class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(
-        self,
-        max_sessions: int = DEFAULT_MAX_SESSIONS,
-        *,
-        max_kv_bytes: int = 0,
-        queue: int = 0,
-        queue_timeout_s: float = 0.0,
-        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-        max_per_peer: int = 0,
-        reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S,
-        max_context: int = 0,
-        max_batch: int = DEFAULT_MAX_BATCH,
-        prefix_cache_bytes: int = 0,
-    ):
+class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
+    role = "drafter"
+    kv_kinds = ("context",)
+
+    def __init__(self, limits: SessionLimits = SessionLimits()):
         # Draft requests of several streams that queue up while a batch runs go through ONE forward
         # (``batch.draft_batch``); max_batch 1: each alone, in turn.
-        self.compute = ComputeThread("drafter", max_batch)
-        self.registry = SessionRegistry(
-            max_sessions, max_kv_bytes, queue, queue_timeout_s, idle_timeout_s, max_per_peer=max_per_peer,
-            reclaim_idle_s=reclaim_idle_s,
-        )
-        self.max_context_flag = max_context
+        super().__init__(limits)
         self.max_context = 0  # set by load(): --max-context, at most the model's max_position_embeddings
-        self.metrics = ServerMetrics("drafter")
-        self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
-        self.metrics.track_kv_bytes(lambda: {"context": 0} | self.registry.bytes_by_kind("context"))
         self.drafter = None  # a LocalDrafter (either backend), set by load()
         self.backend = "mlx"
-        self.ready = False
         self.names = ("", "")
-        self.aux_dtype = 0
-        self.device = ""
         self.max_block_size = MAX_BLOCK_SIZE
         self.row_bytes = 0  # context K/V bytes per cache row of one layer, measured by load()
-        # snapshots of finished sessions' contexts that later prompts resume from (Lookup, Draft.resume_at, Save)
-        self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
-        if self.prefixes is not None:
-            self.metrics.track_prefix_cache(self.prefixes)
 
     # -- loading -----------------------------------------------------------------------
 
@@ -157,11 +116,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     # -- RPCs ----------------------------------------------------------------------------
 
-    def GetInfo(self, request, context):
-        if not self.ready:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is loading its model")
-        return self.info()
-
     def info(self) -> pb.DrafterInfo:
         d = self.drafter
         cfg = d.model.config
@@ -187,9 +141,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             prefix_cache_bytes=self.prefixes.budget if self.prefixes is not None else 0,
         )
 
-    def Session(self, request_iterator, context) -> Iterator[pb.DrafterResponse]:
-        yield from session_stream("drafter", self.ready, self.registry, self._serve, request_iterator, context)
-
     def _serve(self, entry, requests) -> Iterator[pb.DrafterResponse]:
         session = None
         vocab = self.drafter.model.target.vocab_size
@@ -197,10 +148,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             kind = req.WhichOneof("request")
             t0 = time.perf_counter()
             if session is None:
-                if kind != "open":
-                    raise precondition(f"the first message of a session must be open, got {kind or 'an empty request'}")
+                self._check_open(req, kind)
                 try:
-                    bounds.check_request_id(req.open.request_id, "open.request_id")
                     sampling = wire_contract.sampling_from_proto(req.open.sampling, "open.sampling")
                 except ValueError as exc:
                     raise invalid(str(exc)) from None
@@ -336,22 +285,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
 
 def server_spec(
-    draft_dir: str | Path,
-    target_dir: str | Path,
-    backend: str = "mlx",
-    max_sessions: int = DEFAULT_MAX_SESSIONS,
-    *,
-    limits: dict | None = None,
-    tls=None,
-    token: str | None = None,
-    **kwargs,
+    draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx", limits: SessionLimits = SessionLimits(), *,
+    tls=None, token: str | None = None, **kwargs,
 ) -> ServerSpec:
-    """``limits``: DrafterServicer's keyword arguments (max_kv_bytes, queue, idle_timeout_s, max_context, ...);
-    ``token``: the bearer token callers must present (None: none)."""
-    limits = dict(limits or {})
-    servicer = DrafterServicer(max_sessions, **limits)
-
-    return session_server_spec(
-        "drafter", servicer, pb.DESCRIPTOR.services_by_name["DrafterService"], lambda: servicer.load(draft_dir, target_dir, backend, **kwargs),
-        max_sessions, limits.get("queue", 0), tls=tls, token=token
+    """A drafter server: ``limits`` its sessions' (``SessionLimits``), ``token`` the bearer token callers
+    must present (None: none), ``kwargs`` the loader's (``loader.local_drafter``)."""
+    servicer = DrafterServicer(limits)
+    return servicer.spec(
+        pb.DESCRIPTOR.services_by_name["DrafterService"], lambda: servicer.load(draft_dir, target_dir, backend, **kwargs), tls=tls, token=token
     )

@@ -22,7 +22,7 @@ from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 
 from kakeya.runtime.auth import authorized
-from kakeya.runtime.lifecycle import RequestError, ServerSpec, workers_for
+from kakeya.runtime.lifecycle import RequestError
 
 
 def _decode(cls, raw: bytes, what: str):
@@ -94,25 +94,3 @@ def add_servicer(server: grpc.Server, servicer, service_descriptor, token: str |
         for m in service_descriptor.methods
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_descriptor.full_name, handlers),))
-
-
-def session_server_spec(name: str, servicer, service_descriptor, load, max_sessions: int, queue: int, *, tls=None,
-                        token: str | None = None, **spec) -> ServerSpec:
-    """The ``ServerSpec`` of a verifier or drafter server: ``servicer`` guarded as above (``token``: the
-    bearer token callers must present), ready when ``servicer.ready``, threads for ``max_sessions``
-    streams + ``queue`` waiting; ``spec``: more ``ServerSpec`` fields."""
-
-    def set_ready(flag: bool) -> None:
-        servicer.ready = flag
-
-    return ServerSpec(
-        name=name,
-        service_names=[service_descriptor.full_name],
-        add_to_server=lambda server: add_servicer(server, servicer, service_descriptor, token),
-        load=load,
-        set_ready=set_ready,
-        max_workers=workers_for(max_sessions, queue),
-        tls=tls,
-        metrics=servicer.metrics,
-        **spec,
-    )

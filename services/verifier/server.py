@@ -23,29 +23,11 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import grpc
 
 from kakeya.core.contract import Draft
-from kakeya.core.prefix import PrefixCache
 from kakeya.runtime import bounds
-from kakeya.runtime.compute import DEFAULT_MAX_BATCH
-from kakeya.runtime.guard import session_server_spec
-from kakeya.runtime.lifecycle import (
-    DEFAULT_IDLE_TIMEOUT_S,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_RECLAIM_IDLE_S,
-    ComputeThread,
-    ServerSpec,
-    SessionRegistry,
-    check_policy,
-    check_token_ids,
-    invalid,
-    policy_from_request,
-    precondition,
-    session_stream,
-    version,
-)
-from kakeya.runtime.metrics import ServerMetrics
+from kakeya.runtime.lifecycle import ServerSpec, check_policy, check_token_ids, invalid, policy_from_request, precondition, version
+from kakeya.runtime.servicer import SessionLimits, SessionServicer
 from kakeya.verifier.batch import verify_batch
 from kakeya.verifier.session import check_proposal
 from kakeya.wire import codec
@@ -69,48 +51,21 @@ def _stats_proto(stats: dict) -> pb.SessionStats:
     )
 
 
-class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
+class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceServicer):
     """Serves one loaded target (``LocalVerifier``) to many concurrent session streams."""
 
-    def __init__(
-        self,
-        max_sessions: int = DEFAULT_MAX_SESSIONS,
-        *,
-        max_kv_bytes: int = 0,
-        queue: int = 0,
-        queue_timeout_s: float = 0.0,
-        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-        max_per_peer: int = 0,
-        reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S,
-        max_context: int = 0,
-        restore: bounds.RestoreSources | None = None,
-        max_batch: int = DEFAULT_MAX_BATCH,
-        prefix_cache_bytes: int = 0,
-    ):
+    role = "verifier"
+    kv_kinds = ("sliding", "full")
+
+    def __init__(self, limits: SessionLimits = SessionLimits(), restore: bounds.RestoreSources | None = None):
         # concurrent sessions' Verify steps that queue up meanwhile run as one batched forward
-        # (batch.verify_batch); a prefill runs one chunk per job, so verifies run between chunks
-        self.compute = ComputeThread("verifier", max_batch)
-        self.registry = SessionRegistry(
-            max_sessions, max_kv_bytes, queue, queue_timeout_s, idle_timeout_s, max_per_peer=max_per_peer,
-            reclaim_idle_s=reclaim_idle_s,
-        )
-        self.metrics = ServerMetrics("verifier")
-        self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
-        self.metrics.track_batches(self.compute)
-        self.metrics.track_kv_bytes(lambda: {"sliding": 0, "full": 0} | self.registry.bytes_by_kind("full"))
+        # (batch.verify_batch); a prefill runs one chunk per job, so verifies run between chunks.
+        # Prefix snapshots live on the device beside the sessions' K/V, outside --max-kv-bytes.
+        super().__init__(limits)
         self.verifier = None  # LocalVerifier, set by load()
-        self.ready = False
-        self.aux_dtype = 0
-        self.device = ""
-        self.max_context_flag = max_context
         self.limits: bounds.ContextLimits | None = None  # set by load(), from the target's config
         self.kv_shape = None  # memory.KVShape: a session's worst-case bytes, before it allocates any
         self.restore = restore or bounds.RestoreSources()
-        # snapshots of finished sessions that later prompts resume from (Prefill.reuse_*, Save); on the device
-        # beside the sessions' K/V, outside --max-kv-bytes
-        self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
-        if self.prefixes is not None:
-            self.metrics.track_prefix_cache(self.prefixes)
 
     # -- loading -----------------------------------------------------------------------
 
@@ -171,11 +126,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     # -- RPCs ----------------------------------------------------------------------------
 
-    def GetInfo(self, request, context):
-        if not self.ready:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is loading its model")
-        return self.info()
-
     def info(self) -> pb.VerifierInfo:
         i = self.verifier.info
         return wire_contract.verifier_info_to_proto(
@@ -229,9 +179,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         alloc = -(-(positions + policy.slack) // 256) * 256
         return int(session_bytes(self.kv_shape, policy, alloc)["total_bytes"])
 
-    def Session(self, request_iterator, context) -> Iterator[pb.VerifierResponse]:
-        yield from session_stream("verifier", self.ready, self.registry, self._serve, request_iterator, context)
-
     def _serve(self, entry, requests) -> Iterator[pb.VerifierResponse]:
         vocab = self.verifier.info.vocab_size
         n_layers = self.verifier.info.num_layers
@@ -242,12 +189,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             kind = req.WhichOneof("request")
             t0 = time.perf_counter()
             if session is None:
-                if kind != "open":
-                    raise precondition(f"the first message of a session must be open, got {kind or 'an empty request'}")
-                try:
-                    bounds.check_request_id(req.open.request_id, "open.request_id")
-                except ValueError as exc:
-                    raise invalid(str(exc)) from None
+                self._check_open(req, kind)
                 if req.open.max_positions < 0:
                     raise invalid(f"open.max_positions must be >= 0 (0: the server's max_context), got {req.open.max_positions}")
                 try:
@@ -388,23 +330,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
 
 def server_spec(
-    target_dir: str | Path,
-    aux_layers: Sequence[int] = (),
-    backend: str = "mlx",
-    max_sessions: int = DEFAULT_MAX_SESSIONS,
-    *,
-    limits: dict | None = None,
-    tls=None,
-    token: str | None = None,
-    **kwargs,
+    target_dir: str | Path, aux_layers: Sequence[int] = (), backend: str = "mlx", limits: SessionLimits = SessionLimits(), *,
+    restore: bounds.RestoreSources | None = None, tls=None, token: str | None = None, **kwargs,
 ) -> ServerSpec:
-    """``limits``: VerifierServicer's keyword arguments (max_kv_bytes, queue, idle_timeout_s, ...);
-    ``token``: the bearer token callers must present (None: none)."""
-    limits = dict(limits or {})
-    servicer = VerifierServicer(max_sessions, **limits)
-
-    return session_server_spec(
-        "verifier", servicer, pb.DESCRIPTOR.services_by_name["VerifierService"], lambda: servicer.load(target_dir, aux_layers, backend, **kwargs),
-        max_sessions, limits.get("queue", 0), tls=tls, token=token,
+    """A verifier server: ``limits`` its sessions' (``SessionLimits``), ``restore`` the f_theta sources
+    sessions may name, ``token`` the bearer token callers must present (None: none), ``kwargs`` the
+    loader's (``loader.local_verifier``)."""
+    servicer = VerifierServicer(limits, restore)
+    return servicer.spec(
+        pb.DESCRIPTOR.services_by_name["VerifierService"], lambda: servicer.load(target_dir, aux_layers, backend, **kwargs), tls=tls, token=token,
         max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES,  # token ids only; answers may be big
     )

@@ -8,8 +8,10 @@ bodies get a 4xx in OpenAI's error shape, never a 500.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -60,6 +62,29 @@ def _client(base):
 
 def _greedy(**kw) -> pb.GenerateRequest:
     return pb.GenerateRequest(sampling_params=pb.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), **kw)
+
+
+def _settle(servicer) -> None:
+    """Wait for the front's runs to end (a stream its client left ends a moment later on the server)."""
+    deadline = time.monotonic() + 30
+    while servicer.active and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _stream_in_flight(servicer, base):
+    """One long streamed completion from 127.0.0.1, open (its first event read) while the block runs."""
+    _settle(servicer)  # an earlier test's run may still be ending on this shared front
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    body = json.dumps({"prompt": [2] + list(range(100, 140)), "max_tokens": 4000, "ignore_eos": True, "stream": True})
+    try:
+        conn.request("POST", "/v1/completions", body, {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and r.readline().startswith(b"data: ")
+        yield
+    finally:
+        conn.close()
+        _settle(servicer)
 
 
 def test_openai_completions_equal_grpc(front):
@@ -217,20 +242,10 @@ def test_grpc_messages_are_checked_and_the_model_says_it_has_a_template(front):
 
 
 def test_a_client_that_leaves_a_stream_cancels_its_run(front):
-    import time
-
     servicer, base = front
-    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
-    body = json.dumps({"prompt": [2] + list(range(100, 140)), "max_tokens": 4000, "ignore_eos": True, "stream": True})
-    conn.request("POST", "/v1/completions", body, {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
-    r = conn.getresponse()
-    assert r.status == 200 and r.readline().startswith(b"data: ")
-    assert servicer.active == 1
-    conn.close()
-    deadline = time.monotonic() + 30
-    while servicer.active and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert servicer.active == 0
+    with _stream_in_flight(servicer, base):
+        assert servicer.active == 1
+    assert servicer.active == 0  # the client closed its connection: the run ended
     aborted = servicer.metrics.registry.get_sample_value("kakeya_request_success_total", {"finished_reason": "abort"})
     assert aborted == 1  # cancelled, not run to its 4000 tokens
 
@@ -245,50 +260,32 @@ def test_not_ready_is_503_and_a_full_server_429(front):
     finally:
         servicer.ready = True
     limit, servicer.max_sessions = servicer.max_sessions, 1  # --max-sessions 1, with one stream in flight
-    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
-    body = json.dumps({"prompt": [2, 40, 41], "max_tokens": 4000, "ignore_eos": True, "stream": True})
     try:
-        conn.request("POST", "/v1/completions", body, {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
-        assert conn.getresponse().status == 200
-        status, answer = _post(base, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
-        assert status == 429 and answer["error"]["type"] == "rate_limit_error"
+        with _stream_in_flight(servicer, base):
+            status, answer = _post(base, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
+            assert status == 429 and answer["error"]["type"] == "rate_limit_error"
     finally:
-        conn.close()
         servicer.max_sessions = limit
 
 
 def test_per_peer_cap_counts_http_and_grpc_calls_of_one_host_together(front):
     """--max-sessions-per-peer: an HTTP stream in flight from 127.0.0.1 takes that host's one slot, so a second
     HTTP request (429) and a gRPC call from the same address are refused; another host is admitted."""
-    import time
-
     import grpc
 
     from kakeya.runtime.lifecycle import RequestError
 
     servicer, base = front
-
-    def settle():  # an earlier test's run (a stream its client left) may still be ending on this shared front
-        deadline = time.monotonic() + 30
-        while servicer.active and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    settle()
     limit, servicer.max_sessions_per_peer = servicer.max_sessions_per_peer, 1
-    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
-    body = json.dumps({"prompt": [2, 40, 41], "max_tokens": 4000, "ignore_eos": True, "stream": True})
     try:
-        conn.request("POST", "/v1/completions", body, {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
-        assert conn.getresponse().status == 200
-        status, answer = _post(base, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
-        assert status == 429 and "--max-sessions-per-peer" in answer["error"]["message"]
-        with pytest.raises(RequestError) as refused:
-            next(servicer.stream(_greedy(text=PROMPT), HttpCall("ipv4:127.0.0.1:50999")))
-        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert len(_grpc_ids(servicer, _greedy(text=PROMPT))) == 24  # HttpCall(): another peer, admitted
+        with _stream_in_flight(servicer, base):
+            status, answer = _post(base, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
+            assert status == 429 and "--max-sessions-per-peer" in answer["error"]["message"]
+            with pytest.raises(RequestError) as refused:
+                next(servicer.stream(_greedy(text=PROMPT), HttpCall("ipv4:127.0.0.1:50999")))
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert len(_grpc_ids(servicer, _greedy(text=PROMPT))) == 24  # HttpCall(): another peer, admitted
     finally:
-        conn.close()
-        settle()
         servicer.max_sessions_per_peer = limit
 
 

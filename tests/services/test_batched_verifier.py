@@ -18,6 +18,7 @@ importlib.import_module("torch")
 
 from kakeya.core.contract import CachePolicy, Draft  # noqa: E402
 from kakeya.orchestrator.remote import GrpcVerifier  # noqa: E402
+from kakeya.runtime.servicer import SessionLimits  # noqa: E402
 from kakeya.verifier import server as verifier_server  # noqa: E402
 from kakeya.verifier.session import PREFILL_CHUNK, VerifierSession  # noqa: E402
 from kakeya.wire.kakeya.v1 import verifier_pb2_grpc  # noqa: E402
@@ -37,7 +38,7 @@ def served(tiny_pair, aux_layers):
     from kakeya.verifier.torch_backend.target import torch_verifier
 
     torch.set_num_threads(1)
-    v = VerifierServicer(max_batch=16)
+    v = VerifierServicer(SessionLimits(max_batch=16))
     v.compute.run(v._setup, lambda: torch_verifier(tiny_pair.target, aux_layers), tiny_pair.target, tuple(aux_layers))
     v.ready = True
     server = grpc.server(ThreadPoolExecutor(16), options=server_options())
@@ -161,7 +162,7 @@ def test_max_batch_flag_reaches_the_verifier_and_serve_all_children():
     from kakeya.app.main import build_parser
 
     args = build_parser().parse_args(["serve", "verifier", "--max-batch", "3"])
-    assert serve_flags.session_limits(args)["max_batch"] == 3
+    assert serve_flags.session_limits(args).max_batch == 3
     assert build_parser().parse_args(["serve", "verifier"]).max_batch == 16
     with pytest.raises(ValueError, match="--max-batch"):
         serve_flags.session_limits(build_parser().parse_args(["serve", "verifier", "--max-batch", "0"]))
@@ -174,6 +175,6 @@ def test_max_batch_flag_reaches_the_verifier_and_serve_all_children():
     assert "--max-batch" not in serve_flags.child_argv(a, "orchestrator", "token")
     from kakeya.verifier.server import VerifierServicer
 
-    s = VerifierServicer(max_batch=1)
+    s = VerifierServicer(SessionLimits(max_batch=1))
     assert s.compute.max_batch == 1
     s.compute.shutdown()

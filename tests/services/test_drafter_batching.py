@@ -19,6 +19,7 @@ import pytest
 from kakeya.core.contract import COUPLED, REJECTION, SamplingParams
 from kakeya.orchestrator.deadlines import StepClock
 from kakeya.orchestrator.remote import GrpcDrafter
+from kakeya.runtime.servicer import SessionLimits
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc
 from kakeya.wire.limits import server_options
 
@@ -42,7 +43,7 @@ def server(request, tiny_pair):
     from kakeya.drafter.server import DrafterServicer
 
     backend = request.param
-    d = DrafterServicer(max_batch=8)
+    d = DrafterServicer(SessionLimits(max_batch=8))
     d.compute.run(d._setup, lambda: _drafter(backend, tiny_pair), str(tiny_pair.draft), str(tiny_pair.target), backend)
     d.ready = True
     srv = grpc.server(ThreadPoolExecutor(16), options=server_options())
@@ -122,7 +123,7 @@ def test_max_batch_flag_reaches_the_drafter_and_the_children_of_serve_all():
     p = build_parser()
     assert p.parse_args(["serve", "drafter"]).max_batch == 16
     args = p.parse_args(["serve", "drafter", "--max-batch", "3"])
-    d = DrafterServicer(args.max_sessions, **serve_flags.session_limits(args))
+    d = DrafterServicer(serve_flags.session_limits(args))
     assert d.compute.max_batch == 3
     d.compute.shutdown()
     with pytest.raises(ValueError, match="--max-batch must be >= 1"):

@@ -1,0 +1,108 @@
+"""What the verifier's and the drafter's servicers share: their limits and the parts built from them.
+
+A session server (``verifier/server.py``, ``drafter/server.py``) is one :class:`SessionLimits` turned
+into one ``ComputeThread`` (all model work, batched), one ``SessionRegistry`` (admission and idle
+expiry), one ``ServerMetrics`` and, with a budget, one ``PrefixCache``. Both answer ``GetInfo`` and
+open ``Session`` streams only once loaded, and both become a ``ServerSpec`` the same way. The
+subclasses add their model: ``load``, ``info`` and ``_serve`` (one stream's messages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from kakeya.core.prefix import PrefixCache
+from kakeya.runtime.admission import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S, SessionRegistry
+from kakeya.runtime.compute import DEFAULT_MAX_BATCH, ComputeThread
+from kakeya.runtime.guard import add_servicer
+from kakeya.runtime import bounds
+from kakeya.runtime.lifecycle import ServerSpec, invalid, precondition, session_stream, workers_for
+from kakeya.runtime.metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """A session server's limits: the ``serve verifier`` / ``serve drafter`` flags (``app/flags.session_limits``).
+    0 means "none" for every byte, count and time limit below."""
+
+    max_sessions: int = DEFAULT_MAX_SESSIONS  # live sessions (streams) at once
+    max_kv_bytes: int = 0  # cache bytes all live sessions may hold together
+    queue: int = 0  # Opens that may wait for a free session
+    queue_timeout_s: float = 0.0  # how long one may wait
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # a session whose client sends nothing this long ends
+    max_per_peer: int = 0  # live sessions one peer may hold
+    reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S  # when full, a session idle this long is reclaimed for a new one
+    max_context: int = 0  # positions a session may hold (0: the model's max_position_embeddings)
+    max_batch: int = DEFAULT_MAX_BATCH  # queued steps of concurrent sessions run as one forward, up to this many
+    prefix_cache_bytes: int = 0  # snapshots of finished sessions later prompts resume from
+
+
+class SessionServicer:
+    """The shared half of a verifier or drafter servicer (see the module docstring)."""
+
+    role = ""  # "verifier" / "drafter": names its compute thread, metrics and errors
+    kv_kinds: tuple[str, ...] = ()  # the kinds of cache bytes its sessions hold; the last is the default
+
+    def __init__(self, limits: SessionLimits = SessionLimits()):
+        self.compute = ComputeThread(self.role, limits.max_batch)
+        self.registry = SessionRegistry(
+            limits.max_sessions, limits.max_kv_bytes, limits.queue, limits.queue_timeout_s, limits.idle_timeout_s,
+            max_per_peer=limits.max_per_peer, reclaim_idle_s=limits.reclaim_idle_s,
+        )  # fmt: skip
+        self.max_context_flag = limits.max_context  # load() bounds it by the model's own
+        self.metrics = ServerMetrics(self.role)
+        self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
+        self.metrics.track_batches(self.compute)
+        self.metrics.track_kv_bytes(lambda: dict.fromkeys(self.kv_kinds, 0) | self.registry.bytes_by_kind(self.kv_kinds[-1]))
+        self.prefixes = PrefixCache(limits.prefix_cache_bytes) if limits.prefix_cache_bytes else None
+        if self.prefixes is not None:
+            self.metrics.track_prefix_cache(self.prefixes)
+        self.ready = False  # set by run_server once load() has warmed the model up
+        self.aux_dtype = 0  # the wire dtype of the aux hidden states, set by load()
+        self.device = ""  # where the model runs, set by load()
+
+    def info(self):
+        raise NotImplementedError
+
+    def _serve(self, entry, requests):
+        raise NotImplementedError
+
+    @staticmethod
+    def _check_open(req, kind: str | None) -> None:
+        """A session stream's first message must be an ``open`` with a well-formed ``request_id``."""
+        if kind != "open":
+            raise precondition(f"the first message of a session must be open, got {kind or 'an empty request'}")
+        try:
+            bounds.check_request_id(req.open.request_id, "open.request_id")
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+
+    def GetInfo(self, request, context):
+        if not self.ready:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} is loading its model")
+        return self.info()
+
+    def Session(self, request_iterator, context):
+        yield from session_stream(self.role, self.ready, self.registry, self._serve, request_iterator, context)
+
+    def spec(self, service_descriptor, load, *, tls=None, token: str | None = None, **spec) -> ServerSpec:
+        """This servicer's ``ServerSpec``: registered through ``guard.add_servicer`` (``token``: the bearer
+        token callers must present; None: none), ``load`` (no arguments) loads its model, ready once
+        loaded, threads for ``max_sessions`` streams + ``queue`` waiting; ``spec``: more ``ServerSpec`` fields."""
+
+        def set_ready(flag: bool) -> None:
+            self.ready = flag
+
+        return ServerSpec(
+            name=self.role,
+            service_names=[service_descriptor.full_name],
+            add_to_server=lambda server: add_servicer(server, self, service_descriptor, token),
+            load=load,
+            set_ready=set_ready,
+            max_workers=workers_for(self.registry.max_sessions, self.registry.queue),
+            tls=tls,
+            metrics=self.metrics,
+            **spec,
+        )
