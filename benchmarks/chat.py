@@ -18,6 +18,15 @@ and whether their outputs are identical. Greedy (temperature 0). The goal this
 measures (issue "Chat the way clients already speak"): on turns 2.. the cached
 share >= 0.9, identical output and acceptance, TTFT <= 0.3x cold.
 
+Then ``--concurrent`` conversations at once (16 by default; each its own
+system message and order of user messages, ``--turns`` turns of
+``--concurrent-max-tokens``) through a third engine whose prefix cache has a
+small budget (``--concurrent-budget-bytes``; default: four snapshots of the
+sequential chat's mean size), so chats evict each other's snapshots. Reported:
+the cache's high-water mark against its budget (the goal: never above it), its
+evictions and hits, and whether every turn's output and acceptance equal a
+cold engine's on the same prompt.
+
 Writes ``benchmarks/results/chat.json`` (``--out``).
 """
 
@@ -61,6 +70,59 @@ def timed(engine, req) -> tuple[float, object]:
     return ttft, run.result
 
 
+def concurrent_chats(make_engine, cold, codec, args) -> dict:
+    """``args.concurrent`` conversations at once through the engine ``make_engine()`` builds, on one compute
+    thread as a server runs them (MLX arrays stay on the thread that made them), then every turn again on
+    ``cold``; the prefix cache's budget, high-water mark and counters."""
+    import threading
+
+    from kakeya.core.contract import Request
+    from kakeya.orchestrator.engine import RunOptions
+    from kakeya.runtime.compute import ComputeThread
+
+    compute = ComputeThread("chat-benchmark")
+    engine = compute.run(make_engine)
+    options = RunOptions(step=compute.run)
+    results, errors = {}, []
+
+    def chat(k: int) -> None:
+        messages, turns = ([] if args.no_system else [{"role": "system", "content": SYSTEM}]), []
+        try:
+            for t in range(args.turns):
+                text = USER[(k + t) % len(USER)]
+                messages.append({"role": "user", "content": f"Session {k}. {text}" if t == 0 else text})
+                prompt = codec.encode_chat(messages)
+                gen = engine.generate(Request(list(prompt), args.concurrent_max_tokens, args.block_size), options)
+                turns.append(gen)
+                messages.append({"role": "assistant", "content": codec.decode(gen.token_ids)})
+        except Exception as exc:  # noqa: BLE001 -- reported in the results
+            errors.append(f"chat {k}: {exc}")
+        results[k] = turns
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=chat, args=(k,)) for k in range(args.concurrent)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    compute.shutdown()
+    identical = True
+    for turns in results.values():
+        for gen in turns:
+            again = cold.generate(Request(list(gen.prompt_ids), args.concurrent_max_tokens, args.block_size))
+            identical &= gen.token_ids == again.token_ids and gen.acceptance_lengths == again.acceptance_lengths
+    gens = [g for turns in results.values() for g in turns]
+    stats = engine.verifier.prefixes.stats()
+    return {
+        "chats": args.concurrent, "turns": args.turns, "max_tokens": args.concurrent_max_tokens,
+        "wall_s": round(wall, 2), "errors": errors[:3],
+        "prompt_tokens": sum(len(g.prompt_ids) for g in gens), "cached_tokens": sum(g.cached_tokens for g in gens),
+        "identical_to_cold": identical, "prefix_cache": stats,
+        "within_budget": stats["peak_bytes"] <= stats["budget_bytes"],
+    }  # fmt: skip
+
+
 def main(argv=None) -> int:
     from kakeya.core.contract import Request
     from kakeya.core.prefix import PrefixCache
@@ -77,6 +139,10 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=8, help="0: auto (adaptive, which learns across requests)")
     ap.add_argument("--rounds", type=int, default=3, help="timed runs per turn and engine (medians reported)")
     ap.add_argument("--prefix-cache-bytes", type=int, default=1 << 30)
+    ap.add_argument("--concurrent", type=int, default=16, help="conversations at once in the budget phase (0: none)")
+    ap.add_argument("--concurrent-max-tokens", type=int, default=64, help="per answer, in the budget phase")
+    ap.add_argument("--concurrent-budget-bytes", type=int, default=0,
+                    help="the budget phase's prefix cache (0: four snapshots of the sequential chat's mean size)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     if not 1 <= args.turns <= len(USER):
@@ -118,17 +184,28 @@ def main(argv=None) -> int:
         print(json.dumps(turns[-1]), flush=True)
         messages.append({"role": "assistant", "content": codec.decode(hit.token_ids)})
 
+    crowd = None
+    if args.concurrent:
+        held = prefixes.stats()
+        budget = args.concurrent_budget_bytes or 4 * held["bytes"] // max(1, held["entries"])
+        print(f"{args.concurrent} conversations at once, prefix cache budget {budget} bytes ...", file=sys.stderr, flush=True)
+        crowd = concurrent_chats(lambda: build_local_engine(*pair, prefixes=PrefixCache(budget), **kw), cold, codec, args)
+        print(json.dumps(crowd), flush=True)
+
     later = turns[1:]
     result = {
         "benchmark": "chat", "target": cached.target, "draft": cached.draft, "backend": cached.verifier.info.backend,
         "device": cached.device, "machine": platform.machine(),
         "turns": turns, "max_tokens": args.max_tokens, "block_size": args.block_size, "rounds": args.rounds,
         "prefix_cache": prefixes.stats(),
+        "concurrent": crowd,
         "goals": {
             "cached_share_min": min((x["cached_share"] for x in later), default=None),
             "ttft_ratio_max": max((x["ttft_ratio"] for x in later), default=None),
             "identical_output": all(x["identical_output"] for x in turns),
             "acceptance_equal": all(x["acceptance_lengths_equal"] for x in turns),
+            "concurrent_within_budget": None if crowd is None else crowd["within_budget"],
+            "concurrent_identical": None if crowd is None else crowd["identical_to_cold"] and not crowd["errors"],
         },
         "command": "python benchmarks/chat.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }  # fmt: skip

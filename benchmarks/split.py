@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from wire import start, stop  # noqa: E402  (benchmarks/wire.py: the server processes)
 
+from kakeya.app.options import DEFAULT_PROMPT  # noqa: E402
 from kakeya.orchestrator.engine import Request, RunOptions  # noqa: E402
 
 MODES = ("colocated", "split", "split_predraft")
@@ -209,25 +210,30 @@ def main(argv=None):
     ap.add_argument("--draft")
     ap.add_argument("--backend", default="auto", help="mlx, torch or auto (the fastest here), for every process alike")
     ap.add_argument("--device", help="torch: cpu or cuda")
-    ap.add_argument("--prompt", default="import os\nimport sys\n\ndef main(argv):\n    ")
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="default: README command 1's")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 0], help="0: auto")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 8, 16])
     ap.add_argument("--stream-requests", type=int, default=2, help="generations per stream, back to back")
     ap.add_argument("--stream-block-size", type=int, default=8)
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch CPU threads of every process alike (default: the product's: 1 for the demo pair on a CPU)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split.json"))
     args = ap.parse_args(argv)
 
     from kakeya.checkpoints.tiny import demo_pair
-    from kakeya.orchestrator.assembly import build_local_engine, resolve_backend, split_engine
+    from kakeya.orchestrator.assembly import build_local_engine, resolve_backend, set_torch_threads, split_engine
 
-    if args.target is None:
+    embedded = args.target is None
+    if embedded:
         pair = demo_pair()
         args.target, args.draft = str(pair.target), str(pair.draft)
     backend, device = resolve_backend(args.backend, args.device)
+    threads = set_torch_threads(args.torch_threads, device, embedded) if backend == "torch" else None
     local = build_local_engine(args.target, args.draft, backend, device)
     where = ["--backend", backend] + (["--device", device] if backend == "torch" and device else [])
+    where += ["--torch-threads", str(threads or 0)] if backend == "torch" else []
     pair_args = ["--target", args.target, "--draft", args.draft, *where]
     prompt = local.codec.encode(args.prompt)
     stream_prompts = [local.codec.encode(f"{args.prompt}# part {k}\n    ") for k in range(8)]
@@ -272,6 +278,7 @@ def main(argv=None):
         "draft": local.draft,
         "backend": local.verifier.info.backend,
         "device": local.device,
+        "torch_threads": threads or "torch's default",
         "prompt_tokens": len(prompt),
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,

@@ -73,6 +73,7 @@ class PrefixCache:
         self._by_boundary: dict[bytes, set[tuple]] = {}  # hash of the last boundary -> keys of its entries
         self._boundary: dict[tuple, bytes] = {}  # key -> the hash it is filed under
         self.bytes = 0
+        self.peak_bytes = 0  # the most bytes ever held at once: the budget's proof under load
         # counters (read by the metrics): lookups that found something / nothing, prompt tokens not recomputed
         self.hits = self.misses = self.tokens_reused = self.insertions = self.evictions = 0
 
@@ -98,6 +99,7 @@ class PrefixCache:
             boundary = self._boundary[key] = block_hashes(ids, namespace)[-1]
             self._by_boundary.setdefault(boundary, set()).add(key)
             self.bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
             self.insertions += 1
             return True
 
@@ -141,7 +143,7 @@ class PrefixCache:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
-                "bytes": self.bytes, "budget_bytes": self.budget, "entries": len(self._entries), "hits": self.hits,
+                "bytes": self.bytes, "peak_bytes": self.peak_bytes, "budget_bytes": self.budget, "entries": len(self._entries), "hits": self.hits,
                 "misses": self.misses, "tokens_reused": self.tokens_reused, "insertions": self.insertions,
                 "evictions": self.evictions,
             }  # fmt: skip

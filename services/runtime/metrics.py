@@ -63,7 +63,7 @@ class _Total:
 class _PrefixCacheMetrics:
     """A prefix cache's (``core/prefix.py``) series, from one ``stats()`` per scrape."""
 
-    GAUGES = {"bytes": "bytes of snapshots held", "budget_bytes": "the byte budget (--prefix-cache-bytes)",
+    GAUGES = {"bytes": "bytes of snapshots held", "peak_bytes": "the most bytes of snapshots ever held at once", "budget_bytes": "the byte budget (--prefix-cache-bytes)",
               "entries": "snapshots held"}  # fmt: skip
     COUNTERS = {"hits": "prompts resumed from a snapshot", "misses": "prompts looked up and prefilled cold",
                 "tokens_reused": "prompt tokens resumed instead of prefilled", "insertions": "snapshots kept",

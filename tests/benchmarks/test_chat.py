@@ -15,10 +15,15 @@ def test_a_short_chat_is_measured_cached_and_cold(tmp_path, tiny_pair):
     spec.loader.exec_module(mod)
     out = tmp_path / "chat.json"
     argv = ["--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft), "--backend", "mlx", "--turns", "2",
-            "--max-tokens", "12", "--rounds", "2", "--no-system", "--out", str(out)]  # fmt: skip
+            "--max-tokens", "12", "--rounds", "2", "--no-system", "--concurrent", "3",
+            "--concurrent-max-tokens", "8", "--out", str(out)]  # fmt: skip
     assert mod.main(argv) == 0
     result = json.loads(out.read_text())
     first, second = result["turns"]
     assert first["cached_tokens"] == [0, 0] and second["prompt_tokens"] > first["prompt_tokens"]
     assert result["goals"]["identical_output"] and result["goals"]["acceptance_equal"]
     assert result["prefix_cache"]["insertions"] > 0 and result["command"].startswith("python benchmarks/chat.py")
+    crowd = result["concurrent"]  # three chats at once in a budget of four snapshots
+    assert crowd["chats"] == 3 and not crowd["errors"] and crowd["identical_to_cold"]
+    assert 0 < crowd["prefix_cache"]["peak_bytes"] <= crowd["prefix_cache"]["budget_bytes"] and crowd["within_budget"]
+    assert crowd["cached_tokens"] > 0

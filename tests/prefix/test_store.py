@@ -52,6 +52,7 @@ def test_the_budget_is_never_exceeded_and_the_least_recently_used_goes_first():
     assert cache.find("v", b + [0]) == [] and cache.find("v", a + [0]) and cache.find("v", c + [0])
     assert not cache.put("v", [4] * 20, "too big", 101)
     assert cache.stats()["evictions"] == 1 and cache.bytes <= 100
+    assert cache.stats()["peak_bytes"] == 80  # evicting b made room before c went in: never 120
 
 
 def test_the_same_ids_are_kept_once():
@@ -92,4 +93,4 @@ def test_concurrent_puts_and_finds_stay_within_budget():
     for t in threads:
         t.join()
     assert not errors
-    assert cache.bytes <= 1000 and cache.bytes == sum(e.nbytes for e in cache._entries.values())
+    assert cache.bytes <= cache.peak_bytes <= 1000 and cache.bytes == sum(e.nbytes for e in cache._entries.values())

@@ -83,6 +83,7 @@ def test_the_caches_show_in_info_and_metrics(servers):
     v, d, o = _metrics(servers["verifier"]), _metrics(servers["drafter"]), _metrics(servers["split"])
     assert _value(v, "kakeya_prefix_cache_budget_bytes") == 64 * 2**20
     assert 0 < _value(v, "kakeya_prefix_cache_bytes") <= 64 * 2**20 and _value(v, "kakeya_prefix_cache_entries") >= 1
+    assert _value(v, "kakeya_prefix_cache_bytes") <= _value(v, "kakeya_prefix_cache_peak_bytes") <= 64 * 2**20
     assert _value(v, "kakeya_prefix_cache_misses_total") >= 1
     assert _value(d, "kakeya_prefix_cache_insertions_total") >= 1
     assert "kakeya_prompt_tokens_cached_total" in o
