@@ -15,8 +15,14 @@ seen the drafter's trained block size is used. A position short blocks never
 reach takes the rate of the position before it as its prior (not the pooled
 rate, which the first positions dominate: a drafter whose later positions
 accept as well as its first would otherwise look worse the longer its blocks,
-and the sizer would talk itself into short ones), and every ``explore_every``
-blocks one block is drafted at full length so that prior keeps being tested.
+and the sizer would talk itself into short ones), and now and then one block
+is drafted at full length so that prior keeps being tested. How often is set
+by what it costs: a full-length block is due once the blocks since the last
+one have taken ``1 / explore_share`` times its extra cost over the size the
+model chose, so exploring takes about ``explore_share`` of the decode time on
+every backend. (A fixed every-16th-block spent 1 % of the time where a block of
+16 costs about one of 8, torch on a CPU, and 10 % on MLX's CPU backend, where
+it costs 2.7 blocks of 4.)
 
 Only token counts and timings go in, so this knows no backend and changes no
 token: the loop is lossless at every block size, whichever is chosen.
@@ -35,6 +41,7 @@ PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the po
 COST_EMA = 0.2  # weight of a new timing in a size's running cost
 SPIKE_CAP = 2.0  # a new timing counts as at most this many times the running cost
 WARM_BLOCKS = 4  # blocks drafted at the trained size before the model of E(L)/t(L) takes over
+EXPLORE_SHARE = 0.02  # the share of decode time full-length blocks may take beyond the chosen size's cost
 
 
 @dataclass
@@ -108,11 +115,11 @@ class BlockSizer:
     """One generation's block-size choice; ``choose`` before a block, ``observe`` after it."""
 
     def __init__(self, costs: CostCurve, chain: AcceptanceChain | None = None, max_size: int = MAX_BLOCK_SIZE,
-                 explore_every: int = 16, initial: int = 0):
+                 explore_share: float = EXPLORE_SHARE, initial: int = 0):
         self.costs, self.chain = costs, chain or AcceptanceChain()
-        self.max_size, self.explore_every = max_size, explore_every
+        self.max_size, self.explore_share = max_size, explore_share  # 0: never explore
         self.initial = initial  # the size to use until a few blocks were seen (0: the model's choice from the start)
-        self.blocks = 0
+        self.since_explore = 0.0  # the cost curve's seconds of the blocks since the last full-length one
 
     def throughput(self, size: int) -> float:
         return self.chain.expected_tokens(size) / self.costs(size)
@@ -125,9 +132,6 @@ class BlockSizer:
         return sorted(set(measured) | {self.max_size}) if measured else list(range(1, self.max_size + 1))
 
     def choose(self) -> int:
-        self.blocks += 1
-        if self.explore_every and self.blocks % self.explore_every == 0:
-            return self.max_size
         if self.initial and self.chain.reached[0] < WARM_BLOCKS:
             return min(self.initial, self.max_size)  # no acceptance seen yet: trust the drafter's training
         rates = self.chain.rates()  # once per block: E(L) for every L is one running product
@@ -137,10 +141,15 @@ class BlockSizer:
             if size - 1 < len(rates):
                 run *= rates[size - 1]
                 total += run
-        return max(self.candidates(), key=lambda size: expected[size] / self.costs(size))
+        best = max(self.candidates(), key=lambda size: expected[size] / self.costs(size))
+        extra = self.costs(self.max_size) - self.costs(best)  # what one full-length block costs beyond it
+        if self.explore_share and best != self.max_size and self.since_explore * self.explore_share >= extra:
+            return self.max_size
+        return best
 
     def observe(self, block: Block) -> None:
         size = block.drafted + 1
+        self.since_explore = 0.0 if size == self.max_size else self.since_explore + self.costs(size)
         self.chain.observe(block.drafted, block.accepted)
         if block.total_s > 0 and (size in self.costs.seconds or size == self.max_size or not self.costs.seconds):
             # only the sizes it chooses from: a block cut short by max_tokens would add a size the

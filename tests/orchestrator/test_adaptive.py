@@ -46,7 +46,7 @@ def _sizer(rate_accepted: int, costs: dict) -> BlockSizer:
     chain = AcceptanceChain()
     for _ in range(200):
         chain.observe(drafted=15, accepted=rate_accepted)
-    return BlockSizer(CostCurve(costs), chain, explore_every=0)
+    return BlockSizer(CostCurve(costs), chain, explore_share=0)
 
 
 def test_choice_follows_cost_and_acceptance():
@@ -60,15 +60,29 @@ def test_choice_follows_cost_and_acceptance():
     assert mid.choose() == 4
 
 
-def test_exploration_drafts_a_full_block_now_and_then():
-    s = _sizer(0, {1: 1.0, 16: 16.0})
-    s.explore_every = 4
-    sizes = [s.choose() for _ in range(8)]
-    assert sizes.count(16) == 2 and sizes.count(1) == 6
+def _explored(sizer, blocks: int, share: float = 0.02) -> list[int]:
+    """The sizes ``sizer`` chooses for ``blocks`` blocks, each observed at its curve's cost, nothing accepted."""
+    sizer.explore_share, sizes = share, []
+    for _ in range(blocks):
+        size = sizer.choose()
+        sizer.observe(Block([0] * size, drafted=size - 1, accepted=0, draft_s=0.0, verify_s=sizer.costs(size), total_s=sizer.costs(size)))
+        sizes.append(size)
+    return sizes
+
+
+def test_exploration_takes_its_share_of_time_whatever_a_full_block_costs():
+    cheap = _explored(_sizer(0, {1: 1.0, 16: 1.1}), 200)  # a full block costs 0.1 more than the choice
+    dear = _explored(_sizer(0, {1: 1.0, 16: 16.0}), 200)  # ... 15 more
+    for sizes, extra in ((cheap, 0.1), (dear, 15.0)):
+        spent = sum(1.0 + (extra if s == 16 else 0.0) for s in sizes)
+        assert sizes.count(16) * extra <= 0.02 * spent + extra  # at most its share, give or take one block
+    assert cheap.count(16) >= 20 and dear.count(16) == 0  # where it is cheap it explores often; never at 15x
+    assert _explored(_sizer(0, {1: 1.0, 16: 16.0}), 1000).count(16) == 1  # ... until 750 blocks paid for one
+    assert 16 not in _explored(_sizer(0, {1: 1.0, 16: 1.1}), 200, share=0)  # 0: never
 
 
 def test_observe_learns_cost_and_acceptance_from_blocks():
-    s = BlockSizer(CostCurve({4: 1.0}), explore_every=0)
+    s = BlockSizer(CostCurve({4: 1.0}), explore_share=0)
     s.observe(Block([1, 2, 3, 4], drafted=3, accepted=3, draft_s=0.5, verify_s=0.5, total_s=1.0))
     assert s.chain.reached[:3] == [1, 1, 1]
     assert s.costs(4) == pytest.approx(1.0)
@@ -79,7 +93,7 @@ def test_observe_learns_cost_and_acceptance_from_blocks():
 @pytest.mark.parametrize("wrong_every", [None, 2, 5])
 def test_adaptive_blocks_are_lossless_and_vary(wrong_every):
     v = ScriptedVerifier(3, CONT)
-    sizer = BlockSizer(CostCurve({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4}), explore_every=5)
+    sizer = BlockSizer(CostCurve({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4}), explore_share=0.5)
     g = run(v, ScriptedDrafter(v, wrong_every=wrong_every), [1, 2, 3], max_tokens=150, block_size=sizer)
     assert g.token_ids == CONT[:150]
     sizes = {b.drafted + 1 for b in g.blocks[1:]}
@@ -106,7 +120,7 @@ def test_unreached_positions_inherit_the_rate_before_them_not_the_pooled_one():
     assert rates[0] == pytest.approx(0.5, abs=0.02) and rates[2] > 0.95
     assert rates[3] == rates[2] == rates[15]  # never reached: the last reached position's rate
     assert rates[15] > chain.pooled() + 0.15  # the pooled rate would have said longer blocks don't pay
-    sizer = BlockSizer(CostCurve({1: 1.0, 4: 1.2, 16: 2.0}), chain, explore_every=0)
+    sizer = BlockSizer(CostCurve({1: 1.0, 4: 1.2, 16: 2.0}), chain, explore_share=0)
     assert sizer.choose() == 16
 
 
@@ -149,4 +163,4 @@ def test_choice_is_among_measured_sizes_and_the_largest_allowed():
     assert s.candidates() == [1, 4, 8, 16]
     s.max_size = 12
     assert s.candidates() == [1, 4, 8, 12] and s.choose() == 12
-    assert BlockSizer(CostCurve(), explore_every=0, max_size=4).candidates() == [1, 2, 3, 4]  # nothing measured yet
+    assert BlockSizer(CostCurve(), explore_share=0, max_size=4).candidates() == [1, 2, 3, 4]  # nothing measured yet
