@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gpu_projection import GEMMA4_26B_A4B, MAX_L, hbm_bandwidth
+from gemma4_26b import GEMMA4_26B_A4B, MAX_L, hbm_bandwidth
 
 from kakeya.backends.torch import ops
 from kakeya.core.contract import FULL, SLIDING
