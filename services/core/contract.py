@@ -40,6 +40,12 @@ MAX_BLOCK_SIZE = 16
 Aux = Any  # [n_positions, len(target_layer_ids) * hidden] in the backend's own array type
 
 
+class AuxChunks(tuple):
+    """Several aux, in order, handed to a drafter as one ``new_aux``: the blocks the loop committed
+    without drafting (size 1) since the drafter's last call. A drafter reads them as their rows
+    concatenated; a tuple subclass, so no backend's array is ever mistaken for one."""
+
+
 def check_block_size(block_size: int) -> None:
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block_size must be between 1 and {MAX_BLOCK_SIZE}, got {block_size}")
@@ -366,7 +372,7 @@ class DrafterSession(Protocol):
         proposal q'_i and its :class:`Draft` carries the proposals.
 
         ``new_aux`` holds the aux of every position committed since the last
-        call (the whole prompt on the first call). ``last_token`` is the newest
+        call (the whole prompt on the first call): one aux, or :class:`AuxChunks`. ``last_token`` is the newest
         committed token, which the verifier has not seen yet: it opens the block.
         """
 
