@@ -457,6 +457,7 @@ class Block:
     verify_s: float = 0.0  # the verifier's one step: verify and commit
     total_s: float = 0.0
     predrafted: bool = False  # its candidates were pre-drafted while the block before it was verified
+    caught_up: int = 0  # blocks of 1 before it whose aux its draft took too (its draft_s holds their extension)
 
 
 @dataclass

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, Block, Draft
+from kakeya.core.contract import MAX_BLOCK_SIZE, AuxChunks, Block, Draft
 
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the pooled rate)
 COST_EMA = 0.2  # weight of a new timing in a size's running cost
@@ -151,6 +151,10 @@ class BlockSizer:
         size = block.drafted + 1
         self.since_explore = 0.0 if size == self.max_size else self.since_explore + self.costs(size)
         self.chain.observe(block.drafted, block.accepted)
+        if block.caught_up:
+            # its draft also extended the context by the blocks of 1 before it: a cost of theirs, which
+            # charged to this size made it look dear, so the sizer chose 1 again, and so on
+            return
         if block.total_s > 0 and (size in self.costs.seconds or size == self.max_size or not self.costs.seconds):
             # only the sizes it chooses from: a block cut short by max_tokens would add a size the
             # sizer then picks on one lucky timing
@@ -204,14 +208,19 @@ def measure_costs(verifier, drafter, sizes: Sequence[int] = (1, 2, 4, 8, 16), re
     timed: set[int] = set()  # sizes run once untimed (first pass), then measured (second)
     try:
         last, aux = vs.prefill(prompt)
+        unseen = [aux]  # the aux the drafter has not had: a block of 1 calls no drafter, as in the loop
         for size in [s for s in sizes if s == 1 or ds is not None] * 2:
             times = []
             for _ in range(repeats if size in timed else 1):
                 t0 = clock()
-                draft = ds.draft(aux, last, size) if ds is not None else Draft(())  # size 1: the context still grows
+                draft = Draft(())
+                if ds is not None and size > 1:
+                    draft = ds.draft(unseen[0] if len(unseen) == 1 else AuxChunks(unseen), last, size)
+                    unseen = []
                 verdict = vs.decide(last, draft)
                 times.append(clock() - t0)
-                aux, last = verdict.aux, verdict.next_token
+                unseen.append(verdict.aux)
+                last = verdict.next_token
             if size in timed:
                 curve.seconds[size] = min(times)
             timed.add(size)

@@ -122,6 +122,7 @@ class _Drafts:
         self.committed(prompt_aux)
         self.ahead: _Ahead | None = None
         self.want: int | None = None
+        self.caught_up = 0  # the last draft's: blocks of 1 whose aux it took as well
 
     def committed(self, aux) -> None:
         """The aux of newly committed positions, for the next drafter call."""
@@ -144,6 +145,7 @@ class _Drafts:
         pre-draft when it guessed right (True), else a fresh one."""
         ahead, self.ahead = self.ahead, None
         want, self.want = self.want, None
+        self.caught_up = 0
         if not self.active:
             return NO_DRAFT, False
         if ahead is not None and verdict.accepted == ahead.assumed:  # all accepted: was the next token guessed?
@@ -160,6 +162,7 @@ class _Drafts:
         # cost what AR does, not a drafter forward a token).
         if B == 1:
             return NO_DRAFT, False
+        self.caught_up = max(0, len(self.unseen) - 1)
         draft = self._safely(self.session.draft, self.new_aux, last, B)
         if draft is None:
             return NO_DRAFT, False
@@ -257,6 +260,7 @@ def _decode(
                 verify_s=t_end - t_drafted,
                 total_s=t_end - t_block,
                 predrafted=predrafted,
+                caught_up=drafts.caught_up,
             )
         )
         if sizer is not None and drafts.active:

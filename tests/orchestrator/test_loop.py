@@ -232,4 +232,5 @@ def test_blocks_of_one_call_no_drafter_and_hand_their_aux_on_with_the_next_draft
     assert d.calls == len([b for b in g.blocks[1:] if b.drafted])  # no drafter call for a block of 1
     # the draft after three blocks of 1: their aux and the block's before them, as chunks in order
     assert isinstance(seen[1], AuxChunks) and len(seen[1]) == 4
+    assert [b.caught_up for b in g.blocks[1:7]] == [0, 0, 0, 0, 3, 0]  # the sizer leaves that draft's cost alone
     assert d.context == list(range(len(d.context)))  # every committed position once, in order, none skipped
