@@ -40,8 +40,11 @@ from kakeya.core.contract import MAX_BLOCK_SIZE, AuxChunks, Block, Draft
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the pooled rate)
 COST_EMA = 0.2  # weight of a new timing in a size's running cost
 SPIKE_CAP = 2.0  # a new timing counts as at most this many times the running cost
-WARM_BLOCKS = 4  # blocks drafted at the trained size before the model of E(L)/t(L) takes over
-MIN_EVIDENCE = 16  # blocks that must have drafted before the sizer may stop drafting (choose 1)
+# Blocks that must have drafted before the model of E(L)/t(L) takes over: until then a request drafts at
+# the drafter's trained size (without one: any size but 1). A few blocks said too little: a request's
+# first blocks are often its hardest, a block of 2 tests position 1 only, and one of 1 tests nothing,
+# so a cold request settled on short blocks that later, better-accepted text never got to correct.
+WARM_BLOCKS = 16
 EXPLORE_SHARE = 0.02  # the share of decode time full-length blocks may take beyond the chosen size's cost
 
 
@@ -143,11 +146,8 @@ class BlockSizer:
                 run *= rates[size - 1]
                 total += run
         candidates = self.candidates()
-        if self.chain.reached[0] < MIN_EVIDENCE and len(candidates) > 1:
-            # A block of 1 drafts nothing, so it teaches the chain nothing: chosen on the few blocks of a
-            # request's start, it stayed chosen (a full-length block is too dear to come soon). So the
-            # sizer stops drafting only once enough blocks have shown that drafting does not pay.
-            candidates = [size for size in candidates if size > 1]
+        if self.chain.reached[0] < WARM_BLOCKS and len(candidates) > 1:
+            candidates = [size for size in candidates if size > 1]  # a block of 1 would teach nothing
         best = max(candidates, key=lambda size: expected[size] / self.costs(size))
         extra = self.costs(self.max_size) - self.costs(best)  # what one full-length block costs beyond it
         if self.explore_share and best != self.max_size and self.since_explore * self.explore_share >= extra:

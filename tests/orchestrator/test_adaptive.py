@@ -183,6 +183,6 @@ def test_the_sizer_stops_drafting_only_on_enough_evidence():
     for _ in range(4):  # four blocks, nothing accepted: AR looks best, on too little evidence
         s.observe(Block([0], drafted=3, accepted=0, draft_s=0.3, verify_s=1.3, total_s=1.6))
     assert s.choose() == 2  # the cheapest size that still drafts
-    for _ in range(12):
+    for _ in range(12):  # WARM_BLOCKS in all
         s.observe(Block([0], drafted=1, accepted=0, draft_s=0.2, verify_s=1.1, total_s=1.3))
     assert s.choose() == 1  # 16 blocks: drafting does not pay here
