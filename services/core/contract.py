@@ -40,12 +40,6 @@ MAX_BLOCK_SIZE = 16
 Aux = Any  # [n_positions, len(target_layer_ids) * hidden] in the backend's own array type
 
 
-class AuxChunks(tuple):
-    """Several aux, in order, handed to a drafter as one ``new_aux``: the blocks the loop committed
-    without drafting (size 1) since the drafter's last call. A drafter reads them as their rows
-    concatenated; a tuple subclass, so no backend's array is ever mistaken for one."""
-
-
 def check_block_size(block_size: int) -> None:
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block_size must be between 1 and {MAX_BLOCK_SIZE}, got {block_size}")
@@ -372,7 +366,7 @@ class DrafterSession(Protocol):
         proposal q'_i and its :class:`Draft` carries the proposals.
 
         ``new_aux`` holds the aux of every position committed since the last
-        call (the whole prompt on the first call): one aux, or :class:`AuxChunks`. ``last_token`` is the newest
+        call (the whole prompt on the first call). ``last_token`` is the newest
         committed token, which the verifier has not seen yet: it opens the block.
         """
 
@@ -457,7 +451,6 @@ class Block:
     verify_s: float = 0.0  # the verifier's one step: verify and commit
     total_s: float = 0.0
     predrafted: bool = False  # its candidates were pre-drafted while the block before it was verified
-    caught_up: int = 0  # blocks of 1 before it whose aux its draft took too (its draft_s holds their extension)
 
 
 @dataclass

@@ -92,9 +92,6 @@ class DraftModel(Protocol):
 
     def zeros_aux(self, n: int) -> Array: ...
 
-    def concat_aux(self, rows: Sequence[Array]) -> Array:
-        """``read_aux`` results, one after the other, as one ``[sum n, width]``."""
-
     def context_kv(self, auxs: Sequence[Array], offsets: Sequence[int]) -> list[list[KV]]:
         """Every layer's context K/V of each ``auxs[i]`` ([n_i, width]) at positions ``offsets[i]..``:
         one list of per-layer pairs per aux, the projections run once over all rows."""

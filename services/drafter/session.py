@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, AuxChunks, Draft, SamplingParams, SessionOptions
+from kakeya.core.contract import MAX_BLOCK_SIZE, Draft, SamplingParams, SessionOptions
 from kakeya.core.prefix import PrefixCache
 from kakeya.drafter.backend import DraftModel, bind, extend
 from kakeya.drafter.config import check_draft_args
@@ -159,19 +159,10 @@ class DrafterSession:
             bad = [t for t in pending if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"pending: ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        aux = self.model.zeros_aux(0) if new_aux is None else self._rows(new_aux)
+        aux = self.model.zeros_aux(0) if new_aux is None else self.model.read_aux(new_aux)
         if self.cache.length + aux.shape[0] == 0:
             raise ValueError("new_aux must hold at least one position on the first draft call")
         return DraftCall(self, aux, last_token, block_size, tuple(pending))
-
-    def _rows(self, new_aux):
-        """``new_aux`` as this model's ``[n, width]`` rows: one aux, or ``AuxChunks`` concatenated."""
-        if not isinstance(new_aux, AuxChunks):
-            return self.model.read_aux(new_aux)
-        if not new_aux:
-            return self.model.zeros_aux(0)
-        rows = [self.model.read_aux(chunk) for chunk in new_aux]
-        return rows[0] if len(rows) == 1 else self.model.concat_aux(rows)
 
     def stats(self) -> dict:
         return {"context_len": self.cache.length, "ctx_cache_bytes": self.cache.nbytes, "draft_calls": self.calls}

@@ -35,16 +35,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, AuxChunks, Block, Draft
+from kakeya.core.contract import MAX_BLOCK_SIZE, Block, Draft
 
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the pooled rate)
 COST_EMA = 0.2  # weight of a new timing in a size's running cost
 SPIKE_CAP = 2.0  # a new timing counts as at most this many times the running cost
-# Blocks that must have drafted before the model of E(L)/t(L) takes over: until then a request drafts at
-# the drafter's trained size (without one: any size but 1). A few blocks said too little: a request's
-# first blocks are often its hardest, a block of 2 tests position 1 only, and one of 1 tests nothing,
-# so a cold request settled on short blocks that later, better-accepted text never got to correct.
-WARM_BLOCKS = 16
+WARM_BLOCKS = 4  # blocks drafted at the trained size before the model of E(L)/t(L) takes over
 EXPLORE_SHARE = 0.02  # the share of decode time full-length blocks may take beyond the chosen size's cost
 
 
@@ -145,10 +141,7 @@ class BlockSizer:
             if size - 1 < len(rates):
                 run *= rates[size - 1]
                 total += run
-        candidates = self.candidates()
-        if self.chain.reached[0] < WARM_BLOCKS and len(candidates) > 1:
-            candidates = [size for size in candidates if size > 1]  # a block of 1 would teach nothing
-        best = max(candidates, key=lambda size: expected[size] / self.costs(size))
+        best = max(self.candidates(), key=lambda size: expected[size] / self.costs(size))
         extra = self.costs(self.max_size) - self.costs(best)  # what one full-length block costs beyond it
         if self.explore_share and best != self.max_size and self.since_explore * self.explore_share >= extra:
             return self.max_size
@@ -158,10 +151,6 @@ class BlockSizer:
         size = block.drafted + 1
         self.since_explore = 0.0 if size == self.max_size else self.since_explore + self.costs(size)
         self.chain.observe(block.drafted, block.accepted)
-        if block.caught_up:
-            # its draft also extended the context by the blocks of 1 before it: a cost of theirs, which
-            # charged to this size made it look dear, so the sizer chose 1 again, and so on
-            return
         if block.total_s > 0 and (size in self.costs.seconds or size == self.max_size or not self.costs.seconds):
             # only the sizes it chooses from: a block cut short by max_tokens would add a size the
             # sizer then picks on one lucky timing
@@ -215,19 +204,14 @@ def measure_costs(verifier, drafter, sizes: Sequence[int] = (1, 2, 4, 8, 16), re
     timed: set[int] = set()  # sizes run once untimed (first pass), then measured (second)
     try:
         last, aux = vs.prefill(prompt)
-        unseen = [aux]  # the aux the drafter has not had: a block of 1 calls no drafter, as in the loop
         for size in [s for s in sizes if s == 1 or ds is not None] * 2:
             times = []
             for _ in range(repeats if size in timed else 1):
                 t0 = clock()
-                draft = Draft(())
-                if ds is not None and size > 1:
-                    draft = ds.draft(unseen[0] if len(unseen) == 1 else AuxChunks(unseen), last, size)
-                    unseen = []
+                draft = ds.draft(aux, last, size) if ds is not None else Draft(())  # size 1: the context still grows
                 verdict = vs.decide(last, draft)
                 times.append(clock() - t0)
-                unseen.append(verdict.aux)
-                last = verdict.next_token
+                aux, last = verdict.aux, verdict.next_token
             if size in timed:
                 curve.seconds[size] = min(times)
             timed.add(size)

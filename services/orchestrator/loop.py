@@ -5,8 +5,7 @@ drafter session (``services/core/contract.py``) and only moves ints and opaque a
 them. Per block:
 
 1. the drafter extends its context with the aux of the positions committed
-   since its last call and drafts ``B - 1`` candidates after ``last`` (one
-   forward; a block of 1 calls no drafter, its aux waits for the next call);
+   last block and drafts ``B - 1`` candidates after ``last`` (one forward);
 2. the verifier decides ``[last, c1 .. c_{B-1}]`` in one step
    (``VerifierSession.decide``): one forward, its own choice after every
    position, the acceptance rule (``core.contract.accept``: the leading run of
@@ -32,7 +31,6 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Sequ
 
 from kakeya.core.contract import (
     MAX_BLOCK_SIZE,
-    AuxChunks,
     Block,
     Draft,
     DrafterSession,
@@ -118,26 +116,20 @@ class _Drafts:
         self.session, self.gen, self.sizer, self.block_size, self.on_error = session, gen, sizer, block_size, on_error
         self.active = session is not None and (sizer is not None or block_size > 1)
         self.predraft = predraft
+        self.new_aux = None  # the newest verdict's aux (the prompt's at first) until a drafter call takes it
         self.unseen = unseen  # every aux committed since a drafter call last took one (Decoding.unseen)
         self.committed(prompt_aux)
         self.ahead: _Ahead | None = None
         self.want: int | None = None
-        self.caught_up = 0  # the last draft's: blocks of 1 whose aux it took as well
 
     def committed(self, aux) -> None:
         """The aux of newly committed positions, for the next drafter call."""
+        self.new_aux = aux
         self.unseen.append(aux)
-
-    @property
-    def new_aux(self):
-        """What the next drafter call hands over: every aux it has not had (None: none), one chunk as it
-        came, several (blocks committed without drafting) as ``AuxChunks``."""
-        if not self.unseen:
-            return None
-        return self.unseen[0] if len(self.unseen) == 1 else AuxChunks(self.unseen)
 
     def _taken(self) -> None:
         """A drafter call took the new aux: its context now holds every committed position."""
+        self.new_aux = None
         self.unseen.clear()
 
     def next(self, last: int, room: int, verdict: Verdict | None) -> tuple[Draft, bool]:
@@ -145,7 +137,6 @@ class _Drafts:
         pre-draft when it guessed right (True), else a fresh one."""
         ahead, self.ahead = self.ahead, None
         want, self.want = self.want, None
-        self.caught_up = 0
         if not self.active:
             return NO_DRAFT, False
         if ahead is not None and verdict.accepted == ahead.assumed:  # all accepted: was the next token guessed?
@@ -157,12 +148,10 @@ class _Drafts:
         if want is None:
             want = self.sizer.choose() if self.sizer is not None else self.block_size
         B = min(want, room)  # never draft past max_tokens: a block commits at most B tokens
-        # A block of 1 calls no drafter: its positions' aux waits in ``unseen`` and goes with the next
-        # drafter call, whose one context extension takes them all (so auto blocks that settle on 1
-        # cost what AR does, not a drafter forward a token).
-        if B == 1:
+        # A sized block of 1 still hands the drafter the new positions (a draft of
+        # size 1 only extends its context), or its context would have gaps later.
+        if B == 1 and self.sizer is None:
             return NO_DRAFT, False
-        self.caught_up = max(0, len(self.unseen) - 1)
         draft = self._safely(self.session.draft, self.new_aux, last, B)
         if draft is None:
             return NO_DRAFT, False
@@ -260,7 +249,6 @@ def _decode(
                 verify_s=t_end - t_drafted,
                 total_s=t_end - t_block,
                 predrafted=predrafted,
-                caught_up=drafts.caught_up,
             )
         )
         if sizer is not None and drafts.active:

@@ -33,7 +33,7 @@ from typing import Callable, Collection, Sequence
 
 import grpc
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, AuxChunks, CachePolicy, Draft, SamplingParams, SessionOptions, Verdict
+from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Draft, SamplingParams, SessionOptions, Verdict
 from kakeya.orchestrator.deadlines import StepClock
 from kakeya.orchestrator.streams import (  # noqa: F401  (BackendError, backend_channel, backend_healthy: re-exported)
     BackendError,
@@ -196,10 +196,7 @@ class GrpcVerifier:
 
 
 def _tensor(aux) -> Tensor:
-    """Aux as the wire Tensor: a verifier's comes as one already (passed on, never decoded here);
-    ``AuxChunks`` as one Tensor of their rows."""
-    if isinstance(aux, AuxChunks):
-        return codec.concat_rows([_tensor(a) for a in aux])
+    """Aux as the wire Tensor: a verifier's comes as one already (passed on, never decoded here)."""
     return aux if isinstance(aux, Tensor) else codec.to_proto(aux)
 
 

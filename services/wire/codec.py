@@ -156,20 +156,6 @@ def to_proto(array: Any, dtype: Any = None) -> Tensor:
     return Tensor(dtype=spec.code, shape=arr.shape, data=arr.tobytes(order="C"))
 
 
-def concat_rows(tensors) -> Tensor:
-    """``Tensor``s of rows (``[n, w]``, or ``[1, n, w]``: one leading axis of 1), of one dtype and width,
-    as one: their rows one after the other. Joins the bytes; decodes nothing."""
-    first = tensors[0]
-    lead, width = tuple(first.shape[:-2]), tuple(first.shape[-1:])
-    if any(d != 1 for d in lead):
-        raise ValueError(f"concat_rows: rows are [n, w] or [1, n, w], got shape {list(first.shape)}")
-    for t in tensors:
-        if t.dtype != first.dtype or tuple(t.shape[:-2]) != lead or tuple(t.shape[-1:]) != width:
-            raise ValueError(f"concat_rows: shapes {list(first.shape)} and {list(t.shape)} (or dtypes) differ")
-    rows = sum(int(t.shape[-2]) for t in tensors)
-    return Tensor(dtype=first.dtype, shape=[*lead, rows, *width], data=b"".join(t.data for t in tensors))
-
-
 # ---------------------------------------------------------------- decoding
 
 

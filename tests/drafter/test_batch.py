@@ -167,22 +167,3 @@ def test_seeded_sampling_sessions_draw_the_same_draft_in_a_batch(backend, pairs)
             np.testing.assert_allclose(g.proposal.probs, w.proposal.probs, atol=1e-5)
         for a, b in zip(alone, batched):
             _same_cache(a, b)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_aux_handed_as_chunks_drafts_what_the_rows_in_one_piece_draft(backend, pair):
-    """``AuxChunks``: the aux of blocks committed without drafting, handed with the next draft in order."""
-    from kakeya.core.contract import AuxChunks
-
-    model = _load(backend, pair)
-    width, vocab = model.config.aux_width, model.target.vocab_size
-    rng = np.random.default_rng(5)
-    whole, chunked = _session(model, 0), _session(model, 0)
-    for call, sizes in enumerate([(9,), (1, 1, 1, 2), (3,), (1, 1)]):
-        parts = [rng.standard_normal((n, width)).astype(np.float32) for n in sizes]
-        last, block = int(rng.integers(0, vocab)), 8
-        want = whole.draft(_aux(backend, np.concatenate(parts)), last, block)
-        got = chunked.draft(AuxChunks(_aux(backend, p) for p in parts), last, block)
-        assert got == want, f"call {call}"
-        _same_cache(whole, chunked)
-    assert chunked.cache.length == 9 + 5 + 3 + 2

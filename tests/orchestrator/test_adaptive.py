@@ -164,25 +164,3 @@ def test_choice_is_among_measured_sizes_and_the_largest_allowed():
     s.max_size = 12
     assert s.candidates() == [1, 4, 8, 12] and s.choose() == 12
     assert BlockSizer(CostCurve(), explore_share=0, max_size=4).candidates() == [1, 2, 3, 4]  # nothing measured yet
-
-
-def test_a_block_that_caught_up_on_blocks_of_one_leaves_its_size_cost_alone():
-    """Its draft also extended the context by the aux of the blocks of 1 before it: charging that to its size
-    made the size look dear and the sizer pick 1 again (and catch up more the next time)."""
-    s = BlockSizer(CostCurve({1: 1.0, 4: 2.0}), explore_share=0)
-    s.observe(Block([0] * 4, drafted=3, accepted=3, draft_s=5.0, verify_s=1.0, total_s=6.0, caught_up=3))
-    assert s.costs(4) == 2.0 and s.chain.reached[:3] == [1, 1, 1]  # its acceptance still counts
-    s.observe(Block([0] * 4, drafted=3, accepted=3, draft_s=1.0, verify_s=1.5, total_s=2.5))
-    assert s.costs(4) == pytest.approx(0.8 * 2.0 + 0.2 * 2.5)
-
-
-def test_the_sizer_stops_drafting_only_on_enough_evidence():
-    """A block of 1 drafts nothing and so teaches nothing: a few unlucky blocks at a request's start must not
-    settle it on 1 for good."""
-    s = BlockSizer(CostCurve({1: 1.0, 2: 1.3, 4: 1.6, 16: 3.0}), explore_share=0)
-    for _ in range(4):  # four blocks, nothing accepted: AR looks best, on too little evidence
-        s.observe(Block([0], drafted=3, accepted=0, draft_s=0.3, verify_s=1.3, total_s=1.6))
-    assert s.choose() == 2  # the cheapest size that still drafts
-    for _ in range(12):  # WARM_BLOCKS in all
-        s.observe(Block([0], drafted=1, accepted=0, draft_s=0.2, verify_s=1.1, total_s=1.3))
-    assert s.choose() == 1  # 16 blocks: drafting does not pay here

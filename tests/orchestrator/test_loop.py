@@ -2,7 +2,7 @@
 
 import pytest
 
-from kakeya.core.contract import AuxChunks, Draft, Verdict, accept
+from kakeya.core.contract import Draft, Verdict, accept
 from kakeya.orchestrator.loop import run
 from kakeya.orchestrator.quality import find_runaway, quality_report
 
@@ -53,8 +53,7 @@ class ScriptedDrafter:
         self.predrafts = 0
 
     def _take(self, new_aux):
-        for chunk in new_aux if isinstance(new_aux, AuxChunks) else [new_aux or []]:
-            self.context += chunk
+        self.context += new_aux or []
 
     def draft(self, new_aux, last, B):
         self._take(new_aux)
@@ -205,32 +204,3 @@ def test_quality_gate_flags_runaways_only():
     assert quality_report(varied) == {"degenerate": False}
     report = quality_report([5, 6] + [9, 8] * 10)
     assert report["degenerate"] and report["runaway"]["unit"] == [9, 8]
-
-
-class _Schedule:
-    """A block sizer that plays back a list of sizes (then 4s)."""
-
-    def __init__(self, sizes):
-        self.sizes = list(sizes)
-
-    def choose(self):
-        return self.sizes.pop(0) if self.sizes else 4
-
-    def observe(self, block):
-        pass
-
-
-def test_blocks_of_one_call_no_drafter_and_hand_their_aux_on_with_the_next_draft():
-    v = ScriptedVerifier(3, CONT)
-    d = ScriptedDrafter(v, wrong_every=None)
-    seen = []
-    draft = d.draft
-    d.draft = lambda new_aux, last, B: (seen.append(new_aux), draft(new_aux, last, B))[1]
-    g = run(v, d, [1, 2, 3], max_tokens=30, block_size=_Schedule([4, 1, 1, 1, 4, 1, 4]))
-    assert g.token_ids == CONT[:30]
-    assert [b.drafted + 1 for b in g.blocks[1:5]] == [4, 1, 1, 1]
-    assert d.calls == len([b for b in g.blocks[1:] if b.drafted])  # no drafter call for a block of 1
-    # the draft after three blocks of 1: their aux and the block's before them, as chunks in order
-    assert isinstance(seen[1], AuxChunks) and len(seen[1]) == 4
-    assert [b.caught_up for b in g.blocks[1:7]] == [0, 0, 0, 0, 3, 0]  # the sizer leaves that draft's cost alone
-    assert d.context == list(range(len(d.context)))  # every committed position once, in order, none skipped

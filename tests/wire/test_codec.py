@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from kakeya.wire import codec
 from kakeya.wire.codec import (
     DType,
     Tensor,
@@ -235,18 +234,3 @@ def test_torch_cuda_round_trip(name):
     x = _torch(ref, name).cuda()
     out = from_proto(to_proto(x), like="torch", device="cuda")
     assert out.device.type == "cuda" and out.dtype == x.dtype and torch.equal(out, x)
-
-
-def test_concat_rows_joins_row_tensors_without_decoding():
-    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(6, 15, dtype=np.float32).reshape(3, 3)
-    joined = codec.concat_rows([codec.to_proto(a), codec.to_proto(b)])
-    np.testing.assert_array_equal(codec.from_proto(joined), np.concatenate([a, b]))
-    lead = codec.concat_rows([codec.to_proto(a[None]), codec.to_proto(b[None])])  # [1, n, w]: the verifier's shape
-    assert list(lead.shape) == [1, 5, 3]
-    np.testing.assert_array_equal(codec.from_proto(lead)[0], np.concatenate([a, b]))
-    with pytest.raises(ValueError, match="differ"):
-        codec.concat_rows([codec.to_proto(a), codec.to_proto(np.zeros((1, 4), np.float32))])
-    with pytest.raises(ValueError, match="differ"):
-        codec.concat_rows([codec.to_proto(a), codec.to_proto(b.astype(np.float16))])
-    with pytest.raises(ValueError, match=r"\[n, w\] or \[1, n, w\]"):
-        codec.concat_rows([codec.to_proto(np.zeros((2, 2, 3), np.float32))])

@@ -320,9 +320,6 @@ class DFlashDraftModel(nn.Module):
     def zeros_aux(self, n: int) -> mx.array:
         return mx.zeros((n, self.config.aux_width), dtype=self.dtype)
 
-    def concat_aux(self, rows: Sequence[mx.array]) -> mx.array:
-        return mx.concatenate(list(rows))
-
     def context_kv(self, auxs: Sequence[mx.array], offsets: Sequence[int]) -> list[list[KV]]:
         """Per aux, every layer's ``(k, v)`` ``[1, n_kv, n_i, head_dim]`` of ``auxs[i]`` [n_i, aux_width]
         at positions ``offsets[i]..``: ``fc``, ``hidden_norm`` and the projections once over all rows,

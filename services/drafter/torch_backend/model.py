@@ -380,9 +380,6 @@ class DFlashDraftModel(nn.Module):
     def zeros_aux(self, n: int) -> torch.Tensor:
         return torch.zeros((n, self.config.aux_width), device=self.device, dtype=self.dtype)
 
-    def concat_aux(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(list(rows))
-
     @torch.inference_mode()
     def context_kv(self, auxs: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[list[KV]]:
         """Per aux, every layer's ``(k, v)`` ``[1, n_kv, n_i, hd]`` of ``auxs[i]`` [n_i, aux_width] at
