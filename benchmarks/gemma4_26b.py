@@ -6,7 +6,7 @@ from __future__ import annotations
 MAX_L = 16
 
 
-def _layer_types(n: int, period: int = 6) -> list[str]:
+def layer_types_of(n: int, period: int = 6) -> list[str]:
     """Gemma-4: five sliding layers, then one full-attention layer (the last is full)."""
     return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
 
@@ -29,7 +29,7 @@ GEMMA4_26B_A4B = dict(
     num_global_key_value_heads=2,
     attention_k_eq_v=True,
     sliding_window=1024,
-    layer_types=_layer_types(30),
+    layer_types=layer_types_of(30),
     final_logit_softcapping=30.0,
     tie_word_embeddings=True,
     hidden_size_per_layer_input=0,

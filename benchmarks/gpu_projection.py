@@ -52,7 +52,7 @@ for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from gemma4_26b import DRAFT_26B, GEMMA4_26B_A4B, MAX_L, _layer_types, hbm_bandwidth  # noqa: E402
+from gemma4_26b import DRAFT_26B, GEMMA4_26B_A4B, MAX_L, hbm_bandwidth, layer_types_of  # noqa: E402
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype  # noqa: E402
 from kakeya.drafter.backend import bind  # noqa: E402
 from kakeya.drafter.session import TorchDrafter  # noqa: E402
@@ -79,7 +79,7 @@ SMALL = dict(
     num_global_key_value_heads=1,
     attention_k_eq_v=True,
     sliding_window=64,
-    layer_types=_layer_types(6),
+    layer_types=layer_types_of(6),
     final_logit_softcapping=30.0,
     tie_word_embeddings=True,
     hidden_size_per_layer_input=0,

@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_projection import DRAFT_26B, SMALL, _layer_types, draft_config, random_drafter  # noqa: E402
+from benchmarks.gemma4_26b import DRAFT_26B, layer_types_of  # noqa: E402
+from benchmarks.gpu_projection import SMALL, draft_config, random_drafter  # noqa: E402
 from kakeya.backends.torch.graphs import BUCKETS, GraphedStep, GraphOptions  # noqa: E402
 from kakeya.verifier.layout import CachePolicy  # noqa: E402
 from kakeya.verifier.session import VerifierSession  # noqa: E402
@@ -49,7 +50,7 @@ VIEWS = {
     "split_with_sizes", "reshape", "t", "permute", "alias", "unflatten", "chunk", "detach", "as_strided",
     "unbind", "lift_fresh", "_local_scalar_dense",
 }
-STRUCTURE_26B = dict(SMALL, num_hidden_layers=30, layer_types=_layer_types(30), num_experts=16, top_k_experts=4)
+STRUCTURE_26B = dict(SMALL, num_hidden_layers=30, layer_types=layer_types_of(30), num_experts=16, top_k_experts=4)
 DRAFT = dict(DRAFT_26B, hidden_size=SMALL["hidden_size"], num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, intermediate_size=256)
 

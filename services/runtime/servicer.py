@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import grpc
 
 from kakeya.core.prefix import PrefixCache
+from kakeya.runtime import bounds
 from kakeya.runtime.admission import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S, SessionRegistry
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH, ComputeThread
 from kakeya.runtime.guard import add_servicer
-from kakeya.runtime import bounds
 from kakeya.runtime.lifecycle import ServerSpec, invalid, precondition, session_stream, workers_for
 from kakeya.runtime.metrics import ServerMetrics
 

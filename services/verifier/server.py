@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-
 from kakeya.core.contract import Draft
 from kakeya.runtime import bounds
 from kakeya.runtime.lifecycle import ServerSpec, check_policy, check_token_ids, invalid, policy_from_request, precondition, version
@@ -63,7 +62,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         # Prefix snapshots live on the device beside the sessions' K/V, outside --max-kv-bytes.
         super().__init__(limits)
         self.verifier = None  # LocalVerifier, set by load()
-        self.limits: bounds.ContextLimits | None = None  # set by load(), from the target's config
+        self.context_limits: bounds.ContextLimits | None = None  # set by load(), from the target's config
         self.kv_shape = None  # memory.KVShape: a session's worst-case bytes, before it allocates any
         self.restore = restore or bounds.RestoreSources()
 
@@ -85,7 +84,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         cfg = load_target_config(target_dir)
         self.verifier = make()
         info = self.verifier.info
-        self.limits = bounds.ContextLimits.of(
+        self.context_limits = bounds.ContextLimits.of(
             int(cfg.get("max_position_embeddings") or 131072), info.sliding_window, self.max_context_flag
         )
         self._check_restore_sources()
@@ -140,8 +139,8 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             max_sessions=self.registry.max_sessions,
             live_kv_bytes=self.registry.live_bytes,
             total_sessions=self.registry.total,
-            max_position_embeddings=self.limits.max_position_embeddings,
-            max_context=self.limits.max_context,
+            max_position_embeddings=self.context_limits.max_position_embeddings,
+            max_context=self.context_limits.max_context,
             max_kv_bytes=self.registry.max_kv_bytes,
             reserved_kv_bytes=self.registry.reserved_bytes,
             restore_sources=self.restore.names(),
@@ -161,7 +160,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         field = "open.cache_policy"
         policy = policy_from_request(open_.cache_policy, self.verifier.policy, field)
         try:
-            bounds.check_window(policy, max(self.limits.sliding_window, max_positions), field)
+            bounds.check_window(policy, max(self.context_limits.sliding_window, max_positions), field)
         except ValueError as exc:
             raise invalid(str(exc)) from None
         policy = check_policy(policy, self.verifier.info.sliding_window, field)
@@ -193,8 +192,8 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                 if req.open.max_positions < 0:
                     raise invalid(f"open.max_positions must be >= 0 (0: the server's max_context), got {req.open.max_positions}")
                 try:
-                    max_positions = self.limits.check_positions(
-                        req.open.max_positions or self.limits.max_context, "open.max_positions"
+                    max_positions = self.context_limits.check_positions(
+                        req.open.max_positions or self.context_limits.max_context, "open.max_positions"
                     )
                 except ValueError as exc:
                     raise invalid(str(exc)) from None
