@@ -130,7 +130,7 @@ def run_split(verifier, drafter, prompt, max_tokens, block_size):
     vs = Recorded(verifier.open_session(), "verifier", log)
     ds = Recorded(drafter.open_session(), "drafter", log)
     try:
-        gen = loop.run(vs, ds, prompt, max_tokens, block_size)
+        gen = loop.run(vs, ds, prompt, max_tokens, block_size, ngram=True)  # as the engine runs by default
     finally:
         vs.close()
         ds.close()

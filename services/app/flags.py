@@ -6,6 +6,7 @@ commands themselves (``serve.py``) stay about starting processes.
 
 from __future__ import annotations
 
+from kakeya.app.options import add_ngram
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
 from kakeya.runtime.lifecycle import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S
 from kakeya.runtime.tls import ClientTLS, ServerTLS, add_client_args, add_server_args
@@ -88,7 +89,9 @@ def add_orchestrator(p) -> None:
     p.add_argument("--predraft", choices=["on", "off"], default="off",
                    help="split: the drafter pre-drafts each next block while the verifier verifies (greedy requests; default off:"
                         " on the demo pair at block 8 almost no pre-draft is used, see benchmarks/split.py)")
+    add_ngram(p)
     add_client_args(p, "the verifier and drafter")
+
 
 
 def add_backend_auth(p) -> None:
@@ -198,7 +201,7 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
         return out
     out += ["--max-prompt-tokens", str(args.max_prompt_tokens), "--backend-timeout", str(args.backend_timeout),
             "--default-max-tokens", str(args.default_max_tokens), "--max-sessions-per-peer", str(args.max_sessions_per_peer),
-            "--backend-token-file", backend_token_file, "--predraft", args.predraft]  # fmt: skip
+            "--backend-token-file", backend_token_file, "--predraft", args.predraft, "--ngram", args.ngram]  # fmt: skip
     if args.auth_token_file:
         out += ["--auth-token-file", args.auth_token_file]
     if args.http_port is not None:

@@ -17,6 +17,7 @@ from kakeya.app.options import (
     add_backend_args,
     add_cache_args,
     add_generation_options,
+    add_ngram,
     cache_policy_from_args,
     print_result,
     sampling_from_args,
@@ -36,7 +37,7 @@ def cmd_generate(args) -> int:
         check_block_size(args.block_size)
     policy = cache_policy_from_args(args)
     engine = build_local_engine(args.target, args.draft, args.backend, args.device, args.dtype,
-                                torch_options=torch_options(args))
+                                torch_options=torch_options(args), ngram=args.ngram == "on")
     if engine.verifier.info.backend == "torch":
         set_torch_threads(args.torch_threads, engine.device, embedded=args.target is None)
     prompt_ids = engine.codec.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
@@ -134,6 +135,7 @@ def register_generate(sub) -> None:
     p.add_argument("--compare-ar", action="store_true",
                    help="also run AR and report the speedup; greedy and coupled sampling: and whether the tokens are "
                         "identical (lossless); the rejection rule: AR sampling, speed only")
+    add_ngram(p)
     add_cache_args(p)
     p.set_defaults(func=cmd_generate)
 

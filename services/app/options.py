@@ -15,6 +15,13 @@ import sys
 DEFAULT_PROMPT = '"""Record of phased-in incompatible language changes.\n\nEach line is of the form:\n\n    FeatureName = "_Feature(" OptionalRelease "'
 
 
+def add_ngram(p) -> None:
+    """--ngram: `kakeya generate` and `serve orchestrator` (``orchestrator/ngram.py``)."""
+    p.add_argument("--ngram", choices=["on", "off"], default="on",
+                   help="draft a block by copying what followed the context's last 3-8 tokens where they occurred"
+                        " before (prompt lookup), the drafter's block otherwise (default on; greedy and coupled"
+                        " sampling; off: every block is the drafter's, e.g. to measure the drafter alone)")
+
 def add_backend_args(p, *, help_suffix: str = "") -> None:
     """--backend/--device/--dtype for commands that load models in-process."""
     p.add_argument("--backend", default="auto", choices=["auto", "mlx", "torch"],
@@ -80,7 +87,7 @@ def cache_policy_from_args(args):
 
 def add_generation_options(p) -> None:
     """Options shared by `kakeya generate` and `kakeya client generate`."""
-    p.add_argument("--prompt", help="prompt text (default: the start of a Python function, def load(path): ...)")
+    p.add_argument("--prompt", help="prompt text (default: the start of a standard-library file the demo pair never trained on)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None,
                    help="1..16, or 0 (the default): auto, each block sized for the most tokens per second; see docs/design.md)")
@@ -132,6 +139,8 @@ def summary_line(out: dict) -> str:
         head += f" vs {ar_kind} {out['ar_decode_tok_s']:.0f} tok/s -> {speedup}, {verdict}"
     tail = (f"{len(out['token_ids'])} tokens ({out['finish_reason']}), mean acceptance {out['mean_acceptance']:.2f} "
             f"tokens/block, prefill {out['prefill_s'] * 1e3:.1f} ms")
+    if out.get("copied_blocks"):
+        tail += f"; {out['copied_blocks']} of {len(out['block_sizes'])} blocks drafted by n-gram copy"
     if out["drafter_fallback"]:
         tail += "; drafter failed, verifier finished alone"
     if out["quality"]["degenerate"]:

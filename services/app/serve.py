@@ -161,7 +161,7 @@ def cmd_serve_orchestrator(args) -> int:
             drafter = None if args.no_drafter else args.drafter
             return split_engine(
                 args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls, token=backend_token,
-                backend_timeout_s=args.backend_timeout, predraft=args.predraft == "on",
+                backend_timeout_s=args.backend_timeout, predraft=args.predraft == "on", ngram=args.ngram == "on",
             )
 
         colocated = False
@@ -182,7 +182,8 @@ def cmd_serve_orchestrator(args) -> int:
 
             return build_local_engine(args.target, args.draft, backend, kwargs.get("device"), kwargs.get("dtype"),
                                       _default_policy(args), no_drafter=args.no_drafter,
-                                      torch_options=torch_options(args) if backend == "torch" else None, prefixes=prefixes)
+                                      torch_options=torch_options(args) if backend == "torch" else None, prefixes=prefixes,
+                                      ngram=args.ngram == "on")
 
         colocated = True
     servicer = GenerationServicer(

@@ -451,6 +451,7 @@ class Block:
     verify_s: float = 0.0  # the verifier's one step: verify and commit
     total_s: float = 0.0
     predrafted: bool = False  # its candidates were pre-drafted while the block before it was verified
+    copied: bool = False  # its candidates were copied from earlier in the context (``orchestrator/ngram.py``)
 
 
 @dataclass

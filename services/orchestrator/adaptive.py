@@ -24,6 +24,11 @@ every backend. (A fixed every-16th-block spent 1 % of the time where a block of
 16 costs about one of 8, torch on a CPU, and 10 % on MLX's CPU backend, where
 it costs 2.7 blocks of 4.)
 
+Blocks the loop drafts by copy (``ngram.py``) accept by a law of their own
+(a repeat runs to its end or breaks at once), so they keep their own chain and
+their size is chosen from it; they are costed as drafted blocks, an upper bound
+(a copy's drafter call only extends the context).
+
 Only token counts and timings go in, so this knows no backend and changes no
 token: the loop is lossless at every block size, whichever is chosen.
 """
@@ -115,8 +120,9 @@ class BlockSizer:
     """One generation's block-size choice; ``choose`` before a block, ``observe`` after it."""
 
     def __init__(self, costs: CostCurve, chain: AcceptanceChain | None = None, max_size: int = MAX_BLOCK_SIZE,
-                 explore_share: float = EXPLORE_SHARE, initial: int = 0):
+                 explore_share: float = EXPLORE_SHARE, initial: int = 0, copies: AcceptanceChain | None = None):
         self.costs, self.chain = costs, chain or AcceptanceChain()
+        self.copies = copies or AcceptanceChain()  # the blocks drafted by copy (``Block.copied``)
         self.max_size, self.explore_share = max_size, explore_share  # 0: never explore
         self.initial = initial  # the size to use until a few blocks were seen (0: the model's choice from the start)
         self.since_explore = 0.0  # the cost curve's seconds of the blocks since the last full-length one
@@ -131,10 +137,12 @@ class BlockSizer:
         measured = [s for s in self.costs.seconds if s < self.max_size]
         return sorted(set(measured) | {self.max_size}) if measured else list(range(1, self.max_size + 1))
 
-    def choose(self) -> int:
-        if self.initial and self.chain.reached[0] < WARM_BLOCKS:
+    def choose(self, copy: bool = False) -> int:
+        """The next block's size; ``copy``: it will be drafted by copy, so the copies' chain decides."""
+        chain = self.copies if copy else self.chain
+        if self.initial and chain.reached[0] < WARM_BLOCKS:
             return min(self.initial, self.max_size)  # no acceptance seen yet: trust the drafter's training
-        rates = self.chain.rates()  # once per block: E(L) for every L is one running product
+        rates = chain.rates()  # once per block: E(L) for every L is one running product
         expected, run, total = {}, 1.0, 1.0
         for size in range(1, self.max_size + 1):
             expected[size] = total
@@ -142,6 +150,8 @@ class BlockSizer:
                 run *= rates[size - 1]
                 total += run
         best = max(self.candidates(), key=lambda size: expected[size] / self.costs(size))
+        if copy:  # a copy's later positions take the rate before them, and copies rarely stop midway: no exploring
+            return best
         extra = self.costs(self.max_size) - self.costs(best)  # what one full-length block costs beyond it
         if self.explore_share and best != self.max_size and self.since_explore * self.explore_share >= extra:
             return self.max_size
@@ -150,6 +160,9 @@ class BlockSizer:
     def observe(self, block: Block) -> None:
         size = block.drafted + 1
         self.since_explore = 0.0 if size == self.max_size else self.since_explore + self.costs(size)
+        if block.copied:  # its own chain; and its timing lacks the drafted block's forward, so it times no size
+            self.copies.observe(block.drafted, block.accepted)
+            return
         self.chain.observe(block.drafted, block.accepted)
         if block.total_s > 0 and (size in self.costs.seconds or size == self.max_size or not self.costs.seconds):
             # only the sizes it chooses from: a block cut short by max_tokens would add a size the
@@ -167,21 +180,23 @@ class AdaptivePolicy:
 
     def __init__(self, costs: CostCurve | None = None, max_size: int = MAX_BLOCK_SIZE, carry: float = 32.0, initial: int = 0):
         self.costs = costs or CostCurve()
-        self.chain = AcceptanceChain()
+        self.chain, self.copies = AcceptanceChain(), AcceptanceChain()
         self.max_size, self.carry, self.initial = max_size, carry, initial
         self._lock = threading.Lock()
 
     def sizer(self) -> BlockSizer:
         with self._lock:
             chain = AcceptanceChain().merged(self.chain, self.carry)
+            copies = AcceptanceChain().merged(self.copies, self.carry)
             costs = CostCurve(dict(self.costs.seconds))
-        return BlockSizer(costs, chain, self.max_size, initial=self.initial)
+        return BlockSizer(costs, chain, self.max_size, initial=self.initial, copies=copies)
 
     def learn(self, sizer: BlockSizer) -> None:
         """Fold a finished request's timings and acceptance back in."""
         with self._lock:
             self.costs = CostCurve(dict(sizer.costs.seconds))
             self.chain = self.chain.merged(sizer.chain, 4 * self.carry)
+            self.copies = self.copies.merged(sizer.copies, 4 * self.carry)
 
 
 def measure_costs(verifier, drafter, sizes: Sequence[int] = (1, 2, 4, 8, 16), repeats: int = 3, prompt_len: int = 32,

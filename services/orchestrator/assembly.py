@@ -162,7 +162,7 @@ def remote_drafter(addr: str, **kwargs):
 
 def build_local_engine(target: str | None, draft: str | None, backend: str = "mlx", device: str | None = None,
                        dtype: str | None = None, policy=None, no_drafter: bool = False, torch_options: dict | None = None,
-                       prefixes=None):
+                       prefixes=None, ngram: bool = True):
     """Load the pair in-process (the embedded default pair when no paths are given).
 
     ``backend`` may be ``"auto"`` (see :func:`resolve_backend`); ``device``/``dtype``
@@ -170,6 +170,7 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
     ``torch_options`` (``cuda_graphs``/``compile``, for the verifier and the drafter). What was
     chosen: the verifier's ``info.backend`` and the engine's ``device``. ``prefixes``: a
     ``core.prefix.PrefixCache`` the verifier and the drafter share (one budget for the process), or None.
+    ``ngram``: blocks whose context repeats are drafted by copy (``Engine.ngram``).
     """
     from kakeya.checkpoints.config import check_pair, load_draft_config, load_target_config
     from kakeya.orchestrator.engine import Engine
@@ -194,18 +195,19 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
     if drafter is not None:
         drafter.prefixes = prefixes
     return Engine(verifier, drafter, TextCodec(target), target=target, draft="" if no_drafter else draft, device=device,
-                  prefix_cache=prefixes is not None)
+                  prefix_cache=prefixes is not None, ngram=ngram)
 
 
 def split_engine(
     verifier_addr: str, drafter_addr: str | None, tokenizer: str | None, wait_s: float, *, tls=None,
-    token: str | None = None, backend_timeout_s: float | None = None, predraft: bool = False,
+    token: str | None = None, backend_timeout_s: float | None = None, predraft: bool = False, ngram: bool = True,
 ):
     """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them.
 
     ``tls``: a ``kakeya.runtime.tls.ClientTLS`` for both; ``token``: the bearer token both require;
     ``backend_timeout_s``: the step deadlines' floor; ``predraft``: greedy runs pre-draft the next
-    block while the verifier verifies (``Engine.predraft``).
+    block while the verifier verifies (``Engine.predraft``); ``ngram``: blocks whose context repeats are
+    drafted by copy (``Engine.ngram``).
     The verifier's sessions return the hidden states of the drafter's layers (without a drafter:
     the verifier server's default layers).
     """
@@ -240,4 +242,4 @@ def split_engine(
         log.warning("no tokenizer (verifier's %s is not readable here; pass --tokenizer DIR): token-id prompts only", info.name)
     draft_name = drafter.remote.model_name if drafter is not None else ""
     return Engine(verifier, drafter, codec, target=info.name, draft=draft_name, predraft=predraft,
-                  prefix_cache=verifier.prefix_cache)
+                  prefix_cache=verifier.prefix_cache, ngram=ngram)

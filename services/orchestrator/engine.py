@@ -27,15 +27,19 @@ class Engine:
     """``predraft``: greedy runs pre-draft each next block while the current one is verified (the
     loop's ``predraft``): worth it where the drafter works beside the verifier, i.e. split.
     ``prefix_cache``: the verifier keeps a prefix cache (``core/prefix.py``), so every run asks it (and
-    the drafter) to resume the longest cached prefix of its prompt and leaves a snapshot when it ends."""
+    the drafter) to resume the longest cached prefix of its prompt and leaves a snapshot when it ends.
+    ``ngram``: a block whose context ends in a run seen before is drafted by copy (the loop's ``ngram``;
+    greedy and coupled sampling)."""
 
     def __init__(self, verifier: Verifier, drafter: Drafter | None, codec: TextCodec | None, target: str = "",
-                 draft: str = "", device: str | None = None, predraft: bool = False, prefix_cache: bool = False):
+                 draft: str = "", device: str | None = None, predraft: bool = False, prefix_cache: bool = False,
+                 ngram: bool = True):
         self.verifier, self.drafter, self.codec = verifier, drafter, codec
         self.target, self.draft = target, draft
         self.prefix_cache = prefix_cache
         self.device = device  # what reports print (in-process torch: "cpu"/"cuda"; None: not known here)
         self.predraft = predraft
+        self.ngram = ngram
         self.adaptive: AdaptivePolicy | None = None  # measured on the first request that asks for it
         self._calibrating = threading.Lock()
 
@@ -128,6 +132,7 @@ class Engine:
             "backend": self.verifier.info.backend,
             "block_size": req.block_size,  # 0: auto, sized block by block
             "block_sizes": [b.drafted + 1 for b in gen.blocks[1:]],
+            "copied_blocks": sum(b.copied for b in gen.blocks),  # drafted by copy (n-gram), not by the drafter
             "prompt_token_ids": gen.prompt_ids,
             "cached_tokens": gen.cached_tokens,
             "token_ids": gen.token_ids,
@@ -168,6 +173,7 @@ class RunOptions:
     # failing the run. Servers want that; tests and benchmarks want a broken drafter to fail loudly.
     drafter_fallback: bool = False
     predraft: bool | None = None  # None: the engine's choice (``Engine.predraft``); sampling runs never pre-draft
+    ngram: bool | None = None  # None: the engine's choice (``Engine.ngram``); the rejection rule never copies
 
 
 class Run:
@@ -200,9 +206,11 @@ class Run:
             raise
         on_drafter_error = self._drafter_failed if options.drafter_fallback else None
         predraft = (engine.predraft if options.predraft is None else options.predraft) and self._sampling.greedy
+        ngram = (engine.ngram if options.ngram is None else options.ngram) and (
+            self._sampling.greedy or self._sampling.rule != REJECTION)  # a copy has no proposal distribution
         self._decoding = loop.Decoding(
             self.verifier_session, self.drafter_session, req.prompt_ids, req.max_tokens, self._sizer,
-            engine.stop_ids(req), on_drafter_error, predraft, self._resume if engine.prefix_cache else None,
+            engine.stop_ids(req), on_drafter_error, predraft, self._resume if engine.prefix_cache else None, ngram,
         )
 
     def _open(self, options: SessionOptions) -> None:

@@ -22,6 +22,10 @@ them. Per block:
 With ``predraft``, step 1 of the next block starts right after step 1 of this
 one (``DrafterSession.predraft``, on the guess that this block is accepted in
 full); the next block takes it only if the verdict bears the guess out.
+
+With ``ngram``, a block whose context ends in a run of tokens seen before is
+drafted by copying what followed them (``ngram.py``); the drafter then only
+extends its context (a draft of size 1), so it never falls behind.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from kakeya.core.contract import (
     VerifierSession,
     check_block_size,
 )
+from kakeya.orchestrator.ngram import NgramIndex
 
 if TYPE_CHECKING:
     from kakeya.orchestrator.adaptive import BlockSizer
@@ -63,7 +68,10 @@ class Decoding:
     verified, the drafter pre-drafts the next one (greedy sessions; it pays
     where the drafter works beside the verifier, a remote one). ``prefill``
     replaces the verifier's own (the engine's: resuming a cached prefix,
-    ``engine.py``).
+    ``engine.py``). ``ngram``: a block whose context ends in a run of tokens
+    seen before copies what followed it instead of asking the drafter for
+    candidates (greedy and coupled sampling; never the rejection rule, which
+    needs the drafter's distribution).
 
     ``unseen`` holds the aux the loop committed that the drafter has not been
     handed yet (chunks, in order): what a drafter's prefix snapshot still needs
@@ -81,12 +89,13 @@ class Decoding:
         on_drafter_error: Callable[[Exception], None] | None = None,
         predraft: bool = False,
         prefill: Callable[[Sequence[int]], tuple] | None = None,
+        ngram: bool = False,
     ):
         self.generation = Generation(prompt_ids=list(prompt_ids))
         self.unseen: list = []
         self._blocks = _decode(
             self.generation, verifier, drafter, max_tokens, block_size, stop_ids, on_drafter_error, predraft,
-            prefill or verifier.prefill, self.unseen,
+            prefill or verifier.prefill, self.unseen, ngram,
         )
 
     def __iter__(self) -> "Decoding":
@@ -108,19 +117,22 @@ class _Ahead(NamedTuple):
 
 class _Drafts:
     """The drafter's side of one generation: the aux it has not been handed yet, the pre-draft in
-    flight, the next block's size when it was chosen early (with that pre-draft), and the fallback
-    to the verifier alone when the drafter fails."""
+    flight, the next block's size when it was chosen early (with that pre-draft), the n-gram index
+    that drafts by copy, and the fallback to the verifier alone when the drafter fails."""
 
     def __init__(self, session, gen: Generation, sizer, block_size: int, predraft: bool, on_error, prompt_aux,
-                 unseen: list):
+                 unseen: list, ngram: bool = False):
         self.session, self.gen, self.sizer, self.block_size, self.on_error = session, gen, sizer, block_size, on_error
         self.active = session is not None and (sizer is not None or block_size > 1)
         self.predraft = predraft
+        self.ngram = NgramIndex() if ngram else None
+        self.stream = list(gen.prompt_ids)  # prompt + committed tokens: what the n-gram index reads
         self.new_aux = None  # the newest verdict's aux (the prompt's at first) until a drafter call takes it
         self.unseen = unseen  # every aux committed since a drafter call last took one (Decoding.unseen)
         self.committed(prompt_aux)
         self.ahead: _Ahead | None = None
         self.want: int | None = None
+        self.copied = False  # the last block's candidates were the n-gram index's
 
     def committed(self, aux) -> None:
         """The aux of newly committed positions, for the next drafter call."""
@@ -137,6 +149,7 @@ class _Drafts:
         pre-draft when it guessed right (True), else a fresh one."""
         ahead, self.ahead = self.ahead, None
         want, self.want = self.want, None
+        self.copied = False
         if not self.active:
             return NO_DRAFT, False
         if ahead is not None and verdict.accepted == ahead.assumed:  # all accepted: was the next token guessed?
@@ -145,18 +158,31 @@ class _Drafts:
                 return Draft(guess.tokens[1:room]), True  # never past max_tokens
             if not self.active:
                 return NO_DRAFT, False
+        copy = self._copy() if want is None else ()
         if want is None:
-            want = self.sizer.choose() if self.sizer is not None else self.block_size
+            want = self.sizer.choose(copy=bool(copy)) if self.sizer is not None else self.block_size
         B = min(want, room)  # never draft past max_tokens: a block commits at most B tokens
         # A sized block of 1 still hands the drafter the new positions (a draft of
         # size 1 only extends its context), or its context would have gaps later.
         if B == 1 and self.sizer is None:
             return NO_DRAFT, False
+        if copy and B > 1:  # the drafter only takes the new positions; the candidates are the copy's
+            if self._safely(self.session.draft, self.new_aux, last, 1) is not None:
+                self._taken()
+            self.copied = True
+            return Draft(copy[: B - 1]), False
         draft = self._safely(self.session.draft, self.new_aux, last, B)
         if draft is None:
             return NO_DRAFT, False
         self._taken()
         return draft, False
+
+    def _copy(self) -> tuple[int, ...]:
+        """The n-gram index's candidates for the next block (the most any block takes), or ()."""
+        if self.ngram is None:
+            return ()
+        self.stream.extend(self.gen.token_ids[len(self.stream) - len(self.gen.prompt_ids) :])
+        return self.ngram.propose(self.stream, MAX_BLOCK_SIZE - 1)
 
     def predraft_after(self, last: int, draft: Draft) -> None:
         """Start pre-drafting the block after ``[last, *draft.tokens]`` (verified meanwhile): it takes the
@@ -195,6 +221,7 @@ def _decode(
     predraft: bool,
     prefill: Callable[[Sequence[int]], tuple],
     unseen: list,
+    ngram: bool = False,
 ) -> Iterator[Block]:
     """:class:`Decoding`'s steps: record each committed block in ``gen`` and yield it."""
     sizer = None if isinstance(block_size, int) else block_size
@@ -228,7 +255,7 @@ def _decode(
     done = emit(Block([first], 0, 0, total_s=gen.prefill_s))
     yield gen.blocks[-1]
     last, verdict = first, None
-    drafts = _Drafts(drafter, gen, sizer, block_size, predraft, on_drafter_error, prompt_aux, unseen)
+    drafts = _Drafts(drafter, gen, sizer, block_size, predraft, on_drafter_error, prompt_aux, unseen, ngram)
     while not done:
         t_block = clock()
         draft, predrafted = drafts.next(last, max_tokens - len(gen.token_ids), verdict)
@@ -249,6 +276,7 @@ def _decode(
                 verify_s=t_end - t_drafted,
                 total_s=t_end - t_block,
                 predrafted=predrafted,
+                copied=drafts.copied,
             )
         )
         if sizer is not None and drafts.active:
@@ -258,9 +286,11 @@ def _decode(
     gen.decode_s = clock() - t_decode
 
 
-def run(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids=(), on_drafter_error=None, predraft=False) -> Generation:
+def run(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids=(), on_drafter_error=None, predraft=False,
+        ngram=False) -> Generation:
     """Run a :class:`Decoding` to the end and return the whole generation."""
-    decoding = Decoding(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids, on_drafter_error, predraft)
+    decoding = Decoding(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids, on_drafter_error, predraft,
+                        ngram=ngram)
     for _ in decoding:
         pass
     return decoding.generation

@@ -84,11 +84,12 @@ def heldout_prompts(corpus: data.Corpus, n: int, length: int) -> list[list[int]]
 
 def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[list[int]], block_sizes: Sequence[int],
                        max_tokens: int, backend: str = "mlx") -> dict:
-    """Mean acceptance per block size with the real loop (``backend`` verifier + drafter, native cache)."""
+    """Mean acceptance per block size with the real loop (``backend`` verifier + drafter, native cache): the
+    drafter's own, so without n-gram copies (``orchestrator/ngram.py``)."""
     from kakeya.orchestrator.assembly import build_local_engine
     from kakeya.orchestrator.engine import Request
 
-    engine = build_local_engine(str(target_dir), str(draft_dir), backend)
+    engine = build_local_engine(str(target_dir), str(draft_dir), backend, ngram=False)
     out: dict = {}
     ref: list[list[int]] = []
     for p in prompts:

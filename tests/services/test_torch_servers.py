@@ -28,16 +28,18 @@ PROMPT = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56,
 N = 120  # past three wraps of the 32-position window
 
 
-@pytest.fixture(scope="module")
-def torch_servers(tiny_pair, aux_layers):
+def _serve(pair):
+    """A drafter and a verifier servicer on ``pair`` (torch), in one in-process gRPC server on loopback."""
+    from kakeya.checkpoints.config import load_draft_config
     from kakeya.drafter.server import DrafterServicer
     from kakeya.drafter.session import TorchDrafter
     from kakeya.verifier.server import VerifierServicer
     from kakeya.verifier.torch_backend.target import torch_verifier
 
+    aux_layers = tuple(load_draft_config(pair.draft)["dflash_config"]["target_layer_ids"])
     d, v = DrafterServicer(), VerifierServicer()
-    d.compute.run(d._setup, lambda: TorchDrafter(tiny_pair.draft, tiny_pair.target), str(tiny_pair.draft), str(tiny_pair.target), "torch")
-    v.compute.run(v._setup, lambda: torch_verifier(tiny_pair.target, aux_layers), tiny_pair.target, tuple(aux_layers))
+    d.compute.run(d._setup, lambda: TorchDrafter(pair.draft, pair.target), str(pair.draft), str(pair.target), "torch")
+    v.compute.run(v._setup, lambda: torch_verifier(pair.target, aux_layers), pair.target, aux_layers)
     d.ready = v.ready = True
     server = grpc.server(ThreadPoolExecutor(16), options=server_options())
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(d, server)
@@ -48,6 +50,11 @@ def torch_servers(tiny_pair, aux_layers):
     server.stop(0).wait()
     for s in (v, d):
         s.compute.shutdown()
+
+
+@pytest.fixture(scope="module")
+def torch_servers(tiny_pair):
+    yield from _serve(tiny_pair)
 
 
 def test_torch_backends_over_grpc_match_mlx_lm_greedy_ar(torch_servers, mlx_target):
@@ -70,3 +77,29 @@ def test_torch_backends_over_grpc_match_mlx_lm_greedy_ar(torch_servers, mlx_targ
         assert gen.token_ids == ref, block_size
     assert v.registry.total >= 3 and d.registry.total >= 2
     wait_until(lambda: v.registry.live == 0 and d.registry.live == 0, what="sessions closed")
+
+
+def test_ngram_copies_over_grpc_commit_what_colocated_commits(demo_pair):
+    """The trained pair repeats itself on this prompt, so blocks are drafted by copy: the remote drafter then
+    only extends its context (a draft of size 1), and the tokens are colocated AR's, block size by block size."""
+    from kakeya.core.contract import Request
+    from kakeya.orchestrator.assembly import build_local_engine
+
+    local = build_local_engine(demo_pair.target, demo_pair.draft, "torch", "cpu")
+    prompt = local.codec.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):")
+    ar = local.generate(Request(prompt, max_tokens=64, block_size=1, ignore_eos=True)).token_ids
+    servers = _serve(demo_pair)
+    addr, _, _ = next(servers)
+    try:
+        drafter = GrpcDrafter(addr)
+        verifier = GrpcVerifier(addr, aux_layers=drafter.target_layer_ids)
+        for block_size in (4, 8, 16):
+            vs, ds = verifier.open_session(), drafter.open_session()
+            try:
+                gen = run(vs, ds, prompt, 64, block_size, ngram=True)
+            finally:
+                vs.close()
+                ds.close()
+            assert gen.token_ids == ar and any(b.copied for b in gen.blocks), block_size
+    finally:
+        servers.close()
