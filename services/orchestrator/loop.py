@@ -160,7 +160,8 @@ class _Drafts:
                 return NO_DRAFT, False
         copy = self._copy() if want is None else ()
         if want is None:
-            want = self.sizer.choose(copy=bool(copy)) if self.sizer is not None else self.block_size
+            sizer = self.sizer
+            want = self.block_size if sizer is None else sizer.choose(copy=True) if copy else sizer.choose()
         B = min(want, room)  # never draft past max_tokens: a block commits at most B tokens
         # A sized block of 1 still hands the drafter the new positions (a draft of
         # size 1 only extends its context), or its context would have gaps later.
