@@ -43,7 +43,8 @@ from typing import Sequence
 from kakeya.core.contract import MAX_BLOCK_SIZE, Block, Draft
 
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the pooled rate)
-COST_EMA = 0.2  # weight of a new timing in a size's running cost
+COST_EMA = 0.2  # weight of a new timing in the machine's running pace (every size's cost alike)
+SHAPE_EMA = 0.05  # weight of a new timing in its size's cost relative to the others
 SPIKE_CAP = 2.0  # a new timing counts as at most this many times the running cost
 WARM_BLOCKS = 4  # blocks drafted at the trained size before the model of E(L)/t(L) takes over
 EXPLORE_SHARE = 0.02  # the share of decode time full-length blocks may take beyond the chosen size's cost
@@ -51,17 +52,29 @@ EXPLORE_SHARE = 0.02  # the share of decode time full-length blocks may take bey
 
 @dataclass
 class CostCurve:
-    """Seconds per block by block size: measured points, linear in between and beyond."""
+    """Seconds per block by block size: measured points, linear in between and beyond.
+
+    A block's timing moves every size's cost (the machine's pace: another process on a shared CPU
+    slows a block of 16 as it slows a block of 4) and, twenty times more slowly, its own size's
+    cost relative to the others (what calibration got wrong). Moving only the timed size let one
+    slow minute price the sizes then chosen at twice the others, which were not re-timed: MLX on
+    a shared CPU learnt a block of 4 at 27.5 ms against 15 in quiet runs, and chose 8, 0.78x the
+    throughput of 4 (``benchmarks/results/adaptive.json`` before this)."""
 
     seconds: dict[int, float] = field(default_factory=dict)
 
     def observe(self, size: int, seconds: float) -> None:
         old = self.seconds.get(size)
-        if old is not None:
-            # one block stalled by the machine (another process, a GC pause) counts as at most twice the
-            # estimate: unclipped, one stall made its size look dear, and a size not chosen is not re-timed
-            seconds = min(seconds, SPIKE_CAP * old)
-        self.seconds[size] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+        if old is None:
+            self.seconds[size] = seconds
+            return
+        # one block stalled by the machine (a GC pause, a neighbour's burst) counts as at most twice the estimate
+        ratio = min(seconds, SPIKE_CAP * old) / old
+        pace = 1 + COST_EMA * (ratio - 1)  # the machine's speed: every size alike
+        own = 1 + SHAPE_EMA * (ratio / pace - 1)  # what is left is this size's own
+        for s in self.seconds:
+            self.seconds[s] *= pace
+        self.seconds[size] *= own
 
     def __call__(self, size: int) -> float:
         pts = sorted(self.seconds.items())

@@ -15,10 +15,29 @@ def test_cost_curve_interpolates_and_extrapolates_linearly():
     assert c(2) == pytest.approx(2.0)
     assert c(6) == pytest.approx(5.0)
     assert c(16) == pytest.approx(10.0)  # beyond the last point: the last segment's slope
-    c.observe(4, 2.0)
-    assert c(4) == pytest.approx(0.8 * 4.0 + 0.2 * 2.0)
+
+
+def test_a_timing_moves_every_size_by_the_machines_pace_and_its_own_size_slowly():
+    c = CostCurve({1: 1.0, 4: 4.0, 8: 6.0})
+    c.observe(4, 2.0)  # twice as fast as thought: the machine is faster, every size alike ...
+    pace = 0.8 + 0.2 * 0.5
+    assert c(1) == pytest.approx(pace) and c(8) == pytest.approx(6.0 * pace)
+    assert c(4) == pytest.approx(4.0 * pace * (1 + 0.05 * (0.5 / pace - 1)))  # ... and 4 a little on its own
+    c = CostCurve({1: 1.0, 4: 4.0})
     c.observe(1, 50.0)  # a stalled block: counted as twice the estimate, not fifty times
-    assert c(1) == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
+    assert c(4) == pytest.approx(4.0 * 1.2)
+
+
+def test_a_slow_spell_while_one_size_is_chosen_does_not_price_it_out_for_good():
+    c = CostCurve({2: 1.0, 4: 1.3, 8: 2.0})
+    for _ in range(30):  # the machine runs at half speed while only 4 is chosen
+        c.observe(4, 2.6)
+    # the shape holds within the few blocks the pace takes to catch up (0.65 -> 0.73), where moving 4 alone
+    # priced it at 2.6 against 8's 2.0 and the sizer would have left it for good
+    assert 0.65 < c(4) / c(8) < 0.75
+    for _ in range(300):  # a lasting difference of 4's own (calibration had it 30 % too cheap) is learnt
+        c.observe(4, 1.69 * c(8) / 2.0)
+    assert c(4) / c(8) == pytest.approx(1.69 / 2.0, rel=0.05)
 
 
 def test_acceptance_chain_counts_each_position_reached():
