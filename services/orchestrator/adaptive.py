@@ -10,24 +10,29 @@ experts spread with ``L``) and with the text (repetitive code accepts long runs)
 Both halves are measured, never assumed: ``measure_costs`` times draft and
 verify at each size on the live endpoints at warm-up (so the wire is in it
 for a split deployment), each block's own timings then refine it, and the
-acceptance chain ``a_k`` is counted from every block. Until a few blocks were
-seen the drafter's trained block size is used. A position short blocks never
-reach takes the rate of the position before it as its prior (not the pooled
-rate, which the first positions dominate: a drafter whose later positions
-accept as well as its first would otherwise look worse the longer its blocks,
-and the sizer would talk itself into short ones), and now and then one block
-is drafted at full length so that prior keeps being tested. How often is set
-by what it costs: a full-length block is due once the blocks since the last
-one have taken ``1 / explore_share`` times its extra cost over the size the
-model chose, so exploring takes about ``explore_share`` of the decode time on
-every backend. (A fixed every-16th-block spent 1 % of the time where a block of
-16 costs about one of 8, torch on a CPU, and 10 % on MLX's CPU backend, where
-it costs 2.7 blocks of 4.)
+acceptance chain ``a_k`` is counted from every block, the older blocks
+weighing less (``FORGET`` per block: text changes, and a hard opening must not
+price the easy rest of a request). Until a few blocks were seen the drafter's
+trained block size is used. A position short blocks never reach takes the rate
+of the position before it as its prior (not the pooled rate, which the first
+positions dominate: a drafter whose later positions accept as well as its
+first would otherwise look worse the longer its blocks, and the sizer would
+talk itself into short ones), and now and then one block is drafted one size
+longer than the model chose, so the positions just beyond its choice keep being
+tested. A choice of 1 drafts nothing and so learns nothing: without these probes
+a request whose first blocks accepted little stayed autoregressive to its end
+(MLX on README command 1's prompt: 1.05 tokens a block where block 4 committed
+2.35). How often is set by what a probe costs: one is due once the blocks since
+the last have taken ``1 / explore_share`` times its extra cost over the choice,
+so probing takes about ``explore_share`` of the decode time on every backend;
+a probe accepted whole paid for itself, and the next block probes again.
 
 Blocks the loop drafts by copy (``ngram.py``) accept by a law of their own
 (a repeat runs to its end or breaks at once), so they keep their own chain and
 their size is chosen from it; they are costed as drafted blocks, an upper bound
-(a copy's drafter call only extends the context).
+(a copy's drafter call only extends the context). The first few are tried at
+the size a draft would have; after that a block copies only while copies pay
+better than the drafter does, and is drafted otherwise.
 
 Only token counts and timings go in, so this knows no backend and changes no
 token: the loop is lossless at every block size, whichever is chosen.
@@ -47,7 +52,10 @@ COST_EMA = 0.2  # weight of a new timing in the machine's running pace (every si
 SHAPE_EMA = 0.05  # weight of a new timing in its size's cost relative to the others
 SPIKE_CAP = 2.0  # a new timing counts as at most this many times the running cost
 WARM_BLOCKS = 4  # blocks drafted at the trained size before the model of E(L)/t(L) takes over
-EXPLORE_SHARE = 0.02  # the share of decode time full-length blocks may take beyond the chosen size's cost
+EXPLORE_SHARE = 0.02  # the share of decode time probes (one size longer) may take beyond the chosen size's cost
+FORGET = 0.95  # each block scales the acceptance seen before it by this: about the last 20 blocks count ...
+FORGET_FLOOR = 8.0  # ... but never below this many first positions, so a run of blocks of 1 (which observe
+# nothing) does not melt the evidence back to the 0.5 prior and retry, unbudgeted, a drafter known to miss
 
 
 @dataclass
@@ -97,7 +105,12 @@ class AcceptanceChain:
     reached: list[float] = field(default_factory=lambda: [0.0] * MAX_BLOCK_SIZE)
     accepted: list[float] = field(default_factory=lambda: [0.0] * MAX_BLOCK_SIZE)
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, forget: float = 1.0, floor: float = 0.0) -> None:
+        """Count one block; ``forget`` first scales what was counted before it, while the first
+        position keeps at least ``floor`` observations."""
+        if forget != 1.0 and self.reached[0] * forget >= floor:
+            self.reached = [x * forget for x in self.reached]
+            self.accepted = [x * forget for x in self.accepted]
         for k in range(min(accepted + 1, drafted)):
             self.reached[k] += 1
             self.accepted[k] += k < accepted
@@ -136,12 +149,12 @@ class BlockSizer:
                  explore_share: float = EXPLORE_SHARE, initial: int = 0, copies: AcceptanceChain | None = None):
         self.costs, self.chain = costs, chain or AcceptanceChain()
         self.copies = copies or AcceptanceChain()  # the blocks drafted by copy (``Block.copied``)
-        self.max_size, self.explore_share = max_size, explore_share  # 0: never explore
+        self.max_size, self.explore_share = max_size, explore_share  # 0: never probe
         self.initial = initial  # the size to use until a few blocks were seen (0: the model's choice from the start)
-        self.since_explore = 0.0  # the cost curve's seconds of the blocks since the last full-length one
-
-    def throughput(self, size: int) -> float:
-        return self.chain.expected_tokens(size) / self.costs(size)
+        # blocks still to draft at ``initial``: none when the chain carried enough from earlier requests
+        self.warm = WARM_BLOCKS if initial and self.chain.reached[0] < WARM_BLOCKS else 0
+        self.since_probe = 0.0  # the cost curve's seconds of the blocks since the last probe
+        self.probing = 0  # the size of the probe in flight (0: none)
 
     def candidates(self) -> list[int]:
         """The sizes to choose from: those with a measured cost (calibration timed them on warm
@@ -150,11 +163,8 @@ class BlockSizer:
         measured = [s for s in self.costs.seconds if s < self.max_size]
         return sorted(set(measured) | {self.max_size}) if measured else list(range(1, self.max_size + 1))
 
-    def choose(self, copy: bool = False) -> int:
-        """The next block's size; ``copy``: it will be drafted by copy, so the copies' chain decides."""
-        chain = self.copies if copy else self.chain
-        if self.initial and chain.reached[0] < WARM_BLOCKS:
-            return min(self.initial, self.max_size)  # no acceptance seen yet: trust the drafter's training
+    def _best(self, chain: AcceptanceChain) -> tuple[int, float]:
+        """The candidate size with the most expected tokens a second under ``chain``, and that rate."""
         rates = chain.rates()  # once per block: E(L) for every L is one running product
         expected, run, total = {}, 1.0, 1.0
         for size in range(1, self.max_size + 1):
@@ -163,20 +173,36 @@ class BlockSizer:
                 run *= rates[size - 1]
                 total += run
         best = max(self.candidates(), key=lambda size: expected[size] / self.costs(size))
-        if copy:  # a copy's later positions take the rate before them, and copies rarely stop midway: no exploring
+        return best, expected[best] / self.costs(best)
+
+    def choose(self, copy: bool = False) -> int:
+        """The next block's size. ``copy``: the size for a block drafted by copy, the copies' chain
+        deciding; 1 when copies pay no better than the drafter (then draft instead)."""
+        best = min(self.initial, self.max_size) if self.warm else self._best(self.chain)[0]
+        if copy:  # no probing: a copy's later positions take the rate before them, and copies rarely stop midway
+            if self.copies.reached[0] < WARM_BLOCKS:  # too few copies seen to judge: the size a draft would have
+                return min(max(best, 2), self.max_size)
+            size, rate = self._best(self.copies)
+            return size if rate > self._best(self.chain)[1] else 1
+        if self.warm:  # no acceptance seen yet: trust the drafter's training
             return best
-        extra = self.costs(self.max_size) - self.costs(best)  # what one full-length block costs beyond it
-        if self.explore_share and best != self.max_size and self.since_explore * self.explore_share >= extra:
-            return self.max_size
+        longer = [s for s in self.candidates() if s > best]
+        if self.explore_share and longer and self.since_probe * self.explore_share >= self.costs(longer[0]) - self.costs(best):
+            self.since_probe, self.probing = 0.0, longer[0]
+            return longer[0]
         return best
 
     def observe(self, block: Block) -> None:
         size = block.drafted + 1
-        self.since_explore = 0.0 if size == self.max_size else self.since_explore + self.costs(size)
+        self.since_probe += self.costs(size)
+        if self.probing == size and block.accepted == block.drafted:
+            self.since_probe = float("inf")  # a probe accepted whole paid for itself: probe again at once
+        self.probing = 0
         if block.copied:  # its own chain; and its timing lacks the drafted block's forward, so it times no size
-            self.copies.observe(block.drafted, block.accepted)
+            self.copies.observe(block.drafted, block.accepted, FORGET, FORGET_FLOOR)
             return
-        self.chain.observe(block.drafted, block.accepted)
+        self.warm = max(self.warm - 1, 0)
+        self.chain.observe(block.drafted, block.accepted, FORGET, FORGET_FLOOR)
         if block.total_s > 0 and (size in self.costs.seconds or size == self.max_size or not self.costs.seconds):
             # only the sizes it chooses from: a block cut short by max_tokens would add a size the
             # sizer then picks on one lucky timing

@@ -159,9 +159,12 @@ class _Drafts:
             if not self.active:
                 return NO_DRAFT, False
         copy = self._copy() if want is None else ()
+        if want is None and copy and self.sizer is not None:
+            want = self.sizer.choose(copy=True)
+            if want == 1:  # copying pays no better than the drafter here: draft instead
+                copy, want = (), None
         if want is None:
-            sizer = self.sizer
-            want = self.block_size if sizer is None else sizer.choose(copy=True) if copy else sizer.choose()
+            want = self.block_size if self.sizer is None else self.sizer.choose()
         B = min(want, room)  # never draft past max_tokens: a block commits at most B tokens
         # A sized block of 1 still hands the drafter the new positions (a draft of
         # size 1 only extends its context), or its context would have gaps later.

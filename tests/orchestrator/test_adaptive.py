@@ -89,7 +89,7 @@ def _explored(sizer, blocks: int, share: float = 0.02) -> list[int]:
     return sizes
 
 
-def test_exploration_takes_its_share_of_time_whatever_a_full_block_costs():
+def test_probing_takes_its_share_of_time_whatever_a_longer_block_costs():
     cheap = _explored(_sizer(0, {1: 1.0, 16: 1.1}), 200)  # a full block costs 0.1 more than the choice
     dear = _explored(_sizer(0, {1: 1.0, 16: 16.0}), 200)  # ... 15 more
     for sizes, extra in ((cheap, 0.1), (dear, 15.0)):
@@ -98,6 +98,44 @@ def test_exploration_takes_its_share_of_time_whatever_a_full_block_costs():
     assert cheap.count(16) >= 20 and dear.count(16) == 0  # where it is cheap it explores often; never at 15x
     assert _explored(_sizer(0, {1: 1.0, 16: 16.0}), 1000).count(16) == 1  # ... until 750 blocks paid for one
     assert 16 not in _explored(_sizer(0, {1: 1.0, 16: 1.1}), 200, share=0)  # 0: never
+
+
+def test_a_probe_is_one_measured_size_longer_than_the_choice():
+    sizes = _explored(_sizer(0, {1: 1.0, 2: 1.2, 4: 1.5, 8: 2.5, 16: 5.0}), 300)
+    assert set(sizes) == {1, 2}  # nothing accepts: blocks of 1, and now and then a block of 2, never longer
+    assert 5 <= sizes.count(2) <= 40
+
+
+def _replay(sizer, accepts_from: int, blocks: int) -> list[int]:
+    """The sizes ``sizer`` chooses when nothing is accepted before block ``accepts_from`` and every
+    candidate is after it (blocks timed at the curve's cost)."""
+    sizes = []
+    for i in range(blocks):
+        size = sizer.choose()
+        accepted = size - 1 if i >= accepts_from else 0
+        sizer.observe(Block([0] * size, drafted=size - 1, accepted=accepted, verify_s=sizer.costs(size), total_s=sizer.costs(size)))
+        sizes.append(size)
+    return sizes
+
+
+def test_a_hard_opening_does_not_keep_a_request_autoregressive():
+    # MLX's CPU costs: a block of 1 is the best choice while nothing is accepted, and one of 1 drafts
+    # nothing, so only probes and forgetting the opening can bring the drafter back
+    costs = {1: 7.8, 2: 10.35, 4: 14.0, 8: 22.5, 16: 38.5}
+    sizes = _replay(BlockSizer(CostCurve(dict(costs)), initial=8), accepts_from=20, blocks=120)
+    assert sizes[:4] == [8] * 4 and 1 in sizes[4:20]  # the trained size first, then the opening's misses
+    assert max(sizes[20:]) == 16 and sizes[-20:] == [16] * 20  # back to long blocks once they accept
+    assert sizes.index(16) < 45  # a probe accepted whole is followed by another: the climb takes a few blocks
+
+
+def test_old_blocks_weigh_less_but_never_melt_to_the_prior():
+    chain = AcceptanceChain()
+    for _ in range(100):
+        chain.observe(drafted=3, accepted=0, forget=0.95, floor=8.0)
+    assert chain.reached[0] == pytest.approx(20.0, abs=0.2)  # 1 / (1 - 0.95) blocks' worth
+    for _ in range(200):  # blocks of 1 observe nothing: the evidence shrinks to the floor and stays
+        chain.observe(drafted=0, accepted=0, forget=0.95, floor=8.0)
+    assert 8.0 <= chain.reached[0] < 8.5 and chain.rates()[0] < 0.1
 
 
 def test_observe_learns_cost_and_acceptance_from_blocks():
