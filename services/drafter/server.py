@@ -81,6 +81,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.max_context = bounds.ContextLimits.of(limit, 0, self.max_context_flag).max_context
         self.aux_dtype = codec.DType.Value("DTYPE_" + str(model.dtype).rsplit(".", 1)[-1].upper())
         self.device = model.device_name
+        self._inline_if_safe(backend)
         # Warm-up: every block size the loop drafts, the first context through the wire decoding path.
         aux = self._decode(codec.to_proto(np.zeros((3, model.config.aux_width), np.float32)))
         seconds = self.drafter.warm_up(aux=aux)

@@ -63,6 +63,13 @@ class SessionServicer:
         self.aux_dtype = 0  # the wire dtype of the aux hidden states, set by load()
         self.device = ""  # where the model runs, set by load()
 
+    def _inline_if_safe(self, backend: str) -> None:
+        """Let a lone stream's steps run on its handler thread (``ComputeThread.inline``) where arrays may
+        cross threads and no device stream is bound to one: torch on a CPU (set by ``load``, after ``device``).
+        MLX keeps arrays on their thread; CUDA's current stream is per thread and its graphs were captured
+        on the compute thread."""
+        self.compute.inline = backend == "torch" and self.device == "cpu"
+
     def info(self):
         raise NotImplementedError
 

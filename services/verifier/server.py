@@ -102,6 +102,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         session.close()
         self.aux_dtype = codec.to_proto(aux[:1]).dtype
         self.device = self.verifier.target.device_name
+        self._inline_if_safe(backend)
         return (
             f"target {target_dir} ({backend} on {self.device}, {info.num_layers} layers, vocab {info.vocab_size},"
             f" aux {codec.dtype_name(self.aux_dtype)})"

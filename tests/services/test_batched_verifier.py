@@ -60,7 +60,7 @@ def _hold(compute) -> threading.Event:
 
 def _queued(compute) -> int:
     with compute._cv:
-        return len(compute._jobs)
+        return compute.queued
 
 
 def _prompt(k: int, n: int = 12) -> list[int]:

@@ -40,7 +40,7 @@ def _submit_batch_items(ct, n, runner, kind="verify"):
 def _wait_queued(ct: ComputeThread, n: int) -> None:
     for _ in range(500):
         with ct._cv:
-            if len(ct._jobs) >= n:
+            if ct.queued >= n:
                 return
         threading.Event().wait(0.01)
     raise AssertionError("jobs never queued")
@@ -130,3 +130,52 @@ def test_shutdown_refuses_new_work():
         ct.submit(lambda: 1)
     with pytest.raises(ValueError):
         ComputeThread("t", max_batch=0)
+
+
+def test_inline_runs_a_lone_job_on_its_callers_thread_and_jobs_that_queue_still_batch():
+    ct = ComputeThread("t")
+    ct.inline = True
+    me = threading.get_ident()
+    assert ct.run(threading.get_ident) == me  # nothing queued, nothing running: no hand-off
+    assert ct.batch("verify", 3, lambda items: [(threading.get_ident(), x) for x in items]) == (me, 3)
+    with pytest.raises(RuntimeError, match="returned 0 results"):
+        ct.batch("verify", 0, lambda items: [])
+    with pytest.raises(ValueError, match="bad"):
+        ct.batch("verify", 0, lambda items: [ValueError("bad")])
+    calls = []
+    release = _blocked(ct)  # the thread is busy: callers queue, and what queued runs as one batch there
+    ex, futs = _submit_batch_items(ct, 5, lambda items: (calls.append(list(items)), [threading.get_ident()] * len(items))[1])
+    _wait_queued(ct, 5)
+    release.set()
+    assert len({f.result(5) for f in futs}) == 1 and futs[0].result() != me
+    assert len(calls) == 1 and sorted(calls[0]) == list(range(5))
+    ex.shutdown()
+    ct.shutdown()
+
+
+def test_inline_or_not_model_work_never_overlaps():
+    ct = ComputeThread("t")
+    ct.inline = True
+    lock, running, most, order = threading.Lock(), [0], [0], []
+
+    def runner(items):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        threading.Event().wait(0.001)
+        with lock:
+            running[0] -= 1
+        order.extend(items)
+        return items
+
+    def session(k):  # one stream: its steps in order, each waiting for the last
+        return [ct.batch("verify", (k, i), runner) for i in range(30)]
+
+    with ThreadPoolExecutor(6) as ex:
+        results = list(ex.map(session, range(6)))
+    assert most[0] == 1
+    assert results == [[(k, i) for i in range(30)] for k in range(6)]
+    for k in range(6):
+        assert [i for kk, i in order if kk == k] == list(range(30))  # each session's steps in order
+    ct.shutdown()
+
