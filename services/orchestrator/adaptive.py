@@ -165,8 +165,8 @@ class BlockSizer:
         measured = [s for s in self.costs.seconds if s < self.max_size]
         return sorted(set(measured) | {self.max_size}) if measured else list(range(1, self.max_size + 1))
 
-    def _best(self, chain: AcceptanceChain) -> tuple[int, float]:
-        """The candidate size with the most expected tokens a second under ``chain``, and that rate."""
+    def _best(self, chain: AcceptanceChain) -> int:
+        """The candidate size with the most expected tokens a second under ``chain``."""
         rates = chain.rates()  # once per block: E(L) for every L is one running product
         expected, run, total = {}, 1.0, 1.0
         for size in range(1, self.max_size + 1):
@@ -174,17 +174,16 @@ class BlockSizer:
             if size - 1 < len(rates):
                 run *= rates[size - 1]
                 total += run
-        best = max(self.candidates(), key=lambda size: expected[size] / self.costs(size))
-        return best, expected[best] / self.costs(best)
+        return max(self.candidates(), key=lambda size: expected[size] / self.costs(size))
 
     def choose(self, copy: bool = False) -> int:
         """The next block's size. ``copy``: the size for a block drafted by copy, the copies' chain
         deciding (1: not worth copying, the loop drafts instead)."""
-        best = min(self.initial, self.max_size) if self.warm else self._best(self.chain)[0]
+        best = min(self.initial, self.max_size) if self.warm else self._best(self.chain)
         if copy:  # no probing: a copy's later positions take the rate before them, and copies rarely stop midway
             if self.copies.reached[0] < WARM_BLOCKS:  # too few copies seen to judge: the size a draft would have
                 return min(max(best, 2), self.max_size)
-            return self._best(self.copies)[0]  # 1: copies here break at once; the loop drafts this block instead
+            return self._best(self.copies)  # 1: copies here break at once; the loop drafts this block instead
         if self.warm:  # no acceptance seen yet: trust the drafter's training
             return best
         longer = [s for s in self.candidates() if s > best]

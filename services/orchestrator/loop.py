@@ -161,7 +161,7 @@ class _Drafts:
         copy = self._copy() if want is None else ()
         if want is None and copy and self.sizer is not None:
             want = self.sizer.choose(copy=True)
-            if want == 1:  # copying pays no better than the drafter here: draft instead
+            if want == 1:  # copies here break at once (their chain prices 1): draft instead
                 copy, want = (), None
         if want is None:
             want = self.block_size if self.sizer is None else self.sizer.choose()

@@ -149,12 +149,8 @@ def test_engine_copies_greedy_and_coupled_and_never_under_the_rejection_rule(dem
         for b in (4, 8, 0):
             req = Request(prompt, max_tokens=64, block_size=b, ignore_eos=True, sampling=sampling)
             on = engine.generate(req)
-            copied = sum(blk.copied for blk in on.blocks)
-            assert on.token_ids == ar.token_ids and engine.report(req, on)["copied_blocks"] == copied
-            # a fixed size copies wherever the text repeats; auto blocks copy while copies pay better than
-            # the drafter, which the first auto request tries (its first block repeats the prompt) and the
-            # next one, the sampled, knows from it
-            assert copied > 0 or (b == 0 and not sampling.greedy), (sampling, b)
+            assert on.token_ids == ar.token_ids and any(blk.copied for blk in on.blocks), (sampling, b)
+            assert engine.report(req, on)["copied_blocks"] == sum(blk.copied for blk in on.blocks) > 0
             off = engine.generate(req, RunOptions(ngram=False))
             assert off.token_ids == ar.token_ids and not any(blk.copied for blk in off.blocks)
     rejection = SamplingParams(temperature=0.7, seed=3, rule=REJECTION)

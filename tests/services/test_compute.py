@@ -178,4 +178,3 @@ def test_inline_or_not_model_work_never_overlaps():
     for k in range(6):
         assert [i for kk, i in order if kk == k] == list(range(30))  # each session's steps in order
     ct.shutdown()
-
