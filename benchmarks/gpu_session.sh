@@ -21,6 +21,12 @@
 #   concurrency benchmarks/concurrency.py: `serve all` on CUDA, 1..16 streams, batched vs serialised
 #   split       benchmarks/split.py on CUDA: split (pre-draft off / on) vs colocated, one stream at block sizes
 #               1..16 and auto with each block's critical path as compute + wire, 1/4/8/16 streams, pre-draft hits
+#   train       a next stage of the demo drafter (not in the default PARTS: ask for it): the shipped drafter
+#               fine-tuned on CUDA on TRAIN_SEQUENCES (49,152) new target continuations for TRAIN_STEPS (6,000)
+#               steps of TRAIN_BATCH (256) sequences, at most TRAIN_BUDGET_S (240) s of training, the whole
+#               step under 10 min (one device call; a rerun on the same node reuses the data made); the data
+#               (~240 KB a continuation) stays in TRAIN_DIR, the drafter and its report come back in
+#               OUT/draft_next/ (docs/demo-pair.md: what to do with it)
 # Results land in OUT_DIR. Needs torch with CUDA, grpcio, protobuf, safetensors, tokenizers,
 # prometheus-client, jinja2 (chat templates); no MLX.
 set -u
@@ -110,6 +116,19 @@ fi
 if part concurrency; then
   step concurrency_cuda 300 $PY benchmarks/concurrency.py --serve-args "--verifier-backend torch --drafter-backend torch --device cuda --max-prompt-tokens 16384" \
     --long-prompt 16000 --out "$OUT/concurrency_cuda.json"
+fi
+if part train; then  # the stage-2 command's shape (services/models/demo/draft/report.json), GPU-sized
+  TRAIN_DIR=${TRAIN_DIR:-/tmp/kakeya-train}
+  step train_drafter $((${TRAIN_BUDGET_S:-240} + 320)) $PY -m kakeya.app.main train-drafter \
+    --target services/models/demo/target --init-from services/models/demo/draft --out "$TRAIN_DIR/draft" \
+    --device "${TRAIN_DEVICE:-cuda}" --seed "${TRAIN_SEED:-2}" --sequences "${TRAIN_SEQUENCES:-49152}" \
+    --gen-batch "${TRAIN_GEN_BATCH:-2048}" --batch "${TRAIN_BATCH:-256}" --steps "${TRAIN_STEPS:-6000}" \
+    --time-budget "${TRAIN_BUDGET_S:-240}" --resume --lr 0.001 --warmup 100 --save-every 500 --eval-every 1000 \
+    --layers 2 --intermediate 384 --heads 4 --kv-heads 2 --head-dim 32 --target-layer-ids 1,6,11,16 \
+    --block-size 8 --train-block-sizes 8,16 --anchors 16 --prompt-len 64 --gen-len 128 --bos-prompts \
+    --temperatures 0,0,0.7,1 --soft-weight 1 --eval-backend torch ${TRAIN_EVAL_PROMPTS:+--eval-prompts $TRAIN_EVAL_PROMPTS}
+  mkdir -p "$OUT/draft_next"
+  cp "$TRAIN_DIR"/draft/{config.json,model.safetensors,report.json} "$OUT/draft_next/" 2>/dev/null
 fi
 if part split; then
   step split_cuda 480 $PY benchmarks/split.py --backend torch --device cuda --repeats $([ -n "$QUICK" ] && echo 2 || echo 5) \

@@ -9,12 +9,14 @@ with ``<bos>``; the training stream is the concatenation of the train files.
 from __future__ import annotations
 
 import hashlib
+import json
 import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from kakeya.checkpoints import tokenizer as tk
 
@@ -97,4 +99,16 @@ def fixed_windows(stream: np.ndarray, n: int, length: int) -> np.ndarray:
 
 
 def tokenizer_for(vocab_size: int, progress=None):
+    """The project's tokenizer, trained here (``train-target``: a new target's vocabulary)."""
     return tk.train_tokenizer(vocab_size, progress=progress)
+
+
+def target_tokenizer(target_dir: Path, progress=None):
+    """The tokenizer a target was trained with: its own ``tokenizer.json``. Training one again here
+    would only match where the interpreter's standard library does (another Python version, another
+    vocabulary, and a drafter trained on prompts its target never read); a target without one gets
+    the project's, trained here."""
+    path = Path(target_dir) / "tokenizer.json"
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    return tokenizer_for(json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"], progress)

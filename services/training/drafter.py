@@ -91,7 +91,7 @@ def train(args) -> dict:
     tcfg = json.loads((target_dir / "config.json").read_text())
     cfg = build_draft_config(tcfg, args)
     tids = cfg["dflash_config"]["target_layer_ids"]
-    tok = data.tokenizer_for(tcfg["vocab_size"], progress=None if args.quiet else log)
+    tok = data.target_tokenizer(target_dir, progress=None if args.quiet else log)
     corpus = data.load_corpus(tok, heldout_pct=args.heldout_pct)
     ckpt = out / "ckpt"
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -239,7 +239,7 @@ def train(args) -> dict:
     }
     if args.eval_prompts and not args.no_eval:
         if not args.quiet:
-            log(f"measuring acceptance on {len(held_prompts)} held-out prompts (MLX engine) ...")
+            log(f"measuring acceptance on {len(held_prompts)} held-out prompts ({args.eval_backend} engine) ...")
         ev_bs = [int(b) for b in args.eval_block_sizes.split(",")]
         report["acceptance"] = {
             "prompts": len(held_prompts),

@@ -112,3 +112,35 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[list[int
 
 
 # --------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    """Measure a drafter directory's acceptance the way ``train-drafter``'s report does, on this machine's
+    held-out prompts: to compare a drafter trained elsewhere (another Python's standard library draws
+    other prompts) with the shipped one, side by side."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m kakeya.training.drafter_eval", description=main.__doc__)
+    ap.add_argument("target", help="target checkpoint directory")
+    ap.add_argument("drafts", nargs="+", help="drafter checkpoint directories, measured one after the other")
+    ap.add_argument("--prompts", type=int, default=32, help="held-out prompts (the card's: 32)")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--block-sizes", default="2,4,8,16")
+    ap.add_argument("--backend", default="torch", choices=["auto", "mlx", "torch"])
+    args = ap.parse_args(argv)
+    corpus = data.load_corpus(data.target_tokenizer(Path(args.target)))
+    prompts = heldout_prompts(corpus, args.prompts, args.prompt_len)
+    sizes = [int(b) for b in args.block_sizes.split(",")]
+    for draft in args.drafts:
+        print(f"measuring {draft} on {len(prompts)} held-out prompts ...", file=sys.stderr, flush=True)
+        per = measure_acceptance(Path(args.target), Path(draft), prompts, sizes, args.max_tokens, args.backend)
+        print(json.dumps({"draft": draft, "mean_acceptance": {b: v["mean_acceptance"] for b, v in per.items()},
+                          "lossless": all(v["lossless_vs_block1"] for v in per.values())}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

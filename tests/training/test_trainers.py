@@ -235,3 +235,40 @@ def test_block_training_forward_equals_mlx_drafter(tiny_pair):
         want = np.array(draft.block_logits([(c, block.tolist())]))
         assert np.allclose(logits[k].numpy(), want, atol=2e-3), k
         assert labels[k].tolist() == seq[0, a + 1 : a + B].tolist()
+
+
+def test_drafter_data_is_tokenized_with_the_targets_own_tokenizer(tmp_path, tiny_pair):
+    """train-drafter reads prompts with the target's tokenizer.json, not one trained again from this
+    interpreter's standard library (another Python's would differ); a target without one gets the
+    project's, trained here."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from kakeya.training import data
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair.target, target)
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    trained_here = tk.train_tokenizer(vocab).to_str()
+    other = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "def": 5}, unk_token="<unk>"))
+    other.pre_tokenizer = pre_tokenizers.Whitespace()
+    other.save(str(target / "tokenizer.json"))
+    got = data.target_tokenizer(target)
+    assert got.to_str() == other.to_str() != trained_here
+    assert got.encode("def x").ids == [5, 3]
+    (target / "tokenizer.json").unlink()
+    assert data.target_tokenizer(target).to_str() == trained_here
+
+
+def test_drafter_eval_measures_a_drafter_directory(tiny_pair, capsys):
+    """``python -m kakeya.training.drafter_eval TARGET DRAFT``: the card's acceptance measurement for a
+    drafter trained elsewhere, one JSON line per drafter, lossless against block size 1."""
+    from kakeya.training import drafter_eval
+
+    assert drafter_eval.main([str(tiny_pair.target), str(tiny_pair.draft), "--prompts", "2", "--block-sizes", "2,4",
+                              "--max-tokens", "6", "--prompt-len", "12"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["draft"] == str(tiny_pair.draft) and line["lossless"] is True
+    assert set(line["mean_acceptance"]) == {"2", "4"}
+    assert 1.0 <= line["mean_acceptance"]["2"] <= 2.0 and 1.0 <= line["mean_acceptance"]["4"] <= 4.0
