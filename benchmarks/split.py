@@ -17,7 +17,9 @@ split into compute (the servers' own ``elapsed_s`` of the block's verify and
 draft; a pre-draft runs beside the verify and is not on it) and wire (the
 rest: serialisation, gRPC, thread hand-offs, waiting for a pre-draft). Then
 1/4/8/16 concurrent streams through the split engine, aggregate tok/s, pre-draft
-on and off. Every output is checked against the colocated one token for token.
+on and off. Every output is checked against the colocated one token for token. Last, the floor
+under the wire: a bare gRPC round trip to another process after idle gaps like a block's
+(``grpc_floor.py``).
 
     python benchmarks/split.py                                   # demo pair, CPU, a few minutes
     python benchmarks/split.py --block-sizes 8 --streams 1 4 --repeats 3 --max-tokens 64
@@ -44,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from grpc_floor import floor  # noqa: E402  (benchmarks/grpc_floor.py: a bare gRPC round trip)
 from wire import start, stop  # noqa: E402  (benchmarks/wire.py: the server processes)
 
 from kakeya.app.options import DEFAULT_PROMPT  # noqa: E402
@@ -267,6 +270,10 @@ def main(argv=None):
                 streams.append(row)
         finally:
             stop(procs)
+    print("bare gRPC round trips (grpc_floor.py) ...", file=sys.stderr, flush=True)
+    # After idle gaps like a block's: the verifier sleeps through a draft (~1-3 ms), the drafter
+    # through a verify (~5-10 ms); a block's wire is two such round trips and what Kakeya adds.
+    grpc_floor = floor(gaps_ms=(0.0, 3.0, 10.0), size=4096)
 
     base = {m: streams[0][m]["aggregate_tok_s"] for m in ("split", "split_predraft")} if streams else {}
     for row in streams:
@@ -285,13 +292,16 @@ def main(argv=None):
         "one_stream": one,
         "streams": streams,
         "stream_block_size": args.stream_block_size,
+        "grpc_floor": grpc_floor,
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "notes": (
             "Loopback; verifier, drafter and this client (the loop) are separate processes sharing the machine's cores. "
             "Medians over alternating runs after a warm-up. critical_path_ms: per split block, compute = the servers' "
             "elapsed_s of its verify and draft (a used pre-draft's draft ran beside the previous verify), wire = the "
-            "client-observed block time minus that. predraft.hit_rate = pre-drafts used / started."
+            "client-observed block time minus that. predraft.hit_rate = pre-drafts used / started. grpc_floor: "
+            "a bare bidirectional-stream echo of 4 KB to another process (benchmarks/grpc_floor.py), each message "
+            "sent after an idle gap of 0 / 3 / 10 ms: the least a round trip costs here."
         ),
     }
     path = Path(args.out)

@@ -224,6 +224,7 @@ class VerifierSession:
         """The pending block decided by the acceptance rule: its accepted run kept, the rest trimmed."""
         accepted, next_token = accept(block_ids[1:], choices)
         return Verdict(accepted, next_token, self.commit(accepted + 1))
+
     def _resume(self, reuse: Collection[int] | None, count: bool) -> int:
         """Resume from the longest snapshot ``reuse`` allows; the positions it holds (0: none, a cold prefill)."""
         if self.prefixes is None:

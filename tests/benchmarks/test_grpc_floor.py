@@ -1,0 +1,22 @@
+"""benchmarks/grpc_floor.py: a bare gRPC round trip to another process, after each idle gap asked for."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_round_trips_are_echoed_and_timed_per_gap(tmp_path):
+    spec = importlib.util.spec_from_file_location("grpc_floor", ROOT / "benchmarks" / "grpc_floor.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "floor.json"
+    assert mod.main(["--gaps-ms", "0", "2", "--bytes", "1000", "--rounds", "5", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["bytes"] == 1000 and got["rounds"] == 5
+    assert set(got["round_trip_ms"]) == {"0", "2"}
+    assert all(0 < v < 2000 for v in got["round_trip_ms"].values())
+    assert got["command"].startswith("python benchmarks/grpc_floor.py --gaps-ms 0 2")
