@@ -10,8 +10,11 @@ responses), after an idle gap like a block's (both sides asleep meanwhile). What
 wire above twice this floor is Kakeya's own: messages, the servers' handler code around the
 forward, the loop.
 
-    python benchmarks/grpc_floor.py                       # gaps 0, 1, 3, 10 ms; 4 KB messages
-    python benchmarks/grpc_floor.py --gaps-ms 0 3 --bytes 4096 --rounds 400
+    python benchmarks/grpc_floor.py                       # gaps 0, 1, 3, 10 ms; 4 KB; sync and aio servers
+    python benchmarks/grpc_floor.py --gaps-ms 0 3 --bytes 4096 --rounds 400 --servers sync
+
+The same echo is measured against an asyncio server (``grpc.aio``) too: whether moving Kakeya's
+servers to it would lower the floor.
 
 ``split.py`` measures it beside every run (``grpc_floor`` in split.json). Writes
 benchmarks/results/grpc_floor.json when run alone.
@@ -20,6 +23,7 @@ benchmarks/results/grpc_floor.json when run alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -35,7 +39,10 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 METHOD = "/kakeya.bench.Echo/Session"
 
-SERVER = """
+SERVERS = {
+    # grpc.server, as Kakeya's servers: the handler thread reads and answers; a poller thread takes
+    # each event off the completion queue and wakes it
+    "sync": """
 import sys
 from concurrent import futures
 import grpc
@@ -52,15 +59,40 @@ server.start()
 print(port, flush=True)
 sys.stdin.read()  # until the parent closes it
 server.stop(0)
-"""
+""",
+    # grpc.aio.server: the handler is a coroutine on the event loop's thread
+    "aio": """
+import asyncio, sys
+import grpc
+async def session(requests, context):
+    async for message in requests:
+        yield message
+async def main():
+    ident = lambda b: b
+    handler = grpc.method_handlers_generic_handler(
+        "kakeya.bench.Echo", {"Session": grpc.stream_stream_rpc_method_handler(session, ident, ident)})
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
+    await server.stop(0)
+asyncio.run(main())
+""",
+}
 
 
 class EchoServer:
-    """The echo server in its own process (as the verifier and the drafter are), ended on exit."""
+    """The echo server (``kind``: sync or aio) in its own process, as the verifier and the drafter are;
+    ended on exit."""
+
+    def __init__(self, kind: str = "sync"):
+        self.kind = kind
 
     def __enter__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVERS[self.kind]], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
         self.addr = f"127.0.0.1:{int(self.proc.stdout.readline())}"
         return self
 
@@ -94,11 +126,16 @@ def round_trips_ms(addr: str, gap_s: float, size: int, rounds: int, warmup: int 
     return statistics.median(times) * 1e3
 
 
-def floor(gaps_ms=(0.0, 3.0), size: int = 4096, rounds: int = 300) -> dict:
-    """``{"bytes": size, "round_trip_ms": {gap: median}}``: the bare round trip after each idle gap."""
-    with EchoServer() as server:
-        return {"bytes": size, "rounds": rounds,
-                "round_trip_ms": {f"{g:g}": round(round_trips_ms(server.addr, g / 1e3, size, rounds), 4) for g in gaps_ms}}
+def floor(gaps_ms=(0.0, 3.0), size: int = 4096, rounds: int = 300, servers=("sync",)) -> dict:
+    """``{"bytes": size, "round_trip_ms": {server: {gap: median}}}``: the bare round trip after each idle
+    gap, per kind of server; the kinds alternate gap by gap, so drifts in machine load hit both alike."""
+    got: dict = {kind: {} for kind in servers}
+    with contextlib.ExitStack() as stack:
+        running = {kind: stack.enter_context(EchoServer(kind)) for kind in servers}
+        for g in gaps_ms:
+            for kind, server in running.items():
+                got[kind][f"{g:g}"] = round(round_trips_ms(server.addr, g / 1e3, size, rounds), 4)
+    return {"bytes": size, "rounds": rounds, "round_trip_ms": got}
 
 
 def main(argv=None) -> int:
@@ -106,9 +143,11 @@ def main(argv=None) -> int:
     ap.add_argument("--gaps-ms", type=float, nargs="+", default=[0, 1, 3, 10], help="idle time before each message")
     ap.add_argument("--bytes", type=int, default=4096, help="message size (a block-8 draft or verify answer: ~4 KB)")
     ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--servers", nargs="+", default=["sync", "aio"], choices=sorted(SERVERS),
+                    help="echo servers to measure (sync: grpc.server, as Kakeya's; aio: grpc.aio.server)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grpc_floor.json"))
     args = ap.parse_args(argv)
-    out = {"benchmark": "grpc_floor", "grpcio": grpc.__version__} | floor(args.gaps_ms, args.bytes, args.rounds)
+    out = {"benchmark": "grpc_floor", "grpcio": grpc.__version__} | floor(args.gaps_ms, args.bytes, args.rounds, args.servers)
     out |= {"machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "command": "python benchmarks/grpc_floor.py " + " ".join(argv if argv is not None else sys.argv[1:])}

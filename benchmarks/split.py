@@ -273,7 +273,7 @@ def main(argv=None):
     print("bare gRPC round trips (grpc_floor.py) ...", file=sys.stderr, flush=True)
     # After idle gaps like a block's: the verifier sleeps through a draft (~1-3 ms), the drafter
     # through a verify (~5-10 ms); a block's wire is two such round trips and what Kakeya adds.
-    grpc_floor = floor(gaps_ms=(0.0, 3.0, 10.0), size=4096)
+    grpc_floor = floor(gaps_ms=(0.0, 3.0, 10.0), size=4096, servers=("sync", "aio"))
 
     base = {m: streams[0][m]["aggregate_tok_s"] for m in ("split", "split_predraft")} if streams else {}
     for row in streams:
@@ -300,8 +300,9 @@ def main(argv=None):
             "Medians over alternating runs after a warm-up. critical_path_ms: per split block, compute = the servers' "
             "elapsed_s of its verify and draft (a used pre-draft's draft ran beside the previous verify), wire = the "
             "client-observed block time minus that. predraft.hit_rate = pre-drafts used / started. grpc_floor: "
-            "a bare bidirectional-stream echo of 4 KB to another process (benchmarks/grpc_floor.py), each message "
-            "sent after an idle gap of 0 / 3 / 10 ms: the least a round trip costs here."
+            "a bare bidirectional-stream echo of 4 KB to another process (benchmarks/grpc_floor.py; a sync grpc.server "
+            "as Kakeya's, and a grpc.aio one), each message sent after an idle gap of 0 / 3 / 10 ms: the least a round "
+            "trip costs here."
         ),
     }
     path = Path(args.out)
