@@ -307,7 +307,9 @@ def split_rows(target_dir, draft_dir, prompts, args, ref) -> dict:
     from benchmarks.wire import start, stop
     from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier
 
-    pair = ["--target", str(target_dir), "--draft", str(draft_dir)]
+    # MLX, as the colocated rows it is compared with (serve's auto would pick torch on Linux, and with a
+    # --target given, torch's default thread team: three processes fighting over the cores).
+    pair = ["--target", str(target_dir), "--draft", str(draft_dir), "--backend", "mlx"]
     rows, procs = {}, []
     with tempfile.TemporaryDirectory(prefix="kakeya-suite-") as tmp:
         try:
