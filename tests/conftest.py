@@ -1,4 +1,8 @@
-"""Fixtures shared across the suite: the embedded tiny pair, loaded once."""
+"""Fixtures shared across the suite: the embedded tiny pair, loaded once; the benchmark scripts."""
+
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +36,19 @@ def demo_pair():
     pair = _demo()
     assert pair is not None, "trained demo pair missing from services/models/demo"
     return pair
+
+
+@pytest.fixture(scope="session")
+def benchmark_script():
+    """``load(name)``: ``benchmarks/<name>.py`` imported as a fresh module (the benchmarks are scripts,
+    not a package), registered in ``sys.modules`` so that its dataclasses can look themselves up."""
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"benchmark_{name}", root / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load

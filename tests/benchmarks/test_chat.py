@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_a_short_chat_is_measured_cached_and_cold(tmp_path, tiny_pair):
-    spec = importlib.util.spec_from_file_location("chat_benchmark", ROOT / "benchmarks" / "chat.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_a_short_chat_is_measured_cached_and_cold(tmp_path, tiny_pair, benchmark_script):
+    mod = benchmark_script("chat")
     out = tmp_path / "chat.json"
     argv = ["--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft), "--backend", "mlx", "--turns", "2",
             "--max-tokens", "12", "--rounds", "2", "--no-system", "--concurrent", "3",

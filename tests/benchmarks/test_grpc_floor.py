@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_round_trips_are_echoed_and_timed_per_gap(tmp_path):
-    spec = importlib.util.spec_from_file_location("grpc_floor", ROOT / "benchmarks" / "grpc_floor.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_round_trips_are_echoed_and_timed_per_gap(tmp_path, benchmark_script):
+    mod = benchmark_script("grpc_floor")
     out = tmp_path / "floor.json"
     assert mod.main(["--gaps-ms", "0", "2", "--bytes", "1000", "--rounds", "5", "--out", str(out)]) == 0
     got = json.loads(out.read_text())

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_variant_is_right_and_timed(tmp_path):
-    spec = importlib.util.spec_from_file_location("small_gemm", ROOT / "benchmarks" / "small_gemm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_every_variant_is_right_and_timed(tmp_path, benchmark_script):
+    mod = benchmark_script("small_gemm")
     mod.SHAPES = {"float32": [("demo gate_up", 128, 768)], "bfloat16": [("wide", 512, 256)]}
     out = tmp_path / "sg.json"
     assert mod.main(["--device", "cpu", "--reps", "2", "--out", str(out)]) == 0

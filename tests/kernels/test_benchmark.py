@@ -4,36 +4,22 @@ so the first GPU run does not find a broken case."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="the kernels need triton (Linux only; no macOS wheels)")
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("kernels_benchmark", ROOT / "benchmarks" / "kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass looks itself up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_refuses_a_cpu(capsys):
-    bench = _load()
+def test_refuses_a_cpu(capsys, benchmark_script):
+    bench = benchmark_script("kernels")
     assert bench.main(["--device", "cpu"]) == 2
     assert "GPU benchmark" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="on a GPU"):
         bench.measure_kernels(torch.device("cpu"))
 
 
-def test_every_case_runs(device):
-    bench = _load()
+def test_every_case_runs(device, benchmark_script):
+    bench = benchmark_script("kernels")
     from gpu_projection import SMALL  # benchmarks/ is on the path: the benchmark imports its shapes from there
 
     names = set()

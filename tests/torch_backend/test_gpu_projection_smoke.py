@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_projection", ROOT / "benchmarks" / "gpu_projection.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_small_run_writes_projection_json(tmp_path):
-    gp = _load()
+def test_small_run_writes_projection_json(tmp_path, benchmark_script):
+    gp = benchmark_script("gpu_projection")
     out = tmp_path / "gp.json"
     argv = ["--small", "--device", "cpu", "--dtype", "float32", "--reps", "1", "--ctx", "80", "--out", str(out)]
     assert gp.main(argv) == 0
@@ -50,8 +39,8 @@ def test_small_run_writes_projection_json(tmp_path):
     assert g["fraction_identical"] == 1.0 and g["first_divergence"] is None  # float32: lossless
 
 
-def test_roofline_with_a_stated_bandwidth(tmp_path):
-    gp = _load()
+def test_roofline_with_a_stated_bandwidth(tmp_path, benchmark_script):
+    gp = benchmark_script("gpu_projection")
     out = tmp_path / "gp.json"
     argv = ["--small", "--device", "cpu", "--dtype", "float32", "--reps", "1", "--ctx", "40", "--agree-tokens", "4",
             "--bandwidth-tbs", "3.35", "--out", str(out)]
@@ -65,8 +54,8 @@ def test_roofline_with_a_stated_bandwidth(tmp_path):
     assert math.isclose(gp.expert_fraction(16, 8, 128), 0.643, abs_tol=1e-3)  # issue #10: ~64 % at L = 16
 
 
-def test_full_shape_is_gemma4_26b_a4b():
-    gp = _load()
+def test_full_shape_is_gemma4_26b_a4b(benchmark_script):
+    gp = benchmark_script("gpu_projection")
     s = gp.GEMMA4_26B_A4B
     assert (s["hidden_size"], s["num_hidden_layers"], s["vocab_size"]) == (2816, 30, 262144)
     assert (s["num_experts"], s["top_k_experts"], s["moe_intermediate_size"]) == (128, 8, 704)
@@ -76,14 +65,14 @@ def test_full_shape_is_gemma4_26b_a4b():
     assert gp.DRAFT_26B["num_hidden_layers"] == 5
 
 
-def test_full_shape_parameter_counts_match_the_published_model():
+def test_full_shape_parameter_counts_match_the_published_model(benchmark_script):
     """25.2B total / 3.8B active (gemma-4-26B-A4B's published figures), ~0.4B drafter; meta tensors only."""
     import torch
 
     from kakeya.drafter.torch_backend.model import DFlashDraftModel
     from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, Gemma4Text
 
-    gp = _load()
+    gp = benchmark_script("gpu_projection")
     with torch.device("meta"):
         m = Gemma4Text(Gemma4Args(**gp.GEMMA4_26B_A4B))
         d = DFlashDraftModel(gp.draft_config(gp.DRAFT_26B, gp.GEMMA4_26B_A4B["vocab_size"]))
@@ -94,14 +83,14 @@ def test_full_shape_parameter_counts_match_the_published_model():
     assert 0.35 < sum(p.numel() for p in d.parameters()) / 1e9 < 0.5
 
 
-def test_top_ops_name_the_product_a_step_computes():
+def test_top_ops_name_the_product_a_step_computes(benchmark_script):
     """--profile's op table runs a static step eagerly (a graph replay hides its ops) and groups
     device time by op and input shapes, so a slow GEMM is named with its shapes."""
     import torch
 
     from kakeya.backends.torch.graphs import GraphedStep
 
-    gp = _load()
+    gp = benchmark_script("gpu_projection")
     a, b = torch.randn(8, 128), torch.randn(128, 2048)
     step = GraphedStep(lambda x, y: torch.relu(x @ y), [a, b], capture=False)
     replay = GraphedStep.__call__

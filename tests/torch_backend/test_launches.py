@@ -6,17 +6,11 @@ the kernels inside the graph multiplied again (unfused norms: 4,420 per verify i
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_static_steps_leave_only_copies_to_the_host(tmp_path):
-    spec = importlib.util.spec_from_file_location("launches", ROOT / "benchmarks" / "launches.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_static_steps_leave_only_copies_to_the_host(tmp_path, benchmark_script):
+    mod = benchmark_script("launches")
     out = tmp_path / "launches.json"
     assert mod.main(["--ctx", "40", "--out", str(out)]) == 0
     counts = json.loads(out.read_text())["counts"]
@@ -30,10 +24,8 @@ def test_static_steps_leave_only_copies_to_the_host(tmp_path):
         assert "rms_norm" in c["graphed_top"] and not {"rsqrt", "pow", "mean"} & set(c["graphed_top"]), name
 
 
-def test_demo_pair_counts_and_block_cost_in_ar_steps(tmp_path):
-    spec = importlib.util.spec_from_file_location("launches", ROOT / "benchmarks" / "launches.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_demo_pair_counts_and_block_cost_in_ar_steps(tmp_path, benchmark_script):
+    mod = benchmark_script("launches")
     out = tmp_path / "launches_demo.json"
     assert mod.main(["--demo", "--ctx", "40", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
