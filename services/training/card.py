@@ -39,7 +39,7 @@ def _drafter_stage(d: dict, name: str, init: str = "") -> list[str]:
         f" per step {a['batch']} sequences x {a['anchors']} random anchors in the continuation, block sizes"
         f" {a['train_block_sizes'] or a['block_size']}, AdamW lr {a['lr']} cosine; loss = CE of block positions 1..B-1 vs the"
         f" target's tokens, weighted exp(-(k-1)/gamma){_soft(a)}; {d['train_s']/60:.1f} min wall on"
-        f" {a.get('device') or 'cpu'} ({a.get('threads') or 'all'} thread{'' if a.get('threads') == 1 else 's'}). Loss: first step"
+        f" {_where(d)}. Loss: first step"
         f" {d['loss_curve'][0][2]:.3f}, last step {d['loss_curve'][-1][2]:.3f}.",
     ]
     if last and "acceptance" in last:
@@ -47,6 +47,17 @@ def _drafter_stage(d: dict, name: str, init: str = "") -> list[str]:
         lines.append(f"- {lab('held-out')} ({d['data'].get('heldout_sequences', '?')} continuations of held-out prompts,"
                      f" teacher-forced, the loop replayed), acceptance at block {last['block_size']} by step: {curve}.")
     return lines
+
+
+def _where(rep: dict) -> str:
+    """The device a trainer ran on (reports before the ``device`` field: the flag, else the CPU) and, on a
+    CPU, its threads."""
+    a = rep["args"]
+    device = rep.get("device") or a.get("device") or "cpu"
+    if not device.startswith("cpu"):
+        return device
+    threads = a.get("threads") or "all"
+    return f"{device} ({threads} thread{'' if threads == 1 else 's'})"
 
 
 def _soft(a: dict) -> str:
@@ -114,7 +125,7 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
         f"  {t['corpus']['heldout_files']} held-out files ({t['corpus']['heldout_tokens']:,} tokens), split {t['corpus']['split']}.",
         f"- Training: {t['steps']} steps x {t['args']['batch']} x {t['args']['seq_len']} tokens"
         f" ({t['tokens_seen']:,} tokens seen, {t['tokens_seen'] / t['corpus']['train_tokens']:.2f} epochs), AdamW lr {t['args']['lr']} cosine,",
-        f"  backend `{t['backend']}`, {t['train_s']/60:.1f} min wall.",
+        f"  backend `{t['backend']}`, {t['train_s']/60:.1f} min wall{' on ' + t['device'] if t.get('device') else ''}.",
         f"- Loss: first step {t['loss_curve'][0][1]:.3f}, last step {t['loss_curve'][-1][1]:.3f};"
         f" held-out by step: {evals}.",
         f"- **Held-out loss {t['final']['heldout_loss']:.3f} (perplexity {t['final']['heldout_perplexity']:.1f}),"

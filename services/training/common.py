@@ -110,3 +110,16 @@ def seed_all(seed: int) -> None:
     except ImportError:  # a torch-only node
         return
     mx.random.seed(seed)
+
+
+def device_label(device) -> str:
+    """Where a run trained, for its report and the model card: a torch device ("cpu", or "cuda (NVIDIA
+    H100 80GB HBM3)" with the GPU's name), or MLX's default device ("mlx gpu" on Apple silicon)."""
+    if device == "mlx":
+        import mlx.core as mx
+
+        return f"mlx {mx.default_device().type.name}"
+    import torch
+
+    d = torch.device(device)
+    return f"{d.type} ({torch.cuda.get_device_name(d)})" if d.type == "cuda" else d.type

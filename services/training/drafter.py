@@ -234,6 +234,7 @@ def train(args) -> dict:
                  "data_s": round(data_s, 1)},
         "steps": step,
         "train_s": round(train_s, 1),
+        "device": common.device_label(device),
         "loss_curve": curve,
         "heldout_curve": val_curve,
     }

@@ -298,6 +298,7 @@ def train(args) -> dict:
         "steps": step,
         "tokens_seen": int(step * args.batch * args.seq_len),
         "train_s": round(train_s, 1),
+        "device": common.device_label(getattr(be, "device", "mlx")),
         "loss_curve": curve,
         "evals": evals,
         "final": {

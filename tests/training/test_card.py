@@ -13,3 +13,13 @@ PAIR_COST = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "pa
 def test_shipped_card_is_the_rendering_of_its_reports(demo_pair):
     root = demo_pair.target.parent
     assert (root / "README.md").read_text(encoding="utf-8") == card.render(root, PAIR_COST)
+
+
+def test_the_card_says_where_a_stage_trained():
+    """The device the trainer resolved (its report's ``device``: a GPU's name on CUDA), not only the flag,
+    which is empty when the trainer picked CUDA by itself; threads only on a CPU."""
+    args = {"device": None, "threads": 2}
+    assert card._where({"args": args, "device": "cuda (NVIDIA H100 80GB HBM3)"}) == "cuda (NVIDIA H100 80GB HBM3)"
+    assert card._where({"args": args, "device": "cpu"}) == "cpu (2 threads)"
+    assert card._where({"args": {"device": None, "threads": 0}}) == "cpu (all threads)"  # reports before the field
+    assert card._where({"args": {"device": "cuda", "threads": 0}}) == "cuda"

@@ -31,6 +31,7 @@ def test_train_target_smoke_resume_and_load(tmp_path, backend):
     out = tmp_path / "t"
     rep = ttarget.train(_args(target_arguments, ["--out", str(out), "--steps", "2", "--backend", backend] + TINY_TARGET))
     assert rep["steps"] == 2 and len(rep["loss_curve"]) == 2
+    assert rep["device"] == "cpu" if backend == "torch" else rep["device"].startswith("mlx ")  # the card says where
     rep2 = ttarget.train(_args(target_arguments,
                                ["--out", str(out), "--steps", "3", "--resume", "--backend", backend] + TINY_TARGET))
     assert rep2["steps"] == 3 and [s for s, _ in rep2["loss_curve"]] == [1, 2, 3]
@@ -67,7 +68,7 @@ def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
     out = tmp_path / "d"
     base = ["--target", str(tiny_pair.target), "--out", str(out)] + TINY_DRAFT
     rep = tdraft.train(_args(drafter_arguments, base + ["--steps", "2", "--no-eval"]))
-    assert rep["steps"] == 2
+    assert rep["steps"] == 2 and rep["device"] == "cpu"
     rep2 = tdraft.train(_args(drafter_arguments, base + ["--steps", "3", "--resume", "--eval-prompts", "1",
                                                             "--eval-max-tokens", "6", "--eval-block-sizes", "4"]))
     assert [c[0] for c in rep2["loss_curve"]] == [1, 2, 3] and rep2["loss_curve"][:2] == rep["loss_curve"]
