@@ -11,7 +11,9 @@ through ``Engine.start`` -- the one request path of the gRPC and HTTP fronts.
 Two engines load the same pair: one with a prefix cache (``--prefix-cache-bytes``),
 one without. Each turn's prompt runs on both, alternating, ``--rounds`` times;
 reported per turn: the prompt's length, the tokens the cached engine resumed
-instead of prefilling (and their share of the prompt), the median time to the
+instead of prefilling (and their share of the prompt, and of the prompt's prefix
+that is the previous turn's prompt + answer, the most any prefix cache could
+reuse: the new user message is text no cache has seen), the median time to the
 first token of each (start of the request to its first committed token: session
 open, prefill and first sample) and their ratio, the mean acceptance of each,
 and whether their outputs are identical. Greedy (temperature 0). The goal this
@@ -160,9 +162,11 @@ def main(argv=None) -> int:
         engine.generate(Request(codec.encode("warm up"), 4, args.block_size, ignore_eos=True))
 
     messages, turns = ([] if args.no_system else [{"role": "system", "content": SYSTEM}]), []
+    seen: list[int] = []  # the previous turn's prompt + answer: what any prefix cache could at most reuse
     for t in range(args.turns):
         messages.append({"role": "user", "content": USER[t]})
         prompt = codec.encode_chat(messages)
+        history = next((i for i, (a, b) in enumerate(zip(prompt, seen)) if a != b), min(len(prompt), len(seen)))
         runs = {"cached": [], "cold": []}
         for r in range(args.rounds):
             for name in ("cached", "cold") if r % 2 == 0 else ("cold", "cached"):
@@ -175,6 +179,8 @@ def main(argv=None) -> int:
             "turn": t + 1, "prompt_tokens": len(prompt), "completion_tokens": len(hit.token_ids),
             "cached_tokens": [g.cached_tokens for _, g in runs["cached"]],
             "cached_share": round(hit.cached_tokens / len(prompt), 4),
+            "history_tokens": history,  # the prompt's prefix that is the last turn's prompt + answer
+            "cached_of_history": round(hit.cached_tokens / history, 4) if history else None,
             "ttft_cached_s": round(ttft["cached"], 5), "ttft_cold_s": round(ttft["cold"], 5),
             "ttft_ratio": round(ttft["cached"] / ttft["cold"], 4),
             "acceptance_cached": round(hit.mean_acceptance, 4), "acceptance_cold": round(miss.mean_acceptance, 4),
@@ -183,6 +189,7 @@ def main(argv=None) -> int:
         })  # fmt: skip
         print(json.dumps(turns[-1]), flush=True)
         messages.append({"role": "assistant", "content": codec.decode(hit.token_ids)})
+        seen = list(prompt) + list(hit.token_ids)
 
     crowd = None
     if args.concurrent:
@@ -201,6 +208,7 @@ def main(argv=None) -> int:
         "concurrent": crowd,
         "goals": {
             "cached_share_min": min((x["cached_share"] for x in later), default=None),
+            "cached_of_history_min": min((x["cached_of_history"] for x in later), default=None),
             "ttft_ratio_max": max((x["ttft_ratio"] for x in later), default=None),
             "identical_output": all(x["identical_output"] for x in turns),
             "acceptance_equal": all(x["acceptance_lengths_equal"] for x in turns),

@@ -11,9 +11,17 @@ that starts with those ``P`` tokens, and both sides find it by the same ``P``
 Keys are token-prefix hashes at block boundaries, as vLLM's prefix caching
 keys its blocks: a chained hash of every :data:`HASH_BLOCK` tokens, so a
 lookup costs one dict probe per boundary of the prompt (O(prompt) hashing, no
-per-entry scan). A snapshot at ``P`` sits under the hash of its last boundary
-``P // HASH_BLOCK * HASH_BLOCK`` with its exact ids beside it, which a hit
-compares, so a collision can cost a miss but never a wrong state.
+per-entry scan). A snapshot at ``P`` sits under the hash of the boundary a
+block before its end, ``max(P - HASH_BLOCK, 0) // HASH_BLOCK * HASH_BLOCK``
+(so a prompt that leaves it within its last block still finds it, below), with
+its exact ids beside it, which a hit compares, so a collision can cost a miss
+but never a wrong state.
+
+A prompt that shares a snapshot's ids only up to a point past the boundary it is filed under (the
+history a chat client sends back re-rendered, its last tokens tokenized or trimmed otherwise: Gemma's
+template trims each message) still finds it, as a match ``back`` positions short of it: the session resumes
+the snapshot and forgets its newest ``back`` positions, where that is exact (the verifier's ring
+within its slack, a drafter context that holds every row), instead of missing the whole turn.
 
 The cache never holds more than its budget: an insertion first evicts the
 least recently used snapshots; one larger than the whole budget is not kept.
@@ -61,6 +69,28 @@ class Entry:
         return len(self.ids)
 
 
+@dataclass(frozen=True)
+class Match:
+    """A snapshot a prompt resumes from at ``positions``: its own length, or ``back`` fewer (see the module)."""
+
+    entry: Entry
+    positions: int
+
+    @property
+    def back(self) -> int:
+        return self.entry.positions - self.positions
+
+    @property
+    def value(self) -> Any:
+        return self.entry.value
+
+
+def _common(a: tuple, b: tuple) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 class PrefixCache:
     """Snapshots by token prefix, at most ``budget`` bytes of them, least recently used evicted first."""
 
@@ -96,7 +126,7 @@ class PrefixCache:
             while self.bytes + nbytes > self.budget:
                 self._evict(next(iter(self._entries)))
             self._entries[key] = Entry(namespace, ids, value, nbytes)
-            boundary = self._boundary[key] = block_hashes(ids, namespace)[-1]
+            boundary = self._boundary[key] = block_hashes(ids, namespace, max(len(ids) - HASH_BLOCK, 0))[-1]
             self._by_boundary.setdefault(boundary, set()).add(key)
             self.bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.bytes)
@@ -113,10 +143,14 @@ class PrefixCache:
         self.bytes -= entry.nbytes
         self.evictions += 1
 
-    def find(self, namespace: Hashable, prompt_ids: Sequence[int], allowed: Collection[int] | None = None) -> list[Entry]:
+    def find(self, namespace: Hashable, prompt_ids: Sequence[int], allowed: Collection[int] | None = None,
+             partial: bool = False) -> list[Match]:
         """Every snapshot a session may resume ``prompt_ids`` from, longest first: its ids are a prefix of
-        the prompt, at least one prompt token is left to compute (the next token's logits), and its length is
-        in ``allowed`` (None: any). Marks them used (LRU) but counts nothing: see :meth:`count`."""
+        the prompt (with ``partial``, also a snapshot the prompt shares at least a block of, up to a point
+        past the boundary it is filed under, matched that far: ``Match.back`` > 0; a snapshot longer than the
+        prompt too, so a prompt run again resumes), at least one prompt token is left to compute (the
+        next token's logits), and the match's length is in ``allowed`` (None: any). Marks them used (LRU)
+        but counts nothing: see :meth:`count`."""
         prompt = tuple(prompt_ids)
         hashes = block_hashes(prompt, namespace, len(prompt) - 1)
         found = []
@@ -125,11 +159,17 @@ class PrefixCache:
                 for key in self._by_boundary.get(h, ()):
                     entry = self._entries[key]
                     n = entry.positions
-                    if n < len(prompt) and (allowed is None or n in allowed) and prompt[:n] == entry.ids:
-                        found.append(entry)
-            for entry in found:
-                self._entries.move_to_end((entry.namespace, entry.ids))
-        return sorted(found, key=lambda e: e.positions, reverse=True)
+                    if n >= len(prompt) or prompt[:n] != entry.ids:
+                        if not partial:
+                            continue
+                        n = _common(prompt[: len(prompt) - 1], entry.ids)
+                        if n < HASH_BLOCK:  # a block shared at least: not a snapshot copied to keep a few tokens
+                            continue
+                    if allowed is None or n in allowed:
+                        found.append(Match(entry, n))
+            for match in found:
+                self._entries.move_to_end((match.entry.namespace, match.entry.ids))
+        return sorted(found, key=lambda m: (-m.positions, m.back))
 
     def count(self, reused: int) -> None:
         """One lookup's outcome for the metrics: ``reused`` prompt tokens resumed instead of computed (0: a miss)."""

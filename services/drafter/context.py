@@ -208,15 +208,19 @@ class ContextKVCache:
         nbytes = sum(k.nbytes + v.nbytes for k, v in kv if k is not None)
         return ContextSnapshot(self.length, [layout.stop - layout.start for layout in self.plan.layouts], kv, nbytes)
 
-    def restore(self, snap: "ContextSnapshot") -> None:
-        """An empty cache (of the same model) set to ``snap``'s rows, copied in as an extension writes rows."""
+    def restore(self, snap: "ContextSnapshot", back: int = 0) -> None:
+        """An empty cache (of the same model) set to ``snap``'s rows, less its newest ``back`` positions
+        (``snap.truncatable`` ones only), copied in as an extension writes rows."""
         if self.length:
             raise RuntimeError("only an empty context cache can resume a snapshot")
-        plans = {layout: layout.append(rows) for layout, rows in zip(self.plan.layouts, snap.rows)}
-        self.plan.length = snap.length
+        if back and not (snap.truncatable and 0 < back < snap.length):
+            raise ValueError(f"cannot resume {snap.length} context positions less {back}")
+        keep = snap.length - back
+        plans = {layout: layout.append(rows - back) for layout, rows in zip(self.plan.layouts, snap.rows)}
+        self.plan.length = keep
         for layer, (k, v) in zip(self.layers, snap.kv):
             if k is not None:
-                layer.append(plans[layer.layout], k, v)
+                layer.append(plans[layer.layout], k[:, :, :keep], v[:, :, :keep])
 
 
 @dataclass(frozen=True)
@@ -227,6 +231,12 @@ class ContextSnapshot:
     rows: list[int]
     kv: list  # per layer: (keys, values) of its visible rows, or (None, None)
     nbytes: int
+
+    @property
+    def truncatable(self) -> bool:
+        """Every layout holds every position (no window dropped any), so the first ``n`` rows are exactly
+        the context after ``n`` positions."""
+        return all(rows == self.length for rows in self.rows)
 
 
 def split_rows(kv: list, counts: Sequence[int]) -> list[list]:

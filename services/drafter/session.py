@@ -88,8 +88,11 @@ class DrafterSession:
     def cached_prefixes(self, prompt_ids: Sequence[int]) -> list[int]:
         """The lengths of the prompt prefixes this session can resume at, longest first: the prefix cache's
         snapshots of them, held for this session (an eviction meanwhile cannot take them) until :meth:`resume`."""
-        found = self.prefixes.find(CONTEXT, prompt_ids) if self.prefixes is not None else []
-        self._held = {e.positions: e.value for e in found}
+        found = self.prefixes.find(CONTEXT, prompt_ids, partial=True) if self.prefixes is not None else []
+        self._held = {}
+        for match in found:  # longest first, a whole snapshot before a trimmed one of the same length
+            if match.positions not in self._held and (not match.back or match.value.truncatable):
+                self._held[match.positions] = (match.value, match.back)
         return list(self._held)
 
     def resume(self, positions: int) -> None:
@@ -100,7 +103,7 @@ class DrafterSession:
         if positions:
             if positions not in self._held:
                 raise ValueError(f"resume: no snapshot of {positions} prompt tokens is held (cached_prefixes first)")
-            self.cache.restore(self._held[positions])
+            self.cache.restore(*self._held[positions])
         self._held = {}
 
     def save(self, ids: Sequence[int], unseen: Sequence) -> bool:

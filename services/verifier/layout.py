@@ -154,7 +154,7 @@ class RingLayout:
         """Whether forgetting the newest ``n`` positions is exact: the ring still holds every position the
         next query needs as long as no write since reached more than ``slack`` past it (a rejected draft's
         positions were written too, so two trims in a row count together)."""
-        return 0 <= n <= self.offset and self.written - (self.offset - n) <= self.slack
+        return trim_is_exact(self.offset, self.written, n, self.slack)
 
     def trim(self, n: int) -> None:
         """Forget the newest ``n`` positions. Exact for ``n <= slack`` past everything written (:meth:`can_trim`)."""
@@ -169,6 +169,12 @@ class RingLayout:
         # Slots of trimmed positions keep stale K/V; marking them empty keeps masks honest. A new
         # array, not an edit: a plan's slot_positions stay as they were.
         self.positions = np.where(self.positions >= self.offset, EMPTY, self.positions)
+
+
+def trim_is_exact(offset: int, written: int, n: int, slack: int) -> bool:
+    """:meth:`RingLayout.can_trim` of a ring at ``offset`` with ``written`` positions written (a prefix
+    snapshot's, asked before any layout resumes it)."""
+    return 0 <= n <= offset and written - (offset - n) <= slack
 
 
 def restore_mask(

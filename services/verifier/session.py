@@ -226,12 +226,14 @@ class VerifierSession:
         return Verdict(accepted, next_token, self.commit(accepted + 1))
 
     def _resume(self, reuse: Collection[int] | None, count: bool) -> int:
-        """Resume from the longest snapshot ``reuse`` allows; the positions it holds (0: none, a cold prefill)."""
+        """Resume from the longest snapshot ``reuse`` allows, or the longest prefix of one the prompt shares
+        that the ring can trim back to exactly; the positions it holds (0: none, a cold prefill)."""
         if self.prefixes is None:
             return 0
-        found = self.prefixes.find(self.policy, self.prompt, reuse) if reuse is None or reuse else []
-        if found:
-            snapshot.restore(self, found[0].value)
+        found = self.prefixes.find(self.policy, self.prompt, reuse, partial=True) if reuse is None or reuse else []
+        for match in found:  # longest first
+            if snapshot.restore(self, match.value, match.back):
+                break
         if count:  # the verifier's lookup decides (a drafter only offers what it holds): it alone counts
             self.prefixes.count(self.offset)
         return self.offset

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from kakeya.verifier.layout import trim_is_exact
+
 
 @dataclass(frozen=True)
 class RingState:
@@ -53,12 +55,22 @@ def take(session) -> VerifierSnapshot:
     return VerifierSnapshot(positions, _ring(session.layout), caches, latent_ring, latents, nbytes)
 
 
-def restore(session, snap: VerifierSnapshot) -> None:
-    """Set a new session (same target and resolved policy, nothing run yet) to ``snap``'s state."""
-    r = snap.ring
-    session.layout.resume(r.slots, r.offset, r.written, r.used)
+def restore(session, snap: VerifierSnapshot, back: int = 0) -> bool:
+    """Set a new session (same target and resolved policy, nothing run yet) to ``snap``'s state, less its
+    newest ``back`` positions (a prompt that shares the snapshot's ids only that far). False, the session
+    left as it was, where forgetting them would not be exact (``RingLayout.can_trim``: a ring keeps
+    ``slack`` positions' worth of rollback, and the snapshot may have used some)."""
+    rings = [(session.layout, snap.ring)]
+    if snap.latent_ring is not None:
+        rings.append((session.latent_layout, snap.latent_ring))
+    if not all(trim_is_exact(r.offset, r.written, back, layout.slack) for layout, r in rings):
+        return False
+    for layout, r in rings:
+        layout.resume(r.slots, r.offset, r.written, r.used)
     session.target.load_caches(session.cache, snap.caches, snap.positions)
     if snap.latent_ring is not None:
-        lr = snap.latent_ring
-        session.latent_layout.resume(lr.slots, lr.offset, lr.written, lr.used)
         session.latents.load(snap.latents)
+    for layout, _ in rings:
+        if back:
+            layout.trim(back)
+    return True

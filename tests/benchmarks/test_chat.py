@@ -14,7 +14,16 @@ def test_a_short_chat_is_measured_cached_and_cold(tmp_path, tiny_pair, benchmark
     assert mod.main(argv) == 0
     result = json.loads(out.read_text())
     first, second = result["turns"]
-    assert first["cached_tokens"] == [0, 0] and second["prompt_tokens"] > first["prompt_tokens"]
+    assert second["prompt_tokens"] > first["prompt_tokens"]
+    # turn 1's first run is cold; its second round resumes the first round's snapshot, trimmed back to the
+    # prompt less its last token (the snapshot runs past the prompt: its answer)
+    assert first["cached_tokens"] == [0, first["prompt_tokens"] - 1]
+    # the second prompt starts with the first prompt + its answer (re-rendered), and the cache resumed
+    # from within that history, never past it
+    assert first["history_tokens"] == 0 and first["cached_of_history"] is None
+    assert first["prompt_tokens"] < second["history_tokens"] <= first["prompt_tokens"] + first["completion_tokens"]
+    assert 0 < second["cached_tokens"][0] <= second["history_tokens"]
+    assert second["cached_of_history"] == round(second["cached_tokens"][0] / second["history_tokens"], 4)
     assert result["goals"]["identical_output"] and result["goals"]["acceptance_equal"]
     assert result["prefix_cache"]["insertions"] > 0 and result["command"].startswith("python benchmarks/chat.py")
     # Three chats at once, in a budget that holds them all: each one's second turn finds its first. (In the

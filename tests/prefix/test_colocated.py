@@ -58,6 +58,26 @@ def test_later_turns_resume_and_equal_a_cold_run(tiny_pair, backend, sampling):
 
 
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=5)], ids=["greedy", "sampled"])
+def test_a_history_that_comes_back_short_of_its_last_tokens_still_resumes(tiny_pair, backend, sampling):
+    """A client re-renders the history: the answer's last tokens may come back otherwise (Gemma's template
+    trims each message). The turn resumes from the previous turn's snapshot trimmed back to what the prompt
+    shares, on both sides, with the cold run's output and acceptance; a snapshot the rings cannot trim back
+    to exactly is passed over, never resumed wrong."""
+    cached, cold = _engines(tiny_pair, backend)
+    prompt = [2] + list(range(100, 140))
+    first = cached.generate(Request(list(prompt), max_tokens=40, block_size=4, ignore_eos=True, sampling=sampling))
+    held = len(prompt) + len(first.token_ids) - 1  # the snapshot: every position a forward saw
+    for cut in (2, 3, 5):  # the answer's last `cut` tokens come back as other tokens
+        second = list(prompt) + first.token_ids[:-cut] + [7] * cut + USER[0]
+        gen = cached.generate(Request(second, max_tokens=24, block_size=4, ignore_eos=True, sampling=sampling))
+        again = cold.generate(Request(second, max_tokens=24, block_size=4, ignore_eos=True, sampling=sampling))
+        assert gen.token_ids == again.token_ids and gen.acceptance_lengths == again.acceptance_lengths
+        assert gen.cached_tokens == held - (cut - 1), cut  # the shared positions, the snapshot's newest trimmed
+    assert cached.verifier.prefixes.stats()["misses"] == 1  # the first turn only
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
 def test_pre_drafted_turns_leave_the_drafter_a_whole_snapshot(tiny_pair, backend):
     """A pre-draft takes the newest aux before its block's verdict: the drafter's snapshot must still hold every
     committed position once, so later turns resume on both sides (the verifier only resumes what the drafter

@@ -41,6 +41,35 @@ def test_a_boundary_hash_alone_never_makes_a_hit():
     assert cache.find("v", other) == []
 
 
+def test_a_prompt_that_leaves_a_snapshot_in_its_last_block_finds_it_partially():
+    """A chat's history comes back re-rendered: its last tokens may differ (Gemma's template trims each
+    message). With ``partial`` the snapshot is still found, matched as far as the prompt shares it."""
+    cache = PrefixCache(10_000)
+    ids = list(range(100, 100 + 2 * HASH_BLOCK))  # ends on a boundary: filed a block before it
+    cache.put("v", ids, "turn1", 10)
+    prompt = ids[:-3] + [7, 8, 9, 10]  # the last 3 tokens re-tokenized, then a new message
+    assert cache.find("v", prompt) == []  # not a prefix: no exact match
+    (match,) = cache.find("v", prompt, partial=True)
+    assert (match.positions, match.back, match.value) == (2 * HASH_BLOCK - 3, 3, "turn1")
+    assert cache.find("v", prompt, allowed={2 * HASH_BLOCK}, partial=True) == []  # allowed: the match's length
+    # a divergence before the boundary the snapshot is filed under is not searched for
+    far = ids[: HASH_BLOCK - 2] + [1] * (HASH_BLOCK + 4)
+    assert cache.find("v", far, partial=True) == []
+    # an exact snapshot of the same length comes before a trimmed one
+    cache.put("v", ids[:-3], "exact", 10)
+    assert [(m.value, m.back) for m in cache.find("v", prompt, partial=True)] == [("exact", 0), ("turn1", 3)]
+
+
+def test_a_prompt_run_again_resumes_from_its_longer_snapshot_and_a_partial_match_shares_a_block():
+    cache = PrefixCache(10_000)
+    prompt = list(range(200, 200 + HASH_BLOCK + 6))
+    cache.put("v", prompt + [1, 2, 3], "answered", 10)  # the prompt's run: its snapshot holds the answer too
+    assert cache.find("v", prompt) == []
+    (match,) = cache.find("v", prompt, partial=True)  # the same prompt again: all of it but its last token
+    assert (match.positions, match.back) == (len(prompt) - 1, 4)
+    assert cache.find("v", prompt[: HASH_BLOCK - 1] + [5] * 10, partial=True) == []  # under a block shared: none
+
+
 def test_the_budget_is_never_exceeded_and_the_least_recently_used_goes_first():
     cache = PrefixCache(100)
     a, b, c = [1] * 20, [2] * 20, [3] * 20

@@ -110,8 +110,8 @@ class ContextKVCache(context.ContextKVCache):
         return super().snapshot()
 
     @torch.inference_mode()
-    def restore(self, snap: context.ContextSnapshot) -> None:
-        super().restore(snap)
+    def restore(self, snap: context.ContextSnapshot, back: int = 0) -> None:
+        super().restore(snap, back)
 
     def reserve(self, rows: int, like: torch.Tensor) -> None:
         """Room for ``rows`` more rows after the written ones in every buffer, every visible row kept
