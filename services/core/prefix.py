@@ -40,7 +40,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Collection, Hashable, Sequence
 
-HASH_BLOCK = 16  # tokens per hashed block (MAX_BLOCK_SIZE: a snapshot is at most one block past a boundary)
+HASH_BLOCK = 16  # tokens per hashed block (MAX_BLOCK_SIZE: a session rolls back at most one block)
 
 
 def block_hashes(ids: Sequence[int], namespace: Hashable, limit: int | None = None) -> list[bytes]:
