@@ -85,6 +85,11 @@ class Match:
         return self.entry.value
 
 
+def _filed_at(positions: int) -> int:
+    """The boundary a snapshot of ``positions`` tokens is filed under: a block before its end."""
+    return max(positions - HASH_BLOCK, 0) // HASH_BLOCK * HASH_BLOCK
+
+
 def _common(a: tuple, b: tuple) -> int:
     """The length of the longest common prefix of ``a`` and ``b``."""
     n = min(len(a), len(b))
@@ -126,7 +131,7 @@ class PrefixCache:
             while self.bytes + nbytes > self.budget:
                 self._evict(next(iter(self._entries)))
             self._entries[key] = Entry(namespace, ids, value, nbytes)
-            boundary = self._boundary[key] = block_hashes(ids, namespace, max(len(ids) - HASH_BLOCK, 0))[-1]
+            boundary = self._boundary[key] = block_hashes(ids, namespace, _filed_at(len(ids)))[-1]
             self._by_boundary.setdefault(boundary, set()).add(key)
             self.bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.bytes)
@@ -162,7 +167,10 @@ class PrefixCache:
                     if n >= len(prompt) or prompt[:n] != entry.ids:
                         if not partial:
                             continue
-                        n = _common(prompt[: len(prompt) - 1], entry.ids)
+                        b = _filed_at(n)  # the prompt's hash matched there: compare the tokens after it
+                        if prompt[:b] != entry.ids[:b]:
+                            continue  # a collision
+                        n = b + _common(prompt[b : len(prompt) - 1], entry.ids[b:])
                         if n < HASH_BLOCK:  # a block shared at least: not a snapshot copied to keep a few tokens
                             continue
                     if allowed is None or n in allowed:
