@@ -18,8 +18,8 @@ its exact ids beside it, which a hit compares, so a collision can cost a miss
 but never a wrong state.
 
 A prompt that shares a snapshot's ids only up to a point past the boundary it is filed under (the
-history a chat client sends back re-rendered, its last tokens tokenized or trimmed otherwise: Gemma's
-template trims each message) still finds it, as a match ``back`` positions short of it: the session resumes
+history a chat client sends back re-rendered, its last tokens tokenized or trimmed otherwise: Gemma 2's
+and 3's templates trim each message) still finds it, as a match ``back`` positions short of it: the session resumes
 the snapshot and forgets its newest ``back`` positions, where that is exact (the verifier's ring
 within its slack, a drafter context that holds every row), instead of missing the whole turn.
 

@@ -60,8 +60,8 @@ def test_later_turns_resume_and_equal_a_cold_run(tiny_pair, backend, sampling):
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=5)], ids=["greedy", "sampled"])
 def test_a_history_that_comes_back_short_of_its_last_tokens_still_resumes(tiny_pair, backend, sampling):
-    """A client re-renders the history: the answer's last tokens may come back otherwise (Gemma's template
-    trims each message). The turn resumes from the previous turn's snapshot trimmed back to what the prompt
+    """A client re-renders the history: the answer's last tokens may come back otherwise (Gemma 2's and 3's
+    templates trim each message). The turn resumes from the previous turn's snapshot trimmed back to what the prompt
     shares, on both sides, with the cold run's output and acceptance; a snapshot the rings cannot trim back
     to exactly is passed over, never resumed wrong."""
     cached, cold = _engines(tiny_pair, backend)

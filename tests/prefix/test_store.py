@@ -42,8 +42,8 @@ def test_a_boundary_hash_alone_never_makes_a_hit():
 
 
 def test_a_prompt_that_leaves_a_snapshot_in_its_last_block_finds_it_partially():
-    """A chat's history comes back re-rendered: its last tokens may differ (Gemma's template trims each
-    message). With ``partial`` the snapshot is still found, matched as far as the prompt shares it."""
+    """A chat's history comes back re-rendered: its last tokens may differ (Gemma 2's and 3's templates
+    trim each message). With ``partial`` the snapshot is still found, matched as far as the prompt shares it."""
     cache = PrefixCache(10_000)
     ids = list(range(100, 100 + 2 * HASH_BLOCK))  # ends on a boundary: filed a block before it
     cache.put("v", ids, "turn1", 10)
