@@ -127,7 +127,7 @@ def concurrent_chats(make_engine, cold, codec, args) -> dict:
 
 def main(argv=None) -> int:
     from kakeya.core.contract import Request
-    from kakeya.core.prefix import PrefixCache
+    from kakeya.core.prefix import PrefixCache, common_prefix
     from kakeya.orchestrator.assembly import build_local_engine
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     for t in range(args.turns):
         messages.append({"role": "user", "content": USER[t]})
         prompt = codec.encode_chat(messages)
-        history = next((i for i, (a, b) in enumerate(zip(prompt, seen)) if a != b), min(len(prompt), len(seen)))
+        history = common_prefix(prompt, seen)
         runs = {"cached": [], "cold": []}
         for r in range(args.rounds):
             for name in ("cached", "cold") if r % 2 == 0 else ("cold", "cached"):

@@ -90,7 +90,7 @@ def _filed_at(positions: int) -> int:
     return max(positions - HASH_BLOCK, 0) // HASH_BLOCK * HASH_BLOCK
 
 
-def _common(a: tuple, b: tuple) -> int:
+def common_prefix(a: Sequence, b: Sequence) -> int:
     """The length of the longest common prefix of ``a`` and ``b``."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
@@ -170,7 +170,7 @@ class PrefixCache:
                         b = _filed_at(n)  # the prompt's hash matched there: compare the tokens after it
                         if prompt[:b] != entry.ids[:b]:
                             continue  # a collision
-                        n = b + _common(prompt[b : len(prompt) - 1], entry.ids[b:])
+                        n = b + common_prefix(prompt[b : len(prompt) - 1], entry.ids[b:])
                         if n < HASH_BLOCK:  # a block shared at least: not a snapshot copied to keep a few tokens
                             continue
                     if allowed is None or n in allowed:

@@ -113,12 +113,8 @@ def seed_all(seed: int) -> None:
 
 
 def device_label(device) -> str:
-    """Where a run trained, for its report and the model card: a torch device ("cpu", or "cuda (NVIDIA
-    H100 80GB HBM3)" with the GPU's name), or MLX's default device ("mlx gpu" on Apple silicon)."""
-    if device == "mlx":
-        import mlx.core as mx
-
-        return f"mlx {mx.default_device().type.name}"
+    """Where a torch run trained, for its report and the model card: "cpu", or "cuda (NVIDIA H100 80GB
+    HBM3)" with the GPU's name."""
     import torch
 
     d = torch.device(device)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -118,10 +121,6 @@ def main(argv=None) -> int:
     """Measure a drafter directory's acceptance the way ``train-drafter``'s report does, on this machine's
     held-out prompts: to compare a drafter trained elsewhere (another Python's standard library draws
     other prompts) with the shipped one, side by side."""
-    import argparse
-    import json
-    import sys
-
     ap = argparse.ArgumentParser(prog="python -m kakeya.training.drafter_eval", description=main.__doc__)
     ap.add_argument("target", help="target checkpoint directory")
     ap.add_argument("drafts", nargs="+", help="drafter checkpoint directories, measured one after the other")

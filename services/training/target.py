@@ -94,6 +94,13 @@ class MLXBackend:
 
     name = "mlx"
 
+    @staticmethod
+    def device_label() -> str:
+        """MLX's default device, for the report ("mlx gpu" on Apple silicon)."""
+        import mlx.core as mx
+
+        return f"mlx {mx.default_device().type.name}"
+
     def __init__(self, cfg: dict, args):
         import mlx.core as mx
         import mlx.nn as nn
@@ -142,6 +149,9 @@ class TorchBackend:
     """
 
     name = "torch"
+
+    def device_label(self) -> str:
+        return common.device_label(self.device)
 
     def __init__(self, cfg: dict, args):
         import torch
@@ -298,7 +308,7 @@ def train(args) -> dict:
         "steps": step,
         "tokens_seen": int(step * args.batch * args.seq_len),
         "train_s": round(train_s, 1),
-        "device": common.device_label(getattr(be, "device", "mlx")),
+        "device": be.device_label(),
         "loss_curve": curve,
         "evals": evals,
         "final": {
