@@ -15,8 +15,9 @@
 #   demo        the same on the embedded demo pair (float32; also --compile): where a tiny model's step is
 #               all overhead; benchmarks/small_gemm.py (few-row linears, each spelling of the product)
 #   generate    `kakeya generate --backend torch --device cuda --compare-ar` on the embedded demo pair
-#               (float32 and bfloat16, fixed block 8 and auto), JSON lines; benchmarks/adaptive.py on
-#               CUDA (auto vs fixed block sizes) and benchmarks/host_profile.py
+#               (GEN_DTYPES "float32 bfloat16" x GEN_BLOCKS "8 0", 0: auto), JSON lines in OUT/generate.jsonl;
+#               benchmarks/host_profile.py (PROFILE_DTYPE, bfloat16: the dtype of the issue's CUDA goal)
+#   adaptive    benchmarks/adaptive.py on CUDA (auto vs fixed block sizes)
 #   batching    benchmarks/batching.py: N sessions' verifies/drafts alone vs one batch (26B shape, demo pair)
 #   concurrency benchmarks/concurrency.py: `serve all` on CUDA, 1..16 streams, batched vs serialised
 #   split       benchmarks/split.py on CUDA: split (pre-draft off / on) vs colocated, one stream at block sizes
@@ -27,12 +28,14 @@
 #               step under 10 min (one device call; a rerun on the same node reuses the data made); the data
 #               (~240 KB a continuation) stays in TRAIN_DIR, the drafter and its report come back in
 #               OUT/draft_next/ (docs/demo-pair.md: what to do with it)
+# SESSION_S bounds the whole session (a device call's limit): each step's time is cut to what is left,
+# and a step with under 30 s left is skipped. SPLIT_ARGS replaces the split step's sizes and streams.
 # Results land in OUT_DIR. Needs torch with CUDA, grpcio, protobuf, safetensors, tokenizers,
 # prometheus-client, jinja2 (chat templates); no MLX.
 set -u
 OUT=${1:?usage: gpu_session.sh OUT_DIR [quick]}
 QUICK=${2:-}
-PARTS=${PARTS:-tests kernels projection demo generate batching concurrency split}
+PARTS=${PARTS:-tests kernels projection demo generate adaptive batching concurrency split}
 LOGS=${LOGS:-$OUT}  # each step's full log (LOGS=/tmp/x keeps OUT to the results alone)
 mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
@@ -47,6 +50,11 @@ REPS=${REPS:-20}; [ -n "$QUICK" ] && REPS=5
 
 step() {  # step NAME SECONDS CMD... : run, log to LOGS/NAME.log, never abort the session
   local name=$1 secs=$2; shift 2
+  if [ -n "${SESSION_S:-}" ]; then
+    local left=$((SESSION_S - SECONDS))
+    if [ "$left" -lt 30 ]; then echo "== $name: skipped, ${left} s left of SESSION_S"; return 0; fi
+    [ "$left" -lt "$secs" ] && secs=$left
+  fi
   echo "== $name"
   local t0=$SECONDS
   timeout "$secs" "$@" >"$LOGS/$name.log" 2>&1
@@ -56,7 +64,7 @@ step() {  # step NAME SECONDS CMD... : run, log to LOGS/NAME.log, never abort th
 }
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
 
 if part tests; then
@@ -94,17 +102,20 @@ fi
 
 if part generate; then
   : >"$OUT/generate.jsonl"
-  for dtype in float32 bfloat16; do
-    for block in 8 0; do
+  for dtype in ${GEN_DTYPES:-float32 bfloat16}; do
+    for block in ${GEN_BLOCKS:-8 0}; do
       step "generate_${dtype}_b${block}" 180 $PY -m kakeya.app.main generate --backend torch --device cuda \
         --dtype $dtype --block-size $block --max-tokens 256 --ignore-eos --compare-ar --json
       tail -n 1 "$LOGS/generate_${dtype}_b${block}.log" >>"$OUT/generate.jsonl"
     done
   done
+  step host_profile 120 $PY benchmarks/host_profile.py --device cuda --dtype "${PROFILE_DTYPE:-bfloat16}" --block-size 8
+  cp "$LOGS/host_profile.log" "$OUT/" 2>/dev/null
+fi
+
+if part adaptive; then
   step adaptive_cuda 240 $PY benchmarks/adaptive.py --backends torch --device cuda --prompts 4 --rounds 2 \
     --out "$OUT/adaptive_cuda.json"
-  step host_profile 120 $PY benchmarks/host_profile.py --device cuda --block-size 8
-  cp "$LOGS/host_profile.log" "$OUT/" 2>/dev/null
 fi
 
 if part batching; then
@@ -132,6 +143,8 @@ if part train; then  # the stage-2 command's shape (services/models/demo/draft/r
 fi
 if part split; then
   step split_cuda 480 $PY benchmarks/split.py --backend torch --device cuda --repeats $([ -n "$QUICK" ] && echo 2 || echo 5) \
-    --out "$OUT/split_cuda.json"
+    ${SPLIT_ARGS:-} --out "$OUT/split_cuda.json"
 fi
+# Every step's whole log in one file (a device call brings back few files)
+[ "$LOGS" != "$OUT" ] && tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 echo "== done"

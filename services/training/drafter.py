@@ -189,7 +189,8 @@ def train(args) -> dict:
             g["lr"] = lr
         idx.sort()  # ascending rows read the memory-mapped arrays in order
         hard = (train_set.temperature[idx] == 0).astype(np.float32) if args.soft_weight else None
-        loss, acc = trainer.loss(seqs[idx], train_set.aux[idx].astype(np.float32), anchors, B, gamma if gamma > 0 else B / 2,
+        # aux stays float16 here (half the bytes read): block_logits widens it on the device
+        loss, acc = trainer.loss(seqs[idx], train_set.aux[idx], anchors, B, gamma if gamma > 0 else B / 2,
                                  final=train_set.final[idx] if args.soft_weight else None, hard=hard,
                                  soft_weight=args.soft_weight)
         loss.backward()
@@ -217,7 +218,6 @@ def train(args) -> dict:
 
     # 4. held-out teacher-forced accuracy and acceptance with the real engine
     trainer.model.eval()
-    held_prompts = heldout_prompts(corpus, args.eval_prompts, args.prompt_len)
     report: dict[str, Any] = {
         "command": "kakeya train-drafter",
         "args": {k: v for k, v in vars(args).items() if k != "func"},
@@ -238,7 +238,8 @@ def train(args) -> dict:
         "loss_curve": curve,
         "heldout_curve": val_curve,
     }
-    if args.eval_prompts and not args.no_eval:
+    if args.eval_prompts and not args.no_eval:  # --eval-prompts 0: measured elsewhere (drafter_eval)
+        held_prompts = heldout_prompts(corpus, args.eval_prompts, args.prompt_len)
         if not args.quiet:
             log(f"measuring acceptance on {len(held_prompts)} held-out prompts ({args.eval_backend} engine) ...")
         ev_bs = [int(b) for b in args.eval_block_sizes.split(",")]
