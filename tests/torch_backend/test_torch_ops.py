@@ -122,7 +122,7 @@ def test_folded_gqa_attention_equals_sdpa_gqa(G, L, D):
     k, v = torch.randn(1, Hkv, K, D, generator=g), torch.randn(1, Hkv, K, D, generator=g)
     mask = torch.rand(L, K, generator=g) > 0.3
     mask[:, 0] = True  # every query sees at least one key
-    for m in (mask, None):
+    for m in (mask, mask[:1], None):  # [1, K]: one row for every query (a non-causal drafter block's)
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3, enable_gqa=True)
         out = sdpa_folded(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, m, 0.3)  # non-contiguous q, as callers pass it
         assert out.shape == ref.shape

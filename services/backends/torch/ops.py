@@ -201,7 +201,9 @@ def sdpa_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     B, Hq, L, D = q.shape
     G = Hq // k.shape[1]
     qg = q.reshape(B, k.shape[1], G * L, D)  # head j*G + g, query l -> row g*L + l of KV head j
-    m = None if mask is None else mask.repeat(G, 1)
+    # a mask may be one row for every query ([1, K]: a non-causal drafter block sees the same keys);
+    # widen it to the L rows before the G copies, or the folded rows would not line up with it
+    m = None if mask is None else mask.expand(L, mask.shape[-1]).repeat(G, 1)
     if G * L <= DECODE_ROWS:
         out = decode_attention(qg, k, v, m, scale)
     else:
