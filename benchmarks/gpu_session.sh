@@ -106,9 +106,26 @@ if part generate; then
     for block in ${GEN_BLOCKS:-8 0}; do
       step "generate_${dtype}_b${block}" 180 $PY -m kakeya.app.main generate --backend torch --device cuda \
         --dtype $dtype --block-size $block --max-tokens 256 --ignore-eos --compare-ar --json
-      tail -n 1 "$LOGS/generate_${dtype}_b${block}.log" >>"$OUT/generate.jsonl"
+      tail -n 1 "$LOGS/generate_${dtype}_b${block}.log" | DTYPE=$dtype $PY -c \
+        'import json, os, sys; print(json.dumps(json.loads(sys.stdin.read()) | {"dtype": os.environ["DTYPE"]}))' \
+        >>"$OUT/generate.jsonl"
     done
   done
+  # benchmarks/results/generate_cuda.json's shape: the runs, the card, the command
+  $PY - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+runs = [json.loads(line) for line in (out / "generate.jsonl").read_text().splitlines() if line.startswith("{")]
+keep = ("dtype", "block_size", "block_sizes", "mean_acceptance", "copied_blocks", "decode_tok_s", "ar_decode_tok_s",
+        "speedup", "lossless", "device")
+name = (out / "device.txt").read_text() if (out / "device.txt").is_file() else ""  # nvidia-smi's line: name, memory, driver
+(out / "generate_cuda.json").write_text(json.dumps({
+    "benchmark": "kakeya generate --backend torch --device cuda --compare-ar --max-tokens 256 --ignore-eos",
+    "device_name": name.split(",")[0].strip() or None,
+    "command": "bash benchmarks/gpu_session.sh OUT (part generate)",
+    "runs": [{k: r.get(k) for k in keep} for r in runs]}, indent=1) + "\n")
+PY
   step host_profile 120 $PY benchmarks/host_profile.py --device cuda --dtype "${PROFILE_DTYPE:-bfloat16}" --block-size 8
   cp "$LOGS/host_profile.log" "$OUT/" 2>/dev/null
 fi

@@ -133,8 +133,10 @@ def test_folded_gqa_attention_equals_sdpa_gqa(G, L, D):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_fused_rms_norms_round_like_the_reference(dtype):
     """On CUDA the fused kernel sums squares in its own order, so its float32 rstd may differ
-    from ``mean``'s in the last bit: allowed to move an output by about one rounding step
-    (and, in bf16, rarely)."""
+    from ``mean``'s in the last bit: allowed to move an output by a few rounding steps (and, in
+    bf16, rarely). The budget, relative to the output: the rstd's last bit (1 eps), the
+    reference's two roundings in the Qwen3 form (normalised row, then times the weight: 1 eps),
+    the fused kernel's own rounding (0.5 eps). A float32 row of 64 on an H200 reached 2.x eps."""
     from kakeya.backends.torch.ops import _normalized_f32
 
     g = torch.Generator().manual_seed(0)
@@ -147,6 +149,6 @@ def test_cuda_fused_rms_norms_round_like_the_reference(dtype):
         ):
             diff = (fused.float() - ref.float()).abs()
             step = torch.finfo(dtype).eps * ref.float().abs().clamp_min(1e-3)
-            assert bool((diff <= 2 * step).all()), (D, dtype, diff.max().item())
+            assert bool((diff <= 3 * step).all()), (D, dtype, (diff / step).max().item())
             if dtype != torch.float32:  # in float32 a last-bit rstd change moves a whole row by an ulp
                 assert (fused != ref).float().mean().item() < 0.01, (D, dtype)
