@@ -91,6 +91,10 @@ def drafter_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-batch", type=int, default=64)
     p.add_argument("--temperatures", default="0",
                    help="comma list: generation batch i continues its prompts at temperatures[i %% n] (0: greedy)")
+    p.add_argument("--data-on-device", choices=["auto", "on", "off"], default="auto",
+                   help="copy the whole training set (aux, final) to the training device once, so that a step gathers"
+                        " its batch there instead of from the memory-mapped files on the host; auto: on CUDA when it"
+                        " takes under half the free GPU memory")
     p.add_argument("--soft-weight", type=float, default=0.0,
                    help="weight of KL(target distribution || drafter) per block position (0: hard labels only; "
                         "then sampled continuations' tokens are the only labels)")

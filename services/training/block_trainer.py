@@ -178,14 +178,23 @@ class BlockTrainer:
         self.head = head.head.detach()
         self.device = device
 
+    def rows_on_device(self, x):
+        """A batch's rows (``aux`` or ``final``) as a tensor on the trainer's device, in their stored
+        dtype: a numpy array (gathered from the memory-mapped data), or a tensor already there
+        (``--data-on-device``)."""
+        t = x if isinstance(x, self.torch.Tensor) else self.torch.from_numpy(np.ascontiguousarray(x))
+        return t.to(self.device)
+
     def target_logits(self, final: np.ndarray, anchors: np.ndarray, B: int):
         """The target's logits ``[N*K, B-1, vocab]`` for the tokens block positions ``1..B-1`` predict:
         position ``a+k`` is predicted from the target's final hidden state at ``a+k-1``."""
         torch, c = self.torch, self.dcfg
         N, K = anchors.shape
         rows = anchors[..., None] + np.arange(B - 1)  # [N, K, B-1]: positions a .. a+B-2
-        h = torch.from_numpy(np.take_along_axis(final, rows.reshape(N, -1)[..., None], axis=1).astype(np.float32))
-        logits = self.torch.nn.functional.linear(h.to(self.device), self.head)
+        fin = self.rows_on_device(final)  # [N, T, H]
+        at = torch.from_numpy(rows.reshape(N, -1)).to(self.device)[..., None].expand(-1, -1, fin.shape[-1])
+        h = torch.gather(fin, 1, at).float()
+        logits = self.torch.nn.functional.linear(h, self.head)
         cap = c.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -202,7 +211,7 @@ class BlockTrainer:
         dev = self.device
         ids = torch.from_numpy(seqs.astype(np.int64)).to(dev)
         a = torch.from_numpy(anchors.astype(np.int64)).to(dev)  # [N, K]
-        h_ctx = m.hidden_norm(m.fc(torch.from_numpy(aux).to(dev).float()))  # [N, T, H]
+        h_ctx = m.hidden_norm(m.fc(self.rows_on_device(aux).float()))  # [N, T, H]
         cos_c, sin_c = m.rope([(0, T)])
         ctx = [layer.self_attn.kv(h_ctx, cos_c, sin_c) for layer in m.layers]  # each [N, kv, T, hd]
         ctx = [(k.repeat_interleave(K, 0), v.repeat_interleave(K, 0)) for k, v in ctx]

@@ -42,6 +42,8 @@ def _drafter_stage(d: dict, name: str, init: str = "") -> list[str]:
         f" {_where(d)}. Loss: first step"
         f" {d['loss_curve'][0][2]:.3f}, last step {d['loss_curve'][-1][2]:.3f}.",
     ]
+    if d.get("provenance"):
+        lines.append(f"- {lab('report')}: {d['provenance']}.")
     if last and "acceptance" in last:
         curve = ", ".join(f"{h['step']}: {h['acceptance']:.2f}" for h in held if "acceptance" in h)
         lines.append(f"- {lab('held-out')} ({d['data'].get('heldout_sequences', '?')} continuations of held-out prompts,"
@@ -88,19 +90,27 @@ def _pair_cost(path: Path) -> list[str]:
     return lines + [""]
 
 
-def _stage1(root: Path, d: dict) -> dict | None:
-    """The report of the run a fine-tuned drafter started from (kept as ``draft/report_stage1.json``)."""
-    f = root / "draft" / "report_stage1.json"
-    if d["args"].get("init_from"):
-        if not f.is_file():
-            raise FileNotFoundError(f"{f}: the drafter was fine-tuned (--init-from); keep its first stage's report there")
-        return json.loads(f.read_text())
-    return None
+def _stages(root: Path, d: dict) -> list[dict]:
+    """The drafter's reports, first stage first: ``draft/report_stage1.json``, ``report_stage2.json``, ...
+    (each stage fine-tuned from the one before, ``--init-from``), then ``draft/report.json``, the shipped
+    weights'."""
+    earlier = []
+    while (f := root / "draft" / f"report_stage{len(earlier) + 1}.json").is_file():
+        earlier.append(json.loads(f.read_text()))
+    if d["args"].get("init_from") and not earlier:
+        raise FileNotFoundError(f"{f}: the drafter was fine-tuned (--init-from); keep its first stage's report there")
+    return earlier + [d]
+
+
+def _stage_dir(i: int, n: int) -> str:
+    """Where the reproduce commands put stage ``i`` of ``n`` (the last one: the pair's ``draft``)."""
+    return "OUT/draft" if i == n - 1 else f"OUT/draft-stage{i + 1}"
 
 
 def render(root: Path, pair_cost: Path | None = None) -> str:
     t = json.loads((root / "target" / "report.json").read_text())
     d = json.loads((root / "draft" / "report.json").read_text())
+    stages = _stages(root, d)
     tc, dc = t["config"], d["config"]
     pattern = " ".join("F" if x == FULL else "S" for x in tc["layer_types"])
     evals = ", ".join(f"{e['step']}: {e['heldout_loss']:.3f}" for e in t["evals"])
@@ -108,7 +118,9 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
         "# kakeya demo pair: a trained small Gemma-4 target + its DFlash drafter",
         "",
         "Trained by the project's own commands (`kakeya train-target`, `kakeya train-drafter`) on the",
-        "Python standard library of the interpreter that ran them, on a shared 2-core CPU with no GPU.",
+        "Python standard library of the interpreter that ran them, on a shared 2-core CPU with no GPU"
+        + "".join(f"; the drafter's stage {i + 1} on {_where(rep)}" for i, rep in enumerate(stages)
+                  if not _where(rep).startswith("cpu")) + ".",
         "Used by `kakeya generate` (and the benchmark suite) when no model flags are given. It is a demo:",
         f"a {t['params']/1e6:.1f}M-parameter code model, not a useful assistant: its greedy text looks like Python but drifts",
         "into repetition (docstring phrases, repeated imports) within a hundred tokens or so. What it shows",
@@ -138,11 +150,11 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
         f"  {dc['num_attention_heads']} heads / {dc['num_key_value_heads']} KV heads x {dc['head_dim']};"
         f" `dflash_config` {json.dumps(dc['dflash_config'])}.",
     ]
-    stage1 = _stage1(root, d)
-    if stage1:
-        lines += _drafter_stage(stage1, "Stage 1 ") + _drafter_stage(d, "Stage 2 (fine-tune) ", "stage 1's weights")
-    else:
+    if len(stages) == 1:
         lines += _drafter_stage(d, "")
+    else:
+        for i, rep in enumerate(stages):
+            lines += _drafter_stage(rep, f"Stage {i + 1} " + ("(fine-tune) " if i else ""), f"stage {i}'s weights" if i else "")
     lines += [
         "",
         "## Measured acceptance (held-out code prompts)",
@@ -173,9 +185,9 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
         "",
         "```bash",
         _cmd(t, {t["args"]["out"]: "OUT/target"}),
-        *([_cmd(stage1, {stage1["args"]["out"]: "OUT/draft-stage1", stage1["args"]["target"]: "OUT/target"})] if stage1 else []),
-        _cmd(d, {d["args"]["out"]: "OUT/draft", d["args"]["target"]: "OUT/target",
-                 **({d["args"]["init_from"]: "OUT/draft-stage1"} if stage1 else {})}),
+        *[_cmd(rep, {rep["args"]["out"]: _stage_dir(i, len(stages)), rep["args"]["target"]: "OUT/target",
+                     **({rep["args"]["init_from"]: _stage_dir(i - 1, len(stages))} if i else {})})
+          for i, rep in enumerate(stages)],
         "python -m kakeya.training.card OUT_DIR [--pair-cost benchmarks/results/pair_cost.json]   # this card",
         "```",
         "",

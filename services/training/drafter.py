@@ -43,7 +43,7 @@ from kakeya.checkpoints import tokenizer as tk
 from kakeya.core.contract import FULL
 from kakeya.training import common, data
 from kakeya.training.block_trainer import BlockTrainer, TorchTarget, cached_continuations, log, make_dataset
-from kakeya.training.drafter_eval import evaluate, heldout_prompts, measure_acceptance
+from kakeya.training.drafter_eval import acceptance_record, evaluate, heldout_prompts
 
 # --------------------------------------------------------------------------- config
 
@@ -77,6 +77,29 @@ def build_draft_config(target_cfg: dict, args) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- target side (torch)
+
+
+def _data_on_device(data_set, device, mode: str, soft: float, quiet: bool):
+    """``(aux, final)`` of the whole training set as tensors on ``device`` (``final`` None without the KL
+    term), or None to gather each batch from the memory-mapped files on the host. On a GPU that gather
+    and the copy after it, not the 0.5M-parameter step, set the pace; the set is gigabytes (49k
+    continuations: 12 GB of float16), so ``auto`` copies it only to a CUDA device where it takes under
+    half the free memory."""
+    import torch
+
+    arrays = [data_set.aux] + ([data_set.final] if soft else [])
+    need = sum(a.nbytes for a in arrays)
+    if mode == "off" or (mode == "auto" and (device.type != "cuda" or need > torch.cuda.mem_get_info(device)[0] / 2)):
+        return None
+    out = []
+    for a in arrays:  # in slices: a memory-mapped file is read once, never whole into host memory
+        t = torch.empty(a.shape, dtype=torch.float16, device=device)
+        for i in range(0, len(a), 4096):
+            t[i : i + 4096].copy_(torch.from_numpy(np.ascontiguousarray(a[i : i + 4096])))
+        out.append(t)
+    if not quiet:
+        log(f"training data on {device}: {need / 2**30:.2f} GiB")
+    return out[0], (out[1] if soft else None)
 
 
 def train(args) -> dict:
@@ -176,6 +199,7 @@ def train(args) -> dict:
             log(f"\nstep {step}: held-out loss {ev['loss']:.4f}, acc1 {ev['acc_per_position'][0]:.3f}, acceptance at "
                 f"block {args.block_size}: {ev['acceptance']:.3f} (uniform anchors {ev['acceptance_uniform_anchors']:.3f})")
 
+    on_device = _data_on_device(train_set, device, args.data_on_device, args.soft_weight, args.quiet)
     trainer.model.train()
     while step < args.steps:
         if args.time_budget and train_s + (time.time() - t_start) > args.time_budget:
@@ -189,9 +213,12 @@ def train(args) -> dict:
             g["lr"] = lr
         idx.sort()  # ascending rows read the memory-mapped arrays in order
         hard = (train_set.temperature[idx] == 0).astype(np.float32) if args.soft_weight else None
-        # aux stays float16 here (half the bytes read): block_logits widens it on the device
-        loss, acc = trainer.loss(seqs[idx], train_set.aux[idx], anchors, B, gamma if gamma > 0 else B / 2,
-                                 final=train_set.final[idx] if args.soft_weight else None, hard=hard,
+        if on_device:
+            rows = torch.from_numpy(idx).to(device)
+            aux, final = on_device[0][rows], (on_device[1][rows] if args.soft_weight else None)
+        else:  # float16 as stored (half the bytes read): the trainer widens it on the device
+            aux, final = train_set.aux[idx], (train_set.final[idx] if args.soft_weight else None)
+        loss, acc = trainer.loss(seqs[idx], aux, anchors, B, gamma if gamma > 0 else B / 2, final=final, hard=hard,
                                  soft_weight=args.soft_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
@@ -243,14 +270,7 @@ def train(args) -> dict:
         if not args.quiet:
             log(f"measuring acceptance on {len(held_prompts)} held-out prompts ({args.eval_backend} engine) ...")
         ev_bs = [int(b) for b in args.eval_block_sizes.split(",")]
-        report["acceptance"] = {
-            "prompts": len(held_prompts),
-            "prompt_len": args.prompt_len,
-            "max_tokens": args.eval_max_tokens,
-            "source": "held-out stdlib files (split by file), evenly spaced windows, <bos> prepended",
-            "engine": f"kakeya.orchestrator.loop, {args.eval_backend} verifier (native cache) + drafter, greedy",
-            "per_block_size": measure_acceptance(target_dir, out, held_prompts, ev_bs, args.eval_max_tokens,
-                                                 args.eval_backend),
-        }
+        report["acceptance"] = acceptance_record(target_dir, out, held_prompts, args.prompt_len, ev_bs,
+                                                 args.eval_max_tokens, args.eval_backend)
     common.write_json(out / "report.json", report)
     return report

@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from kakeya.checkpoints import tokenizer as tk
-from kakeya.training import data
+from kakeya.training import common, data
 from kakeya.training.block_trainer import BlockTrainer
 
 
@@ -114,6 +114,20 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[list[int
     return out
 
 
+def acceptance_record(target_dir: Path, draft_dir: Path, prompts: list[list[int]], prompt_len: int,
+                      block_sizes: Sequence[int], max_tokens: int, backend: str) -> dict:
+    """The ``acceptance`` block of a drafter's ``report.json`` (what its model card's table shows):
+    :func:`measure_acceptance` with the prompts' provenance."""
+    return {
+        "prompts": len(prompts),
+        "prompt_len": prompt_len,
+        "max_tokens": max_tokens,
+        "source": "held-out stdlib files (split by file), evenly spaced windows, <bos> prepended",
+        "engine": f"kakeya.orchestrator.loop, {backend} verifier (native cache) + drafter, greedy",
+        "per_block_size": measure_acceptance(target_dir, draft_dir, prompts, block_sizes, max_tokens, backend),
+    }
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -129,13 +143,23 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-sizes", default="2,4,8,16")
     ap.add_argument("--backend", default="torch", choices=["auto", "mlx", "torch"])
+    ap.add_argument("--record", action="store_true",
+                    help="also write each measurement into that drafter's report.json as its `acceptance` (the model"
+                         " card's table), as train-drafter does when it measures: for a drafter trained elsewhere")
     args = ap.parse_args(argv)
     corpus = data.load_corpus(data.target_tokenizer(Path(args.target)))
     prompts = heldout_prompts(corpus, args.prompts, args.prompt_len)
     sizes = [int(b) for b in args.block_sizes.split(",")]
     for draft in args.drafts:
         print(f"measuring {draft} on {len(prompts)} held-out prompts ...", file=sys.stderr, flush=True)
-        per = measure_acceptance(Path(args.target), Path(draft), prompts, sizes, args.max_tokens, args.backend)
+        rec = acceptance_record(Path(args.target), Path(draft), prompts, args.prompt_len, sizes, args.max_tokens,
+                                args.backend)
+        per = rec["per_block_size"]
+        if args.record:
+            report = Path(draft) / "report.json"
+            if not report.is_file():
+                raise SystemExit(f"--record: {report} does not exist (the trainer writes it)")
+            common.write_json(report, json.loads(report.read_text()) | {"acceptance": rec})
         print(json.dumps({"draft": draft, "mean_acceptance": {b: v["mean_acceptance"] for b, v in per.items()},
                           "lossless": all(v["lossless_vs_block1"] for v in per.values())}))
     return 0

@@ -273,3 +273,39 @@ def test_drafter_eval_measures_a_drafter_directory(tiny_pair, capsys):
     assert line["draft"] == str(tiny_pair.draft) and line["lossless"] is True
     assert set(line["mean_acceptance"]) == {"2", "4"}
     assert 1.0 <= line["mean_acceptance"]["2"] <= 2.0 and 1.0 <= line["mean_acceptance"]["4"] <= 4.0
+
+
+def test_drafter_eval_records_its_measurement_in_the_drafters_report(tiny_pair, tmp_path):
+    """``--record``: the measurement becomes the report's ``acceptance`` (the model card's table), the
+    rest of the report as it was; a directory without a report is refused, not given a made-up one."""
+    import shutil
+
+    from kakeya.training import drafter_eval
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_pair.draft, draft)
+    argv = [str(tiny_pair.target), str(draft), "--prompts", "2", "--block-sizes", "2", "--max-tokens", "6",
+            "--prompt-len", "12", "--record"]
+    (draft / "report.json").unlink(missing_ok=True)
+    with pytest.raises(SystemExit, match="report.json does not exist"):
+        drafter_eval.main(argv)
+    (draft / "report.json").write_text(json.dumps({"steps": 7, "acceptance": {"stale": True}}))
+    assert drafter_eval.main(argv) == 0
+    rep = json.loads((draft / "report.json").read_text())
+    assert rep["steps"] == 7 and "stale" not in rep["acceptance"]
+    acc = rep["acceptance"]
+    assert acc["prompts"] == 2 and acc["prompt_len"] == 12 and acc["max_tokens"] == 6
+    assert set(acc["per_block_size"]) == {"2"} and acc["per_block_size"]["2"]["lossless_vs_block1"] is True
+
+
+def test_training_data_on_the_device_trains_the_same_steps(tmp_path, tiny_pair):
+    """``--data-on-device on`` copies the whole set to the device once and gathers each batch there (what
+    a GPU run does by default): the same batches, so the same losses, as gathering from the files."""
+    curves = {}
+    for mode in ("off", "on"):
+        base = ["--target", str(tiny_pair.target), "--out", str(tmp_path / mode), "--temperatures", "0,1",
+                "--soft-weight", "0.5", "--no-eval", "--data-on-device", mode] + TINY_DRAFT + ["--gen-batch", "2"]
+        curves[mode] = tdraft.train(_args(drafter_arguments, base + ["--steps", "3"]))["loss_curve"]
+    assert len(curves["on"]) == 3 and curves["on"] == curves["off"]
+    with pytest.raises(SystemExit):  # a mode that does not exist is refused by the parser
+        _args(drafter_arguments, ["--target", "t", "--out", "o", "--data-on-device", "gpu"])
