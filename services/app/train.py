@@ -25,7 +25,9 @@ def _run_arguments(p: argparse.ArgumentParser, steps: int, lr: float, warmup: in
     """What every trainer takes: seed, schedule and optimizer, held-out split, device, checkpoints."""
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--time-budget", type=float, default=0, help="stop after this many training seconds (0: none)")
+    p.add_argument("--time-budget", type=float, default=0,
+                   help="stop after this many training seconds (0: none); the learning rate decays by steps or by"
+                        " this budget, whichever runs out first")
     p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--warmup", type=int, default=warmup)
     p.add_argument("--weight-decay", type=float, default=0.01)

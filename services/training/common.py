@@ -45,12 +45,19 @@ class Progress:
             print(file=sys.stderr, flush=True)
 
 
-def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float = 0.1) -> float:
-    """Linear warm-up then cosine decay to ``min_ratio * lr``."""
+def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float = 0.1, spent: float = 0.0) -> float:
+    """Linear warm-up then cosine decay to ``min_ratio * lr``. ``spent``: the share of a time budget
+    already used; the decay follows whichever of steps and time runs out first, so a run that its
+    budget stops still ends on a decayed rate, not halfway down the curve."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, steps - warmup))
+    t = min(1.0, max((step - warmup) / max(1, steps - warmup), spent))
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def budget_spent(train_s: float, time_budget: float) -> float:
+    """The share of ``time_budget`` seconds that ``train_s`` seconds of training used (0 without a budget)."""
+    return min(1.0, train_s / time_budget) if time_budget else 0.0
 
 
 def make_optimizer(lr: float, weight_decay: float):

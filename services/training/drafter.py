@@ -208,7 +208,8 @@ def train(args) -> dict:
         B = int(block_sizes[rng.integers(len(block_sizes))])
         idx = rng.choice(len(seqs), size=args.batch, replace=False)
         anchors = rng.integers(P, T - B + 1, size=(args.batch, args.anchors))
-        lr = common.lr_at(step, args.steps, args.lr, args.warmup)
+        lr = common.lr_at(step, args.steps, args.lr, args.warmup,
+                          spent=common.budget_spent(train_s + time.time() - t_start, args.time_budget))
         for g in opt.param_groups:
             g["lr"] = lr
         idx.sort()  # ascending rows read the memory-mapped arrays in order

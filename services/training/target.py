@@ -279,7 +279,8 @@ def train(args) -> dict:
             break
         rng = np.random.default_rng([args.seed, step])
         batch = data.sample_windows(corpus.train, args.batch, L, rng)
-        lr = common.lr_at(step, args.steps, args.lr, args.warmup)
+        lr = common.lr_at(step, args.steps, args.lr, args.warmup,
+                          spent=common.budget_spent(train_s + time.time() - t_start, args.time_budget))
         loss = be.step(batch, lr)
         step += 1
         curve.append([step, round(loss, 5)])

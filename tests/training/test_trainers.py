@@ -309,3 +309,18 @@ def test_training_data_on_the_device_trains_the_same_steps(tmp_path, tiny_pair):
     assert len(curves["on"]) == 3 and curves["on"] == curves["off"]
     with pytest.raises(SystemExit):  # a mode that does not exist is refused by the parser
         _args(drafter_arguments, ["--target", "t", "--out", "o", "--data-on-device", "gpu"])
+
+
+def test_a_time_budget_decays_the_learning_rate_by_the_time_spent():
+    """A run that its --time-budget stops ends on a decayed rate: the cosine follows whichever of steps
+    and time runs out first (the H200's stage 3 stopped at step 1,948 of 6,000 still at ~0.8 of its peak)."""
+    from kakeya.training import common
+
+    lr = 1e-3
+    assert common.lr_at(2000, 6000, lr, 100) == common.lr_at(2000, 6000, lr, 100, spent=0.0)
+    assert common.lr_at(2000, 6000, lr, 100) > 0.7 * lr  # by steps alone: a third of the way down
+    assert common.lr_at(2000, 6000, lr, 100, spent=1.0) == pytest.approx(0.1 * lr)  # budget used up: the floor
+    assert common.lr_at(5900, 6000, lr, 100, spent=0.1) < 0.11 * lr  # steps ahead of time: steps rule
+    assert common.lr_at(10, 6000, lr, 100, spent=0.9) == pytest.approx(lr * 11 / 100)  # warm-up first
+    assert common.budget_spent(105.0, 210.0) == 0.5 and common.budget_spent(500.0, 210.0) == 1.0
+    assert common.budget_spent(105.0, 0.0) == 0.0
