@@ -275,12 +275,12 @@ def train(args) -> dict:
                 "config": cfg, "backend": be.name}
 
     while step < args.steps:
-        if args.time_budget and train_s + (time.time() - t_start) > args.time_budget:
+        spent = common.budget_spent(train_s + time.time() - t_start, args.time_budget)  # 0: no budget
+        if spent >= 1.0:
             break
         rng = np.random.default_rng([args.seed, step])
         batch = data.sample_windows(corpus.train, args.batch, L, rng)
-        lr = common.lr_at(step, args.steps, args.lr, args.warmup,
-                          spent=common.budget_spent(train_s + time.time() - t_start, args.time_budget))
+        lr = common.lr_at(step, args.steps, args.lr, args.warmup, spent=spent)
         loss = be.step(batch, lr)
         step += 1
         curve.append([step, round(loss, 5)])
