@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from grpc_floor import floor  # noqa: E402  (benchmarks/grpc_floor.py: a bare gRPC round trip)
+from grpc_floor import block_wire, floor  # noqa: E402  (benchmarks/grpc_floor.py: a bare gRPC round trip)
 from wire import start, stop  # noqa: E402  (benchmarks/wire.py: the server processes)
 
 from kakeya.app.options import DEFAULT_PROMPT  # noqa: E402
@@ -274,6 +274,8 @@ def main(argv=None):
     # After idle gaps like a block's: the verifier sleeps through a draft (~1-3 ms), the drafter
     # through a verify (~5-10 ms); a block's wire is two such round trips and what Kakeya adds.
     grpc_floor = floor(gaps_ms=(0.0, 3.0, 10.0), size=4096, servers=("sync", "aio"))
+    # ... and a bare block both ways a split could run it: two round trips, or a verifier -> drafter relay
+    grpc_floor["block"] = block_wire(repeats=2)
 
     base = {m: streams[0][m]["aggregate_tok_s"] for m in ("split", "split_predraft")} if streams else {}
     for row in streams:
@@ -302,7 +304,8 @@ def main(argv=None):
             "client-observed block time minus that. predraft.hit_rate = pre-drafts used / started. grpc_floor: "
             "a bare bidirectional-stream echo of 4 KB to another process (benchmarks/grpc_floor.py; a sync grpc.server "
             "as Kakeya's, and a grpc.aio one), each message sent after an idle gap of 0 / 3 / 10 ms: the least a round "
-            "trip costs here."
+            "trip costs here. grpc_floor.block: a bare block's wire with the servers burning a block's compute, as two "
+            "round trips and as a relay chain (verifier -> drafter -> client)."
         ),
     }
     path = Path(args.out)
