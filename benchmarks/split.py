@@ -222,17 +222,26 @@ def main(argv=None):
     ap.add_argument("--stream-block-size", type=int, default=8)
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch CPU threads of every process alike (default: the product's: 1 for the demo pair on a CPU)")
+    ap.add_argument("--placement", default="auto", choices=["auto", "off"],
+                    help="as `serve all --placement`: auto pins the verifier to its own CPUs, the drafter and this "
+                         "process (the orchestrator's loop; the colocated runs too) to the rest, torch on a Linux CPU")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split.json"))
     args = ap.parse_args(argv)
 
     from kakeya.checkpoints.tiny import demo_pair
     from kakeya.orchestrator.assembly import build_local_engine, resolve_backend, set_torch_threads, split_engine
+    from kakeya.runtime import placement
 
     embedded = args.target is None
     if embedded:
         pair = demo_pair()
         args.target, args.draft = str(pair.target), str(pair.draft)
     backend, device = resolve_backend(args.backend, args.device)
+    on_cpu = backend == "torch" and device == "cpu"  # as serve all: measured for torch on the CPU only
+    cpus = placement.for_split(args.placement, on_cpu)  # as serve all places its processes
+    allowed = placement.available() if placement.can_pin() else []
+    if cpus:  # before this process starts any thread: they all inherit it
+        placement.pin_process(placement.parse_cpus(cpus["orchestrator"]))
     threads = set_torch_threads(args.torch_threads, device, embedded) if backend == "torch" else None
     local = build_local_engine(args.target, args.draft, backend, device)
     where = ["--backend", backend] + (["--device", device] if backend == "torch" and device else [])
@@ -244,9 +253,10 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="kakeya-split-") as tmp:
         tmp = Path(tmp)
         try:
-            vp, vaddr = start("verifier", [*pair_args, "--max-sessions", "64"], tmp)
+            pinned = {role: ["--cpus", c] for role, c in cpus.items()}
+            vp, vaddr = start("verifier", [*pair_args, "--max-sessions", "64", *pinned.get("verifier", [])], tmp)
             procs.append(vp)
-            dp, daddr = start("drafter", [*pair_args, "--max-sessions", "64"], tmp)
+            dp, daddr = start("drafter", [*pair_args, "--max-sessions", "64", *pinned.get("drafter", [])], tmp)
             procs.append(dp)
             engines = {"colocated": local}
             engines["split"] = split_engine(vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S, predraft=False)
@@ -271,6 +281,8 @@ def main(argv=None):
         finally:
             stop(procs)
     print("bare gRPC round trips (grpc_floor.py) ...", file=sys.stderr, flush=True)
+    if cpus:  # the floor is gRPC's alone, as before: its processes (children inherit this one's CPUs) unpinned
+        placement.pin_process(allowed)
     # After idle gaps like a block's: the verifier sleeps through a draft (~1-3 ms), the drafter
     # through a verify (~5-10 ms); a block's wire is two such round trips and what Kakeya adds.
     grpc_floor = floor(gaps_ms=(0.0, 3.0, 10.0), size=4096, servers=("sync", "aio"))
@@ -288,6 +300,7 @@ def main(argv=None):
         "backend": local.verifier.info.backend,
         "device": local.device,
         "torch_threads": threads or "torch's default",
+        "placement": cpus or "off",
         "prompt_tokens": len(prompt),
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
@@ -298,7 +311,9 @@ def main(argv=None):
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "notes": (
-            "Loopback; verifier, drafter and this client (the loop) are separate processes sharing the machine's cores. "
+            "Loopback; verifier, drafter and this client (the loop) are separate processes sharing the machine's cores, "
+            "pinned as `serve all --placement` pins them (placement: each role's CPUs; the colocated runs are in this "
+            "process, on the orchestrator's). "
             "Medians over alternating runs after a warm-up. critical_path_ms: per split block, compute = the servers' "
             "elapsed_s of its verify and draft (a used pre-draft's draft ran beside the previous verify), wire = the "
             "client-observed block time minus that. predraft.hit_rate = pre-drafts used / started. grpc_floor: "

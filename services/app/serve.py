@@ -68,6 +68,14 @@ def _common(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="stderr log lines: text or JSON (default text)")
 
 
+def _pin(args) -> None:
+    """``--cpus``: pin this process (every thread, and those it starts later) before it loads anything."""
+    if getattr(args, "cpus", None):
+        from kakeya.runtime import placement
+
+        placement.pin_process(placement.parse_cpus(args.cpus))
+
+
 def _run(spec, args) -> int:
     from kakeya.runtime.lifecycle import run_server, setup_logging
 
@@ -87,6 +95,8 @@ def _run(spec, args) -> int:
 
 def cmd_serve_verifier(args) -> int:
     from kakeya.verifier.server import server_spec
+
+    _pin(args)
 
     if args.target is None:  # the embedded pair (its drafter's aux layers by default)
         target, draft = _pair(None, None)
@@ -117,6 +127,8 @@ def _default_policy(args):
 def cmd_serve_drafter(args) -> int:
     from kakeya.drafter.server import server_spec
 
+    _pin(args)
+
     target, draft = _pair(args.target, args.draft)
     limits = serve_flags.session_limits(args)
     tls, token = serve_flags.internal_auth(args, "drafter")
@@ -145,6 +157,8 @@ def _backend_kwargs(args, embedded: bool) -> tuple[str, dict]:
 def cmd_serve_orchestrator(args) -> int:
     from kakeya.orchestrator.assembly import build_local_engine, split_engine
     from kakeya.orchestrator.server import GenerationServicer, server_spec
+
+    _pin(args)
 
     if args.drafter and not args.verifier:
         raise ValueError("--drafter needs --verifier (a remote drafter with an in-process verifier is not supported)")
@@ -242,18 +256,20 @@ def cmd_serve_all(args) -> int:
             return []
         return ["--metrics-port", str(args.metrics_port + i if args.metrics_port else 0)]
 
+    vback, dback = _child_backend(args.verifier_backend, args), _child_backend(args.drafter_backend, args)
+    cpus = _placement(args.placement, [vback, dback], log)
+    pinned = {role: ["--cpus", c] for role, c in cpus.items()}
     rc = 0
     with tempfile.TemporaryDirectory(prefix="kakeya-serve-all-") as tmp:  # mode 0700: ours alone
         files = {n: Path(tmp) / f"{n}.json" for n in ("verifier", "drafter", "orchestrator")}
         token_file = str(write_token(Path(tmp) / "backend.token", new_token()))
         try:
             back = ["--host", "127.0.0.1", "--port", "0"]  # loopback only: the orchestrator is their one client
-            vback, dback = _child_backend(args.verifier_backend, args), _child_backend(args.drafter_backend, args)
             cache = ["--cache", args.cache, "--sink", str(args.sink), "--full-kv-bits", str(args.full_kv_bits),
                      *(["--window", str(args.window)] if args.window else [])]  # fmt: skip
             vlim, dlim = (serve_flags.child_argv(args, role, token_file) for role in ("verifier", "drafter"))
-            sup.spawn("verifier", [*back, "--target", target, "--draft", draft, *vback, *cache, "--ready-file", str(files["verifier"]), *common, *vlim, *metrics(1)], files["verifier"])
-            sup.spawn("drafter", [*back, "--draft", draft, "--target", target, *dback, "--ready-file", str(files["drafter"]), *common, *dlim, *metrics(2)], files["drafter"])
+            sup.spawn("verifier", [*back, "--target", target, "--draft", draft, *vback, *cache, "--ready-file", str(files["verifier"]), *common, *vlim, *metrics(1), *pinned.get("verifier", [])], files["verifier"])
+            sup.spawn("drafter", [*back, "--draft", draft, "--target", target, *dback, "--ready-file", str(files["drafter"]), *common, *dlim, *metrics(2), *pinned.get("drafter", [])], files["drafter"])
             ready = sup.wait_ready(["verifier", "drafter"], args.start_timeout)
             orch = [
                 "--host", args.host, "--port", str(args.port),
@@ -261,6 +277,7 @@ def cmd_serve_all(args) -> int:
                 "--tokenizer", target, "--ready-file", str(files["orchestrator"]),
                 "--max-tokens-limit", str(args.max_tokens_limit), *common, *serve_flags.child_argv(args, "orchestrator", token_file),
                 *metrics(0), *(["--health-port", str(args.health_port)] if args.health_port is not None else []),
+                *pinned.get("orchestrator", []),
             ]  # fmt: skip
             sup.spawn("orchestrator", orch, files["orchestrator"])
             ready.update(sup.wait_ready(["orchestrator"], args.start_timeout))
@@ -274,6 +291,7 @@ def cmd_serve_all(args) -> int:
                     "pids": {n: p.pid for n, p in sup.procs.items()},
                     "restarts": {n: ch.restarts for n, ch in c.items()},
                     "pid": os.getpid(),
+                    "cpus": cpus,
                 }
                 if args.metrics_port is not None:
                     out["metrics_ports"] = {n: ch.info.get("metrics_port") for n, ch in c.items()}
@@ -302,6 +320,21 @@ def cmd_serve_all(args) -> int:
     return rc
 
 
+def _placement(choice: str, backends: list[list[str]], log) -> dict[str, str]:
+    """Each child's ``--cpus`` (``runtime/placement.for_split``): with ``auto``, where this platform can pin,
+    both models run on torch's CPU backend and this process may use two CPUs or more; else none."""
+    from kakeya.runtime import placement
+
+    def on_cpu(argv: list[str]) -> bool:  # torch on --device cpu: what was measured (not MLX's CPU backend)
+        return argv[1] == "torch" and argv[argv.index("--device") + 1] == "cpu"
+
+    cpus = placement.for_split(choice, all(on_cpu(b) for b in backends))
+    if cpus:
+        log.info("placement: verifier on CPUs %s, drafter and orchestrator on %s (--placement off: none)",
+                 cpus["verifier"], cpus["drafter"])  # fmt: skip
+    return cpus
+
+
 # --------------------------------------------------------------------------- registration
 
 
@@ -327,6 +360,7 @@ def register(sub) -> None:
 
     v = roles.add_parser("verifier", help="the target model and its per-session KV caches", conflict_handler="resolve")
     _common(v, "verifier")
+    _cpus_arg(v)
     v.add_argument("--target", help="Gemma-4 target checkpoint directory (default: the embedded pair's)")
     v.add_argument("--draft", help="a DFlash drafter directory: only its target_layer_ids are read (the default aux layers)")
     v.add_argument("--aux-layers", help="default aux layers, e.g. 1,4 (sessions may send their own)")
@@ -340,6 +374,7 @@ def register(sub) -> None:
 
     d = roles.add_parser("drafter", help="the DFlash drafter and its per-session context caches")
     _common(d, "drafter")
+    _cpus_arg(d)
     d.add_argument("--draft", help="DFlash drafter checkpoint directory")
     d.add_argument("--target", help="the target checkpoint: only its embedding and LM head are loaded")
     _backend_args(d)
@@ -352,6 +387,7 @@ def register(sub) -> None:
         "orchestrator", help="the public Generate API (split: --verifier/--drafter; else colocated)", conflict_handler="resolve"
     )
     _common(o, "orchestrator")
+    _cpus_arg(o)
     o.add_argument("--verifier", metavar="TARGET", help="a `kakeya serve verifier`: HOST:PORT, or a gRPC target naming several "
                    "replicas (dns:///verifier-headless:50061, ipv4:H1:P,H2:P); each session goes to the next SERVING one")
     o.add_argument("--drafter", metavar="TARGET", help="a `kakeya serve drafter`: HOST:PORT or a gRPC target, as --verifier")
@@ -378,6 +414,9 @@ def register(sub) -> None:
     a.add_argument("--device", help="torch processes: cuda, cuda:1, cpu (default: cuda when available, else cpu)")
     a.add_argument("--dtype", help="torch processes: float32, bfloat16, float16 (default float32)")
     _torch_threads_arg(a)
+    a.add_argument("--placement", default="auto", choices=["auto", "off"],
+                   help="auto (default): on Linux, torch on the CPU and 2+ CPUs, pin the verifier to its own CPUs and the"
+                        " drafter and orchestrator to the rest (runtime/placement.py says why); off: no pinning")  # fmt: skip
     serve_flags.add_sessions(a)  # the verifier's and drafter's (--max-kv-bytes: the verifier's)
     # the verifier process's default policy; each of the verifier and drafter processes keeps a prefix cache
     _policy_and_front(a, "the verifier and the drafter process each keep one of this budget")
@@ -403,6 +442,11 @@ def _backend_args(p, suffix: str = "") -> None:
 
     add_backend_args(p, help_suffix=suffix)
     _torch_threads_arg(p)
+
+
+def _cpus_arg(p) -> None:
+    p.add_argument("--cpus", help="Linux: pin this process to these CPUs, e.g. 0 or 2-3 (default: none; `serve all`"
+                                  " places its processes itself, see its --placement)")  # fmt: skip
 
 
 def _torch_threads_arg(p) -> None:
