@@ -416,7 +416,7 @@ def register(sub) -> None:
     _torch_threads_arg(a)
     a.add_argument("--placement", default="auto", choices=["auto", "off"],
                    help="auto (default): on Linux, torch on the CPU and 2+ CPUs, pin the verifier to its own CPUs and the"
-                        " drafter and orchestrator to the rest (runtime/placement.py says why); off: no pinning")  # fmt: skip
+                        " drafter and orchestrator to the rest (docs/operations.md, \"Placement\", says why); off: no pinning")  # fmt: skip
     serve_flags.add_sessions(a)  # the verifier's and drafter's (--max-kv-bytes: the verifier's)
     # the verifier process's default policy; each of the verifier and drafter processes keeps a prefix cache
     _policy_and_front(a, "the verifier and the drafter process each keep one of this budget")
