@@ -142,7 +142,7 @@ class DrafterSession:
     def run(self, call: DraftCall) -> Draft:
         """A call ``check`` returned."""
         step = self.model.static_step
-        if step is not None and self.rule is None and call.block_size > 1 and not call.pending:
+        if step is not None and self.rule is None and not call.pending and step.takes(self.cache, call.aux.shape[0], call.block_size):
             self.calls += 1
             return Draft(step.draft(self.cache, call.aux, call.last_token, call.block_size))
         return draft_together([call])[0]

@@ -129,17 +129,18 @@ def test_padding_up_to_a_bucket_never_changes_what_real_rows_see():
 @pytest.mark.parametrize("prompt", [5, 16, 40])
 def test_the_extension_runs_inside_the_step_unless_it_outgrows_a_block(prompt):
     """New aux rows up to a block's worth are extended by the static step itself (no eager
-    extension launches), from the very first call of a short prompt; more rows first go eagerly
-    (as does a block-size-1 call, which drafts nothing)."""
+    extension launches), from the very first call of a short prompt; more rows first go eagerly.
+    A block-size-1 call (the extension alone, as after an n-gram-copied block) fuses too."""
     eager, static = _pair(seed=4, window=40)
     eagerly = []
     context_kv = static.model.context_kv  # the eager extension's projection (the step has its own)
     static.model.context_kv = lambda auxs, offsets: eagerly.extend(a.shape[0] for a in auxs) or context_kv(auxs, offsets)
-    script = [(prompt, 9, 8)] + [(n, last, max(B, 2)) for n, last, B in _script(50, seed=8)[1:]]
+    script = [(prompt, 9, 8)] + [(n, last, 1 if i % 3 == 0 else max(B, 2)) for i, (n, last, B) in enumerate(_script(50, seed=8)[1:])]
     want, n_eager = _drive(eager, script)
     got, n_static = _drive(static, script)
     assert got == want and n_static == n_eager
-    assert eagerly == ([prompt] if prompt > 16 else [])  # every later call (1..16 rows) fused
+    assert sum(d.tokens == () for d in got) == 17  # the extensions alone drafted nothing, as eagerly
+    assert eagerly == ([prompt] if prompt > 16 else [])  # every later call (1..16 rows) fused, block size 1 too
 
 
 def test_closed_session_reports_empty_stats_and_refuses_work():

@@ -161,10 +161,16 @@ class StaticStep:
         a = model.layers[0].self_attn.spec  # every layer's K/V rows have this shape (``LayerKV.resize``'s like)
         self.no_rows = torch.empty((1, a.n_kv, 0, a.head_dim), dtype=model.dtype, device=model.device)
 
+    def takes(self, cache, rows: int, block_size: int) -> bool:
+        """Whether a call of ``rows`` new aux rows and ``block_size`` is worth this step: any draft, and an
+        extension alone (block size 1: after a block copied by n-gram, or a block the sizer chose to verify
+        alone) when it fuses, so it replays a graph instead of ~15 eager launches a layer."""
+        return block_size > 1 or fuses_extension(cache, rows)
+
     @torch.inference_mode()
     def draft(self, cache, new_aux: torch.Tensor, last_token: int, block_size: int) -> list[int]:
         """Extend ``cache`` by ``new_aux`` [m, aux_width] and draft ``block_size - 1`` greedy tokens
-        after ``last_token``."""
+        after ``last_token`` (none for a block size of 1: the extension alone, and no host sync)."""
         model, options = self.model, self.options
         ext_n = new_aux.shape[0]
         if ext_n and not fuses_extension(cache, ext_n):
@@ -185,4 +191,5 @@ class StaticStep:
         mask_id = int(model.config.mask_token_id)
         st.pack([last_token] + [mask_id] * (n - 1), start, ext_n, block_size, ext_dst)
         step = st.graphs.get((n, m, st.capacities), lambda k: (lambda: draft_step(model, cache, st, k[0], k[1]), ()))
-        return step()[1:block_size].tolist()  # the one host sync
+        tokens = step()
+        return tokens[1:block_size].tolist() if block_size > 1 else []  # the one host sync, where there are tokens
