@@ -65,6 +65,11 @@ class StaticDraft:
         self.rows = torch.arange(0, dtype=torch.long, device=self.device)  # buffer row index, >= every capacity
         self.capacities: tuple = ()
         self.graphs = StepGraphs(options, pool)
+        # A call that reads no tokens back (an extension alone) ends without a host sync, so its copy
+        # out of the pinned staging buffer may still be pending when the next call rewrites it: the
+        # next call waits for that copy first (``unsynced``), a draft after a draft never does.
+        self.copied = torch.cuda.Event() if pin else None
+        self.unsynced = False
 
     def fit(self) -> None:
         """Follow the buffers' capacities; a change drops the graphs (they hold the old addresses)."""
@@ -78,6 +83,9 @@ class StaticDraft:
 
     def pack(self, ids: list[int], start: int, ext_n: int, real: int, ext_dst: dict) -> None:
         """Stage one call's inputs and copy them to the device (asynchronously)."""
+        if self.unsynced:
+            self.copied.synchronize()
+            self.unsynced = False
         h = self.staged
         h[: len(ids)] = ids
         h[START], h[EXT_N], h[REAL] = start, ext_n, real
@@ -85,6 +93,8 @@ class StaticDraft:
             at = PER_LAYOUT + 3 * j
             h[at : at + 3] = ext_dst.get(layout, 0), layout.start, layout.stop
         self.packed.copy_(self.packed_host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
 
 def draft_step(model, cache, st: StaticDraft, n: int, m: int) -> torch.Tensor:
@@ -192,4 +202,7 @@ class StaticStep:
         st.pack([last_token] + [mask_id] * (n - 1), start, ext_n, block_size, ext_dst)
         step = st.graphs.get((n, m, st.capacities), lambda k: (lambda: draft_step(model, cache, st, k[0], k[1]), ()))
         tokens = step()
-        return tokens[1:block_size].tolist() if block_size > 1 else []  # the one host sync, where there are tokens
+        if block_size == 1:  # the extension alone: nothing to read back, so no host sync
+            st.unsynced = st.copied is not None
+            return []
+        return tokens[1:block_size].tolist()  # the one host sync
