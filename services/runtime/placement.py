@@ -17,10 +17,9 @@ where the platform can pin (``os.sched_setaffinity``: Linux; macOS has no such c
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Iterable
-
-ROLES = ("verifier", "drafter", "orchestrator")
 
 
 def can_pin() -> bool:
@@ -50,16 +49,10 @@ def parse_cpus(text: str, field: str = "--cpus") -> frozenset[int]:
 
 def format_cpus(cpus: Iterable[int]) -> str:
     """The inverse of :func:`parse_cpus`: ranges where they run, e.g. ``"0,2-3"``."""
-    out, run = [], []
-    for c in sorted(set(cpus)):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    out = []
+    for _, run in itertools.groupby(enumerate(sorted(set(cpus))), key=lambda ic: ic[1] - ic[0]):  # a run: c - i constant
+        first, *rest = (c for _, c in run)
+        out.append(f"{first}-{rest[-1]}" if rest else str(first))
     return ",".join(out)
 
 

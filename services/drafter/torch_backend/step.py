@@ -66,10 +66,16 @@ class StaticDraft:
         self.capacities: tuple = ()
         self.graphs = StepGraphs(options, pool)
         # A call that reads no tokens back (an extension alone) ends without a host sync, so its copy
-        # out of the pinned staging buffer may still be pending when the next call rewrites it: the
-        # next call waits for that copy first (``unsynced``), a draft after a draft never does.
+        # out of the pinned staging buffer may still be pending when the next call rewrites it: such a
+        # call records this event (``unsynced``) and the next one waits for it; a draft after a draft never does.
         self.copied = torch.cuda.Event() if pin else None
         self.unsynced = False
+
+    def leave_unsynced(self) -> None:
+        """This call ends without a host sync: the next :meth:`pack` first waits for its work (on CUDA)."""
+        if self.copied is not None:
+            self.copied.record()
+            self.unsynced = True
 
     def fit(self) -> None:
         """Follow the buffers' capacities; a change drops the graphs (they hold the old addresses)."""
@@ -93,8 +99,6 @@ class StaticDraft:
             at = PER_LAYOUT + 3 * j
             h[at : at + 3] = ext_dst.get(layout, 0), layout.start, layout.stop
         self.packed.copy_(self.packed_host, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
 
 
 def draft_step(model, cache, st: StaticDraft, n: int, m: int) -> torch.Tensor:
@@ -203,6 +207,6 @@ class StaticStep:
         step = st.graphs.get((n, m, st.capacities), lambda k: (lambda: draft_step(model, cache, st, k[0], k[1]), ()))
         tokens = step()
         if block_size == 1:  # the extension alone: nothing to read back, so no host sync
-            st.unsynced = st.copied is not None
+            st.leave_unsynced()
             return []
         return tokens[1:block_size].tolist()  # the one host sync
