@@ -10,7 +10,9 @@ and with ``mlx_lm.load``; byte-level pre-tokenisation and decoding make
 ``decode(encode(text))`` round-trip any text exactly. It ships a minimal
 Gemma-style chat template (``chat_template.jinja``, :data:`CHAT_TEMPLATE`), so
 the pairs made from it (the tiny pairs, the trained demo pair) take chat
-messages offline; its turn markers are plain text to this tokenizer.
+messages offline. Its turn markers are plain text to this tokenizer (7-8 pieces
+each); ``turn_tokens.py`` adds them as single special tokens after training, as
+the shipped demo pair has them.
 """
 
 from __future__ import annotations

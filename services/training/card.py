@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kakeya.checkpoints.turn_tokens import TURN_TOKENS, has_turn_tokens
 from kakeya.core.contract import FULL
 
 
@@ -102,6 +103,17 @@ def _stages(root: Path, d: dict) -> list[dict]:
     return earlier + [d]
 
 
+def _turn_tokens(target: Path) -> list[str]:
+    """The card's line on the chat turn markers, when ``checkpoints/turn_tokens.py`` gave the target them."""
+    if not has_turn_tokens(target):
+        return []
+    tok = json.loads((target / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    ids = " / ".join(f"`{v['content']}` = {k}" for k, v in tok.items() if v["content"] in TURN_TOKENS)
+    return [f"- Chat turn markers added after training as single special tokens, as Gemma's are ({ids};",
+            "  `python -m kakeya.checkpoints.turn_tokens`): embedding rows the mean of the BPE pieces that spelled them,",
+            "  LM-head rows zero, so output on text without them is unchanged; `chat_template.jinja` is Gemma's turn format."]
+
+
 def _stage_dir(i: int, n: int) -> str:
     """Where the reproduce commands put stage ``i`` of ``n`` (the last one: the pair's ``draft``)."""
     return "OUT/draft" if i == n - 1 else f"OUT/draft-stage{i + 1}"
@@ -142,6 +154,7 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
         f" held-out by step: {evals}.",
         f"- **Held-out loss {t['final']['heldout_loss']:.3f} (perplexity {t['final']['heldout_perplexity']:.1f}),"
         f" train loss {t['final']['train_loss']:.3f}** ({t['final']['eval_windows']} windows x {t['final']['eval_seq_len']} tokens).",
+        *_turn_tokens(root / "target"),
         "",
         "## Drafter (`draft/`)",
         "",
@@ -188,6 +201,8 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
         *[_cmd(rep, {rep["args"]["out"]: _stage_dir(i, len(stages)), rep["args"]["target"]: "OUT/target",
                      **({rep["args"]["init_from"]: _stage_dir(i - 1, len(stages))} if i else {})})
           for i, rep in enumerate(stages)],
+        *(["python -m kakeya.checkpoints.turn_tokens OUT/target OUT/draft   # Gemma's turn markers, after training"]
+          if has_turn_tokens(root / "target") else []),
         "python -m kakeya.training.card OUT_DIR [--pair-cost benchmarks/results/pair_cost.json]   # this card",
         "```",
         "",

@@ -1,0 +1,125 @@
+"""Give a checkpoint made with the project's BPE Gemma's turn markers as single special tokens.
+
+    python -m kakeya.checkpoints.turn_tokens services/models/demo/target services/models/demo/draft
+
+Every real Gemma tokenizer has ``<start_of_turn>`` and ``<end_of_turn>`` as one special token each;
+the project's byte-level BPE (``tokenizer.py``) was trained on code that never contains them, so it
+spells each out in 7-8 pieces. A chat then spends some 40 tokens of template markup per turn, a
+real Gemma 6, and a demo conversation's prefix-cache figures (the share of a turn's prompt resumed
+from the previous turn) would say more about the demo tokenizer than about the cache.
+
+This appends the two markers after the BPE vocabulary (ids ``V`` and ``V + 1``), as special tokens
+that are split out of any text before BPE runs (as transformers and ``tokenizers`` do for Gemma's),
+and grows the target to match:
+
+* ``model.embed_tokens`` gets two rows: each the mean of the rows of the pieces the marker was
+  spelled with before, so a chat prompt reads to the model much as it did (the usual
+  initialisation of an added token);
+* ``lm_head`` gets two zero rows: their logit is exactly 0 (before and after the soft-cap), so the
+  model, never trained to end a turn, emits a marker only where every trained token scores below
+  0 -- the existing logits, and so greedy output on any text without the markers, are
+  unchanged bit for bit;
+* ``vocab_size`` in the target's and each drafter's ``config.json`` (a DFlash drafter borrows the
+  target's embedding and LM head and checks its vocabulary against them).
+
+Nothing else changes; running it again on a checkpoint that has the markers does nothing. The
+tokenizer files stay loadable by ``tokenizers``, transformers and ``mlx_lm.load``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+from tokenizers import AddedToken, Tokenizer
+
+TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _write(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def has_turn_tokens(target_dir: str | Path) -> bool:
+    tok = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
+    return all(tok.token_to_id(t) is not None for t in TURN_TOKENS) and all(
+        len(tok.encode(t, add_special_tokens=False).ids) == 1 for t in TURN_TOKENS
+    )
+
+
+def add_turn_tokens(target_dir: str | Path, draft_dirs: tuple[str | Path, ...] = ()) -> dict[str, int]:
+    """Add the turn markers to the target at ``target_dir`` (and the drafters' configs); their ids.
+
+    A no-op (returning the existing ids) when the target's tokenizer already has them."""
+    target = Path(target_dir)
+    tok = Tokenizer.from_file(str(target / "tokenizer.json"))
+    cfg = _read(target / "config.json")
+    if has_turn_tokens(target):
+        return {t: tok.token_to_id(t) for t in TURN_TOKENS}
+    if cfg.get("tie_word_embeddings", False):
+        raise ValueError(f"{target}: tied embeddings; the zero LM-head rows need a separate lm_head")
+    vocab = int(cfg["vocab_size"])
+    if tok.get_vocab_size() != vocab:
+        raise ValueError(f"{target}: tokenizer has {tok.get_vocab_size()} tokens, config.json vocab_size {vocab}")
+    weights_file = target / "model.safetensors"
+    weights = load_file(str(weights_file))
+    embed, head = weights[EMBED], weights[LM_HEAD]
+    if embed.shape[0] != vocab or head.shape[0] != vocab:
+        raise ValueError(f"{target}: embedding/LM head rows {embed.shape[0]}/{head.shape[0]} != vocab_size {vocab}")
+
+    pieces = {t: tok.encode(t, add_special_tokens=False).ids for t in TURN_TOKENS}
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TURN_TOKENS])
+    ids = {t: tok.token_to_id(t) for t in TURN_TOKENS}
+    if sorted(ids.values()) != [vocab, vocab + 1]:  # pragma: no cover - tokenizers appends new tokens in order
+        raise RuntimeError(f"turn tokens got ids {ids}, expected {vocab} and {vocab + 1}")
+    weights[EMBED] = np.concatenate([embed, np.stack([embed[pieces[t]].mean(axis=0) for t in TURN_TOKENS])])
+    weights[LM_HEAD] = np.concatenate([head, np.zeros((len(TURN_TOKENS), head.shape[1]), head.dtype)])
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
+
+    (target / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    tcfg = _read(target / "tokenizer_config.json")
+    for t in TURN_TOKENS:
+        tcfg.setdefault("added_tokens_decoder", {})[str(ids[t])] = {
+            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True,
+        }
+    tcfg["additional_special_tokens"] = list(TURN_TOKENS)
+    _write(target / "tokenizer_config.json", tcfg)
+    smap_file = target / "special_tokens_map.json"
+    smap = _read(smap_file) if smap_file.is_file() else {}
+    smap["additional_special_tokens"] = list(TURN_TOKENS)
+    _write(smap_file, smap)
+
+    grown = vocab + len(TURN_TOKENS)
+    for key in ("vocab_size", "vocab_size_per_layer_input"):
+        if cfg.get(key) == vocab:
+            cfg[key] = grown
+    _write(target / "config.json", cfg)
+    for d in draft_dirs:
+        dcfg = _read(Path(d) / "config.json")
+        if dcfg.get("vocab_size") != vocab:
+            raise ValueError(f"{d}: drafter vocab_size {dcfg.get('vocab_size')} != the target's {vocab}")
+        dcfg["vocab_size"] = grown
+        _write(Path(d) / "config.json", dcfg)
+    return ids
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("target", type=Path, help="the target checkpoint (its tokenizer, config.json, model.safetensors)")
+    ap.add_argument("drafts", type=Path, nargs="*", help="DFlash drafters of that target (their config.json)")
+    args = ap.parse_args(argv)
+    ids = add_turn_tokens(args.target, tuple(args.drafts))
+    print(", ".join(f"{t} = {i}" for t, i in ids.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
