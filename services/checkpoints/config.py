@@ -53,6 +53,7 @@ def _require_int(cfg: dict[str, Any], key: str, where: str, what: str) -> int:
 def load_target_config(path: str | Path) -> dict[str, Any]:
     """Read a Gemma-4 text target's config (the ``text_config`` of a multimodal one)."""
     d, cfg = _read_config(path, "target")
+    top = cfg
     where = d / "config.json"
     model_type = cfg.get("model_type")
     if model_type in MULTIMODAL_MODEL_TYPES:
@@ -85,8 +86,31 @@ def load_target_config(path: str | Path) -> dict[str, Any]:
             f"target checkpoint {where_text}: field 'layer_types' has {len(layer_types)} entries,"
             f" num_hidden_layers is {cfg['num_hidden_layers']}"
         )
+    cfg["eos_token_id"] = _eos_token_ids(d, top, cfg)
     cfg[PATH_KEY] = str(d)
     return cfg
+
+
+def _eos_token_ids(d: Path, top: dict[str, Any], text: dict[str, Any]) -> list[int]:
+    """The ids that end a generation, read as transformers' ``generate`` and ``mlx_lm.load`` read them:
+    ``generation_config.json``'s ``eos_token_id`` when it names one -- an instruction-tuned Gemma lists its
+    end-of-turn token there beside ``<eos>``, and a chat that ignored it would run on past its answer --
+    else config.json's (a multimodal checkpoint's top level, where its ``text_config`` has none)."""
+    gen_file = d / "generation_config.json"
+    eos: Any = None
+    if gen_file.is_file():
+        try:
+            eos = json.loads(gen_file.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+            raise CheckpointError(f"target checkpoint {gen_file}: unreadable generation_config.json ({exc})") from None
+        where = gen_file
+    if eos is None:
+        eos = text.get("eos_token_id", top.get("eos_token_id"))
+        where = d / "config.json"
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise CheckpointError(f"target checkpoint {where}: field 'eos_token_id' must be an integer or a list of them, got {eos!r}")
+    return ids
 
 
 def load_draft_config(path: str | Path) -> dict[str, Any]:

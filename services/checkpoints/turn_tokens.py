@@ -20,7 +20,9 @@ and grows the target to match:
   0 -- the existing logits, and so greedy output on any text without the markers, are
   unchanged bit for bit;
 * ``vocab_size`` in the target's and each drafter's ``config.json`` (a DFlash drafter borrows the
-  target's embedding and LM head and checks its vocabulary against them).
+  target's embedding and LM head and checks its vocabulary against them);
+* ``generation_config.json`` lists ``<end_of_turn>`` beside ``<eos>`` as an end of generation, as an
+  instruction-tuned Gemma's does.
 
 Nothing else changes; running it again on a checkpoint that has the markers does nothing. The
 tokenizer files stay loadable by ``tokenizers``, transformers and ``mlx_lm.load``.
@@ -58,12 +60,31 @@ def has_turn_tokens(target_dir: str | Path) -> bool:
 def add_turn_tokens(target_dir: str | Path, draft_dirs: tuple[str | Path, ...] = ()) -> dict[str, int]:
     """Add the turn markers to the target at ``target_dir`` (and the drafters' configs); their ids.
 
-    A no-op (returning the existing ids) when the target's tokenizer already has them."""
+    Each step is skipped where it was done before, so running it again changes nothing."""
     target = Path(target_dir)
+    if not has_turn_tokens(target):
+        _grow(target, tuple(Path(d) for d in draft_dirs))
+    tok = Tokenizer.from_file(str(target / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in TURN_TOKENS}
+    _stop_at_end_of_turn(target, ids["<end_of_turn>"])
+    return ids
+
+
+def _stop_at_end_of_turn(target: Path, end_id: int) -> None:
+    """List ``<end_of_turn>`` beside ``<eos>`` in generation_config.json, as an instruction-tuned Gemma does: a
+    chat's answer ends there (the demo target was never trained to write it, so it changes none of its output)."""
+    gen_file = target / "generation_config.json"
+    gen = _read(gen_file) if gen_file.is_file() else {}
+    eos = gen.get("eos_token_id", _read(target / "config.json").get("eos_token_id"))
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if end_id not in eos:
+        gen["eos_token_id"] = eos + [end_id]
+        _write(gen_file, gen)
+
+
+def _grow(target: Path, draft_dirs: tuple[Path, ...]) -> None:
     tok = Tokenizer.from_file(str(target / "tokenizer.json"))
     cfg = _read(target / "config.json")
-    if has_turn_tokens(target):
-        return {t: tok.token_to_id(t) for t in TURN_TOKENS}
     if cfg.get("tie_word_embeddings", False):
         raise ValueError(f"{target}: tied embeddings; the zero LM-head rows need a separate lm_head")
     vocab = int(cfg["vocab_size"])
@@ -108,7 +129,6 @@ def add_turn_tokens(target_dir: str | Path, draft_dirs: tuple[str | Path, ...] =
             raise ValueError(f"{d}: drafter vocab_size {dcfg.get('vocab_size')} != the target's {vocab}")
         dcfg["vocab_size"] = grown
         _write(Path(d) / "config.json", dcfg)
-    return ids
 
 
 def main(argv=None) -> int:

@@ -111,7 +111,8 @@ def _turn_tokens(target: Path) -> list[str]:
     ids = " / ".join(f"`{v['content']}` = {k}" for k, v in tok.items() if v["content"] in TURN_TOKENS)
     return [f"- Chat turn markers added after training as single special tokens, as Gemma's are ({ids};",
             "  `python -m kakeya.checkpoints.turn_tokens`): embedding rows the mean of the BPE pieces that spelled them,",
-            "  LM-head rows zero, so output on text without them is unchanged; `chat_template.jinja` is Gemma's turn format."]
+            "  LM-head rows zero, so output on text without them is unchanged; `chat_template.jinja` is Gemma's turn format,",
+            "  and `<end_of_turn>` ends a generation beside `<eos>` (`generation_config.json`), as in an instruction-tuned Gemma."]
 
 
 def _stage_dir(i: int, n: int) -> str:

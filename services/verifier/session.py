@@ -360,12 +360,12 @@ class LocalVerifier:
         self.prefixes = prefixes
         self.aux_layers = tuple(aux_layers)
         self.policy = policy
-        eos = cfg.get("eos_token_id", [])
+        eos = cfg["eos_token_id"]  # generation_config.json's when it has one (load_target_config)
         args = target.args
         self.info = ModelInfo(
             name=str(target_dir),
             vocab_size=args.vocab_size,
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]),
+            eos_token_ids=tuple(eos),
             hidden_size=args.hidden_size,
             num_layers=args.num_hidden_layers,
             sliding_window=args.sliding_window,

@@ -69,6 +69,46 @@ def test_multimodal_wrapper_returns_text_config(tiny_pair, tmp_path):
         load_target_config(tmp_path)
 
 
+def test_eos_ids_come_from_generation_config_as_transformers_and_mlx_lm_read_them(tiny_pair, tmp_path):
+    """An instruction-tuned Gemma lists its end-of-turn id in generation_config.json; config.json may name
+    <eos> alone, and a multimodal checkpoint names it at the top level, outside text_config."""
+    assert load_target_config(tiny_pair.target)["eos_token_id"] == [1]
+    d = tmp_path / "it"
+    shutil.copytree(tiny_pair.target, d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": [1, 106]}))
+    assert load_target_config(d)["eos_token_id"] == [1, 106]
+    (d / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": "end"}))
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: field 'eos_token_id'"):
+        load_target_config(d)
+    (d / "generation_config.json").unlink()
+    assert load_target_config(d)["eos_token_id"] == [1]
+    text = json.loads((d / "config.json").read_text())
+    text.pop("eos_token_id")
+    (tmp_path / "mm").mkdir()
+    (tmp_path / "mm" / "config.json").write_text(json.dumps({"model_type": "gemma4", "eos_token_id": [1, 106],
+                                                             "text_config": text}))  # fmt: skip
+    assert load_target_config(tmp_path / "mm")["eos_token_id"] == [1, 106]
+
+
+def test_a_generation_stops_at_any_listed_end(tiny_pair, tmp_path):
+    from kakeya.core.contract import Request
+    from kakeya.orchestrator.assembly import build_local_engine
+
+    free = build_local_engine(str(tiny_pair.target), str(tiny_pair.draft), "torch", device="cpu")
+    prompt = free.codec.encode("def main(argv):\n")
+    run = free.generate(Request(list(prompt), max_tokens=24, block_size=4)).token_ids
+    end = run[10]
+    d = tmp_path / "target"
+    shutil.copytree(tiny_pair.target, d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": [1, end]}))
+    stopping = build_local_engine(str(d), str(tiny_pair.draft), "torch", device="cpu")
+    assert stopping.verifier.info.eos_token_ids == (1, end)
+    out = stopping.generate(Request(list(prompt), max_tokens=24, block_size=4))
+    assert out.token_ids == run[: run.index(end) + 1] and out.finish_reason == "stop"
+
+
 def test_draft_without_dflash_config(tiny_pair, tmp_path):
     d = _edit(tiny_pair.draft, tmp_path / "plain", lambda c: c.pop("dflash_config"))
     with pytest.raises(CheckpointError, match=r"no 'dflash_config'.*not a DFlash drafter") as e:

@@ -61,6 +61,14 @@ def test_weights_grow_by_two_rows_and_nothing_else_changes(pairs):
         np.testing.assert_allclose(new[EMBED][i], old[EMBED][pieces].mean(axis=0), rtol=1e-6)
 
 
+def test_end_of_turn_ends_a_generation_as_in_an_instruction_tuned_gemma(pairs):
+    tiny, root, ids = pairs
+    import json
+
+    assert json.loads((root / "target" / "generation_config.json").read_text())["eos_token_id"] == [1, ids["<end_of_turn>"]]
+    assert json.loads((tiny.target / "generation_config.json").read_text())["eos_token_id"] == 1
+
+
 def test_running_again_changes_nothing(pairs):
     _, root, ids = pairs
     before = {p.name: p.read_bytes() for d in ("target", "draft") for p in (root / d).iterdir()}
@@ -112,6 +120,9 @@ def test_refuses_a_checkpoint_whose_parts_disagree(tiny_pair, tmp_path):
 def test_the_demo_pair_ships_with_them(demo_pair):
     """What the chat benchmark's cached share rests on: the demo pair's turn markers are one token each."""
     assert has_turn_tokens(demo_pair.target)
+    from kakeya.checkpoints.config import load_target_config
+
+    assert load_target_config(demo_pair.target)["eos_token_id"] == [1, 1025]
     codec = TextCodec(demo_pair.target)
     ids = codec.encode_chat(CHAT)
     assert [codec.tokenizer.id_to_token(i) for i in ids[:2]] == ["<bos>", "<start_of_turn>"]
