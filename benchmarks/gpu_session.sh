@@ -67,14 +67,16 @@ part() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
 
+# One GPU, one pytest process: `-o addopts=-ra` drops pyproject's two xdist workers (the node's image has no xdist).
+PYTEST="$PY -m pytest -o addopts=-ra -q -p no:cacheprovider"
 if part tests; then
-  step cuda_tests 240 $PY -m pytest -q -x -p no:cacheprovider \
+  step cuda_tests 240 $PYTEST -x \
     tests/torch_backend/test_static_step.py tests/torch_backend/test_static_draft.py tests/torch_backend/test_torch_ops.py
-  step cuda_compile_tests 300 $PY -m pytest -q -p no:cacheprovider tests/torch_backend/test_compile.py -k cuda
+  step cuda_compile_tests 300 $PYTEST tests/torch_backend/test_compile.py -k cuda
 fi
 
 if part kernels; then  # the interpreter's tests again, compiled; then the real shapes
-  step kernel_tests 420 $PY -m pytest -q -p no:cacheprovider tests/kernels
+  step kernel_tests 420 $PYTEST tests/kernels
   part projection || step kernels 300 $PY benchmarks/kernels.py --reps $((REPS * 2)) --out "$OUT/kernels.json"
 fi
 
