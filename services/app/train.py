@@ -107,6 +107,9 @@ def drafter_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the engine's acceptance")
     p.add_argument("--eval-max-tokens", type=int, default=128)
     p.add_argument("--eval-block-sizes", default="2,4,8,16")
+    p.add_argument("--eval-temperatures", default="0.7,1.0",
+                   help="sampled acceptance too, at these temperatures (coupled rule, one seed per prompt; '': greedy only)")
+    p.add_argument("--eval-sampled-block-sizes", default="8,16", help="block sizes of the sampled acceptance")
     p.add_argument("--no-eval", action="store_true", help="skip the acceptance measurement")
     p.add_argument("--eval-backend", default="mlx", choices=["auto", "mlx", "torch"],
                    help="engine that measures acceptance (default mlx, as the shipped cards; auto: the fastest here)")

@@ -115,6 +115,29 @@ def _turn_tokens(target: Path) -> list[str]:
             "  and `<end_of_turn>` ends a generation beside `<eos>` (`generation_config.json`), as in an instruction-tuned Gemma."]
 
 
+def _sampled(sampled: dict | None, greedy: dict) -> list[str]:
+    """The acceptance table by temperature (the same prompts; sampled ones seeded), when sampling was measured."""
+    if not sampled:
+        return []
+    rows = sampled["per_temperature"]
+    sizes = sorted({b for row in rows.values() for b in row}, key=int)
+    lines = ["", f"By temperature, the same prompts (sampled: {sampled['rule']}; lossless: equal to AR with that seed):", "",
+             "| temperature | " + " | ".join(f"block {b}" for b in sizes) + " | lossless |",
+             "|---:|" + "---:|" * len(sizes) + ":---:|"]
+    cells = [f"{greedy[b]['mean_acceptance']:.2f}" if b in greedy else "" for b in sizes]
+    ok = all(greedy[b]["lossless_vs_block1"] for b in sizes if b in greedy)
+    lines.append("| 0 (greedy) | " + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |")
+    for T, row in rows.items():
+        cells = [f"{row[b]['mean_acceptance']:.2f}" if b in row else "" for b in sizes]
+        ok = all(v["lossless_vs_ar_sampling"] for v in row.values())
+        lines.append(f"| {T} | " + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |")
+    got = rows.get("0.7", {}).get("8")
+    if got is not None:  # issue 22's goal for sampled requests
+        lines += ["", f"Goal (T = 0.7, block 8): >= 2.5 -- {'met' if got['mean_acceptance'] >= 2.5 else '**not met**'}"
+                      f" ({got['mean_acceptance']:.2f})."]
+    return lines
+
+
 def _stage_dir(i: int, n: int) -> str:
     """Where the reproduce commands put stage ``i`` of ``n`` (the last one: the pair's ``draft``)."""
     return "OUT/draft" if i == n - 1 else f"OUT/draft-stage{i + 1}"
@@ -191,6 +214,7 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
         if said:
             lines += ["", "Goals (mean acceptance, greedy, held-out code prompts): " + "; ".join(said) + ".",
                       "See `docs/demo-pair.md` for what was tried and what would help."]
+        lines += _sampled(acc.get("sampled"), acc["per_block_size"])
         lines.append("")
     if pair_cost is not None:
         lines += _pair_cost(pair_cost)

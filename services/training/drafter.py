@@ -43,7 +43,7 @@ from kakeya.checkpoints import tokenizer as tk
 from kakeya.core.contract import FULL
 from kakeya.training import common, data
 from kakeya.training.block_trainer import BlockTrainer, TorchTarget, cached_continuations, log, make_dataset
-from kakeya.training.drafter_eval import acceptance_record, evaluate, heldout_prompts
+from kakeya.training.drafter_eval import acceptance_record, evaluate, floats, heldout_prompts, ints
 
 # --------------------------------------------------------------------------- config
 
@@ -272,6 +272,8 @@ def train(args) -> dict:
             log(f"measuring acceptance on {len(held_prompts)} held-out prompts ({args.eval_backend} engine) ...")
         ev_bs = [int(b) for b in args.eval_block_sizes.split(",")]
         report["acceptance"] = acceptance_record(target_dir, out, held_prompts, args.prompt_len, ev_bs,
-                                                 args.eval_max_tokens, args.eval_backend)
+                                                 args.eval_max_tokens, args.eval_backend,
+                                                 floats(getattr(args, "eval_temperatures", "")),
+                                                 ints(getattr(args, "eval_sampled_block_sizes", "8,16")))
     common.write_json(out / "report.json", report)
     return report

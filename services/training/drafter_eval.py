@@ -114,11 +114,41 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[list[int
     return out
 
 
+def measure_sampled(target_dir: Path, draft_dir: Path, prompts: list[list[int]], temperatures: Sequence[float],
+                    block_sizes: Sequence[int], max_tokens: int, backend: str = "mlx") -> dict:
+    """Mean acceptance of seeded sampled requests (the coupled rule, the default; prompt ``i`` with seed ``i``)
+    per temperature and block size, the drafter's own (no n-gram copies); each checked against AR sampling with
+    the same seed, which the coupled rule must reproduce token for token."""
+    from kakeya.core.contract import SamplingParams
+    from kakeya.orchestrator.assembly import build_local_engine
+    from kakeya.orchestrator.engine import Request
+
+    engine = build_local_engine(str(target_dir), str(draft_dir), backend, ngram=False)
+    out: dict = {}
+    for T in temperatures:
+        def request(i, p, B):
+            return Request(p, max_tokens=max_tokens, block_size=B, ignore_eos=True,
+                           sampling=SamplingParams(temperature=T, seed=i))
+
+        ref = [engine.generate(request(i, p, 1)).token_ids for i, p in enumerate(prompts)]
+        row = out[f"{T:g}"] = {}
+        for B in block_sizes:
+            lengths, lossless = [], True
+            for i, p in enumerate(prompts):
+                g = engine.generate(request(i, p, B))
+                lengths += g.acceptance_lengths
+                lossless &= g.token_ids == ref[i]
+            row[str(B)] = {"mean_acceptance": round(float(np.mean(lengths)), 4), "blocks": len(lengths),
+                           "lossless_vs_ar_sampling": bool(lossless)}
+    return out
+
+
 def acceptance_record(target_dir: Path, draft_dir: Path, prompts: list[list[int]], prompt_len: int,
-                      block_sizes: Sequence[int], max_tokens: int, backend: str) -> dict:
-    """The ``acceptance`` block of a drafter's ``report.json`` (what its model card's table shows):
-    :func:`measure_acceptance` with the prompts' provenance."""
-    return {
+                      block_sizes: Sequence[int], max_tokens: int, backend: str, temperatures: Sequence[float] = (),
+                      sampled_block_sizes: Sequence[int] = (8, 16)) -> dict:
+    """The ``acceptance`` block of a drafter's ``report.json`` (what its model card's tables show):
+    :func:`measure_acceptance` with the prompts' provenance, and :func:`measure_sampled` at ``temperatures``."""
+    rec = {
         "prompts": len(prompts),
         "prompt_len": prompt_len,
         "max_tokens": max_tokens,
@@ -126,6 +156,22 @@ def acceptance_record(target_dir: Path, draft_dir: Path, prompts: list[list[int]
         "engine": f"kakeya.orchestrator.loop, {backend} verifier (native cache) + drafter, greedy",
         "per_block_size": measure_acceptance(target_dir, draft_dir, prompts, block_sizes, max_tokens, backend),
     }
+    if temperatures:
+        rec["sampled"] = {
+            "rule": "coupled (the default), prompt i with seed i",
+            "per_temperature": measure_sampled(target_dir, draft_dir, prompts, temperatures, sampled_block_sizes,
+                                               max_tokens, backend),
+        }
+    return rec
+
+
+def floats(text: str) -> tuple[float, ...]:
+    """``"0.7,1.0"`` -> (0.7, 1.0); ``""`` -> ()."""
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 # --------------------------------------------------------------------------- main
@@ -143,6 +189,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-sizes", default="2,4,8,16")
     ap.add_argument("--backend", default="torch", choices=["auto", "mlx", "torch"])
+    ap.add_argument("--temperatures", default="0.7,1.0",
+                    help="sampled acceptance too, at these temperatures (coupled rule, prompt i with seed i; '': greedy only)")
+    ap.add_argument("--sampled-block-sizes", default="8,16")
     ap.add_argument("--record", action="store_true",
                     help="also write each measurement into that drafter's report.json as its `acceptance` (the model"
                          " card's table), as train-drafter does when it measures: for a drafter trained elsewhere")
@@ -153,15 +202,20 @@ def main(argv=None) -> int:
     for draft in args.drafts:
         print(f"measuring {draft} on {len(prompts)} held-out prompts ...", file=sys.stderr, flush=True)
         rec = acceptance_record(Path(args.target), Path(draft), prompts, args.prompt_len, sizes, args.max_tokens,
-                                args.backend)
+                                args.backend, floats(args.temperatures), ints(args.sampled_block_sizes))
         per = rec["per_block_size"]
+        sampled = {T: {b: v["mean_acceptance"] for b, v in row.items()}
+                   for T, row in rec.get("sampled", {}).get("per_temperature", {}).items()}
         if args.record:
             report = Path(draft) / "report.json"
             if not report.is_file():
                 raise SystemExit(f"--record: {report} does not exist (the trainer writes it)")
             common.write_json(report, json.loads(report.read_text()) | {"acceptance": rec})
+        lossless = all(v["lossless_vs_block1"] for v in per.values()) and all(
+            v["lossless_vs_ar_sampling"] for row in rec.get("sampled", {}).get("per_temperature", {}).values()
+            for v in row.values())
         print(json.dumps({"draft": draft, "mean_acceptance": {b: v["mean_acceptance"] for b, v in per.items()},
-                          "lossless": all(v["lossless_vs_block1"] for v in per.values())}))
+                          "sampled_mean_acceptance": sampled, "lossless": lossless}))
     return 0
 
 

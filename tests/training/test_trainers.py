@@ -273,6 +273,32 @@ def test_drafter_eval_measures_a_drafter_directory(tiny_pair, capsys):
     assert line["draft"] == str(tiny_pair.draft) and line["lossless"] is True
     assert set(line["mean_acceptance"]) == {"2", "4"}
     assert 1.0 <= line["mean_acceptance"]["2"] <= 2.0 and 1.0 <= line["mean_acceptance"]["4"] <= 4.0
+    # sampled acceptance by default at T 0.7 and 1.0, block 8 and 16, each run checked against AR sampling
+    assert set(line["sampled_mean_acceptance"]) == {"0.7", "1"}
+    assert all(set(row) == {"8", "16"} and all(1.0 <= v <= 16.0 for v in row.values())
+               for row in line["sampled_mean_acceptance"].values())
+
+
+def test_sampled_acceptance_is_checked_against_ar_sampling(tiny_pair, monkeypatch):
+    """Each sampled run must reproduce AR sampling with its seed (the coupled rule); a run that does not is
+    reported as not lossless rather than averaged in silently."""
+    from kakeya.orchestrator.engine import Engine
+    from kakeya.training import drafter_eval
+
+    prompts = [[2] + list(range(100, 111)), [2] + list(range(200, 211))]
+    args = (tiny_pair.target, tiny_pair.draft, prompts, (0.8,), (4,), 8, "torch")
+    got = drafter_eval.measure_sampled(*args)
+    assert got["0.8"]["4"]["lossless_vs_ar_sampling"] is True and got["0.8"]["4"]["blocks"] >= 2 * 2
+    real = Engine.generate
+
+    def broken(self, req, options=None):  # a speculative run (block size > 1) whose last token is wrong
+        gen = real(self, req, options)
+        if req.block_size != 1:
+            gen.token_ids[-1] = (gen.token_ids[-1] + 1) % 1024
+        return gen
+
+    monkeypatch.setattr(Engine, "generate", broken)
+    assert drafter_eval.measure_sampled(*args)["0.8"]["4"]["lossless_vs_ar_sampling"] is False
 
 
 def test_drafter_eval_records_its_measurement_in_the_drafters_report(tiny_pair, tmp_path):
@@ -296,6 +322,7 @@ def test_drafter_eval_records_its_measurement_in_the_drafters_report(tiny_pair, 
     acc = rep["acceptance"]
     assert acc["prompts"] == 2 and acc["prompt_len"] == 12 and acc["max_tokens"] == 6
     assert set(acc["per_block_size"]) == {"2"} and acc["per_block_size"]["2"]["lossless_vs_block1"] is True
+    assert set(acc["sampled"]["per_temperature"]) == {"0.7", "1"} and "coupled" in acc["sampled"]["rule"]
 
 
 def test_training_data_on_the_device_trains_the_same_steps(tmp_path, tiny_pair):
