@@ -5,7 +5,8 @@
 Every real Gemma tokenizer has ``<start_of_turn>`` and ``<end_of_turn>`` as one special token each;
 the project's byte-level BPE (``tokenizer.py``) was trained on code that never contains them, so it
 spells each out in 7-8 pieces. A chat then spends some 40 tokens of template markup per turn, a
-real Gemma 6, and a demo conversation's prefix-cache figures (the share of a turn's prompt resumed
+real Gemma 10 (13 here once the markers are tokens: this BPE splits ``user`` and ``model``), and a
+demo conversation's prefix-cache figures (the share of a turn's prompt resumed
 from the previous turn) would say more about the demo tokenizer than about the cache.
 
 This appends the two markers after the BPE vocabulary (ids ``V`` and ``V + 1``), as special tokens
