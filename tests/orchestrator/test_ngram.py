@@ -149,8 +149,13 @@ def test_engine_copies_greedy_and_coupled_and_never_under_the_rejection_rule(dem
         for b in (4, 8, 0):
             req = Request(prompt, max_tokens=64, block_size=b, ignore_eos=True, sampling=sampling)
             on = engine.generate(req)
-            assert on.token_ids == ar.token_ids and any(blk.copied for blk in on.blocks), (sampling, b)
-            assert engine.report(req, on)["copied_blocks"] == sum(blk.copied for blk in on.blocks) > 0
+            assert on.token_ids == ar.token_ids, (sampling, b)
+            copied = sum(blk.copied for blk in on.blocks)
+            assert engine.report(req, on)["copied_blocks"] == copied
+            # Auto sizes each block by the costs it measured here, so whether a copy pays at that moment
+            # depends on this machine's timings (under a loaded CI it may not); the rule itself is tested
+            # above with fixed costs. Fixed sizes copy wherever the context repeats.
+            assert copied > 0 or b == 0, (sampling, b)
             off = engine.generate(req, RunOptions(ngram=False))
             assert off.token_ids == ar.token_ids and not any(blk.copied for blk in off.blocks)
     rejection = SamplingParams(temperature=0.7, seed=3, rule=REJECTION)
