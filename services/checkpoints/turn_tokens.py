@@ -39,6 +39,8 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 
+from kakeya.checkpoints.config import load_target_config
+
 TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -51,11 +53,15 @@ def _write(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def has_turn_tokens(target_dir: str | Path) -> bool:
+def turn_token_ids(target_dir: str | Path) -> dict[str, int] | None:
+    """Each marker's id where the target's tokenizer encodes it as one token, else None."""
     tok = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
-    return all(tok.token_to_id(t) is not None for t in TURN_TOKENS) and all(
-        len(tok.encode(t, add_special_tokens=False).ids) == 1 for t in TURN_TOKENS
-    )
+    ids = {t: tok.encode(t, add_special_tokens=False).ids for t in TURN_TOKENS}
+    return {t: i[0] for t, i in ids.items()} if all(len(i) == 1 for i in ids.values()) else None
+
+
+def has_turn_tokens(target_dir: str | Path) -> bool:
+    return turn_token_ids(target_dir) is not None
 
 
 def add_turn_tokens(target_dir: str | Path, draft_dirs: tuple[str | Path, ...] = ()) -> dict[str, int]:
@@ -65,8 +71,7 @@ def add_turn_tokens(target_dir: str | Path, draft_dirs: tuple[str | Path, ...] =
     target = Path(target_dir)
     if not has_turn_tokens(target):
         _grow(target, tuple(Path(d) for d in draft_dirs))
-    tok = Tokenizer.from_file(str(target / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in TURN_TOKENS}
+    ids = turn_token_ids(target)
     _stop_at_end_of_turn(target, ids["<end_of_turn>"])
     return ids
 
@@ -74,11 +79,10 @@ def add_turn_tokens(target_dir: str | Path, draft_dirs: tuple[str | Path, ...] =
 def _stop_at_end_of_turn(target: Path, end_id: int) -> None:
     """List ``<end_of_turn>`` beside ``<eos>`` in generation_config.json, as an instruction-tuned Gemma does: a
     chat's answer ends there (the demo target was never trained to write it, so it changes none of its output)."""
-    gen_file = target / "generation_config.json"
-    gen = _read(gen_file) if gen_file.is_file() else {}
-    eos = gen.get("eos_token_id", _read(target / "config.json").get("eos_token_id"))
-    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    eos = load_target_config(target)["eos_token_id"]  # the end ids the engine reads now
     if end_id not in eos:
+        gen_file = target / "generation_config.json"
+        gen = _read(gen_file) if gen_file.is_file() else {}
         gen["eos_token_id"] = eos + [end_id]
         _write(gen_file, gen)
 
@@ -91,6 +95,10 @@ def _grow(target: Path, draft_dirs: tuple[Path, ...]) -> None:
     vocab = int(cfg["vocab_size"])
     if tok.get_vocab_size() != vocab:
         raise ValueError(f"{target}: tokenizer has {tok.get_vocab_size()} tokens, config.json vocab_size {vocab}")
+    dcfgs = {d: _read(d / "config.json") for d in draft_dirs}  # checked before anything is written
+    for d, dcfg in dcfgs.items():
+        if dcfg.get("vocab_size") != vocab:
+            raise ValueError(f"{d}: drafter vocab_size {dcfg.get('vocab_size')} != the target's {vocab}")
     weights_file = target / "model.safetensors"
     weights = load_file(str(weights_file))
     embed, head = weights[EMBED], weights[LM_HEAD]
@@ -124,12 +132,9 @@ def _grow(target: Path, draft_dirs: tuple[Path, ...]) -> None:
         if cfg.get(key) == vocab:
             cfg[key] = grown
     _write(target / "config.json", cfg)
-    for d in draft_dirs:
-        dcfg = _read(Path(d) / "config.json")
-        if dcfg.get("vocab_size") != vocab:
-            raise ValueError(f"{d}: drafter vocab_size {dcfg.get('vocab_size')} != the target's {vocab}")
+    for d, dcfg in dcfgs.items():
         dcfg["vocab_size"] = grown
-        _write(Path(d) / "config.json", dcfg)
+        _write(d / "config.json", dcfg)
 
 
 def main(argv=None) -> int:

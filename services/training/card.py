@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kakeya.checkpoints.turn_tokens import TURN_TOKENS, has_turn_tokens
+from kakeya.checkpoints.turn_tokens import has_turn_tokens, turn_token_ids
 from kakeya.core.contract import FULL
 
 
@@ -105,10 +105,10 @@ def _stages(root: Path, d: dict) -> list[dict]:
 
 def _turn_tokens(target: Path) -> list[str]:
     """The card's line on the chat turn markers, when ``checkpoints/turn_tokens.py`` gave the target them."""
-    if not has_turn_tokens(target):
+    got = turn_token_ids(target)
+    if got is None:
         return []
-    tok = json.loads((target / "tokenizer_config.json").read_text())["added_tokens_decoder"]
-    ids = " / ".join(f"`{v['content']}` = {k}" for k, v in tok.items() if v["content"] in TURN_TOKENS)
+    ids = " / ".join(f"`{t}` = {i}" for t, i in got.items())
     return [f"- Chat turn markers added after training as single special tokens, as Gemma's are ({ids};",
             "  `python -m kakeya.checkpoints.turn_tokens`): embedding rows the mean of the BPE pieces that spelled them,",
             "  LM-head rows zero, so output on text without them is unchanged; `chat_template.jinja` is Gemma's turn format,",

@@ -270,10 +270,8 @@ def train(args) -> dict:
         held_prompts = heldout_prompts(corpus, args.eval_prompts, args.prompt_len)
         if not args.quiet:
             log(f"measuring acceptance on {len(held_prompts)} held-out prompts ({args.eval_backend} engine) ...")
-        ev_bs = [int(b) for b in args.eval_block_sizes.split(",")]
-        report["acceptance"] = acceptance_record(target_dir, out, held_prompts, args.prompt_len, ev_bs,
-                                                 args.eval_max_tokens, args.eval_backend,
-                                                 floats(getattr(args, "eval_temperatures", "")),
-                                                 ints(getattr(args, "eval_sampled_block_sizes", "8,16")))
+        report["acceptance"] = acceptance_record(target_dir, out, held_prompts, args.prompt_len,
+                                                 ints(args.eval_block_sizes), args.eval_max_tokens, args.eval_backend,
+                                                 floats(args.eval_temperatures), ints(args.eval_sampled_block_sizes))
     common.write_json(out / "report.json", report)
     return report

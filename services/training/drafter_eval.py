@@ -85,14 +85,18 @@ def heldout_prompts(corpus: data.Corpus, n: int, length: int) -> list[list[int]]
     return [[tk.BOS_ID] + [int(t) for t in w] for w in win]
 
 
-def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[list[int]], block_sizes: Sequence[int],
-                       max_tokens: int, backend: str = "mlx") -> dict:
-    """Mean acceptance per block size with the real loop (``backend`` verifier + drafter, native cache): the
-    drafter's own, so without n-gram copies (``orchestrator/ngram.py``)."""
+def _engine(target_dir: Path, draft_dir: Path, backend: str):
+    """The real loop (``backend`` verifier + drafter, native cache), measuring the drafter's own acceptance:
+    without n-gram copies (``orchestrator/ngram.py``)."""
     from kakeya.orchestrator.assembly import build_local_engine
+
+    return build_local_engine(str(target_dir), str(draft_dir), backend, ngram=False)
+
+
+def measure_acceptance(engine, prompts: list[list[int]], block_sizes: Sequence[int], max_tokens: int) -> dict:
+    """Mean acceptance per block size, greedy, each run checked against block size 1 (``engine``: :func:`_engine`'s)."""
     from kakeya.orchestrator.engine import Request
 
-    engine = build_local_engine(str(target_dir), str(draft_dir), backend, ngram=False)
     out: dict = {}
     ref: list[list[int]] = []
     for p in prompts:
@@ -114,16 +118,14 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[list[int
     return out
 
 
-def measure_sampled(target_dir: Path, draft_dir: Path, prompts: list[list[int]], temperatures: Sequence[float],
-                    block_sizes: Sequence[int], max_tokens: int, backend: str = "mlx") -> dict:
+def measure_sampled(engine, prompts: list[list[int]], temperatures: Sequence[float], block_sizes: Sequence[int],
+                    max_tokens: int) -> dict:
     """Mean acceptance of seeded sampled requests (the coupled rule, the default; prompt ``i`` with seed ``i``)
-    per temperature and block size, the drafter's own (no n-gram copies); each checked against AR sampling with
-    the same seed, which the coupled rule must reproduce token for token."""
+    per temperature and block size; each run checked against AR sampling with the same seed, which the coupled
+    rule must reproduce token for token (``engine``: :func:`_engine`'s)."""
     from kakeya.core.contract import SamplingParams
-    from kakeya.orchestrator.assembly import build_local_engine
     from kakeya.orchestrator.engine import Request
 
-    engine = build_local_engine(str(target_dir), str(draft_dir), backend, ngram=False)
     out: dict = {}
     for T in temperatures:
         def request(i, p, B):
@@ -148,19 +150,19 @@ def acceptance_record(target_dir: Path, draft_dir: Path, prompts: list[list[int]
                       sampled_block_sizes: Sequence[int] = (8, 16)) -> dict:
     """The ``acceptance`` block of a drafter's ``report.json`` (what its model card's tables show):
     :func:`measure_acceptance` with the prompts' provenance, and :func:`measure_sampled` at ``temperatures``."""
+    engine = _engine(target_dir, draft_dir, backend)  # one load for both measurements
     rec = {
         "prompts": len(prompts),
         "prompt_len": prompt_len,
         "max_tokens": max_tokens,
         "source": "held-out stdlib files (split by file), evenly spaced windows, <bos> prepended",
         "engine": f"kakeya.orchestrator.loop, {backend} verifier (native cache) + drafter, greedy",
-        "per_block_size": measure_acceptance(target_dir, draft_dir, prompts, block_sizes, max_tokens, backend),
+        "per_block_size": measure_acceptance(engine, prompts, block_sizes, max_tokens),
     }
     if temperatures:
         rec["sampled"] = {
             "rule": "coupled (the default), prompt i with seed i",
-            "per_temperature": measure_sampled(target_dir, draft_dir, prompts, temperatures, sampled_block_sizes,
-                                               max_tokens, backend),
+            "per_temperature": measure_sampled(engine, prompts, temperatures, sampled_block_sizes, max_tokens),
         }
     return rec
 
@@ -171,6 +173,7 @@ def floats(text: str) -> tuple[float, ...]:
 
 
 def ints(text: str) -> tuple[int, ...]:
+    """``"8,16"`` -> (8, 16)."""
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
@@ -198,7 +201,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     corpus = data.load_corpus(data.target_tokenizer(Path(args.target)))
     prompts = heldout_prompts(corpus, args.prompts, args.prompt_len)
-    sizes = [int(b) for b in args.block_sizes.split(",")]
+    sizes = ints(args.block_sizes)
     for draft in args.drafts:
         print(f"measuring {draft} on {len(prompts)} held-out prompts ...", file=sys.stderr, flush=True)
         rec = acceptance_record(Path(args.target), Path(draft), prompts, args.prompt_len, sizes, args.max_tokens,

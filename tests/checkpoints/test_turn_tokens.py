@@ -113,8 +113,10 @@ def test_refuses_a_checkpoint_whose_parts_disagree(tiny_pair, tmp_path):
     shutil.copytree(tiny_pair.draft, tmp_path / "draft")
     cfg = (tmp_path / "draft" / "config.json").read_text().replace('"vocab_size": 1024', '"vocab_size": 1000')
     (tmp_path / "draft" / "config.json").write_text(cfg)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "target").iterdir()}
     with pytest.raises(ValueError, match="drafter vocab_size 1000"):
         main([str(tmp_path / "target"), str(tmp_path / "draft")])
+    assert {p.name: p.read_bytes() for p in (tmp_path / "target").iterdir()} == before  # refused before any write
 
 
 def test_the_demo_pair_ships_with_them(demo_pair):

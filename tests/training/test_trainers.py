@@ -286,7 +286,8 @@ def test_sampled_acceptance_is_checked_against_ar_sampling(tiny_pair, monkeypatc
     from kakeya.training import drafter_eval
 
     prompts = [[2] + list(range(100, 111)), [2] + list(range(200, 211))]
-    args = (tiny_pair.target, tiny_pair.draft, prompts, (0.8,), (4,), 8, "torch")
+    engine = drafter_eval._engine(tiny_pair.target, tiny_pair.draft, "torch")
+    args = (engine, prompts, (0.8,), (4,), 8)
     got = drafter_eval.measure_sampled(*args)
     assert got["0.8"]["4"]["lossless_vs_ar_sampling"] is True and got["0.8"]["4"]["blocks"] >= 2 * 2
     real = Engine.generate
