@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import platform as _platform
 import sys
 from pathlib import Path
@@ -86,11 +87,27 @@ def torch_threads(threads: int | None, device: str | None, embedded: bool) -> in
     ``threads=None`` means: 1 for the embedded demo pair on CPU (a model this
     small gains nothing from a second thread, and on a small shared CPU a thread
     team as large as the machine stalls whenever another process takes a core;
-    see docs/benchmarks.md), torch's own default otherwise.
+    see docs/benchmarks.md); another model on a CPU, as many as the CPUs this
+    process may run on when it is pinned to fewer than the machine has (torch's
+    default counts the machine's cores, and a team larger than its CPUs stalls:
+    a `serve all` child or a cpuset); torch's own default otherwise.
     """
     if threads is None:
-        return 1 if embedded and (device or "cpu").startswith("cpu") else 0
+        if not (device or "cpu").startswith("cpu"):
+            return 0
+        if embedded:
+            return 1
+        allowed = usable_cpus()
+        return allowed if allowed < (os.cpu_count() or allowed) else 0
     return max(0, threads)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the platform has one, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS: no affinity to read
+        return os.cpu_count() or 1
 
 
 def set_torch_threads(threads: int | None, device: str | None, embedded: bool) -> int | None:
@@ -201,12 +218,13 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
 def split_engine(
     verifier_addr: str, drafter_addr: str | None, tokenizer: str | None, wait_s: float, *, tls=None,
     token: str | None = None, backend_timeout_s: float | None = None, predraft: bool = False, ngram: bool = True,
+    predraft_alternatives: int = 0,
 ):
     """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them.
 
     ``tls``: a ``kakeya.runtime.tls.ClientTLS`` for both; ``token``: the bearer token both require;
     ``backend_timeout_s``: the step deadlines' floor; ``predraft``: greedy runs pre-draft the next
-    block while the verifier verifies (``Engine.predraft``); ``ngram``: blocks whose context repeats are
+    block while the verifier verifies (``Engine.predraft``, with ``predraft_alternatives``); ``ngram``: blocks whose context repeats are
     drafted by copy (``Engine.ngram``).
     The verifier's sessions return the hidden states of the drafter's layers (without a drafter:
     the verifier server's default layers).
@@ -242,4 +260,4 @@ def split_engine(
         log.warning("no tokenizer (verifier's %s is not readable here; pass --tokenizer DIR): token-id prompts only", info.name)
     draft_name = drafter.remote.model_name if drafter is not None else ""
     return Engine(verifier, drafter, codec, target=info.name, draft=draft_name, predraft=predraft,
-                  prefix_cache=verifier.prefix_cache, ngram=ngram)
+                  prefix_cache=verifier.prefix_cache, ngram=ngram, predraft_alternatives=predraft_alternatives)

@@ -53,12 +53,19 @@ def test_bad_choices_raise_value_error(backend, device, fragment):
         resolve_backend(backend, device, system="linux", machine="x86_64", installed=has())
 
 
-def test_torch_threads_default_to_one_only_for_the_embedded_pair_on_cpu():
+def test_torch_threads_default_to_one_only_for_the_embedded_pair_on_cpu(monkeypatch):
+    from kakeya.orchestrator import assembly
+
+    monkeypatch.setattr(assembly.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(assembly, "usable_cpus", lambda: 8)
     assert torch_threads(None, "cpu", embedded=True) == 1
     assert torch_threads(None, "cuda", embedded=True) == 0
     assert torch_threads(None, "cpu", embedded=False) == 0  # a real model: torch's own default
     assert torch_threads(4, "cpu", embedded=True) == 4
     assert torch_threads(0, "cpu", embedded=True) == 0
+    monkeypatch.setattr(assembly, "usable_cpus", lambda: 3)  # pinned (`serve all --cpus`, a cpuset): its CPUs
+    assert torch_threads(None, "cpu", embedded=False) == 3
+    assert torch_threads(None, "cuda", embedded=False) == 0 and torch_threads(None, "cpu", embedded=True) == 1
 
 
 # --------------------------------------------------------------------------- the layering
