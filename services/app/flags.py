@@ -7,6 +7,7 @@ commands themselves (``serve.py``) stay about starting processes.
 from __future__ import annotations
 
 from kakeya.app.options import add_ngram
+from kakeya.core.contract import MAX_PREDRAFT_ALTERNATIVES
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
 from kakeya.runtime.lifecycle import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S
 from kakeya.runtime.tls import ClientTLS, ServerTLS, add_client_args, add_server_args
@@ -89,6 +90,11 @@ def add_orchestrator(p) -> None:
     p.add_argument("--predraft", choices=["on", "off"], default="off",
                    help="split: the drafter pre-drafts each next block while the verifier verifies (greedy requests; default off:"
                         " on the demo pair at block 8 almost no pre-draft is used, see benchmarks/split.py)")
+    p.add_argument("--predraft-alternatives", type=int, default=0, choices=range(MAX_PREDRAFT_ALTERNATIVES + 1),
+                   metavar=f"0..{MAX_PREDRAFT_ALTERNATIVES}",
+                   help="with --predraft on: each pre-draft also prepares, at every candidate, a rejection with each of the"
+                        " drafter's next N likeliest tokens there (default 0: the full acceptance only; on the demo pair these"
+                        " blocks are hit but accept less, see docs/operations.md)")
     add_ngram(p)
     add_client_args(p, "the verifier and drafter")
 
@@ -201,7 +207,8 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
         return out
     out += ["--max-prompt-tokens", str(args.max_prompt_tokens), "--backend-timeout", str(args.backend_timeout),
             "--default-max-tokens", str(args.default_max_tokens), "--max-sessions-per-peer", str(args.max_sessions_per_peer),
-            "--backend-token-file", backend_token_file, "--predraft", args.predraft, "--ngram", args.ngram]  # fmt: skip
+            "--backend-token-file", backend_token_file, "--predraft", args.predraft, "--predraft-alternatives", str(args.predraft_alternatives),
+            "--ngram", args.ngram]  # fmt: skip
     if args.auth_token_file:
         out += ["--auth-token-file", args.auth_token_file]
     if args.http_port is not None:

@@ -176,6 +176,7 @@ def cmd_serve_orchestrator(args) -> int:
             return split_engine(
                 args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls, token=backend_token,
                 backend_timeout_s=args.backend_timeout, predraft=args.predraft == "on", ngram=args.ngram == "on",
+                predraft_alternatives=args.predraft_alternatives,
             )
 
         colocated = False

@@ -245,6 +245,20 @@ class Draft:
             raise ValueError(f"a draft of {len(self.tokens)} candidates cannot carry {len(self.proposal)} proposal rows")
 
 
+MAX_PREDRAFT_ALTERNATIVES = 4  # the most next-likeliest tokens a pre-draft prepares for at each candidate
+
+
+@dataclass(frozen=True)
+class Predrafts:
+    """A pre-draft's blocks: ``blocks[(accepted, next_token)]`` holds the candidates of the block
+    ``next_token`` opens if the verifier accepts ``accepted`` pending candidates, then chooses it."""
+
+    blocks: dict[tuple[int, int], tuple[int, ...]]
+
+    def after(self, accepted: int, next_token: int) -> tuple[int, ...] | None:
+        return self.blocks.get((accepted, next_token))  # None: a miss, draft afresh
+
+
 def accept(candidates: Sequence[int], choices: Sequence[int]) -> tuple[int, int]:
     """THE acceptance rule, one definition for greedy and every sampling rule: ``(accepted, next_token)``.
 
@@ -370,18 +384,19 @@ class DrafterSession(Protocol):
         committed token, which the verifier has not seen yet: it opens the block.
         """
 
-    def predraft(self, new_aux: Aux | None, block_ids: Sequence[int], block_size: int) -> Callable[[], Draft]:
-        """Start drafting the block after ``block_ids`` (being verified now) on the guess that it is all accepted.
+    def predraft(
+        self, new_aux: Aux | None, block_ids: Sequence[int], block_size: int, alternatives: int = 0
+    ) -> Callable[[], Predrafts]:
+        """Start drafting the block after ``block_ids`` (being verified now) for the likeliest verdicts.
 
-        Extends the context with ``new_aux`` as :meth:`draft` does (None: nothing
-        committed since the last call), then drafts ``block_size`` tokens after
-        ``block_ids``: the drafter's guess of the verifier's next token, which would
-        open the next block, and ``block_size - 1`` candidates after it. Its context
-        lacks ``block_ids``' own aux (not verified yet). Returns at once; calling the
-        result waits for the draft. It is of use only if the verdict accepts every
-        candidate of ``block_ids`` and its next token is the guess; it replaces no
-        ``new_aux``: the verdict's aux still goes with the next call. Greedy sessions only;
-        ``block_ids`` holds at least one candidate.
+        Extends the context with ``new_aux`` as :meth:`draft` does (None: nothing committed since
+        the last call), then drafts in one forward the next block (``block_size - 1`` candidates)
+        for each verdict it prepares for (:class:`Predrafts`): all of ``block_ids`` accepted and
+        its guess of the verifier's next token; with ``alternatives`` = k, also a rejection at
+        each candidate with each of its k next likeliest tokens there (from the draft that
+        proposed them; without such a record, the full acceptance alone). Their context lacks
+        ``block_ids``' own aux (not verified yet), and the verdict's aux still goes with the next
+        call. Returns at once; calling the result waits. Greedy sessions only.
         """
 
     def close(self) -> None: ...

@@ -25,36 +25,45 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from kakeya.core.contract import Draft
-from kakeya.drafter.session import DrafterSession, draft_together
+from kakeya.core.contract import Draft, Predrafts
+from kakeya.drafter.session import DrafterSession, draft_together, predrafts
 
 
-def draft_batch(items: Sequence[tuple[DrafterSession, Any, int, int] | tuple[DrafterSession, Any, int, int, tuple]]) -> list[Draft | Exception]:
-    """``items``: (session, new_aux, last_token, block_size) each, and a fifth element for a pre-draft:
-    the candidates still being verified (``DrafterSession.predraft``). One result per item, in order:
-    its ``Draft``, or the exception it raised (to be raised to that item's caller alone)."""
+def draft_batch(
+    items: Sequence[tuple[DrafterSession, Any, int, int] | tuple[DrafterSession, Any, int, int, tuple, int]],
+) -> list[Draft | Predrafts | Exception]:
+    """``items``: (session, new_aux, last_token, block_size) each, and two more elements for a pre-draft:
+    the candidates still being verified and the alternatives asked for (``DrafterSession.predraft``).
+    One result per item, in order: its ``Draft`` (a pre-draft's ``Predrafts``), or the exception it
+    raised (to be raised to that item's caller alone)."""
     results: list[Any] = [None] * len(items)
     groups: dict[int, list] = {}  # sessions of one loaded model batch together
     seen: set[int] = set()
-    for i, (session, new_aux, last_token, block_size, *pending) in enumerate(items):
+    for i, (session, new_aux, last_token, block_size, *ahead) in enumerate(items):
         try:
             if id(session) in seen:
                 raise ValueError("a session drafts at most once per batch (its next block needs this one's tokens)")
-            call = session.check(new_aux, last_token, block_size, *pending)
+            if ahead:
+                pending, alternatives = ahead
+                calls = session.check_predraft(new_aux, [last_token, *pending], block_size, alternatives)
+            else:
+                calls = [session.check(new_aux, last_token, block_size)]
         except Exception as exc:  # noqa: BLE001 -- this item's own failure, reported to its caller
             results[i] = exc
             continue
         seen.add(id(session))
-        groups.setdefault(id(session.model), []).append((i, call))
+        groups.setdefault(id(session.model), []).append((i, calls, bool(ahead)))
     for group in groups.values():
-        work = [call for _, call in group]
-        if len(work) >= work[0].session.model.min_batch:
-            for (i, _), draft in zip(group, draft_together(work)):
-                results[i] = draft
+        first = group[0][1][0].session.model
+        if len(group) >= first.min_batch:
+            drafts = iter(draft_together([call for _, calls, _ in group for call in calls]))
+            for i, calls, ahead in group:
+                mine = [next(drafts) for _ in calls]
+                results[i] = predrafts(calls, mine) if ahead else mine[0]
             continue
-        for i, call in group:
+        for i, calls, ahead in group:
             try:
-                results[i] = call.session.run(call)
+                results[i] = predrafts(calls, draft_together(calls)) if ahead else calls[0].session.run(calls[0])
             except Exception as exc:  # noqa: BLE001 -- this item's own failure
                 results[i] = exc
     return results

@@ -27,6 +27,7 @@ from typing import Iterator
 
 import numpy as np
 
+from kakeya.core.contract import MAX_PREDRAFT_ALTERNATIVES, Predrafts
 from kakeya.drafter.batch import draft_batch
 from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.runtime import bounds
@@ -193,8 +194,8 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 resp = pb.DrafterResponse(drafted=drafted)
             elif kind == "predraft":
                 item = self._predraft_item(entry, session, req.predraft, vocab)
-                draft, stats = self.compute.batch("draft", item, self._draft_batch)
-                resp = pb.DrafterResponse(predrafted=pb.DrafterResponse.Predrafted(token_ids=draft.tokens, stats=stats))
+                found, stats = self.compute.batch("draft", item, self._draft_batch)
+                resp = pb.DrafterResponse(predrafted=predrafted_proto(found, len(item[-2]), stats))
             elif kind == "close":
                 stats = self.compute.run(self._stats, session)
                 yield pb.DrafterResponse(closed=pb.DrafterResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0)
@@ -236,7 +237,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         return shape
 
     def _predraft_item(self, entry, session, p, vocab: int) -> tuple:
-        """A checked Predraft as a ``draft_batch`` item (its fifth element: the pending candidates)."""
+        """A checked Predraft as a ``draft_batch`` item (its last two elements: the pending candidates, the alternatives)."""
         if session.rule is not None:
             raise precondition("predraft: pre-drafting is for greedy sessions (open.sampling is set)")
         if session.cache.length == 0:
@@ -248,7 +249,10 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
             raise invalid(f"predraft.block_ids: 2..{self.max_block_size} ids in the vocabulary [0, {vocab}), got {ids[:20]}")
         if not 2 <= p.block_size <= self.max_block_size:
             raise invalid(f"predraft.block_size must be 2..{self.max_block_size}, got {p.block_size}")
-        return entry, session, p.new_aux if p.HasField("new_aux") else None, ids[0], p.block_size, tuple(ids[1:])
+        if not 0 <= p.alternatives <= MAX_PREDRAFT_ALTERNATIVES:
+            raise invalid(f"predraft.alternatives must be 0..{MAX_PREDRAFT_ALTERNATIVES}, got {p.alternatives}")
+        aux = p.new_aux if p.HasField("new_aux") else None
+        return entry, session, aux, ids[0], p.block_size, tuple(ids[1:]), p.alternatives
 
     # -- compute-thread steps --------------------------------------------------------------
 
@@ -283,6 +287,18 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 entry.cache_bytes = stats.kv_bytes
             results.append((draft, stats))
         return results
+
+
+def predrafted_proto(found: Predrafts, pending: int, stats) -> pb.DrafterResponse.Predrafted:
+    """A pre-draft's blocks on the wire: the full acceptance's (``pending`` candidates accepted) as
+    ``token_ids``, its guess first; every other as an ``Outcome``."""
+    msg = pb.DrafterResponse.Predrafted(stats=stats)
+    for (accepted, next_token), tokens in found.blocks.items():
+        if accepted == pending:
+            msg.token_ids.extend([next_token, *tokens])
+        else:
+            msg.outcomes.add(accepted=accepted, next_token=next_token, token_ids=tokens)
+    return msg
 
 
 def server_spec(

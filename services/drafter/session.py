@@ -9,11 +9,16 @@ proposal each candidate is drawn from under the rejection rule; see
 ``sampling.py``).
 
 A pre-draft (``predraft``, greedy sessions) drafts the block after one still
-being verified, on the guess that the verifier accepts all of it: one forward
-over ``[last_token, *pending candidates, mask * B]``, whose first mask is the
-guess of the verifier's next token and the rest are the candidates after it.
-Its context lacks the pending block's aux (the verifier has not answered yet);
-its tokens are proposals like any others.
+being verified, for the verdicts likeliest to come, all in one forward: the
+whole block accepted (``[last_token, *pending candidates, mask * B]``, whose
+first mask is the guess of the verifier's next token and the rest the
+candidates after it), and, with ``alternatives`` = k, a rejection at each
+candidate with each of the drafter's k next likeliest tokens there instead
+(``[last_token, c1 .. c_n, alternative, mask * (B-1)]``). The alternatives come
+from the logits of the draft that proposed the pending candidates, which the
+session keeps (its top k + 1 ids per row, ``_record``) once it has been asked
+for alternatives. The blocks' context lacks the pending block's aux (the
+verifier has not answered yet); their tokens are proposals like any others.
 
 A draft alone is :func:`draft_together` of one session, the same code
 ``batch.draft_batch`` runs for several; only a greedy block on a model with a
@@ -29,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, Draft, SamplingParams, SessionOptions
+from kakeya.core.contract import MAX_BLOCK_SIZE, MAX_PREDRAFT_ALTERNATIVES, Draft, Predrafts, SamplingParams, SessionOptions
 from kakeya.core.prefix import PrefixCache
 from kakeya.drafter.backend import DraftModel, bind, extend
 from kakeya.drafter.config import check_draft_args
@@ -51,15 +56,18 @@ CONTEXT = "context"  # the prefix cache's namespace: one drafter model per cache
 
 class DraftCall(NamedTuple):
     """One checked draft call: ``aux`` (new context rows, the model's own array) and the block drafted
-    after ``[last_token, *pending]``. No ``pending``: a draft of ``block_size - 1`` candidates. Else a
-    pre-draft (``pending``: the candidates still being verified): ``block_size`` tokens, the guess of
-    the verifier's next token (it opens the next block) and that block's candidates."""
+    after ``[last_token, *pending]``. No ``pending``: a draft of ``block_size - 1`` candidates. Else one
+    block of a pre-draft (``pending``: candidates still being verified): with ``guesses``, ``block_size``
+    tokens, the guess of the verifier's next token (it opens the next block) and that block's
+    candidates; without, ``pending`` ends with the verifier's next token it assumes, and the call
+    drafts the ``block_size - 1`` candidates after it."""
 
     session: "DrafterSession"
     aux: Any
     last_token: int
     block_size: int
     pending: tuple[int, ...] = ()
+    guesses: bool = True
 
     @property
     def opening(self) -> list[int]:
@@ -69,7 +77,12 @@ class DraftCall(NamedTuple):
     @property
     def wanted(self) -> int:
         """Tokens this call drafts (0: it only extends the context)."""
-        return self.block_size if self.pending else self.block_size - 1
+        return self.block_size if self.pending and self.guesses else self.block_size - 1
+
+    @property
+    def verdict(self) -> tuple[int, int]:
+        """A pre-draft block's key in :class:`Predrafts` without its guess: (accepted, next token)."""
+        return len(self.pending) - 1, self.pending[-1]
 
 
 class DrafterSession:
@@ -84,6 +97,8 @@ class DrafterSession:
         self._held: dict = {}  # positions -> snapshot found for this session's prompt, until it resumes
         self.calls = 0
         self._closed = False
+        self.alternatives = 0  # next likeliest ids kept per drafted row (a pre-draft asked for them)
+        self._ranked: list[tuple[tuple[int, ...], list[list[int]]]] = []  # the last call's blocks: (candidates, their alternatives)
 
     def cached_prefixes(self, prompt_ids: Sequence[int]) -> list[int]:
         """The lengths of the prompt prefixes this session can resume at, longest first: the prefix cache's
@@ -132,18 +147,46 @@ class DrafterSession:
         """Extend the context by ``new_aux`` and draft ``block_size - 1`` tokens after ``last_token``."""
         return self.run(self.check(new_aux, last_token, block_size))
 
-    def predraft(self, new_aux, block_ids: Sequence[int], block_size: int) -> Callable[[], Draft]:
+    def predraft(self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0) -> Callable[[], Predrafts]:
         """The contract's pre-draft, run now: in this process nothing runs beside the verifier."""
+        calls = self.check_predraft(new_aux, block_ids, block_size, alternatives)
+        found = predrafts(calls, draft_together(calls))
+        return lambda: found
+
+    def check_predraft(self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0) -> list[DraftCall]:
+        """Validate a pre-draft's arguments (ValueError naming the field): its calls, the full acceptance's
+        first (it takes ``new_aux``), then one per candidate and alternative this session's record of the
+        draft that proposed ``block_ids[1:]`` holds (none without a record: a copied block, the first)."""
         if len(block_ids) < 2:
             raise ValueError("block_ids: a pre-draft follows a block with candidates (at least 2 ids)")
-        draft = self.run(self.check(new_aux, block_ids[0], block_size, tuple(block_ids[1:])))
-        return lambda: draft
+        if not 0 <= alternatives <= MAX_PREDRAFT_ALTERNATIVES:
+            raise ValueError(f"alternatives must be 0..{MAX_PREDRAFT_ALTERNATIVES}, got {alternatives}")
+        full = self.check(new_aux, block_ids[0], block_size, tuple(block_ids[1:]))
+        self.alternatives = alternatives  # kept from now on, for the next pre-draft
+        calls, nothing = [full], self.model.zeros_aux(0)
+        for n, alts in enumerate(self._alternatives_of(full.pending)):
+            calls += [DraftCall(self, nothing, full.last_token, block_size, full.pending[:n] + (a,), False) for a in alts[:alternatives]]
+        return calls  # the longest block first: it plans the room every block's scratch rows need
+
+    def _alternatives_of(self, candidates: tuple[int, ...]) -> list[list[int]]:
+        """Per candidate, the next likeliest ids of the row that drafted it ([] without a record)."""
+        for drafted, alts in self._ranked:
+            if drafted[: len(candidates)] == candidates:  # a block cut to the room left is a prefix
+                return alts[: len(candidates)]
+        return []
+
+    def _record(self, call: DraftCall, tokens: Sequence[int], ranked: Sequence[Sequence[int]]) -> None:
+        """Keep a drafted block's candidates with their rows' next likeliest ids (the argmax left out)."""
+        alts = [[t for t in row if t != tok][: self.alternatives] for row, tok in zip(ranked, tokens)]
+        skip = 1 if call.pending and call.guesses else 0  # a full acceptance's first token is its guess
+        self._ranked.append((tuple(tokens[skip:]), alts[skip:]))
 
     def run(self, call: DraftCall) -> Draft:
         """A call ``check`` returned."""
         step = self.model.static_step
         if step is not None and self.rule is None and not call.pending and step.takes(self.cache, call.aux.shape[0], call.block_size):
             self.calls += 1
+            self._ranked = []  # the static step keeps no logits: its candidates get no alternatives
             return Draft(step.draft(self.cache, call.aux, call.last_token, call.block_size))
         return draft_together([call])[0]
 
@@ -181,11 +224,12 @@ class DrafterSession:
 def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
     """Checked draft calls of sessions of one model: ONE context extension, ONE forward over every
     block that drafts, one host sync for the greedy ones (a sampling session's candidates come from
-    its own logits rows, its own seed and positions)."""
+    its own logits rows, its own seed and positions). A pre-draft's calls all belong to one session."""
     model = work[0].session.model
     caches = [call.session.cache for call in work]
-    for call in work:
-        call.session.calls += 1
+    for session in {id(call.session): call.session for call in work}.values():
+        session.calls += 1
+        session._ranked = []
     extend(model, caches, [call.aux for call in work])
     drafting = [call for call in work if call.wanted]
     if not drafting:
@@ -195,6 +239,8 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
     logits = model.block_logits([(call.session.cache, call.opening + [mask] * call.wanted) for call in drafting])
     greedy = any(call.session.rule is None for call in drafting)
     tokens = model.argmax(logits, caches) if greedy else None  # settles every cache too
+    keep = max((call.session.alternatives for call in drafting if call.session.rule is None), default=0)
+    ranked = model.ranked(logits, keep + 1) if keep else None  # the argmax and the next likeliest
     drafts, at = [], 0
     for call in work:
         if not call.wanted:
@@ -204,6 +250,8 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
         rows = slice(at - call.wanted, at)
         if call.session.rule is None:
             drafts.append(Draft(tokens[rows]))
+            if ranked is not None and call.session.alternatives:
+                call.session._record(call, tokens[rows], ranked[rows])
         else:  # syncs on its candidates (coupled) or its [B-1, K] proposal (rejection)
             # The context now ends at last_token's position: candidate 1 is the next one
             # (a sampling call has no pending candidates: pre-drafts are greedy).
@@ -211,6 +259,17 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
     if not greedy:
         model.settle(caches)
     return drafts
+
+
+def predrafts(calls: Sequence[DraftCall], drafts: Sequence[Draft]) -> Predrafts:
+    """One pre-draft's blocks (``check_predraft``'s calls and what they drafted), keyed by the verdict each assumes."""
+    blocks = {}
+    for call, d in zip(calls, drafts):
+        if call.guesses:  # the whole block accepted: its first token is the guess of the verifier's next one
+            blocks[(len(call.pending), d.tokens[0])] = d.tokens[1:]
+        else:
+            blocks[call.verdict] = d.tokens
+    return Predrafts(blocks)
 
 
 class LocalDrafter:

@@ -25,7 +25,9 @@ log = logging.getLogger("kakeya.orchestrator")
 
 class Engine:
     """``predraft``: greedy runs pre-draft each next block while the current one is verified (the
-    loop's ``predraft``): worth it where the drafter works beside the verifier, i.e. split.
+    loop's ``predraft``): worth it where the drafter works beside the verifier, i.e. split;
+    ``predraft_alternatives``: the drafter's next likeliest tokens each pre-draft also prepares a
+    rejection for, at every candidate (the loop's ``alternatives``).
     ``prefix_cache``: the verifier keeps a prefix cache (``core/prefix.py``), so every run asks it (and
     the drafter) to resume the longest cached prefix of its prompt and leaves a snapshot when it ends.
     ``ngram``: a block whose context ends in a run seen before is drafted by copy (the loop's ``ngram``;
@@ -33,12 +35,12 @@ class Engine:
 
     def __init__(self, verifier: Verifier, drafter: Drafter | None, codec: TextCodec | None, target: str = "",
                  draft: str = "", device: str | None = None, predraft: bool = False, prefix_cache: bool = False,
-                 ngram: bool = True):
+                 ngram: bool = True, predraft_alternatives: int = 0):
         self.verifier, self.drafter, self.codec = verifier, drafter, codec
         self.target, self.draft = target, draft
         self.prefix_cache = prefix_cache
         self.device = device  # what reports print (in-process torch: "cpu"/"cuda"; None: not known here)
-        self.predraft = predraft
+        self.predraft, self.predraft_alternatives = predraft, predraft_alternatives
         self.ngram = ngram
         self.adaptive: AdaptivePolicy | None = None  # measured on the first request that asks for it
         self._calibrating = threading.Lock()
@@ -173,6 +175,7 @@ class RunOptions:
     # failing the run. Servers want that; tests and benchmarks want a broken drafter to fail loudly.
     drafter_fallback: bool = False
     predraft: bool | None = None  # None: the engine's choice (``Engine.predraft``); sampling runs never pre-draft
+    predraft_alternatives: int | None = None  # None: the engine's choice (``Engine.predraft_alternatives``)
     ngram: bool | None = None  # None: the engine's choice (``Engine.ngram``); the rejection rule never copies
 
 
@@ -208,9 +211,11 @@ class Run:
         predraft = (engine.predraft if options.predraft is None else options.predraft) and self._sampling.greedy
         ngram = (engine.ngram if options.ngram is None else options.ngram) and (
             self._sampling.greedy or self._sampling.rule != REJECTION)  # a copy has no proposal distribution
+        alternatives = engine.predraft_alternatives if options.predraft_alternatives is None else options.predraft_alternatives
         self._decoding = loop.Decoding(
             self.verifier_session, self.drafter_session, req.prompt_ids, req.max_tokens, self._sizer,
             engine.stop_ids(req), on_drafter_error, predraft, self._resume if engine.prefix_cache else None, ngram,
+            alternatives,
         )
 
     def _open(self, options: SessionOptions) -> None:

@@ -20,8 +20,11 @@ them. Per block:
    positions') goes to the drafter with the next draft.
 
 With ``predraft``, step 1 of the next block starts right after step 1 of this
-one (``DrafterSession.predraft``, on the guess that this block is accepted in
-full); the next block takes it only if the verdict bears the guess out.
+one (``DrafterSession.predraft``): the drafter drafts it for the verdicts
+likeliest to come (this block accepted in full and its guess of the next token;
+with ``alternatives`` = k, also a rejection at each candidate with one of its k
+next likeliest tokens there), and the next block takes the one the verdict
+names, if it was prepared.
 
 With ``ngram``, a block whose context ends in a run of tokens seen before is
 drafted by copying what followed them (``ngram.py``); the drafter then only
@@ -39,6 +42,7 @@ from kakeya.core.contract import (
     Draft,
     DrafterSession,
     Generation,
+    Predrafts,
     Verdict,
     VerifierSession,
     check_block_size,
@@ -71,7 +75,8 @@ class Decoding:
     ``engine.py``). ``ngram``: a block whose context ends in a run of tokens
     seen before copies what followed it instead of asking the drafter for
     candidates (greedy and coupled sampling; never the rejection rule, which
-    needs the drafter's distribution).
+    needs the drafter's distribution). ``alternatives``: with ``predraft``, the drafter's next
+    likeliest tokens a pre-draft prepares for at each candidate (``DrafterSession.predraft``).
 
     ``unseen`` holds the aux the loop committed that the drafter has not been
     handed yet (chunks, in order): what a drafter's prefix snapshot still needs
@@ -90,12 +95,13 @@ class Decoding:
         predraft: bool = False,
         prefill: Callable[[Sequence[int]], tuple] | None = None,
         ngram: bool = False,
+        alternatives: int = 0,
     ):
         self.generation = Generation(prompt_ids=list(prompt_ids))
         self.unseen: list = []
         self._blocks = _decode(
             self.generation, verifier, drafter, max_tokens, block_size, stop_ids, on_drafter_error, predraft,
-            prefill or verifier.prefill, self.unseen, ngram,
+            prefill or verifier.prefill, self.unseen, ngram, alternatives,
         )
 
     def __iter__(self) -> "Decoding":
@@ -109,10 +115,9 @@ class Decoding:
 
 
 class _Ahead(NamedTuple):
-    """A pre-draft in flight: its result, and how many candidates of the block being verified it takes as accepted."""
+    """A pre-draft in flight: its result (the blocks it prepared, by the verdict each assumes)."""
 
-    result: Callable[[], Draft]
-    assumed: int
+    result: Callable[[], Predrafts]
 
 
 class _Drafts:
@@ -121,10 +126,10 @@ class _Drafts:
     that drafts by copy, and the fallback to the verifier alone when the drafter fails."""
 
     def __init__(self, session, gen: Generation, sizer, block_size: int, predraft: bool, on_error, prompt_aux,
-                 unseen: list, ngram: bool = False):
+                 unseen: list, ngram: bool = False, alternatives: int = 0):
         self.session, self.gen, self.sizer, self.block_size, self.on_error = session, gen, sizer, block_size, on_error
         self.active = session is not None and (sizer is not None or block_size > 1)
-        self.predraft = predraft
+        self.predraft, self.alternatives = predraft, alternatives
         self.ngram = NgramIndex() if ngram else None
         self.stream = list(gen.prompt_ids)  # prompt + committed tokens: what the n-gram index reads
         self.new_aux = None  # the newest verdict's aux (the prompt's at first) until a drafter call takes it
@@ -152,10 +157,11 @@ class _Drafts:
         self.copied = False
         if not self.active:
             return NO_DRAFT, False
-        if ahead is not None and verdict.accepted == ahead.assumed:  # all accepted: was the next token guessed?
-            guess = self._safely(ahead.result)
-            if guess is not None and guess.tokens[0] == last:
-                return Draft(guess.tokens[1:room]), True  # never past max_tokens
+        if ahead is not None:  # was this verdict prepared for?
+            found = self._safely(ahead.result)
+            prepared = None if found is None else found.after(verdict.accepted, last)
+            if prepared is not None:
+                return Draft(prepared[: room - 1]), True  # never past max_tokens
             if not self.active:
                 return NO_DRAFT, False
         copy = self._copy() if want is None else ()
@@ -196,10 +202,10 @@ class _Drafts:
         self.want = self.sizer.choose() if self.sizer is not None else self.block_size
         if self.want < 2:
             return
-        result = self._safely(self.session.predraft, self.new_aux, [last, *draft.tokens], self.want)
+        result = self._safely(self.session.predraft, self.new_aux, [last, *draft.tokens], self.want, self.alternatives)
         if result is not None:
             self._taken()
-            self.ahead = _Ahead(result, len(draft.tokens))
+            self.ahead = _Ahead(result)
             self.gen.predrafts += 1
 
     def _safely(self, step, *args):
@@ -226,6 +232,7 @@ def _decode(
     prefill: Callable[[Sequence[int]], tuple],
     unseen: list,
     ngram: bool = False,
+    alternatives: int = 0,
 ) -> Iterator[Block]:
     """:class:`Decoding`'s steps: record each committed block in ``gen`` and yield it."""
     sizer = None if isinstance(block_size, int) else block_size
@@ -259,7 +266,7 @@ def _decode(
     done = emit(Block([first], 0, 0, total_s=gen.prefill_s))
     yield gen.blocks[-1]
     last, verdict = first, None
-    drafts = _Drafts(drafter, gen, sizer, block_size, predraft, on_drafter_error, prompt_aux, unseen, ngram)
+    drafts = _Drafts(drafter, gen, sizer, block_size, predraft, on_drafter_error, prompt_aux, unseen, ngram, alternatives)
     while not done:
         t_block = clock()
         draft, predrafted = drafts.next(last, max_tokens - len(gen.token_ids), verdict)
@@ -291,10 +298,10 @@ def _decode(
 
 
 def run(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids=(), on_drafter_error=None, predraft=False,
-        ngram=False) -> Generation:
+        ngram=False, alternatives=0) -> Generation:
     """Run a :class:`Decoding` to the end and return the whole generation."""
     decoding = Decoding(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids, on_drafter_error, predraft,
-                        ngram=ngram)
+                        ngram=ngram, alternatives=alternatives)
     for _ in decoding:
         pass
     return decoding.generation

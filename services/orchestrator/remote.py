@@ -33,7 +33,7 @@ from typing import Callable, Collection, Sequence
 
 import grpc
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Draft, SamplingParams, SessionOptions, Verdict
+from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Draft, Predrafts, SamplingParams, SessionOptions, Verdict
 from kakeya.orchestrator.deadlines import StepClock
 from kakeya.orchestrator.streams import (  # noqa: F401  (BackendError, backend_channel, backend_healthy: re-exported)
     BackendError,
@@ -313,19 +313,19 @@ class GrpcDrafterSession:
             return Draft(d.token_ids)
         return Draft(d.token_ids, wire_contract.proposal_from_proto(d.proposal, len(d.token_ids), self.drafter.vocab_size))
 
-    def predraft(self, new_aux, block_ids: Sequence[int], block_size: int) -> Callable[[], Draft]:
-        p = dpb.DrafterRequest.Predraft(block_ids=list(block_ids), block_size=block_size)
+    def predraft(self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0) -> Callable[[], Predrafts]:
+        p = dpb.DrafterRequest.Predraft(block_ids=list(block_ids), block_size=block_size, alternatives=alternatives)
         if new_aux is not None:
             p.new_aux.CopyFrom(_tensor(new_aux))
         reply = self._guarded(lambda: self._stream().post(dpb.DrafterRequest(predraft=p), "predrafted"))
-        drafted: list[Draft] = []
+        found: list[Predrafts] = []
 
-        def result() -> Draft:
-            if not drafted:
+        def result() -> Predrafts:
+            if not found:
                 r = self._guarded(lambda: self._s.wait(reply, self.drafter.clock.timeout()))
                 self.predraft_s += r.elapsed_s
-                drafted.append(Draft(r.predrafted.token_ids))
-            return drafted[0]
+                found.append(predrafts_from_proto(r.predrafted, len(block_ids) - 1))
+            return found[0]
 
         return result
 
@@ -342,6 +342,14 @@ class GrpcDrafterSession:
         self._broken = True
         if self._s is not None:
             self._s.abort()
+
+
+def predrafts_from_proto(msg, pending: int) -> Predrafts:
+    """A ``Predrafted`` answer to a pre-draft of ``pending`` candidates (``drafter/server.py``'s ``predrafted_proto``)."""
+    blocks = {(o.accepted, o.next_token): tuple(o.token_ids) for o in msg.outcomes}
+    if msg.token_ids:
+        blocks[(pending, msg.token_ids[0])] = tuple(msg.token_ids[1:])
+    return Predrafts(blocks)
 
 
 class _SkippedDrafterSession:
@@ -370,7 +378,7 @@ class _SkippedDrafterSession:
             skipped=True,
         )
 
-    def predraft(self, new_aux, block_ids, block_size):
+    def predraft(self, new_aux, block_ids, block_size, alternatives=0):
         return self.draft(new_aux, block_ids[0], block_size)  # fails alike
 
     def stats(self) -> dict:

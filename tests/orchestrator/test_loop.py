@@ -2,7 +2,7 @@
 
 import pytest
 
-from kakeya.core.contract import Draft, Verdict, accept
+from kakeya.core.contract import Draft, Predrafts, Verdict, accept
 from kakeya.orchestrator.loop import run
 from kakeya.orchestrator.quality import find_runaway, quality_report
 
@@ -62,7 +62,7 @@ class ScriptedDrafter:
         k = self.calls % self.wrong_every if self.wrong_every else -1
         return Draft([t if i != k else 999 for i, t in enumerate(good)])
 
-    def predraft(self, new_aux, block_ids, B):
+    def predraft(self, new_aux, block_ids, B, alternatives=0):
         self._take(new_aux)
         self.predrafts += 1
         at = self.v.pos + len(block_ids)  # where the next block opens if all of block_ids is accepted
@@ -70,7 +70,13 @@ class ScriptedDrafter:
         if self.wrong_guess_every and self.predrafts % self.wrong_guess_every == 0:
             guess = 998
         k = self.predrafts % self.wrong_every if self.wrong_every else -1
-        return lambda: Draft([guess] + [t if i != k else 999 for i, t in enumerate(good)])
+        blocks = {(len(block_ids) - 1, guess): tuple(t if i != k else 999 for i, t in enumerate(good))}
+        if alternatives:  # its next likeliest token at a wrong candidate is the right one (a rejection there)
+            for n, c in enumerate(block_ids[1:]):
+                right = self.v.cont[self.v.pos + n + 1]
+                if c != right:
+                    blocks[(n, right)] = tuple(self.v.cont[self.v.pos + n + 2 : self.v.pos + n + 1 + B])
+        return lambda: Predrafts(blocks)
 
 
 CONT = list(range(100, 400))
@@ -152,6 +158,20 @@ def test_predrafting_commits_the_same_tokens_and_hands_every_aux_row_over_once(B
     assert d.context == list(range(len(d.context))) and len(d.context) >= 3 + 61 - B - 1
 
 
+@pytest.mark.parametrize("B", [2, 4, 8, 16])
+def test_predrafts_prepared_for_rejections_are_used_when_the_verdict_names_them(B):
+    v = ScriptedVerifier(3, CONT)
+    d = ScriptedDrafter(v, wrong_every=3)  # one candidate in three wrong: most blocks end in a rejection
+    g = run(v, d, [1, 2, 3], max_tokens=61, block_size=B, predraft=True, alternatives=2)
+    assert g.token_ids == CONT[:61]
+    after_rejection = [b for a, b in zip(g.blocks[1:], g.blocks[2:]) if b.predrafted and a.accepted < a.drafted]
+    assert after_rejection  # the block after a rejection opened with the pre-draft prepared for it
+    assert d.context == list(range(len(d.context)))  # every committed position handed over once, in order
+    v2 = ScriptedVerifier(3, CONT)
+    plain = run(v2, ScriptedDrafter(v2, wrong_every=3), [1, 2, 3], max_tokens=61, block_size=B, predraft=True)
+    assert sum(b.predrafted for b in g.blocks) > sum(b.predrafted for b in plain.blocks)
+
+
 def test_a_predraft_used_near_max_tokens_is_cut_to_the_room_left():
     v = ScriptedVerifier(1, CONT)
     g = run(v, ScriptedDrafter(v, wrong_every=None), [0], max_tokens=20, block_size=8, predraft=True)
@@ -164,7 +184,7 @@ def test_a_failing_predraft_falls_back_to_the_verifier_alone():
         v = ScriptedVerifier(1, CONT)
 
         class Dies(ScriptedDrafter):
-            def predraft(self, new_aux, block_ids, B):
+            def predraft(self, new_aux, block_ids, B, alternatives=0):
                 if self.predrafts == 2:
                     if where == "post":
                         raise ConnectionError("drafter gone")

@@ -41,3 +41,17 @@ def test_predrafted_blocks_commit_the_verifiers_own_tokens(engine, block_size):
         assert used
     if block_size == 2:  # and a used one is accepted in turn (at 4 that depends on how good the pair is)
         assert max(b.accepted for b in used) > 0
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 0])
+def test_predrafts_prepared_for_rejections_commit_the_verifiers_own_tokens(engine, block_size):
+    """With alternatives the next block is also prepared for a rejection at each candidate with the
+    drafter's next likeliest tokens there: the drafter's second choice is often the verifier's."""
+    prompt = engine.codec.encode(PROMPT)
+    alone = engine.generate(Request(prompt, max_tokens=64, block_size=1, ignore_eos=True))
+    req = Request(prompt, max_tokens=64, block_size=block_size, ignore_eos=True)
+    ahead = engine.generate(req, RunOptions(predraft=True, predraft_alternatives=2, ngram=False))
+    assert ahead.token_ids == alone.token_ids
+    after_rejection = [b for a, b in zip(ahead.blocks[1:], ahead.blocks[2:]) if b.predrafted and a.accepted < a.drafted]
+    if block_size:
+        assert after_rejection

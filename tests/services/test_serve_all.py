@@ -189,7 +189,8 @@ def test_serve_all_hands_each_child_both_branches_flags():
     from kakeya.app.main import build_parser
 
     a = build_parser().parse_args(["serve", "all", "--prefix-cache-bytes", "64M", "--http-port", "8000",
-                                   "--served-model-name", "m", "--max-sessions-per-peer", "3", "--predraft", "on"])  # fmt: skip
+                                   "--served-model-name", "m", "--max-sessions-per-peer", "3", "--predraft", "on",
+                                   "--predraft-alternatives", "2"])  # fmt: skip
 
     def value(argv, flag):
         return argv[argv.index(flag) + 1]
@@ -200,4 +201,5 @@ def test_serve_all_hands_each_child_both_branches_flags():
     argv = serve_flags.child_argv(a, "orchestrator", "tok")
     assert (value(argv, "--http-port"), value(argv, "--served-model-name")) == ("8000", "m")
     assert (value(argv, "--max-sessions-per-peer"), value(argv, "--backend-token-file"), value(argv, "--predraft")) == ("3", "tok", "on")
+    assert value(argv, "--predraft-alternatives") == "2"
     assert "--prefix-cache-bytes" not in argv  # a split orchestrator keeps no model state

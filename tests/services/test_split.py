@@ -8,6 +8,7 @@ orchestrator holding the same embedded tiny pair in-process.
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
 import threading
@@ -299,6 +300,7 @@ BAD_DRAFTER = [
     ("predraft id outside vocab", [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2, 1024], block_size=4))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.block_ids"),
     ("predraft block size 1", [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2, 3], block_size=1))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.block_size"),
     ("predraft aux wrong width", [OPEN_D, _DRAFT, D(predraft=D.Predraft(new_aux=_aux(width=100), block_ids=[2, 3], block_size=4))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.new_aux"),
+    ("predraft alternatives 5", [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2, 3], block_size=4, alternatives=5))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.alternatives"),
 ]  # fmt: skip
 
 
@@ -350,6 +352,31 @@ def test_a_good_raw_drafter_session_predrafts_the_block_after_the_pending_one(se
     assert len(out[2].predrafted.token_ids) == 4 and len(out[3].predrafted.token_ids) == 8  # the guess, then B - 1
     assert all(0 <= t < 1024 for r in out[2:4] for t in r.predrafted.token_ids)
     assert out[4].closed.stats.context_positions == 3 + 4  # the draft's rows and the second pre-draft's; none of a pending block
+
+
+def test_a_raw_predraft_with_alternatives_prepares_a_block_for_each_rejection(servers):
+    """Each request waits for the answer it needs: a pre-draft names the candidates its draft proposed."""
+    requests: queue.Queue = queue.Queue()
+    call = drafter_stub(servers["drafter"].addr).Session(iter(requests.get, None), timeout=30)
+    for msg in (OPEN_D, _DRAFT):
+        requests.put(msg)
+    assert next(call).HasField("opened")
+    first = list(next(call).drafted.token_ids)
+    requests.put(D(predraft=D.Predraft(block_ids=[2, *first], block_size=4, alternatives=2)))
+    p = next(call).predrafted
+    assert len(p.token_ids) == 4 and not p.outcomes  # the first draft was not recorded: nobody had asked yet
+    requests.put(D(draft=D.Draft(new_aux=_aux(rows=2), last_token=6, block_size=4)))
+    second = list(next(call).drafted.token_ids)
+    requests.put(D(predraft=D.Predraft(block_ids=[6, *second], block_size=4, alternatives=2)))
+    p = next(call).predrafted
+    requests.put(D(close=D.Close()))
+    requests.put(None)
+    assert next(call).HasField("closed")
+    assert len(p.token_ids) == 4  # the full acceptance: the guess, then B - 1
+    assert sorted(o.accepted for o in p.outcomes) == [0, 0, 1, 1, 2, 2]  # two alternatives at each candidate
+    for o in p.outcomes:
+        assert o.next_token != second[o.accepted] and len(o.token_ids) == 3
+        assert all(0 <= t < 1024 for t in [o.next_token, *o.token_ids])
 
 
 def test_session_limit_is_resource_exhausted_then_recovers(servers):
@@ -493,14 +520,15 @@ def test_client_block_size_0_is_auto_and_sampled_text_equals_the_local_generates
     assert remote["sampling"] == local["sampling"] and remote["sampling"]["rule"] == "coupled"
 
 
-@pytest.mark.parametrize("block_size", [2, 8])
-def test_a_predrafting_split_engine_commits_the_reference(servers, reference, block_size):
+@pytest.mark.parametrize("block_size, alternatives", [(2, 0), (8, 0), (4, 2), (8, 3)])
+def test_a_predrafting_split_engine_commits_the_reference(servers, reference, block_size, alternatives):
     """Pre-drafts over gRPC: each Predraft posted after a Draft, its answer read a block later
     (used on a hit, passed over on a miss) -- the same tokens as greedy AR either way."""
     from kakeya.core.contract import Request
     from kakeya.orchestrator.assembly import split_engine
 
-    engine = split_engine(servers["verifier"].addr, servers["drafter"].addr, None, 30.0, predraft=True)
+    engine = split_engine(servers["verifier"].addr, servers["drafter"].addr, None, 30.0, predraft=True,
+                          predraft_alternatives=alternatives)
     gen = engine.generate(Request(PROMPT, max_tokens=100, block_size=block_size, ignore_eos=True))
     assert gen.token_ids == reference[:100] and gen.predrafts > 0 and not gen.drafter_fallback
     assert sum(b.predrafted for b in gen.blocks) <= gen.predrafts

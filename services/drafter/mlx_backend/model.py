@@ -350,6 +350,9 @@ class DFlashDraftModel(nn.Module):
         mx.eval(tokens, *[c.state for c in caches])
         return tokens.tolist()
 
+    def ranked(self, logits: mx.array, k: int) -> list[list[int]]:
+        return mx.argsort(-logits, axis=-1)[:, :k].tolist()
+
     def settle(self, caches: Sequence[ContextKVCache]) -> None:
         """Evaluate the context K/V now (a call that drafted nothing must not pile up a graph)."""
         mx.eval(*[c.state for c in caches])

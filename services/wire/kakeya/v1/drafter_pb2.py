@@ -26,7 +26,7 @@ from . import sampling_pb2 as kakeya_dot_v1_dot_sampling__pb2
 from . import tensor_pb2 as kakeya_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kakeya/v1/drafter.proto\x12\tkakeya.v1\x1a\x18kakeya/v1/sampling.proto\x1a\x16kakeya/v1/tensor.proto\"\x17\n\x15GetDrafterInfoRequest\"\x95\x04\n\x0b\x44rafterInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x04 \x03(\x05\x12\x15\n\rmask_token_id\x18\x05 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12#\n\taux_dtype\x18\n \x01(\x0e\x32\x10.kakeya.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x16\n\x0emax_block_size\x18\r \x01(\x05\x12\x30\n\x05\x65xtra\x18\x0f \x03(\x0b\x32!.kakeya.v1.DrafterInfo.ExtraEntry\x12\x15\n\rlive_sessions\x18\x10 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x11 \x01(\x05\x12\x15\n\rlive_kv_bytes\x18\x12 \x01(\x03\x12\x16\n\x0etotal_sessions\x18\x13 \x01(\x03\x12\x13\n\x0bmax_context\x18\x14 \x01(\x05\x12\x1a\n\x12prefix_cache_bytes\x18\x15 \x01(\x03\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa2\x01\n\x0c\x44rafterStats\x12\x19\n\x11\x63ontext_positions\x18\x01 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\x12\x35\n\x07metrics\x18\x0f \x03(\x0b\x32$.kakeya.v1.DrafterStats.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb6\x05\n\x0e\x44rafterRequest\x12.\n\x04open\x18\x01 \x01(\x0b\x32\x1e.kakeya.v1.DrafterRequest.OpenH\x00\x12\x30\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x1f.kakeya.v1.DrafterRequest.DraftH\x00\x12\x30\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1f.kakeya.v1.DrafterRequest.CloseH\x00\x12\x36\n\x08predraft\x18\x04 \x01(\x0b\x32\".kakeya.v1.DrafterRequest.PredraftH\x00\x12\x32\n\x06lookup\x18\x05 \x01(\x0b\x32 .kakeya.v1.DrafterRequest.LookupH\x00\x12.\n\x04save\x18\x06 \x01(\x0b\x32\x1e.kakeya.v1.DrafterRequest.SaveH\x00\x1a\x41\n\x04Open\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08sampling\x18\x02 \x01(\x0b\x32\x13.kakeya.v1.Sampling\x1a\x66\n\x05\x44raft\x12\"\n\x07new_aux\x18\x01 \x01(\x0b\x32\x11.kakeya.v1.Tensor\x12\x12\n\nlast_token\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x11\n\tresume_at\x18\x04 \x01(\x05\x1aU\n\x08Predraft\x12\"\n\x07new_aux\x18\x01 \x01(\x0b\x32\x11.kakeya.v1.Tensor\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x1a\x07\n\x05\x43lose\x1a\x1c\n\x06Lookup\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x1a@\n\x04Save\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12%\n\nunseen_aux\x18\x02 \x03(\x0b\x32\x11.kakeya.v1.TensorB\t\n\x07request\"\xd3\x05\n\x0f\x44rafterResponse\x12\x33\n\x06opened\x18\x01 \x01(\x0b\x32!.kakeya.v1.DrafterResponse.OpenedH\x00\x12\x35\n\x07\x64rafted\x18\x02 \x01(\x0b\x32\".kakeya.v1.DrafterResponse.DraftedH\x00\x12\x33\n\x06\x63losed\x18\x03 \x01(\x0b\x32!.kakeya.v1.DrafterResponse.ClosedH\x00\x12;\n\npredrafted\x18\x04 \x01(\x0b\x32%.kakeya.v1.DrafterResponse.PredraftedH\x00\x12\x31\n\x05\x66ound\x18\x05 \x01(\x0b\x32 .kakeya.v1.DrafterResponse.FoundH\x00\x12\x31\n\x05saved\x18\x06 \x01(\x0b\x32 .kakeya.v1.DrafterResponse.SavedH\x00\x12\x11\n\telapsed_s\x18\x0f \x01(\x01\x1a\x42\n\x06Opened\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kakeya.v1.DrafterInfo\x12\x12\n\nsession_id\x18\x02 \x01(\t\x1ak\n\x07\x44rafted\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.kakeya.v1.DrafterStats\x12%\n\x08proposal\x18\x03 \x01(\x0b\x32\x13.kakeya.v1.Proposal\x1aG\n\nPredrafted\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.kakeya.v1.DrafterStats\x1a\x30\n\x06\x43losed\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.kakeya.v1.DrafterStats\x1a\x1a\n\x05\x46ound\x12\x11\n\tpositions\x18\x01 \x03(\x05\x1a\x15\n\x05Saved\x12\x0c\n\x04kept\x18\x01 \x01(\x08\x42\n\n\x08response2\x9b\x01\n\x0e\x44rafterService\x12\x44\n\x07Session\x12\x19.kakeya.v1.DrafterRequest\x1a\x1a.kakeya.v1.DrafterResponse(\x01\x30\x01\x12\x43\n\x07GetInfo\x12 .kakeya.v1.GetDrafterInfoRequest\x1a\x16.kakeya.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kakeya/v1/drafter.proto\x12\tkakeya.v1\x1a\x18kakeya/v1/sampling.proto\x1a\x16kakeya/v1/tensor.proto\"\x17\n\x15GetDrafterInfoRequest\"\x95\x04\n\x0b\x44rafterInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x04 \x03(\x05\x12\x15\n\rmask_token_id\x18\x05 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12#\n\taux_dtype\x18\n \x01(\x0e\x32\x10.kakeya.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x16\n\x0emax_block_size\x18\r \x01(\x05\x12\x30\n\x05\x65xtra\x18\x0f \x03(\x0b\x32!.kakeya.v1.DrafterInfo.ExtraEntry\x12\x15\n\rlive_sessions\x18\x10 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x11 \x01(\x05\x12\x15\n\rlive_kv_bytes\x18\x12 \x01(\x03\x12\x16\n\x0etotal_sessions\x18\x13 \x01(\x03\x12\x13\n\x0bmax_context\x18\x14 \x01(\x05\x12\x1a\n\x12prefix_cache_bytes\x18\x15 \x01(\x03\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa2\x01\n\x0c\x44rafterStats\x12\x19\n\x11\x63ontext_positions\x18\x01 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\x12\x35\n\x07metrics\x18\x0f \x03(\x0b\x32$.kakeya.v1.DrafterStats.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xcc\x05\n\x0e\x44rafterRequest\x12.\n\x04open\x18\x01 \x01(\x0b\x32\x1e.kakeya.v1.DrafterRequest.OpenH\x00\x12\x30\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x1f.kakeya.v1.DrafterRequest.DraftH\x00\x12\x30\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1f.kakeya.v1.DrafterRequest.CloseH\x00\x12\x36\n\x08predraft\x18\x04 \x01(\x0b\x32\".kakeya.v1.DrafterRequest.PredraftH\x00\x12\x32\n\x06lookup\x18\x05 \x01(\x0b\x32 .kakeya.v1.DrafterRequest.LookupH\x00\x12.\n\x04save\x18\x06 \x01(\x0b\x32\x1e.kakeya.v1.DrafterRequest.SaveH\x00\x1a\x41\n\x04Open\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08sampling\x18\x02 \x01(\x0b\x32\x13.kakeya.v1.Sampling\x1a\x66\n\x05\x44raft\x12\"\n\x07new_aux\x18\x01 \x01(\x0b\x32\x11.kakeya.v1.Tensor\x12\x12\n\nlast_token\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x11\n\tresume_at\x18\x04 \x01(\x05\x1ak\n\x08Predraft\x12\"\n\x07new_aux\x18\x01 \x01(\x0b\x32\x11.kakeya.v1.Tensor\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x14\n\x0c\x61lternatives\x18\x04 \x01(\x05\x1a\x07\n\x05\x43lose\x1a\x1c\n\x06Lookup\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x1a@\n\x04Save\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12%\n\nunseen_aux\x18\x02 \x03(\x0b\x32\x11.kakeya.v1.TensorB\t\n\x07request\"\xd9\x06\n\x0f\x44rafterResponse\x12\x33\n\x06opened\x18\x01 \x01(\x0b\x32!.kakeya.v1.DrafterResponse.OpenedH\x00\x12\x35\n\x07\x64rafted\x18\x02 \x01(\x0b\x32\".kakeya.v1.DrafterResponse.DraftedH\x00\x12\x33\n\x06\x63losed\x18\x03 \x01(\x0b\x32!.kakeya.v1.DrafterResponse.ClosedH\x00\x12;\n\npredrafted\x18\x04 \x01(\x0b\x32%.kakeya.v1.DrafterResponse.PredraftedH\x00\x12\x31\n\x05\x66ound\x18\x05 \x01(\x0b\x32 .kakeya.v1.DrafterResponse.FoundH\x00\x12\x31\n\x05saved\x18\x06 \x01(\x0b\x32 .kakeya.v1.DrafterResponse.SavedH\x00\x12\x11\n\telapsed_s\x18\x0f \x01(\x01\x1a\x42\n\x06Opened\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kakeya.v1.DrafterInfo\x12\x12\n\nsession_id\x18\x02 \x01(\t\x1ak\n\x07\x44rafted\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.kakeya.v1.DrafterStats\x12%\n\x08proposal\x18\x03 \x01(\x0b\x32\x13.kakeya.v1.Proposal\x1a\xcc\x01\n\nPredrafted\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.kakeya.v1.DrafterStats\x12?\n\x08outcomes\x18\x03 \x03(\x0b\x32-.kakeya.v1.DrafterResponse.Predrafted.Outcome\x1a\x42\n\x07Outcome\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x1a\x30\n\x06\x43losed\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.kakeya.v1.DrafterStats\x1a\x1a\n\x05\x46ound\x12\x11\n\tpositions\x18\x01 \x03(\x05\x1a\x15\n\x05Saved\x12\x0c\n\x04kept\x18\x01 \x01(\x08\x42\n\n\x08response2\x9b\x01\n\x0e\x44rafterService\x12\x44\n\x07Session\x12\x19.kakeya.v1.DrafterRequest\x1a\x1a.kakeya.v1.DrafterResponse(\x01\x30\x01\x12\x43\n\x07GetInfo\x12 .kakeya.v1.GetDrafterInfoRequest\x1a\x16.kakeya.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,33 +48,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTERSTATS_METRICSENTRY']._serialized_start=766
   _globals['_DRAFTERSTATS_METRICSENTRY']._serialized_end=812
   _globals['_DRAFTERREQUEST']._serialized_start=815
-  _globals['_DRAFTERREQUEST']._serialized_end=1509
+  _globals['_DRAFTERREQUEST']._serialized_end=1531
   _globals['_DRAFTERREQUEST_OPEN']._serialized_start=1137
   _globals['_DRAFTERREQUEST_OPEN']._serialized_end=1202
   _globals['_DRAFTERREQUEST_DRAFT']._serialized_start=1204
   _globals['_DRAFTERREQUEST_DRAFT']._serialized_end=1306
   _globals['_DRAFTERREQUEST_PREDRAFT']._serialized_start=1308
-  _globals['_DRAFTERREQUEST_PREDRAFT']._serialized_end=1393
-  _globals['_DRAFTERREQUEST_CLOSE']._serialized_start=1395
-  _globals['_DRAFTERREQUEST_CLOSE']._serialized_end=1402
-  _globals['_DRAFTERREQUEST_LOOKUP']._serialized_start=1404
-  _globals['_DRAFTERREQUEST_LOOKUP']._serialized_end=1432
-  _globals['_DRAFTERREQUEST_SAVE']._serialized_start=1434
-  _globals['_DRAFTERREQUEST_SAVE']._serialized_end=1498
-  _globals['_DRAFTERRESPONSE']._serialized_start=1512
-  _globals['_DRAFTERRESPONSE']._serialized_end=2235
-  _globals['_DRAFTERRESPONSE_OPENED']._serialized_start=1874
-  _globals['_DRAFTERRESPONSE_OPENED']._serialized_end=1940
-  _globals['_DRAFTERRESPONSE_DRAFTED']._serialized_start=1942
-  _globals['_DRAFTERRESPONSE_DRAFTED']._serialized_end=2049
-  _globals['_DRAFTERRESPONSE_PREDRAFTED']._serialized_start=2051
-  _globals['_DRAFTERRESPONSE_PREDRAFTED']._serialized_end=2122
-  _globals['_DRAFTERRESPONSE_CLOSED']._serialized_start=2124
-  _globals['_DRAFTERRESPONSE_CLOSED']._serialized_end=2172
-  _globals['_DRAFTERRESPONSE_FOUND']._serialized_start=2174
-  _globals['_DRAFTERRESPONSE_FOUND']._serialized_end=2200
-  _globals['_DRAFTERRESPONSE_SAVED']._serialized_start=2202
-  _globals['_DRAFTERRESPONSE_SAVED']._serialized_end=2223
-  _globals['_DRAFTERSERVICE']._serialized_start=2238
-  _globals['_DRAFTERSERVICE']._serialized_end=2393
+  _globals['_DRAFTERREQUEST_PREDRAFT']._serialized_end=1415
+  _globals['_DRAFTERREQUEST_CLOSE']._serialized_start=1417
+  _globals['_DRAFTERREQUEST_CLOSE']._serialized_end=1424
+  _globals['_DRAFTERREQUEST_LOOKUP']._serialized_start=1426
+  _globals['_DRAFTERREQUEST_LOOKUP']._serialized_end=1454
+  _globals['_DRAFTERREQUEST_SAVE']._serialized_start=1456
+  _globals['_DRAFTERREQUEST_SAVE']._serialized_end=1520
+  _globals['_DRAFTERRESPONSE']._serialized_start=1534
+  _globals['_DRAFTERRESPONSE']._serialized_end=2391
+  _globals['_DRAFTERRESPONSE_OPENED']._serialized_start=1896
+  _globals['_DRAFTERRESPONSE_OPENED']._serialized_end=1962
+  _globals['_DRAFTERRESPONSE_DRAFTED']._serialized_start=1964
+  _globals['_DRAFTERRESPONSE_DRAFTED']._serialized_end=2071
+  _globals['_DRAFTERRESPONSE_PREDRAFTED']._serialized_start=2074
+  _globals['_DRAFTERRESPONSE_PREDRAFTED']._serialized_end=2278
+  _globals['_DRAFTERRESPONSE_PREDRAFTED_OUTCOME']._serialized_start=2212
+  _globals['_DRAFTERRESPONSE_PREDRAFTED_OUTCOME']._serialized_end=2278
+  _globals['_DRAFTERRESPONSE_CLOSED']._serialized_start=2280
+  _globals['_DRAFTERRESPONSE_CLOSED']._serialized_end=2328
+  _globals['_DRAFTERRESPONSE_FOUND']._serialized_start=2330
+  _globals['_DRAFTERRESPONSE_FOUND']._serialized_end=2356
+  _globals['_DRAFTERRESPONSE_SAVED']._serialized_start=2358
+  _globals['_DRAFTERRESPONSE_SAVED']._serialized_end=2379
+  _globals['_DRAFTERSERVICE']._serialized_start=2394
+  _globals['_DRAFTERSERVICE']._serialized_end=2549
 # @@protoc_insertion_point(module_scope)

@@ -101,14 +101,16 @@ class DrafterRequest(_message.Message):
         resume_at: int
         def __init__(self, new_aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., last_token: _Optional[int] = ..., block_size: _Optional[int] = ..., resume_at: _Optional[int] = ...) -> None: ...
     class Predraft(_message.Message):
-        __slots__ = ("new_aux", "block_ids", "block_size")
+        __slots__ = ("new_aux", "block_ids", "block_size", "alternatives")
         NEW_AUX_FIELD_NUMBER: _ClassVar[int]
         BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
         BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+        ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
         new_aux: _tensor_pb2.Tensor
         block_ids: _containers.RepeatedScalarFieldContainer[int]
         block_size: int
-        def __init__(self, new_aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+        alternatives: int
+        def __init__(self, new_aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., alternatives: _Optional[int] = ...) -> None: ...
     class Close(_message.Message):
         __slots__ = ()
         def __init__(self) -> None: ...
@@ -157,12 +159,23 @@ class DrafterResponse(_message.Message):
         proposal: _sampling_pb2.Proposal
         def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[DrafterStats, _Mapping]] = ..., proposal: _Optional[_Union[_sampling_pb2.Proposal, _Mapping]] = ...) -> None: ...
     class Predrafted(_message.Message):
-        __slots__ = ("token_ids", "stats")
+        __slots__ = ("token_ids", "stats", "outcomes")
+        class Outcome(_message.Message):
+            __slots__ = ("accepted", "next_token", "token_ids")
+            ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+            NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+            TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+            accepted: int
+            next_token: int
+            token_ids: _containers.RepeatedScalarFieldContainer[int]
+            def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
         TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         STATS_FIELD_NUMBER: _ClassVar[int]
+        OUTCOMES_FIELD_NUMBER: _ClassVar[int]
         token_ids: _containers.RepeatedScalarFieldContainer[int]
         stats: DrafterStats
-        def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[DrafterStats, _Mapping]] = ...) -> None: ...
+        outcomes: _containers.RepeatedCompositeFieldContainer[DrafterResponse.Predrafted.Outcome]
+        def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[DrafterStats, _Mapping]] = ..., outcomes: _Optional[_Iterable[_Union[DrafterResponse.Predrafted.Outcome, _Mapping]]] = ...) -> None: ...
     class Closed(_message.Message):
         __slots__ = ("stats",)
         STATS_FIELD_NUMBER: _ClassVar[int]

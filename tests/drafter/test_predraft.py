@@ -1,0 +1,87 @@
+"""Pre-drafts that prepare for rejections (``DrafterSession.predraft`` with ``alternatives``).
+
+Both backends, every drafter variant (the sliding one compacts its buffer on a
+small step): a pre-draft's blocks all run in ONE forward against one session's
+cache, so each must come out as it does drafted on its own, and the
+alternatives must be the next likeliest ids of the draft that proposed the
+pending candidates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kakeya.drafter.batch import draft_batch
+from kakeya.drafter.session import DraftCall, DrafterSession, draft_together
+
+from .test_batch import BACKENDS, _aux, _load
+
+
+def _session(model, step: int) -> DrafterSession:
+    s = DrafterSession(model)
+    s.cache = model.make_cache(step=step)
+    return s
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_prepared_block_is_what_drafting_it_alone_gives(backend, pair):
+    model = _load(backend, pair)
+    width, mask = model.config.aux_width, model.config.mask_token_id
+    rng = np.random.default_rng(7)
+    for B, ctx, step in [(8, 40, 4), (4, 70, 256), (16, 9, 4), (2, 5, 4)]:
+        prompt, kept = (rng.standard_normal((n, width)).astype(np.float32) for n in (ctx, 3))
+        s, twin = _session(model, step), _session(model, step)
+        first = s.draft(_aux(backend, prompt), 7, B)
+        once = s.predraft(None, [7, *first.tokens], B, 2)()
+        assert [accepted for accepted, _ in once.blocks] == [B - 1]  # no record yet: the full acceptance alone
+        d = s.draft(_aux(backend, kept), 11, B)  # kept from now on: the session was asked for alternatives
+        found = s.predraft(None, [11, *d.tokens], B, 2)()
+        assert len(found.blocks) == 1 + 2 * (B - 1)
+
+        twin.draft(_aux(backend, prompt), 7, B)
+        assert twin.draft(_aux(backend, kept), 11, B) == d  # the same context as s's
+        ranked = model.ranked(model.block_logits([(twin.cache, [11] + [mask] * (B - 1))]), 3)
+        for n, c in enumerate(d.tokens):
+            alts = [t for (m, t) in found.blocks if m == n]
+            assert alts == ranked[n][1:3] and c == ranked[n][0], (B, n)
+        nothing = model.zeros_aux(0)
+        for (accepted, token), tokens in found.blocks.items():
+            if accepted == B - 1:  # the full acceptance: its guess, then the block after it
+                alone = draft_together([DraftCall(twin, nothing, 11, B, d.tokens)])[0].tokens
+                assert (alone[0], alone[1:]) == (token, tokens), B
+            else:
+                pending = d.tokens[:accepted] + (token,)
+                alone = draft_together([DraftCall(twin, nothing, 11, B, pending, guesses=False)])[0].tokens
+                assert alone == tokens and len(tokens) == B - 1, (B, accepted)
+        assert s.cache.length == twin.cache.length == ctx + 3  # pre-drafts extend nothing beyond new_aux
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batched_predraft_prepares_what_it_does_alone(backend, pair):
+    """The drafter server batches a pre-draft with other streams' drafts (``draft_batch``)."""
+    model = _load(backend, pair)
+    width = model.config.aux_width
+    rng = np.random.default_rng(3)
+    rows = [rng.standard_normal((n, width)).astype(np.float32) for n in (20, 2, 12)]
+    a, a2, other, other2 = (_session(model, 256) for _ in range(4))
+    for s in (a, a2):
+        d = s.draft(_aux(backend, rows[0]), 5, 8)
+        s.predraft(None, [5, *d.tokens], 8, 3)  # asks for alternatives: the next draft is recorded
+        d = s.draft(_aux(backend, rows[1]), 9, 8)
+    for s in (other, other2):
+        s.draft(_aux(backend, rows[2]), 6, 4)
+    want = [a2.predraft(None, [9, *d.tokens], 8, 3)(), other2.draft(_aux(backend, rows[1]), 2, 4)]
+    got = draft_batch([(a, None, 9, 8, d.tokens, 3), (other, _aux(backend, rows[1]), 2, 4)])
+    assert got == want and len(got[0].blocks) == 1 + 3 * 7
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_alternatives_are_refused_naming_the_field(backend, pair):
+    model = _load(backend, pair)
+    s = _session(model, 256)
+    d = s.draft(_aux(backend, np.zeros((4, model.config.aux_width), np.float32)), 3, 4)
+    for bad in (-1, 5):
+        with pytest.raises(ValueError, match="alternatives"):
+            s.predraft(None, [3, *d.tokens], 4, bad)
+    assert draft_batch([(s, None, 3, 4, d.tokens, 9)])[0].args[0].startswith("alternatives")
