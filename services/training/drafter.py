@@ -209,6 +209,10 @@ def train(args) -> dict:
         B = int(block_sizes[rng.integers(len(block_sizes))])
         idx = rng.choice(len(seqs), size=args.batch, replace=False)
         anchors = rng.integers(P, T - B + 1, size=(args.batch, args.anchors))
+        reveal = None
+        if args.predraft_share:  # drawn only then: a run without it keeps its random stream
+            shown = rng.integers(1, B // 2 + 1, size=anchors.shape)
+            reveal = np.where(rng.random(anchors.shape) < args.predraft_share, shown, 0)
         lr = common.lr_at(step, args.steps, args.lr, args.warmup, spent=spent)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -220,7 +224,7 @@ def train(args) -> dict:
         else:  # float16 as stored (half the bytes read): the trainer widens it on the device
             aux, final = train_set.aux[idx], (train_set.final[idx] if args.soft_weight else None)
         loss, acc = trainer.loss(seqs[idx], aux, anchors, B, gamma if gamma > 0 else B / 2, final=final, hard=hard,
-                                 soft_weight=args.soft_weight)
+                                 soft_weight=args.soft_weight, reveal=reveal)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()

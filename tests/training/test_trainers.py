@@ -238,6 +238,39 @@ def test_block_training_forward_equals_mlx_drafter(tiny_pair):
         assert labels[k].tolist() == seq[0, a + 1 : a + B].tolist()
 
 
+def test_revealed_training_blocks_are_the_drafters_predraft_blocks(tiny_pair):
+    """``--predraft-share``: a training block whose first positions hold the continuation's tokens is
+    the block a pre-draft runs (``DraftCall`` with pending tokens, the context ending before them)."""
+    import torch
+
+    from kakeya.drafter.backend import extend
+    from kakeya.drafter.session import DraftCall, DrafterSession, draft_together
+    from kakeya.drafter.torch_backend.load import load_dflash_torch
+
+    rng = np.random.default_rng(1)
+    T, B = 30, 8
+    seq = rng.integers(5, 1000, size=(1, T)).astype(np.int32)
+    trainer = tdraft.BlockTrainer(json.loads((tiny_pair.draft / "config.json").read_text()), tiny_pair.target, 0, "cpu")
+    trainer.load_weights(tiny_pair.draft)
+    aux = rng.standard_normal((1, T, trainer.dcfg.aux_width)).astype(np.float32)
+    anchors, reveal = np.array([[4, 12, 20]]), np.array([[3, 0, 1]])
+    with torch.no_grad():
+        logits, labels = trainer.block_logits(seq, aux, anchors, B, reveal)
+        loss, _ = trainer.loss(seq, aux, anchors, B, 4.0, reveal=reveal)
+        plain, _ = trainer.loss(seq, aux, anchors, B, 4.0)
+    assert labels[0].tolist() == seq[0, 5:12].tolist() and float(loss) != float(plain)
+    draft = load_dflash_torch(tiny_pair.draft, tiny_pair.target, "cpu", "float32")
+    for k, (a, r) in enumerate(zip(anchors[0], reveal[0])):
+        s = DrafterSession(draft)
+        extend(draft, [s.cache], [torch.from_numpy(aux[0, :a])])
+        pending = tuple(int(t) for t in seq[0, a + 1 : a + 1 + r])
+        got = draft.block_logits([(s.cache, [int(seq[0, a]), *pending] + [draft.config.mask_token_id] * (B - 1 - r))])
+        assert np.allclose(logits[k, r:].numpy(), got[r:].numpy(), atol=2e-4), k  # the masked rows: what it drafts
+        if r:
+            call = DraftCall(s, draft.zeros_aux(0), int(seq[0, a]), B - r, pending, guesses=False)
+            assert draft_together([call])[0].tokens == tuple(logits[k, r:].argmax(-1).tolist())
+
+
 def test_drafter_data_is_tokenized_with_the_targets_own_tokenizer(tmp_path, tiny_pair):
     """train-drafter reads prompts with the target's tokenizer.json, not one trained again from this
     interpreter's standard library (another Python's would differ); a target without one gets the
