@@ -10,7 +10,9 @@ alternating run by run so machine noise falls on all alike:
   a block;
 - split + pre-draft: the drafter drafts block k+1 while the verifier verifies
   block k (``--predraft on``), used when block k is accepted in full and the
-  drafter guessed the next token.
+  drafter guessed the next token, or (``--predraft-alternatives N``) block k is
+  rejected at a candidate where one of the drafter's N next likeliest tokens
+  was the verifier's choice.
 
 Per split block, the critical path (the loop's client-observed block time) is
 split into compute (the servers' own ``elapsed_s`` of the block's verify and
@@ -220,6 +222,8 @@ def main(argv=None):
     ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 8, 16])
     ap.add_argument("--stream-requests", type=int, default=2, help="generations per stream, back to back")
     ap.add_argument("--stream-block-size", type=int, default=8)
+    ap.add_argument("--predraft-alternatives", type=int, default=0,
+                    help="split + pre-draft: the drafter's next likeliest tokens each pre-draft also prepares for (serve's --predraft-alternatives)")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch CPU threads of every process alike (default: the product's: 1 for the demo pair on a CPU)")
     ap.add_argument("--placement", default="auto", choices=["auto", "off"],
@@ -260,7 +264,8 @@ def main(argv=None):
             procs.append(dp)
             engines = {"colocated": local}
             engines["split"] = split_engine(vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S, predraft=False)
-            engines["split_predraft"] = split_engine(vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S, predraft=True)
+            engines["split_predraft"] = split_engine(vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S, predraft=True,
+                                                    predraft_alternatives=args.predraft_alternatives)
             sessions = {m: Sessions(engines[m]) for m in MODES[1:]}
             one = []
             for b in args.block_sizes:
@@ -304,6 +309,7 @@ def main(argv=None):
         "prompt_tokens": len(prompt),
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
+        "predraft_alternatives": args.predraft_alternatives,
         "one_stream": one,
         "streams": streams,
         "stream_block_size": args.stream_block_size,
