@@ -222,7 +222,7 @@ def main(argv=None):
     ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 8, 16])
     ap.add_argument("--stream-requests", type=int, default=2, help="generations per stream, back to back")
     ap.add_argument("--stream-block-size", type=int, default=8)
-    ap.add_argument("--predraft-alternatives", type=int, default=0,
+    ap.add_argument("--predraft-alternatives", type=int, default=0, choices=range(5), metavar="0..4",
                     help="split + pre-draft: the drafter's next likeliest tokens each pre-draft also prepares for (serve's --predraft-alternatives)")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch CPU threads of every process alike (default: the product's: 1 for the demo pair on a CPU)")

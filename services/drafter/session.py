@@ -98,7 +98,7 @@ class DrafterSession:
         self.calls = 0
         self._closed = False
         self.alternatives = 0  # next likeliest ids kept per drafted row (a pre-draft asked for them)
-        self._ranked: list[tuple[tuple[int, ...], list[list[int]]]] = []  # the last call's blocks: (candidates, their alternatives)
+        self._ranked: list[tuple[tuple[int, ...], list[list[int]]]] = []  # last call's blocks: ([opening, *candidates], alternatives)
 
     def cached_prefixes(self, prompt_ids: Sequence[int]) -> list[int]:
         """The lengths of the prompt prefixes this session can resume at, longest first: the prefix cache's
@@ -164,29 +164,37 @@ class DrafterSession:
         full = self.check(new_aux, block_ids[0], block_size, tuple(block_ids[1:]))
         self.alternatives = alternatives  # kept from now on, for the next pre-draft
         calls, nothing = [full], self.model.zeros_aux(0)
-        for n, alts in enumerate(self._alternatives_of(full.pending)):
+        for n, alts in enumerate(self._alternatives_of(full.last_token, full.pending)):
             calls += [DraftCall(self, nothing, full.last_token, block_size, full.pending[:n] + (a,), False) for a in alts[:alternatives]]
         return calls  # the longest block first: it plans the room every block's scratch rows need
 
-    def _alternatives_of(self, candidates: tuple[int, ...]) -> list[list[int]]:
+    def _alternatives_of(self, opening: int, candidates: tuple[int, ...]) -> list[list[int]]:
         """Per candidate, the next likeliest ids of the row that drafted it ([] without a record)."""
+        key = (opening, *candidates)
         for drafted, alts in self._ranked:
-            if drafted[: len(candidates)] == candidates:  # a block cut to the room left is a prefix
+            if drafted[: len(key)] == key:  # a block cut to the room left is a prefix
                 return alts[: len(candidates)]
         return []
 
     def _record(self, call: DraftCall, tokens: Sequence[int], ranked: Sequence[Sequence[int]]) -> None:
-        """Keep a drafted block's candidates with their rows' next likeliest ids (the argmax left out)."""
+        """Keep a drafted block, the token opening it first, with its candidates' next likeliest ids (the
+        argmax left out): a draft opens with its last token, a pre-draft's block with the verdict's token it
+        assumes (a full acceptance's: its guess, its first drafted token)."""
         alts = [[t for t in row if t != tok][: self.alternatives] for row, tok in zip(ranked, tokens)]
-        skip = 1 if call.pending and call.guesses else 0  # a full acceptance's first token is its guess
-        self._ranked.append((tuple(tokens[skip:]), alts[skip:]))
+        if call.pending and call.guesses:
+            opening, tokens, alts = tokens[0], tokens[1:], alts[1:]
+        else:
+            opening = call.pending[-1] if call.pending else call.last_token
+        self._ranked.append(((opening, *tokens), alts))
 
     def run(self, call: DraftCall) -> Draft:
         """A call ``check`` returned."""
         step = self.model.static_step
-        if step is not None and self.rule is None and not call.pending and step.takes(self.cache, call.aux.shape[0], call.block_size):
+        # The static step keeps no logits: a session pre-drafting with alternatives drafts eagerly instead,
+        # or its next pre-draft would have none to prepare for.
+        if (step is not None and self.rule is None and not call.pending and not self.alternatives
+                and step.takes(self.cache, call.aux.shape[0], call.block_size)):
             self.calls += 1
-            self._ranked = []  # the static step keeps no logits: its candidates get no alternatives
             return Draft(step.draft(self.cache, call.aux, call.last_token, call.block_size))
         return draft_together([call])[0]
 

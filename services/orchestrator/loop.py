@@ -115,9 +115,12 @@ class Decoding:
 
 
 class _Ahead(NamedTuple):
-    """A pre-draft in flight: its result (the blocks it prepared, by the verdict each assumes)."""
+    """A pre-draft in flight: its result (the blocks it prepared, by the verdict each assumes), the
+    candidates of the block being verified, and whether it prepared for their rejections too."""
 
     result: Callable[[], Predrafts]
+    pending: int
+    alternatives: bool
 
 
 class _Drafts:
@@ -157,7 +160,9 @@ class _Drafts:
         self.copied = False
         if not self.active:
             return NO_DRAFT, False
-        if ahead is not None:  # was this verdict prepared for?
+        # Was this verdict prepared for? (Without alternatives only a full acceptance was: a remote
+        # drafter's fresh draft is then sent at once, not after the pre-draft's answer.)
+        if ahead is not None and (ahead.alternatives or verdict.accepted == ahead.pending):
             found = self._safely(ahead.result)
             prepared = None if found is None else found.after(verdict.accepted, last)
             if prepared is not None:
@@ -205,7 +210,7 @@ class _Drafts:
         result = self._safely(self.session.predraft, self.new_aux, [last, *draft.tokens], self.want, self.alternatives)
         if result is not None:
             self._taken()
-            self.ahead = _Ahead(result)
+            self.ahead = _Ahead(result, len(draft.tokens), self.alternatives > 0)
             self.gen.predrafts += 1
 
     def _safely(self, step, *args):

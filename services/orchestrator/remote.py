@@ -324,7 +324,7 @@ class GrpcDrafterSession:
             if not found:
                 r = self._guarded(lambda: self._s.wait(reply, self.drafter.clock.timeout()))
                 self.predraft_s += r.elapsed_s
-                found.append(predrafts_from_proto(r.predrafted, len(block_ids) - 1))
+                found.append(predrafts_from_proto(r.predrafted, len(block_ids) - 1, block_size, self.drafter.vocab_size))
             return found[0]
 
         return result
@@ -344,11 +344,16 @@ class GrpcDrafterSession:
             self._s.abort()
 
 
-def predrafts_from_proto(msg, pending: int) -> Predrafts:
-    """A ``Predrafted`` answer to a pre-draft of ``pending`` candidates (``drafter/server.py``'s ``predrafted_proto``)."""
+def predrafts_from_proto(msg, pending: int, block_size: int, vocab: int) -> Predrafts:
+    """A ``Predrafted`` answer to a pre-draft of ``pending`` candidates (``drafter/server.py``'s
+    ``predrafted_proto``), checked: a drafter that answers nonsense fails its call, and the run goes
+    on without it, rather than the verifier's next step."""
     blocks = {(o.accepted, o.next_token): tuple(o.token_ids) for o in msg.outcomes}
     if msg.token_ids:
         blocks[(pending, msg.token_ids[0])] = tuple(msg.token_ids[1:])
+    for (accepted, token), ids in blocks.items():
+        if not 0 <= accepted <= pending or len(ids) > block_size - 1 or not all(0 <= t < vocab for t in (token, *ids)):
+            raise ValueError(f"the drafter's pre-draft answer is malformed: block {(accepted, token)} of {len(ids)} ids")
     return Predrafts(blocks)
 
 

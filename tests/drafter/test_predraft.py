@@ -85,3 +85,21 @@ def test_bad_alternatives_are_refused_naming_the_field(backend, pair):
         with pytest.raises(ValueError, match="alternatives"):
             s.predraft(None, [3, *d.tokens], 4, bad)
     assert draft_batch([(s, None, 3, 4, d.tokens, 9)])[0].args[0].startswith("alternatives")
+
+
+def test_a_static_step_session_still_keeps_the_alternatives_its_next_predraft_needs(pair):
+    """Torch's static step (CUDA graphs; run eagerly here) keeps no logits: a session asked for
+    alternatives drafts through the eager forward, so its pre-drafts still prepare for rejections."""
+    from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
+    from kakeya.drafter.session import TorchDrafter
+
+    drafter = TorchDrafter(pair.draft, pair.target, graph_options=GraphOptions(capture=False, buckets=BUCKETS, static_extent=True))
+    assert drafter.model.static_step is not None
+    rng = np.random.default_rng(5)
+    s = drafter.open_session()
+    first = s.draft(_aux("torch", rng.standard_normal((12, drafter.model.config.aux_width)).astype(np.float32)), 7, 8)
+    s.predraft(None, [7, *first.tokens], 8, 2)()  # asks for alternatives
+    calls = s.calls
+    d = s.draft(_aux("torch", rng.standard_normal((3, drafter.model.config.aux_width)).astype(np.float32)), 9, 8)
+    assert s.calls == calls + 1
+    assert len(s.predraft(None, [9, *d.tokens], 8, 2)().blocks) == 1 + 2 * 7

@@ -55,3 +55,29 @@ def test_predrafts_prepared_for_rejections_commit_the_verifiers_own_tokens(engin
     after_rejection = [b for a, b in zip(ahead.blocks[1:], ahead.blocks[2:]) if b.predrafted and a.accepted < a.drafted]
     if block_size:
         assert after_rejection
+
+
+def test_alternatives_out_of_range_are_refused_before_any_drafter_sees_them(engine):
+    """A drafter server refuses more than 4, and a refused pre-draft would back the drafter off for every request."""
+    from kakeya.orchestrator.engine import Engine
+
+    req = Request(engine.codec.encode(PROMPT), max_tokens=8, block_size=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="predraft_alternatives"):
+        engine.generate(req, RunOptions(predraft=True, predraft_alternatives=5))
+    with pytest.raises(ValueError, match="predraft_alternatives"):
+        Engine(engine.verifier, engine.drafter, engine.codec, predraft=True, predraft_alternatives=-1)
+
+
+def test_a_malformed_predraft_answer_is_the_drafters_failure():
+    from kakeya.orchestrator.remote import predrafts_from_proto
+    from kakeya.wire.kakeya.v1 import drafter_pb2 as pb
+
+    good = pb.DrafterResponse.Predrafted(token_ids=[5, 6, 7], outcomes=[pb.DrafterResponse.Predrafted.Outcome(
+        accepted=1, next_token=9, token_ids=[10, 11])])
+    found = predrafts_from_proto(good, pending=3, block_size=3, vocab=100)
+    assert found.after(3, 5) == (6, 7) and found.after(1, 9) == (10, 11) and found.after(0, 9) is None
+    for bad in (pb.DrafterResponse.Predrafted(token_ids=[5, 6, 7, 8]),  # more candidates than the block holds
+                pb.DrafterResponse.Predrafted(token_ids=[5, 100]),  # outside the vocabulary
+                pb.DrafterResponse.Predrafted(outcomes=[pb.DrafterResponse.Predrafted.Outcome(accepted=4, next_token=1)])):
+        with pytest.raises(ValueError, match="malformed"):
+            predrafts_from_proto(bad, pending=3, block_size=3, vocab=100)
