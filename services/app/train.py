@@ -102,8 +102,9 @@ def drafter_arguments(p: argparse.ArgumentParser) -> None:
                         "then sampled continuations' tokens are the only labels)")
     p.add_argument("--bos-prompts", action="store_true", help="prompts start with <bos>, as real requests do")
     p.add_argument("--predraft-share", type=float, default=0.0,
-                   help="share of blocks shaped as pre-drafts: their first 1..B/2 positions after the anchor hold the"
-                        " target's tokens (no aux for them yet), the loss only on the masks after (default 0)")
+                   help="share of steps whose blocks are shaped as pre-drafts (serve --predraft-alternatives): 1..B-1 of"
+                        " the target's tokens after the anchor (no aux for them yet), then B-1 masks, the loss on those"
+                        " (default 0)")
     p.add_argument("--init-from", default=None, help="start from this drafter checkpoint (same config), e.g. to fine-tune")
     p.add_argument("--val-sequences", type=int, default=64,
                    help="target continuations of held-out prompts for a teacher-forced held-out curve (0: none)")

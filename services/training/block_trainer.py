@@ -263,7 +263,7 @@ class BlockTrainer:
         the drafter the whole distribution, which is what sampled requests accept against.
         Accuracy: the drafter's argmax equals the continuation's token. ``reveal`` (see
         :meth:`block_logits`): a block's revealed positions carry no loss, and its position weights
-        start again at its first masked one.
+        and its accuracy per position start at its first masked one.
         """
         torch, F = self.torch, self.torch.nn.functional
         N, K = anchors.shape
@@ -284,8 +284,12 @@ class BlockTrainer:
             r = torch.from_numpy(reveal.reshape(-1, 1).astype(np.float32)).to(dev)  # [N*K, 1]
             w = torch.where(k >= r, torch.exp(-(k - r) / gamma), torch.zeros((), device=dev))
             loss = (per * w).sum() / w.sum()
-        acc = (logits.argmax(-1) == labels).float().mean(0)
-        return loss, acc
+        correct = (logits.argmax(-1) == labels).float()
+        if reveal is None:
+            return loss, correct.mean(0)
+        first = torch.from_numpy(reveal.reshape(-1).astype(np.int64)).to(dev)[:, None]  # each block's first mask row
+        width = B - 1 - int(reveal.max())
+        return loss, torch.gather(correct, 1, first + torch.arange(width, device=dev)).mean(0)
 
     def load_weights(self, draft_dir: Path) -> None:
         """The drafter weights of a reference-layout checkpoint directory (strict)."""
