@@ -45,6 +45,15 @@ def check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be between 1 and {MAX_BLOCK_SIZE}, got {block_size}")
 
 
+MAX_PREDRAFT_ALTERNATIVES = 4  # the most next-likeliest tokens a pre-draft prepares for at each candidate
+
+
+def check_alternatives(n: int, field: str = "alternatives") -> int:
+    if not 0 <= n <= MAX_PREDRAFT_ALTERNATIVES:
+        raise ValueError(f"{field} must be 0..{MAX_PREDRAFT_ALTERNATIVES}, got {n}")
+    return n
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Facts about the target that the loop and the public API need."""
@@ -245,13 +254,9 @@ class Draft:
             raise ValueError(f"a draft of {len(self.tokens)} candidates cannot carry {len(self.proposal)} proposal rows")
 
 
-MAX_PREDRAFT_ALTERNATIVES = 4  # the most next-likeliest tokens a pre-draft prepares for at each candidate
-
-
 @dataclass(frozen=True)
 class Predrafts:
-    """A pre-draft's blocks: ``blocks[(accepted, next_token)]`` holds the candidates of the block
-    ``next_token`` opens if the verifier accepts ``accepted`` pending candidates, then chooses it."""
+    """A pre-draft's blocks: each one's candidates, by the verdict ``(accepted, next_token)`` it assumes."""
 
     blocks: dict[tuple[int, int], tuple[int, ...]]
 
@@ -384,20 +389,14 @@ class DrafterSession(Protocol):
         committed token, which the verifier has not seen yet: it opens the block.
         """
 
-    def predraft(
-        self, new_aux: Aux | None, block_ids: Sequence[int], block_size: int, alternatives: int = 0
-    ) -> Callable[[], Predrafts]:
-        """Start drafting the block after ``block_ids`` (being verified now) for the likeliest verdicts.
-
-        Extends the context with ``new_aux`` as :meth:`draft` does (None: nothing committed since
-        the last call), then drafts in one forward the next block (``block_size - 1`` candidates)
-        for each verdict it prepares for (:class:`Predrafts`): all of ``block_ids`` accepted and
-        its guess of the verifier's next token; with ``alternatives`` = k, also a rejection at
-        each candidate with each of its k next likeliest tokens there (from the draft that
-        proposed them; without such a record, the full acceptance alone). Their context lacks
-        ``block_ids``' own aux (not verified yet), and the verdict's aux still goes with the next
-        call. Returns at once; calling the result waits. Greedy sessions only.
-        """
+    def predraft(self, new_aux: Aux | None, block_ids: Sequence[int], block_size: int,
+                 alternatives: int = 0) -> Callable[[], Predrafts]:
+        """Start drafting the block after ``block_ids`` (being verified now) for the likeliest verdicts:
+        extend the context with ``new_aux`` as :meth:`draft` does (None: nothing new), then draft in one
+        forward the next block for each verdict it prepares for (:class:`Predrafts`): all of ``block_ids``
+        accepted and its guess of the next token; with ``alternatives`` = k, also a rejection at each
+        candidate with each of its k next likeliest tokens there. Their context lacks ``block_ids``' aux
+        (the verdict's goes with the next call). Returns at once; the result waits. Greedy sessions only."""
 
     def close(self) -> None: ...
 

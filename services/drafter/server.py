@@ -27,7 +27,7 @@ from typing import Iterator
 
 import numpy as np
 
-from kakeya.core.contract import MAX_PREDRAFT_ALTERNATIVES, Predrafts
+from kakeya.core.contract import Predrafts, check_alternatives
 from kakeya.drafter.batch import draft_batch
 from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.runtime import bounds
@@ -249,8 +249,10 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
             raise invalid(f"predraft.block_ids: 2..{self.max_block_size} ids in the vocabulary [0, {vocab}), got {ids[:20]}")
         if not 2 <= p.block_size <= self.max_block_size:
             raise invalid(f"predraft.block_size must be 2..{self.max_block_size}, got {p.block_size}")
-        if not 0 <= p.alternatives <= MAX_PREDRAFT_ALTERNATIVES:
-            raise invalid(f"predraft.alternatives must be 0..{MAX_PREDRAFT_ALTERNATIVES}, got {p.alternatives}")
+        try:
+            check_alternatives(p.alternatives, "predraft.alternatives")
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
         aux = p.new_aux if p.HasField("new_aux") else None
         return entry, session, aux, ids[0], p.block_size, tuple(ids[1:]), p.alternatives
 

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, MAX_PREDRAFT_ALTERNATIVES, Draft, Predrafts, SamplingParams, SessionOptions
+from kakeya.core.contract import MAX_BLOCK_SIZE, Draft, Predrafts, SamplingParams, SessionOptions, check_alternatives
 from kakeya.core.prefix import PrefixCache
 from kakeya.drafter.backend import DraftModel, bind, extend
 from kakeya.drafter.config import check_draft_args
@@ -159,8 +159,7 @@ class DrafterSession:
         draft that proposed ``block_ids[1:]`` holds (none without a record: a copied block, the first)."""
         if len(block_ids) < 2:
             raise ValueError("block_ids: a pre-draft follows a block with candidates (at least 2 ids)")
-        if not 0 <= alternatives <= MAX_PREDRAFT_ALTERNATIVES:
-            raise ValueError(f"alternatives must be 0..{MAX_PREDRAFT_ALTERNATIVES}, got {alternatives}")
+        check_alternatives(alternatives)
         full = self.check(new_aux, block_ids[0], block_size, tuple(block_ids[1:]))
         self.alternatives = alternatives  # kept from now on, for the next pre-draft
         calls, nothing = [full], self.model.zeros_aux(0)

@@ -14,21 +14,13 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from kakeya.core.contract import MAX_PREDRAFT_ALTERNATIVES, REJECTION, Cancellation, Drafter, Request, SessionOptions, Verifier
+from kakeya.core.contract import REJECTION, Cancellation, Drafter, Request, SessionOptions, Verifier, check_alternatives
 from kakeya.orchestrator import loop
 from kakeya.orchestrator.adaptive import AdaptivePolicy, BlockSizer, measure_costs
 from kakeya.orchestrator.quality import quality_report
 from kakeya.orchestrator.text import TextCodec
 
 log = logging.getLogger("kakeya.orchestrator")
-
-
-def check_alternatives(n: int) -> int:
-    """A pre-draft's alternatives per candidate, checked here: a drafter server refuses more, and a
-    refused pre-draft would back the drafter off for every request."""
-    if not 0 <= n <= MAX_PREDRAFT_ALTERNATIVES:
-        raise ValueError(f"predraft_alternatives must be 0..{MAX_PREDRAFT_ALTERNATIVES}, got {n}")
-    return n
 
 
 class Engine:
@@ -48,7 +40,8 @@ class Engine:
         self.target, self.draft = target, draft
         self.prefix_cache = prefix_cache
         self.device = device  # what reports print (in-process torch: "cpu"/"cuda"; None: not known here)
-        self.predraft, self.predraft_alternatives = predraft, check_alternatives(predraft_alternatives)
+        # Checked here, not first by a drafter server: a refused pre-draft backs the drafter off for every request.
+        self.predraft, self.predraft_alternatives = predraft, check_alternatives(predraft_alternatives, "predraft_alternatives")
         self.ngram = ngram
         self.adaptive: AdaptivePolicy | None = None  # measured on the first request that asks for it
         self._calibrating = threading.Lock()
@@ -220,7 +213,7 @@ class Run:
         ngram = (engine.ngram if options.ngram is None else options.ngram) and (
             self._sampling.greedy or self._sampling.rule != REJECTION)  # a copy has no proposal distribution
         alternatives = engine.predraft_alternatives if options.predraft_alternatives is None else check_alternatives(
-            options.predraft_alternatives)
+            options.predraft_alternatives, "predraft_alternatives")
         self._decoding = loop.Decoding(
             self.verifier_session, self.drafter_session, req.prompt_ids, req.max_tokens, self._sizer,
             engine.stop_ids(req), on_drafter_error, predraft, self._resume if engine.prefix_cache else None, ngram,
