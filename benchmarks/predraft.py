@@ -1,12 +1,16 @@
 """What pre-drafts are worth, in tokens: their hit rate and how much the blocks that use them commit.
 
     python benchmarks/predraft.py [--draft DIR] [--prompts 12] [--block-sizes 4 8 16] [--alternatives 0 2]
+                                  [--predraft-blocks 2 4 8 64]
 
 Loads the demo target with a drafter (default: the embedded one) in this process (torch, CPU)
 and decodes README command 1's prompt and ``--prompts`` held-out code prompts greedily at each
 block size: without pre-drafting, then with pre-drafts prepared for the full acceptance alone
 (``--alternatives 0``) and for a rejection at each candidate too (2: the drafter's next two
-likeliest tokens there; ``serve orchestrator --predraft-alternatives``). N-gram copies are off,
+likeliest tokens there; ``serve orchestrator --predraft-alternatives``), at most
+``--predraft-blocks`` blocks a pre-draft, the likeliest verdicts by the drafter's own probabilities
+(each value a row of its own, as ``serve drafter --predraft-blocks`` sets it; the default cap when
+not given; 2B or more prepares every verdict). N-gram copies are off,
 so every block is the drafter's. Per setting: tokens committed per block over all blocks, the
 hit rate (pre-drafts used / started) and the tokens per block of the blocks that used one, and
 that every run committed the same tokens as the one without pre-drafts.
@@ -33,9 +37,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def measure(engine, prompts, block_size: int, alternatives: int | None, max_tokens: int) -> dict:
+def measure(engine, prompts, block_size: int, alternatives: int | None, max_tokens: int, blocks: int | None = None) -> dict:
     from kakeya.core.contract import Request
+    from kakeya.drafter import session
     from kakeya.orchestrator.engine import RunOptions
+
+    engine.drafter.predraft_blocks = blocks or session.PREDRAFT_BLOCKS  # what serve drafter --predraft-blocks sets
 
     lengths, used_lengths, started, outputs = [], [], 0, []
     for p in prompts:
@@ -63,10 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--alternatives", type=int, nargs="+", default=[0, 2])
+    ap.add_argument("--predraft-blocks", type=int, nargs="+", default=None,
+                    help="caps on the blocks one pre-draft prepares, each measured (default: the shipped cap)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "predraft.json"))
     args = ap.parse_args(argv)
 
     from kakeya.app.options import DEFAULT_PROMPT
+    from kakeya.drafter import session
     from kakeya.orchestrator.assembly import build_local_engine, embedded_paths, set_torch_threads
     from suite import held_out_prompts
 
@@ -81,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         for B in args.block_sizes:
             row = {"none": measure(engine, prompts, B, None, args.max_tokens)}
             for k in args.alternatives:
-                row[f"alternatives_{k}"] = measure(engine, prompts, B, k, args.max_tokens)
+                for cap in (args.predraft_blocks or [None]) if k else [None]:
+                    name_k = f"alternatives_{k}" + (f"_blocks_{cap}" if cap else "")
+                    row[name_k] = measure(engine, prompts, B, k, args.max_tokens, cap)
             reference = row["none"]["outputs"]
             for setting in row.values():
                 identical &= setting.pop("outputs") == reference
@@ -97,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": "cpu",
         "prompts": {"readme_prompt": 1, "held_out": args.prompts},
         "max_tokens": args.max_tokens,
+        "predraft_blocks": args.predraft_blocks or [session.PREDRAFT_BLOCKS],
         "results": results,
         "all_outputs_identical": identical,
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
@@ -104,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         "notes": "Greedy, n-gram copies off. tokens_per_block: over every block of the run; hit_rate: pre-drafts used /"
                  " started; tokens_per_used_block: the blocks that opened with a pre-draft. alternatives_k: each"
                  " pre-draft prepared for the full acceptance and for a rejection at each candidate with each of the"
-                 " drafter's k next likeliest tokens there.",
+                 " drafter's k next likeliest tokens there, the likeliest verdicts first, at most predraft_blocks blocks"
+                 " (alternatives_k_blocks_m: at most m; 2B or more: every verdict).",
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)

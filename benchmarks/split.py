@@ -12,7 +12,8 @@ alternating run by run so machine noise falls on all alike:
   block k (``--predraft on``), used when block k is accepted in full and the
   drafter guessed the next token, or (``--predraft-alternatives N``) block k is
   rejected at a candidate where one of the drafter's N next likeliest tokens
-  was the verifier's choice.
+  was the verifier's choice (the likeliest such verdicts, at most the drafter
+  server's ``--predraft-blocks`` blocks a pre-draft; ``--predraft-blocks`` here).
 
 Per split block, the critical path (the loop's client-observed block time) is
 split into compute (the servers' own ``elapsed_s`` of the block's verify and
@@ -52,6 +53,7 @@ from grpc_floor import block_wire, floor  # noqa: E402  (benchmarks/grpc_floor.p
 from wire import start, stop  # noqa: E402  (benchmarks/wire.py: the server processes)
 
 from kakeya.app.options import DEFAULT_PROMPT  # noqa: E402
+from kakeya.drafter.session import PREDRAFT_BLOCKS  # noqa: E402
 from kakeya.orchestrator.engine import Request, RunOptions  # noqa: E402
 
 MODES = ("colocated", "split", "split_predraft")
@@ -224,6 +226,9 @@ def main(argv=None):
     ap.add_argument("--stream-block-size", type=int, default=8)
     ap.add_argument("--predraft-alternatives", type=int, default=0, choices=range(5), metavar="0..4",
                     help="split + pre-draft: the drafter's next likeliest tokens each pre-draft also prepares for (serve's --predraft-alternatives)")
+    ap.add_argument("--predraft-blocks", type=int, default=None,
+                    help="the drafter server's cap on the blocks one pre-draft prepares (serve drafter --predraft-blocks;"
+                         " default: its own)")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch CPU threads of every process alike (default: the product's: 1 for the demo pair on a CPU)")
     ap.add_argument("--placement", default="auto", choices=["auto", "off"],
@@ -260,7 +265,8 @@ def main(argv=None):
             pinned = {role: ["--cpus", c] for role, c in cpus.items()}
             vp, vaddr = start("verifier", [*pair_args, "--max-sessions", "64", *pinned.get("verifier", [])], tmp)
             procs.append(vp)
-            dp, daddr = start("drafter", [*pair_args, "--max-sessions", "64", *pinned.get("drafter", [])], tmp)
+            blocks = ["--predraft-blocks", str(args.predraft_blocks)] if args.predraft_blocks else []
+            dp, daddr = start("drafter", [*pair_args, "--max-sessions", "64", *blocks, *pinned.get("drafter", [])], tmp)
             procs.append(dp)
             engines = {"colocated": local}
             engines["split"] = split_engine(vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S, predraft=False)
@@ -310,6 +316,7 @@ def main(argv=None):
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "predraft_alternatives": args.predraft_alternatives,
+        "predraft_blocks": args.predraft_blocks or PREDRAFT_BLOCKS,
         "one_stream": one,
         "streams": streams,
         "stream_block_size": args.stream_block_size,

@@ -81,6 +81,16 @@ def add_restore(p) -> None:
                         " default policy's; requests choose sources by NAME (CachePolicy.restore_path)")  # fmt: skip
 
 
+def add_predraft_blocks(p) -> None:
+    """The drafter: how many blocks one pre-draft prepares (``serve drafter`` and ``serve all``)."""
+    from kakeya.drafter.session import PREDRAFT_BLOCKS
+
+    p.add_argument("--predraft-blocks", type=int, default=PREDRAFT_BLOCKS, metavar="1..32",
+                   help="the most blocks one pre-draft prepares (orchestrator --predraft on): the full acceptance's, then"
+                        " the likeliest rejections' by the drafter's own probabilities (--predraft-alternatives); each is"
+                        f" up to 2B rows of one drafter forward (default {PREDRAFT_BLOCKS}; see docs/operations.md)")
+
+
 def add_orchestrator(p) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="longest prompt accepted (default 8192, never above the target's max_position_embeddings)")
@@ -92,9 +102,10 @@ def add_orchestrator(p) -> None:
                         " on the demo pair at block 8 almost no pre-draft is used, see benchmarks/split.py)")
     p.add_argument("--predraft-alternatives", type=int, default=0, choices=range(MAX_PREDRAFT_ALTERNATIVES + 1),
                    metavar=f"0..{MAX_PREDRAFT_ALTERNATIVES}",
-                   help="with --predraft on: each pre-draft also prepares, at every candidate, a rejection with each of the"
-                        " drafter's next N likeliest tokens there (default 0: the full acceptance only; on the demo pair these"
-                        " blocks are hit but accept less, see docs/operations.md)")
+                   help="with --predraft on: each pre-draft also prepares for a rejection at a candidate with one of the"
+                        " drafter's next N likeliest tokens there, the likeliest such verdicts (the drafter's --predraft-blocks"
+                        " caps them; default 0: the full acceptance only; on the demo pair these blocks are hit but accept"
+                        " less, see docs/operations.md)")
     add_ngram(p)
     add_client_args(p, "the verifier and drafter")
 
@@ -201,6 +212,8 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
                 "--idle-timeout", str(args.idle_timeout), "--reclaim-idle", str(args.reclaim_idle),
                 "--max-context", str(args.max_context), "--max-batch", str(args.max_batch),
                 "--auth-token-file", backend_token_file, "--prefix-cache-bytes", str(args.prefix_cache_bytes)]  # fmt: skip
+        if role == "drafter":
+            out += ["--predraft-blocks", str(args.predraft_blocks)]
         if role == "verifier":
             out += ["--max-kv-bytes", str(args.max_kv_bytes)]
             out += [x for spec in args.restore or [] for x in ("--restore", spec)]

@@ -137,7 +137,8 @@ def cmd_serve_drafter(args) -> int:
         from kakeya.app.options import torch_options
 
         kwargs |= torch_options(args)
-    return _run(server_spec(draft, target, backend, limits, tls=tls, token=token, **kwargs), args)
+    return _run(server_spec(draft, target, backend, limits, tls=tls, token=token, predraft_blocks=args.predraft_blocks,
+                            **kwargs), args)
 
 
 def _backend_kwargs(args, embedded: bool) -> tuple[str, dict]:
@@ -382,6 +383,7 @@ def register(sub) -> None:
     serve_flags.add_sessions(d)
     serve_flags.add_internal_auth(d)
     serve_flags.add_prefix_cache(d, "the sessions' context caches")
+    serve_flags.add_predraft_blocks(d)
     d.set_defaults(func=cmd_serve_drafter)
 
     o = roles.add_parser(
@@ -419,6 +421,7 @@ def register(sub) -> None:
                    help="auto (default): on Linux, torch on the CPU and 2+ CPUs, pin the verifier to its own CPUs and the"
                         " drafter and orchestrator to the rest (docs/operations.md, \"Placement\", says why); off: no pinning")  # fmt: skip
     serve_flags.add_sessions(a)  # the verifier's and drafter's (--max-kv-bytes: the verifier's)
+    serve_flags.add_predraft_blocks(a)  # the drafter's
     # the verifier process's default policy; each of the verifier and drafter processes keeps a prefix cache
     _policy_and_front(a, "the verifier and the drafter process each keep one of this budget")
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")

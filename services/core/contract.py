@@ -394,8 +394,8 @@ class DrafterSession(Protocol):
         """Start drafting the block after ``block_ids`` (being verified now) for the likeliest verdicts:
         extend the context with ``new_aux`` as :meth:`draft` does (None: nothing new), then draft in one
         forward the next block for each verdict it prepares for (:class:`Predrafts`): all of ``block_ids``
-        accepted and its guess of the next token; with ``alternatives`` = k, also a rejection at each
-        candidate with each of its k next likeliest tokens there. Their context lacks ``block_ids``' aux
+        accepted and its guess of the next token; with ``alternatives`` = k, also the likeliest rejections
+        at a candidate with one of its k next likeliest tokens there (capped). Their context lacks ``block_ids``' aux
         (the verdict's goes with the next call). Returns at once; the result waits. Greedy sessions only."""
 
     def close(self) -> None: ...

@@ -103,9 +103,9 @@ class DraftModel(Protocol):
     def argmax(self, logits: Array, caches: Sequence[ContextKVCache]) -> list[int]:
         """Greedy tokens of ``logits`` rows: the host sync of a draft (the caches' new K/V settle with it)."""
 
-    def ranked(self, logits: Array, k: int) -> list[list[int]]:
-        """The ``k`` likeliest ids of each ``logits`` row, likeliest first (after ``argmax``: a pre-draft's
-        alternatives, see ``session.py``)."""
+    def ranked(self, logits: Array, k: int) -> tuple[list[list[int]], list[list[float]]]:
+        """The ``k`` likeliest ids of each ``logits`` row, likeliest first, and their log-probabilities
+        (after ``argmax``: a pre-draft's alternatives and how likely each is, see ``session.py``)."""
 
     def settle(self, caches: Sequence[ContextKVCache]) -> None:
         """Finish writing the caches' new K/V now (a call that synced no ``argmax``)."""

@@ -30,6 +30,7 @@ import numpy as np
 from kakeya.core.contract import Predrafts, check_alternatives
 from kakeya.drafter.batch import draft_batch
 from kakeya.drafter.config import MAX_BLOCK_SIZE
+from kakeya.drafter.session import PREDRAFT_BLOCKS, check_predraft_blocks
 from kakeya.runtime import bounds
 from kakeya.runtime.lifecycle import ServerSpec, check_token_ids, invalid, precondition, version
 from kakeya.runtime.servicer import SessionLimits, SessionServicer
@@ -48,7 +49,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
     role = "drafter"
     kv_kinds = ("context",)
 
-    def __init__(self, limits: SessionLimits = SessionLimits()):
+    def __init__(self, limits: SessionLimits = SessionLimits(), predraft_blocks: int = PREDRAFT_BLOCKS):
         # Draft requests of several streams that queue up while a batch runs go through ONE forward
         # (``batch.draft_batch``); max_batch 1: each alone, in turn.
         super().__init__(limits)
@@ -58,6 +59,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.names = ("", "")
         self.max_block_size = MAX_BLOCK_SIZE
         self.row_bytes = 0  # context K/V bytes per cache row of one layer, measured by load()
+        self.predraft_blocks = check_predraft_blocks(predraft_blocks, "--predraft-blocks")
 
     # -- loading -----------------------------------------------------------------------
 
@@ -73,6 +75,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
     def _setup(self, make, draft_dir: str, target_dir: str, backend: str) -> str:
         self.drafter = make()
         self.drafter.prefixes = self.prefixes
+        self.drafter.predraft_blocks = self.predraft_blocks
         if self.drafter.backend != backend:
             raise ValueError(f"asked for a {backend} drafter, got a {self.drafter.backend} one")
         self.backend = backend
@@ -305,11 +308,12 @@ def predrafted_proto(found: Predrafts, pending: int, stats) -> pb.DrafterRespons
 
 def server_spec(
     draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx", limits: SessionLimits = SessionLimits(), *,
-    tls=None, token: str | None = None, **kwargs,
+    tls=None, token: str | None = None, predraft_blocks: int = PREDRAFT_BLOCKS, **kwargs,
 ) -> ServerSpec:
     """A drafter server: ``limits`` its sessions' (``SessionLimits``), ``token`` the bearer token callers
-    must present (None: none), ``kwargs`` the loader's (``loader.local_drafter``)."""
-    servicer = DrafterServicer(limits)
+    must present (None: none), ``predraft_blocks`` the most blocks one pre-draft prepares, ``kwargs`` the
+    loader's (``loader.local_drafter``)."""
+    servicer = DrafterServicer(limits, predraft_blocks)
     return servicer.spec(
         pb.DESCRIPTOR.services_by_name["DrafterService"], lambda: servicer.load(draft_dir, target_dir, backend, **kwargs), tls=tls, token=token
     )

@@ -12,12 +12,15 @@ A pre-draft (``predraft``, greedy sessions) drafts the block after one still
 being verified, for the verdicts likeliest to come, all in one forward: the
 whole block accepted (``[last_token, *pending candidates, mask * B]``, whose
 first mask is the guess of the verifier's next token and the rest the
-candidates after it), and, with ``alternatives`` = k, a rejection at each
-candidate with each of the drafter's k next likeliest tokens there instead
-(``[last_token, c1 .. c_n, alternative, mask * (B-1)]``). The alternatives come
-from the logits of the draft that proposed the pending candidates, which the
-session keeps (its top k + 1 ids per row, ``_record``) once it has been asked
-for alternatives. The blocks' context lacks the pending block's aux (the
+candidates after it), and, with ``alternatives`` = k, a rejection at a
+candidate with one of the drafter's k next likeliest tokens there instead
+(``[last_token, c1 .. c_n, alternative, mask * (B-1)]``): the likeliest such
+verdicts, at most ``predraft_blocks`` blocks in all (``PREDRAFT_BLOCKS``). The alternatives, and how
+likely each verdict is, come from the logits of the draft that proposed the
+pending candidates, which the session keeps (its top k + 1 ids per row and
+their log-probabilities, ``_record``) once it has been asked for alternatives:
+"n accepted, then a" is rated q(c1) .. q(c_n) q(a), the drafter's own estimate
+of the target that chose its candidates. The blocks' context lacks the pending block's aux (the
 verifier has not answered yet); their tokens are proposals like any others.
 
 A draft alone is :func:`draft_together` of one session, the same code
@@ -41,6 +44,16 @@ from kakeya.drafter.config import check_draft_args
 from kakeya.drafter.sampling import session_rule
 
 WARM_BLOCK_SIZES = range(2, 17)  # every block size the loop drafts (it stops at 16)
+# The most blocks one pre-draft prepares (the full acceptance's and the likeliest rejections'): each is
+# up to 2B rows of one drafter forward, which should end before the verifier answers.
+PREDRAFT_BLOCKS = 4
+
+
+def check_predraft_blocks(n: int, field: str = "predraft_blocks") -> int:
+    """At least the full acceptance's block (1: no alternative ever), at most every verdict of a block of 16."""
+    if not 1 <= n <= 2 * MAX_BLOCK_SIZE:
+        raise ValueError(f"{field} must be 1..{2 * MAX_BLOCK_SIZE}, got {n}")
+    return n
 
 
 class _Empty:
@@ -89,8 +102,10 @@ class DrafterSession:
     """``prefixes``: the drafter's prefix cache (None: none): :meth:`cached_prefixes` and :meth:`resume`
     read it, :meth:`save` fills it."""
 
-    def __init__(self, model: DraftModel, sampling: SamplingParams | None = None, prefixes: PrefixCache | None = None):
+    def __init__(self, model: DraftModel, sampling: SamplingParams | None = None, prefixes: PrefixCache | None = None,
+                 predraft_blocks: int = PREDRAFT_BLOCKS):
         self.model = model
+        self.predraft_blocks = check_predraft_blocks(predraft_blocks)
         self.rule = session_rule(sampling)  # None: greedy
         self.cache = model.make_cache()
         self.prefixes = prefixes
@@ -98,7 +113,9 @@ class DrafterSession:
         self.calls = 0
         self._closed = False
         self.alternatives = 0  # next likeliest ids kept per drafted row (a pre-draft asked for them)
-        self._ranked: list[tuple[tuple[int, ...], list[list[int]]]] = []  # last call's blocks: ([opening, *candidates], alternatives)
+        # The last call's blocks: ((opening, *candidates), each candidate's log-probability, the next likeliest
+        # (id, log-probability) pairs of each candidate's row).
+        self._ranked: list[tuple[tuple[int, ...], list[float], list[list[tuple[int, float]]]]] = []
 
     def cached_prefixes(self, prompt_ids: Sequence[int]) -> list[int]:
         """The lengths of the prompt prefixes this session can resume at, longest first: the prefix cache's
@@ -155,36 +172,48 @@ class DrafterSession:
 
     def check_predraft(self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0) -> list[DraftCall]:
         """Validate a pre-draft's arguments (ValueError naming the field): its calls, the full acceptance's
-        first (it takes ``new_aux``), then one per candidate and alternative this session's record of the
-        draft that proposed ``block_ids[1:]`` holds (none without a record: a copied block, the first)."""
+        first (it takes ``new_aux``), then the likeliest rejections (a candidate and an alternative there)
+        this session's record of the draft that proposed ``block_ids[1:]`` holds, ``predraft_blocks`` calls in
+        all (none but the first without a record: a copied block, the first)."""
         if len(block_ids) < 2:
             raise ValueError("block_ids: a pre-draft follows a block with candidates (at least 2 ids)")
         check_alternatives(alternatives)
         full = self.check(new_aux, block_ids[0], block_size, tuple(block_ids[1:]))
         self.alternatives = alternatives  # kept from now on, for the next pre-draft
         calls, nothing = [full], self.model.zeros_aux(0)
-        for n, alts in enumerate(self._alternatives_of(full.last_token, full.pending)):
-            calls += [DraftCall(self, nothing, full.last_token, block_size, full.pending[:n] + (a,), False) for a in alts[:alternatives]]
+        outcomes, before = [], 0.0  # (log-probability of the verdict, accepted, token there)
+        for n, (logp, alts) in enumerate(zip(*self._alternatives_of(full.last_token, full.pending))):
+            outcomes += [(before + alt_logp, n, a) for a, alt_logp in alts[:alternatives]]
+            before += logp
+        outcomes.sort(key=lambda o: -o[0])  # stable: a tie keeps the earlier position, the likelier alternative
+        calls += [DraftCall(self, nothing, full.last_token, block_size, full.pending[:n] + (a,), False)
+                  for _, n, a in outcomes[: self.predraft_blocks - 1]]
         return calls  # the longest block first: it plans the room every block's scratch rows need
 
-    def _alternatives_of(self, opening: int, candidates: tuple[int, ...]) -> list[list[int]]:
-        """Per candidate, the next likeliest ids of the row that drafted it ([] without a record)."""
+    def _alternatives_of(self, opening: int, candidates: tuple[int, ...]) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """Per candidate, its log-probability and the next likeliest (id, log-probability) pairs of the row that
+        drafted it (none without a record)."""
         key = (opening, *candidates)
-        for drafted, alts in self._ranked:
+        for drafted, logps, alts in self._ranked:
             if drafted[: len(key)] == key:  # a block cut to the room left is a prefix
-                return alts[: len(candidates)]
-        return []
+                return logps[: len(candidates)], alts[: len(candidates)]
+        return [], []
 
-    def _record(self, call: DraftCall, tokens: Sequence[int], ranked: Sequence[Sequence[int]]) -> None:
-        """Keep a drafted block, the token opening it first, with its candidates' next likeliest ids (the
-        argmax left out): a draft opens with its last token, a pre-draft's block with the verdict's token it
-        assumes (a full acceptance's: its guess, its first drafted token)."""
-        alts = [[t for t in row if t != tok][: self.alternatives] for row, tok in zip(ranked, tokens)]
+    def _record(self, call: DraftCall, tokens: Sequence[int], ids: Sequence[Sequence[int]],
+                logps: Sequence[Sequence[float]]) -> None:
+        """Keep a drafted block, the token opening it first, with its candidates' log-probabilities and next
+        likeliest ids (the argmax left out): a draft opens with its last token, a pre-draft's block with the
+        verdict's token it assumes (a full acceptance's: its guess, its first drafted token)."""
+        own, alts = [], []
+        for tok, row, row_logp in zip(tokens, ids, logps):
+            ranked = list(zip(row, row_logp))
+            own.append(next((lp for t, lp in ranked if t == tok), ranked[0][1]))  # a tie may rank another first
+            alts.append([(t, lp) for t, lp in ranked if t != tok][: self.alternatives])
         if call.pending and call.guesses:
-            opening, tokens, alts = tokens[0], tokens[1:], alts[1:]
+            opening, tokens, own, alts = tokens[0], tokens[1:], own[1:], alts[1:]
         else:
             opening = call.pending[-1] if call.pending else call.last_token
-        self._ranked.append(((opening, *tokens), alts))
+        self._ranked.append(((opening, *tokens), own, alts))
 
     def run(self, call: DraftCall) -> Draft:
         """A call ``check`` returned."""
@@ -258,7 +287,7 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
         if call.session.rule is None:
             drafts.append(Draft(tokens[rows]))
             if ranked is not None and call.session.alternatives:
-                call.session._record(call, tokens[rows], ranked[rows])
+                call.session._record(call, tokens[rows], ranked[0][rows], ranked[1][rows])
         else:  # syncs on its candidates (coupled) or its [B-1, K] proposal (rejection)
             # The context now ends at last_token's position: candidate 1 is the next one
             # (a sampling call has no pending candidates: pre-drafts are greedy).
@@ -283,6 +312,8 @@ class LocalDrafter:
     """``Drafter`` protocol over one loaded DFlash model (either backend); sessions share the weights
     (``prefixes``: their prefix cache, None: none)."""
 
+    predraft_blocks = PREDRAFT_BLOCKS  # the most blocks one pre-draft of its sessions prepares (``serve drafter --predraft-blocks``)
+
     def __init__(self, model: DraftModel, prefixes: PrefixCache | None = None):
         if model.target is None:
             raise ValueError("DFlashDraftModel must be bound to the target's embedding/LM head")
@@ -294,7 +325,7 @@ class LocalDrafter:
         self.target_layer_ids: tuple[int, ...] = tuple(model.config.target_layer_ids)
 
     def open_session(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None) -> DrafterSession:
-        return DrafterSession(self.model, sampling, self.prefixes)
+        return DrafterSession(self.model, sampling, self.prefixes, self.predraft_blocks)
 
     def status(self) -> dict[str, str]:
         return {}  # in this process: no connection to lose

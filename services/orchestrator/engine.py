@@ -27,7 +27,7 @@ class Engine:
     """``predraft``: greedy runs pre-draft each next block while the current one is verified (the
     loop's ``predraft``): worth it where the drafter works beside the verifier, i.e. split;
     ``predraft_alternatives``: the drafter's next likeliest tokens each pre-draft also prepares a
-    rejection for, at every candidate (the loop's ``alternatives``).
+    rejection for at a candidate, the likeliest such verdicts (the loop's ``alternatives``).
     ``prefix_cache``: the verifier keeps a prefix cache (``core/prefix.py``), so every run asks it (and
     the drafter) to resume the longest cached prefix of its prompt and leaves a snapshot when it ends.
     ``ngram``: a block whose context ends in a run seen before is drafted by copy (the loop's ``ngram``;

@@ -22,8 +22,8 @@ them. Per block:
 With ``predraft``, step 1 of the next block starts right after step 1 of this
 one (``DrafterSession.predraft``): the drafter drafts it for the verdicts
 likeliest to come (this block accepted in full and its guess of the next token;
-with ``alternatives`` = k, also a rejection at each candidate with one of its k
-next likeliest tokens there), and the next block takes the one the verdict
+with ``alternatives`` = k, also the likeliest rejections at a candidate with one
+of its k next likeliest tokens there), and the next block takes the one the verdict
 names, if it was prepared.
 
 With ``ngram``, a block whose context ends in a run of tokens seen before is
@@ -76,7 +76,7 @@ class Decoding:
     seen before copies what followed it instead of asking the drafter for
     candidates (greedy and coupled sampling; never the rejection rule, which
     needs the drafter's distribution). ``alternatives``: with ``predraft``, the drafter's next
-    likeliest tokens a pre-draft prepares for at each candidate (``DrafterSession.predraft``).
+    likeliest tokens a pre-draft may prepare for at each candidate (``DrafterSession.predraft``).
 
     ``unseen`` holds the aux the loop committed that the drafter has not been
     handed yet (chunks, in order): what a drafter's prefix snapshot still needs

@@ -190,7 +190,7 @@ def test_serve_all_hands_each_child_both_branches_flags():
 
     a = build_parser().parse_args(["serve", "all", "--prefix-cache-bytes", "64M", "--http-port", "8000",
                                    "--served-model-name", "m", "--max-sessions-per-peer", "3", "--predraft", "on",
-                                   "--predraft-alternatives", "2"])  # fmt: skip
+                                   "--predraft-alternatives", "2", "--predraft-blocks", "6"])  # fmt: skip
 
     def value(argv, flag):
         return argv[argv.index(flag) + 1]
@@ -198,6 +198,8 @@ def test_serve_all_hands_each_child_both_branches_flags():
     for role in ("verifier", "drafter"):
         argv = serve_flags.child_argv(a, role, "tok")
         assert value(argv, "--prefix-cache-bytes") == str(64 << 20) and value(argv, "--auth-token-file") == "tok"
+    assert value(serve_flags.child_argv(a, "drafter", "tok"), "--predraft-blocks") == "6"  # the drafter's cap
+    assert "--predraft-blocks" not in serve_flags.child_argv(a, "verifier", "tok")
     argv = serve_flags.child_argv(a, "orchestrator", "tok")
     assert (value(argv, "--http-port"), value(argv, "--served-model-name")) == ("8000", "m")
     assert (value(argv, "--max-sessions-per-peer"), value(argv, "--backend-token-file"), value(argv, "--predraft")) == ("3", "tok", "on")

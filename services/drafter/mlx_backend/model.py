@@ -350,10 +350,13 @@ class DFlashDraftModel(nn.Module):
         mx.eval(tokens, *[c.state for c in caches])
         return tokens.tolist()
 
-    def ranked(self, logits: mx.array, k: int) -> list[list[int]]:
+    def ranked(self, logits: mx.array, k: int) -> tuple[list[list[int]], list[list[float]]]:
+        logits = logits.astype(mx.float32)
         top = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]  # the k likeliest, unordered: no sort of the vocabulary
-        order = mx.argsort(-mx.take_along_axis(logits, top, axis=-1), axis=-1)
-        return mx.take_along_axis(top, order, axis=-1).tolist()
+        values = mx.take_along_axis(logits, top, axis=-1)
+        order = mx.argsort(-values, axis=-1)
+        logp = mx.take_along_axis(values, order, axis=-1) - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return mx.take_along_axis(top, order, axis=-1).tolist(), logp.tolist()
 
     def settle(self, caches: Sequence[ContextKVCache]) -> None:
         """Evaluate the context K/V now (a call that drafted nothing must not pile up a graph)."""

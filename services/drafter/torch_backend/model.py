@@ -414,8 +414,10 @@ class DFlashDraftModel(nn.Module):
         """Greedy tokens of logits rows: one host sync (torch runs eagerly: the caches are written)."""
         return torch.argmax(logits, dim=-1).tolist()
 
-    def ranked(self, logits: torch.Tensor, k: int) -> list[list[int]]:
-        return torch.topk(logits, k, dim=-1).indices.tolist()
+    def ranked(self, logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+        top = torch.topk(logits.float(), k, dim=-1)
+        logp = top.values - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+        return top.indices.tolist(), logp.tolist()
 
     def settle(self, caches: Sequence[ContextKVCache]) -> None:
         """Nothing to do: torch runs eagerly."""
