@@ -75,10 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "predraft.json"))
     args = ap.parse_args(argv)
 
+    from suite import held_out_prompts
+
     from kakeya.app.options import DEFAULT_PROMPT
     from kakeya.drafter import session
     from kakeya.orchestrator.assembly import build_local_engine, embedded_paths, set_torch_threads
-    from suite import held_out_prompts
 
     target, draft = embedded_paths()
     target, draft = args.target or target, args.draft or draft
