@@ -105,7 +105,9 @@ def drafter_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of steps whose blocks are shaped as pre-drafts (serve --predraft-alternatives): 1..B-1 of"
                         " the target's tokens after the anchor (no aux for them yet), then B-1 masks, the loss on those"
                         " (default 0)")
-    p.add_argument("--init-from", default=None, help="start from this drafter checkpoint (same config), e.g. to fine-tune")
+    p.add_argument("--init-from", default=None,
+                   help="start from this drafter checkpoint, e.g. to fine-tune (same config) or to grow it (a larger"
+                        " --intermediate or more --layers: it starts computing what the checkpoint does; training/grow.py)")
     p.add_argument("--val-sequences", type=int, default=64,
                    help="target continuations of held-out prompts for a teacher-forced held-out curve (0: none)")
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the engine's acceptance")

@@ -293,10 +293,17 @@ class BlockTrainer:
 
     def load_weights(self, draft_dir: Path) -> None:
         """The drafter weights of a reference-layout checkpoint directory (strict)."""
+        self.load_tensors(self.read_weights(draft_dir))
+
+    @staticmethod
+    def read_weights(draft_dir: Path) -> dict[str, np.ndarray]:
         from safetensors.numpy import load_file
 
-        w = load_file(Path(draft_dir) / "model.safetensors")
-        self.model.load_state_dict({k: self.torch.from_numpy(v) for k, v in w.items()}, strict=True)
+        return load_file(Path(draft_dir) / "model.safetensors")
+
+    def load_tensors(self, w: dict[str, np.ndarray]) -> None:
+        """Every drafter weight, by its reference name (strict)."""
+        self.model.load_state_dict({k: self.torch.from_numpy(np.ascontiguousarray(v)) for k, v in w.items()}, strict=True)
 
     def tensors(self) -> dict[str, np.ndarray]:
         return {k: v.detach().float().cpu().numpy() for k, v in self.model.state_dict().items()}

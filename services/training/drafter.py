@@ -41,7 +41,7 @@ import numpy as np
 from kakeya.checkpoints import tiny
 from kakeya.checkpoints import tokenizer as tk
 from kakeya.core.contract import FULL
-from kakeya.training import common, data
+from kakeya.training import common, data, grow
 from kakeya.training.block_trainer import BlockTrainer, TorchTarget, cached_continuations, log, make_dataset
 from kakeya.training.drafter_eval import acceptance_record, evaluate, floats, heldout_prompts, ints
 
@@ -169,9 +169,14 @@ def train(args) -> dict:
         opt.load_state_dict(st["opt"])
     elif args.init_from:
         init = Path(args.init_from)
-        if json.loads((init / "config.json").read_text()) != cfg:
-            raise ValueError(f"--init-from {init}: its config.json differs from this run's drafter config")
-        trainer.load_weights(init)
+        init_cfg = json.loads((init / "config.json").read_text())
+        if init_cfg == cfg:
+            trainer.load_weights(init)
+        else:  # a wider or deeper drafter starts as the smaller one, grown (``grow.py``)
+            why = grow.why_not(init_cfg, cfg)
+            if why:
+                raise ValueError(f"--init-from {init}: {why}")
+            trainer.load_tensors(grow.grow(trainer.read_weights(init), trainer.tensors()))
     step = meta["step"] if meta else 0
     curve = meta["curve"] if meta else []
     val_curve = meta.get("val_curve", []) if meta else []

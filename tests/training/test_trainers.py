@@ -98,9 +98,9 @@ def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     seqs = np.load(out2 / "ckpt" / "data" / "seqs.npy")
     assert (seqs[:, 0] == tk.BOS_ID).all() and (seqs[:, 1:] != tk.BOS_ID).any()
-    with pytest.raises(ValueError, match="init-from"):
+    with pytest.raises(ValueError, match="init-from"):  # another head size: not a drafter it can grow into
         tdraft.train(_args(drafter_arguments, base2 + ["--steps", "0", "--no-eval", "--init-from", str(out),
-                                                           "--layers", "2"]))
+                                                           "--head-dim", "8"]))
 
 
 def test_sampled_continuations_and_the_soft_label_loss(tmp_path, tiny_pair):
