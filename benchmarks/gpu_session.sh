@@ -27,7 +27,9 @@
 #               steps of TRAIN_BATCH (256) sequences, at most TRAIN_BUDGET_S (240) s of training, the whole
 #               step under 10 min (one device call; a rerun on the same node reuses the data made); the data
 #               (~240 KB a continuation) stays in TRAIN_DIR, the drafter and its report come back in
-#               OUT/draft_next/ (docs/demo-pair.md: what to do with it)
+#               OUT/draft_next/ (docs/demo-pair.md: what to do with it). TRAIN_LAYERS / TRAIN_INTERMEDIATE
+#               (2 / 384, the shipped shape) above it grow the shipped drafter into a larger one first
+#               (training/grow.py: it starts computing what the shipped one does)
 # SESSION_S bounds the whole session (a device call's limit): each step's time is cut to what is left,
 # and a step with under 30 s left is skipped. SPLIT_ARGS replaces the split step's sizes and streams.
 # Results land in OUT_DIR. Needs torch with CUDA, grpcio, protobuf, safetensors, tokenizers,
@@ -154,7 +156,7 @@ if part train; then  # the stage-2 command's shape (services/models/demo/draft/r
     --device "${TRAIN_DEVICE:-cuda}" --seed "${TRAIN_SEED:-2}" --sequences "${TRAIN_SEQUENCES:-49152}" \
     --gen-batch "${TRAIN_GEN_BATCH:-2048}" --batch "${TRAIN_BATCH:-256}" --steps "${TRAIN_STEPS:-6000}" \
     --time-budget "${TRAIN_BUDGET_S:-240}" --resume --lr 0.001 --warmup 100 --save-every 500 --eval-every 1000 \
-    --layers 2 --intermediate 384 --heads 4 --kv-heads 2 --head-dim 32 --target-layer-ids 1,6,11,16 \
+    --layers "${TRAIN_LAYERS:-2}" --intermediate "${TRAIN_INTERMEDIATE:-384}" --heads 4 --kv-heads 2 --head-dim 32 --target-layer-ids 1,6,11,16 \
     --block-size 8 --train-block-sizes 8,16 --anchors 16 --prompt-len 64 --gen-len 128 --bos-prompts \
     --temperatures 0,0,0.7,1 --soft-weight 1 --eval-backend torch ${TRAIN_EVAL_PROMPTS:+--eval-prompts $TRAIN_EVAL_PROMPTS}
   mkdir -p "$OUT/draft_next"
