@@ -10,7 +10,7 @@ block size: without pre-drafting, then with pre-drafts prepared for the full acc
 likeliest tokens there; ``serve orchestrator --predraft-alternatives``), at most
 ``--predraft-blocks`` blocks a pre-draft, the likeliest verdicts by the drafter's own probabilities
 (each value a row of its own, as ``serve drafter --predraft-blocks`` sets it; the default cap when
-not given; 2B or more prepares every verdict). N-gram copies are off,
+not given; 1 + k(B - 1) or more prepares every verdict). N-gram copies are off,
 so every block is the drafter's. Per setting: tokens committed per block over all blocks, the
 hit rate (pre-drafts used / started) and the tokens per block of the blocks that used one, and
 that every run committed the same tokens as the one without pre-drafts.
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                  " started; tokens_per_used_block: the blocks that opened with a pre-draft. alternatives_k: each"
                  " pre-draft prepared for the full acceptance and for a rejection at each candidate with each of the"
                  " drafter's k next likeliest tokens there, the likeliest verdicts first, at most predraft_blocks blocks"
-                 " (alternatives_k_blocks_m: at most m; 2B or more: every verdict).",
+                 " (alternatives_k_blocks_m: at most m; 1 + k(B - 1) or more: every verdict).",
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
