@@ -83,9 +83,12 @@ def add_restore(p) -> None:
 
 def add_predraft_blocks(p) -> None:
     """The drafter: how many blocks one pre-draft prepares (``serve drafter`` and ``serve all``)."""
+    from kakeya.drafter.config import MAX_BLOCK_SIZE
     from kakeya.drafter.session import PREDRAFT_BLOCKS
 
-    p.add_argument("--predraft-blocks", type=int, default=PREDRAFT_BLOCKS, metavar="1..32",
+    # Refused here, as --predraft-alternatives is, not by a child process of `serve all` that fails to start.
+    p.add_argument("--predraft-blocks", type=int, default=PREDRAFT_BLOCKS, choices=range(1, 2 * MAX_BLOCK_SIZE + 1),
+                   metavar=f"1..{2 * MAX_BLOCK_SIZE}",
                    help="the most blocks one pre-draft prepares (orchestrator --predraft on): the full acceptance's, then"
                         " the likeliest rejections' by the drafter's own probabilities (--predraft-alternatives); each is"
                         f" up to 2B rows of one drafter forward (default {PREDRAFT_BLOCKS}; see docs/operations.md)")

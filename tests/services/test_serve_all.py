@@ -200,6 +200,9 @@ def test_serve_all_hands_each_child_both_branches_flags():
         assert value(argv, "--prefix-cache-bytes") == str(64 << 20) and value(argv, "--auth-token-file") == "tok"
     assert value(serve_flags.child_argv(a, "drafter", "tok"), "--predraft-blocks") == "6"  # the drafter's cap
     assert "--predraft-blocks" not in serve_flags.child_argv(a, "verifier", "tok")
+    for role in ("all", "drafter"):  # out of range: argparse refuses it before any process starts
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", role, "--predraft-blocks", "0"])
     argv = serve_flags.child_argv(a, "orchestrator", "tok")
     assert (value(argv, "--http-port"), value(argv, "--served-model-name")) == ("8000", "m")
     assert (value(argv, "--max-sessions-per-peer"), value(argv, "--backend-token-file"), value(argv, "--predraft")) == ("3", "tok", "on")
