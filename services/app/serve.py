@@ -110,8 +110,10 @@ def cmd_serve_verifier(args) -> int:
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
     if backend == "torch":
         from kakeya.app.options import torch_options
+        from kakeya.orchestrator.assembly import check_compile
 
         kwargs |= torch_options(args)
+        check_compile(kwargs, kwargs.get("device"))
     spec = server_spec(target, layers, backend, limits, restore=restore, tls=tls, token=token, policy=_default_policy(args), **kwargs)
     return _run(spec, args)
 
@@ -135,8 +137,10 @@ def cmd_serve_drafter(args) -> int:
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
     if backend == "torch":
         from kakeya.app.options import torch_options
+        from kakeya.orchestrator.assembly import check_compile
 
         kwargs |= torch_options(args)
+        check_compile(kwargs, kwargs.get("device"))
     return _run(server_spec(draft, target, backend, limits, tls=tls, token=token, predraft_blocks=args.predraft_blocks,
                             **kwargs), args)
 

@@ -177,6 +177,14 @@ def remote_drafter(addr: str, **kwargs):
 # --------------------------------------------------------------------------- engines
 
 
+def check_compile(torch_options: dict | None, device: str | None) -> None:
+    """``--compile`` is for CUDA. On a CPU the layers run in the eager cache layout, whose attention
+    shapes change every block, so the compiled attention recompiles until torch gives up (a crash a
+    few blocks in); with the limit raised, the demo pair decoded slower than eager on this project's CPUs."""
+    if torch_options and torch_options.get("compile") and not str(device or "cpu").startswith("cuda"):
+        raise ValueError(f"--compile applies to --device cuda, not {device or 'cpu'}: leave it out there (eager is faster)")
+
+
 def build_local_engine(target: str | None, draft: str | None, backend: str = "mlx", device: str | None = None,
                        dtype: str | None = None, policy=None, no_drafter: bool = False, torch_options: dict | None = None,
                        prefixes=None, ngram: bool = True):
@@ -204,6 +212,7 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
     torch_kw = {"device": device, "dtype": dtype or "float32"} if backend == "torch" else {}
     if torch_options and backend != "torch":
         raise ValueError("--cuda-graphs/--compile apply to --backend torch")
+    check_compile(torch_options, device)
     vkw = torch_kw | (torch_options or {}) | ({"policy": policy} if policy else {})
     verifier = local_verifier(target, aux_layers, backend, **vkw)
     dkw = torch_kw | (torch_options or {})

@@ -70,6 +70,7 @@ def bad_dirs(tmp_path, tiny_pair):
         (["--temperature", "1", "--top-p", "0"], "top_p"),
         (["--temperature", "1", "--top-k", "-2"], "top_k"),
         (["--temperature", "1", "--min-p", "1.5"], "min_p"),
+        (["--backend", "torch", "--device", "cpu", "--compile"], "--compile applies to --device cuda"),
     ],
 )
 def test_bad_input_is_one_clear_line(bad_dirs, args, fragment, capsys):
@@ -180,3 +181,10 @@ def test_policy_block_size_limits_are_checked_up_front(tiny_pair, capsys):
     args = ["generate", "--cache", "sink-window", "--sink", "2", "--window", "4", "--block-size", "8", "--max-tokens", "4"]
     assert main([*args, "--restore", "/no/such/ftheta"]) == 2
     assert "restoring window" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("role", ["verifier", "drafter"])
+def test_servers_refuse_compile_on_a_cpu_before_loading(role, capsys):
+    """--compile is for CUDA (on a CPU the compiled attention recompiles until torch gives up, blocks in)."""
+    assert main(["serve", role, "--backend", "torch", "--device", "cpu", "--compile", "--port", "0"]) == 2
+    assert "--compile applies to --device cuda, not cpu" in capsys.readouterr().err

@@ -236,6 +236,8 @@ def test_cpu_never_compiles(tiny, monkeypatch):
     assert not engine.verifier.target.graph_options.capture
     with pytest.raises(ValueError, match="CUDA"):
         build_local_engine(tiny.target, tiny.draft, "torch", "cpu", torch_options={"cuda_graphs": True})
+    with pytest.raises(ValueError, match="--compile applies to --device cuda, not cpu"):
+        build_local_engine(tiny.target, tiny.draft, "torch", "cpu", torch_options={"compile": True})
 
 
 def test_sdpa_backends_sets_what_sdpa_kernel_sets():
