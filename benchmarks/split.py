@@ -85,19 +85,23 @@ class Sessions:
         """The servers' time on the critical path so far: the verifier's steps and the drafter's drafts."""
         return self.verifier.server_s + (self.drafter.server_s if self.drafter is not None else 0.0)
 
+    def verify_s(self) -> float:
+        """The verifier's part of :meth:`server_s`."""
+        return self.verifier.server_s
+
 
 def one_run(engine, req, predraft: bool | None, sessions: Sessions | None):
-    """One generation; per decode block (client-observed ms, servers' compute ms or None)."""
+    """One generation; per decode block (the block, servers' compute s or None, the verifier's part or None)."""
     blocks = []
     with engine.start(req, RunOptions(predraft=predraft)) as run:
         before = None
         for block in run:
-            now = sessions.server_s() if sessions is not None else None
+            now = (sessions.server_s(), sessions.verify_s()) if sessions is not None else None
             if before is not None or sessions is None:
-                blocks.append((block, None if now is None else now - before))
+                blocks.append((block, *((None, None) if now is None else (now[0] - before[0], now[1] - before[1]))))
             before = now
     gen = run.result
-    return gen, [(b, s) for b, s in blocks if b is not gen.blocks[0]]
+    return gen, [(b, s, v) for b, s, v in blocks if b is not gen.blocks[0]]
 
 
 def measure_block_size(engines, sessions, prompt, args, block_size):
@@ -108,6 +112,8 @@ def measure_block_size(engines, sessions, prompt, args, block_size):
     tok_s = {m: [] for m in MODES}
     block_ms = {m: [] for m in MODES}
     compute_ms = {m: [] for m in MODES if m != "colocated"}
+    verify_ms = {m: [] for m in MODES}  # colocated: the loop's verify_s; split: the verifier's own elapsed_s
+    draft_ms = []  # colocated: the loop's draft_s
     wire_ms = {m: [] for m in MODES if m != "colocated"}
     accepted = {m: [] for m in MODES}
     predrafts = used = 0
@@ -118,16 +124,20 @@ def measure_block_size(engines, sessions, prompt, args, block_size):
             gen, blocks = one_run(engines[mode], req, options[mode], sessions.get(mode))
             outputs[mode] = gen.token_ids
             tok_s[mode].append(gen.decode_tok_s)
-            accepted[mode] += [b.accepted for b, _ in blocks]
-            for b, server_s in blocks:
+            accepted[mode] += [b.accepted for b, _, _ in blocks]
+            for b, server_s, server_verify_s in blocks:
                 block_ms[mode].append(b.total_s * 1e3)
                 if server_s is not None:
                     compute_ms[mode].append(server_s * 1e3)
                     wire_ms[mode].append((b.total_s - server_s) * 1e3)
+                    verify_ms[mode].append(server_verify_s * 1e3)
+                else:
+                    verify_ms[mode].append(b.verify_s * 1e3)
+                    draft_ms.append(b.draft_s * 1e3)
             if mode == "split_predraft":
                 predrafts += gen.predrafts
-                used += sum(b.predrafted for b, _ in blocks)
-                used_accepted += [b.accepted for b, _ in blocks if b.predrafted]
+                used += sum(b.predrafted for b, _, _ in blocks)
+                used_accepted += [b.accepted for b, _, _ in blocks if b.predrafted]
         identical &= outputs["split"] == outputs["colocated"] == outputs["split_predraft"]
     co = med(tok_s["colocated"])
     return {
@@ -139,6 +149,8 @@ def measure_block_size(engines, sessions, prompt, args, block_size):
         "critical_path_ms_median": {
             m: {"compute": round(med(compute_ms[m]), 3), "wire": round(med(wire_ms[m]), 3)} for m in compute_ms
         },
+        "verify_ms_median": {m: round(med(v), 3) for m, v in verify_ms.items()},
+        "colocated_draft_ms_median": round(med(draft_ms), 3),
         "mean_accepted": {m: round(statistics.mean(v), 3) if v else 0.0 for m, v in accepted.items()},
         "predraft": {
             "started": predrafts,
@@ -146,6 +158,23 @@ def measure_block_size(engines, sessions, prompt, args, block_size):
             "hit_rate": round(used / predrafts, 3) if predrafts else 0.0,
             "mean_accepted_of_used": round(statistics.mean(used_accepted), 3) if used_accepted else 0.0,
         },
+    }
+
+
+def overlap_ceiling(row: dict, round_trip_ms: float) -> dict:
+    """What split / colocated could reach if every draft were hidden beside the previous verify and were as good
+    as a fresh one (a pre-draft always used, no acceptance lost), with one bare round trip a block.
+
+    A block then costs the verifier's forward plus that round trip; ``with_split_verify`` prices the forward
+    as the split's verifier took it (its own elapsed_s, idle gaps and all), ``with_colocated_verify`` as the
+    colocated loop did (the most any overlap could buy here)."""
+    colocated = row["block_ms_median"]["colocated"]
+    split_verify, colocated_verify = row["verify_ms_median"]["split"], row["verify_ms_median"]["colocated"]
+    return {
+        "colocated_block_ms": colocated,
+        "round_trip_ms": round_trip_ms,
+        "with_split_verify": round(colocated / (split_verify + round_trip_ms), 3) if split_verify else 0.0,
+        "with_colocated_verify": round(colocated / (colocated_verify + round_trip_ms), 3) if colocated_verify else 0.0,
     }
 
 
@@ -300,6 +329,9 @@ def main(argv=None):
     # ... and a bare block both ways a split could run it: two round trips, or a verifier -> drafter relay
     grpc_floor["block"] = block_wire(repeats=2)
 
+    round_trip = grpc_floor["round_trip_ms"]["sync"]["0"]
+    for row in one:
+        row["overlap_ceiling"] = overlap_ceiling(row, round_trip)
     base = {m: streams[0][m]["aggregate_tok_s"] for m in ("split", "split_predraft")} if streams else {}
     for row in streams:
         for m, one_stream in base.items():
@@ -333,7 +365,11 @@ def main(argv=None):
             "a bare bidirectional-stream echo of 4 KB to another process (benchmarks/grpc_floor.py; a sync grpc.server "
             "as Kakeya's, and a grpc.aio one), each message sent after an idle gap of 0 / 3 / 10 ms: the least a round "
             "trip costs here. grpc_floor.block: a bare block's wire with the servers burning a block's compute, as two "
-            "round trips and as a relay chain (verifier -> drafter -> client)."
+            "round trips and as a relay chain (verifier -> drafter -> client). verify_ms_median: colocated, the loop's "
+            "verify time a block; split, the verifier's own elapsed_s. overlap_ceiling: colocated block ms / (a verify + "
+            "the bare round trip with no gap), the verify priced as the split's verifier took it or as the colocated one "
+            "did: what split / colocated could reach if every draft were hidden beside the previous verify and were as "
+            "good as a fresh one."
         ),
     }
     path = Path(args.out)
