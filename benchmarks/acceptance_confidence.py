@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -96,19 +94,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
 
-    from kakeya.checkpoints.tiny import embedded_pair
-    from kakeya.training import data
-    from kakeya.training.drafter_eval import heldout_prompts
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from draft_sources import card_setup  # the card's held-out prompts and a result's header
 
-    pair = embedded_pair()
-    prompts = heldout_prompts(data.load_corpus(data.target_tokenizer(Path(pair.target))), args.prompts, args.prompt_len)
-    res = {
-        "benchmark": "acceptance_confidence",
-        "command": "python benchmarks/acceptance_confidence.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "pair": {"target": str(Path(pair.target).relative_to(ROOT)), "draft": str(Path(pair.draft).relative_to(ROOT))},
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "prompts": {"held_out": len(prompts), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens},
+    pair, _, prompts, header = card_setup("acceptance_confidence", argv, args)
+    res = header | {
         "notes": "confidence: the target's probability of the token it chose (transformers' forward over the "
                  "generation); a block's mean confidence is over the B - 1 positions its candidates stand in; "
                  "tokens_per_block: tokens the block committed (the drafter alone, greedy)",

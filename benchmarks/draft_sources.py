@@ -183,6 +183,27 @@ def measure(prompts: list[list[int]], block_sizes, max_tokens: int, corpus_token
     return out
 
 
+def card_setup(name: str, argv, args) -> tuple:
+    """The embedded pair, its corpus, the model card's held-out prompts (``--prompts``, ``--prompt-len``) and a
+    result's header: what ran (``--max-tokens`` too), on which pair and machine, when."""
+    from kakeya.checkpoints.tiny import embedded_pair
+    from kakeya.training import data
+    from kakeya.training.drafter_eval import heldout_prompts
+
+    pair = embedded_pair()
+    corpus = data.load_corpus(data.target_tokenizer(Path(pair.target)))
+    prompts = heldout_prompts(corpus, args.prompts, args.prompt_len)
+    header = {
+        "benchmark": name,
+        "command": f"python benchmarks/{name}.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "pair": {"target": str(Path(pair.target).relative_to(ROOT)), "draft": str(Path(pair.draft).relative_to(ROOT))},
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "prompts": {"held_out": len(prompts), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens},
+    }
+    return pair, corpus, prompts, header
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=32, help="held-out prompts (the card's: 32)")
@@ -194,20 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
 
-    from kakeya.checkpoints.tiny import embedded_pair
-    from kakeya.training import data
-    from kakeya.training.drafter_eval import heldout_prompts
-
-    pair = embedded_pair()
-    corpus = data.load_corpus(data.target_tokenizer(Path(pair.target)))
-    prompts = heldout_prompts(corpus, args.prompts, args.prompt_len)
-    res = {
-        "benchmark": "draft_sources",
-        "command": "python benchmarks/draft_sources.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "pair": {"target": str(Path(pair.target).relative_to(ROOT)), "draft": str(Path(pair.draft).relative_to(ROOT))},
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "prompts": {"held_out": len(prompts), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens},
+    _, corpus, prompts, header = card_setup("draft_sources", argv, args)
+    res = header | {
         "corpus": {"train_tokens": int(corpus.train.size), "source": corpus.summary()["source"]},
         "notes": "tokens_per_block: committed tokens per block, pooled over the prompts (the card's count); "
                  "oracle: per block, the better of the prompt copy and the drafter's block against the target's "
