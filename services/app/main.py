@@ -53,6 +53,8 @@ def cmd_generate(args) -> int:
     gen = run.result
     out = engine.report(run.request, gen)
     out["device"] = engine.device
+    if args.dtype:
+        out["dtype"] = args.dtype
     if args.compare_ar:
         out.update(_compare_ar(engine, req, gen))
     print_result(args, out)

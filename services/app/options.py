@@ -135,6 +135,10 @@ def summary_line(out: dict) -> str:
         same = next((i for i, (a, b) in enumerate(zip(ids, ar)) if a != b), min(len(ids), len(ar)))
         verdict = (f"lossless ({same}/{len(ar)} tokens identical)" if out["lossless"]
                    else f"NOT lossless (first {same} of {len(ar)} tokens identical)")
+        if not out["lossless"] and out.get("dtype") in ("bfloat16", "float16"):
+            # A verify of several rows and an AR step of one round differently in 16 bits, so where the
+            # target's top two logits nearly tie they can pick apart (docs/cuda.md); float32 is exact.
+            verdict += f": {out['dtype']} rounds near-ties apart between a verify and an AR step, float32 does not"
         speedup = f"{out['speedup']:.1f}x" if out.get("speedup") else "n/a"
         head += f" vs {ar_kind} {out['ar_decode_tok_s']:.0f} tok/s -> {speedup}, {verdict}"
     tail = (f"{len(out['token_ids'])} tokens ({out['finish_reason']}), mean acceptance {out['mean_acceptance']:.2f} "

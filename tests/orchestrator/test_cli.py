@@ -188,3 +188,16 @@ def test_servers_refuse_compile_on_a_cpu_before_loading(role, capsys):
     """--compile is for CUDA (on a CPU the compiled attention recompiles until torch gives up, blocks in)."""
     assert main(["serve", role, "--backend", "torch", "--device", "cpu", "--compile", "--port", "0"]) == 2
     assert "--compile applies to --device cuda, not cpu" in capsys.readouterr().err
+
+
+def test_a_16_bit_mismatch_says_why_and_a_float32_one_does_not():
+    from kakeya.app.options import summary_line
+
+    out = {"backend": "torch", "device": "cpu", "block_size": 8, "block_sizes": [8], "decode_tok_s": 200.0,
+           "token_ids": [1, 2, 3, 9], "ar_token_ids": [1, 2, 3, 4], "ar_decode_tok_s": 150.0, "lossless": False,
+           "speedup": 1.33, "finish_reason": "length", "mean_acceptance": 2.0, "prefill_s": 0.01,
+           "drafter_fallback": False, "quality": {"degenerate": False}}  # fmt: skip
+    assert "NOT lossless (first 3 of 4 tokens identical)" in summary_line(out)
+    assert "near-ties" not in summary_line(out)  # float32 (no dtype given): a real mismatch, no excuse offered
+    assert "bfloat16 rounds near-ties apart" in summary_line(out | {"dtype": "bfloat16"})
+    assert "near-ties" not in summary_line(out | {"dtype": "bfloat16", "lossless": True, "ar_token_ids": [1, 2, 3, 9]})
