@@ -91,8 +91,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--target", help="another pair's target directory (default: the embedded demo pair)")
+    ap.add_argument("--draft", help="... and its drafter directory")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
+    if bool(args.target) != bool(args.draft):
+        ap.error("--target and --draft go together")
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from draft_sources import card_setup  # the card's held-out prompts and a result's header

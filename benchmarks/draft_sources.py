@@ -183,20 +183,28 @@ def measure(prompts: list[list[int]], block_sizes, max_tokens: int, corpus_token
     return out
 
 
+def _shown(path) -> str:
+    """A checkpoint directory as a result names it: relative to the repository when inside it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def card_setup(name: str, argv, args) -> tuple:
-    """The embedded pair, its corpus, the model card's held-out prompts (``--prompts``, ``--prompt-len``) and a
-    result's header: what ran (``--max-tokens`` too), on which pair and machine, when."""
-    from kakeya.checkpoints.tiny import embedded_pair
+    """The pair (``--target``/``--draft`` when the script has them and they are given, else the embedded one), its
+    corpus, the model card's held-out prompts (``--prompts``, ``--prompt-len``) and a result's header: what ran
+    (``--max-tokens`` too), on which pair and machine, when."""
+    from kakeya.checkpoints.tiny import TinyPair, embedded_pair
     from kakeya.training import data
     from kakeya.training.drafter_eval import heldout_prompts
 
-    pair = embedded_pair()
+    given = getattr(args, "target", None)
+    pair = TinyPair(Path(given), Path(args.draft)) if given else embedded_pair()
     corpus = data.load_corpus(data.target_tokenizer(Path(pair.target)))
     prompts = heldout_prompts(corpus, args.prompts, args.prompt_len)
     header = {
         "benchmark": name,
         "command": f"python benchmarks/{name}.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "pair": {"target": str(Path(pair.target).relative_to(ROOT)), "draft": str(Path(pair.draft).relative_to(ROOT))},
+        "pair": {"target": _shown(pair.target), "draft": _shown(pair.draft)},
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "prompts": {"held_out": len(prompts), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens},
