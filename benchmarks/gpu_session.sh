@@ -29,7 +29,8 @@
 #               (~240 KB a continuation) stays in TRAIN_DIR, the drafter and its report come back in
 #               OUT/draft_next/ (docs/demo-pair.md: what to do with it). TRAIN_LAYERS / TRAIN_INTERMEDIATE
 #               (2 / 384, the shipped shape) above it grow the shipped drafter into a larger one first
-#               (training/grow.py: it starts computing what the shipped one does)
+#               (training/grow.py: it starts computing what the shipped one does); TRAIN_INIT=scratch trains
+#               one from random weights instead (then raise TRAIN_STEPS / TRAIN_BUDGET_S: stage 1 took 16,000 steps)
 # SESSION_S bounds the whole session (a device call's limit): each step's time is cut to what is left,
 # and a step with under 30 s left is skipped. SPLIT_ARGS replaces the split step's sizes and streams.
 # Results land in OUT_DIR. Needs torch with CUDA, grpcio, protobuf, safetensors, tokenizers,
@@ -152,7 +153,8 @@ fi
 if part train; then  # the stage-2 command's shape (services/models/demo/draft/report.json), GPU-sized
   TRAIN_DIR=${TRAIN_DIR:-/tmp/kakeya-train}
   step train_drafter $((${TRAIN_BUDGET_S:-240} + 320)) $PY -m kakeya.app.main train-drafter \
-    --target services/models/demo/target --init-from services/models/demo/draft --out "$TRAIN_DIR/draft" \
+    --target services/models/demo/target $([ "${TRAIN_INIT:-shipped}" = scratch ] || echo --init-from services/models/demo/draft) \
+    --out "$TRAIN_DIR/draft" \
     --device "${TRAIN_DEVICE:-cuda}" --seed "${TRAIN_SEED:-2}" --sequences "${TRAIN_SEQUENCES:-49152}" \
     --gen-batch "${TRAIN_GEN_BATCH:-2048}" --batch "${TRAIN_BATCH:-256}" --steps "${TRAIN_STEPS:-6000}" \
     --time-budget "${TRAIN_BUDGET_S:-240}" --resume --lr 0.001 --warmup 100 --save-every 500 --eval-every 1000 \
