@@ -178,9 +178,10 @@ def remote_drafter(addr: str, **kwargs):
 
 
 def check_compile(torch_options: dict | None, device: str | None) -> None:
-    """``--compile`` is for CUDA. On a CPU the layers run in the eager cache layout, whose attention
-    shapes change every block, so the compiled attention recompiles until torch gives up (a crash a
-    few blocks in); with the limit raised, the demo pair decoded slower than eager on this project's CPUs."""
+    """``--compile`` is for CUDA. On a CPU, ``kakeya generate --compile --compare-ar`` on the demo pair met more
+    shapes in the one compiled attention than torch's recompile limit allows (a KV head on full layers, two on
+    sliding ones; one row and many; the warm-up's prefill chunks) and failed a few blocks in; with the limit
+    raised it decoded slower than eager, so there is nothing to gain from it there."""
     if torch_options and torch_options.get("compile") and not str(device or "cpu").startswith("cuda"):
         raise ValueError(f"--compile applies to --device cuda, not {device or 'cpu'}: leave it out there (eager is faster)")
 
