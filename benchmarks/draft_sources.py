@@ -100,13 +100,11 @@ def _sourced_drafts(base, source: str, reference: dict, corpus: CorpusLookup | N
     class Sourced(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.lookup = NgramIndex()  # the oracle's copy, beside the drafter's block
-            self.looked = list(self.gen.prompt_ids)
+            self.lookup = NgramIndex()  # the oracle's copy, beside the drafter's block (copies are off then)
 
         def _copy(self):
-            got = super()._copy()
+            got = super()._copy()  # with copies on (every corpus source), this brought self.stream up to date
             if not got and corpus is not None:
-                self.stream.extend(self.gen.token_ids[len(self.stream) - len(self.gen.prompt_ids):])
                 got = corpus.propose(self.stream, MAX_BLOCK_SIZE - 1)
             return got
 
@@ -116,8 +114,8 @@ def _sourced_drafts(base, source: str, reference: dict, corpus: CorpusLookup | N
             draft, predrafted = super().next(last, room, verdict)  # the drafter's block (copies are off)
             if not draft.tokens:
                 return draft, predrafted
-            self.looked.extend(self.gen.token_ids[len(self.looked) - len(self.gen.prompt_ids):])
-            copy = self.lookup.propose(self.looked, len(draft.tokens))
+            self.stream.extend(self.gen.token_ids[len(self.stream) - len(self.gen.prompt_ids):])
+            copy = self.lookup.propose(self.stream, len(draft.tokens))
             target = reference["tokens"][len(self.gen.token_ids):]
 
             def matched(cands) -> int:
