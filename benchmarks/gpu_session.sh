@@ -21,7 +21,12 @@
 #   batching    benchmarks/batching.py: N sessions' verifies/drafts alone vs one batch (26B shape, demo pair)
 #   concurrency benchmarks/concurrency.py: `serve all` on CUDA, 1..16 streams, batched vs serialised
 #   split       benchmarks/split.py on CUDA: split (pre-draft off / on) vs colocated, one stream at block sizes
-#               1..16 and auto with each block's critical path as compute + wire, 1/4/8/16 streams, pre-draft hits
+#               1..16 and auto with each block's critical path as compute + wire, 1/4/8/16 streams, pre-draft hits;
+#               SPLIT_VARIANTS="KAKEYA_INLINE_STEPS=off KAKEYA_INLINE_STEPS=on": one run per variant, each a
+#               comma-separated KEY=VALUE list set for split.py and its servers, OUT/split_cuda_<variant>.json
+#               (the knobs: KAKEYA_INLINE_STEPS, runtime/servicer.py; KAKEYA_GRAPHED_MIN_BATCH,
+#               backends/torch/graphs.py)
+#   compile     `kakeya generate --compile --compare-ar` in bf16 at block 8 (not in the default PARTS)
 #   train       a next stage of the demo drafter (not in the default PARTS: ask for it): the shipped drafter
 #               fine-tuned on CUDA on TRAIN_SEQUENCES (49,152) new target continuations for TRAIN_STEPS (6,000)
 #               steps of TRAIN_BATCH (256) sequences, at most TRAIN_BUDGET_S (240) s of training, the whole
@@ -165,8 +170,21 @@ if part train; then  # the stage-2 command's shape (services/models/demo/draft/r
   cp "$TRAIN_DIR"/draft/{config.json,model.safetensors,report.json} "$OUT/draft_next/" 2>/dev/null
 fi
 if part split; then
-  step split_cuda 480 $PY benchmarks/split.py --backend torch --device cuda --repeats $([ -n "$QUICK" ] && echo 2 || echo 5) \
-    ${SPLIT_ARGS:-} --out "$OUT/split_cuda.json"
+  if [ -z "${SPLIT_VARIANTS:-}" ]; then
+    step split_cuda 480 $PY benchmarks/split.py --backend torch --device cuda --repeats $([ -n "$QUICK" ] && echo 2 || echo 5) \
+      ${SPLIT_ARGS:-} --out "$OUT/split_cuda.json"
+  else  # one run per variant: its KEY=VALUE,... pairs set in the environment of split.py and the servers it starts
+    for variant in $SPLIT_VARIANTS; do
+      name=split_cuda_$(echo "$variant" | tr -c 'A-Za-z0-9_\n' '_' | tr -s '_')
+      step "$name" 300 env $(echo "$variant" | tr ',' ' ') $PY benchmarks/split.py --backend torch --device cuda \
+        --repeats $([ -n "$QUICK" ] && echo 2 || echo 5) ${SPLIT_ARGS:-} --out "$OUT/$name.json"
+    done
+  fi
+fi
+if part compile; then  # --compile on CUDA end to end (on a CPU it is refused: the compiled attention met torch's recompile limit)
+  step generate_compile 240 $PY -m kakeya.app.main generate --backend torch --device cuda --dtype bfloat16 --compile \
+    --block-size 8 --max-tokens 256 --ignore-eos --compare-ar --json
+  tail -n 1 "$LOGS/generate_compile.log" >"$OUT/generate_compile.json"
 fi
 # Every step's whole log in one file (a device call brings back few files)
 [ "$LOGS" != "$OUT" ] && tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null

@@ -207,6 +207,15 @@ def measure_streams(engine, prompts, refs, n, args, predraft):
     return {"aggregate_tok_s": round(tokens[0] / wall, 1), "mismatched": mismatched[0], "failed": failed[:3]}
 
 
+def _device_name(device: str | None) -> str | None:
+    """The GPU's name on CUDA (figures are committed with it), else None."""
+    if not str(device or "").startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
 def plot(out: dict, path: Path) -> None:
     import matplotlib
 
@@ -246,6 +255,7 @@ def main(argv=None):
     ap.add_argument("--draft")
     ap.add_argument("--backend", default="auto", help="mlx, torch or auto (the fastest here), for every process alike")
     ap.add_argument("--device", help="torch: cpu or cuda")
+    ap.add_argument("--dtype", help="torch: float32 (the default), bfloat16 or float16, for every process alike")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="default: README command 1's")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 0], help="0: auto")
@@ -263,6 +273,8 @@ def main(argv=None):
     ap.add_argument("--placement", default="auto", choices=["auto", "off"],
                     help="as `serve all --placement`: auto pins the verifier to its own CPUs, the drafter and this "
                          "process (the orchestrator's loop; the colocated runs too) to the rest, torch on a Linux CPU")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="skip the bare gRPC round trips (grpc_floor.py) and the overlap ceiling they price")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split.json"))
     args = ap.parse_args(argv)
 
@@ -281,8 +293,9 @@ def main(argv=None):
     if cpus:  # before this process starts any thread: they all inherit it
         placement.pin_process(placement.parse_cpus(cpus["orchestrator"]))
     threads = set_torch_threads(args.torch_threads, device, embedded) if backend == "torch" else None
-    local = build_local_engine(args.target, args.draft, backend, device)
+    local = build_local_engine(args.target, args.draft, backend, device, args.dtype)
     where = ["--backend", backend] + (["--device", device] if backend == "torch" and device else [])
+    where += ["--dtype", args.dtype] if args.dtype else []
     where += ["--torch-threads", str(threads or 0)] if backend == "torch" else []
     pair_args = ["--target", args.target, "--draft", args.draft, *where]
     prompt = local.codec.encode(args.prompt)
@@ -320,18 +333,19 @@ def main(argv=None):
                 streams.append(row)
         finally:
             stop(procs)
-    print("bare gRPC round trips (grpc_floor.py) ...", file=sys.stderr, flush=True)
-    if cpus:  # the floor is gRPC's alone, as before: its processes (children inherit this one's CPUs) unpinned
-        placement.pin_process(allowed)
-    # After idle gaps like a block's: the verifier sleeps through a draft (~1-3 ms), the drafter
-    # through a verify (~5-10 ms); a block's wire is two such round trips and what Kakeya adds.
-    grpc_floor = floor(gaps_ms=(0.0, 3.0, 10.0), size=4096, servers=("sync", "aio"))
-    # ... and a bare block both ways a split could run it: two round trips, or a verifier -> drafter relay
-    grpc_floor["block"] = block_wire(repeats=2)
-
-    round_trip = grpc_floor["round_trip_ms"]["sync"]["0"]
-    for row in one:
-        row["overlap_ceiling"] = overlap_ceiling(row, round_trip)
+    grpc_floor = None
+    if not args.no_floor:
+        print("bare gRPC round trips (grpc_floor.py) ...", file=sys.stderr, flush=True)
+        if cpus:  # the floor is gRPC's alone, as before: its processes (children inherit this one's CPUs) unpinned
+            placement.pin_process(allowed)
+        # After idle gaps like a block's: the verifier sleeps through a draft (~1-3 ms), the drafter
+        # through a verify (~5-10 ms); a block's wire is two such round trips and what Kakeya adds.
+        grpc_floor = floor(gaps_ms=(0.0, 3.0, 10.0), size=4096, servers=("sync", "aio"))
+        # ... and a bare block both ways a split could run it: two round trips, or a verifier -> drafter relay
+        grpc_floor["block"] = block_wire(repeats=2)
+        round_trip = grpc_floor["round_trip_ms"]["sync"]["0"]
+        for row in one:
+            row["overlap_ceiling"] = overlap_ceiling(row, round_trip)
     base = {m: streams[0][m]["aggregate_tok_s"] for m in ("split", "split_predraft")} if streams else {}
     for row in streams:
         for m, one_stream in base.items():
@@ -342,6 +356,10 @@ def main(argv=None):
         "draft": local.draft,
         "backend": local.verifier.info.backend,
         "device": local.device,
+        "device_name": _device_name(local.device),
+        "dtype": args.dtype or "float32",
+        "knobs": {k: os.environ[k] for k in ("KAKEYA_INLINE_STEPS", "KAKEYA_GRAPHED_MIN_BATCH")
+                  if k in os.environ},  # experiment overrides the servers ran with (none: the defaults)
         "torch_threads": threads or "torch's default",
         "placement": cpus or "off",
         "prompt_tokens": len(prompt),

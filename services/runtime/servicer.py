@@ -9,6 +9,7 @@ subclasses add their model: ``load``, ``info`` and ``_serve`` (one stream's mess
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import grpc
@@ -20,6 +21,8 @@ from kakeya.runtime.compute import DEFAULT_MAX_BATCH, ComputeThread
 from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import ServerSpec, invalid, precondition, session_stream, workers_for
 from kakeya.runtime.metrics import ServerMetrics
+
+INLINE_STEPS_ENV = "KAKEYA_INLINE_STEPS"  # auto | on | off (see Servicer._inline_if_safe)
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,16 @@ class SessionServicer:
 
     def _inline_if_safe(self, backend: str) -> None:
         """Let a lone stream's steps run on its handler thread (``ComputeThread.inline``) where arrays may
-        cross threads and no device stream is bound to one: torch on a CPU (set by ``load``, after ``device``).
-        MLX keeps arrays on their thread; CUDA's current stream is per thread and its graphs were captured
-        on the compute thread."""
-        self.compute.inline = backend == "torch" and self.device == "cpu"
+        cross threads: torch on a CPU (set by ``load``, after ``device``). MLX keeps arrays on their thread,
+        so it never runs inline. ``KAKEYA_INLINE_STEPS=on|off`` overrides the choice for torch, for a GPU
+        node's A/B (a CUDA graph replays on the calling thread's current stream, the device's default
+        stream on every thread, so a handler thread may replay what the compute thread captured): on an
+        H200 it moved a split block by 0.1 ms, within noise (docs/operations.md), so CUDA stays off."""
+        choice = os.environ.get(INLINE_STEPS_ENV, "auto").strip().lower()
+        if choice not in ("auto", "on", "off"):
+            raise ValueError(f"{INLINE_STEPS_ENV} must be auto, on or off, got {choice!r}")
+        torch_on_cpu = backend == "torch" and self.device == "cpu"
+        self.compute.inline = torch_on_cpu if choice == "auto" else (backend == "torch" and choice == "on")
 
     def info(self):
         raise NotImplementedError

@@ -178,3 +178,37 @@ def test_inline_or_not_model_work_never_overlaps():
     for k in range(6):
         assert [i for kk, i in order if kk == k] == list(range(30))  # each session's steps in order
     ct.shutdown()
+
+
+@pytest.mark.parametrize(
+    "backend, device, env, inline",
+    [
+        ("torch", "cpu", None, True),  # the default: torch on a CPU runs a lone step inline
+        ("torch", "cuda", None, False),
+        ("torch", "cuda", "on", True),  # the split benchmark's A/B on a GPU node
+        ("torch", "cpu", "off", False),
+        ("mlx", "cpu", "on", False),  # MLX arrays stay on their thread, whatever is asked
+    ],
+)
+def test_inline_steps_default_and_override(monkeypatch, backend, device, env, inline):
+    from types import SimpleNamespace
+
+    from kakeya.runtime.servicer import INLINE_STEPS_ENV, SessionServicer
+
+    if env is None:
+        monkeypatch.delenv(INLINE_STEPS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(INLINE_STEPS_ENV, env)
+    server = SimpleNamespace(device=device, compute=SimpleNamespace(inline=None))
+    SessionServicer._inline_if_safe(server, backend)
+    assert server.compute.inline is inline
+
+
+def test_inline_steps_override_must_be_known(monkeypatch):
+    from types import SimpleNamespace
+
+    from kakeya.runtime.servicer import INLINE_STEPS_ENV, SessionServicer
+
+    monkeypatch.setenv(INLINE_STEPS_ENV, "sometimes")
+    with pytest.raises(ValueError, match=INLINE_STEPS_ENV):
+        SessionServicer._inline_if_safe(SimpleNamespace(device="cpu", compute=SimpleNamespace()), "torch")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
-from kakeya.backends.torch.graphs import GRAPHED_MIN_BATCH
+from kakeya.backends.torch.graphs import GRAPHED_MIN_BATCH, MIN_BATCH_ENV, graphed_min_batch
 from kakeya.core.contract import CachePolicy
 from kakeya.drafter.batch import draft_batch
 from kakeya.verifier.batch import verify_batch
@@ -57,3 +59,28 @@ def test_draft_batch_runs_a_smaller_group_alone(torch_drafter, monkeypatch, min_
     alone = [torch_drafter.open_session().draft(a, 5, 6) for a in aux]
     assert got == alone
     assert (2 in calls) == batched  # one forward over both sessions' blocks, or each alone
+
+
+@pytest.mark.parametrize("raw, value", [(None, GRAPHED_MIN_BATCH), ("0", sys.maxsize), ("8", 8)])
+def test_graphed_min_batch_knob(monkeypatch, raw, value):
+    """KAKEYA_GRAPHED_MIN_BATCH: a GPU node's A/B of the eager batch against graph replays one by one."""
+    if raw is None:
+        monkeypatch.delenv(MIN_BATCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(MIN_BATCH_ENV, raw)
+    assert graphed_min_batch() == value
+
+
+@pytest.mark.parametrize("raw", ["1", "-2", "many"])
+def test_graphed_min_batch_knob_refuses_nonsense(monkeypatch, raw):
+    monkeypatch.setenv(MIN_BATCH_ENV, raw)
+    with pytest.raises(ValueError, match=MIN_BATCH_ENV):
+        graphed_min_batch()
+
+
+def test_the_knob_leaves_eager_models_alone(tiny, monkeypatch):
+    """Without graphs (a CPU) batching pays from two sessions, whatever the knob says."""
+    from kakeya.verifier.torch_backend.target import TargetTorch
+
+    monkeypatch.setenv(MIN_BATCH_ENV, "0")
+    assert TargetTorch.load(tiny.target).min_batch == 2

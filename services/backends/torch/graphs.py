@@ -15,6 +15,8 @@ Nothing here touches CUDA unless ``capture`` is True.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
@@ -25,6 +27,24 @@ BUCKETS = (1, 2, 4, 8, 16)  # block sizes captured on CUDA (a verify pads up to 
 # batched forward runs eagerly, so below this the replays win (benchmarks/results/
 # batching_cuda_26b.json, H200: 2 sessions 0.62x / 0.81x (verify / draft), 4 sessions 1.07x / 1.33x).
 GRAPHED_MIN_BATCH = 4
+# For a GPU node's A/B (benchmarks/gpu_session.sh, part split, SPLIT_VARIANTS): an integer; 0: never one
+# eager batched forward (every queued step replays its graph, one after another). Read at model load.
+MIN_BATCH_ENV = "KAKEYA_GRAPHED_MIN_BATCH"
+
+
+def graphed_min_batch() -> int:
+    """The fewest queued sessions a model with captured graphs runs as one eager batched forward:
+    GRAPHED_MIN_BATCH, or the integer in KAKEYA_GRAPHED_MIN_BATCH (0: never)."""
+    raw = os.environ.get(MIN_BATCH_ENV, "").strip()
+    if not raw:
+        return GRAPHED_MIN_BATCH
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0 or value == 1:
+        raise ValueError(f"{MIN_BATCH_ENV} must be 0 (never) or an integer >= 2, got {raw!r}")
+    return value or sys.maxsize
 
 
 def bucket_for(n: int, buckets: Sequence[int] | None, limit: int) -> int:

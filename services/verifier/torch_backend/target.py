@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from kakeya.backends.torch import sampling as sampling_torch
-from kakeya.backends.torch.graphs import GRAPHED_MIN_BATCH, GraphOptions, bucket_for
+from kakeya.backends.torch.graphs import GraphOptions, bucket_for, graphed_min_batch
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype
 from kakeya.core.contract import FULL, MAX_BLOCK_SIZE, SLIDING, CachePolicy
 from kakeya.verifier.backend import Forward, Segment, Target
@@ -60,6 +60,7 @@ class TargetTorch(Target):
         self.max_context = max_context or (DEFAULT_GRAPH_CONTEXT if self.graph_options.static_extent else 0)
         self._pool = torch.cuda.graph_pool_handle() if self.graph_options.capture else None
         self._free: list[TorchCaches] = []  # cache sets (and their graphs) of closed sessions, for reuse
+        self._min_batch = graphed_min_batch() if self.graph_options.capture else 2
 
     @classmethod
     def load(
@@ -74,7 +75,7 @@ class TargetTorch(Target):
     @property
     def min_batch(self) -> int:
         """Fewest queued sessions ``verify_batch`` runs as one forward (graphs: see GRAPHED_MIN_BATCH)."""
-        return GRAPHED_MIN_BATCH if self.graph_options.capture else 2
+        return self._min_batch
 
     @property
     def device_name(self) -> str:
