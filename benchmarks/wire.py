@@ -30,10 +30,12 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -54,7 +56,16 @@ def med(xs):
 # --------------------------------------------------------------------------- processes
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (``timeout``, a runner's limit) ends this process through SystemExit, so the callers'
+    ``finally: stop(procs)`` stops the servers: they run in sessions of their own and would outlive it
+    (one that did on a GPU node slowed every run after it)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def start(role: str, argv: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
+    _exit_on_sigterm()
     ready = tmp / f"{role}.json"
     log = open(tmp / f"{role}.log", "wb")
     p = subprocess.Popen(
