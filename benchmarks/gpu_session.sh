@@ -36,6 +36,8 @@
 #               (2 / 384, the shipped shape) above it grow the shipped drafter into a larger one first
 #               (training/grow.py: it starts computing what the shipped one does); TRAIN_INIT=scratch trains
 #               one from random weights instead (then raise TRAIN_STEPS / TRAIN_BUDGET_S: stage 1 took 16,000 steps)
+# First benchmarks/preflight.py checks pyproject's runtime dependencies (and, for train, transformers): a
+# lent node's image may lack some (docs/cuda.md: carry them as wheels); PREFLIGHT=off runs anyway.
 # SESSION_S bounds the whole session (a device call's limit): each step's time is cut to what is left,
 # and a step with under 30 s left is skipped. SPLIT_ARGS replaces the split step's sizes and streams.
 # Results land in OUT_DIR. Needs torch with CUDA, grpcio, protobuf, safetensors, tokenizers,
@@ -74,6 +76,10 @@ part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
+# Missing or old packages would fail every step, after the node's minutes were spent: stop here instead
+if ! $PY benchmarks/preflight.py $(part train && echo --also "transformers>=5.23"); then
+  [ "${PREFLIGHT:-on}" = off ] || { echo "== preflight failed: carry the packages above (PREFLIGHT=off runs anyway)"; exit 2; }
+fi
 
 # One GPU, one pytest process: `-o addopts=-ra` drops pyproject's two xdist workers (the node's image has no xdist).
 PYTEST="$PY -m pytest -o addopts=-ra -q -p no:cacheprovider"
