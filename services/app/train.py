@@ -101,6 +101,9 @@ def drafter_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight of KL(target distribution || drafter) per block position (0: hard labels only; "
                         "then sampled continuations' tokens are the only labels)")
     p.add_argument("--bos-prompts", action="store_true", help="prompts start with <bos>, as real requests do")
+    p.add_argument("--prompt-dir", help="training prompts from the Python files under this directory (text the target"
+                                        " never trained on, e.g. a site-packages folder) instead of its training split")
+    p.add_argument("--prompt-dir-bytes", type=int, default=16 << 20, help="at most this much of --prompt-dir's files")
     p.add_argument("--predraft-share", type=float, default=0.0,
                    help="share of steps whose blocks are shaped as pre-drafts (serve --predraft-alternatives): 1..B-1 of"
                         " the target's tokens after the anchor (no aux for them yet), then B-1 masks, the loss on those"

@@ -85,6 +85,32 @@ def load_corpus(tokenizer, heldout_pct: int = 5, max_bytes: int | None = None) -
     return Corpus(train, held, rel(train_f), rel(held_f), digest.hexdigest())
 
 
+def prompt_stream(tokenizer, root: Path, max_bytes: int = 16 << 20) -> tuple[np.ndarray, dict]:
+    """Python files under ``root`` (sorted; tests and caches skipped; at most ``max_bytes`` of them), tokenized and
+    concatenated like the corpus: prompts from text the target never trained on (``train-drafter --prompt-dir``),
+    as a deployed drafter meets. Returns the stream and what it holds."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"--prompt-dir: {root} is not a directory")
+    files, total = [], 0
+    for f in sorted(root.rglob("*.py"), key=lambda q: q.relative_to(root).as_posix()):
+        if SKIP_DIRS.intersection(f.relative_to(root).parts[:-1]) or not f.is_file():
+            continue
+        if total >= max_bytes:
+            break
+        files.append(f)
+        total += f.stat().st_size
+    if not files:
+        raise ValueError(f"--prompt-dir: no Python files under {root}")
+    texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
+    digest = hashlib.sha256()
+    for f, t in zip(files, texts):
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + t.encode())
+    stream = np.concatenate([np.asarray(e.ids, dtype=np.int32) for e in tokenizer.encode_batch(texts)])
+    return stream, {"dir": str(root), "files": len(files), "bytes": total, "tokens": int(stream.size),
+                    "sha256": digest.hexdigest()}
+
+
 def sample_windows(stream: np.ndarray, n: int, length: int, rng: np.random.Generator) -> np.ndarray:
     """``n`` random windows of ``length`` tokens from ``stream`` -> ``[n, length]`` int32."""
     starts = rng.integers(0, stream.size - length, size=n)

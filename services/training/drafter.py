@@ -1,6 +1,7 @@
 """``kakeya train-drafter``: train a DFlash drafter for a target, the DFlash way.
 
-1. **Data** -- prompts are random windows of the stdlib train split; the TARGET
+1. **Data** -- prompts are random windows of the stdlib train split (``--prompt-dir``: of Python
+   files the target never trained on, which is what a deployed drafter meets); the TARGET
    continues each (batched generation): greedily, so every label is what the
    greedy verifier would choose, and with ``--temperatures`` also sampled, so the
    drafter sees the contexts a sampled request produces. The target's hidden
@@ -136,9 +137,14 @@ def train(args) -> dict:
     if any(x < 0 for x in temps):
         raise ValueError(f"--temperatures must be >= 0 (0: greedy), got {args.temperatures}")
     train_key = key | {"n_seq": args.sequences} | ({"temperatures": temps} if temps != [0.0] else {})
+    # Training prompts: the target's own training split, or (--prompt-dir) text it never saw
+    source, prompts_from = corpus.train, None
+    if getattr(args, "prompt_dir", None):
+        source, prompts_from = data.prompt_stream(tok, Path(args.prompt_dir), args.prompt_dir_bytes)
+        train_key |= {"prompts": prompts_from["sha256"]}
     train_set, data_s = cached_continuations(
         ckpt / "data", train_key,
-        lambda out: make_dataset(get_target(), corpus.train, args.sequences, args.prompt_len, args.gen_len, tids,
+        lambda out: make_dataset(get_target(), source, args.sequences, args.prompt_len, args.gen_len, tids,
                                  args.seed, args.gen_batch, args.quiet, args.bos_prompts, temps, out), args.quiet)
     seqs = train_set.seqs
     val = None
@@ -266,7 +272,10 @@ def train(args) -> dict:
                                        "num_key_value_heads", "head_dim")} | {"dflash_config": cfg["dflash_config"]},
         "data": {"sequences": int(len(seqs)), "heldout_sequences": int(len(val[0])) if val else 0,
                  "prompt_len": P, "gen_len": int(T - P),
-                 "from": "train split windows" + (", <bos> first" if args.bos_prompts else ""),
+                 "from": ("train split windows" if prompts_from is None else
+                          f"windows of {prompts_from['files']} Python files under {prompts_from['dir']} "
+                          f"({prompts_from['tokens']} tokens, sha256 {prompts_from['sha256'][:12]})")
+                         + (", <bos> first" if args.bos_prompts else ""),
                  "labels": "target continuations at temperatures " + ", ".join(f"{x:g}" for x in temps)
                            + " (0: greedy)" + (f"; + {args.soft_weight:g} x KL to the target's distribution"
                                                  " (sampled continuations: KL only)" if args.soft_weight else ""),

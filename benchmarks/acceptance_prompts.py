@@ -1,0 +1,147 @@
+"""How precise is a drafter's held-out acceptance, and how much lower is it than on the target's own training text?
+
+    python benchmarks/acceptance_prompts.py                          # the embedded demo pair
+    python benchmarks/acceptance_prompts.py --pair first=/tmp/oldpair/services/models/demo
+                                                                     # ... and another pair beside it
+
+The model card measures acceptance on 32 held-out prompts (``drafter_eval``). This runs the same
+measurement -- the real loop, greedy, the drafter alone (n-gram copies off), 128 new tokens after a
+<bos> and 63 tokens -- on ``--prompts`` evenly spaced windows of two token streams of the target's
+corpus (``training/data.py``: the stdlib split by file):
+
+- ``heldout``: files the target never trained on (the card's source);
+- ``train``: the target's training files, where its drafter's training prompts come from.
+
+Per pair, split and block size: tokens committed per block pooled over every block (the card's count),
+and a 90 % interval from resampling the prompts (2,000 bootstrap draws, seed 0); per prompt the blocks and
+tokens, so any other statistic can be drawn from the file. A pair is ``NAME=DIR`` with ``DIR/target`` and
+``DIR/draft``; an earlier embedded pair comes out of git, e.g. ``git archive 0ad0dc9^ services/models/demo |
+tar -x -C /tmp/oldpair`` (the first demo pair: a 6-layer target, a 5-layer drafter).
+Writes ``benchmarks/results/acceptance_prompts.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "results" / "acceptance_prompts.json"
+
+
+def pooled(per_prompt: list[tuple[int, int]]) -> float:
+    """Tokens per block over every block of every prompt: ``per_prompt`` holds (blocks, tokens)."""
+    blocks = sum(b for b, _ in per_prompt)
+    return sum(t for _, t in per_prompt) / blocks if blocks else 0.0
+
+
+def bootstrap_interval(per_prompt: list[tuple[int, int]], draws: int = 2000, level: float = 0.9,
+                       seed: int = 0, size: int | None = None) -> tuple[float, float]:
+    """The central ``level`` interval of :func:`pooled` over ``size`` prompts (default: as many as there are)
+    drawn with replacement: with ``size`` 32, how far a 32-prompt measurement like the card's may land."""
+    arr = np.asarray(per_prompt, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(arr), size=(draws, size or len(arr)))
+    sums = arr[picks].sum(axis=1)  # [draws, 2]: blocks, tokens
+    stats = np.sort(sums[:, 1] / sums[:, 0])
+    lo, hi = (1 - level) / 2, 1 - (1 - level) / 2
+    return float(stats[int(lo * (draws - 1))]), float(stats[int(round(hi * (draws - 1)))])
+
+
+def prompts_from(stream: np.ndarray, n: int, prompt_len: int) -> list[list[int]]:
+    """``n`` evenly spaced windows of ``prompt_len - 1`` tokens, each after a <bos> (as the card's prompts)."""
+    from kakeya.checkpoints import tokenizer as tk
+    from kakeya.training import data
+
+    return [[tk.BOS_ID] + [int(t) for t in w] for w in data.fixed_windows(stream, n, prompt_len - 1)]
+
+
+def measure(engine, prompts: list[list[int]], block_size: int, max_tokens: int) -> list[tuple[int, int]]:
+    """(blocks, tokens) per prompt of greedy generations at ``block_size``."""
+    from kakeya.orchestrator.engine import Request
+
+    out = []
+    for p in prompts:
+        g = engine.generate(Request(p, max_tokens=max_tokens, block_size=block_size, ignore_eos=True))
+        out.append((len(g.acceptance_lengths), int(sum(g.acceptance_lengths))))
+    return out
+
+
+def run_pair(name: str, target: Path, draft: Path, args) -> dict:
+    from kakeya.training import data
+    from kakeya.training.drafter_eval import _engine
+
+    corpus = data.load_corpus(data.target_tokenizer(target))
+    engine = _engine(target, draft, "torch")
+    row = {"target": _shown(target), "draft": _shown(draft), "splits": {}}
+    for split in args.splits:
+        prompts = prompts_from(corpus.heldout if split == "heldout" else corpus.train, args.prompts, args.prompt_len)
+        per_size = row["splits"][split] = {}
+        for b in args.block_sizes:
+            print(f"{name}: {split} prompts, block {b} ...", file=sys.stderr, flush=True)
+            per = measure(engine, prompts, b, args.max_tokens)
+            lo, hi = bootstrap_interval(per)
+            lo32, hi32 = bootstrap_interval(per, size=32)
+            per_size[str(b)] = {"tokens_per_block": round(pooled(per), 3), "interval_90": [round(lo, 3), round(hi, 3)],
+                                "interval_90_of_32_prompts": [round(lo32, 3), round(hi32, 3)],
+                                "blocks": sum(n for n, _ in per), "per_prompt": per}
+            print(f"  {per_size[str(b)]['tokens_per_block']} [{lo:.3f}, {hi:.3f}]", file=sys.stderr, flush=True)
+    return row
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", action="append", default=[], metavar="NAME=DIR",
+                    help="another pair (DIR/target, DIR/draft), measured after the embedded one (repeatable)")
+    ap.add_argument("--prompts", type=int, default=128, help="prompts per split (the card uses 32 held-out ones)")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--splits", nargs="+", default=["heldout", "train"], choices=["heldout", "train"])
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+
+    from kakeya.checkpoints.tiny import embedded_pair
+
+    shipped = embedded_pair()
+    pairs = [("shipped", Path(shipped.target), Path(shipped.draft))]
+    for spec in args.pair:
+        name, sep, where = spec.partition("=")
+        if not sep or not name:
+            ap.error(f"--pair wants NAME=DIR, got {spec!r}")
+        pairs.append((name, Path(where) / "target", Path(where) / "draft"))
+    res = {
+        "benchmark": "acceptance_prompts",
+        "command": "python benchmarks/acceptance_prompts.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "prompts_per_split": args.prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+        "notes": "tokens_per_block: committed tokens per block pooled over every block (the card's count), the drafter "
+                 "alone (n-gram copies off), torch CPU, greedy; interval_90: bootstrap over prompts; "
+                 "interval_90_of_32_prompts: the same over 32 prompts drawn from these (how far a 32-prompt figure, the "
+                 "card's, may land); "
+                 "per_prompt: [blocks, tokens] per prompt",
+        "pairs": {name: run_pair(name, t, d, args) for name, t, d in pairs},
+    }
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
