@@ -29,29 +29,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "acceptance_prompts.json"
+sys.path.insert(0, str(ROOT))
 
-
-def pooled(per_prompt: list[tuple[int, int]]) -> float:
-    """Tokens per block over every block of every prompt: ``per_prompt`` holds (blocks, tokens)."""
-    blocks = sum(b for b, _ in per_prompt)
-    return sum(t for _, t in per_prompt) / blocks if blocks else 0.0
-
-
-def bootstrap_interval(per_prompt: list[tuple[int, int]], draws: int = 2000, level: float = 0.9,
-                       seed: int = 0, size: int | None = None) -> tuple[float, float]:
-    """The central ``level`` interval of :func:`pooled` over ``size`` prompts (default: as many as there are)
-    drawn with replacement: with ``size`` 32, how far a 32-prompt measurement like the card's may land."""
-    arr = np.asarray(per_prompt, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(arr), size=(draws, size or len(arr)))
-    sums = arr[picks].sum(axis=1)  # [draws, 2]: blocks, tokens
-    stats = np.sort(sums[:, 1] / sums[:, 0])
-    lo, hi = (1 - level) / 2, 1 - (1 - level) / 2
-    return float(stats[int(lo * (draws - 1))]), float(stats[int(round(hi * (draws - 1)))])
+from kakeya.training.drafter_eval import bootstrap_interval, pooled  # noqa: E402,F401  (one definition, the card's too)
 
 
 def prompts_from(stream: np.ndarray, n: int, prompt_len: int) -> list[list[int]]:
@@ -111,18 +93,21 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--splits", nargs="+", default=["heldout", "train"], choices=["heldout", "train"])
+    ap.add_argument("--no-embedded", action="store_true", help="measure the --pair pairs only")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
 
     from kakeya.checkpoints.tiny import embedded_pair
 
     shipped = embedded_pair()
-    pairs = [("shipped", Path(shipped.target), Path(shipped.draft))]
+    pairs = [] if args.no_embedded else [("shipped", Path(shipped.target), Path(shipped.draft))]
     for spec in args.pair:
         name, sep, where = spec.partition("=")
         if not sep or not name:
             ap.error(f"--pair wants NAME=DIR, got {spec!r}")
         pairs.append((name, Path(where) / "target", Path(where) / "draft"))
+    if not pairs:
+        ap.error("--no-embedded needs at least one --pair")
     res = {
         "benchmark": "acceptance_prompts",
         "command": "python benchmarks/acceptance_prompts.py " + " ".join(argv if argv is not None else sys.argv[1:]),

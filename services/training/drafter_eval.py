@@ -93,6 +93,25 @@ def _engine(target_dir: Path, draft_dir: Path, backend: str):
     return build_local_engine(str(target_dir), str(draft_dir), backend, ngram=False)
 
 
+def pooled(per_prompt: list[tuple[int, int]]) -> float:
+    """Tokens per block over every block of every prompt: ``per_prompt`` holds (blocks, tokens)."""
+    blocks = sum(b for b, _ in per_prompt)
+    return sum(t for _, t in per_prompt) / blocks if blocks else 0.0
+
+
+def bootstrap_interval(per_prompt: list[tuple[int, int]], draws: int = 2000, level: float = 0.9,
+                       seed: int = 0, size: int | None = None) -> tuple[float, float]:
+    """The central ``level`` interval of :func:`pooled` over ``size`` prompts (default: as many as there are)
+    drawn with replacement: with ``size`` 32, how far a 32-prompt measurement like the card's may land."""
+    arr = np.asarray(per_prompt, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(arr), size=(draws, size or len(arr)))
+    sums = arr[picks].sum(axis=1)  # [draws, 2]: blocks, tokens
+    stats = np.sort(sums[:, 1] / sums[:, 0])
+    lo, hi = (1 - level) / 2, 1 - (1 - level) / 2
+    return float(stats[int(lo * (draws - 1))]), float(stats[int(round(hi * (draws - 1)))])
+
+
 def measure_acceptance(engine, prompts: list[list[int]], block_sizes: Sequence[int], max_tokens: int) -> dict:
     """Mean acceptance per block size, greedy, each run checked against block size 1 (``engine``: :func:`_engine`'s)."""
     from kakeya.orchestrator.engine import Request
@@ -102,14 +121,16 @@ def measure_acceptance(engine, prompts: list[list[int]], block_sizes: Sequence[i
     for p in prompts:
         ref.append(engine.generate(Request(p, max_tokens=max_tokens, block_size=1, ignore_eos=True)).token_ids)
     for B in block_sizes:
-        lengths, lossless = [], True
+        lengths, lossless, per = [], True, []
         t0 = time.time()
         for p, r in zip(prompts, ref):
             g = engine.generate(Request(p, max_tokens=max_tokens, block_size=B, ignore_eos=True))
             lengths += g.acceptance_lengths
+            per.append((len(g.acceptance_lengths), sum(g.acceptance_lengths)))
             lossless &= g.token_ids == r
         out[str(B)] = {
             "mean_acceptance": round(float(np.mean(lengths)), 4),
+            "interval_90": [round(x, 3) for x in bootstrap_interval(per)],  # over prompts: how precise the figure is
             "blocks": len(lengths),
             "histogram": np.bincount(lengths, minlength=B + 1)[1:].tolist(),
             "lossless_vs_block1": bool(lossless),

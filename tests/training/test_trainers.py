@@ -366,6 +366,8 @@ def test_drafter_eval_records_its_measurement_in_the_drafters_report(tiny_pair, 
     acc = rep["acceptance"]
     assert acc["prompts"] == 2 and acc["prompt_len"] == 12 and acc["max_tokens"] == 6
     assert set(acc["per_block_size"]) == {"2"} and acc["per_block_size"]["2"]["lossless_vs_block1"] is True
+    lo, hi = acc["per_block_size"]["2"]["interval_90"]  # how precise the figure is, over its prompts
+    assert lo <= acc["per_block_size"]["2"]["mean_acceptance"] <= hi
     assert set(acc["sampled"]["per_temperature"]) == {"0.7", "1"} and "coupled" in acc["sampled"]["rule"]
 
 
