@@ -72,17 +72,19 @@ def load_corpus(tokenizer, heldout_pct: int = 5, max_bytes: int | None = None) -
             train_f.append(p)
             total += p.stat().st_size
     digest = hashlib.sha256()
-
-    def encode(files: list[Path]) -> np.ndarray:
-        texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
-        for f, t in zip(files, texts):
-            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + t.encode())
-        encs = tokenizer.encode_batch(texts)  # each starts with <bos> (post-processor)
-        return np.concatenate([np.asarray(e.ids, dtype=np.int32) for e in encs]) if encs else np.zeros(0, np.int32)
-
-    train, held = encode(train_f), encode(held_f)
+    train, held = encode_files(tokenizer, train_f, root, digest), encode_files(tokenizer, held_f, root, digest)
     rel = lambda fs: [f.relative_to(root).as_posix() for f in fs]  # noqa: E731
     return Corpus(train, held, rel(train_f), rel(held_f), digest.hexdigest())
+
+
+def encode_files(tokenizer, files: list[Path], root: Path, digest) -> np.ndarray:
+    """The files' tokens, concatenated (each file starts with <bos>: the tokenizer's post-processor); each
+    file's path under ``root`` and text go into ``digest`` (the corpus fingerprint)."""
+    texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
+    for f, t in zip(files, texts):
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + t.encode())
+    encs = tokenizer.encode_batch(texts)
+    return np.concatenate([np.asarray(e.ids, dtype=np.int32) for e in encs]) if encs else np.zeros(0, np.int32)
 
 
 def prompt_stream(tokenizer, root: Path, max_bytes: int = 16 << 20) -> tuple[np.ndarray, dict]:
@@ -102,11 +104,8 @@ def prompt_stream(tokenizer, root: Path, max_bytes: int = 16 << 20) -> tuple[np.
         total += f.stat().st_size
     if not files:
         raise ValueError(f"--prompt-dir: no Python files under {root}")
-    texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
     digest = hashlib.sha256()
-    for f, t in zip(files, texts):
-        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + t.encode())
-    stream = np.concatenate([np.asarray(e.ids, dtype=np.int32) for e in tokenizer.encode_batch(texts)])
+    stream = encode_files(tokenizer, files, root, digest)
     return stream, {"dir": str(root), "files": len(files), "bytes": total, "tokens": int(stream.size),
                     "sha256": digest.hexdigest()}
 
