@@ -35,7 +35,9 @@
 #               OUT/draft_next/ (docs/demo-pair.md: what to do with it). TRAIN_LAYERS / TRAIN_INTERMEDIATE
 #               (2 / 384, the shipped shape) above it grow the shipped drafter into a larger one first
 #               (training/grow.py: it starts computing what the shipped one does); TRAIN_INIT=scratch trains
-#               one from random weights instead (then raise TRAIN_STEPS / TRAIN_BUDGET_S: stage 1 took 16,000 steps)
+#               one from random weights instead (then raise TRAIN_STEPS / TRAIN_BUDGET_S: stage 1 took 16,000 steps);
+#               TRAIN_PROMPT_DIR: training prompts from the Python files under it (text the target never saw, e.g.
+#               "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')")
 # First benchmarks/preflight.py checks pyproject's runtime dependencies (and, for train, transformers): a
 # lent node's image may lack some (docs/cuda.md: carry them as wheels); PREFLIGHT=off runs anyway.
 # SESSION_S bounds the whole session (a device call's limit): each step's time is cut to what is left,
@@ -171,7 +173,8 @@ if part train; then  # the stage-2 command's shape (services/models/demo/draft/r
     --time-budget "${TRAIN_BUDGET_S:-240}" --resume --lr 0.001 --warmup 100 --save-every 500 --eval-every 1000 \
     --layers "${TRAIN_LAYERS:-2}" --intermediate "${TRAIN_INTERMEDIATE:-384}" --heads 4 --kv-heads 2 --head-dim 32 --target-layer-ids 1,6,11,16 \
     --block-size 8 --train-block-sizes 8,16 --anchors 16 --prompt-len 64 --gen-len 128 --bos-prompts \
-    --temperatures 0,0,0.7,1 --soft-weight 1 --eval-backend torch ${TRAIN_EVAL_PROMPTS:+--eval-prompts $TRAIN_EVAL_PROMPTS}
+    --temperatures 0,0,0.7,1 --soft-weight 1 --eval-backend torch ${TRAIN_EVAL_PROMPTS:+--eval-prompts $TRAIN_EVAL_PROMPTS} \
+    ${TRAIN_PROMPT_DIR:+--prompt-dir $TRAIN_PROMPT_DIR}
   mkdir -p "$OUT/draft_next"
   cp "$TRAIN_DIR"/draft/{config.json,model.safetensors,report.json} "$OUT/draft_next/" 2>/dev/null
 fi
