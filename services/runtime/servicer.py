@@ -22,7 +22,7 @@ from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import ServerSpec, invalid, precondition, session_stream, workers_for
 from kakeya.runtime.metrics import ServerMetrics
 
-INLINE_STEPS_ENV = "KAKEYA_INLINE_STEPS"  # auto | on | off (see Servicer._inline_if_safe)
+INLINE_STEPS_ENV = "KAKEYA_INLINE_STEPS"  # auto | on | off (see SessionServicer._inline_if_safe)
 
 
 @dataclass(frozen=True)
