@@ -32,27 +32,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "acceptance_prompts.json"
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kakeya.training.drafter_eval import bootstrap_interval, pooled  # noqa: E402,F401  (one definition, the card's too)
+from draft_sources import _shown  # a checkpoint directory as results name it
 
-
-def prompts_from(stream: np.ndarray, n: int, prompt_len: int) -> list[list[int]]:
-    """``n`` evenly spaced windows of ``prompt_len - 1`` tokens, each after a <bos> (as the card's prompts)."""
-    from kakeya.checkpoints import tokenizer as tk
-    from kakeya.training import data
-
-    return [[tk.BOS_ID] + [int(t) for t in w] for w in data.fixed_windows(stream, n, prompt_len - 1)]
-
-
-def measure(engine, prompts: list[list[int]], block_size: int, max_tokens: int) -> list[tuple[int, int]]:
-    """(blocks, tokens) per prompt of greedy generations at ``block_size``."""
-    from kakeya.orchestrator.engine import Request
-
-    out = []
-    for p in prompts:
-        g = engine.generate(Request(p, max_tokens=max_tokens, block_size=block_size, ignore_eos=True))
-        out.append((len(g.acceptance_lengths), int(sum(g.acceptance_lengths))))
-    return out
+from kakeya.training.drafter_eval import (  # the card's own measurement and count
+    block_counts,
+    bootstrap_interval,
+    greedy_runs,
+    heldout_prompts,
+    pooled,
+)
 
 
 def run_pair(name: str, target: Path, draft: Path, args) -> dict:
@@ -63,11 +53,12 @@ def run_pair(name: str, target: Path, draft: Path, args) -> dict:
     engine = _engine(target, draft, "torch")
     row = {"target": _shown(target), "draft": _shown(draft), "splits": {}}
     for split in args.splits:
-        prompts = prompts_from(corpus.heldout if split == "heldout" else corpus.train, args.prompts, args.prompt_len)
+        stream = corpus.heldout if split == "heldout" else corpus.train
+        prompts = heldout_prompts(corpus, args.prompts, args.prompt_len, stream)
         per_size = row["splits"][split] = {}
         for b in args.block_sizes:
             print(f"{name}: {split} prompts, block {b} ...", file=sys.stderr, flush=True)
-            per = measure(engine, prompts, b, args.max_tokens)
+            per = block_counts(greedy_runs(engine, prompts, b, args.max_tokens))
             lo, hi = bootstrap_interval(per)
             lo32, hi32 = bootstrap_interval(per, size=32)
             per_size[str(b)] = {"tokens_per_block": round(pooled(per), 3), "interval_90": [round(lo, 3), round(hi, 3)],
@@ -75,13 +66,6 @@ def run_pair(name: str, target: Path, draft: Path, args) -> dict:
                                 "blocks": sum(n for n, _ in per), "per_prompt": per}
             print(f"  {per_size[str(b)]['tokens_per_block']} [{lo:.3f}, {hi:.3f}]", file=sys.stderr, flush=True)
     return row
-
-
-def _shown(path: Path) -> str:
-    try:
-        return str(Path(path).resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
 
 
 def main(argv=None) -> int:

@@ -79,9 +79,10 @@ def evaluate(trainer: BlockTrainer, seqs: np.ndarray, aux: np.ndarray, prompt_le
 # --------------------------------------------------------------------------- acceptance with the real engine
 
 
-def heldout_prompts(corpus: data.Corpus, n: int, length: int) -> list[list[int]]:
-    """``n`` held-out prompts of ``length`` tokens, evenly spaced over the held-out files, each starting with <bos>."""
-    win = data.fixed_windows(corpus.heldout, n, length - 1)
+def heldout_prompts(corpus: data.Corpus, n: int, length: int, stream=None) -> list[list[int]]:
+    """``n`` held-out prompts of ``length`` tokens, evenly spaced over the held-out files, each starting with <bos>
+    (``stream``: over that token stream instead, e.g. ``corpus.train``)."""
+    win = data.fixed_windows(corpus.heldout if stream is None else stream, n, length - 1)
     return [[tk.BOS_ID] + [int(t) for t in w] for w in win]
 
 
@@ -109,28 +110,34 @@ def bootstrap_interval(per_prompt: list[tuple[int, int]], draws: int = 2000, lev
     sums = arr[picks].sum(axis=1)  # [draws, 2]: blocks, tokens
     stats = np.sort(sums[:, 1] / sums[:, 0])
     lo, hi = (1 - level) / 2, 1 - (1 - level) / 2
-    return float(stats[int(lo * (draws - 1))]), float(stats[int(round(hi * (draws - 1)))])
+    return float(stats[int(lo * (draws - 1))]), float(stats[round(hi * (draws - 1))])
+
+
+def greedy_runs(engine, prompts: list[list[int]], block_size: int, max_tokens: int) -> list:
+    """One greedy generation per prompt at ``block_size`` (n-gram copies as ``engine`` has them)."""
+    from kakeya.orchestrator.engine import Request
+
+    return [engine.generate(Request(p, max_tokens=max_tokens, block_size=block_size, ignore_eos=True)) for p in prompts]
+
+
+def block_counts(gens) -> list[tuple[int, int]]:
+    """(blocks, tokens committed) per generation: what :func:`pooled` and :func:`bootstrap_interval` take."""
+    return [(len(g.acceptance_lengths), int(sum(g.acceptance_lengths))) for g in gens]
 
 
 def measure_acceptance(engine, prompts: list[list[int]], block_sizes: Sequence[int], max_tokens: int) -> dict:
     """Mean acceptance per block size, greedy, each run checked against block size 1 (``engine``: :func:`_engine`'s)."""
-    from kakeya.orchestrator.engine import Request
-
     out: dict = {}
-    ref: list[list[int]] = []
-    for p in prompts:
-        ref.append(engine.generate(Request(p, max_tokens=max_tokens, block_size=1, ignore_eos=True)).token_ids)
+    ref = [g.token_ids for g in greedy_runs(engine, prompts, 1, max_tokens)]
     for B in block_sizes:
-        lengths, lossless, per = [], True, []
         t0 = time.time()
-        for p, r in zip(prompts, ref):
-            g = engine.generate(Request(p, max_tokens=max_tokens, block_size=B, ignore_eos=True))
-            lengths += g.acceptance_lengths
-            per.append((len(g.acceptance_lengths), sum(g.acceptance_lengths)))
-            lossless &= g.token_ids == r
+        gens = greedy_runs(engine, prompts, B, max_tokens)
+        lengths = [n for g in gens for n in g.acceptance_lengths]
+        lossless = all(g.token_ids == r for g, r in zip(gens, ref))
         out[str(B)] = {
             "mean_acceptance": round(float(np.mean(lengths)), 4),
-            "interval_90": [round(x, 3) for x in bootstrap_interval(per)],  # over prompts: how precise the figure is
+            # over prompts: how precise the figure is
+            "interval_90": [round(x, 3) for x in bootstrap_interval(block_counts(gens))],
             "blocks": len(lengths),
             "histogram": np.bincount(lengths, minlength=B + 1)[1:].tolist(),
             "lossless_vs_block1": bool(lossless),
