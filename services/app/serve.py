@@ -28,7 +28,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 from kakeya.app import flags as serve_flags
@@ -230,7 +229,7 @@ def cmd_serve_orchestrator(args) -> int:
 
 
 def cmd_serve_all(args) -> int:
-    from kakeya.app.supervisor import Supervisor
+    from kakeya.app.supervisor import Supervisor, run_dir
     from kakeya.runtime.auth import new_token, write_token
     from kakeya.runtime.lifecycle import port_in_use, setup_logging, write_ready_file
 
@@ -266,7 +265,7 @@ def cmd_serve_all(args) -> int:
     cpus = _placement(args.placement, [vback, dback], log)
     pinned = {role: ["--cpus", c] for role, c in cpus.items()}
     rc = 0
-    with tempfile.TemporaryDirectory(prefix="kakeya-serve-all-") as tmp:  # mode 0700: ours alone
+    with run_dir() as tmp:
         files = {n: Path(tmp) / f"{n}.json" for n in ("verifier", "drafter", "orchestrator")}
         token_file = str(write_token(Path(tmp) / "backend.token", new_token()))
         try:

@@ -16,9 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,6 +41,54 @@ def _pdeathsig() -> None:  # pragma: no cover - runs in the child between fork a
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
         pass
+
+
+RUN_DIR_PREFIX = "kakeya-serve-all-"
+
+
+def run_dir() -> tempfile.TemporaryDirectory:
+    """``serve all``'s private directory (mode 0700: its children's ready files and the token they share).
+
+    Its name carries this process's pid, so that a later ``serve all`` can tell it from a live one's:
+    a ``serve all`` killed outright (SIGKILL, the OOM killer) never runs its cleanup and would leave
+    its token file behind for good. Each start first removes such leftovers (:func:`sweep_run_dirs`).
+    """
+    removed = sweep_run_dirs()
+    if removed:
+        log.info("removed %d run director%s left by a serve all that was killed", len(removed), "y" if len(removed) == 1 else "ies")
+    return tempfile.TemporaryDirectory(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
+
+
+def sweep_run_dirs(root: str | Path | None = None) -> list[Path]:
+    """Remove the run directories under ``root`` (the temp dir) that this user's dead ``serve all`` left.
+
+    Only directories named by :func:`run_dir` (the pid in the name), owned by this user, not links, and
+    whose pid no process has now; a live pid, even another program's that reused it, keeps its directory.
+    """
+    root = Path(root) if root is not None else Path(tempfile.gettempdir())
+    pattern = re.compile(re.escape(RUN_DIR_PREFIX) + r"(\d+)-[^/]+")
+    removed = []
+    for d in root.glob(RUN_DIR_PREFIX + "*"):
+        m = pattern.fullmatch(d.name)
+        try:
+            st = d.lstat()
+        except OSError:
+            continue
+        if not m or not d.is_dir() or d.is_symlink() or st.st_uid != os.getuid() or _pid_exists(int(m.group(1))):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def with_option(argv: list[str], name: str, value: str) -> list[str]:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,14 @@ def test_children_die_with_the_parent(serve_all):
     s.signal(signal.SIGKILL)
     s.wait(10)
     wait_until(lambda: not any(pid_alive(p) for p in pids.values()), timeout=30, what="orphaned children to exit")
+    # killed outright, it could not remove its run directory (the children's token is in it): the next
+    # `serve all` does, and this test does it the same way instead of leaving one per run
+    from kakeya.app.supervisor import RUN_DIR_PREFIX, sweep_run_dirs
+
+    left = list(Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}{s.info['pid']}-*"))
+    assert len(left) == 1 and (left[0] / "backend.token").exists()
+    assert left[0] in sweep_run_dirs()
+    assert not left[0].exists()
 
 
 @pytest.mark.parametrize("verifier_backend,drafter_backend", [("torch", "mlx"), ("mlx", "torch")])
