@@ -103,10 +103,10 @@ def measure(trainer, seqs: np.ndarray, aux, prompt_len: int, B: int, confidence:
 def continuations(target: Path, n: int, prompt_len: int, gen_len: int, tids, seed: int, cache: Path):
     """The target's greedy continuations of ``n`` held-out prompts and their aux, as ``train-drafter``'s
     held-out curve makes them (``<bos>`` first), cached under ``cache`` by what made them."""
+    import torch
+
     from kakeya.training import data
     from kakeya.training.block_trainer import TorchTarget, cached_continuations, make_dataset
-
-    import torch
 
     corpus = data.load_corpus(data.target_tokenizer(target))
     key = {"target": str(target.resolve()), "prompt_len": prompt_len, "gen_len": gen_len, "tids": list(tids),
