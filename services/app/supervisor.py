@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -71,10 +72,10 @@ def sweep_run_dirs(root: str | Path | None = None) -> list[Path]:
     for d in root.glob(RUN_DIR_PREFIX + "*"):
         m = pattern.fullmatch(d.name)
         try:
-            st = d.lstat()
+            st = d.lstat()  # the entry itself: a link is not a directory here
         except OSError:
             continue
-        if not m or not d.is_dir() or d.is_symlink() or st.st_uid != os.getuid() or _pid_exists(int(m.group(1))):
+        if not m or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or _pid_exists(int(m.group(1))):
             continue
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
