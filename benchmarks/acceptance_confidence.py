@@ -35,12 +35,14 @@ def _bins(values: np.ndarray, lengths: np.ndarray, edges) -> list[dict]:
     out = []
     for k, (lo, hi) in enumerate(itertools.pairwise(edges)):
         inside = (values >= lo) & ((values < hi) if k < len(edges) - 2 else (values <= hi))
-        out.append({
-            "confidence": [lo, hi],
-            "share_of_blocks": round(float(inside.mean()), 4) if values.size else 0.0,
-            "blocks": int(inside.sum()),
-            "tokens_per_block": round(float(lengths[inside].mean()), 3) if inside.any() else None,
-        })
+        out.append(
+            {
+                "confidence": [lo, hi],
+                "share_of_blocks": round(float(inside.mean()), 4) if values.size else 0.0,
+                "blocks": int(inside.sum()),
+                "tokens_per_block": round(float(lengths[inside].mean()), 3) if inside.any() else None,
+            }
+        )
     return out
 
 
@@ -48,7 +50,7 @@ def measure(pair, prompts: list[list[int]], block_size: int, max_tokens: int) ->
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kakeya.core.contract import Request
+    from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
 
     set_torch_threads(1, "cpu", embedded=True)
@@ -104,15 +106,20 @@ def main(argv=None) -> int:
     pair, _, prompts, header = card_setup("acceptance_confidence", argv, args)
     res = header | {
         "notes": "confidence: the target's probability of the token it chose (transformers' forward over the "
-                 "generation); a block's mean confidence is over the B - 1 positions its candidates stand in; "
-                 "tokens_per_block: tokens the block committed (the drafter alone, greedy)",
+        "generation); a block's mean confidence is over the B - 1 positions its candidates stand in; "
+        "tokens_per_block: tokens the block committed (the drafter alone, greedy)",
         "result": measure(pair, prompts, args.block_size, args.max_tokens),
     }
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     r = res["result"]
-    print(f"block {r['block_size']}: {r['tokens_per_block']:.2f} tokens per block over {r['blocks']} blocks; "
-          + ", ".join(f"mean confidence {b['confidence'][0]}-{b['confidence'][1]}: {b['share_of_blocks']:.0%} of blocks, "
-                      f"{b['tokens_per_block']}" for b in r["by_mean_confidence"]))
+    print(
+        f"block {r['block_size']}: {r['tokens_per_block']:.2f} tokens per block over {r['blocks']} blocks; "
+        + ", ".join(
+            f"mean confidence {b['confidence'][0]}-{b['confidence'][1]}: {b['share_of_blocks']:.0%} of blocks, "
+            f"{b['tokens_per_block']}"
+            for b in r["by_mean_confidence"]
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -61,17 +61,26 @@ def run_pair(name: str, target: Path, draft: Path, args) -> dict:
             per = block_counts(greedy_runs(engine, prompts, b, args.max_tokens))
             lo, hi = bootstrap_interval(per)
             lo32, hi32 = bootstrap_interval(per, size=32)
-            per_size[str(b)] = {"tokens_per_block": round(pooled(per), 3), "interval_90": [round(lo, 3), round(hi, 3)],
-                                "interval_90_of_32_prompts": [round(lo32, 3), round(hi32, 3)],
-                                "blocks": sum(n for n, _ in per), "per_prompt": per}
+            per_size[str(b)] = {
+                "tokens_per_block": round(pooled(per), 3),
+                "interval_90": [round(lo, 3), round(hi, 3)],
+                "interval_90_of_32_prompts": [round(lo32, 3), round(hi32, 3)],
+                "blocks": sum(n for n, _ in per),
+                "per_prompt": per,
+            }
             print(f"  {per_size[str(b)]['tokens_per_block']} [{lo:.3f}, {hi:.3f}]", file=sys.stderr, flush=True)
     return row
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", action="append", default=[], metavar="NAME=DIR",
-                    help="another pair (DIR/target, DIR/draft), measured after the embedded one (repeatable)")
+    ap.add_argument(
+        "--pair",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="another pair (DIR/target, DIR/draft), measured after the embedded one (repeatable)",
+    )
     ap.add_argument("--prompts", type=int, default=128, help="prompts per split (the card uses 32 held-out ones)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -97,12 +106,14 @@ def main(argv=None) -> int:
         "command": "python benchmarks/acceptance_prompts.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "prompts_per_split": args.prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+        "prompts_per_split": args.prompts,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
         "notes": "tokens_per_block: committed tokens per block pooled over every block (the card's count), the drafter "
-                 "alone (n-gram copies off), torch CPU, greedy; interval_90: bootstrap over prompts; "
-                 "interval_90_of_32_prompts: the same over 32 prompts drawn from these (how far a 32-prompt figure, the "
-                 "card's, may land); "
-                 "per_prompt: [blocks, tokens] per prompt",
+        "alone (n-gram copies off), torch CPU, greedy; interval_90: bootstrap over prompts; "
+        "interval_90_of_32_prompts: the same over 32 prompts drawn from these (how far a 32-prompt figure, the "
+        "card's, may land); "
+        "per_prompt: [blocks, tokens] per prompt",
         "pairs": {name: run_pair(name, t, d, args) for name, t, d in pairs},
     }
     path = Path(args.out)

@@ -28,7 +28,7 @@ FIXED = (2, 4, 8, 16)
 
 
 def run_backend(backend: str, prompts: list[list[int]], max_tokens: int, rounds: int, device: str = "cpu") -> dict:
-    from kakeya.core.contract import Request
+    from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
 
     if backend == "torch" and device == "cpu":

@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kakeya.core.contract import CachePolicy  # noqa: E402
-from kakeya.drafter.batch import draft_batch  # noqa: E402
-from kakeya.verifier.batch import verify_batch  # noqa: E402
-from kakeya.verifier.session import VerifierSession  # noqa: E402
+from kakeya.core.request import CachePolicy
+from kakeya.drafter.batch import draft_batch
+from kakeya.verifier.batch import verify_batch
+from kakeya.verifier.session import VerifierSession
 
 
 def build(shape: str, device: str, dtype: str):
@@ -107,13 +107,23 @@ def measure(target, drafter, n: int, block: int, ctx: int, reps: int, device: st
     for fn in (verify_alone, verify_together, draft_alone, draft_together):  # warm-up (graphs, allocator)
         fn()
     same_verify = verify_alone() == verify_together()
-    t = {name: median_time(fn, reps, device) for name, fn in
-         (("verify_alone", verify_alone), ("verify_batch", verify_together), ("draft_alone", draft_alone), ("draft_batch", draft_together))}
+    t = {
+        name: median_time(fn, reps, device)
+        for name, fn in (
+            ("verify_alone", verify_alone),
+            ("verify_batch", verify_together),
+            ("draft_alone", draft_alone),
+            ("draft_batch", draft_together),
+        )
+    }
     for s in vs + ds:
         s.close()
     return {
         "ms": {k: round(v * 1e3, 3) for k, v in t.items()},
-        "verify_positions_per_s": {"alone": round(n * block / t["verify_alone"]), "batch": round(n * block / t["verify_batch"])},
+        "verify_positions_per_s": {
+            "alone": round(n * block / t["verify_alone"]),
+            "batch": round(n * block / t["verify_batch"]),
+        },
         "verify_speedup": round(t["verify_alone"] / t["verify_batch"], 2),
         "draft_speedup": round(t["draft_alone"] / t["draft_batch"], 2),
         "verify_choices_identical": same_verify,
@@ -139,12 +149,27 @@ def main() -> int:
         for n in args.sessions:
             rows[str(n)] = measure(target, drafter, n, args.block, args.ctx, args.reps, args.device)
             r = rows[str(n)]
-            print(f"N={n:>2}: verify {r['ms']['verify_alone']:.2f} -> {r['ms']['verify_batch']:.2f} ms "
-                  f"({r['verify_speedup']:.2f}x), draft {r['ms']['draft_alone']:.2f} -> {r['ms']['draft_batch']:.2f} ms "
-                  f"({r['draft_speedup']:.2f}x), identical {r['verify_choices_identical']}", flush=True)
-    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or platform.machine()
-    out = {"benchmark": "batching", "device": args.device, "device_name": name, "dtype": args.dtype, "shape": args.shape,
-           "block": args.block, "ctx": args.ctx, "reps": args.reps, "torch": torch.__version__, "sessions": rows}
+            print(
+                f"N={n:>2}: verify {r['ms']['verify_alone']:.2f} -> {r['ms']['verify_batch']:.2f} ms "
+                f"({r['verify_speedup']:.2f}x), draft {r['ms']['draft_alone']:.2f} -> {r['ms']['draft_batch']:.2f} ms "
+                f"({r['draft_speedup']:.2f}x), identical {r['verify_choices_identical']}",
+                flush=True,
+            )
+    name = (
+        torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or platform.machine()
+    )
+    out = {
+        "benchmark": "batching",
+        "device": args.device,
+        "device_name": name,
+        "dtype": args.dtype,
+        "shape": args.shape,
+        "block": args.block,
+        "ctx": args.ctx,
+        "reps": args.reps,
+        "torch": torch.__version__,
+        "sessions": rows,
+    }
     suffix = "" if (args.device, args.shape) == ("cpu", "demo") else f"_{args.device.split(':')[0]}_{args.shape}"
     path = Path(args.out or ROOT / "benchmarks" / "results" / f"batching{suffix}.json")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kakeya.orchestrator.assembly import build_local_engine  # noqa: E402
-from kakeya.orchestrator.engine import Request  # noqa: E402
+from kakeya.orchestrator.assembly import build_local_engine
+from kakeya.orchestrator.engine import Request
 
 
 def measure(engine, prompt_ids, max_tokens, block_size, repeats):
@@ -70,8 +70,11 @@ def main(argv=None):
         print(f"block size {b} ...", file=sys.stderr, flush=True)
         rows.append(measure(engine, prompt_ids, args.max_tokens, b, args.repeats))
         r = rows[-1]["median_ms"]
-        print(f"  draft {r['draft_s']:.3f} ms  verify {r['verify_s']:.3f} ms  rest {r['rest_s']:.3f} ms "
-              f"({rows[-1]['rest_fraction_of_block']:.1%} of a block)", file=sys.stderr)
+        print(
+            f"  draft {r['draft_s']:.3f} ms  verify {r['verify_s']:.3f} ms  rest {r['rest_s']:.3f} ms "
+            f"({rows[-1]['rest_fraction_of_block']:.1%} of a block)",
+            file=sys.stderr,
+        )
     result = {
         "benchmark": "block_split",
         "target": engine.target,
@@ -80,7 +83,11 @@ def main(argv=None):
         "prompt_tokens": len(prompt_ids),
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version()},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "python": platform.python_version(),
+        },
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "rows": rows,
     }

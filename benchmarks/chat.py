@@ -78,7 +78,7 @@ def concurrent_chats(make_engine, cold, codec, args) -> dict:
     ``cold``; the prefix cache's budget, high-water mark and counters."""
     import threading
 
-    from kakeya.core.contract import Request
+    from kakeya.core.request import Request
     from kakeya.orchestrator.engine import RunOptions
     from kakeya.runtime.compute import ComputeThread
 
@@ -126,8 +126,8 @@ def concurrent_chats(make_engine, cold, codec, args) -> dict:
 
 
 def main(argv=None) -> int:
-    from kakeya.core.contract import Request
     from kakeya.core.prefix import PrefixCache, common_prefix
+    from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -143,8 +143,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix-cache-bytes", type=int, default=1 << 30)
     ap.add_argument("--concurrent", type=int, default=16, help="conversations at once in the budget phase (0: none)")
     ap.add_argument("--concurrent-max-tokens", type=int, default=64, help="per answer, in the budget phase")
-    ap.add_argument("--concurrent-budget-bytes", type=int, default=0,
-                    help="the budget phase's prefix cache (0: four snapshots of the sequential chat's mean size)")
+    ap.add_argument(
+        "--concurrent-budget-bytes",
+        type=int,
+        default=0,
+        help="the budget phase's prefix cache (0: four snapshots of the sequential chat's mean size)",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     if not 1 <= args.turns <= len(USER):
@@ -195,8 +199,14 @@ def main(argv=None) -> int:
     if args.concurrent:
         held = prefixes.stats()
         budget = args.concurrent_budget_bytes or 4 * held["bytes"] // max(1, held["entries"])
-        print(f"{args.concurrent} conversations at once, prefix cache budget {budget} bytes ...", file=sys.stderr, flush=True)
-        crowd = concurrent_chats(lambda: build_local_engine(*pair, prefixes=PrefixCache(budget), **kw), cold, codec, args)
+        print(
+            f"{args.concurrent} conversations at once, prefix cache budget {budget} bytes ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        crowd = concurrent_chats(
+            lambda: build_local_engine(*pair, prefixes=PrefixCache(budget), **kw), cold, codec, args
+        )
         print(json.dumps(crowd), flush=True)
 
     later = turns[1:]

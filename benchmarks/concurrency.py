@@ -37,10 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import grpc  # noqa: E402
-from load import TINY_PROMPTS, percentile, serve_all, stop_serve_all, stream  # noqa: E402  (benchmarks/load.py)
+import grpc
+from load import TINY_PROMPTS, percentile, serve_all, stop_serve_all, stream
 
-from kakeya.wire.kakeya.v1 import generate_pb2_grpc  # noqa: E402
+from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 
 
 def run_streams(stub, n: int, requests: int, max_tokens: int, block_size: int, refs: list[list[int]]) -> dict:
@@ -51,7 +51,7 @@ def run_streams(stub, n: int, requests: int, max_tokens: int, block_size: int, r
         for r in range(requests):
             j = (i * requests + r) % len(TINY_PROMPTS)
             try:
-                ids, complete, ttft, total = stream(stub, TINY_PROMPTS[j], max_tokens, block_size)
+                ids, _complete, ttft, total = stream(stub, TINY_PROMPTS[j], max_tokens, block_size)
             except grpc.RpcError as exc:
                 with lock:
                     bad.append(f"{exc.code().name}: {exc.details()}")
@@ -113,14 +113,24 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=0, help="0: auto")
     p.add_argument("--long-prompt", type=int, default=6000, help="tokens of the long-prompt stall check (0: skip)")
     p.add_argument("--start-timeout", type=float, default=300.0)
-    p.add_argument("--serve-args", default="", help="extra `serve all` arguments, e.g. '--verifier-backend torch --drafter-backend torch --device cuda'")
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help="extra `serve all` arguments, e.g. '--verifier-backend torch --drafter-backend torch --device cuda'",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/concurrency.json"))
     args = p.parse_args(argv)
     extra = args.serve_args.split()
     modes = {"batched": 16, "serialised": 1}
-    out = {"command": " ".join(sys.argv), "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-           "pair": "embedded demo pair", "max_tokens": args.max_tokens, "block_size": args.block_size,
-           "requests_per_stream": args.requests, "streams": {}}
+    out = {
+        "command": " ".join(sys.argv),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "pair": "embedded demo pair",
+        "max_tokens": args.max_tokens,
+        "block_size": args.block_size,
+        "requests_per_stream": args.requests,
+        "streams": {},
+    }
     with tempfile.TemporaryDirectory(prefix="kakeya-concurrency-") as tmp:
         procs, stubs = {}, {}
         try:
@@ -134,14 +144,20 @@ def main(argv=None) -> int:
                 order = list(modes) if n % 2 else list(modes)[::-1]
                 for mode in order:
                     row[mode] = run_streams(stubs[mode], n, args.requests, args.max_tokens, args.block_size, refs)
-                row["batched_vs_serialised"] = round(row["batched"]["aggregate_tok_s"] / row["serialised"]["aggregate_tok_s"], 3)
+                row["batched_vs_serialised"] = round(
+                    row["batched"]["aggregate_tok_s"] / row["serialised"]["aggregate_tok_s"], 3
+                )
                 out["streams"][str(n)] = row
-                print(f"{n:>2} streams: batched {row['batched']['aggregate_tok_s']:>7.1f} tok/s "
-                      f"(p50 {row['batched']['latency_s']['p50']:.3f} s), serialised {row['serialised']['aggregate_tok_s']:>7.1f} "
-                      f"tok/s (p50 {row['serialised']['latency_s']['p50']:.3f} s) -> {row['batched_vs_serialised']:.2f}x",
-                      flush=True)
+                print(
+                    f"{n:>2} streams: batched {row['batched']['aggregate_tok_s']:>7.1f} tok/s "
+                    f"(p50 {row['batched']['latency_s']['p50']:.3f} s), serialised {row['serialised']['aggregate_tok_s']:>7.1f} "
+                    f"tok/s (p50 {row['serialised']['latency_s']['p50']:.3f} s) -> {row['batched_vs_serialised']:.2f}x",
+                    flush=True,
+                )
             if args.long_prompt:  # the issue's 3-token request, and one as long as the streams'
-                out["long_prompt_stall"] = [long_prompt_stall(stubs["batched"], args.long_prompt, n) for n in (3, args.max_tokens)]
+                out["long_prompt_stall"] = [
+                    long_prompt_stall(stubs["batched"], args.long_prompt, n) for n in (3, args.max_tokens)
+                ]
                 for row in out["long_prompt_stall"]:
                     print(json.dumps(row))
         finally:

@@ -38,7 +38,11 @@ def worker(reps: int, ctx: int, package: str, pair: Path | None = None) -> dict:
 
     torch.set_num_threads(1)
     assembly = importlib.import_module(f"{package}.orchestrator.assembly")
-    embedded_paths, local_drafter, local_verifier = assembly.embedded_paths, assembly.local_drafter, assembly.local_verifier
+    embedded_paths, local_drafter, local_verifier = (
+        assembly.embedded_paths,
+        assembly.local_drafter,
+        assembly.local_verifier,
+    )
 
     target, draft = (str(pair / "target"), str(pair / "draft")) if pair else embedded_paths()
     drafter = local_drafter(draft, target, "torch", device="cpu", dtype="float32")
@@ -54,6 +58,7 @@ def worker(reps: int, ctx: int, package: str, pair: Path | None = None) -> dict:
         def f():
             vs.verify(block[:L])
             vs.commit(0)
+
         return f
 
     def draft8():
@@ -82,8 +87,19 @@ def run_tree(tree: Path, reps: int, ctx: int, pair: Path) -> dict:
         (shim / "kakeya").symlink_to(tree / "services")
         package, path = "kakeya", str(shim)
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--reps", str(reps), "--ctx", str(ctx),
-           "--package", package, "--pair", str(pair)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--reps",
+        str(reps),
+        "--ctx",
+        str(ctx),
+        "--package",
+        package,
+        "--pair",
+        str(pair),
+    ]
     res = subprocess.run(cmd, env=env, cwd=str(tree), capture_output=True, text=True, timeout=600)
     if res.returncode:
         raise RuntimeError(f"worker in {tree} failed:\n{res.stderr[-2000:]}")
@@ -98,8 +114,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=100)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--package", default="kakeya", help=argparse.SUPPRESS)
-    ap.add_argument("--pair", type=Path, default=ROOT / "services" / "models" / "demo",
-                    help="the pair every tree runs (default: this tree's demo pair, so trees shipping another still compare)")
+    ap.add_argument(
+        "--pair",
+        type=Path,
+        default=ROOT / "services" / "models" / "demo",
+        help="the pair every tree runs (default: this tree's demo pair, so trees shipping another still compare)",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     if args.worker:

@@ -49,8 +49,9 @@ def leading(pred: np.ndarray, truth: np.ndarray) -> np.ndarray:
     return np.cumprod(pred == truth, axis=-1).sum(-1)
 
 
-def refined(trainer, seq: np.ndarray, aux: np.ndarray, anchors: np.ndarray, B: int, shown: np.ndarray,
-            n_shown: np.ndarray) -> np.ndarray:
+def refined(
+    trainer, seq: np.ndarray, aux: np.ndarray, anchors: np.ndarray, B: int, shown: np.ndarray, n_shown: np.ndarray
+) -> np.ndarray:
     """The second pass's argmax [K, B-1] for one sequence: block ``i`` after ``anchors[i]`` with its first
     ``n_shown[i]`` positions holding ``shown[i]`` instead of masks (``block_logits``' reveal: the tokens are
     read from the sequence, so each block gets its own copy of it with those tokens written in)."""
@@ -109,8 +110,16 @@ def continuations(target: Path, n: int, prompt_len: int, gen_len: int, tids, see
     from kakeya.training.block_trainer import TorchTarget, cached_continuations, make_dataset
 
     corpus = data.load_corpus(data.target_tokenizer(target))
-    key = {"target": str(target.resolve()), "prompt_len": prompt_len, "gen_len": gen_len, "tids": list(tids),
-           "seed": seed, "bos": True, "n_seq": n, "split": "heldout"}
+    key = {
+        "target": str(target.resolve()),
+        "prompt_len": prompt_len,
+        "gen_len": gen_len,
+        "tids": list(tids),
+        "seed": seed,
+        "bos": True,
+        "n_seq": n,
+        "split": "heldout",
+    }
     made, _ = cached_continuations(
         cache, key,
         lambda out: make_dataset(TorchTarget(target, torch.device("cpu")), corpus.heldout, n, prompt_len, gen_len,
@@ -135,14 +144,23 @@ def second_pass_price(block_size: int) -> dict | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", type=Path, default=DEMO / "target")
-    p.add_argument("--draft", action="append", default=None, metavar="NAME=DIR",
-                   help="a drafter of the target (repeatable; default: shipped=the embedded demo drafter)")
+    p.add_argument(
+        "--draft",
+        action="append",
+        default=None,
+        metavar="NAME=DIR",
+        help="a drafter of the target (repeatable; default: shipped=the embedded demo drafter)",
+    )
     p.add_argument("--block-size", type=int, default=8)
-    p.add_argument("--sequences", type=int, default=64, help="held-out continuations (as train-drafter's held-out curve)")
+    p.add_argument(
+        "--sequences", type=int, default=64, help="held-out continuations (as train-drafter's held-out curve)"
+    )
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--confidence", type=float, default=0.5, help="two_pass shows the first pass's leading run at least this likely")
+    p.add_argument(
+        "--confidence", type=float, default=0.5, help="two_pass shows the first pass's leading run at least this likely"
+    )
     p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "kakeya-draft-refine")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
@@ -161,8 +179,9 @@ def main() -> None:
         cfg = json.loads((Path(d) / "config.json").read_text())
         if tids is None:
             tids = cfg["dflash_config"]["target_layer_ids"]
-            seqs, aux = continuations(args.target, args.sequences, args.prompt_len, args.gen_len, tids, args.seed,
-                                      args.cache)
+            seqs, aux = continuations(
+                args.target, args.sequences, args.prompt_len, args.gen_len, tids, args.seed, args.cache
+            )
         elif cfg["dflash_config"]["target_layer_ids"] != tids:
             p.error(f"--draft {name}: reads target layers {cfg['dflash_config']['target_layer_ids']}, the first {tids}")
         trainer = BlockTrainer(cfg, args.target, 0, torch.device("cpu"))
@@ -185,8 +204,8 @@ def main() -> None:
         "seed": args.seed,
         "confidence": args.confidence,
         "note": "tokens per block as the loop commits them (replayed on the target's greedy continuations of "
-                "held-out files); over_one_pass: against the same drafter's one pass; second_pass_price: the "
-                "acceptance gain a second drafter forward must beat, per backend",
+        "held-out files); over_one_pass: against the same drafter's one pass; second_pass_price: the "
+        "acceptance gain a second drafter forward must beat, per backend",
         "drafters": rows,
         "second_pass_price": second_pass_price(args.block_size),
         "machine": {"platform": platform.platform(), "python": platform.python_version()},

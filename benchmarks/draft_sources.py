@@ -94,7 +94,8 @@ class CorpusLookup:
 
 def _sourced_drafts(base, source: str, reference: dict, corpus: CorpusLookup | None):
     """A subclass of the loop's ``_Drafts`` (``base``) whose candidates come from ``source``."""
-    from kakeya.core.contract import MAX_BLOCK_SIZE, Draft
+    from kakeya.core.contract import Draft
+    from kakeya.core.request import MAX_BLOCK_SIZE
     from kakeya.orchestrator.ngram import NgramIndex
 
     class Sourced(base):
@@ -114,9 +115,9 @@ def _sourced_drafts(base, source: str, reference: dict, corpus: CorpusLookup | N
             draft, predrafted = super().next(last, room, verdict)  # the drafter's block (copies are off)
             if not draft.tokens:
                 return draft, predrafted
-            self.stream.extend(self.gen.token_ids[len(self.stream) - len(self.gen.prompt_ids):])
+            self.stream.extend(self.gen.token_ids[len(self.stream) - len(self.gen.prompt_ids) :])
             copy = self.lookup.propose(self.stream, len(draft.tokens))
-            target = reference["tokens"][len(self.gen.token_ids):]
+            target = reference["tokens"][len(self.gen.token_ids) :]
 
             def matched(cands) -> int:
                 n = 0
@@ -132,9 +133,15 @@ def _sourced_drafts(base, source: str, reference: dict, corpus: CorpusLookup | N
     return Sourced
 
 
-def measure(prompts: list[list[int]], block_sizes, max_tokens: int, corpus_tokens: np.ndarray,
-            corpus_min_match=(4, 8), pair=None) -> dict:
-    from kakeya.core.contract import Request
+def measure(
+    prompts: list[list[int]],
+    block_sizes,
+    max_tokens: int,
+    corpus_tokens: np.ndarray,
+    corpus_min_match=(4, 8),
+    pair=None,
+) -> dict:
+    from kakeya.core.request import Request
     from kakeya.orchestrator import loop as loop_mod
     from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
     from kakeya.orchestrator.engine import RunOptions
@@ -143,12 +150,16 @@ def measure(prompts: list[list[int]], block_sizes, max_tokens: int, corpus_token
     target, draft = (None, None) if pair is None else (str(pair.target), str(pair.draft))
     engine = build_local_engine(target, draft, "torch", "cpu")
     engine.generate(Request(prompts[0], max_tokens=16, block_size=0, ignore_eos=True))  # warm-up
-    refs = [engine.generate(Request(p, max_tokens=max_tokens, block_size=1, ignore_eos=True)).token_ids for p in prompts]
+    refs = [
+        engine.generate(Request(p, max_tokens=max_tokens, block_size=1, ignore_eos=True)).token_ids for p in prompts
+    ]
     lookups = {}
     for n in corpus_min_match:
         t0 = time.perf_counter()
         lookups[f"corpus_{n}"] = CorpusLookup(corpus_tokens, n)
-        print(f"corpus lookup from {n} tokens: indexed in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        print(
+            f"corpus lookup from {n} tokens: indexed in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True
+        )
     sources = ["drafter", "engine", "oracle", *lookups]
     base = loop_mod._Drafts
     out: dict = {}
@@ -161,8 +172,10 @@ def measure(prompts: list[list[int]], block_sizes, max_tokens: int, corpus_token
                 lengths, copied, tok_s, lossless = [], [], [], True
                 for p, ref in zip(prompts, refs):
                     reference["tokens"] = ref
-                    g = engine.generate(Request(p, max_tokens=max_tokens, block_size=B, ignore_eos=True),
-                                        RunOptions(ngram=source not in ("drafter", "oracle")))
+                    g = engine.generate(
+                        Request(p, max_tokens=max_tokens, block_size=B, ignore_eos=True),
+                        RunOptions(ngram=source not in ("drafter", "oracle")),
+                    )
                     lossless &= g.token_ids == ref
                     lengths += g.acceptance_lengths
                     copied += [b.copied for b in g.blocks[1:]]
@@ -216,8 +229,13 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--corpus-min-match", type=int, nargs="*", default=[4, 8],
-                    help="a corpus_N source for each: the shortest suffix the training-corpus lookup trusts")
+    ap.add_argument(
+        "--corpus-min-match",
+        type=int,
+        nargs="*",
+        default=[4, 8],
+        help="a corpus_N source for each: the shortest suffix the training-corpus lookup trusts",
+    )
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
 
@@ -225,15 +243,18 @@ def main(argv=None) -> int:
     res = header | {
         "corpus": {"train_tokens": int(corpus.train.size), "source": corpus.summary()["source"]},
         "notes": "tokens_per_block: committed tokens per block, pooled over the prompts (the card's count); "
-                 "oracle: per block, the better of the prompt copy and the drafter's block against the target's "
-                 "greedy continuation; corpus_N: the engine, plus a training-corpus lookup from N..12 tokens where "
-                 "the prompt lookup finds nothing",
+        "oracle: per block, the better of the prompt copy and the drafter's block against the target's "
+        "greedy continuation; corpus_N: the engine, plus a training-corpus lookup from N..12 tokens where "
+        "the prompt lookup finds nothing",
         "per_block_size": measure(prompts, args.block_sizes, args.max_tokens, corpus.train, args.corpus_min_match),
     }
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     for B, row in res["per_block_size"].items():
-        print(f"block {B}: " + ", ".join(f"{s} {v['tokens_per_block']:.2f}" for s, v in row.items())
-              + f"; lossless {all(v['lossless_vs_block1'] for v in row.values())}")
+        print(
+            f"block {B}: "
+            + ", ".join(f"{s} {v['tokens_per_block']:.2f}" for s, v in row.items())
+            + f"; lossless {all(v['lossless_vs_block1'] for v in row.values())}"
+        )
     print(f"wrote {args.out}")
     return 0
 

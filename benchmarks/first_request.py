@@ -60,7 +60,9 @@ def main(argv=None) -> int:
         for s in sizes if r % 2 == 0 else sizes[::-1]:
             out = one_run(s, args.backend, args.extra)
             runs[s].append(out)
-            print(f"round {r + 1}/{args.rounds} block {s or 'auto'}: {out['summary_line']}", file=sys.stderr, flush=True)
+            print(
+                f"round {r + 1}/{args.rounds} block {s or 'auto'}: {out['summary_line']}", file=sys.stderr, flush=True
+            )
 
     def summary(rs: list[dict]) -> dict:
         sizes_used = [b for o in rs for b in o["block_sizes"]]
@@ -91,10 +93,15 @@ def main(argv=None) -> int:
         best = max(fixed, key=lambda k: fixed[k]["median_decode_tok_s"])
         result["best_fixed"] = int(best)
         result["auto_vs_best_fixed"] = round(
-            result["settings"]["auto"]["median_decode_tok_s"] / fixed[best]["median_decode_tok_s"], 3)
+            result["settings"]["auto"]["median_decode_tok_s"] / fixed[best]["median_decode_tok_s"], 3
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "lines"} for k, v in result["settings"].items()}, indent=1))
+    print(
+        json.dumps(
+            {k: {kk: vv for kk, vv in v.items() if kk != "lines"} for k, v in result["settings"].items()}, indent=1
+        )
+    )
     for k in ("best_fixed", "auto_vs_best_fixed"):
         if k in result:
             print(k, result[k])

@@ -52,15 +52,16 @@ for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from gemma4_26b import DRAFT_26B, GEMMA4_26B_A4B, MAX_L, hbm_bandwidth, layer_types_of  # noqa: E402
-from kakeya.backends.torch.ops import resolve_device, resolve_dtype  # noqa: E402
-from kakeya.drafter.backend import bind  # noqa: E402
-from kakeya.drafter.session import TorchDrafter  # noqa: E402
-from kakeya.drafter.torch_backend.model import DFlashConfig, DFlashDraftModel, TargetHead  # noqa: E402
-from kakeya.verifier.layout import CachePolicy  # noqa: E402
-from kakeya.verifier.session import VerifierSession  # noqa: E402
-from kakeya.verifier.torch_backend.gemma4 import Gemma4Args  # noqa: E402
-from kakeya.verifier.torch_backend.target import TargetTorch  # noqa: E402
+from gemma4_26b import DRAFT_26B, GEMMA4_26B_A4B, MAX_L, hbm_bandwidth, layer_types_of
+
+from kakeya.backends.torch.ops import resolve_device, resolve_dtype
+from kakeya.core.request import CachePolicy
+from kakeya.drafter.backend import bind
+from kakeya.drafter.session import TorchDrafter
+from kakeya.drafter.torch_backend.model import DFlashConfig, DFlashDraftModel, TargetHead
+from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.torch_backend.gemma4 import Gemma4Args
+from kakeya.verifier.torch_backend.target import TargetTorch
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_projection.json"
 SMALL_OUT = ROOT / "benchmarks" / "results" / "gpu_projection_small.json"  # never clobbers the GPU result
@@ -128,7 +129,9 @@ def draft_config(d: dict, vocab: int) -> DFlashConfig:
     )
 
 
-def random_drafter(cfg: DFlashConfig, target: TargetTorch, seed: int = 1, cuda_graphs: bool | None = None) -> TorchDrafter:
+def random_drafter(
+    cfg: DFlashConfig, target: TargetTorch, seed: int = 1, cuda_graphs: bool | None = None
+) -> TorchDrafter:
     """Random weights; the embedding / LM head are the target's own tensors (colocated)."""
     device, dtype = target.device, target.dtype
     with torch.device("meta"):
@@ -166,7 +169,9 @@ def timed(fn, reps: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def measure(target: TargetTorch, drafter: TorchDrafter, ctx: int, reps: int, seed: int = 0, profile: bool = False) -> dict:
+def measure(
+    target: TargetTorch, drafter: TorchDrafter, ctx: int, reps: int, seed: int = 0, profile: bool = False
+) -> dict:
     device = target.device
     vocab = target.args.vocab_size
     rng = np.random.default_rng(seed)
@@ -289,8 +294,14 @@ def top_ops(fn, device: torch.device, calls: int = 3, top: int = 15) -> list[dic
             continue  # a kernel's own row: its time is also its launching op's self device time
         us = e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total
         if us:
-            rows.append({"op": e.key[:80], "input_shapes": str(e.input_shapes)[:200],
-                         "ms_per_call": us / 1e3 / calls, "count_per_call": e.count / calls})
+            rows.append(
+                {
+                    "op": e.key[:80],
+                    "input_shapes": str(e.input_shapes)[:200],
+                    "ms_per_call": us / 1e3 / calls,
+                    "count_per_call": e.count / calls,
+                }
+            )
     rows.sort(key=lambda r: -r["ms_per_call"])
     return rows[:top]
 
@@ -324,8 +335,12 @@ def roofline(target: TargetTorch, t_verify_ms: dict, bandwidth: float | None) ->
             row["roofline_ms"] = nbytes / bandwidth * 1e3
             row["over_roofline"] = row["t_verify_ms"] / row["roofline_ms"]
         rows[str(L)] = row
-    return {"bandwidth_bytes_s": bandwidth, "weight_bytes": wb, "per_L": rows,
-            "model": "t_verify(L) >= (dense + (1 - (1 - k/E)^L) * experts) bytes / HBM bandwidth"}
+    return {
+        "bandwidth_bytes_s": bandwidth,
+        "weight_bytes": wb,
+        "per_L": rows,
+        "model": "t_verify(L) >= (dense + (1 - (1 - k/E)^L) * experts) bytes / HBM bandwidth",
+    }
 
 
 def agreement(target: TargetTorch, drafter: TorchDrafter, n: int, block_size: int, seed: int = 2) -> dict:
@@ -343,8 +358,13 @@ def agreement(target: TargetTorch, drafter: TorchDrafter, n: int, block_size: in
     ar, spec = decode(1), decode(block_size)
     same = [a == b for a, b in zip(ar, spec)]
     first = next((i for i, s in enumerate(same) if not s), None)
-    return {"tokens": n, "block_size": block_size, "fraction_identical": sum(same) / max(1, len(same)),
-            "first_divergence": first, "note": "near-tie flips are expected in bf16; silent drift is not"}
+    return {
+        "tokens": n,
+        "block_size": block_size,
+        "fraction_identical": sum(same) / max(1, len(same)),
+        "first_divergence": first,
+        "note": "near-tie flips are expected in bf16; silent drift is not",
+    }
 
 
 def param_count(target: TargetTorch, drafter: TorchDrafter) -> dict:
@@ -360,20 +380,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--small", action="store_true", help="scaled-down shapes (runs on a CPU in seconds)")
-    p.add_argument("--demo", action="store_true", help="the embedded demo pair's real weights instead of a random shape")
+    p.add_argument(
+        "--demo", action="store_true", help="the embedded demo pair's real weights instead of a random shape"
+    )
     p.add_argument("--ctx", type=int, default=None, help="context length (default 1238, --small 160)")
     p.add_argument("--reps", type=int, default=None, help="timed calls per shape (default 20, --small 3)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
-    p.add_argument("--bandwidth-tbs", type=float, default=None,
-                   help="HBM bandwidth in TB/s for the roofline (default: by device name, H100 3.35, H200 4.8)")
-    p.add_argument("--agree-tokens", type=int, default=None, help="tokens for the AR-vs-speculative check (default 64, --small 12)")
+    p.add_argument(
+        "--bandwidth-tbs",
+        type=float,
+        default=None,
+        help="HBM bandwidth in TB/s for the roofline (default: by device name, H100 3.35, H200 4.8)",
+    )
+    p.add_argument(
+        "--agree-tokens", type=int, default=None, help="tokens for the AR-vs-speculative check (default 64, --small 12)"
+    )
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"], help="the verifier's CUDA graphs")
-    p.add_argument("--compile", action="store_true", help="torch.compile each layer's row-wise halves in both models, as --compile does")
-    p.add_argument("--profile", action="store_true", help="also record the top device kernels of AR, verify(1/2/4/8/16), draft(4/8/16), "
-                   "and the ops (with input shapes) behind verify(1/8) and draft(8)")
-    p.add_argument("--kernels", action="store_true", help="also time each Triton kernel at this shape against its eager "
-                   "counterpart (benchmarks/kernels.py): achieved bandwidth, in a `kernels` section")
-    p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT.relative_to(ROOT)} ({SMALL_OUT.name} with --small)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each layer's row-wise halves in both models, as --compile does",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also record the top device kernels of AR, verify(1/2/4/8/16), draft(4/8/16), "
+        "and the ops (with input shapes) behind verify(1/8) and draft(8)",
+    )
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also time each Triton kernel at this shape against its eager "
+        "counterpart (benchmarks/kernels.py): achieved bandwidth, in a `kernels` section",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"default {DEFAULT_OUT.relative_to(ROOT)} ({SMALL_OUT.name} with --small)",
+    )
     args = p.parse_args(argv)
     if args.kernels and args.demo:
         p.error("--kernels times the kernels at a random shape (the 26B one, or --small), not the demo pair")
@@ -409,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         result = measure(target, drafter, ctx, reps, profile=args.profile)
         agree = agreement(target, drafter, args.agree_tokens or (12 if args.small else 64), 8)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    device_name = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    )
     bandwidth = args.bandwidth_tbs * 1e12 if args.bandwidth_tbs else hbm_bandwidth(device_name)
 
     out = {
@@ -424,11 +471,15 @@ def main(argv: list[str] | None = None) -> int:
         "ctx": ctx,
         "reps": reps,
         "target_shape": {k: v for k, v in shape.items() if k != "layer_types"}
-        | {"layer_types": f"{list(shape['layer_types']).count('sliding_attention')} sliding + {list(shape['layer_types']).count('full_attention')} full"},
+        | {
+            "layer_types": f"{list(shape['layer_types']).count('sliding_attention')} sliding + {list(shape['layer_types']).count('full_attention')} full"
+        },
         "drafter_shape": dshape,
         "params": param_count(target, drafter),
         "build_s": build_s,
-        "weights": "embedded demo pair" if args.demo else "random (projection only: acceptance tau is an input, not measured)",
+        "weights": "embedded demo pair"
+        if args.demo
+        else "random (projection only: acceptance tau is an input, not measured)",
         "formula": "speedup(tau, L) = tau * t_ar / (t_draft[L] + t_verify[L]), tau <= L",
         **result,
         "roofline": roofline(target, result["t_verify_ms"], bandwidth),
@@ -448,18 +499,30 @@ def main(argv: list[str] | None = None) -> int:
         f"verify(1/8/16) {out['t_verify_ms']['1']:.2f}/{out['t_verify_ms']['8']:.2f}/{out['t_verify_ms']['16']:.2f} ms, "
         f"draft(8/16) {out['t_draft_ms']['8']:.2f}/{out['t_draft_ms']['16']:.2f} ms"
     )
-    print("best projected speedup per tau: " + ", ".join(f"tau {t}: {v['speedup']:.2f}x @L={v['block_size']}" for t, v in b.items()))
+    print(
+        "best projected speedup per tau: "
+        + ", ".join(f"tau {t}: {v['speedup']:.2f}x @L={v['block_size']}" for t, v in b.items())
+    )
     for L, row in out["roofline"]["per_L"].items():
         if "roofline_ms" in row:
-            print(f"verify({L}): {row['t_verify_ms']:.2f} ms = {row['over_roofline']:.1f}x its expert-union roofline "
-                  f"{row['roofline_ms']:.2f} ms ({row['experts_touched']:.0%} of experts)")
+            print(
+                f"verify({L}): {row['t_verify_ms']:.2f} ms = {row['over_roofline']:.1f}x its expert-union roofline "
+                f"{row['roofline_ms']:.2f} ms ({row['experts_touched']:.0%} of experts)"
+            )
     g = out["agreement_with_own_ar"]
-    print(f"{out['dtype']} speculative vs own AR: {g['fraction_identical']:.1%} identical, first divergence {g['first_divergence']}")
+    print(
+        f"{out['dtype']} speculative vs own AR: {g['fraction_identical']:.1%} identical, first divergence {g['first_divergence']}"
+    )
     for name, rows in (out.get("top_kernels") or {}).items():
-        print(f"{name}: {rows[0]['total_device_ms_per_call']:.2f} ms of kernels per call; top: " + "; ".join(
-            f"{r['name'][:60]} {r['ms_per_call']:.2f} ms x{r['count_per_call']:.0f}" for r in rows[1:6]))
+        print(
+            f"{name}: {rows[0]['total_device_ms_per_call']:.2f} ms of kernels per call; top: "
+            + "; ".join(f"{r['name'][:60]} {r['ms_per_call']:.2f} ms x{r['count_per_call']:.0f}" for r in rows[1:6])
+        )
     for name, rows in (out.get("top_ops") or {}).items():
-        print(f"{name} ops: " + "; ".join(f"{r['op']} {r['input_shapes'][:48]} {r['ms_per_call']:.3f} ms" for r in rows[:3]))
+        print(
+            f"{name} ops: "
+            + "; ".join(f"{r['op']} {r['input_shapes'][:48]} {r['ms_per_call']:.3f} ms" for r in rows[:3])
+        )
     print(f"wrote {args.out}")
     return 0
 

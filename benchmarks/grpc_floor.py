@@ -118,7 +118,8 @@ def serve(service, methods):
     server.stop(0)
 """
 BLOCK_SERVERS = {
-    "drafter": BLOCK_COMMON + """
+    "drafter": BLOCK_COMMON
+    + """
 compute = float(sys.argv[1])
 verdicts = queue.SimpleQueue()
 def relay(requests, context):  # the verifier's verdicts, one per relayed block
@@ -133,7 +134,8 @@ def session(requests, context):
         yield message
 serve("kakeya.bench.Drafter", {"Session": session, "Relay": relay})
 """,
-    "verifier": BLOCK_COMMON + """
+    "verifier": BLOCK_COMMON
+    + """
 compute, drafter = float(sys.argv[1]), sys.argv[2]
 outbox = queue.SimpleQueue()
 relay = grpc.insecure_channel(drafter).stream_stream("/kakeya.bench.Drafter/Relay", request_serializer=None,
@@ -157,8 +159,9 @@ class EchoServer:
         self.kind, self.script, self.args = kind, script or SERVERS[kind], [str(a) for a in args]
 
     def __enter__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", self.script, *self.args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", self.script, *self.args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         self.addr = f"127.0.0.1:{int(self.proc.stdout.readline())}"
         return self
 
@@ -206,11 +209,15 @@ def floor(gaps_ms=(0.0, 3.0), size: int = 4096, rounds: int = 300, servers=("syn
 
 def _stream(channel, service: str):
     requests: queue.SimpleQueue = queue.SimpleQueue()
-    call = channel.stream_stream(f"/kakeya.bench.{service}/Session", request_serializer=None, response_deserializer=None)
+    call = channel.stream_stream(
+        f"/kakeya.bench.{service}/Session", request_serializer=None, response_deserializer=None
+    )
     return requests, call(iter(requests.get, None))
 
 
-def block_wire(verify_ms: float = 5.6, draft_ms: float = 1.1, size: int = 4096, rounds: int = 300, repeats: int = 4) -> dict:
+def block_wire(
+    verify_ms: float = 5.6, draft_ms: float = 1.1, size: int = 4096, rounds: int = 300, repeats: int = 4
+) -> dict:
     """A block's wire (client-observed block time minus the servers' compute, median ms) as two round trips
     and as a relay chain, alternating ``repeats`` times: ``{"two_round_trips": ..., "relay_chain": ...,
     "saved_ms": ...}``."""
@@ -247,9 +254,16 @@ def block_wire(verify_ms: float = 5.6, draft_ms: float = 1.1, size: int = 4096, 
         for q in (vq, dq):
             q.put(None)
     two, chain = (round(statistics.median(got[k]), 4) for k in ("two_round_trips", "relay_chain"))
-    return {"verify_ms": verify_ms, "draft_ms": draft_ms, "bytes": size, "rounds": rounds, "repeats": repeats,
-            "wire_ms": {"two_round_trips": two, "relay_chain": chain}, "saved_ms": round(two - chain, 4),
-            "per_repeat_ms": {k: [round(v, 4) for v in vs] for k, vs in got.items()}}
+    return {
+        "verify_ms": verify_ms,
+        "draft_ms": draft_ms,
+        "bytes": size,
+        "rounds": rounds,
+        "repeats": repeats,
+        "wire_ms": {"two_round_trips": two, "relay_chain": chain},
+        "saved_ms": round(two - chain, 4),
+        "per_repeat_ms": {k: [round(v, 4) for v in vs] for k, vs in got.items()},
+    }
 
 
 def main(argv=None) -> int:
@@ -257,20 +271,34 @@ def main(argv=None) -> int:
     ap.add_argument("--gaps-ms", type=float, nargs="+", default=[0, 1, 3, 10], help="idle time before each message")
     ap.add_argument("--bytes", type=int, default=4096, help="message size (a block-8 draft or verify answer: ~4 KB)")
     ap.add_argument("--rounds", type=int, default=300)
-    ap.add_argument("--servers", nargs="+", default=["sync", "aio"], choices=sorted(SERVERS),
-                    help="echo servers to measure (sync: grpc.server, as Kakeya's; aio: grpc.aio.server)")
+    ap.add_argument(
+        "--servers",
+        nargs="+",
+        default=["sync", "aio"],
+        choices=sorted(SERVERS),
+        help="echo servers to measure (sync: grpc.server, as Kakeya's; aio: grpc.aio.server)",
+    )
     ap.add_argument("--block", action="store_true", help="also a block's wire: two round trips vs a relay chain")
-    ap.add_argument("--verify-ms", type=float, default=5.6, help="--block: the verifier's compute a block (demo pair, block 8, this VM)")
+    ap.add_argument(
+        "--verify-ms",
+        type=float,
+        default=5.6,
+        help="--block: the verifier's compute a block (demo pair, block 8, this VM)",
+    )
     ap.add_argument("--draft-ms", type=float, default=1.1, help="--block: the drafter's compute a block")
     ap.add_argument("--repeats", type=int, default=4, help="--block: alternations of the two shapes")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grpc_floor.json"))
     args = ap.parse_args(argv)
-    out = {"benchmark": "grpc_floor", "grpcio": grpc.__version__} | floor(args.gaps_ms, args.bytes, args.rounds, args.servers)
+    out = {"benchmark": "grpc_floor", "grpcio": grpc.__version__} | floor(
+        args.gaps_ms, args.bytes, args.rounds, args.servers
+    )
     if args.block:
         out["block"] = block_wire(args.verify_ms, args.draft_ms, args.bytes, args.rounds, args.repeats)
-    out |= {"machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "command": "python benchmarks/grpc_floor.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    out |= {
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": "python benchmarks/grpc_floor.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out["round_trip_ms"]))
     if args.block:

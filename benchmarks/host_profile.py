@@ -30,7 +30,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
 
-    from kakeya.core.contract import Request
+    from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine
 
     engine = build_local_engine(None, None, "torch", args.device, args.dtype)
@@ -44,8 +44,10 @@ def main() -> int:
     g = engine.generate(req)
     prof.disable()
     wall = time.perf_counter() - t0
-    print(f"{len(g.token_ids)} tokens in {len(g.blocks)} blocks, {wall * 1e3:.1f} ms "
-          f"({wall / max(1, len(g.blocks)) * 1e3:.3f} ms per block, {g.decode_tok_s:.0f} tok/s)")
+    print(
+        f"{len(g.token_ids)} tokens in {len(g.blocks)} blocks, {wall * 1e3:.1f} ms "
+        f"({wall / max(1, len(g.blocks)) * 1e3:.3f} ms per block, {g.decode_tok_s:.0f} tok/s)"
+    )
     for key in ("tottime", "cumulative"):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(args.top)

@@ -59,7 +59,19 @@ BAD = {"INTERNAL", "UNKNOWN"}
 def start(tmp: Path, name: str, args: list[str], timeout: float) -> tuple[subprocess.Popen, dict]:
     """`kakeya serve NAME ARGS` with a ready file: (process, ready info)."""
     ready, log = tmp / f"{name}.json", tmp / f"{name}.log"
-    cmd = [sys.executable, "-m", "kakeya.app.main", "serve", *args, "--port", "0", "--grace", "2", "--ready-file", str(ready)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kakeya.app.main",
+        "serve",
+        *args,
+        "--port",
+        "0",
+        "--grace",
+        "2",
+        "--ready-file",
+        str(ready),
+    ]
     with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
@@ -148,7 +160,9 @@ def public_load(addr: str, prompts, refs, args, seconds: float, pids) -> dict:
             "tokens_per_server_cpu_s": round(tokens / cpu, 1) if cpu else None}  # fmt: skip
 
 
-def attack(ready: dict, token: str, public: str, stop: threading.Event, tally: Tally, holders: int, max_tokens: int) -> list:
+def attack(
+    ready: dict, token: str, public: str, stop: threading.Event, tally: Tally, holders: int, max_tokens: int
+) -> list:
     """Start the hostile threads; they run until ``stop``."""
     stranger_v = verifier_pb2_grpc.VerifierServiceStub(grpc.insecure_channel(ready["verifier"]))
     stranger_d = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(ready["drafter"]))
@@ -158,14 +172,27 @@ def attack(ready: dict, token: str, public: str, stop: threading.Event, tally: T
 
     def strangers():
         while not stop.is_set():
-            tally.call("no_token.verifier.GetInfo", lambda: stranger_v.GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=5))
-            tally.call("no_token.verifier.Session", lambda: list(stranger_v.Session(iter([V(open=V.Open()), V(prefill=V.Prefill(token_ids=[2, 40]))]), timeout=5)))
-            tally.call("no_token.drafter.GetInfo", lambda: stranger_d.GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=5))
-            tally.call("no_token.drafter.Session", lambda: list(stranger_d.Session(iter([D(open=D.Open())]), timeout=5)))
+            tally.call(
+                "no_token.verifier.GetInfo",
+                lambda: stranger_v.GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=5),
+            )
+            tally.call(
+                "no_token.verifier.Session",
+                lambda: list(
+                    stranger_v.Session(iter([V(open=V.Open()), V(prefill=V.Prefill(token_ids=[2, 40]))]), timeout=5)
+                ),
+            )
+            tally.call(
+                "no_token.drafter.GetInfo", lambda: stranger_d.GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=5)
+            )
+            tally.call(
+                "no_token.drafter.Session", lambda: list(stranger_d.Session(iter([D(open=D.Open())]), timeout=5))
+            )
             stop.wait(0.2)
 
     def holder():  # one idle session at a time, re-opened whenever the server ends it
         while not stop.is_set():
+
             def requests():
                 yield V(open=V.Open(max_positions=64))
                 yield V(prefill=V.Prefill(token_ids=[2, 40, 41, 42]))
@@ -179,7 +206,9 @@ def attack(ready: dict, token: str, public: str, stop: threading.Event, tally: T
                 for _ in call:
                     pass
             except grpc.RpcError as exc:
-                tally.add("leaked_token.held_session", exc.code().name)  # ABORTED: reclaimed; RESOURCE_EXHAUSTED: capped
+                tally.add(
+                    "leaked_token.held_session", exc.code().name
+                )  # ABORTED: reclaimed; RESOURCE_EXHAUSTED: capped
             call.cancel()
             stop.wait(0.05)
 
@@ -219,7 +248,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--block-size", type=int, default=0, help="0: the drafter's default")
     p.add_argument("--holders", type=int, default=6, help="idle verifier sessions the leaked-token client keeps open")
-    p.add_argument("--max-sessions", type=int, default=8, help="the verifier's and drafter's --max-sessions (default 8)")
+    p.add_argument(
+        "--max-sessions", type=int, default=8, help="the verifier's and drafter's --max-sessions (default 8)"
+    )
     p.add_argument("--target", help="target checkpoint (default: the embedded default pair)")
     p.add_argument("--draft", help="drafter checkpoint")
     p.add_argument("--start-timeout", type=float, default=300.0)
@@ -257,7 +288,9 @@ def main(argv=None) -> int:
             for _ in range(args.rounds):  # alternating: this box's load drifts
                 quiet.append(public_load(addr, prompts, refs, args, args.seconds, pids))
                 stop = threading.Event()
-                threads = attack({"verifier": vaddr, "drafter": daddr}, token, addr, stop, tally, args.holders, args.max_tokens)
+                threads = attack(
+                    {"verifier": vaddr, "drafter": daddr}, token, addr, stop, tally, args.holders, args.max_tokens
+                )
                 attacked.append(public_load(addr, prompts, refs, args, args.seconds, pids))
                 stop.set()
                 for t in threads:
@@ -282,7 +315,13 @@ def main(argv=None) -> int:
         failed.update(phase["failed"])
     internal = sum(n for c in [*tally.codes.values(), failed]
                    for code, n in c.items() if code in BAD)  # fmt: skip
-    let_through = sum(n for k, c in tally.codes.items() if k.startswith("no_token") for code, n in c.items() if code != "UNAUTHENTICATED")
+    let_through = sum(
+        n
+        for k, c in tally.codes.items()
+        if k.startswith("no_token")
+        for code, n in c.items()
+        if code != "UNAUTHENTICATED"
+    )
     config = {"clients": args.clients, "seconds": args.seconds, "max_tokens": args.max_tokens, "block_size": args.block_size,
               "holders": args.holders, "max_sessions": args.max_sessions, "pair": args.target or "embedded default",
               "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs"}  # fmt: skip

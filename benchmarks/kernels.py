@@ -70,33 +70,61 @@ def cases(shape: dict, rows: int, ctx: int, device: torch.device, dtype: torch.d
     T, H, Hq, eps = rows, a.hidden_size, a.num_attention_heads, a.rms_norm_eps
     out = []
     x, branch, w, bw, one = rand(T, H), rand(T, H), rand(H, shift=1), rand(H, shift=1), rand(1, scale=0, shift=1)
-    out.append(Case("norm.add_rms_norm", T, (4 * T * H + 2 * H) * es,
-                    lambda: norm.add_rms_norm(x, branch, w, eps, branch_weight=bw, scale=one),
-                    lambda: norm.add_rms_norm_reference(x, branch, w, eps, branch_weight=bw, scale=one)))
+    out.append(
+        Case(
+            "norm.add_rms_norm",
+            T,
+            (4 * T * H + 2 * H) * es,
+            lambda: norm.add_rms_norm(x, branch, w, eps, branch_weight=bw, scale=one),
+            lambda: norm.add_rms_norm_reference(x, branch, w, eps, branch_weight=bw, scale=one),
+        )
+    )
     pos = torch.arange(ctx, ctx + T, device=device)
-    layers = {"sliding": (SLIDING, a.num_key_value_heads, a.head_dim, False),
-              "full": (FULL, a.num_global_key_value_heads, a.global_head_dim, a.attention_k_eq_v)}
+    layers = {
+        "sliding": (SLIDING, a.num_key_value_heads, a.head_dim, False),
+        "full": (FULL, a.num_global_key_value_heads, a.global_head_dim, a.attention_k_eq_v),
+    }
     for kind, (layer_type, n_kv, D, k_eq_v) in layers.items():
         qkv = rand(T, (Hq + n_kv * (1 if k_eq_v else 2)) * D)
         cos, sin = ops.rope_from_positions(rope_inv_freq(a.rope_parameters[layer_type], D).to(device), pos, dtype)
         qw, kw = rand(D, shift=1), rand(D, shift=1)
         args = (qkv, Hq, n_kv, D, qw, kw, cos, sin, eps)
         moved = (qkv.numel() + (Hq + 2 * n_kv) * D * T + 2 * T * D + 2 * D) * es
-        out.append(Case(f"rope.qkv_norm_rope.{kind}", T, moved,
-                        lambda args=args, k=k_eq_v: rope.qkv_norm_rope(*args, k_eq_v=k),
-                        lambda args=args, k=k_eq_v: rope.qkv_norm_rope_reference(*args, k_eq_v=k)))
+        out.append(
+            Case(
+                f"rope.qkv_norm_rope.{kind}",
+                T,
+                moved,
+                lambda args=args, k=k_eq_v: rope.qkv_norm_rope(*args, k_eq_v=k),
+                lambda args=args, k=k_eq_v: rope.qkv_norm_rope_reference(*args, k_eq_v=k),
+            )
+        )
         out.append(_attention_case(kind, a, T, ctx, n_kv, D, rand, device, es, attention))
     E, k = a.num_experts, a.top_k_experts
     logits = rand(T, E)
     scale = rand(E, shift=1)
-    out.append(Case("moe.route", T, T * E * es + E * es + T * k * 12, lambda: moe.route(logits, k, scale),
-                    lambda: moe.route_reference(logits, k, scale)))
+    out.append(
+        Case(
+            "moe.route",
+            T,
+            T * E * es + E * es + T * k * 12,
+            lambda: moe.route(logits, k, scale),
+            lambda: moe.route_reference(logits, k, scale),
+        )
+    )
     out.append(_experts_case(a, T, rand, device, dtype, es, moe))
     V = a.vocab_size
     lm = rand(T, V, scale=4)
     cap = a.final_logit_softcapping
-    out.append(Case("head.softcap_argmax", T, T * V * (es + 4), lambda: head.softcap_argmax(lm, cap),
-                    lambda: head.softcap_argmax_reference(lm, cap)))
+    out.append(
+        Case(
+            "head.softcap_argmax",
+            T,
+            T * V * (es + 4),
+            lambda: head.softcap_argmax(lm, cap),
+            lambda: head.softcap_argmax_reference(lm, cap),
+        )
+    )
     return out
 
 
@@ -127,8 +155,13 @@ def _attention_case(kind, a, T, ctx, n_kv, D, rand, device, es, attention) -> Ca
             m = attention.visible(key_pos[0], query_pos[0], window)
             return ops.sdpa(q.transpose(1, 2), k[None], v[None], m, 1.0)
 
-    return Case(f"attention.{kind}", T, moved,
-                lambda: attention.decode_attention(q, k, v, table, key_pos, query_pos, window=window), eager)
+    return Case(
+        f"attention.{kind}",
+        T,
+        moved,
+        lambda: attention.decode_attention(q, k, v, table, key_pos, query_pos, window=window),
+        eager,
+    )
 
 
 def _experts_case(a, T, rand, device, dtype, es, moe) -> Case:
@@ -141,8 +174,9 @@ def _experts_case(a, T, rand, device, dtype, es, moe) -> Case:
     idx, w = moe.route(rand(T, E), k, rand(E, shift=1))
     routed = int(idx.unique().numel())
     moved = routed * 3 * mi * H * es + 2 * T * H * es + 2 * T * k * mi * es
-    return Case("moe.experts", T, moved, lambda: moe.experts(x, idx, w, m.gate_up, m.down),
-                lambda: m.experts(x, idx, w))
+    return Case(
+        "moe.experts", T, moved, lambda: moe.experts(x, idx, w, m.gate_up, m.down), lambda: m.experts(x, idx, w)
+    )
 
 
 def gpu_us(fn: Callable[[], object], reps: int, flush: torch.Tensor) -> tuple[float, bool]:
@@ -172,12 +206,22 @@ def gpu_us(fn: Callable[[], object], reps: int, flush: torch.Tensor) -> tuple[fl
     return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3, graphed
 
 
-def measure_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16, *, shape: dict | None = None,
-                    rows=ROWS, ctx: int = 1238, reps: int = 50, bandwidth: float | None = None) -> dict:
+def measure_kernels(
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    shape: dict | None = None,
+    rows=ROWS,
+    ctx: int = 1238,
+    reps: int = 50,
+    bandwidth: float | None = None,
+) -> dict:
     """Every case timed, kernel and eager: the ``kernels`` section of a results JSON."""
     if device.type != "cuda":
-        raise SystemExit("benchmarks/kernels.py times Triton kernels on a GPU; this machine's device is "
-                         f"{device} (tests/kernels checks the kernels on a CPU under TRITON_INTERPRET=1)")
+        raise SystemExit(
+            "benchmarks/kernels.py times Triton kernels on a GPU; this machine's device is "
+            f"{device} (tests/kernels checks the kernels on a CPU under TRITON_INTERPRET=1)"
+        )
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
     bandwidth = bandwidth or hbm_bandwidth(torch.cuda.get_device_name(device))
     out = []
@@ -191,18 +235,34 @@ def measure_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16, *
                     out.append({"kernel": c.name, "rows": L, "error": repr(e)[:500]})
                     print(f"{c.name:30s} L={L:<2d} FAILED: {e!r}"[:300], flush=True)
                     continue
-                row = {"kernel": c.name, "rows": L, "bytes": c.bytes, "kernel_us": k_us, "eager_us": e_us,
-                       "kernel_gb_s": c.bytes / k_us / 1e3, "eager_gb_s": c.bytes / e_us / 1e3,
-                       "speedup": e_us / k_us, "graphed": k_graphed and e_graphed}
+                row = {
+                    "kernel": c.name,
+                    "rows": L,
+                    "bytes": c.bytes,
+                    "kernel_us": k_us,
+                    "eager_us": e_us,
+                    "kernel_gb_s": c.bytes / k_us / 1e3,
+                    "eager_gb_s": c.bytes / e_us / 1e3,
+                    "speedup": e_us / k_us,
+                    "graphed": k_graphed and e_graphed,
+                }
                 if bandwidth:
                     row["kernel_of_peak"] = row["kernel_gb_s"] * 1e9 / bandwidth
                     row["eager_of_peak"] = row["eager_gb_s"] * 1e9 / bandwidth
                 out.append(row)
-                print(f"{c.name:30s} L={L:<2d} {c.bytes / 1e6:9.2f} MB  kernel {k_us:8.1f} us "
-                      f"{row['kernel_gb_s']:7.0f} GB/s  eager {e_us:8.1f} us {row['eager_gb_s']:7.0f} GB/s  "
-                      f"x{row['speedup']:.2f}", flush=True)
-    return {"peak_bandwidth_bytes_s": bandwidth, "ctx": ctx, "dtype": str(dtype).replace("torch.", ""),
-            "timing": "median of CUDA-graph replays, L2 flushed before each", "results": out}
+                print(
+                    f"{c.name:30s} L={L:<2d} {c.bytes / 1e6:9.2f} MB  kernel {k_us:8.1f} us "
+                    f"{row['kernel_gb_s']:7.0f} GB/s  eager {e_us:8.1f} us {row['eager_gb_s']:7.0f} GB/s  "
+                    f"x{row['speedup']:.2f}",
+                    flush=True,
+                )
+    return {
+        "peak_bandwidth_bytes_s": bandwidth,
+        "ctx": ctx,
+        "dtype": str(dtype).replace("torch.", ""),
+        "timing": "median of CUDA-graph replays, L2 flushed before each",
+        "results": out,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,16 +277,31 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type != "cuda" or not torch.cuda.is_available():
-        print("benchmarks/kernels.py is a GPU benchmark: it needs a CUDA device (tests/kernels checks the kernels "
-              "on a CPU, under Triton's interpreter)", file=sys.stderr)
+        print(
+            "benchmarks/kernels.py is a GPU benchmark: it needs a CUDA device (tests/kernels checks the kernels "
+            "on a CPU, under Triton's interpreter)",
+            file=sys.stderr,
+        )
         return 2
     import triton
 
     name = torch.cuda.get_device_name(device)
-    section = measure_kernels(device, ops.resolve_dtype(args.dtype), rows=args.rows, ctx=args.ctx, reps=args.reps,
-                              bandwidth=args.bandwidth_tbs * 1e12 if args.bandwidth_tbs else None)
-    result = {"benchmark": "kernels", "device_name": name, "torch": torch.__version__, "triton": triton.__version__,
-              "shape": "gemma-4-26B-A4B", **section}
+    section = measure_kernels(
+        device,
+        ops.resolve_dtype(args.dtype),
+        rows=args.rows,
+        ctx=args.ctx,
+        reps=args.reps,
+        bandwidth=args.bandwidth_tbs * 1e12 if args.bandwidth_tbs else None,
+    )
+    result = {
+        "benchmark": "kernels",
+        "device_name": name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "shape": "gemma-4-26B-A4B",
+        **section,
+    }
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
     path = args.out or ROOT / "benchmarks" / "results" / f"kernels_{slug}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

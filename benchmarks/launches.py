@@ -34,25 +34,49 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gemma4_26b import DRAFT_26B, layer_types_of  # noqa: E402
-from benchmarks.gpu_projection import SMALL, draft_config, random_drafter  # noqa: E402
-from kakeya.backends.torch.graphs import BUCKETS, GraphedStep, GraphOptions  # noqa: E402
-from kakeya.verifier.layout import CachePolicy  # noqa: E402
-from kakeya.verifier.session import VerifierSession  # noqa: E402
-from kakeya.verifier.torch_backend.gemma4 import Gemma4Args  # noqa: E402
-from kakeya.verifier.torch_backend.target import TargetTorch  # noqa: E402
+from benchmarks.gemma4_26b import DRAFT_26B, layer_types_of
+from benchmarks.gpu_projection import SMALL, draft_config, random_drafter
+from kakeya.backends.torch.graphs import BUCKETS, GraphedStep, GraphOptions
+from kakeya.core.request import CachePolicy
+from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.torch_backend.gemma4 import Gemma4Args
+from kakeya.verifier.torch_backend.target import TargetTorch
 
 OUT = ROOT / "benchmarks" / "results" / "launches.json"
 OUT_DEMO = OUT.with_name("launches_demo.json")
 STATIC = GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)  # what CUDA captures, run eagerly
 VIEWS = {
-    "view", "_unsafe_view", "transpose", "unsqueeze", "squeeze", "expand", "slice", "select", "split",
-    "split_with_sizes", "reshape", "t", "permute", "alias", "unflatten", "chunk", "detach", "as_strided",
-    "unbind", "lift_fresh", "_local_scalar_dense",
+    "view",
+    "_unsafe_view",
+    "transpose",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "slice",
+    "select",
+    "split",
+    "split_with_sizes",
+    "reshape",
+    "t",
+    "permute",
+    "alias",
+    "unflatten",
+    "chunk",
+    "detach",
+    "as_strided",
+    "unbind",
+    "lift_fresh",
+    "_local_scalar_dense",
 }
 STRUCTURE_26B = dict(SMALL, num_hidden_layers=30, layer_types=layer_types_of(30), num_experts=16, top_k_experts=4)
-DRAFT = dict(DRAFT_26B, hidden_size=SMALL["hidden_size"], num_attention_heads=4, num_key_value_heads=2,
-             head_dim=32, intermediate_size=256)
+DRAFT = dict(
+    DRAFT_26B,
+    hidden_size=SMALL["hidden_size"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=256,
+)
 
 
 class Launches(TorchDispatchMode):
@@ -103,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=None, help=f"default {OUT.name} ({OUT_DEMO.name} with --demo)")
     p.add_argument("--ctx", type=int, default=300, help="prompt length before the counted steps")
-    p.add_argument("--dtype", default=None, help="bfloat16 (what a GPU serves; the default) or float32 (--demo's default)")
+    p.add_argument(
+        "--dtype", default=None, help="bfloat16 (what a GPU serves; the default) or float32 (--demo's default)"
+    )
     p.add_argument("--demo", action="store_true", help="the embedded demo pair instead of the 26B structure")
     args = p.parse_args(argv)
     args.out = args.out or (OUT_DEMO if args.demo else OUT)
@@ -133,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             def f():
                 session.verify([7] * L)
                 session.commit(min(L, 3))
+
             return f
 
         def draft(L):
@@ -147,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "benchmark": "launches",
         "what": "dispatched aten ops per call (views and no-op casts excluded), inside the static steps (what a CUDA graph "
-                "replays) and outside them (what the host launches one by one)",
-        "target": "embedded demo target: 6 layers (4 sliding + 2 full)" if args.demo else
-                  "gemma-4-26B-A4B structure at small width: 30 layers (25 sliding + 5 full), MoE, K = V",
+        "replays) and outside them (what the host launches one by one)",
+        "target": "embedded demo target: 6 layers (4 sliding + 2 full)"
+        if args.demo
+        else "gemma-4-26B-A4B structure at small width: 30 layers (25 sliding + 5 full), MoE, K = V",
         "drafter": "5 layers",
         "dtype": args.dtype,
         "torch": torch.__version__,

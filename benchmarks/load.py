@@ -32,9 +32,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import grpc  # noqa: E402
+import grpc
 
-from kakeya.wire.kakeya.v1 import generate_pb2 as pb  # noqa: E402
+from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 
 # The tiny pair's drafter learnt counting-like id runs, not text: token-id prompts show it speculating.
@@ -58,7 +58,7 @@ def rss_bytes(pid: int) -> int:
         return psutil.Process(pid).memory_info().rss
     except ImportError:
         pass
-    except Exception:
+    except Exception:  # noqa: BLE001 - a figure we cannot read is reported as 0
         return 0
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -78,7 +78,9 @@ def percentile(xs: list[float], q: float) -> float:
 
 def stream(stub, prompt: str | list[int], max_tokens: int, block_size: int, timeout: float = 120.0):
     """One streamed Generate: (token ids, Complete, seconds to first chunk, seconds in all)."""
-    req = pb.GenerateRequest(block_size=block_size, sampling_params=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    req = pb.GenerateRequest(
+        block_size=block_size, sampling_params=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -98,9 +100,22 @@ def stream(stub, prompt: str | list[int], max_tokens: int, block_size: int, time
 def serve_all(tmp: Path, extra: list[str], timeout: float, name: str = "all") -> tuple[subprocess.Popen, dict]:
     """Start `kakeya serve all --port 0 EXTRA...` and wait for its ready file: (process, ready info)."""
     ready, log_path = tmp / f"{name}.json", tmp / f"serve-{name}.log"
-    cmd = [sys.executable, "-m", "kakeya.app.main", "serve", "all", "--port", "0", "--grace", "5",
-           "--ready-file", str(ready), *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "kakeya.app.main",
+        "serve",
+        "all",
+        "--port",
+        "0",
+        "--grace",
+        "5",
+        "--ready-file",
+        str(ready),
+        *extra,
+    ]
+    with open(log_path, "wb") as out:  # the child holds its own copy of the descriptor
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     while not ready.is_file():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -207,8 +222,9 @@ def main(argv=None) -> int:
         if args.addr:
             addr, pids = args.addr, {}
         else:
-            proc, info = serve_all(Path(tmp), ["--target", args.target, "--draft", args.draft] if args.target else [],
-                                   args.start_timeout)
+            proc, info = serve_all(
+                Path(tmp), ["--target", args.target, "--draft", args.draft] if args.target else [], args.start_timeout
+            )
             addr, pids = info["addr"], info["pids"]
         try:
             out = run_load(addr, args, pids)
@@ -220,7 +236,11 @@ def main(argv=None) -> int:
     out["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps({k: out[k] for k in ("requests", "failed", "mismatched", "latency_s", "aggregate_tok_s", "rss_growth_pct")}))
+    print(
+        json.dumps(
+            {k: out[k] for k in ("requests", "failed", "mismatched", "latency_s", "aggregate_tok_s", "rss_growth_pct")}
+        )
+    )
     return 0 if out["failed"] == 0 and out["mismatched"] == 0 else 1
 
 

@@ -27,7 +27,7 @@ SIZES = (4, 8, 16, 0)
 
 
 def run_backend(backend: str, prompts: list[list[int]], max_tokens: int, rounds: int) -> dict:
-    from kakeya.core.contract import Request
+    from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
     from kakeya.orchestrator.engine import RunOptions
 
@@ -43,11 +43,14 @@ def run_backend(backend: str, prompts: list[list[int]], max_tokens: int, rounds:
         for i, prompt in enumerate(prompts):
             order = settings if (r + i) % 2 == 0 else settings[::-1]
             for b, on in order:
-                g = engine.generate(Request(prompt, max_tokens=max_tokens, block_size=b, ignore_eos=True),
-                                    RunOptions(ngram=on))
+                g = engine.generate(
+                    Request(prompt, max_tokens=max_tokens, block_size=b, ignore_eos=True), RunOptions(ngram=on)
+                )
                 identical &= reference.setdefault(i, g.token_ids) == g.token_ids
                 blocks = g.blocks[1:]
-                runs[(b, on)][i].append((g.decode_tok_s, g.mean_acceptance, sum(x.copied for x in blocks) / max(1, len(blocks))))
+                runs[(b, on)][i].append(
+                    (g.decode_tok_s, g.mean_acceptance, sum(x.copied for x in blocks) / max(1, len(blocks)))
+                )
         print(f"{backend}: round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
 
     def summary(rows) -> dict:
@@ -60,7 +63,7 @@ def run_backend(backend: str, prompts: list[list[int]], max_tokens: int, rounds:
 
     out: dict = {"held_out": {}, "readme_prompt": {}}
     for (b, on), rows in runs.items():
-        name = ("ar" if b == 1 else f"{'auto' if b == 0 else b}_{'on' if on else 'off'}")
+        name = "ar" if b == 1 else f"{'auto' if b == 0 else b}_{'on' if on else 'off'}"
         out["held_out"][name] = summary(rows[1:])
         out["readme_prompt"][name] = summary(rows[:1])
     for part in ("held_out", "readme_prompt"):
@@ -104,9 +107,14 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     for b, r in res["backends"].items():
         h = r["held_out"]
-        print(f"{b}: held-out " + ", ".join(f"{k} {h[f'{k}_on']['vs_off']:.2f}x off ({h[f'{k}_on']['vs_ar']:.2f}x AR)"
-                                            for k in ("4", "8", "16", "auto"))
-              + f"; identical {r['all_outputs_identical_to_ar']}")
+        print(
+            f"{b}: held-out "
+            + ", ".join(
+                f"{k} {h[f'{k}_on']['vs_off']:.2f}x off ({h[f'{k}_on']['vs_ar']:.2f}x AR)"
+                for k in ("4", "8", "16", "auto")
+            )
+            + f"; identical {r['all_outputs_identical_to_ar']}"
+        )
     print(f"wrote {args.out}")
     return 0
 

@@ -30,8 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(backend: str, target: str | None, draft: str | None, device: str, dtype: str | None, sizes: list[int],
-            repeats: int) -> dict:
+def measure(
+    backend: str, target: str | None, draft: str | None, device: str, dtype: str | None, sizes: list[int], repeats: int
+) -> dict:
     from kakeya.core.contract import Draft
     from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
 
@@ -43,7 +44,9 @@ def measure(backend: str, target: str | None, draft: str | None, device: str, dt
     prompt = [(7 * i + 3) % vocab for i in range(64)]
     vs, ds = engine.verifier.open_session(), engine.drafter.open_session()
     clock = time.perf_counter
-    times: dict[str, list[float]] = {"ar_step": []} | {f"draft_{b}": [] for b in sizes} | {f"verify_{b}": [] for b in sizes}
+    times: dict[str, list[float]] = (
+        {"ar_step": []} | {f"draft_{b}": [] for b in sizes} | {f"verify_{b}": [] for b in sizes}
+    )
     try:
         last, aux = vs.prefill(prompt)
 
@@ -118,8 +121,12 @@ def main(argv=None) -> int:
             require_backend("mlx")
         r = measure(backend, args.target, args.draft, args.device, args.dtype, sizes, args.repeats)
         result["backends"][f"{backend}/{r['device']}"] = r
-        print(f"{backend}/{r['device']}: AR step {r['median_ms']['ar_step']:.3f} ms, draft/AR {r['draft_over_ar']}, "
-              f"verify/AR {r['verify_over_ar']}", file=sys.stderr, flush=True)
+        print(
+            f"{backend}/{r['device']}: AR step {r['median_ms']['ar_step']:.3f} ms, draft/AR {r['draft_over_ar']}, "
+            f"verify/AR {r['verify_over_ar']}",
+            file=sys.stderr,
+            flush=True,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

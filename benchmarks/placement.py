@@ -57,7 +57,9 @@ def medians(runs: list[dict]) -> dict:
         }  # fmt: skip
     off, auto = out["off"], out["auto"]
     out["auto_over_off"] = {
-        "block": {b: {k: round(auto["block"][b][k] / off["block"][b][k], 3) for k in off["block"][b]} for b in off["block"]},
+        "block": {
+            b: {k: round(auto["block"][b][k] / off["block"][b][k], 3) for k in off["block"][b]} for b in off["block"]
+        },
         "streams": {n: round(auto["streams"][n] / off["streams"][n], 3) for n in off["streams"]},
     }
     return out
@@ -77,7 +79,15 @@ def main(argv=None) -> int:
             for pl in ("off", "auto"):
                 print(f"pair {i + 1}/{args.pairs}: split.py --placement {pl} ...", file=sys.stderr, flush=True)
                 out = Path(tmp) / f"{pl}{i}.json"
-                cmd = [sys.executable, str(ROOT / "benchmarks" / "split.py"), *split_args, "--placement", pl, "--out", str(out)]
+                cmd = [
+                    sys.executable,
+                    str(ROOT / "benchmarks" / "split.py"),
+                    *split_args,
+                    "--placement",
+                    pl,
+                    "--out",
+                    str(out),
+                ]
                 subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 runs.append({"asked": pl, "pair": i} | figures(json.loads(out.read_text())))
     result = {

@@ -37,8 +37,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def measure(engine, prompts, block_size: int, alternatives: int | None, max_tokens: int, blocks: int | None = None) -> dict:
-    from kakeya.core.contract import Request
+def measure(
+    engine, prompts, block_size: int, alternatives: int | None, max_tokens: int, blocks: int | None = None
+) -> dict:
+    from kakeya.core.request import Request
     from kakeya.drafter import session
     from kakeya.orchestrator.engine import RunOptions
 
@@ -70,8 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--alternatives", type=int, nargs="+", default=[0, 2])
-    ap.add_argument("--predraft-blocks", type=int, nargs="+", default=None,
-                    help="caps on the blocks one pre-draft prepares, each measured (default: the shipped cap)")
+    ap.add_argument(
+        "--predraft-blocks",
+        type=int,
+        nargs="+",
+        default=None,
+        help="caps on the blocks one pre-draft prepares, each measured (default: the shipped cap)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "predraft.json"))
     args = ap.parse_args(argv)
 
@@ -99,9 +106,15 @@ def main(argv: list[str] | None = None) -> int:
             for setting in row.values():
                 identical &= setting.pop("outputs") == reference
             results.setdefault(name, {})[str(B)] = row
-            print(f"{name} block {B}: " + ", ".join(
-                f"{s} {r['tokens_per_block']} (hit {r['hit_rate']}, used {r['tokens_per_used_block']})" for s, r in row.items()),
-                file=sys.stderr, flush=True)
+            print(
+                f"{name} block {B}: "
+                + ", ".join(
+                    f"{s} {r['tokens_per_block']} (hit {r['hit_rate']}, used {r['tokens_per_used_block']})"
+                    for s, r in row.items()
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
     out = {
         "benchmark": "predraft",
         "target": str(target),
@@ -116,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "notes": "Greedy, n-gram copies off. tokens_per_block: over every block of the run; hit_rate: pre-drafts used /"
-                 " started; tokens_per_used_block: the blocks that opened with a pre-draft. alternatives_k: each"
-                 " pre-draft prepared for the full acceptance and for a rejection at each candidate with each of the"
-                 " drafter's k next likeliest tokens there, the likeliest verdicts first, at most predraft_blocks blocks"
-                 " (alternatives_k_blocks_m: at most m; 1 + k(B - 1) or more: every verdict).",
+        " started; tokens_per_used_block: the blocks that opened with a pre-draft. alternatives_k: each"
+        " pre-draft prepared for the full acceptance and for a rejection at each candidate with each of the"
+        " drafter's k next likeliest tokens there, the likeliest verdicts first, at most predraft_blocks blocks"
+        " (alternatives_k_blocks_m: at most m; 1 + k(B - 1) or more: every verdict).",
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)

@@ -56,8 +56,10 @@ def main(argv=None) -> int:
     for req, have in found:
         print(f"preflight: {req} needed, {'not installed' if have is None else f'{have} installed'}")
     names = " ".join(f"'{req.name}{req.specifier}'" for req, _ in found)
-    print("preflight: fetch them where pip works (docs/cuda.md), e.g. python3 -m pip download --no-deps "
-          f"--only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl {names}")
+    print(
+        "preflight: fetch them where pip works (docs/cuda.md), e.g. python3 -m pip download --no-deps "
+        f"--only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl {names}"
+    )
     return 1
 
 

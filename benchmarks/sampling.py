@@ -34,15 +34,16 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kakeya.app.options import DEFAULT_PROMPT  # noqa: E402
-from kakeya.core import noise  # noqa: E402
-from kakeya.core import sampling as reference  # noqa: E402
-from kakeya.core.contract import SAMPLING_RULES, Request, SamplingParams  # noqa: E402
-from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads  # noqa: E402
+from kakeya.app.options import DEFAULT_PROMPT
+from kakeya.core import noise
+from kakeya.core import sampling as reference
+from kakeya.core.request import SAMPLING_RULES, Request, SamplingParams
+from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
 
 
 def measure(engine, prompt_ids, max_tokens, block_size, params, repeats) -> dict:
     """{rule: {acceptance, tok/s, block sizes}} over seeds 0..repeats-1, the rules alternating per seed."""
+
     def request(rule, seed):
         sampling = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, seed, rule)
         return Request(prompt_ids, max_tokens=max_tokens, block_size=block_size, ignore_eos=True, sampling=sampling)
@@ -81,7 +82,13 @@ def cross_backend(rows: int, vocab: int, temperatures) -> dict:
         "mlx": float(np.abs(np.array(sampling_mlx.gumbel(noise.session_keys(7), 0, 4, vocab)) - g).max()),
     }
     rng = np.random.default_rng(0)
-    out = {"rows": 0, "vocab": vocab, "mismatches": {"torch": 0, "mlx": 0}, "noise_max_abs_diff": diff, "rows_at_risk": 0}
+    out = {
+        "rows": 0,
+        "vocab": vocab,
+        "mismatches": {"torch": 0, "mlx": 0},
+        "noise_max_abs_diff": diff,
+        "rows_at_risk": 0,
+    }
     chunk = 8
     for t in temperatures:
         params = SamplingParams(t, seed=1)
@@ -106,8 +113,9 @@ def model_agreement(engines: dict, prompt_ids, max_tokens: int, temperatures, se
     out = {"sequences": 0, "identical": 0, "tokens_compared": 0, "first_differences": []}
     for t in temperatures:
         for seed in range(seeds):
-            req = Request(prompt_ids, max_tokens=max_tokens, block_size=1, ignore_eos=True,
-                          sampling=SamplingParams(t, seed=seed))
+            req = Request(
+                prompt_ids, max_tokens=max_tokens, block_size=1, ignore_eos=True, sampling=SamplingParams(t, seed=seed)
+            )
             a, b = (e.generate(req).token_ids for e in engines.values())
             same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
             out["sequences"] += 1
@@ -126,7 +134,9 @@ def sampler_cost(vocab: int, block: int = 16, repeats: int = 7) -> dict:
 
     x = torch.randn(block, vocab) * 4
     keys, params = noise.session_keys(1), SamplingParams(0.7, seed=1)
-    ids, probs = reference.proposal_rows(reference.process(np.random.default_rng(0).normal(0, 4, (block - 1, 64)), params))
+    ids, probs = reference.proposal_rows(
+        reference.process(np.random.default_rng(0).normal(0, 4, (block - 1, 64)), params)
+    )
     cands, proposal = reference.draw_from_proposal(ids, probs, np.full(block - 1, 0.5))
     u = np.full(block, 0.5)
 
@@ -165,9 +175,15 @@ def main(argv=None):
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0])
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--mismatch-rows", type=int, default=256, help="rows per temperature for the cross-backend rate (0: skip)")
-    ap.add_argument("--agreement-seeds", type=int, default=10,
-                    help="seeds per temperature of AR sampling on both backends' targets (0: skip)")
+    ap.add_argument(
+        "--mismatch-rows", type=int, default=256, help="rows per temperature for the cross-backend rate (0: skip)"
+    )
+    ap.add_argument(
+        "--agreement-seeds",
+        type=int,
+        default=10,
+        help="seeds per temperature of AR sampling on both backends' targets (0: skip)",
+    )
     ap.add_argument("--vocab", type=int, default=262_144, help="vocabulary of those rows and of the sampler timing")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/sampling.json"))
     args = ap.parse_args(argv)
@@ -187,14 +203,19 @@ def main(argv=None):
             row["coupled_vs_rejection"] = {
                 "acceptance": round(c["mean_acceptance"] / r["mean_acceptance"], 3),
                 "accepted_candidates": round((c["mean_acceptance"] - 1) / (r["mean_acceptance"] - 1), 3)
-                if r["mean_acceptance"] > 1 else None,
+                if r["mean_acceptance"] > 1
+                else None,
                 "tok_s": round(c["decode_tok_s_median"] / r["decode_tok_s_median"], 3),
             }
             rows.append(row)
-            print(f"T {t:g}, block {block_size or 'auto'}: coupled {c['mean_acceptance']:.2f} tokens/block "
-                  f"{c['decode_tok_s_median']:.0f} tok/s; rejection {r['mean_acceptance']:.2f} tokens/block "
-                  f"(blocks of {r['mean_block_size']:.1f}) {r['decode_tok_s_median']:.0f} tok/s; AR sampling "
-                  f"{ar['coupled']['decode_tok_s_median']:.0f} tok/s", file=sys.stderr, flush=True)
+            print(
+                f"T {t:g}, block {block_size or 'auto'}: coupled {c['mean_acceptance']:.2f} tokens/block "
+                f"{c['decode_tok_s_median']:.0f} tok/s; rejection {r['mean_acceptance']:.2f} tokens/block "
+                f"(blocks of {r['mean_block_size']:.1f}) {r['decode_tok_s_median']:.0f} tok/s; AR sampling "
+                f"{ar['coupled']['decode_tok_s_median']:.0f} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
     result = {
         "benchmark": "sampling",
         "target": _rel(engine.target),
@@ -205,10 +226,14 @@ def main(argv=None):
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "note": "mean_acceptance: tokens committed per block (accepted candidates + the bonus); block_size 0: auto "
-                "(a rejection-rule request for auto runs at the drafter's trained block size); ar: block size 1. "
-                "The coupled rule's tokens equal AR sampling's with the same seed; the rejection rule's are "
-                "distributed alike but depend on the drafter and the schedule",
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version()},
+        "(a rejection-rule request for auto runs at the drafter's trained block size); ar: block size 1. "
+        "The coupled rule's tokens equal AR sampling's with the same seed; the rejection rule's are "
+        "distributed alike but depend on the drafter and the schedule",
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "python": platform.python_version(),
+        },
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "rows": rows,
     }
@@ -218,8 +243,9 @@ def main(argv=None):
         print(f"cross-backend: {result['cross_backend']}; sampler cost {result['sampler_cost']}", file=sys.stderr)
     if args.agreement_seeds:
         engines = {be: build_local_engine(args.target, args.draft, be) for be in ("torch", "mlx")}
-        result["model_agreement"] = model_agreement(engines, prompt_ids, args.max_tokens, args.temperatures,
-                                                    args.agreement_seeds)
+        result["model_agreement"] = model_agreement(
+            engines, prompt_ids, args.max_tokens, args.temperatures, args.agreement_seeds
+        )
         print(f"torch vs MLX targets: {result['model_agreement']}", file=sys.stderr)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

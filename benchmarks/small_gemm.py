@@ -35,10 +35,19 @@ OUT = ROOT / "benchmarks" / "results" / "small_gemm.json"
 ROWS = (1, 2, 4, 5, 8, 16)
 # (name, in, out): the demo pair's linears (float32) and the 26B-A4B target's dense ones (bf16)
 SHAPES = {
-    "float32": [("demo qkv", 128, 4 * 32 + 2 * 2 * 32), ("demo gate_up", 128, 768), ("demo down", 384, 128),
-                ("demo lm_head", 128, 1024), ("demo draft mlp", 128, 1024)],
-    "bfloat16": [("26B qkv (sliding)", 2816, 16 * 256 + 2 * 8 * 256), ("26B o", 16 * 256, 2816),
-                 ("26B gate_up", 2816, 2 * 2112), ("26B down", 2112, 2816)],
+    "float32": [
+        ("demo qkv", 128, 4 * 32 + 2 * 2 * 32),
+        ("demo gate_up", 128, 768),
+        ("demo down", 384, 128),
+        ("demo lm_head", 128, 1024),
+        ("demo draft mlp", 128, 1024),
+    ],
+    "bfloat16": [
+        ("26B qkv (sliding)", 2816, 16 * 256 + 2 * 8 * 256),
+        ("26B o", 16 * 256, 2816),
+        ("26B gate_up", 2816, 2 * 2112),
+        ("26B down", 2112, 2816),
+    ],
 }
 
 
@@ -94,11 +103,22 @@ def main(argv: list[str] | None = None) -> int:
                     timed_ok = {k: v for k, v in row["us"].items() if isinstance(v, float)}
                     row["fastest"] = min(timed_ok, key=timed_ok.get)
                     rows_out.append(row)
-                    print(f"{name:20s} {dtype_name:8s} rows {rows:2d}  " + "  ".join(
-                        f"{k} {v:7.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row["us"].items()))
+                    print(
+                        f"{name:20s} {dtype_name:8s} rows {rows:2d}  "
+                        + "  ".join(
+                            f"{k} {v:7.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row["us"].items()
+                        )
+                    )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    out = {"benchmark": "small_gemm", "device": str(device), "device_name": name, "torch": torch.__version__,
-           "reps": args.reps, "unit": "us per call, median", "results": rows_out}
+    out = {
+        "benchmark": "small_gemm",
+        "device": str(device),
+        "device_name": name,
+        "torch": torch.__version__,
+        "reps": args.reps,
+        "unit": "us per call, median",
+        "results": rows_out,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")

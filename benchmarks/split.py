@@ -49,12 +49,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from grpc_floor import block_wire, floor  # noqa: E402  (benchmarks/grpc_floor.py: a bare gRPC round trip)
-from wire import start, stop  # noqa: E402  (benchmarks/wire.py: the server processes)
+from grpc_floor import block_wire, floor
+from wire import start, stop
 
-from kakeya.app.options import DEFAULT_PROMPT  # noqa: E402
-from kakeya.drafter.session import PREDRAFT_BLOCKS  # noqa: E402
-from kakeya.orchestrator.engine import Request, RunOptions  # noqa: E402
+from kakeya.app.options import DEFAULT_PROMPT
+from kakeya.drafter.session import PREDRAFT_BLOCKS
+from kakeya.orchestrator.engine import Request, RunOptions
 
 MODES = ("colocated", "split", "split_predraft")
 STEP_TIMEOUT_S = 30.0  # a loaded machine is slow, not hung: no step deadline should end a measured run
@@ -263,18 +263,39 @@ def main(argv=None):
     ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 8, 16])
     ap.add_argument("--stream-requests", type=int, default=2, help="generations per stream, back to back")
     ap.add_argument("--stream-block-size", type=int, default=8)
-    ap.add_argument("--predraft-alternatives", type=int, default=0, choices=range(5), metavar="0..4",
-                    help="split + pre-draft: the drafter's next likeliest tokens each pre-draft also prepares for (serve's --predraft-alternatives)")
-    ap.add_argument("--predraft-blocks", type=int, default=None,
-                    help="the drafter server's cap on the blocks one pre-draft prepares (serve drafter --predraft-blocks;"
-                         " default: its own)")
-    ap.add_argument("--torch-threads", type=int, default=None,
-                    help="torch CPU threads of every process alike (default: the product's: 1 for the demo pair on a CPU)")
-    ap.add_argument("--placement", default="auto", choices=["auto", "off"],
-                    help="as `serve all --placement`: auto pins the verifier to its own CPUs, the drafter and this "
-                         "process (the orchestrator's loop; the colocated runs too) to the rest, torch on a Linux CPU")
-    ap.add_argument("--no-floor", action="store_true",
-                    help="skip the bare gRPC round trips (grpc_floor.py) and the overlap ceiling they price")
+    ap.add_argument(
+        "--predraft-alternatives",
+        type=int,
+        default=0,
+        choices=range(5),
+        metavar="0..4",
+        help="split + pre-draft: the drafter's next likeliest tokens each pre-draft also prepares for (serve's --predraft-alternatives)",
+    )
+    ap.add_argument(
+        "--predraft-blocks",
+        type=int,
+        default=None,
+        help="the drafter server's cap on the blocks one pre-draft prepares (serve drafter --predraft-blocks;"
+        " default: its own)",
+    )
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads of every process alike (default: the product's: 1 for the demo pair on a CPU)",
+    )
+    ap.add_argument(
+        "--placement",
+        default="auto",
+        choices=["auto", "off"],
+        help="as `serve all --placement`: auto pins the verifier to its own CPUs, the drafter and this "
+        "process (the orchestrator's loop; the colocated runs too) to the rest, torch on a Linux CPU",
+    )
+    ap.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip the bare gRPC round trips (grpc_floor.py) and the overlap ceiling they price",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split.json"))
     args = ap.parse_args(argv)
 
@@ -311,9 +332,18 @@ def main(argv=None):
             dp, daddr = start("drafter", [*pair_args, "--max-sessions", "64", *blocks, *pinned.get("drafter", [])], tmp)
             procs.append(dp)
             engines = {"colocated": local}
-            engines["split"] = split_engine(vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S, predraft=False)
-            engines["split_predraft"] = split_engine(vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S, predraft=True,
-                                                    predraft_alternatives=args.predraft_alternatives)
+            engines["split"] = split_engine(
+                vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S, predraft=False
+            )
+            engines["split_predraft"] = split_engine(
+                vaddr,
+                daddr,
+                args.target,
+                60.0,
+                backend_timeout_s=STEP_TIMEOUT_S,
+                predraft=True,
+                predraft_alternatives=args.predraft_alternatives,
+            )
             sessions = {m: Sessions(engines[m]) for m in MODES[1:]}
             one = []
             for b in args.block_sizes:
@@ -358,8 +388,9 @@ def main(argv=None):
         "device": local.device,
         "device_name": _device_name(local.device),
         "dtype": args.dtype or "float32",
-        "knobs": {k: os.environ[k] for k in ("KAKEYA_INLINE_STEPS", "KAKEYA_GRAPHED_MIN_BATCH")
-                  if k in os.environ},  # experiment overrides the servers ran with (none: the defaults)
+        "knobs": {
+            k: os.environ[k] for k in ("KAKEYA_INLINE_STEPS", "KAKEYA_GRAPHED_MIN_BATCH") if k in os.environ
+        },  # experiment overrides the servers ran with (none: the defaults)
         "torch_threads": threads or "torch's default",
         "placement": cpus or "off",
         "prompt_tokens": len(prompt),

@@ -33,10 +33,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from kakeya.orchestrator.assembly import build_local_engine  # noqa: E402
-from kakeya.orchestrator.engine import Request  # noqa: E402
+from kakeya.orchestrator.assembly import build_local_engine
+from kakeya.orchestrator.engine import Request
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -154,10 +154,12 @@ def dflash_loop(target_dir, draft_dir, prompts, max_tokens, block_size, repeats,
         draft.bind = bind
     tok_s, accepted, outs = [], [], []
     for p in prompts:
-        def once():
+
+        def once(p=p):
             toks, acc, t_first, t_end = [], [], None, None
-            for r in dm.stream_generate(model, draft, tokenizer, mx_prompt(p), block_size=block_size,
-                                        max_tokens=max_tokens):
+            for r in dm.stream_generate(
+                model, draft, tokenizer, mx_prompt(p), block_size=block_size, max_tokens=max_tokens
+            ):
                 if t_first is None:
                     t_first = time.perf_counter()
                 toks += r.tokens
@@ -207,8 +209,13 @@ def efficiency(res: dict) -> dict:
         limit = s["mean_acceptance"] * ar["block_ms_median"]["total"] / (med["draft"] + med["verify"])
         sp_mean = s["mean_acceptance"] * ar["block_ms_mean"]["total"] / mean["total"]
         lim_mean = s["mean_acceptance"] * ar["block_ms_mean"]["total"] / (mean["draft"] + mean["verify"])
-        out[b] = {"speedup": round(speedup, 4), "limit": round(limit, 4), "efficiency": round(speedup / limit, 4),
-                  "speedup_mean": round(sp_mean, 4), "limit_mean": round(lim_mean, 4)}
+        out[b] = {
+            "speedup": round(speedup, 4),
+            "limit": round(limit, 4),
+            "efficiency": round(speedup / limit, 4),
+            "speedup_mean": round(sp_mean, 4),
+            "limit_mean": round(lim_mean, 4),
+        }
     return out
 
 
@@ -227,12 +234,23 @@ def plots(res: dict, out_prefix: Path) -> list[str]:
     x = np.arange(len(bss))
     series = [("kakeya MLX colocated (block 1 = AR)", lambda b: spec[bss.index(b)]["decode_tok_s"])]
     if res.get("kakeya_split"):
-        series.append(("kakeya MLX split over loopback gRPC", lambda b: res["kakeya_split"].get(str(b), {}).get("decode_tok_s", 0)))
+        series.append(
+            (
+                "kakeya MLX split over loopback gRPC",
+                lambda b: res["kakeya_split"].get(str(b), {}).get("decode_tok_s", 0),
+            )
+        )
     if res.get("dflash"):
-        series.append(("dflash package MLX loop (Gap-B embedding)",
-                       lambda b: res["dflash"].get(str(b), {}).get("gap_b", {}).get("decode_tok_s", 0)))
+        series.append(
+            (
+                "dflash package MLX loop (Gap-B embedding)",
+                lambda b: res["dflash"].get(str(b), {}).get("gap_b", {}).get("decode_tok_s", 0),
+            )
+        )
     if res.get("kakeya_torch"):
-        series.append(("kakeya torch CPU colocated", lambda b: res["kakeya_torch"].get(str(b), {}).get("decode_tok_s", 0)))
+        series.append(
+            ("kakeya torch CPU colocated", lambda b: res["kakeya_torch"].get(str(b), {}).get("decode_tok_s", 0))
+        )
     w = 0.8 / len(series)
     for i, (label, val) in enumerate(series):
         ax.bar(x + (i - (len(series) - 1) / 2) * w, [val(b) for b in bss], w, label=label)
@@ -274,14 +292,23 @@ def plots(res: dict, out_prefix: Path) -> list[str]:
         bottom = np.zeros(len(bss))
         for part in ("draft", "verify", "wire", "rest"):
             h = np.array([r["block_ms_median"].get(part, 0.0) for r in rows])
-            a1.bar(x + (i - (len(stacks) - 1) / 2) * bw, h, bw, bottom=bottom, color=colors[part],
-                   label=(part if part != "rest" else "accept/trim + hand-off") if i == 0 else None,
-                   hatch="//" if name == "split" else None, edgecolor="white" if name == "split" else None)
+            a1.bar(
+                x + (i - (len(stacks) - 1) / 2) * bw,
+                h,
+                bw,
+                bottom=bottom,
+                color=colors[part],
+                label=(part if part != "rest" else "accept/trim + hand-off") if i == 0 else None,
+                hatch="//" if name == "split" else None,
+                edgecolor="white" if name == "split" else None,
+            )
             bottom += h
     a1.set_xticks(x, [str(b) for b in bss])
     a1.set_xlabel("block size")
     a1.set_ylabel("ms per block (median)")
-    a1.set_title("Per-block time, kakeya MLX" + (" (left: colocated; hatched: split)" if len(stacks) > 1 else ""), fontsize=10)
+    a1.set_title(
+        "Per-block time, kakeya MLX" + (" (left: colocated; hatched: split)" if len(stacks) > 1 else ""), fontsize=10
+    )
     a1.legend(fontsize=8)
     eff = res["efficiency"]
     a2.plot(sb, [eff[str(b)]["speedup"] for b in sb], "o-", label="measured speedup vs AR")
@@ -339,10 +366,17 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--torch", action="store_true", help="also kakeya's colocated torch backend")
-    ap.add_argument("--torch-threads", type=int, default=1,
-                    help="torch intra-op threads (1: on a small shared CPU a 2-thread team waits for a descheduled thread)")
-    ap.add_argument("--split", action="store_true",
-                    help="also split over loopback: `kakeya serve verifier` + `kakeya serve drafter` processes (MLX)")
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: on a small shared CPU a 2-thread team waits for a descheduled thread)",
+    )
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="also split over loopback: `kakeya serve verifier` + `kakeya serve drafter` processes (MLX)",
+    )
     ap.add_argument("--no-dflash", action="store_true", help="skip the dflash package loop")
     ap.add_argument("--out", default=str(RESULTS / "suite.json"))
     ap.add_argument("--replot", action="store_true", help="recompute efficiency and plots from --out, no runs")
@@ -360,10 +394,16 @@ def main(argv=None) -> int:
     target_dir, draft_dir = Path(engine.target), Path(engine.draft)
     prompts = held_out_prompts(args.prompts, args.prompt_len)
     res: dict = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
-                    "note": "shared 2-core CPU, no GPU"},
-        "pair": {"target": str(target_dir.relative_to(ROOT) if target_dir.is_relative_to(ROOT) else target_dir),
-                 "draft": str(draft_dir.relative_to(ROOT) if draft_dir.is_relative_to(ROOT) else draft_dir)},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "python": platform.python_version(),
+            "note": "shared 2-core CPU, no GPU",
+        },
+        "pair": {
+            "target": str(target_dir.relative_to(ROOT) if target_dir.is_relative_to(ROOT) else target_dir),
+            "draft": str(draft_dir.relative_to(ROOT) if draft_dir.is_relative_to(ROOT) else draft_dir),
+        },
         "prompts": {"n": len(prompts), "tokens": args.prompt_len, "source": "held-out stdlib files"},
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,

@@ -42,9 +42,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kakeya.orchestrator import loop  # noqa: E402
-from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier  # noqa: E402
-from kakeya.wire import codec  # noqa: E402
+from kakeya.orchestrator import loop
+from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier
+from kakeya.wire import codec
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -67,11 +67,11 @@ def _exit_on_sigterm() -> None:
 def start(role: str, argv: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
     _exit_on_sigterm()
     ready = tmp / f"{role}.json"
-    log = open(tmp / f"{role}.log", "wb")
-    p = subprocess.Popen(
-        [sys.executable, "-m", "kakeya.app.main", "serve", role, *argv, "--port", "0", "--ready-file", str(ready)],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    with open(tmp / f"{role}.log", "wb") as log:  # the child holds its own copy of the descriptor
+        p = subprocess.Popen(
+            [sys.executable, "-m", "kakeya.app.main", "serve", role, *argv, "--port", "0", "--ready-file", str(ready)],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
     deadline = time.monotonic() + 300
     while not ready.is_file():
         if p.poll() is not None or time.monotonic() > deadline:
@@ -311,7 +311,9 @@ def main(argv=None):
             "layers": list(aux.target_layer_ids),
             "hidden_size": aux.hidden_size,
             "dtype": codec.dtype_name(aux.aux_dtype),
-            "bytes_per_position": len(aux.target_layer_ids) * aux.hidden_size * ITEMSIZE[codec.dtype_name(aux.aux_dtype)],
+            "bytes_per_position": len(aux.target_layer_ids)
+            * aux.hidden_size
+            * ITEMSIZE[codec.dtype_name(aux.aux_dtype)],
         },
         "loopback_unary_rtt_ms_median": rtt,
         "split_vs_colocated": results,

@@ -17,7 +17,8 @@ def policy_greedy(target, prompt_ids, max_tokens, policy, margins=None):
     policy = policy.resolve(target.args.sliding_window)
     group = min(policy.full_kv_group_size, target.args.global_head_dim or target.args.head_dim)
     cache = [
-        KVCache() if t == "sliding_attention" or not policy.full_kv_bits
+        KVCache()
+        if t == "sliding_attention" or not policy.full_kv_bits
         else QuantizedKVCache(group_size=group, bits=policy.full_kv_bits)
         for t in target.layer_types[: target.n_cached]
     ]

@@ -137,7 +137,9 @@ def test_every_source_folder_is_a_package_in_pyproject():
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    folders = {_name(d / "__init__.py") for d in [SOURCE, *SOURCE.rglob("*")] if d.is_dir() and "__pycache__" not in d.parts}
+    folders = {
+        _name(d / "__init__.py") for d in [SOURCE, *SOURCE.rglob("*")] if d.is_dir() and "__pycache__" not in d.parts
+    }
     assert listed == folders
 
 

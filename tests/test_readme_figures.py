@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def quoted_first_run_line(readme: str) -> str:
     """The line the Quick start shows under README command 1 (the one starting ``speculative (``)."""
-    quick = readme[readme.index("## Quick start"):]
+    quick = readme[readme.index("## Quick start") :]
     quick = quick[: quick.index("\n## ", 1)]
     lines = [ln for ln in quick.splitlines() if ln.startswith("speculative (")]
     assert len(lines) == 1, "the Quick start quotes exactly one first-run line"

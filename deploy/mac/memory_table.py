@@ -1,6 +1,6 @@
 """The memory tables of docs/deploy.md, from `kakeya memory`'s own code (a test keeps them equal).
 
-    .venv/bin/python deploy/mac/memory_table.py
+.venv/bin/python deploy/mac/memory_table.py
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ def table(preset: str) -> str:
     head = "| cache policy | " + " | ".join(f"{c // 1024}K context" for c in CONTEXTS) + " |"
     lines = [head, "|---|" + "---:|" * len(CONTEXTS)]
     for policy in cols[CONTEXTS[0]]:
-        lines.append(f"| {policy} | " + " | ".join(f"{cols[c][policy]['total_bytes'] / 2**30:.2f} GiB" for c in CONTEXTS) + " |")
+        lines.append(
+            f"| {policy} | " + " | ".join(f"{cols[c][policy]['total_bytes'] / 2**30:.2f} GiB" for c in CONTEXTS) + " |"
+        )
     return "\n".join(lines)
 
 

@@ -52,7 +52,9 @@ def report_from_stream(model, server, complete, token_ids: list[int], text: str,
     from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
     s = complete.stats
-    blocks = [Block(token_ids[:1], 0, 0)] + [Block([0] * n, size - 1, n - 1) for n, size in zip(s.acceptance_lengths, s.block_sizes)]
+    blocks = [Block(token_ids[:1], 0, 0)] + [
+        Block([0] * n, size - 1, n - 1) for n, size in zip(s.acceptance_lengths, s.block_sizes)
+    ]
     gen = Generation(
         prompt_ids=list(complete.prompt_token_ids),
         token_ids=list(token_ids),
@@ -127,7 +129,7 @@ def generate_request(args):
 def cmd_client_generate(args) -> int:
     import grpc
 
-    from kakeya.core.contract import check_block_size
+    from kakeya.core.request import check_block_size
     from kakeya.wire.kakeya.v1 import generate_pb2 as pb
     from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 
@@ -198,8 +200,6 @@ def cmd_client_health(args) -> int:
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
     print(status)
     return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
-
-
 
 
 def register(sub) -> None:

@@ -19,15 +19,21 @@ def add_common(p) -> None:
         "--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
         help=f"concurrent sessions; one more is RESOURCE_EXHAUSTED (default {DEFAULT_MAX_SESSIONS}; the thread pool is sized from it)",
     )  # fmt: skip
-    p.add_argument("--max-sessions-per-peer", type=int, default=0,
-                   help="most sessions one caller (one client address) may hold at once (0: no cap but --max-sessions)")
+    p.add_argument(
+        "--max-sessions-per-peer",
+        type=int,
+        default=0,
+        help="most sessions one caller (one client address) may hold at once (0: no cap but --max-sessions)",
+    )
     add_server_args(p)
 
 
 def add_internal_auth(p) -> None:
     """Verifier and drafter: who may open sessions (docs/security.md)."""
-    p.add_argument("--auth-token-file",
-                   help="require `authorization: Bearer <token>` (the orchestrators' --backend-token-file); health stays open")
+    p.add_argument(
+        "--auth-token-file",
+        help="require `authorization: Bearer <token>` (the orchestrators' --backend-token-file); health stays open",
+    )
     p.add_argument("--insecure", action="store_true",
                    help="listen beyond loopback without client authentication (neither --tls-client-ca nor"
                         " --auth-token-file): only behind something that authenticates callers")  # fmt: skip
@@ -38,15 +44,27 @@ def add_sessions(p) -> None:
     p.add_argument("--max-kv-bytes", type=int, default=0,
                    help="K/V budget of all sessions (0: none): the verifier admits a session only if its worst case"
                         " fits; the drafter lets a session's context cache grow only while it fits")  # fmt: skip
-    p.add_argument("--queue", type=int, default=0, help="sessions that may wait for room instead of RESOURCE_EXHAUSTED (default 0)")
-    p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a queued session waits at most (default 10)")
-    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
-                   help=f"close a session that sends nothing for this long (default {DEFAULT_IDLE_TIMEOUT_S:g} s; 0: never)")
+    p.add_argument(
+        "--queue", type=int, default=0, help="sessions that may wait for room instead of RESOURCE_EXHAUSTED (default 0)"
+    )
+    p.add_argument(
+        "--queue-timeout", type=float, default=10.0, help="seconds a queued session waits at most (default 10)"
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        help=f"close a session that sends nothing for this long (default {DEFAULT_IDLE_TIMEOUT_S:g} s; 0: never)",
+    )
     p.add_argument("--reclaim-idle", type=float, default=DEFAULT_RECLAIM_IDLE_S,
                    help="when a limit would refuse a new session, first end sessions whose clients have sent nothing"
                         f" for this long, longest idle first (default {DEFAULT_RECLAIM_IDLE_S:g} s; 0: never)")  # fmt: skip
-    p.add_argument("--max-context", type=int, default=0,
-                   help="most positions one session may hold (default: the model's max_position_embeddings)")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=0,
+        help="most positions one session may hold (default: the model's max_position_embeddings)",
+    )
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                    help=f"most sessions' steps that queue up together and run as one batched forward"
                         f" (default {DEFAULT_MAX_BATCH}; 1: each session's step alone, in turn)")  # fmt: skip
@@ -59,7 +77,9 @@ def byte_size(text: str) -> int:
     try:
         n = float(t[:-1] if scale > 1 else t) * scale
     except ValueError:
-        raise ValueError(f"--prefix-cache-bytes must be a byte count like 1073741824, 512M or 2G, got {text!r}") from None
+        raise ValueError(
+            f"--prefix-cache-bytes must be a byte count like 1073741824, 512M or 2G, got {text!r}"
+        ) from None
     if n < 0:
         raise ValueError(f"--prefix-cache-bytes must be >= 0, got {text!r}")
     return int(n)
@@ -87,45 +107,78 @@ def add_predraft_blocks(p) -> None:
     from kakeya.drafter.session import PREDRAFT_BLOCKS
 
     # Refused here, as --predraft-alternatives is, not by a child process of `serve all` that fails to start.
-    p.add_argument("--predraft-blocks", type=int, default=PREDRAFT_BLOCKS, choices=range(1, 2 * MAX_BLOCK_SIZE + 1),
-                   metavar=f"1..{2 * MAX_BLOCK_SIZE}",
-                   help="the most blocks one pre-draft prepares (orchestrator --predraft on): the full acceptance's, then"
-                        " the likeliest rejections' by the drafter's own probabilities (--predraft-alternatives); each is"
-                        f" up to 2B rows of one drafter forward (default {PREDRAFT_BLOCKS}; see docs/operations.md)")
+    p.add_argument(
+        "--predraft-blocks",
+        type=int,
+        default=PREDRAFT_BLOCKS,
+        choices=range(1, 2 * MAX_BLOCK_SIZE + 1),
+        metavar=f"1..{2 * MAX_BLOCK_SIZE}",
+        help="the most blocks one pre-draft prepares (orchestrator --predraft on): the full acceptance's, then"
+        " the likeliest rejections' by the drafter's own probabilities (--predraft-alternatives); each is"
+        f" up to 2B rows of one drafter forward (default {PREDRAFT_BLOCKS}; see docs/operations.md)",
+    )
 
 
 def add_orchestrator(p) -> None:
-    p.add_argument("--max-prompt-tokens", type=int, default=0,
-                   help="longest prompt accepted (default 8192, never above the target's max_position_embeddings)")
-    p.add_argument("--auth-token-file", help="require `authorization: Bearer <token>` on the public API (health stays open)")
-    p.add_argument("--backend-timeout", type=float, default=2.0,
-                   help="split: floor of the per-step deadline on verifier/drafter calls (default 2 s; 20x the median step if longer)")
-    p.add_argument("--predraft", choices=["on", "off"], default="off",
-                   help="split: the drafter pre-drafts each next block while the verifier verifies (greedy requests; default off:"
-                        " on the demo pair at block 8 almost no pre-draft is used, see benchmarks/split.py)")
-    p.add_argument("--predraft-alternatives", type=int, default=0, choices=range(MAX_PREDRAFT_ALTERNATIVES + 1),
-                   metavar=f"0..{MAX_PREDRAFT_ALTERNATIVES}",
-                   help="with --predraft on: each pre-draft also prepares for a rejection at a candidate with one of the"
-                        " drafter's next N likeliest tokens there, the likeliest such verdicts (the drafter's --predraft-blocks"
-                        " caps them; default 0: the full acceptance only; on the demo pair these blocks are hit but accept"
-                        " less, see docs/operations.md)")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=0,
+        help="longest prompt accepted (default 8192, never above the target's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--auth-token-file", help="require `authorization: Bearer <token>` on the public API (health stays open)"
+    )
+    p.add_argument(
+        "--backend-timeout",
+        type=float,
+        default=2.0,
+        help="split: floor of the per-step deadline on verifier/drafter calls (default 2 s; 20x the median step if longer)",
+    )
+    p.add_argument(
+        "--predraft",
+        choices=["on", "off"],
+        default="off",
+        help="split: the drafter pre-drafts each next block while the verifier verifies (greedy requests; default off:"
+        " on the demo pair at block 8 almost no pre-draft is used, see benchmarks/split.py)",
+    )
+    p.add_argument(
+        "--predraft-alternatives",
+        type=int,
+        default=0,
+        choices=range(MAX_PREDRAFT_ALTERNATIVES + 1),
+        metavar=f"0..{MAX_PREDRAFT_ALTERNATIVES}",
+        help="with --predraft on: each pre-draft also prepares for a rejection at a candidate with one of the"
+        " drafter's next N likeliest tokens there, the likeliest such verdicts (the drafter's --predraft-blocks"
+        " caps them; default 0: the full acceptance only; on the demo pair these blocks are hit but accept"
+        " less, see docs/operations.md)",
+    )
     add_ngram(p)
     add_client_args(p, "the verifier and drafter")
 
 
-
 def add_backend_auth(p) -> None:
     """The split orchestrator: the token its verifier and drafter require (their --auth-token-file)."""
-    p.add_argument("--backend-token-file", help="split: send `authorization: Bearer <token>` from this file to the verifier and drafter")
+    p.add_argument(
+        "--backend-token-file",
+        help="split: send `authorization: Bearer <token>` from this file to the verifier and drafter",
+    )
 
 
 def add_http(p) -> None:
     """The orchestrator's OpenAI-compatible HTTP front (``orchestrator/http_server.py``)."""
-    p.add_argument("--http-port", type=int, default=None,
-                   help="also serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on"
-                        " this port of --host, with the gRPC server's TLS and bearer token (0: any free port; default: off)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id of the HTTP API (default: the target checkpoint's directory name)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on"
+        " this port of --host, with the gRPC server's TLS and bearer token (0: any free port; default: off)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id of the HTTP API (default: the target checkpoint's directory name)",
+    )
 
 
 def add_client(p) -> None:
@@ -196,7 +249,9 @@ def internal_auth(args, service: str) -> tuple[ServerTLS, str | None]:
     from kakeya.runtime.auth import check_exposure
 
     tls, token = server_tls(args), auth_token(args)
-    warning = check_exposure(service, args.host, mutual_tls=bool(tls.client_ca), token=token is not None, insecure=args.insecure)
+    warning = check_exposure(
+        service, args.host, mutual_tls=bool(tls.client_ca), token=token is not None, insecure=args.insecure
+    )
     if warning:
         print(f"kakeya: warning: {warning}", file=sys.stderr)
     return tls, token

@@ -36,13 +36,26 @@ def cmd_generate(args) -> int:
     if args.block_size:  # 0 or omitted: auto
         check_block_size(args.block_size)
     policy = cache_policy_from_args(args)
-    engine = build_local_engine(args.target, args.draft, args.backend, args.device, args.dtype,
-                                torch_options=torch_options(args), ngram=args.ngram == "on")
+    engine = build_local_engine(
+        args.target,
+        args.draft,
+        args.backend,
+        args.device,
+        args.dtype,
+        torch_options=torch_options(args),
+        ngram=args.ngram == "on",
+    )
     if engine.verifier.info.backend == "torch":
         set_torch_threads(args.torch_threads, engine.device, embedded=args.target is None)
     prompt_ids = engine.codec.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
-    req = Request(prompt_ids, max_tokens=args.max_tokens, block_size=args.block_size or 0, ignore_eos=args.ignore_eos,
-                  cache_policy=policy, sampling=sampling_from_args(args).seeded())
+    req = Request(
+        prompt_ids,
+        max_tokens=args.max_tokens,
+        block_size=args.block_size or 0,
+        ignore_eos=args.ignore_eos,
+        cache_policy=policy,
+        sampling=sampling_from_args(args).seeded(),
+    )
     engine.validate(req)  # before the warm-up: a bad request costs no model work
     _warm_up(engine, req, args.compare_ar)
     text = text_stream(engine.codec)
@@ -92,7 +105,7 @@ def _compare_ar(engine, req, gen) -> dict:
     """
     from dataclasses import replace
 
-    from kakeya.core.contract import REJECTION
+    from kakeya.core.request import REJECTION
 
     policy = req.cache_policy
     if not req.sampling.greedy and req.sampling.rule == REJECTION:
@@ -108,7 +121,9 @@ def _compare_ar(engine, req, gen) -> dict:
     if req.sampling.greedy and native and engine.verifier.info.backend == "mlx":  # the CLI's engine holds the target
         from kakeya.verifier.mlx_backend.reference import greedy_reference
 
-        ar_ids, _, decode_s = greedy_reference(engine.verifier.target.model, req.prompt_ids, req.max_tokens, engine.stop_ids(req))
+        ar_ids, _, decode_s = greedy_reference(
+            engine.verifier.target.model, req.prompt_ids, req.max_tokens, engine.stop_ids(req)
+        )
         reference = "mlx-lm generate_step (native caches)"
     else:
         ar = engine.generate(replace(req, block_size=1))
@@ -131,12 +146,19 @@ def register_generate(sub) -> None:
     p.add_argument("--draft", help="DFlash drafter checkpoint directory")
     add_generation_options(p)
     add_backend_args(p)
-    p.add_argument("--torch-threads", type=int, default=None,
-                   help="torch CPU threads (default: 1 for the embedded pair on CPU, where a tiny model gains nothing "
-                        "from more and a thread team stalls on a shared CPU; torch's own default otherwise; 0: torch's)")
-    p.add_argument("--compare-ar", action="store_true",
-                   help="also run AR and report the speedup; greedy and coupled sampling: and whether the tokens are "
-                        "identical (lossless); the rejection rule: AR sampling, speed only")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: 1 for the embedded pair on CPU, where a tiny model gains nothing "
+        "from more and a thread team stalls on a shared CPU; torch's own default otherwise; 0: torch's)",
+    )
+    p.add_argument(
+        "--compare-ar",
+        action="store_true",
+        help="also run AR and report the speedup; greedy and coupled sampling: and whether the tokens are "
+        "identical (lossless); the rejection rule: AR sampling, speed only",
+    )
     add_ngram(p)
     add_cache_args(p)
     p.set_defaults(func=cmd_generate)

@@ -17,22 +17,38 @@ DEFAULT_PROMPT = '"""Record of phased-in incompatible language changes.\n\nEach 
 
 def add_ngram(p) -> None:
     """--ngram: `kakeya generate` and `serve orchestrator` (``orchestrator/ngram.py``)."""
-    p.add_argument("--ngram", choices=["on", "off"], default="on",
-                   help="draft a block by copying what followed the context's last 3-8 tokens where they occurred"
-                        " before (prompt lookup), the drafter's block otherwise (default on; greedy and coupled"
-                        " sampling; off: every block is the drafter's, e.g. to measure the drafter alone)")
+    p.add_argument(
+        "--ngram",
+        choices=["on", "off"],
+        default="on",
+        help="draft a block by copying what followed the context's last 3-8 tokens where they occurred"
+        " before (prompt lookup), the drafter's block otherwise (default on; greedy and coupled"
+        " sampling; off: every block is the drafter's, e.g. to measure the drafter alone)",
+    )
+
 
 def add_backend_args(p, *, help_suffix: str = "") -> None:
     """--backend/--device/--dtype for commands that load models in-process."""
-    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "torch"],
-                   help="auto (default): MLX on Apple silicon, torch elsewhere" + help_suffix)
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "mlx", "torch"],
+        help="auto (default): MLX on Apple silicon, torch elsewhere" + help_suffix,
+    )
     p.add_argument("--device", help="torch: cuda, cuda:1, cpu, mps (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="torch weights dtype (default float32)")
-    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
-                   help="torch: capture the verify step and the drafter's block forward in CUDA graphs per block-size bucket (auto: on for cuda)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch: torch.compile each layer's norms, projections, RoPE and MLP into fused kernels; "
-                        "slow start-up, off by default")
+    p.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="torch: capture the verify step and the drafter's block forward in CUDA graphs per block-size bucket (auto: on for cuda)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch: torch.compile each layer's norms, projections, RoPE and MLP into fused kernels; "
+        "slow start-up, off by default",
+    )
 
 
 def torch_options(args) -> dict:
@@ -52,26 +68,38 @@ def add_cache_args(p, default_kind: str | None = "native") -> None:
     ``default_kind=None`` (the client): no --cache means "the server's default policy".
     """
     g = p.add_argument_group("verifier cache policy")
-    g.add_argument("--cache", default=default_kind, choices=["native", "sink-window"],
-                   help="native: the model's own sliding window (not bounded as a whole); "
-                        "sink-window: --sink first positions + a --window of recent ones on sliding layers")
+    g.add_argument(
+        "--cache",
+        default=default_kind,
+        choices=["native", "sink-window"],
+        help="native: the model's own sliding window (not bounded as a whole); "
+        "sink-window: --sink first positions + a --window of recent ones on sliding layers",
+    )
     g.add_argument("--sink", type=int, default=4, help="attention sinks kept forever (sink-window)")
     g.add_argument("--window", type=int, default=None, help="sliding window (sink-window; default: the model's)")
-    g.add_argument("--full-kv-bits", type=int, default=0, choices=[0, 4, 8],
-                   help="affine-quantize full-attention K/V to 4 or 8 bits (0: exact)")
+    g.add_argument(
+        "--full-kv-bits",
+        type=int,
+        default=0,
+        choices=[0, 4, 8],
+        help="affine-quantize full-attention K/V to 4 or 8 bits (0: exact)",
+    )
     if default_kind is None:  # the wire carries a source's name; the server holds its directory
         g.add_argument("--restore", default=None, metavar="NAME",
                        help="restore evicted sliding-layer K/V with the server's f_theta source NAME (one of its"
                             " --restore NAME=DIR; a bare DIR there is 'default'; sink-window only)")  # fmt: skip
     else:
-        g.add_argument("--restore", default=None, metavar="ftheta:DIR",
-                       help="restore evicted sliding-layer K/V with a trained f_theta (sink-window only; "
-                            "see kakeya train-ftheta)")
+        g.add_argument(
+            "--restore",
+            default=None,
+            metavar="ftheta:DIR",
+            help="restore evicted sliding-layer K/V with a trained f_theta (sink-window only; see kakeya train-ftheta)",
+        )
 
 
 def cache_policy_from_args(args):
     """The CachePolicy the flags ask for, or None when --cache was left to the server."""
-    from kakeya.verifier.layout import CachePolicy
+    from kakeya.core.request import CachePolicy
 
     restore = getattr(args, "restore", None)
     if args.cache is None:
@@ -81,34 +109,49 @@ def cache_policy_from_args(args):
     restore = restore.removeprefix("ftheta:") if restore else None
     if args.cache == "native":
         return CachePolicy("native", full_kv_bits=args.full_kv_bits, restore=restore)
-    return CachePolicy("sink-window", sink=args.sink, window=args.window, full_kv_bits=args.full_kv_bits,
-                       restore=restore)
+    return CachePolicy(
+        "sink-window", sink=args.sink, window=args.window, full_kv_bits=args.full_kv_bits, restore=restore
+    )
 
 
 def add_generation_options(p) -> None:
     """Options shared by `kakeya generate` and `kakeya client generate`."""
-    p.add_argument("--prompt", help="prompt text (default: the start of a standard-library file the demo pair never trained on)")
+    p.add_argument(
+        "--prompt", help="prompt text (default: the start of a standard-library file the demo pair never trained on)"
+    )
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=None,
-                   help="1..16, or 0 (the default): auto, each block sized for the most tokens per second; see docs/design.md)")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="1..16, or 0 (the default): auto, each block sized for the most tokens per second; see docs/design.md)",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     g = p.add_argument_group("sampling (lossless: distributed exactly as AR sampling from the processed p)")
-    g.add_argument("--temperature", type=float, default=0.0,
-                   help="0 (default): greedy, token-identical to greedy AR; else at least 1e-5")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 (default): greedy, token-identical to greedy AR; else at least 1e-5",
+    )
     g.add_argument("--top-k", type=int, default=0, help="keep the k most probable tokens (0: off)")
     g.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set reaching this mass (1: off)")
     g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * max p (0: off)")
     g.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: drawn, and reported)")
-    g.add_argument("--sampling-rule", default="coupled", choices=["coupled", "rejection"],
-                   help="coupled (default): the tokens of AR sampling with the seed, whatever the block sizes; "
-                        "rejection: min(1, p/q) acceptance, its tokens depend on the block sizes (auto then runs "
-                        "at the drafter's trained size); see README, Sampling")
+    g.add_argument(
+        "--sampling-rule",
+        default="coupled",
+        choices=["coupled", "rejection"],
+        help="coupled (default): the tokens of AR sampling with the seed, whatever the block sizes; "
+        "rejection: min(1, p/q) acceptance, its tokens depend on the block sizes (auto then runs "
+        "at the drafter's trained size); see README, Sampling",
+    )
 
 
 def sampling_from_args(args):
     """The SamplingParams the flags ask for (ValueError naming the flag's field when one is off)."""
-    from kakeya.core.contract import SamplingParams
+    from kakeya.core.request import SamplingParams
 
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed, args.sampling_rule).check()
 
@@ -128,21 +171,28 @@ def summary_line(out: dict) -> str:
     ar_kind = "autoregressive sampling" if sampled else "autoregressive"
     if "ar_decode_tok_s" in out and "lossless" not in out:  # the rejection rule: a speed reference only
         speedup = f"{out['speedup']:.1f}x" if out.get("speedup") else "n/a"
-        head += (f" vs {ar_kind} {out['ar_decode_tok_s']:.0f} tok/s -> {speedup}"
-                 " (same distribution, not the same tokens: no token-identity claim under the rejection rule)")
+        head += (
+            f" vs {ar_kind} {out['ar_decode_tok_s']:.0f} tok/s -> {speedup}"
+            " (same distribution, not the same tokens: no token-identity claim under the rejection rule)"
+        )
     elif "ar_decode_tok_s" in out:
         ids, ar = out["token_ids"], out["ar_token_ids"]
         same = next((i for i, (a, b) in enumerate(zip(ids, ar)) if a != b), min(len(ids), len(ar)))
-        verdict = (f"lossless ({same}/{len(ar)} tokens identical)" if out["lossless"]
-                   else f"NOT lossless (first {same} of {len(ar)} tokens identical)")
+        verdict = (
+            f"lossless ({same}/{len(ar)} tokens identical)"
+            if out["lossless"]
+            else f"NOT lossless (first {same} of {len(ar)} tokens identical)"
+        )
         if not out["lossless"] and out.get("dtype") in ("bfloat16", "float16"):
             # A verify of several rows and an AR step of one round differently in 16 bits, so where the
             # target's top two logits nearly tie they can pick apart (docs/cuda.md); float32 is exact.
             verdict += f": {out['dtype']} rounds near-ties apart between a verify and an AR step, float32 does not"
         speedup = f"{out['speedup']:.1f}x" if out.get("speedup") else "n/a"
         head += f" vs {ar_kind} {out['ar_decode_tok_s']:.0f} tok/s -> {speedup}, {verdict}"
-    tail = (f"{len(out['token_ids'])} tokens ({out['finish_reason']}), mean acceptance {out['mean_acceptance']:.2f} "
-            f"tokens/block, prefill {out['prefill_s'] * 1e3:.1f} ms")
+    tail = (
+        f"{len(out['token_ids'])} tokens ({out['finish_reason']}), mean acceptance {out['mean_acceptance']:.2f} "
+        f"tokens/block, prefill {out['prefill_s'] * 1e3:.1f} ms"
+    )
     if out.get("copied_blocks"):
         tail += f"; {out['copied_blocks']} of {len(out['block_sizes'])} blocks drafted by n-gram copy"
     if out["drafter_fallback"]:

@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-from pathlib import Path
 
 from kakeya.app import flags as serve_flags
 
@@ -55,16 +53,26 @@ def _aux_layers(text: str | None, draft: str | None) -> list[int]:
 
 
 def _common(p: argparse.ArgumentParser, name: str) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 / [::] for all; default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORTS[name], help=f"port (0: any free port; default {DEFAULT_PORTS[name]})")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 / [::] for all; default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_PORTS[name], help=f"port (0: any free port; default {DEFAULT_PORTS[name]})"
+    )
     p.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight streams (default 30)")
     p.add_argument("--ready-file", help="write {addr, port, pid} as JSON here once SERVING")
     serve_flags.add_common(p)
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port of --host (0: any free port; default: off)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus /metrics on this port of --host (0: any free port; default: off)",
+    )
     p.add_argument("--health-port", type=int,
                    help="also answer gRPC health, alone and in plaintext, on this port of --host (for probes"
                         " that speak no TLS, e.g. Kubernetes'; 0: any free port; default: off)")  # fmt: skip
-    p.add_argument("--log-format", default="text", choices=["text", "json"], help="stderr log lines: text or JSON (default text)")
+    p.add_argument(
+        "--log-format", default="text", choices=["text", "json"], help="stderr log lines: text or JSON (default text)"
+    )
 
 
 def _pin(args) -> None:
@@ -79,7 +87,15 @@ def _run(spec, args) -> int:
     from kakeya.runtime.lifecycle import run_server, setup_logging
 
     setup_logging(spec.name, args.log_format)
-    rc = run_server(spec, args.host, args.port, args.grace, args.ready_file, metrics_port=args.metrics_port, health_port=args.health_port)
+    rc = run_server(
+        spec,
+        args.host,
+        args.port,
+        args.grace,
+        args.ready_file,
+        metrics_port=args.metrics_port,
+        health_port=args.health_port,
+    )
     # Everything is drained and closed. Leave without joining the compute thread: MLX aborts the
     # process ("terminate called without an active exception") when the thread that owns its
     # arrays is joined while they are alive.
@@ -113,14 +129,16 @@ def cmd_serve_verifier(args) -> int:
 
         kwargs |= torch_options(args)
         check_compile(kwargs, kwargs.get("device"))
-    spec = server_spec(target, layers, backend, limits, restore=restore, tls=tls, token=token, policy=_default_policy(args), **kwargs)
+    spec = server_spec(
+        target, layers, backend, limits, restore=restore, tls=tls, token=token, policy=_default_policy(args), **kwargs
+    )
     return _run(spec, args)
 
 
 def _default_policy(args):
     """The sessions' default cache policy from --cache & co. (each request may send its own)."""
     from kakeya.app.options import cache_policy_from_args
-    from kakeya.core.contract import CachePolicy
+    from kakeya.core.request import CachePolicy
 
     return cache_policy_from_args(args) or CachePolicy()  # checked against the model when it loads
 
@@ -140,8 +158,12 @@ def cmd_serve_drafter(args) -> int:
 
         kwargs |= torch_options(args)
         check_compile(kwargs, kwargs.get("device"))
-    return _run(server_spec(draft, target, backend, limits, tls=tls, token=token, predraft_blocks=args.predraft_blocks,
-                            **kwargs), args)
+    return _run(
+        server_spec(
+            draft, target, backend, limits, tls=tls, token=token, predraft_blocks=args.predraft_blocks, **kwargs
+        ),
+        args,
+    )
 
 
 def _backend_kwargs(args, embedded: bool) -> tuple[str, dict]:
@@ -169,17 +191,28 @@ def cmd_serve_orchestrator(args) -> int:
     prefixes = None
     if args.verifier:
         if args.target or args.draft:
-            raise ValueError("--target/--draft load in-process models: leave them out with --verifier (see --tokenizer)")
+            raise ValueError(
+                "--target/--draft load in-process models: leave them out with --verifier (see --tokenizer)"
+            )
         if args.prefix_cache_bytes:
-            raise ValueError("--prefix-cache-bytes keeps the models' state: give it to the verifier and drafter servers")
+            raise ValueError(
+                "--prefix-cache-bytes keeps the models' state: give it to the verifier and drafter servers"
+            )
 
         client_tls, backend_token = serve_flags.client_tls(args), serve_flags.backend_token(args)
 
         def build():
             drafter = None if args.no_drafter else args.drafter
             return split_engine(
-                args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls, token=backend_token,
-                backend_timeout_s=args.backend_timeout, predraft=args.predraft == "on", ngram=args.ngram == "on",
+                args.verifier,
+                drafter,
+                args.tokenizer,
+                args.backend_wait,
+                tls=client_tls,
+                token=backend_token,
+                backend_timeout_s=args.backend_timeout,
+                predraft=args.predraft == "on",
+                ngram=args.ngram == "on",
                 predraft_alternatives=args.predraft_alternatives,
             )
 
@@ -187,7 +220,9 @@ def cmd_serve_orchestrator(args) -> int:
         sources = None
     else:
         if args.backend_token_file:
-            raise ValueError("--backend-token-file is for a split orchestrator (--verifier): colocated, nothing to send it to")
+            raise ValueError(
+                "--backend-token-file is for a split orchestrator (--verifier): colocated, nothing to send it to"
+            )
         sources, args.restore = serve_flags.restore_sources(args)
 
         backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
@@ -199,10 +234,18 @@ def cmd_serve_orchestrator(args) -> int:
         def build():  # no paths: the embedded pair, as `kakeya generate`
             from kakeya.app.options import torch_options
 
-            return build_local_engine(args.target, args.draft, backend, kwargs.get("device"), kwargs.get("dtype"),
-                                      _default_policy(args), no_drafter=args.no_drafter,
-                                      torch_options=torch_options(args) if backend == "torch" else None, prefixes=prefixes,
-                                      ngram=args.ngram == "on")
+            return build_local_engine(
+                args.target,
+                args.draft,
+                backend,
+                kwargs.get("device"),
+                kwargs.get("dtype"),
+                _default_policy(args),
+                no_drafter=args.no_drafter,
+                torch_options=torch_options(args) if backend == "torch" else None,
+                prefixes=prefixes,
+                ngram=args.ngram == "on",
+            )
 
         colocated = True
     servicer = GenerationServicer(
@@ -225,121 +268,6 @@ def cmd_serve_orchestrator(args) -> int:
     return _run(server_spec(servicer, tls=serve_flags.server_tls(args), http=http), args)
 
 
-# --------------------------------------------------------------------------- serve all
-
-
-def cmd_serve_all(args) -> int:
-    from kakeya.app.supervisor import Supervisor, run_dir
-    from kakeya.runtime.auth import new_token, write_token
-    from kakeya.runtime.lifecycle import port_in_use, setup_logging, write_ready_file
-
-    setup_logging("all", args.log_format)
-    log = logging.getLogger("kakeya.all")
-    target, draft = _pair(args.target, args.draft)
-    serve_flags.restore_sources(args)  # bad --restore specs: a usage error now, not a child's exit
-    serve_flags.server_tls(args), serve_flags.auth_token(args)
-    serve_flags.session_limits(args)
-    for port in (args.port, args.http_port):
-        taken = port_in_use(args.host, port) if port is not None else None
-        if taken:
-            print(f"kakeya: error: serve all: cannot listen on {args.host}:{port}: {taken}", file=sys.stderr)
-            return 2
-    if args.ready_file:
-        Path(args.ready_file).unlink(missing_ok=True)
-    sup = Supervisor(args.grace)
-
-    def on_signal(signum, _frame):
-        log.info("received %s: stopping orchestrator, then verifier and drafter", signal.Signals(signum).name)
-        sup.stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    common = ["--grace", str(args.grace), "--log-format", args.log_format]
-
-    def metrics(i: int) -> list[str]:  # orchestrator: the base port, verifier +1, drafter +2 (0: any free ports)
-        if args.metrics_port is None:
-            return []
-        return ["--metrics-port", str(args.metrics_port + i if args.metrics_port else 0)]
-
-    vback, dback = _child_backend(args.verifier_backend, args), _child_backend(args.drafter_backend, args)
-    cpus = _placement(args.placement, [vback, dback], log)
-    pinned = {role: ["--cpus", c] for role, c in cpus.items()}
-    rc = 0
-    with run_dir() as tmp:
-        files = {n: Path(tmp) / f"{n}.json" for n in ("verifier", "drafter", "orchestrator")}
-        token_file = str(write_token(Path(tmp) / "backend.token", new_token()))
-        try:
-            back = ["--host", "127.0.0.1", "--port", "0"]  # loopback only: the orchestrator is their one client
-            cache = ["--cache", args.cache, "--sink", str(args.sink), "--full-kv-bits", str(args.full_kv_bits),
-                     *(["--window", str(args.window)] if args.window else [])]  # fmt: skip
-            vlim, dlim = (serve_flags.child_argv(args, role, token_file) for role in ("verifier", "drafter"))
-            sup.spawn("verifier", [*back, "--target", target, "--draft", draft, *vback, *cache, "--ready-file", str(files["verifier"]), *common, *vlim, *metrics(1), *pinned.get("verifier", [])], files["verifier"])
-            sup.spawn("drafter", [*back, "--draft", draft, "--target", target, *dback, "--ready-file", str(files["drafter"]), *common, *dlim, *metrics(2), *pinned.get("drafter", [])], files["drafter"])
-            ready = sup.wait_ready(["verifier", "drafter"], args.start_timeout)
-            orch = [
-                "--host", args.host, "--port", str(args.port),
-                "--verifier", ready["verifier"]["addr"], "--drafter", ready["drafter"]["addr"],
-                "--tokenizer", target, "--ready-file", str(files["orchestrator"]),
-                "--max-tokens-limit", str(args.max_tokens_limit), *common, *serve_flags.child_argv(args, "orchestrator", token_file),
-                *metrics(0), *(["--health-port", str(args.health_port)] if args.health_port is not None else []),
-                *pinned.get("orchestrator", []),
-            ]  # fmt: skip
-            sup.spawn("orchestrator", orch, files["orchestrator"])
-            ready.update(sup.wait_ready(["orchestrator"], args.start_timeout))
-
-            def summary() -> dict:
-                c = sup.children
-                out = {
-                    "addr": c["orchestrator"].info["addr"],
-                    "verifier": c["verifier"].info["addr"],
-                    "drafter": c["drafter"].info["addr"],
-                    "pids": {n: p.pid for n, p in sup.procs.items()},
-                    "restarts": {n: ch.restarts for n, ch in c.items()},
-                    "pid": os.getpid(),
-                    "cpus": cpus,
-                }
-                if args.metrics_port is not None:
-                    out["metrics_ports"] = {n: ch.info.get("metrics_port") for n, ch in c.items()}
-                if args.http_port is not None:  # the orchestrator's OpenAI API
-                    out["http_port"] = c["orchestrator"].info.get("http_port")
-                return out
-
-            def publish() -> None:  # the ready file follows restarts (new pids)
-                if args.ready_file:
-                    write_ready_file(args.ready_file, summary())
-
-            s = summary()
-            log.info("all SERVING: orchestrator %s, verifier %s, drafter %s", s["addr"], s["verifier"], s["drafter"])
-            publish()
-            sup.on_change = publish
-            sup.watch()  # restarts dead children until SIGTERM/SIGINT
-        except KeyboardInterrupt:
-            pass
-        except RuntimeError as exc:
-            print(f"kakeya: error: serve all: {exc}", file=sys.stderr)
-            rc = 1
-        finally:
-            sup.shutdown()
-            if args.ready_file:
-                Path(args.ready_file).unlink(missing_ok=True)
-    return rc
-
-
-def _placement(choice: str, backends: list[list[str]], log) -> dict[str, str]:
-    """Each child's ``--cpus`` (``runtime/placement.for_split``): with ``auto``, where this platform can pin,
-    both models run on torch's CPU backend and this process may use two CPUs or more; else none."""
-    from kakeya.runtime import placement
-
-    def on_cpu(argv: list[str]) -> bool:  # torch on --device cpu: what was measured (not MLX's CPU backend)
-        return argv[1] == "torch" and argv[argv.index("--device") + 1] == "cpu"
-
-    cpus = placement.for_split(choice, all(on_cpu(b) for b in backends))
-    if cpus:
-        log.info("placement: verifier on CPUs %s, drafter and orchestrator on %s (--placement off: none)",
-                 cpus["verifier"], cpus["drafter"])  # fmt: skip
-    return cpus
-
-
 # --------------------------------------------------------------------------- registration
 
 
@@ -352,9 +280,17 @@ def _child_backend(choice: str, args) -> list[str]:
         return ["--backend", backend]
     threads = torch_threads(args.torch_threads, device, embedded=args.target is None)  # children get explicit paths
     graphs = getattr(args, "cuda_graphs", "auto")
-    return ["--backend", "torch", "--device", device, *(["--dtype", args.dtype] if args.dtype else []),
-            "--torch-threads", str(threads), *(["--cuda-graphs", graphs] if graphs != "auto" else []),
-            *(["--compile"] if getattr(args, "compile", False) else [])]
+    return [
+        "--backend",
+        "torch",
+        "--device",
+        device,
+        *(["--dtype", args.dtype] if args.dtype else []),
+        "--torch-threads",
+        str(threads),
+        *(["--cuda-graphs", graphs] if graphs != "auto" else []),
+        *(["--compile"] if getattr(args, "compile", False) else []),
+    ]
 
 
 def register(sub) -> None:
@@ -367,7 +303,9 @@ def register(sub) -> None:
     _common(v, "verifier")
     _cpus_arg(v)
     v.add_argument("--target", help="Gemma-4 target checkpoint directory (default: the embedded pair's)")
-    v.add_argument("--draft", help="a DFlash drafter directory: only its target_layer_ids are read (the default aux layers)")
+    v.add_argument(
+        "--draft", help="a DFlash drafter directory: only its target_layer_ids are read (the default aux layers)"
+    )
     v.add_argument("--aux-layers", help="default aux layers, e.g. 1,4 (sessions may send their own)")
     _backend_args(v)
     add_cache_args(v)
@@ -390,33 +328,56 @@ def register(sub) -> None:
     d.set_defaults(func=cmd_serve_drafter)
 
     o = roles.add_parser(
-        "orchestrator", help="the public Generate API (split: --verifier/--drafter; else colocated)", conflict_handler="resolve"
+        "orchestrator",
+        help="the public Generate API (split: --verifier/--drafter; else colocated)",
+        conflict_handler="resolve",
     )
     _common(o, "orchestrator")
     _cpus_arg(o)
-    o.add_argument("--verifier", metavar="TARGET", help="a `kakeya serve verifier`: HOST:PORT, or a gRPC target naming several "
-                   "replicas (dns:///verifier-headless:50061, ipv4:H1:P,H2:P); each session goes to the next SERVING one")
-    o.add_argument("--drafter", metavar="TARGET", help="a `kakeya serve drafter`: HOST:PORT or a gRPC target, as --verifier")
+    o.add_argument(
+        "--verifier",
+        metavar="TARGET",
+        help="a `kakeya serve verifier`: HOST:PORT, or a gRPC target naming several "
+        "replicas (dns:///verifier-headless:50061, ipv4:H1:P,H2:P); each session goes to the next SERVING one",
+    )
+    o.add_argument(
+        "--drafter", metavar="TARGET", help="a `kakeya serve drafter`: HOST:PORT or a gRPC target, as --verifier"
+    )
     o.add_argument("--target", help="colocated: target checkpoint loaded in this process")
     o.add_argument("--draft", help="colocated: drafter checkpoint loaded in this process")
     o.add_argument("--no-drafter", action="store_true", help="no speculation: the verifier decodes alone")
-    o.add_argument("--tokenizer", help="split: directory with the target's tokenizer.json (default: the verifier's path, if readable)")
+    o.add_argument(
+        "--tokenizer",
+        help="split: directory with the target's tokenizer.json (default: the verifier's path, if readable)",
+    )
     _backend_args(o, " (colocated)")
     serve_flags.add_backend_auth(o)
     # colocated: the sessions' default policy, and one prefix-cache budget for the verifier's and the drafter's
     _policy_and_front(o, "colocated: one budget for the verifier's and the drafter's")
-    o.add_argument("--backend-wait", type=float, default=120.0, help="split: seconds to wait for verifier/drafter at start")
+    o.add_argument(
+        "--backend-wait", type=float, default=120.0, help="split: seconds to wait for verifier/drafter at start"
+    )
     _limits(o)
     o.set_defaults(func=cmd_serve_orchestrator)
 
-    a = roles.add_parser("all", help="verifier, drafter and orchestrator as three local processes", conflict_handler="resolve")
+    a = roles.add_parser(
+        "all", help="verifier, drafter and orchestrator as three local processes", conflict_handler="resolve"
+    )
     _common(a, "orchestrator")
     a.add_argument("--target", help="target checkpoint (default: the embedded pair, as `kakeya generate`)")
     a.add_argument("--draft", help="drafter checkpoint")
-    a.add_argument("--verifier-backend", default="auto", choices=["auto", "mlx", "torch"],
-                   help="the verifier process's backend (auto: MLX on Apple silicon, torch elsewhere)")
-    a.add_argument("--drafter-backend", default="auto", choices=["auto", "mlx", "torch"],
-                   help="the drafter process's backend (auto: MLX on Apple silicon, torch elsewhere)")
+    a.add_argument(
+        "--verifier-backend",
+        default="auto",
+        choices=["auto", "mlx", "torch"],
+        help="the verifier process's backend (auto: MLX on Apple silicon, torch elsewhere)",
+    )
+    a.add_argument(
+        "--drafter-backend",
+        default="auto",
+        choices=["auto", "mlx", "torch"],
+        help="the drafter process's backend (auto: MLX on Apple silicon, torch elsewhere)",
+    )
     a.add_argument("--device", help="torch processes: cuda, cuda:1, cpu (default: cuda when available, else cpu)")
     a.add_argument("--dtype", help="torch processes: float32, bfloat16, float16 (default float32)")
     _torch_threads_arg(a)
@@ -429,6 +390,8 @@ def register(sub) -> None:
     _policy_and_front(a, "the verifier and the drafter process each keep one of this budget")
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)
+    from kakeya.app.serve_all import cmd_serve_all
+
     a.set_defaults(func=cmd_serve_all)
 
 
@@ -457,8 +420,12 @@ def _cpus_arg(p) -> None:
 
 
 def _torch_threads_arg(p) -> None:
-    p.add_argument("--torch-threads", type=int, default=None,
-                   help="torch CPU threads (default: 1 for the embedded pair on CPU, torch's own otherwise; 0: torch's)")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: 1 for the embedded pair on CPU, torch's own otherwise; 0: torch's)",
+    )
 
 
 def _limits(p) -> None:

@@ -39,9 +39,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
 def tiny_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output directory (gets target/ and draft/)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    parser.add_argument(
-        "--sliding-window", type=int, default=32, help="target sliding window (default 32)"
-    )
+    parser.add_argument("--sliding-window", type=int, default=32, help="target sliding window (default 32)")
     parser.add_argument("--moe", action="store_true", help="give the target an MoE block")
     parser.add_argument(
         "--vocab-size",
@@ -77,8 +75,10 @@ def cmd_memory(args) -> int:
         print(json.dumps(table))
         return 0
     full = table["full"]["total_bytes"]
-    print(f"KV bytes for one session at context {args.context} ({args.preset or args.config}; "
-          f"sink-window = {args.sink} sinks + window {args.window})")
+    print(
+        f"KV bytes for one session at context {args.context} ({args.preset or args.config}; "
+        f"sink-window = {args.sink} sinks + window {args.window})"
+    )
     print(f"{'policy':<24}{'total MiB':>12}{'sliding MiB':>13}{'full MiB':>11}{'vs full':>10}")
     for name, row in table.items():
         mib = [row[k] / 2**20 for k in ("total_bytes", "sliding_bytes", "full_bytes")]
@@ -97,8 +97,12 @@ def _register_memory(sub) -> None:
     p.add_argument("--sink", type=int, default=4, help="sinks for the sink-window rows (default 4)")
     p.add_argument("--window", type=int, default=64, help="window for the sink-window rows (default 64)")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="K/V dtype (default: the config's)")
-    p.add_argument("--restore-rank", type=int, default=0,
-                   help="also show sink-window+restore rows for an f_theta of this rank (its latent ring)")
+    p.add_argument(
+        "--restore-rank",
+        type=int,
+        default=0,
+        help="also show sink-window+restore rows for an f_theta of this rank (its latent ring)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_memory)
 
@@ -122,7 +126,9 @@ def cmd_niah(args) -> int:
     window = args.window or max(1, model_window // 2)
     policies = {n: parse_policy(n, args.sink, window, restore) for n in names}
     log = None if args.quiet else (lambda m: print(f"niah: {m}", file=sys.stderr, flush=True))
-    table = run_niah(engine, args.contexts, args.depths, policies, args.max_tokens, args.block_size or 0, args.seed, log)
+    table = run_niah(
+        engine, args.contexts, args.depths, policies, args.max_tokens, args.block_size or 0, args.seed, log
+    )
     result = {
         "target": engine.target,
         "draft": engine.draft,
@@ -141,7 +147,7 @@ def cmd_niah(args) -> int:
         return 0
     print(f"needle recall ({engine.target}; {len(args.contexts)} contexts x {len(args.depths)} depths; {TINY_NOTE})")
     print(f"{'policy':<28}{'recall':>8}{'vs native':>11}  by context")
-    for name, row in table.items():
+    for row in table.values():
         vs = "" if row["recall_vs_native"] is None else f"{row['recall_vs_native']:+.2f}"
         by = " ".join(f"{c}:{v:.2f}" for c, v in row["by_context"].items())
         print(f"{row['label']:<28}{row['recall']:>8.2f}{vs:>11}  {by}")
@@ -153,13 +159,24 @@ def _register_niah(sub) -> None:
     p.add_argument("--target", help="Gemma-4 target checkpoint directory")
     p.add_argument("--draft", help="DFlash drafter checkpoint directory")
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 512], help="prompt lengths in tokens")
-    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="needle depth, 0 (start) .. 1 (end)")
-    p.add_argument("--policies", nargs="+", default=["native", "sink-window", "sink-window+kv8"],
-                   help="native | sink-window, each optionally +kv8/+kv4 and +restore")
-    p.add_argument("--restore", help="f_theta directory (ftheta:DIR or DIR) for +restore policies; "
-                                     "adds sink-window+restore when no listed policy restores")
+    p.add_argument(
+        "--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="needle depth, 0 (start) .. 1 (end)"
+    )
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        default=["native", "sink-window", "sink-window+kv8"],
+        help="native | sink-window, each optionally +kv8/+kv4 and +restore",
+    )
+    p.add_argument(
+        "--restore",
+        help="f_theta directory (ftheta:DIR or DIR) for +restore policies; "
+        "adds sink-window+restore when no listed policy restores",
+    )
     p.add_argument("--sink", type=int, default=4, help="sinks of the sink-window policies")
-    p.add_argument("--window", type=int, default=None, help="window of the sink-window policies (default: half the model's)")
+    p.add_argument(
+        "--window", type=int, default=None, help="window of the sink-window policies (default: half the model's)"
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per case")
     p.add_argument("--block-size", type=int, default=None, help="speculative block size (default: the drafter's)")
     p.add_argument("--seed", type=int, default=0, help="varies the needle codes")

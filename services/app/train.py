@@ -16,7 +16,9 @@ def register(sub) -> None:
     p = sub.add_parser("train-drafter", help="train a DFlash drafter for a target (on the target's own continuations)")
     drafter_arguments(p)
     p.set_defaults(func=_train_drafter)
-    p = sub.add_parser("train-ftheta", help="train f_theta (drafter K/V -> evicted sliding-layer K/V) on offline text (MLX)")
+    p = sub.add_parser(
+        "train-ftheta", help="train f_theta (drafter K/V -> evicted sliding-layer K/V) on offline text (MLX)"
+    )
     ftheta_arguments(p)
     p.set_defaults(func=_train_ftheta)
 
@@ -25,9 +27,13 @@ def _run_arguments(p: argparse.ArgumentParser, steps: int, lr: float, warmup: in
     """What every trainer takes: seed, schedule and optimizer, held-out split, device, checkpoints."""
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--time-budget", type=float, default=0,
-                   help="stop after this many training seconds (0: none); the learning rate decays by steps or by"
-                        " this budget, whichever runs out first")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=0,
+        help="stop after this many training seconds (0: none); the learning rate decays by steps or by"
+        " this budget, whichever runs out first",
+    )
     p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--warmup", type=int, default=warmup)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -53,8 +59,12 @@ def _layer_arguments(p: argparse.ArgumentParser, layers: int, intermediate: int)
 def target_arguments(p: argparse.ArgumentParser) -> None:
     """``kakeya train-target``'s options (the namespace ``training.target.train`` takes)."""
     p.add_argument("--out", required=True, help="output checkpoint directory")
-    p.add_argument("--backend", default="mlx", choices=["mlx", "torch"],
-                   help="mlx (default) or torch (same model/data/output; much faster on Linux CPUs)")
+    p.add_argument(
+        "--backend",
+        default="mlx",
+        choices=["mlx", "torch"],
+        help="mlx (default) or torch (same model/data/output; much faster on Linux CPUs)",
+    )
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--hidden", type=int, default=128)
@@ -91,37 +101,69 @@ def drafter_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--gen-batch", type=int, default=64)
-    p.add_argument("--temperatures", default="0",
-                   help="comma list: generation batch i continues its prompts at temperatures[i %% n] (0: greedy)")
-    p.add_argument("--data-on-device", choices=["auto", "on", "off"], default="auto",
-                   help="copy the whole training set (aux, final) to the training device once, so that a step gathers"
-                        " its batch there instead of from the memory-mapped files on the host; auto: on CUDA when it"
-                        " takes under half the free GPU memory")
-    p.add_argument("--soft-weight", type=float, default=0.0,
-                   help="weight of KL(target distribution || drafter) per block position (0: hard labels only; "
-                        "then sampled continuations' tokens are the only labels)")
+    p.add_argument(
+        "--temperatures",
+        default="0",
+        help="comma list: generation batch i continues its prompts at temperatures[i %% n] (0: greedy)",
+    )
+    p.add_argument(
+        "--data-on-device",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="copy the whole training set (aux, final) to the training device once, so that a step gathers"
+        " its batch there instead of from the memory-mapped files on the host; auto: on CUDA when it"
+        " takes under half the free GPU memory",
+    )
+    p.add_argument(
+        "--soft-weight",
+        type=float,
+        default=0.0,
+        help="weight of KL(target distribution || drafter) per block position (0: hard labels only; "
+        "then sampled continuations' tokens are the only labels)",
+    )
     p.add_argument("--bos-prompts", action="store_true", help="prompts start with <bos>, as real requests do")
-    p.add_argument("--prompt-dir", help="training prompts from the Python files under this directory (text the target"
-                                        " never trained on, e.g. a site-packages folder) instead of its training split")
+    p.add_argument(
+        "--prompt-dir",
+        help="training prompts from the Python files under this directory (text the target"
+        " never trained on, e.g. a site-packages folder) instead of its training split",
+    )
     p.add_argument("--prompt-dir-bytes", type=int, default=16 << 20, help="at most this much of --prompt-dir's files")
-    p.add_argument("--predraft-share", type=float, default=0.0,
-                   help="share of steps whose blocks are shaped as pre-drafts (serve --predraft-alternatives): 1..B-1 of"
-                        " the target's tokens after the anchor (no aux for them yet), then B-1 masks, the loss on those"
-                        " (default 0)")
-    p.add_argument("--init-from", default=None,
-                   help="start from this drafter checkpoint, e.g. to fine-tune (same config) or to grow it (a larger"
-                        " --intermediate or more --layers: it starts computing what the checkpoint does; training/grow.py)")
-    p.add_argument("--val-sequences", type=int, default=64,
-                   help="target continuations of held-out prompts for a teacher-forced held-out curve (0: none)")
+    p.add_argument(
+        "--predraft-share",
+        type=float,
+        default=0.0,
+        help="share of steps whose blocks are shaped as pre-drafts (serve --predraft-alternatives): 1..B-1 of"
+        " the target's tokens after the anchor (no aux for them yet), then B-1 masks, the loss on those"
+        " (default 0)",
+    )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="start from this drafter checkpoint, e.g. to fine-tune (same config) or to grow it (a larger"
+        " --intermediate or more --layers: it starts computing what the checkpoint does; training/grow.py)",
+    )
+    p.add_argument(
+        "--val-sequences",
+        type=int,
+        default=64,
+        help="target continuations of held-out prompts for a teacher-forced held-out curve (0: none)",
+    )
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the engine's acceptance")
     p.add_argument("--eval-max-tokens", type=int, default=128)
     p.add_argument("--eval-block-sizes", default="2,4,8,16")
-    p.add_argument("--eval-temperatures", default="0.7,1.0",
-                   help="sampled acceptance too, at these temperatures (coupled rule, one seed per prompt; '': greedy only)")
+    p.add_argument(
+        "--eval-temperatures",
+        default="0.7,1.0",
+        help="sampled acceptance too, at these temperatures (coupled rule, one seed per prompt; '': greedy only)",
+    )
     p.add_argument("--eval-sampled-block-sizes", default="8,16", help="block sizes of the sampled acceptance")
     p.add_argument("--no-eval", action="store_true", help="skip the acceptance measurement")
-    p.add_argument("--eval-backend", default="mlx", choices=["auto", "mlx", "torch"],
-                   help="engine that measures acceptance (default mlx, as the shipped cards; auto: the fastest here)")
+    p.add_argument(
+        "--eval-backend",
+        default="mlx",
+        choices=["auto", "mlx", "torch"],
+        help="engine that measures acceptance (default mlx, as the shipped cards; auto: the fastest here)",
+    )
     _run_arguments(p, steps=1000, lr=2e-3, warmup=50, eval_every=500)
 
 
@@ -129,7 +171,11 @@ def _train_drafter(args) -> int:
     from kakeya.training.drafter import train
 
     rep = train(args)
-    summary = {"out": args.out, "steps": rep["steps"], "final_loss": rep["loss_curve"][-1][2] if rep["loss_curve"] else None}
+    summary = {
+        "out": args.out,
+        "steps": rep["steps"],
+        "final_loss": rep["loss_curve"][-1][2] if rep["loss_curve"] else None,
+    }
     if "acceptance" in rep:
         summary["mean_acceptance"] = {b: v["mean_acceptance"] for b, v in rep["acceptance"]["per_block_size"].items()}
     print(json.dumps(summary))
@@ -161,7 +207,9 @@ def ftheta_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-tokens", type=int, help="tokens of standard-library text to sample from (default 400000)")
     p.add_argument("--eval-seqs", type=int, help="held-out sequences for the report (default 8)")
     p.add_argument("--seed", type=int, help="default 0")
-    p.add_argument("--no-probe-full", action="store_true", help="skip the full-layer probe decoders (report: sliding only)")
+    p.add_argument(
+        "--no-probe-full", action="store_true", help="skip the full-layer probe decoders (report: sliding only)"
+    )
     p.add_argument("--save-every", type=int, help="checkpoint train_state/ every N steps (default 200)")
     p.add_argument("--log-every", type=int, help="default 10")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")

@@ -59,9 +59,7 @@ def load_target_config(path: str | Path) -> dict[str, Any]:
     if model_type in MULTIMODAL_MODEL_TYPES:
         text = cfg.get("text_config")
         if not isinstance(text, dict):
-            raise CheckpointError(
-                f"target checkpoint {where}: model_type {model_type!r} has no 'text_config' object"
-            )
+            raise CheckpointError(f"target checkpoint {where}: model_type {model_type!r} has no 'text_config' object")
         if text.get("model_type", "gemma4_text") not in TARGET_MODEL_TYPES:
             raise CheckpointError(
                 f"target checkpoint {where}: field 'text_config.model_type' is"
@@ -109,7 +107,9 @@ def _eos_token_ids(d: Path, top: dict[str, Any], text: dict[str, Any]) -> list[i
         where = d / "config.json"
     ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
     if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise CheckpointError(f"target checkpoint {where}: field 'eos_token_id' must be an integer or a list of them, got {eos!r}")
+        raise CheckpointError(
+            f"target checkpoint {where}: field 'eos_token_id' must be an integer or a list of them, got {eos!r}"
+        )
     return ids
 
 
@@ -119,18 +119,12 @@ def load_draft_config(path: str | Path) -> dict[str, Any]:
     where = d / "config.json"
     dflash = cfg.get("dflash_config")
     if not isinstance(dflash, dict):
-        raise CheckpointError(
-            f"draft checkpoint {where}: no 'dflash_config' object -- not a DFlash drafter"
-        )
+        raise CheckpointError(f"draft checkpoint {where}: no 'dflash_config' object -- not a DFlash drafter")
     for key in DRAFT_REQUIRED:
         if key not in dflash:
             raise CheckpointError(f"draft checkpoint {where}: field 'dflash_config.{key}' is missing")
     ids = dflash["target_layer_ids"]
-    if (
-        not isinstance(ids, list)
-        or not ids
-        or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-    ):
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise CheckpointError(
             f"draft checkpoint {where}: field 'dflash_config.target_layer_ids' must be a"
             f" non-empty list of integers, got {ids!r}"
@@ -139,13 +133,11 @@ def load_draft_config(path: str | Path) -> dict[str, Any]:
         value = dflash[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise CheckpointError(
-                f"draft checkpoint {where}: field 'dflash_config.{key}' must be a"
-                f" non-negative integer, got {value!r}"
+                f"draft checkpoint {where}: field 'dflash_config.{key}' must be a non-negative integer, got {value!r}"
             )
     if dflash["block_size"] < 2:
         raise CheckpointError(
-            f"draft checkpoint {where}: field 'dflash_config.block_size' must be >= 2,"
-            f" got {dflash['block_size']}"
+            f"draft checkpoint {where}: field 'dflash_config.block_size' must be >= 2, got {dflash['block_size']}"
         )
     _require_int(cfg, "hidden_size", str(where), "draft")
     cfg = dict(cfg)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 

@@ -25,9 +25,10 @@ import hashlib
 import json
 import sys
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -331,7 +332,9 @@ def make_tiny(
 ) -> TinyPair:
     """Write ``out_dir/target`` and ``out_dir/draft`` (and README.md, manifest.json)."""
     if vocab_size < MIN_IDS_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be >= {MIN_IDS_VOCAB_SIZE} (the special ids and a few more), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be >= {MIN_IDS_VOCAB_SIZE} (the special ids and a few more), got {vocab_size}"
+        )
     out = Path(out_dir)
     target, draft = out / "target", out / "draft"
     target.mkdir(parents=True, exist_ok=True)
@@ -385,16 +388,14 @@ def make_tiny(
         ),
         encoding="utf-8",
     )
-    files = sorted(
-        p.relative_to(out).as_posix() for d in (target, draft) for p in d.iterdir() if p.is_file()
-    )
+    files = sorted(p.relative_to(out).as_posix() for d in (target, draft) for p in d.iterdir() if p.is_file())
     _write_json(
         out / "manifest.json",
         {
             "generator": "kakeya.checkpoints.tiny.make_tiny",
             "args": args,
             "tokenizer_corpus": {
-                "python": "%d.%d.%d" % sys.version_info[:3],
+                "python": ".".join(map(str, sys.version_info[:3])),
                 "sha256": tk.corpus_fingerprint(),
             }
             if with_tokenizer

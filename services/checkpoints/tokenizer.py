@@ -22,8 +22,8 @@ import hashlib
 import json
 import sys
 import sysconfig
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -135,8 +135,7 @@ def train_tokenizer(
     tok = Tokenizer.from_str(_train_json(vocab_size, max_bytes))
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(
-            f"tokenizer training produced {tok.get_vocab_size()} tokens, expected {vocab_size}"
-            " (corpus too small?)"
+            f"tokenizer training produced {tok.get_vocab_size()} tokens, expected {vocab_size} (corpus too small?)"
         )
     if progress is not None:
         progress("tokenizer ready")

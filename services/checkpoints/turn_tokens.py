@@ -118,7 +118,12 @@ def _grow(target: Path, draft_dirs: tuple[Path, ...]) -> None:
     tcfg = _read(target / "tokenizer_config.json")
     for t in TURN_TOKENS:
         tcfg.setdefault("added_tokens_decoder", {})[str(ids[t])] = {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True,
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
         }
     tcfg["additional_special_tokens"] = list(TURN_TOKENS)
     _write(target / "tokenizer_config.json", tcfg)

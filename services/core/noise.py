@@ -26,7 +26,7 @@ exact everywhere; the only place backends may differ is the float32 ``log``
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

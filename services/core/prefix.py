@@ -37,8 +37,9 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Collection, Hashable, Sequence
+from typing import Any
 
 HASH_BLOCK = 16  # tokens per hashed block (MAX_BLOCK_SIZE: a session rolls back at most one block)
 
@@ -148,8 +149,13 @@ class PrefixCache:
         self.bytes -= entry.nbytes
         self.evictions += 1
 
-    def find(self, namespace: Hashable, prompt_ids: Sequence[int], allowed: Collection[int] | None = None,
-             partial: bool = False) -> list[Match]:
+    def find(
+        self,
+        namespace: Hashable,
+        prompt_ids: Sequence[int],
+        allowed: Collection[int] | None = None,
+        partial: bool = False,
+    ) -> list[Match]:
         """Every snapshot a session may resume ``prompt_ids`` from, longest first: its ids are a prefix of
         the prompt (with ``partial``, also a snapshot the prompt shares at least a block of, up to a point
         past the boundary it is filed under, matched that far: ``Match.back`` > 0; a snapshot longer than the

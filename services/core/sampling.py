@@ -37,12 +37,13 @@ to the same token.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from kakeya.core import noise
-from kakeya.core.contract import PROPOSAL_TOP_K, Proposal, SamplingParams
+from kakeya.core.contract import PROPOSAL_TOP_K, Proposal
+from kakeya.core.request import SamplingParams
 
 
 def process(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -158,7 +159,9 @@ def assemble(candidates: Sequence[int], accepted: Sequence[bool], samples: Seque
     return choices
 
 
-def verify(p: np.ndarray, candidates: Sequence[int], proposal: Proposal | None, u_acc, u_samp) -> tuple[list[bool], list[int]]:
+def verify(
+    p: np.ndarray, candidates: Sequence[int], proposal: Proposal | None, u_acc, u_samp
+) -> tuple[list[bool], list[int]]:
     """Reference acceptance and residual draws for p [L, V] (``len(candidates) == L - 1``)."""
     L, V = p.shape
     q = np.zeros((L, V))

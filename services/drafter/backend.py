@@ -29,11 +29,12 @@ sync) or, for a sampling session, its candidates from its logits rows through
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-from kakeya.core.contract import SamplingParams
+from kakeya.core.request import SamplingParams
 from kakeya.drafter.config import DFlashConfig
 from kakeya.drafter.context import DEFAULT_STEP, ContextKVCache
 
@@ -54,7 +55,9 @@ class TargetTensors(Protocol):
 class DraftSampler(Protocol):
     """The backend's sampling module (``backends/{torch,mlx}/sampling.py``)."""
 
-    def coupled_rows(self, logits: Array, params: SamplingParams, keys: tuple[int, int], first_position: int) -> list[int]:
+    def coupled_rows(
+        self, logits: Array, params: SamplingParams, keys: tuple[int, int], first_position: int
+    ) -> list[int]:
         """The coupled rule's noisy argmax of each logits row (row i at position ``first_position + i``)."""
 
     def proposal(self, logits: Array, params: SamplingParams, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -69,10 +72,10 @@ class StaticStep(Protocol):
 class DraftModel(Protocol):
     backend: str  # "torch" | "mlx"
     config: DFlashConfig
-    target: Optional[TargetTensors]  # set by ``bind`` (``LocalDrafter`` refuses an unbound model)
+    target: TargetTensors | None  # set by ``bind`` (``LocalDrafter`` refuses an unbound model)
     sampler: DraftSampler
     min_batch: int
-    static_step: Optional[StaticStep]
+    static_step: StaticStep | None
 
     @property
     def dtype(self) -> Any: ...

@@ -23,7 +23,8 @@ either way.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kakeya.core.contract import Draft, Predrafts
 from kakeya.drafter.session import DrafterSession, draft_together, predrafts

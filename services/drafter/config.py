@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
-from kakeya.core.contract import FULL, MAX_BLOCK_SIZE, SLIDING, check_layer_types
+from kakeya.core.contract import FULL, SLIDING, check_layer_types
+from kakeya.core.request import MAX_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class LayerAttention:
     n_heads: int
     n_kv: int  # key/value heads
     head_dim: int
-    window: Optional[int]  # the context positions a query sees: p_query - p_key < window (None: all)
+    window: int | None  # the context positions a query sees: p_query - p_key < window (None: all)
     is_causal: bool  # a block row sees only the block rows up to its own (default: on sliding layers)
     scale: float  # the attention scale, head_dim ** -0.5
 
@@ -41,14 +41,14 @@ class DFlashConfig:
     block_size: int
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
-    num_target_layers: Optional[int] = None
-    rope_scaling: Optional[dict] = None
+    num_target_layers: int | None = None
+    rope_scaling: dict | None = None
     layer_types: tuple[str, ...] = field(default_factory=tuple)
-    sliding_window: Optional[int] = None
-    final_logit_softcapping: Optional[float] = None
+    sliding_window: int | None = None
+    final_logit_softcapping: float | None = None
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
-    is_causal: Optional[bool] = None
+    is_causal: bool | None = None
     hidden_act: str = "silu"
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -83,7 +83,7 @@ class DFlashConfig:
         return len(self.target_layer_ids) * self.hidden_size
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "DFlashConfig":
+    def from_dict(cls, cfg: dict) -> DFlashConfig:
         archs = cfg.get("architectures") or []
         if any("DFlash2" in a for a in archs):
             raise ValueError(f"unsupported draft architecture {archs}: only DFlashDraftModel")
@@ -120,10 +120,8 @@ class DFlashConfig:
         )
 
     @classmethod
-    def from_dir(cls, draft_dir: str | Path) -> "DFlashConfig":
+    def from_dir(cls, draft_dir: str | Path) -> DFlashConfig:
         return cls.from_dict(json.loads((Path(draft_dir) / "config.json").read_text(encoding="utf-8")))
-
-
 
 
 def check_draft_args(last_token, block_size, vocab_size: int) -> None:

@@ -27,12 +27,14 @@ of a verifier session share one ``RingLayout``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, SLIDING
+from kakeya.core.contract import SLIDING
+from kakeya.core.request import MAX_BLOCK_SIZE
 from kakeya.drafter.config import DFlashConfig, LayerAttention
 
 DEFAULT_STEP = 256  # first capacity of a full layer; spare rows of a sliding layer
@@ -55,7 +57,7 @@ class Resize:
 class Append:
     """Write rows ``skip:`` of the new K/V into buffer rows ``[dst, dst+n)`` (after ``resize``)."""
 
-    resize: Optional[Resize]
+    resize: Resize | None
     skip: int
     dst: int
     n: int
@@ -65,7 +67,7 @@ class Append:
 class BlockView:
     """How one layer kind's attention sees a block of ``n_block`` queries."""
 
-    resize: Optional[Resize]  # room for the block's scratch rows (scratch=True only)
+    resize: Resize | None  # room for the block's scratch rows (scratch=True only)
     n_ctx: int  # visible context rows
     start: int  # buffer rows [start, stop) are the visible context
     stop: int
@@ -76,7 +78,7 @@ class BlockView:
 class ContextLayout:
     """Row bookkeeping of one kind of layer (``keep=None``: full attention; else the last ``keep`` rows)."""
 
-    def __init__(self, keep: Optional[int], step: int = DEFAULT_STEP):
+    def __init__(self, keep: int | None, step: int = DEFAULT_STEP):
         if step < 1:
             raise ValueError(f"step must be >= 1, got {step}")
         if keep is not None and keep < 1:
@@ -90,7 +92,7 @@ class ContextLayout:
         """First visible buffer row."""
         return 0 if self.keep is None else max(0, self.stop - self.keep)
 
-    def _room(self, extra: int, carry: int) -> Optional[Resize]:
+    def _room(self, extra: int, carry: int) -> Resize | None:
         """A resize that leaves room for ``extra`` rows after the last ``carry`` written rows, or None."""
         if self.stop + extra <= self.capacity:
             return None
@@ -104,7 +106,7 @@ class ContextLayout:
         self.capacity, self.stop = cap, carry
         return resize
 
-    def reserve(self, extra: int) -> Optional[Resize]:
+    def reserve(self, extra: int) -> Resize | None:
         """Make room for ``extra`` more rows after the written ones, keeping every visible row
         (the torch static step: its extension and block then need no resize)."""
         return self._room(extra, self.stop - self.start)
@@ -139,11 +141,11 @@ class ContextLayout:
 class ContextPlan:
     """The context-cache plan of one drafter session: one layout per layer kind, one length."""
 
-    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP, full_step: Optional[int] = None):
+    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP, full_step: int | None = None):
         """``full_step``: first capacity of full layers (default ``step``); a captured forward
         preallocates a long one, since every regrowth means new graphs."""
         self.length = 0  # context positions seen so far (absolute)
-        kinds: dict[Optional[int], ContextLayout] = {}
+        kinds: dict[int | None, ContextLayout] = {}
         self.layer_layouts: list[ContextLayout] = []
         for t in config.layer_types:
             keep = int(config.sliding_window) - 1 if t == SLIDING else None
@@ -168,7 +170,6 @@ class ContextPlan:
             layout.stop = 0
 
 
-
 class ContextKVCache:
     """Per-layer context K/V of one generation (only ever extended).
 
@@ -178,7 +179,7 @@ class ContextKVCache:
 
     layer_kv: type  # the backend's per-layer K/V: append(plan, k, v), with_block(view, k, v), visible(), nbytes
 
-    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP, full_step: Optional[int] = None):
+    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP, full_step: int | None = None):
         self.plan = ContextPlan(config, step, full_step)
         self.layers = [self.layer_kv(layout) for layout in self.plan.layer_layouts]
 
@@ -201,14 +202,14 @@ class ContextKVCache:
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
-    def snapshot(self) -> "ContextSnapshot":
+    def snapshot(self) -> ContextSnapshot:
         """A copy of what this cache holds now (its visible rows), which nothing it does later changes:
         a prefix snapshot of the drafter (``core/prefix.py``)."""
         kv = [layer.copy_visible() for layer in self.layers]
         nbytes = sum(k.nbytes + v.nbytes for k, v in kv if k is not None)
         return ContextSnapshot(self.length, [layout.stop - layout.start for layout in self.plan.layouts], kv, nbytes)
 
-    def restore(self, snap: "ContextSnapshot", back: int = 0) -> None:
+    def restore(self, snap: ContextSnapshot, back: int = 0) -> None:
         """An empty cache (of the same model) set to ``snap``'s rows, less its newest ``back`` positions
         (``snap.truncatable`` ones only), copied in as an extension writes rows."""
         if self.length:
@@ -255,10 +256,10 @@ class Segment(NamedTuple):
     as one layer's attention sees them."""
 
     context: Any  # that layer's context K/V: ``with_block(view, k, v)`` -> the keys/values the rows attend to
-    view: Optional[BlockView]  # where the block sits in that buffer (None: ``context`` knows)
+    view: BlockView | None  # where the block sits in that buffer (None: ``context`` knows)
     mask: Any  # bool [rows, keys] (True = attend) in the backend's array type, or None: every key
     rows: int  # how many of the forward's rows are this session's
-    position: Optional[int] = None  # the first row's position (MLX rotates per segment; torch's cos/sin cover all rows)
+    position: int | None = None  # the first row's position (MLX rotates per segment; torch's cos/sin cover all rows)
 
 
 def block_segments(
@@ -293,8 +294,8 @@ def draft_rows(block_sizes) -> list[int]:
 
 
 def block_mask(
-    view: BlockView, n_block: int, *, is_causal: bool, window: Optional[int], span: str = "valid"
-) -> Optional[np.ndarray]:
+    view: BlockView, n_block: int, *, is_causal: bool, window: int | None, span: str = "valid"
+) -> np.ndarray | None:
     """Bool ``[n_block, keys]`` visibility (True = attend), or None when every key is visible.
 
     Keys are the visible context then the block (``span="valid"``), or every

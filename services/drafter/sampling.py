@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from kakeya.core import noise
 from kakeya.core import sampling as lossless
-from kakeya.core.contract import COUPLED, DRAFTER_STREAM, PROPOSAL_TOP_K, Draft, SamplingParams, session_rng
+from kakeya.core.contract import DRAFTER_STREAM, PROPOSAL_TOP_K, Draft, session_rng
+from kakeya.core.request import COUPLED, SamplingParams
 
 
 class CoupledDrafts:

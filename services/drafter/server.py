@@ -22,8 +22,8 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -159,7 +159,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 except ValueError as exc:
                     raise invalid(str(exc)) from None
                 kw = {} if sampling is None else {"sampling": sampling}
-                session = entry.session = self.compute.run(lambda: self.drafter.open_session(**kw))
+                session = entry.session = self.compute.run(self.drafter.open_session, **kw)
                 resp = pb.DrafterResponse(opened=pb.DrafterResponse.Opened(info=self.info(), session_id=entry.id))
             elif kind == "lookup":
                 if session.calls:
@@ -187,10 +187,14 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
                     raise invalid(f"draft.last_token: {d.last_token} is outside the vocabulary [0, {vocab})")
                 block = d.block_size or self.drafter.block_size
                 if not 1 <= block <= self.max_block_size:
-                    raise invalid(f"draft.block_size must be 0 (default) or 1..{self.max_block_size}, got {d.block_size}")
+                    raise invalid(
+                        f"draft.block_size must be 0 (default) or 1..{self.max_block_size}, got {d.block_size}"
+                    )
                 if self.registry.max_kv_bytes:  # a session that holds a context grows only if room is left now
                     self.registry.reserve(entry, self._context_bytes(session, shape[0]), wait=session.cache.length == 0)
-                draft, stats = self.compute.batch("draft", (entry, session, d.new_aux, d.last_token, block), self._draft_batch)
+                draft, stats = self.compute.batch(
+                    "draft", (entry, session, d.new_aux, d.last_token, block), self._draft_batch
+                )
                 drafted = pb.DrafterResponse.Drafted(token_ids=draft.tokens, stats=stats)
                 if draft.proposal is not None:
                     drafted.proposal.CopyFrom(wire_contract.proposal_to_proto(draft.proposal))
@@ -201,7 +205,9 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 resp = pb.DrafterResponse(predrafted=predrafted_proto(found, len(item[-2]), stats))
             elif kind == "close":
                 stats = self.compute.run(self._stats, session)
-                yield pb.DrafterResponse(closed=pb.DrafterResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0)
+                yield pb.DrafterResponse(
+                    closed=pb.DrafterResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0
+                )
                 return
             elif kind == "open":
                 raise precondition("open: the session is already open")
@@ -249,7 +255,9 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
             self._check_aux(p.new_aux, session, "predraft.new_aux")
         ids = list(p.block_ids)
         if not 2 <= len(ids) <= self.max_block_size or any(not 0 <= t < vocab for t in ids):
-            raise invalid(f"predraft.block_ids: 2..{self.max_block_size} ids in the vocabulary [0, {vocab}), got {ids[:20]}")
+            raise invalid(
+                f"predraft.block_ids: 2..{self.max_block_size} ids in the vocabulary [0, {vocab}), got {ids[:20]}"
+            )
         if not 2 <= p.block_size <= self.max_block_size:
             raise invalid(f"predraft.block_size must be 2..{self.max_block_size}, got {p.block_size}")
         try:
@@ -307,13 +315,23 @@ def predrafted_proto(found: Predrafts, pending: int, stats) -> pb.DrafterRespons
 
 
 def server_spec(
-    draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx", limits: SessionLimits = SessionLimits(), *,
-    tls=None, token: str | None = None, predraft_blocks: int = PREDRAFT_BLOCKS, **kwargs,
+    draft_dir: str | Path,
+    target_dir: str | Path,
+    backend: str = "mlx",
+    limits: SessionLimits = SessionLimits(),
+    *,
+    tls=None,
+    token: str | None = None,
+    predraft_blocks: int = PREDRAFT_BLOCKS,
+    **kwargs,
 ) -> ServerSpec:
     """A drafter server: ``limits`` its sessions' (``SessionLimits``), ``token`` the bearer token callers
     must present (None: none), ``predraft_blocks`` the most blocks one pre-draft prepares, ``kwargs`` the
     loader's (``loader.local_drafter``)."""
     servicer = DrafterServicer(limits, predraft_blocks)
     return servicer.spec(
-        pb.DESCRIPTOR.services_by_name["DrafterService"], lambda: servicer.load(draft_dir, target_dir, backend, **kwargs), tls=tls, token=token
+        pb.DESCRIPTOR.services_by_name["DrafterService"],
+        lambda: servicer.load(draft_dir, target_dir, backend, **kwargs),
+        tls=tls,
+        token=token,
     )

@@ -34,11 +34,13 @@ for nothing but what that protocol declares; the cache bookkeeping lives in
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, Draft, Predrafts, SamplingParams, SessionOptions, check_alternatives
+from kakeya.core.contract import Draft, Predrafts, SessionOptions, check_alternatives
 from kakeya.core.prefix import PrefixCache
+from kakeya.core.request import MAX_BLOCK_SIZE, SamplingParams
 from kakeya.drafter.backend import DraftModel, bind, extend
 from kakeya.drafter.config import check_draft_args
 from kakeya.drafter.sampling import session_rule
@@ -75,7 +77,7 @@ class DraftCall(NamedTuple):
     candidates; without, ``pending`` ends with the verifier's next token it assumes, and the call
     drafts the ``block_size - 1`` candidates after it."""
 
-    session: "DrafterSession"
+    session: DrafterSession
     aux: Any
     last_token: int
     block_size: int
@@ -102,8 +104,13 @@ class DrafterSession:
     """``prefixes``: the drafter's prefix cache (None: none): :meth:`cached_prefixes` and :meth:`resume`
     read it, :meth:`save` fills it."""
 
-    def __init__(self, model: DraftModel, sampling: SamplingParams | None = None, prefixes: PrefixCache | None = None,
-                 predraft_blocks: int = PREDRAFT_BLOCKS):
+    def __init__(
+        self,
+        model: DraftModel,
+        sampling: SamplingParams | None = None,
+        prefixes: PrefixCache | None = None,
+        predraft_blocks: int = PREDRAFT_BLOCKS,
+    ):
         self.model = model
         self.predraft_blocks = check_predraft_blocks(predraft_blocks)
         self.rule = session_rule(sampling)  # None: greedy
@@ -164,13 +171,17 @@ class DrafterSession:
         """Extend the context by ``new_aux`` and draft ``block_size - 1`` tokens after ``last_token``."""
         return self.run(self.check(new_aux, last_token, block_size))
 
-    def predraft(self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0) -> Callable[[], Predrafts]:
+    def predraft(
+        self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0
+    ) -> Callable[[], Predrafts]:
         """The contract's pre-draft, run now: in this process nothing runs beside the verifier."""
         calls = self.check_predraft(new_aux, block_ids, block_size, alternatives)
         found = predrafts(calls, draft_together(calls))
         return lambda: found
 
-    def check_predraft(self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0) -> list[DraftCall]:
+    def check_predraft(
+        self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0
+    ) -> list[DraftCall]:
         """Validate a pre-draft's arguments (ValueError naming the field): its calls, the full acceptance's
         first (it takes ``new_aux``), then the likeliest rejections (a candidate and an alternative there)
         this session's record of the draft that proposed ``block_ids[1:]`` holds, ``predraft_blocks`` calls in
@@ -186,11 +197,15 @@ class DrafterSession:
             outcomes += [(before + alt_logp, n, a) for a, alt_logp in alts[:alternatives]]
             before += logp
         outcomes.sort(key=lambda o: -o[0])  # stable: a tie keeps the earlier position, the likelier alternative
-        calls += [DraftCall(self, nothing, full.last_token, block_size, full.pending[:n] + (a,), False)
-                  for _, n, a in outcomes[: self.predraft_blocks - 1]]
+        calls += [
+            DraftCall(self, nothing, full.last_token, block_size, full.pending[:n] + (a,), False)
+            for _, n, a in outcomes[: self.predraft_blocks - 1]
+        ]
         return calls  # the longest block first: it plans the room every block's scratch rows need
 
-    def _alternatives_of(self, opening: int, candidates: tuple[int, ...]) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    def _alternatives_of(
+        self, opening: int, candidates: tuple[int, ...]
+    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
         """Per candidate, its log-probability and the next likeliest (id, log-probability) pairs of the row that
         drafted it (none without a record)."""
         key = (opening, *candidates)
@@ -199,8 +214,9 @@ class DrafterSession:
                 return logps[: len(candidates)], alts[: len(candidates)]
         return [], []
 
-    def _record(self, call: DraftCall, tokens: Sequence[int], ids: Sequence[Sequence[int]],
-                logps: Sequence[Sequence[float]]) -> None:
+    def _record(
+        self, call: DraftCall, tokens: Sequence[int], ids: Sequence[Sequence[int]], logps: Sequence[Sequence[float]]
+    ) -> None:
         """Keep a drafted block, the token opening it first, with its candidates' log-probabilities and next
         likeliest ids (the argmax left out): a draft opens with its last token, a pre-draft's block with the
         verdict's token it assumes (a full acceptance's: its guess, its first drafted token)."""
@@ -220,8 +236,13 @@ class DrafterSession:
         step = self.model.static_step
         # The static step keeps no logits: a session pre-drafting with alternatives drafts eagerly instead,
         # or its next pre-draft would have none to prepare for.
-        if (step is not None and self.rule is None and not call.pending and not self.alternatives
-                and step.takes(self.cache, call.aux.shape[0], call.block_size)):
+        if (
+            step is not None
+            and self.rule is None
+            and not call.pending
+            and not self.alternatives
+            and step.takes(self.cache, call.aux.shape[0], call.block_size)
+        ):
             self.calls += 1
             return Draft(step.draft(self.cache, call.aux, call.last_token, call.block_size))
         return draft_together([call])[0]
@@ -235,9 +256,13 @@ class DrafterSession:
         check_draft_args(last_token, block_size, vocab)
         if pending:
             if self.rule is not None:
-                raise ValueError("pending: pre-drafting is for greedy sessions (a sampled block is drawn once it opens)")
+                raise ValueError(
+                    "pending: pre-drafting is for greedy sessions (a sampled block is drawn once it opens)"
+                )
             if block_size < 2 or len(pending) >= MAX_BLOCK_SIZE:
-                raise ValueError(f"a pre-draft needs block_size >= 2 and at most {MAX_BLOCK_SIZE - 1} pending candidates")
+                raise ValueError(
+                    f"a pre-draft needs block_size >= 2 and at most {MAX_BLOCK_SIZE - 1} pending candidates"
+                )
             bad = [t for t in pending if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"pending: ids outside the vocabulary [0, {vocab}): {bad[:5]}")
@@ -312,7 +337,9 @@ class LocalDrafter:
     """``Drafter`` protocol over one loaded DFlash model (either backend); sessions share the weights
     (``prefixes``: their prefix cache, None: none)."""
 
-    predraft_blocks = PREDRAFT_BLOCKS  # the most blocks one pre-draft of its sessions prepares (``serve drafter --predraft-blocks``)
+    predraft_blocks = (
+        PREDRAFT_BLOCKS  # the most blocks one pre-draft of its sessions prepares (``serve drafter --predraft-blocks``)
+    )
 
     def __init__(self, model: DraftModel, prefixes: PrefixCache | None = None):
         if model.target is None:
@@ -324,7 +351,9 @@ class LocalDrafter:
         self.mask_token_id: int = int(model.config.mask_token_id)
         self.target_layer_ids: tuple[int, ...] = tuple(model.config.target_layer_ids)
 
-    def open_session(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None) -> DrafterSession:
+    def open_session(
+        self, sampling: SamplingParams | None = None, options: SessionOptions | None = None
+    ) -> DrafterSession:
         return DrafterSession(self.model, sampling, self.prefixes, self.predraft_blocks)
 
     def status(self) -> dict[str, str]:
@@ -365,15 +394,25 @@ class MLXDrafter(LocalDrafter):
         super().__init__(model)
 
     @classmethod
-    def load(cls, draft_dir: str | Path, target_dir: str | Path, dtype=None) -> "MLXDrafter":
+    def load(cls, draft_dir: str | Path, target_dir: str | Path, dtype=None) -> MLXDrafter:
         return cls(draft_dir, target_dir, dtype=dtype)
 
 
 class TorchDrafter(LocalDrafter):
     """The torch drafter: ``TorchDrafter(draft_dir, target_dir, device, dtype)`` or ``TorchDrafter(model=...)``."""
 
-    def __init__(self, draft_dir=None, target_dir=None, device="cpu", dtype="float32", *, model=None,
-                 cuda_graphs: bool | None = None, graph_options=None, compile: bool = False):
+    def __init__(
+        self,
+        draft_dir=None,
+        target_dir=None,
+        device="cpu",
+        dtype="float32",
+        *,
+        model=None,
+        cuda_graphs: bool | None = None,
+        graph_options=None,
+        compile: bool = False,
+    ):
         """``cuda_graphs``: capture greedy draft calls (default: on for CUDA, see drafter/torch_backend/step.py);
         ``graph_options`` (a ``torch_graphs.GraphOptions``) overrides it; ``compile``:
         ``torch.compile`` the layers' row-wise halves (``DFlashDraftModel.compile_layers``)."""
@@ -394,7 +433,9 @@ class TorchDrafter(LocalDrafter):
         super().__init__(model)
 
     @classmethod
-    def colocated(cls, draft_dir: str | Path, target, cuda_graphs: bool | None = None, compile: bool = False) -> "TorchDrafter":
+    def colocated(
+        cls, draft_dir: str | Path, target, cuda_graphs: bool | None = None, compile: bool = False
+    ) -> TorchDrafter:
         """Share a loaded ``TargetTorch``'s embedding / LM head tensors (no second copy on the device)."""
         from kakeya.drafter.torch_backend.load import load_draft_model
         from kakeya.drafter.torch_backend.model import TargetHead

@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, Block, Draft
+from kakeya.core.contract import Draft
+from kakeya.core.generation import Block
+from kakeya.core.request import MAX_BLOCK_SIZE
 
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the pooled rate)
 COST_EMA = 0.2  # weight of a new timing in the machine's running pace (every size's cost alike)
@@ -136,7 +138,7 @@ class AcceptanceChain:
             total += run
         return total
 
-    def merged(self, other: "AcceptanceChain", cap: float) -> "AcceptanceChain":
+    def merged(self, other: AcceptanceChain, cap: float) -> AcceptanceChain:
         """``self`` + ``other``, scaled so no position holds more than ``cap`` observations."""
         r = [x + y for x, y in zip(self.reached, other.reached)]
         a = [x + y for x, y in zip(self.accepted, other.accepted)]
@@ -147,8 +149,15 @@ class AcceptanceChain:
 class BlockSizer:
     """One generation's block-size choice; ``choose`` before a block, ``observe`` after it."""
 
-    def __init__(self, costs: CostCurve, chain: AcceptanceChain | None = None, max_size: int = MAX_BLOCK_SIZE,
-                 explore_share: float = EXPLORE_SHARE, initial: int = 0, copies: AcceptanceChain | None = None):
+    def __init__(
+        self,
+        costs: CostCurve,
+        chain: AcceptanceChain | None = None,
+        max_size: int = MAX_BLOCK_SIZE,
+        explore_share: float = EXPLORE_SHARE,
+        initial: int = 0,
+        copies: AcceptanceChain | None = None,
+    ):
         self.costs, self.chain = costs, chain or AcceptanceChain()
         self.copies = copies or AcceptanceChain()  # the blocks drafted by copy (``Block.copied``)
         self.max_size, self.explore_share = max_size, explore_share  # 0: never probe
@@ -187,7 +196,11 @@ class BlockSizer:
         if self.warm:  # no acceptance seen yet: trust the drafter's training
             return best
         longer = [s for s in self.candidates() if s > best]
-        if self.explore_share and longer and self.since_probe * self.explore_share >= self.costs(longer[0]) - self.costs(best):
+        if (
+            self.explore_share
+            and longer
+            and self.since_probe * self.explore_share >= self.costs(longer[0]) - self.costs(best)
+        ):
             self.since_probe, self.probing = 0.0, longer[0]
             return longer[0]
         return best
@@ -217,7 +230,9 @@ class AdaptivePolicy:
     little enough that the request's own text takes over within a few blocks.
     """
 
-    def __init__(self, costs: CostCurve | None = None, max_size: int = MAX_BLOCK_SIZE, carry: float = 32.0, initial: int = 0):
+    def __init__(
+        self, costs: CostCurve | None = None, max_size: int = MAX_BLOCK_SIZE, carry: float = 32.0, initial: int = 0
+    ):
         self.costs = costs or CostCurve()
         self.chain, self.copies = AcceptanceChain(), AcceptanceChain()
         self.max_size, self.carry, self.initial = max_size, carry, initial
@@ -238,8 +253,14 @@ class AdaptivePolicy:
             self.copies = self.copies.merged(sizer.copies, 4 * self.carry)
 
 
-def measure_costs(verifier, drafter, sizes: Sequence[int] = (1, 2, 4, 8, 16), repeats: int = 3, prompt_len: int = 32,
-                  clock=time.perf_counter) -> CostCurve:
+def measure_costs(
+    verifier,
+    drafter,
+    sizes: Sequence[int] = (1, 2, 4, 8, 16),
+    repeats: int = 3,
+    prompt_len: int = 32,
+    clock=time.perf_counter,
+) -> CostCurve:
     """Time one block (draft + verify) at each size on live sessions; the fastest of ``repeats``.
 
     Runs through the same session API as a generation, so a remote endpoint's

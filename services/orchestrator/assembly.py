@@ -39,8 +39,15 @@ def apple_silicon(system: str | None = None, machine: str | None = None) -> bool
     return system == "darwin" and machine in ("arm64", "aarch64")
 
 
-def resolve_backend(backend: str = "auto", device: str | None = None, *, system: str | None = None,
-                    machine: str | None = None, installed=_installed, cuda_available=None) -> tuple[str, str | None]:
+def resolve_backend(
+    backend: str = "auto",
+    device: str | None = None,
+    *,
+    system: str | None = None,
+    machine: str | None = None,
+    installed=_installed,
+    cuda_available=None,
+) -> tuple[str, str | None]:
     """``(backend, device)`` for what was asked: ``"auto"`` picks the fastest backend here.
 
     auto: MLX on Apple silicon (Metal), torch elsewhere (MLX on a Linux CPU is
@@ -77,7 +84,11 @@ def require_backend(backend: str) -> None:
     """Fail with one clear line when ``backend``'s package is missing (before any model import)."""
     package = {"mlx": "mlx", "torch": "torch"}[backend]
     if not _installed(package):
-        extra = "MLX (pip install mlx mlx-lm; Apple silicon or Linux CPU)" if backend == "mlx" else "PyTorch (pip install torch)"
+        extra = (
+            "MLX (pip install mlx mlx-lm; Apple silicon or Linux CPU)"
+            if backend == "mlx"
+            else "PyTorch (pip install torch)"
+        )
         raise ValueError(f"the {backend} backend needs {extra}, which is not installed here")
 
 
@@ -183,12 +194,23 @@ def check_compile(torch_options: dict | None, device: str | None) -> None:
     sliding ones; one row and many; the warm-up's prefill chunks) and failed a few blocks in; with the limit
     raised it decoded slower than eager, so there is nothing to gain from it there."""
     if torch_options and torch_options.get("compile") and not str(device or "cpu").startswith("cuda"):
-        raise ValueError(f"--compile applies to --device cuda, not {device or 'cpu'}: leave it out there (eager is faster)")
+        raise ValueError(
+            f"--compile applies to --device cuda, not {device or 'cpu'}: leave it out there (eager is faster)"
+        )
 
 
-def build_local_engine(target: str | None, draft: str | None, backend: str = "mlx", device: str | None = None,
-                       dtype: str | None = None, policy=None, no_drafter: bool = False, torch_options: dict | None = None,
-                       prefixes=None, ngram: bool = True):
+def build_local_engine(
+    target: str | None,
+    draft: str | None,
+    backend: str = "mlx",
+    device: str | None = None,
+    dtype: str | None = None,
+    policy=None,
+    no_drafter: bool = False,
+    torch_options: dict | None = None,
+    prefixes=None,
+    ngram: bool = True,
+):
     """Load the pair in-process (the embedded default pair when no paths are given).
 
     ``backend`` may be ``"auto"`` (see :func:`resolve_backend`); ``device``/``dtype``
@@ -221,13 +243,29 @@ def build_local_engine(target: str | None, draft: str | None, backend: str = "ml
     verifier.prefixes = prefixes
     if drafter is not None:
         drafter.prefixes = prefixes
-    return Engine(verifier, drafter, TextCodec(target), target=target, draft="" if no_drafter else draft, device=device,
-                  prefix_cache=prefixes is not None, ngram=ngram)
+    return Engine(
+        verifier,
+        drafter,
+        TextCodec(target),
+        target=target,
+        draft="" if no_drafter else draft,
+        device=device,
+        prefix_cache=prefixes is not None,
+        ngram=ngram,
+    )
 
 
 def split_engine(
-    verifier_addr: str, drafter_addr: str | None, tokenizer: str | None, wait_s: float, *, tls=None,
-    token: str | None = None, backend_timeout_s: float | None = None, predraft: bool = False, ngram: bool = True,
+    verifier_addr: str,
+    drafter_addr: str | None,
+    tokenizer: str | None,
+    wait_s: float,
+    *,
+    tls=None,
+    token: str | None = None,
+    backend_timeout_s: float | None = None,
+    predraft: bool = False,
+    ngram: bool = True,
     predraft_alternatives: int = 0,
 ):
     """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them.
@@ -244,9 +282,15 @@ def split_engine(
     from kakeya.orchestrator.text import TextCodec
 
     floor = backend_timeout_s or DEFAULT_BACKEND_TIMEOUT_S
-    drafter = remote_drafter(drafter_addr, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor)) if drafter_addr else None
+    drafter = (
+        remote_drafter(drafter_addr, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor))
+        if drafter_addr
+        else None
+    )
     aux_layers = drafter.target_layer_ids if drafter is not None else ()
-    verifier = remote_verifier(verifier_addr, aux_layers=aux_layers, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor))
+    verifier = remote_verifier(
+        verifier_addr, aux_layers=aux_layers, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor)
+    )
     info = verifier.info
     if drafter is not None:
         d = drafter.remote
@@ -259,7 +303,9 @@ def split_engine(
         if bad:
             problems.append(f"target_layer_ids {bad} outside the verifier's {info.num_layers} layers")
         if problems:
-            raise ValueError(f"drafter at {drafter_addr} does not fit the verifier at {verifier_addr}: " + "; ".join(problems))
+            raise ValueError(
+                f"drafter at {drafter_addr} does not fit the verifier at {verifier_addr}: " + "; ".join(problems)
+            )
     tok_dir = tokenizer or info.name
     codec = None
     if tok_dir and (Path(tok_dir) / "tokenizer.json").is_file():
@@ -267,7 +313,18 @@ def split_engine(
     elif tokenizer:
         raise FileNotFoundError(f"{tokenizer}: no tokenizer.json")
     else:
-        log.warning("no tokenizer (verifier's %s is not readable here; pass --tokenizer DIR): token-id prompts only", info.name)
+        log.warning(
+            "no tokenizer (verifier's %s is not readable here; pass --tokenizer DIR): token-id prompts only", info.name
+        )
     draft_name = drafter.remote.model_name if drafter is not None else ""
-    return Engine(verifier, drafter, codec, target=info.name, draft=draft_name, predraft=predraft,
-                  prefix_cache=verifier.prefix_cache, ngram=ngram, predraft_alternatives=predraft_alternatives)
+    return Engine(
+        verifier,
+        drafter,
+        codec,
+        target=info.name,
+        draft=draft_name,
+        predraft=predraft,
+        prefix_cache=verifier.prefix_cache,
+        ngram=ngram,
+        predraft_alternatives=predraft_alternatives,
+    )

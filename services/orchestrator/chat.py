@@ -14,9 +14,10 @@ own), which is what transformers does too.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jinja2
 from jinja2.ext import loopcontrols
@@ -35,7 +36,9 @@ def _raise(message: str):
     raise ChatError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -54,7 +57,7 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens)
 
     @classmethod
-    def load(cls, checkpoint_dir: str | Path) -> "ChatTemplate | None":
+    def load(cls, checkpoint_dir: str | Path) -> ChatTemplate | None:
         """The template of the tokenizer files in ``checkpoint_dir``; None when it ships none."""
         path = Path(checkpoint_dir)
         cfg_file = path / "tokenizer_config.json"
@@ -66,8 +69,14 @@ class ChatTemplate:
             return None
         return cls(source, _special_tokens(cfg))
 
-    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True, continue_final_message: bool = False,
-               **kwargs: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[dict],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str:
         """The prompt text of ``messages`` (``{"role", "content"}`` dicts): with the model's turn opened after
         them (``add_generation_prompt``), or the last (assistant) message left open to be continued."""
         check_messages(messages)

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import statistics
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 DEFAULT_BACKEND_TIMEOUT_S = 2.0
 STEP_FACTOR = 20.0
 PREFILL_FACTOR = 10.0
+
+log = logging.getLogger("kakeya.orchestrator")
 
 
 class StepClock:
@@ -97,7 +100,7 @@ class Watchdog:
                 try:
                     fn()
                 except Exception:  # pragma: no cover - an expiry must never kill the watchdog
-                    pass
+                    log.exception("a step deadline's expiry failed")
 
 
 WATCHDOG = Watchdog()

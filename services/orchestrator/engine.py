@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Self
 
-from kakeya.core.contract import REJECTION, Cancellation, Drafter, Request, SessionOptions, Verifier, check_alternatives
+from kakeya.core.contract import Cancellation, Drafter, SessionOptions, Verifier, check_alternatives
+from kakeya.core.request import REJECTION, Request
 from kakeya.orchestrator import loop
 from kakeya.orchestrator.adaptive import AdaptivePolicy, BlockSizer, measure_costs
 from kakeya.orchestrator.quality import quality_report
@@ -33,15 +35,28 @@ class Engine:
     ``ngram``: a block whose context ends in a run seen before is drafted by copy (the loop's ``ngram``;
     greedy and coupled sampling)."""
 
-    def __init__(self, verifier: Verifier, drafter: Drafter | None, codec: TextCodec | None, target: str = "",
-                 draft: str = "", device: str | None = None, predraft: bool = False, prefix_cache: bool = False,
-                 ngram: bool = True, predraft_alternatives: int = 0):
+    def __init__(
+        self,
+        verifier: Verifier,
+        drafter: Drafter | None,
+        codec: TextCodec | None,
+        target: str = "",
+        draft: str = "",
+        device: str | None = None,
+        predraft: bool = False,
+        prefix_cache: bool = False,
+        ngram: bool = True,
+        predraft_alternatives: int = 0,
+    ):
         self.verifier, self.drafter, self.codec = verifier, drafter, codec
         self.target, self.draft = target, draft
         self.prefix_cache = prefix_cache
         self.device = device  # what reports print (in-process torch: "cpu"/"cuda"; None: not known here)
         # Checked here, not first by a drafter server: a refused pre-draft backs the drafter off for every request.
-        self.predraft, self.predraft_alternatives = predraft, check_alternatives(predraft_alternatives, "predraft_alternatives")
+        self.predraft, self.predraft_alternatives = (
+            predraft,
+            check_alternatives(predraft_alternatives, "predraft_alternatives"),
+        )
         self.ngram = ngram
         self.adaptive: AdaptivePolicy | None = None  # measured on the first request that asks for it
         self._calibrating = threading.Lock()
@@ -77,7 +92,7 @@ class Engine:
         fixed = min(self.default_block_size, req.max_block_size, self.max_block_size(req.cache_policy))
         return replace(req, block_size=fixed)
 
-    def block_sizer(self, req: Request) -> "int | BlockSizer":
+    def block_sizer(self, req: Request) -> int | BlockSizer:
         """A fixed size, or for ``block_size`` 0 (auto) a sizer primed with what this engine has seen."""
         if req.block_size or self.drafter is None:
             return req.block_size or 1
@@ -113,13 +128,13 @@ class Engine:
         if resolved.restore and block_size > resolved.window:
             raise ValueError(f"block_size {block_size} exceeds the restoring window {resolved.window}")
 
-    def start(self, req: Request, options: "RunOptions | None" = None) -> "Run":
+    def start(self, req: Request, options: RunOptions | None = None) -> Run:
         """Validate ``req`` (ValueError naming the field), open its sessions and return the :class:`Run`
         (its ``request``: ``req`` :meth:`as_run`)."""
         self.validate(req)
         return Run(self, self.as_run(req), options or RunOptions())
 
-    def generate(self, req: Request, options: "RunOptions | None" = None) -> loop.Generation:
+    def generate(self, req: Request, options: RunOptions | None = None) -> loop.Generation:
         """:meth:`start` ``req`` and run it to the end."""
         with self.start(req, options) as run:
             for _ in run:
@@ -158,8 +173,13 @@ class Engine:
 
 def sampling_report(s) -> dict:
     """What ran, as JSON reports show it (``temperature`` 0: greedy, and no rule)."""
-    return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
-            "rule": None if s.greedy else s.rule}
+    return {
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "min_p": s.min_p,
+        "rule": None if s.greedy else s.rule,
+    }
 
 
 def _call(fn: Callable, *args) -> Any:
@@ -202,7 +222,9 @@ class Run:
         self.verifier_session = self.drafter_session = None  # read by a server's metrics (their backends' time)
         self.drafter_error: Exception | None = None  # why the drafter stopped, if it did (a server counts it by reason)
         self._sizer = self._step(engine.block_sizer, req)
-        sessions = SessionOptions(req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation)
+        sessions = SessionOptions(
+            req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation
+        )
         try:
             self._step(self._open, sessions)
         except BaseException:
@@ -211,12 +233,24 @@ class Run:
         on_drafter_error = self._drafter_failed if options.drafter_fallback else None
         predraft = (engine.predraft if options.predraft is None else options.predraft) and self._sampling.greedy
         ngram = (engine.ngram if options.ngram is None else options.ngram) and (
-            self._sampling.greedy or self._sampling.rule != REJECTION)  # a copy has no proposal distribution
-        alternatives = engine.predraft_alternatives if options.predraft_alternatives is None else check_alternatives(
-            options.predraft_alternatives, "predraft_alternatives")
+            self._sampling.greedy or self._sampling.rule != REJECTION
+        )  # a copy has no proposal distribution
+        alternatives = (
+            engine.predraft_alternatives
+            if options.predraft_alternatives is None
+            else check_alternatives(options.predraft_alternatives, "predraft_alternatives")
+        )
         self._decoding = loop.Decoding(
-            self.verifier_session, self.drafter_session, req.prompt_ids, req.max_tokens, self._sizer,
-            engine.stop_ids(req), on_drafter_error, predraft, self._resume if engine.prefix_cache else None, ngram,
+            self.verifier_session,
+            self.drafter_session,
+            req.prompt_ids,
+            req.max_tokens,
+            self._sizer,
+            engine.stop_ids(req),
+            on_drafter_error,
+            predraft,
+            self._resume if engine.prefix_cache else None,
+            ngram,
             alternatives,
         )
 
@@ -258,7 +292,7 @@ class Run:
         except Exception:  # a snapshot is an optimisation: never the run's failure
             log.exception("request %s: saving the prefix snapshot", self.request.request_id or "-")
 
-    def __iter__(self) -> "Run":
+    def __iter__(self) -> Run:
         return self
 
     def __next__(self) -> loop.Block:
@@ -313,7 +347,7 @@ class Run:
             del gen.token_ids[-dropped:]
         self._end("stop")
 
-    def __enter__(self) -> "Run":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -322,7 +356,9 @@ class Run:
     def _drafter_failed(self, exc: Exception) -> None:
         self.drafter_error = exc
         if not self.cancelled:  # a cancel ends the drafter's stream too: nothing to report
-            log.info("request %s: the drafter stopped (%s); the verifier finishes alone", self.request.request_id or "-", exc)
+            log.info(
+                "request %s: the drafter stopped (%s); the verifier finishes alone", self.request.request_id or "-", exc
+            )
 
     def _end(self, finish_reason: str, learn: bool = False) -> None:
         gen = self._decoding.generation

@@ -148,7 +148,9 @@ def _common(body: dict, served: str, chat: bool) -> tuple[pb.GenerateRequest, Ca
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model", served)
     if model != served:
-        raise ApiError(404, f"The model `{model}` does not exist (this server serves `{served}`)", "model", "model_not_found")
+        raise ApiError(
+            404, f"The model `{model}` does not exist (this server serves `{served}`)", "model", "model_not_found"
+        )
     for name, defaults in UNSUPPORTED.items():
         if body.get(name, None) not in defaults:
             raise bad(name, f"{body.get(name)!r} is not supported by this server")
@@ -217,7 +219,9 @@ class Answer:
         self.token_ids: list[int] = []
 
     def _envelope(self, choices: list, chunk: bool = False) -> dict:
-        kind = ("chat.completion" if self.call.chat else "text_completion") + (".chunk" if chunk and self.call.chat else "")
+        kind = ("chat.completion" if self.call.chat else "text_completion") + (
+            ".chunk" if chunk and self.call.chat else ""
+        )
         return {"id": self.id, "object": kind, "created": self.created, "model": self.call.model, "choices": choices}
 
     def _choice(self, text: str, finish: str | None, chunk: bool) -> dict:

@@ -23,8 +23,8 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import AsyncIterator, Iterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -236,7 +236,9 @@ class HttpFront:
         got = request.headers.get("authorization", "")
         if hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
             return None
-        return _error(ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)", code="invalid_api_key"))
+        return _error(
+            ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)", code="invalid_api_key")
+        )
 
     async def _body(self, request: Request):
         """The JSON body, at most ``max_body`` bytes (413 beyond, as the gRPC API's receive limit)."""

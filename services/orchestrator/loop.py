@@ -34,25 +34,18 @@ extends its context (a draft of size 1), so it never falls behind.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
-from kakeya.core.contract import (
-    MAX_BLOCK_SIZE,
-    Block,
-    Draft,
-    DrafterSession,
-    Generation,
-    Predrafts,
-    Verdict,
-    VerifierSession,
-    check_block_size,
-)
+from kakeya.core.contract import Draft, DrafterSession, Predrafts, Verdict, VerifierSession
+from kakeya.core.generation import Block, Generation
+from kakeya.core.request import MAX_BLOCK_SIZE, check_block_size
 from kakeya.orchestrator.ngram import NgramIndex
 
 if TYPE_CHECKING:
     from kakeya.orchestrator.adaptive import BlockSizer
 
-__all__ = ["MAX_BLOCK_SIZE", "Block", "Generation", "check_block_size", "Decoding", "run"]
+__all__ = ["MAX_BLOCK_SIZE", "Block", "Decoding", "Generation", "check_block_size", "run"]
 
 NO_DRAFT = Draft(())  # a block the drafter sits out: size 1, or the verifier decoding alone
 
@@ -89,7 +82,7 @@ class Decoding:
         drafter: DrafterSession | None,
         prompt_ids: Sequence[int],
         max_tokens: int,
-        block_size: "int | BlockSizer",
+        block_size: int | BlockSizer,
         stop_ids: Iterable[int] = (),
         on_drafter_error: Callable[[Exception], None] | None = None,
         predraft: bool = False,
@@ -100,11 +93,21 @@ class Decoding:
         self.generation = Generation(prompt_ids=list(prompt_ids))
         self.unseen: list = []
         self._blocks = _decode(
-            self.generation, verifier, drafter, max_tokens, block_size, stop_ids, on_drafter_error, predraft,
-            prefill or verifier.prefill, self.unseen, ngram, alternatives,
+            self.generation,
+            verifier,
+            drafter,
+            max_tokens,
+            block_size,
+            stop_ids,
+            on_drafter_error,
+            predraft,
+            prefill or verifier.prefill,
+            self.unseen,
+            ngram,
+            alternatives,
         )
 
-    def __iter__(self) -> "Decoding":
+    def __iter__(self) -> Decoding:
         return self
 
     def __next__(self) -> Block:
@@ -128,8 +131,19 @@ class _Drafts:
     flight, the next block's size when it was chosen early (with that pre-draft), the n-gram index
     that drafts by copy, and the fallback to the verifier alone when the drafter fails."""
 
-    def __init__(self, session, gen: Generation, sizer, block_size: int, predraft: bool, on_error, prompt_aux,
-                 unseen: list, ngram: bool = False, alternatives: int = 0):
+    def __init__(
+        self,
+        session,
+        gen: Generation,
+        sizer,
+        block_size: int,
+        predraft: bool,
+        on_error,
+        prompt_aux,
+        unseen: list,
+        ngram: bool = False,
+        alternatives: int = 0,
+    ):
         self.session, self.gen, self.sizer, self.block_size, self.on_error = session, gen, sizer, block_size, on_error
         self.active = session is not None and (sizer is not None or block_size > 1)
         self.predraft, self.alternatives = predraft, alternatives
@@ -230,7 +244,7 @@ def _decode(
     verifier: VerifierSession,
     drafter: DrafterSession | None,
     max_tokens: int,
-    block_size: "int | BlockSizer",
+    block_size: int | BlockSizer,
     stop_ids: Iterable[int],
     on_drafter_error: Callable[[Exception], None] | None,
     predraft: bool,
@@ -271,7 +285,9 @@ def _decode(
     done = emit(Block([first], 0, 0, total_s=gen.prefill_s))
     yield gen.blocks[-1]
     last, verdict = first, None
-    drafts = _Drafts(drafter, gen, sizer, block_size, predraft, on_drafter_error, prompt_aux, unseen, ngram, alternatives)
+    drafts = _Drafts(
+        drafter, gen, sizer, block_size, predraft, on_drafter_error, prompt_aux, unseen, ngram, alternatives
+    )
     while not done:
         t_block = clock()
         draft, predrafted = drafts.next(last, max_tokens - len(gen.token_ids), verdict)
@@ -302,11 +318,31 @@ def _decode(
     gen.decode_s = clock() - t_decode
 
 
-def run(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids=(), on_drafter_error=None, predraft=False,
-        ngram=False, alternatives=0) -> Generation:
+def run(
+    verifier,
+    drafter,
+    prompt_ids,
+    max_tokens,
+    block_size,
+    stop_ids=(),
+    on_drafter_error=None,
+    predraft=False,
+    ngram=False,
+    alternatives=0,
+) -> Generation:
     """Run a :class:`Decoding` to the end and return the whole generation."""
-    decoding = Decoding(verifier, drafter, prompt_ids, max_tokens, block_size, stop_ids, on_drafter_error, predraft,
-                        ngram=ngram, alternatives=alternatives)
+    decoding = Decoding(
+        verifier,
+        drafter,
+        prompt_ids,
+        max_tokens,
+        block_size,
+        stop_ids,
+        on_drafter_error,
+        predraft,
+        ngram=ngram,
+        alternatives=alternatives,
+    )
     for _ in decoding:
         pass
     return decoding.generation

@@ -17,7 +17,7 @@ whatever the context's length.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 MIN_MATCH = 3  # shortest suffix whose earlier occurrence is trusted (2 matched as often but copied worse)
 MAX_MATCH = 8  # longest suffix looked up: the longest match wins, and past 8 tokens one is as good as another

@@ -59,7 +59,7 @@ def haystack_lines(min_chars: int) -> list[str]:
 
 
 def needle_code(context: int, depth: float, seed: int = 0) -> str:
-    return str(1000 + (context * 7919 + int(round(depth * 1000)) * 104729 + seed * 15485863) % 9000)
+    return str(1000 + (context * 7919 + round(depth * 1000) * 104729 + seed * 15485863) % 9000)
 
 
 def build_prompt(codec, lines: list[str], context: int, depth: float, code: str) -> list[int]:
@@ -72,7 +72,7 @@ def build_prompt(codec, lines: list[str], context: int, depth: float, code: str)
         used, n = 0, 0
         while n < len(sizes) and used + sizes[n] <= budget:
             used, n = used + sizes[n], n + 1
-        at = min(n, max(0, int(round(depth * n))))
+        at = min(n, max(0, round(depth * n)))
         return codec.encode("\n".join(lines[:at] + [needle] + lines[at:n]) + QUESTION), n
 
     fixed = len(codec.encode(needle + QUESTION))
@@ -92,7 +92,7 @@ def build_prompt(codec, lines: list[str], context: int, depth: float, code: str)
 
 
 def parse_policy(name: str, sink: int, window: int, restore: str | None):
-    from kakeya.core.contract import CachePolicy
+    from kakeya.core.request import CachePolicy
 
     base, *mods = name.split("+")
     if base not in ("native", "sink-window"):
@@ -109,12 +109,14 @@ def parse_policy(name: str, sink: int, window: int, restore: str | None):
         raise ValueError(f"policy {name!r} needs --restore DIR (an f_theta directory)")
     if base == "native":
         return CachePolicy("native", full_kv_bits=bits, restore=restore if use_restore else None)
-    return CachePolicy("sink-window", sink=sink, window=window, full_kv_bits=bits,
-                       restore=restore if use_restore else None)
+    return CachePolicy(
+        "sink-window", sink=sink, window=window, full_kv_bits=bits, restore=restore if use_restore else None
+    )
 
 
-def run_niah(engine, contexts, depths, policies: dict, max_tokens: int = 16, block_size: int = 0,
-             seed: int = 0, log=None) -> dict:
+def run_niah(
+    engine, contexts, depths, policies: dict, max_tokens: int = 16, block_size: int = 0, seed: int = 0, log=None
+) -> dict:
     """Recall per policy and per (context, depth). ``policies``: name -> CachePolicy."""
     from kakeya.orchestrator.engine import Request
 
@@ -140,9 +142,18 @@ def run_niah(engine, contexts, depths, policies: dict, max_tokens: int = 16, blo
             text = codec.decode(gen.token_ids)
             hit = code in text
             kv = gen.verifier_stats.get("kv_bytes", {})
-            rows.append({"context": context, "depth": depth, "prompt_tokens": len(ids), "needle": code,
-                         "recalled": hit, "output": text, "mean_acceptance": round(gen.mean_acceptance, 3),
-                         "kv_bytes": kv})
+            rows.append(
+                {
+                    "context": context,
+                    "depth": depth,
+                    "prompt_tokens": len(ids),
+                    "needle": code,
+                    "recalled": hit,
+                    "output": text,
+                    "mean_acceptance": round(gen.mean_acceptance, 3),
+                    "kv_bytes": kv,
+                }
+            )
             grid.setdefault(str(context), {})[str(depth)] = 1.0 if hit else 0.0
             if log:
                 log(f"{name} context {context} depth {depth}: {'recalled' if hit else 'missed'} ({text[:40]!r})")
@@ -160,5 +171,7 @@ def run_niah(engine, contexts, depths, policies: dict, max_tokens: int = 16, blo
     for name, row in out.items():
         row["recall_vs_native"] = None if native is None else round(row["recall"] - native["recall"], 4)
         if native is not None:
-            row["grid_vs_native"] = {c: {d: v - native["grid"][c][d] for d, v in ds.items()} for c, ds in row["grid"].items()}
+            row["grid_vs_native"] = {
+                c: {d: v - native["grid"][c][d] for d, v in ds.items()} for c, ds in row["grid"].items()
+            }
     return out

@@ -7,8 +7,8 @@ the cache-desync collapse (``由于由于…``), with or without newlines.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 MAX_UNIT = 16  # longest repeating unit considered, in tokens
 MIN_REPEATS = 8  # how many back-to-back copies make a runaway

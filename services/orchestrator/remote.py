@@ -29,20 +29,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import grpc
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Draft, Predrafts, SamplingParams, SessionOptions, Verdict
+from kakeya.core.contract import Draft, Predrafts, SessionOptions, Verdict
+from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy, SamplingParams
 from kakeya.orchestrator.deadlines import StepClock
-from kakeya.orchestrator.streams import (  # noqa: F401  (BackendError, backend_channel, backend_healthy: re-exported)
-    BackendError,
-    Stream,
-    backend_channel,
-    backend_healthy,
-    call_unary,
-    fetch_info,
-)
+from kakeya.orchestrator.streams import BackendError, Stream, backend_channel, backend_healthy, call_unary, fetch_info
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import drafter_pb2 as dpb
@@ -59,7 +53,11 @@ class GrpcVerifierSession:
     """``VerifierSession`` over one Session stream."""
 
     def __init__(
-        self, verifier: "GrpcVerifier", policy: CachePolicy | None, sampling: SamplingParams | None, options: SessionOptions
+        self,
+        verifier: GrpcVerifier,
+        policy: CachePolicy | None,
+        sampling: SamplingParams | None,
+        options: SessionOptions,
     ):
         self.verifier = verifier
         self.clock = verifier.clock
@@ -67,7 +65,9 @@ class GrpcVerifierSession:
         if options.cancel is not None:
             options.cancel.on_cancel(self.abort)
         open_ = vpb.VerifierRequest.Open(
-            request_id=options.request_id, target_layer_ids=list(verifier.aux_layers), max_positions=options.max_positions
+            request_id=options.request_id,
+            target_layer_ids=list(verifier.aux_layers),
+            max_positions=options.max_positions,
         )
         if sampling is not None and not sampling.greedy:
             open_.sampling.CopyFrom(wire_contract.sampling_to_proto(sampling))
@@ -96,7 +96,9 @@ class GrpcVerifierSession:
 
     def resume(self, prompt_ids: Sequence[int], reuse: Collection[int] | None = None):
         """The server's prefix cache resumes what it can (``VerifierSession.resume``); one round trip, as a prefill."""
-        p = vpb.VerifierRequest.Prefill(token_ids=list(prompt_ids), reuse_any=reuse is None, reuse_positions=reuse or ())
+        p = vpb.VerifierRequest.Prefill(
+            token_ids=list(prompt_ids), reuse_any=reuse is None, reuse_positions=reuse or ()
+        )
         return self._prefill(p)
 
     def _prefill(self, prefill: vpb.VerifierRequest.Prefill):
@@ -159,8 +161,16 @@ class GrpcVerifier:
     """
 
     def __init__(
-        self, addr: str, *, aux_layers: Sequence[int] = (), wait_s: float | None = None, aux_like: str | None = None,
-        channel=None, tls=None, token: str | None = None, clock: StepClock | None = None,
+        self,
+        addr: str,
+        *,
+        aux_layers: Sequence[int] = (),
+        wait_s: float | None = None,
+        aux_like: str | None = None,
+        channel=None,
+        tls=None,
+        token: str | None = None,
+        clock: StepClock | None = None,
     ):
         self.addr = addr
         self.channel = channel or backend_channel(addr, tls, token)
@@ -170,11 +180,15 @@ class GrpcVerifier:
         self.remote = fetch_info("verifier", addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), wait_s)
         r = self.remote
         self.info = wire_contract.model_info_from_verifier(
-            r, f"grpc:{addr}", {"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)}
+            r,
+            f"grpc:{addr}",
+            {"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)},
         )
         self.aux_layers = tuple(aux_layers) or tuple(r.target_layer_ids) or (self.info.num_layers - 1,)
         # restoration sources stay named as the server publishes them: it maps the names to directories
-        self.policy = wire_contract.policy_from_proto(r.default_cache_policy, CachePolicy(slack=r.max_block_size or MAX_BLOCK_SIZE))
+        self.policy = wire_contract.policy_from_proto(
+            r.default_cache_policy, CachePolicy(slack=r.max_block_size or MAX_BLOCK_SIZE)
+        )
         self.prefix_cache = r.prefix_cache_bytes > 0  # the server resumes prefixes (and keeps what sessions save)
 
     def healthy(self, timeout: float = 1.0) -> bool:
@@ -184,7 +198,10 @@ class GrpcVerifier:
         return call_unary("verifier", self.addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), timeout)
 
     def open_session(
-        self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None, options: SessionOptions | None = None
+        self,
+        policy: CachePolicy | None = None,
+        sampling: SamplingParams | None = None,
+        options: SessionOptions | None = None,
     ) -> GrpcVerifierSession:
         return GrpcVerifierSession(self, policy, sampling, options or SessionOptions())
 
@@ -233,7 +250,7 @@ class GrpcDrafterSession:
     asked for, or before the answer to the next request (answers come in order).
     """
 
-    def __init__(self, drafter: "GrpcDrafter", sampling: SamplingParams | None, options: SessionOptions):
+    def __init__(self, drafter: GrpcDrafter, sampling: SamplingParams | None, options: SessionOptions):
         self.drafter = drafter
         self._timeout, self._request_id = options.timeout, options.request_id
         self._sampling = sampling if sampling is not None and not sampling.greedy else None
@@ -263,7 +280,9 @@ class GrpcDrafterSession:
         answered before ``Closed``. False when it keeps no prefix cache or the session failed."""
         if not self.drafter.prefix_cache or self._broken:
             return False
-        req = dpb.DrafterRequest(save=dpb.DrafterRequest.Save(token_ids=list(ids), unseen_aux=[_tensor(a) for a in unseen]))
+        req = dpb.DrafterRequest(
+            save=dpb.DrafterRequest.Save(token_ids=list(ids), unseen_aux=[_tensor(a) for a in unseen])
+        )
         self._guarded(lambda: self._stream().post(req, "saved"))
         return True
 
@@ -293,7 +312,9 @@ class GrpcDrafterSession:
 
     def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
         tensor = _tensor(new_aux)
-        d = dpb.DrafterRequest.Draft(new_aux=tensor, last_token=last_token, block_size=block_size, resume_at=self._resume_at)
+        d = dpb.DrafterRequest.Draft(
+            new_aux=tensor, last_token=last_token, block_size=block_size, resume_at=self._resume_at
+        )
         req = dpb.DrafterRequest(draft=d)
         rows = int(tensor.shape[0]) if self._first and len(tensor.shape) else 0  # the first draft takes the prompt
         clock = self.drafter.clock
@@ -311,9 +332,13 @@ class GrpcDrafterSession:
         d = r.drafted
         if not d.HasField("proposal"):
             return Draft(d.token_ids)
-        return Draft(d.token_ids, wire_contract.proposal_from_proto(d.proposal, len(d.token_ids), self.drafter.vocab_size))
+        return Draft(
+            d.token_ids, wire_contract.proposal_from_proto(d.proposal, len(d.token_ids), self.drafter.vocab_size)
+        )
 
-    def predraft(self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0) -> Callable[[], Predrafts]:
+    def predraft(
+        self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0
+    ) -> Callable[[], Predrafts]:
         p = dpb.DrafterRequest.Predraft(block_ids=list(block_ids), block_size=block_size, alternatives=alternatives)
         if new_aux is not None:
             p.new_aux.CopyFrom(_tensor(new_aux))
@@ -324,7 +349,9 @@ class GrpcDrafterSession:
             if not found:
                 r = self._guarded(lambda: self._s.wait(reply, self.drafter.clock.timeout()))
                 self.predraft_s += r.elapsed_s
-                found.append(predrafts_from_proto(r.predrafted, len(block_ids) - 1, block_size, self.drafter.vocab_size))
+                found.append(
+                    predrafts_from_proto(r.predrafted, len(block_ids) - 1, block_size, self.drafter.vocab_size)
+                )
             return found[0]
 
         return result
@@ -353,14 +380,16 @@ def predrafts_from_proto(msg, pending: int, block_size: int, vocab: int) -> Pred
         blocks[(pending, msg.token_ids[0])] = tuple(msg.token_ids[1:])
     for (accepted, token), ids in blocks.items():
         if not 0 <= accepted <= pending or len(ids) > block_size - 1 or not all(0 <= t < vocab for t in (token, *ids)):
-            raise ValueError(f"the drafter's pre-draft answer is malformed: block {(accepted, token)} of {len(ids)} ids")
+            raise ValueError(
+                f"the drafter's pre-draft answer is malformed: block {(accepted, token)} of {len(ids)} ids"
+            )
     return Predrafts(blocks)
 
 
 class _SkippedDrafterSession:
     """Handed out while the drafter is backing off: fails at once, so the verifier decodes alone."""
 
-    def __init__(self, drafter: "GrpcDrafter"):
+    def __init__(self, drafter: GrpcDrafter):
         self.drafter = drafter
 
     def cached_prefixes(self, prompt_ids) -> list[int]:
@@ -400,8 +429,15 @@ class GrpcDrafter:
     """``Drafter`` reached over gRPC, with failure backoff and automatic reconnection."""
 
     def __init__(
-        self, addr: str, *, wait_s: float | None = None, channel=None, backoff: Backoff | None = None, tls=None,
-        token: str | None = None, clock: StepClock | None = None,
+        self,
+        addr: str,
+        *,
+        wait_s: float | None = None,
+        channel=None,
+        backoff: Backoff | None = None,
+        tls=None,
+        token: str | None = None,
+        clock: StepClock | None = None,
     ):
         self.addr = addr
         self.channel = channel or backend_channel(addr, tls, token)
@@ -435,7 +471,9 @@ class GrpcDrafter:
     def status(self) -> dict[str, str]:
         """Its reconnection state: ``state`` (ok, backoff, retrying), ``failures`` in a row, ``last_error``."""
         b = self.backoff
-        return {"state": self.state, "failures": str(b.failures)} | ({"last_error": b.last_error[:500]} if b.last_error else {})
+        return {"state": self.state, "failures": str(b.failures)} | (
+            {"last_error": b.last_error[:500]} if b.last_error else {}
+        )
 
     def close(self) -> None:
         self.channel.close()

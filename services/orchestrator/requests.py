@@ -1,4 +1,4 @@
-"""A public ``GenerateRequest`` -> a validated :class:`~kakeya.core.contract.Request`, or ``INVALID_ARGUMENT`` naming the field.
+"""A public ``GenerateRequest`` -> a validated :class:`~kakeya.core.request.Request`, or ``INVALID_ARGUMENT`` naming the field.
 
 Every size a client sends is checked against this server's :class:`Limits`
 before anything is tokenized past a coarse bound or allocated anywhere (see
@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, CachePolicy, Request
+from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy, Request
 from kakeya.orchestrator.chat import ChatError
 from kakeya.orchestrator.engine import Engine
 from kakeya.runtime import bounds
@@ -55,7 +55,9 @@ def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Request:
         if e.codec is None:
             raise invalid("prompt.text: this server has no tokenizer (--tokenizer); send prompt.tokenized")
         if len(r.text) > limits.max_prompt_tokens * bounds.CHARS_PER_TOKEN_BOUND:
-            raise invalid(f"prompt.text: {len(r.text)} characters, far beyond the {limits.max_prompt_tokens}-token limit")
+            raise invalid(
+                f"prompt.text: {len(r.text)} characters, far beyond the {limits.max_prompt_tokens}-token limit"
+            )
         prompt = e.codec.encode(r.text)
         field = "prompt.text"
     else:
@@ -73,7 +75,9 @@ def _parse(r: pb.GenerateRequest, e: Engine, limits: Limits) -> Request:
         raise invalid(str(exc)) from None
     max_tokens = sp.max_tokens or limits.default_max_tokens
     if max_tokens < 1:
-        raise invalid(f"sampling_params.max_tokens must be >= 1 (0 = the default {limits.default_max_tokens}), got {sp.max_tokens}")
+        raise invalid(
+            f"sampling_params.max_tokens must be >= 1 (0 = the default {limits.default_max_tokens}), got {sp.max_tokens}"
+        )
     if max_tokens > limits.max_tokens_limit:
         raise invalid(
             f"sampling_params.max_tokens {max_tokens} exceeds this server's limit {limits.max_tokens_limit} (--max-tokens-limit)"
@@ -116,7 +120,9 @@ def _messages(m: pb.ChatMessages, e: Engine, limits: Limits) -> list[int]:
         raise invalid(f"prompt.{exc}" if str(exc).startswith("messages") else f"prompt.messages: {exc}") from None
 
 
-def _cache_policy(r: pb.GenerateRequest, e: Engine, limits: Limits, block_size: int, positions: int) -> CachePolicy | None:
+def _cache_policy(
+    r: pb.GenerateRequest, e: Engine, limits: Limits, block_size: int, positions: int
+) -> CachePolicy | None:
     """The request's own cache policy (None: the verifier's default), checked against the model and the
     request's ``positions`` (prompt + max_tokens) as the verifier checks it, so a refusal names public fields."""
     if not r.HasField("cache_policy"):
@@ -126,11 +132,17 @@ def _cache_policy(r: pb.GenerateRequest, e: Engine, limits: Limits, block_size: 
     if r.cache_policy.kind == cache_pb2.CACHE_KIND_UNSPECIFIED:  # an empty message: the default itself
         return None
     # a window (or sink count) beyond the session's positions would only allocate ring slots that never fill
-    bounds.check_window(policy, max(window, positions), "cache_policy",
-                        f"the {positions} positions of this request (prompt + max_tokens; or the model's window {window})")
+    bounds.check_window(
+        policy,
+        max(window, positions),
+        "cache_policy",
+        f"the {positions} positions of this request (prompt + max_tokens; or the model's window {window})",
+    )
     check_policy(policy, window, "cache_policy")
     if limits.restore is not None:  # the name picks one of our --restore sources
         policy = limits.restore.to_server(policy, "cache_policy")
     if block_size > policy.slack:
-        raise invalid(f"cache_policy.slack {policy.slack} is smaller than block_size {block_size}: rollback would not be exact")
+        raise invalid(
+            f"cache_policy.slack {policy.slack} is smaller than block_size {block_size}: rollback would not be exact"
+        )
     return policy

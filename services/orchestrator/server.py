@@ -3,7 +3,7 @@
 Holds an :class:`~kakeya.orchestrator.engine.Engine` whose verifier and
 drafter are either in-process (colocated) or gRPC clients (split,
 ``remote.py``); it never asks which. A request is parsed into a
-:class:`~kakeya.core.contract.Request` (``requests.py``) and run as the
+:class:`~kakeya.core.request.Request` (``requests.py``) and run as the
 engine's :class:`~kakeya.orchestrator.engine.Run`; each committed block goes
 out as a ``Chunk`` (token ids + their text, cut at stop strings), then one
 ``Complete`` with the finish reason, token counts and the speculative stats
@@ -23,15 +23,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import grpc
 
-from kakeya.core.contract import Request
+from kakeya.core.request import Request
 from kakeya.orchestrator.engine import Engine, RunOptions
-from kakeya.orchestrator.quality import quality_report
 from kakeya.orchestrator.errors import fallback_reason, public_status
+from kakeya.orchestrator.quality import quality_report
 from kakeya.orchestrator.requests import Limits, parse_request
 from kakeya.orchestrator.text import text_stream
 from kakeya.runtime import bounds, logs
@@ -94,14 +94,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         prefixes=None,
     ):
         if not 1 <= default_max_tokens <= max_tokens_limit:
-            raise ValueError(f"default max tokens {default_max_tokens} must be in 1..{max_tokens_limit} (--max-tokens-limit)")
+            raise ValueError(
+                f"default max tokens {default_max_tokens} must be in 1..{max_tokens_limit} (--max-tokens-limit)"
+            )
         if max_prompt_tokens < 0:
             raise ValueError(f"--max-prompt-tokens must be >= 0 (0: the default), got {max_prompt_tokens}")
         self.max_prompt_tokens_flag = max_prompt_tokens
         self.max_prompt_tokens = 0  # set by load(): never above the target's max_position_embeddings
         self.max_position_embeddings = 0
         self.max_context = 0  # positions one verifier session may hold
-        self.restore = restore  # colocated: the --restore sources requests may name; None: the remote verifier maps names
+        self.restore = (
+            restore  # colocated: the --restore sources requests may name; None: the remote verifier maps names
+        )
         self.auth_token = auth_token
         self._build = build
         self.engine: Engine | None = None
@@ -136,7 +140,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self._set_limits()
         # Warm-up: one short generation through the very path requests take.
         vocab = e.verifier.info.vocab_size
-        warmup = Request([i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), ignore_eos=True, request_id="warmup")
+        warmup = Request(
+            [i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), ignore_eos=True, request_id="warmup"
+        )
         final = None
         for resp in self._generate(warmup, observe=False):  # warm-up: not in the metrics
             final = resp
@@ -185,9 +191,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         deadline) and ``add_callback(fn)`` (run when the client goes away: it cancels the run).
         """
         if not self.ready:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)")
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)"
+            )
         if self.verifier_down:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "verifier unavailable (its health checks fail); retry later")
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE, "verifier unavailable (its health checks fail); retry later"
+            )
         req = self.parse(request)
         token = logs.bind(request_id=req.request_id)
         peer = peer_of(context)
@@ -223,7 +233,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         t_start = time.perf_counter()
         try:
             run = self.engine.start(req, RunOptions(_deadline(context), self.step, drafter_fallback=True))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure to start becomes a public status
             raise RequestError(*public_status(exc, req.request_id)) from None
         if context is not None and not context.add_callback(run.cancel):
             run.cancel()  # the call ended while the sessions opened
@@ -240,7 +250,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     run.stop(len(ids))
                 elif self.aborting:
                     run.close()  # the server is going down: FINISH_REASON_ABORT
-        except Exception as exc:  # the run failed (and closed its sessions)
+        except Exception as exc:  # noqa: BLE001 - the run failed (and closed its sessions)
             code, msg = public_status(exc, req.request_id)
             if not chunks:
                 raise RequestError(code, msg) from None
@@ -257,8 +267,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         tail = text.flush()
         if tail:
             yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=tail))
-        obs.finish(gen.finish_reason, fallback=fallback, prompt_tokens=len(req.prompt_ids), tokens=len(gen.token_ids),
-                   cached_tokens=gen.cached_tokens)
+        obs.finish(
+            gen.finish_reason,
+            fallback=fallback,
+            prompt_tokens=len(req.prompt_ids),
+            tokens=len(gen.token_ids),
+            cached_tokens=gen.cached_tokens,
+        )
         # run.request: a rejection-rule request's auto resolved to the block size it ran at
         yield pb.GenerateResponse(complete=self._complete(run.request, gen, time.perf_counter() - t_start, error))
 
@@ -342,6 +357,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
 def server_spec(servicer: GenerationServicer, tls=None, http=None) -> ServerSpec:
     """``http``: the OpenAI HTTP front (``http_server.HttpFront``) served beside the gRPC API, or None."""
+
     def set_ready(flag: bool) -> None:
         servicer.ready = flag
 

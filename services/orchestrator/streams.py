@@ -65,7 +65,13 @@ class BackendError(RuntimeError):
     """
 
     def __init__(
-        self, service: str, addr: str, code: grpc.StatusCode, details: str, step_timeout: bool = False, skipped: bool = False
+        self,
+        service: str,
+        addr: str,
+        code: grpc.StatusCode,
+        details: str,
+        step_timeout: bool = False,
+        skipped: bool = False,
     ):
         super().__init__(f"{service} at {addr}: {code.name}: {details}")
         self.service, self.addr, self.code, self.details = service, addr, code, details
@@ -78,7 +84,7 @@ class BackendError(RuntimeError):
         return self.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED) and not self.step_timeout
 
     @classmethod
-    def of(cls, service: str, addr: str, exc: grpc.RpcError) -> "BackendError":
+    def of(cls, service: str, addr: str, exc: grpc.RpcError) -> BackendError:
         code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
         details = exc.details() if hasattr(exc, "details") else str(exc)
         return cls(service, addr, code or grpc.StatusCode.UNKNOWN, details or "")
@@ -165,13 +171,18 @@ class Stream:
             resp = next(self._call)
         except StopIteration:
             self.abort()
-            raise BackendError(self.service, self.addr, grpc.StatusCode.INTERNAL, f"stream ended before {expect}") from None
+            raise BackendError(
+                self.service, self.addr, grpc.StatusCode.INTERNAL, f"stream ended before {expect}"
+            ) from None
         except grpc.RpcError as exc:
             self.abort()
             if self.expired:
                 raise BackendError(
-                    self.service, self.addr, grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"no {expect} answer within {self.expired:.1f} s (hung? see --backend-timeout)", step_timeout=True,
+                    self.service,
+                    self.addr,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no {expect} answer within {self.expired:.1f} s (hung? see --backend-timeout)",
+                    step_timeout=True,
                 ) from None
             raise BackendError.of(self.service, self.addr, exc) from None
         finally:

@@ -7,8 +7,8 @@ wrap), so the orchestrator never imports a model framework.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from tokenizers import Tokenizer
 
@@ -35,8 +35,10 @@ class TextCodec:
         """The prompt ids of a conversation: rendered by the checkpoint's chat template (``chat.py``), then
         tokenized without adding special tokens (the template writes its own), as transformers does."""
         if self.chat is None:
-            raise ChatError("messages: this model's checkpoint ships no chat template (chat_template.jinja or"
-                            " tokenizer_config.json's chat_template); send a text or token prompt")
+            raise ChatError(
+                "messages: this model's checkpoint ships no chat template (chat_template.jinja or"
+                " tokenizer_config.json's chat_template); send a text or token prompt"
+            )
         return self.tokenizer.encode(self.chat.render(messages, **options), add_special_tokens=False).ids
 
     @property
@@ -148,7 +150,7 @@ class PlainText:
         return self.dec.flush() if self.dec else ""
 
 
-def text_stream(codec: TextCodec | None, stop_strings: Sequence[str] = ()) -> "StopStrings | PlainText":
+def text_stream(codec: TextCodec | None, stop_strings: Sequence[str] = ()) -> StopStrings | PlainText:
     """How a front streams a run's text: ``add(block tokens) -> (ids, text, stop string hit)``, then ``flush()``.
 
     With ``stop_strings`` (they need a codec) the text ends before the first one

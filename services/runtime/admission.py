@@ -26,8 +26,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
@@ -125,7 +126,9 @@ class SessionRegistry:
             while refusal is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise SessionLimitError(f"{refusal.problem}; waited {self.queue_timeout_s:g} s in the queue (--queue-timeout)")
+                    raise SessionLimitError(
+                        f"{refusal.problem}; waited {self.queue_timeout_s:g} s in the queue (--queue-timeout)"
+                    )
                 if reclaimed:  # end them now, not after the wait (their streams must not hang meanwhile)
                     self._lock.release()
                     try:
@@ -144,8 +147,10 @@ class SessionRegistry:
             victim = self._longest_idle(refusal.peer)
             if victim is None:
                 return refusal
-            why = (f"session reclaimed after {victim.idle_s(time.monotonic()):.0f} s without a message from its client:"
-                   f" a new session needed its room ({refusal.problem.partition(':')[0]}; --reclaim-idle {self.reclaim_idle_s:g})")
+            why = (
+                f"session reclaimed after {victim.idle_s(time.monotonic()):.0f} s without a message from its client:"
+                f" a new session needed its room ({refusal.problem.partition(':')[0]}; --reclaim-idle {self.reclaim_idle_s:g})"
+            )
             self.reclaimed += 1
             reclaimed.append((self._detach(victim), why))
         return None
@@ -155,7 +160,9 @@ class SessionRegistry:
         if not self.reclaim_idle_s:
             return None
         now = time.monotonic()
-        idle = [e for e in self._live.values() if (peer is None or e.peer == peer) and e.idle_s(now) >= self.reclaim_idle_s]
+        idle = [
+            e for e in self._live.values() if (peer is None or e.peer == peer) and e.idle_s(now) >= self.reclaim_idle_s
+        ]
         return max(idle, key=lambda e: e.idle_s(now), default=None)
 
     def _finish(self, reclaimed: list) -> None:
@@ -175,7 +182,9 @@ class SessionRegistry:
                     return _Refusal(f"per-peer session limit reached: {held} of {self.max_per_peer} sessions live"
                                     " from this caller (--max-sessions-per-peer)", peer)  # fmt: skip
             if self.max_sessions and len(self._live) >= self.max_sessions:
-                return _Refusal(f"session limit reached: {len(self._live)} of {self.max_sessions} sessions live (--max-sessions)")
+                return _Refusal(
+                    f"session limit reached: {len(self._live)} of {self.max_sessions} sessions live (--max-sessions)"
+                )
             return None
 
         reclaimed: list = []
@@ -198,12 +207,16 @@ class SessionRegistry:
             if not self.max_kv_bytes:
                 return None
             if nbytes > self.max_kv_bytes:
-                return _Refusal(f"K/V budget: this session may need {nbytes} bytes, more than the whole budget"
-                                f" {self.max_kv_bytes} (--max-kv-bytes); ask for fewer positions or a bounded cache policy")
+                return _Refusal(
+                    f"K/V budget: this session may need {nbytes} bytes, more than the whole budget"
+                    f" {self.max_kv_bytes} (--max-kv-bytes); ask for fewer positions or a bounded cache policy"
+                )
             held = self._reserved() - entry.reserved_bytes
             if held + nbytes > self.max_kv_bytes:
-                return _Refusal(f"K/V budget exhausted: {held} of {self.max_kv_bytes} bytes reserved, this session needs"
-                                f" {nbytes} (--max-kv-bytes)")
+                return _Refusal(
+                    f"K/V budget exhausted: {held} of {self.max_kv_bytes} bytes reserved, this session needs"
+                    f" {nbytes} (--max-kv-bytes)"
+                )
             return None
 
         reclaimed: list = []

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kakeya.core.contract import CachePolicy
+from kakeya.core.request import CachePolicy
 
 MAX_REQUEST_ID_CHARS = 128
 DEFAULT_MAX_PROMPT_TOKENS = 8192
@@ -60,7 +60,7 @@ class ContextLimits:
     sliding_window: int
 
     @classmethod
-    def of(cls, max_position_embeddings: int, sliding_window: int, max_context: int = 0) -> "ContextLimits":
+    def of(cls, max_position_embeddings: int, sliding_window: int, max_context: int = 0) -> ContextLimits:
         if max_context < 0:
             raise ValueError(f"--max-context must be >= 0 (0: the model's max_position_embeddings), got {max_context}")
         ctx = min(max_context, max_position_embeddings) if max_context else max_position_embeddings
@@ -99,7 +99,9 @@ def check_stops(stops, stop_token_ids) -> None:
         raise ValueError(f"sampling_params.stop: {len(stops)} strings, at most {MAX_STOP_STRINGS} allowed")
     long = [len(s) for s in stops if len(s) > MAX_STOP_STRING_CHARS]
     if long:
-        raise ValueError(f"sampling_params.stop: a stop string of {long[0]} characters, at most {MAX_STOP_STRING_CHARS}")
+        raise ValueError(
+            f"sampling_params.stop: a stop string of {long[0]} characters, at most {MAX_STOP_STRING_CHARS}"
+        )
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"sampling_params.stop_token_ids: {len(stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS}")
 
@@ -115,7 +117,7 @@ class RestoreSources:
         self.by_path = {v: k for k, v in self.by_name.items()}
 
     @classmethod
-    def parse(cls, specs) -> "RestoreSources":
+    def parse(cls, specs) -> RestoreSources:
         """``["NAME=DIR", "DIR", "ftheta:DIR"]`` (a bare DIR is the source ``default``); ValueError if bad."""
         if isinstance(specs, str):
             specs = [specs]

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any
 
 DEFAULT_MAX_BATCH = 16
 
@@ -169,7 +170,7 @@ class ComputeThread:
         self.batched_items += len(group)
         try:
             results = _results(group[0].runner, [j.item for j in group])
-        except BaseException as exc:  # the whole batch failed: every caller hears it
+        except BaseException as exc:  # noqa: BLE001 - the whole batch failed: every caller hears it
             for j in group:
                 j.future.set_exception(exc)
             return
@@ -190,7 +191,7 @@ def _results(runner: Callable[[list], Sequence[Any]], items: list) -> list:
 def _settle(future: Future, fn: Callable) -> None:
     try:
         result = fn()
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - the caller waiting on the future hears it
         future.set_exception(exc)
     else:
         future.set_result(result)

@@ -30,7 +30,9 @@ def _decode(cls, raw: bytes, what: str):
         return cls.FromString(raw)
     except (DecodeError, ValueError, TypeError) as exc:
         detail = str(exc) or "malformed protobuf"
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: cannot decode the request ({detail[:200]})") from None
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{what}: cannot decode the request ({detail[:200]})"
+        ) from None
 
 
 class _Requests:
@@ -62,7 +64,9 @@ def _handler(method, impl, service: str, token: str | None):
                 _unauthenticated(context, service)
             return impl(_Requests(raw_iterator, cls, what), context)
 
-        make = grpc.stream_stream_rpc_method_handler if method.server_streaming else grpc.stream_unary_rpc_method_handler
+        make = (
+            grpc.stream_stream_rpc_method_handler if method.server_streaming else grpc.stream_unary_rpc_method_handler
+        )
         return make(stream, request_deserializer=None, response_serializer=resp_ser)
 
     def admitted(raw, context):
@@ -79,7 +83,9 @@ def _handler(method, impl, service: str, token: str | None):
         def unary_stream(raw, context):
             yield from impl(admitted(raw, context), context)
 
-        return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=None, response_serializer=resp_ser)
+        return grpc.unary_stream_rpc_method_handler(
+            unary_stream, request_deserializer=None, response_serializer=resp_ser
+        )
 
     def unary(raw, context):
         return impl(admitted(raw, context), context)

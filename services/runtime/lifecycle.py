@@ -27,16 +27,17 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kakeya.core.contract import CachePolicy
+from kakeya.core.request import CachePolicy
 from kakeya.runtime import logs
 from kakeya.runtime.admission import (  # noqa: F401  (re-exported: the servers import them from here)
     DEFAULT_IDLE_TIMEOUT_S,
@@ -63,7 +64,7 @@ def version() -> str:
         from importlib.metadata import version as v
 
         return v("kakeya")
-    except Exception:  # pragma: no cover - not installed
+    except Exception:  # noqa: BLE001  # pragma: no cover - not installed
         return "0.0.0+local"
 
 
@@ -152,7 +153,7 @@ def check_token_ids(ids: Sequence[int], vocab: int, field_name: str, allow_empty
 # --------------------------------------------------------------------------- lifecycle
 
 
-def session_stream(name: str, ready: bool, registry: "SessionRegistry", serve, request_iterator, context):
+def session_stream(name: str, ready: bool, registry: SessionRegistry, serve, request_iterator, context):
     """The body of a bidirectional ``Session`` RPC, shared by the verifier and the drafter.
 
     The stream IS the session: a registry entry is opened with it and closed
@@ -179,7 +180,7 @@ def session_stream(name: str, ready: bool, registry: "SessionRegistry", serve, r
         context.abort(exc.code, exc.message)
     except grpc.RpcError:
         return  # the client went away (or the session idled out) while we were reading
-    except Exception as exc:  # a bug: report it, keep the server up
+    except Exception as exc:  # noqa: BLE001 - a bug: report it, keep the server up
         if entry.closed:  # the stream ended (cancel, deadline) while a step ran: nobody to answer
             return
         slog.exception("session %s failed", entry.id)
@@ -274,7 +275,9 @@ def _health_watch(spec: ServerSpec, health_servicer, names: list[str], stop: thr
             status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
             for n in names:
                 health_servicer.set(n, status)
-            log.warning("%s health: %s (backends %s)", spec.name, "SERVING" if ok else "NOT_SERVING", "back" if ok else "down")
+            log.warning(
+                "%s health: %s (backends %s)", spec.name, "SERVING" if ok else "NOT_SERVING", "back" if ok else "down"
+            )
             serving = ok
 
 
@@ -297,7 +300,12 @@ def _serve_health(health_servicer, host: str, port: int) -> tuple[grpc.Server | 
 
 
 def run_server(
-    spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, ready_file: str | None = None, metrics_port: int | None = None,
+    spec: ServerSpec,
+    host: str,
+    port: int,
+    grace_s: float = 30.0,
+    ready_file: str | None = None,
+    metrics_port: int | None = None,
     health_port: int | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit status. ``metrics_port``: /metrics (0: any port);
@@ -351,7 +359,10 @@ def run_server(
             print(f"kakeya: error: {spec.name}: {exc}", file=sys.stderr)
             return 2
     if not bound:
-        print(f"kakeya: error: {spec.name}: cannot listen on {host}:{port}: {problem or 'address in use'}", file=sys.stderr)
+        print(
+            f"kakeya: error: {spec.name}: cannot listen on {host}:{port}: {problem or 'address in use'}",
+            file=sys.stderr,
+        )
         return 2
     addr = f"{host}:{bound}"
     ready_extra: dict = {}
@@ -413,9 +424,13 @@ def run_server(
         spec.set_ready(True)
         for n in ["", *names]:
             health_servicer.set(n, health_pb2.HealthCheckResponse.SERVING)
-        log.info("%s SERVING on %s: %s (loaded + warmed up in %.2f s)", spec.name, addr, outcome["desc"], outcome["load_s"])
+        log.info(
+            "%s SERVING on %s: %s (loaded + warmed up in %.2f s)", spec.name, addr, outcome["desc"], outcome["load_s"]
+        )
         if ready_file:
-            write_ready_file(ready_file, {"service": spec.name, "addr": addr, "port": bound, "pid": os.getpid(), **ready_extra})
+            write_ready_file(
+                ready_file, {"service": spec.name, "addr": addr, "port": bound, "pid": os.getpid(), **ready_extra}
+            )
         if spec.health_watch is not None:
             threading.Thread(
                 target=_health_watch, args=(spec, health_servicer, ["", *names], stop), name="health-watch", daemon=True

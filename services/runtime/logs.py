@@ -19,7 +19,10 @@ import sys
 
 FORMATS = ("text", "json")
 
-_context: contextvars.ContextVar[dict] = contextvars.ContextVar("kakeya_log_context", default={})
+_context: contextvars.ContextVar[dict] = contextvars.ContextVar(
+    "kakeya_log_context",
+    default={},  # noqa: B039 - never mutated: bind() sets a new dict
+)
 _FIELDS = ("request_id", "session_id")
 
 
@@ -61,7 +64,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out = {
-            "ts": _dt.datetime.fromtimestamp(record.created, _dt.timezone.utc).isoformat(timespec="milliseconds"),
+            "ts": _dt.datetime.fromtimestamp(record.created, _dt.UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
             "msg": record.getMessage(),

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -25,7 +26,27 @@ from kakeya.runtime import logs
 log = logging.getLogger("kakeya.orchestrator")
 
 # Seconds; from 1 ms (a tiny model's block) to 80 s (a long generation on a CPU).
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 PHASES = ("draft", "verify", "wire")
 
 
@@ -63,9 +84,9 @@ class _Total:
 class _PrefixCacheMetrics:
     """A prefix cache's (``core/prefix.py``) series, from one ``stats()`` per scrape."""
 
-    GAUGES = {"bytes": "bytes of snapshots held", "peak_bytes": "the most bytes of snapshots ever held at once", "budget_bytes": "the byte budget (--prefix-cache-bytes)",
+    GAUGES: ClassVar[dict[str, str]] = {"bytes": "bytes of snapshots held", "peak_bytes": "the most bytes of snapshots ever held at once", "budget_bytes": "the byte budget (--prefix-cache-bytes)",
               "entries": "snapshots held"}  # fmt: skip
-    COUNTERS = {"hits": "prompts resumed from a snapshot", "misses": "prompts looked up and prefilled cold",
+    COUNTERS: ClassVar[dict[str, str]] = {"hits": "prompts resumed from a snapshot", "misses": "prompts looked up and prefilled cold",
                 "tokens_reused": "prompt tokens resumed instead of prefilled", "insertions": "snapshots kept",
                 "evictions": "snapshots evicted to stay within the budget (least recently used first)"}  # fmt: skip
 
@@ -91,32 +112,49 @@ class ServerMetrics:
         self.role = role
         self.registry = r = CollectorRegistry()
         self.errors = Counter("kakeya_errors", "RPCs that ended with a non-OK gRPC status", ["code"], registry=r)
-        self.sessions_live = Gauge("kakeya_sessions_live", "sessions (verifier, drafter) or generations (orchestrator) in flight", registry=r)
+        self.sessions_live = Gauge(
+            "kakeya_sessions_live", "sessions (verifier, drafter) or generations (orchestrator) in flight", registry=r
+        )
         if role == "orchestrator":
             self._orchestrator(r)
 
     def _orchestrator(self, r: CollectorRegistry) -> None:
-        self.num_drafts = Counter("kakeya_spec_decode_num_drafts", "blocks the drafter proposed candidates for", registry=r)
+        self.num_drafts = Counter(
+            "kakeya_spec_decode_num_drafts", "blocks the drafter proposed candidates for", registry=r
+        )
         self.num_draft_tokens = Counter("kakeya_spec_decode_num_draft_tokens", "candidate tokens proposed", registry=r)
-        self.num_accepted_tokens = Counter("kakeya_spec_decode_num_accepted_tokens", "candidate tokens the target accepted", registry=r)
+        self.num_accepted_tokens = Counter(
+            "kakeya_spec_decode_num_accepted_tokens", "candidate tokens the target accepted", registry=r
+        )
         self.accepted_per_pos = Counter(
             "kakeya_spec_decode_num_accepted_tokens_per_pos", "accepted candidates by position in the block (0 = first)",
             ["position"], registry=r,
         )  # fmt: skip
-        self.request_success = Counter("kakeya_request_success", "generations finished, by finish reason", ["finished_reason"], registry=r)
+        self.request_success = Counter(
+            "kakeya_request_success", "generations finished, by finish reason", ["finished_reason"], registry=r
+        )
         self.running = Gauge("kakeya_num_requests_running", "generations in flight", registry=r)
-        self.waiting = Gauge("kakeya_num_requests_waiting", "generations queued for admission (no queue yet: always 0)", registry=r)
+        self.waiting = Gauge(
+            "kakeya_num_requests_waiting", "generations queued for admission (no queue yet: always 0)", registry=r
+        )
         self.prompt_tokens = Counter("kakeya_prompt_tokens", "prompt tokens prefilled", registry=r)
         self.cached_tokens = Counter(
             "kakeya_prompt_tokens_cached", "prompt tokens resumed from a prefix cache instead of prefilled", registry=r
         )
         self.generation_tokens = Counter("kakeya_generation_tokens", "tokens generated", registry=r)
-        self.ttft = Histogram("kakeya_time_to_first_token_seconds", "request start to first token streamed", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "kakeya_time_to_first_token_seconds",
+            "request start to first token streamed",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.itl = Histogram(
             "kakeya_inter_token_latency_seconds", "time between streamed blocks (one observation per block, as vLLM per step)",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        self.e2e = Histogram("kakeya_e2e_request_latency_seconds", "request start to Complete", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(
+            "kakeya_e2e_request_latency_seconds", "request start to Complete", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.block_latency = Histogram(
             "kakeya_block_latency_seconds", "one decode block's time by phase (wire: split deployments only)",
             ["phase"], buckets=LATENCY_BUCKETS, registry=r,
@@ -137,7 +175,9 @@ class ServerMetrics:
 
     def track_kv_bytes(self, read: Callable[[], dict[str, int]]) -> None:
         """``kakeya_kv_cache_bytes{kind}``: bytes held by live sessions' caches, read at scrape time."""
-        self.registry.register(_Collected("kakeya_kv_cache_bytes", "KV cache bytes held by live sessions", "kind", read))
+        self.registry.register(
+            _Collected("kakeya_kv_cache_bytes", "KV cache bytes held by live sessions", "kind", read)
+        )
 
     def track_prefix_cache(self, cache: Any) -> None:
         """``kakeya_prefix_cache_*`` of a ``PrefixCache`` (``core/prefix.py``), read at scrape time: bytes,
@@ -147,12 +187,23 @@ class ServerMetrics:
     def track_batches(self, compute: Any) -> None:
         """``kakeya_compute_batches_total`` / ``kakeya_compute_batched_items_total`` of a ``ComputeThread``:
         batched runner calls and the steps they carried (their ratio is the mean batch size)."""
-        self.registry.register(_Total("kakeya_compute_batches", "batched compute calls (one forward each)", lambda: compute.batches))
-        self.registry.register(_Total("kakeya_compute_batched_items", "session steps those calls carried", lambda: compute.batched_items))
+        self.registry.register(
+            _Total("kakeya_compute_batches", "batched compute calls (one forward each)", lambda: compute.batches)
+        )
+        self.registry.register(
+            _Total("kakeya_compute_batched_items", "session steps those calls carried", lambda: compute.batched_items)
+        )
 
-    def generation(self, verifier_session: Any = None, drafter_session: Any = None, params: Any = None) -> "GenerationObserver":
+    def generation(
+        self, verifier_session: Any = None, drafter_session: Any = None, params: Any = None
+    ) -> GenerationObserver:
         if params is not None:
-            log.info("generate: %d prompt tokens, max_tokens %d, block %d", len(params.prompt_ids), params.max_tokens, params.block_size)
+            log.info(
+                "generate: %d prompt tokens, max_tokens %d, block %d",
+                len(params.prompt_ids),
+                params.max_tokens,
+                params.block_size,
+            )
         return GenerationObserver(self, verifier_session, drafter_session)
 
     def serve_http(self, host: str, port: int):
@@ -203,8 +254,15 @@ class GenerationObserver:
             for pos in range(b.accepted):
                 m.accepted_per_pos.labels(str(pos)).inc()
 
-    def finish(self, reason: str, *, fallback: str | None = None, prompt_tokens: int = 0, tokens: int = 0,
-               cached_tokens: int = 0) -> None:
+    def finish(
+        self,
+        reason: str,
+        *,
+        fallback: str | None = None,
+        prompt_tokens: int = 0,
+        tokens: int = 0,
+        cached_tokens: int = 0,
+    ) -> None:
         """The generation ended (``reason``: its finish reason); ``fallback``: why it lost its drafter, if it did;
         ``cached_tokens``: prompt positions resumed from the prefix caches."""
         if self.finished:
@@ -252,7 +310,7 @@ class RpcInterceptor(grpc.ServerInterceptor):
         code = None
         try:
             code = context.code()
-        except Exception:  # pragma: no cover - older grpc
+        except AttributeError:  # pragma: no cover - older grpc: no code() on the context
             pass
         if code is None and exc is not None:
             code = grpc.StatusCode.CANCELLED if isinstance(exc, GeneratorExit) else grpc.StatusCode.UNKNOWN
@@ -315,4 +373,3 @@ class RpcInterceptor(grpc.ServerInterceptor):
                 streaming(handler.stream_stream), handler.request_deserializer, handler.response_serializer
             )
         return handler  # client streaming: none in kakeya's services
-

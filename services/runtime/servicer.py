@@ -16,7 +16,12 @@ import grpc
 
 from kakeya.core.prefix import PrefixCache
 from kakeya.runtime import bounds
-from kakeya.runtime.admission import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S, SessionRegistry
+from kakeya.runtime.admission import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_RECLAIM_IDLE_S,
+    SessionRegistry,
+)
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH, ComputeThread
 from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import ServerSpec, invalid, precondition, session_stream, workers_for
@@ -58,7 +63,9 @@ class SessionServicer:
         self.metrics = ServerMetrics(self.role)
         self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
         self.metrics.track_batches(self.compute)
-        self.metrics.track_kv_bytes(lambda: dict.fromkeys(self.kv_kinds, 0) | self.registry.bytes_by_kind(self.kv_kinds[-1]))
+        self.metrics.track_kv_bytes(
+            lambda: dict.fromkeys(self.kv_kinds, 0) | self.registry.bytes_by_kind(self.kv_kinds[-1])
+        )
         self.prefixes = PrefixCache(limits.prefix_cache_bytes) if limits.prefix_cache_bytes else None
         if self.prefixes is not None:
             self.metrics.track_prefix_cache(self.prefixes)

@@ -38,7 +38,7 @@ class ServerTLS:
     client_ca: str | None = None
 
     @classmethod
-    def from_args(cls, args) -> "ServerTLS":
+    def from_args(cls, args) -> ServerTLS:
         tls = cls(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_client_ca", None))
         if bool(tls.cert) != bool(tls.key):
             raise ValueError("--tls-cert and --tls-key go together")
@@ -70,8 +70,10 @@ class ClientTLS:
     client_key: str | None = None
 
     @classmethod
-    def from_args(cls, args) -> "ClientTLS":
-        tls = cls(getattr(args, "tls_ca", None), getattr(args, "tls_client_cert", None), getattr(args, "tls_client_key", None))
+    def from_args(cls, args) -> ClientTLS:
+        tls = cls(
+            getattr(args, "tls_ca", None), getattr(args, "tls_client_cert", None), getattr(args, "tls_client_key", None)
+        )
         if bool(tls.client_cert) != bool(tls.client_key):
             raise ValueError("--tls-client-cert and --tls-client-key go together")
         if tls.client_cert and not tls.ca:
@@ -91,7 +93,11 @@ class ClientTLS:
 
     def argv(self) -> list[str]:
         out = []
-        for flag, value in (("--tls-ca", self.ca), ("--tls-client-cert", self.client_cert), ("--tls-client-key", self.client_key)):
+        for flag, value in (
+            ("--tls-ca", self.ca),
+            ("--tls-client-cert", self.client_cert),
+            ("--tls-client-key", self.client_key),
+        ):
             if value:
                 out += [flag, value]
         return out

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -35,7 +36,9 @@ class TorchTarget:
         from transformers import Gemma4ForCausalLM
 
         self.torch = torch
-        self.model = Gemma4ForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32, attn_implementation="eager")
+        self.model = Gemma4ForCausalLM.from_pretrained(
+            str(target_dir), dtype=torch.float32, attn_implementation="eager"
+        )
         self.model.to(device).eval()
         self.device = device
 
@@ -75,8 +78,10 @@ class TorchTarget:
         got: dict[int, Any] = {}
         hooks = []
         for lid in layer_ids:
+
             def hook(_m, _i, out, lid=lid):
                 got[lid] = out[0] if isinstance(out, tuple) else out
+
             hooks.append(self.model.model.layers[lid].register_forward_hook(hook))
         try:
             with torch.no_grad():
@@ -103,9 +108,20 @@ class Continuations(NamedTuple):
     temperature: np.ndarray
 
 
-def make_dataset(target: TorchTarget, corpus_stream: np.ndarray, n_seq: int, prompt_len: int, gen_len: int,
-                 layer_ids, seed: int, gen_batch: int, quiet: bool = False, bos: bool = False,
-                 temperatures: Sequence[float] = (0.0,), out: Path | None = None) -> Continuations:
+def make_dataset(
+    target: TorchTarget,
+    corpus_stream: np.ndarray,
+    n_seq: int,
+    prompt_len: int,
+    gen_len: int,
+    layer_ids,
+    seed: int,
+    gen_batch: int,
+    quiet: bool = False,
+    bos: bool = False,
+    temperatures: Sequence[float] = (0.0,),
+    out: Path | None = None,
+) -> Continuations:
     """Prompts (random windows, ``<bos>`` first when ``bos``: every real request starts with it, and
     the target's hidden states at every later position carry it) continued by the target: generation
     batch ``i`` at ``temperatures[i % len(temperatures)]`` (0: greedy; sampled batches seeded per batch).
@@ -132,14 +148,22 @@ def make_dataset(target: TorchTarget, corpus_stream: np.ndarray, n_seq: int, pro
         s = target.continue_(prompts[i : i + gen_batch], gen_len, temp, seed=seed * 100_003 + k)
         aux, final = target.hidden_states(s, layer_ids)
         if arrays is None:
-            shapes = {"seqs": ((n_seq, T), np.int32), "aux": ((n_seq, T, aux.shape[-1]), np.float16),
-                      "final": ((n_seq, T, final.shape[-1]), np.float16), "temperature": ((n_seq,), np.float32)}
+            shapes = {
+                "seqs": ((n_seq, T), np.int32),
+                "aux": ((n_seq, T, aux.shape[-1]), np.float16),
+                "final": ((n_seq, T, final.shape[-1]), np.float16),
+                "temperature": ((n_seq,), np.float32),
+            }
             if out is None:
                 arrays = Continuations(*(np.zeros(sh, dt) for sh, dt in shapes.values()))
             else:
                 out.mkdir(parents=True, exist_ok=True)
-                arrays = Continuations(*(np.lib.format.open_memmap(out / f"{f}.npy", mode="w+", shape=sh, dtype=dt)
-                                         for f, (sh, dt) in shapes.items()))
+                arrays = Continuations(
+                    *(
+                        np.lib.format.open_memmap(out / f"{f}.npy", mode="w+", shape=sh, dtype=dt)
+                        for f, (sh, dt) in shapes.items()
+                    )
+                )
         j = i + len(s)
         arrays.seqs[i:j], arrays.aux[i:j], arrays.final[i:j], arrays.temperature[i:j] = s, aux, final, temp
         if out is not None:
@@ -170,7 +194,9 @@ class BlockTrainer:
         w = tiny.draft_weights(cfg, seed)
         sd_names = set(self.model.state_dict())
         if sd_names != set(w):
-            raise RuntimeError(f"draft parameter names differ from the reference layout: {sorted(sd_names ^ set(w))[:8]}")
+            raise RuntimeError(
+                f"draft parameter names differ from the reference layout: {sorted(sd_names ^ set(w))[:8]}"
+            )
         self.model.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()}, strict=True)
         self.model.to(device)
         head = load_target_head(target_dir, device=device, dtype=torch.float32)
@@ -200,7 +226,9 @@ class BlockTrainer:
             logits = torch.tanh(logits / cap) * cap
         return logits.reshape(N * K, B - 1, -1)
 
-    def block_logits(self, seqs: np.ndarray, aux: np.ndarray, anchors: np.ndarray, B: int, reveal: np.ndarray | None = None):
+    def block_logits(
+        self, seqs: np.ndarray, aux: np.ndarray, anchors: np.ndarray, B: int, reveal: np.ndarray | None = None
+    ):
         """Drafter logits ``[N*K, B-1, vocab]`` and labels ``[N*K, B-1]`` for blocks after ``anchors`` [N, K].
 
         ``reveal`` [N, K]: a block's positions ``1 .. reveal`` hold the continuation's tokens instead of
@@ -236,7 +264,9 @@ class BlockTrainer:
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = (emb.cos() * m.rope_scale)[:, None], (emb.sin() * m.rope_scale)[:, None]  # [NK,1,B,hd]
         vis_ctx = torch.arange(T, device=dev)[None, :] < a.reshape(-1)[:, None]  # [NK, T]: positions < a
-        mask = torch.cat([vis_ctx[:, None, :].expand(-1, B, -1), torch.ones(N * K, B, B, dtype=torch.bool, device=dev)], -1)
+        mask = torch.cat(
+            [vis_ctx[:, None, :].expand(-1, B, -1), torch.ones(N * K, B, B, dtype=torch.bool, device=dev)], -1
+        )
         mask = mask[:, None]  # [NK, 1, B, T+B]
         for layer, (ck, cv) in zip(m.layers, ctx):
             if layer.self_attn.spec.is_causal or layer.self_attn.spec.window is not None:
@@ -251,9 +281,18 @@ class BlockTrainer:
             logits = torch.tanh(logits / cap) * cap
         return logits, labels
 
-    def loss(self, seqs: np.ndarray, aux: np.ndarray, anchors: np.ndarray, B: int, gamma: float,
-             final: np.ndarray | None = None, hard: np.ndarray | None = None, soft_weight: float = 0.0,
-             reveal: np.ndarray | None = None):
+    def loss(
+        self,
+        seqs: np.ndarray,
+        aux: np.ndarray,
+        anchors: np.ndarray,
+        B: int,
+        gamma: float,
+        final: np.ndarray | None = None,
+        hard: np.ndarray | None = None,
+        soft_weight: float = 0.0,
+        reveal: np.ndarray | None = None,
+    ):
         """Mean position-weighted loss over ``N*K`` blocks; returns (loss, per-position accuracy [B-1]).
 
         Per block position: ``hard[n]`` x cross-entropy against the continuation's token (1 for
@@ -303,7 +342,9 @@ class BlockTrainer:
 
     def load_tensors(self, w: dict[str, np.ndarray]) -> None:
         """Every drafter weight, by its reference name (strict)."""
-        self.model.load_state_dict({k: self.torch.from_numpy(np.ascontiguousarray(v)) for k, v in w.items()}, strict=True)
+        self.model.load_state_dict(
+            {k: self.torch.from_numpy(np.ascontiguousarray(v)) for k, v in w.items()}, strict=True
+        )
 
     def tensors(self) -> dict[str, np.ndarray]:
         return {k: v.detach().float().cpu().numpy() for k, v in self.model.state_dict().items()}

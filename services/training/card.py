@@ -1,6 +1,6 @@
 """Render the demo pair's model card (README.md) from the two trainers' report.json files.
 
-    python -m kakeya.training.card services/models/demo --pair-cost benchmarks/results/pair_cost.json
+python -m kakeya.training.card services/models/demo --pair-cost benchmarks/results/pair_cost.json
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ def _drafter_stage(d: dict, name: str, init: str = "") -> list[str]:
 
     lines = [
         f"- {lab('data')}: {d['data']['sequences']:,} prompts of {d['data']['prompt_len']} tokens ({d['data']['from']}),"
-        f" each continued {d['data']['gen_len']} tokens by the target ({d['data']['data_s']/60:.1f} min);"
+        f" each continued {d['data']['gen_len']} tokens by the target ({d['data']['data_s'] / 60:.1f} min);"
         f" labels: {d['data'].get('labels', 'greedy continuations')};"
         " aux = outputs of the target layers `target_layer_ids` at every position.",
         f"- {lab('training')}: {d['steps']} steps{' from ' + init if init else ''};"
         f" per step {a['batch']} sequences x {a['anchors']} random anchors in the continuation, block sizes"
         f" {a['train_block_sizes'] or a['block_size']}, AdamW lr {a['lr']} cosine; loss = CE of block positions 1..B-1 vs the"
-        f" target's tokens, weighted exp(-(k-1)/gamma){_soft(a)}; {d['train_s']/60:.1f} min wall on"
+        f" target's tokens, weighted exp(-(k-1)/gamma){_soft(a)}; {d['train_s'] / 60:.1f} min wall on"
         f" {_where(d)}. Loss: first step"
         f" {d['loss_curve'][0][2]:.3f}, last step {d['loss_curve'][-1][2]:.3f}.",
     ]
@@ -47,8 +47,10 @@ def _drafter_stage(d: dict, name: str, init: str = "") -> list[str]:
         lines.append(f"- {lab('report')}: {d['provenance']}.")
     if last and "acceptance" in last:
         curve = ", ".join(f"{h['step']}: {h['acceptance']:.2f}" for h in held if "acceptance" in h)
-        lines.append(f"- {lab('held-out')} ({d['data'].get('heldout_sequences', '?')} continuations of held-out prompts,"
-                     f" teacher-forced, the loop replayed), acceptance at block {last['block_size']} by step: {curve}.")
+        lines.append(
+            f"- {lab('held-out')} ({d['data'].get('heldout_sequences', '?')} continuations of held-out prompts,"
+            f" teacher-forced, the loop replayed), acceptance at block {last['block_size']} by step: {curve}."
+        )
     return lines
 
 
@@ -84,10 +86,15 @@ def _pair_cost(path: Path) -> list[str]:
     ]
     for name, r in pc["backends"].items():
         d, v = r["draft_over_ar"], r["verify_over_ar"]
-        lines.append(f"| {name} | {r['median_ms']['ar_step']:.2f} | {d.get('8', '-')} | {d.get('16', '-')} |"
-                     f" {v.get('8', '-')} | {v.get('16', '-')} |")
+        lines.append(
+            f"| {name} | {r['median_ms']['ar_step']:.2f} | {d.get('8', '-')} | {d.get('16', '-')} |"
+            f" {v.get('8', '-')} | {v.get('16', '-')} |"
+        )
     cheap = {name: r["draft_over_ar"].get("8", 1.0) <= 0.25 for name, r in pc["backends"].items()}
-    lines += ["", "draft(8) <= 0.25 AR: " + "; ".join(f"{n} {'met' if ok else '**not met**'}" for n, ok in cheap.items()) + "."]
+    lines += [
+        "",
+        "draft(8) <= 0.25 AR: " + "; ".join(f"{n} {'met' if ok else '**not met**'}" for n, ok in cheap.items()) + ".",
+    ]
     return lines + [""]
 
 
@@ -109,10 +116,12 @@ def _turn_tokens(target: Path) -> list[str]:
     if got is None:
         return []
     ids = " / ".join(f"`{t}` = {i}" for t, i in got.items())
-    return [f"- Chat turn markers added after training as single special tokens, as Gemma's are ({ids};",
-            "  `python -m kakeya.checkpoints.turn_tokens`): embedding rows the mean of the BPE pieces that spelled them,",
-            "  LM-head rows zero, so output on text without them is unchanged; `chat_template.jinja` is Gemma's turn format,",
-            "  and `<end_of_turn>` ends a generation beside `<eos>` (`generation_config.json`), as in an instruction-tuned Gemma."]
+    return [
+        f"- Chat turn markers added after training as single special tokens, as Gemma's are ({ids};",
+        "  `python -m kakeya.checkpoints.turn_tokens`): embedding rows the mean of the BPE pieces that spelled them,",
+        "  LM-head rows zero, so output on text without them is unchanged; `chat_template.jinja` is Gemma's turn format,",
+        "  and `<end_of_turn>` ends a generation beside `<eos>` (`generation_config.json`), as in an instruction-tuned Gemma.",
+    ]
 
 
 def _sampled(sampled: dict | None, greedy: dict) -> list[str]:
@@ -121,9 +130,13 @@ def _sampled(sampled: dict | None, greedy: dict) -> list[str]:
         return []
     rows = sampled["per_temperature"]
     sizes = sorted({b for row in rows.values() for b in row}, key=int)
-    lines = ["", f"By temperature, the same prompts (sampled: {sampled['rule']}; lossless: equal to AR with that seed):", "",
-             "| temperature | " + " | ".join(f"block {b}" for b in sizes) + " | lossless |",
-             "|---:|" + "---:|" * len(sizes) + ":---:|"]
+    lines = [
+        "",
+        f"By temperature, the same prompts (sampled: {sampled['rule']}; lossless: equal to AR with that seed):",
+        "",
+        "| temperature | " + " | ".join(f"block {b}" for b in sizes) + " | lossless |",
+        "|---:|" + "---:|" * len(sizes) + ":---:|",
+    ]
     cells = [f"{greedy[b]['mean_acceptance']:.2f}" if b in greedy else "" for b in sizes]
     ok = all(greedy[b]["lossless_vs_block1"] for b in sizes if b in greedy)
     lines.append("| 0 (greedy) | " + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |")
@@ -133,8 +146,11 @@ def _sampled(sampled: dict | None, greedy: dict) -> list[str]:
         lines.append(f"| {T} | " + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |")
     got = rows.get("0.7", {}).get("8")
     if got is not None:  # issue 22's goal for sampled requests
-        lines += ["", f"Goal (T = 0.7, block 8): >= 2.5 -- {'met' if got['mean_acceptance'] >= 2.5 else '**not met**'}"
-                      f" ({got['mean_acceptance']:.2f})."]
+        lines += [
+            "",
+            f"Goal (T = 0.7, block 8): >= 2.5 -- {'met' if got['mean_acceptance'] >= 2.5 else '**not met**'}"
+            f" ({got['mean_acceptance']:.2f}).",
+        ]
     return lines
 
 
@@ -155,16 +171,20 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
         "",
         "Trained by the project's own commands (`kakeya train-target`, `kakeya train-drafter`) on the",
         "Python standard library of the interpreter that ran them, on a shared 2-core CPU with no GPU"
-        + "".join(f"; the drafter's stage {i + 1} on {_where(rep)}" for i, rep in enumerate(stages)
-                  if not _where(rep).startswith("cpu")) + ".",
+        + "".join(
+            f"; the drafter's stage {i + 1} on {_where(rep)}"
+            for i, rep in enumerate(stages)
+            if not _where(rep).startswith("cpu")
+        )
+        + ".",
         "Used by `kakeya generate` (and the benchmark suite) when no model flags are given. It is a demo:",
-        f"a {t['params']/1e6:.1f}M-parameter code model, not a useful assistant: its greedy text looks like Python but drifts",
+        f"a {t['params'] / 1e6:.1f}M-parameter code model, not a useful assistant: its greedy text looks like Python but drifts",
         "into repetition (docstring phrases, repeated imports) within a hundred tokens or so. What it shows",
         "is a real drafter accepting more than one token per block, losslessly.",
         "",
         "## Target (`target/`)",
         "",
-        f"- `gemma4_text` / `Gemma4ForCausalLM`, float32, **{t['params']/1e6:.2f}M parameters**: hidden {tc['hidden_size']},",
+        f"- `gemma4_text` / `Gemma4ForCausalLM`, float32, **{t['params'] / 1e6:.2f}M parameters**: hidden {tc['hidden_size']},",
         f"  {tc['num_hidden_layers']} layers `{pattern}` (sliding window {tc['sliding_window']}), head_dim {tc['head_dim']}"
         f" (full layers {tc['global_head_dim']}, k_eq_v, 1 KV head),",
         f"  {tc['num_attention_heads']} heads / {tc['num_key_value_heads']} KV heads, MLP {tc['intermediate_size']},"
@@ -173,7 +193,7 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
         f"  {t['corpus']['heldout_files']} held-out files ({t['corpus']['heldout_tokens']:,} tokens), split {t['corpus']['split']}.",
         f"- Training: {t['steps']} steps x {t['args']['batch']} x {t['args']['seq_len']} tokens"
         f" ({t['tokens_seen']:,} tokens seen, {t['tokens_seen'] / t['corpus']['train_tokens']:.2f} epochs), AdamW lr {t['args']['lr']} cosine,",
-        f"  backend `{t['backend']}`, {t['train_s']/60:.1f} min wall{' on ' + t['device'] if t.get('device') else ''}.",
+        f"  backend `{t['backend']}`, {t['train_s'] / 60:.1f} min wall{' on ' + t['device'] if t.get('device') else ''}.",
         f"- Loss: first step {t['loss_curve'][0][1]:.3f}, last step {t['loss_curve'][-1][1]:.3f};"
         f" held-out by step: {evals}.",
         f"- **Held-out loss {t['final']['heldout_loss']:.3f} (perplexity {t['final']['heldout_perplexity']:.1f}),"
@@ -182,7 +202,7 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
         "",
         "## Drafter (`draft/`)",
         "",
-        f"- DFlash (`DFlashDraftModel`, reference layout), **{d['params']/1e6:.2f}M parameters** + the target's frozen"
+        f"- DFlash (`DFlashDraftModel`, reference layout), **{d['params'] / 1e6:.2f}M parameters** + the target's frozen"
         f" embedding and LM head: {dc['num_hidden_layers']} layers, hidden {dc['hidden_size']}, MLP {dc['intermediate_size']},",
         f"  {dc['num_attention_heads']} heads / {dc['num_key_value_heads']} KV heads x {dc['head_dim']};"
         f" `dflash_config` {json.dumps(dc['dflash_config'])}.",
@@ -191,7 +211,9 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
         lines += _drafter_stage(d, "")
     else:
         for i, rep in enumerate(stages):
-            lines += _drafter_stage(rep, f"Stage {i + 1} " + ("(fine-tune) " if i else ""), f"stage {i}'s weights" if i else "")
+            lines += _drafter_stage(
+                rep, f"Stage {i + 1} " + ("(fine-tune) " if i else ""), f"stage {i}'s weights" if i else ""
+            )
     lines += [
         "",
         "## Measured acceptance (held-out code prompts)",
@@ -207,13 +229,22 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
             "|---:|---:|---:|:---:|",
         ]
         for b, v in sorted(acc["per_block_size"].items(), key=lambda kv: int(kv[0])):
-            lines.append(f"| {b} | {v['mean_acceptance']:.2f} | {v['blocks']} | {'yes' if v['lossless_vs_block1'] else 'NO'} |")
+            lines.append(
+                f"| {b} | {v['mean_acceptance']:.2f} | {v['blocks']} | {'yes' if v['lossless_vs_block1'] else 'NO'} |"
+            )
         goals = {"8": 4.5, "16": 5.5}  # issue 22's goals for greedy held-out acceptance
-        said = [f"block {b}: >= {g} -- {'met' if acc['per_block_size'][b]['mean_acceptance'] >= g else '**not met**'}"
-                f" ({acc['per_block_size'][b]['mean_acceptance']:.2f})" for b, g in goals.items() if b in acc["per_block_size"]]
+        said = [
+            f"block {b}: >= {g} -- {'met' if acc['per_block_size'][b]['mean_acceptance'] >= g else '**not met**'}"
+            f" ({acc['per_block_size'][b]['mean_acceptance']:.2f})"
+            for b, g in goals.items()
+            if b in acc["per_block_size"]
+        ]
         if said:
-            lines += ["", "Goals (mean acceptance, greedy, held-out code prompts): " + "; ".join(said) + ".",
-                      "See `docs/demo-pair.md` for what was tried and what would help."]
+            lines += [
+                "",
+                "Goals (mean acceptance, greedy, held-out code prompts): " + "; ".join(said) + ".",
+                "See `docs/demo-pair.md` for what was tried and what would help.",
+            ]
         lines += _sampled(acc.get("sampled"), acc["per_block_size"])
         lines.append("")
     if pair_cost is not None:
@@ -223,11 +254,22 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
         "",
         "```bash",
         _cmd(t, {t["args"]["out"]: "OUT/target"}),
-        *[_cmd(rep, {rep["args"]["out"]: _stage_dir(i, len(stages)), rep["args"]["target"]: "OUT/target",
-                     **({rep["args"]["init_from"]: _stage_dir(i - 1, len(stages))} if i else {})})
-          for i, rep in enumerate(stages)],
-        *(["python -m kakeya.checkpoints.turn_tokens OUT/target OUT/draft   # Gemma's turn markers, after training"]
-          if has_turn_tokens(root / "target") else []),
+        *[
+            _cmd(
+                rep,
+                {
+                    rep["args"]["out"]: _stage_dir(i, len(stages)),
+                    rep["args"]["target"]: "OUT/target",
+                    **({rep["args"]["init_from"]: _stage_dir(i - 1, len(stages))} if i else {}),
+                },
+            )
+            for i, rep in enumerate(stages)
+        ],
+        *(
+            ["python -m kakeya.checkpoints.turn_tokens OUT/target OUT/draft   # Gemma's turn markers, after training"]
+            if has_turn_tokens(root / "target")
+            else []
+        ),
         "python -m kakeya.training.card OUT_DIR [--pair-cost benchmarks/results/pair_cost.json]   # this card",
         "```",
         "",

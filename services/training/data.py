@@ -50,7 +50,7 @@ class Corpus:
 
     def summary(self) -> dict:
         return {
-            "source": "Python %s standard library (*.py, tests excluded)" % sysconfig.get_python_version(),
+            "source": f"Python {sysconfig.get_python_version()} standard library (*.py, tests excluded)",
             "train_files": len(self.train_files),
             "heldout_files": len(self.heldout_files),
             "train_tokens": int(self.train.size),
@@ -73,7 +73,7 @@ def load_corpus(tokenizer, heldout_pct: int = 5, max_bytes: int | None = None) -
             total += p.stat().st_size
     digest = hashlib.sha256()
     train, held = encode_files(tokenizer, train_f, root, digest), encode_files(tokenizer, held_f, root, digest)
-    rel = lambda fs: [f.relative_to(root).as_posix() for f in fs]  # noqa: E731
+    rel = lambda fs: [f.relative_to(root).as_posix() for f in fs]
     return Corpus(train, held, rel(train_f), rel(held_f), digest.hexdigest())
 
 
@@ -106,8 +106,13 @@ def prompt_stream(tokenizer, root: Path, max_bytes: int = 16 << 20) -> tuple[np.
         raise ValueError(f"--prompt-dir: no Python files under {root}")
     digest = hashlib.sha256()
     stream = encode_files(tokenizer, files, root, digest)
-    return stream, {"dir": str(root), "files": len(files), "bytes": total, "tokens": int(stream.size),
-                    "sha256": digest.hexdigest()}
+    return stream, {
+        "dir": str(root),
+        "files": len(files),
+        "bytes": total,
+        "tokens": int(stream.size),
+        "sha256": digest.hexdigest(),
+    }
 
 
 def sample_windows(stream: np.ndarray, n: int, length: int, rng: np.random.Generator) -> np.ndarray:

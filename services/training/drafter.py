@@ -124,8 +124,13 @@ def train(args) -> dict:
 
     # 1. target continuations + aux (cached in ckpt/ so a resumed run reuses them); the held-out
     #    set continues prompts from held-out FILES, to watch the drafter on text it never saw.
-    key = {"target": str(target_dir.resolve()), "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-           "tids": tids, "seed": args.seed} | ({"bos": True} if args.bos_prompts else {})
+    key = {
+        "target": str(target_dir.resolve()),
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        "tids": tids,
+        "seed": args.seed,
+    } | ({"bos": True} if args.bos_prompts else {})
     target_box: list[TorchTarget] = []
 
     def get_target() -> TorchTarget:
@@ -143,17 +148,45 @@ def train(args) -> dict:
         source, prompts_from = data.prompt_stream(tok, Path(args.prompt_dir), args.prompt_dir_bytes)
         train_key |= {"prompts": prompts_from["sha256"]}
     train_set, data_s = cached_continuations(
-        ckpt / "data", train_key,
-        lambda out: make_dataset(get_target(), source, args.sequences, args.prompt_len, args.gen_len, tids,
-                                 args.seed, args.gen_batch, args.quiet, args.bos_prompts, temps, out), args.quiet)
+        ckpt / "data",
+        train_key,
+        lambda out: make_dataset(
+            get_target(),
+            source,
+            args.sequences,
+            args.prompt_len,
+            args.gen_len,
+            tids,
+            args.seed,
+            args.gen_batch,
+            args.quiet,
+            args.bos_prompts,
+            temps,
+            out,
+        ),
+        args.quiet,
+    )
     seqs = train_set.seqs
     val = None
     if args.val_sequences:  # greedy: the replayed acceptance is the greedy engine's
         val_set, _ = cached_continuations(
-            ckpt / "val", key | {"n_seq": args.val_sequences, "split": "heldout"},
-            lambda out: make_dataset(get_target(), corpus.heldout, args.val_sequences, args.prompt_len,
-                                     args.gen_len, tids, args.seed + 1, args.gen_batch, args.quiet, args.bos_prompts,
-                                     out=out), args.quiet)
+            ckpt / "val",
+            key | {"n_seq": args.val_sequences, "split": "heldout"},
+            lambda out: make_dataset(
+                get_target(),
+                corpus.heldout,
+                args.val_sequences,
+                args.prompt_len,
+                args.gen_len,
+                tids,
+                args.seed + 1,
+                args.gen_batch,
+                args.quiet,
+                args.bos_prompts,
+                out=out,
+            ),
+            args.quiet,
+        )
         val = (np.asarray(val_set.seqs), np.asarray(val_set.aux))
     target_box.clear()
 
@@ -163,8 +196,11 @@ def train(args) -> dict:
     n_params = sum(p.numel() for p in params)
     decay = [p for p in params if p.ndim >= 2]
     other = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": other, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": other, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
     meta = None
     if args.resume and (ckpt / "state.json").is_file():
         meta = json.loads((ckpt / "state.json").read_text())
@@ -193,24 +229,38 @@ def train(args) -> dict:
     if T - max(block_sizes) < P:
         raise ValueError("--gen-len must be >= the largest training block size")
     if not args.quiet:
-        log(f"drafter: {n_params/1e6:.2f}M params (+ frozen target embedding/LM head), {len(seqs)} sequences x {T} tokens"
-            + (f", resuming at step {step}" if step else ""))
+        log(
+            f"drafter: {n_params / 1e6:.2f}M params (+ frozen target embedding/LM head), {len(seqs)} sequences x {T} tokens"
+            + (f", resuming at step {step}" if step else "")
+        )
     bar = common.Progress(args.steps, "train-drafter", start=step, quiet=args.quiet)
     t_start = time.time()
 
     def save() -> None:
         torch.save({"model": trainer.model.state_dict(), "opt": opt.state_dict()}, ckpt / "state.pt")
         tmp = ckpt / "state.json.tmp"
-        tmp.write_text(json.dumps({"step": step, "curve": curve, "val_curve": val_curve, "config": cfg,
-                                   "train_s": train_s + time.time() - t_start}) + "\n")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "step": step,
+                    "curve": curve,
+                    "val_curve": val_curve,
+                    "config": cfg,
+                    "train_s": train_s + time.time() - t_start,
+                }
+            )
+            + "\n"
+        )
         tmp.replace(ckpt / "state.json")
 
     def held_out() -> None:
         ev = evaluate(trainer, val[0], val[1], P, args.block_size)
         val_curve.append({"step": step} | ev)
         if not args.quiet:
-            log(f"\nstep {step}: held-out loss {ev['loss']:.4f}, acc1 {ev['acc_per_position'][0]:.3f}, acceptance at "
-                f"block {args.block_size}: {ev['acceptance']:.3f} (uniform anchors {ev['acceptance_uniform_anchors']:.3f})")
+            log(
+                f"\nstep {step}: held-out loss {ev['loss']:.4f}, acc1 {ev['acc_per_position'][0]:.3f}, acceptance at "
+                f"block {args.block_size}: {ev['acceptance']:.3f} (uniform anchors {ev['acceptance_uniform_anchors']:.3f})"
+            )
 
     on_device = _data_on_device(train_set, device, args.data_on_device, args.soft_weight, args.quiet)
     trainer.model.train()
@@ -221,7 +271,9 @@ def train(args) -> dict:
         rng = np.random.default_rng([args.seed, 11, step])
         B = int(block_sizes[rng.integers(len(block_sizes))])
         r = 0  # a pre-draft's shape: r known tokens after the anchor (a pending block's), then B - 1 masks
-        if args.predraft_share and rng.random() < args.predraft_share:  # drawn only then: a run without it keeps its stream
+        if (
+            args.predraft_share and rng.random() < args.predraft_share
+        ):  # drawn only then: a run without it keeps its stream
             r = int(rng.integers(1, B))
         idx = rng.choice(len(seqs), size=args.batch, replace=False)
         anchors = rng.integers(P, T - (B + r) + 1, size=(args.batch, args.anchors))
@@ -236,8 +288,17 @@ def train(args) -> dict:
             aux, final = on_device[0][rows], (on_device[1][rows] if args.soft_weight else None)
         else:  # float16 as stored (half the bytes read): the trainer widens it on the device
             aux, final = train_set.aux[idx], (train_set.final[idx] if args.soft_weight else None)
-        loss, acc = trainer.loss(seqs[idx], aux, anchors, B + r, gamma if gamma > 0 else B / 2, final=final, hard=hard,
-                                 soft_weight=args.soft_weight, reveal=reveal)
+        loss, acc = trainer.loss(
+            seqs[idx],
+            aux,
+            anchors,
+            B + r,
+            gamma if gamma > 0 else B / 2,
+            final=final,
+            hard=hard,
+            soft_weight=args.soft_weight,
+            reveal=reveal,
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
@@ -268,18 +329,40 @@ def train(args) -> dict:
         "args": {k: v for k, v in vars(args).items() if k != "func"},
         "target": str(target_dir),
         "params": int(n_params),
-        "config": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                                       "num_key_value_heads", "head_dim")} | {"dflash_config": cfg["dflash_config"]},
-        "data": {"sequences": int(len(seqs)), "heldout_sequences": int(len(val[0])) if val else 0,
-                 "prompt_len": P, "gen_len": int(T - P),
-                 "from": ("train split windows" if prompts_from is None else
-                          f"windows of {prompts_from['files']} Python files under {prompts_from['dir']} "
-                          f"({prompts_from['tokens']} tokens, sha256 {prompts_from['sha256'][:12]})")
-                         + (", <bos> first" if args.bos_prompts else ""),
-                 "labels": "target continuations at temperatures " + ", ".join(f"{x:g}" for x in temps)
-                           + " (0: greedy)" + (f"; + {args.soft_weight:g} x KL to the target's distribution"
-                                                 " (sampled continuations: KL only)" if args.soft_weight else ""),
-                 "data_s": round(data_s, 1)},
+        "config": {
+            k: cfg[k]
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "intermediate_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+            )
+        }
+        | {"dflash_config": cfg["dflash_config"]},
+        "data": {
+            "sequences": len(seqs),
+            "heldout_sequences": len(val[0]) if val else 0,
+            "prompt_len": P,
+            "gen_len": int(T - P),
+            "from": (
+                "train split windows"
+                if prompts_from is None
+                else f"windows of {prompts_from['files']} Python files under {prompts_from['dir']} "
+                f"({prompts_from['tokens']} tokens, sha256 {prompts_from['sha256'][:12]})"
+            )
+            + (", <bos> first" if args.bos_prompts else ""),
+            "labels": "target continuations at temperatures "
+            + ", ".join(f"{x:g}" for x in temps)
+            + " (0: greedy)"
+            + (
+                f"; + {args.soft_weight:g} x KL to the target's distribution (sampled continuations: KL only)"
+                if args.soft_weight
+                else ""
+            ),
+            "data_s": round(data_s, 1),
+        },
         "steps": step,
         "train_s": round(train_s, 1),
         "device": common.device_label(device),
@@ -290,8 +373,16 @@ def train(args) -> dict:
         held_prompts = heldout_prompts(corpus, args.eval_prompts, args.prompt_len)
         if not args.quiet:
             log(f"measuring acceptance on {len(held_prompts)} held-out prompts ({args.eval_backend} engine) ...")
-        report["acceptance"] = acceptance_record(target_dir, out, held_prompts, args.prompt_len,
-                                                 ints(args.eval_block_sizes), args.eval_max_tokens, args.eval_backend,
-                                                 floats(args.eval_temperatures), ints(args.eval_sampled_block_sizes))
+        report["acceptance"] = acceptance_record(
+            target_dir,
+            out,
+            held_prompts,
+            args.prompt_len,
+            ints(args.eval_block_sizes),
+            args.eval_max_tokens,
+            args.eval_backend,
+            floats(args.eval_temperatures),
+            ints(args.eval_sampled_block_sizes),
+        )
     common.write_json(out / "report.json", report)
     return report

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -26,8 +26,9 @@ def replay(leading: np.ndarray) -> list[int]:
     return out
 
 
-def leading_right(trainer: BlockTrainer, seqs: np.ndarray, aux: np.ndarray, prompt_len: int, B: int,
-                  batch: int = 4) -> tuple[np.ndarray, np.ndarray, float]:
+def leading_right(
+    trainer: BlockTrainer, seqs: np.ndarray, aux: np.ndarray, prompt_len: int, B: int, batch: int = 4
+) -> tuple[np.ndarray, np.ndarray, float]:
     """Teacher-forced blocks at EVERY anchor ``prompt_len .. T-B`` of each sequence.
 
     Returns ``leading`` [N, anchors] (right candidates before the first wrong one), ``right``
@@ -45,8 +46,11 @@ def leading_right(trainer: BlockTrainer, seqs: np.ndarray, aux: np.ndarray, prom
             s = seqs[i : i + batch]
             anc = np.broadcast_to(anchors, (len(s), len(anchors)))
             logits, labels = trainer.block_logits(s, aux[i : i + batch].astype(np.float32), anc, B)
-            ce_sum += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                              reduction="sum"))
+            ce_sum += float(
+                torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum"
+                )
+            )
             n += labels.numel()
             ok = (logits.argmax(-1) == labels).cpu().numpy().reshape(len(s), len(anchors), B - 1)
             right.append(ok.reshape(-1, B - 1))
@@ -72,7 +76,7 @@ def evaluate(trainer: BlockTrainer, seqs: np.ndarray, aux: np.ndarray, prompt_le
         "acceptance": round(float(np.mean(lengths)), 4),
         "acceptance_uniform_anchors": round(1.0 + float(lead.mean()), 4),
         "blocks": len(lengths),
-        "sequences": int(len(seqs)),
+        "sequences": len(seqs),
     }
 
 
@@ -100,8 +104,9 @@ def pooled(per_prompt: list[tuple[int, int]]) -> float:
     return sum(t for _, t in per_prompt) / blocks if blocks else 0.0
 
 
-def bootstrap_interval(per_prompt: list[tuple[int, int]], draws: int = 2000, level: float = 0.9,
-                       seed: int = 0, size: int | None = None) -> tuple[float, float]:
+def bootstrap_interval(
+    per_prompt: list[tuple[int, int]], draws: int = 2000, level: float = 0.9, seed: int = 0, size: int | None = None
+) -> tuple[float, float]:
     """The central ``level`` interval of :func:`pooled` over ``size`` prompts (default: as many as there are)
     drawn with replacement: with ``size`` 32, how far a 32-prompt measurement like the card's may land."""
     arr = np.asarray(per_prompt, dtype=np.float64)
@@ -146,19 +151,22 @@ def measure_acceptance(engine, prompts: list[list[int]], block_sizes: Sequence[i
     return out
 
 
-def measure_sampled(engine, prompts: list[list[int]], temperatures: Sequence[float], block_sizes: Sequence[int],
-                    max_tokens: int) -> dict:
+def measure_sampled(
+    engine, prompts: list[list[int]], temperatures: Sequence[float], block_sizes: Sequence[int], max_tokens: int
+) -> dict:
     """Mean acceptance of seeded sampled requests (the coupled rule, the default; prompt ``i`` with seed ``i``)
     per temperature and block size; each run checked against AR sampling with the same seed, which the coupled
     rule must reproduce token for token (``engine``: :func:`_engine`'s)."""
-    from kakeya.core.contract import SamplingParams
+    from kakeya.core.request import SamplingParams
     from kakeya.orchestrator.engine import Request
 
     out: dict = {}
     for T in temperatures:
-        def request(i, p, B):
-            return Request(p, max_tokens=max_tokens, block_size=B, ignore_eos=True,
-                           sampling=SamplingParams(temperature=T, seed=i))
+
+        def request(i, p, B, T=T):
+            return Request(
+                p, max_tokens=max_tokens, block_size=B, ignore_eos=True, sampling=SamplingParams(temperature=T, seed=i)
+            )
 
         ref = [engine.generate(request(i, p, 1)).token_ids for i, p in enumerate(prompts)]
         row = out[f"{T:g}"] = {}
@@ -168,14 +176,25 @@ def measure_sampled(engine, prompts: list[list[int]], temperatures: Sequence[flo
                 g = engine.generate(request(i, p, B))
                 lengths += g.acceptance_lengths
                 lossless &= g.token_ids == ref[i]
-            row[str(B)] = {"mean_acceptance": round(float(np.mean(lengths)), 4), "blocks": len(lengths),
-                           "lossless_vs_ar_sampling": bool(lossless)}
+            row[str(B)] = {
+                "mean_acceptance": round(float(np.mean(lengths)), 4),
+                "blocks": len(lengths),
+                "lossless_vs_ar_sampling": bool(lossless),
+            }
     return out
 
 
-def acceptance_record(target_dir: Path, draft_dir: Path, prompts: list[list[int]], prompt_len: int,
-                      block_sizes: Sequence[int], max_tokens: int, backend: str, temperatures: Sequence[float] = (),
-                      sampled_block_sizes: Sequence[int] = (8, 16)) -> dict:
+def acceptance_record(
+    target_dir: Path,
+    draft_dir: Path,
+    prompts: list[list[int]],
+    prompt_len: int,
+    block_sizes: Sequence[int],
+    max_tokens: int,
+    backend: str,
+    temperatures: Sequence[float] = (),
+    sampled_block_sizes: Sequence[int] = (8, 16),
+) -> dict:
     """The ``acceptance`` block of a drafter's ``report.json`` (what its model card's tables show):
     :func:`measure_acceptance` with the prompts' provenance, and :func:`measure_sampled` at ``temperatures``."""
     engine = _engine(target_dir, draft_dir, backend)  # one load for both measurements
@@ -220,33 +239,60 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-sizes", default="2,4,8,16")
     ap.add_argument("--backend", default="torch", choices=["auto", "mlx", "torch"])
-    ap.add_argument("--temperatures", default="0.7,1.0",
-                    help="sampled acceptance too, at these temperatures (coupled rule, prompt i with seed i; '': greedy only)")
+    ap.add_argument(
+        "--temperatures",
+        default="0.7,1.0",
+        help="sampled acceptance too, at these temperatures (coupled rule, prompt i with seed i; '': greedy only)",
+    )
     ap.add_argument("--sampled-block-sizes", default="8,16")
-    ap.add_argument("--record", action="store_true",
-                    help="also write each measurement into that drafter's report.json as its `acceptance` (the model"
-                         " card's table), as train-drafter does when it measures: for a drafter trained elsewhere")
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help="also write each measurement into that drafter's report.json as its `acceptance` (the model"
+        " card's table), as train-drafter does when it measures: for a drafter trained elsewhere",
+    )
     args = ap.parse_args(argv)
     corpus = data.load_corpus(data.target_tokenizer(Path(args.target)))
     prompts = heldout_prompts(corpus, args.prompts, args.prompt_len)
     sizes = ints(args.block_sizes)
     for draft in args.drafts:
         print(f"measuring {draft} on {len(prompts)} held-out prompts ...", file=sys.stderr, flush=True)
-        rec = acceptance_record(Path(args.target), Path(draft), prompts, args.prompt_len, sizes, args.max_tokens,
-                                args.backend, floats(args.temperatures), ints(args.sampled_block_sizes))
+        rec = acceptance_record(
+            Path(args.target),
+            Path(draft),
+            prompts,
+            args.prompt_len,
+            sizes,
+            args.max_tokens,
+            args.backend,
+            floats(args.temperatures),
+            ints(args.sampled_block_sizes),
+        )
         per = rec["per_block_size"]
-        sampled = {T: {b: v["mean_acceptance"] for b, v in row.items()}
-                   for T, row in rec.get("sampled", {}).get("per_temperature", {}).items()}
+        sampled = {
+            T: {b: v["mean_acceptance"] for b, v in row.items()}
+            for T, row in rec.get("sampled", {}).get("per_temperature", {}).items()
+        }
         if args.record:
             report = Path(draft) / "report.json"
             if not report.is_file():
                 raise SystemExit(f"--record: {report} does not exist (the trainer writes it)")
             common.write_json(report, json.loads(report.read_text()) | {"acceptance": rec})
         lossless = all(v["lossless_vs_block1"] for v in per.values()) and all(
-            v["lossless_vs_ar_sampling"] for row in rec.get("sampled", {}).get("per_temperature", {}).values()
-            for v in row.values())
-        print(json.dumps({"draft": draft, "mean_acceptance": {b: v["mean_acceptance"] for b, v in per.items()},
-                          "sampled_mean_acceptance": sampled, "lossless": lossless}))
+            v["lossless_vs_ar_sampling"]
+            for row in rec.get("sampled", {}).get("per_temperature", {}).values()
+            for v in row.values()
+        )
+        print(
+            json.dumps(
+                {
+                    "draft": draft,
+                    "mean_acceptance": {b: v["mean_acceptance"] for b, v in per.items()},
+                    "sampled_mean_acceptance": sampled,
+                    "lossless": lossless,
+                }
+            )
+        )
     return 0
 
 

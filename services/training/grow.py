@@ -31,7 +31,9 @@ def why_not(small: dict, big: dict) -> str | None:
     """Why the drafter config ``small`` cannot grow into ``big`` (None: it can)."""
     other = sorted(k for k in set(small) | set(big) if small.get(k) != big.get(k) and k not in GROWABLE)
     if other:
-        return f"its config.json differs from this run's drafter config in {other} (only --intermediate and --layers grow)"
+        return (
+            f"its config.json differs from this run's drafter config in {other} (only --intermediate and --layers grow)"
+        )
     if big["intermediate_size"] < small["intermediate_size"] or big["num_hidden_layers"] < small["num_hidden_layers"]:
         return "a drafter grows, never shrinks: --intermediate and --layers must be at least its own"
     if big["layer_types"][: small["num_hidden_layers"]] != small["layer_types"]:

@@ -71,7 +71,7 @@ def init_model(cfg: dict, seed: int):
 
 
 def loss_fn(model, batch: mx.array) -> mx.array:
-    import mlx.nn as nn
+    from mlx import nn
 
     logits = model(batch[:, :-1])
     return nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean")
@@ -103,7 +103,7 @@ class MLXBackend:
 
     def __init__(self, cfg: dict, args):
         import mlx.core as mx
-        import mlx.nn as nn
+        from mlx import nn
         from mlx.utils import tree_flatten
 
         self.mx, self.tree_flatten = mx, tree_flatten
@@ -176,7 +176,8 @@ class TorchBackend:
         other = [p for n, p in self.model.named_parameters() if p.ndim < 2]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": args.weight_decay}, {"params": other, "weight_decay": 0.0}],
-            lr=args.lr, betas=(0.9, 0.95),
+            lr=args.lr,
+            betas=(0.9, 0.95),
         )
 
     @property
@@ -254,7 +255,9 @@ def train(args) -> dict:
     ckpt = out / "ckpt"
     meta = be.load(ckpt) if args.resume else None
     if meta is not None and (meta.get("config") != cfg or meta.get("backend") != be.name):
-        raise ValueError(f"{ckpt}: checkpoint was trained with a different config/backend; drop --resume or change --out")
+        raise ValueError(
+            f"{ckpt}: checkpoint was trained with a different config/backend; drop --resume or change --out"
+        )
     step = meta["step"] if meta else 0
     curve = meta["curve"] if meta else []
     evals = meta["evals"] if meta else []
@@ -265,14 +268,20 @@ def train(args) -> dict:
     bar = common.Progress(args.steps, "train-target", start=step, quiet=args.quiet)
     if not args.quiet:
         common_log(
-            f"target ({be.name}): {be.n_params/1e6:.2f}M params, {corpus.train.size} train / "
+            f"target ({be.name}): {be.n_params / 1e6:.2f}M params, {corpus.train.size} train / "
             f"{corpus.heldout.size} held-out tokens" + (f", resuming at step {step}" if step else "")
         )
     t_start = time.time()
 
     def state() -> dict:
-        return {"step": step, "curve": curve, "evals": evals, "train_s": train_s + (time.time() - t_start),
-                "config": cfg, "backend": be.name}
+        return {
+            "step": step,
+            "curve": curve,
+            "evals": evals,
+            "train_s": train_s + (time.time() - t_start),
+            "config": cfg,
+            "backend": be.name,
+        }
 
     while step < args.steps:
         spent = common.budget_spent(train_s + time.time() - t_start, args.time_budget)  # 0: no budget
@@ -302,9 +311,22 @@ def train(args) -> dict:
         "backend": be.name,
         "args": {k: v for k, v in vars(args).items() if k != "func"},
         "params": int(be.n_params),
-        "config": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "layer_types", "sliding_window",
-                                       "head_dim", "global_head_dim", "num_attention_heads", "num_key_value_heads",
-                                       "intermediate_size", "vocab_size", "final_logit_softcapping")},
+        "config": {
+            k: cfg[k]
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "layer_types",
+                "sliding_window",
+                "head_dim",
+                "global_head_dim",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "intermediate_size",
+                "vocab_size",
+                "final_logit_softcapping",
+            )
+        },
         "corpus": corpus.summary(),
         "steps": step,
         "tokens_seen": int(step * args.batch * args.seq_len),

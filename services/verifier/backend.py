@@ -20,11 +20,12 @@ own ``RingLayout``): a session's own forward is a batch of one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
-from kakeya.core.contract import CachePolicy
+from kakeya.core.request import CachePolicy
 from kakeya.verifier.caches import SessionCaches
 from kakeya.verifier.layout import ForwardPlan, RingLayout
 
@@ -136,8 +137,9 @@ class Target(Protocol):
         """The length a block of ``n`` runs at in the static step (padded up to a bucket within ``slack``)."""
         raise NotImplementedError(f"the {self.backend} backend has no static verify step")
 
-    def verify_static(self, ids: Sequence[int], caches: SessionCaches, aux_layers: tuple[int, ...],
-                      plan: ForwardPlan) -> tuple[list[int], Any]:
+    def verify_static(
+        self, ids: Sequence[int], caches: SessionCaches, aux_layers: tuple[int, ...], plan: ForwardPlan
+    ) -> tuple[list[int], Any]:
         """A greedy verify of ``ids`` (planned at :meth:`static_length`): ``(choices, aux of ids)``."""
         raise NotImplementedError(f"the {self.backend} backend has no static verify step")
 

@@ -24,7 +24,8 @@ head); attention, caches, positions, masks, noise and random streams stay its ow
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kakeya.verifier.session import VerifierSession
 
@@ -57,14 +58,14 @@ def verify_batch(items: Sequence[Item]) -> list[Any]:
         try:
             for i, r in zip(group, _together([items[i] for i in group])):
                 results[i] = r
-        except Exception as exc:  # the forward itself failed: every session in it hears why
+        except Exception as exc:  # noqa: BLE001 - the forward itself failed: every session in it hears why
             for i in group:
                 results[i] = exc
     for i in alone:
         session, ids, proposal = items[i]
         try:
             results[i] = session.verify(ids, proposal)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - its own failure, its result alone
             results[i] = exc
     return results
 

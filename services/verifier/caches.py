@@ -12,7 +12,8 @@ add only their array operations.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kakeya.core.contract import SLIDING
 from kakeya.verifier.layout import ForwardPlan

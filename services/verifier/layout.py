@@ -25,8 +25,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kakeya.core.contract import CachePolicy  # noqa: F401  (the policy this module enforces)
-
 EMPTY = -1  # slot holds no position yet
 
 
@@ -65,7 +63,9 @@ class ForwardPlan:
     used: int  # slots attended to from the ring
     writes: tuple[RingWrite, ...]
     mask: np.ndarray  # bool [n_new, used (+ n_new if not in_place)], True = attend
-    slot_positions: np.ndarray  # int64 [capacity]: each slot's position before this forward (EMPTY: none); never mutated
+    slot_positions: (
+        np.ndarray
+    )  # int64 [capacity]: each slot's position before this forward (EMPTY: none); never mutated
     serial: int  # forwards the layout applied before this one: a device copy of slot_positions is current iff it saw them all
     restore: RestoreView | None = None
 
@@ -81,7 +81,9 @@ class RingLayout:
         self.capacity = sink + self.rotating
         self.positions = np.full(self.capacity, EMPTY, dtype=np.int64)
         self.offset = 0  # absolute position of the next token
-        self.written = 0  # one past the newest position ever written (a trimmed block's too): what trims reach back from
+        self.written = (
+            0  # one past the newest position ever written (a trimmed block's too): what trims reach back from
+        )
         self.used = 0  # slots [0, used) have been written at least once
         self.forwards = 0  # forwards applied so far
         self._pending: ForwardPlan | None = None

@@ -17,19 +17,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kakeya.core.contract import FULL, SLIDING, CachePolicy
+from kakeya.core.contract import FULL, SLIDING
+from kakeya.core.request import CachePolicy
 
 # Published text configs (only the fields the KV size depends on).
 PRESETS = {
     "gemma-4-26b-a4b": {
-        "num_hidden_layers": 30, "sliding_window": 1024, "layer_pattern": 6,
-        "num_key_value_heads": 8, "head_dim": 256, "num_global_key_value_heads": 2, "global_head_dim": 512,
-        "attention_k_eq_v": True, "num_kv_shared_layers": 0, "dtype": "bfloat16",
+        "num_hidden_layers": 30,
+        "sliding_window": 1024,
+        "layer_pattern": 6,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "num_global_key_value_heads": 2,
+        "global_head_dim": 512,
+        "attention_k_eq_v": True,
+        "num_kv_shared_layers": 0,
+        "dtype": "bfloat16",
     },
     "gemma-4-31b": {
-        "num_hidden_layers": 60, "sliding_window": 1024, "layer_pattern": 6,
-        "num_key_value_heads": 16, "head_dim": 256, "num_global_key_value_heads": 4, "global_head_dim": 512,
-        "attention_k_eq_v": True, "num_kv_shared_layers": 0, "dtype": "bfloat16",
+        "num_hidden_layers": 60,
+        "sliding_window": 1024,
+        "layer_pattern": 6,
+        "num_key_value_heads": 16,
+        "head_dim": 256,
+        "num_global_key_value_heads": 4,
+        "global_head_dim": 512,
+        "attention_k_eq_v": True,
+        "num_kv_shared_layers": 0,
+        "dtype": "bfloat16",
     },
 }
 
@@ -47,7 +62,7 @@ class KVShape:
     dtype_bytes: int
 
     @classmethod
-    def from_config(cls, cfg: dict, dtype: str | None = None) -> "KVShape":
+    def from_config(cls, cfg: dict, dtype: str | None = None) -> KVShape:
         n = cfg["num_hidden_layers"]
         types = cfg.get("layer_types")
         if not types:
@@ -116,7 +131,9 @@ def policy_table(shape: KVShape, context: int, sink: int = 4, window: int = 64, 
         for bits in (0, 8):
             suffix = f"+kv{bits}" if bits else ""
             row = dict(table["sink-window" + suffix])
-            row["restored_bytes"] = restored_bytes(shape, CachePolicy("sink-window", sink=sink, window=window), restore_rank)
+            row["restored_bytes"] = restored_bytes(
+                shape, CachePolicy("sink-window", sink=sink, window=window), restore_rank
+            )
             row["total_bytes"] += row["restored_bytes"]
             table["sink-window" + suffix + "+restore"] = row
     return table

@@ -20,12 +20,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from kakeya.core.contract import Draft
 from kakeya.runtime import bounds
-from kakeya.runtime.lifecycle import ServerSpec, check_policy, check_token_ids, invalid, policy_from_request, precondition, version
+from kakeya.runtime.lifecycle import (
+    ServerSpec,
+    check_policy,
+    check_token_ids,
+    invalid,
+    policy_from_request,
+    precondition,
+    version,
+)
 from kakeya.runtime.servicer import SessionLimits, SessionServicer
 from kakeya.verifier.batch import verify_batch
 from kakeya.verifier.session import check_proposal
@@ -113,7 +121,9 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         target = self.verifier.target
         for name, path in self.restore.by_name.items():
             if not target.restores:
-                raise ValueError(f"--restore {name}: f_theta restoration is not implemented on the {self.verifier.info.backend} backend")
+                raise ValueError(
+                    f"--restore {name}: f_theta restoration is not implemented on the {self.verifier.info.backend} backend"
+                )
             try:
                 target.restorer(path)
             except (OSError, ValueError) as exc:
@@ -191,7 +201,9 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             if session is None:
                 self._check_open(req, kind)
                 if req.open.max_positions < 0:
-                    raise invalid(f"open.max_positions must be >= 0 (0: the server's max_context), got {req.open.max_positions}")
+                    raise invalid(
+                        f"open.max_positions must be >= 0 (0: the server's max_context), got {req.open.max_positions}"
+                    )
                 try:
                     max_positions = self.context_limits.check_positions(
                         req.open.max_positions or self.context_limits.max_context, "open.max_positions"
@@ -230,8 +242,11 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                 reuse = None if req.prefill.reuse_any else tuple(req.prefill.reuse_positions)
                 next_token, aux, stats = self._prefill(entry, session, ids, reuse)
                 prefilled = True
-                resp = pb.VerifierResponse(prefilled=pb.VerifierResponse.Prefilled(
-                    next_token=next_token, aux=aux, stats=stats, cached_tokens=session.cached_tokens))
+                resp = pb.VerifierResponse(
+                    prefilled=pb.VerifierResponse.Prefilled(
+                        next_token=next_token, aux=aux, stats=stats, cached_tokens=session.cached_tokens
+                    )
+                )
             elif kind == "verify":
                 if not prefilled:
                     raise precondition("verify: prefill the prompt first")
@@ -259,7 +274,9 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                 resp = pb.VerifierResponse(saved=pb.VerifierResponse.Saved(kept=kept))
             elif kind == "close":
                 stats = _stats_proto(self.compute.run(session.stats))
-                yield pb.VerifierResponse(closed=pb.VerifierResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0)
+                yield pb.VerifierResponse(
+                    closed=pb.VerifierResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0
+                )
                 return
             elif kind == "open":
                 raise precondition("open: the session is already open")
@@ -325,19 +342,32 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         stats = session.stats()
         self._account(entry, stats)
         return pb.VerifierResponse.Verified(
-            accepted=verdict.accepted, next_token=verdict.next_token, aux=codec.to_proto(verdict.aux), stats=_stats_proto(stats)
+            accepted=verdict.accepted,
+            next_token=verdict.next_token,
+            aux=codec.to_proto(verdict.aux),
+            stats=_stats_proto(stats),
         )
 
 
 def server_spec(
-    target_dir: str | Path, aux_layers: Sequence[int] = (), backend: str = "mlx", limits: SessionLimits = SessionLimits(), *,
-    restore: bounds.RestoreSources | None = None, tls=None, token: str | None = None, **kwargs,
+    target_dir: str | Path,
+    aux_layers: Sequence[int] = (),
+    backend: str = "mlx",
+    limits: SessionLimits = SessionLimits(),
+    *,
+    restore: bounds.RestoreSources | None = None,
+    tls=None,
+    token: str | None = None,
+    **kwargs,
 ) -> ServerSpec:
     """A verifier server: ``limits`` its sessions' (``SessionLimits``), ``restore`` the f_theta sources
     sessions may name, ``token`` the bearer token callers must present (None: none), ``kwargs`` the
     loader's (``loader.local_verifier``)."""
     servicer = VerifierServicer(limits, restore)
     return servicer.spec(
-        pb.DESCRIPTOR.services_by_name["VerifierService"], lambda: servicer.load(target_dir, aux_layers, backend, **kwargs), tls=tls, token=token,
+        pb.DESCRIPTOR.services_by_name["VerifierService"],
+        lambda: servicer.load(target_dir, aux_layers, backend, **kwargs),
+        tls=tls,
+        token=token,
         max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES,  # token ids only; answers may be big
     )

@@ -16,9 +16,9 @@ are what the batch runner and the backend tests drive.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Generator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Collection, Generator, Sequence
 
 import numpy as np
 
@@ -26,19 +26,17 @@ from kakeya.checkpoints.config import load_target_config
 from kakeya.core import noise
 from kakeya.core import sampling as lossless
 from kakeya.core.contract import (
-    COUPLED,
     VERIFIER_STREAM,
-    CachePolicy,
     Draft,
     ModelInfo,
     Proposal,
-    SamplingParams,
     SessionOptions,
     Verdict,
     accept,
     session_rng,
 )
 from kakeya.core.prefix import PrefixCache
+from kakeya.core.request import COUPLED, CachePolicy, SamplingParams
 from kakeya.verifier import snapshot
 from kakeya.verifier.backend import Forward, Segment, Target
 from kakeya.verifier.layout import RestoreView, RingLayout, restore_mask
@@ -69,7 +67,9 @@ def check_proposal(candidates: Sequence[int], proposal: Proposal | None, rule: s
     sums = probs.sum(-1, dtype=np.float64)
     if (np.abs(sums - 1.0) > PROPOSAL_SUM_TOLERANCE).any():
         row = int(np.argmax(np.abs(sums - 1.0)))
-        raise ValueError(f"proposal.probs: row {row} sums to {sums[row]:.6g}; each row must sum to 1 (within {PROPOSAL_SUM_TOLERANCE:g})")
+        raise ValueError(
+            f"proposal.probs: row {row} sums to {sums[row]:.6g}; each row must sum to 1 (within {PROPOSAL_SUM_TOLERANCE:g})"
+        )
     ordered = np.sort(ids, axis=-1)
     if (ordered[:, 1:] == ordered[:, :-1]).any():
         raise ValueError("proposal.ids: an id repeats within a row; each row lists distinct tokens")
@@ -81,8 +81,14 @@ def check_proposal(candidates: Sequence[int], proposal: Proposal | None, rule: s
 class VerifierSession:
     """``prefixes``: the verifier's prefix cache (None: none), which :meth:`resume` reads and :meth:`save` fills."""
 
-    def __init__(self, target: Target, aux_layers: Sequence[int], policy: CachePolicy, sampling: SamplingParams | None = None,
-                 prefixes: PrefixCache | None = None):
+    def __init__(
+        self,
+        target: Target,
+        aux_layers: Sequence[int],
+        policy: CachePolicy,
+        sampling: SamplingParams | None = None,
+        prefixes: PrefixCache | None = None,
+    ):
         self.target = target
         self.prefixes = prefixes
         # Sampling runs on the device (target.sampler). The coupled rule's noise is a function of
@@ -120,11 +126,15 @@ class VerifierSession:
         query may see restored, even after a trim of up to ``slack``.
         """
         if not target.restores:
-            raise ValueError(f"cache policy restore: f_theta restoration is not implemented on the {target.backend} backend")
+            raise ValueError(
+                f"cache policy restore: f_theta restoration is not implemented on the {target.backend} backend"
+            )
         self.restorer = target.restorer(self.policy.restore)
         missing = [i for i in self.restorer.config.target_layer_ids if i not in self.aux_layers]
         if missing:
-            raise ValueError(f"cache policy restore: f_theta reads aux of layers {missing}, which this session does not capture")
+            raise ValueError(
+                f"cache policy restore: f_theta reads aux of layers {missing}, which this session does not capture"
+            )
         self.latent_layout = RingLayout(0, target.args.sliding_window, self.policy.slack)
         self.latents = target.make_latent_ring(self.latent_layout, self.restorer)
 
@@ -147,8 +157,10 @@ class VerifierSession:
         """``segment`` ran: the layout moves on (with f_theta, the forward's latent codes join the latent ring)."""
         self.layout.applied()
         if self.latents is not None:
-            self.latents.write(self.latent_layout.plan(len(segment.ids)),
-                               self.target.encode_latents(self.restorer, out.aux, self.aux_layers))
+            self.latents.write(
+                self.latent_layout.plan(len(segment.ids)),
+                self.target.encode_latents(self.restorer, out.aux, self.aux_layers),
+            )
             self.latent_layout.applied()
 
     def _forward(self, ids: Sequence[int]) -> Forward:
@@ -176,8 +188,9 @@ class VerifierSession:
             except StopIteration as done:
                 return (*done.value, self.cached_tokens)
 
-    def prefill_steps(self, prompt_ids: Sequence[int], reuse: Collection[int] | None = (),
-                      count: bool = False) -> Generator[int, None, tuple]:
+    def prefill_steps(
+        self, prompt_ids: Sequence[int], reuse: Collection[int] | None = (), count: bool = False
+    ) -> Generator[int, None, tuple]:
         """:meth:`prefill` one chunk per ``next()``; the generator's return value is prefill's.
 
         Yields the positions done after every chunk but the last (which also takes
@@ -212,7 +225,9 @@ class VerifierSession:
             first = self._coupled(out.hidden[:, -1:], self.offset)[0]
         else:
             _, u = lossless.verify_uniforms(self.rng, 1)
-            first = self.target.sampler.sample_next(self.target.logits(out.hidden[:, -1:])[0], self.sampling, float(u[0]))
+            first = self.target.sampler.sample_next(
+                self.target.logits(out.hidden[:, -1:])[0], self.sampling, float(u[0])
+            )
         return first, self.target.cat(chunks)
 
     def decide(self, last_token: int, draft: Draft) -> Verdict:
@@ -293,7 +308,9 @@ class VerifierSession:
         if self.sampling is not None:
             check_proposal(block_ids[1:], proposal, self.sampling.rule)
 
-    def accept(self, block_ids: Sequence[int], proposal: Proposal | None, out, greedy: list[int] | None = None) -> list[int]:
+    def accept(
+        self, block_ids: Sequence[int], proposal: Proposal | None, out, greedy: list[int] | None = None
+    ) -> list[int]:
         """After the block's forward ``out``: the pending block for :meth:`commit`, and the choices
         (greedy: the argmax rows, ``greedy`` when a batched caller already took them; coupled: the
         noisy argmax rows; rejection: the acceptance test on this session's logits with its own uniforms)."""
@@ -353,8 +370,14 @@ class VerifierSession:
 class LocalVerifier:
     """A loaded target in this process; hands out independent sessions (``prefixes``: their prefix cache)."""
 
-    def __init__(self, target: Target, target_dir: str | Path, aux_layers: Sequence[int], policy: CachePolicy = CachePolicy(),
-                 prefixes: PrefixCache | None = None):
+    def __init__(
+        self,
+        target: Target,
+        target_dir: str | Path,
+        aux_layers: Sequence[int],
+        policy: CachePolicy = CachePolicy(),
+        prefixes: PrefixCache | None = None,
+    ):
         cfg = load_target_config(target_dir)
         self.target = target
         self.prefixes = prefixes
@@ -374,7 +397,10 @@ class LocalVerifier:
         )
 
     def open_session(
-        self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None, options: SessionOptions | None = None
+        self,
+        policy: CachePolicy | None = None,
+        sampling: SamplingParams | None = None,
+        options: SessionOptions | None = None,
     ) -> VerifierSession:
         return VerifierSession(self.target, self.aux_layers, policy or self.policy, sampling, self.prefixes)
 
@@ -382,7 +408,9 @@ class LocalVerifier:
         return True  # in this process: it answers whenever it is asked
 
 
-def mlx_verifier(target_dir: str | Path, aux_layers: Sequence[int], policy: CachePolicy = CachePolicy()) -> LocalVerifier:
+def mlx_verifier(
+    target_dir: str | Path, aux_layers: Sequence[int], policy: CachePolicy = CachePolicy()
+) -> LocalVerifier:
     from kakeya.verifier.mlx_backend.target import TargetMLX
 
     return LocalVerifier(TargetMLX.load(target_dir), target_dir, aux_layers, policy)

@@ -10,4 +10,4 @@
 
 from kakeya.wire.codec import from_proto, to_proto
 
-__all__ = ["to_proto", "from_proto"]
+__all__ = ["from_proto", "to_proto"]

@@ -39,12 +39,12 @@ from kakeya.wire.kakeya.v1.tensor_pb2 import DType, Tensor
 __all__ = [
     "DType",
     "Tensor",
-    "to_proto",
-    "from_proto",
-    "validate",
-    "dtype_name",
     "bfloat16_to_float32",
+    "dtype_name",
     "float32_to_bfloat16",
+    "from_proto",
+    "to_proto",
+    "validate",
 ]
 
 LIKES = ("numpy", "mlx", "torch")

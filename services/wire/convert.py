@@ -14,7 +14,8 @@ import dataclasses
 
 import numpy as np
 
-from kakeya.core.contract import COUPLED, MAX_BLOCK_SIZE, REJECTION, CachePolicy, ModelInfo, Proposal, SamplingParams
+from kakeya.core.contract import ModelInfo, Proposal
+from kakeya.core.request import COUPLED, MAX_BLOCK_SIZE, REJECTION, CachePolicy, SamplingParams
 from kakeya.wire.kakeya.v1 import cache_pb2
 from kakeya.wire.kakeya.v1 import generate_pb2 as gpb
 from kakeya.wire.kakeya.v1 import sampling_pb2 as spb
@@ -82,15 +83,22 @@ _VERIFIER_INFO_FIELDS = ("vocab_size", "hidden_size", "num_layers", "sliding_win
 def verifier_info_to_proto(info: ModelInfo, aux_layers, **server_fields) -> vpb.VerifierInfo:
     """What a verifier server publishes: the model's facts plus the server's own (``server_fields``)."""
     same = {f: getattr(info, f) for f in _VERIFIER_INFO_FIELDS}
-    return vpb.VerifierInfo(model_name=info.name, eos_token_ids=list(info.eos_token_ids), target_layer_ids=list(aux_layers),
-                            backend=info.backend, **same, **server_fields)
+    return vpb.VerifierInfo(
+        model_name=info.name,
+        eos_token_ids=list(info.eos_token_ids),
+        target_layer_ids=list(aux_layers),
+        backend=info.backend,
+        **same,
+        **server_fields,
+    )
 
 
 def model_info_from_verifier(r: vpb.VerifierInfo, backend: str, extra: dict | None = None) -> ModelInfo:
     """The ``ModelInfo`` of a remote verifier (``backend``: how this side reaches it)."""
     same = {f: getattr(r, f) for f in _VERIFIER_INFO_FIELDS + ("max_position_embeddings", "max_context")}
-    return ModelInfo(name=r.model_name, eos_token_ids=tuple(r.eos_token_ids), backend=backend, extra=dict(extra or {}),
-                     **same)
+    return ModelInfo(
+        name=r.model_name, eos_token_ids=tuple(r.eos_token_ids), backend=backend, extra=dict(extra or {}), **same
+    )
 
 
 def public_model_info(info: ModelInfo, **api_fields) -> gpb.ModelInfo:
@@ -133,8 +141,14 @@ def rule_from_proto(value: int):
 
 
 def sampling_to_proto(s: SamplingParams) -> spb.Sampling:
-    return spb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed or 0,
-                        rule=rule_to_proto(s.rule))
+    return spb.Sampling(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        min_p=s.min_p,
+        seed=s.seed or 0,
+        rule=rule_to_proto(s.rule),
+    )
 
 
 def _sampling(field: str, m, seed: int | None) -> SamplingParams:

@@ -91,7 +91,9 @@ def server_options(
     opts = _size_options(max_message_bytes)
     if max_receive_bytes is not None:
         n = min(_check(int(max_receive_bytes), "max_receive_bytes"), dict(opts)["grpc.max_receive_message_length"])
-        opts = [(k, v) for k, v in opts if k != "grpc.max_receive_message_length"] + [("grpc.max_receive_message_length", n)]
+        opts = [(k, v) for k, v in opts if k != "grpc.max_receive_message_length"] + [
+            ("grpc.max_receive_message_length", n)
+        ]
     opts.append(("grpc.so_reuseport", 0))
     if keepalive:
         opts += [

@@ -21,7 +21,7 @@ def test_corpus_lookup_continues_the_longest_suffix_seen_twice_by_majority(bench
 
 
 def test_every_source_commits_the_targets_tokens_and_a_corpus_of_its_own_text_copies_well(demo_pair, benchmark_script):
-    from kakeya.core.contract import Request
+    from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine
     from kakeya.orchestrator.text import TextCodec
 

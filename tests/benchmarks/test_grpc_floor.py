@@ -21,8 +21,23 @@ def test_a_block_is_timed_as_two_round_trips_and_as_a_relay_chain(tmp_path, benc
     """--block: the relayed verdict really reaches the drafter (a lost one would hang the chain, not time it)."""
     mod = benchmark_script("grpc_floor")
     out = tmp_path / "floor.json"
-    argv = ["--gaps-ms", "0", "--rounds", "5", "--servers", "sync", "--block", "--verify-ms", "1", "--draft-ms", "0.5",
-            "--repeats", "1", "--out", str(out)]
+    argv = [
+        "--gaps-ms",
+        "0",
+        "--rounds",
+        "5",
+        "--servers",
+        "sync",
+        "--block",
+        "--verify-ms",
+        "1",
+        "--draft-ms",
+        "0.5",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert mod.main(argv) == 0
     block = json.loads(out.read_text())["block"]
     assert (block["verify_ms"], block["draft_ms"], block["repeats"]) == (1.0, 0.5, 1)

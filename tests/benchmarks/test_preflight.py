@@ -10,7 +10,7 @@ from packaging.requirements import Requirement
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import preflight  # noqa: E402
+import preflight
 
 
 def test_reads_the_runtime_dependencies_of_pyproject():
@@ -26,7 +26,11 @@ def test_names_what_is_missing_or_too_old():
             raise metadata.PackageNotFoundError(name)
         return installed[name]
 
-    reqs = [Requirement("grpcio>=1.85.1"), Requirement("grpcio-health-checking>=1.85.1"), Requirement("protobuf>=7.35.1")]
+    reqs = [
+        Requirement("grpcio>=1.85.1"),
+        Requirement("grpcio-health-checking>=1.85.1"),
+        Requirement("protobuf>=7.35.1"),
+    ]
     found = preflight.problems(reqs, version_of)
     assert [(r.name, have) for r, have in found] == [("grpcio", "1.84.0"), ("grpcio-health-checking", None)]
 

@@ -9,9 +9,27 @@ from benchmarks import suite
 
 def test_suite_runs_every_configuration_losslessly(tmp_path, tiny_pair):
     out = tmp_path / "suite.json"
-    argv = ["--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft), "--block-sizes", "1", "4",
-            "--prompts", "1", "--prompt-len", "16", "--max-tokens", "12", "--repeats", "1",
-            "--torch", "--split", "--out", str(out)]
+    argv = [
+        "--target",
+        str(tiny_pair.target),
+        "--draft",
+        str(tiny_pair.draft),
+        "--block-sizes",
+        "1",
+        "4",
+        "--prompts",
+        "1",
+        "--prompt-len",
+        "16",
+        "--max-tokens",
+        "12",
+        "--repeats",
+        "1",
+        "--torch",
+        "--split",
+        "--out",
+        str(out),
+    ]
     assert suite.main(argv) == 0
     res = json.loads(out.read_text())
     assert res["mlx_lm_ar"]["identical_to_kakeya"]

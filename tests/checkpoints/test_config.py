@@ -59,8 +59,7 @@ def test_wrong_model_type(tiny_pair, tmp_path):
 def test_multimodal_wrapper_returns_text_config(tiny_pair, tmp_path):
     text = json.loads((tiny_pair.target / "config.json").read_text())
     (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
-                    "text_config": text})
+        json.dumps({"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text})
     )
     cfg = load_target_config(tmp_path)
     assert cfg["model_type"] == "gemma4_text" and cfg["hidden_size"] == text["hidden_size"]
@@ -92,7 +91,7 @@ def test_eos_ids_come_from_generation_config_as_transformers_and_mlx_lm_read_the
 
 
 def test_a_generation_stops_at_any_listed_end(tiny_pair, tmp_path):
-    from kakeya.core.contract import Request
+    from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine
 
     free = build_local_engine(str(tiny_pair.target), str(tiny_pair.draft), "torch", device="cpu")

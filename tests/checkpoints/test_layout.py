@@ -29,7 +29,10 @@ def test_single_file_checkpoint_lists_its_tensors_from_the_header(tmp_path):
         "model.embed_tokens.weight": tmp_path / "model.safetensors",
         "model.norm.weight": tmp_path / "model.safetensors",
     }
-    assert sorted(safetensors_names(tmp_path / "model.safetensors")) == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert sorted(safetensors_names(tmp_path / "model.safetensors")) == [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+    ]
 
 
 def test_sharded_checkpoint_follows_the_index_weight_map(tmp_path):
@@ -42,7 +45,10 @@ def test_sharded_checkpoint_follows_the_index_weight_map(tmp_path):
         "model.norm.weight": "model-00002-of-00002.safetensors",
     }
     (tmp_path / SAFETENSORS_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
-    assert [f.name for f in shard_files(tmp_path)] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert [f.name for f in shard_files(tmp_path)] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     assert tensor_files(tmp_path) == {k: tmp_path / v for k, v in wm.items()}
 
 

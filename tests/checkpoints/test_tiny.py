@@ -87,11 +87,21 @@ def test_embedded_default_pair_is_fresh(tiny_pair):
     # The tokenizer depends on the standard library it was trained on: compare it
     # byte for byte when this interpreter's corpus is the one recorded.
     if manifest["tokenizer_corpus"]["sha256"] == tk.corpus_fingerprint():
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "generation_config.json", "chat_template.jinja"):
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "generation_config.json",
+            "chat_template.jinja",
+        ):
             assert (pair.target / name).read_bytes() == (tiny_pair.target / name).read_bytes(), name
     else:
-        for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja"):
+        for name in (
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "generation_config.json",
+            "chat_template.jinja",
+        ):
             assert (pair.target / name).read_bytes() == (tiny_pair.target / name).read_bytes(), name
 
 
@@ -172,10 +182,7 @@ def test_dflash_reference_loads_draft(tiny_pair, local_hub):
     assert cfg.input_embedding_scale == 1.0 and cfg.output_multiplier == 1.0
     # a fresh target: stream_generate wraps the target's layers in capture hooks
     model, tokenizer = mlx_lm.load(str(tiny_pair.target))
-    n = sum(
-        len(r.tokens)
-        for r in local_hub.stream_generate(model, draft, tokenizer, "hello", max_tokens=12)
-    )
+    n = sum(len(r.tokens) for r in local_hub.stream_generate(model, draft, tokenizer, "hello", max_tokens=12))
     assert n == 12
 
 

@@ -47,7 +47,11 @@ def test_transformers_auto_tokenizer(tiny_pair):
     transformers = importlib.import_module("transformers")
     tok = transformers.AutoTokenizer.from_pretrained(str(tiny_pair.target))
     assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id, tok.unk_token_id, tok.mask_token_id) == (
-        0, 1, 2, 3, 4,
+        0,
+        1,
+        2,
+        3,
+        4,
     )
     for text in TEXTS:
         ids = tok(text)["input_ids"]

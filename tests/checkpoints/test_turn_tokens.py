@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from kakeya.checkpoints.turn_tokens import EMBED, LM_HEAD, TURN_TOKENS, add_turn_tokens, has_turn_tokens, main
-from kakeya.core.contract import Request
+from kakeya.core.request import Request
 from kakeya.orchestrator.assembly import build_local_engine
 from kakeya.orchestrator.text import TextCodec
 
@@ -32,7 +32,9 @@ def test_markers_get_the_next_ids_and_encode_as_one_token_each(pairs):
     tiny, root, ids = pairs
     old, new = TextCodec(tiny.target), TextCodec(root / "target")
     assert ids == {"<start_of_turn>": old.vocab_size, "<end_of_turn>": old.vocab_size + 1}
-    assert new.vocab_size == old.vocab_size + 2 and not has_turn_tokens(tiny.target) and has_turn_tokens(root / "target")
+    assert (
+        new.vocab_size == old.vocab_size + 2 and not has_turn_tokens(tiny.target) and has_turn_tokens(root / "target")
+    )
     ids_new, ids_old = new.encode_chat(CHAT), old.encode_chat(CHAT)  # the model's turn opened at the end
     assert ids_new.count(ids["<start_of_turn>"]) == 5 and ids_new.count(ids["<end_of_turn>"]) == 4
     assert len(ids_new) < len(ids_old) - 9 * 5  # each marker was 7-8 BPE pieces
@@ -65,7 +67,10 @@ def test_end_of_turn_ends_a_generation_as_in_an_instruction_tuned_gemma(pairs):
     tiny, root, ids = pairs
     import json
 
-    assert json.loads((root / "target" / "generation_config.json").read_text())["eos_token_id"] == [1, ids["<end_of_turn>"]]
+    assert json.loads((root / "target" / "generation_config.json").read_text())["eos_token_id"] == [
+        1,
+        ids["<end_of_turn>"],
+    ]
     assert json.loads((tiny.target / "generation_config.json").read_text())["eos_token_id"] == 1
 
 

@@ -35,7 +35,13 @@ def kubectl() -> str:
 
 @functools.cache
 def render(overlay: str) -> tuple[dict, ...]:
-    out = subprocess.run([kubectl(), "kustomize", str(K8S / "overlays" / overlay)], check=False, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(K8S / "overlays" / overlay)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, f"kubectl kustomize {overlay} failed:\n{out.stderr}"
     return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 

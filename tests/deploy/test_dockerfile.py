@@ -48,7 +48,9 @@ def test_targets_exist_and_run_as_non_root():
         user = inherited(STAGES, t, "USER")
         assert user, f"{t}: no USER (would run as root)"
         uid = user.split(":")[0]
-        assert uid.isdigit() and int(uid) != 0, f"{t}: USER {user!r} must be a numeric non-root uid (runAsNonRoot checks it)"
+        assert uid.isdigit() and int(uid) != 0, (
+            f"{t}: USER {user!r} must be a numeric non-root uid (runAsNonRoot checks it)"
+        )
 
 
 def test_no_weights_copied_in():
@@ -58,22 +60,32 @@ def test_no_weights_copied_in():
                 assert instr == "COPY", "ADD can fetch URLs and unpack archives: use COPY"
                 srcs = [w for w in shlex.split(rest) if not w.startswith("--")][:-1]
                 for src in srcs:
-                    assert not re.search(r"(^|/)models?(/|$)|\.(safetensors|bin|gguf|pt|pth|npz)$", src), f"{st.name}: COPY {src}"
+                    assert not re.search(r"(^|/)models?(/|$)|\.(safetensors|bin|gguf|pt|pth|npz)$", src), (
+                        f"{st.name}: COPY {src}"
+                    )
     # `COPY services` brings the package, whose only weights are the embedded tiny/demo pairs.
     pairs = sorted(p.name for p in (ROOT / "services" / "models").iterdir() if p.is_dir() and p.name != "__pycache__")
     assert pairs == ["demo", "tiny"], pairs
     size = sum(f.stat().st_size for f in (ROOT / "services" / "models").rglob("*") if f.is_file())
     assert size < 32 * 2**20, f"embedded pairs are {size / 2**20:.0f} MiB: real weights belong on a volume"
-    ignore = [ln.strip() for ln in (DOCKER / "Dockerfile.dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    ignore = [
+        ln.strip()
+        for ln in (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     assert ignore[0] == "*", "the build context must start from nothing (`*`), then name what the image needs"
     assert not any(ln.startswith("!") and "models" in ln for ln in ignore)
 
 
 def test_every_pip_install_is_constrained():
-    copied = [rest for st in STAGES.values() for i, rest in st.instructions if i == "COPY" and "constraints.txt" in rest]
+    copied = [
+        rest for st in STAGES.values() for i, rest in st.instructions if i == "COPY" and "constraints.txt" in rest
+    ]
     assert copied and shlex.split(copied[0])[0] == "deploy/docker/constraints.txt"
     dest = shlex.split(copied[0])[-1]
-    runs = [(st.name, rest) for st in STAGES.values() for i, rest in st.instructions if i == "RUN" and "pip install" in rest]
+    runs = [
+        (st.name, rest) for st in STAGES.values() for i, rest in st.instructions if i == "RUN" and "pip install" in rest
+    ]
     assert len(runs) >= 3
     for name, cmd in runs:
         for part in cmd.split("pip install")[1:]:
@@ -84,24 +96,30 @@ def test_constraints_pin_what_the_tests_ran_against():
     """The image installs the versions this suite ran with (lock.sh regenerates the file)."""
     pinned = pins()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    runtime = project["dependencies"] + project["optional-dependencies"]["mlx"] + project["optional-dependencies"]["torch"]
+    runtime = (
+        project["dependencies"] + project["optional-dependencies"]["mlx"] + project["optional-dependencies"]["torch"]
+    )
     names = {re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", r).group(0)).lower() for r in runtime}
     for name in sorted(names | {"pip", "setuptools"}):
         assert name in pinned, f"{name} is not pinned in constraints.txt (run deploy/docker/lock.sh)"
         installed = importlib.metadata.version(name).split("+")[0]
-        assert pinned[name] == installed, f"{name}: constraints.txt pins {pinned[name]}, the tests ran {installed} (lock.sh)"
+        assert pinned[name] == installed, (
+            f"{name}: constraints.txt pins {pinned[name]}, the tests ran {installed} (lock.sh)"
+        )
 
 
 def test_cuda_image_is_torch_only_and_cpu_image_has_no_torch():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 
     def installs(stage: str) -> str:
-        return " ".join(rest for st in [STAGES[stage]] for i, rest in st.instructions if i == "RUN" and "pip install" in rest)
+        return " ".join(
+            rest for st in [STAGES[stage]] for i, rest in st.instructions if i == "RUN" and "pip install" in rest
+        )
 
     cuda_build = next(s.name for s in STAGES.values() if s.name == "build-cuda")
     assert '".[torch]"' in installs(cuda_build) and "mlx" not in installs(cuda_build).replace("import mlx", "")
     assert not any("mlx" in r for r in extras["torch"])
-    assert 'import mlx' in installs(cuda_build), "the CUDA build should prove MLX is absent"
+    assert "import mlx" in installs(cuda_build), "the CUDA build should prove MLX is absent"
     assert '".[mlx]"' in installs("build-cpu") and "torch" not in installs("build-cpu")
     copies = {t: [rest for i, rest in STAGES[t].instructions if i == "COPY" and "--from=" in rest] for t in TARGETS}
     assert any("--from=build-cuda" in c for c in copies["cuda"]) and not any("build-cpu" in c for c in copies["cuda"])

@@ -57,7 +57,9 @@ def test_probes_are_native_grpc_on_the_served_port(overlay):
         port = int(flag(args, "--port"))
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert ports["grpc"] == port
-        assert flag(args, "--health-port") or not flag(args, "--tls-cert"), f"{role} serves TLS: probes need a --health-port"
+        assert flag(args, "--health-port") or not flag(args, "--tls-cert"), (
+            f"{role} serves TLS: probes need a --health-port"
+        )
         probed = int(flag(args, "--health-port") or port)
         assert ports["health" if probed != port else "grpc"] == probed
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -118,7 +120,8 @@ def test_cuda_overlay_gpus_nodes_and_separation():
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
         terms = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert any(
-            t["topologyKey"] == "kubernetes.io/hostname" and t["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == other
+            t["topologyKey"] == "kubernetes.io/hostname"
+            and t["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == other
             for t in terms
         ), f"{role} may share a node with a {other}"
     orch = container(docs, "orchestrator")
@@ -172,7 +175,10 @@ def test_volumes_secrets_config_and_budgets_line_up(overlay):
     assert verifier.cache == env["KAKEYA_CACHE"] and verifier.full_kv_bits == int(env["KAKEYA_FULL_KV_BITS"])
     pdbs = of_kind(docs, "PodDisruptionBudget")
     for role in ROLES:
-        assert pdbs[f"kakeya-{role}"]["spec"]["selector"]["matchLabels"] == deployment(docs, role)["spec"]["selector"]["matchLabels"]
+        assert (
+            pdbs[f"kakeya-{role}"]["spec"]["selector"]["matchLabels"]
+            == deployment(docs, role)["spec"]["selector"]["matchLabels"]
+        )
 
 
 def test_service_monitor_scrapes_a_named_metrics_port():
@@ -183,7 +189,11 @@ def test_service_monitor_scrapes_a_named_metrics_port():
     assert set(sm["spec"]) <= {"selector", "endpoints", "namespaceSelector", "jobLabel"}
     want = sm["spec"]["selector"]["matchLabels"]
     selected = [s for s in of_kind(docs, "Service").values() if want.items() <= s["metadata"]["labels"].items()]
-    assert {s["metadata"]["name"] for s in selected} == {"kakeya-verifier-headless", "kakeya-drafter-headless", "kakeya-orchestrator"}
+    assert {s["metadata"]["name"] for s in selected} == {
+        "kakeya-verifier-headless",
+        "kakeya-drafter-headless",
+        "kakeya-orchestrator",
+    }
     for ep in sm["spec"]["endpoints"]:
         assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "tlsConfig"}
         for s in selected:
@@ -191,8 +201,12 @@ def test_service_monitor_scrapes_a_named_metrics_port():
     for overlay in OVERLAYS:
         for role in ROLES:
             ports = {p["name"]: p["containerPort"] for p in container(render(overlay), role)["ports"]}
-            assert int(flag(argv(render(overlay), role), "--metrics-port")) == ports["metrics"], f"{overlay} {role} serves /metrics"
-    assert not of_kind(render("cpu-dev"), "ServiceMonitor"), "cpu-dev must apply on clusters without the Prometheus Operator"
+            assert int(flag(argv(render(overlay), role), "--metrics-port")) == ports["metrics"], (
+                f"{overlay} {role} serves /metrics"
+            )
+    assert not of_kind(render("cpu-dev"), "ServiceMonitor"), (
+        "cpu-dev must apply on clusters without the Prometheus Operator"
+    )
 
 
 # --------------------------------------------------------------------------- who may call whom
@@ -219,7 +233,12 @@ def test_model_servers_admit_only_their_orchestrators(overlay):
     for role in ("verifier", "drafter"):
         args = build_parser().parse_args(argv(docs, role)[1:])
         assert not args.insecure
-        assert check_exposure(role, args.host, mutual_tls=bool(args.tls_client_ca), token=bool(args.auth_token_file), insecure=False) is None
+        assert (
+            check_exposure(
+                role, args.host, mutual_tls=bool(args.tls_client_ca), token=bool(args.auth_token_file), insecure=False
+            )
+            is None
+        )
         assert args.auth_token_file == TOKEN_FILE
         secret = _mounted_secret(docs, role, TOKEN_FILE)
         assert secret["secretName"] == "kakeya-internal-token" and not secret.get("optional", False)

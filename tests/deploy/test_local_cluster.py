@@ -58,7 +58,10 @@ def cluster(tmp_path_factory):
     token_file.write_text(TOKEN + "\n")
     started: list[Server] = []
     try:
-        backends = [Server(n, local_argv(r, {}, str(token_file)), tmp) for n, r in (("verifier-0", "verifier"), ("verifier-1", "verifier"), ("drafter-0", "drafter"))]
+        backends = [
+            Server(n, local_argv(r, {}, str(token_file)), tmp)
+            for n, r in (("verifier-0", "verifier"), ("verifier-1", "verifier"), ("drafter-0", "drafter"))
+        ]
         started += backends
         for s in backends:
             s.start()
@@ -113,8 +116,12 @@ def test_a_pod_that_is_not_an_orchestrator_is_refused(cluster):
 def test_image_healthcheck_script_against_a_live_server(cluster):
     script = str(DOCKER / "healthcheck.py")
     env = dict(os.environ, KAKEYA_HEALTH_ADDR=cluster["orchestrator"].addr)
-    ok = subprocess.run([sys.executable, script], env=env, check=False, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    ok = subprocess.run(
+        [sys.executable, script], env=env, check=False, capture_output=True, text=True, timeout=30, cwd=ROOT
+    )
     assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
     env["KAKEYA_HEALTH_ADDR"] = "127.0.0.1:1"  # nothing listens there
-    down = subprocess.run([sys.executable, script], env=env, check=False, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    down = subprocess.run(
+        [sys.executable, script], env=env, check=False, capture_output=True, text=True, timeout=30, cwd=ROOT
+    )
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr

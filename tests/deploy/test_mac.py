@@ -25,7 +25,11 @@ PLIST = ROOT / "deploy" / "mac" / "com.kakeya.serve.plist"
 
 
 def dry_run(env: dict, *extra: str) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("KAKEYA")} | {"KAKEYA": "kakeya", "KAKEYA_DRY_RUN": "1"} | env
+    full = (
+        {k: v for k, v in os.environ.items() if not k.startswith("KAKEYA")}
+        | {"KAKEYA": "kakeya", "KAKEYA_DRY_RUN": "1"}
+        | env
+    )
     return subprocess.run(["bash", str(RUN), *extra], env=full, check=False, capture_output=True, text=True, timeout=30)
 
 
@@ -37,7 +41,9 @@ def test_run_sh_is_a_colocated_mlx_orchestrator():
     assert (args.role, args.backend, args.verifier, args.drafter) == ("orchestrator", "mlx", None, None)  # colocated
     assert (args.host, args.port, args.target) == ("127.0.0.1", 50051, None)
     assert (args.http_port, args.prefix_cache_bytes) == (8000, 0)
-    args = build_parser().parse_args(dry_run({"KAKEYA_HTTP_PORT": "off", "KAKEYA_PREFIX_CACHE_BYTES": "2G"}).stdout.splitlines()[1:])
+    args = build_parser().parse_args(
+        dry_run({"KAKEYA_HTTP_PORT": "off", "KAKEYA_PREFIX_CACHE_BYTES": "2G"}).stdout.splitlines()[1:]
+    )
     assert (args.http_port, args.prefix_cache_bytes) == (None, 2 << 30)
     out = dry_run({"KAKEYA_TARGET": "/m/t", "KAKEYA_DRAFT": "/m/d", "KAKEYA_CACHE": "sink-window"}, "--window", "256")
     args = build_parser().parse_args(out.stdout.splitlines()[1:])
@@ -66,8 +72,14 @@ def test_run_sh_serves_and_drains(tmp_path):
     shim.chmod(0o755)
     ready = tmp_path / "ready.json"
     env = dict(os.environ, KAKEYA=str(shim), KAKEYA_PORT="0", KAKEYA_HTTP_PORT="0", KAKEYA_GRACE="5")
-    proc = subprocess.Popen(["bash", str(RUN), "--ready-file", str(ready)], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(RUN), "--ready-file", str(ready)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not ready.is_file():
@@ -75,8 +87,15 @@ def test_run_sh_serves_and_drains(tmp_path):
             assert time.monotonic() < deadline, "run.sh not SERVING after 120 s"
             time.sleep(0.1)
         addr = json.loads(ready.read_text())["addr"]
-        health = subprocess.run([str(shim), "client", "--addr", addr, "health"], env=env, cwd=ROOT,
-                                check=False, capture_output=True, text=True, timeout=60)
+        health = subprocess.run(
+            [str(shim), "client", "--addr", addr, "health"],
+            env=env,
+            cwd=ROOT,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert health.returncode == 0 and health.stdout.strip() == "SERVING", health.stderr
         http_port = json.loads(ready.read_text())["http_port"]
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=30) as r:  # the OpenAI API's
@@ -102,8 +121,14 @@ def test_docs_memory_tables_are_kakeya_memory_numbers(preset):
     shown = [ln for ln in m.group(1).splitlines() if ln.startswith("|")]
     assert shown == table(preset).splitlines(), "regenerate with: .venv/bin/python deploy/mac/memory_table.py"
     # and the table really is `kakeya memory`: its JSON at 32K for the native policy
-    out = subprocess.run([sys.executable, "-m", "kakeya.app.main", "memory", "--preset", preset, "--context", "32768", "--json"],
-                         check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "kakeya.app.main", "memory", "--preset", preset, "--context", "32768", "--json"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     native = json.loads(out.stdout.strip().splitlines()[-1])["native"]["total_bytes"] / 2**30
     row = next(ln for ln in shown if ln.startswith("| native |"))
     assert row.split("|")[3].strip() == f"{native:.2f} GiB"

@@ -58,9 +58,7 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 
 
 def _linear(t, seed, name, out_dim, in_dim):
-    t[name] = (_rng(seed, name).standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(
-        np.float32
-    )
+    t[name] = (_rng(seed, name).standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
 
 
 def _norm(t, seed, name, dim):
@@ -148,13 +146,11 @@ def target_config(tied: bool) -> dict:
 
 
 def target_tensors(seed: int = 0, tied: bool = False) -> dict[str, np.ndarray]:
-    t = {
-        "embed": (
-            _rng(seed, "embed").standard_normal((VOCAB, HIDDEN)) / np.sqrt(HIDDEN)
-        ).astype(np.float32)
-    }
+    t = {"embed": (_rng(seed, "embed").standard_normal((VOCAB, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32)}
     if not tied:
-        t["lm_head"] = (4.0 * _rng(seed, "lm_head").standard_normal((VOCAB, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32)
+        t["lm_head"] = (4.0 * _rng(seed, "lm_head").standard_normal((VOCAB, HIDDEN)) / np.sqrt(HIDDEN)).astype(
+            np.float32
+        )
     return t
 
 
@@ -171,8 +167,12 @@ def write_target(path: Path, v: Variant, seed: int = 0) -> Path:
     t[pre + "norm.weight"] = np.ones(HIDDEN, np.float32)
     cfg = target_config(v.tied)
     if v.multimodal_names:
-        cfg = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
-               "text_config": cfg, "tie_word_embeddings": v.tied}
+        cfg = {
+            "model_type": "gemma4",
+            "architectures": ["Gemma4ForConditionalGeneration"],
+            "text_config": cfg,
+            "tie_word_embeddings": v.tied,
+        }
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(t, str(path / "model.safetensors"))
     return path

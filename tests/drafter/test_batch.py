@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kakeya.core.contract import COUPLED, REJECTION, Draft, SamplingParams
+from kakeya.core.contract import Draft
+from kakeya.core.request import COUPLED, REJECTION, SamplingParams
 from kakeya.drafter.backend import DraftModel
 from kakeya.drafter.batch import draft_batch
 from kakeya.drafter.session import DrafterSession
@@ -112,7 +113,7 @@ def test_a_bad_item_fails_alone_and_block_size_one_only_extends(backend, pairs):
     model = _load(backend, pairs["mixed"])
     width, vocab = model.config.aux_width, model.target.vocab_size
     rng = np.random.default_rng(5)
-    rows = lambda n: _aux(backend, rng.standard_normal((n, width)).astype(np.float32))  # noqa: E731
+    rows = lambda n: _aux(backend, rng.standard_normal((n, width)).astype(np.float32))
     good, ext, bad_tok, closed, bad_aux, dup = (_session(model, i) for i in range(6))
     twin = _session(model, 0)  # `good` drafting alone
     init = rows(6)
@@ -149,8 +150,13 @@ def test_a_bad_item_fails_alone_and_block_size_one_only_extends(backend, pairs):
 def test_seeded_sampling_sessions_draw_the_same_draft_in_a_batch(backend, pairs):
     model = _load(backend, pairs["mixed"])
     width, vocab = model.config.aux_width, model.target.vocab_size
-    params = [SamplingParams(0.8, seed=3), None, SamplingParams(1.0, top_k=20, top_p=0.9, seed=4, rule=REJECTION),
-              SamplingParams(0.7, seed=5, rule=REJECTION), SamplingParams(1.1, min_p=0.02, seed=6)]
+    params = [
+        SamplingParams(0.8, seed=3),
+        None,
+        SamplingParams(1.0, top_k=20, top_p=0.9, seed=4, rule=REJECTION),
+        SamplingParams(0.7, seed=5, rule=REJECTION),
+        SamplingParams(1.1, min_p=0.02, seed=6),
+    ]
     alone = [_session(model, i, p) for i, p in enumerate(params)]
     batched = [_session(model, i, p) for i, p in enumerate(params)]
     rng = np.random.default_rng(21)

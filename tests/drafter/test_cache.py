@@ -126,8 +126,16 @@ def _rule(n_ctx, n_block, is_causal, window):
 
 @pytest.mark.parametrize(
     "n_ctx,n_block,is_causal,window",
-    [(0, 8, False, None), (5, 8, True, None), (7, 8, True, 8), (3, 8, False, 8),
-     (7, 16, False, 8), (7, 16, True, 8), (20, 4, False, 32), (31, 8, True, 32)],
+    [
+        (0, 8, False, None),
+        (5, 8, True, None),
+        (7, 8, True, 8),
+        (3, 8, False, 8),
+        (7, 16, False, 8),
+        (7, 16, True, 8),
+        (20, 4, False, 32),
+        (31, 8, True, 32),
+    ],
 )
 def test_block_mask_rule(n_ctx, n_block, is_causal, window):
     view = BlockView(None, n_ctx, 0, n_ctx, 0, n_ctx)

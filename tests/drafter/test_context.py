@@ -117,7 +117,9 @@ def test_mlx_growth_keeps_contents(pairs, name):
             (a, av), (b, bv) = small.view(i), big.view(i)
             assert mx.array_equal(a, b).item() and mx.array_equal(av, bv).item()
         block = mx.array([9 + pos] + [model.config.mask_token_id] * 7)
-        assert mx.array_equal(model.block_logits([(small, block.tolist())]), model.block_logits([(big, block.tolist())])).item()
+        assert mx.array_equal(
+            model.block_logits([(small, block.tolist())]), model.block_logits([(big, block.tolist())])
+        ).item()
     assert small.length == big.length == pos
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
+from mlx import nn
 
 from kakeya.drafter.backend import extend
 from kakeya.drafter.mlx_backend.model import load_dflash_mlx

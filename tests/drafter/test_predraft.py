@@ -74,7 +74,11 @@ def test_the_cap_keeps_the_likeliest_verdicts_by_the_drafters_probabilities(back
 
         twin.cache = s.cache  # read only below: the logits the recorded draft came from
         logits = np.asarray(model.block_logits([(twin.cache, [11] + [mask] * (B - 1))]), np.float64)
-        logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+        logp = (
+            logits
+            - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+            - logits.max(-1, keepdims=True)
+        )
         ids, got_logp = model.ranked(model.block_logits([(twin.cache, [11] + [mask] * (B - 1))]), k + 1)
         np.testing.assert_allclose(np.asarray(got_logp), np.take_along_axis(logp, np.asarray(ids), -1), atol=1e-4)
         rated = []  # every rejection verdict the drafter could prepare for, rated by its own probabilities
@@ -144,7 +148,9 @@ def test_a_static_step_session_still_keeps_the_alternatives_its_next_predraft_ne
     from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
     from kakeya.drafter.session import TorchDrafter
 
-    drafter = TorchDrafter(pair.draft, pair.target, graph_options=GraphOptions(capture=False, buckets=BUCKETS, static_extent=True))
+    drafter = TorchDrafter(
+        pair.draft, pair.target, graph_options=GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)
+    )
     assert drafter.model.static_step is not None
     rng = np.random.default_rng(5)
     s = drafter.open_session()

@@ -56,7 +56,9 @@ def test_resumed_context_drafts_as_the_saved_one(pairs, backend, name):
     np.testing.assert_array_equal(_np(model.block_logits([(resumed.cache, block)])), _np(want))
     resumed.draft(_aux(backend, rows[61:64]), 5, 8)  # writes its own cache, never the snapshot
     (entry,) = cache.find("context", prompt)
-    assert all(np.array_equal(a, _np(b)) for a, b in zip(kept, (x for kv in entry.value.kv for x in kv if x is not None)))
+    assert all(
+        np.array_equal(a, _np(b)) for a, b in zip(kept, (x for kv in entry.value.kv for x in kv if x is not None))
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -10,7 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, Draft, Proposal
+from kakeya.core.contract import Draft, Proposal
+from kakeya.core.request import MAX_BLOCK_SIZE
 from kakeya.drafter.mlx_backend.model import DFlashConfig, load_dflash_mlx
 from kakeya.drafter.session import MLXDrafter
 
@@ -92,8 +93,7 @@ def test_mismatched_target_hidden(pairs, tmp_path):
     shutil.copytree(p.target, target)
     from safetensors.numpy import save_file
 
-    save_file({"model.embed_tokens.weight": np.zeros((1024, 32), np.float32)},
-              str(target / "model.safetensors"))
+    save_file({"model.embed_tokens.weight": np.zeros((1024, 32), np.float32)}, str(target / "model.safetensors"))
     cfg = json.loads((target / "config.json").read_text())
     cfg["hidden_size"] = 32
     cfg["tie_word_embeddings"] = True

@@ -22,12 +22,14 @@ def ftheta_dir(tmp_path_factory, tiny_pair, mlx_target, draft_model):
     from kakeya.verifier.mlx_backend.ftheta import Restorer
 
     out = tmp_path_factory.mktemp("ftheta")
-    Restorer.init(mlx_target, draft_model, rank=16, draft_dir=tiny_pair.draft, target_dir=tiny_pair.target, seed=1).save(out)
+    Restorer.init(
+        mlx_target, draft_model, rank=16, draft_dir=tiny_pair.draft, target_dir=tiny_pair.target, seed=1
+    ).save(out)
     return out
 
 
 @pytest.fixture(scope="session")
 def restore_policy(ftheta_dir):
-    from kakeya.verifier.layout import CachePolicy
+    from kakeya.core.request import CachePolicy
 
     return CachePolicy("sink-window", sink=SINK, window=WINDOW, restore=str(ftheta_dir))

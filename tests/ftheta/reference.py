@@ -47,7 +47,9 @@ def restore_greedy(target, restorer, prompt_ids, max_tokens, policy, aux_layers,
         k = np.arange(t + 1)
         exact = (k > t - window) | (k < sink)
         mask = mx.array(np.concatenate([restored, exact])[None])
-        hidden, saved = target.body(mx.array([[token]]), cache, {"full_attention": None, "sliding_attention": mask}, aux_layers)
+        hidden, saved = target.body(
+            mx.array([[token]]), cache, {"full_attention": None, "sliding_attention": mask}, aux_layers
+        )
         z = restorer.encode(mx.concatenate([saved[i][0] for i in aux_layers], axis=-1), aux_layers)  # [1, 2r]
         for i in sliding:
             attn = target.inner.layers[i].self_attn

@@ -12,15 +12,14 @@
   many wraps of both rings, with partial acceptance and trims.
 """
 
-import mlx.core as mx
-import mlx_lm.models.gemma4_text as gemma4_text
 import numpy as np
 import pytest
+from mlx_lm.models import gemma4_text
 
 from kakeya.checkpoints.config import load_target_config
+from kakeya.core.request import CachePolicy
 from kakeya.drafter.session import MLXDrafter
 from kakeya.orchestrator.loop import Decoding, run
-from kakeya.verifier.layout import CachePolicy
 from kakeya.verifier.memory import KVShape, policy_table
 from kakeya.verifier.session import VerifierSession
 
@@ -46,7 +45,10 @@ def _record(monkeypatch):
 def test_restoration_changes_only_evicted_sliding_positions(monkeypatch, mlx_target, aux_layers, restore_policy):
     plain_policy = CachePolicy("sink-window", sink=SINK, window=WINDOW)
     prompt, block = PROMPT[:WINDOW], [7, 8, 9, 10, 11, 12, 13, 14]  # one prefill chunk in both sessions
-    on, off = VerifierSession(mlx_target, aux_layers, restore_policy), VerifierSession(mlx_target, aux_layers, plain_policy)
+    on, off = (
+        VerifierSession(mlx_target, aux_layers, restore_policy),
+        VerifierSession(mlx_target, aux_layers, plain_policy),
+    )
     _, prompt_aux = on.prefill(prompt)
     off.prefill(prompt)
     calls = _record(monkeypatch)
@@ -97,7 +99,9 @@ def test_logits_change_only_once_positions_are_evicted(monkeypatch, mlx_target, 
     real = mlx_target.greedy
     for name, policy in (("on", restore_policy), ("off", CachePolicy("sink-window", sink=SINK, window=WINDOW))):
         session, out = VerifierSession(mlx_target, aux_layers, policy), []
-        monkeypatch.setattr(mlx_target, "greedy", lambda h, out=out: out.append(np.array(mlx_target.logits(h)[0, -1])) or real(h))
+        monkeypatch.setattr(
+            mlx_target, "greedy", lambda h, out=out: out.append(np.array(mlx_target.logits(h)[0, -1])) or real(h)
+        )
         session.prefill(stream[:1])
         for tok in stream[1:]:
             session.verify([tok])
@@ -118,13 +122,20 @@ def test_independent_reference_agrees(mlx_target, aux_layers, restore_policy, re
     restorer = mlx_target.restorer(restore_policy.restore)
     ref = restore_greedy(mlx_target, restorer, PROMPT, 120, restore_policy, aux_layers)
     assert restore_ar[:120] == ref
-    plain = run(VerifierSession(mlx_target, aux_layers, CachePolicy("sink-window", sink=SINK, window=WINDOW)), None, PROMPT, 120, 1)
+    plain = run(
+        VerifierSession(mlx_target, aux_layers, CachePolicy("sink-window", sink=SINK, window=WINDOW)),
+        None,
+        PROMPT,
+        120,
+        1,
+    )
     assert plain.token_ids != ref  # restoration acts
 
 
 @pytest.mark.parametrize("block_size,drafter_kind", [(8, "random"), (16, "planted")])
-def test_speculative_equals_ar_of_the_same_restore_policy(mlx_target, aux_layers, tiny_pair, restore_policy,
-                                                          restore_ar, block_size, drafter_kind):
+def test_speculative_equals_ar_of_the_same_restore_policy(
+    mlx_target, aux_layers, tiny_pair, restore_policy, restore_ar, block_size, drafter_kind
+):
     n = 600 if drafter_kind == "random" else 300
     if drafter_kind == "random":
         dsession = MLXDrafter(tiny_pair.draft, tiny_pair.target).open_session()
@@ -145,7 +156,9 @@ def test_speculative_equals_ar_of_the_same_restore_policy(mlx_target, aux_layers
     latent = (mlx_target.args.sliding_window - 1 + restore_policy.slack) * session.restorer.latent_dim * 4
     assert {b["restored"] for b in kv} == {latent}
     shape = KVShape.from_config(load_target_config(tiny_pair.target))
-    row = policy_table(shape, session.offset, SINK, WINDOW, restore_rank=session.restorer.config.rank)["sink-window+restore"]
+    row = policy_table(shape, session.offset, SINK, WINDOW, restore_rank=session.restorer.config.rank)[
+        "sink-window+restore"
+    ]
     assert row["restored_bytes"] == latent and row["sliding_bytes"] == kv[-1]["sliding"]
     assert len({b["sliding"] for b in kv[5:]}) == 1
     assert session.stats()["cache_policy"] == f"sink-window({SINK}+{WINDOW})+restore"

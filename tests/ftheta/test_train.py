@@ -17,9 +17,33 @@ SMALL = dict(rank=8, batch=2, data_tokens=12_000, eval_seqs=2, lr=3e-3, warmup=4
 def straight(tmp_path_factory, tiny_pair):
     """24 steps in one go, through the CLI."""
     out = tmp_path_factory.mktemp("straight")
-    argv = ["train-ftheta", "--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft), "--out", str(out),
-            "--steps", "24", "--rank", "8", "--batch", "2", "--data-tokens", "12000", "--eval-seqs", "2",
-            "--lr", "3e-3", "--warmup", "4", "--log-every", "8", "--save-every", "100"]
+    argv = [
+        "train-ftheta",
+        "--target",
+        str(tiny_pair.target),
+        "--draft",
+        str(tiny_pair.draft),
+        "--out",
+        str(out),
+        "--steps",
+        "24",
+        "--rank",
+        "8",
+        "--batch",
+        "2",
+        "--data-tokens",
+        "12000",
+        "--eval-seqs",
+        "2",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "4",
+        "--log-every",
+        "8",
+        "--save-every",
+        "100",
+    ]
     assert main(argv) == 0
     return out
 
@@ -53,8 +77,14 @@ def test_resume_continues_exactly(straight, tmp_path, tiny_pair):
     assert (out / STATE_DIR / "state.json").is_file() and not (out / REPORT_FILE).exists()
     with pytest.raises(ValueError, match="--resume"):
         train(tiny_pair.target, tiny_pair.draft, out, TrainArgs(steps=24, save_every=100, **SMALL), log=lambda m: None)
-    report = train(tiny_pair.target, tiny_pair.draft, out, TrainArgs(steps=24, save_every=100, **SMALL), resume=True,
-                   log=lambda m: None)
+    report = train(
+        tiny_pair.target,
+        tiny_pair.draft,
+        out,
+        TrainArgs(steps=24, save_every=100, **SMALL),
+        resume=True,
+        log=lambda m: None,
+    )
     assert report["resumed_at"] == [12]
     ref = json.loads((straight / REPORT_FILE).read_text())
     assert [p["step"] for p in report["loss_curve"]] == list(range(1, 25))

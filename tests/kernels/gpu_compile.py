@@ -91,8 +91,19 @@ def attend(rows: int) -> None:
         qkv = z(rows, (16 + n_kv * (1 if k_eq_v else 2)) * D)
         rope.qkv_norm_rope(qkv, 16, n_kv, D, z(D), z(D), z(rows, D), z(rows, D), 1e-6, k_eq_v=k_eq_v)
         pool = z(n_kv, S, D)
-        rope.qkv_norm_rope(qkv, 16, n_kv, D, z(D), z(D), z(rows, D), z(rows, D), 1e-6, k_eq_v=k_eq_v,
-                           cache=(pool, pool, z(rows, dtype=torch.long)))
+        rope.qkv_norm_rope(
+            qkv,
+            16,
+            n_kv,
+            D,
+            z(D),
+            z(D),
+            z(rows, D),
+            z(rows, D),
+            1e-6,
+            k_eq_v=k_eq_v,
+            cache=(pool, pool, z(rows, dtype=torch.long)),
+        )
         q, slots, qpos = z(1, rows, 16, D), z(1, S, dtype=torch.long), z(1, rows, dtype=torch.long)
         for splits in (None, 1):
             attention.decode_attention(q, pool, pool, slots, slots, qpos, window=window, splits=splits)

@@ -9,8 +9,12 @@ def steps(actual: torch.Tensor, expected: torch.Tensor, row_scale: bool = False)
     """Elementwise ``|actual - expected|`` in units of one rounding step (ulp) of ``expected``'s dtype at
     ``expected``'s magnitude (``row_scale``: at the largest magnitude of its row, the last axis);
     equal infinities are 0 apart."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (actual.shape, actual.dtype,
-                                                                              expected.shape, expected.dtype)
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (
+        actual.shape,
+        actual.dtype,
+        expected.shape,
+        expected.dtype,
+    )
     fi = torch.finfo(expected.dtype)
     a, e = actual.double().cpu(), expected.double().cpu()
     mag = e.abs().amax(-1, keepdim=True) if row_scale else e.abs()
@@ -19,8 +23,9 @@ def steps(actual: torch.Tensor, expected: torch.Tensor, row_scale: bool = False)
     return diff / ulp
 
 
-def assert_within_steps(actual: torch.Tensor, expected: torch.Tensor, n: float, *, exact_at_least: float = 0.0,
-                        row_scale: bool = False) -> None:
+def assert_within_steps(
+    actual: torch.Tensor, expected: torch.Tensor, n: float, *, exact_at_least: float = 0.0, row_scale: bool = False
+) -> None:
     """At most ``n`` rounding steps anywhere (see :func:`steps`), and at least ``exact_at_least`` of the
     elements bit-exact."""
     s = steps(actual, expected, row_scale)

@@ -86,8 +86,10 @@ def test_sliding_ring_through_a_table(device, dtype, L, Hq, Hkv, sinks, start):
         _check(out, q, k, v, table, key_pos, query_pos, window=window, sinks=sinks)
 
 
-@pytest.mark.parametrize("dtype, L, Hq, Hkv", [(torch.bfloat16, 1, 8, 1), (torch.bfloat16, 16, 8, 2),
-                                               (torch.float32, 8, 4, 4), (torch.bfloat16, 16, 16, 2)])
+@pytest.mark.parametrize(
+    "dtype, L, Hq, Hkv",
+    [(torch.bfloat16, 1, 8, 1), (torch.bfloat16, 16, 8, 2), (torch.float32, 8, 4, 4), (torch.bfloat16, 16, 16, 2)],
+)
 def test_full_buffer_at_its_capacity(device, dtype, L, Hq, Hkv):
     """A full layer over its whole buffer (the static step's fixed extent): slot = position, the
     unwritten tail masked by causality; 16 x 8 folded rows take several row tiles."""
@@ -145,9 +147,10 @@ def test_a_batch_of_sessions_shares_one_pool(device):
     both = A.decode_attention(q, k, v, table, key_pos, query_pos, window=window, splits=2)
     _check(both, q, k, v, table, key_pos, query_pos, window=window)
     for b in range(2):
-        alone = A.decode_attention(q[b:b + 1], k, v, table[b:b + 1], key_pos[b:b + 1], query_pos[b:b + 1],
-                                   window=window, splits=2)
-        assert torch.equal(both[b:b + 1], alone)
+        alone = A.decode_attention(
+            q[b : b + 1], k, v, table[b : b + 1], key_pos[b : b + 1], query_pos[b : b + 1], window=window, splits=2
+        )
+        assert torch.equal(both[b : b + 1], alone)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -29,5 +29,13 @@ def test_every_case_runs(device, benchmark_script):
             c.eager()
             assert c.bytes > 0 and c.rows == 2
             names.add(c.name)
-    assert names == {"norm.add_rms_norm", "rope.qkv_norm_rope.sliding", "rope.qkv_norm_rope.full", "attention.sliding",
-                     "attention.full", "moe.route", "moe.experts", "head.softcap_argmax"}
+    assert names == {
+        "norm.add_rms_norm",
+        "rope.qkv_norm_rope.sliding",
+        "rope.qkv_norm_rope.full",
+        "attention.sliding",
+        "attention.full",
+        "moe.route",
+        "moe.experts",
+        "head.softcap_argmax",
+    }

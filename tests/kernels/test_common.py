@@ -31,8 +31,9 @@ def test_round_to_bfloat16_is_torch_cast_bit_for_bit(device):
     """Nearest even, ties included, overflow to inf, subnormals, signed zeros, NaN stays NaN (the
     interpreter's own cast truncates; this is what a GPU's cast gives)."""
     special = [float("nan"), float("inf"), -float("inf"), 3.3895e38, 0.0, -0.0, 1e-40, -3e-39, 1 + 2**-8, 1 + 3 * 2**-8]
-    x = torch.cat([torch.randn(4096 - len(special), generator=torch.Generator().manual_seed(0)) * 10,
-                   torch.tensor(special)]).to(device)
+    x = torch.cat(
+        [torch.randn(4096 - len(special), generator=torch.Generator().manual_seed(0)) * 10, torch.tensor(special)]
+    ).to(device)
     y = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
     _round[(1,)](x, y, N=x.numel())
     y = y.cpu()

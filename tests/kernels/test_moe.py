@@ -23,9 +23,17 @@ from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, MoE
 
 
 def _model_moe(device, dtype, E, k, hidden=64, mi=32, seed=0):
-    args = Gemma4Args(hidden_size=hidden, num_hidden_layers=1, enable_moe_block=True, num_experts=E, top_k_experts=k,
-                      moe_intermediate_size=mi, vocab_size=64, vocab_size_per_layer_input=64,
-                      hidden_size_per_layer_input=0)
+    args = Gemma4Args(
+        hidden_size=hidden,
+        num_hidden_layers=1,
+        enable_moe_block=True,
+        num_experts=E,
+        top_k_experts=k,
+        moe_intermediate_size=mi,
+        vocab_size=64,
+        vocab_size_per_layer_input=64,
+        hidden_size_per_layer_input=0,
+    )
     m = MoE(args)
     g = torch.Generator().manual_seed(seed)
     for _, b in m.named_buffers():

@@ -54,24 +54,35 @@ def test_matches_the_eager_epilogue(device, dtype, n_heads, n_kv, D, k_eq_v, v_n
     qkv, qw, kw, cos, sin = _case(device, dtype, 4, n_heads, n_kv, D, k_eq_v)
     kw_ = kw if n_kv else None
     out = rope.qkv_norm_rope(qkv, n_heads, n_kv, D, qw, kw_, cos, sin, EPS, k_eq_v=k_eq_v, v_norm=v_norm, qwen3=qwen3)
-    ref = rope.qkv_norm_rope_reference(qkv, n_heads, n_kv, D, qw, kw_, cos, sin, EPS, k_eq_v=k_eq_v, v_norm=v_norm,
-                                       qwen3=qwen3)
+    ref = rope.qkv_norm_rope_reference(
+        qkv, n_heads, n_kv, D, qw, kw_, cos, sin, EPS, k_eq_v=k_eq_v, v_norm=v_norm, qwen3=qwen3
+    )
     for got, want in zip(out, ref):
         if want is None:
             assert got is None
         else:
             _close(got, want)
     if n_kv and not v_norm:
-        assert out[2].data_ptr() == qkv[:, (n_heads + n_kv) * D:].data_ptr()  # a view: nothing copied
+        assert out[2].data_ptr() == qkv[:, (n_heads + n_kv) * D :].data_ptr()  # a view: nothing copied
 
 
 def _gemma4_attention(device, dtype, layer: int):
     from kakeya.verifier.torch_backend.gemma4 import Attention, Gemma4Args, rope_inv_freq
 
-    args = Gemma4Args(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      global_head_dim=64, num_global_key_value_heads=1, attention_k_eq_v=True,
-                      layer_types=["sliding_attention", "full_attention"], vocab_size=64, vocab_size_per_layer_input=64,
-                      hidden_size_per_layer_input=0)
+    args = Gemma4Args(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        global_head_dim=64,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        layer_types=["sliding_attention", "full_attention"],
+        vocab_size=64,
+        vocab_size_per_layer_input=64,
+        hidden_size_per_layer_input=0,
+    )
     attn = Attention(args, layer)
     g = torch.Generator().manual_seed(layer)
     for name, buf in attn.named_buffers():
@@ -90,8 +101,18 @@ def test_is_the_gemma4_attention_projection(device, layer):
     x = torch.randn(1, T, 64, generator=torch.Generator().manual_seed(7)).to(device, torch.bfloat16)
     cos, sin = rope_from_positions(inv.to(device), torch.arange(500, 500 + T, device=device), torch.bfloat16)
     q_ref, k_ref, v_ref = attn.project(x, cos[:, None, :], sin[:, None, :])
-    q, k, v = rope.qkv_norm_rope(F.linear(x[0], attn.wqkv), attn.n_heads, attn.n_kv, attn.head_dim, attn.q_norm,
-                                 attn.k_norm, cos, sin, attn.eps, k_eq_v=attn.k_eq_v)
+    q, k, v = rope.qkv_norm_rope(
+        F.linear(x[0], attn.wqkv),
+        attn.n_heads,
+        attn.n_kv,
+        attn.head_dim,
+        attn.q_norm,
+        attn.k_norm,
+        cos,
+        sin,
+        attn.eps,
+        k_eq_v=attn.k_eq_v,
+    )
     for got, want in ((q, q_ref), (k, k_ref), (v, v_ref)):
         _close(got, want[0].transpose(0, 1))
 
@@ -101,9 +122,21 @@ def test_is_the_drafter_projection(device):
     from kakeya.drafter.config import DFlashConfig
     from kakeya.drafter.torch_backend.model import Attention
 
-    cfg = DFlashConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                       intermediate_size=64, vocab_size=64, rms_norm_eps=EPS, rope_theta=10_000.0,
-                       max_position_embeddings=4096, block_size=8, target_layer_ids=(0,), mask_token_id=1)
+    cfg = DFlashConfig(
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=64,
+        vocab_size=64,
+        rms_norm_eps=EPS,
+        rope_theta=10_000.0,
+        max_position_embeddings=4096,
+        block_size=8,
+        target_layer_ids=(0,),
+        mask_token_id=1,
+    )
     torch.manual_seed(3)
     attn = Attention(cfg, 0)
     with torch.no_grad():
@@ -113,11 +146,23 @@ def test_is_the_drafter_projection(device):
     attn.fuse()
     T = 4
     h = torch.randn(1, T, 64).to(device, torch.bfloat16)
-    cos, sin = rope_from_positions(default_inv_freq(10_000.0, 32).to(device), torch.arange(40, 40 + T, device=device),
-                                   torch.bfloat16)
+    cos, sin = rope_from_positions(
+        default_inv_freq(10_000.0, 32).to(device), torch.arange(40, 40 + T, device=device), torch.bfloat16
+    )
     q_ref, k_ref, v_ref = attn.qkv(h, cos, sin)
-    q, k, v = rope.qkv_norm_rope(F.linear(h[0], attn.wqkv), 4, 2, 32, attn.q_norm.weight, attn.k_norm.weight, cos, sin,
-                                 EPS, v_norm=False, qwen3=True)
+    q, k, v = rope.qkv_norm_rope(
+        F.linear(h[0], attn.wqkv),
+        4,
+        2,
+        32,
+        attn.q_norm.weight,
+        attn.k_norm.weight,
+        cos,
+        sin,
+        EPS,
+        v_norm=False,
+        qwen3=True,
+    )
     for got, want in ((q, q_ref), (k, k_ref), (v, v_ref)):
         _close(got, want[0].transpose(0, 1))
 

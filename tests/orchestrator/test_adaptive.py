@@ -2,7 +2,8 @@
 
 import pytest
 
-from kakeya.core.contract import Block, Draft, Verdict
+from kakeya.core.contract import Draft, Verdict
+from kakeya.core.generation import Block
 from kakeya.orchestrator.adaptive import AcceptanceChain, AdaptivePolicy, BlockSizer, CostCurve
 from kakeya.orchestrator.loop import run
 
@@ -84,7 +85,16 @@ def _explored(sizer, blocks: int, share: float = 0.02) -> list[int]:
     sizer.explore_share, sizes = share, []
     for _ in range(blocks):
         size = sizer.choose()
-        sizer.observe(Block([0] * size, drafted=size - 1, accepted=0, draft_s=0.0, verify_s=sizer.costs(size), total_s=sizer.costs(size)))
+        sizer.observe(
+            Block(
+                [0] * size,
+                drafted=size - 1,
+                accepted=0,
+                draft_s=0.0,
+                verify_s=sizer.costs(size),
+                total_s=sizer.costs(size),
+            )
+        )
         sizes.append(size)
     return sizes
 
@@ -113,7 +123,11 @@ def _replay(sizer, accepts_from: int, blocks: int) -> list[int]:
     for i in range(blocks):
         size = sizer.choose()
         accepted = size - 1 if i >= accepts_from else 0
-        sizer.observe(Block([0] * size, drafted=size - 1, accepted=accepted, verify_s=sizer.costs(size), total_s=sizer.costs(size)))
+        sizer.observe(
+            Block(
+                [0] * size, drafted=size - 1, accepted=accepted, verify_s=sizer.costs(size), total_s=sizer.costs(size)
+            )
+        )
         sizes.append(size)
     return sizes
 
@@ -143,8 +157,14 @@ def test_observe_learns_cost_and_acceptance_from_blocks():
     s.observe(Block([1, 2, 3, 4], drafted=3, accepted=3, draft_s=0.5, verify_s=0.5, total_s=1.0))
     assert s.chain.reached[:3] == [1, 1, 1]
     assert s.costs(4) == pytest.approx(1.0)
-    s.observe(Block([1, 2, 3], drafted=2, accepted=2, draft_s=0.1, verify_s=0.1, total_s=0.2))  # cut short by max_tokens
-    assert 3 not in s.costs.seconds and s.chain.reached[:3] == [2, 2, 1]  # its acceptance counts, its size is not a choice
+    s.observe(
+        Block([1, 2, 3], drafted=2, accepted=2, draft_s=0.1, verify_s=0.1, total_s=0.2)
+    )  # cut short by max_tokens
+    assert 3 not in s.costs.seconds and s.chain.reached[:3] == [
+        2,
+        2,
+        1,
+    ]  # its acceptance counts, its size is not a choice
 
 
 @pytest.mark.parametrize("wrong_every", [None, 2, 5])
@@ -208,8 +228,7 @@ def test_measure_costs_times_warm_shapes():
     clock = types.SimpleNamespace(t=0.0)
     session = _ColdFirstCall(clock)
     verifier = types.SimpleNamespace(info=types.SimpleNamespace(vocab_size=100), open_session=lambda: session)
-    drafter_session = types.SimpleNamespace(draft=lambda aux, last, n: Draft(tuple([3] * (n - 1))),
-                                            close=lambda: None)
+    drafter_session = types.SimpleNamespace(draft=lambda aux, last, n: Draft(tuple([3] * (n - 1))), close=lambda: None)
     drafter = types.SimpleNamespace(open_session=lambda: drafter_session)
     curve = adaptive.measure_costs(verifier, drafter, sizes=(1, 4, 16), repeats=1, clock=lambda: clock.t)
     assert curve.seconds == pytest.approx({1: 0.01, 4: 0.04, 16: 0.16})  # no first-call second in any size

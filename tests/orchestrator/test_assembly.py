@@ -32,12 +32,14 @@ def has(*names):
     ],
 )
 def test_auto_picks_the_fastest_installed_backend(system, machine, installed, cuda, expected):
-    got = resolve_backend("auto", system=system, machine=machine, installed=has(*installed), cuda_available=lambda: cuda)
+    got = resolve_backend(
+        "auto", system=system, machine=machine, installed=has(*installed), cuda_available=lambda: cuda
+    )
     assert got == expected
 
 
 def test_explicit_choices_are_kept():
-    never = lambda: pytest.fail("an explicit device must not probe CUDA")  # noqa: E731
+    never = lambda: pytest.fail("an explicit device must not probe CUDA")
     assert resolve_backend("torch", "cuda:1", cuda_available=never) == ("torch", "cuda:1")
     assert resolve_backend("torch", cuda_available=lambda: False) == ("torch", "cpu")
     assert resolve_backend("mlx", system="linux", installed=has()) == ("mlx", None)  # missing: said at load time
@@ -136,13 +138,16 @@ finally:
 
 
 def kakeya_without_mlx(*args, timeout=300):
-    return subprocess.run([sys.executable, "-c", NO_MLX, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", NO_MLX, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_the_parser_needs_neither_backend():
-    code = ("import sys; from kakeya.app.main import build_parser; build_parser(); "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'torch')))")
+    code = (
+        "import sys; from kakeya.app.main import build_parser; build_parser(); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'torch')))"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
@@ -157,8 +162,13 @@ def test_torch_generate_runs_without_mlx():
     assert out["backend"] == "torch" and out["lossless"] is True and len(out["token_ids"]) == 12
 
 
-@pytest.mark.parametrize("args", [["generate", "--backend", "mlx", "--max-tokens", "2"],
-                                  ["train-ftheta", "--out", "/tmp/kakeya-never-written", "--steps", "1"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "--backend", "mlx", "--max-tokens", "2"],
+        ["train-ftheta", "--out", "/tmp/kakeya-never-written", "--steps", "1"],
+    ],
+)
 def test_an_mlx_command_without_mlx_is_one_clear_line(args):
     res = kakeya_without_mlx(*args)
     assert res.returncode == 2, res.stderr
@@ -204,17 +214,39 @@ def test_torch_serve_all_and_client_run_without_mlx(tmp_path):
     cli = [sys.executable, "-m", "kakeya.app.main"]
     probe = subprocess.run([sys.executable, "-c", "import mlx"], env=env, capture_output=True, text=True)
     assert probe.returncode != 0 and "blocked" in probe.stderr  # the blocker reaches every child process
-    proc = subprocess.Popen([*cli, "serve", "all", "--port", "0", "--verifier-backend", "torch", "--drafter-backend", "torch",
-                             "--ready-file", str(ready)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=(tmp_path / "serve.log").open("w"))  # a file: a full pipe would block the children
+    proc = subprocess.Popen(
+        [
+            *cli,
+            "serve",
+            "all",
+            "--port",
+            "0",
+            "--verifier-backend",
+            "torch",
+            "--drafter-backend",
+            "torch",
+            "--ready-file",
+            str(ready),
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "serve.log").open("w"),
+    )  # a file: a full pipe would block the children
     try:
         deadline = time.time() + 240
         while not ready.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.5)
         assert ready.exists(), (tmp_path / "serve.log").read_text()[-2000:]
         addr = json.loads(ready.read_text())["addr"]
-        res = subprocess.run([*cli, "client", "--addr", addr, "generate", "--json", "--max-tokens", "8"], env=env,
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [*cli, "client", "--addr", addr, "generate", "--json", "--max-tokens", "8"],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert res.returncode == 0, res.stderr
         assert len(json.loads(res.stdout.strip().splitlines()[-1])["token_ids"]) == 8
     finally:

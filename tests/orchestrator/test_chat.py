@@ -25,10 +25,14 @@ def hf_tokenizer(tiny_pair):
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_the_shipped_template_renders_and_tokenizes_as_transformers(tiny_pair, hf_tokenizer, messages, add_generation_prompt):
+def test_the_shipped_template_renders_and_tokenizes_as_transformers(
+    tiny_pair, hf_tokenizer, messages, add_generation_prompt
+):
     codec = TextCodec(tiny_pair.target)
     text = codec.chat.render(messages, add_generation_prompt=add_generation_prompt)
-    assert text == hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert text == hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     want = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
                                             return_dict=True)["input_ids"]  # fmt: skip
     assert codec.encode_chat(messages, add_generation_prompt=add_generation_prompt) == list(want)
@@ -53,13 +57,17 @@ def test_the_next_turn_starts_with_the_previous_prompt_and_answer(tiny_pair):
     answer = "return a + b\n"
     prompt = codec.encode_chat(first)
     answer_ids = codec.tokenizer.encode(answer, add_special_tokens=False).ids
-    second = codec.encode_chat(first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and sub?"}])
+    second = codec.encode_chat(
+        first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and sub?"}]
+    )
     assert second[: len(prompt) + len(answer_ids)] == prompt + answer_ids
 
 
 def test_templates_from_tokenizer_config_and_none(tiny_pair, tmp_path):
-    for source in ("{{ bos_token }}{{ messages[0]['content'] }}", [{"name": "tools", "template": "x"},
-                                                                   {"name": "default", "template": "{{ messages[0]['content'] }}!"}]):
+    for source in (
+        "{{ bos_token }}{{ messages[0]['content'] }}",
+        [{"name": "tools", "template": "x"}, {"name": "default", "template": "{{ messages[0]['content'] }}!"}],
+    ):
         d = tmp_path / str(type(source).__name__)
         shutil.copytree(tiny_pair.target, d)
         (d / tk.CHAT_TEMPLATE_FILE).unlink()

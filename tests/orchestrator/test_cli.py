@@ -21,8 +21,22 @@ def test_generate_json_on_the_embedded_models_is_lossless():
     res = kakeya("generate", "--json", "--compare-ar", "--max-tokens", "120", "--block-size", "4", "--ignore-eos")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    for key in ("target", "draft", "prompt_token_ids", "token_ids", "text", "acceptance_lengths", "mean_acceptance",
-                "decode_tok_s", "prefill_s", "ar_token_ids", "ar_decode_tok_s", "lossless", "quality", "verifier_kv_bytes"):
+    for key in (
+        "target",
+        "draft",
+        "prompt_token_ids",
+        "token_ids",
+        "text",
+        "acceptance_lengths",
+        "mean_acceptance",
+        "decode_tok_s",
+        "prefill_s",
+        "ar_token_ids",
+        "ar_decode_tok_s",
+        "lossless",
+        "quality",
+        "verifier_kv_bytes",
+    ):
         assert key in out, key
     assert out["lossless"] is True and out["token_ids"] == out["ar_token_ids"]
     assert len(out["token_ids"]) == 120 and out["finish_reason"] == "length"
@@ -82,8 +96,26 @@ def test_bad_input_is_one_clear_line(bad_dirs, args, fragment, capsys):
 
 def test_sampled_generate_reports_its_seed_and_reproduces(tiny_pair, capsys):
     pair = ["--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft), "--backend", "mlx"]
-    args = ["generate", *pair, "--json", "--max-tokens", "24", "--block-size", "4", "--ignore-eos", "--sampling-rule",
-            "rejection", "--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.01"]
+    args = [
+        "generate",
+        *pair,
+        "--json",
+        "--max-tokens",
+        "24",
+        "--block-size",
+        "4",
+        "--ignore-eos",
+        "--sampling-rule",
+        "rejection",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "40",
+        "--top-p",
+        "0.9",
+        "--min-p",
+        "0.01",
+    ]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["sampling"] == {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.01, "rule": "rejection"}
@@ -92,8 +124,23 @@ def test_sampled_generate_reports_its_seed_and_reproduces(tiny_pair, capsys):
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["token_ids"] == out["token_ids"] and again["seed"] == out["seed"]
     assert "lossless" not in again and len(again["ar_token_ids"]) == 24  # rejection rule: AR sampling, speed only
-    assert main([*args[: 1 + len(pair)], "--max-tokens", "4", "--temperature", "1", "--seed", "5", "--compare-ar",
-                 "--sampling-rule", "rejection"]) == 0
+    assert (
+        main(
+            [
+                *args[: 1 + len(pair)],
+                "--max-tokens",
+                "4",
+                "--temperature",
+                "1",
+                "--seed",
+                "5",
+                "--compare-ar",
+                "--sampling-rule",
+                "rejection",
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "sampling seed 5, rejection rule" in line and "no token-identity claim" in line, line
 
@@ -111,15 +158,34 @@ def test_seeded_coupled_sampling_is_one_text_at_every_block_size_and_compare_ar_
     assert main([*args, "--block-size", "8", "--compare-ar"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["lossless"] is True and out["ar_token_ids"] == out["token_ids"] == runs["1"]["token_ids"]
-    assert main(["generate", "--prompt", "x =", "--max-tokens", "8", "--temperature", "0.8", "--seed", "42", "--compare-ar"]) == 0
+    assert (
+        main(
+            ["generate", "--prompt", "x =", "--max-tokens", "8", "--temperature", "0.8", "--seed", "42", "--compare-ar"]
+        )
+        == 0
+    )
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "sampling seed 42, coupled rule" in line and "vs autoregressive sampling" in line and "lossless" in line, line
+    assert "sampling seed 42, coupled rule" in line and "vs autoregressive sampling" in line and "lossless" in line, (
+        line
+    )
 
 
 def test_a_rejection_rule_request_for_auto_runs_one_fixed_schedule(tiny_pair, capsys):
     pair = ["--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft), "--backend", "mlx"]
-    args = ["generate", *pair, "--json", "--max-tokens", "40", "--ignore-eos", "--temperature", "0.9", "--seed", "3",
-            "--sampling-rule", "rejection"]
+    args = [
+        "generate",
+        *pair,
+        "--json",
+        "--max-tokens",
+        "40",
+        "--ignore-eos",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "3",
+        "--sampling-rule",
+        "rejection",
+    ]
     assert main(args) == 0
     auto = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert main([*args, "--block-size", "8"]) == 0  # the tiny drafter's trained block size
@@ -136,15 +202,37 @@ def test_bad_input_from_the_real_command_has_no_traceback():
 
 def test_make_tiny_writes_a_loadable_pair(tmp_path):
     assert main(["make-tiny", "--out", str(tmp_path / "p"), "--seed", "3", "--sliding-window", "16"]) == 0
-    assert main(["generate", "--target", str(tmp_path / "p/target"), "--draft", str(tmp_path / "p/draft"),
-                 "--max-tokens", "5"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(tmp_path / "p/target"),
+                "--draft",
+                str(tmp_path / "p/draft"),
+                "--max-tokens",
+                "5",
+            ]
+        )
+        == 0
+    )
 
 
 def test_generate_on_the_torch_backend_is_lossless_and_matches_mlx():
     runs = {}
     for backend in ("mlx", "torch"):
-        res = kakeya("generate", "--backend", backend, "--json", "--compare-ar", "--max-tokens", "60",
-                     "--block-size", "8", "--ignore-eos")
+        res = kakeya(
+            "generate",
+            "--backend",
+            backend,
+            "--json",
+            "--compare-ar",
+            "--max-tokens",
+            "60",
+            "--block-size",
+            "8",
+            "--ignore-eos",
+        )
         assert res.returncode == 0, res.stderr
         runs[backend] = json.loads(res.stdout.strip().splitlines()[-1])
         assert runs[backend]["lossless"] is True
@@ -178,7 +266,19 @@ def test_json_names_the_resolved_backend_and_device():
 
 
 def test_policy_block_size_limits_are_checked_up_front(tiny_pair, capsys):
-    args = ["generate", "--cache", "sink-window", "--sink", "2", "--window", "4", "--block-size", "8", "--max-tokens", "4"]
+    args = [
+        "generate",
+        "--cache",
+        "sink-window",
+        "--sink",
+        "2",
+        "--window",
+        "4",
+        "--block-size",
+        "8",
+        "--max-tokens",
+        "4",
+    ]
     assert main([*args, "--restore", "/no/such/ftheta"]) == 2
     assert "restoring window" in capsys.readouterr().err
 

@@ -78,7 +78,9 @@ def _stream_in_flight(servicer, base):
     conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
     body = json.dumps({"prompt": [2] + list(range(100, 140)), "max_tokens": 4000, "ignore_eos": True, "stream": True})
     try:
-        conn.request("POST", "/v1/completions", body, {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+        conn.request(
+            "POST", "/v1/completions", body, {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
+        )
         r = conn.getresponse()
         assert r.status == 200 and r.readline().startswith(b"data: ")
         yield
@@ -180,7 +182,12 @@ def test_models_health_and_auth(front):
         ("/v1/completions", b'{"prompt": "x", "stop": [1]}', 400, "stop"),
         ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
         ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "messages"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "messages"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+            400,
+            "messages",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(front, path, body, status, param):
@@ -213,7 +220,9 @@ FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "
           "stop_token_ids", "block_size", "n", "model", "logprobs", "stream_options", "max_completion_tokens"]  # fmt: skip
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
        body=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=5) | JSON)  # fmt: skip
 def test_fuzzed_bodies_never_get_a_500(front, path, body):

@@ -184,7 +184,7 @@ def test_a_failing_predraft_falls_back_to_the_verifier_alone():
         v = ScriptedVerifier(1, CONT)
 
         class Dies(ScriptedDrafter):
-            def predraft(self, new_aux, block_ids, B, alternatives=0):
+            def predraft(self, new_aux, block_ids, B, alternatives=0, where=where):
                 if self.predrafts == 2:
                     if where == "post":
                         raise ConnectionError("drafter gone")
@@ -192,14 +192,26 @@ def test_a_failing_predraft_falls_back_to_the_verifier_alone():
                 return super().predraft(new_aux, block_ids, B)
 
         errors = []
-        g = run(v, Dies(v, wrong_every=None), [0], max_tokens=60, block_size=8, on_drafter_error=errors.append, predraft=True)
+        g = run(
+            v,
+            Dies(v, wrong_every=None),
+            [0],
+            max_tokens=60,
+            block_size=8,
+            on_drafter_error=errors.append,
+            predraft=True,
+        )
         assert g.token_ids == CONT[:60] and g.drafter_fallback and len(errors) == 1, where
         assert all(b.drafted == 0 for b in g.blocks[4:])  # the verifier alone from then on
 
 
 def test_bad_arguments():
     v = ScriptedVerifier(1, CONT)
-    for kwargs, msg in [({"block_size": 0}, "block_size"), ({"block_size": 17}, "block_size"), ({"max_tokens": 0}, "max_tokens")]:
+    for kwargs, msg in [
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": 17}, "block_size"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ]:
         args = {"max_tokens": 5, "block_size": 4} | kwargs
         with pytest.raises(ValueError, match=msg):
             run(v, None, [0], **args)

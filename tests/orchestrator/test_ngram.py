@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from kakeya.core.contract import Block, Draft
+from kakeya.core.contract import Draft
+from kakeya.core.generation import Block
 from kakeya.orchestrator.adaptive import AcceptanceChain, BlockSizer, CostCurve
 from kakeya.orchestrator.loop import run
 from kakeya.orchestrator.ngram import NgramIndex
@@ -136,7 +137,7 @@ def test_copies_that_stop_paying_give_the_block_back_to_the_drafter():
 
 
 def test_engine_copies_greedy_and_coupled_and_never_under_the_rejection_rule(demo_pair):
-    from kakeya.core.contract import COUPLED, REJECTION, Request, SamplingParams
+    from kakeya.core.request import COUPLED, REJECTION, Request, SamplingParams
     from kakeya.orchestrator.assembly import build_local_engine
     from kakeya.orchestrator.engine import RunOptions
 

@@ -22,8 +22,29 @@ def ftheta_dir(tmp_path_factory, tiny_pair, mlx_target):
 
 def test_niah_json_shape(ftheta_dir, tiny_pair, capsys):
     # f_theta was trained against the tiny pair, not `niah`'s no-flag default (the demo pair)
-    argv = ["niah", "--target", str(tiny_pair.target), "--draft", str(tiny_pair.draft), "--contexts", "128", "160", "--depths", "0.2", "0.8", "--policies", "native", "sink-window",
-            "sink-window+kv8", "--restore", f"ftheta:{ftheta_dir}", "--max-tokens", "6", "--json", "--quiet"]
+    argv = [
+        "niah",
+        "--target",
+        str(tiny_pair.target),
+        "--draft",
+        str(tiny_pair.draft),
+        "--contexts",
+        "128",
+        "160",
+        "--depths",
+        "0.2",
+        "0.8",
+        "--policies",
+        "native",
+        "sink-window",
+        "sink-window+kv8",
+        "--restore",
+        f"ftheta:{ftheta_dir}",
+        "--max-tokens",
+        "6",
+        "--json",
+        "--quiet",
+    ]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["contexts"] == [128, 160] and out["depths"] == [0.2, 0.8]
@@ -56,7 +77,7 @@ def test_prompt_holds_the_needle_at_its_depth(tiny_pair):
         text = codec.decode(ids)
         assert 900 <= len(ids) <= 1024 and text.count(code) == 1 and text.endswith("The secret code is")
         depths.append(text.index(code) / len(text))
-    assert depths[0] < 0.1 < 0.3 < depths[1] < 0.7 < 0.85 < depths[2]
+    assert depths[0] < 0.1 and 0.3 < depths[1] < 0.7 and 0.85 < depths[2]
 
 
 @pytest.mark.parametrize(

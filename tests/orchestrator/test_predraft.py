@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kakeya.core.contract import Request
+from kakeya.core.request import Request
 from kakeya.orchestrator.engine import RunOptions
 
 PROMPT = "import os\nimport sys\n\ndef main(argv):\n    "
@@ -72,12 +72,16 @@ def test_a_malformed_predraft_answer_is_the_drafters_failure():
     from kakeya.orchestrator.remote import predrafts_from_proto
     from kakeya.wire.kakeya.v1 import drafter_pb2 as pb
 
-    good = pb.DrafterResponse.Predrafted(token_ids=[5, 6, 7], outcomes=[pb.DrafterResponse.Predrafted.Outcome(
-        accepted=1, next_token=9, token_ids=[10, 11])])
+    good = pb.DrafterResponse.Predrafted(
+        token_ids=[5, 6, 7],
+        outcomes=[pb.DrafterResponse.Predrafted.Outcome(accepted=1, next_token=9, token_ids=[10, 11])],
+    )
     found = predrafts_from_proto(good, pending=3, block_size=3, vocab=100)
     assert found.after(3, 5) == (6, 7) and found.after(1, 9) == (10, 11) and found.after(0, 9) is None
-    for bad in (pb.DrafterResponse.Predrafted(token_ids=[5, 6, 7, 8]),  # more candidates than the block holds
-                pb.DrafterResponse.Predrafted(token_ids=[5, 100]),  # outside the vocabulary
-                pb.DrafterResponse.Predrafted(outcomes=[pb.DrafterResponse.Predrafted.Outcome(accepted=4, next_token=1)])):
+    for bad in (
+        pb.DrafterResponse.Predrafted(token_ids=[5, 6, 7, 8]),  # more candidates than the block holds
+        pb.DrafterResponse.Predrafted(token_ids=[5, 100]),  # outside the vocabulary
+        pb.DrafterResponse.Predrafted(outcomes=[pb.DrafterResponse.Predrafted.Outcome(accepted=4, next_token=1)]),
+    ):
         with pytest.raises(ValueError, match="malformed"):
             predrafts_from_proto(bad, pending=3, block_size=3, vocab=100)

@@ -4,7 +4,8 @@ import threading
 
 import pytest
 
-from kakeya.core.contract import CachePolicy, Cancellation, ModelInfo, Request, SessionOptions
+from kakeya.core.contract import Cancellation, ModelInfo, SessionOptions
+from kakeya.core.request import CachePolicy, Request
 from kakeya.orchestrator.adaptive import AdaptivePolicy, CostCurve
 from kakeya.orchestrator.engine import Engine, RunOptions
 
@@ -204,7 +205,7 @@ def test_a_cancellation_runs_each_hook_once_and_late_ones_at_once():
 
 
 def test_the_engine_predrafts_greedy_runs_only_and_a_run_may_say_otherwise():
-    from kakeya.core.contract import SamplingParams
+    from kakeya.core.request import SamplingParams
 
     engine = _engine()
     engine.predraft = True

@@ -16,7 +16,9 @@ def static_torch_target(tiny_pair):
     from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
     from kakeya.verifier.torch_backend.target import TargetTorch
 
-    return TargetTorch.load(tiny_pair.target, graph_options=GraphOptions(capture=False, buckets=BUCKETS, static_extent=True))
+    return TargetTorch.load(
+        tiny_pair.target, graph_options=GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)
+    )
 
 
 @pytest.fixture(scope="session")

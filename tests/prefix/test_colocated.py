@@ -8,12 +8,13 @@ conversations at once through one compute thread share one budget that is never
 exceeded.
 """
 
+import itertools
 import threading
 
 import pytest
 
-from kakeya.core.contract import Request, SamplingParams
 from kakeya.core.prefix import PrefixCache
+from kakeya.core.request import Request, SamplingParams
 from kakeya.orchestrator.assembly import build_local_engine
 from kakeya.orchestrator.engine import RunOptions
 from kakeya.runtime.compute import ComputeThread
@@ -32,24 +33,30 @@ def _chat(engine, first_prompt, turns, block_size=4, sampling=SamplingParams(), 
     prompt, out = list(first_prompt), []
     options = RunOptions(step=step) if step is not None else None
     for t in range(turns):
-        gen = engine.generate(Request(list(prompt), max_tokens=40, block_size=block_size, ignore_eos=True, sampling=sampling), options)
+        gen = engine.generate(
+            Request(list(prompt), max_tokens=40, block_size=block_size, ignore_eos=True, sampling=sampling), options
+        )
         out.append(gen)
         prompt = prompt + gen.token_ids + USER[t % len(USER)]
     return out
 
 
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=11)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=11)], ids=["greedy", "sampled"]
+)
 def test_later_turns_resume_and_equal_a_cold_run(tiny_pair, backend, sampling):
     cached, cold = _engines(tiny_pair, backend)
     prompt = [2] + list(range(100, 140))
     turns = _chat(cached, prompt, 4, sampling=sampling)
     assert turns[0].cached_tokens == 0
     for gen in turns:
-        again = cold.generate(Request(list(gen.prompt_ids), max_tokens=40, block_size=4, ignore_eos=True, sampling=sampling))
+        again = cold.generate(
+            Request(list(gen.prompt_ids), max_tokens=40, block_size=4, ignore_eos=True, sampling=sampling)
+        )
         assert gen.token_ids == again.token_ids
         assert gen.acceptance_lengths == again.acceptance_lengths
-    for prev, gen in zip(turns, turns[1:]):
+    for prev, gen in itertools.pairwise(turns):
         # the previous turn's prompt and answer, but its last token (no forward saw it)
         assert gen.cached_tokens == len(prev.prompt_ids) + len(prev.token_ids) - 1
         assert gen.cached_tokens >= 0.8 * len(gen.prompt_ids)
@@ -58,7 +65,9 @@ def test_later_turns_resume_and_equal_a_cold_run(tiny_pair, backend, sampling):
 
 
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=5)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=5)], ids=["greedy", "sampled"]
+)
 def test_a_history_that_comes_back_short_of_its_last_tokens_still_resumes(tiny_pair, backend, sampling):
     """A client re-renders the history: the answer's last tokens may come back otherwise (Gemma 2's and 3's
     templates trim each message). The turn resumes from the previous turn's snapshot trimmed back to what the prompt
@@ -93,7 +102,7 @@ def test_pre_drafted_turns_leave_the_drafter_a_whole_snapshot(tiny_pair, backend
         again = cold.generate(Request(list(gen.prompt_ids), max_tokens=40, block_size=4, ignore_eos=True))
         assert gen.token_ids == again.token_ids
         assert gen.acceptance_lengths == again.acceptance_lengths
-    for prev, gen in zip(turns, turns[1:]):
+    for prev, gen in itertools.pairwise(turns):
         assert gen.cached_tokens == len(prev.prompt_ids) + len(prev.token_ids) - 1
 
 
@@ -111,7 +120,9 @@ def test_a_pre_drafting_run_saves_the_drafter_snapshot_a_plain_run_saves(demo_pa
     gens = [e.generate(req, RunOptions(predraft=p)) for e, p in zip(engines, (False, True))]
     assert gens[0].token_ids == gens[1].token_ids and any(b.predrafted for b in gens[1].blocks)
     ids = list(prompt) + gens[0].token_ids[:-1]
-    snaps = [next(x.value for x in e.drafter.prefixes.find(CONTEXT, ids + [0]) if x.positions == len(ids)) for e in engines]
+    snaps = [
+        next(x.value for x in e.drafter.prefixes.find(CONTEXT, ids + [0]) if x.positions == len(ids)) for e in engines
+    ]
     assert snaps[0].length == snaps[1].length == len(ids) and snaps[0].rows == snaps[1].rows
     for (k0, v0), (k1, v1) in zip(snaps[0].kv, snaps[1].kv):
         if k0 is not None:
@@ -130,7 +141,11 @@ def test_a_verifier_only_snapshot_serves_the_verifier_only(tiny_pair):
     assert spec.cached_tokens == 0
     ar = cached.generate(Request(list(nxt), max_tokens=30, block_size=1, ignore_eos=True))
     assert ar.cached_tokens == len(prompt) + len(first.token_ids) - 1
-    assert spec.token_ids == ar.token_ids == cold.generate(Request(list(nxt), max_tokens=30, block_size=4, ignore_eos=True)).token_ids
+    assert (
+        spec.token_ids
+        == ar.token_ids
+        == cold.generate(Request(list(nxt), max_tokens=30, block_size=4, ignore_eos=True)).token_ids
+    )
 
 
 def test_a_stop_cut_answer_is_saved_as_the_client_saw_it(tiny_pair):
@@ -143,7 +158,9 @@ def test_a_stop_cut_answer_is_saved_as_the_client_saw_it(tiny_pair):
     nxt = prompt + gen.token_ids + USER[1]
     resumed = cached.generate(Request(list(nxt), max_tokens=30, block_size=8, ignore_eos=True))
     assert resumed.cached_tokens == len(prompt) + len(gen.token_ids) - 1
-    assert resumed.token_ids == cold.generate(Request(list(nxt), max_tokens=30, block_size=8, ignore_eos=True)).token_ids
+    assert (
+        resumed.token_ids == cold.generate(Request(list(nxt), max_tokens=30, block_size=8, ignore_eos=True)).token_ids
+    )
 
 
 def test_sixteen_concurrent_chats_stay_within_budget_and_equal_cold(tiny_pair):
@@ -156,7 +173,7 @@ def test_sixteen_concurrent_chats_stay_within_budget_and_equal_cold(tiny_pair):
     def chat(k):
         try:
             results[k] = _chat(cached, [2] + [100 + 7 * k + i for i in range(24)], 3, step=compute.run)
-        except Exception as exc:  # pragma: no cover - reported below
+        except Exception as exc:  # noqa: BLE001  # pragma: no cover - reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=chat, args=(k,)) for k in range(16)]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kakeya.core.contract import Request
+from kakeya.core.request import Request
 from kakeya.orchestrator.engine import Engine, RunOptions
 
 from ..orchestrator.test_run import PROMPT, Drafter, DrafterSession, Session, Verifier

@@ -113,7 +113,7 @@ def test_concurrent_puts_and_finds_stay_within_budget():
                 cache.find("v", ids + [0])
                 cache.put("v", ids, (k, turn), 37 + k)
                 assert cache.bytes <= 1000
-        except Exception as exc:  # pragma: no cover - reported below
+        except Exception as exc:  # noqa: BLE001  # pragma: no cover - reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=chat, args=(k,)) for k in range(16)]

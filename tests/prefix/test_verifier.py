@@ -9,8 +9,8 @@ slack is refused.
 import numpy as np
 import pytest
 
-from kakeya.core.contract import CachePolicy
 from kakeya.core.prefix import PrefixCache
+from kakeya.core.request import CachePolicy
 from kakeya.verifier.session import VerifierSession
 
 PROMPT = [2] + [5 + (7 * i) % 900 for i in range(45)]

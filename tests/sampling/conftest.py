@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from kakeya.core.contract import SamplingParams
+from kakeya.core.request import SamplingParams
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2_grpc
 from kakeya.wire.limits import server_options
 
@@ -42,7 +42,10 @@ def small_models(small_pair):
     torch.set_num_threads(1)
     layers = load_draft_config(small_pair.draft)["dflash_config"]["target_layer_ids"]
     return {
-        be: (local_verifier(str(small_pair.target), layers, be), local_drafter(str(small_pair.draft), str(small_pair.target), be))
+        be: (
+            local_verifier(str(small_pair.target), layers, be),
+            local_drafter(str(small_pair.draft), str(small_pair.target), be),
+        )
         for be in BACKENDS
     }
 
@@ -51,7 +54,9 @@ def _local(backend, tiny_pair, aux_layers):
     from kakeya.drafter.loader import local_drafter
     from kakeya.verifier.loader import local_verifier
 
-    return local_verifier(str(tiny_pair.target), list(aux_layers), backend), local_drafter(str(tiny_pair.draft), str(tiny_pair.target), backend)
+    return local_verifier(str(tiny_pair.target), list(aux_layers), backend), local_drafter(
+        str(tiny_pair.draft), str(tiny_pair.target), backend
+    )
 
 
 @pytest.fixture(scope="session")
@@ -74,8 +79,19 @@ def split(tiny_pair, aux_layers):
     servers, out = [], {}
     for name, backend in (("torch", "torch"), ("mlx", "mlx")):
         v, d = VerifierServicer(), DrafterServicer()
-        v.compute.run(v._setup, lambda b=backend: local_verifier(str(tiny_pair.target), list(aux_layers), b), tiny_pair.target, tuple(aux_layers))
-        d.compute.run(d._setup, lambda: MLXDrafter(tiny_pair.draft, tiny_pair.target), str(tiny_pair.draft), str(tiny_pair.target), "mlx")
+        v.compute.run(
+            v._setup,
+            lambda b=backend: local_verifier(str(tiny_pair.target), list(aux_layers), b),
+            tiny_pair.target,
+            tuple(aux_layers),
+        )
+        d.compute.run(
+            d._setup,
+            lambda: MLXDrafter(tiny_pair.draft, tiny_pair.target),
+            str(tiny_pair.draft),
+            str(tiny_pair.target),
+            "mlx",
+        )
         v.ready = d.ready = True
         server = grpc.server(ThreadPoolExecutor(8), options=server_options())
         verifier_pb2_grpc.add_VerifierServiceServicer_to_server(v, server)

@@ -10,7 +10,7 @@ import torch
 
 from kakeya.core import noise
 from kakeya.core import sampling as ref
-from kakeya.core.contract import SamplingParams
+from kakeya.core.request import SamplingParams
 
 from .test_reference import PARAMS, _backend
 from .test_statistical import chi_square_p
@@ -52,8 +52,9 @@ def test_each_backends_gumbel_is_the_references_within_float_rounding_of_log(bac
 
 
 def test_the_uniforms_are_uniform_and_never_0_or_1():
-    levels = noise.uniform_levels(noise.bits(noise.session_keys(5), np.arange(64, dtype=np.uint32)[:, None],
-                                             np.arange(4096, dtype=np.uint32)))
+    levels = noise.uniform_levels(
+        noise.bits(noise.session_keys(5), np.arange(64, dtype=np.uint32)[:, None], np.arange(4096, dtype=np.uint32))
+    )
     u = levels.astype(np.float32) * np.float32(noise.U_SCALE)
     assert (u > 0).all() and (u < 1).all() and (levels % 2 == 1).all()
     counts = np.bincount((u.ravel() * 256).astype(int), minlength=256)
@@ -84,8 +85,16 @@ def _exact_check(p: np.ndarray, draws: np.ndarray) -> float:
     return chi_square_p(counts, p[support] * len(draws))
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=6), SamplingParams(1.3, top_p=0.8),
-                                    SamplingParams(0.9, min_p=0.05)], ids=lambda p: p.label)
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(1.0),
+        SamplingParams(0.7, top_k=6),
+        SamplingParams(1.3, top_p=0.8),
+        SamplingParams(0.9, min_p=0.05),
+    ],
+    ids=lambda p: p.label,
+)
 def test_the_noisy_argmax_draws_exactly_from_p(params):
     """Gumbel-max: over many positions the coupled token of one logits row is distributed as p."""
     logits = np.random.default_rng(1).normal(0, 1.5, 24).astype(np.float32)
@@ -103,7 +112,11 @@ def test_the_coupling_meets_its_bound_and_never_beats_the_optimal_one():
     for concentration in (0.1, 0.5, 2.0, 10.0):
         for _ in range(3):
             p = rng.dirichlet(np.full(V, concentration))
-            q = 0.5 * p + 0.5 * rng.dirichlet(np.full(V, concentration)) if concentration > 1 else rng.dirichlet(np.full(V, concentration))
+            q = (
+                0.5 * p + 0.5 * rng.dirichlet(np.full(V, concentration))
+                if concentration > 1
+                else rng.dirichlet(np.full(V, concentration))
+            )
             tv = 0.5 * np.abs(p - q).sum()
             one = SamplingParams(1.0)
             a = np.array(ref.coupled(np.tile(np.log(p), (n, 1)).astype(np.float32), one, keys, 0))
@@ -127,7 +140,9 @@ def test_each_backends_coupled_rows_are_the_references(backend, params):
         assert all(p[i, t] > 0 for i, t in enumerate(want))  # never outside the support
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": 1e-39}, {"temperature": 1e-6}, {"temperature": 1.0, "rule": "gumbel"}])
+@pytest.mark.parametrize(
+    "kwargs", [{"temperature": 1e-39}, {"temperature": 1e-6}, {"temperature": 1.0, "rule": "gumbel"}]
+)
 def test_degenerate_values_are_refused_naming_the_field(kwargs):
     field = "rule" if "rule" in kwargs else "temperature"
     with pytest.raises(ValueError, match=f"^{field} "):
@@ -140,6 +155,8 @@ def test_the_smallest_temperature_and_a_huge_one_sample_without_overflow(backend
     x = np.random.default_rng(4).normal(0, 30, (4, 262_144)).astype(np.float32)
     keys = noise.session_keys(1)
     cold = SamplingParams(1e-5).check()
-    assert s.coupled_rows(to(x), cold, keys, 0) == np.argmax(x, -1).tolist()  # the noise is nothing beside logits / 1e-5
+    assert (
+        s.coupled_rows(to(x), cold, keys, 0) == np.argmax(x, -1).tolist()
+    )  # the noise is nothing beside logits / 1e-5
     hot = SamplingParams(1e30).check()
     assert s.coupled_rows(to(x), hot, keys, 0) == ref.coupled(x, hot, keys, 0)

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from kakeya.core.contract import MAX_BLOCK_SIZE, REJECTION, CachePolicy, Request, SamplingParams
+from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, CachePolicy, Request, SamplingParams
 from kakeya.drafter.batch import draft_batch
 from kakeya.orchestrator.adaptive import BlockSizer, CostCurve
 from kakeya.orchestrator.engine import Engine

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from kakeya.core import sampling as ref
-from kakeya.core.contract import Proposal, SamplingParams
+from kakeya.core.contract import Proposal
+from kakeya.core.request import SamplingParams
 
 PARAMS = [
     SamplingParams(1.0),
@@ -66,7 +67,7 @@ def test_inverse_cdf_draws_match_reference(backend):
 @pytest.mark.parametrize("backend", ["mlx", "torch"])
 @pytest.mark.parametrize("params", PARAMS[:5], ids=lambda p: p.label)
 def test_acceptance_and_residual_match_reference(backend, params):
-    s, to, back = _backend(backend)
+    s, to, _back = _backend(backend)
     rng = np.random.default_rng(11)
     L = 5
     x = _logits(3, rows=L)
@@ -102,7 +103,9 @@ def test_the_rule_keeps_p_exactly():
     rng = np.random.default_rng(0)
     for _ in range(20):
         p = ref.process(rng.normal(0, 2, 40), SamplingParams(1.0, top_k=25))
-        q = ref.dense(Proposal(*ref.proposal_rows(ref.process(rng.normal(0, 2, (1, 40)), SamplingParams(1.0)), 10)), 40)[0]
+        q = ref.dense(
+            Proposal(*ref.proposal_rows(ref.process(rng.normal(0, 2, (1, 40)), SamplingParams(1.0)), 10)), 40
+        )[0]
         accept = np.minimum(q, p)  # q * min(1, p/q)
         residual = np.maximum(p - q, 0)
         out = accept + (1 - accept.sum()) * residual / residual.sum()

@@ -10,7 +10,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kakeya.core.contract import COUPLED, REJECTION, SAMPLING_RULES, Draft, Proposal, Request, SamplingParams
+from kakeya.core.contract import Draft, Proposal
+from kakeya.core.request import COUPLED, REJECTION, SAMPLING_RULES, Request, SamplingParams
 from kakeya.orchestrator.engine import Engine
 from kakeya.orchestrator.loop import run
 

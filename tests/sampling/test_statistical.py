@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kakeya.core import sampling as ref
-from kakeya.core.contract import COUPLED, SAMPLING_RULES
+from kakeya.core.request import COUPLED, SAMPLING_RULES
 from kakeya.orchestrator import loop
 from kakeya.verifier import session as verifier_session
 
@@ -64,7 +64,9 @@ def speculative_counts(verifier, drafter, params, seeds) -> collections.Counter:
     counts = collections.Counter()
     for seed in seeds:
         sp = replace(params, seed=seed)
-        gen = loop.run(verifier.open_session(sampling=sp), drafter.open_session(sampling=sp), PROMPT, TOKENS + seed % 2, 4)
+        gen = loop.run(
+            verifier.open_session(sampling=sp), drafter.open_session(sampling=sp), PROMPT, TOKENS + seed % 2, 4
+        )
         counts[tuple(gen.token_ids[:TOKENS])] += 1
     return counts
 
@@ -90,7 +92,9 @@ def chi_square_p(observed, expected) -> float:
     """Pearson's chi-square p-value of ``observed`` counts against ``expected`` ones (same total)."""
     o, e = np.asarray(observed, float), np.asarray(expected, float)
     stat, df = float(((o - e) ** 2 / e).sum()), len(o) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 @pytest.mark.parametrize("rule", SAMPLING_RULES)
@@ -109,10 +113,14 @@ def test_speculative_sampling_is_exact_and_a_broken_rule_is_caught(backend, sett
     assert pval > ALPHA, f"speculative samples differ from AR sampling: chi2={stat:.1f}, df={df}, p={pval:.2g}"
 
     if rule == COUPLED:  # the verifier session's acceptance keeps every candidate, whatever it chose
-        monkeypatch.setattr(verifier_session, "accept", lambda candidates, choices: (len(candidates), int(choices[len(candidates)])))
+        monkeypatch.setattr(
+            verifier_session, "accept", lambda candidates, choices: (len(candidates), int(choices[len(candidates)]))
+        )
     else:  # the verifier sessions call it through the module: patch it to accept everything
         exact = ref.assemble
-        monkeypatch.setattr(ref, "assemble", lambda cands, accepted, samples: exact(cands, [True] * len(cands), samples))
+        monkeypatch.setattr(
+            ref, "assemble", lambda cands, accepted, samples: exact(cands, [True] * len(cands), samples)
+        )
     counts = speculative_counts(verifier, drafter, params, range(N_EXACT, N_EXACT + N_BROKEN))
     stat, df, pval = chi_square(counts, dist, N_BROKEN)
     print(f"; always-accept chi2={stat:.1f} df={df} p={pval:.3g}", end="")

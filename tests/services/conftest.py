@@ -59,7 +59,7 @@ class Server:
         self.info: dict = {}
         self.starts = 0
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         self.starts += 1
         tag = f"{self.name}-{id(self):x}-{self.starts}"
         self.ready_file = self.tmp / f"{tag}.ready.json"
@@ -70,7 +70,7 @@ class Server:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> "Server":
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> Server:
         deadline = time.monotonic() + timeout
         while not self.ready_file.is_file():
             if self.proc.poll() is not None:
@@ -177,11 +177,15 @@ def internal_rpcs(service: str, addr: str, token: str | None = None) -> list:
     """Every RPC of a verifier or drafter (GetInfo, a short Session) as calls of a client holding ``token``."""
     if service == "verifier":
         v, V = verifier_stub(addr, token), verifier_pb2.VerifierRequest
-        return [lambda: v.GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10),
-                lambda: list(v.Session(iter([V(open=V.Open()), V(prefill=V.Prefill(token_ids=[2, 40, 41]))]), timeout=10))]
+        return [
+            lambda: v.GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10),
+            lambda: list(v.Session(iter([V(open=V.Open()), V(prefill=V.Prefill(token_ids=[2, 40, 41]))]), timeout=10)),
+        ]
     d, D = drafter_stub(addr, token), drafter_pb2.DrafterRequest
-    return [lambda: d.GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10),
-            lambda: list(d.Session(iter([D(open=D.Open())]), timeout=10))]
+    return [
+        lambda: d.GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10),
+        lambda: list(d.Session(iter([D(open=D.Open())]), timeout=10)),
+    ]
 
 
 def assert_unauthenticated(service: str, addr: str, token: str | None = None) -> None:
@@ -192,7 +196,9 @@ def assert_unauthenticated(service: str, addr: str, token: str | None = None) ->
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (service, err.value.details())
 
 
-def request(ids=None, text=None, max_tokens=16, block_size=8, ignore_eos=True, **sampling) -> generate_pb2.GenerateRequest:
+def request(
+    ids=None, text=None, max_tokens=16, block_size=8, ignore_eos=True, **sampling
+) -> generate_pb2.GenerateRequest:
     """A Generate request; ``block_size`` 8 (the tiny drafter's trained size) unless asked: 0 is auto."""
     sp = generate_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **sampling)
     req = generate_pb2.GenerateRequest(sampling_params=sp, block_size=block_size)

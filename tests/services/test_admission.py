@@ -36,7 +36,7 @@ V = verifier_pb2.VerifierRequest
 
 def _worst_case(tiny_pair) -> int:
     from kakeya.checkpoints.config import load_target_config
-    from kakeya.core.contract import CachePolicy
+    from kakeya.core.request import CachePolicy
     from kakeya.verifier.memory import KVShape, session_bytes
 
     shape = KVShape.from_config(load_target_config(tiny_pair.target))
@@ -48,10 +48,17 @@ def _worst_case(tiny_pair) -> int:
 def servers(server_factory, tiny_pair):
     one = _worst_case(tiny_pair)
     budget = ["--max-kv-bytes", str(one + one // 2)]
-    strict = server_factory("strict", ["verifier", *TINY_MLX, *budget, "--max-sessions", "8", "--idle-timeout", "3", "--grace", "1"])
+    strict = server_factory(
+        "strict", ["verifier", *TINY_MLX, *budget, "--max-sessions", "8", "--idle-timeout", "3", "--grace", "1"]
+    )
     # these two hold idle sessions on purpose: no reclaiming them for newcomers (test_fairness.py covers that)
-    queued = server_factory("queued", ["verifier", *TINY_MLX, *budget, "--queue", "1", "--queue-timeout", "8", "--reclaim-idle", "0", "--grace", "1"])
-    small = server_factory("small", ["verifier", *TINY_MLX, "--max-sessions", "3", "--reclaim-idle", "0", "--grace", "1"])
+    queued = server_factory(
+        "queued",
+        ["verifier", *TINY_MLX, *budget, "--queue", "1", "--queue-timeout", "8", "--reclaim-idle", "0", "--grace", "1"],
+    )
+    small = server_factory(
+        "small", ["verifier", *TINY_MLX, "--max-sessions", "3", "--reclaim-idle", "0", "--grace", "1"]
+    )
     drafter = server_factory("drafter", ["drafter", *TINY_MLX, "--idle-timeout", "2", "--grace", "1"])
     start_all([strict, queued, small, drafter])
     orch = server_factory("orchestrator", ["orchestrator", "--verifier", small.addr, "--grace", "1"])

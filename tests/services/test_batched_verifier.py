@@ -16,15 +16,16 @@ import torch
 
 importlib.import_module("torch")
 
-from kakeya.core.contract import CachePolicy, Draft  # noqa: E402
-from kakeya.orchestrator.remote import GrpcVerifier  # noqa: E402
-from kakeya.runtime.servicer import SessionLimits  # noqa: E402
-from kakeya.verifier import server as verifier_server  # noqa: E402
-from kakeya.verifier.session import PREFILL_CHUNK, VerifierSession  # noqa: E402
-from kakeya.wire.kakeya.v1 import verifier_pb2_grpc  # noqa: E402
-from kakeya.wire.limits import server_options  # noqa: E402
+from kakeya.core.contract import Draft
+from kakeya.core.request import CachePolicy
+from kakeya.orchestrator.remote import GrpcVerifier
+from kakeya.runtime.servicer import SessionLimits
+from kakeya.verifier import server as verifier_server
+from kakeya.verifier.session import PREFILL_CHUNK, VerifierSession
+from kakeya.wire.kakeya.v1 import verifier_pb2_grpc
+from kakeya.wire.limits import server_options
 
-from .conftest import wait_until  # noqa: E402
+from .conftest import wait_until
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -72,7 +73,9 @@ def _decode(session, first: int, reference: list[int], k: int) -> list[int]:
     out, tok = [first], first
     while len(out) < N_TOKENS:
         L = 1 + (len(out) + k) % 8
-        cands = [t if (len(out) + j) % 3 else (t + 1) % 500 for j, t in enumerate(reference[len(out) : len(out) + L - 1])]
+        cands = [
+            t if (len(out) + j) % 3 else (t + 1) % 500 for j, t in enumerate(reference[len(out) : len(out) + L - 1])
+        ]
         verdict = session.decide(tok, Draft(cands))
         out += cands[: verdict.accepted] + [verdict.next_token]
         tok = out[-1]
@@ -148,8 +151,10 @@ def test_a_prompt_beyond_the_sessions_positions_is_refused_before_any_chunk_runs
     chunks = []
     monkeypatch.setattr(v, "_prefill_chunk", lambda *a: chunks.append(a))
     stub = verifier_pb2_grpc.VerifierServiceStub(grpc.insecure_channel(addr))
-    msgs = [vpb.VerifierRequest(open=vpb.VerifierRequest.Open(max_positions=10)),
-            vpb.VerifierRequest(prefill=vpb.VerifierRequest.Prefill(token_ids=_prompt(0, 11)))]
+    msgs = [
+        vpb.VerifierRequest(open=vpb.VerifierRequest.Open(max_positions=10)),
+        vpb.VerifierRequest(prefill=vpb.VerifierRequest.Prefill(token_ids=_prompt(0, 11))),
+    ]
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Session(iter(msgs), timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

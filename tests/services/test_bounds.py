@@ -54,13 +54,28 @@ def ftheta_dir(tmp_path_factory, tiny_pair, mlx_target):
 
 @pytest.fixture(scope="module")
 def servers(server_factory, ftheta_dir):
-    v = server_factory("verifier", ["verifier", *TINY_MLX, "--max-context", str(MAX_CONTEXT), "--restore", f"tiny={ftheta_dir}", "--grace", "2"])
+    v = server_factory(
+        "verifier",
+        ["verifier", *TINY_MLX, "--max-context", str(MAX_CONTEXT), "--restore", f"tiny={ftheta_dir}", "--grace", "2"],
+    )
     d = server_factory("drafter", ["drafter", *TINY_MLX, "--max-context", str(MAX_CONTEXT), "--grace", "2"])
-    budgeted = server_factory("budgeted", ["drafter", *TINY_MLX, "--max-kv-bytes", str(DRAFTER_BUDGET), "--reclaim-idle", "0", "--grace", "2"])
+    budgeted = server_factory(
+        "budgeted", ["drafter", *TINY_MLX, "--max-kv-bytes", str(DRAFTER_BUDGET), "--reclaim-idle", "0", "--grace", "2"]
+    )
     start_all([v, d, budgeted])
     o = server_factory(
         "orchestrator",
-        ["orchestrator", "--verifier", v.addr, "--drafter", d.addr, "--max-prompt-tokens", str(MAX_PROMPT), "--grace", "2"],
+        [
+            "orchestrator",
+            "--verifier",
+            v.addr,
+            "--drafter",
+            d.addr,
+            "--max-prompt-tokens",
+            str(MAX_PROMPT),
+            "--grace",
+            "2",
+        ],
     )
     start_all([o])
     return {"verifier": v, "drafter": d, "orchestrator": o, "budgeted": budgeted}
@@ -106,7 +121,11 @@ def test_huge_cache_policy_sizes_are_refused_at_once(servers, policy, field):
 def test_prompt_length_and_context_limits(servers):
     addr = servers["orchestrator"].addr
     code, details, _ = _code(lambda: generate(addr, request([5] * (MAX_PROMPT + 1), max_tokens=4)))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "prompt.tokenized.ids" in details and "--max-prompt-tokens" in details
+    assert (
+        code == grpc.StatusCode.INVALID_ARGUMENT
+        and "prompt.tokenized.ids" in details
+        and "--max-prompt-tokens" in details
+    )
     info = generation_stub(addr).GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
     assert info.max_prompt_tokens == MAX_PROMPT and info.max_position_embeddings == 131072  # the tiny target's
     # prompt + max_tokens beyond the verifier's context: refused before any session opens
@@ -156,7 +175,9 @@ class _DraftSession:
 
     def draft(self, rows: int):
         aux = codec.to_proto(np.zeros((rows, self.width), np.float32))
-        self._q.put(drafter_pb2.DrafterRequest(draft=drafter_pb2.DrafterRequest.Draft(new_aux=aux, last_token=3, block_size=4)))
+        self._q.put(
+            drafter_pb2.DrafterRequest(draft=drafter_pb2.DrafterRequest.Draft(new_aux=aux, last_token=3, block_size=4))
+        )
         return next(self.call)
 
     def close(self):
@@ -247,8 +268,12 @@ def test_restore_sources_are_names_configured_on_the_server(servers, ftheta_dir)
     addr = servers["orchestrator"].addr
     for bad in ("/etc", str(ftheta_dir), "../tiny", "nope"):  # never a path, even the configured one
         req = _with_policy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, sink=4, window=16, restore_path=bad)
-        code, details, _ = _code(lambda: generate(addr, req))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "restore_path" in details and "unknown restoration source" in details
+        code, details, _ = _code(lambda req=req: generate(addr, req))
+        assert (
+            code == grpc.StatusCode.INVALID_ARGUMENT
+            and "restore_path" in details
+            and "unknown restoration source" in details
+        )
     req = _with_policy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, sink=4, window=16, restore_path="tiny")
     req.sampling_params.max_tokens = 40
     ids, _, complete, _ = generate(addr, req)

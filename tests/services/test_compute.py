@@ -71,7 +71,7 @@ def test_max_batch_caps_a_batch_and_one_means_serialised():
         ct = ComputeThread("t", max_batch=max_batch)
         sizes = []
         release = _blocked(ct)
-        ex, futs = _submit_batch_items(ct, 10, lambda items: (sizes.append(len(items)), items)[1])
+        ex, futs = _submit_batch_items(ct, 10, lambda items, sizes=sizes: (sizes.append(len(items)), items)[1])
         _wait_queued(ct, 10)
         release.set()
         assert sorted(f.result(5) for f in futs) == list(range(10))
@@ -144,7 +144,9 @@ def test_inline_runs_a_lone_job_on_its_callers_thread_and_jobs_that_queue_still_
         ct.batch("verify", 0, lambda items: [ValueError("bad")])
     calls = []
     release = _blocked(ct)  # the thread is busy: callers queue, and what queued runs as one batch there
-    ex, futs = _submit_batch_items(ct, 5, lambda items: (calls.append(list(items)), [threading.get_ident()] * len(items))[1])
+    ex, futs = _submit_batch_items(
+        ct, 5, lambda items: (calls.append(list(items)), [threading.get_ident()] * len(items))[1]
+    )
     _wait_queued(ct, 5)
     release.set()
     assert len({f.result(5) for f in futs}) == 1 and futs[0].result() != me

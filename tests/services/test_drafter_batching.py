@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kakeya.core.contract import COUPLED, REJECTION, SamplingParams
+from kakeya.core.request import COUPLED, REJECTION, SamplingParams
 from kakeya.orchestrator.deadlines import StepClock
 from kakeya.orchestrator.remote import GrpcDrafter
 from kakeya.runtime.servicer import SessionLimits

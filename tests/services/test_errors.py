@@ -26,21 +26,36 @@ def test_public_errors_use_public_names_and_never_a_backend_address():
         assert addr not in message and "grpc:" not in message, message
         return got_code, message
 
-    code, msg = public(grpc.StatusCode.INVALID_ARGUMENT, "open.cache_policy.restore_path: unknown restoration source 'x'")
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg == "verifier: cache_policy.restore_path: unknown restoration source 'x'"
+    code, msg = public(
+        grpc.StatusCode.INVALID_ARGUMENT, "open.cache_policy.restore_path: unknown restoration source 'x'"
+    )
+    assert (
+        code == grpc.StatusCode.INVALID_ARGUMENT
+        and msg == "verifier: cache_policy.restore_path: unknown restoration source 'x'"
+    )
     code, msg = public(grpc.StatusCode.INVALID_ARGUMENT, "open.sampling.temperature must be 0 (greedy) or ...")
     assert msg.startswith("verifier: sampling_params.temperature")
     code, msg = public(grpc.StatusCode.FAILED_PRECONDITION, "verify: commit the previous block first")
-    assert code == grpc.StatusCode.INTERNAL and "verify" not in msg  # the session protocol: the orchestrator's own doing
-    code, msg = public(grpc.StatusCode.INVALID_ARGUMENT, "verify.block_ids: 17 positions exceed this session's max block size 16")
-    assert code == grpc.StatusCode.INTERNAL and "verify." not in msg and "16" not in msg  # an internal step: no internals
-    code, msg = public(grpc.StatusCode.UNAVAILABLE, f"failed to connect to all addresses; last error: ipv4:{addr}: refused")
+    assert (
+        code == grpc.StatusCode.INTERNAL and "verify" not in msg
+    )  # the session protocol: the orchestrator's own doing
+    code, msg = public(
+        grpc.StatusCode.INVALID_ARGUMENT, "verify.block_ids: 17 positions exceed this session's max block size 16"
+    )
+    assert (
+        code == grpc.StatusCode.INTERNAL and "verify." not in msg and "16" not in msg
+    )  # an internal step: no internals
+    code, msg = public(
+        grpc.StatusCode.UNAVAILABLE, f"failed to connect to all addresses; last error: ipv4:{addr}: refused"
+    )
     assert code == grpc.StatusCode.UNAVAILABLE and msg.startswith("verifier unavailable")
     code, msg = public(grpc.StatusCode.UNAUTHENTICATED, "verifier: missing or wrong bearer token")
     assert code == grpc.StatusCode.UNAVAILABLE  # the backend refuses this orchestrator: not the caller's doing
     code, msg = public(grpc.StatusCode.DEADLINE_EXCEEDED, "no verified answer within 2.0 s", step_timeout=True)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and msg == "verifier did not answer in time"
-    code, msg = public(grpc.StatusCode.RESOURCE_EXHAUSTED, "session limit reached: 3 of 3 sessions live (--max-sessions)")
+    code, msg = public(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "session limit reached: 3 of 3 sessions live (--max-sessions)"
+    )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-sessions" in msg
     code, msg = public(grpc.StatusCode.UNKNOWN, f"Exception calling application at {addr}")
     assert code == grpc.StatusCode.INTERNAL

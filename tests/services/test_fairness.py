@@ -197,7 +197,11 @@ def test_idle_sessions_held_by_a_hostile_client_cannot_make_a_public_request_fai
     ids, _, complete, _ = generate(servers["orchestrator"].addr, request(PROMPT, max_tokens=8))
     assert len(ids) == 8 and complete.finish_reason
     ended = held[0].end()  # the longest idle made room, and was told why
-    assert ended.code() == grpc.StatusCode.ABORTED and "reclaimed" in ended.details() and "--reclaim-idle" in ended.details()
+    assert (
+        ended.code() == grpc.StatusCode.ABORTED
+        and "reclaimed" in ended.details()
+        and "--reclaim-idle" in ended.details()
+    )
     for h in held:
         h.call.cancel()
         h.release.set()

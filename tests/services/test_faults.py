@@ -27,7 +27,9 @@ def servers(server_factory):
     verifier = server_factory("verifier", ["verifier", *TINY_MLX, "--grace", "5"])
     drafter = server_factory("drafter", ["drafter", *TINY_MLX, "--grace", "5"])
     start_all([verifier, drafter])
-    orch = server_factory("orchestrator", ["orchestrator", "--verifier", verifier.addr, "--drafter", drafter.addr, "--grace", "20"])
+    orch = server_factory(
+        "orchestrator", ["orchestrator", "--verifier", verifier.addr, "--drafter", drafter.addr, "--grace", "20"]
+    )
     start_all([orch])
     return {"verifier": verifier, "drafter": drafter, "orchestrator": orch}
 
@@ -97,8 +99,11 @@ def test_verifier_unreachable_is_unavailable_and_the_server_recovers(servers, se
         generate(orch.addr, request(PROMPT, max_tokens=8))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "verifier" in err.value.details()
     # still up and answering: its health watch (polled each second) turns NOT_SERVING while the verifier is down
-    wait_until(lambda: _health(orch.addr) == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=15,
-               what="the orchestrator to report its verifier down")
+    wait_until(
+        lambda: _health(orch.addr) == health_pb2.HealthCheckResponse.NOT_SERVING,
+        timeout=15,
+        what="the orchestrator to report its verifier down",
+    )
 
     # A new orchestrator started while its verifier is down: up, but NOT_SERVING until it can warm up.
     late = server_factory("late", ["orchestrator", "--verifier", verifier.addr, "--drafter", drafter.addr]).start()
@@ -138,7 +143,11 @@ def _try(addr):
 def test_grace_expiry_ends_streams_with_abort(servers, server_factory, reference):
     """A generation longer than --grace ends with FINISH_REASON_ABORT and a clean prefix, then the server exits."""
     v, d = servers["verifier"].addr, servers["drafter"].addr
-    orch = server_factory("short-grace", ["orchestrator", "--verifier", v, "--drafter", d, "--grace", "2"]).start().wait_ready()
+    orch = (
+        server_factory("short-grace", ["orchestrator", "--verifier", v, "--drafter", d, "--grace", "2"])
+        .start()
+        .wait_ready()
+    )
     call = generation_stub(orch.addr).Generate(request(PROMPT, max_tokens=4000, block_size=4), timeout=120)
     got, complete, signalled = [], None, False
     for resp in call:

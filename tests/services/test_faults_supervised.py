@@ -86,7 +86,9 @@ def test_dead_drafter_never_takes_serving_down(served, reference):
     ids, _, complete, _ = generate(served.addr, request(PROMPT, max_tokens=20), timeout=30)  # still serving
     assert ids == reference[:20]
 
-    info = wait_until(lambda: _restarted(served, "drafter", drafter_pid), timeout=40, interval=0.2, what="drafter restart")
+    info = wait_until(
+        lambda: _restarted(served, "drafter", drafter_pid), timeout=40, interval=0.2, what="drafter restart"
+    )
     assert info["drafter"] == served.info["drafter"]  # same address: the orchestrator finds it again
 
     def speculating():
@@ -121,7 +123,9 @@ def test_dead_verifier_is_unavailable_within_the_bound_then_recovers(served, ref
 def test_dead_orchestrator_is_restarted_on_its_port(served, reference):
     orch_pid = _info(served)["pids"]["orchestrator"]
     _kill(orch_pid)
-    info = wait_until(lambda: _restarted(served, "orchestrator", orch_pid), timeout=40, interval=0.2, what="orchestrator restart")
+    info = wait_until(
+        lambda: _restarted(served, "orchestrator", orch_pid), timeout=40, interval=0.2, what="orchestrator restart"
+    )
     assert info["addr"] == served.addr
     ids, _, complete, _ = generate(served.addr, request(PROMPT, max_tokens=N), timeout=30)
     assert ids == reference and not complete.stats.drafter_fallback

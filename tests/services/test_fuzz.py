@@ -13,12 +13,12 @@ import grpc
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kakeya.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, tensor_pb2, verifier_pb2  # noqa: E402
+from kakeya.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, tensor_pb2, verifier_pb2
 
-from .conftest import TINY_MLX, channel, drafter_stub, generate, generation_stub, request, start_all, verifier_stub  # noqa: E402
+from .conftest import TINY_MLX, channel, drafter_stub, generate, generation_stub, request, start_all, verifier_stub
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -44,7 +44,22 @@ def servers(server_factory):
     v = server_factory("verifier", ["verifier", *TINY_MLX, "--max-context", "2048", "--grace", "1"])
     d = server_factory("drafter", ["drafter", *TINY_MLX, "--grace", "1"])
     start_all([v, d])
-    o = server_factory("orchestrator", ["orchestrator", "--verifier", v.addr, "--drafter", d.addr, "--max-tokens-limit", "64", "--default-max-tokens", "8", "--grace", "1"])
+    o = server_factory(
+        "orchestrator",
+        [
+            "orchestrator",
+            "--verifier",
+            v.addr,
+            "--drafter",
+            d.addr,
+            "--max-tokens-limit",
+            "64",
+            "--default-max-tokens",
+            "8",
+            "--grace",
+            "1",
+        ],
+    )
     start_all([o])
     yield {"verifier": v, "drafter": d, "orchestrator": o}
     for s in (v, d, o):

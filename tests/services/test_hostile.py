@@ -43,7 +43,15 @@ def _code(fn):
 
 def _public_error_is_clean(details: str, servers) -> None:
     """A public error names public fields and limits: never a backend's address or an internal field."""
-    for internal in (servers["verifier"].addr, servers["drafter"].addr, "grpc:", "open.", "verify.", "commit.", "prefill."):
+    for internal in (
+        servers["verifier"].addr,
+        servers["drafter"].addr,
+        "grpc:",
+        "open.",
+        "verify.",
+        "commit.",
+        "prefill.",
+    ):
         assert internal not in details, (internal, details)
 
 
@@ -53,10 +61,14 @@ def _public_error_is_clean(details: str, servers) -> None:
 @pytest.mark.parametrize("temperature", [1e-39, 1e-30, 5e-6])
 def test_a_degenerate_temperature_is_invalid_argument(servers, temperature):
     """0 < temperature < 1e-5 used to reach the sampler: INTERNAL 'index -1 is out of bounds'."""
-    code, details = _code(lambda: generate(servers["orchestrator"].addr, request(PROMPT, max_tokens=6, temperature=temperature)))
+    code, details = _code(
+        lambda: generate(servers["orchestrator"].addr, request(PROMPT, max_tokens=6, temperature=temperature))
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "sampling_params.temperature" in details, details
     open_ = V.Open(sampling=sampling_pb2.Sampling(temperature=temperature, seed=1))  # the verifier on its own, too
-    code, details = _code(lambda: list(verifier_stub(servers["verifier"].addr).Session(iter([V(open=open_)]), timeout=10)))
+    code, details = _code(
+        lambda: list(verifier_stub(servers["verifier"].addr).Session(iter([V(open=open_)]), timeout=10))
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "open.sampling.temperature" in details, details
 
 
@@ -115,7 +127,9 @@ def test_a_valid_proposal_is_accepted(servers):
 def test_an_error_echoing_a_huge_list_stays_bounded(servers):
     """10,000 target_layer_ids used to come back in the error, overflowing the trailer: RESOURCE_EXHAUSTED."""
     open_ = V.Open(target_layer_ids=list(range(10_000)))
-    code, details = _code(lambda: list(verifier_stub(servers["verifier"].addr).Session(iter([V(open=open_)]), timeout=10)))
+    code, details = _code(
+        lambda: list(verifier_stub(servers["verifier"].addr).Session(iter([V(open=open_)]), timeout=10))
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "open.target_layer_ids" in details and len(details) <= 1024
 
 

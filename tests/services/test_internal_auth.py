@@ -31,7 +31,10 @@ PROMPT = [2, 40, 41, 42, 43, 44]
 
 def test_an_internal_service_beyond_loopback_needs_client_authentication():
     for host in ("127.0.0.1", "127.0.0.5", "::1", "[::1]", "localhost"):
-        assert is_loopback(host) and check_exposure("verifier", host, mutual_tls=False, token=False, insecure=False) is None
+        assert (
+            is_loopback(host)
+            and check_exposure("verifier", host, mutual_tls=False, token=False, insecure=False) is None
+        )
     for host in ("0.0.0.0", "[::]", "10.0.0.7", "verifier.internal"):
         assert not is_loopback(host)
         with pytest.raises(ValueError) as err:
@@ -105,6 +108,8 @@ def test_an_orchestrator_with_the_token_speculates_and_one_without_cannot_start(
     ids, _, complete, _ = generate(guarded["orchestrator"].addr, request(PROMPT, max_tokens=12))
     assert len(ids) == 12 and not complete.stats.drafter_fallback
     v, d = guarded["verifier"].addr, guarded["drafter"].addr
-    stranger = server_factory("stranger", ["orchestrator", "--verifier", v, "--drafter", d, "--backend-wait", "5"]).start()
+    stranger = server_factory(
+        "stranger", ["orchestrator", "--verifier", v, "--drafter", d, "--backend-wait", "5"]
+    ).start()
     assert stranger.wait(60) != 0
     assert "UNAUTHENTICATED" in stranger.log()

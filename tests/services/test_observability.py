@@ -17,7 +17,11 @@ PROMPT = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48]
 
 @pytest.fixture(scope="module")
 def served(server_factory):
-    return server_factory("all-obs", ["all", *TINY_ALL_MLX, "--grace", "5", "--metrics-port", "0", "--log-format", "json"]).start().wait_ready()
+    return (
+        server_factory("all-obs", ["all", *TINY_ALL_MLX, "--grace", "5", "--metrics-port", "0", "--log-format", "json"])
+        .start()
+        .wait_ready()
+    )
 
 
 def expected_spec_counts(acceptance_lengths, max_tokens: int, block_size: int) -> dict:
@@ -30,7 +34,12 @@ def expected_spec_counts(acceptance_lengths, max_tokens: int, block_size: int) -
         for pos in range(n - 1):
             per_pos[str(pos)] = per_pos.get(str(pos), 0) + 1
         produced += n
-    return {"drafts": drafts, "drafted": drafted, "accepted": sum(n - 1 for n in acceptance_lengths), "per_pos": per_pos}
+    return {
+        "drafts": drafts,
+        "drafted": drafted,
+        "accepted": sum(n - 1 for n in acceptance_lengths),
+        "per_pos": per_pos,
+    }
 
 
 def test_metrics_count_what_the_generation_did(served):
@@ -51,7 +60,11 @@ def test_metrics_count_what_the_generation_did(served):
     assert m[("kakeya_spec_decode_num_drafts_total", ())] == want["drafts"]
     assert m[("kakeya_spec_decode_num_draft_tokens_total", ())] == want["drafted"]
     assert m[("kakeya_spec_decode_num_accepted_tokens_total", ())] == want["accepted"]
-    per_pos = {dict(k[1])["position"]: v for k, v in m.items() if k[0] == "kakeya_spec_decode_num_accepted_tokens_per_pos_total"}
+    per_pos = {
+        dict(k[1])["position"]: v
+        for k, v in m.items()
+        if k[0] == "kakeya_spec_decode_num_accepted_tokens_per_pos_total"
+    }
     assert per_pos == want["per_pos"]
     assert m[("kakeya_request_success_total", (("finished_reason", "length"),))] == 1
     assert m[("kakeya_generation_tokens_total", ())] == max_tokens
@@ -68,7 +81,10 @@ def test_metrics_count_what_the_generation_did(served):
     v = wait_until(lambda: (m := scrape(ports["verifier"]))[("kakeya_sessions_live", ())] == 0 and m, 10.0,
                    what="the verifier to close the session")  # fmt: skip
     assert v[("kakeya_sessions_total", ())] >= 2  # warm-up + ours
-    assert v[("kakeya_kv_cache_bytes", (("kind", "sliding"),))] == 0 and v[("kakeya_kv_cache_bytes", (("kind", "full"),))] == 0
+    assert (
+        v[("kakeya_kv_cache_bytes", (("kind", "sliding"),))] == 0
+        and v[("kakeya_kv_cache_bytes", (("kind", "full"),))] == 0
+    )
     d = wait_until(lambda: (m := scrape(ports["drafter"]))[("kakeya_sessions_live", ())] == 0 and m, 10.0,
                    what="the drafter to close the session")  # fmt: skip
     assert d[("kakeya_sessions_total", ())] >= 2

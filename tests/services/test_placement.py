@@ -86,7 +86,11 @@ def test_serve_all_pins_torch_cpu_children_as_placed_and_still_generates(server_
         assert res.returncode == 0, res.stderr
     finally:
         s.stop()
-    s = server_factory("all-unplaced", ["all", *TINY, "--grace", "5", *torch_cpu, "--placement", "off"]).start().wait_ready()
+    s = (
+        server_factory("all-unplaced", ["all", *TINY, "--grace", "5", *torch_cpu, "--placement", "off"])
+        .start()
+        .wait_ready()
+    )
     try:
         assert s.info["cpus"] == {}
         everything = placement.format_cpus(placement.available())

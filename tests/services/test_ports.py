@@ -31,11 +31,15 @@ def test_a_port_held_by_another_socket_is_refused():
         r = _serve("drafter", "--port", str(port))
     assert r.returncode == 2
     line = [x for x in r.stderr.splitlines() if x.startswith("kakeya: error:")]
-    assert line == [f"kakeya: error: drafter: cannot listen on 127.0.0.1:{port}: port {port} is already in use"], r.stderr
+    assert line == [f"kakeya: error: drafter: cannot listen on 127.0.0.1:{port}: port {port} is already in use"], (
+        r.stderr
+    )
 
 
 def test_serve_all_default_max_tokens_and_a_second_serve_all_on_its_port(server_factory):
-    first = server_factory("all", ["all", *TINY_ALL_MLX, "--default-max-tokens", "7", "--max-tokens-limit", "100", "--grace", "2"])
+    first = server_factory(
+        "all", ["all", *TINY_ALL_MLX, "--default-max-tokens", "7", "--max-tokens-limit", "100", "--grace", "2"]
+    )
     start_all([first])
     stub = generation_stub(first.addr)
     info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)

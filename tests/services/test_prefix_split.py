@@ -54,13 +54,14 @@ def _value(text: str, name: str) -> float:
 @pytest.mark.parametrize("deployment", ["split", "split-predraft", "cached"])
 def test_a_conversation_resumes_its_earlier_turns_with_the_cold_output(servers, deployment):
     prompt = list(PROMPT) + [{"split": 7, "split-predraft": 9, "cached": 8}[deployment]]  # each its own conversation
+    previous = 0  # the last turn's prompt and answer but its last token: what the next turn resumes
     for turn in range(4):
         ids, _, complete, _ = generate(servers[deployment].addr, request(prompt, max_tokens=40, block_size=4))
         cold_ids, _, cold, _ = generate(servers["cold"].addr, request(prompt, max_tokens=40, block_size=4))
         assert ids == cold_ids
         assert list(complete.stats.acceptance_lengths) == list(cold.stats.acceptance_lengths)
         assert cold.cached_tokens == 0
-        assert complete.cached_tokens == (0 if turn == 0 else previous)
+        assert complete.cached_tokens == previous
         previous = len(prompt) + len(ids) - 1
         prompt = prompt + ids + USER[turn % len(USER)]
 
@@ -71,7 +72,10 @@ def test_a_snapshot_only_the_verifier_holds_is_a_cold_prefill_on_both_sides(serv
     ids, _, _, _ = generate(addr, request(prompt, max_tokens=20, block_size=1))  # no drafter session: verifier only
     nxt = prompt + ids + USER[0]
     spec_ids, _, spec, _ = generate(addr, request(nxt, max_tokens=30, block_size=4))
-    assert spec.cached_tokens == 0 and spec_ids == generate(servers["cold"].addr, request(nxt, max_tokens=30, block_size=4))[0]
+    assert (
+        spec.cached_tokens == 0
+        and spec_ids == generate(servers["cold"].addr, request(nxt, max_tokens=30, block_size=4))[0]
+    )
     _, _, ar, _ = generate(addr, request(nxt, max_tokens=5, block_size=1))
     assert ar.cached_tokens == len(prompt) + len(ids) - 1  # the verifier alone may resume it
 

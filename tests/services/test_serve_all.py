@@ -44,7 +44,7 @@ def serve_all(server_factory, tmp_path):
     yield start
     for s in started:
         s.stop()
-        for name, pid in s.info.get("pids", {}).items():
+        for pid in s.info.get("pids", {}).values():
             if pid_alive(pid):
                 try:
                     cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -104,10 +104,23 @@ def test_mixed_backends_over_grpc_match_greedy_ar(server_factory, mlx_target, ve
     """A torch verifier with an MLX drafter (and the reverse), as separate processes: the AR tokens."""
     from kakeya.verifier.mlx_backend.reference import greedy_reference
 
-    s = server_factory(
-        "all",
-        ["all", *TINY, "--grace", "5", "--verifier-backend", verifier_backend, "--drafter-backend", drafter_backend],
-    ).start().wait_ready()
+    s = (
+        server_factory(
+            "all",
+            [
+                "all",
+                *TINY,
+                "--grace",
+                "5",
+                "--verifier-backend",
+                verifier_backend,
+                "--drafter-backend",
+                drafter_backend,
+            ],
+        )
+        .start()
+        .wait_ready()
+    )
     try:
         prompt = "0,".join(str(i) for i in range(2, 12))  # any text; compared as token ids below
         res = client(s.addr, "generate", "--json", "--max-tokens", "120", "--ignore-eos", "--block-size", "8",
@@ -123,14 +136,31 @@ def test_mixed_backends_over_grpc_match_greedy_ar(server_factory, mlx_target, ve
 
 def test_cache_policy_flags_on_servers_and_client(server_factory, mlx_target, aux_layers):
     """The verifier's default policy comes from `serve ... --cache`; a client may ask for another."""
+    from kakeya.core.request import CachePolicy
     from kakeya.orchestrator.loop import run
-    from kakeya.verifier.layout import CachePolicy
     from kakeya.verifier.session import VerifierSession
 
-    s = server_factory(
-        "all-policy",
-        ["all", *TINY_ALL_MLX, "--grace", "5", "--cache", "sink-window", "--sink", "4", "--window", "16", "--full-kv-bits", "8"],
-    ).start().wait_ready()
+    s = (
+        server_factory(
+            "all-policy",
+            [
+                "all",
+                *TINY_ALL_MLX,
+                "--grace",
+                "5",
+                "--cache",
+                "sink-window",
+                "--sink",
+                "4",
+                "--window",
+                "16",
+                "--full-kv-bits",
+                "8",
+            ],
+        )
+        .start()
+        .wait_ready()
+    )
     try:
         outs = {}
         for extra in ([], ["--cache", "native"]):
@@ -214,6 +244,10 @@ def test_serve_all_hands_each_child_both_branches_flags():
             build_parser().parse_args(["serve", role, "--predraft-blocks", "0"])
     argv = serve_flags.child_argv(a, "orchestrator", "tok")
     assert (value(argv, "--http-port"), value(argv, "--served-model-name")) == ("8000", "m")
-    assert (value(argv, "--max-sessions-per-peer"), value(argv, "--backend-token-file"), value(argv, "--predraft")) == ("3", "tok", "on")
+    assert (value(argv, "--max-sessions-per-peer"), value(argv, "--backend-token-file"), value(argv, "--predraft")) == (
+        "3",
+        "tok",
+        "on",
+    )
     assert value(argv, "--predraft-alternatives") == "2"
     assert "--prefix-cache-bytes" not in argv  # a split orchestrator keeps no model state

@@ -50,13 +50,27 @@ LIMIT = 2000  # --max-tokens-limit of the orchestrators
 @pytest.fixture(scope="module")
 def servers(server_factory):
     # --reclaim-idle 0: the session-limit test holds idle sessions and expects the limit to refuse
-    verifier = server_factory("verifier", ["verifier", *TINY_MLX, "--max-sessions", str(MAX_SESSIONS), "--reclaim-idle", "0", "--grace", "5"])
+    verifier = server_factory(
+        "verifier", ["verifier", *TINY_MLX, "--max-sessions", str(MAX_SESSIONS), "--reclaim-idle", "0", "--grace", "5"]
+    )
     drafter = server_factory("drafter", ["drafter", *TINY_MLX, "--grace", "5"])
-    colocated = server_factory("colocated", ["orchestrator", *TINY_MLX, "--max-tokens-limit", str(LIMIT), "--grace", "5"])
+    colocated = server_factory(
+        "colocated", ["orchestrator", *TINY_MLX, "--max-tokens-limit", str(LIMIT), "--grace", "5"]
+    )
     start_all([verifier, drafter, colocated])
     split = server_factory(
         "split",
-        ["orchestrator", "--verifier", verifier.addr, "--drafter", drafter.addr, "--max-tokens-limit", str(LIMIT), "--grace", "5"],
+        [
+            "orchestrator",
+            "--verifier",
+            verifier.addr,
+            "--drafter",
+            drafter.addr,
+            "--max-tokens-limit",
+            str(LIMIT),
+            "--grace",
+            "5",
+        ],
     )
     start_all([split])
     return {"verifier": verifier, "drafter": drafter, "split": split, "colocated": colocated}
@@ -74,20 +88,32 @@ def test_every_server_is_serving_with_health_and_reflection(servers):
     for name, s in servers.items():
         ch = channel(s.addr)
         health = health_pb2_grpc.HealthStub(ch)
-        assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == health_pb2.HealthCheckResponse.SERVING, name
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+            == health_pb2.HealthCheckResponse.SERVING
+        ), name
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-        resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        resp = next(
+            refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        )
         names = {x.name for x in resp.list_services_response.service}
         assert "grpc.health.v1.Health" in names, name
-        want = {"verifier": "kakeya.v1.VerifierService", "drafter": "kakeya.v1.DrafterService"}.get(name, "kakeya.v1.Generation")
+        want = {"verifier": "kakeya.v1.VerifierService", "drafter": "kakeya.v1.DrafterService"}.get(
+            name, "kakeya.v1.Generation"
+        )
         assert want in names, (name, names)
-        assert health.Check(health_pb2.HealthCheckRequest(service=want), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(service=want), timeout=5).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
 
 
 def test_auto_block_size_is_lossless_split_and_colocated(servers, reference):
     """block_size 0: each block sized from the measured cost curve and the acceptance seen so far."""
     for name in ("split", "colocated"):
-        ids, _, complete, _ = generate(servers[name].addr, request(PROMPT, max_tokens=LONG, ignore_eos=True, block_size=0))
+        ids, _, complete, _ = generate(
+            servers[name].addr, request(PROMPT, max_tokens=LONG, ignore_eos=True, block_size=0)
+        )
         st = complete.stats
         assert ids == reference, name
         assert st.block_size == 0 and sum(st.acceptance_lengths) == LONG - 1 and not st.drafter_fallback
@@ -112,8 +138,8 @@ def test_split_equals_colocated_equals_mlx_lm_greedy_ar_past_ring_wraps(servers,
 
 def test_bounded_quantized_policy_crosses_the_wire_intact(servers, mlx_target, aux_layers):
     """sink-window + 8-bit full layers, asked for over the public API: every field reaches the verifier."""
+    from kakeya.core.request import CachePolicy
     from kakeya.orchestrator.loop import run
-    from kakeya.verifier.layout import CachePolicy
     from kakeya.verifier.session import VerifierSession
 
     wire = _policy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, sink=4, window=16, full_kv_bits=8)
@@ -157,7 +183,11 @@ def test_stop_strings_and_stop_token_ids(servers):
     full_ids, full_text, _, _ = generate(addr, request(text="def fibonacci(n):", max_tokens=60))
     # a stop string from the middle of the output (not at its very start)
     clean = full_text.replace("\ufffd", "")
-    stop = next(clean[i : i + 3] for i in range(10, len(clean) - 3) if "\ufffd" not in clean[i : i + 3] and clean[i : i + 3].strip())
+    stop = next(
+        clean[i : i + 3]
+        for i in range(10, len(clean) - 3)
+        if "\ufffd" not in clean[i : i + 3] and clean[i : i + 3].strip()
+    )
     cut = full_text.index(stop)
     ids, text, complete, _ = generate(addr, request(text="def fibonacci(n):", max_tokens=60, stop=[stop]))
     assert text == full_text[:cut] and stop not in text
@@ -276,13 +306,43 @@ _corrupt.data = _corrupt.data[:-4]
 
 BAD_VERIFIER = [
     ("first not open", [V(prefill=V.Prefill(token_ids=[2]))], grpc.StatusCode.FAILED_PRECONDITION, "open"),
-    ("prefill id outside vocab", [OPEN_V, V(prefill=V.Prefill(token_ids=[2, 4096]))], grpc.StatusCode.INVALID_ARGUMENT, "prefill.token_ids"),
+    (
+        "prefill id outside vocab",
+        [OPEN_V, V(prefill=V.Prefill(token_ids=[2, 4096]))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prefill.token_ids",
+    ),
     ("empty prefill", [OPEN_V, V(prefill=V.Prefill())], grpc.StatusCode.INVALID_ARGUMENT, "prefill.token_ids"),
-    ("verify before prefill", [OPEN_V, V(verify=V.Verify(block_ids=[2]))], grpc.StatusCode.FAILED_PRECONDITION, "prefill"),
-    ("block too long", [OPEN_V, V(prefill=V.Prefill(token_ids=[2])), V(verify=V.Verify(block_ids=[3] * 17))], grpc.StatusCode.INVALID_ARGUMENT, "verify.block_ids"),
-    ("verify id outside vocab", [OPEN_V, V(prefill=V.Prefill(token_ids=[2])), V(verify=V.Verify(block_ids=[3, 4096]))], grpc.StatusCode.INVALID_ARGUMENT, "verify.block_ids"),
-    ("aux layer out of range", [V(open=V.Open(target_layer_ids=[1, 9]))], grpc.StatusCode.INVALID_ARGUMENT, "open.target_layer_ids"),
-    ("quantised kv bits 3", [V(open=V.Open(cache_policy=_policy(full_kv_bits=3)))], grpc.StatusCode.INVALID_ARGUMENT, "open.cache_policy"),
+    (
+        "verify before prefill",
+        [OPEN_V, V(verify=V.Verify(block_ids=[2]))],
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "prefill",
+    ),
+    (
+        "block too long",
+        [OPEN_V, V(prefill=V.Prefill(token_ids=[2])), V(verify=V.Verify(block_ids=[3] * 17))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "verify.block_ids",
+    ),
+    (
+        "verify id outside vocab",
+        [OPEN_V, V(prefill=V.Prefill(token_ids=[2])), V(verify=V.Verify(block_ids=[3, 4096]))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "verify.block_ids",
+    ),
+    (
+        "aux layer out of range",
+        [V(open=V.Open(target_layer_ids=[1, 9]))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "open.target_layer_ids",
+    ),
+    (
+        "quantised kv bits 3",
+        [V(open=V.Open(cache_policy=_policy(full_kv_bits=3)))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "open.cache_policy",
+    ),
 ]
 _DRAFT = D(draft=D.Draft(new_aux=_aux(), last_token=2, block_size=4))  # a first draft, bringing the prompt's aux
 
@@ -351,7 +411,9 @@ def test_a_good_raw_drafter_session_predrafts_the_block_after_the_pending_one(se
     assert len(out[1].drafted.token_ids) == 3  # B - 1 candidates
     assert len(out[2].predrafted.token_ids) == 4 and len(out[3].predrafted.token_ids) == 8  # the guess, then B - 1
     assert all(0 <= t < 1024 for r in out[2:4] for t in r.predrafted.token_ids)
-    assert out[4].closed.stats.context_positions == 3 + 4  # the draft's rows and the second pre-draft's; none of a pending block
+    assert (
+        out[4].closed.stats.context_positions == 3 + 4
+    )  # the draft's rows and the second pre-draft's; none of a pending block
 
 
 def test_a_raw_predraft_with_alternatives_prepares_a_block_for_each_rejection(servers):
@@ -438,7 +500,9 @@ def test_concurrent_streams_are_isolated_sessions(servers, reference):
 
     jobs = [(name, b) for name in ("split", "colocated") for b in (1, 4, 8)]
     with ThreadPoolExecutor(len(jobs)) as ex:
-        outs = list(ex.map(lambda j: generate(servers[j[0]].addr, request(PROMPT, max_tokens=80, block_size=j[1]))[0], jobs))
+        outs = list(
+            ex.map(lambda j: generate(servers[j[0]].addr, request(PROMPT, max_tokens=80, block_size=j[1]))[0], jobs)
+        )
     for job, ids in zip(jobs, outs):
         assert ids == reference[:80], job
 
@@ -463,7 +527,6 @@ def _try_generate(addr):
     except grpc.RpcError as exc:
         assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         return None
-
 
 
 def test_sampling_is_seeded_reproducible_and_reports_its_seed(servers):
@@ -491,11 +554,15 @@ def test_seeded_coupled_sampling_is_ar_sampling_at_any_block_size_split_and_colo
         for block_size in (0, 2, 8, 16):
             ids, _, complete, _ = generate(servers[name].addr, request(PROMPT, block_size=block_size, **params))
             assert ids == want, (name, block_size)
-            assert complete.stats.block_size == block_size and complete.sampling_rule == sampling_pb2.SAMPLING_RULE_COUPLED
+            assert (
+                complete.stats.block_size == block_size and complete.sampling_rule == sampling_pb2.SAMPLING_RULE_COUPLED
+            )
 
 
 def test_a_rejection_rule_request_for_auto_runs_at_the_trained_block_size(servers):
-    req = request(PROMPT, block_size=0, max_tokens=30, temperature=0.8, seed=5, rule=sampling_pb2.SAMPLING_RULE_REJECTION)
+    req = request(
+        PROMPT, block_size=0, max_tokens=30, temperature=0.8, seed=5, rule=sampling_pb2.SAMPLING_RULE_REJECTION
+    )
     ids, _, complete, _ = generate(servers["split"].addr, req)
     assert complete.sampling_rule == sampling_pb2.SAMPLING_RULE_REJECTION
     assert complete.stats.block_size == 8  # the tiny drafter's trained size, not one that timings pick
@@ -510,8 +577,13 @@ def test_client_block_size_0_is_auto_and_sampled_text_equals_the_local_generates
 
     args = ["--json", "--max-tokens", "40", "--prompt", "x =", "--temperature", "0.8", "--seed", "42"]
     tiny = ["--target", str(default_pair().target), "--draft", str(default_pair().draft), "--backend", "mlx"]
-    local = subprocess.run([sys.executable, "-m", "kakeya.app.main", "generate", *tiny, *args, "--block-size", "3"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    local = subprocess.run(
+        [sys.executable, "-m", "kakeya.app.main", "generate", *tiny, *args, "--block-size", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert local.returncode == 0, local.stderr
     remote = subprocess.run(
         [sys.executable, "-m", "kakeya.app.main", "client", "--addr", servers["split"].addr, "generate", *args, "--block-size", "0"],
@@ -528,11 +600,12 @@ def test_client_block_size_0_is_auto_and_sampled_text_equals_the_local_generates
 def test_a_predrafting_split_engine_commits_the_reference(servers, reference, block_size, alternatives):
     """Pre-drafts over gRPC: each Predraft posted after a Draft, its answer read a block later
     (used on a hit, passed over on a miss) -- the same tokens as greedy AR either way."""
-    from kakeya.core.contract import Request
+    from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import split_engine
 
-    engine = split_engine(servers["verifier"].addr, servers["drafter"].addr, None, 30.0, predraft=True,
-                          predraft_alternatives=alternatives)
+    engine = split_engine(
+        servers["verifier"].addr, servers["drafter"].addr, None, 30.0, predraft=True, predraft_alternatives=alternatives
+    )
     gen = engine.generate(Request(PROMPT, max_tokens=100, block_size=block_size, ignore_eos=True))
     assert gen.token_ids == reference[:100] and gen.predrafts > 0 and not gen.drafter_fallback
     assert sum(b.predrafted for b in gen.blocks) <= gen.predrafts

@@ -80,8 +80,14 @@ def _request():
 
 
 def test_mtls_and_token_let_a_client_generate(secure, pki):
-    out = list(_stub(secure.addr, _creds(pki)).Generate(_request(), timeout=60, metadata=[("authorization", f"Bearer {TOKEN}")]))
-    assert out[-1].complete.completion_tokens == 6 and not out[-1].complete.stats.drafter_fallback  # the backends over mTLS
+    out = list(
+        _stub(secure.addr, _creds(pki)).Generate(
+            _request(), timeout=60, metadata=[("authorization", f"Bearer {TOKEN}")]
+        )
+    )
+    assert (
+        out[-1].complete.completion_tokens == 6 and not out[-1].complete.stats.drafter_fallback
+    )  # the backends over mTLS
 
 
 @pytest.mark.parametrize("header", [None, "Bearer wrong-token-0123456789", f"bearer {TOKEN}", TOKEN])
@@ -118,7 +124,9 @@ def test_kakeya_client_speaks_mtls_with_a_token(secure, pki):
             "--tls-ca", str(pki / "ca.pem"), "--tls-client-cert", str(pki / "client.pem"),
             "--tls-client-key", str(pki / "client.key")]  # fmt: skip
     gen = ["generate", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "5", "--json"]
-    r = subprocess.run([*base, "--auth-token-file", str(pki / "token"), *gen], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [*base, "--auth-token-file", str(pki / "token"), *gen], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["token_ids"]) == 5
     r = subprocess.run([*base, *gen], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -127,7 +135,14 @@ def test_kakeya_client_speaks_mtls_with_a_token(secure, pki):
 
 def test_a_health_port_answers_probes_in_plaintext_and_nothing_else(server_factory, pki):
     """Kubernetes' gRPC probes speak no TLS: with mutual TLS on its port a verifier answers them on --health-port."""
-    tls = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"), "--tls-client-ca", str(pki / "ca.pem")]
+    tls = [
+        "--tls-cert",
+        str(pki / "server.pem"),
+        "--tls-key",
+        str(pki / "server.key"),
+        "--tls-client-ca",
+        str(pki / "ca.pem"),
+    ]
     v = server_factory("verifier-health", ["verifier", *TINY_MLX, *tls, "--health-port", "0", "--grace", "1"])
     start_all([v])
     health = grpc.insecure_channel(f"127.0.0.1:{v.info['health_port']}")

@@ -15,12 +15,12 @@ import pytest
 
 importlib.import_module("torch")
 
-from kakeya.orchestrator.loop import run  # noqa: E402
-from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier  # noqa: E402
-from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2_grpc  # noqa: E402
-from kakeya.wire.limits import server_options  # noqa: E402
+from kakeya.orchestrator.loop import run
+from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier
+from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2_grpc
+from kakeya.wire.limits import server_options
 
-from .conftest import wait_until  # noqa: E402
+from .conftest import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -82,11 +82,13 @@ def test_torch_backends_over_grpc_match_mlx_lm_greedy_ar(torch_servers, mlx_targ
 def test_ngram_copies_over_grpc_commit_what_colocated_commits(demo_pair):
     """The trained pair repeats itself on this prompt, so blocks are drafted by copy: the remote drafter then
     only extends its context (a draft of size 1), and the tokens are colocated AR's, block size by block size."""
-    from kakeya.core.contract import Request
+    from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine
 
     local = build_local_engine(demo_pair.target, demo_pair.draft, "torch", "cpu")
-    prompt = local.codec.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):")
+    prompt = local.codec.encode(
+        "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):"
+    )
     ar = local.generate(Request(prompt, max_tokens=64, block_size=1, ignore_eos=True)).token_ids
     servers = _serve(demo_pair)
     addr, _, _ = next(servers)

@@ -7,7 +7,7 @@ import torch
 
 from kakeya.checkpoints.tiny import make_tiny
 
-from .ckpt import make_features_target  # noqa: E402
+from .ckpt import make_features_target
 
 AUX_LAYERS = (1, 4)  # the tiny drafter's target_layer_ids
 PROMPT = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kakeya.core.contract import REJECTION, CachePolicy, SamplingParams
+from kakeya.core.request import REJECTION, CachePolicy, SamplingParams
 from kakeya.verifier.batch import verify_batch
 from kakeya.verifier.session import VerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch
@@ -48,8 +48,11 @@ def test_batched_sessions_match_alone_kv_sharing_and_moe(which, request):
     path = request.getfixturevalue(which)
     target = TargetTorch.load(getattr(path, "target", path), "cpu", "float32")
     aux = (1, 4) if target.args.num_hidden_layers > 4 else (1,)
-    specs = [(_prompt(9, 1), CachePolicy(), None), (_prompt(30, 2), CachePolicy(kind="sink-window", sink=1, window=4), None),
-             (_prompt(3, 3), CachePolicy(), None)]
+    specs = [
+        (_prompt(9, 1), CachePolicy(), None),
+        (_prompt(30, 2), CachePolicy(kind="sink-window", sink=1, window=4), None),
+        (_prompt(3, 3), CachePolicy(), None),
+    ]
     lockstep(target, aux, specs, rounds=5)
 
 
@@ -72,7 +75,9 @@ def test_a_bad_item_fails_alone_and_the_rest_run(torch_target):
     pending = VerifierSession(torch_target, AUX_LAYERS, CachePolicy())
     pending.prefill(PROMPT)
     pending.verify([7])  # not committed: its next verify must refuse
-    sampler = VerifierSession(torch_target, AUX_LAYERS, CachePolicy(), SamplingParams(temperature=1.0, seed=3, rule=REJECTION))
+    sampler = VerifierSession(
+        torch_target, AUX_LAYERS, CachePolicy(), SamplingParams(temperature=1.0, seed=3, rule=REJECTION)
+    )
     sampler.prefill(PROMPT)
     block = [9, 10, 11]
     items = [

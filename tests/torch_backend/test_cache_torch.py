@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kakeya.verifier.layout import CachePolicy, RingLayout
+from kakeya.core.request import CachePolicy
+from kakeya.verifier.layout import RingLayout
 from kakeya.verifier.torch_backend.cache import FullKVCache, QuantizedFullKVCache, RingKVCache, dequantize, quantize
 
 from .conftest import AUX_LAYERS
@@ -45,7 +46,7 @@ def test_full_cache_trim_is_o1_and_exact():
     k, v = _kv(5, 0)
     c.write(0, k, v)
     buf = c.keys
-    k2, _ = c.write(5, *_kv(2, 5))
+    _k2, _ = c.write(5, *_kv(2, 5))
     assert c.keys.shape[2] == 8 and c.keys is buf  # preallocated chunk, no realloc
     # a trim of 3 is the session's layout moving back to 4: the cache holds no position counter,
     # the next forward simply writes from position 4 into the same buffer
@@ -58,6 +59,7 @@ def test_full_cache_trim_is_o1_and_exact():
 @pytest.mark.parametrize("group", [32, 64])
 def test_quantize_is_mx_quantize(bits, group):
     import mlx.core as mx
+
     x = np.random.default_rng(bits + group).standard_normal((1, 3, 9, 128)).astype(np.float32)
     codes, s, b = quantize(torch.from_numpy(x), group, bits)
     assert codes.shape[-1] == 128 * bits // 8 and s.shape[-1] == 128 // group
@@ -71,7 +73,7 @@ def test_quantize_is_mx_quantize(bits, group):
 def test_quantized_full_cache_trims_and_shrinks():
     c = QuantizedFullKVCache(bits=8, group_size=8, step=4)
     k, v = _kv(6, 0, dim=16)
-    kk, vv = c.write(0, k + 0.25, v)
+    kk, _vv = c.write(0, k + 0.25, v)
     assert kk.shape == k.shape and torch.allclose(kk, k + 0.25, atol=0.05)
     kk, _ = c.write(4, *_kv(1, 4, dim=16))  # after a trim of 2
     assert kk.shape[2] == 5 and torch.allclose(kk[0, 0, :, 0], torch.tensor([0.25, 1.25, 2.25, 3.25, 4.0]), atol=0.05)

@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
-from kakeya.core.contract import CachePolicy
+from kakeya.core.request import CachePolicy
 from kakeya.drafter.session import TorchDrafter
 from kakeya.orchestrator.loop import run
 from kakeya.verifier.session import LocalVerifier, VerifierSession
@@ -77,7 +77,9 @@ def test_compiled_drafter_drafts_what_the_eager_one_drafts(tiny_moe, compiled):
     width = eager.model.config.aux_width
     rng = np.random.default_rng(4)
     s, e = drafter.open_session(), eager.open_session()
-    for i, (rows, B) in enumerate([(30, 8)] + [(int(rng.integers(1, 17)), int(rng.integers(2, 17))) for _ in range(20)]):
+    for i, (rows, B) in enumerate(
+        [(30, 8)] + [(int(rng.integers(1, 17)), int(rng.integers(2, 17))) for _ in range(20)]
+    ):
         aux = torch.randn(rows, width, generator=torch.Generator().manual_seed(i))
         assert s.draft(aux, 7 + i, B) == e.draft(aux, 7 + i, B)
 

@@ -41,7 +41,9 @@ def test_growth_keeps_contents_and_the_sliding_buffer_keeps_its_storage(mixed):
         extend(mixed, [big], [aux[pos : pos + n]])
         pos += n
         block = torch.tensor([5 + i] + [mixed.config.mask_token_id] * (2 + i % 14))
-        assert torch.equal(mixed.block_logits([(small, block.tolist())]), mixed.block_logits([(big, block.tolist())])), i
+        assert torch.equal(
+            mixed.block_logits([(small, block.tolist())]), mixed.block_logits([(big, block.tolist())])
+        ), i
         for j in range(len(mixed.layers)):
             (a, av), (b, bv) = small.view(j), big.view(j)
             assert torch.equal(a, b) and torch.equal(av, bv)

@@ -66,7 +66,9 @@ def test_incremental_cache_matches_reference(variants, tiny, name, fused):
     if fused:  # what TorchDrafter serves: q/k/v and gate/up as one GEMM each
         ours.fuse_projections()
     ref = _reference(variants[name])
-    aux = torch.from_numpy(np.random.default_rng(0).standard_normal((sum(STEPS), ours.config.aux_width)).astype(np.float32))
+    aux = torch.from_numpy(
+        np.random.default_rng(0).standard_normal((sum(STEPS), ours.config.aux_width)).astype(np.float32)
+    )
     cache, pos = ours.make_cache(), 0
     for i, n in enumerate(STEPS):
         extend(ours, [cache], [aux[pos : pos + n]])

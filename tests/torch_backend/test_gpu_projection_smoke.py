@@ -13,8 +13,19 @@ def test_small_run_writes_projection_json(tmp_path, benchmark_script):
     assert gp.main(argv) == 0
     d = json.loads(out.read_text())
     for key in (
-        "device", "dtype", "ctx", "target_shape", "drafter_shape", "params", "formula",
-        "t_ar_ms", "t_verify_ms", "t_draft_ms", "projected_speedup", "best_block_per_tau", "kv_bytes",
+        "device",
+        "dtype",
+        "ctx",
+        "target_shape",
+        "drafter_shape",
+        "params",
+        "formula",
+        "t_ar_ms",
+        "t_verify_ms",
+        "t_draft_ms",
+        "projected_speedup",
+        "best_block_per_tau",
+        "kv_bytes",
     ):
         assert key in d, key
     assert d["small"] is True and d["device"] == "cpu" and d["ctx"] == 80
@@ -33,7 +44,9 @@ def test_small_run_writes_projection_json(tmp_path, benchmark_script):
     k, E = d["target_shape"]["top_k_experts"], d["target_shape"]["num_experts"]
     for L, row in r["per_L"].items():
         assert math.isclose(row["experts_touched"], 1 - (1 - k / E) ** int(L))
-        assert math.isclose(row["bytes"], r["weight_bytes"]["dense"] + row["experts_touched"] * r["weight_bytes"]["experts"])
+        assert math.isclose(
+            row["bytes"], r["weight_bytes"]["dense"] + row["experts_touched"] * r["weight_bytes"]["experts"]
+        )
         assert row["t_verify_ms"] == d["t_verify_ms"][L]
     g = d["agreement_with_own_ar"]
     assert g["fraction_identical"] == 1.0 and g["first_divergence"] is None  # float32: lossless
@@ -42,8 +55,23 @@ def test_small_run_writes_projection_json(tmp_path, benchmark_script):
 def test_roofline_with_a_stated_bandwidth(tmp_path, benchmark_script):
     gp = benchmark_script("gpu_projection")
     out = tmp_path / "gp.json"
-    argv = ["--small", "--device", "cpu", "--dtype", "float32", "--reps", "1", "--ctx", "40", "--agree-tokens", "4",
-            "--bandwidth-tbs", "3.35", "--out", str(out)]
+    argv = [
+        "--small",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--reps",
+        "1",
+        "--ctx",
+        "40",
+        "--agree-tokens",
+        "4",
+        "--bandwidth-tbs",
+        "3.35",
+        "--out",
+        str(out),
+    ]
     assert gp.main(argv) == 0
     r = json.loads(out.read_text())["roofline"]
     assert r["bandwidth_bytes_s"] == 3.35e12

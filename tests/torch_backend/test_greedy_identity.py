@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from kakeya.core.request import CachePolicy
 from kakeya.orchestrator.loop import run
-from kakeya.verifier.layout import CachePolicy
 from kakeya.verifier.session import LocalVerifier
 
 from .conftest import AUX_LAYERS, PROMPT
@@ -159,6 +159,12 @@ def test_warmup_and_colocated_drafter(tiny, torch_target, torch_drafter, referen
     assert co.model.target.embed is torch_target.model.embed
     assert co.warm_up(ctx=64) > 0
     a = run(LocalVerifier(torch_target, tiny.target, AUX_LAYERS).open_session(), co.open_session(), PROMPT, 120, 8)
-    b = run(LocalVerifier(torch_target, tiny.target, AUX_LAYERS).open_session(), torch_drafter.open_session(), PROMPT, 120, 8)
+    b = run(
+        LocalVerifier(torch_target, tiny.target, AUX_LAYERS).open_session(),
+        torch_drafter.open_session(),
+        PROMPT,
+        120,
+        8,
+    )
     assert a.token_ids == b.token_ids == reference[:120]
     assert a.acceptance_lengths == b.acceptance_lengths

@@ -14,8 +14,13 @@ def test_static_steps_leave_only_copies_to_the_host(tmp_path, benchmark_script):
     out = tmp_path / "launches.json"
     assert mod.main(["--ctx", "40", "--out", str(out)]) == 0
     counts = json.loads(out.read_text())["counts"]
-    assert set(counts) == {"verify(1) + commit", "verify(8) + commit", "verify(16) + commit",
-                           "draft(8), 3 new context rows", "draft(16), 3 new context rows"}
+    assert set(counts) == {
+        "verify(1) + commit",
+        "verify(8) + commit",
+        "verify(16) + commit",
+        "draft(8), 3 new context rows",
+        "draft(16), 3 new context rows",
+    }
     for name, c in counts.items():
         assert c["graphed"] > 100, name  # the model's work ran inside the step
         assert c["host"] <= 8, (name, c["host_ops"])  # staging copies and the one sync, nothing else

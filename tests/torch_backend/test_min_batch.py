@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kakeya.backends.torch.graphs import GRAPHED_MIN_BATCH, MIN_BATCH_ENV, graphed_min_batch
-from kakeya.core.contract import CachePolicy
+from kakeya.core.request import CachePolicy
 from kakeya.drafter.batch import draft_batch
 from kakeya.verifier.batch import verify_batch
 from kakeya.verifier.session import VerifierSession

@@ -8,8 +8,14 @@ import torch
 
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, MoE, grouped_mm_supported
 
-ARGS = dict(hidden_size=64, num_experts=16, top_k_experts=4, moe_intermediate_size=32, hidden_activation="gelu_pytorch_tanh",
-            rms_norm_eps=1e-6)
+ARGS = dict(
+    hidden_size=64,
+    num_experts=16,
+    top_k_experts=4,
+    moe_intermediate_size=32,
+    hidden_activation="gelu_pytorch_tanh",
+    rms_norm_eps=1e-6,
+)
 
 
 def _moe(dtype):
@@ -17,16 +23,28 @@ def _moe(dtype):
         moe = MoE(Gemma4Args(**{**_base(), **ARGS}))
     g = torch.Generator().manual_seed(0)
     for name, buf in list(moe._buffers.items()):
-        moe._buffers[name] = (torch.randn(buf.shape, generator=g) * buf.shape[-1] ** -0.5 + (1 if buf.dim() == 1 else 0)).to(dtype)
+        moe._buffers[name] = (
+            torch.randn(buf.shape, generator=g) * buf.shape[-1] ** -0.5 + (1 if buf.dim() == 1 else 0)
+        ).to(dtype)
     return moe
 
 
 def _base():
-    return dict(vocab_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                intermediate_size=64, layer_types=["full_attention"], enable_moe_block=True)
+    return dict(
+        vocab_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        layer_types=["full_attention"],
+        enable_moe_block=True,
+    )
 
 
-@pytest.mark.skipif(not grouped_mm_supported(torch.device("cpu"), torch.bfloat16), reason="torch._grouped_mm not on this CPU")
+@pytest.mark.skipif(
+    not grouped_mm_supported(torch.device("cpu"), torch.bfloat16), reason="torch._grouped_mm not on this CPU"
+)
 @pytest.mark.parametrize("T", [1, 3, 8, 16])
 def test_grouped_experts_equal_the_batched_gemv_experts(T):
     moe = _moe(torch.bfloat16)

@@ -23,14 +23,27 @@ VOCAB, HIDDEN = 96, 32
 
 
 def _model(seed: int, layer_types, window: int | None, device="cpu", causal=None) -> DFlashDraftModel:
-    cfg = DFlashConfig.from_dict({
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": HIDDEN,
-        "num_hidden_layers": len(layer_types), "layer_types": list(layer_types), "sliding_window": window,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
-        "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
-        "final_logit_softcapping": 30.0, **({"is_causal": causal} if causal is not None else {}),
-        "dflash_config": {"block_size": 16, "target_layer_ids": [0, 1], "mask_token_id": 4},
-    })
+    cfg = DFlashConfig.from_dict(
+        {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": HIDDEN,
+            "num_hidden_layers": len(layer_types),
+            "layer_types": list(layer_types),
+            "sliding_window": window,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "intermediate_size": 64,
+            "vocab_size": VOCAB,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 4096,
+            "final_logit_softcapping": 30.0,
+            **({"is_causal": causal} if causal is not None else {}),
+            "dflash_config": {"block_size": 16, "target_layer_ids": [0, 1], "mask_token_id": 4},
+        }
+    )
     torch.manual_seed(seed)
     model = DFlashDraftModel(cfg)
     with torch.no_grad():
@@ -134,8 +147,12 @@ def test_the_extension_runs_inside_the_step_unless_it_outgrows_a_block(prompt):
     eager, static = _pair(seed=4, window=40)
     eagerly = []
     context_kv = static.model.context_kv  # the eager extension's projection (the step has its own)
-    static.model.context_kv = lambda auxs, offsets: eagerly.extend(a.shape[0] for a in auxs) or context_kv(auxs, offsets)
-    script = [(prompt, 9, 8)] + [(n, last, 1 if i % 3 == 0 else max(B, 2)) for i, (n, last, B) in enumerate(_script(50, seed=8)[1:])]
+    static.model.context_kv = lambda auxs, offsets: (
+        eagerly.extend(a.shape[0] for a in auxs) or context_kv(auxs, offsets)
+    )
+    script = [(prompt, 9, 8)] + [
+        (n, last, 1 if i % 3 == 0 else max(B, 2)) for i, (n, last, B) in enumerate(_script(50, seed=8)[1:])
+    ]
     want, n_eager = _drive(eager, script)
     got, n_static = _drive(static, script)
     assert got == want and n_static == n_eager

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kakeya.backends.torch.graphs import BUCKETS, GraphOptions, StepGraphs, bucket_for
-from kakeya.core.contract import CachePolicy
+from kakeya.core.request import CachePolicy
 from kakeya.orchestrator.loop import run
 from kakeya.verifier.session import LocalVerifier, VerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch
@@ -56,16 +56,25 @@ def test_graph_options_per_device():
 def _small_args():
     from kakeya.verifier.torch_backend.gemma4 import Gemma4Args
 
-    return Gemma4Args(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, global_head_dim=16, sliding_window=8,
-                      hidden_size_per_layer_input=0)
+    return Gemma4Args(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        global_head_dim=16,
+        sliding_window=8,
+        hidden_size_per_layer_input=0,
+    )
 
 
 def test_step_graphs_build_once_per_key_and_forget_on_invalidate():
     calls = []
     graphs = StepGraphs(GraphOptions())
     x = torch.zeros(2)
-    make = lambda key: (lambda t: calls.append(key) or t + key, (x,))  # noqa: E731
+    make = lambda key: (lambda t: calls.append(key) or t + key, (x,))
     s1 = graphs.get(4, make)
     assert graphs.get(4, make) is s1 and graphs.captures == 1
     x.fill_(1.0)  # inputs are read at call time: static buffers written in place
@@ -88,7 +97,9 @@ def _decode(target, seq, prefill, seed=0, policy=CachePolicy()):
         aux = s.commit(j)
         out.append((choices, aux.clone()))
         pos += j
-        assert s.offset == pos and s.layout.positions.max() < pos  # padding trimmed (the layout: the one position counter)
+        assert (
+            s.offset == pos and s.layout.positions.max() < pos
+        )  # padding trimmed (the layout: the one position counter)
     return s, out
 
 
@@ -130,7 +141,9 @@ def test_one_host_sync_per_verify(torch_target, graph_target, monkeypatch):
         syncs = []
         for name in ("tolist", "item", "__bool__", "cpu", "numpy"):
             orig = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=orig, _n=name, **k: syncs.append(_n) or _o(self, *a, **k))
+            monkeypatch.setattr(
+                torch.Tensor, name, lambda self, *a, _o=orig, _n=name, _s=syncs, **k: _s.append(_n) or _o(self, *a, **k)
+            )
         s.verify([61, 62, 63, 64, 65])
         monkeypatch.undo()
         assert syncs == ["tolist"], syncs  # the choices, and nothing else reads the device
@@ -152,14 +165,20 @@ def test_closed_sessions_cache_sets_are_reused_with_their_steps(graph_target):
 
 
 def test_sdpa_runs_with_cudnn_off_in_the_target_and_the_drafter(torch_target, torch_drafter, monkeypatch):
-    import kakeya.backends.torch.ops as ops
+    from kakeya.backends.torch import ops
 
     seen = []
     real = ops.F.scaled_dot_product_attention
 
     def spy(*a, **k):
-        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
-                     torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()))
+        seen.append(
+            (
+                torch.backends.cuda.cudnn_sdp_enabled(),
+                torch.backends.cuda.flash_sdp_enabled(),
+                torch.backends.cuda.mem_efficient_sdp_enabled(),
+                torch.backends.cuda.math_sdp_enabled(),
+            )
+        )
         return real(*a, **k)
 
     def go():
@@ -194,7 +213,13 @@ def test_cuda_graph_replay_equals_eager_token_for_token(tiny, torch_drafter):
     ref = eager.greedy_reference(PROMPT, 120)
     drafter = type(torch_drafter)(tiny.draft, tiny.target, "cuda", "float32")
     for block_size in (1, 3, 8, 16):
-        gen = run(LocalVerifier(graphed, tiny.target, AUX_LAYERS).open_session(), drafter.open_session(), PROMPT, 120, block_size)
+        gen = run(
+            LocalVerifier(graphed, tiny.target, AUX_LAYERS).open_session(),
+            drafter.open_session(),
+            PROMPT,
+            120,
+            block_size,
+        )
         assert gen.token_ids == ref
     s = VerifierSession(graphed, AUX_LAYERS, CachePolicy())
     s.prefill(PROMPT)

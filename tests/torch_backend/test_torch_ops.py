@@ -66,7 +66,9 @@ def test_rope_rotates_pairs_by_position():
     assert torch.allclose(inv, 1.0 / 10_000.0 ** (torch.arange(0, 8, 2).float() / 8))
     assert torch.equal(default_inv_freq(10_000.0, 8, n_pairs=2), inv[:2])
     cos, sin = rope_cos_sin(inv, 3, 2, "cpu", torch.float32)
-    assert cos.shape == (2, 8) and torch.allclose(cos[0, :4], torch.cos(3 * inv)) and torch.equal(cos[:, :4], cos[:, 4:])
+    assert (
+        cos.shape == (2, 8) and torch.allclose(cos[0, :4], torch.cos(3 * inv)) and torch.equal(cos[:, :4], cos[:, 4:])
+    )
     x = torch.randn(2, 8)
     y = apply_rope(x, cos, sin)
     # pair (i, i + 4) turned by angle p * inv_i: a rotation keeps each pair's length
@@ -124,7 +126,9 @@ def test_folded_gqa_attention_equals_sdpa_gqa(G, L, D):
     mask[:, 0] = True  # every query sees at least one key
     for m in (mask, mask[:1], None):  # [1, K]: one row for every query (a non-causal drafter block's)
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3, enable_gqa=True)
-        out = sdpa_folded(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, m, 0.3)  # non-contiguous q, as callers pass it
+        out = sdpa_folded(
+            q.transpose(1, 2).contiguous().transpose(1, 2), k, v, m, 0.3
+        )  # non-contiguous q, as callers pass it
         assert out.shape == ref.shape
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 

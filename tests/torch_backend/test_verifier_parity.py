@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kakeya.verifier.layout import CachePolicy
+from kakeya.core.request import CachePolicy
 from kakeya.verifier.session import VerifierSession
 
 from .conftest import AUX_LAYERS

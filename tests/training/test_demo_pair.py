@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kakeya.checkpoints.tiny import demo_pair, embedded_pair
+from kakeya.checkpoints.tiny import embedded_pair
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = "
 

@@ -35,9 +35,11 @@ def test_a_grown_drafter_computes_what_the_small_one_did(tiny_pair):
     small = BlockTrainer(small_cfg, tiny_pair.target, 0, torch.device("cpu"))
     small.load_weights(tiny_pair.draft)
     width = small.dcfg.aux_width
-    for layers, intermediate in [(small_cfg["num_hidden_layers"] + 1, small_cfg["intermediate_size"]),
-                                 (small_cfg["num_hidden_layers"], 2 * small_cfg["intermediate_size"]),
-                                 (small_cfg["num_hidden_layers"] + 2, 3 * small_cfg["intermediate_size"])]:
+    for layers, intermediate in [
+        (small_cfg["num_hidden_layers"] + 1, small_cfg["intermediate_size"]),
+        (small_cfg["num_hidden_layers"], 2 * small_cfg["intermediate_size"]),
+        (small_cfg["num_hidden_layers"] + 2, 3 * small_cfg["intermediate_size"]),
+    ]:
         big_cfg = _bigger(small_cfg, layers, intermediate)
         assert grow.why_not(small_cfg, big_cfg) is None
         big = BlockTrainer(big_cfg, tiny_pair.target, 1, torch.device("cpu"))
@@ -48,7 +50,10 @@ def test_a_grown_drafter_computes_what_the_small_one_did(tiny_pair):
         # and it can learn: every weight the growth zeroed gets a gradient at once
         big.model.zero_grad()
         rng = np.random.default_rng(1)
-        seqs, aux = rng.integers(5, 200, size=(2, 40)).astype(np.int64), rng.standard_normal((2, 40, width)).astype(np.float32)
+        seqs, aux = (
+            rng.integers(5, 200, size=(2, 40)).astype(np.int64),
+            rng.standard_normal((2, 40, width)).astype(np.float32),
+        )
         big.block_logits(seqs, aux, np.array([[10, 25], [7, 30]]), 8)[0].logsumexp(-1).sum().backward()
         zeroed = [n for n, p in big.model.named_parameters() if n.endswith(grow.ZEROED)]
         assert zeroed and all(big.model.get_parameter(n).grad.abs().sum() > 0 for n in zeroed)
@@ -69,8 +74,25 @@ def test_train_drafter_grows_its_init_from(tmp_path, tiny_pair):
     small, big = tmp_path / "small", tmp_path / "big"
     base = ["--target", str(tiny_pair.target)] + TINY_DRAFT
     tdraft.train(_args(drafter_arguments, base + ["--out", str(small), "--steps", "2", "--no-eval"]))
-    tdraft.train(_args(drafter_arguments, base + ["--out", str(big), "--steps", "0", "--no-eval", "--init-from", str(small),
-                                                  "--layers", "2", "--intermediate", "64"]))
+    tdraft.train(
+        _args(
+            drafter_arguments,
+            base
+            + [
+                "--out",
+                str(big),
+                "--steps",
+                "0",
+                "--no-eval",
+                "--init-from",
+                str(small),
+                "--layers",
+                "2",
+                "--intermediate",
+                "64",
+            ],
+        )
+    )
     cfgs = [json.loads((d / "config.json").read_text()) for d in (small, big)]
     assert (cfgs[1]["num_hidden_layers"], cfgs[1]["intermediate_size"]) == (2, 64)
     trainers = []
@@ -78,8 +100,27 @@ def test_train_drafter_grows_its_init_from(tmp_path, tiny_pair):
         t = BlockTrainer(cfg, tiny_pair.target, 0, torch.device("cpu"))
         t.load_weights(d)
         trainers.append(t)
-    torch.testing.assert_close(_logits(trainers[1], trainers[1].dcfg.aux_width),
-                               _logits(trainers[0], trainers[0].dcfg.aux_width), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        _logits(trainers[1], trainers[1].dcfg.aux_width),
+        _logits(trainers[0], trainers[0].dcfg.aux_width),
+        atol=2e-5,
+        rtol=1e-5,
+    )
     with pytest.raises(ValueError, match="init-from.*shrinks"):
-        tdraft.train(_args(drafter_arguments, base + ["--out", str(tmp_path / "x"), "--steps", "0", "--no-eval",
-                                                      "--init-from", str(big), "--intermediate", "32"]))
+        tdraft.train(
+            _args(
+                drafter_arguments,
+                base
+                + [
+                    "--out",
+                    str(tmp_path / "x"),
+                    "--steps",
+                    "0",
+                    "--no-eval",
+                    "--init-from",
+                    str(big),
+                    "--intermediate",
+                    "32",
+                ],
+            )
+        )

@@ -20,20 +20,52 @@ def _args(add, argv):
     return p.parse_args(argv)
 
 
-TINY_TARGET = ["--hidden", "32", "--intermediate", "64", "--layers", "3", "--heads", "2", "--kv-heads", "1",
-               "--head-dim", "16", "--global-head-dim", "32", "--sliding-window", "16", "--seq-len", "32",
-               "--batch", "2", "--eval-windows", "2", "--eval-every", "2", "--save-every", "1",
-               "--max-bytes", "20000", "--quiet", "--warmup", "1"]
+TINY_TARGET = [
+    "--hidden",
+    "32",
+    "--intermediate",
+    "64",
+    "--layers",
+    "3",
+    "--heads",
+    "2",
+    "--kv-heads",
+    "1",
+    "--head-dim",
+    "16",
+    "--global-head-dim",
+    "32",
+    "--sliding-window",
+    "16",
+    "--seq-len",
+    "32",
+    "--batch",
+    "2",
+    "--eval-windows",
+    "2",
+    "--eval-every",
+    "2",
+    "--save-every",
+    "1",
+    "--max-bytes",
+    "20000",
+    "--quiet",
+    "--warmup",
+    "1",
+]
 
 
 @pytest.mark.parametrize("backend", ["mlx", "torch"])
 def test_train_target_smoke_resume_and_load(tmp_path, backend):
     out = tmp_path / "t"
-    rep = ttarget.train(_args(target_arguments, ["--out", str(out), "--steps", "2", "--backend", backend] + TINY_TARGET))
+    rep = ttarget.train(
+        _args(target_arguments, ["--out", str(out), "--steps", "2", "--backend", backend] + TINY_TARGET)
+    )
     assert rep["steps"] == 2 and len(rep["loss_curve"]) == 2
     assert rep["device"] == "cpu" if backend == "torch" else rep["device"].startswith("mlx ")  # the card says where
-    rep2 = ttarget.train(_args(target_arguments,
-                               ["--out", str(out), "--steps", "3", "--resume", "--backend", backend] + TINY_TARGET))
+    rep2 = ttarget.train(
+        _args(target_arguments, ["--out", str(out), "--steps", "3", "--resume", "--backend", backend] + TINY_TARGET)
+    )
     assert rep2["steps"] == 3 and [s for s, _ in rep2["loss_curve"]] == [1, 2, 3]
     assert rep2["loss_curve"][:2] == rep["loss_curve"]  # resumed, not restarted
     saved = json.loads((out / "report.json").read_text())
@@ -58,10 +90,37 @@ def test_heldout_split_is_by_file_and_deterministic():
     assert held == [f for f in files if data.is_heldout(f, 5)]
 
 
-TINY_DRAFT = ["--sequences", "4", "--prompt-len", "12", "--gen-len", "10", "--gen-batch", "4", "--batch", "2",
-              "--anchors", "3", "--head-dim", "16", "--layers", "1", "--intermediate", "32",
-              "--train-block-sizes", "4,8", "--save-every", "1", "--quiet", "--warmup", "1",
-              "--val-sequences", "3", "--eval-every", "2"]
+TINY_DRAFT = [
+    "--sequences",
+    "4",
+    "--prompt-len",
+    "12",
+    "--gen-len",
+    "10",
+    "--gen-batch",
+    "4",
+    "--batch",
+    "2",
+    "--anchors",
+    "3",
+    "--head-dim",
+    "16",
+    "--layers",
+    "1",
+    "--intermediate",
+    "32",
+    "--train-block-sizes",
+    "4,8",
+    "--save-every",
+    "1",
+    "--quiet",
+    "--warmup",
+    "1",
+    "--val-sequences",
+    "3",
+    "--eval-every",
+    "2",
+]
 
 
 def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
@@ -69,8 +128,13 @@ def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
     base = ["--target", str(tiny_pair.target), "--out", str(out)] + TINY_DRAFT
     rep = tdraft.train(_args(drafter_arguments, base + ["--steps", "2", "--no-eval"]))
     assert rep["steps"] == 2 and rep["device"] == "cpu"
-    rep2 = tdraft.train(_args(drafter_arguments, base + ["--steps", "3", "--resume", "--eval-prompts", "1",
-                                                            "--eval-max-tokens", "6", "--eval-block-sizes", "4"]))
+    rep2 = tdraft.train(
+        _args(
+            drafter_arguments,
+            base
+            + ["--steps", "3", "--resume", "--eval-prompts", "1", "--eval-max-tokens", "6", "--eval-block-sizes", "4"],
+        )
+    )
     assert [c[0] for c in rep2["loss_curve"]] == [1, 2, 3] and rep2["loss_curve"][:2] == rep["loss_curve"]
     # held-out curve: evaluated at step 2 (eval-every) and at the last step; carried across --resume
     held = rep2["heldout_curve"]
@@ -91,7 +155,9 @@ def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
     # --init-from (steps 0: the written weights are exactly the source's) and --bos-prompts
     out2 = tmp_path / "d2"
     base2 = ["--target", str(tiny_pair.target), "--out", str(out2)] + TINY_DRAFT
-    tdraft.train(_args(drafter_arguments, base2 + ["--steps", "0", "--no-eval", "--init-from", str(out), "--bos-prompts"]))
+    tdraft.train(
+        _args(drafter_arguments, base2 + ["--steps", "0", "--no-eval", "--init-from", str(out), "--bos-prompts"])
+    )
     from safetensors.numpy import load_file
 
     a, b = load_file(out / "model.safetensors"), load_file(out2 / "model.safetensors")
@@ -99,8 +165,9 @@ def test_train_drafter_smoke_resume_and_strict_load(tmp_path, tiny_pair):
     seqs = np.load(out2 / "ckpt" / "data" / "seqs.npy")
     assert (seqs[:, 0] == tk.BOS_ID).all() and (seqs[:, 1:] != tk.BOS_ID).any()
     with pytest.raises(ValueError, match="init-from"):  # another head size: not a drafter it can grow into
-        tdraft.train(_args(drafter_arguments, base2 + ["--steps", "0", "--no-eval", "--init-from", str(out),
-                                                           "--head-dim", "8"]))
+        tdraft.train(
+            _args(drafter_arguments, base2 + ["--steps", "0", "--no-eval", "--init-from", str(out), "--head-dim", "8"])
+        )
 
 
 def test_sampled_continuations_and_the_soft_label_loss(tmp_path, tiny_pair):
@@ -113,8 +180,18 @@ def test_sampled_continuations_and_the_soft_label_loss(tmp_path, tiny_pair):
 
     tt = TorchTarget(tiny_pair.target, torch.device("cpu"))
     stream = np.arange(5, 400, dtype=np.int32)
-    make = lambda: make_dataset(tt, stream, 6, 8, 12, [0, 2], seed=3, gen_batch=2, quiet=True,  # noqa: E731
-                                temperatures=(0.0, 1.0))
+    make = lambda: make_dataset(
+        tt,
+        stream,
+        6,
+        8,
+        12,
+        [0, 2],
+        seed=3,
+        gen_batch=2,
+        quiet=True,
+        temperatures=(0.0, 1.0),
+    )
     a, b = make(), make()
     assert a.temperature.tolist() == [0, 0, 1, 1, 0, 0]
     assert np.array_equal(a.seqs, b.seqs)  # seeded
@@ -131,16 +208,31 @@ def test_sampled_continuations_and_the_soft_label_loss(tmp_path, tiny_pair):
         for j, anc in enumerate(anchors[n]):
             assert torch.allclose(soft[n * 2 + j], ref[n, anc : anc + B - 1], atol=2e-2)
     loss_hard, _ = trainer.loss(a.seqs, a.aux.astype(np.float32), anchors, B, 2.0)
-    loss_both, _ = trainer.loss(a.seqs, a.aux.astype(np.float32), anchors, B, 2.0, final=a.final,
-                                hard=np.ones(6, np.float32), soft_weight=1.0)
-    loss_soft, _ = trainer.loss(a.seqs, a.aux.astype(np.float32), anchors, B, 2.0, final=a.final,
-                                hard=np.zeros(6, np.float32), soft_weight=1.0)
+    loss_both, _ = trainer.loss(
+        a.seqs, a.aux.astype(np.float32), anchors, B, 2.0, final=a.final, hard=np.ones(6, np.float32), soft_weight=1.0
+    )
+    loss_soft, _ = trainer.loss(
+        a.seqs, a.aux.astype(np.float32), anchors, B, 2.0, final=a.final, hard=np.zeros(6, np.float32), soft_weight=1.0
+    )
     loss_soft, loss_both, loss_hard = (float(x.detach()) for x in (loss_soft, loss_both, loss_hard))
     assert loss_soft > 0 and loss_both == pytest.approx(loss_hard + loss_soft, rel=1e-5)
     # end to end: train-drafter with sampled data and the KL term, resumed from its memory-mapped data
     out = tmp_path / "d"
-    base = ["--target", str(tiny_pair.target), "--out", str(out), "--temperatures", "0,1", "--soft-weight", "0.5",
-            "--no-eval"] + TINY_DRAFT + ["--gen-batch", "2"]  # two generation batches: one greedy, one sampled
+    base = (
+        [
+            "--target",
+            str(tiny_pair.target),
+            "--out",
+            str(out),
+            "--temperatures",
+            "0,1",
+            "--soft-weight",
+            "0.5",
+            "--no-eval",
+        ]
+        + TINY_DRAFT
+        + ["--gen-batch", "2"]
+    )  # two generation batches: one greedy, one sampled
     rep = tdraft.train(_args(drafter_arguments, base + ["--steps", "2"]))
     rep2 = tdraft.train(_args(drafter_arguments, base + ["--steps", "3", "--resume"]))
     assert rep2["loss_curve"][:2] == rep["loss_curve"] and "KL" in rep2["data"]["labels"]
@@ -174,7 +266,9 @@ def test_interrupted_data_generation_continues_where_it_stopped(tmp_path, tiny_p
     key = {"test": 1}
 
     def make(target):
-        return lambda out: make_dataset(target, stream, 6, 8, 6, [1], 4, 2, quiet=True, temperatures=(0.0, 1.0), out=out)
+        return lambda out: make_dataset(
+            target, stream, 6, 8, 6, [1], 4, 2, quiet=True, temperatures=(0.0, 1.0), out=out
+        )
 
     with pytest.raises(Interrupted):
         cached_continuations(tmp_path / "a", key, make(StopsAfter(2)), quiet=True)
@@ -310,16 +404,33 @@ def test_drafter_eval_measures_a_drafter_directory(tiny_pair, capsys):
     drafter trained elsewhere, one JSON line per drafter, lossless against block size 1."""
     from kakeya.training import drafter_eval
 
-    assert drafter_eval.main([str(tiny_pair.target), str(tiny_pair.draft), "--prompts", "2", "--block-sizes", "2,4",
-                              "--max-tokens", "6", "--prompt-len", "12"]) == 0
+    assert (
+        drafter_eval.main(
+            [
+                str(tiny_pair.target),
+                str(tiny_pair.draft),
+                "--prompts",
+                "2",
+                "--block-sizes",
+                "2,4",
+                "--max-tokens",
+                "6",
+                "--prompt-len",
+                "12",
+            ]
+        )
+        == 0
+    )
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["draft"] == str(tiny_pair.draft) and line["lossless"] is True
     assert set(line["mean_acceptance"]) == {"2", "4"}
     assert 1.0 <= line["mean_acceptance"]["2"] <= 2.0 and 1.0 <= line["mean_acceptance"]["4"] <= 4.0
     # sampled acceptance by default at T 0.7 and 1.0, block 8 and 16, each run checked against AR sampling
     assert set(line["sampled_mean_acceptance"]) == {"0.7", "1"}
-    assert all(set(row) == {"8", "16"} and all(1.0 <= v <= 16.0 for v in row.values())
-               for row in line["sampled_mean_acceptance"].values())
+    assert all(
+        set(row) == {"8", "16"} and all(1.0 <= v <= 16.0 for v in row.values())
+        for row in line["sampled_mean_acceptance"].values()
+    )
 
 
 def test_sampled_acceptance_is_checked_against_ar_sampling(tiny_pair, monkeypatch):
@@ -354,8 +465,19 @@ def test_drafter_eval_records_its_measurement_in_the_drafters_report(tiny_pair, 
 
     draft = tmp_path / "draft"
     shutil.copytree(tiny_pair.draft, draft)
-    argv = [str(tiny_pair.target), str(draft), "--prompts", "2", "--block-sizes", "2", "--max-tokens", "6",
-            "--prompt-len", "12", "--record"]
+    argv = [
+        str(tiny_pair.target),
+        str(draft),
+        "--prompts",
+        "2",
+        "--block-sizes",
+        "2",
+        "--max-tokens",
+        "6",
+        "--prompt-len",
+        "12",
+        "--record",
+    ]
     (draft / "report.json").unlink(missing_ok=True)
     with pytest.raises(SystemExit, match="report.json does not exist"):
         drafter_eval.main(argv)
@@ -376,8 +498,23 @@ def test_training_data_on_the_device_trains_the_same_steps(tmp_path, tiny_pair):
     a GPU run does by default): the same batches, so the same losses, as gathering from the files."""
     curves = {}
     for mode in ("off", "on"):
-        base = ["--target", str(tiny_pair.target), "--out", str(tmp_path / mode), "--temperatures", "0,1",
-                "--soft-weight", "0.5", "--no-eval", "--data-on-device", mode] + TINY_DRAFT + ["--gen-batch", "2"]
+        base = (
+            [
+                "--target",
+                str(tiny_pair.target),
+                "--out",
+                str(tmp_path / mode),
+                "--temperatures",
+                "0,1",
+                "--soft-weight",
+                "0.5",
+                "--no-eval",
+                "--data-on-device",
+                mode,
+            ]
+            + TINY_DRAFT
+            + ["--gen-batch", "2"]
+        )
         curves[mode] = tdraft.train(_args(drafter_arguments, base + ["--steps", "3"]))["loss_curve"]
     assert len(curves["on"]) == 3 and curves["on"] == curves["off"]
     with pytest.raises(SystemExit):  # a mode that does not exist is refused by the parser

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kakeya.core.contract import REJECTION, Proposal
+from kakeya.core.contract import Proposal
+from kakeya.core.request import REJECTION
 from kakeya.verifier.batch import verify_batch
 from kakeya.verifier.session import VerifierSession
 

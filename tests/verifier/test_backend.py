@@ -8,7 +8,7 @@ counter.
 
 import pytest
 
-from kakeya.core.contract import CachePolicy
+from kakeya.core.request import CachePolicy
 from kakeya.verifier.backend import Target
 from kakeya.verifier.session import VerifierSession
 
@@ -28,7 +28,9 @@ def target(request, mlx_target, torch_target):
 
 
 def test_capabilities_are_data(mlx_target, torch_target, aux_layers):
-    assert Target in type(mlx_target).__mro__ and Target in type(torch_target).__mro__  # explicitly, with its shared bodies
+    assert (
+        Target in type(mlx_target).__mro__ and Target in type(torch_target).__mro__
+    )  # explicitly, with its shared bodies
     assert (torch_target.static_verify, torch_target.restores) == (True, False)
     assert (mlx_target.static_verify, mlx_target.restores) == (False, True)
     with pytest.raises(NotImplementedError, match="static verify"):
@@ -40,8 +42,11 @@ def test_capabilities_are_data(mlx_target, torch_target, aux_layers):
         VerifierSession(torch_target, aux_layers, restore)
 
 
-@pytest.mark.parametrize("policy", [CachePolicy(), CachePolicy("sink-window", sink=2, window=8, full_kv_bits=8)],
-                         ids=["native", "sink-window+kv8"])
+@pytest.mark.parametrize(
+    "policy",
+    [CachePolicy(), CachePolicy("sink-window", sink=2, window=8, full_kv_bits=8)],
+    ids=["native", "sink-window+kv8"],
+)
 def test_caches_hold_arrays_only(target, aux_layers, policy):
     session = VerifierSession(target, aux_layers, policy)
     first, _ = session.prefill(PROMPT)

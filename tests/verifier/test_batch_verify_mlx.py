@@ -8,7 +8,7 @@ inside the batch.
 
 from __future__ import annotations
 
-from kakeya.core.contract import REJECTION, CachePolicy, SamplingParams
+from kakeya.core.request import REJECTION, CachePolicy, SamplingParams
 from kakeya.verifier.batch import batchable
 
 from .batch_scenario import lockstep
@@ -29,7 +29,7 @@ def test_batched_mlx_sessions_match_alone(mlx_target, aux_layers):
         (_prompt(13, 4), CachePolicy(full_kv_bits=8, full_kv_group_size=32), None),  # runs alone in the batch
         (_prompt(9, 5), CachePolicy(), SamplingParams(temperature=0.8, top_k=30, seed=6, rule=REJECTION)),
     ]
-    alone, batched = lockstep(mlx_target, aux_layers, specs, rounds=6)
+    _alone, batched = lockstep(mlx_target, aux_layers, specs, rounds=6)
     assert [batchable(s) for s in batched] == [True, True, True, True, False, True]
 
 
@@ -37,7 +37,9 @@ def _forwards(target, monkeypatch) -> list[int]:
     """The segment count of every forward ``target`` runs from now on."""
     calls = []
     real = type(target).forward
-    monkeypatch.setattr(type(target), "forward", lambda self, segments: calls.append(len(segments)) or real(self, segments))
+    monkeypatch.setattr(
+        type(target), "forward", lambda self, segments: calls.append(len(segments)) or real(self, segments)
+    )
     return calls
 
 

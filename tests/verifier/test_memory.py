@@ -6,15 +6,19 @@ import pytest
 
 from kakeya.app.main import main
 from kakeya.checkpoints.config import load_target_config
-from kakeya.verifier.layout import CachePolicy
+from kakeya.core.request import CachePolicy
 from kakeya.verifier.memory import KVShape, session_bytes
 from kakeya.verifier.session import VerifierSession
 
 
 @pytest.mark.parametrize(
     "policy",
-    [CachePolicy(), CachePolicy("sink-window", sink=4, window=16), CachePolicy(full_kv_bits=8),
-     CachePolicy("sink-window", sink=2, window=8, full_kv_bits=4)],
+    [
+        CachePolicy(),
+        CachePolicy("sink-window", sink=4, window=16),
+        CachePolicy(full_kv_bits=8),
+        CachePolicy("sink-window", sink=2, window=8, full_kv_bits=4),
+    ],
     ids=lambda p: p.label,
 )
 @pytest.mark.parametrize("context", [512, 768])
@@ -30,7 +34,15 @@ def test_formula_matches_a_live_session(tiny_pair, mlx_target, aux_layers, polic
 def test_memory_command_json(capsys):
     assert main(["memory", "--preset", "gemma-4-26b-a4b", "--context", "32768", "--json"]) == 0
     table = json.loads(capsys.readouterr().out)
-    assert set(table) == {"full", "native", "native+kv8", "native+kv4", "sink-window", "sink-window+kv8", "sink-window+kv4"}
+    assert set(table) == {
+        "full",
+        "native",
+        "native+kv8",
+        "native+kv4",
+        "sink-window",
+        "sink-window+kv8",
+        "sink-window+kv4",
+    }
     for row in table.values():
         assert row["total_bytes"] == row["sliding_bytes"] + row["full_bytes"]
     # S5: full-attention layers are never bounded, only quantized

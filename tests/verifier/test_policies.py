@@ -14,9 +14,9 @@ require identity up to the reference's first near-tie and a long prefix.
 import pytest
 
 from kakeya.core.contract import Draft
+from kakeya.core.request import CachePolicy
 from kakeya.drafter.session import MLXDrafter
 from kakeya.orchestrator.loop import Decoding, run
-from kakeya.verifier.layout import CachePolicy
 from kakeya.verifier.session import VerifierSession
 
 from ..planted import PlantedDrafterSession
@@ -55,7 +55,9 @@ def test_speculative_equals_same_policy_ar(mlx_target, aux_layers, drafter, poli
     gen = run(VerifierSession(mlx_target, aux_layers, policy), dsession, PROMPT, n, block_size)
     first_diff = next((i for i, (a, b) in enumerate(zip(gen.token_ids, ref)) if a != b), None)
     if policy.full_kv_bits and first_diff is not None:
-        assert margins[first_diff] < NEAR_TIE[policy.full_kv_bits], f"diverged at token {first_diff} where the margin was {margins[first_diff]}"
+        assert margins[first_diff] < NEAR_TIE[policy.full_kv_bits], (
+            f"diverged at token {first_diff} where the margin was {margins[first_diff]}"
+        )
         assert first_diff >= 300
     else:
         assert first_diff is None, f"diverged at token {first_diff} of {n}"

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from kakeya.verifier.layout import CachePolicy, RingLayout
+from kakeya.core.request import CachePolicy
+from kakeya.verifier.layout import RingLayout
 
 
 def expected_visible(q: int, sink: int, window: int) -> set[int]:
@@ -12,7 +13,6 @@ def expected_visible(q: int, sink: int, window: int) -> set[int]:
 
 def simulate(layout: RingLayout, steps, seed=0):
     """Drive plan/apply/trim like a session would; check every query's visible set."""
-    rng = np.random.default_rng(seed)
     # slots -> position the brute-force model says is stored (None: empty)
     for n_new, n_trim in steps:
         start = layout.offset

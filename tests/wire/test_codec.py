@@ -35,7 +35,9 @@ def _values(name: str, shape, seed: int = 0) -> np.ndarray:
         lo, hi = (0, 255) if name == "uint8" else (-128, 127)
         return rng.integers(lo, hi + 1, size=shape, dtype=np.int64)
     vals = rng.standard_normal(shape).astype(np.float32) * 8
-    return bfloat16_to_float32(float32_to_bfloat16(vals)) if name == "bfloat16" else vals.astype(name).astype(np.float32)
+    return (
+        bfloat16_to_float32(float32_to_bfloat16(vals)) if name == "bfloat16" else vals.astype(name).astype(np.float32)
+    )
 
 
 def _numpy(ref: np.ndarray, name: str) -> np.ndarray:
@@ -77,6 +79,7 @@ BUILD = {"numpy": _numpy, "mlx": _mlx, "torch": _torch}
 def _encode(src: str, ref: np.ndarray, name: str) -> Tensor:
     """numpy has no bfloat16: its bits go with an explicit dtype."""
     return to_proto(BUILD[src](ref, name), dtype=name if src == "numpy" and name == "bfloat16" else None)
+
 
 TORCH_DTYPE = {n: getattr(torch, n) for n in NAMES}
 MLX_DTYPE = {n: getattr(mx, "bool_" if n == "bool" else n) for n in NAMES}
@@ -187,7 +190,10 @@ def _bad(**kw) -> Tensor:
     [
         (_bad(dtype=DType.DTYPE_UNSPECIFIED), "tensor dtype is DTYPE_UNSPECIFIED"),
         (_bad(dtype=99), "tensor dtype 99 is unknown; supported: float32, float16, bfloat16"),
-        (_bad(data=bytes(23)), r"tensor data has 23 bytes but float32 shape \[2, 3\] needs 24 \(6 elements x 4 bytes\)"),
+        (
+            _bad(data=bytes(23)),
+            r"tensor data has 23 bytes but float32 shape \[2, 3\] needs 24 \(6 elements x 4 bytes\)",
+        ),
         (_bad(data=b""), "tensor data has 0 bytes but float32 shape"),
         (_bad(dtype=DType.DTYPE_INT64), r"needs 48 \(6 elements x 8 bytes\)"),
         (_bad(shape=[]), r"shape \[\] needs 4 \(1 elements"),

@@ -2,8 +2,7 @@
 
 import pytest
 
-from kakeya.core.contract import COUPLED, REJECTION, SamplingParams
-from kakeya.verifier.layout import CachePolicy
+from kakeya.core.request import COUPLED, REJECTION, CachePolicy, SamplingParams
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import cache_pb2, generate_pb2, sampling_pb2
 
@@ -30,7 +29,9 @@ def test_unset_fields_take_the_default_and_bad_fields_are_named():
     with pytest.raises(ValueError, match=r"cache_policy\.kind must be set when restore_path"):
         wire_contract.policy_from_proto(cache_pb2.CachePolicy(restore_path="/x"), default)
     with pytest.raises(ValueError, match=r"cache_policy\.slack"):
-        wire_contract.policy_from_proto(cache_pb2.CachePolicy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, slack=1000), default)
+        wire_contract.policy_from_proto(
+            cache_pb2.CachePolicy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, slack=1000), default
+        )
     with pytest.raises(ValueError, match="SINK_WINDOW only"):
         wire_contract.policy_from_proto(cache_pb2.CachePolicy(kind=cache_pb2.CACHE_KIND_NATIVE, sink=3), default)
 
@@ -42,8 +43,14 @@ def test_unset_fields_take_the_default_and_bad_fields_are_named():
 )
 def test_sampling_round_trips_with_its_rule(params):
     assert wire_contract.sampling_from_proto(wire_contract.sampling_to_proto(params)) == params
-    public = generate_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                         min_p=params.min_p, seed=params.seed, rule=wire_contract.rule_to_proto(params.rule))
+    public = generate_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        seed=params.seed,
+        rule=wire_contract.rule_to_proto(params.rule),
+    )
     assert wire_contract.public_sampling(public) == params
 
 

@@ -91,7 +91,13 @@ def channel(server):
 
 def test_large_aux_from_verifier_to_client(channel):
     stub = verifier_pb2_grpc.VerifierServiceStub(channel)
-    requests = iter([VReq(open=VReq.Open(request_id="r")), VReq(prefill=VReq.Prefill(token_ids=[7] * BIG_ROWS)), VReq(close=VReq.Close())])
+    requests = iter(
+        [
+            VReq(open=VReq.Open(request_id="r")),
+            VReq(prefill=VReq.Prefill(token_ids=[7] * BIG_ROWS)),
+            VReq(close=VReq.Close()),
+        ]
+    )
     responses = list(stub.Session(requests, timeout=60))
     assert [r.WhichOneof("response") for r in responses] == ["opened", "prefilled", "closed"]
     prefilled = responses[1].prefilled
@@ -144,7 +150,9 @@ def test_limit_options(monkeypatch):
     assert opts["grpc.max_send_message_length"] == opts["grpc.max_receive_message_length"] == 256 * limits.MiB
     assert dict(limits.server_options())["grpc.max_receive_message_length"] == 256 * limits.MiB
     # the server tolerates client keepalive pings at least as often as clients send them
-    assert dict(limits.server_options())["grpc.http2.min_ping_interval_without_data_ms"] <= opts["grpc.keepalive_time_ms"]
+    assert (
+        dict(limits.server_options())["grpc.http2.min_ping_interval_without_data_ms"] <= opts["grpc.keepalive_time_ms"]
+    )
     assert "grpc.keepalive_time_ms" not in dict(limits.channel_options(keepalive=False))
     assert dict(limits.channel_options(64 * limits.MiB))["grpc.max_send_message_length"] == 64 * limits.MiB
     monkeypatch.setenv(limits.ENV_MAX_MESSAGE_BYTES, str(512 * limits.MiB))

@@ -10,13 +10,14 @@ array on the host; the rejection rule's uniforms come from the host. Only ints
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from kakeya.core import noise
-from kakeya.core.contract import Proposal, SamplingParams
+from kakeya.core.contract import Proposal
+from kakeya.core.request import SamplingParams
 from kakeya.core.sampling import inverse_temperature
 
 

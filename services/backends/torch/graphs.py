@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -75,7 +75,7 @@ class GraphOptions:
     static_extent: bool = False
 
     @classmethod
-    def for_device(cls, device: torch.device, cuda_graphs: bool | None = None) -> "GraphOptions":
+    def for_device(cls, device: torch.device, cuda_graphs: bool | None = None) -> GraphOptions:
         """The default for ``device``: graphs on CUDA (unless ``cuda_graphs`` is False), eager elsewhere."""
         on_cuda = torch.device(device).type == "cuda"
         if cuda_graphs and not on_cuda:

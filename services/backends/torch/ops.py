@@ -189,7 +189,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
-def sdpa_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def sdpa_folded(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """Attention with each KV head's query heads folded into its query rows (``mask``: None or
     ``[L, K]``), so every K/V head is read once: what CUDA runs.
 
@@ -214,7 +216,9 @@ def sdpa_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 DECODE_ROWS = 64  # query rows per KV head up to which decode_attention beats the fused kernels
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """Attention for a few query rows over a long cache: two GEMMs and a float32 softmax.
 
     The fused kernels parallelise over query blocks and heads: with a handful of

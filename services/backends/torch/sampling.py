@@ -10,13 +10,14 @@ the host. Only ints (and a rejection drafter's [n, K] proposal) come back.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from kakeya.core import noise
-from kakeya.core.contract import Proposal, SamplingParams
+from kakeya.core.contract import Proposal
+from kakeya.core.request import SamplingParams
 from kakeya.core.sampling import inverse_temperature
 
 

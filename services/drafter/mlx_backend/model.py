@@ -26,18 +26,18 @@ safetensors load with ``load_weights(strict=True)``.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from kakeya.backends.mlx import sampling as sampling_mlx
 from kakeya.checkpoints.layout import find_text_tensors, shard_files
 from kakeya.drafter import context
 from kakeya.drafter.backend import KV, bind, scale_embedding, scale_logits
-from kakeya.drafter.config import DFlashConfig, aux_rows  # noqa: F401  (DFlashConfig re-exported)
+from kakeya.drafter.config import DFlashConfig, aux_rows
 from kakeya.drafter.context import (
     DEFAULT_STEP,
     Append,
@@ -128,8 +128,8 @@ class LayerKV:
 
     def __init__(self, layout: ContextLayout):
         self.layout = layout
-        self.keys: Optional[mx.array] = None
-        self.values: Optional[mx.array] = None
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
 
     def append(self, plan: Append, k: mx.array, v: mx.array) -> None:
         r = plan.resize
@@ -145,13 +145,13 @@ class LayerKV:
             self.keys[..., plan.dst : plan.dst + plan.n, :] = k[..., plan.skip :, :]
             self.values[..., plan.dst : plan.dst + plan.n, :] = v[..., plan.skip :, :]
 
-    def visible(self) -> tuple[Optional[mx.array], Optional[mx.array]]:
+    def visible(self) -> tuple[mx.array | None, mx.array | None]:
         start, stop = self.layout.start, self.layout.stop
         if self.keys is None or stop == start:
             return None, None
         return self.keys[..., start:stop, :], self.values[..., start:stop, :]
 
-    def copy_visible(self) -> tuple[Optional[mx.array], Optional[mx.array]]:
+    def copy_visible(self) -> tuple[mx.array | None, mx.array | None]:
         """The visible rows as arrays of their own (a slice would keep the whole buffer alive)."""
         k, v = self.visible()
         if k is None:
@@ -195,9 +195,9 @@ class TargetHead:
     def __init__(
         self,
         embed: dict[str, mx.array],
-        head: Optional[dict[str, mx.array]] = None,
-        embed_quant: Optional[dict] = None,
-        head_quant: Optional[dict] = None,
+        head: dict[str, mx.array] | None = None,
+        embed_quant: dict | None = None,
+        head_quant: dict | None = None,
     ):
         self.embed = embed
         self.embed_quant = embed_quant
@@ -271,7 +271,7 @@ class DFlashDraftModel(nn.Module):
             scaling_config=config.rope_scaling,
             max_position_embeddings=config.max_position_embeddings,
         )
-        self.target: Optional[TargetHead] = None
+        self.target: TargetHead | None = None
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -377,7 +377,7 @@ def _index_tensors(target_dir: Path) -> dict[str, mx.array]:
     return out
 
 
-def _quant_for(cfg: dict, module: str) -> Optional[dict]:
+def _quant_for(cfg: dict, module: str) -> dict | None:
     q = cfg.get("quantization") or cfg.get("quantization_config")
     if not q:
         return None
@@ -393,19 +393,15 @@ def _quant_for(cfg: dict, module: str) -> Optional[dict]:
     }
 
 
-def load_target_head(target_dir: str | Path, dtype: Optional[mx.Dtype] = None) -> TargetHead:
+def load_target_head(target_dir: str | Path, dtype: mx.Dtype | None = None) -> TargetHead:
     """Read ONLY the target's embedding table and LM head (tied when absent)."""
     target_dir = Path(target_dir)
     cfg = json.loads((target_dir / "config.json").read_text())
     tensors = _index_tensors(target_dir)
     where = find_text_tensors(tensors, target_dir)
 
-    def take(prefix: str) -> tuple[dict[str, mx.array], Optional[dict]]:
-        d = {
-            p: tensors[f"{prefix}.{p}"]
-            for p in ("weight", "scales", "biases")
-            if f"{prefix}.{p}" in tensors
-        }
+    def take(prefix: str) -> tuple[dict[str, mx.array], dict | None]:
+        d = {p: tensors[f"{prefix}.{p}"] for p in ("weight", "scales", "biases") if f"{prefix}.{p}" in tensors}
         quant = _quant_for(cfg, prefix) if "scales" in d else None
         if quant is None and "scales" in d:
             raise ValueError(f"{prefix} is quantized but config.json has no quantization")
@@ -415,7 +411,7 @@ def load_target_head(target_dir: str | Path, dtype: Optional[mx.Dtype] = None) -
 
     embed, eq = take(where.embed)
     head_d, hq = take(where.head) if where.head is not None else (None, None)
-    del tensors
+    tensors.clear()  # the lazy map of the target's other tensors: none of them is read
     th = TargetHead(embed, head_d, eq, hq)
     text = cfg.get("text_config") or cfg
     vocab = text.get("vocab_size")
@@ -428,7 +424,7 @@ def load_target_head(target_dir: str | Path, dtype: Optional[mx.Dtype] = None) -
     return th
 
 
-def load_draft_model(draft_dir: str | Path, dtype: Optional[mx.Dtype] = None) -> DFlashDraftModel:
+def load_draft_model(draft_dir: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraftModel:
     draft_dir = Path(draft_dir)
     config = DFlashConfig.from_dir(draft_dir)
     weights: dict[str, mx.array] = {}
@@ -443,9 +439,7 @@ def load_draft_model(draft_dir: str | Path, dtype: Optional[mx.Dtype] = None) ->
     return model
 
 
-def load_dflash_mlx(
-    draft_dir: str | Path, target_dir: str | Path, dtype: Optional[mx.Dtype] = None
-) -> DFlashDraftModel:
+def load_dflash_mlx(draft_dir: str | Path, target_dir: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraftModel:
     """Load the DFlash draft and bind the target's embedding/LM head.
 
     Compute dtype follows the draft weights unless ``dtype`` is given; the

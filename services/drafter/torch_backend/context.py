@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,8 +27,8 @@ class LayerKV:
 
     def __init__(self, layout: ContextLayout):
         self.layout = layout
-        self.keys: Optional[torch.Tensor] = None
-        self.values: Optional[torch.Tensor] = None
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
 
     def resize(self, r: Resize, like: torch.Tensor) -> None:
         """Carry out a planned resize; ``like`` ([1, n_kv, any, hd]) gives a new buffer's shape and dtype."""
@@ -99,7 +99,7 @@ class ContextKVCache(context.ContextKVCache):
     """The context K/V of one generation, in this backend's arrays (plan: ``context.py``)."""
 
     layer_kv = LayerKV
-    static: "Optional[StaticDraft]" = None  # the static step's device inputs and graphs, once it has run
+    static: StaticDraft | None = None  # the static step's device inputs and graphs, once it has run
 
     @torch.inference_mode()  # the buffers are inference tensors: written in that mode only
     def append(self, kv: list) -> None:

@@ -24,7 +24,7 @@ Parameter names follow the reference checkpoint layout (``fc``, ``hidden_norm``,
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ from kakeya.backends.torch.ops import (
     sdpa_backends,
 )
 from kakeya.drafter.backend import KV, scale_embedding, scale_logits
-from kakeya.drafter.config import DFlashConfig, aux_rows  # noqa: F401  (DFlashConfig re-exported)
+from kakeya.drafter.config import DFlashConfig, aux_rows
 from kakeya.drafter.context import DEFAULT_STEP, Segment, block_segments, draft_rows, split_rows
 from kakeya.drafter.torch_backend.context import ContextKVCache
 from kakeya.drafter.torch_backend.step import StaticStep
@@ -91,7 +91,7 @@ class Attention(nn.Module):
         self.k_norm = nn.Module()
         self.k_norm.weight = nn.Parameter(torch.ones(a.head_dim))
 
-    wqkv: Optional[torch.Tensor] = None  # set by fuse(): q, k, v rows of one weight (inference)
+    wqkv: torch.Tensor | None = None  # set by fuse(): q, k, v rows of one weight (inference)
 
     def fuse(self) -> None:
         """For inference: q, k and v as one weight, so a block's projections are one GEMM (a
@@ -143,7 +143,7 @@ class MLP(nn.Module):
         if act != "silu":
             raise ValueError(f"unsupported drafter hidden_act {act!r}")
 
-    w_gate_up: Optional[torch.Tensor] = None  # set by fuse() (inference)
+    w_gate_up: torch.Tensor | None = None  # set by fuse() (inference)
 
     def fuse(self) -> None:
         """For inference: gate and up as one weight (one GEMM); the Linear weights become views."""
@@ -219,7 +219,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence
 class TargetHead:
     """The target's embedding table and LM head (tied when ``head`` is None), raw tensors."""
 
-    def __init__(self, embed: torch.Tensor, head: Optional[torch.Tensor] = None):
+    def __init__(self, embed: torch.Tensor, head: torch.Tensor | None = None):
         self.embed = embed
         self.head = embed if head is None else head
         self.tied = head is None
@@ -258,7 +258,7 @@ class DFlashDraftModel(nn.Module):
         inv, scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv, persistent=False)
         self.rope_scale = scale
-        self.target: Optional[TargetHead] = None
+        self.target: TargetHead | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -270,9 +270,9 @@ class DFlashDraftModel(nn.Module):
 
     # capabilities (``drafter/backend.py``): eager, dynamic shapes until use_graphs
     min_batch = 2
-    static_step: Optional[StaticStep] = None
+    static_step: StaticStep | None = None
 
-    def use_graphs(self, options: GraphOptions) -> "DFlashDraftModel":
+    def use_graphs(self, options: GraphOptions) -> DFlashDraftModel:
         """Draft greedy blocks through the static step (``drafter/torch_backend/step.py``): captured in CUDA
         graphs with ``options.capture``; eagerly with ``static_extent`` alone (how a CPU tests it)."""
         self.static_step = StaticStep(self, options)
@@ -280,7 +280,7 @@ class DFlashDraftModel(nn.Module):
         self._free: list[ContextKVCache] = []
         return self
 
-    def fuse_projections(self) -> "DFlashDraftModel":
+    def fuse_projections(self) -> DFlashDraftModel:
         """For inference (``TorchDrafter`` does it): each layer's q/k/v and gate/up weights as one
         GEMM each, the way the target stores them (views: no memory added), and one GEMM for all
         layers' context K/V. Training keeps the separate Linear layers."""
@@ -294,9 +294,11 @@ class DFlashDraftModel(nn.Module):
             self.context_k_norm = torch.stack([layer.self_attn.k_norm.weight.detach() for layer in self.layers])
         return self
 
-    w_context_kv: Optional[torch.Tensor] = None  # set by fuse_projections
+    w_context_kv: torch.Tensor | None = None  # set by fuse_projections
 
-    def layers_kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def layers_kv(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's context ``(k, v)`` ``[B, n_kv, S, hd]`` of the context rows ``h`` [B, S, hidden]."""
         if self.w_context_kv is None:
             return [layer.self_attn.kv(h, cos, sin) for layer in self.layers]

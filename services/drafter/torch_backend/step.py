@@ -39,7 +39,7 @@ import torch
 
 from kakeya.backends.torch.graphs import GraphOptions, StepGraphs, bucket_for
 from kakeya.backends.torch.ops import rope_from_positions
-from kakeya.core.contract import MAX_BLOCK_SIZE
+from kakeya.core.request import MAX_BLOCK_SIZE
 from kakeya.drafter.backend import extend
 from kakeya.drafter.context import Segment
 

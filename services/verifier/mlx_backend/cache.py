@@ -15,7 +15,7 @@ and ``update_and_fetch``, gets a per-forward view of them (``forward.py``).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 

@@ -23,7 +23,7 @@ not pad).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -55,7 +55,9 @@ class LayerView:
         def padded(x: mx.array) -> mx.array:
             return mx.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)])
 
-        return mx.concatenate([padded(k) for k, _ in rows], axis=0), mx.concatenate([padded(v) for _, v in rows], axis=0)
+        return mx.concatenate([padded(k) for k, _ in rows], axis=0), mx.concatenate(
+            [padded(v) for _, v in rows], axis=0
+        )
 
     def _fetch(self, b: int, keys: mx.array, values: mx.array):
         k, v = self.caches[b].fetch(keys, values, self.plans[b])
@@ -94,8 +96,10 @@ def attention_masks(segments: Sequence[Segment], rows: int) -> dict:
         plan = segments[0].plan
         sliding = plan.mask if plan.restore is None else np.concatenate([plan.restore.mask, plan.mask], axis=1)
         return {FULL: None if plan.n_new == 1 else "causal", SLIDING: mx.array(sliding)}
-    full = [np.arange(p.start + p.n_new)[None, :] <= np.arange(p.start, p.start + p.n_new)[:, None]
-            for p in (s.plan for s in segments)]
+    full = [
+        np.arange(p.start + p.n_new)[None, :] <= np.arange(p.start, p.start + p.n_new)[:, None]
+        for p in (s.plan for s in segments)
+    ]
     return {FULL: mx.array(_padded(full, rows)), SLIDING: mx.array(_padded([s.plan.mask for s in segments], rows))}
 
 

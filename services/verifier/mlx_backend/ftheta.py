@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+from mlx import nn
 
 from kakeya.core.contract import SLIDING
 
@@ -106,7 +106,7 @@ class FThetaConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "FThetaConfig":
+    def from_dict(cls, d: dict) -> FThetaConfig:
         if d.get("format") != FORMAT:
             raise ValueError(f"not an f_theta directory (config format {d.get('format')!r}, expected {FORMAT!r})")
         d = dict(d)
@@ -156,7 +156,7 @@ class DraftContext(nn.Module):
         return mx.concatenate(ks, axis=-1), mx.concatenate(vs, axis=-1)
 
     @classmethod
-    def from_draft(cls, cfg: FThetaConfig, draft) -> "DraftContext":
+    def from_draft(cls, cfg: FThetaConfig, draft) -> DraftContext:
         """Copy the context projections out of a loaded ``DFlashDraftModel``."""
         ctx = cls(cfg)
         weights = [("fc.weight", draft.fc.weight), ("hidden_norm.weight", draft.hidden_norm.weight)]
@@ -237,8 +237,18 @@ class Restorer:
     # -- construction ---------------------------------------------------------------------
 
     @classmethod
-    def init(cls, target, draft, *, rank: int = 128, encoder_hidden: int | None = None, draft_dir=None,
-             target_dir=None, probe_full: bool = True, seed: int = 0) -> "Restorer":
+    def init(
+        cls,
+        target,
+        draft,
+        *,
+        rank: int = 128,
+        encoder_hidden: int | None = None,
+        draft_dir=None,
+        target_dir=None,
+        probe_full: bool = True,
+        seed: int = 0,
+    ) -> Restorer:
         """A freshly initialised f_theta for ``target`` (``TargetMLX``) and ``draft`` (``DFlashDraftModel``)."""
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
@@ -251,8 +261,11 @@ class Restorer:
             sliding = target.layer_types[i] == SLIDING
             if not sliding and not probe_full:
                 continue
-            layers.append(LayerSpec(i, target.layer_types[i], attn.n_kv_heads, attn.head_dim,
-                                    bool(attn.use_k_eq_v), restored=sliding))
+            layers.append(
+                LayerSpec(
+                    i, target.layer_types[i], attn.n_kv_heads, attn.head_dim, bool(attn.use_k_eq_v), restored=sliding
+                )
+            )
         if not any(l.restored for l in layers):
             raise ValueError("the target has no sliding-attention layers with their own K/V: nothing to restore")
         cfg = FThetaConfig(
@@ -290,7 +303,9 @@ class Restorer:
                 continue
             attn = target.inner.layers[l.index].self_attn
             if (attn.n_kv_heads, attn.head_dim) != (l.kv_heads, l.head_dim):
-                problems.append(f"layer {l.index} K/V is {attn.n_kv_heads}x{attn.head_dim}, f_theta's {l.kv_heads}x{l.head_dim}")
+                problems.append(
+                    f"layer {l.index} K/V is {attn.n_kv_heads}x{attn.head_dim}, f_theta's {l.kv_heads}x{l.head_dim}"
+                )
         missing = [i for i in range(target.n_cached) if target.layer_types[i] == SLIDING and i not in c.restored_layers]
         if missing:
             problems.append(f"no decoder for sliding layers {missing}")

@@ -7,7 +7,7 @@ Deliberately independent of our cache and forward: it uses mlx-lm's
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -19,7 +19,9 @@ def greedy_reference(model, prompt_ids: Sequence[int], max_tokens: int, stop_ids
     ids: list[int] = []
     t0 = time.perf_counter()
     t_first = None
-    steps = generate_step(mx.array(list(prompt_ids)), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, axis=-1))
+    steps = generate_step(
+        mx.array(list(prompt_ids)), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, axis=-1)
+    )
     for tok, _ in steps:
         if t_first is None:
             t_first = time.perf_counter()

@@ -11,8 +11,8 @@ per-forward views of the sessions' caches (``mlx_backend/forward.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -20,7 +20,8 @@ from mlx_lm.models.gemma4_text import logit_softcap
 from mlx_lm.utils import load_model
 
 from kakeya.backends.mlx import sampling as sampling_mlx
-from kakeya.core.contract import SLIDING, CachePolicy
+from kakeya.core.contract import SLIDING
+from kakeya.core.request import CachePolicy
 from kakeya.verifier.backend import Forward, Segment, Target
 from kakeya.verifier.caches import SessionCaches
 from kakeya.verifier.layout import RestoreView, RingLayout
@@ -48,7 +49,7 @@ class TargetMLX(Target):
         self._compiled: dict = {}  # compiled f_theta graphs, per restorer
 
     @classmethod
-    def load(cls, path: str | Path) -> "TargetMLX":
+    def load(cls, path: str | Path) -> TargetMLX:
         path = Path(path)
         model, _ = load_model(path)
         return cls(model, path)
@@ -65,6 +66,7 @@ class TargetMLX(Target):
 
     def make_cache(self, layout: RingLayout, policy: CachePolicy) -> SessionCaches:
         """Rings on sliding layers, exact or quantized full-attention caches; a quantized set runs alone."""
+
         def full():
             if not policy.full_kv_bits:
                 return FullKVCache()

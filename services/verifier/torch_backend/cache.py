@@ -25,7 +25,7 @@ All are ``[1, n_kv_heads, slots, head_dim]``, the layout torch's
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -23,8 +23,9 @@ transformers' ``Gemma4TextConfig`` ones.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -106,7 +107,7 @@ class Gemma4Args:
                 raise ValueError("every KV-shared layer type needs an earlier layer of that type producing K/V")
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "Gemma4Args":
+    def from_dict(cls, cfg: dict[str, Any]) -> Gemma4Args:
         if "text_config" in cfg and isinstance(cfg["text_config"], dict):
             cfg = cfg["text_config"]
         names = {f for f in cls.__dataclass_fields__}
@@ -274,7 +275,7 @@ class MoE(nn.Module):
 
     def experts(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x`` [T, h]: every token through its top-k experts, weighted; no host sync."""
-        T, k = idx.shape
+        _T, k = idx.shape
         e, order = torch.sort(idx.reshape(-1), stable=True)  # (token, expert) pairs grouped by expert
         tok = order // k
         xs = x[tok]
@@ -365,7 +366,9 @@ class Gemma4Text(nn.Module):
         self.ple = args.hidden_size_per_layer_input
         if self.ple:
             n = args.num_hidden_layers
-            self.register_buffer("embed_per_layer", torch.empty(args.vocab_size_per_layer_input, n * self.ple), persistent=False)
+            self.register_buffer(
+                "embed_per_layer", torch.empty(args.vocab_size_per_layer_input, n * self.ple), persistent=False
+            )
             self.register_buffer("ple_model_proj", torch.empty(n * self.ple, h), persistent=False)
             self.register_buffer("ple_proj_norm", torch.empty(self.ple), persistent=False)
         self.inv_freq = {t: rope_inv_freq(args.rope_parameters[t], self._hd(t)) for t in set(args.layer_types)}

@@ -106,5 +106,3 @@ def _load_weights(model: Gemma4Text, rd: _Reader, prefix: str, head: str | None)
             layer.ple_gate = rd.get(lp + "per_layer_input_gate.weight")
             layer.ple_proj = rd.get(lp + "per_layer_projection.weight")
             layer.ple_norm = rd.get(lp + "post_per_layer_input_norm.weight")
-
-

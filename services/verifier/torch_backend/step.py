@@ -22,7 +22,7 @@ empty slots.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -41,8 +41,17 @@ class TorchCaches(SessionCaches):
     """A session's caches plus the static step's device state; reused whole (graphs included) by a later
     session whose ``key`` (ring geometry, full-cache quantization) is the same."""
 
-    def __init__(self, layers: list, kinds: Sequence[str], layout: RingLayout, key: tuple, device: torch.device,
-                 options: GraphOptions, max_block: int, pool=None):
+    def __init__(
+        self,
+        layers: list,
+        kinds: Sequence[str],
+        layout: RingLayout,
+        key: tuple,
+        device: torch.device,
+        options: GraphOptions,
+        max_block: int,
+        pool=None,
+    ):
         super().__init__(layers, kinds)
         self.key = key
         self.sink, self.window, self.rotating = layout.sink, layout.window, layout.rotating

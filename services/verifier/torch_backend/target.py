@@ -11,15 +11,16 @@ restoration is MLX-only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from kakeya.backends.torch import sampling as sampling_torch
 from kakeya.backends.torch.graphs import GraphOptions, bucket_for, graphed_min_batch
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype
-from kakeya.core.contract import FULL, MAX_BLOCK_SIZE, SLIDING, CachePolicy
+from kakeya.core.contract import FULL, SLIDING
+from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy
 from kakeya.verifier.backend import Forward, Segment, Target
 from kakeya.verifier.layout import ForwardPlan, RingLayout
 from kakeya.verifier.torch_backend.attention import IndexedAttention, SegmentAttention
@@ -39,8 +40,15 @@ class TargetTorch(Target):
     sampler = sampling_torch
     static_verify = True
 
-    def __init__(self, model: Gemma4Text, path: Path | None = None, *, cuda_graphs: bool | None = None,
-                 max_context: int | None = None, graph_options: GraphOptions | None = None):
+    def __init__(
+        self,
+        model: Gemma4Text,
+        path: Path | None = None,
+        *,
+        cuda_graphs: bool | None = None,
+        max_context: int | None = None,
+        graph_options: GraphOptions | None = None,
+    ):
         self.model = model
         self.path = path
         self.args = model.args
@@ -64,9 +72,12 @@ class TargetTorch(Target):
 
     @classmethod
     def load(
-        cls, path: str | Path, device: str | torch.device | None = "cpu", dtype: str | torch.dtype | None = "float32",
+        cls,
+        path: str | Path,
+        device: str | torch.device | None = "cpu",
+        dtype: str | torch.dtype | None = "float32",
         **options,
-    ) -> "TargetTorch":
+    ) -> TargetTorch:
         path = Path(path)
         return cls(load_gemma4(path, resolve_device(device), resolve_dtype(dtype)), path, **options)
 
@@ -157,7 +168,9 @@ class TargetTorch(Target):
 
     def kv_like(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A one-position K/V of cached layer ``i`` (shape, dtype, device) to size its buffers."""
-        t = torch.zeros((1, self.args.kv_heads_of(i), 1, self.args.head_dim_of(i)), dtype=self.dtype, device=self.device)
+        t = torch.zeros(
+            (1, self.args.kv_heads_of(i), 1, self.args.head_dim_of(i)), dtype=self.dtype, device=self.device
+        )
         return t, t
 
     def _masks(self, plan: ForwardPlan) -> dict:
@@ -185,9 +198,13 @@ class TargetTorch(Target):
 
     @classmethod
     def random(
-        cls, args: Gemma4Args, device: str | torch.device | None = "cpu", dtype: str | torch.dtype | None = "bfloat16", seed: int = 0,
+        cls,
+        args: Gemma4Args,
+        device: str | torch.device | None = "cpu",
+        dtype: str | torch.dtype | None = "bfloat16",
+        seed: int = 0,
         **options,
-    ) -> "TargetTorch":
+    ) -> TargetTorch:
         """Random weights of the right shapes (for benchmarks: no checkpoint needed)."""
         device, dtype = resolve_device(device), resolve_dtype(dtype)
         with torch.device("meta"):

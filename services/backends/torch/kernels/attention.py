@@ -43,12 +43,52 @@ def _tile(pid, M_TILES, HKV):
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, kpos_ptr, qpos_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
-                  sq_b, sq_l, sq_h, sk_h, sk_r, sv_h, sv_r, st_b, skp_b, sqp_b, so_b, so_l, so_h,
-                  S, KEYS_PER_SPLIT, HKV, M_TILES, L, G, window, sinks, scale, softcap,
-                  HAS_WINDOW: tl.constexpr, SCALED: tl.constexpr, SOFTCAP: tl.constexpr, SPLITS: tl.constexpr,
-                  D: tl.constexpr, DTYPE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    kpos_ptr,
+    qpos_ptr,
+    out_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    sq_b,
+    sq_l,
+    sq_h,
+    sk_h,
+    sk_r,
+    sv_h,
+    sv_r,
+    st_b,
+    skp_b,
+    sqp_b,
+    so_b,
+    so_l,
+    so_h,
+    S,
+    KEYS_PER_SPLIT,
+    HKV,
+    M_TILES,
+    L,
+    G,
+    window,
+    sinks,
+    scale,
+    softcap,
+    HAS_WINDOW: tl.constexpr,
+    SCALED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SPLITS: tl.constexpr,
+    D: tl.constexpr,
+    DTYPE: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b, kvh, m_tile = _tile(pid, M_TILES, HKV)
@@ -61,8 +101,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, kpos_ptr, qpos_ptr, out_ptr, a
     k_ptr += kvh.to(tl.int64) * sk_h  # this KV head's rows of the pools (64-bit: a shared pool may be large)
     v_ptr += kvh.to(tl.int64) * sv_h
 
-    q = tl.load(q_ptr + b * sq_b + l_idx[:, None] * sq_l + head[:, None] * sq_h + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + b * sq_b + l_idx[:, None] * sq_l + head[:, None] * sq_h + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
     if SCALED:
         q = rounded(q * scale, DTYPE)
     q = q.to(DOT)
@@ -99,8 +142,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, kpos_ptr, qpos_ptr, out_ptr, a
             m_i = m_new
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that sees no key gets zeros
-        tl.store(out_ptr + b * so_b + l_idx[:, None] * so_l + head[:, None] * so_h + d[None, :],
-                 round_to(out, DTYPE), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            out_ptr + b * so_b + l_idx[:, None] * so_l + head[:, None] * so_h + d[None, :],
+            round_to(out, DTYPE),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
     else:
         part = (pid * SPLITS + split) * BLOCK_M + tl.arange(0, BLOCK_M)
         tl.store(m_ptr + part, m_i)
@@ -109,9 +155,24 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, kpos_ptr, qpos_ptr, out_ptr, a
 
 
 @triton.jit
-def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, so_b, so_l, so_h, HKV, M_TILES, L, G,
-                    SPLITS: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine_kernel(
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    out_ptr,
+    so_b,
+    so_l,
+    so_h,
+    HKV,
+    M_TILES,
+    L,
+    G,
+    SPLITS: tl.constexpr,
+    D: tl.constexpr,
+    DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid = tl.program_id(0)
     b, kvh, m_tile = _tile(pid, M_TILES, HKV)
     r = tl.arange(0, BLOCK_M)
@@ -131,8 +192,11 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, so_b, so_l, so_h, HKV, M_TIL
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     l_idx = rows % L
     head = kvh * G + rows // L
-    tl.store(out_ptr + b * so_b + l_idx[:, None] * so_l + head[:, None] * so_h + d[None, :],
-             round_to(out, DTYPE), mask=row_ok[:, None] & (d < D)[None, :])
+    tl.store(
+        out_ptr + b * so_b + l_idx[:, None] * so_l + head[:, None] * so_h + d[None, :],
+        round_to(out, DTYPE),
+        mask=row_ok[:, None] & (d < D)[None, :],
+    )
 
 
 def _blocks(rows: int, head_dim: int) -> tuple[int, int, int]:
@@ -146,9 +210,20 @@ def _blocks(rows: int, head_dim: int) -> tuple[int, int, int]:
 STAGES = 2  # software-pipelined K/V loads in flight: two 32 x 512 bf16 K and V tiles stay well inside shared memory
 
 
-def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                     key_pos: torch.Tensor, query_pos: torch.Tensor, *, window: int = 0, sinks: int = 0,
-                     scale: float = 1.0, softcap: float | None = None, splits: int | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    table: torch.Tensor,
+    key_pos: torch.Tensor,
+    query_pos: torch.Tensor,
+    *,
+    window: int = 0,
+    sinks: int = 0,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
     """Attention output ``[B, L, Hq, D]`` of queries ``q`` ``[B, L, Hq, D]`` over the pool rows
     ``k_pool``/``v_pool`` ``[Hkv, rows, D]`` that ``table`` ``[B, S]`` names, masked by ``key_pos``
     ``[B, S]`` and ``query_pos`` ``[B, L]`` (see the module doc). ``splits``: key ranges per
@@ -156,19 +231,25 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     common.check_device(q, k_pool, v_pool, table, key_pos, query_pos)
     dtype = tl_dtype(q)
     if q.dim() != 4 or k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
-        raise ValueError(f"q must be [B, L, Hq, D] and k/v pools alike [Hkv, rows, D], got {tuple(q.shape)}, "
-                         f"{tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
+        raise ValueError(
+            f"q must be [B, L, Hq, D] and k/v pools alike [Hkv, rows, D], got {tuple(q.shape)}, "
+            f"{tuple(k_pool.shape)}, {tuple(v_pool.shape)}"
+        )
     B, L, Hq, D = q.shape
     Hkv = k_pool.shape[0]
     if k_pool.shape[2] != D or Hq % Hkv or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise ValueError(f"{Hq} query heads over {Hkv} KV heads of dim {k_pool.shape[2]} ({k_pool.dtype}) for "
-                         f"queries of dim {D} ({q.dtype})")
+        raise ValueError(
+            f"{Hq} query heads over {Hkv} KV heads of dim {k_pool.shape[2]} ({k_pool.dtype}) for "
+            f"queries of dim {D} ({q.dtype})"
+        )
     if q.stride(3) != 1 or k_pool.stride(2) != 1 or v_pool.stride(2) != 1:
         raise ValueError("q, k_pool and v_pool need unit stride along the head dim")
     S = table.shape[-1]
     if table.shape != (B, S) or key_pos.shape != (B, S) or query_pos.shape != (B, L):
-        raise ValueError(f"table and key_pos must be [{B}, S], query_pos [{B}, {L}]; got {tuple(table.shape)}, "
-                         f"{tuple(key_pos.shape)}, {tuple(query_pos.shape)}")
+        raise ValueError(
+            f"table and key_pos must be [{B}, S], query_pos [{B}, {L}]; got {tuple(table.shape)}, "
+            f"{tuple(key_pos.shape)}, {tuple(query_pos.shape)}"
+        )
     if any(t.dtype.is_floating_point for t in (table, key_pos, query_pos)):
         raise ValueError("table and positions must be integer tensors")
     if any(t.stride(-1) != 1 for t in (table, key_pos, query_pos)):
@@ -190,17 +271,73 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((programs, splits, block_m, block_d), **f32)
     _split_kernel[(programs, splits)](
-        q, k_pool, v_pool, table, key_pos, query_pos, out, part_acc, part_m, part_l,
-        q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        table.stride(0), key_pos.stride(0), query_pos.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        S, keys_per_split, Hkv, m_tiles, L, G, window, sinks, scale, softcap or 1.0,
-        HAS_WINDOW=window > 0, SCALED=scale != 1.0, SOFTCAP=softcap is not None, SPLITS=splits, D=D, DTYPE=dtype,
-        DOT=common.dot_dtype(q), PRECISION=common.dot_precision(q), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=warps, num_stages=STAGES)
+        q,
+        k_pool,
+        v_pool,
+        table,
+        key_pos,
+        query_pos,
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        table.stride(0),
+        key_pos.stride(0),
+        query_pos.stride(0),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        S,
+        keys_per_split,
+        Hkv,
+        m_tiles,
+        L,
+        G,
+        window,
+        sinks,
+        scale,
+        softcap or 1.0,
+        HAS_WINDOW=window > 0,
+        SCALED=scale != 1.0,
+        SOFTCAP=softcap is not None,
+        SPLITS=splits,
+        D=D,
+        DTYPE=dtype,
+        DOT=common.dot_dtype(q),
+        PRECISION=common.dot_precision(q),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=warps,
+        num_stages=STAGES,
+    )
     if splits > 1:
-        _combine_kernel[(programs,)](part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
-                                     Hkv, m_tiles, L, G, SPLITS=splits, D=D, DTYPE=dtype, BLOCK_M=block_m,
-                                     BLOCK_D=block_d, num_warps=warps)
+        _combine_kernel[(programs,)](
+            part_acc,
+            part_m,
+            part_l,
+            out,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            Hkv,
+            m_tiles,
+            L,
+            G,
+            SPLITS=splits,
+            D=D,
+            DTYPE=dtype,
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
+            num_warps=warps,
+        )
     return out
 
 
@@ -214,8 +351,9 @@ def visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int = 0, sin
     return seen & ((k > q - window) | (k < sinks)) if window else seen
 
 
-def decode_attention_reference(q, k_pool, v_pool, table, key_pos, query_pos, *, window=0, sinks=0, scale=1.0,
-                               softcap=None):
+def decode_attention_reference(
+    q, k_pool, v_pool, table, key_pos, query_pos, *, window=0, sinks=0, scale=1.0, softcap=None
+):
     """Per session: gather K/V through the table, build the mask from positions, fold each KV head's
     query heads into its rows (as ``ops.sdpa_folded``) and attend with ``ops.decode_attention``, the
     eager math CUDA runs for a verify; with a soft-cap, the same math spelled out."""

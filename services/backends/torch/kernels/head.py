@@ -22,8 +22,21 @@ BLOCK = 1024  # logits per step of a chunk's loop
 
 
 @triton.jit
-def _chunk_kernel(logits_ptr, capped_ptr, best_ptr, where_ptr, V, row, out_row, cap, CHUNK, N_CHUNKS,
-                  HAS_CAP: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_kernel(
+    logits_ptr,
+    capped_ptr,
+    best_ptr,
+    where_ptr,
+    V,
+    row,
+    out_row,
+    cap,
+    CHUNK,
+    N_CHUNKS,
+    HAS_CAP: tl.constexpr,
+    WRITE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t = tl.program_id(0)
     c = tl.program_id(1)
     best = float("-inf")
@@ -56,8 +69,9 @@ def _choose_kernel(best_ptr, where_ptr, choice_ptr, N_CHUNKS, BLOCK_C: tl.conste
     tl.store(choice_ptr + t, tl.sum(tl.where(c == first, where, 0), axis=0).to(tl.int64))
 
 
-def softcap_argmax(logits: torch.Tensor, cap: float | None, *, write_logits: bool = True,
-                   chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def softcap_argmax(
+    logits: torch.Tensor, cap: float | None, *, write_logits: bool = True, chunks: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(choices [T] int64, capped logits [T, V] float32 or None)`` from the LM head's output
     ``logits`` ``[T, V]`` (any float dtype); ``cap=None``: no soft-cap. ``chunks``: programs per row."""
     common.check_device(logits)
@@ -71,8 +85,21 @@ def softcap_argmax(logits: torch.Tensor, cap: float | None, *, write_logits: boo
     capped = torch.empty((T, V), dtype=torch.float32, device=logits.device) if write_logits else None
     best = torch.empty((T, chunks), dtype=torch.float32, device=logits.device)
     where = torch.empty((T, chunks), dtype=torch.int32, device=logits.device)
-    _chunk_kernel[(T, chunks)](logits, capped, best, where, V, logits.stride(0), V, cap or 1.0, chunk, chunks,
-                               HAS_CAP=cap is not None, WRITE=write_logits, BLOCK=BLOCK)
+    _chunk_kernel[(T, chunks)](
+        logits,
+        capped,
+        best,
+        where,
+        V,
+        logits.stride(0),
+        V,
+        cap or 1.0,
+        chunk,
+        chunks,
+        HAS_CAP=cap is not None,
+        WRITE=write_logits,
+        BLOCK=BLOCK,
+    )
     choices = torch.empty(T, dtype=torch.int64, device=logits.device)
     _choose_kernel[(T,)](best, where, choices, chunks, BLOCK_C=triton.next_power_of_2(chunks))
     return choices, capped

@@ -30,8 +30,9 @@ MAX_ROWS = 64  # rows per call: beyond a few verifies' worth, the grouped GEMM i
 
 
 @triton.jit
-def _route_kernel(logits_ptr, scale_ptr, idx_ptr, w_ptr, row_stride, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+def _route_kernel(
+    logits_ptr, scale_ptr, idx_ptr, w_ptr, row_stride, E, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr
+):
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * row_stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -62,9 +63,27 @@ def _choices(idx_ptr, T, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.con
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, idx_ptr, gu_ptr, act_ptr, T, H, MI, x_row, gu_e, gu_r, act_row,
-                    K: tl.constexpr, DTYPE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gate_up_kernel(
+    x_ptr,
+    idx_ptr,
+    gu_ptr,
+    act_ptr,
+    T,
+    H,
+    MI,
+    x_row,
+    gu_e,
+    gu_r,
+    act_row,
+    K: tl.constexpr,
+    DTYPE: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     p = tl.program_id(0)
     t, s, pair, ids = _choices(idx_ptr, T, K, BLOCK_T, BLOCK_K)
     e = tl.load(idx_ptr + p)
@@ -90,14 +109,37 @@ def _gate_up_kernel(x_ptr, idx_ptr, gu_ptr, act_ptr, T, H, MI, x_row, gu_e, gu_r
             up += tl.dot(x, tl.trans(wu.to(DOT)), input_precision=PRECISION)
         gate, up = rounded(gate, DTYPE), rounded(up, DTYPE)
         act = rounded(gelu_tanh(gate), DTYPE) * up
-        tl.store(act_ptr + (t * K + slot)[:, None] * act_row + i[None, :], round_to(act, DTYPE),
-                 mask=hit[:, None] & i_ok[None, :])
+        tl.store(
+            act_ptr + (t * K + slot)[:, None] * act_row + i[None, :],
+            round_to(act, DTYPE),
+            mask=hit[:, None] & i_ok[None, :],
+        )
 
 
 @triton.jit
-def _down_kernel(act_ptr, idx_ptr, w_ptr, down_ptr, out_ptr, T, E, H, MI, act_row, d_e, d_r, out_row,
-                 K: tl.constexpr, DTYPE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+def _down_kernel(
+    act_ptr,
+    idx_ptr,
+    w_ptr,
+    down_ptr,
+    out_ptr,
+    T,
+    E,
+    H,
+    MI,
+    act_row,
+    d_e,
+    d_r,
+    out_row,
+    K: tl.constexpr,
+    DTYPE: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     t, s, pair, ids = _choices(idx_ptr, T, K, BLOCK_T, BLOCK_K)
     weights = tl.load(w_ptr + pair, mask=ids >= 0, other=0.0)
     h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -113,8 +155,11 @@ def _down_kernel(act_ptr, idx_ptr, w_ptr, down_ptr, out_ptr, T, E, H, MI, act_ro
             for i0 in range(0, MI, BLOCK_I):
                 i = i0 + tl.arange(0, BLOCK_I)
                 i_ok = i < MI
-                a = tl.load(act_ptr + (t * K + slot)[:, None] * act_row + i[None, :],
-                            mask=hit[:, None] & i_ok[None, :], other=0.0)
+                a = tl.load(
+                    act_ptr + (t * K + slot)[:, None] * act_row + i[None, :],
+                    mask=hit[:, None] & i_ok[None, :],
+                    other=0.0,
+                )
                 wd = tl.load(down_ptr + h[:, None] * d_r + i[None, :], mask=h_ok[:, None] & i_ok[None, :], other=0.0)
                 y += tl.dot(a.to(DOT), tl.trans(wd.to(DOT)), input_precision=PRECISION)
             out += tl.where(hit[:, None], rounded(rounded(y, DTYPE) * weight[:, None], DTYPE), 0.0)
@@ -128,17 +173,29 @@ def route(logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor) -> t
     common.check_device(logits, per_expert_scale)
     T, E = logits.shape
     if per_expert_scale.shape != (E,) or logits.stride(1) != 1 or not 1 <= top_k <= E:
-        raise ValueError(f"logits [T, {E}] (unit column stride), per_expert_scale [{E}], 1 <= top_k <= {E}; got "
-                         f"{tuple(logits.shape)}, {tuple(per_expert_scale.shape)}, top_k={top_k}")
+        raise ValueError(
+            f"logits [T, {E}] (unit column stride), per_expert_scale [{E}], 1 <= top_k <= {E}; got "
+            f"{tuple(logits.shape)}, {tuple(per_expert_scale.shape)}, top_k={top_k}"
+        )
     idx = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
-    _route_kernel[(T,)](logits, per_expert_scale, idx, w, logits.stride(0), E, K=top_k,
-                        BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k))
+    _route_kernel[(T,)](
+        logits,
+        per_expert_scale,
+        idx,
+        w,
+        logits.stride(0),
+        E,
+        K=top_k,
+        BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_K=triton.next_power_of_2(top_k),
+    )
     return idx, w
 
 
-def experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor) -> torch.Tensor:
+def experts(
+    x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, h]`` for rows ``x`` ``[T, h]`` routed by ``idx``/``weights``
     ``[T, k]`` (:func:`route`), with ``gate_up`` ``[E, 2 * mi, h]`` and ``down`` ``[E, h, mi]``."""
     common.check_device(x, idx, weights, gate_up, down)
@@ -150,23 +207,55 @@ def experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: 
     if not 1 <= T <= MAX_ROWS:
         raise ValueError(f"{T} rows: this kernel takes 1..{MAX_ROWS} (more rows want the grouped GEMM)")
     if gate_up.shape != (E, 2 * MI, H) or down.shape != (E, H, MI) or gate_up.dtype != x.dtype or down.dtype != x.dtype:
-        raise ValueError(f"gate_up must be [E, 2 * mi, {H}] and down [E, {H}, mi] in {x.dtype}, got "
-                         f"{tuple(gate_up.shape)} {gate_up.dtype}, {tuple(down.shape)} {down.dtype}")
+        raise ValueError(
+            f"gate_up must be [E, 2 * mi, {H}] and down [E, {H}, mi] in {x.dtype}, got "
+            f"{tuple(gate_up.shape)} {gate_up.dtype}, {tuple(down.shape)} {down.dtype}"
+        )
     if idx.shape != (T, K) or weights.shape != (T, K) or weights.dtype != torch.float32 or idx.dtype.is_floating_point:
-        raise ValueError(f"idx (integer) and weights (float32) must be [{T}, k], got {tuple(idx.shape)} {idx.dtype}, "
-                         f"{tuple(weights.shape)} {weights.dtype}")
-    if not (idx.is_contiguous() and weights.is_contiguous() and x.stride(1) == 1 and gate_up.stride(2) == 1
-            and down.stride(2) == 1):
+        raise ValueError(
+            f"idx (integer) and weights (float32) must be [{T}, k], got {tuple(idx.shape)} {idx.dtype}, "
+            f"{tuple(weights.shape)} {weights.dtype}"
+        )
+    if not (
+        idx.is_contiguous()
+        and weights.is_contiguous()
+        and x.stride(1) == 1
+        and gate_up.stride(2) == 1
+        and down.stride(2) == 1
+    ):
         raise ValueError("idx and weights must be contiguous; x, gate_up and down need unit stride along their rows")
     act = torch.empty((T * K, MI), dtype=x.dtype, device=x.device)  # each (row, choice) pair's GeGLU output
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    blocks = {"K": K, "DTYPE": dtype, "DOT": common.dot_dtype(x), "PRECISION": common.dot_precision(x), "BLOCK_I": 64,
-              "BLOCK_T": max(16, triton.next_power_of_2(T)), "BLOCK_K": triton.next_power_of_2(K), "BLOCK_H": 64}
-    _gate_up_kernel[(T * K, triton.cdiv(MI, 64))](x, idx, gate_up, act, T, H, MI, x.stride(0), gate_up.stride(0),
-                                                  gate_up.stride(1), act.stride(0), **blocks)
+    blocks = {
+        "K": K,
+        "DTYPE": dtype,
+        "DOT": common.dot_dtype(x),
+        "PRECISION": common.dot_precision(x),
+        "BLOCK_I": 64,
+        "BLOCK_T": max(16, triton.next_power_of_2(T)),
+        "BLOCK_K": triton.next_power_of_2(K),
+        "BLOCK_H": 64,
+    }
+    _gate_up_kernel[(T * K, triton.cdiv(MI, 64))](
+        x, idx, gate_up, act, T, H, MI, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), **blocks
+    )
     blocks["BLOCK_H"] = DOWN_BLOCK_H
-    _down_kernel[(triton.cdiv(H, DOWN_BLOCK_H),)](act, idx, weights, down, out, T, E, H, MI, act.stride(0),
-                                                  down.stride(0), down.stride(1), out.stride(0), **blocks)
+    _down_kernel[(triton.cdiv(H, DOWN_BLOCK_H),)](
+        act,
+        idx,
+        weights,
+        down,
+        out,
+        T,
+        E,
+        H,
+        MI,
+        act.stride(0),
+        down.stride(0),
+        down.stride(1),
+        out.stride(0),
+        **blocks,
+    )
     return out
 
 

@@ -37,8 +37,19 @@ def _normed(x, w_ptr, offs, mask, H, eps, HAS_WEIGHT: tl.constexpr, QWEN3: tl.co
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, x_row, y_row, H, eps,
-                     HAS_WEIGHT: tl.constexpr, QWEN3: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    x_row,
+    y_row,
+    H,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    QWEN3: tl.constexpr,
+    DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -48,9 +59,26 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, x_row, y_row, H, eps,
 
 
 @triton.jit
-def _add_rms_norm_kernel(res_ptr, b_ptr, bw_ptr, s_ptr, w_ptr, h_ptr, y_ptr, res_row, b_row, out_row, H, eps,
-                         NORM_BRANCH: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                         QWEN3: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(
+    res_ptr,
+    b_ptr,
+    bw_ptr,
+    s_ptr,
+    w_ptr,
+    h_ptr,
+    y_ptr,
+    res_row,
+    b_row,
+    out_row,
+    H,
+    eps,
+    NORM_BRANCH: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    QWEN3: tl.constexpr,
+    DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -85,23 +113,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, qwen3:
     _check_weight(weight, H, "weight")
     rows = _rows(x)
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, y, rows.stride(0), y.stride(0), H, eps,
-                                       HAS_WEIGHT=weight is not None, QWEN3=qwen3, DTYPE=dtype,
-                                       BLOCK=triton.next_power_of_2(H))
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows,
+        weight,
+        y,
+        rows.stride(0),
+        y.stride(0),
+        H,
+        eps,
+        HAS_WEIGHT=weight is not None,
+        QWEN3=qwen3,
+        DTYPE=dtype,
+        BLOCK=triton.next_power_of_2(H),
+    )
     return y.view(x.shape)
 
 
-def add_rms_norm(residual: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
-                 branch_weight: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                 qwen3: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    residual: torch.Tensor,
+    branch: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    *,
+    branch_weight: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    qwen3: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, rms_norm(h, weight))`` with ``h = (residual + branch) * scale``: ``branch`` is normed by
     ``branch_weight`` first when one is given (Gemma-4's sandwich), ``scale`` is a one-element
     tensor (Gemma-4's ``layer_scalar``) or None."""
     common.check_device(residual, branch, weight, branch_weight, scale)
     dtype = tl_dtype(residual)
     if branch.shape != residual.shape or branch.dtype != residual.dtype:
-        raise ValueError(f"branch {tuple(branch.shape)} {branch.dtype} is not like "
-                         f"residual {tuple(residual.shape)} {residual.dtype}")
+        raise ValueError(
+            f"branch {tuple(branch.shape)} {branch.dtype} is not like residual {tuple(residual.shape)} {residual.dtype}"
+        )
     H = residual.shape[-1]
     _check_weight(weight, H, "weight")
     _check_weight(branch_weight, H, "branch_weight")
@@ -110,10 +156,26 @@ def add_rms_norm(residual: torch.Tensor, branch: torch.Tensor, weight: torch.Ten
     res, b = _rows(residual), _rows(branch)
     h = torch.empty(res.shape, dtype=residual.dtype, device=residual.device)
     y = torch.empty_like(h)
-    _add_rms_norm_kernel[(res.shape[0],)](res, b, branch_weight, scale, weight, h, y, res.stride(0), b.stride(0),
-                                          h.stride(0), H, eps, NORM_BRANCH=branch_weight is not None,
-                                          HAS_SCALE=scale is not None, HAS_WEIGHT=weight is not None, QWEN3=qwen3,
-                                          DTYPE=dtype, BLOCK=triton.next_power_of_2(H))
+    _add_rms_norm_kernel[(res.shape[0],)](
+        res,
+        b,
+        branch_weight,
+        scale,
+        weight,
+        h,
+        y,
+        res.stride(0),
+        b.stride(0),
+        h.stride(0),
+        H,
+        eps,
+        NORM_BRANCH=branch_weight is not None,
+        HAS_SCALE=scale is not None,
+        HAS_WEIGHT=weight is not None,
+        QWEN3=qwen3,
+        DTYPE=dtype,
+        BLOCK=triton.next_power_of_2(H),
+    )
     return h.view(residual.shape), y.view(residual.shape)
 
 

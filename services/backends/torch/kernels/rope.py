@@ -33,8 +33,9 @@ def _load_halves(ptr, offs, mask, HALF):
 
 
 @triton.jit
-def _norm_halves(lo, hi, w_ptr, offs, mask, HALF, eps, HAS_WEIGHT: tl.constexpr, QWEN3: tl.constexpr,
-                 DTYPE: tl.constexpr):
+def _norm_halves(
+    lo, hi, w_ptr, offs, mask, HALF, eps, HAS_WEIGHT: tl.constexpr, QWEN3: tl.constexpr, DTYPE: tl.constexpr
+):
     """RMSNorm of a head split in its two halves, rounded where eager rounds (``kernels/norm.py``)."""
     r = tl.rsqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / (2 * HALF) + eps)
     lo, hi = lo * r, hi * r
@@ -63,10 +64,32 @@ def _store_halves(ptr, lo, hi, offs, mask, HALF, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _qkv_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, rows_ptr,
-                qkv_row, cs_row, q_row, kv_row, kv_head, eps, N_HEADS, HALF,
-                V_OFFSET: tl.constexpr, V_NORM: tl.constexpr, WRITE_V: tl.constexpr, QWEN3: tl.constexpr,
-                TO_POOL: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _qkv_kernel(
+    qkv_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    rows_ptr,
+    qkv_row,
+    cs_row,
+    q_row,
+    kv_row,
+    kv_head,
+    eps,
+    N_HEADS,
+    HALF,
+    V_OFFSET: tl.constexpr,
+    V_NORM: tl.constexpr,
+    WRITE_V: tl.constexpr,
+    QWEN3: tl.constexpr,
+    TO_POOL: tl.constexpr,
+    DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t = tl.program_id(0)
     head = tl.program_id(1)  # query heads first, then KV heads
     offs = tl.arange(0, BLOCK)
@@ -96,10 +119,22 @@ def _qkv_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, 
             _store_halves(v_ptr + dst, lo, hi, offs, mask, HALF, DTYPE)
 
 
-def qkv_norm_rope(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, q_weight: torch.Tensor,
-                  k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float, *,
-                  k_eq_v: bool = False, v_norm: bool = True, qwen3: bool = False,
-                  cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+def qkv_norm_rope(
+    qkv: torch.Tensor,
+    n_heads: int,
+    n_kv: int,
+    head_dim: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    *,
+    k_eq_v: bool = False,
+    v_norm: bool = True,
+    qwen3: bool = False,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+):
     """``(q [T, n_heads, D], k [T, n_kv, D], v [T, n_kv, D])`` from the fused projection ``qkv`` ``[T,
     (n_heads + n_kv * (1 if k_eq_v else 2)) * D]``; ``n_kv=0``: queries only (a KV-shared layer),
     ``k`` and ``v`` None. Without ``v_norm`` (and ``cache``), ``v`` is a view of ``qkv``. With
@@ -123,13 +158,14 @@ def qkv_norm_rope(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, q_w
             raise ValueError(f"{name} must be a contiguous [{D}] vector, got {tuple(w.shape)}")
     q = torch.empty((T, n_heads, D), dtype=qkv.dtype, device=qkv.device)
     write_v = v_norm or cache is not None
-    v_raw = qkv[:, q_cols:q_cols + k_cols] if k_eq_v else qkv[:, q_cols + k_cols:]
+    v_raw = qkv[:, q_cols : q_cols + k_cols] if k_eq_v else qkv[:, q_cols + k_cols :]
     if cache is not None:
         k, v, rows = cache
         for pool, name in ((k, "k_pool"), (v, "v_pool")):
             if pool.dim() != 3 or pool.shape[0] != n_kv or pool.shape[2] != D or pool.dtype != qkv.dtype:
-                raise ValueError(f"{name} must be a [{n_kv}, slots, {D}] {qkv.dtype} view, "
-                                 f"got {tuple(pool.shape)} {pool.dtype}")
+                raise ValueError(
+                    f"{name} must be a [{n_kv}, slots, {D}] {qkv.dtype} view, got {tuple(pool.shape)} {pool.dtype}"
+                )
         if k.stride() != v.stride() or k.stride(2) != 1 or rows.shape != (T,):
             raise ValueError(f"k_pool/v_pool must be laid out alike (unit stride along D), rows be [{T}]")
         kv_row, kv_head = k.stride(1), k.stride(0)
@@ -138,10 +174,31 @@ def qkv_norm_rope(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, q_w
         v = torch.empty_like(k) if write_v else v_raw.view(T, n_kv, D)
         rows, kv_row, kv_head = None, k.stride(0), k.stride(1)
     _qkv_kernel[(T, n_heads + n_kv)](
-        qkv, q_weight, k_weight, cos, sin, q, k, v, rows,
-        qkv.stride(0), cos.stride(0), q.stride(0), kv_row, kv_head, eps, n_heads, D // 2,
-        V_OFFSET=0 if k_eq_v else k_cols, V_NORM=v_norm, WRITE_V=write_v, QWEN3=qwen3, TO_POOL=cache is not None,
-        DTYPE=dtype, BLOCK=triton.next_power_of_2(D // 2))
+        qkv,
+        q_weight,
+        k_weight,
+        cos,
+        sin,
+        q,
+        k,
+        v,
+        rows,
+        qkv.stride(0),
+        cos.stride(0),
+        q.stride(0),
+        kv_row,
+        kv_head,
+        eps,
+        n_heads,
+        D // 2,
+        V_OFFSET=0 if k_eq_v else k_cols,
+        V_NORM=v_norm,
+        WRITE_V=write_v,
+        QWEN3=qwen3,
+        TO_POOL=cache is not None,
+        DTYPE=dtype,
+        BLOCK=triton.next_power_of_2(D // 2),
+    )
     if n_kv == 0 or cache is not None:
         return q, None, None
     return q, k, v
@@ -150,8 +207,9 @@ def qkv_norm_rope(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, q_w
 # --------------------------------------------------------------------------- eager reference
 
 
-def qkv_norm_rope_reference(qkv, n_heads, n_kv, head_dim, q_weight, k_weight, cos, sin, eps, *,
-                            k_eq_v=False, v_norm=True, qwen3=False):
+def qkv_norm_rope_reference(
+    qkv, n_heads, n_kv, head_dim, q_weight, k_weight, cos, sin, eps, *, k_eq_v=False, v_norm=True, qwen3=False
+):
     """The models' own spelling (``Attention.project`` of the target, ``Attention.qkv`` of the drafter)."""
     T, D = qkv.shape[0], head_dim
     norm = ops.qwen3_rms_norm if qwen3 else ops.gemma4_rms_norm
