@@ -1,6 +1,6 @@
 """The drafter's context-cache plan: which rows each layer's K/V buffer holds, and the block mask.
 
-Backend-neutral host bookkeeping, in the way ``verifier/cache.py`` plans the
+Backend-neutral host bookkeeping, in the way ``verifier/layout.py`` plans the
 verifier's rings. The context K/V of a DFlash drafter only ever grows (one row
 per committed position), so a layer's buffer is a preallocated array of
 ``capacity`` rows whose rows ``[0, stop)`` are written; the visible ones are

@@ -17,15 +17,16 @@ trained block size is used. A position short blocks never reach takes the rate
 of the position before it as its prior (not the pooled rate, which the first
 positions dominate: a drafter whose later positions accept as well as its
 first would otherwise look worse the longer its blocks, and the sizer would
-talk itself into short ones), and now and then one block is drafted one size
-longer than the model chose, so the positions just beyond its choice keep being
-tested. A choice of 1 drafts nothing and so learns nothing: without these probes
-a request whose first blocks accepted little stayed autoregressive to its end
-(MLX on README command 1's prompt: 1.05 tokens a block where block 4 committed
-2.35). How often is set by what a probe costs: one is due once the blocks since
-the last have taken ``1 / explore_share`` times its extra cost over the choice,
-so probing takes about ``explore_share`` of the decode time on every backend;
-a probe accepted whole paid for itself, and the next block probes again.
+talk itself into short ones).
+
+Now and then one block is drafted one size longer than the model chose (a
+probe), so the positions just beyond its choice keep being tested: a choice of
+1 drafts nothing and so learns nothing, and without probes a request whose
+first blocks accepted little would stay autoregressive to its end. How often is
+set by what a probe costs: one is due once the blocks since the last have taken
+``1 / explore_share`` times its extra cost over the choice, so probing takes
+about ``explore_share`` of the decode time on every backend; a probe accepted
+whole paid for itself, and the next block probes again.
 
 Blocks the loop drafts by copy (``ngram.py``) accept by a law of their own
 (a repeat runs to its end or breaks at once), so they keep their own chain and
@@ -33,11 +34,13 @@ their size is chosen from it; they are costed as drafted blocks, an upper bound
 (a copy's drafter call only extends the context). The first few are tried at
 the size a draft would have (at least 2); after that at the size their own
 chain prices best, and where that is 1 (copies here break at once) the block
-is drafted instead. (Copying only while copies priced better than the drafter
-lost 10 % warm on torch: priced as a drafted block, a copy looks dearer than it is.)
+is drafted instead. Whether to copy is never decided by comparing a copy's price
+with the drafter's: priced as a drafted block, a copy looks dearer than it is.
 
 Only token counts and timings go in, so this knows no backend and changes no
-token: the loop is lossless at every block size, whichever is chosen.
+token: the loop is lossless at every block size, whichever is chosen. What these
+choices were measured to buy: ``docs/benchmarks.md`` (the sizer's paragraphs
+under "The demo pair as a user meets it").
 """
 
 from __future__ import annotations
@@ -68,10 +71,9 @@ class CostCurve:
 
     A block's timing moves every size's cost (the machine's pace: another process on a shared CPU
     slows a block of 16 as it slows a block of 4) and, twenty times more slowly, its own size's
-    cost relative to the others (what calibration got wrong). Moving only the timed size let one
-    slow minute price the sizes then chosen at twice the others, which were not re-timed: MLX on
-    a shared CPU learnt a block of 4 at 27.5 ms against 15 in quiet runs, and chose 8, 0.78x the
-    throughput of 4 (``benchmarks/results/adaptive.json`` before this)."""
+    cost relative to the others (what calibration got wrong). Moving only the timed size would let
+    one slow spell price the sizes then chosen above the others, which are not re-timed while
+    they are not chosen, so the sizer would never learn otherwise."""
 
     seconds: dict[int, float] = field(default_factory=dict)
 
@@ -267,9 +269,9 @@ def measure_costs(
     wire time is part of its cost, as it is in every real block. Every size
     is run once untimed first: a fresh process's first forward at a shape pays
     for allocations, kernel selection and (MLX) graph building, and timing that
-    made AR look 10x dearer than it is, so a first request chose its blocks on
-    a wrong curve. The fastest repeat, not the median, because on a shared
-    machine the noise only ever adds time.
+    would price the sizes many times dearer than they are, so a first request
+    would choose its blocks on a wrong curve. The fastest repeat, not the median,
+    because on a shared machine the noise only ever adds time.
     """
     vocab = verifier.info.vocab_size
     prompt = [(7 * i + 3) % vocab for i in range(prompt_len)]

@@ -2,11 +2,9 @@
 
 Prompt-lookup decoding (vLLM's ``ngram`` method) and suffix decoding (Arctic Inference, which uses it beside
 a trained drafter the same way) in their simplest form. Code and chat repeat themselves (an identifier, a
-signature, a loop body, a quoted passage), and a small drafter continues such runs worse than a lookup does:
-on the demo pair's held-out code, about a third of blocks have a match of 3+ tokens, and there the copy
-commits 4.1 of 7 candidates at block 8 where the drafter's block commits 2.5
-(``benchmarks/ngram.py``). So the loop drafts by copy when the match is at least ``MIN_MATCH`` tokens and
-asks the drafter otherwise. Any candidates are lossless: the verifier accepts only what equals its own
+signature, a loop body, a quoted passage), and a small drafter continues such runs worse than a lookup does
+(what copies are worth: ``benchmarks/ngram.py``, ``docs/benchmarks.md``). So the loop drafts by copy when the
+match is at least ``MIN_MATCH`` tokens and asks the drafter otherwise. Any candidates are lossless: the verifier accepts only what equals its own
 choices (greedy, or coupled sampling's noisy argmax); the rejection rule needs the drafter's distribution
 beside each candidate, so it never copies.
 

@@ -19,9 +19,9 @@ handler waits for each result before submitting its next job.
 from any thread: torch on a CPU). A job that finds the thread idle and nothing
 queued runs on the calling (gRPC handler) thread instead, under the same lock
 the thread holds for its own jobs, so model work still never overlaps. That
-saves the two thread hand-offs of a lone stream's step: on a shared 2-core
-machine they cost 0.2 ms a draft and 0.4 ms a verify of 8 (``benchmarks/split.py``),
-a tenth of the split's whole block. Jobs that queue up behind it batch as before.
+saves the two thread hand-offs of a lone stream's step, a visible share of a
+split block on a CPU (measured by ``benchmarks/split.py``: ``docs/operations.md``,
+"Split cost and pre-drafting"). Jobs that queue up behind it batch as before.
 MLX keeps its arrays and streams on the thread that made them, so it stays off there.
 """
 

@@ -5,10 +5,9 @@ drafter wakes, drafts, answers and sleeps, the orchestrator wakes and posts the 
 on. Left to the scheduler, each wake-up may land on another core, often one that sat idle (on a
 VM, a halted virtual CPU that must be woken first). Pinned, the orchestrator and the drafter
 share one core and take turns on it (they never work at once: the loop waits for each draft),
-and the verifier, which does most of the work, has the others. Measured on a shared 2-core VM
-(``benchmarks/placement.py``: ``split.py`` unpinned and pinned in turn, demo pair): the wire of a
-split block at block 8 fell from 1.32 to 0.90 ms, and 16 streams' throughput rose 8 %
-(``docs/operations.md``, "Split cost and pre-drafting").
+and the verifier, which does most of the work, has the others, so a wake-up lands on a core its
+process just ran on rather than one that sat idle (what it buys: ``benchmarks/placement.py``,
+``docs/operations.md``, "Split cost and pre-drafting").
 
 Only for torch on the CPU, where it was measured: on a GPU node the devices do the work and host
 threads launch it (never measured pinned), and MLX's CPU backend was not measured either. Only

@@ -78,8 +78,9 @@ class SessionServicer:
         cross threads: torch on a CPU (set by ``load``, after ``device``). MLX keeps arrays on their thread,
         so it never runs inline. ``KAKEYA_INLINE_STEPS=on|off`` overrides the choice for torch, for a GPU
         node's A/B (a CUDA graph replays on the calling thread's current stream, the device's default
-        stream on every thread, so a handler thread may replay what the compute thread captured): on an
-        H200 it moved a split block by 0.1 ms, within noise (docs/operations.md), so CUDA stays off."""
+        stream on every thread, so a handler thread may replay what the compute thread captured). On a GPU
+        it made no difference beyond noise (docs/operations.md, "Split cost and pre-drafting"), so CUDA stays
+        off."""
         choice = os.environ.get(INLINE_STEPS_ENV, "auto").strip().lower()
         if choice not in ("auto", "on", "off"):
             raise ValueError(f"{INLINE_STEPS_ENV} must be auto, on or off, got {choice!r}")

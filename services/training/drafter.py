@@ -83,9 +83,9 @@ def build_draft_config(target_cfg: dict, args) -> dict[str, Any]:
 def _data_on_device(data_set, device, mode: str, soft: float, quiet: bool):
     """``(aux, final)`` of the whole training set as tensors on ``device`` (``final`` None without the KL
     term), or None to gather each batch from the memory-mapped files on the host. On a GPU that gather
-    and the copy after it likely set the pace of a 0.5M-parameter step (about 9 steps a second on an
-    H200, not profiled); the set is gigabytes (49k continuations: 12 GB of float16), so ``auto``
-    copies it only to a CUDA device where it takes under half the free memory."""
+    and the copy after it likely set the pace of a small drafter's step (not profiled); a stage's set
+    runs to gigabytes, so ``auto`` copies it only to a CUDA device where it takes under half the free
+    memory."""
     import torch
 
     arrays = [data_set.aux] + ([data_set.final] if soft else [])

@@ -7,8 +7,8 @@ standard library's own sources (tokenized with the target's tokenizer.json),
 runs the target over them with its NATIVE attention (no cache, the model's own
 window) and takes, for every layer f_theta decodes for, the true pre-norm and
 post-norm K/V and the layer's queries. f_theta predicts the K/V of every
-position from that position's aux row alone. The loss (BRIEF §6's hybrid) per
-layer:
+position from that position's aux row alone. The loss per layer (the hybrid that
+did best in the project's earlier prototype, ``docs/ftheta.md``):
 
 * attention-output distillation: the layer's real queries attend over keys
   that are exact within a distance ``w`` and RESTORED beyond it, up to the
@@ -20,8 +20,9 @@ layer:
 
 Sliding layers drive the shared encoder. Full-attention layers get *probe*
 decoders trained on a detached latent (``--no-probe-full`` to skip): they
-never touch the encoder and are never used at inference (S5), they only tell
-the report how well f_theta would do there.
+never touch the encoder and are never used at inference (full-attention layers
+stay exact: "S5" in ``docs/design.md``'s glossary), they only tell the report how
+well f_theta would do there.
 
 Warm-up + cosine LR (``mlx.optimizers`` schedules), AdamW, gradient clipping.
 Progress goes to stderr. ``OUT/train_state/`` holds parameters, optimizer

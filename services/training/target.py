@@ -142,10 +142,9 @@ class MLXBackend:
 class TorchBackend:
     """transformers' Gemma4ForCausalLM from the same config (float32, CPU/CUDA).
 
-    MLX's CPU backend on Linux runs matmuls several times slower than torch's
-    (measured ~4.5 vs ~26 GFLOP/s on the 2-core build machine), so the demo pair
-    was trained with this backend; the architecture, initial weights, data and
-    output layout are identical.
+    MLX's CPU backend on Linux runs matmuls several times slower than torch's, so
+    the demo pair was trained with this backend; the architecture, initial
+    weights, data and output layout are identical.
     """
 
     name = "torch"

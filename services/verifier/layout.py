@@ -1,8 +1,9 @@
 """Verifier cache policy and the sliding-layer ring layout (backend-neutral).
 
 Why a ring *with slack*: mlx-lm's ``RotatingKVCache(max_size=window)`` cannot
-be trimmed once it has wrapped, so rejected draft K/V used to stay in the ring
-and desynchronise RoPE and masks (BRIEF §5). Here every sliding layer keeps
+be trimmed once it has wrapped: rejected draft K/V then stay in the ring and
+desynchronise RoPE and masks until the output collapses into repetition
+(``docs/design.md``, "The sliding-layer ring"). Here every sliding layer keeps
 ``window - 1 + slack`` rotating slots. A block of ``L <= slack`` new positions
 then never overwrites a position any of its queries, or any query after a
 trim of up to ``slack`` positions, still needs; so rollback is just moving the

@@ -24,8 +24,8 @@ import torch
 
 BUCKETS = (1, 2, 4, 8, 16)  # block sizes captured on CUDA (a verify pads up to the next one)
 # Fewest queued sessions worth one batched forward when single steps replay CUDA graphs: the
-# batched forward runs eagerly, so below this the replays win (benchmarks/results/
-# batching_cuda_26b.json, H200: 2 sessions 0.62x / 0.81x (verify / draft), 4 sessions 1.07x / 1.33x).
+# batched forward runs eagerly, so below this the replays win (chosen on an H200 at the 26B shape:
+# docs/operations.md, "What batching buys").
 GRAPHED_MIN_BATCH = 4
 # For a GPU node's A/B (benchmarks/gpu_session.sh, part split, SPLIT_VARIANTS): an integer; 0: never one
 # eager batched forward (every queued step replays its graph, one after another). Read at model load.

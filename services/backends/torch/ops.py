@@ -1,5 +1,6 @@
 """Tensor helpers shared by the PyTorch target (``verifier/torch_backend/gemma4.py``) and drafter
-(``drafter/dflash_torch.py``): device/dtype resolution, the two RMSNorm conventions, RoPE, the one SDPA call.
+(``drafter/torch_backend/model.py``): device/dtype resolution, the two RMSNorm conventions, RoPE,
+the one SDPA call.
 
 Both models normalise in float32; they differ in *when* the result goes back to
 the activation dtype, which matters in bf16/fp16:
@@ -140,8 +141,8 @@ def rope_from_positions(
 # --------------------------------------------------------------------------- attention
 
 # cuDNN's SDPA builds (and caches) an execution plan per new shape: with a context that grows every
-# block that is a CPU-side plan build on every call (47 ms per draft on an H100, issue #10). Flash and
-# memory-efficient attention take any length at no set-up cost; MATH is the fallback (and the CPU's).
+# block that is a CPU-side plan build on every call (what it cost: docs/cuda.md, "Attention backends").
+# Flash and memory-efficient attention take any length at no set-up cost; MATH is the fallback (and the CPU's).
 SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
@@ -163,8 +164,8 @@ def _set_sdp_flags(flags: tuple[bool, bool, bool, bool]) -> None:
 
 class sdpa_backends:
     """The attention backends every torch forward runs under: ``sdpa_kernel(SDPA_BACKENDS)``
-    (the same flags, restored on exit), at ~1 us instead of sdpa_kernel's 10-40 us -- it is
-    entered once per forward, and a CPU verify of the demo pair takes ~1.6 ms."""
+    (the same flags, restored on exit), set directly rather than through ``sdpa_kernel``, whose own
+    set-up is a visible share of a small model's forward on a CPU -- it is entered once per forward."""
 
     def __enter__(self):
         self.prev = _sdp_flags()
@@ -223,7 +224,7 @@ def decode_attention(
 
     The fused kernels parallelise over query blocks and heads: with a handful of
     rows per KV head they run a few thread blocks that each walk the whole cache
-    (~125 us per layer on an H200 for one token). Here the key axis is the GEMMs'
+    (measured on an H200: ``docs/cuda.md``, "Attention backends"). Here the key axis is the GEMMs'
     wide dimension, so the cache is read once at full bandwidth. Scores come out
     in the inputs' dtype and are softmaxed in float32 (what eager attention does).
     """

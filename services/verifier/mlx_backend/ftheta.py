@@ -1,4 +1,4 @@
-"""f_theta: restore evicted sliding-layer K/V of the verifier from the drafter's context K/V (BRIEF §6).
+"""f_theta: restore evicted sliding-layer K/V of the verifier from the drafter's context K/V (``docs/ftheta.md``).
 
 With ``sink-window(S, W)`` and a model window ``Wn > W``, a sliding layer's
 query ``t`` would, in the native model, still attend to positions
@@ -23,8 +23,9 @@ The module (:class:`FTheta`):
   position's absolute offset when the K/V are used.
 
 Only sliding layers are restored. Decoders for full-attention layers may exist
-as *probes* (trained on a detached latent, reported by the trainer): S5 keeps
-those layers exact, so their decoders are never used at inference.
+as *probes* (trained on a detached latent, reported by the trainer): full-attention
+layers always keep exact K/V (the "S5" rule, ``docs/design.md``'s glossary), so their
+decoders are never used at inference.
 
 A trained f_theta lives in a self-describing directory::
 
