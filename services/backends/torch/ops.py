@@ -237,7 +237,7 @@ def decode_attention(
     if chunks == 1:
         return torch.matmul(p, v)
     # p @ v reduces over every key with a tiny output (rows x head_dim): as one GEMM it runs on a
-    # couple of thread blocks walking the whole cache (~40 us per layer). Split the keys into
+    # couple of thread blocks walking the whole cache, one after another. Split the keys into
     # chunks, one batched GEMM over them, and sum the partials in float32 (flash-decoding's split-K).
     pc = p.unflatten(-1, (chunks, n_keys // chunks)).transpose(-3, -2)  # [B, H, chunks, rows, keys/chunks]
     vc = v.unflatten(-2, (chunks, n_keys // chunks))  # [B, H, chunks, keys/chunks, D]
