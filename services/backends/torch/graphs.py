@@ -26,8 +26,10 @@ import torch
 
 BUCKETS = (1, 2, 4, 8, 16)  # block sizes captured on CUDA (a verify pads up to the next one)
 # Fewest queued sessions worth one batched forward when single steps replay CUDA graphs: the
-# batched forward runs eagerly, so below this the replays win (benchmarks/results/
-# batching_cuda_26b.json, H200: 2 sessions 0.62x / 0.81x (verify / draft), 4 sessions 1.07x / 1.33x).
+# batched forward runs eagerly, so below this the replays win. Chosen on the 26B shape when a
+# graphed draft took 3.3 ms; re-run 2026-11-28 (benchmarks/results/batching_cuda_26b.json, H200)
+# the batch still wins verifies from 4 sessions (1.15x) but loses drafts from 4 on (0.72-0.75x) to
+# 1.7 ms graphed drafts: docs/cuda.md, "Batching on CUDA"; the split's A/B decides a change.
 GRAPHED_MIN_BATCH = 4
 # For a GPU node's A/B (benchmarks/gpu_session.sh, part split, SPLIT_VARIANTS): an integer; 0: never one
 # eager batched forward (every queued step replays its graph, one after another). Read at model load.
