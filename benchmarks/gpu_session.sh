@@ -7,10 +7,12 @@
 # Parts (each step bounded in time and allowed to fail without stopping the rest):
 #   tests       the CUDA tests (graph replay == eager token for token, one host sync per verify/draft, ...)
 #   kernels     tests/kernels on CUDA: every Triton kernel (services/backends/torch/kernels) against the eager
-#               path, at the small shapes and the real ones; each kernel's achieved bandwidth comes with the
-#               projection (--kernels), or from benchmarks/kernels.py when that part is not run
-#   projection  benchmarks/gpu_projection.py on the gemma-4-26B-A4B shape, bf16: CUDA graphs (with each Triton
-#               kernel's bandwidth beside the steps), graphs + --compile (each layer's row-wise halves fused),
+#               path, at the small shapes and the real ones, each test at most KERNEL_TEST_S (90) s where
+#               pytest-timeout is installed; the verdicts in OUT/kernel_tests_cuda.txt. Then each kernel's
+#               achieved bandwidth beside its eager counterpart (benchmarks/kernels.py, OUT/kernels_cuda.json):
+#               its own step, as the 2026-11-28 session ran it, so a kernel that fails loses no projection
+#   projection  benchmarks/gpu_projection.py on the gemma-4-26B-A4B shape, bf16: CUDA graphs, graphs + --compile
+#               (each layer's row-wise halves fused; its log names every recompile, TORCH_LOGS=recompiles),
 #               no graphs (each with the top kernels)
 #   demo        the same on the embedded demo pair (float32; also --compile): where a tiny model's step is
 #               all overhead; benchmarks/small_gemm.py (few-row linears, each spelling of the product)
@@ -92,16 +94,26 @@ if part tests; then
 fi
 
 if part kernels; then  # the interpreter's tests again, compiled; then the real shapes
-  step kernel_tests 420 $PYTEST tests/kernels
-  part projection || step kernels 300 $PY benchmarks/kernels.py --reps $((REPS * 2)) --out "$OUT/kernels.json"
+  # A limit per test (pytest-timeout, which the lent node's image has): a kernel whose compile hangs fails
+  # alone instead of taking the step's whole time, and the tests after it still run.
+  KERNEL_TESTS="$PYTEST $($PY -c 'import pytest_timeout' 2>/dev/null && echo "--timeout ${KERNEL_TEST_S:-90}") tests/kernels"
+  step kernel_tests 420 $KERNEL_TESTS
+  {  # the verdicts, as benchmarks/results/kernel_tests_cuda.txt keeps them
+    echo "# tests/kernels on CUDA, $(date -u +%F): $(cat "$OUT/device.txt") $($PY -c \
+      'import torch, triton; print("triton", triton.__version__, "torch", torch.__version__)')"
+    echo "# $KERNEL_TESTS"
+    grep -E '^(FAILED|ERROR) |^[0-9]+ (passed|failed)|^=+ .*(passed|failed)' "$LOGS/kernel_tests.log"
+    grep -E '^E +[A-Za-z.]*(Error|Exception)' "$LOGS/kernel_tests.log" | head -n 20
+  } >"$OUT/kernel_tests_cuda.txt"
+  step kernels 300 $PY benchmarks/kernels.py --reps $((REPS * 2)) --out "$OUT/kernels_cuda.json"
 fi
 
 if part projection; then
-  step projection_graphs 360 $PY benchmarks/gpu_projection.py --device cuda --reps $REPS --profile --kernels \
+  step projection_graphs 360 $PY benchmarks/gpu_projection.py --device cuda --reps $REPS --profile \
     --out "$OUT/gpu_projection.json"
   if [ -z "$QUICK" ]; then
-    step projection_compiled 300 $PY benchmarks/gpu_projection.py --device cuda --reps $REPS --compile --profile \
-      --out "$OUT/gpu_projection_compiled.json"
+    step projection_compiled 300 env TORCH_LOGS=recompiles $PY benchmarks/gpu_projection.py --device cuda --reps $REPS \
+      --compile --profile --out "$OUT/gpu_projection_compiled.json"
     step projection_eager 240 $PY benchmarks/gpu_projection.py --device cuda --reps $REPS --cuda-graphs off --profile \
       --out "$OUT/gpu_projection_eager.json"
   fi

@@ -104,6 +104,9 @@ def attend(rows: int) -> None:
             k_eq_v=k_eq_v,
             cache=(pool, pool, z(rows, dtype=torch.long)),
         )
+        # A KV-shared layer (n_kv=0, no k_weight): queries only. The compiler traces the K/V
+        # branch that no program takes, which the interpreter never does.
+        rope.qkv_norm_rope(z(rows, 16 * D), 16, 0, D, z(D), None, z(rows, D), z(rows, D), 1e-6)
         q, slots, qpos = z(1, rows, 16, D), z(1, S, dtype=torch.long), z(1, rows, dtype=torch.long)
         for splits in (None, 1):
             attention.decode_attention(q, pool, pool, slots, slots, qpos, window=window, splits=splits)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from kakeya.backends.torch import ops
 from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.session import TorchDrafter
@@ -39,6 +40,7 @@ def _graphs() -> int:
 
 def test_compiled_pair_decodes_greedy_ar_token_for_token_and_compiles_once(tiny_moe, compiled):
     target, drafter = compiled
+    assert all(isinstance(layer.attn.attend, ops.CompiledAttention) for layer in target.model.layers)
     ref = TargetTorch.load(tiny_moe.target, "cpu", "float32").greedy_reference(PROMPT, 48)  # eager, plain caches
     v = LocalVerifier(target, tiny_moe.target, drafter.target_layer_ids)
 
@@ -82,6 +84,30 @@ def test_compiled_drafter_drafts_what_the_eager_one_drafts(tiny_moe, compiled):
     ):
         aux = torch.randn(rows, width, generator=torch.Generator().manual_seed(i))
         assert s.draft(aux, 7 + i, B) == e.draft(aux, 7 + i, B)
+
+
+def test_compiled_attention_takes_no_graph_per_cache_capacity(monkeypatch):
+    """A layer attends over the first ``extent`` slots of cache buffers whose capacities differ (a
+    sliding ring, full buffers that double). On the H200 (2026-11-28) the 26B projection's compiled
+    attention took graph after graph on those views' strides and on the split count's
+    ``extent % 32`` until dynamo's recompile limit (8) failed it; traced as before, the sequence
+    here took two more graphs per capacity. CUDA's folded path (forced) over four capacities, each
+    attended whole (a contiguous view) and in part, split 4 to 32 ways: every graph is taken at the
+    first capacity, and the outputs are eager's."""
+    monkeypatch.setattr(ops, "folds", lambda q, mask: True)  # CUDA's path, on the CPU
+    attend = ops.CompiledAttention()
+    g = torch.Generator().manual_seed(0)
+    kv_heads, D, L = 2, 16, 3  # sizes apart from one another and the extents: no duck-sized coincidences
+    q = torch.randn(1, L, 4, D, generator=g).transpose(1, 2)
+    graphs = []
+    for capacity in (512, 1024, 2048, 768):
+        k, v = (torch.randn(1, kv_heads, capacity, D, generator=g) for _ in range(2))
+        for n in (capacity, capacity - 64):
+            mask = torch.rand(L, n, generator=g) < 0.9
+            out = attend(q, k[:, :, :n], v[:, :, :n], mask, 1.0)
+            torch.testing.assert_close(out, ops.sdpa(q, k[:, :, :n], v[:, :, :n], mask, 1.0, fold=True))
+        graphs.append(_graphs())
+    assert graphs[1:] == graphs[:1] * 3, f"graphs after each capacity: {graphs}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Hashable, Sequence
+import threading
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 BUCKETS = (1, 2, 4, 8, 16)  # block sizes captured on CUDA (a verify pads up to the next one)
 # Fewest queued sessions worth one batched forward when single steps replay CUDA graphs: the
-# batched forward runs eagerly, so below this the replays win (chosen on an H200 at the 26B shape:
-# docs/operations.md, "What batching buys").
+# batched forward runs eagerly, so below this the replays win (docs/cuda.md, "Batching on CUDA": on an
+# H200 at the 26B shape the batch wins verifies from 4 sessions but loses drafts to graphed drafts).
 GRAPHED_MIN_BATCH = 4
 # For a GPU node's A/B (benchmarks/gpu_session.sh, part split, SPLIT_VARIANTS): an integer; 0: never one
 # eager batched forward (every queued step replays its graph, one after another). Read at model load.
@@ -85,28 +87,62 @@ class GraphOptions:
         return cls()
 
 
+# One capture at a time in the process. torch.cuda.graph shares one capture stream between its
+# instances and starts by synchronising the device, and the caching allocator refuses a second
+# recording into a pool: on the H200 (2026-11-28, split at 16 streams) the drafter server met
+# cudaErrorStreamCaptureInvalidated, then "beginAllocateToPool: already recording to mempool_id"
+# on every capture after it. Any thread that captures (a compute thread, a handler thread running
+# a step inline) takes this lock for the warm-up and the capture.
+_CAPTURE_LOCK = threading.Lock()
+_capturing = threading.local()
+
+
+@contextmanager
+def exclusive_capture() -> Iterator[None]:
+    """Hold the process-wide capture lock (blocks while another thread captures). A capture started
+    inside another on the same thread is refused: it would wait on itself."""
+    if getattr(_capturing, "active", False):
+        raise RuntimeError("a CUDA graph capture was started inside another one on the same thread")
+    with _CAPTURE_LOCK:
+        _capturing.active = True
+        try:
+            yield
+        finally:
+            _capturing.active = False
+
+
+def record(fn: Callable, inputs: Sequence[torch.Tensor], pool, warmup: int):
+    """``(graph, outputs)``: ``fn(*inputs)`` warmed up on a side stream (lazy inits, cuBLAS workspaces,
+    autotuning), then captured. ``thread_local``: only this thread's unsafe calls (a host sync, an
+    allocation outside the pool) invalidate the capture, not another thread's work meanwhile (a
+    replay, a tensor freed or made on a handler thread). Callers hold :func:`exclusive_capture`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        outputs = fn(*inputs)
+    return graph, outputs
+
+
 class GraphedStep:
     """One step function bound to static inputs: captured once and replayed, or run eagerly.
 
     ``fn(*inputs)`` must read its inputs only through the given tensors (write
     them in place before :meth:`__call__`) and return tensors; with ``capture``
     the returned tensors are static outputs, overwritten by the next replay.
+    The capture holds :func:`exclusive_capture`: never two at once in a process.
     """
 
     def __init__(self, fn: Callable, inputs: Sequence[torch.Tensor], capture: bool, pool=None, warmup: int = 2):
         self.fn, self.inputs, self.graph = fn, tuple(inputs), None
         self.outputs = None
         if capture:
-            # warm-up on a side stream (lazy inits, cuBLAS workspaces, autotuning), then record
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(warmup):
-                    fn(*self.inputs)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
-                self.outputs = fn(*self.inputs)
+            with exclusive_capture():
+                self.graph, self.outputs = record(fn, self.inputs, pool, warmup)
 
     @property
     def captured(self) -> bool:

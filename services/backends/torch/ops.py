@@ -178,20 +178,42 @@ class sdpa_backends:
             _set_sdp_flags(self.prev)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    *,
+    fold: bool | None = None,
+    chunks: int | None = None,
+) -> torch.Tensor:
     """The one scaled-dot-product attention call of the target and the drafter (GQA when the
-    head counts differ); callers run it inside :func:`sdpa_backends`."""
+    head counts differ); callers run it inside :func:`sdpa_backends`. ``fold`` (:func:`folds`)
+    and ``chunks`` (:func:`split_count`), None: chosen here from the inputs; given, they are
+    choices :class:`CompiledAttention` made outside its graph."""
     Hq, Hkv = q.shape[1], k.shape[1]
-    if q.is_cuda and (mask is None or mask.dim() == 2):
-        return sdpa_folded(q, k, v, mask, scale)
+    if folds(q, mask) if fold is None else fold:
+        return sdpa_folded(q, k, v, mask, scale, chunks)
     # compiled (one graph for every layer kind), the head counts are symbolic and SDPA wants a plain
     # bool: GQA with groups of one is plain attention, so say True
     gqa = True if torch.compiler.is_compiling() else Hq != Hkv
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
+def folds(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether :func:`sdpa` folds the query heads into rows (:func:`sdpa_folded`): on CUDA, with no
+    mask or one ``[L, K]`` mask for every head."""
+    return q.is_cuda and (mask is None or mask.dim() == 2)
+
+
 def sdpa_folded(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    chunks: int | None = None,
 ) -> torch.Tensor:
     """Attention with each KV head's query heads folded into its query rows (``mask``: None or
     ``[L, K]``), so every K/V head is read once: what CUDA runs.
@@ -199,7 +221,8 @@ def sdpa_folded(
     SDPA's own GQA with a mask falls back to the math kernel, which expands K/V to every query
     head and upcasts it to float32 -- two full copies of the attended cache per layer, the
     largest memory traffic of a decode step. Few rows per KV head (a verify or a draft block)
-    go through :func:`decode_attention`, more (a prefill chunk) through the fused kernels.
+    go through :func:`decode_attention` (``chunks``: its split count), more (a prefill chunk)
+    through the fused kernels.
     """
     B, Hq, L, D = q.shape
     G = Hq // k.shape[1]
@@ -208,7 +231,7 @@ def sdpa_folded(
     # widen it to the L rows before the G copies, or the folded rows would not line up with it
     m = None if mask is None else mask.expand(L, mask.shape[-1]).repeat(G, 1)
     if G * L <= DECODE_ROWS:
-        out = decode_attention(qg, k, v, m, scale)
+        out = decode_attention(qg, k, v, m, scale, chunks)
     else:
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)
     return out.reshape(B, Hq, L, v.shape[-1])
@@ -217,8 +240,19 @@ def sdpa_folded(
 DECODE_ROWS = 64  # query rows per KV head up to which decode_attention beats the fused kernels
 
 
+def split_count(n_keys: int) -> int:
+    """How many chunks :func:`decode_attention` splits ``n_keys`` keys into for ``p @ v`` (1: none):
+    the most of 32, 16, 8, 4, 2 that divides them into chunks of at least 64 keys."""
+    return next((c for c in (32, 16, 8, 4, 2) if n_keys % c == 0 and n_keys // c >= 64), 1)
+
+
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    chunks: int | None = None,
 ) -> torch.Tensor:
     """Attention for a few query rows over a long cache: two GEMMs and a float32 softmax.
 
@@ -227,13 +261,14 @@ def decode_attention(
     (measured on an H200: ``docs/cuda.md``, "Attention backends"). Here the key axis is the GEMMs'
     wide dimension, so the cache is read once at full bandwidth. Scores come out
     in the inputs' dtype and are softmaxed in float32 (what eager attention does).
+    ``chunks``: the split of ``p @ v`` (None: :func:`split_count` of the keys).
     """
     s = torch.matmul(q * scale if scale != 1.0 else q, k.transpose(-1, -2))
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
     n_keys = k.shape[-2]
-    chunks = next((c for c in (32, 16, 8, 4, 2) if n_keys % c == 0 and n_keys // c >= 64), 1)
+    chunks = split_count(n_keys) if chunks is None else chunks
     if chunks == 1:
         return torch.matmul(p, v)
     # p @ v reduces over every key with a tiny output (rows x head_dim): as one GEMM it runs on a
@@ -263,3 +298,57 @@ def compiled(fn):
     ``emulate_precision_casts`` it rounds them to the activation dtype where eager does, so a
     compiled bf16 model tracks the eager one (float32 is unaffected)."""
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+
+
+def whole_buffer(x: torch.Tensor) -> torch.Tensor:
+    """The contiguous ``[B, H, capacity, D]`` buffer ``x`` ``[B, H, n, D]`` is the first ``n`` slots
+    of (a cache's ``keys[:, :, :n]``), as a view of the same memory; ``x`` itself when it is laid
+    out otherwise."""
+    B, H, n, D = x.shape
+    s = x.stride()
+    if s[3] != 1 or s[2] != D or s[1] % max(D, 1) or (B > 1 and s[0] != H * s[1]):
+        return x
+    cap = s[1] // D
+    if cap < n or (x.storage_offset() + B * H * cap * D) * x.element_size() > x.untyped_storage().nbytes():
+        return x
+    return x.as_strided((B, H, cap, D), (H * cap * D, cap * D, D, 1))
+
+
+def _attend_prefix(q, k, v, n: int, mask, scale: float, fold: bool, chunks: int):
+    """:func:`sdpa` over the first ``n`` slots of ``k`` and ``v`` (what :class:`CompiledAttention` compiles)."""
+    return sdpa(q, k[:, :, :n], v[:, :, :n], mask, scale, fold=fold, chunks=chunks)
+
+
+ATTENTION_GRAPHS = 32  # CompiledAttention's recompile budget: five two-way branches (its docstring)
+
+
+class CompiledAttention:
+    """``--compile``'s attention: :func:`sdpa` through :func:`compiled`, one graph set for every layer.
+
+    Dynamo guards a graph on everything the traced code branched on, strides included. A layer
+    attends over the first ``extent`` slots of its cache buffers, views whose strides follow the
+    buffer's capacity (a sliding ring's, a full buffer's that doubles) and whose contiguity
+    changes with ``extent == capacity``; and :func:`decode_attention`'s split count branches on
+    ``extent % 32`` and its range. Traced as they come, each took a graph: the H200 run of
+    2026-11-28 hit torch's recompile limit (8) on the 26B shape (``fullgraph`` makes that an
+    error), last on ``k.stride()[0]``. So the graph gets what does not vary in kind -- K and V as
+    their whole contiguous buffers (:func:`whole_buffer`) and the extent as an int, symbolic like
+    every size -- and the choices made from shapes (:func:`folds`, :func:`split_count`) are made
+    here, eagerly, and passed in.
+
+    Left to guard on are five two-way branches, each taken once: a mask or none; one query row (a
+    size of 1 is specialised) or several; ``p @ v`` split or not; the decode GEMMs or the fused
+    kernels (``DECODE_ROWS``); the attended slots the whole buffer (a contiguous view: the
+    captured static step) or fewer (matmul's decomposition asks). ``ATTENTION_GRAPHS`` (2 ** 5)
+    is that budget, whatever the number of capacities; torch's recompile limit is raised to it
+    when lower (the limit is per compiled function; the layers' row-wise halves stay under it).
+    """
+
+    def __init__(self):
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, ATTENTION_GRAPHS)
+        self.graph = compiled(_attend_prefix)
+
+    def __call__(self, q, k, v, mask, scale: float) -> torch.Tensor:
+        n, fold = k.shape[2], folds(q, mask)
+        chunks = split_count(n) if fold else 1  # only the folded path splits
+        return self.graph(q, whole_buffer(k), whole_buffer(v), n, mask, scale, fold, chunks)

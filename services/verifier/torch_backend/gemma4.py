@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kakeya.backends.torch.ops import (
+    CompiledAttention,
     apply_rope,
     compiled,
     default_inv_freq,
@@ -440,10 +441,11 @@ class Gemma4Text(nn.Module):
         residuals, MLP, MoE routing and experts, per-layer input, ``layer_scalar``) -- so each
         becomes a few fused kernels around its GEMMs instead of ~70 eager ops; and the attention
         arithmetic over the fetched K/V (``backends/torch/ops.py``'s ``sdpa``: on CUDA the mask, float32 softmax
-        and split-K sum fuse around its two GEMMs). The cache writes stay eager. One compiled
+        and split-K sum fuse around its two GEMMs; ``ops.CompiledAttention``: not a graph per
+        cache capacity). The cache writes stay eager. One compiled
         graph serves every layer of a kind and every length (``dynamic``), prefill chunks
         included; CUDA graphs then capture the compiled kernels like any others."""
-        attend = compiled(sdpa)
+        attend = CompiledAttention()
         for layer in self.layers:
             if layer.moe is not None and layer.moe.grouped_mm is None:
                 # the traced grouped GEMM is bf16-only (its meta kernel says so, though eager float32 runs)

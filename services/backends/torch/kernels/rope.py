@@ -87,6 +87,7 @@ def _qkv_kernel(
     WRITE_V: tl.constexpr,
     QWEN3: tl.constexpr,
     TO_POOL: tl.constexpr,
+    HAS_KV: tl.constexpr,
     DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -103,7 +104,9 @@ def _qkv_kernel(
         lo, hi = _norm_halves(lo, hi, qw_ptr, offs, mask, HALF, eps, True, QWEN3, DTYPE)
         lo, hi = _rope_halves(lo, hi, cos_ptr, sin_ptr, offs, mask, HALF, DTYPE)
         _store_halves(q_ptr + t * q_row + head * D, lo, hi, offs, mask, HALF, DTYPE)
-    else:
+    elif HAS_KV:
+        # A constexpr, so a KV-shared layer's (n_kv=0) kernel has no K/V branch: the compiler
+        # traces a branch no program takes (the interpreter does not), and kw_ptr is None there.
         j = (head - N_HEADS).to(tl.int64)  # 64-bit offsets: a shared pool may be large
         dst = t * kv_row + j * kv_head  # row t of the outputs, or pool row rows[t]
         if TO_POOL:
@@ -196,6 +199,7 @@ def qkv_norm_rope(
         WRITE_V=write_v,
         QWEN3=qwen3,
         TO_POOL=cache is not None,
+        HAS_KV=n_kv > 0,
         DTYPE=dtype,
         BLOCK=triton.next_power_of_2(D // 2),
     )
