@@ -1,4 +1,4 @@
-"""Quality gate: flag output that collapsed into runaway repetition (BRIEF §8).
+"""Quality gate: flag output that collapsed into runaway repetition (the cache-desync collapse of unbounded-ring rollback).
 
 Gate on what the output *is*, not on proxies like "more tokens than the
 window": a short unit of tokens tiled many times in a row is the signature of
