@@ -232,7 +232,7 @@ def measure(
         "t_draft_ms": {str(L): v * 1e3 for L, v in t_draft.items()},
         "projected_speedup": {str(tau): {str(L): s for L, s in row.items()} for tau, row in projection.items()},
         "best_block_per_tau": {str(tau): b for tau, b in best.items()},
-        "kv_bytes": session.stats()["kv_bytes"],
+        "kv_bytes": session.stats().kv_bytes.as_dict(),
         **({"top_kernels": kernels} if kernels else {}),
         **({"top_ops": ops} if ops else {}),
     }

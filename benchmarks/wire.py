@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kakeya.core.contract import WireStats
 from kakeya.orchestrator import loop
 from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier
 from kakeya.wire import codec
@@ -102,18 +103,18 @@ class Recorded:
         self.inner, self.kind, self.log = inner, kind, log
 
     def _call(self, step, fn, *args):
-        s0 = self.inner.stats()
+        s0 = self.inner.stats().wire or WireStats()
         t0 = time.perf_counter()
         out = fn(*args)
         dt = time.perf_counter() - t0
-        s1 = self.inner.stats()
+        s1 = self.inner.stats().wire
         self.log.append(
             {
                 "step": step,
                 "client_s": dt,
-                "server_s": s1["server_s"] - s0.get("server_s", 0.0),
-                "sent": s1["bytes_sent"] - s0.get("bytes_sent", 0),
-                "received": s1["bytes_received"] - s0.get("bytes_received", 0),
+                "server_s": s1.server_s - s0.server_s,
+                "sent": s1.bytes_sent - s0.bytes_sent,
+                "received": s1.bytes_received - s0.bytes_received,
             }
         )
         return out

@@ -67,10 +67,10 @@ def test_prompt_longer_than_the_window(mlx_target, aux_layers, drafter):
 def test_sliding_memory_is_bounded_and_full_layers_grow(mlx_target, aux_layers, drafter):
     session = VerifierSession(mlx_target, aux_layers, CachePolicy())
     run(session, drafter.open_session(), PROMPT, 100, 8)
-    short = session.stats()["kv_bytes"]
+    short = session.stats().kv_bytes.as_dict()
     session = VerifierSession(mlx_target, aux_layers, CachePolicy())
     run(session, drafter.open_session(), PROMPT, N, 8)
-    long = session.stats()["kv_bytes"]
+    long = session.stats().kv_bytes.as_dict()
     assert long["sliding"] == short["sliding"]
     assert long["full"] > short["full"]
     a = mlx_target.args

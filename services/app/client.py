@@ -5,8 +5,8 @@
     kakeya client --addr HOST:PORT generate [--prompt TEXT] [--max-tokens N] [--json] ...
     kakeya client --addr HOST:PORT info | health
 
-``client generate`` prints what ``kakeya generate`` prints (the same ``--json``
-object, rebuilt from the stream through ``Engine.report``).
+``client generate`` prints what ``kakeya generate`` prints: the same ``--json`` object, from the
+report rebuilt from the stream (``grpc_api.report_from_stream``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from kakeya.app.options import (
     add_generation_options,
     cache_policy_from_args,
     print_result,
-    sampling_from_args,
 )
 from kakeya.app.serve import DEFAULT_PORTS
 
@@ -35,57 +34,6 @@ def _rpc_error(exc) -> int:
     code = exc.code().name if exc.code() else "UNKNOWN"
     print(f"kakeya: error: {code}: {exc.details()}", file=sys.stderr)
     return 1
-
-
-def report_from_stream(model, server, complete, token_ids: list[int], text: str, sampling=None) -> dict:
-    """The ``kakeya generate --json`` object, rebuilt from a Generate stream's messages.
-
-    Goes through ``Engine.report`` itself (on a Generation rebuilt from the
-    Complete message), so the keys and their rounding are the CLI's own.
-    ``sampling``: the request's SamplingParams (the seed comes from Complete).
-    """
-    import dataclasses
-
-    from kakeya.orchestrator.engine import Engine, Request
-    from kakeya.orchestrator.loop import Block, Generation
-    from kakeya.wire import convert as wire_contract
-    from kakeya.wire.kakeya.v1 import generate_pb2 as pb
-
-    s = complete.stats
-    blocks = [Block(token_ids[:1], 0, 0)] + [
-        Block([0] * n, size - 1, n - 1) for n, size in zip(s.acceptance_lengths, s.block_sizes)
-    ]
-    gen = Generation(
-        prompt_ids=list(complete.prompt_token_ids),
-        token_ids=list(token_ids),
-        blocks=blocks,
-        cached_tokens=complete.cached_tokens,
-        finish_reason=pb.FinishReason.Name(complete.finish_reason).removeprefix("FINISH_REASON_").lower(),
-        prefill_s=s.prefill_s,
-        decode_s=s.decode_s,
-        drafter_fallback=s.drafter_fallback,
-        verifier_stats={
-            "kv_bytes": {"sliding": s.verifier_kv_bytes_sliding, "full": s.verifier_kv_bytes_full},
-            "cache_policy": s.cache_policy,
-            "bounded": s.cache_bounded,
-        },
-    )
-
-    class _Streamed:  # the text as it was streamed (stop strings already cut)
-        def decode(self, _ids):
-            return text
-
-    class _Remote:
-        info = wire_contract.model_info_from_public(model, server.verifier_backend)
-
-    engine = Engine(_Remote(), None, _Streamed(), target=model.target_model, draft=model.draft_model)
-    if sampling is not None and complete.HasField("seed"):  # the request's params, the seed and rule the server used
-        rule = wire_contract.rule_from_proto(complete.sampling_rule)
-        gen.sampling = dataclasses.replace(sampling, seed=complete.seed, rule=rule)
-    out = engine.report(Request(gen.prompt_ids, block_size=s.block_size), gen)
-    out["decode_tok_s"] = round(s.decode_tok_s, 3)  # the server's figure (same formula, its clock)
-    out["device"] = None  # the servers' own: not on the wire (`kakeya generate` reports its own)
-    return out
 
 
 def generate_request(args):
@@ -163,8 +111,10 @@ def cmd_client_generate(args) -> int:
     if complete is None:
         print("kakeya: error: the stream ended without a Complete message", file=sys.stderr)
         return 1
-    out = report_from_stream(model, server, complete, ids, "".join(text), sampling_from_args(args))
-    print_result(args, out)
+    from kakeya.orchestrator.grpc_api import report_from_stream
+
+    report = report_from_stream(model, server.verifier_backend, complete, ids, "".join(text))
+    print_result(args, report.to_json())
     if complete.finish_reason == pb.FINISH_REASON_ERROR:
         print(f"kakeya: error: generation failed: {complete.error_message}", file=sys.stderr)
         return 1

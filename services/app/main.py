@@ -23,18 +23,13 @@ from kakeya.app.options import (
     sampling_from_args,
     torch_options,
 )
+from kakeya.core.request import InvalidRequest
 
 
 def cmd_generate(args) -> int:
+    from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
-    from kakeya.orchestrator.engine import Request
-    from kakeya.orchestrator.loop import check_block_size
-    from kakeya.orchestrator.text import text_stream
 
-    if args.prompt is not None and not args.prompt.strip():
-        raise ValueError("--prompt is empty")
-    if args.block_size:  # 0 or omitted: auto
-        check_block_size(args.block_size)
     policy = cache_policy_from_args(args)
     engine = build_local_engine(
         args.target,
@@ -47,31 +42,53 @@ def cmd_generate(args) -> int:
     )
     if engine.verifier.info.backend == "torch":
         set_torch_threads(args.torch_threads, engine.device, embedded=args.target is None)
-    prompt_ids = engine.codec.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
     req = Request(
-        prompt_ids,
+        args.prompt if args.prompt is not None else DEFAULT_PROMPT,
         max_tokens=args.max_tokens,
         block_size=args.block_size or 0,
         ignore_eos=args.ignore_eos,
         cache_policy=policy,
-        sampling=sampling_from_args(args).seeded(),
+        sampling=sampling_from_args(args),
     )
-    engine.validate(req)  # before the warm-up: a bad request costs no model work
+    try:
+        req = engine.check(req)  # before the warm-up: a bad request costs no model work
+    except InvalidRequest as exc:
+        raise ValueError(exc.public(FLAG_NAMES)) from None
     _warm_up(engine, req, args.compare_ar)
-    text = text_stream(engine.codec)
+    shown = 0
     with engine.start(req) as run:
         for block in run:
-            _show(args, text.add(block.tokens)[1])
-    _show(args, text.flush())
+            _show(args, block.text)
+            shown += len(block.text)
+    report = run.report()
+    _show(args, report.text[shown:])
     gen = run.result
-    out = engine.report(run.request, gen)
-    out["device"] = engine.device
+    out = report.to_json()
     if args.dtype:
         out["dtype"] = args.dtype
     if args.compare_ar:
         out.update(_compare_ar(engine, req, gen))
     print_result(args, out)
     return 0
+
+
+# The request's fields -> the flags that set them (a refusal names the flag).
+FLAG_NAMES = {
+    "prompt": "--prompt",
+    "max_tokens": "--max-tokens",
+    "block_size": "--block-size",
+    "sampling.temperature": "--temperature",
+    "sampling.top_k": "--top-k",
+    "sampling.top_p": "--top-p",
+    "sampling.min_p": "--min-p",
+    "sampling.seed": "--seed",
+    "sampling.rule": "--sampling-rule",
+    "cache_policy": "--cache",
+    "cache_policy.window": "--window",
+    "cache_policy.sink": "--sink",
+    "cache_policy.full_kv_bits": "--full-kv-bits",
+    "cache_policy.restore": "--restore",
+}
 
 
 def _show(args, text: str) -> None:

@@ -429,7 +429,8 @@ def _torch_threads_arg(p) -> None:
 
 
 def _limits(p) -> None:
-    from kakeya.orchestrator.server import DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS_LIMIT
+    from kakeya.orchestrator.checks import DEFAULT_MAX_TOKENS
+    from kakeya.orchestrator.service import DEFAULT_MAX_TOKENS_LIMIT
 
     p.add_argument("--max-tokens-limit", type=int, default=DEFAULT_MAX_TOKENS_LIMIT, help="largest max_tokens accepted")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="what max_tokens = 0 means")

@@ -15,9 +15,9 @@ plain Python ints.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kakeya.core.request import CachePolicy, SamplingParams
 
@@ -205,12 +205,70 @@ class SessionOptions:
     cancel: Cancellation | None = None
 
 
+@dataclass(frozen=True)
+class KVBytes:
+    """A verifier session's K/V memory: sliding-layer rings, full-attention layers, f_theta's latent ring."""
+
+    sliding: int = 0
+    full: int = 0
+    restored: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.sliding + self.full + self.restored
+
+    def as_dict(self) -> dict[str, int]:
+        """As reports and ``verifier/memory.py``'s formula write it (``restored`` only where there is any)."""
+        return {"sliding": self.sliding, "full": self.full} | ({"restored": self.restored} if self.restored else {})
+
+
+@dataclass(frozen=True)
+class WireStats:
+    """What a remote session's stream carried, and the backend's own time handling its steps."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    server_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class VerifierStats:
+    """A verifier session's live facts (``VerifierSession.stats``)."""
+
+    cache_policy: str = ""  # the policy's label, e.g. "sink-window(4+64)+kv8"
+    bounded: bool = False  # sliding-layer memory bounded (any policy but native)
+    positions: int = 0
+    kv_bytes: KVBytes = KVBytes()
+    wire: WireStats | None = None  # a remote session's stream; None in this process
+
+
+@dataclass(frozen=True)
+class DrafterStats:
+    """A drafter session's live facts (``DrafterSession.stats``)."""
+
+    context_len: int = 0  # context positions cached
+    cache_bytes: int = 0
+    draft_calls: int = 0
+    wire: WireStats | None = None  # a remote session's stream; None in this process
+
+
+@runtime_checkable
 class VerifierSession(Protocol):
-    """One generation's verifier state: its KV cache lives exactly as long as this object."""
+    """One generation's verifier state: its KV cache lives exactly as long as this object.
+
+    ``server_s``: the backend's own time handling this session's steps so far (a remote session's
+    servers report it; None in this process, where all of a step's time is the backend's)."""
+
+    server_s: float | None
 
     def prefill(self, prompt_ids: Sequence[int]) -> tuple[int, Aux]:
         """Run the prompt; return the target's next token (greedy, or sampled from p when the
         session samples) and the prompt's aux hidden states."""
+
+    def resume(self, prompt_ids: Sequence[int], reuse: Collection[int] | None = None) -> tuple[int, Aux, int]:
+        """:meth:`prefill`, starting from the verifier's prefix cache: from its longest snapshot of a prefix
+        of ``prompt_ids`` whose length is in ``reuse`` (None: any length). Returns ``(first token, aux of
+        the positions it ran, the prefix length resumed)``; without a prefix cache it is a plain prefill."""
 
     def decide(self, last_token: int, draft: Draft) -> Verdict:
         """Verify the block ``[last_token, *draft.tokens]`` in ONE forward and commit its outcome.
@@ -229,14 +287,24 @@ class VerifierSession(Protocol):
         verifier costs one round trip.
         """
 
-    def stats(self) -> dict:
-        """Live session facts, e.g. ``{"kv_bytes": {"sliding": n, "full": m}}``."""
+    def save(self, ids: Sequence[int]) -> bool:
+        """Leave the state after exactly ``ids`` (the prompt, then committed tokens) in the prefix cache, the
+        generation being over; False when nothing was kept (no prefix cache, out of the ring's reach, over budget)."""
 
-    def close(self) -> None: ...
+    def stats(self) -> VerifierStats: ...
+
+    def close(self) -> None:
+        """End the session politely and free its cache (idempotent)."""
+
+    def abort(self) -> None:
+        """End it now, from any thread (a cancelled request): a remote session cancels its stream."""
 
 
+@runtime_checkable
 class DrafterSession(Protocol):
-    """One generation's drafter state: the DFlash context K/V cache."""
+    """One generation's drafter state: the DFlash context K/V cache (``server_s``: as the verifier's)."""
+
+    server_s: float | None
 
     def draft(self, new_aux: Aux, last_token: int, block_size: int) -> Draft:
         """Extend the context cache with ``new_aux`` and propose ``block_size - 1`` tokens.
@@ -258,12 +326,31 @@ class DrafterSession(Protocol):
         extend the context with ``new_aux`` as :meth:`draft` does (None: nothing new), then draft in one
         forward the next block for each verdict it prepares for (:class:`Predrafts`): all of ``block_ids``
         accepted and its guess of the next token; with ``alternatives`` = k, also the likeliest rejections
-        at a candidate with one of its k next likeliest tokens there (capped). Their context lacks ``block_ids``' aux
-        (the verdict's goes with the next call). Returns at once; the result waits. Greedy sessions only."""
+        at a candidate with one of its k next likeliest tokens there (capped). Their context lacks
+        ``block_ids``' aux (the verdict's goes with the next call). Returns at once; the result waits.
+        Greedy sessions only."""
 
-    def close(self) -> None: ...
+    def cached_prefixes(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The lengths of the prefixes of ``prompt_ids`` the drafter's prefix cache holds a snapshot of."""
+
+    def resume(self, positions: int) -> None:
+        """Start from the snapshot of the first ``positions`` prompt tokens (0: from nothing); the verifier
+        resumed the same prefix, so the drafter's context has no gap."""
+
+    def save(self, ids: Sequence[int], unseen: Sequence[Aux]) -> bool:
+        """Leave the context after ``ids`` in the prefix cache, first extended by ``unseen`` (the aux the
+        loop committed that no draft call took yet); False when nothing was kept."""
+
+    def stats(self) -> DrafterStats: ...
+
+    def close(self) -> None:
+        """End the session politely and free its cache (idempotent)."""
+
+    def abort(self) -> None:
+        """End it now, from any thread (a cancelled request)."""
 
 
+@runtime_checkable
 class Verifier(Protocol):
     """A target that hands out sessions: in this process (``verifier/session.py``) or over gRPC
     (``orchestrator/remote.py``). What the public API needs of it is here, so no caller asks
@@ -287,6 +374,7 @@ class Verifier(Protocol):
         """Whether it answers now (a remote one: its health check within ``timeout``)."""
 
 
+@runtime_checkable
 class Drafter(Protocol):
     """A DFlash drafter that hands out sessions, in this process or over gRPC."""
 

@@ -1,9 +1,12 @@
-"""What a generation produced: its committed blocks and the record kept as they come."""
+"""What a generation produced: its committed blocks, the record kept as they come (:class:`Generation`),
+and the one report every front translates when it ends (:class:`Report`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kakeya.core.contract import KVBytes, VerifierStats
+from kakeya.core.quality import quality_report
 from kakeya.core.request import GREEDY, SamplingParams
 
 
@@ -27,12 +30,12 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     blocks: list[Block] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens resumed from a prefix cache's snapshot instead of prefilled
-    finish_reason: str = "length"  # "stop" | "length"
+    finish_reason: str = "length"  # "stop" | "length" | "abort" | "error"
     prefill_s: float = 0.0
     decode_s: float = 0.0
     drafter_fallback: bool = False  # the drafter failed and the verifier finished alone
     predrafts: int = 0  # pre-drafts started (the blocks with ``predrafted`` set are the ones used)
-    verifier_stats: dict = field(default_factory=dict)  # the verifier session's stats() at the end
+    verifier_stats: VerifierStats = VerifierStats()  # the verifier session's stats() at the end
     sampling: SamplingParams = GREEDY  # as run: with the seed used when sampling
 
     @property
@@ -50,3 +53,89 @@ class Generation:
         """Tokens after the first one, per second of decoding (the first comes from prefill)."""
         n = len(self.token_ids) - 1
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class Report:
+    """One finished generation, built once when it ends (``Run.report``) and translated by every front:
+    ``kakeya generate --json`` (:meth:`to_json`), the gRPC API's ``Complete``
+    (``orchestrator/grpc_api.py``), the HTTP API's ``usage`` and ``kakeya`` fields (``http_api.py``),
+    and ``kakeya client``, which rebuilds it from the stream.
+
+    ``block_size`` is the size asked for (0: auto), ``block_sizes`` each speculative block's size
+    (candidates drafted + 1) and ``acceptance_lengths`` the tokens each committed; the prefill's
+    first token is no block. ``sampling`` is what ran, with the seed it drew; ``device``: where the
+    models ran, when this process knows it (None for a remote server's run)."""
+
+    target: str
+    draft: str
+    backend: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    block_size: int
+    block_sizes: tuple[int, ...] = ()
+    acceptance_lengths: tuple[int, ...] = ()
+    copied_blocks: int = 0  # blocks drafted by copying the context (n-gram), not by the drafter
+    cached_tokens: int = 0  # prompt tokens resumed from the prefix cache instead of prefilled
+    decode_tok_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0  # end to end, as the server saw it (0: not measured)
+    drafter_fallback: bool = False  # the drafter failed and the verifier finished alone
+    kv_bytes: KVBytes = KVBytes()  # the verifier session's, at the end
+    cache_policy: str = ""
+    cache_bounded: bool = False
+    sampling: SamplingParams = GREEDY
+    error: str = ""  # why, when ``finish_reason`` is "error"
+    device: str | None = None
+
+    @property
+    def mean_acceptance(self) -> float:
+        n = self.acceptance_lengths
+        return sum(n) / len(n) if n else 0.0
+
+    @property
+    def quality(self) -> dict:
+        """The runaway-repetition gate on the tokens (``core/quality.py``)."""
+        return quality_report(self.token_ids)
+
+    def to_json(self) -> dict:
+        """The ``kakeya generate --json`` object (and ``kakeya client generate --json``'s)."""
+        s = self.sampling
+        kv = {"sliding": self.kv_bytes.sliding, "full": self.kv_bytes.full}
+        return {
+            "target": self.target,
+            "draft": self.draft,
+            "backend": self.backend,
+            "device": self.device,
+            "block_size": self.block_size,
+            "block_sizes": list(self.block_sizes),
+            "copied_blocks": self.copied_blocks,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "cached_tokens": self.cached_tokens,
+            "token_ids": list(self.token_ids),
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "acceptance_lengths": list(self.acceptance_lengths),
+            "mean_acceptance": round(self.mean_acceptance, 4),
+            "decode_tok_s": round(self.decode_tok_s, 3),
+            "prefill_s": round(self.prefill_s, 6),
+            "drafter_fallback": self.drafter_fallback,
+            "verifier_kv_bytes": kv | ({"restored": self.kv_bytes.restored} if self.kv_bytes.restored else {}),
+            "cache_policy": self.cache_policy,
+            "cache_bounded": self.cache_bounded,
+            "quality": self.quality,
+            "sampling": {
+                "temperature": s.temperature,
+                "top_k": s.top_k,
+                "top_p": s.top_p,
+                "min_p": s.min_p,
+                "rule": None if s.greedy else s.rule,
+            },
+            "seed": s.seed,
+        } | ({"error": self.error} if self.error else {})

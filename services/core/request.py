@@ -1,29 +1,60 @@
 """What a client asks for: one generation (:class:`Request`), how its tokens are sampled
 (:class:`SamplingParams`) and how its verifier cache is bounded (:class:`CachePolicy`).
 
-Every front (CLI, gRPC, HTTP) builds a :class:`Request` and the engine validates it; the
-checks here name the public field a bad value came in.
+Every front (the CLI, the gRPC API, the HTTP API) builds a :class:`Request` and hands it to the
+engine, which checks it in one place (``orchestrator/checks.py``). A refused value raises
+:class:`InvalidRequest` naming the :class:`Request` field it came in (``max_tokens``,
+``sampling.temperature``, ``cache_policy.window``); each front renames the field as its own clients
+spell it (``sampling_params.temperature`` on gRPC, ``temperature`` over HTTP).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+
+
+class InvalidRequest(ValueError):
+    """A value of a request that is refused: ``field`` is its path in :class:`Request`, ``reason`` why."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+    def public(self, names: Mapping[str, str]) -> str:
+        """The message with the field renamed by ``names`` (a front's spelling of a field or of one of its
+        parents: ``{"sampling": "sampling_params"}`` turns ``sampling.top_p`` into ``sampling_params.top_p``;
+        a parent renamed to "" drops it: ``{"sampling": ""}`` gives ``top_p``)."""
+        return f"{public_field(self.field, names)}: {self.reason}"
+
+
+def public_field(path: str, names: Mapping[str, str]) -> str:
+    """``path`` with its longest prefix found in ``names`` replaced (see :meth:`InvalidRequest.public`); an
+    item's index stays with its list's new name (``prompt.messages[1].role`` -> ``messages[1].role``)."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        head, index = ".".join(parts[:cut]), ""
+        if head not in names and head.endswith("]") and "[" in head:
+            head, index = head[: head.rindex("[")], head[head.rindex("[") :]
+        if head in names:
+            return ".".join(p for p in [names[head] + index, *parts[cut:]] if p)
+    return path
+
 
 # The largest block a loop drafts, a verifier verifies and a drafter drafts,
 # and so the ring's rollback slack: one number for every layer.
 MAX_BLOCK_SIZE = 16
 
 
-def check_block_size(block_size: int) -> None:
+def check_block_size(block_size: int, field: str = "block_size") -> None:
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block_size must be between 1 and {MAX_BLOCK_SIZE}, got {block_size}")
+        raise InvalidRequest(field, f"must be between 1 and {MAX_BLOCK_SIZE}, got {block_size}")
 
 
 @dataclass(frozen=True)
 class CachePolicy:
-    """How a session bounds its sliding-layer K/V. Full-attention layers always stay exact (S5).
+    """How a session bounds its sliding-layer K/V. Full-attention layers always stay exact.
 
     ``native``: the model's own sliding window, no sinks. Not bounded as a
     whole: full-attention layers still grow with the context.
@@ -40,28 +71,37 @@ class CachePolicy:
     restore: str | None = None  # an f_theta directory: restore evicted sliding positions (sink-window only)
 
     def resolve(self, model_window: int) -> CachePolicy:
-        """Fill in the model's defaults and check the values; raise ValueError naming the field."""
+        """Fill in the model's defaults and check the values (:class:`InvalidRequest` naming the field)."""
         if self.kind not in ("native", "sink-window"):
-            raise ValueError(f"cache policy kind must be 'native' or 'sink-window', got {self.kind!r}")
+            raise InvalidRequest("cache_policy.kind", f"must be 'native' or 'sink-window', got {self.kind!r}")
         if self.full_kv_bits not in (0, 4, 8):
-            raise ValueError(f"full_kv_bits must be 0 (exact), 4 or 8, got {self.full_kv_bits}")
+            raise InvalidRequest("cache_policy.full_kv_bits", f"must be 0 (exact), 4 or 8, got {self.full_kv_bits}")
         if self.full_kv_group_size not in (32, 64, 128):
-            raise ValueError(f"full_kv_group_size must be 32, 64 or 128, got {self.full_kv_group_size}")
+            raise InvalidRequest(
+                "cache_policy.full_kv_group_size", f"must be 32, 64 or 128, got {self.full_kv_group_size}"
+            )
         if not 1 <= self.slack <= MAX_BLOCK_SIZE:
-            raise ValueError(f"slack must be 1..{MAX_BLOCK_SIZE} (the largest block), got {self.slack}")
+            raise InvalidRequest(
+                "cache_policy.slack", f"must be 1..{MAX_BLOCK_SIZE} (the largest block), got {self.slack}"
+            )
         if self.restore is not None and (self.kind != "sink-window" or not str(self.restore)):
-            raise ValueError("restore (an f_theta directory) needs kind 'sink-window': full layers stay exact (S5)")
+            raise InvalidRequest(
+                "cache_policy.restore", "needs kind 'sink-window' (full-attention layers always stay exact)"
+            )
         if self.kind == "native":
             if self.sink or self.window not in (None, model_window):
-                raise ValueError("the native policy takes no sink/window: use kind 'sink-window'")
+                raise InvalidRequest("cache_policy", "the native policy takes no sink/window: use kind 'sink-window'")
             return replace(self, sink=0, window=model_window)
         window = self.window if self.window is not None else model_window
         if window < 1 or self.sink < 0:
-            raise ValueError(f"sink-window needs window >= 1 and sink >= 0 (got window={window}, sink={self.sink})")
+            raise InvalidRequest(
+                "cache_policy", f"sink-window needs window >= 1 and sink >= 0 (got window={window}, sink={self.sink})"
+            )
         if self.restore is not None and window >= model_window:
-            raise ValueError(
+            raise InvalidRequest(
+                "cache_policy.window",
                 f"restore needs a window smaller than the model's sliding window {model_window} "
-                f"(got window={window}): nothing is evicted that the model would still attend to"
+                f"(got window={window}): nothing is evicted that the model would still attend to",
             )
         return replace(self, window=window)
 
@@ -115,22 +155,24 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
     def check(self) -> SamplingParams:
-        """Raise ValueError naming the bad field; return self."""
+        """Raise :class:`InvalidRequest` naming the bad field (``sampling.<name>``); return self."""
         t = self.temperature
         if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+            raise InvalidRequest("sampling.temperature", f"must be a finite number >= 0 (0 = greedy), got {t!r}")
         if 0 < t < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}")
+            raise InvalidRequest(
+                "sampling.temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}"
+            )
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            raise InvalidRequest("sampling.top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+            raise InvalidRequest("sampling.top_p", f"must be in (0, 1] (1 = off), got {self.top_p!r}")
         if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
-            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+            raise InvalidRequest("sampling.min_p", f"must be in [0, 1] (0 = off), got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+            raise InvalidRequest("sampling.seed", f"must be an integer in [0, 2**64), got {self.seed!r}")
         if self.rule not in SAMPLING_RULES:
-            raise ValueError(f"rule must be one of {', '.join(SAMPLING_RULES)}, got {self.rule!r}")
+            raise InvalidRequest("sampling.rule", f"must be one of {', '.join(SAMPLING_RULES)}, got {self.rule!r}")
         return self
 
     def seeded(self) -> SamplingParams:
@@ -155,21 +197,53 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
-@dataclass
-class Request:
-    """One generation, as every front (CLI, public API, benchmarks) hands it to the engine.
+@dataclass(frozen=True)
+class Message:
+    """One turn of a conversation, as the checkpoint's chat template reads it."""
 
-    Token ids in: turning text into ids, and cutting the streamed text at
-    ``stop_strings``, is the front's work with the engine's codec.
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A conversation to render with the checkpoint's chat template (``orchestrator/chat.py``).
+
+    ``continue_final_message``: the last message is left open for the model to continue (no end of
+    turn, no new assistant header), as transformers' ``apply_chat_template`` does.
     """
 
-    prompt_ids: list[int]
-    max_tokens: int = 128
+    messages: tuple[Message, ...]
+    continue_final_message: bool = False
+
+
+Prompt = Sequence[int] | str | Chat  # token ids, a text to tokenize, or a conversation to render
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation, as every front (the CLI, the gRPC and HTTP APIs, benchmarks) hands it to the engine.
+
+    ``prompt`` is what the client sent: token ids, a text, or a :class:`Chat`. The engine's check
+    (``Engine.check``) returns the request with the prompt as token ids (``prompt_ids``), its
+    defaults filled in (``max_tokens``, ``request_id``, a sampling seed) and every value checked.
+    Cutting the streamed text at ``stop_strings`` is the engine's run's work with its codec.
+    """
+
+    prompt: Prompt
+    max_tokens: int | None = None  # None: the server's default (the CLI's: 128)
     block_size: int = 0  # 0: auto, sized block by block (``orchestrator/adaptive.py``)
     stop_ids: Sequence[int] = ()  # besides the model's EOS ids, unless ``ignore_eos``
     stop_strings: Sequence[str] = ()
     ignore_eos: bool = False
     cache_policy: CachePolicy | None = None  # None: the verifier's default
     sampling: SamplingParams = GREEDY  # unseeded: the engine draws the seed (and reports it)
-    request_id: str = ""  # for logs and the backends' streams
+    request_id: str = ""  # for logs and the backends' streams; "": the engine makes one
     max_block_size: int = MAX_BLOCK_SIZE  # the largest block auto may pick (the cache policy may cap it lower)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt as token ids (a text or chat prompt: after the engine's check has tokenized it)."""
+        if isinstance(self.prompt, (str, Chat)):
+            raise TypeError("a text or chat prompt has no ids before Engine.check tokenizes it")
+        return list(self.prompt)

@@ -110,8 +110,8 @@ class DraftModel(Protocol):
         """The ``k`` likeliest ids of each ``logits`` row, likeliest first, and their log-probabilities
         (after ``argmax``: a pre-draft's alternatives and how likely each is, see ``session.py``)."""
 
-    def settle(self, caches: Sequence[ContextKVCache]) -> None:
-        """Finish writing the caches' new K/V now (a call that synced no ``argmax``)."""
+    def materialize(self, caches: Sequence[ContextKVCache]) -> None:
+        """Finish writing the caches' new K/V now (a call that synced no ``argmax``: MLX builds arrays lazily)."""
 
     def synchronize(self) -> None: ...
 

@@ -67,15 +67,13 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         """Load the drafter (``loader.local_drafter``) on the compute thread and warm it up."""
         from kakeya.drafter.loader import local_drafter
 
-        def make():
-            return local_drafter(str(draft_dir), str(target_dir), backend, **kwargs)
+        def make(**shared):
+            return local_drafter(str(draft_dir), str(target_dir), backend, **shared, **kwargs)
 
         return self.compute.run(self._setup, make, str(draft_dir), str(target_dir), backend)
 
     def _setup(self, make, draft_dir: str, target_dir: str, backend: str) -> str:
-        self.drafter = make()
-        self.drafter.prefixes = self.prefixes
-        self.drafter.predraft_blocks = self.predraft_blocks
+        self.drafter = make(prefixes=self.prefixes, predraft_blocks=self.predraft_blocks)  # its collaborators
         if self.drafter.backend != backend:
             raise ValueError(f"asked for a {backend} drafter, got a {self.drafter.backend} one")
         self.backend = backend

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kakeya.core.contract import Draft, Predrafts, SessionOptions, check_alternatives
+from kakeya.core.contract import Draft, DrafterStats, Predrafts, SessionOptions, check_alternatives
 from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import MAX_BLOCK_SIZE, SamplingParams
 from kakeya.drafter.backend import DraftModel, bind, extend
@@ -104,6 +104,8 @@ class DrafterSession:
     """``prefixes``: the drafter's prefix cache (None: none): :meth:`cached_prefixes` and :meth:`resume`
     read it, :meth:`save` fills it."""
 
+    server_s = None  # in this process a step's whole time is the backend's (the contract's attribute)
+
     def __init__(
         self,
         model: DraftModel,
@@ -163,7 +165,7 @@ class DrafterSession:
             need -= rows.shape[0]
         if need:
             return False
-        self.model.settle([self.cache])
+        self.model.materialize([self.cache])
         snap = self.cache.snapshot()
         return self.prefixes.put(CONTEXT, ids, snap, snap.nbytes)
 
@@ -271,8 +273,12 @@ class DrafterSession:
             raise ValueError("new_aux must hold at least one position on the first draft call")
         return DraftCall(self, aux, last_token, block_size, tuple(pending))
 
-    def stats(self) -> dict:
-        return {"context_len": self.cache.length, "ctx_cache_bytes": self.cache.nbytes, "draft_calls": self.calls}
+    def stats(self) -> DrafterStats:
+        return DrafterStats(context_len=self.cache.length, cache_bytes=self.cache.nbytes, draft_calls=self.calls)
+
+    def abort(self) -> None:
+        """Nothing to end from another thread in this process: a cancelled run stops calling the session and
+        closes it on the thread its steps run on (the cache must not be freed under a running step)."""
 
     def close(self) -> None:
         if self._closed:
@@ -294,7 +300,7 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
     extend(model, caches, [call.aux for call in work])
     drafting = [call for call in work if call.wanted]
     if not drafting:
-        model.settle(caches)
+        model.materialize(caches)
         return [NOTHING] * len(work)
     mask = model.config.mask_token_id
     logits = model.block_logits([(call.session.cache, call.opening + [mask] * call.wanted) for call in drafting])
@@ -318,7 +324,7 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
             # (a sampling call has no pending candidates: pre-drafts are greedy).
             drafts.append(call.session.rule.draft(logits[rows], model.sampler, call.session.cache.length + 1))
     if not greedy:
-        model.settle(caches)
+        model.materialize(caches)
     return drafts
 
 
@@ -334,18 +340,16 @@ def predrafts(calls: Sequence[DraftCall], drafts: Sequence[Draft]) -> Predrafts:
 
 
 class LocalDrafter:
-    """``Drafter`` protocol over one loaded DFlash model (either backend); sessions share the weights
-    (``prefixes``: their prefix cache, None: none)."""
+    """``Drafter`` protocol over one loaded DFlash model (either backend); sessions share the weights.
+    ``prefixes``: their prefix cache (None: none); ``predraft_blocks``: the most blocks one pre-draft of
+    its sessions prepares (``serve drafter --predraft-blocks``)."""
 
-    predraft_blocks = (
-        PREDRAFT_BLOCKS  # the most blocks one pre-draft of its sessions prepares (``serve drafter --predraft-blocks``)
-    )
-
-    def __init__(self, model: DraftModel, prefixes: PrefixCache | None = None):
+    def __init__(self, model: DraftModel, prefixes: PrefixCache | None = None, predraft_blocks: int = PREDRAFT_BLOCKS):
         if model.target is None:
             raise ValueError("DFlashDraftModel must be bound to the target's embedding/LM head")
         self.model = model
         self.prefixes = prefixes
+        self.predraft_blocks = check_predraft_blocks(predraft_blocks, "--predraft-blocks")
         self.backend: str = model.backend
         self.block_size: int = int(model.config.block_size)
         self.mask_token_id: int = int(model.config.mask_token_id)
@@ -380,7 +384,8 @@ class MLXDrafter(LocalDrafter):
     """The MLX drafter: ``MLXDrafter(draft_dir, target_dir, dtype=None)`` loads the draft and only the
     target's embedding / LM head; ``MLXDrafter(model)`` wraps an already bound model."""
 
-    def __init__(self, draft, target_dir: str | Path | None = None, dtype=None):
+    def __init__(self, draft, target_dir: str | Path | None = None, dtype=None, **shared):
+        """``shared``: :class:`LocalDrafter`'s ``prefixes`` and ``predraft_blocks``."""
         from kakeya.drafter.mlx_backend.model import DFlashDraftModel, load_dflash_mlx
 
         if isinstance(draft, DFlashDraftModel):
@@ -391,7 +396,7 @@ class MLXDrafter(LocalDrafter):
             if target_dir is None:
                 raise ValueError("target_dir is required to load the drafter's embedding/LM head")
             model = load_dflash_mlx(draft, target_dir, dtype=dtype)
-        super().__init__(model)
+        super().__init__(model, **shared)
 
     @classmethod
     def load(cls, draft_dir: str | Path, target_dir: str | Path, dtype=None) -> MLXDrafter:
@@ -412,10 +417,12 @@ class TorchDrafter(LocalDrafter):
         cuda_graphs: bool | None = None,
         graph_options=None,
         compile: bool = False,
+        **shared,
     ):
         """``cuda_graphs``: capture greedy draft calls (default: on for CUDA, see drafter/torch_backend/step.py);
         ``graph_options`` (a ``torch_graphs.GraphOptions``) overrides it; ``compile``:
-        ``torch.compile`` the layers' row-wise halves (``DFlashDraftModel.compile_layers``)."""
+        ``torch.compile`` the layers' row-wise halves (``DFlashDraftModel.compile_layers``);
+        ``shared``: :class:`LocalDrafter`'s ``prefixes`` and ``predraft_blocks``."""
         from kakeya.backends.torch.graphs import GraphOptions
 
         if model is None:
@@ -430,7 +437,7 @@ class TorchDrafter(LocalDrafter):
             model.use_graphs(options)
         if compile:
             model.compile_layers()
-        super().__init__(model)
+        super().__init__(model, **shared)
 
     @classmethod
     def colocated(

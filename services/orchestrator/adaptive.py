@@ -240,12 +240,15 @@ class AdaptivePolicy:
         self.max_size, self.carry, self.initial = max_size, carry, initial
         self._lock = threading.Lock()
 
-    def sizer(self) -> BlockSizer:
+    def sizer(self, max_size: int | None = None) -> BlockSizer:
+        """A request's sizer, primed with what this policy has seen; ``max_size``: the request's own cap
+        (its ``max_block_size`` and its cache policy's), at most the policy's."""
         with self._lock:
             chain = AcceptanceChain().merged(self.chain, self.carry)
             copies = AcceptanceChain().merged(self.copies, self.carry)
             costs = CostCurve(dict(self.costs.seconds))
-        return BlockSizer(costs, chain, self.max_size, initial=self.initial, copies=copies)
+        cap = self.max_size if max_size is None else min(max_size, self.max_size)
+        return BlockSizer(costs, chain, cap, initial=self.initial, copies=copies)
 
     def learn(self, sizer: BlockSizer) -> None:
         """Fold a finished request's timings and acceptance back in."""

@@ -237,12 +237,9 @@ def build_local_engine(
         raise ValueError("--cuda-graphs/--compile apply to --backend torch")
     check_compile(torch_options, device)
     vkw = torch_kw | (torch_options or {}) | ({"policy": policy} if policy else {})
-    verifier = local_verifier(target, aux_layers, backend, **vkw)
+    verifier = local_verifier(target, aux_layers, backend, prefixes=prefixes, **vkw)
     dkw = torch_kw | (torch_options or {})
-    drafter = None if no_drafter else local_drafter(draft, target, backend, **dkw)
-    verifier.prefixes = prefixes
-    if drafter is not None:
-        drafter.prefixes = prefixes
+    drafter = None if no_drafter else local_drafter(draft, target, backend, prefixes=prefixes, **dkw)
     return Engine(
         verifier,
         drafter,

@@ -1,10 +1,10 @@
 """An orchestrator engine: a verifier, a drafter and a tokenizer, and the one path a request takes.
 
-Every front (the CLI, the public gRPC server, niah, the benchmarks) starts a
-:class:`Run` with :meth:`Engine.start` and iterates it, so all of them open,
-size, fall back, stop and close alike, and report the same stats. Which
-verifier/drafter the engine holds (in-process MLX, in-process torch, remote
-gRPC) is decided by whoever builds it (``assembly.py``); the engine never looks.
+Every front (the CLI, the gRPC and HTTP APIs through ``service.py``, niah, the benchmarks) starts a
+:class:`Run` with :meth:`Engine.start` and iterates it, so all of them check, open, size, fall back,
+stop, cut text and close alike, and end with the same :class:`~kakeya.core.generation.Report`.
+Which verifier/drafter the engine holds (in-process MLX, in-process torch, remote gRPC) is decided
+by whoever builds it (``assembly.py``); the engine never looks.
 """
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Self
 
 from kakeya.core.contract import Cancellation, Drafter, SessionOptions, Verifier, check_alternatives
+from kakeya.core.generation import Block, Generation, Report
 from kakeya.core.request import REJECTION, Request
 from kakeya.orchestrator import loop
 from kakeya.orchestrator.adaptive import AdaptivePolicy, BlockSizer, measure_costs
-from kakeya.orchestrator.quality import quality_report
-from kakeya.orchestrator.text import TextCodec
+from kakeya.orchestrator.checks import Limits, check_request
+from kakeya.orchestrator.text import TextCodec, text_stream
 
 log = logging.getLogger("kakeya.orchestrator")
 
@@ -82,104 +83,34 @@ class Engine:
                 self.adaptive = AdaptivePolicy(costs, initial=self.default_block_size)
         return self.adaptive
 
-    def as_run(self, req: Request) -> Request:
-        """``req`` as it runs. A rejection-rule sampling request asking for auto runs at the drafter's
-        trained block size instead (within the cache policy's limits): that rule's tokens depend on
-        the block sizes, so its seed must meet one schedule, never one that timings pick. The
-        coupled rule's tokens depend on no schedule: auto stays auto."""
-        if req.block_size or self.drafter is None or req.sampling.greedy or req.sampling.rule != REJECTION:
-            return req
-        fixed = min(self.default_block_size, req.max_block_size, self.max_block_size(req.cache_policy))
-        return replace(req, block_size=fixed)
-
     def block_sizer(self, req: Request) -> int | BlockSizer:
         """A fixed size, or for ``block_size`` 0 (auto) a sizer primed with what this engine has seen."""
         if req.block_size or self.drafter is None:
             return req.block_size or 1
-        sizer = self.calibrate().sizer()
-        sizer.max_size = min(req.max_block_size, self.max_block_size(req.cache_policy))
-        return sizer
+        return self.calibrate().sizer(min(req.max_block_size, self.max_block_size(req.cache_policy)))
 
     def stop_ids(self, req: Request) -> frozenset[int]:
         """The tokens that end ``req``'s generation (included in it)."""
         eos = () if req.ignore_eos else self.verifier.info.eos_token_ids
         return frozenset(req.stop_ids) | frozenset(eos)
 
-    def validate(self, req: Request) -> None:
-        """Raise ValueError naming the offending field."""
-        if not req.prompt_ids:
-            raise ValueError("prompt: empty prompt")
-        vocab = self.verifier.info.vocab_size
-        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids: ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if req.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {req.max_tokens}")
-        req.sampling.check()
-        if not 1 <= req.max_block_size <= loop.MAX_BLOCK_SIZE:
-            raise ValueError(f"max_block_size must be between 1 and {loop.MAX_BLOCK_SIZE}, got {req.max_block_size}")
-        resolved = (req.cache_policy or self.verifier.policy).resolve(self.verifier.info.sliding_window)
-        if req.block_size == 0:
-            return  # auto: sized within the policy's limits (``max_block_size``)
-        block_size = req.block_size
-        loop.check_block_size(block_size)
-        if block_size > resolved.slack:
-            raise ValueError(f"block_size {block_size} exceeds the cache policy's rollback slack {resolved.slack}")
-        if resolved.restore and block_size > resolved.window:
-            raise ValueError(f"block_size {block_size} exceeds the restoring window {resolved.window}")
+    def check(self, req: Request, limits: Limits = Limits()) -> Request:
+        """``req`` as it will run, every value checked against the model and ``limits`` (``checks.py``):
+        InvalidRequest naming the field, before any model work."""
+        return check_request(req, self, limits)
 
     def start(self, req: Request, options: RunOptions | None = None) -> Run:
-        """Validate ``req`` (ValueError naming the field), open its sessions and return the :class:`Run`
-        (its ``request``: ``req`` :meth:`as_run`)."""
-        self.validate(req)
-        return Run(self, self.as_run(req), options or RunOptions())
+        """Check ``req`` (:meth:`check`, with ``options.limits``), open its sessions and return the
+        :class:`Run` (its ``request``: the checked request)."""
+        options = options or RunOptions()
+        return Run(self, self.check(req, options.limits), options)
 
-    def generate(self, req: Request, options: RunOptions | None = None) -> loop.Generation:
+    def generate(self, req: Request, options: RunOptions | None = None) -> Generation:
         """:meth:`start` ``req`` and run it to the end."""
         with self.start(req, options) as run:
             for _ in run:
                 pass
         return run.result
-
-    def report(self, req: Request, gen: loop.Generation) -> dict:
-        """The stats every front end prints (CLI --json, the Generate API's final message)."""
-        kv = gen.verifier_stats.get("kv_bytes", {})
-        return {
-            "target": self.target,
-            "draft": self.draft,
-            "backend": self.verifier.info.backend,
-            "block_size": req.block_size,  # 0: auto, sized block by block
-            "block_sizes": [b.drafted + 1 for b in gen.blocks[1:]],
-            "copied_blocks": sum(b.copied for b in gen.blocks),  # drafted by copy (n-gram), not by the drafter
-            "prompt_token_ids": gen.prompt_ids,
-            "cached_tokens": gen.cached_tokens,
-            "token_ids": gen.token_ids,
-            "text": self.codec.decode(gen.token_ids),
-            "finish_reason": gen.finish_reason,
-            "acceptance_lengths": gen.acceptance_lengths,
-            "mean_acceptance": round(gen.mean_acceptance, 4),
-            "decode_tok_s": round(gen.decode_tok_s, 3),
-            "prefill_s": round(gen.prefill_s, 6),
-            "drafter_fallback": gen.drafter_fallback,
-            "verifier_kv_bytes": {"sliding": kv.get("sliding", 0), "full": kv.get("full", 0)}
-            | ({"restored": kv["restored"]} if "restored" in kv else {}),
-            "cache_policy": gen.verifier_stats.get("cache_policy", ""),
-            "cache_bounded": gen.verifier_stats.get("bounded", False),
-            "quality": quality_report(gen.token_ids),
-            "sampling": sampling_report(gen.sampling),
-            "seed": gen.sampling.seed,
-        }
-
-
-def sampling_report(s) -> dict:
-    """What ran, as JSON reports show it (``temperature`` 0: greedy, and no rule)."""
-    return {
-        "temperature": s.temperature,
-        "top_k": s.top_k,
-        "top_p": s.top_p,
-        "min_p": s.min_p,
-        "rule": None if s.greedy else s.rule,
-    }
 
 
 def _call(fn: Callable, *args) -> Any:
@@ -198,6 +129,7 @@ class RunOptions:
     predraft: bool | None = None  # None: the engine's choice (``Engine.predraft``); sampling runs never pre-draft
     predraft_alternatives: int | None = None  # None: the engine's choice (``Engine.predraft_alternatives``)
     ngram: bool | None = None  # None: the engine's choice (``Engine.ngram``); the rejection rule never copies
+    limits: Limits = Limits()  # what the request is checked against (a server's flags)
 
 
 class Run:
@@ -215,9 +147,11 @@ class Run:
     def __init__(self, engine: Engine, req: Request, options: RunOptions):
         self.request, self._engine, self._step = req, engine, options.step
         self._fallback = options.drafter_fallback
-        self._sampling = req.sampling.seeded()  # one seed for both sessions' streams, reported back
+        self._sampling = req.sampling  # checked: seeded, one seed for both sessions' streams, reported back
+        self._text = text_stream(engine.codec, req.stop_strings)  # each block's text, cut at a stop string
+        self._streamed: list[str] = []
         self._cancellation = Cancellation()
-        self._result: loop.Generation | None = None
+        self._result: Generation | None = None
         self._decoding: loop.Decoding | None = None
         self.verifier_session = self.drafter_session = None  # read by a server's metrics (their backends' time)
         self.drafter_error: Exception | None = None  # why the drafter stopped, if it did (a server counts it by reason)
@@ -295,7 +229,8 @@ class Run:
     def __iter__(self) -> Run:
         return self
 
-    def __next__(self) -> loop.Block:
+    def __next__(self) -> Block:
+        """The next committed block, its ``text`` the text it added (cut at a stop string, which ends the run)."""
         if self._result is not None:
             raise StopIteration
         block = None if self.cancelled else self._advance()
@@ -304,10 +239,14 @@ class Run:
         elif block is None:
             self._end(self._decoding.generation.finish_reason, learn=True)
         else:
+            ids, block.text, hit = self._text.add(block.tokens)
+            self._streamed.append(block.text)
+            if hit:
+                self._stop_at(len(ids))
             return block
         raise StopIteration
 
-    def _advance(self) -> loop.Block | None:
+    def _advance(self) -> Block | None:
         """The loop's next block on the step's thread (None: the loop is over); a failure ends the run."""
         try:
             return self._step(next, self._decoding, None)
@@ -318,11 +257,41 @@ class Run:
             raise
 
     @property
-    def result(self) -> loop.Generation:
+    def result(self) -> Generation:
         """The finished :class:`Generation`: what was committed, how it ended, the verifier's stats."""
         if self._result is None:
             raise RuntimeError("the run is not over: iterate it to the end, or close it")
         return self._result
+
+    def report(self, total_s: float = 0.0, error: str = "") -> Report:
+        """The finished run as every front reports it (``total_s``: end to end as the caller measured it)."""
+        gen, e, req = self.result, self._engine, self.request
+        stats = gen.verifier_stats
+        return Report(
+            target=e.target,
+            draft=e.draft,
+            backend=e.verifier.info.backend,
+            device=e.device,
+            prompt_token_ids=tuple(gen.prompt_ids),
+            token_ids=tuple(gen.token_ids),
+            text="".join(self._streamed),
+            finish_reason=gen.finish_reason,
+            error=error,
+            block_size=req.block_size,
+            block_sizes=tuple(b.drafted + 1 for b in gen.blocks[1:]),
+            acceptance_lengths=tuple(gen.acceptance_lengths),
+            copied_blocks=sum(b.copied for b in gen.blocks),
+            cached_tokens=gen.cached_tokens,
+            decode_tok_s=gen.decode_tok_s,
+            prefill_s=gen.prefill_s,
+            decode_s=gen.decode_s,
+            total_s=total_s,
+            drafter_fallback=gen.drafter_fallback,
+            kv_bytes=stats.kv_bytes,
+            cache_policy=stats.cache_policy,
+            cache_bounded=stats.bounded,
+            sampling=gen.sampling,
+        )
 
     @property
     def cancelled(self) -> bool:
@@ -338,8 +307,8 @@ class Run:
         if self._result is None:
             self._end("abort")
 
-    def stop(self, keep: int) -> None:
-        """End the run at a stop the front found in the last block (a stop string): keep its first ``keep`` tokens."""
+    def _stop_at(self, keep: int) -> None:
+        """End the run at a stop string found in the last block: keep its first ``keep`` tokens."""
         gen = self._decoding.generation
         dropped = len(gen.blocks[-1].tokens) - keep
         if dropped > 0:
@@ -363,6 +332,7 @@ class Run:
     def _end(self, finish_reason: str, learn: bool = False) -> None:
         gen = self._decoding.generation
         gen.finish_reason, gen.sampling = finish_reason, self._sampling
+        self._streamed.append(self._text.flush())  # text held back for a stop string or a partial character
         self._result = gen
         try:
             if finish_reason != "error" and not self.cancelled:  # the cache as it ends (what reports show)

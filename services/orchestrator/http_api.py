@@ -1,18 +1,16 @@
-"""OpenAI's HTTP API <-> the public Generation API: translation only (``http_server.py`` serves it).
+"""OpenAI's HTTP API <-> the request and the report: translation only (``http_server.py`` serves it).
 
-A body is checked for OpenAI's types, field by field (:class:`ApiError` 400
-naming the parameter), then written as the ``GenerateRequest`` a gRPC client
-would send, so both fronts go through the very same validation
-(``requests.py``), run (``Engine.start`` -> ``Run``) and stop-string cutting
-(``server.py``); the gRPC statuses of what they refuse map to HTTP statuses
-here, with OpenAI's error body. The answers -- a completion, a chat
-completion, or their server-sent-event chunks -- are built from the
-``Chunk``/``Complete`` messages, with ``usage.prompt_tokens_details.cached_tokens``
-and Kakeya's speculative stats under ``kakeya``.
+A body is checked for OpenAI's types, field by field (:class:`ApiError` 400 naming the parameter),
+then written as a :class:`~kakeya.core.request.Request`, which runs through the generation service
+(``service.py``) as a gRPC client's does: the same check of its values (``checks.py``; a refusal
+names the parameter as this API spells it, :func:`field_names`), run and stop-string cutting. The
+statuses of what the service refuses map to HTTP statuses here, with OpenAI's error body. The
+answers -- a completion, a chat completion, or their server-sent-event chunks -- are built from the
+run's blocks and its :class:`~kakeya.core.generation.Report`, with
+``usage.prompt_tokens_details.cached_tokens`` and Kakeya's speculative stats under ``kakeya``.
 
-Beyond OpenAI's parameters a request may send ``top_k``, ``min_p``,
-``ignore_eos``, ``stop_token_ids`` and ``block_size`` (as vLLM does), and a
-chat request ``continue_final_message``.
+Beyond OpenAI's parameters a request may send ``top_k``, ``min_p``, ``ignore_eos``,
+``stop_token_ids`` and ``block_size`` (as vLLM does), and a chat request ``continue_final_message``.
 """
 
 from __future__ import annotations
@@ -25,8 +23,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from kakeya.core.generation import Block, Report
+from kakeya.core.request import Chat, InvalidRequest, Message, Request, SamplingParams, public_field
 from kakeya.runtime.lifecycle import RequestError
-from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -36,10 +35,9 @@ STATUS = {
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}  # fmt: skip
-# The GenerateRequest fields the shared validation names -> the OpenAI parameter they came from.
+# The public gRPC names a backend's refusal may carry (``errors.public_status``) -> the OpenAI parameter.
 PARAMS = [("prompt.tokenized.ids", "prompt"), ("prompt.text", "prompt"), ("prompt.messages", "messages"),
           ("sampling_params.", ""), ("cache_policy", "cache_policy")]  # fmt: skip
-FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 UNSUPPORTED = {  # parameters whose non-default values this server cannot honour (and says so)
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
@@ -61,6 +59,12 @@ class ApiError(Exception):
     def body(self) -> dict:
         kind = ERROR_TYPES.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def invalid(cls, exc: InvalidRequest, names: dict[str, str]) -> ApiError:
+        """The engine's refusal of a value, named as this request sent it."""
+        param = public_field(exc.field, names)
+        return cls(400, exc.public(names), param.split(".")[0].split("[")[0] or None, "invalid_request")
 
     @classmethod
     def of(cls, exc: RequestError) -> ApiError:
@@ -118,32 +122,24 @@ def _ids(value, name: str) -> list[int]:
     return value
 
 
-def _sampling(body: dict, chat: bool) -> pb.SamplingParams:
-    sp = pb.SamplingParams(temperature=_number(body, "temperature", 1.0, low=0, high=1e6))  # OpenAI's default: 1
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise bad("top_p", f"must be in (0, 1], got {top_p}")
-    sp.top_p = top_p
-    top_k = _number(body, "top_k", 0, integer=True, low=-1, high=INT32)
-    sp.top_k = 0 if top_k == -1 else top_k  # vLLM's -1 is off, as our 0
-    sp.min_p = _number(body, "min_p", 0.0, low=0, high=1e6)
-    seed = _number(body, "seed", integer=True, low=0, high=2**64)
-    if seed is not None:
-        sp.seed = seed
-    limit = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    name = next((n for n in limit if body.get(n) is not None), limit[-1])
-    sp.max_tokens = _number(body, name, 0, integer=True, low=1, high=INT32)
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise bad("stop", "must be a string or a list of strings")
-    sp.stop.extend(stops)
-    sp.stop_token_ids.extend(_ids(body.get("stop_token_ids") or [], "stop_token_ids"))
-    sp.ignore_eos = _flag(body, "ignore_eos")
-    return sp
+def field_names(chat: bool, max_tokens: str) -> dict[str, str]:
+    """The Request's fields -> the parameters of this API they came from (``max_tokens``: which one was sent)."""
+    prompt = {
+        "prompt": "messages",
+        "prompt.messages": "messages",
+        "prompt.continue_final_message": "continue_final_message",
+    }
+    prompt = prompt if chat else {}
+    return prompt | {
+        "max_tokens": max_tokens,
+        "sampling": "",
+        "stop_strings": "stop",
+        "stop_ids": "stop_token_ids",
+    }
 
 
-def _common(body: dict, served: str, chat: bool) -> tuple[pb.GenerateRequest, Call]:
+def _common(body: dict, served: str, chat: bool) -> tuple[dict, Call, dict[str, str]]:
+    """The parameters both APIs share, as Request fields; the call; the field names."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model", served)
@@ -158,40 +154,65 @@ def _common(body: dict, served: str, chat: bool) -> tuple[pb.GenerateRequest, Ca
     if not isinstance(options, dict):
         raise bad("stream_options", "must be an object")
     stream = _flag(body, "stream")
-    req = pb.GenerateRequest(sampling_params=_sampling(body, chat))
-    req.block_size = _number(body, "block_size", 0, integer=True, low=-INT32, high=INT32)
-    return req, Call(chat, stream, stream and _flag(options, "include_usage"), served)
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise bad("top_p", f"must be in (0, 1], got {top_p}")
+    top_k = _number(body, "top_k", 0, integer=True, low=-1, high=INT32)
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 1.0, low=0, high=1e6),  # OpenAI's default: 1
+        top_k=0 if top_k == -1 else top_k,  # vLLM's -1 is off, as our 0
+        top_p=top_p,
+        min_p=_number(body, "min_p", 0.0, low=0, high=1e6),
+        seed=_number(body, "seed", integer=True, low=0, high=2**64),
+    )
+    limit = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    max_name = next((n for n in limit if body.get(n) is not None), limit[-1])
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("stop", "must be a string or a list of strings")
+    fields = {
+        "max_tokens": _number(body, max_name, None, integer=True, low=1, high=INT32),
+        "block_size": _number(body, "block_size", 0, integer=True, low=-INT32, high=INT32),
+        "stop_strings": tuple(stops),
+        "stop_ids": tuple(_ids(body.get("stop_token_ids") or [], "stop_token_ids")),
+        "ignore_eos": _flag(body, "ignore_eos"),
+        "sampling": sampling,
+    }
+    call = Call(chat, stream, stream and _flag(options, "include_usage"), served)
+    return fields, call, field_names(chat, max_name)
 
 
-def completion_request(body: dict, served: str) -> tuple[pb.GenerateRequest, Call]:
+def completion_request(body: dict, served: str) -> tuple[Request, Call, dict[str, str]]:
     """``POST /v1/completions``: one prompt, as text or token ids (a list of one of either is one prompt too)."""
-    req, call = _common(body, served, chat=False)
+    fields, call, names = _common(body, served, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        req.text = prompt
+        pass
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        req.tokenized.ids.extend(_ids(prompt, "prompt"))
+        prompt = _ids(prompt, "prompt")
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise bad("prompt", "one prompt per request (this server does not batch prompts)")
     else:
         raise bad("prompt", "must be a string or a list of token ids")
-    return req, call
+    return Request(prompt, **fields), call, names
 
 
-def chat_request(body: dict, served: str) -> tuple[pb.GenerateRequest, Call]:
+def chat_request(body: dict, served: str) -> tuple[Request, Call, dict[str, str]]:
     """``POST /v1/chat/completions``: the messages, rendered by the checkpoint's chat template."""
-    req, call = _common(body, served, chat=True)
+    fields, call, names = _common(body, served, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "must be a non-empty list of messages")
+    turns = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad("messages", f"messages[{i}] must be an object with a role")
-        req.messages.messages.add(role=m["role"], content=_content(m.get("content"), i))
-    req.messages.continue_final_message = _flag(body, "continue_final_message")
-    return req, call
+        turns.append(Message(m["role"], _content(m.get("content"), i)))
+    prompt = Chat(tuple(turns), _flag(body, "continue_final_message"))
+    return Request(prompt, **fields), call, names
 
 
 def _content(content, i: int) -> str:
@@ -209,7 +230,7 @@ def _content(content, i: int) -> str:
 
 
 class Answer:
-    """One request's answer, built from its ``Chunk``s and its ``Complete``: whole, or as stream chunks."""
+    """One request's answer, built from its run's blocks and its report: whole, or as stream chunks."""
 
     def __init__(self, call: Call):
         self.call = call
@@ -238,48 +259,53 @@ class Answer:
         return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}], chunk=True)  # fmt: skip
 
-    def add(self, chunk: pb.GenerateResponse.Chunk) -> dict | None:
-        """A streamed ``Chunk``'s text as an event (None when it carries no text yet)."""
-        self.token_ids.extend(chunk.token_ids)
-        self.text.append(chunk.text)
-        return self._envelope([self._choice(chunk.text, None, True)], chunk=True) if chunk.text else None
+    def add(self, block: Block) -> dict | None:
+        """A committed block's text as an event (None when it carries no text yet)."""
+        self.token_ids.extend(block.tokens)
+        self.text.append(block.text)
+        return self._envelope([self._choice(block.text, None, True)], chunk=True) if block.text else None
 
-    def closing(self, complete: pb.GenerateResponse.Complete) -> list[dict]:
+    def tail(self, report: Report) -> dict | None:
+        """The text the run held back to its end (a partial character, a possible stop string), as an event."""
+        rest = report.text[len("".join(self.text)) :]
+        if not rest:
+            return None
+        self.text.append(rest)
+        return self._envelope([self._choice(rest, None, True)], chunk=True)
+
+    def closing(self, report: Report) -> list[dict]:
         """A stream's last events: the finish reason with Kakeya's stats, then (if asked) the usage."""
-        last = self._envelope([self._choice("", finish_reason(complete), True)], chunk=True)
-        last["kakeya"] = stats(complete, self.token_ids)
+        last = self._envelope([self._choice("", finish_reason(report), True)], chunk=True)
+        last["kakeya"] = stats(report)
         if not self.call.include_usage:
             return [last]
-        return [last, self._envelope([], chunk=True) | {"usage": usage(complete)}]
+        return [last, self._envelope([], chunk=True) | {"usage": usage(report)}]
 
-    def whole(self, complete: pb.GenerateResponse.Complete) -> dict:
-        body = self._envelope([self._choice("".join(self.text), finish_reason(complete), False)])
-        return body | {"usage": usage(complete), "kakeya": stats(complete, self.token_ids)}
-
-
-def finish_reason(complete: pb.GenerateResponse.Complete) -> str:
-    if complete.finish_reason == pb.FINISH_REASON_ERROR:
-        raise ApiError(500, f"generation failed: {complete.error_message}")
-    return FINISH.get(complete.finish_reason, "stop")
+    def whole(self, report: Report) -> dict:
+        body = self._envelope([self._choice(report.text, finish_reason(report), False)])
+        return body | {"usage": usage(report), "kakeya": stats(report)}
 
 
-def usage(c: pb.GenerateResponse.Complete) -> dict:
+def finish_reason(report: Report) -> str:
+    if report.finish_reason == "error":
+        raise ApiError(500, f"generation failed: {report.error}")
+    return report.finish_reason
+
+
+def usage(r: Report) -> dict:
+    prompt, completion = len(r.prompt_token_ids), len(r.token_ids)
     return {
-        "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-        "total_tokens": c.prompt_tokens + c.completion_tokens, "prompt_tokens_details": {"cached_tokens": c.cached_tokens},
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
     }  # fmt: skip
 
 
-def stats(c: pb.GenerateResponse.Complete, token_ids: list[int]) -> dict:
+def stats(r: Report) -> dict:
     """Kakeya's extension: the completion's token ids and the speculative stats ``kakeya client`` prints."""
-    s = c.stats
-    out = {
-        "token_ids": list(token_ids), "acceptance_lengths": list(s.acceptance_lengths),
-        "mean_acceptance": round(s.mean_acceptance, 4), "decode_tok_s": round(s.decode_tok_s, 3),
-        "prefill_s": round(s.prefill_s, 6), "drafter_fallback": s.drafter_fallback, "block_size": s.block_size,
-        "cache_policy": s.cache_policy, "cached_tokens": c.cached_tokens,
-    }  # fmt: skip
-    return out | ({"seed": c.seed} if c.HasField("seed") else {})
+    j = r.to_json()
+    keep = ("token_ids", "acceptance_lengths", "mean_acceptance", "decode_tok_s", "prefill_s", "drafter_fallback",
+            "block_size", "block_sizes", "copied_blocks", "cache_policy", "cached_tokens", "seed")  # fmt: skip
+    return {k: j[k] for k in keep if k != "seed" or j["seed"] is not None}
 
 
 def models(served: str, max_model_len: int) -> dict:

@@ -4,7 +4,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``:
 server-sent events, ended by ``data: [DONE]``), ``GET /v1/models`` and
 ``GET /health`` (200 once the server is SERVING, else 503; open without a
 token, as gRPC health is). Every request runs through
-:meth:`GenerationServicer.stream` -- the same admission, validation, engine
+:meth:`GenerationService.stream` -- the same admission, check, engine
 run, metrics and draining as a gRPC ``Generate`` -- on a thread of its own,
 its messages handed to the event loop; a client that goes away cancels its
 run, which frees the backend sessions. The bearer token (``--auth-token-file``)
@@ -32,6 +32,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kakeya.core.generation import Block
+from kakeya.core.request import InvalidRequest
 from kakeya.orchestrator import http_api
 from kakeya.orchestrator.http_api import ApiError
 from kakeya.runtime.lifecycle import RequestError
@@ -50,7 +52,7 @@ def served_model_name(target: str) -> str:
 
 
 class HttpCall:
-    """What ``GenerationServicer.stream`` asks of a call: the caller (``peer``, named as gRPC names its
+    """What ``GenerationService.stream`` asks of a call (``service.Call``): the caller (``peer``, named as gRPC names its
     peers, so --max-sessions-per-peer counts both fronts together), no deadline, and a callback when the
     client leaves."""
 
@@ -89,8 +91,8 @@ def grpc_peer(request: Request) -> str:
 
 
 async def _messages(servicer, request, peer: str) -> AsyncIterator:
-    """The servicer's responses to ``request`` from ``peer``, produced on a thread of their own (each step
-    blocks on the models); a RequestError before the first comes out of the first ``__anext__``."""
+    """The service's blocks and report for ``request`` from ``peer``, produced on a thread of their own (each
+    step blocks on the models); a refusal before the first comes out of the first ``__anext__``."""
     loop, queue, call = asyncio.get_running_loop(), asyncio.Queue(), HttpCall(peer)
 
     def pump() -> None:
@@ -162,7 +164,7 @@ class HttpFront:
             return refused
         if self.servicer.engine is None:
             return _error(ApiError(503, "orchestrator is loading"))
-        return JSONResponse(http_api.models(self.model_name, self.servicer.max_context))
+        return JSONResponse(http_api.models(self.model_name, self.servicer.limits.max_context))
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, http_api.completion_request)
@@ -177,11 +179,13 @@ class HttpFront:
         try:
             if self.servicer.engine is None:
                 raise ApiError(503, "orchestrator is loading")
-            generate, call = translate(await self._body(request), self.model_name)
+            generate, call, names = translate(await self._body(request), self.model_name)
             messages = _messages(self.servicer, generate, grpc_peer(request))
             first = await anext(messages, None)
         except ApiError as exc:
             return _error(exc)
+        except InvalidRequest as exc:
+            return _error(ApiError.invalid(exc, names))
         except RequestError as exc:
             return _error(ApiError.of(exc))
         answer = http_api.Answer(call)
@@ -200,28 +204,31 @@ class HttpFront:
             await messages.aclose()
 
     @staticmethod
-    def _consume(answer: http_api.Answer, message):
-        """Add a Chunk to ``answer``; a Complete is returned."""
-        if message.HasField("chunk"):
-            answer.add(message.chunk)
+    def _consume(answer: http_api.Answer, item):
+        """Add a block to ``answer``; the report is returned."""
+        if isinstance(item, Block):
+            answer.add(item)
             return None
-        return message.complete
+        return item
 
     async def _events(self, answer: http_api.Answer, first, messages) -> AsyncIterator[bytes]:
         opening = answer.opening()
         if opening is not None:
             yield _event(opening)
         try:
-            message = first
-            while message is not None:
-                if message.HasField("chunk"):
-                    event = answer.add(message.chunk)
+            item = first
+            while item is not None:
+                if isinstance(item, Block):
+                    event = answer.add(item)
                     if event is not None:
                         yield _event(event)
                 else:
-                    for event in answer.closing(message.complete):
+                    tail = answer.tail(item)
+                    if tail is not None:
+                        yield _event(tail)
+                    for event in answer.closing(item):
                         yield _event(event)
-                message = await anext(messages, None)
+                item = await anext(messages, None)
         except ApiError as exc:  # failed after the first chunk: the stream says so, as vLLM's does
             yield _event(exc.body())
         yield b"data: [DONE]\n\n"

@@ -141,7 +141,8 @@ def run_niah(
             gen = engine.generate(req)
             text = codec.decode(gen.token_ids)
             hit = code in text
-            kv = gen.verifier_stats.get("kv_bytes", {})
+            kv_bytes = gen.verifier_stats.kv_bytes
+            kv = {"sliding": kv_bytes.sliding, "full": kv_bytes.full, "restored": kv_bytes.restored}
             rows.append(
                 {
                     "context": context,

@@ -33,7 +33,16 @@ from collections.abc import Callable, Collection, Sequence
 
 import grpc
 
-from kakeya.core.contract import Draft, Predrafts, SessionOptions, Verdict
+from kakeya.core.contract import (
+    Draft,
+    DrafterStats,
+    KVBytes,
+    Predrafts,
+    SessionOptions,
+    Verdict,
+    VerifierStats,
+    WireStats,
+)
 from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy, SamplingParams
 from kakeya.orchestrator.deadlines import StepClock
 from kakeya.orchestrator.streams import BackendError, Stream, backend_channel, backend_healthy, call_unary, fetch_info
@@ -131,17 +140,15 @@ class GrpcVerifierSession:
         self._stats = r.stats
         return Verdict(r.accepted, r.next_token, self._aux(r.aux))
 
-    def stats(self) -> dict:
+    def stats(self) -> VerifierStats:
         s = self._stats
-        return {
-            "cache_policy": self.cache_policy,
-            "bounded": s.bounded,
-            "positions": s.positions,
-            "kv_bytes": {"sliding": s.kv_bytes_sliding, "full": s.kv_bytes_full},
-            "bytes_sent": self._s.bytes_sent,
-            "bytes_received": self._s.bytes_received,
-            "server_s": self.server_s,
-        }
+        return VerifierStats(
+            cache_policy=self.cache_policy,
+            bounded=s.bounded,
+            positions=s.positions,
+            kv_bytes=KVBytes(s.kv_bytes_sliding, s.kv_bytes_full),
+            wire=WireStats(self._s.bytes_sent, self._s.bytes_received, self.server_s),
+        )
 
     def close(self) -> None:
         r = self._s.finish(vpb.VerifierRequest(close=vpb.VerifierRequest.Close()), "closed", self.clock.timeout())
@@ -260,6 +267,7 @@ class GrpcDrafterSession:
         self._resume_at = 0
         self.server_s = 0.0  # server-side time of the drafts (the steps on a block's critical path)
         self.predraft_s = 0.0  # ... and of the pre-drafts, which run beside the verifier's steps
+        self._stats = dpb.DrafterStats()  # the server's, as its last answer reported them
         if options.cancel is not None:
             options.cancel.on_cancel(self.abort)
 
@@ -330,6 +338,7 @@ class GrpcDrafterSession:
         self.server_s += r.elapsed_s
         self.drafter.backoff.success()
         d = r.drafted
+        self._stats = d.stats
         if not d.HasField("proposal"):
             return Draft(d.token_ids)
         return Draft(
@@ -356,10 +365,10 @@ class GrpcDrafterSession:
 
         return result
 
-    def stats(self) -> dict:
+    def stats(self) -> DrafterStats:
         s = self._s
-        return {"bytes_sent": s.bytes_sent if s else 0, "bytes_received": s.bytes_received if s else 0,
-                "server_s": self.server_s, "predraft_s": self.predraft_s}  # fmt: skip
+        wire = WireStats(s.bytes_sent if s else 0, s.bytes_received if s else 0, self.server_s)
+        return DrafterStats(self._stats.context_positions, self._stats.kv_bytes, wire=wire)
 
     def close(self) -> None:
         if self._s is not None and not self._broken:
@@ -389,6 +398,8 @@ def predrafts_from_proto(msg, pending: int, block_size: int, vocab: int) -> Pred
 class _SkippedDrafterSession:
     """Handed out while the drafter is backing off: fails at once, so the verifier decodes alone."""
 
+    server_s = 0.0  # it never reaches the server
+
     def __init__(self, drafter: GrpcDrafter):
         self.drafter = drafter
 
@@ -415,8 +426,8 @@ class _SkippedDrafterSession:
     def predraft(self, new_aux, block_ids, block_size, alternatives=0):
         return self.draft(new_aux, block_ids[0], block_size)  # fails alike
 
-    def stats(self) -> dict:
-        return {}
+    def stats(self) -> DrafterStats:
+        return DrafterStats()
 
     def close(self) -> None:
         pass

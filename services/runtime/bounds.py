@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kakeya.core.request import CachePolicy
+from kakeya.core.request import CachePolicy, InvalidRequest
 
 MAX_REQUEST_ID_CHARS = 128
 DEFAULT_MAX_PROMPT_TOKENS = 8192
@@ -33,11 +33,11 @@ _SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def check_request_id(value: str, field: str = "request_id") -> str:
-    """A request id safe to log and to send as gRPC metadata, or ValueError."""
-    if len(value) > MAX_REQUEST_ID_CHARS:
-        raise ValueError(f"{field}: {len(value)} characters, at most {MAX_REQUEST_ID_CHARS} allowed")
+    """A request id safe to log and to send as gRPC metadata, or InvalidRequest."""
+    if not isinstance(value, str) or len(value) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(field, f"at most {MAX_REQUEST_ID_CHARS} characters of printable ASCII")
     if not _REQUEST_ID.fullmatch(value):
-        raise ValueError(f"{field}: only printable ASCII without whitespace or control characters is allowed")
+        raise InvalidRequest(field, "only printable ASCII without whitespace or control characters is allowed")
     return value
 
 

@@ -213,8 +213,8 @@ class ServerMetrics:
 
 
 def _server_s(session: Any) -> float | None:
-    value = getattr(session, "server_s", None)
-    return float(value) if isinstance(value, (int, float)) else None
+    """A remote session's backend time so far (the contract's ``server_s``); None in this process or without one."""
+    return None if session is None else session.server_s
 
 
 class GenerationObserver:

@@ -1,15 +1,15 @@
-"""The verifier's backend protocol: everything a session and the batch runner call on a target.
+"""The verifier's backend protocols: everything a session and the batch runner call on a target.
 
 ``TargetMLX`` (``mlx_backend/target.py``) and ``TargetTorch``
-(``torch_backend/target.py``) subclass :class:`Target` explicitly, so the few
-bodies that are the same on both live here once. What only one backend has is
-a capability, declared as data, not probed for:
+(``torch_backend/target.py``) implement :class:`Target` (checked by
+``tests/test_protocols.py``). What only one backend has is a capability,
+declared as data (a flag every target has), never probed for, with a protocol
+of its own that the backend implements:
 
-* ``static_verify`` (torch): a greedy block runs through a static-shape step
-  (CUDA graphs on a GPU, the same step eagerly elsewhere) -- ``static_length``
-  and ``verify_static``;
-* ``restores`` (MLX): f_theta restoration of evicted sliding-layer K/V --
-  ``restorer``, ``make_latent_ring``, ``encode_latents``;
+* ``static_verify`` (torch, :class:`StaticVerify`): a greedy block runs through
+  a static-shape step (CUDA graphs on a GPU, the same step eagerly elsewhere);
+* ``restores`` (MLX, :class:`Restores`): f_theta restoration of evicted
+  sliding-layer K/V;
 * ``min_batch``: the fewest queued sessions ``verify_batch`` runs as one
   forward; and per cache set, ``SessionCaches.batchable``.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kakeya.core.request import CachePolicy
 from kakeya.verifier.caches import SessionCaches
@@ -75,15 +75,16 @@ class Latents(Protocol):
         """A snapshot's codes (:meth:`copy`), copied in."""
 
 
+@runtime_checkable
 class Target(Protocol):
     """A loaded target model as a verifier backend."""
 
     backend: str  # "mlx" | "torch"
     args: ModelShape
     sampler: ModuleType  # a sampling session's p, acceptance test and draws (backends/<backend>/sampling.py)
-    static_verify: bool = False
-    restores: bool = False
-    min_batch: int = 2
+    static_verify: bool  # implements StaticVerify
+    restores: bool  # implements Restores
+    min_batch: int
 
     @property
     def device_name(self) -> str: ...
@@ -93,7 +94,6 @@ class Target(Protocol):
 
     def make_cache(self, layout: RingLayout, policy: CachePolicy) -> SessionCaches:
         """A new session's caches: rings sized by ``layout``, full-attention caches as ``policy`` says."""
-        ...
 
     def release_cache(self, caches: SessionCaches) -> None:
         """A closed session's caches; a backend may keep them for the next session."""
@@ -101,13 +101,11 @@ class Target(Protocol):
     def forward(self, segments: Sequence[Segment]) -> list[Forward]:
         """Run every segment's block through the body in one pass, each writing its own caches as its
         plan says; one :class:`Forward` per segment, in order."""
-        ...
 
     def logits(self, hidden) -> Any: ...
 
     def greedy(self, hidden) -> list[int]:
         """The argmax at every position of ``hidden`` [1, L, H]: the one host sync of a verify."""
-        ...
 
     def concat(self, arrays: Sequence, axis: int) -> Any: ...
 
@@ -117,40 +115,41 @@ class Target(Protocol):
     def copy_caches(self, caches: SessionCaches, positions: int) -> list[list]:
         """Copies of ``caches`` as they hold positions ``< positions`` (``SessionCaches.copy``): a prefix
         snapshot, which nothing the session does later changes."""
-        ...
 
     def load_caches(self, caches: SessionCaches, saved: list[list], positions: int) -> None:
         """A new session's ``caches`` set to a snapshot's (:meth:`copy_caches`), copied: the snapshot stays as it was."""
-        ...
 
-    def cat(self, chunks: Sequence) -> Any:
-        """Aux rows of several forwards, in order."""
-        return chunks[0] if len(chunks) == 1 else self.concat(chunks, 0)
 
-    def greedy_batch(self, hiddens: Sequence) -> list[int]:
-        """:meth:`greedy` of several blocks' hidden states, concatenated: one LM head, one host sync."""
-        return self.greedy(hiddens[0] if len(hiddens) == 1 else self.concat(hiddens, 1))
-
-    # -- static_verify -------------------------------------------------------------------
+@runtime_checkable
+class StaticVerify(Protocol):
+    """A target with a static-shape greedy verify step (``Target.static_verify``)."""
 
     def static_length(self, n: int, slack: int) -> int:
         """The length a block of ``n`` runs at in the static step (padded up to a bucket within ``slack``)."""
-        raise NotImplementedError(f"the {self.backend} backend has no static verify step")
 
     def verify_static(
         self, ids: Sequence[int], caches: SessionCaches, aux_layers: tuple[int, ...], plan: ForwardPlan
     ) -> tuple[list[int], Any]:
         """A greedy verify of ``ids`` (planned at :meth:`static_length`): ``(choices, aux of ids)``."""
-        raise NotImplementedError(f"the {self.backend} backend has no static verify step")
 
-    # -- restores --------------------------------------------------------------------------
+
+@runtime_checkable
+class Restores(Protocol):
+    """A target that restores evicted sliding-layer K/V with f_theta (``Target.restores``)."""
 
     def restorer(self, path) -> Any:
         """The f_theta at ``path``, loaded once per target and checked against it."""
-        raise NotImplementedError(f"f_theta restoration is not implemented on the {self.backend} backend")
 
-    def make_latent_ring(self, layout: RingLayout, restorer) -> Latents:
-        raise NotImplementedError(f"f_theta restoration is not implemented on the {self.backend} backend")
+    def make_latent_ring(self, layout: RingLayout, restorer) -> Latents: ...
 
-    def encode_latents(self, restorer, aux, aux_layers: Sequence[int]) -> Any:
-        raise NotImplementedError(f"f_theta restoration is not implemented on the {self.backend} backend")
+    def encode_latents(self, restorer, aux, aux_layers: Sequence[int]) -> Any: ...
+
+
+def cat(target: Target, chunks: Sequence) -> Any:
+    """Aux rows of several forwards, in order."""
+    return chunks[0] if len(chunks) == 1 else target.concat(chunks, 0)
+
+
+def greedy_batch(target: Target, hiddens: Sequence) -> list[int]:
+    """``target.greedy`` of several blocks' hidden states, concatenated: one LM head, one host sync."""
+    return target.greedy(hiddens[0] if len(hiddens) == 1 else target.concat(hiddens, 1))

@@ -1,8 +1,10 @@
 """Verify several sessions' blocks in one forward: the verifier server's batch runner.
 
-``verify_batch(items)`` is :meth:`VerifierSession.verify` for many sessions at
-once; each item is ``(session, block_ids, proposal)`` and gets back exactly
-what its own ``verify`` would have returned or raised:
+``decide_batch(items)`` is :meth:`VerifierSession.decide` for many sessions at
+once (what the verifier server runs for the steps that queued up together), and
+``verify_batch(items)`` its first half, :meth:`VerifierSession.verify`; each item
+of that is ``(session, block_ids, proposal)`` and gets back exactly what its own
+``verify`` would have returned or raised:
 
 * every item is validated as ``verify`` validates it; a bad one gets its own
   ValueError / RuntimeError as its result and the others still run;
@@ -10,7 +12,7 @@ what its own ``verify`` would have returned or raised:
   segments: each session's plan built by its own layout, its caches written as
   in its own forward (which is the same forward with one segment), then the
   choices -- greedy rows through one LM head and one host sync
-  (``target.greedy_batch``), a sampling session's choices from its own logits
+  (``backend.greedy_batch``), a sampling session's choices from its own logits
   rows with its own seed and positions -- and each session left with the same
   pending block, so ``commit`` is unchanged;
 * a lone item, fewer than ``target.min_batch`` of one target, or one a batched
@@ -27,7 +29,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kakeya.verifier.session import VerifierSession
+from kakeya.core.contract import Draft, Verdict
+from kakeya.verifier.backend import greedy_batch
+from kakeya.verifier.session import VerifierSession, verdict
 
 Item = tuple  # (VerifierSession, block_ids, Proposal | None)
 
@@ -70,6 +74,20 @@ def verify_batch(items: Sequence[Item]) -> list[Any]:
     return results
 
 
+def decide_batch(items: Sequence[tuple[VerifierSession, int, Draft]]) -> list[Verdict | Exception]:
+    """:meth:`VerifierSession.decide` for many sessions at once (each item ``(session, last_token, draft)``):
+    one :func:`verify_batch`, then each verified block kept as the acceptance rule keeps it."""
+    blocks = [[last, *draft.tokens] for _, last, draft in items]
+    choices = verify_batch([(s, ids, d.proposal) for (s, _, d), ids in zip(items, blocks)])
+    out: list[Verdict | Exception] = []
+    for (session, _, _), ids, c in zip(items, blocks, choices):
+        try:
+            out.append(c if isinstance(c, Exception) else verdict(session, ids, c))
+        except Exception as exc:  # noqa: BLE001 - its own failure, its result alone
+            out.append(exc)
+    return out
+
+
 def batchable(session: VerifierSession) -> bool:
     """Whether ``session`` may join a batched forward: f_theta restoration (MLX only) writes a latent
     ring from each forward's aux and attends over restored K/V, so such a session runs alone
@@ -80,15 +98,15 @@ def batchable(session: VerifierSession) -> bool:
 
 def _together(items: Sequence[Item]) -> list[list[int]]:
     target = items[0][0].target
-    segments = [session.plan(ids) for session, ids, _ in items]
+    segments = [session.forward_plan(ids) for session, ids, _ in items]
     outs = target.forward(segments)
     for (session, _, _), segment, out in zip(items, segments, outs):
-        session.applied(segment, out)
+        session.forward_done(segment, out)
     greedy_rows = [j for j, (s, _, _) in enumerate(items) if s.sampling is None]
     greedy = {}
     if greedy_rows:  # one LM head over every greedy block, split back per block
-        flat, at = target.greedy_batch([outs[j].hidden for j in greedy_rows]), 0
+        flat, at = greedy_batch(target, [outs[j].hidden for j in greedy_rows]), 0
         for j in greedy_rows:
             n = len(items[j][1])
             greedy[j], at = flat[at : at + n], at + n
-    return [s.accept(ids, proposal, outs[j], greedy.get(j)) for j, (s, ids, proposal) in enumerate(items)]
+    return [s.choose(ids, proposal, outs[j], greedy.get(j)) for j, (s, ids, proposal) in enumerate(items)]

@@ -1,6 +1,6 @@
 """KV bytes one verifier session holds at a given context, per cache policy, from the config alone.
 
-The same numbers a live session reports (``stats()["kv_bytes"]``), so a
+The same numbers a live session reports (``stats().kv_bytes``), so a
 deployment can size its memory before loading anything:
 
     kakeya memory --preset gemma-4-26b-a4b --context 32768

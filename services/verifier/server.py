@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from kakeya.core.contract import Draft
+from kakeya.core.contract import Draft, VerifierStats
 from kakeya.runtime import bounds
 from kakeya.runtime.lifecycle import (
     ServerSpec,
@@ -35,7 +35,7 @@ from kakeya.runtime.lifecycle import (
     version,
 )
 from kakeya.runtime.servicer import SessionLimits, SessionServicer
-from kakeya.verifier.batch import verify_batch
+from kakeya.verifier.batch import decide_batch
 from kakeya.verifier.session import check_proposal
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
@@ -48,13 +48,12 @@ log = logging.getLogger("kakeya.verifier")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VerifierService"].full_name
 
 
-def _stats_proto(stats: dict) -> pb.SessionStats:
-    kv = stats.get("kv_bytes", {})
+def _stats_proto(stats: VerifierStats) -> pb.SessionStats:
     return pb.SessionStats(
-        kv_bytes_sliding=int(kv.get("sliding", 0)),
-        kv_bytes_full=int(kv.get("full", 0)),
-        positions=int(stats.get("positions", 0)),
-        bounded=bool(stats.get("bounded", False)),
+        kv_bytes_sliding=stats.kv_bytes.sliding,
+        kv_bytes_full=stats.kv_bytes.full,
+        positions=stats.positions,
+        bounded=stats.bounded,
     )
 
 
@@ -66,7 +65,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
 
     def __init__(self, limits: SessionLimits = SessionLimits(), restore: bounds.RestoreSources | None = None):
         # concurrent sessions' Verify steps that queue up meanwhile run as one batched forward
-        # (batch.verify_batch); a prefill runs one chunk per job, so verifies run between chunks.
+        # (batch.decide_batch); a prefill runs one chunk per job, so verifies run between chunks.
         # Prefix snapshots live on the device beside the sessions' K/V, outside --max-kv-bytes.
         super().__init__(limits)
         self.verifier = None  # LocalVerifier, set by load()
@@ -304,10 +303,9 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
     # -- compute-thread steps --------------------------------------------------------------
 
     @staticmethod
-    def _account(entry, stats: dict) -> None:
-        kv = stats.get("kv_bytes", {})
+    def _account(entry, stats: VerifierStats) -> None:
         if not entry.closed:
-            entry.kv_bytes = {"sliding": int(kv.get("sliding", 0)), "full": int(kv.get("full", 0))}
+            entry.kv_bytes = {"sliding": stats.kv_bytes.sliding, "full": stats.kv_bytes.full}
             entry.cache_bytes = sum(entry.kv_bytes.values())
 
     def _prefill(self, entry, session, ids, reuse=()):
@@ -331,14 +329,20 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         return int(next_token), tensor, _stats_proto(stats)
 
     def _verify_batch(self, items: list) -> list:
-        """The Verify requests that queued up together as one batch (``batch.verify_batch``), each then
-        settled by the acceptance rule and answered; one ``Verified`` (or exception) per item."""
-        choices = verify_batch([(session, ids, proposal) for _, session, ids, proposal in items])
-        return [c if isinstance(c, Exception) else self._verified(item, c) for item, c in zip(items, choices)]
+        """The Verify requests that queued up together, decided as one batch (``batch.decide_batch``) and
+        answered; one ``Verified`` (or exception) per item, each item's failure its own."""
+        drafts = [Draft(tuple(ids[1:]), proposal) for _, _, ids, proposal in items]
+        verdicts = decide_batch([(session, ids[0], d) for (_, session, ids, _), d in zip(items, drafts)])
+        out = []
+        for item, verdict in zip(items, verdicts):
+            try:
+                out.append(verdict if isinstance(verdict, Exception) else self._verified(item, verdict))
+            except Exception as exc:  # noqa: BLE001 - its own failure (its stream ended meanwhile), its result alone
+                out.append(exc)
+        return out
 
-    def _verified(self, item, choices) -> pb.VerifierResponse.Verified:
-        entry, session, ids, _ = item
-        verdict = session.settle(ids, choices)
+    def _verified(self, item, verdict) -> pb.VerifierResponse.Verified:
+        entry, session, _, _ = item
         stats = session.stats()
         self._account(entry, stats)
         return pb.VerifierResponse.Verified(

@@ -11,7 +11,10 @@ states stay on the device and only the kept rows are handed on.
 A block is :meth:`VerifierSession.decide` (the contract's one step); its two
 halves, :meth:`~VerifierSession.verify` (the forward and the choices, the block
 left pending) and :meth:`~VerifierSession.commit` (keep a prefix, trim the rest),
-are what the batch runner and the backend tests drive.
+are what the backend tests drive. The batch runner (``batch.py``) shares one
+forward among sessions with :meth:`~VerifierSession.forward_plan`,
+:meth:`~VerifierSession.forward_done` and :meth:`~VerifierSession.choose`, the
+pieces :meth:`~VerifierSession.verify` is made of.
 """
 
 from __future__ import annotations
@@ -28,17 +31,19 @@ from kakeya.core import sampling as lossless
 from kakeya.core.contract import (
     VERIFIER_STREAM,
     Draft,
+    KVBytes,
     ModelInfo,
     Proposal,
     SessionOptions,
     Verdict,
+    VerifierStats,
     accept,
     session_rng,
 )
 from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import COUPLED, CachePolicy, SamplingParams
 from kakeya.verifier import snapshot
-from kakeya.verifier.backend import Forward, Segment, Target
+from kakeya.verifier.backend import Forward, Segment, Target, cat
 from kakeya.verifier.layout import RestoreView, RingLayout, restore_mask
 
 PREFILL_CHUNK = 512  # bounds prefill attention memory, like mlx-lm's prefill_step_size
@@ -80,6 +85,8 @@ def check_proposal(candidates: Sequence[int], proposal: Proposal | None, rule: s
 
 class VerifierSession:
     """``prefixes``: the verifier's prefix cache (None: none), which :meth:`resume` reads and :meth:`save` fills."""
+
+    server_s = None  # in this process a step's whole time is the backend's (the contract's attribute)
 
     def __init__(
         self,
@@ -143,8 +150,8 @@ class VerifierSession:
         """Most positions one forward may hold (a restored position must precede its forward)."""
         return self.policy.window if self.restorer is not None else PREFILL_CHUNK
 
-    def plan(self, ids: Sequence[int]) -> Segment:
-        """This session's next forward of ``ids`` for ``target.forward`` (then :meth:`applied`): the ring
+    def forward_plan(self, ids: Sequence[int]) -> Segment:
+        """This session's next forward of ``ids`` for ``target.forward`` (then :meth:`forward_done`): the ring
         planned by the layout and, with f_theta, the restored positions each query sees."""
         plan = self.layout.plan(len(ids))
         if self.restorer is not None and plan.start > 0:  # from the second forward on: the whole latent ring
@@ -153,7 +160,7 @@ class VerifierSession:
             plan = replace(plan, restore=RestoreView(self.restorer, self.latents.data, positions, mask))
         return Segment(ids, self.cache, self.aux_layers, plan)
 
-    def applied(self, segment: Segment, out: Forward) -> None:
+    def forward_done(self, segment: Segment, out: Forward) -> None:
         """``segment`` ran: the layout moves on (with f_theta, the forward's latent codes join the latent ring)."""
         self.layout.applied()
         if self.latents is not None:
@@ -164,9 +171,9 @@ class VerifierSession:
             self.latent_layout.applied()
 
     def _forward(self, ids: Sequence[int]) -> Forward:
-        segment = self.plan(ids)
+        segment = self.forward_plan(ids)
         (out,) = self.target.forward([segment])
-        self.applied(segment, out)
+        self.forward_done(segment, out)
         return out
 
     def prefill(self, prompt_ids: Sequence[int]):
@@ -228,17 +235,13 @@ class VerifierSession:
             first = self.target.sampler.sample_next(
                 self.target.logits(out.hidden[:, -1:])[0], self.sampling, float(u[0])
             )
-        return first, self.target.cat(chunks)
+        return first, cat(self.target, chunks)
 
     def decide(self, last_token: int, draft: Draft) -> Verdict:
-        """The contract's step: verify ``[last_token, *draft.tokens]``, then :meth:`settle` it."""
+        """The contract's step: :meth:`verify` ``[last_token, *draft.tokens]``, then keep what the acceptance
+        rule keeps (:func:`verdict`)."""
         block_ids = [last_token, *draft.tokens]
-        return self.settle(block_ids, self.verify(block_ids, draft.proposal))
-
-    def settle(self, block_ids: Sequence[int], choices: Sequence[int]) -> Verdict:
-        """The pending block decided by the acceptance rule: its accepted run kept, the rest trimmed."""
-        accepted, next_token = accept(block_ids[1:], choices)
-        return Verdict(accepted, next_token, self.commit(accepted + 1))
+        return verdict(self, block_ids, self.verify(block_ids, draft.proposal))
 
     def _resume(self, reuse: Collection[int] | None, count: bool) -> int:
         """Resume from the longest snapshot ``reuse`` allows, or the longest prefix of one the prompt shares
@@ -282,7 +285,7 @@ class VerifierSession:
         self.check_block(block_ids, proposal)
         if self.target.static_verify and self.restorer is None and self.sampling is None:
             return self._verify_static(block_ids)
-        return self.accept(block_ids, proposal, self._forward(block_ids))
+        return self.choose(block_ids, proposal, self._forward(block_ids))
 
     def _verify_static(self, block_ids: Sequence[int]) -> list[int]:
         """A greedy block through the target's static-shape step, at the (bucket) length it runs at:
@@ -308,7 +311,7 @@ class VerifierSession:
         if self.sampling is not None:
             check_proposal(block_ids[1:], proposal, self.sampling.rule)
 
-    def accept(
+    def choose(
         self, block_ids: Sequence[int], proposal: Proposal | None, out, greedy: list[int] | None = None
     ) -> list[int]:
         """After the block's forward ``out``: the pending block for :meth:`commit`, and the choices
@@ -345,16 +348,19 @@ class VerifierSession:
         self._pending = None
         return aux[:n_keep]
 
-    def stats(self) -> dict:
+    def stats(self) -> VerifierStats:
         kv = {"sliding": 0, "full": 0} if self.closed else self.cache.kv_bytes()
-        if self.latents is not None:
-            kv["restored"] = self.latents.nbytes  # f_theta latent ring (constant)
-        return {
-            "cache_policy": self.policy.label,
-            "bounded": self.policy.kind != "native",
-            "positions": self.offset,
-            "kv_bytes": kv,
-        }
+        restored = self.latents.nbytes if self.latents is not None else 0  # f_theta latent ring (constant)
+        return VerifierStats(
+            cache_policy=self.policy.label,
+            bounded=self.policy.kind != "native",
+            positions=self.offset,
+            kv_bytes=KVBytes(kv["sliding"], kv["full"], restored),
+        )
+
+    def abort(self) -> None:
+        """Nothing to end from another thread in this process: a cancelled run stops calling the session and
+        closes it on the thread its steps run on (the cache must not be freed under a running step)."""
 
     def close(self) -> None:
         if not self.closed:
@@ -365,6 +371,13 @@ class VerifierSession:
     def _check_open(self):
         if self.closed:
             raise RuntimeError("session is closed")
+
+
+def verdict(session: VerifierSession, block_ids: Sequence[int], choices: Sequence[int]) -> Verdict:
+    """A verified block (its ``choices``, pending in ``session``) decided by THE acceptance rule
+    (``core.contract.accept``): its accepted run kept, the rest trimmed exactly."""
+    accepted, next_token = accept(block_ids[1:], choices)
+    return Verdict(accepted, next_token, session.commit(accepted + 1))
 
 
 class LocalVerifier:
@@ -409,8 +422,8 @@ class LocalVerifier:
 
 
 def mlx_verifier(
-    target_dir: str | Path, aux_layers: Sequence[int], policy: CachePolicy = CachePolicy()
+    target_dir: str | Path, aux_layers: Sequence[int], policy: CachePolicy = CachePolicy(), prefixes=None
 ) -> LocalVerifier:
     from kakeya.verifier.mlx_backend.target import TargetMLX
 
-    return LocalVerifier(TargetMLX.load(target_dir), target_dir, aux_layers, policy)
+    return LocalVerifier(TargetMLX.load(target_dir), target_dir, aux_layers, policy, prefixes)

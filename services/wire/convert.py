@@ -15,7 +15,15 @@ import dataclasses
 import numpy as np
 
 from kakeya.core.contract import ModelInfo, Proposal
-from kakeya.core.request import COUPLED, MAX_BLOCK_SIZE, REJECTION, CachePolicy, SamplingParams
+from kakeya.core.request import (
+    COUPLED,
+    MAX_BLOCK_SIZE,
+    REJECTION,
+    CachePolicy,
+    InvalidRequest,
+    SamplingParams,
+    public_field,
+)
 from kakeya.wire.kakeya.v1 import cache_pb2
 from kakeya.wire.kakeya.v1 import generate_pb2 as gpb
 from kakeya.wire.kakeya.v1 import sampling_pb2 as spb
@@ -50,20 +58,20 @@ def policy_from_proto(p: cache_pb2.CachePolicy, default: CachePolicy, field: str
     if p.kind == cache_pb2.CACHE_KIND_UNSPECIFIED:
         given = [f.name for f, _ in p.ListFields()]
         if given:  # never drop what a client asked for
-            raise ValueError(f"{field}.kind must be set when {', '.join(given)} is given")
+            raise InvalidRequest(f"{field}.kind", f"must be set when {', '.join(given)} is given")
         return default
     elif p.kind in KIND_TO_NAME:
         kind = KIND_TO_NAME[p.kind]
     else:
-        raise ValueError(f"{field}.kind: unknown cache kind {p.kind}")
+        raise InvalidRequest(f"{field}.kind", f"unknown cache kind {p.kind}")
     if p.sink < 0:
-        raise ValueError(f"{field}.sink must be >= 0, got {p.sink}")
+        raise InvalidRequest(f"{field}.sink", f"must be >= 0, got {p.sink}")
     if p.window < 0:
-        raise ValueError(f"{field}.window must be >= 0 (0 = the model's window), got {p.window}")
+        raise InvalidRequest(f"{field}.window", f"must be >= 0 (0 = the model's window), got {p.window}")
     if not 0 <= p.slack <= MAX_BLOCK_SIZE:
-        raise ValueError(f"{field}.slack must be 0 (default) or 1..{MAX_BLOCK_SIZE}, got {p.slack}")
+        raise InvalidRequest(f"{field}.slack", f"must be 0 (default) or 1..{MAX_BLOCK_SIZE}, got {p.slack}")
     if kind == "native" and (p.sink or p.window):
-        raise ValueError(f"{field}: sink and window apply to CACHE_KIND_SINK_WINDOW only")
+        raise InvalidRequest(field, "sink and window apply to CACHE_KIND_SINK_WINDOW only")
     values = {
         "kind": kind,
         "sink": p.sink,
@@ -120,7 +128,7 @@ def model_info_from_public(m: gpb.ModelInfo, backend: str) -> ModelInfo:
 # --------------------------------------------------------------------------- sampling
 
 
-def _decimal(x: float) -> float:
+def decimal(x: float) -> float:
     """A wire float32 back as the shortest decimal that round-trips it (0.7f -> 0.7), so a split
     deployment processes p with the very numbers a colocated one does."""
     return float(str(np.float32(x)))
@@ -155,10 +163,10 @@ def _sampling(field: str, m, seed: int | None) -> SamplingParams:
     """The sampling fields both ``Sampling`` (sessions) and the public ``SamplingParams`` carry (proto3 zeros: off)."""
     return _checked(
         field,
-        temperature=_decimal(m.temperature),
+        temperature=decimal(m.temperature),
         top_k=m.top_k,
-        top_p=_decimal(m.top_p) if m.top_p else 1.0,
-        min_p=_decimal(m.min_p),
+        top_p=decimal(m.top_p) if m.top_p else 1.0,
+        min_p=decimal(m.min_p),
         seed=seed,
         rule=rule_from_proto(m.rule),
     )
@@ -177,8 +185,8 @@ def public_sampling(sp: gpb.SamplingParams, field: str = "sampling_params") -> S
 def _checked(field: str, **values) -> SamplingParams:
     try:
         return SamplingParams(**values).check()
-    except ValueError as exc:
-        raise ValueError(f"{field}.{exc}") from None  # check() messages start with the field's name
+    except InvalidRequest as exc:  # named as the message it came in names it
+        raise InvalidRequest(public_field(exc.field, {"sampling": field}), exc.reason) from None
 
 
 def proposal_to_proto(p: Proposal) -> spb.Proposal:

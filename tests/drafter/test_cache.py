@@ -88,8 +88,8 @@ def test_session_draft_matches_model(pair):
             assert list(out.tokens) == want and len(out.tokens) == bs - 1
             assert all(isinstance(t, int) for t in out.tokens)
         st = s.stats()
-        assert st["context_len"] == pos
-        assert st["ctx_cache_bytes"] > 0
+        assert st.context_len == pos
+        assert st.cache_bytes > 0
     s.close()
     with pytest.raises(RuntimeError):
         s.draft(aux[:1], 1, 4)
@@ -104,7 +104,7 @@ def test_sessions_are_independent(pairs):
     b.draft(aux[10:30], 9, 8)
     again = drafter.open_session().draft(aux[:10], 7, 8)
     assert first == again
-    assert a.stats()["context_len"] == 10 and b.stats()["context_len"] == 20
+    assert a.stats().context_len == 10 and b.stats().context_len == 20
 
 
 def _rule(n_ctx, n_block, is_causal, window):

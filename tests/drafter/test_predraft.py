@@ -133,7 +133,9 @@ def test_the_drafter_server_caps_its_sessions_predrafts_and_refuses_a_bad_cap(ba
         with pytest.raises(ValueError, match="--predraft-blocks"):
             DrafterServicer(predraft_blocks=bad)
     servicer = DrafterServicer(predraft_blocks=2)
-    servicer._setup(lambda: LocalDrafter(_load(backend, pair)), "draft", "target", backend)  # load()'s, on this thread
+    servicer._setup(
+        lambda **shared: LocalDrafter(_load(backend, pair), **shared), "draft", "target", backend
+    )  # load()'s, on this thread
     s = servicer.drafter.open_session()
     rng = np.random.default_rng(2)
     d = s.draft(_aux(backend, rng.standard_normal((9, s.model.config.aux_width)).astype(np.float32)), 4, 8)

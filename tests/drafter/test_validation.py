@@ -61,7 +61,7 @@ def test_bad_inputs(drafter, kwargs, field):
     s = drafter.open_session()
     with pytest.raises(ValueError, match=field):
         s.draft(args["new_aux"], args["last_token"], args["block_size"])
-    assert s.stats()["context_len"] == 0  # nothing was appended
+    assert s.stats().context_len == 0  # nothing was appended
 
 
 def test_accepts_batched_aux_and_edge_sizes(drafter):
@@ -69,7 +69,7 @@ def test_accepts_batched_aux_and_edge_sizes(drafter):
     s = drafter.open_session()
     assert len(s.draft(random_aux(4, w)[None], 3, MAX_BLOCK_SIZE).tokens) == MAX_BLOCK_SIZE - 1
     assert len(s.draft(mx.zeros((0, w)), 3, 2).tokens) == 1  # empty extend is fine after the first call
-    assert s.stats()["context_len"] == 4
+    assert s.stats().context_len == 4
 
 
 def test_config_errors(tmp_path):

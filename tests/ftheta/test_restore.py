@@ -144,7 +144,7 @@ def test_speculative_equals_ar_of_the_same_restore_policy(
     session = VerifierSession(mlx_target, aux_layers, restore_policy)
     decoding, kv = Decoding(session, dsession, PROMPT, n, block_size), []
     for _ in decoding:
-        kv.append(session.stats()["kv_bytes"])
+        kv.append(session.stats().kv_bytes.as_dict())
     gen = decoding.generation
     assert len(set(restore_ar)) > 50
     first_diff = next((i for i, (a, b) in enumerate(zip(gen.token_ids, restore_ar)) if a != b), None)
@@ -161,7 +161,7 @@ def test_speculative_equals_ar_of_the_same_restore_policy(
     ]
     assert row["restored_bytes"] == latent and row["sliding_bytes"] == kv[-1]["sliding"]
     assert len({b["sliding"] for b in kv[5:]}) == 1
-    assert session.stats()["cache_policy"] == f"sink-window({SINK}+{WINDOW})+restore"
+    assert session.stats().cache_policy == f"sink-window({SINK}+{WINDOW})+restore"
 
 
 @pytest.mark.parametrize(

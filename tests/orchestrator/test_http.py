@@ -238,16 +238,15 @@ def test_fuzzed_bodies_never_get_a_500(front, path, body):
 def test_grpc_messages_are_checked_and_the_model_says_it_has_a_template(front):
     import grpc
 
-    from kakeya.runtime.lifecycle import RequestError
-
     servicer, _ = front
     assert servicer.GetModelInfo(pb.GetModelInfoRequest(), None).has_chat_template
     req = _greedy()
     req.messages.messages.add(role="user", content="a")
     req.messages.messages.add(role="robot", content="b")
-    with pytest.raises(RequestError) as exc:
-        next(servicer.stream(req, HttpCall()))
-    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt.messages[1].role" in exc.value.message
+    context = _Context()
+    with pytest.raises(_Aborted):
+        list(servicer.Generate(req, context))
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt.messages[1].role" in context.details
 
 
 def test_a_client_that_leaves_a_stream_cancels_its_run(front):
@@ -282,20 +281,31 @@ def test_per_peer_cap_counts_http_and_grpc_calls_of_one_host_together(front):
     HTTP request (429) and a gRPC call from the same address are refused; another host is admitted."""
     import grpc
 
-    from kakeya.runtime.lifecycle import RequestError
-
     servicer, base = front
     limit, servicer.max_sessions_per_peer = servicer.max_sessions_per_peer, 1
     try:
         with _stream_in_flight(servicer, base):
             status, answer = _post(base, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
             assert status == 429 and "--max-sessions-per-peer" in answer["error"]["message"]
-            with pytest.raises(RequestError) as refused:
-                next(servicer.stream(_greedy(text=PROMPT), HttpCall("ipv4:127.0.0.1:50999")))
-            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            context = _Context("ipv4:127.0.0.1:50999")
+            with pytest.raises(_Aborted):
+                list(servicer.Generate(_greedy(text=PROMPT), context))
+            assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert len(_grpc_ids(servicer, _greedy(text=PROMPT))) == 24  # HttpCall(): another peer, admitted
     finally:
         servicer.max_sessions_per_peer = limit
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context(HttpCall):
+    """A gRPC servicer context as ``Generate`` uses it: a caller, and ``abort`` raising as grpc's does."""
+
+    def abort(self, code, details):
+        self.code, self.details = code, details
+        raise _Aborted(details)
 
 
 class _Cancelled:

@@ -3,8 +3,8 @@
 import pytest
 
 from kakeya.core.contract import Draft, Predrafts, Verdict, accept
+from kakeya.core.quality import find_runaway, quality_report
 from kakeya.orchestrator.loop import run
-from kakeya.orchestrator.quality import find_runaway, quality_report
 
 
 class ScriptedVerifier:

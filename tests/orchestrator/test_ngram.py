@@ -149,10 +149,13 @@ def test_engine_copies_greedy_and_coupled_and_never_under_the_rejection_rule(dem
         ar = engine.generate(Request(prompt, max_tokens=64, block_size=1, ignore_eos=True, sampling=sampling))
         for b in (4, 8, 0):
             req = Request(prompt, max_tokens=64, block_size=b, ignore_eos=True, sampling=sampling)
-            on = engine.generate(req)
+            with engine.start(req) as run:
+                for _ in run:
+                    pass
+            on = run.result
             assert on.token_ids == ar.token_ids, (sampling, b)
             copied = sum(blk.copied for blk in on.blocks)
-            assert engine.report(req, on)["copied_blocks"] == copied
+            assert run.report().to_json()["copied_blocks"] == copied
             # Auto sizes each block by the costs it measured here, so whether a copy pays at that moment
             # depends on this machine's timings (under a loaded CI it may not); the rule itself is tested
             # above with fixed costs. Fixed sizes copy wherever the context repeats.

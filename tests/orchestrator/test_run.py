@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from kakeya.core.contract import Cancellation, ModelInfo, SessionOptions
+from kakeya.core.contract import Cancellation, KVBytes, ModelInfo, SessionOptions, VerifierStats
 from kakeya.core.request import CachePolicy, Request
 from kakeya.orchestrator.adaptive import AdaptivePolicy, CostCurve
 from kakeya.orchestrator.engine import Engine, RunOptions
@@ -32,7 +32,7 @@ class Session(ScriptedVerifier):
         return super().decide(last, draft)
 
     def stats(self):
-        return {"kv_bytes": {"sliding": 7, "full": self.pos}}
+        return VerifierStats(kv_bytes=KVBytes(sliding=7, full=self.pos))
 
     def close(self):
         self.closed = True
@@ -88,9 +88,16 @@ class Drafter:
         return {}
 
 
-def _engine(fail_verify_at=None, dies_at=None) -> Engine:
+class Codec:
+    """Token t reads as "<t>"."""
+
+    def decode(self, ids):
+        return "".join(f"<{t}>" for t in ids)
+
+
+def _engine(fail_verify_at=None, dies_at=None, codec=None) -> Engine:
     v = Verifier(fail_verify_at)
-    return Engine(v, Drafter(v, dies_at), codec=None)
+    return Engine(v, Drafter(v, dies_at), codec=codec)
 
 
 def _sessions(engine):
@@ -109,7 +116,7 @@ def test_a_run_yields_its_blocks_then_its_result_and_closes_both_sessions():
         blocks.append(block)
     gen = run.result
     assert [t for b in blocks for t in b.tokens] == gen.token_ids == CONT[:20]
-    assert gen.finish_reason == "length" and gen.verifier_stats["kv_bytes"]["full"] == 19
+    assert gen.finish_reason == "length" and gen.verifier_stats.kv_bytes.full == 19
     assert vs.closed and ds.closed and not vs.aborted
     assert list(run) == []  # over: nothing more, nothing reopened
 
@@ -121,19 +128,19 @@ def test_closing_early_keeps_what_was_committed_and_frees_the_sessions():
     vs, ds = _sessions(engine)
     gen = run.result
     assert gen.finish_reason == "abort" and gen.token_ids == first.tokens + second.tokens
-    assert gen.verifier_stats["kv_bytes"]["sliding"] == 7  # what the cache held when it ended
+    assert gen.verifier_stats.kv_bytes.sliding == 7  # what the cache held when it ended
     assert vs.closed and ds.closed
 
 
-def test_a_stop_the_front_found_cuts_the_last_block():
-    engine = _engine()
-    run = engine.start(Request(PROMPT, max_tokens=50, block_size=4))
-    next(run)
-    block = next(run)
-    assert len(block.tokens) == 4
-    run.stop(2)  # e.g. a stop string completed by the block's second token
+def test_a_stop_string_cuts_the_block_that_completed_it_and_ends_the_run():
+    engine = _engine(codec=Codec())
+    stop = f"<{CONT[2]}"  # completed by the second block's second token (102); the text ends before it
+    run = engine.start(Request(PROMPT, max_tokens=50, block_size=4, stop_strings=(stop,)))
+    first, second = next(run), next(run)
+    assert first.tokens == CONT[:1] and second.tokens == CONT[1:3] and list(run) == []
     gen = run.result
     assert gen.finish_reason == "stop" and gen.token_ids == CONT[:3] and gen.acceptance_lengths == [2]
+    assert first.text + second.text == run.report().text == f"<{CONT[0]}><{CONT[1]}>"
     assert _sessions(engine)[0].closed
 
 
@@ -148,7 +155,7 @@ def test_cancel_from_another_thread_aborts_remote_streams_and_ends_the_iteration
     assert run.cancelled and vs.aborted and not vs.closed  # the stream ends at once, the session at the next step
     assert list(run) == [] and run.result.finish_reason == "abort"
     assert vs.closed and ds.closed
-    assert run.result.verifier_stats == {}  # a cancelled run asks its backends nothing more
+    assert run.result.verifier_stats == VerifierStats()  # a cancelled run asks its backends nothing more
 
 
 def test_a_failing_verifier_ends_the_run_with_the_error_after_closing_the_sessions():
@@ -159,7 +166,7 @@ def test_a_failing_verifier_ends_the_run_with_the_error_after_closing_the_sessio
             pass
     vs, ds = _sessions(engine)
     assert run.result.finish_reason == "error" and len(run.result.blocks) == 3  # the prefill's and two more
-    assert vs.closed and ds.closed and run.result.verifier_stats == {}
+    assert vs.closed and ds.closed and run.result.verifier_stats == VerifierStats()
 
 
 def test_a_failing_drafter_fails_the_run_unless_the_front_asks_for_the_fallback():

@@ -87,7 +87,7 @@ def split(tiny_pair, aux_layers):
         )
         d.compute.run(
             d._setup,
-            lambda: MLXDrafter(tiny_pair.draft, tiny_pair.target),
+            lambda **shared: MLXDrafter(tiny_pair.draft, tiny_pair.target, **shared),
             str(tiny_pair.draft),
             str(tiny_pair.target),
             "mlx",

@@ -145,7 +145,7 @@ def test_each_backends_coupled_rows_are_the_references(backend, params):
 )
 def test_degenerate_values_are_refused_naming_the_field(kwargs):
     field = "rule" if "rule" in kwargs else "temperature"
-    with pytest.raises(ValueError, match=f"^{field} "):
+    with pytest.raises(ValueError, match=f"^sampling.{field}: "):
         SamplingParams(**kwargs).check()
 
 

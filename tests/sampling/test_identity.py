@@ -14,7 +14,7 @@ from kakeya.drafter.batch import draft_batch
 from kakeya.orchestrator.adaptive import BlockSizer, CostCurve
 from kakeya.orchestrator.engine import Engine
 from kakeya.orchestrator.loop import run
-from kakeya.verifier.batch import verify_batch
+from kakeya.verifier.batch import decide_batch
 
 from .conftest import BACKENDS
 
@@ -113,8 +113,7 @@ def test_split_over_grpc_gives_the_ar_tokens(split, ar):
 
 def lockstep(verifier, drafter, specs, block_size: int) -> list[list[int]]:
     """Every spec's first ``N`` tokens, generated together: each round ONE ``draft_batch`` and ONE
-    ``verify_batch`` over every unfinished session, then each session settles its block by the acceptance
-    rule (what the verifier server's batched Verify does)."""
+    ``decide_batch`` over every unfinished session (what the verifier server's batched Verify does)."""
     sessions = [(verifier.open_session(sampling=p), drafter.open_session(p)) for p in specs]
     tokens, aux, live = [], [], list(range(len(specs)))
     for vs, _ in sessions:
@@ -124,10 +123,9 @@ def lockstep(verifier, drafter, specs, block_size: int) -> list[list[int]]:
     while live:
         drafts = draft_batch([(sessions[i][1], aux[i], tokens[i][-1], block_size) for i in live])
         blocks = [[tokens[i][-1], *draft.tokens] for i, draft in zip(live, drafts)]
-        results = verify_batch([(sessions[i][0], ids, d.proposal) for i, ids, d in zip(live, blocks, drafts)])
-        for i, ids, choices in zip(live, blocks, results):
-            assert isinstance(choices, list), choices
-            verdict = sessions[i][0].settle(ids, choices)
+        verdicts = decide_batch([(sessions[i][0], ids[0], d) for i, ids, d in zip(live, blocks, drafts)])
+        for i, ids, verdict in zip(live, blocks, verdicts):
+            assert not isinstance(verdict, Exception), verdict
             tokens[i] += ids[1 : verdict.accepted + 1] + [verdict.next_token]
             aux[i] = verdict.aux
         live = [i for i in live if len(tokens[i]) < N]

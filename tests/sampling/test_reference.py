@@ -8,7 +8,7 @@ import pytest
 
 from kakeya.core import sampling as ref
 from kakeya.core.contract import Proposal
-from kakeya.core.request import SamplingParams
+from kakeya.core.request import InvalidRequest, SamplingParams
 
 PARAMS = [
     SamplingParams(1.0),
@@ -127,8 +127,9 @@ def test_the_rule_keeps_p_exactly():
     ],
 )
 def test_bad_params_name_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=f"^{field} "):
+    with pytest.raises(InvalidRequest, match=f"^sampling.{field}: ") as refused:
         SamplingParams(**kwargs).check()
+    assert refused.value.field == f"sampling.{field}"
 
 
 def test_greedy_and_seeding():

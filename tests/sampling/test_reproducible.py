@@ -75,7 +75,7 @@ def test_engine_draws_reports_and_honours_the_seed(local):
     assert seed is not None and gen.sampling.temperature == 1.0
     again = engine.generate(replace(unseeded, sampling=SamplingParams(1.0, seed=seed)))
     assert again.token_ids == gen.token_ids and again.sampling.seed == seed
-    with pytest.raises(ValueError, match="^top_p "):
+    with pytest.raises(ValueError, match=r"^sampling\.top_p: "):
         engine.generate(replace(unseeded, sampling=SamplingParams(1.0, top_p=0)))
 
 

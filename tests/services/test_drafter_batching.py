@@ -32,10 +32,11 @@ SAMPLING = [None, SamplingParams(0.9, top_k=50, seed=17, rule=REJECTION), Sampli
 STEPS = 4
 
 
-def _drafter(backend: str, pair):
+def _drafter(backend: str, pair, **shared):
     from kakeya.drafter.session import MLXDrafter, TorchDrafter
 
-    return MLXDrafter(pair.draft, pair.target) if backend == "mlx" else TorchDrafter(pair.draft, pair.target)
+    cls = MLXDrafter if backend == "mlx" else TorchDrafter
+    return cls(pair.draft, pair.target, **shared)
 
 
 @pytest.fixture(scope="module", params=["torch", "mlx"])
@@ -44,7 +45,13 @@ def server(request, tiny_pair):
 
     backend = request.param
     d = DrafterServicer(SessionLimits(max_batch=8))
-    d.compute.run(d._setup, lambda: _drafter(backend, tiny_pair), str(tiny_pair.draft), str(tiny_pair.target), backend)
+    d.compute.run(
+        d._setup,
+        lambda **shared: _drafter(backend, tiny_pair, **shared),
+        str(tiny_pair.draft),
+        str(tiny_pair.target),
+        backend,
+    )
     d.ready = True
     srv = grpc.server(ThreadPoolExecutor(16), options=server_options())
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(d, srv)

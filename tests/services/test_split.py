@@ -271,7 +271,11 @@ def _with_policy(**kw):
 
 BAD_GENERATE += [
     ("restore without a kind", _with_policy(restore_path="/x"), "cache_policy.kind"),
-    ("restore with native", _with_policy(kind=cache_pb2.CACHE_KIND_NATIVE, restore_path="/x"), "cache_policy: restore"),
+    (
+        "restore with native",
+        _with_policy(kind=cache_pb2.CACHE_KIND_NATIVE, restore_path="/x"),
+        "cache_policy.restore_path: needs kind",
+    ),
     ("slack < block", _with_policy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, slack=4), "cache_policy.slack"),
     ("unknown cache kind", _with_policy(kind=7), "cache_policy.kind"),
 ]

@@ -38,7 +38,13 @@ def _serve(pair):
 
     aux_layers = tuple(load_draft_config(pair.draft)["dflash_config"]["target_layer_ids"])
     d, v = DrafterServicer(), VerifierServicer()
-    d.compute.run(d._setup, lambda: TorchDrafter(pair.draft, pair.target), str(pair.draft), str(pair.target), "torch")
+    d.compute.run(
+        d._setup,
+        lambda **shared: TorchDrafter(pair.draft, pair.target, **shared),
+        str(pair.draft),
+        str(pair.target),
+        "torch",
+    )
     v.compute.run(v._setup, lambda: torch_verifier(pair.target, aux_layers), pair.target, aux_layers)
     d.ready = v.ready = True
     server = grpc.server(ThreadPoolExecutor(16), options=server_options())

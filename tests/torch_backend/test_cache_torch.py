@@ -114,7 +114,7 @@ def test_quantized_policy_kv_bytes(torch_target, tiny):
     for bits in (0, 8, 4):
         s = v.open_session(CachePolicy(full_kv_bits=bits))
         s.prefill(list(range(5, 105)))
-        sizes[bits] = s.stats()["kv_bytes"]
+        sizes[bits] = s.stats().kv_bytes.as_dict()
     assert sizes[0]["sliding"] == sizes[8]["sliding"] == sizes[4]["sliding"]
     hd = torch_target.args.global_head_dim  # float32: 4 bytes/value exact; bits/8 + 2 * 4 / group quantized
     assert sizes[8]["full"] == sizes[0]["full"] * (1 + 8 / hd) / 4

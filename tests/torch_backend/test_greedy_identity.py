@@ -126,7 +126,7 @@ def test_sliding_memory_is_bounded_and_full_layers_grow(verifier, torch_drafter,
     def kv(n):
         s = verifier.open_session()
         run(s, torch_drafter.open_session(), PROMPT, n, 8)
-        return s.stats()["kv_bytes"]
+        return s.stats().kv_bytes.as_dict()
 
     short, long = kv(100), kv(N)
     assert long["sliding"] == short["sliding"]

@@ -166,7 +166,7 @@ def test_closed_session_reports_empty_stats_and_refuses_work():
     s.draft(_aux(8, 0), 5, 4)
     s.close()
     s.close()  # idempotent: the cache is released once
-    assert s.stats()["context_len"] == 0 and len(static.model._free) == 1
+    assert s.stats().context_len == 0 and len(static.model._free) == 1
     with pytest.raises(RuntimeError, match="closed"):
         s.draft(_aux(1, 0), 5, 4)
 

@@ -25,7 +25,7 @@ from kakeya.verifier.session import VerifierSession
 def test_formula_matches_a_live_session(tiny_pair, mlx_target, aux_layers, policy, context):
     session = VerifierSession(mlx_target, aux_layers, policy)
     session.prefill([(5 * i) % 1000 + 5 for i in range(context)])
-    live = session.stats()["kv_bytes"]
+    live = session.stats().kv_bytes.as_dict()
     predicted = session_bytes(KVShape.from_config(load_target_config(tiny_pair.target)), policy, context)
     assert live == {"sliding": predicted["sliding_bytes"], "full": predicted["full_bytes"]}
     assert predicted["total_bytes"] == live["sliding"] + live["full"]

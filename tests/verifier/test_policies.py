@@ -90,7 +90,7 @@ def test_sliding_bytes_flat_full_bytes_linear(mlx_target, aux_layers):
         n = session.offset - len(PROMPT)
         for mark in (300, 1000, 3000 - 16):
             if mark not in seen and n >= mark:
-                seen[mark] = (n + len(PROMPT), session.stats()["kv_bytes"])
+                seen[mark] = (n + len(PROMPT), session.stats().kv_bytes.as_dict())
     a = mlx_target.args
     n_full = a.layer_types.count("full_attention")
     kv_heads = a.num_global_key_value_heads or a.num_key_value_heads
@@ -106,7 +106,7 @@ def test_quantized_full_layers_hold_fewer_bytes(mlx_target, aux_layers, drafter)
     for bits in (0, 8, 4):
         session = VerifierSession(mlx_target, aux_layers, CachePolicy(full_kv_bits=bits))
         run(session, drafter.open_session(), PROMPT, 200, 8)
-        sizes[bits] = session.stats()["kv_bytes"]["full"]
+        sizes[bits] = session.stats().kv_bytes.as_dict()["full"]
     assert sizes[4] < sizes[8] < sizes[0]
 
 

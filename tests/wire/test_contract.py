@@ -26,7 +26,7 @@ def test_unset_fields_take_the_default_and_bad_fields_are_named():
     assert wire_contract.policy_from_proto(cache_pb2.CachePolicy(), default) == default
     with pytest.raises(ValueError, match=r"cache_policy\.kind"):
         wire_contract.policy_from_proto(cache_pb2.CachePolicy(kind=9), default)
-    with pytest.raises(ValueError, match=r"cache_policy\.kind must be set when restore_path"):
+    with pytest.raises(ValueError, match=r"cache_policy\.kind: must be set when restore_path"):
         wire_contract.policy_from_proto(cache_pb2.CachePolicy(restore_path="/x"), default)
     with pytest.raises(ValueError, match=r"cache_policy\.slack"):
         wire_contract.policy_from_proto(
@@ -57,9 +57,9 @@ def test_sampling_round_trips_with_its_rule(params):
 def test_an_unset_rule_is_coupled_and_an_unknown_one_is_named():
     assert wire_contract.public_sampling(generate_pb2.SamplingParams(temperature=0.5)).rule == COUPLED
     assert wire_contract.sampling_from_proto(sampling_pb2.Sampling(temperature=0.5, seed=1)).rule == COUPLED
-    with pytest.raises(ValueError, match=r"^sampling_params\.rule must be one of coupled, rejection, got 9"):
+    with pytest.raises(ValueError, match=r"^sampling_params\.rule: must be one of coupled, rejection, got 9"):
         wire_contract.public_sampling(generate_pb2.SamplingParams(temperature=0.5, rule=9))
-    with pytest.raises(ValueError, match=r"^open\.sampling\.rule "):
+    with pytest.raises(ValueError, match=r"^open\.sampling\.rule: "):
         wire_contract.sampling_from_proto(sampling_pb2.Sampling(temperature=0.5, rule=9), "open.sampling")
-    with pytest.raises(ValueError, match=r"^sampling_params\.temperature must be 0 \(greedy\) or at least 1e-05"):
+    with pytest.raises(ValueError, match=r"^sampling_params\.temperature: must be 0 \(greedy\) or at least 1e-05"):
         wire_contract.public_sampling(generate_pb2.SamplingParams(temperature=1e-39))

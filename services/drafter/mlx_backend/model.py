@@ -358,7 +358,7 @@ class DFlashDraftModel(nn.Module):
         logp = mx.take_along_axis(values, order, axis=-1) - mx.logsumexp(logits, axis=-1, keepdims=True)
         return mx.take_along_axis(top, order, axis=-1).tolist(), logp.tolist()
 
-    def settle(self, caches: Sequence[ContextKVCache]) -> None:
+    def materialize(self, caches: Sequence[ContextKVCache]) -> None:
         """Evaluate the context K/V now (a call that drafted nothing must not pile up a graph)."""
         mx.eval(*[c.state for c in caches])
 

@@ -421,7 +421,7 @@ class DFlashDraftModel(nn.Module):
         logp = top.values - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
         return top.indices.tolist(), logp.tolist()
 
-    def settle(self, caches: Sequence[ContextKVCache]) -> None:
+    def materialize(self, caches: Sequence[ContextKVCache]) -> None:
         """Nothing to do: torch runs eagerly."""
 
     def synchronize(self) -> None:

@@ -22,19 +22,21 @@ from mlx_lm.utils import load_model
 from kakeya.backends.mlx import sampling as sampling_mlx
 from kakeya.core.contract import SLIDING
 from kakeya.core.request import CachePolicy
-from kakeya.verifier.backend import Forward, Segment, Target
+from kakeya.verifier.backend import Forward, Segment
 from kakeya.verifier.caches import SessionCaches
 from kakeya.verifier.layout import RestoreView, RingLayout
 from kakeya.verifier.mlx_backend.cache import FullKVCache, LatentRing, QuantizedFullKVCache, RingKVCache
 from kakeya.verifier.mlx_backend.forward import attention_masks, layer_views
 
 
-class TargetMLX(Target):
+class TargetMLX:
     """A loaded Gemma-4 target and the forward the verifier needs."""
 
     backend = "mlx"
     sampler = sampling_mlx
-    restores = True
+    static_verify = False
+    restores = True  # backend.Restores
+    min_batch = 2
 
     def __init__(self, model, path: Path):
         self.path = path
@@ -76,6 +78,9 @@ class TargetMLX(Target):
         kinds = self.layer_types[: self.n_cached]
         layers = [RingKVCache(layout.capacity) if kind == SLIDING else full() for kind in kinds]
         return SessionCaches(layers, kinds, batchable=not policy.full_kv_bits)
+
+    def release_cache(self, caches: SessionCaches) -> None:
+        """Nothing kept for the next session: MLX frees the arrays when the caches are dropped."""
 
     def forward(self, segments: Sequence[Segment]) -> list[Forward]:
         lengths = [len(s.ids) for s in segments]

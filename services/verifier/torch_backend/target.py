@@ -21,7 +21,7 @@ from kakeya.backends.torch.graphs import GraphOptions, bucket_for, graphed_min_b
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype
 from kakeya.core.contract import FULL, SLIDING
 from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy
-from kakeya.verifier.backend import Forward, Segment, Target
+from kakeya.verifier.backend import Forward, Segment
 from kakeya.verifier.layout import ForwardPlan, RingLayout
 from kakeya.verifier.torch_backend.attention import IndexedAttention, SegmentAttention
 from kakeya.verifier.torch_backend.cache import FullKVCache, QuantizedFullKVCache, RingKVCache
@@ -33,12 +33,13 @@ DEFAULT_GRAPH_CONTEXT = 4096  # full-attention positions preallocated per sessio
 MAX_FREE_CACHES = 4  # closed sessions' cache sets kept for reuse (graphs on)
 
 
-class TargetTorch(Target):
+class TargetTorch:
     """A loaded Gemma-4 target and the forward the verifier needs (torch backend)."""
 
     backend = "torch"
     sampler = sampling_torch
-    static_verify = True
+    static_verify = True  # backend.StaticVerify
+    restores = False
 
     def __init__(
         self,
@@ -121,6 +122,9 @@ class TargetTorch(Target):
         graphs are on -- recapturing per session would cost more than a verify -- else dropped."""
         if self.graph_options.static_extent and len(self._free) < MAX_FREE_CACHES:
             self._free.append(caches)
+
+    def materialize(self, out: Forward, caches: TorchCaches) -> None:
+        """Nothing to evaluate: torch runs eagerly."""
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment]) -> list[Forward]:
@@ -279,16 +283,18 @@ def torch_verifier(
     cuda_graphs: bool | None = None,
     max_context: int | None = None,
     compile: bool = False,
+    prefixes=None,
 ):
     """The in-process torch verifier (what ``loader.local_verifier(..., backend="torch")`` returns).
 
     ``cuda_graphs``: capture the verify step per block-size bucket (default: on for CUDA);
     ``max_context``: full-attention positions preallocated per session (graphs on: 4096);
-    ``compile``: ``torch.compile`` every layer's row-wise halves (``Gemma4Text.compile_layers``).
+    ``compile``: ``torch.compile`` every layer's row-wise halves (``Gemma4Text.compile_layers``);
+    ``prefixes``: the prefix cache its sessions resume from and save to (None: none).
     """
     from kakeya.verifier.session import LocalVerifier
 
     target = TargetTorch.load(target_dir, device, dtype, cuda_graphs=cuda_graphs, max_context=max_context)
     if compile:
         target.model.compile_layers()
-    return LocalVerifier(target, target_dir, aux_layers, policy or CachePolicy())
+    return LocalVerifier(target, target_dir, aux_layers, policy or CachePolicy(), prefixes)

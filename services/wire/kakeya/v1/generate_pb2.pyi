@@ -87,7 +87,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., tokenized: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_size: _Optional[int] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("acceptance_lengths", "mean_acceptance", "decode_tok_s", "prefill_s", "drafter_fallback", "verifier_kv_bytes_sliding", "verifier_kv_bytes_full", "degenerate", "decode_s", "total_s", "block_size", "cache_kind", "cache_policy", "cache_bounded", "block_sizes")
+    __slots__ = ("acceptance_lengths", "mean_acceptance", "decode_tok_s", "prefill_s", "drafter_fallback", "verifier_kv_bytes_sliding", "verifier_kv_bytes_full", "degenerate", "decode_s", "total_s", "block_size", "cache_kind", "cache_policy", "cache_bounded", "block_sizes", "copied_blocks")
     ACCEPTANCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOK_S_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class SpecStats(_message.Message):
     CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
     CACHE_BOUNDED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZES_FIELD_NUMBER: _ClassVar[int]
+    COPIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     acceptance_lengths: _containers.RepeatedScalarFieldContainer[int]
     mean_acceptance: float
     decode_tok_s: float
@@ -118,7 +119,8 @@ class SpecStats(_message.Message):
     cache_policy: str
     cache_bounded: bool
     block_sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, acceptance_lengths: _Optional[_Iterable[int]] = ..., mean_acceptance: _Optional[float] = ..., decode_tok_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., verifier_kv_bytes_sliding: _Optional[int] = ..., verifier_kv_bytes_full: _Optional[int] = ..., degenerate: _Optional[bool] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ..., block_size: _Optional[int] = ..., cache_kind: _Optional[_Union[_cache_pb2.CacheKind, str]] = ..., cache_policy: _Optional[str] = ..., cache_bounded: _Optional[bool] = ..., block_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    copied_blocks: int
+    def __init__(self, acceptance_lengths: _Optional[_Iterable[int]] = ..., mean_acceptance: _Optional[float] = ..., decode_tok_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., verifier_kv_bytes_sliding: _Optional[int] = ..., verifier_kv_bytes_full: _Optional[int] = ..., degenerate: _Optional[bool] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ..., block_size: _Optional[int] = ..., cache_kind: _Optional[_Union[_cache_pb2.CacheKind, str]] = ..., cache_policy: _Optional[str] = ..., cache_bounded: _Optional[bool] = ..., block_sizes: _Optional[_Iterable[int]] = ..., copied_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "complete")
@@ -130,7 +132,7 @@ class GenerateResponse(_message.Message):
         text: str
         def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
     class Complete(_message.Message):
-        __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "stats", "error_message", "prompt_token_ids", "seed", "cached_tokens", "sampling_rule")
+        __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "stats", "error_message", "prompt_token_ids", "seed", "cached_tokens", "sampling_rule", "sampling")
         FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
         COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +142,7 @@ class GenerateResponse(_message.Message):
         SEED_FIELD_NUMBER: _ClassVar[int]
         CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_RULE_FIELD_NUMBER: _ClassVar[int]
+        SAMPLING_FIELD_NUMBER: _ClassVar[int]
         finish_reason: FinishReason
         prompt_tokens: int
         completion_tokens: int
@@ -149,7 +152,8 @@ class GenerateResponse(_message.Message):
         seed: int
         cached_tokens: int
         sampling_rule: _sampling_pb2.SamplingRule
-        def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stats: _Optional[_Union[SpecStats, _Mapping]] = ..., error_message: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., sampling_rule: _Optional[_Union[_sampling_pb2.SamplingRule, str]] = ...) -> None: ...
+        sampling: _sampling_pb2.Sampling
+        def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stats: _Optional[_Union[SpecStats, _Mapping]] = ..., error_message: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., sampling_rule: _Optional[_Union[_sampling_pb2.SamplingRule, str]] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ...) -> None: ...
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     chunk: GenerateResponse.Chunk

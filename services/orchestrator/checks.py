@@ -1,0 +1,209 @@
+"""The one check of a request: every value a client sent, against the model and this server's limits.
+
+Every front builds a :class:`~kakeya.core.request.Request` (the CLI from its flags, the gRPC API from
+a ``GenerateRequest``, the HTTP API from OpenAI's JSON) and :meth:`Engine.start` runs it through
+:func:`check_request` before anything is allocated or any model work is done. A refusal is an
+:class:`~kakeya.core.request.InvalidRequest` naming the :class:`Request` field (``max_tokens``,
+``sampling.top_p``, ``cache_policy.window``, ``prompt``); the front renames it as its clients spell it.
+Sizes are bounded before anything is tokenized past a coarse bound (``runtime/bounds.py``'s limits).
+
+What comes out is the request as it runs: the prompt as token ids, ``max_tokens`` and
+``request_id`` filled in, a sampling seed drawn, the block size fixed where the sampling rule needs
+one schedule, a named restoration source mapped to this server's directory.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from kakeya.core.contract import Drafter, Verifier
+from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, CachePolicy, Chat, InvalidRequest, Request
+from kakeya.orchestrator.chat import ChatError
+from kakeya.orchestrator.text import TextCodec
+from kakeya.runtime import bounds
+
+DEFAULT_MAX_TOKENS = 128
+_CHAT_FIELD = re.compile(r"(messages(?:\[\d+\])?(?:\.\w+)?|continue_final_message):? (.*)", re.DOTALL)
+
+
+class Engine(Protocol):
+    """What the check reads of an engine (``engine.Engine``, which calls it)."""
+
+    verifier: Verifier
+    drafter: Drafter | None
+    codec: TextCodec | None
+    default_block_size: int
+
+    def max_block_size(self, policy: CachePolicy | None = None) -> int: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a server accepts (its flags; the CLI's are the defaults: only the model's own limits).
+
+    ``max_prompt_tokens`` 0: the default bound (``bounds.DEFAULT_MAX_PROMPT_TOKENS``), never above
+    the context; ``max_context`` 0: the target's (its verifier's ``max_context``, or the model's
+    ``max_position_embeddings``); ``max_tokens_limit`` 0: none. ``restore``: the ``--restore``
+    sources a request's cache policy may name when the verifier runs in this process; None: the
+    names travel to a remote verifier, which maps them itself."""
+
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens_limit: int = 0
+    max_prompt_tokens: int = 0
+    max_context: int = 0
+    restore: bounds.RestoreSources | None = None
+
+
+def context_of(engine: Engine, limits: Limits) -> int:
+    """The positions one request may hold: the server's --max-context, the verifier's, the model's."""
+    info = engine.verifier.info
+    model = info.max_position_embeddings or 131072
+    return min(x for x in (limits.max_context, info.max_context, model) if x)
+
+
+def prompt_limit(engine: Engine, limits: Limits) -> int:
+    return bounds.max_prompt_tokens(limits.max_prompt_tokens, context_of(engine, limits))
+
+
+def check_request(req: Request, engine: Engine, limits: Limits = Limits()) -> Request:
+    """``req`` checked and completed as it will run (see the module docstring), or InvalidRequest."""
+    request_id = bounds.check_request_id(req.request_id) or uuid.uuid4().hex[:16]
+    max_prompt = prompt_limit(engine, limits)
+    prompt = _prompt_ids(req.prompt, engine, max_prompt)
+    max_tokens = limits.default_max_tokens if req.max_tokens is None else req.max_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise InvalidRequest("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
+    if limits.max_tokens_limit and max_tokens > limits.max_tokens_limit:
+        raise InvalidRequest(
+            "max_tokens", f"{max_tokens} exceeds this server's limit {limits.max_tokens_limit} (--max-tokens-limit)"
+        )
+    context = context_of(engine, limits)
+    if len(prompt) + max_tokens > context:
+        raise InvalidRequest(
+            "max_tokens", f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the context limit {context}"
+        )
+    stop_ids = _stops(req, engine)
+    sampling = req.sampling.check().seeded()  # an unseeded sampling request draws its seed here
+    if not 1 <= req.max_block_size <= MAX_BLOCK_SIZE:
+        raise InvalidRequest("max_block_size", f"must be between 1 and {MAX_BLOCK_SIZE}, got {req.max_block_size}")
+    if not 0 <= req.block_size <= MAX_BLOCK_SIZE:
+        raise InvalidRequest("block_size", f"must be 0 (auto) or 1..{MAX_BLOCK_SIZE}, got {req.block_size}")
+    block_size = req.block_size if engine.drafter is not None else 1  # no drafter: every block is one token
+    policy = _cache_policy(req.cache_policy, engine, limits, block_size, len(prompt) + max_tokens)
+    if block_size == 0 and engine.drafter is not None and not sampling.greedy and sampling.rule == REJECTION:
+        # The rejection rule's tokens depend on the block sizes, so its seed must meet one schedule, never
+        # one that timings pick: auto runs at the drafter's trained size (within the policy's limits).
+        # The coupled rule's tokens depend on no schedule: auto stays auto.
+        block_size = min(engine.default_block_size, req.max_block_size, engine.max_block_size(policy))
+    return replace(
+        req,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        block_size=block_size,
+        stop_ids=stop_ids,
+        stop_strings=tuple(req.stop_strings),
+        cache_policy=policy,
+        sampling=sampling,
+        request_id=request_id,
+    )
+
+
+def _prompt_ids(prompt, engine: Engine, limit: int) -> list[int]:
+    """The prompt as token ids: a text tokenized, a conversation rendered by the chat template, ids checked;
+    each bounded before it is tokenized past ``bounds.CHARS_PER_TOKEN_BOUND`` characters a token."""
+    codec, vocab = engine.codec, engine.verifier.info.vocab_size
+    if isinstance(prompt, str | Chat):
+        if codec is None:
+            raise InvalidRequest("prompt", "this server has no tokenizer (--tokenizer); send token ids")
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InvalidRequest("prompt", "empty prompt")
+            chars = len(prompt)
+        else:
+            chars = sum(len(m.content) + len(m.role) for m in prompt.messages)
+        if chars > limit * bounds.CHARS_PER_TOKEN_BOUND:
+            raise InvalidRequest("prompt", f"{chars} characters, far beyond the {limit}-token limit")
+        if isinstance(prompt, str):
+            ids = codec.encode(prompt)
+        else:
+            if not prompt.messages:
+                raise InvalidRequest("prompt", "a conversation needs at least one message")
+            messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
+            try:
+                ids = codec.encode_chat(messages, continue_final_message=prompt.continue_final_message)
+            except ChatError as exc:  # "messages[1].role must be ...": the field is the chat's own
+                m = _CHAT_FIELD.match(str(exc))
+                raise InvalidRequest(f"prompt.{m[1]}" if m else "prompt", m[2] if m else str(exc)) from None
+    else:
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequest("prompt", "must not be empty")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise InvalidRequest("prompt", "token ids must be integers")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest("prompt", f"ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    if len(ids) > limit:
+        raise InvalidRequest("prompt", f"{len(ids)} tokens exceed this server's limit {limit} (--max-prompt-tokens)")
+    return ids
+
+
+def _stops(req: Request, engine: Engine) -> tuple[int, ...]:
+    stops, vocab = tuple(req.stop_strings), engine.verifier.info.vocab_size
+    if len(stops) > bounds.MAX_STOP_STRINGS:
+        raise InvalidRequest("stop_strings", f"{len(stops)} strings, at most {bounds.MAX_STOP_STRINGS} allowed")
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise InvalidRequest("stop_strings", "stop strings must be non-empty strings")
+    long = [len(s) for s in stops if len(s) > bounds.MAX_STOP_STRING_CHARS]
+    if long:
+        raise InvalidRequest(
+            "stop_strings", f"a stop string of {long[0]} characters, at most {bounds.MAX_STOP_STRING_CHARS}"
+        )
+    if stops and engine.codec is None:
+        raise InvalidRequest("stop_strings", "this server has no tokenizer (--tokenizer); use stop token ids")
+    ids = list(req.stop_ids)
+    if len(ids) > bounds.MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest("stop_ids", f"{len(ids)} ids, at most {bounds.MAX_STOP_TOKEN_IDS}")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest("stop_ids", f"ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    return tuple(ids)
+
+
+def _cache_policy(
+    policy: CachePolicy | None, engine: Engine, limits: Limits, block_size: int, positions: int
+) -> CachePolicy | None:
+    """The request's own cache policy (None: the verifier's default), checked against the model and the
+    request's ``positions`` (prompt + max_tokens) as the verifier checks it, so a refusal names its fields;
+    the block size checked against the policy that will run."""
+    window = engine.verifier.info.sliding_window
+    if policy is not None:
+        # a window (or sink count) beyond the session's positions would only allocate ring slots that never fill
+        most = max(window, positions)
+        if policy.window is not None and policy.window > most:
+            raise InvalidRequest(
+                "cache_policy.window",
+                f"{policy.window} exceeds this request's {most} positions (or the model's window)",
+            )
+        if policy.sink > most:
+            raise InvalidRequest("cache_policy.sink", f"{policy.sink} exceeds this request's {most} positions")
+        policy.resolve(window)
+        if limits.restore is not None and policy.restore is not None:  # the name picks one of our --restore sources
+            name = policy.restore
+            if name not in limits.restore.by_name:
+                known = ", ".join(limits.restore.names()) or "none configured"
+                raise InvalidRequest(
+                    "cache_policy.restore", f"unknown restoration source {name[:64]!r} (known: {known})"
+                )
+            policy = replace(policy, restore=limits.restore.by_name[name])
+    runs = (policy or engine.verifier.policy).resolve(window)
+    if block_size > runs.slack:
+        raise InvalidRequest(
+            "cache_policy.slack", f"{runs.slack} is smaller than block_size {block_size}: rollback would not be exact"
+        )
+    if runs.restore and block_size > runs.window:
+        raise InvalidRequest("block_size", f"{block_size} exceeds the restoring window {runs.window}")
+    return policy

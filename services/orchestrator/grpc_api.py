@@ -1,0 +1,179 @@
+"""The public gRPC API's messages <-> the request and the report: translation only.
+
+A ``GenerateRequest`` becomes a :class:`~kakeya.core.request.Request` (what its fields say, nothing
+checked beyond the message's own shape: the engine checks the request, ``checks.py``), with the
+names its fields have on this wire (:data:`FIELD_NAMES`, so a refusal names ``sampling_params.top_p``
+where the request says ``sampling.top_p``). A finished run's
+:class:`~kakeya.core.generation.Report` becomes the stream's ``Complete``, and ``kakeya client``
+rebuilds the report from a stream with :func:`report_from_stream`.
+"""
+
+from __future__ import annotations
+
+from kakeya.core.contract import KVBytes
+from kakeya.core.generation import Report
+from kakeya.core.request import CachePolicy, Chat, InvalidRequest, Message, Request, SamplingParams
+from kakeya.wire import convert as wire_contract
+from kakeya.wire.kakeya.v1 import cache_pb2
+from kakeya.wire.kakeya.v1 import generate_pb2 as pb
+
+# The Request's fields -> their names in a GenerateRequest (``prompt``: as the request sent it).
+FIELD_NAMES = {
+    "max_tokens": "sampling_params.max_tokens",
+    "sampling": "sampling_params",
+    "stop_strings": "sampling_params.stop",
+    "stop_ids": "sampling_params.stop_token_ids",
+    "ignore_eos": "sampling_params.ignore_eos",
+    "cache_policy.restore": "cache_policy.restore_path",
+}
+PROMPT_NAMES = {  # a prompt's fields, by the oneof the request set
+    "text": {"prompt": "prompt.text"},
+    "tokenized": {"prompt": "prompt.tokenized.ids"},
+    "messages": {
+        "prompt": "prompt.messages",
+        "prompt.messages": "prompt.messages",
+        "prompt.continue_final_message": "prompt.messages.continue_final_message",
+    },
+}
+
+FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+    "error": pb.FINISH_REASON_ERROR,
+}
+FINISH_NAMES = {v: k for k, v in FINISH.items()}
+
+
+def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tuple[Request, dict[str, str]]:
+    """``r`` as a Request, and the names of its fields on this wire (for :meth:`InvalidRequest.public`).
+    ``default_policy``: the verifier's, whose values a cache policy's unset fields take."""
+    which = r.WhichOneof("prompt")
+    names = FIELD_NAMES | PROMPT_NAMES.get(which, {})
+    if which is None:
+        raise InvalidRequest("prompt", "set prompt.text, prompt.tokenized or prompt.messages")
+    if which == "text":
+        prompt = r.text
+    elif which == "tokenized":
+        prompt = list(r.tokenized.ids)
+    else:
+        messages = tuple(Message(m.role, m.content) for m in r.messages.messages)
+        prompt = Chat(messages, r.messages.continue_final_message)
+    sp = r.sampling_params
+    sampling = SamplingParams(
+        temperature=wire_contract.decimal(sp.temperature),
+        top_k=sp.top_k,
+        top_p=wire_contract.decimal(sp.top_p) if sp.top_p else 1.0,
+        min_p=wire_contract.decimal(sp.min_p),
+        seed=sp.seed if sp.HasField("seed") else None,
+        rule=wire_contract.rule_from_proto(sp.rule),
+    )
+    request = Request(
+        prompt=prompt,
+        max_tokens=sp.max_tokens or None,  # 0: the server's default
+        block_size=r.block_size,
+        stop_ids=tuple(sp.stop_token_ids),
+        stop_strings=tuple(sp.stop),
+        ignore_eos=sp.ignore_eos,
+        cache_policy=_cache_policy(r, default_policy),
+        sampling=sampling,
+        request_id=r.request_id,
+    )
+    return request, names
+
+
+def _cache_policy(r: pb.GenerateRequest, default: CachePolicy) -> CachePolicy | None:
+    """The request's own policy (its unset fields: the default's); None when it sent none, or an empty one."""
+    if not r.HasField("cache_policy") or r.cache_policy.kind == cache_pb2.CACHE_KIND_UNSPECIFIED:
+        if r.HasField("cache_policy") and r.cache_policy.ListFields():
+            given = ", ".join(f.name for f, _ in r.cache_policy.ListFields())
+            raise InvalidRequest("cache_policy.kind", f"must be set when {given} is given")
+        return None
+    return wire_contract.policy_from_proto(r.cache_policy, default, "cache_policy")
+
+
+def complete_from_report(report: Report) -> pb.GenerateResponse.Complete:
+    s = report.sampling
+    stats = pb.SpecStats(
+        acceptance_lengths=report.acceptance_lengths,
+        mean_acceptance=report.mean_acceptance,
+        decode_tok_s=report.decode_tok_s,
+        prefill_s=report.prefill_s,
+        drafter_fallback=report.drafter_fallback,
+        verifier_kv_bytes_sliding=report.kv_bytes.sliding,
+        verifier_kv_bytes_full=report.kv_bytes.full,
+        degenerate=report.quality["degenerate"],
+        decode_s=report.decode_s,
+        total_s=report.total_s,
+        block_size=report.block_size,
+        block_sizes=report.block_sizes,
+        cache_kind=_cache_kind(report.cache_policy),
+        cache_policy=report.cache_policy,
+        cache_bounded=report.cache_bounded,
+        copied_blocks=report.copied_blocks,
+    )
+    complete = pb.GenerateResponse.Complete(
+        finish_reason=FINISH[report.finish_reason],
+        prompt_tokens=len(report.prompt_token_ids),
+        completion_tokens=len(report.token_ids),
+        stats=stats,
+        error_message=report.error,
+        prompt_token_ids=report.prompt_token_ids,
+        cached_tokens=report.cached_tokens,
+        sampling=wire_contract.sampling_to_proto(s),
+    )
+    if not s.greedy:
+        complete.seed = s.seed
+        complete.sampling_rule = wire_contract.rule_to_proto(s.rule)
+    return complete
+
+
+def report_from_stream(
+    model: pb.ModelInfo, backend: str, complete: pb.GenerateResponse.Complete, token_ids: list[int], text: str
+) -> Report:
+    """The report of a generation streamed by a server (``kakeya client``): its ``Complete``, the token ids
+    and text of its chunks, the model it served (``GetModelInfo``) and its verifier's backend."""
+    s, sp = complete.stats, complete.sampling
+    sampling = SamplingParams()
+    if sp.temperature:
+        sampling = SamplingParams(
+            temperature=wire_contract.decimal(sp.temperature),
+            top_k=sp.top_k,
+            top_p=wire_contract.decimal(sp.top_p) if sp.top_p else 1.0,
+            min_p=wire_contract.decimal(sp.min_p),
+            seed=sp.seed,
+            rule=wire_contract.rule_from_proto(sp.rule),
+        )
+    return Report(
+        target=model.target_model,
+        draft=model.draft_model,
+        backend=backend,
+        prompt_token_ids=tuple(complete.prompt_token_ids),
+        token_ids=tuple(token_ids),
+        text=text,
+        finish_reason=FINISH_NAMES.get(complete.finish_reason, "error"),
+        error=complete.error_message,
+        block_size=s.block_size,
+        block_sizes=tuple(s.block_sizes),
+        acceptance_lengths=tuple(s.acceptance_lengths),
+        copied_blocks=s.copied_blocks,
+        cached_tokens=complete.cached_tokens,
+        decode_tok_s=s.decode_tok_s,
+        prefill_s=s.prefill_s,
+        decode_s=s.decode_s,
+        total_s=s.total_s,
+        drafter_fallback=s.drafter_fallback,
+        kv_bytes=KVBytes(s.verifier_kv_bytes_sliding, s.verifier_kv_bytes_full),
+        cache_policy=s.cache_policy,
+        cache_bounded=s.cache_bounded,
+        sampling=sampling,
+    )
+
+
+def _cache_kind(label: str) -> int:
+    """A policy label ("native", "sink-window(4+64)+kv8") -> its CacheKind."""
+    if label.startswith("sink-window"):
+        return cache_pb2.CACHE_KIND_SINK_WINDOW
+    if label.startswith("native"):
+        return cache_pb2.CACHE_KIND_NATIVE
+    return cache_pb2.CACHE_KIND_UNSPECIFIED

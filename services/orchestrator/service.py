@@ -1,0 +1,228 @@
+"""The generation service: what every public front (the gRPC API, the HTTP API) runs a request through.
+
+A front turns what its client sent into a :class:`~kakeya.core.request.Request` and iterates
+:meth:`GenerationService.stream`: committed blocks (their token ids and the text they added, cut at
+stop strings), then one :class:`~kakeya.core.generation.Report`. In between the service does, for
+every front alike: readiness, admission (``--max-sessions``, ``--max-sessions-per-peer``), the
+engine's one check of the request (``checks.py``, against this server's :class:`Limits`), the run
+(``Engine.start``), cancellation when the client goes away, the server's drain, and the metrics.
+
+Failures: before the first block a refusal raises -- :class:`~kakeya.core.request.InvalidRequest`
+naming the request's field (the front renames it), or :class:`~kakeya.runtime.lifecycle.RequestError`
+with a status (not ready, over capacity, a backend's refusal); after it, the report says
+``finish_reason`` "error" with the reason. A cancelled run ends the iteration without a report.
+Holds an :class:`~kakeya.orchestrator.engine.Engine` whose verifier and drafter are in-process
+(colocated) or gRPC clients (split, ``remote.py``); it never asks which.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import grpc
+
+from kakeya.core.generation import Block, Report
+from kakeya.core.request import InvalidRequest, Request
+from kakeya.orchestrator.checks import DEFAULT_MAX_TOKENS, Limits, context_of, prompt_limit
+from kakeya.orchestrator.engine import Engine, RunOptions
+from kakeya.orchestrator.errors import fallback_reason, public_status
+from kakeya.runtime import bounds, logs
+from kakeya.runtime.admission import DEFAULT_MAX_SESSIONS
+from kakeya.runtime.auth import peer_of
+from kakeya.runtime.compute import ComputeThread
+from kakeya.runtime.lifecycle import RequestError
+from kakeya.runtime.metrics import NO_OBSERVER, ServerMetrics
+
+log = logging.getLogger("kakeya.orchestrator")
+
+DEFAULT_MAX_TOKENS_LIMIT = 4096
+
+
+class Call(Protocol):
+    """What the service needs of a front's call (a gRPC ``ServicerContext`` is one; ``http_server.HttpCall``)."""
+
+    def peer(self) -> str:
+        """The caller, as gRPC names peers (``ipv4:ADDR:PORT``): what ``--max-sessions-per-peer`` counts."""
+
+    def time_remaining(self) -> float | None:
+        """Seconds left of the client's deadline (None: none): the backend sessions' timeout."""
+
+    def add_callback(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` when the client goes away; False if it already has."""
+
+
+def _deadline(call: Call | None) -> float | None:
+    left = None if call is None else call.time_remaining()
+    return None if left is None or left > 1e7 else max(left, 0.001)
+
+
+class GenerationService:
+    """One engine served to many clients (see the module docstring). ``build`` makes the engine at
+    :meth:`load`; ``prefixes``: the prefix cache a colocated engine's sessions share (its metrics)."""
+
+    def __init__(
+        self,
+        build: Callable[[], Engine],
+        *,
+        colocated: bool,
+        max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        max_sessions_per_peer: int = 0,
+        max_prompt_tokens: int = 0,
+        restore: bounds.RestoreSources | None = None,
+        auth_token: str | None = None,
+        prefixes=None,
+    ):
+        if not 1 <= default_max_tokens <= max_tokens_limit:
+            raise ValueError(
+                f"default max tokens {default_max_tokens} must be in 1..{max_tokens_limit} (--max-tokens-limit)"
+            )
+        if max_prompt_tokens < 0:
+            raise ValueError(f"--max-prompt-tokens must be >= 0 (0: the default), got {max_prompt_tokens}")
+        self._build = build
+        self.colocated = colocated
+        self.max_tokens_limit, self.default_max_tokens = max_tokens_limit, default_max_tokens
+        self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
+        self.max_prompt_tokens_flag = max_prompt_tokens
+        self.restore = restore  # colocated: the --restore sources requests may name; None: the verifier maps names
+        self.auth_token = auth_token
+        self.engine: Engine | None = None
+        self.limits = Limits()  # set by load(), from the flags and the target's facts
+        self.compute = ComputeThread("orchestrator") if colocated else None
+        self.ready = False
+        self.aborting = False  # the server is going down: in-flight generations end with finish reason "abort"
+        self.verifier_down = False  # its health checks fail (the health watch): refuse at once, not after a timeout
+        self._lock = threading.Lock()
+        self.active = 0
+        self.by_peer: dict[str, int] = {}  # generations in flight per caller (auth.peer_of)
+        self.total = 0
+        self.started = time.monotonic()
+        self.metrics = ServerMetrics("orchestrator")
+        self.metrics.track_sessions(lambda: self.active, lambda: self.total)
+        if prefixes is not None:  # colocated: the prefix cache the engine's verifier and drafter share
+            self.metrics.track_prefix_cache(prefixes)
+
+    def step(self, fn, *args):
+        """Model work: on the compute thread when the models are in this process."""
+        return self.compute.run(fn, *args) if self.compute is not None else fn(*args)
+
+    def load(self) -> str:
+        """Build the engine, set the limits and warm up through the very path requests take."""
+        self.engine = e = self.step(self._build)
+        limits = Limits(self.default_max_tokens, self.max_tokens_limit, self.max_prompt_tokens_flag, 0, self.restore)
+        self.limits = Limits(
+            self.default_max_tokens,
+            self.max_tokens_limit,
+            prompt_limit(e, limits),
+            context_of(e, limits),
+            self.restore,
+        )
+        vocab = e.verifier.info.vocab_size
+        warmup = Request(
+            [i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), ignore_eos=True, request_id="warmup"
+        )
+        report = None
+        for item in self._generate(warmup, observe=False):  # warm-up: not in the metrics
+            report = item
+        if report.finish_reason == "error":
+            raise RuntimeError(f"warm-up generation failed: {report.error}")
+        if report.drafter_fallback:
+            log.warning("warm-up: the drafter failed, requests will fall back to the verifier until it answers")
+        drafter = e.drafter.backend if e.drafter is not None else "none"
+        return (
+            f"{'colocated' if self.colocated else 'split'}: verifier {e.verifier.info.backend} ({e.target}),"
+            f" drafter {drafter} ({e.draft or '-'}), block {e.default_block_size}"
+        )
+
+    def stream(self, req: Request, call: Call) -> Iterator[Block | Report]:
+        """One generation: its blocks as they commit, then its :class:`Report` (see the module docstring)."""
+        if not self.ready:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)"
+            )
+        if self.verifier_down:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE, "verifier unavailable (its health checks fail); retry later"
+            )
+        peer = peer_of(call)  # the caller's host: its connections' ports vary
+        with self._lock:
+            problem = self._admission_problem(peer)
+            if problem:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"orchestrator: {problem}")
+            self.active += 1
+            self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
+            self.total += 1
+        token = logs.bind(request_id=req.request_id)
+        try:
+            yield from self._generate(req, call)
+        finally:
+            with self._lock:
+                self.active -= 1
+                self.by_peer[peer] -= 1
+                if not self.by_peer[peer]:
+                    del self.by_peer[peer]
+            logs.reset(token)
+
+    def _admission_problem(self, peer: str) -> str | None:
+        """Why one more generation of ``peer`` is refused (under the lock), or None."""
+        if self.max_sessions and self.active >= self.max_sessions:
+            return f"{self.active} of {self.max_sessions} generations in flight (--max-sessions)"
+        held = self.by_peer.get(peer, 0)
+        if self.max_sessions_per_peer and held >= self.max_sessions_per_peer:
+            return (
+                f"{held} of {self.max_sessions_per_peer} generations in flight from this caller"
+                " (--max-sessions-per-peer)"
+            )
+        return None
+
+    def _generate(self, req: Request, call: Call | None = None, observe: bool = True) -> Iterator[Block | Report]:
+        """Run ``req``: its blocks, then its report; a refusal before the first block raises, a failure after
+        it ends the report with the reason; a cancelled run (the client went away) just ends."""
+        t_start = time.perf_counter()
+        options = RunOptions(_deadline(call), self.step, drafter_fallback=True, limits=self.limits)
+        try:
+            run = self.engine.start(req, options)
+        except InvalidRequest:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every other failure to start becomes a public status
+            raise RequestError(*public_status(exc, req.request_id)) from None
+        if call is not None and not call.add_callback(run.cancel):
+            run.cancel()  # the call ended while the sessions opened
+        checked = run.request
+        obs = self.metrics.generation(run.verifier_session, run.drafter_session, checked) if observe else NO_OBSERVER
+        blocks, error = 0, ""
+        try:
+            for block in run:
+                obs.block(block)
+                blocks += 1
+                yield block
+                if self.aborting:
+                    run.close()  # the server is going down: finish reason "abort"
+        except Exception as exc:  # noqa: BLE001 - the run failed (and closed its sessions)
+            code, msg = public_status(exc, checked.request_id)
+            if not blocks:
+                raise RequestError(code, msg) from None
+            log.warning("request %s failed mid-generation: %s", checked.request_id, msg)
+            error = msg
+        finally:
+            run.close()  # also when the client went away while a block was on its way
+            fallback = fallback_reason(run.drafter_error, run.cancelled)
+            gen = run.result
+            if run.cancelled:
+                obs.finish("abort", fallback=fallback, prompt_tokens=len(gen.prompt_ids), tokens=len(gen.token_ids))
+        if run.cancelled:
+            return
+        report = run.report(time.perf_counter() - t_start, error)
+        obs.finish(
+            report.finish_reason,
+            fallback=fallback,
+            prompt_tokens=len(report.prompt_token_ids),
+            tokens=len(report.token_ids),
+            cached_tokens=report.cached_tokens,
+        )
+        yield report
