@@ -15,7 +15,7 @@ plain Python ints.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -265,10 +265,14 @@ class VerifierSession(Protocol):
         """Run the prompt; return the target's next token (greedy, or sampled from p when the
         session samples) and the prompt's aux hidden states."""
 
-    def resume(self, prompt_ids: Sequence[int], reuse: Collection[int] | None = None) -> tuple[int, Aux, int]:
-        """:meth:`prefill`, starting from the verifier's prefix cache: from its longest snapshot of a prefix
-        of ``prompt_ids`` whose length is in ``reuse`` (None: any length). Returns ``(first token, aux of
-        the positions it ran, the prefix length resumed)``; without a prefix cache it is a plain prefill."""
+    def prefill_steps(
+        self, prompt_ids: Sequence[int], reuse: Collection[int] | None = ()
+    ) -> Generator[int, None, tuple[int, Aux, int]]:
+        """:meth:`prefill` one step per ``next()`` (a chunk of the prompt in this process; one round trip to a
+        remote verifier, whose server chunks itself), so whoever runs the model can run other sessions' steps
+        between them. With ``reuse`` it starts from the verifier's prefix cache: its longest snapshot of a
+        prefix of ``prompt_ids`` whose length is in ``reuse`` (None: any length; the default, none: a cold
+        prefill). Returns ``(first token, aux of the positions it ran, the prefix length resumed)``."""
 
     def decide(self, last_token: int, draft: Draft) -> Verdict:
         """Verify the block ``[last_token, *draft.tokens]`` in ONE forward and commit its outcome.
@@ -373,6 +377,11 @@ class Verifier(Protocol):
     def healthy(self, timeout: float = 1.0) -> bool:
         """Whether it answers now (a remote one: its health check within ``timeout``)."""
 
+    def decide_batch(self, items: Sequence[tuple[VerifierSession, int, Draft]]) -> list[Verdict | Exception]:
+        """:meth:`VerifierSession.decide` of several of its sessions at once, each item ``(session, last token,
+        draft)``: one forward for all of them where the backend can, the same verdicts as one by one. One
+        result per item, in order; an item's failure is its result alone, never its batch-mates'."""
+
 
 @runtime_checkable
 class Drafter(Protocol):
@@ -385,6 +394,11 @@ class Drafter(Protocol):
     def open_session(
         self, sampling: SamplingParams | None = None, options: SessionOptions | None = None
     ) -> DrafterSession: ...
+
+    def draft_batch(self, items: Sequence[tuple[DrafterSession, Aux, int, int]]) -> list[Draft | Exception]:
+        """:meth:`DrafterSession.draft` of several of its sessions at once, each item ``(session, new aux, last
+        token, block size)``: one forward where the backend can. One result per item, in order; an item's
+        failure is its result alone."""
 
     def status(self) -> dict[str, str]:
         """What a server reports of it beyond its backend (a remote one: its reconnection state); may be empty."""

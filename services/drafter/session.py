@@ -363,6 +363,12 @@ class LocalDrafter:
     def status(self) -> dict[str, str]:
         return {}  # in this process: no connection to lose
 
+    @staticmethod
+    def draft_batch(items: Sequence[tuple[DrafterSession, Any, int, int]]) -> list[Draft | Exception]:
+        from kakeya.drafter.batch import draft_batch  # the batch runner builds on this module
+
+        return draft_batch(items)
+
     def warm_up(self, block_sizes: Iterable[int] = WARM_BLOCK_SIZES, ctx: int = 64, aux=None) -> float:
         """One short session drafting each block size once, before serving; returns the seconds it took.
 

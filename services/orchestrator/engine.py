@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
 from kakeya.core.contract import Cancellation, Drafter, SessionOptions, Verifier, check_alternatives
 from kakeya.core.generation import Block, Generation, Report
-from kakeya.core.request import REJECTION, Request
-from kakeya.orchestrator import loop
+from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, Request
 from kakeya.orchestrator.adaptive import AdaptivePolicy, BlockSizer, measure_costs
 from kakeya.orchestrator.checks import Limits, check_request
+from kakeya.orchestrator.loop import Decode, DecodeOptions
+from kakeya.orchestrator.scheduler import Scheduler
 from kakeya.orchestrator.text import TextCodec, text_stream
 
 log = logging.getLogger("kakeya.orchestrator")
@@ -61,6 +63,7 @@ class Engine:
         self.ngram = ngram
         self.adaptive: AdaptivePolicy | None = None  # measured on the first request that asks for it
         self._calibrating = threading.Lock()
+        self._schedulers: dict[Callable, Scheduler] = {}  # one per model-thread runner (a server has one)
 
     @property
     def default_block_size(self) -> int:
@@ -72,7 +75,15 @@ class Engine:
         if self.drafter is None:
             return 1
         resolved = (policy or self.verifier.policy).resolve(self.verifier.info.sliding_window)
-        return min(loop.MAX_BLOCK_SIZE, resolved.slack, resolved.window if resolved.restore else loop.MAX_BLOCK_SIZE)
+        return min(MAX_BLOCK_SIZE, resolved.slack, resolved.window if resolved.restore else MAX_BLOCK_SIZE)
+
+    def scheduler(self, step: Callable) -> Scheduler:
+        """The scheduler whose rounds decode every live request of this engine run through ``step``."""
+        with self._calibrating:
+            if step not in self._schedulers:
+                draft_many = self.drafter.draft_batch if self.drafter is not None else None
+                self._schedulers[step] = Scheduler(draft_many, self.verifier.decide_batch, step)
+            return self._schedulers[step]
 
     def calibrate(self) -> AdaptivePolicy:
         """Measure the cost of a block at each size on this engine's endpoints (once)."""
@@ -133,15 +144,17 @@ class RunOptions:
 
 
 class Run:
-    """One request through an engine: iterate it for the committed blocks, then read ``result``.
+    """One request through an engine: iterate it for the committed blocks, then read ``result`` / ``report``.
 
-    It owns what lies between a request and its blocks, for every front alike:
-    opening the verifier and drafter sessions, the adaptive sizer (block size 0)
-    and what the engine learns from it, the fallback to the verifier alone when
-    the drafter fails, stop tokens, and closing both sessions however the run
-    ends: exhausted, ended early (``close``, ``stop``), failed (the exception
-    comes out of ``next``), or cancelled from any thread (``cancel``: the
-    iteration then just ends). A context manager: leaving it closes the run.
+    It owns what lies between a request and its blocks, for every front alike: opening the verifier and
+    drafter sessions, the prefill (resuming a cached prefix, one chunk per model-thread job so other
+    requests' rounds run between the chunks), then joining the engine's scheduler, whose rounds decode
+    every live request together (``scheduler.py``); the adaptive sizer (block size 0) and what the engine
+    learns from it, the fallback to the verifier alone when the drafter fails, stop tokens and stop
+    strings (each block's ``text`` is the text it added, cut at a stop string), and closing both sessions
+    however the run ends: exhausted, ended early (``close``), failed (the exception comes out of
+    ``next``), or cancelled from any thread (``cancel``: the iteration then just ends). A context
+    manager: leaving it closes the run.
     """
 
     def __init__(self, engine: Engine, req: Request, options: RunOptions):
@@ -152,9 +165,10 @@ class Run:
         self._streamed: list[str] = []
         self._cancellation = Cancellation()
         self._result: Generation | None = None
-        self._decoding: loop.Decoding | None = None
+        self._decode: Decode | None = None
+        self._scheduler = engine.scheduler(options.step)
+        self._joined = False
         self.verifier_session = self.drafter_session = None  # read by a server's metrics (their backends' time)
-        self.drafter_error: Exception | None = None  # why the drafter stopped, if it did (a server counts it by reason)
         self._sizer = self._step(engine.block_sizer, req)
         sessions = SessionOptions(
             req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation
@@ -164,7 +178,6 @@ class Run:
         except BaseException:
             self._step(self._close_sessions)
             raise
-        on_drafter_error = self._drafter_failed if options.drafter_fallback else None
         predraft = (engine.predraft if options.predraft is None else options.predraft) and self._sampling.greedy
         ngram = (engine.ngram if options.ngram is None else options.ngram) and (
             self._sampling.greedy or self._sampling.rule != REJECTION
@@ -174,19 +187,15 @@ class Run:
             if options.predraft_alternatives is None
             else check_alternatives(options.predraft_alternatives, "predraft_alternatives")
         )
-        self._decoding = loop.Decoding(
-            self.verifier_session,
-            self.drafter_session,
-            req.prompt_ids,
-            req.max_tokens,
-            self._sizer,
-            engine.stop_ids(req),
-            on_drafter_error,
-            predraft,
-            self._resume if engine.prefix_cache else None,
-            ngram,
-            alternatives,
+        decoding = DecodeOptions(
+            req.max_tokens, self._sizer, engine.stop_ids(req), options.drafter_fallback, predraft, ngram, alternatives
         )
+        self._decode = Decode(self.verifier_session, self.drafter_session, req.prompt_ids, decoding)
+
+    @property
+    def drafter_error(self) -> Exception | None:
+        """Why the drafter stopped, if it did and the verifier finished alone (a server counts it by reason)."""
+        return self._decode.drafter_error if self._decode is not None else None
 
     def _open(self, options: SessionOptions) -> None:
         e, req = self._engine, self.request
@@ -195,35 +204,43 @@ class Run:
         if e.drafter is not None and speculate:
             self.drafter_session = e.drafter.open_session(self._sampling, options)
 
-    def _resume(self, prompt_ids) -> tuple:
-        """The prefill with a prefix cache: the drafter names the prompt prefixes it holds a snapshot of, the
-        verifier resumes from the longest of them it holds too (without a drafter: any it holds) and runs the
-        rest, the drafter resumes from the same one -- both or neither, so the drafter's context never has a gap."""
-        ds, reuse = self.drafter_session, None
-        if ds is not None:
-            try:
-                reuse = ds.cached_prefixes(prompt_ids)
-            except Exception as exc:  # its first draft fails the same way: the loop's fallback takes over
-                if not self._fallback:
-                    raise
-                log.warning("request %s: drafter prefix lookup failed (%s)", self.request.request_id or "-", exc)
-                reuse = ()
-        first, aux, cached = self.verifier_session.resume(prompt_ids, reuse)
-        if ds is not None:
-            ds.resume(cached)
-        self._decoding.generation.cached_tokens = cached
-        return first, aux
+    def _prefill(self) -> Block:
+        """The prompt, one model-thread job per chunk; with a prefix cache, resumed from the longest prefix
+        both the verifier and the drafter hold a snapshot of (the drafter names its own; without a drafter:
+        any the verifier holds) -- both or neither, so the drafter's context never has a gap."""
+        t0 = time.perf_counter()
+        ds, reuse = self.drafter_session, ()
+        if self._engine.prefix_cache:
+            reuse = None
+            if ds is not None:
+                try:
+                    reuse = self._step(ds.cached_prefixes, self.request.prompt_ids)
+                except Exception as exc:  # its first draft fails the same way: the fallback takes over there
+                    if not self._fallback:
+                        raise
+                    log.warning("request %s: drafter prefix lookup failed (%s)", self.request.request_id or "-", exc)
+                    reuse = []  # none usable: a lookup all the same (a miss), cold
+        steps = self._step(self.verifier_session.prefill_steps, self.request.prompt_ids, reuse)
+        while (done := self._step(_chunk, steps)) is None:
+            if self.cancelled:
+                steps.close()
+                return None
+        first, aux, cached = done
+        if ds is not None and self._engine.prefix_cache:
+            self._step(ds.resume, cached)
+        self._decode.generation.cached_tokens = cached
+        return self._decode.prefilled(first, aux, time.perf_counter() - t0)
 
     def _save(self) -> None:
         """Leave what this run computed in the prefix caches: the state after its prompt and every committed
         token but the last (which no forward has seen), the drafter's only if its context is whole."""
-        gen = self._decoding.generation
+        gen = self._decode.generation
         ids = gen.prompt_ids + gen.token_ids[:-1]
         try:
             self.verifier_session.save(ids)
             if self.drafter_session is not None and not gen.drafter_fallback:
-                self.drafter_session.save(ids, self._decoding.unseen)
-        except Exception:  # a snapshot is an optimisation: never the run's failure
+                self.drafter_session.save(ids, self._decode.unseen)
+        except Exception:
             log.exception("request %s: saving the prefix snapshot", self.request.request_id or "-")
 
     def __iter__(self) -> Run:
@@ -237,24 +254,35 @@ class Run:
         if self.cancelled:
             self._end("abort")
         elif block is None:
-            self._end(self._decoding.generation.finish_reason, learn=True)
+            self._end(self._decode.generation.finish_reason, learn=True)
         else:
             ids, block.text, hit = self._text.add(block.tokens)
             self._streamed.append(block.text)
             if hit:
-                self._stop_at(len(ids))
+                self._stop_at(block, len(ids))
             return block
         raise StopIteration
 
     def _advance(self) -> Block | None:
-        """The loop's next block on the step's thread (None: the loop is over); a failure ends the run."""
+        """The next block (the prefill's first, then the scheduler's); None once decoding is over; a failure
+        ends the run and comes out of here."""
         try:
-            return self._step(next, self._decoding, None)
+            if not self._joined:
+                block = self._prefill()
+                self._joined = True
+                if block is not None and not self._decode.done:
+                    self._scheduler.join(self._decode)
+                return block
+            block = self._scheduler.next_block(self._decode, lambda: self.cancelled)
         except Exception:
             if self.cancelled:  # a cancel ends the backends' streams under a step: not a failure
                 return None
             self._end("error")
             raise
+        if block is None and self._decode.error is not None and not self.cancelled:
+            self._end("error")
+            raise self._decode.error
+        return block
 
     @property
     def result(self) -> Generation:
@@ -298,22 +326,26 @@ class Run:
         return self._cancellation.cancelled
 
     def cancel(self) -> None:
-        """End the run from any thread (say, a gRPC cancel callback): remote sessions' streams end at once,
-        the iteration ends at its next step and closes what is left."""
+        """End the run from any thread (say, a gRPC cancel callback): remote sessions' streams end at once, its
+        decode takes no part in later rounds, the iteration ends at its next step and closes what is left."""
         self._cancellation.cancel()
+        if self._decode is not None:
+            self._decode.cancelled = True
+        self._scheduler.wake()
 
     def close(self) -> None:
         """End the run now if it is not over; what was committed is the result (finish reason ``abort``)."""
         if self._result is None:
             self._end("abort")
 
-    def _stop_at(self, keep: int) -> None:
-        """End the run at a stop string found in the last block: keep its first ``keep`` tokens."""
-        gen = self._decoding.generation
-        dropped = len(gen.blocks[-1].tokens) - keep
-        if dropped > 0:
-            del gen.blocks[-1].tokens[keep:]
-            del gen.token_ids[-dropped:]
+    def _stop_at(self, block: Block, keep: int) -> None:
+        """End the run at a stop string the text found in ``block``: keep its first ``keep`` tokens (and no block
+        the scheduler committed after it)."""
+        gen = self._decode.generation
+        at = next(i for i, b in enumerate(gen.blocks) if b is block)
+        del gen.blocks[at + 1 :]
+        del block.tokens[keep:]
+        gen.token_ids[:] = [t for b in gen.blocks for t in b.tokens]
         self._end("stop")
 
     def __enter__(self) -> Self:
@@ -322,18 +354,17 @@ class Run:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _drafter_failed(self, exc: Exception) -> None:
-        self.drafter_error = exc
-        if not self.cancelled:  # a cancel ends the drafter's stream too: nothing to report
-            log.info(
-                "request %s: the drafter stopped (%s); the verifier finishes alone", self.request.request_id or "-", exc
-            )
-
     def _end(self, finish_reason: str, learn: bool = False) -> None:
-        gen = self._decoding.generation
+        decode = self._decode
+        gen = decode.generation
+        if self._joined:
+            self._scheduler.leave(decode)  # no round runs on its sessions from here on
         gen.finish_reason, gen.sampling = finish_reason, self._sampling
         self._streamed.append(self._text.flush())  # text held back for a stop string or a partial character
         self._result = gen
+        if decode.drafter_error is not None and not self.cancelled:  # a cancel ends the drafter's stream too
+            log.info("request %s: the drafter stopped (%s); the verifier finished alone",
+                     self.request.request_id or "-", decode.drafter_error)  # fmt: skip
         try:
             if finish_reason != "error" and not self.cancelled:  # the cache as it ends (what reports show)
                 gen.verifier_stats = self._step(self.verifier_session.stats)
@@ -345,11 +376,18 @@ class Run:
             self._step(self._close_sessions)
 
     def _close_sessions(self) -> None:
-        if self._decoding is not None:
-            self._decoding.close()
         for session in (self.drafter_session, self.verifier_session):
             if session is not None:
                 try:
                     session.close()
-                except Exception:  # closing must not mask the outcome
+                except Exception:
                     log.exception("closing a backend session")
+
+
+def _chunk(steps):
+    """One step of a prefill generator; None until it returns its result."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    return None

@@ -1,41 +1,37 @@
-"""Speculative decoding (greedy, or lossless sampling by either rule): token ids in, token ids out.
+"""Speculative decoding (greedy, or lossless sampling by either rule) as per-session state advanced in rounds.
 
-Knows no backend and no transport: it is handed a verifier session and a
-drafter session (``services/core/contract.py``) and only moves ints and opaque aux between
-them. Per block:
+Knows no backend and no transport: each session is a verifier session and a drafter session
+(``services/core/contract.py``) between which only ints and opaque aux move. A :class:`Decode` is one
+generation's whole state; :func:`advance` runs one round over any number of them:
 
-1. the drafter extends its context with the aux of the positions committed
-   last block and drafts ``B - 1`` candidates after ``last`` (one forward);
-2. the verifier decides ``[last, c1 .. c_{B-1}]`` in one step
-   (``VerifierSession.decide``): one forward, its own choice after every
-   position, the acceptance rule (``core.contract.accept``: the leading run of
-   candidates equal to its choices, then its choice after that run), the
-   accepted positions kept and the rest trimmed. So every block commits between
-   1 and ``B`` tokens, all of them the target's greedy tokens (coupled
-   sampling: the choices are the target's noisy argmax, so the tokens are those
-   of AR sampling with the seed, whatever ``B``; rejection sampling: the choices
-   already encode acceptance, the residual draw and the bonus draw, so the same
-   rule commits exactly-p-distributed tokens);
-3. the verdict's next token opens the next block, and its aux (the kept
-   positions') goes to the drafter with the next draft.
+1. **draft**: each session's next block gets its candidates from one of three sources -- a pre-draft that
+   guessed this verdict, a copy of what followed the same tokens earlier in the context (``ngram.py``), or
+   the drafter -- and every drafter call of the round (a copy's too: the drafter still takes the new
+   positions' aux, so its context never has a gap) goes out as ONE batch (``draft_many``);
+2. **verify**: every session's block ``[last, c1 .. c_{B-1}]`` goes to the verifier as ONE batch
+   (``decide_many``): one forward, the verifier's own choice after every position, the acceptance rule
+   (``core.contract.accept``: the leading run of candidates equal to its choices, then its choice after
+   that run), the accepted positions kept and the rest trimmed. So every block commits between 1 and
+   ``B`` tokens, all of them the target's greedy tokens (coupled sampling: the target's noisy argmax, the
+   tokens of AR sampling with the seed whatever ``B``; rejection sampling: the choices already encode
+   acceptance, the residual draw and the bonus draw, so the same rule commits exactly-p-distributed tokens);
+3. **commit**: the verdict's next token opens the session's next block, and its aux (the kept positions')
+   goes to the drafter with the next draft.
 
-With ``predraft``, step 1 of the next block starts right after step 1 of this
-one (``DrafterSession.predraft``): the drafter drafts it for the verdicts
-likeliest to come (this block accepted in full and its guess of the next token;
-with ``alternatives`` = k, also the likeliest rejections at a candidate with one
-of its k next likeliest tokens there), and the next block takes the one the verdict
-names, if it was prepared.
-
-With ``ngram``, a block whose context ends in a run of tokens seen before is
-drafted by copying what followed them (``ngram.py``); the drafter then only
-extends its context (a draft of size 1), so it never falls behind.
+Sessions differ freely within a round: their block sizes (a fixed size or the adaptive sizer's choice,
+``adaptive.py``), sampling rules and seeds, sources and positions; one session's failure is its own
+result, never its batch-mates'. With ``predraft``, the drafter drafts each session's next block while this
+one is verified (``DrafterSession.predraft``: for the verdicts likeliest to come), and the next round takes
+the one its verdict names, if it was prepared. The engine's scheduler (``scheduler.py``) runs the rounds
+for every live request; :func:`run` decodes one session alone, the same rounds with a batch of one.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kakeya.core.contract import Draft, DrafterSession, Predrafts, Verdict, VerifierSession
 from kakeya.core.generation import Block, Generation
@@ -45,76 +41,50 @@ from kakeya.orchestrator.ngram import NgramIndex
 if TYPE_CHECKING:
     from kakeya.orchestrator.adaptive import BlockSizer
 
-__all__ = ["MAX_BLOCK_SIZE", "Block", "Decoding", "Generation", "check_block_size", "run"]
+__all__ = [
+    "MAX_BLOCK_SIZE",
+    "Block",
+    "Decode",
+    "DecodeOptions",
+    "Generation",
+    "advance",
+    "alone",
+    "check_block_size",
+    "run",
+]
 
 NO_DRAFT = Draft(())  # a block the drafter sits out: size 1, or the verifier decoding alone
 
+DrafterCall = tuple[DrafterSession, Any, int, int]  # (session, new aux, last token, block size)
+VerifierCall = tuple[VerifierSession, int, Draft]  # (session, last token, draft)
 
-class Decoding:
-    """One generation through the loop: an iterator of its committed blocks.
 
-    ``generation`` is the record, kept as the blocks come: closing early keeps
-    what was committed; once the iteration has ended it is complete.
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How one session decodes (the request's and the engine's choices, resolved by the engine).
 
-    ``block_size`` is a fixed size or a :class:`~kakeya.orchestrator.adaptive.BlockSizer`
-    that picks each block's size from what it has seen (``choose``/``observe``).
-    ``drafter`` may be None (or ``block_size`` 1): the verifier then decodes
-    autoregressively, with identical output. If ``on_drafter_error`` is given,
-    a drafter exception is reported to it and the rest of the generation runs
-    on the verifier alone instead of failing. ``predraft``: while a block is
-    verified, the drafter pre-drafts the next one (greedy sessions; it pays
-    where the drafter works beside the verifier, a remote one). ``prefill``
-    replaces the verifier's own (the engine's: resuming a cached prefix,
-    ``engine.py``). ``ngram``: a block whose context ends in a run of tokens
-    seen before copies what followed it instead of asking the drafter for
-    candidates (greedy and coupled sampling; never the rejection rule, which
-    needs the drafter's distribution). ``alternatives``: with ``predraft``, the drafter's next
-    likeliest tokens a pre-draft may prepare for at each candidate (``DrafterSession.predraft``).
+    ``block_size``: a fixed size, or a :class:`~kakeya.orchestrator.adaptive.BlockSizer` that picks each
+    block's size from what it has seen (``choose``/``observe``). ``stop_ids``: tokens that end the
+    generation (included in it). ``fallback``: a drafter failure ends drafting for this session and the
+    verifier finishes alone (same tokens) instead of failing it. ``predraft``: pre-draft the next block
+    while this one is verified (greedy sessions; it pays where the drafter works beside the verifier, a
+    remote one); ``alternatives``: the drafter's next likeliest tokens a pre-draft may also prepare for at
+    each candidate. ``ngram``: draft by copy where the context repeats (greedy and the coupled rule; never
+    the rejection rule, which needs the drafter's distribution)."""
 
-    ``unseen`` holds the aux the loop committed that the drafter has not been
-    handed yet (chunks, in order): what a drafter's prefix snapshot still needs
-    when the generation ends.
-    """
+    max_tokens: int
+    block_size: int | BlockSizer = 1
+    stop_ids: frozenset[int] = frozenset()
+    fallback: bool = False
+    predraft: bool = False
+    ngram: bool = False
+    alternatives: int = 0
 
-    def __init__(
-        self,
-        verifier: VerifierSession,
-        drafter: DrafterSession | None,
-        prompt_ids: Sequence[int],
-        max_tokens: int,
-        block_size: int | BlockSizer,
-        stop_ids: Iterable[int] = (),
-        on_drafter_error: Callable[[Exception], None] | None = None,
-        predraft: bool = False,
-        prefill: Callable[[Sequence[int]], tuple] | None = None,
-        ngram: bool = False,
-        alternatives: int = 0,
-    ):
-        self.generation = Generation(prompt_ids=list(prompt_ids))
-        self.unseen: list = []
-        self._blocks = _decode(
-            self.generation,
-            verifier,
-            drafter,
-            max_tokens,
-            block_size,
-            stop_ids,
-            on_drafter_error,
-            predraft,
-            prefill or verifier.prefill,
-            self.unseen,
-            ngram,
-            alternatives,
-        )
-
-    def __iter__(self) -> Decoding:
-        return self
-
-    def __next__(self) -> Block:
-        return next(self._blocks)
-
-    def close(self) -> None:
-        self._blocks.close()
+    def __post_init__(self):  # the engine checked the request; these guard direct callers (tests, benchmarks)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.block_size, int):
+            check_block_size(self.block_size)
 
 
 class _Ahead(NamedTuple):
@@ -126,63 +96,93 @@ class _Ahead(NamedTuple):
     alternatives: bool
 
 
-class _Drafts:
-    """The drafter's side of one generation: the aux it has not been handed yet, the pre-draft in
-    flight, the next block's size when it was chosen early (with that pre-draft), the n-gram index
-    that drafts by copy, and the fallback to the verifier alone when the drafter fails."""
+class Decode:
+    """One generation's whole decoding state, advanced by :func:`advance` (see the module docstring).
+
+    ``generation`` is the record, kept as the blocks come: a decode ended early keeps what was committed.
+    ``unseen`` holds the aux the decode committed that no drafter call has taken yet (chunks, in order):
+    what a drafter's prefix snapshot still needs when the generation ends. ``error``: why it failed (it
+    is then ``done``); ``drafter_error``: why its drafter stopped, when it fell back to the verifier alone.
+    """
 
     def __init__(
         self,
-        session,
-        gen: Generation,
-        sizer,
-        block_size: int,
-        predraft: bool,
-        on_error,
-        prompt_aux,
-        unseen: list,
-        ngram: bool = False,
-        alternatives: int = 0,
+        verifier: VerifierSession,
+        drafter: DrafterSession | None,
+        prompt_ids: Sequence[int],
+        options: DecodeOptions,
     ):
-        self.session, self.gen, self.sizer, self.block_size, self.on_error = session, gen, sizer, block_size, on_error
-        self.active = session is not None and (sizer is not None or block_size > 1)
-        self.predraft, self.alternatives = predraft, alternatives
-        self.ngram = NgramIndex() if ngram else None
-        self.stream = list(gen.prompt_ids)  # prompt + committed tokens: what the n-gram index reads
-        self.new_aux = None  # the newest verdict's aux (the prompt's at first) until a drafter call takes it
-        self.unseen = unseen  # every aux committed since a drafter call last took one (Decoding.unseen)
-        self.committed(prompt_aux)
-        self.ahead: _Ahead | None = None
-        self.want: int | None = None
-        self.copied = False  # the last block's candidates were the n-gram index's
+        self.verifier, self.drafter, self.options = verifier, drafter, options
+        self.sizer = None if isinstance(options.block_size, int) else options.block_size
+        self.block_size = options.block_size if self.sizer is None else 0
+        self.generation = Generation(prompt_ids=list(prompt_ids))
+        self.unseen: list = []
+        self.error: BaseException | None = None
+        self.drafter_error: Exception | None = None
+        self.cancelled = False  # its request went away: it takes no part in later rounds
+        # the drafter's side: active while it answers; the newest verdict's aux until a drafter call takes it
+        self.drafting = drafter is not None and (self.sizer is not None or self.block_size > 1)
+        self.ngram = NgramIndex() if options.ngram else None
+        self._stream = list(prompt_ids)  # prompt + committed tokens: what the n-gram index reads
+        self._new_aux = None
+        self._ahead: _Ahead | None = None  # the pre-draft in flight
+        self._want: int | None = None  # the next block's size, chosen early with that pre-draft
+        self._last: int | None = None  # the newest committed token: it opens the next block
+        self._verdict: Verdict | None = None
+        # this round's block: its candidates and where they came from, the drafter call still to answer
+        self._draft, self._predrafted, self._copied = NO_DRAFT, False, False
+        self._call: tuple[int, tuple[int, ...]] | None = None  # (block size asked of the drafter, a copy's tokens)
+        self._t_block = 0.0
+        self._t_decode = 0.0
 
-    def committed(self, aux) -> None:
-        """The aux of newly committed positions, for the next drafter call."""
-        self.new_aux = aux
-        self.unseen.append(aux)
+    # -- state ----------------------------------------------------------------------------
 
-    def _taken(self) -> None:
-        """A drafter call took the new aux: its context now holds every committed position."""
-        self.new_aux = None
-        self.unseen.clear()
+    @property
+    def done(self) -> bool:
+        gen = self.generation
+        over = gen.finish_reason == "stop" or len(gen.token_ids) >= self.options.max_tokens
+        return over or self.error is not None or self.cancelled
 
-    def next(self, last: int, room: int, verdict: Verdict | None) -> tuple[Draft, bool]:
-        """The draft of the block opened by ``last`` (at most ``room`` tokens) after ``verdict``: the
-        pre-draft when it guessed right (True), else a fresh one."""
-        ahead, self.ahead = self.ahead, None
-        want, self.want = self.want, None
-        self.copied = False
-        if not self.active:
-            return NO_DRAFT, False
+    @property
+    def started(self) -> bool:
+        return self._last is not None
+
+    def prefilled(self, first: int, prompt_aux, seconds: float) -> Block:
+        """The prompt ran (``seconds``): its first token is the first block, its aux the drafter's first context."""
+        self.generation.prefill_s = seconds
+        self._t_decode = time.perf_counter()
+        self._committed(prompt_aux)
+        block = self._emit(Block([first], 0, 0, total_s=seconds))
+        self._last = first
+        return block
+
+    def fail(self, exc: BaseException) -> None:
+        """This decode failed (its verifier, or its drafter without fallback): it takes no part in later rounds."""
+        self.error = exc
+        self._ahead = None
+
+    # -- 1. draft ---------------------------------------------------------------------------
+
+    def plan_draft(self) -> DrafterCall | None:
+        """Choose this round's source of candidates; the drafter call it needs (None: none)."""
+        self._t_block = time.perf_counter()
+        ahead, self._ahead = self._ahead, None
+        want, self._want = self._want, None
+        self._draft, self._predrafted, self._copied, self._call = NO_DRAFT, False, False, None
+        if not self.drafting:
+            return None
+        room = self.options.max_tokens - len(self.generation.token_ids)  # a block commits at most B tokens
         # Was this verdict prepared for? (Without alternatives only a full acceptance was: a remote
         # drafter's fresh draft is then sent at once, not after the pre-draft's answer.)
+        verdict, last = self._verdict, self._last
         if ahead is not None and (ahead.alternatives or verdict.accepted == ahead.pending):
-            found = self._safely(ahead.result)
+            found = self._drafter_step(ahead.result)
             prepared = None if found is None else found.after(verdict.accepted, last)
             if prepared is not None:
-                return Draft(prepared[: room - 1]), True  # never past max_tokens
-            if not self.active:
-                return NO_DRAFT, False
+                self._draft, self._predrafted = Draft(prepared[: room - 1]), True
+                return None
+            if not self.drafting:
+                return None
         copy = self._copy() if want is None else ()
         if want is None and copy and self.sizer is not None:
             want = self.sizer.choose(copy=True)
@@ -190,159 +190,223 @@ class _Drafts:
                 copy, want = (), None
         if want is None:
             want = self.block_size if self.sizer is None else self.sizer.choose()
-        B = min(want, room)  # never draft past max_tokens: a block commits at most B tokens
-        # A sized block of 1 still hands the drafter the new positions (a draft of
-        # size 1 only extends its context), or its context would have gaps later.
-        if B == 1 and self.sizer is None:
-            return NO_DRAFT, False
-        if copy and B > 1:  # the drafter only takes the new positions; the candidates are the copy's
-            if self._safely(self.session.draft, self.new_aux, last, 1) is not None:
-                self._taken()
-            self.copied = True
-            return Draft(copy[: B - 1]), False
-        draft = self._safely(self.session.draft, self.new_aux, last, B)
-        if draft is None:
-            return NO_DRAFT, False
+        size = min(want, room)
+        # A sized block of 1 still hands the drafter the new positions (a draft of size 1 only extends its
+        # context), or its context would have gaps later; a fixed size of 1 never drafts.
+        if size == 1 and self.sizer is None:
+            return None
+        if copy and size > 1:  # the drafter only takes the new positions; the candidates are the copy's
+            self._call = (1, tuple(copy[: size - 1]))
+            return (self.drafter, self._new_aux, last, 1)
+        self._call = (size, ())
+        return (self.drafter, self._new_aux, last, size)
+
+    def drafted(self, result: Draft | BaseException) -> None:
+        """The drafter's answer to this round's call (an exception: it failed)."""
+        size, copy = self._call
+        self._call = None
+        if isinstance(result, BaseException):
+            self._drafter_failed(result)
+            return
         self._taken()
-        return draft, False
+        if copy:
+            self._draft, self._copied = Draft(copy), True
+        elif size > 1:
+            self._draft = result
+
+    def predraft(self) -> None:
+        """Start pre-drafting the block after this one (verified meanwhile): it takes the aux the drafter has
+        not had, and the next block's size is chosen now."""
+        block = self._draft
+        if not (self.options.predraft and self.drafting and block.tokens):
+            return
+        self._want = self.sizer.choose() if self.sizer is not None else self.block_size
+        if self._want < 2:
+            return
+        opening = [self._last, *block.tokens]
+        result = self._drafter_step(
+            self.drafter.predraft, self._new_aux, opening, self._want, self.options.alternatives
+        )
+        if result is not None:
+            self._taken()
+            self._ahead = _Ahead(result, len(block.tokens), self.options.alternatives > 0)
+            self.generation.predrafts += 1
+
+    # -- 2. verify, 3. commit ------------------------------------------------------------
+
+    def verifier_call(self) -> VerifierCall:
+        """This round's block for the verifier: ``[last, *candidates]`` (rejection sampling: with the
+        proposal its candidates were drawn from)."""
+        return (self.verifier, self._last, self._draft)
+
+    def verified(self, verdict: Verdict | BaseException, draft_s: float, verify_s: float) -> Block | None:
+        """The verifier's verdict on this round's block, committed: the block (None: the decode failed)."""
+        if isinstance(verdict, BaseException):
+            self.fail(verdict)
+            return None
+        self._verdict = verdict
+        self._committed(verdict.aux)
+        draft = self._draft
+        tokens = list(draft.tokens[: verdict.accepted]) + [verdict.next_token]
+        block = self._emit(
+            Block(
+                tokens,
+                drafted=len(draft.tokens),
+                accepted=verdict.accepted,
+                draft_s=draft_s,
+                verify_s=verify_s,
+                total_s=time.perf_counter() - self._t_block,
+                predrafted=self._predrafted,
+                copied=self._copied,
+            )
+        )
+        if self.sizer is not None and self.drafting:
+            self.sizer.observe(block)
+        self._last = tokens[-1]
+        return block
+
+    # -- the drafter's side -----------------------------------------------------------------
+
+    def _committed(self, aux) -> None:
+        """The aux of newly committed positions, for the next drafter call."""
+        self._new_aux = aux
+        self.unseen.append(aux)
+
+    def _taken(self) -> None:
+        """A drafter call took the new aux: its context now holds every committed position."""
+        self._new_aux = None
+        self.unseen.clear()
 
     def _copy(self) -> tuple[int, ...]:
         """The n-gram index's candidates for the next block (the most any block takes), or ()."""
         if self.ngram is None:
             return ()
-        self.stream.extend(self.gen.token_ids[len(self.stream) - len(self.gen.prompt_ids) :])
-        return self.ngram.propose(self.stream, MAX_BLOCK_SIZE - 1)
+        gen = self.generation
+        self._stream.extend(gen.token_ids[len(self._stream) - len(gen.prompt_ids) :])
+        return self.ngram.propose(self._stream, MAX_BLOCK_SIZE - 1)
 
-    def predraft_after(self, last: int, draft: Draft) -> None:
-        """Start pre-drafting the block after ``[last, *draft.tokens]`` (verified meanwhile): it takes the
-        aux the drafter has not had, and the next block's size is chosen now."""
-        if not (self.predraft and self.active and draft.tokens):
-            return
-        self.want = self.sizer.choose() if self.sizer is not None else self.block_size
-        if self.want < 2:
-            return
-        result = self._safely(self.session.predraft, self.new_aux, [last, *draft.tokens], self.want, self.alternatives)
-        if result is not None:
-            self._taken()
-            self.ahead = _Ahead(result, len(draft.tokens), self.alternatives > 0)
-            self.gen.predrafts += 1
-
-    def _safely(self, step, *args):
-        """``step(*args)``; a drafter failure ends drafting (None) when the run falls back, else it is raised."""
+    def _drafter_step(self, step, *args):
+        """``step(*args)``; a drafter failure ends drafting (None) under fallback, else fails the decode."""
         try:
             return step(*args)
-        except Exception as exc:  # the verifier alone produces the same tokens
-            if self.on_error is None:
-                raise
-            self.on_error(exc)
-            self.gen.drafter_fallback, self.active, self.ahead = True, False, None
+        except Exception as exc:  # noqa: BLE001 - the verifier alone produces the same tokens
+            self._drafter_failed(exc)
             return None
 
+    def _drafter_failed(self, exc: BaseException) -> None:
+        if not self.options.fallback or not isinstance(exc, Exception):
+            self.fail(exc)
+            return
+        self.drafter_error = exc
+        self.generation.drafter_fallback, self.drafting, self._ahead = True, False, None
 
-def _decode(
-    gen: Generation,
-    verifier: VerifierSession,
-    drafter: DrafterSession | None,
-    max_tokens: int,
-    block_size: int | BlockSizer,
-    stop_ids: Iterable[int],
-    on_drafter_error: Callable[[Exception], None] | None,
-    predraft: bool,
-    prefill: Callable[[Sequence[int]], tuple],
-    unseen: list,
-    ngram: bool = False,
-    alternatives: int = 0,
-) -> Iterator[Block]:
-    """:class:`Decoding`'s steps: record each committed block in ``gen`` and yield it."""
-    sizer = None if isinstance(block_size, int) else block_size
-    if sizer is None:
-        check_block_size(block_size)
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    prompt_ids = gen.prompt_ids
-    if not prompt_ids:
-        raise ValueError("prompt is empty")
-    stop = frozenset(stop_ids)
-    clock = time.perf_counter
-
-    t0 = clock()
-    first, prompt_aux = prefill(prompt_ids)
-    gen.prefill_s = clock() - t0
-    t_decode = clock()
-
-    def emit(block: Block) -> bool:
-        """Record a block, cut it at a stop token; True when generation is over."""
+    def _emit(self, block: Block) -> Block:
+        """Record a block, cut at a stop token (which ends the generation)."""
+        gen = self.generation
         for i, tok in enumerate(block.tokens):
-            if tok in stop:
+            if tok in self.options.stop_ids:
                 del block.tokens[i + 1 :]
                 gen.finish_reason = "stop"
                 break
         gen.blocks.append(block)
         gen.token_ids.extend(block.tokens)
-        gen.decode_s = clock() - t_decode  # so far: a generation closed early has its time too
-        return gen.finish_reason == "stop" or len(gen.token_ids) >= max_tokens
+        gen.decode_s = time.perf_counter() - self._t_decode  # so far: a decode ended early has its time too
+        return block
 
-    done = emit(Block([first], 0, 0, total_s=gen.prefill_s))
-    yield gen.blocks[-1]
-    last, verdict = first, None
-    drafts = _Drafts(
-        drafter, gen, sizer, block_size, predraft, on_drafter_error, prompt_aux, unseen, ngram, alternatives
-    )
-    while not done:
-        t_block = clock()
-        draft, predrafted = drafts.next(last, max_tokens - len(gen.token_ids), verdict)
-        t_drafted = clock()
-        drafts.predraft_after(last, draft)  # a remote drafter works on it while the verifier verifies
-        # Rejection sampling: the draft carries the proposal its candidates were drawn from. Every
-        # rule's choices follow the same acceptance rule (core.contract.accept) inside decide.
-        verdict = verifier.decide(last, draft)
-        t_end = clock()
-        drafts.committed(verdict.aux)
-        tokens = list(draft.tokens[: verdict.accepted]) + [verdict.next_token]
-        done = emit(
-            Block(
-                tokens,
-                drafted=len(draft.tokens),
-                accepted=verdict.accepted,
-                draft_s=t_drafted - t_block,
-                verify_s=t_end - t_drafted,
-                total_s=t_end - t_block,
-                predrafted=predrafted,
-                copied=drafts.copied,
-            )
-        )
-        if sizer is not None and drafts.active:
-            sizer.observe(gen.blocks[-1])
-        yield gen.blocks[-1]
-        last = tokens[-1]
-    gen.decode_s = clock() - t_decode
+
+def _each(call: Callable, items: Sequence) -> list:
+    """``call(*item)`` for each item, an exception being that item's result alone."""
+    out = []
+    for item in items:
+        try:
+            out.append(call(*item))
+        except Exception as exc:  # noqa: BLE001 - its own failure, its result alone
+            out.append(exc)
+    return out
+
+
+def _batch(call: Callable[[Sequence], list], items: Sequence) -> list:
+    """``call(items)``, one result per item; a failure of the call itself is every item's result."""
+    try:
+        results = call(items)
+    except Exception as exc:  # noqa: BLE001 - the backend's batch failed as a whole: each item hears it
+        return [exc] * len(items)
+    if len(results) != len(items):
+        return [RuntimeError(f"{len(results)} results for {len(items)} items")] * len(items)
+    return results
+
+
+def one_by_one_drafts(items: Sequence[DrafterCall]) -> list[Draft | Exception]:
+    """``draft_many`` for sessions with no batch runner: each session's own ``draft``."""
+    return _each(lambda s, aux, last, size: s.draft(aux, last, size), items)
+
+
+def one_by_one_verdicts(items: Sequence[VerifierCall]) -> list[Verdict | Exception]:
+    """``decide_many`` for sessions with no batch runner: each session's own ``decide``."""
+    return _each(lambda s, last, draft: s.decide(last, draft), items)
+
+
+def advance(
+    decodes: Iterable[Decode],
+    draft_many: Callable[[Sequence[DrafterCall]], list] = one_by_one_drafts,
+    decide_many: Callable[[Sequence[VerifierCall]], list] = one_by_one_verdicts,
+) -> list[tuple[Decode, Block]]:
+    """One round over every started, unfinished decode: one batched draft, one batched verify, each
+    block committed to its decode. Returns the blocks, by decode; a decode that failed gets no block
+    (its ``error`` says why) and never touches the others' results."""
+    live = [d for d in decodes if d.started and not d.done]
+    t0 = time.perf_counter()
+    calls = [(d, call) for d in live if (call := d.plan_draft()) is not None]
+    if calls:
+        for (d, _), result in zip(calls, _batch(draft_many, [c for _, c in calls])):
+            d.drafted(result)
+    t1 = time.perf_counter()
+    for d in live:
+        d.predraft()  # a remote drafter works on the next blocks while the verifier verifies these
+    live = [d for d in live if not d.done]
+    t_verify = time.perf_counter()
+    verdicts = _batch(decide_many, [d.verifier_call() for d in live]) if live else []
+    t2 = time.perf_counter()
+    out = []
+    for d, verdict in zip(live, verdicts):
+        block = d.verified(verdict, t1 - t0, t2 - t_verify)
+        if block is not None:
+            out.append((d, block))
+    return out
 
 
 def run(
-    verifier,
-    drafter,
-    prompt_ids,
-    max_tokens,
-    block_size,
-    stop_ids=(),
-    on_drafter_error=None,
-    predraft=False,
-    ngram=False,
-    alternatives=0,
+    verifier: VerifierSession,
+    drafter: DrafterSession | None,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    block_size: int | BlockSizer,
+    stop_ids: Iterable[int] = (),
+    on_drafter_error: Callable[[Exception], None] | None = None,
+    predraft: bool = False,
+    ngram: bool = False,
+    alternatives: int = 0,
 ) -> Generation:
-    """Run a :class:`Decoding` to the end and return the whole generation."""
-    decoding = Decoding(
-        verifier,
-        drafter,
-        prompt_ids,
-        max_tokens,
-        block_size,
-        stop_ids,
-        on_drafter_error,
-        predraft,
-        ngram=ngram,
-        alternatives=alternatives,
+    """Decode one session alone to the end (its prefill, then rounds of one) and return the generation.
+    ``on_drafter_error``: fall back to the verifier alone when the drafter fails, telling it why."""
+    options = DecodeOptions(
+        max_tokens, block_size, frozenset(stop_ids), on_drafter_error is not None, predraft, ngram, alternatives
     )
-    for _ in decoding:
+    decode = Decode(verifier, drafter, prompt_ids, options)
+    for _ in alone(decode):
         pass
-    return decoding.generation
+    if decode.drafter_error is not None:
+        on_drafter_error(decode.drafter_error)
+    return decode.generation
+
+
+def alone(decode: Decode) -> Iterator[Block]:
+    """``decode`` decoded by itself: its prefill's block, then one block per round of one; its failure raised."""
+    t0 = time.perf_counter()
+    first, aux = decode.verifier.prefill(decode.generation.prompt_ids)
+    yield decode.prefilled(first, aux, time.perf_counter() - t0)
+    while not decode.done:
+        for _, block in advance([decode]):
+            yield block
+    if decode.error is not None:
+        raise decode.error

@@ -45,7 +45,15 @@ from kakeya.core.contract import (
 )
 from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy, SamplingParams
 from kakeya.orchestrator.deadlines import StepClock
-from kakeya.orchestrator.streams import BackendError, Stream, backend_channel, backend_healthy, call_unary, fetch_info
+from kakeya.orchestrator.streams import (
+    BackendError,
+    Reply,
+    Stream,
+    backend_channel,
+    backend_healthy,
+    call_unary,
+    fetch_info,
+)
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import drafter_pb2 as dpb
@@ -103,11 +111,13 @@ class GrpcVerifierSession:
         first, aux, _ = self._prefill(vpb.VerifierRequest.Prefill(token_ids=list(prompt_ids)))
         return first, aux
 
-    def resume(self, prompt_ids: Sequence[int], reuse: Collection[int] | None = None):
-        """The server's prefix cache resumes what it can (``VerifierSession.resume``); one round trip, as a prefill."""
+    def prefill_steps(self, prompt_ids: Sequence[int], reuse: Collection[int] | None = ()):
+        """One step, one round trip: the server chunks a long prompt itself (its other sessions' steps run
+        between the chunks there) and resumes what its prefix cache holds (``reuse``, as the contract says)."""
         p = vpb.VerifierRequest.Prefill(
             token_ids=list(prompt_ids), reuse_any=reuse is None, reuse_positions=reuse or ()
         )
+        yield from ()
         return self._prefill(p)
 
     def _prefill(self, prefill: vpb.VerifierRequest.Prefill):
@@ -133,10 +143,21 @@ class GrpcVerifierSession:
         return True
 
     def decide(self, last_token: int, draft: Draft) -> Verdict:
+        return self._verdict(self._post_verify(last_token, draft))
+
+    def _post_verify(self, last_token: int, draft: Draft) -> tuple[float, Reply]:
+        """Send the block now (a batch sends every session's before it waits for any)."""
         v = vpb.VerifierRequest.Verify(block_ids=[last_token, *draft.tokens])
         if draft.proposal is not None:
             v.proposal.CopyFrom(wire_contract.proposal_to_proto(draft.proposal))
-        r = self._step(vpb.VerifierRequest(verify=v), "verified").verified
+        return time.perf_counter(), self._s.post(vpb.VerifierRequest(verify=v), "verified")
+
+    def _verdict(self, posted: tuple[float, Reply]) -> Verdict:
+        t0, reply = posted
+        resp = self._s.wait(reply, self.clock.timeout())
+        self.clock.record(time.perf_counter() - t0)
+        self.server_s += resp.elapsed_s
+        r = resp.verified
         self._stats = r.stats
         return Verdict(r.accepted, r.next_token, self._aux(r.aux))
 
@@ -212,11 +233,29 @@ class GrpcVerifier:
     ) -> GrpcVerifierSession:
         return GrpcVerifierSession(self, policy, sampling, options or SessionOptions())
 
+    @staticmethod
+    def decide_batch(items: Sequence[tuple[GrpcVerifierSession, int, Draft]]) -> list[Verdict | Exception]:
+        """Every session's block sent before any answer is awaited, so the server's compute thread finds them
+        queued together and verifies them as one batch; each session's failure its own."""
+        posted = _each(lambda s, last, draft: s._post_verify(last, draft), items)
+        return [p if isinstance(p, Exception) else _each(s._verdict, [(p,)])[0] for (s, _, _), p in zip(items, posted)]
+
     def close(self) -> None:
         self.channel.close()
 
 
 # --------------------------------------------------------------------------- drafter
+
+
+def _each(call, items) -> list:
+    """``call(*item)`` for each item, an exception being that item's result alone."""
+    out = []
+    for item in items:
+        try:
+            out.append(call(*item))
+        except Exception as exc:  # noqa: BLE001 - its own failure, its result alone
+            out.append(exc)
+    return out
 
 
 def _tensor(aux) -> Tensor:
@@ -319,21 +358,24 @@ class GrpcDrafterSession:
             raise
 
     def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
+        return self._drafted(self._post_draft(new_aux, last_token, block_size))
+
+    def _post_draft(self, new_aux, last_token: int, block_size: int) -> tuple[float, int, Reply]:
+        """Send the draft call now (a batch sends every session's before it waits for any)."""
         tensor = _tensor(new_aux)
         d = dpb.DrafterRequest.Draft(
             new_aux=tensor, last_token=last_token, block_size=block_size, resume_at=self._resume_at
         )
         req = dpb.DrafterRequest(draft=d)
         rows = int(tensor.shape[0]) if self._first and len(tensor.shape) else 0  # the first draft takes the prompt
+        reply = self._guarded(lambda: self._stream().post(req, "drafted"))
+        return time.perf_counter(), rows, reply
+
+    def _drafted(self, posted: tuple[float, int, Reply]) -> Draft:
+        t0, rows, reply = posted
         clock = self.drafter.clock
-
-        def step():
-            t0 = time.perf_counter()
-            r = self._stream().ask(req, "drafted", clock.timeout(prefill_tokens=rows))
-            clock.record(time.perf_counter() - t0, prefill_tokens=rows)
-            return r
-
-        r = self._guarded(step)
+        r = self._guarded(lambda: self._s.wait(reply, clock.timeout(prefill_tokens=rows)))
+        clock.record(time.perf_counter() - t0, prefill_tokens=rows)
         self._first, self._resume_at = False, 0
         self.server_s += r.elapsed_s
         self.drafter.backoff.success()
@@ -423,6 +465,8 @@ class _SkippedDrafterSession:
             skipped=True,
         )
 
+    _post_draft = draft  # a batch's call fails alike, before anything is sent
+
     def predraft(self, new_aux, block_ids, block_size, alternatives=0):
         return self.draft(new_aux, block_ids[0], block_size)  # fails alike
 
@@ -470,6 +514,13 @@ class GrpcDrafter:
         if not self.backoff.ready():
             return _SkippedDrafterSession(self)
         return GrpcDrafterSession(self, sampling, options or SessionOptions())
+
+    @staticmethod
+    def draft_batch(items: Sequence[tuple]) -> list[Draft | Exception]:
+        """Every session's draft call sent before any answer is awaited (the server batches them); each
+        session's failure its own (a session handed out while backing off fails at once)."""
+        posted = _each(lambda s, aux, last, size: s._post_draft(aux, last, size), items)
+        return [p if isinstance(p, Exception) else _each(s._drafted, [(p,)])[0] for (s, *_), p in zip(items, posted)]
 
     def failed(self, exc: Exception) -> None:
         delay = self.backoff.failure(str(exc))

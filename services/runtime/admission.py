@@ -90,7 +90,11 @@ class SessionRegistry:
         *,
         max_per_peer: int = 0,
         reclaim_idle_s: float = 0.0,
+        close: Callable[[Callable[[], None]], None] | None = None,
     ):
+        # how a session is closed: where its steps run (a server's compute thread: a close queued behind the
+        # steps already queued never lands in the middle of a batch of other sessions' steps); None: at once
+        self._close = close or (lambda fn: fn())
         self.max_sessions = max(0, int(max_sessions))
         self.max_kv_bytes = max(0, int(max_kv_bytes))
         self.queue = max(0, int(queue))
@@ -247,10 +251,14 @@ class SessionRegistry:
         with self._lock:
             session, entry.session = entry.session, None
         if session is not None:
-            try:
-                session.close()  # drops the cache arrays; safe while a step still holds its own references
-            except Exception:  # pragma: no cover - closing must never fail a stream
-                log.exception("closing session %s", entry.id)
+            self._close(lambda: self._close_now(session, entry.id))
+
+    @staticmethod
+    def _close_now(session, entry_id: str) -> None:
+        try:
+            session.close()  # drops the cache arrays
+        except Exception:  # pragma: no cover - closing must never fail a stream
+            log.exception("closing session %s", entry_id)
 
     def close(self, entry: SessionEntry) -> None:
         """End ``entry`` (any thread, any number of times); a session attached after it ended is freed too."""

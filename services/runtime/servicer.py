@@ -57,7 +57,7 @@ class SessionServicer:
         self.compute = ComputeThread(self.role, limits.max_batch)
         self.registry = SessionRegistry(
             limits.max_sessions, limits.max_kv_bytes, limits.queue, limits.queue_timeout_s, limits.idle_timeout_s,
-            max_per_peer=limits.max_per_peer, reclaim_idle_s=limits.reclaim_idle_s,
+            max_per_peer=limits.max_per_peer, reclaim_idle_s=limits.reclaim_idle_s, close=self._close_session,
         )  # fmt: skip
         self.max_context_flag = limits.max_context  # load() bounds it by the model's own
         self.metrics = ServerMetrics(self.role)
@@ -72,6 +72,14 @@ class SessionServicer:
         self.ready = False  # set by run_server once load() has warmed the model up
         self.aux_dtype = 0  # the wire dtype of the aux hidden states, set by load()
         self.device = ""  # where the model runs, set by load()
+
+    def _close_session(self, close) -> None:
+        """A session's close, queued on the compute thread behind the steps already there, so it never lands
+        inside a batch that holds the session beside others (their step must not fail with it)."""
+        try:
+            self.compute.submit(close)
+        except RuntimeError:  # the compute thread is shut down: nothing runs any more, close at once
+            close()
 
     def _inline_if_safe(self, backend: str) -> None:
         """Let a lone stream's steps run on its handler thread (``ComputeThread.inline``) where arrays may

@@ -109,4 +109,10 @@ def _together(items: Sequence[Item]) -> list[list[int]]:
         for j in greedy_rows:
             n = len(items[j][1])
             greedy[j], at = flat[at : at + n], at + n
-    return [s.choose(ids, proposal, outs[j], greedy.get(j)) for j, (s, ids, proposal) in enumerate(items)]
+    out = []
+    for j, (s, ids, proposal) in enumerate(items):
+        try:
+            out.append(s.choose(ids, proposal, outs[j], greedy.get(j)))
+        except Exception as exc:  # noqa: BLE001 - its own failure (a sampling session's), its result alone
+            out.append(exc)
+    return out

@@ -312,7 +312,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         """One compute job per prefill chunk (``session.prefill_steps``): other sessions' steps queued
         meanwhile run between the chunks, so a long prompt never stalls a short request for its whole length.
         ``reuse``: the prefix lengths it may resume from (None: any; empty: a cold prefill, no lookup)."""
-        steps = session.prefill_steps(ids, reuse, count=reuse != ())
+        steps = session.prefill_steps(ids, reuse)
         while (done := self.compute.run(self._prefill_chunk, entry, session, steps)) is None:
             pass
         return done
@@ -322,7 +322,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             next(steps)
             return None
         except StopIteration as finished:
-            next_token, aux = finished.value
+            next_token, aux, _ = finished.value
         tensor = codec.to_proto(aux)  # evaluates; the model's own dtype
         stats = session.stats()
         self._account(entry, stats)

@@ -178,35 +178,30 @@ class VerifierSession:
 
     def prefill(self, prompt_ids: Sequence[int]):
         """Run the prompt; ``(first token, aux of every prompt position)``."""
-        steps = self.prefill_steps(prompt_ids)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        first, aux, _ = run_steps(self.prefill_steps(prompt_ids))
+        return first, aux
 
     def resume(self, prompt_ids: Sequence[int], reuse: Collection[int] | None = None):
-        """:meth:`prefill`, resuming from the prefix cache's longest snapshot of a prefix of ``prompt_ids``
-        whose length is in ``reuse`` (None: any); ``(first token, aux of the positions it ran, prefix length)``."""
-        steps = self.prefill_steps(prompt_ids, reuse, count=True)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return (*done.value, self.cached_tokens)
+        """:meth:`prefill_steps` run whole, its prefix-cache lookup counted as a hit or a miss whatever ``reuse``
+        allows: ``(first token, aux of the positions it ran, prefix length)``."""
+        return run_steps(self._prefill_steps(prompt_ids, reuse, count=True))
 
     def prefill_steps(
-        self, prompt_ids: Sequence[int], reuse: Collection[int] | None = (), count: bool = False
+        self, prompt_ids: Sequence[int], reuse: Collection[int] | None = ()
     ) -> Generator[int, None, tuple]:
-        """:meth:`prefill` one chunk per ``next()``; the generator's return value is prefill's.
+        """The prefill one chunk per ``next()``; returns ``(first token, aux of the positions it ran, the prefix
+        length resumed from the prefix cache)``.
 
         Yields the positions done after every chunk but the last (which also takes
-        the first token). A server runs each ``next()`` as its own compute job, so
+        the first token). Whoever runs the model runs each ``next()`` as its own job, so
         other sessions' steps run between the chunks of a long prompt; the chunks
-        are the same as a one-shot prefill's, so is the result. ``reuse``: see
-        :meth:`resume` (the default, none: a cold prefill); ``count``: the lookup counts as a prefix-cache
-        hit or miss (a request's, as :meth:`resume`'s).
+        are the same as a one-shot prefill's, so is the result. ``reuse``: the prefix
+        lengths it may resume from (None: any; the default, none: a cold prefill,
+        which is no prefix-cache lookup and counts as neither a hit nor a miss).
         """
+        return (yield from self._prefill_steps(prompt_ids, reuse, count=reuse != ()))
+
+    def _prefill_steps(self, prompt_ids, reuse, count: bool) -> Generator[int, None, tuple]:
         self._check_open()
         if self.offset != 0:
             raise RuntimeError("prefill must be the first call of a session")
@@ -235,7 +230,7 @@ class VerifierSession:
             first = self.target.sampler.sample_next(
                 self.target.logits(out.hidden[:, -1:])[0], self.sampling, float(u[0])
             )
-        return first, cat(self.target, chunks)
+        return first, cat(self.target, chunks), self.cached_tokens
 
     def decide(self, last_token: int, draft: Draft) -> Verdict:
         """The contract's step: :meth:`verify` ``[last_token, *draft.tokens]``, then keep what the acceptance
@@ -373,6 +368,15 @@ class VerifierSession:
             raise RuntimeError("session is closed")
 
 
+def run_steps(steps: Generator):
+    """A step generator run to its end: its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 def verdict(session: VerifierSession, block_ids: Sequence[int], choices: Sequence[int]) -> Verdict:
     """A verified block (its ``choices``, pending in ``session``) decided by THE acceptance rule
     (``core.contract.accept``): its accepted run kept, the rest trimmed exactly."""
@@ -419,6 +423,12 @@ class LocalVerifier:
 
     def healthy(self, timeout: float = 1.0) -> bool:
         return True  # in this process: it answers whenever it is asked
+
+    @staticmethod
+    def decide_batch(items: Sequence[tuple[VerifierSession, int, Draft]]) -> list[Verdict | Exception]:
+        from kakeya.verifier.batch import decide_batch  # the batch runner builds on this module
+
+        return decide_batch(items)
 
 
 def mlx_verifier(

@@ -19,7 +19,7 @@ from mlx_lm.models import gemma4_text
 from kakeya.checkpoints.config import load_target_config
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.session import MLXDrafter
-from kakeya.orchestrator.loop import Decoding, run
+from kakeya.orchestrator.loop import Decode, DecodeOptions, alone, run
 from kakeya.verifier.memory import KVShape, policy_table
 from kakeya.verifier.session import VerifierSession
 
@@ -142,8 +142,8 @@ def test_speculative_equals_ar_of_the_same_restore_policy(
     else:
         dsession = PlantedDrafterSession(restore_ar, len(PROMPT), mlx_target.args.vocab_size, seed=5)
     session = VerifierSession(mlx_target, aux_layers, restore_policy)
-    decoding, kv = Decoding(session, dsession, PROMPT, n, block_size), []
-    for _ in decoding:
+    decoding, kv = Decode(session, dsession, PROMPT, DecodeOptions(n, block_size)), []
+    for _ in alone(decoding):
         kv.append(session.stats().kv_bytes.as_dict())
     gen = decoding.generation
     assert len(set(restore_ar)) > 50

@@ -8,6 +8,7 @@ from kakeya.core.contract import Cancellation, KVBytes, ModelInfo, SessionOption
 from kakeya.core.request import CachePolicy, Request
 from kakeya.orchestrator.adaptive import AdaptivePolicy, CostCurve
 from kakeya.orchestrator.engine import Engine, RunOptions
+from kakeya.orchestrator.loop import one_by_one_drafts, one_by_one_verdicts
 
 from .test_loop import CONT, ScriptedDrafter, ScriptedVerifier
 
@@ -58,6 +59,8 @@ class Verifier:
     def healthy(self, timeout=1.0):
         return True
 
+    decide_batch = staticmethod(one_by_one_verdicts)
+
 
 class DrafterSession(ScriptedDrafter):
     def __init__(self, verifier_session, dies_at: int | None):
@@ -86,6 +89,8 @@ class Drafter:
 
     def status(self):
         return {}
+
+    draft_batch = staticmethod(one_by_one_drafts)
 
 
 class Codec:
@@ -199,7 +204,8 @@ def test_model_work_runs_through_the_fronts_step():
 
     engine.generate(Request(PROMPT, max_tokens=9, block_size=4), RunOptions(step=step))
     assert calls[:2] == ["block_sizer", "_open"] and calls[-2:] == ["stats", "_close_sessions"]
-    assert calls.count("next") == 4  # the prefill's block, two blocks of 4, then the end
+    assert calls.count("_chunk") == 1  # the prefill: one chunk
+    assert calls.count("advance") == 2  # then a round per block: two blocks of 4
 
 
 def test_a_cancellation_runs_each_hook_once_and_late_ones_at_once():

@@ -13,10 +13,12 @@ class CachingSession(Session):
         super().__init__(options)
         self.log, self.holds = log, holds
 
-    def resume(self, prompt, reuse):
+    def prefill_steps(self, prompt, reuse=()):
         chosen = max((p for p in self.holds if reuse is None or p in reuse), default=0)
-        self.log.append(("verifier.resume", tuple(prompt), None if reuse is None else tuple(reuse), chosen))
+        if reuse != ():  # a lookup in the prefix cache (the default is a cold prefill)
+            self.log.append(("verifier.resume", tuple(prompt), None if reuse is None else tuple(reuse), chosen))
         first, aux = self.prefill(prompt)
+        yield from ()
         return first, aux[chosen:], chosen
 
     def save(self, ids):

@@ -16,7 +16,7 @@ import pytest
 from kakeya.core.contract import Draft
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.session import MLXDrafter
-from kakeya.orchestrator.loop import Decoding, run
+from kakeya.orchestrator.loop import Decode, DecodeOptions, alone, run
 from kakeya.verifier.session import VerifierSession
 
 from ..planted import PlantedDrafterSession
@@ -85,8 +85,7 @@ def test_sliding_bytes_flat_full_bytes_linear(mlx_target, aux_layers):
     policy = CachePolicy("sink-window", sink=4, window=16)
     session = VerifierSession(mlx_target, aux_layers, policy)
     seen = {}
-    it = Decoding(session, RepeatDrafter(), PROMPT, 3000, 8)
-    for block in it:
+    for _ in alone(Decode(session, RepeatDrafter(), PROMPT, DecodeOptions(3000, 8))):
         n = session.offset - len(PROMPT)
         for mark in (300, 1000, 3000 - 16):
             if mark not in seen and n >= mark:

@@ -1,0 +1,99 @@
+"""One scheduler per engine: every live request decoded together, in rounds.
+
+Each round is :func:`loop.advance` over every decode that has joined: ONE batched draft
+(``Drafter.draft_batch``) and ONE batched verify (``Verifier.decide_batch``) for all of them, whatever
+their number, block sizes, sampling rules or sources. Requests join (after their prefill) and leave
+at round boundaries. No thread of its own: the request that needs a block and finds no round running
+drives the next one (on the model thread: ``step``), and every other request waiting meanwhile gets
+its block from that round. So one request alone costs what it did before the scheduler -- its
+rounds are batches of one on its own thread -- and N requests cost one batched round per block.
+
+Isolation: a decode's failure (its session's exception from a batch) is its own, and a request that
+is cancelled or closed leaves before the next round; its sessions are closed after it has left, so a
+round never runs on a closed session.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from kakeya.core.generation import Block
+from kakeya.orchestrator.loop import Decode, advance
+
+
+def _call(fn, *args):
+    return fn(*args)
+
+
+class Scheduler:
+    """``draft_many`` / ``decide_many``: the engine's drafter's and verifier's batch calls; ``step``: runs a
+    round where model work runs (a colocated server's compute thread; by default the calling thread)."""
+
+    def __init__(self, draft_many: Callable, decide_many: Callable, step: Callable = _call):
+        self._draft_many, self._decide_many, self._step = draft_many, decide_many, step
+        self._cv = threading.Condition()
+        self._live: dict[Decode, deque[Block]] = {}  # each joined decode and its blocks not yet taken
+        self._driving = False
+        self.rounds = 0  # rounds run so far, and the decodes they advanced (their ratio: the mean batch)
+        self.advanced = 0
+
+    @property
+    def live(self) -> int:
+        with self._cv:
+            return len(self._live)
+
+    def join(self, decode: Decode) -> None:
+        """``decode`` (prefilled) takes part from the next round on."""
+        with self._cv:
+            self._live[decode] = deque()
+
+    def leave(self, decode: Decode) -> None:
+        """``decode`` takes no part in any later round; returns once no round runs on it."""
+        with self._cv:
+            while self._driving and decode in self._live:
+                self._cv.wait()
+            self._live.pop(decode, None)
+
+    def wake(self) -> None:
+        """Let waiting requests look again (one was cancelled)."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def next_block(self, decode: Decode, stop: Callable[[], bool] = lambda: False) -> Block | None:
+        """``decode``'s next block, running rounds when no other request is; None once it is done (or failed:
+        its ``error``) or ``stop()`` says to stop waiting."""
+        with self._cv:
+            while True:
+                blocks = self._live.get(decode)
+                if blocks:
+                    return blocks.popleft()
+                if blocks is None or decode.done or stop():
+                    return None
+                if self._driving:
+                    self._cv.wait()
+                    continue
+                self._driving = True
+                decodes = [d for d in self._live if not d.done]
+                self._cv.release()
+                try:
+                    results = self._round(decodes)
+                finally:
+                    self._cv.acquire()
+                    self._driving = False
+                for d, block in results:
+                    if d in self._live:
+                        self._live[d].append(block)
+                self._cv.notify_all()
+
+    def _round(self, decodes: list[Decode]) -> list:
+        try:
+            results = self._step(advance, decodes, self._draft_many, self._decide_many)
+        except Exception as exc:  # noqa: BLE001 - a failure of the round itself: every decode in it hears it
+            for d in decodes:
+                d.fail(exc)
+            return []
+        self.rounds += 1
+        self.advanced += len(decodes)
+        return results
