@@ -1,13 +1,21 @@
-"""Per-step deadlines on the orchestrator's backend streams.
+"""Per-step deadlines on the orchestrator's backend streams: a hung backend told from a slow one.
 
 A hung peer (a stopped process, a wedged accelerator) never closes its
 connection, so only a deadline notices it. The client's deadline bounds a
 whole generation; these bound ONE step (a draft, a verify, a commit, a
-prefill) by what steps have measured so far: ``max(floor, 20 x the median
-step)``, a prefill also ``+ 10 x`` the median prefill time per prompt token
-times its length. ``--backend-timeout`` sets the floor. A step past its
-deadline cancels the stream: the drafter's then falls back to AR, the
-verifier's ends the request with DEADLINE_EXCEEDED, within seconds.
+prefill) by silence, not by its length: every session asks its backend for a
+Progress message every ``PROGRESS_FRACTION`` of the deadline
+(``Open.progress_ms``), which the backend sends only while its compute gets
+work done (``runtime/servicer.py``), and every Progress re-arms the step's
+deadline (``streams.Stream``). A backend that is slow -- queued behind other
+sessions, compiling, prefilling a long prompt, on a busy machine -- keeps
+talking; a stopped one or a wedged compute thread goes silent, and the step
+fails after ``max(--backend-timeout, 20 x the median step)`` of silence (a
+prefill's also ``+ 10 x`` the median prefill time per prompt token times its
+length: the allowance for one long job where no CPU time can be read, and for
+a backend that sends no Progress). A step past its deadline cancels the
+stream: the drafter's then falls back to AR, the verifier's ends the request
+with DEADLINE_EXCEEDED, within seconds.
 
 One :class:`Watchdog` thread per process watches every armed step: arming
 and disarming cost a dict update, not a timer thread per step.
@@ -27,12 +35,14 @@ from collections.abc import Callable
 DEFAULT_BACKEND_TIMEOUT_S = 2.0
 STEP_FACTOR = 20.0
 PREFILL_FACTOR = 10.0
+PROGRESS_FRACTION = 0.1  # Progress asked for every tenth of the floor: a backend is hung after ten silent beats
 
 log = logging.getLogger("kakeya.orchestrator")
 
 
 class StepClock:
-    """Recent step times of one backend; turns them into a deadline for the next step."""
+    """Recent step times of one backend; turns them into the silence a step may keep (its deadline,
+    re-armed by every Progress) and the Progress interval its sessions ask for."""
 
     def __init__(self, floor_s: float = DEFAULT_BACKEND_TIMEOUT_S, window: int = 64):
         if floor_s <= 0:
@@ -48,6 +58,11 @@ class StepClock:
                 self._per_token.append(seconds / prefill_tokens)
             else:
                 self._steps.append(seconds)
+
+    @property
+    def progress_ms(self) -> int:
+        """``Open.progress_ms``: how often a session's backend reports progress while a step waits."""
+        return max(1, round(self.floor_s * PROGRESS_FRACTION * 1000))
 
     def timeout(self, prefill_tokens: int = 0) -> float:
         with self._lock:

@@ -23,10 +23,18 @@ saves the two thread hand-offs of a lone stream's step: on a shared 2-core
 machine they cost 0.2 ms a draft and 0.4 ms a verify of 8 (``benchmarks/split.py``),
 a tenth of the split's whole block. Jobs that queue up behind it batch as before.
 MLX keeps its arrays and streams on the thread that made them, so it stays off there.
+
+**Progress** (:meth:`ComputeThread.progress`): what a handler waiting on a job
+watches to tell a slow process from a wedged one (``SessionServicer._await``
+sends its client a Progress message only when it changed): jobs finished, and
+the CPU time of the thread running the current one (Linux: a long job that
+computes, such as a first compilation, shows progress; a thread blocked for
+good, on a lock or a wedged device, shows none).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -65,6 +73,8 @@ class ComputeThread:
         self._work = threading.Lock()  # held while model work runs, on this thread or inline on a caller's
         self.inline = False  # run a job on its caller's thread when nothing else is queued or running
         self._pending = 0  # jobs submitted and not yet started, taken ones included (none: a caller may run inline)
+        self.completed = 0  # jobs finished, inline ones included (counted under the work lock)
+        self._worker: int | None = None  # native id of the thread running model work now (None: none runs)
         self._thread = threading.Thread(target=self._loop, name=f"{name}-compute", daemon=True)
         self._thread.start()
 
@@ -73,32 +83,57 @@ class ComputeThread:
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
         return self._put(_Job(fn=lambda: fn(*args, **kwargs)))
 
-    def run(self, fn: Callable, *args, **kwargs) -> Any:
+    def start(self, fn: Callable, *args, **kwargs) -> Future:
+        """``fn(*args, **kwargs)`` as a Future: run at once on the calling thread when ``inline`` finds
+        the thread idle (the Future is then done), else queued for the thread."""
         if self._idle():
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._work.release()
-        return self.submit(fn, *args, **kwargs).result()
+            return self._inline(lambda: fn(*args, **kwargs))
+        return self.submit(fn, *args, **kwargs)
 
-    def batch(self, kind: Hashable, item: Any, runner: Callable[[list], Sequence[Any]]) -> Any:
-        """Run ``item`` through ``runner([item, ...])`` together with like items queued meanwhile.
+    def run(self, fn: Callable, *args, **kwargs) -> Any:
+        return self.start(fn, *args, **kwargs).result()
+
+    def start_batch(self, kind: Hashable, item: Any, runner: Callable[[list], Sequence[Any]]) -> Future:
+        """``item``'s result as a Future: ``runner([item, ...])`` together with like items queued meanwhile.
 
         ``runner`` gets a list of items of this ``kind`` and returns one result per
         item, in order; a result that is an ``Exception`` instance is raised to
         that item's caller alone (one bad session must not fail its batch-mates).
         """
         if self._idle():
-            try:
+
+            def alone():
                 self.batches += 1
                 self.batched_items += 1
                 (result,) = _results(runner, [item])
-            finally:
-                self._work.release()
-            if isinstance(result, BaseException):
-                raise result
-            return result
-        return self._put(_Job(fn=None, kind=kind, item=item, runner=runner)).result()
+                if isinstance(result, BaseException):
+                    raise result
+                return result
+
+            return self._inline(alone)
+        return self._put(_Job(fn=None, kind=kind, item=item, runner=runner))
+
+    def batch(self, kind: Hashable, item: Any, runner: Callable[[list], Sequence[Any]]) -> Any:
+        """``start_batch``, waited for."""
+        return self.start_batch(kind, item, runner).result()
+
+    def progress(self) -> tuple[int, float]:
+        """Changes while model work gets done (see the module docstring): (jobs finished, CPU seconds of
+        the thread running one now; 0.0 where unknown)."""
+        return self.completed, _cpu_seconds(self._worker)
+
+    def _inline(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` now on the calling thread, which holds the work lock (``_idle``); a done Future."""
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        self._worker = threading.get_native_id()
+        try:
+            _settle(future, fn)
+        finally:
+            self._worker = None
+            self.completed += 1
+            self._work.release()
+        return future
 
     @property
     def queued(self) -> int:
@@ -153,11 +188,17 @@ class ComputeThread:
             return group
 
     def _loop(self) -> None:
+        me = threading.get_native_id()
         while (group := self._take()) is not None:
             with self._work:
                 with self._cv:
                     self._pending -= len(group)
-                self._run(group)
+                self._worker = me
+                try:
+                    self._run(group)
+                finally:
+                    self._worker = None
+                    self.completed += 1
 
     def _run(self, group: list[_Job]) -> None:
         group = [j for j in group if j.future.set_running_or_notify_cancel()]
@@ -195,3 +236,22 @@ def _settle(future: Future, fn: Callable) -> None:
         future.set_exception(exc)
     else:
         future.set_result(result)
+
+
+def _cpu_seconds(native_id: int | None) -> float:
+    """CPU time (user + system) a thread of this process has used, from ``/proc`` (Linux); 0.0 where it
+    cannot be read (another OS, the thread gone). Ticks of 10 ms: a computing thread moves it every beat."""
+    if native_id is None:
+        return 0.0
+    try:
+        with open(f"/proc/self/task/{native_id}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    try:  # utime and stime: fields 14 and 15 of stat(5), the 12th and 13th after the ")" closing its name
+        return (int(fields[11]) + int(fields[12])) / _TICKS
+    except (IndexError, ValueError):
+        return 0.0
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

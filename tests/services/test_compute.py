@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -9,12 +10,14 @@ import pytest
 
 from kakeya.runtime.compute import ComputeThread
 
+from ..waiting import holds_for, wait_until
+
 
 def _blocked(ct: ComputeThread) -> threading.Event:
     """Occupy the thread until the returned event is set (so jobs queue up behind it)."""
     release, started = threading.Event(), threading.Event()
-    ct.submit(lambda: (started.set(), release.wait(5)))
-    assert started.wait(5)
+    ct.submit(lambda: (started.set(), release.wait(60)))
+    assert started.wait(60)
     return release
 
 
@@ -38,12 +41,7 @@ def _submit_batch_items(ct, n, runner, kind="verify"):
 
 
 def _wait_queued(ct: ComputeThread, n: int) -> None:
-    for _ in range(500):
-        with ct._cv:
-            if ct.queued >= n:
-                return
-        threading.Event().wait(0.01)
-    raise AssertionError("jobs never queued")
+    wait_until(lambda: ct.queued >= n, interval=0.01, what=f"{n} jobs queued")
 
 
 def test_like_jobs_that_queue_up_run_as_one_batch_with_results_in_item_order():
@@ -152,6 +150,44 @@ def test_inline_runs_a_lone_job_on_its_callers_thread_and_jobs_that_queue_still_
     assert len({f.result(5) for f in futs}) == 1 and futs[0].result() != me
     assert len(calls) == 1 and sorted(calls[0]) == list(range(5))
     ex.shutdown()
+    ct.shutdown()
+
+
+def test_progress_counts_finished_jobs_inline_or_not():
+    ct = ComputeThread("t")
+    done, _ = ct.progress()
+    ct.run(lambda: None)
+    with pytest.raises(ZeroDivisionError):
+        ct.batch("verify", 0, lambda items: 1 / 0)  # a failed job is finished work too
+    ct.inline = True
+    ct.run(lambda: None)  # on this thread
+    assert ct.start(lambda: 7).result(0) == 7  # inline: done before start returns
+    assert ct.progress()[0] == done + 4
+    ct.shutdown()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's CPU time is read from /proc")
+def test_progress_moves_while_a_job_computes_and_stands_still_while_one_is_blocked():
+    ct = ComputeThread("t")
+    started, stop = threading.Event(), threading.Event()
+
+    def burn():
+        started.set()
+        while not stop.is_set():
+            pass
+
+    ct.submit(burn)
+    assert started.wait(60)
+    first = ct.progress()
+    wait_until(lambda: ct.progress()[1] > first[1], what="CPU time of the computing job")
+    assert ct.progress()[0] == first[0]  # nothing finished: the CPU time alone shows the work
+    stop.set()
+    blocked = _blocked(ct)  # a job that waits for good: nothing finishes, no CPU time is spent
+    still = ct.progress()
+    holds_for(lambda: ct.progress() == still, 0.5, what="no progress while the job is blocked")
+    blocked.set()
+    wait_until(lambda: ct.progress()[0] > still[0], what="the blocked job to finish")
+    assert ct.progress()[1] == 0.0  # idle: no thread runs model work
     ct.shutdown()
 
 
