@@ -18,7 +18,9 @@ stream: the drafter's then falls back to AR, the verifier's ends the request
 with DEADLINE_EXCEEDED, within seconds.
 
 One :class:`Watchdog` thread per process watches every armed step: arming
-and disarming cost a dict update, not a timer thread per step.
+and disarming cost a dict update, not a timer thread per step. Its clock
+stops while this process does not run (a busy machine, a paused VM): the
+silence it measures is the backend's, not ours.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ DEFAULT_BACKEND_TIMEOUT_S = 2.0
 STEP_FACTOR = 20.0
 PREFILL_FACTOR = 10.0
 PROGRESS_FRACTION = 0.1  # Progress asked for every tenth of the floor: a backend is hung after ten silent beats
+STALL_S = 0.25  # a watchdog tick this late: this process did not run meanwhile (see Watchdog)
 
 log = logging.getLogger("kakeya.orchestrator")
 
@@ -75,20 +78,33 @@ class StepClock:
 
 
 class Watchdog:
-    """Calls ``on_expiry`` of every armed step whose deadline passed (from its own thread)."""
+    """Calls ``on_expiry`` of every armed step whose deadline passed (from its own thread).
 
-    def __init__(self, tick_s: float = 0.05):
+    Deadlines count only time this process ran: a tick that comes ``STALL_S`` or more late means nothing
+    of ours ran meanwhile (the process was descheduled, stopped, paused with its VM, or its threads held
+    off the GIL), so no reader could have heard the answer or Progress that may have come, and that
+    time is not the backend's silence. ``clock`` and ``sleep``: time.monotonic and time.sleep (tests
+    drive them).
+    """
+
+    def __init__(self, tick_s: float = 0.05, clock: Callable[[], float] = time.monotonic, sleep=time.sleep):
         self._tick = tick_s
+        self._clock, self._sleep = clock, sleep
         self._lock = threading.Lock()
         self._armed: dict[int, tuple[float, Callable[[], None]]] = {}
         self._heap: list[tuple[float, int]] = []
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self.stalled_s = 0.0  # time this process did not run (late ticks), counted against no deadline
+
+    def _running(self) -> float:
+        """Monotonic time less the stalls: the clock deadlines run on."""
+        return self._clock() - self.stalled_s
 
     def arm(self, seconds: float, on_expiry: Callable[[], None]) -> int:
         with self._lock:
             key = next(self._ids)
-            at = time.monotonic() + seconds
+            at = self._running() + seconds
             self._armed[key] = (at, on_expiry)
             heapq.heappush(self._heap, (at, key))
             if self._thread is None:
@@ -101,11 +117,17 @@ class Watchdog:
             self._armed.pop(key, None)
 
     def _run(self) -> None:
+        last = self._clock()
         while True:
-            time.sleep(self._tick)
-            now = time.monotonic()
+            self._sleep(self._tick)
             due = []
             with self._lock:
+                t = self._clock()
+                late, last = t - last - self._tick, t
+                if late >= STALL_S:
+                    self.stalled_s += late
+                    log.info("this process did not run for %.2f s: no step deadline counts that time", late)
+                now = t - self.stalled_s
                 while self._heap and self._heap[0][0] <= now:
                     _, key = heapq.heappop(self._heap)
                     hit = self._armed.pop(key, None)

@@ -26,23 +26,45 @@ MLX keeps its arrays and streams on the thread that made them, so it stays off t
 
 **Progress** (:meth:`ComputeThread.progress`): what a handler waiting on a job
 watches to tell a slow process from a wedged one (``SessionServicer._await``
-sends its client a Progress message only when it changed): jobs finished, and
-the CPU time of the thread running the current one (Linux: a long job that
-computes, such as a first compilation, shows progress; a thread blocked for
+sends its client a Progress message only when it moved): jobs finished, and the
+CPU time of the process's model work (``cpu.py``, Linux: a long job that
+computes, or waits for a kernel compiler, shows progress; a thread blocked for
 good, on a lock or a wedged device, shows none).
 """
 
 from __future__ import annotations
 
-import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
+
+from kakeya.runtime.cpu import CpuSampler
 
 DEFAULT_MAX_BATCH = 16
+BUSY_FRACTION = 0.05  # model work's CPU time, as a share of the time it was measured over, that is progress
+
+
+class Progress(NamedTuple):
+    """What :meth:`ComputeThread.progress` saw at ``at`` (monotonic seconds)."""
+
+    done: int  # jobs finished
+    cpu_s: float | None  # CPU seconds of model work so far (``cpu.py``; None: unknown, here or yet)
+    cpu_at: float  # when cpu_s was read
+    at: float
+
+    def since(self, earlier: Progress) -> bool:
+        """Work got done between ``earlier`` and this: a job finished, or model work spent at least
+        ``BUSY_FRACTION`` of the time between the two readings on a CPU (a rate: idle threads' crumbs
+        never add up)."""
+        if self.done != earlier.done:
+            return True
+        if self.cpu_s is None or earlier.cpu_s is None or self.cpu_at <= earlier.cpu_at:
+            return False
+        return self.cpu_s - earlier.cpu_s >= BUSY_FRACTION * (self.cpu_at - earlier.cpu_at)
 
 
 @dataclass
@@ -75,6 +97,7 @@ class ComputeThread:
         self._pending = 0  # jobs submitted and not yet started, taken ones included (none: a caller may run inline)
         self.completed = 0  # jobs finished, inline ones included (counted under the work lock)
         self._worker: int | None = None  # native id of the thread running model work now (None: none runs)
+        self._cpu = CpuSampler(self._model_threads)
         self._thread = threading.Thread(target=self._loop, name=f"{name}-compute", daemon=True)
         self._thread.start()
 
@@ -117,10 +140,15 @@ class ComputeThread:
         """``start_batch``, waited for."""
         return self.start_batch(kind, item, runner).result()
 
-    def progress(self) -> tuple[int, float]:
-        """Changes while model work gets done (see the module docstring): (jobs finished, CPU seconds of
-        the thread running one now; 0.0 where unknown)."""
-        return self.completed, _cpu_seconds(self._worker)
+    def progress(self) -> Progress:
+        """Jobs finished and model work's CPU time now (see the module docstring); compare two with
+        ``Progress.since``."""
+        return Progress(self.completed, *self._cpu.read(), time.monotonic())
+
+    def _model_threads(self) -> list[int]:
+        """Native ids of the Python threads running model work: this one's thread, an inline job's."""
+        worker = self._worker
+        return [self._thread.native_id, *([worker] if worker is not None else [])]
 
     def _inline(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` now on the calling thread, which holds the work lock (``_idle``); a done Future."""
@@ -236,22 +264,3 @@ def _settle(future: Future, fn: Callable) -> None:
         future.set_exception(exc)
     else:
         future.set_result(result)
-
-
-def _cpu_seconds(native_id: int | None) -> float:
-    """CPU time (user + system) a thread of this process has used, from ``/proc`` (Linux); 0.0 where it
-    cannot be read (another OS, the thread gone). Ticks of 10 ms: a computing thread moves it every beat."""
-    if native_id is None:
-        return 0.0
-    try:
-        with open(f"/proc/self/task/{native_id}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    try:  # utime and stime: fields 14 and 15 of stat(5), the 12th and 13th after the ")" closing its name
-        return (int(fields[11]) + int(fields[12])) / _TICKS
-    except (IndexError, ValueError):
-        return 0.0
-
-
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -16,7 +16,6 @@ silence) without guessing how long a step may take.
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
@@ -119,13 +118,14 @@ class SessionServicer:
         A stopped process or a wedged compute thread gets none done: no message, and its client's
         deadline for the step (``orchestrator/deadlines.py``) runs out."""
         if every_s > 0 and not future.done():
-            t0 = time.monotonic()
-            seen = self.compute.progress()
+            first = last = self.compute.progress()
             while not wait([future], timeout=every_s).done:
                 now = self.compute.progress()
-                if now != seen:
-                    seen = now
-                    yield self._progress(time.monotonic() - t0)
+                # the first look counts only finished jobs: a CPU rate from before this wait began would
+                # speak of the work before it
+                if now.done != first.done if last is first else now.since(last):
+                    yield self._progress(now.at - first.at)
+                last = now
         return future.result()
 
     def _compute(self, every_s: float, fn, *args, **kwargs):

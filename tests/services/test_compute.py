@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +12,7 @@ import pytest
 
 from kakeya.runtime.compute import ComputeThread
 
-from ..waiting import holds_for, wait_until
+from ..waiting import wait_until
 
 
 def _blocked(ct: ComputeThread) -> threading.Event:
@@ -155,39 +157,50 @@ def test_inline_runs_a_lone_job_on_its_callers_thread_and_jobs_that_queue_still_
 
 def test_progress_counts_finished_jobs_inline_or_not():
     ct = ComputeThread("t")
-    done, _ = ct.progress()
+    before = ct.progress()
     ct.run(lambda: None)
     with pytest.raises(ZeroDivisionError):
         ct.batch("verify", 0, lambda items: 1 / 0)  # a failed job is finished work too
     ct.inline = True
     ct.run(lambda: None)  # on this thread
     assert ct.start(lambda: 7).result(0) == 7  # inline: done before start returns
-    assert ct.progress()[0] == done + 4
+    after = ct.progress()
+    assert after.done == before.done + 4 and after.since(before)
+    assert not after.since(after)
     ct.shutdown()
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="a thread's CPU time is read from /proc")
-def test_progress_moves_while_a_job_computes_and_stands_still_while_one_is_blocked():
+def _look(ct: ComputeThread, seconds: float = 0.3) -> bool:
+    """Whether ``ct`` made progress over the next ``seconds``, as a waiting stream judges it."""
+    before = wait_until(lambda: (p := ct.progress()).cpu_s is not None and p, what="a CPU reading")
+    threading.Event().wait(seconds)  # the window a stream's look covers (not ordering anything)
+    return ct.progress().since(before)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="CPU time is read from /proc")
+def test_progress_moves_while_a_job_computes_or_compiles_and_not_while_one_is_blocked():
     ct = ComputeThread("t")
     started, stop = threading.Event(), threading.Event()
 
-    def burn():
+    def burn():  # computes on the compute thread itself, without the GIL (as model work does)
         started.set()
+        block = b"x" * (1 << 20)
         while not stop.is_set():
-            pass
+            hashlib.sha256(block).digest()
 
     ct.submit(burn)
     assert started.wait(60)
-    first = ct.progress()
-    wait_until(lambda: ct.progress()[1] > first[1], what="CPU time of the computing job")
-    assert ct.progress()[0] == first[0]  # nothing finished: the CPU time alone shows the work
+    assert _look(ct)  # nothing finished: the CPU time alone shows the work
     stop.set()
-    blocked = _blocked(ct)  # a job that waits for good: nothing finishes, no CPU time is spent
-    still = ct.progress()
-    holds_for(lambda: ct.progress() == still, 0.5, what="no progress while the job is blocked")
-    blocked.set()
-    wait_until(lambda: ct.progress()[0] > still[0], what="the blocked job to finish")
-    assert ct.progress()[1] == 0.0  # idle: no thread runs model work
+    # a job waiting on a child process that computes (MLX's CPU backend compiles kernels with g++ so)
+    child = ct.submit(subprocess.run, [sys.executable, "-c", "while True: pass"], timeout=2.0)
+    wait_until(lambda: ct.queued == 0 and not child.done(), what="the compiling job running")
+    assert _look(ct, 0.5)
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.result(60)
+    release = _blocked(ct)  # a job that waits for good: nothing finishes, no CPU time is spent
+    assert not any(_look(ct) for _ in range(3))
+    release.set()
     ct.shutdown()
 
 

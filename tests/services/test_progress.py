@@ -10,6 +10,7 @@ silence. The process-level case (a SIGSTOPped backend) is ``test_hung_backends.p
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import sys
 import threading
@@ -69,14 +70,16 @@ def _clients(addr):
 
 
 def _computing(compute, seconds: float):
-    """Occupy ``compute`` with one job that computes (its CPU time grows) for ``seconds``."""
+    """Occupy ``compute`` with one job that computes (its CPU time grows) for ``seconds``, without the GIL
+    (as MLX and torch compute: a Python loop would also starve the server's other threads)."""
     started = threading.Event()
+    block = b"x" * (1 << 20)
 
     def burn():
         started.set()
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            pass
+            hashlib.sha256(block).digest()  # hashes a megabyte with the GIL released
 
     done = compute.submit(burn)
     assert started.wait(60)
