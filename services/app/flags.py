@@ -133,7 +133,8 @@ def add_orchestrator(p) -> None:
         "--backend-timeout",
         type=float,
         default=2.0,
-        help="split: floor of the per-step deadline on verifier/drafter calls (default 2 s; 20x the median step if longer)",
+        help="split: how long a verifier/drafter step may go without an answer or a progress message before it"
+        " counts as hung (default 2 s; 20x the median step if longer)",
     )
     p.add_argument(
         "--predraft",

@@ -142,11 +142,16 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
             total_sessions=self.registry.total,
             max_context=self.max_context,
             prefix_cache_bytes=self.prefixes.budget if self.prefixes is not None else 0,
+            queued_sessions=self.registry.waiting,
         )
+
+    def _progress(self, waited_s: float) -> pb.DrafterResponse:
+        return pb.DrafterResponse(progress=pb.DrafterResponse.Progress(waited_s=waited_s))
 
     def _serve(self, entry, requests) -> Iterator[pb.DrafterResponse]:
         session = None
         vocab = self.drafter.model.target.vocab_size
+        every = 0.0  # seconds between Progress messages while a step waits (open.progress_ms)
         for req in requests:
             kind = req.WhichOneof("request")
             t0 = time.perf_counter()
@@ -156,20 +161,21 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
                     sampling = wire_contract.sampling_from_proto(req.open.sampling, "open.sampling")
                 except ValueError as exc:
                     raise invalid(str(exc)) from None
+                every = self._progress_every(req.open)
                 kw = {} if sampling is None else {"sampling": sampling}
-                session = entry.session = self.compute.run(self.drafter.open_session, **kw)
+                session = entry.session = yield from self._compute(every, self.drafter.open_session, **kw)
                 resp = pb.DrafterResponse(opened=pb.DrafterResponse.Opened(info=self.info(), session_id=entry.id))
             elif kind == "lookup":
                 if session.calls:
                     raise precondition("lookup: only before the first draft")
                 ids = check_token_ids(req.lookup.prompt_ids, vocab, "lookup.prompt_ids")
-                positions = self.compute.run(session.cached_prefixes, ids)
+                positions = yield from self._compute(every, session.cached_prefixes, ids)
                 resp = pb.DrafterResponse(found=pb.DrafterResponse.Found(positions=positions))
             elif kind == "save":
                 ids = check_token_ids(req.save.token_ids, vocab, "save.token_ids", allow_empty=True)
                 for i, t in enumerate(req.save.unseen_aux):
                     self._aux_shape(t, f"save.unseen_aux[{i}]")
-                kept = self.compute.run(self._save, entry, session, ids, list(req.save.unseen_aux))
+                kept = yield from self._compute(every, self._save, entry, session, ids, list(req.save.unseen_aux))
                 resp = pb.DrafterResponse(saved=pb.DrafterResponse.Saved(kept=kept))
             elif kind == "draft":
                 d = req.draft
@@ -177,7 +183,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
                     if session.calls:
                         raise precondition("draft.resume_at: only on the first draft")
                     try:
-                        self.compute.run(session.resume, d.resume_at)
+                        yield from self._compute(every, session.resume, d.resume_at)
                     except ValueError as exc:
                         raise invalid(str(exc).replace("resume:", "draft.resume_at:", 1)) from None
                 shape = self._check_aux(d.new_aux, session, "draft.new_aux")
@@ -190,19 +196,18 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
                     )
                 if self.registry.max_kv_bytes:  # a session that holds a context grows only if room is left now
                     self.registry.reserve(entry, self._context_bytes(session, shape[0]), wait=session.cache.length == 0)
-                draft, stats = self.compute.batch(
-                    "draft", (entry, session, d.new_aux, d.last_token, block), self._draft_batch
-                )
+                item = (entry, session, d.new_aux, d.last_token, block)
+                draft, stats = yield from self._compute_batch(every, "draft", item, self._draft_batch)
                 drafted = pb.DrafterResponse.Drafted(token_ids=draft.tokens, stats=stats)
                 if draft.proposal is not None:
                     drafted.proposal.CopyFrom(wire_contract.proposal_to_proto(draft.proposal))
                 resp = pb.DrafterResponse(drafted=drafted)
             elif kind == "predraft":
                 item = self._predraft_item(entry, session, req.predraft, vocab)
-                found, stats = self.compute.batch("draft", item, self._draft_batch)
+                found, stats = yield from self._compute_batch(every, "draft", item, self._draft_batch)
                 resp = pb.DrafterResponse(predrafted=predrafted_proto(found, len(item[-2]), stats))
             elif kind == "close":
-                stats = self.compute.run(self._stats, session)
+                stats = yield from self._compute(every, self._stats, session)
                 yield pb.DrafterResponse(
                     closed=pb.DrafterResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0
                 )

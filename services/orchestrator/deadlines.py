@@ -1,16 +1,26 @@
-"""Per-step deadlines on the orchestrator's backend streams.
+"""Per-step deadlines on the orchestrator's backend streams: a hung backend told from a slow one.
 
 A hung peer (a stopped process, a wedged accelerator) never closes its
 connection, so only a deadline notices it. The client's deadline bounds a
 whole generation; these bound ONE step (a draft, a verify, a commit, a
-prefill) by what steps have measured so far: ``max(floor, 20 x the median
-step)``, a prefill also ``+ 10 x`` the median prefill time per prompt token
-times its length. ``--backend-timeout`` sets the floor. A step past its
-deadline cancels the stream: the drafter's then falls back to AR, the
-verifier's ends the request with DEADLINE_EXCEEDED, within seconds.
+prefill) by silence, not by its length: every session asks its backend for a
+Progress message every ``PROGRESS_FRACTION`` of the deadline
+(``Open.progress_ms``), which the backend sends only while its compute gets
+work done (``runtime/servicer.py``), and every Progress re-arms the step's
+deadline (``streams.Stream``). A backend that is slow -- queued behind other
+sessions, compiling, prefilling a long prompt, on a busy machine -- keeps
+talking; a stopped one or a wedged compute thread goes silent, and the step
+fails after ``max(--backend-timeout, 20 x the median step)`` of silence (a
+prefill's also ``+ 10 x`` the median prefill time per prompt token times its
+length: the allowance for one long job where no CPU time can be read, and for
+a backend that sends no Progress). A step past its deadline cancels the
+stream: the drafter's then falls back to AR, the verifier's ends the request
+with DEADLINE_EXCEEDED, within seconds.
 
 One :class:`Watchdog` thread per process watches every armed step: arming
-and disarming cost a dict update, not a timer thread per step.
+and disarming cost a dict update, not a timer thread per step. Its clock
+stops while this process does not run (a busy machine, a paused VM): the
+silence it measures is the backend's, not ours.
 """
 
 from __future__ import annotations
@@ -27,12 +37,15 @@ from collections.abc import Callable
 DEFAULT_BACKEND_TIMEOUT_S = 2.0
 STEP_FACTOR = 20.0
 PREFILL_FACTOR = 10.0
+PROGRESS_FRACTION = 0.1  # Progress asked for every tenth of the floor: a backend is hung after ten silent beats
+STALL_S = 0.25  # a watchdog tick this late: this process did not run meanwhile (see Watchdog)
 
 log = logging.getLogger("kakeya.orchestrator")
 
 
 class StepClock:
-    """Recent step times of one backend; turns them into a deadline for the next step."""
+    """Recent step times of one backend; turns them into the silence a step may keep (its deadline,
+    re-armed by every Progress) and the Progress interval its sessions ask for."""
 
     def __init__(self, floor_s: float = DEFAULT_BACKEND_TIMEOUT_S, window: int = 64):
         if floor_s <= 0:
@@ -49,6 +62,11 @@ class StepClock:
             else:
                 self._steps.append(seconds)
 
+    @property
+    def progress_ms(self) -> int:
+        """``Open.progress_ms``: how often a session's backend reports progress while a step waits."""
+        return max(1, round(self.floor_s * PROGRESS_FRACTION * 1000))
+
     def timeout(self, prefill_tokens: int = 0) -> float:
         with self._lock:
             step = statistics.median(self._steps) if self._steps else 0.0
@@ -60,20 +78,33 @@ class StepClock:
 
 
 class Watchdog:
-    """Calls ``on_expiry`` of every armed step whose deadline passed (from its own thread)."""
+    """Calls ``on_expiry`` of every armed step whose deadline passed (from its own thread).
 
-    def __init__(self, tick_s: float = 0.05):
+    Deadlines count only time this process ran: a tick that comes ``STALL_S`` or more late means nothing
+    of ours ran meanwhile (the process was descheduled, stopped, paused with its VM, or its threads held
+    off the GIL), so no reader could have heard the answer or Progress that may have come, and that
+    time is not the backend's silence. ``clock`` and ``sleep``: time.monotonic and time.sleep (tests
+    drive them).
+    """
+
+    def __init__(self, tick_s: float = 0.05, clock: Callable[[], float] = time.monotonic, sleep=time.sleep):
         self._tick = tick_s
+        self._clock, self._sleep = clock, sleep
         self._lock = threading.Lock()
         self._armed: dict[int, tuple[float, Callable[[], None]]] = {}
         self._heap: list[tuple[float, int]] = []
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self.stalled_s = 0.0  # time this process did not run (late ticks), counted against no deadline
+
+    def _running(self) -> float:
+        """Monotonic time less the stalls: the clock deadlines run on."""
+        return self._clock() - self.stalled_s
 
     def arm(self, seconds: float, on_expiry: Callable[[], None]) -> int:
         with self._lock:
             key = next(self._ids)
-            at = time.monotonic() + seconds
+            at = self._running() + seconds
             self._armed[key] = (at, on_expiry)
             heapq.heappush(self._heap, (at, key))
             if self._thread is None:
@@ -86,11 +117,17 @@ class Watchdog:
             self._armed.pop(key, None)
 
     def _run(self) -> None:
+        last = self._clock()
         while True:
-            time.sleep(self._tick)
-            now = time.monotonic()
+            self._sleep(self._tick)
             due = []
             with self._lock:
+                t = self._clock()
+                late, last = t - last - self._tick, t
+                if late >= STALL_S:
+                    self.stalled_s += late
+                    log.info("this process did not run for %.2f s: no step deadline counts that time", late)
+                now = t - self.stalled_s
                 while self._heap and self._heap[0][0] <= now:
                     _, key = heapq.heappop(self._heap)
                     hit = self._armed.pop(key, None)

@@ -20,8 +20,9 @@ at once (from whichever thread cancels).
 Failures surface as ``streams.BackendError`` carrying the gRPC status code. A
 ``GrpcDrafter`` that failed is skipped for a while (exponential backoff) and
 then tried again, so the orchestrator reconnects once the drafter is back.
-Every step waits at most a deadline sized from measured step times
-(``deadlines.py``), so a hung backend is noticed within seconds.
+Every session asks its backend for Progress messages while a step waits
+(``Open.progress_ms``), and a step fails only after a deadline of silence
+(``deadlines.py``): a hung backend is noticed within seconds, a slow one is not.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class GrpcVerifierSession:
             request_id=options.request_id,
             target_layer_ids=list(verifier.aux_layers),
             max_positions=options.max_positions,
+            progress_ms=self.clock.progress_ms,
         )
         if sampling is not None and not sampling.greedy:
             open_.sampling.CopyFrom(wire_contract.sampling_to_proto(sampling))
@@ -336,7 +338,7 @@ class GrpcDrafterSession:
     def _stream(self) -> Stream:
         if self._s is None:
             self._s = Stream(self.drafter.stub.Session, "drafter", self.drafter.addr, self._timeout, self._request_id)
-            open_ = dpb.DrafterRequest.Open(request_id=self._request_id)
+            open_ = dpb.DrafterRequest.Open(request_id=self._request_id, progress_ms=self.drafter.clock.progress_ms)
             if self._sampling is not None:
                 open_.sampling.CopyFrom(wire_contract.sampling_to_proto(self._sampling))
             self._s.post(dpb.DrafterRequest(open=open_), "opened")  # answered before the first draft's answer

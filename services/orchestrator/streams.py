@@ -6,8 +6,9 @@ with the gRPC status; :class:`Stream` is one bidirectional ``Session`` call,
 its requests queued (pipelined: ``post`` returns the request's :class:`Reply`)
 and its responses read strictly in order, each into its reply, when that reply
 or a later one is waited for, each step bounded by a deadline from
-``deadlines.py``. So a drafter session sends a ``Predraft`` right after a
-``Draft``'s answer and reads it a block later.
+``deadlines.py`` that every Progress message the backend sends meanwhile
+re-arms. So a drafter session sends a ``Predraft`` right after a ``Draft``'s
+answer and reads it a block later.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ class Stream:
         self._call = method(iter(self._requests.get, _END), timeout=timeout, metadata=metadata)
         self.done = False
         self.expired = 0.0  # the step deadline that passed (seconds), 0 while none did
+        self.progress = 0  # Progress messages read (each re-armed the deadline of the step read then)
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -159,16 +161,25 @@ class Stream:
         return reply.response
 
     def _read(self, expect: str, step_timeout: float | None):
-        key = None
-        if step_timeout is not None:
+        """The next answer; Progress messages before it are counted and each re-arms ``step_timeout``."""
+        key, heard = None, 0
 
-            def expire(t=step_timeout):
-                self.expired = t
-                self.abort()
+        def expire(t=step_timeout):
+            self.expired = t
+            self.abort()
 
-            key = WATCHDOG.arm(step_timeout, expire)
         try:
-            resp = next(self._call)
+            while True:
+                if step_timeout is not None:
+                    key = WATCHDOG.arm(step_timeout, expire)
+                resp = next(self._call)
+                if resp.WhichOneof("response") != "progress":
+                    break
+                heard += 1
+                self.progress += 1
+                self.bytes_received += resp.ByteSize()
+                if key is not None:
+                    WATCHDOG.disarm(key)
         except StopIteration:
             self.abort()
             raise BackendError(
@@ -181,7 +192,8 @@ class Stream:
                     self.service,
                     self.addr,
                     grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"no {expect} answer within {self.expired:.1f} s (hung? see --backend-timeout)",
+                    f"no {expect} answer or progress for {self.expired:.1f} s, after {heard} progress"
+                    " messages (hung? see --backend-timeout)",
                     step_timeout=True,
                 ) from None
             raise BackendError.of(self.service, self.addr, exc) from None

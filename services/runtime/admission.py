@@ -291,6 +291,12 @@ class SessionRegistry:
             return sum(e.cache_bytes for e in self._live.values())
 
     @property
+    def waiting(self) -> int:
+        """Sessions waiting in the admission queue (``--queue``) now."""
+        with self._lock:
+            return self._waiting
+
+    @property
     def reserved_bytes(self) -> int:
         with self._lock:
             return self._reserved()

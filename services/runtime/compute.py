@@ -26,18 +26,48 @@ MLX keeps its arrays and streams on the thread that made them, so it stays off t
 With torch on CUDA (``KAKEYA_INLINE_STEPS=on``) a step run inline may capture a CUDA graph: the
 capture takes the process-wide lock (``backends/torch/graphs.py``, ``exclusive_capture``), so it
 never runs beside another thread's capture.
+
+**Progress** (:meth:`ComputeThread.progress`): what a handler waiting on a job
+watches to tell a slow process from a wedged one (``SessionServicer._await``
+sends its client a Progress message only when it moved): jobs finished, and the
+CPU time of the process's model work (``cpu.py``, Linux: a long job that
+computes, or waits for a kernel compiler, shows progress; a thread blocked for
+good, on a lock or a wedged device, shows none).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
+
+from kakeya.runtime.cpu import CpuSampler
 
 DEFAULT_MAX_BATCH = 16
+BUSY_FRACTION = 0.05  # model work's CPU time, as a share of the time it was measured over, that is progress
+
+
+class Progress(NamedTuple):
+    """What :meth:`ComputeThread.progress` saw at ``at`` (monotonic seconds)."""
+
+    done: int  # jobs finished
+    cpu_s: float | None  # CPU seconds of model work so far (``cpu.py``; None: unknown, here or yet)
+    cpu_at: float  # when cpu_s was read
+    at: float
+
+    def since(self, earlier: Progress) -> bool:
+        """Work got done between ``earlier`` and this: a job finished, or model work spent at least
+        ``BUSY_FRACTION`` of the time between the two readings on a CPU (a rate: idle threads' crumbs
+        never add up)."""
+        if self.done != earlier.done:
+            return True
+        if self.cpu_s is None or earlier.cpu_s is None or self.cpu_at <= earlier.cpu_at:
+            return False
+        return self.cpu_s - earlier.cpu_s >= BUSY_FRACTION * (self.cpu_at - earlier.cpu_at)
 
 
 @dataclass
@@ -68,6 +98,9 @@ class ComputeThread:
         self._work = threading.Lock()  # held while model work runs, on this thread or inline on a caller's
         self.inline = False  # run a job on its caller's thread when nothing else is queued or running
         self._pending = 0  # jobs submitted and not yet started, taken ones included (none: a caller may run inline)
+        self.completed = 0  # jobs finished, inline ones included (counted under the work lock)
+        self._worker: int | None = None  # native id of the thread running model work now (None: none runs)
+        self._cpu = CpuSampler(self._model_threads)
         self._thread = threading.Thread(target=self._loop, name=f"{name}-compute", daemon=True)
         self._thread.start()
 
@@ -76,32 +109,62 @@ class ComputeThread:
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
         return self._put(_Job(fn=lambda: fn(*args, **kwargs)))
 
-    def run(self, fn: Callable, *args, **kwargs) -> Any:
+    def start(self, fn: Callable, *args, **kwargs) -> Future:
+        """``fn(*args, **kwargs)`` as a Future: run at once on the calling thread when ``inline`` finds
+        the thread idle (the Future is then done), else queued for the thread."""
         if self._idle():
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._work.release()
-        return self.submit(fn, *args, **kwargs).result()
+            return self._inline(lambda: fn(*args, **kwargs))
+        return self.submit(fn, *args, **kwargs)
 
-    def batch(self, kind: Hashable, item: Any, runner: Callable[[list], Sequence[Any]]) -> Any:
-        """Run ``item`` through ``runner([item, ...])`` together with like items queued meanwhile.
+    def run(self, fn: Callable, *args, **kwargs) -> Any:
+        return self.start(fn, *args, **kwargs).result()
+
+    def start_batch(self, kind: Hashable, item: Any, runner: Callable[[list], Sequence[Any]]) -> Future:
+        """``item``'s result as a Future: ``runner([item, ...])`` together with like items queued meanwhile.
 
         ``runner`` gets a list of items of this ``kind`` and returns one result per
         item, in order; a result that is an ``Exception`` instance is raised to
         that item's caller alone (one bad session must not fail its batch-mates).
         """
         if self._idle():
-            try:
+
+            def alone():
                 self.batches += 1
                 self.batched_items += 1
                 (result,) = _results(runner, [item])
-            finally:
-                self._work.release()
-            if isinstance(result, BaseException):
-                raise result
-            return result
-        return self._put(_Job(fn=None, kind=kind, item=item, runner=runner)).result()
+                if isinstance(result, BaseException):
+                    raise result
+                return result
+
+            return self._inline(alone)
+        return self._put(_Job(fn=None, kind=kind, item=item, runner=runner))
+
+    def batch(self, kind: Hashable, item: Any, runner: Callable[[list], Sequence[Any]]) -> Any:
+        """``start_batch``, waited for."""
+        return self.start_batch(kind, item, runner).result()
+
+    def progress(self) -> Progress:
+        """Jobs finished and model work's CPU time now (see the module docstring); compare two with
+        ``Progress.since``."""
+        return Progress(self.completed, *self._cpu.read(), time.monotonic())
+
+    def _model_threads(self) -> list[int]:
+        """Native ids of the Python threads running model work: this one's thread, an inline job's."""
+        worker = self._worker
+        return [self._thread.native_id, *([worker] if worker is not None else [])]
+
+    def _inline(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` now on the calling thread, which holds the work lock (``_idle``); a done Future."""
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        self._worker = threading.get_native_id()
+        try:
+            _settle(future, fn)
+        finally:
+            self._worker = None
+            self.completed += 1
+            self._work.release()
+        return future
 
     @property
     def queued(self) -> int:
@@ -156,11 +219,17 @@ class ComputeThread:
             return group
 
     def _loop(self) -> None:
+        me = threading.get_native_id()
         while (group := self._take()) is not None:
             with self._work:
                 with self._cv:
                     self._pending -= len(group)
-                self._run(group)
+                self._worker = me
+                try:
+                    self._run(group)
+                finally:
+                    self._worker = None
+                    self.completed += 1
 
     def _run(self, group: list[_Job]) -> None:
         group = [j for j in group if j.future.set_running_or_notify_cancel()]

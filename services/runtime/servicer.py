@@ -4,12 +4,19 @@ A session server (``verifier/server.py``, ``drafter/server.py``) is one :class:`
 into one ``ComputeThread`` (all model work, batched), one ``SessionRegistry`` (admission and idle
 expiry), one ``ServerMetrics`` and, with a budget, one ``PrefixCache``. Both answer ``GetInfo`` and
 open ``Session`` streams only once loaded, and both become a ``ServerSpec`` the same way. The
-subclasses add their model: ``load``, ``info`` and ``_serve`` (one stream's messages).
+subclasses add their model: ``load``, ``info``, ``_serve`` (one stream's messages) and ``_progress``.
+
+A stream's steps wait on the compute thread through :meth:`SessionServicer._compute` (and
+``_compute_batch``): a session opened with ``progress_ms`` hears a Progress message every
+``progress_ms`` in which the process's compute got work done, so its client can tell a slow server
+(queued behind others, compiling, a long prefill) from a hung one (stopped, a wedged compute thread:
+silence) without guessing how long a step may take.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import grpc
@@ -28,6 +35,7 @@ from kakeya.runtime.lifecycle import ServerSpec, invalid, precondition, session_
 from kakeya.runtime.metrics import ServerMetrics
 
 INLINE_STEPS_ENV = "KAKEYA_INLINE_STEPS"  # auto | on | off (see SessionServicer._inline_if_safe)
+MIN_PROGRESS_S = 0.01  # the most often a stream hears Progress, whatever its client asks
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,42 @@ class SessionServicer:
 
     def _serve(self, entry, requests):
         raise NotImplementedError
+
+    def _progress(self, waited_s: float):
+        """This role's Progress response (``waited_s``: how long the step in hand has waited so far)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _progress_every(open_, field: str = "open.progress_ms") -> float:
+        """Seconds between an opened session's Progress messages (``Open.progress_ms``; 0: none)."""
+        ms = open_.progress_ms
+        if ms < 0:
+            raise invalid(f"{field} must be >= 0 (0: no progress messages), got {ms}")
+        return max(ms / 1000, MIN_PROGRESS_S) if ms else 0.0
+
+    def _await(self, future: Future, every_s: float):
+        """A generator that returns ``future``'s result; meanwhile it yields a Progress message every
+        ``every_s`` seconds (0: none) in which the compute thread got work done (``ComputeThread.progress``).
+        A stopped process or a wedged compute thread gets none done: no message, and its client's
+        deadline for the step (``orchestrator/deadlines.py``) runs out."""
+        if every_s > 0 and not future.done():
+            first = last = self.compute.progress()
+            while not wait([future], timeout=every_s).done:
+                now = self.compute.progress()
+                # the first look counts only finished jobs: a CPU rate from before this wait began would
+                # speak of the work before it
+                if now.done != first.done if last is first else now.since(last):
+                    yield self._progress(now.at - first.at)
+                last = now
+        return future.result()
+
+    def _compute(self, every_s: float, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the compute thread, waited for by :meth:`_await` (``yield from`` it)."""
+        return (yield from self._await(self.compute.start(fn, *args, **kwargs), every_s))
+
+    def _compute_batch(self, every_s: float, kind, item, runner):
+        """``ComputeThread.start_batch``, waited for by :meth:`_await` (``yield from`` it)."""
+        return (yield from self._await(self.compute.start_batch(kind, item, runner), every_s))
 
     @staticmethod
     def _check_open(req, kind: str | None) -> None:

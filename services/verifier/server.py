@@ -155,7 +155,11 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             reserved_kv_bytes=self.registry.reserved_bytes,
             restore_sources=self.restore.names(),
             prefix_cache_bytes=self.prefixes.budget if self.prefixes is not None else 0,
+            queued_sessions=self.registry.waiting,
         )
+
+    def _progress(self, waited_s: float) -> pb.VerifierResponse:
+        return pb.VerifierResponse(progress=pb.VerifierResponse.Progress(waited_s=waited_s))
 
     def _wire_policy(self, policy):
         """A policy as clients see it: restoration by source name, never by server path."""
@@ -194,6 +198,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         session = None
         prefilled = False
         policy = None
+        every = 0.0  # seconds between Progress messages while a step waits (open.progress_ms)
         for req in requests:
             kind = req.WhichOneof("request")
             t0 = time.perf_counter()
@@ -210,6 +215,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                 except ValueError as exc:
                     raise invalid(str(exc)) from None
                 policy = self._open_policy(req.open, max_positions)
+                every = self._progress_every(req.open)
                 layers = list(req.open.target_layer_ids) or list(self.verifier.aux_layers)
                 if not layers:
                     raise invalid("open.target_layer_ids: this verifier has no default aux layers: send them")
@@ -222,7 +228,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                 except ValueError as exc:
                     raise invalid(str(exc)) from None
                 self.registry.reserve(entry, self._worst_case_bytes(policy, max_positions))  # may wait (--queue)
-                session = entry.session = self.compute.run(self._new_session, layers, policy, sampling)
+                session = entry.session = yield from self._compute(every, self._new_session, layers, policy, sampling)
                 resolved = session.policy
                 resp = pb.VerifierResponse(
                     opened=pb.VerifierResponse.Opened(
@@ -239,7 +245,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                     )
                 ids = check_token_ids(req.prefill.token_ids, vocab, "prefill.token_ids")
                 reuse = None if req.prefill.reuse_any else tuple(req.prefill.reuse_positions)
-                next_token, aux, stats = self._prefill(entry, session, ids, reuse)
+                next_token, aux, stats = yield from self._prefill(entry, session, ids, reuse, every)
                 prefilled = True
                 resp = pb.VerifierResponse(
                     prefilled=pb.VerifierResponse.Prefilled(
@@ -260,19 +266,20 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                         f" max_positions {max_positions} (open.max_positions / --max-context)"
                     )
                 proposal = self._proposal(session, req.verify, ids, vocab)
-                verified = self.compute.batch("verify", (entry, session, ids, proposal), self._verify_batch)
+                item = (entry, session, ids, proposal)
+                verified = yield from self._compute_batch(every, "verify", item, self._verify_batch)
                 resp = pb.VerifierResponse(verified=verified)
             elif kind == "save":
                 if not prefilled:
                     raise precondition("save: the session was never prefilled (save ends a generation)")
                 ids = check_token_ids(req.save.token_ids, vocab, "save.token_ids")
                 try:
-                    kept = self.compute.run(session.save, ids)
+                    kept = yield from self._compute(every, session.save, ids)
                 except ValueError as exc:
                     raise invalid(str(exc).replace("save:", "save.token_ids:", 1)) from None
                 resp = pb.VerifierResponse(saved=pb.VerifierResponse.Saved(kept=kept))
             elif kind == "close":
-                stats = _stats_proto(self.compute.run(session.stats))
+                stats = _stats_proto((yield from self._compute(every, session.stats)))
                 yield pb.VerifierResponse(
                     closed=pb.VerifierResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0
                 )
@@ -308,12 +315,13 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             entry.kv_bytes = {"sliding": stats.kv_bytes.sliding, "full": stats.kv_bytes.full}
             entry.cache_bytes = sum(entry.kv_bytes.values())
 
-    def _prefill(self, entry, session, ids, reuse=()):
+    def _prefill(self, entry, session, ids, reuse=(), every: float = 0.0):
         """One compute job per prefill chunk (``session.prefill_steps``): other sessions' steps queued
         meanwhile run between the chunks, so a long prompt never stalls a short request for its whole length.
-        ``reuse``: the prefix lengths it may resume from (None: any; empty: a cold prefill, no lookup)."""
+        ``reuse``: the prefix lengths it may resume from (None: any; empty: a cold prefill, no lookup).
+        A generator (``yield from`` it): Progress messages every ``every`` s while it waits."""
         steps = session.prefill_steps(ids, reuse)
-        while (done := self.compute.run(self._prefill_chunk, entry, session, steps)) is None:
+        while (done := (yield from self._compute(every, self._prefill_chunk, entry, session, steps))) is None:
             pass
         return done
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -25,6 +24,8 @@ from kakeya.orchestrator.http_server import HttpCall, HttpFront
 from kakeya.orchestrator.server import GenerationServicer
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 from kakeya.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
+
+from ..waiting import wait_until
 
 TOKEN = "s3cret"
 PROMPT = "def add(a, b):"
@@ -66,9 +67,7 @@ def _greedy(**kw) -> pb.GenerateRequest:
 
 def _settle(servicer) -> None:
     """Wait for the front's runs to end (a stream its client left ends a moment later on the server)."""
-    deadline = time.monotonic() + 30
-    while servicer.active and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: servicer.active == 0, what="the front's runs to end")
 
 
 @contextlib.contextmanager

@@ -86,14 +86,27 @@ class ScriptedDrafter:
 CONT = list(range(100, 400))
 
 
+def scripted_acceptance(B: int, max_tokens: int, wrong_every: int = 3) -> list[int]:
+    """The tokens each block commits against ``ScriptedDrafter(wrong_every)``: its draft number c has its
+    candidate c % wrong_every wrong, so c % wrong_every candidates are accepted (all B - 1 when that index is
+    past them), plus the verifier's own token; the last block stops at ``max_tokens`` (the prefill made one)."""
+    out, total, c = [], 1, 0
+    while total < max_tokens:
+        c += 1
+        committed = min(c % wrong_every, B - 1) + 1
+        out.append(min(committed, max_tokens - total))
+        total += out[-1]
+    return out
+
+
 @pytest.mark.parametrize("B", [1, 2, 4, 8, 16])
 def test_output_is_the_targets_sequence_and_max_tokens_cuts_mid_block(B):
     v = ScriptedVerifier(3, CONT)
     g = run(v, ScriptedDrafter(v), [1, 2, 3], max_tokens=37, block_size=B)
     assert g.token_ids == CONT[:37]
     assert g.finish_reason == "length"
+    assert g.acceptance_lengths == scripted_acceptance(B, 37)  # block by block, the last one cut
     assert sum(g.acceptance_lengths) + 1 == 37
-    assert all(1 <= a <= B for a in g.acceptance_lengths)
 
 
 def test_stop_token_inside_a_block_ends_generation_there():

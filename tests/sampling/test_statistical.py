@@ -3,7 +3,8 @@ chi-square test that fails when the sampler is wrong.
 
 On the vocab-48 pair, the exact distribution of the first three generated
 tokens under AR sampling from the processed p is enumerated with the model
-(numpy, no sampling). Then N independent seeded speculative generations
+(no sampling), p computed by transformers' own logits warpers
+(``hf_reference.py``), not by the code under test. Then N independent seeded speculative generations
 (block size 4, the random drafter disagreeing most of the time) are drawn
 in-process and their first three tokens tested against it: Pearson's
 chi-square, cells with expected count < 5 pooled, at ALPHA = 1e-3. The same
@@ -30,6 +31,7 @@ from kakeya.orchestrator import loop
 from kakeya.verifier import session as verifier_session
 
 from .conftest import BACKENDS, PROMPT, SETTINGS
+from .hf_reference import hf_process
 
 ALPHA = 1e-3
 N_EXACT = 1200  # generations tested against the exact distribution
@@ -38,13 +40,13 @@ TOKENS = 3
 
 
 def next_distribution(verifier, prefix, params) -> np.ndarray:
-    """The processed p after ``prefix`` (numpy reference on the backend's own logits)."""
+    """The processed p after ``prefix`` (transformers' warpers on the backend's own logits)."""
     s = verifier.open_session()
     out = s._forward(prefix)
     logits = verifier.target.logits(out.hidden)[0, -1]
     s.close()
     logits = logits.float().cpu().numpy() if isinstance(logits, torch.Tensor) else np.asarray(logits, np.float32)
-    return ref.process(logits, params)
+    return hf_process(logits, params)
 
 
 def exact_distribution(verifier, params) -> dict[tuple[int, ...], float]:

@@ -30,6 +30,8 @@ from kakeya.wire.kakeya.v1 import (
 )
 from kakeya.wire.limits import channel_options
 
+from ..waiting import holds_for, wait_until  # noqa: F401  (re-exported: the server tests import them from here)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -244,17 +246,6 @@ def ar_fallbacks(port: int, reason: str | None = None) -> float:
     """The orchestrator's ``kakeya_ar_fallbacks_total`` for ``reason`` (None: every reason)."""
     return sum(v for (name, labels), v in scrape(port).items()
                if name == "kakeya_ar_fallbacks_total" and (reason is None or ("reason", reason) in labels))  # fmt: skip
-
-
-def wait_until(pred, timeout: float = 15.0, interval: float = 0.1, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {value!r})")
-        time.sleep(interval)
 
 
 def sessions_freed(verifier_addr: str, drafter_addr: str):

@@ -9,7 +9,6 @@ same arithmetic the server uses), so a second is RESOURCE_EXHAUSTED naming
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -132,14 +131,14 @@ def test_a_queued_session_waits_for_room(servers):
     addr = servers["queued"].addr
     a = Session(addr)
     assert a.next().WhichOneof("response") == "opened"
-    t0 = time.monotonic()
     b = Session(addr)
-    threading.Timer(1.0, lambda: a.call.cancel()).start()
+    wait_until(lambda: verifier_info(addr).queued_sessions == 1, what="b waiting in the queue")
+    assert not b.call.done() and verifier_info(addr).live_sessions == 2  # a, and b waiting for its room
+    a.call.cancel()
     assert b.next().WhichOneof("response") == "opened"  # admitted once a is gone
-    assert 0.8 < time.monotonic() - t0 < 8
     # the queue holds one: a third and fourth while b is live -> one waits, one is refused at once
     c = Session(addr)
-    time.sleep(0.3)
+    wait_until(lambda: verifier_info(addr).queued_sessions == 1, what="c waiting in the queue")
     d = Session(addr)
     with pytest.raises(grpc.RpcError) as err:
         d.next()
@@ -179,12 +178,10 @@ def test_every_way_a_session_ends_frees_its_memory(servers, ending):
             s.next()
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     else:  # idle: the server closes a session whose client sends nothing for --idle-timeout (3 s), saying why
-        t0 = time.monotonic()
-        with pytest.raises(grpc.RpcError) as err:
-            s.next()
+        with pytest.raises(grpc.RpcError) as err:  # (a session left open would end with the call's own 60-s
+            s.next()  # deadline, which names no --idle-timeout)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "--idle-timeout" in err.value.details()
-        assert time.monotonic() - t0 < 7
-    wait_until(lambda: _free(addr), timeout=10, what=f"a {ending} session's memory freed")
+    wait_until(lambda: _free(addr), what=f"a {ending} session's memory freed")
 
 
 def test_an_idle_drafter_session_expires(servers):
@@ -202,7 +199,7 @@ def test_an_idle_drafter_session_expires(servers):
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "drafter: " in err.value.details()
     assert "--idle-timeout" in err.value.details()
     stop.set()
-    wait_until(lambda: drafter_info(addr).live_sessions == 0, timeout=10, what="the idle drafter session closed")
+    wait_until(lambda: drafter_info(addr).live_sessions == 0, what="the idle drafter session closed")
 
 
 def test_idle_streams_beyond_the_limit_leave_the_public_api_answering(servers):
@@ -219,7 +216,7 @@ def test_idle_streams_beyond_the_limit_leave_the_public_api_answering(servers):
             assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             refused += 1
     assert refused == 128 - 3
-    t0 = time.monotonic()
+    # answered, not hung: a call that hangs ends with its own deadline (DEADLINE_EXCEEDED), not these statuses
     assert verifier_info(small).live_sessions == 3
     stub = generation_stub(orch)
     assert stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=5).vocab_size > 0
@@ -228,7 +225,6 @@ def test_idle_streams_beyond_the_limit_leave_the_public_api_answering(servers):
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(req, timeout=10))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-sessions" in err.value.details()
-    assert time.monotonic() - t0 < 5
     for s in held:
         s.call.cancel()
     wait_until(lambda: verifier_info(small).live_sessions == 0, what="the held streams freed")

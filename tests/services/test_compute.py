@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -9,12 +12,14 @@ import pytest
 
 from kakeya.runtime.compute import ComputeThread
 
+from ..waiting import wait_until
+
 
 def _blocked(ct: ComputeThread) -> threading.Event:
     """Occupy the thread until the returned event is set (so jobs queue up behind it)."""
     release, started = threading.Event(), threading.Event()
-    ct.submit(lambda: (started.set(), release.wait(5)))
-    assert started.wait(5)
+    ct.submit(lambda: (started.set(), release.wait(60)))
+    assert started.wait(60)
     return release
 
 
@@ -38,12 +43,7 @@ def _submit_batch_items(ct, n, runner, kind="verify"):
 
 
 def _wait_queued(ct: ComputeThread, n: int) -> None:
-    for _ in range(500):
-        with ct._cv:
-            if ct.queued >= n:
-                return
-        threading.Event().wait(0.01)
-    raise AssertionError("jobs never queued")
+    wait_until(lambda: ct.queued >= n, interval=0.01, what=f"{n} jobs queued")
 
 
 def test_like_jobs_that_queue_up_run_as_one_batch_with_results_in_item_order():
@@ -152,6 +152,55 @@ def test_inline_runs_a_lone_job_on_its_callers_thread_and_jobs_that_queue_still_
     assert len({f.result(5) for f in futs}) == 1 and futs[0].result() != me
     assert len(calls) == 1 and sorted(calls[0]) == list(range(5))
     ex.shutdown()
+    ct.shutdown()
+
+
+def test_progress_counts_finished_jobs_inline_or_not():
+    ct = ComputeThread("t")
+    before = ct.progress()
+    ct.run(lambda: None)
+    with pytest.raises(ZeroDivisionError):
+        ct.batch("verify", 0, lambda items: 1 / 0)  # a failed job is finished work too
+    ct.inline = True
+    ct.run(lambda: None)  # on this thread
+    assert ct.start(lambda: 7).result(0) == 7  # inline: done before start returns
+    after = ct.progress()
+    assert after.done == before.done + 4 and after.since(before)
+    assert not after.since(after)
+    ct.shutdown()
+
+
+def _look(ct: ComputeThread, seconds: float = 0.3) -> bool:
+    """Whether ``ct`` made progress over the next ``seconds``, as a waiting stream judges it."""
+    before = wait_until(lambda: (p := ct.progress()).cpu_s is not None and p, what="a CPU reading")
+    threading.Event().wait(seconds)  # the window a stream's look covers (not ordering anything)
+    return ct.progress().since(before)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="CPU time is read from /proc")
+def test_progress_moves_while_a_job_computes_or_compiles_and_not_while_one_is_blocked():
+    ct = ComputeThread("t")
+    started, stop = threading.Event(), threading.Event()
+
+    def burn():  # computes on the compute thread itself, without the GIL (as model work does)
+        started.set()
+        block = b"x" * (1 << 20)
+        while not stop.is_set():
+            hashlib.sha256(block).digest()
+
+    ct.submit(burn)
+    assert started.wait(60)
+    assert _look(ct)  # nothing finished: the CPU time alone shows the work
+    stop.set()
+    # a job waiting on a child process that computes (MLX's CPU backend compiles kernels with g++ so)
+    child = ct.submit(subprocess.run, [sys.executable, "-c", "while True: pass"], timeout=2.0)
+    wait_until(lambda: ct.queued == 0 and not child.done(), what="the compiling job running")
+    assert _look(ct, 0.5)
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.result(60)
+    release = _blocked(ct)  # a job that waits for good: nothing finishes, no CPU time is spent
+    assert not any(_look(ct) for _ in range(3))
+    release.set()
     ct.shutdown()
 
 

@@ -87,7 +87,7 @@ def test_drafter_killed_mid_stream_falls_back_then_reconnects(servers, reference
         assert ids == reference[:20]
         return not complete.stats.drafter_fallback
 
-    wait_until(speculating, timeout=40, interval=0.5, what="the orchestrator to use the restarted drafter")
+    wait_until(speculating, interval=0.5, what="the orchestrator to use the restarted drafter")
     assert _server_info(orch.addr).extra["drafter_state"] == "ok"
 
 
@@ -101,20 +101,19 @@ def test_verifier_unreachable_is_unavailable_and_the_server_recovers(servers, se
     # still up and answering: its health watch (polled each second) turns NOT_SERVING while the verifier is down
     wait_until(
         lambda: _health(orch.addr) == health_pb2.HealthCheckResponse.NOT_SERVING,
-        timeout=15,
         what="the orchestrator to report its verifier down",
     )
 
     # A new orchestrator started while its verifier is down: up, but NOT_SERVING until it can warm up.
     late = server_factory("late", ["orchestrator", "--verifier", verifier.addr, "--drafter", drafter.addr]).start()
-    wait_until(lambda: _health_or_none(late), timeout=60, what="the late orchestrator to listen")
+    wait_until(lambda: _health_or_none(late), what="the late orchestrator to listen")
     assert _health(late.addr) == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(grpc.RpcError) as err:
         generate(late.addr, request(PROMPT, max_tokens=8))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
     verifier.start().wait_ready()
-    ids = wait_until(lambda: _try(orch.addr), timeout=30, interval=0.5, what="the verifier to be reachable again")
+    ids = wait_until(lambda: _try(orch.addr), interval=0.5, what="the verifier to be reachable again")
     assert ids == reference[:8]
     late.wait_ready(60)
     assert _health(late.addr) == health_pb2.HealthCheckResponse.SERVING
@@ -164,6 +163,17 @@ def test_grace_expiry_ends_streams_with_abort(servers, server_factory, reference
     assert orch.wait(20) == 0
 
 
+def _refused(addr) -> bool:
+    """A new request is refused with UNAVAILABLE. False: it was served, or CANCELLED (it came in just as the
+    server stopped taking calls); any other failure fails the test."""
+    try:
+        generate(addr, request(PROMPT, max_tokens=4), timeout=30)
+    except grpc.RpcError as exc:
+        assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), (exc.code(), exc.details())
+        return exc.code() == grpc.StatusCode.UNAVAILABLE
+    return False
+
+
 def test_sigterm_drains_in_flight_streams_then_exits(servers, reference):
     orch = servers["orchestrator"]
     call = generation_stub(orch.addr).Generate(request(PROMPT, max_tokens=N), timeout=120)
@@ -175,11 +185,8 @@ def test_sigterm_drains_in_flight_streams_then_exits(servers, reference):
             if t_term is None and len(got) >= 3:
                 orch.signal(signal.SIGTERM)
                 t_term = time.monotonic()
-                time.sleep(1.0)  # the signal is handled within 0.5 s
-                # draining: no new work is accepted
-                with pytest.raises(grpc.RpcError) as err:
-                    generate(orch.addr, request(PROMPT, max_tokens=4), timeout=10)
-                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                # draining: no new work is accepted (once the signal is handled: a request may pass before)
+                wait_until(lambda: _refused(orch.addr), what="new requests refused while draining")
         else:
             complete = resp.complete
     assert got == reference and complete.finish_reason == generate_pb2.FINISH_REASON_LENGTH

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import grpc
 import numpy as np
@@ -16,7 +15,19 @@ import pytest
 
 from kakeya.wire.kakeya.v1 import cache_pb2, generate_pb2, sampling_pb2, verifier_pb2
 
-from .conftest import ROOT, TINY, TINY_MLX, ar_fallbacks, generate, generation_stub, request, start_all, verifier_stub
+from .conftest import (
+    ROOT,
+    TINY,
+    TINY_MLX,
+    ar_fallbacks,
+    generate,
+    generation_stub,
+    request,
+    scrape,
+    start_all,
+    verifier_stub,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -33,6 +44,11 @@ def servers(server_factory):
                                         "--max-tokens-limit", "4000", "--grace", "1"])  # fmt: skip
     start_all([o])
     return {"verifier": v, "drafter": d, "orchestrator": o}
+
+
+def _running(port: int) -> float:
+    """The orchestrator's generations in flight (``kakeya_num_requests_running``)."""
+    return scrape(port)[("kakeya_num_requests_running", ())]
 
 
 def _code(fn):
@@ -169,15 +185,14 @@ def test_client_cancels_and_deadlines_are_not_drafter_failures(servers):
     stub = generation_stub(orch.addr)
     for i in range(10):
         call = stub.Generate(request(PROMPT, max_tokens=3000, block_size=4), timeout=60)
-        next(call)
-        if i % 2:
-            time.sleep(0.05 * (i % 4))  # cancelled at different points of a block
+        for _ in range(1 + i % 4):  # cancelled after 1 to 4 chunks: at different points of the run
+            next(call)
         call.cancel()
     for i in range(10):
         with pytest.raises(grpc.RpcError) as err:
             generate(orch.addr, request(PROMPT, max_tokens=3000, block_size=4), timeout=0.3 + 0.05 * i)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    time.sleep(1.0)  # the runs' ends are counted as their streams close
+    wait_until(lambda: _running(port) == 0, what="every run ended (a fallback is counted as its run ends)")
     assert ar_fallbacks(port) == before
     assert "drafter failed" not in orch.log() and "AR fallback" not in orch.log()
     ids, _, complete, _ = generate(orch.addr, request(PROMPT, max_tokens=12))

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .conftest import TINY_MLX, ar_fallbacks, channel, generate, request, start_all, wait_until
+from .conftest import TINY_MLX, ar_fallbacks, channel, generate, holds_for, request, start_all, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -67,7 +67,7 @@ def test_a_stopped_drafter_falls_back_to_ar_within_seconds(servers, reference):
         assert ids == reference
         return not complete.stats.drafter_fallback
 
-    wait_until(speculating, timeout=40, interval=0.5, what="speculation to resume")
+    wait_until(speculating, interval=0.5, what="speculation to resume")
 
 
 def test_a_stopped_verifier_fails_fast_and_health_follows_it(servers, reference):
@@ -81,16 +81,15 @@ def test_a_stopped_verifier_fails_fast_and_health_follows_it(servers, reference)
         took = time.monotonic() - t0
         assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
         assert "verifier" in err.value.details() and took < 10, (took, err.value.details())
-        wait_until(lambda: _health(orch.addr) == NOT_SERVING, timeout=10, what="NOT_SERVING while the verifier hangs")
-        for _ in range(3):  # known down: each request refused at once, not after the --backend-timeout
-            t0 = time.monotonic()
+        wait_until(lambda: _health(orch.addr) == NOT_SERVING, what="NOT_SERVING while the verifier hangs")
+        for _ in range(3):  # known down: each request refused at once (never tried: no step to time out)
             with pytest.raises(grpc.RpcError) as err:
                 generate(orch.addr, request(PROMPT, max_tokens=20), timeout=60)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "verifier" in err.value.details()
-            assert time.monotonic() - t0 < 0.5, time.monotonic() - t0
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+            assert "verifier unavailable (its health checks fail)" in err.value.details()
     finally:
         verifier.signal(signal.SIGCONT)
-    wait_until(lambda: _health(orch.addr) == SERVING, timeout=15, what="SERVING once the verifier answers again")
+    wait_until(lambda: _health(orch.addr) == SERVING, what="SERVING once the verifier answers again")
     assert generate(orch.addr, request(PROMPT, max_tokens=40))[0] == reference
 
 
@@ -98,12 +97,11 @@ def test_health_follows_a_dead_verifier_but_not_a_dead_drafter(servers, referenc
     orch, verifier, drafter = servers["orchestrator"], servers["verifier"], servers["drafter"]
     drafter.signal(signal.SIGKILL)
     drafter.wait(10)
-    time.sleep(2.5)  # a few watcher periods
-    assert _health(orch.addr) == SERVING
+    holds_for(lambda: _health(orch.addr) == SERVING, 2.5, what="SERVING without a drafter")  # a few watch periods
     assert generate(orch.addr, request(PROMPT, max_tokens=40))[0] == reference
     verifier.signal(signal.SIGKILL)
     verifier.wait(10)
-    wait_until(lambda: _health(orch.addr) == NOT_SERVING, timeout=10, what="NOT_SERVING without a verifier")
+    wait_until(lambda: _health(orch.addr) == NOT_SERVING, what="NOT_SERVING without a verifier")
     verifier.start().wait_ready()
-    wait_until(lambda: _health(orch.addr) == SERVING, timeout=20, what="SERVING with the verifier back")
+    wait_until(lambda: _health(orch.addr) == SERVING, what="SERVING with the verifier back")
     start_all([drafter])

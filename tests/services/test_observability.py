@@ -116,6 +116,6 @@ def test_one_request_id_in_the_json_logs_of_all_three_processes(served):
                 out.setdefault(rec["process"], rec)
         return out if len(out) == 3 else None
 
-    found = wait_until(tagged, timeout=10, what="the request id in every process's log")
+    found = wait_until(tagged, what="the request id in every process's log")
     assert set(found) == {"orchestrator", "verifier", "drafter"}
     assert found["verifier"].get("session_id") and found["drafter"].get("session_id")

@@ -43,13 +43,12 @@ def test_a_pinned_process_runs_every_thread_there_old_and_new():
     """Threads started before the pin (as grpc and torch may have) move too; those started after inherit it."""
     cpu = placement.available()[-1]
     code = f"""
-import os, threading, time
+import os, threading
 from kakeya.runtime import placement
 stop = threading.Event()
 early = threading.Thread(target=stop.wait); early.start()
 placement.pin_process({{{cpu}}})
-late = threading.Thread(target=stop.wait); late.start()
-time.sleep(0.1)
+late = threading.Thread(target=stop.wait); late.start()  # start() returns once the thread runs: no wait needed
 print(sorted({{tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}}))
 stop.set()
 """

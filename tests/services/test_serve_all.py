@@ -79,7 +79,7 @@ def test_serve_all_runs_three_processes_and_sigterm_stops_them_all(serve_all):
     assert all(a <= b <= 8 for a, b in zip(out["acceptance_lengths"], out["block_sizes"]))
     s.signal(signal.SIGTERM)
     assert s.wait(60) == 0
-    wait_until(lambda: not any(pid_alive(p) for p in pids.values()), timeout=10, what="children gone")
+    wait_until(lambda: not any(pid_alive(p) for p in pids.values()), what="children gone")
 
 
 def test_children_die_with_the_parent(serve_all):
@@ -88,7 +88,7 @@ def test_children_die_with_the_parent(serve_all):
     assert all(pid_alive(p) for p in pids.values())
     s.signal(signal.SIGKILL)
     s.wait(10)
-    wait_until(lambda: not any(pid_alive(p) for p in pids.values()), timeout=30, what="orphaned children to exit")
+    wait_until(lambda: not any(pid_alive(p) for p in pids.values()), what="orphaned children to exit")
     # killed outright, it could not remove its run directory (the children's token is in it): the next
     # `serve all` does, and this test does it the same way instead of leaving one per run
     from kakeya.app.supervisor import RUN_DIR_PREFIX, sweep_run_dirs

@@ -82,7 +82,6 @@ def test_quantized_full_cache_trims_and_shrinks():
     assert c.nbytes * 2 == exact.nbytes  # 16 one-byte codes + 2 x 2 float32 (scale, bias) vs 16 x 4 bytes
 
 
-@pytest.mark.skipif(not hasattr(CachePolicy(), "full_kv_bits"), reason="no quantized full-K/V policy")
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_policy_matches_mlx_backend(torch_target, tiny, bits):
     """Same codes as MLX's QuantizedKVCache: logits agree up to rounding-boundary flips.

@@ -13,7 +13,7 @@ class GetDrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("model_name", "target_model", "block_size", "target_layer_ids", "mask_token_id", "hidden_size", "num_layers", "vocab_size", "backend", "aux_dtype", "device", "version", "max_block_size", "extra", "live_sessions", "max_sessions", "live_kv_bytes", "total_sessions", "max_context", "prefix_cache_bytes")
+    __slots__ = ("model_name", "target_model", "block_size", "target_layer_ids", "mask_token_id", "hidden_size", "num_layers", "vocab_size", "backend", "aux_dtype", "device", "version", "max_block_size", "extra", "live_sessions", "max_sessions", "live_kv_bytes", "total_sessions", "max_context", "prefix_cache_bytes", "queued_sessions")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class DrafterInfo(_message.Message):
     TOTAL_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     target_model: str
     block_size: int
@@ -61,7 +62,8 @@ class DrafterInfo(_message.Message):
     total_sessions: int
     max_context: int
     prefix_cache_bytes: int
-    def __init__(self, model_name: _Optional[str] = ..., target_model: _Optional[str] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., live_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., live_kv_bytes: _Optional[int] = ..., total_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ...) -> None: ...
+    queued_sessions: int
+    def __init__(self, model_name: _Optional[str] = ..., target_model: _Optional[str] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., live_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., live_kv_bytes: _Optional[int] = ..., total_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., queued_sessions: _Optional[int] = ...) -> None: ...
 
 class DrafterStats(_message.Message):
     __slots__ = ("context_positions", "kv_bytes", "metrics")
@@ -83,12 +85,14 @@ class DrafterStats(_message.Message):
 class DrafterRequest(_message.Message):
     __slots__ = ("open", "draft", "close", "predraft", "lookup", "save")
     class Open(_message.Message):
-        __slots__ = ("request_id", "sampling")
+        __slots__ = ("request_id", "sampling", "progress_ms")
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
+        PROGRESS_MS_FIELD_NUMBER: _ClassVar[int]
         request_id: str
         sampling: _sampling_pb2.Sampling
-        def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ...) -> None: ...
+        progress_ms: int
+        def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ..., progress_ms: _Optional[int] = ...) -> None: ...
     class Draft(_message.Message):
         __slots__ = ("new_aux", "last_token", "block_size", "resume_at")
         NEW_AUX_FIELD_NUMBER: _ClassVar[int]
@@ -141,7 +145,7 @@ class DrafterRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[DrafterRequest.Open, _Mapping]] = ..., draft: _Optional[_Union[DrafterRequest.Draft, _Mapping]] = ..., close: _Optional[_Union[DrafterRequest.Close, _Mapping]] = ..., predraft: _Optional[_Union[DrafterRequest.Predraft, _Mapping]] = ..., lookup: _Optional[_Union[DrafterRequest.Lookup, _Mapping]] = ..., save: _Optional[_Union[DrafterRequest.Save, _Mapping]] = ...) -> None: ...
 
 class DrafterResponse(_message.Message):
-    __slots__ = ("opened", "drafted", "closed", "predrafted", "found", "saved", "elapsed_s")
+    __slots__ = ("opened", "drafted", "closed", "predrafted", "found", "saved", "progress", "elapsed_s")
     class Opened(_message.Message):
         __slots__ = ("info", "session_id")
         INFO_FIELD_NUMBER: _ClassVar[int]
@@ -191,12 +195,18 @@ class DrafterResponse(_message.Message):
         KEPT_FIELD_NUMBER: _ClassVar[int]
         kept: bool
         def __init__(self, kept: _Optional[bool] = ...) -> None: ...
+    class Progress(_message.Message):
+        __slots__ = ("waited_s",)
+        WAITED_S_FIELD_NUMBER: _ClassVar[int]
+        waited_s: float
+        def __init__(self, waited_s: _Optional[float] = ...) -> None: ...
     OPENED_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
     SAVED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     opened: DrafterResponse.Opened
     drafted: DrafterResponse.Drafted
@@ -204,5 +214,6 @@ class DrafterResponse(_message.Message):
     predrafted: DrafterResponse.Predrafted
     found: DrafterResponse.Found
     saved: DrafterResponse.Saved
+    progress: DrafterResponse.Progress
     elapsed_s: float
-    def __init__(self, opened: _Optional[_Union[DrafterResponse.Opened, _Mapping]] = ..., drafted: _Optional[_Union[DrafterResponse.Drafted, _Mapping]] = ..., closed: _Optional[_Union[DrafterResponse.Closed, _Mapping]] = ..., predrafted: _Optional[_Union[DrafterResponse.Predrafted, _Mapping]] = ..., found: _Optional[_Union[DrafterResponse.Found, _Mapping]] = ..., saved: _Optional[_Union[DrafterResponse.Saved, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, opened: _Optional[_Union[DrafterResponse.Opened, _Mapping]] = ..., drafted: _Optional[_Union[DrafterResponse.Drafted, _Mapping]] = ..., closed: _Optional[_Union[DrafterResponse.Closed, _Mapping]] = ..., predrafted: _Optional[_Union[DrafterResponse.Predrafted, _Mapping]] = ..., found: _Optional[_Union[DrafterResponse.Found, _Mapping]] = ..., saved: _Optional[_Union[DrafterResponse.Saved, _Mapping]] = ..., progress: _Optional[_Union[DrafterResponse.Progress, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...

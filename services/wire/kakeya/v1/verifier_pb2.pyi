@@ -14,7 +14,7 @@ class GetVerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "hidden_size", "num_layers", "sliding_window", "target_layer_ids", "backend", "aux_dtype", "device", "version", "default_cache_policy", "max_block_size", "extra", "live_sessions", "max_sessions", "live_kv_bytes", "total_sessions", "max_position_embeddings", "max_context", "max_kv_bytes", "reserved_kv_bytes", "restore_sources", "prefix_cache_bytes")
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "hidden_size", "num_layers", "sliding_window", "target_layer_ids", "backend", "aux_dtype", "device", "version", "default_cache_policy", "max_block_size", "extra", "live_sessions", "max_sessions", "live_kv_bytes", "total_sessions", "max_position_embeddings", "max_context", "max_kv_bytes", "reserved_kv_bytes", "restore_sources", "prefix_cache_bytes", "queued_sessions")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class VerifierInfo(_message.Message):
     RESERVED_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESTORE_SOURCES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -70,7 +71,8 @@ class VerifierInfo(_message.Message):
     reserved_kv_bytes: int
     restore_sources: _containers.RepeatedScalarFieldContainer[str]
     prefix_cache_bytes: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., sliding_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., default_cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., live_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., live_kv_bytes: _Optional[int] = ..., total_sessions: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., max_context: _Optional[int] = ..., max_kv_bytes: _Optional[int] = ..., reserved_kv_bytes: _Optional[int] = ..., restore_sources: _Optional[_Iterable[str]] = ..., prefix_cache_bytes: _Optional[int] = ...) -> None: ...
+    queued_sessions: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., sliding_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., default_cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., live_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., live_kv_bytes: _Optional[int] = ..., total_sessions: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., max_context: _Optional[int] = ..., max_kv_bytes: _Optional[int] = ..., reserved_kv_bytes: _Optional[int] = ..., restore_sources: _Optional[_Iterable[str]] = ..., prefix_cache_bytes: _Optional[int] = ..., queued_sessions: _Optional[int] = ...) -> None: ...
 
 class SessionStats(_message.Message):
     __slots__ = ("kv_bytes_sliding", "kv_bytes_full", "positions", "bounded", "metrics")
@@ -96,18 +98,20 @@ class SessionStats(_message.Message):
 class VerifierRequest(_message.Message):
     __slots__ = ("open", "prefill", "verify", "close", "save")
     class Open(_message.Message):
-        __slots__ = ("request_id", "cache_policy", "target_layer_ids", "max_positions", "sampling")
+        __slots__ = ("request_id", "cache_policy", "target_layer_ids", "max_positions", "sampling", "progress_ms")
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
         CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
         TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
         MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
+        PROGRESS_MS_FIELD_NUMBER: _ClassVar[int]
         request_id: str
         cache_policy: _cache_pb2.CachePolicy
         target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
         max_positions: int
         sampling: _sampling_pb2.Sampling
-        def __init__(self, request_id: _Optional[str] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ...) -> None: ...
+        progress_ms: int
+        def __init__(self, request_id: _Optional[str] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ..., progress_ms: _Optional[int] = ...) -> None: ...
     class Prefill(_message.Message):
         __slots__ = ("token_ids", "reuse_any", "reuse_positions")
         TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -145,7 +149,7 @@ class VerifierRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[VerifierRequest.Open, _Mapping]] = ..., prefill: _Optional[_Union[VerifierRequest.Prefill, _Mapping]] = ..., verify: _Optional[_Union[VerifierRequest.Verify, _Mapping]] = ..., close: _Optional[_Union[VerifierRequest.Close, _Mapping]] = ..., save: _Optional[_Union[VerifierRequest.Save, _Mapping]] = ...) -> None: ...
 
 class VerifierResponse(_message.Message):
-    __slots__ = ("opened", "prefilled", "verified", "closed", "saved", "elapsed_s")
+    __slots__ = ("opened", "prefilled", "verified", "closed", "saved", "progress", "elapsed_s")
     class Opened(_message.Message):
         __slots__ = ("info", "cache_policy", "session_id")
         INFO_FIELD_NUMBER: _ClassVar[int]
@@ -187,16 +191,23 @@ class VerifierResponse(_message.Message):
         KEPT_FIELD_NUMBER: _ClassVar[int]
         kept: bool
         def __init__(self, kept: _Optional[bool] = ...) -> None: ...
+    class Progress(_message.Message):
+        __slots__ = ("waited_s",)
+        WAITED_S_FIELD_NUMBER: _ClassVar[int]
+        waited_s: float
+        def __init__(self, waited_s: _Optional[float] = ...) -> None: ...
     OPENED_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     SAVED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     opened: VerifierResponse.Opened
     prefilled: VerifierResponse.Prefilled
     verified: VerifierResponse.Verified
     closed: VerifierResponse.Closed
     saved: VerifierResponse.Saved
+    progress: VerifierResponse.Progress
     elapsed_s: float
-    def __init__(self, opened: _Optional[_Union[VerifierResponse.Opened, _Mapping]] = ..., prefilled: _Optional[_Union[VerifierResponse.Prefilled, _Mapping]] = ..., verified: _Optional[_Union[VerifierResponse.Verified, _Mapping]] = ..., closed: _Optional[_Union[VerifierResponse.Closed, _Mapping]] = ..., saved: _Optional[_Union[VerifierResponse.Saved, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, opened: _Optional[_Union[VerifierResponse.Opened, _Mapping]] = ..., prefilled: _Optional[_Union[VerifierResponse.Prefilled, _Mapping]] = ..., verified: _Optional[_Union[VerifierResponse.Verified, _Mapping]] = ..., closed: _Optional[_Union[VerifierResponse.Closed, _Mapping]] = ..., saved: _Optional[_Union[VerifierResponse.Saved, _Mapping]] = ..., progress: _Optional[_Union[VerifierResponse.Progress, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
