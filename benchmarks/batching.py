@@ -10,7 +10,13 @@ another vs one ``verify_batch`` (``services/verifier/batch.py``), and N
 the aggregate positions per second each gives. The batched results are checked
 against the alone ones (choices and drafts identical). No gRPC: this is the
 ceiling the servers' compute threads reach when N steps queue up together.
-Writes ``benchmarks/results/batching[_<device>_<shape>].json``.
+
+On torch a batched verify is one step over the target's pooled K/V
+(``verifier/torch_backend/batch_step.py``): ``device_ops`` counts the aten ops
+(views left out) of one session's verify and of the N sessions' batched verify,
+which stay the same as N grows (drafts still attend per session:
+``drafter/torch_backend/model.py``). Writes
+``benchmarks/results/batching[_<device>_<shape>].json``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -54,6 +61,25 @@ def build(shape: str, device: str, dtype: str):
     t, d = (GEMMA4_26B_A4B, DRAFT_26B) if shape == "26b" else (SMALL, DRAFT_SMALL)
     target = TargetTorch.random(Gemma4Args(**t), resolve_device(device), resolve_dtype(dtype), seed=0)
     return target, random_drafter(draft_config(d, t["vocab_size"]), target)
+
+
+class DeviceOps(TorchDispatchMode):
+    """Counts dispatched aten ops that do work (views launch nothing and are left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def device_ops(fn) -> int:
+    mode = DeviceOps()
+    with mode:
+        fn()
+    return mode.n
 
 
 def sync(device: str) -> None:
@@ -116,10 +142,22 @@ def measure(target, drafter, n: int, block: int, ctx: int, reps: int, device: st
             ("draft_batch", draft_together),
         )
     }
+
+    def verify_one():
+        vs[0].verify(blocks[0])
+        vs[0].commit(0)
+
+    ops = {
+        "verify_one_session": device_ops(verify_one),
+        "verify_batch": device_ops(verify_together),
+        "draft_one_session": device_ops(lambda: ds[0].draft(one_aux[0], blocks[0][0], block)),
+        "draft_batch": device_ops(draft_together),
+    }
     for s in vs + ds:
         s.close()
     return {
         "ms": {k: round(v * 1e3, 3) for k, v in t.items()},
+        "device_ops": ops,
         "verify_positions_per_s": {
             "alone": round(n * block / t["verify_alone"]),
             "batch": round(n * block / t["verify_batch"]),
@@ -152,7 +190,8 @@ def main() -> int:
             print(
                 f"N={n:>2}: verify {r['ms']['verify_alone']:.2f} -> {r['ms']['verify_batch']:.2f} ms "
                 f"({r['verify_speedup']:.2f}x), draft {r['ms']['draft_alone']:.2f} -> {r['ms']['draft_batch']:.2f} ms "
-                f"({r['draft_speedup']:.2f}x), identical {r['verify_choices_identical']}",
+                f"({r['draft_speedup']:.2f}x), identical {r['verify_choices_identical']}, device ops verify "
+                f"{r['device_ops']['verify_one_session']} (one) / {r['device_ops']['verify_batch']} (batch)",
                 flush=True,
             )
     name = (

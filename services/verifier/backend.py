@@ -7,11 +7,14 @@ declared as data (a flag every target has), never probed for, with a protocol
 of its own that the backend implements:
 
 * ``static_verify`` (torch, :class:`StaticVerify`): a greedy block runs through
-  a static-shape step (CUDA graphs on a GPU, the same step eagerly elsewhere);
+  a static-shape step (CUDA graphs on a GPU, the same step eagerly elsewhere),
+  and so do several sessions' blocks at once, their greedy choices taken in
+  the step (one host sync for all);
 * ``restores`` (MLX, :class:`Restores`): f_theta restoration of evicted
   sliding-layer K/V;
 * ``min_batch``: the fewest queued sessions ``verify_batch`` runs as one
-  forward; and per cache set, ``SessionCaches.batchable``.
+  forward; and per cache set, ``SessionCaches.batchable`` and
+  ``SessionCaches.batch_key`` (sets of one key share a forward).
 
 Every forward is :meth:`Target.forward` over one or more :class:`Segment`
 (one session's block each, with the immutable plan its session built from its
@@ -131,6 +134,10 @@ class StaticVerify(Protocol):
         self, ids: Sequence[int], caches: SessionCaches, aux_layers: tuple[int, ...], plan: ForwardPlan
     ) -> tuple[list[int], Any]:
         """A greedy verify of ``ids`` (planned at :meth:`static_length`): ``(choices, aux of ids)``."""
+
+    def verify_segments(self, segments: Sequence[Segment], greedy: Sequence[bool]) -> tuple[list[Forward], list]:
+        """:meth:`Target.forward` of ``segments`` plus, for each segment whose ``greedy`` is True, the argmax
+        after each of its positions (None for the others): every greedy row in one argmax, one host sync."""
 
 
 @runtime_checkable

@@ -8,16 +8,21 @@ of that is ``(session, block_ids, proposal)`` and gets back exactly what its own
 
 * every item is validated as ``verify`` validates it; a bad one gets its own
   ValueError / RuntimeError as its result and the others still run;
-* the good ones of one target run as ONE ``target.forward`` over their
-  segments: each session's plan built by its own layout, its caches written as
-  in its own forward (which is the same forward with one segment), then the
-  choices -- greedy rows through one LM head and one host sync
-  (``backend.greedy_batch``), a sampling session's choices from its own logits
-  rows with its own seed and positions -- and each session left with the same
-  pending block, so ``commit`` is unchanged;
-* a lone item, fewer than ``target.min_batch`` of one target, or one a batched
+* the good ones of one target (and one ``cache.batch_key``: torch sessions whose
+  full-attention K/V share a pool) run as ONE forward over their segments: each
+  session's plan built by its own layout, its caches written as in its own
+  forward (which is the same forward with one segment), then the choices --
+  greedy rows through one LM head and one host sync (torch: inside the batched
+  step, ``StaticVerify.verify_segments``; else ``backend.greedy_batch``), a
+  sampling session's choices from its own logits rows with its own seed and
+  positions -- and each session left with the same pending block, so ``commit``
+  is unchanged;
+* a lone item, fewer than ``target.min_batch`` of one group, or one a batched
   forward cannot take (:func:`batchable`) simply runs ``session.verify`` (for a
-  lone torch greedy block that keeps the static step and its CUDA graphs).
+  lone torch greedy block that is the same step with one session).
+
+:func:`counts` says how many blocks ran batched and how many alone, and why
+(what a server exports as metrics).
 
 Outputs stay identical to running alone because a session's rows meet other
 sessions' rows only in row-wise operations (projections, norms, MLP, MoE, LM
@@ -26,7 +31,9 @@ head); attention, caches, positions, masks, noise and random streams stay its ow
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kakeya.core.contract import Draft, Verdict
@@ -36,10 +43,36 @@ from kakeya.verifier.session import VerifierSession, verdict
 Item = tuple  # (VerifierSession, block_ids, Proposal | None)
 
 
+@dataclass
+class BatchCounts:
+    """Blocks :func:`verify_batch` ran, by how (process-wide, since start)."""
+
+    forwards: int = 0  # batched forwards run
+    batched: int = 0  # blocks verified in them
+    alone_policy: int = 0  # blocks verified alone: their session cannot join a batched forward (:func:`batchable`)
+    alone_few: int = 0  # blocks verified alone: fewer than ``min_batch`` of their group were queued
+
+
+_COUNTS = BatchCounts()
+_COUNTS_LOCK = threading.Lock()
+
+
+def counts() -> dict[str, int]:
+    """A copy of the counters (:class:`BatchCounts`)."""
+    with _COUNTS_LOCK:
+        return asdict(_COUNTS)
+
+
+def _count(**add: int) -> None:
+    with _COUNTS_LOCK:
+        for k, v in add.items():
+            setattr(_COUNTS, k, getattr(_COUNTS, k) + v)
+
+
 def verify_batch(items: Sequence[Item]) -> list[Any]:
     """One result per item, in order: its choices, or the exception its ``verify`` would raise."""
     results: list[Any] = [None] * len(items)
-    groups: dict[int, list[int]] = {}  # id(target) -> items batched together
+    groups: dict[tuple, list[int]] = {}  # (id(target), cache batch key) -> items batched together
     alone: list[int] = []
     seen: set[int] = set()
     for i, (session, ids, proposal) in enumerate(items):
@@ -52,13 +85,17 @@ def verify_batch(items: Sequence[Item]) -> list[Any]:
             continue
         seen.add(id(session))
         if batchable(session):
-            groups.setdefault(id(session.target), []).append(i)
+            groups.setdefault((id(session.target), session.cache.batch_key), []).append(i)
         else:
             alone.append(i)
+    if alone:
+        _count(alone_policy=len(alone))
     for group in groups.values():
         if len(group) < items[group[0]][0].target.min_batch:
             alone += group
+            _count(alone_few=len(group))
             continue
+        _count(forwards=1, batched=len(group))
         try:
             for i, r in zip(group, _together([items[i] for i in group])):
                 results[i] = r
@@ -99,20 +136,23 @@ def batchable(session: VerifierSession) -> bool:
 def _together(items: Sequence[Item]) -> list[list[int]]:
     target = items[0][0].target
     segments = [session.forward_plan(ids) for session, ids, _ in items]
-    outs = target.forward(segments)
+    wanted = [s.sampling is None for s, _, _ in items]
+    if target.static_verify:  # the batched step takes every greedy row's choice itself
+        outs, greedy = target.verify_segments(segments, wanted)
+    else:
+        outs, greedy = target.forward(segments), [None] * len(items)
+        rows = [j for j, w in enumerate(wanted) if w]
+        if rows:  # one LM head over every greedy block, split back per block
+            flat, at = greedy_batch(target, [outs[j].hidden for j in rows]), 0
+            for j in rows:
+                n = len(items[j][1])
+                greedy[j], at = flat[at : at + n], at + n
     for (session, _, _), segment, out in zip(items, segments, outs):
         session.forward_done(segment, out)
-    greedy_rows = [j for j, (s, _, _) in enumerate(items) if s.sampling is None]
-    greedy = {}
-    if greedy_rows:  # one LM head over every greedy block, split back per block
-        flat, at = greedy_batch(target, [outs[j].hidden for j in greedy_rows]), 0
-        for j in greedy_rows:
-            n = len(items[j][1])
-            greedy[j], at = flat[at : at + n], at + n
     out = []
     for j, (s, ids, proposal) in enumerate(items):
         try:
-            out.append(s.choose(ids, proposal, outs[j], greedy.get(j)))
+            out.append(s.choose(ids, proposal, outs[j], greedy[j]))
         except Exception as exc:  # noqa: BLE001 - its own failure (a sampling session's), its result alone
             out.append(exc)
     return out

@@ -82,9 +82,12 @@ class SessionCaches:
     """A session's caches: one per layer with its own K/V, in layer order (``kinds``: each one's layer type).
 
     ``batchable``: whether a batched forward may take this set (MLX: not with
-    quantized full-attention caches); a backend may subclass it to keep
-    per-session device state beside the arrays (the torch static step).
+    quantized full-attention caches); ``batch_key``: sets of one key may share
+    a batched forward (torch: sessions whose full-attention K/V live in one
+    pool). A backend may subclass it (torch: pages of the target's pools).
     """
+
+    batch_key: object = None
 
     def __init__(self, layers: list, kinds: Sequence[str], batchable: bool = True):
         self.layers = layers

@@ -153,6 +153,30 @@ def test_a_batch_of_sessions_shares_one_pool(device):
         assert torch.equal(both[b : b + 1], alone)
 
 
+def test_each_session_its_own_window_and_sinks(device):
+    """The batched verify step's sliding layers: sessions of different cache policies (window, sinks)
+    in one launch, each given its own as a tensor, get exactly what each gets alone with its own."""
+    dtype, Hkv, Hq, D, L = torch.bfloat16, 2, 4, 32, 4
+    geometry = [(24, 0, 40), (8, 2, 33), (12, 4, 70)]  # (window, sinks, start): rings wrapped differently
+    rings = [_ring(sinks, window, 16, start, L)[0] for window, sinks, start in geometry]
+    S = max(r.numel() for r in rings)
+    key_pos = torch.stack([torch.cat([r, r.new_full((S - r.numel(),), -1)]) for r in rings]).to(device)
+    k, v = _pool(device, dtype, Hkv, 3 * S, D, seed=12)
+    table = torch.randperm(3 * S, generator=torch.Generator().manual_seed(13)).view(3, S).to(device)
+    query_pos = torch.stack([torch.arange(start, start + L) for _, _, start in geometry]).to(device)
+    window = torch.tensor([w for w, _, _ in geometry], device=device)
+    sinks = torch.tensor([s for _, s, _ in geometry], device=device)
+    q = _queries(device, dtype, 3, L, Hq, D, seed=14)
+    both = A.decode_attention(q, k, v, table, key_pos, query_pos, window=window, sinks=sinks, splits=2)
+    _check(both, q, k, v, table, key_pos, query_pos, window=window, sinks=sinks)
+    for b, (w, s, _) in enumerate(geometry):
+        one = slice(b, b + 1)
+        alone = A.decode_attention(q[one], k, v, table[one], key_pos[one], query_pos[one], window=w, sinks=s, splits=2)
+        assert torch.equal(both[one], alone)
+    with pytest.raises(ValueError, match="both"):
+        A.decode_attention(q, k, v, table, key_pos, query_pos, window=window, sinks=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_scale_and_soft_cap(device, dtype):
     """The drafter's 1/sqrt(head_dim) scale (rounded into q, as eager) and a Gemma-2-style soft-cap."""

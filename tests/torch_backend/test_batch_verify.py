@@ -1,11 +1,14 @@
-"""verify_batch on torch: several sessions in one forward == each session verified alone.
+"""verify_batch on torch: several sessions in one batched step == each session verified alone.
 
 Choices identical, aux allclose (float32: only the order of a matmul's sums over
-more rows differs), and after every commit the caches and positions are the
-same -- every later round's choices depend on them. Covered: different prompts,
-prompt lengths, block lengths 1..16 and n_keep per session, wrapped native and
-sink-window rings, quantized full layers, KV sharing + per-layer inputs, MoE,
-sampling sessions with seeds, and a bad item in a batch.
+more rows, and of attention over more masked slots, differs), and after every
+commit the caches and positions are the same -- every later round's choices
+depend on them. Covered: different prompts, prompt lengths, block lengths 1..16
+and n_keep per session, wrapped native and sink-window rings, quantized full
+layers (their own pool, their own batch), KV sharing + per-layer inputs, MoE,
+sampling sessions with seeds, 16 sessions at once, CUDA's padded shapes (session
+and block buckets, padded sessions reading the trash page) run eagerly, and a
+bad item in a batch.
 """
 
 from __future__ import annotations
@@ -41,6 +44,30 @@ def _specs():
 
 def test_batched_sessions_match_alone(torch_target):
     lockstep(torch_target, AUX_LAYERS, _specs(), rounds=8)
+
+
+def test_sixteen_sessions_of_every_policy_match_alone(torch_target):
+    policies = [CachePolicy(), SINK, CachePolicy(full_kv_bits=4, full_kv_group_size=32), CachePolicy(slack=8)]
+    specs = [(_prompt(3 + 7 * k, k), policies[k % 4], None) for k in range(14)]
+    specs += [
+        (_prompt(33, 20), CachePolicy(), SamplingParams(temperature=1.0, seed=21)),
+        (_prompt(9, 21), SINK, SamplingParams(temperature=0.8, seed=22, rule=REJECTION)),
+    ]
+    lockstep(torch_target, AUX_LAYERS, specs, rounds=5, seed=2)
+
+
+def test_cuda_shapes_pad_sessions_and_blocks_and_match_alone(tiny):
+    """5 sessions run as a bucket of 8 (3 padded ones), blocks padded to a bucket, whole rings and full
+    extents of fixed sizes: what CUDA captures, eagerly; alone is the same step with one session."""
+    from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
+
+    options = GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)
+    target = TargetTorch.load(tiny.target, "cpu", "float32", graph_options=options, max_context=32, chunk_pages=2)
+    specs = [(_prompt(4 + 11 * k, k), SINK if k % 2 else CachePolicy(), None) for k in range(5)]
+    lockstep(target, AUX_LAYERS, specs, rounds=6, seed=3)
+    shapes = list(target.steps.graphs.steps)
+    assert {sh.sessions for sh in shapes} == {1, 8} and not any(sh.ragged for sh in shapes)
+    assert {sh.block for sh in shapes} <= set(BUCKETS)
 
 
 @pytest.mark.parametrize("which", ["features_target", "tiny_moe"])

@@ -24,14 +24,14 @@ def test_eager_models_batch_from_two_sessions(torch_target, torch_drafter):
 @pytest.mark.parametrize("min_batch,batched", [(3, False), (2, True)])
 def test_verify_batch_runs_a_smaller_group_alone(torch_target, monkeypatch, min_batch, batched):
     calls = []
-    forward = type(torch_target).forward
+    segments_of = type(torch_target).verify_segments
 
-    def counted(self, segments):
+    def counted(self, segments, greedy):
         if len(segments) > 1:
             calls.append(1)
-        return forward(self, segments)
+        return segments_of(self, segments, greedy)
 
-    monkeypatch.setattr(type(torch_target), "forward", counted)
+    monkeypatch.setattr(type(torch_target), "verify_segments", counted)
     monkeypatch.setattr(type(torch_target), "min_batch", min_batch)
     vs = [VerifierSession(torch_target, AUX_LAYERS, CachePolicy()) for _ in range(2)]
     firsts = [v.prefill(PROMPT[:n])[0] for v, n in zip(vs, (9, 15))]

@@ -1,11 +1,12 @@
-"""The static-shape verify step (verifier/torch_backend/step.py) and its CUDA-graph wrapper (graphs.py), on a CPU.
+"""The verify step with CUDA's static shapes (verifier/torch_backend/batch_step.py) and its graph
+wrapper (graphs.py), on a CPU.
 
 ``GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)`` runs exactly
-what a CUDA device captures -- padded buckets, whole-buffer extents, static input
-buffers, graph keys, invalidation on growth, cache-set reuse -- eagerly; its
-outputs must equal the CPU default path's (exact lengths, filled extents) token
-for token, and the caches must end as after an unpadded verify. The replay test
-at the bottom needs a CUDA device.
+what a CUDA device captures -- padded buckets, fixed extents, static packed
+inputs, one step per shape kept and reused by every session, steps dropped when
+a pool grows -- eagerly; its outputs must equal the CPU default path's (exact
+lengths, filled extents) token for token, and the caches must end as after an
+unpadded verify. The replay test at the bottom needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ GRAPH_MODE = GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)
 
 @pytest.fixture(scope="module")
 def graph_target(tiny):
-    """The tiny target with CUDA's step layout, run eagerly; 40 preallocated positions so it regrows."""
-    return TargetTorch.load(tiny.target, "cpu", "float32", graph_options=GRAPH_MODE, max_context=40)
+    """The tiny target with CUDA's step layout, run eagerly: full extents from 40 positions (then doubling),
+    pools of two pages a chunk (so they grow)."""
+    return TargetTorch.load(tiny.target, "cpu", "float32", graph_options=GRAPH_MODE, max_context=40, chunk_pages=2)
 
 
 def test_bucket_choice():
@@ -110,12 +112,13 @@ def test_graph_layout_equals_the_cpu_path(torch_target, graph_target):
     for (c0, a0), (c1, a1) in zip(ref, got):
         assert c1 == c0
         torch.testing.assert_close(a1, a0, rtol=1e-4, atol=1e-4)  # float32 reduction order (other extents)
-    c = s.cache
-    assert c.full_capacity() >= 160 and c.full_capacity() % 40 == 0  # 40 -> 80 -> 160: regrown, doubled
-    keys = list(c.graphs.steps)
-    assert keys and {k[0] for k in keys} <= set(BUCKETS)  # every step ran at a bucket's length
-    assert {k[2] for k in keys} == {c.full_capacity()}  # the old capacities' steps were dropped
-    assert {k[1] for k in keys} == {s.layout.capacity}  # whole-ring extent: fixed shapes
+    shapes = list(graph_target.steps.graphs.steps)
+    assert shapes and {sh.block for sh in shapes} <= set(BUCKETS)  # every step ran at a bucket's length
+    assert {sh.sessions for sh in shapes} == {1} and not any(sh.ragged for sh in shapes)
+    assert {sh.full for sh in shapes} <= {48, 80, 160, 320}  # 40 * 2**k positions, in whole pages of 16
+    assert max(sh.full for sh in shapes) >= 160  # the context outgrew 40 and 80: doubled twice
+    assert {sh.ring for sh in shapes} == {len(s.cache.ring_pages) * 16}  # the whole ring: fixed shapes
+    assert all(sh.generation == shapes[-1].generation for sh in shapes)  # steps of outgrown pools were dropped
 
 
 def test_padded_verify_leaves_the_caches_as_an_unpadded_one(torch_target, graph_target):
@@ -125,7 +128,7 @@ def test_padded_verify_leaves_the_caches_as_an_unpadded_one(torch_target, graph_
     for s in (a, b):
         s.prefill(PROMPT)
     assert b.verify([61, 62, 63]) == a.verify([61, 62, 63])  # b ran at length 4
-    assert (4, b.layout.capacity, b.cache.full_capacity(), AUX_LAYERS) in b.cache.graphs.steps
+    assert any(sh.block == 4 and sh.sessions == 1 for sh in graph_target.steps.graphs.steps)
     a.commit(3), b.commit(3)
     assert (b.layout.positions >= 0).sum() == (a.layout.positions >= 0).sum() == len(ids)
     assert b.layout.offset == a.layout.offset and np.array_equal(b.layout.positions, a.layout.positions)
@@ -136,7 +139,7 @@ def test_one_host_sync_per_verify(torch_target, graph_target, monkeypatch):
     for target in (torch_target, graph_target):
         s = VerifierSession(target, AUX_LAYERS, CachePolicy())
         s.prefill(PROMPT)
-        s.verify([61, 62])  # graph mode: the first call builds the step
+        s.verify([61, 62, 63, 64, 65])  # graph mode: the first call of a shape builds its step
         s.commit(0)
         syncs = []
         for name in ("tolist", "item", "__bool__", "cpu", "numpy"):
@@ -149,18 +152,20 @@ def test_one_host_sync_per_verify(torch_target, graph_target, monkeypatch):
         assert syncs == ["tolist"], syncs  # the choices, and nothing else reads the device
 
 
-def test_closed_sessions_cache_sets_are_reused_with_their_steps(graph_target):
+def test_a_closed_sessions_pages_and_the_targets_steps_serve_the_next_session(graph_target):
     s1 = VerifierSession(graph_target, AUX_LAYERS, CachePolicy())
     s1.prefill(PROMPT)
     first = s1.verify([61])
-    cache = s1.cache
-    steps = dict(cache.graphs.steps)
+    pages = (list(s1.cache.ring_pages), list(s1.cache.full_pages))
+    steps, captures = dict(graph_target.steps.graphs.steps), graph_target.steps.graphs.captures
     s1.close()
     s2 = VerifierSession(graph_target, AUX_LAYERS, CachePolicy())
-    assert s2.cache is cache and s2.offset == 0 and cache.synced == -1  # its ring mirror resyncs before a step
+    assert s2.cache.ring_pages == pages[0]  # the closed session's pages, handed out again
     s2.prefill(PROMPT)
+    assert s2.cache.full_pages == pages[1]
     assert s2.verify([61]) == first  # stale K/V of the previous session are never attended
-    assert all(cache.graphs.steps[k] is v for k, v in steps.items())  # nothing recaptured
+    assert graph_target.steps.graphs.captures == captures  # nothing rebuilt: steps are per shape, not per session
+    assert all(graph_target.steps.graphs.steps[k] is v for k, v in steps.items())
     s2.close()
 
 
@@ -225,7 +230,7 @@ def test_cuda_graph_replay_equals_eager_token_for_token(tiny, torch_drafter):
     s.prefill(PROMPT)
     s.verify([61, 62, 63])
     s.commit(0)
-    assert any(step.captured for step in s.cache.graphs.steps.values())
+    assert any(step.captured for step in graphed.steps.graphs.steps.values())
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:  # each synchronizing call warns once
         warnings.simplefilter("always")

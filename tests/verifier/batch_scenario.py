@@ -1,7 +1,7 @@
 """Sessions run alone and the same sessions run through ``verify_batch``, in lockstep (any backend).
 
 Each spec is ``(prompt, policy, sampling)``. Per round every session gets a block
-of its own length (1..16) built from its previous choices plus arbitrary
+of its own length (1..16, at most its slack) built from its previous choices plus arbitrary
 candidates, and commits its own ``n_keep`` -- so offsets, ring wraps and trims
 differ between the sessions of one batch. The alone twin's choices and aux are
 the reference; the batched twin must match them round after round (its caches
@@ -43,7 +43,7 @@ def lockstep(target, aux_layers, specs, rounds: int, seed: int = 0, close=np.tes
     for _ in range(rounds):
         items, refs, keeps = [], [], []
         for k, (a, b) in enumerate(zip(alone, batched)):
-            L = int(rng.integers(1, 17))
+            L = int(rng.integers(1, a.policy.slack + 1))  # up to 16, or the session's smaller slack
             cands = [int(c) for c in rng.integers(3, vocab, L - 1)]
             block = [last[k]] + cands
             prop = proposal_for(cands, vocab) if a.sampling is not None and a.sampling.rule == REJECTION else None

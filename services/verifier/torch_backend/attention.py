@@ -1,21 +1,19 @@
-"""What differs between the torch forwards: where each layer's K/V go and what its queries see.
+"""What the torch forwards that are not the batched step write and attend: ``Attend`` callables.
 
-``Gemma4Text.forward`` is the one layer loop; each forward hands it one of these
-(an ``Attend``), built for that forward from its arguments and dropped after it:
+``Gemma4Text.forward`` is the one layer loop; each forward hands it an
+``Attend``, built for that forward from its arguments and dropped after it. The
+forward of every session's block that fits the batched step is
+``batch_step.PooledAttention``; here:
 
-* :class:`SegmentAttention` -- the dynamic forward of one or more sessions'
-  blocks (vLLM-style: concatenated along the sequence axis, ``[1, sum L,
-  hidden]``). Everything row-wise -- embeddings, per-layer inputs, norms,
-  q/k/v/o projections, RoPE (each row at its own position), MLP, MoE, later the
-  LM head -- runs once for all sessions; only attention is per segment: its
-  rows write its own session's caches as its plan says and attend over them
-  with its own masks. A session's own forward is the one-segment case, so a
-  session sees the same numbers batched as alone, up to the floating-point
-  order of a matmul over more rows.
+* :class:`SegmentAttention` -- a dynamic forward of one or more sessions'
+  blocks (concatenated along the sequence axis, ``[1, sum L, hidden]``) that the
+  step cannot take (a prefill chunk longer than the ring's slack). Everything
+  row-wise runs once for all segments; attention is per segment: its rows
+  write its own session's pages as its plan says and attend over them with its
+  own masks (``pool.PooledRing`` / ``pool.PooledFull``).
 * :class:`IndexedAttention` -- K/V written at device index tensors and
-  attended over fixed extents: the static verify step (``step.py``; shapes
-  that only depend on the bucket, so CUDA graphs can capture it) and the plain
-  reference decode (``TargetTorch.greedy_reference``).
+  attended over fixed extents of per-layer caches: the plain reference decode
+  (``TargetTorch.greedy_reference``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Torch tensors for the verifier caches (the shared parts: ``verifier/caches.py``).
+"""Per-session torch caches and the affine quantization of full-attention K/V.
+
+A served session's K/V are pages of its target's pools (``pool.py``, which
+stores quantized full K/V with :func:`quantize` / :func:`dequantize` here).
+These per-session classes are what the plain reference decode
+(``TargetTorch.greedy_reference``) keeps, and the semantics the pools keep:
 
 * :class:`RingKVCache` -- one sliding layer's K/V ring of ``capacity`` slots
   (bounded: ``sink + window - 1 + slack``), written wherever the forward's plan
@@ -7,17 +12,10 @@
 * :class:`FullKVCache` -- a full-attention layer's exact K/V, preallocated
   (``capacity`` positions up front, then doubled when full): a forward from
   ``start`` writes positions ``start ..`` as a slice copy; a trim is the layout
-  moving back (the next write starts earlier), O(1) and nothing here.
+  moving back (the next write starts earlier), O(1) and nothing here;
+  ``fetch_at(positions, extent, keys, values)`` writes at a device index tensor
+  and attends over a fixed extent (the reference decode's ``IndexedAttention``).
   :class:`QuantizedFullKVCache` stores the same affine-quantized (4/8 bits).
-
-Two ways to write and fetch, each with its arguments, never state left on the
-cache: ``fetch(keys, values, plan)`` for a dynamic forward (the host plan's
-slices), and ``fetch_at(index, extent, keys, values)`` for the static-shape
-verify step (``torch_backend/step.py``): a device tensor of slots to
-``index_copy_`` the new K/V into and how many slots to attend over, so a block
-of L tokens has the same shapes at every step (the extent is the buffer's
-capacity when the step is captured in a CUDA graph). Buffers never move inside
-a step; the host grows them (``reserve``) between steps.
 
 All are ``[1, n_kv_heads, slots, head_dim]``, the layout torch's
 ``scaled_dot_product_attention`` takes.
@@ -45,24 +43,6 @@ class RingKVCache(RingKV):
     @staticmethod
     def concat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(parts), dim=2)
-
-    def load(self, saved: Sequence[torch.Tensor]) -> None:
-        """A prefix snapshot's ring (``SessionCaches.copy``), copied into this ring's buffers when it has
-        them (a reused cache set's graphs hold their addresses)."""
-        if self.keys is None:
-            self.keys, self.values = (t.clone() for t in saved)
-            return
-        self.keys.copy_(saved[0])
-        self.values.copy_(saved[1])
-
-    def fetch_at(self, slots: torch.Tensor, extent: int, keys: torch.Tensor, values: torch.Tensor):
-        """Static step: ``keys``/``values`` into ``slots`` first (a block never outgrows the slack: in
-        place), then the first ``extent`` slots."""
-        if self.keys is None:
-            self.keys, self.values = _zeros(keys, self.capacity), _zeros(values, self.capacity)
-        self.keys.index_copy_(2, slots, keys)
-        self.values.index_copy_(2, slots, values)
-        return self.keys[:, :, :extent], self.values[:, :, :extent]
 
 
 def grown(cap: int, need: int, step: int, initial: int = 0) -> int:
@@ -102,13 +82,6 @@ class FullKVCache(LayerKV):
 
     def fetch(self, keys: torch.Tensor, values: torch.Tensor, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor]:
         return self.write(plan.start, keys, values)
-
-    def load(self, saved: Sequence[torch.Tensor], positions: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """A prefix snapshot's first ``positions`` (``SessionCaches.copy``), copied into this cache's buffers,
-        grown first if they are shorter (``keys``/``values``: as for :meth:`reserve`)."""
-        self.reserve(positions, 0, keys, values)
-        for dst, src in zip(self.arrays(), saved):
-            dst[:, :, :positions].copy_(src)
 
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``start ..`` of a dynamic forward; the K/V of every position up to its last."""
@@ -189,11 +162,6 @@ class QuantizedFullKVCache(FullKVCache):
 
     def arrays(self) -> list[torch.Tensor]:
         return [] if self.keys is None else self.keys + self.values
-
-    def fetch_at(self, positions: torch.Tensor, extent: int, keys: torch.Tensor, values: torch.Tensor):
-        for dst, src in zip(self.arrays(), self._stored(keys) + self._stored(values)):
-            dst.index_copy_(2, positions, src)
-        return self._view(extent, keys.dtype)
 
     def _view(self, extent: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         k = dequantize(*(t[:, :, :extent] for t in self.keys), self.group_size, self.bits, dtype)

@@ -1,11 +1,14 @@
 """The Gemma-4 target on PyTorch: the verifier's backend (``backend.Target``) over ``Gemma4Text``.
 
 The model itself -- config, layers, the one layer loop -- is
-``torch_backend/gemma4.py``, its weight loading ``torch_backend/load.py``; what
-each forward writes and attends is ``torch_backend/attention.py``; the static
-verify step (CUDA graphs on a GPU, the same step eagerly elsewhere) is
-``torch_backend/step.py``. What only the torch backend has (random weights for
-benchmarks, the plain-cache reference decode, a warm-up) comes last; f_theta
+``torch_backend/gemma4.py``, its weight loading ``torch_backend/load.py``. Every
+session's K/V are pages of the target's pools (``torch_backend/pool.py``); a
+forward of one or many sessions' blocks runs as one batched step over them
+(``torch_backend/batch_step.py``: graphs per shape on CUDA, the same step eagerly
+elsewhere), except a forward a step cannot take (a prefill chunk longer than the
+ring's slack), which writes and reads the same pages one segment at a time
+(``torch_backend/attention.py``). What only the torch backend has (random weights
+for benchmarks, the plain-cache reference decode, a warm-up) comes last; f_theta
 restoration is MLX-only.
 """
 
@@ -17,20 +20,19 @@ from pathlib import Path
 import torch
 
 from kakeya.backends.torch import sampling as sampling_torch
-from kakeya.backends.torch.graphs import GraphOptions, bucket_for, graphed_min_batch
+from kakeya.backends.torch.graphs import GraphOptions, bucket_for
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype
 from kakeya.core.contract import FULL, SLIDING
 from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy
-from kakeya.verifier.backend import Forward, Segment
+from kakeya.verifier.backend import Forward, Segment, greedy_batch
 from kakeya.verifier.layout import ForwardPlan, RingLayout
+from kakeya.verifier.torch_backend import batch_step
 from kakeya.verifier.torch_backend.attention import IndexedAttention, SegmentAttention
-from kakeya.verifier.torch_backend.cache import FullKVCache, QuantizedFullKVCache, RingKVCache
+from kakeya.verifier.torch_backend.batch_step import DEFAULT_MIN_EXTENT, PAD_ID, BatchSteps, poolable
+from kakeya.verifier.torch_backend.cache import FullKVCache
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, Gemma4Text
 from kakeya.verifier.torch_backend.load import load_gemma4
-from kakeya.verifier.torch_backend.step import TorchCaches, verify_block
-
-DEFAULT_GRAPH_CONTEXT = 4096  # full-attention positions preallocated per session when graphs are on
-MAX_FREE_CACHES = 4  # closed sessions' cache sets kept for reuse (graphs on)
+from kakeya.verifier.torch_backend.pool import CHUNK_PAGES, PAGE, KVPool, PooledCaches
 
 
 class TargetTorch:
@@ -49,7 +51,14 @@ class TargetTorch:
         cuda_graphs: bool | None = None,
         max_context: int | None = None,
         graph_options: GraphOptions | None = None,
+        page: int = PAGE,
+        chunk_pages: int = CHUNK_PAGES,
+        attention_kernel: bool | None = None,
     ):
+        """``max_context``: the fewest full-attention positions a captured step attends over (longer
+        contexts take the next doubling; default 256 with graphs); ``page``, ``chunk_pages``: the K/V
+        pools' rows per page and pages per growth; ``attention_kernel``: the Triton decode-attention
+        kernel for the batched step's attention (default: on CUDA where triton imports)."""
         self.model = model
         self.path = path
         self.args = model.args
@@ -58,18 +67,19 @@ class TargetTorch:
         self.device = model.embed.device
         self.dtype = model.embed.dtype
         model.inv_freq = {t: f.to(self.device) for t, f in model.inv_freq.items()}
-        # static verify step (torch_backend/step.py): graphs on CUDA, eager elsewhere
-        # (graph_options: tests run the graph bookkeeping eagerly on a CPU with capture=False)
+        # graphs on CUDA, eager elsewhere (graph_options: tests run the graph bookkeeping eagerly on a
+        # CPU with capture=False)
         self.graph_options = graph_options or GraphOptions.for_device(self.device, cuda_graphs)
         if self.graph_options.capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         if max_context is not None and max_context < 1:
             raise ValueError(f"max_context must be >= 1, got {max_context}")
-        # full-attention buffers start this big with fixed shapes (a regrowth means new graphs)
-        self.max_context = max_context or (DEFAULT_GRAPH_CONTEXT if self.graph_options.static_extent else 0)
-        self._pool = torch.cuda.graph_pool_handle() if self.graph_options.capture else None
-        self._free: list[TorchCaches] = []  # cache sets (and their graphs) of closed sessions, for reuse
-        self._min_batch = graphed_min_batch() if self.graph_options.capture else 2
+        self.min_extent = max_context or DEFAULT_MIN_EXTENT
+        self.pool = KVPool(self.args, self.device, self.dtype, page, chunk_pages)
+        self.attention_kernel = _kernel_wanted(self.device, attention_kernel)
+        self.steps = BatchSteps(self, torch.cuda.graph_pool_handle() if self.graph_options.capture else None)
+        # the batched step is the lone step too (and captured alike): two queued sessions already share one
+        self._min_batch = 2
 
     @classmethod
     def load(
@@ -86,7 +96,8 @@ class TargetTorch:
 
     @property
     def min_batch(self) -> int:
-        """Fewest queued sessions ``verify_batch`` runs as one forward (graphs: see GRAPHED_MIN_BATCH)."""
+        """Fewest queued sessions ``verify_batch`` runs as one forward: two (the batched step is the lone
+        step too, captured alike on CUDA)."""
         return self._min_batch
 
     @property
@@ -97,50 +108,64 @@ class TargetTorch:
     def dtype_name(self) -> str:
         return str(self.dtype).rsplit(".", 1)[-1]
 
-    def make_cache(self, layout: RingLayout, policy: CachePolicy) -> TorchCaches:
-        """Rings on sliding layers; exact (or, with ``policy.full_kv_bits``, affine-quantized) full layers;
-        with the static verify step's device state (a closed session's set is reused when graphs are on)."""
-        bits, group = policy.full_kv_bits, policy.full_kv_group_size
-        key = (layout.sink, layout.window, layout.slack, bits, group)
-        for c in self._free:
-            if c.key == key:
-                self._free.remove(c)
-                c.reopen()
-                return c
+    def make_cache(self, layout: RingLayout, policy: CachePolicy) -> PooledCaches:
+        """Pages of the pools: the rings' now, the full layers' as the context grows (affine-quantized
+        full K/V, ``policy.full_kv_bits``, in a pool of their own)."""
+        return PooledCaches(self.pool, layout, policy.full_kv_bits, policy.full_kv_group_size)
 
-        def full(i: int):
-            if not bits:
-                return FullKVCache(capacity=self.max_context)
-            return QuantizedFullKVCache(bits, min(group, self.args.head_dim_of(i)), capacity=self.max_context)
+    def release_cache(self, caches: PooledCaches) -> None:
+        """A closed session's pages, back to the pools for the next session."""
+        caches.release()
 
-        kinds = self.layer_types[: self.n_cached]
-        layers = [RingKVCache(layout.capacity) if kind == SLIDING else full(i) for i, kind in enumerate(kinds)]
-        return TorchCaches(layers, kinds, layout, key, self.device, self.graph_options, MAX_BLOCK_SIZE, self._pool)
-
-    def release_cache(self, caches: TorchCaches) -> None:
-        """A closed session's caches: kept (with their captured graphs) for the next session when
-        graphs are on -- recapturing per session would cost more than a verify -- else dropped."""
-        if self.graph_options.static_extent and len(self._free) < MAX_FREE_CACHES:
-            self._free.append(caches)
-
-    def materialize(self, out: Forward, caches: TorchCaches) -> None:
+    def materialize(self, out: Forward, caches) -> None:
         """Nothing to evaluate: torch runs eagerly."""
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment]) -> list[Forward]:
-        ids = self._ids([t for s in segments for t in s.ids])
-        pos = [self._positions(s.plan.start, len(s.ids)) for s in segments]
-        attention = SegmentAttention(segments, [self._masks(s.plan) for s in segments])
-        aux_layers = {i for s in segments for i in s.aux_layers}
-        hidden, saved = self.model(ids, pos[0] if len(pos) == 1 else torch.cat(pos), attention, aux_layers)
+        if poolable(segments):
+            return batch_step.run(self, segments, choices=False)[0]
+        return self._segment_forward(segments)
+
+    @torch.inference_mode()
+    def verify_segments(self, segments: Sequence[Segment], greedy: Sequence[bool]):
+        """``StaticVerify.verify_segments``: one batched step, the greedy choices of every greedy segment
+        in one argmax and one host sync."""
+        if not poolable(segments):
+            outs = self._segment_forward(segments)
+            rows = [j for j, g in enumerate(greedy) if g]
+            flat = greedy_batch(self, [outs[j].hidden for j in rows]) if rows else []
+            picks, at = [None] * len(segments), 0
+            for j in rows:
+                n = len(segments[j].ids)
+                picks[j], at = flat[at : at + n], at + n
+            return outs, picks
+        outs, picks, _ = batch_step.run(self, segments, choices=any(greedy))
+        return outs, [p if g else None for p, g in zip(picks, greedy)]
+
+    def _segment_forward(self, segments: Sequence[Segment]) -> list[Forward]:
+        """Each segment's attention over its own session's pages, one after another (what a step cannot
+        take: a prefill chunk longer than the ring's slack)."""
+        with self.pool.stepping():
+            for s in segments:
+                s.caches.reserve(s.plan.start + s.plan.n_new)
+            ids = self._ids([t for s in segments for t in s.ids])
+            pos = [self._positions(s.plan.start, len(s.ids)) for s in segments]
+            attention = SegmentAttention(segments, [self._masks(s.plan) for s in segments])
+            aux_layers = {i for s in segments for i in s.aux_layers}
+            hidden, saved = self.model(ids, pos[0] if len(pos) == 1 else torch.cat(pos), attention, aux_layers)
         return attention.split(hidden, saved)
 
     def static_length(self, n: int, slack: int) -> int:
         return bucket_for(n, self.graph_options.buckets, min(slack, MAX_BLOCK_SIZE))
 
     @torch.inference_mode()
-    def verify_static(self, ids: Sequence[int], caches: TorchCaches, aux_layers: tuple[int, ...], plan: ForwardPlan):
-        return verify_block(self, caches, ids, aux_layers, plan)
+    def verify_static(self, ids: Sequence[int], caches: PooledCaches, aux_layers: tuple[int, ...], plan: ForwardPlan):
+        """A greedy block alone: the batched step with one segment (padding planned like draft tokens)."""
+        L = len(ids)
+        segment = Segment(list(ids) + [PAD_ID] * (plan.n_new - L), caches, tuple(aux_layers), plan)
+        (out,), (choices,), logits = batch_step.run(self, [segment], choices=True)
+        caches.last_logits = logits[:L]  # the rows the choices came from (tests read them)
+        return choices[:L], (out.aux[:L] if out.aux is not None else None)
 
     @torch.inference_mode()
     def greedy(self, hidden: torch.Tensor) -> list[int]:
@@ -155,18 +180,18 @@ class TargetTorch:
         return torch.cat(list(arrays), dim=axis)
 
     @torch.inference_mode()
-    def copy_caches(self, caches: TorchCaches, positions: int) -> list[list]:
-        return caches.copy(positions, torch.clone)
+    def copy_caches(self, caches: PooledCaches, positions: int) -> list[list]:
+        return caches.copy(positions)
 
     @torch.inference_mode()
-    def load_caches(self, caches: TorchCaches, saved: list[list], positions: int) -> None:
-        """Into the set's own buffers (a reused set's graphs hold their addresses); the static step resyncs
-        its ring positions (the layout's serial) and full-attention extents (``step._reserve_full``) itself."""
-        for i, (layer, arrays) in enumerate(zip(caches.layers, saved)):
-            if caches.kinds[i] == SLIDING:
-                layer.load(arrays)
-            else:
-                layer.load(arrays, positions, *self.kv_like(i))
+    def load_caches(self, caches: PooledCaches, saved: list[list], positions: int) -> None:
+        """Into the session's own pages: a ring's every slot, the full layers' first ``positions``."""
+        with self.pool.stepping():
+            caches.load(saved, positions)
+
+    def kv_pool_stats(self) -> dict:
+        """Pages per K/V pool (held, free, bytes, growths): what a server exports as metrics."""
+        return self.pool.stats()
 
     # -- the inputs of a forward -----------------------------------------------------------
 
@@ -274,6 +299,26 @@ class TargetTorch:
         return self.model(self._ids(ids), pos, attention, ())[0]
 
 
+def _kernel_wanted(device: torch.device, wanted: bool | None) -> bool:
+    """Whether the batched step's attention runs the Triton decode-attention kernel: by default on CUDA
+    where triton imports; asked for, also on the CPU under Triton's interpreter (how tests run it)."""
+    if wanted is False:
+        return False
+    try:
+        from kakeya.backends.torch.kernels.common import interpreted
+    except ImportError:  # no triton (macOS has no wheels)
+        if wanted:
+            raise ValueError("attention_kernel: triton is not installed") from None
+        return False
+    if device.type == "cuda":
+        return True
+    if wanted and not (device.type == "cpu" and interpreted()):
+        raise ValueError(
+            f"attention_kernel: the Triton kernel runs on CUDA (or the CPU under TRITON_INTERPRET=1), not {device}"
+        )
+    return bool(wanted)
+
+
 def torch_verifier(
     target_dir: str | Path,
     aux_layers: Sequence[int],
@@ -288,7 +333,7 @@ def torch_verifier(
     """The in-process torch verifier (what ``loader.local_verifier(..., backend="torch")`` returns).
 
     ``cuda_graphs``: capture the verify step per block-size bucket (default: on for CUDA);
-    ``max_context``: full-attention positions preallocated per session (graphs on: 4096);
+    ``max_context``: the fewest full-attention positions a captured step attends over (default 256);
     ``compile``: ``torch.compile`` every layer's row-wise halves (``Gemma4Text.compile_layers``);
     ``prefixes``: the prefix cache its sessions resume from and save to (None: none).
     """

@@ -75,9 +75,12 @@ def _split_kernel(
     G,
     window,
     sinks,
+    window_ptr,
+    sinks_ptr,
     scale,
     softcap,
     HAS_WINDOW: tl.constexpr,
+    PER_SESSION: tl.constexpr,
     SCALED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SPLITS: tl.constexpr,
@@ -110,6 +113,12 @@ def _split_kernel(
         q = rounded(q * scale, DTYPE)
     q = q.to(DOT)
     qpos = tl.load(qpos_ptr + b * sqp_b + l_idx, mask=row_ok, other=-1)
+    if PER_SESSION:  # each session's own ring geometry (a batch of sessions with different policies)
+        win = tl.load(window_ptr + b)
+        snk = tl.load(sinks_ptr + b)
+    else:
+        win = window
+        snk = sinks
 
     m_i = tl.full([BLOCK_M], NO_MAX, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -122,7 +131,7 @@ def _split_kernel(
         kpos = tl.load(kpos_ptr + b * skp_b + n, mask=n_ok, other=-1)
         seen = row_ok[:, None] & n_ok[None, :] & (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
         if HAS_WINDOW:
-            seen = seen & ((kpos[None, :] > qpos[:, None] - window) | (kpos[None, :] < sinks))
+            seen = seen & ((kpos[None, :] > qpos[:, None] - win) | (kpos[None, :] < snk))
         col_seen = tl.max(seen.to(tl.int32), axis=0) > 0  # keys some row sees: the only K/V rows read
         if tl.max(col_seen.to(tl.int32)) > 0:
             slot = tl.load(table_ptr + b * st_b + n, mask=col_seen, other=0).to(tl.int64)
@@ -218,17 +227,29 @@ def decode_attention(
     key_pos: torch.Tensor,
     query_pos: torch.Tensor,
     *,
-    window: int = 0,
-    sinks: int = 0,
+    window: int | torch.Tensor = 0,
+    sinks: int | torch.Tensor = 0,
     scale: float = 1.0,
     softcap: float | None = None,
     splits: int | None = None,
 ) -> torch.Tensor:
     """Attention output ``[B, L, Hq, D]`` of queries ``q`` ``[B, L, Hq, D]`` over the pool rows
     ``k_pool``/``v_pool`` ``[Hkv, rows, D]`` that ``table`` ``[B, S]`` names, masked by ``key_pos``
-    ``[B, S]`` and ``query_pos`` ``[B, L]`` (see the module doc). ``splits``: key ranges per
-    (session, KV head) run in parallel (default: enough programs for the device)."""
+    ``[B, S]`` and ``query_pos`` ``[B, L]`` (see the module doc). ``window`` and ``sinks``: one for
+    every session, or integer tensors ``[B]``, each session's own (every window > 0). ``splits``: key
+    ranges per (session, KV head) run in parallel (default: enough programs for the device)."""
     common.check_device(q, k_pool, v_pool, table, key_pos, query_pos)
+    per_session = isinstance(window, torch.Tensor)
+    if per_session != isinstance(sinks, torch.Tensor):
+        raise ValueError("window and sinks are both per-session tensors or both integers")
+    if per_session:
+        common.check_device(q, window, sinks)
+        if window.shape != (q.shape[0],) or sinks.shape != (q.shape[0],):
+            raise ValueError(
+                f"per-session window and sinks must be [{q.shape[0]}], got {tuple(window.shape)}, {tuple(sinks.shape)}"
+            )
+        if window.dtype.is_floating_point or sinks.dtype.is_floating_point:
+            raise ValueError("per-session window and sinks must be integer tensors")
     dtype = tl_dtype(q)
     if q.dim() != 4 or k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
         raise ValueError(
@@ -300,11 +321,14 @@ def decode_attention(
         m_tiles,
         L,
         G,
-        window,
-        sinks,
+        0 if per_session else window,
+        0 if per_session else sinks,
+        window if per_session else table,  # a pointer the kernel never reads without PER_SESSION
+        sinks if per_session else table,
         scale,
         softcap or 1.0,
-        HAS_WINDOW=window > 0,
+        HAS_WINDOW=per_session or window > 0,
+        PER_SESSION=per_session,
         SCALED=scale != 1.0,
         SOFTCAP=softcap is not None,
         SPLITS=splits,
@@ -344,10 +368,14 @@ def decode_attention(
 # --------------------------------------------------------------------------- eager reference
 
 
-def visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int = 0, sinks: int = 0) -> torch.Tensor:
-    """Bool ``[..., L, S]``: which slots each query row sees (the kernel's mask, spelled in torch)."""
+def visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window=0, sinks=0) -> torch.Tensor:
+    """Bool ``[..., L, S]``: which slots each query row sees (the kernel's mask, spelled in torch);
+    ``window``/``sinks``: integers, or tensors of the leading shape (each session's own)."""
     k, q = key_pos[..., None, :], query_pos[..., :, None]
     seen = (k >= 0) & (k <= q)
+    if isinstance(window, torch.Tensor):
+        window, sinks = window[..., None, None], sinks[..., None, None]
+        return seen & ((k > q - window) | (k < sinks))
     return seen & ((k > q - window) | (k < sinks)) if window else seen
 
 
@@ -363,7 +391,8 @@ def decode_attention_reference(
         k, v = k_pool[None, :, table[b]], v_pool[None, :, table[b]]
         G = Hq // k.shape[1]
         qg = q[b].transpose(0, 1).reshape(1, k.shape[1], G * L, D)  # head j*G + g, query l -> row g*L + l of KV head j
-        mask = visible(key_pos[b], query_pos[b], window, sinks).repeat(G, 1)
+        w, s = (window[b], sinks[b]) if isinstance(window, torch.Tensor) else (window, sinks)
+        mask = visible(key_pos[b], query_pos[b], w, s).repeat(G, 1)
         if softcap is None:
             o = ops.decode_attention(qg, k, v, mask, scale)
         else:
