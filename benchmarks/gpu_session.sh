@@ -24,10 +24,9 @@
 #   concurrency benchmarks/concurrency.py: `serve all` on CUDA, 1..16 streams, batched vs serialised
 #   split       benchmarks/split.py on CUDA: split (pre-draft off / on) vs colocated, one stream at block sizes
 #               1..16 and auto with each block's critical path as compute + wire, 1/4/8/16 streams, pre-draft hits;
-#               SPLIT_VARIANTS="KAKEYA_INLINE_STEPS=off KAKEYA_INLINE_STEPS=on": one run per variant, each a
-#               comma-separated KEY=VALUE list set for split.py and its servers, OUT/split_cuda_<variant>.json
-#               (the knobs: KAKEYA_INLINE_STEPS, runtime/servicer.py; KAKEYA_GRAPHED_MIN_BATCH,
-#               backends/torch/graphs.py)
+#               SPLIT_VARIANTS="--inline-steps=off --inline-steps=on": one run per variant, each a
+#               comma-separated list of split.py flags (--inline-steps: both servers', runtime/servicer.py;
+#               --graphed-min-batch: the drafters', backends/torch/graphs.py), OUT/split_cuda_<variant>.json
 #   compile     `kakeya generate --compile --compare-ar` in bf16 at block 8 (not in the default PARTS)
 #   train       a next stage of the demo drafter (not in the default PARTS: ask for it): the shipped drafter
 #               fine-tuned on CUDA on TRAIN_SEQUENCES (49,152) new target continuations for TRAIN_STEPS (6,000)
@@ -194,10 +193,10 @@ if part split; then
   if [ -z "${SPLIT_VARIANTS:-}" ]; then
     step split_cuda 480 $PY benchmarks/split.py --backend torch --device cuda --repeats $([ -n "$QUICK" ] && echo 2 || echo 5) \
       ${SPLIT_ARGS:-} --out "$OUT/split_cuda.json"
-  else  # one run per variant: its KEY=VALUE,... pairs set in the environment of split.py and the servers it starts
+  else  # one run per variant: its comma-separated split.py flags (--inline-steps=on,--graphed-min-batch=0)
     for variant in $SPLIT_VARIANTS; do
       name=split_cuda_$(echo "$variant" | tr -c 'A-Za-z0-9_\n' '_' | tr -s '_')
-      step "$name" 300 env $(echo "$variant" | tr ',' ' ') $PY benchmarks/split.py --backend torch --device cuda \
+      step "$name" 300 $PY benchmarks/split.py --backend torch --device cuda $(echo "$variant" | tr ',' ' ') \
         --repeats $([ -n "$QUICK" ] && echo 2 || echo 5) ${SPLIT_ARGS:-} --out "$OUT/$name.json"
     done
   fi

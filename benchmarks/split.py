@@ -296,6 +296,18 @@ def main(argv=None):
         action="store_true",
         help="skip the bare gRPC round trips (grpc_floor.py) and the overlap ceiling they price",
     )
+    ap.add_argument(
+        "--inline-steps",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="both servers' --inline-steps (a GPU node's A/B: on/off)",
+    )
+    ap.add_argument(
+        "--graphed-min-batch",
+        type=int,
+        default=None,
+        help="the drafters' --graphed-min-batch, served and colocated (a GPU node's A/B; default: the product's)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split.json"))
     args = ap.parse_args(argv)
 
@@ -314,11 +326,13 @@ def main(argv=None):
     if cpus:  # before this process starts any thread: they all inherit it
         placement.pin_process(placement.parse_cpus(cpus["orchestrator"]))
     threads = set_torch_threads(args.torch_threads, device, embedded) if backend == "torch" else None
-    local = build_local_engine(args.target, args.draft, backend, device, args.dtype)
+    min_batch = {} if args.graphed_min_batch is None else {"graphed_min_batch": args.graphed_min_batch}
+    local = build_local_engine(args.target, args.draft, backend, device, args.dtype, torch_options=min_batch)
     where = ["--backend", backend] + (["--device", device] if backend == "torch" and device else [])
     where += ["--dtype", args.dtype] if args.dtype else []
     where += ["--torch-threads", str(threads or 0)] if backend == "torch" else []
-    pair_args = ["--target", args.target, "--draft", args.draft, *where]
+    pair_args = ["--target", args.target, "--draft", args.draft, *where, "--inline-steps", args.inline_steps]
+    drafter_args = [] if args.graphed_min_batch is None else ["--graphed-min-batch", str(args.graphed_min_batch)]
     prompt = local.codec.encode(args.prompt)
     stream_prompts = [local.codec.encode(f"{args.prompt}# part {k}\n    ") for k in range(8)]
     procs = []
@@ -329,7 +343,9 @@ def main(argv=None):
             vp, vaddr = start("verifier", [*pair_args, "--max-sessions", "64", *pinned.get("verifier", [])], tmp)
             procs.append(vp)
             blocks = ["--predraft-blocks", str(args.predraft_blocks)] if args.predraft_blocks else []
-            dp, daddr = start("drafter", [*pair_args, "--max-sessions", "64", *blocks, *pinned.get("drafter", [])], tmp)
+            dp, daddr = start(
+                "drafter", [*pair_args, *drafter_args, "--max-sessions", "64", *blocks, *pinned.get("drafter", [])], tmp
+            )
             procs.append(dp)
             engines = {"colocated": local}
             engines["split"] = split_engine(
@@ -388,9 +404,7 @@ def main(argv=None):
         "device": local.device,
         "device_name": _device_name(local.device),
         "dtype": args.dtype or "float32",
-        "knobs": {
-            k: os.environ[k] for k in ("KAKEYA_INLINE_STEPS", "KAKEYA_GRAPHED_MIN_BATCH") if k in os.environ
-        },  # experiment overrides the servers ran with (none: the defaults)
+        "knobs": {"inline_steps": args.inline_steps, "graphed_min_batch": args.graphed_min_batch},  # None: default
         "torch_threads": threads or "torch's default",
         "placement": cpus or "off",
         "prompt_tokens": len(prompt),

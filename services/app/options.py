@@ -44,6 +44,13 @@ def add_backend_args(p, *, help_suffix: str = "") -> None:
         help="torch: capture the verify step and the drafter's block forward in CUDA graphs per block-size bucket (auto: on for cuda)",
     )
     p.add_argument(
+        "--graphed-min-batch",
+        type=int,
+        default=None,
+        help="torch with CUDA graphs: the fewest queued drafts run as one eager batched forward rather than"
+        " graph replays one after another (default 4, docs/cuda.md; 0: never batch)",
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="torch: torch.compile each layer's norms, projections, RoPE and MLP into fused kernels; "
@@ -51,12 +58,20 @@ def add_backend_args(p, *, help_suffix: str = "") -> None:
     )
 
 
-def torch_options(args) -> dict:
-    """The torch fast-path options from --cuda-graphs/--compile (only what differs from the defaults)."""
+def torch_options(args, drafter: bool = True) -> dict:
+    """The torch fast-path options from --cuda-graphs/--graphed-min-batch/--compile (only what differs from
+    the defaults). ``drafter``: whether a drafter loads here (--graphed-min-batch is the drafter's)."""
     out = {}
     graphs = getattr(args, "cuda_graphs", "auto")
     if graphs != "auto":
         out["cuda_graphs"] = graphs == "on"
+    min_batch = getattr(args, "graphed_min_batch", None)
+    if min_batch is not None:
+        if not drafter:
+            raise ValueError("--graphed-min-batch applies where a drafter runs (serve drafter, orchestrator, all)")
+        if min_batch < 0 or min_batch == 1:
+            raise ValueError(f"--graphed-min-batch must be 0 (never) or an integer >= 2, got {min_batch}")
+        out["graphed_min_batch"] = min_batch
     if getattr(args, "compile", False):
         out["compile"] = True
     return out

@@ -127,7 +127,7 @@ def cmd_serve_verifier(args) -> int:
         from kakeya.app.options import torch_options
         from kakeya.orchestrator.assembly import check_compile
 
-        kwargs |= torch_options(args)
+        kwargs |= torch_options(args, drafter=False)
         check_compile(kwargs, kwargs.get("device"))
     spec = server_spec(
         target, layers, backend, limits, restore=restore, tls=tls, token=token, policy=_default_policy(args), **kwargs
@@ -269,28 +269,6 @@ def cmd_serve_orchestrator(args) -> int:
 
 
 # --------------------------------------------------------------------------- registration
-
-
-def _child_backend(choice: str, args) -> list[str]:
-    """A child's backend flags: auto resolved here, so the supervisor's log and the children agree."""
-    from kakeya.orchestrator.assembly import resolve_backend, torch_threads
-
-    backend, device = resolve_backend(choice, None if choice == "mlx" else args.device)
-    if backend != "torch":
-        return ["--backend", backend]
-    threads = torch_threads(args.torch_threads, device, embedded=args.target is None)  # children get explicit paths
-    graphs = getattr(args, "cuda_graphs", "auto")
-    return [
-        "--backend",
-        "torch",
-        "--device",
-        device,
-        *(["--dtype", args.dtype] if args.dtype else []),
-        "--torch-threads",
-        str(threads),
-        *(["--cuda-graphs", graphs] if graphs != "auto" else []),
-        *(["--compile"] if getattr(args, "compile", False) else []),
-    ]
 
 
 def register(sub) -> None:

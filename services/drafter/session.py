@@ -423,10 +423,12 @@ class TorchDrafter(LocalDrafter):
         cuda_graphs: bool | None = None,
         graph_options=None,
         compile: bool = False,
+        graphed_min_batch: int | None = None,
         **shared,
     ):
         """``cuda_graphs``: capture greedy draft calls (default: on for CUDA, see drafter/torch_backend/step.py);
-        ``graph_options`` (a ``torch_graphs.GraphOptions``) overrides it; ``compile``:
+        ``graph_options`` (a ``torch_graphs.GraphOptions``) overrides it and ``graphed_min_batch``
+        (``--graphed-min-batch``); ``compile``:
         ``torch.compile`` the layers' row-wise halves (``DFlashDraftModel.compile_layers``);
         ``shared``: :class:`LocalDrafter`'s ``prefixes`` and ``predraft_blocks``."""
         from kakeya.backends.torch.graphs import GraphOptions
@@ -438,7 +440,7 @@ class TorchDrafter(LocalDrafter):
 
             model = load_dflash_torch(draft_dir, target_dir, device, dtype)
         model.fuse_projections()
-        options = graph_options or GraphOptions.for_device(model.device, cuda_graphs)
+        options = graph_options or GraphOptions.for_device(model.device, cuda_graphs, graphed_min_batch)
         if options.static_extent:
             model.use_graphs(options)
         if compile:

@@ -215,7 +215,7 @@ def build_local_engine(
 
     ``backend`` may be ``"auto"`` (see :func:`resolve_backend`); ``device``/``dtype``
     apply to torch (MLX runs where MLX runs, in the weights' dtype), and so do
-    ``torch_options`` (``cuda_graphs``/``compile``, for the verifier and the drafter). What was
+    ``torch_options`` (``cuda_graphs``/``compile``, for the verifier and the drafter; ``graphed_min_batch``, the drafter's). What was
     chosen: the verifier's ``info.backend`` and the engine's ``device``. ``prefixes``: a
     ``core.prefix.PrefixCache`` the verifier and the drafter share (one budget for the process), or None.
     ``ngram``: blocks whose context repeats are drafted by copy (``Engine.ngram``).
@@ -236,7 +236,8 @@ def build_local_engine(
     if torch_options and backend != "torch":
         raise ValueError("--cuda-graphs/--compile apply to --backend torch")
     check_compile(torch_options, device)
-    vkw = torch_kw | (torch_options or {}) | ({"policy": policy} if policy else {})
+    verifier_options = {k: v for k, v in (torch_options or {}).items() if k != "graphed_min_batch"}  # the drafter's
+    vkw = torch_kw | verifier_options | ({"policy": policy} if policy else {})
     verifier = local_verifier(target, aux_layers, backend, prefixes=prefixes, **vkw)
     dkw = torch_kw | (torch_options or {})
     drafter = None if no_drafter else local_drafter(draft, target, backend, prefixes=prefixes, **dkw)

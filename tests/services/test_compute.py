@@ -241,25 +241,19 @@ def test_inline_or_not_model_work_never_overlaps():
         ("mlx", "cpu", "on", False),  # MLX arrays stay on their thread, whatever is asked
     ],
 )
-def test_inline_steps_default_and_override(monkeypatch, backend, device, env, inline):
+def test_inline_steps_default_and_override(backend, device, env, inline):
+    """--inline-steps (SessionLimits.inline_steps): auto runs a lone step inline for torch on a CPU only."""
     from types import SimpleNamespace
 
-    from kakeya.runtime.servicer import INLINE_STEPS_ENV, SessionServicer
+    from kakeya.runtime.servicer import SessionServicer
 
-    if env is None:
-        monkeypatch.delenv(INLINE_STEPS_ENV, raising=False)
-    else:
-        monkeypatch.setenv(INLINE_STEPS_ENV, env)
-    server = SimpleNamespace(device=device, compute=SimpleNamespace(inline=None))
+    server = SimpleNamespace(device=device, compute=SimpleNamespace(inline=None), inline_steps=env or "auto")
     SessionServicer._inline_if_safe(server, backend)
     assert server.compute.inline is inline
 
 
-def test_inline_steps_override_must_be_known(monkeypatch):
-    from types import SimpleNamespace
+def test_inline_steps_must_be_known():
+    from kakeya.runtime.servicer import SessionLimits, SessionServicer
 
-    from kakeya.runtime.servicer import INLINE_STEPS_ENV, SessionServicer
-
-    monkeypatch.setenv(INLINE_STEPS_ENV, "sometimes")
-    with pytest.raises(ValueError, match=INLINE_STEPS_ENV):
-        SessionServicer._inline_if_safe(SimpleNamespace(device="cpu", compute=SimpleNamespace()), "torch")
+    with pytest.raises(ValueError, match="--inline-steps"):
+        SessionServicer(SessionLimits(inline_steps="sometimes"))

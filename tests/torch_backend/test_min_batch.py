@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from kakeya.backends.torch.graphs import GRAPHED_MIN_BATCH, MIN_BATCH_ENV, graphed_min_batch
+from kakeya.backends.torch.graphs import GRAPHED_MIN_BATCH, GraphOptions
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.batch import draft_batch
 from kakeya.verifier.batch import verify_batch
@@ -61,26 +61,31 @@ def test_draft_batch_runs_a_smaller_group_alone(torch_drafter, monkeypatch, min_
     assert (2 in calls) == batched  # one forward over both sessions' blocks, or each alone
 
 
-@pytest.mark.parametrize("raw, value", [(None, GRAPHED_MIN_BATCH), ("0", sys.maxsize), ("8", 8)])
-def test_graphed_min_batch_knob(monkeypatch, raw, value):
-    """KAKEYA_GRAPHED_MIN_BATCH: a GPU node's A/B of the eager batch against graph replays one by one."""
-    if raw is None:
-        monkeypatch.delenv(MIN_BATCH_ENV, raising=False)
-    else:
-        monkeypatch.setenv(MIN_BATCH_ENV, raw)
-    assert graphed_min_batch() == value
+@pytest.mark.parametrize("given, value", [(None, GRAPHED_MIN_BATCH), (0, sys.maxsize), (8, 8)])
+def test_graphed_min_batch_option(given, value):
+    """--graphed-min-batch: a GPU node's A/B of the eager batch against graph replays one by one; an
+    eager model (no capture: a CPU) batches from two sessions whatever is asked."""
+    assert GraphOptions(capture=True, min_batch=value).batch_from == value
+    assert GraphOptions.for_device(torch.device("cpu"), None, given).batch_from == 2
 
 
-@pytest.mark.parametrize("raw", ["1", "-2", "many"])
-def test_graphed_min_batch_knob_refuses_nonsense(monkeypatch, raw):
-    monkeypatch.setenv(MIN_BATCH_ENV, raw)
-    with pytest.raises(ValueError, match=MIN_BATCH_ENV):
-        graphed_min_batch()
+@pytest.mark.parametrize("given", [1, -2])
+def test_graphed_min_batch_refuses_nonsense(given):
+    from types import SimpleNamespace
+
+    from kakeya.app.options import torch_options
+
+    with pytest.raises(ValueError, match="min_batch"):
+        GraphOptions.for_device(torch.device("cpu"), None, given)
+    with pytest.raises(ValueError, match="--graphed-min-batch"):
+        torch_options(SimpleNamespace(graphed_min_batch=given))
 
 
-def test_the_knob_leaves_eager_models_alone(tiny, monkeypatch):
-    """Without graphs (a CPU) batching pays from two sessions, whatever the knob says."""
-    from kakeya.verifier.torch_backend.target import TargetTorch
+def test_graphed_min_batch_is_the_drafters():
+    from types import SimpleNamespace
 
-    monkeypatch.setenv(MIN_BATCH_ENV, "0")
-    assert TargetTorch.load(tiny.target).min_batch == 2
+    from kakeya.app.options import torch_options
+
+    assert torch_options(SimpleNamespace(graphed_min_batch=8)) == {"graphed_min_batch": 8}
+    with pytest.raises(ValueError, match="drafter"):
+        torch_options(SimpleNamespace(graphed_min_batch=8), drafter=False)

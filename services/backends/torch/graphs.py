@@ -15,7 +15,6 @@ Nothing here touches CUDA unless ``capture`` is True.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -29,24 +28,6 @@ BUCKETS = (1, 2, 4, 8, 16)  # block sizes captured on CUDA (a verify pads up to 
 # batched forward runs eagerly, so below this the replays win (docs/cuda.md, "Batching on CUDA": on an
 # H200 at the 26B shape the batch wins verifies from 4 sessions but loses drafts to graphed drafts).
 GRAPHED_MIN_BATCH = 4
-# For a GPU node's A/B (benchmarks/gpu_session.sh, part split, SPLIT_VARIANTS): an integer; 0: never one
-# eager batched forward (every queued step replays its graph, one after another). Read at model load.
-MIN_BATCH_ENV = "KAKEYA_GRAPHED_MIN_BATCH"
-
-
-def graphed_min_batch() -> int:
-    """The fewest queued sessions a model with captured graphs runs as one eager batched forward:
-    GRAPHED_MIN_BATCH, or the integer in KAKEYA_GRAPHED_MIN_BATCH (0: never)."""
-    raw = os.environ.get(MIN_BATCH_ENV, "").strip()
-    if not raw:
-        return GRAPHED_MIN_BATCH
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0 or value == 1:
-        raise ValueError(f"{MIN_BATCH_ENV} must be 0 (never) or an integer >= 2, got {raw!r}")
-    return value or sys.maxsize
 
 
 def bucket_for(n: int, buckets: Sequence[int] | None, limit: int) -> int:
@@ -75,16 +56,28 @@ class GraphOptions:
     capture: bool = False
     buckets: tuple[int, ...] | None = None
     static_extent: bool = False
+    min_batch: int = GRAPHED_MIN_BATCH  # with capture: fewest queued sessions run as one eager batch (0: never)
 
     @classmethod
-    def for_device(cls, device: torch.device, cuda_graphs: bool | None = None) -> GraphOptions:
-        """The default for ``device``: graphs on CUDA (unless ``cuda_graphs`` is False), eager elsewhere."""
+    def for_device(
+        cls, device: torch.device, cuda_graphs: bool | None = None, min_batch: int | None = None
+    ) -> GraphOptions:
+        """The default for ``device``: graphs on CUDA (unless ``cuda_graphs`` is False), eager elsewhere.
+        ``min_batch``: see the field (``--graphed-min-batch``; default GRAPHED_MIN_BATCH)."""
         on_cuda = torch.device(device).type == "cuda"
         if cuda_graphs and not on_cuda:
             raise ValueError("CUDA graphs need a CUDA device")
+        if min_batch is not None and (min_batch < 0 or min_batch == 1):
+            raise ValueError(f"min_batch must be 0 (never) or an integer >= 2, got {min_batch}")
         if on_cuda and cuda_graphs is not False:
-            return cls(capture=True, buckets=BUCKETS, static_extent=True)
+            batch = GRAPHED_MIN_BATCH if min_batch is None else (min_batch or sys.maxsize)
+            return cls(capture=True, buckets=BUCKETS, static_extent=True, min_batch=batch)
         return cls()
+
+    @property
+    def batch_from(self) -> int:
+        """The fewest queued sessions a model run with these options batches (eager models: 2)."""
+        return self.min_batch if self.capture else 2
 
 
 # One capture at a time in the process. torch.cuda.graph shares one capture stream between its

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kakeya.backends.torch import sampling as sampling_torch
-from kakeya.backends.torch.graphs import GraphOptions, graphed_min_batch
+from kakeya.backends.torch.graphs import GraphOptions
 from kakeya.backends.torch.ops import (
     apply_rope,
     compiled,
@@ -276,7 +276,7 @@ class DFlashDraftModel(nn.Module):
         """Draft greedy blocks through the static step (``drafter/torch_backend/step.py``): captured in CUDA
         graphs with ``options.capture``; eagerly with ``static_extent`` alone (how a CPU tests it)."""
         self.static_step = StaticStep(self, options)
-        self.min_batch = graphed_min_batch() if options.capture else 2  # backends/torch/graphs.py
+        self.min_batch = options.batch_from  # backends/torch/graphs.py: GRAPHED_MIN_BATCH
         self._free: list[ContextKVCache] = []
         return self
 
