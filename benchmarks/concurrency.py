@@ -1,24 +1,25 @@
-"""Concurrent streams, batched vs serialised, against real `kakeya serve all` processes on loopback.
+"""Many streams at once: aggregate tok/s and latency against streams, per deployment, on loopback.
 
 ::
 
-    python benchmarks/concurrency.py [--streams 1 2 4 8 16] [--requests 2] [--max-tokens 64]
-                                     [--block-size 0] [--long-prompt 6000] [--out benchmarks/results/concurrency.json]
+    python benchmarks/concurrency.py                      # demo pair, CPU: colocated torch, colocated MLX, split
+    python benchmarks/concurrency.py --deployments colocated-torch split --streams 1 8 --repeats 1
+    python benchmarks/concurrency.py --serve-args "--device cuda"   # on a GPU node
 
-Starts two `serve all` deployments of the embedded demo pair: one with the
-default ``--max-batch 16`` (concurrent sessions' verify and draft steps that
-queue up run as one batched forward) and one with ``--max-batch 1`` (every step
-alone, in turn: the serialised baseline). For each number of streams, each
-deployment in turn serves that many client threads, each streaming
-``--requests`` Generate requests back to back; the two deployments alternate,
-so machine noise falls on both alike. Reports aggregate tok/s, request
-latency p50/p99 and time to first token, and checks every output against the
-greedy AR reference token for token.
+Starts each deployment of the embedded demo pair as its own server process, as a user would:
+``colocated-torch`` and ``colocated-mlx`` are ``kakeya serve orchestrator`` with the models in the
+server's process (the Mac's shape, ``deploy/mac/run.sh``); ``split`` is ``kakeya serve all`` (a verifier,
+a drafter and an orchestrator process). For each number of streams, each deployment in turn (the order
+alternating, repeat by repeat, so machine noise falls on all alike) serves that many client threads, each
+streaming ``--requests`` greedy Generate requests back to back, every request its own prompt. Reports
+aggregate tok/s (its ratio to one stream, the median of the repeats), request latency p50/p99 and time to
+first token, and checks every output against the same request run alone on the same deployment, token
+for token.
 
-Then the long-prompt stall: a ``--long-prompt``-token prefill on one stream and
-a short request on another, started just after it. The verifier prefills in
-chunks on its compute thread and runs other sessions' steps between them, so
-the short request's latency is reported beside its latency alone.
+Then the newcomer's wait: while ``--busy`` streams decode long requests, a short request arrives; its time
+to first token is reported beside its time alone (the issue's goal: within 2x).
+
+Writes benchmarks/results/concurrency.json and concurrency.png (tok/s and p50/p99 latency against streams).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import threading
@@ -38,27 +40,42 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import grpc
-from load import TINY_PROMPTS, percentile, serve_all, stop_serve_all, stream
+from load import percentile, serve_all, stop_serve_all, stream
 
 from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 
+ROLES = {  # deployment -> (serve role, its arguments)
+    "colocated-torch": ("orchestrator", ["--backend", "torch"]),
+    "colocated-mlx": ("orchestrator", ["--backend", "mlx"]),
+    "split": ("all", ["--verifier-backend", "torch", "--drafter-backend", "torch"]),
+}
+TOPICS = ["parse a config file", "walk a directory tree", "merge two sorted lists", "retry a network call",
+          "format a table", "count words in a file", "validate an email address", "cache a function's results",
+          "read a CSV file", "compute a checksum", "flatten a nested list", "parse command-line arguments",
+          "schedule a periodic task", "compress a file", "diff two strings", "serialise a dataclass"]  # fmt: skip
 
-def run_streams(stub, n: int, requests: int, max_tokens: int, block_size: int, refs: list[list[int]]) -> dict:
+
+def prompt(stream_id: int, request: int) -> str:
+    """Every request its own prompt (no two share a prefix past the first line)."""
+    topic = TOPICS[(stream_id + 5 * request) % len(TOPICS)]
+    return f"# {topic} (variant {stream_id}.{request})\ndef "
+
+
+def run_streams(stub, n: int, requests: int, max_tokens: int, block_size: int, refs: dict) -> dict:
     lock = threading.Lock()
     lat, ttfts, bad, tokens = [], [], [], [0]
 
     def client(i: int) -> None:
         for r in range(requests):
-            j = (i * requests + r) % len(TINY_PROMPTS)
             try:
-                ids, _complete, ttft, total = stream(stub, TINY_PROMPTS[j], max_tokens, block_size)
+                ids, _complete, ttft, total = stream(stub, prompt(i, r), max_tokens, block_size)
             except grpc.RpcError as exc:
                 with lock:
-                    bad.append(f"{exc.code().name}: {exc.details()}")
+                    bad.append(f"stream {i}: {exc.code().name}: {exc.details()}")
                 continue
             with lock:
-                if ids != refs[j]:
-                    bad.append(f"prompt {j}: output differs from greedy AR")
+                if ids != refs[(i, r)]:
+                    bad.append(f"stream {i} request {r}: output differs from the request alone")
                 lat.append(total)
                 ttfts.append(ttft)
                 tokens[0] += len(ids)
@@ -71,103 +88,147 @@ def run_streams(stub, n: int, requests: int, max_tokens: int, block_size: int, r
         t.join()
     wall = time.perf_counter() - t0
     return {
-        "aggregate_tok_s": round(tokens[0] / wall, 1),
-        "latency_s": {"p50": round(percentile(lat, 50), 4), "p99": round(percentile(lat, 99), 4)},
-        "ttft_s": {"p50": round(percentile(ttfts, 50), 4), "p99": round(percentile(ttfts, 99), 4)},
-        "requests": len(lat) + len(bad),
+        "aggregate_tok_s": tokens[0] / wall,
+        "latency_p50_s": percentile(lat, 50),
+        "latency_p99_s": percentile(lat, 99),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
         "failed_or_mismatched": bad[:5],
     }
 
 
-def long_prompt_stall(stub, long_tokens: int, short_tokens: int) -> dict:
-    """A short request's latency alone, then while a long prompt prefills on another stream."""
-    short = TINY_PROMPTS[0]
-    _, _, _, alone = stream(stub, short, short_tokens, 0)
-    long_prompt = [2] + [40 + (i % 400) for i in range(long_tokens - 1)]
-    result = {}
+def newcomer(stub, busy: int, max_tokens: int, block_size: int, short_tokens: int, repeats: int) -> dict:
+    """A short request's time to first token alone, then while ``busy`` streams decode (median of repeats)."""
+    alone = [stream(stub, prompt(99, k), short_tokens, block_size)[2] for k in range(repeats)]
+    during, stop = [], threading.Event()
 
-    def run_long() -> None:
-        _, _, ttft, total = stream(stub, long_prompt, 4, 0, timeout=600)
-        result["long_ttft_s"], result["long_total_s"] = ttft, total
+    def decode(i: int) -> None:
+        r = 0
+        while not stop.is_set():
+            stream(stub, prompt(i, 50 + r), max_tokens, block_size)
+            r += 1
 
-    t = threading.Thread(target=run_long)
-    t.start()
-    time.sleep(0.2)  # the long prefill has started
-    _, _, _, during = stream(stub, short, short_tokens, 0)
-    t.join()
-    return {
-        "long_prompt_tokens": long_tokens,
-        "short_request_tokens": short_tokens,
-        "short_alone_s": round(alone, 4),
-        "short_during_long_prefill_s": round(during, 4),
-        "long_prefill_ttft_s": round(result["long_ttft_s"], 3),
-        "short_finished_before_long_prefill": during + 0.2 < result["long_ttft_s"],
-    }
+    threads = [threading.Thread(target=decode, args=(i,)) for i in range(busy)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2.0)  # let the busy streams reach steady decoding (a warm-up, not an ordering)
+        for k in range(repeats):
+            during.append(stream(stub, prompt(98, k), short_tokens, block_size)[2])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    a, d = statistics.median(alone), statistics.median(during)
+    return {"busy_streams": busy, "short_tokens": short_tokens, "ttft_alone_s": round(a, 4),
+            "ttft_while_busy_s": round(d, 4), "ratio": round(d / a, 2)}  # fmt: skip
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rows in out["deployments"].items():
+        ns = [int(n) for n in rows]
+        ax1.plot(ns, [rows[str(n)]["aggregate_tok_s"] for n in ns], marker="o", label=name)
+        line = ax2.plot(ns, [rows[str(n)]["latency_p50_s"] for n in ns], marker="o", label=f"{name} p50")
+        ax2.plot(
+            ns, [rows[str(n)]["latency_p99_s"] for n in ns], ls="--", color=line[0].get_color(), label=f"{name} p99"
+        )
+    for ax, label in ((ax1, "aggregate tok/s"), (ax2, "request latency, s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"demo pair, {out['max_tokens']} tokens a request, block {out['block_size'] or 'auto'}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--streams", type=int, nargs="*", default=[1, 2, 4, 8, 16], help="none: the long-prompt check only")
+    p.add_argument("--deployments", nargs="+", default=list(ROLES), choices=list(ROLES))
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--requests", type=int, default=2, help="requests per stream, back to back")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=0, help="0: auto")
-    p.add_argument("--long-prompt", type=int, default=6000, help="tokens of the long-prompt stall check (0: skip)")
+    p.add_argument("--repeats", type=int, default=3, help="passes over every (deployment, streams); medians")
+    p.add_argument("--busy", type=int, default=8, help="streams decoding while the newcomer arrives (0: skip)")
     p.add_argument("--start-timeout", type=float, default=300.0)
-    p.add_argument(
-        "--serve-args",
-        default="",
-        help="extra `serve all` arguments, e.g. '--verifier-backend torch --drafter-backend torch --device cuda'",
-    )
+    p.add_argument("--serve-args", default="", help="extra arguments for every server, e.g. '--device cuda'")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/concurrency.json"))
     args = p.parse_args(argv)
     extra = args.serve_args.split()
-    modes = {"batched": 16, "serialised": 1}
     out = {
-        "command": " ".join(sys.argv),
+        "command": " ".join(["python", "benchmarks/concurrency.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "pair": "embedded demo pair",
         "max_tokens": args.max_tokens,
         "block_size": args.block_size,
         "requests_per_stream": args.requests,
-        "streams": {},
+        "repeats": args.repeats,
+        "deployments": {},
+        "over_one_stream": {},
+        "newcomer": {},
     }
+    keys = [(i, r) for i in range(max(args.streams)) for r in range(args.requests)]
     with tempfile.TemporaryDirectory(prefix="kakeya-concurrency-") as tmp:
-        procs, stubs = {}, {}
+        procs, stubs, refs = {}, {}, {}
         try:
-            for mode, mb in modes.items():
-                extra_mode = ["--max-batch", str(mb), "--max-sessions", "64", *extra]
-                procs[mode], info = serve_all(Path(tmp), extra_mode, args.start_timeout, name=mode)
-                stubs[mode] = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(info["addr"]))
-            refs = [stream(stubs["serialised"], q, args.max_tokens, 1)[0] for q in TINY_PROMPTS]  # greedy AR
-            for n in args.streams:
-                row = {}
-                order = list(modes) if n % 2 else list(modes)[::-1]
-                for mode in order:
-                    row[mode] = run_streams(stubs[mode], n, args.requests, args.max_tokens, args.block_size, refs)
-                row["batched_vs_serialised"] = round(
-                    row["batched"]["aggregate_tok_s"] / row["serialised"]["aggregate_tok_s"], 3
+            for name in args.deployments:
+                role, role_args = ROLES[name]
+                procs[name], info = serve_all(
+                    Path(tmp), ["--max-sessions", "64", *role_args, *extra], args.start_timeout, name=name, role=role
                 )
-                out["streams"][str(n)] = row
-                print(
-                    f"{n:>2} streams: batched {row['batched']['aggregate_tok_s']:>7.1f} tok/s "
-                    f"(p50 {row['batched']['latency_s']['p50']:.3f} s), serialised {row['serialised']['aggregate_tok_s']:>7.1f} "
-                    f"tok/s (p50 {row['serialised']['latency_s']['p50']:.3f} s) -> {row['batched_vs_serialised']:.2f}x",
-                    flush=True,
-                )
-            if args.long_prompt:  # the issue's 3-token request, and one as long as the streams'
-                out["long_prompt_stall"] = [
-                    long_prompt_stall(stubs["batched"], args.long_prompt, n) for n in (3, args.max_tokens)
-                ]
-                for row in out["long_prompt_stall"]:
-                    print(json.dumps(row))
+                stubs[name] = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(info["addr"]))
+                t0 = time.perf_counter()
+                refs[name] = {k: stream(stubs[name], prompt(*k), args.max_tokens, args.block_size)[0] for k in keys}
+                print(f"{name}: up; {len(keys)} requests alone in {time.perf_counter() - t0:.1f} s", flush=True)
+            runs = {name: {n: [] for n in args.streams} for name in args.deployments}
+            for rep in range(args.repeats):
+                for n in args.streams:
+                    order = args.deployments if (rep + n) % 2 == 0 else args.deployments[::-1]
+                    for name in order:
+                        r = run_streams(stubs[name], n, args.requests, args.max_tokens, args.block_size, refs[name])
+                        runs[name][n].append(r)
+                        print(f"pass {rep + 1}: {name:>15} {n:>2} streams {r['aggregate_tok_s']:7.1f} tok/s, "
+                              f"p50 {r['latency_p50_s']:.2f} s, p99 {r['latency_p99_s']:.2f} s", flush=True)  # fmt: skip
+            for name in args.deployments:
+                rows = {}
+                for n in args.streams:
+                    rs = runs[name][n]
+                    rows[str(n)] = {k: round(statistics.median(x[k] for x in rs), 4) for k in rs[0] if k.endswith("_s")}
+                    rows[str(n)]["runs_tok_s"] = [round(x["aggregate_tok_s"], 1) for x in rs]
+                    rows[str(n)]["failed_or_mismatched"] = [b for x in rs for b in x["failed_or_mismatched"]][:5]
+                out["deployments"][name] = rows
+                if 1 in args.streams:  # each pass's ratio to its own one-stream run, then their median
+                    out["over_one_stream"][name] = {
+                        str(n): round(statistics.median(
+                            a["aggregate_tok_s"] / b["aggregate_tok_s"] for a, b in zip(runs[name][n], runs[name][1])
+                        ), 2) for n in args.streams
+                    }  # fmt: skip
+                    print(f"{name}: x one stream {out['over_one_stream'][name]}", flush=True)
+            if args.busy:
+                for name in args.deployments:
+                    out["newcomer"][name] = newcomer(stubs[name], args.busy, args.max_tokens, args.block_size, 16, 5)
+                    print(f"{name}: newcomer {out['newcomer'][name]}", flush=True)
         finally:
             for proc in procs.values():
                 stop_serve_all(proc)
-    out["all_identical_to_ar"] = all(not r[m]["failed_or_mismatched"] for r in out["streams"].values() for m in modes)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}; every output identical to greedy AR: {out['all_identical_to_ar']}")
-    return 0 if out["all_identical_to_ar"] else 1
+    out["all_identical_to_alone"] = all(
+        not row["failed_or_mismatched"] for rows in out["deployments"].values() for row in rows.values()
+    )
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    plot(out, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}; every output identical to the request alone: "
+          f"{out['all_identical_to_alone']}")  # fmt: skip
+    return 0 if out["all_identical_to_alone"] else 1
 
 
 if __name__ == "__main__":

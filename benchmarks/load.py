@@ -97,15 +97,17 @@ def stream(stub, prompt: str | list[int], max_tokens: int, block_size: int, time
     return ids, complete, ttft or 0.0, time.perf_counter() - t0
 
 
-def serve_all(tmp: Path, extra: list[str], timeout: float, name: str = "all") -> tuple[subprocess.Popen, dict]:
-    """Start `kakeya serve all --port 0 EXTRA...` and wait for its ready file: (process, ready info)."""
+def serve_all(
+    tmp: Path, extra: list[str], timeout: float, name: str = "all", role: str = "all"
+) -> tuple[subprocess.Popen, dict]:
+    """Start `kakeya serve ROLE --port 0 EXTRA...` (default: all) and wait for its ready file: (process, ready info)."""
     ready, log_path = tmp / f"{name}.json", tmp / f"serve-{name}.log"
     cmd = [
         sys.executable,
         "-m",
         "kakeya.app.main",
         "serve",
-        "all",
+        role,
         "--port",
         "0",
         "--grace",
@@ -120,7 +122,7 @@ def serve_all(tmp: Path, extra: list[str], timeout: float, name: str = "all") ->
     while not ready.is_file():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise SystemExit(f"serve all did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
+            raise SystemExit(f"serve {role} did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
         time.sleep(0.1)
     return proc, json.loads(ready.read_text())
 
