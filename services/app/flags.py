@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kakeya.app.options import add_ngram
 from kakeya.core.contract import MAX_PREDRAFT_ALTERNATIVES
+from kakeya.runtime.bounds import HttpTimeouts
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
 from kakeya.runtime.lifecycle import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S
 from kakeya.runtime.tls import ClientTLS, ServerTLS, add_client_args, add_server_args
@@ -179,6 +180,19 @@ def add_http(p) -> None:
         default=None,
         help="the model id of the HTTP API (default: the target checkpoint's directory name)",
     )
+    t = HttpTimeouts()
+    p.add_argument("--http-header-timeout", type=float, default=t.headers_s, metavar="S",
+                   help="HTTP: close a connection whose request headers are not all in after S seconds (from the"
+                        f" connection, or the request's first byte; default {t.headers_s:g})")  # fmt: skip
+    p.add_argument("--http-body-timeout", type=float, default=t.body_s, metavar="S",
+                   help=f"HTTP: answer 408 to a request whose body is not all in after S seconds (default {t.body_s:g})")  # fmt: skip
+    p.add_argument("--http-keep-alive", type=float, default=t.keep_alive_s, metavar="S",
+                   help=f"HTTP: close a keep-alive connection idle for S seconds (default {t.keep_alive_s:g})")  # fmt: skip
+
+
+def http_timeouts(args) -> HttpTimeouts:
+    """The HTTP front's bounds on slow clients (ValueError naming a flag that is not > 0)."""
+    return HttpTimeouts(args.http_header_timeout, args.http_body_timeout, args.http_keep_alive)
 
 
 def add_client(p) -> None:
@@ -283,7 +297,8 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
     if args.auth_token_file:
         out += ["--auth-token-file", args.auth_token_file]
     if args.http_port is not None:
-        out += ["--http-port", str(args.http_port)]
+        out += ["--http-port", str(args.http_port), "--http-header-timeout", str(args.http_header_timeout),
+                "--http-body-timeout", str(args.http_body_timeout), "--http-keep-alive", str(args.http_keep_alive)]  # fmt: skip
     if args.served_model_name:
         out += ["--served-model-name", args.served_model_name]
     if tls.enabled:  # the children share one certificate: the orchestrator trusts it towards its backends

@@ -264,7 +264,7 @@ def cmd_serve_orchestrator(args) -> int:
     if args.http_port is not None:
         from kakeya.orchestrator.http_server import HttpFront
 
-        http = HttpFront(servicer, args.http_port, args.served_model_name)
+        http = HttpFront(servicer, args.http_port, args.served_model_name, timeouts=serve_flags.http_timeouts(args))
     return _run(server_spec(servicer, tls=serve_flags.server_tls(args), http=http), args)
 
 
