@@ -71,15 +71,21 @@ def add_sessions(p) -> None:
                         f" (default {DEFAULT_MAX_BATCH}; 1: each session's step alone, in turn)")  # fmt: skip
 
 
-def byte_size(text: str) -> int:
-    """``--prefix-cache-bytes``: a byte count, optionally with a binary suffix (``512M``, ``2G``, ``1.5GiB``)."""
+AUTO = "auto"
+
+
+def byte_size(text: str) -> int | str:
+    """``--prefix-cache-bytes``: a byte count, optionally with a binary suffix (``512M``, ``2G``, ``1.5GiB``),
+    or ``auto`` (:func:`prefix_cache_bytes` sizes it when the server starts)."""
+    if text.strip().lower() == AUTO:
+        return AUTO
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
     try:
         n = float(t[:-1] if scale > 1 else t) * scale
     except ValueError:
         raise ValueError(
-            f"--prefix-cache-bytes must be a byte count like 1073741824, 512M or 2G, got {text!r}"
+            f"--prefix-cache-bytes must be auto or a byte count like 1073741824, 512M or 2G, got {text!r}"
         ) from None
     if n < 0:
         raise ValueError(f"--prefix-cache-bytes must be >= 0, got {text!r}")
@@ -89,10 +95,28 @@ def byte_size(text: str) -> int:
 def add_prefix_cache(p, where: str) -> None:
     """Verifier, drafter, colocated orchestrator, ``serve all``: the prefix cache's budget (``core/prefix.py``)."""
     p.add_argument(
-        "--prefix-cache-bytes", type=byte_size, default=0, metavar="BYTES",
+        "--prefix-cache-bytes", type=byte_size, default=AUTO, metavar="BYTES",
         help=f"keep finished generations' state (up to BYTES, e.g. 2G; least recently used evicted) so a prompt that"
-             f" extends one (a chat's next turn) resumes it instead of prefilling; {where} (default 0: off)",
+             f" extends one (a chat's next turn) resumes it instead of prefilling; {where} (default auto: a tenth"
+             " of the memory it lives in that is free when the server starts -- a CUDA device's, else the host's"
+             " available memory within its container -- at most 4G; 0: off)",
     )  # fmt: skip
+
+
+def prefix_cache_bytes(args, device: str | None = None) -> int:
+    """``--prefix-cache-bytes`` in bytes; ``auto`` is ``runtime/spare.py``'s share of the memory the snapshots
+    live in: ``device``'s when it is a CUDA device (a torch backend keeps them beside the model), else the
+    host's."""
+    if args.prefix_cache_bytes != AUTO:
+        return args.prefix_cache_bytes
+    from kakeya.runtime.spare import auto_prefix_cache_bytes
+
+    free = None
+    if device is not None and device.startswith("cuda"):
+        from kakeya.backends.torch.memory import device_free_bytes
+
+        free = device_free_bytes(device)
+    return auto_prefix_cache_bytes(free)
 
 
 def add_restore(p) -> None:
@@ -200,8 +224,9 @@ def add_client(p) -> None:
     p.add_argument("--auth-token-file", help="send `authorization: Bearer <token>` read from this file")
 
 
-def session_limits(args):
-    """Verifier and drafter: their servicers' ``SessionLimits`` from the flags."""
+def session_limits(args, device: str | None = None):
+    """Verifier and drafter: their servicers' ``SessionLimits`` from the flags (``device``: where the model
+    runs, None for MLX: what ``--prefix-cache-bytes auto`` is a share of)."""
     from kakeya.runtime.servicer import SessionLimits
 
     for flag, value in (("--max-kv-bytes", args.max_kv_bytes), ("--queue", args.queue), ("--max-context", args.max_context),
@@ -221,7 +246,7 @@ def session_limits(args):
         reclaim_idle_s=args.reclaim_idle,
         max_context=args.max_context,
         max_batch=args.max_batch,
-        prefix_cache_bytes=args.prefix_cache_bytes,
+        prefix_cache_bytes=prefix_cache_bytes(args, device),
     )
 
 

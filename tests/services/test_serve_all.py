@@ -229,7 +229,8 @@ def test_serve_all_hands_each_child_both_branches_flags():
 
     a = build_parser().parse_args(["serve", "all", "--prefix-cache-bytes", "64M", "--http-port", "8000",
                                    "--served-model-name", "m", "--max-sessions-per-peer", "3", "--predraft", "on",
-                                   "--predraft-alternatives", "2", "--predraft-blocks", "6"])  # fmt: skip
+                                   "--predraft-alternatives", "2", "--predraft-blocks", "6",
+                                   "--http-header-timeout", "2", "--http-body-timeout", "3"])  # fmt: skip
 
     def value(argv, flag):
         return argv[argv.index(flag) + 1]
@@ -251,3 +252,7 @@ def test_serve_all_hands_each_child_both_branches_flags():
     )
     assert value(argv, "--predraft-alternatives") == "2"
     assert "--prefix-cache-bytes" not in argv  # a split orchestrator keeps no model state
+    timeouts = [value(argv, f) for f in ("--http-header-timeout", "--http-body-timeout", "--http-keep-alive")]
+    assert timeouts == ["2.0", "3.0", "5.0"]
+    auto = build_parser().parse_args(["serve", "all"])  # each model server sizes its own cache when it starts
+    assert value(serve_flags.child_argv(auto, "verifier", "tok"), "--prefix-cache-bytes") == "auto"
