@@ -14,7 +14,7 @@ What each parameter does here -- honoured, refused unless it asks for nothing, o
 ``ignore_eos``, ``stop_token_ids``, ``request_id`` and ``block_size`` (as vLLM does), and a chat request
 ``continue_final_message``. A body must be valid Unicode (no lone surrogate, escaped or not) and its
 numbers within range, each refused with a 400 naming its parameter; an error quotes a client's value
-at most ``QUOTE_CHARS`` characters long and is itself bounded.
+at most 64 characters long (``lifecycle.quote``) and is itself bounded.
 """
 
 from __future__ import annotations

@@ -221,7 +221,6 @@ class HttpFront:
         refused = self._refused(request)
         if refused is not None:
             return refused
-        names: dict[str, str] = {}
         try:
             if self.servicer.engine is None:
                 raise ApiError(503, "orchestrator is loading")
