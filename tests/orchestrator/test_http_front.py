@@ -58,26 +58,20 @@ def _wait(predicate, timeout: float, what: str) -> None:
 
 
 class Client:
-    """One keep-alive connection to the front (reopened when the server closed it)."""
+    """Requests to the front, each on a connection of its own (closed once its answer is read)."""
 
     def __init__(self, port: int, auth: str | None = f"Bearer {TOKEN}"):
-        self.port, self.auth, self.conn = port, auth, None
+        self.port, self.auth = port, auth
 
     def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
         headers = {"content-type": "application/json"} | ({"authorization": self.auth} if self.auth else {})
-        for attempt in range(2):
-            if self.conn is None:
-                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-            try:
-                self.conn.request(method, path, body, headers)
-                r = self.conn.getresponse()
-                return r.status, r.read()
-            except (ConnectionError, http.client.HTTPException):
-                self.conn.close()
-                self.conn = None
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            conn.request(method, path, body, headers)
+            r = conn.getresponse()
+            return r.status, r.read()
+        finally:
+            conn.close()
 
     def post(self, path: str, body) -> tuple[int, dict | bytes]:
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -397,11 +391,14 @@ def _front_with(servicer, timeouts: HttpTimeouts):
 
 
 def _closed_within(sock: socket.socket, timeout: float) -> tuple[float, bytes]:
-    """Seconds until the server closes ``sock``, and what it sent first."""
+    """Seconds until the server closes ``sock`` (then closed here too), and what it sent before."""
     sock.settimeout(timeout)
     t0, got = time.monotonic(), b""
-    while chunk := sock.recv(4096):
-        got += chunk
+    try:
+        while chunk := sock.recv(4096):
+            got += chunk
+    finally:
+        sock.close()
     return time.monotonic() - t0, got
 
 
@@ -428,6 +425,7 @@ def test_slow_headers_and_bodies_are_cut_off(front):
         assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 200
         conn.sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost:")
         took, got = _closed_within(conn.sock, 10)
+        conn.close()
         assert took < 5 and got == b"", (took, got)
 
 
