@@ -10,7 +10,8 @@
 #
 # Environment: KAKEYA_TARGET / KAKEYA_DRAFT (checkpoint directories; both or neither),
 # KAKEYA_HOST (127.0.0.1), KAKEYA_PORT (50051), KAKEYA_HTTP_PORT (8000; off: no HTTP API),
-# KAKEYA_CACHE (native | sink-window), KAKEYA_PREFIX_CACHE_BYTES (0: off; e.g. 4G keeps chats' history),
+# KAKEYA_CACHE (native | sink-window), KAKEYA_PREFIX_CACHE_BYTES (chats' history: auto, a tenth of the
+# memory free at start, at most 4G; e.g. 8G; 0: off),
 # KAKEYA_MAX_SESSIONS (0 = no limit), KAKEYA_GRACE (30 s of draining on SIGTERM),
 # KAKEYA (the kakeya executable; default: the repository's .venv, then PATH),
 # KAKEYA_DRY_RUN=1 (print the command, one argument per line, instead of running it).
@@ -24,7 +25,7 @@ fi
 args=(serve orchestrator --backend mlx
       --host "${KAKEYA_HOST:-127.0.0.1}" --port "${KAKEYA_PORT:-50051}"
       --cache "${KAKEYA_CACHE:-native}" --max-sessions "${KAKEYA_MAX_SESSIONS:-0}" --grace "${KAKEYA_GRACE:-30}"
-      --prefix-cache-bytes "${KAKEYA_PREFIX_CACHE_BYTES:-0}")
+      --prefix-cache-bytes "${KAKEYA_PREFIX_CACHE_BYTES:-auto}")
 http_port=${KAKEYA_HTTP_PORT:-8000}
 [[ $http_port == off ]] || args+=(--http-port "$http_port")
 if [[ -n ${KAKEYA_TARGET:-} || -n ${KAKEYA_DRAFT:-} ]]; then

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kakeya.app.options import add_ngram
 from kakeya.core.contract import MAX_PREDRAFT_ALTERNATIVES
+from kakeya.runtime.bounds import HttpTimeouts
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
 from kakeya.runtime.lifecycle import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S
 from kakeya.runtime.tls import ClientTLS, ServerTLS, add_client_args, add_server_args
@@ -73,15 +74,21 @@ def add_sessions(p) -> None:
                         " (auto: torch on a CPU; on/off: torch anywhere, for an A/B on a GPU node)")  # fmt: skip
 
 
-def byte_size(text: str) -> int:
-    """``--prefix-cache-bytes``: a byte count, optionally with a binary suffix (``512M``, ``2G``, ``1.5GiB``)."""
+AUTO = "auto"
+
+
+def byte_size(text: str) -> int | str:
+    """``--prefix-cache-bytes``: a byte count, optionally with a binary suffix (``512M``, ``2G``, ``1.5GiB``),
+    or ``auto`` (:func:`prefix_cache_bytes` sizes it when the server starts)."""
+    if text.strip().lower() == AUTO:
+        return AUTO
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
     try:
         n = float(t[:-1] if scale > 1 else t) * scale
     except ValueError:
         raise ValueError(
-            f"--prefix-cache-bytes must be a byte count like 1073741824, 512M or 2G, got {text!r}"
+            f"--prefix-cache-bytes must be auto or a byte count like 1073741824, 512M or 2G, got {text!r}"
         ) from None
     if n < 0:
         raise ValueError(f"--prefix-cache-bytes must be >= 0, got {text!r}")
@@ -91,10 +98,28 @@ def byte_size(text: str) -> int:
 def add_prefix_cache(p, where: str) -> None:
     """Verifier, drafter, colocated orchestrator, ``serve all``: the prefix cache's budget (``core/prefix.py``)."""
     p.add_argument(
-        "--prefix-cache-bytes", type=byte_size, default=0, metavar="BYTES",
+        "--prefix-cache-bytes", type=byte_size, default=AUTO, metavar="BYTES",
         help=f"keep finished generations' state (up to BYTES, e.g. 2G; least recently used evicted) so a prompt that"
-             f" extends one (a chat's next turn) resumes it instead of prefilling; {where} (default 0: off)",
+             f" extends one (a chat's next turn) resumes it instead of prefilling; {where} (default auto: a tenth"
+             " of the memory it lives in that is free when the server starts -- a CUDA device's, else the host's"
+             " available memory within its container -- at most 4G; 0: off)",
     )  # fmt: skip
+
+
+def prefix_cache_bytes(args, device: str | None = None) -> int:
+    """``--prefix-cache-bytes`` in bytes; ``auto`` is ``runtime/spare.py``'s share of the memory the snapshots
+    live in: ``device``'s when it is a CUDA device (a torch backend keeps them beside the model), else the
+    host's."""
+    if args.prefix_cache_bytes != AUTO:
+        return args.prefix_cache_bytes
+    from kakeya.runtime.spare import auto_prefix_cache_bytes
+
+    free = None
+    if device is not None and device.startswith("cuda"):
+        from kakeya.backends.torch.memory import device_free_bytes
+
+        free = device_free_bytes(device)
+    return auto_prefix_cache_bytes(free)
 
 
 def add_restore(p) -> None:
@@ -183,6 +208,19 @@ def add_http(p) -> None:
         default=None,
         help="the model id of the HTTP API (default: the target checkpoint's directory name)",
     )
+    t = HttpTimeouts()
+    p.add_argument("--http-header-timeout", type=float, default=t.headers_s, metavar="S",
+                   help="HTTP: close a connection whose request headers are not all in after S seconds (from the"
+                        f" connection, or the request's first byte; default {t.headers_s:g})")  # fmt: skip
+    p.add_argument("--http-body-timeout", type=float, default=t.body_s, metavar="S",
+                   help=f"HTTP: answer 408 to a request whose body is not all in after S seconds (default {t.body_s:g})")  # fmt: skip
+    p.add_argument("--http-keep-alive", type=float, default=t.keep_alive_s, metavar="S",
+                   help=f"HTTP: close a keep-alive connection idle for S seconds (default {t.keep_alive_s:g})")  # fmt: skip
+
+
+def http_timeouts(args) -> HttpTimeouts:
+    """The HTTP front's bounds on slow clients (ValueError naming a flag that is not > 0)."""
+    return HttpTimeouts(args.http_header_timeout, args.http_body_timeout, args.http_keep_alive)
 
 
 def add_client(p) -> None:
@@ -190,8 +228,9 @@ def add_client(p) -> None:
     p.add_argument("--auth-token-file", help="send `authorization: Bearer <token>` read from this file")
 
 
-def session_limits(args):
-    """Verifier and drafter: their servicers' ``SessionLimits`` from the flags."""
+def session_limits(args, device: str | None = None):
+    """Verifier and drafter: their servicers' ``SessionLimits`` from the flags (``device``: where the model
+    runs, None for MLX: what ``--prefix-cache-bytes auto`` is a share of)."""
     from kakeya.runtime.servicer import SessionLimits
 
     for flag, value in (("--max-kv-bytes", args.max_kv_bytes), ("--queue", args.queue), ("--max-context", args.max_context),
@@ -211,7 +250,7 @@ def session_limits(args):
         reclaim_idle_s=args.reclaim_idle,
         max_context=args.max_context,
         max_batch=args.max_batch,
-        prefix_cache_bytes=args.prefix_cache_bytes,
+        prefix_cache_bytes=prefix_cache_bytes(args, device),
         inline_steps=args.inline_steps,
     )
 
@@ -288,7 +327,8 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
     if args.auth_token_file:
         out += ["--auth-token-file", args.auth_token_file]
     if args.http_port is not None:
-        out += ["--http-port", str(args.http_port)]
+        out += ["--http-port", str(args.http_port), "--http-header-timeout", str(args.http_header_timeout),
+                "--http-body-timeout", str(args.http_body_timeout), "--http-keep-alive", str(args.http_keep_alive)]  # fmt: skip
     if args.served_model_name:
         out += ["--served-model-name", args.served_model_name]
     if tls.enabled:  # the children share one certificate: the orchestrator trusts it towards its backends

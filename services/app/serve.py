@@ -119,10 +119,10 @@ def cmd_serve_verifier(args) -> int:
     else:  # without --draft/--aux-layers, sessions must name their aux layers at Open
         target, draft = args.target, args.draft
     layers = _aux_layers(args.aux_layers, draft)
-    limits = serve_flags.session_limits(args)
     restore, args.restore = serve_flags.restore_sources(args)  # the default policy's: the bare DIR
     tls, token = serve_flags.internal_auth(args, "verifier")
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
+    limits = serve_flags.session_limits(args, kwargs.get("device"))
     if backend == "torch":
         from kakeya.app.options import torch_options
         from kakeya.orchestrator.assembly import check_compile
@@ -149,9 +149,9 @@ def cmd_serve_drafter(args) -> int:
     _pin(args)
 
     target, draft = _pair(args.target, args.draft)
-    limits = serve_flags.session_limits(args)
     tls, token = serve_flags.internal_auth(args, "drafter")
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
+    limits = serve_flags.session_limits(args, kwargs.get("device"))
     if backend == "torch":
         from kakeya.app.options import torch_options
         from kakeya.orchestrator.assembly import check_compile
@@ -194,7 +194,7 @@ def cmd_serve_orchestrator(args) -> int:
             raise ValueError(
                 "--target/--draft load in-process models: leave them out with --verifier (see --tokenizer)"
             )
-        if args.prefix_cache_bytes:
+        if args.prefix_cache_bytes not in (serve_flags.AUTO, 0):  # auto: nothing to keep here
             raise ValueError(
                 "--prefix-cache-bytes keeps the models' state: give it to the verifier and drafter servers"
             )
@@ -226,10 +226,11 @@ def cmd_serve_orchestrator(args) -> int:
         sources, args.restore = serve_flags.restore_sources(args)
 
         backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
-        if args.prefix_cache_bytes:  # one budget for both models' snapshots
+        budget = serve_flags.prefix_cache_bytes(args, kwargs.get("device"))
+        if budget:  # one budget for both models' snapshots
             from kakeya.core.prefix import PrefixCache
 
-            prefixes = PrefixCache(args.prefix_cache_bytes)
+            prefixes = PrefixCache(budget)
 
         def build():  # no paths: the embedded pair, as `kakeya generate`
             from kakeya.app.options import torch_options
@@ -264,7 +265,7 @@ def cmd_serve_orchestrator(args) -> int:
     if args.http_port is not None:
         from kakeya.orchestrator.http_server import HttpFront
 
-        http = HttpFront(servicer, args.http_port, args.served_model_name)
+        http = HttpFront(servicer, args.http_port, args.served_model_name, timeouts=serve_flags.http_timeouts(args))
     return _run(server_spec(servicer, tls=serve_flags.server_tls(args), http=http), args)
 
 

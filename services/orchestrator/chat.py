@@ -23,6 +23,8 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kakeya.runtime.lifecycle import quote
+
 TEMPLATE_FILE = "chat_template.jinja"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continue_final_message
@@ -107,7 +109,7 @@ def check_messages(messages: Sequence[dict]) -> None:
         raise ChatError("messages: at least one message is needed")
     for i, m in enumerate(messages):
         if m.get("role") not in ROLES:
-            raise ChatError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
+            raise ChatError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {quote(m.get('role'))}")
         if not isinstance(m.get("content"), str):
             raise ChatError(f"messages[{i}].content must be a string")
 

@@ -9,14 +9,20 @@ answers -- a completion, a chat completion, or their server-sent-event chunks --
 run's blocks and its :class:`~kakeya.core.generation.Report`, with
 ``usage.prompt_tokens_details.cached_tokens`` and Kakeya's speculative stats under ``kakeya``.
 
-Beyond OpenAI's parameters a request may send ``top_k``, ``min_p``, ``ignore_eos``,
-``stop_token_ids`` and ``block_size`` (as vLLM does), and a chat request ``continue_final_message``.
+What each parameter does here -- honoured, refused unless it asks for nothing, or accepted as harmless
+-- is ``http_params.py``'s table: beyond OpenAI's, a request may send ``top_k``, ``min_p``,
+``ignore_eos``, ``stop_token_ids``, ``request_id`` and ``block_size`` (as vLLM does), and a chat request
+``continue_final_message``. A body must be valid Unicode (no lone surrogate, escaped or not) and its
+numbers within range, each refused with a 400 naming its parameter; an error quotes a client's value
+at most 64 characters long (``lifecycle.quote``) and is itself bounded.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,7 +31,8 @@ import grpc
 
 from kakeya.core.generation import Block, Report
 from kakeya.core.request import Chat, InvalidRequest, Message, Request, SamplingParams, public_field
-from kakeya.runtime.lifecycle import RequestError
+from kakeya.orchestrator import http_params
+from kakeya.runtime.lifecycle import RequestError, bounded, quote
 
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -33,26 +40,20 @@ STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }  # fmt: skip
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+               413: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}  # fmt: skip
 # The public gRPC names a backend's refusal may carry (``errors.public_status``) -> the OpenAI parameter.
 PARAMS = [("prompt.tokenized.ids", "prompt"), ("prompt.text", "prompt"), ("prompt.messages", "messages"),
           ("sampling_params.", ""), ("cache_policy", "cache_policy")]  # fmt: skip
-UNSUPPORTED = {  # parameters whose non-default values this server cannot honour (and says so)
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "repetition_penalty": (None, 1, 1.0), "add_generation_prompt": (None, True), "n": (None, 1),
-}  # fmt: skip
 INT32 = 2**31
-KNOWN = {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-         "ignore_eos", "block_size", "request_id"}  # fmt: skip
 
 
 class ApiError(Exception):
     """An answer in OpenAI's error shape: ``status``, then ``{"error": {message, type, param, code}}``."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        message = bounded(message)  # whatever it quotes, an answer's error stays small
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -73,8 +74,11 @@ class ApiError(Exception):
         for field, param in PARAMS:
             message = message.replace(field, param)
         m = re.match(r"([a-z_]+)[ .:\[]", message)
-        param = m.group(1) if m and m.group(1) in KNOWN else None
+        param = m.group(1) if m and http_params.PARAMS.get(m.group(1), _NONE).kind == http_params.HONOURED else None
         return cls(STATUS.get(exc.code, 500), message, param, exc.code.name.lower())
+
+
+_NONE = http_params.Param("")
 
 
 def bad(param: str, message: str) -> ApiError:
@@ -92,6 +96,7 @@ class Call:
     stream: bool
     include_usage: bool
     model: str
+    obfuscate: bool = False  # stream_options.include_obfuscation: pad each chunk with random characters
 
 
 def _number(body: dict, name: str, default=None, integer: bool = False, low=None, high=None):
@@ -100,17 +105,22 @@ def _number(body: dict, name: str, default=None, integer: bool = False, low=None
         return default
     if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
         raise bad(name, f"must be {'an integer' if integer else 'a number'}, got {type(v).__name__}")
-    if not integer and not math.isfinite(v):
-        raise bad(name, f"must be finite, got {v}")
-    if (low is not None and v < low) or (high is not None and v >= high):
-        raise bad(name, f"{v} is out of range")
+    if (low is not None and v < low) or (high is not None and v >= high):  # exact, however many digits
+        raise bad(name, f"{quote(v)} is out of range")
+    if not integer:
+        try:
+            v = float(v)  # an integer of 400 digits has no float
+        except OverflowError:
+            raise bad(name, f"{quote(v)} is out of range") from None
+        if not math.isfinite(v):
+            raise bad(name, f"must be finite, got {v}")
     return v
 
 
-def _flag(body: dict, name: str) -> bool:
+def _flag(body: dict, name: str, parent: str = "") -> bool:
     v = body.get(name, False)
     if not isinstance(v, bool) and v is not None:
-        raise bad(name, f"must be true or false, got {type(v).__name__}")
+        raise bad(parent + name, f"must be true or false, got {type(v).__name__}")
     return bool(v)
 
 
@@ -138,22 +148,48 @@ def field_names(chat: bool, max_tokens: str) -> dict[str, str]:
     }
 
 
+def _unicode(body: dict) -> None:
+    """Every string of ``body`` (keys too) is valid Unicode: JSON's ``\\ud800`` escape decodes to a lone
+    surrogate, which no tokenizer, template or UTF-8 answer can take. A 400 names the parameter."""
+    for name, value in body.items():
+        try:
+            json.dumps({name: value}, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            param = name if isinstance(name, str) and name.isascii() and name.isprintable() else quote(name)
+            raise bad(param, "contains a lone surrogate (\\ud800-\\udfff): not valid Unicode") from None
+        except RecursionError:
+            raise bad(name, "nested too deeply") from None
+
+
+def model_not_found(model, served: str) -> ApiError:
+    return ApiError(404, f"The model {quote(model)} does not exist (this server serves {quote(served)})",
+                    "model", "model_not_found")  # fmt: skip
+
+
+def stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """``stream_options``: (``include_usage``: a last chunk with the usage; ``include_obfuscation``: random
+    padding in each chunk). Without ``stream`` the answer always has its usage and no chunks."""
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad("stream_options", "must be an object")
+    usage, obfuscate = (_flag(options, k, "stream_options.") for k in ("include_usage", "include_obfuscation"))
+    return stream and usage, stream and obfuscate
+
+
 def _common(body: dict, served: str, chat: bool) -> tuple[dict, Call, dict[str, str]]:
     """The parameters both APIs share, as Request fields; the call; the field names."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _unicode(body)
     model = body.get("model", served)
     if model != served:
-        raise ApiError(
-            404, f"The model `{model}` does not exist (this server serves `{served}`)", "model", "model_not_found"
-        )
-    for name, defaults in UNSUPPORTED.items():
-        if body.get(name, None) not in defaults:
-            raise bad(name, f"{body.get(name)!r} is not supported by this server")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise bad("stream_options", "must be an object")
+        raise model_not_found(model, served)
+    try:
+        http_params.check(body, chat)
+    except http_params.Refused as exc:
+        raise ApiError(400, str(exc), exc.param) from None
     stream = _flag(body, "stream")
+    include_usage, obfuscate = stream_options(body, stream)
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise bad("top_p", f"must be in (0, 1], got {top_p}")
@@ -171,6 +207,9 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Call, dict[str, 
     stops = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad("stop", "must be a string or a list of strings")
+    request_id = body.get("request_id") or ""
+    if not isinstance(request_id, str):
+        raise bad("request_id", "must be a string")
     fields = {
         "max_tokens": _number(body, max_name, None, integer=True, low=1, high=INT32),
         "block_size": _number(body, "block_size", 0, integer=True, low=-INT32, high=INT32),
@@ -178,8 +217,9 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Call, dict[str, 
         "stop_ids": tuple(_ids(body.get("stop_token_ids") or [], "stop_token_ids")),
         "ignore_eos": _flag(body, "ignore_eos"),
         "sampling": sampling,
+        "request_id": request_id,
     }
-    call = Call(chat, stream, stream and _flag(options, "include_usage"), served)
+    call = Call(chat, stream, include_usage, served, obfuscate)
     return fields, call, field_names(chat, max_name)
 
 
@@ -243,7 +283,10 @@ class Answer:
         kind = ("chat.completion" if self.call.chat else "text_completion") + (
             ".chunk" if chunk and self.call.chat else ""
         )
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.call.model, "choices": choices}
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.call.model, "choices": choices}
+        if chunk and self.call.obfuscate:  # as OpenAI's: random characters, so a chunk's size does not tell its text
+            body["obfuscation"] = secrets.token_urlsafe(12)[: 1 + secrets.randbelow(16)]
+        return body
 
     def _choice(self, text: str, finish: str | None, chunk: bool) -> dict:
         if not self.call.chat:

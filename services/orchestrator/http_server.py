@@ -1,22 +1,28 @@
 """The orchestrator's OpenAI-compatible HTTP front: Starlette on uvicorn, beside the gRPC server in one process.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``:
-server-sent events, ended by ``data: [DONE]``), ``GET /v1/models`` and
-``GET /health`` (200 once the server is SERVING, else 503; open without a
-token, as gRPC health is). Every request runs through
+server-sent events, ended by ``data: [DONE]``), ``GET /v1/models``,
+``GET /v1/models/{id}`` and ``GET /health`` (200 once the server is SERVING,
+else 503; open without a token, as gRPC health is). Every request runs through
 :meth:`GenerationService.stream` -- the same admission, check, engine
 run, metrics and draining as a gRPC ``Generate`` -- on a thread of its own,
 its messages handed to the event loop; a client that goes away cancels its
-run, which frees the backend sessions. The bearer token (``--auth-token-file``)
-and TLS (``--tls-cert``/``--tls-key``, ``--tls-client-ca``) are the gRPC
-server's. Bodies beyond the public API's receive limit are 413; anything a
-client sends wrong is a 4xx in OpenAI's error shape (``http_api.py``), never a 500.
+run, streamed or not, which frees its session and the backends'. The bearer
+token (``--auth-token-file``; the scheme in any case, as RFC 7235 says) and TLS
+(``--tls-cert``/``--tls-key``, ``--tls-client-ca``) are the gRPC server's.
+Bodies beyond the public API's receive limit are 413; anything a client sends
+wrong is a 4xx in OpenAI's error shape (``http_api.py``), never a 500.
+
+Slow clients are bounded (``bounds.HttpTimeouts``, ``kakeya serve --http-*``):
+a request's headers must arrive within ``headers_s`` of its first byte (or of
+the connection), its body within ``body_s`` (408), and an idle keep-alive
+connection is closed after ``keep_alive_s``. uvicorn bounds only the last, so
+the first is :class:`_BoundedH11`, its HTTP/1.1 protocol with a timer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import socket
@@ -28,7 +34,7 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -36,6 +42,8 @@ from kakeya.core.generation import Block
 from kakeya.core.request import InvalidRequest
 from kakeya.orchestrator import http_api
 from kakeya.orchestrator.http_api import ApiError
+from kakeya.runtime.auth import bearer_ok
+from kakeya.runtime.bounds import HttpTimeouts
 from kakeya.runtime.lifecycle import RequestError
 from kakeya.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
 
@@ -90,10 +98,10 @@ def grpc_peer(request: Request) -> str:
     return f"ipv6:[{client.host}]:{client.port}" if ":" in client.host else f"ipv4:{client.host}:{client.port}"
 
 
-async def _messages(servicer, request, peer: str) -> AsyncIterator:
-    """The service's blocks and report for ``request`` from ``peer``, produced on a thread of their own (each
+async def _messages(servicer, request, call: HttpCall) -> AsyncIterator:
+    """The service's blocks and report for ``request`` of ``call``, produced on a thread of their own (each
     step blocks on the models); a refusal before the first comes out of the first ``__anext__``."""
-    loop, queue, call = asyncio.get_running_loop(), asyncio.Queue(), HttpCall(peer)
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
     def pump() -> None:
         stream: Iterator = servicer.stream(request, call)
@@ -121,8 +129,24 @@ async def _messages(servicer, request, peer: str) -> AsyncIterator:
             call.leave()
 
 
+async def _left(request: Request, call: HttpCall) -> None:
+    """Wait for the client of ``request`` (its body read) to go away, then cancel ``call``'s run. A
+    non-streamed answer is written only at its end, so nothing else would notice before the run did all
+    its tokens and held its session that long."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass  # nothing else comes once the body is read: uvicorn answers the disconnect (or the answer's end)
+    call.leave()
+
+
+class _Json(JSONResponse):
+    """A JSON answer in ASCII: whatever a message quotes (a client's lone surrogate), it always encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
 def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return _Json(exc.body(), status_code=exc.status)
 
 
 def _event(body: dict) -> bytes:
@@ -132,14 +156,23 @@ def _event(body: dict) -> bytes:
 class HttpFront:
     """The HTTP server of one ``GenerationServicer`` (``lifecycle.run_server`` starts and stops it)."""
 
-    def __init__(self, servicer, port: int, model_name: str | None = None, max_body: int = PUBLIC_MAX_RECEIVE_BYTES):
+    def __init__(
+        self,
+        servicer,
+        port: int,
+        model_name: str | None = None,
+        max_body: int = PUBLIC_MAX_RECEIVE_BYTES,
+        timeouts: HttpTimeouts | None = None,
+    ):
         self.servicer, self.port, self.max_body = servicer, port, max_body
+        self.timeouts = timeouts or HttpTimeouts()
         self._model_name = model_name
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
             ],
             exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
@@ -164,7 +197,19 @@ class HttpFront:
             return refused
         if self.servicer.engine is None:
             return _error(ApiError(503, "orchestrator is loading"))
-        return JSONResponse(http_api.models(self.model_name, self.servicer.limits.max_context))
+        return _Json(http_api.models(self.model_name, self.servicer.limits.max_context))
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's retrieve-model: the served model, or a 404 naming the id asked for."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        if self.servicer.engine is None:
+            return _error(ApiError(503, "orchestrator is loading"))
+        name = request.path_params["model"]
+        if name != self.model_name:
+            return _error(http_api.model_not_found(name, self.model_name))
+        return _Json(http_api.models(self.model_name, self.servicer.limits.max_context)["data"][0])
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, http_api.completion_request)
@@ -179,29 +224,36 @@ class HttpFront:
         try:
             if self.servicer.engine is None:
                 raise ApiError(503, "orchestrator is loading")
-            generate, call, names = translate(await self._body(request), self.model_name)
-            messages = _messages(self.servicer, generate, grpc_peer(request))
+            generate, what, names = translate(await self._body(request), self.model_name)
+        except ApiError as exc:
+            return _error(exc)
+        call = HttpCall(grpc_peer(request))
+        messages = _messages(self.servicer, generate, call)
+        # From here until a stream's response takes over (it watches the client itself), a client that goes
+        # away cancels the run: while it opens its sessions and prefills, and all through a whole answer.
+        watch = asyncio.create_task(_left(request, call))
+        try:
             first = await anext(messages, None)
+            answer = http_api.Answer(what)
+            if what.stream:
+                watch.cancel()
+                return StreamingResponse(self._events(answer, first, messages), media_type="text/event-stream")
+            complete = None if first is None else self._consume(answer, first)  # None: cancelled before it began
+            async for message in messages:
+                complete = self._consume(answer, message) or complete
+            if complete is None:  # the run was cancelled under it (its client left, or the server is going down)
+                raise ApiError(503, "the generation was cancelled")
+            return _Json(answer.whole(complete))
         except ApiError as exc:
             return _error(exc)
         except InvalidRequest as exc:
             return _error(ApiError.invalid(exc, names))
         except RequestError as exc:
             return _error(ApiError.of(exc))
-        answer = http_api.Answer(call)
-        if call.stream:
-            return StreamingResponse(self._events(answer, first, messages), media_type="text/event-stream")
-        try:
-            complete = None if first is None else self._consume(answer, first)  # None: cancelled before it began
-            async for message in messages:
-                complete = self._consume(answer, message) or complete
-            if complete is None:  # the run was cancelled under it (the server is going down)
-                raise ApiError(503, "the generation was cancelled")
-            return JSONResponse(answer.whole(complete))
-        except ApiError as exc:
-            return _error(exc)
         finally:
-            await messages.aclose()
+            watch.cancel()
+            if not what.stream:
+                await messages.aclose()
 
     @staticmethod
     def _consume(answer: http_api.Answer, item):
@@ -237,11 +289,7 @@ class HttpFront:
 
     def _refused(self, request: Request) -> Response | None:
         """401 without the server's bearer token (when it has one)."""
-        token = self.servicer.auth_token
-        if token is None:
-            return None
-        got = request.headers.get("authorization", "")
-        if hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+        if bearer_ok(request.headers.get("authorization", ""), self.servicer.auth_token):
             return None
         return _error(
             ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)", code="invalid_api_key")
@@ -253,10 +301,16 @@ class HttpFront:
         if declared.isdigit() and int(declared) > self.max_body:
             raise ApiError(413, f"request body of {declared} bytes exceeds this server's limit of {self.max_body}")
         raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > self.max_body:
-                raise ApiError(413, f"request body exceeds this server's limit of {self.max_body} bytes")
+        try:
+            async with asyncio.timeout(self.timeouts.body_s):
+                async for part in request.stream():
+                    raw += part
+                    if len(raw) > self.max_body:
+                        raise ApiError(413, f"request body exceeds this server's limit of {self.max_body} bytes")
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.timeouts.body_s:g} s") from None
+        except ClientDisconnect:  # nobody reads the answer: it only ends the request
+            raise ApiError(400, "the client closed the connection before its body ended") from None
         try:
             return json.loads(raw)
         except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting
@@ -267,7 +321,7 @@ class HttpFront:
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
         log.exception("HTTP %s %s failed", request.method, request.url.path)
-        return _error(ApiError(500, f"{type(exc).__name__}: {exc}"))
+        return _error(ApiError(500, f"internal error ({type(exc).__name__}); the orchestrator's log has it"))
 
     # -- serving --------------------------------------------------------------------------
 
@@ -291,7 +345,8 @@ class HttpFront:
             if tls.client_ca:
                 kw |= {"ssl_ca_certs": tls.client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=max(1, int(grace_s)), **kw)  # fmt: skip
+                                timeout_graceful_shutdown=max(1, int(grace_s)), http=_bounded_h11(self.timeouts.headers_s),
+                                timeout_keep_alive=self.timeouts.keep_alive_s, **kw)  # fmt: skip
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
         self._thread.start()
@@ -310,3 +365,44 @@ class HttpFront:
     def join(self, timeout: float) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def _bounded_h11(headers_s: float):
+    """uvicorn's HTTP/1.1 protocol (h11), closing a connection whose request headers are not all in within
+    ``headers_s`` of the connection or of the request's first byte (uvicorn waits for them forever: 50
+    connections that never finish a header line would stay open). The body's bound is ``HttpFront._body``'s."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class BoundedH11(H11Protocol):
+        _timer: asyncio.TimerHandle | None = None
+
+        def _between_requests(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._timer = self.loop.call_later(headers_s, self._expire)
+
+        def data_received(self, data: bytes) -> None:
+            if self._timer is None and self._between_requests():  # a keep-alive connection's next request begins
+                self._timer = self.loop.call_later(headers_s, self._expire)
+            super().data_received(data)
+            if self._timer is not None and not self._between_requests():  # its headers are in: the app has it
+                self._timer.cancel()
+                self._timer = None
+
+        def connection_lost(self, exc) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            super().connection_lost(exc)
+
+        def _expire(self) -> None:
+            self._timer = None
+            if self._between_requests() and not self.transport.is_closing():
+                log.info(
+                    "HTTP: closing a connection from %s whose request headers took over %g s", self.client, headers_s
+                )
+                self.transport.close()
+
+    return BoundedH11

@@ -304,6 +304,7 @@ class GrpcDrafterSession:
         self._sampling = sampling if sampling is not None and not sampling.greedy else None
         self._s: Stream | None = None
         self._broken = False
+        self._failure: BackendError | None = None  # the drafter's own failure that broke the session
         self._first = True
         self._resume_at = 0
         self.server_s = 0.0  # server-side time of the drafts (the steps on a block's critical path)
@@ -346,8 +347,10 @@ class GrpcDrafterSession:
 
     def _guarded(self, step):
         """``step()``; a failure breaks the session and, unless it is ours, counts against the drafter."""
-        if self._broken:
-            raise BackendError("drafter", self.drafter.addr, grpc.StatusCode.CANCELLED, "session failed earlier")
+        if self._broken:  # a failed prefix lookup stays the drafter's failure when the first draft reports it
+            raise self._failure or BackendError(
+                "drafter", self.drafter.addr, grpc.StatusCode.CANCELLED, "session failed earlier"
+            )
         try:
             return step()
         except BackendError as exc:
@@ -357,6 +360,7 @@ class GrpcDrafterSession:
                 self._s.abort()
             if not aborted_here and not exc.ended_by_caller:
                 self.drafter.failed(exc)
+                self._failure = exc
             raise
 
     def draft(self, new_aux, last_token: int, block_size: int) -> Draft:

@@ -26,13 +26,22 @@ from kakeya.core.request import CachePolicy, InvalidRequest
 from kakeya.orchestrator import grpc_api
 from kakeya.orchestrator.service import GenerationService
 from kakeya.runtime.guard import add_servicer
-from kakeya.runtime.lifecycle import RequestError, ServerSpec, version, workers_for
+from kakeya.runtime.lifecycle import RequestError, ServerSpec, bounded, version, workers_for
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 from kakeya.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+PUBLIC_DRAFTER_STATUS = ("state", "failures")  # of ``Drafter.status()``: not ``last_error`` (an address, a trace)
+
+
+def public_backend(name: str) -> str:
+    """A backend as ``GetServerInfo`` names it: "mlx", "torch", or "grpc" for a remote one, whose address
+    (``grpc:10.0.0.7:50061``) is the operator's."""
+    return name.partition(":")[0]
 
 
 def model_name(path: str) -> str:
@@ -58,7 +67,7 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
                     yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=item.text[streamed:]))
                 yield pb.GenerateResponse(complete=grpc_api.complete_from_report(item))
         except InvalidRequest as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.public(names))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(exc.public(names)))
         except RequestError as exc:
             context.abort(exc.code, exc.message)
 
@@ -86,15 +95,19 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
         )
 
     def GetServerInfo(self, request, context):
+        """The server's version, deployment, load and drafter state, as a public caller may see them: a
+        backend's kind ("grpc" for a remote one) but never its address, and never a backend's error text
+        (both are the operator's, in the orchestrator's log and metrics: docs/security.md)."""
         e = self.engine
         drafter = e.drafter if e is not None else None
-        extra = {f"drafter_{k}": v for k, v in drafter.status().items()} if drafter is not None else {}
+        status = drafter.status() if drafter is not None else {}
+        extra = {f"drafter_{k}": v for k, v in status.items() if k in PUBLIC_DRAFTER_STATUS}
         with self._lock:
             active, total = self.active, self.total
         return pb.ServerInfo(
             version=version(),
-            verifier_backend=e.verifier.info.backend if e is not None else "",
-            drafter_backend=drafter.backend if drafter is not None else "",
+            verifier_backend=public_backend(e.verifier.info.backend) if e is not None else "",
+            drafter_backend=public_backend(drafter.backend) if drafter is not None else "",
             deployment="colocated" if self.colocated else "split",
             active_requests=active,
             total_requests=total,

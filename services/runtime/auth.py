@@ -57,11 +57,15 @@ def write_token(path: str | Path, token: str) -> Path:
 def bearer_ok(authorization: str, token: str | None) -> bool:
     """``authorization`` (the header's value) is ``Bearer <token>``; always true without a token.
 
-    Constant time in the header's content, so a wrong guess tells nothing about the right one.
+    The scheme matches in any case (``bearer``, ``BEARER``: RFC 7235 makes auth schemes case-insensitive,
+    and clients send each); the token exactly, in constant time, so a wrong guess tells nothing about the
+    right one.
     """
     if token is None:
         return True
-    return hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode())
+    scheme, _, credentials = authorization.partition(" ")
+    ok = hmac.compare_digest(credentials.encode(errors="replace"), token.encode())
+    return ok and scheme.lower() == "bearer"
 
 
 def authorized(context, token: str | None) -> bool:

@@ -28,6 +28,25 @@ MAX_STOP_TOKEN_IDS = 1024
 CHARS_PER_TOKEN_BOUND = 64  # a text prompt longer than max_prompt_tokens x this is refused before tokenizing
 DEFAULT_RESTORE_NAME = "default"
 
+
+@dataclass(frozen=True)
+class HttpTimeouts:
+    """How long an HTTP client may take (seconds): to send a request's headers (from the connection, or from
+    the request's first byte on a keep-alive one), its body, and the next request on an idle keep-alive
+    connection (``kakeya serve --http-header-timeout``, ``--http-body-timeout``, ``--http-keep-alive``).
+    Without the first two, a client that never finishes (slowloris) holds its connection forever."""
+
+    headers_s: float = 10.0
+    body_s: float = 30.0
+    keep_alive_s: float = 5.0
+
+    def __post_init__(self):
+        for name, flag in (("headers_s", "--http-header-timeout"), ("body_s", "--http-body-timeout"),
+                           ("keep_alive_s", "--http-keep-alive")):  # fmt: skip
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{flag} must be > 0 seconds, got {getattr(self, name)}")
+
+
 _REQUEST_ID = re.compile(r"[\x21-\x7e]*")  # printable ASCII, no space
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 

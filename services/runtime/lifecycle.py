@@ -87,6 +87,21 @@ def bounded(message: str, limit: int = MAX_ERROR_CHARS) -> str:
     return message if len(message) <= limit else message[: limit - 16] + " ... (truncated)"
 
 
+QUOTE_CHARS = 64
+
+
+def quote(value, limit: int = QUOTE_CHARS) -> str:
+    """A client's value as an error message quotes it: its ``repr`` (a lone surrogate escaped), at most
+    ``limit`` characters, ``...`` marking a cut. A 3 MB ``model`` is named, never echoed whole."""
+    if isinstance(value, str | bytes | list | tuple) and len(value) > limit:
+        value = value[:limit]  # the repr of what is kept is all that is shown
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class RequestError(Exception):
     """End the current RPC with ``code`` and ``message`` (the message names the field; bounded)."""
 

@@ -40,7 +40,7 @@ def test_run_sh_is_a_colocated_mlx_orchestrator():
     args = build_parser().parse_args(argv[1:])
     assert (args.role, args.backend, args.verifier, args.drafter) == ("orchestrator", "mlx", None, None)  # colocated
     assert (args.host, args.port, args.target) == ("127.0.0.1", 50051, None)
-    assert (args.http_port, args.prefix_cache_bytes) == (8000, 0)
+    assert (args.http_port, args.prefix_cache_bytes) == (8000, "auto")  # sized when the server starts
     args = build_parser().parse_args(
         dry_run({"KAKEYA_HTTP_PORT": "off", "KAKEYA_PREFIX_CACHE_BYTES": "2G"}).stdout.splitlines()[1:]
     )

@@ -59,3 +59,27 @@ def test_public_errors_use_public_names_and_never_a_backend_address():
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-sessions" in msg
     code, msg = public(grpc.StatusCode.UNKNOWN, f"Exception calling application at {addr}")
     assert code == grpc.StatusCode.INTERNAL
+
+
+def test_server_info_names_no_backend_address_and_no_backend_error():
+    """GetServerInfo on the public port used to answer ``grpc:127.0.0.1:39335`` and the drafter's raw error
+    text; now a remote backend is "grpc" and the drafter's state and failure count are all it says."""
+    from types import SimpleNamespace
+
+    from kakeya.orchestrator.server import GenerationServicer
+    from kakeya.wire.kakeya.v1 import generate_pb2 as pb
+
+    error = "<_InactiveRpcError: StatusCode.UNAVAILABLE failed to connect to ipv4:127.0.0.1:39336: Connection refused>"
+    drafter = SimpleNamespace(
+        backend="grpc:127.0.0.1:39336",
+        status=lambda: {"state": "backoff", "failures": "3", "last_error": error},
+    )
+    servicer = GenerationServicer(lambda: None, colocated=False)
+    servicer.engine = SimpleNamespace(verifier=SimpleNamespace(info=SimpleNamespace(backend="grpc:127.0.0.1:39335")),
+                                      drafter=drafter)  # fmt: skip
+    info = servicer.GetServerInfo(pb.GetServerInfoRequest(), None)
+    public = str(info)
+    for internal in ("127.0.0.1", "39335", "39336", "InactiveRpcError", "Connection refused", "grpc:"):
+        assert internal not in public, (internal, public)
+    assert (info.verifier_backend, info.drafter_backend, info.deployment) == ("grpc", "grpc", "split")
+    assert dict(info.extra) == {"drafter_state": "backoff", "drafter_failures": "3"}

@@ -30,7 +30,7 @@ def servers(server_factory):
     verifier = server_factory("verifier", ["verifier", *TINY_MLX, *CACHE])
     drafter = server_factory("drafter", ["drafter", *TINY_MLX, *CACHE])
     cached = server_factory("colocated-cached", ["orchestrator", *TINY_MLX, *CACHE])
-    cold = server_factory("colocated-cold", ["orchestrator", *TINY_MLX, "--grace", "5"])
+    cold = server_factory("colocated-cold", ["orchestrator", *TINY_MLX, "--prefix-cache-bytes", "0", "--grace", "5"])
     start_all([verifier, drafter, cached, cold])
     split = server_factory("split", ["orchestrator", "--verifier", verifier.addr, "--drafter", drafter.addr,
                                      "--metrics-port", "0", "--grace", "5"])  # fmt: skip

@@ -73,7 +73,7 @@ def test_serve_all_runs_three_processes_and_sigterm_stops_them_all(serve_all):
     res = client(s.addr, "generate", "--json", "--max-tokens", "16", "--ignore-eos", "--block-size", "8")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(out["token_ids"]) == 16 and out["backend"] == f"grpc:{s.info['verifier']}"
+    assert len(out["token_ids"]) == 16 and out["backend"] == "grpc"
     # the blocks' real sizes (the client used to rebuild them from the acceptance lengths)
     assert out["block_sizes"][0] == 8 and len(out["block_sizes"]) == len(out["acceptance_lengths"])
     assert all(a <= b <= 8 for a, b in zip(out["acceptance_lengths"], out["block_sizes"]))
@@ -229,7 +229,8 @@ def test_serve_all_hands_each_child_both_branches_flags():
 
     a = build_parser().parse_args(["serve", "all", "--prefix-cache-bytes", "64M", "--http-port", "8000",
                                    "--served-model-name", "m", "--max-sessions-per-peer", "3", "--predraft", "on",
-                                   "--predraft-alternatives", "2", "--predraft-blocks", "6"])  # fmt: skip
+                                   "--predraft-alternatives", "2", "--predraft-blocks", "6",
+                                   "--http-header-timeout", "2", "--http-body-timeout", "3"])  # fmt: skip
 
     def value(argv, flag):
         return argv[argv.index(flag) + 1]
@@ -251,3 +252,7 @@ def test_serve_all_hands_each_child_both_branches_flags():
     )
     assert value(argv, "--predraft-alternatives") == "2"
     assert "--prefix-cache-bytes" not in argv  # a split orchestrator keeps no model state
+    timeouts = [value(argv, f) for f in ("--http-header-timeout", "--http-body-timeout", "--http-keep-alive")]
+    assert timeouts == ["2.0", "3.0", "5.0"]
+    auto = build_parser().parse_args(["serve", "all"])  # each model server sizes its own cache when it starts
+    assert value(serve_flags.child_argv(auto, "verifier", "tok"), "--prefix-cache-bytes") == "auto"

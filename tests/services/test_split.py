@@ -175,7 +175,7 @@ def test_client_cli_prints_the_same_json_as_generate(servers, capsys):
     for key in ("prompt_token_ids", "token_ids", "text", "finish_reason", "block_size",
                 "acceptance_lengths", "verifier_kv_bytes", "cache_policy", "quality", "drafter_fallback"):  # fmt: skip
         assert remote[key] == local[key], key
-    assert remote["backend"] == f"grpc:{servers['verifier'].addr}" and local["backend"] == "mlx"
+    assert remote["backend"] == "grpc" and local["backend"] == "mlx"  # a public caller never sees the address
 
 
 def test_stop_strings_and_stop_token_ids(servers):
@@ -206,7 +206,7 @@ def test_model_and_server_info(servers):
     assert m.vocab_size == 1024 and m.default_block_size == 8 and m.max_tokens_limit == LIMIT and m.has_tokenizer
     assert (m.target_model, m.draft_model) == ("target", "draft")  # the checkpoints' names, never the server's paths
     s = stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5)
-    assert s.deployment == "split" and s.verifier_backend == f"grpc:{servers['verifier'].addr}"
+    assert s.deployment == "split" and s.verifier_backend == "grpc"  # never the verifier's address
     c = generation_stub(servers["colocated"].addr).GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5)
     assert c.deployment == "colocated" and c.verifier_backend == "mlx"
 

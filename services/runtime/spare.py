@@ -1,0 +1,70 @@
+"""The prefix cache's default budget: what a process can spare of the memory its snapshots live in.
+
+``--prefix-cache-bytes auto`` (the default of every server that keeps one) is a tenth of that memory,
+at most 4 GiB: the device's free memory when the snapshots live on a CUDA device (a torch verifier's
+K/V copies, a torch drafter's context caches: the caller measures it, ``backends/torch``), else the
+host's available memory (an MLX or CPU backend, Apple silicon's unified memory included) bounded by the
+process's container (its cgroup's limit less its usage). Measured once, when the server starts and
+before it loads its model; the cache then evicts least recently used snapshots to stay within it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+AUTO_FRACTION = 0.10
+AUTO_CAP_BYTES = 4 * 2**30
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+def auto_prefix_cache_bytes(device_free: int | None = None) -> int:
+    """The ``auto`` budget: :data:`AUTO_FRACTION` of ``device_free`` (the snapshots' device, when they live
+    on one) or of :func:`available_host_bytes`, at most :data:`AUTO_CAP_BYTES`; 0 (off) when unknown."""
+    spare = device_free if device_free is not None else available_host_bytes()
+    return 0 if not spare else min(int(spare * AUTO_FRACTION), AUTO_CAP_BYTES)
+
+
+def available_host_bytes() -> int | None:
+    """Host memory this process could still take: the system's available memory (psutil where installed,
+    else Linux's MemAvailable, else free pages, else -- macOS without psutil -- the physical memory),
+    at most what its cgroup (a container's memory limit) leaves; None when nothing says."""
+    found = [b for b in (_system_available(), _cgroup_spare()) if b is not None]
+    return min(found) if found else None
+
+
+def _system_available() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    for pages in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"):
+        try:
+            return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            continue
+    return None
+
+
+def _cgroup_spare(root: Path = _CGROUP) -> int | None:
+    """The cgroup's memory limit less its usage (v2, else v1), or None without a limit."""
+    for limit, usage in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
+        try:
+            text = (root / limit).read_text().strip()
+            if text == "max" or int(text) >= 2**60:  # v1 writes "no limit" as a huge number
+                return None
+            return max(int(text) - int((root / usage).read_text().strip()), 0)
+        except (OSError, ValueError):
+            continue
+    return None

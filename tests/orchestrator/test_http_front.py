@@ -1,0 +1,447 @@
+"""The HTTP front against what a client may send (issue 43, point 4), on the tiny pair, colocated.
+
+A client that leaves a non-streamed request frees its session; a lone surrogate or a 400-digit
+number in any field is a 400 naming it (a fuzz over every parameter finds no 500); an error quotes
+a client's value bounded; every OpenAI parameter is honoured, refused naming it, or accepted as
+harmless (:data:`OPENAI`, checked against ``http_params.PARAMS`` and against the server); a model is
+retrieved by id; slow headers and bodies are cut off; the bearer scheme matches in any case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import time
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kakeya.orchestrator import http_params
+from kakeya.orchestrator.assembly import build_local_engine
+from kakeya.orchestrator.http_params import HARMLESS, HONOURED, REFUSED
+from kakeya.orchestrator.http_server import HttpFront
+from kakeya.orchestrator.server import GenerationServicer
+from kakeya.runtime.auth import authorized, bearer_ok
+from kakeya.runtime.bounds import HttpTimeouts
+
+TOKEN = "s3cret-token-for-tests"
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+BASE = {COMPLETIONS: {"prompt": [2, 40, 41, 42], "max_tokens": 2},
+        CHAT: {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def front(tiny_pair):
+    servicer = GenerationServicer(
+        lambda: build_local_engine(str(tiny_pair.target), str(tiny_pair.draft), "mlx"),
+        colocated=True, auth_token=TOKEN,
+    )  # fmt: skip
+    servicer.load()
+    servicer.ready = True
+    http = HttpFront(servicer, 0, "tiny")
+    port = http.start("127.0.0.1")
+    yield servicer, port
+    http.drain()
+    http.join(5)
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    """Poll ``predicate`` (observable server state) until true, or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+class Client:
+    """Requests to the front, each on a connection of its own (closed once its answer is read)."""
+
+    def __init__(self, port: int, auth: str | None = f"Bearer {TOKEN}"):
+        self.port, self.auth = port, auth
+
+    def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        headers = {"content-type": "application/json"} | ({"authorization": self.auth} if self.auth else {})
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            conn.request(method, path, body, headers)
+            r = conn.getresponse()
+            return r.status, r.read()
+        finally:
+            conn.close()
+
+    def post(self, path: str, body) -> tuple[int, dict | bytes]:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        status, data = self.call("POST", path, raw)
+        return status, _json_or_raw(data)
+
+    def get(self, path: str) -> tuple[int, dict | bytes]:
+        status, data = self.call("GET", path)
+        return status, _json_or_raw(data)
+
+
+def _json_or_raw(data: bytes):
+    try:
+        return json.loads(data)
+    except ValueError:
+        return data  # a stream's events
+
+
+def _refusal(answer) -> str | None:
+    """The parameter an OpenAI error names (asserting the error's shape)."""
+    assert set(answer["error"]) == {"message", "type", "param", "code"}, answer
+    return answer["error"]["param"]
+
+
+def _aborted(servicer) -> float:
+    sample = {"finished_reason": "abort"}
+    return servicer.metrics.registry.get_sample_value("kakeya_request_success_total", sample) or 0
+
+
+# --------------------------------------------------------------------------- 1. a client that leaves
+
+
+def _open_request(port: int, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    head = (f"POST {COMPLETIONS} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {TOKEN}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n")  # fmt: skip
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def test_clients_that_leave_whole_answers_free_their_sessions(front):
+    """Three non-streamed requests whose clients closed their sockets used to run to max_tokens and keep
+    --max-sessions 3 full; now each run is cancelled (finish reason abort) and its session freed."""
+    servicer, port = front
+    _wait(lambda: servicer.active == 0, 60, "earlier runs to end")
+    limit, servicer.max_sessions = servicer.max_sessions, 3
+    before = _aborted(servicer)
+    long = {"prompt": [2] + list(range(100, 140)), "max_tokens": 4000, "ignore_eos": True}
+    try:
+        socks = [_open_request(port, long) for _ in range(3)]
+        _wait(lambda: servicer.active == 3, 60, "three generations in flight")
+        status, answer = Client(port).post(COMPLETIONS, BASE[COMPLETIONS])
+        assert status == 429, answer  # full, as the issue measured
+        for sock in socks:
+            sock.close()
+        _wait(lambda: servicer.active == 0, 30, "the abandoned generations to end")
+        assert _aborted(servicer) == before + 3  # cancelled, not run to their 4000 tokens
+        status, answer = Client(port).post(COMPLETIONS, BASE[COMPLETIONS])
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2
+    finally:
+        servicer.max_sessions = limit
+
+
+# --------------------------------------------------------------------------- 2. invalid Unicode, huge numbers
+
+
+SURROGATE = "\ud800"
+HUGE = 10**400  # json.dumps writes its 401 digits; float() of it overflows
+
+
+@pytest.mark.parametrize(
+    "path,field,value",
+    [
+        (COMPLETIONS, "prompt", SURROGATE),
+        (COMPLETIONS, "prompt", ["a" + SURROGATE]),
+        (COMPLETIONS, "model", SURROGATE),
+        (COMPLETIONS, "stop", ["x", "\udfff"]),
+        (COMPLETIONS, "request_id", SURROGATE),
+        (COMPLETIONS, "user", SURROGATE),
+        (CHAT, "messages", [{"role": "user", "content": "a" + SURROGATE}]),
+        (CHAT, "messages", [{"role": SURROGATE, "content": "a"}]),
+        (CHAT, "messages", [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}]),
+        (CHAT, "response_format", {"type": SURROGATE}),
+        (CHAT, "metadata", {SURROGATE: "x"}),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_its_field(front, path, field, value):
+    status, answer = Client(front[1]).post(path, BASE[path] | {field: value})
+    assert status == 400 and _refusal(answer) == field, answer
+    assert "surrogate" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "field", ["temperature", "top_p", "min_p", "max_tokens", "seed", "top_k", "block_size", "presence_penalty", "n"]
+)
+def test_a_number_of_400_digits_is_a_400_naming_its_field(front, field):
+    for path in (COMPLETIONS, CHAT):
+        for value in (HUGE, -HUGE):
+            status, answer = Client(front[1]).post(path, BASE[path] | {field: value})
+            assert status == 400 and _refusal(answer) == field, answer
+            assert len(answer["error"]["message"]) < 200  # the number is quoted, not echoed
+
+
+SURROGATES = st.sampled_from(["\ud800", "\udfff", "\udc80"])
+STRINGS = st.text(max_size=8) | st.builds(
+    lambda a, s, b: a + s + b, st.text(max_size=4), SURROGATES, st.text(max_size=4)
+)
+NUMBERS = st.integers(-(2**70), 2**70) | st.floats() | st.integers(-3, 20)
+NASTY = st.sampled_from([HUGE, -HUGE, 2**63, 2**64, -1, 0, 1e308, "\ud800", "a\udfff", ["\udc80"], {"\ud800": 1}])
+JSON = st.recursive(
+    st.none() | st.booleans() | NUMBERS | STRINGS | NASTY,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(STRINGS, inner, max_size=3),
+    max_leaves=8,
+)
+MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]) | STRINGS, "content": JSON}),
+    min_size=1,
+    max_size=2,
+)
+FIELD_VALUES = {  # shapes near the valid ones, so the fuzz reaches past the first type check
+    "messages": MESSAGES,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": JSON, "include_obfuscation": JSON}),
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"]) | STRINGS}),
+    "stop": st.lists(STRINGS, max_size=3),
+    "prompt": st.lists(NUMBERS | NASTY, min_size=1, max_size=3),
+}
+ALL_FIELDS = sorted(http_params.PARAMS) + ["unknown_field"]
+
+
+@st.composite
+def bodies(draw):
+    path = draw(st.sampled_from([COMPLETIONS, CHAT]))
+    fields = draw(st.lists(st.sampled_from(ALL_FIELDS), min_size=1, max_size=3, unique=True))
+    body = dict(BASE[path])
+    for name in fields:
+        body[name] = draw(NASTY | FIELD_VALUES.get(name, JSON) | JSON)  # a third of them nasty at the top
+    return path, body
+
+
+@pytest.fixture
+def short_max_tokens(front):
+    """At most 4 tokens (2 by default) while the fuzz runs, so that no example generates for long."""
+    servicer, _ = front
+    limits = servicer.limits
+    servicer.limits = replace(limits, default_max_tokens=2, max_tokens_limit=4)
+    yield
+    servicer.limits = limits
+
+
+@pytest.mark.usefixtures("short_max_tokens")
+@settings(
+    max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(case=bodies())
+def test_fuzzed_fields_never_get_a_500(front, case):
+    """Every parameter of both APIs (http_params.PARAMS, and an unknown one) with JSON values, lone
+    surrogates and 400-digit numbers among them: a 200 (a stream without an error event) or a 4xx in
+    OpenAI's error shape, never a 500."""
+    path, body = case
+    status, answer = Client(front[1]).post(path, body)
+    assert status < 500, (body, answer)
+    if status >= 400:
+        _refusal(answer)
+    elif isinstance(answer, bytes):  # a stream: it ends well
+        assert answer.endswith(b"data: [DONE]\n\n") and b'"error"' not in answer, answer
+
+
+# --------------------------------------------------------------------------- 4. bounded quotes
+
+
+@pytest.mark.parametrize(
+    "path,field,value,status",
+    [
+        (COMPLETIONS, "model", "m" * 3_000_000, 404),
+        (COMPLETIONS, "stop", ["s" * 1_000_000], 400),
+        (COMPLETIONS, "logit_bias", {str(i): 1 for i in range(100_000)}, 400),
+        (COMPLETIONS, "suffix", "x" * 1_000_000, 400),
+        (CHAT, "messages", [{"role": "r" * 100_000, "content": "a"}], 400),
+        (CHAT, "response_format", {"type": "t" * 1_000_000}, 400),
+        (CHAT, "modalities", ["audio"] * 100_000, 400),
+    ],
+)
+def test_an_error_quotes_a_huge_value_bounded(front, path, field, value, status):
+    got, answer = Client(front[1]).post(path, BASE[path] | {field: value})
+    assert got == status and _refusal(answer) == field, str(answer)[:500]
+    assert len(answer["error"]["message"]) <= 300, answer["error"]["message"]  # named, not echoed
+
+
+# --------------------------------------------------------------------------- 5. every parameter
+
+
+# OpenAI's parameters (the API reference's list for each endpoint) -> what this server does with them.
+OPENAI = {
+    COMPLETIONS: {
+        "model": HONOURED, "prompt": HONOURED, "best_of": REFUSED, "echo": REFUSED, "frequency_penalty": REFUSED,
+        "logit_bias": REFUSED, "logprobs": REFUSED, "max_tokens": HONOURED, "n": REFUSED, "presence_penalty": REFUSED,
+        "seed": HONOURED, "stop": HONOURED, "stream": HONOURED, "stream_options": HONOURED, "suffix": REFUSED,
+        "temperature": HONOURED, "top_p": HONOURED, "user": HARMLESS,
+    },
+    CHAT: {
+        "messages": HONOURED, "model": HONOURED, "audio": REFUSED, "frequency_penalty": REFUSED,
+        "function_call": REFUSED, "functions": REFUSED, "logit_bias": REFUSED, "logprobs": REFUSED,
+        "max_completion_tokens": HONOURED, "max_tokens": HONOURED, "metadata": HARMLESS, "modalities": REFUSED,
+        "n": REFUSED, "parallel_tool_calls": HARMLESS, "prediction": HARMLESS, "presence_penalty": REFUSED,
+        "prompt_cache_key": HARMLESS, "prompt_cache_retention": HARMLESS, "reasoning_effort": REFUSED,
+        "response_format": REFUSED, "safety_identifier": HARMLESS, "seed": HONOURED, "service_tier": HARMLESS,
+        "stop": HONOURED, "store": HARMLESS, "stream": HONOURED, "stream_options": HONOURED, "temperature": HONOURED,
+        "tool_choice": REFUSED, "tools": REFUSED, "top_logprobs": REFUSED, "top_p": HONOURED, "user": HARMLESS,
+        "verbosity": REFUSED, "web_search_options": REFUSED,
+    },
+}  # fmt: skip
+# A value asking for something each refused parameter cannot do, and one each harmless parameter may take.
+ASKS = {
+    "best_of": 2, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"5": 10}, "logprobs": 2, "n": 2,
+    "presence_penalty": -1, "suffix": "end", "audio": {"voice": "alloy", "format": "wav"},
+    "function_call": "auto", "functions": [{"name": "f"}], "modalities": ["text", "audio"], "reasoning_effort": "low",
+    "response_format": {"type": "json_object"}, "tool_choice": "auto", "tools": [{"type": "function"}],
+    "top_logprobs": 3, "verbosity": "low", "web_search_options": {},
+}  # fmt: skip
+HARMLESS_VALUES = {
+    "user": "u-1", "metadata": {"k": "v"}, "parallel_tool_calls": False, "store": True,
+    "prediction": {"type": "content", "content": "x"}, "prompt_cache_key": "k", "prompt_cache_retention": "24h",
+    "safety_identifier": "s", "service_tier": "auto",
+}  # fmt: skip
+
+
+def test_the_table_covers_every_openai_parameter():
+    for path, table in OPENAI.items():
+        api = http_params.CHAT if path == CHAT else http_params.COMPLETIONS
+        for name, kind in table.items():
+            param = http_params.PARAMS[name]
+            assert param.kind == kind and param.api in (api, http_params.BOTH), (path, name, param)
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_each_parameter_is_honoured_refused_or_harmless(front, path):
+    client = Client(front[1])
+    for name, kind in OPENAI[path].items():
+        if kind == REFUSED:
+            status, answer = client.post(path, BASE[path] | {name: ASKS[name]})
+            assert status == 400 and _refusal(answer) == name, (name, answer)
+            status, answer = client.post(path, BASE[path] | {name: None})  # asks for nothing: accepted
+            assert status == 200, (name, answer)
+        elif kind == HARMLESS:
+            status, answer = client.post(path, BASE[path] | {name: HARMLESS_VALUES[name]})
+            assert status == 200, (name, answer)
+            status, answer = client.post(path, BASE[path] | {name: 12})  # its type is still checked
+            assert status == 400 and _refusal(answer) == name, (name, answer)
+    for name, value in [("modalities", ["text"]), ("response_format", {"type": "text"}), ("n", 1), ("logprobs", False)]:
+        if name in OPENAI[path]:
+            status, answer = client.post(path, BASE[path] | {name: value})
+            assert status == 200, (name, answer)  # the value that asks for nothing more
+
+
+def test_refusals_the_issue_names(front):
+    client = Client(front[1])
+    for name, value in [("modalities", ["audio"]), ("response_format", {"type": "json_schema", "json_schema": {}}),
+                        ("audio", {"voice": "x"}), ("logit_bias", {"1": -100})]:  # fmt: skip
+        status, answer = client.post(CHAT, BASE[CHAT] | {name: value})
+        assert status == 400 and _refusal(answer) == name, answer
+    status, answer = client.post(COMPLETIONS, BASE[COMPLETIONS] | {"messages": [{"role": "user", "content": "x"}]})
+    assert status == 400 and _refusal(answer) == "messages" and CHAT in answer["error"]["message"], answer
+    status, answer = client.post(COMPLETIONS, BASE[COMPLETIONS] | {"max_completion_tokens": 3})
+    assert status == 400 and _refusal(answer) == "max_completion_tokens", answer
+
+
+def test_unknown_parameters_are_ignored(front):
+    """As the front always did (and vLLM does): a vendor's field this server does not know changes nothing."""
+    status, answer = Client(front[1]).post(COMPLETIONS, BASE[COMPLETIONS] | {"x_vendor_hint": {"a": 1}})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+def test_stream_options_are_honoured(front):
+    client = Client(front[1])
+    stream = BASE[CHAT] | {"stream": True}
+    events = [
+        json.loads(line[6:]) for line in client.post(CHAT, stream)[1].split(b"\n\n") if line[6:] not in (b"", b"[DONE]")
+    ]
+    assert "usage" not in events[-1] and all("obfuscation" not in e for e in events)
+    options = {"include_usage": True, "include_obfuscation": True}
+    answer = client.post(CHAT, stream | {"stream_options": options})[1]
+    events = [json.loads(line[6:]) for line in answer.split(b"\n\n") if line[6:] not in (b"", b"[DONE]")]
+    assert events[-1]["usage"]["completion_tokens"] == 2 and all(e["obfuscation"] for e in events)
+    status, answer = client.post(CHAT, stream | {"stream_options": {"include_usage": "yes"}})
+    assert status == 400 and _refusal(answer) == "stream_options.include_usage"
+
+
+def test_request_id_is_honoured(front):
+    status, answer = Client(front[1]).post(COMPLETIONS, BASE[COMPLETIONS] | {"request_id": "has space"})
+    assert status == 400 and _refusal(answer) == "request_id", answer
+
+
+# --------------------------------------------------------------------------- 6. retrieve a model
+
+
+def test_a_model_is_retrieved_by_id(front):
+    client = Client(front[1])
+    status, answer = client.get("/v1/models/tiny")
+    assert status == 200 and answer["id"] == "tiny" and answer["object"] == "model"
+    status, answer = client.get("/v1/models/other")
+    assert status == 404 and _refusal(answer) == "model" and answer["error"]["code"] == "model_not_found"
+    assert Client(front[1], auth=None).get("/v1/models/tiny")[0] == 401
+
+
+# --------------------------------------------------------------------------- 7. slow clients
+
+
+@contextlib.contextmanager
+def _front_with(servicer, timeouts: HttpTimeouts):
+    http = HttpFront(servicer, 0, "tiny", timeouts=timeouts)
+    try:
+        yield http.start("127.0.0.1")
+    finally:
+        http.drain()
+        http.join(5)
+
+
+def _closed_within(sock: socket.socket, timeout: float) -> tuple[float, bytes]:
+    """Seconds until the server closes ``sock`` (then closed here too), and what it sent before."""
+    sock.settimeout(timeout)
+    t0, got = time.monotonic(), b""
+    try:
+        while chunk := sock.recv(4096):
+            got += chunk
+    finally:
+        sock.close()
+    return time.monotonic() - t0, got
+
+
+def test_slow_headers_and_bodies_are_cut_off(front):
+    servicer, _ = front
+    with _front_with(servicer, HttpTimeouts(headers_s=0.5, body_s=0.5, keep_alive_s=0.5)) as port:
+        silent = socket.create_connection(("127.0.0.1", port))
+        partial = socket.create_connection(("127.0.0.1", port))
+        partial.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bear")
+        for sock in (silent, partial):
+            took, got = _closed_within(sock, 10)
+            assert took < 5 and got == b"", (took, got)  # closed, not left open forever
+        slow_body = socket.create_connection(("127.0.0.1", port))
+        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer " + TOKEN.encode()
+                          + b"\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"pro")  # fmt: skip
+        took, got = _closed_within(slow_body, 10)
+        assert took < 5 and got.startswith(b"HTTP/1.1 408"), got
+        # A request whose headers came in time is not cut off however long its generation; the next
+        # request's headers on that keep-alive connection are bounded as the first's were.
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = json.dumps({"prompt": [2, 40], "max_tokens": 200, "ignore_eos": True})
+        conn.request("POST", COMPLETIONS, body, {"authorization": f"Bearer {TOKEN}"})
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 200
+        conn.sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost:")
+        took, got = _closed_within(conn.sock, 10)
+        conn.close()
+        assert took < 5 and got == b"", (took, got)
+
+
+# --------------------------------------------------------------------------- 8. the bearer scheme
+
+
+def test_the_bearer_scheme_matches_in_any_case(front):
+    for header in (f"Bearer {TOKEN}", f"bearer {TOKEN}", f"BEARER {TOKEN}"):
+        assert bearer_ok(header, TOKEN)
+        assert Client(front[1], auth=header).get("/v1/models")[0] == 200
+    for header in (f"Bearer {TOKEN.upper()}", f"Basic {TOKEN}", f"Bearer{TOKEN}", TOKEN, "", f"Bearer  {TOKEN}"):
+        assert not bearer_ok(header, TOKEN)
+        assert Client(front[1], auth=header or None).get("/v1/models")[0] == 401
+
+    class Context:  # a gRPC call's metadata, as guard.py checks it
+        def invocation_metadata(self):
+            return (("authorization", f"bearer {TOKEN}"),)
+
+    assert authorized(Context(), TOKEN)
