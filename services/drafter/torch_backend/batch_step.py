@@ -195,7 +195,7 @@ class PooledAttention:
         self.groups: dict[tuple, tuple] = {}
 
     def _group(self, kind: str, spec) -> tuple:
-        """(write rows, table, mask) of a layer kind and attention rule, made once per step on the device."""
+        """(write rows, table, key positions, mask) of a layer kind and attention rule, made once per step on the device."""
         key = (kind, spec.is_causal, spec.window)
         if key in self.groups:
             return self.groups[key]
@@ -218,13 +218,13 @@ class PooledAttention:
             mask = mask & (k <= q)
         if spec.window is not None:
             mask = mask & ((q - k).abs() < spec.window)
-        g = (f[f"blk_{kind}"], table, mask[:, None])  # [blocks, 1, lanes, slots]: every head alike
+        g = (f[f"blk_{kind}"], table, k[:, 0], mask[:, None])  # mask [blocks, 1, lanes, slots]: every head alike
         self.groups[key] = g
         return g
 
     def __call__(self, i: int, spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kind = "ring" if self.pool.kinds[i] == SLIDING else "full"
-        write, table, mask = self._group(kind, spec)
+        write, table, _, mask = self._group(kind, spec)
         pages = self.pool.of(i)
         pages.write(i, write, k[0], v[0])
         keys, values = pages.gather(i, table)  # [n_kv, blocks, slots, hd]

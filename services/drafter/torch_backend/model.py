@@ -250,6 +250,7 @@ class DFlashDraftModel(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
         self.rope_scale = scale
         self.target: TargetHead | None = None
+        self._free: list[PooledContext] = []  # closed sessions' caches kept for the next (graphs on)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -284,7 +285,6 @@ class DFlashDraftModel(nn.Module):
         """Every session's context K/V (made on first use, on the model's device and dtype by then)."""
         if self._pool is None:
             self._pool = DraftPool(self.config, self.device, self.dtype)
-            self._free: list[PooledContext] = []
         return self._pool
 
     @property
