@@ -321,6 +321,8 @@ def run(model, extensions: Sequence[tuple], blocks: Sequence[tuple], greedy: boo
     blocks' drafted rows in order (rows 1.. of each block): the greedy tokens when ``greedy`` (one host sync
     for all), the logits rows when ``keep_logits`` (copied out of a captured step's static output)."""
     static = model.graph_options.static_extent
+    if not blocks and not any(a.shape[0] for _, a in extensions):
+        return None, None  # nothing to extend, nothing to draft
     with model.pool.stepping():
         if static and any(a.shape[0] > MAX_BLOCK_SIZE for _, a in extensions):  # a prompt: eagerly, first
             long = [(c, a) for c, a in extensions if a.shape[0] > MAX_BLOCK_SIZE]
