@@ -65,8 +65,9 @@ class DraftSampler(Protocol):
 
 
 class StaticStep(Protocol):
-    def draft(self, cache: ContextKVCache, new_aux: Array, last_token: int, block_size: int) -> list[int]:
-        """Extend ``cache`` by ``new_aux`` and draft ``block_size - 1`` greedy tokens after ``last_token``."""
+    """The steps with static shapes a model drafts through (torch: ``batch_step.DraftSteps``)."""
+
+    options: Any  # how they run (torch: a ``GraphOptions``: capture, buckets)
 
 
 class DraftModel(Protocol):
