@@ -415,12 +415,14 @@ class TorchDrafter(LocalDrafter):
         graph_options=None,
         compile: bool = False,
         graphed_min_batch: int | None = None,
+        attention_kernel: bool | None = None,
         **shared,
     ):
         """``cuda_graphs``: capture greedy draft calls (default: on for CUDA, see drafter/torch_backend/step.py);
         ``graph_options`` (a ``torch_graphs.GraphOptions``) overrides it and ``graphed_min_batch``
         (``--graphed-min-batch``); ``compile``:
         ``torch.compile`` the layers' row-wise halves (``DFlashDraftModel.compile_layers``);
+        ``attention_kernel``: the Triton decode-attention kernel (``DFlashDraftModel.use_attention_kernel``);
         ``shared``: :class:`LocalDrafter`'s ``prefixes`` and ``predraft_blocks``."""
         from kakeya.backends.torch.graphs import GraphOptions
 
@@ -431,6 +433,7 @@ class TorchDrafter(LocalDrafter):
 
             model = load_dflash_torch(draft_dir, target_dir, device, dtype)
         model.fuse_projections()
+        model.use_attention_kernel(attention_kernel)
         options = graph_options or GraphOptions.for_device(model.device, cuda_graphs, graphed_min_batch)
         if options.static_extent:
             model.use_graphs(options)

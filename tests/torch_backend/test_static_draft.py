@@ -207,7 +207,7 @@ def test_the_device_mask_through_the_tables_is_block_mask(keep, is_causal):
         batch = Batch(model.pool, [(cache, _aux(n, 0))], [(cache, [1] * B)], static=n <= 16)
         assert batch.shape.block >= B
         f = unpack(torch.from_numpy(batch.packed), batch.shape, model.pool.page)
-        _, _, kpos, mask = PooledAttention(model.pool, batch.shape, f)._group("ring" if keep else "full", spec)
+        _, _, kpos, _, mask = PooledAttention(model.pool, batch.shape, f)._group("ring" if keep else "full", spec)
         view = layout.block(B)
         want = block_mask(view, B, is_causal=is_causal, window=spec.window)
         rel = kpos[0].numpy() - C  # each slot's position relative to the block's first query

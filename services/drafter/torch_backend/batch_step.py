@@ -188,14 +188,22 @@ def unpack(packed: torch.Tensor, shape: Shape, page: int) -> dict[str, torch.Ten
 
 class PooledAttention:
     """Per layer: every block row's K/V into its scratch row, then one attention call over every block,
-    its context read through the tables."""
+    its context read through the tables: the Triton decode-attention kernel (``kernel``: it reads the
+    pool through the table itself) where the layer's rule fits it, else a gather and SDPA."""
 
-    def __init__(self, pool, shape: Shape, f: dict):
-        self.pool, self.shape, self.f = pool, shape, f
+    def __init__(self, pool, shape: Shape, f: dict, kernel: bool = False):
+        self.pool, self.shape, self.f, self.kernel = pool, shape, f, kernel
         self.groups: dict[tuple, tuple] = {}
 
+    def takes_kernel(self, spec) -> bool:
+        """The kernel's rule is causal with a window behind the query; a block that attends non-causally
+        is its queries all at the block's last position, which a window would shift."""
+        return self.kernel and (spec.is_causal or spec.window is None)
+
     def _group(self, kind: str, spec) -> tuple:
-        """(write rows, table, key positions, mask) of a layer kind and attention rule, made once per step on the device."""
+        """(write rows, table, key positions, query positions, mask) of a layer kind and attention rule,
+        made once per step on the device (query positions as the kernel takes them, or None; the mask
+        only where SDPA runs)."""
         key = (kind, spec.is_causal, spec.window)
         if key in self.groups:
             return self.groups[key]
@@ -212,25 +220,45 @@ class PooledAttention:
         bpos = clen + iota[None, :L]
         bpos = torch.where(bpos < f["bend"][:, None], bpos, -1)  # a padded lane is never a key
         table = torch.cat([table, f[f"tab_{kind}"].view(N, L)], dim=1)
-        k, q = torch.cat([kpos, bpos], dim=1)[:, None, :], f["qpos"].view(N, L)[:, :, None]
-        mask = k >= 0
-        if spec.is_causal:
-            mask = mask & (k <= q)
-        if spec.window is not None:
-            mask = mask & ((q - k).abs() < spec.window)
-        g = (f[f"blk_{kind}"], table, k[:, 0], mask[:, None])  # mask [blocks, 1, lanes, slots]: every head alike
+        kpos = torch.cat([kpos, bpos], dim=1)
+        qpos = f["qpos"].view(N, L)
+        if self.takes_kernel(spec):
+            if not spec.is_causal:  # every key up to the block's end: the queries at its last position
+                qpos = (f["bend"] - 1)[:, None].expand(N, L).contiguous()
+            g = (f[f"blk_{kind}"], table, kpos, qpos, None)
+        else:
+            k, q = kpos[:, None, :], qpos[:, :, None]
+            mask = k >= 0
+            if spec.is_causal:
+                mask = mask & (k <= q)
+            if spec.window is not None:
+                mask = mask & ((q - k).abs() < spec.window)
+            g = (f[f"blk_{kind}"], table, kpos, None, mask[:, None])  # [blocks, 1, lanes, slots]: every head alike
         self.groups[key] = g
         return g
 
     def __call__(self, i: int, spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kind = "ring" if self.pool.kinds[i] == SLIDING else "full"
-        write, table, _, mask = self._group(kind, spec)
+        write, table, kpos, qpos, mask = self._group(kind, spec)
         pages = self.pool.of(i)
         pages.write(i, write, k[0], v[0])
-        keys, values = pages.gather(i, table)  # [n_kv, blocks, slots, hd]
         sh, f = self.shape, self.f
         N, L = sh.sessions, sh.block
         H, D = q.shape[1], q.shape[3]
+        if qpos is not None:
+            from kakeya.backends.torch.kernels import attention as kernel
+
+            rows = q[0].transpose(0, 1)  # [rows, heads, hd]
+            if sh.ragged:
+                rows = rows[f["to_pad"]]
+            out = kernel.decode_attention(
+                rows.reshape(N, L, H, D), pages.keys[i], pages.values[i], table, kpos, qpos,
+                window=spec.window or 0, scale=spec.scale,
+            ).view(N * L, H, D)  # fmt: skip
+            if sh.ragged:
+                out = out[f["from_pad"]]
+            return out.transpose(0, 1)[None]
+        keys, values = pages.gather(i, table)  # [n_kv, blocks, slots, hd]
         qq = q[0]  # [heads, rows, hd]
         if sh.ragged:
             qq = qq[:, f["to_pad"]]
@@ -256,7 +284,7 @@ def draft_step(model, shape: Shape, packed: torch.Tensor, aux: torch.Tensor | No
         return None, None
     cos, sin = rope_from_positions(model.inv_freq, f["pos"], model.dtype, model.rope_scale)
     x = model.embed_block(f["ids"])
-    attention = PooledAttention(pool, shape, f)
+    attention = PooledAttention(pool, shape, f, model.attention_kernel)
     with sdpa_backends():
         for i, layer in enumerate(model.layers):
             q, k, v = layer.project(x, cos, sin)

@@ -32,7 +32,15 @@ from torch import nn
 
 from kakeya.backends.torch import sampling as sampling_torch
 from kakeya.backends.torch.graphs import GraphOptions
-from kakeya.backends.torch.ops import apply_rope, compiled, default_inv_freq, qwen3_rms_norm, rope_cos_sin, sdpa
+from kakeya.backends.torch.ops import (
+    apply_rope,
+    attention_kernel_wanted,
+    compiled,
+    default_inv_freq,
+    qwen3_rms_norm,
+    rope_cos_sin,
+    sdpa,
+)
 from kakeya.drafter.backend import KV, scale_embedding, scale_logits
 from kakeya.drafter.config import DFlashConfig, aux_rows
 from kakeya.drafter.context import DEFAULT_STEP, Segment, split_rows
@@ -263,6 +271,13 @@ class DFlashDraftModel(nn.Module):
     # capabilities (``drafter/backend.py``): eager, exact shapes until use_graphs
     min_batch = 2
     graph_options = GraphOptions()
+    attention_kernel = False  # the Triton decode-attention kernel in the step (``use_attention_kernel``)
+
+    def use_attention_kernel(self, wanted: bool | None = None) -> DFlashDraftModel:
+        """Attend through the Triton decode-attention kernel: by default on CUDA where triton imports;
+        asked for, also on the CPU under Triton's interpreter (how tests run it)."""
+        self.attention_kernel = attention_kernel_wanted(self.device, wanted)
+        return self
 
     @property
     def static_step(self) -> batch_step.DraftSteps | None:
