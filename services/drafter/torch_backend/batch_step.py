@@ -289,7 +289,7 @@ def draft_step(model, shape: Shape, packed: torch.Tensor, aux: torch.Tensor | No
         for i, layer in enumerate(model.layers):
             q, k, v = layer.project(x, cos, sin)
             x = layer.finish(x, attention(i, layer.self_attn.spec, q, k, v))
-    logits = model.compute_logits(model.norm(x[0])[f["drafts"]])
+    logits = model.compute_logits(model.norm(x[0]).index_select(0, f["drafts"]))
     return torch.argmax(logits, dim=-1), logits
 
 

@@ -116,7 +116,9 @@ class Pages:
 
     def gather(self, i: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s K and V at ``table`` (any shape of rows): ``[n_kv, *table.shape, head_dim]``."""
-        return self.keys[i][:, table], self.values[i][:, table]
+        flat = table.reshape(-1)  # index_select copies whole rows: on a CPU ~10x an advanced index's speed
+        shape = (self.n_kv, *table.shape, self.head_dim)
+        return self.keys[i].index_select(1, flat).view(shape), self.values[i].index_select(1, flat).view(shape)
 
 
 def page_rows(pages: Sequence[int], page: int) -> np.ndarray:
