@@ -418,7 +418,7 @@ class TorchDrafter(LocalDrafter):
         attention_kernel: bool | None = None,
         **shared,
     ):
-        """``cuda_graphs``: capture greedy draft calls (default: on for CUDA, see drafter/torch_backend/step.py);
+        """``cuda_graphs``: capture every draft step (default: on for CUDA, see drafter/torch_backend/batch_step.py);
         ``graph_options`` (a ``torch_graphs.GraphOptions``) overrides it and ``graphed_min_batch``
         (``--graphed-min-batch``); ``compile``:
         ``torch.compile`` the layers' row-wise halves (``DFlashDraftModel.compile_layers``);
