@@ -12,10 +12,10 @@ against the alone ones (choices and drafts identical). No gRPC: this is the
 ceiling the servers' compute threads reach when N steps queue up together.
 
 On torch a batched verify is one step over the target's pooled K/V
-(``verifier/torch_backend/batch_step.py``): ``device_ops`` counts the aten ops
-(views left out) of one session's verify and of the N sessions' batched verify,
-which stay the same as N grows (drafts still attend per session:
-``drafter/torch_backend/model.py``). Writes
+(``verifier/torch_backend/batch_step.py``), and so is a batched draft over the
+drafter's pooled context (``drafter/torch_backend/batch_step.py``): ``device_ops``
+counts the aten ops (views left out) of one session's verify or draft and of the N
+sessions' batched one, which stay the same as N grows. Writes
 ``benchmarks/results/batching[_<device>_<shape>].json``.
 """
 
@@ -133,6 +133,13 @@ def measure(target, drafter, n: int, block: int, ctx: int, reps: int, device: st
     for fn in (verify_alone, verify_together, draft_alone, draft_together):  # warm-up (graphs, allocator)
         fn()
     same_verify = verify_alone() == verify_together()
+    # the drafts of one call each way, from twin caches (a draft extends its session's context)
+    twins = [drafter.open_session() for _ in range(n)]
+    for d, t in zip(twins, ds):
+        d.cache.restore(t.cache.snapshot())
+    same_draft = [d.draft(a, b[0], block) for d, a, b in zip(twins, one_aux, blocks)] == draft_together()
+    for d in twins:
+        d.close()
     t = {
         name: median_time(fn, reps, device)
         for name, fn in (
@@ -165,6 +172,11 @@ def measure(target, drafter, n: int, block: int, ctx: int, reps: int, device: st
         "verify_speedup": round(t["verify_alone"] / t["verify_batch"], 2),
         "draft_speedup": round(t["draft_alone"] / t["draft_batch"], 2),
         "verify_choices_identical": same_verify,
+        "draft_positions_per_s": {
+            "alone": round(n * (block - 1) / t["draft_alone"]),
+            "batch": round(n * (block - 1) / t["draft_batch"]),
+        },
+        "drafts_identical": same_draft,
     }
 
 
@@ -190,8 +202,9 @@ def main() -> int:
             print(
                 f"N={n:>2}: verify {r['ms']['verify_alone']:.2f} -> {r['ms']['verify_batch']:.2f} ms "
                 f"({r['verify_speedup']:.2f}x), draft {r['ms']['draft_alone']:.2f} -> {r['ms']['draft_batch']:.2f} ms "
-                f"({r['draft_speedup']:.2f}x), identical {r['verify_choices_identical']}, device ops verify "
-                f"{r['device_ops']['verify_one_session']} (one) / {r['device_ops']['verify_batch']} (batch)",
+                f"({r['draft_speedup']:.2f}x), identical {r['verify_choices_identical']}/{r['drafts_identical']}, "
+                f"device ops verify {r['device_ops']['verify_one_session']} (one) / {r['device_ops']['verify_batch']} "
+                f"(batch), draft {r['device_ops']['draft_one_session']} / {r['device_ops']['draft_batch']}",
                 flush=True,
             )
     name = (

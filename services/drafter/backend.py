@@ -13,18 +13,18 @@ a missing method:
 * ``min_batch``: the fewest queued sessions ``draft_batch`` runs as one forward
   (fewer go one by one: with CUDA graphs a captured step alone beats an eager
   batch);
-* ``static_step``: None, or a step that drafts a greedy block of one session
-  with static shapes (the torch CUDA-graph step, ``torch_backend/step.py``);
-  every other draft is ``block_logits`` over one or more sessions;
+* ``static_step``: None, or the steps with static shapes a draft runs through
+  (torch with CUDA graphs: ``torch_backend/batch_step.py``, one graph per shape
+  for any set of sessions);
 * ``release_cache``: what happens to a closed session's cache (torch with the
-  static step keeps it, graphs and all, for the next session; otherwise it is
-  dropped).
+  static step keeps it for the next session; otherwise its memory goes now).
 
-A draft call is: extend every session's context cache by its new aux rows
-(:func:`extend`, one projection for all of them), then one block forward over
-every session's block (``block_logits``), then the tokens: ``argmax`` (one host
-sync) or, for a sampling session, its candidates from its logits rows through
-``sampler``.
+A draft call is ``draft_step``: extend every session's context cache by its new
+aux rows, then one block forward over every session's block, then the tokens:
+the greedy ones (one host sync) or, for a sampling session, its candidates
+from its logits rows through ``sampler``. MLX runs :func:`extend_and_draft`
+(:func:`extend`, ``block_logits``, ``argmax``); torch runs it all as one
+batched step over pooled K/V.
 """
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ class DraftSampler(Protocol):
 
 
 class StaticStep(Protocol):
-    def draft(self, cache: ContextKVCache, new_aux: Array, last_token: int, block_size: int) -> list[int]:
-        """Extend ``cache`` by ``new_aux`` and draft ``block_size - 1`` greedy tokens after ``last_token``."""
+    """The steps with static shapes a model drafts through (torch: ``batch_step.DraftSteps``)."""
+
+    options: Any  # how they run (torch: a ``GraphOptions``: capture, buckets)
 
 
 class DraftModel(Protocol):
@@ -103,6 +104,17 @@ class DraftModel(Protocol):
         """Logits ``[sum (B_i - 1), vocab]`` of positions ``1..B_i-1`` of every ``(cache, block ids)``,
         in order, from ONE forward (each block attends to its own cache) and one LM head call."""
 
+    def draft_step(
+        self,
+        extensions: Sequence[tuple[ContextKVCache, Array]],
+        blocks: Sequence[tuple[ContextKVCache, Sequence[int]]],
+        greedy: bool,
+        keep_logits: bool,
+    ) -> tuple[list[int] | None, Array | None]:
+        """Extend each ``(cache, aux)``, then draft every ``(cache, block ids)`` in one forward: the greedy
+        tokens of the drafted rows (``block_logits``' rows) when ``greedy`` (the one host sync), their
+        logits when ``keep_logits``; (None, None) without blocks."""
+
     def argmax(self, logits: Array, caches: Sequence[ContextKVCache]) -> list[int]:
         """Greedy tokens of ``logits`` rows: the host sync of a draft (the caches' new K/V settle with it)."""
 
@@ -133,6 +145,17 @@ def extend(model: DraftModel, caches: Sequence[ContextKVCache], auxs: Sequence[A
     kv = model.context_kv([aux for _, aux in work], [cache.length for cache, _ in work])
     for (cache, _), layers in zip(work, kv):
         cache.append(layers)
+
+
+def extend_and_draft(model: DraftModel, extensions, blocks, greedy: bool) -> tuple[list[int] | None, Array | None]:
+    """``DraftModel.draft_step`` from the model's parts: :func:`extend`, one ``block_logits`` forward,
+    ``argmax`` (its sync settles the caches too); the logits are returned either way."""
+    caches = [cache for cache, _ in extensions]
+    extend(model, caches, [aux for _, aux in extensions])
+    if not blocks:
+        return None, None
+    logits = model.block_logits(blocks)
+    return (model.argmax(logits, caches) if greedy else None), logits
 
 
 def scale_embedding(config: DFlashConfig, rows: Array) -> Array:

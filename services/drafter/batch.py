@@ -4,10 +4,11 @@
 Draft requests of several streams queue up together: each item is checked
 exactly as ``DrafterSession.draft`` checks it (a bad item gets its own
 exception as its result; the others still run), then the sessions of each
-model run as ``session.draft_together``: all new aux rows projected in ONE
-context extension, all blocks of size >= 2 through ONE forward and one LM head
-call (``DraftModel.block_logits``), which is what a session drafting alone
-runs with itself as the only block. Sessions may differ in context length,
+model run as ``session.draft_together``: ONE ``DraftModel.draft_step`` projects
+all new aux rows into the contexts and runs all blocks of size >= 2 through one
+forward and one LM head call (on torch one step over pooled K/V, one attention
+call per layer), which is what a session drafting alone runs with itself as the
+only block. Sessions may differ in context length,
 block size, last token and sampling: a greedy session gets its argmax tokens,
 a sampling one its candidates from its own logits rows with its own seed (and,
 under the coupled rule, its own positions), as it would alone. Fewer sessions of a model than its

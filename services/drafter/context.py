@@ -27,6 +27,7 @@ of a verifier session share one ``RingLayout``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -197,6 +198,18 @@ class ContextKVCache:
 
     def view(self, i: int):
         return self.layers[i].visible()
+
+    @property
+    def rows_held(self) -> int:
+        """Rows allocated over every layer (``nbytes`` per row: what a server's admission counts by)."""
+        return sum(layout.capacity for layout in self.plan.layer_layouts)
+
+    def rows_after(self, new_rows: int) -> int:
+        """``rows_held`` once ``new_rows`` more positions and a block are in: the plan run ahead on a copy."""
+        plan = copy.deepcopy(self.plan)
+        plan.append(new_rows)
+        plan.block(MAX_BLOCK_SIZE, scratch=True)
+        return sum(layout.capacity for layout in plan.layer_layouts)
 
     @property
     def nbytes(self) -> int:

@@ -19,7 +19,6 @@ session and the warm-up are the same code.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Iterator
@@ -99,17 +98,14 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         probe = self.drafter.open_session()
         try:
             probe.draft(self.drafter.model.zeros_aux(1), 2, 1)
-            return probe.cache.nbytes // sum(layout.capacity for layout in probe.cache.plan.layer_layouts)
+            return probe.cache.nbytes // probe.cache.rows_held
         finally:
             probe.close()
 
     def _context_bytes(self, session, new_rows: int) -> int:
-        """Bytes ``session``'s context cache holds once ``new_rows`` more positions and a block are in:
-        its own plan run ahead on a copy (host bookkeeping, nothing allocated)."""
-        plan = copy.deepcopy(session.cache.plan)
-        plan.append(new_rows)
-        plan.block(MAX_BLOCK_SIZE, scratch=True)
-        return sum(layout.capacity for layout in plan.layer_layouts) * self.row_bytes
+        """Bytes ``session``'s context cache holds once ``new_rows`` more positions and a block are in
+        (``rows_after``: host bookkeeping, nothing allocated)."""
+        return session.cache.rows_after(new_rows) * self.row_bytes
 
     def _decode(self, tensor):
         """A wire Tensor as the backend's own array (the session casts it to the model's dtype)."""

@@ -24,8 +24,8 @@ of the target that chose its candidates. The blocks' context lacks the pending b
 verifier has not answered yet); their tokens are proposals like any others.
 
 A draft alone is :func:`draft_together` of one session, the same code
-``batch.draft_batch`` runs for several; only a greedy block on a model with a
-static step (torch with CUDA graphs) takes that step instead. The model is a
+``batch.draft_batch`` runs for several (on torch: the same batched step, captured
+in CUDA graphs when they are on). The model is a
 ``DraftModel`` (``backend.py``: the torch or MLX ``DFlashDraftModel``), asked
 for nothing but what that protocol declares; the cache bookkeeping lives in
 ``context.py``. A session owns its cache; sessions share only the weights.
@@ -234,19 +234,7 @@ class DrafterSession:
         self._ranked.append(((opening, *tokens), own, alts))
 
     def run(self, call: DraftCall) -> Draft:
-        """A call ``check`` returned."""
-        step = self.model.static_step
-        # The static step keeps no logits: a session pre-drafting with alternatives drafts eagerly instead,
-        # or its next pre-draft would have none to prepare for.
-        if (
-            step is not None
-            and self.rule is None
-            and not call.pending
-            and not self.alternatives
-            and step.takes(self.cache, call.aux.shape[0], call.block_size)
-        ):
-            self.calls += 1
-            return Draft(step.draft(self.cache, call.aux, call.last_token, call.block_size))
+        """A call ``check`` returned: :func:`draft_together` of this one call."""
         return draft_together([call])[0]
 
     def check(self, new_aux, last_token: int, block_size: int, pending: tuple[int, ...] = ()) -> DraftCall:
@@ -289,24 +277,27 @@ class DrafterSession:
 
 
 def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
-    """Checked draft calls of sessions of one model: ONE context extension, ONE forward over every
-    block that drafts, one host sync for the greedy ones (a sampling session's candidates come from
-    its own logits rows, its own seed and positions). A pre-draft's calls all belong to one session."""
+    """Checked draft calls of sessions of one model: ONE step (``DraftModel.draft_step``) extending every
+    context and drafting every block, one host sync for the greedy ones (a sampling session's candidates
+    come from its own logits rows, its own seed and positions). A pre-draft's calls all belong to one session."""
     model = work[0].session.model
     caches = [call.session.cache for call in work]
     for session in {id(call.session): call.session for call in work}.values():
         session.calls += 1
         session._ranked = []
-    extend(model, caches, [call.aux for call in work])
     drafting = [call for call in work if call.wanted]
+    greedy = any(call.session.rule is None for call in drafting)
+    keep = max((call.session.alternatives for call in drafting if call.session.rule is None), default=0)
+    mask = model.config.mask_token_id
+    tokens, logits = model.draft_step(  # the greedy tokens: one host sync, which settles every cache too
+        [(call.session.cache, call.aux) for call in work],
+        [(call.session.cache, call.opening + [mask] * call.wanted) for call in drafting],
+        greedy,
+        keep_logits=bool(keep) or not all(call.session.rule is None for call in drafting),
+    )
     if not drafting:
         model.materialize(caches)
         return [NOTHING] * len(work)
-    mask = model.config.mask_token_id
-    logits = model.block_logits([(call.session.cache, call.opening + [mask] * call.wanted) for call in drafting])
-    greedy = any(call.session.rule is None for call in drafting)
-    tokens = model.argmax(logits, caches) if greedy else None  # settles every cache too
-    keep = max((call.session.alternatives for call in drafting if call.session.rule is None), default=0)
     ranked = model.ranked(logits, keep + 1) if keep else None  # the argmax and the next likeliest
     drafts, at = [], 0
     for call in work:
@@ -424,12 +415,14 @@ class TorchDrafter(LocalDrafter):
         graph_options=None,
         compile: bool = False,
         graphed_min_batch: int | None = None,
+        attention_kernel: bool | None = None,
         **shared,
     ):
-        """``cuda_graphs``: capture greedy draft calls (default: on for CUDA, see drafter/torch_backend/step.py);
+        """``cuda_graphs``: capture every draft step (default: on for CUDA, see drafter/torch_backend/batch_step.py);
         ``graph_options`` (a ``torch_graphs.GraphOptions``) overrides it and ``graphed_min_batch``
         (``--graphed-min-batch``); ``compile``:
         ``torch.compile`` the layers' row-wise halves (``DFlashDraftModel.compile_layers``);
+        ``attention_kernel``: the Triton decode-attention kernel (``DFlashDraftModel.use_attention_kernel``);
         ``shared``: :class:`LocalDrafter`'s ``prefixes`` and ``predraft_blocks``."""
         from kakeya.backends.torch.graphs import GraphOptions
 
@@ -440,6 +433,7 @@ class TorchDrafter(LocalDrafter):
 
             model = load_dflash_torch(draft_dir, target_dir, device, dtype)
         model.fuse_projections()
+        model.use_attention_kernel(attention_kernel)
         options = graph_options or GraphOptions.for_device(model.device, cuda_graphs, graphed_min_batch)
         if options.static_extent:
             model.use_graphs(options)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kakeya.core.contract import Draft
-from kakeya.core.request import COUPLED, REJECTION, SamplingParams
+from kakeya.core.request import COUPLED, MAX_BLOCK_SIZE, REJECTION, SamplingParams
 from kakeya.drafter.backend import DraftModel
 from kakeya.drafter.batch import draft_batch
 from kakeya.drafter.session import DrafterSession
@@ -57,8 +57,8 @@ def _np(a) -> np.ndarray:
 def _same_cache(a: DrafterSession, b: DrafterSession) -> None:
     assert a.cache.length == b.cache.length
     assert a.cache.nbytes == b.cache.nbytes
-    for la, lb in zip(a.cache.layers, b.cache.layers):
-        (ka, va), (kb, vb) = la.visible(), lb.visible()
+    for i in range(a.model.config.num_hidden_layers):
+        (ka, va), (kb, vb) = a.cache.view(i), b.cache.view(i)
         assert (ka is None) == (kb is None)
         if ka is not None:
             np.testing.assert_allclose(_np(ka), _np(kb), atol=KV_ATOL)
@@ -101,11 +101,9 @@ def test_batched_drafts_equal_drafting_alone_over_consecutive_calls(backend, pai
         for a, b in zip(alone, batched):
             _same_cache(a, b)
     assert [s.calls for s in batched] == [8] * 5
-    sliding = [l for l in batched[0].cache.plan.layouts if l.keep is not None]
-    if pair.variant.sliding_window:  # the step-4 session's sliding buffer was compacted while batched
-        assert sliding and batched[0].cache.length > sliding[0].capacity
-    else:
-        assert not sliding
+    if pair.variant.sliding_window:  # the context outgrew a sliding layer's rows (a torch ring wrapped,
+        # the MLX step-4 session's buffer was compacted) while batched
+        assert batched[0].cache.length > pair.variant.sliding_window + MAX_BLOCK_SIZE
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -21,7 +21,8 @@ MASK = 4
 
 
 def _visible(session) -> list[np.ndarray]:
-    return [_np(a) for layer in session.cache.layers for a in layer.visible() if a is not None]
+    n = session.model.config.num_hidden_layers
+    return [_np(a) for i in range(n) for a in session.cache.view(i) if a is not None]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

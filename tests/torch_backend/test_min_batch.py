@@ -49,8 +49,10 @@ def test_verify_batch_runs_a_smaller_group_alone(torch_target, monkeypatch, min_
 def test_draft_batch_runs_a_smaller_group_alone(torch_drafter, monkeypatch, min_batch, batched):
     model = torch_drafter.model
     calls = []
-    logits = model.block_logits
-    monkeypatch.setattr(model, "block_logits", lambda blocks: calls.append(len(blocks)) or logits(blocks))
+    step = model.draft_step
+    monkeypatch.setattr(
+        model, "draft_step", lambda ext, blocks, *a, **k: calls.append(len(blocks)) or step(ext, blocks, *a, **k)
+    )
     monkeypatch.setattr(type(model), "min_batch", min_batch)
     width = model.config.aux_width
     aux = [torch.randn(n, width, generator=torch.Generator().manual_seed(n)) for n in (7, 12)]

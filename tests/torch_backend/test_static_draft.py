@@ -1,8 +1,9 @@
-"""The drafter's static-shape block step (drafter/step_torch.py) against the eager forward.
+"""The drafter's batched step with static shapes (drafter/torch_backend/batch_step.py) against exact shapes.
 
 On a CPU the step runs eagerly (``capture=False``) through exactly the code a
-CUDA graph records: device row indices, the capacity-span mask, bucket padding,
-cache reuse across sessions. On CUDA the captured graph is compared too.
+CUDA graph records: the packed inputs, the tables and device-built masks, bucket
+padding of blocks, lanes and extension rows, cache reuse across sessions. On CUDA
+the captured graph is compared too.
 """
 
 from __future__ import annotations
@@ -86,33 +87,17 @@ def _drive(drafter, script, device="cpu"):
     return out, length
 
 
-@pytest.fixture(params=["sdpa", "folded"])
-def attention(request, monkeypatch):
-    """The drafter's attention as on the CPU, and as on CUDA (query heads folded per KV head, which
-    only a CUDA tensor takes otherwise): a GQA drafter's one-row mask broke only the latter."""
-    if request.param == "folded":
-        import kakeya.drafter.torch_backend.model as draft_model
-        from kakeya.backends.torch import ops
-
-        def folded(q, k, v, mask, scale):
-            assert mask is None or mask.dim() == 2
-            return ops.sdpa_folded(q, k, v, mask, scale)
-
-        monkeypatch.setattr(draft_model, "sdpa", folded)
-    return request.param
-
-
 @pytest.mark.parametrize("causal", [None, True])
-def test_static_drafts_equal_eager_through_growth_compaction_and_every_block_size(causal, attention):
+def test_static_drafts_equal_eager_through_growth_ring_wraps_and_every_block_size(causal):
     eager, static = _pair(causal=causal)
     script = _script(60)
     want, n_eager = _drive(eager, script)
     got, n_static = _drive(static, script)
     assert got == want and n_static == n_eager
     assert any(len(d.tokens) == 15 for d in got) and any(d.tokens == () for d in got)  # B = 16 and B = 1 both ran
-    sliding = static.model.make_cache()  # the released cache: the sliding buffer compacted in place
-    assert sliding.plan.length == 0 and sliding.static is not None
-    assert 0 < sliding.plan.layouts[0].capacity < n_static  # bounded by the window, not the context
+    reused = static.model.make_cache()  # the released cache, emptied, its ring pages kept
+    assert reused.length == 0 and len(reused.ring_pages) == static.model.pool.ring // 16
+    assert 0 < static.model.pool.ring < n_static  # the ring wrapped: bounded by the window, not the context
 
 
 def test_a_reused_cache_drafts_like_a_fresh_one_and_graphs_are_kept():
@@ -120,13 +105,13 @@ def test_a_reused_cache_drafts_like_a_fresh_one_and_graphs_are_kept():
     first = _script(20, seed=5)
     _drive(static, first)
     cache = static.model._free[-1]
-    graphs = dict(cache.static.graphs.steps)
+    graphs = dict(static.model.steps.graphs.steps)
     assert graphs, "the static step built no steps"
     second = _script(25, seed=6)
     want, _ = _drive(eager, second)
     got, _ = _drive(static, second)
-    assert got == want
-    assert set(graphs) <= set(cache.static.graphs.steps)  # the first session's steps were reused
+    assert got == want and static.model._free[-1] is cache  # the second session drafted in the first's cache
+    assert set(graphs) <= set(static.model.steps.graphs.steps)  # the first session's steps were kept
 
 
 def test_padding_up_to_a_bucket_never_changes_what_real_rows_see():
@@ -140,16 +125,22 @@ def test_padding_up_to_a_bucket_never_changes_what_real_rows_see():
 
 
 @pytest.mark.parametrize("prompt", [5, 16, 40])
-def test_the_extension_runs_inside_the_step_unless_it_outgrows_a_block(prompt):
+def test_the_extension_runs_inside_the_step_unless_it_outgrows_a_block(prompt, monkeypatch):
     """New aux rows up to a block's worth are extended by the static step itself (no eager
-    extension launches), from the very first call of a short prompt; more rows first go eagerly.
-    A block-size-1 call (the extension alone, as after an n-gram-copied block) fuses too."""
+    step), from the very first call of a short prompt; more rows first go as an eager step of
+    their own. A block-size-1 call (the extension alone, as after an n-gram-copied block) fuses too."""
+    from kakeya.drafter.torch_backend.batch_step import DraftSteps
+
     eager, static = _pair(seed=4, window=40)
     eagerly = []
-    context_kv = static.model.context_kv  # the eager extension's projection (the step has its own)
-    static.model.context_kv = lambda auxs, offsets: (
-        eagerly.extend(a.shape[0] for a in auxs) or context_kv(auxs, offsets)
-    )
+    steps = DraftSteps.__call__
+
+    def counted(self, batch, aux, is_static):
+        if self.model is static.model and not is_static:
+            eagerly.append((batch.shape.ext, batch.shape.block))
+        return steps(self, batch, aux, is_static)
+
+    monkeypatch.setattr(DraftSteps, "__call__", counted)
     script = [(prompt, 9, 8)] + [
         (n, last, 1 if i % 3 == 0 else max(B, 2)) for i, (n, last, B) in enumerate(_script(50, seed=8)[1:])
     ]
@@ -157,7 +148,7 @@ def test_the_extension_runs_inside_the_step_unless_it_outgrows_a_block(prompt):
     got, n_static = _drive(static, script)
     assert got == want and n_static == n_eager
     assert sum(d.tokens == () for d in got) == 17  # the extensions alone drafted nothing, as eagerly
-    assert eagerly == ([prompt] if prompt > 16 else [])  # every later call (1..16 rows) fused, block size 1 too
+    assert eagerly == ([(prompt, 0)] if prompt > 16 else [])  # every later call (1..16 rows) fused, block size 1 too
 
 
 def test_closed_session_reports_empty_stats_and_refuses_work():
@@ -183,7 +174,7 @@ def test_cuda_graph_drafts_equal_eager_cuda_with_one_host_sync_per_draft():
     s = graphed.open_session()
     s.draft(_aux(20, 0, "cuda"), 5, 8)
     s.draft(_aux(1, 1, "cuda"), 5, 8)  # captured by now
-    assert any(st.captured for st in s.cache.static.graphs.steps.values())
+    assert any(st.captured for st in graphed.model.steps.graphs.steps.values())
     aux = _aux(1, 2, "cuda")  # (made outside: a copy from pageable host memory syncs)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
@@ -198,21 +189,32 @@ def test_cuda_graph_drafts_equal_eager_cuda_with_one_host_sync_per_draft():
 
 
 @pytest.mark.parametrize("keep,is_causal", [(None, False), (None, True), (7, True), (7, False), (3, True)])
-def test_the_device_mask_is_block_mask_over_the_capacity(keep, is_causal):
-    """step_torch's device-built mask equals context.block_mask(span="capacity") -- the host rule
-    the eager forward uses -- with a padded block's extra rows masked out as keys."""
-    from types import SimpleNamespace
-
+def test_the_device_mask_through_the_tables_is_block_mask(keep, is_causal):
+    """The step's device-built mask over a block's table (ring slots or full pages, then the block's
+    lanes) shows exactly the keys ``context.block_mask`` -- the host rule MLX uses -- shows a block
+    of the same context: through ring wraps, with padded lanes never keys."""
     from kakeya.drafter.context import ContextLayout, block_mask
-    from kakeya.drafter.torch_backend.step import _mask
+    from kakeya.drafter.torch_backend.batch_step import Batch, PooledAttention, unpack
 
-    attn = SimpleNamespace(is_causal=is_causal, window=None if keep is None else keep + 1)
-    layout = ContextLayout(keep, step=4)
-    for n, B, padded in [(1, 2, 2), (2, 5, 8), (5, 16, 16), (9, 3, 4), (30, 11, 16), (2, 2, 2)]:
+    kind = "sliding_attention" if keep else "full_attention"
+    model = _model(0, (kind,), None if keep is None else keep + 1, causal=is_causal)
+    model.use_graphs(STATIC_CPU)
+    cache, spec = model.make_cache(), model.layers[0].self_attn.spec
+    layout = ContextLayout(keep)
+    for n, B in [(1, 2), (2, 5), (5, 16), (9, 3), (30, 11), (2, 2), (40, 7)]:
         layout.append(n)
-        view = layout.block(padded, scratch=True, span="capacity")
-        want = block_mask(view, padded, is_causal=is_causal, window=attn.window, span="capacity")
-        want[:, view.stop + B : view.stop + padded] = False  # padded rows are never keys
-        bounds = torch.tensor([0, view.start, view.stop])
-        got = _mask(bounds, torch.arange(layout.capacity), torch.arange(padded), torch.tensor(B), attn)
-        assert torch.equal(got, torch.from_numpy(want))
+        C = cache.length + n
+        batch = Batch(model.pool, [(cache, _aux(n, 0))], [(cache, [1] * B)], static=n <= 16)
+        assert batch.shape.block >= B
+        f = unpack(torch.from_numpy(batch.packed), batch.shape, model.pool.page)
+        _, _, kpos, _, mask = PooledAttention(model.pool, batch.shape, f)._group("ring" if keep else "full", spec)
+        view = layout.block(B)
+        want = block_mask(view, B, is_causal=is_causal, window=spec.window)
+        rel = kpos[0].numpy() - C  # each slot's position relative to the block's first query
+        col = rel + view.n_ctx  # its column in block_mask's keys (the visible context, then the block)
+        held = (kpos[0].numpy() >= 0) & (col >= 0) & (col < view.n_ctx + B)
+        for q in range(B):
+            expect = held.copy()
+            if want is not None:
+                expect[held] = want[q, col[held]]
+            assert np.array_equal(mask[0, 0].expand(batch.shape.block, -1)[q].numpy(), expect), (n, B, q)

@@ -282,6 +282,26 @@ def decode_attention(
 # --------------------------------------------------------------------------- fused elementwise ops
 
 
+def attention_kernel_wanted(device: torch.device, wanted: bool | None) -> bool:
+    """Whether a drafter's batched step attends through the Triton decode-attention kernel: by default on
+    CUDA where triton imports; asked for, also on the CPU under Triton's interpreter (how tests run it)."""
+    if wanted is False:
+        return False
+    try:
+        from kakeya.backends.torch.kernels.common import interpreted
+    except ImportError:  # no triton (macOS has no wheels)
+        if wanted:
+            raise ValueError("attention_kernel: triton is not installed") from None
+        return False
+    if torch.device(device).type == "cuda":
+        return True
+    if wanted and not (torch.device(device).type == "cpu" and interpreted()):
+        raise ValueError(
+            f"attention_kernel: the Triton kernel runs on CUDA (or the CPU under TRITON_INTERPRET=1), not {device}"
+        )
+    return bool(wanted)
+
+
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Gemma's GeGLU (tanh GELU), the MLP's elementwise half."""
     return F.gelu(gate, approximate="tanh") * up

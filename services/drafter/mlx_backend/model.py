@@ -36,7 +36,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from kakeya.backends.mlx import sampling as sampling_mlx
 from kakeya.checkpoints.layout import find_text_tensors, shard_files
 from kakeya.drafter import context
-from kakeya.drafter.backend import KV, bind, scale_embedding, scale_logits
+from kakeya.drafter.backend import KV, bind, extend_and_draft, scale_embedding, scale_logits
 from kakeya.drafter.config import DFlashConfig, aux_rows
 from kakeya.drafter.context import (
     DEFAULT_STEP,
@@ -343,6 +343,10 @@ class DFlashDraftModel(nn.Module):
         h = self.norm(x[0])
         rows = h[1:] if len(blocks) == 1 else h[mx.array(draft_rows(n for _, n in sized), dtype=mx.int32)]
         return self.compute_logits(rows)
+
+    def draft_step(self, extensions, blocks, greedy: bool, keep_logits: bool):
+        """``backend.extend_and_draft``: the context extension, then one lazy block forward."""
+        return extend_and_draft(self, extensions, blocks, greedy)
 
     def argmax(self, logits: mx.array, caches: Sequence[ContextKVCache]) -> list[int]:
         """Greedy tokens of logits rows, evaluated together with the caches' K/V (one sync)."""

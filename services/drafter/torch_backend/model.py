@@ -5,8 +5,8 @@ A stack of Qwen3-style decoder layers whose attention keys/values are
 * the *context*: ``hidden_norm(fc(aux))`` (``aux`` = the target's hidden states
   at ``target_layer_ids``, concatenated) projected by each layer's
   ``k_proj``/``v_proj`` (``k_norm`` + RoPE at the context positions on keys).
-  Context K/V only ever grows, so it is cached (:class:`ContextKVCache`) and
-  extended with the newly committed positions -- O(new) per block;
+  Context K/V only ever grows, so it is cached (pages of one pool per model,
+  ``pool.py``) and extended with the newly committed positions -- O(new) per block;
 * the *block*: ``[last committed token, mask, mask, ...]`` embedded with the
   target's embedding table, queried at positions ``ctx_len .. ctx_len+B-1``.
 
@@ -34,18 +34,18 @@ from kakeya.backends.torch import sampling as sampling_torch
 from kakeya.backends.torch.graphs import GraphOptions
 from kakeya.backends.torch.ops import (
     apply_rope,
+    attention_kernel_wanted,
     compiled,
     default_inv_freq,
     qwen3_rms_norm,
     rope_cos_sin,
     sdpa,
-    sdpa_backends,
 )
 from kakeya.drafter.backend import KV, scale_embedding, scale_logits
 from kakeya.drafter.config import DFlashConfig, aux_rows
-from kakeya.drafter.context import DEFAULT_STEP, Segment, block_segments, draft_rows, split_rows
-from kakeya.drafter.torch_backend.context import ContextKVCache
-from kakeya.drafter.torch_backend.step import StaticStep
+from kakeya.drafter.context import DEFAULT_STEP, Segment, split_rows
+from kakeya.drafter.torch_backend import batch_step
+from kakeya.drafter.torch_backend.pool import DraftPool, PooledContext
 
 
 def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
@@ -69,8 +69,7 @@ def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scale)
 
 
-STATIC_CONTEXT = 4096  # full-layer context rows preallocated when graphs are on (as the verifier's)
-MAX_FREE_CACHES = 4  # closed sessions' caches (with their graphs) kept for reuse
+MAX_FREE_CACHES = 4  # closed sessions' caches (with their ring pages) kept for reuse
 
 
 # --------------------------------------------------------------------------- layers
@@ -259,6 +258,7 @@ class DFlashDraftModel(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
         self.rope_scale = scale
         self.target: TargetHead | None = None
+        self._free: list[PooledContext] = []  # closed sessions' caches kept for the next (graphs on)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -268,17 +268,46 @@ class DFlashDraftModel(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
-    # capabilities (``drafter/backend.py``): eager, dynamic shapes until use_graphs
+    # capabilities (``drafter/backend.py``): eager, exact shapes until use_graphs
     min_batch = 2
-    static_step: StaticStep | None = None
+    graph_options = GraphOptions()
+    attention_kernel = False  # the Triton decode-attention kernel in the step (``use_attention_kernel``)
+
+    def use_attention_kernel(self, wanted: bool | None = None) -> DFlashDraftModel:
+        """Attend through the Triton decode-attention kernel: by default on CUDA where triton imports;
+        asked for, also on the CPU under Triton's interpreter (how tests run it)."""
+        self.attention_kernel = attention_kernel_wanted(self.device, wanted)
+        return self
+
+    @property
+    def static_step(self) -> batch_step.DraftSteps | None:
+        """The steps with static shapes (CUDA graphs, or eagerly with ``static_extent`` alone), or None."""
+        return self.steps if self.graph_options.static_extent else None
 
     def use_graphs(self, options: GraphOptions) -> DFlashDraftModel:
-        """Draft greedy blocks through the static step (``drafter/torch_backend/step.py``): captured in CUDA
-        graphs with ``options.capture``; eagerly with ``static_extent`` alone (how a CPU tests it)."""
-        self.static_step = StaticStep(self, options)
+        """Run every draft step with static shapes (``batch_step.py``): captured in CUDA graphs with
+        ``options.capture``; eagerly with ``static_extent`` alone (how a CPU tests it)."""
+        self.graph_options = options
         self.min_batch = options.batch_from  # backends/torch/graphs.py: GRAPHED_MIN_BATCH
-        self._free: list[ContextKVCache] = []
+        self._steps = None
         return self
+
+    _pool: DraftPool | None = None
+    _steps: batch_step.DraftSteps | None = None
+
+    @property
+    def pool(self) -> DraftPool:
+        """Every session's context K/V (made on first use, on the model's device and dtype by then)."""
+        if self._pool is None:
+            self._pool = DraftPool(self.config, self.device, self.dtype)
+        return self._pool
+
+    @property
+    def steps(self) -> batch_step.DraftSteps:
+        if self._steps is None:
+            opts = self.graph_options
+            self._steps = batch_step.DraftSteps(self, opts, torch.cuda.graph_pool_handle() if opts.capture else None)
+        return self._steps
 
     def fuse_projections(self) -> DFlashDraftModel:
         """For inference (``TorchDrafter`` does it): each layer's q/k/v and gate/up weights as one
@@ -319,20 +348,24 @@ class DFlashDraftModel(nn.Module):
             layer.finish = compiled(layer.finish)
         self.layers_kv = compiled(self.layers_kv)  # every layer's context K/V (fused or one by one)
 
-    def make_cache(self, step: int = DEFAULT_STEP) -> ContextKVCache:
-        if self.static_step is not None:
-            if self._free:  # a closed session's buffers and graphs: recapturing would cost more than a block
-                return self._free.pop()
-            return ContextKVCache(self.config, step=step, full_step=STATIC_CONTEXT)
-        return ContextKVCache(self.config, step=step)
+    def make_cache(self, step: int = DEFAULT_STEP) -> PooledContext:
+        """A new session's context: pages of the model's pool (``step`` is MLX's buffer growth; pages
+        have a fixed size). A closed session's cache is reused when graphs are on: its ring pages stay."""
+        pool = self.pool
+        if self._free:
+            return self._free.pop()
+        return PooledContext(pool)
 
-    def release_cache(self, cache: ContextKVCache) -> None:
-        """A closed session's cache: kept for the next session when the static step is on, else dropped."""
-        if self.static_step is not None and cache.static is not None and len(self._free) < MAX_FREE_CACHES:
-            cache.plan.reset()
+    def release_cache(self, cache: PooledContext) -> None:
+        """A closed session's cache: kept (emptied) for the next session when graphs are on, else its
+        pages go back to the pool now."""
+        if self.static_step is not None and len(self._free) < MAX_FREE_CACHES:
+            cache.reset()
             self._free.append(cache)
+        else:
+            cache.release()
 
-    # -- the pieces of a forward (the eager block forward below and the static step share them) ----------
+    # -- the pieces of a forward (the batched step and the block trainer share them) ----------
 
     def rope(self, spans: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows of each ``(start, n)`` span of positions, the spans in a row."""
@@ -351,14 +384,6 @@ class DFlashDraftModel(nn.Module):
         if self.target is None:
             raise RuntimeError("drafter is not bound to a target embedding/LM head")
         return scale_embedding(self.config, self.target.embed_rows(ids).to(self.dtype))[None]
-
-    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Sequence[Sequence[Segment]]):
-        """The decoder layers, then the final norm: hidden [L, hidden] of the block rows ``x`` [1, L, hidden];
-        ``segments[i]``: how layer ``i``'s attention sees each block (``attend``)."""
-        with sdpa_backends():
-            for layer, layer_segments in zip(self.layers, segments):
-                x = layer(x, cos, sin, layer_segments)
-        return self.norm(x[0])
 
     @torch.inference_mode()
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -390,29 +415,17 @@ class DFlashDraftModel(nn.Module):
         kv = self.layers_kv(self.context_rows(rows), *self.rope([(o, a.shape[0]) for o, a in zip(offsets, auxs)]))
         return split_rows(kv, [a.shape[0] for a in auxs])
 
-    @torch.inference_mode()
-    def block_logits(self, blocks: Sequence[tuple[ContextKVCache, Sequence[int]]], span: str = "valid") -> torch.Tensor:
-        """Logits ``[sum (B_i - 1), vocab]`` of positions ``1..B_i-1`` of every ``(cache, block ids)``.
+    def block_logits(self, blocks: Sequence[tuple[PooledContext, Sequence[int]]]) -> torch.Tensor:
+        """Logits ``[sum (B_i - 1), vocab]`` of positions ``1..B_i-1`` of every ``(cache, block ids)``:
+        one batched step (``batch_step.py``) with no extension."""
+        return batch_step.run(self, [], blocks, greedy=False, keep_logits=True)[1]
 
-        ONE eager forward: the blocks' rows in a row through every row-wise op
-        (vLLM's layout), each row's RoPE at its own position, each block's K/V
-        written into its own cache's scratch rows and attended with its own
-        mask. ``span`` (see ``context.py``): "valid" attends over exactly the
-        visible rows and the block; "capacity" over every buffer row with a mask.
-        """
-        ids = torch.tensor([t for _, block in blocks for t in block], dtype=torch.long)
-        sized = [(cache, len(block)) for cache, block in blocks]
-        cos, sin = self.rope([(cache.length, n) for cache, n in sized])
-        specs = [layer.self_attn.spec for layer in self.layers]
-        segments = block_segments(sized, specs, self._device_mask, scratch=True, span=span)
-        h = self.decode(self.embed_block(ids.to(self.device, non_blocking=True)), cos, sin, segments)
-        rows = h[1:] if len(blocks) == 1 else h[torch.tensor(draft_rows(n for _, n in sized), device=h.device)]
-        return self.compute_logits(rows)
+    def draft_step(self, extensions, blocks, greedy: bool, keep_logits: bool):
+        """Every ``(cache, aux)`` extended and every ``(cache, block ids)`` drafted in ONE step
+        (``batch_step.py``): ``(greedy tokens or None, logits rows or None)``, one host sync."""
+        return batch_step.run(self, extensions, blocks, greedy, keep_logits)
 
-    def _device_mask(self, mask) -> torch.Tensor:
-        return torch.from_numpy(mask).to(self.device, non_blocking=True)
-
-    def argmax(self, logits: torch.Tensor, caches: Sequence[ContextKVCache]) -> list[int]:
+    def argmax(self, logits: torch.Tensor, caches: Sequence[PooledContext]) -> list[int]:
         """Greedy tokens of logits rows: one host sync (torch runs eagerly: the caches are written)."""
         return torch.argmax(logits, dim=-1).tolist()
 
@@ -421,7 +434,7 @@ class DFlashDraftModel(nn.Module):
         logp = top.values - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
         return top.indices.tolist(), logp.tolist()
 
-    def materialize(self, caches: Sequence[ContextKVCache]) -> None:
+    def materialize(self, caches: Sequence[PooledContext]) -> None:
         """Nothing to do: torch runs eagerly."""
 
     def synchronize(self) -> None:

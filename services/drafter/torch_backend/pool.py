@@ -1,0 +1,336 @@
+"""The torch drafter's context K/V: one pool per layer kind of a model, every session's context pages of it.
+
+A DFlash drafter's context only ever grows (one row per committed position,
+every layer projecting the same aux rows), so its K/V fit the verifier's pool
+design (``verifier/torch_backend/pool.py``) without rollback:
+
+* :class:`Pages` holds, for every layer of one kind, K and V
+  ``[n_kv, rows, head_dim]`` (the layout the Triton decode-attention kernel
+  reads), cut into pages of ``page`` rows, handed out lowest first and given
+  back when a session closes (or is collected). A pool that runs out grows by
+  whole chunks (at least doubling): every row keeps its index, the tensors
+  move, ``generation`` is bumped (a captured graph holds their addresses).
+  Growth happens only between steps (under :meth:`DraftPool.stepping`).
+* A session (:class:`PooledContext`) holds its full-attention context as pages
+  of the full pool (position ``p`` at row ``pages[p // page] * page + p %
+  page``, pages taken as the context grows) and its sliding context as a ring
+  of ``ring`` slots (``>= sliding_window - 1``, the rows a window shows; whole
+  pages of the sliding pool taken when it opens): position ``p`` lives in slot
+  ``p % ring``, so the ring always holds the newest ``ring`` positions and a
+  long context never moves a row.
+* A batched step writes each block's own K/V into *scratch* rows of the pools
+  (:meth:`Pages.scratch`, one run of rows per block lane), never into a
+  session's pages, so several blocks of one session (a pre-draft) run in one
+  step and the context holds committed positions only.
+
+Page 0 of every pool is never handed out: padded rows write there and padded
+table entries read there (with a position no query sees).
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import weakref
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from kakeya.core.contract import SLIDING
+from kakeya.drafter.context import ContextSnapshot
+
+PAGE = 16  # rows per page
+CHUNK_PAGES = 64  # the fewest pages a pool grows by
+TRASH_PAGE = 0  # never handed out: padded rows write here, padded table entries read here
+
+
+class Pages:
+    """K and V rows of every layer in ``layers`` (each ``[n_kv, rows, head_dim]``), handed out in pages."""
+
+    def __init__(self, layers: Sequence[int], n_kv: int, head_dim: int, device, dtype, page: int, chunk: int):
+        if page < 1 or chunk < 1:
+            raise ValueError(f"page and chunk must be >= 1, got {page}, {chunk}")
+        self.layers, self.n_kv, self.head_dim = list(layers), n_kv, head_dim
+        self.device, self.dtype, self.page, self.chunk = device, dtype, page, chunk
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.pages = 0  # pages the tensors hold (page 0 included)
+        self.free: list[int] = []  # a heap: the lowest free page is handed out first
+        self.scratch_pages: list[int] = []  # the batched step's block rows, kept for every step
+        self.generation = 0  # bumped whenever the tensors are reallocated
+        self.growths = 0
+        self._grow(chunk)
+
+    @property
+    def rows(self) -> int:
+        return self.pages * self.page
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of K and V of one row over every layer of this pool."""
+        return 2 * len(self.layers) * self.n_kv * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def used_pages(self) -> int:
+        return self.pages - 1 - len(self.free)
+
+    def take(self, n: int) -> list[int]:
+        """``n`` pages (grown by whole chunks when too few are free)."""
+        if n > len(self.free):
+            self._grow(n - len(self.free))
+        return [heapq.heappop(self.free) for _ in range(n)]
+
+    def give(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            heapq.heappush(self.free, p)
+
+    def scratch(self, n: int) -> np.ndarray:
+        """Rows of the first ``n`` scratch slots (pages taken on first need, then kept)."""
+        need = -(-n // self.page) - len(self.scratch_pages)
+        if need > 0:
+            self.scratch_pages.extend(self.take(need))
+        return page_rows(self.scratch_pages, self.page)[:n]
+
+    @torch.inference_mode()  # inference tensors, whichever thread or mode first asks for pages
+    def _grow(self, need: int) -> None:
+        """At least ``need`` more pages, in whole chunks and at least doubling; every row keeps its index."""
+        add = -(-max(need, self.pages - 1) // self.chunk) * self.chunk
+        old, self.pages = self.pages, self.pages + add + (0 if self.pages else 1)  # the first growth adds page 0
+        for i in self.layers:
+            for store in (self.keys, self.values):
+                t = torch.zeros((self.n_kv, self.rows, self.head_dim), dtype=self.dtype, device=self.device)
+                if old:
+                    t[:, : old * self.page] = store[i]
+                store[i] = t
+        for p in range(max(old, TRASH_PAGE + 1), self.pages):
+            heapq.heappush(self.free, p)
+        self.generation += 1
+        self.growths += 1
+
+    def write(self, i: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``k``/``v`` ``[n_kv, n, head_dim]`` into ``rows`` [n] (device) of layer ``i``."""
+        self.keys[i].index_copy_(1, rows, k)
+        self.values[i].index_copy_(1, rows, v)
+
+    def gather(self, i: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s K and V at ``table`` (any shape of rows): ``[n_kv, *table.shape, head_dim]``."""
+        flat = table.reshape(-1)  # index_select copies whole rows: on a CPU ~10x an advanced index's speed
+        shape = (self.n_kv, *table.shape, self.head_dim)
+        return self.keys[i].index_select(1, flat).view(shape), self.values[i].index_select(1, flat).view(shape)
+
+
+def page_rows(pages: Sequence[int], page: int) -> np.ndarray:
+    """Every row of ``pages``, in order."""
+    return (np.asarray(pages, dtype=np.int64)[:, None] * page + np.arange(page)).reshape(-1)
+
+
+class DraftPool:
+    """A drafter model's pools: ``sliding`` (rings) and ``full`` (pages by position), None where no layer
+    is of that kind; ``ring``: slots of a session's ring (a whole number of pages)."""
+
+    def __init__(self, config, device, dtype, page: int = PAGE, chunk: int = CHUNK_PAGES):
+        self.config, self.device, self.dtype, self.page = config, device, dtype, page
+        self.kinds = list(config.layer_types)
+        a = config.layer_attention(0)  # every layer's K/V rows have the same shape
+        sliding = [i for i, t in enumerate(self.kinds) if t == SLIDING]
+        full = [i for i, t in enumerate(self.kinds) if t != SLIDING]
+        make = lambda layers: Pages(layers, a.n_kv, a.head_dim, device, dtype, page, chunk) if layers else None
+        self.sliding, self.full = make(sliding), make(full)
+        self.keep = int(config.sliding_window) - 1 if sliding else 0  # the context rows a window shows
+        self.ring = max(page, -(-self.keep // page) * page) if sliding else 0
+        self.lock = threading.RLock()
+
+    def of(self, i: int) -> Pages:
+        """Layer ``i``'s pool."""
+        return self.sliding if self.kinds[i] == SLIDING else self.full
+
+    @contextmanager
+    def stepping(self):
+        """Held while pages are planned and a step runs: one step of a model at a time, no growth under it."""
+        with self.lock:
+            yield
+
+    def stats(self) -> dict:
+        """Pages per pool: held by sessions, free, and how often each grew."""
+        out = {}
+        for name, p in (("sliding", self.sliding), ("full", self.full)):
+            if p is not None:
+                out[name] = {
+                    "pages": p.pages - 1,
+                    "used_pages": p.used_pages,
+                    "free_pages": len(p.free),
+                    "page_rows": p.page,
+                    "growths": p.growths,
+                }
+        return out
+
+
+def _release(pool: DraftPool, ring: list, full: list) -> None:
+    with pool.lock:
+        if ring:
+            pool.sliding.give(ring)
+            ring.clear()
+        if full:
+            pool.full.give(full)
+            full.clear()
+
+
+class PooledContext:
+    """One session's context K/V as pages of its model's pools (the torch ``ContextKVCache``)."""
+
+    def __init__(self, pool: DraftPool):
+        self.pool = pool
+        self.length = 0  # context positions written (absolute)
+        with pool.lock:
+            self.ring_pages = pool.sliding.take(pool.ring // pool.page) if pool.sliding is not None else []
+        self.full_pages: list[int] = []
+        self._release = weakref.finalize(self, _release, pool, self.ring_pages, self.full_pages)
+
+    # -- rows ------------------------------------------------------------------------------------
+
+    def reserve(self, positions: int) -> None:
+        """Full pages for ``positions`` positions (taken before a step, never during one)."""
+        if self.pool.full is None:
+            return
+        need = -(-positions // self.pool.page) - len(self.full_pages)
+        if need > 0:
+            with self.pool.lock:
+                self.full_pages.extend(self.pool.full.take(need))
+
+    def ring_rows(self) -> np.ndarray:
+        """Pool row of every ring slot, in slot order."""
+        return page_rows(self.ring_pages, self.pool.page)
+
+    def full_rows(self, lo: int, hi: int) -> np.ndarray:
+        """Pool rows of full-attention positions ``lo .. hi`` (pages reserved)."""
+        p = np.arange(lo, hi)
+        return np.asarray(self.full_pages, dtype=np.int64)[p // self.pool.page] * self.pool.page + p % self.pool.page
+
+    def write_rows(self, start: int, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(ring rows, full rows) where positions ``start .. start+n`` go; a position the ring will not
+        hold once they are all written (older than its newest ``ring``) goes to the trash row."""
+        pool = self.pool
+        ring = full = None
+        if pool.sliding is not None:
+            p = np.arange(start, start + n)
+            ring = np.where(p >= start + n - pool.ring, self.ring_rows()[p % pool.ring], TRASH_PAGE * pool.page)
+        if pool.full is not None:
+            self.reserve(start + n)
+            full = self.full_rows(start, start + n)
+        return ring, full
+
+    # -- eager writes and reads (a snapshot, a restore, ``drafter.backend.extend``) ----------------------
+
+    @torch.inference_mode()  # the pools are inference tensors: written in that mode only
+    def append(self, kv: list) -> None:
+        """``kv``: one ``(keys, values)`` pair per layer, each ``[1, n_kv, n_new, head_dim]``."""
+        if len(kv) != len(self.pool.kinds):
+            raise ValueError(f"expected K/V for {len(self.pool.kinds)} layers, got {len(kv)}")
+        self._write(self.length, kv)
+        self.length += kv[0][0].shape[2]
+
+    def _write(self, start: int, kv: list) -> None:
+        with self.pool.lock:
+            ring, full = self.write_rows(start, kv[0][0].shape[2])
+            dev = self.pool.device
+            rows = {
+                SLIDING: None if ring is None else torch.from_numpy(ring).to(dev),
+                "full": None if full is None else torch.from_numpy(full).to(dev),
+            }
+            for i, (k, v) in enumerate(kv):
+                kind = SLIDING if self.pool.kinds[i] == SLIDING else "full"
+                self.pool.of(i).write(i, rows[kind], k[0], v[0])
+
+    def visible_positions(self, i: int) -> tuple[int, int]:
+        """The positions layer ``i``'s attention shows a block: the last ``keep`` on a sliding layer."""
+        if self.pool.kinds[i] == SLIDING:
+            return max(0, self.length - self.pool.keep), self.length
+        return 0, self.length
+
+    def view(self, i: int):
+        """Layer ``i``'s visible context K/V ``[1, n_kv, n, head_dim]`` (copies; None, None when empty)."""
+        lo, hi = self.visible_positions(i)
+        if hi == lo:
+            return None, None
+        pool = self.pool
+        if pool.kinds[i] == SLIDING:
+            rows = self.ring_rows()[np.arange(lo, hi) % pool.ring]
+        else:
+            rows = self.full_rows(lo, hi)
+        k, v = pool.of(i).gather(i, torch.from_numpy(rows).to(pool.device))
+        return k[None], v[None]
+
+    @property
+    def nbytes(self) -> int:
+        pool, n = self.pool, 0
+        if pool.sliding is not None:
+            n += len(self.ring_pages) * pool.page * pool.sliding.row_bytes
+        if pool.full is not None:
+            n += len(self.full_pages) * pool.page * pool.full.row_bytes
+        return n
+
+    @property
+    def rows_held(self) -> int:
+        """Rows held over every layer (``nbytes`` per row: what a server's admission counts by)."""
+        return self.rows_after(None)
+
+    def rows_after(self, new_rows: int | None) -> int:
+        """``rows_held`` once ``new_rows`` more positions are in (None: now); a block's rows are the pool's
+        scratch, held by no session."""
+        pool, rows = self.pool, 0
+        if pool.sliding is not None:
+            rows += len(pool.sliding.layers) * len(self.ring_pages) * pool.page
+        if pool.full is not None:
+            pages = (
+                len(self.full_pages)
+                if new_rows is None
+                else max(len(self.full_pages), -(-(self.length + new_rows) // pool.page))
+            )
+            rows += len(pool.full.layers) * pages * pool.page
+        return rows
+
+    @torch.inference_mode()
+    def snapshot(self) -> ContextSnapshot:
+        """What this cache shows now (per layer its visible rows, copied): a prefix snapshot."""
+        kv = [self.view(i) for i in range(len(self.pool.kinds))]
+        nbytes = sum(k.nbytes + v.nbytes for k, v in kv if k is not None)
+        kinds = list(dict.fromkeys(self.pool.kinds))  # one row count per layer kind, as context.py's layouts
+        rows = [
+            next(k.shape[2] if k is not None else 0 for (k, _), t in zip(kv, self.pool.kinds) if t == kind)
+            for kind in kinds
+        ]
+        return ContextSnapshot(self.length, rows, kv, nbytes)
+
+    @torch.inference_mode()
+    def restore(self, snap: ContextSnapshot, back: int = 0) -> None:
+        """An empty cache set to ``snap``'s rows, less its newest ``back`` positions (``snap.truncatable`` only)."""
+        if self.length:
+            raise RuntimeError("only an empty context cache can resume a snapshot")
+        if back and not (snap.truncatable and 0 < back < snap.length):
+            raise ValueError(f"cannot resume {snap.length} context positions less {back}")
+        keep = snap.length - back
+        for i, (k, v) in enumerate(snap.kv):
+            if k is not None:  # its rows are positions lo .. snap.length (lo = 0 when truncatable)
+                lo = snap.length - k.shape[2]
+                self._write_layer(i, lo, k[:, :, : keep - lo], v[:, :, : keep - lo])
+        self.length = keep
+
+    def _write_layer(self, i: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        with self.pool.lock:
+            ring, full = self.write_rows(start, k.shape[2])
+            rows = ring if self.pool.kinds[i] == SLIDING else full
+            self.pool.of(i).write(i, torch.from_numpy(rows).to(self.pool.device), k[0], v[0])
+
+    def reset(self) -> None:
+        """Empty, for the next session: the ring's pages kept, the full pages given back."""
+        self.length = 0
+        with self.pool.lock:
+            if self.full_pages:
+                self.pool.full.give(self.full_pages)
+                self.full_pages.clear()
+
+    def release(self) -> None:
+        """Every page back to its pool (idempotent)."""
+        self._release()
