@@ -45,7 +45,7 @@ from kakeya.verifier.session import VerifierSession
 
 def build(shape: str, device: str, dtype: str):
     if shape == "demo":
-        from kakeya.drafter.session import TorchDrafter
+        from kakeya.drafter.local import TorchDrafter
         from kakeya.orchestrator.assembly import embedded_paths
         from kakeya.verifier.torch_backend.target import TargetTorch
 

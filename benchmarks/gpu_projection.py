@@ -57,7 +57,7 @@ from gemma4_26b import DRAFT_26B, GEMMA4_26B_A4B, MAX_L, hbm_bandwidth, layer_ty
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.backend import bind
-from kakeya.drafter.session import TorchDrafter
+from kakeya.drafter.local import TorchDrafter
 from kakeya.drafter.torch_backend.model import DFlashConfig, DFlashDraftModel, TargetHead
 from kakeya.verifier.session import VerifierSession
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args

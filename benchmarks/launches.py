@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or (OUT_DEMO if args.demo else OUT)
     torch.manual_seed(0)
     if args.demo:  # the trained pair in its lossless dtype: its GPU steps are all launches
-        from kakeya.drafter.session import TorchDrafter
+        from kakeya.drafter.local import TorchDrafter
         from kakeya.orchestrator.assembly import embedded_paths
 
         args.dtype = args.dtype or "float32"

@@ -332,7 +332,8 @@ def split_rows(target_dir, draft_dir, prompts, args, ref) -> dict:
     import tempfile
 
     from benchmarks.wire import start, stop
-    from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier
+    from kakeya.orchestrator.remote import GrpcVerifier
+    from kakeya.orchestrator.remote_drafter import GrpcDrafter
 
     # MLX, as the colocated rows it is compared with (serve's auto would pick torch on Linux, and with a
     # --target given, torch's default thread team: three processes fighting over the cores).

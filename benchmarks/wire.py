@@ -44,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from kakeya.core.contract import WireStats
 from kakeya.orchestrator import loop
-from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier
+from kakeya.orchestrator.remote import GrpcVerifier
+from kakeya.orchestrator.remote_drafter import GrpcDrafter
 from kakeya.wire import codec
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}

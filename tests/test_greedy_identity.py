@@ -7,7 +7,7 @@ after the first wrap trims rejected positions from a wrapped ring (BRIEF §5).
 import pytest
 
 from kakeya.core.request import CachePolicy
-from kakeya.drafter.session import MLXDrafter
+from kakeya.drafter.local import MLXDrafter
 from kakeya.orchestrator.loop import run
 from kakeya.verifier.mlx_backend.reference import greedy_reference
 from kakeya.verifier.session import VerifierSession

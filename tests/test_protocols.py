@@ -10,7 +10,7 @@ import pytest
 
 from kakeya.core import contract
 from kakeya.core.request import CachePolicy
-from kakeya.orchestrator import remote
+from kakeya.orchestrator import remote, remote_drafter
 from kakeya.verifier import backend
 
 
@@ -41,10 +41,10 @@ def test_in_process_verifier_drafter_and_their_sessions(tiny_pair, backend_name)
     "cls, protocol",
     [
         (remote.GrpcVerifierSession, contract.VerifierSession),
-        (remote.GrpcDrafterSession, contract.DrafterSession),
-        (remote._SkippedDrafterSession, contract.DrafterSession),
+        (remote_drafter.GrpcDrafterSession, contract.DrafterSession),
+        (remote_drafter._SkippedDrafterSession, contract.DrafterSession),
         (remote.GrpcVerifier, contract.Verifier),
-        (remote.GrpcDrafter, contract.Drafter),
+        (remote_drafter.GrpcDrafter, contract.Drafter),
     ],
 )
 def test_the_grpc_clients_implement_every_method(cls, protocol):
@@ -59,7 +59,7 @@ def test_a_class_lacking_a_method_is_not_taken_for_a_session():
         server_s = None
 
         def prefill(self, ids): ...
-        def resume(self, ids, reuse=None): ...
+        def prefill_steps(self, ids, reuse=()): ...
         def decide(self, last, draft): ...
         def save(self, ids): ...
         def stats(self): ...

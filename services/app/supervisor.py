@@ -6,7 +6,7 @@ same port (and metrics port) it had, after an exponential backoff: 0.5 s,
 for ``stable_s``. Meanwhile the others keep serving: with the drafter down,
 requests complete through the verifier alone (AR fallback, same tokens) and
 the orchestrator goes back to speculation once it answers again
-(``remote.GrpcDrafter``'s own backoff); with the verifier down, requests end
+(``remote_drafter.GrpcDrafter``'s own backoff); with the verifier down, requests end
 with ``UNAVAILABLE`` at once (connection refused, or "loading" while it warms
 up) until it is back. Only SIGTERM/SIGINT of ``serve all`` stops everything.
 """

@@ -180,7 +180,7 @@ def remote_verifier(addr: str, **kwargs):
 
 def remote_drafter(addr: str, **kwargs):
     """A drafter served by ``kakeya serve drafter`` at ``addr`` (HOST:PORT), over gRPC."""
-    from kakeya.orchestrator.remote import GrpcDrafter
+    from kakeya.orchestrator.remote_drafter import GrpcDrafter
 
     return GrpcDrafter(addr, **kwargs)
 

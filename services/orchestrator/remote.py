@@ -1,4 +1,4 @@
-"""The Verifier / Drafter protocols (``services/core/contract.py``) over gRPC.
+"""The Verifier protocol (``services/core/contract.py``) over gRPC (the Drafter's: ``remote_drafter.py``).
 
 One bidirectional ``Session`` stream per session: opening a session starts the
 stream, ``close`` ends it politely (``Close`` -> ``Closed``), ``abort`` cancels
@@ -17,9 +17,9 @@ A session takes its request's ``SessionOptions``: the request id travels with
 the stream, the client's deadline bounds it, and a cancelled request aborts it
 at once (from whichever thread cancels).
 
-Failures surface as ``streams.BackendError`` carrying the gRPC status code. A
-``GrpcDrafter`` that failed is skipped for a while (exponential backoff) and
-then tried again, so the orchestrator reconnects once the drafter is back.
+Failures surface as ``streams.BackendError`` carrying the gRPC status code. The
+drafter's side is ``remote_drafter.py`` (a failed drafter is skipped for a while and
+tried again).
 Every session asks its backend for Progress messages while a step waits
 (``Open.progress_ms``), and a step fails only after a deadline of silence
 (``deadlines.py``): a hung backend is noticed within seconds, a slow one is not.
@@ -28,38 +28,17 @@ Every session asks its backend for Progress messages while a step waits
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 
-import grpc
-
-from kakeya.core.contract import (
-    Draft,
-    DrafterStats,
-    KVBytes,
-    Predrafts,
-    SessionOptions,
-    Verdict,
-    VerifierStats,
-    WireStats,
-)
+from kakeya.core.contract import Draft, KVBytes, SessionOptions, Verdict, VerifierStats, WireStats
 from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy, SamplingParams
 from kakeya.orchestrator.deadlines import StepClock
-from kakeya.orchestrator.streams import (
-    BackendError,
-    Reply,
-    Stream,
-    backend_channel,
-    backend_healthy,
-    call_unary,
-    fetch_info,
-)
+from kakeya.orchestrator.streams import Reply, Stream, backend_channel, backend_healthy, call_unary, fetch_info
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
-from kakeya.wire.kakeya.v1 import drafter_pb2 as dpb
-from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2_grpc
 from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb
+from kakeya.wire.kakeya.v1 import verifier_pb2_grpc
 from kakeya.wire.kakeya.v1.tensor_pb2 import Tensor
 
 log = logging.getLogger("kakeya.remote")
@@ -263,285 +242,3 @@ def _each(call, items) -> list:
 def _tensor(aux) -> Tensor:
     """Aux as the wire Tensor: a verifier's comes as one already (passed on, never decoded here)."""
     return aux if isinstance(aux, Tensor) else codec.to_proto(aux)
-
-
-class Backoff:
-    """After ``failure()``, ``ready()`` is False for 0.5 s, 1 s, 2 s ... up to ``maximum``."""
-
-    def __init__(self, initial: float = 0.5, factor: float = 2.0, maximum: float = 10.0):
-        self.initial, self.factor, self.maximum = initial, factor, maximum
-        self.failures = 0
-        self.until = 0.0
-        self.last_error = ""
-        self._lock = threading.Lock()
-
-    def ready(self) -> bool:
-        return time.monotonic() >= self.until
-
-    def failure(self, error: str) -> float:
-        with self._lock:
-            self.failures += 1
-            delay = min(self.maximum, self.initial * self.factor ** (self.failures - 1))
-            self.until = time.monotonic() + delay
-            self.last_error = error
-            return delay
-
-    def success(self) -> None:
-        with self._lock:
-            self.failures, self.until = 0, 0.0
-
-
-class GrpcDrafterSession:
-    """``DrafterSession`` over one Session stream, opened with the first ``draft``.
-
-    A ``predraft`` is posted at once and its answer read when its result is
-    asked for, or before the answer to the next request (answers come in order).
-    """
-
-    def __init__(self, drafter: GrpcDrafter, sampling: SamplingParams | None, options: SessionOptions):
-        self.drafter = drafter
-        self._timeout, self._request_id = options.timeout, options.request_id
-        self._sampling = sampling if sampling is not None and not sampling.greedy else None
-        self._s: Stream | None = None
-        self._broken = False
-        self._failure: BackendError | None = None  # the drafter's own failure that broke the session
-        self._first = True
-        self._resume_at = 0
-        self.server_s = 0.0  # server-side time of the drafts (the steps on a block's critical path)
-        self.predraft_s = 0.0  # ... and of the pre-drafts, which run beside the verifier's steps
-        self._stats = dpb.DrafterStats()  # the server's, as its last answer reported them
-        if options.cancel is not None:
-            options.cancel.on_cancel(self.abort)
-
-    def cached_prefixes(self, prompt_ids: Sequence[int]) -> list[int]:
-        """The server's snapshots of ``prompt_ids``' prefixes (held there for this session); [] without a prefix
-        cache. Opens the stream now: one round trip before the verifier's prefill."""
-        if not self.drafter.prefix_cache:
-            return []
-        req = dpb.DrafterRequest(lookup=dpb.DrafterRequest.Lookup(prompt_ids=list(prompt_ids)))
-        r = self._guarded(lambda: self._stream().ask(req, "found", self.drafter.clock.timeout()))
-        return list(r.found.positions)
-
-    def resume(self, positions: int) -> None:
-        self._resume_at = positions  # travels with the first Draft
-
-    def save(self, ids: Sequence[int], unseen: Sequence) -> bool:
-        """Ask the server to keep the context after ``ids`` (``unseen``: the aux it has not had); sent now,
-        answered before ``Closed``. False when it keeps no prefix cache or the session failed."""
-        if not self.drafter.prefix_cache or self._broken:
-            return False
-        req = dpb.DrafterRequest(
-            save=dpb.DrafterRequest.Save(token_ids=list(ids), unseen_aux=[_tensor(a) for a in unseen])
-        )
-        self._guarded(lambda: self._stream().post(req, "saved"))
-        return True
-
-    def _stream(self) -> Stream:
-        if self._s is None:
-            self._s = Stream(self.drafter.stub.Session, "drafter", self.drafter.addr, self._timeout, self._request_id)
-            open_ = dpb.DrafterRequest.Open(request_id=self._request_id, progress_ms=self.drafter.clock.progress_ms)
-            if self._sampling is not None:
-                open_.sampling.CopyFrom(wire_contract.sampling_to_proto(self._sampling))
-            self._s.post(dpb.DrafterRequest(open=open_), "opened")  # answered before the first draft's answer
-        return self._s
-
-    def _guarded(self, step):
-        """``step()``; a failure breaks the session and, unless it is ours, counts against the drafter."""
-        if self._broken:  # a failed prefix lookup stays the drafter's failure when the first draft reports it
-            raise self._failure or BackendError(
-                "drafter", self.drafter.addr, grpc.StatusCode.CANCELLED, "session failed earlier"
-            )
-        try:
-            return step()
-        except BackendError as exc:
-            aborted_here = self._broken  # abort() from our side (client cancelled): not the drafter's fault
-            self._broken = True
-            if self._s is not None:
-                self._s.abort()
-            if not aborted_here and not exc.ended_by_caller:
-                self.drafter.failed(exc)
-                self._failure = exc
-            raise
-
-    def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
-        return self._drafted(self._post_draft(new_aux, last_token, block_size))
-
-    def _post_draft(self, new_aux, last_token: int, block_size: int) -> tuple[float, int, Reply]:
-        """Send the draft call now (a batch sends every session's before it waits for any)."""
-        tensor = _tensor(new_aux)
-        d = dpb.DrafterRequest.Draft(
-            new_aux=tensor, last_token=last_token, block_size=block_size, resume_at=self._resume_at
-        )
-        req = dpb.DrafterRequest(draft=d)
-        rows = int(tensor.shape[0]) if self._first and len(tensor.shape) else 0  # the first draft takes the prompt
-        reply = self._guarded(lambda: self._stream().post(req, "drafted"))
-        return time.perf_counter(), rows, reply
-
-    def _drafted(self, posted: tuple[float, int, Reply]) -> Draft:
-        t0, rows, reply = posted
-        clock = self.drafter.clock
-        r = self._guarded(lambda: self._s.wait(reply, clock.timeout(prefill_tokens=rows)))
-        clock.record(time.perf_counter() - t0, prefill_tokens=rows)
-        self._first, self._resume_at = False, 0
-        self.server_s += r.elapsed_s
-        self.drafter.backoff.success()
-        d = r.drafted
-        self._stats = d.stats
-        if not d.HasField("proposal"):
-            return Draft(d.token_ids)
-        return Draft(
-            d.token_ids, wire_contract.proposal_from_proto(d.proposal, len(d.token_ids), self.drafter.vocab_size)
-        )
-
-    def predraft(
-        self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0
-    ) -> Callable[[], Predrafts]:
-        p = dpb.DrafterRequest.Predraft(block_ids=list(block_ids), block_size=block_size, alternatives=alternatives)
-        if new_aux is not None:
-            p.new_aux.CopyFrom(_tensor(new_aux))
-        reply = self._guarded(lambda: self._stream().post(dpb.DrafterRequest(predraft=p), "predrafted"))
-        found: list[Predrafts] = []
-
-        def result() -> Predrafts:
-            if not found:
-                r = self._guarded(lambda: self._s.wait(reply, self.drafter.clock.timeout()))
-                self.predraft_s += r.elapsed_s
-                found.append(
-                    predrafts_from_proto(r.predrafted, len(block_ids) - 1, block_size, self.drafter.vocab_size)
-                )
-            return found[0]
-
-        return result
-
-    def stats(self) -> DrafterStats:
-        s = self._s
-        wire = WireStats(s.bytes_sent if s else 0, s.bytes_received if s else 0, self.server_s)
-        return DrafterStats(self._stats.context_positions, self._stats.kv_bytes, wire=wire)
-
-    def close(self) -> None:
-        if self._s is not None and not self._broken:
-            self._s.finish(dpb.DrafterRequest(close=dpb.DrafterRequest.Close()), "closed", self.drafter.clock.timeout())
-
-    def abort(self) -> None:
-        self._broken = True
-        if self._s is not None:
-            self._s.abort()
-
-
-def predrafts_from_proto(msg, pending: int, block_size: int, vocab: int) -> Predrafts:
-    """A ``Predrafted`` answer to a pre-draft of ``pending`` candidates (``drafter/server.py``'s
-    ``predrafted_proto``), checked: a drafter that answers nonsense fails its call, and the run goes
-    on without it, rather than the verifier's next step."""
-    blocks = {(o.accepted, o.next_token): tuple(o.token_ids) for o in msg.outcomes}
-    if msg.token_ids:
-        blocks[(pending, msg.token_ids[0])] = tuple(msg.token_ids[1:])
-    for (accepted, token), ids in blocks.items():
-        if not 0 <= accepted <= pending or len(ids) > block_size - 1 or not all(0 <= t < vocab for t in (token, *ids)):
-            raise ValueError(
-                f"the drafter's pre-draft answer is malformed: block {(accepted, token)} of {len(ids)} ids"
-            )
-    return Predrafts(blocks)
-
-
-class _SkippedDrafterSession:
-    """Handed out while the drafter is backing off: fails at once, so the verifier decodes alone."""
-
-    server_s = 0.0  # it never reaches the server
-
-    def __init__(self, drafter: GrpcDrafter):
-        self.drafter = drafter
-
-    def cached_prefixes(self, prompt_ids) -> list[int]:
-        return []  # it holds nothing: the run prefills cold
-
-    def resume(self, positions: int) -> None:
-        pass
-
-    def save(self, ids, unseen) -> bool:
-        return False
-
-    def draft(self, new_aux, last_token, block_size):
-        b = self.drafter.backoff
-        raise BackendError(
-            "drafter",
-            self.drafter.addr,
-            grpc.StatusCode.UNAVAILABLE,
-            f"backing off after {b.failures} failure(s), next try in {max(0.0, b.until - time.monotonic()):.1f} s"
-            f" (last: {b.last_error})",
-            skipped=True,
-        )
-
-    _post_draft = draft  # a batch's call fails alike, before anything is sent
-
-    def predraft(self, new_aux, block_ids, block_size, alternatives=0):
-        return self.draft(new_aux, block_ids[0], block_size)  # fails alike
-
-    def stats(self) -> DrafterStats:
-        return DrafterStats()
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-
-class GrpcDrafter:
-    """``Drafter`` reached over gRPC, with failure backoff and automatic reconnection."""
-
-    def __init__(
-        self,
-        addr: str,
-        *,
-        wait_s: float | None = None,
-        channel=None,
-        backoff: Backoff | None = None,
-        tls=None,
-        token: str | None = None,
-        clock: StepClock | None = None,
-    ):
-        self.addr = addr
-        self.channel = channel or backend_channel(addr, tls, token)
-        self.clock = clock or StepClock()
-        self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
-        self.remote = fetch_info("drafter", addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), wait_s)
-        self.backend = f"grpc:{addr}"
-        self.block_size = self.remote.block_size
-        self.target_layer_ids = tuple(self.remote.target_layer_ids)
-        self.mask_token_id = self.remote.mask_token_id
-        self.vocab_size = self.remote.vocab_size
-        self.prefix_cache = self.remote.prefix_cache_bytes > 0
-        self.backoff = backoff or Backoff()
-
-    def get_info(self, timeout: float = 5.0) -> dpb.DrafterInfo:
-        return call_unary("drafter", self.addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), timeout)
-
-    def open_session(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None):
-        if not self.backoff.ready():
-            return _SkippedDrafterSession(self)
-        return GrpcDrafterSession(self, sampling, options or SessionOptions())
-
-    @staticmethod
-    def draft_batch(items: Sequence[tuple]) -> list[Draft | Exception]:
-        """Every session's draft call sent before any answer is awaited (the server batches them); each
-        session's failure its own (a session handed out while backing off fails at once)."""
-        posted = _each(lambda s, aux, last, size: s._post_draft(aux, last, size), items)
-        return [p if isinstance(p, Exception) else _each(s._drafted, [(p,)])[0] for (s, *_), p in zip(items, posted)]
-
-    def failed(self, exc: Exception) -> None:
-        delay = self.backoff.failure(str(exc))
-        log.warning("drafter at %s failed (%s); skipping it for %.1f s", self.addr, exc, delay)
-
-    @property
-    def state(self) -> str:
-        return "ok" if self.backoff.failures == 0 else ("backoff" if not self.backoff.ready() else "retrying")
-
-    def status(self) -> dict[str, str]:
-        """Its reconnection state: ``state`` (ok, backoff, retrying), ``failures`` in a row, ``last_error``."""
-        b = self.backoff
-        return {"state": self.state, "failures": str(b.failures)} | (
-            {"last_error": b.last_error[:500]} if b.last_error else {}
-        )
-
-    def close(self) -> None:
-        self.channel.close()

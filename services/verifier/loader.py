@@ -11,7 +11,7 @@ from kakeya.core.contract import Verifier
 def local_verifier(target_dir: str | Path, aux_layers: Sequence[int], backend: str = "mlx", **kwargs) -> Verifier:
     """The in-process verifier for ``backend``: ``policy=`` for both, ``device=``/``dtype=`` for torch."""
     if backend == "mlx":
-        from kakeya.verifier.session import mlx_verifier
+        from kakeya.verifier.local import mlx_verifier
 
         return mlx_verifier(target_dir, aux_layers, **kwargs)
     if backend == "torch":

@@ -11,8 +11,8 @@ import pytest
 from kakeya.drafter.backend import extend
 from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.drafter.context import BlockView, block_mask
+from kakeya.drafter.local import MLXDrafter
 from kakeya.drafter.mlx_backend.model import load_dflash_mlx
-from kakeya.drafter.session import MLXDrafter
 
 from .conftest import random_aux
 

@@ -9,8 +9,9 @@ import pytest
 from kakeya.drafter.backend import extend
 from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.drafter.context import ContextLayout, block_mask
+from kakeya.drafter.local import MLXDrafter
 from kakeya.drafter.mlx_backend.model import load_dflash_mlx
-from kakeya.drafter.session import WARM_BLOCK_SIZES, MLXDrafter
+from kakeya.drafter.session import WARM_BLOCK_SIZES
 
 from .conftest import random_aux
 

@@ -126,8 +126,8 @@ def test_bad_alternatives_are_refused_naming_the_field(backend, pair):
 def test_the_drafter_server_caps_its_sessions_predrafts_and_refuses_a_bad_cap(backend, pair):
     """``serve drafter --predraft-blocks N`` reaches every session the servicer opens; 0 or over 32 is refused
     naming the flag before anything loads."""
+    from kakeya.drafter.local import LocalDrafter
     from kakeya.drafter.server import DrafterServicer
-    from kakeya.drafter.session import LocalDrafter
 
     for bad in (0, 33):
         with pytest.raises(ValueError, match="--predraft-blocks"):
@@ -148,7 +148,7 @@ def test_a_static_step_session_still_keeps_the_alternatives_its_next_predraft_ne
     """Torch's static step (CUDA graphs; run eagerly here) keeps no logits: a session asked for
     alternatives drafts through the eager forward, so its pre-drafts still prepare for rejections."""
     from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
-    from kakeya.drafter.session import TorchDrafter
+    from kakeya.drafter.local import TorchDrafter
 
     drafter = TorchDrafter(
         pair.draft, pair.target, graph_options=GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)

@@ -12,8 +12,8 @@ import pytest
 
 from kakeya.core.contract import Draft, Proposal
 from kakeya.core.request import MAX_BLOCK_SIZE
+from kakeya.drafter.local import MLXDrafter
 from kakeya.drafter.mlx_backend.model import DFlashConfig, load_dflash_mlx
-from kakeya.drafter.session import MLXDrafter
 
 from .conftest import VARIANTS, draft_config, random_aux
 

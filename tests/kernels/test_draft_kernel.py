@@ -22,7 +22,7 @@ from .conftest import DEVICE
 pytest.importorskip("triton", reason="the kernels need triton (Linux only; no macOS wheels)")
 
 from kakeya.checkpoints.tiny import make_tiny
-from kakeya.drafter.session import TorchDrafter
+from kakeya.drafter.local import TorchDrafter
 
 
 @pytest.fixture(scope="module", params=["full", "mixed", "mixed-noncausal"])

@@ -69,7 +69,7 @@ def test_alternatives_out_of_range_are_refused_before_any_drafter_sees_them(engi
 
 
 def test_a_malformed_predraft_answer_is_the_drafters_failure():
-    from kakeya.orchestrator.remote import predrafts_from_proto
+    from kakeya.orchestrator.remote_drafter import predrafts_from_proto
     from kakeya.wire.kakeya.v1 import drafter_pb2 as pb
 
     good = pb.DrafterResponse.Predrafted(

@@ -70,9 +70,10 @@ def local(tiny_pair, aux_layers):
 @pytest.fixture(scope="session")
 def split(tiny_pair, aux_layers):
     """Verifier servicers (torch and MLX) and an MLX drafter servicer on one loopback server."""
+    from kakeya.drafter.local import MLXDrafter
     from kakeya.drafter.server import DrafterServicer
-    from kakeya.drafter.session import MLXDrafter
-    from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier
+    from kakeya.orchestrator.remote import GrpcVerifier
+    from kakeya.orchestrator.remote_drafter import GrpcDrafter
     from kakeya.verifier.loader import local_verifier
     from kakeya.verifier.server import VerifierServicer
 

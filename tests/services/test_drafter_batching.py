@@ -18,7 +18,7 @@ import pytest
 
 from kakeya.core.request import COUPLED, REJECTION, SamplingParams
 from kakeya.orchestrator.deadlines import StepClock
-from kakeya.orchestrator.remote import GrpcDrafter
+from kakeya.orchestrator.remote_drafter import GrpcDrafter
 from kakeya.runtime.servicer import SessionLimits
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc
 from kakeya.wire.limits import server_options
@@ -33,7 +33,7 @@ STEPS = 4
 
 
 def _drafter(backend: str, pair, **shared):
-    from kakeya.drafter.session import MLXDrafter, TorchDrafter
+    from kakeya.drafter.local import MLXDrafter, TorchDrafter
 
     cls = MLXDrafter if backend == "mlx" else TorchDrafter
     return cls(pair.draft, pair.target, **shared)

@@ -17,7 +17,7 @@ def test_request_errors_are_bounded():
 
 def test_public_errors_use_public_names_and_never_a_backend_address():
     from kakeya.orchestrator.errors import public_status
-    from kakeya.orchestrator.remote import BackendError
+    from kakeya.orchestrator.streams import BackendError
 
     addr = "10.1.2.3:50061"
 

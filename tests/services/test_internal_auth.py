@@ -54,7 +54,8 @@ def test_serve_refuses_an_unauthenticated_internal_port_before_loading(role):
 
 def test_the_bearer_check_and_peer_names():
     assert bearer_ok(f"Bearer {TOKEN}", TOKEN) and bearer_ok("", None)
-    for bad in ("", TOKEN, f"bearer {TOKEN}", f"Bearer {TOKEN} ", f"Bearer {TOKEN[:-1]}", "Bearer"):
+    assert bearer_ok(f"bearer {TOKEN}", TOKEN) and bearer_ok(f"BEARER {TOKEN}", TOKEN)  # the scheme in any case
+    for bad in ("", TOKEN, f"Bearer {TOKEN.upper()}", f"Bearer {TOKEN} ", f"Bearer {TOKEN[:-1]}", "Bearer"):
         assert not bearer_ok(bad, TOKEN), bad
 
     def ctx(peer):

@@ -22,7 +22,8 @@ import pytest
 
 from kakeya.core.contract import Draft
 from kakeya.orchestrator.deadlines import StepClock
-from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier
+from kakeya.orchestrator.remote import GrpcVerifier
+from kakeya.orchestrator.remote_drafter import GrpcDrafter
 from kakeya.orchestrator.streams import BackendError
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from kakeya.wire.limits import server_options

@@ -90,7 +90,7 @@ def test_mtls_and_token_let_a_client_generate(secure, pki):
     )  # the backends over mTLS
 
 
-@pytest.mark.parametrize("header", [None, "Bearer wrong-token-0123456789", f"bearer {TOKEN}", TOKEN])
+@pytest.mark.parametrize("header", [None, "Bearer wrong-token-0123456789", f"Basic {TOKEN}", TOKEN])
 def test_a_missing_or_wrong_token_is_unauthenticated(secure, pki, header):
     md = [("authorization", header)] if header else None
     stub = _stub(secure.addr, _creds(pki))

@@ -16,7 +16,8 @@ import pytest
 importlib.import_module("torch")
 
 from kakeya.orchestrator.loop import run
-from kakeya.orchestrator.remote import GrpcDrafter, GrpcVerifier
+from kakeya.orchestrator.remote import GrpcVerifier
+from kakeya.orchestrator.remote_drafter import GrpcDrafter
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2_grpc
 from kakeya.wire.limits import server_options
 
@@ -31,8 +32,8 @@ N = 120  # past three wraps of the 32-position window
 def _serve(pair):
     """A drafter and a verifier servicer on ``pair`` (torch), in one in-process gRPC server on loopback."""
     from kakeya.checkpoints.config import load_draft_config
+    from kakeya.drafter.local import TorchDrafter
     from kakeya.drafter.server import DrafterServicer
-    from kakeya.drafter.session import TorchDrafter
     from kakeya.verifier.server import VerifierServicer
     from kakeya.verifier.torch_backend.target import torch_verifier
 

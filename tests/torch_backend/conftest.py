@@ -45,7 +45,7 @@ def torch_target(tiny):
 
 @pytest.fixture(scope="session")
 def torch_drafter(tiny):
-    from kakeya.drafter.session import TorchDrafter
+    from kakeya.drafter.local import TorchDrafter
 
     return TorchDrafter(tiny.draft, tiny.target, "cpu", "float32")
 

@@ -106,7 +106,7 @@ def test_quantized_policy_matches_mlx_backend(torch_target, tiny, bits):
 
 
 def test_quantized_policy_kv_bytes(torch_target, tiny):
-    from kakeya.verifier.session import LocalVerifier
+    from kakeya.verifier.local import LocalVerifier
 
     v = LocalVerifier(torch_target, tiny.target, AUX_LAYERS)
     sizes = {}

@@ -12,9 +12,10 @@ from torch._dynamo.utils import counters
 from kakeya.backends.torch import ops
 from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
 from kakeya.core.request import CachePolicy
-from kakeya.drafter.session import TorchDrafter
+from kakeya.drafter.local import TorchDrafter
 from kakeya.orchestrator.loop import run
-from kakeya.verifier.session import LocalVerifier, VerifierSession
+from kakeya.verifier.local import LocalVerifier
+from kakeya.verifier.session import VerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch
 
 from .conftest import PROMPT

@@ -12,7 +12,8 @@ import torch
 
 from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
 from kakeya.drafter.backend import extend
-from kakeya.drafter.session import WARM_BLOCK_SIZES, TorchDrafter
+from kakeya.drafter.local import TorchDrafter
+from kakeya.drafter.session import WARM_BLOCK_SIZES
 from kakeya.drafter.torch_backend.load import load_dflash_torch
 from kakeya.drafter.torch_backend.pool import DraftPool, PooledContext
 

@@ -125,7 +125,7 @@ def test_speculative_loop_matches_reference_loop(tiny, torch_target, torch_draft
     from transformers import AutoModelForCausalLM
 
     from kakeya.orchestrator.loop import run
-    from kakeya.verifier.session import LocalVerifier
+    from kakeya.verifier.local import LocalVerifier
 
     from .conftest import AUX_LAYERS, PROMPT
 

@@ -15,7 +15,7 @@ import torch
 
 from kakeya.core.request import CachePolicy
 from kakeya.orchestrator.loop import run
-from kakeya.verifier.session import LocalVerifier
+from kakeya.verifier.local import LocalVerifier
 
 from .conftest import AUX_LAYERS, PROMPT
 
@@ -72,8 +72,8 @@ def test_prompt_longer_than_the_window(verifier, torch_target, torch_drafter):
 
 def test_sink_window_policy_matches_mlx_backend(tiny, verifier, torch_drafter):
     """A bounded sink+window policy changes the model's output; both backends change it identically."""
-    from kakeya.drafter.session import MLXDrafter
-    from kakeya.verifier.session import mlx_verifier
+    from kakeya.drafter.local import MLXDrafter
+    from kakeya.verifier.local import mlx_verifier
 
     policy = CachePolicy("sink-window", sink=4, window=20)
     mine = run(verifier.open_session(policy), torch_drafter.open_session(), PROMPT, 200, 8)
@@ -104,7 +104,7 @@ class MLXAux:
 
 @pytest.mark.parametrize("block_size", [8])
 def test_mixed_torch_verifier_mlx_drafter(tiny, verifier, torch_drafter, reference, block_size):
-    from kakeya.drafter.session import MLXDrafter
+    from kakeya.drafter.local import MLXDrafter
 
     mlx_drafter = MLXDrafter(tiny.draft, tiny.target)
     mixed = run(verifier.open_session(), MLXAux(mlx_drafter.open_session()), PROMPT, N, block_size)
@@ -116,7 +116,7 @@ def test_mixed_torch_verifier_mlx_drafter(tiny, verifier, torch_drafter, referen
 
 def test_mixed_mlx_verifier_torch_drafter(tiny, torch_drafter, reference):
     """The reverse: mx.array aux goes straight into the torch drafter (numpy round trip inside)."""
-    from kakeya.verifier.session import mlx_verifier
+    from kakeya.verifier.local import mlx_verifier
 
     gen = run(mlx_verifier(tiny.target, AUX_LAYERS).open_session(), torch_drafter.open_session(), PROMPT, N, 8)
     assert gen.token_ids == reference
@@ -152,7 +152,7 @@ def test_aux_handed_to_the_drafter_stays_a_torch_tensor(verifier):
 def test_warmup_and_colocated_drafter(tiny, torch_target, torch_drafter, reference):
     """Serving helpers: warm-up leaves no state behind; the colocated drafter shares the
     target's embedding / LM head tensors and drafts exactly like the standalone one."""
-    from kakeya.drafter.session import TorchDrafter
+    from kakeya.drafter.local import TorchDrafter
 
     assert torch_target.warmup(AUX_LAYERS, ctx=64) > 0
     co = TorchDrafter.colocated(tiny.draft, torch_target)

@@ -16,7 +16,7 @@ import torch
 
 from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
 from kakeya.drafter.backend import bind
-from kakeya.drafter.session import TorchDrafter
+from kakeya.drafter.local import TorchDrafter
 from kakeya.drafter.torch_backend.model import DFlashConfig, DFlashDraftModel, TargetHead
 
 STATIC_CPU = GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)

@@ -20,7 +20,8 @@ import torch
 from kakeya.backends.torch.graphs import BUCKETS, GraphOptions, StepGraphs, bucket_for
 from kakeya.core.request import CachePolicy
 from kakeya.orchestrator.loop import run
-from kakeya.verifier.session import LocalVerifier, VerifierSession
+from kakeya.verifier.local import LocalVerifier
+from kakeya.verifier.session import VerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch
 
 from .conftest import AUX_LAYERS, PROMPT

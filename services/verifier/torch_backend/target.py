@@ -337,7 +337,7 @@ def torch_verifier(
     ``compile``: ``torch.compile`` every layer's row-wise halves (``Gemma4Text.compile_layers``);
     ``prefixes``: the prefix cache its sessions resume from and save to (None: none).
     """
-    from kakeya.verifier.session import LocalVerifier
+    from kakeya.verifier.local import LocalVerifier
 
     target = TargetTorch.load(target_dir, device, dtype, cuda_graphs=cuda_graphs, max_context=max_context)
     if compile:

@@ -1,0 +1,71 @@
+"""A loaded target in this process (:class:`LocalVerifier`): the Verifier protocol without a wire.
+
+It hands out :class:`~kakeya.verifier.session.VerifierSession` objects and decides many sessions'
+blocks in one forward (``batch.decide_batch``); ``orchestrator/remote.py`` is the same protocol over gRPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from kakeya.checkpoints.config import load_target_config
+from kakeya.core.contract import Draft, ModelInfo, SessionOptions, Verdict
+from kakeya.core.prefix import PrefixCache
+from kakeya.core.request import CachePolicy, SamplingParams
+from kakeya.verifier.backend import Target
+from kakeya.verifier.batch import decide_batch
+from kakeya.verifier.session import VerifierSession
+
+
+class LocalVerifier:
+    """A loaded target in this process; hands out independent sessions (``prefixes``: their prefix cache)."""
+
+    def __init__(
+        self,
+        target: Target,
+        target_dir: str | Path,
+        aux_layers: Sequence[int],
+        policy: CachePolicy = CachePolicy(),
+        prefixes: PrefixCache | None = None,
+    ):
+        cfg = load_target_config(target_dir)
+        self.target = target
+        self.prefixes = prefixes
+        self.aux_layers = tuple(aux_layers)
+        self.policy = policy
+        eos = cfg["eos_token_id"]  # generation_config.json's when it has one (load_target_config)
+        args = target.args
+        self.info = ModelInfo(
+            name=str(target_dir),
+            vocab_size=args.vocab_size,
+            eos_token_ids=tuple(eos),
+            hidden_size=args.hidden_size,
+            num_layers=args.num_hidden_layers,
+            sliding_window=args.sliding_window,
+            backend=target.backend,
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
+        )
+
+    def open_session(
+        self,
+        policy: CachePolicy | None = None,
+        sampling: SamplingParams | None = None,
+        options: SessionOptions | None = None,
+    ) -> VerifierSession:
+        return VerifierSession(self.target, self.aux_layers, policy or self.policy, sampling, self.prefixes)
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        return True  # in this process: it answers whenever it is asked
+
+    @staticmethod
+    def decide_batch(items: Sequence[tuple[VerifierSession, int, Draft]]) -> list[Verdict | Exception]:
+        return decide_batch(items)
+
+
+def mlx_verifier(
+    target_dir: str | Path, aux_layers: Sequence[int], policy: CachePolicy = CachePolicy(), prefixes=None
+) -> LocalVerifier:
+    from kakeya.verifier.mlx_backend.target import TargetMLX
+
+    return LocalVerifier(TargetMLX.load(target_dir), target_dir, aux_layers, policy, prefixes)
