@@ -92,8 +92,8 @@ class CorpusLookup:
         return ()
 
 
-def _sourced_drafts(base, source: str, reference: dict, corpus: CorpusLookup | None):
-    """A subclass of the loop's ``_Drafts`` (``base``) whose candidates come from ``source``."""
+def _sourced_decode(base, source: str, reference: dict, corpus: CorpusLookup | None):
+    """A subclass of the loop's ``Decode`` (``base``) whose candidates come from ``source``."""
     from kakeya.core.contract import Draft
     from kakeya.core.request import MAX_BLOCK_SIZE
     from kakeya.orchestrator.ngram import NgramIndex
@@ -104,20 +104,20 @@ def _sourced_drafts(base, source: str, reference: dict, corpus: CorpusLookup | N
             self.lookup = NgramIndex()  # the oracle's copy, beside the drafter's block (copies are off then)
 
         def _copy(self):
-            got = super()._copy()  # with copies on (every corpus source), this brought self.stream up to date
+            got = super()._copy()  # with copies on (every corpus source), this brought self._stream up to date
             if not got and corpus is not None:
-                got = corpus.propose(self.stream, MAX_BLOCK_SIZE - 1)
+                got = corpus.propose(self._stream, MAX_BLOCK_SIZE - 1)
             return got
 
-        def next(self, last, room, verdict):
-            if source != "oracle":
-                return super().next(last, room, verdict)
-            draft, predrafted = super().next(last, room, verdict)  # the drafter's block (copies are off)
-            if not draft.tokens:
-                return draft, predrafted
-            self.stream.extend(self.gen.token_ids[len(self.stream) - len(self.gen.prompt_ids) :])
-            copy = self.lookup.propose(self.stream, len(draft.tokens))
-            target = reference["tokens"][len(self.gen.token_ids) :]
+        def drafted(self, result):
+            super().drafted(result)
+            draft = self._draft
+            if source != "oracle" or isinstance(result, BaseException) or not draft.tokens:
+                return
+            gen = self.generation  # the drafter's block (copies are off) against a copy, by the reference
+            self._stream.extend(gen.token_ids[len(self._stream) - len(gen.prompt_ids) :])
+            copy = self.lookup.propose(self._stream, len(draft.tokens))
+            target = reference["tokens"][len(gen.token_ids) :]
 
             def matched(cands) -> int:
                 n = 0
@@ -126,9 +126,7 @@ def _sourced_drafts(base, source: str, reference: dict, corpus: CorpusLookup | N
                 return n
 
             if copy and matched(copy) > matched(draft.tokens):
-                self.copied = True
-                return Draft(tuple(copy)), predrafted
-            return draft, predrafted
+                self._draft, self._copied = Draft(tuple(copy)), True
 
     return Sourced
 
@@ -142,7 +140,7 @@ def measure(
     pair=None,
 ) -> dict:
     from kakeya.core.request import Request
-    from kakeya.orchestrator import loop as loop_mod
+    from kakeya.orchestrator import engine as engine_mod
     from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
     from kakeya.orchestrator.engine import RunOptions
 
@@ -161,14 +159,14 @@ def measure(
             f"corpus lookup from {n} tokens: indexed in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True
         )
     sources = ["drafter", "engine", "oracle", *lookups]
-    base = loop_mod._Drafts
+    base = engine_mod.Decode
     out: dict = {}
     try:
         for B in block_sizes:
             row = {}
             for source in sources:
                 reference: dict = {}
-                loop_mod._Drafts = _sourced_drafts(base, source, reference, lookups.get(source))
+                engine_mod.Decode = _sourced_decode(base, source, reference, lookups.get(source))
                 lengths, copied, tok_s, lossless = [], [], [], True
                 for p, ref in zip(prompts, refs):
                     reference["tokens"] = ref
@@ -190,7 +188,7 @@ def measure(
                 print(f"block {B} {source}: {row[source]}", file=sys.stderr, flush=True)
             out[str(B)] = row
     finally:
-        loop_mod._Drafts = base
+        engine_mod.Decode = base
     return out
 
 
