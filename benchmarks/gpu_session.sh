@@ -21,7 +21,7 @@
 #               benchmarks/host_profile.py (PROFILE_DTYPE, bfloat16: the dtype of the issue's CUDA goal)
 #   adaptive    benchmarks/adaptive.py on CUDA (auto vs fixed block sizes)
 #   batching    benchmarks/batching.py: N sessions' verifies/drafts alone vs one batch (26B shape, demo pair)
-#   concurrency benchmarks/concurrency.py: `serve all` on CUDA, 1..16 streams, batched vs serialised
+#   concurrency benchmarks/concurrency.py on CUDA: colocated torch and `serve all`, 1..16 streams, a newcomer's first token
 #   split       benchmarks/split.py on CUDA: split (pre-draft off / on) vs colocated, one stream at block sizes
 #               1..16 and auto with each block's critical path as compute + wire, 1/4/8/16 streams, pre-draft hits;
 #               SPLIT_VARIANTS="--inline-steps=off --inline-steps=on": one run per variant, each a
@@ -171,8 +171,8 @@ if part batching; then
 fi
 
 if part concurrency; then
-  step concurrency_cuda 300 $PY benchmarks/concurrency.py --serve-args "--verifier-backend torch --drafter-backend torch --device cuda --max-prompt-tokens 16384" \
-    --long-prompt 16000 --out "$OUT/concurrency_cuda.json"
+  step concurrency_cuda 300 $PY benchmarks/concurrency.py --deployments colocated-torch split --serve-args "--device cuda" \
+    --repeats 1 --out "$OUT/concurrency_cuda.json"
 fi
 if part train; then  # the stage-2 command's shape (services/models/demo/draft/report.json), GPU-sized
   TRAIN_DIR=${TRAIN_DIR:-/tmp/kakeya-train}
