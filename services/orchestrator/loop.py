@@ -314,7 +314,7 @@ class Decode:
         return block
 
 
-def _each(call: Callable, items: Sequence) -> list:
+def each(call: Callable, items: Sequence) -> list:
     """``call(*item)`` for each item, an exception being that item's result alone."""
     out = []
     for item in items:
@@ -338,12 +338,12 @@ def _batch(call: Callable[[Sequence], list], items: Sequence) -> list:
 
 def one_by_one_drafts(items: Sequence[DrafterCall]) -> list[Draft | Exception]:
     """``draft_many`` for sessions with no batch runner: each session's own ``draft``."""
-    return _each(lambda s, aux, last, size: s.draft(aux, last, size), items)
+    return each(lambda s, aux, last, size: s.draft(aux, last, size), items)
 
 
 def one_by_one_verdicts(items: Sequence[VerifierCall]) -> list[Verdict | Exception]:
     """``decide_many`` for sessions with no batch runner: each session's own ``decide``."""
-    return _each(lambda s, last, draft: s.decide(last, draft), items)
+    return each(lambda s, last, draft: s.decide(last, draft), items)
 
 
 def advance(

@@ -34,6 +34,7 @@ from collections.abc import Collection, Sequence
 from kakeya.core.contract import Draft, KVBytes, SessionOptions, Verdict, VerifierStats, WireStats
 from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy, SamplingParams
 from kakeya.orchestrator.deadlines import StepClock
+from kakeya.orchestrator.loop import each
 from kakeya.orchestrator.streams import Reply, Stream, backend_channel, backend_healthy, call_unary, fetch_info
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
@@ -218,25 +219,14 @@ class GrpcVerifier:
     def decide_batch(items: Sequence[tuple[GrpcVerifierSession, int, Draft]]) -> list[Verdict | Exception]:
         """Every session's block sent before any answer is awaited, so the server's compute thread finds them
         queued together and verifies them as one batch; each session's failure its own."""
-        posted = _each(lambda s, last, draft: s._post_verify(last, draft), items)
-        return [p if isinstance(p, Exception) else _each(s._verdict, [(p,)])[0] for (s, _, _), p in zip(items, posted)]
+        posted = each(lambda s, last, draft: s._post_verify(last, draft), items)
+        return [p if isinstance(p, Exception) else each(s._verdict, [(p,)])[0] for (s, _, _), p in zip(items, posted)]
 
     def close(self) -> None:
         self.channel.close()
 
 
 # --------------------------------------------------------------------------- drafter
-
-
-def _each(call, items) -> list:
-    """``call(*item)`` for each item, an exception being that item's result alone."""
-    out = []
-    for item in items:
-        try:
-            out.append(call(*item))
-        except Exception as exc:  # noqa: BLE001 - its own failure, its result alone
-            out.append(exc)
-    return out
 
 
 def _tensor(aux) -> Tensor:

@@ -19,7 +19,8 @@ import grpc
 from kakeya.core.contract import Draft, DrafterStats, Predrafts, SessionOptions, WireStats
 from kakeya.core.request import SamplingParams
 from kakeya.orchestrator.deadlines import StepClock
-from kakeya.orchestrator.remote import _each, _tensor
+from kakeya.orchestrator.loop import each
+from kakeya.orchestrator.remote import _tensor
 from kakeya.orchestrator.streams import BackendError, Reply, Stream, backend_channel, call_unary, fetch_info
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import drafter_pb2 as dpb
@@ -288,8 +289,8 @@ class GrpcDrafter:
     def draft_batch(items: Sequence[tuple]) -> list[Draft | Exception]:
         """Every session's draft call sent before any answer is awaited (the server batches them); each
         session's failure its own (a session handed out while backing off fails at once)."""
-        posted = _each(lambda s, aux, last, size: s._post_draft(aux, last, size), items)
-        return [p if isinstance(p, Exception) else _each(s._drafted, [(p,)])[0] for (s, *_), p in zip(items, posted)]
+        posted = each(lambda s, aux, last, size: s._post_draft(aux, last, size), items)
+        return [p if isinstance(p, Exception) else each(s._drafted, [(p,)])[0] for (s, *_), p in zip(items, posted)]
 
     def failed(self, exc: Exception) -> None:
         delay = self.backoff.failure(str(exc))

@@ -283,8 +283,9 @@ def decode_attention(
 
 
 def attention_kernel_wanted(device: torch.device, wanted: bool | None) -> bool:
-    """Whether a drafter's batched step attends through the Triton decode-attention kernel: by default on
-    CUDA where triton imports; asked for, also on the CPU under Triton's interpreter (how tests run it)."""
+    """Whether a model's batched step (the verifier's or the drafter's) attends through the Triton
+    decode-attention kernel: by default on CUDA where triton imports; asked for, also on the CPU under
+    Triton's interpreter (how tests run it)."""
     if wanted is False:
         return False
     try:

@@ -21,7 +21,7 @@ import torch
 
 from kakeya.backends.torch import sampling as sampling_torch
 from kakeya.backends.torch.graphs import GraphOptions, bucket_for
-from kakeya.backends.torch.ops import resolve_device, resolve_dtype
+from kakeya.backends.torch.ops import attention_kernel_wanted, resolve_device, resolve_dtype
 from kakeya.core.contract import FULL, SLIDING
 from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy
 from kakeya.verifier.backend import Forward, Segment, greedy_batch
@@ -76,7 +76,7 @@ class TargetTorch:
             raise ValueError(f"max_context must be >= 1, got {max_context}")
         self.min_extent = max_context or DEFAULT_MIN_EXTENT
         self.pool = KVPool(self.args, self.device, self.dtype, page, chunk_pages)
-        self.attention_kernel = _kernel_wanted(self.device, attention_kernel)
+        self.attention_kernel = attention_kernel_wanted(self.device, attention_kernel)
         self.steps = BatchSteps(self, torch.cuda.graph_pool_handle() if self.graph_options.capture else None)
         # the batched step is the lone step too (and captured alike): two queued sessions already share one
         self._min_batch = 2
@@ -297,26 +297,6 @@ class TargetTorch:
         masks = {FULL: causal, SLIDING: causal & (k > q - self.args.sliding_window)}
         attention = IndexedAttention(caches, {FULL: (pos, end), SLIDING: (pos, end)}, masks)
         return self.model(self._ids(ids), pos, attention, ())[0]
-
-
-def _kernel_wanted(device: torch.device, wanted: bool | None) -> bool:
-    """Whether the batched step's attention runs the Triton decode-attention kernel: by default on CUDA
-    where triton imports; asked for, also on the CPU under Triton's interpreter (how tests run it)."""
-    if wanted is False:
-        return False
-    try:
-        from kakeya.backends.torch.kernels.common import interpreted
-    except ImportError:  # no triton (macOS has no wheels)
-        if wanted:
-            raise ValueError("attention_kernel: triton is not installed") from None
-        return False
-    if device.type == "cuda":
-        return True
-    if wanted and not (device.type == "cpu" and interpreted()):
-        raise ValueError(
-            f"attention_kernel: the Triton kernel runs on CUDA (or the CPU under TRITON_INTERPRET=1), not {device}"
-        )
-    return bool(wanted)
 
 
 def torch_verifier(
