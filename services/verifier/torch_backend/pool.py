@@ -175,8 +175,13 @@ class PagePool:
     def gather(self, i: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s K and V at ``table`` (any shape of row indices): ``[kv_heads, *table.shape, head_dim]``."""
         store = self.storage[i]
-        k = store.load([t[:, table] for t in self.keys[i]], self.dtype)
-        v = store.load([t[:, table] for t in self.values[i]], self.dtype)
+        flat = table.reshape(-1)
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # index_select: advanced indexing cost ~5x on a CPU
+            return t.index_select(1, flat).view(t.shape[0], *table.shape, t.shape[-1])
+
+        k = store.load([rows(t) for t in self.keys[i]], self.dtype)
+        v = store.load([rows(t) for t in self.values[i]], self.dtype)
         return k, v
 
     @property
