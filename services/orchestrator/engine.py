@@ -169,12 +169,16 @@ class Run:
         self._scheduler = engine.scheduler(options.step)
         self._joined = False
         self.verifier_session = self.drafter_session = None  # read by a server's metrics (their backends' time)
-        self._sizer = self._step(engine.block_sizer, req)
+        self._sizer = None
+        self._prefill_t0, self._prefilling = 0.0, None  # the prefill as _begin left it (see _prefill)
         sessions = SessionOptions(
             req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation
         )
+        # ONE model-thread job: on a busy engine each job waits for the round in flight, so a newcomer that
+        # sized, opened, looked up its prefix and prefilled in separate jobs waited one round per job
+        # (benchmarks/concurrency.py, "newcomer").
         try:
-            self._step(self._open, sessions)
+            self._step(self._begin, sessions)
         except BaseException:
             self._step(self._close_sessions)
             raise
@@ -204,32 +208,59 @@ class Run:
         if e.drafter is not None and speculate:
             self.drafter_session = e.drafter.open_session(self._sampling, options)
 
-    def _prefill(self) -> Block:
-        """The prompt, one model-thread job per chunk; with a prefix cache, resumed from the longest prefix
-        both the verifier and the drafter hold a snapshot of (the drafter names its own; without a drafter:
-        any the verifier holds) -- both or neither, so the drafter's context never has a gap."""
-        t0 = time.perf_counter()
+    def _begin(self, sessions: SessionOptions) -> None:
+        """On the model thread, at once: size the first block, open both sessions, and run the prefill's first
+        chunk (a short prompt's whole prefill). A failure of the prefill is kept for ``next`` to raise, as a
+        failure of any later step is."""
+        self._sizer = self._engine.block_sizer(self.request)
+        self._open(sessions)
+        self._prefill_t0 = time.perf_counter()
+        try:
+            steps = self._prefill_steps()
+            self._prefilling = (steps, self._chunk(steps))
+        except Exception as exc:  # noqa: BLE001 - raised by the first ``next``
+            self._prefilling = exc
+
+    def _prefill_steps(self):
+        """The verifier's prefill generator, resuming (with a prefix cache) from the longest prefix both the
+        verifier and the drafter hold a snapshot of (the drafter names its own; without a drafter: any the
+        verifier holds) -- both or neither, so the drafter's context never has a gap."""
         ds, reuse = self.drafter_session, ()
         if self._engine.prefix_cache:
             reuse = None
             if ds is not None:
                 try:
-                    reuse = self._step(ds.cached_prefixes, self.request.prompt_ids)
+                    reuse = ds.cached_prefixes(self.request.prompt_ids)
                 except Exception as exc:  # its first draft fails the same way: the fallback takes over there
                     if not self._fallback:
                         raise
                     log.warning("request %s: drafter prefix lookup failed (%s)", self.request.request_id or "-", exc)
                     reuse = []  # none usable: a lookup all the same (a miss), cold
-        steps = self._step(self.verifier_session.prefill_steps, self.request.prompt_ids, reuse)
-        while (done := self._step(_chunk, steps)) is None:
+        return self.verifier_session.prefill_steps(self.request.prompt_ids, reuse)
+
+    def _chunk(self, steps):
+        """One chunk of the prefill (a model-thread job); once the prompt is done, the drafter resumes the same
+        cached prefix in the same job, and the result is ``(first token, aux, cached tokens)``; None before."""
+        done = _chunk(steps)
+        if done is not None and self.drafter_session is not None and self._engine.prefix_cache:
+            self.drafter_session.resume(done[2])
+        return done
+
+    def _prefill(self) -> Block:
+        """The rest of the prompt after ``_begin``'s first chunk, one model-thread job per chunk so other
+        requests' rounds run between the chunks of a long prompt; the first block (None: cancelled)."""
+        if isinstance(self._prefilling, Exception):
+            raise self._prefilling
+        steps, done = self._prefilling
+        self._prefilling = None
+        while done is None:
             if self.cancelled:
                 steps.close()
                 return None
+            done = self._step(self._chunk, steps)
         first, aux, cached = done
-        if ds is not None and self._engine.prefix_cache:
-            self._step(ds.resume, cached)
         self._decode.generation.cached_tokens = cached
-        return self._decode.prefilled(first, aux, time.perf_counter() - t0)
+        return self._decode.prefilled(first, aux, time.perf_counter() - self._prefill_t0)
 
     def _save(self) -> None:
         """Leave what this run computed in the prefix caches: the state after its prompt and every committed
@@ -365,15 +396,22 @@ class Run:
         if decode.drafter_error is not None and not self.cancelled:  # a cancel ends the drafter's stream too
             log.info("request %s: the drafter stopped (%s); the verifier finished alone",
                      self.request.request_id or "-", decode.drafter_error)  # fmt: skip
+        keep = finish_reason != "error" and not self.cancelled
+        save = keep and self._engine.prefix_cache and finish_reason in ("stop", "length")
+        self._step(self._finish, gen, keep, save)  # one job: each would wait for a round in flight
+        if learn and isinstance(self._sizer, BlockSizer):
+            self._engine.adaptive.learn(self._sizer)  # the next request starts from what this one saw
+
+    def _finish(self, gen: Generation, keep: bool, save: bool) -> None:
+        """On the model thread: the verifier's stats as the cache ends (what reports show) and the prefix
+        snapshot when ``keep`` / ``save``; then both sessions closed, however those went."""
         try:
-            if finish_reason != "error" and not self.cancelled:  # the cache as it ends (what reports show)
-                gen.verifier_stats = self._step(self.verifier_session.stats)
-                if self._engine.prefix_cache and finish_reason in ("stop", "length"):
-                    self._step(self._save)
-            if learn and isinstance(self._sizer, BlockSizer):
-                self._engine.adaptive.learn(self._sizer)  # the next request starts from what this one saw
+            if keep:
+                gen.verifier_stats = self.verifier_session.stats()
+                if save:
+                    self._save()
         finally:
-            self._step(self._close_sessions)
+            self._close_sessions()
 
     def _close_sessions(self) -> None:
         for session in (self.drafter_session, self.verifier_session):

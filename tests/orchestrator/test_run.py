@@ -203,9 +203,30 @@ def test_model_work_runs_through_the_fronts_step():
         return fn(*args)
 
     engine.generate(Request(PROMPT, max_tokens=9, block_size=4), RunOptions(step=step))
-    assert calls[:2] == ["block_sizer", "_open"] and calls[-2:] == ["stats", "_close_sessions"]
-    assert calls.count("_chunk") == 1  # the prefill: one chunk
-    assert calls.count("advance") == 2  # then a round per block: two blocks of 4
+    # One job to begin (size, open, the short prompt's whole prefill), one per round, one to finish: on a busy
+    # engine every job waits for the round in flight, so a newcomer's first token waits for one round, not one
+    # per call it makes.
+    assert calls == ["_begin", "advance", "advance", "_finish"]  # two blocks of 4 after the prefill's token
+
+
+def test_a_long_prompt_prefills_one_chunk_per_job(monkeypatch):
+    engine, calls = _engine(), []
+    chunked = ScriptedVerifier.prefill_steps
+
+    def three_chunks(session, prompt, reuse=()):  # as the verifier chunks a long prompt: a yield between chunks
+        yield 1
+        yield 2
+        return (yield from chunked(session, prompt, reuse))
+
+    def step(fn, *args):
+        calls.append(getattr(fn, "__name__", ""))
+        return fn(*args)
+
+    monkeypatch.setattr(Session, "prefill_steps", three_chunks)
+    gen = engine.generate(Request(PROMPT, max_tokens=9, block_size=4), RunOptions(step=step))
+    assert gen.token_ids == CONT[:9]
+    # the first chunk in the job that begins, each later one a job of its own (rounds of others run between)
+    assert calls == ["_begin", "_chunk", "_chunk", "advance", "advance", "_finish"]
 
 
 def test_a_cancellation_runs_each_hook_once_and_late_ones_at_once():
