@@ -37,6 +37,11 @@ chain prices best, and where that is 1 (copies here break at once) the block
 is drafted instead. Whether to copy is never decided by comparing a copy's price
 with the drafter's: priced as a drafted block, a copy looks dearer than it is.
 
+Batched rounds change the price (``BlockSizer.sharing``): when several sessions share a round, its
+fixed cost is paid once for all of them while each candidate is a row every batched forward pays for,
+so a block is priced by what rounds are measured to cost (``round_costs.py``), not by the alone curve.
+A batched round's timing is the whole round's, not this block's, so it refines no size's cost.
+
 Only token counts and timings go in, so this knows no backend and changes no
 token: the loop is lossless at every block size, whichever is chosen. What these
 choices were measured to buy: ``docs/benchmarks.md`` (the sizer's paragraphs
@@ -53,6 +58,7 @@ from dataclasses import dataclass, field
 from kakeya.core.contract import Draft
 from kakeya.core.generation import Block
 from kakeya.core.request import MAX_BLOCK_SIZE
+from kakeya.orchestrator.round_costs import RoundCosts
 
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the pooled rate)
 COST_EMA = 0.2  # weight of a new timing in the machine's running pace (every size's cost alike)
@@ -159,8 +165,10 @@ class BlockSizer:
         explore_share: float = EXPLORE_SHARE,
         initial: int = 0,
         copies: AcceptanceChain | None = None,
+        rounds: RoundCosts | None = None,
     ):
         self.costs, self.chain = costs, chain or AcceptanceChain()
+        self.rounds = rounds  # what batched rounds cost (the engine's, shared by its sizers)
         self.copies = copies or AcceptanceChain()  # the blocks drafted by copy (``Block.copied``)
         self.max_size, self.explore_share = max_size, explore_share  # 0: never probe
         self.initial = initial  # the size to use until a few blocks were seen (0: the model's choice from the start)
@@ -168,6 +176,16 @@ class BlockSizer:
         self.warm = WARM_BLOCKS if initial and self.chain.reached[0] < WARM_BLOCKS else 0
         self.since_probe = 0.0  # the cost curve's seconds of the blocks since the last probe
         self.probing = 0  # the size of the probe in flight (0: none)
+        self.sharing = 1  # sessions in the round its next block runs in (``loop.advance`` sets it each round)
+
+    def cost(self, size: int) -> float:
+        """A block of ``size``'s seconds: alone, the cost curve's; in a round shared by ``sharing`` sessions,
+        its price in such a round (``round_costs.py``) once batched rounds were seen."""
+        if self.sharing > 1 and self.rounds is not None:
+            price = self.rounds.price(self.sharing, size)
+            if price is not None:
+                return price
+        return self.costs(size)
 
     def candidates(self) -> list[int]:
         """The sizes to choose from: those with a measured cost (calibration timed them on warm
@@ -185,7 +203,7 @@ class BlockSizer:
             if size - 1 < len(rates):
                 run *= rates[size - 1]
                 total += run
-        return max(self.candidates(), key=lambda size: expected[size] / self.costs(size))
+        return max(self.candidates(), key=lambda size: expected[size] / self.cost(size))
 
     def choose(self, copy: bool = False) -> int:
         """The next block's size. ``copy``: the size for a block drafted by copy, the copies' chain
@@ -201,7 +219,7 @@ class BlockSizer:
         if (
             self.explore_share
             and longer
-            and self.since_probe * self.explore_share >= self.costs(longer[0]) - self.costs(best)
+            and self.since_probe * self.explore_share >= self.cost(longer[0]) - self.cost(best)
         ):
             self.since_probe, self.probing = 0.0, longer[0]
             return longer[0]
@@ -209,7 +227,7 @@ class BlockSizer:
 
     def observe(self, block: Block) -> None:
         size = block.drafted + 1
-        self.since_probe += self.costs(size)
+        self.since_probe += self.cost(size)
         if self.probing == size and block.accepted == block.drafted:
             self.since_probe = float("inf")  # a probe accepted whole paid for itself: probe again at once
         self.probing = 0
@@ -218,6 +236,8 @@ class BlockSizer:
             return
         self.warm = max(self.warm - 1, 0)
         self.chain.observe(block.drafted, block.accepted, FORGET, FORGET_FLOOR)
+        if self.sharing > 1:  # the timing is the batched round's, every session's rows in it
+            return
         if block.total_s > 0 and (size in self.costs.seconds or size == self.max_size or not self.costs.seconds):
             # only the sizes it chooses from: a block cut short by max_tokens would add a size the
             # sizer then picks on one lucky timing
@@ -238,6 +258,8 @@ class AdaptivePolicy:
         self.costs = costs or CostCurve()
         self.chain, self.copies = AcceptanceChain(), AcceptanceChain()
         self.max_size, self.carry, self.initial = max_size, carry, initial
+        self.rounds = RoundCosts()  # the scheduler's rounds, observed; what a block costs when several share one
+        self.rounds.prime(self.costs.seconds)
         self._lock = threading.Lock()
 
     def sizer(self, max_size: int | None = None) -> BlockSizer:
@@ -248,7 +270,7 @@ class AdaptivePolicy:
             copies = AcceptanceChain().merged(self.copies, self.carry)
             costs = CostCurve(dict(self.costs.seconds))
         cap = self.max_size if max_size is None else min(max_size, self.max_size)
-        return BlockSizer(costs, chain, cap, initial=self.initial, copies=copies)
+        return BlockSizer(costs, chain, cap, initial=self.initial, copies=copies, rounds=self.rounds)
 
     def learn(self, sizer: BlockSizer) -> None:
         """Fold a finished request's timings and acceptance back in."""

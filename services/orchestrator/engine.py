@@ -82,8 +82,12 @@ class Engine:
         with self._calibrating:
             if step not in self._schedulers:
                 draft_many = self.drafter.draft_batch if self.drafter is not None else None
-                self._schedulers[step] = Scheduler(draft_many, self.verifier.decide_batch, step)
+                self._schedulers[step] = Scheduler(draft_many, self.verifier.decide_batch, step, self._round_done)
             return self._schedulers[step]
+
+    def _round_done(self, sessions: int, rows: int, seconds: float) -> None:
+        if self.adaptive is not None:  # what a round costs prices the blocks of the next (``round_costs.py``)
+            self.adaptive.rounds.observe(sessions, rows, seconds)
 
     def calibrate(self) -> AdaptivePolicy:
         """Measure the cost of a block at each size on this engine's endpoints (once)."""

@@ -355,6 +355,9 @@ def advance(
     block committed to its decode. Returns the blocks, by decode; a decode that failed gets no block
     (its ``error`` says why) and never touches the others' results."""
     live = [d for d in decodes if d.started and not d.done]
+    for d in live:
+        if d.sizer is not None:
+            d.sizer.sharing = len(live)  # a batched round prices a block's rows, not only its share of the round
     t0 = time.perf_counter()
     calls = [(d, call) for d in live if (call := d.plan_draft()) is not None]
     if calls:

@@ -31,8 +31,11 @@ class Scheduler:
     """``draft_many`` / ``decide_many``: the engine's drafter's and verifier's batch calls; ``step``: runs a
     round where model work runs (a colocated server's compute thread; by default the calling thread)."""
 
-    def __init__(self, draft_many: Callable, decide_many: Callable, step: Callable = _call):
+    def __init__(
+        self, draft_many: Callable, decide_many: Callable, step: Callable = _call, on_round: Callable | None = None
+    ):
         self._draft_many, self._decide_many, self._step = draft_many, decide_many, step
+        self._on_round = on_round  # on_round(sessions, rows, seconds) after each round (``round_costs.py``)
         self._cv = threading.Condition()
         self._live: dict[Decode, deque[Block]] = {}  # each joined decode and its blocks not yet taken
         self._driving = False
@@ -96,4 +99,7 @@ class Scheduler:
             return []
         self.rounds += 1
         self.advanced += len(decodes)
+        if self._on_round is not None and results:
+            block = results[0][1]  # every block of a round carries the round's draft and verify times
+            self._on_round(len(results), sum(b.drafted + 1 for _, b in results), block.draft_s + block.verify_s)
         return results
