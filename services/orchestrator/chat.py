@@ -23,6 +23,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kakeya.core.request import Chat
 from kakeya.runtime.lifecycle import quote
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -101,6 +102,31 @@ class ChatTemplate:
                 raise ChatError("continue_final_message: the template drops the final message's content")
             text = text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
         return text
+
+
+def template_inputs(chat: Chat) -> tuple[list[dict], list[dict] | None]:
+    """A :class:`Chat`'s messages and tools as a chat template reads them: OpenAI's shapes, as transformers'
+    ``apply_chat_template`` takes them, but for a call's arguments, given as the object its JSON text holds (as
+    vLLM hands them to templates, which serialise them in the model's own call syntax)."""
+    messages = []
+    for m in chat.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                for c in m.tool_calls
+            ]
+        if m.role == "tool":
+            message["tool_call_id"] = m.tool_call_id
+            if m.name:
+                message["name"] = m.name
+        messages.append(message)
+    tools = [
+        {"type": "function", "function": {"name": t.name, "description": t.description}
+         | ({"parameters": dict(t.parameters)} if t.parameters is not None else {})}
+        for t in chat.tools
+    ]  # fmt: skip
+    return messages, tools or None
 
 
 def check_messages(messages: Sequence[dict]) -> None:
