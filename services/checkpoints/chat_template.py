@@ -21,7 +21,6 @@ CHAT_TEMPLATE = """{%- macro quoted(text) -%}<|"|>{{ text }}<|"|>{%- endmacro -%
 {%- macro argument(value) -%}
 {%- if value is string -%}{{ quoted(value) }}
 {%- elif value is boolean -%}{{ 'true' if value else 'false' }}
-{%- elif value is none -%}null
 {%- elif value is mapping -%}{ {%- for key, item in value | dictsort -%}{{ ',' if not loop.first }}{{ key }}:{{ argument(item) }}{%- endfor -%} }
 {%- elif value is sequence -%}[ {%- for item in value -%}{{ ',' if not loop.first }}{{ argument(item) }}{%- endfor -%} ]
 {%- else -%}{{ value }}
@@ -68,7 +67,12 @@ CHAT_TEMPLATE = """{%- macro quoted(text) -%}<|"|>{{ text }}<|"|>{%- endmacro -%
 {%- set state = namespace(results=false, stopped=false) -%}
 {%- if message['tool_calls'] -%}
 {%- for call in message['tool_calls'] -%}
-<|tool_call>call:{{ call['function']['name'] }}{ {%- for key, value in call['function']['arguments'] | dictsort -%}{{ ',' if not loop.first }}{{ key }}:{{ argument(value) }}{%- endfor -%} }<tool_call|>
+<|tool_call>call:{{ call['function']['name'] }}{
+{%- if call['function']['arguments'] is mapping -%}
+{%- for key, value in call['function']['arguments'] | dictsort -%}{{ ',' if not loop.first }}{{ key }}:{{ argument(value) }}{%- endfor -%}
+{%- elif call['function']['arguments'] is string -%}{{ call['function']['arguments'] }}
+{%- endif -%}
+}<tool_call|>
 {%- endfor -%}
 {%- for result in turns[loop.index0 + 1:] -%}
 {%- if result['role'] != 'tool' -%}{%- set state.stopped = true -%}{%- endif -%}

@@ -3,7 +3,7 @@
 A call is ``<|tool_call>call:NAME{ARGS}<tool_call|>`` (what Gemma-4's chat template writes for an assistant's
 ``tool_calls`` and the model writes back; ``checkpoints/chat_template.py`` renders the demo pair's the same way):
 ARGS are ``key:value`` pairs, keys bare (or quoted), strings between ``<|"|>`` marks, numbers, ``true``,
-``false``, ``null``, objects ``{...}`` and lists ``[...]`` as in JSON. :func:`parse_arguments` turns ARGS into
+``false``, ``null`` (or ``None``, as Gemma-4's template writes it), objects ``{...}`` and lists ``[...]`` as in JSON. :func:`parse_arguments` turns ARGS into
 the JSON object OpenAI's ``function.arguments`` carries; a call that does not parse stays in the text, as the
 model wrote it (it is content, not a call this server could hand a client).
 
@@ -28,7 +28,7 @@ MARKERS = (CALL_START, CALL_END, QUOTE, RESULT_START, "<tool_response|>")
 NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _BARE_KEY = re.compile(r"[^:{}\[\],<\s]+")
-_WORDS = {"true": True, "false": False, "null": None}
+_WORDS = {"true": True, "false": False, "null": None, "None": None}  # Gemma-4's template writes a null as None
 
 
 def call_id() -> str:
