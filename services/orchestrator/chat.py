@@ -96,6 +96,8 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as exc:  # the template cannot take these messages
             raise ChatError(f"chat template: {exc}") from None
+        except (TypeError, ValueError, LookupError, AttributeError, RecursionError) as exc:  # nor these tools
+            raise ChatError(f"chat template: {type(exc).__name__}: {exc}") from None
         if continue_final_message:
             at = text.rfind(CONTINUE_TAG.strip())
             if at < 0:

@@ -50,6 +50,11 @@ def tools(value) -> tuple[Tool, ...]:
             not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
         ):
             raise ToolError("tools", f'{where}.function.parameters: must be a JSON schema of "type": "object"')
+        if parameters is not None and not isinstance(parameters.get("properties", {}), dict):
+            raise ToolError("tools", f"{where}.function.parameters.properties: must be an object")
+        required = parameters.get("required", []) if parameters is not None else []
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ToolError("tools", f"{where}.function.parameters.required: must be a list of strings")
         if f.get("strict") not in (None, False):
             raise ToolError("tools", f"{where}.function.strict: true {_NOT_YET}")
         out.append(Tool(name, description or "", parameters))

@@ -174,6 +174,10 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools",
      "parameters"),
     ({"tools": [{"type": "function", "function": WEATHER["function"] | {"strict": True}}]}, "tools", "strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"required": 5}}}]}, "tools",
+     "parameters.required"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": []}}}]}, "tools",
+     "parameters.properties"),
     ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", "must be"),
     ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "constrained decoding"),
@@ -236,3 +240,14 @@ def test_the_template_renders_tools_and_calls_into_the_prompt(real):
     for r in (declared, history):  # the untrained model writes no call: its text is content
         assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls is None
         assert r.choices[0].message.content == codec.decode(r.model_extra["kakeya"]["token_ids"])
+
+
+def test_a_schema_the_template_cannot_write_is_a_400_not_a_500(real):
+    import openai
+
+    _, base = real
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {}, "required": 5}}}}}  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(base).chat.completions.create(model="tiny", messages=USER, tools=[tool], max_tokens=2)
+    assert "chat template" in err.value.body["message"]
