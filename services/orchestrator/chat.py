@@ -23,7 +23,8 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kakeya.core.request import Chat
+from kakeya.core.request import Chat, ToolCall
+from kakeya.orchestrator.tool_calls import NAME
 from kakeya.runtime.lifecycle import quote
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -111,24 +112,38 @@ def template_inputs(chat: Chat) -> tuple[list[dict], list[dict] | None]:
     ``apply_chat_template`` takes them, but for a call's arguments, given as the object its JSON text holds (as
     vLLM hands them to templates, which serialise them in the model's own call syntax)."""
     messages = []
-    for m in chat.messages:
+    for i, m in enumerate(chat.messages):
         message: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.tool_calls:
             message["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
-                for c in m.tool_calls
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c, i, j)}}
+                for j, c in enumerate(m.tool_calls)
             ]
         if m.role == "tool":
             message["tool_call_id"] = m.tool_call_id
             if m.name:
                 message["name"] = m.name
         messages.append(message)
+    for i, t in enumerate(chat.tools):
+        if not NAME.fullmatch(t.name) or any(t.name == u.name for u in chat.tools[:i]):
+            raise ChatError(f"tools[{i}].name: must be a unique 1-64 letters, digits, '_', '.' or '-'")
     tools = [
         {"type": "function", "function": {"name": t.name, "description": t.description}
          | ({"parameters": dict(t.parameters)} if t.parameters is not None else {})}
         for t in chat.tools
     ]  # fmt: skip
     return messages, tools or None
+
+
+def _arguments(call: ToolCall, i: int, j: int) -> dict:
+    """A call's arguments as the object their JSON text holds (ChatError naming the call if not one)."""
+    try:
+        args = json.loads(call.arguments)
+    except (ValueError, RecursionError):
+        args = None
+    if not isinstance(args, dict) or not NAME.fullmatch(call.name):
+        raise ChatError(f"messages[{i}].tool_calls[{j}]: needs a function's name and its arguments as a JSON object")
+    return args
 
 
 def check_messages(messages: Sequence[dict]) -> None:

@@ -26,7 +26,9 @@ from kakeya.orchestrator.text import TextCodec
 from kakeya.runtime import bounds
 
 DEFAULT_MAX_TOKENS = 128
-_CHAT_FIELD = re.compile(r"(messages(?:\[\d+\])?(?:\.\w+)?|continue_final_message):? (.*)", re.DOTALL)
+_CHAT_FIELD = re.compile(
+    r"(messages(?:\[\d+\])?(?:\.\w+(?:\[\d+\])?)*|tools\[\d+\](?:\.\w+)?|continue_final_message):? (.*)", re.DOTALL
+)
 
 
 class Engine(Protocol):
@@ -132,8 +134,8 @@ def _prompt_ids(prompt, engine: Engine, limit: int) -> list[int]:
         else:
             if not prompt.messages:
                 raise InvalidRequest("prompt", "a conversation needs at least one message")
-            messages, tools = template_inputs(prompt)
             try:
+                messages, tools = template_inputs(prompt)
                 ids = codec.encode_chat(messages, continue_final_message=prompt.continue_final_message, tools=tools)
             except ChatError as exc:  # "messages[1].role must be ...": the field is the chat's own
                 m = _CHAT_FIELD.match(str(exc))

@@ -18,8 +18,9 @@ import pytest
 from kakeya.core.generation import Block, Report
 from kakeya.core.request import Chat, Request
 from kakeya.orchestrator.assembly import build_local_engine
-from kakeya.orchestrator.http_server import HttpFront
+from kakeya.orchestrator.http_server import HttpCall, HttpFront
 from kakeya.orchestrator.server import GenerationServicer
+from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
 WEATHER = {
     "type": "function",
@@ -251,3 +252,51 @@ def test_a_schema_the_template_cannot_write_is_a_400_not_a_500(real):
     with pytest.raises(openai.BadRequestError) as err:
         _client(base).chat.completions.create(model="tiny", messages=USER, tools=[tool], max_tokens=2)
     assert "chat template" in err.value.body["message"]
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context(HttpCall):
+    """A gRPC servicer context as ``Generate`` uses it: a caller, and ``abort`` raising as grpc's does."""
+
+    def abort(self, code, details):
+        self.code, self.details = code, details
+        raise _Aborted(details)
+
+
+def _grpc_chat(servicer, tools=(), history=HISTORY, arguments=None):
+    req = pb.GenerateRequest(sampling_params=pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    for m in history:
+        calls = [pb.ToolCall(id=c["id"], name=c["function"]["name"],
+                             arguments_json=arguments or c["function"]["arguments"]) for c in m.get("tool_calls") or []]  # fmt: skip
+        req.messages.messages.add(role=m["role"], content=m["content"] or "", tool_calls=calls,
+                                  tool_call_id=m.get("tool_call_id", ""))  # fmt: skip
+    for t in tools:
+        f = t["function"]
+        req.messages.tools.add(name=f["name"], description=f.get("description", ""),
+                               parameters_json=f["parameters"] if isinstance(f.get("parameters"), str)
+                               else json.dumps(f.get("parameters") or {}))  # fmt: skip
+    context = _Context()
+    return list(servicer.Generate(req, context)), context
+
+
+def test_grpc_takes_the_same_tools_and_tool_turns(real):
+    """The gRPC API's messages carry tools and tool turns too: the same prompt as the HTTP request's."""
+    servicer, base = real
+    r = _client(base).chat.completions.create(model="tiny", messages=HISTORY, tools=[WEATHER], max_tokens=4,
+                                              temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    answers, _ = _grpc_chat(servicer, [WEATHER])
+    assert answers[-1].complete.prompt_tokens == r.usage.prompt_tokens
+    ids = [t for a in answers if a.HasField("chunk") for t in a.chunk.token_ids]
+    assert ids == r.model_extra["kakeya"]["token_ids"]
+    with pytest.raises(_Aborted) as err:
+        _grpc_chat(servicer, [WEATHER | {"function": WEATHER["function"] | {"parameters": "[1]"}}])
+    assert "prompt.messages.tools[0].parameters_json" in str(err.value)
+    with pytest.raises(_Aborted) as err:
+        _grpc_chat(servicer, [WEATHER], arguments="not json")
+    assert "prompt.messages[1].tool_calls[0]" in str(err.value)
+    with pytest.raises(_Aborted) as err:
+        _grpc_chat(servicer, [WEATHER, WEATHER])
+    assert "tools[1].name" in str(err.value)
