@@ -27,6 +27,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from kakeya.checkpoints import chat_template
+
 PAD, EOS, BOS, UNK, MASK = "<pad>", "<eos>", "<bos>", "<unk>", "<mask>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, EOS, BOS, UNK, MASK)
 PAD_ID, EOS_ID, BOS_ID, UNK_ID, MASK_ID = range(5)
@@ -39,15 +41,7 @@ MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 Progress = Callable[[str], None]
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # what transformers (and orchestrator/chat.py) read beside the tokenizer
-# Gemma's turn format: roles as they come ("assistant" is Gemma's "model"), contents verbatim (no trim: a
-# conversation's next prompt then starts with the previous prompt and answer, token for token, as far as the
-# tokenizer splits them alike), and the model's turn opened at the end when asked.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
-    "{{ message['content'] }}<end_of_turn>\n"
-    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-)
+CHAT_TEMPLATE = chat_template.CHAT_TEMPLATE  # Gemma's turn format, tools as Gemma-4 writes them
 
 
 def _stdlib_dir() -> Path:

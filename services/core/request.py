@@ -198,11 +198,38 @@ GREEDY = SamplingParams()
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call of a function tool, as OpenAI's ``tool_calls`` carry it: ``arguments`` is a JSON object's text."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call (OpenAI's function tool): ``parameters`` is its arguments' JSON schema."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping | None = None
+
+
+@dataclass(frozen=True)
 class Message:
-    """One turn of a conversation, as the checkpoint's chat template reads it."""
+    """One turn of a conversation, as the checkpoint's chat template reads it: an assistant's turn may call
+    tools (``tool_calls``); a ``tool`` message answers the call ``tool_call_id`` (of function ``name``)."""
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
+
+
+# ``Chat.tool_choice``: whether the model may call a tool (``auto``), must not (``none``), must call one
+# (``required``), or must call the function named (any other value: its name).
+AUTO, NONE, REQUIRED = "auto", "none", "required"
 
 
 @dataclass(frozen=True)
@@ -210,11 +237,15 @@ class Chat:
     """A conversation to render with the checkpoint's chat template (``orchestrator/chat.py``).
 
     ``continue_final_message``: the last message is left open for the model to continue (no end of
-    turn, no new assistant header), as transformers' ``apply_chat_template`` does.
+    turn, no new assistant header), as transformers' ``apply_chat_template`` does. ``tools``: the
+    functions the template declares to the model; ``tool_choice`` (:data:`AUTO`, :data:`NONE`,
+    :data:`REQUIRED` or a function's name) is the front's: it decides whether calls are parsed.
     """
 
     messages: tuple[Message, ...]
     continue_final_message: bool = False
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = AUTO
 
 
 Prompt = Sequence[int] | str | Chat  # token ids, a text to tokenize, or a conversation to render

@@ -23,6 +23,8 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kakeya.core.request import Chat, ToolCall
+from kakeya.orchestrator.tool_calls import NAME
 from kakeya.runtime.lifecycle import quote
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -95,12 +97,53 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as exc:  # the template cannot take these messages
             raise ChatError(f"chat template: {exc}") from None
+        except (TypeError, ValueError, LookupError, AttributeError, RecursionError) as exc:  # nor these tools
+            raise ChatError(f"chat template: {type(exc).__name__}: {exc}") from None
         if continue_final_message:
             at = text.rfind(CONTINUE_TAG.strip())
             if at < 0:
                 raise ChatError("continue_final_message: the template drops the final message's content")
             text = text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
         return text
+
+
+def template_inputs(chat: Chat) -> tuple[list[dict], list[dict] | None]:
+    """A :class:`Chat`'s messages and tools as a chat template reads them: OpenAI's shapes, as transformers'
+    ``apply_chat_template`` takes them, but for a call's arguments, given as the object its JSON text holds (as
+    vLLM hands them to templates, which serialise them in the model's own call syntax)."""
+    messages = []
+    for i, m in enumerate(chat.messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c, i, j)}}
+                for j, c in enumerate(m.tool_calls)
+            ]
+        if m.role == "tool":
+            message["tool_call_id"] = m.tool_call_id
+            if m.name:
+                message["name"] = m.name
+        messages.append(message)
+    for i, t in enumerate(chat.tools):
+        if not NAME.fullmatch(t.name) or any(t.name == u.name for u in chat.tools[:i]):
+            raise ChatError(f"tools[{i}].name: must be a unique 1-64 letters, digits, '_', '.' or '-'")
+    tools = [
+        {"type": "function", "function": {"name": t.name, "description": t.description}
+         | ({"parameters": dict(t.parameters)} if t.parameters is not None else {})}
+        for t in chat.tools
+    ]  # fmt: skip
+    return messages, tools or None
+
+
+def _arguments(call: ToolCall, i: int, j: int) -> dict:
+    """A call's arguments as the object their JSON text holds (ChatError naming the call if not one)."""
+    try:
+        args = json.loads(call.arguments)
+    except (ValueError, RecursionError):
+        args = None
+    if not isinstance(args, dict) or not NAME.fullmatch(call.name):
+        raise ChatError(f"messages[{i}].tool_calls[{j}]: needs a function's name and its arguments as a JSON object")
+    return args
 
 
 def check_messages(messages: Sequence[dict]) -> None:

@@ -21,12 +21,14 @@ from typing import Protocol
 
 from kakeya.core.contract import Drafter, Verifier
 from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, CachePolicy, Chat, InvalidRequest, Request
-from kakeya.orchestrator.chat import ChatError
+from kakeya.orchestrator.chat import ChatError, template_inputs
 from kakeya.orchestrator.text import TextCodec
 from kakeya.runtime import bounds
 
 DEFAULT_MAX_TOKENS = 128
-_CHAT_FIELD = re.compile(r"(messages(?:\[\d+\])?(?:\.\w+)?|continue_final_message):? (.*)", re.DOTALL)
+_CHAT_FIELD = re.compile(
+    r"(messages(?:\[\d+\])?(?:\.\w+(?:\[\d+\])?)*|tools\[\d+\](?:\.\w+)?|continue_final_message):? (.*)", re.DOTALL
+)
 
 
 class Engine(Protocol):
@@ -123,7 +125,8 @@ def _prompt_ids(prompt, engine: Engine, limit: int) -> list[int]:
                 raise InvalidRequest("prompt", "empty prompt")
             chars = len(prompt)
         else:
-            chars = sum(len(m.content) + len(m.role) for m in prompt.messages)
+            chars = sum(len(m.content) + len(m.role) + sum(len(c.arguments) for c in m.tool_calls)
+                        for m in prompt.messages) + len(repr(prompt.tools))  # fmt: skip
         if chars > limit * bounds.CHARS_PER_TOKEN_BOUND:
             raise InvalidRequest("prompt", f"{chars} characters, far beyond the {limit}-token limit")
         if isinstance(prompt, str):
@@ -131,9 +134,9 @@ def _prompt_ids(prompt, engine: Engine, limit: int) -> list[int]:
         else:
             if not prompt.messages:
                 raise InvalidRequest("prompt", "a conversation needs at least one message")
-            messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
             try:
-                ids = codec.encode_chat(messages, continue_final_message=prompt.continue_final_message)
+                messages, tools = template_inputs(prompt)
+                ids = codec.encode_chat(messages, continue_final_message=prompt.continue_final_message, tools=tools)
             except ChatError as exc:  # "messages[1].role must be ...": the field is the chat's own
                 m = _CHAT_FIELD.match(str(exc))
                 raise InvalidRequest(f"prompt.{m[1]}" if m else "prompt", m[2] if m else str(exc)) from None

@@ -10,9 +10,11 @@ rebuilds the report from a stream with :func:`report_from_stream`.
 
 from __future__ import annotations
 
+import json
+
 from kakeya.core.contract import KVBytes
 from kakeya.core.generation import Report
-from kakeya.core.request import CachePolicy, Chat, InvalidRequest, Message, Request, SamplingParams
+from kakeya.core.request import CachePolicy, Chat, InvalidRequest, Message, Request, SamplingParams, Tool, ToolCall
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import cache_pb2
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
@@ -57,8 +59,15 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
     elif which == "tokenized":
         prompt = list(r.tokenized.ids)
     else:
-        messages = tuple(Message(m.role, m.content) for m in r.messages.messages)
-        prompt = Chat(messages, r.messages.continue_final_message)
+        messages = tuple(
+            Message(m.role, m.content, tuple(ToolCall(c.id, c.name, c.arguments_json or "{}") for c in m.tool_calls),
+                    m.tool_call_id, m.name)
+            for m in r.messages.messages
+        )  # fmt: skip
+        tools = tuple(
+            Tool(t.name, t.description, _schema(t.parameters_json, i)) for i, t in enumerate(r.messages.tools)
+        )
+        prompt = Chat(messages, r.messages.continue_final_message, tools)
     sp = r.sampling_params
     sampling = SamplingParams(
         temperature=wire_contract.decimal(sp.temperature),
@@ -80,6 +89,19 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         request_id=r.request_id,
     )
     return request, names
+
+
+def _schema(text: str, i: int) -> dict | None:
+    """A tool's ``parameters_json``: a JSON object, or None when empty."""
+    if not text:
+        return None
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError):
+        schema = None
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"prompt.messages.tools[{i}].parameters_json", "must be a JSON object's text")
+    return schema
 
 
 def _cache_policy(r: pb.GenerateRequest, default: CachePolicy) -> CachePolicy | None:

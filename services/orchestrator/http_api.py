@@ -25,13 +25,13 @@ import re
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
 from kakeya.core.generation import Block, Report
-from kakeya.core.request import Chat, InvalidRequest, Message, Request, SamplingParams, public_field
-from kakeya.orchestrator import http_params
+from kakeya.core.request import NONE, Chat, InvalidRequest, Request, SamplingParams, public_field
+from kakeya.orchestrator import http_params, http_tools, tool_calls
 from kakeya.runtime.lifecycle import RequestError, bounded, quote
 
 STATUS = {
@@ -97,6 +97,7 @@ class Call:
     include_usage: bool
     model: str
     obfuscate: bool = False  # stream_options.include_obfuscation: pad each chunk with random characters
+    tools: bool = False  # read the model's tool calls out of its text (``tool_choice`` auto, with tools)
 
 
 def _number(body: dict, name: str, default=None, integer: bool = False, low=None, high=None):
@@ -247,11 +248,21 @@ def chat_request(body: dict, served: str) -> tuple[Request, Call, dict[str, str]
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "must be a non-empty list of messages")
     turns = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad("messages", f"messages[{i}] must be an object with a role")
-        turns.append(Message(m["role"], _content(m.get("content"), i)))
-    prompt = Chat(tuple(turns), _flag(body, "continue_final_message"))
+    try:
+        tools = http_tools.tools(body.get("tools"))
+        choice = http_tools.tool_choice(body.get("tool_choice"), tools)
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad("messages", f"messages[{i}] must be an object with a role")
+            # an assistant's turn that calls tools may have no content (OpenAI sends null)
+            empty = m.get("content") is None and (m.get("tool_calls") or m["role"] == "tool")
+            turns.append(http_tools.message(m, i, "" if empty else _content(m.get("content"), i)))
+    except http_tools.ToolError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    prompt = Chat(tuple(turns), _flag(body, "continue_final_message"), tools, choice)
+    if tools and choice != NONE:  # the model stops where a call's results would follow
+        fields["stop_strings"] += (tool_calls.RESULT_START,)
+        call = replace(call, tools=True)
     return Request(prompt, **fields), call, names
 
 
@@ -278,6 +289,8 @@ class Answer:
         self.created = int(time.time())
         self.text: list[str] = []
         self.token_ids: list[int] = []
+        self.calls = tool_calls.CallStream() if call.tools else None
+        self.calls_sent = 0  # the index of the next streamed call
 
     def _envelope(self, choices: list, chunk: bool = False) -> dict:
         kind = ("chat.completion" if self.call.chat else "text_completion") + (
@@ -302,30 +315,57 @@ class Answer:
         return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}], chunk=True)  # fmt: skip
 
-    def add(self, block: Block) -> dict | None:
-        """A committed block's text as an event (None when it carries no text yet)."""
+    def add(self, block: Block) -> list[dict]:
+        """A committed block's text as events (none when it carries no text yet)."""
         self.token_ids.extend(block.tokens)
         self.text.append(block.text)
-        return self._envelope([self._choice(block.text, None, True)], chunk=True) if block.text else None
+        return self._events(block.text)
 
-    def tail(self, report: Report) -> dict | None:
-        """The text the run held back to its end (a partial character, a possible stop string), as an event."""
+    def tail(self, report: Report) -> list[dict]:
+        """The text the run held back to its end (a partial character, a possible stop string), as events."""
         rest = report.text[len("".join(self.text)) :]
-        if not rest:
-            return None
         self.text.append(rest)
-        return self._envelope([self._choice(rest, None, True)], chunk=True)
+        return self._events(rest) + ([] if self.calls is None else self._deltas(self.calls.end()))
+
+    def _events(self, text: str) -> list[dict]:
+        if self.calls is None:
+            return [self._envelope([self._choice(text, None, True)], chunk=True)] if text else []
+        return self._deltas(self.calls.feed(text))
+
+    def _deltas(self, events: list) -> list[dict]:
+        """Content and calls (``tool_calls.CallStream``'s events) as chunks, each call as OpenAI streams one."""
+        deltas: list[dict] = []
+        for e in events:
+            if isinstance(e, str):
+                deltas.append({"content": e})
+            else:
+                deltas += http_tools.call_deltas(e, self.calls_sent)
+                self.calls_sent += 1
+        return [self._envelope([{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}], chunk=True)
+                for d in deltas]  # fmt: skip
+
+    def _finish(self, report: Report, calls: int) -> str:
+        reason = finish_reason(report)
+        return "tool_calls" if calls and reason == "stop" else reason
 
     def closing(self, report: Report) -> list[dict]:
         """A stream's last events: the finish reason with Kakeya's stats, then (if asked) the usage."""
-        last = self._envelope([self._choice("", finish_reason(report), True)], chunk=True)
+        last = self._envelope([self._choice("", self._finish(report, self.calls_sent), True)], chunk=True)
         last["kakeya"] = stats(report)
         if not self.call.include_usage:
             return [last]
         return [last, self._envelope([], chunk=True) | {"usage": usage(report)}]
 
     def whole(self, report: Report) -> dict:
-        body = self._envelope([self._choice(report.text, finish_reason(report), False)])
+        if self.calls is None:
+            body = self._envelope([self._choice(report.text, finish_reason(report), False)])
+        else:  # content: the text outside the calls, null when there is none (as OpenAI's)
+            content, calls = tool_calls.split(report.text)
+            choice = self._choice(content if content.strip() or not calls else None, self._finish(report, len(calls)),
+                                  False)  # fmt: skip
+            if calls:
+                choice["message"]["tool_calls"] = [http_tools.call_json(c) for c in calls]
+            body = self._envelope([choice])
         return body | {"usage": usage(report), "kakeya": stats(report)}
 
 

@@ -50,7 +50,7 @@ def _harmless(*types: type, api: str = BOTH) -> Param:
 
 
 _NO_LOGPROBS = "this server returns no log probabilities"
-_NO_TOOLS = "this server does not call tools"
+_NO_TOOLS = "the deprecated function-calling parameters are not supported: use tools and tool_choice"
 _TEXT = "this server generates text only"
 PARAMS: dict[str, Param] = {
     # -- OpenAI, both APIs
@@ -80,14 +80,14 @@ PARAMS: dict[str, Param] = {
     "modalities": _refused(["text"], api=CHAT, why=_TEXT),
     "audio": _refused(api=CHAT, why=_TEXT),
     "top_logprobs": _refused(0, api=CHAT, why=_NO_LOGPROBS),
-    "tools": _refused([], api=CHAT, why=_NO_TOOLS),
-    "tool_choice": _refused("none", api=CHAT, why=_NO_TOOLS),
+    "tools": Param(HONOURED, CHAT),  # function tools (``http_tools.py``)
+    "tool_choice": Param(HONOURED, CHAT),  # "auto" and "none"; "required" and a named function are refused there
     "functions": _refused([], api=CHAT, why=_NO_TOOLS),
     "function_call": _refused("none", api=CHAT, why=_NO_TOOLS),
     "web_search_options": _refused(api=CHAT, why="it does not search the web"),
     "reasoning_effort": _refused(api=CHAT, why="it has no reasoning-effort setting"),
     "verbosity": _refused("medium", api=CHAT, why="it has no verbosity setting"),
-    "parallel_tool_calls": _harmless(bool, api=CHAT),  # only means something with tools (refused)
+    "parallel_tool_calls": _harmless(bool, api=CHAT),  # calls are read as the model writes them, one or many
     "prediction": _harmless(dict, api=CHAT),  # a latency hint: the output is the same without it
     "store": _harmless(bool, api=CHAT),  # OpenAI's storage of completions
     "metadata": _harmless(dict, api=CHAT),  # tags for OpenAI's stored completions

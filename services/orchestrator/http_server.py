@@ -271,13 +271,11 @@ class HttpFront:
             item = first
             while item is not None:
                 if isinstance(item, Block):
-                    event = answer.add(item)
-                    if event is not None:
+                    for event in answer.add(item):
                         yield _event(event)
                 else:
-                    tail = answer.tail(item)
-                    if tail is not None:
-                        yield _event(tail)
+                    for event in answer.tail(item):
+                        yield _event(event)
                     for event in answer.closing(item):
                         yield _event(event)
                 item = await anext(messages, None)

@@ -13,6 +13,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from kakeya.orchestrator.chat import ChatError, ChatTemplate
+from kakeya.orchestrator.tool_calls import MARKERS
 
 
 class TextCodec:
@@ -30,6 +31,11 @@ class TextCodec:
             bos = bos.get("content")
         self.bos_id = self.tokenizer.token_to_id(bos) if bos else None
         self.chat = ChatTemplate.load(path)  # None: the checkpoint ships no chat template
+        # Special tokens are skipped in the text, but for tool-call markers (Gemma-4's ``<|tool_call>`` ...):
+        # the front reads calls out of the text (``tool_calls.py``), as vLLM keeps them for its tool parsers.
+        special = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        kept = {i for i, content in special.items() if content in MARKERS}
+        self.hidden = frozenset(special) - kept if kept else None  # None: skip every special token
 
     def encode_chat(self, messages, **options) -> list[int]:
         """The prompt ids of a conversation: rendered by the checkpoint's chat template (``chat.py``), then
@@ -52,7 +58,9 @@ class TextCodec:
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        if self.hidden is None:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.tokenizer.decode([i for i in ids if i not in self.hidden], skip_special_tokens=False)
 
 
 class StreamDecoder:

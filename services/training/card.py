@@ -121,6 +121,8 @@ def _turn_tokens(target: Path) -> list[str]:
         "  `python -m kakeya.checkpoints.turn_tokens`): embedding rows the mean of the BPE pieces that spelled them,",
         "  LM-head rows zero, so output on text without them is unchanged; `chat_template.jinja` is Gemma's turn format,",
         "  and `<end_of_turn>` ends a generation beside `<eos>` (`generation_config.json`), as in an instruction-tuned Gemma.",
+        "  It declares tools and writes tool calls and results in Gemma-4's syntax (`checkpoints/chat_template.py`); the model",
+        "  was never trained on them.",
     ]
 
 

@@ -1,0 +1,141 @@
+"""OpenAI's function tools on ``POST /v1/chat/completions``: ``tools``, ``tool_choice``, the tool turns of
+``messages`` read into the request (``http_api.chat_request``), and the calls of an answer in OpenAI's shapes.
+
+``tool_choice``: ``auto`` (the default with tools) renders the tools and reads the model's calls out of its
+text (``tool_calls.py``); ``none`` (the default without) renders them too, as vLLM does, but reads no call:
+the text comes back as content, whatever it holds. ``required`` and a named function need the model held
+to a call by a grammar (``tool_grammar.py``), which is not wired into generation yet: they are refused with
+a 400 naming ``tool_choice``, as is ``strict`` on a function (its arguments held to their schema).
+"""
+
+from __future__ import annotations
+
+import json
+
+from kakeya.core.request import AUTO, NONE, REQUIRED, Message, Tool, ToolCall
+from kakeya.orchestrator.tool_calls import NAME
+from kakeya.runtime.lifecycle import quote
+
+_NOT_YET = 'needs constrained decoding, which this server does not do yet: use "auto" or "none"'
+
+
+class ToolError(ValueError):
+    """A bad tool parameter: ``param`` is the request parameter to name in the 400."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def tools(value) -> tuple[Tool, ...]:
+    """``tools``: OpenAI function tools, each ``{"type": "function", "function": {name, description, parameters}}``."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ToolError("tools", "tools: must be a list of function tools")
+    out: list[Tool] = []
+    for i, t in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise ToolError("tools", f'{where}: must be {{"type": "function", "function": {{...}}}}')
+        f = t["function"]
+        name, description, parameters = f.get("name"), f.get("description", ""), f.get("parameters")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise ToolError("tools", f"{where}.function.name: must be 1-64 letters, digits, '_', '.' or '-'")
+        if any(name == other.name for other in out):
+            raise ToolError("tools", f"{where}.function.name: {quote(name)} is declared twice")
+        if not isinstance(description, str | None):
+            raise ToolError("tools", f"{where}.function.description: must be a string")
+        if parameters is not None and (
+            not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
+        ):
+            raise ToolError("tools", f'{where}.function.parameters: must be a JSON schema of "type": "object"')
+        if parameters is not None and not isinstance(parameters.get("properties", {}), dict):
+            raise ToolError("tools", f"{where}.function.parameters.properties: must be an object")
+        required = parameters.get("required", []) if parameters is not None else []
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ToolError("tools", f"{where}.function.parameters.required: must be a list of strings")
+        if f.get("strict") not in (None, False):
+            raise ToolError("tools", f"{where}.function.strict: true {_NOT_YET}")
+        out.append(Tool(name, description or "", parameters))
+    return tuple(out)
+
+
+def tool_choice(value, declared: tuple[Tool, ...]) -> str:
+    """``tool_choice`` as :attr:`Chat.tool_choice`: ``auto`` or ``none`` (``required`` and a named function are
+    checked, then refused until the call grammar is wired in)."""
+    if value is None:
+        return AUTO if declared else NONE
+    if isinstance(value, dict):
+        f = value.get("function")
+        name = f.get("name") if value.get("type") == "function" and isinstance(f, dict) else None
+        if not isinstance(name, str):
+            raise ToolError("tool_choice", 'tool_choice: must be "none", "auto", "required" or '
+                            '{"type": "function", "function": {"name": ...}}')  # fmt: skip
+        if not any(t.name == name for t in declared):
+            raise ToolError("tool_choice", f"tool_choice: names {quote(name)}, which is not one of the tools")
+        raise ToolError("tool_choice", f"tool_choice: a named function {_NOT_YET}")
+    if value not in (NONE, AUTO, REQUIRED):
+        raise ToolError(
+            "tool_choice", f'tool_choice: must be "none", "auto", "required" or a function, got {quote(value)}'
+        )
+    if value != NONE and not declared:
+        raise ToolError("tool_choice", f"tool_choice: {quote(value)} needs tools")
+    if value == REQUIRED:
+        raise ToolError("tool_choice", f'tool_choice: "required" {_NOT_YET}')
+    return value
+
+
+def calls(value, i: int) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls`` (``arguments``: a JSON object's text, as OpenAI sends it)."""
+    if value is None:
+        return ()
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(value, list):
+        raise ToolError("messages", f"{where}: must be a list of calls")
+    out = []
+    for j, c in enumerate(value):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or c.get("type", "function") != "function" or not isinstance(c.get("id"), str):
+            raise ToolError("messages", f'{where}[{j}]: must be {{"id", "type": "function", "function": {{...}}}}')
+        if not isinstance(f.get("name"), str) or not NAME.fullmatch(f["name"]):
+            raise ToolError("messages", f"{where}[{j}].function.name: must be 1-64 letters, digits, '_', '.' or '-'")
+        try:
+            args = json.loads(f.get("arguments"))
+        except (TypeError, ValueError, RecursionError):
+            args = None
+        if not isinstance(args, dict):
+            raise ToolError("messages", f"{where}[{j}].function.arguments: must be a JSON object's text")
+        out.append(ToolCall(c["id"], f["name"], f["arguments"]))
+    return tuple(out)
+
+
+def message(m: dict, i: int, content: str) -> Message:
+    """A message with its tool fields: an assistant's ``tool_calls``, a ``tool`` message's ``tool_call_id``."""
+    role = m["role"]
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise ToolError(
+                "messages", f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers"
+            )
+        name = m.get("name") or ""
+        if not isinstance(name, str):
+            raise ToolError("messages", f"messages[{i}].name: must be a string")
+        return Message(role, content, tool_call_id=m["tool_call_id"], name=name)
+    if m.get("tool_calls") is not None and role != "assistant":
+        raise ToolError("messages", f"messages[{i}].tool_calls: only an assistant's message calls tools")
+    return Message(role, content, tool_calls=calls(m.get("tool_calls"), i))
+
+
+def call_json(call: ToolCall) -> dict:
+    """A call as ``message.tool_calls`` carries it."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def call_deltas(call: ToolCall, index: int) -> list[dict]:
+    """A call as OpenAI streams it: its id, type and name with empty arguments, then the arguments."""
+    return [
+        {"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                         "function": {"name": call.name, "arguments": ""}}]},
+        {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]},
+    ]  # fmt: skip

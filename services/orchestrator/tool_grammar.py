@@ -1,0 +1,218 @@
+"""A grammar that admits exactly a well-formed Gemma-4 tool call whose arguments satisfy the function's schema.
+
+``tool_choice: "required"`` (one call or more, to any of the tools) and a named function (one call to it) hold
+the model to a call with this grammar, in llguidance's lark syntax: ``<|tool_call>call:NAME{ARGS}<tool_call|>``,
+then optionally ``<|tool_response>``, where the model stops to wait for the results. Gemma-4's arguments are not
+JSON (``tool_calls.py``), so the schema is compiled here to rules of that syntax, not embedded with ``%json``:
+keys bare, in sorted order (as the template writes them), every ``required`` key present and no undeclared
+one; strings between ``<|"|>`` marks (without ``<|`` inside them, so a string can never swallow a mark);
+integers, numbers, booleans, ``null``, lists, nested objects, ``enum``/``const``, ``anyOf``/``oneOf`` and type
+lists. A schema keyword this grammar cannot hold the arguments to (``pattern``, ``minimum``, ``$ref`` ...)
+is refused by name (:class:`GrammarError`), never silently dropped; annotations (``description``,
+``title``, ``default``, ``examples``) say nothing about validity and are skipped.
+
+The markers are the tokenizer's: where it holds one as a special token (Gemma-4's does) the grammar names
+the token by id (``<[ID]>``), which no text can spell; else the marker is the text it is
+(:func:`marker_terms`). The grammar is the ``spec`` of a ``Constraint("grammar", ...)`` once constrained
+decoding takes one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+
+from kakeya.core.request import NONE, REQUIRED, Tool
+from kakeya.orchestrator.tool_calls import CALL_END, CALL_START, MARKERS, QUOTE, RESULT_START
+
+_ANNOTATIONS = {"description", "title", "default", "examples", "$schema", "$comment", "deprecated", "readOnly",
+                "writeOnly", "additionalProperties"}  # fmt: skip
+_KEYWORDS = {"type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "nullable"}
+_BARE_KEY = re.compile(r"[^:{}\[\],<\s\"]+")
+# A string's text: anything without "<|", so it cannot hold (or end inside) a marker.
+_TERMINALS = {
+    "STR": r"/([^<]|<[^<|])*/",
+    "STR_END": r"/([^<]|<[^<|])*" + re.escape(QUOTE) + "/",
+    "INT": r"/-?(0|[1-9][0-9]*)/",
+    "NUM": r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/",
+    "KEY": r"/[A-Za-z_][A-Za-z0-9_.\-]*/",
+}
+
+
+class GrammarError(ValueError):
+    """A tool this grammar cannot hold a call to: the message names the tool and the schema's keyword."""
+
+
+def marker_terms(tokenizer=None) -> dict[str, str]:
+    """Each marker's lark term: ``<[ID]>`` where ``tokenizer`` (a ``tokenizers.Tokenizer``) holds it as one
+    special token, else the literal text."""
+    special = {}
+    if tokenizer is not None:
+        special = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    return {m: f"<[{special[m]}]>" if m in special else _lit(m) for m in MARKERS}
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text)  # a lark string: JSON's escapes
+
+
+class _Rules:
+    def __init__(self, terms: Mapping[str, str]):
+        self.q = terms[QUOTE]
+        # A string: its opening mark, then its text and closing mark. Where the mark is text, the two are one
+        # terminal (STR_END): llguidance's lexer ends a lexeme only where it cannot go on, and a string's text
+        # can go on past a "<" that turns out to open the mark. A special token ends the text by itself.
+        self.string = f"{self.q} STR_END" if self.q.startswith('"') else f"{self.q} STR {self.q}"
+        self.rules: dict[str, str] = {}
+        self.names: dict[str, str] = {}
+
+    def rule(self, body: str) -> str:
+        """A rule of ``body`` (one rule per distinct body)."""
+        if body not in self.names:
+            self.names[body] = name = f"r{len(self.names)}"
+            self.rules[name] = body
+        return self.names[body]
+
+    def quoted(self, text: str) -> str:
+        return f"{self.q} {_lit(text)} {self.q}" if text else f"{self.q} {self.q}"
+
+    def literal(self, value, where: str) -> str:
+        """A JSON value, written as Gemma-4 writes it (``enum``, ``const``)."""
+        if isinstance(value, str):
+            if "<|" in value:
+                raise GrammarError(f"{where}: a value holding '<|' cannot be written in a tool call")
+            return self.quoted(value)
+        if isinstance(value, bool):
+            return '"true"' if value else '"false"'
+        if value is None:
+            return '("null" | "None")'
+        if isinstance(value, int | float):
+            return _lit(json.dumps(value))
+        if isinstance(value, list):
+            items = ' "," '.join(self.literal(v, where) for v in value)
+            return f'"[" {items} "]"' if value else '"[" "]"'
+        if isinstance(value, dict):
+            pairs = ' "," '.join(f"{self.key(k, where)} {self.literal(v, where)}" for k, v in sorted(value.items()))
+            return f'"{{" {pairs} "}}"' if value else '"{" "}"'
+        raise GrammarError(f"{where}: {value!r} is not a JSON value")
+
+    def key(self, key: str, where: str) -> str:
+        if "<|" in key:
+            raise GrammarError(f"{where}: a key holding '<|' cannot be written in a tool call")
+        return f"{_lit(key + ':')}" if _BARE_KEY.fullmatch(key) else f'{self.quoted(key)} ":"'
+
+    def any(self) -> str:
+        """Any value (a schema that says nothing of it)."""
+        if "any" not in self.rules:
+            self.rules["any"] = ""  # reserved first: the body refers to itself
+            pair = f'(KEY | {self.string}) ":" any'
+            self.rules["any_object"] = f'"{{" ({pair} ("," {pair})*)? "}}"'
+            self.rules["any"] = (f'{self.string} | NUM | "true" | "false" | "null" | "None" | any_object '
+                                 f'| "[" (any ("," any)*)? "]"')  # fmt: skip
+        return "any"
+
+    def value(self, schema, where: str) -> str:
+        """The rule of the values ``schema`` admits."""
+        if schema is True or schema == {}:
+            return self.any()
+        if not isinstance(schema, Mapping):
+            raise GrammarError(f"{where}: a schema must be an object")
+        unknown = sorted(set(schema) - _KEYWORDS - _ANNOTATIONS)
+        if unknown:
+            raise GrammarError(f"{where}: schema keyword {unknown[0]!r} is not supported in a tool call's grammar")
+        if schema.get("additionalProperties") not in (None, True, False):
+            raise GrammarError(f"{where}: additionalProperties with a schema is not supported in a tool call's grammar")
+        if "const" in schema:
+            return self.rule(self.literal(schema["const"], where))
+        if "enum" in schema:
+            if not isinstance(schema["enum"], list) or not schema["enum"]:
+                raise GrammarError(f"{where}.enum: must be a non-empty list")
+            return self.rule(" | ".join(self.literal(v, where) for v in schema["enum"]))
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                base = {k: v for k, v in schema.items() if k != key}
+                options = [self.value({**base, **option}, f"{where}.{key}[{i}]")
+                           for i, option in enumerate(schema[key])]  # fmt: skip
+                return self.rule(" | ".join(options))
+        kinds = schema.get("type")
+        kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+        if not kinds:
+            kinds = ["object"] if "properties" in schema else []
+        if not kinds:
+            return self.any()
+        if schema.get("nullable"):
+            kinds.append("null")
+        return self.rule(" | ".join(self._typed(kind, schema, where) for kind in dict.fromkeys(kinds)))
+
+    def _typed(self, kind: str, schema: Mapping, where: str) -> str:
+        if kind == "string":
+            return self.string
+        if kind == "integer":
+            return "INT"
+        if kind == "number":
+            return "NUM"
+        if kind == "boolean":
+            return '"true" | "false"'
+        if kind == "null":
+            return '"null" | "None"'
+        if kind == "array":
+            item = self.value(schema.get("items", {}), f"{where}.items")
+            return f'"[" ({item} ("," {item})*)? "]"'
+        if kind == "object":
+            return self.members(schema, where)
+        raise GrammarError(f"{where}: type {kind!r} is not a JSON schema type")
+
+    def members(self, schema: Mapping, where: str) -> str:
+        """``{key:value,...}``: the declared keys in sorted order, each required one present, no other."""
+        props = schema.get("properties")
+        if props is None:
+            if schema.get("additionalProperties", True) is False:
+                return '"{" "}"'
+            self.any()
+            return "any_object"
+        required = set(schema.get("required") or ())
+        if not isinstance(props, Mapping) or not required <= set(props):
+            raise GrammarError(f"{where}: every required key must be among the properties")
+        keys = sorted(props)
+        entry = [f"{self.key(k, where)} {self.value(props[k], f'{where}.properties.{k}')}" for k in keys]
+
+        def tail(i: int) -> str:  # what may follow once a key before keys[i] was written
+            return " ".join(f'"," {e}' if k in required else f'("," {e})?' for k, e in zip(keys[i:], entry[i:]))
+
+        starts = []
+        for i, k in enumerate(keys):  # the first key written: any whose optional predecessors were all left out
+            starts.append(f"{entry[i]} {tail(i + 1)}".strip())
+            if k in required:
+                break
+        else:
+            starts.append("")  # every key optional: the empty object
+        alternatives = " | ".join(f'"{{" {s} "}}"' if s else '"{" "}"' for s in starts)
+        return self.rule(alternatives)
+
+
+def tool_call_grammar(tools: Sequence[Tool], tool_choice: str, terms: Mapping[str, str] | None = None) -> str:
+    """The lark grammar (llguidance's) of the calls ``tool_choice`` asks for: ``required``, one or more calls of
+    any of ``tools``; a function's name, one call of it. ``terms``: the markers' lark terms
+    (:func:`marker_terms`; by default their text). :class:`GrammarError` names a tool it cannot hold."""
+    terms = dict(terms or marker_terms())
+    rules = _Rules(terms)
+    if tool_choice in (NONE, "auto"):
+        raise GrammarError(f"tool_choice {tool_choice!r} asks for no call: it has no grammar")
+    chosen = list(tools) if tool_choice == REQUIRED else [t for t in tools if t.name == tool_choice]
+    if not chosen:
+        raise GrammarError(f"tool_choice: {tool_choice!r} is not one of the tools")
+    calls = []
+    for i, tool in enumerate(tools):
+        if tool in chosen:
+            where = f"tools[{i}].function.parameters"
+            params = tool.parameters if tool.parameters is not None else {"type": "object", "properties": {}}
+            args = rules.value(dict(params) | {"type": "object"}, where)
+            calls.append(f"{_lit('call:' + tool.name)} {args}")
+    rules.rule(" | ".join(calls))
+    call = f"{terms[CALL_START]} {rules.names[' | '.join(calls)]} {terms[CALL_END]}"
+    start = f"({call})+" if tool_choice == REQUIRED else call
+    lines = [f"start: {start} {terms[RESULT_START]}?"]
+    lines += [f"{name}: {body}" for name, body in rules.rules.items()]
+    lines += [f"{name}: {regex}" for name, regex in _TERMINALS.items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,302 @@
+"""Tool calls on the HTTP front (``http_tools.py``, ``tool_calls.py``, ``http_api.Answer``) with the official client.
+
+Two fronts. The tiny pair, colocated and real: a request with tools and a tool-call history renders through
+the checkpoint's template (its prompt holds the declaration and the call, in Gemma-4's syntax) and its text
+comes back as content -- the tiny models were never trained to call a tool, so no real run here writes one.
+So the calls themselves are planted: :class:`Planted` stands at the front's boundary in the place of the
+generation service (``servicer.stream``) and commits a text the test chose, in blocks of the sizes it chose;
+everything from the request's body to the answer's JSON and server-sent events is the front's own code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from kakeya.core.generation import Block, Report
+from kakeya.core.request import Chat, Request
+from kakeya.orchestrator.assembly import build_local_engine
+from kakeya.orchestrator.http_server import HttpCall, HttpFront
+from kakeya.orchestrator.server import GenerationServicer
+from kakeya.wire.kakeya.v1 import generate_pb2 as pb
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
+CALL = '<|tool_call>call:get_weather{city:<|"|>Paris, <é>{x}<|"|>,unit:<|"|>c<|"|>}<tool_call|>'
+ARGS = {"city": "Paris, <é>{x}", "unit": "c"}
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@dataclass
+class Planted:
+    """The generation service's place at the front: each request commits ``text`` in blocks of ``sizes``
+    characters (cycled), then ends with ``finish``; the requests it was handed are kept."""
+
+    text: str = ""
+    sizes: tuple[int, ...] = (1,)
+    finish: str = "stop"
+    requests: list = field(default_factory=list)
+    engine: object = True
+    ready: bool = True
+    auth_token: str | None = None
+
+    def stream(self, req: Request, call):
+        self.requests.append(req)
+        at, i = 0, 0
+        while at < len(self.text):
+            n = self.sizes[i % len(self.sizes)]
+            block = Block(list(range(at, min(at + n, len(self.text)))), 0, 0)
+            block.text = self.text[at : at + n]
+            yield block
+            at, i = at + n, i + 1
+        yield Report("t", "d", "planted", (2,), tuple(range(len(self.text))), self.text, self.finish, 0)
+
+
+@pytest.fixture(scope="module")
+def planted():
+    service = Planted()
+    http = HttpFront(service, 0, "planted")
+    port = http.start("127.0.0.1")
+    yield service, f"http://127.0.0.1:{port}"
+    http.drain()
+    http.join(5)
+
+
+def _client(base):
+    from openai import OpenAI
+
+    return OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+def test_a_call_comes_back_as_tool_calls(planted):
+    service, base = planted
+    service.text, service.finish = "Let me look. " + CALL, "stop"
+    r = _client(base).chat.completions.create(model="planted", messages=USER, tools=[WEATHER])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look. "
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == ARGS
+    req = service.requests[-1]
+    assert isinstance(req.prompt, Chat) and req.prompt.tools[0].name == "get_weather"
+    assert req.prompt.tool_choice == "auto" and "<|tool_response>" in req.stop_strings
+
+
+def test_two_calls_and_no_content(planted):
+    service, base = planted
+    service.text = CALL + CALL.replace("Paris", "Rome")
+    r = _client(base).chat.completions.create(model="planted", messages=USER, tools=[WEATHER], tool_choice="auto")
+    choice = r.choices[0]
+    assert choice.message.content is None and choice.finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments)["city"][:5] for c in choice.message.tool_calls] == ["Paris", "Rome,"]
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+
+
+@pytest.mark.parametrize("sizes", [(1,), (2,), (3,), (5, 1), (7,), (13,), (1000,)])
+def test_streamed_deltas_join_to_the_same_call_whatever_the_blocks(planted, sizes):
+    service, base = planted
+    service.text, service.sizes = "Sure. " + CALL + CALL.replace("Paris", "Oslo"), sizes
+    stream = _client(base).chat.completions.create(model="planted", messages=USER, tools=[WEATHER], stream=True)
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or []:
+            if d.id is not None:  # a call's first chunk: its id, type and name, arguments ""
+                assert d.index not in calls and d.type == "function" and d.function.arguments == ""
+                calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+            else:
+                calls[d.index]["arguments"] += d.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "Sure. " and finish == "tool_calls"  # no piece of a marker leaked into the content
+    assert [c["name"] for c in calls.values()] == ["get_weather"] * 2
+    assert [json.loads(c["arguments"]) for c in calls.values()] == [ARGS, ARGS | {"city": "Oslo, <é>{x}"}]
+
+
+def test_text_that_only_looks_like_a_call_is_content(planted):
+    service, base = planted
+    service.sizes = (3,)
+    for text, finish in [("a <|tool_ca", "stop"), ("x <|tool_call>call:get_weather{city:", "length"),
+                         ("<|tool_call>call:get_weather{city:Paris}<tool_call|>", "stop")]:  # fmt: skip
+        service.text, service.finish = text, finish
+        client = _client(base)
+        whole = client.chat.completions.create(model="planted", messages=USER, tools=[WEATHER]).choices[0]
+        assert (whole.message.content, whole.message.tool_calls, whole.finish_reason) == (text, None, finish)
+        chunks = list(client.chat.completions.create(model="planted", messages=USER, tools=[WEATHER], stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
+
+def test_tool_choice_none_reads_no_call(planted):
+    service, base = planted
+    service.text, service.sizes, service.finish = CALL, (4,), "stop"
+    r = _client(base).chat.completions.create(model="planted", messages=USER, tools=[WEATHER], tool_choice="none")
+    assert r.choices[0].message.content == CALL and r.choices[0].finish_reason == "stop"
+    assert "<|tool_response>" not in service.requests[-1].stop_strings
+
+
+HISTORY = USER + [
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]  # fmt: skip
+
+
+def test_a_tool_history_reaches_the_request(planted):
+    service, base = planted
+    service.text = "It is sunny."
+    r = _client(base).chat.completions.create(model="planted", messages=HISTORY, tools=[WEATHER])
+    assert r.choices[0].message.content == "It is sunny." and r.choices[0].finish_reason == "stop"
+    assistant, tool = service.requests[-1].prompt.messages[1:]
+    assert assistant.content == "" and assistant.tool_calls[0].name == "get_weather"
+    assert json.loads(assistant.tool_calls[0].arguments) == {"city": "Paris"}
+    assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "call_1", "sunny, 21 C")
+
+
+BAD = [
+    ({"tools": {"a": 1}}, "tools", "must be a list"),
+    ({"tools": [{"type": "function"}]}, "tools", "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "declared twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools",
+     "parameters"),
+    ({"tools": [{"type": "function", "function": WEATHER["function"] | {"strict": True}}]}, "tools", "strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"required": 5}}}]}, "tools",
+     "parameters.required"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": []}}}]}, "tools",
+     "parameters.properties"),
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", "must be"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "constrained decoding"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
+     "constrained decoding"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not one of the tools"),
+    ({"messages": USER + [{"role": "tool", "content": "x"}]}, "messages", "messages[1].tool_call_id"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}, "messages",
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages", "messages[0].tool_calls"),
+    ({"functions": [{"name": "f"}]}, "functions", "tools and tool_choice"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "param", "says"), BAD)
+def test_bad_tools_are_400_naming_the_parameter(planted, extra, param, says):
+    import openai
+
+    _, base = planted
+    body = {"model": "planted", "messages": USER} | extra
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(base).chat.completions.create(**body)
+    error = err.value.body
+    assert error["param"] == param and says in error["message"], error
+
+
+# --------------------------------------------------------------------------- the tiny pair, for real
+
+
+@pytest.fixture(scope="module")
+def real(tiny_pair):
+    servicer = GenerationServicer(
+        lambda: build_local_engine(str(tiny_pair.target), str(tiny_pair.draft), "mlx"), colocated=True
+    )
+    servicer.load()
+    servicer.ready = True
+    http = HttpFront(servicer, 0, "tiny")
+    port = http.start("127.0.0.1")
+    yield servicer, f"http://127.0.0.1:{port}"
+    http.drain()
+    http.join(5)
+
+
+def test_the_template_renders_tools_and_calls_into_the_prompt(real):
+    servicer, base = real
+    client = _client(base)
+    kw = {"model": "tiny", "max_tokens": 4, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    plain = client.chat.completions.create(messages=USER, **kw)
+    declared = client.chat.completions.create(messages=USER, tools=[WEATHER], **kw)
+    history = client.chat.completions.create(messages=HISTORY, tools=[WEATHER], **kw)
+    codec = servicer.engine.codec
+    tokens = {name: r.usage.prompt_tokens for name, r in [("plain", plain), ("declared", declared), ("h", history)]}
+    assert tokens["plain"] < tokens["declared"] < tokens["h"]
+    rendered = codec.encode_chat(USER, tools=[WEATHER])
+    assert len(rendered) == tokens["declared"]
+    text = codec.tokenizer.decode(rendered, skip_special_tokens=False)
+    assert "<|tool>declaration:get_weather{" in text and text.endswith("<start_of_turn>model\n")
+    for r in (declared, history):  # the untrained model writes no call: its text is content
+        assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls is None
+        assert r.choices[0].message.content == codec.decode(r.model_extra["kakeya"]["token_ids"])
+
+
+def test_a_schema_the_template_cannot_write_is_a_400_not_a_500(real):
+    import openai
+
+    _, base = real
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {}, "required": 5}}}}}  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(base).chat.completions.create(model="tiny", messages=USER, tools=[tool], max_tokens=2)
+    assert "chat template" in err.value.body["message"]
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context(HttpCall):
+    """A gRPC servicer context as ``Generate`` uses it: a caller, and ``abort`` raising as grpc's does."""
+
+    def abort(self, code, details):
+        self.code, self.details = code, details
+        raise _Aborted(details)
+
+
+def _grpc_chat(servicer, tools=(), history=HISTORY, arguments=None):
+    req = pb.GenerateRequest(sampling_params=pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    for m in history:
+        calls = [pb.ToolCall(id=c["id"], name=c["function"]["name"],
+                             arguments_json=arguments or c["function"]["arguments"]) for c in m.get("tool_calls") or []]  # fmt: skip
+        req.messages.messages.add(role=m["role"], content=m["content"] or "", tool_calls=calls,
+                                  tool_call_id=m.get("tool_call_id", ""))  # fmt: skip
+    for t in tools:
+        f = t["function"]
+        req.messages.tools.add(name=f["name"], description=f.get("description", ""),
+                               parameters_json=f["parameters"] if isinstance(f.get("parameters"), str)
+                               else json.dumps(f.get("parameters") or {}))  # fmt: skip
+    context = _Context()
+    return list(servicer.Generate(req, context)), context
+
+
+def test_grpc_takes_the_same_tools_and_tool_turns(real):
+    """The gRPC API's messages carry tools and tool turns too: the same prompt as the HTTP request's."""
+    servicer, base = real
+    r = _client(base).chat.completions.create(model="tiny", messages=HISTORY, tools=[WEATHER], max_tokens=4,
+                                              temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    answers, _ = _grpc_chat(servicer, [WEATHER])
+    assert answers[-1].complete.prompt_tokens == r.usage.prompt_tokens
+    ids = [t for a in answers if a.HasField("chunk") for t in a.chunk.token_ids]
+    assert ids == r.model_extra["kakeya"]["token_ids"]
+    with pytest.raises(_Aborted) as err:
+        _grpc_chat(servicer, [WEATHER | {"function": WEATHER["function"] | {"parameters": "[1]"}}])
+    assert "prompt.messages.tools[0].parameters_json" in str(err.value)
+    with pytest.raises(_Aborted) as err:
+        _grpc_chat(servicer, [WEATHER], arguments="not json")
+    assert "prompt.messages[1].tool_calls[0]" in str(err.value)
+    with pytest.raises(_Aborted) as err:
+        _grpc_chat(servicer, [WEATHER, WEATHER])
+    assert "tools[1].name" in str(err.value)

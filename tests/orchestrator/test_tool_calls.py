@@ -1,0 +1,112 @@
+"""Gemma-4 tool calls read out of text (``orchestrator/tool_calls.py``), whole and streamed in any pieces,
+and the tool-call markers kept in the decoded text where a tokenizer holds them as special tokens."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from tokenizers import AddedToken, Tokenizer
+
+from kakeya.orchestrator.text import TextCodec
+from kakeya.orchestrator.tool_calls import MARKERS, CallStream, parse_arguments, parse_call, split
+
+Q = '<|"|>'
+TEXT = (
+    f"I'll check <both>.\n<|tool_call>call:get_weather{{city:{Q}Paris, {{FR}}: <b>{Q},days:[1,2.5e1,-3],"
+    f"hourly:true,opts:{{unit:{Q}c{Q},extra:null,n:{{}}}}}}<tool_call|>"
+    f"<|tool_call>call:mod.get-time{{}}<tool_call|> then é <|tool_"
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "want"),
+    [
+        ("{}", {}),
+        (f"{{a:{Q}x{Q}}}", {"a": "x"}),
+        (
+            f"{{a:{Q}{Q},b:0,c:-1.5E-3,d:false,e:None,f:null}}",
+            {"a": "", "b": 0, "c": -1.5e-3, "d": False, "e": None, "f": None},
+        ),
+        (f"{{{Q}key with: colon{Q}:[{Q}a{Q},[],{{}}]}}", {"key with: colon": ["a", [], {}]}),
+        (f"{{ a : {Q} spaced {Q} , b : [ 1 , 2 ] }}", {"a": " spaced ", "b": [1, 2]}),
+        (f'{{s:{Q}json "quotes" \\ and {{braces}}{Q}}}', {"s": 'json "quotes" \\ and {braces}'}),
+    ],
+)
+def test_arguments_parse_to_json(args, want):
+    assert parse_arguments(args) == want
+
+
+@pytest.mark.parametrize(
+    "args",
+    ["", "{", "{a}", "{a:}", "{a:Paris}", f"{{a:{Q}x}}", "{a:1,}", "{a:1 b:2}", "{a:[1,}", "{a:1}}", "{a:01}", "[1]",
+     "{a:tru}", "{a:1} x"],
+)  # fmt: skip
+def test_malformed_arguments_are_none(args):
+    assert parse_arguments(args) is None
+
+
+def test_a_call_parses_with_a_fresh_id():
+    a, b = parse_call(f"call:f{{x:{Q}y{Q}}}"), parse_call(f"call:f{{x:{Q}y{Q}}}")
+    assert (a.name, json.loads(a.arguments)) == ("f", {"x": "y"}) and a.id != b.id and a.id.startswith("call_")
+    for body in ["f{}", "call:{}", "call:bad name{}", "call:f", "call:f{a:b}", "call:" + "x" * 65 + "{}"]:
+        assert parse_call(body) is None
+
+
+def _want():
+    content, calls = split(TEXT)
+    assert content == "I'll check <both>.\n then é <|tool_"
+    assert [c.name for c in calls] == ["get_weather", "mod.get-time"]
+    assert json.loads(calls[0].arguments) == {
+        "city": "Paris, {FR}: <b>",
+        "days": [1, 25.0, -3],
+        "hourly": True,
+        "opts": {"unit": "c", "extra": None, "n": {}},
+    }
+    return content, [(c.name, c.arguments) for c in calls]
+
+
+def _run(pieces) -> tuple[str, list]:
+    stream, events = CallStream(), []
+    for piece in pieces:
+        events += stream.feed(piece)
+    events += stream.end()
+    content = [e for e in events if isinstance(e, str)]
+    assert all(content) and "<|tool_call>" not in "".join(content)  # no empty event, no marker as content
+    return "".join(content), [(e.name, e.arguments) for e in events if not isinstance(e, str)]
+
+
+def test_a_stream_cut_anywhere_gives_the_same_content_and_calls():
+    want = _want()
+    for i in range(len(TEXT) + 1):  # every cut in two, and every pair of cuts
+        assert _run([TEXT[:i], TEXT[i:]]) == want
+        for j in range(i, len(TEXT) + 1):
+            assert _run([TEXT[:i], TEXT[i:j], TEXT[j:]]) == want
+    for size in range(1, 12):  # every fixed block size
+        assert _run([TEXT[k : k + size] for k in range(0, len(TEXT), size)]) == want
+
+
+def test_content_streams_at_once_and_only_a_possible_marker_waits():
+    stream = CallStream()
+    assert stream.feed("hello <") == ["hello "]  # "<" may open a call: held
+    assert stream.feed("b>") == ["<b>"]  # it did not
+    assert stream.feed("x <|tool_c") == ["x "]
+    assert stream.feed("all>call:f{") == [] and stream.feed("}<tool_call|>")[0].name == "f"
+    assert stream.feed("<|tool_call>call:f{a:") == [] and stream.end() == ["<|tool_call>call:f{a:"]
+
+
+def test_special_tool_markers_stay_in_the_decoded_text(demo_pair, tmp_path):
+    """A tokenizer that holds the markers as special tokens (Gemma-4's does): they are decoded, other
+    special tokens are still skipped."""
+    shutil.copytree(demo_pair.target, tmp_path / "t", ignore=shutil.ignore_patterns("*.safetensors"))
+    tok = Tokenizer.from_file(str(tmp_path / "t" / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in MARKERS])
+    tok.save(str(tmp_path / "t" / "tokenizer.json"))
+    codec = TextCodec(tmp_path / "t")
+    text = f"<|tool_call>call:f{{a:{Q}x{Q}}}<tool_call|><|tool_response>"
+    ids = codec.encode(text) + [1]  # <bos> first, <eos> last
+    assert codec.tokenizer.token_to_id("<|tool_call>") in ids and ids[0] == 2
+    assert codec.decode(ids) == text
+    plain = TextCodec(demo_pair.target)  # no such special tokens: every special token is skipped, as before
+    assert plain.hidden is None and plain.decode([2, *plain.encode("x")[1:], 1]) == "x"

@@ -1,0 +1,169 @@
+"""The tool-call grammar (``orchestrator/tool_grammar.py``), checked with llguidance's own matcher on the demo
+pair's tokenizer: calls written by the chat template with arguments that satisfy the schema are accepted (and
+read back by the parser to the same arguments), calls whose arguments break the schema, malformed calls and
+calls of other functions are rejected; with the markers as special tokens (Gemma-4's) they match by id."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import llguidance
+import pytest
+from tokenizers import AddedToken, Tokenizer
+
+from kakeya.core.request import Tool
+from kakeya.orchestrator.text import TextCodec
+from kakeya.orchestrator.tool_calls import MARKERS, parse_call
+from kakeya.orchestrator.tool_grammar import GrammarError, marker_terms, tool_call_grammar
+
+Q = '<|"|>'
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "description": "a city"},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+        "days": {"type": "array", "items": {"type": "integer"}},
+        "at": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+               "required": ["lat", "lon"]},
+        "hourly": {"type": ["boolean", "null"]},
+        "note": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+        "mode": {"const": "fast"},
+        "extra": {},
+    },
+    "required": ["city", "unit"],
+}  # fmt: skip
+WEATHER, TIME = Tool("get_weather", "The weather", SCHEMA), Tool("time")
+VALID = [
+    {"city": "Paris", "unit": "c"},
+    {"city": "", "unit": "f", "days": []},
+    {"city": "a <b> {c}: [d], e", "unit": "c", "days": [0, -12, 7], "hourly": None},
+    {"city": "x", "unit": "c", "at": {"lat": -1.5, "lon": 2e3}, "hourly": True, "note": 3, "mode": "fast"},
+    {"city": "x", "unit": "c", "note": "n", "extra": {"k": [1, "v", {"z": False}]}},
+]
+INVALID = [
+    {"city": "Paris"},  # a required key missing
+    {"unit": "c"},
+    {"city": "P", "unit": "k"},  # not in the enum
+    {"city": 3, "unit": "c"},  # wrong type
+    {"city": "P", "unit": "c", "days": [1.5]},
+    {"city": "P", "unit": "c", "at": {"lat": 1}},
+    {"city": "P", "unit": "c", "hourly": "yes"},
+    {"city": "P", "unit": "c", "mode": "slow"},
+]
+UNDECLARED = {"city": "P", "unit": "c", "other": 1}  # the schema allows it; the grammar, as OpenAI's strict mode, not
+
+
+@pytest.fixture(scope="module")
+def demo(demo_pair):
+    codec = TextCodec(demo_pair.target)
+    return codec, llguidance.LLTokenizer(str(demo_pair.target / "tokenizer.json"))
+
+
+def _accepts(tokenizer: llguidance.LLTokenizer, grammar: str, ids: list[int]) -> bool:
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    matcher.consume_tokens(ids)
+    return not matcher.is_error() and matcher.is_accepting()
+
+
+def _written(codec: TextCodec, name: str, args: dict) -> str:
+    """The call as the chat template writes an assistant's call (Gemma-4's syntax)."""
+    messages = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function",
+                                                                      "function": {"name": name, "arguments": args}}]}]  # fmt: skip
+    text = codec.chat.render(messages, add_generation_prompt=False)
+    return text[text.index("<|tool_call>") : text.index("<tool_call|>") + len("<tool_call|>")]
+
+
+def _ids(codec: TextCodec, text: str) -> list[int]:
+    return codec.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_calls_whose_arguments_satisfy_the_schema_are_accepted_and_read_back(demo, choice):
+    codec, tokenizer = demo
+    grammar = tool_call_grammar([WEATHER, TIME], choice)
+    for args in VALID:
+        jsonschema.validate(args, SCHEMA)
+        call = _written(codec, "get_weather", args)
+        assert _accepts(tokenizer, grammar, _ids(codec, call)), call
+        assert _accepts(tokenizer, grammar, _ids(codec, call + "<|tool_response>"))
+        parsed = parse_call(call[len("<|tool_call>") : -len("<tool_call|>")])
+        assert parsed.name == "get_weather" and json.loads(parsed.arguments) == args
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_calls_that_break_the_schema_or_the_syntax_are_rejected(demo, choice):
+    codec, tokenizer = demo
+    grammar = tool_call_grammar([WEATHER, TIME], choice)
+    for args in INVALID:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(args, SCHEMA)
+        call = _written(codec, "get_weather", args)
+        assert not _accepts(tokenizer, grammar, _ids(codec, call)), call
+    assert not _accepts(tokenizer, grammar, _ids(codec, _written(codec, "get_weather", UNDECLARED)))
+    good = _written(codec, "get_weather", VALID[0])
+    for bad in [
+        "",  # no call at all
+        "Sure. " + good,  # text before the call
+        good.replace("<tool_call|>", ""),  # unfinished
+        good.replace(",unit:", ", unit:"),  # a space the syntax has not
+        good.replace("city:", '<|"|>city<|"|>:'),
+        f"<|tool_call>call:get_weather{{city:{Q}a<|b{Q},unit:{Q}c{Q}}}<tool_call|>",  # a string holding "<|"
+        "<|tool_call>call:nope{}<tool_call|>",  # not one of the tools
+        good + "and then text",
+    ]:
+        assert not _accepts(tokenizer, grammar, _ids(codec, bad)), bad
+
+
+def test_required_takes_several_calls_a_named_function_one_of_it(demo):
+    codec, tokenizer = demo
+    weather, time = _written(codec, "get_weather", VALID[0]), "<|tool_call>call:time{}<tool_call|>"
+    required, named = tool_call_grammar([WEATHER, TIME], "required"), tool_call_grammar([WEATHER, TIME], "time")
+    assert _accepts(tokenizer, required, _ids(codec, time + weather + time))
+    assert _accepts(tokenizer, named, _ids(codec, time))
+    for text in (weather, time + time, "<|tool_call>call:time{a:1}<tool_call|>"):
+        assert not _accepts(tokenizer, named, _ids(codec, text)), text
+
+
+def test_special_token_markers_match_by_id_not_by_text(demo_pair, tmp_path):
+    shutil.copytree(demo_pair.target, tmp_path / "t", ignore=shutil.ignore_patterns("*.safetensors"))
+    tok = Tokenizer.from_file(str(tmp_path / "t" / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in MARKERS])
+    tok.save(str(tmp_path / "t" / "tokenizer.json"))
+    terms = marker_terms(tok)
+    assert terms["<|tool_call>"] == f"<[{tok.token_to_id('<|tool_call>')}]>"
+    grammar = tool_call_grammar([WEATHER], "required", terms)
+    tokenizer = llguidance.LLTokenizer(str(tmp_path / "t" / "tokenizer.json"))
+    call = f"<|tool_call>call:get_weather{{city:{Q}Pa<b>ris{Q},unit:{Q}c{Q}}}<tool_call|>"
+    ids = tok.encode(call, add_special_tokens=False).ids
+    assert tok.token_to_id(Q) in ids and _accepts(tokenizer, grammar, ids)
+    # the same text with the markers spelled in ordinary pieces (no special token) is no call
+    spelled = [i for piece in call.replace(Q, "\0").split("\0") for i in [*_pieces(tok, piece), *_pieces(tok, Q)]]
+    assert tok.token_to_id(Q) not in spelled and not _accepts(tokenizer, grammar, spelled)
+
+
+def _pieces(tok: Tokenizer, text: str) -> list[int]:
+    """``text`` in ordinary tokens, one character at a time (so no special token can match it)."""
+    return [i for ch in text for i in tok.encode(ch, add_special_tokens=False).ids]
+
+
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^a"}}}, "'pattern'"),
+        ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}, "'minimum'"),
+        ({"type": "object", "properties": {"r": {"$ref": "#/x"}}}, "'$ref'"),
+        ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
+        ({"type": "object", "properties": {"t": {"type": "date"}}}, "'date'"),
+    ],
+)
+def test_a_schema_the_grammar_cannot_hold_is_refused_by_name(schema, says):
+    with pytest.raises(GrammarError, match="tools\\[0\\].function.parameters") as err:
+        tool_call_grammar([Tool("f", "", schema)], "required")
+    assert says in str(err.value)
+    for choice in ("auto", "none", "other"):
+        with pytest.raises(GrammarError):
+            tool_call_grammar([TIME], choice)
