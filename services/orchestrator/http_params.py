@@ -87,7 +87,7 @@ PARAMS: dict[str, Param] = {
     "web_search_options": _refused(api=CHAT, why="it does not search the web"),
     "reasoning_effort": _refused(api=CHAT, why="it has no reasoning-effort setting"),
     "verbosity": _refused("medium", api=CHAT, why="it has no verbosity setting"),
-    "parallel_tool_calls": _harmless(bool, api=CHAT),  # calls are read as the model writes them, one or many
+    "parallel_tool_calls": _refused(True, api=CHAT, why="calls are read as the model writes them, one or many"),
     "prediction": _harmless(dict, api=CHAT),  # a latency hint: the output is the same without it
     "store": _harmless(bool, api=CHAT),  # OpenAI's storage of completions
     "metadata": _harmless(dict, api=CHAT),  # tags for OpenAI's stored completions

@@ -276,7 +276,7 @@ OPENAI = {
         "messages": HONOURED, "model": HONOURED, "audio": REFUSED, "frequency_penalty": REFUSED,
         "function_call": REFUSED, "functions": REFUSED, "logit_bias": REFUSED, "logprobs": REFUSED,
         "max_completion_tokens": HONOURED, "max_tokens": HONOURED, "metadata": HARMLESS, "modalities": REFUSED,
-        "n": REFUSED, "parallel_tool_calls": HARMLESS, "prediction": HARMLESS, "presence_penalty": REFUSED,
+        "n": REFUSED, "parallel_tool_calls": REFUSED, "prediction": HARMLESS, "presence_penalty": REFUSED,
         "prompt_cache_key": HARMLESS, "prompt_cache_retention": HARMLESS, "reasoning_effort": REFUSED,
         "response_format": REFUSED, "safety_identifier": HARMLESS, "seed": HONOURED, "service_tier": HARMLESS,
         "stop": HONOURED, "store": HARMLESS, "stream": HONOURED, "stream_options": HONOURED, "temperature": HONOURED,
@@ -289,11 +289,11 @@ ASKS = {
     "best_of": 2, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"5": 10}, "logprobs": 2, "n": 2,
     "presence_penalty": -1, "suffix": "end", "audio": {"voice": "alloy", "format": "wav"},
     "function_call": "auto", "functions": [{"name": "f"}], "modalities": ["text", "audio"], "reasoning_effort": "low",
-    "response_format": {"type": "json_object"},
+    "response_format": {"type": "json_object"}, "parallel_tool_calls": False,
     "top_logprobs": 3, "verbosity": "low", "web_search_options": {},
 }  # fmt: skip
 HARMLESS_VALUES = {
-    "user": "u-1", "metadata": {"k": "v"}, "parallel_tool_calls": False, "store": True,
+    "user": "u-1", "metadata": {"k": "v"}, "store": True,
     "prediction": {"type": "content", "content": "x"}, "prompt_cache_key": "k", "prompt_cache_retention": "24h",
     "safety_identifier": "s", "service_tier": "auto",
 }  # fmt: skip
@@ -321,7 +321,10 @@ def test_each_parameter_is_honoured_refused_or_harmless(front, path):
             assert status == 200, (name, answer)
             status, answer = client.post(path, BASE[path] | {name: 12})  # its type is still checked
             assert status == 400 and _refusal(answer) == name, (name, answer)
-    for name, value in [("modalities", ["text"]), ("response_format", {"type": "text"}), ("n", 1), ("logprobs", False)]:
+    for name, value in [
+        ("modalities", ["text"]), ("response_format", {"type": "text"}), ("n", 1), ("logprobs", False),
+        ("parallel_tool_calls", True),
+    ]:  # fmt: skip
         if name in OPENAI[path]:
             status, answer = client.post(path, BASE[path] | {name: value})
             assert status == 200, (name, answer)  # the value that asks for nothing more
