@@ -252,7 +252,7 @@ class PooledAttention:
             if sh.ragged:
                 rows = rows[f["to_pad"]]
             out = kernel.decode_attention(
-                rows.reshape(N, L, H, D), pages.keys[i], pages.values[i], table, kpos, qpos,
+                rows.reshape(N, L, H, D), pages.keys[i][0], pages.values[i][0], table, kpos, qpos,
                 window=spec.window or 0, scale=spec.scale,
             ).view(N * L, H, D)  # fmt: skip
             if sh.ragged:

@@ -4,13 +4,11 @@ A DFlash drafter's context only ever grows (one row per committed position,
 every layer projecting the same aux rows), so its K/V fit the verifier's pool
 design (``verifier/torch_backend/pool.py``) without rollback:
 
-* :class:`Pages` holds, for every layer of one kind, K and V
-  ``[n_kv, rows, head_dim]`` (the layout the Triton decode-attention kernel
-  reads), cut into pages of ``page`` rows, handed out lowest first and given
-  back when a session closes (or is collected). A pool that runs out grows by
-  whole chunks (at least doubling): every row keeps its index, the tensors
-  move, ``generation`` is bumped (a captured graph holds their addresses).
-  Growth happens only between steps (under :meth:`DraftPool.stepping`).
+* A :class:`~kakeya.backends.torch.pages.PagePool` (shared with the verifier) holds,
+  for every layer of one kind, K and V ``[n_kv, rows, head_dim]``, cut into pages
+  of ``page`` rows, handed out lowest first and given back when a session closes
+  (or is collected); it grows by whole chunks, only between steps (under
+  :meth:`DraftPool.stepping`).
 * A session (:class:`PooledContext`) holds its full-attention context as pages
   of the full pool (position ``p`` at row ``pages[p // page] * page + p %
   page``, pages taken as the context grows) and its sliding context as a ring
@@ -19,7 +17,7 @@ design (``verifier/torch_backend/pool.py``) without rollback:
   ``p % ring``, so the ring always holds the newest ``ring`` positions and a
   long context never moves a row.
 * A batched step writes each block's own K/V into *scratch* rows of the pools
-  (:meth:`Pages.scratch`, one run of rows per block lane), never into a
+  (:meth:`PagePool.scratch`, one run of rows per block lane), never into a
   session's pages, so several blocks of one session (a pre-draft) run in one
   step and the context holds committed positions only.
 
@@ -29,101 +27,16 @@ table entries read there (with a position no query sees).
 
 from __future__ import annotations
 
-import heapq
 import threading
 import weakref
-from collections.abc import Sequence
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
+from kakeya.backends.torch.pages import CHUNK_PAGES, PAGE, TRASH_PAGE, PagePool, Storage, page_rows
 from kakeya.core.contract import SLIDING
 from kakeya.drafter.context import ContextSnapshot
-
-PAGE = 16  # rows per page
-CHUNK_PAGES = 64  # the fewest pages a pool grows by
-TRASH_PAGE = 0  # never handed out: padded rows write here, padded table entries read here
-
-
-class Pages:
-    """K and V rows of every layer in ``layers`` (each ``[n_kv, rows, head_dim]``), handed out in pages."""
-
-    def __init__(self, layers: Sequence[int], n_kv: int, head_dim: int, device, dtype, page: int, chunk: int):
-        if page < 1 or chunk < 1:
-            raise ValueError(f"page and chunk must be >= 1, got {page}, {chunk}")
-        self.layers, self.n_kv, self.head_dim = list(layers), n_kv, head_dim
-        self.device, self.dtype, self.page, self.chunk = device, dtype, page, chunk
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
-        self.pages = 0  # pages the tensors hold (page 0 included)
-        self.free: list[int] = []  # a heap: the lowest free page is handed out first
-        self.scratch_pages: list[int] = []  # the batched step's block rows, kept for every step
-        self.generation = 0  # bumped whenever the tensors are reallocated
-        self.growths = 0
-        self._grow(chunk)
-
-    @property
-    def rows(self) -> int:
-        return self.pages * self.page
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of K and V of one row over every layer of this pool."""
-        return 2 * len(self.layers) * self.n_kv * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def used_pages(self) -> int:
-        return self.pages - 1 - len(self.free)
-
-    def take(self, n: int) -> list[int]:
-        """``n`` pages (grown by whole chunks when too few are free)."""
-        if n > len(self.free):
-            self._grow(n - len(self.free))
-        return [heapq.heappop(self.free) for _ in range(n)]
-
-    def give(self, pages: Sequence[int]) -> None:
-        for p in pages:
-            heapq.heappush(self.free, p)
-
-    def scratch(self, n: int) -> np.ndarray:
-        """Rows of the first ``n`` scratch slots (pages taken on first need, then kept)."""
-        need = -(-n // self.page) - len(self.scratch_pages)
-        if need > 0:
-            self.scratch_pages.extend(self.take(need))
-        return page_rows(self.scratch_pages, self.page)[:n]
-
-    @torch.inference_mode()  # inference tensors, whichever thread or mode first asks for pages
-    def _grow(self, need: int) -> None:
-        """At least ``need`` more pages, in whole chunks and at least doubling; every row keeps its index."""
-        add = -(-max(need, self.pages - 1) // self.chunk) * self.chunk
-        old, self.pages = self.pages, self.pages + add + (0 if self.pages else 1)  # the first growth adds page 0
-        for i in self.layers:
-            for store in (self.keys, self.values):
-                t = torch.zeros((self.n_kv, self.rows, self.head_dim), dtype=self.dtype, device=self.device)
-                if old:
-                    t[:, : old * self.page] = store[i]
-                store[i] = t
-        for p in range(max(old, TRASH_PAGE + 1), self.pages):
-            heapq.heappush(self.free, p)
-        self.generation += 1
-        self.growths += 1
-
-    def write(self, i: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``k``/``v`` ``[n_kv, n, head_dim]`` into ``rows`` [n] (device) of layer ``i``."""
-        self.keys[i].index_copy_(1, rows, k)
-        self.values[i].index_copy_(1, rows, v)
-
-    def gather(self, i: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s K and V at ``table`` (any shape of rows): ``[n_kv, *table.shape, head_dim]``."""
-        flat = table.reshape(-1)  # index_select copies whole rows: on a CPU ~10x an advanced index's speed
-        shape = (self.n_kv, *table.shape, self.head_dim)
-        return self.keys[i].index_select(1, flat).view(shape), self.values[i].index_select(1, flat).view(shape)
-
-
-def page_rows(pages: Sequence[int], page: int) -> np.ndarray:
-    """Every row of ``pages``, in order."""
-    return (np.asarray(pages, dtype=np.int64)[:, None] * page + np.arange(page)).reshape(-1)
 
 
 class DraftPool:
@@ -136,13 +49,19 @@ class DraftPool:
         a = config.layer_attention(0)  # every layer's K/V rows have the same shape
         sliding = [i for i, t in enumerate(self.kinds) if t == SLIDING]
         full = [i for i, t in enumerate(self.kinds) if t != SLIDING]
-        make = lambda layers: Pages(layers, a.n_kv, a.head_dim, device, dtype, page, chunk) if layers else None
+        make = lambda layers: (
+            PagePool(
+                {i: (a.n_kv, a.head_dim) for i in layers}, {i: Storage() for i in layers}, device, dtype, page, chunk
+            )
+            if layers
+            else None
+        )
         self.sliding, self.full = make(sliding), make(full)
         self.keep = int(config.sliding_window) - 1 if sliding else 0  # the context rows a window shows
         self.ring = max(page, -(-self.keep // page) * page) if sliding else 0
         self.lock = threading.RLock()
 
-    def of(self, i: int) -> Pages:
+    def of(self, i: int) -> PagePool:
         """Layer ``i``'s pool."""
         return self.sliding if self.kinds[i] == SLIDING else self.full
 
@@ -281,14 +200,14 @@ class PooledContext:
         scratch, held by no session."""
         pool, rows = self.pool, 0
         if pool.sliding is not None:
-            rows += len(pool.sliding.layers) * len(self.ring_pages) * pool.page
+            rows += len(pool.sliding.shapes) * len(self.ring_pages) * pool.page
         if pool.full is not None:
             pages = (
                 len(self.full_pages)
                 if new_rows is None
                 else max(len(self.full_pages), -(-(self.length + new_rows) // pool.page))
             )
-            rows += len(pool.full.layers) * pages * pool.page
+            rows += len(pool.full.shapes) * pages * pool.page
         return rows
 
     @torch.inference_mode()

@@ -1,9 +1,10 @@
 """One K/V pool per layer kind of a torch target: every session's caches are pages of it, read through tables.
 
-A :class:`PagePool` holds, for every layer of one kind that owns K/V, a K and a
-V tensor ``[kv_heads, rows, head_dim]`` (the layout the Triton decode-attention
-kernel reads, ``backends/torch/kernels/attention.py``), cut into pages of
-``page`` rows. A session (:class:`PooledCaches`) holds
+A :class:`~kakeya.backends.torch.pages.PagePool` holds, for every layer of one kind
+that owns K/V, a K and a V tensor ``[kv_heads, rows, head_dim]`` (the layout the
+Triton decode-attention kernel reads), cut into pages of ``page`` rows (growth,
+page 0 and the free list: ``backends/torch/pages.py``, shared with the drafter's
+pool). A session (:class:`PooledCaches`) holds
 
 * its sliding rings as a fixed set of pages of the sliding pool, taken when it
   opens: ring slot ``s`` is row ``pages[s // page] * page + s % page``. The
@@ -31,7 +32,6 @@ batch together. Sliding rings are always exact and shared by every policy.
 
 from __future__ import annotations
 
-import heapq
 import threading
 import weakref
 from collections.abc import Sequence
@@ -40,32 +40,11 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from kakeya.backends.torch.pages import CHUNK_PAGES, PAGE, PagePool, Storage
 from kakeya.core.contract import SLIDING
 from kakeya.verifier.caches import SessionCaches
 from kakeya.verifier.layout import ForwardPlan, RingLayout
 from kakeya.verifier.torch_backend.cache import dequantize, quantize
-
-PAGE = 16  # rows per page: a block of up to MAX_BLOCK_SIZE positions spans at most two
-CHUNK_PAGES = 64  # the fewest pages a pool grows by
-TRASH_PAGE = 0  # never handed out: padded rows write here, padded table entries read here
-
-
-class Storage:
-    """How one layer's K (or V) rows are stored: exact, in the compute dtype."""
-
-    key: tuple = ()
-
-    def widths(self, head_dim: int, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
-        """(width, dtype) of each tensor a row is stored as."""
-        return [(head_dim, dtype)]
-
-    def parts(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """``x`` ``[heads, n, head_dim]`` as the tensors it is stored as."""
-        return [x]
-
-    def load(self, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Stored tensors (gathered rows) back as K or V in ``dtype``."""
-        return parts[0]
 
 
 class QuantizedStorage(Storage):
@@ -89,104 +68,6 @@ class QuantizedStorage(Storage):
 
     def load(self, parts, dtype):
         return dequantize(*parts, self.group, self.bits, dtype)
-
-
-class PagePool:
-    """The rows of one layer kind's K and V, for every layer of that kind, handed out in pages.
-
-    ``shapes``: layer index -> (kv_heads, head_dim); ``storage``: layer index ->
-    :class:`Storage`. ``keys[i]`` / ``values[i]``: layer ``i``'s stored tensors,
-    each ``[kv_heads, rows, width]``.
-    """
-
-    def __init__(self, shapes: dict, storage: dict, device, dtype, page: int = PAGE, chunk: int = CHUNK_PAGES):
-        if page < 1 or chunk < 1:
-            raise ValueError(f"page and chunk must be >= 1, got {page}, {chunk}")
-        self.shapes, self.storage = shapes, storage
-        self.device, self.dtype, self.page, self.chunk = device, dtype, page, chunk
-        self.keys: dict[int, list[torch.Tensor]] = {i: [] for i in shapes}
-        self.values: dict[int, list[torch.Tensor]] = {i: [] for i in shapes}
-        self.pages = 0  # pages the tensors hold (page 0 included)
-        self.free: list[int] = []  # a heap: the lowest free page is handed out first
-        self.generation = 0  # bumped whenever the tensors are reallocated
-        self.growths = 0
-        self.lock = threading.RLock()
-        self._grow(chunk)
-
-    @property
-    def rows(self) -> int:
-        return self.pages * self.page
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of K and V of one row over every layer of this pool."""
-        return sum(
-            2 * h * w * torch.empty((), dtype=dt).element_size()
-            for i, (h, d) in self.shapes.items()
-            for w, dt in self.storage[i].widths(d, self.dtype)
-        )
-
-    @property
-    def used_pages(self) -> int:
-        return self.pages - 1 - len(self.free)
-
-    def take(self, n: int) -> list[int]:
-        """``n`` pages (grown by whole chunks when too few are free)."""
-        with self.lock:
-            if n > len(self.free):
-                self._grow(n - len(self.free))
-            return [heapq.heappop(self.free) for _ in range(n)]
-
-    def give(self, pages: Sequence[int]) -> None:
-        """Pages a session no longer holds, back for the next one."""
-        with self.lock:
-            for p in pages:
-                heapq.heappush(self.free, p)
-
-    def _grow(self, need: int) -> None:
-        """At least ``need`` more pages, in whole chunks and at least doubling; every row keeps its index."""
-        add = max(need, self.pages - 1)
-        add = -(-add // self.chunk) * self.chunk
-        old, self.pages = self.pages, self.pages + add + (0 if self.pages else 1)  # the first growth adds page 0
-        for i, (heads, dim) in self.shapes.items():
-            for store in (self.keys, self.values):
-                grown = []
-                for j, (w, dt) in enumerate(self.storage[i].widths(dim, self.dtype)):
-                    t = torch.zeros((heads, self.rows, w), dtype=dt, device=self.device)
-                    if old:
-                        t[:, : old * self.page] = store[i][j]
-                    grown.append(t)
-                store[i] = grown
-        for p in range(max(old, TRASH_PAGE + 1), self.pages):
-            heapq.heappush(self.free, p)
-        self.generation += 1
-        self.growths += 1
-
-    # -- rows of layer i ---------------------------------------------------------------------
-
-    def write(self, i: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``k``/``v`` ``[kv_heads, n, head_dim]`` into ``rows`` [n] (device) of layer ``i``."""
-        store = self.storage[i]
-        for dst, src in zip(self.keys[i], store.parts(k)):
-            dst.index_copy_(1, rows, src)
-        for dst, src in zip(self.values[i], store.parts(v)):
-            dst.index_copy_(1, rows, src)
-
-    def gather(self, i: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s K and V at ``table`` (any shape of row indices): ``[kv_heads, *table.shape, head_dim]``."""
-        store = self.storage[i]
-        flat = table.reshape(-1)
-
-        def rows(t: torch.Tensor) -> torch.Tensor:  # index_select: advanced indexing cost ~5x on a CPU
-            return t.index_select(1, flat).view(t.shape[0], *table.shape, t.shape[-1])
-
-        k = store.load([rows(t) for t in self.keys[i]], self.dtype)
-        v = store.load([rows(t) for t in self.values[i]], self.dtype)
-        return k, v
-
-    @property
-    def exact(self) -> bool:
-        return all(type(s) is Storage for s in self.storage.values())
 
 
 class KVPool:

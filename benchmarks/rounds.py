@@ -1,0 +1,151 @@
+"""Where a batched round's time goes: N streams through one in-process engine, every scheduler round timed.
+
+The colocated server's shape without its gRPC front: the embedded demo pair loaded once on a model
+thread (``runtime/compute.py``), N threads each generating ``--requests`` greedy requests of
+``--max-tokens`` (every request its own prompt, EOS ignored so every stream decodes its full length),
+all through the engine's one scheduler. Every round is recorded: sessions in it, rows verified (each
+block's last token and candidates), tokens committed, the batched draft's and verify's seconds. Reported
+per backend and stream count: aggregate tok/s, the medians over full rounds (at least 3/4 of the streams
+in them), and what ``round_costs.py`` fitted from them: ``g`` (a round's fixed cost), ``f`` (each
+session's) and ``s`` (each row's), in ms -- what prices a block when sessions share a round. Also
+``--block-size`` to hold every block at one size instead of the sizer's choice (the comparison that
+shows what the sizer's choice under batching is worth).
+
+    python benchmarks/rounds.py --backends torch mlx --streams 1 8 16   # -> benchmarks/results/rounds.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def measure(backend: str, streams: int, requests: int, max_tokens: int, block_size: int) -> dict:
+    import kakeya.orchestrator.scheduler as scheduler_mod
+    from kakeya.app.main import DEFAULT_PROMPT
+    from kakeya.core.request import Request
+    from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
+    from kakeya.orchestrator.engine import RunOptions
+    from kakeya.runtime.compute import ComputeThread
+
+    rounds, advance = [], scheduler_mod.advance
+
+    def timed(decodes, draft_many, decide_many):  # the scheduler's round, with what it did
+        out = advance(decodes, draft_many, decide_many)
+        if out:
+            b = out[0][1]
+            rows = sum(x.drafted + 1 for _, x in out)
+            rounds.append((len(out), rows, sum(len(x.tokens) for _, x in out), b.draft_s, b.verify_s))
+        return out
+
+    compute = ComputeThread("bench")
+    engine = compute.run(build_local_engine, None, None, backend, "cpu" if backend == "torch" else None, None)
+    if engine.verifier.info.backend == "torch":
+        compute.run(set_torch_threads, None, engine.device, True)
+    options = RunOptions(step=compute.run)
+
+    def request(i: int, r: int) -> Request:
+        return engine.check(
+            Request(
+                DEFAULT_PROMPT[: 200 + 13 * i + 7 * r], max_tokens=max_tokens, block_size=block_size, ignore_eos=True
+            )
+        )
+
+    engine.generate(request(0, 99), options)  # warm-up: calibration, first shapes
+    scheduler_mod.advance = timed
+    tokens = [0] * streams
+
+    def stream(i: int) -> None:
+        for r in range(requests):
+            tokens[i] += len(engine.generate(request(i, r), options).token_ids)
+
+    try:
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - t0
+    finally:
+        scheduler_mod.advance = advance
+        compute.shutdown()
+    full = [r for r in rounds if r[0] >= max(1, streams * 3 // 4)] or rounds
+
+    def med(k: int) -> float:
+        return round(statistics.median(r[k] for r in full), 4)
+
+    fitted = engine.adaptive.rounds.params
+    return {
+        "tok_s": round(sum(tokens) / seconds, 1),
+        "rounds": len(rounds),
+        "full_rounds": len(full),
+        "median_sessions": med(0),
+        "median_rows": med(1),
+        "median_tokens": med(2),
+        "median_draft_ms": round(1000 * med(3), 2),
+        "median_verify_ms": round(1000 * med(4), 2),
+        "tokens_per_row": round(sum(r[2] for r in rounds) / max(sum(r[1] for r in rounds), 1), 3),
+        "fitted_ms": None if fitted is None else dict(zip("gfs", (round(1000 * x, 3) for x in fitted))),
+        "alone_curve_ms": {k: round(1000 * v, 2) for k, v in sorted(engine.adaptive.costs.seconds.items())},
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backends", nargs="+", default=["torch"], choices=["torch", "mlx"])
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--requests", type=int, default=1, help="requests per stream, back to back")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=0, help="0: auto (the sizer's choice)")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # one (backend, streams) in a fresh process
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/rounds.json"))
+    args = p.parse_args(argv)
+    if args.child:
+        backend, streams = args.child.split(":")
+        print(json.dumps(measure(backend, int(streams), args.requests, args.max_tokens, args.block_size)))
+        return 0
+    import subprocess
+
+    out = {
+        "command": " ".join(["python", "benchmarks/rounds.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "pair": "embedded demo pair",
+        "max_tokens": args.max_tokens,
+        "block_size": args.block_size,
+        "results": {},
+    }
+    for backend in args.backends:
+        out["results"][backend] = {}
+        for n in args.streams:  # each in a fresh process: what one measurement learnt never primes the next
+            cmd = [sys.executable, __file__, "--child", f"{backend}:{n}", "--requests", str(args.requests)]
+            cmd += ["--max-tokens", str(args.max_tokens), "--block-size", str(args.block_size)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(done.stderr[-2000:], file=sys.stderr)
+                return 1
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            out["results"][backend][str(n)] = r
+            print(f"{backend} {n:>2} streams: {r['tok_s']:7.1f} tok/s, rows {r['median_rows']}, "
+                  f"verify {r['median_verify_ms']} ms, fitted {r['fitted_ms']}", flush=True)  # fmt: skip
+        one = out["results"][backend].get("1")
+        if one:
+            out.setdefault("over_one_stream", {})[backend] = {
+                n: round(r["tok_s"] / one["tok_s"], 2) for n, r in out["results"][backend].items()
+            }
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
