@@ -171,7 +171,7 @@ class Run:
         self.verifier_session = self.drafter_session = None  # read by a server's metrics (their backends' time)
         self._sizer = self._step(engine.block_sizer, req)
         sessions = SessionOptions(
-            req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation
+            req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation, req.logprobs
         )
         try:
             self._step(self._open, sessions)
@@ -344,7 +344,7 @@ class Run:
         gen = self._decode.generation
         at = next(i for i, b in enumerate(gen.blocks) if b is block)
         del gen.blocks[at + 1 :]
-        del block.tokens[keep:]
+        block.cut(keep)
         gen.token_ids[:] = [t for b in gen.blocks for t in b.tokens]
         self._end("stop")
 
