@@ -112,11 +112,17 @@ def public(split):
     """The public gRPC service over the split pair."""
     from kakeya.orchestrator.assembly import split_engine
     from kakeya.orchestrator.server import GenerationServicer
+    from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 
     servicer = GenerationServicer(lambda: split_engine(split[3], split[3], None, 10.0), colocated=False)
     servicer.load()
     servicer.ready = True
-    return servicer
+    server = grpc.server(ThreadPoolExecutor(4), options=server_options())
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    servicer.public_addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"  # for `kakeya client`
+    server.start()
+    yield servicer
+    server.stop(0).wait()
 
 
 def test_generate_streams_logprobs_in_its_chunks(split, public):
@@ -144,3 +150,20 @@ def test_generate_refuses_a_bad_logprobs_naming_it(public, k):
         list(public.Generate(req, _Context()))
     code, message = err.value.args
     assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith("sampling_params.logprobs")
+
+
+def test_the_client_cli_lists_the_streamed_logprobs(split, public, capsys):
+    """``kakeya client generate --logprobs K --json`` over the public API: the chunks' logprobs, joined."""
+    import json
+
+    from kakeya.app.main import main
+    from kakeya.core.contract import TokenLogprobs
+
+    ids = ",".join(map(str, PROMPT))
+    args = ["client", "--addr", public.public_addr, "generate", "--prompt-ids", ids, "--json", "--max-tokens", "10"]
+    assert main([*args, "--logprobs", "2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    got = [TokenLogprobs(e["token"], e["logprob"], tuple(map(tuple, e["top"]))) for e in out["logprobs"]]
+    check(split[0], PROMPT, out["token_ids"], got, k=2)
+    assert main([*args, "--logprobs", "21"]) != 0
+    assert "sampling_params.logprobs" in capsys.readouterr().err

@@ -140,3 +140,25 @@ def test_engine_cuts_logprobs_with_a_stop_token(models):
     check(verifier, PROMPT, gen.token_ids, logprobs, k=2)
     none = engine.generate(Request(PROMPT, max_tokens=4, block_size=6))
     assert all(b.logprobs is None for b in none.blocks)
+
+
+def test_the_cli_lists_logprobs_in_its_json(demo_pair, capsys):
+    """``kakeya generate --logprobs K --json``: one entry per token, the target's values; a bad K names the flag."""
+    import json
+
+    from kakeya.app.main import main
+
+    pair = ["--target", str(demo_pair.target), "--draft", str(demo_pair.draft), "--backend", "torch"]
+    args = ["generate", *pair, "--json", "--max-tokens", "12", "--block-size", "4", "--prompt", "def add(a, b):"]
+    assert main([*args, "--logprobs", "2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    from kakeya.verifier.loader import local_verifier
+
+    verifier = local_verifier(str(demo_pair.target), [], "torch")
+    ref = reference(verifier, out["prompt_token_ids"] + out["token_ids"][:-1])[len(out["prompt_token_ids"]) - 1 :]
+    assert [e["token"] for e in out["logprobs"]] == out["token_ids"]
+    for row, e in zip(ref, out["logprobs"]):
+        assert abs(e["logprob"] - row[e["token"]]) < TOL and len(e["top"]) == 2
+        assert abs(e["top"][0][1] - row.max()) < TOL
+    assert main([*args, "--logprobs", "21"]) != 0
+    assert "--logprobs" in capsys.readouterr().err
