@@ -71,7 +71,8 @@ class TextCodec:
     @functools.cached_property
     def _byte_level(self) -> bool:
         """Whether pieces are spelled in GPT-2's byte alphabet (the decoder, or one of a sequence, is ByteLevel)."""
-        return '"ByteLevel"' in json.dumps(json.loads(self.tokenizer.to_str()).get("decoder"))
+        decoder = self.tokenizer.decoder  # its own JSON, not the whole tokenizer's (a 262k vocabulary)
+        return decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
 
     def _special(self, token_id: int) -> bool:
         return self.tokenizer.decode([token_id], skip_special_tokens=True) == ""
