@@ -328,11 +328,14 @@ class Answer:
                                 "finish_reason": None}], chunk=True)  # fmt: skip
 
     def add(self, block: Block) -> dict | None:
-        """A committed block's text as an event (None when it carries no text yet)."""
+        """A committed block's text as an event (None when it carries no text yet, or the answer is not streamed:
+        :meth:`whole` then writes it all)."""
         self.token_ids.extend(block.tokens)
         self.logprobs.extend(block.logprobs or ())
         self.text.append(block.text)
-        return self._envelope([self._choice(block.text, None, True)], chunk=True) if block.text else None
+        if not (block.text and self.call.stream):
+            return None
+        return self._envelope([self._choice(block.text, None, True)], chunk=True)
 
     def tail(self, report: Report) -> dict | None:
         """The text the run held back to its end (a partial character, a possible stop string), as an event."""
