@@ -224,17 +224,19 @@ class VerifierSession:
                 self.latents.materialize()
             if start + step < len(prompt_ids):
                 yield start + step
-        last = out.hidden[:, -1:]
-        logits = None if self.sampling is None and self.logprobs is None else self.target.logits(last)[0]
         if self.sampling is None:
-            first = self.target.greedy(last)[0]
+            first = self.target.greedy(out.hidden[:, -1:])[0]
         elif self.sampling.rule == COUPLED:  # the first token sits at position len(prompt)
-            first = self.target.sampler.coupled_rows(logits, self.sampling, self.noise_keys, self.offset)[0]
+            first = self._coupled(out.hidden[:, -1:], self.offset)[0]
         else:
             _, u = lossless.verify_uniforms(self.rng, 1)
-            first = self.target.sampler.sample_next(logits, self.sampling, float(u[0]))
-        if self.logprobs is not None:
-            (self.first_logprobs,) = self.target.sampler.logprobs(logits, [first], self.logprobs)
+            first = self.target.sampler.sample_next(
+                self.target.logits(out.hidden[:, -1:])[0], self.sampling, float(u[0])
+            )
+        if self.logprobs is not None:  # the prefill's last row decided the first token
+            (self.first_logprobs,) = self.target.sampler.logprobs(
+                self.target.logits(out.hidden[:, -1:])[0], [first], self.logprobs
+            )
         return first, cat(self.target, chunks), self.cached_tokens
 
     def decide(self, last_token: int, draft: Draft) -> Verdict:
@@ -318,19 +320,28 @@ class VerifierSession:
         """After the block's forward ``out``: the pending block for :meth:`commit`, and the choices
         (greedy: the argmax rows, ``greedy`` when a batched caller already took them; coupled: the
         noisy argmax rows; rejection: the acceptance test on this session's logits with its own uniforms)."""
-        logits = None if self.sampling is None and self.logprobs is None else self.target.logits(out.hidden)[0]
-        self._pending = (len(block_ids), out.aux, logits if self.logprobs is not None else None)
+        self._pending = (len(block_ids), out.aux, self._logprob_rows(out.hidden))
         if self.sampling is None:
             return greedy if greedy is not None else self.target.greedy(out.hidden)
         if self.sampling.rule == COUPLED:  # the block opened at offset - L; row i predicts the position after it
-            first_position = self.offset - len(block_ids) + 1
-            return self.target.sampler.coupled_rows(logits, self.sampling, self.noise_keys, first_position)
+            return self._coupled(out.hidden, self.offset - len(block_ids) + 1)
         candidates = list(block_ids[1:])
         u_acc, u_samp = lossless.verify_uniforms(self.rng, len(block_ids))
         accepted, samples = self.target.sampler.verify_rows(
-            logits, candidates, proposal, self.sampling, u_acc[: len(candidates)], u_samp
+            self.target.logits(out.hidden)[0], candidates, proposal, self.sampling, u_acc[: len(candidates)], u_samp
         )
         return lossless.assemble(candidates, accepted, samples)
+
+    def _coupled(self, hidden, first_position: int) -> list[int]:
+        """The coupled rule's token after each row of ``hidden`` [1, L, H], row i predicting ``first_position + i``."""
+        logits = self.target.logits(hidden)[0]
+        return self.target.sampler.coupled_rows(logits, self.sampling, self.noise_keys, first_position)
+
+    def _logprob_rows(self, hidden):
+        """The block's logits rows, kept for :meth:`pending_logprobs` (None: no logprobs asked, nothing kept).
+        The LM head over the forward's own final hidden rows: no second forward; the choices' arithmetic is
+        left as it is."""
+        return self.target.logits(hidden)[0] if self.logprobs is not None else None
 
     def pending_logprobs(self, tokens: Sequence[int]) -> tuple[TokenLogprobs, ...] | None:
         """The pending block's logprobs of ``tokens``, the ones it commits (row i chose ``tokens[i]``): top-k on the
