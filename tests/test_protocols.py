@@ -57,6 +57,7 @@ def test_a_class_lacking_a_method_is_not_taken_for_a_session():
 
     class Partial:
         server_s = None
+        first_logprobs = None
 
         def prefill(self, ids): ...
         def prefill_steps(self, ids, reuse=()): ...

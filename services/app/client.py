@@ -19,6 +19,7 @@ from kakeya.app.options import (
     add_cache_args,
     add_generation_options,
     cache_policy_from_args,
+    logprobs_json,
     print_result,
 )
 from kakeya.app.serve import DEFAULT_PORTS
@@ -55,6 +56,8 @@ def generate_request(args):
         if not 0 <= args.seed < 2**64:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {args.seed}")
         sp.seed = args.seed
+    if args.logprobs is not None:
+        sp.logprobs = args.logprobs  # the server checks it (INVALID_ARGUMENT naming sampling_params.logprobs)
     req = pb.GenerateRequest(request_id=args.request_id or "", sampling_params=sp, block_size=args.block_size or 0)
     if args.prompt_ids is not None:
         try:
@@ -90,6 +93,7 @@ def cmd_client_generate(args) -> int:
     req = generate_request(args)
     stub = generate_pb2_grpc.GenerationStub(_channel(args))
     ids: list[int] = []
+    logprobs: list = []
     text: list[str] = []
     complete = None
     try:
@@ -98,6 +102,7 @@ def cmd_client_generate(args) -> int:
         for resp in stub.Generate(req, timeout=args.timeout):
             if resp.HasField("chunk"):
                 ids.extend(resp.chunk.token_ids)
+                logprobs.extend(resp.chunk.logprobs)
                 text.append(resp.chunk.text)
                 if not args.json and resp.chunk.text:
                     sys.stdout.write(resp.chunk.text)
@@ -112,9 +117,13 @@ def cmd_client_generate(args) -> int:
         print("kakeya: error: the stream ended without a Complete message", file=sys.stderr)
         return 1
     from kakeya.orchestrator.grpc_api import report_from_stream
+    from kakeya.wire.convert import logprobs_from_proto
 
     report = report_from_stream(model, server.verifier_backend, complete, ids, "".join(text))
-    print_result(args, report.to_json())
+    out = report.to_json()
+    if args.logprobs is not None:
+        out["logprobs"] = logprobs_json([logprobs_from_proto(m) for m in logprobs])
+    print_result(args, out)
     if complete.finish_reason == pb.FINISH_REASON_ERROR:
         print(f"kakeya: error: generation failed: {complete.error_message}", file=sys.stderr)
         return 1

@@ -19,6 +19,7 @@ from kakeya.app.options import (
     add_generation_options,
     add_ngram,
     cache_policy_from_args,
+    logprobs_json,
     print_result,
     sampling_from_args,
     torch_options,
@@ -49,23 +50,27 @@ def cmd_generate(args) -> int:
         ignore_eos=args.ignore_eos,
         cache_policy=policy,
         sampling=sampling_from_args(args),
+        logprobs=args.logprobs,
     )
     try:
         req = engine.check(req)  # before the warm-up: a bad request costs no model work
     except InvalidRequest as exc:
         raise ValueError(exc.public(FLAG_NAMES)) from None
     _warm_up(engine, req, args.compare_ar)
-    shown = 0
+    shown, logprobs = 0, []
     with engine.start(req) as run:
         for block in run:
             _show(args, block.text)
             shown += len(block.text)
+            logprobs += block.logprobs or ()
     report = run.report()
     _show(args, report.text[shown:])
     gen = run.result
     out = report.to_json()
     if args.dtype:
         out["dtype"] = args.dtype
+    if req.logprobs is not None:
+        out["logprobs"] = logprobs_json(logprobs)
     if args.compare_ar:
         out.update(_compare_ar(engine, req, gen))
     print_result(args, out)
@@ -83,6 +88,7 @@ FLAG_NAMES = {
     "sampling.min_p": "--min-p",
     "sampling.seed": "--seed",
     "sampling.rule": "--sampling-rule",
+    "logprobs": "--logprobs",
     "cache_policy": "--cache",
     "cache_policy.window": "--window",
     "cache_policy.sink": "--sink",

@@ -143,6 +143,14 @@ def add_generation_options(p) -> None:
     )
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="each token's log-probability (the target's raw distribution) and the K most probable tokens "
+        "there (0..20), in the JSON's 'logprobs' (with --json)",
+    )
     g = p.add_argument_group("sampling (lossless: distributed exactly as AR sampling from the processed p)")
     g.add_argument(
         "--temperature",
@@ -162,6 +170,11 @@ def add_generation_options(p) -> None:
         "rejection: min(1, p/q) acceptance, its tokens depend on the block sizes (auto then runs "
         "at the drafter's trained size); see README, Sampling",
     )
+
+
+def logprobs_json(logprobs) -> list[dict]:
+    """``TokenLogprobs`` as the CLI's JSON lists them: ``{token, logprob, top: [[token, logprob], ...]}``."""
+    return [{"token": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]} for lp in logprobs]
 
 
 def sampling_from_args(args):

@@ -91,12 +91,30 @@ class Proposal:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One committed token's log-probability and the ``k`` most probable tokens at its position.
+
+    Always the target's RAW distribution there: log_softmax of the model's logits (after Gemma's final
+    soft-capping, before temperature, top-k, top-p or min-p), greedy and sampled alike -- what vLLM returns
+    by default. Taken from the forward that decided the token (the prefill's last row for the first token,
+    the block's verify row for the others), computed on the verifier's device in float32.
+    ``top``: ``(token, logprob)`` pairs, most probable first (``k`` = ``Request.logprobs``; empty for 0).
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Verdict:
     """What a verifier decided about one block: :func:`accept` applied to its choices, committed."""
 
     accepted: int  # candidates accepted (0 .. len(block) - 1)
     next_token: int  # the verifier's choice after them: opens the next block (not in the cache yet)
     aux: Aux  # aux of the kept positions (the block's first ``accepted + 1``): the drafter's new context
+    # One per committed token (``accepted + 1``) when the session was opened with ``logprobs``; else None.
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -194,8 +212,8 @@ class SessionOptions:
 
     A remote session uses all of it: the request id travels with its stream,
     the client's deadline bounds it, the verifier reserves ``max_positions``,
-    and ``cancel`` ends the stream. An in-process session accepts the options
-    and ignores them: its steps run on the caller's (or the compute) thread, so
+    and ``cancel`` ends the stream. An in-process session takes ``logprobs`` and
+    ignores the rest: its steps run on the caller's (or the compute) thread, so
     a cancelled run simply stops calling it and closes it.
     """
 
@@ -203,6 +221,9 @@ class SessionOptions:
     timeout: float | None = None  # seconds the session may live (the client's deadline); None: no bound
     max_positions: int = 0  # prompt + max_tokens: the most positions it will hold; 0: the server's limit
     cancel: Cancellation | None = None
+    # A verifier session: each committed token's log-probability and top ``logprobs`` (``Request.logprobs``;
+    # None: none, and the session pays nothing for them).
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -260,6 +281,9 @@ class VerifierSession(Protocol):
     servers report it; None in this process, where all of a step's time is the backend's)."""
 
     server_s: float | None
+    # The prefill's first token's :class:`TokenLogprobs` once it ran, for a session opened with ``logprobs``
+    # (None before, or without); a block's are in its :class:`Verdict`.
+    first_logprobs: TokenLogprobs | None
 
     def prefill(self, prompt_ids: Sequence[int]) -> tuple[int, Aux]:
         """Run the prompt; return the target's next token (greedy, or sampled from p when the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kakeya.core.contract import KVBytes, VerifierStats
+from kakeya.core.contract import KVBytes, TokenLogprobs, VerifierStats
 from kakeya.core.quality import quality_report
 from kakeya.core.request import GREEDY, SamplingParams
 
@@ -22,6 +22,13 @@ class Block:
     total_s: float = 0.0
     predrafted: bool = False  # its candidates were pre-drafted while the block before it was verified
     copied: bool = False  # its candidates were copied from earlier in the context (``orchestrator/ngram.py``)
+    logprobs: list[TokenLogprobs] | None = None  # one per token (a request with ``logprobs``); cut with ``tokens``
+
+    def cut(self, keep: int) -> None:
+        """Keep the first ``keep`` tokens (a stop token or string ended the generation inside the block)."""
+        del self.tokens[keep:]
+        if self.logprobs is not None:
+            del self.logprobs[keep:]
 
 
 @dataclass

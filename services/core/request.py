@@ -42,6 +42,11 @@ def public_field(path: str, names: Mapping[str, str]) -> str:
     return path
 
 
+# The most alternatives a request may ask with each token's log-probability (``Request.logprobs``):
+# OpenAI's chat ``top_logprobs`` limit (its completions API allows 5).
+MAX_LOGPROBS = 20
+
+
 # The largest block a loop drafts, a verifier verifies and a drafter drafts,
 # and so the ring's rollback slack: one number for every layer.
 MAX_BLOCK_SIZE = 16
@@ -271,6 +276,9 @@ class Request:
     sampling: SamplingParams = GREEDY  # unseeded: the engine draws the seed (and reports it)
     request_id: str = ""  # for logs and the backends' streams; "": the engine makes one
     max_block_size: int = MAX_BLOCK_SIZE  # the largest block auto may pick (the cache policy may cap it lower)
+    # None: none. k (0..MAX_LOGPROBS): every committed token comes with its log-probability and the k most
+    # probable tokens at its position, from the target's raw distribution (``core.contract.TokenLogprobs``).
+    logprobs: int | None = None
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from kakeya.core.contract import Drafter, Verifier
-from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, CachePolicy, Chat, InvalidRequest, Request
+from kakeya.core.request import MAX_BLOCK_SIZE, MAX_LOGPROBS, REJECTION, CachePolicy, Chat, InvalidRequest, Request
 from kakeya.orchestrator.chat import ChatError, template_inputs
 from kakeya.orchestrator.text import TextCodec
 from kakeya.runtime import bounds
@@ -93,6 +93,9 @@ def check_request(req: Request, engine: Engine, limits: Limits = Limits()) -> Re
         raise InvalidRequest("max_block_size", f"must be between 1 and {MAX_BLOCK_SIZE}, got {req.max_block_size}")
     if not 0 <= req.block_size <= MAX_BLOCK_SIZE:
         raise InvalidRequest("block_size", f"must be 0 (auto) or 1..{MAX_BLOCK_SIZE}, got {req.block_size}")
+    k = req.logprobs
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+        raise InvalidRequest("logprobs", f"must be an integer in 0..{MAX_LOGPROBS} (or unset), got {k!r}")
     block_size = req.block_size if engine.drafter is not None else 1  # no drafter: every block is one token
     policy = _cache_policy(req.cache_policy, engine, limits, block_size, len(prompt) + max_tokens)
     if block_size == 0 and engine.drafter is not None and not sampling.greedy and sampling.rule == REJECTION:

@@ -176,7 +176,7 @@ class Run:
         self._sizer = None
         self._prefill_t0, self._prefilling = 0.0, None  # the prefill as _begin left it (see _prefill)
         sessions = SessionOptions(
-            req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation
+            req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation, req.logprobs
         )
         # ONE model-thread job: on a busy engine each job waits for the round in flight, so a newcomer that
         # sized, opened, looked up its prefix and prefilled in separate jobs waited one round per job
@@ -379,7 +379,7 @@ class Run:
         gen = self._decode.generation
         at = next(i for i, b in enumerate(gen.blocks) if b is block)
         del gen.blocks[at + 1 :]
-        del block.tokens[keep:]
+        block.cut(keep)
         gen.token_ids[:] = [t for b in gen.blocks for t in b.tokens]
         self._end("stop")
 

@@ -26,6 +26,7 @@ FIELD_NAMES = {
     "stop_strings": "sampling_params.stop",
     "stop_ids": "sampling_params.stop_token_ids",
     "ignore_eos": "sampling_params.ignore_eos",
+    "logprobs": "sampling_params.logprobs",
     "cache_policy.restore": "cache_policy.restore_path",
 }
 PROMPT_NAMES = {  # a prompt's fields, by the oneof the request set
@@ -87,6 +88,7 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         cache_policy=_cache_policy(r, default_policy),
         sampling=sampling,
         request_id=r.request_id,
+        logprobs=sp.logprobs if sp.HasField("logprobs") else None,  # checked with the rest (checks.py)
     )
     return request, names
 

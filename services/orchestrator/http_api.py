@@ -31,7 +31,7 @@ import grpc
 
 from kakeya.core.generation import Block, Report
 from kakeya.core.request import NONE, Chat, InvalidRequest, Request, SamplingParams, public_field
-from kakeya.orchestrator import http_params, http_tools, tool_calls
+from kakeya.orchestrator import http_logprobs, http_params, http_tools, tool_calls
 from kakeya.runtime.lifecycle import RequestError, bounded, quote
 
 STATUS = {
@@ -98,6 +98,7 @@ class Call:
     model: str
     obfuscate: bool = False  # stream_options.include_obfuscation: pad each chunk with random characters
     tools: bool = False  # read the model's tool calls out of its text (``tool_choice`` auto, with tools)
+    logprobs: bool = False  # the answer lists each token's logprobs (``http_logprobs.py``)
 
 
 def _number(body: dict, name: str, default=None, integer: bool = False, low=None, high=None):
@@ -143,6 +144,7 @@ def field_names(chat: bool, max_tokens: str) -> dict[str, str]:
     prompt = prompt if chat else {}
     return prompt | {
         "max_tokens": max_tokens,
+        "logprobs": "top_logprobs" if chat else "logprobs",
         "sampling": "",
         "stop_strings": "stop",
         "stop_ids": "stop_token_ids",
@@ -219,8 +221,9 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Call, dict[str, 
         "ignore_eos": _flag(body, "ignore_eos"),
         "sampling": sampling,
         "request_id": request_id,
+        "logprobs": http_logprobs.requested(body, chat, bad),
     }
-    call = Call(chat, stream, include_usage, served, obfuscate)
+    call = Call(chat, stream, include_usage, served, obfuscate, logprobs=fields["logprobs"] is not None)
     return fields, call, field_names(chat, max_name)
 
 
@@ -283,7 +286,8 @@ def _content(content, i: int) -> str:
 class Answer:
     """One request's answer, built from its run's blocks and its report: whole, or as stream chunks."""
 
-    def __init__(self, call: Call):
+    def __init__(self, call: Call, token: http_logprobs.Token | None = None):
+        """``token``: a token's text and bytes (``TextCodec.token``), for logprobs."""
         self.call = call
         self.id = ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -291,6 +295,26 @@ class Answer:
         self.token_ids: list[int] = []
         self.calls = tool_calls.CallStream() if call.tools else None
         self.calls_sent = 0  # the index of the next streamed call
+        self.logprobs: list = []  # every committed token's TokenLogprobs (a call with logprobs)
+        self._sent = self._offset = 0  # how many of them chunks carried; the characters of their tokens
+        self._token = token or (lambda t: (str(t), str(t).encode()))  # no tokenizer: ids as text
+
+    def _logprobs(self, chunk: bool) -> dict | None:
+        """The logprobs a choice carries: a chunk, those of the tokens since the last chunk; else all."""
+        if not self.call.logprobs:
+            return None
+        if not chunk:
+            return self._render(self.logprobs, 0)
+        out = self._render(self.logprobs[self._sent :], self._offset)
+        self._sent = len(self.logprobs)
+        if not self.call.chat:  # where the next chunk's first token starts in the completion's tokens
+            self._offset = out["text_offset"][-1] + len(out["tokens"][-1]) if out["tokens"] else self._offset
+        return out
+
+    def _render(self, logprobs: list, offset: int) -> dict:
+        if self.call.chat:
+            return http_logprobs.chat(logprobs, self._token)
+        return http_logprobs.completion(logprobs, self._token, offset)
 
     def _envelope(self, choices: list, chunk: bool = False) -> dict:
         kind = ("chat.completion" if self.call.chat else "text_completion") + (
@@ -302,11 +326,12 @@ class Answer:
         return body
 
     def _choice(self, text: str, finish: str | None, chunk: bool) -> dict:
+        logprobs = self._logprobs(chunk)
         if not self.call.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         key = "delta" if chunk else "message"
         body = {"content": text} if chunk else {"role": "assistant", "content": text}
-        return {"index": 0, key: body, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, key: body, "logprobs": logprobs, "finish_reason": finish}
 
     def opening(self) -> dict | None:
         """A chat stream's first chunk (the assistant's role), as OpenAI sends it."""
@@ -316,10 +341,12 @@ class Answer:
                                 "finish_reason": None}], chunk=True)  # fmt: skip
 
     def add(self, block: Block) -> list[dict]:
-        """A committed block's text as events (none when it carries no text yet)."""
+        """A committed block's text as events (none when it carries no text yet, or the answer is not streamed:
+        :meth:`whole` then writes it all)."""
         self.token_ids.extend(block.tokens)
+        self.logprobs.extend(block.logprobs or ())
         self.text.append(block.text)
-        return self._events(block.text)
+        return self._events(block.text) if self.call.stream else []
 
     def tail(self, report: Report) -> list[dict]:
         """The text the run held back to its end (a partial character, a possible stop string), as events."""

@@ -49,7 +49,7 @@ def _harmless(*types: type, api: str = BOTH) -> Param:
     return Param(HARMLESS, api, types=types)
 
 
-_NO_LOGPROBS = "this server returns no log probabilities"
+_NO_LOGPROBS = "this server returns no log probabilities of prompt tokens"
 _NO_TOOLS = "the deprecated function-calling parameters are not supported: use tools and tool_choice"
 _TEXT = "this server generates text only"
 PARAMS: dict[str, Param] = {
@@ -63,7 +63,7 @@ PARAMS: dict[str, Param] = {
     "stream": Param(HONOURED),
     "stream_options": Param(HONOURED),  # include_usage, include_obfuscation (``http_api.stream_options``)
     "n": _refused(1, why="one choice per request"),
-    "logprobs": _refused(False, 0, why=_NO_LOGPROBS),
+    "logprobs": Param(HONOURED),  # chat: true/false; completions: k (``http_logprobs.py``)
     "logit_bias": _refused({}, why="it does not bias logits"),
     "presence_penalty": _refused(0, 0.0, why="it applies no penalties"),
     "frequency_penalty": _refused(0, 0.0, why="it applies no penalties"),
@@ -79,7 +79,7 @@ PARAMS: dict[str, Param] = {
     "response_format": Param(REFUSED, CHAT),  # response_format() below
     "modalities": _refused(["text"], api=CHAT, why=_TEXT),
     "audio": _refused(api=CHAT, why=_TEXT),
-    "top_logprobs": _refused(0, api=CHAT, why=_NO_LOGPROBS),
+    "top_logprobs": Param(HONOURED, CHAT),  # with logprobs: true
     "tools": Param(HONOURED, CHAT),  # function tools (``http_tools.py``)
     "tool_choice": Param(HONOURED, CHAT),  # "auto" and "none"; "required" and a named function are refused there
     "functions": _refused([], api=CHAT, why=_NO_TOOLS),

@@ -234,7 +234,8 @@ class HttpFront:
         watch = asyncio.create_task(_left(request, call))
         try:
             first = await anext(messages, None)
-            answer = http_api.Answer(what)
+            codec = self.servicer.engine.codec if what.logprobs else None  # the tokens' text, for logprobs
+            answer = http_api.Answer(what, codec.token if codec is not None else None)
             if what.stream:
                 watch.cancel()
                 return StreamingResponse(self._events(answer, first, messages), media_type="text/event-stream")

@@ -152,7 +152,8 @@ class Decode:
         self.generation.prefill_s = seconds
         self._t_decode = time.perf_counter()
         self._committed(prompt_aux)
-        block = self._emit(Block([first], 0, 0, total_s=seconds))
+        logprobs = self.verifier.first_logprobs
+        block = self._emit(Block([first], 0, 0, total_s=seconds, logprobs=None if logprobs is None else [logprobs]))
         self._last = first
         return block
 
@@ -258,6 +259,7 @@ class Decode:
                 total_s=time.perf_counter() - self._t_block,
                 predrafted=self._predrafted,
                 copied=self._copied,
+                logprobs=None if verdict.logprobs is None else list(verdict.logprobs),
             )
         )
         if self.sizer is not None and self.drafting:
@@ -305,7 +307,7 @@ class Decode:
         gen = self.generation
         for i, tok in enumerate(block.tokens):
             if tok in self.options.stop_ids:
-                del block.tokens[i + 1 :]
+                block.cut(i + 1)
                 gen.finish_reason = "stop"
                 break
         gen.blocks.append(block)

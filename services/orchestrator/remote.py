@@ -68,6 +68,10 @@ class GrpcVerifierSession:
             max_positions=options.max_positions,
             progress_ms=self.clock.progress_ms,
         )
+        if options.logprobs is not None:
+            open_.logprobs = options.logprobs
+        self.logprobs = options.logprobs
+        self.first_logprobs = None
         if sampling is not None and not sampling.greedy:
             open_.sampling.CopyFrom(wire_contract.sampling_to_proto(sampling))
         if policy is not None:
@@ -114,6 +118,8 @@ class GrpcVerifierSession:
         self.clock.record(time.perf_counter() - t0, prefill_tokens=max(ran, 1))
         self.server_s += r.elapsed_s
         self._stats = r.prefilled.stats
+        if r.prefilled.HasField("logprobs"):
+            self.first_logprobs = wire_contract.logprobs_from_proto(r.prefilled.logprobs)
         return r.prefilled.next_token, self._aux(r.prefilled.aux), r.prefilled.cached_tokens
 
     def save(self, ids: Sequence[int]) -> bool:
@@ -141,7 +147,12 @@ class GrpcVerifierSession:
         self.server_s += resp.elapsed_s
         r = resp.verified
         self._stats = r.stats
-        return Verdict(r.accepted, r.next_token, self._aux(r.aux))
+        logprobs = None
+        if self.logprobs is not None:
+            if len(r.logprobs) != r.accepted + 1:
+                raise ValueError(f"the verifier sent {len(r.logprobs)} logprobs for {r.accepted + 1} committed tokens")
+            logprobs = tuple(wire_contract.logprobs_from_proto(m) for m in r.logprobs)
+        return Verdict(r.accepted, r.next_token, self._aux(r.aux), logprobs)
 
     def stats(self) -> VerifierStats:
         s = self._stats

@@ -61,7 +61,9 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
             for item in self.stream(req, context):
                 if isinstance(item, Block):
                     streamed += len(item.text)
-                    yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(token_ids=item.tokens, text=item.text))
+                    logprobs = [wire_contract.logprobs_to_proto(lp) for lp in item.logprobs or ()]
+                    chunk = pb.GenerateResponse.Chunk(token_ids=item.tokens, text=item.text, logprobs=logprobs)
+                    yield pb.GenerateResponse(chunk=chunk)
                     continue
                 if item.text[streamed:]:  # the text held back to the end (a partial character, a stop string)
                     yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=item.text[streamed:]))

@@ -6,7 +6,9 @@ wrap), so the orchestrator never imports a model framework.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -61,6 +63,44 @@ class TextCodec:
         if self.hidden is None:
             return self.tokenizer.decode(list(ids), skip_special_tokens=True)
         return self.tokenizer.decode([i for i in ids if i not in self.hidden], skip_special_tokens=False)
+
+    def token(self, token_id: int) -> tuple[str, bytes]:
+        """One token as logprobs name it: its text alone (special tokens by name; a token holding part of a
+        character decodes to U+FFFD) and its exact bytes (a byte-fallback piece ``<0xE2>``, a byte-level
+        BPE piece mapped back through GPT-2's byte alphabet, else the text's UTF-8)."""
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        if _BYTE_PIECE.fullmatch(piece):
+            return text, bytes([int(piece[3:5], 16)])
+        if self._byte_level and all(c in _UNBYTE for c in piece) and not self._special(token_id):
+            return text, bytes(_UNBYTE[c] for c in piece)
+        return text, text.encode()
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether pieces are spelled in GPT-2's byte alphabet (the decoder, or one of a sequence, is ByteLevel)."""
+        decoder = self.tokenizer.decoder  # its own JSON, not the whole tokenizer's (a 262k vocabulary)
+        return decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
+
+    def _special(self, token_id: int) -> bool:
+        return self.tokenizer.decode([token_id], skip_special_tokens=True) == ""
+
+
+def _gpt2_bytes() -> dict[str, int]:
+    """GPT-2's byte -> printable character table (what byte-level BPE pieces are spelled in), inverted."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_UNBYTE = _gpt2_bytes()
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class StreamDecoder:

@@ -53,7 +53,8 @@ class LocalVerifier:
         sampling: SamplingParams | None = None,
         options: SessionOptions | None = None,
     ) -> VerifierSession:
-        return VerifierSession(self.target, self.aux_layers, policy or self.policy, sampling, self.prefixes)
+        logprobs = options.logprobs if options is not None else None
+        return VerifierSession(self.target, self.aux_layers, policy or self.policy, sampling, self.prefixes, logprobs)
 
     def healthy(self, timeout: float = 1.0) -> bool:
         return True  # in this process: it answers whenever it is asked

@@ -128,10 +128,10 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             except (OSError, ValueError) as exc:
                 raise ValueError(f"--restore {name}={path}: {exc}") from None
 
-    def _new_session(self, aux_layers, policy, sampling=None):
+    def _new_session(self, aux_layers, policy, sampling=None, logprobs=None):
         from kakeya.verifier.session import VerifierSession
 
-        return VerifierSession(self.verifier.target, aux_layers, policy, sampling, self.prefixes)
+        return VerifierSession(self.verifier.target, aux_layers, policy, sampling, self.prefixes, logprobs)
 
     # -- RPCs ----------------------------------------------------------------------------
 
@@ -225,10 +225,14 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                     raise invalid(f"open.target_layer_ids: {shown} must be distinct layers in [0, {n_layers})")
                 try:
                     sampling = wire_contract.sampling_from_proto(req.open.sampling, "open.sampling")
+                    has = req.open.HasField("logprobs")
+                    logprobs = wire_contract.check_logprobs(req.open.logprobs, "open.logprobs") if has else None
                 except ValueError as exc:
                     raise invalid(str(exc)) from None
                 self.registry.reserve(entry, self._worst_case_bytes(policy, max_positions))  # may wait (--queue)
-                session = entry.session = yield from self._compute(every, self._new_session, layers, policy, sampling)
+                session = entry.session = yield from self._compute(
+                    every, self._new_session, layers, policy, sampling, logprobs
+                )
                 resolved = session.policy
                 resp = pb.VerifierResponse(
                     opened=pb.VerifierResponse.Opened(
@@ -252,6 +256,8 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                         next_token=next_token, aux=aux, stats=stats, cached_tokens=session.cached_tokens
                     )
                 )
+                if session.first_logprobs is not None:
+                    resp.prefilled.logprobs.CopyFrom(wire_contract.logprobs_to_proto(session.first_logprobs))
             elif kind == "verify":
                 if not prefilled:
                     raise precondition("verify: prefill the prompt first")
@@ -358,6 +364,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             next_token=verdict.next_token,
             aux=codec.to_proto(verdict.aux),
             stats=_stats_proto(stats),
+            logprobs=[wire_contract.logprobs_to_proto(lp) for lp in verdict.logprobs or ()],
         )
 
 

@@ -26,7 +26,17 @@ import numpy as np
 
 from kakeya.core import noise
 from kakeya.core import sampling as lossless
-from kakeya.core.contract import VERIFIER_STREAM, Draft, KVBytes, Proposal, Verdict, VerifierStats, accept, session_rng
+from kakeya.core.contract import (
+    VERIFIER_STREAM,
+    Draft,
+    KVBytes,
+    Proposal,
+    TokenLogprobs,
+    Verdict,
+    VerifierStats,
+    accept,
+    session_rng,
+)
 from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import COUPLED, CachePolicy, SamplingParams
 from kakeya.verifier import snapshot
@@ -71,7 +81,9 @@ def check_proposal(candidates: Sequence[int], proposal: Proposal | None, rule: s
 
 
 class VerifierSession:
-    """``prefixes``: the verifier's prefix cache (None: none), which :meth:`resume` reads and :meth:`save` fills."""
+    """``prefixes``: the verifier's prefix cache (None: none), which :meth:`resume` reads and :meth:`save` fills;
+    ``logprobs``: k, each committed token's log-probability and top k (``TokenLogprobs``) from the rows of the
+    forward that decided it (None: none, nothing kept for them)."""
 
     server_s = None  # in this process a step's whole time is the backend's (the contract's attribute)
 
@@ -82,9 +94,12 @@ class VerifierSession:
         policy: CachePolicy,
         sampling: SamplingParams | None = None,
         prefixes: PrefixCache | None = None,
+        logprobs: int | None = None,
     ):
         self.target = target
         self.prefixes = prefixes
+        self.logprobs = logprobs
+        self.first_logprobs: TokenLogprobs | None = None
         # Sampling runs on the device (target.sampler). The coupled rule's noise is a function of
         # the seed's keys and the positions; the rejection rule's uniforms come from this
         # session's host stream. Both are seeded by the request.
@@ -103,7 +118,8 @@ class VerifierSession:
         self.restorer = self.latents = self.latent_layout = None
         if self.policy.restore:
             self._open_restore(target)
-        self._pending = None  # (block length, aux of the block) between verify and commit
+        # (block length, aux of the block, its logits rows when logprobs are asked) between verify and commit
+        self._pending = None
         self.prompt: tuple[int, ...] = ()
         self.cached_tokens = 0  # prompt positions the prefill resumed from a snapshot instead of computing
         self.closed = False
@@ -217,6 +233,10 @@ class VerifierSession:
             first = self.target.sampler.sample_next(
                 self.target.logits(out.hidden[:, -1:])[0], self.sampling, float(u[0])
             )
+        if self.logprobs is not None:  # the prefill's last row decided the first token
+            (self.first_logprobs,) = self.target.sampler.logprobs(
+                self.target.logits(out.hidden[:, -1:])[0], [first], self.logprobs
+            )
         return first, cat(self.target, chunks), self.cached_tokens
 
     def decide(self, last_token: int, draft: Draft) -> Verdict:
@@ -278,7 +298,8 @@ class VerifierSession:
         self.layout.applied()
         if n > L:
             self.layout.trim(n - L)
-        self._pending = (L, aux)
+        # the rows the step's argmax read (``verify_static`` keeps them): no second LM head for logprobs
+        self._pending = (L, aux, self.cache.last_logits if self.logprobs is not None else None)
         return choices
 
     def check_block(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> None:
@@ -299,7 +320,7 @@ class VerifierSession:
         """After the block's forward ``out``: the pending block for :meth:`commit`, and the choices
         (greedy: the argmax rows, ``greedy`` when a batched caller already took them; coupled: the
         noisy argmax rows; rejection: the acceptance test on this session's logits with its own uniforms)."""
-        self._pending = (len(block_ids), out.aux)
+        self._pending = (len(block_ids), out.aux, self._logprob_rows(out.hidden))
         if self.sampling is None:
             return greedy if greedy is not None else self.target.greedy(out.hidden)
         if self.sampling.rule == COUPLED:  # the block opened at offset - L; row i predicts the position after it
@@ -316,11 +337,24 @@ class VerifierSession:
         logits = self.target.logits(hidden)[0]
         return self.target.sampler.coupled_rows(logits, self.sampling, self.noise_keys, first_position)
 
+    def _logprob_rows(self, hidden):
+        """The block's logits rows, kept for :meth:`pending_logprobs` (None: no logprobs asked, nothing kept).
+        The LM head over the forward's own final hidden rows: no second forward; the choices' arithmetic is
+        left as it is."""
+        return self.target.logits(hidden)[0] if self.logprobs is not None else None
+
+    def pending_logprobs(self, tokens: Sequence[int]) -> tuple[TokenLogprobs, ...] | None:
+        """The pending block's logprobs of ``tokens``, the ones it commits (row i chose ``tokens[i]``): top-k on the
+        device over those rows only (None: the session was not asked for logprobs)."""
+        if self.logprobs is None:
+            return None
+        return tuple(self.target.sampler.logprobs(self._pending[2], tokens, self.logprobs))
+
     def commit(self, n_keep: int):
         self._check_open()
         if self._pending is None:
             raise RuntimeError("nothing to commit: verify a block first")
-        n, aux = self._pending
+        n, aux, _ = self._pending
         if not 0 <= n_keep <= n:
             raise ValueError(f"n_keep must be 0..{n}, got {n_keep}")
         if n - n_keep:
@@ -368,4 +402,5 @@ def verdict(session: VerifierSession, block_ids: Sequence[int], choices: Sequenc
     """A verified block (its ``choices``, pending in ``session``) decided by THE acceptance rule
     (``core.contract.accept``): its accepted run kept, the rest trimmed exactly."""
     accepted, next_token = accept(block_ids[1:], choices)
-    return Verdict(accepted, next_token, session.commit(accepted + 1))
+    logprobs = session.pending_logprobs([*block_ids[1 : accepted + 1], next_token])
+    return Verdict(accepted, next_token, session.commit(accepted + 1), logprobs)

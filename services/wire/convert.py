@@ -14,10 +14,11 @@ import dataclasses
 
 import numpy as np
 
-from kakeya.core.contract import ModelInfo, Proposal
+from kakeya.core.contract import ModelInfo, Proposal, TokenLogprobs
 from kakeya.core.request import (
     COUPLED,
     MAX_BLOCK_SIZE,
+    MAX_LOGPROBS,
     REJECTION,
     CachePolicy,
     InvalidRequest,
@@ -205,3 +206,20 @@ def proposal_from_proto(m: spb.Proposal, n: int, vocab: int, field: str = "propo
     if not np.all(np.isfinite(probs)) or (probs < 0).any() or (n and (probs.sum(-1) <= 0).any()):
         raise ValueError(f"{field}.probs: probabilities must be finite, >= 0, with a positive sum per row")
     return Proposal(ids, probs)
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> spb.TokenLogprobs:
+    return spb.TokenLogprobs(
+        token=lp.token, logprob=lp.logprob, top_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top]
+    )
+
+
+def logprobs_from_proto(m: spb.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(m.token, m.logprob, tuple(zip(m.top_ids, m.top_logprobs)))
+
+
+def check_logprobs(value: int, field: str) -> int:
+    """A requested number of top logprobs (``Request.logprobs``): 0..MAX_LOGPROBS, else ValueError naming ``field``."""
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"{field}: must be 0..{MAX_LOGPROBS}, got {value}")
+    return value

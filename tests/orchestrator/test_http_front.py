@@ -268,29 +268,29 @@ def test_an_error_quotes_a_huge_value_bounded(front, path, field, value, status)
 OPENAI = {
     COMPLETIONS: {
         "model": HONOURED, "prompt": HONOURED, "best_of": REFUSED, "echo": REFUSED, "frequency_penalty": REFUSED,
-        "logit_bias": REFUSED, "logprobs": REFUSED, "max_tokens": HONOURED, "n": REFUSED, "presence_penalty": REFUSED,
+        "logit_bias": REFUSED, "logprobs": HONOURED, "max_tokens": HONOURED, "n": REFUSED, "presence_penalty": REFUSED,
         "seed": HONOURED, "stop": HONOURED, "stream": HONOURED, "stream_options": HONOURED, "suffix": REFUSED,
         "temperature": HONOURED, "top_p": HONOURED, "user": HARMLESS,
     },
     CHAT: {
         "messages": HONOURED, "model": HONOURED, "audio": REFUSED, "frequency_penalty": REFUSED,
-        "function_call": REFUSED, "functions": REFUSED, "logit_bias": REFUSED, "logprobs": REFUSED,
+        "function_call": REFUSED, "functions": REFUSED, "logit_bias": REFUSED, "logprobs": HONOURED,
         "max_completion_tokens": HONOURED, "max_tokens": HONOURED, "metadata": HARMLESS, "modalities": REFUSED,
         "n": REFUSED, "parallel_tool_calls": REFUSED, "prediction": HARMLESS, "presence_penalty": REFUSED,
         "prompt_cache_key": HARMLESS, "prompt_cache_retention": HARMLESS, "reasoning_effort": REFUSED,
         "response_format": REFUSED, "safety_identifier": HARMLESS, "seed": HONOURED, "service_tier": HARMLESS,
         "stop": HONOURED, "store": HARMLESS, "stream": HONOURED, "stream_options": HONOURED, "temperature": HONOURED,
-        "tool_choice": HONOURED, "tools": HONOURED, "top_logprobs": REFUSED, "top_p": HONOURED, "user": HARMLESS,
+        "tool_choice": HONOURED, "tools": HONOURED, "top_logprobs": HONOURED, "top_p": HONOURED, "user": HARMLESS,
         "verbosity": REFUSED, "web_search_options": REFUSED,
     },
 }  # fmt: skip
 # A value asking for something each refused parameter cannot do, and one each harmless parameter may take.
 ASKS = {
-    "best_of": 2, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"5": 10}, "logprobs": 2, "n": 2,
+    "best_of": 2, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"5": 10}, "n": 2,
     "presence_penalty": -1, "suffix": "end", "audio": {"voice": "alloy", "format": "wav"},
     "function_call": "auto", "functions": [{"name": "f"}], "modalities": ["text", "audio"], "reasoning_effort": "low",
     "response_format": {"type": "json_object"}, "parallel_tool_calls": False,
-    "top_logprobs": 3, "verbosity": "low", "web_search_options": {},
+    "verbosity": "low", "web_search_options": {},
 }  # fmt: skip
 HARMLESS_VALUES = {
     "user": "u-1", "metadata": {"k": "v"}, "store": True,

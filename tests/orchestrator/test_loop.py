@@ -10,6 +10,8 @@ from kakeya.orchestrator.loop import run
 class ScriptedVerifier:
     """A 'target' whose greedy continuation is a fixed sequence; tracks the committed length."""
 
+    first_logprobs = None  # the contract's attribute: a scripted target has no distribution to report
+
     def __init__(self, prompt_len, continuation):
         self.cont = continuation
         self.pos = 0  # tokens of the continuation committed into the cache (the last one is not fed yet)

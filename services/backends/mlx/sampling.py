@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from kakeya.core import noise
-from kakeya.core.contract import Proposal
+from kakeya.core.contract import Proposal, TokenLogprobs
 from kakeya.core.request import SamplingParams
 from kakeya.core.sampling import inverse_temperature
 
@@ -109,3 +109,24 @@ def proposal(logits: mx.array, params: SamplingParams, k: int) -> tuple[np.ndarr
     ids, probs = order[:, :k], ps[:, :k]
     mx.eval(ids, probs)
     return np.array(ids, np.int32), np.array(probs, np.float32)
+
+
+def logprobs(logits: mx.array, tokens: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """Row i's raw log-probability of ``tokens[i]`` and its ``k`` most probable tokens (``TokenLogprobs``): the
+    log_softmax, gather and top-k on the device in float32; only the chosen and top-k values come back."""
+    x = logits[: len(tokens)].astype(mx.float32)
+    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, mx.array(list(tokens), mx.int32)[:, None], axis=-1)[:, 0]
+    k = min(k, lp.shape[-1])
+    if k:  # the k largest unordered (argpartition), then ordered among themselves: never a full-vocabulary sort
+        part = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+        rank = mx.argsort(-mx.take_along_axis(lp, part, axis=-1), axis=-1)
+        order = mx.take_along_axis(part, rank, axis=-1)
+    else:
+        order = mx.zeros((lp.shape[0], 0), mx.int32)
+    values = mx.take_along_axis(lp, order, axis=-1)
+    mx.eval(chosen, order, values)
+    return [
+        TokenLogprobs(t, c, tuple(zip(i, v)))
+        for t, c, i, v in zip(tokens, chosen.tolist(), order.tolist(), values.tolist())
+    ]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kakeya.core import noise
-from kakeya.core.contract import Proposal
+from kakeya.core.contract import Proposal, TokenLogprobs
 from kakeya.core.request import SamplingParams
 from kakeya.core.sampling import inverse_temperature
 
@@ -113,3 +113,19 @@ def proposal(logits: torch.Tensor, params: SamplingParams, k: int) -> tuple[np.n
     ps, order = process_sorted(logits, params)
     k = min(k, ps.shape[-1])
     return order[:, :k].to(torch.int32).cpu().numpy(), ps[:, :k].cpu().numpy().astype(np.float32)
+
+
+def logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """Row i's raw log-probability of ``tokens[i]`` and its ``k`` most probable tokens (``TokenLogprobs``): the
+    log_softmax, gather and top-k run here on the device in float32; only ``len(tokens) * (1 + 2k)`` numbers
+    come back, in one host sync (float64 holds every id exactly)."""
+    lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=lp.device)
+    chosen = lp.gather(-1, ids[:, None])
+    top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+    rows = torch.cat([chosen.double(), top.values.double(), top.indices.double()], dim=-1).tolist()
+    n = top.values.shape[-1]
+    return [
+        TokenLogprobs(t, r[0], tuple((int(i), v) for v, i in zip(r[1 : 1 + n], r[1 + n :])))
+        for t, r in zip(tokens, rows)
+    ]

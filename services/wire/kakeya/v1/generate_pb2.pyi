@@ -73,7 +73,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., continue_final_message: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "min_p", "rule")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "min_p", "rule", "logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     RULE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -94,7 +95,8 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     min_p: float
     rule: _sampling_pb2.SamplingRule
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_p: _Optional[float] = ..., rule: _Optional[_Union[_sampling_pb2.SamplingRule, str]] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_p: _Optional[float] = ..., rule: _Optional[_Union[_sampling_pb2.SamplingRule, str]] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "tokenized", "messages", "sampling_params", "block_size", "cache_policy")
@@ -153,12 +155,14 @@ class SpecStats(_message.Message):
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "complete")
     class Chunk(_message.Message):
-        __slots__ = ("token_ids", "text")
+        __slots__ = ("token_ids", "text", "logprobs")
         TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         TEXT_FIELD_NUMBER: _ClassVar[int]
+        LOGPROBS_FIELD_NUMBER: _ClassVar[int]
         token_ids: _containers.RepeatedScalarFieldContainer[int]
         text: str
-        def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+        logprobs: _containers.RepeatedCompositeFieldContainer[_sampling_pb2.TokenLogprobs]
+        def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_sampling_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
     class Complete(_message.Message):
         __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "stats", "error_message", "prompt_token_ids", "seed", "cached_tokens", "sampling_rule", "sampling")
         FINISH_REASON_FIELD_NUMBER: _ClassVar[int]

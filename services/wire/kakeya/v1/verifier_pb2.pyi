@@ -98,20 +98,22 @@ class SessionStats(_message.Message):
 class VerifierRequest(_message.Message):
     __slots__ = ("open", "prefill", "verify", "close", "save")
     class Open(_message.Message):
-        __slots__ = ("request_id", "cache_policy", "target_layer_ids", "max_positions", "sampling", "progress_ms")
+        __slots__ = ("request_id", "cache_policy", "target_layer_ids", "max_positions", "sampling", "progress_ms", "logprobs")
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
         CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
         TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
         MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
         PROGRESS_MS_FIELD_NUMBER: _ClassVar[int]
+        LOGPROBS_FIELD_NUMBER: _ClassVar[int]
         request_id: str
         cache_policy: _cache_pb2.CachePolicy
         target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
         max_positions: int
         sampling: _sampling_pb2.Sampling
         progress_ms: int
-        def __init__(self, request_id: _Optional[str] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ..., progress_ms: _Optional[int] = ...) -> None: ...
+        logprobs: int
+        def __init__(self, request_id: _Optional[str] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ..., progress_ms: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
     class Prefill(_message.Message):
         __slots__ = ("token_ids", "reuse_any", "reuse_positions")
         TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -160,27 +162,31 @@ class VerifierResponse(_message.Message):
         session_id: str
         def __init__(self, info: _Optional[_Union[VerifierInfo, _Mapping]] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
     class Prefilled(_message.Message):
-        __slots__ = ("next_token", "aux", "stats", "cached_tokens")
+        __slots__ = ("next_token", "aux", "stats", "cached_tokens", "logprobs")
         NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
         AUX_FIELD_NUMBER: _ClassVar[int]
         STATS_FIELD_NUMBER: _ClassVar[int]
         CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        LOGPROBS_FIELD_NUMBER: _ClassVar[int]
         next_token: int
         aux: _tensor_pb2.Tensor
         stats: SessionStats
         cached_tokens: int
-        def __init__(self, next_token: _Optional[int] = ..., aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+        logprobs: _sampling_pb2.TokenLogprobs
+        def __init__(self, next_token: _Optional[int] = ..., aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[_sampling_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
     class Verified(_message.Message):
-        __slots__ = ("accepted", "next_token", "aux", "stats")
+        __slots__ = ("accepted", "next_token", "aux", "stats", "logprobs")
         ACCEPTED_FIELD_NUMBER: _ClassVar[int]
         NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
         AUX_FIELD_NUMBER: _ClassVar[int]
         STATS_FIELD_NUMBER: _ClassVar[int]
+        LOGPROBS_FIELD_NUMBER: _ClassVar[int]
         accepted: int
         next_token: int
         aux: _tensor_pb2.Tensor
         stats: SessionStats
-        def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ...) -> None: ...
+        logprobs: _containers.RepeatedCompositeFieldContainer[_sampling_pb2.TokenLogprobs]
+        def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., aux: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_sampling_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
     class Closed(_message.Message):
         __slots__ = ("stats",)
         STATS_FIELD_NUMBER: _ClassVar[int]
