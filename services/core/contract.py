@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from kakeya.core.constraints import Constraint
 from kakeya.core.request import CachePolicy, SamplingParams
 
 # Attention layer kinds, as Hugging Face configs spell them in ``layer_types`` (Gemma-4, the DFlash drafter).
@@ -196,13 +197,16 @@ class SessionOptions:
     the client's deadline bounds it, the verifier reserves ``max_positions``,
     and ``cancel`` ends the stream. An in-process session accepts the options
     and ignores them: its steps run on the caller's (or the compute) thread, so
-    a cancelled run simply stops calling it and closes it.
+    a cancelled run simply stops calling it and closes it. ``constraint`` is
+    honoured by every verifier session (``Verifier.constrains`` says whether a
+    verifier can; a request's check refuses a constraint where it cannot).
     """
 
     request_id: str = ""
     timeout: float | None = None  # seconds the session may live (the client's deadline); None: no bound
     max_positions: int = 0  # prompt + max_tokens: the most positions it will hold; 0: the server's limit
     cancel: Cancellation | None = None
+    constraint: Constraint | None = None  # what the output must match (the verifier's sessions enforce it)
 
 
 @dataclass(frozen=True)
@@ -365,6 +369,7 @@ class Verifier(Protocol):
     # Its sessions' default cache policy. A restoration source in it is named as this verifier's
     # clients name it: a directory in process, the source name the verifier server publishes over gRPC.
     policy: CachePolicy
+    constrains: bool  # its sessions enforce ``SessionOptions.constraint``
 
     def open_session(
         self,

@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from kakeya.core.constraints import Constraint
+
 
 class InvalidRequest(ValueError):
     """A value of a request that is refused: ``field`` is its path in :class:`Request`, ``reason`` why."""
@@ -240,6 +242,7 @@ class Request:
     sampling: SamplingParams = GREEDY  # unseeded: the engine draws the seed (and reports it)
     request_id: str = ""  # for logs and the backends' streams; "": the engine makes one
     max_block_size: int = MAX_BLOCK_SIZE  # the largest block auto may pick (the cache policy may cap it lower)
+    constraint: Constraint | None = None  # what the output must match (``core/constraints.py``); None: anything
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -171,7 +171,7 @@ class Run:
         self.verifier_session = self.drafter_session = None  # read by a server's metrics (their backends' time)
         self._sizer = self._step(engine.block_sizer, req)
         sessions = SessionOptions(
-            req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation
+            req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation, req.constraint
         )
         try:
             self._step(self._open, sessions)

@@ -6,6 +6,7 @@ wrap), so the orchestrator never imports a model framework.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,11 @@ class TextCodec:
             bos = bos.get("content")
         self.bos_id = self.tokenizer.token_to_id(bos) if bos else None
         self.chat = ChatTemplate.load(path)  # None: the checkpoint ships no chat template
+
+    @functools.cached_property
+    def tokenizer_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text: what a constraint is compiled against (``core/constraints.py``)."""
+        return self.tokenizer.to_str()
 
     def encode_chat(self, messages, **options) -> list[int]:
         """The prompt ids of a conversation: rendered by the checkpoint's chat template (``chat.py``), then

@@ -109,3 +109,14 @@ def proposal(logits: mx.array, params: SamplingParams, k: int) -> tuple[np.ndarr
     ids, probs = order[:, :k], ps[:, :k]
     mx.eval(ids, probs)
     return np.array(ids, np.int32), np.array(probs, np.float32)
+
+
+def restrict(logits: mx.array, allowed: np.ndarray) -> mx.array:
+    """``logits`` [L, V] with every token a grammar does not allow there (``allowed`` [L, V], host bools) at -inf:
+    what a constrained request's choices and distributions are taken from."""
+    return mx.where(mx.array(allowed), logits, -mx.inf)
+
+
+def argmax_rows(logits: mx.array) -> list[int]:
+    """The greedy choice of each row of ``logits`` [L, V], in one host sync."""
+    return mx.argmax(logits, axis=-1).tolist()

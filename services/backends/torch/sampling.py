@@ -113,3 +113,17 @@ def proposal(logits: torch.Tensor, params: SamplingParams, k: int) -> tuple[np.n
     ps, order = process_sorted(logits, params)
     k = min(k, ps.shape[-1])
     return order[:, :k].to(torch.int32).cpu().numpy(), ps[:, :k].cpu().numpy().astype(np.float32)
+
+
+@torch.inference_mode()
+def restrict(logits: torch.Tensor, allowed: np.ndarray) -> torch.Tensor:
+    """``logits`` [L, V] with every token a grammar does not allow there (``allowed`` [L, V], host bools) at -inf:
+    what a constrained request's choices and distributions are taken from."""
+    keep = torch.from_numpy(np.ascontiguousarray(allowed)).to(logits.device, non_blocking=True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+@torch.inference_mode()
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The greedy choice of each row of ``logits`` [L, V], in one host sync."""
+    return torch.argmax(logits, dim=-1).tolist()
