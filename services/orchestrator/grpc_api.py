@@ -68,8 +68,15 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         seed=sp.seed if sp.HasField("seed") else None,
         rule=wire_contract.rule_from_proto(sp.rule),
     )
+    try:
+        constraint, spec_name = wire_contract.constraint_from_proto(r.constraint)
+    except ValueError as exc:
+        field, _, reason = str(exc).partition(": ")
+        raise InvalidRequest(field, reason) from None
+    names = names | {"constraint.spec": spec_name}
     request = Request(
         prompt=prompt,
+        constraint=constraint,
         max_tokens=sp.max_tokens or None,  # 0: the server's default
         block_size=r.block_size,
         stop_ids=tuple(sp.stop_token_ids),

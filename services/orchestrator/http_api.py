@@ -31,7 +31,7 @@ import grpc
 
 from kakeya.core.generation import Block, Report
 from kakeya.core.request import Chat, InvalidRequest, Message, Request, SamplingParams, public_field
-from kakeya.orchestrator import http_params
+from kakeya.orchestrator import http_constraints, http_params
 from kakeya.runtime.lifecycle import RequestError, bounded, quote
 
 STATUS = {
@@ -115,6 +115,11 @@ def _number(body: dict, name: str, default=None, integer: bool = False, low=None
         if not math.isfinite(v):
             raise bad(name, f"must be finite, got {v}")
     return v
+
+
+def _nested_bad(path: str, message: str) -> ApiError:
+    """A 400 about a nested field (``response_format.json_schema.schema``), its ``param`` the top parameter."""
+    return ApiError(400, f"{path}: {message}", path.split(".")[0])
 
 
 def _flag(body: dict, name: str, parent: str = "") -> bool:
@@ -219,8 +224,9 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Call, dict[str, 
         "sampling": sampling,
         "request_id": request_id,
     }
+    fields["constraint"], constraint_names = http_constraints.constraint(body, _nested_bad)
     call = Call(chat, stream, include_usage, served, obfuscate)
-    return fields, call, field_names(chat, max_name)
+    return fields, call, field_names(chat, max_name) | constraint_names
 
 
 def completion_request(body: dict, served: str) -> tuple[Request, Call, dict[str, str]]:
