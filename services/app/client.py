@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
+from kakeya.app.constraint_flags import constraint_from_args
 from kakeya.app.options import (
     DEFAULT_PROMPT,
     add_cache_args,
@@ -56,6 +57,9 @@ def generate_request(args):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {args.seed}")
         sp.seed = args.seed
     req = pb.GenerateRequest(request_id=args.request_id or "", sampling_params=sp, block_size=args.block_size or 0)
+    constraint, _ = constraint_from_args(args)
+    if constraint is not None:
+        req.constraint.CopyFrom(wire_contract.constraint_to_proto(constraint))
     if args.prompt_ids is not None:
         try:
             ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
+from kakeya.app.constraint_flags import add_constraint_options
+
 # The first held-out prompt of the drafter's evaluation (the start of a stdlib file the demo pair never
 # trained on, ``training.drafter_eval.heldout_prompts``): a rule, not a pick. The previous prompt sent
 # the 18-layer demo target into a repetition loop (README command 1 then printed a warning).
@@ -143,6 +145,7 @@ def add_generation_options(p) -> None:
     )
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    add_constraint_options(p)
     g = p.add_argument_group("sampling (lossless: distributed exactly as AR sampling from the processed p)")
     g.add_argument(
         "--temperature",
