@@ -22,6 +22,7 @@ class Block:
     total_s: float = 0.0
     predrafted: bool = False  # its candidates were pre-drafted while the block before it was verified
     copied: bool = False  # its candidates were copied from earlier in the context (``orchestrator/ngram.py``)
+    forced: bool = False  # its candidates were the tokens a constraint's grammar forces (``orchestrator/guided.py``)
 
 
 @dataclass

@@ -83,3 +83,21 @@ def test_batched_verify_applies_each_sessions_masks(engine):
     for s, _ in batched + alone:
         s.close()
     assert sum(done) > 4 * 6, "the drafts were never accepted: the masks of later rows went untested"
+
+
+def test_forced_runs_are_drafted_without_the_drafter_and_change_no_token(engine):
+    """A JSON schema's keys, quotes and brackets are forced: those blocks are the grammar's run (no drafter
+    guess), all accepted, and the output is the constrained AR output with or without them."""
+    from kakeya.orchestrator.engine import RunOptions
+
+    c = CASES["person"]
+    prompt = engine.codec.encode(PROMPTS[0])
+    ar = engine.generate(Request(prompt, max_tokens=MAX_TOKENS, block_size=1, constraint=c))
+    req = Request(prompt, max_tokens=MAX_TOKENS, block_size=8, constraint=c)
+    guided = engine.generate(req)
+    blind = engine.generate(req, RunOptions(guided=False))
+    assert guided.token_ids == blind.token_ids == ar.token_ids
+    forced = [b for b in guided.blocks if b.forced]
+    assert len(forced) >= 3 and not any(b.forced for b in blind.blocks)
+    assert all(b.accepted >= 1 for b in forced)  # the target took the grammar's tokens (at least the first)
+    assert len(guided.blocks) < len(blind.blocks)  # fewer blocks for the same tokens
