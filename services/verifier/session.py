@@ -220,7 +220,7 @@ class VerifierSession:
             first = self._coupled(self._logits(last, ()), self.offset)[0]
         else:
             _, u = lossless.verify_uniforms(self.rng, 1)
-            first = self.target.sampler.sample_next(self._logits(last, ())[0], self.sampling, float(u[0]))
+            first = self.target.sampler.sample_next(self._logits(last, ()), self.sampling, float(u[0]))
         if self.grammar is not None:
             self.grammar.advance([first])
         return first, cat(self.target, chunks), self.cached_tokens
