@@ -213,6 +213,8 @@ def summary_line(out: dict) -> str:
     )
     if out.get("copied_blocks"):
         tail += f"; {out['copied_blocks']} of {len(out['block_sizes'])} blocks drafted by n-gram copy"
+    if out.get("forced_blocks"):
+        tail += f"; {out['forced_blocks']} of {len(out['block_sizes'])} blocks forced by the grammar"
     if out["drafter_fallback"]:
         tail += "; drafter failed, verifier finished alone"
     if out["quality"]["degenerate"]:

@@ -327,6 +327,7 @@ class Run:
             block_sizes=tuple(b.drafted + 1 for b in gen.blocks[1:]),
             acceptance_lengths=tuple(gen.acceptance_lengths),
             copied_blocks=sum(b.copied for b in gen.blocks),
+            forced_blocks=sum(b.forced for b in gen.blocks),
             cached_tokens=gen.cached_tokens,
             decode_tok_s=gen.decode_tok_s,
             prefill_s=gen.prefill_s,

@@ -118,6 +118,7 @@ def complete_from_report(report: Report) -> pb.GenerateResponse.Complete:
         cache_policy=report.cache_policy,
         cache_bounded=report.cache_bounded,
         copied_blocks=report.copied_blocks,
+        forced_blocks=report.forced_blocks,
     )
     complete = pb.GenerateResponse.Complete(
         finish_reason=FINISH[report.finish_reason],
@@ -164,6 +165,7 @@ def report_from_stream(
         block_sizes=tuple(s.block_sizes),
         acceptance_lengths=tuple(s.acceptance_lengths),
         copied_blocks=s.copied_blocks,
+        forced_blocks=s.forced_blocks,
         cached_tokens=complete.cached_tokens,
         decode_tok_s=s.decode_tok_s,
         prefill_s=s.prefill_s,

@@ -353,7 +353,7 @@ def stats(r: Report) -> dict:
     """Kakeya's extension: the completion's token ids and the speculative stats ``kakeya client`` prints."""
     j = r.to_json()
     keep = ("token_ids", "acceptance_lengths", "mean_acceptance", "decode_tok_s", "prefill_s", "drafter_fallback",
-            "block_size", "block_sizes", "copied_blocks", "cache_policy", "cached_tokens", "seed")  # fmt: skip
+            "block_size", "block_sizes", "copied_blocks", "forced_blocks", "cache_policy", "cached_tokens", "seed")  # fmt: skip
     return {k: j[k] for k in keep if k != "seed" or j["seed"] is not None}
 
 

@@ -74,11 +74,13 @@ def _generate(servicer, constraint, context=None):
     from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
     req = pb.GenerateRequest(text="x = ", sampling_params=pb.SamplingParams(max_tokens=40), constraint=constraint)
-    ids = []
+    ids, complete = [], None
     for resp in servicer.Generate(req, context or HttpCall()):
         if resp.HasField("chunk"):
             ids.extend(resp.chunk.token_ids)
-    return ids
+        if resp.HasField("complete"):
+            complete = resp.complete
+    return ids, complete
 
 
 def test_grpc_generate_takes_a_constraint(front):  # noqa: F811 - the fixture
@@ -86,10 +88,11 @@ def test_grpc_generate_takes_a_constraint(front):  # noqa: F811 - the fixture
 
     servicer = front[0]
     codec = servicer.engine.codec
-    ids = _generate(servicer, spb.Constraint(choice=spb.Constraint.Choices(choices=CHOICES)))
+    ids, _ = _generate(servicer, spb.Constraint(choice=spb.Constraint.Choices(choices=CHOICES)))
     assert codec.decode(ids) in CHOICES
-    ids = _generate(servicer, spb.Constraint(json_schema=json.dumps(ENUM)))
+    ids, complete = _generate(servicer, spb.Constraint(json_schema=json.dumps(ENUM)))
     assert set(json.loads(codec.decode(ids))) == {"a", "b"}
+    assert complete.stats.forced_blocks > 0  # the keys, quotes and colons: drafted by the grammar, reported
 
 
 @pytest.mark.parametrize(

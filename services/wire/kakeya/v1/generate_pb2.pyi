@@ -89,7 +89,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., tokenized: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_size: _Optional[int] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., constraint: _Optional[_Union[_sampling_pb2.Constraint, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("acceptance_lengths", "mean_acceptance", "decode_tok_s", "prefill_s", "drafter_fallback", "verifier_kv_bytes_sliding", "verifier_kv_bytes_full", "degenerate", "decode_s", "total_s", "block_size", "cache_kind", "cache_policy", "cache_bounded", "block_sizes", "copied_blocks")
+    __slots__ = ("acceptance_lengths", "mean_acceptance", "decode_tok_s", "prefill_s", "drafter_fallback", "verifier_kv_bytes_sliding", "verifier_kv_bytes_full", "degenerate", "decode_s", "total_s", "block_size", "cache_kind", "cache_policy", "cache_bounded", "block_sizes", "copied_blocks", "forced_blocks")
     ACCEPTANCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOK_S_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class SpecStats(_message.Message):
     CACHE_BOUNDED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZES_FIELD_NUMBER: _ClassVar[int]
     COPIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     acceptance_lengths: _containers.RepeatedScalarFieldContainer[int]
     mean_acceptance: float
     decode_tok_s: float
@@ -122,7 +123,8 @@ class SpecStats(_message.Message):
     cache_bounded: bool
     block_sizes: _containers.RepeatedScalarFieldContainer[int]
     copied_blocks: int
-    def __init__(self, acceptance_lengths: _Optional[_Iterable[int]] = ..., mean_acceptance: _Optional[float] = ..., decode_tok_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., verifier_kv_bytes_sliding: _Optional[int] = ..., verifier_kv_bytes_full: _Optional[int] = ..., degenerate: _Optional[bool] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ..., block_size: _Optional[int] = ..., cache_kind: _Optional[_Union[_cache_pb2.CacheKind, str]] = ..., cache_policy: _Optional[str] = ..., cache_bounded: _Optional[bool] = ..., block_sizes: _Optional[_Iterable[int]] = ..., copied_blocks: _Optional[int] = ...) -> None: ...
+    forced_blocks: int
+    def __init__(self, acceptance_lengths: _Optional[_Iterable[int]] = ..., mean_acceptance: _Optional[float] = ..., decode_tok_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., verifier_kv_bytes_sliding: _Optional[int] = ..., verifier_kv_bytes_full: _Optional[int] = ..., degenerate: _Optional[bool] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ..., block_size: _Optional[int] = ..., cache_kind: _Optional[_Union[_cache_pb2.CacheKind, str]] = ..., cache_policy: _Optional[str] = ..., cache_bounded: _Optional[bool] = ..., block_sizes: _Optional[_Iterable[int]] = ..., copied_blocks: _Optional[int] = ..., forced_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "complete")
