@@ -159,6 +159,10 @@ class Grammar:
             if not self.matcher.consume_token(int(t)):
                 raise RuntimeError(f"constraint: committed token {int(t)} is outside the grammar")
 
+    def allowed_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the grammar would take in a row from here (the state is left as it is)."""
+        return 0 if self.matcher.is_stopped() else int(self.matcher.validate_tokens([int(t) for t in tokens]))
+
     def forced(self) -> list[int]:
         """The tokens the grammar forces next, whatever the model would pick (may be empty)."""
         return [] if self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens())

@@ -221,7 +221,7 @@ class Decode:
         if copy:
             self._draft, self._copied = Draft(copy), not self._forced
         elif size > 1:
-            self._draft = result
+            self._draft = self._allowed(result)
 
     def predraft(self) -> None:
         """Start pre-drafting the block after this one (verified meanwhile): it takes the aux the drafter has
@@ -286,6 +286,15 @@ class Decode:
         """A drafter call took the new aux: its context now holds every committed position."""
         self._new_aux = None
         self.unseen.clear()
+
+    def _allowed(self, draft: Draft) -> Draft:
+        """The drafter's candidates up to the first one a constraint's grammar refuses (no proposal to cut:
+        the guide never serves the rejection rule)."""
+        guide = self.options.guide
+        if guide is None or not draft.tokens or draft.proposal is not None:
+            return draft
+        n = guide.allowed_prefix(self.generation.token_ids, draft.tokens)
+        return draft if n == len(draft.tokens) else Draft(draft.tokens[:n])
 
     def _forced_run(self, room: int) -> tuple[int, ...]:
         """The tokens the constraint's grammar forces next, as many as a block of ``room`` takes, or ()."""

@@ -81,3 +81,14 @@ def test_forced_tokens_are_the_grammars_fixed_text(engine, tok):
 def test_a_grammar_that_fails_to_compile_raises(tok):
     with pytest.raises(ConstraintError):
         Grammar(Constraint("regex", "(").grammar(), tok)
+
+
+def test_the_guide_cuts_a_draft_before_the_first_refused_candidate(engine, tok):
+    from kakeya.orchestrator.guided import Guide
+
+    guide = Guide(Grammar(Constraint("regex", "[0-9]{3}x").grammar(), tok))
+    enc = engine.codec.tokenizer
+    one, two = enc.encode("1", add_special_tokens=False).ids, enc.encode("2a3x", add_special_tokens=False).ids
+    assert guide.allowed_prefix(one, two) == 1  # after "1": "2" yes, "a" no
+    assert guide.allowed_prefix(one, enc.encode("23x", add_special_tokens=False).ids) == 3
+    assert guide.forced(one, 4) == ()  # digits are free: nothing forced

@@ -101,3 +101,6 @@ def test_forced_runs_are_drafted_without_the_drafter_and_change_no_token(engine)
     assert len(forced) >= 3 and not any(b.forced for b in blind.blocks)
     assert all(b.accepted >= 1 for b in forced)  # the target took the grammar's tokens (at least the first)
     assert len(guided.blocks) < len(blind.blocks)  # fewer blocks for the same tokens
+    # the drafter's blocks were cut before a candidate the grammar refuses: fewer positions verified in all
+    drafted = [b.drafted for b in guided.blocks[1:] if not b.forced]
+    assert any(n < 7 for n in drafted) and all(b.drafted == 7 for b in blind.blocks[1:-1])
