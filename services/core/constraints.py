@@ -69,10 +69,6 @@ class Constraint:
             return llguidance.LLMatcher.grammar_from_regex(self.spec)
         return llguidance.LLMatcher.grammar_from_lark(self.spec)
 
-    @property
-    def label(self) -> str:
-        return self.kind
-
 
 def _schema_grammar(spec) -> str:
     if isinstance(spec, str):
