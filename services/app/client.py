@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
+from kakeya.app.constraint_flags import constraint_from_args
 from kakeya.app.options import (
     DEFAULT_PROMPT,
     add_cache_args,
@@ -59,6 +60,9 @@ def generate_request(args):
     if args.logprobs is not None:
         sp.logprobs = args.logprobs  # the server checks it (INVALID_ARGUMENT naming sampling_params.logprobs)
     req = pb.GenerateRequest(request_id=args.request_id or "", sampling_params=sp, block_size=args.block_size or 0)
+    constraint, _ = constraint_from_args(args)
+    if constraint is not None:
+        req.constraint.CopyFrom(wire_contract.constraint_to_proto(constraint))
     if args.prompt_ids is not None:
         try:
             ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kakeya.app.constraint_flags import constraint_from_args
 from kakeya.app.options import (
     DEFAULT_PROMPT,
     add_backend_args,
@@ -43,8 +44,10 @@ def cmd_generate(args) -> int:
     )
     if engine.verifier.info.backend == "torch":
         set_torch_threads(args.torch_threads, engine.device, embedded=args.target is None)
+    constraint, constraint_flags = constraint_from_args(args)
     req = Request(
         args.prompt if args.prompt is not None else DEFAULT_PROMPT,
+        constraint=constraint,
         max_tokens=args.max_tokens,
         block_size=args.block_size or 0,
         ignore_eos=args.ignore_eos,
@@ -55,7 +58,7 @@ def cmd_generate(args) -> int:
     try:
         req = engine.check(req)  # before the warm-up: a bad request costs no model work
     except InvalidRequest as exc:
-        raise ValueError(exc.public(FLAG_NAMES)) from None
+        raise ValueError(exc.public(FLAG_NAMES | constraint_flags)) from None
     _warm_up(engine, req, args.compare_ar)
     shown, logprobs = 0, []
     with engine.start(req) as run:
@@ -110,6 +113,7 @@ def _warm_up(engine, req, ar: bool) -> None:
     from dataclasses import replace
 
     block = req.block_size or engine.default_block_size
+    req = replace(req, constraint=None)  # a constraint's grammar ends at EOS: the warm-up runs free for its length
     engine.generate(replace(req, max_tokens=2 * block, ignore_eos=True))
     if ar:
         engine.generate(replace(req, max_tokens=4, block_size=1, ignore_eos=True))
@@ -141,7 +145,8 @@ def _compare_ar(engine, req, gen) -> dict:
             "speedup": round(gen.decode_tok_s / ar_tok_s, 4) if ar_tok_s else 0.0,
         }
     native = policy is None or (policy.kind == "native" and not policy.full_kv_bits)
-    if req.sampling.greedy and native and engine.verifier.info.backend == "mlx":  # the CLI's engine holds the target
+    mlx = engine.verifier.info.backend == "mlx"
+    if req.sampling.greedy and native and mlx and req.constraint is None:  # the CLI's engine holds the target
         from kakeya.verifier.mlx_backend.reference import greedy_reference
 
         ar_ids, _, decode_s = greedy_reference(
@@ -153,6 +158,7 @@ def _compare_ar(engine, req, gen) -> dict:
         ar_ids, decode_s = ar.token_ids, ar.decode_s
         reference = f"kakeya block size 1, same cache policy ({policy.label if policy else 'default'})"
         reference += "" if req.sampling.greedy else ", AR sampling with the same seed (coupled rule: the same tokens)"
+        reference += "" if req.constraint is None else ", the same constraint"
     ar_tok_s = (len(ar_ids) - 1) / decode_s if decode_s > 0 and len(ar_ids) > 1 else 0.0
     return {
         "ar_reference": reference,

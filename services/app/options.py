@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
+from kakeya.app.constraint_flags import add_constraint_options
+
 # The first held-out prompt of the drafter's evaluation (the start of a stdlib file the demo pair never
 # trained on, ``training.drafter_eval.heldout_prompts``): a rule, not a pick. The previous prompt sent
 # the 18-layer demo target into a repetition loop (README command 1 then printed a warning).
@@ -151,6 +153,7 @@ def add_generation_options(p) -> None:
         help="each token's log-probability (the target's raw distribution) and the K most probable tokens "
         "there (0..20), in the JSON's 'logprobs' (with --json)",
     )
+    add_constraint_options(p)
     g = p.add_argument_group("sampling (lossless: distributed exactly as AR sampling from the processed p)")
     g.add_argument(
         "--temperature",
@@ -223,6 +226,8 @@ def summary_line(out: dict) -> str:
     )
     if out.get("copied_blocks"):
         tail += f"; {out['copied_blocks']} of {len(out['block_sizes'])} blocks drafted by n-gram copy"
+    if out.get("forced_blocks"):
+        tail += f"; {out['forced_blocks']} of {len(out['block_sizes'])} blocks forced by the grammar"
     if out["drafter_fallback"]:
         tail += "; drafter failed, verifier finished alone"
     if out["quality"]["degenerate"]:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from kakeya.core.constraints import Constraint
 from kakeya.core.request import CachePolicy, SamplingParams
 
 # Attention layer kinds, as Hugging Face configs spell them in ``layer_types`` (Gemma-4, the DFlash drafter).
@@ -213,8 +214,10 @@ class SessionOptions:
     A remote session uses all of it: the request id travels with its stream,
     the client's deadline bounds it, the verifier reserves ``max_positions``,
     and ``cancel`` ends the stream. An in-process session takes ``logprobs`` and
-    ignores the rest: its steps run on the caller's (or the compute) thread, so
-    a cancelled run simply stops calling it and closes it.
+    ``constraint`` and ignores the rest: its steps run on the caller's (or the compute) thread, so
+    a cancelled run simply stops calling it and closes it. ``constraint`` is
+    honoured by every verifier session (``Verifier.constrains`` says whether a
+    verifier can; a request's check refuses a constraint where it cannot).
     """
 
     request_id: str = ""
@@ -224,6 +227,7 @@ class SessionOptions:
     # A verifier session: each committed token's log-probability and top ``logprobs`` (``Request.logprobs``;
     # None: none, and the session pays nothing for them).
     logprobs: int | None = None
+    constraint: Constraint | None = None  # what the output must match (the verifier's sessions enforce it)
 
 
 @dataclass(frozen=True)
@@ -389,6 +393,7 @@ class Verifier(Protocol):
     # Its sessions' default cache policy. A restoration source in it is named as this verifier's
     # clients name it: a directory in process, the source name the verifier server publishes over gRPC.
     policy: CachePolicy
+    constrains: bool  # its sessions enforce ``SessionOptions.constraint``
 
     def open_session(
         self,

@@ -22,6 +22,7 @@ class Block:
     total_s: float = 0.0
     predrafted: bool = False  # its candidates were pre-drafted while the block before it was verified
     copied: bool = False  # its candidates were copied from earlier in the context (``orchestrator/ngram.py``)
+    forced: bool = False  # its candidates were the tokens a constraint's grammar forces (``orchestrator/guided.py``)
     logprobs: list[TokenLogprobs] | None = None  # one per token (a request with ``logprobs``); cut with ``tokens``
 
     def cut(self, keep: int) -> None:
@@ -88,6 +89,7 @@ class Report:
     block_sizes: tuple[int, ...] = ()
     acceptance_lengths: tuple[int, ...] = ()
     copied_blocks: int = 0  # blocks drafted by copying the context (n-gram), not by the drafter
+    forced_blocks: int = 0  # blocks whose candidates a constraint's grammar forced, not the drafter's
     cached_tokens: int = 0  # prompt tokens resumed from the prefix cache instead of prefilled
     decode_tok_s: float = 0.0
     prefill_s: float = 0.0
@@ -123,6 +125,7 @@ class Report:
             "block_size": self.block_size,
             "block_sizes": list(self.block_sizes),
             "copied_blocks": self.copied_blocks,
+            "forced_blocks": self.forced_blocks,
             "prompt_token_ids": list(self.prompt_token_ids),
             "cached_tokens": self.cached_tokens,
             "token_ids": list(self.token_ids),

@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from kakeya.core.constraints import Constraint
+
 
 class InvalidRequest(ValueError):
     """A value of a request that is refused: ``field`` is its path in :class:`Request`, ``reason`` why."""
@@ -279,6 +281,7 @@ class Request:
     # None: none. k (0..MAX_LOGPROBS): every committed token comes with its log-probability and the k most
     # probable tokens at its position, from the target's raw distribution (``core.contract.TokenLogprobs``).
     logprobs: int | None = None
+    constraint: Constraint | None = None  # what the output must match (``core/constraints.py``); None: anything
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from kakeya.core import constraints
 from kakeya.core.contract import Drafter, Verifier
 from kakeya.core.request import MAX_BLOCK_SIZE, MAX_LOGPROBS, REJECTION, CachePolicy, Chat, InvalidRequest, Request
 from kakeya.orchestrator.chat import ChatError, template_inputs
@@ -88,6 +89,7 @@ def check_request(req: Request, engine: Engine, limits: Limits = Limits()) -> Re
             "max_tokens", f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the context limit {context}"
         )
     stop_ids = _stops(req, engine)
+    _constraint(req, engine)
     sampling = req.sampling.check().seeded()  # an unseeded sampling request draws its seed here
     if not 1 <= req.max_block_size <= MAX_BLOCK_SIZE:
         raise InvalidRequest("max_block_size", f"must be between 1 and {MAX_BLOCK_SIZE}, got {req.max_block_size}")
@@ -155,6 +157,34 @@ def _prompt_ids(prompt, engine: Engine, limit: int) -> list[int]:
     if len(ids) > limit:
         raise InvalidRequest("prompt", f"{len(ids)} tokens exceed this server's limit {limit} (--max-prompt-tokens)")
     return ids
+
+
+def _constraint(req: Request, engine: Engine) -> None:
+    """A constraint compiled once against the checkpoint's tokenizer: a bad schema, regex, grammar or choice
+    list is refused here, naming ``constraint.spec`` (``constraint.kind`` for an unknown kind)."""
+    c = req.constraint
+    if c is None:
+        return
+    if not isinstance(c, constraints.Constraint):
+        raise InvalidRequest("constraint", "must be a Constraint")
+    if c.kind not in constraints.KINDS:
+        raise InvalidRequest(
+            "constraint.kind", f"must be one of {', '.join(constraints.KINDS)}, got {str(c.kind)[:40]!r}"
+        )
+    if not engine.verifier.constrains:
+        raise InvalidRequest("constraint", "this server's verifier does not take constraints")
+    if engine.codec is None:
+        raise InvalidRequest("constraint", "this server has no tokenizer (--tokenizer) to compile a constraint against")
+    if req.ignore_eos:
+        raise InvalidRequest("ignore_eos", "a constrained generation ends where its grammar does: drop ignore_eos")
+    info = engine.verifier.info
+    if not info.eos_token_ids:
+        raise InvalidRequest("constraint", "the model declares no EOS token to end a constrained generation")
+    try:
+        tok = constraints.tokenizer(engine.codec.tokenizer_json, info.vocab_size, (info.eos_token_ids[0],))
+        constraints.check(c.grammar(), tok)
+    except constraints.ConstraintError as exc:
+        raise InvalidRequest("constraint.spec", str(exc)) from None
 
 
 def _stops(req: Request, engine: Engine) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ from kakeya.core.generation import Block, Generation, Report
 from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, Request
 from kakeya.orchestrator.adaptive import AdaptivePolicy, BlockSizer, measure_costs
 from kakeya.orchestrator.checks import Limits, check_request
+from kakeya.orchestrator.guided import open_guide
 from kakeya.orchestrator.loop import Decode, DecodeOptions
 from kakeya.orchestrator.scheduler import Scheduler
 from kakeya.orchestrator.text import TextCodec, text_stream
@@ -144,6 +145,7 @@ class RunOptions:
     predraft: bool | None = None  # None: the engine's choice (``Engine.predraft``); sampling runs never pre-draft
     predraft_alternatives: int | None = None  # None: the engine's choice (``Engine.predraft_alternatives``)
     ngram: bool | None = None  # None: the engine's choice (``Engine.ngram``); the rejection rule never copies
+    guided: bool = True  # a constrained request drafts its grammar's forced tokens without the drafter (guided.py)
     limits: Limits = Limits()  # what the request is checked against (a server's flags)
 
 
@@ -176,7 +178,12 @@ class Run:
         self._sizer = None
         self._prefill_t0, self._prefilling = 0.0, None  # the prefill as _begin left it (see _prefill)
         sessions = SessionOptions(
-            req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation, req.logprobs
+            req.request_id,
+            options.timeout,
+            len(req.prompt_ids) + req.max_tokens,
+            self._cancellation,
+            logprobs=req.logprobs,
+            constraint=req.constraint,
         )
         # ONE model-thread job: on a busy engine each job waits for the round in flight, so a newcomer that
         # sized, opened, looked up its prefix and prefilled in separate jobs waited one round per job
@@ -195,8 +202,24 @@ class Run:
             if options.predraft_alternatives is None
             else check_alternatives(options.predraft_alternatives, "predraft_alternatives")
         )
+        guide = None
+        if (
+            req.constraint is not None
+            and options.guided
+            and (self._sampling.greedy or self._sampling.rule != REJECTION)
+        ):
+            info = engine.verifier.info
+            guide = open_guide(req.constraint, engine.codec.tokenizer_json, info.vocab_size, info.eos_token_ids)
         decoding = DecodeOptions(
-            req.max_tokens, self._sizer, engine.stop_ids(req), options.drafter_fallback, predraft, ngram, alternatives
+            req.max_tokens,
+            self._sizer,
+            engine.stop_ids(req),
+            options.drafter_fallback,
+            predraft,
+            ngram,
+            alternatives,
+            guide,
+            min(engine.max_block_size(req.cache_policy), req.max_block_size),
         )
         self._decode = Decode(self.verifier_session, self.drafter_session, req.prompt_ids, decoding)
 
@@ -344,6 +367,7 @@ class Run:
             block_sizes=tuple(b.drafted + 1 for b in gen.blocks[1:]),
             acceptance_lengths=tuple(gen.acceptance_lengths),
             copied_blocks=sum(b.copied for b in gen.blocks),
+            forced_blocks=sum(b.forced for b in gen.blocks),
             cached_tokens=gen.cached_tokens,
             decode_tok_s=gen.decode_tok_s,
             prefill_s=gen.prefill_s,

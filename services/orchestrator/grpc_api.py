@@ -78,8 +78,15 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         seed=sp.seed if sp.HasField("seed") else None,
         rule=wire_contract.rule_from_proto(sp.rule),
     )
+    try:
+        constraint, spec_name = wire_contract.constraint_from_proto(r.constraint)
+    except ValueError as exc:
+        field, _, reason = str(exc).partition(": ")
+        raise InvalidRequest(field, reason) from None
+    names = names | {"constraint.spec": spec_name}
     request = Request(
         prompt=prompt,
+        constraint=constraint,
         max_tokens=sp.max_tokens or None,  # 0: the server's default
         block_size=r.block_size,
         stop_ids=tuple(sp.stop_token_ids),
@@ -135,6 +142,7 @@ def complete_from_report(report: Report) -> pb.GenerateResponse.Complete:
         cache_policy=report.cache_policy,
         cache_bounded=report.cache_bounded,
         copied_blocks=report.copied_blocks,
+        forced_blocks=report.forced_blocks,
     )
     complete = pb.GenerateResponse.Complete(
         finish_reason=FINISH[report.finish_reason],
@@ -181,6 +189,7 @@ def report_from_stream(
         block_sizes=tuple(s.block_sizes),
         acceptance_lengths=tuple(s.acceptance_lengths),
         copied_blocks=s.copied_blocks,
+        forced_blocks=s.forced_blocks,
         cached_tokens=complete.cached_tokens,
         decode_tok_s=s.decode_tok_s,
         prefill_s=s.prefill_s,

@@ -31,7 +31,7 @@ import grpc
 
 from kakeya.core.generation import Block, Report
 from kakeya.core.request import NONE, Chat, InvalidRequest, Request, SamplingParams, public_field
-from kakeya.orchestrator import http_logprobs, http_params, http_tools, tool_calls
+from kakeya.orchestrator import http_constraints, http_logprobs, http_params, http_tools, tool_calls
 from kakeya.runtime.lifecycle import RequestError, bounded, quote
 
 STATUS = {
@@ -117,6 +117,11 @@ def _number(body: dict, name: str, default=None, integer: bool = False, low=None
         if not math.isfinite(v):
             raise bad(name, f"must be finite, got {v}")
     return v
+
+
+def _nested_bad(path: str, message: str) -> ApiError:
+    """A 400 about a nested field (``response_format.json_schema.schema``), its ``param`` the top parameter."""
+    return ApiError(400, f"{path}: {message}", path.split(".")[0])
 
 
 def _flag(body: dict, name: str, parent: str = "") -> bool:
@@ -223,8 +228,9 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Call, dict[str, 
         "request_id": request_id,
         "logprobs": http_logprobs.requested(body, chat, bad),
     }
+    fields["constraint"], constraint_names = http_constraints.constraint(body, _nested_bad)
     call = Call(chat, stream, include_usage, served, obfuscate, logprobs=fields["logprobs"] is not None)
-    return fields, call, field_names(chat, max_name)
+    return fields, call, field_names(chat, max_name) | constraint_names
 
 
 def completion_request(body: dict, served: str) -> tuple[Request, Call, dict[str, str]]:
@@ -414,7 +420,7 @@ def stats(r: Report) -> dict:
     """Kakeya's extension: the completion's token ids and the speculative stats ``kakeya client`` prints."""
     j = r.to_json()
     keep = ("token_ids", "acceptance_lengths", "mean_acceptance", "decode_tok_s", "prefill_s", "drafter_fallback",
-            "block_size", "block_sizes", "copied_blocks", "cache_policy", "cached_tokens", "seed")  # fmt: skip
+            "block_size", "block_sizes", "copied_blocks", "forced_blocks", "cache_policy", "cached_tokens", "seed")  # fmt: skip
     return {k: j[k] for k in keep if k != "seed" or j["seed"] is not None}
 
 

@@ -14,8 +14,8 @@ is refused by the other, naming the API that takes it. A name in no list is igno
 always has (vLLM's server does the same): clients of OpenAI-compatible servers send vendor fields
 this table cannot know, and every field known to change the output is listed here.
 
-``response_format`` is refused but for ``{"type": "text"}`` in :func:`response_format`, the one
-place constrained decoding (``json_object``, ``json_schema``) will accept more.
+The constraint parameters (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``) are
+honoured: ``http_constraints.py`` reads them into one constraint.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ PARAMS: dict[str, Param] = {
     # -- OpenAI, /v1/chat/completions only
     "messages": Param(HONOURED, CHAT),
     "max_completion_tokens": Param(HONOURED, CHAT),
-    "response_format": Param(REFUSED, CHAT),  # response_format() below
+    "response_format": Param(HONOURED, CHAT),  # http_constraints.py
     "modalities": _refused(["text"], api=CHAT, why=_TEXT),
     "audio": _refused(api=CHAT, why=_TEXT),
     "top_logprobs": Param(HONOURED, CHAT),  # with logprobs: true
@@ -112,11 +112,11 @@ PARAMS: dict[str, Param] = {
     "allowed_token_ids": _refused(why="it does not restrict the vocabulary"),
     "prompt_logprobs": _refused(0, why=_NO_LOGPROBS),
     "truncate_prompt_tokens": _refused(why="a prompt over the limit is refused, never truncated"),
-    "guided_json": _refused(why="no constrained decoding yet"),
-    "guided_regex": _refused(why="no constrained decoding yet"),
-    "guided_choice": _refused(why="no constrained decoding yet"),
-    "guided_grammar": _refused(why="no constrained decoding yet"),
-    "structured_outputs": _refused(why="no constrained decoding yet"),
+    "guided_json": Param(HONOURED),  # http_constraints.py
+    "guided_regex": Param(HONOURED),  # http_constraints.py
+    "guided_choice": Param(HONOURED),  # http_constraints.py
+    "guided_grammar": Param(HONOURED),  # http_constraints.py
+    "structured_outputs": Param(HONOURED),  # http_constraints.py
     # -- vLLM's extensions, /v1/chat/completions only
     "continue_final_message": Param(HONOURED, CHAT),
     "add_generation_prompt": _refused(True, api=CHAT, why="the template always opens the assistant's turn"),
@@ -153,25 +153,8 @@ def check(body: dict, chat: bool) -> None:
             continue  # not a parameter this server knows: ignored (the module docstring says why)
         if param.api not in (BOTH, api):
             raise Refused(name, f"not a parameter of {ENDPOINTS[api]} (it is one of {ENDPOINTS[param.api]})")
-        if name == "response_format":
-            response_format(value)
-        elif param.kind == REFUSED and not any(_same(value, a) for a in param.accepts):
+        if param.kind == REFUSED and not any(_same(value, a) for a in param.accepts):
             raise Refused(name, f"{quote(value)} is not supported: {param.why}")
         elif param.kind == HARMLESS and value is not None and not isinstance(value, param.types):
             kinds = " or ".join({bool: "a boolean", str: "a string", dict: "an object"}[t] for t in param.types)
             raise Refused(name, f"must be {kinds}")
-
-
-def response_format(value) -> None:
-    """``response_format``: ``{"type": "text"}`` (or none) generates text as without it; any other type asks
-    for constrained output this server cannot produce yet (the place to accept ``json_object`` and
-    ``json_schema`` once it can)."""
-    if value is None:
-        return
-    kind = value.get("type") if isinstance(value, dict) else None
-    if not isinstance(kind, str):
-        raise Refused("response_format", 'must be an object with a "type"')
-    if kind != "text":
-        raise Refused(
-            "response_format", f'type {quote(kind)} is not supported: only "text" (no constrained decoding yet)'
-        )

@@ -40,6 +40,7 @@ from kakeya.orchestrator.ngram import NgramIndex
 
 if TYPE_CHECKING:
     from kakeya.orchestrator.adaptive import BlockSizer
+    from kakeya.orchestrator.guided import Guide
 
 __all__ = [
     "MAX_BLOCK_SIZE",
@@ -70,7 +71,9 @@ class DecodeOptions:
     while this one is verified (greedy sessions; it pays where the drafter works beside the verifier, a
     remote one); ``alternatives``: the drafter's next likeliest tokens a pre-draft may also prepare for at
     each candidate. ``ngram``: draft by copy where the context repeats (greedy and the coupled rule; never
-    the rejection rule, which needs the drafter's distribution)."""
+    the rejection rule, which needs the drafter's distribution). ``guide``: a constrained request's grammar,
+    whose forced tokens are drafted as one block without the drafter (``guided.py``; same exclusions as
+    ``ngram``), up to ``max_block`` positions (the cache policy's rollback slack)."""
 
     max_tokens: int
     block_size: int | BlockSizer = 1
@@ -79,6 +82,8 @@ class DecodeOptions:
     predraft: bool = False
     ngram: bool = False
     alternatives: int = 0
+    guide: Guide | None = None
+    max_block: int = MAX_BLOCK_SIZE
 
     def __post_init__(self):  # the engine checked the request; these guard direct callers (tests, benchmarks)
         if self.max_tokens < 1:
@@ -130,7 +135,7 @@ class Decode:
         self._last: int | None = None  # the newest committed token: it opens the next block
         self._verdict: Verdict | None = None
         # this round's block: its candidates and where they came from, the drafter call still to answer
-        self._draft, self._predrafted, self._copied = NO_DRAFT, False, False
+        self._draft, self._predrafted, self._copied, self._forced = NO_DRAFT, False, False, False
         self._call: tuple[int, tuple[int, ...]] | None = None  # (block size asked of the drafter, a copy's tokens)
         self._t_block = 0.0
         self._t_decode = 0.0
@@ -169,7 +174,7 @@ class Decode:
         self._t_block = time.perf_counter()
         ahead, self._ahead = self._ahead, None
         want, self._want = self._want, None
-        self._draft, self._predrafted, self._copied, self._call = NO_DRAFT, False, False, None
+        self._draft, self._predrafted, self._copied, self._forced, self._call = NO_DRAFT, False, False, False, None
         if not self.drafting:
             return None
         room = self.options.max_tokens - len(self.generation.token_ids)  # a block commits at most B tokens
@@ -184,6 +189,10 @@ class Decode:
                 return None
             if not self.drafting:
                 return None
+        forced = self._forced_run(room)
+        if forced:  # the grammar's own continuation: one block, the drafter only takes the new positions
+            self._call, self._forced = (1, forced), True
+            return (self.drafter, self._new_aux, last, 1)
         copy = self._copy() if want is None else ()
         if want is None and copy and self.sizer is not None:
             want = self.sizer.choose(copy=True)
@@ -211,9 +220,9 @@ class Decode:
             return
         self._taken()
         if copy:
-            self._draft, self._copied = Draft(copy), True
+            self._draft, self._copied = Draft(copy), not self._forced
         elif size > 1:
-            self._draft = result
+            self._draft = self._allowed(result)
 
     def predraft(self) -> None:
         """Start pre-drafting the block after this one (verified meanwhile): it takes the aux the drafter has
@@ -260,9 +269,10 @@ class Decode:
                 predrafted=self._predrafted,
                 copied=self._copied,
                 logprobs=None if verdict.logprobs is None else list(verdict.logprobs),
+                forced=self._forced,
             )
         )
-        if self.sizer is not None and self.drafting:
+        if self.sizer is not None and self.drafting and not self._forced:  # the sizer prices the drafter's blocks
             self.sizer.observe(block)
         self._last = tokens[-1]
         return block
@@ -278,6 +288,21 @@ class Decode:
         """A drafter call took the new aux: its context now holds every committed position."""
         self._new_aux = None
         self.unseen.clear()
+
+    def _allowed(self, draft: Draft) -> Draft:
+        """The drafter's candidates up to the first one a constraint's grammar refuses (no proposal to cut:
+        the guide never serves the rejection rule)."""
+        guide = self.options.guide
+        if guide is None or not draft.tokens or draft.proposal is not None:
+            return draft
+        n = guide.allowed_prefix(self.generation.token_ids, draft.tokens)
+        return draft if n == len(draft.tokens) else Draft(draft.tokens[:n])
+
+    def _forced_run(self, room: int) -> tuple[int, ...]:
+        """The tokens the constraint's grammar forces next, as many as a block of ``room`` takes, or ()."""
+        if self.options.guide is None:
+            return ()
+        return self.options.guide.forced(self.generation.token_ids, min(room, self.options.max_block) - 1)
 
     def _copy(self) -> tuple[int, ...]:
         """The n-gram index's candidates for the next block (the most any block takes), or ()."""

@@ -76,6 +76,8 @@ class GrpcVerifierSession:
             open_.sampling.CopyFrom(wire_contract.sampling_to_proto(sampling))
         if policy is not None:
             open_.cache_policy.CopyFrom(wire_contract.policy_to_proto(policy))
+        if options.constraint is not None:
+            open_.constraint.CopyFrom(wire_contract.constraint_to_proto(options.constraint))
         self._opened = self._s.post(vpb.VerifierRequest(open=open_), "opened")  # answered with the prefill
         self.session_id = ""
         self.cache_policy = ""
@@ -211,6 +213,7 @@ class GrpcVerifier:
             r.default_cache_policy, CachePolicy(slack=r.max_block_size or MAX_BLOCK_SIZE)
         )
         self.prefix_cache = r.prefix_cache_bytes > 0  # the server resumes prefixes (and keeps what sessions save)
+        self.constrains = r.constrains  # the server has the tokenizer its sessions compile constraints against
 
     def healthy(self, timeout: float = 1.0) -> bool:
         return backend_healthy(self.channel, timeout)

@@ -39,6 +39,11 @@ class TextCodec:
         kept = {i for i, content in special.items() if content in MARKERS}
         self.hidden = frozenset(special) - kept if kept else None  # None: skip every special token
 
+    @functools.cached_property
+    def tokenizer_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text: what a constraint is compiled against (``core/constraints.py``)."""
+        return self.tokenizer.to_str()
+
     def encode_chat(self, messages, **options) -> list[int]:
         """The prompt ids of a conversation: rendered by the checkpoint's chat template (``chat.py``), then
         tokenized without adding special tokens (the template writes its own), as transformers does."""

@@ -136,7 +136,7 @@ def batchable(session: VerifierSession) -> bool:
 def _together(items: Sequence[Item]) -> list[list[int]]:
     target = items[0][0].target
     segments = [session.forward_plan(ids) for session, ids, _ in items]
-    wanted = [s.sampling is None for s, _, _ in items]
+    wanted = [s.sampling is None and s.grammar is None for s, _, _ in items]  # the step's own argmax serves these
     if target.static_verify:  # the batched step takes every greedy row's choice itself
         outs, greedy = target.verify_segments(segments, wanted)
     else:

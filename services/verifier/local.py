@@ -10,9 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kakeya.checkpoints.config import load_target_config
+from kakeya.core.constraints import Constraint, Grammar
 from kakeya.core.contract import Draft, ModelInfo, SessionOptions, Verdict
 from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import CachePolicy, SamplingParams
+from kakeya.verifier import constrained
 from kakeya.verifier.backend import Target
 from kakeya.verifier.batch import decide_batch
 from kakeya.verifier.session import VerifierSession
@@ -30,6 +32,8 @@ class LocalVerifier:
         prefixes: PrefixCache | None = None,
     ):
         cfg = load_target_config(target_dir)
+        self.target_dir = str(target_dir)
+        self.constrains = constrained.available(target_dir)
         self.target = target
         self.prefixes = prefixes
         self.aux_layers = tuple(aux_layers)
@@ -53,8 +57,22 @@ class LocalVerifier:
         sampling: SamplingParams | None = None,
         options: SessionOptions | None = None,
     ) -> VerifierSession:
+        grammar = None if options is None or options.constraint is None else self.open_grammar(options.constraint)
         logprobs = options.logprobs if options is not None else None
-        return VerifierSession(self.target, self.aux_layers, policy or self.policy, sampling, self.prefixes, logprobs)
+        return VerifierSession(
+            self.target,
+            self.aux_layers,
+            policy or self.policy,
+            sampling,
+            self.prefixes,
+            logprobs=logprobs,
+            grammar=grammar,
+        )
+
+    def open_grammar(self, constraint: Constraint) -> Grammar:
+        """``constraint`` compiled for a new session (``verifier/constrained.py``); ValueError naming its field."""
+        info = self.info
+        return constrained.open_grammar(constraint, self.target_dir, info.vocab_size, info.eos_token_ids)
 
     def healthy(self, timeout: float = 1.0) -> bool:
         return True  # in this process: it answers whenever it is asked

@@ -128,10 +128,25 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             except (OSError, ValueError) as exc:
                 raise ValueError(f"--restore {name}={path}: {exc}") from None
 
-    def _new_session(self, aux_layers, policy, sampling=None, logprobs=None):
+    def _new_session(self, aux_layers, policy, sampling=None, logprobs=None, grammar=None):
         from kakeya.verifier.session import VerifierSession
 
-        return VerifierSession(self.verifier.target, aux_layers, policy, sampling, self.prefixes, logprobs)
+        return VerifierSession(
+            self.verifier.target, aux_layers, policy, sampling, self.prefixes, logprobs=logprobs, grammar=grammar
+        )
+
+    def _open_grammar(self, open_):
+        """``open.constraint`` compiled for the session (None: unset); INVALID_ARGUMENT naming its field."""
+        try:
+            constraint, _ = wire_contract.constraint_from_proto(open_.constraint, "open.constraint")
+            if constraint is None:
+                return None
+            if not self.verifier.constrains:
+                raise ValueError("open.constraint: this verifier has no tokenizer to compile a constraint against")
+            return self.verifier.open_grammar(constraint)
+        except ValueError as exc:
+            message = str(exc)
+            raise invalid(message if message.startswith("open.") else f"open.{message}") from None
 
     # -- RPCs ----------------------------------------------------------------------------
 
@@ -145,6 +160,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             version=version(),
             default_cache_policy=self._wire_policy(self.verifier.policy.resolve(i.sliding_window)),
             max_block_size=self.verifier.policy.slack,
+            constrains=self.verifier.constrains,
             live_sessions=self.registry.live,
             max_sessions=self.registry.max_sessions,
             live_kv_bytes=self.registry.live_bytes,
@@ -229,9 +245,10 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                     logprobs = wire_contract.check_logprobs(req.open.logprobs, "open.logprobs") if has else None
                 except ValueError as exc:
                     raise invalid(str(exc)) from None
+                grammar = self._open_grammar(req.open)
                 self.registry.reserve(entry, self._worst_case_bytes(policy, max_positions))  # may wait (--queue)
                 session = entry.session = yield from self._compute(
-                    every, self._new_session, layers, policy, sampling, logprobs
+                    every, self._new_session, layers, policy, sampling, logprobs, grammar
                 )
                 resolved = session.policy
                 resp = pb.VerifierResponse(

@@ -26,6 +26,7 @@ import numpy as np
 
 from kakeya.core import noise
 from kakeya.core import sampling as lossless
+from kakeya.core.constraints import Grammar
 from kakeya.core.contract import (
     VERIFIER_STREAM,
     Draft,
@@ -83,7 +84,9 @@ def check_proposal(candidates: Sequence[int], proposal: Proposal | None, rule: s
 class VerifierSession:
     """``prefixes``: the verifier's prefix cache (None: none), which :meth:`resume` reads and :meth:`save` fills;
     ``logprobs``: k, each committed token's log-probability and top k (``TokenLogprobs``) from the rows of the
-    forward that decided it (None: none, nothing kept for them)."""
+    forward that decided it (None: none, nothing kept for them). ``grammar``: a constrained request's grammar
+    state (None: unconstrained); every choice is then taken from the target's logits restricted to the tokens it
+    allows there (``verifier/constrained.py``)."""
 
     server_s = None  # in this process a step's whole time is the backend's (the contract's attribute)
 
@@ -95,11 +98,13 @@ class VerifierSession:
         sampling: SamplingParams | None = None,
         prefixes: PrefixCache | None = None,
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ):
         self.target = target
         self.prefixes = prefixes
         self.logprobs = logprobs
         self.first_logprobs: TokenLogprobs | None = None
+        self.grammar = grammar
         # Sampling runs on the device (target.sampler). The coupled rule's noise is a function of
         # the seed's keys and the positions; the rejection rule's uniforms come from this
         # session's host stream. Both are seeded by the request.
@@ -224,19 +229,18 @@ class VerifierSession:
                 self.latents.materialize()
             if start + step < len(prompt_ids):
                 yield start + step
+        last = out.hidden[:, -1:]
         if self.sampling is None:
-            first = self.target.greedy(out.hidden[:, -1:])[0]
+            first = self.target.greedy(last)[0] if self.grammar is None else self._argmax(last, ())[0]
         elif self.sampling.rule == COUPLED:  # the first token sits at position len(prompt)
-            first = self._coupled(out.hidden[:, -1:], self.offset)[0]
+            first = self._coupled(self._logits(last, ()), self.offset)[0]
         else:
             _, u = lossless.verify_uniforms(self.rng, 1)
-            first = self.target.sampler.sample_next(
-                self.target.logits(out.hidden[:, -1:])[0], self.sampling, float(u[0])
-            )
-        if self.logprobs is not None:  # the prefill's last row decided the first token
-            (self.first_logprobs,) = self.target.sampler.logprobs(
-                self.target.logits(out.hidden[:, -1:])[0], [first], self.logprobs
-            )
+            first = self.target.sampler.sample_next(self._logits(last, ()), self.sampling, float(u[0]))
+        if self.logprobs is not None:  # the prefill's last row decided the first token (its raw distribution)
+            (self.first_logprobs,) = self.target.sampler.logprobs(self.target.logits(last)[0], [first], self.logprobs)
+        if self.grammar is not None:
+            self.grammar.advance([first])
         return first, cat(self.target, chunks), self.cached_tokens
 
     def decide(self, last_token: int, draft: Draft) -> Verdict:
@@ -285,7 +289,7 @@ class VerifierSession:
         """Run ``block_ids`` in one forward; the choice after each position (see the contract's
         ``decide``; -1 after a sampling verify's first rejection). The block stays pending until :meth:`commit`."""
         self.check_block(block_ids, proposal)
-        if self.target.static_verify and self.restorer is None and self.sampling is None:
+        if self.target.static_verify and self.restorer is None and self.sampling is None and self.grammar is None:
             return self._verify_static(block_ids)
         return self.choose(block_ids, proposal, self._forward(block_ids))
 
@@ -321,20 +325,33 @@ class VerifierSession:
         (greedy: the argmax rows, ``greedy`` when a batched caller already took them; coupled: the
         noisy argmax rows; rejection: the acceptance test on this session's logits with its own uniforms)."""
         self._pending = (len(block_ids), out.aux, self._logprob_rows(out.hidden))
-        if self.sampling is None:
-            return greedy if greedy is not None else self.target.greedy(out.hidden)
-        if self.sampling.rule == COUPLED:  # the block opened at offset - L; row i predicts the position after it
-            return self._coupled(out.hidden, self.offset - len(block_ids) + 1)
         candidates = list(block_ids[1:])
+        if self.sampling is None:
+            if self.grammar is not None:
+                return self._argmax(out.hidden, candidates)
+            return greedy if greedy is not None else self.target.greedy(out.hidden)
+        logits = self._logits(out.hidden, candidates)
+        if self.sampling.rule == COUPLED:  # the block opened at offset - L; row i predicts the position after it
+            return self._coupled(logits, self.offset - len(block_ids) + 1)
         u_acc, u_samp = lossless.verify_uniforms(self.rng, len(block_ids))
         accepted, samples = self.target.sampler.verify_rows(
-            self.target.logits(out.hidden)[0], candidates, proposal, self.sampling, u_acc[: len(candidates)], u_samp
+            logits, candidates, proposal, self.sampling, u_acc[: len(candidates)], u_samp
         )
         return lossless.assemble(candidates, accepted, samples)
 
-    def _coupled(self, hidden, first_position: int) -> list[int]:
-        """The coupled rule's token after each row of ``hidden`` [1, L, H], row i predicting ``first_position + i``."""
+    def _logits(self, hidden, candidates: Sequence[int]):
+        """The target's logits [L, V] after each row of ``hidden`` [1, L, H]; with a grammar, restricted to the
+        tokens it allows after the committed prefix and the candidates before each row (``Grammar.masks``)."""
         logits = self.target.logits(hidden)[0]
+        if self.grammar is None:
+            return logits
+        return self.target.sampler.restrict(logits, self.grammar.masks(candidates))
+
+    def _argmax(self, hidden, candidates: Sequence[int]) -> list[int]:
+        return self.target.sampler.argmax_rows(self._logits(hidden, candidates))
+
+    def _coupled(self, logits, first_position: int) -> list[int]:
+        """The coupled rule's token after each row of ``logits`` [L, V], row i predicting ``first_position + i``."""
         return self.target.sampler.coupled_rows(logits, self.sampling, self.noise_keys, first_position)
 
     def _logprob_rows(self, hidden):
@@ -403,4 +420,7 @@ def verdict(session: VerifierSession, block_ids: Sequence[int], choices: Sequenc
     (``core.contract.accept``): its accepted run kept, the rest trimmed exactly."""
     accepted, next_token = accept(block_ids[1:], choices)
     logprobs = session.pending_logprobs([*block_ids[1 : accepted + 1], next_token])
-    return Verdict(accepted, next_token, session.commit(accepted + 1), logprobs)
+    aux = session.commit(accepted + 1)
+    if session.grammar is not None:  # what the block committed: the accepted candidates and the next token
+        session.grammar.advance([*block_ids[1 : accepted + 1], next_token])
+    return Verdict(accepted, next_token, aux, logprobs)

@@ -11,9 +11,11 @@ rejection-rule drafter's ``Proposal`` as its compact [n, K] ids and probabilitie
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 
+from kakeya.core.constraints import Constraint
 from kakeya.core.contract import ModelInfo, Proposal, TokenLogprobs
 from kakeya.core.request import (
     COUPLED,
@@ -188,6 +190,37 @@ def _checked(field: str, **values) -> SamplingParams:
         return SamplingParams(**values).check()
     except InvalidRequest as exc:  # named as the message it came in names it
         raise InvalidRequest(public_field(exc.field, {"sampling": field}), exc.reason) from None
+
+
+# A constraint's kind -> its field of the Constraint message's oneof (the same names)
+CONSTRAINT_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def constraint_to_proto(c: Constraint) -> spb.Constraint:
+    if c.kind == "json_object":
+        return spb.Constraint(json_object=True)
+    if c.kind == "choice":
+        return spb.Constraint(choice=spb.Constraint.Choices(choices=list(c.spec or ())))
+    if c.kind == "json_schema":
+        spec = c.spec if isinstance(c.spec, str) else json.dumps(c.spec)
+        return spb.Constraint(json_schema=spec)
+    if c.kind not in CONSTRAINT_FIELDS:
+        raise ValueError(f"constraint.kind: {c.kind!r} has no wire form")
+    return spb.Constraint(**{c.kind: c.spec})
+
+
+def constraint_from_proto(m: spb.Constraint, field: str = "constraint") -> tuple[Constraint | None, str]:
+    """The Constraint ``m`` carries (None: unset) and the name of the field that carried its spec."""
+    which = m.WhichOneof("spec")
+    if which is None:
+        return None, field
+    if which == "json_object":
+        if not m.json_object:
+            raise ValueError(f"{field}.json_object: must be true (leave the constraint unset for none)")
+        return Constraint("json_object"), f"{field}.json_object"
+    if which == "choice":
+        return Constraint("choice", tuple(m.choice.choices)), f"{field}.choice.choices"
+    return Constraint(which, getattr(m, which)), f"{field}.{which}"
 
 
 def proposal_to_proto(p: Proposal) -> spb.Proposal:

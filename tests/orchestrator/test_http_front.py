@@ -278,7 +278,7 @@ OPENAI = {
         "max_completion_tokens": HONOURED, "max_tokens": HONOURED, "metadata": HARMLESS, "modalities": REFUSED,
         "n": REFUSED, "parallel_tool_calls": REFUSED, "prediction": HARMLESS, "presence_penalty": REFUSED,
         "prompt_cache_key": HARMLESS, "prompt_cache_retention": HARMLESS, "reasoning_effort": REFUSED,
-        "response_format": REFUSED, "safety_identifier": HARMLESS, "seed": HONOURED, "service_tier": HARMLESS,
+        "response_format": HONOURED, "safety_identifier": HARMLESS, "seed": HONOURED, "service_tier": HARMLESS,
         "stop": HONOURED, "store": HARMLESS, "stream": HONOURED, "stream_options": HONOURED, "temperature": HONOURED,
         "tool_choice": HONOURED, "tools": HONOURED, "top_logprobs": HONOURED, "top_p": HONOURED, "user": HARMLESS,
         "verbosity": REFUSED, "web_search_options": REFUSED,
@@ -289,8 +289,7 @@ ASKS = {
     "best_of": 2, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"5": 10}, "n": 2,
     "presence_penalty": -1, "suffix": "end", "audio": {"voice": "alloy", "format": "wav"},
     "function_call": "auto", "functions": [{"name": "f"}], "modalities": ["text", "audio"], "reasoning_effort": "low",
-    "response_format": {"type": "json_object"}, "parallel_tool_calls": False,
-    "verbosity": "low", "web_search_options": {},
+    "parallel_tool_calls": False, "verbosity": "low", "web_search_options": {},
 }  # fmt: skip
 HARMLESS_VALUES = {
     "user": "u-1", "metadata": {"k": "v"}, "store": True,

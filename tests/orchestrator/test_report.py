@@ -19,7 +19,7 @@ PROMPT = "def add(a, b):"
 MAX_TOKENS, BLOCK = 24, 4
 # What is decided by the request and the models alone (timings differ from run to run)
 SAME = ("token_ids", "prompt_token_ids", "text", "finish_reason", "block_size", "block_sizes", "acceptance_lengths",
-        "mean_acceptance", "copied_blocks", "cached_tokens", "cache_policy", "cache_bounded", "verifier_kv_bytes",
+        "mean_acceptance", "copied_blocks", "forced_blocks", "cached_tokens", "cache_policy", "cache_bounded", "verifier_kv_bytes",
         "quality", "sampling", "seed", "drafter_fallback")  # fmt: skip
 
 
@@ -94,6 +94,6 @@ def test_the_cli_grpc_client_and_http_report_one_request_alike(front, tiny_pair,
     assert usage["prompt_tokens"] == len(cli["prompt_token_ids"]) and usage["completion_tokens"] == MAX_TOKENS
     assert usage["prompt_tokens_details"]["cached_tokens"] == cli["cached_tokens"]
     kakeya = http["kakeya"]
-    for key in ("token_ids", "acceptance_lengths", "block_sizes", "block_size", "copied_blocks", "cache_policy",
+    for key in ("token_ids", "acceptance_lengths", "block_sizes", "block_size", "copied_blocks", "forced_blocks", "cache_policy",
                 "mean_acceptance", "drafter_fallback"):  # fmt: skip
         assert kakeya[key] == cli[key], key

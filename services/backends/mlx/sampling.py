@@ -130,3 +130,14 @@ def logprobs(logits: mx.array, tokens: Sequence[int], k: int) -> list[TokenLogpr
         TokenLogprobs(t, c, tuple(zip(i, v)))
         for t, c, i, v in zip(tokens, chosen.tolist(), order.tolist(), values.tolist())
     ]
+
+
+def restrict(logits: mx.array, allowed: np.ndarray) -> mx.array:
+    """``logits`` [L, V] with every token a grammar does not allow there (``allowed`` [L, V], host bools) at -inf:
+    what a constrained request's choices and distributions are taken from."""
+    return mx.where(mx.array(allowed), logits, -mx.inf)
+
+
+def argmax_rows(logits: mx.array) -> list[int]:
+    """The greedy choice of each row of ``logits`` [L, V], in one host sync."""
+    return mx.argmax(logits, axis=-1).tolist()

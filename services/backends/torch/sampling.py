@@ -129,3 +129,17 @@ def logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenL
         TokenLogprobs(t, r[0], tuple((int(i), v) for v, i in zip(r[1 : 1 + n], r[1 + n :])))
         for t, r in zip(tokens, rows)
     ]
+
+
+@torch.inference_mode()
+def restrict(logits: torch.Tensor, allowed: np.ndarray) -> torch.Tensor:
+    """``logits`` [L, V] with every token a grammar does not allow there (``allowed`` [L, V], host bools) at -inf:
+    what a constrained request's choices and distributions are taken from."""
+    keep = torch.from_numpy(np.ascontiguousarray(allowed)).to(logits.device, non_blocking=True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+@torch.inference_mode()
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The greedy choice of each row of ``logits`` [L, V], in one host sync."""
+    return torch.argmax(logits, dim=-1).tolist()

@@ -24,19 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kakeya/v1/sampling.proto\x12\tkakeya.v1\"\x81\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12%\n\x04rule\x18\x06 \x01(\x0e\x32\x17.kakeya.v1.SamplingRule\"1\n\x08Proposal\x12\t\n\x01k\x18\x01 \x01(\x05\x12\x0b\n\x03ids\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\"V\n\rTokenLogprobs\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02*e\n\x0cSamplingRule\x12\x1d\n\x19SAMPLING_RULE_UNSPECIFIED\x10\x00\x12\x19\n\x15SAMPLING_RULE_COUPLED\x10\x01\x12\x1b\n\x17SAMPLING_RULE_REJECTION\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kakeya/v1/sampling.proto\x12\tkakeya.v1\"\x81\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12%\n\x04rule\x18\x06 \x01(\x0e\x32\x17.kakeya.v1.SamplingRule\"\xb3\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12/\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1d.kakeya.v1.Constraint.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04spec\"1\n\x08Proposal\x12\t\n\x01k\x18\x01 \x01(\x05\x12\x0b\n\x03ids\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\"V\n\rTokenLogprobs\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02*e\n\x0cSamplingRule\x12\x1d\n\x19SAMPLING_RULE_UNSPECIFIED\x10\x00\x12\x19\n\x15SAMPLING_RULE_COUPLED\x10\x01\x12\x1b\n\x17SAMPLING_RULE_REJECTION\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kakeya.v1.sampling_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGRULE']._serialized_start=310
-  _globals['_SAMPLINGRULE']._serialized_end=411
+  _globals['_SAMPLINGRULE']._serialized_start=492
+  _globals['_SAMPLINGRULE']._serialized_end=593
   _globals['_SAMPLING']._serialized_start=40
   _globals['_SAMPLING']._serialized_end=169
-  _globals['_PROPOSAL']._serialized_start=171
-  _globals['_PROPOSAL']._serialized_end=220
-  _globals['_TOKENLOGPROBS']._serialized_start=222
-  _globals['_TOKENLOGPROBS']._serialized_end=308
+  _globals['_CONSTRAINT']._serialized_start=172
+  _globals['_CONSTRAINT']._serialized_end=351
+  _globals['_CONSTRAINT_CHOICES']._serialized_start=317
+  _globals['_CONSTRAINT_CHOICES']._serialized_end=343
+  _globals['_PROPOSAL']._serialized_start=353
+  _globals['_PROPOSAL']._serialized_end=402
+  _globals['_TOKENLOGPROBS']._serialized_start=404
+  _globals['_TOKENLOGPROBS']._serialized_end=490
 # @@protoc_insertion_point(module_scope)

@@ -27,7 +27,7 @@ from . import sampling_pb2 as kakeya_dot_v1_dot_sampling__pb2
 from . import tensor_pb2 as kakeya_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kakeya/v1/verifier.proto\x12\tkakeya.v1\x1a\x15kakeya/v1/cache.proto\x1a\x18kakeya/v1/sampling.proto\x1a\x16kakeya/v1/tensor.proto\"\x18\n\x16GetVerifierInfoRequest\"\xbf\x05\n\x0cVerifierInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x16\n\x0esliding_window\x18\x06 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x07 \x03(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12#\n\taux_dtype\x18\t \x01(\x0e\x32\x10.kakeya.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x34\n\x14\x64\x65\x66\x61ult_cache_policy\x18\x0c \x01(\x0b\x32\x16.kakeya.v1.CachePolicy\x12\x16\n\x0emax_block_size\x18\r \x01(\x05\x12\x31\n\x05\x65xtra\x18\x0f \x03(\x0b\x32\".kakeya.v1.VerifierInfo.ExtraEntry\x12\x15\n\rlive_sessions\x18\x10 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x11 \x01(\x05\x12\x15\n\rlive_kv_bytes\x18\x12 \x01(\x03\x12\x16\n\x0etotal_sessions\x18\x13 \x01(\x03\x12\x1f\n\x17max_position_embeddings\x18\x14 \x01(\x05\x12\x13\n\x0bmax_context\x18\x15 \x01(\x05\x12\x14\n\x0cmax_kv_bytes\x18\x16 \x01(\x03\x12\x19\n\x11reserved_kv_bytes\x18\x17 \x01(\x03\x12\x17\n\x0frestore_sources\x18\x18 \x03(\t\x12\x1a\n\x12prefix_cache_bytes\x18\x19 \x01(\x03\x12\x17\n\x0fqueued_sessions\x18\x1a \x01(\x05\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd9\x01\n\x0cSessionStats\x12\x18\n\x10kv_bytes_sliding\x18\x01 \x01(\x03\x12\x15\n\rkv_bytes_full\x18\x02 \x01(\x03\x12\x11\n\tpositions\x18\x03 \x01(\x03\x12\x0f\n\x07\x62ounded\x18\x05 \x01(\x08\x12\x35\n\x07metrics\x18\x0f \x03(\x0b\x32$.kakeya.v1.SessionStats.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01J\x04\x08\x04\x10\x05R\x07pending\"\xb9\x05\n\x0fVerifierRequest\x12/\n\x04open\x18\x01 \x01(\x0b\x32\x1f.kakeya.v1.VerifierRequest.OpenH\x00\x12\x35\n\x07prefill\x18\x02 \x01(\x0b\x32\".kakeya.v1.VerifierRequest.PrefillH\x00\x12\x33\n\x06verify\x18\x03 \x01(\x0b\x32!.kakeya.v1.VerifierRequest.VerifyH\x00\x12\x31\n\x05\x63lose\x18\x05 \x01(\x0b\x32 .kakeya.v1.VerifierRequest.CloseH\x00\x12/\n\x04save\x18\x06 \x01(\x0b\x32\x1f.kakeya.v1.VerifierRequest.SaveH\x00\x1a\xd9\x01\n\x04Open\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x0c\x63\x61\x63he_policy\x18\x02 \x01(\x0b\x32\x16.kakeya.v1.CachePolicy\x12\x18\n\x10target_layer_ids\x18\x03 \x03(\x05\x12\x15\n\rmax_positions\x18\x04 \x01(\x05\x12%\n\x08sampling\x18\x05 \x01(\x0b\x32\x13.kakeya.v1.Sampling\x12\x13\n\x0bprogress_ms\x18\x06 \x01(\x05\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x00\x88\x01\x01\x42\x0b\n\t_logprobs\x1aH\n\x07Prefill\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\treuse_any\x18\x02 \x01(\x08\x12\x17\n\x0freuse_positions\x18\x03 \x03(\x05\x1a\x42\n\x06Verify\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12%\n\x08proposal\x18\x02 \x01(\x0b\x32\x13.kakeya.v1.Proposal\x1a\x07\n\x05\x43lose\x1a\x19\n\x04Save\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x42\t\n\x07requestJ\x04\x08\x04\x10\x05R\x06\x63ommit\"\xcf\x07\n\x10VerifierResponse\x12\x34\n\x06opened\x18\x01 \x01(\x0b\x32\".kakeya.v1.VerifierResponse.OpenedH\x00\x12:\n\tprefilled\x18\x02 \x01(\x0b\x32%.kakeya.v1.VerifierResponse.PrefilledH\x00\x12\x38\n\x08verified\x18\x03 \x01(\x0b\x32$.kakeya.v1.VerifierResponse.VerifiedH\x00\x12\x34\n\x06\x63losed\x18\x05 \x01(\x0b\x32\".kakeya.v1.VerifierResponse.ClosedH\x00\x12\x32\n\x05saved\x18\x06 \x01(\x0b\x32!.kakeya.v1.VerifierResponse.SavedH\x00\x12\x38\n\x08progress\x18\x07 \x01(\x0b\x32$.kakeya.v1.VerifierResponse.ProgressH\x00\x12\x11\n\telapsed_s\x18\x0f \x01(\x01\x1aq\n\x06Opened\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.kakeya.v1.VerifierInfo\x12,\n\x0c\x63\x61\x63he_policy\x18\x02 \x01(\x0b\x32\x16.kakeya.v1.CachePolicy\x12\x12\n\nsession_id\x18\x03 \x01(\t\x1a\xaa\x01\n\tPrefilled\x12\x12\n\nnext_token\x18\x01 \x01(\x05\x12\x1e\n\x03\x61ux\x18\x02 \x01(\x0b\x32\x11.kakeya.v1.Tensor\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.kakeya.v1.SessionStats\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12*\n\x08logprobs\x18\x05 \x01(\x0b\x32\x18.kakeya.v1.TokenLogprobs\x1a\xb3\x01\n\x08Verified\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12\x1e\n\x03\x61ux\x18\x04 \x01(\x0b\x32\x11.kakeya.v1.Tensor\x12&\n\x05stats\x18\x05 \x01(\x0b\x32\x17.kakeya.v1.SessionStats\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.kakeya.v1.TokenLogprobsJ\x04\x08\x01\x10\x02R\x07\x63hoices\x1a\x30\n\x06\x43losed\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.kakeya.v1.SessionStats\x1a\x15\n\x05Saved\x12\x0c\n\x04kept\x18\x01 \x01(\x08\x1a\x1c\n\x08Progress\x12\x10\n\x08waited_s\x18\x01 \x01(\x01\x42\n\n\x08responseJ\x04\x08\x04\x10\x05R\tcommitted2\xa0\x01\n\x0fVerifierService\x12\x46\n\x07Session\x12\x1a.kakeya.v1.VerifierRequest\x1a\x1b.kakeya.v1.VerifierResponse(\x01\x30\x01\x12\x45\n\x07GetInfo\x12!.kakeya.v1.GetVerifierInfoRequest\x1a\x17.kakeya.v1.VerifierInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kakeya/v1/verifier.proto\x12\tkakeya.v1\x1a\x15kakeya/v1/cache.proto\x1a\x18kakeya/v1/sampling.proto\x1a\x16kakeya/v1/tensor.proto\"\x18\n\x16GetVerifierInfoRequest\"\xd3\x05\n\x0cVerifierInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x16\n\x0esliding_window\x18\x06 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x07 \x03(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12#\n\taux_dtype\x18\t \x01(\x0e\x32\x10.kakeya.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x34\n\x14\x64\x65\x66\x61ult_cache_policy\x18\x0c \x01(\x0b\x32\x16.kakeya.v1.CachePolicy\x12\x16\n\x0emax_block_size\x18\r \x01(\x05\x12\x31\n\x05\x65xtra\x18\x0f \x03(\x0b\x32\".kakeya.v1.VerifierInfo.ExtraEntry\x12\x15\n\rlive_sessions\x18\x10 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x11 \x01(\x05\x12\x15\n\rlive_kv_bytes\x18\x12 \x01(\x03\x12\x16\n\x0etotal_sessions\x18\x13 \x01(\x03\x12\x1f\n\x17max_position_embeddings\x18\x14 \x01(\x05\x12\x13\n\x0bmax_context\x18\x15 \x01(\x05\x12\x14\n\x0cmax_kv_bytes\x18\x16 \x01(\x03\x12\x19\n\x11reserved_kv_bytes\x18\x17 \x01(\x03\x12\x17\n\x0frestore_sources\x18\x18 \x03(\t\x12\x1a\n\x12prefix_cache_bytes\x18\x19 \x01(\x03\x12\x17\n\x0fqueued_sessions\x18\x1a \x01(\x05\x12\x12\n\nconstrains\x18\x1b \x01(\x08\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd9\x01\n\x0cSessionStats\x12\x18\n\x10kv_bytes_sliding\x18\x01 \x01(\x03\x12\x15\n\rkv_bytes_full\x18\x02 \x01(\x03\x12\x11\n\tpositions\x18\x03 \x01(\x03\x12\x0f\n\x07\x62ounded\x18\x05 \x01(\x08\x12\x35\n\x07metrics\x18\x0f \x03(\x0b\x32$.kakeya.v1.SessionStats.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01J\x04\x08\x04\x10\x05R\x07pending\"\xe4\x05\n\x0fVerifierRequest\x12/\n\x04open\x18\x01 \x01(\x0b\x32\x1f.kakeya.v1.VerifierRequest.OpenH\x00\x12\x35\n\x07prefill\x18\x02 \x01(\x0b\x32\".kakeya.v1.VerifierRequest.PrefillH\x00\x12\x33\n\x06verify\x18\x03 \x01(\x0b\x32!.kakeya.v1.VerifierRequest.VerifyH\x00\x12\x31\n\x05\x63lose\x18\x05 \x01(\x0b\x32 .kakeya.v1.VerifierRequest.CloseH\x00\x12/\n\x04save\x18\x06 \x01(\x0b\x32\x1f.kakeya.v1.VerifierRequest.SaveH\x00\x1a\x84\x02\n\x04Open\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x0c\x63\x61\x63he_policy\x18\x02 \x01(\x0b\x32\x16.kakeya.v1.CachePolicy\x12\x18\n\x10target_layer_ids\x18\x03 \x03(\x05\x12\x15\n\rmax_positions\x18\x04 \x01(\x05\x12%\n\x08sampling\x18\x05 \x01(\x0b\x32\x13.kakeya.v1.Sampling\x12\x13\n\x0bprogress_ms\x18\x06 \x01(\x05\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12)\n\nconstraint\x18\x08 \x01(\x0b\x32\x15.kakeya.v1.ConstraintB\x0b\n\t_logprobs\x1aH\n\x07Prefill\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\treuse_any\x18\x02 \x01(\x08\x12\x17\n\x0freuse_positions\x18\x03 \x03(\x05\x1a\x42\n\x06Verify\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12%\n\x08proposal\x18\x02 \x01(\x0b\x32\x13.kakeya.v1.Proposal\x1a\x07\n\x05\x43lose\x1a\x19\n\x04Save\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x42\t\n\x07requestJ\x04\x08\x04\x10\x05R\x06\x63ommit\"\xcf\x07\n\x10VerifierResponse\x12\x34\n\x06opened\x18\x01 \x01(\x0b\x32\".kakeya.v1.VerifierResponse.OpenedH\x00\x12:\n\tprefilled\x18\x02 \x01(\x0b\x32%.kakeya.v1.VerifierResponse.PrefilledH\x00\x12\x38\n\x08verified\x18\x03 \x01(\x0b\x32$.kakeya.v1.VerifierResponse.VerifiedH\x00\x12\x34\n\x06\x63losed\x18\x05 \x01(\x0b\x32\".kakeya.v1.VerifierResponse.ClosedH\x00\x12\x32\n\x05saved\x18\x06 \x01(\x0b\x32!.kakeya.v1.VerifierResponse.SavedH\x00\x12\x38\n\x08progress\x18\x07 \x01(\x0b\x32$.kakeya.v1.VerifierResponse.ProgressH\x00\x12\x11\n\telapsed_s\x18\x0f \x01(\x01\x1aq\n\x06Opened\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.kakeya.v1.VerifierInfo\x12,\n\x0c\x63\x61\x63he_policy\x18\x02 \x01(\x0b\x32\x16.kakeya.v1.CachePolicy\x12\x12\n\nsession_id\x18\x03 \x01(\t\x1a\xaa\x01\n\tPrefilled\x12\x12\n\nnext_token\x18\x01 \x01(\x05\x12\x1e\n\x03\x61ux\x18\x02 \x01(\x0b\x32\x11.kakeya.v1.Tensor\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.kakeya.v1.SessionStats\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12*\n\x08logprobs\x18\x05 \x01(\x0b\x32\x18.kakeya.v1.TokenLogprobs\x1a\xb3\x01\n\x08Verified\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12\x1e\n\x03\x61ux\x18\x04 \x01(\x0b\x32\x11.kakeya.v1.Tensor\x12&\n\x05stats\x18\x05 \x01(\x0b\x32\x17.kakeya.v1.SessionStats\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.kakeya.v1.TokenLogprobsJ\x04\x08\x01\x10\x02R\x07\x63hoices\x1a\x30\n\x06\x43losed\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.kakeya.v1.SessionStats\x1a\x15\n\x05Saved\x12\x0c\n\x04kept\x18\x01 \x01(\x08\x1a\x1c\n\x08Progress\x12\x10\n\x08waited_s\x18\x01 \x01(\x01\x42\n\n\x08responseJ\x04\x08\x04\x10\x05R\tcommitted2\xa0\x01\n\x0fVerifierService\x12\x46\n\x07Session\x12\x1a.kakeya.v1.VerifierRequest\x1a\x1b.kakeya.v1.VerifierResponse(\x01\x30\x01\x12\x45\n\x07GetInfo\x12!.kakeya.v1.GetVerifierInfoRequest\x1a\x17.kakeya.v1.VerifierInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,39 +41,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETVERIFIERINFOREQUEST']._serialized_start=112
   _globals['_GETVERIFIERINFOREQUEST']._serialized_end=136
   _globals['_VERIFIERINFO']._serialized_start=139
-  _globals['_VERIFIERINFO']._serialized_end=842
-  _globals['_VERIFIERINFO_EXTRAENTRY']._serialized_start=798
-  _globals['_VERIFIERINFO_EXTRAENTRY']._serialized_end=842
-  _globals['_SESSIONSTATS']._serialized_start=845
-  _globals['_SESSIONSTATS']._serialized_end=1062
-  _globals['_SESSIONSTATS_METRICSENTRY']._serialized_start=1001
-  _globals['_SESSIONSTATS_METRICSENTRY']._serialized_end=1047
-  _globals['_VERIFIERREQUEST']._serialized_start=1065
-  _globals['_VERIFIERREQUEST']._serialized_end=1762
-  _globals['_VERIFIERREQUEST_OPEN']._serialized_start=1342
-  _globals['_VERIFIERREQUEST_OPEN']._serialized_end=1559
-  _globals['_VERIFIERREQUEST_PREFILL']._serialized_start=1561
-  _globals['_VERIFIERREQUEST_PREFILL']._serialized_end=1633
-  _globals['_VERIFIERREQUEST_VERIFY']._serialized_start=1635
-  _globals['_VERIFIERREQUEST_VERIFY']._serialized_end=1701
-  _globals['_VERIFIERREQUEST_CLOSE']._serialized_start=1703
-  _globals['_VERIFIERREQUEST_CLOSE']._serialized_end=1710
-  _globals['_VERIFIERREQUEST_SAVE']._serialized_start=1712
-  _globals['_VERIFIERREQUEST_SAVE']._serialized_end=1737
-  _globals['_VERIFIERRESPONSE']._serialized_start=1765
-  _globals['_VERIFIERRESPONSE']._serialized_end=2740
-  _globals['_VERIFIERRESPONSE_OPENED']._serialized_start=2140
-  _globals['_VERIFIERRESPONSE_OPENED']._serialized_end=2253
-  _globals['_VERIFIERRESPONSE_PREFILLED']._serialized_start=2256
-  _globals['_VERIFIERRESPONSE_PREFILLED']._serialized_end=2426
-  _globals['_VERIFIERRESPONSE_VERIFIED']._serialized_start=2429
-  _globals['_VERIFIERRESPONSE_VERIFIED']._serialized_end=2608
-  _globals['_VERIFIERRESPONSE_CLOSED']._serialized_start=2610
-  _globals['_VERIFIERRESPONSE_CLOSED']._serialized_end=2658
-  _globals['_VERIFIERRESPONSE_SAVED']._serialized_start=2660
-  _globals['_VERIFIERRESPONSE_SAVED']._serialized_end=2681
-  _globals['_VERIFIERRESPONSE_PROGRESS']._serialized_start=2683
-  _globals['_VERIFIERRESPONSE_PROGRESS']._serialized_end=2711
-  _globals['_VERIFIERSERVICE']._serialized_start=2743
-  _globals['_VERIFIERSERVICE']._serialized_end=2903
+  _globals['_VERIFIERINFO']._serialized_end=862
+  _globals['_VERIFIERINFO_EXTRAENTRY']._serialized_start=818
+  _globals['_VERIFIERINFO_EXTRAENTRY']._serialized_end=862
+  _globals['_SESSIONSTATS']._serialized_start=865
+  _globals['_SESSIONSTATS']._serialized_end=1082
+  _globals['_SESSIONSTATS_METRICSENTRY']._serialized_start=1021
+  _globals['_SESSIONSTATS_METRICSENTRY']._serialized_end=1067
+  _globals['_VERIFIERREQUEST']._serialized_start=1085
+  _globals['_VERIFIERREQUEST']._serialized_end=1825
+  _globals['_VERIFIERREQUEST_OPEN']._serialized_start=1362
+  _globals['_VERIFIERREQUEST_OPEN']._serialized_end=1622
+  _globals['_VERIFIERREQUEST_PREFILL']._serialized_start=1624
+  _globals['_VERIFIERREQUEST_PREFILL']._serialized_end=1696
+  _globals['_VERIFIERREQUEST_VERIFY']._serialized_start=1698
+  _globals['_VERIFIERREQUEST_VERIFY']._serialized_end=1764
+  _globals['_VERIFIERREQUEST_CLOSE']._serialized_start=1766
+  _globals['_VERIFIERREQUEST_CLOSE']._serialized_end=1773
+  _globals['_VERIFIERREQUEST_SAVE']._serialized_start=1775
+  _globals['_VERIFIERREQUEST_SAVE']._serialized_end=1800
+  _globals['_VERIFIERRESPONSE']._serialized_start=1828
+  _globals['_VERIFIERRESPONSE']._serialized_end=2803
+  _globals['_VERIFIERRESPONSE_OPENED']._serialized_start=2203
+  _globals['_VERIFIERRESPONSE_OPENED']._serialized_end=2316
+  _globals['_VERIFIERRESPONSE_PREFILLED']._serialized_start=2319
+  _globals['_VERIFIERRESPONSE_PREFILLED']._serialized_end=2489
+  _globals['_VERIFIERRESPONSE_VERIFIED']._serialized_start=2492
+  _globals['_VERIFIERRESPONSE_VERIFIED']._serialized_end=2671
+  _globals['_VERIFIERRESPONSE_CLOSED']._serialized_start=2673
+  _globals['_VERIFIERRESPONSE_CLOSED']._serialized_end=2721
+  _globals['_VERIFIERRESPONSE_SAVED']._serialized_start=2723
+  _globals['_VERIFIERRESPONSE_SAVED']._serialized_end=2744
+  _globals['_VERIFIERRESPONSE_PROGRESS']._serialized_start=2746
+  _globals['_VERIFIERRESPONSE_PROGRESS']._serialized_end=2774
+  _globals['_VERIFIERSERVICE']._serialized_start=2806
+  _globals['_VERIFIERSERVICE']._serialized_end=2966
 # @@protoc_insertion_point(module_scope)

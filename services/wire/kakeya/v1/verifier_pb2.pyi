@@ -14,7 +14,7 @@ class GetVerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "hidden_size", "num_layers", "sliding_window", "target_layer_ids", "backend", "aux_dtype", "device", "version", "default_cache_policy", "max_block_size", "extra", "live_sessions", "max_sessions", "live_kv_bytes", "total_sessions", "max_position_embeddings", "max_context", "max_kv_bytes", "reserved_kv_bytes", "restore_sources", "prefix_cache_bytes", "queued_sessions")
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "hidden_size", "num_layers", "sliding_window", "target_layer_ids", "backend", "aux_dtype", "device", "version", "default_cache_policy", "max_block_size", "extra", "live_sessions", "max_sessions", "live_kv_bytes", "total_sessions", "max_position_embeddings", "max_context", "max_kv_bytes", "reserved_kv_bytes", "restore_sources", "prefix_cache_bytes", "queued_sessions", "constrains")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class VerifierInfo(_message.Message):
     RESTORE_SOURCES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -72,7 +73,8 @@ class VerifierInfo(_message.Message):
     restore_sources: _containers.RepeatedScalarFieldContainer[str]
     prefix_cache_bytes: int
     queued_sessions: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., sliding_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., default_cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., live_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., live_kv_bytes: _Optional[int] = ..., total_sessions: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., max_context: _Optional[int] = ..., max_kv_bytes: _Optional[int] = ..., reserved_kv_bytes: _Optional[int] = ..., restore_sources: _Optional[_Iterable[str]] = ..., prefix_cache_bytes: _Optional[int] = ..., queued_sessions: _Optional[int] = ...) -> None: ...
+    constrains: bool
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., sliding_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., aux_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., default_cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., max_block_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., live_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., live_kv_bytes: _Optional[int] = ..., total_sessions: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., max_context: _Optional[int] = ..., max_kv_bytes: _Optional[int] = ..., reserved_kv_bytes: _Optional[int] = ..., restore_sources: _Optional[_Iterable[str]] = ..., prefix_cache_bytes: _Optional[int] = ..., queued_sessions: _Optional[int] = ..., constrains: _Optional[bool] = ...) -> None: ...
 
 class SessionStats(_message.Message):
     __slots__ = ("kv_bytes_sliding", "kv_bytes_full", "positions", "bounded", "metrics")
@@ -98,7 +100,7 @@ class SessionStats(_message.Message):
 class VerifierRequest(_message.Message):
     __slots__ = ("open", "prefill", "verify", "close", "save")
     class Open(_message.Message):
-        __slots__ = ("request_id", "cache_policy", "target_layer_ids", "max_positions", "sampling", "progress_ms", "logprobs")
+        __slots__ = ("request_id", "cache_policy", "target_layer_ids", "max_positions", "sampling", "progress_ms", "logprobs", "constraint")
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
         CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
         TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +108,7 @@ class VerifierRequest(_message.Message):
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
         PROGRESS_MS_FIELD_NUMBER: _ClassVar[int]
         LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+        CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
         request_id: str
         cache_policy: _cache_pb2.CachePolicy
         target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -113,7 +116,8 @@ class VerifierRequest(_message.Message):
         sampling: _sampling_pb2.Sampling
         progress_ms: int
         logprobs: int
-        def __init__(self, request_id: _Optional[str] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ..., progress_ms: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+        constraint: _sampling_pb2.Constraint
+        def __init__(self, request_id: _Optional[str] = ..., cache_policy: _Optional[_Union[_cache_pb2.CachePolicy, _Mapping]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ..., progress_ms: _Optional[int] = ..., logprobs: _Optional[int] = ..., constraint: _Optional[_Union[_sampling_pb2.Constraint, _Mapping]] = ...) -> None: ...
     class Prefill(_message.Message):
         __slots__ = ("token_ids", "reuse_any", "reuse_positions")
         TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

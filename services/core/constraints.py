@@ -1,0 +1,173 @@
+"""Constrained decoding: what a request may ask its output to match, and the grammar state that enforces it.
+
+A :class:`Constraint` is what a client sent (``kind`` and ``spec``): a JSON schema, any JSON object, a
+regular expression, a choice among strings, or a Lark grammar. :meth:`Constraint.grammar` turns it into
+llguidance's grammar text, which depends on no tokenizer, so it is what travels (to a verifier in this
+process or over gRPC). :class:`Grammar` is that grammar run against a checkpoint's tokenizer: it
+consumes committed tokens, rolls back, and writes the bitmask of the tokens allowed next.
+
+llguidance (rather than xgrammar): faster masks per token on the demo tokenizer and on Gemma-4's 262k
+vocabulary (``benchmarks/grammar_masks.py``, ``docs/structured.md``), and it takes a HF ``tokenizers``
+JSON as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import llguidance
+import numpy as np
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+# JSON is written compactly but readably, as ``json.dumps`` writes it: one separator each, no free
+# whitespace (free whitespace lets a model pad forever, and fixed separators are tokens the grammar forces).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_SPEC_CHARS = 100_000  # a constraint's text (schema, regex, grammar, choices) at most
+MAX_ERROR_CHARS = 300  # what a refusal quotes of the grammar compiler's message
+
+
+class ConstraintError(ValueError):
+    """A constraint that does not compile: the message says why (bounded), for the field that carried it."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match. ``spec``: the JSON schema (a JSON text or a dict), the regex, the list
+    of choices (strings), or the Lark grammar; ``json_object`` takes none (any JSON object)."""
+
+    kind: str
+    spec: str | dict | tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if isinstance(self.spec, list):
+            object.__setattr__(self, "spec", tuple(self.spec))
+
+    def grammar(self) -> str:
+        """llguidance's grammar text for this constraint; :class:`ConstraintError` if its spec is malformed."""
+        if self.kind not in KINDS:
+            raise ConstraintError(f"kind must be one of {', '.join(KINDS)}, got {str(self.kind)[:40]!r}")
+        if self.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if self.kind == "choice":
+            spec = self.spec
+            if not isinstance(spec, tuple) or not spec or not all(isinstance(s, str) and s for s in spec):
+                raise ConstraintError("choice needs a non-empty list of non-empty strings")
+            if sum(map(len, spec)) > MAX_SPEC_CHARS:
+                raise ConstraintError(f"choices longer than {MAX_SPEC_CHARS} characters in all")
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in spec))
+        if self.kind == "json_schema":
+            return _schema_grammar(self.spec)
+        if not isinstance(self.spec, str) or not self.spec:
+            raise ConstraintError(f"{self.kind} needs a non-empty string")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise ConstraintError(f"longer than {MAX_SPEC_CHARS} characters")
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.spec)
+        return llguidance.LLMatcher.grammar_from_lark(self.spec)
+
+
+def _schema_grammar(spec) -> str:
+    if isinstance(spec, str):
+        if len(spec) > MAX_SPEC_CHARS:
+            raise ConstraintError(f"longer than {MAX_SPEC_CHARS} characters")
+        try:
+            spec = json.loads(spec)
+        except ValueError as exc:
+            raise ConstraintError(f"not valid JSON ({exc})") from None
+    if not isinstance(spec, dict):
+        raise ConstraintError("a JSON schema must be a JSON object")
+    if len(json.dumps(spec)) > MAX_SPEC_CHARS:
+        raise ConstraintError(f"longer than {MAX_SPEC_CHARS} characters")
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+    except ValueError as exc:
+        raise ConstraintError(_bounded(str(exc))) from None
+
+
+def _bounded(message: str) -> str:
+    message = " ".join(message.split())
+    return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 3] + "..."
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer(tokenizer_json: str, n_vocab: int, eos_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
+    """llguidance's view of a checkpoint's tokenizer (a HF ``tokenizer.json`` text) over the model's
+    ``n_vocab`` logits, ``eos_ids`` the tokens that end a finished grammar. Built once per checkpoint."""
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=list(eos_ids))
+
+
+def check(grammar: str, tok: llguidance.LLTokenizer) -> None:
+    """:class:`ConstraintError` if ``grammar`` does not compile against ``tok`` (a bad regex, Lark rule, schema)."""
+    error = llguidance.LLMatcher.validate_grammar(grammar, tok)
+    if error:
+        raise ConstraintError(_bounded(error))
+
+
+class Grammar:
+    """One generation's grammar state over the tokens committed so far (an llguidance matcher).
+
+    :meth:`masks` gives, for a block ``[last, c1 .. c_{L-1}]``, the tokens allowed after the committed
+    prefix and after each run of candidates (``c1``, ``c1 c2``, ...), leaving the state where it was;
+    :meth:`advance` consumes what a block committed. Once the grammar is finished only the EOS ids are
+    allowed, so a constrained generation ends there.
+    """
+
+    def __init__(self, grammar: str, tok: llguidance.LLTokenizer):
+        self.matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ConstraintError(_bounded(self.matcher.get_error()))
+        self.vocab = tok.vocab_size
+        self.eos = tok.eos_token
+        self.words = (self.vocab + 31) // 32
+
+    def masks(self, candidates: Sequence[int]) -> np.ndarray:
+        """Allowed tokens [len(candidates) + 1, vocab] (bool): row i after the committed prefix and
+        ``candidates[:i]``. A row after a candidate the grammar refuses is all allowed: the acceptance rule
+        never reaches it (the choice before it, being allowed, differs from that candidate)."""
+        bits = np.zeros((len(candidates) + 1, self.words), np.int32)
+        bits[:] = -1
+        consumed = 0
+        for i in range(len(candidates) + 1):
+            self._fill(bits[i])
+            if i == len(candidates) or self.matcher.try_consume_tokens([int(candidates[i])]) != 1:
+                break
+            consumed += 1
+        if consumed:
+            self.matcher.rollback(consumed)
+        return unpack(bits, self.vocab)
+
+    def _fill(self, row: np.ndarray) -> None:
+        if self.matcher.is_stopped():  # finished: it ends here (the loop stops at the EOS it commits)
+            row[:] = 0
+            row[self.eos // 32] |= np.int32(np.uint32(1 << (self.eos % 32)).view(np.int32))
+            return
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Consume committed ``tokens`` (each one a mask allowed); past the end of the grammar nothing is kept."""
+        for t in tokens:
+            if self.matcher.is_stopped():
+                return
+            if not self.matcher.consume_token(int(t)):
+                raise RuntimeError(f"constraint: committed token {int(t)} is outside the grammar")
+
+    def allowed_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the grammar would take in a row from here (the state is left as it is)."""
+        return 0 if self.matcher.is_stopped() else int(self.matcher.validate_tokens([int(t) for t in tokens]))
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next, whatever the model would pick (may be empty)."""
+        return [] if self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens())
+
+    @property
+    def finished(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+def unpack(bits: np.ndarray, vocab: int) -> np.ndarray:
+    """llguidance's bitmask rows (32 tokens an int32, lowest bit first) as bool [rows, vocab]."""
+    return np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[:, :vocab].astype(bool)

@@ -1,0 +1,45 @@
+"""Grammar-aware drafting: the tokens a constraint's grammar forces are drafted without the drafter.
+
+A constrained request's verifier session holds the grammar that decides (``verifier/constrained.py``);
+the loop holds a copy of it here, advanced by the tokens the generation commits, only to draft from.
+Where the grammar allows one continuation for a while -- a JSON key, its quotes and colon, a closing
+bracket -- llguidance's fast-forward tokens are that continuation, and the loop sends the whole run as
+one block's candidates (the drafter only takes the new positions' context, as for an n-gram copy). The
+verifier still decides every token, so the output is unchanged: this only saves the drafter's guesses
+where the grammar already knows the answer. A drafter's block is cut before its first candidate the grammar
+refuses, so the verifier never runs positions it could not accept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kakeya.core.constraints import Constraint, Grammar, tokenizer
+
+
+class Guide:
+    """The grammar after the tokens committed so far; :meth:`forced` drafts from it."""
+
+    def __init__(self, grammar: Grammar):
+        self.grammar = grammar
+        self._seen = 0
+
+    def forced(self, committed: Sequence[int], limit: int) -> tuple[int, ...]:
+        """At most ``limit`` tokens the grammar forces after ``committed`` (the generation's tokens so far)."""
+        self._catch_up(committed)
+        return tuple(self.grammar.forced()[:limit]) if limit > 0 else ()
+
+    def allowed_prefix(self, committed: Sequence[int], candidates: Sequence[int]) -> int:
+        """How many of the drafter's ``candidates`` the grammar allows in a row after ``committed``: the ones
+        after the first it refuses could never be accepted (the verifier's choice there is an allowed token)."""
+        self._catch_up(committed)
+        return self.grammar.allowed_prefix(candidates)
+
+    def _catch_up(self, committed: Sequence[int]) -> None:
+        self.grammar.advance(committed[self._seen :])
+        self._seen = len(committed)
+
+
+def open_guide(constraint: Constraint, tokenizer_json: str, vocab: int, eos_ids: Sequence[int]) -> Guide:
+    """A :class:`Guide` for ``constraint`` (checked already: it compiles) over the checkpoint's tokenizer."""
+    return Guide(Grammar(constraint.grammar(), tokenizer(tokenizer_json, vocab, (int(eos_ids[0]),))))

@@ -1,0 +1,94 @@
+"""A constraint is compiled once at the request's check: a bad one is refused naming its field, before any
+model work; and the grammar state's masks, rollback and forced tokens behave as the verifier relies on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kakeya.core.constraints import Constraint, ConstraintError, Grammar, tokenizer
+from kakeya.core.request import InvalidRequest, Request
+
+
+@pytest.mark.parametrize(
+    "constraint, field",
+    [
+        (Constraint("regex", "a("), "constraint.spec"),
+        (Constraint("regex", ""), "constraint.spec"),
+        (Constraint("json_schema", "{not json"), "constraint.spec"),
+        (Constraint("json_schema", "[1, 2]"), "constraint.spec"),
+        (Constraint("json_schema", {"type": "object", "properties": {"a": {"type": "nonsense"}}}), "constraint.spec"),
+        (Constraint("grammar", "start: undefined_rule"), "constraint.spec"),
+        (Constraint("choice", []), "constraint.spec"),
+        (Constraint("choice", ["a", 3]), "constraint.spec"),
+        (Constraint("xml"), "constraint.kind"),
+    ],
+)
+def test_a_bad_constraint_is_refused_naming_its_field(engine, constraint, field):
+    with pytest.raises(InvalidRequest) as info:
+        engine.check(Request(engine.codec.encode("x = "), max_tokens=4, constraint=constraint))
+    assert info.value.field == field
+    assert len(str(info.value)) < 400  # a bounded message, never the compiler's whole dump
+
+
+def test_ignore_eos_with_a_constraint_is_refused(engine):
+    with pytest.raises(InvalidRequest) as info:
+        engine.check(Request([2, 40], max_tokens=4, ignore_eos=True, constraint=Constraint("json_object")))
+    assert info.value.field == "ignore_eos"
+
+
+def test_a_good_constraint_passes_the_check(engine):
+    req = engine.check(Request([2, 40], max_tokens=4, constraint=Constraint("regex", "[ab]+")))
+    assert req.constraint == Constraint("regex", "[ab]+")
+
+
+@pytest.fixture(scope="module")
+def tok(engine):
+    info = engine.verifier.info
+    return tokenizer(engine.codec.tokenizer_json, info.vocab_size, info.eos_token_ids[:1])
+
+
+def test_masks_follow_the_candidates_and_leave_the_state_as_it_was(engine, tok):
+    g = Grammar(Constraint("choice", ["yes", "no"]).grammar(), tok)
+    yes = engine.codec.tokenizer.encode("yes", add_special_tokens=False).ids
+    before = g.masks([])
+    rows = g.masks(yes)
+    assert rows.shape == (len(yes) + 1, engine.verifier.info.vocab_size)
+    assert (g.masks([]) == before).all()  # the candidates were rolled back
+    assert all(rows[i, t] for i, t in enumerate(yes))  # each candidate allowed where it stands
+    eos = engine.verifier.info.eos_token_ids[0]
+    assert rows[-1].sum() == 1 and rows[-1, eos]  # after "yes" only EOS
+    assert not before[0, eos]  # nothing finished yet: no EOS
+    g.advance(yes)
+    assert g.finished and g.masks([])[0].nonzero()[0].tolist() == [eos]
+
+
+def test_a_refused_candidate_leaves_later_rows_open(engine, tok):
+    g = Grammar(Constraint("regex", "[0-9]+").grammar(), tok)
+    letter = engine.codec.tokenizer.encode("x", add_special_tokens=False).ids[0]
+    rows = g.masks([letter, letter])
+    assert not rows[0, letter] and rows[1:].all()  # never reached by the acceptance rule
+
+
+def test_forced_tokens_are_the_grammars_fixed_text(engine, tok):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    g = Grammar(Constraint("json_schema", schema).grammar(), tok)
+    assert engine.codec.decode(g.forced()).startswith('{"name":')  # the fixed text up to where a token may merge
+    with pytest.raises(RuntimeError):
+        g.advance([int(np.argmin(g.masks([])[0]))])  # a token the grammar refuses is never committed silently
+
+
+def test_a_grammar_that_fails_to_compile_raises(tok):
+    with pytest.raises(ConstraintError):
+        Grammar(Constraint("regex", "(").grammar(), tok)
+
+
+def test_the_guide_cuts_a_draft_before_the_first_refused_candidate(engine, tok):
+    from kakeya.orchestrator.guided import Guide
+
+    guide = Guide(Grammar(Constraint("regex", "[0-9]{3}x").grammar(), tok))
+    enc = engine.codec.tokenizer
+    one, two = enc.encode("1", add_special_tokens=False).ids, enc.encode("2a3x", add_special_tokens=False).ids
+    assert guide.allowed_prefix(one, two) == 1  # after "1": "2" yes, "a" no
+    assert guide.allowed_prefix(one, enc.encode("23x", add_special_tokens=False).ids) == 3
+    assert guide.forced(one, 4) == ()  # digits are free: nothing forced

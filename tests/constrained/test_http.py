@@ -1,0 +1,117 @@
+"""The HTTP front's constraint parameters (tiny pair, MLX, colocated): ``response_format``, vLLM's ``guided_*``
+and ``structured_outputs`` are honoured (the output matches), and a malformed or doubled one is a 400 naming
+the parameter the client sent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ..orchestrator.test_http_front import BASE, CHAT, COMPLETIONS, Client, _refusal, front  # noqa: F401 - the fixture
+
+ENUM = {
+    "type": "object",
+    "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+CHOICES = ["red", "green", "blue sky"]
+
+
+def _text(answer) -> str:
+    choice = answer["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+@pytest.mark.parametrize(
+    "path, extra, check",
+    [
+        (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": ENUM, "strict": True}}},
+         lambda t: json.loads(t)["a"] in ("x", "yy") and isinstance(json.loads(t)["b"], bool)),
+        (CHAT, {"guided_choice": CHOICES}, lambda t: t in CHOICES),
+        (COMPLETIONS, {"guided_json": json.dumps(ENUM)}, lambda t: set(json.loads(t)) == {"a", "b"}),
+        (COMPLETIONS, {"guided_regex": r"[0-9]{2}-[ab]"}, lambda t: len(t) == 4 and t[2] == "-" and t[3] in "ab"),
+        (CHAT, {"structured_outputs": {"choice": CHOICES}}, lambda t: t in CHOICES),
+        (COMPLETIONS, {"structured_outputs": {"regex": "(yes|no)!"}}, lambda t: t in ("yes!", "no!")),
+        (COMPLETIONS, {"guided_grammar": 'start: "n=" /[1-9]/'}, lambda t: len(t) == 3 and t.startswith("n=")),
+    ],
+)  # fmt: skip
+def test_constraints_are_honoured(front, path, extra, check):  # noqa: F811 - the fixture
+    body = BASE[path] | {"max_tokens": 40} | extra
+    status, answer = Client(front[1]).post(path, body)
+    assert status == 200, answer
+    assert answer["choices"][0]["finish_reason"] == "stop", answer
+    assert check(_text(answer)), _text(answer)
+
+
+@pytest.mark.parametrize(
+    "path, extra, param",
+    [
+        (COMPLETIONS, {"guided_regex": "a("}, "guided_regex"),
+        (COMPLETIONS, {"guided_json": "{nope"}, "guided_json"),
+        (COMPLETIONS, {"guided_choice": "red"}, "guided_choice"),
+        (COMPLETIONS, {"guided_grammar": "start: nothing_here"}, "guided_grammar"),
+        (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}},
+         "response_format"),
+        (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        (CHAT, {"response_format": {"type": "xml"}}, "response_format"),
+        (CHAT, {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        (CHAT, {"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+        (CHAT, {"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+        (COMPLETIONS, {"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
+    ],
+)  # fmt: skip
+def test_a_bad_or_doubled_constraint_is_a_400_naming_it(front, path, extra, param):  # noqa: F811 - the fixture
+    status, answer = Client(front[1]).post(path, BASE[path] | extra)
+    assert status == 400 and _refusal(answer) == param, answer
+    if "response_format" in extra and "guided_regex" in extra:
+        assert "response_format" in answer["error"]["message"]  # both named
+
+
+def _generate(servicer, constraint, context=None):
+    from kakeya.orchestrator.http_server import HttpCall
+    from kakeya.wire.kakeya.v1 import generate_pb2 as pb
+
+    req = pb.GenerateRequest(text="x = ", sampling_params=pb.SamplingParams(max_tokens=40), constraint=constraint)
+    ids, complete = [], None
+    for resp in servicer.Generate(req, context or HttpCall()):
+        if resp.HasField("chunk"):
+            ids.extend(resp.chunk.token_ids)
+        if resp.HasField("complete"):
+            complete = resp.complete
+    return ids, complete
+
+
+def test_grpc_generate_takes_a_constraint(front):  # noqa: F811 - the fixture
+    from kakeya.wire.kakeya.v1 import sampling_pb2 as spb
+
+    servicer = front[0]
+    codec = servicer.engine.codec
+    ids, _ = _generate(servicer, spb.Constraint(choice=spb.Constraint.Choices(choices=CHOICES)))
+    assert codec.decode(ids) in CHOICES
+    ids, complete = _generate(servicer, spb.Constraint(json_schema=json.dumps(ENUM)))
+    assert set(json.loads(codec.decode(ids))) == {"a", "b"}
+    assert complete.stats.forced_blocks > 0  # the keys, quotes and colons: drafted by the grammar, reported
+
+
+@pytest.mark.parametrize(
+    "constraint, field",
+    [({"regex": "a("}, "constraint.regex"), ({"json_schema": "{"}, "constraint.json_schema"),
+     ({"json_object": False}, "constraint.json_object"), ({"grammar": "start: x"}, "constraint.grammar")],
+)  # fmt: skip
+def test_grpc_refuses_a_bad_constraint_naming_its_field(front, constraint, field):  # noqa: F811 - the fixture
+    import grpc
+
+    from kakeya.orchestrator.http_server import HttpCall
+    from kakeya.wire.kakeya.v1 import sampling_pb2 as spb
+
+    class Context(HttpCall):
+        def abort(self, code, details):
+            self.code, self.details = code, details
+            raise RuntimeError(details)
+
+    context = Context()
+    with pytest.raises(RuntimeError):
+        _generate(front[0], spb.Constraint(**constraint), context)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and context.details.startswith(field + ":"), context.details
