@@ -21,9 +21,20 @@ from typing import Protocol
 
 from kakeya.core import constraints
 from kakeya.core.contract import Drafter, Verifier
-from kakeya.core.request import MAX_BLOCK_SIZE, MAX_LOGPROBS, REJECTION, CachePolicy, Chat, InvalidRequest, Request
+from kakeya.core.request import (
+    AUTO,
+    MAX_BLOCK_SIZE,
+    MAX_LOGPROBS,
+    NONE,
+    REJECTION,
+    CachePolicy,
+    Chat,
+    InvalidRequest,
+    Request,
+)
 from kakeya.orchestrator.chat import ChatError, template_inputs
 from kakeya.orchestrator.text import TextCodec
+from kakeya.orchestrator.tool_grammar import GrammarError, marker_terms, tool_call_grammar
 from kakeya.runtime import bounds
 
 DEFAULT_MAX_TOKENS = 128
@@ -89,6 +100,7 @@ def check_request(req: Request, engine: Engine, limits: Limits = Limits()) -> Re
             "max_tokens", f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the context limit {context}"
         )
     stop_ids = _stops(req, engine)
+    req = _tool_calls(req, engine)
     _constraint(req, engine)
     sampling = req.sampling.check().seeded()  # an unseeded sampling request draws its seed here
     if not 1 <= req.max_block_size <= MAX_BLOCK_SIZE:
@@ -107,6 +119,7 @@ def check_request(req: Request, engine: Engine, limits: Limits = Limits()) -> Re
         block_size = min(engine.default_block_size, req.max_block_size, engine.max_block_size(policy))
     return replace(
         req,
+        constraint=req.constraint,
         prompt=prompt,
         max_tokens=max_tokens,
         block_size=block_size,
@@ -157,6 +170,23 @@ def _prompt_ids(prompt, engine: Engine, limit: int) -> list[int]:
     if len(ids) > limit:
         raise InvalidRequest("prompt", f"{len(ids)} tokens exceed this server's limit {limit} (--max-prompt-tokens)")
     return ids
+
+
+def _tool_calls(req: Request, engine: Engine) -> Request:
+    """A chat whose ``tool_choice`` is ``required`` or a function's name: the request constrained to well-formed
+    calls (of that function) whose arguments follow their schemas (``tool_grammar.py``), the markers named as
+    the checkpoint's tokenizer holds them."""
+    chat = req.prompt
+    if not isinstance(chat, Chat) or chat.tool_choice in (AUTO, NONE):
+        return req
+    if req.constraint is not None:
+        raise InvalidRequest("constraint", f"tool_choice {chat.tool_choice!r} constrains the output already")
+    tokenizer = engine.codec.tokenizer if engine.codec is not None else None
+    try:
+        grammar = tool_call_grammar(chat.tools, chat.tool_choice, marker_terms(tokenizer))
+    except GrammarError as exc:
+        raise InvalidRequest("prompt.tool_choice", str(exc)) from None
+    return replace(req, constraint=constraints.Constraint("grammar", grammar))
 
 
 def _constraint(req: Request, engine: Engine) -> None:

@@ -145,6 +145,7 @@ def field_names(chat: bool, max_tokens: str) -> dict[str, str]:
         "prompt": "messages",
         "prompt.messages": "messages",
         "prompt.continue_final_message": "continue_final_message",
+        "prompt.tool_choice": "tool_choice",
     }
     prompt = prompt if chat else {}
     return prompt | {
@@ -260,6 +261,7 @@ def chat_request(body: dict, served: str) -> tuple[Request, Call, dict[str, str]
     try:
         tools = http_tools.tools(body.get("tools"))
         choice = http_tools.tool_choice(body.get("tool_choice"), tools)
+        http_tools.check_strict(body.get("tools"), choice)
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise bad("messages", f"messages[{i}] must be an object with a role")

@@ -3,9 +3,10 @@
 
 ``tool_choice``: ``auto`` (the default with tools) renders the tools and reads the model's calls out of its
 text (``tool_calls.py``); ``none`` (the default without) renders them too, as vLLM does, but reads no call:
-the text comes back as content, whatever it holds. ``required`` and a named function need the model held
-to a call by a grammar (``tool_grammar.py``), which is not wired into generation yet: they are refused with
-a 400 naming ``tool_choice``, as is ``strict`` on a function (its arguments held to their schema).
+the text comes back as content, whatever it holds. ``required`` and a named function hold the model to
+well-formed calls whose arguments follow their schemas, by a grammar (``tool_grammar.py``, compiled with the
+request's other checks in ``checks.py``). ``strict`` on a function (its arguments held to their schema even
+when the model may answer in text instead, under ``auto``) is refused with a 400 naming ``tools``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from kakeya.core.request import AUTO, NONE, REQUIRED, Message, Tool, ToolCall
 from kakeya.orchestrator.tool_calls import NAME
 from kakeya.runtime.lifecycle import quote
 
-_NOT_YET = 'needs constrained decoding, which this server does not do yet: use "auto" or "none"'
+_NOT_YET = (
+    'under tool_choice "auto" is not supported: use tool_choice "required" or a named function, whose calls '
+    "always follow their schemas"
+)
 
 
 class ToolError(ValueError):
@@ -55,15 +59,24 @@ def tools(value) -> tuple[Tool, ...]:
         required = parameters.get("required", []) if parameters is not None else []
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise ToolError("tools", f"{where}.function.parameters.required: must be a list of strings")
-        if f.get("strict") not in (None, False):
-            raise ToolError("tools", f"{where}.function.strict: true {_NOT_YET}")
         out.append(Tool(name, description or "", parameters))
     return tuple(out)
 
 
+def check_strict(value, choice: str) -> None:
+    """``strict: true`` on a function: honoured where every call is held to its schema (``required``, a named
+    function), moot under ``none``; under ``auto`` the model may answer in text or call, and a call's arguments
+    are not held to their schema, so it is refused naming the tool."""
+    if choice != AUTO or not isinstance(value, list):
+        return
+    for i, t in enumerate(value):
+        f = t.get("function") if isinstance(t, dict) else None
+        if isinstance(f, dict) and f.get("strict") not in (None, False):
+            raise ToolError("tools", f"tools[{i}].function.strict: true {_NOT_YET}")
+
+
 def tool_choice(value, declared: tuple[Tool, ...]) -> str:
-    """``tool_choice`` as :attr:`Chat.tool_choice`: ``auto`` or ``none`` (``required`` and a named function are
-    checked, then refused until the call grammar is wired in)."""
+    """``tool_choice`` as :attr:`Chat.tool_choice`: ``auto``, ``none``, ``required`` or the function's name."""
     if value is None:
         return AUTO if declared else NONE
     if isinstance(value, dict):
@@ -74,15 +87,13 @@ def tool_choice(value, declared: tuple[Tool, ...]) -> str:
                             '{"type": "function", "function": {"name": ...}}')  # fmt: skip
         if not any(t.name == name for t in declared):
             raise ToolError("tool_choice", f"tool_choice: names {quote(name)}, which is not one of the tools")
-        raise ToolError("tool_choice", f"tool_choice: a named function {_NOT_YET}")
+        return name
     if value not in (NONE, AUTO, REQUIRED):
         raise ToolError(
             "tool_choice", f'tool_choice: must be "none", "auto", "required" or a function, got {quote(value)}'
         )
     if value != NONE and not declared:
         raise ToolError("tool_choice", f"tool_choice: {quote(value)} needs tools")
-    if value == REQUIRED:
-        raise ToolError("tool_choice", f'tool_choice: "required" {_NOT_YET}')
     return value
 
 
