@@ -8,6 +8,11 @@ where the protocol allows it (``streams.py``: ``Open`` travels with ``Prefill``
 so a block costs two round trips: draft, and verify (which commits); one where
 its pre-draft was used.
 
+A scheduler's round (``decide_batch``; the drafter's ``draft_batch``) sends the blocks of every session
+of one backend in ONE round call (``VerifyRound`` / ``DraftRound``, ``runtime/rounds.py``), named by
+the session ids ``Opened`` returned, so the wire is paid per round, not per session; a lone session's
+block, and any the server does not find (another replica), travel on the session's stream.
+
 Aux hidden states stay opaque: a verifier session returns the wire ``Tensor``
 as it came and a drafter session sends a ``Tensor`` as it is (an array is
 encoded with ``services/wire/codec.py``), so split deployments never decode

@@ -11,6 +11,9 @@ sampling session (``Open.sampling``) samples with the request's seed: under the
 coupled rule from the candidates alone, under the rejection rule with the
 drafter's compact proposal beside them in each Verify.
 
+A continuous-batching orchestrator sends a round's blocks for many of its sessions in one
+``VerifyRound`` call (``runtime/rounds.py``); each item is checked and answered as its stream's Verify.
+
 All model work runs on the process's single compute thread
 (``kakeya.runtime.lifecycle.ComputeThread``); this module translates messages and
 validates them, with errors that name the offending field.
