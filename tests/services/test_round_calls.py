@@ -162,3 +162,26 @@ def test_a_session_is_named_only_by_its_own_caller_and_only_once(served):
         round_of()
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "items" in exc.value.details()
     s.close()
+
+
+def test_a_session_the_round_does_not_find_goes_on_its_stream_from_then_on(served):
+    """As a session held by another replica would (a balanced channel spreads streams, a round call
+    reaches one): NOT_FOUND sends its block on its own stream, and later rounds leave it out."""
+    addr, v = served
+    target = v.verifier.target
+    client = GrpcVerifier(addr)
+    sessions, firsts = _opened(client, 3)
+    sessions[0].session_id = "elsewhere000"  # an id this server does not hold
+    outs = [[f] for f in firsts]
+    for step in range(2):
+        calls, items = v.round_calls, v.round_items
+        results = GrpcVerifier.decide_batch([(s, outs[k][-1], Draft((7,))) for k, s in enumerate(sessions)])
+        assert (v.round_calls - calls, v.round_items - items) == (1, 3 if step == 0 else 2)
+        for k, r in enumerate(results):
+            assert isinstance(r, Verdict), r
+            outs[k] += [7][: r.accepted] + [r.next_token]
+    assert not sessions[0].round_ok and all(s.round_ok for s in sessions[1:])
+    for k in range(3):  # on its stream or in the round: greedy AR all the same
+        assert outs[k] == target.greedy_reference(_prompt(k), len(outs[k]))[: len(outs[k])]
+    for s in sessions:
+        s.close()
