@@ -11,7 +11,9 @@ aux of the newly committed positions (a ``Tensor`` decoded by
 carries ``B - 1`` candidate ids (and, in a sampling session, the compact
 proposal each was drawn from). A ``Predraft`` drafts the block after one the
 verifier is still verifying (``DrafterSession.predraft``); it queues and
-batches with other streams' drafts like a Draft. The drafter loads only the target's embedding
+batches with other streams' drafts like a Draft. After its first Draft (on its stream), a session's
+Drafts may come in a ``DraftRound`` call with other sessions' (``runtime/rounds.py``), each item checked
+and answered as its stream's Draft. The drafter loads only the target's embedding
 and LM head (``endpoints.local_drafter``), never the whole target. One servicer
 and one ``server_spec`` for both backends: ``backend`` picks the model, the
 session and the warm-up are the same code.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +35,7 @@ from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.drafter.session import PREDRAFT_BLOCKS, check_predraft_blocks
 from kakeya.runtime import bounds
 from kakeya.runtime.lifecycle import ServerSpec, check_token_ids, invalid, precondition, version
+from kakeya.runtime.rounds import RoundSlot, RoundWire, serve_round
 from kakeya.runtime.servicer import SessionLimits, SessionServicer
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
@@ -41,6 +45,7 @@ from kakeya.wire.kakeya.v1 import drafter_pb2_grpc
 log = logging.getLogger("kakeya.drafter")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DrafterService"].full_name
+ROUND_WIRE = RoundWire(pb.DraftRoundResponse, "draft", "drafted", pb.DrafterResponse.Progress)
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -182,25 +187,29 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
                         yield from self._compute(every, session.resume, d.resume_at)
                     except ValueError as exc:
                         raise invalid(str(exc).replace("resume:", "draft.resume_at:", 1)) from None
-                shape = self._check_aux(d.new_aux, session, "draft.new_aux")
-                if not 0 <= d.last_token < vocab:
-                    raise invalid(f"draft.last_token: {d.last_token} is outside the vocabulary [0, {vocab})")
-                block = d.block_size or self.drafter.block_size
-                if not 1 <= block <= self.max_block_size:
-                    raise invalid(
-                        f"draft.block_size must be 0 (default) or 1..{self.max_block_size}, got {d.block_size}"
-                    )
-                if self.registry.max_kv_bytes:  # a session that holds a context grows only if room is left now
-                    self.registry.reserve(entry, self._context_bytes(session, shape[0]), wait=session.cache.length == 0)
-                item = (entry, session, d.new_aux, d.last_token, block)
-                draft, stats = yield from self._compute_batch(every, "draft", item, self._draft_batch)
-                drafted = pb.DrafterResponse.Drafted(token_ids=draft.tokens, stats=stats)
-                if draft.proposal is not None:
-                    drafted.proposal.CopyFrom(wire_contract.proposal_to_proto(draft.proposal))
-                resp = pb.DrafterResponse(drafted=drafted)
+                if entry.round is None:  # the first draft (the prompt's aux): on the stream only
+                    item = self._draft_item(entry, session, d)
+                    draft, stats = yield from self._compute_batch(every, "draft", item, self._draft_batch)
+                    entry.round = RoundSlot(partial(self._round_draft_item, entry, session))
+                else:
+                    slot = entry.round
+                    slot.take("draft")
+                    try:
+                        item = slot.check(d)
+                        draft, stats = yield from self._compute_batch(every, "draft", item, self._draft_batch)
+                    finally:
+                        slot.lock.release()
+                resp = pb.DrafterResponse(drafted=_drafted_proto((draft, stats)))
             elif kind == "predraft":
-                item = self._predraft_item(entry, session, req.predraft, vocab)
-                found, stats = yield from self._compute_batch(every, "draft", item, self._draft_batch)
+                slot = entry.round
+                if slot is not None:
+                    slot.take("predraft")
+                try:
+                    item = self._predraft_item(entry, session, req.predraft, vocab)
+                    found, stats = yield from self._compute_batch(every, "draft", item, self._draft_batch)
+                finally:
+                    if slot is not None:
+                        slot.lock.release()
                 resp = pb.DrafterResponse(predrafted=predrafted_proto(found, len(item[-2]), stats))
             elif kind == "close":
                 stats = yield from self._compute(every, self._stats, session)
@@ -214,6 +223,31 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 raise invalid("request: no step set (open, lookup, draft, predraft, save or close)")
             resp.elapsed_s = time.perf_counter() - t0
             yield resp
+
+    def DraftRound(self, request, context):
+        yield from serve_round(self, ROUND_WIRE, self._round_batch, request, context)
+
+    def _round_batch(self, items: list) -> list:
+        return [r if isinstance(r, Exception) else _drafted_proto(r) for r in self._draft_batch(items)]
+
+    def _round_draft_item(self, entry, session, d) -> tuple:
+        if d.resume_at:
+            raise precondition("draft.resume_at: only on the first draft")
+        return self._draft_item(entry, session, d)
+
+    def _draft_item(self, entry, session, d) -> tuple:
+        """A Draft step checked (errors name its fields) and made a ``_draft_batch`` item; on a stream or in a
+        round call alike."""
+        vocab = self.drafter.model.target.vocab_size
+        shape = self._check_aux(d.new_aux, session, "draft.new_aux")
+        if not 0 <= d.last_token < vocab:
+            raise invalid(f"draft.last_token: {d.last_token} is outside the vocabulary [0, {vocab})")
+        block = d.block_size or self.drafter.block_size
+        if not 1 <= block <= self.max_block_size:
+            raise invalid(f"draft.block_size must be 0 (default) or 1..{self.max_block_size}, got {d.block_size}")
+        if self.registry.max_kv_bytes:  # a session that holds a context grows only if room is left now
+            self.registry.reserve(entry, self._context_bytes(session, shape[0]), wait=session.cache.length == 0)
+        return entry, session, d.new_aux, d.last_token, block
 
     def _check_aux(self, tensor, session, field: str) -> tuple:
         """A Draft's or Predraft's new aux: a float [n, aux width] tensor within --max-context (INVALID_ARGUMENT);
@@ -299,6 +333,14 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 entry.cache_bytes = stats.kv_bytes
             results.append((draft, stats))
         return results
+
+
+def _drafted_proto(result) -> pb.DrafterResponse.Drafted:
+    draft, stats = result
+    drafted = pb.DrafterResponse.Drafted(token_ids=draft.tokens, stats=stats)
+    if draft.proposal is not None:
+        drafted.proposal.CopyFrom(wire_contract.proposal_to_proto(draft.proposal))
+    return drafted
 
 
 def predrafted_proto(found: Predrafts, pending: int, stats) -> pb.DrafterResponse.Predrafted:

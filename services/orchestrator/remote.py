@@ -8,6 +8,11 @@ where the protocol allows it (``streams.py``: ``Open`` travels with ``Prefill``
 so a block costs two round trips: draft, and verify (which commits); one where
 its pre-draft was used.
 
+A scheduler's round (``decide_batch``; the drafter's ``draft_batch``) sends the blocks of every session
+of one backend in ONE round call (``VerifyRound`` / ``DraftRound``, ``runtime/rounds.py``), named by
+the session ids ``Opened`` returned, so the wire is paid per round, not per session; a lone session's
+block, and any the server does not find (another replica), travel on the session's stream.
+
 Aux hidden states stay opaque: a verifier session returns the wire ``Tensor``
 as it came and a drafter session sends a ``Tensor`` as it is (an array is
 encoded with ``services/wire/codec.py``), so split deployments never decode
@@ -31,11 +36,24 @@ import logging
 import time
 from collections.abc import Collection, Sequence
 
+import grpc
+
 from kakeya.core.contract import Draft, KVBytes, SessionOptions, Verdict, VerifierStats, WireStats
 from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy, SamplingParams
 from kakeya.orchestrator.deadlines import StepClock
 from kakeya.orchestrator.loop import each
-from kakeya.orchestrator.streams import Reply, Stream, backend_channel, backend_healthy, call_unary, fetch_info
+from kakeya.orchestrator.streams import (
+    BackendError,
+    Reply,
+    Stream,
+    backend_channel,
+    backend_healthy,
+    call_round,
+    call_unary,
+    fetch_info,
+    round_deadline,
+    status_code,
+)
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb
@@ -43,6 +61,9 @@ from kakeya.wire.kakeya.v1 import verifier_pb2_grpc
 from kakeya.wire.kakeya.v1.tensor_pb2 import Tensor
 
 log = logging.getLogger("kakeya.remote")
+
+ROUND_MIN = 2  # sessions of one verifier in a round before their blocks travel in one VerifyRound call
+_ON_STREAM = object()  # a round item the server did not find: sent again on the session's own stream
 
 # --------------------------------------------------------------------------- verifier
 
@@ -83,6 +104,7 @@ class GrpcVerifierSession:
         self.cache_policy = ""
         self._stats = vpb.SessionStats()
         self.server_s = 0.0  # server-side time of all steps (the rest of a step's time is the wire)
+        self.round_ok = True  # False once a round call did not find it (decide_batch sends it on its stream)
 
     def _aux(self, tensor: Tensor):
         like = self.verifier.aux_like
@@ -135,19 +157,26 @@ class GrpcVerifierSession:
     def decide(self, last_token: int, draft: Draft) -> Verdict:
         return self._verdict(self._post_verify(last_token, draft))
 
-    def _post_verify(self, last_token: int, draft: Draft) -> tuple[float, Reply]:
-        """Send the block now (a batch sends every session's before it waits for any)."""
+    @staticmethod
+    def _verify_msg(last_token: int, draft: Draft) -> vpb.VerifierRequest.Verify:
         v = vpb.VerifierRequest.Verify(block_ids=[last_token, *draft.tokens])
         if draft.proposal is not None:
             v.proposal.CopyFrom(wire_contract.proposal_to_proto(draft.proposal))
-        return time.perf_counter(), self._s.post(vpb.VerifierRequest(verify=v), "verified")
+        return v
+
+    def _post_verify(self, last_token: int, draft: Draft) -> tuple[float, Reply]:
+        """Send the block now (a batch sends every session's before it waits for any)."""
+        verify = vpb.VerifierRequest(verify=self._verify_msg(last_token, draft))
+        return time.perf_counter(), self._s.post(verify, "verified")
 
     def _verdict(self, posted: tuple[float, Reply]) -> Verdict:
         t0, reply = posted
         resp = self._s.wait(reply, self.clock.timeout())
         self.clock.record(time.perf_counter() - t0)
         self.server_s += resp.elapsed_s
-        r = resp.verified
+        return self._verified(resp.verified)
+
+    def _verified(self, r: vpb.VerifierResponse.Verified) -> Verdict:
         self._stats = r.stats
         logprobs = None
         if self.logprobs is not None:
@@ -155,6 +184,12 @@ class GrpcVerifierSession:
                 raise ValueError(f"the verifier sent {len(r.logprobs)} logprobs for {r.accepted + 1} committed tokens")
             logprobs = tuple(wire_contract.logprobs_from_proto(m) for m in r.logprobs)
         return Verdict(r.accepted, r.next_token, self._aux(r.aux), logprobs)
+
+    @property
+    def in_rounds(self) -> bool:
+        """Its blocks may travel in a round call: prefilled (the server knows its id), its stream open, and
+        not found missing by an earlier round (a replica other than the one round calls reach)."""
+        return bool(self.session_id) and self.round_ok and not self._s.done
 
     def stats(self) -> VerifierStats:
         s = self._stats
@@ -231,10 +266,58 @@ class GrpcVerifier:
 
     @staticmethod
     def decide_batch(items: Sequence[tuple[GrpcVerifierSession, int, Draft]]) -> list[Verdict | Exception]:
-        """Every session's block sent before any answer is awaited, so the server's compute thread finds them
-        queued together and verifies them as one batch; each session's failure its own."""
-        posted = each(lambda s, last, draft: s._post_verify(last, draft), items)
-        return [p if isinstance(p, Exception) else each(s._verdict, [(p,)])[0] for (s, _, _), p in zip(items, posted)]
+        """A round's blocks: the sessions of one verifier travel in ONE ``VerifyRound`` call when there are
+        ``ROUND_MIN`` or more of them (the wire paid per round, not per session), the rest each on its stream,
+        sent before any answer is awaited; the server's compute thread verifies them all as one batch. Each
+        session's failure its own."""
+        groups: dict[GrpcVerifier, list[int]] = {}
+        for k, (s, _, _) in enumerate(items):
+            if s.in_rounds:
+                groups.setdefault(s.verifier, []).append(k)
+        rounds = [ks for ks in groups.values() if len(ks) >= ROUND_MIN]
+        in_round = {k for ks in rounds for k in ks}
+        alone = [k for k in range(len(items)) if k not in in_round]
+        out: list = [None] * len(items)
+        posted = dict(zip(alone, each(lambda s, last, draft: s._post_verify(last, draft), [items[k] for k in alone])))
+        for ks in rounds:
+            verdicts = items[ks[0]][0].verifier.verify_round([items[k] for k in ks])
+            for k, v in zip(ks, verdicts):
+                if v is _ON_STREAM:  # not on the replica the round reached: its stream, from now on
+                    items[k][0].round_ok = False
+                    posted[k] = each(lambda s, last, draft: s._post_verify(last, draft), [items[k]])[0]
+                else:
+                    out[k] = v
+        for k, p in posted.items():
+            out[k] = p if isinstance(p, Exception) else each(items[k][0]._verdict, [(p,)])[0]
+        return out
+
+    def verify_round(self, items: Sequence[tuple[GrpcVerifierSession, int, Draft]]) -> list:
+        """One ``VerifyRound`` call for ``items`` (sessions of this verifier): a Verdict or an exception per
+        item, or ``_ON_STREAM`` for a session the server that answered does not hold."""
+        req = vpb.VerifyRoundRequest(progress_ms=self.clock.progress_ms)
+        for s, last, draft in items:
+            req.items.add(session_id=s.session_id).verify.CopyFrom(GrpcVerifierSession._verify_msg(last, draft))
+        t0 = time.perf_counter()
+        try:
+            timeout = round_deadline([s._s for s, _, _ in items])
+            resp = call_round(self.stub.VerifyRound, req, "verifier", self.addr, self.clock.timeout(), timeout)
+        except BackendError as exc:  # the call itself failed (a hung verifier): every session in it hears it
+            return [exc] * len(items)
+        self.clock.record(time.perf_counter() - t0)
+        out = []
+        for (s, _, _), sent, got in zip(items, req.items, resp.done.items):
+            s._s.bytes_sent += sent.ByteSize()
+            s._s.bytes_received += got.ByteSize()
+            s.server_s += resp.elapsed_s
+            if s._s.done:  # cancelled meanwhile: as its stream would say
+                out.append(BackendError("verifier", self.addr, grpc.StatusCode.CANCELLED, "session is closed"))
+            elif got.WhichOneof("result") == "verified":
+                out.append(s._verified(got.verified))
+            elif got.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
+                out.append(_ON_STREAM)
+            else:
+                out.append(BackendError("verifier", self.addr, status_code(got.error.code), got.error.message))
+        return out
 
     def close(self) -> None:
         self.channel.close()

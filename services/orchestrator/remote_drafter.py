@@ -20,8 +20,18 @@ from kakeya.core.contract import Draft, DrafterStats, Predrafts, SessionOptions,
 from kakeya.core.request import SamplingParams
 from kakeya.orchestrator.deadlines import StepClock
 from kakeya.orchestrator.loop import each
-from kakeya.orchestrator.remote import _tensor
-from kakeya.orchestrator.streams import BackendError, Reply, Stream, backend_channel, call_unary, fetch_info
+from kakeya.orchestrator.remote import _ON_STREAM, ROUND_MIN, _tensor
+from kakeya.orchestrator.streams import (
+    BackendError,
+    Reply,
+    Stream,
+    backend_channel,
+    call_round,
+    call_unary,
+    fetch_info,
+    round_deadline,
+    status_code,
+)
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import drafter_pb2 as dpb
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc
@@ -70,6 +80,9 @@ class GrpcDrafterSession:
         self._broken = False
         self._failure: BackendError | None = None  # the drafter's own failure that broke the session
         self._first = True
+        self._opened = None  # the Open's reply: the session id, read once the first draft is answered
+        self.session_id = ""
+        self.round_ok = True  # False once a round call did not find it (draft_batch sends it on its stream)
         self._resume_at = 0
         self.server_s = 0.0  # server-side time of the drafts (the steps on a block's critical path)
         self.predraft_s = 0.0  # ... and of the pre-drafts, which run beside the verifier's steps
@@ -106,7 +119,7 @@ class GrpcDrafterSession:
             open_ = dpb.DrafterRequest.Open(request_id=self._request_id, progress_ms=self.drafter.clock.progress_ms)
             if self._sampling is not None:
                 open_.sampling.CopyFrom(wire_contract.sampling_to_proto(self._sampling))
-            self._s.post(dpb.DrafterRequest(open=open_), "opened")  # answered before the first draft's answer
+            self._opened = self._s.post(dpb.DrafterRequest(open=open_), "opened")  # answered before the first draft's
         return self._s
 
     def _guarded(self, step):
@@ -118,14 +131,19 @@ class GrpcDrafterSession:
         try:
             return step()
         except BackendError as exc:
-            aborted_here = self._broken  # abort() from our side (client cancelled): not the drafter's fault
-            self._broken = True
-            if self._s is not None:
-                self._s.abort()
-            if not aborted_here and not exc.ended_by_caller:
-                self.drafter.failed(exc)
-                self._failure = exc
+            self._fail(exc)
             raise
+
+    def _fail(self, exc: BackendError) -> BackendError:
+        """``exc`` breaks the session and, unless it is ours, counts against the drafter; returned."""
+        aborted_here = self._broken  # abort() from our side (client cancelled): not the drafter's fault
+        self._broken = True
+        if self._s is not None:
+            self._s.abort()
+        if not aborted_here and not exc.ended_by_caller:
+            self.drafter.failed(exc)
+            self._failure = exc
+        return exc
 
     def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
         return self._drafted(self._post_draft(new_aux, last_token, block_size))
@@ -146,16 +164,27 @@ class GrpcDrafterSession:
         clock = self.drafter.clock
         r = self._guarded(lambda: self._s.wait(reply, clock.timeout(prefill_tokens=rows)))
         clock.record(time.perf_counter() - t0, prefill_tokens=rows)
+        if self._opened is not None and self._opened.response is not None:
+            self.session_id = self._opened.response.opened.session_id
+        return self._drafted_msg(r.drafted, r.elapsed_s)
+
+    def _drafted_msg(self, d: dpb.DrafterResponse.Drafted, elapsed_s: float) -> Draft:
         self._first, self._resume_at = False, 0
-        self.server_s += r.elapsed_s
+        self.server_s += elapsed_s
         self.drafter.backoff.success()
-        d = r.drafted
         self._stats = d.stats
         if not d.HasField("proposal"):
             return Draft(d.token_ids)
         return Draft(
             d.token_ids, wire_contract.proposal_from_proto(d.proposal, len(d.token_ids), self.drafter.vocab_size)
         )
+
+    @property
+    def in_rounds(self) -> bool:
+        """Its drafts may travel in a round call: past the first (the server knows its id), its stream open with
+        no answer outstanding (a pre-draft in hand), and not found missing by an earlier round."""
+        s = self._s
+        return bool(self.session_id) and self.round_ok and not self._broken and not s.done and not s._replies
 
     def predraft(
         self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0
@@ -287,10 +316,61 @@ class GrpcDrafter:
 
     @staticmethod
     def draft_batch(items: Sequence[tuple]) -> list[Draft | Exception]:
-        """Every session's draft call sent before any answer is awaited (the server batches them); each
-        session's failure its own (a session handed out while backing off fails at once)."""
-        posted = each(lambda s, aux, last, size: s._post_draft(aux, last, size), items)
-        return [p if isinstance(p, Exception) else each(s._drafted, [(p,)])[0] for (s, *_), p in zip(items, posted)]
+        """A round's drafts: the sessions of one drafter travel in ONE ``DraftRound`` call when there are
+        ``ROUND_MIN`` or more of them, the rest (first drafts among them) each on its stream, sent before any
+        answer is awaited (the server batches them all); each session's failure its own (a session handed out
+        while backing off fails at once)."""
+        groups: dict[GrpcDrafter, list[int]] = {}
+        for k, (s, *_) in enumerate(items):
+            if isinstance(s, GrpcDrafterSession) and s.in_rounds:
+                groups.setdefault(s.drafter, []).append(k)
+        rounds = [ks for ks in groups.values() if len(ks) >= ROUND_MIN]
+        in_round = {k for ks in rounds for k in ks}
+        alone = [k for k in range(len(items)) if k not in in_round]
+
+        def post(k):
+            return each(lambda s, aux, last, size: s._post_draft(aux, last, size), [items[k]])[0]
+
+        posted = {k: post(k) for k in alone}
+        out: list = [None] * len(items)
+        for ks in rounds:
+            for k, d in zip(ks, items[ks[0]][0].drafter.draft_round([items[k] for k in ks])):
+                if d is _ON_STREAM:  # not on the replica the round reached: its stream, from now on
+                    items[k][0].round_ok = False
+                    posted[k] = post(k)
+                else:
+                    out[k] = d
+        for k, p in posted.items():
+            out[k] = p if isinstance(p, Exception) else each(items[k][0]._drafted, [(p,)])[0]
+        return out
+
+    def draft_round(self, items: Sequence[tuple]) -> list:
+        """One ``DraftRound`` call for ``items`` (sessions of this drafter): a Draft or an exception per item,
+        or ``_ON_STREAM`` for a session the server that answered does not hold."""
+        req = dpb.DraftRoundRequest(progress_ms=self.clock.progress_ms)
+        for s, aux, last, size in items:
+            d = dpb.DrafterRequest.Draft(new_aux=_tensor(aux), last_token=last, block_size=size)
+            req.items.add(session_id=s.session_id).draft.CopyFrom(d)
+        t0 = time.perf_counter()
+        try:
+            timeout = round_deadline([s._s for s, *_ in items])
+            resp = call_round(self.stub.DraftRound, req, "drafter", self.addr, self.clock.timeout(), timeout)
+        except BackendError as exc:  # the call itself failed (a hung drafter): every session in it hears it
+            return [s._fail(exc) for s, *_ in items]
+        self.clock.record(time.perf_counter() - t0)
+        out = []
+        for (s, *_), sent, got in zip(items, req.items, resp.done.items):
+            s._s.bytes_sent += sent.ByteSize()
+            s._s.bytes_received += got.ByteSize()
+            if s._broken:  # cancelled meanwhile: as its stream would say
+                out.append(BackendError("drafter", self.addr, grpc.StatusCode.CANCELLED, "session is closed"))
+            elif got.WhichOneof("result") == "drafted":
+                out.append(s._drafted_msg(got.drafted, resp.elapsed_s))
+            elif got.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
+                out.append(_ON_STREAM)
+            else:
+                out.append(s._fail(BackendError("drafter", self.addr, status_code(got.error.code), got.error.message)))
+        return out
 
     def failed(self, exc: Exception) -> None:
         delay = self.backoff.failure(str(exc))

@@ -138,6 +138,7 @@ class Stream:
         self._replies: deque[Reply] = deque()
         metadata = (("x-request-id", request_id),) if request_id else None
         self._call = method(iter(self._requests.get, _END), timeout=timeout, metadata=metadata)
+        self.deadline = time.monotonic() + timeout if timeout is not None else None  # the client's, if any
         self.done = False
         self.expired = 0.0  # the step deadline that passed (seconds), 0 while none did
         self.progress = 0  # Progress messages read (each re-armed the deadline of the step read then)
@@ -228,3 +229,51 @@ class Stream:
             self.done = True
             self._requests.put(_END)  # unblocks gRPC's request-reading thread
         self._call.cancel()
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """A wire status code (a round item's ``Error.code``) as a ``grpc.StatusCode``."""
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
+def round_deadline(streams) -> float | None:
+    """A round call's gRPC timeout: until the latest of its sessions' client deadlines (None: one has none);
+    a session whose own deadline passes first is aborted on its stream and its item fails alone."""
+    deadlines = [s.deadline for s in streams]
+    if any(d is None for d in deadlines):
+        return None
+    return max(0.0, max(deadlines) - time.monotonic())
+
+
+def call_round(method, request, service: str, addr: str, step_timeout: float, timeout: float | None):
+    """A round call (``VerifyRound`` / ``DraftRound``): its ``Done`` message, after the Progress messages that
+    each re-arm ``step_timeout`` (a deadline of silence, as a stream's step: ``Stream._read``)."""
+    call = method(request, timeout=timeout)
+    expired = []
+    heard = 0
+    try:
+        while True:
+            key = WATCHDOG.arm(step_timeout, lambda: (expired.append(step_timeout), call.cancel()))
+            try:
+                resp = next(call)
+            finally:
+                WATCHDOG.disarm(key)
+            if resp.WhichOneof("response") != "progress":
+                break
+            heard += 1
+    except StopIteration:
+        raise BackendError(service, addr, grpc.StatusCode.INTERNAL, "round call ended before done") from None
+    except grpc.RpcError as exc:
+        if expired:
+            raise BackendError(
+                service, addr, grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no round answer or progress for {expired[0]:.1f} s, after {heard} progress messages"
+                " (hung? see --backend-timeout)", step_timeout=True,
+            ) from None  # fmt: skip
+        raise BackendError.of(service, addr, exc) from None
+    if resp.WhichOneof("response") != "done" or len(resp.done.items) != len(request.items):
+        raise BackendError(service, addr, grpc.StatusCode.INTERNAL, "round call answered out of protocol")
+    return resp

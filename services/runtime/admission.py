@@ -60,6 +60,9 @@ class SessionEntry:
     last_active: float = field(default_factory=time.monotonic)
     waiting: bool = False  # blocked on the client's next message (idle time counts only then)
     end: Callable[[grpc.StatusCode, str], None] | None = None  # ends the stream with a status (expiry, reclaim)
+    # what a round call (``SessionServicer._serve_round``) needs to step this session beside its stream;
+    # None until the session may step in one (the servicer sets it)
+    round: Any = None
 
     def idle_s(self, now: float) -> float:
         """How long the session has waited on its client (0 while it works)."""
@@ -201,6 +204,13 @@ class SessionRegistry:
         finally:
             self._finish(reclaimed)
         return entry
+
+    def find(self, session_id: str, peer: str) -> SessionEntry | None:
+        """The live session ``session_id`` if ``peer`` opened it; None otherwise (unknown, ended, or another
+        caller's: a caller can neither address nor tell apart the sessions of others)."""
+        with self._lock:
+            entry = self._live.get(session_id)
+            return entry if entry is not None and entry.peer == peer else None
 
     def reserve(self, entry: SessionEntry, nbytes: int, wait: bool = True) -> None:
         """Admit ``entry`` for ``nbytes`` K/V bytes (the ``--max-kv-bytes`` budget); its reservation

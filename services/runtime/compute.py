@@ -139,6 +139,38 @@ class ComputeThread:
             return self._inline(alone)
         return self._put(_Job(fn=None, kind=kind, item=item, runner=runner))
 
+    def start_many(self, kind: Hashable, items: Sequence[Any], runner: Callable[[list], Sequence[Any]]) -> list[Future]:
+        """Each of ``items``' results as a Future, like ``start_batch`` for each, but queued at once (a round
+        call's steps, ``SessionServicer._serve_round``): the thread takes them as one batch (up to
+        ``max_batch``) with like items queued meanwhile; run inline, as one runner call, when ``inline`` finds
+        the thread idle."""
+        if not items:
+            return []
+        if self._idle():
+            futures = [Future() for _ in items]
+            done = self._inline(lambda: self._run_alone(items, runner, futures))
+            for f in futures:
+                if not f.done():  # the runner itself failed: every item hears it
+                    f.set_running_or_notify_cancel()
+                    f.set_exception(done.exception())
+            return futures
+        jobs = [_Job(fn=None, kind=kind, item=item, runner=runner) for item in items]
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError("compute thread is shut down")
+            self._jobs.extend(jobs)
+            self._pending += len(jobs)
+            self._cv.notify()
+        return [j.future for j in jobs]
+
+    def _run_alone(self, items: Sequence[Any], runner: Callable[[list], Sequence[Any]], futures: list[Future]) -> None:
+        self.batches += 1
+        self.batched_items += len(items)
+        results = _results(runner, list(items))
+        for f, r in zip(futures, results):
+            f.set_running_or_notify_cancel()
+            f.set_exception(r) if isinstance(r, BaseException) else f.set_result(r)
+
     def batch(self, kind: Hashable, item: Any, runner: Callable[[list], Sequence[Any]]) -> Any:
         """``start_batch``, waited for."""
         return self.start_batch(kind, item, runner).result()

@@ -194,6 +194,14 @@ class ServerMetrics:
             _Total("kakeya_compute_batched_items", "session steps those calls carried", lambda: compute.batched_items)
         )
 
+    def track_rounds(self, servicer: Any) -> None:
+        """``kakeya_round_calls_total`` / ``kakeya_round_items_total``: round calls (``runtime/rounds.py``) and
+        the session steps they carried (their ratio: sessions per round call)."""
+        self.registry.register(_Total("kakeya_round_calls", "round calls served", lambda: servicer.round_calls))
+        self.registry.register(
+            _Total("kakeya_round_items", "session steps those calls carried", lambda: servicer.round_items)
+        )
+
     def generation(
         self, verifier_session: Any = None, drafter_session: Any = None, params: Any = None
     ) -> GenerationObserver:

@@ -77,6 +77,9 @@ class SessionServicer:
         self.metrics.track_kv_bytes(
             lambda: dict.fromkeys(self.kv_kinds, 0) | self.registry.bytes_by_kind(self.kv_kinds[-1])
         )
+        self.round_calls = 0  # round calls served (``rounds.py``) and the session steps they carried
+        self.round_items = 0
+        self.metrics.track_rounds(self)
         self.prefixes = PrefixCache(limits.prefix_cache_bytes) if limits.prefix_cache_bytes else None
         if self.prefixes is not None:
             self.metrics.track_prefix_cache(self.prefixes)
@@ -127,16 +130,23 @@ class SessionServicer:
         ``every_s`` seconds (0: none) in which the compute thread got work done (``ComputeThread.progress``).
         A stopped process or a wedged compute thread gets none done: no message, and its client's
         deadline for the step (``orchestrator/deadlines.py``) runs out."""
-        if every_s > 0 and not future.done():
+        yield from self._await_all([future], every_s, self._progress)
+        return future.result()
+
+    def _await_all(self, futures: list[Future], every_s: float, progress):
+        """A generator that returns once every one of ``futures`` is done, yielding ``progress(waited_s)``
+        as :meth:`_await` does meanwhile (a round call's steps: ``rounds.py``)."""
+        if every_s > 0 and not all(f.done() for f in futures):
             first = last = self.compute.progress()
-            while not wait([future], timeout=every_s).done:
+            while wait(futures, timeout=every_s).not_done:
                 now = self.compute.progress()
                 # the first look counts only finished jobs: a CPU rate from before this wait began would
                 # speak of the work before it
                 if now.done != first.done if last is first else now.since(last):
-                    yield self._progress(now.at - first.at)
+                    yield progress(now.at - first.at)
                 last = now
-        return future.result()
+        else:
+            wait(futures)
 
     def _compute(self, every_s: float, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the compute thread, waited for by :meth:`_await` (``yield from`` it)."""

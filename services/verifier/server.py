@@ -11,6 +11,9 @@ sampling session (``Open.sampling``) samples with the request's seed: under the
 coupled rule from the candidates alone, under the rejection rule with the
 drafter's compact proposal beside them in each Verify.
 
+A continuous-batching orchestrator sends a round's blocks for many of its sessions in one
+``VerifyRound`` call (``runtime/rounds.py``); each item is checked and answered as its stream's Verify.
+
 All model work runs on the process's single compute thread
 (``kakeya.runtime.lifecycle.ComputeThread``); this module translates messages and
 validates them, with errors that name the offending field.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 from kakeya.core.contract import Draft, VerifierStats
@@ -34,6 +38,7 @@ from kakeya.runtime.lifecycle import (
     precondition,
     version,
 )
+from kakeya.runtime.rounds import RoundSlot, RoundWire, serve_round
 from kakeya.runtime.servicer import SessionLimits, SessionServicer
 from kakeya.verifier.batch import decide_batch
 from kakeya.verifier.session import check_proposal
@@ -46,6 +51,7 @@ from kakeya.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
 log = logging.getLogger("kakeya.verifier")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VerifierService"].full_name
+ROUND_WIRE = RoundWire(pb.VerifyRoundResponse, "verify", "verified", pb.VerifierResponse.Progress)
 
 
 def _stats_proto(stats: VerifierStats) -> pb.SessionStats:
@@ -268,6 +274,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                 reuse = None if req.prefill.reuse_any else tuple(req.prefill.reuse_positions)
                 next_token, aux, stats = yield from self._prefill(entry, session, ids, reuse, every)
                 prefilled = True
+                entry.round = RoundSlot(partial(self._verify_item, entry, session, max_positions))
                 resp = pb.VerifierResponse(
                     prefilled=pb.VerifierResponse.Prefilled(
                         next_token=next_token, aux=aux, stats=stats, cached_tokens=session.cached_tokens
@@ -278,19 +285,13 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             elif kind == "verify":
                 if not prefilled:
                     raise precondition("verify: prefill the prompt first")
-                ids = check_token_ids(req.verify.block_ids, vocab, "verify.block_ids")
-                if len(ids) > session.policy.slack:
-                    raise invalid(
-                        f"verify.block_ids: {len(ids)} positions exceed this session's max block size {session.policy.slack}"
-                    )
-                if session.offset + len(ids) > max_positions:
-                    raise invalid(
-                        f"verify.block_ids: {session.offset} + {len(ids)} positions exceed this session's"
-                        f" max_positions {max_positions} (open.max_positions / --max-context)"
-                    )
-                proposal = self._proposal(session, req.verify, ids, vocab)
-                item = (entry, session, ids, proposal)
-                verified = yield from self._compute_batch(every, "verify", item, self._verify_batch)
+                slot = entry.round
+                slot.take("verify")
+                try:
+                    item = slot.check(req.verify)
+                    verified = yield from self._compute_batch(every, "verify", item, self._verify_batch)
+                finally:
+                    slot.lock.release()
                 resp = pb.VerifierResponse(verified=verified)
             elif kind == "save":
                 if not prefilled:
@@ -313,6 +314,25 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                 raise invalid("request: no step set (open, prefill, verify, save or close)")
             resp.elapsed_s = time.perf_counter() - t0
             yield resp
+
+    def VerifyRound(self, request, context):
+        yield from serve_round(self, ROUND_WIRE, self._verify_batch, request, context)
+
+    def _verify_item(self, entry, session, max_positions: int, verify) -> tuple:
+        """A Verify step checked (errors name its fields) and made a ``_verify_batch`` item; on a stream or
+        in a round call alike."""
+        vocab = self.verifier.info.vocab_size
+        ids = check_token_ids(verify.block_ids, vocab, "verify.block_ids")
+        if len(ids) > session.policy.slack:
+            raise invalid(
+                f"verify.block_ids: {len(ids)} positions exceed this session's max block size {session.policy.slack}"
+            )
+        if session.offset + len(ids) > max_positions:
+            raise invalid(
+                f"verify.block_ids: {session.offset} + {len(ids)} positions exceed this session's"
+                f" max_positions {max_positions} (open.max_positions / --max-context)"
+            )
+        return entry, session, ids, self._proposal(session, verify, ids, vocab)
 
     @staticmethod
     def _proposal(session, verify, ids, vocab):

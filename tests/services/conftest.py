@@ -176,17 +176,19 @@ def drafter_info(addr: str, token: str | None = None):
 
 
 def internal_rpcs(service: str, addr: str, token: str | None = None) -> list:
-    """Every RPC of a verifier or drafter (GetInfo, a short Session) as calls of a client holding ``token``."""
+    """Every RPC of a verifier or drafter (GetInfo, a short Session, a round naming no session of the caller) as calls of a client holding ``token``."""
     if service == "verifier":
         v, V = verifier_stub(addr, token), verifier_pb2.VerifierRequest
         return [
             lambda: v.GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10),
             lambda: list(v.Session(iter([V(open=V.Open()), V(prefill=V.Prefill(token_ids=[2, 40, 41]))]), timeout=10)),
+            lambda: list(v.VerifyRound(verifier_pb2.VerifyRoundRequest(items=[{"session_id": "0" * 12}]), timeout=10)),
         ]
     d, D = drafter_stub(addr, token), drafter_pb2.DrafterRequest
     return [
         lambda: d.GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10),
         lambda: list(d.Session(iter([D(open=D.Open())]), timeout=10)),
+        lambda: list(d.DraftRound(drafter_pb2.DraftRoundRequest(items=[{"session_id": "0" * 12}]), timeout=10)),
     ]
 
 

@@ -137,3 +137,29 @@ def test_max_batch_flag_reaches_the_drafter_and_the_children_of_serve_all():
         serve_flags.session_limits(p.parse_args(["serve", "drafter", "--max-batch", "0"]))
     argv = serve_flags.child_argv(p.parse_args(["serve", "all", "--max-batch", "1"]), "drafter", "token")
     assert argv[argv.index("--max-batch") + 1] == "1"
+
+
+def test_a_rounds_drafts_travel_in_one_draft_round_call_and_draft_what_they_draft_alone(server, tiny_pair):
+    backend, addr, d = server
+    client = GrpcDrafter(addr, clock=StepClock(floor_s=60.0))
+    local = _drafter(backend, tiny_pair)
+    width, vocab = local.model.config.aux_width, local.model.target.vocab_size
+    remote = [client.open_session(p) for p in SAMPLING]
+    alone = [local.open_session(p) for p in SAMPLING]
+    rng = np.random.default_rng(5)
+    try:
+        for step in range(STEPS):
+            work = [(rng.standard_normal((int(rng.integers(1, 40)) if step == 0 else int(rng.integers(0, 9)), width)).astype(np.float32),
+                     int(rng.integers(0, vocab)), b) for b in BLOCKS]  # fmt: skip
+            calls, items = d.round_calls, d.round_items
+            got = GrpcDrafter.draft_batch([(s, aux, last, b) for s, (aux, last, b) in zip(remote, work)])
+            # the first drafts (the prompts' aux) go on the streams; every later round is one call for all
+            assert (d.round_calls - calls, d.round_items - items) == ((0, 0) if step == 0 else (1, len(BLOCKS)))
+            want = [s.draft(_local_aux(backend, aux), last, b) for s, (aux, last, b) in zip(alone, work)]
+            for g, w in zip(got, want):
+                assert g.tokens == w.tokens, step
+    finally:
+        for s in remote:
+            s.close()
+        client.close()
+    wait_until(lambda: d.registry.live == 0, what="sessions closed")

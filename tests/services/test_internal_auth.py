@@ -15,6 +15,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -96,9 +97,11 @@ def test_without_the_token_every_internal_rpc_is_unauthenticated(guarded, servic
 @pytest.mark.parametrize("service", ["verifier", "drafter"])
 def test_with_the_token_sessions_open_and_health_needs_none(guarded, service):
     addr = guarded[service].addr
-    info, session = internal_rpcs(service, addr, TOKEN)
+    info, session, round_call = internal_rpcs(service, addr, TOKEN)
     assert info().vocab_size > 0
     assert session()[0].WhichOneof("response") == "opened"
+    (done,) = round_call()  # admitted: its one item names no session of this caller
+    assert done.done.items[0].error.code == grpc.StatusCode.NOT_FOUND.value[0]
     status = health_pb2_grpc.HealthStub(channel(addr)).Check(health_pb2.HealthCheckRequest(), timeout=5).status
     assert status == health_pb2.HealthCheckResponse.SERVING
 

@@ -119,3 +119,22 @@ def test_one_request_id_in_the_json_logs_of_all_three_processes(served):
     found = wait_until(tagged, what="the request id in every process's log")
     assert set(found) == {"orchestrator", "verifier", "drafter"}
     assert found["verifier"].get("session_id") and found["drafter"].get("session_id")
+
+
+def test_concurrent_split_streams_share_one_round_call_per_backend(served):
+    """Six streams at once on `serve all`: each equals the same request alone, and their rounds reached the
+    verifier and the drafter as round calls of several sessions each (``kakeya_round_*_total``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ports = served.info["metrics_ports"]
+    reqs = [request([2, 40 + k, 41, 42, 43, 44, 45], max_tokens=48, block_size=4) for k in range(6)]
+    alone = [generate(served.addr, r)[0] for r in reqs]
+    before = {role: scrape(ports[role]) for role in ("verifier", "drafter")}
+    with ThreadPoolExecutor(len(reqs)) as ex:
+        together = list(ex.map(lambda r: generate(served.addr, r)[0], reqs))
+    assert together == alone
+    for role in ("verifier", "drafter"):
+        m = scrape(ports[role])
+        calls = m[("kakeya_round_calls_total", ())] - before[role][("kakeya_round_calls_total", ())]
+        items = m[("kakeya_round_items_total", ())] - before[role][("kakeya_round_items_total", ())]
+        assert calls >= 1 and items >= 2 * calls, (role, calls, items)  # every round call carried 2+ sessions

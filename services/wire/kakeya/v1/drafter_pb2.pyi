@@ -217,3 +217,47 @@ class DrafterResponse(_message.Message):
     progress: DrafterResponse.Progress
     elapsed_s: float
     def __init__(self, opened: _Optional[_Union[DrafterResponse.Opened, _Mapping]] = ..., drafted: _Optional[_Union[DrafterResponse.Drafted, _Mapping]] = ..., closed: _Optional[_Union[DrafterResponse.Closed, _Mapping]] = ..., predrafted: _Optional[_Union[DrafterResponse.Predrafted, _Mapping]] = ..., found: _Optional[_Union[DrafterResponse.Found, _Mapping]] = ..., saved: _Optional[_Union[DrafterResponse.Saved, _Mapping]] = ..., progress: _Optional[_Union[DrafterResponse.Progress, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+
+class DraftRoundRequest(_message.Message):
+    __slots__ = ("items", "progress_ms")
+    class Item(_message.Message):
+        __slots__ = ("session_id", "draft")
+        SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+        DRAFT_FIELD_NUMBER: _ClassVar[int]
+        session_id: str
+        draft: DrafterRequest.Draft
+        def __init__(self, session_id: _Optional[str] = ..., draft: _Optional[_Union[DrafterRequest.Draft, _Mapping]] = ...) -> None: ...
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_MS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[DraftRoundRequest.Item]
+    progress_ms: int
+    def __init__(self, items: _Optional[_Iterable[_Union[DraftRoundRequest.Item, _Mapping]]] = ..., progress_ms: _Optional[int] = ...) -> None: ...
+
+class DraftRoundResponse(_message.Message):
+    __slots__ = ("done", "progress", "elapsed_s")
+    class Error(_message.Message):
+        __slots__ = ("code", "message")
+        CODE_FIELD_NUMBER: _ClassVar[int]
+        MESSAGE_FIELD_NUMBER: _ClassVar[int]
+        code: int
+        message: str
+        def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    class Item(_message.Message):
+        __slots__ = ("drafted", "error")
+        DRAFTED_FIELD_NUMBER: _ClassVar[int]
+        ERROR_FIELD_NUMBER: _ClassVar[int]
+        drafted: DrafterResponse.Drafted
+        error: DraftRoundResponse.Error
+        def __init__(self, drafted: _Optional[_Union[DrafterResponse.Drafted, _Mapping]] = ..., error: _Optional[_Union[DraftRoundResponse.Error, _Mapping]] = ...) -> None: ...
+    class Done(_message.Message):
+        __slots__ = ("items",)
+        ITEMS_FIELD_NUMBER: _ClassVar[int]
+        items: _containers.RepeatedCompositeFieldContainer[DraftRoundResponse.Item]
+        def __init__(self, items: _Optional[_Iterable[_Union[DraftRoundResponse.Item, _Mapping]]] = ...) -> None: ...
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    done: DraftRoundResponse.Done
+    progress: DrafterResponse.Progress
+    elapsed_s: float
+    def __init__(self, done: _Optional[_Union[DraftRoundResponse.Done, _Mapping]] = ..., progress: _Optional[_Union[DrafterResponse.Progress, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...

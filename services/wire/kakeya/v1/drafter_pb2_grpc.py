@@ -44,6 +44,11 @@ class DrafterServiceStub:
                 request_serializer=kakeya_dot_v1_dot_drafter__pb2.GetDrafterInfoRequest.SerializeToString,
                 response_deserializer=kakeya_dot_v1_dot_drafter__pb2.DrafterInfo.FromString,
                 _registered_method=True)
+        self.DraftRound = channel.unary_stream(
+                '/kakeya.v1.DrafterService/DraftRound',
+                request_serializer=kakeya_dot_v1_dot_drafter__pb2.DraftRoundRequest.SerializeToString,
+                response_deserializer=kakeya_dot_v1_dot_drafter__pb2.DraftRoundResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServiceServicer:
@@ -61,6 +66,13 @@ class DrafterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DraftRound(self, request, context):
+        """One round's drafts for many open sessions in one call (see DraftRoundRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +85,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=kakeya_dot_v1_dot_drafter__pb2.GetDrafterInfoRequest.FromString,
                     response_serializer=kakeya_dot_v1_dot_drafter__pb2.DrafterInfo.SerializeToString,
+            ),
+            'DraftRound': grpc.unary_stream_rpc_method_handler(
+                    servicer.DraftRound,
+                    request_deserializer=kakeya_dot_v1_dot_drafter__pb2.DraftRoundRequest.FromString,
+                    response_serializer=kakeya_dot_v1_dot_drafter__pb2.DraftRoundResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +146,33 @@ class DrafterService:
             '/kakeya.v1.DrafterService/GetInfo',
             kakeya_dot_v1_dot_drafter__pb2.GetDrafterInfoRequest.SerializeToString,
             kakeya_dot_v1_dot_drafter__pb2.DrafterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kakeya.v1.DrafterService/DraftRound',
+            kakeya_dot_v1_dot_drafter__pb2.DraftRoundRequest.SerializeToString,
+            kakeya_dot_v1_dot_drafter__pb2.DraftRoundResponse.FromString,
             options,
             channel_credentials,
             insecure,

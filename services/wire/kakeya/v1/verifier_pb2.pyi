@@ -221,3 +221,47 @@ class VerifierResponse(_message.Message):
     progress: VerifierResponse.Progress
     elapsed_s: float
     def __init__(self, opened: _Optional[_Union[VerifierResponse.Opened, _Mapping]] = ..., prefilled: _Optional[_Union[VerifierResponse.Prefilled, _Mapping]] = ..., verified: _Optional[_Union[VerifierResponse.Verified, _Mapping]] = ..., closed: _Optional[_Union[VerifierResponse.Closed, _Mapping]] = ..., saved: _Optional[_Union[VerifierResponse.Saved, _Mapping]] = ..., progress: _Optional[_Union[VerifierResponse.Progress, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+
+class VerifyRoundRequest(_message.Message):
+    __slots__ = ("items", "progress_ms")
+    class Item(_message.Message):
+        __slots__ = ("session_id", "verify")
+        SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+        VERIFY_FIELD_NUMBER: _ClassVar[int]
+        session_id: str
+        verify: VerifierRequest.Verify
+        def __init__(self, session_id: _Optional[str] = ..., verify: _Optional[_Union[VerifierRequest.Verify, _Mapping]] = ...) -> None: ...
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_MS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[VerifyRoundRequest.Item]
+    progress_ms: int
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyRoundRequest.Item, _Mapping]]] = ..., progress_ms: _Optional[int] = ...) -> None: ...
+
+class VerifyRoundResponse(_message.Message):
+    __slots__ = ("done", "progress", "elapsed_s")
+    class Error(_message.Message):
+        __slots__ = ("code", "message")
+        CODE_FIELD_NUMBER: _ClassVar[int]
+        MESSAGE_FIELD_NUMBER: _ClassVar[int]
+        code: int
+        message: str
+        def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    class Item(_message.Message):
+        __slots__ = ("verified", "error")
+        VERIFIED_FIELD_NUMBER: _ClassVar[int]
+        ERROR_FIELD_NUMBER: _ClassVar[int]
+        verified: VerifierResponse.Verified
+        error: VerifyRoundResponse.Error
+        def __init__(self, verified: _Optional[_Union[VerifierResponse.Verified, _Mapping]] = ..., error: _Optional[_Union[VerifyRoundResponse.Error, _Mapping]] = ...) -> None: ...
+    class Done(_message.Message):
+        __slots__ = ("items",)
+        ITEMS_FIELD_NUMBER: _ClassVar[int]
+        items: _containers.RepeatedCompositeFieldContainer[VerifyRoundResponse.Item]
+        def __init__(self, items: _Optional[_Iterable[_Union[VerifyRoundResponse.Item, _Mapping]]] = ...) -> None: ...
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    done: VerifyRoundResponse.Done
+    progress: VerifierResponse.Progress
+    elapsed_s: float
+    def __init__(self, done: _Optional[_Union[VerifyRoundResponse.Done, _Mapping]] = ..., progress: _Optional[_Union[VerifierResponse.Progress, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...

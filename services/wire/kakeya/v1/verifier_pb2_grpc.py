@@ -44,6 +44,11 @@ class VerifierServiceStub:
                 request_serializer=kakeya_dot_v1_dot_verifier__pb2.GetVerifierInfoRequest.SerializeToString,
                 response_deserializer=kakeya_dot_v1_dot_verifier__pb2.VerifierInfo.FromString,
                 _registered_method=True)
+        self.VerifyRound = channel.unary_stream(
+                '/kakeya.v1.VerifierService/VerifyRound',
+                request_serializer=kakeya_dot_v1_dot_verifier__pb2.VerifyRoundRequest.SerializeToString,
+                response_deserializer=kakeya_dot_v1_dot_verifier__pb2.VerifyRoundResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServiceServicer:
@@ -61,6 +66,13 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyRound(self, request, context):
+        """One round's blocks for many open sessions in one call (see VerifyRoundRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +85,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=kakeya_dot_v1_dot_verifier__pb2.GetVerifierInfoRequest.FromString,
                     response_serializer=kakeya_dot_v1_dot_verifier__pb2.VerifierInfo.SerializeToString,
+            ),
+            'VerifyRound': grpc.unary_stream_rpc_method_handler(
+                    servicer.VerifyRound,
+                    request_deserializer=kakeya_dot_v1_dot_verifier__pb2.VerifyRoundRequest.FromString,
+                    response_serializer=kakeya_dot_v1_dot_verifier__pb2.VerifyRoundResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +146,33 @@ class VerifierService:
             '/kakeya.v1.VerifierService/GetInfo',
             kakeya_dot_v1_dot_verifier__pb2.GetVerifierInfoRequest.SerializeToString,
             kakeya_dot_v1_dot_verifier__pb2.VerifierInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kakeya.v1.VerifierService/VerifyRound',
+            kakeya_dot_v1_dot_verifier__pb2.VerifyRoundRequest.SerializeToString,
+            kakeya_dot_v1_dot_verifier__pb2.VerifyRoundResponse.FromString,
             options,
             channel_credentials,
             insecure,

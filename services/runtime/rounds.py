@@ -1,0 +1,124 @@
+"""Round calls: one call carries a round's steps for many sessions of one caller (``VerifyRound``, ``DraftRound``).
+
+A continuous-batching orchestrator steps all its sessions in rounds (``orchestrator/scheduler.py``). Sent
+one message per session stream, a round pays N messages, N handler-thread hops and N wake-ups per
+backend; sent as one call, it pays one. Sessions still live and die with their ``Session`` stream (open,
+prefill, save, close, cancellation); a round item names a session by the id its ``Opened`` answered, and
+only the caller (``auth.peer_of``) that opened it may name it (``SessionRegistry.find``).
+
+The items go to the compute thread at once (``ComputeThread.start_many``), so they run as one batch, with
+like steps other callers queued meanwhile. Each item fails alone: a bad step, a session that is unknown,
+not ready, busy with a step on its stream, or that ends (cancelled, closed) while its item is in hand, or
+an exception of its own in the batch, is that item's ``Error``; the others are answered as on their
+streams. While the round waits, the caller hears a Progress message every ``progress_ms`` in which compute
+got work done, exactly as a stream's step does (``SessionServicer._await``), so its deadline of silence
+(``orchestrator/deadlines.py``) still tells a slow backend from a hung one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from kakeya.runtime.auth import peer_of
+from kakeya.runtime.lifecycle import RequestError, bounded, invalid, precondition
+
+
+@dataclass
+class RoundSlot:
+    """A session's standing for round calls (``SessionEntry.round``): ``check(step)`` turns one item's step
+    message into a compute item, raising ``RequestError`` naming the step's field as its stream would;
+    ``lock`` is held by whichever of the stream and a round call steps the session now."""
+
+    check: Callable
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self, what: str) -> None:
+        if not self.lock.acquire(blocking=False):
+            raise precondition(f"{what}: a step of this session is already in hand (one step at a time)")
+
+
+@dataclass(frozen=True)
+class RoundWire:
+    """One role's round messages: ``response`` (VerifyRoundResponse / DraftRoundResponse), the field of an
+    item's step (``verify`` / ``draft``) and of its answer (``verified`` / ``drafted``), the Progress message."""
+
+    response: type
+    step: str
+    answer: str
+    progress: type
+
+
+def serve_round(servicer, wire: RoundWire, runner: Callable, request, context):
+    """The body of a round RPC on ``servicer`` (a ``SessionServicer``): Progress messages, then one Done."""
+    log = logging.getLogger(f"kakeya.{servicer.role}")
+    if not servicer.ready:
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"{servicer.role} is loading its model")
+    t0 = time.perf_counter()
+    try:
+        every = servicer._progress_every(request, "progress_ms")
+        if not request.items:
+            raise invalid("items: must not be empty")
+        named = [it.session_id for it in request.items]
+        if len(set(named)) != len(named):
+            raise invalid("items.session_id: a session may be named once per round")
+    except RequestError as exc:
+        context.abort(exc.code, exc.message)
+    servicer.round_calls += 1
+    servicer.round_items += len(named)
+    peer = peer_of(context)
+    out: list = [None] * len(named)
+    taken: list[tuple[int, object, RoundSlot]] = []  # (index, entry, slot) of the items sent to compute
+    items = []
+    for i, it in enumerate(request.items):
+        where = f"items[{i}]"
+        try:
+            entry = servicer.registry.find(it.session_id, peer)
+            if entry is None:
+                raise RequestError(grpc.StatusCode.NOT_FOUND, f"{where}.session_id: no open session of this caller")
+            slot = entry.round
+            if slot is None:
+                raise precondition(f"{where}.session_id: the session is not ready for a round step yet")
+            slot.take(f"{where}.{wire.step}")
+            try:
+                items.append(slot.check(getattr(it, wire.step)))
+            except BaseException:
+                slot.lock.release()
+                raise
+            entry.last_active = time.monotonic()  # its client is working: not idle (SessionRegistry)
+            taken.append((i, entry, slot))
+        except RequestError as exc:
+            msg = exc.message if exc.message.startswith(where) else f"{where}.{exc.message}"
+            out[i] = _error(wire, exc.code, msg)
+    try:
+        futures = servicer.compute.start_many(wire.step, items, runner)
+        progress = servicer._await_all(
+            futures, every, lambda waited: wire.response(progress=wire.progress(waited_s=waited))
+        )
+        yield from progress
+    finally:
+        for _, _, slot in taken:
+            slot.lock.release()
+    for (i, entry, _), future in zip(taken, futures):
+        entry.last_active = time.monotonic()
+        exc = future.exception()
+        where = f"items[{i}]"
+        if entry.closed:  # cancelled or closed while its step was in hand: its own error, nobody reads it
+            out[i] = _error(wire, grpc.StatusCode.CANCELLED, f"{where}.session_id: the session ended during the round")
+        elif exc is None:
+            out[i] = wire.response.Item(**{wire.answer: future.result()})
+        elif isinstance(exc, RequestError):
+            out[i] = _error(wire, exc.code, exc.message if exc.message.startswith(where) else f"{where}.{exc.message}")
+        else:
+            log.error("round item %s (session %s) failed", where, entry.id, exc_info=exc)
+            out[i] = _error(wire, grpc.StatusCode.INTERNAL, f"{where}: {type(exc).__name__}: {exc}")
+    yield wire.response(done=wire.response.Done(items=out), elapsed_s=time.perf_counter() - t0)
+
+
+def _error(wire: RoundWire, code: grpc.StatusCode, message: str):
+    return wire.response.Item(error=wire.response.Error(code=code.value[0], message=bounded(message)))
