@@ -115,3 +115,30 @@ def test_grpc_refuses_a_bad_constraint_naming_its_field(front, constraint, field
     with pytest.raises(RuntimeError):
         _generate(front[0], spb.Constraint(**constraint), context)
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT and context.details.startswith(field + ":"), context.details
+
+
+def test_the_openai_clients_parse_returns_a_valid_pydantic_object(front):  # noqa: F811 - the fixture
+    """``beta.chat.completions.parse`` with a pydantic model (the client sends its strict JSON schema as
+    ``response_format``) and ``response_format`` with a JSON schema, through the official client."""
+    from typing import Literal
+
+    from openai import OpenAI
+    from pydantic import BaseModel
+
+    from ..orchestrator.test_http_front import TOKEN
+
+    class Weather(BaseModel):
+        unit: Literal["c", "f"]
+        sunny: bool
+        sky: Literal["clear", "cloudy", "grey"]
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{front[1]}/v1", api_key=TOKEN, max_retries=0)
+    messages = [{"role": "user", "content": "The weather, as JSON."}]
+    parsed = client.beta.chat.completions.parse(model="tiny", messages=messages, response_format=Weather,
+                                                max_tokens=60, temperature=0)  # fmt: skip
+    weather = parsed.choices[0].message.parsed
+    assert isinstance(weather, Weather) and parsed.choices[0].finish_reason == "stop"
+    schema = {"name": "weather", "schema": Weather.model_json_schema(), "strict": True}
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_schema", "json_schema": schema})  # fmt: skip
+    assert Weather.model_validate_json(r.choices[0].message.content) == weather  # the same greedy tokens
