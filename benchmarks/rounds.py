@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(backend: str, streams: int, requests: int, max_tokens: int, block_size: int) -> dict:
+def measure(backend: str, streams: int, requests: int, max_tokens: int, block_size: int, device: str) -> dict:
     import kakeya.orchestrator.scheduler as scheduler_mod
     from kakeya.app.main import DEFAULT_PROMPT
     from kakeya.core.request import Request
@@ -48,7 +48,7 @@ def measure(backend: str, streams: int, requests: int, max_tokens: int, block_si
         return out
 
     compute = ComputeThread("bench")
-    engine = compute.run(build_local_engine, None, None, backend, "cpu" if backend == "torch" else None, None)
+    engine = compute.run(build_local_engine, None, None, backend, device if backend == "torch" else None, None)
     if engine.verifier.info.backend == "torch":
         compute.run(set_torch_threads, None, engine.device, True)
     options = RunOptions(step=compute.run)
@@ -107,12 +107,13 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=1, help="requests per stream, back to back")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=0, help="0: auto (the sizer's choice)")
+    p.add_argument("--device", default="cpu", help="torch's device (cuda on a GPU)")
     p.add_argument("--child", help=argparse.SUPPRESS)  # one (backend, streams) in a fresh process
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/rounds.json"))
     args = p.parse_args(argv)
     if args.child:
         backend, streams = args.child.split(":")
-        print(json.dumps(measure(backend, int(streams), args.requests, args.max_tokens, args.block_size)))
+        print(json.dumps(measure(backend, int(streams), args.requests, args.max_tokens, args.block_size, args.device)))
         return 0
     import subprocess
 
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
         out["results"][backend] = {}
         for n in args.streams:  # each in a fresh process: what one measurement learnt never primes the next
             cmd = [sys.executable, __file__, "--child", f"{backend}:{n}", "--requests", str(args.requests)]
-            cmd += ["--max-tokens", str(args.max_tokens), "--block-size", str(args.block_size)]
+            cmd += ["--max-tokens", str(args.max_tokens), "--block-size", str(args.block_size), "--device", args.device]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 print(done.stderr[-2000:], file=sys.stderr)
