@@ -114,7 +114,8 @@ def main(argv=None) -> int:
     if args.child:
         backend, streams = args.child.split(":")
         print(json.dumps(measure(backend, int(streams), args.requests, args.max_tokens, args.block_size, args.device)))
-        return 0
+        sys.stdout.flush()
+        os._exit(0)  # MLX's threads can abort a normal interpreter exit ("terminate called"): the result is out
     import subprocess
 
     out = {
