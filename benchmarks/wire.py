@@ -121,6 +121,10 @@ class Recorded:
         return out
 
     # VerifierSession
+    @property
+    def first_logprobs(self):
+        return self.inner.first_logprobs
+
     def prefill(self, ids):
         return self._call("prefill", self.inner.prefill, ids)
 

@@ -253,3 +253,31 @@ def ar_fallbacks(port: int, reason: str | None = None) -> float:
 def sessions_freed(verifier_addr: str, drafter_addr: str):
     v, d = verifier_info(verifier_addr), drafter_info(drafter_addr)
     return v.live_sessions == 0 and v.live_kv_bytes == 0 and d.live_sessions == 0 and d.live_kv_bytes == 0
+
+
+def in_process_torch_verifier(tiny_pair, aux_layers, workers: int = 16):
+    """A torch verifier server in this process (batching up to 16 steps), for tests that count or inspect its
+    steps: yields ``(address, servicer)``; a module fixture's body (``yield from``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from kakeya.runtime.servicer import SessionLimits
+    from kakeya.verifier.server import VerifierServicer
+    from kakeya.verifier.torch_backend.target import torch_verifier
+    from kakeya.wire.kakeya.v1 import verifier_pb2_grpc
+    from kakeya.wire.limits import server_options
+
+    torch.set_num_threads(1)
+    v = VerifierServicer(SessionLimits(max_batch=16))
+    v.compute.run(v._setup, lambda: torch_verifier(tiny_pair.target, aux_layers), tiny_pair.target, tuple(aux_layers))
+    v.ready = True
+    server = grpc.server(ThreadPoolExecutor(workers), options=server_options())
+    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(v, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", v
+    finally:
+        server.stop(0).wait()
+        v.compute.shutdown()

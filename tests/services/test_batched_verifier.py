@@ -23,9 +23,8 @@ from kakeya.runtime.servicer import SessionLimits
 from kakeya.verifier import server as verifier_server
 from kakeya.verifier.session import PREFILL_CHUNK, VerifierSession
 from kakeya.wire.kakeya.v1 import verifier_pb2_grpc
-from kakeya.wire.limits import server_options
 
-from .conftest import wait_until
+from .conftest import in_process_torch_verifier, wait_until
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -35,20 +34,7 @@ N_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def served(tiny_pair, aux_layers):
-    from kakeya.verifier.server import VerifierServicer
-    from kakeya.verifier.torch_backend.target import torch_verifier
-
-    torch.set_num_threads(1)
-    v = VerifierServicer(SessionLimits(max_batch=16))
-    v.compute.run(v._setup, lambda: torch_verifier(tiny_pair.target, aux_layers), tiny_pair.target, tuple(aux_layers))
-    v.ready = True
-    server = grpc.server(ThreadPoolExecutor(16), options=server_options())
-    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(v, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}", v
-    server.stop(0).wait()
-    v.compute.shutdown()
+    yield from in_process_torch_verifier(tiny_pair, aux_layers, workers=16)
 
 
 def _hold(compute) -> threading.Event:

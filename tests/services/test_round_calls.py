@@ -8,11 +8,9 @@ caller's id, a session busy on its stream).
 from __future__ import annotations
 
 import importlib
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import torch
 
 importlib.import_module("torch")
 
@@ -20,10 +18,10 @@ from kakeya.core.contract import Draft, Verdict
 from kakeya.orchestrator import remote
 from kakeya.orchestrator.remote import GrpcVerifier
 from kakeya.orchestrator.streams import BackendError
-from kakeya.runtime.servicer import SessionLimits
 from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb
 from kakeya.wire.kakeya.v1 import verifier_pb2_grpc
-from kakeya.wire.limits import server_options
+
+from .conftest import in_process_torch_verifier
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -33,20 +31,7 @@ N_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def served(tiny_pair, aux_layers):
-    from kakeya.verifier.server import VerifierServicer
-    from kakeya.verifier.torch_backend.target import torch_verifier
-
-    torch.set_num_threads(1)
-    v = VerifierServicer(SessionLimits(max_batch=16))
-    v.compute.run(v._setup, lambda: torch_verifier(tiny_pair.target, aux_layers), tiny_pair.target, tuple(aux_layers))
-    v.ready = True
-    server = grpc.server(ThreadPoolExecutor(32), options=server_options())
-    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(v, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}", v
-    server.stop(0).wait()
-    v.compute.shutdown()
+    yield from in_process_torch_verifier(tiny_pair, aux_layers, workers=32)
 
 
 def _prompt(k: int, n: int = 12) -> list[int]:
