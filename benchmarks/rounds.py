@@ -84,7 +84,8 @@ def measure(backend: str, streams: int, requests: int, max_tokens: int, block_si
     def med(k: int) -> float:
         return round(statistics.median(r[k] for r in full), 4)
 
-    fitted = engine.adaptive.rounds.params
+    policy = engine.adaptive  # None at a fixed block size: nothing sized, nothing fitted
+    fitted = policy.rounds.params if policy is not None else None
     return {
         "tok_s": round(sum(tokens) / seconds, 1),
         "rounds": len(rounds),
@@ -96,7 +97,7 @@ def measure(backend: str, streams: int, requests: int, max_tokens: int, block_si
         "median_verify_ms": round(1000 * med(4), 2),
         "tokens_per_row": round(sum(r[2] for r in rounds) / max(sum(r[1] for r in rounds), 1), 3),
         "fitted_ms": None if fitted is None else dict(zip("gfs", (round(1000 * x, 3) for x in fitted))),
-        "alone_curve_ms": {k: round(1000 * v, 2) for k, v in sorted(engine.adaptive.costs.seconds.items())},
+        "alone_curve_ms": {k: round(1000 * v, 2) for k, v in sorted(policy.costs.seconds.items())} if policy else None,
     }
 
 
