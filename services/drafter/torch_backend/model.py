@@ -91,6 +91,7 @@ class Attention(nn.Module):
         self.k_norm.weight = nn.Parameter(torch.ones(a.head_dim))
 
     wqkv: torch.Tensor | None = None  # set by fuse(): q, k, v rows of one weight (inference)
+    qk_scale: torch.Tensor | None = None  # set by fuse() in float32: q_norm's and k_norm's weight per head
 
     def fuse(self) -> None:
         """For inference: q, k and v as one weight, so a block's projections are one GEMM (a
@@ -101,6 +102,11 @@ class Attention(nn.Module):
         w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
         nq, nkv = self.q_proj.out_features, self.k_proj.out_features
         self.wqkv = w
+        a = self.spec
+        if w.dtype == torch.float32:  # one norm for q and k, then their weights: bit for bit in float32 only
+            self.qk_scale = torch.cat(
+                [self.q_norm.weight.detach().expand(a.n_heads, -1), self.k_norm.weight.detach().expand(a.n_kv, -1)]
+            ).contiguous()
         for proj, rows in ((self.q_proj, w[:nq]), (self.k_proj, w[nq : nq + nkv]), (self.v_proj, w[nq + nkv :])):
             proj.weight = nn.Parameter(rows, requires_grad=False)
 
@@ -126,6 +132,12 @@ class Attention(nn.Module):
             return self.query(h, cos, sin), *self.kv(h, cos, sin)
         B, L, _ = h.shape
         a = self.spec
+        if self.qk_scale is not None and h.dtype == torch.float32:
+            # q and k heads side by side: one norm, one scale, one RoPE (a CPU draft is mostly op dispatch)
+            heads = F.linear(h, self.wqkv).view(B, L, a.n_heads + 2 * a.n_kv, a.head_dim)
+            qk = F.rms_norm(heads[:, :, : a.n_heads + a.n_kv], (a.head_dim,), None, self.eps) * self.qk_scale
+            q, k = apply_rope(qk.transpose(1, 2), cos, sin).split([a.n_heads, a.n_kv], dim=1)
+            return q, k, heads[:, :, a.n_heads + a.n_kv :].transpose(1, 2)
         q, k, v = F.linear(h, self.wqkv).split([self.q_proj.out_features] + [self.k_proj.out_features] * 2, dim=-1)
         q = qwen3_rms_norm(q.view(B, L, a.n_heads, a.head_dim), self.q_norm.weight, self.eps)
         k = qwen3_rms_norm(k.view(B, L, a.n_kv, a.head_dim), self.k_norm.weight, self.eps)

@@ -213,10 +213,23 @@ class Attention(nn.Module):
         self.register_buffer("q_norm", torch.empty(self.head_dim), persistent=False)
         if self.has_kv:
             self.register_buffer("k_norm", torch.empty(self.head_dim), persistent=False)
+        self.qk_scale: torch.Tensor | None = None  # q_norm and k_norm per head, one tensor (:meth:`fuse_norms`)
+
+    def fuse_norms(self) -> None:
+        """In float32, normalise q, k and v in ONE scale-free norm and scale q and k by one
+        ``[heads + kv_heads, head_dim]`` tensor: bit for bit the three norms (float32 rounds nothing in
+        between), a third of their kernels (a CPU verify is mostly op dispatch at small batches). In a
+        half dtype the weighted norm rounds once and this would round twice: there the three stay."""
+        if self.has_kv and self.q_norm.dtype == torch.float32:
+            self.qk_scale = torch.cat(
+                [self.q_norm.expand(self.n_heads, -1), self.k_norm.expand(self.n_kv, -1)]
+            ).contiguous()
 
     def project(self, x, cos, sin, new_kv: bool = True):
         """``q`` [B, heads, L, D] and (``new_kv``) this block's own ``k``, ``v`` [B, kv_heads, L, D]."""
         B, L, _ = x.shape
+        if new_kv and self.qk_scale is not None and x.dtype == torch.float32:
+            return self._project_fused(F.linear(x, self.wqkv).view(B, L, -1, self.head_dim), cos, sin)
         parts = F.linear(x, self.wqkv).split(self.split, dim=-1)
         q = gemma4_rms_norm(parts[0].view(B, L, self.n_heads, self.head_dim), self.q_norm, self.eps)
         if not new_kv:
@@ -227,6 +240,14 @@ class Attention(nn.Module):
         qk = apply_rope(torch.cat([q, gemma4_rms_norm(k, self.k_norm, self.eps)], dim=2), cos, sin)
         q, k = qk.split([self.n_heads, self.n_kv], dim=2)
         return q.transpose(1, 2), k.transpose(1, 2), gemma4_rms_norm(v, None, self.eps).transpose(1, 2)
+
+    def _project_fused(self, heads: torch.Tensor, cos, sin):
+        """:meth:`project` over ``heads`` [B, L, q + k (+ v) heads, D] with :meth:`fuse_norms`' one norm."""
+        n = gemma4_rms_norm(heads, None, self.eps)  # Gemma-4's V norm is this scale-free norm
+        qk = apply_rope(n[:, :, : self.n_heads + self.n_kv] * self.qk_scale, cos, sin)
+        v = n[:, :, self.n_heads :] if self.k_eq_v else n[:, :, self.n_heads + self.n_kv :]
+        q, k = qk.split([self.n_heads, self.n_kv], dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         B, _, L, _ = out.shape
@@ -402,6 +423,11 @@ class Gemma4Text(nn.Module):
         proj = F.linear(x, self.ple_model_proj) * (a.hidden_size**-0.5)
         proj = gemma4_rms_norm(proj.view(*ids.shape, n, self.ple), self.ple_proj_norm, a.rms_norm_eps)
         return (proj + tok) * (2.0**-0.5)
+
+    def fuse_norms(self) -> None:
+        """Once the weights are in: each layer's q/k/v norms as one (:meth:`Attention.fuse_norms`)."""
+        for layer in self.layers:
+            layer.attn.fuse_norms()
 
     def forward(
         self, ids: torch.Tensor, pos: torch.Tensor, attention: Attend, aux_layers: Iterable[int]

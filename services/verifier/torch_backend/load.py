@@ -47,6 +47,7 @@ def load_gemma4(path: str | Path, device: torch.device, dtype: torch.dtype) -> G
     with torch.device("meta"):
         model = Gemma4Text(args)
     _load_weights(model, _Reader(names, device, dtype), text.prefix, text.head)
+    model.fuse_norms()
     return model.eval()
 
 

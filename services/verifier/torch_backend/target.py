@@ -252,6 +252,7 @@ class TargetTorch:
                     mod._buffers[name] = fill(tuple(buf.shape))
         if not args.tie_word_embeddings:
             model.lm_head = fill((args.vocab_size, args.hidden_size))
+        model.fuse_norms()
         model.eval()
         return cls(model, None, **options)
 
