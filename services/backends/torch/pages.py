@@ -152,6 +152,19 @@ class PagePool:
         v = store.load([rows(t) for t in self.values[i]], self.dtype)
         return k, v
 
+    def span(self, i: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s K and V of rows ``first .. first + n - 1`` as :meth:`gather` of one table row
+        returns them (``[kv_heads, 1, n, head_dim]``), as views where the storage is exact."""
+        store = self.storage[i]
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.narrow(1, first, n).unsqueeze(1)
+
+        return (
+            store.load([rows(t) for t in self.keys[i]], self.dtype),
+            store.load([rows(t) for t in self.values[i]], self.dtype),
+        )
+
     @property
     def exact(self) -> bool:
         return all(type(s) is Storage for s in self.storage.values())

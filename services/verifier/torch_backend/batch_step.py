@@ -141,6 +141,15 @@ class Batch:
         self.shape = Shape(Nb, Lb, rows, ring, full, ragged, aux, choices, c0.batch_key, gens)
         self.segments, self.page = segments, page
         self.packed = self._pack(segments, planned)
+        # A lone session whose attended pages lie in a row (pages are handed out lowest first, so a session
+        # alone usually holds consecutive ones) is read as a slice of the pool instead of gathered row by row:
+        # eagerly only (a captured step reads through its tables whatever the pages are).
+        self.spans: dict[str, int] = {}
+        if N == 1 and not opts.static_extent:
+            for kind, pages, extent in ((SLIDING, c0.ring_pages, ring), (FULL, c0.full_pages, full)):
+                first = _first_row(pages, extent // page, page) if extent else None
+                if first is not None:
+                    self.spans[kind] = first
 
     def _pack(self, segments, planned) -> np.ndarray:
         sh, page = self.shape, self.page
@@ -186,6 +195,13 @@ class Batch:
         return np.concatenate([f[name] for name, _ in sh.fields(page)])
 
 
+def _first_row(pages: Sequence[int], n: int, page: int) -> int | None:
+    """The first row of ``pages[:n]`` if those pages are consecutive (their rows one slice of the pool)."""
+    if len(pages) < n or any(pages[j] != pages[0] + j for j in range(1, n)):
+        return None
+    return pages[0] * page
+
+
 def unpack(packed: torch.Tensor, shape: Shape, page: int) -> dict[str, torch.Tensor]:
     out, at = {}, 0
     for name, size in shape.fields(page):
@@ -198,8 +214,9 @@ class PooledAttention:
     """The ``Attend`` of a batched step (``gemma4.Gemma4Text.forward``): per layer, every row's K/V into
     its pool row, then one attention call over every session's rows through the tables."""
 
-    def __init__(self, target, shape: Shape, f: dict, page: int):
+    def __init__(self, target, shape: Shape, f: dict, page: int, spans: dict[str, int] | None = None):
         self.shape, self.f, self.page = shape, f, page
+        self.spans = spans or {}  # layer type -> first pool row of a lone session's attended slots (``Batch``)
         pool = target.pool
         self.pools = (
             {SLIDING: pool.sliding, FULL: pool.fulls[shape.full_key[1:]]} if shape.full else {SLIDING: pool.sliding}
@@ -244,7 +261,12 @@ class PooledAttention:
         N, L = sh.sessions, sh.block
         if shared is None:
             pool.write(i, write, k[0], v[0])
-            kv = i if self.kernel else pool.gather(i, table)  # the kernel reads the pool itself
+            if self.kernel:
+                kv = i  # the kernel reads the pool itself
+            elif t in self.spans:
+                kv = pool.span(i, self.spans[t], table.shape[1])
+            else:
+                kv = pool.gather(i, table)
         else:
             kv = shared
         H, D = q.shape[1], q.shape[3]
@@ -279,13 +301,13 @@ class PooledAttention:
         return out[None], kv
 
 
-def batch_step(target, shape: Shape, packed: torch.Tensor):
+def batch_step(target, shape: Shape, packed: torch.Tensor, spans: dict[str, int] | None = None):
     """Device work of one step: ``(choices [rows] or None, aux [rows, A] or None, hidden [1, rows, H],
     logits [rows, vocab] or None, saved)``; reads only ``packed`` and the pools, writes only the pools."""
     f = unpack(packed, shape, target.pool.page)
     model = target.model
     hidden, saved = model(
-        f["ids"].view(1, -1), f["pos"], PooledAttention(target, shape, f, target.pool.page), shape.aux
+        f["ids"].view(1, -1), f["pos"], PooledAttention(target, shape, f, target.pool.page, spans), shape.aux
     )
     aux = torch.cat([saved[i][0] for i in shape.aux], dim=-1) if shape.aux else None
     if not shape.choices:
@@ -313,7 +335,7 @@ class BatchSteps:
             packed = torch.from_numpy(batch.packed)
             if target.device.type != "cpu":
                 packed = packed.pin_memory().to(target.device, non_blocking=True)
-            return GraphedStep(lambda: batch_step(target, sh, packed), (), capture=False)
+            return GraphedStep(lambda: batch_step(target, sh, packed, batch.spans), (), capture=False)
         if sh.generation != self.generations.get(sh.full_key):  # a pool grew: graphs that read it are stale
             stale = [k for k in self.inputs if k.generation[0] != sh.generation[0] or k.full_key == sh.full_key]
             for k in stale:
