@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kakeya.core.request import CachePolicy
 from kakeya.verifier.batch import counts, verify_batch
 from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.torch_backend import batch_step
 from kakeya.verifier.torch_backend.target import TargetTorch
 
 from .conftest import AUX_LAYERS, PROMPT
@@ -95,7 +96,11 @@ def test_sixteen_sessions_run_the_device_operations_of_one(torch_target, monkeyp
         one[0].commit(1)
 
     batch(), alone()  # warm
+    # one session through the step every batch takes: its pages gathered through the table (a lone session's
+    # consecutive pages are read as a slice instead: test_a_lone_session_reads_its_pages_as_a_slice)
+    monkeypatch.setattr(batch_step, "_first_row", lambda *a: None)
     b, a = _counted(batch), _counted(alone)
+    monkeypatch.undo()
     assert abs(b.total - a.total) <= 0.1 * a.total, (b.total, a.total, b.ops - a.ops, a.ops - b.ops)
     # what would grow with the sessions: a cache write, a gather or an attention call per session
     n_layers = torch_target.args.num_hidden_layers
@@ -105,6 +110,29 @@ def test_sixteen_sessions_run_the_device_operations_of_one(torch_target, monkeyp
     assert b.ops["argmax"] == 1
     assert _syncs(monkeypatch, batch) == ["tolist"]  # the choices of all 16 sessions: one host sync
     assert _syncs(monkeypatch, alone) == ["tolist"]
+
+
+def test_a_lone_session_reads_its_pages_as_a_slice(torch_target, monkeypatch):
+    """Eagerly, a lone session whose pages lie in a row attends over a slice of the pool: no gather, fewer
+    operations, the same choices and aux hidden states bit for bit as through the table."""
+
+    def verify(slices: bool):
+        if not slices:
+            monkeypatch.setattr(batch_step, "_first_row", lambda *a: None)
+        (s,), (last,) = _sessions(torch_target, 1)
+        ops = DeviceOps()
+        with ops:
+            got = verify_batch(_items([s], [last], [8]))[0]
+        aux = s._pending[1].clone()  # the block's aux hidden states (what the drafter reads)
+        s.close()
+        monkeypatch.undo()
+        return got, aux, ops
+
+    got, aux, sliced = verify(True)
+    want, want_aux, gathered = verify(False)
+    assert got == want and torch.equal(aux, want_aux)
+    assert sliced.ops["index_select"] == 0 < gathered.ops["index_select"]
+    assert sliced.total < gathered.total
 
 
 def test_a_closed_sessions_pages_go_to_the_next_session(tiny):
