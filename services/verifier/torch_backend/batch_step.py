@@ -11,7 +11,7 @@ target's pools (``pool.py``), and runs:
   attention call over every session's rows: K/V read through a padded ``[sessions, slots]`` table of
   pool rows with per-row masks built on the device from positions (each slot's position and each
   session's ring geometry) -- the Triton decode-attention kernel on CUDA, which reads the pool through
-  the table itself; eagerly a gather and SDPA;
+  the table itself; eagerly a gather (a lone session's consecutive pages: a slice of the pool) and SDPA;
 * the greedy choices of all rows in one argmax, read back in ONE host sync.
 
 What the host does per step is plan: pages reserved for the new positions (before anything runs),
