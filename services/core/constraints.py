@@ -160,6 +160,22 @@ class Grammar:
         """How many of ``tokens`` the grammar would take in a row from here (the state is left as it is)."""
         return 0 if self.matcher.is_stopped() else int(self.matcher.validate_tokens([int(t) for t in tokens]))
 
+    def choose(self, ranked: Sequence[Sequence[int]]) -> list[int]:
+        """Walk a drafted block: at each position the first of its ``ranked`` ids the grammar allows after the
+        state here and the ids chosen before it; the block ends at the first position where none is (or
+        where the grammar has finished). The state is left as it was."""
+        chosen: list[int] = []
+        for row in ranked:
+            if self.matcher.is_stopped():
+                break
+            pick = next((t for t in row if self.matcher.try_consume_tokens([t]) == 1), None)
+            if pick is None:
+                break
+            chosen.append(pick)
+        if chosen:
+            self.matcher.rollback(len(chosen))
+        return chosen
+
     def forced(self) -> list[int]:
         """The tokens the grammar forces next, whatever the model would pick (may be empty)."""
         return [] if self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens())

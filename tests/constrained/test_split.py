@@ -32,3 +32,6 @@ def test_split_equals_colocated_constrained_ar(engine, split, name):
     for b in (1, 8):
         got = split.generate(Request(prompt, max_tokens=64, block_size=b, constraint=c))
         assert got.token_ids == ar.token_ids, (name, b)
+    # the drafter's ranks travel (Open.ranked, Drafted.ranked_ids): the split drafts the colocated blocks
+    here = engine.generate(Request(prompt, max_tokens=64, block_size=8, constraint=c))
+    assert [(x.drafted, x.accepted) for x in got.blocks] == [(x.drafted, x.accepted) for x in here.blocks]
