@@ -167,7 +167,12 @@ class Grammar:
         self.words = (self.vocab + 31) // 32
 
     def masks(self, candidates: Sequence[int]) -> np.ndarray:
-        """Allowed tokens [len(candidates) + 1, vocab] (bool): row i after the committed prefix and
+        """:meth:`bitmask` as bools [len(candidates) + 1, vocab] (a row's allowed tokens, to read)."""
+        return unpack(self.bitmask(candidates), self.vocab)
+
+    def bitmask(self, candidates: Sequence[int]) -> np.ndarray:
+        """Allowed tokens, llguidance's packed rows [len(candidates) + 1, ceil(vocab / 32)] (int32, token t at
+        bit t % 32 of word t // 32; the backends expand them on the device): row i after the committed prefix and
         ``candidates[:i]``. A row after a candidate the grammar refuses is all allowed: the acceptance rule
         never reaches it (the choice before it, being allowed, differs from that candidate)."""
         bits = np.zeros((len(candidates) + 1, self.words), np.int32)
@@ -180,7 +185,7 @@ class Grammar:
             consumed += 1
         if consumed:
             self.matcher.rollback(consumed)
-        return unpack(bits, self.vocab)
+        return bits
 
     def _fill(self, row: np.ndarray) -> None:
         if self.matcher.is_stopped():  # finished: it ends here (the loop stops at the EOS it commits)
