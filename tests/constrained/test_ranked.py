@@ -137,3 +137,19 @@ def test_every_candidate_is_allowed_and_the_output_is_unchanged(engine, name, mo
     blind = engine.generate(Request(prompt, max_tokens=64, block_size=8, constraint=c), RunOptions(guided=False))
     assert got.token_ids == blind.token_ids == ar.token_ids
     assert [s.ranked for s in opened] == [RANKED, 0]  # a blind run pays nothing for ranks
+
+
+def test_mlx_ranked_drafting_equals_constrained_ar(demo_pair):
+    """The same on MLX (its drafter's ranks by argpartition, its packed masks expanded by mx): guided == blind ==
+    constrained AR, the guided run in fewer blocks."""
+    pytest.importorskip("mlx.core")
+    from kakeya.orchestrator.assembly import build_local_engine
+
+    mlx = build_local_engine(demo_pair.target, demo_pair.draft, "mlx", None)
+    c = constraints()["nested"]
+    prompt = mlx.codec.encode(PROMPTS[0])
+    ar = mlx.generate(Request(prompt, max_tokens=64, block_size=1, constraint=c))
+    req = Request(prompt, max_tokens=64, block_size=8, constraint=c)
+    guided, blind = mlx.generate(req), mlx.generate(req, RunOptions(guided=False))
+    assert guided.token_ids == blind.token_ids == ar.token_ids
+    assert len(guided.blocks) < len(blind.blocks)
