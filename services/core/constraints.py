@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -101,11 +103,52 @@ def tokenizer(tokenizer_json: str, n_vocab: int, eos_ids: tuple[int, ...]) -> ll
     return llguidance.LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=list(eos_ids))
 
 
+class CompiledGrammars:
+    """A bounded LRU of grammars compiled against a tokenizer: every request of an agent repeats its schema, and
+    a request compiles it where it is checked, for the verifier's session and for the loop's guide; each takes a
+    copy of one compiled matcher (llguidance's ``deep_copy``: microseconds, against milliseconds a compile).
+
+    Keyed by (grammar text, tokenizer): the tokenizer object itself, kept alive by its entries (``tokenizer``
+    builds one per checkpoint). A grammar that does not compile is not kept. Thread-safe (a server checks on
+    its front's threads and opens sessions on its compute thread)."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self.hits = self.misses = 0
+        self._matchers: OrderedDict[tuple[str, llguidance.LLTokenizer], llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def matcher(self, grammar: str, tok: llguidance.LLTokenizer) -> llguidance.LLMatcher:
+        """A fresh matcher of ``grammar`` over ``tok`` at its start; :class:`ConstraintError` if it does not compile."""
+        key = (grammar, tok)
+        with self._lock:
+            pristine = self._matchers.get(key)
+            if pristine is not None:
+                self._matchers.move_to_end(key)
+                self.hits += 1
+                return pristine.deep_copy()
+            self.misses += 1
+        pristine = llguidance.LLMatcher(tok, grammar, log_level=0)  # compiled outside the lock
+        if pristine.is_error():
+            raise ConstraintError(_bounded(pristine.get_error()))
+        with self._lock:
+            self._matchers[key] = pristine
+            self._matchers.move_to_end(key)
+            while len(self._matchers) > self.maxsize:
+                self._matchers.popitem(last=False)
+        return pristine.deep_copy()
+
+
+COMPILED = CompiledGrammars(maxsize=64)  # this process's compiled grammars
+
+
 def check(grammar: str, tok: llguidance.LLTokenizer) -> None:
-    """:class:`ConstraintError` if ``grammar`` does not compile against ``tok`` (a bad regex, Lark rule, schema)."""
-    error = llguidance.LLMatcher.validate_grammar(grammar, tok)
-    if error:
-        raise ConstraintError(_bounded(error))
+    """:class:`ConstraintError` if ``grammar`` does not compile against ``tok`` (a bad regex, Lark rule, schema);
+    one that does is compiled once here for the sessions that follow (:data:`COMPILED`)."""
+    COMPILED.matcher(grammar, tok)
 
 
 class Grammar:
@@ -118,15 +161,18 @@ class Grammar:
     """
 
     def __init__(self, grammar: str, tok: llguidance.LLTokenizer):
-        self.matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise ConstraintError(_bounded(self.matcher.get_error()))
+        self.matcher = COMPILED.matcher(grammar, tok)
         self.vocab = tok.vocab_size
         self.eos = tok.eos_token
         self.words = (self.vocab + 31) // 32
 
     def masks(self, candidates: Sequence[int]) -> np.ndarray:
-        """Allowed tokens [len(candidates) + 1, vocab] (bool): row i after the committed prefix and
+        """:meth:`bitmask` as bools [len(candidates) + 1, vocab] (a row's allowed tokens, to read)."""
+        return unpack(self.bitmask(candidates), self.vocab)
+
+    def bitmask(self, candidates: Sequence[int]) -> np.ndarray:
+        """Allowed tokens, llguidance's packed rows [len(candidates) + 1, ceil(vocab / 32)] (int32, token t at
+        bit t % 32 of word t // 32; the backends expand them on the device): row i after the committed prefix and
         ``candidates[:i]``. A row after a candidate the grammar refuses is all allowed: the acceptance rule
         never reaches it (the choice before it, being allowed, differs from that candidate)."""
         bits = np.zeros((len(candidates) + 1, self.words), np.int32)
@@ -139,7 +185,7 @@ class Grammar:
             consumed += 1
         if consumed:
             self.matcher.rollback(consumed)
-        return unpack(bits, self.vocab)
+        return bits
 
     def _fill(self, row: np.ndarray) -> None:
         if self.matcher.is_stopped():  # finished: it ends here (the loop stops at the EOS it commits)
@@ -159,6 +205,22 @@ class Grammar:
     def allowed_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the grammar would take in a row from here (the state is left as it is)."""
         return 0 if self.matcher.is_stopped() else int(self.matcher.validate_tokens([int(t) for t in tokens]))
+
+    def choose(self, ranked: Sequence[Sequence[int]]) -> list[int]:
+        """Walk a drafted block: at each position the first of its ``ranked`` ids the grammar allows after the
+        state here and the ids chosen before it; the block ends at the first position where none is (or
+        where the grammar has finished). The state is left as it was."""
+        chosen: list[int] = []
+        for row in ranked:
+            if self.matcher.is_stopped():
+                break
+            pick = next((t for t in row if self.matcher.try_consume_tokens([t]) == 1), None)
+            if pick is None:
+                break
+            chosen.append(pick)
+        if chosen:
+            self.matcher.rollback(len(chosen))
+        return chosen
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next, whatever the model would pick (may be empty)."""

@@ -48,6 +48,17 @@ def check_alternatives(n: int, field: str = "alternatives") -> int:
     return n
 
 
+# The most ids a drafter returns per candidate for a constrained request to choose among
+# (``SessionOptions.ranked``, ``Draft.ranked``, ``orchestrator/guided.py``).
+MAX_RANKED = 16
+
+
+def check_ranked(n: int, field: str = "ranked") -> int:
+    if not 0 <= n <= MAX_RANKED:
+        raise ValueError(f"{field} must be 0..{MAX_RANKED}, got {n}")
+    return n
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Facts about the target that the loop and the public API need."""
@@ -122,10 +133,16 @@ class Verdict:
 class Draft:
     """What a drafter proposes for one block: its candidate ids and, under the rejection rule, the
     :class:`Proposal` row each candidate was drawn from (None: greedy argmax, or coupled
-    candidates, which are the drafter's noisy argmax and need nothing beside them)."""
+    candidates, which are the drafter's noisy argmax and need nothing beside them).
+
+    ``ranked``: a greedy session opened with ``SessionOptions.ranked`` = k gets, per candidate, the k
+    likeliest ids of that candidate's row, the candidate first (the rows come from one forward over
+    ``[last, mask * (B-1)]``, so no row depends on the ids chosen before it): a constrained request
+    picks each position's best-ranked id its grammar allows (``orchestrator/guided.py``)."""
 
     tokens: tuple[int, ...]
     proposal: Proposal | None = None
+    ranked: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "tokens", tuple(self.tokens))  # any sequence of ids in, an immutable value out
@@ -133,6 +150,12 @@ class Draft:
             raise ValueError(
                 f"a draft of {len(self.tokens)} candidates cannot carry {len(self.proposal)} proposal rows"
             )
+        if self.ranked is not None:
+            object.__setattr__(self, "ranked", tuple(tuple(int(t) for t in row) for row in self.ranked))
+            if len(self.ranked) != len(self.tokens):
+                raise ValueError(
+                    f"a draft of {len(self.tokens)} candidates cannot carry {len(self.ranked)} ranked rows"
+                )
 
 
 @dataclass(frozen=True)
@@ -228,6 +251,9 @@ class SessionOptions:
     # None: none, and the session pays nothing for them).
     logprobs: int | None = None
     constraint: Constraint | None = None  # what the output must match (the verifier's sessions enforce it)
+    # A greedy drafter session: the ``ranked`` likeliest ids of each candidate's row with every draft
+    # (``Draft.ranked``; a constrained request chooses among them); 0: none, and it pays nothing for them.
+    ranked: int = 0
 
 
 @dataclass(frozen=True)

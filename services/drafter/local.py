@@ -39,7 +39,8 @@ class LocalDrafter:
     def open_session(
         self, sampling: SamplingParams | None = None, options: SessionOptions | None = None
     ) -> DrafterSession:
-        return DrafterSession(self.model, sampling, self.prefixes, self.predraft_blocks)
+        ranked = options.ranked if options is not None else 0
+        return DrafterSession(self.model, sampling, self.prefixes, self.predraft_blocks, ranked)
 
     def status(self) -> dict[str, str]:
         return {}  # in this process: no connection to lose

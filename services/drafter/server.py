@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kakeya.core.contract import Predrafts, check_alternatives
+from kakeya.core.contract import Predrafts, SessionOptions, check_alternatives, check_ranked
 from kakeya.drafter.batch import draft_batch
 from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.drafter.session import PREDRAFT_BLOCKS, check_predraft_blocks
@@ -160,10 +160,15 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 self._check_open(req, kind)
                 try:
                     sampling = wire_contract.sampling_from_proto(req.open.sampling, "open.sampling")
+                    ranked = check_ranked(req.open.ranked, "open.ranked")
                 except ValueError as exc:
                     raise invalid(str(exc)) from None
+                if ranked and sampling is not None:
+                    raise invalid("open.ranked: the likeliest ids are for greedy sessions (open.sampling is set)")
                 every = self._progress_every(req.open)
                 kw = {} if sampling is None else {"sampling": sampling}
+                if ranked:
+                    kw["options"] = SessionOptions(ranked=ranked)
                 session = entry.session = yield from self._compute(every, self.drafter.open_session, **kw)
                 resp = pb.DrafterResponse(opened=pb.DrafterResponse.Opened(info=self.info(), session_id=entry.id))
             elif kind == "lookup":
@@ -340,6 +345,8 @@ def _drafted_proto(result) -> pb.DrafterResponse.Drafted:
     drafted = pb.DrafterResponse.Drafted(token_ids=draft.tokens, stats=stats)
     if draft.proposal is not None:
         drafted.proposal.CopyFrom(wire_contract.proposal_to_proto(draft.proposal))
+    if draft.ranked is not None:
+        drafted.ranked_ids.extend(t for row in draft.ranked for t in row)
     return drafted
 
 

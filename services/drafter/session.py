@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from kakeya.core.contract import Draft, DrafterStats, Predrafts, check_alternatives
+from kakeya.core.contract import Draft, DrafterStats, Predrafts, check_alternatives, check_ranked
 from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import MAX_BLOCK_SIZE, SamplingParams
 from kakeya.drafter.backend import DraftModel, extend
@@ -100,7 +100,8 @@ class DraftCall(NamedTuple):
 
 class DrafterSession:
     """``prefixes``: the drafter's prefix cache (None: none): :meth:`cached_prefixes` and :meth:`resume`
-    read it, :meth:`save` fills it."""
+    read it, :meth:`save` fills it. ``ranked``: the likeliest ids of each candidate's row every draft
+    returns (``Draft.ranked``; greedy sessions; 0: none)."""
 
     server_s = None  # in this process a step's whole time is the backend's (the contract's attribute)
 
@@ -110,10 +111,14 @@ class DrafterSession:
         sampling: SamplingParams | None = None,
         prefixes: PrefixCache | None = None,
         predraft_blocks: int = PREDRAFT_BLOCKS,
+        ranked: int = 0,
     ):
         self.model = model
         self.predraft_blocks = check_predraft_blocks(predraft_blocks)
         self.rule = session_rule(sampling)  # None: greedy
+        self.ranked = check_ranked(ranked)
+        if ranked and self.rule is not None:  # a sampled candidate's rank says nothing of what the rule accepts
+            raise ValueError("ranked: the likeliest ids are for greedy sessions (sampling is set)")
         self.cache = model.make_cache()
         self.prefixes = prefixes
         self._held: dict = {}  # positions -> snapshot found for this session's prompt, until it resumes
@@ -286,17 +291,19 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
     drafting = [call for call in work if call.wanted]
     greedy = any(call.session.rule is None for call in drafting)
     keep = max((call.session.alternatives for call in drafting if call.session.rule is None), default=0)
+    # the top ids on the device, only k a row to the host: the pre-draft's alternatives and a constrained session's ranks
+    top = max([keep + 1 if keep else 0, *(call.session.ranked for call in drafting)])
     mask = model.config.mask_token_id
     tokens, logits = model.draft_step(  # the greedy tokens: one host sync, which settles every cache too
         [(call.session.cache, call.aux) for call in work],
         [(call.session.cache, call.opening + [mask] * call.wanted) for call in drafting],
         greedy,
-        keep_logits=bool(keep) or not all(call.session.rule is None for call in drafting),
+        keep_logits=bool(top) or not all(call.session.rule is None for call in drafting),
     )
     if not drafting:
         model.materialize(caches)
         return [NOTHING] * len(work)
-    ranked = model.ranked(logits, keep + 1) if keep else None  # the argmax and the next likeliest
+    ranked = model.ranked(logits, top) if top else None  # the argmax and the next likeliest
     drafts, at = [], 0
     for call in work:
         if not call.wanted:
@@ -305,7 +312,8 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
         at += len(call.opening) + call.wanted - 1  # the block's rows: its positions 1.., the drafted ones last
         rows = slice(at - call.wanted, at)
         if call.session.rule is None:
-            drafts.append(Draft(tokens[rows]))
+            k = call.session.ranked
+            drafts.append(Draft(tokens[rows], ranked=_ranks(tokens[rows], ranked[0][rows], k) if k else None))
             if ranked is not None and call.session.alternatives:
                 call.session._record(call, tokens[rows], ranked[0][rows], ranked[1][rows])
         else:  # syncs on its candidates (coupled) or its [B-1, K] proposal (rejection)
@@ -315,6 +323,11 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
     if not greedy:
         model.materialize(caches)
     return drafts
+
+
+def _ranks(tokens: Sequence[int], rows: Sequence[Sequence[int]], k: int) -> list[tuple[int, ...]]:
+    """Each candidate's ``k`` likeliest ids, the candidate first (a float tie may rank another id first)."""
+    return [(tok, *[t for t in row if t != tok])[:k] for tok, row in zip(tokens, rows)]
 
 
 def predrafts(calls: Sequence[DraftCall], drafts: Sequence[Draft]) -> Predrafts:

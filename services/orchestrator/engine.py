@@ -21,7 +21,7 @@ from kakeya.core.generation import Block, Generation, Report
 from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, Request
 from kakeya.orchestrator.adaptive import AdaptivePolicy, BlockSizer, measure_costs
 from kakeya.orchestrator.checks import Limits, check_request
-from kakeya.orchestrator.guided import open_guide
+from kakeya.orchestrator.guided import RANKED, open_guide
 from kakeya.orchestrator.loop import Decode, DecodeOptions
 from kakeya.orchestrator.scheduler import Scheduler
 from kakeya.orchestrator.text import TextCodec, text_stream
@@ -177,6 +177,12 @@ class Run:
         self.verifier_session = self.drafter_session = None  # read by a server's metrics (their backends' time)
         self._sizer = None
         self._prefill_t0, self._prefilling = 0.0, None  # the prefill as _begin left it (see _prefill)
+        # a constrained request drafts with its grammar (guided.py): greedy ones choose among the drafter's ranks
+        guided = (
+            req.constraint is not None
+            and options.guided
+            and (self._sampling.greedy or self._sampling.rule != REJECTION)
+        )
         sessions = SessionOptions(
             req.request_id,
             options.timeout,
@@ -184,6 +190,7 @@ class Run:
             self._cancellation,
             logprobs=req.logprobs,
             constraint=req.constraint,
+            ranked=RANKED if guided and self._sampling.greedy else 0,
         )
         # ONE model-thread job: on a busy engine each job waits for the round in flight, so a newcomer that
         # sized, opened, looked up its prefix and prefilled in separate jobs waited one round per job
@@ -203,11 +210,7 @@ class Run:
             else check_alternatives(options.predraft_alternatives, "predraft_alternatives")
         )
         guide = None
-        if (
-            req.constraint is not None
-            and options.guided
-            and (self._sampling.greedy or self._sampling.rule != REJECTION)
-        ):
+        if guided:
             info = engine.verifier.info
             guide = open_guide(req.constraint, engine.codec.tokenizer_json, info.vocab_size, info.eos_token_ids)
         decoding = DecodeOptions(

@@ -185,7 +185,7 @@ class Decode:
             found = self._drafter_step(ahead.result)
             prepared = None if found is None else found.after(verdict.accepted, last)
             if prepared is not None:
-                self._draft, self._predrafted = Draft(prepared[: room - 1]), True
+                self._draft, self._predrafted = self._allowed(Draft(prepared[: room - 1])), True
                 return None
             if not self.drafting:
                 return None
@@ -290,11 +290,14 @@ class Decode:
         self.unseen.clear()
 
     def _allowed(self, draft: Draft) -> Draft:
-        """The drafter's candidates up to the first one a constraint's grammar refuses (no proposal to cut:
-        the guide never serves the rejection rule)."""
+        """The drafter's block as a constraint's grammar allows it: each position's best-ranked allowed id
+        (a draft with ranks), else the candidates up to the first one the grammar refuses (no proposal to
+        cut: the guide never serves the rejection rule)."""
         guide = self.options.guide
         if guide is None or not draft.tokens or draft.proposal is not None:
             return draft
+        if draft.ranked is not None:
+            return Draft(guide.choose(self.generation.token_ids, draft.ranked))
         n = guide.allowed_prefix(self.generation.token_ids, draft.tokens)
         return draft if n == len(draft.tokens) else Draft(draft.tokens[:n])
 

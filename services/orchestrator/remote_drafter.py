@@ -76,6 +76,7 @@ class GrpcDrafterSession:
         self.drafter = drafter
         self._timeout, self._request_id = options.timeout, options.request_id
         self._sampling = sampling if sampling is not None and not sampling.greedy else None
+        self._ranked = options.ranked
         self._s: Stream | None = None
         self._broken = False
         self._failure: BackendError | None = None  # the drafter's own failure that broke the session
@@ -116,7 +117,9 @@ class GrpcDrafterSession:
     def _stream(self) -> Stream:
         if self._s is None:
             self._s = Stream(self.drafter.stub.Session, "drafter", self.drafter.addr, self._timeout, self._request_id)
-            open_ = dpb.DrafterRequest.Open(request_id=self._request_id, progress_ms=self.drafter.clock.progress_ms)
+            open_ = dpb.DrafterRequest.Open(
+                request_id=self._request_id, progress_ms=self.drafter.clock.progress_ms, ranked=self._ranked
+            )
             if self._sampling is not None:
                 open_.sampling.CopyFrom(wire_contract.sampling_to_proto(self._sampling))
             self._opened = self._s.post(dpb.DrafterRequest(open=open_), "opened")  # answered before the first draft's
@@ -173,6 +176,10 @@ class GrpcDrafterSession:
         self.server_s += elapsed_s
         self.drafter.backoff.success()
         self._stats = d.stats
+        k, ids, n = self._ranked, list(d.ranked_ids), len(d.token_ids)
+        # k ids a candidate, row-major; ranks that are not (an older server's) leave the block to be cut
+        if k and len(ids) == n * k and all(0 <= t < self.drafter.vocab_size for t in ids):
+            return Draft(d.token_ids, ranked=[ids[i * k : (i + 1) * k] for i in range(n)])
         if not d.HasField("proposal"):
             return Draft(d.token_ids)
         return Draft(

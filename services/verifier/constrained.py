@@ -14,13 +14,17 @@ import functools
 from collections.abc import Sequence
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from kakeya.core.constraints import Constraint, ConstraintError, Grammar, tokenizer
 
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer_json(target_dir: str) -> str | None:
+    """The checkpoint's tokenizer as ``tokenizers`` writes it (``to_str``): the text the front's codec hands its
+    checks and guide, so that a colocated verifier shares their llguidance tokenizer and compiled grammars."""
     path = Path(target_dir) / "tokenizer.json"
-    return path.read_text(encoding="utf-8") if path.is_file() else None
+    return Tokenizer.from_file(str(path)).to_str() if path.is_file() else None
 
 
 def available(target_dir: str | Path) -> bool:

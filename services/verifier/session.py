@@ -341,11 +341,11 @@ class VerifierSession:
 
     def _logits(self, hidden, candidates: Sequence[int]):
         """The target's logits [L, V] after each row of ``hidden`` [1, L, H]; with a grammar, restricted to the
-        tokens it allows after the committed prefix and the candidates before each row (``Grammar.masks``)."""
+        tokens it allows after the committed prefix and the candidates before each row (``Grammar.bitmask``)."""
         logits = self.target.logits(hidden)[0]
         if self.grammar is None:
             return logits
-        return self.target.sampler.restrict(logits, self.grammar.masks(candidates))
+        return self.target.sampler.restrict(logits, self.grammar.bitmask(candidates))
 
     def _argmax(self, hidden, candidates: Sequence[int]) -> list[int]:
         return self.target.sampler.argmax_rows(self._logits(hidden, candidates))

@@ -122,17 +122,17 @@ def test_constrained_sampling_is_exact_and_a_broken_mask_is_caught(small, rule, 
     assert df >= 5, "too few cells to test anything"
     assert pval > ALPHA, f"constrained speculative samples differ from constrained AR: chi2={stat:.1f} df={df}"
 
-    exact = grammar_module.Grammar.masks
+    exact = grammar_module.Grammar.bitmask
 
     def broken(self, candidates):  # each row loses its first allowed token: a wrong restriction
         rows = exact(self, candidates)
-        for row in rows:
-            allowed = np.flatnonzero(row)
-            if len(allowed) > 1:
-                row[allowed[0]] = False
+        for row, allowed in zip(rows, grammar_module.unpack(rows, self.vocab)):
+            on = np.flatnonzero(allowed)
+            if len(on) > 1:
+                row.view(np.uint32)[on[0] // 32] &= ~np.uint32(1 << int(on[0] % 32))
         return rows
 
-    monkeypatch.setattr(grammar_module.Grammar, "masks", broken)
+    monkeypatch.setattr(grammar_module.Grammar, "bitmask", broken)
     counts = speculative_counts(verifier, drafter, params, range(N_EXACT, N_EXACT + N_BROKEN))
     stat, df, pval = chi_square(counts, dist, N_BROKEN)
     assert pval < ALPHA, f"the test did not catch a broken mask: chi2={stat:.1f}, df={df}, p={pval:.2g}"

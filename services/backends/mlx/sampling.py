@@ -132,10 +132,14 @@ def logprobs(logits: mx.array, tokens: Sequence[int], k: int) -> list[TokenLogpr
     ]
 
 
-def restrict(logits: mx.array, allowed: np.ndarray) -> mx.array:
-    """``logits`` [L, V] with every token a grammar does not allow there (``allowed`` [L, V], host bools) at -inf:
-    what a constrained request's choices and distributions are taken from."""
-    return mx.where(mx.array(allowed), logits, -mx.inf)
+def restrict(logits: mx.array, bitmask: np.ndarray) -> mx.array:
+    """``logits`` [L, V] with every token a grammar does not allow there at -inf: what a constrained request's
+    choices and distributions are taken from. ``bitmask``: llguidance's packed rows [L, ceil(V / 32)] (int32,
+    token t at bit t % 32 of word t // 32), expanded on the device by shift and mask (``llguidance.mlx``'s
+    kernel is Metal-only)."""
+    words = mx.array(bitmask)
+    keep = ((words[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1).reshape(words.shape[0], -1)
+    return mx.where(keep[:, : logits.shape[-1]] != 0, logits, -mx.inf)
 
 
 def argmax_rows(logits: mx.array) -> list[int]:

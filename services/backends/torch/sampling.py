@@ -132,11 +132,16 @@ def logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenL
 
 
 @torch.inference_mode()
-def restrict(logits: torch.Tensor, allowed: np.ndarray) -> torch.Tensor:
-    """``logits`` [L, V] with every token a grammar does not allow there (``allowed`` [L, V], host bools) at -inf:
-    what a constrained request's choices and distributions are taken from."""
-    keep = torch.from_numpy(np.ascontiguousarray(allowed)).to(logits.device, non_blocking=True)
-    return logits.masked_fill(~keep, float("-inf"))
+def restrict(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
+    """``logits`` [L, V] with every token a grammar does not allow there at -inf: what a constrained request's
+    choices and distributions are taken from. ``bitmask``: llguidance's packed rows [L, ceil(V / 32)] (int32,
+    token t at bit t % 32 of word t // 32), uploaded as they are (32x fewer bytes than bools) and expanded
+    here on the device. Not ``llguidance.torch.apply_token_bitmask_inplace``: that kernel is ``torch.compile``d
+    (a compile at first use, a C++ toolchain on a CPU) and writes in place, where logprobs read the raw rows."""
+    words = torch.from_numpy(np.ascontiguousarray(bitmask)).to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    keep = ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1)[:, : logits.shape[-1]]
+    return logits.masked_fill(keep == 0, float("-inf"))
 
 
 @torch.inference_mode()

@@ -85,14 +85,16 @@ class DrafterStats(_message.Message):
 class DrafterRequest(_message.Message):
     __slots__ = ("open", "draft", "close", "predraft", "lookup", "save")
     class Open(_message.Message):
-        __slots__ = ("request_id", "sampling", "progress_ms")
+        __slots__ = ("request_id", "sampling", "progress_ms", "ranked")
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
         PROGRESS_MS_FIELD_NUMBER: _ClassVar[int]
+        RANKED_FIELD_NUMBER: _ClassVar[int]
         request_id: str
         sampling: _sampling_pb2.Sampling
         progress_ms: int
-        def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ..., progress_ms: _Optional[int] = ...) -> None: ...
+        ranked: int
+        def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ..., progress_ms: _Optional[int] = ..., ranked: _Optional[int] = ...) -> None: ...
     class Draft(_message.Message):
         __slots__ = ("new_aux", "last_token", "block_size", "resume_at")
         NEW_AUX_FIELD_NUMBER: _ClassVar[int]
@@ -154,14 +156,16 @@ class DrafterResponse(_message.Message):
         session_id: str
         def __init__(self, info: _Optional[_Union[DrafterInfo, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
     class Drafted(_message.Message):
-        __slots__ = ("token_ids", "stats", "proposal")
+        __slots__ = ("token_ids", "stats", "proposal", "ranked_ids")
         TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         STATS_FIELD_NUMBER: _ClassVar[int]
         PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+        RANKED_IDS_FIELD_NUMBER: _ClassVar[int]
         token_ids: _containers.RepeatedScalarFieldContainer[int]
         stats: DrafterStats
         proposal: _sampling_pb2.Proposal
-        def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[DrafterStats, _Mapping]] = ..., proposal: _Optional[_Union[_sampling_pb2.Proposal, _Mapping]] = ...) -> None: ...
+        ranked_ids: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[DrafterStats, _Mapping]] = ..., proposal: _Optional[_Union[_sampling_pb2.Proposal, _Mapping]] = ..., ranked_ids: _Optional[_Iterable[int]] = ...) -> None: ...
     class Predrafted(_message.Message):
         __slots__ = ("token_ids", "stats", "outcomes")
         class Outcome(_message.Message):
