@@ -48,6 +48,11 @@ TINY = _tiny()
 TINY_MLX = [*TINY, "--backend", "mlx"]
 TINY_ALL_MLX = [*TINY, "--verifier-backend", "mlx", "--drafter-backend", "mlx"]
 START_TIMEOUT = 180.0  # model servers import mlx + mlx-lm and warm up; slow on 2 shared cores
+# The orchestrators' step deadline of silence (--backend-timeout) in these tests: one only a hung backend trips.
+# The 2-s default failed 3 of 1,558 tests (honest steps, "verifier did not answer in time") in a full run while
+# two `kakeya generate` loops and a test run kept both cores busy (load ~9). The tests of hung backends and of
+# Progress pass their own short one.
+TEST_BACKEND_TIMEOUT_S = 60
 
 
 class Server:
@@ -67,6 +72,8 @@ class Server:
         self.ready_file = self.tmp / f"{tag}.ready.json"
         self.log_file = self.tmp / f"{tag}.log"
         cmd = [sys.executable, "-m", "kakeya.app.main", "serve", *self.argv]
+        if self.argv[0] in ("orchestrator", "all") and "--backend-timeout" not in self.argv:
+            cmd += ["--backend-timeout", str(TEST_BACKEND_TIMEOUT_S)]
         cmd += ["--port", str(self.port), "--ready-file", str(self.ready_file)]
         with open(self.log_file, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
