@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from kakeya.core.generation import Block, Report
-from kakeya.core.request import NONE, Chat, InvalidRequest, Request, SamplingParams, public_field
+from kakeya.core.request import AUTO, NONE, Chat, InvalidRequest, Request, SamplingParams, public_field
 from kakeya.orchestrator import http_constraints, http_logprobs, http_params, http_tools, tool_calls
 from kakeya.runtime.lifecycle import RequestError, bounded, quote
 
@@ -98,6 +98,7 @@ class Call:
     model: str
     obfuscate: bool = False  # stream_options.include_obfuscation: pad each chunk with random characters
     tools: bool = False  # read the model's tool calls out of its text (``tool_choice`` auto, with tools)
+    held_calls: bool = False  # a grammar holds the calls well-formed: stream their arguments as they come
     logprobs: bool = False  # the answer lists each token's logprobs (``http_logprobs.py``)
 
 
@@ -273,7 +274,7 @@ def chat_request(body: dict, served: str) -> tuple[Request, Call, dict[str, str]
     prompt = Chat(tuple(turns), _flag(body, "continue_final_message"), tools, choice)
     if tools and choice != NONE:  # the model stops where a call's results would follow
         fields["stop_strings"] += (tool_calls.RESULT_START,)
-        call = replace(call, tools=True)
+        call = replace(call, tools=True, held_calls=choice != AUTO)
     return Request(prompt, **fields), call, names
 
 
@@ -301,7 +302,7 @@ class Answer:
         self.created = int(time.time())
         self.text: list[str] = []
         self.token_ids: list[int] = []
-        self.calls = tool_calls.CallStream() if call.tools else None
+        self.calls = tool_calls.CallStream(arguments=call.held_calls) if call.tools else None
         self.calls_sent = 0  # the index of the next streamed call
         self.logprobs: list = []  # every committed token's TokenLogprobs (a call with logprobs)
         self._sent = self._offset = 0  # how many of them chunks carried; the characters of their tokens
@@ -373,8 +374,10 @@ class Answer:
         for e in events:
             if isinstance(e, str):
                 deltas.append({"content": e})
-            else:
-                deltas += http_tools.call_deltas(e, self.calls_sent)
+            elif isinstance(e, tool_calls.ArgumentsPiece):  # of the call last opened
+                deltas.append(http_tools.arguments_delta(e.text, self.calls_sent - 1))
+            else:  # a call opened (its arguments to come) or whole
+                deltas += http_tools.call_deltas(getattr(e, "call", e), self.calls_sent)
                 self.calls_sent += 1
         return [self._envelope([{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}], chunk=True)
                 for d in deltas]  # fmt: skip

@@ -144,9 +144,13 @@ def call_json(call: ToolCall) -> dict:
 
 
 def call_deltas(call: ToolCall, index: int) -> list[dict]:
-    """A call as OpenAI streams it: its id, type and name with empty arguments, then the arguments."""
-    return [
-        {"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                         "function": {"name": call.name, "arguments": ""}}]},
-        {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]},
-    ]  # fmt: skip
+    """A call as OpenAI streams it: its id, type and name with empty arguments, then the arguments (none yet
+    for a call whose arguments stream in pieces, :func:`arguments_delta`)."""
+    opened = {"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                              "function": {"name": call.name, "arguments": ""}}]}  # fmt: skip
+    return [opened, arguments_delta(call.arguments, index)] if call.arguments else [opened]
+
+
+def arguments_delta(text: str, index: int) -> dict:
+    """The next piece of the arguments of call ``index``."""
+    return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}

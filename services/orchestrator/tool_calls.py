@@ -8,16 +8,20 @@ the JSON object OpenAI's ``function.arguments`` carries; a call that does not pa
 model wrote it (it is content, not a call this server could hand a client).
 
 :class:`CallStream` reads the text as it streams, whatever a block commits: text before a call streams as
-content, a call comes out once its end marker has arrived, and a block's tail that may be the start of a
-marker (``<|tool``) is held back until the next block says what it is.
+content, and a block's tail that may be the start of a marker (``<|tool``) is held back until the next block
+says what it is. A call comes out whole once its end marker has arrived; or, where a grammar holds every call
+well-formed (``tool_choice`` ``required`` or a named function), as OpenAI streams one: its id and name as soon
+as its name is written, then its arguments in JSON pieces as they are written (:class:`ArgumentsStream`). A
+call the model may write malformed (``auto``) waits for its end: a streamed call could not be taken back.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kakeya.core.request import ToolCall
 
@@ -27,6 +31,7 @@ RESULT_START = "<|tool_response>"  # where the model stops to wait for a call's 
 MARKERS = (CALL_START, CALL_END, QUOTE, RESULT_START, "<tool_response|>")
 NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+log = logging.getLogger(__name__)
 _BARE_KEY = re.compile(r"[^:{}\[\],<\s]+")
 _WORDS = {"true": True, "false": False, "null": None, "None": None}  # Gemma-4's template writes a null as None
 
@@ -149,13 +154,34 @@ def _held(text: str, marker: str) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class CallOpened:
+    """A streamed call's start: its id and name (``call.arguments`` is empty; :class:`ArgumentsPiece` follow)."""
+
+    call: ToolCall
+
+
+@dataclass(frozen=True)
+class ArgumentsPiece:
+    """The next piece of the JSON arguments of the call last opened."""
+
+    text: str
+
+
+_HEADER = re.compile(r"call:([^{]*)\{")
+
+
 @dataclass
 class CallStream:
-    """Streamed text -> events: content (``str``) and whole calls (:class:`ToolCall`), in the text's order."""
+    """Streamed text -> events in the text's order: content (``str``) and calls, whole (:class:`ToolCall`) or,
+    with ``arguments``, streamed (:class:`CallOpened`, then :class:`ArgumentsPiece`)."""
 
+    arguments: bool = False  # stream each call's arguments as they come: the calls are grammar-held
     buffer: str = ""
     in_call: bool = False
     calls: int = 0
+    _args: ArgumentsStream | None = field(default=None, repr=False)  # the call being streamed
+    _body: str = ""  # its arguments' text so far
 
     def feed(self, text: str) -> list:
         self.buffer += text
@@ -170,7 +196,10 @@ class CallStream:
                     return out
                 self._content(out, self.buffer[:at])
                 self.buffer, self.in_call = self.buffer[at + len(CALL_START) :], True
-            else:
+            elif self._args is not None:
+                if not self._stream(out):
+                    return out
+            elif not (self.arguments and self._open(out)):
                 at = self.buffer.find(CALL_END)
                 if at < 0:
                     return out
@@ -182,10 +211,40 @@ class CallStream:
                     self.calls += 1
                     out.append(call)
 
+    def _open(self, out: list) -> bool:
+        """A call's header (``call:NAME{``) complete and well-formed: open the call, stream what follows."""
+        m = _HEADER.match(self.buffer)
+        end = self.buffer.find(CALL_END)
+        if not m or not NAME.fullmatch(m[1]) or 0 <= end < m.end():
+            return False
+        self.calls += 1
+        out.append(CallOpened(ToolCall(call_id(), m[1], "")))
+        self._args, self._body, self.buffer = ArgumentsStream(), "", self.buffer[m.end() - 1 :]
+        return True
+
+    def _stream(self, out: list) -> bool:
+        """The open call's arguments as far as they are written; True once its end marker has come."""
+        at = self.buffer.find(CALL_END)
+        cut = len(self.buffer) - _held(self.buffer, CALL_END) if at < 0 else at
+        text, self.buffer = self.buffer[:cut], self.buffer[cut:]
+        self._body += text
+        piece = self._args.feed(text)
+        if piece:
+            out.append(ArgumentsPiece(piece))
+        if at < 0:
+            return False
+        args = parse_arguments(self._body)
+        if args is None or "".join(self._args.sent) != json.dumps(args, ensure_ascii=False):
+            # a grammar-held call always parses: say so loudly if one did not, its pieces are sent
+            log.error("a streamed tool call's arguments did not parse as they were streamed")
+        self.buffer, self.in_call, self._args = self.buffer[len(CALL_END) :], False, None
+        return True
+
     def end(self) -> list:
-        """What the text's end leaves: a held-back tail, or an unfinished call, as content."""
-        rest = (CALL_START if self.in_call else "") + self.buffer
-        self.buffer, self.in_call = "", False
+        """What the text's end leaves: a held-back tail, or an unfinished call, as content (an unfinished
+        streamed call stays the call it was: its pieces are sent)."""
+        rest = "" if self._args is not None else (CALL_START if self.in_call else "") + self.buffer
+        self.buffer, self.in_call, self._args = "", False, None
         out: list = []
         self._content(out, rest)
         return out
@@ -194,3 +253,112 @@ class CallStream:
     def _content(out: list, text: str) -> None:
         if text:
             out.append(text)
+
+
+_ENDS = ",:{}[]"  # what ends a bare key, a number or a word (besides white space)
+
+
+class ArgumentsStream:
+    """Gemma-4 arguments text (from their ``{``), fed in pieces -> OpenAI's JSON text, in final pieces.
+
+    Each piece is translated as far as the text so far decides it: structure (``{`` ``}`` ``[`` ``]``, and
+    ``,`` / ``:`` spaced as ``json.dumps`` spaces them) and a string's characters go out at once; a bare key, a
+    number or a word (``true``, ``None`` ...) waits for the character that ends it, and a string's tail that may
+    be the start of its closing mark waits for the next piece. Joined, the pieces are exactly
+    ``json.dumps(parse_arguments(whole), ensure_ascii=False)``: the text a whole answer carries. The
+    translation trusts its input to be well-formed, as a grammar-held call is (``tool_grammar.py``); text it
+    cannot read stops it (:attr:`broken`) and nothing more is sent.
+    """
+
+    def __init__(self):
+        self.rest = ""  # text read but not yet translated
+        self.stack: list[str] = []  # the open containers: "{" or "["
+        self.key_next = False  # in an object, where a key (not a value) comes next
+        self.in_string = False
+        self.broken = False
+        self.sent: list[str] = []  # every piece returned, for the caller's final check
+
+    def feed(self, text: str) -> str:
+        """The JSON text ``text`` (appended to what came before) decides; "" if none yet."""
+        if self.broken:
+            return ""
+        self.rest += text
+        out: list[str] = []
+        try:
+            while self.rest and self._step(out):
+                pass
+        except ValueError:
+            self.broken = True
+        piece = "".join(out)
+        if piece:
+            self.sent.append(piece)
+        return piece
+
+    def _step(self, out: list[str]) -> bool:
+        """Translate what the start of ``rest`` decides; False when it must wait for more text."""
+        if self.in_string:
+            end = self.rest.find(QUOTE)
+            if end < 0:
+                cut = len(self.rest) - _held(self.rest, QUOTE)
+                out.append(_escaped(self.rest[:cut]))
+                self.rest = self.rest[cut:]
+                return False
+            out.append(_escaped(self.rest[:end]) + '"')
+            self.rest, self.in_string = self.rest[end + len(QUOTE) :], False
+            self._after_value()
+            return True
+        c = self.rest[0]
+        if c.isspace():
+            self.rest = self.rest[1:]
+            return True
+        if self.rest.startswith(QUOTE):
+            out.append('"')
+            self.rest, self.in_string = self.rest[len(QUOTE) :], True
+            return True
+        if QUOTE.startswith(self.rest):  # a mark's first characters: wait
+            return False
+        if c in "{[":
+            self.stack.append(c)
+            self.key_next = c == "{"
+            out.append(c)
+        elif c in "}]":
+            if not self.stack or "{[".index(self.stack.pop()) != "}]".index(c):
+                raise ValueError(c)
+            out.append(c)
+            self._after_value()
+        elif c == ",":
+            self.key_next = self.stack[-1:] == ["{"]
+            out.append(", ")
+        elif c == ":":
+            self.key_next = False
+            out.append(": ")
+        else:
+            return self._bare(out)
+        self.rest = self.rest[1:]
+        return True
+
+    def _bare(self, out: list[str]) -> bool:
+        """A bare key, number or word: translated once the character after it has come."""
+        end = next((i for i, ch in enumerate(self.rest) if ch in _ENDS or ch.isspace() or ch == "<"), -1)
+        if end < 0:
+            return False
+        word, self.rest = self.rest[:end], self.rest[end:]
+        if self.key_next:
+            out.append(json.dumps(word, ensure_ascii=False))
+            return True
+        if word in _WORDS:
+            out.append(json.dumps(_WORDS[word]))
+        elif _NUMBER.fullmatch(word):
+            out.append(json.dumps(json.loads(word)))  # as json.dumps writes the parsed number: 2.5e1 -> 25.0
+        else:
+            raise ValueError(word)
+        self._after_value()
+        return True
+
+    def _after_value(self) -> None:
+        self.key_next = False
+
+
+def _escaped(text: str) -> str:
+    """``text`` as it stands inside a JSON string (json.dumps escapes character by character)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]

@@ -128,6 +128,36 @@ def test_streamed_deltas_join_to_the_same_call_whatever_the_blocks(planted, size
     assert [json.loads(c["arguments"]) for c in calls.values()] == [ARGS, ARGS | {"city": "Oslo, <é>{x}"}]
 
 
+@pytest.mark.parametrize("sizes", [(1,), (3,), (5, 1), (1000,)])
+def test_grammar_held_calls_stream_their_arguments_as_they_are_written(planted, sizes):
+    """tool_choice required: every call is well-formed (a grammar holds it), so each one opens as soon as its
+    name is written and its arguments follow block by block, as OpenAI streams them; joined, they are the
+    whole answer's arguments, character for character."""
+    service, base = planted
+    service.text, service.sizes, service.finish = CALL + CALL.replace("Paris", "Oslo"), (1000,), "stop"
+    kw = {"model": "planted", "messages": USER, "tools": [WEATHER], "tool_choice": "required"}
+    whole = _client(base).chat.completions.create(**kw).choices[0].message.tool_calls
+    service.sizes = sizes
+    calls, pieces, order = {}, 0, []
+    for chunk in _client(base).chat.completions.create(**kw, stream=True):
+        if not chunk.choices:
+            continue
+        assert not chunk.choices[0].delta.content  # nothing of a call leaks into the content
+        for d in chunk.choices[0].delta.tool_calls or []:
+            if d.id is not None:
+                assert d.index not in calls and d.function.arguments == ""
+                calls[d.index] = {"name": d.function.name, "arguments": ""}
+            else:
+                calls[d.index]["arguments"] += d.function.arguments
+                pieces += 1
+            order.append(d.index)
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(c.function.name, c.function.arguments)
+                                                                      for c in whole]  # fmt: skip
+    assert order == sorted(order)  # the second call opens after the first one's last piece
+    if sizes[0] < 100:
+        assert pieces > 2 * len(whole)  # arguments in pieces, not whole at the call's end
+
+
 def test_text_that_only_looks_like_a_call_is_content(planted):
     service, base = planted
     service.sizes = (3,)

@@ -10,7 +10,16 @@ import pytest
 from tokenizers import AddedToken, Tokenizer
 
 from kakeya.orchestrator.text import TextCodec
-from kakeya.orchestrator.tool_calls import MARKERS, CallStream, parse_arguments, parse_call, split
+from kakeya.orchestrator.tool_calls import (
+    MARKERS,
+    ArgumentsPiece,
+    ArgumentsStream,
+    CallOpened,
+    CallStream,
+    parse_arguments,
+    parse_call,
+    split,
+)
 
 Q = '<|"|>'
 TEXT = (
@@ -20,9 +29,7 @@ TEXT = (
 )
 
 
-@pytest.mark.parametrize(
-    ("args", "want"),
-    [
+ARGUMENTS = [
         ("{}", {}),
         (f"{{a:{Q}x{Q}}}", {"a": "x"}),
         (
@@ -32,8 +39,12 @@ TEXT = (
         (f"{{{Q}key with: colon{Q}:[{Q}a{Q},[],{{}}]}}", {"key with: colon": ["a", [], {}]}),
         (f"{{ a : {Q} spaced {Q} , b : [ 1 , 2 ] }}", {"a": " spaced ", "b": [1, 2]}),
         (f'{{s:{Q}json "quotes" \\ and {{braces}}{Q}}}', {"s": 'json "quotes" \\ and {braces}'}),
-    ],
-)
+        (f"{{a:{Q}<x|y> \n\t\u0001 \u00e9 {Q},b:-0,c:1E2,d:[[None],{{e:[]}}]}}",
+         {"a": "<x|y> \n\t\u0001 \u00e9 ", "b": 0, "c": 100.0, "d": [[None], {"e": []}]}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "want"), ARGUMENTS)
 def test_arguments_parse_to_json(args, want):
     assert parse_arguments(args) == want
 
@@ -94,6 +105,78 @@ def test_content_streams_at_once_and_only_a_possible_marker_waits():
     assert stream.feed("x <|tool_c") == ["x "]
     assert stream.feed("all>call:f{") == [] and stream.feed("}<tool_call|>")[0].name == "f"
     assert stream.feed("<|tool_call>call:f{a:") == [] and stream.end() == ["<|tool_call>call:f{a:"]
+
+
+@pytest.mark.parametrize(("args", "want"), ARGUMENTS)
+def test_arguments_stream_in_pieces_that_join_to_the_whole_answers_json(args, want):
+    """Cut anywhere (every pair of cuts), the streamed pieces join to exactly the JSON a whole answer carries."""
+    whole = json.dumps(want, ensure_ascii=False)
+    for i in range(len(args) + 1):
+        for j in range(i, len(args) + 1):
+            stream = ArgumentsStream()
+            assert stream.feed(args[:i]) + stream.feed(args[i:j]) + stream.feed(args[j:]) == whole
+            assert not stream.broken
+
+
+def test_arguments_go_out_as_soon_as_the_text_decides_them():
+    stream = ArgumentsStream()
+    assert stream.feed(f"{{city:{Q}Par") == '{"city": "Par'  # a string's characters at once
+    assert stream.feed("is<|") == "is"  # a possible closing mark waits
+    assert stream.feed('"|>,n') == '", '  # a bare key waits for what ends it
+    assert stream.feed(":12") == '"n": '  # so does a number
+    assert stream.feed("}") == "12}"
+    assert stream.feed("") == "" and not stream.broken
+
+
+def test_unreadable_arguments_stop_the_stream():
+    stream = ArgumentsStream()
+    assert stream.feed("{a:Paris,") == '{"a": ' and stream.broken
+    assert stream.feed("b:1}") == ""
+
+
+def _run_streamed(pieces) -> tuple[str, list]:
+    """As :func:`_run`, with grammar-held calls: each call opened, then its arguments in pieces."""
+    stream, events = CallStream(arguments=True), []
+    for piece in pieces:
+        events += stream.feed(piece)
+    events += stream.end()
+    content, calls = [], []
+    for e in events:
+        if isinstance(e, str):
+            content.append(e)
+        elif isinstance(e, CallOpened):
+            assert e.call.arguments == "" and e.call.id.startswith("call_")
+            calls.append([e.call.name, ""])
+        else:
+            assert isinstance(e, ArgumentsPiece) and e.text and calls
+            calls[-1][1] += e.text
+    assert all(content) and "<|tool_call>" not in "".join(content)
+    return "".join(content), [tuple(c) for c in calls]
+
+
+def test_streamed_arguments_cut_anywhere_join_to_the_whole_answers_calls():
+    want = _want()
+    for i in range(len(TEXT) + 1):
+        assert _run_streamed([TEXT[:i], TEXT[i:]]) == want
+        for j in range(i, len(TEXT) + 1, 3):
+            assert _run_streamed([TEXT[:i], TEXT[i:j], TEXT[j:]]) == want
+    for size in range(1, 12):
+        assert _run_streamed([TEXT[k : k + size] for k in range(0, len(TEXT), size)]) == want
+
+
+def test_a_streamed_call_opens_with_its_name_and_stays_a_call_when_cut_short():
+    stream = CallStream(arguments=True)
+    assert stream.feed("<|tool_call>call:get_wea") == []
+    opened = stream.feed(f"ther{{city:{Q}Pa")
+    assert isinstance(opened[0], CallOpened) and opened[0].call.name == "get_weather"
+    assert opened[1:] == [ArgumentsPiece('{"city": "Pa')]
+    assert stream.end() == []  # cut by max_tokens: its pieces are sent, nothing comes back as content
+
+
+def test_a_malformed_header_waits_for_the_end_and_comes_back_as_content():
+    stream = CallStream(arguments=True)
+    assert stream.feed("<|tool_call>call:bad name{a:1}") == []
+    assert stream.feed("<tool_call|>") == ["<|tool_call>call:bad name{a:1}<tool_call|>"]
 
 
 def test_special_tool_markers_stay_in_the_decoded_text(demo_pair, tmp_path):
