@@ -215,11 +215,13 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Tool:
-    """A function the model may call (OpenAI's function tool): ``parameters`` is its arguments' JSON schema."""
+    """A function the model may call (OpenAI's function tool): ``parameters`` is its arguments' JSON schema;
+    ``strict``: its calls' arguments are held to that schema even where the model may answer in text instead."""
 
     name: str
     description: str = ""
     parameters: Mapping | None = None
+    strict: bool = False
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from kakeya.core.request import (
     AUTO,
     MAX_BLOCK_SIZE,
     MAX_LOGPROBS,
-    NONE,
     REJECTION,
     CachePolicy,
     Chat,
@@ -34,7 +33,7 @@ from kakeya.core.request import (
 )
 from kakeya.orchestrator.chat import ChatError, template_inputs
 from kakeya.orchestrator.text import TextCodec
-from kakeya.orchestrator.tool_grammar import GrammarError, marker_terms, tool_call_grammar
+from kakeya.orchestrator.tool_grammar import GrammarError, holds_calls, marker_terms, tool_call_grammar
 from kakeya.runtime import bounds
 
 DEFAULT_MAX_TOKENS = 128
@@ -173,14 +172,16 @@ def _prompt_ids(prompt, engine: Engine, limit: int) -> list[int]:
 
 
 def _tool_calls(req: Request, engine: Engine) -> Request:
-    """A chat whose ``tool_choice`` is ``required`` or a function's name: the request constrained to well-formed
-    calls (of that function) whose arguments follow their schemas (``tool_grammar.py``), the markers named as
-    the checkpoint's tokenizer holds them."""
+    """A chat whose ``tool_choice`` is ``required`` or a function's name, or ``auto`` with a ``strict`` tool: the
+    request constrained to well-formed calls (of that function) whose arguments follow their schemas
+    (``tool_grammar.py``; under ``auto``, after any text), the markers named as the checkpoint's tokenizer
+    holds them."""
     chat = req.prompt
-    if not isinstance(chat, Chat) or chat.tool_choice in (AUTO, NONE):
+    if not isinstance(chat, Chat) or not holds_calls(chat.tools, chat.tool_choice):
         return req
     if req.constraint is not None:
-        raise InvalidRequest("constraint", f"tool_choice {chat.tool_choice!r} constrains the output already")
+        held = "a strict tool" if chat.tool_choice == AUTO else f"tool_choice {chat.tool_choice!r}"
+        raise InvalidRequest("constraint", f"{held} constrains the output already")
     tokenizer = engine.codec.tokenizer if engine.codec is not None else None
     try:
         grammar = tool_call_grammar(chat.tools, chat.tool_choice, marker_terms(tokenizer))

@@ -30,8 +30,9 @@ from dataclasses import dataclass, replace
 import grpc
 
 from kakeya.core.generation import Block, Report
-from kakeya.core.request import AUTO, NONE, Chat, InvalidRequest, Request, SamplingParams, public_field
+from kakeya.core.request import NONE, Chat, InvalidRequest, Request, SamplingParams, public_field
 from kakeya.orchestrator import http_constraints, http_logprobs, http_params, http_tools, tool_calls
+from kakeya.orchestrator.tool_grammar import holds_calls
 from kakeya.runtime.lifecycle import RequestError, bounded, quote
 
 STATUS = {
@@ -262,7 +263,6 @@ def chat_request(body: dict, served: str) -> tuple[Request, Call, dict[str, str]
     try:
         tools = http_tools.tools(body.get("tools"))
         choice = http_tools.tool_choice(body.get("tool_choice"), tools)
-        http_tools.check_strict(body.get("tools"), choice)
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise bad("messages", f"messages[{i}] must be an object with a role")
@@ -274,7 +274,7 @@ def chat_request(body: dict, served: str) -> tuple[Request, Call, dict[str, str]
     prompt = Chat(tuple(turns), _flag(body, "continue_final_message"), tools, choice)
     if tools and choice != NONE:  # the model stops where a call's results would follow
         fields["stop_strings"] += (tool_calls.RESULT_START,)
-        call = replace(call, tools=True, held_calls=choice != AUTO)
+        call = replace(call, tools=True, held_calls=holds_calls(tools, choice))
     return Request(prompt, **fields), call, names
 
 

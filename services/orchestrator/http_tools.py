@@ -5,8 +5,10 @@
 text (``tool_calls.py``); ``none`` (the default without) renders them too, as vLLM does, but reads no call:
 the text comes back as content, whatever it holds. ``required`` and a named function hold the model to
 well-formed calls whose arguments follow their schemas, by a grammar (``tool_grammar.py``, compiled with the
-request's other checks in ``checks.py``). ``strict`` on a function (its arguments held to their schema even
-when the model may answer in text instead, under ``auto``) is refused with a 400 naming ``tools``.
+request's other checks in ``checks.py``). ``strict: true`` on a function holds its calls' arguments to its
+schema under ``auto`` too: the model still answers in any text it likes, but a call, once opened, is held
+well-formed (every tool's) and a strict tool's arguments follow its schema (the same grammar, in a form that
+lets text come first); under ``required`` and a named function every call is held anyway.
 """
 
 from __future__ import annotations
@@ -16,11 +18,6 @@ import json
 from kakeya.core.request import AUTO, NONE, REQUIRED, Message, Tool, ToolCall
 from kakeya.orchestrator.tool_calls import NAME
 from kakeya.runtime.lifecycle import quote
-
-_NOT_YET = (
-    'under tool_choice "auto" is not supported: use tool_choice "required" or a named function, whose calls '
-    "always follow their schemas"
-)
 
 
 class ToolError(ValueError):
@@ -59,20 +56,11 @@ def tools(value) -> tuple[Tool, ...]:
         required = parameters.get("required", []) if parameters is not None else []
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise ToolError("tools", f"{where}.function.parameters.required: must be a list of strings")
-        out.append(Tool(name, description or "", parameters))
+        strict = f.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ToolError("tools", f"{where}.function.strict: must be true or false")
+        out.append(Tool(name, description or "", parameters, bool(strict)))
     return tuple(out)
-
-
-def check_strict(value, choice: str) -> None:
-    """``strict: true`` on a function: honoured where every call is held to its schema (``required``, a named
-    function), moot under ``none``; under ``auto`` the model may answer in text or call, and a call's arguments
-    are not held to their schema, so it is refused naming the tool."""
-    if choice != AUTO or not isinstance(value, list):
-        return
-    for i, t in enumerate(value):
-        f = t.get("function") if isinstance(t, dict) else None
-        if isinstance(f, dict) and f.get("strict") not in (None, False):
-            raise ToolError("tools", f"tools[{i}].function.strict: true {_NOT_YET}")
 
 
 def tool_choice(value, declared: tuple[Tool, ...]) -> str:

@@ -23,7 +23,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 
-from kakeya.core.request import NONE, REQUIRED, Tool
+from kakeya.core.request import AUTO, NONE, REQUIRED, Tool
 from kakeya.orchestrator.tool_calls import CALL_END, CALL_START, MARKERS, QUOTE, RESULT_START
 
 _ANNOTATIONS = {"description", "title", "default", "examples", "$schema", "$comment", "deprecated", "readOnly",
@@ -193,13 +193,19 @@ class _Rules:
 
 def tool_call_grammar(tools: Sequence[Tool], tool_choice: str, terms: Mapping[str, str] | None = None) -> str:
     """The lark grammar (llguidance's) of the calls ``tool_choice`` asks for: ``required``, one or more calls of
-    any of ``tools``; a function's name, one call of it. ``terms``: the markers' lark terms
-    (:func:`marker_terms`; by default their text). :class:`GrammarError` names a tool it cannot hold."""
+    any of ``tools``; a function's name, one call of it; ``auto`` with a ``strict`` tool, text or calls (below).
+    ``terms``: the markers' lark terms (:func:`marker_terms`; by default their text). :class:`GrammarError`
+    names a tool it cannot hold.
+
+    ``auto`` (:func:`holds_calls` says when it has a grammar): any text without a call's opening mark, or text
+    up to that mark and then one or more calls, each well-formed, a ``strict`` tool's arguments following
+    its schema and another tool's any arguments. The text is free, so the model answers in text exactly as it
+    would unconstrained; only a call, once opened, is held."""
     terms = dict(terms or marker_terms())
     rules = _Rules(terms)
-    if tool_choice in (NONE, "auto"):
-        raise GrammarError(f"tool_choice {tool_choice!r} asks for no call: it has no grammar")
-    chosen = list(tools) if tool_choice == REQUIRED else [t for t in tools if t.name == tool_choice]
+    if tool_choice == NONE or (tool_choice == AUTO and not holds_calls(tools, tool_choice)):
+        raise GrammarError(f"tool_choice {tool_choice!r} holds no call: it has no grammar")
+    chosen = [t for t in tools if t.name == tool_choice] if tool_choice not in (AUTO, REQUIRED) else list(tools)
     if not chosen:
         raise GrammarError(f"tool_choice: {tool_choice!r} is not one of the tools")
     calls = []
@@ -207,12 +213,49 @@ def tool_call_grammar(tools: Sequence[Tool], tool_choice: str, terms: Mapping[st
         if tool in chosen:
             where = f"tools[{i}].function.parameters"
             params = tool.parameters if tool.parameters is not None else {"type": "object", "properties": {}}
-            args = rules.value(dict(params) | {"type": "object"}, where)
+            if tool_choice == AUTO and not tool.strict:
+                rules.any()
+                args = "any_object"  # well-formed, whatever its keys and values
+            else:
+                args = rules.value(dict(params) | {"type": "object"}, where)
             calls.append(f"{_lit('call:' + tool.name)} {args}")
-    rules.rule(" | ".join(calls))
-    call = f"{terms[CALL_START]} {rules.names[' | '.join(calls)]} {terms[CALL_END]}"
-    start = f"({call})+" if tool_choice == REQUIRED else call
-    lines = [f"start: {start} {terms[RESULT_START]}?"]
+    body = rules.rule(" | ".join(calls))
+    call = f"{terms[CALL_START]} {body} {terms[CALL_END]}"
+    if tool_choice == AUTO:
+        start = _text_or_calls(terms, body)
+    else:
+        start = f"({call})+ {terms[RESULT_START]}?" if tool_choice == REQUIRED else f"{call} {terms[RESULT_START]}?"
+    lines = [f"start: {start}"]
     lines += [f"{name}: {body}" for name, body in rules.rules.items()]
     lines += [f"{name}: {regex}" for name, regex in _TERMINALS.items()]
+    if tool_choice == AUTO and not terms[CALL_START].startswith("<["):
+        lines.append(f"TEXT: {_FREE} & ~/{_FREE[1:-1]}{re.escape(CALL_START)}{_FREE[1:-1]}/")
+        lines.append(f"LEAD: TEXT {terms[CALL_START]}")
+    elif tool_choice == AUTO:
+        lines.append(f"TEXT: {_FREE}")
     return "\n".join(lines) + "\n"
+
+
+_FREE = r"/(.|\n)*/"
+
+
+def _text_or_calls(terms: Mapping[str, str], body: str) -> str:
+    """``auto``'s start: text alone, or text then calls. Where the opening mark is a special token (Gemma-4's)
+    no text can spell it and the text simply ends at it. Where it is text, the text may not hold the mark,
+    and text with the mark at its end is one lexeme (``LEAD``): llguidance's lexer cannot take back
+    characters a longer lexeme already took, so a text lexeme followed by a mark lexeme would never see the
+    mark. (Not a ``stop=`` lexeme: llguidance 1.x rolls one back wrongly, and the verifier rolls back every
+    block's rejected candidates; ``test_tool_grammar.py`` checks a rolled-back state.)
+
+    The text is free but for one thing: llguidance's lexemes read UTF-8 characters, so a byte sequence that
+    is no text (only an untrained model writes one) is refused."""
+    rest = f"{body} {terms[CALL_END]} ({terms[CALL_START]} {body} {terms[CALL_END]})* {terms[RESULT_START]}?"
+    if terms[CALL_START].startswith("<["):
+        return f"TEXT | TEXT {terms[CALL_START]} {rest}"
+    return f"TEXT | LEAD {rest}"
+
+
+def holds_calls(tools: Sequence[Tool], tool_choice: str) -> bool:
+    """Whether a grammar holds the calls ``tool_choice`` allows well-formed: ``required``, a named function,
+    and ``auto`` where a tool is ``strict``."""
+    return tool_choice != NONE and (tool_choice != AUTO or any(t.strict for t in tools))

@@ -11,7 +11,7 @@ everything from the request's body to the answer's JSON and server-sent events i
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -129,13 +129,19 @@ def test_streamed_deltas_join_to_the_same_call_whatever_the_blocks(planted, size
 
 
 @pytest.mark.parametrize("sizes", [(1,), (3,), (5, 1), (1000,)])
-def test_grammar_held_calls_stream_their_arguments_as_they_are_written(planted, sizes):
-    """tool_choice required: every call is well-formed (a grammar holds it), so each one opens as soon as its
+@pytest.mark.parametrize("held", ["required", "strict"])
+def test_grammar_held_calls_stream_their_arguments_as_they_are_written(planted, sizes, held):
+    """tool_choice required, or auto with a strict tool: every call is well-formed (a grammar holds it), so each one opens as soon as its
     name is written and its arguments follow block by block, as OpenAI streams them; joined, they are the
     whole answer's arguments, character for character."""
     service, base = planted
     service.text, service.sizes, service.finish = CALL + CALL.replace("Paris", "Oslo"), (1000,), "stop"
     kw = {"model": "planted", "messages": USER, "tools": [WEATHER], "tool_choice": "required"}
+    if held == "strict":  # auto, with a strict tool
+        kw |= {
+            "tools": [{"type": "function", "function": WEATHER["function"] | {"strict": True}}],
+            "tool_choice": "auto",
+        }
     whole = _client(base).chat.completions.create(**kw).choices[0].message.tool_calls
     service.sizes = sizes
     calls, pieces, order = {}, 0, []
@@ -204,7 +210,8 @@ BAD = [
     ({"tools": [WEATHER, WEATHER]}, "tools", "declared twice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools",
      "parameters"),
-    ({"tools": [{"type": "function", "function": WEATHER["function"] | {"strict": True}}]}, "tools", "strict"),
+    ({"tools": [{"type": "function", "function": WEATHER["function"] | {"strict": "yes"}}]}, "tools",
+     "tools[0].function.strict"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"required": 5}}}]}, "tools",
      "parameters.required"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": []}}}]}, "tools",
@@ -371,6 +378,44 @@ def test_a_forced_call_is_well_formed_and_its_arguments_follow_the_schema(real, 
         assert [(j["name"], json.loads(j["arguments"])) for _, j in sorted(joined.items())] == [
             (c.function.name, json.loads(c.function.arguments)) for c in calls
         ]
+
+
+def test_strict_under_auto_holds_calls_and_leaves_the_text_as_it_was(real):
+    """tool_choice auto with a strict tool: a grammar holds any call the model opens (the grammar's own tests:
+    ``test_tool_grammar.py``) and leaves its text free, so the (untrained, never calling) model answers with
+    the very tokens it answers without strict; the request decoded under that grammar; with a
+    response_format beside it, the two constraints are refused by name."""
+    from openai import BadRequestError
+
+    _, base = real
+    strict = {"type": "function", "function": FLAG["function"] | {"strict": True}}
+    kw = {"model": "tiny", "messages": USER, "max_tokens": 24, "temperature": 0}
+    client = _client(base)
+    with pytest.raises(BadRequestError) as err:
+        client.chat.completions.create(tools=[strict], response_format={"type": "json_object"}, **kw)
+    assert "strict tool" in str(err.value)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 0])
+def test_strict_under_auto_leaves_the_demo_models_text_as_it_was(demo_pair, block_size):
+    """The demo model (trained on text, never on calls) answers under the auto grammar with the very tokens it
+    answers without it, at every block size: the grammar held the request (its constraint) and refused
+    nothing the model chose, through every block's rolled-back candidates."""
+    from kakeya.orchestrator.checks import check_request
+    from kakeya.orchestrator.http_api import chat_request
+
+    engine = build_local_engine(str(demo_pair.target), str(demo_pair.draft), "torch", "cpu")
+    strict = {"type": "function", "function": FLAG["function"] | {"strict": True}}
+    for content in ("Weather in Paris?", "def fib(n):"):
+        body = {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 40,
+                "temperature": 0, "extra_body": None}  # fmt: skip
+        out = {}
+        for name, tools in (("free", [FLAG, WEATHER]), ("held", [strict, WEATHER])):
+            req, _, _ = chat_request({k: v for k, v in body.items() if v is not None} | {"tools": tools}, "demo")
+            req = check_request(req, engine)
+            assert (req.constraint is not None) == (name == "held")
+            out[name] = engine.generate(replace(req, block_size=block_size)).token_ids
+        assert out["held"] == out["free"] and len(out["free"]) == 40
 
 
 def test_strict_is_honoured_where_every_call_follows_its_schema(real):

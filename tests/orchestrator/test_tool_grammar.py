@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import jsonschema
 import llguidance
@@ -128,6 +129,43 @@ def test_required_takes_several_calls_a_named_function_one_of_it(demo):
         assert not _accepts(tokenizer, named, _ids(codec, text)), text
 
 
+def test_auto_with_a_strict_tool_takes_any_text_or_text_then_held_calls(demo):
+    """tool_choice auto with a strict tool: the model may answer in any text (so its answer is what it would be
+    unconstrained), or open calls, each then held well-formed: a strict tool's arguments to its schema, another
+    tool's to any arguments."""
+    codec, tokenizer = demo
+    grammar = tool_call_grammar([replace(WEATHER, strict=True), TIME], "auto")
+    good = _written(codec, "get_weather", VALID[2])
+    loose = f"<|tool_call>call:time{{a:1,b:[{Q}x{Q},None]}}<tool_call|>"  # any arguments: time is not strict
+    for text in ["", "Sure: 12 <b> a <| b\n", "Let me look. " + good, good, good + loose + "<|tool_response>",
+                 "x <|tool_call" + "_like text"]:  # fmt: skip
+        assert _accepts(tokenizer, grammar, _ids(codec, text)), text
+    for args in INVALID:
+        assert not _accepts(tokenizer, grammar, _ids(codec, "Text. " + _written(codec, "get_weather", args)))
+    for bad in ["<|tool_call>call:nope{}<tool_call|>", "<|tool_call>call:time{a:}<tool_call|>",
+                good + "and then text", "a <|tool_call> b", good.replace("<tool_call|>", "")]:  # fmt: skip
+        assert not _accepts(tokenizer, grammar, _ids(codec, bad)), bad
+
+
+def test_auto_masks_after_rolled_back_candidates_are_those_of_a_fresh_matcher(demo, demo_pair):
+    """The verifier computes each block's masks by taking its candidates and rolling them back: with the
+    auto grammar that must leave the state as it was (a ``stop=`` lexeme did not: the block after a rolled
+    back one allowed only EOS)."""
+    from kakeya.core.constraints import Grammar
+
+    codec, _ = demo
+    tok = llguidance.LLTokenizer(str(demo_pair.target / "tokenizer.json"), eos_token=[1])
+    grammar = tool_call_grammar([replace(WEATHER, strict=True)], "auto")
+    ids = _ids(codec, "#\n#\n Sure <b> here it is: " + _written(codec, "get_weather", VALID[3]))
+    rolled = Grammar(grammar, tok)
+    for k in range(0, len(ids) - 4, 3):
+        rolled.masks(ids[k : k + 5])  # five candidates taken and rolled back, three of them then committed
+        rolled.advance(ids[k : k + 3])
+        fresh = Grammar(grammar, tok)
+        fresh.advance(ids[: k + 3])
+        assert (rolled.masks([]) == fresh.masks([])).all(), k
+
+
 def test_special_token_markers_match_by_id_not_by_text(demo_pair, tmp_path):
     shutil.copytree(demo_pair.target, tmp_path / "t", ignore=shutil.ignore_patterns("*.safetensors"))
     tok = Tokenizer.from_file(str(tmp_path / "t" / "tokenizer.json"))
@@ -143,6 +181,12 @@ def test_special_token_markers_match_by_id_not_by_text(demo_pair, tmp_path):
     # the same text with the markers spelled in ordinary pieces (no special token) is no call
     spelled = [i for piece in call.replace(Q, "\0").split("\0") for i in [*_pieces(tok, piece), *_pieces(tok, Q)]]
     assert tok.token_to_id(Q) not in spelled and not _accepts(tokenizer, grammar, spelled)
+    auto = tool_call_grammar([replace(WEATHER, strict=True)], "auto", terms)
+    assert _accepts(tokenizer, auto, tok.encode("Sure. " + call, add_special_tokens=False).ids)
+    assert _accepts(tokenizer, auto, tok.encode("Text <|tool_ca alone", add_special_tokens=False).ids)
+    assert not _accepts(
+        tokenizer, auto, tok.encode("Sure. " + call.replace(",unit", ",u"), add_special_tokens=False).ids
+    )
 
 
 def _pieces(tok: Tokenizer, text: str) -> list[int]:
