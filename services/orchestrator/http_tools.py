@@ -1,7 +1,8 @@
 """OpenAI's function tools on ``POST /v1/chat/completions``: ``tools``, ``tool_choice``, the tool turns of
 ``messages`` read into the request (``http_api.chat_request``), and the calls of an answer in OpenAI's shapes.
 
-``tool_choice``: ``auto`` (the default with tools) renders the tools and reads the model's calls out of its
+``tool_choice`` (its JSON shape read here, its meaning and refusals ``tool_choice.py``'s, which the gRPC API's
+``ChatMessages.tool_choice`` shares): ``auto`` (the default with tools) renders the tools and reads the model's calls out of its
 text (``tool_calls.py``); ``none`` (the default without) renders them too, as vLLM does, but reads no call:
 the text comes back as content, whatever it holds. ``required`` and a named function hold the model to
 well-formed calls whose arguments follow their schemas, by a grammar (``tool_grammar.py``, compiled with the
@@ -13,8 +14,9 @@ from __future__ import annotations
 
 import json
 
-from kakeya.core.request import AUTO, NONE, REQUIRED, Message, Tool, ToolCall
+from kakeya.core.request import AUTO, Message, Tool, ToolCall
 from kakeya.orchestrator.tool_calls import NAME
+from kakeya.orchestrator.tool_choice import choose
 from kakeya.runtime.lifecycle import quote
 
 _NOT_YET = (
@@ -76,25 +78,17 @@ def check_strict(value, choice: str) -> None:
 
 
 def tool_choice(value, declared: tuple[Tool, ...]) -> str:
-    """``tool_choice`` as :attr:`Chat.tool_choice`: ``auto``, ``none``, ``required`` or the function's name."""
-    if value is None:
-        return AUTO if declared else NONE
+    """``tool_choice`` as :attr:`Chat.tool_choice`: ``auto``, ``none``, ``required`` or the function's name. The
+    JSON shape is read here; what the choice means and which are refused is every front's (``tool_choice.py``:
+    an InvalidRequest naming ``prompt.tool_choice``)."""
     if isinstance(value, dict):
         f = value.get("function")
         name = f.get("name") if value.get("type") == "function" and isinstance(f, dict) else None
         if not isinstance(name, str):
             raise ToolError("tool_choice", 'tool_choice: must be "none", "auto", "required" or '
                             '{"type": "function", "function": {"name": ...}}')  # fmt: skip
-        if not any(t.name == name for t in declared):
-            raise ToolError("tool_choice", f"tool_choice: names {quote(name)}, which is not one of the tools")
-        return name
-    if value not in (NONE, AUTO, REQUIRED):
-        raise ToolError(
-            "tool_choice", f'tool_choice: must be "none", "auto", "required" or a function, got {quote(value)}'
-        )
-    if value != NONE and not declared:
-        raise ToolError("tool_choice", f"tool_choice: {quote(value)} needs tools")
-    return value
+        return choose(name, declared, named=True)
+    return choose(value, declared)
 
 
 def calls(value, i: int) -> tuple[ToolCall, ...]:
