@@ -85,6 +85,12 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         tools = tuple(
             Tool(t.name, t.description, _schema(t.parameters_json, i)) for i, t in enumerate(r.messages.tools)
         )
+        try:  # as every front checks them
+            tool_choice.check_tools(tools)
+        except tool_choice.ToolProblem as exc:
+            field = "name" if exc.part == "name" else "parameters_json"
+            reason = exc.reason if exc.part in ("name", "parameters") else f"{exc.part}: {exc.reason}"
+            raise InvalidRequest(f"prompt.messages.tools[{exc.index}].{field}", reason) from None
         choice, choice_field = _tool_choice(r.messages.tool_choice, tools)
         names = names | {tool_choice.FIELD: choice_field}
         prompt = Chat(messages, r.messages.continue_final_message, tools, choice)

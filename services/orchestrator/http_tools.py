@@ -16,8 +16,7 @@ import json
 
 from kakeya.core.request import AUTO, Message, Tool, ToolCall
 from kakeya.orchestrator.tool_calls import NAME
-from kakeya.orchestrator.tool_choice import choose
-from kakeya.runtime.lifecycle import quote
+from kakeya.orchestrator.tool_choice import ToolProblem, check_tools, choose
 
 _NOT_YET = (
     'under tool_choice "auto" is not supported: use tool_choice "required" or a named function, whose calls '
@@ -45,23 +44,14 @@ def tools(value) -> tuple[Tool, ...]:
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
             raise ToolError("tools", f'{where}: must be {{"type": "function", "function": {{...}}}}')
         f = t["function"]
-        name, description, parameters = f.get("name"), f.get("description", ""), f.get("parameters")
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise ToolError("tools", f"{where}.function.name: must be 1-64 letters, digits, '_', '.' or '-'")
-        if any(name == other.name for other in out):
-            raise ToolError("tools", f"{where}.function.name: {quote(name)} is declared twice")
+        description = f.get("description", "")
         if not isinstance(description, str | None):
             raise ToolError("tools", f"{where}.function.description: must be a string")
-        if parameters is not None and (
-            not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
-        ):
-            raise ToolError("tools", f'{where}.function.parameters: must be a JSON schema of "type": "object"')
-        if parameters is not None and not isinstance(parameters.get("properties", {}), dict):
-            raise ToolError("tools", f"{where}.function.parameters.properties: must be an object")
-        required = parameters.get("required", []) if parameters is not None else []
-        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-            raise ToolError("tools", f"{where}.function.parameters.required: must be a list of strings")
-        out.append(Tool(name, description or "", parameters))
+        out.append(Tool(f.get("name"), description or "", f.get("parameters")))
+    try:  # the name and the parameters, as every front checks them
+        check_tools(out)
+    except ToolProblem as exc:
+        raise ToolError("tools", f"tools[{exc.index}].function.{exc.part}: {exc.reason}") from None
     return tuple(out)
 
 

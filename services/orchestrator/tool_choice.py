@@ -1,6 +1,7 @@
-"""``tool_choice`` as every front reads it: the HTTP API's ``tool_choice`` and the gRPC API's
-``ChatMessages.tool_choice`` mean the same, are refused for the same reasons, and change a request and its
-answer in the same way, here.
+"""``tool_choice`` (and the tools it chooses among) as every front reads them: the HTTP API's ``tool_choice``
+and the gRPC API's ``ChatMessages.tool_choice`` mean the same, are refused for the same reasons, and change a
+request and its answer in the same way, here; a tool's name and parameters are checked by :func:`check_tools`
+for both fronts and the chat template's renderer, each spelling the field as its clients do.
 
 A front turns its own wire shape (OpenAI's string or ``{"type": "function", "function": {"name"}}``, gRPC's
 ``ToolChoice`` oneof) into a mode or a function's name and calls :func:`choose`; a refusal is an
@@ -14,11 +15,42 @@ well-formed calls by the engine's check (``checks.py``, ``tool_grammar.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kakeya.core.request import AUTO, NONE, REQUIRED, Chat, InvalidRequest, Tool
-from kakeya.orchestrator.tool_calls import RESULT_START
+from kakeya.orchestrator.tool_calls import NAME, RESULT_START
 from kakeya.runtime.lifecycle import quote
+
+
+class ToolProblem(ValueError):
+    """A bad tool: ``index`` in the tools, ``part`` of it (``name``, ``parameters``, ``parameters.required`` ...)
+    and ``reason``; each front names the field its own way (``tools[0].function.name``, ``...parameters_json``)."""
+
+    def __init__(self, index: int, part: str, reason: str):
+        super().__init__(f"tools[{index}].{part}: {reason}")
+        self.index, self.part, self.reason = index, part, reason
+
+
+def check_tools(tools: Sequence[Tool]) -> None:
+    """Each tool's name (1-64 letters, digits, '_', '.' or '-', declared once) and parameters (none, or a JSON
+    schema of ``"type": "object"`` whose ``properties`` is an object and ``required`` a list of strings);
+    :class:`ToolProblem` for the first that is not."""
+    for i, t in enumerate(tools):
+        if not isinstance(t.name, str) or not NAME.fullmatch(t.name):
+            raise ToolProblem(i, "name", "must be 1-64 letters, digits, '_', '.' or '-'")
+        if any(t.name == other.name for other in tools[:i]):
+            raise ToolProblem(i, "name", f"{quote(t.name)} is declared twice")
+        p = t.parameters
+        if p is None:
+            continue
+        if not isinstance(p, Mapping) or p.get("type", "object") != "object":
+            raise ToolProblem(i, "parameters", 'must be a JSON schema of "type": "object"')
+        if not isinstance(p.get("properties", {}), Mapping):
+            raise ToolProblem(i, "parameters.properties", "must be an object")
+        required = p.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ToolProblem(i, "parameters.required", "must be a list of strings")
+
 
 FIELD = "prompt.tool_choice"
 MODES = (NONE, AUTO, REQUIRED)

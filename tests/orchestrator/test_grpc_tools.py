@@ -126,6 +126,10 @@ def test_none_and_a_tool_less_chat_read_no_calls(real):
         assert complete.finish_reason == pb.FINISH_REASON_LENGTH and text
 
 
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 PATTERN = {"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"a": {"type": "string", "pattern": "^x$"}}}}}  # fmt: skip
 BAD = [
@@ -137,6 +141,14 @@ BAD = [
     (dict(tools=(WEATHER | {"function": WEATHER["function"] | {"name": "auto"}},), function="auto"),
      "prompt.messages.tool_choice.function: a function named 'auto' cannot be chosen by name"),
     (dict(tools=(PATTERN,), mode=pb.TOOL_CHOICE_MODE_REQUIRED), "prompt.messages.tool_choice.mode: "),
+    (dict(tools=(_tool("f", {"type": "array"}),)),
+     'prompt.messages.tools[0].parameters_json: must be a JSON schema of "type": "object"'),
+    (dict(tools=(_tool("f", {"required": 5}),), mode=pb.TOOL_CHOICE_MODE_NONE),
+     "prompt.messages.tools[0].parameters_json: parameters.required: must be a list of strings"),
+    (dict(tools=(_tool("f", {"properties": []}),)),
+     "prompt.messages.tools[0].parameters_json: parameters.properties: must be an object"),
+    (dict(tools=(_tool("bad name", {}),)), "prompt.messages.tools[0].name: must be 1-64 letters"),
+    (dict(tools=(WEATHER, WEATHER)), "prompt.messages.tools[1].name: 'get_weather' is declared twice"),
     (dict(mode=pb.TOOL_CHOICE_MODE_REQUIRED, constraint=spb.Constraint(json_object=True)),
      "constraint: tool_choice 'required' constrains the output already"),
     (dict(function="set_flag", constraint=spb.Constraint(regex="a+")),
