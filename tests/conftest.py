@@ -1,10 +1,18 @@
 """Fixtures shared across the suite: the embedded tiny pair, loaded once; the benchmark scripts."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# One torch intra-op thread in every test process and every server a test starts (they inherit the
+# environment): the suite runs on two xdist workers on a 2-core machine, and a torch thread team as large as
+# the machine stalls whenever another process holds a core -- measured on a busy machine, a 40-token
+# generate of the demo pair took 20-60 s on torch's default two threads and 1.1-1.6 s on one. What the
+# tests check does not depend on the thread count; tests that set one themselves still do.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

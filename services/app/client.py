@@ -3,10 +3,12 @@
 ::
 
     kakeya client --addr HOST:PORT generate [--prompt TEXT] [--max-tokens N] [--json] ...
+    kakeya client --addr HOST:PORT generate --chat --tools tools.json --tool-choice required ...
     kakeya client --addr HOST:PORT info | health
 
 ``client generate`` prints what ``kakeya generate`` prints: the same ``--json`` object, from the
-report rebuilt from the stream (``grpc_api.report_from_stream``).
+report rebuilt from the stream (``grpc_api.report_from_stream``); with tools, also the calls the server
+parsed (``content`` and ``tool_calls`` in ``--json``; one ``tool call`` line each otherwise).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kakeya.app.options import (
     print_result,
 )
 from kakeya.app.serve import DEFAULT_PORTS
+from kakeya.app.tool_flags import add_tool_options, calls_json, set_tools
 
 
 def _channel(args):
@@ -63,6 +66,8 @@ def generate_request(args):
     constraint, _ = constraint_from_args(args)
     if constraint is not None:
         req.constraint.CopyFrom(wire_contract.constraint_to_proto(constraint))
+    if (args.tools is not None or args.tool_choice is not None) and (not args.chat or args.prompt_ids is not None):
+        raise ValueError("--tools and --tool-choice need --chat (tools are declared in the chat template)")
     if args.prompt_ids is not None:
         try:
             ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -73,6 +78,7 @@ def generate_request(args):
             req.tokenized.SetInParent()
     elif args.chat:  # one user message, in the model's chat template (the server renders it)
         req.messages.messages.add(role="user", content=args.prompt if args.prompt is not None else DEFAULT_PROMPT)
+        set_tools(req.messages, args)
     else:
         req.text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     policy = cache_policy_from_args(args)
@@ -127,6 +133,12 @@ def cmd_client_generate(args) -> int:
     out = report.to_json()
     if args.logprobs is not None:
         out["logprobs"] = logprobs_json([logprobs_from_proto(m) for m in logprobs])
+    if complete.HasField("content"):  # the calls were read (tools, tool_choice not none)
+        out["content"], out["tool_calls"] = complete.content, calls_json(complete)
+        if not args.json:
+            print()
+            for call in out["tool_calls"]:
+                print(f"tool call {call['id']}: {call['name']} {json.dumps(call['arguments'], ensure_ascii=False)}")
     print_result(args, out)
     if complete.finish_reason == pb.FINISH_REASON_ERROR:
         print(f"kakeya: error: generation failed: {complete.error_message}", file=sys.stderr)
@@ -181,6 +193,7 @@ def register(sub) -> None:
     g.add_argument("--stop", action="append", help="stop string (repeatable); cut from the output")
     g.add_argument("--stop-token-id", type=int, action="append", help="extra stop token id (repeatable)")
     g.add_argument("--request-id", help="request id for the server's logs")
+    add_tool_options(g)
     add_cache_args(g, default_kind=None)
     g.set_defaults(func=cmd_client_generate)
 

@@ -20,7 +20,7 @@ def add_constraint_options(p) -> None:
     x.add_argument("--grammar", metavar="FILE|LARK", help="the output follows this Lark grammar")
 
 
-def _text_or_file(value: str) -> str:
+def text_or_file(value: str) -> str:
     """A flag's value, or the contents of the file it names (a value that is a path to an existing file)."""
     try:
         path = Path(value)
@@ -36,7 +36,7 @@ def constraint_from_args(args):
     from kakeya.core.constraints import Constraint
 
     if getattr(args, "json_schema", None) is not None:
-        c = Constraint("json_schema", _text_or_file(args.json_schema))
+        c = Constraint("json_schema", text_or_file(args.json_schema))
     elif getattr(args, "json_object", False):
         c = Constraint("json_object")
     elif getattr(args, "regex", None) is not None:
@@ -44,7 +44,7 @@ def constraint_from_args(args):
     elif getattr(args, "choice", None):
         c = Constraint("choice", tuple(args.choice))
     elif getattr(args, "grammar", None) is not None:
-        c = Constraint("grammar", _text_or_file(args.grammar))
+        c = Constraint("grammar", text_or_file(args.grammar))
     else:
         return None, {}
     flag = FLAGS[c.kind]

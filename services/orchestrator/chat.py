@@ -25,6 +25,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kakeya.core.request import Chat, ToolCall
 from kakeya.orchestrator.tool_calls import NAME
+from kakeya.orchestrator.tool_choice import ToolProblem, check_tools
 from kakeya.runtime.lifecycle import quote
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -124,9 +125,10 @@ def template_inputs(chat: Chat) -> tuple[list[dict], list[dict] | None]:
             if m.name:
                 message["name"] = m.name
         messages.append(message)
-    for i, t in enumerate(chat.tools):
-        if not NAME.fullmatch(t.name) or any(t.name == u.name for u in chat.tools[:i]):
-            raise ChatError(f"tools[{i}].name: must be a unique 1-64 letters, digits, '_', '.' or '-'")
+    try:
+        check_tools(chat.tools)
+    except ToolProblem as exc:
+        raise ChatError(str(exc)) from None
     tools = [
         {"type": "function", "function": {"name": t.name, "description": t.description}
          | ({"parameters": dict(t.parameters)} if t.parameters is not None else {})}

@@ -38,7 +38,7 @@ from kakeya.runtime import bounds
 
 DEFAULT_MAX_TOKENS = 128
 _CHAT_FIELD = re.compile(
-    r"(messages(?:\[\d+\])?(?:\.\w+(?:\[\d+\])?)*|tools\[\d+\](?:\.\w+)?|continue_final_message):? (.*)", re.DOTALL
+    r"(messages(?:\[\d+\])?(?:\.\w+(?:\[\d+\])?)*|tools\[\d+\](?:\.\w+)*|continue_final_message):? (.*)", re.DOTALL
 )
 
 

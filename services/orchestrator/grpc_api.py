@@ -14,7 +14,20 @@ import json
 
 from kakeya.core.contract import KVBytes
 from kakeya.core.generation import Report
-from kakeya.core.request import CachePolicy, Chat, InvalidRequest, Message, Request, SamplingParams, Tool, ToolCall
+from kakeya.core.request import (
+    AUTO,
+    NONE,
+    REQUIRED,
+    CachePolicy,
+    Chat,
+    InvalidRequest,
+    Message,
+    Request,
+    SamplingParams,
+    Tool,
+    ToolCall,
+)
+from kakeya.orchestrator import tool_calls, tool_choice
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import cache_pb2
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
@@ -45,7 +58,11 @@ FINISH = {
     "abort": pb.FINISH_REASON_ABORT,
     "error": pb.FINISH_REASON_ERROR,
 }
-FINISH_NAMES = {v: k for k, v in FINISH.items()}
+FINISH_NAMES = {v: k for k, v in FINISH.items()} | {pb.FINISH_REASON_TOOL_CALLS: tool_choice.TOOL_CALLS}
+# ToolChoiceMode -> Chat.tool_choice (UNSPECIFIED: as unset, the default).
+_MODES = {pb.TOOL_CHOICE_MODE_UNSPECIFIED: None, pb.TOOL_CHOICE_MODE_AUTO: AUTO, pb.TOOL_CHOICE_MODE_NONE: NONE,
+          pb.TOOL_CHOICE_MODE_REQUIRED: REQUIRED}  # fmt: skip
+_MODE_NAMES = [pb.ToolChoiceMode.Name(v) for v in _MODES if v]
 
 
 def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tuple[Request, dict[str, str]]:
@@ -66,9 +83,17 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
             for m in r.messages.messages
         )  # fmt: skip
         tools = tuple(
-            Tool(t.name, t.description, _schema(t.parameters_json, i)) for i, t in enumerate(r.messages.tools)
+            Tool(t.name, t.description, _schema(t.parameters_json, i), t.strict) for i, t in enumerate(r.messages.tools)
         )
-        prompt = Chat(messages, r.messages.continue_final_message, tools)
+        try:  # as every front checks them
+            tool_choice.check_tools(tools)
+        except tool_choice.ToolProblem as exc:
+            field = "name" if exc.part == "name" else "parameters_json"
+            reason = exc.reason if exc.part in ("name", "parameters") else f"{exc.part}: {exc.reason}"
+            raise InvalidRequest(f"prompt.messages.tools[{exc.index}].{field}", reason) from None
+        choice, choice_field = _tool_choice(r.messages.tool_choice, tools)
+        names = names | {tool_choice.FIELD: choice_field}
+        prompt = Chat(messages, r.messages.continue_final_message, tools, choice)
     sp = r.sampling_params
     sampling = SamplingParams(
         temperature=wire_contract.decimal(sp.temperature),
@@ -90,7 +115,7 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         max_tokens=sp.max_tokens or None,  # 0: the server's default
         block_size=r.block_size,
         stop_ids=tuple(sp.stop_token_ids),
-        stop_strings=tuple(sp.stop),
+        stop_strings=tool_choice.stop_strings(sp.stop, prompt),
         ignore_eos=sp.ignore_eos,
         cache_policy=_cache_policy(r, default_policy),
         sampling=sampling,
@@ -113,6 +138,21 @@ def _schema(text: str, i: int) -> dict | None:
     return schema
 
 
+def _tool_choice(m: pb.ToolChoice, tools: tuple[Tool, ...]) -> tuple[str, str]:
+    """``ChatMessages.tool_choice`` as :attr:`Chat.tool_choice`, checked as every front checks it
+    (``tool_choice.choose``), and the name of the field that set it."""
+    which = m.WhichOneof("choice")
+    field = f"prompt.messages.tool_choice.{which or 'mode'}"
+    if which == "mode" and m.mode not in _MODES:
+        raise InvalidRequest(field, f"unknown value {m.mode}: must be one of {', '.join(_MODE_NAMES)}")
+    try:
+        if which == "function":
+            return tool_choice.choose(m.function, tools, named=True), field
+        return tool_choice.choose(_MODES.get(m.mode) if which else None, tools), field
+    except InvalidRequest as exc:
+        raise InvalidRequest(field, exc.reason) from None
+
+
 def _cache_policy(r: pb.GenerateRequest, default: CachePolicy) -> CachePolicy | None:
     """The request's own policy (its unset fields: the default's); None when it sent none, or an empty one."""
     if not r.HasField("cache_policy") or r.cache_policy.kind == cache_pb2.CACHE_KIND_UNSPECIFIED:
@@ -123,7 +163,10 @@ def _cache_policy(r: pb.GenerateRequest, default: CachePolicy) -> CachePolicy | 
     return wire_contract.policy_from_proto(r.cache_policy, default, "cache_policy")
 
 
-def complete_from_report(report: Report) -> pb.GenerateResponse.Complete:
+def complete_from_report(report: Report, reads_calls: bool = False) -> pb.GenerateResponse.Complete:
+    """The stream's ``Complete``; ``reads_calls`` (``tool_choice.reads_calls`` of the request): with the calls
+    read out of the text, the text outside them as ``content``, and ``FINISH_REASON_TOOL_CALLS`` where the model
+    stopped after one (as the HTTP API's ``message.tool_calls`` and ``finish_reason``)."""
     s = report.sampling
     stats = pb.SpecStats(
         acceptance_lengths=report.acceptance_lengths,
@@ -157,6 +200,12 @@ def complete_from_report(report: Report) -> pb.GenerateResponse.Complete:
     if not s.greedy:
         complete.seed = s.seed
         complete.sampling_rule = wire_contract.rule_to_proto(s.rule)
+    if reads_calls:
+        content, calls = tool_calls.split(report.text)
+        complete.content = content
+        complete.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments) for c in calls)
+        if tool_choice.finish_reason(report.finish_reason, len(calls)) == tool_choice.TOOL_CALLS:
+            complete.finish_reason = pb.FINISH_REASON_TOOL_CALLS
     return complete
 
 

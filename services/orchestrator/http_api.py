@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 import grpc
 
 from kakeya.core.generation import Block, Report
-from kakeya.core.request import NONE, Chat, InvalidRequest, Request, SamplingParams, public_field
-from kakeya.orchestrator import http_constraints, http_logprobs, http_params, http_tools, tool_calls
+from kakeya.core.request import Chat, InvalidRequest, Request, SamplingParams, public_field
+from kakeya.orchestrator import http_constraints, http_logprobs, http_params, http_tools, tool_calls, tool_choice
 from kakeya.orchestrator.tool_grammar import holds_calls
 from kakeya.runtime.lifecycle import RequestError, bounded, quote
 
@@ -271,10 +271,11 @@ def chat_request(body: dict, served: str) -> tuple[Request, Call, dict[str, str]
             turns.append(http_tools.message(m, i, "" if empty else _content(m.get("content"), i)))
     except http_tools.ToolError as exc:
         raise ApiError(400, str(exc), exc.param) from None
+    except InvalidRequest as exc:  # a tool_choice refused as every front refuses it (``tool_choice.py``)
+        raise ApiError.invalid(exc, names) from None
     prompt = Chat(tuple(turns), _flag(body, "continue_final_message"), tools, choice)
-    if tools and choice != NONE:  # the model stops where a call's results would follow
-        fields["stop_strings"] += (tool_calls.RESULT_START,)
-        call = replace(call, tools=True, held_calls=holds_calls(tools, choice))
+    fields["stop_strings"] = tool_choice.stop_strings(fields["stop_strings"], prompt)
+    call = replace(call, tools=tool_choice.reads_calls(prompt), held_calls=holds_calls(tools, choice))
     return Request(prompt, **fields), call, names
 
 
@@ -383,8 +384,7 @@ class Answer:
                 for d in deltas]  # fmt: skip
 
     def _finish(self, report: Report, calls: int) -> str:
-        reason = finish_reason(report)
-        return "tool_calls" if calls and reason == "stop" else reason
+        return tool_choice.finish_reason(finish_reason(report), calls)
 
     def closing(self, report: Report) -> list[dict]:
         """A stream's last events: the finish reason with Kakeya's stats, then (if asked) the usage."""

@@ -1,7 +1,8 @@
 """OpenAI's function tools on ``POST /v1/chat/completions``: ``tools``, ``tool_choice``, the tool turns of
 ``messages`` read into the request (``http_api.chat_request``), and the calls of an answer in OpenAI's shapes.
 
-``tool_choice``: ``auto`` (the default with tools) renders the tools and reads the model's calls out of its
+``tool_choice`` (its JSON shape read here, its meaning and refusals ``tool_choice.py``'s, which the gRPC API's
+``ChatMessages.tool_choice`` shares): ``auto`` (the default with tools) renders the tools and reads the model's calls out of its
 text (``tool_calls.py``); ``none`` (the default without) renders them too, as vLLM does, but reads no call:
 the text comes back as content, whatever it holds. ``required`` and a named function hold the model to
 well-formed calls whose arguments follow their schemas, by a grammar (``tool_grammar.py``, compiled with the
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 import json
 
-from kakeya.core.request import AUTO, NONE, REQUIRED, Message, Tool, ToolCall
+from kakeya.core.request import Message, Tool, ToolCall
 from kakeya.orchestrator.tool_calls import NAME
-from kakeya.runtime.lifecycle import quote
+from kakeya.orchestrator.tool_choice import ToolProblem, check_tools, choose
 
 
 class ToolError(ValueError):
@@ -40,49 +41,32 @@ def tools(value) -> tuple[Tool, ...]:
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
             raise ToolError("tools", f'{where}: must be {{"type": "function", "function": {{...}}}}')
         f = t["function"]
-        name, description, parameters = f.get("name"), f.get("description", ""), f.get("parameters")
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise ToolError("tools", f"{where}.function.name: must be 1-64 letters, digits, '_', '.' or '-'")
-        if any(name == other.name for other in out):
-            raise ToolError("tools", f"{where}.function.name: {quote(name)} is declared twice")
+        description = f.get("description", "")
         if not isinstance(description, str | None):
             raise ToolError("tools", f"{where}.function.description: must be a string")
-        if parameters is not None and (
-            not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
-        ):
-            raise ToolError("tools", f'{where}.function.parameters: must be a JSON schema of "type": "object"')
-        if parameters is not None and not isinstance(parameters.get("properties", {}), dict):
-            raise ToolError("tools", f"{where}.function.parameters.properties: must be an object")
-        required = parameters.get("required", []) if parameters is not None else []
-        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-            raise ToolError("tools", f"{where}.function.parameters.required: must be a list of strings")
         strict = f.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise ToolError("tools", f"{where}.function.strict: must be true or false")
-        out.append(Tool(name, description or "", parameters, bool(strict)))
+        out.append(Tool(f.get("name"), description or "", f.get("parameters"), bool(strict)))
+    try:  # the name and the parameters, as every front checks them
+        check_tools(out)
+    except ToolProblem as exc:
+        raise ToolError("tools", f"tools[{exc.index}].function.{exc.part}: {exc.reason}") from None
     return tuple(out)
 
 
 def tool_choice(value, declared: tuple[Tool, ...]) -> str:
-    """``tool_choice`` as :attr:`Chat.tool_choice`: ``auto``, ``none``, ``required`` or the function's name."""
-    if value is None:
-        return AUTO if declared else NONE
+    """``tool_choice`` as :attr:`Chat.tool_choice`: ``auto``, ``none``, ``required`` or the function's name. The
+    JSON shape is read here; what the choice means and which are refused is every front's (``tool_choice.py``:
+    an InvalidRequest naming ``prompt.tool_choice``)."""
     if isinstance(value, dict):
         f = value.get("function")
         name = f.get("name") if value.get("type") == "function" and isinstance(f, dict) else None
         if not isinstance(name, str):
             raise ToolError("tool_choice", 'tool_choice: must be "none", "auto", "required" or '
                             '{"type": "function", "function": {"name": ...}}')  # fmt: skip
-        if not any(t.name == name for t in declared):
-            raise ToolError("tool_choice", f"tool_choice: names {quote(name)}, which is not one of the tools")
-        return name
-    if value not in (NONE, AUTO, REQUIRED):
-        raise ToolError(
-            "tool_choice", f'tool_choice: must be "none", "auto", "required" or a function, got {quote(value)}'
-        )
-    if value != NONE and not declared:
-        raise ToolError("tool_choice", f"tool_choice: {quote(value)} needs tools")
-    return value
+        return choose(name, declared, named=True)
+    return choose(value, declared)
 
 
 def calls(value, i: int) -> tuple[ToolCall, ...]:

@@ -3,7 +3,8 @@
 A ``GenerateRequest`` becomes a :class:`~kakeya.core.request.Request` (``grpc_api.py``) and runs
 through the generation service (``service.py``: admission, the engine's one check of the request,
 the run, metrics); each committed block goes out as a ``Chunk`` (token ids + their text, cut at stop
-strings), then one ``Complete`` translated from the run's report.
+strings), then one ``Complete`` translated from the run's report (a chat whose tool calls are read: with
+the calls parsed out of the text, ``grpc_api.complete_from_report``; the chunks keep the raw text).
 
 Faults: a drafter that fails mid-generation is dropped for the rest of that generation (the run's
 drafter fallback: the verifier finishes alone, same output, ``drafter_fallback`` set) and retried by
@@ -23,7 +24,7 @@ import grpc
 
 from kakeya.core.generation import Block
 from kakeya.core.request import CachePolicy, InvalidRequest
-from kakeya.orchestrator import grpc_api
+from kakeya.orchestrator import grpc_api, tool_choice
 from kakeya.orchestrator.service import GenerationService
 from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import RequestError, ServerSpec, bounded, version, workers_for
@@ -67,7 +68,9 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
                     continue
                 if item.text[streamed:]:  # the text held back to the end (a partial character, a stop string)
                     yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=item.text[streamed:]))
-                yield pb.GenerateResponse(complete=grpc_api.complete_from_report(item))
+                yield pb.GenerateResponse(
+                    complete=grpc_api.complete_from_report(item, tool_choice.reads_calls(req.prompt))
+                )
         except InvalidRequest as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(exc.public(names)))
         except RequestError as exc:

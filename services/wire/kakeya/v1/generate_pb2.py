@@ -26,7 +26,7 @@ from . import cache_pb2 as kakeya_dot_v1_dot_cache__pb2
 from . import sampling_pb2 as kakeya_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kakeya/v1/generate.proto\x12\tkakeya.v1\x1a\x15kakeya/v1/cache.proto\x1a\x18kakeya/v1/sampling.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.kakeya.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"x\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kakeya.v1.ChatMessage\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\x12\x1e\n\x05tools\x18\x03 \x03(\x0b\x32\x0f.kakeya.v1.Tool\"\x87\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\r\n\x05min_p\x18\t \x01(\x02\x12%\n\x04rule\x18\n \x01(\x0e\x32\x17.kakeya.v1.SamplingRule\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xb7\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttokenized\x18\x03 \x01(\x0b\x32\x13.kakeya.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x07 \x01(\x0b\x32\x17.kakeya.v1.ChatMessagesH\x00\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.kakeya.v1.SamplingParams\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12,\n\x0c\x63\x61\x63he_policy\x18\x06 \x01(\x0b\x32\x16.kakeya.v1.CachePolicy\x12)\n\nconstraint\x18\x08 \x01(\x0b\x32\x15.kakeya.v1.ConstraintB\x08\n\x06prompt\"\xab\x03\n\tSpecStats\x12\x1a\n\x12\x61\x63\x63\x65ptance_lengths\x18\x01 \x03(\x05\x12\x17\n\x0fmean_acceptance\x18\x02 \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_tok_s\x18\x03 \x01(\x01\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x18\n\x10\x64rafter_fallback\x18\x05 \x01(\x08\x12!\n\x19verifier_kv_bytes_sliding\x18\x06 \x01(\x03\x12\x1e\n\x16verifier_kv_bytes_full\x18\x07 \x01(\x03\x12\x12\n\ndegenerate\x18\x08 \x01(\x08\x12\x10\n\x08\x64\x65\x63ode_s\x18\t \x01(\x01\x12\x0f\n\x07total_s\x18\n \x01(\x01\x12\x12\n\nblock_size\x18\x0b \x01(\x05\x12(\n\ncache_kind\x18\x0c \x01(\x0e\x32\x14.kakeya.v1.CacheKind\x12\x14\n\x0c\x63\x61\x63he_policy\x18\r \x01(\t\x12\x15\n\rcache_bounded\x18\x0e \x01(\x08\x12\x13\n\x0b\x62lock_sizes\x18\x0f \x03(\x05\x12\x15\n\rcopied_blocks\x18\x10 \x01(\x05\x12\x15\n\rforced_blocks\x18\x11 \x01(\x05\"\xb1\x04\n\x10GenerateResponse\x12\x32\n\x05\x63hunk\x18\x01 \x01(\x0b\x32!.kakeya.v1.GenerateResponse.ChunkH\x00\x12\x38\n\x08\x63omplete\x18\x02 \x01(\x0b\x32$.kakeya.v1.GenerateResponse.CompleteH\x00\x1aT\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kakeya.v1.TokenLogprobs\x1a\xcc\x02\n\x08\x43omplete\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.kakeya.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12#\n\x05stats\x18\x04 \x01(\x0b\x32\x14.kakeya.v1.SpecStats\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\x12.\n\rsampling_rule\x18\t \x01(\x0e\x32\x17.kakeya.v1.SamplingRule\x12%\n\x08sampling\x18\n \x01(\x0b\x32\x13.kakeya.v1.SamplingB\x07\n\x05_seedB\n\n\x08response\"\x15\n\x13GetModelInfoRequest\"\xa1\x03\n\tModelInfo\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0esliding_window\x18\x05 \x01(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_block_size\x18\x06 \x01(\x05\x12\x16\n\x0emax_block_size\x18\x07 \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\x08 \x01(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\t \x01(\x05\x12\x15\n\rhas_tokenizer\x18\n \x01(\x08\x12\x34\n\x14\x64\x65\x66\x61ult_cache_policy\x18\x0b \x01(\x0b\x32\x16.kakeya.v1.CachePolicy\x12\x18\n\x10target_layer_ids\x18\x0c \x03(\x05\x12\x19\n\x11max_prompt_tokens\x18\r \x01(\x05\x12\x1f\n\x17max_position_embeddings\x18\x0e \x01(\x05\x12\x19\n\x11has_chat_template\x18\x0f \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\x86\x02\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x18\n\x10verifier_backend\x18\x02 \x01(\t\x12\x17\n\x0f\x64rafter_backend\x18\x03 \x01(\t\x12\x12\n\ndeployment\x18\x04 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\x05\x12\x16\n\x0etotal_requests\x18\x06 \x01(\x03\x12\x10\n\x08uptime_s\x18\x07 \x01(\x01\x12/\n\x05\x65xtra\x18\x0f \x03(\x0b\x32 .kakeya.v1.ServerInfo.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xe2\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.kakeya.v1.GenerateRequest\x1a\x1b.kakeya.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.kakeya.v1.GetModelInfoRequest\x1a\x14.kakeya.v1.ModelInfo\x12G\n\rGetServerInfo\x12\x1f.kakeya.v1.GetServerInfoRequest\x1a\x15.kakeya.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kakeya/v1/generate.proto\x12\tkakeya.v1\x1a\x15kakeya/v1/cache.proto\x1a\x18kakeya/v1/sampling.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.kakeya.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"\xa4\x01\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kakeya.v1.ChatMessage\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\x12\x1e\n\x05tools\x18\x03 \x03(\x0b\x32\x0f.kakeya.v1.Tool\x12*\n\x0btool_choice\x18\x04 \x01(\x0b\x32\x15.kakeya.v1.ToolChoice\"U\n\nToolChoice\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x19.kakeya.v1.ToolChoiceModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\x87\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\r\n\x05min_p\x18\t \x01(\x02\x12%\n\x04rule\x18\n \x01(\x0e\x32\x17.kakeya.v1.SamplingRule\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xb7\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttokenized\x18\x03 \x01(\x0b\x32\x13.kakeya.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x07 \x01(\x0b\x32\x17.kakeya.v1.ChatMessagesH\x00\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.kakeya.v1.SamplingParams\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12,\n\x0c\x63\x61\x63he_policy\x18\x06 \x01(\x0b\x32\x16.kakeya.v1.CachePolicy\x12)\n\nconstraint\x18\x08 \x01(\x0b\x32\x15.kakeya.v1.ConstraintB\x08\n\x06prompt\"\xab\x03\n\tSpecStats\x12\x1a\n\x12\x61\x63\x63\x65ptance_lengths\x18\x01 \x03(\x05\x12\x17\n\x0fmean_acceptance\x18\x02 \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_tok_s\x18\x03 \x01(\x01\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x18\n\x10\x64rafter_fallback\x18\x05 \x01(\x08\x12!\n\x19verifier_kv_bytes_sliding\x18\x06 \x01(\x03\x12\x1e\n\x16verifier_kv_bytes_full\x18\x07 \x01(\x03\x12\x12\n\ndegenerate\x18\x08 \x01(\x08\x12\x10\n\x08\x64\x65\x63ode_s\x18\t \x01(\x01\x12\x0f\n\x07total_s\x18\n \x01(\x01\x12\x12\n\nblock_size\x18\x0b \x01(\x05\x12(\n\ncache_kind\x18\x0c \x01(\x0e\x32\x14.kakeya.v1.CacheKind\x12\x14\n\x0c\x63\x61\x63he_policy\x18\r \x01(\t\x12\x15\n\rcache_bounded\x18\x0e \x01(\x08\x12\x13\n\x0b\x62lock_sizes\x18\x0f \x03(\x05\x12\x15\n\rcopied_blocks\x18\x10 \x01(\x05\x12\x15\n\rforced_blocks\x18\x11 \x01(\x05\"\xfc\x04\n\x10GenerateResponse\x12\x32\n\x05\x63hunk\x18\x01 \x01(\x0b\x32!.kakeya.v1.GenerateResponse.ChunkH\x00\x12\x38\n\x08\x63omplete\x18\x02 \x01(\x0b\x32$.kakeya.v1.GenerateResponse.CompleteH\x00\x1aT\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kakeya.v1.TokenLogprobs\x1a\x97\x03\n\x08\x43omplete\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.kakeya.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12#\n\x05stats\x18\x04 \x01(\x0b\x32\x14.kakeya.v1.SpecStats\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\x12.\n\rsampling_rule\x18\t \x01(\x0e\x32\x17.kakeya.v1.SamplingRule\x12%\n\x08sampling\x18\n \x01(\x0b\x32\x13.kakeya.v1.Sampling\x12\'\n\ntool_calls\x18\x0b \x03(\x0b\x32\x13.kakeya.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\x0c \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05_seedB\n\n\x08_contentB\n\n\x08response\"\x15\n\x13GetModelInfoRequest\"\xa1\x03\n\tModelInfo\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0esliding_window\x18\x05 \x01(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_block_size\x18\x06 \x01(\x05\x12\x16\n\x0emax_block_size\x18\x07 \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\x08 \x01(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\t \x01(\x05\x12\x15\n\rhas_tokenizer\x18\n \x01(\x08\x12\x34\n\x14\x64\x65\x66\x61ult_cache_policy\x18\x0b \x01(\x0b\x32\x16.kakeya.v1.CachePolicy\x12\x18\n\x10target_layer_ids\x18\x0c \x03(\x05\x12\x19\n\x11max_prompt_tokens\x18\r \x01(\x05\x12\x1f\n\x17max_position_embeddings\x18\x0e \x01(\x05\x12\x19\n\x11has_chat_template\x18\x0f \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\x86\x02\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x18\n\x10verifier_backend\x18\x02 \x01(\t\x12\x17\n\x0f\x64rafter_backend\x18\x03 \x01(\t\x12\x12\n\ndeployment\x18\x04 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\x05\x12\x16\n\x0etotal_requests\x18\x06 \x01(\x03\x12\x10\n\x08uptime_s\x18\x07 \x01(\x01\x12/\n\x05\x65xtra\x18\x0f \x03(\x0b\x32 .kakeya.v1.ServerInfo.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x32\xe2\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.kakeya.v1.GenerateRequest\x1a\x1b.kakeya.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.kakeya.v1.GetModelInfoRequest\x1a\x14.kakeya.v1.ModelInfo\x12G\n\rGetServerInfo\x12\x1f.kakeya.v1.GetServerInfoRequest\x1a\x15.kakeya.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SERVERINFO_EXTRAENTRY']._loaded_options = None
   _globals['_SERVERINFO_EXTRAENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2795
-  _globals['_FINISHREASON']._serialized_end=2940
+  _globals['_TOOLCHOICEMODE']._serialized_start=3018
+  _globals['_TOOLCHOICEMODE']._serialized_end=3153
+  _globals['_FINISHREASON']._serialized_start=3156
+  _globals['_FINISHREASON']._serialized_end=3331
   _globals['_TOKENIDS']._serialized_start=88
   _globals['_TOKENIDS']._serialized_end=111
   _globals['_CHATMESSAGE']._serialized_start=113
@@ -44,31 +46,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOLCALL']._serialized_start=236
   _globals['_TOOLCALL']._serialized_end=296
   _globals['_TOOL']._serialized_start=298
-  _globals['_TOOL']._serialized_end=364
-  _globals['_CHATMESSAGES']._serialized_start=366
-  _globals['_CHATMESSAGES']._serialized_end=486
-  _globals['_SAMPLINGPARAMS']._serialized_start=489
-  _globals['_SAMPLINGPARAMS']._serialized_end=752
-  _globals['_GENERATEREQUEST']._serialized_start=755
-  _globals['_GENERATEREQUEST']._serialized_end=1066
-  _globals['_SPECSTATS']._serialized_start=1069
-  _globals['_SPECSTATS']._serialized_end=1496
-  _globals['_GENERATERESPONSE']._serialized_start=1499
-  _globals['_GENERATERESPONSE']._serialized_end=2060
-  _globals['_GENERATERESPONSE_CHUNK']._serialized_start=1629
-  _globals['_GENERATERESPONSE_CHUNK']._serialized_end=1713
-  _globals['_GENERATERESPONSE_COMPLETE']._serialized_start=1716
-  _globals['_GENERATERESPONSE_COMPLETE']._serialized_end=2048
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2062
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2083
-  _globals['_MODELINFO']._serialized_start=2086
-  _globals['_MODELINFO']._serialized_end=2503
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2505
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2527
-  _globals['_SERVERINFO']._serialized_start=2530
-  _globals['_SERVERINFO']._serialized_end=2792
-  _globals['_SERVERINFO_EXTRAENTRY']._serialized_start=2748
-  _globals['_SERVERINFO_EXTRAENTRY']._serialized_end=2792
-  _globals['_GENERATION']._serialized_start=2943
-  _globals['_GENERATION']._serialized_end=3169
+  _globals['_TOOL']._serialized_end=380
+  _globals['_CHATMESSAGES']._serialized_start=383
+  _globals['_CHATMESSAGES']._serialized_end=547
+  _globals['_TOOLCHOICE']._serialized_start=549
+  _globals['_TOOLCHOICE']._serialized_end=634
+  _globals['_SAMPLINGPARAMS']._serialized_start=637
+  _globals['_SAMPLINGPARAMS']._serialized_end=900
+  _globals['_GENERATEREQUEST']._serialized_start=903
+  _globals['_GENERATEREQUEST']._serialized_end=1214
+  _globals['_SPECSTATS']._serialized_start=1217
+  _globals['_SPECSTATS']._serialized_end=1644
+  _globals['_GENERATERESPONSE']._serialized_start=1647
+  _globals['_GENERATERESPONSE']._serialized_end=2283
+  _globals['_GENERATERESPONSE_CHUNK']._serialized_start=1777
+  _globals['_GENERATERESPONSE_CHUNK']._serialized_end=1861
+  _globals['_GENERATERESPONSE_COMPLETE']._serialized_start=1864
+  _globals['_GENERATERESPONSE_COMPLETE']._serialized_end=2271
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2285
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2306
+  _globals['_MODELINFO']._serialized_start=2309
+  _globals['_MODELINFO']._serialized_end=2726
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2728
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2750
+  _globals['_SERVERINFO']._serialized_start=2753
+  _globals['_SERVERINFO']._serialized_end=3015
+  _globals['_SERVERINFO_EXTRAENTRY']._serialized_start=2971
+  _globals['_SERVERINFO_EXTRAENTRY']._serialized_end=3015
+  _globals['_GENERATION']._serialized_start=3334
+  _globals['_GENERATION']._serialized_end=3560
 # @@protoc_insertion_point(module_scope)

@@ -9,6 +9,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ToolChoiceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_CHOICE_MODE_UNSPECIFIED: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_AUTO: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_NONE: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_REQUIRED: _ClassVar[ToolChoiceMode]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -16,11 +23,17 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
+TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode
+TOOL_CHOICE_MODE_AUTO: ToolChoiceMode
+TOOL_CHOICE_MODE_NONE: ToolChoiceMode
+TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -53,24 +66,36 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
 
 class Tool(_message.Message):
-    __slots__ = ("name", "description", "parameters_json")
+    __slots__ = ("name", "description", "parameters_json", "strict")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     parameters_json: str
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
+    strict: bool
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
-    __slots__ = ("messages", "continue_final_message", "tools")
+    __slots__ = ("messages", "continue_final_message", "tools", "tool_choice")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     continue_final_message: bool
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., continue_final_message: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ...) -> None: ...
+    tool_choice: ToolChoice
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., continue_final_message: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ...) -> None: ...
+
+class ToolChoice(_message.Message):
+    __slots__ = ("mode", "function")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    mode: ToolChoiceMode
+    function: str
+    def __init__(self, mode: _Optional[_Union[ToolChoiceMode, str]] = ..., function: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "min_p", "rule", "logprobs")
@@ -168,7 +193,7 @@ class GenerateResponse(_message.Message):
         logprobs: _containers.RepeatedCompositeFieldContainer[_sampling_pb2.TokenLogprobs]
         def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_sampling_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
     class Complete(_message.Message):
-        __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "stats", "error_message", "prompt_token_ids", "seed", "cached_tokens", "sampling_rule", "sampling")
+        __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "stats", "error_message", "prompt_token_ids", "seed", "cached_tokens", "sampling_rule", "sampling", "tool_calls", "content")
         FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
         COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +204,8 @@ class GenerateResponse(_message.Message):
         CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_RULE_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
+        TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+        CONTENT_FIELD_NUMBER: _ClassVar[int]
         finish_reason: FinishReason
         prompt_tokens: int
         completion_tokens: int
@@ -189,7 +216,9 @@ class GenerateResponse(_message.Message):
         cached_tokens: int
         sampling_rule: _sampling_pb2.SamplingRule
         sampling: _sampling_pb2.Sampling
-        def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stats: _Optional[_Union[SpecStats, _Mapping]] = ..., error_message: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., sampling_rule: _Optional[_Union[_sampling_pb2.SamplingRule, str]] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ...) -> None: ...
+        tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+        content: str
+        def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., stats: _Optional[_Union[SpecStats, _Mapping]] = ..., error_message: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., sampling_rule: _Optional[_Union[_sampling_pb2.SamplingRule, str]] = ..., sampling: _Optional[_Union[_sampling_pb2.Sampling, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ...) -> None: ...
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     chunk: GenerateResponse.Chunk
