@@ -37,10 +37,10 @@ def measure(backend: str, streams: int, requests: int, max_tokens: int, block_si
     from kakeya.orchestrator.engine import RunOptions
     from kakeya.runtime.compute import ComputeThread
 
-    rounds, advance = [], scheduler_mod.advance
+    rounds, verify_round = [], scheduler_mod.verify_round
 
-    def timed(decodes, draft_many, decide_many):  # the scheduler's round, with what it did
-        out = advance(decodes, draft_many, decide_many)
+    def timed(drafted, decide_many):  # the scheduler's round (its second half), with what it did
+        out = verify_round(drafted, decide_many)
         if out:
             b = out[0][1]
             rows = sum(x.drafted + 1 for _, x in out)
@@ -61,7 +61,7 @@ def measure(backend: str, streams: int, requests: int, max_tokens: int, block_si
         )
 
     engine.generate(request(0, 99), options)  # warm-up: calibration, first shapes
-    scheduler_mod.advance = timed
+    scheduler_mod.verify_round = timed
     tokens = [0] * streams
 
     def stream(i: int) -> None:
@@ -77,7 +77,7 @@ def measure(backend: str, streams: int, requests: int, max_tokens: int, block_si
             t.join()
         seconds = time.perf_counter() - t0
     finally:
-        scheduler_mod.advance = advance
+        scheduler_mod.verify_round = verify_round
         compute.shutdown()
     full = [r for r in rounds if r[0] >= max(1, streams * 3 // 4)] or rounds
 

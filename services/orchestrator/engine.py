@@ -78,12 +78,15 @@ class Engine:
         resolved = (policy or self.verifier.policy).resolve(self.verifier.info.sliding_window)
         return min(MAX_BLOCK_SIZE, resolved.slack, resolved.window if resolved.restore else MAX_BLOCK_SIZE)
 
-    def scheduler(self, step: Callable) -> Scheduler:
-        """The scheduler whose rounds decode every live request of this engine run through ``step``."""
+    def scheduler(self, step: Callable, queued: Callable[[], int] | None = None) -> Scheduler:
+        """The scheduler whose rounds decode every live request of this engine run through ``step`` (``queued``:
+        the jobs waiting for the thread ``step`` runs work on)."""
         with self._calibrating:
             if step not in self._schedulers:
                 draft_many = self.drafter.draft_batch if self.drafter is not None else None
-                self._schedulers[step] = Scheduler(draft_many, self.verifier.decide_batch, step, self._round_done)
+                self._schedulers[step] = Scheduler(
+                    draft_many, self.verifier.decide_batch, step, self._round_done, queued
+                )
             return self._schedulers[step]
 
     def _round_done(self, sessions: int, rows: int, seconds: float) -> None:
@@ -139,6 +142,7 @@ class RunOptions:
 
     timeout: float | None = None  # the client's deadline in seconds: bounds the backend sessions; None: none
     step: Callable[..., Any] = _call  # runs each piece of model work; a colocated server: on its compute thread
+    queued: Callable[[], int] | None = None  # jobs waiting for step's thread: a round lets them run before its verify
     # A failing drafter: the verifier finishes alone (same tokens, ``drafter_fallback`` set) instead of
     # failing the run. Servers want that; tests and benchmarks want a broken drafter to fail loudly.
     drafter_fallback: bool = False
@@ -172,7 +176,7 @@ class Run:
         self._cancellation = Cancellation()
         self._result: Generation | None = None
         self._decode: Decode | None = None
-        self._scheduler = engine.scheduler(options.step)
+        self._scheduler = engine.scheduler(options.step, options.queued)
         self._joined = False
         self.verifier_session = self.drafter_session = None  # read by a server's metrics (their backends' time)
         self._sizer = None

@@ -376,14 +376,17 @@ def one_by_one_verdicts(items: Sequence[VerifierCall]) -> list[Verdict | Excepti
     return each(lambda s, last, draft: s.decide(last, draft), items)
 
 
-def advance(
-    decodes: Iterable[Decode],
-    draft_many: Callable[[Sequence[DrafterCall]], list] = one_by_one_drafts,
-    decide_many: Callable[[Sequence[VerifierCall]], list] = one_by_one_verdicts,
-) -> list[tuple[Decode, Block]]:
-    """One round over every started, unfinished decode: one batched draft, one batched verify, each
-    block committed to its decode. Returns the blocks, by decode; a decode that failed gets no block
-    (its ``error`` says why) and never touches the others' results."""
+class Drafted(NamedTuple):
+    """A round between its two halves: the decodes it advances, drafted, and the draft's seconds."""
+
+    live: list[Decode]
+    draft_s: float
+
+
+def draft_round(
+    decodes: Iterable[Decode], draft_many: Callable[[Sequence[DrafterCall]], list] = one_by_one_drafts
+) -> Drafted:
+    """A round's first half: ONE batched draft for every started, unfinished decode."""
     live = [d for d in decodes if d.started and not d.done]
     for d in live:
         if d.sizer is not None:
@@ -396,16 +399,36 @@ def advance(
     t1 = time.perf_counter()
     for d in live:
         d.predraft()  # a remote drafter works on the next blocks while the verifier verifies these
-    live = [d for d in live if not d.done]
-    t_verify = time.perf_counter()
+    return Drafted(live, t1 - t0)
+
+
+def verify_round(
+    drafted: Drafted, decide_many: Callable[[Sequence[VerifierCall]], list] = one_by_one_verdicts
+) -> list[tuple[Decode, Block]]:
+    """A round's second half: ONE batched verify of every drafted decode still unfinished (one cancelled
+    between the halves takes no part), each block committed to its decode."""
+    live = [d for d in drafted.live if not d.done]
+    t0 = time.perf_counter()
     verdicts = _batch(decide_many, [d.verifier_call() for d in live]) if live else []
-    t2 = time.perf_counter()
+    verify_s = time.perf_counter() - t0
     out = []
     for d, verdict in zip(live, verdicts):
-        block = d.verified(verdict, t1 - t0, t2 - t_verify)
+        block = d.verified(verdict, drafted.draft_s, verify_s)
         if block is not None:
             out.append((d, block))
     return out
+
+
+def advance(
+    decodes: Iterable[Decode],
+    draft_many: Callable[[Sequence[DrafterCall]], list] = one_by_one_drafts,
+    decide_many: Callable[[Sequence[VerifierCall]], list] = one_by_one_verdicts,
+) -> list[tuple[Decode, Block]]:
+    """One round over every started, unfinished decode: one batched draft, one batched verify, each
+    block committed to its decode. Returns the blocks, by decode; a decode that failed gets no block
+    (its ``error`` says why) and never touches the others' results. (The scheduler runs the two halves,
+    :func:`draft_round` and :func:`verify_round`, as two model-thread jobs.)"""
+    return verify_round(draft_round(decodes, draft_many), decide_many)
 
 
 def run(

@@ -184,7 +184,8 @@ class GenerationService:
         """Run ``req``: its blocks, then its report; a refusal before the first block raises, a failure after
         it ends the report with the reason; a cancelled run (the client went away) just ends."""
         t_start = time.perf_counter()
-        options = RunOptions(_deadline(call), self.step, drafter_fallback=True, limits=self.limits)
+        queued = (lambda: self.compute.queued) if self.compute is not None else None
+        options = RunOptions(_deadline(call), self.step, queued, drafter_fallback=True, limits=self.limits)
         try:
             run = self.engine.start(req, options)
         except InvalidRequest:

@@ -206,7 +206,21 @@ def test_model_work_runs_through_the_fronts_step():
     # One job to begin (size, open, the short prompt's whole prefill), one per round, one to finish: on a busy
     # engine every job waits for the round in flight, so a newcomer's first token waits for one round, not one
     # per call it makes.
-    assert calls == ["_begin", "advance", "advance", "_finish"]  # two blocks of 4 after the prefill's token
+    assert calls == ["_begin", "_advance", "_advance", "_finish"]  # two blocks of 4 after the prefill's token
+
+
+def test_work_queued_during_a_rounds_draft_runs_before_its_verify():
+    engine, calls = _engine(), []
+
+    def step(fn, *args):
+        calls.append(getattr(fn, "__name__", ""))
+        return fn(*args)
+
+    # as if another request's job had been queued for the model thread during every draft: each round's verify
+    # becomes a job of its own, so that job runs after the draft instead of after the whole round
+    gen = engine.generate(Request(PROMPT, max_tokens=9, block_size=4), RunOptions(step=step, queued=lambda: 1))
+    assert gen.token_ids == CONT[:9]
+    assert calls == ["_begin", *["_advance", "verify_round"] * 2, "_finish"]
 
 
 def test_a_long_prompt_prefills_one_chunk_per_job(monkeypatch):
@@ -226,7 +240,7 @@ def test_a_long_prompt_prefills_one_chunk_per_job(monkeypatch):
     gen = engine.generate(Request(PROMPT, max_tokens=9, block_size=4), RunOptions(step=step))
     assert gen.token_ids == CONT[:9]
     # the first chunk in the job that begins, each later one a job of its own (rounds of others run between)
-    assert calls == ["_begin", "_chunk", "_chunk", "advance", "advance", "_finish"]
+    assert calls == ["_begin", "_chunk", "_chunk", "_advance", "_advance", "_finish"]
 
 
 def test_a_cancellation_runs_each_hook_once_and_late_ones_at_once():
