@@ -158,6 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=0, help="0: auto")
     p.add_argument("--repeats", type=int, default=3, help="passes over every (deployment, streams); medians")
     p.add_argument("--busy", type=int, default=8, help="streams decoding while the newcomer arrives (0: skip)")
+    p.add_argument("--newcomer-repeats", type=int, default=11, help="short requests alone and while busy; medians")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--serve-args", default="", help="extra arguments for every server, e.g. '--device cuda'")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/concurrency.json"))
@@ -214,7 +215,9 @@ def main(argv=None) -> int:
                     print(f"{name}: x one stream {out['over_one_stream'][name]}", flush=True)
             if args.busy:
                 for name in args.deployments:
-                    out["newcomer"][name] = newcomer(stubs[name], args.busy, args.max_tokens, args.block_size, 16, 5)
+                    out["newcomer"][name] = newcomer(
+                        stubs[name], args.busy, args.max_tokens, args.block_size, 16, args.newcomer_repeats
+                    )
                     print(f"{name}: newcomer {out['newcomer'][name]}", flush=True)
         finally:
             for proc in procs.values():
