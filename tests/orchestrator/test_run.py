@@ -9,6 +9,7 @@ from kakeya.core.request import CachePolicy, Request
 from kakeya.orchestrator.adaptive import AdaptivePolicy, CostCurve
 from kakeya.orchestrator.engine import Engine, RunOptions
 from kakeya.orchestrator.loop import one_by_one_drafts, one_by_one_verdicts
+from kakeya.runtime.compute import ComputeThread
 
 from .test_loop import CONT, ScriptedDrafter, ScriptedVerifier
 
@@ -221,6 +222,32 @@ def test_work_queued_during_a_rounds_draft_runs_before_its_verify():
     gen = engine.generate(Request(PROMPT, max_tokens=9, block_size=4), RunOptions(step=step, queued=lambda: 1))
     assert gen.token_ids == CONT[:9]
     assert calls == ["_begin", *["_advance", "verify_round"] * 2, "_finish"]
+
+
+def test_a_job_queued_on_the_model_thread_during_a_draft_runs_before_that_rounds_verify():
+    """A colocated server's shape: rounds on a ComputeThread; a job another request queues while a round drafts
+    (a newcomer's prefill) runs between the round's draft and its verify, not after the whole round."""
+    compute, engine, order = ComputeThread("test"), _engine(), []
+    draft_many, decide_many = engine.drafter.draft_batch, engine.verifier.decide_batch
+
+    def drafting(items):
+        order.append("draft")
+        if order.count("draft") == 1:
+            compute.submit(order.append, "queued job")
+        return draft_many(items)
+
+    def deciding(items):
+        order.append("verify")
+        return decide_many(items)
+
+    engine.drafter.draft_batch, engine.verifier.decide_batch = drafting, deciding
+    try:
+        options = RunOptions(step=compute.run, queued=lambda: compute.queued)
+        gen = engine.generate(Request(PROMPT, max_tokens=9, block_size=4), options)
+    finally:
+        compute.shutdown()
+    assert gen.token_ids == CONT[:9]
+    assert order == ["draft", "queued job", "verify", "draft", "verify"]
 
 
 def test_a_long_prompt_prefills_one_chunk_per_job(monkeypatch):
