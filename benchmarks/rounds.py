@@ -9,7 +9,11 @@ per backend and stream count: aggregate tok/s, the medians over full rounds (at 
 in them), and what ``round_costs.py`` fitted from them: ``g`` (a round's fixed cost), ``f`` (each
 session's) and ``s`` (each row's), in ms -- what prices a block when sessions share a round. Also
 ``--block-size`` to hold every block at one size instead of the sizer's choice (the comparison that
-shows what the sizer's choice under batching is worth).
+shows what the sizer's choice under batching is worth). ``busy_share`` is the rounds' share of the wall time
+(rounds run back to back when it is near 1 less the prefills); ``--profile`` (torch) runs ``torch.profiler``
+on the model thread over 20 full rounds' verifies and reports the operators' shares of their CPU time
+(``verify_ops``): where a batched verify's time goes (the profiler's own time lands in that run's tok/s and
+busy share: take those from a run without it).
 
     python benchmarks/rounds.py --backends torch mlx --streams 1 8 16   # -> benchmarks/results/rounds.json
 """
@@ -29,7 +33,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(backend: str, streams: int, requests: int, max_tokens: int, block_size: int, device: str) -> dict:
+PROFILED = (10, 30)  # the full rounds whose verify --profile records (after the first shapes' warm-up)
+
+
+def measure(
+    backend: str, streams: int, requests: int, max_tokens: int, block_size: int, device: str, profile: bool = False
+) -> dict:
     import kakeya.orchestrator.scheduler as scheduler_mod
     from kakeya.app.main import DEFAULT_PROMPT
     from kakeya.core.request import Request
@@ -38,9 +47,25 @@ def measure(backend: str, streams: int, requests: int, max_tokens: int, block_si
     from kakeya.runtime.compute import ComputeThread
 
     rounds, verify_round = [], scheduler_mod.verify_round
+    prof = {"full": 0, "profiler": None}
+
+    def profiled(drafted, decide_many):  # on the model thread, where the profiler must start and stop
+        if not profile or len(drafted.live) < max(1, streams * 3 // 4):
+            return verify_round(drafted, decide_many)
+        import torch
+
+        prof["full"] += 1
+        if prof["full"] == PROFILED[0]:
+            prof["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof["profiler"].start()
+        try:
+            return verify_round(drafted, decide_many)
+        finally:
+            if prof["full"] == PROFILED[1] - 1:
+                prof["profiler"].stop()
 
     def timed(drafted, decide_many):  # the scheduler's round (its second half), with what it did
-        out = verify_round(drafted, decide_many)
+        out = profiled(drafted, decide_many)
         if out:
             b = out[0][1]
             rows = sum(x.drafted + 1 for _, x in out)
@@ -84,6 +109,12 @@ def measure(backend: str, streams: int, requests: int, max_tokens: int, block_si
     def med(k: int) -> float:
         return round(statistics.median(r[k] for r in full), 4)
 
+    ops = None
+    if prof["profiler"] is not None and prof["full"] >= PROFILED[1] - 1:
+        events = [e for e in prof["profiler"].key_averages() if e.self_cpu_time_total > 0]
+        total = sum(e.self_cpu_time_total for e in events)
+        top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
+        ops = {e.key: round(e.self_cpu_time_total / total, 3) for e in top}
     policy = engine.adaptive  # None at a fixed block size: nothing sized, nothing fitted
     fitted = policy.rounds.params if policy is not None else None
     return {
@@ -95,6 +126,8 @@ def measure(backend: str, streams: int, requests: int, max_tokens: int, block_si
         "median_tokens": med(2),
         "median_draft_ms": round(1000 * med(3), 2),
         "median_verify_ms": round(1000 * med(4), 2),
+        "busy_share": round(sum(r[3] + r[4] for r in rounds) / seconds, 3),
+        "verify_ops": ops,
         "tokens_per_row": round(sum(r[2] for r in rounds) / max(sum(r[1] for r in rounds), 1), 3),
         "fitted_ms": None if fitted is None else dict(zip("gfs", (round(1000 * x, 3) for x in fitted))),
         "alone_curve_ms": {k: round(1000 * v, 2) for k, v in sorted(policy.costs.seconds.items())} if policy else None,
@@ -109,12 +142,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=0, help="0: auto (the sizer's choice)")
     p.add_argument("--device", default="cpu", help="torch's device (cuda on a GPU)")
+    p.add_argument("--profile", action="store_true", help="torch: operators' shares of 20 full rounds' verify time")
     p.add_argument("--child", help=argparse.SUPPRESS)  # one (backend, streams) in a fresh process
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/rounds.json"))
     args = p.parse_args(argv)
     if args.child:
         backend, streams = args.child.split(":")
-        print(json.dumps(measure(backend, int(streams), args.requests, args.max_tokens, args.block_size, args.device)))
+        r = measure(backend, int(streams), args.requests, args.max_tokens, args.block_size, args.device, args.profile)
+        print(json.dumps(r))
         sys.stdout.flush()
         os._exit(0)  # MLX's threads can abort a normal interpreter exit ("terminate called"): the result is out
     import subprocess
@@ -132,6 +167,7 @@ def main(argv=None) -> int:
         for n in args.streams:  # each in a fresh process: what one measurement learnt never primes the next
             cmd = [sys.executable, __file__, "--child", f"{backend}:{n}", "--requests", str(args.requests)]
             cmd += ["--max-tokens", str(args.max_tokens), "--block-size", str(args.block_size), "--device", args.device]
+            cmd += ["--profile"] if args.profile and backend == "torch" else []
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 print(done.stderr[-2000:], file=sys.stderr)
