@@ -11,8 +11,9 @@ rounds are batches of one on its own thread -- and N requests cost one batched r
 A round is one model-thread job, except when other work was queued for the model thread during its
 draft (``queued``: a newcomer's prefill, another request's end): then the round's verify becomes a job of
 its own behind that work, so a newcomer waits for half a round, not a whole one. Measured with 8 streams
-decoding (``benchmarks/concurrency.py``, "newcomer"): a short request's first token at 2.7-3.1x its time
-alone with whole-round jobs, 1.3-1.5x with the split.
+decoding (``benchmarks/concurrency.py``'s newcomer; ``benchmarks/results/newcomer_ab/``, before and after,
+alternating): a short request's first token at 2.9-3.0x its time alone with whole-round jobs, 1.0-1.4x
+with the yield (colocated torch; MLX 2.1-2.2x before, 1.2-1.5x after).
 
 Isolation: a decode's failure (its session's exception from a batch) is its own, and a request that
 is cancelled or closed leaves before the next round; its sessions are closed after it has left, so a
