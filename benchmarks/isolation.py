@@ -52,13 +52,32 @@ def http_text(client, prompt: str, mode: str, max_tokens: int, cancel_after: int
         model=client.served, prompt=prompt, max_tokens=max_tokens, stream=True, extra_body={"ignore_eos": True},
         **MODES[mode],
     )  # fmt: skip
-    text = []
+    text, finish, i = [], [], -1
     for i, chunk in enumerate(stream):
         text.extend(c.text for c in chunk.choices)
+        finish.extend(c.finish_reason for c in chunk.choices if c.finish_reason)
         if cancel_after is not None and i + 1 >= cancel_after:
             stream.close()  # what the openai client does when its caller stops reading
             return None
-    return "".join(text)
+    return Streamed("".join(text), finish[-1] if finish else None, i + 1)
+
+
+class Streamed(str):
+    """A streamed completion's text, with its finish reason and chunk count (what a difference is reported with)."""
+
+    def __new__(cls, text: str, finish_reason: str | None, chunks: int):
+        out = super().__new__(cls, text)
+        out.finish_reason, out.chunks = finish_reason, chunks
+        return out
+
+
+def difference(text: Streamed, ref: str) -> str:
+    """Where ``text`` leaves ``ref``: the common prefix's length and both tails, with how ``text`` ended."""
+    k = next((i for i, (a, b) in enumerate(zip(text, ref)) if a != b), min(len(text), len(ref)))
+    return (
+        f"{len(text)} vs {len(ref)} chars, same for {k}; then {text[k : k + 40]!r} vs {ref[k : k + 40]!r}"
+        f" (finish_reason {text.finish_reason}, {text.chunks} chunks)"
+    )
 
 
 def grpc_deadline(stub, prompt: str, mode: str, max_tokens: int, deadline_s: float) -> str:
@@ -105,7 +124,7 @@ def run(client, stub, refs: dict, args) -> dict:
                     if text == refs[(prompt, mode)]:
                         note("alone_ok")
                     else:
-                        note("alone_different", f"{mode} {prompt!r}: {text!r} != {refs[(prompt, mode)]!r}")
+                        note("alone_different", f"{mode} {prompt!r}: {difference(text, refs[(prompt, mode)])}")
             except Exception as exc:  # noqa: BLE001 - counted: a left-alone request must never fail
                 kind = "alone_failed" if r >= args.cancel + args.deadline else "cancel_or_deadline_errors"
                 note(kind, f"{kind}: {type(exc).__name__}: {exc}")

@@ -52,6 +52,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._live: dict[Decode, deque[Block]] = {}  # each joined decode and its blocks not yet taken
         self._driving = False
+        self._in_round: frozenset[Decode] = frozenset()  # the decodes of the round in flight
         self.rounds = 0  # rounds run so far, and the decodes they advanced (their ratio: the mean batch)
         self.advanced = 0
 
@@ -85,19 +86,21 @@ class Scheduler:
                 blocks = self._live.get(decode)
                 if blocks:
                     return blocks.popleft()
-                if blocks is None or decode.done or stop():
+                # a decode the round in flight finished is done before that round hands over its last block
+                if blocks is None or stop() or (decode.done and decode not in self._in_round):
                     return None
                 if self._driving:
                     self._cv.wait()
                     continue
                 self._driving = True
                 decodes = [d for d in self._live if not d.done]
+                self._in_round = frozenset(decodes)
                 self._cv.release()
                 try:
                     results = self._round(decodes)
                 finally:
                     self._cv.acquire()
-                    self._driving = False
+                    self._driving, self._in_round = False, frozenset()
                 for d, block in results:
                     if d in self._live:
                         self._live[d].append(block)

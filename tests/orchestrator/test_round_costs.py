@@ -93,3 +93,43 @@ def test_the_scheduler_reports_each_round_and_the_loop_tells_each_sizer_its_comp
     n, rows, seconds = seen[0]
     assert n == 3 and rows == 3 * 4 and seconds == block.draft_s + block.verify_s  # three blocks of 4 (warm size)
     assert all(d.sizer.sharing == 3 for d in decodes)
+
+
+def test_a_decode_the_round_in_flight_finishes_still_gets_that_rounds_block():
+    """The round that commits a decode's last block makes it ``done`` before the round hands the block over: its
+    request asking for a block meanwhile must wait for it, not end without it (the last block's text was lost:
+    a streamed answer ended short with finish reason "length", benchmarks/isolation.py)."""
+    import threading
+    import time
+
+    from kakeya.orchestrator.loop import Decode, DecodeOptions, one_by_one_drafts, one_by_one_verdicts
+    from kakeya.orchestrator.scheduler import Scheduler
+
+    decodes = []
+    for max_tokens in (20, 5):  # the second one's next round (a block of 4, every candidate right) is its last
+        v = ScriptedVerifier(3, CONT)
+        decode = Decode(v, ScriptedDrafter(v, 0), [1, 2, 3], DecodeOptions(max_tokens, 4))
+        decode.prefilled(*v.prefill([1, 2, 3]), 0.0)
+        decodes.append(decode)
+    driver, finishing = decodes
+    in_round = threading.Event()
+
+    def step(fn, *args):  # the round has committed every block; its driver has not handed them over yet
+        out = fn(*args)
+        in_round.set()
+        time.sleep(0.3)
+        return out
+
+    scheduler = Scheduler(one_by_one_drafts, one_by_one_verdicts, step)
+    for d in decodes:
+        scheduler.join(d)
+    got = []
+    t = threading.Thread(target=lambda: got.append(scheduler.next_block(driver)))
+    t.start()
+    assert in_round.wait(10)
+    assert finishing.done  # the round in flight finished it
+    block = scheduler.next_block(finishing)
+    t.join()
+    assert block is not None and block.tokens == CONT[1:5]
+    assert finishing.generation.token_ids == CONT[:5] and got[0] is not None
+    assert scheduler.next_block(finishing) is None  # and then it is over
