@@ -99,8 +99,10 @@ def check_request(req: Request, engine: Engine, limits: Limits = Limits()) -> Re
             "max_tokens", f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the context limit {context}"
         )
     stop_ids = _stops(req, engine)
-    req = _tool_calls(req, engine)
-    _constraint(req, engine)
+    held = _tool_calls(req, engine)  # a tool choice's grammar, compiled there
+    if held is req:
+        _constraint(req, engine)
+    req = held
     sampling = req.sampling.check().seeded()  # an unseeded sampling request draws its seed here
     if not 1 <= req.max_block_size <= MAX_BLOCK_SIZE:
         raise InvalidRequest("max_block_size", f"must be between 1 and {MAX_BLOCK_SIZE}, got {req.max_block_size}")
@@ -185,9 +187,17 @@ def _tool_calls(req: Request, engine: Engine) -> Request:
     tokenizer = engine.codec.tokenizer if engine.codec is not None else None
     try:
         grammar = tool_call_grammar(chat.tools, chat.tool_choice, marker_terms(tokenizer))
-    except GrammarError as exc:
-        raise InvalidRequest("prompt.tool_choice", str(exc)) from None
-    return replace(req, constraint=constraints.Constraint("grammar", grammar))
+    except GrammarError as exc:  # a tool's schema this grammar cannot hold: named in the tool's parameters
+        field = "prompt.tool_choice" if exc.tool is None else f"prompt.tools[{exc.tool}].parameters"
+        raise InvalidRequest(field, str(exc)) from None
+    held = replace(req, constraint=constraints.Constraint("grammar", grammar))
+    try:
+        _constraint(held, engine)
+    except InvalidRequest as exc:  # the grammar is the tools' and the choice's, never the client's constraint
+        if not exc.field.startswith("constraint"):
+            raise
+        raise InvalidRequest("prompt.tools" if chat.tool_choice == AUTO else "prompt.tool_choice", exc.reason) from None
+    return held
 
 
 def _constraint(req: Request, engine: Engine) -> None:
