@@ -158,7 +158,8 @@ def _prompt_ids(prompt, engine: Engine, limit: int) -> list[int]:
                 ids = codec.encode_chat(messages, continue_final_message=prompt.continue_final_message, tools=tools)
             except ChatError as exc:  # "messages[1].role must be ...": the field is the chat's own
                 m = _CHAT_FIELD.match(str(exc))
-                raise InvalidRequest(f"prompt.{m[1]}" if m else "prompt", m[2] if m else str(exc)) from None
+                field = f"prompt.{m[1]}" if m else _template_culprit(prompt, codec)
+                raise InvalidRequest(field, m[2] if m else str(exc)) from None
     else:
         ids = list(prompt)
         if not ids:
@@ -171,6 +172,20 @@ def _prompt_ids(prompt, engine: Engine, limit: int) -> list[int]:
     if len(ids) > limit:
         raise InvalidRequest("prompt", f"{len(ids)} tokens exceed this server's limit {limit} (--max-prompt-tokens)")
     return ids
+
+
+def _template_culprit(chat: Chat, codec: TextCodec) -> str:
+    """The field a chat template's failure names: the tools where the messages render without them (a schema
+    the template cannot write, ``required: 5``), else the conversation."""
+    if not chat.tools:
+        return "prompt"
+    try:
+        codec.encode_chat(
+            template_inputs(replace(chat, tools=()))[0], continue_final_message=chat.continue_final_message
+        )
+    except ChatError:
+        return "prompt"
+    return "prompt.tools"
 
 
 def _tool_calls(req: Request, engine: Engine) -> Request:

@@ -141,3 +141,15 @@ def test_a_regex_past_llguidances_budget_is_refused_not_a_500(real):
     req = _request(tools=(), max_tokens=2)
     req.constraint.regex = "b{99999997}"
     assert _refused(real[1], req).startswith("constraint.regex: the constraint cannot be followed")
+
+
+def test_a_schema_the_chat_template_cannot_write_names_the_tools(real):
+    """A tool's schema the template fails on (``required: 5`` inside a property, which the front's check of the
+    top level lets through): the refusal named ``messages`` (HTTP) and ``prompt.messages`` (gRPC), though the
+    messages render without the tools; it names the tools."""
+    tool = _tool("f", {"type": "object", "properties": {"a": {"type": "object", "properties": {}, "required": 5}}})
+    status, answer = _http(real, {"tools": [tool], "tool_choice": "none"})
+    assert status == 400 and answer["error"]["param"] == "tools", answer
+    assert answer["error"]["message"].startswith("tools: chat template: "), answer
+    details = _refused(real[1], _request(tools=(tool,), mode=pb.TOOL_CHOICE_MODE_NONE, max_tokens=2))
+    assert details.startswith("prompt.messages.tools: chat template: "), details
