@@ -225,9 +225,11 @@ class Grammar:
         it when committed (a special token is not its text to the parser): a committed token outside the
         grammar, found by issue 43's fuzz."""
         words = row.view(np.uint32)
-        ids = self.specials
-        on = ids[((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)]
-        for t in on.tolist():
+        ids, at, bit = self.specials
+        hit = words[at] & bit  # one gather: most masks allow no special token, and cost no more than this
+        if not hit.any():
+            return
+        for t in ids[hit != 0].tolist():
             if self.matcher.validate_tokens([t]) != 1:
                 words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
 
@@ -285,9 +287,11 @@ def _raise_if_failed(matcher: llguidance.LLMatcher) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _specials(tok: llguidance.LLTokenizer) -> np.ndarray:
-    """The special tokens of ``tok`` but EOS (which a finished grammar allows by itself)."""
-    return np.array([i for i in range(tok.vocab_size) if tok.is_special_token(i) and i != tok.eos_token], np.int64)
+def _specials(tok: llguidance.LLTokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The special tokens of ``tok`` but EOS (which a finished grammar allows by itself): their ids, and the
+    word and bit of each in a mask row."""
+    ids = np.array([i for i in range(tok.vocab_size) if tok.is_special_token(i) and i != tok.eos_token], np.int64)
+    return ids, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)).astype(np.uint32)
 
 
 def unpack(bits: np.ndarray, vocab: int) -> np.ndarray:
