@@ -153,3 +153,24 @@ def test_a_schema_the_chat_template_cannot_write_names_the_tools(real):
     assert answer["error"]["message"].startswith("tools: chat template: "), answer
     details = _refused(real[1], _request(tools=(tool,), mode=pb.TOOL_CHOICE_MODE_NONE, max_tokens=2))
     assert details.startswith("prompt.messages.tools: chat template: "), details
+
+
+@pytest.mark.parametrize(
+    ("field", "http", "grpc_name"),
+    [
+        ("prompt.tools[3].parameters", "tools[3].function.parameters", "prompt.messages.tools[3].parameters_json"),
+        ("prompt.messages[2].tool_calls[1].arguments", "messages[2].tool_calls[1].function.arguments",
+         "prompt.messages.messages[2].tool_calls[1].arguments_json"),
+        ("prompt.messages[1].role", "messages[1].role", "prompt.messages.messages[1].role"),
+        ("prompt.tools", "tools", "prompt.messages.tools"),
+        ("prompt", "messages", "prompt.messages"),
+    ],
+)  # fmt: skip
+def test_each_front_spells_a_request_field_inside_list_items_its_own_way(field, http, grpc_name):
+    """The one renaming of both fronts (``public_field`` over ``http_api.field_names`` / ``grpc_api``'s names):
+    a name written with ``[]`` renames a field inside list items, each index kept in its place."""
+    from kakeya.core.request import public_field
+    from kakeya.orchestrator import grpc_api, http_api
+
+    assert public_field(field, http_api.field_names(True, "max_tokens")) == http
+    assert public_field(field, grpc_api.FIELD_NAMES | grpc_api.PROMPT_NAMES["messages"]) == grpc_name
