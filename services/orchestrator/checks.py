@@ -211,8 +211,17 @@ def _tool_calls(req: Request, engine: Engine) -> Request:
     except InvalidRequest as exc:  # the grammar is the tools' and the choice's, never the client's constraint
         if not exc.field.startswith("constraint"):
             raise
-        raise InvalidRequest("prompt.tools" if chat.tool_choice == AUTO else "prompt.tool_choice", exc.reason) from None
+        raise InvalidRequest(constraint_field(req), exc.reason) from None
     return held
+
+
+def constraint_field(req: Request) -> str:
+    """The field a refusal of the grammar that holds ``req`` (as the client sent it) names: its constraint's
+    spec, or where a tool choice holds it, the choice (the tools under ``auto``: a strict tool's)."""
+    chat = req.prompt
+    if req.constraint is not None or not isinstance(chat, Chat):
+        return "constraint.spec"
+    return "prompt.tools" if chat.tool_choice == AUTO else "prompt.tool_choice"
 
 
 def _constraint(req: Request, engine: Engine) -> None:
