@@ -151,7 +151,7 @@ class _Rules:
                            for i, option in enumerate(alternatives)]  # fmt: skip
                 return self.rule(" | ".join(options))
         kinds = schema.get("type")
-        kinds = [kinds] if isinstance(kinds, str) else kinds or []
+        kinds = [kinds] if isinstance(kinds, str) else [] if "type" not in schema else kinds
         if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
             raise GrammarError(_at(where, "type"), "must be a type's name or a list of them")
         if not kinds:
@@ -190,7 +190,7 @@ class _Rules:
             return "any_object"
         if not isinstance(props, Mapping):
             raise GrammarError(_at(where, "properties"), "must be an object")
-        required = schema.get("required") or []
+        required = schema.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise GrammarError(_at(where, "required"), "must be a list of strings")
         required = set(required)

@@ -209,6 +209,9 @@ def _pieces(tok: Tokenizer, text: str) -> list[int]:
         ({"type": "object", "properties": {"a": {"properties": {}, "required": 5}}}, "a.required: must be a list"),
         ({"type": "object", "properties": {"a": {"properties": {}, "required": [{}]}}}, "a.required: must be a list"),
         ({"type": "object", "properties": {"a": {"type": "object", "properties": 5}}}, "a.properties: must be an"),
+        ({"type": "object", "properties": {"a": {"type": 0}}}, "a.type: must be a type's name"),
+        ({"type": "object", "properties": {"a": {"properties": {}, "required": False}}}, "a.required: must be a"),
+        ({"type": "object", "properties": {"a": {"anyOf": []}}}, "a.anyOf: must be a non-empty list of schemas"),
     ],
 )
 def test_a_schema_the_grammar_cannot_hold_is_refused_by_name(schema, says):
