@@ -305,7 +305,7 @@ FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scope
 
 
 @pytest.mark.usefixtures("short_max_tokens")
-@settings(FUZZ, max_examples=250)
+@settings(FUZZ, max_examples=400)
 @given(case=bodies())
 def test_fuzzed_fields_never_get_a_500(front, case):
     """Every parameter of both APIs (http_params.PARAMS, and an unknown one) with JSON values, lone
@@ -346,7 +346,7 @@ def structured_bodies(draw):
 
 
 @pytest.mark.usefixtures("short_max_tokens")
-@settings(FUZZ, max_examples=300)
+@settings(FUZZ, max_examples=800)
 @given(case=structured_bodies())
 def test_fuzzed_tools_constraints_and_logprobs_never_get_a_500(front, case):
     """Tools (strict ones, schemas the grammar or llguidance refuses, parameters not an object), tool choices

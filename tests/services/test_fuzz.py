@@ -202,7 +202,7 @@ def test_fuzz_generate_chat_tools_constraints_and_logprobs(servers):
     GenerateRequest as the proto spells it, never an HTTP parameter or a Request field."""
     stub = generation_stub(servers["orchestrator"].addr)
 
-    @settings(FUZZ, max_examples=150)
+    @settings(FUZZ, max_examples=300)
     @given(chat_requests())
     def prop(req):
         try:
