@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import llguidance
 import numpy as np
 
+from kakeya.core import json_text
+
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 # JSON is written compactly but readably, as ``json.dumps`` writes it: one separator each, no free
@@ -78,12 +80,16 @@ def _schema_grammar(spec) -> str:
         if len(spec) > MAX_SPEC_CHARS:
             raise ConstraintError(f"longer than {MAX_SPEC_CHARS} characters")
         try:
-            spec = json.loads(spec)
+            spec = json_text.loads(spec)
         except ValueError as exc:
-            raise ConstraintError(f"not valid JSON ({exc})") from None
+            raise ConstraintError(str(exc)) from None
     if not isinstance(spec, dict):
         raise ConstraintError("a JSON schema must be a JSON object")
-    if len(json.dumps(spec)) > MAX_SPEC_CHARS:
+    try:
+        size = len(json.dumps(spec))
+    except RecursionError:
+        raise ConstraintError("nested too deeply") from None
+    if size > MAX_SPEC_CHARS:
         raise ConstraintError(f"longer than {MAX_SPEC_CHARS} characters")
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
@@ -129,6 +135,7 @@ class CompiledGrammars:
             if pristine is not None:
                 self._matchers.move_to_end(key)
                 self.hits += 1
+                _raise_if_failed(pristine)  # a copy failed at run time (a lexer's budget): the grammar with it
                 return pristine.deep_copy()
             self.misses += 1
         pristine = llguidance.LLMatcher(tok, grammar, log_level=0)  # compiled outside the lock
@@ -147,8 +154,13 @@ COMPILED = CompiledGrammars(maxsize=64)  # this process's compiled grammars
 
 def check(grammar: str, tok: llguidance.LLTokenizer) -> None:
     """:class:`ConstraintError` if ``grammar`` does not compile against ``tok`` (a bad regex, Lark rule, schema);
-    one that does is compiled once here for the sessions that follow (:data:`COMPILED`)."""
-    COMPILED.matcher(grammar, tok)
+    one that does is compiled once here for the sessions that follow (:data:`COMPILED`). Its first mask is
+    computed too: a grammar past llguidance's budgets there (or whose copies met them, :func:`_raise_if_failed`)
+    is refused here, by the field that carried it."""
+    matcher = COMPILED.matcher(grammar, tok)
+    mask = np.zeros((tok.vocab_size + 31) // 32, np.int32)
+    matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+    _raise_if_failed(matcher)
 
 
 class Grammar:
@@ -165,6 +177,8 @@ class Grammar:
         self.vocab = tok.vocab_size
         self.eos = tok.eos_token
         self.words = (self.vocab + 31) // 32
+        self.specials = _specials(tok)
+        self.ended = False  # no token could continue the grammar: the generation ended at EOS (:meth:`_fill`)
 
     def masks(self, candidates: Sequence[int]) -> np.ndarray:
         """:meth:`bitmask` as bools [len(candidates) + 1, vocab] (a row's allowed tokens, to read)."""
@@ -188,23 +202,55 @@ class Grammar:
         return bits
 
     def _fill(self, row: np.ndarray) -> None:
-        if self.matcher.is_stopped():  # finished: it ends here (the loop stops at the EOS it commits)
-            row[:] = 0
-            row[self.eos // 32] |= np.int32(np.uint32(1 << (self.eos % 32)).view(np.int32))
+        if not self.finished and self._allowed(row):
             return
+        # finished, or no token continues the grammar: it ends here (the loop stops at the EOS it commits)
+        row[:] = 0
+        row[self.eos // 32] |= np.int32(np.uint32(1 << (self.eos % 32)).view(np.int32))
+
+    def _allowed(self, row: np.ndarray) -> bool:
+        """Write the tokens allowed next into ``row``; whether there is any."""
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        _raise_if_failed(self.matcher)
+        self._drop_refused_specials(row)
+        return bool(row.any())
+
+    def _dead_end(self) -> bool:
+        """Whether no token continues the grammar from here (its next text is one only a special token spells)."""
+        return not self._allowed(np.zeros(self.words, np.int32))
+
+    def _drop_refused_specials(self, row: np.ndarray) -> None:
+        """Clear the special tokens a mask allows but the matcher would not consume. llguidance 1.9 allows a
+        special token whose text the grammar spells next (``<pad>`` of a choice ``["<pad>"]``), then refuses
+        it when committed (a special token is not its text to the parser): a committed token outside the
+        grammar, found by issue 43's fuzz."""
+        words = row.view(np.uint32)
+        ids, at, bit = self.specials
+        hit = words[at] & bit  # one gather: most masks allow no special token, and cost no more than this
+        if not hit.any():
+            return
+        for t in ids[hit != 0].tolist():
+            if self.matcher.validate_tokens([t]) != 1:
+                words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Consume committed ``tokens`` (each one a mask allowed); past the end of the grammar nothing is kept."""
         for t in tokens:
-            if self.matcher.is_stopped():
+            if self.finished:
                 return
-            if not self.matcher.consume_token(int(t)):
+            if int(t) == self.eos and self.matcher.validate_tokens([self.eos]) != 1 and self._dead_end():
+                self.ended = True  # the EOS _fill allowed where no token could continue the grammar
+                return
+            if self.matcher.validate_tokens([int(t)]) != 1:  # refused: never committed silently (a 500: ours)
+                _raise_if_failed(self.matcher)  # unless validating it met a budget of the grammar's
+                raise RuntimeError(f"constraint: committed token {int(t)} is outside the grammar")
+            if not self.matcher.consume_token(int(t)):  # taken, then a budget met: the grammar's (a refusal)
+                _raise_if_failed(self.matcher)
                 raise RuntimeError(f"constraint: committed token {int(t)} is outside the grammar")
 
     def allowed_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the grammar would take in a row from here (the state is left as it is)."""
-        return 0 if self.matcher.is_stopped() else int(self.matcher.validate_tokens([int(t) for t in tokens]))
+        return 0 if self.finished else int(self.matcher.validate_tokens([int(t) for t in tokens]))
 
     def choose(self, ranked: Sequence[Sequence[int]]) -> list[int]:
         """Walk a drafted block: at each position the first of its ``ranked`` ids the grammar allows after the
@@ -212,7 +258,7 @@ class Grammar:
         where the grammar has finished). The state is left as it was."""
         chosen: list[int] = []
         for row in ranked:
-            if self.matcher.is_stopped():
+            if self.finished:
                 break
             pick = next((t for t in row if self.matcher.try_consume_tokens([t]) == 1), None)
             if pick is None:
@@ -224,11 +270,28 @@ class Grammar:
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next, whatever the model would pick (may be empty)."""
-        return [] if self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens())
+        return [] if self.finished else list(self.matcher.compute_ff_tokens())
 
     @property
     def finished(self) -> bool:
-        return self.matcher.is_stopped()
+        return self.ended or self.matcher.is_stopped()
+
+
+def _raise_if_failed(matcher: llguidance.LLMatcher) -> None:
+    """:class:`ConstraintError` where ``matcher`` failed as it ran: a grammar that compiles can still exceed
+    llguidance's budgets once followed (``a{99999999}``: "lexer error: too many expressions constructed", found
+    by issue 43's fuzz), and its compiled copies share the failure. A ValueError: the request's, never a 500."""
+    if matcher.is_error():
+        reason = matcher.get_error().split("\n")[0]  # the rest is the parser's state
+        raise ConstraintError(f"the constraint cannot be followed: {_bounded(reason)}")
+
+
+@functools.lru_cache(maxsize=8)
+def _specials(tok: llguidance.LLTokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The special tokens of ``tok`` but EOS (which a finished grammar allows by itself): their ids, and the
+    word and bit of each in a mask row."""
+    ids = np.array([i for i in range(tok.vocab_size) if tok.is_special_token(i) and i != tok.eos_token], np.int64)
+    return ids, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)).astype(np.uint32)
 
 
 def unpack(bits: np.ndarray, vocab: int) -> np.ndarray:

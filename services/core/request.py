@@ -11,6 +11,7 @@ spell it (``sampling_params.temperature`` on gRPC, ``temperature`` over HTTP).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -31,12 +32,24 @@ class InvalidRequest(ValueError):
         return f"{public_field(self.field, names)}: {self.reason}"
 
 
+_INDEX = re.compile(r"\[\d+\]")
+
+
 def public_field(path: str, names: Mapping[str, str]) -> str:
     """``path`` with its longest prefix found in ``names`` replaced (see :meth:`InvalidRequest.public`); an
-    item's index stays with its list's new name (``prompt.messages[1].role`` -> ``messages[1].role``)."""
+    item's index stays with its list's new name (``prompt.messages[1].role`` -> ``messages[1].role``). A
+    name whose lists are written ``[]`` renames a field inside their items, each index taking its ``[]`` in
+    turn: ``{"prompt.tools[].parameters": "tools[].function.parameters"}`` turns ``prompt.tools[2].parameters``
+    into ``tools[2].function.parameters``."""
     parts = path.split(".")
     for cut in range(len(parts), 0, -1):
         head, index = ".".join(parts[:cut]), ""
+        indices = _INDEX.findall(head)
+        if indices and head not in names and _INDEX.sub("[]", head) in names:
+            renamed = names[_INDEX.sub("[]", head)]
+            for i in indices:
+                renamed = renamed.replace("[]", i, 1)
+            return ".".join(p for p in [renamed, *parts[cut:]] if p)
         if head not in names and head.endswith("]") and "[" in head:
             head, index = head[: head.rindex("[")], head[head.rindex("[") :]
         if head in names:

@@ -23,6 +23,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kakeya.core import json_text
 from kakeya.core.request import Chat, ToolCall
 from kakeya.orchestrator.tool_calls import NAME
 from kakeya.orchestrator.tool_choice import ToolProblem, check_tools
@@ -140,9 +141,9 @@ def template_inputs(chat: Chat) -> tuple[list[dict], list[dict] | None]:
 def _arguments(call: ToolCall, i: int, j: int) -> dict:
     """A call's arguments as the object their JSON text holds (ChatError naming the call if not one)."""
     try:
-        args = json.loads(call.arguments)
-    except (ValueError, RecursionError):
-        args = None
+        args = json_text.loads(call.arguments)
+    except ValueError as exc:
+        raise ChatError(f"messages[{i}].tool_calls[{j}].arguments: {exc}") from None
     if not isinstance(args, dict) or not NAME.fullmatch(call.name):
         raise ChatError(f"messages[{i}].tool_calls[{j}]: needs a function's name and its arguments as a JSON object")
     return args

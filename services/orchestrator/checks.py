@@ -99,8 +99,10 @@ def check_request(req: Request, engine: Engine, limits: Limits = Limits()) -> Re
             "max_tokens", f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the context limit {context}"
         )
     stop_ids = _stops(req, engine)
-    req = _tool_calls(req, engine)
-    _constraint(req, engine)
+    held = _tool_calls(req, engine)  # a tool choice's grammar, compiled there
+    if held is req:
+        _constraint(req, engine)
+    req = held
     sampling = req.sampling.check().seeded()  # an unseeded sampling request draws its seed here
     if not 1 <= req.max_block_size <= MAX_BLOCK_SIZE:
         raise InvalidRequest("max_block_size", f"must be between 1 and {MAX_BLOCK_SIZE}, got {req.max_block_size}")
@@ -156,7 +158,8 @@ def _prompt_ids(prompt, engine: Engine, limit: int) -> list[int]:
                 ids = codec.encode_chat(messages, continue_final_message=prompt.continue_final_message, tools=tools)
             except ChatError as exc:  # "messages[1].role must be ...": the field is the chat's own
                 m = _CHAT_FIELD.match(str(exc))
-                raise InvalidRequest(f"prompt.{m[1]}" if m else "prompt", m[2] if m else str(exc)) from None
+                field = f"prompt.{m[1]}" if m else _template_culprit(prompt, codec)
+                raise InvalidRequest(field, m[2] if m else str(exc)) from None
     else:
         ids = list(prompt)
         if not ids:
@@ -169,6 +172,20 @@ def _prompt_ids(prompt, engine: Engine, limit: int) -> list[int]:
     if len(ids) > limit:
         raise InvalidRequest("prompt", f"{len(ids)} tokens exceed this server's limit {limit} (--max-prompt-tokens)")
     return ids
+
+
+def _template_culprit(chat: Chat, codec: TextCodec) -> str:
+    """The field a chat template's failure names: the tools where the messages render without them (a schema
+    the template cannot write, ``required: 5``), else the conversation."""
+    if not chat.tools:
+        return "prompt"
+    try:
+        codec.encode_chat(
+            template_inputs(replace(chat, tools=()))[0], continue_final_message=chat.continue_final_message
+        )
+    except ChatError:
+        return "prompt"
+    return "prompt.tools"
 
 
 def _tool_calls(req: Request, engine: Engine) -> Request:
@@ -185,9 +202,26 @@ def _tool_calls(req: Request, engine: Engine) -> Request:
     tokenizer = engine.codec.tokenizer if engine.codec is not None else None
     try:
         grammar = tool_call_grammar(chat.tools, chat.tool_choice, marker_terms(tokenizer))
-    except GrammarError as exc:
-        raise InvalidRequest("prompt.tool_choice", str(exc)) from None
-    return replace(req, constraint=constraints.Constraint("grammar", grammar))
+    except GrammarError as exc:  # a tool's schema this grammar cannot hold: named in the tool's parameters
+        field = "prompt.tool_choice" if exc.tool is None else f"prompt.tools[{exc.tool}].parameters"
+        raise InvalidRequest(field, str(exc)) from None
+    held = replace(req, constraint=constraints.Constraint("grammar", grammar))
+    try:
+        _constraint(held, engine)
+    except InvalidRequest as exc:  # the grammar is the tools' and the choice's, never the client's constraint
+        if not exc.field.startswith("constraint"):
+            raise
+        raise InvalidRequest(constraint_field(req), exc.reason) from None
+    return held
+
+
+def constraint_field(req: Request) -> str:
+    """The field a refusal of the grammar that holds ``req`` (as the client sent it) names: its constraint's
+    spec, or where a tool choice holds it, the choice (the tools under ``auto``: a strict tool's)."""
+    chat = req.prompt
+    if req.constraint is not None or not isinstance(chat, Chat):
+        return "constraint.spec"
+    return "prompt.tools" if chat.tool_choice == AUTO else "prompt.tool_choice"
 
 
 def _constraint(req: Request, engine: Engine) -> None:

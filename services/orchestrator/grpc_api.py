@@ -10,8 +10,7 @@ rebuilds the report from a stream with :func:`report_from_stream`.
 
 from __future__ import annotations
 
-import json
-
+from kakeya.core import json_text
 from kakeya.core.contract import KVBytes
 from kakeya.core.generation import Report
 from kakeya.core.request import (
@@ -45,10 +44,13 @@ FIELD_NAMES = {
 PROMPT_NAMES = {  # a prompt's fields, by the oneof the request set
     "text": {"prompt": "prompt.text"},
     "tokenized": {"prompt": "prompt.tokenized.ids"},
-    "messages": {
+    "messages": {  # the oneof's ChatMessages: its messages, tools and flag
         "prompt": "prompt.messages",
-        "prompt.messages": "prompt.messages",
+        "prompt.messages": "prompt.messages.messages",
+        "prompt.messages[].tool_calls[].arguments": "prompt.messages.messages[].tool_calls[].arguments_json",
         "prompt.continue_final_message": "prompt.messages.continue_final_message",
+        "prompt.tools": "prompt.messages.tools",
+        "prompt.tools[].parameters": "prompt.messages.tools[].parameters_json",
     },
 }
 
@@ -89,7 +91,8 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
             tool_choice.check_tools(tools)
         except tool_choice.ToolProblem as exc:
             field = "name" if exc.part == "name" else "parameters_json"
-            reason = exc.reason if exc.part in ("name", "parameters") else f"{exc.part}: {exc.reason}"
+            at = exc.part.removeprefix("parameters").lstrip(".")  # where in the schema (its JSON's own names)
+            reason = f"{at}: {exc.reason}" if at and field != "name" else exc.reason
             raise InvalidRequest(f"prompt.messages.tools[{exc.index}].{field}", reason) from None
         choice, choice_field = _tool_choice(r.messages.tool_choice, tools)
         names = names | {tool_choice.FIELD: choice_field}
@@ -129,12 +132,13 @@ def _schema(text: str, i: int) -> dict | None:
     """A tool's ``parameters_json``: a JSON object, or None when empty."""
     if not text:
         return None
+    field = f"prompt.messages.tools[{i}].parameters_json"
     try:
-        schema = json.loads(text)
-    except (ValueError, RecursionError):
-        schema = None
+        schema = json_text.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(field, f"must be a JSON object's text: {exc}") from None
     if not isinstance(schema, dict):
-        raise InvalidRequest(f"prompt.messages.tools[{i}].parameters_json", "must be a JSON object's text")
+        raise InvalidRequest(field, "must be a JSON object's text")
     return schema
 
 

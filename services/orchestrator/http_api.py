@@ -148,6 +148,9 @@ def field_names(chat: bool, max_tokens: str) -> dict[str, str]:
         "prompt.messages": "messages",
         "prompt.continue_final_message": "continue_final_message",
         "prompt.tool_choice": "tool_choice",
+        "prompt.tools": "tools",
+        "prompt.tools[].parameters": "tools[].function.parameters",
+        "prompt.messages[].tool_calls[].arguments": "messages[].tool_calls[].function.arguments",
     }
     prompt = prompt if chat else {}
     return prompt | {

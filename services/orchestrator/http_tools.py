@@ -14,8 +14,7 @@ lets text come first); under ``required`` and a named function every call is hel
 
 from __future__ import annotations
 
-import json
-
+from kakeya.core import json_text
 from kakeya.core.request import Message, Tool, ToolCall
 from kakeya.orchestrator.tool_calls import NAME
 from kakeya.orchestrator.tool_choice import ToolProblem, check_tools, choose
@@ -84,9 +83,11 @@ def calls(value, i: int) -> tuple[ToolCall, ...]:
         if not isinstance(f.get("name"), str) or not NAME.fullmatch(f["name"]):
             raise ToolError("messages", f"{where}[{j}].function.name: must be 1-64 letters, digits, '_', '.' or '-'")
         try:
-            args = json.loads(f.get("arguments"))
-        except (TypeError, ValueError, RecursionError):
-            args = None
+            args = json_text.loads(f.get("arguments")) if isinstance(f.get("arguments"), str) else None
+        except ValueError as exc:
+            raise ToolError(
+                "messages", f"{where}[{j}].function.arguments: must be a JSON object's text: {exc}"
+            ) from None
         if not isinstance(args, dict):
             raise ToolError("messages", f"{where}[{j}].function.arguments: must be a JSON object's text")
         out.append(ToolCall(c["id"], f["name"], f["arguments"]))

@@ -25,9 +25,10 @@ from typing import Protocol
 
 import grpc
 
+from kakeya.core import constraints
 from kakeya.core.generation import Block, Report
 from kakeya.core.request import InvalidRequest, Request
-from kakeya.orchestrator.checks import DEFAULT_MAX_TOKENS, Limits, context_of, prompt_limit
+from kakeya.orchestrator.checks import DEFAULT_MAX_TOKENS, Limits, constraint_field, context_of, prompt_limit
 from kakeya.orchestrator.engine import Engine, RunOptions
 from kakeya.orchestrator.errors import fallback_reason, public_status
 from kakeya.runtime import bounds, logs
@@ -190,6 +191,8 @@ class GenerationService:
             run = self.engine.start(req, options)
         except InvalidRequest:
             raise
+        except constraints.ConstraintError as exc:  # its grammar past llguidance's budget as a session opened it
+            raise InvalidRequest(constraint_field(req), str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - every other failure to start becomes a public status
             raise RequestError(*public_status(exc, req.request_id)) from None
         if call is not None and not call.add_callback(run.cancel):
@@ -205,6 +208,8 @@ class GenerationService:
                 if self.aborting:
                     run.close()  # the server is going down: finish reason "abort"
         except Exception as exc:  # noqa: BLE001 - the run failed (and closed its sessions)
+            if not blocks and isinstance(exc, constraints.ConstraintError):  # past llguidance's budget, once followed
+                raise InvalidRequest(constraint_field(req), str(exc)) from None
             code, msg = public_status(exc, checked.request_id)
             if not blocks:
                 raise RequestError(code, msg) from None

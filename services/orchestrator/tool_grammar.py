@@ -41,7 +41,18 @@ _TERMINALS = {
 
 
 class GrammarError(ValueError):
-    """A tool this grammar cannot hold a call to: the message names the tool and the schema's keyword."""
+    """A tool this grammar cannot hold a call to: ``tool``, its index among the tools; ``at``, where in its
+    parameters' schema (``properties.city.items``; "" for the schema itself); ``reason``, the keyword and why.
+    Each front names the tool's field as its clients spell it (``checks.py``)."""
+
+    def __init__(self, at: str, reason: str, tool: int | None = None):
+        super().__init__(f"{at}: {reason}" if at else reason)
+        self.at, self.reason, self.tool = at, reason, tool
+
+
+def _at(where: str, part: str) -> str:
+    """A place inside a schema: ``part`` of the one at ``where``."""
+    return f"{where}.{part}" if where else part
 
 
 def marker_terms(tokenizer=None) -> dict[str, str]:
@@ -81,7 +92,7 @@ class _Rules:
         """A JSON value, written as Gemma-4 writes it (``enum``, ``const``)."""
         if isinstance(value, str):
             if "<|" in value:
-                raise GrammarError(f"{where}: a value holding '<|' cannot be written in a tool call")
+                raise GrammarError(where, "a value holding '<|' cannot be written in a tool call")
             return self.quoted(value)
         if isinstance(value, bool):
             return '"true"' if value else '"false"'
@@ -95,11 +106,11 @@ class _Rules:
         if isinstance(value, dict):
             pairs = ' "," '.join(f"{self.key(k, where)} {self.literal(v, where)}" for k, v in sorted(value.items()))
             return f'"{{" {pairs} "}}"' if value else '"{" "}"'
-        raise GrammarError(f"{where}: {value!r} is not a JSON value")
+        raise GrammarError(where, f"{value!r} is not a JSON value")
 
     def key(self, key: str, where: str) -> str:
         if "<|" in key:
-            raise GrammarError(f"{where}: a key holding '<|' cannot be written in a tool call")
+            raise GrammarError(where, "a key holding '<|' cannot be written in a tool call")
         return f"{_lit(key + ':')}" if _BARE_KEY.fullmatch(key) else f'{self.quoted(key)} ":"'
 
     def any(self) -> str:
@@ -117,26 +128,32 @@ class _Rules:
         if schema is True or schema == {}:
             return self.any()
         if not isinstance(schema, Mapping):
-            raise GrammarError(f"{where}: a schema must be an object")
+            raise GrammarError(where, "a schema must be an object")
         unknown = sorted(set(schema) - _KEYWORDS - _ANNOTATIONS)
         if unknown:
-            raise GrammarError(f"{where}: schema keyword {unknown[0]!r} is not supported in a tool call's grammar")
+            raise GrammarError(where, f"schema keyword {unknown[0]!r} is not supported in a tool call's grammar")
         if schema.get("additionalProperties") not in (None, True, False):
-            raise GrammarError(f"{where}: additionalProperties with a schema is not supported in a tool call's grammar")
+            raise GrammarError(where, "additionalProperties with a schema is not supported in a tool call's grammar")
         if "const" in schema:
             return self.rule(self.literal(schema["const"], where))
         if "enum" in schema:
             if not isinstance(schema["enum"], list) or not schema["enum"]:
-                raise GrammarError(f"{where}.enum: must be a non-empty list")
+                raise GrammarError(_at(where, "enum"), "must be a non-empty list")
             return self.rule(" | ".join(self.literal(v, where) for v in schema["enum"]))
         for key in ("anyOf", "oneOf"):
             if key in schema:
+                alternatives = schema[key]
+                if not isinstance(alternatives, list) or not alternatives:
+                    raise GrammarError(_at(where, key), "must be a non-empty list of schemas")
                 base = {k: v for k, v in schema.items() if k != key}
-                options = [self.value({**base, **option}, f"{where}.{key}[{i}]")
-                           for i, option in enumerate(schema[key])]  # fmt: skip
+                options = [self.value({**base, **option} if isinstance(option, Mapping) else option,
+                                      _at(where, f"{key}[{i}]"))
+                           for i, option in enumerate(alternatives)]  # fmt: skip
                 return self.rule(" | ".join(options))
         kinds = schema.get("type")
-        kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+        kinds = [kinds] if isinstance(kinds, str) else [] if "type" not in schema else kinds
+        if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+            raise GrammarError(_at(where, "type"), "must be a type's name or a list of them")
         if not kinds:
             kinds = ["object"] if "properties" in schema else []
         if not kinds:
@@ -157,11 +174,11 @@ class _Rules:
         if kind == "null":
             return '"null" | "None"'
         if kind == "array":
-            item = self.value(schema.get("items", {}), f"{where}.items")
+            item = self.value(schema.get("items", {}), _at(where, "items"))
             return f'"[" ({item} ("," {item})*)? "]"'
         if kind == "object":
             return self.members(schema, where)
-        raise GrammarError(f"{where}: type {kind!r} is not a JSON schema type")
+        raise GrammarError(_at(where, "type"), f"{kind!r} is not a JSON schema type")
 
     def members(self, schema: Mapping, where: str) -> str:
         """``{key:value,...}``: the declared keys in sorted order, each required one present, no other."""
@@ -171,11 +188,16 @@ class _Rules:
                 return '"{" "}"'
             self.any()
             return "any_object"
-        required = set(schema.get("required") or ())
-        if not isinstance(props, Mapping) or not required <= set(props):
-            raise GrammarError(f"{where}: every required key must be among the properties")
+        if not isinstance(props, Mapping):
+            raise GrammarError(_at(where, "properties"), "must be an object")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise GrammarError(_at(where, "required"), "must be a list of strings")
+        required = set(required)
+        if not required <= set(props):
+            raise GrammarError(where, "every required key must be among the properties")
         keys = sorted(props)
-        entry = [f"{self.key(k, where)} {self.value(props[k], f'{where}.properties.{k}')}" for k in keys]
+        entry = [f"{self.key(k, where)} {self.value(props[k], _at(where, f'properties.{k}'))}" for k in keys]
 
         def tail(i: int) -> str:  # what may follow once a key before keys[i] was written
             return " ".join(f'"," {e}' if k in required else f'("," {e})?' for k, e in zip(keys[i:], entry[i:]))
@@ -204,20 +226,24 @@ def tool_call_grammar(tools: Sequence[Tool], tool_choice: str, terms: Mapping[st
     terms = dict(terms or marker_terms())
     rules = _Rules(terms)
     if tool_choice == NONE or (tool_choice == AUTO and not holds_calls(tools, tool_choice)):
-        raise GrammarError(f"tool_choice {tool_choice!r} holds no call: it has no grammar")
+        raise GrammarError("", f"tool_choice {tool_choice!r} holds no call: it has no grammar")
     chosen = [t for t in tools if t.name == tool_choice] if tool_choice not in (AUTO, REQUIRED) else list(tools)
     if not chosen:
-        raise GrammarError(f"tool_choice: {tool_choice!r} is not one of the tools")
+        raise GrammarError("", f"tool_choice: {tool_choice!r} is not one of the tools")
     calls = []
     for i, tool in enumerate(tools):
         if tool in chosen:
-            where = f"tools[{i}].function.parameters"
             params = tool.parameters if tool.parameters is not None else {"type": "object", "properties": {}}
             if tool_choice == AUTO and not tool.strict:
                 rules.any()
                 args = "any_object"  # well-formed, whatever its keys and values
             else:
-                args = rules.value(dict(params) | {"type": "object"}, where)
+                try:
+                    args = rules.value(dict(params) | {"type": "object"}, "")
+                except GrammarError as exc:
+                    raise GrammarError(exc.at, exc.reason, i) from None
+                except RecursionError:  # a schema nested deeper than this writer follows
+                    raise GrammarError("", "nested too deeply for a tool call's grammar", i) from None
             calls.append(f"{_lit('call:' + tool.name)} {args}")
     body = rules.rule(" | ".join(calls))
     call = f"{terms[CALL_START]} {body} {terms[CALL_END]}"

@@ -219,7 +219,7 @@ def test_grpc_messages_are_checked_and_the_model_says_it_has_a_template(front):
     context = _Context()
     with pytest.raises(_Aborted):
         list(servicer.Generate(req, context))
-    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt.messages[1].role" in context.details
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt.messages.messages[1].role" in context.details
 
 
 def test_a_client_that_leaves_a_stream_cancels_its_run(front):

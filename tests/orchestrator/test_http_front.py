@@ -28,6 +28,25 @@ from kakeya.orchestrator.server import GenerationServicer
 from kakeya.runtime.auth import authorized, bearer_ok
 from kakeya.runtime.bounds import HttpTimeouts
 
+from ..fuzz_shapes import (
+    CHOICES,
+    GRAMMARS,
+    HUGE,
+    JSON,
+    KEYS,
+    NAMES,
+    NASTY,
+    NUMBERS,
+    OBJECT_SCHEMAS,
+    PLAIN,
+    REGEXES,
+    SCHEMAS,
+    STRINGS,
+    TEXT,
+    VALUES,
+    mostly,
+)  # fmt: skip
+
 TOKEN = "s3cret-token-for-tests"
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 BASE = {COMPLETIONS: {"prompt": [2, 40, 41, 42], "max_tokens": 2},
@@ -140,7 +159,6 @@ def test_clients_that_leave_whole_answers_free_their_sessions(front):
 
 
 SURROGATE = "\ud800"
-HUGE = 10**400  # json.dumps writes its 401 digits; float() of it overflows
 
 
 @pytest.mark.parametrize(
@@ -176,28 +194,71 @@ def test_a_number_of_400_digits_is_a_400_naming_its_field(front, field):
             assert len(answer["error"]["message"]) < 200  # the number is quoted, not echoed
 
 
-SURROGATES = st.sampled_from(["\ud800", "\udfff", "\udc80"])
-STRINGS = st.text(max_size=8) | st.builds(
-    lambda a, s, b: a + s + b, st.text(max_size=4), SURROGATES, st.text(max_size=4)
-)
-NUMBERS = st.integers(-(2**70), 2**70) | st.floats() | st.integers(-3, 20)
-NASTY = st.sampled_from([HUGE, -HUGE, 2**63, 2**64, -1, 0, 1e308, "\ud800", "a\udfff", ["\udc80"], {"\ud800": 1}])
-JSON = st.recursive(
-    st.none() | st.booleans() | NUMBERS | STRINGS | NASTY,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(STRINGS, inner, max_size=3),
-    max_leaves=8,
-)
 MESSAGES = st.lists(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]) | STRINGS, "content": JSON}),
     min_size=1,
     max_size=2,
 )
+FUNCTIONS = st.fixed_dictionaries(
+    {"name": NAMES},
+    optional={"description": TEXT, "parameters": mostly(OBJECT_SCHEMAS, PLAIN), "strict": mostly(st.booleans(), PLAIN)},
+)
+TOOLS = st.lists(
+    mostly(st.fixed_dictionaries({"type": st.just("function"), "function": FUNCTIONS}),
+           st.fixed_dictionaries({"type": TEXT, "function": FUNCTIONS | PLAIN})),
+    min_size=1, max_size=2,
+)  # fmt: skip
+TOOL_CHOICES = mostly(
+    st.sampled_from(["auto", "none", "required"])
+    | st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({"name": NAMES})}),
+    PLAIN,
+)
+ARGUMENTS = mostly(st.builds(json.dumps, st.dictionaries(KEYS, VALUES, max_size=2)), STRINGS | JSON)
+CALLS = st.lists(
+    mostly(
+        st.fixed_dictionaries({"id": st.just("call_1"), "type": st.just("function"),
+                               "function": st.fixed_dictionaries({"name": NAMES, "arguments": ARGUMENTS})}),
+        st.fixed_dictionaries({"id": PLAIN, "type": PLAIN, "function": PLAIN}),
+    ),
+    max_size=2,
+)  # fmt: skip
+TURNS = st.lists(  # a conversation with calls and their results
+    st.fixed_dictionaries({"role": st.just("user"), "content": TEXT})
+    | st.fixed_dictionaries({"role": st.just("assistant"), "content": st.none() | TEXT, "tool_calls": CALLS})
+    | st.fixed_dictionaries(
+        {"role": st.just("tool"), "content": mostly(TEXT, PLAIN)},
+        optional={"tool_call_id": mostly(st.just("call_1"), PLAIN), "name": mostly(NAMES, PLAIN)},
+    ),
+    min_size=1,
+    max_size=3,
+)
+JSON_SCHEMA_FORMATS = st.fixed_dictionaries(
+    {"type": st.just("json_schema")},
+    optional={"json_schema": mostly(st.fixed_dictionaries({"name": TEXT}, optional={
+        "schema": mostly(SCHEMAS, PLAIN), "strict": mostly(st.booleans(), PLAIN)}), PLAIN)},
+)  # fmt: skip
+STRUCTURED = mostly(
+    st.one_of(*(st.fixed_dictionaries({k: v}) for k, v in [
+        ("json", SCHEMAS | st.builds(json.dumps, SCHEMAS)), ("regex", REGEXES), ("choice", CHOICES),
+        ("grammar", GRAMMARS), ("json_object", st.just(True))])),
+    st.fixed_dictionaries({}, optional={"json": PLAIN, "regex": REGEXES, "json_object": PLAIN, "other": PLAIN}),
+)  # fmt: skip
 FIELD_VALUES = {  # shapes near the valid ones, so the fuzz reaches past the first type check
-    "messages": MESSAGES,
+    "messages": MESSAGES | TURNS,
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": JSON, "include_obfuscation": JSON}),
-    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"]) | STRINGS}),
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"]) | STRINGS})
+    | JSON_SCHEMA_FORMATS,
     "stop": st.lists(STRINGS, max_size=3),
     "prompt": st.lists(NUMBERS | NASTY, min_size=1, max_size=3),
+    "tools": mostly(TOOLS, PLAIN),
+    "tool_choice": TOOL_CHOICES,
+    "logprobs": mostly(st.just(True) | st.integers(0, 5), st.booleans() | st.integers(-1, 25)),
+    "top_logprobs": mostly(st.integers(0, 20), st.integers(-1, 25)),
+    "structured_outputs": STRUCTURED,
+    "guided_json": SCHEMAS | st.builds(json.dumps, SCHEMAS),
+    "guided_regex": REGEXES,
+    "guided_choice": CHOICES,
+    "guided_grammar": GRAMMARS,
 }
 ALL_FIELDS = sorted(http_params.PARAMS) + ["unknown_field"]
 
@@ -222,22 +283,77 @@ def short_max_tokens(front):
     servicer.limits = limits
 
 
+def _answered_well(path: str, body: dict, status: int, answer) -> None:
+    """A 200 (a stream ends with [DONE] and no error event) or a 4xx in OpenAI's error shape whose ``param`` is
+    a parameter of this API (or one the client sent), its message spelling the field as the client sent it."""
+    assert status < 500, (body, answer)
+    if status >= 400:
+        param = _refusal(answer)
+        if param is not None:
+            root = param.split(".")[0].split("[")[0]
+            api = http_params.CHAT if path == CHAT else http_params.COMPLETIONS
+            known = http_params.PARAMS.get(root)
+            assert root in body or (known and known.api in (api, http_params.BOTH)), (body, answer)
+            assert status == 404 or answer["error"]["message"].startswith(param), (body, answer)
+    elif isinstance(answer, bytes):  # a stream: it ends well, no event an error (a token's text may say "error")
+        assert answer.endswith(b"data: [DONE]\n\n"), answer
+        events = [json.loads(e[6:]) for e in answer.split(b"\n\n") if e.startswith(b"data: {")]
+        assert events and not any("error" in e for e in events), answer
+
+
+FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
 @pytest.mark.usefixtures("short_max_tokens")
-@settings(
-    max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-)
+@settings(FUZZ, max_examples=400)
 @given(case=bodies())
 def test_fuzzed_fields_never_get_a_500(front, case):
     """Every parameter of both APIs (http_params.PARAMS, and an unknown one) with JSON values, lone
     surrogates and 400-digit numbers among them: a 200 (a stream without an error event) or a 4xx in
     OpenAI's error shape, never a 500."""
     path, body = case
-    status, answer = Client(front[1]).post(path, body)
-    assert status < 500, (body, answer)
-    if status >= 400:
-        _refusal(answer)
-    elif isinstance(answer, bytes):  # a stream: it ends well
-        assert answer.endswith(b"data: [DONE]\n\n") and b'"error"' not in answer, answer
+    _answered_well(path, body, *Client(front[1]).post(path, body))
+
+
+CONSTRAINTS = ["response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar"]  # fmt: skip
+
+
+@st.composite
+def structured_bodies(draw):
+    """A chat with tools, a tool choice and tool turns, or a completion; a constraint, logprobs, a stream."""
+    path = draw(st.sampled_from([CHAT, CHAT, COMPLETIONS]))
+    body = dict(BASE[path])
+    fields = ["tools", "tool_choice", "messages", "top_logprobs"] if path == CHAT else []
+    fields += draw(st.lists(st.sampled_from(CONSTRAINTS[path == COMPLETIONS :]), max_size=2, unique=True))
+    shapes = FIELD_VALUES | {"messages": mostly(TURNS, MESSAGES), "stream": st.booleans()}
+    if path == COMPLETIONS:
+        shapes["logprobs"] = mostly(st.integers(0, 5), FIELD_VALUES["logprobs"])
+    else:
+        shapes["logprobs"] = mostly(st.just(True), FIELD_VALUES["logprobs"])
+    for name in fields + ["logprobs", "stream"]:
+        if draw(st.integers(0, 7)):  # each left out one time in eight
+            body[name] = draw(shapes[name])
+    tools = body.get("tools")
+    if path == CHAT and isinstance(tools, list) and tools and draw(st.booleans()):  # a choice that holds calls
+        named = [
+            t["function"].get("name") for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)
+        ]
+        body["tool_choice"] = draw(st.sampled_from(
+            ["required"] + [{"type": "function", "function": {"name": n}} for n in named if isinstance(n, str)]
+        ))  # fmt: skip
+    return path, body
+
+
+@pytest.mark.usefixtures("short_max_tokens")
+@settings(FUZZ, max_examples=800)
+@given(case=structured_bodies())
+def test_fuzzed_tools_constraints_and_logprobs_never_get_a_500(front, case):
+    """Tools (strict ones, schemas the grammar or llguidance refuses, parameters not an object), tool choices
+    naming unknown functions, tool turns, each constraint parameter with schemas, regexes and grammars near
+    valid ones, logprobs: answered or refused naming a parameter of the API, never a 500."""
+    path, body = case
+    _answered_well(path, body, *Client(front[1]).post(path, body))
 
 
 # --------------------------------------------------------------------------- 4. bounded quotes

@@ -330,7 +330,7 @@ def test_grpc_takes_the_same_tools_and_tool_turns(real):
     assert "prompt.messages.tools[0].parameters_json" in str(err.value)
     with pytest.raises(_Aborted) as err:
         _grpc_chat(servicer, [WEATHER], arguments="not json")
-    assert "prompt.messages[1].tool_calls[0]" in str(err.value)
+    assert "prompt.messages.messages[1].tool_calls[0].arguments_json" in str(err.value)  # the proto's names
     with pytest.raises(_Aborted) as err:
         _grpc_chat(servicer, [WEATHER, WEATHER])
     assert "tools[1].name" in str(err.value)

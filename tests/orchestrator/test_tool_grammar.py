@@ -202,12 +202,25 @@ def _pieces(tok: Tokenizer, text: str) -> list[int]:
         ({"type": "object", "properties": {"r": {"$ref": "#/x"}}}, "'$ref'"),
         ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
         ({"type": "object", "properties": {"t": {"type": "date"}}}, "'date'"),
+        ({"type": "object", "properties": {"a": {"anyOf": 5}}}, "anyOf: must be a non-empty list"),
+        ({"type": "object", "properties": {"a": {"oneOf": [5]}}}, "oneOf[0]: a schema must be an object"),
+        ({"type": "object", "properties": {"a": {"type": 5}}}, "a.type: must be a type's name"),
+        ({"type": "object", "properties": {"a": {"type": [{"x": 1}]}}}, "a.type: must be a type's name"),
+        ({"type": "object", "properties": {"a": {"properties": {}, "required": 5}}}, "a.required: must be a list"),
+        ({"type": "object", "properties": {"a": {"properties": {}, "required": [{}]}}}, "a.required: must be a list"),
+        ({"type": "object", "properties": {"a": {"type": "object", "properties": 5}}}, "a.properties: must be an"),
+        ({"type": "object", "properties": {"a": {"type": 0}}}, "a.type: must be a type's name"),
+        ({"type": "object", "properties": {"a": {"properties": {}, "required": False}}}, "a.required: must be a"),
+        ({"type": "object", "properties": {"a": {"anyOf": []}}}, "a.anyOf: must be a non-empty list of schemas"),
     ],
 )
 def test_a_schema_the_grammar_cannot_hold_is_refused_by_name(schema, says):
-    with pytest.raises(GrammarError, match="tools\\[0\\].function.parameters") as err:
-        tool_call_grammar([Tool("f", "", schema)], "required")
-    assert says in str(err.value)
+    """Named by the tool's index and the place in its schema (each front spells the tool's field its own way);
+    a keyword of the wrong type is refused as one the grammar cannot hold, never a TypeError (the fuzz of
+    issue 43 found ``anyOf: 5``, ``type: 5``, ``required: 5`` and unhashable types answered with a 500)."""
+    with pytest.raises(GrammarError) as err:
+        tool_call_grammar([TIME, Tool("f", "", schema)], "required")
+    assert err.value.tool == 1 and says in str(err.value), err.value
     for choice in ("auto", "none", "other"):
         with pytest.raises(GrammarError):
             tool_call_grammar([TIME], choice)

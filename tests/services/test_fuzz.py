@@ -9,6 +9,9 @@ process is still alive.
 
 from __future__ import annotations
 
+import json
+import re
+
 import grpc
 import pytest
 
@@ -16,8 +19,10 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kakeya.core.json_text import valid_unicode
 from kakeya.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, tensor_pb2, verifier_pb2
 
+from .. import fuzz_shapes as shapes
 from .conftest import TINY_MLX, channel, drafter_stub, generate, generation_stub, request, start_all, verifier_stub
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -118,6 +123,94 @@ def test_fuzz_generate(servers):
             out = list(stub.Generate(req, timeout=30))
         except grpc.RpcError as exc:
             _clear(exc)
+            return
+        complete = out[-1].complete
+        assert complete.finish_reason != generate_pb2.FINISH_REASON_ERROR, complete.error_message
+
+    prop()
+
+
+def _names_a_field(details: str) -> bool:
+    """Whether ``details`` opens with a path of GenerateRequest's own fields (the proto's names, oneof names
+    too: ``prompt.messages.messages[1].tool_calls[0].arguments_json``), then ": "."""
+    path, sep, _ = details.partition(": ")
+    message = generate_pb2.GenerateRequest.DESCRIPTOR
+    for part in path.split(".") if sep else ["-"]:
+        name = re.sub(r"\[\d+\]$", "", part)
+        if message is None:
+            return False
+        if name in message.oneofs_by_name:
+            continue
+        if name not in message.fields_by_name:
+            return False
+        message = message.fields_by_name[name].message_type
+    return True
+
+
+PLAIN = st.text(max_size=8)  # a proto string is UTF-8: lone surrogates travel escaped inside JSON texts
+JSON_TEXTS = st.builds(json.dumps, shapes.VALUES) | st.sampled_from(["", "{", "[" * 5000, '{"a": "\\ud800"}', "NaN"])
+
+
+@st.composite
+def chat_requests(draw):
+    """A GenerateRequest with a chat (messages, tool turns, tools, a tool choice), a constraint and logprobs,
+    each near its valid shape (``tests/fuzz_shapes.py``)."""
+    req = generate_pb2.GenerateRequest(sampling_params=generate_pb2.SamplingParams(max_tokens=draw(st.integers(0, 3))))
+    chat = req.messages
+    for _ in range(draw(shapes.mostly(st.integers(1, 3), st.just(0)))):
+        role = draw(shapes.mostly(st.sampled_from(["user", "assistant", "tool", "system"]), PLAIN))
+        m = chat.messages.add(role=role, content=draw(PLAIN))
+        if role == "assistant" and draw(st.booleans()):
+            args = draw(shapes.mostly(st.builds(json.dumps, st.dictionaries(shapes.KEYS, shapes.VALUES, max_size=2)),
+                                      JSON_TEXTS, 4))  # fmt: skip
+            m.tool_calls.add(
+                id=draw(shapes.mostly(st.just("call_1"), PLAIN)), name=draw(shapes.NAMES), arguments_json=args
+            )
+        if role == "tool":
+            m.tool_call_id = draw(st.just("call_1") | PLAIN)
+    for _ in range(draw(st.integers(0, 2))):
+        params = draw(shapes.mostly(st.builds(json.dumps, shapes.OBJECT_SCHEMAS), JSON_TEXTS | st.just(""), 6))
+        chat.tools.add(name=draw(shapes.NAMES), description=draw(PLAIN), parameters_json=params,
+                       strict=draw(st.booleans()))  # fmt: skip
+    choice = draw(st.sampled_from(["unset", "mode", "mode", "function"]))
+    if choice == "mode":
+        chat.tool_choice.mode = draw(shapes.mostly(st.integers(0, 3), st.sampled_from([7, -1])))
+    elif choice == "function":
+        declared = st.sampled_from([t.name for t in chat.tools] or ["f"])
+        chat.tool_choice.function = draw(shapes.mostly(declared, shapes.NAMES, 4))
+    chat.SetInParent()
+    kinds = ["json_schema", "json_object", "regex", "choice", "grammar"]
+    kind = draw(shapes.mostly(st.just("none"), st.sampled_from(kinds), 3))
+    if kind == "json_schema":
+        req.constraint.json_schema = draw(st.builds(json.dumps, shapes.SCHEMAS) | JSON_TEXTS)
+    elif kind == "json_object":
+        req.constraint.json_object = draw(shapes.mostly(st.just(True), st.just(False), 4))
+    elif kind == "regex":
+        req.constraint.regex = draw(shapes.REGEXES.filter(valid_unicode))
+    elif kind == "choice":
+        req.constraint.choice.choices.extend(draw(st.lists(PLAIN, max_size=3)))
+    elif kind == "grammar":
+        req.constraint.grammar = draw(shapes.GRAMMARS.filter(valid_unicode))
+    if draw(st.booleans()):
+        req.sampling_params.logprobs = draw(st.integers(-1, 25) | st.sampled_from([2**31 - 1, -(2**31)]))
+    return req
+
+
+def test_fuzz_generate_chat_tools_constraints_and_logprobs(servers):
+    """Chats with tools, tool choices and tool turns, constraints and logprobs near their valid shapes: answered
+    (never FINISH_REASON_ERROR) or refused with a clear status; an INVALID_ARGUMENT names a field of
+    GenerateRequest as the proto spells it, never an HTTP parameter or a Request field."""
+    stub = generation_stub(servers["orchestrator"].addr)
+
+    @settings(FUZZ, max_examples=300)
+    @given(chat_requests())
+    def prop(req):
+        try:
+            out = list(stub.Generate(req, timeout=60))
+        except grpc.RpcError as exc:
+            _clear(exc)
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                assert _names_a_field(exc.details()), exc.details()
             return
         complete = out[-1].complete
         assert complete.finish_reason != generate_pb2.FINISH_REASON_ERROR, complete.error_message
