@@ -19,7 +19,6 @@ at most 64 characters long (``lifecycle.quote``) and is itself bounded.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import secrets
@@ -29,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from kakeya.core import json_text
 from kakeya.core.generation import Block, Report
 from kakeya.core.request import Chat, InvalidRequest, Request, SamplingParams, public_field
 from kakeya.orchestrator import http_constraints, http_logprobs, http_params, http_tools, tool_calls, tool_choice
@@ -167,12 +167,12 @@ def _unicode(body: dict) -> None:
     surrogate, which no tokenizer, template or UTF-8 answer can take. A 400 names the parameter."""
     for name, value in body.items():
         try:
-            json.dumps({name: value}, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            param = name if isinstance(name, str) and name.isascii() and name.isprintable() else quote(name)
-            raise bad(param, "contains a lone surrogate (\\ud800-\\udfff): not valid Unicode") from None
+            unicode = json_text.valid_unicode({name: value})
         except RecursionError:
             raise bad(name, "nested too deeply") from None
+        if not unicode:
+            param = name if isinstance(name, str) and name.isascii() and name.isprintable() else quote(name)
+            raise bad(param, "contains a lone surrogate (\\ud800-\\udfff): not valid Unicode")
 
 
 def model_not_found(model, served: str) -> ApiError:
