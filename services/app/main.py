@@ -30,20 +30,20 @@ from kakeya.core.request import InvalidRequest
 
 def cmd_generate(args) -> int:
     from kakeya.core.request import Request
-    from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
+    from kakeya.orchestrator.assembly import build_local_engine, resolve_backend, set_torch_threads
 
     policy = cache_policy_from_args(args)
+    backend, device = resolve_backend(args.backend, args.device)
+    set_torch_threads(args.torch_threads, device, args.target is None, backend)  # before the first product
     engine = build_local_engine(
         args.target,
         args.draft,
-        args.backend,
-        args.device,
+        backend,
+        device,
         args.dtype,
         torch_options=torch_options(args),
         ngram=args.ngram == "on",
     )
-    if engine.verifier.info.backend == "torch":
-        set_torch_threads(args.torch_threads, engine.device, embedded=args.target is None)
     constraint, constraint_flags = constraint_from_args(args)
     req = Request(
         args.prompt if args.prompt is not None else DEFAULT_PROMPT,

@@ -175,6 +175,7 @@ def _backend_kwargs(args, embedded: bool) -> tuple[str, dict]:
     if backend != "torch":
         if args.dtype:
             raise ValueError("--device/--dtype apply to --backend torch (MLX picks its own device)")
+        set_torch_threads(args.torch_threads, device, embedded, backend)
         return backend, {}
     set_torch_threads(args.torch_threads, device, embedded)
     return backend, {"device": device} | ({"dtype": args.dtype} if args.dtype else {})
@@ -403,7 +404,8 @@ def _torch_threads_arg(p) -> None:
         "--torch-threads",
         type=int,
         default=None,
-        help="torch CPU threads (default: 1 for the embedded pair on CPU, torch's own otherwise; 0: torch's)",
+        help="torch CPU threads, and on Linux the BLAS threads of MLX's products (default: 1 for the embedded"
+        " pair on CPU, the library's own otherwise; 0: the library's)",
     )
 
 

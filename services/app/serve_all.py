@@ -170,9 +170,9 @@ def _child_backend(choice: str, args) -> list[str]:
     from kakeya.orchestrator.assembly import resolve_backend, torch_threads
 
     backend, device = resolve_backend(choice, None if choice == "mlx" else args.device)
-    if backend != "torch":
-        return ["--backend", backend]
     threads = torch_threads(args.torch_threads, device, embedded=args.target is None)  # children get explicit paths
+    if backend != "torch":
+        return ["--backend", backend, "--torch-threads", str(threads)]
     graphs = getattr(args, "cuda_graphs", "auto")
     return [
         "--backend",

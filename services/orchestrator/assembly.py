@@ -121,8 +121,16 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def set_torch_threads(threads: int | None, device: str | None, embedded: bool) -> int | None:
-    """Pin torch's CPU threads as :func:`torch_threads` says; returns the number set (None: left to torch)."""
+def set_torch_threads(threads: int | None, device: str | None, embedded: bool, backend: str = "torch") -> int | None:
+    """Pin the CPU threads of the backend's products as :func:`torch_threads` says; returns the number set
+    (None: left to the library). torch: its intra-op threads. MLX: on Linux its products run in the BLAS
+    ``backends/mlx/blas.py`` routes them to, pinned alike (call before the engine's first product)."""
+    if backend == "mlx":
+        from kakeya.backends.mlx import blas
+
+        n = torch_threads(threads, "cpu", embedded)
+        blas.set_threads(n)
+        return n or None
     n = torch_threads(threads, device, embedded)
     if not n:
         return None

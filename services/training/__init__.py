@@ -6,3 +6,5 @@
   greedy continuations, with the target's aux hidden states as context;
 * ``common``  -- progress bar, checkpoints (resumable, optimizer state included), reports.
 """
+
+import kakeya.backends.mlx  # noqa: F401 - first: routes MLX's BLAS on Linux before mlx.core loads
