@@ -16,7 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # MLX's products go to torch's optimized BLAS on Linux (``backends/mlx/blas.py``) only when routed before
 # anything imports ``mlx.core``: route first, so MLX tests run on the BLAS a server uses.
-import kakeya.backends.mlx  # noqa: E402, F401
+import kakeya.backends.mlx  # noqa: F401
 
 
 @pytest.fixture(scope="session")
