@@ -1,0 +1,100 @@
+"""MLX's float32 matrix products on this CPU: on MLX's own BLAS and on the one Kakeya routes them to.
+
+MLX's Linux CPU wheel links netlib's reference BLAS; ``services/backends/mlx/blas.py`` sends MLX's products
+to the optimized BLAS torch carries (MKL on x86-64). This times ``x @ w`` for ``x`` [rows, in] and ``w``
+[in, out] at the demo pair's shapes and one larger one, 1..64 rows, one fresh process per BLAS
+(``KAKEYA_MLX_BLAS=reference`` keeps MLX's own; the route works only before ``mlx.core`` loads), one BLAS
+thread, medians of ``--reps`` calls. What a batched round needs from it: that 8 rows cost much less than
+8 times one row.
+
+    python benchmarks/mlx_blas.py            # writes benchmarks/results/mlx_blas.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "results" / "mlx_blas.json"
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+SHAPES = [("demo gate_up", 128, 768), ("demo down", 384, 128), ("demo lm_head", 128, 1024), ("1024 square", 1024, 1024)]
+
+CHILD = """
+import json, statistics, sys, time
+import kakeya.backends.mlx  # routes (or not, as KAKEYA_MLX_BLAS says) before mlx.core loads
+from kakeya.backends.mlx import blas
+import mlx.core as mx
+shapes, rows_list, reps = json.loads(sys.argv[1])
+out = {"state": blas.state, "us": {}}
+for name, n_in, n_out in shapes:
+    w = mx.random.normal((n_in, n_out), key=mx.random.key(0))
+    for rows in rows_list:
+        x = mx.random.normal((rows, n_in), key=mx.random.key(1))
+        mx.eval(x, w)
+        for _ in range(3):
+            mx.eval(x @ w)
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            mx.eval(x @ w)
+            samples.append(time.perf_counter() - t0)
+        out["us"][f"{name}|{rows}"] = statistics.median(samples) * 1e6
+print(json.dumps(out))
+"""
+
+
+def measure(blas: str, reps: int) -> dict:
+    env = dict(os.environ, KAKEYA_MLX_BLAS=blas, MKL_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    arg = json.dumps([SHAPES, ROWS, reps])
+    done = subprocess.run([sys.executable, "-c", CHILD, arg], env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    runs = {name: measure(name, args.reps) for name in ("reference", "torch")}
+    results = []
+    for name, n_in, n_out in SHAPES:
+        one = {b: runs[b]["us"][f"{name}|1"] for b in runs}
+        for rows in ROWS:
+            us = {b: runs[b]["us"][f"{name}|{rows}"] for b in runs}
+            row = {
+                "shape": name,
+                "in": n_in,
+                "out": n_out,
+                "rows": rows,
+                "us": us,
+                "x_one_row": {b: us[b] / one[b] for b in us},
+                "speedup": us["reference"] / us["torch"],
+            }
+            results.append(row)
+            print(
+                f"{name:14s} rows {rows:2d}  reference {us['reference']:9.1f} us ({row['x_one_row']['reference']:5.1f}x"
+                f" one row)  torch's {us['torch']:8.1f} us ({row['x_one_row']['torch']:5.1f}x)  {row['speedup']:5.1f}x faster"
+            )
+    out = {
+        "benchmark": "mlx_blas",
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "route": {b: runs[b]["state"] for b in runs},
+        "unit": "us per product, median; x_one_row: the time over the same shape's one-row time",
+        "reps": args.reps,
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
