@@ -61,7 +61,20 @@ def prompt(stream_id: int, request: int) -> str:
     return f"# {topic} (variant {stream_id}.{request})\ndef "
 
 
-def run_streams(stub, n: int, requests: int, max_tokens: int, block_size: int, refs: dict) -> dict:
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float] | None:
+    """CPU seconds (user + system, every thread) each server process has used so far; None where /proc is
+    missing (not Linux)."""
+    try:
+        out = {}
+        for role, pid in pids.items():
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[role] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return out
+    except (OSError, ValueError):
+        return None
+
+
+def run_streams(stub, n: int, requests: int, max_tokens: int, block_size: int, refs: dict, pids=None) -> dict:
     lock = threading.Lock()
     lat, ttfts, bad, tokens = [], [], [], [0]
 
@@ -80,6 +93,7 @@ def run_streams(stub, n: int, requests: int, max_tokens: int, block_size: int, r
                 ttfts.append(ttft)
                 tokens[0] += len(ids)
 
+    cpu0 = cpu_seconds(pids or {})
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     for t in threads:
@@ -87,7 +101,11 @@ def run_streams(stub, n: int, requests: int, max_tokens: int, block_size: int, r
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    cpu1 = cpu_seconds(pids or {})
+    # the cores each server process kept busy on average (the client's own threads are not counted)
+    cores = {role: round((cpu1[role] - cpu0[role]) / wall, 3) for role in cpu1} if cpu0 and cpu1 else {}
     return {
+        "cores": cores,
         "aggregate_tok_s": tokens[0] / wall,
         "latency_p50_s": percentile(lat, 50),
         "latency_p99_s": percentile(lat, 99),
@@ -178,7 +196,7 @@ def main(argv=None) -> int:
     }
     keys = [(i, r) for i in range(max(args.streams)) for r in range(args.requests)]
     with tempfile.TemporaryDirectory(prefix="kakeya-concurrency-") as tmp:
-        procs, stubs, refs = {}, {}, {}
+        procs, stubs, refs, pids = {}, {}, {}, {}
         try:
             for name in args.deployments:
                 role, role_args = ROLES[name]
@@ -186,6 +204,7 @@ def main(argv=None) -> int:
                     Path(tmp), ["--max-sessions", "64", *role_args, *extra], args.start_timeout, name=name, role=role
                 )
                 stubs[name] = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(info["addr"]))
+                pids[name] = info.get("pids") or {"orchestrator": procs[name].pid}  # serve all: each child's
                 t0 = time.perf_counter()
                 refs[name] = {k: stream(stubs[name], prompt(*k), args.max_tokens, args.block_size)[0] for k in keys}
                 print(f"{name}: up; {len(keys)} requests alone in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -194,16 +213,23 @@ def main(argv=None) -> int:
                 for n in args.streams:
                     order = args.deployments if (rep + n) % 2 == 0 else args.deployments[::-1]
                     for name in order:
-                        r = run_streams(stubs[name], n, args.requests, args.max_tokens, args.block_size, refs[name])
+                        r = run_streams(
+                            stubs[name], n, args.requests, args.max_tokens, args.block_size, refs[name], pids[name]
+                        )
                         runs[name][n].append(r)
+                        cores = " + ".join(f"{c:.2f}" for c in r["cores"].values())
                         print(f"pass {rep + 1}: {name:>15} {n:>2} streams {r['aggregate_tok_s']:7.1f} tok/s, "
-                              f"p50 {r['latency_p50_s']:.2f} s, p99 {r['latency_p99_s']:.2f} s", flush=True)  # fmt: skip
+                              f"p50 {r['latency_p50_s']:.2f} s, p99 {r['latency_p99_s']:.2f} s, cores {cores}", flush=True)  # fmt: skip
             for name in args.deployments:
                 rows = {}
                 for n in args.streams:
                     rs = runs[name][n]
                     rows[str(n)] = {k: round(statistics.median(x[k] for x in rs), 4) for k in rs[0] if k.endswith("_s")}
                     rows[str(n)]["runs_tok_s"] = [round(x["aggregate_tok_s"], 1) for x in rs]
+                    if rs[0]["cores"]:  # each server process's busy cores, the median of the passes
+                        rows[str(n)]["cores"] = {
+                            role: round(statistics.median(x["cores"][role] for x in rs), 2) for role in rs[0]["cores"]
+                        }
                     rows[str(n)]["failed_or_mismatched"] = [b for x in rs for b in x["failed_or_mismatched"]][:5]
                 out["deployments"][name] = rows
                 if 1 in args.streams:  # each pass's ratio to its own one-stream run, then their median

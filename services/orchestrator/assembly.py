@@ -51,7 +51,7 @@ def resolve_backend(
     """``(backend, device)`` for what was asked: ``"auto"`` picks the fastest backend here.
 
     auto: MLX on Apple silicon (Metal), torch elsewhere (MLX on a Linux CPU is
-    several times slower than torch's kernels); the other one if only it is
+    slower than torch's kernels, docs/benchmarks.md); the other one if only it is
     installed. torch's device defaults to ``cuda`` when ``torch.cuda.is_available()``,
     else ``cpu``; MLX picks its own device (``None``).
     """

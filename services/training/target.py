@@ -142,8 +142,9 @@ class MLXBackend:
 class TorchBackend:
     """transformers' Gemma4ForCausalLM from the same config (float32, CPU/CUDA).
 
-    MLX's CPU backend on Linux runs matmuls several times slower than torch's, so
-    the demo pair was trained with this backend; the architecture, initial
+    MLX's CPU backend on Linux ran matmuls several times slower than torch's (on
+    netlib's reference BLAS, before ``backends/mlx/blas.py`` routed them to torch's),
+    so the demo pair was trained with this backend; the architecture, initial
     weights, data and output layout are identical.
     """
 
