@@ -200,7 +200,8 @@ class Run:
         # sized, opened, looked up its prefix and prefilled in separate jobs waited one round per job
         # (benchmarks/concurrency.py, "newcomer").
         try:
-            self._step(self._begin, sessions)
+            with self._scheduler.starting():
+                self._step(self._begin, sessions)
         except BaseException:
             self._step(self._close_sessions)
             raise

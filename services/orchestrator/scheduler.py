@@ -15,6 +15,17 @@ decoding (``benchmarks/concurrency.py``'s newcomer; ``benchmarks/results/newcome
 alternating): a short request's first token at 2.9-3.0x its time alone with whole-round jobs, 1.0-1.4x
 with the yield (colocated torch; MLX 2.1-2.2x before, 1.2-1.5x after).
 
+Without a model thread (the split: a round's draft and verify are calls to the drafter's and the verifier's
+servers) there is no queue to yield to, and a newcomer's prefill reached the verifier just after the round's
+verify had: the newcomer's drafter calls (open, prefix lookup) wait behind the round's draft on the drafter,
+so they are answered the moment that draft is, the same instant the round sends its verify. So a request
+counts as ``starting`` from its arrival to its prefill's answer, and a round whose draft finds requests
+starting waits for them before it verifies (at most as long as the last round took, so a long prompt's
+chunked prefill does not stall the rounds): the verifier, idle meanwhile, runs the prefill first. Measured
+(``benchmarks/results/split_newcomer_ab/``, ``concurrency.py --deployments split``, the trees alternating):
+the newcomer's first token at 2.31x / 2.23x its time alone before, 1.40x / 1.61x after; 16 streams' tok/s
+over one stream's, eight alternations each, 3.47x before and 3.51x after (medians).
+
 Isolation: a decode's failure (its session's exception from a batch) is its own, and a request that
 is cancelled or closed leaves before the next round; its sessions are closed after it has left, so a
 round never runs on a closed session.
@@ -23,8 +34,10 @@ round never runs on a closed session.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from kakeya.core.generation import Block
 from kakeya.orchestrator.loop import Decode, Drafted, draft_round, verify_round
@@ -53,6 +66,10 @@ class Scheduler:
         self._live: dict[Decode, deque[Block]] = {}  # each joined decode and its blocks not yet taken
         self._driving = False
         self._in_round: frozenset[Decode] = frozenset()  # the decodes of the round in flight
+        self._starting: set[object] = set()  # requests between arrival and their prefill's answer (``starting``)
+        self._waited_for: set[object] = set()  # those a round has waited for already (each one round at most)
+        self._round_s = 0.05  # the last round's draft + verify seconds: the most a round waits for them
+        self.yields = 0  # rounds that waited for a starting request before their verify (no model thread)
         self.rounds = 0  # rounds run so far, and the decodes they advanced (their ratio: the mean batch)
         self.advanced = 0
 
@@ -72,6 +89,33 @@ class Scheduler:
             while self._driving and decode in self._live:
                 self._cv.wait()
             self._live.pop(decode, None)
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """Around a request's start (its sessions' opening and its prefill): a round without a model thread waits
+        for it before its verify (see the module's text)."""
+        token = object()
+        with self._cv:
+            self._starting.add(token)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._starting.discard(token)
+                self._waited_for.discard(token)
+                self._cv.notify_all()
+
+    def _let_starters_in(self) -> None:
+        """Wait for the requests starting now, at most one round's time, and for each only once: one that waits
+        for something else (a server's admission queue) holds up one round, not every round (the split's
+        yield to a newcomer)."""
+        deadline = time.monotonic() + self._round_s
+        with self._cv:
+            fresh = self._starting - self._waited_for
+            self._waited_for |= fresh
+            self.yields += bool(fresh)
+            while fresh & self._starting and (left := deadline - time.monotonic()) > 0:
+                self._cv.wait(left)
 
     def wake(self) -> None:
         """Let waiting requests look again (one was cancelled)."""
@@ -109,7 +153,9 @@ class Scheduler:
     def _advance(self, decodes: list[Decode]) -> tuple[Drafted, list | None]:
         """On the model thread: the round's draft, then its verify unless jobs were queued meanwhile (None)."""
         drafted = draft_round(decodes, self._draft_many)
-        if self._queued is not None and self._queued() > 0:
+        if self._queued is None:  # no model thread: a newcomer's prefill goes to the verifier before this verify
+            self._let_starters_in()
+        elif self._queued() > 0:
             return drafted, None
         return drafted, verify_round(drafted, self._decide_many)
 
@@ -127,4 +173,6 @@ class Scheduler:
         if self._on_round is not None and results:
             block = results[0][1]  # every block of a round carries the round's draft and verify times
             self._on_round(len(results), sum(b.drafted + 1 for _, b in results), block.draft_s + block.verify_s)
+        if results:
+            self._round_s = results[0][1].draft_s + results[0][1].verify_s
         return results

@@ -1,6 +1,7 @@
 """The one request path: ``Engine.start`` -> ``Run``, against scripted verifier/drafter endpoints (no model)."""
 
 import threading
+import time
 
 import pytest
 
@@ -291,3 +292,93 @@ def test_the_engine_predrafts_greedy_runs_only_and_a_run_may_say_otherwise():
     assert sampled.predrafts == 0  # a sampled block is drawn when it opens
     engine.predraft = False
     assert engine.generate(Request(PROMPT, max_tokens=40, block_size=4), RunOptions(predraft=True)).predrafts > 0
+
+
+def _newcomer_engine(prefill):
+    """An engine whose second verifier session prefills through ``prefill(plain_steps)`` (a generator)."""
+    engine = _engine()
+    open_session = engine.verifier.open_session
+
+    def opening(*args, **kwargs):
+        session = open_session(*args, **kwargs)
+        if len(engine.verifier.sessions) == 2:
+            plain = session.prefill_steps
+            session.prefill_steps = lambda prompt, reuse=(): prefill(plain(prompt, reuse))
+        return session
+
+    engine.verifier.open_session = opening
+    return engine
+
+
+def test_without_a_model_thread_a_round_verifies_after_the_prefill_of_a_request_starting_meanwhile():
+    """The split's shape (rounds are calls, no model thread to queue on): a request that arrives while a round
+    drafts has its prefill run before that round's verify, so its first token does not wait a whole verify."""
+    order, entered, threads = [], threading.Event(), []
+
+    def slow_prefill(steps):
+        entered.set()
+        time.sleep(0.02)  # the round's verify would go first without the wait
+        order.append("prefill")
+        return (yield from steps)
+
+    engine = _newcomer_engine(slow_prefill)
+    draft_many, decide_many = engine.drafter.draft_batch, engine.verifier.decide_batch
+
+    def step(fn, *args):
+        return fn(*args)
+
+    def drafting(items):
+        order.append("draft")
+        if order.count("draft") == 1:  # a newcomer arrives during the first round's draft
+            newcomer = Request(PROMPT, max_tokens=4, block_size=4)
+            t = threading.Thread(target=engine.generate, args=(newcomer, RunOptions(step=step)))
+            t.start()
+            threads.append(t)
+            assert entered.wait(5)
+        return draft_many(items)
+
+    def deciding(items):
+        order.append("verify")
+        return decide_many(items)
+
+    engine.drafter.draft_batch, engine.verifier.decide_batch = drafting, deciding
+    engine.scheduler(step)._round_s = 5.0  # bound the wait by far more than a loaded machine's thread start-up
+    gen = engine.generate(Request(PROMPT, max_tokens=9, block_size=4), RunOptions(step=step))
+    for t in threads:
+        t.join(5)
+    assert gen.token_ids == CONT[:9]
+    assert order[:3] == ["draft", "prefill", "verify"]
+    assert engine.scheduler(step).yields == 1
+
+
+def test_a_request_stuck_starting_holds_up_one_round_at_most():
+    """One whose start waits for something else (a full server's admission queue) costs one round's wait, not
+    one per round: the running request finishes while it is still stuck."""
+    release, entered, threads = threading.Event(), threading.Event(), []
+
+    def stuck_prefill(steps):
+        entered.set()
+        release.wait(10)
+        return (yield from steps)
+
+    engine = _newcomer_engine(stuck_prefill)
+
+    def step(fn, *args):
+        return fn(*args)
+
+    scheduler = engine.scheduler(step)
+    with engine.start(Request(PROMPT, max_tokens=13, block_size=4), RunOptions(step=step)) as run:
+        newcomer = Request(PROMPT, max_tokens=4, block_size=4)
+        t = threading.Thread(target=engine.generate, args=(newcomer, RunOptions(step=step)))
+        t.start()
+        threads.append(t)
+        assert entered.wait(5)
+        scheduler._round_s = 0.01
+        blocks = list(run)
+    try:
+        assert [t for b in blocks for t in b.tokens] == CONT[:13]
+        assert scheduler.yields == 1  # three rounds ran while it was stuck; the first waited for it
+    finally:
+        release.set()
+        for t in threads:
+            t.join(5)
