@@ -68,3 +68,21 @@ def test_mlx_imported_first_stays_on_its_own_blas_and_still_computes():
     out = run("import mlx.core\nimport kakeya.verifier.mlx_backend.target\n" + PRODUCT)
     assert "SGEMM" not in out
     assert "own BLAS" in out
+
+
+@linux_x86
+def test_on_the_route_the_demo_pair_decodes_losslessly():
+    """What a user runs (README command 1 on MLX, products in torch's MKL): speculative equals AR on the demo
+    pair, and the products ran in MKL."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_NUM_THREADS", "KAKEYA_MLX_BLAS")}
+    done = subprocess.run(
+        [sys.executable, "-m", "kakeya.app.main", "generate", "--backend", "mlx", "--compare-ar", "--max-tokens", "48"],
+        env=env | {"MKL_VERBOSE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "SGEMM" in done.stdout  # MKL_VERBOSE's lines
+    summary = [ln for ln in done.stderr.splitlines() if ln.startswith("speculative (")]
+    assert summary and "lossless (48/48 tokens identical)" in summary[0], done.stderr[-2000:]
