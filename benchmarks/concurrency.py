@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import grpc
-from load import percentile, serve_all, stop_serve_all, stream
+from load import cpu_seconds, percentile, serve_all, stop_serve_all, stream
 
 from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 
@@ -61,17 +61,10 @@ def prompt(stream_id: int, request: int) -> str:
     return f"# {topic} (variant {stream_id}.{request})\ndef "
 
 
-def cpu_seconds(pids: dict[str, int]) -> dict[str, float] | None:
-    """CPU seconds (user + system, every thread) each server process has used so far; None where /proc is
-    missing (not Linux)."""
-    try:
-        out = {}
-        for role, pid in pids.items():
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[role] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return out
-    except (OSError, ValueError):
-        return None
+def servers_cpu_seconds(pids: dict[str, int]) -> dict[str, float] | None:
+    """CPU seconds each server process (by role) has used so far; None where ``/proc`` cannot tell."""
+    seconds = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    return None if None in seconds.values() else seconds
 
 
 def run_streams(stub, n: int, requests: int, max_tokens: int, block_size: int, refs: dict, pids=None) -> dict:
@@ -93,7 +86,7 @@ def run_streams(stub, n: int, requests: int, max_tokens: int, block_size: int, r
                 ttfts.append(ttft)
                 tokens[0] += len(ids)
 
-    cpu0 = cpu_seconds(pids or {})
+    cpu0 = servers_cpu_seconds(pids or {})
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     for t in threads:
@@ -101,7 +94,7 @@ def run_streams(stub, n: int, requests: int, max_tokens: int, block_size: int, r
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    cpu1 = cpu_seconds(pids or {})
+    cpu1 = servers_cpu_seconds(pids or {})
     # the cores each server process kept busy on average (the client's own threads are not counted)
     cores = {role: round((cpu1[role] - cpu0[role]) / wall, 3) for role in cpu1} if cpu0 and cpu1 else {}
     return {

@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 import grpc
 
 from benchmarks.load import TEXT_PROMPTS, TINY_PROMPTS, percentile, stream
+from benchmarks.load import cpu_seconds as process_cpu_seconds
 from kakeya.runtime.auth import new_token, with_bearer
 from kakeya.wire.kakeya.v1 import drafter_pb2, drafter_pb2_grpc, generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
@@ -113,14 +114,7 @@ class Tally:
 
 def cpu_seconds(pids) -> float:
     """User + system CPU time of these processes so far (Linux /proc; 0 elsewhere)."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime in clock ticks
-    return total / os.sysconf("SC_CLK_TCK")
+    return sum(s for pid in pids if (s := process_cpu_seconds(pid)) is not None)
 
 
 def public_load(addr: str, prompts, refs, args, seconds: float, pids) -> dict:

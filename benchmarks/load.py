@@ -69,6 +69,16 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` (every thread) has used so far; None where ``/proc`` cannot
+    tell (not Linux, or the process is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime in clock ticks
+
+
 def percentile(xs: list[float], q: float) -> float:
     if not xs:
         return 0.0

@@ -170,9 +170,9 @@ class Scheduler:
             return []
         self.rounds += 1
         self.advanced += len(decodes)
-        if self._on_round is not None and results:
-            block = results[0][1]  # every block of a round carries the round's draft and verify times
-            self._on_round(len(results), sum(b.drafted + 1 for _, b in results), block.draft_s + block.verify_s)
         if results:
-            self._round_s = results[0][1].draft_s + results[0][1].verify_s
+            block = results[0][1]  # every block of a round carries the round's draft and verify times
+            self._round_s = block.draft_s + block.verify_s
+            if self._on_round is not None:
+                self._on_round(len(results), sum(b.drafted + 1 for _, b in results), self._round_s)
         return results
