@@ -44,6 +44,7 @@ def measure(
     from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
     from kakeya.orchestrator.engine import RunOptions
+    from kakeya.runtime import heap
     from kakeya.runtime.compute import ComputeThread
 
     rounds, verify_round = [], scheduler_mod.verify_round
@@ -72,6 +73,7 @@ def measure(
             rounds.append((len(out), rows, sum(len(x.tokens) for _, x in out), b.draft_s, b.verify_s))
         return out
 
+    heap.keep_freed_memory()  # as every kakeya command does (runtime/heap.py): this is a server's engine
     compute = ComputeThread("bench")
     engine = compute.run(build_local_engine, None, None, backend, device if backend == "torch" else None, None)
     if engine.verifier.info.backend == "torch":

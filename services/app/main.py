@@ -26,6 +26,7 @@ from kakeya.app.options import (
     torch_options,
 )
 from kakeya.core.request import InvalidRequest
+from kakeya.runtime import heap
 
 
 def cmd_generate(args) -> int:
@@ -211,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, run, and turn what a user can fix (ValueError, a missing file) into one line and exit 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    heap.keep_freed_memory()  # before any model work: a step's temporaries reuse pages (runtime/heap.py)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:  # CheckpointError is a ValueError

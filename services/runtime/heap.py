@@ -1,0 +1,50 @@
+"""Keep freed heap memory in the process (Linux, glibc): a batched step's large temporaries reuse mapped
+pages instead of faulting fresh ones in.
+
+A batched verify allocates, layer after layer, temporaries of hundreds of KB (every session's K/V gathered
+from the pools, attention masks, activations over every row) and frees each a moment later. glibc hands such
+memory back to the kernel as soon as it can: a chunk above its mmap threshold is unmapped when freed, and a
+thread's arena (the compute thread's is not the main thread's) gives its free top back with
+``madvise(MADV_DONTNEED)``. The next step's allocation then faults every page in again, each zeroed by the
+kernel. On the demo pair at 16 streams that is 20,000-40,000 minor faults a second (a handful at one stream),
+and a K/V gather of 328 KB took 150-375 us inside a verify against 12 us on pages already mapped.
+Fixed thresholds (``mallopt``) keep freed memory in the arenas for the next step; what it buys is measured by
+``benchmarks/heap.py`` (one process, the two settings alternating). The price: the process keeps the
+high-water mark of its temporaries of up to :data:`MMAP_THRESHOLD` each (larger ones are still mapped and
+unmapped one by one), as allocators made for servers (jemalloc, tcmalloc) do.
+
+Every ``kakeya`` command sets them first (``app/main.py``). ``KAKEYA_MALLOC=system`` keeps glibc's defaults.
+Elsewhere (macOS, a libc that is not glibc) nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # <malloc.h>
+MMAP_THRESHOLD = 32 << 20  # glibc's largest: bigger chunks are still mapped (and given back) one by one
+TRIM_THRESHOLD = 1 << 30  # free memory at a heap's top kept up to this much
+TOP_PAD = 16 << 20  # what a heap grows by at least, so growing is rare too
+SETTINGS = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
+
+_kept: bool | None = None
+
+
+def keep_freed_memory() -> bool:
+    """Set the thresholds above once per process; True where they are set (glibc, no opt-out)."""
+    global _kept
+    if _kept is None:
+        _kept = _set()
+    return _kept
+
+
+def _set() -> bool:
+    if os.environ.get("KAKEYA_MALLOC", "") == "system" or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "gnu_get_libc_version"):  # musl: its mallopt does nothing
+        return False
+    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return all(libc.mallopt(param, value) == 1 for param, value in SETTINGS)
