@@ -212,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, run, and turn what a user can fix (ValueError, a missing file) into one line and exit 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    heap.keep_freed_memory()  # before any model work: a step's temporaries reuse pages (runtime/heap.py)
     try:
+        heap.keep_freed_memory()  # before any model work: a step's temporaries reuse pages (runtime/heap.py)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:  # CheckpointError is a ValueError
         print(f"kakeya: error: {exc}", file=sys.stderr)

@@ -29,11 +29,13 @@ TRIM_THRESHOLD = 1 << 30  # free memory at a heap's top kept up to this much
 TOP_PAD = 16 << 20  # what a heap grows by at least, so growing is rare too
 SETTINGS = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
 
+ENV = "KAKEYA_MALLOC"  # "system": glibc's defaults; unset: the thresholds above; anything else is refused
 _kept: bool | None = None
 
 
 def keep_freed_memory() -> bool:
-    """Set the thresholds above once per process; True where they are set (glibc, no opt-out)."""
+    """Set the thresholds above once per process; True where they are set (glibc, no opt-out). ValueError
+    naming ``KAKEYA_MALLOC`` for a value it does not know."""
     global _kept
     if _kept is None:
         _kept = _set()
@@ -41,7 +43,10 @@ def keep_freed_memory() -> bool:
 
 
 def _set() -> bool:
-    if os.environ.get("KAKEYA_MALLOC", "") == "system" or not sys.platform.startswith("linux"):
+    choice = os.environ.get(ENV, "")
+    if choice not in ("", "system"):
+        raise ValueError(f"{ENV} must be 'system' (glibc's defaults) or unset, got {choice!r}")
+    if choice == "system" or not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None)
     if not hasattr(libc, "gnu_get_libc_version"):  # musl: its mallopt does nothing

@@ -75,3 +75,18 @@ def test_every_kakeya_command_sets_them_before_it_runs(monkeypatch):
     monkeypatch.setattr(cli, "build_parser", lambda: parser)
     assert cli.main([]) == 0
     assert seen == ["thresholds", "command"]
+
+
+def test_an_unknown_setting_is_refused_by_name(monkeypatch, capsys):
+    from kakeya.app import main as cli
+    from kakeya.runtime import heap
+
+    monkeypatch.setattr(heap, "_kept", None)
+    monkeypatch.setenv("KAKEYA_MALLOC", "sytem")
+    with pytest.raises(ValueError, match="KAKEYA_MALLOC must be 'system'.*'sytem'"):
+        heap.keep_freed_memory()
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(func=lambda args: 0)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    assert cli.main([]) == 2  # the CLI's one line and exit status for what a user can fix
+    assert "KAKEYA_MALLOC" in capsys.readouterr().err
