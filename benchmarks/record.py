@@ -1,0 +1,64 @@
+"""Every results JSON says what it measured: the commit, whether the tree was dirty, when, where and how.
+
+    from record import write_result          # benchmarks/ is on sys.path when a script runs from it
+    write_result(path, result)               # result gains a "record" block, the file is written
+
+The ``record`` block is what ``tests/test_records.py`` reads to tell a *current* figure (measured on the
+``services/`` tree HEAD has) from a stale one: ``commit`` (``git rev-parse HEAD`` when the run started),
+``services_tree`` (the tree id of ``services/`` at that commit), ``dirty`` (uncommitted changes under
+``services/`` when the run started: then the figure measured code no commit holds), ``date`` (UTC),
+``machine`` (host, CPU count, platform, Python) and ``command`` (the command line that re-runs it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str:
+    res = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    return res.stdout.strip() if res.returncode == 0 else ""
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+    """The record of this run: call it when the run starts (a commit made during a long run is not what ran)."""
+    argv = sys.argv if argv is None else argv
+    script = Path(argv[0])
+    try:  # the command as a person re-runs it from the repository root
+        script = script.resolve().relative_to(ROOT)
+    except ValueError:
+        pass
+    return {
+        "commit": _git("rev-parse", "HEAD"),
+        "services_tree": _git("rev-parse", "HEAD:services"),
+        "dirty": bool(_git("status", "--porcelain", "--", "services")),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "command": shlex.join(["python", str(script), *argv[1:]]),
+    }
+
+
+_STARTED = provenance()  # taken at import, i.e. when the benchmark started
+
+
+def write_result(path: Path | str, result: dict, record: dict | None = None) -> Path:
+    """Write ``result`` as JSON at ``path`` with its ``record`` (this run's, taken when it started)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = {"record": record or _STARTED, **{k: v for k, v in result.items() if k != "record"}}
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    return path
