@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kakeya.orchestrator.assembly import build_local_engine
-from kakeya.orchestrator.engine import Request
+from kakeya.orchestrator.decode.engine import Request
 
 
 def measure(engine, prompt_ids, max_tokens, block_size, repeats):

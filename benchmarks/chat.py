@@ -79,7 +79,7 @@ def concurrent_chats(make_engine, cold, codec, args) -> dict:
     import threading
 
     from kakeya.core.request import Request
-    from kakeya.orchestrator.engine import RunOptions
+    from kakeya.orchestrator.decode.engine import RunOptions
     from kakeya.runtime.compute import ComputeThread
 
     compute = ComputeThread("chat-benchmark")

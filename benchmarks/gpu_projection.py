@@ -345,7 +345,7 @@ def roofline(target: TargetTorch, t_verify_ms: dict, bandwidth: float | None) ->
 
 def agreement(target: TargetTorch, drafter: TorchDrafter, n: int, block_size: int, seed: int = 2) -> dict:
     """Speculative vs the engine's own AR in the model's dtype: fraction identical, first divergence."""
-    from kakeya.orchestrator.loop import run
+    from kakeya.orchestrator.decode.loop import run
 
     rng = np.random.default_rng(seed)
     prompt = [2] + [int(t) for t in rng.integers(5, target.args.vocab_size, 31)]

@@ -5,7 +5,7 @@ verifier), each over a bidirectional ``Session`` stream whose server sat idle wh
 server worked. This measures the same round trip with nothing of Kakeya's in it: a separate
 process serves a bidirectional stream that echoes raw bytes (the sync gRPC server Kakeya's servers
 use, a generic handler, no protobuf), and this process sends each message the way
-``orchestrator/streams.py`` does (a queue feeding the call's request iterator, ``next`` on the
+``orchestrator/remote/streams.py`` does (a queue feeding the call's request iterator, ``next`` on the
 responses), after an idle gap like a block's (both sides asleep meanwhile). What is left of the
 wire above twice this floor is Kakeya's own: messages, the servers' handler code around the
 forward, the loop.

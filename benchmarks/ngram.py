@@ -1,4 +1,4 @@
-"""N-gram copies on and off, side by side: what drafting repeats by copy (``orchestrator/ngram.py``) is worth.
+"""N-gram copies on and off, side by side: what drafting repeats by copy (``orchestrator/proposers/ngram.py``) is worth.
 
     python benchmarks/ngram.py [--backends torch mlx] [--prompts 12] [--max-tokens 128] [--rounds 2]
 
@@ -29,7 +29,7 @@ SIZES = (4, 8, 16, 0)
 def run_backend(backend: str, prompts: list[list[int]], max_tokens: int, rounds: int) -> dict:
     from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
-    from kakeya.orchestrator.engine import RunOptions
+    from kakeya.orchestrator.decode.engine import RunOptions
 
     if backend == "torch":
         set_torch_threads(1, "cpu", embedded=True)

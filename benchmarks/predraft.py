@@ -42,7 +42,7 @@ def measure(
 ) -> dict:
     from kakeya.core.request import Request
     from kakeya.drafter import session
-    from kakeya.orchestrator.engine import RunOptions
+    from kakeya.orchestrator.decode.engine import RunOptions
 
     engine.drafter.predraft_blocks = blocks or session.PREDRAFT_BLOCKS  # what serve drafter --predraft-blocks sets
 

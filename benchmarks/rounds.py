@@ -39,11 +39,11 @@ PROFILED = (10, 30)  # the full rounds whose verify --profile records (after the
 def measure(
     backend: str, streams: int, requests: int, max_tokens: int, block_size: int, device: str, profile: bool = False
 ) -> dict:
-    import kakeya.orchestrator.scheduler as scheduler_mod
+    import kakeya.orchestrator.decode.scheduler as scheduler_mod
     from kakeya.app.main import DEFAULT_PROMPT
     from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
-    from kakeya.orchestrator.engine import RunOptions
+    from kakeya.orchestrator.decode.engine import RunOptions
     from kakeya.runtime import heap
     from kakeya.runtime.compute import ComputeThread
 

@@ -54,7 +54,7 @@ from wire import start, stop
 
 from kakeya.app.options import DEFAULT_PROMPT
 from kakeya.drafter.session import PREDRAFT_BLOCKS
-from kakeya.orchestrator.engine import Request, RunOptions
+from kakeya.orchestrator.decode.engine import Request, RunOptions
 
 MODES = ("colocated", "split", "split_predraft")
 STEP_TIMEOUT_S = 30.0  # a loaded machine is slow, not hung: no step deadline should end a measured run

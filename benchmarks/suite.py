@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np
 
 from kakeya.orchestrator.assembly import build_local_engine
-from kakeya.orchestrator.engine import Request
+from kakeya.orchestrator.decode.engine import Request
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -332,8 +332,8 @@ def split_rows(target_dir, draft_dir, prompts, args, ref) -> dict:
     import tempfile
 
     from benchmarks.wire import start, stop
-    from kakeya.orchestrator.remote import GrpcVerifier
-    from kakeya.orchestrator.remote_drafter import GrpcDrafter
+    from kakeya.orchestrator.remote.drafter import GrpcDrafter
+    from kakeya.orchestrator.remote.verifier import GrpcVerifier
 
     # MLX, as the colocated rows it is compared with (serve's auto would pick torch on Linux, and with a
     # --target given, torch's default thread team: three processes fighting over the cores).

@@ -43,9 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kakeya.core.contract import WireStats
-from kakeya.orchestrator import loop
-from kakeya.orchestrator.remote import GrpcVerifier
-from kakeya.orchestrator.remote_drafter import GrpcDrafter
+from kakeya.orchestrator.decode import loop
+from kakeya.orchestrator.remote.drafter import GrpcDrafter
+from kakeya.orchestrator.remote.verifier import GrpcVerifier
 from kakeya.wire import codec
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -172,7 +172,7 @@ def per_block(log):
 
 
 def measure_block_size(local, verifier, drafter, prompt, args, block_size):
-    from kakeya.orchestrator.engine import Request
+    from kakeya.orchestrator.decode.engine import Request
 
     req = Request(prompt, max_tokens=args.max_tokens, block_size=block_size, ignore_eos=True)
     local.generate(req)  # warm-up

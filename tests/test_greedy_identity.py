@@ -8,7 +8,7 @@ import pytest
 
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.local import MLXDrafter
-from kakeya.orchestrator.loop import run
+from kakeya.orchestrator.decode.loop import run
 from kakeya.verifier.mlx_backend.reference import greedy_reference
 from kakeya.verifier.session import VerifierSession
 

@@ -10,7 +10,8 @@ import pytest
 
 from kakeya.core import contract
 from kakeya.core.request import CachePolicy
-from kakeya.orchestrator import remote, remote_drafter
+from kakeya.orchestrator.remote import drafter as remote_drafter
+from kakeya.orchestrator.remote import verifier as remote
 from kakeya.verifier import backend
 
 

@@ -126,7 +126,7 @@ def cmd_client_generate(args) -> int:
     if complete is None:
         print("kakeya: error: the stream ended without a Complete message", file=sys.stderr)
         return 1
-    from kakeya.orchestrator.grpc_api import report_from_stream
+    from kakeya.orchestrator.fronts.grpc_api import report_from_stream
     from kakeya.wire.convert import logprobs_from_proto
 
     report = report_from_stream(model, server.verifier_backend, complete, ids, "".join(text))

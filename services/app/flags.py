@@ -195,7 +195,7 @@ def add_backend_auth(p) -> None:
 
 
 def add_http(p) -> None:
-    """The orchestrator's OpenAI-compatible HTTP front (``orchestrator/http_server.py``)."""
+    """The orchestrator's OpenAI-compatible HTTP front (``orchestrator/fronts/http_server.py``)."""
     p.add_argument(
         "--http-port",
         type=int,

@@ -18,7 +18,7 @@ DEFAULT_PROMPT = '"""Record of phased-in incompatible language changes.\n\nEach 
 
 
 def add_ngram(p) -> None:
-    """--ngram: `kakeya generate` and `serve orchestrator` (``orchestrator/ngram.py``)."""
+    """--ngram: `kakeya generate` and `serve orchestrator` (``orchestrator/proposers/ngram.py``)."""
     p.add_argument(
         "--ngram",
         choices=["on", "off"],

@@ -183,7 +183,7 @@ def _backend_kwargs(args, embedded: bool) -> tuple[str, dict]:
 
 def cmd_serve_orchestrator(args) -> int:
     from kakeya.orchestrator.assembly import build_local_engine, split_engine
-    from kakeya.orchestrator.server import GenerationServicer, server_spec
+    from kakeya.orchestrator.fronts.grpc_server import GenerationServicer, server_spec
 
     _pin(args)
 
@@ -264,7 +264,7 @@ def cmd_serve_orchestrator(args) -> int:
     )
     http = None
     if args.http_port is not None:
-        from kakeya.orchestrator.http_server import HttpFront
+        from kakeya.orchestrator.fronts.http_server import HttpFront
 
         http = HttpFront(servicer, args.http_port, args.served_model_name, timeouts=serve_flags.http_timeouts(args))
     return _run(server_spec(servicer, tls=serve_flags.server_tls(args), http=http), args)
@@ -410,8 +410,8 @@ def _torch_threads_arg(p) -> None:
 
 
 def _limits(p) -> None:
-    from kakeya.orchestrator.checks import DEFAULT_MAX_TOKENS
-    from kakeya.orchestrator.service import DEFAULT_MAX_TOKENS_LIMIT
+    from kakeya.orchestrator.decode.checks import DEFAULT_MAX_TOKENS
+    from kakeya.orchestrator.fronts.service import DEFAULT_MAX_TOKENS_LIMIT
 
     p.add_argument("--max-tokens-limit", type=int, default=DEFAULT_MAX_TOKENS_LIMIT, help="largest max_tokens accepted")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="what max_tokens = 0 means")

@@ -7,7 +7,7 @@ process or over gRPC). :class:`Grammar` is that grammar run against a checkpoint
 consumes committed tokens, rolls back, and writes the bitmask of the tokens allowed next.
 
 llguidance (rather than xgrammar): Lark grammars with special tokens named by id (the tool-call grammar,
-``orchestrator/tool_grammar.py``), the tokens a grammar forces (guided drafting), and a HF ``tokenizers``
+``orchestrator/tools/grammar.py``), the tokens a grammar forces (guided drafting), and a HF ``tokenizers``
 JSON taken as it is. Its masks are slower than xgrammar's on the demo tokenizer (8.7 vs 1.75 µs a token,
 ``benchmarks/grammar_masks.py``, ``docs/structured.md``), both far below a verify step.
 """

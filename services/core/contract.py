@@ -49,7 +49,7 @@ def check_alternatives(n: int, field: str = "alternatives") -> int:
 
 
 # The most ids a drafter returns per candidate for a constrained request to choose among
-# (``SessionOptions.ranked``, ``Draft.ranked``, ``orchestrator/guided.py``).
+# (``SessionOptions.ranked``, ``Draft.ranked``, ``orchestrator/proposers/forced.py``).
 MAX_RANKED = 16
 
 
@@ -138,7 +138,7 @@ class Draft:
     ``ranked``: a greedy session opened with ``SessionOptions.ranked`` = k gets, per candidate, the k
     likeliest ids of that candidate's row, the candidate first (the rows come from one forward over
     ``[last, mask * (B-1)]``, so no row depends on the ids chosen before it): a constrained request
-    picks each position's best-ranked id its grammar allows (``orchestrator/guided.py``)."""
+    picks each position's best-ranked id its grammar allows (``orchestrator/proposers/forced.py``)."""
 
     tokens: tuple[int, ...]
     proposal: Proposal | None = None
@@ -411,7 +411,7 @@ class DrafterSession(Protocol):
 @runtime_checkable
 class Verifier(Protocol):
     """A target that hands out sessions: in this process (``verifier/session.py``) or over gRPC
-    (``orchestrator/remote.py``). What the public API needs of it is here, so no caller asks
+    (``orchestrator/remote/verifier.py``). What the public API needs of it is here, so no caller asks
     which one it holds."""
 
     info: ModelInfo  # also the limits: max_position_embeddings, max_context

@@ -21,8 +21,10 @@ class Block:
     verify_s: float = 0.0  # the verifier's one step: verify and commit
     total_s: float = 0.0
     predrafted: bool = False  # its candidates were pre-drafted while the block before it was verified
-    copied: bool = False  # its candidates were copied from earlier in the context (``orchestrator/ngram.py``)
-    forced: bool = False  # its candidates were the tokens a constraint's grammar forces (``orchestrator/guided.py``)
+    copied: bool = False  # its candidates were copied from earlier in the context (``orchestrator/proposers/ngram.py``)
+    forced: bool = (
+        False  # its candidates were the tokens a constraint's grammar forces (``orchestrator/proposers/forced.py``)
+    )
     logprobs: list[TokenLogprobs] | None = None  # one per token (a request with ``logprobs``); cut with ``tokens``
 
     def cut(self, keep: int) -> None:
@@ -70,7 +72,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 class Report:
     """One finished generation, built once when it ends (``Run.report``) and translated by every front:
     ``kakeya generate --json`` (:meth:`to_json`), the gRPC API's ``Complete``
-    (``orchestrator/grpc_api.py``), the HTTP API's ``usage`` and ``kakeya`` fields (``http_api.py``),
+    (``orchestrator/fronts/grpc_api.py``), the HTTP API's ``usage`` and ``kakeya`` fields (``http_api.py``),
     and ``kakeya client``, which rebuilds it from the stream.
 
     ``block_size`` is the size asked for (0: auto), ``block_sizes`` each speculative block's size

@@ -2,7 +2,7 @@
 (:class:`SamplingParams`) and how its verifier cache is bounded (:class:`CachePolicy`).
 
 Every front (the CLI, the gRPC API, the HTTP API) builds a :class:`Request` and hands it to the
-engine, which checks it in one place (``orchestrator/checks.py``). A refused value raises
+engine, which checks it in one place (``orchestrator/decode/checks.py``). A refused value raises
 :class:`InvalidRequest` naming the :class:`Request` field it came in (``max_tokens``,
 ``sampling.temperature``, ``cache_policy.window``); each front renames the field as its own clients
 spell it (``sampling_params.temperature`` on gRPC, ``temperature`` over HTTP).
@@ -285,7 +285,7 @@ class Request:
 
     prompt: Prompt
     max_tokens: int | None = None  # None: the server's default (the CLI's: 128)
-    block_size: int = 0  # 0: auto, sized block by block (``orchestrator/adaptive.py``)
+    block_size: int = 0  # 0: auto, sized block by block (``orchestrator/decode/block_sizing.py``)
     stop_ids: Sequence[int] = ()  # besides the model's EOS ids, unless ``ignore_eos``
     stop_strings: Sequence[str] = ()
     ignore_eos: bool = False

@@ -2,7 +2,7 @@
 the Drafter protocol without a wire.
 
 It hands out :class:`~kakeya.drafter.session.DrafterSession` objects and drafts many sessions' blocks in
-one forward (``batch.draft_batch``); ``orchestrator/remote_drafter.py`` is the same protocol over gRPC.
+one forward (``batch.draft_batch``); ``orchestrator/remote/drafter.py`` is the same protocol over gRPC.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Engine assembly: which verifier and drafter, in-process or remote, on which backend.
 
 The one place that turns "these checkpoints (or the embedded pair), this
-backend" or "these addresses" into an :class:`~kakeya.orchestrator.engine.Engine`.
+backend" or "these addresses" into an :class:`~kakeya.orchestrator.decode.engine.Engine`.
 The CLI, the servers, ``niah``, the trainers and the benchmarks all call it;
 it never calls them. Every backend import is lazy, so a node with only torch
 (or only MLX) assembles engines of that backend without the other installed.
@@ -181,14 +181,14 @@ def local_drafter(draft_dir, target_dir, backend: str = "mlx", **kwargs):
 
 def remote_verifier(addr: str, **kwargs):
     """A verifier served by ``kakeya serve verifier`` at ``addr`` (HOST:PORT), over gRPC."""
-    from kakeya.orchestrator.remote import GrpcVerifier
+    from kakeya.orchestrator.remote.verifier import GrpcVerifier
 
     return GrpcVerifier(addr, **kwargs)
 
 
 def remote_drafter(addr: str, **kwargs):
     """A drafter served by ``kakeya serve drafter`` at ``addr`` (HOST:PORT), over gRPC."""
-    from kakeya.orchestrator.remote_drafter import GrpcDrafter
+    from kakeya.orchestrator.remote.drafter import GrpcDrafter
 
     return GrpcDrafter(addr, **kwargs)
 
@@ -229,7 +229,7 @@ def build_local_engine(
     ``ngram``: blocks whose context repeats are drafted by copy (``Engine.ngram``).
     """
     from kakeya.checkpoints.config import check_pair, load_draft_config, load_target_config
-    from kakeya.orchestrator.engine import Engine
+    from kakeya.orchestrator.decode.engine import Engine
     from kakeya.orchestrator.text import TextCodec
 
     target, draft = pair_paths(target, draft)
@@ -283,8 +283,8 @@ def split_engine(
     The verifier's sessions return the hidden states of the drafter's layers (without a drafter:
     the verifier server's default layers).
     """
-    from kakeya.orchestrator.deadlines import DEFAULT_BACKEND_TIMEOUT_S, StepClock
-    from kakeya.orchestrator.engine import Engine
+    from kakeya.orchestrator.decode.engine import Engine
+    from kakeya.orchestrator.remote.deadlines import DEFAULT_BACKEND_TIMEOUT_S, StepClock
     from kakeya.orchestrator.text import TextCodec
 
     floor = backend_timeout_s or DEFAULT_BACKEND_TIMEOUT_S

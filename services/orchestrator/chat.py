@@ -25,8 +25,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kakeya.core import json_text
 from kakeya.core.request import Chat, ToolCall
-from kakeya.orchestrator.tool_calls import NAME
-from kakeya.orchestrator.tool_choice import ToolProblem, check_tools
+from kakeya.orchestrator.tools.calls import NAME
+from kakeya.orchestrator.tools.choice import ToolProblem, check_tools
 from kakeya.runtime.lifecycle import quote
 
 TEMPLATE_FILE = "chat_template.jinja"

@@ -118,7 +118,7 @@ def run_niah(
     engine, contexts, depths, policies: dict, max_tokens: int = 16, block_size: int = 0, seed: int = 0, log=None
 ) -> dict:
     """Recall per policy and per (context, depth). ``policies``: name -> CachePolicy."""
-    from kakeya.orchestrator.engine import Request
+    from kakeya.orchestrator.decode.engine import Request
 
     codec = engine.codec
     lines = haystack_lines(max(contexts) * 8)

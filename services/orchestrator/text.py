@@ -15,7 +15,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from kakeya.orchestrator.chat import ChatError, ChatTemplate
-from kakeya.orchestrator.tool_calls import MARKERS
+from kakeya.orchestrator.tools.calls import MARKERS
 
 
 class TextCodec:
@@ -34,7 +34,7 @@ class TextCodec:
         self.bos_id = self.tokenizer.token_to_id(bos) if bos else None
         self.chat = ChatTemplate.load(path)  # None: the checkpoint ships no chat template
         # Special tokens are skipped in the text, but for tool-call markers (Gemma-4's ``<|tool_call>`` ...):
-        # the front reads calls out of the text (``tool_calls.py``), as vLLM keeps them for its tool parsers.
+        # the front reads calls out of the text (``tools/calls.py``), as vLLM keeps them for its tool parsers.
         special = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
         kept = {i for i, content in special.items() if content in MARKERS}
         self.hidden = frozenset(special) - kept if kept else None  # None: skip every special token

@@ -223,7 +223,7 @@ class ServerSpec:
     health_interval_s: float = 1.0
     tls: Any = None  # kakeya.runtime.tls.ServerTLS; None/disabled: plaintext
     metrics: Any = None  # kakeya.runtime.metrics.ServerMetrics: errors counted, /metrics served with --metrics-port
-    # An HTTP front beside the gRPC server (the orchestrator's OpenAI API, orchestrator/http_server.py):
+    # An HTTP front beside the gRPC server (the orchestrator's OpenAI API, orchestrator/fronts/http_server.py):
     # start(host, tls, grace_s) -> port, drain(), join(timeout); None: gRPC only.
     http: Any = None
 

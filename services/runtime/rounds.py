@@ -1,6 +1,6 @@
 """Round calls: one call carries a round's steps for many sessions of one caller (``VerifyRound``, ``DraftRound``).
 
-A continuous-batching orchestrator steps all its sessions in rounds (``orchestrator/scheduler.py``). Sent
+A continuous-batching orchestrator steps all its sessions in rounds (``orchestrator/decode/scheduler.py``). Sent
 one message per session stream, a round pays N messages, N handler-thread hops and N wake-ups per
 backend; sent as one call, it pays one. Sessions still live and die with their ``Session`` stream (open,
 prefill, save, close, cancellation); a round item names a session by the id its ``Opened`` answered, and
@@ -12,7 +12,7 @@ not ready, busy with a step on its stream, or that ends (cancelled, closed) whil
 an exception of its own in the batch, is that item's ``Error``; the others are answered as on their
 streams. While the round waits, the caller hears a Progress message every ``progress_ms`` in which compute
 got work done, exactly as a stream's step does (``SessionServicer._await``), so its deadline of silence
-(``orchestrator/deadlines.py``) still tells a slow backend from a hung one.
+(``orchestrator/remote/deadlines.py``) still tells a slow backend from a hung one.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ class SessionServicer:
         """A generator that returns ``future``'s result; meanwhile it yields a Progress message every
         ``every_s`` seconds (0: none) in which the compute thread got work done (``ComputeThread.progress``).
         A stopped process or a wedged compute thread gets none done: no message, and its client's
-        deadline for the step (``orchestrator/deadlines.py``) runs out."""
+        deadline for the step (``orchestrator/remote/deadlines.py``) runs out."""
         yield from self._await_all([future], every_s, self._progress)
         return future.result()
 

@@ -24,7 +24,7 @@
    is accepted left to right). Embedding and LM head are the target's, frozen
    (block embedding = raw lookup x ``input_embedding_scale``).
 4. **Report** -- acceptance length per block size on held-out prompts, measured
-   with the real engine (``kakeya.orchestrator.loop`` + MLX verifier/drafter).
+   with the real engine (``kakeya.orchestrator.decode.loop`` + MLX verifier/drafter).
 
 Training runs on torch (``kakeya.drafter.torch_backend.model`` has the reference
 parameter names); the checkpoint loads strictly in ``kakeya.drafter.mlx_backend.model``.

@@ -92,7 +92,7 @@ def heldout_prompts(corpus: data.Corpus, n: int, length: int, stream=None) -> li
 
 def _engine(target_dir: Path, draft_dir: Path, backend: str):
     """The real loop (``backend`` verifier + drafter, native cache), measuring the drafter's own acceptance:
-    without n-gram copies (``orchestrator/ngram.py``)."""
+    without n-gram copies (``orchestrator/proposers/ngram.py``)."""
     from kakeya.orchestrator.assembly import build_local_engine
 
     return build_local_engine(str(target_dir), str(draft_dir), backend, ngram=False)
@@ -120,7 +120,7 @@ def bootstrap_interval(
 
 def greedy_runs(engine, prompts: list[list[int]], block_size: int, max_tokens: int) -> list:
     """One greedy generation per prompt at ``block_size`` (n-gram copies as ``engine`` has them)."""
-    from kakeya.orchestrator.engine import Request
+    from kakeya.orchestrator.decode.engine import Request
 
     return [engine.generate(Request(p, max_tokens=max_tokens, block_size=block_size, ignore_eos=True)) for p in prompts]
 
@@ -158,7 +158,7 @@ def measure_sampled(
     per temperature and block size; each run checked against AR sampling with the same seed, which the coupled
     rule must reproduce token for token (``engine``: :func:`_engine`'s)."""
     from kakeya.core.request import SamplingParams
-    from kakeya.orchestrator.engine import Request
+    from kakeya.orchestrator.decode.engine import Request
 
     out: dict = {}
     for T in temperatures:
@@ -203,7 +203,7 @@ def acceptance_record(
         "prompt_len": prompt_len,
         "max_tokens": max_tokens,
         "source": "held-out stdlib files (split by file), evenly spaced windows, <bos> prepended",
-        "engine": f"kakeya.orchestrator.loop, {backend} verifier (native cache) + drafter, greedy",
+        "engine": f"kakeya.orchestrator.decode.loop, {backend} verifier (native cache) + drafter, greedy",
         "per_block_size": measure_acceptance(engine, prompts, block_sizes, max_tokens),
     }
     if temperatures:

@@ -1,7 +1,7 @@
 """A loaded target in this process (:class:`LocalVerifier`): the Verifier protocol without a wire.
 
 It hands out :class:`~kakeya.verifier.session.VerifierSession` objects and decides many sessions'
-blocks in one forward (``batch.decide_batch``); ``orchestrator/remote.py`` is the same protocol over gRPC.
+blocks in one forward (``batch.decide_batch``); ``orchestrator/remote/verifier.py`` is the same protocol over gRPC.
 """
 
 from __future__ import annotations

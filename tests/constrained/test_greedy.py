@@ -88,7 +88,7 @@ def test_batched_verify_applies_each_sessions_masks(engine):
 def test_forced_runs_are_drafted_without_the_drafter_and_change_no_token(engine):
     """A JSON schema's keys, quotes and brackets are forced: those blocks are the grammar's run (no drafter
     guess), all accepted, and the output is the constrained AR output with or without them."""
-    from kakeya.orchestrator.engine import RunOptions
+    from kakeya.orchestrator.decode.engine import RunOptions
 
     c = CASES["person"]
     prompt = engine.codec.encode(PROMPTS[0])

@@ -70,7 +70,7 @@ def test_a_bad_or_doubled_constraint_is_a_400_naming_it(front, path, extra, para
 
 
 def _generate(servicer, constraint, context=None):
-    from kakeya.orchestrator.http_server import HttpCall
+    from kakeya.orchestrator.fronts.http_server import HttpCall
     from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
     req = pb.GenerateRequest(text="x = ", sampling_params=pb.SamplingParams(max_tokens=40), constraint=constraint)
@@ -103,7 +103,7 @@ def test_grpc_generate_takes_a_constraint(front):  # noqa: F811 - the fixture
 def test_grpc_refuses_a_bad_constraint_naming_its_field(front, constraint, field):  # noqa: F811 - the fixture
     import grpc
 
-    from kakeya.orchestrator.http_server import HttpCall
+    from kakeya.orchestrator.fronts.http_server import HttpCall
     from kakeya.wire.kakeya.v1 import sampling_pb2 as spb
 
     class Context(HttpCall):

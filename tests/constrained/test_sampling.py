@@ -24,7 +24,7 @@ from kakeya.core import constraints as grammar_module
 from kakeya.core.constraints import Constraint
 from kakeya.core.contract import SessionOptions
 from kakeya.core.request import COUPLED, SAMPLING_RULES, Request, SamplingParams
-from kakeya.orchestrator import loop
+from kakeya.orchestrator.decode import loop
 
 from ..sampling.hf_reference import hf_process
 from ..sampling.test_statistical import chi_square

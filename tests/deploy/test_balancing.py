@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kakeya.orchestrator.streams import backend_channel
+from kakeya.orchestrator.remote.streams import backend_channel
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 

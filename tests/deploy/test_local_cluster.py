@@ -16,7 +16,7 @@ import pytest
 
 from kakeya.checkpoints.tiny import embedded_pair
 from kakeya.orchestrator.assembly import build_local_engine, split_engine
-from kakeya.orchestrator.engine import Request
+from kakeya.orchestrator.decode.engine import Request
 from tests.services.conftest import Server, assert_unauthenticated, generate, request, verifier_info
 
 from .manifests import DOCKER, ROOT, argv, flag, render

@@ -19,7 +19,7 @@ from mlx_lm.models import gemma4_text
 from kakeya.checkpoints.config import load_target_config
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.local import MLXDrafter
-from kakeya.orchestrator.loop import Decode, DecodeOptions, alone, run
+from kakeya.orchestrator.decode.loop import Decode, DecodeOptions, alone, run
 from kakeya.verifier.memory import KVShape, policy_table
 from kakeya.verifier.session import VerifierSession
 

@@ -4,8 +4,8 @@ import pytest
 
 from kakeya.core.contract import Draft, Verdict
 from kakeya.core.generation import Block
-from kakeya.orchestrator.adaptive import AcceptanceChain, AdaptivePolicy, BlockSizer, CostCurve
-from kakeya.orchestrator.loop import run
+from kakeya.orchestrator.decode.block_sizing import AcceptanceChain, AdaptivePolicy, BlockSizer, CostCurve
+from kakeya.orchestrator.decode.loop import run
 
 from .test_loop import CONT, ScriptedDrafter, ScriptedVerifier
 
@@ -223,7 +223,7 @@ class _ColdFirstCall:
 def test_measure_costs_times_warm_shapes():
     import types
 
-    from kakeya.orchestrator import adaptive
+    from kakeya.orchestrator.decode import block_sizing as adaptive
 
     clock = types.SimpleNamespace(t=0.0)
     session = _ColdFirstCall(clock)

@@ -15,7 +15,7 @@ import pytest
 from kakeya.core.request import Chat, Message, Tool, ToolCall
 from kakeya.orchestrator.chat import template_inputs
 from kakeya.orchestrator.text import TextCodec
-from kakeya.orchestrator.tool_calls import parse_call
+from kakeya.orchestrator.tools.calls import parse_call
 
 Q = '<|"|>'
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "Weather", "parameters": {

@@ -1,4 +1,4 @@
-"""Step deadlines (``orchestrator/deadlines.py``): how much silence a step may keep, and a watchdog whose
+"""Step deadlines (``orchestrator/remote/deadlines.py``): how much silence a step may keep, and a watchdog whose
 clock stops while its own process does not run.
 
 The watchdog runs on a driven clock here: each ``tick(dt)`` lets its thread wake once, ``dt`` seconds
@@ -11,7 +11,7 @@ import queue
 
 import pytest
 
-from kakeya.orchestrator.deadlines import STALL_S, StepClock, Watchdog
+from kakeya.orchestrator.remote.deadlines import STALL_S, StepClock, Watchdog
 
 
 def test_the_deadline_is_the_floor_until_steps_are_measured_then_twenty_median_steps():

@@ -171,7 +171,7 @@ def test_each_front_spells_a_request_field_inside_list_items_its_own_way(field, 
     """The one renaming of both fronts (``public_field`` over ``http_api.field_names`` / ``grpc_api``'s names):
     a name written with ``[]`` renames a field inside list items, each index kept in its place."""
     from kakeya.core.request import public_field
-    from kakeya.orchestrator import grpc_api, http_api
+    from kakeya.orchestrator.fronts import grpc_api, http_api
 
     assert public_field(field, http_api.field_names(True, "max_tokens")) == http
     assert public_field(field, grpc_api.FIELD_NAMES | grpc_api.PROMPT_NAMES["messages"]) == grpc_name

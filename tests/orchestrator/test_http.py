@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front (``orchestrator/http_server.py`` + ``http_api.py``), colocated on the tiny pair.
+"""The OpenAI-compatible HTTP front (``orchestrator/fronts/http_server.py`` + ``http_api.py``), colocated on the tiny pair.
 
 The official ``openai`` client, streaming and not, completions and chat, gets
 the tokens a gRPC ``Generate`` of the same request gets; a second chat turn
@@ -18,8 +18,8 @@ import pytest
 
 from kakeya.core.prefix import PrefixCache
 from kakeya.orchestrator.assembly import build_local_engine
-from kakeya.orchestrator.http_server import HttpCall, HttpFront
-from kakeya.orchestrator.server import GenerationServicer
+from kakeya.orchestrator.fronts.grpc_server import GenerationServicer
+from kakeya.orchestrator.fronts.http_server import HttpCall, HttpFront
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 from kakeya.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
 

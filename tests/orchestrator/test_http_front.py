@@ -20,11 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kakeya.orchestrator import http_params
 from kakeya.orchestrator.assembly import build_local_engine
-from kakeya.orchestrator.http_params import HARMLESS, HONOURED, REFUSED
-from kakeya.orchestrator.http_server import HttpFront
-from kakeya.orchestrator.server import GenerationServicer
+from kakeya.orchestrator.fronts import http_params
+from kakeya.orchestrator.fronts.grpc_server import GenerationServicer
+from kakeya.orchestrator.fronts.http_params import HARMLESS, HONOURED, REFUSED
+from kakeya.orchestrator.fronts.http_server import HttpFront
 from kakeya.runtime.auth import authorized, bearer_ok
 from kakeya.runtime.bounds import HttpTimeouts
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kakeya.orchestrator.assembly import build_local_engine
-from kakeya.orchestrator.http_server import HttpFront
-from kakeya.orchestrator.server import GenerationServicer
+from kakeya.orchestrator.fronts.grpc_server import GenerationServicer
+from kakeya.orchestrator.fronts.http_server import HttpFront
 
 from ..verifier.test_logprobs import TOL, reference
 

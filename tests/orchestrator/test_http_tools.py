@@ -18,8 +18,8 @@ import pytest
 from kakeya.core.generation import Block, Report
 from kakeya.core.request import Chat, Request
 from kakeya.orchestrator.assembly import build_local_engine
-from kakeya.orchestrator.http_server import HttpCall, HttpFront
-from kakeya.orchestrator.server import GenerationServicer
+from kakeya.orchestrator.fronts.grpc_server import GenerationServicer
+from kakeya.orchestrator.fronts.http_server import HttpCall, HttpFront
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
 WEATHER = {
@@ -401,8 +401,8 @@ def test_strict_under_auto_leaves_the_demo_models_text_as_it_was(demo_pair, bloc
     """The demo model (trained on text, never on calls) answers under the auto grammar with the very tokens it
     answers without it, at every block size: the grammar held the request (its constraint) and refused
     nothing the model chose, through every block's rolled-back candidates."""
-    from kakeya.orchestrator.checks import check_request
-    from kakeya.orchestrator.http_api import chat_request
+    from kakeya.orchestrator.decode.checks import check_request
+    from kakeya.orchestrator.fronts.http_api import chat_request
 
     engine = build_local_engine(str(demo_pair.target), str(demo_pair.draft), "torch", "cpu")
     strict = {"type": "function", "function": FLAG["function"] | {"strict": True}}

@@ -4,7 +4,7 @@ import pytest
 
 from kakeya.core.contract import Draft, Predrafts, Verdict, accept
 from kakeya.core.quality import find_runaway, quality_report
-from kakeya.orchestrator.loop import run
+from kakeya.orchestrator.decode.loop import run
 
 
 class ScriptedVerifier:

@@ -7,9 +7,9 @@ import pytest
 
 from kakeya.core.contract import Draft
 from kakeya.core.generation import Block
-from kakeya.orchestrator.adaptive import AcceptanceChain, BlockSizer, CostCurve
-from kakeya.orchestrator.loop import run
-from kakeya.orchestrator.ngram import NgramIndex
+from kakeya.orchestrator.decode.block_sizing import AcceptanceChain, BlockSizer, CostCurve
+from kakeya.orchestrator.decode.loop import run
+from kakeya.orchestrator.proposers.ngram import NgramIndex
 
 from .test_loop import ScriptedDrafter, ScriptedVerifier
 
@@ -139,7 +139,7 @@ def test_copies_that_stop_paying_give_the_block_back_to_the_drafter():
 def test_engine_copies_greedy_and_coupled_and_never_under_the_rejection_rule(demo_pair):
     from kakeya.core.request import COUPLED, REJECTION, Request, SamplingParams
     from kakeya.orchestrator.assembly import build_local_engine
-    from kakeya.orchestrator.engine import RunOptions
+    from kakeya.orchestrator.decode.engine import RunOptions
 
     # the trained pair: a random target never repeats itself, the demo target does on code like this
     engine = build_local_engine(demo_pair.target, demo_pair.draft, "torch", "cpu")

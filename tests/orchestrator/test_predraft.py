@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kakeya.core.request import Request
-from kakeya.orchestrator.engine import RunOptions
+from kakeya.orchestrator.decode.engine import RunOptions
 
 PROMPT = "import os\nimport sys\n\ndef main(argv):\n    "
 
@@ -59,7 +59,7 @@ def test_predrafts_prepared_for_rejections_commit_the_verifiers_own_tokens(engin
 
 def test_alternatives_out_of_range_are_refused_before_any_drafter_sees_them(engine):
     """A drafter server refuses more than 4, and a refused pre-draft would back the drafter off for every request."""
-    from kakeya.orchestrator.engine import Engine
+    from kakeya.orchestrator.decode.engine import Engine
 
     req = Request(engine.codec.encode(PROMPT), max_tokens=8, block_size=4, ignore_eos=True)
     with pytest.raises(ValueError, match="predraft_alternatives"):
@@ -69,7 +69,7 @@ def test_alternatives_out_of_range_are_refused_before_any_drafter_sees_them(engi
 
 
 def test_a_malformed_predraft_answer_is_the_drafters_failure():
-    from kakeya.orchestrator.remote_drafter import predrafts_from_proto
+    from kakeya.orchestrator.remote.drafter import predrafts_from_proto
     from kakeya.wire.kakeya.v1 import drafter_pb2 as pb
 
     good = pb.DrafterResponse.Predrafted(

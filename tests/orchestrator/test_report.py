@@ -10,9 +10,9 @@ import pytest
 
 from kakeya.app.main import main
 from kakeya.orchestrator.assembly import build_local_engine
-from kakeya.orchestrator.grpc_api import report_from_stream
-from kakeya.orchestrator.http_server import HttpCall, HttpFront
-from kakeya.orchestrator.server import GenerationServicer
+from kakeya.orchestrator.fronts.grpc_api import report_from_stream
+from kakeya.orchestrator.fronts.grpc_server import GenerationServicer
+from kakeya.orchestrator.fronts.http_server import HttpCall, HttpFront
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
 PROMPT = "def add(a, b):"

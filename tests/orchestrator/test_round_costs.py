@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from kakeya.orchestrator.adaptive import AcceptanceChain, AdaptivePolicy, BlockSizer, CostCurve
-from kakeya.orchestrator.round_costs import RoundCosts
+from kakeya.orchestrator.decode.block_sizing import AcceptanceChain, AdaptivePolicy, BlockSizer, CostCurve
+from kakeya.orchestrator.decode.round_costs import RoundCosts
 
 from .test_loop import CONT, ScriptedDrafter, ScriptedVerifier
 
@@ -75,8 +75,8 @@ def test_a_batched_rounds_timing_refines_no_size_of_the_alone_curve():
 
 
 def test_the_scheduler_reports_each_round_and_the_loop_tells_each_sizer_its_company():
-    from kakeya.orchestrator.loop import Decode, DecodeOptions, one_by_one_drafts, one_by_one_verdicts
-    from kakeya.orchestrator.scheduler import Scheduler
+    from kakeya.orchestrator.decode.loop import Decode, DecodeOptions, one_by_one_drafts, one_by_one_verdicts
+    from kakeya.orchestrator.decode.scheduler import Scheduler
 
     seen, policy = [], AdaptivePolicy(CostCurve({1: 1.0, 2: 1.1, 4: 1.2}), initial=4)
     decodes = []
@@ -102,8 +102,8 @@ def test_a_decode_the_round_in_flight_finishes_still_gets_that_rounds_block():
     import threading
     import time
 
-    from kakeya.orchestrator.loop import Decode, DecodeOptions, one_by_one_drafts, one_by_one_verdicts
-    from kakeya.orchestrator.scheduler import Scheduler
+    from kakeya.orchestrator.decode.loop import Decode, DecodeOptions, one_by_one_drafts, one_by_one_verdicts
+    from kakeya.orchestrator.decode.scheduler import Scheduler
 
     decodes = []
     for max_tokens in (20, 5):  # the second one's next round (a block of 4, every candidate right) is its last

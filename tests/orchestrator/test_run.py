@@ -7,9 +7,9 @@ import pytest
 
 from kakeya.core.contract import Cancellation, KVBytes, ModelInfo, SessionOptions, VerifierStats
 from kakeya.core.request import CachePolicy, Request
-from kakeya.orchestrator.adaptive import AdaptivePolicy, CostCurve
-from kakeya.orchestrator.engine import Engine, RunOptions
-from kakeya.orchestrator.loop import one_by_one_drafts, one_by_one_verdicts
+from kakeya.orchestrator.decode.block_sizing import AdaptivePolicy, CostCurve
+from kakeya.orchestrator.decode.engine import Engine, RunOptions
+from kakeya.orchestrator.decode.loop import one_by_one_drafts, one_by_one_verdicts
 from kakeya.runtime.compute import ComputeThread
 
 from .test_loop import CONT, ScriptedDrafter, ScriptedVerifier

@@ -1,4 +1,4 @@
-"""Gemma-4 tool calls read out of text (``orchestrator/tool_calls.py``), whole and streamed in any pieces,
+"""Gemma-4 tool calls read out of text (``orchestrator/tools/calls.py``), whole and streamed in any pieces,
 and the tool-call markers kept in the decoded text where a tokenizer holds them as special tokens."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer
 
 from kakeya.orchestrator.text import TextCodec
-from kakeya.orchestrator.tool_calls import (
+from kakeya.orchestrator.tools.calls import (
     MARKERS,
     ArgumentsPiece,
     ArgumentsStream,

@@ -1,4 +1,4 @@
-"""The tool-call grammar (``orchestrator/tool_grammar.py``), checked with llguidance's own matcher on the demo
+"""The tool-call grammar (``orchestrator/tools/grammar.py``), checked with llguidance's own matcher on the demo
 pair's tokenizer: calls written by the chat template with arguments that satisfy the schema are accepted (and
 read back by the parser to the same arguments), calls whose arguments break the schema, malformed calls and
 calls of other functions are rejected; with the markers as special tokens (Gemma-4's) they match by id."""
@@ -16,8 +16,8 @@ from tokenizers import AddedToken, Tokenizer
 
 from kakeya.core.request import Tool
 from kakeya.orchestrator.text import TextCodec
-from kakeya.orchestrator.tool_calls import MARKERS, parse_call
-from kakeya.orchestrator.tool_grammar import GrammarError, marker_terms, tool_call_grammar
+from kakeya.orchestrator.tools.calls import MARKERS, parse_call
+from kakeya.orchestrator.tools.grammar import GrammarError, marker_terms, tool_call_grammar
 
 Q = '<|"|>'
 SCHEMA = {

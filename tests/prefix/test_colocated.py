@@ -16,7 +16,7 @@ import pytest
 from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import Request, SamplingParams
 from kakeya.orchestrator.assembly import build_local_engine
-from kakeya.orchestrator.engine import RunOptions
+from kakeya.orchestrator.decode.engine import RunOptions
 from kakeya.runtime.compute import ComputeThread
 
 USER = [[40, 41, 42, 43, 44, 45], [50, 51, 52], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69]]

@@ -3,7 +3,7 @@
 import pytest
 
 from kakeya.core.request import Request
-from kakeya.orchestrator.engine import Engine, RunOptions
+from kakeya.orchestrator.decode.engine import Engine, RunOptions
 
 from ..orchestrator.test_run import PROMPT, Drafter, DrafterSession, Session, Verifier
 

@@ -72,8 +72,8 @@ def split(tiny_pair, aux_layers):
     """Verifier servicers (torch and MLX) and an MLX drafter servicer on one loopback server."""
     from kakeya.drafter.local import MLXDrafter
     from kakeya.drafter.server import DrafterServicer
-    from kakeya.orchestrator.remote import GrpcVerifier
-    from kakeya.orchestrator.remote_drafter import GrpcDrafter
+    from kakeya.orchestrator.remote.drafter import GrpcDrafter
+    from kakeya.orchestrator.remote.verifier import GrpcVerifier
     from kakeya.verifier.loader import local_verifier
     from kakeya.verifier.server import VerifierServicer
 

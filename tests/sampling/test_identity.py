@@ -11,9 +11,9 @@ import pytest
 
 from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, CachePolicy, Request, SamplingParams
 from kakeya.drafter.batch import draft_batch
-from kakeya.orchestrator.adaptive import BlockSizer, CostCurve
-from kakeya.orchestrator.engine import Engine
-from kakeya.orchestrator.loop import run
+from kakeya.orchestrator.decode.block_sizing import BlockSizer, CostCurve
+from kakeya.orchestrator.decode.engine import Engine
+from kakeya.orchestrator.decode.loop import run
 from kakeya.verifier.batch import decide_batch
 
 from .conftest import BACKENDS

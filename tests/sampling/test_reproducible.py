@@ -12,8 +12,8 @@ import pytest
 
 from kakeya.core.contract import Draft, Proposal
 from kakeya.core.request import COUPLED, REJECTION, SAMPLING_RULES, Request, SamplingParams
-from kakeya.orchestrator.engine import Engine
-from kakeya.orchestrator.loop import run
+from kakeya.orchestrator.decode.engine import Engine
+from kakeya.orchestrator.decode.loop import run
 
 PROMPT = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48]
 N = 48

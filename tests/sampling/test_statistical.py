@@ -27,7 +27,7 @@ import torch
 
 from kakeya.core import sampling as ref
 from kakeya.core.request import COUPLED, SAMPLING_RULES
-from kakeya.orchestrator import loop
+from kakeya.orchestrator.decode import loop
 from kakeya.verifier import session as verifier_session
 
 from .conftest import BACKENDS, PROMPT, SETTINGS

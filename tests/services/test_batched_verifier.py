@@ -18,7 +18,7 @@ importlib.import_module("torch")
 
 from kakeya.core.contract import Draft
 from kakeya.core.request import CachePolicy
-from kakeya.orchestrator.remote import GrpcVerifier
+from kakeya.orchestrator.remote.verifier import GrpcVerifier
 from kakeya.runtime.servicer import SessionLimits
 from kakeya.verifier import server as verifier_server
 from kakeya.verifier.session import PREFILL_CHUNK, VerifierSession

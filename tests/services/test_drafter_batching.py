@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from kakeya.core.request import COUPLED, REJECTION, SamplingParams
-from kakeya.orchestrator.deadlines import StepClock
-from kakeya.orchestrator.remote_drafter import GrpcDrafter
+from kakeya.orchestrator.remote.deadlines import StepClock
+from kakeya.orchestrator.remote.drafter import GrpcDrafter
 from kakeya.runtime.servicer import SessionLimits
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc
 from kakeya.wire.limits import server_options

@@ -16,8 +16,8 @@ def test_request_errors_are_bounded():
 
 
 def test_public_errors_use_public_names_and_never_a_backend_address():
-    from kakeya.orchestrator.errors import public_status
-    from kakeya.orchestrator.streams import BackendError
+    from kakeya.orchestrator.fronts.errors import public_status
+    from kakeya.orchestrator.remote.streams import BackendError
 
     addr = "10.1.2.3:50061"
 
@@ -66,7 +66,7 @@ def test_server_info_names_no_backend_address_and_no_backend_error():
     text; now a remote backend is "grpc" and the drafter's state and failure count are all it says."""
     from types import SimpleNamespace
 
-    from kakeya.orchestrator.server import GenerationServicer
+    from kakeya.orchestrator.fronts.grpc_server import GenerationServicer
     from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
     error = "<_InactiveRpcError: StatusCode.UNAVAILABLE failed to connect to ipv4:127.0.0.1:39336: Connection refused>"

@@ -13,8 +13,8 @@ import pytest
 
 from kakeya.core.contract import SessionOptions
 from kakeya.core.request import REJECTION, SamplingParams
-from kakeya.orchestrator.http_server import HttpCall
-from kakeya.orchestrator.loop import run
+from kakeya.orchestrator.decode.loop import run
+from kakeya.orchestrator.fronts.http_server import HttpCall
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2_grpc
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb
@@ -38,8 +38,8 @@ def split(demo_pair):
     from kakeya.checkpoints.config import load_draft_config
     from kakeya.drafter.local import TorchDrafter
     from kakeya.drafter.server import DrafterServicer
-    from kakeya.orchestrator.remote import GrpcVerifier
-    from kakeya.orchestrator.remote_drafter import GrpcDrafter
+    from kakeya.orchestrator.remote.drafter import GrpcDrafter
+    from kakeya.orchestrator.remote.verifier import GrpcVerifier
     from kakeya.verifier.loader import local_verifier
     from kakeya.verifier.server import VerifierServicer
 
@@ -111,7 +111,7 @@ class _Context(HttpCall):
 def public(split):
     """The public gRPC service over the split pair."""
     from kakeya.orchestrator.assembly import split_engine
-    from kakeya.orchestrator.server import GenerationServicer
+    from kakeya.orchestrator.fronts.grpc_server import GenerationServicer
     from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 
     servicer = GenerationServicer(lambda: split_engine(split[3], split[3], None, 10.0), colocated=False)

@@ -21,10 +21,10 @@ import grpc
 import pytest
 
 from kakeya.core.contract import Draft
-from kakeya.orchestrator.deadlines import StepClock
-from kakeya.orchestrator.remote import GrpcVerifier
-from kakeya.orchestrator.remote_drafter import GrpcDrafter
-from kakeya.orchestrator.streams import BackendError
+from kakeya.orchestrator.remote.deadlines import StepClock
+from kakeya.orchestrator.remote.drafter import GrpcDrafter
+from kakeya.orchestrator.remote.streams import BackendError
+from kakeya.orchestrator.remote.verifier import GrpcVerifier
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from kakeya.wire.limits import server_options
 

@@ -137,7 +137,7 @@ def test_mixed_backends_over_grpc_match_greedy_ar(server_factory, mlx_target, ve
 def test_cache_policy_flags_on_servers_and_client(server_factory, mlx_target, aux_layers):
     """The verifier's default policy comes from `serve ... --cache`; a client may ask for another."""
     from kakeya.core.request import CachePolicy
-    from kakeya.orchestrator.loop import run
+    from kakeya.orchestrator.decode.loop import run
     from kakeya.verifier.session import VerifierSession
 
     s = (

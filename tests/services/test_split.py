@@ -139,7 +139,7 @@ def test_split_equals_colocated_equals_mlx_lm_greedy_ar_past_ring_wraps(servers,
 def test_bounded_quantized_policy_crosses_the_wire_intact(servers, mlx_target, aux_layers):
     """sink-window + 8-bit full layers, asked for over the public API: every field reaches the verifier."""
     from kakeya.core.request import CachePolicy
-    from kakeya.orchestrator.loop import run
+    from kakeya.orchestrator.decode.loop import run
     from kakeya.verifier.session import VerifierSession
 
     wire = _policy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, sink=4, window=16, full_kv_bits=8)

@@ -15,9 +15,9 @@ import pytest
 
 importlib.import_module("torch")
 
-from kakeya.orchestrator.loop import run
-from kakeya.orchestrator.remote import GrpcVerifier
-from kakeya.orchestrator.remote_drafter import GrpcDrafter
+from kakeya.orchestrator.decode.loop import run
+from kakeya.orchestrator.remote.drafter import GrpcDrafter
+from kakeya.orchestrator.remote.verifier import GrpcVerifier
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2_grpc
 from kakeya.wire.limits import server_options
 

@@ -13,7 +13,7 @@ from kakeya.backends.torch import ops
 from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.local import TorchDrafter
-from kakeya.orchestrator.loop import run
+from kakeya.orchestrator.decode.loop import run
 from kakeya.verifier.local import LocalVerifier
 from kakeya.verifier.session import VerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch

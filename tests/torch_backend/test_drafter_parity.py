@@ -124,7 +124,7 @@ def test_speculative_loop_matches_reference_loop(tiny, torch_target, torch_draft
     import dflash.model as dm
     from transformers import AutoModelForCausalLM
 
-    from kakeya.orchestrator.loop import run
+    from kakeya.orchestrator.decode.loop import run
     from kakeya.verifier.local import LocalVerifier
 
     from .conftest import AUX_LAYERS, PROMPT

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kakeya.core.request import CachePolicy
-from kakeya.orchestrator.loop import run
+from kakeya.orchestrator.decode.loop import run
 from kakeya.verifier.local import LocalVerifier
 
 from .conftest import AUX_LAYERS, PROMPT

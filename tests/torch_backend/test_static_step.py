@@ -19,7 +19,7 @@ import torch
 
 from kakeya.backends.torch.graphs import BUCKETS, GraphOptions, StepGraphs, bucket_for
 from kakeya.core.request import CachePolicy
-from kakeya.orchestrator.loop import run
+from kakeya.orchestrator.decode.loop import run
 from kakeya.verifier.local import LocalVerifier
 from kakeya.verifier.session import VerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch

@@ -28,7 +28,7 @@ def test_demo_pair_is_small_and_documented(demo_pair):
 
 def test_demo_pair_greedy_speculative_equals_mlx_lm_ar_and_accepts(demo_pair):
     from kakeya.orchestrator.assembly import build_local_engine
-    from kakeya.orchestrator.engine import Request
+    from kakeya.orchestrator.decode.engine import Request
     from kakeya.verifier.mlx_backend.reference import greedy_reference
 
     engine = build_local_engine(str(demo_pair.target), str(demo_pair.draft))
@@ -48,7 +48,7 @@ def test_heldout_replay_predicts_the_engines_blocks(demo_pair):
     import torch
 
     from kakeya.orchestrator.assembly import build_local_engine
-    from kakeya.orchestrator.engine import Request
+    from kakeya.orchestrator.decode.engine import Request
     from kakeya.training.block_trainer import BlockTrainer, TorchTarget
     from kakeya.training.drafter_eval import leading_right, replay
 

@@ -436,7 +436,7 @@ def test_drafter_eval_measures_a_drafter_directory(tiny_pair, capsys):
 def test_sampled_acceptance_is_checked_against_ar_sampling(tiny_pair, monkeypatch):
     """Each sampled run must reproduce AR sampling with its seed (the coupled rule); a run that does not is
     reported as not lossless rather than averaged in silently."""
-    from kakeya.orchestrator.engine import Engine
+    from kakeya.orchestrator.decode.engine import Engine
     from kakeya.training import drafter_eval
 
     prompts = [[2] + list(range(100, 111)), [2] + list(range(200, 211))]

@@ -16,7 +16,7 @@ import pytest
 from kakeya.core.contract import Draft
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.local import MLXDrafter
-from kakeya.orchestrator.loop import Decode, DecodeOptions, alone, run
+from kakeya.orchestrator.decode.loop import Decode, DecodeOptions, alone, run
 from kakeya.verifier.session import VerifierSession
 
 from ..planted import PlantedDrafterSession

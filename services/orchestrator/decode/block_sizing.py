@@ -28,7 +28,7 @@ set by what a probe costs: one is due once the blocks since the last have taken
 about ``explore_share`` of the decode time on every backend; a probe accepted
 whole paid for itself, and the next block probes again.
 
-Blocks the loop drafts by copy (``ngram.py``) accept by a law of their own
+Blocks the loop drafts by copy (``proposers/ngram.py``) accept by a law of their own
 (a repeat runs to its end or breaks at once), so they keep their own chain and
 their size is chosen from it; they are costed as drafted blocks, an upper bound
 (a copy's drafter call only extends the context). The first few are tried at
@@ -39,7 +39,7 @@ with the drafter's: priced as a drafted block, a copy looks dearer than it is.
 
 Batched rounds change the price (``BlockSizer.sharing``): when several sessions share a round, its
 fixed cost is paid once for all of them while each candidate is a row every batched forward pays for,
-so a block is priced by what rounds are measured to cost (``round_costs.py``), not by the alone curve.
+so a block is priced by what rounds are measured to cost (``decode/round_costs.py``), not by the alone curve.
 A batched round's timing is the whole round's, not this block's, so it refines no size's cost.
 
 Only token counts and timings go in, so this knows no backend and changes no
@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from kakeya.core.contract import Draft
 from kakeya.core.generation import Block
 from kakeya.core.request import MAX_BLOCK_SIZE
-from kakeya.orchestrator.round_costs import RoundCosts
+from kakeya.orchestrator.decode.round_costs import RoundCosts
 
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the pooled rate)
 COST_EMA = 0.2  # weight of a new timing in the machine's running pace (every size's cost alike)
@@ -180,7 +180,7 @@ class BlockSizer:
 
     def cost(self, size: int) -> float:
         """A block of ``size``'s seconds: alone, the cost curve's; in a round shared by ``sharing`` sessions,
-        its price in such a round (``round_costs.py``) once batched rounds were seen."""
+        its price in such a round (``decode/round_costs.py``) once batched rounds were seen."""
         if self.sharing > 1 and self.rounds is not None:
             price = self.rounds.price(self.sharing, size)
             if price is not None:

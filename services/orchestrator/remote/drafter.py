@@ -1,6 +1,6 @@
 """The Drafter protocol (``services/core/contract.py``) over gRPC: ``GrpcDrafter`` and its sessions.
 
-As ``remote.py`` for the verifier: one bidirectional ``Session`` stream per session, opened with the
+As ``remote/verifier.py`` for the verifier: one bidirectional ``Session`` stream per session, opened with the
 first ``draft``; a ``Predraft`` is posted right after a ``Draft``'s answer and read a block later.
 A ``GrpcDrafter`` that failed is skipped for a while (:class:`Backoff`) and then tried again, so the
 orchestrator reconnects once the drafter is back; meanwhile its sessions draft nothing
@@ -18,10 +18,9 @@ import grpc
 
 from kakeya.core.contract import Draft, DrafterStats, Predrafts, SessionOptions, WireStats
 from kakeya.core.request import SamplingParams
-from kakeya.orchestrator.deadlines import StepClock
-from kakeya.orchestrator.loop import each
-from kakeya.orchestrator.remote import _ON_STREAM, ROUND_MIN, _tensor
-from kakeya.orchestrator.streams import (
+from kakeya.orchestrator.decode.loop import each
+from kakeya.orchestrator.remote.deadlines import StepClock
+from kakeya.orchestrator.remote.streams import (
     BackendError,
     Reply,
     Stream,
@@ -32,6 +31,7 @@ from kakeya.orchestrator.streams import (
     round_deadline,
     status_code,
 )
+from kakeya.orchestrator.remote.verifier import _ON_STREAM, ROUND_MIN, _tensor
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import drafter_pb2 as dpb
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc

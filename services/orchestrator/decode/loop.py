@@ -5,7 +5,7 @@ Knows no backend and no transport: each session is a verifier session and a draf
 generation's whole state; :func:`advance` runs one round over any number of them:
 
 1. **draft**: each session's next block gets its candidates from one of three sources -- a pre-draft that
-   guessed this verdict, a copy of what followed the same tokens earlier in the context (``ngram.py``), or
+   guessed this verdict, a copy of what followed the same tokens earlier in the context (``proposers/ngram.py``), or
    the drafter -- and every drafter call of the round (a copy's too: the drafter still takes the new
    positions' aux, so its context never has a gap) goes out as ONE batch (``draft_many``);
 2. **verify**: every session's block ``[last, c1 .. c_{B-1}]`` goes to the verifier as ONE batch
@@ -19,7 +19,7 @@ generation's whole state; :func:`advance` runs one round over any number of them
    goes to the drafter with the next draft.
 
 Sessions differ freely within a round: their block sizes (a fixed size or the adaptive sizer's choice,
-``adaptive.py``), sampling rules and seeds, sources and positions; one session's failure is its own
+``decode/block_sizing.py``), sampling rules and seeds, sources and positions; one session's failure is its own
 result, never its batch-mates'. With ``predraft``, the drafter drafts each session's next block while this
 one is verified (``DrafterSession.predraft``: for the verdicts likeliest to come), and the next round takes
 the one its verdict names, if it was prepared. The engine's scheduler (``scheduler.py``) runs the rounds
@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kakeya.core.contract import Draft, DrafterSession, Predrafts, Verdict, VerifierSession
 from kakeya.core.generation import Block, Generation
 from kakeya.core.request import MAX_BLOCK_SIZE, check_block_size
-from kakeya.orchestrator.ngram import NgramIndex
+from kakeya.orchestrator.proposers.ngram import NgramIndex
 
 if TYPE_CHECKING:
-    from kakeya.orchestrator.adaptive import BlockSizer
-    from kakeya.orchestrator.guided import Guide
+    from kakeya.orchestrator.decode.block_sizing import BlockSizer
+    from kakeya.orchestrator.proposers.forced import Guide
 
 __all__ = [
     "MAX_BLOCK_SIZE",
@@ -64,7 +64,7 @@ VerifierCall = tuple[VerifierSession, int, Draft]  # (session, last token, draft
 class DecodeOptions:
     """How one session decodes (the request's and the engine's choices, resolved by the engine).
 
-    ``block_size``: a fixed size, or a :class:`~kakeya.orchestrator.adaptive.BlockSizer` that picks each
+    ``block_size``: a fixed size, or a :class:`~kakeya.orchestrator.decode.block_sizing.BlockSizer` that picks each
     block's size from what it has seen (``choose``/``observe``). ``stop_ids``: tokens that end the
     generation (included in it). ``fallback``: a drafter failure ends drafting for this session and the
     verifier finishes alone (same tokens) instead of failing it. ``predraft``: pre-draft the next block
@@ -72,7 +72,7 @@ class DecodeOptions:
     remote one); ``alternatives``: the drafter's next likeliest tokens a pre-draft may also prepare for at
     each candidate. ``ngram``: draft by copy where the context repeats (greedy and the coupled rule; never
     the rejection rule, which needs the drafter's distribution). ``guide``: a constrained request's grammar,
-    whose forced tokens are drafted as one block without the drafter (``guided.py``; same exclusions as
+    whose forced tokens are drafted as one block without the drafter (``proposers/forced.py``; same exclusions as
     ``ngram``), up to ``max_block`` positions (the cache policy's rollback slack)."""
 
     max_tokens: int

@@ -1,4 +1,4 @@
-"""The Verifier protocol (``services/core/contract.py``) over gRPC (the Drafter's: ``remote_drafter.py``).
+"""The Verifier protocol (``services/core/contract.py``) over gRPC (the Drafter's: ``remote/drafter.py``).
 
 One bidirectional ``Session`` stream per session: opening a session starts the
 stream, ``close`` ends it politely (``Close`` -> ``Closed``), ``abort`` cancels
@@ -23,11 +23,11 @@ the stream, the client's deadline bounds it, and a cancelled request aborts it
 at once (from whichever thread cancels).
 
 Failures surface as ``streams.BackendError`` carrying the gRPC status code. The
-drafter's side is ``remote_drafter.py`` (a failed drafter is skipped for a while and
+drafter's side is ``remote/drafter.py`` (a failed drafter is skipped for a while and
 tried again).
 Every session asks its backend for Progress messages while a step waits
 (``Open.progress_ms``), and a step fails only after a deadline of silence
-(``deadlines.py``): a hung backend is noticed within seconds, a slow one is not.
+(``remote/deadlines.py``): a hung backend is noticed within seconds, a slow one is not.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ import grpc
 
 from kakeya.core.contract import Draft, KVBytes, SessionOptions, Verdict, VerifierStats, WireStats
 from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy, SamplingParams
-from kakeya.orchestrator.deadlines import StepClock
-from kakeya.orchestrator.loop import each
-from kakeya.orchestrator.streams import (
+from kakeya.orchestrator.decode.loop import each
+from kakeya.orchestrator.remote.deadlines import StepClock
+from kakeya.orchestrator.remote.streams import (
     BackendError,
     Reply,
     Stream,

@@ -1,5 +1,5 @@
 """What a batched round costs, learnt from the rounds themselves: the price the block sizer pays per block
-when several sessions share a round (``adaptive.py``, ``BlockSizer.cost``).
+when several sessions share a round (``decode/block_sizing.py``, ``BlockSizer.cost``).
 
 A round of ``n`` sessions verifying ``R`` rows in all (each session's block: its last token and its
 candidates) takes ``T = g + f * n + s * R`` seconds: ``g`` the round's own fixed cost (one forward's

@@ -33,7 +33,7 @@ from kakeya.core.request import (
 )
 from kakeya.orchestrator.chat import ChatError, template_inputs
 from kakeya.orchestrator.text import TextCodec
-from kakeya.orchestrator.tool_grammar import GrammarError, holds_calls, marker_terms, tool_call_grammar
+from kakeya.orchestrator.tools.grammar import GrammarError, holds_calls, marker_terms, tool_call_grammar
 from kakeya.runtime import bounds
 
 DEFAULT_MAX_TOKENS = 128
@@ -191,7 +191,7 @@ def _template_culprit(chat: Chat, codec: TextCodec) -> str:
 def _tool_calls(req: Request, engine: Engine) -> Request:
     """A chat whose ``tool_choice`` is ``required`` or a function's name, or ``auto`` with a ``strict`` tool: the
     request constrained to well-formed calls (of that function) whose arguments follow their schemas
-    (``tool_grammar.py``; under ``auto``, after any text), the markers named as the checkpoint's tokenizer
+    (``tools/grammar.py``; under ``auto``, after any text), the markers named as the checkpoint's tokenizer
     holds them."""
     chat = req.prompt
     if not isinstance(chat, Chat) or not holds_calls(chat.tools, chat.tool_choice):

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kakeya.core.generation import Block
-from kakeya.orchestrator.loop import Decode, Drafted, draft_round, verify_round
+from kakeya.orchestrator.decode.loop import Decode, Drafted, draft_round, verify_round
 
 
 def _call(fn, *args):
@@ -61,7 +61,7 @@ class Scheduler:
         queued: Callable[[], int] | None = None,
     ):
         self._draft_many, self._decide_many, self._step, self._queued = draft_many, decide_many, step, queued
-        self._on_round = on_round  # on_round(sessions, rows, seconds) after each round (``round_costs.py``)
+        self._on_round = on_round  # on_round(sessions, rows, seconds) after each round (``decode/round_costs.py``)
         self._cv = threading.Condition()
         self._live: dict[Decode, deque[Block]] = {}  # each joined decode and its blocks not yet taken
         self._driving = False

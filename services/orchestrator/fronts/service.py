@@ -11,8 +11,8 @@ Failures: before the first block a refusal raises -- :class:`~kakeya.core.reques
 naming the request's field (the front renames it), or :class:`~kakeya.runtime.lifecycle.RequestError`
 with a status (not ready, over capacity, a backend's refusal); after it, the report says
 ``finish_reason`` "error" with the reason. A cancelled run ends the iteration without a report.
-Holds an :class:`~kakeya.orchestrator.engine.Engine` whose verifier and drafter are in-process
-(colocated) or gRPC clients (split, ``remote.py``); it never asks which.
+Holds an :class:`~kakeya.orchestrator.decode.engine.Engine` whose verifier and drafter are in-process
+(colocated) or gRPC clients (split, ``remote/verifier.py``); it never asks which.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import grpc
 from kakeya.core import constraints
 from kakeya.core.generation import Block, Report
 from kakeya.core.request import InvalidRequest, Request
-from kakeya.orchestrator.checks import DEFAULT_MAX_TOKENS, Limits, constraint_field, context_of, prompt_limit
-from kakeya.orchestrator.engine import Engine, RunOptions
-from kakeya.orchestrator.errors import fallback_reason, public_status
+from kakeya.orchestrator.decode.checks import DEFAULT_MAX_TOKENS, Limits, constraint_field, context_of, prompt_limit
+from kakeya.orchestrator.decode.engine import Engine, RunOptions
+from kakeya.orchestrator.fronts.errors import fallback_reason, public_status
 from kakeya.runtime import bounds, logs
 from kakeya.runtime.admission import DEFAULT_MAX_SESSIONS
 from kakeya.runtime.auth import peer_of

@@ -19,11 +19,11 @@ from typing import Any, Self
 from kakeya.core.contract import Cancellation, Drafter, SessionOptions, Verifier, check_alternatives
 from kakeya.core.generation import Block, Generation, Report
 from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, Request
-from kakeya.orchestrator.adaptive import AdaptivePolicy, BlockSizer, measure_costs
-from kakeya.orchestrator.checks import Limits, check_request
-from kakeya.orchestrator.guided import RANKED, open_guide
-from kakeya.orchestrator.loop import Decode, DecodeOptions
-from kakeya.orchestrator.scheduler import Scheduler
+from kakeya.orchestrator.decode.block_sizing import AdaptivePolicy, BlockSizer, measure_costs
+from kakeya.orchestrator.decode.checks import Limits, check_request
+from kakeya.orchestrator.decode.loop import Decode, DecodeOptions
+from kakeya.orchestrator.decode.scheduler import Scheduler
+from kakeya.orchestrator.proposers.forced import RANKED, open_guide
 from kakeya.orchestrator.text import TextCodec, text_stream
 
 log = logging.getLogger("kakeya.orchestrator")
@@ -90,7 +90,7 @@ class Engine:
             return self._schedulers[step]
 
     def _round_done(self, sessions: int, rows: int, seconds: float) -> None:
-        if self.adaptive is not None:  # what a round costs prices the blocks of the next (``round_costs.py``)
+        if self.adaptive is not None:  # what a round costs prices the blocks of the next (``decode/round_costs.py``)
             self.adaptive.rounds.observe(sessions, rows, seconds)
 
     def calibrate(self) -> AdaptivePolicy:

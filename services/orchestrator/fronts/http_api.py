@@ -1,4 +1,4 @@
-"""OpenAI's HTTP API <-> the request and the report: translation only (``http_server.py`` serves it).
+"""OpenAI's HTTP API <-> the request and the report: translation only (``fronts/http_server.py`` serves it).
 
 A body is checked for OpenAI's types, field by field (:class:`ApiError` 400 naming the parameter),
 then written as a :class:`~kakeya.core.request.Request`, which runs through the generation service
@@ -10,7 +10,7 @@ run's blocks and its :class:`~kakeya.core.generation.Report`, with
 ``usage.prompt_tokens_details.cached_tokens`` and Kakeya's speculative stats under ``kakeya``.
 
 What each parameter does here -- honoured, refused unless it asks for nothing, or accepted as harmless
--- is ``http_params.py``'s table: beyond OpenAI's, a request may send ``top_k``, ``min_p``,
+-- is ``fronts/http_params.py``'s table: beyond OpenAI's, a request may send ``top_k``, ``min_p``,
 ``ignore_eos``, ``stop_token_ids``, ``request_id`` and ``block_size`` (as vLLM does), and a chat request
 ``continue_final_message``. A body must be valid Unicode (no lone surrogate, escaped or not) and its
 numbers within range, each refused with a 400 naming its parameter; an error quotes a client's value
@@ -31,8 +31,10 @@ import grpc
 from kakeya.core import json_text
 from kakeya.core.generation import Block, Report
 from kakeya.core.request import Chat, InvalidRequest, Request, SamplingParams, public_field
-from kakeya.orchestrator import http_constraints, http_logprobs, http_params, http_tools, tool_calls, tool_choice
-from kakeya.orchestrator.tool_grammar import holds_calls
+from kakeya.orchestrator.fronts import http_constraints, http_logprobs, http_params, http_tools
+from kakeya.orchestrator.tools import calls as tool_calls
+from kakeya.orchestrator.tools import choice as tool_choice
+from kakeya.orchestrator.tools.grammar import holds_calls
 from kakeya.runtime.lifecycle import RequestError, bounded, quote
 
 STATUS = {
@@ -100,7 +102,7 @@ class Call:
     obfuscate: bool = False  # stream_options.include_obfuscation: pad each chunk with random characters
     tools: bool = False  # read the model's tool calls out of its text (``tool_choice`` auto, with tools)
     held_calls: bool = False  # a grammar holds the calls well-formed: stream their arguments as they come
-    logprobs: bool = False  # the answer lists each token's logprobs (``http_logprobs.py``)
+    logprobs: bool = False  # the answer lists each token's logprobs (``fronts/http_logprobs.py``)
 
 
 def _number(body: dict, name: str, default=None, integer: bool = False, low=None, high=None):
@@ -274,7 +276,7 @@ def chat_request(body: dict, served: str) -> tuple[Request, Call, dict[str, str]
             turns.append(http_tools.message(m, i, "" if empty else _content(m.get("content"), i)))
     except http_tools.ToolError as exc:
         raise ApiError(400, str(exc), exc.param) from None
-    except InvalidRequest as exc:  # a tool_choice refused as every front refuses it (``tool_choice.py``)
+    except InvalidRequest as exc:  # a tool_choice refused as every front refuses it (``tools/choice.py``)
         raise ApiError.invalid(exc, names) from None
     prompt = Chat(tuple(turns), _flag(body, "continue_final_message"), tools, choice)
     fields["stop_strings"] = tool_choice.stop_strings(fields["stop_strings"], prompt)

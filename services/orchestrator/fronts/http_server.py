@@ -11,7 +11,7 @@ run, streamed or not, which frees its session and the backends'. The bearer
 token (``--auth-token-file``; the scheme in any case, as RFC 7235 says) and TLS
 (``--tls-cert``/``--tls-key``, ``--tls-client-ca``) are the gRPC server's.
 Bodies beyond the public API's receive limit are 413; anything a client sends
-wrong is a 4xx in OpenAI's error shape (``http_api.py``), never a 500.
+wrong is a 4xx in OpenAI's error shape (``fronts/http_api.py``), never a 500.
 
 Slow clients are bounded (``bounds.HttpTimeouts``, ``kakeya serve --http-*``):
 a request's headers must arrive within ``headers_s`` of its first byte (or of
@@ -40,8 +40,8 @@ from starlette.routing import Route
 
 from kakeya.core.generation import Block
 from kakeya.core.request import InvalidRequest
-from kakeya.orchestrator import http_api
-from kakeya.orchestrator.http_api import ApiError
+from kakeya.orchestrator.fronts import http_api
+from kakeya.orchestrator.fronts.http_api import ApiError
 from kakeya.runtime.auth import bearer_ok
 from kakeya.runtime.bounds import HttpTimeouts
 from kakeya.runtime.lifecycle import RequestError

@@ -1,4 +1,4 @@
-"""The streams under the gRPC Verifier / Drafter clients (``remote.py``): channels, errors, one Session call.
+"""The streams under the gRPC Verifier / Drafter clients (``remote/verifier.py``): channels, errors, one Session call.
 
 A backend's channel reconnects fast and balances sessions over its replicas
 (client-side health checking); a call's failure is a :class:`BackendError`
@@ -6,7 +6,7 @@ with the gRPC status; :class:`Stream` is one bidirectional ``Session`` call,
 its requests queued (pipelined: ``post`` returns the request's :class:`Reply`)
 and its responses read strictly in order, each into its reply, when that reply
 or a later one is waited for, each step bounded by a deadline from
-``deadlines.py`` that every Progress message the backend sends meanwhile
+``remote/deadlines.py`` that every Progress message the backend sends meanwhile
 re-arms. So a drafter session sends a ``Predraft`` right after a ``Draft``'s
 answer and reads it a block later.
 """
@@ -19,7 +19,7 @@ from collections import deque
 
 import grpc
 
-from kakeya.orchestrator.deadlines import WATCHDOG
+from kakeya.orchestrator.remote.deadlines import WATCHDOG
 from kakeya.wire.limits import channel_options
 
 # A backend that restarts is found again within ~2 s (gRPC's default backoff grows to 120 s).

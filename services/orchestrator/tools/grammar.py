@@ -3,7 +3,7 @@
 ``tool_choice: "required"`` (one call or more, to any of the tools) and a named function (one call to it) hold
 the model to a call with this grammar, in llguidance's lark syntax: ``<|tool_call>call:NAME{ARGS}<tool_call|>``,
 then optionally ``<|tool_response>``, where the model stops to wait for the results. Gemma-4's arguments are not
-JSON (``tool_calls.py``), so the schema is compiled here to rules of that syntax, not embedded with ``%json``:
+JSON (``tools/calls.py``), so the schema is compiled here to rules of that syntax, not embedded with ``%json``:
 keys bare, in sorted order (as the template writes them), every ``required`` key present and no undeclared
 one; strings between ``<|"|>`` marks (without ``<|`` inside them, so a string can never swallow a mark);
 integers, numbers, booleans, ``null``, lists, nested objects, ``enum``/``const``, ``anyOf``/``oneOf`` and type
@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from kakeya.core.request import AUTO, NONE, REQUIRED, Tool
-from kakeya.orchestrator.tool_calls import CALL_END, CALL_START, MARKERS, QUOTE, RESULT_START
+from kakeya.orchestrator.tools.calls import CALL_END, CALL_START, MARKERS, QUOTE, RESULT_START
 
 _ANNOTATIONS = {"description", "title", "default", "examples", "$schema", "$comment", "deprecated", "readOnly",
                 "writeOnly", "additionalProperties"}  # fmt: skip

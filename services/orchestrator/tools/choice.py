@@ -10,7 +10,7 @@ clients spell it. A chat whose calls are read (:func:`reads_calls`: tools, and a
 stops where the model would wait for a call's results (:func:`stop_strings`), and its answer is the text
 outside the calls plus the calls (``tool_calls.split``), with the finish reason "tool_calls" when the model
 stopped after at least one call (:func:`finish_reason`). ``required`` and a named function are held to
-well-formed calls by the engine's check (``checks.py``, ``tool_grammar.py``).
+well-formed calls by the engine's check (``checks.py``, ``tools/grammar.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kakeya.core.request import AUTO, NONE, REQUIRED, Chat, InvalidRequest, Tool
-from kakeya.orchestrator.tool_calls import NAME, RESULT_START
+from kakeya.orchestrator.tools.calls import NAME, RESULT_START
 from kakeya.runtime.lifecycle import quote
 
 

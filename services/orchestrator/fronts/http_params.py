@@ -3,7 +3,7 @@
 Every parameter of OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions`` is in
 :data:`PARAMS`, with the extensions of vLLM's API that clients of OpenAI-compatible servers send:
 
-- **honoured**: the generation runs as it asks (``http_api.py`` reads it);
+- **honoured**: the generation runs as it asks (``fronts/http_api.py`` reads it);
 - **refused**: this server cannot do what it asks, so any value but the one that asks for nothing
   (its ``accepts``) is a 400 naming it -- never a generation that silently differs from the request;
 - **harmless**: accepted (its type checked) and not used, because it does not change what comes back
@@ -15,7 +15,7 @@ always has (vLLM's server does the same): clients of OpenAI-compatible servers s
 this table cannot know, and every field known to change the output is listed here.
 
 The constraint parameters (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``) are
-honoured: ``http_constraints.py`` reads them into one constraint.
+honoured: ``fronts/http_constraints.py`` reads them into one constraint.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ PARAMS: dict[str, Param] = {
     "stream": Param(HONOURED),
     "stream_options": Param(HONOURED),  # include_usage, include_obfuscation (``http_api.stream_options``)
     "n": _refused(1, why="one choice per request"),
-    "logprobs": Param(HONOURED),  # chat: true/false; completions: k (``http_logprobs.py``)
+    "logprobs": Param(HONOURED),  # chat: true/false; completions: k (``fronts/http_logprobs.py``)
     "logit_bias": _refused({}, why="it does not bias logits"),
     "presence_penalty": _refused(0, 0.0, why="it applies no penalties"),
     "frequency_penalty": _refused(0, 0.0, why="it applies no penalties"),
@@ -80,7 +80,7 @@ PARAMS: dict[str, Param] = {
     "modalities": _refused(["text"], api=CHAT, why=_TEXT),
     "audio": _refused(api=CHAT, why=_TEXT),
     "top_logprobs": Param(HONOURED, CHAT),  # with logprobs: true
-    "tools": Param(HONOURED, CHAT),  # function tools (``http_tools.py``)
+    "tools": Param(HONOURED, CHAT),  # function tools (``fronts/http_tools.py``)
     "tool_choice": Param(HONOURED, CHAT),  # "auto" and "none"; "required" and a named function are refused there
     "functions": _refused([], api=CHAT, why=_NO_TOOLS),
     "function_call": _refused("none", api=CHAT, why=_NO_TOOLS),

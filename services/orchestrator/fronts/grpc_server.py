@@ -1,6 +1,6 @@
 """The public gRPC Generation API (``protos/kakeya/v1/generate.proto``): translation only.
 
-A ``GenerateRequest`` becomes a :class:`~kakeya.core.request.Request` (``grpc_api.py``) and runs
+A ``GenerateRequest`` becomes a :class:`~kakeya.core.request.Request` (``fronts/grpc_api.py``) and runs
 through the generation service (``service.py``: admission, the engine's one check of the request,
 the run, metrics); each committed block goes out as a ``Chunk`` (token ids + their text, cut at stop
 strings), then one ``Complete`` translated from the run's report (a chat whose tool calls are read: with
@@ -24,8 +24,9 @@ import grpc
 
 from kakeya.core.generation import Block
 from kakeya.core.request import CachePolicy, InvalidRequest
-from kakeya.orchestrator import grpc_api, tool_choice
-from kakeya.orchestrator.service import GenerationService
+from kakeya.orchestrator.fronts import grpc_api
+from kakeya.orchestrator.fronts.service import GenerationService
+from kakeya.orchestrator.tools import choice as tool_choice
 from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import RequestError, ServerSpec, bounded, version, workers_for
 from kakeya.wire import convert as wire_contract

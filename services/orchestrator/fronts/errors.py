@@ -1,6 +1,6 @@
 """What a public caller is told when its request fails, and why a generation lost its drafter.
 
-A backend's error (:class:`~kakeya.orchestrator.streams.BackendError`) carries
+A backend's error (:class:`~kakeya.orchestrator.remote.streams.BackendError`) carries
 the backend's address and the backend's field names (``open.cache_policy``,
 ``verify.block_ids``); a public caller knows neither. :func:`public_status`
 keeps the status code, names the service ("verifier"), turns the fields a
@@ -16,7 +16,7 @@ import logging
 
 import grpc
 
-from kakeya.orchestrator.streams import BackendError
+from kakeya.orchestrator.remote.streams import BackendError
 from kakeya.runtime.lifecycle import RequestError, bounded
 
 log = logging.getLogger("kakeya.orchestrator")

@@ -266,7 +266,7 @@ class ArgumentsStream:
     number or a word (``true``, ``None`` ...) waits for the character that ends it, and a string's tail that may
     be the start of its closing mark waits for the next piece. Joined, the pieces are exactly
     ``json.dumps(parse_arguments(whole), ensure_ascii=False)``: the text a whole answer carries. The
-    translation trusts its input to be well-formed, as a grammar-held call is (``tool_grammar.py``); text it
+    translation trusts its input to be well-formed, as a grammar-held call is (``tools/grammar.py``); text it
     cannot read stops it (:attr:`broken`) and nothing more is sent.
     """
 

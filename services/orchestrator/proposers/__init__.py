@@ -1,0 +1,1 @@
+"""Draft sources other than the drafter: n-gram copy and the tokens a constraint's grammar forces."""

@@ -1,0 +1,1 @@
+"""The verifier's and drafter's gRPC clients: streams, deadlines, replicas."""
