@@ -136,6 +136,18 @@ def train_tokenizer(
     return tok
 
 
+def added_token(content: str) -> dict:
+    """A special token's entry in ``tokenizer_config.json``'s ``added_tokens_decoder``, as transformers writes it."""
+    return {
+        "content": content,
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+    }
+
+
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
@@ -146,17 +158,7 @@ def write_tokenizer(tok: Tokenizer, out_dir: str | Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
     (out / CHAT_TEMPLATE_FILE).write_text(CHAT_TEMPLATE + "\n", encoding="utf-8")
-    added = {
-        str(i): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for i, t in enumerate(SPECIAL_TOKENS)
-    }
+    added = {str(i): added_token(t) for i, t in enumerate(SPECIAL_TOKENS)}
     _write_json(
         out / "tokenizer_config.json",
         {

@@ -40,6 +40,7 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 
 from kakeya.checkpoints.config import load_target_config
+from kakeya.checkpoints.tokenizer import added_token
 
 TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -117,14 +118,7 @@ def _grow(target: Path, draft_dirs: tuple[Path, ...]) -> None:
     (target / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
     tcfg = _read(target / "tokenizer_config.json")
     for t in TURN_TOKENS:
-        tcfg.setdefault("added_tokens_decoder", {})[str(ids[t])] = {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
+        tcfg.setdefault("added_tokens_decoder", {})[str(ids[t])] = added_token(t)
     tcfg["additional_special_tokens"] = list(TURN_TOKENS)
     _write(target / "tokenizer_config.json", tcfg)
     smap_file = target / "special_tokens_map.json"

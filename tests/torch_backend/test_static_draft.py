@@ -193,8 +193,9 @@ def test_the_device_mask_through_the_tables_is_block_mask(keep, is_causal):
     """The step's device-built mask over a block's table (ring slots or full pages, then the block's
     lanes) shows exactly the keys ``context.block_mask`` -- the host rule MLX uses -- shows a block
     of the same context: through ring wraps, with padded lanes never keys."""
+    from kakeya.backends.torch.graphs import unpack
     from kakeya.drafter.context import ContextLayout, block_mask
-    from kakeya.drafter.torch_backend.batch_step import Batch, PooledAttention, unpack
+    from kakeya.drafter.torch_backend.batch_step import Batch, PooledAttention
 
     kind = "sliding_attention" if keep else "full_attention"
     model = _model(0, (kind,), None if keep is None else keep + 1, causal=is_causal)
@@ -206,7 +207,7 @@ def test_the_device_mask_through_the_tables_is_block_mask(keep, is_causal):
         C = cache.length + n
         batch = Batch(model.pool, [(cache, _aux(n, 0))], [(cache, [1] * B)], static=n <= 16)
         assert batch.shape.block >= B
-        f = unpack(torch.from_numpy(batch.packed), batch.shape, model.pool.page)
+        f = unpack(torch.from_numpy(batch.packed), batch.shape.fields(model.pool.page))
         _, _, kpos, _, mask = PooledAttention(model.pool, batch.shape, f)._group("ring" if keep else "full", spec)
         view = layout.block(B)
         want = block_mask(view, B, is_causal=is_causal, window=spec.window)

@@ -43,6 +43,15 @@ def bucket_for(n: int, buckets: Sequence[int] | None, limit: int) -> int:
     return n
 
 
+def unpack(packed: torch.Tensor, fields: Sequence[tuple[str, int]]) -> dict[str, torch.Tensor]:
+    """A batched step's one packed input (one host-to-device copy a step) cut back into its named fields."""
+    out, at = {}, 0
+    for name, size in fields:
+        out[name] = packed[at : at + size]
+        at += size
+    return out
+
+
 @dataclass(frozen=True)
 class GraphOptions:
     """How the static steps of a model run.

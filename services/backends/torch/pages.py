@@ -89,6 +89,17 @@ class PagePool:
     def used_pages(self) -> int:
         return self.pages - 1 - len(self.free)
 
+    def stats(self) -> dict:
+        """Its pages: held by sessions, free, their bytes, and how often it grew (what a server exports)."""
+        return {
+            "pages": self.pages - 1,
+            "used_pages": self.used_pages,
+            "free_pages": len(self.free),
+            "page_rows": self.page,
+            "bytes": (self.pages - 1) * self.page * self.row_bytes,
+            "growths": self.growths,
+        }
+
     def take(self, n: int) -> list[int]:
         """``n`` pages (grown by whole chunks when too few are free)."""
         with self.lock:

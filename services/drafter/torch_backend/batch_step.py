@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kakeya.backends.torch.graphs import BUCKETS, GraphedStep, StepGraphs, bucket_for
+from kakeya.backends.torch.graphs import BUCKETS, GraphedStep, StepGraphs, bucket_for, unpack
 from kakeya.backends.torch.ops import rope_from_positions, sdpa, sdpa_backends
 from kakeya.core.contract import SLIDING
 from kakeya.core.request import MAX_BLOCK_SIZE
@@ -178,14 +178,6 @@ class Batch:
         f["ring_pages"], f["full_pages"] = ring_pages.reshape(-1), full_pages.reshape(-1)
 
 
-def unpack(packed: torch.Tensor, shape: Shape, page: int) -> dict[str, torch.Tensor]:
-    out, at = {}, 0
-    for name, size in shape.fields(page):
-        out[name] = packed[at : at + size]
-        at += size
-    return out
-
-
 class PooledAttention:
     """Per layer: every block row's K/V into its scratch row, then one attention call over every block,
     its context read through the tables: the Triton decode-attention kernel (``kernel``: it reads the
@@ -274,7 +266,7 @@ def draft_step(model, shape: Shape, packed: torch.Tensor, aux: torch.Tensor | No
     """Device work of one step: ``(greedy tokens [drafts], logits [drafts, vocab])`` (None, None for an
     extension alone); reads ``packed``, ``aux`` and the pools, writes only the pools."""
     pool = model.pool
-    f = unpack(packed, shape, pool.page)
+    f = unpack(packed, shape.fields(pool.page))
     if shape.ext:
         cos, sin = rope_from_positions(model.inv_freq, f["ext_pos"], model.dtype, model.rope_scale)
         for i, (k, v) in enumerate(model.layers_kv(model.context_rows(aux), cos, sin)):

@@ -72,18 +72,8 @@ class DraftPool:
             yield
 
     def stats(self) -> dict:
-        """Pages per pool: held by sessions, free, and how often each grew."""
-        out = {}
-        for name, p in (("sliding", self.sliding), ("full", self.full)):
-            if p is not None:
-                out[name] = {
-                    "pages": p.pages - 1,
-                    "used_pages": p.used_pages,
-                    "free_pages": len(p.free),
-                    "page_rows": p.page,
-                    "growths": p.growths,
-                }
-        return out
+        """Pages per pool (``PagePool.stats``)."""
+        return {name: p.stats() for name, p in (("sliding", self.sliding), ("full", self.full)) if p is not None}
 
 
 def _release(pool: DraftPool, ring: list, full: list) -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kakeya.backends.torch.graphs import GraphedStep, StepGraphs, bucket_for
+from kakeya.backends.torch.graphs import GraphedStep, StepGraphs, bucket_for, unpack
 from kakeya.core.contract import FULL, SLIDING
 from kakeya.core.request import MAX_BLOCK_SIZE
 from kakeya.verifier.backend import Forward, Segment
@@ -202,14 +202,6 @@ def _first_row(pages: Sequence[int], n: int, page: int) -> int | None:
     return pages[0] * page
 
 
-def unpack(packed: torch.Tensor, shape: Shape, page: int) -> dict[str, torch.Tensor]:
-    out, at = {}, 0
-    for name, size in shape.fields(page):
-        out[name] = packed[at : at + size]
-        at += size
-    return out
-
-
 class PooledAttention:
     """The ``Attend`` of a batched step (``gemma4.Gemma4Text.forward``): per layer, every row's K/V into
     its pool row, then one attention call over every session's rows through the tables."""
@@ -304,7 +296,7 @@ class PooledAttention:
 def batch_step(target, shape: Shape, packed: torch.Tensor, spans: dict[str, int] | None = None):
     """Device work of one step: ``(choices [rows] or None, aux [rows, A] or None, hidden [1, rows, H],
     logits [rows, vocab] or None, saved)``; reads only ``packed`` and the pools, writes only the pools."""
-    f = unpack(packed, shape, target.pool.page)
+    f = unpack(packed, shape.fields(target.pool.page))
     model = target.model
     hidden, saved = model(
         f["ids"].view(1, -1), f["pos"], PooledAttention(target, shape, f, target.pool.page, spans), shape.aux

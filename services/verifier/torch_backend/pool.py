@@ -115,19 +115,9 @@ class KVPool:
                 p.lock.release()
 
     def stats(self) -> dict:
-        """Pages per pool: held by sessions, free, and how often each grew (what a server exports)."""
-        out = {}
-        for name, p in [("sliding", self.sliding)] + [(f"full{k or ''}", p) for k, p in self.fulls.items()]:
-            if p is not None:
-                out[name] = {
-                    "pages": p.pages - 1,
-                    "used_pages": p.used_pages,
-                    "free_pages": len(p.free),
-                    "page_rows": p.page,
-                    "bytes": (p.pages - 1) * p.page * p.row_bytes,
-                    "growths": p.growths,
-                }
-        return out
+        """Pages per pool (``PagePool.stats``), what a server exports."""
+        pools = [("sliding", self.sliding)] + [(f"full{k or ''}", p) for k, p in self.fulls.items()]
+        return {name: p.stats() for name, p in pools if p is not None}
 
 
 def _release(pools_pages: list) -> None:
@@ -252,16 +242,20 @@ def _rows(pages: Sequence[int], page: int) -> np.ndarray:
     return (np.asarray(pages, dtype=np.int64)[:, None] * page + np.arange(page)).reshape(-1)
 
 
-class PooledRing:
-    """One sliding layer of a session, as its dynamic forward sees it (``SegmentAttention``): the ring's
-    slots are rows of the sliding pool; ``plan.in_place``: write first, then read ``slots[:used]``,
-    else read ``slots[:used]`` ++ the new rows, then write (what ``caches.RingKV`` does)."""
+class _PooledLayer:
+    """One layer of a session whose K/V live in the pools: it holds no arrays of its own."""
 
     def __init__(self, caches: PooledCaches, i: int):
         self.caches, self.i = caches, i
 
     def arrays(self) -> list:
         return []
+
+
+class PooledRing(_PooledLayer):
+    """One sliding layer of a session, as its dynamic forward sees it (``SegmentAttention``): the ring's
+    slots are rows of the sliding pool; ``plan.in_place``: write first, then read ``slots[:used]``,
+    else read ``slots[:used]`` ++ the new rows, then write (what ``caches.RingKV`` does)."""
 
     def fetch(self, keys: torch.Tensor, values: torch.Tensor, plan: ForwardPlan):
         c, i = self.caches, self.i
@@ -276,15 +270,9 @@ class PooledRing:
         return k, v
 
 
-class PooledFull:
+class PooledFull(_PooledLayer):
     """One full-attention layer of a session, as its dynamic forward sees it: positions ``start ..``
     written into its pages, positions ``0 .. end`` read back."""
-
-    def __init__(self, caches: PooledCaches, i: int):
-        self.caches, self.i = caches, i
-
-    def arrays(self) -> list:
-        return []
 
     def fetch(self, keys: torch.Tensor, values: torch.Tensor, plan: ForwardPlan):
         c, i = self.caches, self.i
