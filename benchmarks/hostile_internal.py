@@ -49,7 +49,7 @@ import grpc
 
 from benchmarks.load import TEXT_PROMPTS, TINY_PROMPTS, percentile, stream
 from benchmarks.load import cpu_seconds as process_cpu_seconds
-from kakeya.runtime.auth import new_token, with_bearer
+from kakeya.runtime.security.auth import new_token, with_bearer
 from kakeya.wire.kakeya.v1 import drafter_pb2, drafter_pb2_grpc, generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 

@@ -11,7 +11,7 @@ from kakeya.core.contract import MAX_PREDRAFT_ALTERNATIVES
 from kakeya.runtime.bounds import HttpTimeouts
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
 from kakeya.runtime.lifecycle import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S
-from kakeya.runtime.tls import ClientTLS, ServerTLS, add_client_args, add_server_args
+from kakeya.runtime.security.tls import ClientTLS, ServerTLS, add_client_args, add_server_args
 
 
 def add_common(p) -> None:
@@ -273,14 +273,14 @@ def client_tls(args) -> ClientTLS:
 
 def auth_token(args) -> str | None:
     """The token callers must present (``--auth-token-file``), or None."""
-    from kakeya.runtime.auth import read_token
+    from kakeya.runtime.security.auth import read_token
 
     return read_token(args.auth_token_file) if args.auth_token_file else None
 
 
 def backend_token(args) -> str | None:
     """The token a split orchestrator sends its verifier and drafter (``--backend-token-file``), or None."""
-    from kakeya.runtime.auth import read_token
+    from kakeya.runtime.security.auth import read_token
 
     return read_token(args.backend_token_file, "--backend-token-file") if args.backend_token_file else None
 
@@ -290,7 +290,7 @@ def internal_auth(args, service: str) -> tuple[ServerTLS, str | None]:
     with neither mutual TLS nor a token and no ``--insecure`` (``auth.check_exposure``)."""
     import sys
 
-    from kakeya.runtime.auth import check_exposure
+    from kakeya.runtime.security.auth import check_exposure
 
     tls, token = server_tls(args), auth_token(args)
     warning = check_exposure(
@@ -342,8 +342,8 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
 
 def client_channel(args):
     """The client's channel to ``args.addr`` (TLS with --tls-ca); a bearer token (--auth-token-file) rides on every call."""
-    from kakeya.runtime.auth import with_bearer
-    from kakeya.runtime.tls import channel
+    from kakeya.runtime.security.auth import with_bearer
+    from kakeya.runtime.security.tls import channel
     from kakeya.wire.limits import channel_options
 
     return with_bearer(channel(args.addr, client_tls(args), channel_options()), auth_token(args))

@@ -276,7 +276,7 @@ def split_engine(
 ):
     """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them.
 
-    ``tls``: a ``kakeya.runtime.tls.ClientTLS`` for both; ``token``: the bearer token both require;
+    ``tls``: a ``kakeya.runtime.security.tls.ClientTLS`` for both; ``token``: the bearer token both require;
     ``backend_timeout_s``: the step deadlines' floor; ``predraft``: greedy runs pre-draft the next
     block while the verifier verifies (``Engine.predraft``, with ``predraft_alternatives``); ``ngram``: blocks whose context repeats are
     drafted by copy (``Engine.ngram``).

@@ -48,9 +48,9 @@ from kakeya.runtime.admission import (  # noqa: F401  (re-exported: the servers 
     SessionRegistry,
     Watched,
 )
-from kakeya.runtime.auth import peer_of
 from kakeya.runtime.compute import ComputeThread  # noqa: F401  (re-exported: servers build theirs from here)
 from kakeya.runtime.metrics import RpcInterceptor
+from kakeya.runtime.security.auth import peer_of
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.limits import server_options
 
@@ -221,7 +221,7 @@ class ServerSpec:
     max_receive_bytes: int | None = None  # None: the shared ceiling (services/wire/limits.py)
     health_watch: Callable[[], bool] | None = None  # polled while serving: False = NOT_SERVING
     health_interval_s: float = 1.0
-    tls: Any = None  # kakeya.runtime.tls.ServerTLS; None/disabled: plaintext
+    tls: Any = None  # kakeya.runtime.security.tls.ServerTLS; None/disabled: plaintext
     metrics: Any = None  # kakeya.runtime.metrics.ServerMetrics: errors counted, /metrics served with --metrics-port
     # An HTTP front beside the gRPC server (the orchestrator's OpenAI API, orchestrator/fronts/http_server.py):
     # start(host, tls, grace_s) -> port, drain(), join(timeout); None: gRPC only.

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kakeya.runtime.auth import peer_of
 from kakeya.runtime.lifecycle import RequestError, bounded, invalid, precondition
+from kakeya.runtime.security.auth import peer_of
 
 
 @dataclass

@@ -29,9 +29,9 @@ from kakeya.runtime.admission import (
     SessionRegistry,
 )
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH, ComputeThread
-from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import ServerSpec, invalid, precondition, session_stream, workers_for
 from kakeya.runtime.metrics import ServerMetrics
+from kakeya.runtime.security.guard import add_servicer
 
 INLINE_STEPS = ("auto", "on", "off")  # --inline-steps (see SessionServicer._inline_if_safe)
 MIN_PROGRESS_S = 0.01  # the most often a stream hears Progress, whatever its client asks

@@ -224,7 +224,7 @@ def _mounted_secret(docs, role: str, path: str) -> dict:
 def test_model_servers_admit_only_their_orchestrators(overlay):
     """Verifier and drafter listen on 0.0.0.0, so they must authenticate callers (they refuse to start
     otherwise): the token the orchestrators send, from a Secret no pod starts without."""
-    from kakeya.runtime.auth import check_exposure
+    from kakeya.runtime.security.auth import check_exposure
 
     docs = render(overlay)
     orch = build_parser().parse_args(argv(docs, "orchestrator")[1:])

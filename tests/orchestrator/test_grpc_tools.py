@@ -20,7 +20,7 @@ from kakeya.app.main import main
 from kakeya.orchestrator.assembly import build_local_engine
 from kakeya.orchestrator.fronts.grpc_server import GenerationServicer
 from kakeya.orchestrator.fronts.http_server import HttpFront
-from kakeya.runtime.guard import add_servicer
+from kakeya.runtime.security.guard import add_servicer
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 from kakeya.wire.kakeya.v1 import sampling_pb2 as spb

@@ -25,8 +25,8 @@ from kakeya.orchestrator.fronts import http_params
 from kakeya.orchestrator.fronts.grpc_server import GenerationServicer
 from kakeya.orchestrator.fronts.http_params import HARMLESS, HONOURED, REFUSED
 from kakeya.orchestrator.fronts.http_server import HttpFront
-from kakeya.runtime.auth import authorized, bearer_ok
 from kakeya.runtime.bounds import HttpTimeouts
+from kakeya.runtime.security.auth import authorized, bearer_ok
 
 from ..fuzz_shapes import (
     CHOICES,

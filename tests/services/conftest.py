@@ -157,7 +157,7 @@ def server_factory(tmp_path_factory):
 
 def channel(addr: str, token: str | None = None) -> grpc.Channel:
     """A plaintext channel; ``token``: sent as ``authorization: Bearer`` on every call."""
-    from kakeya.runtime.auth import with_bearer
+    from kakeya.runtime.security.auth import with_bearer
 
     return with_bearer(grpc.insecure_channel(addr, options=channel_options()), token)
 

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kakeya.runtime.auth import bearer_ok, check_exposure, is_loopback, peer_of
+from kakeya.runtime.security.auth import bearer_ok, check_exposure, is_loopback, peer_of
 
 from .conftest import ROOT, TINY_MLX, assert_unauthenticated, channel, generate, internal_rpcs, request, start_all
 

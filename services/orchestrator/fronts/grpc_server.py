@@ -27,8 +27,8 @@ from kakeya.core.request import CachePolicy, InvalidRequest
 from kakeya.orchestrator.fronts import grpc_api
 from kakeya.orchestrator.fronts.service import GenerationService
 from kakeya.orchestrator.tools import choice as tool_choice
-from kakeya.runtime.guard import add_servicer
 from kakeya.runtime.lifecycle import RequestError, ServerSpec, bounded, version, workers_for
+from kakeya.runtime.security.guard import add_servicer
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 from kakeya.wire.kakeya.v1 import generate_pb2_grpc

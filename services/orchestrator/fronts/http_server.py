@@ -42,9 +42,9 @@ from kakeya.core.generation import Block
 from kakeya.core.request import InvalidRequest
 from kakeya.orchestrator.fronts import http_api
 from kakeya.orchestrator.fronts.http_api import ApiError
-from kakeya.runtime.auth import bearer_ok
 from kakeya.runtime.bounds import HttpTimeouts
 from kakeya.runtime.lifecycle import RequestError
+from kakeya.runtime.security.auth import bearer_ok
 from kakeya.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
 
 log = logging.getLogger("kakeya.http")

@@ -33,10 +33,10 @@ from kakeya.orchestrator.decode.engine import Engine, RunOptions
 from kakeya.orchestrator.fronts.errors import fallback_reason, public_status
 from kakeya.runtime import bounds, logs
 from kakeya.runtime.admission import DEFAULT_MAX_SESSIONS
-from kakeya.runtime.auth import peer_of
 from kakeya.runtime.compute import ComputeThread
 from kakeya.runtime.lifecycle import RequestError
 from kakeya.runtime.metrics import NO_OBSERVER, ServerMetrics
+from kakeya.runtime.security.auth import peer_of
 
 log = logging.getLogger("kakeya.orchestrator")
 

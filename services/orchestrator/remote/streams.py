@@ -40,10 +40,10 @@ BALANCE_OPTIONS = [
 
 
 def backend_channel(addr: str, tls=None, token: str | None = None) -> grpc.Channel:
-    """A channel to a verifier or drafter; ``tls``: a ``kakeya.runtime.tls.ClientTLS`` (None: plaintext);
+    """A channel to a verifier or drafter; ``tls``: a ``kakeya.runtime.security.tls.ClientTLS`` (None: plaintext);
     ``token``: the bearer token the backend requires (``--backend-token-file``), sent on every call."""
-    from kakeya.runtime.auth import with_bearer
-    from kakeya.runtime.tls import channel
+    from kakeya.runtime.security.auth import with_bearer
+    from kakeya.runtime.security.tls import channel
 
     return with_bearer(channel(addr, tls, channel_options() + RECONNECT_OPTIONS + BALANCE_OPTIONS), token)
 

@@ -6,7 +6,7 @@
   clients; a verifier or drafter takes one to admit only its orchestrators,
   which send it with ``--backend-token-file`` (:func:`with_bearer`).
   ``kakeya serve all`` makes a fresh one per run (:func:`new_token`).
-- Mutual TLS (``runtime/tls.py``, ``--tls-client-ca``) is the other way to
+- Mutual TLS (``runtime/security/tls.py``, ``--tls-client-ca``) is the other way to
   authenticate a caller; both may be on.
 - A verifier or drafter listening beyond loopback with neither refuses to
   start unless told ``--insecure`` (:func:`check_exposure`): anyone who reaches

@@ -10,7 +10,7 @@ there (``session_stream`` turns it into the status).
 
 With a bearer token configured (``--auth-token-file``), every method of the
 service requires ``authorization: Bearer <token>`` metadata, else
-``UNAUTHENTICATED`` (``runtime/auth.py``), checked before the request is
+``UNAUTHENTICATED`` (``runtime/security/auth.py``), checked before the request is
 decoded. Health checking and reflection are registered elsewhere and stay
 open, so probes need no secret.
 """
@@ -21,8 +21,8 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 
-from kakeya.runtime.auth import authorized
 from kakeya.runtime.lifecycle import RequestError
+from kakeya.runtime.security.auth import authorized
 
 
 def _decode(cls, raw: bytes, what: str):
