@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.batch import draft_batch
 from kakeya.verifier.batch import verify_batch
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 
 
 def build(shape: str, device: str, dtype: str):
@@ -102,7 +102,7 @@ def measure(target, drafter, n: int, block: int, ctx: int, reps: int, device: st
     rng = np.random.default_rng(seed + n)
     vocab = target.args.vocab_size
     aux_layers = drafter.target_layer_ids
-    vs = [VerifierSession(target, aux_layers, CachePolicy(slack=16)) for _ in range(n)]
+    vs = [LocalVerifierSession(target, aux_layers, CachePolicy(slack=16)) for _ in range(n)]
     ds = [drafter.open_session() for _ in range(n)]
     blocks = []
     for v, d in zip(vs, ds):

@@ -59,7 +59,7 @@ from kakeya.core.request import CachePolicy
 from kakeya.drafter.backend import bind
 from kakeya.drafter.local import TorchDrafter
 from kakeya.drafter.torch_backend.model import DFlashConfig, DFlashDraftModel, TargetHead
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args
 from kakeya.verifier.torch_backend.target import TargetTorch
 
@@ -178,7 +178,7 @@ def measure(
     aux_layers = drafter.target_layer_ids
     prompt = [2] + [int(t) for t in rng.integers(5, vocab, ctx - 1)]
 
-    session = VerifierSession(target, aux_layers, CachePolicy(slack=MAX_L))
+    session = LocalVerifierSession(target, aux_layers, CachePolicy(slack=MAX_L))
     t0 = time.perf_counter()
     first, aux = session.prefill(prompt)
     sync(device)
@@ -352,7 +352,7 @@ def agreement(target: TargetTorch, drafter: TorchDrafter, n: int, block_size: in
     aux = drafter.target_layer_ids
 
     def decode(L):
-        vs = VerifierSession(target, aux, CachePolicy(slack=MAX_L))
+        vs = LocalVerifierSession(target, aux, CachePolicy(slack=MAX_L))
         return run(vs, drafter.open_session(), prompt, n, L).token_ids
 
     ar, spec = decode(1), decode(block_size)

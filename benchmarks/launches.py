@@ -38,7 +38,7 @@ from benchmarks.gemma4_26b import DRAFT_26B, layer_types_of
 from benchmarks.gpu_projection import SMALL, draft_config, random_drafter
 from kakeya.backends.torch.graphs import BUCKETS, GraphedStep, GraphOptions
 from kakeya.core.request import CachePolicy
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args
 from kakeya.verifier.torch_backend.target import TargetTorch
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     aux_layers = drafter.target_layer_ids
     result = {}
     with torch.inference_mode():
-        session = VerifierSession(target, aux_layers, CachePolicy(slack=16))
+        session = LocalVerifierSession(target, aux_layers, CachePolicy(slack=16))
         first, aux = session.prefill([2] + list(range(5, 5 + args.ctx - 1)))
         dsession = drafter.open_session()
         dsession.draft(aux, first, 2)

@@ -10,7 +10,7 @@ from kakeya.core.request import CachePolicy
 from kakeya.drafter.local import MLXDrafter
 from kakeya.orchestrator.decode.loop import run
 from kakeya.verifier.mlx_backend.reference import greedy_reference
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 
 from .planted import PlantedDrafterSession
 
@@ -37,7 +37,7 @@ def test_window_is_small_enough_to_wrap(mlx_target):
 
 @pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16])
 def test_random_drafter_matches_greedy_ar(mlx_target, aux_layers, drafter, reference, block_size):
-    session = VerifierSession(mlx_target, aux_layers, CachePolicy())
+    session = LocalVerifierSession(mlx_target, aux_layers, CachePolicy())
     gen = run(session, drafter.open_session(), PROMPT, N, block_size)
     assert gen.token_ids == reference
     if block_size > 1:
@@ -47,7 +47,7 @@ def test_random_drafter_matches_greedy_ar(mlx_target, aux_layers, drafter, refer
 
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_planted_error_drafter_matches_greedy_ar(mlx_target, aux_layers, reference, block_size):
-    session = VerifierSession(mlx_target, aux_layers, CachePolicy())
+    session = LocalVerifierSession(mlx_target, aux_layers, CachePolicy())
     planted = PlantedDrafterSession(reference, len(PROMPT), mlx_target.args.vocab_size, seed=block_size)
     gen = run(session, planted, PROMPT, N, block_size)
     assert gen.token_ids == reference
@@ -60,15 +60,15 @@ def test_planted_error_drafter_matches_greedy_ar(mlx_target, aux_layers, referen
 
 def test_prompt_longer_than_the_window(mlx_target, aux_layers, drafter):
     ref, _, _ = greedy_reference(mlx_target.model, LONG_PROMPT, 150)
-    gen = run(VerifierSession(mlx_target, aux_layers, CachePolicy()), drafter.open_session(), LONG_PROMPT, 150, 8)
+    gen = run(LocalVerifierSession(mlx_target, aux_layers, CachePolicy()), drafter.open_session(), LONG_PROMPT, 150, 8)
     assert gen.token_ids == ref
 
 
 def test_sliding_memory_is_bounded_and_full_layers_grow(mlx_target, aux_layers, drafter):
-    session = VerifierSession(mlx_target, aux_layers, CachePolicy())
+    session = LocalVerifierSession(mlx_target, aux_layers, CachePolicy())
     run(session, drafter.open_session(), PROMPT, 100, 8)
     short = session.stats().kv_bytes.as_dict()
-    session = VerifierSession(mlx_target, aux_layers, CachePolicy())
+    session = LocalVerifierSession(mlx_target, aux_layers, CachePolicy())
     run(session, drafter.open_session(), PROMPT, N, 8)
     long = session.stats().kv_bytes.as_dict()
     assert long["sliding"] == short["sliding"]
@@ -84,7 +84,7 @@ def test_stop_token_inside_a_block(mlx_target, aux_layers, reference):
     stop_at = 57
     stop_tok = reference[stop_at]
     first = reference.index(stop_tok)
-    session = VerifierSession(mlx_target, aux_layers, CachePolicy())
+    session = LocalVerifierSession(mlx_target, aux_layers, CachePolicy())
     planted = PlantedDrafterSession(reference, len(PROMPT), mlx_target.args.vocab_size, seed=1)
     gen = run(session, planted, PROMPT, N, 8, stop_ids={stop_tok})
     assert gen.token_ids == reference[: first + 1] and gen.finish_reason == "stop"

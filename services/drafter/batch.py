@@ -2,7 +2,7 @@
 
 ``draft_batch(items)`` is what the drafter server's compute thread runs when
 Draft requests of several streams queue up together: each item is checked
-exactly as ``DrafterSession.draft`` checks it (a bad item gets its own
+exactly as ``LocalDrafterSession.draft`` checks it (a bad item gets its own
 exception as its result; the others still run), then the sessions of each
 model run as ``session.draft_together``: ONE ``DraftModel.draft_step`` projects
 all new aux rows into the contexts and runs all blocks of size >= 2 through one
@@ -28,14 +28,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from kakeya.core.contract import Draft, Predrafts
-from kakeya.drafter.session import DrafterSession, draft_together, predrafts
+from kakeya.drafter.session import LocalDrafterSession, draft_together, predrafts
 
 
 def draft_batch(
-    items: Sequence[tuple[DrafterSession, Any, int, int] | tuple[DrafterSession, Any, int, int, tuple, int]],
+    items: Sequence[tuple[LocalDrafterSession, Any, int, int] | tuple[LocalDrafterSession, Any, int, int, tuple, int]],
 ) -> list[Draft | Predrafts | Exception]:
     """``items``: (session, new_aux, last_token, block_size) each, and two more elements for a pre-draft:
-    the candidates still being verified and the alternatives asked for (``DrafterSession.predraft``).
+    the candidates still being verified and the alternatives asked for (``LocalDrafterSession.predraft``).
     One result per item, in order: its ``Draft`` (a pre-draft's ``Predrafts``), or the exception it
     raised (to be raised to that item's caller alone)."""
     results: list[Any] = [None] * len(items)

@@ -17,7 +17,7 @@ from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import SamplingParams
 from kakeya.drafter.backend import DraftModel, bind
 from kakeya.drafter.batch import draft_batch
-from kakeya.drafter.session import PREDRAFT_BLOCKS, WARM_BLOCK_SIZES, DrafterSession, check_predraft_blocks
+from kakeya.drafter.session import PREDRAFT_BLOCKS, WARM_BLOCK_SIZES, LocalDrafterSession, check_predraft_blocks
 
 
 class LocalDrafter:
@@ -38,15 +38,15 @@ class LocalDrafter:
 
     def open_session(
         self, sampling: SamplingParams | None = None, options: SessionOptions | None = None
-    ) -> DrafterSession:
+    ) -> LocalDrafterSession:
         ranked = options.ranked if options is not None else 0
-        return DrafterSession(self.model, sampling, self.prefixes, self.predraft_blocks, ranked)
+        return LocalDrafterSession(self.model, sampling, self.prefixes, self.predraft_blocks, ranked)
 
     def status(self) -> dict[str, str]:
         return {}  # in this process: no connection to lose
 
     @staticmethod
-    def draft_batch(items: Sequence[tuple[DrafterSession, Any, int, int]]) -> list[Draft | Exception]:
+    def draft_batch(items: Sequence[tuple[LocalDrafterSession, Any, int, int]]) -> list[Draft | Exception]:
         return draft_batch(items)
 
     def warm_up(self, block_sizes: Iterable[int] = WARM_BLOCK_SIZES, ctx: int = 64, aux=None) -> float:

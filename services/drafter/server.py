@@ -10,7 +10,7 @@ aux of the newly committed positions (a ``Tensor`` decoded by
 ``services/wire/codec.py``) and the token opening the block; the response
 carries ``B - 1`` candidate ids (and, in a sampling session, the compact
 proposal each was drawn from). A ``Predraft`` drafts the block after one the
-verifier is still verifying (``DrafterSession.predraft``); it queues and
+verifier is still verifying (``LocalDrafterSession.predraft``); it queues and
 batches with other streams' drafts like a Draft. After its first Draft (on its stream), a session's
 Drafts may come in a ``DraftRound`` call with other sessions' (``runtime/rounds.py``), each item checked
 and answered as its stream's Draft. The drafter loads only the target's embedding

@@ -75,7 +75,7 @@ class DraftCall(NamedTuple):
     candidates; without, ``pending`` ends with the verifier's next token it assumes, and the call
     drafts the ``block_size - 1`` candidates after it."""
 
-    session: DrafterSession
+    session: LocalDrafterSession
     aux: Any
     last_token: int
     block_size: int
@@ -98,7 +98,7 @@ class DraftCall(NamedTuple):
         return len(self.pending) - 1, self.pending[-1]
 
 
-class DrafterSession:
+class LocalDrafterSession:
     """``prefixes``: the drafter's prefix cache (None: none): :meth:`cached_prefixes` and :meth:`resume`
     read it, :meth:`save` fills it. ``ranked``: the likeliest ids of each candidate's row every draft
     returns (``Draft.ranked``; greedy sessions; 0: none)."""

@@ -1,8 +1,8 @@
 """Verify several sessions' blocks in one forward: the verifier server's batch runner.
 
-``decide_batch(items)`` is :meth:`VerifierSession.decide` for many sessions at
+``decide_batch(items)`` is :meth:`LocalVerifierSession.decide` for many sessions at
 once (what the verifier server runs for the steps that queued up together), and
-``verify_batch(items)`` its first half, :meth:`VerifierSession.verify`; each item
+``verify_batch(items)`` its first half, :meth:`LocalVerifierSession.verify`; each item
 of that is ``(session, block_ids, proposal)`` and gets back exactly what its own
 ``verify`` would have returned or raised:
 
@@ -38,9 +38,9 @@ from typing import Any
 
 from kakeya.core.contract import Draft, Verdict
 from kakeya.verifier.backend import greedy_batch
-from kakeya.verifier.session import VerifierSession, verdict
+from kakeya.verifier.session import LocalVerifierSession, verdict
 
-Item = tuple  # (VerifierSession, block_ids, Proposal | None)
+Item = tuple  # (LocalVerifierSession, block_ids, Proposal | None)
 
 
 @dataclass
@@ -111,8 +111,8 @@ def verify_batch(items: Sequence[Item]) -> list[Any]:
     return results
 
 
-def decide_batch(items: Sequence[tuple[VerifierSession, int, Draft]]) -> list[Verdict | Exception]:
-    """:meth:`VerifierSession.decide` for many sessions at once (each item ``(session, last_token, draft)``):
+def decide_batch(items: Sequence[tuple[LocalVerifierSession, int, Draft]]) -> list[Verdict | Exception]:
+    """:meth:`LocalVerifierSession.decide` for many sessions at once (each item ``(session, last_token, draft)``):
     one :func:`verify_batch`, then each verified block kept as the acceptance rule keeps it."""
     blocks = [[last, *draft.tokens] for _, last, draft in items]
     choices = verify_batch([(s, ids, d.proposal) for (s, _, d), ids in zip(items, blocks)])
@@ -125,7 +125,7 @@ def decide_batch(items: Sequence[tuple[VerifierSession, int, Draft]]) -> list[Ve
     return out
 
 
-def batchable(session: VerifierSession) -> bool:
+def batchable(session: LocalVerifierSession) -> bool:
     """Whether ``session`` may join a batched forward: f_theta restoration (MLX only) writes a latent
     ring from each forward's aux and attends over restored K/V, so such a session runs alone
     (correct, no batching gain); so does a cache set the backend's batched forward cannot take

@@ -17,7 +17,7 @@ from kakeya.core.request import CachePolicy, SamplingParams
 from kakeya.verifier import constrained
 from kakeya.verifier.backend import Target
 from kakeya.verifier.batch import decide_batch
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 
 
 class LocalVerifier:
@@ -56,10 +56,10 @@ class LocalVerifier:
         policy: CachePolicy | None = None,
         sampling: SamplingParams | None = None,
         options: SessionOptions | None = None,
-    ) -> VerifierSession:
+    ) -> LocalVerifierSession:
         grammar = None if options is None or options.constraint is None else self.open_grammar(options.constraint)
         logprobs = options.logprobs if options is not None else None
-        return VerifierSession(
+        return LocalVerifierSession(
             self.target,
             self.aux_layers,
             policy or self.policy,
@@ -78,7 +78,7 @@ class LocalVerifier:
         return True  # in this process: it answers whenever it is asked
 
     @staticmethod
-    def decide_batch(items: Sequence[tuple[VerifierSession, int, Draft]]) -> list[Verdict | Exception]:
+    def decide_batch(items: Sequence[tuple[LocalVerifierSession, int, Draft]]) -> list[Verdict | Exception]:
         return decide_batch(items)
 
 

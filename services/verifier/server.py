@@ -1,4 +1,4 @@
-"""The verifier's gRPC servicer: one Session stream == one :class:`VerifierSession`.
+"""The verifier's gRPC servicer: one Session stream == one :class:`LocalVerifierSession`.
 
 The stream IS the session: the KV cache is created at ``Open`` and freed when
 the stream ends, however it ends (``Close``, half-close, cancellation,
@@ -135,9 +135,9 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                 raise ValueError(f"--restore {name}={path}: {exc}") from None
 
     def _new_session(self, aux_layers, policy, sampling=None, logprobs=None, grammar=None):
-        from kakeya.verifier.session import VerifierSession
+        from kakeya.verifier.session import LocalVerifierSession
 
-        return VerifierSession(
+        return LocalVerifierSession(
             self.verifier.target, aux_layers, policy, sampling, self.prefixes, logprobs=logprobs, grammar=grammar
         )
 

@@ -8,13 +8,13 @@ trim only moves it back. Nothing is shared between sessions but the weights.
 Per block there is one host sync (the target's choices as ints); aux hidden
 states stay on the device and only the kept rows are handed on.
 
-A block is :meth:`VerifierSession.decide` (the contract's one step); its two
-halves, :meth:`~VerifierSession.verify` (the forward and the choices, the block
-left pending) and :meth:`~VerifierSession.commit` (keep a prefix, trim the rest),
+A block is :meth:`LocalVerifierSession.decide` (the contract's one step); its two
+halves, :meth:`~LocalVerifierSession.verify` (the forward and the choices, the block
+left pending) and :meth:`~LocalVerifierSession.commit` (keep a prefix, trim the rest),
 are what the backend tests drive. The batch runner (``batch.py``) shares one
-forward among sessions with :meth:`~VerifierSession.forward_plan`,
-:meth:`~VerifierSession.forward_done` and :meth:`~VerifierSession.choose`, the
-pieces :meth:`~VerifierSession.verify` is made of.
+forward among sessions with :meth:`~LocalVerifierSession.forward_plan`,
+:meth:`~LocalVerifierSession.forward_done` and :meth:`~LocalVerifierSession.choose`, the
+pieces :meth:`~LocalVerifierSession.verify` is made of.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def check_proposal(candidates: Sequence[int], proposal: Proposal | None, rule: s
             raise ValueError(f"proposal: candidate {i + 1} ({c}) is outside its proposal's support")
 
 
-class VerifierSession:
+class LocalVerifierSession:
     """``prefixes``: the verifier's prefix cache (None: none), which :meth:`resume` reads and :meth:`save` fills;
     ``logprobs``: k, each committed token's log-probability and top k (``TokenLogprobs``) from the rows of the
     forward that decided it (None: none, nothing kept for them). ``grammar``: a constrained request's grammar
@@ -415,7 +415,7 @@ def run_steps(steps: Generator):
             return done.value
 
 
-def verdict(session: VerifierSession, block_ids: Sequence[int], choices: Sequence[int]) -> Verdict:
+def verdict(session: LocalVerifierSession, block_ids: Sequence[int], choices: Sequence[int]) -> Verdict:
     """A verified block (its ``choices``, pending in ``session``) decided by THE acceptance rule
     (``core.contract.accept``): its accepted run kept, the rest trimmed exactly."""
     accepted, next_token = accept(block_ids[1:], choices)

@@ -44,7 +44,7 @@ def _ring(layout) -> RingState:
 
 
 def take(session) -> VerifierSnapshot:
-    """A copy of ``session``'s (a ``VerifierSession``) state at its offset (every forward applied, none pending)."""
+    """A copy of ``session``'s (a ``LocalVerifierSession``) state at its offset (every forward applied, none pending)."""
     positions = session.offset
     caches = session.target.copy_caches(session.cache, positions)
     nbytes = sum(a.nbytes for layer in caches for a in layer) + session.layout.positions.nbytes

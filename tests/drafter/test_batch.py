@@ -16,7 +16,7 @@ from kakeya.core.contract import Draft
 from kakeya.core.request import COUPLED, MAX_BLOCK_SIZE, REJECTION, SamplingParams
 from kakeya.drafter.backend import DraftModel
 from kakeya.drafter.batch import draft_batch
-from kakeya.drafter.session import DrafterSession
+from kakeya.drafter.session import LocalDrafterSession
 
 BACKENDS = ("torch", "mlx")
 KV_ATOL = 1e-4  # K/V written by a batched extension: a matmul over more rows rounds differently (~1e-6)
@@ -42,8 +42,8 @@ def _aux(backend: str, rows: np.ndarray):
     return torch.from_numpy(rows)
 
 
-def _session(model, i: int, sampling: SamplingParams | None = None) -> DrafterSession:
-    s = DrafterSession(model, sampling)
+def _session(model, i: int, sampling: SamplingParams | None = None) -> LocalDrafterSession:
+    s = LocalDrafterSession(model, sampling)
     s.cache = model.make_cache(step=4 if i % 2 == 0 else 256)  # step 4: buffers grow / compact often
     return s
 
@@ -54,7 +54,7 @@ def _np(a) -> np.ndarray:
     return np.asarray(a, np.float32)
 
 
-def _same_cache(a: DrafterSession, b: DrafterSession) -> None:
+def _same_cache(a: LocalDrafterSession, b: LocalDrafterSession) -> None:
     assert a.cache.length == b.cache.length
     assert a.cache.nbytes == b.cache.nbytes
     for i in range(a.model.config.num_hidden_layers):

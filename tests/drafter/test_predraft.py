@@ -1,4 +1,4 @@
-"""Pre-drafts that prepare for rejections (``DrafterSession.predraft`` with ``alternatives``).
+"""Pre-drafts that prepare for rejections (``LocalDrafterSession.predraft`` with ``alternatives``).
 
 Both backends, every drafter variant (the sliding one compacts its buffer on a
 small step): a pre-draft's blocks all run in ONE forward against one session's
@@ -15,13 +15,13 @@ import pytest
 
 from kakeya.drafter import session as drafter_session
 from kakeya.drafter.batch import draft_batch
-from kakeya.drafter.session import DraftCall, DrafterSession, draft_together
+from kakeya.drafter.session import DraftCall, LocalDrafterSession, draft_together
 
 from .test_batch import BACKENDS, _aux, _load
 
 
-def _session(model, step: int, predraft_blocks: int = drafter_session.PREDRAFT_BLOCKS) -> DrafterSession:
-    s = DrafterSession(model, predraft_blocks=predraft_blocks)
+def _session(model, step: int, predraft_blocks: int = drafter_session.PREDRAFT_BLOCKS) -> LocalDrafterSession:
+    s = LocalDrafterSession(model, predraft_blocks=predraft_blocks)
     s.cache = model.make_cache(step=step)
     return s
 

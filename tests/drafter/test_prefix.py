@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kakeya.core.prefix import PrefixCache
-from kakeya.drafter.session import DrafterSession
+from kakeya.drafter.session import LocalDrafterSession
 
 from .test_batch import _aux, _load, _np
 
@@ -34,7 +34,7 @@ def test_resumed_context_drafts_as_the_saved_one(pairs, backend, name):
     ids = list(range(10, 10 + 61))  # the tokens of the 61 positions saved
     cache = PrefixCache(1 << 26)
 
-    saver = DrafterSession(model, prefixes=cache)
+    saver = LocalDrafterSession(model, prefixes=cache)
     saver.cache = model.make_cache(step=4)  # grows (full) and compacts (sliding) along the way
     at = 0
     for n, B in [(20, 8), (3, 4), (5, 8), (1, 2), (7, 8)]:
@@ -48,7 +48,7 @@ def test_resumed_context_drafts_as_the_saved_one(pairs, backend, name):
     want = model.block_logits([(saver.cache, block)])
     saver.close()
 
-    resumed = DrafterSession(model, prefixes=cache)
+    resumed = LocalDrafterSession(model, prefixes=cache)
     prompt = ids + [ids[-1], 3, 3]
     assert resumed.cached_prefixes(prompt) == [61]
     resumed.resume(61)
@@ -66,15 +66,15 @@ def test_resumed_context_drafts_as_the_saved_one(pairs, backend, name):
 def test_resume_needs_what_cached_prefixes_held_and_a_save_needs_the_rows(pairs, backend):
     model = _load(backend, pairs["full"])
     cache = PrefixCache(1 << 26)
-    s = DrafterSession(model, prefixes=cache)
+    s = LocalDrafterSession(model, prefixes=cache)
     s.draft(_aux(backend, np.zeros((5, model.config.aux_width), np.float32)), 9, 4)
     assert not s.save(list(range(9)), [_aux(backend, np.zeros((2, model.config.aux_width), np.float32))])
     assert not s.save(list(range(3)), [])  # fewer ids than the context holds
     s.close()
-    fresh = DrafterSession(model, prefixes=cache)
+    fresh = LocalDrafterSession(model, prefixes=cache)
     assert fresh.cached_prefixes(list(range(20))) == []
     with pytest.raises(ValueError, match="resume"):
         fresh.resume(5)
     fresh.resume(0)  # nothing held: start cold
     assert fresh.cache.length == 0
-    assert not DrafterSession(model).save([1, 2], [])  # no cache: nothing kept
+    assert not LocalDrafterSession(model).save([1, 2], [])  # no cache: nothing kept

@@ -21,7 +21,7 @@ from kakeya.core.request import CachePolicy
 from kakeya.drafter.local import MLXDrafter
 from kakeya.orchestrator.decode.loop import Decode, DecodeOptions, alone, run
 from kakeya.verifier.memory import KVShape, policy_table
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 
 from ..planted import PlantedDrafterSession
 from .conftest import SINK, WINDOW
@@ -46,8 +46,8 @@ def test_restoration_changes_only_evicted_sliding_positions(monkeypatch, mlx_tar
     plain_policy = CachePolicy("sink-window", sink=SINK, window=WINDOW)
     prompt, block = PROMPT[:WINDOW], [7, 8, 9, 10, 11, 12, 13, 14]  # one prefill chunk in both sessions
     on, off = (
-        VerifierSession(mlx_target, aux_layers, restore_policy),
-        VerifierSession(mlx_target, aux_layers, plain_policy),
+        LocalVerifierSession(mlx_target, aux_layers, restore_policy),
+        LocalVerifierSession(mlx_target, aux_layers, plain_policy),
     )
     _, prompt_aux = on.prefill(prompt)
     off.prefill(prompt)
@@ -98,7 +98,7 @@ def test_logits_change_only_once_positions_are_evicted(monkeypatch, mlx_target, 
     logits = {}
     real = mlx_target.greedy
     for name, policy in (("on", restore_policy), ("off", CachePolicy("sink-window", sink=SINK, window=WINDOW))):
-        session, out = VerifierSession(mlx_target, aux_layers, policy), []
+        session, out = LocalVerifierSession(mlx_target, aux_layers, policy), []
         monkeypatch.setattr(
             mlx_target, "greedy", lambda h, out=out: out.append(np.array(mlx_target.logits(h)[0, -1])) or real(h)
         )
@@ -115,7 +115,7 @@ def test_logits_change_only_once_positions_are_evicted(monkeypatch, mlx_target, 
 
 @pytest.fixture(scope="module")
 def restore_ar(mlx_target, aux_layers, restore_policy):
-    return run(VerifierSession(mlx_target, aux_layers, restore_policy), None, PROMPT, 600, 1).token_ids
+    return run(LocalVerifierSession(mlx_target, aux_layers, restore_policy), None, PROMPT, 600, 1).token_ids
 
 
 def test_independent_reference_agrees(mlx_target, aux_layers, restore_policy, restore_ar):
@@ -123,7 +123,7 @@ def test_independent_reference_agrees(mlx_target, aux_layers, restore_policy, re
     ref = restore_greedy(mlx_target, restorer, PROMPT, 120, restore_policy, aux_layers)
     assert restore_ar[:120] == ref
     plain = run(
-        VerifierSession(mlx_target, aux_layers, CachePolicy("sink-window", sink=SINK, window=WINDOW)),
+        LocalVerifierSession(mlx_target, aux_layers, CachePolicy("sink-window", sink=SINK, window=WINDOW)),
         None,
         PROMPT,
         120,
@@ -141,7 +141,7 @@ def test_speculative_equals_ar_of_the_same_restore_policy(
         dsession = MLXDrafter(tiny_pair.draft, tiny_pair.target).open_session()
     else:
         dsession = PlantedDrafterSession(restore_ar, len(PROMPT), mlx_target.args.vocab_size, seed=5)
-    session = VerifierSession(mlx_target, aux_layers, restore_policy)
+    session = LocalVerifierSession(mlx_target, aux_layers, restore_policy)
     decoding, kv = Decode(session, dsession, PROMPT, DecodeOptions(n, block_size)), []
     for _ in alone(decoding):
         kv.append(session.stats().kv_bytes.as_dict())
@@ -174,16 +174,16 @@ def test_speculative_equals_ar_of_the_same_restore_policy(
 )
 def test_bad_restore_policies_are_refused(mlx_target, aux_layers, policy, fragment):
     with pytest.raises((ValueError, FileNotFoundError), match=fragment):
-        VerifierSession(mlx_target, aux_layers, policy)
+        LocalVerifierSession(mlx_target, aux_layers, policy)
 
 
 def test_restore_limits(mlx_target, aux_layers, ftheta_dir):
     policy = CachePolicy("sink-window", sink=2, window=8, restore=str(ftheta_dir))
-    session = VerifierSession(mlx_target, aux_layers, policy)
+    session = LocalVerifierSession(mlx_target, aux_layers, policy)
     session.prefill(PROMPT)  # 41 positions: prefilled in chunks of the window
     with pytest.raises(ValueError, match="at most the window"):
         session.verify(list(range(10, 19)))  # 9 > window 8: a restored position would be in this forward
     session.verify(list(range(10, 18)))
     session.commit(3)
     with pytest.raises(ValueError, match="do not capture|does not capture"):
-        VerifierSession(mlx_target, (1,), policy)
+        LocalVerifierSession(mlx_target, (1,), policy)

@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="the kernels need triton (Linux only; no ma
 from kakeya.checkpoints.tiny import make_tiny
 from kakeya.core.request import CachePolicy
 from kakeya.verifier.batch import verify_batch
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch
 
 AUX = (1, 4)
@@ -46,7 +46,7 @@ def test_kernel_attention_decodes_as_the_eager_step(targets, monkeypatch):
     twins = []
     for k in range(4):
         prompt = [2] + [5 + (11 * i + k) % 300 for i in range(6 + 13 * k)]
-        pair = [VerifierSession(t, AUX, POLICIES[k % len(POLICIES)]) for t in (kernel, eager)]
+        pair = [LocalVerifierSession(t, AUX, POLICIES[k % len(POLICIES)]) for t in (kernel, eager)]
         firsts = [s.prefill(prompt)[0] for s in pair]
         assert firsts[0] == firsts[1]
         twins.append((pair, firsts[0]))
@@ -84,7 +84,7 @@ def test_captured_batches_decode_as_the_eager_step(tmp_path):
     pairs, lasts = [], []
     for k in range(5):
         prompt = [2] + [5 + (11 * i + k) % 300 for i in range(6 + 13 * k)]
-        pair = [VerifierSession(t, AUX, POLICIES[k % 2]) for t in (graphed, eager)]
+        pair = [LocalVerifierSession(t, AUX, POLICIES[k % 2]) for t in (graphed, eager)]
         firsts = [s.prefill(prompt)[0] for s in pair]
         assert firsts[0] == firsts[1]
         pairs.append(pair)

@@ -11,7 +11,7 @@ import pytest
 
 from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import CachePolicy
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 
 PROMPT = [2] + [5 + (7 * i) % 900 for i in range(45)]
 POLICIES = {
@@ -43,7 +43,7 @@ def _arrays(target, snap) -> list[np.ndarray]:
 
 def _resumed_equals_cold(target, policy, aux, n_new=70):
     cache = PrefixCache(1 << 28)
-    first = VerifierSession(target, aux, policy, prefixes=cache)
+    first = LocalVerifierSession(target, aux, policy, prefixes=cache)
     tok, _ = first.prefill(PROMPT)
     gen = _decode(first, tok, 30)
     ids = PROMPT + gen[:-1]  # the last token was never run
@@ -53,9 +53,9 @@ def _resumed_equals_cold(target, policy, aux, n_new=70):
     before = _arrays(target, entry.value)
 
     longer = ids + [gen[-1], 17, 23, 5, 9]
-    resumed = VerifierSession(target, aux, policy, prefixes=cache)
+    resumed = LocalVerifierSession(target, aux, policy, prefixes=cache)
     tok_r, aux_r, cached = resumed.resume(longer)
-    cold = VerifierSession(target, aux, policy, prefixes=cache)
+    cold = LocalVerifierSession(target, aux, policy, prefixes=cache)
     tok_c, aux_c = cold.prefill(longer)
     assert cached == len(ids) and cold.cached_tokens == 0
     assert aux_r.shape[0] == len(longer) - len(ids) and aux_c.shape[0] == len(longer)
@@ -87,7 +87,7 @@ def test_mlx_f_theta_restoration_resumes_its_latent_ring(mlx_target, aux_layers,
 
 def test_a_snapshot_is_kept_only_within_the_slack_and_for_the_session_prompt(mlx_target, aux_layers):
     cache = PrefixCache(1 << 28)
-    s = VerifierSession(mlx_target, aux_layers, CachePolicy(slack=4), prefixes=cache)
+    s = LocalVerifierSession(mlx_target, aux_layers, CachePolicy(slack=4), prefixes=cache)
     tok, _ = s.prefill(PROMPT)
     gen = _decode(s, tok, 10)
     with pytest.raises(ValueError, match="prompt"):
@@ -95,7 +95,7 @@ def test_a_snapshot_is_kept_only_within_the_slack_and_for_the_session_prompt(mlx
     assert not s.save(PROMPT + gen[:-6])  # 5 positions back: beyond the slack of 4
     assert s.save(PROMPT + gen[:-4]) and len(cache) == 1
     s.close()
-    s = VerifierSession(mlx_target, aux_layers, CachePolicy(slack=4), prefixes=cache)
+    s = LocalVerifierSession(mlx_target, aux_layers, CachePolicy(slack=4), prefixes=cache)
     tok, _ = s.prefill(PROMPT)
     gen = _decode(s, tok, 3)
     s.verify([gen[-1], 1, 2, 3])
@@ -103,21 +103,23 @@ def test_a_snapshot_is_kept_only_within_the_slack_and_for_the_session_prompt(mlx
     assert not s.save(PROMPT + gen[:-2])
     assert s.save(PROMPT + gen[:-1])
     s.close()
-    assert not VerifierSession(mlx_target, aux_layers, CachePolicy(), prefixes=None).save([])  # no cache: nothing kept
+    assert not LocalVerifierSession(mlx_target, aux_layers, CachePolicy(), prefixes=None).save(
+        []
+    )  # no cache: nothing kept
 
 
 def test_a_resume_offers_only_what_it_may_take(mlx_target, aux_layers):
     cache = PrefixCache(1 << 28)
-    s = VerifierSession(mlx_target, aux_layers, CachePolicy(), prefixes=cache)
+    s = LocalVerifierSession(mlx_target, aux_layers, CachePolicy(), prefixes=cache)
     tok, _ = s.prefill(PROMPT)
     s.save(PROMPT)
     s.close()
     longer = PROMPT + [tok, 9]
     for reuse, want in ((None, len(PROMPT)), ([len(PROMPT)], len(PROMPT)), ([3], 0), ((), 0)):
-        r = VerifierSession(mlx_target, aux_layers, CachePolicy(), prefixes=cache)
+        r = LocalVerifierSession(mlx_target, aux_layers, CachePolicy(), prefixes=cache)
         assert r.resume(longer, reuse)[2] == want
         r.close()
-    other = VerifierSession(mlx_target, aux_layers, CachePolicy("sink-window", sink=4, window=16), prefixes=cache)
+    other = LocalVerifierSession(mlx_target, aux_layers, CachePolicy("sink-window", sink=4, window=16), prefixes=cache)
     assert other.resume(longer)[2] == 0  # another policy's snapshot is another state
     other.close()
     assert cache.stats()["hits"] == 2 and cache.stats()["misses"] == 3

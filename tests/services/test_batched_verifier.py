@@ -21,7 +21,7 @@ from kakeya.core.request import CachePolicy
 from kakeya.orchestrator.remote.verifier import GrpcVerifier
 from kakeya.runtime.servicer import SessionLimits
 from kakeya.verifier import server as verifier_server
-from kakeya.verifier.session import PREFILL_CHUNK, VerifierSession
+from kakeya.verifier.session import PREFILL_CHUNK, LocalVerifierSession
 from kakeya.wire.kakeya.v1 import verifier_pb2_grpc
 
 from .conftest import in_process_torch_verifier, wait_until
@@ -122,7 +122,7 @@ def test_a_long_prefill_lets_another_streams_verify_run_between_its_chunks(serve
         next_token, aux = prefilled.result(120)
     assert 0 <= verdict.accepted <= 2
     assert events == ["chunk", "verify", "chunk", "chunk", "chunk", "chunk"]  # the verify ran between chunks
-    one_shot = VerifierSession(v.verifier.target, v.verifier.aux_layers, CachePolicy())
+    one_shot = LocalVerifierSession(v.verifier.target, v.verifier.aux_layers, CachePolicy())
     want_token, want_aux = one_shot.prefill(long_prompt)
     assert next_token == want_token
     assert torch.equal(aux, want_aux)

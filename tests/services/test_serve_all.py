@@ -138,7 +138,7 @@ def test_cache_policy_flags_on_servers_and_client(server_factory, mlx_target, au
     """The verifier's default policy comes from `serve ... --cache`; a client may ask for another."""
     from kakeya.core.request import CachePolicy
     from kakeya.orchestrator.decode.loop import run
-    from kakeya.verifier.session import VerifierSession
+    from kakeya.verifier.session import LocalVerifierSession
 
     s = (
         server_factory(
@@ -170,7 +170,9 @@ def test_cache_policy_flags_on_servers_and_client(server_factory, mlx_target, au
         server_default, asked_native = outs[False], outs[True]
         policy = CachePolicy("sink-window", sink=4, window=16, full_kv_bits=8)
         assert server_default["cache_policy"] == policy.label and asked_native["cache_policy"] == "native"
-        expected = run(VerifierSession(mlx_target, aux_layers, policy), None, server_default["prompt_token_ids"], 80, 1)
+        expected = run(
+            LocalVerifierSession(mlx_target, aux_layers, policy), None, server_default["prompt_token_ids"], 80, 1
+        )
         assert server_default["token_ids"] == expected.token_ids
         assert server_default["verifier_kv_bytes"]["sliding"] < asked_native["verifier_kv_bytes"]["sliding"]
     finally:

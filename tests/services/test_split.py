@@ -140,11 +140,11 @@ def test_bounded_quantized_policy_crosses_the_wire_intact(servers, mlx_target, a
     """sink-window + 8-bit full layers, asked for over the public API: every field reaches the verifier."""
     from kakeya.core.request import CachePolicy
     from kakeya.orchestrator.decode.loop import run
-    from kakeya.verifier.session import VerifierSession
+    from kakeya.verifier.session import LocalVerifierSession
 
     wire = _policy(kind=cache_pb2.CACHE_KIND_SINK_WINDOW, sink=4, window=16, full_kv_bits=8)
     local = CachePolicy("sink-window", sink=4, window=16, full_kv_bits=8)
-    expected = run(VerifierSession(mlx_target, aux_layers, local), None, PROMPT, 150, 1).token_ids
+    expected = run(LocalVerifierSession(mlx_target, aux_layers, local), None, PROMPT, 150, 1).token_ids
     for name in ("split", "colocated"):
         req = request(PROMPT, max_tokens=150, ignore_eos=True)
         req.cache_policy.CopyFrom(wire)

@@ -19,7 +19,7 @@ import torch
 
 from kakeya.core.request import REJECTION, CachePolicy, SamplingParams
 from kakeya.verifier.batch import verify_batch
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch
 
 from ..verifier.batch_scenario import lockstep
@@ -95,14 +95,14 @@ def test_sampling_sessions_in_a_batch_draw_the_same_tokens_as_alone(torch_target
 
 
 def test_a_bad_item_fails_alone_and_the_rest_run(torch_target):
-    good = [VerifierSession(torch_target, AUX_LAYERS, CachePolicy()) for _ in range(3)]
-    ref = VerifierSession(torch_target, AUX_LAYERS, CachePolicy())
+    good = [LocalVerifierSession(torch_target, AUX_LAYERS, CachePolicy()) for _ in range(3)]
+    ref = LocalVerifierSession(torch_target, AUX_LAYERS, CachePolicy())
     for s in good + [ref]:
         s.prefill(PROMPT)
-    pending = VerifierSession(torch_target, AUX_LAYERS, CachePolicy())
+    pending = LocalVerifierSession(torch_target, AUX_LAYERS, CachePolicy())
     pending.prefill(PROMPT)
     pending.verify([7])  # not committed: its next verify must refuse
-    sampler = VerifierSession(
+    sampler = LocalVerifierSession(
         torch_target, AUX_LAYERS, CachePolicy(), SamplingParams(temperature=1.0, seed=3, rule=REJECTION)
     )
     sampler.prefill(PROMPT)
@@ -129,7 +129,7 @@ def test_a_bad_item_fails_alone_and_the_rest_run(torch_target):
 def test_a_session_moving_between_batched_and_lone_verifies_matches_one_always_alone(torch_target):
     """A batched verify is a dynamic forward, a lone greedy one the static step; both write the same
     ring, so the static step's device copy of the slots' positions must follow every dynamic write."""
-    alone, moving, other = (VerifierSession(torch_target, AUX_LAYERS, SINK) for _ in range(3))
+    alone, moving, other = (LocalVerifierSession(torch_target, AUX_LAYERS, SINK) for _ in range(3))
     last = alone.prefill(PROMPT)[0]
     assert moving.prefill(PROMPT)[0] == last
     other_last = other.prefill(_prompt(30, 5))[0]
@@ -151,7 +151,7 @@ def test_a_session_moving_between_batched_and_lone_verifies_matches_one_always_a
 
 
 def test_a_batch_of_one_takes_the_static_step(torch_target, monkeypatch):
-    s = VerifierSession(torch_target, AUX_LAYERS, CachePolicy())
+    s = LocalVerifierSession(torch_target, AUX_LAYERS, CachePolicy())
     s.prefill(PROMPT)
     monkeypatch.setattr(torch_target, "forward", lambda segments: pytest.fail("a lone item must not batch"))
     calls = []

@@ -15,7 +15,7 @@ from kakeya.core.request import CachePolicy
 from kakeya.drafter.local import TorchDrafter
 from kakeya.orchestrator.decode.loop import run
 from kakeya.verifier.local import LocalVerifier
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch
 
 from .conftest import PROMPT
@@ -64,7 +64,10 @@ def test_compiled_verify_matches_eager_logits_and_aux(tiny_moe, compiled):
     eager = TargetTorch.load(tiny_moe.target, "cpu", "float32", graph_options=STATIC)
     aux_layers = drafter.target_layer_ids
     seq = [2] + [int(t) for t in np.random.default_rng(3).integers(5, eager.args.vocab_size, 60)]
-    a, b = VerifierSession(eager, aux_layers, CachePolicy()), VerifierSession(target, aux_layers, CachePolicy())
+    a, b = (
+        LocalVerifierSession(eager, aux_layers, CachePolicy()),
+        LocalVerifierSession(target, aux_layers, CachePolicy()),
+    )
     _, aux_a = a.prefill(seq[:20])
     _, aux_b = b.prefill(seq[:20])
     torch.testing.assert_close(aux_b, aux_a, rtol=1e-4, atol=1e-4)

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kakeya.core.request import CachePolicy
 from kakeya.verifier.batch import counts, verify_batch
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 from kakeya.verifier.torch_backend import batch_step
 from kakeya.verifier.torch_backend.target import TargetTorch
 
@@ -49,7 +49,7 @@ class DeviceOps(TorchDispatchMode):
 def _sessions(target, n: int, policies=(CachePolicy(), SINK)) -> tuple[list, list]:
     sessions, lasts = [], []
     for k in range(n):
-        s = VerifierSession(target, AUX_LAYERS, policies[k % len(policies)])
+        s = LocalVerifierSession(target, AUX_LAYERS, policies[k % len(policies)])
         lasts.append(s.prefill(_prompt(5 + 9 * k, k))[0])  # different positions; the SINK rings wrap
         sessions.append(s)
     return sessions, lasts
@@ -139,7 +139,7 @@ def test_a_closed_sessions_pages_go_to_the_next_session(tiny):
     target = TargetTorch.load(tiny.target, "cpu", "float32", chunk_pages=4)
     sliding, full = target.pool.sliding, target.pool.full()
     free = (len(sliding.free), len(full.free))
-    a = VerifierSession(target, AUX_LAYERS, CachePolicy())
+    a = LocalVerifierSession(target, AUX_LAYERS, CachePolicy())
     a.prefill(PROMPT + list(range(70, 110)))  # 62 positions: 4 full pages of 16
     ring_pages, full_pages = list(a.cache.ring_pages), list(a.cache.full_pages)
     assert len(ring_pages) == -(-a.layout.capacity // 16) and len(full_pages) == 4
@@ -148,7 +148,7 @@ def test_a_closed_sessions_pages_go_to_the_next_session(tiny):
     assert a.stats().kv_bytes.full == 4 * 16 * full.row_bytes
     a.close()
     assert (len(sliding.free), len(full.free)) == free  # every page back
-    b = VerifierSession(target, AUX_LAYERS, CachePolicy())
+    b = LocalVerifierSession(target, AUX_LAYERS, CachePolicy())
     b.prefill(PROMPT)
     assert b.cache.ring_pages == ring_pages and b.cache.full_pages == full_pages[:2]  # lowest first: reused
     del b  # never closed: its pages come back when it is collected

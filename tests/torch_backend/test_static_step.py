@@ -21,7 +21,7 @@ from kakeya.backends.torch.graphs import BUCKETS, GraphOptions, StepGraphs, buck
 from kakeya.core.request import CachePolicy
 from kakeya.orchestrator.decode.loop import run
 from kakeya.verifier.local import LocalVerifier
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch
 
 from .conftest import AUX_LAYERS, PROMPT
@@ -88,7 +88,7 @@ def test_step_graphs_build_once_per_key_and_forget_on_invalidate():
 
 def _decode(target, seq, prefill, seed=0, policy=CachePolicy()):
     """Choices and aux of verify/commit blocks (a kept prefix, garbage after it) along ``seq``."""
-    s = VerifierSession(target, AUX_LAYERS, policy)
+    s = LocalVerifierSession(target, AUX_LAYERS, policy)
     s.prefill(seq[:prefill])
     rng = np.random.default_rng(seed)
     pos, out = prefill, []
@@ -124,8 +124,8 @@ def test_graph_layout_equals_the_cpu_path(torch_target, graph_target):
 
 def test_padded_verify_leaves_the_caches_as_an_unpadded_one(torch_target, graph_target):
     ids = PROMPT + [61, 62, 63]
-    a = VerifierSession(torch_target, AUX_LAYERS, CachePolicy())
-    b = VerifierSession(graph_target, AUX_LAYERS, CachePolicy())
+    a = LocalVerifierSession(torch_target, AUX_LAYERS, CachePolicy())
+    b = LocalVerifierSession(graph_target, AUX_LAYERS, CachePolicy())
     for s in (a, b):
         s.prefill(PROMPT)
     assert b.verify([61, 62, 63]) == a.verify([61, 62, 63])  # b ran at length 4
@@ -138,7 +138,7 @@ def test_padded_verify_leaves_the_caches_as_an_unpadded_one(torch_target, graph_
 
 def test_one_host_sync_per_verify(torch_target, graph_target, monkeypatch):
     for target in (torch_target, graph_target):
-        s = VerifierSession(target, AUX_LAYERS, CachePolicy())
+        s = LocalVerifierSession(target, AUX_LAYERS, CachePolicy())
         s.prefill(PROMPT)
         s.verify([61, 62, 63, 64, 65])  # graph mode: the first call of a shape builds its step
         s.commit(0)
@@ -154,13 +154,13 @@ def test_one_host_sync_per_verify(torch_target, graph_target, monkeypatch):
 
 
 def test_a_closed_sessions_pages_and_the_targets_steps_serve_the_next_session(graph_target):
-    s1 = VerifierSession(graph_target, AUX_LAYERS, CachePolicy())
+    s1 = LocalVerifierSession(graph_target, AUX_LAYERS, CachePolicy())
     s1.prefill(PROMPT)
     first = s1.verify([61])
     pages = (list(s1.cache.ring_pages), list(s1.cache.full_pages))
     steps, captures = dict(graph_target.steps.graphs.steps), graph_target.steps.graphs.captures
     s1.close()
-    s2 = VerifierSession(graph_target, AUX_LAYERS, CachePolicy())
+    s2 = LocalVerifierSession(graph_target, AUX_LAYERS, CachePolicy())
     assert s2.cache.ring_pages == pages[0]  # the closed session's pages, handed out again
     s2.prefill(PROMPT)
     assert s2.cache.full_pages == pages[1]
@@ -188,7 +188,7 @@ def test_sdpa_runs_with_cudnn_off_in_the_target_and_the_drafter(torch_target, to
         return real(*a, **k)
 
     def go():
-        s = VerifierSession(torch_target, AUX_LAYERS, CachePolicy())
+        s = LocalVerifierSession(torch_target, AUX_LAYERS, CachePolicy())
         first, aux = s.prefill(PROMPT)
         choices = s.verify([first, 61, 62])
         d = torch_drafter.open_session().draft(aux, first, 4)
@@ -227,7 +227,7 @@ def test_cuda_graph_replay_equals_eager_token_for_token(tiny, torch_drafter):
             block_size,
         )
         assert gen.token_ids == ref
-    s = VerifierSession(graphed, AUX_LAYERS, CachePolicy())
+    s = LocalVerifierSession(graphed, AUX_LAYERS, CachePolicy())
     s.prefill(PROMPT)
     s.verify([61, 62, 63])
     s.commit(0)

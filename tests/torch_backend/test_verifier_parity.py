@@ -1,6 +1,6 @@
 """Torch verifier logits == transformers' Gemma4ForCausalLM and == the MLX verifier (float32).
 
-Every comparison goes through a real :class:`VerifierSession`: chunked prefill,
+Every comparison goes through a real :class:`LocalVerifierSession`: chunked prefill,
 then blocks of 1..16 positions of which only a prefix is kept (the rest is
 garbage and gets trimmed), for ~200 positions -- the 32-window sliding ring
 wraps more than 4 times and rolls back after most blocks. The logits the
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kakeya.core.request import CachePolicy
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 
 from .conftest import AUX_LAYERS
 
@@ -61,7 +61,7 @@ def sequence(vocab: int, n: int = SEQ_LEN, seed: int = 0) -> list[int]:
 def session_logits(target, seq, prefill: int, policy=CachePolicy(), seed: int = 0) -> np.ndarray:
     """Logits after positions ``prefill-1 .. len(seq)-1``, decoded through verify/commit with trims."""
     rec = Recording(target)
-    s = VerifierSession(rec, AUX_LAYERS, policy)
+    s = LocalVerifierSession(rec, AUX_LAYERS, policy)
     s.prefill(seq[:prefill])
     rows = {prefill - 1: rec.rows[-1][0]}
     rng = np.random.default_rng(seed)
@@ -154,7 +154,7 @@ def test_aux_is_the_decoder_layer_outputs(tiny, torch_target):
     from transformers import AutoModelForCausalLM
 
     seq = sequence(torch_target.args.vocab_size, n=50, seed=3)
-    s = VerifierSession(torch_target, AUX_LAYERS, CachePolicy())
+    s = LocalVerifierSession(torch_target, AUX_LAYERS, CachePolicy())
     _, aux0 = s.prefill(seq[:30])
     s.verify(seq[30:38] + [7, 8])
     aux1 = s.commit(8)

@@ -338,7 +338,7 @@ def test_revealed_training_blocks_are_the_drafters_predraft_blocks(tiny_pair):
     import torch
 
     from kakeya.drafter.backend import extend
-    from kakeya.drafter.session import DraftCall, DrafterSession, draft_together
+    from kakeya.drafter.session import DraftCall, LocalDrafterSession, draft_together
     from kakeya.drafter.torch_backend.load import load_dflash_torch
 
     rng = np.random.default_rng(1)
@@ -356,7 +356,7 @@ def test_revealed_training_blocks_are_the_drafters_predraft_blocks(tiny_pair):
     assert acc.shape == (B - 1,)  # per masked position, from the first one
     draft = load_dflash_torch(tiny_pair.draft, tiny_pair.target, "cpu", "float32")
     for k, a in enumerate(anchors[0]):
-        s = DrafterSession(draft)
+        s = LocalDrafterSession(draft)
         extend(draft, [s.cache], [torch.from_numpy(aux[0, :a])])
         pending = tuple(int(t) for t in seq[0, a + 1 : a + 1 + r])
         call = DraftCall(s, draft.zeros_aux(0), int(seq[0, a]), B, pending, guesses=False)

@@ -15,7 +15,7 @@ import numpy as np
 from kakeya.core.contract import Proposal
 from kakeya.core.request import REJECTION
 from kakeya.verifier.batch import verify_batch
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 
 
 def proposal_for(candidates, vocab: int) -> Proposal | None:
@@ -30,8 +30,8 @@ def proposal_for(candidates, vocab: int) -> Proposal | None:
 def lockstep(target, aux_layers, specs, rounds: int, seed: int = 0, close=np.testing.assert_allclose):
     rng = np.random.default_rng(seed)
     vocab = target.args.vocab_size
-    alone = [VerifierSession(target, aux_layers, p, s) for _, p, s in specs]
-    batched = [VerifierSession(target, aux_layers, p, s) for _, p, s in specs]
+    alone = [LocalVerifierSession(target, aux_layers, p, s) for _, p, s in specs]
+    batched = [LocalVerifierSession(target, aux_layers, p, s) for _, p, s in specs]
     last = []
     for (prompt, _, _), a, b in zip(specs, alone, batched):
         ta, aux_a = a.prefill(prompt)

@@ -10,7 +10,7 @@ import pytest
 
 from kakeya.core.request import CachePolicy
 from kakeya.verifier.backend import Restores, StaticVerify, Target
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 
 PROMPT = [2] + [(11 * i) % 500 + 7 for i in range(40)]
 
@@ -36,7 +36,7 @@ def test_capabilities_are_data(mlx_target, torch_target, aux_layers):
     assert isinstance(mlx_target, Restores) and not isinstance(torch_target, Restores)
     restore = CachePolicy("sink-window", sink=4, window=16, restore="/no/such/ftheta")
     with pytest.raises(ValueError, match="not implemented on the torch backend"):
-        VerifierSession(torch_target, aux_layers, restore)
+        LocalVerifierSession(torch_target, aux_layers, restore)
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def test_capabilities_are_data(mlx_target, torch_target, aux_layers):
     ids=["native", "sink-window+kv8"],
 )
 def test_caches_hold_arrays_only(target, aux_layers, policy):
-    session = VerifierSession(target, aux_layers, policy)
+    session = LocalVerifierSession(target, aux_layers, policy)
     first, _ = session.prefill(PROMPT)
     names = [sorted(vars(c)) for c in session.cache.layers]
     for block in ([first, 9, 10, 11], [12], [13, 14, 15, 16, 17, 18, 19, 20]):

@@ -8,7 +8,7 @@ from kakeya.app.main import main
 from kakeya.checkpoints.config import load_target_config
 from kakeya.core.request import CachePolicy
 from kakeya.verifier.memory import KVShape, session_bytes
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 
 
 @pytest.mark.parametrize(
@@ -23,7 +23,7 @@ from kakeya.verifier.session import VerifierSession
 )
 @pytest.mark.parametrize("context", [512, 768])
 def test_formula_matches_a_live_session(tiny_pair, mlx_target, aux_layers, policy, context):
-    session = VerifierSession(mlx_target, aux_layers, policy)
+    session = LocalVerifierSession(mlx_target, aux_layers, policy)
     session.prefill([(5 * i) % 1000 + 5 for i in range(context)])
     live = session.stats().kv_bytes.as_dict()
     predicted = session_bytes(KVShape.from_config(load_target_config(tiny_pair.target)), policy, context)

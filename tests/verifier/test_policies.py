@@ -17,7 +17,7 @@ from kakeya.core.contract import Draft
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.local import MLXDrafter
 from kakeya.orchestrator.decode.loop import Decode, DecodeOptions, alone, run
-from kakeya.verifier.session import VerifierSession
+from kakeya.verifier.session import LocalVerifierSession
 
 from ..planted import PlantedDrafterSession
 from ..policy_reference import policy_greedy
@@ -52,7 +52,7 @@ def test_speculative_equals_same_policy_ar(mlx_target, aux_layers, drafter, poli
         dsession = drafter.open_session()
     else:
         dsession = PlantedDrafterSession(ref, len(PROMPT), mlx_target.args.vocab_size, seed=block_size)
-    gen = run(VerifierSession(mlx_target, aux_layers, policy), dsession, PROMPT, n, block_size)
+    gen = run(LocalVerifierSession(mlx_target, aux_layers, policy), dsession, PROMPT, n, block_size)
     first_diff = next((i for i, (a, b) in enumerate(zip(gen.token_ids, ref)) if a != b), None)
     if policy.full_kv_bits and first_diff is not None:
         assert margins[first_diff] < NEAR_TIE[policy.full_kv_bits], (
@@ -83,7 +83,7 @@ class RepeatDrafter:
 
 def test_sliding_bytes_flat_full_bytes_linear(mlx_target, aux_layers):
     policy = CachePolicy("sink-window", sink=4, window=16)
-    session = VerifierSession(mlx_target, aux_layers, policy)
+    session = LocalVerifierSession(mlx_target, aux_layers, policy)
     seen = {}
     for _ in alone(Decode(session, RepeatDrafter(), PROMPT, DecodeOptions(3000, 8))):
         n = session.offset - len(PROMPT)
@@ -103,7 +103,7 @@ def test_sliding_bytes_flat_full_bytes_linear(mlx_target, aux_layers):
 def test_quantized_full_layers_hold_fewer_bytes(mlx_target, aux_layers, drafter):
     sizes = {}
     for bits in (0, 8, 4):
-        session = VerifierSession(mlx_target, aux_layers, CachePolicy(full_kv_bits=bits))
+        session = LocalVerifierSession(mlx_target, aux_layers, CachePolicy(full_kv_bits=bits))
         run(session, drafter.open_session(), PROMPT, 200, 8)
         sizes[bits] = session.stats().kv_bytes.as_dict()["full"]
     assert sizes[4] < sizes[8] < sizes[0]
@@ -120,4 +120,4 @@ def test_quantized_full_layers_hold_fewer_bytes(mlx_target, aux_layers, drafter)
 )
 def test_bad_policies_are_refused(mlx_target, aux_layers, policy, fragment):
     with pytest.raises(ValueError, match=fragment):
-        VerifierSession(mlx_target, aux_layers, policy)
+        LocalVerifierSession(mlx_target, aux_layers, policy)

@@ -42,7 +42,7 @@ _CHAT_FIELD = re.compile(
 )
 
 
-class Engine(Protocol):
+class EngineFacts(Protocol):
     """What the check reads of an engine (``engine.Engine``, which calls it)."""
 
     verifier: Verifier
@@ -70,18 +70,18 @@ class Limits:
     restore: bounds.RestoreSources | None = None
 
 
-def context_of(engine: Engine, limits: Limits) -> int:
+def context_of(engine: EngineFacts, limits: Limits) -> int:
     """The positions one request may hold: the server's --max-context, the verifier's, the model's."""
     info = engine.verifier.info
     model = info.max_position_embeddings or 131072
     return min(x for x in (limits.max_context, info.max_context, model) if x)
 
 
-def prompt_limit(engine: Engine, limits: Limits) -> int:
+def prompt_limit(engine: EngineFacts, limits: Limits) -> int:
     return bounds.max_prompt_tokens(limits.max_prompt_tokens, context_of(engine, limits))
 
 
-def check_request(req: Request, engine: Engine, limits: Limits = Limits()) -> Request:
+def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) -> Request:
     """``req`` checked and completed as it will run (see the module docstring), or InvalidRequest."""
     request_id = bounds.check_request_id(req.request_id) or uuid.uuid4().hex[:16]
     max_prompt = prompt_limit(engine, limits)
@@ -132,7 +132,7 @@ def check_request(req: Request, engine: Engine, limits: Limits = Limits()) -> Re
     )
 
 
-def _prompt_ids(prompt, engine: Engine, limit: int) -> list[int]:
+def _prompt_ids(prompt, engine: EngineFacts, limit: int) -> list[int]:
     """The prompt as token ids: a text tokenized, a conversation rendered by the chat template, ids checked;
     each bounded before it is tokenized past ``bounds.CHARS_PER_TOKEN_BOUND`` characters a token."""
     codec, vocab = engine.codec, engine.verifier.info.vocab_size
@@ -188,7 +188,7 @@ def _template_culprit(chat: Chat, codec: TextCodec) -> str:
     return "prompt.tools"
 
 
-def _tool_calls(req: Request, engine: Engine) -> Request:
+def _tool_calls(req: Request, engine: EngineFacts) -> Request:
     """A chat whose ``tool_choice`` is ``required`` or a function's name, or ``auto`` with a ``strict`` tool: the
     request constrained to well-formed calls (of that function) whose arguments follow their schemas
     (``tools/grammar.py``; under ``auto``, after any text), the markers named as the checkpoint's tokenizer
@@ -224,7 +224,7 @@ def constraint_field(req: Request) -> str:
     return "prompt.tools" if chat.tool_choice == AUTO else "prompt.tool_choice"
 
 
-def _constraint(req: Request, engine: Engine) -> None:
+def _constraint(req: Request, engine: EngineFacts) -> None:
     """A constraint compiled once against the checkpoint's tokenizer: a bad schema, regex, grammar or choice
     list is refused here, naming ``constraint.spec`` (``constraint.kind`` for an unknown kind)."""
     c = req.constraint
@@ -252,7 +252,7 @@ def _constraint(req: Request, engine: Engine) -> None:
         raise InvalidRequest("constraint.spec", str(exc)) from None
 
 
-def _stops(req: Request, engine: Engine) -> tuple[int, ...]:
+def _stops(req: Request, engine: EngineFacts) -> tuple[int, ...]:
     stops, vocab = tuple(req.stop_strings), engine.verifier.info.vocab_size
     if len(stops) > bounds.MAX_STOP_STRINGS:
         raise InvalidRequest("stop_strings", f"{len(stops)} strings, at most {bounds.MAX_STOP_STRINGS} allowed")
@@ -275,7 +275,7 @@ def _stops(req: Request, engine: Engine) -> tuple[int, ...]:
 
 
 def _cache_policy(
-    policy: CachePolicy | None, engine: Engine, limits: Limits, block_size: int, positions: int
+    policy: CachePolicy | None, engine: EngineFacts, limits: Limits, block_size: int, positions: int
 ) -> CachePolicy | None:
     """The request's own cache policy (None: the verifier's default), checked against the model and the
     request's ``positions`` (prompt + max_tokens) as the verifier checks it, so a refusal names its fields;

@@ -92,7 +92,7 @@ def bad(param: str, message: str) -> ApiError:
 
 
 @dataclass(frozen=True)
-class Call:
+class Reply:
     """What a request asks beyond the generation: which API, streamed or not, with a final usage chunk."""
 
     chat: bool
@@ -192,7 +192,7 @@ def stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     return stream and usage, stream and obfuscate
 
 
-def _common(body: dict, served: str, chat: bool) -> tuple[dict, Call, dict[str, str]]:
+def _common(body: dict, served: str, chat: bool) -> tuple[dict, Reply, dict[str, str]]:
     """The parameters both APIs share, as Request fields; the call; the field names."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -237,11 +237,11 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Call, dict[str, 
         "logprobs": http_logprobs.requested(body, chat, bad),
     }
     fields["constraint"], constraint_names = http_constraints.constraint(body, _nested_bad)
-    call = Call(chat, stream, include_usage, served, obfuscate, logprobs=fields["logprobs"] is not None)
+    call = Reply(chat, stream, include_usage, served, obfuscate, logprobs=fields["logprobs"] is not None)
     return fields, call, field_names(chat, max_name) | constraint_names
 
 
-def completion_request(body: dict, served: str) -> tuple[Request, Call, dict[str, str]]:
+def completion_request(body: dict, served: str) -> tuple[Request, Reply, dict[str, str]]:
     """``POST /v1/completions``: one prompt, as text or token ids (a list of one of either is one prompt too)."""
     fields, call, names = _common(body, served, chat=False)
     prompt = body.get("prompt")
@@ -258,7 +258,7 @@ def completion_request(body: dict, served: str) -> tuple[Request, Call, dict[str
     return Request(prompt, **fields), call, names
 
 
-def chat_request(body: dict, served: str) -> tuple[Request, Call, dict[str, str]]:
+def chat_request(body: dict, served: str) -> tuple[Request, Reply, dict[str, str]]:
     """``POST /v1/chat/completions``: the messages, rendered by the checkpoint's chat template."""
     fields, call, names = _common(body, served, chat=True)
     messages = body.get("messages")
@@ -301,7 +301,7 @@ def _content(content, i: int) -> str:
 class Answer:
     """One request's answer, built from its run's blocks and its report: whole, or as stream chunks."""
 
-    def __init__(self, call: Call, token: http_logprobs.Token | None = None):
+    def __init__(self, call: Reply, token: http_logprobs.Token | None = None):
         """``token``: a token's text and bytes (``TextCodec.token``), for logprobs."""
         self.call = call
         self.id = ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex[:24]

@@ -60,7 +60,7 @@ def served_model_name(target: str) -> str:
 
 
 class HttpCall:
-    """What ``GenerationService.stream`` asks of a call (``service.Call``): the caller (``peer``, named as gRPC names its
+    """What ``GenerationService.stream`` asks of a call (``service.ClientCall``): the caller (``peer``, named as gRPC names its
     peers, so --max-sessions-per-peer counts both fronts together), no deadline, and a callback when the
     client leaves."""
 

@@ -43,7 +43,7 @@ log = logging.getLogger("kakeya.orchestrator")
 DEFAULT_MAX_TOKENS_LIMIT = 4096
 
 
-class Call(Protocol):
+class ClientCall(Protocol):
     """What the service needs of a front's call (a gRPC ``ServicerContext`` is one; ``http_server.HttpCall``)."""
 
     def peer(self) -> str:
@@ -56,7 +56,7 @@ class Call(Protocol):
         """Run ``fn`` when the client goes away; False if it already has."""
 
 
-def _deadline(call: Call | None) -> float | None:
+def _deadline(call: ClientCall | None) -> float | None:
     left = None if call is None else call.time_remaining()
     return None if left is None or left > 1e7 else max(left, 0.001)
 
@@ -140,7 +140,7 @@ class GenerationService:
             f" drafter {drafter} ({e.draft or '-'}), block {e.default_block_size}"
         )
 
-    def stream(self, req: Request, call: Call) -> Iterator[Block | Report]:
+    def stream(self, req: Request, call: ClientCall) -> Iterator[Block | Report]:
         """One generation: its blocks as they commit, then its :class:`Report` (see the module docstring)."""
         if not self.ready:
             raise RequestError(
@@ -181,7 +181,7 @@ class GenerationService:
             )
         return None
 
-    def _generate(self, req: Request, call: Call | None = None, observe: bool = True) -> Iterator[Block | Report]:
+    def _generate(self, req: Request, call: ClientCall | None = None, observe: bool = True) -> Iterator[Block | Report]:
         """Run ``req``: its blocks, then its report; a refusal before the first block raises, a failure after
         it ends the report with the reason; a cancelled run (the client went away) just ends."""
         t_start = time.perf_counter()

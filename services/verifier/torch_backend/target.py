@@ -261,10 +261,10 @@ class TargetTorch:
         caching-allocator sizing, lazy CUDA init) before serving; returns the seconds it took."""
         import time
 
-        from kakeya.verifier.session import VerifierSession
+        from kakeya.verifier.session import LocalVerifierSession
 
         t0 = time.perf_counter()
-        s = VerifierSession(self, aux_layers, policy or CachePolicy(slack=max(max_block, 16)))
+        s = LocalVerifierSession(self, aux_layers, policy or CachePolicy(slack=max(max_block, 16)))
         ids = [2] + [5 + (7 * i) % max(1, self.args.vocab_size - 5) for i in range(max(1, ctx) - 1)]
         s.prefill(ids)
         for L in range(1, max_block + 1):
