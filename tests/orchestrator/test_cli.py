@@ -42,6 +42,9 @@ def test_generate_json_on_the_embedded_models_is_lossless():
     assert len(out["token_ids"]) == 120 and out["finish_reason"] == "length"
     assert sum(out["acceptance_lengths"]) == 119 and max(out["acceptance_lengths"]) <= 4
     assert out["quality"]["degenerate"] is False
+    if out["backend"] == "torch":  # transformers' own generate on the same weights, 120 tokens, ignoring EOS too
+        assert out["hf_identical"] is True and out["hf_token_ids"] == out["token_ids"]
+        assert out["hf_decode_tok_s"] > 0 and out["speedup_over_hf"] > 0
     from kakeya.checkpoints.tiny import embedded_pair  # the trained demo pair when shipped
 
     assert out["target"] == str(embedded_pair().target) and out["draft"] == str(embedded_pair().draft)
@@ -255,6 +258,8 @@ def test_the_first_run_says_what_was_compared():
     assert line.startswith("speculative (DFlash, auto blocks, mean "), line
     assert f", {where}): " in line, line
     assert " tok/s vs autoregressive " in line and "x, lossless (128/128 tokens identical)" in line, line
+    if backend == "torch":  # the independent baseline: transformers' own generate on the same weights
+        assert "; vs transformers' generate " in line and "x, the same tokens; " in line, line
     assert "runaway repetition" not in line and res.stdout.strip()
 
 
