@@ -15,18 +15,19 @@
 # loops, ~1 s a 128-token generation of the demo pair on torch CPU, ~1.5 s on MLX; each run prints its own
 # time at the end, and a job past its limit is stopped and reported, not waited for):
 #
-#   first_request      README command 1 in 12 fresh processes (auto, 4, 8, 16 x 3), torch; re-quotes
-#                      README's line                                            first_request.json      4 min
+#   first_request      README command 1 in 12 fresh processes (auto, 4, 8, 16 x 3), torch, each with
+#                      transformers' generate too; re-quotes README's line     first_request.json      4 min
 #   first_request_mlx  the same on MLX                                          first_request_mlx.json  4 min
 #   pair_cost          draft(8) / verify(8) / AR step, torch and MLX            pair_cost.json          1 min
 #   adaptive           auto vs fixed blocks warm, 4 prompts x 2 rounds, both    adaptive.json           3 min
 #   ngram              n-gram copies on / off, 12 held-out prompts x 1 round    ngram.json              4 min
 #   sampling           coupled vs rejection, T 0.7 / 1.0, 3 seeds; sampler cost sampling.json           3 min
 #   chat               4-turn chat with the prefix cache, 16 concurrent chats   chat.json               2 min
-#   concurrency        colocated torch, split, colocated MLX at 1 / 8 / 16
-#                      streams, one pass; a newcomer's first token              concurrency.json        5 min
+#   concurrency        colocated torch, split, colocated MLX at 1 / 4 / 8 / 16
+#                      streams, 3 passes; a newcomer's first token              concurrency.json        8 min
 #   isolation          8 streams for 30 s per deployment, cancels, deadlines    isolation.json          3 min
 #   structured         guided vs blind JSON decoding, 1 round                   structured.json         1 min
+#   grammar_masks      llguidance vs xgrammar masks per token                   grammar_masks.json      1 min
 #
 # Not here (their figures are History in the docs): GPU results (docs/cuda.md: benchmarks/gpu_session.sh),
 # A/B runs between two checkouts (cpu_fastpath.py --before, the *_ab folders), runs that need a drafter not
@@ -36,12 +37,12 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 R=benchmarks/results
-ALL="first_request first_request_mlx pair_cost adaptive ngram sampling chat concurrency isolation structured"
+ALL="first_request first_request_mlx pair_cost adaptive ngram sampling chat concurrency isolation structured grammar_masks"
 JOBS=${JOBS:-$ALL}
 [ -n "$(git status --porcelain -- services)" ] && echo "refresh: services/ has uncommitted changes: every JSON will record dirty=true" >&2
 
 declare -A LIMIT=([first_request]=480 [first_request_mlx]=480 [pair_cost]=180 [adaptive]=360 [ngram]=480
-  [sampling]=360 [chat]=240 [concurrency]=600 [isolation]=360 [structured]=180)
+  [sampling]=360 [chat]=240 [concurrency]=900 [isolation]=360 [structured]=180 [grammar_masks]=180)
 cmd() {
   case $1 in
     first_request) echo "benchmarks/first_request.py --rounds 3 --readme --out $R/first_request.json" ;;
@@ -51,9 +52,10 @@ cmd() {
     ngram) echo "benchmarks/ngram.py --prompts 12 --rounds 1 --out $R/ngram.json" ;;
     sampling) echo "benchmarks/sampling.py --repeats 3 --out $R/sampling.json" ;;
     chat) echo "benchmarks/chat.py --out $R/chat.json" ;;
-    concurrency) echo "benchmarks/concurrency.py --deployments colocated-torch split colocated-mlx --streams 1 8 16 --repeats 1 --requests 2 --busy 8 --out $R/concurrency.json" ;;
+    concurrency) echo "benchmarks/concurrency.py --deployments colocated-torch split colocated-mlx --streams 1 4 8 16 --repeats 3 --requests 2 --busy 8 --out $R/concurrency.json" ;;
     isolation) echo "benchmarks/isolation.py --deployments colocated-torch split colocated-mlx --seconds 30 --out $R/isolation.json" ;;
     structured) echo "benchmarks/structured.py --rounds 1 --out $R/structured.json" ;;
+    grammar_masks) echo "benchmarks/grammar_masks.py --out $R/grammar_masks.json" ;;
     *) return 1 ;;
   esac
 }
