@@ -36,7 +36,6 @@
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-R=benchmarks/results
 ALL="first_request first_request_mlx pair_cost adaptive ngram sampling chat concurrency isolation structured grammar_masks"
 JOBS=${JOBS:-$ALL}
 [ -n "$(git status --porcelain -- services)" ] && echo "refresh: services/ has uncommitted changes: every JSON will record dirty=true" >&2
@@ -45,17 +44,17 @@ declare -A LIMIT=([first_request]=480 [first_request_mlx]=480 [pair_cost]=180 [a
   [sampling]=360 [chat]=240 [concurrency]=900 [isolation]=360 [structured]=180 [grammar_masks]=180)
 cmd() {
   case $1 in
-    first_request) echo "benchmarks/first_request.py --rounds 3 --readme --out $R/first_request.json" ;;
-    first_request_mlx) echo "benchmarks/first_request.py --backend mlx --rounds 3 --out $R/first_request_mlx.json" ;;
-    pair_cost) echo "benchmarks/pair_cost.py --out $R/pair_cost.json" ;;
-    adaptive) echo "benchmarks/adaptive.py --prompts 4 --rounds 2 --out $R/adaptive.json" ;;
-    ngram) echo "benchmarks/ngram.py --prompts 12 --rounds 1 --out $R/ngram.json" ;;
-    sampling) echo "benchmarks/sampling.py --repeats 3 --out $R/sampling.json" ;;
-    chat) echo "benchmarks/chat.py --out $R/chat.json" ;;
-    concurrency) echo "benchmarks/concurrency.py --deployments colocated-torch split colocated-mlx --streams 1 4 8 16 --repeats 3 --requests 2 --busy 8 --out $R/concurrency.json" ;;
-    isolation) echo "benchmarks/isolation.py --deployments colocated-torch split colocated-mlx --seconds 30 --out $R/isolation.json" ;;
-    structured) echo "benchmarks/structured.py --rounds 1 --out $R/structured.json" ;;
-    grammar_masks) echo "benchmarks/grammar_masks.py --out $R/grammar_masks.json" ;;
+    first_request) echo "benchmarks/first_request.py --rounds 3 --readme --out benchmarks/results/first_request.json" ;;
+    first_request_mlx) echo "benchmarks/first_request.py --backend mlx --rounds 3 --out benchmarks/results/first_request_mlx.json" ;;
+    pair_cost) echo "benchmarks/pair_cost.py --out benchmarks/results/pair_cost.json" ;;
+    adaptive) echo "benchmarks/adaptive.py --prompts 4 --rounds 2 --out benchmarks/results/adaptive.json" ;;
+    ngram) echo "benchmarks/ngram.py --prompts 12 --rounds 1 --out benchmarks/results/ngram.json" ;;
+    sampling) echo "benchmarks/sampling.py --repeats 3 --out benchmarks/results/sampling.json" ;;
+    chat) echo "benchmarks/chat.py --out benchmarks/results/chat.json" ;;
+    concurrency) echo "benchmarks/concurrency.py --deployments colocated-torch split colocated-mlx --streams 1 4 8 16 --repeats 3 --requests 2 --busy 8 --out benchmarks/results/concurrency.json" ;;
+    isolation) echo "benchmarks/isolation.py --deployments colocated-torch split colocated-mlx --seconds 30 --out benchmarks/results/isolation.json" ;;
+    structured) echo "benchmarks/structured.py --rounds 1 --out benchmarks/results/structured.json" ;;
+    grammar_masks) echo "benchmarks/grammar_masks.py --out benchmarks/results/grammar_masks.json" ;;
     *) return 1 ;;
   esac
 }

@@ -3,9 +3,10 @@
 The convention (docs/benchmarks.md, "How to read a figure"): a figure cites the results JSON it comes from
 by name in backticks (`benchmarks/results/X.json`, or `X.json` for a file there). A section whose heading
 says "History" (and everything under it, to the next heading of its level or above) holds history: figures
-kept with the date or commit they measured, which no code here promises. Anywhere else a cited JSON is a
-*current* figure: its ``record`` (``benchmarks/record.py``) must name the ``services/`` tree HEAD has, from
-a clean tree. ``benchmarks/refresh.sh`` re-runs every current figure's JSON on the commit it is run on.
+kept with the date or commit they measured, which no code here promises; so does a paragraph (or list
+item) that opens with "**History", for a measurement told inside a section about design. Anywhere else a
+cited JSON is a *current* figure: its ``record`` (``benchmarks/record.py``) must name the ``services/`` tree
+HEAD has, from a clean tree. ``benchmarks/refresh.sh`` re-runs every current figure's JSON on the commit it is run on.
 Commands in fenced code blocks (how to re-run something) cite nothing.
 """
 
@@ -23,6 +24,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # `benchmarks/results/a/b.json`, `b.json`, `benchmarks/results/a_ab/` (a folder: each JSON in it)
 CITATION = re.compile(r"`(?:benchmarks/results/)?([\w./-]+\.json|[\w-]+/)`|benchmarks/results/([\w./-]+\.json)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*)")
+ITEM = re.compile(r"^\s*(?:[-*]|\d+\.)\s+")  # a list item's marker
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class Citation:
 def citations(path: Path) -> list[Citation]:
     """Every results JSON ``path`` cites, with the section it sits in and whether that section is history."""
     out, stack, fenced = [], [], False  # stack: (level, heading) of the sections the line is in
+    marked, previous = False, ""  # marked: the paragraph the line is in opens with **History
     for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if line.lstrip().startswith("```"):
             fenced = not fenced
@@ -47,7 +50,10 @@ def citations(path: Path) -> list[Citation]:
             level = len(m.group(1))
             stack = [s for s in stack if s[0] < level] + [(level, m.group(2))]
             continue
-        history = any("history" in h.lower() for _, h in stack)
+        if not previous.strip() or ITEM.match(line):  # a paragraph or a list item starts here
+            marked = ITEM.sub("", line).lstrip().startswith("**History")
+        previous = line
+        history = marked or any("history" in h.lower() for _, h in stack)
         section = stack[-1][1] if stack else ""
         for m in CITATION.finditer(line):
             name = m.group(1) or m.group(2)
@@ -132,7 +138,9 @@ def test_the_check_tells_current_from_history_and_stale_from_fresh(tmp_path):
             f"# Doc\n\nFast: 2x (`benchmarks/results/{fresh}`).\n\nOld: 1x (`{stale}`).\n\n"
             f"Dirty: (`{dirty}`). Bare: (`{bare}`).\n\n```\npython x.py --out benchmarks/results/{stale}\n```\n\n"
             f"## History: before the change\n\nOld: 1x (`{stale}`, `{bare}`).\n\n### Its detail\n\n(`{stale}`)\n\n"
-            f"## Now\n\nAgain: (`{fresh}`)\n"
+            f"## Now\n\nAgain: (`{fresh}`)\n\n**History (2026-11-28).** It was 1x then (`{stale}`),\n"
+            f"and (`{bare}`).\n\n* a design point\n* **History.** measured (`{stale}`)\n"
+            f"  on two lines (`{bare}`)\n* a current point (`{fresh}`)\n"
         )
         global ROOT
         root, ROOT = ROOT, tmp_path  # citations() names the doc relative to ROOT
