@@ -26,7 +26,7 @@
 #   concurrency        colocated torch, split, colocated MLX at 1 / 4 / 8 / 16
 #                      streams, 3 passes; a newcomer's first token              concurrency.json        8 min
 #   isolation          8 streams for 30 s per deployment, cancels, deadlines    isolation.json          3 min
-#   structured         guided vs blind JSON decoding, 1 round                   structured.json         1 min
+#   structured         guided vs blind JSON decoding, 2 rounds                  structured.json         2 min
 #   grammar_masks      llguidance vs xgrammar masks per token                   grammar_masks.json      1 min
 #
 # Not here (their figures are History in the docs): GPU results (docs/cuda.md: benchmarks/gpu_session.sh),
@@ -41,7 +41,7 @@ JOBS=${JOBS:-$ALL}
 [ -n "$(git status --porcelain -- services)" ] && echo "refresh: services/ has uncommitted changes: every JSON will record dirty=true" >&2
 
 declare -A LIMIT=([first_request]=480 [first_request_mlx]=480 [pair_cost]=180 [adaptive]=360 [ngram]=480
-  [sampling]=360 [chat]=240 [concurrency]=900 [isolation]=360 [structured]=180 [grammar_masks]=180)
+  [sampling]=360 [chat]=240 [concurrency]=900 [isolation]=360 [structured]=300 [grammar_masks]=180)
 cmd() {
   case $1 in
     first_request) echo "benchmarks/first_request.py --rounds 3 --readme --out benchmarks/results/first_request.json" ;;
@@ -53,7 +53,7 @@ cmd() {
     chat) echo "benchmarks/chat.py --out benchmarks/results/chat.json" ;;
     concurrency) echo "benchmarks/concurrency.py --deployments colocated-torch split colocated-mlx --streams 1 4 8 16 --repeats 3 --requests 2 --busy 8 --out benchmarks/results/concurrency.json" ;;
     isolation) echo "benchmarks/isolation.py --deployments colocated-torch split colocated-mlx --seconds 30 --out benchmarks/results/isolation.json" ;;
-    structured) echo "benchmarks/structured.py --rounds 1 --out benchmarks/results/structured.json" ;;
+    structured) echo "benchmarks/structured.py --rounds 2 --out benchmarks/results/structured.json" ;;
     grammar_masks) echo "benchmarks/grammar_masks.py --out benchmarks/results/grammar_masks.json" ;;
     *) return 1 ;;
   esac
