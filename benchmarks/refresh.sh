@@ -18,10 +18,11 @@
 #   first_request      README command 1 in 12 fresh processes (auto, 4, 8, 16 x 3), torch, each with
 #                      transformers' generate too; re-quotes README's line     first_request.json      4 min
 #   first_request_mlx  the same on MLX                                          first_request_mlx.json  4 min
-#   pair_cost          draft(8) / verify(8) / AR step, torch and MLX            pair_cost.json          1 min
+#   pair_cost          draft(8) / verify(8) / AR step, torch and MLX; then the
+#                      model card re-rendered from it (its cost table)          pair_cost.json          1 min
 #   adaptive           auto vs fixed blocks warm, 4 prompts x 2 rounds, both    adaptive.json           3 min
 #   ngram              n-gram copies on / off, 12 held-out prompts x 1 round    ngram.json              4 min
-#   sampling           coupled vs rejection, T 0.7 / 1.0, 3 seeds; sampler cost sampling.json           3 min
+#   sampling           coupled vs rejection, T 0.7 / 1.0, 5 seeds; sampler cost sampling.json           4 min
 #   chat               4-turn chat with the prefix cache, 16 concurrent chats   chat.json               2 min
 #   concurrency        colocated torch, split, colocated MLX at 1 / 4 / 8 / 16
 #                      streams, 3 passes; a newcomer's first token              concurrency.json        8 min
@@ -49,7 +50,7 @@ cmd() {
     pair_cost) echo "benchmarks/pair_cost.py --out benchmarks/results/pair_cost.json" ;;
     adaptive) echo "benchmarks/adaptive.py --prompts 4 --rounds 2 --out benchmarks/results/adaptive.json" ;;
     ngram) echo "benchmarks/ngram.py --prompts 12 --rounds 1 --out benchmarks/results/ngram.json" ;;
-    sampling) echo "benchmarks/sampling.py --repeats 3 --out benchmarks/results/sampling.json" ;;
+    sampling) echo "benchmarks/sampling.py --out benchmarks/results/sampling.json" ;;
     chat) echo "benchmarks/chat.py --out benchmarks/results/chat.json" ;;
     concurrency) echo "benchmarks/concurrency.py --deployments colocated-torch split colocated-mlx --streams 1 4 8 16 --repeats 3 --requests 2 --busy 8 --out benchmarks/results/concurrency.json" ;;
     isolation) echo "benchmarks/isolation.py --deployments colocated-torch split colocated-mlx --seconds 30 --out benchmarks/results/isolation.json" ;;
@@ -70,6 +71,9 @@ for job in $JOBS; do
   rc=$?
   echo "refresh: $job: rc $rc, $((SECONDS - t0)) s (log /tmp/refresh_$job.log)" >&2
   [ $rc -ne 0 ] && failed="$failed $job"
+  if [ "$job" = pair_cost ] && [ $rc -eq 0 ]; then  # the model card renders the cost table (tests/training/test_card.py)
+    $PY -m kakeya.training.card services/models/demo --pair-cost benchmarks/results/pair_cost.json || failed="$failed card"
+  fi
 done
 echo "refresh: done in $((SECONDS - start)) s;${failed:+ FAILED:$failed;} now: pytest -n 0 tests/test_records.py tests/test_readme_figures.py" >&2
 [ -z "$failed" ]
