@@ -22,10 +22,10 @@
 #                      model card re-rendered from it (its cost table)          pair_cost.json          1 min
 #   adaptive           auto vs fixed blocks warm, 4 prompts x 2 rounds, both    adaptive.json           3 min
 #   ngram              n-gram copies on / off, 12 held-out prompts x 1 round    ngram.json              4 min
-#   sampling           coupled vs rejection, T 0.7 / 1.0, 5 seeds; sampler cost sampling.json           4 min
+#   sampling           coupled vs rejection, T 0.7 / 1.0, 3 seeds; sampler cost sampling.json           3 min
 #   chat               4-turn chat with the prefix cache, 16 concurrent chats   chat.json               2 min
 #   concurrency        colocated torch, split, colocated MLX at 1 / 4 / 8 / 16
-#                      streams, 3 passes; a newcomer's first token              concurrency.json        8 min
+#                      streams, 2 passes; a newcomer's first token              concurrency.json        6 min
 #   isolation          8 streams for 30 s per deployment, cancels, deadlines    isolation.json          3 min
 #   structured         guided vs blind JSON decoding, 2 rounds                  structured.json         2 min
 #   grammar_masks      llguidance vs xgrammar masks per token                   grammar_masks.json      1 min
@@ -50,9 +50,9 @@ cmd() {
     pair_cost) echo "benchmarks/pair_cost.py --out benchmarks/results/pair_cost.json" ;;
     adaptive) echo "benchmarks/adaptive.py --prompts 4 --rounds 2 --out benchmarks/results/adaptive.json" ;;
     ngram) echo "benchmarks/ngram.py --prompts 12 --rounds 1 --out benchmarks/results/ngram.json" ;;
-    sampling) echo "benchmarks/sampling.py --out benchmarks/results/sampling.json" ;;
+    sampling) echo "benchmarks/sampling.py --repeats 3 --out benchmarks/results/sampling.json" ;;
     chat) echo "benchmarks/chat.py --out benchmarks/results/chat.json" ;;
-    concurrency) echo "benchmarks/concurrency.py --deployments colocated-torch split colocated-mlx --streams 1 4 8 16 --repeats 3 --requests 2 --busy 8 --out benchmarks/results/concurrency.json" ;;
+    concurrency) echo "benchmarks/concurrency.py --deployments colocated-torch split colocated-mlx --streams 1 4 8 16 --repeats 2 --requests 2 --busy 8 --out benchmarks/results/concurrency.json" ;;
     isolation) echo "benchmarks/isolation.py --deployments colocated-torch split colocated-mlx --seconds 30 --out benchmarks/results/isolation.json" ;;
     structured) echo "benchmarks/structured.py --rounds 2 --out benchmarks/results/structured.json" ;;
     grammar_masks) echo "benchmarks/grammar_masks.py --out benchmarks/results/grammar_masks.json" ;;
