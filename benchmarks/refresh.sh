@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-run every CPU figure the README and docs give as *current*, on the commit checked out now.
 #
-#   bash benchmarks/refresh.sh              # everything below, one job after the other (~30 min, 2-core VM)
+#   bash benchmarks/refresh.sh              # everything below, one job after the other (~33 min estimated, 2-core VM)
 #   JOBS="first_request pair_cost" bash benchmarks/refresh.sh     # some jobs only
 #
 # Each job rewrites its JSON in benchmarks/results/ through benchmarks/record.py, whose `record` names the
