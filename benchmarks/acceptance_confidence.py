@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "acceptance_confidence.json"
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
         "tokens_per_block: tokens the block committed (the drafter alone, greedy)",
         "result": measure(pair, prompts, args.block_size, args.max_tokens),
     }
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    write_result(args.out, res)
     r = res["result"]
     print(
         f"block {r['block_size']}: {r['tokens_per_block']:.2f} tokens per block over {r['blocks']} blocks; "

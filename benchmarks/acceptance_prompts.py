@@ -23,7 +23,6 @@ Writes ``benchmarks/results/acceptance_prompts.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -43,6 +42,9 @@ from kakeya.training.drafter_eval import (  # the card's own measurement and cou
     heldout_prompts,
     pooled,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 
 def run_pair(name: str, target: Path, draft: Path, args) -> dict:
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
     }
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1) + "\n")
+    write_result(path, res)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -92,7 +95,7 @@ def main() -> int:
         "device": args.device,
         "backends": {b: run_backend(b, prompts, args.max_tokens, args.rounds, args.device) for b in args.backends},
     }
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     print(json.dumps(out["backends"], indent=1))
     return 0
 

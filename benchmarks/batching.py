@@ -22,7 +22,6 @@ sessions' batched one, which stay the same as N grows. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -41,6 +40,9 @@ from kakeya.core.request import CachePolicy
 from kakeya.drafter.batch import draft_batch
 from kakeya.verifier.batch import verify_batch
 from kakeya.verifier.session import LocalVerifierSession
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 
 def build(shape: str, device: str, dtype: str):
@@ -225,7 +227,7 @@ def main() -> int:
     suffix = "" if (args.device, args.shape) == ("cpu", "demo") else f"_{args.device.split(':')[0]}_{args.shape}"
     path = Path(args.out or ROOT / "benchmarks" / "results" / f"batching{suffix}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    write_result(path, out)
     print(f"wrote {path}")
     return 0
 

@@ -13,7 +13,6 @@ warm-up run; everything measured side by side in one process.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -25,6 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from kakeya.orchestrator.assembly import build_local_engine
 from kakeya.orchestrator.decode.engine import Request
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 
 def measure(engine, prompt_ids, max_tokens, block_size, repeats):
@@ -92,7 +94,7 @@ def main(argv=None):
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -42,6 +42,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "chat.json"
 SYSTEM = (  # what chat UIs and editor plugins send first: a standing instruction every turn repeats
@@ -228,7 +231,7 @@ def main(argv=None) -> int:
         "command": "python benchmarks/chat.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result["goals"]))
     return 0
 

@@ -25,7 +25,6 @@ Writes benchmarks/results/concurrency.json and concurrency.png (tok/s and p50/p9
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -43,6 +42,9 @@ import grpc
 from load import cpu_seconds, percentile, serve_all, stop_serve_all, stream
 
 from kakeya.wire.kakeya.v1 import generate_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 ROLES = {  # deployment -> (serve role, its arguments)
     "colocated-torch": ("orchestrator", ["--backend", "torch"]),
@@ -246,7 +248,7 @@ def main(argv=None) -> int:
     )
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    write_result(path, out)
     plot(out, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}; every output identical to the request alone: "
           f"{out['all_identical_to_alone']}")  # fmt: skip

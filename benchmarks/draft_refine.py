@@ -43,6 +43,9 @@ from draft_sources import _shown  # a checkpoint directory as results name it
 
 from kakeya.training.drafter_eval import replay
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
+
 
 def leading(pred: np.ndarray, truth: np.ndarray) -> np.ndarray:
     """Right candidates before the first wrong one, per row."""
@@ -212,7 +215,7 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     print(f"wrote {args.out}", file=sys.stderr)
 
 

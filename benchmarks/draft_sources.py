@@ -26,7 +26,6 @@ CPU: for the cost of a lookup, not for ratios). Writes ``benchmarks/results/draf
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -34,6 +33,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "draft_sources.json"
@@ -246,7 +248,7 @@ def main(argv=None) -> int:
         "the prompt lookup finds nothing",
         "per_block_size": measure(prompts, args.block_sizes, args.max_tokens, corpus.train, args.corpus_min_match),
     }
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    write_result(args.out, res)
     for B, row in res["per_block_size"].items():
         print(
             f"block {B}: "

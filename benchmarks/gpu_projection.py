@@ -38,7 +38,6 @@ Writes JSON to ``benchmarks/results/gpu_projection.json`` (``gpu_projection_smal
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -62,6 +61,9 @@ from kakeya.drafter.torch_backend.model import DFlashConfig, DFlashDraftModel, T
 from kakeya.verifier.session import LocalVerifierSession
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args
 from kakeya.verifier.torch_backend.target import TargetTorch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_projection.json"
 SMALL_OUT = ROOT / "benchmarks" / "results" / "gpu_projection_small.json"  # never clobbers the GPU result
@@ -492,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
 
         out["kernels"] = measure_kernels(device, dtype, shape=shape, ctx=ctx, bandwidth=bandwidth)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out)
     b = out["best_block_per_tau"]
     print(
         f"{out['device_name']} {out['dtype']} ctx {ctx}: AR {out['t_ar_ms']:.2f} ms, "

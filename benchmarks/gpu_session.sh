@@ -144,16 +144,19 @@ if part generate; then
   $PY - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from record import provenance, write_result  # every results JSON records its commit, tree, date, machine
 out = Path(sys.argv[1])
 runs = [json.loads(line) for line in (out / "generate.jsonl").read_text().splitlines() if line.startswith("{")]
 keep = ("dtype", "block_size", "block_sizes", "mean_acceptance", "copied_blocks", "decode_tok_s", "ar_decode_tok_s",
         "speedup", "lossless", "device")
 name = (out / "device.txt").read_text() if (out / "device.txt").is_file() else ""  # nvidia-smi's line: name, memory, driver
-(out / "generate_cuda.json").write_text(json.dumps({
+write_result(out / "generate_cuda.json", {
     "benchmark": "kakeya generate --backend torch --device cuda --compare-ar --max-tokens 256 --ignore-eos",
     "device_name": name.split(",")[0].strip() or None,
     "command": "bash benchmarks/gpu_session.sh OUT (part generate)",
-    "runs": [{k: r.get(k) for k in keep} for r in runs]}, indent=1) + "\n")
+    "runs": [{k: r.get(k) for k in keep} for r in runs]},
+    record=provenance() | {"command": "PARTS=generate bash benchmarks/gpu_session.sh OUT"})
 PY
   step host_profile 120 $PY benchmarks/host_profile.py --device cuda --dtype "${PROFILE_DTYPE:-bfloat16}" --block-size 8
   cp "$LOGS/host_profile.log" "$OUT/" 2>/dev/null
@@ -204,7 +207,10 @@ fi
 if part compile; then  # --compile on CUDA end to end (on a CPU it is refused: the compiled attention met torch's recompile limit)
   step generate_compile 240 $PY -m kakeya.app.main generate --backend torch --device cuda --dtype bfloat16 --compile \
     --block-size 8 --max-tokens 256 --ignore-eos --compare-ar --json
-  tail -n 1 "$LOGS/generate_compile.log" >"$OUT/generate_compile.json"
+  tail -n 1 "$LOGS/generate_compile.log" | $PY -c 'import json, sys; sys.path.insert(0, "benchmarks")
+from record import provenance, write_result
+write_result(sys.argv[1], json.loads(sys.stdin.read()), record=provenance() | {"command": "PARTS=compile bash benchmarks/gpu_session.sh OUT"})' \
+    "$OUT/generate_compile.json"
 fi
 # Every step's whole log in one file (a device call brings back few files)
 [ "$LOGS" != "$OUT" ] && tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null

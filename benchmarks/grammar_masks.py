@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -119,7 +122,7 @@ def main(argv=None) -> int:
     for lib in ("llguidance", "xgrammar"):
         if isinstance(result[lib], dict):
             result[f"{lib}_median_us_per_token"] = statistics.median(v["us_per_token"] for v in result[lib].values())
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k.endswith("per_token")}))
     return 0
 

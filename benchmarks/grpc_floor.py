@@ -49,6 +49,9 @@ from pathlib import Path
 
 import grpc
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 METHOD = "/kakeya.bench.Echo/Session"
 
@@ -299,7 +302,7 @@ def main(argv=None) -> int:
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": "python benchmarks/grpc_floor.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     print(json.dumps(out["round_trip_ms"]))
     if args.block:
         print(json.dumps(out["block"]["wire_ms"]))

@@ -18,7 +18,6 @@ server's windows and the median ratio of neighbouring windows.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -38,6 +37,9 @@ from load import serve_all, stop_serve_all
 
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 from kakeya.wire.kakeya.v1 import generate_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 SERVERS = {"system": "system", "kept": None}  # name -> KAKEYA_MALLOC for its process (None: unset)
 
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
                 stop_serve_all(proc)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    write_result(path, out)
     print(f"wrote {path}")
     return 0
 

@@ -53,6 +53,9 @@ from kakeya.runtime.security.auth import new_token, with_bearer
 from kakeya.wire.kakeya.v1 import drafter_pb2, drafter_pb2_grpc, generate_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
+
 V, D = verifier_pb2.VerifierRequest, drafter_pb2.DrafterRequest
 BAD = {"INTERNAL", "UNKNOWN"}
 
@@ -332,7 +335,7 @@ def main(argv=None) -> int:
         "unauthenticated_let_through": let_through,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result, indent=1))
     ok = (not failed and not any(phase["different_from_ar"] for phase in (*quiet, *attacked))
           and not internal and not let_through and not any(ar_fallbacks.values()))  # fmt: skip

@@ -21,7 +21,6 @@ first few failures. ``benchmarks/results/isolation.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -41,6 +40,9 @@ from load import serve_all, stop_serve_all
 
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 from kakeya.wire.kakeya.v1 import generate_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 PROMPTS = [f"# {topic}\ndef " for topic in TOPICS[:6]]
 MODES = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.8, "top_p": 0.95, "seed": 7}}
@@ -177,7 +179,7 @@ def main(argv=None) -> int:
             print(f"{name}: {shown}", flush=True)
             for f in result["failures"]:
                 print(f"  {f}", flush=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out)
     print(f"wrote {args.out}")
     bad = sum(r["alone_failed"] + r["alone_different"] for r in out["deployments"].values())
     return 1 if bad else 0

@@ -21,7 +21,6 @@ interpreter, which says nothing about speed.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -41,6 +40,9 @@ from kakeya.backends.torch import ops
 from kakeya.core.contract import FULL, SLIDING
 from kakeya.verifier.layout import RingLayout
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, MoE, rope_inv_freq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 ROWS = (1, 8, 16)
 FULL_CAPACITY = 4096  # a full layer's preallocated buffer when graphs are on (the static step attends over all of it)
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
     path = args.out or ROOT / "benchmarks" / "results" / f"kernels_{slug}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(path, result)
     print(f"wrote {path}")
     return 0
 

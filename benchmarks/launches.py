@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 from pathlib import Path
 
@@ -41,6 +40,9 @@ from kakeya.core.request import CachePolicy
 from kakeya.verifier.session import LocalVerifierSession
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args
 from kakeya.verifier.torch_backend.target import TargetTorch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 OUT = ROOT / "benchmarks" / "results" / "launches.json"
 OUT_DEMO = OUT.with_name("launches_demo.json")
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     print(f"wrote {args.out}")
     return 0
 

@@ -37,6 +37,9 @@ import grpc
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
+
 # The tiny pair's drafter learnt counting-like id runs, not text: token-id prompts show it speculating.
 TINY_PROMPTS = [[2] + list(range(40 + 3 * k, 52 + 3 * k)) for k in range(8)]
 TEXT_PROMPTS = [
@@ -247,7 +250,7 @@ def main(argv=None) -> int:
     out["prompts"] = "text" if args.target else "token ids"
     out["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     print(
         json.dumps(
             {k: out[k] for k in ("requests", "failed", "mismatched", "latency_s", "aggregate_tok_s", "rss_growth_pct")}

@@ -20,6 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "mlx_blas.json"
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     print(f"wrote {args.out}")
     return 0
 

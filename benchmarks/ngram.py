@@ -14,11 +14,13 @@ committed AR's tokens. Writes ``benchmarks/results/ngram.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -104,7 +106,7 @@ def main() -> int:
         "prompts": {"readme_prompt": 1, "held_out": args.prompts, "max_tokens": args.max_tokens, "rounds": args.rounds},
         "backends": {b: run_backend(b, prompts, args.max_tokens, args.rounds) for b in args.backends},
     }
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    write_result(args.out, res)
     for b, r in res["backends"].items():
         h = r["held_out"]
         print(

@@ -20,12 +20,14 @@ Writes ``benchmarks/results/pair_cost.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,7 +130,7 @@ def main(argv=None) -> int:
             flush=True,
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     return 0
 
 

@@ -25,12 +25,14 @@ drafts would. Writes ``benchmarks/results/predraft.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         " drafter's k next likeliest tokens there, the likeliest verdicts first, at most predraft_blocks blocks"
         " (alternatives_k_blocks_m: at most m; 1 + k(B - 1) or more: every verdict).",
     }
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0 if identical else 1
 

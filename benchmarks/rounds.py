@@ -30,6 +30,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -183,7 +186,7 @@ def main(argv=None) -> int:
             out.setdefault("over_one_stream", {})[backend] = {
                 n: round(r["tok_s"] / one["tok_s"], 2) for n, r in out["results"][backend].items()
             }
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out)
     print(f"wrote {args.out}")
     return 0
 

@@ -22,7 +22,6 @@ benchmarks/results/sampling.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -39,6 +38,9 @@ from kakeya.core import noise
 from kakeya.core import sampling as reference
 from kakeya.core.request import SAMPLING_RULES, Request, SamplingParams
 from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 
 def measure(engine, prompt_ids, max_tokens, block_size, params, repeats) -> dict:
@@ -248,7 +250,7 @@ def main(argv=None):
         )
         print(f"torch vs MLX targets: {result['model_agreement']}", file=sys.stderr)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -21,14 +21,17 @@ the median of ``--reps`` calls, synchronised per call on CUDA.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "small_gemm.json"
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows_out,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     print(f"wrote {args.out}")
     return 0
 

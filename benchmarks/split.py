@@ -56,6 +56,9 @@ from kakeya.app.options import DEFAULT_PROMPT
 from kakeya.drafter.session import PREDRAFT_BLOCKS
 from kakeya.orchestrator.decode.engine import Request, RunOptions
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
+
 MODES = ("colocated", "split", "split_predraft")
 STEP_TIMEOUT_S = 30.0  # a loaded machine is slow, not hung: no step deadline should end a measured run
 
@@ -437,7 +440,7 @@ def main(argv=None):
     }
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    write_result(path, out)
     plot(out, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}", file=sys.stderr)
 

@@ -48,6 +48,9 @@ from kakeya.orchestrator.remote.drafter import GrpcDrafter
 from kakeya.orchestrator.remote.verifier import GrpcVerifier
 from kakeya.wire import codec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
+from record import write_result
+
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -339,7 +342,7 @@ def main(argv=None):
         ),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     print(json.dumps(out, indent=1))
 
 

@@ -77,6 +77,7 @@ def cmd_generate(args) -> int:
         out["logprobs"] = logprobs_json(logprobs)
     if args.compare_ar:
         out.update(_compare_ar(engine, req, gen))
+        out.update(_compare_transformers(engine, req, gen, args))
     print_result(args, out)
     return 0
 
@@ -170,6 +171,39 @@ def _compare_ar(engine, req, gen) -> dict:
     }
 
 
+def _compare_transformers(engine, req, gen, args) -> dict:
+    """Torch on a CPU in float32, greedy, native cache, no constraint: transformers' own ``generate`` on the
+    same target directory, a baseline that shares none of our code (the block-1 path above shares the forward
+    and the cache). Elsewhere it is not what the run measures (another device or dtype, a bounded cache,
+    a sampler or a grammar transformers does not run), so nothing is reported."""
+    policy = req.cache_policy
+    native = policy is None or (policy.kind == "native" and not policy.full_kv_bits)
+    torch_cpu = engine.verifier.info.backend == "torch" and engine.device in (None, "cpu")
+    if not (
+        torch_cpu and native and req.sampling.greedy and req.constraint is None and args.dtype in (None, "float32")
+    ):
+        return {}
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:  # a dev dependency: a bare torch install compares with block 1
+        return {"hf_reference": "not run: transformers is not installed"}
+    from kakeya.orchestrator.assembly import pair_paths
+    from kakeya.verifier.torch_backend.reference import NAME, greedy_reference, load_reference
+
+    model = load_reference(pair_paths(args.target, args.draft)[0])
+    stop = engine.stop_ids(req)
+    greedy_reference(model, req.prompt_ids, 4, stop)  # its warm-up, as ours had one
+    ids, _, decode_s = greedy_reference(model, req.prompt_ids, req.max_tokens, stop)
+    tok_s = (len(ids) - 1) / decode_s if decode_s > 0 and len(ids) > 1 else 0.0
+    return {
+        "hf_reference": NAME,
+        "hf_token_ids": ids,
+        "hf_decode_tok_s": round(tok_s, 3),
+        "hf_identical": ids == gen.token_ids,
+        "speedup_over_hf": round(gen.decode_tok_s / tok_s, 4) if tok_s else 0.0,
+    }
+
+
 def register_generate(sub) -> None:
     p = sub.add_parser("generate", help="speculative generation in-process (embedded default models if no paths)")
     p.add_argument("--target", help="Gemma-4 target checkpoint directory")
@@ -187,7 +221,8 @@ def register_generate(sub) -> None:
         "--compare-ar",
         action="store_true",
         help="also run AR and report the speedup; greedy and coupled sampling: and whether the tokens are "
-        "identical (lossless); the rejection rule: AR sampling, speed only",
+        "identical (lossless); the rejection rule: AR sampling, speed only; torch on a CPU, greedy: also "
+        "transformers' own generate on the same weights (speed-up and whether its tokens are ours)",
     )
     add_ngram(p)
     add_cache_args(p)

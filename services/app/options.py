@@ -220,6 +220,11 @@ def summary_line(out: dict) -> str:
             verdict += f": {out['dtype']} rounds near-ties apart between a verify and an AR step, float32 does not"
         speedup = f"{out['speedup']:.1f}x" if out.get("speedup") else "n/a"
         head += f" vs {ar_kind} {out['ar_decode_tok_s']:.0f} tok/s -> {speedup}, {verdict}"
+    if out.get("hf_decode_tok_s"):  # the independent baseline (torch CPU, greedy): transformers' own generate
+        same = "the same tokens" if out["hf_identical"] else "OTHER tokens than ours"
+        head += (
+            f"; vs transformers' generate {out['hf_decode_tok_s']:.0f} tok/s -> {out['speedup_over_hf']:.1f}x, {same}"
+        )
     tail = (
         f"{len(out['token_ids'])} tokens ({out['finish_reason']}), mean acceptance {out['mean_acceptance']:.2f} "
         f"tokens/block, prefill {out['prefill_s'] * 1e3:.1f} ms"

@@ -42,6 +42,9 @@ def test_generate_json_on_the_embedded_models_is_lossless():
     assert len(out["token_ids"]) == 120 and out["finish_reason"] == "length"
     assert sum(out["acceptance_lengths"]) == 119 and max(out["acceptance_lengths"]) <= 4
     assert out["quality"]["degenerate"] is False
+    if out["backend"] == "torch":  # transformers' own generate on the same weights, 120 tokens, ignoring EOS too
+        assert out["hf_identical"] is True and out["hf_token_ids"] == out["token_ids"]
+        assert out["hf_decode_tok_s"] > 0 and out["speedup_over_hf"] > 0
     from kakeya.checkpoints.tiny import embedded_pair  # the trained demo pair when shipped
 
     assert out["target"] == str(embedded_pair().target) and out["draft"] == str(embedded_pair().draft)
@@ -255,6 +258,8 @@ def test_the_first_run_says_what_was_compared():
     assert line.startswith("speculative (DFlash, auto blocks, mean "), line
     assert f", {where}): " in line, line
     assert " tok/s vs autoregressive " in line and "x, lossless (128/128 tokens identical)" in line, line
+    if backend == "torch":  # the independent baseline: transformers' own generate on the same weights
+        assert "; vs transformers' generate " in line and "x, the same tokens; " in line, line
     assert "runaway repetition" not in line and res.stdout.strip()
 
 
@@ -301,3 +306,28 @@ def test_a_16_bit_mismatch_says_why_and_a_float32_one_does_not():
     assert "near-ties" not in summary_line(out)  # float32 (no dtype given): a real mismatch, no excuse offered
     assert "bfloat16 rounds near-ties apart" in summary_line(out | {"dtype": "bfloat16"})
     assert "near-ties" not in summary_line(out | {"dtype": "bfloat16", "lossless": True, "ar_token_ids": [1, 2, 3, 9]})
+
+
+def test_transformers_baseline_runs_where_it_measures_the_same_thing_and_says_when_it_cannot(monkeypatch):
+    """Only torch on a CPU, float32, greedy, native cache, no constraint gets transformers' generate beside it;
+    without transformers installed the JSON says it was not run rather than failing the command."""
+    import importlib.util
+    from types import SimpleNamespace as NS
+
+    from kakeya.app.main import _compare_transformers
+
+    engine = NS(verifier=NS(info=NS(backend="torch")), device="cpu")
+    req = NS(cache_policy=None, sampling=NS(greedy=True), constraint=None)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "transformers" else find_spec(n, *a))
+    assert _compare_transformers(engine, req, None, NS(dtype=None)) == {
+        "hf_reference": "not run: transformers is not installed"
+    }
+    for other in (
+        (NS(verifier=NS(info=NS(backend="mlx")), device=None), req, NS(dtype=None)),
+        (NS(verifier=NS(info=NS(backend="torch")), device="cuda"), req, NS(dtype=None)),
+        (engine, req, NS(dtype="bfloat16")),
+        (engine, NS(cache_policy=None, sampling=NS(greedy=False), constraint=None), NS(dtype=None)),
+        (engine, NS(cache_policy=None, sampling=NS(greedy=True), constraint=object()), NS(dtype=None)),
+    ):
+        assert _compare_transformers(other[0], other[1], None, other[2]) == {}
