@@ -431,6 +431,8 @@ def load_target_head(target_dir: str | Path, dtype: mx.Dtype | None = None) -> T
 def load_draft_model(draft_dir: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraftModel:
     draft_dir = Path(draft_dir)
     config = DFlashConfig.from_dir(draft_dir)
+    if config.dflash2 is not None:  # its conv layers and candidate selector exist in torch only so far
+        raise ValueError("draft architecture DFlash2DraftModel is supported on the torch backend only, not on MLX")
     weights: dict[str, mx.array] = {}
     for f in shard_files(draft_dir):
         weights.update(mx.load(str(f)))
