@@ -250,3 +250,20 @@ def test_static_step_equals_eager(model, dflash2_dir, tiny):
     finite = torch.isfinite(eager_rows)
     torch.testing.assert_close(static_rows[finite], eager_rows[finite], rtol=1e-5, atol=1e-5)
     assert model.argmax(eager_rows, []) == static.argmax(static_rows, [])
+
+
+@pytest.mark.parametrize("rule", ["coupled", "rejection"])
+def test_sampling_with_the_realized_rows(tiny, torch_target, dflash2_dir, rule):
+    """A sampling session drafts from the realized rows (-inf off the candidates): coupled sampling
+    stays AR sampling with the same seed token for token; the rejection rule runs its proposals."""
+    from kakeya.core.request import SamplingParams
+    from kakeya.drafter.local import TorchDrafter
+
+    params = SamplingParams(0.8, top_k=40, seed=42, rule=rule)
+    verifier = LocalVerifier(torch_target, tiny.target, AUX_LAYERS)
+    drafter = TorchDrafter(dflash2_dir, tiny.target, "cpu", "float32")
+    ar = run(verifier.open_session(None, params), None, PROMPT, 40, 1).token_ids
+    gen = run(verifier.open_session(None, params), drafter.open_session(params), PROMPT, 40, 6)
+    assert len(gen.token_ids) == 40 and max(gen.acceptance_lengths) <= 6
+    if rule == "coupled":
+        assert gen.token_ids == ar
