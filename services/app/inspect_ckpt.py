@@ -68,14 +68,13 @@ def describe_draft(path) -> dict:
         "mask_token_id": dc.mask_token_id,
         "block_size": dc.block_size,
         "dflash2": None if dc.dflash2 is None else dict(dc.dflash2.__dict__),
-        "backends": backends(dflash2=dc.dflash2 is not None),
         "dtype": cfg.get("dtype") or cfg.get("torch_dtype"),
         **{k: t[k] for k in ("files", "tensors", "bytes", "tensor_dtypes")},
         "_config": dc,
     }
 
 
-def fit_problems(target_cfg: dict, draft_cfg_path: str, draft: dict, target_backends: list[str]) -> list[str]:
+def fit_problems(target_cfg: dict, draft_cfg_path: str, draft: dict) -> list[str]:
     """Every reason the drafter cannot run against the target ([] when it fits)."""
     from kakeya.checkpoints.config import load_draft_config
 
@@ -94,17 +93,12 @@ def fit_problems(target_cfg: dict, draft_cfg_path: str, draft: dict, target_back
         problems.append(f"draft target_layer_ids {bad} outside the target's {n} layers")
     if not 0 <= draft["mask_token_id"] < vocab and not any("mask_token_id" in p for p in problems):
         problems.append(f"draft mask_token_id {draft['mask_token_id']} not below target vocab_size {vocab}")
-    if not set(target_backends) & set(draft["backends"]):
-        problems.append(
-            f"no backend runs both: the target on {'/'.join(target_backends)} only,"
-            f" the drafter on {'/'.join(draft['backends'])} only"
-        )
     return problems
 
 
-def backends(quantized: bool = False, dflash2: bool = False) -> list[str]:
-    """The backends that load it: an MLX-quantized target (and a drafter over it) MLX only, DFlash2 torch only."""
-    return ["torch"] if dflash2 else ["mlx"] if quantized else ["torch", "mlx"]
+def backends(quantized: bool) -> list[str]:
+    """The backends that load a target: an MLX-quantized one (and so a drafter over it) MLX only."""
+    return ["mlx"] if quantized else ["torch", "mlx"]
 
 
 def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, sessions: int) -> dict:
@@ -181,13 +175,13 @@ def inspect(path, draft_path=None, context: int = 8192, sessions: int = 1) -> tu
             return report, []
     target, target_cfg = describe_target(path)
     target["bytes_embed_head"] = _embed_head_bytes(target, target["path"])
-    target["backends"] = backends(quantized=target["quantization"] is not None)
+    target["backends"] = backends(target["quantization"] is not None)
     report: dict = {"target": target}
     problems: list[str] = []
     draft = None
     if draft_path is not None:
         draft = describe_draft(draft_path)
-        problems = fit_problems(target_cfg, draft_path, draft, target["backends"])
+        problems = fit_problems(target_cfg, draft_path, draft)
         report["draft"] = draft
         report["fit"] = {"ok": not problems, "problems": problems}
     report["memory"] = memory(target, target_cfg, None if problems else draft, context, sessions)
@@ -255,9 +249,7 @@ def render(report: dict) -> str:
         )
         if d["dflash2"]:
             lines.append("  " + ", ".join(f"{k} {v}" for k, v in d["dflash2"].items()))
-        lines.append(
-            f"  dtype {d['dtype']}; {d['tensors']} tensors, {_mib(d['bytes'])}; runs on {'/'.join(d['backends'])}"
-        )
+        lines.append(f"  dtype {d['dtype']}; {d['tensors']} tensors, {_mib(d['bytes'])}")
     fit = report.get("fit")
     if fit:
         lines.append("fit: yes" if fit["ok"] else "fit: NO")

@@ -167,15 +167,11 @@ def model(dflash2_dir, tiny):
     return load_dflash_torch(dflash2_dir, tiny.target, "cpu", "float32")
 
 
-def test_loads_as_dflash2_and_refused_on_mlx(model, dflash2_dir, tiny):
+def test_loads_as_dflash2(model):
     from kakeya.drafter.torch_backend.dflash2 import DFlash2DraftModel
 
     assert isinstance(model, DFlash2DraftModel)
     assert model.config.dflash2.selector_top_k == TOP_K and model.config.block_size == 8
-    from kakeya.drafter.mlx_backend.model import load_draft_model
-
-    with pytest.raises(ValueError, match="DFlash2DraftModel is supported on the torch backend only"):
-        load_draft_model(dflash2_dir)
 
 
 def test_missing_dflash2_field_is_named(dflash2_dir):
@@ -267,3 +263,38 @@ def test_sampling_with_the_realized_rows(tiny, torch_target, dflash2_dir, rule):
     assert len(gen.token_ids) == 40 and max(gen.acceptance_lengths) <= 6
     if rule == "coupled":
         assert gen.token_ids == ar
+
+
+def test_mlx_matches_torch(model, dflash2_dir, tiny):
+    """The MLX DFlash2 drafter (``drafter/mlx_backend/dflash2.py``) on the same blocks: the same realized
+    rows and walk tokens as the torch one (which the reference above pins)."""
+    import mlx.core as mx
+
+    from kakeya.drafter.mlx_backend.model import load_dflash_mlx
+
+    theirs = load_dflash_mlx(dflash2_dir, tiny.target)
+    assert theirs.candidate_selector.top_k == TOP_K
+    mask = model.config.mask_token_id
+    auxs, _, blocks = _blocks(model, mask)
+    caches = [theirs.make_cache(), theirs.make_cache()]
+    extend(theirs, caches, [mx.array(a.numpy()) for a in auxs])
+    mlx_blocks = [(caches[0 if c is blocks[0][0] else 1], ids) for c, ids in blocks]
+    got = np.array(theirs.block_logits(mlx_blocks))
+    want = model.block_logits(blocks).numpy()
+    assert np.array_equal(np.isinf(got), np.isinf(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+    assert theirs.argmax(mx.array(got), caches) == model.argmax(torch.from_numpy(want), [])
+
+
+def test_mlx_greedy_speculative_equals_target_ar(tiny, dflash2_dir):
+    from kakeya.drafter.local import MLXDrafter
+    from kakeya.verifier.local import mlx_verifier
+    from kakeya.verifier.mlx_backend.reference import greedy_reference
+
+    verifier = mlx_verifier(tiny.target, AUX_LAYERS)
+    reference, _, _ = greedy_reference(verifier.target.model, PROMPT, 160)
+    drafter = MLXDrafter(dflash2_dir, tiny.target)
+    for block_size in (4, 8):
+        gen = run(verifier.open_session(CachePolicy()), drafter.open_session(), PROMPT, 160, block_size)
+        assert gen.token_ids == reference
