@@ -126,7 +126,7 @@ def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, ses
         rows = sum(
             min(context, int(dc.sliding_window) - 1) if t == SLIDING else context for t in dc.layer_types
         )  # drafter/context.py: a sliding layer keeps window - 1 rows, a full one every position
-        head = target["bytes_embed_head"]
+        head = target["embed_and_head_bytes"]
         out.update(
             draft_weights_bytes=draft["bytes"], draft_target_head_bytes=head, draft_context_per_session=rows * width
         )
@@ -174,7 +174,7 @@ def inspect(path, draft_path=None, context: int = 8192, sessions: int = 1) -> tu
             report["draft"].pop("_config")
             return report, []
     target, target_cfg = describe_target(path)
-    target["bytes_embed_head"] = _embed_head_bytes(target, target["path"])
+    target["embed_and_head_bytes"] = _embed_head_bytes(target, target["path"])
     target["backends"] = backends(target["quantization"] is not None)
     report: dict = {"target": target}
     problems: list[str] = []

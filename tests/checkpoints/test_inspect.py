@@ -162,3 +162,17 @@ def test_missing_and_garbled_files_are_named(capsys, tiny_pair, tmp_path):
     assert rc == 2 and "field 'dflash_config.mask_token_id' is missing" in err
     rc, _, err = _inspect(capsys, tiny_pair.target, "--context", 0)
     assert rc == 2 and "--context must be >= 1" in err
+
+
+def test_reads_headers_only(capsys, tiny_pair, tmp_path):
+    """Every tensor's data cut off (the header alone left): inspect says the same as on the whole file."""
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_pair.target, cut)
+    raw = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(raw[: 8 + int.from_bytes(raw[:8], "little")])
+    rc, whole, _ = _inspect(capsys, tiny_pair.target, "--draft", tiny_pair.draft, "--json")
+    rc_cut, headers, _ = _inspect(capsys, cut, "--draft", tiny_pair.draft, "--json")
+    assert rc == rc_cut == 0
+    for r in (whole, headers):
+        r["target"].pop("path")
+    assert headers == whole
