@@ -231,7 +231,7 @@ def register_generate(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every sub-command; imports neither MLX nor torch (each command imports its backend when it runs)."""
-    from kakeya.app import client, serve, tools, train
+    from kakeya.app import client, inspect_ckpt, serve, tools, train
 
     parser = argparse.ArgumentParser(prog="kakeya", description="Speculative decoding for Gemma-4 with DFlash drafters")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -239,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register(sub)
     client.register(sub)
     tools.register(sub)
+    inspect_ckpt.register(sub)
     train.register(sub)
     return parser
 

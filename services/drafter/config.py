@@ -26,6 +26,38 @@ class LayerAttention:
     scale: float  # the attention scale, head_dim ** -0.5
 
 
+DFLASH = "DFlashDraftModel"
+DFLASH2 = "DFlash2DraftModel"
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+@dataclass(frozen=True)
+class DFlash2Fields:
+    """``dflash_config``'s DFlash2 fields, as vLLM's ``qwen3_dflash2.py`` reads them."""
+
+    conv_kernel_size: int  # taps of the convolution: row i mixes rows i, i-1, .. of its own block
+    conv_group_size: int  # channels sharing one predicted coefficient per tap
+    selector_rank: int  # rank of the selector's codebooks
+    selector_top_k: int  # candidates per drafted row
+
+    @classmethod
+    def from_dflash_config(cls, dfl: dict, hidden_size: int) -> DFlash2Fields:
+        values = {}
+        for key in DFLASH2_FIELDS:
+            value = dfl.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{DFLASH2} config.json: dflash_config.{key} must be a positive integer, got {value!r}"
+                )
+            values[key] = value
+        if hidden_size % values["conv_group_size"]:
+            raise ValueError(
+                f"{DFLASH2} config.json: dflash_config.conv_group_size {values['conv_group_size']}"
+                f" does not divide hidden_size {hidden_size}"
+            )
+        return cls(**values)
+
+
 @dataclass
 class DFlashConfig:
     hidden_size: int
@@ -50,6 +82,10 @@ class DFlashConfig:
     output_multiplier: float = 1.0
     is_causal: bool | None = None
     hidden_act: str = "silu"
+    # DFlash2 (``DFlash2DraftModel``, ``drafter/torch_backend/dflash2.py``): a grouped causal convolution
+    # over the block rows around each layer's attention and MLP, and a low-rank candidate selector that
+    # walks the top-k of each row. None on a DFlash drafter.
+    dflash2: DFlash2Fields | None = None
     raw: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -85,8 +121,9 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, cfg: dict) -> DFlashConfig:
         archs = cfg.get("architectures") or []
-        if any("DFlash2" in a for a in archs):
-            raise ValueError(f"unsupported draft architecture {archs}: only DFlashDraftModel")
+        other = [a for a in archs if "DFlash2" in a and a != DFLASH2]
+        if other:
+            raise ValueError(f"unsupported draft architecture {other}: expected {DFLASH!r} or {DFLASH2!r}")
         dfl = cfg.get("dflash_config") or {}
         for key in ("target_layer_ids", "mask_token_id"):
             if key not in dfl:
@@ -116,6 +153,7 @@ class DFlashConfig:
             output_multiplier=float(dfl.get("output_multiplier", 1.0)),
             is_causal=cfg.get("is_causal"),
             hidden_act=cfg.get("hidden_act", "silu"),
+            dflash2=DFlash2Fields.from_dflash_config(dfl, int(cfg["hidden_size"])) if DFLASH2 in archs else None,
             raw=dict(cfg),
         )
 

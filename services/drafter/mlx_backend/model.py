@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx import nn
 from mlx_lm.models.rope_utils import initialize_rope
 
@@ -48,6 +49,7 @@ from kakeya.drafter.context import (
     draft_rows,
     split_rows,
 )
+from kakeya.drafter.mlx_backend import dflash2
 
 # --------------------------------------------------------------------------- layers
 
@@ -110,8 +112,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.dflash2 is not None:  # DFlash2: a block convolution around attention and MLP
+            dflash2.add_convs(self, config)
 
-    def __call__(self, x: mx.array, segments: Sequence[Segment], rope: nn.Module) -> mx.array:
+    def __call__(self, x: mx.array, segments: Sequence[Segment], rope: nn.Module, lanes=None) -> mx.array:
+        if lanes is not None:
+            return dflash2.conv_layer(self, x, segments, rope, lanes)
         h = x + self.self_attn(self.input_layernorm(x), segments, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -272,6 +278,8 @@ class DFlashDraftModel(nn.Module):
             max_position_embeddings=config.max_position_embeddings,
         )
         self.target: TargetHead | None = None
+        if config.dflash2 is not None:  # DFlash2: its drafts are a walk over each row's top candidates
+            self.candidate_selector = dflash2.selector(config)
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -338,10 +346,15 @@ class DFlashDraftModel(nn.Module):
         sized = [(cache, len(block)) for cache, block in blocks]
         specs = [layer.self_attn.spec for layer in self.layers]
         x = self.embed_block(ids)
+        lanes = np.concatenate([np.arange(n) for _, n in sized]) if self.config.dflash2 is not None else None
+        lanes_mx = None if lanes is None else mx.array(lanes)  # each row's index in its block (DFlash2's conv)
         for layer, segments in zip(self.layers, block_segments(sized, specs, mx.array, scratch=False)):
-            x = layer(x, segments, self.rope)
+            x = layer(x, segments, self.rope, lanes_mx)
         h = self.norm(x[0])
         rows = h[1:] if len(blocks) == 1 else h[mx.array(draft_rows(n for _, n in sized), dtype=mx.int32)]
+        if lanes is not None:  # DFlash2: the walk's realized rows (``dflash2.py``)
+            flat = [t for _, block in blocks for t in block]
+            return dflash2.realized_rows(self, rows, flat, lanes, np.asarray(draft_rows(n for _, n in sized)))
         return self.compute_logits(rows)
 
     def draft_step(self, extensions, blocks, greedy: bool, keep_logits: bool):

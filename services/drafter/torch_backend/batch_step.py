@@ -277,6 +277,13 @@ def draft_step(model, shape: Shape, packed: torch.Tensor, aux: torch.Tensor | No
     cos, sin = rope_from_positions(model.inv_freq, f["pos"], model.dtype, model.rope_scale)
     x = model.embed_block(f["ids"])
     attention = PooledAttention(pool, shape, f, model.attention_kernel)
+    if model.convolves:  # DFlash2 (``dflash2.py``): its layers and selector need each row's lane in its block
+        rows = f["from_pad"] if shape.ragged else torch.arange(shape.rows, device=f["pos"].device)
+        lanes = f["pos"] - f["clen"][rows // shape.block]
+        with sdpa_backends():
+            x = model.run_layers(x, cos, sin, attention, lanes)
+        h = model.norm(x[0]).index_select(0, f["drafts"])
+        return model.select(h, f["ids"], f["drafts"], lanes, shape.block - 1)
     with sdpa_backends():
         for i, layer in enumerate(model.layers):
             q, k, v = layer.project(x, cos, sin)

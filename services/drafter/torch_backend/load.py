@@ -51,7 +51,12 @@ def load_draft_model(draft_dir: str | Path, device=None, dtype=None) -> DFlashDr
     for f in shard_files(draft_dir):
         weights.update(load_file(str(f)))
     with torch.device("meta"):
-        model = DFlashDraftModel(config)
+        if config.dflash2 is not None:
+            from kakeya.drafter.torch_backend.dflash2 import DFlash2DraftModel
+
+            model = DFlash2DraftModel(config)
+        else:
+            model = DFlashDraftModel(config)
     model.inv_freq = rope_inv_freq(config)[0]
     model.load_state_dict(weights, strict=True, assign=True)
     model = model.to(device=device, dtype=dtype)

@@ -280,6 +280,8 @@ class DFlashDraftModel(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
+    convolves = False  # DFlash2's conv layers and selector (``dflash2.py``) run their own draft step
+
     # capabilities (``drafter/backend.py``): eager, exact shapes until use_graphs
     min_batch = 2
     graph_options = GraphOptions()

@@ -1,0 +1,278 @@
+"""``kakeya inspect DIR [--draft DIR]``: what a checkpoint directory holds, whether a drafter fits its
+target, and the memory the pair needs for a context and a number of sessions -- before any weight loads
+(config.json and the safetensors headers only; ``checkpoints/summary.py``). The first command to run on a
+download. A pair that does not fit is printed, then refused (exit status 2) with every reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kakeya.checkpoints.summary import CheckpointError, check_pair, describe_target, draft_checked, kv_config
+from kakeya.core.contract import SLIDING
+from kakeya.core.request import CachePolicy
+
+UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB")
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="what a checkpoint directory holds, whether a drafter fits it, and the memory the pair needs",
+        description="Reads config.json and the safetensors headers only: no weights load.",
+    )
+    p.add_argument("dir", help="a Gemma-4 target checkpoint directory (or a DFlash drafter's)")
+    p.add_argument("--draft", help="a DFlash drafter directory to check against the target DIR")
+    p.add_argument("--context", type=int, default=8192, help="positions per session for the memory (default 8192)")
+    p.add_argument("--sessions", type=int, default=1, help="concurrent sessions for the memory (default 1)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(func=cmd_inspect)
+
+
+def describe_draft(path) -> dict:
+    """What a drafter directory holds, read through ``load_draft_config`` and ``DFlashConfig``."""
+    from kakeya.drafter.config import DFlashConfig
+
+    cfg, t = draft_checked(path)
+    where = Path(cfg["_path"]) / "config.json"
+    try:
+        dc = DFlashConfig.from_dict(cfg)
+    except KeyError as exc:
+        raise CheckpointError(f"draft checkpoint {where}: field {exc} is missing") from None
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(f"draft checkpoint {where}: {exc}") from None
+    dfl = cfg.get("dflash_config") or {}
+    if dc.dflash2 is not None:
+        layout = "DFlash2 (block convolution + candidate selector)"
+    elif "block_size" not in dfl:
+        layout = "dflash package / z-lab through May 2026 (block_size at the top level)"
+    elif SLIDING in dc.layer_types:
+        layout = "z-lab June 2026 (block_size in dflash_config, sliding drafter layers)"
+    else:
+        layout = "DFlash (block_size in dflash_config)"
+    from kakeya.checkpoints.summary import layer_pattern
+
+    return {
+        "path": cfg["_path"],
+        "kind": "draft",
+        "architectures": cfg.get("architectures") or [],
+        "layout": layout,
+        "num_hidden_layers": dc.num_hidden_layers,
+        "layer_pattern": layer_pattern(list(dc.layer_types)),
+        "sliding_window": dc.sliding_window,
+        "hidden_size": dc.hidden_size,
+        "vocab_size": dc.vocab_size,
+        "attention": {"heads": dc.num_attention_heads, "kv_heads": dc.num_key_value_heads, "head_dim": dc.head_dim},
+        "target_layer_ids": list(dc.target_layer_ids),
+        "mask_token_id": dc.mask_token_id,
+        "block_size": dc.block_size,
+        "dflash2": None if dc.dflash2 is None else dict(dc.dflash2.__dict__),
+        "dtype": cfg.get("dtype") or cfg.get("torch_dtype"),
+        **{k: t[k] for k in ("files", "tensors", "bytes", "tensor_dtypes")},
+        "_config": dc,
+    }
+
+
+def fit_problems(target_cfg: dict, draft_cfg_path: str, draft: dict) -> list[str]:
+    """Every reason the drafter cannot run against the target ([] when it fits)."""
+    from kakeya.checkpoints.config import load_draft_config
+
+    problems = []
+    try:
+        check_pair(target_cfg, load_draft_config(draft_cfg_path))
+    except CheckpointError as exc:
+        problems.append(str(exc))
+    hidden, vocab, n = target_cfg["hidden_size"], target_cfg["vocab_size"], target_cfg["num_hidden_layers"]
+    if draft["hidden_size"] != hidden and not any("hidden_size" in p for p in problems):
+        problems.append(f"draft hidden_size {draft['hidden_size']} != target hidden_size {hidden}")
+    if draft["vocab_size"] != vocab:
+        problems.append(f"draft vocab_size {draft['vocab_size']} != target vocab_size {vocab}")
+    bad = [i for i in draft["target_layer_ids"] if not 0 <= i < n]
+    if bad and not any("target_layer_ids" in p for p in problems):
+        problems.append(f"draft target_layer_ids {bad} outside the target's {n} layers")
+    if not 0 <= draft["mask_token_id"] < vocab and not any("mask_token_id" in p for p in problems):
+        problems.append(f"draft mask_token_id {draft['mask_token_id']} not below target vocab_size {vocab}")
+    return problems
+
+
+def backends(quantized: bool) -> list[str]:
+    """The backends that load a target: an MLX-quantized one (and so a drafter over it) MLX only."""
+    return ["mlx"] if quantized else ["torch", "mlx"]
+
+
+def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, sessions: int) -> dict:
+    """Bytes the pair needs: weights once (the drafter's own, and its copy of the target's embedding and
+    LM head), then per session the verifier's K/V under the default (native) policy -- ``verifier/memory.py``,
+    the numbers a session reports as ``KVBytes`` -- and the drafter's context K/V rows."""
+    from kakeya.verifier.memory import DTYPE_BYTES, KVShape, session_bytes
+
+    shape = KVShape.from_config(kv_config(target_cfg))
+    kv = session_bytes(shape, CachePolicy(), context)
+    out = {
+        "context": context,
+        "sessions": sessions,
+        "cache_policy": "native",
+        "target_weights_bytes": target["bytes"],
+        "target_kv_per_session": {"sliding": kv["sliding_bytes"], "full": kv["full_bytes"]},
+        "full_attention": {"kv_heads": shape.full_kv_heads, "head_dim": shape.full_head_dim},
+        "sliding_attention": {"kv_heads": shape.sliding_kv_heads, "head_dim": shape.sliding_head_dim},
+    }
+    per_session = kv["total_bytes"]
+    weights = target["bytes"]
+    if draft is not None:
+        dc = draft["_config"]
+        width = 2 * dc.num_key_value_heads * dc.head_dim * DTYPE_BYTES.get(draft["dtype"] or "", shape.dtype_bytes)
+        rows = sum(
+            min(context, int(dc.sliding_window) - 1) if t == SLIDING else context for t in dc.layer_types
+        )  # drafter/context.py: a sliding layer keeps window - 1 rows, a full one every position
+        head = target["embed_and_head_bytes"]
+        out.update(
+            draft_weights_bytes=draft["bytes"], draft_target_head_bytes=head, draft_context_per_session=rows * width
+        )
+        per_session += rows * width
+        weights += draft["bytes"] + head
+    out["per_session_bytes"] = per_session
+    out["total_bytes"] = weights + sessions * per_session
+    return out
+
+
+def _embed_head_bytes(target: dict, path: str) -> int:
+    """Bytes of the target's embedding table and LM head on disk (what a drafter loads of the target)."""
+    from kakeya.checkpoints.layout import find_text_tensors, shard_files
+    from kakeya.checkpoints.summary import safetensors_header
+
+    headers = {}
+    for f in shard_files(path):
+        headers.update(safetensors_header(f))
+    text = find_text_tensors(headers, path)
+    total = 0
+    for module in filter(None, (text.embed, text.head)):
+        for suffix in (".weight", ".scales", ".biases"):
+            meta = headers.get(module + suffix)
+            if meta:
+                total += int(meta["data_offsets"][1]) - int(meta["data_offsets"][0])
+    return total
+
+
+def inspect(path, draft_path=None, context: int = 8192, sessions: int = 1) -> tuple[dict, list[str]]:
+    """(the report, the reasons the pair does not fit); CheckpointError for a directory that cannot be read."""
+    if context < 1:
+        raise ValueError(f"--context must be >= 1, got {context}")
+    if sessions < 1:
+        raise ValueError(f"--sessions must be >= 1, got {sessions}")
+    config = Path(path).expanduser() / "config.json"
+    if config.is_file():
+        try:
+            is_draft = "dflash_config" in json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+            is_draft = False  # the target reader names the file and what is wrong with it
+        if is_draft:
+            if draft_path is not None:
+                raise ValueError(f"{path} is a drafter: give the target as DIR and the drafter as --draft")
+            report = {"draft": describe_draft(path)}
+            report["draft"].pop("_config")
+            return report, []
+    target, target_cfg = describe_target(path)
+    target["embed_and_head_bytes"] = _embed_head_bytes(target, target["path"])
+    target["backends"] = backends(target["quantization"] is not None)
+    report: dict = {"target": target}
+    problems: list[str] = []
+    draft = None
+    if draft_path is not None:
+        draft = describe_draft(draft_path)
+        problems = fit_problems(target_cfg, draft_path, draft)
+        report["draft"] = draft
+        report["fit"] = {"ok": not problems, "problems": problems}
+    report["memory"] = memory(target, target_cfg, None if problems else draft, context, sessions)
+    if draft is not None:
+        draft.pop("_config")
+    return report, problems
+
+
+def cmd_inspect(args) -> int:
+    report, problems = inspect(args.dir, args.draft, args.context, args.sessions)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(render(report))
+    if problems:
+        raise ValueError(f"draft {args.draft} does not fit target {args.dir}: " + "; ".join(problems))
+    return 0
+
+
+def _mib(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps the figure >= 1."""
+    unit = 0
+    while n >= 1024 ** (unit + 1) and unit < len(UNITS) - 1:
+        unit += 1
+    return f"{n} bytes" if unit == 0 else f"{n / 1024**unit:,.1f} {UNITS[unit]}"
+
+
+def render(report: dict) -> str:
+    lines = []
+    t = report.get("target")
+    if t:
+        lines.append(f"target {t['path']}")
+        lines.append(
+            f"  {t['model_type']} {', '.join(t['architectures'])}" + (" (multimodal)" if t["multimodal"] else "")
+        )
+        lines.append(f"  {t['num_hidden_layers']} layers: {t['layer_pattern']}; sliding window {t['sliding_window']}")
+        lines.append(f"  hidden {t['hidden_size']}, vocab {t['vocab_size']}, k_eq_v {t['attention_k_eq_v']}")
+        extras = []
+        if t["experts"]:
+            extras.append(f"MoE: {t['experts']['num_experts']} experts, top {t['experts']['top_k']}")
+        if t["per_layer_input"]:
+            extras.append(f"per-layer inputs ({t['per_layer_input']})")
+        if t["kv_shared_layers"]:
+            extras.append(f"KV shared by the last {t['kv_shared_layers']} layers")
+        lines.append("  " + ("; ".join(extras) if extras else "dense, no per-layer inputs, no KV sharing"))
+        q = t["quantization"]
+        quant = "none" if q is None else ", ".join(f"{k} {v}" for k, v in q.items())
+        lines.append(f"  dtype {t['dtype']}; quantization {quant}; tensors {t['tensor_dtypes']}")
+        lines.append(
+            f"  {t['tensors']} tensors in {t['files']} file(s){' (sharded, index)' if t['sharded'] else ''},"
+            f" {_mib(t['bytes'])}; LM head {'tied to the embedding' if t['tied_lm_head'] else 'its own'}"
+        )
+        lines.append(f"  runs on {'/'.join(t['backends'])}")
+    d = report.get("draft")
+    if d:
+        lines.append(f"draft {d['path']}")
+        lines.append(f"  {', '.join(d['architectures']) or 'DFlash'}: {d['layout']}")
+        lines.append(
+            f"  {d['num_hidden_layers']} layers: {d['layer_pattern']}"
+            + (f"; sliding window {d['sliding_window']}" if d["sliding_window"] else "")
+        )
+        lines.append(
+            f"  target_layer_ids {d['target_layer_ids']}, mask_token_id {d['mask_token_id']},"
+            f" block_size {d['block_size']}, hidden {d['hidden_size']}, vocab {d['vocab_size']}"
+        )
+        if d["dflash2"]:
+            lines.append("  " + ", ".join(f"{k} {v}" for k, v in d["dflash2"].items()))
+        lines.append(f"  dtype {d['dtype']}; {d['tensors']} tensors, {_mib(d['bytes'])}")
+    fit = report.get("fit")
+    if fit:
+        lines.append("fit: yes" if fit["ok"] else "fit: NO")
+        lines += [f"  - {p}" for p in fit["problems"]]
+    m = report.get("memory")
+    if m:
+        kv = m["target_kv_per_session"]
+        lines.append(f"memory at context {m['context']} x {m['sessions']} session(s), native cache policy:")
+        sa, fa = m["sliding_attention"], m["full_attention"]
+        lines.append(
+            f"  target K/V heads x head dim: sliding {sa['kv_heads']} x {sa['head_dim']},"
+            f" full {fa['kv_heads']} x {fa['head_dim']}"
+        )
+        lines.append(f"  target weights {_mib(m['target_weights_bytes'])}")
+        lines.append(
+            f"  target K/V per session {_mib(kv['sliding'] + kv['full'])} (sliding {_mib(kv['sliding'])},"
+            f" full {_mib(kv['full'])})"
+        )
+        if "draft_weights_bytes" in m:
+            lines.append(
+                f"  draft weights {_mib(m['draft_weights_bytes'])} + its copy of the target's embedding"
+                f" and LM head {_mib(m['draft_target_head_bytes'])}"
+            )
+            lines.append(f"  draft context K/V per session {_mib(m['draft_context_per_session'])}")
+        lines.append(f"  total {_mib(m['total_bytes'])}")
+    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""The DFlash2 drafter (``DFlash2DraftModel``) in PyTorch: DFlash plus two things, as vLLM's
+``qwen3_dflash2.py`` and its ``dflash2/speculator.py`` define them (read, not copied):
+
+* a **grouped causal convolution over the block rows** around each layer's attention and around its MLP:
+  a layer's normed input ``a`` predicts, per row, coefficients for ``conv_kernel_size`` taps and two sides
+  (``kernel_projection``: one per ``conv_group_size`` channels, added to a learned ``base_kernel``); side 0
+  mixes ``a`` with the rows before it IN ITS OWN BLOCK before q/k/v (or gate/up), side 1 mixes the
+  attention's (MLP's) output the same way before the residual. The context is not convolved: its K/V
+  come from ``hidden_norm(fc(aux))`` exactly as in DFlash, so the pooled context caches are DFlash's;
+* a **candidate selector**: each drafted row's ``selector_top_k`` likeliest tokens under the target's
+  LM head (scaled and soft-capped as DFlash's logits), and a score for every (predecessor candidate,
+  candidate) pair: ``unary[c] + sum_r pred[prev, r] * g[r] * succ[c, r]`` (``g`` = the row's hidden
+  through ``hidden_projection``; ``pred``/``succ`` the two codebooks). The draft is a walk: from the
+  block's known token, each row takes its best candidate given the one chosen before it.
+
+What the drafter protocol hands back for a drafted row is the walk's REALIZED row: the scores of that
+row's candidates given the candidate the walk chose before it, at their token ids, ``-inf`` elsewhere
+(vLLM keeps the same row as the draft's distribution for rejection sampling). Its argmax is the walk's
+token, so greedy drafts, ``ranked`` alternatives and the sampling rules read it as DFlash's logits.
+
+A row's predecessor is the block's token before it when that token is known (the block's first token,
+or a pre-draft's pending candidates), else the walk's choice there (a mask row): for a plain block
+``[last, mask, ..]`` that is vLLM's walk from its anchor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kakeya.drafter.config import DFlashConfig
+from kakeya.drafter.torch_backend.model import DecoderLayer, DFlashDraftModel
+
+
+class GroupedConv(nn.Module):
+    """``base_kernel`` [2 sides, taps, hidden] plus per-row deltas from ``kernel_projection``."""
+
+    def __init__(self, hidden: int, taps: int, group: int):
+        super().__init__()
+        self.taps, self.group = taps, group
+        self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * taps * (hidden // group), bias=False)
+
+    def deltas(self, a: torch.Tensor) -> torch.Tensor:
+        """Per-row coefficient deltas [rows, 2, taps, hidden] of normed rows ``a`` [rows, hidden]."""
+        d = self.kernel_projection(a).view(a.shape[0], 2, self.taps, -1)
+        return d.repeat_interleave(self.group, dim=-1)
+
+    def apply(self, x: torch.Tensor, deltas: torch.Tensor, side: int, lanes: torch.Tensor) -> torch.Tensor:
+        """Rows ``x`` [rows, hidden] convolved causally within their blocks (``lanes``: each row's
+        index in its block; a tap reaching before the block's first row contributes nothing)."""
+        coeff = self.base_kernel[side] + deltas[:, side]  # [rows, taps, hidden]
+        out = coeff[:, 0] * x
+        for tap in range(1, self.taps):
+            shifted = F.pad(x[:-tap], (0, 0, tap, 0))
+            out = out + coeff[:, tap] * shifted * (lanes >= tap).to(x.dtype)[:, None]
+        return out
+
+
+class ConvDecoderLayer(DecoderLayer):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        f = config.dflash2
+        self.attention_conv = GroupedConv(config.hidden_size, f.conv_kernel_size, f.conv_group_size)
+        self.mlp_conv = GroupedConv(config.hidden_size, f.conv_kernel_size, f.conv_group_size)
+
+    def step(self, x: torch.Tensor, cos, sin, lanes: torch.Tensor, attend) -> torch.Tensor:
+        """Block rows ``x`` [1, rows, hidden] through the layer; ``attend(q, k, v)`` is the batched
+        step's attention over each block's own context and block."""
+        a = self.input_layernorm(x[0])
+        d = self.attention_conv.deltas(a)
+        q, k, v = self.self_attn.qkv(self.attention_conv.apply(a, d, 0, lanes)[None], cos, sin)
+        out = attend(q, k, v)
+        o = self.self_attn.o_proj(out.transpose(1, 2).reshape(out.shape[2], -1))
+        h = x[0] + self.attention_conv.apply(o, d, 1, lanes)
+        m = self.post_attention_layernorm(h)
+        d = self.mlp_conv.deltas(m)
+        return (h + self.mlp_conv.apply(self.mlp(self.mlp_conv.apply(m, d, 0, lanes)), d, 1, lanes))[None]
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, hidden: int, vocab: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab, rank))
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+
+    def scores(self, h: torch.Tensor, cand: torch.Tensor, unary: torch.Tensor, pred_ids: torch.Tensor):
+        """Edge scores [rows, k predecessors, k candidates] (float32)."""
+        g = self.hidden_projection(h).float()
+        pred = self.predecessor_codebook[pred_ids].float() * g[:, None]
+        succ = self.successor_codebook[cand].float()
+        return unary[:, None, :] + torch.einsum("jpr,jcr->jpc", pred, succ)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    def __init__(self, config: DFlashConfig):
+        if config.dflash2 is None:
+            raise ValueError("DFlash2DraftModel needs dflash_config's DFlash2 fields")
+        super().__init__(config)
+        self.layers = nn.ModuleList(ConvDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        f = config.dflash2
+        if f.selector_top_k > config.vocab_size:
+            raise ValueError(f"dflash_config.selector_top_k {f.selector_top_k} > vocab_size {config.vocab_size}")
+        self.candidate_selector = CandidateSelector(
+            config.hidden_size, config.vocab_size, f.selector_rank, f.selector_top_k
+        )
+
+    convolves = True
+
+    def compile_layers(self) -> None:
+        """``--compile``: the context K/V projection only (the conv layers' step runs eagerly)."""
+        from kakeya.backends.torch.ops import compiled
+
+        self.layers_kv = compiled(self.layers_kv)
+
+    def run_layers(self, x, cos, sin, attention, lanes: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            spec = layer.self_attn.spec
+            x = layer.step(x, cos, sin, lanes, lambda q, k, v, i=i, spec=spec: attention(i, spec, q, k, v))
+        return x
+
+    def select(self, h: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, lanes: torch.Tensor, walk: int):
+        """Greedy tokens [drafts] and realized rows [drafts, vocab] of the drafted rows' hidden ``h``
+        [drafts, hidden] (block rows ``rows``, whose block tokens are ``ids``); ``walk``: the longest run
+        of drafted rows after a known token (a static bound: the walk's iterations)."""
+        logits = self.compute_logits(h)
+        unary, cand = torch.topk(logits, self.candidate_selector.top_k, dim=-1)
+        before = rows - 1
+        known = (lanes[before] == 0) | (ids[before] != self.config.mask_token_id)
+        k = cand.shape[1]
+        prev_cand = torch.cat([cand[:1], cand[:-1]])  # drafted row j-1's candidates: row j's when unknown
+        pred_ids = torch.where(known[:, None], ids[before][:, None].expand(-1, k), prev_cand)
+        scores = self.candidate_selector.scores(h, cand, unary, pred_ids)
+        at = torch.arange(scores.shape[0], device=scores.device)
+        choice = torch.zeros_like(at)
+        prev = choice
+        # Each pass settles one more row of every run (a row's choice needs its predecessor's).
+        for _ in range(max(walk, 1)):
+            prev = torch.where(known, 0, torch.cat([choice[:1], choice[:-1]]))
+            choice = torch.argmax(scores[at, prev], dim=-1)
+        realized = torch.full_like(logits, float("-inf")).scatter(1, cand, scores[at, prev])
+        return cand[at, choice], realized
