@@ -5,14 +5,16 @@
 
 The ``record`` block is what ``tests/test_records.py`` reads to tell a *current* figure (measured on the
 ``services/`` tree HEAD has) from a stale one: ``commit`` (``git rev-parse HEAD`` when the run started),
-``services_tree`` (the tree id of ``services/`` at that commit), ``dirty`` (uncommitted changes under
-``services/`` when the run started: then the figure measured code no commit holds), ``date`` (UTC),
+``services_tree`` (:func:`code_tree`: a digest of what runs under ``services/`` at that commit, its Markdown
+left out, so re-rendering a model card from a result does not make that result stale), ``dirty``
+(uncommitted changes to those files when the run started: then the figure measured code no commit holds), ``date`` (UTC),
 ``machine`` (host, CPU count, platform, Python) and ``command`` (the command line that re-runs it).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -29,6 +31,18 @@ def _git(*args: str) -> str:
     return res.stdout.strip() if res.returncode == 0 else ""
 
 
+def code_tree(rev: str = "HEAD") -> str:
+    """A digest of the files under ``services/`` at ``rev`` that can change a measurement: all but ``*.md``."""
+    listing = _git("ls-tree", "-r", rev, "--", "services")
+    kept = "\n".join(line for line in listing.splitlines() if not line.endswith(".md"))
+    return hashlib.sha1(kept.encode()).hexdigest() if kept else ""
+
+
+def _dirty() -> bool:
+    changed = _git("status", "--porcelain", "--", "services").splitlines()
+    return any(not line.rstrip().endswith(".md") for line in changed)
+
+
 def provenance(argv: list[str] | None = None) -> dict:
     """The record of this run: call it when the run starts (a commit made during a long run is not what ran)."""
     argv = sys.argv if argv is None else argv
@@ -39,8 +53,8 @@ def provenance(argv: list[str] | None = None) -> dict:
         pass
     return {
         "commit": _git("rev-parse", "HEAD"),
-        "services_tree": _git("rev-parse", "HEAD:services"),
-        "dirty": bool(_git("status", "--porcelain", "--", "services")),
+        "services_tree": code_tree(),
+        "dirty": _dirty(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": {
             "host": platform.node(),

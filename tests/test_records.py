@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import record
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -70,9 +73,10 @@ def citations(path: Path) -> list[Citation]:
 
 
 def services_tree() -> str:
-    res = subprocess.run(["git", "rev-parse", "HEAD:services"], cwd=ROOT, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    return res.stdout.strip()
+    """HEAD's ``services/`` as a result's record names it (``benchmarks/record.py``: Markdown left out)."""
+    tree = record.code_tree()
+    assert tree, "git ls-tree found no services/ at HEAD"
+    return tree
 
 
 def problem(c: Citation, head_tree: str) -> str | None:

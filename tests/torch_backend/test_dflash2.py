@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.backend import extend
 from kakeya.drafter.torch_backend.load import load_dflash_torch
-from kakeya.orchestrator.loop import run
+from kakeya.orchestrator.decode.loop import run
 from kakeya.verifier.local import LocalVerifier
 
 from .conftest import AUX_LAYERS, PROMPT
