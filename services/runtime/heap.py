@@ -6,10 +6,9 @@ from the pools, attention masks, activations over every row) and frees each a mo
 memory back to the kernel as soon as it can: a chunk above its mmap threshold is unmapped when freed, and a
 thread's arena (the compute thread's is not the main thread's) gives its free top back with
 ``madvise(MADV_DONTNEED)``. The next step's allocation then faults every page in again, each zeroed by the
-kernel. On the demo pair's colocated server that is ~32,000 minor faults a second at 16 streams, a few hundred
-at one. Fixed thresholds (``mallopt``) keep freed memory in the arenas for the next step: ~2,300 faults a second
-at 16 streams and 1.12x the tok/s, one stream unchanged (``benchmarks/heap.py``: a server with glibc's
-defaults and one with these thresholds taking turns; docs/benchmarks.md). The price: the process keeps the
+kernel: at many streams a server spends its time faulting. Fixed thresholds (``mallopt``) keep freed memory in
+the arenas for the next step (what that buys, measured by ``benchmarks/heap.py``: docs/benchmarks.md, "keeping
+freed memory"). The price: the process keeps the
 high-water mark of its temporaries of up to :data:`MMAP_THRESHOLD` each (larger ones are still mapped and
 unmapped one by one), as allocators made for servers (jemalloc, tcmalloc) do.
 

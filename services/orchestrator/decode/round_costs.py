@@ -8,8 +8,8 @@ sampling, its draft call's share), ``s`` each row's (the batched matmuls). One s
 then costs it ``g / n + f + s * L``: the round's fixed cost shared, its own, and its rows. Priced from
 the alone cost curve instead (``g + f + s * L``: every session paying the whole fixed cost), every
 block looks nearly free per extra candidate and the sizer drafts long blocks whose later candidates are
-mostly rejected -- rows a batched verify pays for (on a 2-core CPU, 16 streams of the demo pair: auto
-sized blocks of ~8 gave 334 tok/s where a fixed 4 gave 493). Priced with the fixed cost shared out
+mostly rejected -- rows a batched verify pays for (on a 2-core CPU, 16 streams of the demo pair's auto
+blocks grew to ~8 and ran slower than a fixed 4). Priced with the fixed cost shared out
 (``c(L) / n`` plus rows), the per-session cost ``f`` is missed and every block shrinks to 1.
 
 Fitted by least squares on the per-session form ``T / n = g * (1 / n) + f + s * (R / n)``: the rounds

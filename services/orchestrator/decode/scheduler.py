@@ -10,10 +10,8 @@ rounds are batches of one on its own thread -- and N requests cost one batched r
 
 A round is one model-thread job, except when other work was queued for the model thread during its
 draft (``queued``: a newcomer's prefill, another request's end): then the round's verify becomes a job of
-its own behind that work, so a newcomer waits for half a round, not a whole one. Measured with 8 streams
-decoding (``benchmarks/concurrency.py``'s newcomer; ``benchmarks/results/newcomer_ab/``, before and after,
-alternating): a short request's first token at 2.9-3.0x its time alone with whole-round jobs, 1.0-1.4x
-with the yield (colocated torch; MLX 2.1-2.2x before, 1.2-1.5x after).
+its own behind that work, so a newcomer waits for half a round, not a whole one (what it bought, measured:
+docs/benchmarks.md, "A round's verify yields to a newcomer").
 
 Without a model thread (the split: a round's draft and verify are calls to the drafter's and the verifier's
 servers) there is no queue to yield to, and a newcomer's prefill reached the verifier just after the round's
@@ -21,10 +19,8 @@ verify had: the newcomer's drafter calls (open, prefix lookup) wait behind the r
 so they are answered the moment that draft is, the same instant the round sends its verify. So a request
 counts as ``starting`` from its arrival to its prefill's answer, and a round whose draft finds requests
 starting waits for them before it verifies (at most as long as the last round took, so a long prompt's
-chunked prefill does not stall the rounds): the verifier, idle meanwhile, runs the prefill first. Measured
-(``benchmarks/results/split_newcomer_ab/``, ``concurrency.py --deployments split``, the trees alternating):
-the newcomer's first token at 2.31x / 2.23x its time alone before, 1.40x / 1.61x after; 16 streams' tok/s
-over one stream's, eight alternations each, 3.47x before and 3.51x after (medians).
+chunked prefill does not stall the rounds): the verifier, idle meanwhile, runs the prefill first (measured:
+docs/benchmarks.md, "The split lets a newcomer's prefill go first").
 
 Isolation: a decode's failure (its session's exception from a batch) is its own, and a request that
 is cancelled or closed leaves before the next round; its sessions are closed after it has left, so a
