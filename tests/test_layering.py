@@ -177,3 +177,33 @@ def test_nothing_backend_neutral_imports_torch_or_mlx():
 def test_services_holds_only_folders_and_the_package_face():
     loose = sorted(p.name for p in SOURCE.glob("*.py") if p.name != "__init__.py")
     assert loose == []
+
+
+MAX_MODULES = 12  # a folder a newcomer takes in at a glance; more, and it wants rooms of its own
+
+
+def test_no_folder_holds_more_than_twelve_modules():
+    crowded = {}
+    for d in [SOURCE, *SOURCE.rglob("*")]:
+        if d.is_dir() and "__pycache__" not in d.parts and "models" not in d.relative_to(SOURCE).parts:
+            mods = [
+                p
+                for p in d.glob("*.py")
+                if p.name != "__init__.py" and not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+            ]
+            if len(mods) > MAX_MODULES:
+                crowded[str(d.relative_to(SOURCE))] = len(mods)
+    assert crowded == {}
+
+
+def test_the_rooms_drawing_in_the_design_doc_is_the_codes():
+    """docs/design.md draws the rooms and their imports (``scripts/rooms.py``); a move or a new import
+    between rooms redraws it (run the script and paste its output)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rooms", ROOT / "scripts" / "rooms.py")
+    rooms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rooms)
+    doc = (ROOT / "docs" / "design.md").read_text()
+    drawn = doc.split("```mermaid\n")[1].split("```")[0]
+    assert drawn == rooms.mermaid(), "docs/design.md's rooms drawing is stale: python scripts/rooms.py"
