@@ -74,9 +74,9 @@ def test_tiny_pair(capsys, tiny_pair):
     assert d["layout"].startswith("DFlash (") and r["fit"] == {"ok": True, "problems": []}
     # The verifier's K/V: what a live session of this target holds at this context (KVBytes).
     from kakeya.verifier.mlx_backend.target import TargetMLX
-    from kakeya.verifier.session import VerifierSession
+    from kakeya.verifier.session import LocalVerifierSession
 
-    session = VerifierSession(TargetMLX.load(tiny_pair.target), (1, 4), CachePolicy())
+    session = LocalVerifierSession(TargetMLX.load(tiny_pair.target), (1, 4), CachePolicy())
     session.prefill([(5 * i) % 1000 + 5 for i in range(CONTEXT)])
     assert m["target_kv_per_session"] == session.stats().kv_bytes.as_dict()
     per = sum(m["target_kv_per_session"].values()) + m["draft_context_per_session"]
