@@ -58,8 +58,9 @@ TEST_BACKEND_TIMEOUT_S = 60
 class Server:
     """One `kakeya serve ...` process."""
 
-    def __init__(self, name: str, argv: list[str], tmp: Path, port: int = 0):
+    def __init__(self, name: str, argv: list[str], tmp: Path, port: int = 0, prefix: list[str] | None = None):
         self.name, self.argv, self.tmp = name, list(argv), tmp
+        self.prefix = list(prefix or [])  # e.g. ``Hosts.prefix(host)``: run it on a test host (tests/hosts.py)
         self.port = port
         self.proc: subprocess.Popen | None = None
         self.addr = ""
@@ -71,7 +72,7 @@ class Server:
         tag = f"{self.name}-{id(self):x}-{self.starts}"
         self.ready_file = self.tmp / f"{tag}.ready.json"
         self.log_file = self.tmp / f"{tag}.log"
-        cmd = [sys.executable, "-m", "kakeya.app.main", "serve", *self.argv]
+        cmd = [*self.prefix, sys.executable, "-m", "kakeya.app.main", "serve", *self.argv]
         if self.argv[0] in ("orchestrator", "all") and "--backend-timeout" not in self.argv:
             cmd += ["--backend-timeout", str(TEST_BACKEND_TIMEOUT_S)]
         cmd += ["--port", str(self.port), "--ready-file", str(self.ready_file)]
@@ -142,8 +143,8 @@ def server_factory(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("servers")
     started: list[Server] = []
 
-    def make(name: str, argv: list[str], port: int = 0) -> Server:
-        s = Server(name, argv, tmp, port)
+    def make(name: str, argv: list[str], port: int = 0, prefix: list[str] | None = None) -> Server:
+        s = Server(name, argv, tmp, port, prefix)
         started.append(s)
         return s
 
