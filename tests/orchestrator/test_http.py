@@ -299,6 +299,39 @@ def test_queue_holds_requests_over_max_sessions_until_room_and_refuses_past_it(f
         _settle(servicer)
 
 
+def test_a_tool_message_answering_no_earlier_call_is_refused_by_name_on_both_fronts(front):
+    """A ``tool`` message's ``tool_call_id`` must name a call of an earlier assistant message: one that answers
+    nothing (misspelt, or before its call) is a 400 / INVALID_ARGUMENT naming the message, and the answer to a
+    real call goes through."""
+    import grpc
+
+    servicer, base = front
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    asked = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    body = {"messages": [], "max_tokens": 2}
+    for messages, index in [
+        (asked + [{"role": "tool", "tool_call_id": "call_2", "content": "sunny"}], 2),
+        ([asked[0], {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, asked[1]], 1),
+    ]:
+        status, answer = _post(base, "/v1/chat/completions", json.dumps(body | {"messages": messages}).encode())
+        assert status == 400 and answer["error"]["param"] == "messages", answer
+        assert answer["error"]["message"].startswith(f"messages[{index}].tool_call_id: 'call_"), answer
+        req = _greedy()
+        for m in messages:
+            calls = [pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments_json=c["function"]["arguments"])
+                     for c in m.get("tool_calls", ())]  # fmt: skip
+            req.messages.messages.add(role=m["role"], content=m["content"], tool_calls=calls,
+                                      tool_call_id=m.get("tool_call_id", ""))  # fmt: skip
+        context = _Context()
+        with pytest.raises(_Aborted):
+            list(servicer.Generate(req, context))
+        assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert context.details.startswith(f"prompt.messages.messages[{index}].tool_call_id: 'call_"), context.details
+    answered = asked + [{"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    status, answer = _post(base, "/v1/chat/completions", json.dumps(body | {"messages": answered}).encode())
+    assert status == 200, answer
+
+
 def test_per_peer_cap_counts_http_and_grpc_calls_of_one_host_together(front):
     """--max-sessions-per-peer: an HTTP stream in flight from 127.0.0.1 takes that host's one slot, so a second
     HTTP request (429) and a gRPC call from the same address are refused; another host is admitted."""
