@@ -34,6 +34,7 @@ from kakeya.core.request import InvalidRequest, Request
 from kakeya.orchestrator.decode.checks import DEFAULT_MAX_TOKENS, Limits, constraint_field, context_of, prompt_limit
 from kakeya.orchestrator.decode.engine import Engine, RunOptions
 from kakeya.orchestrator.fronts.errors import fallback_reason, public_status
+from kakeya.orchestrator.remote.streams import BackendError
 from kakeya.runtime import bounds, logs
 from kakeya.runtime.admission import DEFAULT_MAX_SESSIONS
 from kakeya.runtime.auth import peer_of
@@ -238,9 +239,10 @@ class GenerationService:
             run = self.engine.start(req, options)
         except InvalidRequest:
             raise
-        except constraints.ConstraintError as exc:  # its grammar past llguidance's budget as a session opened it
-            raise InvalidRequest(constraint_field(req), str(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - every other failure to start becomes a public status
+        except Exception as exc:  # noqa: BLE001 - every failure to start becomes a public status
+            reason = _unfollowable(exc)
+            if reason is not None:  # its grammar past llguidance's budget as a session opened it
+                raise InvalidRequest(constraint_field(req), reason) from None
             raise RequestError(*public_status(exc, req.request_id)) from None
         if call is not None and not call.add_callback(run.cancel):
             run.cancel()  # the call ended while the sessions opened
@@ -255,8 +257,9 @@ class GenerationService:
                 if self.aborting:
                     run.close()  # the server is going down: finish reason "abort"
         except Exception as exc:  # noqa: BLE001 - the run failed (and closed its sessions)
-            if not blocks and isinstance(exc, constraints.ConstraintError):  # past llguidance's budget, once followed
-                raise InvalidRequest(constraint_field(req), str(exc)) from None
+            reason = None if blocks else _unfollowable(exc)
+            if reason is not None:  # past llguidance's budget, once followed
+                raise InvalidRequest(constraint_field(req), reason) from None
             code, msg = public_status(exc, checked.request_id)
             if not blocks:
                 raise RequestError(code, msg) from None
@@ -279,3 +282,17 @@ class GenerationService:
             cached_tokens=report.cached_tokens,
         )
         yield report
+
+
+def _unfollowable(exc: Exception) -> str | None:
+    """Why the request's grammar cannot be followed, where ``exc`` says so, else None: met in this process (a
+    colocated session, the drafting guide) or by a split verifier, whose INVALID_ARGUMENT names its own
+    ``constraint`` field (``verifier/server.py``: at open, at a step): either way the request's 400 naming its
+    public field, never the verifier's failure."""
+    if isinstance(exc, constraints.ConstraintError):
+        return str(exc)
+    if isinstance(exc, BackendError) and exc.service == "verifier" and exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+        for prefix in ("open.constraint.spec: ", "open.constraint: ", "constraint: "):
+            if exc.details.startswith(prefix):
+                return exc.details.removeprefix(prefix)
+    return None
