@@ -45,12 +45,7 @@ def add_sessions(p) -> None:
     p.add_argument("--max-kv-bytes", type=int, default=0,
                    help="K/V budget of all sessions (0: none): the verifier admits a session only if its worst case"
                         " fits; the drafter lets a session's context cache grow only while it fits")  # fmt: skip
-    p.add_argument(
-        "--queue", type=int, default=0, help="sessions that may wait for room instead of RESOURCE_EXHAUSTED (default 0)"
-    )
-    p.add_argument(
-        "--queue-timeout", type=float, default=10.0, help="seconds a queued session waits at most (default 10)"
-    )
+    add_queue(p, "sessions")
     p.add_argument(
         "--idle-timeout",
         type=float,
@@ -93,6 +88,16 @@ def byte_size(text: str) -> int | str:
     if n < 0:
         raise ValueError(f"--prefix-cache-bytes must be >= 0, got {text!r}")
     return int(n)
+
+
+def add_queue(p, what: str) -> None:
+    """``--queue N --queue-timeout S``: ``what`` (sessions of a verifier or drafter, generations of an
+    orchestrator) that wait for room instead of RESOURCE_EXHAUSTED; ``serve all`` gives its three the same."""
+    p.add_argument(
+        "--queue", type=int, default=0,
+        help=f"{what} that may wait for room (--max-sessions) instead of RESOURCE_EXHAUSTED / HTTP 429 (default 0)",
+    )  # fmt: skip
+    p.add_argument("--queue-timeout", type=float, default=10.0, help=f"seconds queued {what} wait at most (default 10)")
 
 
 def add_prefix_cache(p, where: str) -> None:
@@ -320,7 +325,8 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
             out += ["--max-kv-bytes", str(args.max_kv_bytes)]
             out += [x for spec in args.restore or [] for x in ("--restore", spec)]
         return out
-    out += ["--max-prompt-tokens", str(args.max_prompt_tokens), "--backend-timeout", str(args.backend_timeout),
+    out += ["--queue", str(args.queue), "--queue-timeout", str(args.queue_timeout),
+            "--max-prompt-tokens", str(args.max_prompt_tokens), "--backend-timeout", str(args.backend_timeout),
             "--default-max-tokens", str(args.default_max_tokens), "--max-sessions-per-peer", str(args.max_sessions_per_peer),
             "--backend-token-file", backend_token_file, "--predraft", args.predraft, "--predraft-alternatives", str(args.predraft_alternatives),
             "--ngram", args.ngram]  # fmt: skip

@@ -257,6 +257,8 @@ def cmd_serve_orchestrator(args) -> int:
         default_max_tokens=args.default_max_tokens,
         max_sessions=args.max_sessions,
         max_sessions_per_peer=args.max_sessions_per_peer,
+        queue=args.queue,
+        queue_timeout_s=args.queue_timeout,
         max_prompt_tokens=args.max_prompt_tokens,
         restore=sources,
         auth_token=serve_flags.auth_token(args),
@@ -338,6 +340,7 @@ def register(sub) -> None:
         "--backend-wait", type=float, default=120.0, help="split: seconds to wait for verifier/drafter at start"
     )
     _limits(o)
+    serve_flags.add_queue(o, "generations")  # `serve all` has it from add_sessions, for its three processes
     o.set_defaults(func=cmd_serve_orchestrator)
 
     a = roles.add_parser(

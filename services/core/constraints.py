@@ -161,6 +161,15 @@ def check(grammar: str, tok: llguidance.LLTokenizer) -> None:
     mask = np.zeros((tok.vocab_size + 31) // 32, np.int32)
     matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
     _raise_if_failed(matcher)
+    # One step further, along the first token allowed: a regex bomb (``b{99999997}``) builds its lexer for
+    # seconds at the first mask and fails only once a token is taken. Met here, on the caller's thread
+    # (llguidance lets go of the GIL), it is the request's 400 on every deployment, before any session or
+    # model thread sees it; the copy is thrown away.
+    allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[: tok.vocab_size])
+    first = next((int(t) for t in allowed if int(t) not in tok.eos_tokens), None)
+    if first is not None and matcher.try_consume_tokens([first]) == 1:
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+    _raise_if_failed(matcher)
 
 
 class Grammar:
@@ -179,6 +188,11 @@ class Grammar:
         self.words = (self.vocab + 31) // 32
         self.specials = _specials(tok)
         self.ended = False  # no token could continue the grammar: the generation ended at EOS (:meth:`_fill`)
+        # The first row, computed now, where the grammar is opened: a verifier opens it on the session's
+        # handler thread, so the first mask's cost (a large regex's lexer: up to seconds) and a budget met
+        # there (ConstraintError, the request's) stay off the model thread; used by the first bitmask.
+        self._first: np.ndarray | None = np.full(self.words, -1, np.int32)
+        self._fill(self._first)
 
     def masks(self, candidates: Sequence[int]) -> np.ndarray:
         """:meth:`bitmask` as bools [len(candidates) + 1, vocab] (a row's allowed tokens, to read)."""
@@ -193,7 +207,10 @@ class Grammar:
         bits[:] = -1
         consumed = 0
         for i in range(len(candidates) + 1):
-            self._fill(bits[i])
+            if i == 0 and self._first is not None:
+                bits[0] = self._first
+            else:
+                self._fill(bits[i])
             if i == len(candidates) or self.matcher.try_consume_tokens([int(candidates[i])]) != 1:
                 break
             consumed += 1
@@ -235,6 +252,7 @@ class Grammar:
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Consume committed ``tokens`` (each one a mask allowed); past the end of the grammar nothing is kept."""
+        self._first = None  # the state moves on: the first row no longer describes it
         for t in tokens:
             if self.finished:
                 return

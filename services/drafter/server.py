@@ -45,7 +45,6 @@ from kakeya.wire.kakeya.v1 import drafter_pb2_grpc
 log = logging.getLogger("kakeya.drafter")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DrafterService"].full_name
-ROUND_WIRE = RoundWire(pb.DraftRoundResponse, "draft", "drafted", pb.DrafterResponse.Progress)
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -230,10 +229,9 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
             yield resp
 
     def DraftRound(self, request, context):
-        yield from serve_round(self, ROUND_WIRE, self._round_batch, request, context)
-
-    def _round_batch(self, items: list) -> list:
-        return [r if isinstance(r, Exception) else _drafted_proto(r) for r in self._draft_batch(items)]
+        # The streams' runner, its (draft, stats) results made protos after: a round's drafts and streams'
+        # first drafts and pre-drafts share the kind "draft", so they must share its runner (``ComputeThread``).
+        yield from serve_round(self, ROUND_WIRE, self._draft_batch, request, context)
 
     def _round_draft_item(self, entry, session, d) -> tuple:
         if d.resume_at:
@@ -341,6 +339,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
 
 
 def _drafted_proto(result) -> pb.DrafterResponse.Drafted:
+    """A ``_draft_batch`` result (draft, stats) as its wire answer."""
     draft, stats = result
     drafted = pb.DrafterResponse.Drafted(token_ids=draft.tokens, stats=stats)
     if draft.proposal is not None:
@@ -348,6 +347,9 @@ def _drafted_proto(result) -> pb.DrafterResponse.Drafted:
     if draft.ranked is not None:
         drafted.ranked_ids.extend(t for row in draft.ranked for t in row)
     return drafted
+
+
+ROUND_WIRE = RoundWire(pb.DraftRoundResponse, "draft", "drafted", pb.DrafterResponse.Progress, _drafted_proto)
 
 
 def predrafted_proto(found: Predrafts, pending: int, stats) -> pb.DrafterResponse.Predrafted:

@@ -114,8 +114,15 @@ def template_inputs(chat: Chat) -> tuple[list[dict], list[dict] | None]:
     ``apply_chat_template`` takes them, but for a call's arguments, given as the object its JSON text holds (as
     vLLM hands them to templates, which serialise them in the model's own call syntax)."""
     messages = []
+    called: set[str] = set()  # ids of the calls made so far: a tool message answers one of them
     for i, m in enumerate(chat.messages):
         message: dict[str, Any] = {"role": m.role, "content": m.content}
+        called.update(c.id for c in m.tool_calls)
+        if m.role == "tool" and m.tool_call_id not in called:
+            raise ChatError(
+                f"messages[{i}].tool_call_id: {quote(m.tool_call_id)} answers no call of an earlier assistant"
+                " message (a tool message answers one of their tool_calls by its id)"
+            )
         if m.tool_calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c, i, j)}}

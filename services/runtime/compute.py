@@ -11,6 +11,14 @@ gather window): a batch is whatever arrived during the previous job, which is
 what continuous batching in vLLM/SGLang amounts to at a step boundary. Under
 no load a batch has one item and costs what an unbatched call did.
 
+**A group shares one runner.** Jobs join a group only when both their kind and their runner equal the
+group's first job's (bound methods compare equal when they are the same method of the same object): the
+runner called for the group is the first job's, so a job queued with another runner under the same kind
+would get results of a contract it never asked for (a drafter's stream drafts once did, beside its round
+drafts: ``TypeError`` and every stream of the group finishing without its drafter). Callers that want two
+call sites batched together give them the same runner and convert its results afterwards
+(``rounds.RoundWire.answer_of``).
+
 Order between sessions may change (a batch takes later jobs of its kind ahead
 of earlier jobs of another kind), order within a session cannot: a session's
 handler waits for each result before submitting its next job.
@@ -243,7 +251,11 @@ class ComputeThread:
             group, rest = [first], deque()
             while self._jobs:
                 job = self._jobs.popleft()
-                if job.fn is None and job.kind == first.kind and len(group) < self.max_batch:
+                if (
+                    job.fn is None
+                    and (job.kind, job.runner) == (first.kind, first.runner)
+                    and len(group) < self.max_batch
+                ):
                     group.append(job)
                 else:
                     rest.append(job)

@@ -134,9 +134,7 @@ class ServerMetrics:
             "kakeya_request_success", "generations finished, by finish reason", ["finished_reason"], registry=r
         )
         self.running = Gauge("kakeya_num_requests_running", "generations in flight", registry=r)
-        self.waiting = Gauge(
-            "kakeya_num_requests_waiting", "generations queued for admission (no queue yet: always 0)", registry=r
-        )
+        self.waiting = Gauge("kakeya_num_requests_waiting", "generations queued for admission (--queue)", registry=r)
         self.prompt_tokens = Counter("kakeya_prompt_tokens", "prompt tokens prefilled", registry=r)
         self.cached_tokens = Counter(
             "kakeya_prompt_tokens_cached", "prompt tokens resumed from a prefix cache instead of prefilled", registry=r

@@ -46,12 +46,16 @@ class RoundSlot:
 @dataclass(frozen=True)
 class RoundWire:
     """One role's round messages: ``response`` (VerifyRoundResponse / DraftRoundResponse), the field of an
-    item's step (``verify`` / ``draft``) and of its answer (``verified`` / ``drafted``), the Progress message."""
+    item's step (``verify`` / ``draft``) and of its answer (``verified`` / ``drafted``), the Progress message;
+    ``answer_of`` turns the runner's result into the answer message. The runner is the one the role's streams
+    use for the same step (their results: the same type), so a round's items and streams' steps batch
+    together on the compute thread (``ComputeThread``: a group shares one runner)."""
 
     response: type
     step: str
     answer: str
     progress: type
+    answer_of: Callable = lambda result: result  # the verifier's runner answers protos already
 
 
 def serve_round(servicer, wire: RoundWire, runner: Callable, request, context):
@@ -111,7 +115,7 @@ def serve_round(servicer, wire: RoundWire, runner: Callable, request, context):
         if entry.closed:  # cancelled or closed while its step was in hand: its own error, nobody reads it
             out[i] = _error(wire, grpc.StatusCode.CANCELLED, f"{where}.session_id: the session ended during the round")
         elif exc is None:
-            out[i] = wire.response.Item(**{wire.answer: future.result()})
+            out[i] = wire.response.Item(**{wire.answer: wire.answer_of(future.result())})
         elif isinstance(exc, RequestError):
             out[i] = _error(wire, exc.code, exc.message if exc.message.startswith(where) else f"{where}.{exc.message}")
         else:

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
+from kakeya.core.constraints import ConstraintError
 from kakeya.core.contract import Draft, VerifierStats
 from kakeya.runtime import bounds
 from kakeya.runtime.lifecycle import (
@@ -272,7 +273,10 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                     )
                 ids = check_token_ids(req.prefill.token_ids, vocab, "prefill.token_ids")
                 reuse = None if req.prefill.reuse_any else tuple(req.prefill.reuse_positions)
-                next_token, aux, stats = yield from self._prefill(entry, session, ids, reuse, every)
+                try:
+                    next_token, aux, stats = yield from self._prefill(entry, session, ids, reuse, every)
+                except ConstraintError as exc:  # its grammar met llguidance's budget choosing the first token
+                    raise _unfollowable(exc) from None
                 prefilled = True
                 entry.round = RoundSlot(partial(self._verify_item, entry, session, max_positions))
                 resp = pb.VerifierResponse(
@@ -386,6 +390,8 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         verdicts = decide_batch([(session, ids[0], d) for (_, session, ids, _), d in zip(items, drafts)])
         out = []
         for item, verdict in zip(items, verdicts):
+            if isinstance(verdict, ConstraintError):  # the request's grammar met a budget: its own refusal
+                verdict = _unfollowable(verdict)
             try:
                 out.append(verdict if isinstance(verdict, Exception) else self._verified(item, verdict))
             except Exception as exc:  # noqa: BLE001 - its own failure (its stream ended meanwhile), its result alone
@@ -403,6 +409,12 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             stats=_stats_proto(stats),
             logprobs=[wire_contract.logprobs_to_proto(lp) for lp in verdict.logprobs or ()],
         )
+
+
+def _unfollowable(exc: ConstraintError):
+    """A session's grammar that met llguidance's budgets as it ran: INVALID_ARGUMENT naming ``constraint`` (the
+    request's, as at open; the orchestrator names its public field), never an INTERNAL error of the verifier."""
+    return invalid(f"constraint: {exc}")
 
 
 def server_spec(

@@ -133,7 +133,7 @@ def test_a_regex_past_llguidances_budget_is_refused_not_a_500(real):
     expressions constructed"): a committed token outside the grammar, a 500. Now a 400 (INVALID_ARGUMENT) naming
     the parameter; the compiled grammar keeps the failure, so a later request is refused at the check."""
     body = {"guided_regex": "b{99999997}"}  # a regex no other test compiles: this one meets it first
-    for _ in range(2):  # the first meets the budget as it runs, the second at the check
+    for _ in range(2):  # both at the check (it takes one token into the grammar), the second from the cache
         status, answer = _http(real, body)
         assert status == 400 and answer["error"]["param"] == "guided_regex", answer
         assert answer["error"]["message"].startswith("guided_regex: the constraint cannot be followed: ")

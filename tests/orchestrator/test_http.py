@@ -72,18 +72,24 @@ def _settle(servicer) -> None:
 def _stream_in_flight(servicer, base):
     """One long streamed completion from 127.0.0.1, open (its first event read) while the block runs."""
     _settle(servicer)  # an earlier test's run may still be ending on this shared front
-    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
-    body = json.dumps({"prompt": [2] + list(range(100, 140)), "max_tokens": 4000, "ignore_eos": True, "stream": True})
+    conn = _open_stream(base)
     try:
-        conn.request(
-            "POST", "/v1/completions", body, {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
-        )
-        r = conn.getresponse()
-        assert r.status == 200 and r.readline().startswith(b"data: ")
         yield
     finally:
         conn.close()
         _settle(servicer)
+
+
+def _open_stream(base) -> http.client.HTTPConnection:
+    """A long streamed completion's connection, its first event read (its generation runs); close it to end it."""
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    body = json.dumps({"prompt": [2] + list(range(100, 140)), "max_tokens": 4000, "ignore_eos": True, "stream": True})
+    conn.request(
+        "POST", "/v1/completions", body, {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
+    )
+    r = conn.getresponse()
+    assert r.status == 200 and r.readline().startswith(b"data: ")
+    return conn
 
 
 def test_openai_completions_equal_grpc(front):
@@ -247,6 +253,83 @@ def test_not_ready_is_503_and_a_full_server_429(front):
             assert status == 429 and answer["error"]["type"] == "rate_limit_error"
     finally:
         servicer.max_sessions = limit
+
+
+def test_queue_holds_requests_over_max_sessions_until_room_and_refuses_past_it(front):
+    """--max-sessions 2 --queue 8: with both slots taken, 5 more requests wait (kakeya_num_requests_waiting 5)
+    and all finish once the slots free, none refused; a full queue, and a wait past --queue-timeout, are 429
+    naming --queue."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    servicer, base = front
+    saved = servicer.max_sessions, servicer.queue, servicer.queue_timeout_s
+    waiting = lambda: servicer.metrics.registry.get_sample_value("kakeya_num_requests_waiting")
+    body = b'{"prompt": "def f(x):", "max_tokens": 6, "ignore_eos": true}'
+    _settle(servicer)
+    servicer.max_sessions, servicer.queue, servicer.queue_timeout_s = 2, 8, 120.0
+    pool = ThreadPoolExecutor(5)
+    held = [_open_stream(base), _open_stream(base)]
+    try:
+        queued = [pool.submit(_post, base, "/v1/completions", body) for _ in range(5)]
+        wait_until(lambda: waiting() == 5, what="five requests queued")
+        assert servicer.active == 2 and not any(f.done() for f in queued)
+        for conn in held:
+            conn.close()
+        answers = [f.result(120) for f in queued]
+        assert [status for status, _ in answers] == [200] * 5
+        assert all(a["usage"]["completion_tokens"] == 6 for _, a in answers)
+        assert waiting() == 0
+        _settle(servicer)
+        servicer.queue, servicer.queue_timeout_s = 1, 0.2
+        held = [_open_stream(base), _open_stream(base)]
+        status, answer = _post(base, "/v1/completions", body)  # waits 0.2 s in the queue, then refused
+        assert status == 429 and "in its queue (--queue 1)" in answer["error"]["message"]
+        servicer.queue_timeout_s = 120.0
+        first = pool.submit(_post, base, "/v1/completions", body)
+        wait_until(lambda: waiting() == 1, what="one request queued")
+        status, answer = _post(base, "/v1/completions", body)  # the queue is full: refused at once
+        assert status == 429 and "1 wait in its queue (--queue 1)" in answer["error"]["message"]
+        held.pop().close()
+        assert first.result(120)[0] == 200
+    finally:
+        for conn in held:
+            conn.close()
+        pool.shutdown()
+        servicer.max_sessions, servicer.queue, servicer.queue_timeout_s = saved
+        _settle(servicer)
+
+
+def test_a_tool_message_answering_no_earlier_call_is_refused_by_name_on_both_fronts(front):
+    """A ``tool`` message's ``tool_call_id`` must name a call of an earlier assistant message: one that answers
+    nothing (misspelt, or before its call) is a 400 / INVALID_ARGUMENT naming the message, and the answer to a
+    real call goes through."""
+    import grpc
+
+    servicer, base = front
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    asked = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    body = {"messages": [], "max_tokens": 2}
+    for messages, index in [
+        (asked + [{"role": "tool", "tool_call_id": "call_2", "content": "sunny"}], 2),
+        ([asked[0], {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, asked[1]], 1),
+    ]:
+        status, answer = _post(base, "/v1/chat/completions", json.dumps(body | {"messages": messages}).encode())
+        assert status == 400 and answer["error"]["param"] == "messages", answer
+        assert answer["error"]["message"].startswith(f"messages[{index}].tool_call_id: 'call_"), answer
+        req = _greedy()
+        for m in messages:
+            calls = [pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments_json=c["function"]["arguments"])
+                     for c in m.get("tool_calls", ())]  # fmt: skip
+            req.messages.messages.add(role=m["role"], content=m["content"], tool_calls=calls,
+                                      tool_call_id=m.get("tool_call_id", ""))  # fmt: skip
+        context = _Context()
+        with pytest.raises(_Aborted):
+            list(servicer.Generate(req, context))
+        assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert context.details.startswith(f"prompt.messages.messages[{index}].tool_call_id: 'call_"), context.details
+    answered = asked + [{"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    status, answer = _post(base, "/v1/chat/completions", json.dumps(body | {"messages": answered}).encode())
+    assert status == 200, answer
 
 
 def test_per_peer_cap_counts_http_and_grpc_calls_of_one_host_together(front):

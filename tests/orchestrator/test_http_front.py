@@ -476,6 +476,16 @@ def test_stream_options_are_honoured(front):
     assert events[-1]["usage"]["completion_tokens"] == 2 and all(e["obfuscation"] for e in events)
     status, answer = client.post(CHAT, stream | {"stream_options": {"include_usage": "yes"}})
     assert status == 400 and _refusal(answer) == "stream_options.include_usage"
+    # strict, as vLLM: without "stream", or with an option it does not know (misspelt), refused by name
+    for body, says in [
+        (BASE[CHAT] | {"stream_options": {"include_usage": True}}, 'only with "stream": true'),
+        (BASE[COMPLETIONS] | {"stream": False, "stream_options": {"include_usage": True}}, 'only with "stream": true'),
+        (stream | {"stream_options": {"include_usage": True, "include_usgae": True}}, "unknown option 'include_usgae'"),
+    ]:
+        status, answer = client.post(CHAT if "messages" in body else COMPLETIONS, body)
+        assert status == 400 and _refusal(answer) == "stream_options" and says in answer["error"]["message"], answer
+    for empty in (None, {}):  # asks for nothing: as absent
+        assert client.post(CHAT, BASE[CHAT] | {"stream_options": empty})[0] == 200
 
 
 def test_request_id_is_honoured(front):

@@ -107,18 +107,54 @@ def test_other_kinds_and_plain_jobs_are_not_merged_and_keep_their_order():
     log = []
     release = _blocked(ct)
     ex = ThreadPoolExecutor(4)
-    fa = ex.submit(ct.batch, "verify", "a", lambda items: (log.append(("verify", list(items))), items)[1])
+
+    def verify(items):  # one runner for the kind (a group is one runner's)
+        log.append(("verify", list(items)))
+        return items
+
+    fa = ex.submit(ct.batch, "verify", "a", verify)
     _wait_queued(ct, 1)
     fp = ct.submit(log.append, ("plain",))
     fd = ex.submit(ct.batch, "draft", "d", lambda items: (log.append(("draft", list(items))), items)[1])
     _wait_queued(ct, 3)
-    fb = ex.submit(ct.batch, "verify", "b", lambda items: (log.append(("verify", list(items))), items)[1])
+    fb = ex.submit(ct.batch, "verify", "b", verify)
     _wait_queued(ct, 4)
     release.set()
     for f in (fa, fp, fd, fb):
         f.result(5)
     # "b" joined "a"'s batch; the plain job and the other kind ran after it, in their order
     assert log == [("verify", ["a", "b"]), ("plain",), ("draft", ["d"])]
+    ex.shutdown()
+    ct.shutdown()
+
+
+def test_jobs_of_one_kind_with_other_runners_never_run_anothers_runner():
+    """A group is one runner's: a job queued under the same kind with another runner (two call sites that
+    answer different types) runs its own, never the group's first's; jobs with the same runner still merge,
+    a bound method of one object counting as the same runner however often it is looked up."""
+    ct = ComputeThread("t")
+
+    class Site:
+        def __init__(self, tag):
+            self.tag, self.calls = tag, []
+
+        def run(self, items):
+            self.calls.append(list(items))
+            return [(self.tag, x) for x in items]
+
+    tuples, protos = Site("tuple"), Site("proto")
+    release = _blocked(ct)
+    ex = ThreadPoolExecutor(6)
+    futs = []
+    for i, site in enumerate([tuples, protos, tuples, protos, tuples]):
+        futs.append((site, i, ex.submit(ct.batch, "draft", i, site.run)))  # a fresh bound method each time
+        _wait_queued(ct, i + 1)
+    many = ct.start_many("draft", [10, 11], protos.run)
+    release.set()
+    for site, i, f in futs:
+        assert f.result(5) == (site.tag, i)
+    assert [f.result(5) for f in many] == [("proto", 10), ("proto", 11)]
+    assert tuples.calls == [[0, 2, 4]] and protos.calls == [[1, 3, 10, 11]]
     ex.shutdown()
     ct.shutdown()
 

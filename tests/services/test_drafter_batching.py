@@ -163,3 +163,57 @@ def test_a_rounds_drafts_travel_in_one_draft_round_call_and_draft_what_they_draf
             s.close()
         client.close()
     wait_until(lambda: d.registry.live == 0, what="sessions closed")
+
+
+def test_a_streams_first_draft_and_a_rounds_drafts_queued_together_share_one_forward(server, tiny_pair):
+    """The split's mixed arrivals: a new stream's first draft (on its stream) queues beside a DraftRound of
+    sessions already drafting. Both are kind "draft": they must run one runner (one batch), each answered
+    as alone -- they once ran the round's runner for the stream's item (TypeError, the drafter lost)."""
+    backend, addr, d = server
+    client = GrpcDrafter(addr, clock=StepClock(floor_s=60.0))
+    local = _drafter(backend, tiny_pair)
+    width, vocab = local.model.config.aux_width, local.model.target.vocab_size
+    rng = np.random.default_rng(11)
+
+    def work(rows: int):
+        return rng.standard_normal((rows, width)).astype(np.float32), int(rng.integers(0, vocab))
+
+    older = [client.open_session(None) for _ in BLOCKS]  # first drafts done: they draft in rounds from now on
+    older_alone = [local.open_session(None) for _ in BLOCKS]
+    newcomer, newcomer_alone = client.open_session(None), local.open_session(None)
+    pool = ThreadPoolExecutor(2)
+    try:
+        for s, a, b in zip(older, older_alone, BLOCKS):
+            aux, last = work(12)
+            assert s.draft(aux, last, b).tokens == a.draft(_local_aux(backend, aux), last, b).tokens
+        for round_first in (True, False):  # the group's first job from either call site
+            steps = [(*work(int(rng.integers(1, 6))), b) for b in BLOCKS]
+            first = (*work(20), 4)
+            newcomer._stream().wait(newcomer._opened, 60)  # its Open (a plain job) answered before the hold
+            release = _hold(d.compute)
+            before = (d.compute.batches, d.compute.batched_items, d.round_calls)
+            if not round_first:
+                first_f = pool.submit(newcomer.draft, *first)
+                wait_until(lambda: len(d.compute._jobs) >= 1, what="the first draft queued")
+            round_f = pool.submit(GrpcDrafter.draft_batch, [(s, *st) for s, st in zip(older, steps)])
+            if round_first:
+                wait_until(lambda: len(d.compute._jobs) >= len(BLOCKS), what="the round's drafts queued")
+                first_f = pool.submit(newcomer.draft, *first)
+            wait_until(lambda: len(d.compute._jobs) >= len(BLOCKS) + 1, what="both call sites' drafts queued")
+            release.set()
+            got_round, got_first = round_f.result(60), first_f.result(60)
+            assert d.round_calls - before[2] == 1
+            # one forward for both call sites, every item answered (no exception stands in for a draft)
+            assert (d.compute.batches - before[0], d.compute.batched_items - before[1]) == (1, len(BLOCKS) + 1)
+            want = [a.draft(_local_aux(backend, aux), last, b) for a, (aux, last, b) in zip(older_alone, steps)]
+            assert [g.tokens for g in got_round] == [w.tokens for w in want]
+            aux, last, b = first
+            assert got_first.tokens == newcomer_alone.draft(_local_aux(backend, aux), last, b).tokens
+            newcomer.close()
+            newcomer, newcomer_alone = client.open_session(None), local.open_session(None)
+    finally:
+        for s in (*older, newcomer):
+            s.close()
+        pool.shutdown()
+        client.close()
+    wait_until(lambda: d.registry.live == 0, what="sessions closed")

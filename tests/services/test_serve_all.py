@@ -232,7 +232,8 @@ def test_serve_all_hands_each_child_both_branches_flags():
     a = build_parser().parse_args(["serve", "all", "--prefix-cache-bytes", "64M", "--http-port", "8000",
                                    "--served-model-name", "m", "--max-sessions-per-peer", "3", "--predraft", "on",
                                    "--predraft-alternatives", "2", "--predraft-blocks", "6",
-                                   "--http-header-timeout", "2", "--http-body-timeout", "3"])  # fmt: skip
+                                   "--http-header-timeout", "2", "--http-body-timeout", "3",
+                                   "--queue", "8", "--queue-timeout", "4"])  # fmt: skip
 
     def value(argv, flag):
         return argv[argv.index(flag) + 1]
@@ -253,6 +254,10 @@ def test_serve_all_hands_each_child_both_branches_flags():
         "on",
     )
     assert value(argv, "--predraft-alternatives") == "2"
+    # the public front queues generations too (issue 58: its --max-sessions refused before the backends' queue)
+    assert (value(argv, "--queue"), value(argv, "--queue-timeout")) == ("8", "4.0")
+    o = build_parser().parse_args(["serve", "orchestrator", *argv])
+    assert (o.queue, o.queue_timeout) == (8, 4.0)
     assert "--prefix-cache-bytes" not in argv  # a split orchestrator keeps no model state
     timeouts = [value(argv, f) for f in ("--http-header-timeout", "--http-body-timeout", "--http-keep-alive")]
     assert timeouts == ["2.0", "3.0", "5.0"]

@@ -150,7 +150,7 @@ def server_spec(servicer: GenerationServicer, tls=None, http=None) -> ServerSpec
         load=servicer.load,
         set_ready=set_ready,
         near_deadline=near_deadline,
-        max_workers=workers_for(servicer.max_sessions),
+        max_workers=workers_for(servicer.max_sessions, servicer.queue),  # queued generations hold a thread too
         max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES,
         health_watch=None if servicer.colocated else backends_ok,
         tls=tls,

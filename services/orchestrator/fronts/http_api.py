@@ -188,6 +188,12 @@ def stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("stream_options", "must be an object")
+    # strict, as vLLM is: an option of a stream that is not one, or one misspelt, would be silently ignored
+    if options and not stream:
+        raise bad("stream_options", 'only with "stream": true (a whole answer always carries its usage)')
+    unknown = sorted(set(options) - {"include_usage", "include_obfuscation"}, key=str)
+    if unknown:
+        raise bad("stream_options", f"unknown option {quote(unknown[0])} (include_usage and include_obfuscation are)")
     usage, obfuscate = (_flag(options, k, "stream_options.") for k in ("include_usage", "include_obfuscation"))
     return stream and usage, stream and obfuscate
 

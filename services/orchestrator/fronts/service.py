@@ -3,7 +3,8 @@
 A front turns what its client sent into a :class:`~kakeya.core.request.Request` and iterates
 :meth:`GenerationService.stream`: committed blocks (their token ids and the text they added, cut at
 stop strings), then one :class:`~kakeya.core.generation.Report`. In between the service does, for
-every front alike: readiness, admission (``--max-sessions``, ``--max-sessions-per-peer``), the
+every front alike: readiness, admission (``--max-sessions`` with its wait queue ``--queue``,
+``--max-sessions-per-peer``), the
 engine's one check of the request (``checks.py``, against this server's :class:`Limits`), the run
 (``Engine.start``), cancellation when the client goes away, the server's drain, and the metrics.
 
@@ -17,9 +18,11 @@ Holds an :class:`~kakeya.orchestrator.decode.engine.Engine` whose verifier and d
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -31,6 +34,7 @@ from kakeya.core.request import InvalidRequest, Request
 from kakeya.orchestrator.decode.checks import DEFAULT_MAX_TOKENS, Limits, constraint_field, context_of, prompt_limit
 from kakeya.orchestrator.decode.engine import Engine, RunOptions
 from kakeya.orchestrator.fronts.errors import fallback_reason, public_status
+from kakeya.orchestrator.remote.streams import BackendError
 from kakeya.runtime import bounds, logs
 from kakeya.runtime.admission import DEFAULT_MAX_SESSIONS
 from kakeya.runtime.compute import ComputeThread
@@ -74,6 +78,8 @@ class GenerationService:
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         max_sessions_per_peer: int = 0,
+        queue: int = 0,
+        queue_timeout_s: float = 10.0,
         max_prompt_tokens: int = 0,
         restore: bounds.RestoreSources | None = None,
         auth_token: str | None = None,
@@ -83,12 +89,17 @@ class GenerationService:
             raise ValueError(
                 f"default max tokens {default_max_tokens} must be in 1..{max_tokens_limit} (--max-tokens-limit)"
             )
+        if queue < 0 or queue_timeout_s < 0:
+            raise ValueError(f"--queue and --queue-timeout must be >= 0, got {queue} and {queue_timeout_s}")
         if max_prompt_tokens < 0:
             raise ValueError(f"--max-prompt-tokens must be >= 0 (0: the default), got {max_prompt_tokens}")
         self._build = build
         self.colocated = colocated
         self.max_tokens_limit, self.default_max_tokens = max_tokens_limit, default_max_tokens
         self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
+        # --queue: generations that wait (first come, first served) for one of --max-sessions to end, up to
+        # --queue-timeout or their client's deadline, instead of RESOURCE_EXHAUSTED at once
+        self.queue, self.queue_timeout_s = queue, queue_timeout_s
         self.max_prompt_tokens_flag = max_prompt_tokens
         self.restore = restore  # colocated: the --restore sources requests may name; None: the verifier maps names
         self.auth_token = auth_token
@@ -99,12 +110,16 @@ class GenerationService:
         self.aborting = False  # the server is going down: in-flight generations end with finish reason "abort"
         self.verifier_down = False  # its health checks fail (the health watch): refuse at once, not after a timeout
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when a generation ends (a queued one may start)
+        self._waiting: deque[int] = deque()  # tickets of the queued generations, first come first
+        self._tickets = itertools.count()
         self.active = 0
         self.by_peer: dict[str, int] = {}  # generations in flight per caller (auth.peer_of)
         self.total = 0
         self.started = time.monotonic()
         self.metrics = ServerMetrics("orchestrator")
         self.metrics.track_sessions(lambda: self.active, lambda: self.total)
+        self.metrics.waiting.set_function(lambda: float(len(self._waiting)))
         if prefixes is not None:  # colocated: the prefix cache the engine's verifier and drafter share
             self.metrics.track_prefix_cache(prefixes)
 
@@ -151,13 +166,7 @@ class GenerationService:
                 grpc.StatusCode.UNAVAILABLE, "verifier unavailable (its health checks fail); retry later"
             )
         peer = peer_of(call)  # the caller's host: its connections' ports vary
-        with self._lock:
-            problem = self._admission_problem(peer)
-            if problem:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"orchestrator: {problem}")
-            self.active += 1
-            self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
-            self.total += 1
+        self._admit(peer, call)
         token = logs.bind(request_id=req.request_id)
         try:
             yield from self._generate(req, call)
@@ -167,19 +176,58 @@ class GenerationService:
                 self.by_peer[peer] -= 1
                 if not self.by_peer[peer]:
                     del self.by_peer[peer]
+                self._room.notify_all()
             logs.reset(token)
 
-    def _admission_problem(self, peer: str) -> str | None:
-        """Why one more generation of ``peer`` is refused (under the lock), or None."""
-        if self.max_sessions and self.active >= self.max_sessions:
-            return f"{self.active} of {self.max_sessions} generations in flight (--max-sessions)"
+    def _admit(self, peer: str, call: Call | None) -> None:
+        """Count one more generation of ``peer`` in, or raise RESOURCE_EXHAUSTED saying why. Over
+        ``--max-sessions`` it waits in the queue, when fewer than ``--queue`` do, until one ends (its turn
+        first come first served) or ``--queue-timeout`` / its client's deadline passes; over
+        ``--max-sessions-per-peer`` it is refused at once (waiting would not make that caller's room)."""
+        with self._lock:
+            problem, full = self._admission_problem(peer)
+            if full and len(self._waiting) < self.queue:
+                problem = self._wait_for_room(peer, min(self.queue_timeout_s, _deadline(call) or float("inf")))
+            elif full and self.queue:
+                problem += f", and {len(self._waiting)} wait in its queue (--queue {self.queue})"
+            if problem:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"orchestrator: {problem}")
+            self.active += 1
+            self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
+            self.total += 1
+
+    def _wait_for_room(self, peer: str, wait_s: float) -> str | None:
+        """Queued (under the lock) until this generation is first in line and may start, or ``wait_s`` passes,
+        or the server stops serving: None, or why it may not start."""
+        ticket = next(self._tickets)
+        self._waiting.append(ticket)
+        t0 = time.monotonic()
+        try:
+            while True:
+                problem, full = self._admission_problem(peer, first_in_line=self._waiting[0] == ticket)
+                left = t0 + wait_s - time.monotonic()
+                if not full or left <= 0 or not self.ready or self.aborting:
+                    break
+                self._room.wait(left)
+        finally:
+            self._waiting.remove(ticket)
+            self._room.notify_all()  # the next in line may be the one to start now
+        if full:
+            return f"{problem}, after {time.monotonic() - t0:.1f} s in its queue (--queue {self.queue})"
+        return problem
+
+    def _admission_problem(self, peer: str, first_in_line: bool = False) -> tuple[str | None, bool]:
+        """Why one more generation of ``peer`` is refused now (under the lock), or None; and whether the
+        reason is ``--max-sessions`` (full, or others queued ahead of it), the one a queue waits out."""
+        if self.max_sessions and (self.active >= self.max_sessions or (self._waiting and not first_in_line)):
+            return f"{self.active} of {self.max_sessions} generations in flight (--max-sessions)", True
         held = self.by_peer.get(peer, 0)
         if self.max_sessions_per_peer and held >= self.max_sessions_per_peer:
             return (
                 f"{held} of {self.max_sessions_per_peer} generations in flight from this caller"
                 " (--max-sessions-per-peer)"
-            )
-        return None
+            ), False
+        return None, False
 
     def _generate(self, req: Request, call: ClientCall | None = None, observe: bool = True) -> Iterator[Block | Report]:
         """Run ``req``: its blocks, then its report; a refusal before the first block raises, a failure after
@@ -191,9 +239,10 @@ class GenerationService:
             run = self.engine.start(req, options)
         except InvalidRequest:
             raise
-        except constraints.ConstraintError as exc:  # its grammar past llguidance's budget as a session opened it
-            raise InvalidRequest(constraint_field(req), str(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - every other failure to start becomes a public status
+        except Exception as exc:  # noqa: BLE001 - every failure to start becomes a public status
+            reason = _unfollowable(exc)
+            if reason is not None:  # its grammar past llguidance's budget as a session opened it
+                raise InvalidRequest(constraint_field(req), reason) from None
             raise RequestError(*public_status(exc, req.request_id)) from None
         if call is not None and not call.add_callback(run.cancel):
             run.cancel()  # the call ended while the sessions opened
@@ -208,8 +257,9 @@ class GenerationService:
                 if self.aborting:
                     run.close()  # the server is going down: finish reason "abort"
         except Exception as exc:  # noqa: BLE001 - the run failed (and closed its sessions)
-            if not blocks and isinstance(exc, constraints.ConstraintError):  # past llguidance's budget, once followed
-                raise InvalidRequest(constraint_field(req), str(exc)) from None
+            reason = None if blocks else _unfollowable(exc)
+            if reason is not None:  # past llguidance's budget, once followed
+                raise InvalidRequest(constraint_field(req), reason) from None
             code, msg = public_status(exc, checked.request_id)
             if not blocks:
                 raise RequestError(code, msg) from None
@@ -232,3 +282,17 @@ class GenerationService:
             cached_tokens=report.cached_tokens,
         )
         yield report
+
+
+def _unfollowable(exc: Exception) -> str | None:
+    """Why the request's grammar cannot be followed, where ``exc`` says so, else None: met in this process (a
+    colocated session, the drafting guide) or by a split verifier, whose INVALID_ARGUMENT names its own
+    ``constraint`` field (``verifier/server.py``: at open, at a step): either way the request's 400 naming its
+    public field, never the verifier's failure."""
+    if isinstance(exc, constraints.ConstraintError):
+        return str(exc)
+    if isinstance(exc, BackendError) and exc.service == "verifier" and exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+        for prefix in ("open.constraint.spec: ", "open.constraint: ", "constraint: "):
+            if exc.details.startswith(prefix):
+                return exc.details.removeprefix(prefix)
+    return None
