@@ -164,6 +164,20 @@ class ServerMetrics:
             " drafter_busy); a client's cancel or deadline is never one", ["reason"], registry=r,
         )  # fmt: skip
 
+        self.takeovers = Counter(
+            "kakeya_takeovers", "sessions reopened on another replica after theirs was lost mid-stream, by role"
+            " (verifier, drafter)", ["role"], registry=r,
+        )  # fmt: skip
+        self.takeover_pause = Histogram(
+            "kakeya_takeover_pause_seconds", "a take-over's pause: the replica's loss noticed to the session"
+            " reopened (its prefill done), by role", ["role"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def takeover(self, role: str, pause_s: float) -> None:
+        """One take-over (``orchestrator/decode/takeover.py``) and its pause."""
+        self.takeovers.labels(role).inc()
+        self.takeover_pause.labels(role).observe(pause_s)
+
     # -- wiring ---------------------------------------------------------------------------
 
     def track_sessions(self, live: Callable[[], int], total: Callable[[], int]) -> None:

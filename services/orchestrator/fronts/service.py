@@ -186,7 +186,8 @@ class GenerationService:
         it ends the report with the reason; a cancelled run (the client went away) just ends."""
         t_start = time.perf_counter()
         queued = (lambda: self.compute.queued) if self.compute is not None else None
-        options = RunOptions(_deadline(call), self.step, queued, drafter_fallback=True, limits=self.limits)
+        options = RunOptions(_deadline(call), self.step, queued, drafter_fallback=True, limits=self.limits,
+                             takeover=not self.colocated, on_takeover=self.metrics.takeover)  # fmt: skip
         try:
             run = self.engine.start(req, options)
         except InvalidRequest:

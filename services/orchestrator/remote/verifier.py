@@ -64,6 +64,15 @@ log = logging.getLogger("kakeya.remote")
 
 ROUND_MIN = 2  # sessions of one verifier in a round before their blocks travel in one VerifyRound call
 _ON_STREAM = object()  # a round item the server did not find: sent again on the session's own stream
+# The round call itself found no replica (the one it reached died): each item goes on its own stream this round,
+# so only the sessions that were on the lost replica fail (and are taken over), not every session in the call.
+_RETRY_ON_STREAM = object()
+
+
+def round_call_lost(exc: BackendError) -> bool:
+    """A round call failed because the replica it reached is gone (not hung: a hung one answers no stream either)."""
+    return exc.replica_lost and not exc.step_timeout
+
 
 # --------------------------------------------------------------------------- verifier
 
@@ -282,8 +291,8 @@ class GrpcVerifier:
         for ks in rounds:
             verdicts = items[ks[0]][0].verifier.verify_round([items[k] for k in ks])
             for k, v in zip(ks, verdicts):
-                if v is _ON_STREAM:  # not on the replica the round reached: its stream, from now on
-                    items[k][0].round_ok = False
+                if v is _ON_STREAM or v is _RETRY_ON_STREAM:  # not on the replica the round reached: its stream
+                    items[k][0].round_ok = v is _RETRY_ON_STREAM  # from now on, unless that replica died
                     posted[k] = each(lambda s, last, draft: s._post_verify(last, draft), [items[k]])[0]
                 else:
                     out[k] = v
@@ -302,7 +311,7 @@ class GrpcVerifier:
             timeout = round_deadline([s._s for s, _, _ in items])
             resp = call_round(self.stub.VerifyRound, req, "verifier", self.addr, self.clock.timeout(), timeout)
         except BackendError as exc:  # the call itself failed (a hung verifier): every session in it hears it
-            return [exc] * len(items)
+            return [_RETRY_ON_STREAM if round_call_lost(exc) else exc] * len(items)
         self.clock.record(time.perf_counter() - t0)
         out = []
         for (s, _, _), sent, got in zip(items, req.items, resp.done.items):
