@@ -63,7 +63,9 @@ def reference(cluster):
 
 def _takeovers(cluster, role: str) -> float:
     port = cluster["orchestrator"].info["metrics_port"]
-    return sum(v for (n, labels), v in scrape(port).items() if n == "kakeya_takeovers_total" and ("role", role) in labels)
+    return sum(
+        v for (n, labels), v in scrape(port).items() if n == "kakeya_takeovers_total" and ("role", role) in labels
+    )
 
 
 def _streams_while(cluster, kill) -> dict:
