@@ -193,6 +193,13 @@ class ServerMetrics:
             _Collected("kakeya_kv_cache_bytes", "KV cache bytes held by live sessions", "kind", read)
         )
 
+    def track_kv_usage(self, read: Callable[[], float]) -> None:
+        """``kakeya_kv_cache_usage_perc``: the K/V bytes admitted sessions may grow to, as a fraction (0..1) of the
+        budget admission counts against (``--max-kv-bytes``; 0 without one), read at scrape time: the Gateway API
+        Inference Extension's KVCacheUtilization, vLLM's ``vllm:kv_cache_usage_perc`` (docs/deploy.md)."""
+        doc = "K/V bytes reserved by admitted sessions over the --max-kv-bytes budget (0..1; 0 without a budget)"
+        Gauge("kakeya_kv_cache_usage_perc", doc, registry=self.registry).set_function(lambda: float(read()))
+
     def track_prefix_cache(self, cache: Any) -> None:
         """``kakeya_prefix_cache_*`` of a ``PrefixCache`` (``core/prefix.py``), read at scrape time: bytes,
         budget and entries held (gauges); hits, misses, tokens reused, insertions, evictions (counters)."""

@@ -123,6 +123,8 @@ class GenerationService:
             context_of(e, limits),
             self.restore,
         )
+        usage = getattr(e.verifier, "kv_usage", None)  # a remote verifier's K/V budget in use (a gateway's gauge)
+        self.metrics.track_kv_usage(usage if usage is not None else lambda: 0.0)
         vocab = e.verifier.info.vocab_size
         warmup = Request(
             [i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), ignore_eos=True, request_id="warmup"

@@ -258,9 +258,22 @@ class GrpcVerifier:
         )
         self.prefix_cache = r.prefix_cache_bytes > 0  # the server resumes prefixes (and keeps what sessions save)
         self.constrains = r.constrains  # the server has the tokenizer its sessions compile constraints against
+        self._usage = (-1e9, 0.0)  # (when read, kv_usage) of the last GetInfo (``kv_usage``)
 
     def healthy(self, timeout: float = 1.0) -> bool:
         return backend_healthy(self.channel, timeout)
+
+    def kv_usage(self) -> float:
+        """Its K/V budget in use (reserved over ``--max-kv-bytes``, 0..1), as one replica's GetInfo says, read at
+        most once a second (a gateway's endpoint picker scrapes every few ms); the last figure while it fails."""
+        now = time.monotonic()
+        if now - self._usage[0] >= 1.0:
+            try:
+                r = self.get_info(timeout=0.5)
+                self._usage = (now, min(1.0, r.reserved_kv_bytes / r.max_kv_bytes) if r.max_kv_bytes else 0.0)
+            except BackendError:
+                self._usage = (now, self._usage[1])
+        return self._usage[1]
 
     def get_info(self, timeout: float = 5.0) -> vpb.VerifierInfo:
         return call_unary("verifier", self.addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), timeout)
