@@ -108,6 +108,8 @@ def reopen(run, ids: Sequence[int], cause: BaseException):
         log.warning("request %s: no drafter replica answers; the verifier goes on alone", run.request.request_id or "-")
     last = cause
     for k in range(TRIES):
+        if run.cancelled:  # the client went away meanwhile: the run just ends
+            raise last
         try:
             return _reopen_once(run, ids, want_drafter)
         except Exception as exc:  # a loss tries again; anything else is the run's failure
