@@ -53,7 +53,12 @@ def test_the_inference_pool_validates_against_the_extensions_crd_schema(docs):
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
     jsonschema.Draft7Validator(SCHEMA).validate(pool)
     # the schema bites: what the CRD refuses is refused here too
-    for broken in ({"targetPorts": [{"number": 0}]}, {"targetPorts": []}, {"selector": {}}, {"endpointPickerRef": None}):
+    for broken in (
+        {"targetPorts": [{"number": 0}]},
+        {"targetPorts": []},
+        {"selector": {}},
+        {"endpointPickerRef": None},
+    ):
         bad = json.loads(json.dumps(pool))
         bad["spec"].update(broken)
         bad["spec"] = {k: v for k, v in bad["spec"].items() if v is not None}
@@ -92,9 +97,10 @@ def test_the_endpoint_picker_is_wired_to_the_pool_and_to_kakeyas_gauges(docs):
         assert args[flag] in gauges, (flag, args[flag])
     role = of_kind(docs, "Role")["kakeya-epp"]
     assert {"pods", "inferencepools"} <= {r for rule in role["rules"] for r in rule["resources"]}
-    assert of_kind(docs, "RoleBinding")["kakeya-epp"]["subjects"][0]["name"] == epp["spec"]["template"]["spec"][
-        "serviceAccountName"
-    ]
+    assert (
+        of_kind(docs, "RoleBinding")["kakeya-epp"]["subjects"][0]["name"]
+        == epp["spec"]["template"]["spec"]["serviceAccountName"]
+    )
 
 
 def test_the_endpoint_picker_may_scrape_the_orchestrators_and_only_them(docs):
