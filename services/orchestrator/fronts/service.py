@@ -61,6 +61,23 @@ def _deadline(call: Call | None) -> float | None:
     return None if left is None or left > 1e7 else max(left, 0.001)
 
 
+class _SessionTime:
+    """A run's backend time of one role (the contract's ``server_s``) summed over its sessions: a take-over
+    replaces them mid-run (``decode/takeover.py``), and the metrics' wire time must not count that as negative."""
+
+    def __init__(self, run, attr: str):
+        self.run, self.attr = run, attr
+        self.session, self.before = getattr(run, attr), 0.0
+
+    @property
+    def server_s(self) -> float | None:
+        s = getattr(self.run, self.attr)
+        if s is not self.session:
+            self.before += (self.session.server_s or 0.0) if self.session is not None else 0.0
+            self.session = s
+        return None if s is None or s.server_s is None else self.before + s.server_s
+
+
 class GenerationService:
     """One engine served to many clients (see the module docstring). ``build`` makes the engine at
     :meth:`load`; ``prefixes``: the prefix cache a colocated engine's sessions share (its metrics)."""
@@ -201,7 +218,8 @@ class GenerationService:
         if call is not None and not call.add_callback(run.cancel):
             run.cancel()  # the call ended while the sessions opened
         checked = run.request
-        obs = self.metrics.generation(run.verifier_session, run.drafter_session, checked) if observe else NO_OBSERVER
+        vs, ds = _SessionTime(run, "verifier_session"), _SessionTime(run, "drafter_session")
+        obs = self.metrics.generation(vs, ds, checked) if observe else NO_OBSERVER
         blocks, error = 0, ""
         try:
             for block in run:
