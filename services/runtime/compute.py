@@ -243,7 +243,11 @@ class ComputeThread:
             group, rest = [first], deque()
             while self._jobs:
                 job = self._jobs.popleft()
-                if job.fn is None and job.kind == first.kind and len(group) < self.max_batch:
+                # one runner per group: the drafter's round items (runner ``_round_batch``, answers as protos) share
+                # the kind "draft" with its streams' drafts (``_draft_batch``, tuples); run by the first's runner, a
+                # mixed group answered one of them in the other's shape (a take-over burst made it: issue 59)
+                same = job.kind == first.kind and job.runner == first.runner
+                if job.fn is None and same and len(group) < self.max_batch:
                     group.append(job)
                 else:
                     rest.append(job)

@@ -107,18 +107,41 @@ def test_other_kinds_and_plain_jobs_are_not_merged_and_keep_their_order():
     log = []
     release = _blocked(ct)
     ex = ThreadPoolExecutor(4)
-    fa = ex.submit(ct.batch, "verify", "a", lambda items: (log.append(("verify", list(items))), items)[1])
+
+    def verify(items):
+        log.append(("verify", list(items)))
+        return items
+
+    fa = ex.submit(ct.batch, "verify", "a", verify)
     _wait_queued(ct, 1)
     fp = ct.submit(log.append, ("plain",))
     fd = ex.submit(ct.batch, "draft", "d", lambda items: (log.append(("draft", list(items))), items)[1])
     _wait_queued(ct, 3)
-    fb = ex.submit(ct.batch, "verify", "b", lambda items: (log.append(("verify", list(items))), items)[1])
+    fb = ex.submit(ct.batch, "verify", "b", verify)
     _wait_queued(ct, 4)
     release.set()
     for f in (fa, fp, fd, fb):
         f.result(5)
     # "b" joined "a"'s batch; the plain job and the other kind ran after it, in their order
     assert log == [("verify", ["a", "b"]), ("plain",), ("draft", ["d"])]
+    ex.shutdown()
+    ct.shutdown()
+
+
+def test_jobs_of_one_kind_with_different_runners_are_not_merged():
+    """A group runs with one runner: the drafter's round items and its streams' drafts share the kind "draft" but
+    answer in different shapes (protos, tuples); merged, one of them got the other's answer (issue 59)."""
+    ct = ComputeThread("t")
+    release = _blocked(ct)
+    ex = ThreadPoolExecutor(4)
+    streams = [ex.submit(ct.batch, "draft", i, lambda items: [("tuple", x) for x in items]) for i in range(2)]
+    _wait_queued(ct, 2)
+    rounds = ct.start_many("draft", [10, 11], lambda items: [f"proto {x}" for x in items])
+    _wait_queued(ct, 4)
+    release.set()
+    # each stream item its own lambda's shape, the round's items the round runner's
+    assert [f.result(5) for f in streams] == [("tuple", 0), ("tuple", 1)]
+    assert [f.result(5) for f in rounds] == ["proto 10", "proto 11"]
     ex.shutdown()
     ct.shutdown()
 
