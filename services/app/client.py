@@ -13,8 +13,12 @@ parsed (``content`` and ``tool_calls`` in ``--json``; one ``tool call`` line eac
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
+import random
 import sys
+import time
 
 from kakeya.app.constraint_flags import constraint_from_args
 from kakeya.app.options import (
@@ -28,10 +32,15 @@ from kakeya.app.options import (
 from kakeya.app.serve import DEFAULT_PORTS
 from kakeya.app.tool_flags import add_tool_options, calls_json, set_tools
 
+# A stream that broke this way (its orchestrator died, restarted or drains) resumes on the next address.
+RETRY_CODES = ("UNAVAILABLE", "CANCELLED")
 
-def _channel(args):
+
+def _channel(args, addr: str | None = None):
     from kakeya.app import flags as serve_flags
 
+    if addr is not None:
+        args = argparse.Namespace(**{**vars(args), "addr": addr})
     return serve_flags.client_channel(args)  # TLS and the bearer token when asked for
 
 
@@ -101,28 +110,41 @@ def cmd_client_generate(args) -> int:
     if args.prompt is not None and args.prompt_ids is not None:
         raise ValueError("give --prompt or --prompt-ids, not both")
     req = generate_request(args)
-    stub = generate_pb2_grpc.GenerationStub(_channel(args))
+    addrs = [a.strip() for a in args.addr.split(",") if a.strip()]
+    if len(addrs) > 1 and req.sampling_params.temperature > 0 and not req.sampling_params.HasField("seed"):
+        req.sampling_params.seed = random.getrandbits(63)  # a resumed sampled stream needs the seed it ran with
     ids: list[int] = []
     logprobs: list = []
     text: list[str] = []
-    complete = None
-    try:
-        model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout or 30)
-        server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=args.timeout or 30)
-        for resp in stub.Generate(req, timeout=args.timeout):
-            if resp.HasField("chunk"):
-                ids.extend(resp.chunk.token_ids)
-                logprobs.extend(resp.chunk.logprobs)
-                text.append(resp.chunk.text)
-                if not args.json and resp.chunk.text:
-                    sys.stdout.write(resp.chunk.text)
-                    sys.stdout.flush()
-            else:
-                complete = resp.complete
-    except grpc.RpcError as exc:
-        if not args.json and text:
-            print()
-        return _rpc_error(exc)
+    complete = model = server = None
+    for k in itertools.count():  # each orchestrator in turn, resuming after what came (``resume_token_ids``)
+        stub = generate_pb2_grpc.GenerationStub(_channel(args, addrs[k % len(addrs)]))
+        del req.resume_token_ids[:]
+        req.resume_token_ids.extend(ids)
+        try:
+            model = model or stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout or 30)
+            server = server or stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=args.timeout or 30)
+            for resp in stub.Generate(req, timeout=args.timeout):
+                if resp.HasField("chunk"):
+                    ids.extend(resp.chunk.token_ids)
+                    logprobs.extend(resp.chunk.logprobs)
+                    text.append(resp.chunk.text)
+                    if not args.json and resp.chunk.text:
+                        sys.stdout.write(resp.chunk.text)
+                        sys.stdout.flush()
+                else:
+                    complete = resp.complete
+            break
+        except grpc.RpcError as exc:
+            code = exc.code().name if exc.code() else "UNKNOWN"
+            if code in RETRY_CODES and k + 1 < max(1, args.retries) * len(addrs):
+                print(f"kakeya: {addrs[k % len(addrs)]}: {code}; resuming after {len(ids)} tokens"
+                      f" on {addrs[(k + 1) % len(addrs)]}", file=sys.stderr)  # fmt: skip
+                time.sleep(min(2.0, 0.1 * 2 ** (k // len(addrs))))  # a full turn of the list backs off
+                continue
+            if not args.json and text:
+                print()
+            return _rpc_error(exc)
     if complete is None:
         print("kakeya: error: the stream ended without a Complete message", file=sys.stderr)
         return 1
@@ -181,7 +203,12 @@ def register(sub) -> None:
     from kakeya.app import flags as serve_flags
 
     p = sub.add_parser("client", help="call a running orchestrator (kakeya serve orchestrator|all)")
-    p.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}", help="HOST:PORT of the orchestrator")
+    p.add_argument(
+        "--addr", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}",
+        help="HOST:PORT of the orchestrator; a comma-separated list: a generation whose stream breaks resumes on the"
+        " next one (resume_token_ids), with exactly the tokens it has not had",
+    )  # fmt: skip
+    p.add_argument("--retries", type=int, default=3, help="turns through --addr a generation's stream may take")
     p.add_argument("--timeout", type=float, help="deadline in seconds (propagates to the verifier and drafter)")
     serve_flags.add_client(p)
     cmds = p.add_subparsers(dest="client_command", required=True)

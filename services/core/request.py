@@ -297,6 +297,9 @@ class Request:
     # probable tokens at its position, from the target's raw distribution (``core.contract.TokenLogprobs``).
     logprobs: int | None = None
     constraint: Constraint | None = None  # what the output must match (``core/constraints.py``); None: anything
+    # A stream resumed: the tokens its client already received of this very request (same prompt, sampling, seed,
+    # limits); the run continues after them and streams only what follows (``decode/takeover.py``).
+    resume_ids: Sequence[int] = ()
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -162,6 +162,20 @@ class ServerMetrics:
             " drafter_busy); a client's cancel or deadline is never one", ["reason"], registry=r,
         )  # fmt: skip
 
+        self.takeovers = Counter(
+            "kakeya_takeovers", "sessions reopened on another replica after theirs was lost mid-stream, by role"
+            " (verifier, drafter)", ["role"], registry=r,
+        )  # fmt: skip
+        self.takeover_pause = Histogram(
+            "kakeya_takeover_pause_seconds", "a take-over's pause: the replica's loss noticed to the session"
+            " reopened (its prefill done), by role", ["role"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def takeover(self, role: str, pause_s: float) -> None:
+        """One take-over (``orchestrator/decode/takeover.py``) and its pause."""
+        self.takeovers.labels(role).inc()
+        self.takeover_pause.labels(role).observe(pause_s)
+
     # -- wiring ---------------------------------------------------------------------------
 
     def track_sessions(self, live: Callable[[], int], total: Callable[[], int]) -> None:
@@ -176,6 +190,13 @@ class ServerMetrics:
         self.registry.register(
             _Collected("kakeya_kv_cache_bytes", "KV cache bytes held by live sessions", "kind", read)
         )
+
+    def track_kv_usage(self, read: Callable[[], float]) -> None:
+        """``kakeya_kv_cache_usage_perc``: the K/V bytes admitted sessions may grow to, as a fraction (0..1) of the
+        budget admission counts against (``--max-kv-bytes``; 0 without one), read at scrape time: the Gateway API
+        Inference Extension's KVCacheUtilization, vLLM's ``vllm:kv_cache_usage_perc`` (docs/deploy.md)."""
+        doc = "K/V bytes reserved by admitted sessions over the --max-kv-bytes budget (0..1; 0 without a budget)"
+        Gauge("kakeya_kv_cache_usage_perc", doc, registry=self.registry).set_function(lambda: float(read()))
 
     def track_prefix_cache(self, cache: Any) -> None:
         """``kakeya_prefix_cache_*`` of a ``PrefixCache`` (``core/prefix.py``), read at scrape time: bytes,

@@ -37,6 +37,11 @@ INLINE_STEPS = ("auto", "on", "off")  # --inline-steps (see SessionServicer._inl
 MIN_PROGRESS_S = 0.01  # the most often a stream hears Progress, whatever its client asks
 
 
+def kv_usage(reserved: int, budget: int) -> float:
+    """Reserved K/V bytes as a fraction of the budget admission counts against (0 without a budget)."""
+    return min(1.0, reserved / budget) if budget else 0.0
+
+
 @dataclass(frozen=True)
 class SessionLimits:
     """A session server's limits: the ``serve verifier`` / ``serve drafter`` flags (``app/flags.session_limits``).
@@ -77,6 +82,7 @@ class SessionServicer:
         self.metrics.track_kv_bytes(
             lambda: dict.fromkeys(self.kv_kinds, 0) | self.registry.bytes_by_kind(self.kv_kinds[-1])
         )
+        self.metrics.track_kv_usage(lambda: kv_usage(self.registry.reserved_bytes, self.registry.max_kv_bytes))
         self.round_calls = 0  # round calls served (``rounds.py``) and the session steps they carried
         self.round_items = 0
         self.metrics.track_rounds(self)

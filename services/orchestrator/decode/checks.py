@@ -111,6 +111,9 @@ def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) 
     k = req.logprobs
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
         raise InvalidRequest("logprobs", f"must be an integer in 0..{MAX_LOGPROBS} (or unset), got {k!r}")
+    info = engine.verifier.info
+    ends = frozenset(stop_ids) | frozenset(() if req.ignore_eos else info.eos_token_ids)
+    _resume(req, sampling, ends, max_tokens, info.vocab_size)
     block_size = req.block_size if engine.drafter is not None else 1  # no drafter: every block is one token
     policy = _cache_policy(req.cache_policy, engine, limits, block_size, len(prompt) + max_tokens)
     if block_size == 0 and engine.drafter is not None and not sampling.greedy and sampling.rule == REJECTION:
@@ -129,7 +132,31 @@ def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) 
         cache_policy=policy,
         sampling=sampling,
         request_id=request_id,
+        resume_ids=tuple(req.resume_ids),
     )
+
+
+def _resume(req: Request, sampling, stop_ids, max_tokens: int, vocab: int) -> None:
+    """A resumed stream's tokens continue only what this request would have generated, exactly: fewer than
+    ``max_tokens``, no stop token among them, a seed the client sent, a rule keyed by position, no grammar."""
+    ids = req.resume_ids
+    if not ids:
+        return
+    field = "resume_token_ids"
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(field, f"token id {bad!r} is not in the vocabulary (0..{vocab - 1})")
+    if len(ids) >= max_tokens:
+        raise InvalidRequest(field, f"{len(ids)} tokens already reach max_tokens {max_tokens}: nothing left to resume")
+    stop = next((t for t in ids if t in stop_ids), None)
+    if stop is not None:
+        raise InvalidRequest(field, f"the generation already ended at stop token {stop}")
+    if not req.sampling.greedy and req.sampling.seed is None:
+        raise InvalidRequest(field, "a sampled stream resumes only with the seed it ran with (sampling seed)")
+    if not sampling.greedy and sampling.rule == REJECTION:
+        raise InvalidRequest(field, "the rejection rule's draws are not keyed by position: it cannot resume exactly")
+    if req.constraint is not None:
+        raise InvalidRequest(field, "a constrained generation (constraint, tool choice) cannot resume")
 
 
 def _prompt_ids(prompt, engine: EngineFacts, limit: int) -> list[int]:

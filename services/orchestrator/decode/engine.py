@@ -18,11 +18,12 @@ from typing import Any, Self
 
 from kakeya.core.contract import Cancellation, Drafter, SessionOptions, Verifier, check_alternatives
 from kakeya.core.generation import Block, Generation, Report
-from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, Request
+from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, InvalidRequest, Request
 from kakeya.orchestrator.decode.block_sizing import AdaptivePolicy, BlockSizer, measure_costs
 from kakeya.orchestrator.decode.checks import Limits, check_request
 from kakeya.orchestrator.decode.loop import Decode, DecodeOptions
 from kakeya.orchestrator.decode.scheduler import Scheduler
+from kakeya.orchestrator.decode.takeover import lost, reprefill, take_over
 from kakeya.orchestrator.proposers.forced import RANKED, open_guide
 from kakeya.orchestrator.text import TextCodec, text_stream
 
@@ -151,6 +152,10 @@ class RunOptions:
     ngram: bool | None = None  # None: the engine's choice (``Engine.ngram``); the rejection rule never copies
     guided: bool = True  # a constrained request drafts its grammar's forced tokens without the drafter (guided.py)
     limits: Limits = Limits()  # what the request is checked against (a server's flags)
+    # A replica's loss mid-stream: reopen the sessions on another replica and go on (``decode/takeover.py``)
+    # instead of failing the run; ``on_takeover(role, pause_s)`` hears each one (a server's metrics).
+    takeover: bool = False
+    on_takeover: Callable[[str, float], None] | None = None
 
 
 class Run:
@@ -181,13 +186,18 @@ class Run:
         self.verifier_session = self.drafter_session = None  # read by a server's metrics (their backends' time)
         self._sizer = None
         self._prefill_t0, self._prefilling = 0.0, None  # the prefill as _begin left it (see _prefill)
+        self._takeover, self._on_takeover = options.takeover and req.constraint is None, options.on_takeover
+        self.takeovers: list[tuple[str, float]] = []  # (role, pause seconds) of each take-over (``takeover.py``)
+        # a resumed stream: what the client has is context, not output (its text held back alike)
+        if req.resume_ids and self._text.add(list(req.resume_ids))[2]:
+            raise InvalidRequest("resume_token_ids", "the generation already ended at a stop string")
         # a constrained request drafts with its grammar (guided.py): greedy ones choose among the drafter's ranks
         guided = (
             req.constraint is not None
             and options.guided
             and (self._sampling.greedy or self._sampling.rule != REJECTION)
         )
-        sessions = SessionOptions(
+        self._session_options = sessions = SessionOptions(
             req.request_id,
             options.timeout,
             len(req.prompt_ids) + req.max_tokens,
@@ -228,6 +238,7 @@ class Run:
             alternatives,
             guide,
             min(engine.max_block_size(req.cache_policy), req.max_block_size),
+            self._takeover,
         )
         self._decode = Decode(self.verifier_session, self.drafter_session, req.prompt_ids, decoding)
 
@@ -251,13 +262,18 @@ class Run:
         self._open(sessions)
         self._prefill_t0 = time.perf_counter()
         try:
-            steps = self._prefill_steps()
+            steps = self._prefill_steps(self._context())
             self._prefilling = (steps, self._chunk(steps))
         except Exception as exc:  # noqa: BLE001 - raised by the first ``next``
             self._prefilling = exc
 
-    def _prefill_steps(self):
-        """The verifier's prefill generator, resuming (with a prefix cache) from the longest prefix both the
+    def _context(self) -> list[int]:
+        """What the first prefill runs: the prompt, and a resumed stream's tokens but the last (which opens the
+        first block, as a verdict's next token does)."""
+        return self.request.prompt_ids + list(self.request.resume_ids[:-1])
+
+    def _prefill_steps(self, ids):
+        """The verifier's prefill generator of ``ids``, resuming (with a prefix cache) from the longest prefix both the
         verifier and the drafter hold a snapshot of (the drafter names its own; without a drafter: any the
         verifier holds) -- both or neither, so the drafter's context never has a gap."""
         ds, reuse = self.drafter_session, ()
@@ -265,13 +281,13 @@ class Run:
             reuse = None
             if ds is not None:
                 try:
-                    reuse = ds.cached_prefixes(self.request.prompt_ids)
+                    reuse = ds.cached_prefixes(ids)
                 except Exception as exc:  # its first draft fails the same way: the fallback takes over there
                     if not self._fallback:
                         raise
                     log.warning("request %s: drafter prefix lookup failed (%s)", self.request.request_id or "-", exc)
                     reuse = []  # none usable: a lookup all the same (a miss), cold
-        return self.verifier_session.prefill_steps(self.request.prompt_ids, reuse)
+        return self.verifier_session.prefill_steps(ids, reuse)
 
     def _chunk(self, steps):
         """One chunk of the prefill (a model-thread job); once the prompt is done, the drafter resumes the same
@@ -284,18 +300,26 @@ class Run:
     def _prefill(self) -> Block:
         """The rest of the prompt after ``_begin``'s first chunk, one model-thread job per chunk so other
         requests' rounds run between the chunks of a long prompt; the first block (None: cancelled)."""
-        if isinstance(self._prefilling, Exception):
-            raise self._prefilling
-        steps, done = self._prefilling
-        self._prefilling = None
-        while done is None:
-            if self.cancelled:
-                steps.close()
-                return None
-            done = self._step(self._chunk, steps)
+        prefilling, self._prefilling = self._prefilling, None
+        try:
+            if isinstance(prefilling, Exception):
+                raise prefilling
+            steps, done = prefilling
+            while done is None:
+                if self.cancelled:
+                    steps.close()
+                    return None
+                done = self._step(self._chunk, steps)
+        except Exception as exc:
+            if not (self._takeover and lost(exc)) or self.cancelled:
+                raise
+            done = reprefill(self, exc)  # the prefill's replica was lost: another one's
         first, aux, cached = done
         self._decode.generation.cached_tokens = cached
-        return self._decode.prefilled(first, aux, time.perf_counter() - self._prefill_t0)
+        seconds = time.perf_counter() - self._prefill_t0
+        if self.request.resume_ids:
+            return self._decode.resumed(self.request.resume_ids, aux, seconds)
+        return self._decode.prefilled(first, aux, seconds)
 
     def _save(self) -> None:
         """Leave what this run computed in the prefix caches: the state after its prompt and every committed
@@ -338,8 +362,12 @@ class Run:
                 self._joined = True
                 if block is not None and not self._decode.done:
                     self._scheduler.join(self._decode)
-                return block
+                if block is None or not self.request.resume_ids:  # a resumed stream's first block: the rounds'
+                    return block
             block = self._scheduler.next_block(self._decode, lambda: self.cancelled)
+            while block is None and self._decode.lost is not None and not self.cancelled:
+                take_over(self)  # on this request's thread: its batch-mates' rounds go on meanwhile
+                block = self._scheduler.next_block(self._decode, lambda: self.cancelled)
         except Exception:
             if self.cancelled:  # a cancel ends the backends' streams under a step: not a failure
                 return None

@@ -84,6 +84,7 @@ class DecodeOptions:
     alternatives: int = 0
     guide: Guide | None = None
     max_block: int = MAX_BLOCK_SIZE
+    takeover: bool = False  # a lost replica's failure parks the decode (``lost``) for its run to take over
 
     def __post_init__(self):  # the engine checked the request; these guard direct callers (tests, benchmarks)
         if self.max_tokens < 1:
@@ -124,6 +125,9 @@ class Decode:
         self.unseen: list = []
         self.error: BaseException | None = None
         self.drafter_error: Exception | None = None
+        # a replica's loss (``takeover``): the decode sits out the rounds until its run reopened its sessions
+        self.lost: Exception | None = None
+        self.lost_at = 0.0
         self.cancelled = False  # its request went away: it takes no part in later rounds
         # the drafter's side: active while it answers; the newest verdict's aux until a drafter call takes it
         self.drafting = drafter is not None and (self.sizer is not None or self.block_size > 1)
@@ -146,7 +150,7 @@ class Decode:
     def done(self) -> bool:
         gen = self.generation
         over = gen.finish_reason == "stop" or len(gen.token_ids) >= self.options.max_tokens
-        return over or self.error is not None or self.cancelled
+        return over or self.error is not None or self.cancelled or self.lost is not None
 
     @property
     def started(self) -> bool:
@@ -162,10 +166,35 @@ class Decode:
         self._last = first
         return block
 
+    def resumed(self, ids: Sequence[int], aux, seconds: float) -> Block:
+        """A resumed stream's prefill ran (prompt + ``ids`` but the last): ``ids`` stand as its first block,
+        committed but never streamed again, and the last of them opens the next block."""
+        self.generation.prefill_s = seconds
+        self._t_decode = time.perf_counter()
+        self._committed(aux)
+        block = self._emit(Block(list(ids), 0, 0, total_s=seconds))
+        self._last = block.tokens[-1]
+        return block
+
     def fail(self, exc: BaseException) -> None:
-        """This decode failed (its verifier, or its drafter without fallback): it takes no part in later rounds."""
-        self.error = exc
+        """This decode failed (its verifier, or its drafter without fallback): it takes no part in later rounds.
+        A replica's loss under ``takeover`` parks it instead (``lost``): the round's block is dropped, nothing
+        committed, and its run reopens the sessions elsewhere (``decode/takeover.py``)."""
         self._ahead = None
+        if self.options.takeover and getattr(exc, "replica_lost", False) and self.lost is None:
+            self.lost, self.lost_at = exc, time.perf_counter()
+            return
+        self.error = exc
+
+    def reopened(self, verifier: VerifierSession, drafter: DrafterSession | None, aux) -> None:
+        """Its sessions were reopened on prompt + every committed token but the last (``aux``: theirs, the new
+        drafter's whole context): the next round drafts and verifies from the last committed token on."""
+        self.verifier, self.drafter = verifier, drafter
+        self._verdict, self._ahead, self._want, self._call = None, None, None, None
+        self._last = self.generation.token_ids[-1]
+        self._new_aux, self.unseen = aux, [aux]
+        self.drafting = drafter is not None and (self.sizer is not None or self.block_size > 1)
+        self.lost = None  # last: a round may include it from here on
 
     # -- 1. draft ---------------------------------------------------------------------------
 
@@ -324,6 +353,9 @@ class Decode:
             return None
 
     def _drafter_failed(self, exc: BaseException) -> None:
+        if self.options.takeover and getattr(exc, "replica_lost", False):
+            self.fail(exc)  # another drafter replica first; the verifier alone only if none is left
+            return
         if not self.options.fallback or not isinstance(exc, Exception):
             self.fail(exc)
             return

@@ -125,6 +125,7 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         sampling=sampling,
         request_id=r.request_id,
         logprobs=sp.logprobs if sp.HasField("logprobs") else None,  # checked with the rest (checks.py)
+        resume_ids=tuple(r.resume_token_ids),  # checked with the rest (checks.py)
     )
     return request, names
 

@@ -65,6 +65,23 @@ def _deadline(call: ClientCall | None) -> float | None:
     return None if left is None or left > 1e7 else max(left, 0.001)
 
 
+class _SessionTime:
+    """A run's backend time of one role (the contract's ``server_s``) summed over its sessions: a take-over
+    replaces them mid-run (``decode/takeover.py``), and the metrics' wire time must not count that as negative."""
+
+    def __init__(self, run, attr: str):
+        self.run, self.attr = run, attr
+        self.session, self.before = getattr(run, attr), 0.0
+
+    @property
+    def server_s(self) -> float | None:
+        s = getattr(self.run, self.attr)
+        if s is not self.session:
+            self.before += (self.session.server_s or 0.0) if self.session is not None else 0.0
+            self.session = s
+        return None if s is None or s.server_s is None else self.before + s.server_s
+
+
 class GenerationService:
     """One engine served to many clients (see the module docstring). ``build`` makes the engine at
     :meth:`load`; ``prefixes``: the prefix cache a colocated engine's sessions share (its metrics)."""
@@ -138,6 +155,8 @@ class GenerationService:
             context_of(e, limits),
             self.restore,
         )
+        usage = getattr(e.verifier, "kv_usage", None)  # a remote verifier's K/V budget in use (a gateway's gauge)
+        self.metrics.track_kv_usage(usage if usage is not None else lambda: 0.0)
         vocab = e.verifier.info.vocab_size
         warmup = Request(
             [i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), ignore_eos=True, request_id="warmup"
@@ -234,7 +253,8 @@ class GenerationService:
         it ends the report with the reason; a cancelled run (the client went away) just ends."""
         t_start = time.perf_counter()
         queued = (lambda: self.compute.queued) if self.compute is not None else None
-        options = RunOptions(_deadline(call), self.step, queued, drafter_fallback=True, limits=self.limits)
+        options = RunOptions(_deadline(call), self.step, queued, drafter_fallback=True, limits=self.limits,
+                             takeover=not self.colocated, on_takeover=self.metrics.takeover)  # fmt: skip
         try:
             run = self.engine.start(req, options)
         except InvalidRequest:
@@ -247,7 +267,8 @@ class GenerationService:
         if call is not None and not call.add_callback(run.cancel):
             run.cancel()  # the call ended while the sessions opened
         checked = run.request
-        obs = self.metrics.generation(run.verifier_session, run.drafter_session, checked) if observe else NO_OBSERVER
+        vs, ds = _SessionTime(run, "verifier_session"), _SessionTime(run, "drafter_session")
+        obs = self.metrics.generation(vs, ds, checked) if observe else NO_OBSERVER
         blocks, error = 0, ""
         try:
             for block in run:

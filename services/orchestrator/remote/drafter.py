@@ -25,13 +25,14 @@ from kakeya.orchestrator.remote.streams import (
     Reply,
     Stream,
     backend_channel,
+    backend_healthy,
     call_round,
     call_unary,
     fetch_info,
     round_deadline,
     status_code,
 )
-from kakeya.orchestrator.remote.verifier import _ON_STREAM, ROUND_MIN, _tensor
+from kakeya.orchestrator.remote.verifier import _ON_STREAM, _RETRY_ON_STREAM, ROUND_MIN, _tensor, round_call_lost
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import drafter_pb2 as dpb
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc
@@ -321,6 +322,14 @@ class GrpcDrafter:
             return _SkippedDrafterSession(self)
         return GrpcDrafterSession(self, sampling, options or SessionOptions())
 
+    def open_session_now(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None):
+        """A session even while backing off: a take-over (``decode/takeover.py``) found a SERVING replica after
+        one replica's loss put the whole target in backoff."""
+        return GrpcDrafterSession(self, sampling, options or SessionOptions())
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        return backend_healthy(self.channel, timeout)
+
     @staticmethod
     def draft_batch(items: Sequence[tuple]) -> list[Draft | Exception]:
         """A round's drafts: the sessions of one drafter travel in ONE ``DraftRound`` call when there are
@@ -342,8 +351,8 @@ class GrpcDrafter:
         out: list = [None] * len(items)
         for ks in rounds:
             for k, d in zip(ks, items[ks[0]][0].drafter.draft_round([items[k] for k in ks])):
-                if d is _ON_STREAM:  # not on the replica the round reached: its stream, from now on
-                    items[k][0].round_ok = False
+                if d is _ON_STREAM or d is _RETRY_ON_STREAM:  # not on the replica the round reached: its stream
+                    items[k][0].round_ok = d is _RETRY_ON_STREAM  # from now on, unless that replica died
                     posted[k] = post(k)
                 else:
                     out[k] = d
@@ -363,6 +372,8 @@ class GrpcDrafter:
             timeout = round_deadline([s._s for s, *_ in items])
             resp = call_round(self.stub.DraftRound, req, "drafter", self.addr, self.clock.timeout(), timeout)
         except BackendError as exc:  # the call itself failed (a hung drafter): every session in it hears it
+            if round_call_lost(exc):
+                return [_RETRY_ON_STREAM] * len(items)
             return [s._fail(exc) for s, *_ in items]
         self.clock.record(time.perf_counter() - t0)
         out = []

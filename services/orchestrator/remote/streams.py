@@ -84,6 +84,14 @@ class BackendError(RuntimeError):
         """Our side ended the call (the client cancelled, or its deadline passed): not the backend's failure."""
         return self.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED) and not self.step_timeout
 
+    @property
+    def replica_lost(self) -> bool:
+        """The replica serving the session is gone (unreachable, its stream broken, hung): another replica of
+        the role may take the session over (``decode/takeover.py``); never a refusal, nor our own end."""
+        if self.ended_by_caller or self.skipped:
+            return False
+        return self.code == grpc.StatusCode.UNAVAILABLE or self.step_timeout or self.details.startswith("stream ended")
+
     @classmethod
     def of(cls, service: str, addr: str, exc: grpc.RpcError) -> BackendError:
         code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN

@@ -64,6 +64,15 @@ log = logging.getLogger("kakeya.remote")
 
 ROUND_MIN = 2  # sessions of one verifier in a round before their blocks travel in one VerifyRound call
 _ON_STREAM = object()  # a round item the server did not find: sent again on the session's own stream
+# The round call itself found no replica (the one it reached died): each item goes on its own stream this round,
+# so only the sessions that were on the lost replica fail (and are taken over), not every session in the call.
+_RETRY_ON_STREAM = object()
+
+
+def round_call_lost(exc: BackendError) -> bool:
+    """A round call failed because the replica it reached is gone (not hung: a hung one answers no stream either)."""
+    return exc.replica_lost and not exc.step_timeout
+
 
 # --------------------------------------------------------------------------- verifier
 
@@ -249,9 +258,22 @@ class GrpcVerifier:
         )
         self.prefix_cache = r.prefix_cache_bytes > 0  # the server resumes prefixes (and keeps what sessions save)
         self.constrains = r.constrains  # the server has the tokenizer its sessions compile constraints against
+        self._usage = (-1e9, 0.0)  # (when read, kv_usage) of the last GetInfo (``kv_usage``)
 
     def healthy(self, timeout: float = 1.0) -> bool:
         return backend_healthy(self.channel, timeout)
+
+    def kv_usage(self) -> float:
+        """Its K/V budget in use (reserved over ``--max-kv-bytes``, 0..1), as one replica's GetInfo says, read at
+        most once a second (a gateway's endpoint picker scrapes every few ms); the last figure while it fails."""
+        now = time.monotonic()
+        if now - self._usage[0] >= 1.0:
+            try:
+                r = self.get_info(timeout=0.5)
+                self._usage = (now, min(1.0, r.reserved_kv_bytes / r.max_kv_bytes) if r.max_kv_bytes else 0.0)
+            except BackendError:
+                self._usage = (now, self._usage[1])
+        return self._usage[1]
 
     def get_info(self, timeout: float = 5.0) -> vpb.VerifierInfo:
         return call_unary("verifier", self.addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), timeout)
@@ -282,8 +304,8 @@ class GrpcVerifier:
         for ks in rounds:
             verdicts = items[ks[0]][0].verifier.verify_round([items[k] for k in ks])
             for k, v in zip(ks, verdicts):
-                if v is _ON_STREAM:  # not on the replica the round reached: its stream, from now on
-                    items[k][0].round_ok = False
+                if v is _ON_STREAM or v is _RETRY_ON_STREAM:  # not on the replica the round reached: its stream
+                    items[k][0].round_ok = v is _RETRY_ON_STREAM  # from now on, unless that replica died
                     posted[k] = each(lambda s, last, draft: s._post_verify(last, draft), [items[k]])[0]
                 else:
                     out[k] = v
@@ -302,7 +324,7 @@ class GrpcVerifier:
             timeout = round_deadline([s._s for s, _, _ in items])
             resp = call_round(self.stub.VerifyRound, req, "verifier", self.addr, self.clock.timeout(), timeout)
         except BackendError as exc:  # the call itself failed (a hung verifier): every session in it hears it
-            return [exc] * len(items)
+            return [_RETRY_ON_STREAM if round_call_lost(exc) else exc] * len(items)
         self.clock.record(time.perf_counter() - t0)
         out = []
         for (s, _, _), sent, got in zip(items, req.items, resp.done.items):

@@ -1,0 +1,158 @@
+"""Take-over: a run whose verifier or drafter replica is lost mid-stream continues on another replica.
+
+A remote session fails with a replica's loss (``BackendError.replica_lost``: UNAVAILABLE, its stream broken,
+a hung step) when the process serving it dies, is cut off or stops serving. The orchestrator holds
+everything a session is rebuilt from: the prompt and every committed token. So instead of failing the
+request, the decode is parked (``Decode.lost``: it sits out the rounds, its batch-mates go on untouched),
+and its own request thread reopens it here, outside any round:
+
+1. both sessions are aborted (the survivor frees its state; the lost one is gone anyway);
+2. a new verifier session (the backend's channel balances it onto a SERVING replica: ``remote/streams.py``)
+   prefills prompt + every committed token but the last -- resuming what that replica's prefix cache holds,
+   as a run's first prefill does -- and a new drafter session takes the whole context's aux from that
+   prefill with its first draft (a drafter's context is the verifier's aux, which the orchestrator never
+   keeps: a new verifier prefill is the one source of it, for a drafter's loss too);
+3. the decode resumes from the last committed token (``Decode.reopened``).
+
+Nothing committed changes, so the output is the uninterrupted run's token for token: greedy, and the
+coupled sampling rule, whose noise is keyed by absolute position (``core/sampling.py``). (The rejection
+rule draws from a per-session stream: its output stays exactly distributed, not identical.)
+
+Each try that finds no replica waits (``BACKOFF_S``, doubling) and tries again, ``TRIES`` times; then the
+run fails with the last error, which names the role. A drafter replica's loss moves to another drafter
+replica while one answers its health check; with none, the verifier finishes alone (the AR fallback).
+A constrained request is not taken over: its grammar's state lives in the lost verifier session.
+
+The same reopening serves a request that resumes a stream a client already received part of
+(``Request.resume_ids``): its sessions open on prompt + those tokens (``resume``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+log = logging.getLogger("kakeya.orchestrator")
+
+# Every ``run`` here is a ``decode.engine.Run`` (its sessions, request and decode; not imported: engine imports us).
+
+TRIES = 6  # reopen attempts per loss: 0.1 + 0.2 + ... + 1.6 s of waiting, ~3 s for a replica to be found
+BACKOFF_S = 0.1
+MAX_PER_RUN = 8  # take-overs one run may take: a replica that keeps failing ends it rather than looping
+HEALTH_TRIES = 3  # a drafter's health check right after a loss may reach the lost replica once
+
+
+def lost(exc: BaseException) -> bool:
+    """``exc`` is a replica's loss another replica may take over (only remote sessions raise such)."""
+    return bool(getattr(exc, "replica_lost", False))
+
+
+def role_of(exc: BaseException) -> str:
+    return getattr(exc, "service", "verifier")
+
+
+def _serving(backend, tries: int = HEALTH_TRIES) -> bool:
+    """Some replica of ``backend`` answers SERVING (a backend with no health check: assumed)."""
+    healthy = getattr(backend, "healthy", None)
+    if healthy is None:
+        return True
+    for k in range(tries):
+        if healthy(1.0):
+            return True
+        if k + 1 < tries:
+            time.sleep(BACKOFF_S * 2**k)
+    return False
+
+
+def _abort(run) -> None:
+    """Cancel both sessions' streams: each server frees what it held (the lost one holds nothing now)."""
+    for session in (run.drafter_session, run.verifier_session):
+        if session is not None:
+            session.abort()
+
+
+def _reopen_once(run, ids: Sequence[int], drafter: bool):
+    """Abort the run's sessions, open new ones and prefill ``ids``: ``(first, aux, cached)``."""
+    _abort(run)
+    e = run._engine
+    run.verifier_session = e.verifier.open_session(run.request.cache_policy, run._sampling, run._session_options)
+    run.drafter_session = None
+    if drafter:
+        open_now = getattr(e.drafter, "open_session_now", e.drafter.open_session)  # past a backoff the loss set
+        run.drafter_session = open_now(run._sampling, run._session_options)
+    steps = run._prefill_steps(ids)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            first, aux, cached = done.value
+            if run.drafter_session is not None and e.prefix_cache:
+                run.drafter_session.resume(cached)
+            return first, aux, cached
+
+
+def reopen(run, ids: Sequence[int], cause: BaseException):
+    """Reopen ``run``'s sessions on SERVING replicas and prefill ``ids``, trying ``TRIES`` times: ``(first, aux,
+    cached)``; a drafter only if one was lost or in use and a replica of it answers (else the verifier alone)."""
+    decode = run._decode
+    want_drafter = run._engine.drafter is not None and (role_of(cause) == "drafter" or run.drafter_session is not None)
+    if decode is not None and not decode.drafting and role_of(cause) != "drafter":
+        want_drafter = False  # it already finished on the verifier alone
+    if want_drafter and not _serving(run._engine.drafter):
+        if role_of(cause) == "drafter" and not run._fallback:
+            raise cause
+        want_drafter = False
+        if decode is not None:
+            decode.drafter_error, decode.generation.drafter_fallback = cause, True
+        log.warning("request %s: no drafter replica answers; the verifier goes on alone", run.request.request_id or "-")
+    last = cause
+    for k in range(TRIES):
+        if run.cancelled:  # the client went away meanwhile: the run just ends
+            raise last
+        try:
+            return _reopen_once(run, ids, want_drafter)
+        except Exception as exc:  # a loss tries again; anything else is the run's failure
+            if not lost(exc):
+                raise
+            last = exc
+            if k + 1 < TRIES:
+                time.sleep(BACKOFF_S * 2**k)
+    log.warning("request %s: no %s replica took the session over after %d tries", run.request.request_id or "-",
+                role_of(last), TRIES)  # fmt: skip
+    raise last
+
+
+def reprefill(run, cause: BaseException):
+    """The run's first prefill lost its replica: the same prefill on another one (``(first, aux, cached)``)."""
+    done = reopen(run, run._context(), cause)
+    decode = run._decode
+    decode.verifier, decode.drafter = run.verifier_session, run.drafter_session
+    decode.drafting = decode.drafting and run.drafter_session is not None
+    run.takeovers.append((role_of(cause), 0.0))
+    return done
+
+
+def take_over(run) -> None:
+    """Reopen ``run``'s parked decode (``Decode.lost``) on other replicas and let it rejoin the rounds."""
+    decode = run._decode
+    cause = decode.lost
+    run.takeovers.append((role_of(cause), 0.0))
+    if len(run.takeovers) > MAX_PER_RUN:
+        raise cause
+    gen = decode.generation
+    if role_of(cause) == "drafter" and not _serving(run._engine.drafter):
+        if not run._fallback:
+            raise cause
+        # no drafter replica left: the verifier session, untouched (the round verified nothing), goes on alone
+        decode.drafter_error, gen.drafter_fallback, decode.drafting, decode.lost = cause, True, False, None
+        log.warning("request %s: no drafter replica answers; the verifier goes on alone", run.request.request_id or "-")
+        return
+    log.warning("request %s: %s lost after %d tokens (%s); taking the session over",
+                run.request.request_id or "-", role_of(cause), len(gen.token_ids), cause)  # fmt: skip
+    _first, aux, _cached = reopen(run, gen.prompt_ids + gen.token_ids[:-1], cause)
+    pause = time.perf_counter() - decode.lost_at
+    run.takeovers[-1] = (role_of(cause), pause)
+    decode.reopened(run.verifier_session, run.drafter_session, aux)
+    if run._on_takeover is not None:
+        run._on_takeover(role_of(cause), pause)

@@ -1,0 +1,111 @@
+"""deploy/k8s/components/inference-gateway: rendered with the cpu-dev overlay by the real ``kubectl kustomize``
+and validated offline against the Gateway API Inference Extension's InferencePool CRD schema (vendored in
+``data/``), and wired the way the extension documents: the pool selects the orchestrator pods at their HTTP
+port, its endpoint picker is the EPP Service, and the EPP scrapes gauge names the orchestrator exports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import jsonschema
+import pytest
+import yaml
+from prometheus_client.core import GaugeMetricFamily
+
+from kakeya.runtime.metrics import ServerMetrics
+
+from .manifests import K8S, container, deployment, kubectl, of_kind
+from .test_k8s import _admits
+
+COMPONENT = K8S / "components" / "inference-gateway"
+SCHEMA = json.loads((K8S.parents[1] / "tests" / "deploy" / "data" / "inferencepool-v1.schema.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    """cpu-dev with the component, as a user's overlay would add it."""
+    tmp = tmp_path_factory.mktemp("gateway")
+    (tmp / "kustomization.yaml").write_text(
+        yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": [os.path.relpath(K8S / "overlays" / "cpu-dev", tmp)],
+            "components": [os.path.relpath(COMPONENT, tmp)],
+        })
+    )  # fmt: skip
+    out = subprocess.run(
+        [kubectl(), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(tmp)],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+def _pool(docs) -> dict:
+    (pool,) = of_kind(docs, "InferencePool").values()
+    return pool
+
+
+def test_the_inference_pool_validates_against_the_extensions_crd_schema(docs):
+    pool = _pool(docs)
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    jsonschema.Draft7Validator(SCHEMA).validate(pool)
+    # the schema bites: what the CRD refuses is refused here too
+    for broken in (
+        {"targetPorts": [{"number": 0}]},
+        {"targetPorts": []},
+        {"selector": {}},
+        {"endpointPickerRef": None},
+    ):
+        bad = json.loads(json.dumps(pool))
+        bad["spec"].update(broken)
+        bad["spec"] = {k: v for k, v in bad["spec"].items() if v is not None}
+        assert not jsonschema.Draft7Validator(SCHEMA).is_valid(bad), broken
+
+
+def test_the_pool_is_the_orchestrators_http_port(docs):
+    spec = _pool(docs)["spec"]
+    orch = deployment(docs, "orchestrator")
+    assert spec["selector"]["matchLabels"].items() <= orch["spec"]["template"]["metadata"]["labels"].items()
+    for role in ("verifier", "drafter"):  # the backends stay behind the orchestrators
+        labels = deployment(docs, role)["spec"]["template"]["metadata"]["labels"]
+        assert not spec["selector"]["matchLabels"].items() <= labels.items()
+    ports = {p["name"]: p["containerPort"] for p in container(docs, "orchestrator")["ports"]}
+    assert [p["number"] for p in spec["targetPorts"]] == [ports["http"]]
+    assert f"--http-port={ports['http']}" in container(docs, "orchestrator")["args"]
+
+
+def test_the_endpoint_picker_is_wired_to_the_pool_and_to_kakeyas_gauges(docs):
+    ref = _pool(docs)["spec"]["endpointPickerRef"]
+    service = of_kind(docs, "Service")[ref["name"]]
+    assert ref["port"]["number"] in [p["port"] for p in service["spec"]["ports"]]
+    epp = of_kind(docs, "Deployment")[ref["name"]]
+    assert service["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    (c,) = epp["spec"]["template"]["spec"]["containers"]
+    args = dict(a.removeprefix("--").split("=", 1) for a in c["args"])
+    assert args["pool-name"] == _pool(docs)["metadata"]["name"]
+    assert f"/config/{next(iter(of_kind(docs, 'ConfigMap')['kakeya-epp']['data']))}" == args["config-file"]
+    orch_ports = {p["name"]: p["containerPort"] for p in container(docs, "orchestrator")["ports"]}
+    assert int(args["model-server-metrics-port"]) == orch_ports["metrics"]
+    # the names it scrapes are gauges an orchestrator exports
+    m = ServerMetrics("orchestrator")
+    m.track_kv_usage(lambda: 0.25)
+    gauges = {f.name for f in m.registry.collect() if f.type == GaugeMetricFamily("x", "").type}
+    for flag in ("total-queued-requests-metric", "kv-cache-usage-percentage-metric"):
+        assert args[flag] in gauges, (flag, args[flag])
+    role = of_kind(docs, "Role")["kakeya-epp"]
+    assert {"pods", "inferencepools"} <= {r for rule in role["rules"] for r in rule["resources"]}
+    assert (
+        of_kind(docs, "RoleBinding")["kakeya-epp"]["subjects"][0]["name"]
+        == epp["spec"]["template"]["spec"]["serviceAccountName"]
+    )
+
+
+def test_the_endpoint_picker_may_scrape_the_orchestrators_and_only_them(docs):
+    epp = of_kind(docs, "Deployment")["kakeya-epp"]["spec"]["template"]["metadata"]["labels"]
+    policies = of_kind(docs, "NetworkPolicy")
+    assert _admits(policies["kakeya-orchestrator"], "metrics", epp)
+    assert not _admits(policies["kakeya-verifier"], "metrics", epp)
+    assert not _admits(policies["kakeya-drafter"], "metrics", epp)
