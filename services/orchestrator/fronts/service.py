@@ -198,7 +198,7 @@ class GenerationService:
                 self._room.notify_all()
             logs.reset(token)
 
-    def _admit(self, peer: str, call: Call | None) -> None:
+    def _admit(self, peer: str, call: ClientCall | None) -> None:
         """Count one more generation of ``peer`` in, or raise RESOURCE_EXHAUSTED saying why. Over
         ``--max-sessions`` it waits in the queue, when fewer than ``--queue`` do, until one ends (its turn
         first come first served) or ``--queue-timeout`` / its client's deadline passes; over
