@@ -9,6 +9,7 @@ orchestrator's step deadline notices the silence and the verifier finishes alone
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -111,3 +112,130 @@ def test_a_drafter_host_cut_off_mid_stream_costs_the_drafter_not_the_tokens(spli
     assert result["token_ids"] == colocated_tokens
     assert result["drafter_fallback"] is True  # the verifier finished alone
     assert servers["drafter"].alive()  # a partition, not a crash: the drafter process lived through it
+
+
+# --------------------------------------------------------------------------- replicas on hosts of their own
+
+STREAMS, LONG = 8, 240  # 8 streams, each long enough to be mid-way when a host goes
+
+
+@pytest.fixture(scope="module")
+def replicas(server_factory, tmp_path_factory):
+    """Two verifier hosts, two drafter hosts, two orchestrator hosts (each orchestrator over both replicas of
+    each role, as a headless Service's DNS lists pods) and a client host."""
+    token = tmp_path_factory.mktemp("replicas") / "token"
+    token.write_text("replicas-test-token\n")
+    names = ["v1", "v2", "d1", "d2", "o1", "o2", "client"]
+    with Hosts(names) as hosts:
+        a = hosts.addr
+        auth = ["--host", "0.0.0.0", "--auth-token-file", str(token), "--grace", "1"]
+        servers = {}
+        for name in ("v1", "v2", "d1", "d2"):
+            role = "verifier" if name[0] == "v" else "drafter"
+            servers[name] = server_factory(name, [role, *TINY_MLX, *auth], PORT[role], hosts.prefix(name))
+        start_all([servers[n] for n in ("v1", "v2", "d1", "d2")])
+        for name in ("o1", "o2"):
+            servers[name] = server_factory(
+                name,
+                ["orchestrator", "--verifier", f"ipv4:{a['v1']}:{PORT['verifier']},{a['v2']}:{PORT['verifier']}",
+                 "--drafter", f"ipv4:{a['d1']}:{PORT['drafter']},{a['d2']}:{PORT['drafter']}",
+                 "--backend-token-file", str(token), "--backend-timeout", "3", "--metrics-port", "9464", *auth],
+                PORT["orchestrator"], hosts.prefix(name),
+            )  # fmt: skip
+        start_all([servers["o1"], servers["o2"]])
+        yield hosts, token, servers
+
+
+@pytest.fixture(scope="module")
+def long_reference():
+    cmd = [sys.executable, "-m", "kakeya.app.main", "generate", *TINY_MLX, "--json", "--ignore-eos",
+           "--max-tokens", str(LONG), "--block-size", "8"]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])["token_ids"]
+
+
+def _metric(hosts: Hosts, host: str, name: str, label: str | None = None) -> float:
+    """The sum of a metric's samples (with ``label`` among their label values) on ``host``'s orchestrator,
+    read from the client host."""
+    probe = (
+        "import urllib.request, sys; from prometheus_client.parser import text_string_to_metric_families as f;"
+        f"t = urllib.request.urlopen('http://{hosts.addr[host]}:9464/metrics', timeout=5).read().decode();"
+        f"print(sum(s.value for m in f(t) for s in m.samples if s.name == {name!r}"
+        f" and ({label!r} is None or {label!r} in s.labels.values())))"
+    )
+    res = subprocess.run([*hosts.prefix("client"), sys.executable, "-c", probe], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-1000:]
+    return float(res.stdout)
+
+
+def _start_streams(hosts: Hosts, token, orchestrators: list[str]) -> list[subprocess.Popen]:
+    addrs = ",".join(f"{hosts.addr[o]}:{PORT['orchestrator']}" for o in orchestrators)
+    cmd = [*hosts.prefix("client"), sys.executable, "-m", "kakeya.app.main", "client", "--addr", addrs,
+           "--auth-token-file", str(token), "--timeout", "300", "generate", "--json", "--ignore-eos",
+           "--max-tokens", str(LONG), "--block-size", "8"]  # fmt: skip
+    return [
+        subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(STREAMS)
+    ]
+
+
+def _when_running(hosts: Hosts, host: str, n: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while _metric(hosts, host, "kakeya_num_requests_running") < n:
+        assert time.monotonic() < deadline, f"{n} streams never ran at once on {host}"
+        time.sleep(0.2)
+
+
+def _outputs(procs: list[subprocess.Popen]) -> list[list[int]]:
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr[-2000:]
+        out.append(json.loads(stdout.strip().splitlines()[-1])["token_ids"])
+    return out
+
+
+def test_a_verifier_host_killed_under_8_streams_fails_none_and_restarts(replicas, long_reference):
+    hosts, token, servers = replicas
+    before = _metric(hosts, "o1", "kakeya_takeovers_total", "verifier")
+    procs = _start_streams(hosts, token, ["o1"])
+    _when_running(hosts, "o1", STREAMS)
+    servers["v1"].signal(signal.SIGKILL)  # the host's process dies; the other replica lives
+    assert _outputs(procs) == [long_reference] * STREAMS
+    assert _metric(hosts, "o1", "kakeya_takeovers_total", "verifier") > before  # the streams on it moved
+    servers["v1"].start().wait_ready()  # the host restarts and serves again
+    assert _outputs(_start_streams(hosts, token, ["o1"])) == [long_reference] * STREAMS
+
+
+def test_a_verifier_host_cut_off_under_8_streams_fails_none(replicas, long_reference):
+    hosts, token, _ = replicas
+    before = _metric(hosts, "o2", "kakeya_takeovers_total", "verifier")
+    procs = _start_streams(hosts, token, ["o2"])
+    _when_running(hosts, "o2", STREAMS)
+    hosts.cut("v2")
+    try:
+        assert _outputs(procs) == [long_reference] * STREAMS
+    finally:
+        hosts.mend("v2")
+    assert _metric(hosts, "o2", "kakeya_takeovers_total", "verifier") > before
+
+
+def test_a_drafter_host_cut_off_under_8_streams_changes_no_token(replicas, long_reference):
+    hosts, token, _ = replicas
+    procs = _start_streams(hosts, token, ["o1"])
+    _when_running(hosts, "o1", STREAMS)
+    hosts.cut("d1")
+    try:
+        assert _outputs(procs) == [long_reference] * STREAMS
+    finally:
+        hosts.mend("d1")
+
+
+def test_an_orchestrator_host_killed_mid_stream_its_clients_resume_on_the_other(replicas, long_reference):
+    hosts, token, servers = replicas
+    procs = _start_streams(hosts, token, ["o1", "o2"])  # each client: o1 first, o2 when o1 is gone
+    _when_running(hosts, "o1", STREAMS)
+    servers["o1"].signal(signal.SIGKILL)
+    assert _outputs(procs) == [long_reference] * STREAMS  # 0 tokens lost or repeated
+    servers["o1"].start().wait_ready()
