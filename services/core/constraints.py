@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
@@ -152,11 +154,31 @@ class CompiledGrammars:
 COMPILED = CompiledGrammars(maxsize=64)  # this process's compiled grammars
 
 
+def _yield_the_cores() -> None:
+    """A grammar worker's CPU priority lowered (Linux: ``nice`` is a thread's own, by its thread id), so that a
+    grammar which takes seconds to build (a regex bomb's lexer) runs on what the model threads leave, instead of
+    taking a core from them: colocated, other streams paused 2.7x their quiet pause while bombs compiled at the
+    same priority (``benchmarks/arrivals.py``). Elsewhere (macOS) the thread keeps the process's priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
+# Where requests' grammars are checked: two at a time, below every other thread's priority.
+_CHECKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check", initializer=_yield_the_cores)
+
+
 def check(grammar: str, tok: llguidance.LLTokenizer) -> None:
     """:class:`ConstraintError` if ``grammar`` does not compile against ``tok`` (a bad regex, Lark rule, schema);
     one that does is compiled once here for the sessions that follow (:data:`COMPILED`). Its first mask is
     computed too: a grammar past llguidance's budgets there (or whose copies met them, :func:`_raise_if_failed`)
-    is refused here, by the field that carried it."""
+    is refused here, by the field that carried it. The work runs on a low-priority worker (:data:`_CHECKS`); the
+    caller waits for it."""
+    _CHECKS.submit(_check, grammar, tok).result()
+
+
+def _check(grammar: str, tok: llguidance.LLTokenizer) -> None:
     matcher = COMPILED.matcher(grammar, tok)
     mask = np.zeros((tok.vocab_size + 31) // 32, np.int32)
     matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
