@@ -14,8 +14,9 @@
   that), so its ``load`` is handed Kakeya's reading of the config -- what a hub-spelled checkpoint
   (``global_head_dim``) gives it unaided; quantization and saving are mlx-lm's own.
 
-Shapes, seeds and windows differ from every other test's (tests/torch_backend/ckpt.py, make_tiny). Global head
-sizes are multiples of 8, as every Gemma-4's: the full layers' partial RoPE (a quarter of the head) then turns
+Shapes, seeds and windows differ from every other test's (tests/torch_backend/ckpt.py, make_tiny). Hidden sizes
+are multiples of 64, so mlx_lm.convert packs the embedding and most projections at group size 64 too (it
+leaves a layer whose input width the group does not divide unquantized). Global head sizes are multiples of 8, as every Gemma-4's: the full layers' partial RoPE (a quarter of the head) then turns
 whole pairs, which transformers and mlx-lm round alike.
 """
 
@@ -49,8 +50,8 @@ FAMILIES = {
         dict(
             vocab_size=320,
             vocab_size_per_layer_input=320,
-            hidden_size=48,
-            intermediate_size=40,
+            hidden_size=64,
+            intermediate_size=64,
             num_hidden_layers=7,
             num_attention_heads=4,
             num_key_value_heads=1,
@@ -77,8 +78,8 @@ FAMILIES = {
         dict(
             vocab_size=288,
             vocab_size_per_layer_input=288,
-            hidden_size=40,
-            intermediate_size=24,
+            hidden_size=64,
+            intermediate_size=32,
             num_hidden_layers=5,
             num_attention_heads=4,
             num_key_value_heads=2,
@@ -105,8 +106,8 @@ FAMILIES = {
         dict(
             vocab_size=352,
             vocab_size_per_layer_input=352,
-            hidden_size=32,
-            intermediate_size=56,
+            hidden_size=64,
+            intermediate_size=64,
             num_hidden_layers=6,
             num_attention_heads=2,
             num_key_value_heads=2,
@@ -128,8 +129,8 @@ FAMILIES = {
         dict(
             vocab_size=300,
             vocab_size_per_layer_input=300,
-            hidden_size=32,
-            intermediate_size=32,
+            hidden_size=64,
+            intermediate_size=64,
             num_hidden_layers=4,
             num_attention_heads=2,
             num_key_value_heads=1,

@@ -12,7 +12,7 @@ import pytest
 from .cells import BLOCKS, N, mlx_lm_greedy, pair, ring_wraps, speculative
 
 # family, bits, group size: every family once, every (bits, group) pair at least once
-CELLS = [("e", 4, 32), ("moe", 4, 64), ("dense", 8, 32), ("mm", 8, 64), ("dense", 4, 64)]
+CELLS = [("e", 4, 32), ("moe", 4, 64), ("dense", 8, 32), ("mm", 8, 64), ("e", 8, 64)]
 
 
 def test_mlx_lm_convert_alone_cannot_read_transformers_per_layer_config(checkpoints, tmp_path):
@@ -40,7 +40,8 @@ def test_quantized_equals_mlx_lm(checkpoints, name, bits, group, block):
     assert len(ref) == N
     assert speculative("mlx", target, draft, block) == list(ref)
     head = pair("mlx", target, draft)[1].model.target
-    assert head.embed_quant == {"group_size": group, "bits": bits, "mode": "affine"}  # read packed, not dequantized
+    packed = {"group_size": group, "bits": bits, "mode": "affine"}
+    assert head.embed_quant == head.head_quant == packed  # the drafter reads them packed, not dequantized
 
 
 def test_torch_refuses_mlx_quantized_weights_by_name(checkpoints):
