@@ -3,6 +3,14 @@
     python benchmarks/first_request.py                        # torch, auto vs fixed 4/8/16, 5 rounds
     python benchmarks/first_request.py --backend mlx --rounds 3
     python benchmarks/first_request.py --extra --temperature 0.7 --seed 1 --out benchmarks/results/first_request_t07.json
+    python benchmarks/first_request.py --backend mlx --quantize 4 --sizes 0,8 --rounds 3 \
+        --out benchmarks/results/first_request_mlx_q4.json   # the demo target, 4-bit by mlx_lm.convert
+
+``--target DIR`` / ``--draft DIR`` run the command on a checkpoint brought from elsewhere (default: the
+embedded pair). ``--quantize BITS`` (MLX) first quantizes the target with ``mlx_lm.convert`` (group size
+``--group-size``) into a temporary directory -- the demo target when no ``--target`` is given -- and runs
+the demo drafter (or ``--draft``) over it: on MLX, greedy ``--compare-ar`` compares against mlx-lm's own
+plain generation (``generate_step``) of that same quantized model, so the speed-up is against mlx-lm.
 
 Every run is a new process doing exactly what the README's first command does (load the
 embedded pair, warm up, one speculative generation, then AR for comparison) with one block-size
@@ -14,7 +22,8 @@ best fixed size -- cold, since each process serves exactly one request. The summ
 run printed is kept (``lines``): the README quotes one of them, and
 ``tests/test_readme_figures.py`` checks that the quoted line is in this file.
 
-Writes ``benchmarks/results/first_request.json`` (``--out``).
+Writes ``benchmarks/results/first_request.json`` (``--out``) through ``record.write_result`` (commit, date,
+machine, command).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,6 +77,10 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="torch", choices=["torch", "mlx"])
     ap.add_argument("--sizes", default="0,4,8,16", help="block sizes to compare (0: auto, the default)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--target", type=Path, help="target checkpoint directory (default: the embedded pair)")
+    ap.add_argument("--draft", type=Path, help="drafter checkpoint directory (default: the embedded pair)")
+    ap.add_argument("--quantize", type=int, choices=[4, 8], help="MLX: quantize the target with mlx_lm.convert first")
+    ap.add_argument("--group-size", type=int, default=64, help="--quantize's group size (mlx_lm.convert's default)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `kakeya generate` arguments")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument(
@@ -76,11 +90,39 @@ def main(argv=None) -> int:
         "(tests/test_readme_figures.py checks the quote is a printed line)",
     )
     args = ap.parse_args(argv)
+    if args.quantize and args.backend != "mlx":
+        ap.error("--quantize: mlx_lm.convert's quantized weights are read by the MLX backend only (--backend mlx)")
+    with tempfile.TemporaryDirectory() as tmp:
+        return _measure(args, _model_flags(args, Path(tmp)))
+
+
+def _model_flags(args, tmp: Path) -> list[str]:
+    """``--target`` / ``--draft`` for every run; with ``--quantize`` the target is mlx_lm.convert's output."""
+    target, draft = args.target, args.draft
+    if args.quantize:
+        import importlib
+
+        from kakeya.checkpoints.tiny import demo_pair
+
+        demo = demo_pair()
+        target, draft = target or demo.target, draft or demo.draft
+        out = tmp / f"q{args.quantize}"
+        importlib.import_module("mlx_lm.convert").convert(
+            str(target), str(out), quantize=True, q_bits=args.quantize, q_group_size=args.group_size
+        )
+        args.quantized_from = str(target)
+        target = out
+    flags = ["--target", str(target)] if target else []
+    return flags + (["--draft", str(draft)] if draft else [])
+
+
+def _measure(args, model_flags: list[str]) -> int:
+    extra = model_flags + args.extra
     sizes = [int(s) for s in args.sizes.split(",")]
     runs: dict[int, list[dict]] = {s: [] for s in sizes}
     for r in range(args.rounds):
         for s in sizes if r % 2 == 0 else sizes[::-1]:
-            out = one_run(s, args.backend, args.extra)
+            out = one_run(s, args.backend, extra)
             runs[s].append(out)
             print(
                 f"round {r + 1}/{args.rounds} block {s or 'auto'}: {out['summary_line']}", file=sys.stderr, flush=True
@@ -117,6 +159,15 @@ def main(argv=None) -> int:
         "processor": platform.processor() or platform.machine(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rounds": args.rounds,
+        "quantized": {
+            "bits": args.quantize,
+            "group_size": args.group_size,
+            "from": getattr(args, "quantized_from", None),
+            "tool": "mlx_lm.convert",
+        }
+        if args.quantize
+        else None,
+        "draft": str(args.draft) if args.draft else ("demo" if args.quantize else "embedded"),
         "settings": {("auto" if s == 0 else str(s)): summary(rs) for s, rs in runs.items()},
     }
     fixed = {k: v for k, v in result["settings"].items() if k != "auto"}

@@ -1,12 +1,28 @@
-"""Checkpoint-directory validation with one clear error line per problem.
+"""Checkpoint-directory reading: one normalised reading of every published spelling, and one clear error line
+per problem.
 
-``load_target_config(dir)`` / ``load_draft_config(dir)`` read and check a
-``config.json``; ``check_pair(target_cfg, draft_cfg)`` checks that a drafter fits
-a target. Every failure raises :class:`CheckpointError` (a ``ValueError``) whose
-message names the path and the offending field.
+Users bring checkpoints that other tools wrote, each in its own spelling of the same facts. Both backends and
+every other reader (``kakeya inspect``, the servers, the KV memory model) read a config through the two
+functions here, so a spelling is understood -- or refused -- once, the same way everywhere:
 
-The dicts returned carry the directory they came from under ``"_path"`` (a
-string) so ``check_pair`` can name it; it is not part of the checkpoint.
+* :func:`target_config` (``load_target_config(dir)``): a Gemma-4 target's text model, as transformers reads the
+  file back. ``per_layer_config`` (written by transformers >= 5.2) becomes the hub's ``global_head_dim`` /
+  ``num_global_key_value_heads``; ``vocab_size`` is read from ``text_config`` or the top level of a multimodal
+  wrapper; every field the model code reads is made explicit with transformers' ``Gemma4TextConfig`` default
+  (mlx-lm's defaults differ: ``use_double_wide_mlp``, ``final_logit_softcapping``, the layer pattern ...);
+  the end ids come from ``generation_config.json`` when it lists them; the chat template from
+  ``chat_template.jinja`` or ``tokenizer_config.json``. :func:`mlx_model_config` is that reading in the
+  shape mlx-lm's model args take it.
+* :func:`draft_config` (``load_draft_config(dir)``): a DFlash drafter as the ``dflash`` package reads it --
+  ``block_size`` / ``target_layer_ids`` / ``mask_token_id`` and the scales from ``dflash_config`` or the top
+  level (z-lab's layout through May 2026 kept ``block_size`` there), RoPE from ``rope_scaling`` /
+  ``rope_parameters`` / ``rope_theta`` with transformers' precedence, sliding layers as ``Qwen3Config`` reads
+  ``use_sliding_window`` / ``sliding_window`` / ``max_window_layers``.
+
+``check_pair(target_cfg, draft_cfg)`` checks that a drafter fits a target. Every failure raises
+:class:`CheckpointError` (a ``ValueError``) naming the file, the field and what was expected. The dicts
+returned by the ``load_*`` functions carry the directory they came from under ``"_path"`` (a string) so
+``check_pair`` can name it; it is not part of the checkpoint.
 """
 
 from __future__ import annotations
@@ -17,12 +33,55 @@ from typing import Any
 
 TARGET_MODEL_TYPES = ("gemma4_text",)
 MULTIMODAL_MODEL_TYPES = ("gemma4",)
-DRAFT_REQUIRED = ("block_size", "target_layer_ids", "mask_token_id")
 PATH_KEY = "_path"
+FULL, SLIDING = "full_attention", "sliding_attention"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # as checkpoints/tokenizer.py writes it
+
+# transformers' Gemma4TextConfig defaults for every field the model code of either backend reads: a field the
+# file leaves out means what transformers (which wrote it) reads back, never mlx-lm's own default.
+GEMMA4_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size_per_layer_input": 262_144,
+    "hidden_size_per_layer_input": 256,
+    "intermediate_size": 9216,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "global_head_dim": 512,  # transformers pops it with this default when no per_layer_config is given
+    "num_global_key_value_heads": None,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "sliding_window": 512,
+    "final_logit_softcapping": None,
+    "attention_k_eq_v": False,
+    "num_kv_shared_layers": 0,
+    "enable_moe_block": False,
+    "use_double_wide_mlp": False,
+    "num_experts": None,
+    "top_k_experts": None,
+    "moe_intermediate_size": None,
+}
+GEMMA4_ROPE_DEFAULTS = {
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+QWEN3_DEFAULT_THETA = 10_000.0  # transformers' default_theta, what a drafter without any RoPE field runs at
+DFLASH_DEFAULT_BLOCK = 16  # the dflash package's DFlashDraftModel default
 
 
 class CheckpointError(ValueError):
     """A checkpoint directory is missing, malformed, or does not fit its partner."""
+
+
+def _read_json(f: Path, what: str) -> dict[str, Any]:
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{what} checkpoint {f}: unreadable {f.name} ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{what} checkpoint {f}: {f.name} is not a JSON object")
+    return cfg
 
 
 def _read_config(path: str | Path, what: str) -> tuple[Path, dict[str, Any]]:
@@ -34,30 +93,40 @@ def _read_config(path: str | Path, what: str) -> tuple[Path, dict[str, Any]]:
     f = d / "config.json"
     if not f.is_file():
         raise CheckpointError(f"{what} checkpoint {d}: no config.json")
-    try:
-        cfg = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{what} checkpoint {f}: unreadable config.json ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{what} checkpoint {f}: config.json is not a JSON object")
-    return d, cfg
+    return d, _read_json(f, what)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _require_int(cfg: dict[str, Any], key: str, where: str, what: str) -> int:
     value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not _int(value):
         raise CheckpointError(f"{what} checkpoint {where}: field {key!r} must be an integer, got {value!r}")
     return value
 
 
+# --------------------------------------------------------------------------- the target
+
+
 def load_target_config(path: str | Path) -> dict[str, Any]:
-    """Read a Gemma-4 text target's config (the ``text_config`` of a multimodal one)."""
-    d, cfg = _read_config(path, "target")
-    top = cfg
-    where = d / "config.json"
-    model_type = cfg.get("model_type")
+    """Read a Gemma-4 target's config (the ``text_config`` of a multimodal one): :func:`target_config`."""
+    d, raw = _read_config(path, "target")
+    cfg = target_config(raw, d)
+    cfg[PATH_KEY] = str(d)
+    return cfg
+
+
+def target_config(raw: dict[str, Any], directory: str | Path | None = None) -> dict[str, Any]:
+    """The one reading of a Gemma-4 target's ``config.json`` dict: its text model's fields in the hub's spelling,
+    every field the model code reads explicit, ``eos_token_id`` a list and ``chat_template`` the template's
+    source (None without one) when ``directory`` is given. Idempotent: a reading reads back as itself."""
+    d = Path(directory) if directory is not None else None
+    where = f"{d / 'config.json'}" if d is not None else "config.json"
+    model_type = raw.get("model_type")
     if model_type in MULTIMODAL_MODEL_TYPES:
-        text = cfg.get("text_config")
+        text = raw.get("text_config")
         if not isinstance(text, dict):
             raise CheckpointError(f"target checkpoint {where}: model_type {model_type!r} has no 'text_config' object")
         if text.get("model_type", "gemma4_text") not in TARGET_MODEL_TYPES:
@@ -65,28 +134,101 @@ def load_target_config(path: str | Path) -> dict[str, Any]:
                 f"target checkpoint {where}: field 'text_config.model_type' is"
                 f" {text.get('model_type')!r}, expected 'gemma4_text'"
             )
-        cfg = dict(text)
-        cfg.setdefault("model_type", "gemma4_text")
-        where_text = f"{where} (text_config)"
+        cfg, field = dict(text), "text_config."
+        if "vocab_size" not in cfg and "vocab_size" in raw:  # mlx-lm's wrapper args keep it at the top level
+            cfg["vocab_size"] = raw["vocab_size"]
     elif model_type in TARGET_MODEL_TYPES:
-        cfg = dict(cfg)
-        where_text = str(where)
+        cfg, field = dict(raw), ""
     else:
         raise CheckpointError(
             f"target checkpoint {where}: field 'model_type' is {model_type!r},"
             " expected 'gemma4_text' (or 'gemma4' with a text_config)"
         )
+    cfg["model_type"] = "gemma4_text"
     for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
-        _require_int(cfg, key, where_text, "target")
-    layer_types = cfg.get("layer_types")
-    if layer_types is not None and len(layer_types) != cfg["num_hidden_layers"]:
+        _require_int(cfg, key, where, "target")
+    if cfg.get("use_bidirectional_attention") == "all":
         raise CheckpointError(
-            f"target checkpoint {where_text}: field 'layer_types' has {len(layer_types)} entries,"
-            f" num_hidden_layers is {cfg['num_hidden_layers']}"
+            f"target checkpoint {where}: field '{field}use_bidirectional_attention' is 'all' (an encoder that"
+            " sees every position), expected null or 'vision': only causal Gemma-4 generators are served"
         )
-    cfg["eos_token_id"] = _eos_token_ids(d, top, cfg)
-    cfg[PATH_KEY] = str(d)
+    for key, value in GEMMA4_TEXT_DEFAULTS.items():
+        cfg.setdefault(key, value)  # an explicit null stays null, as transformers reads it
+    cfg["layer_types"] = _layer_types(cfg, where, field)
+    _per_layer_config(cfg, where, field)
+    rope = {k: dict(v) for k, v in GEMMA4_ROPE_DEFAULTS.items()}
+    for k, v in (cfg.get("rope_parameters") or {}).items():
+        if isinstance(v, dict):
+            rope[k] = dict(v)
+    cfg["rope_parameters"] = rope
+    if d is not None:
+        cfg["eos_token_id"] = _eos_token_ids(d, raw, cfg)
+        cfg["chat_template"] = chat_template_source(d)
     return cfg
+
+
+def _layer_types(cfg: dict[str, Any], where: str, field: str) -> list[str]:
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:  # transformers' default pattern (mlx-lm's sliding_window_pattern default differs)
+        types = [SLIDING if (i + 1) % 6 else FULL for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in (FULL, SLIDING) for t in types):
+        raise CheckpointError(
+            f"target checkpoint {where}: field '{field}layer_types' must list {n} entries (num_hidden_layers),"
+            f" each 'sliding_attention' or 'full_attention', got {types!r}"
+        )
+    return list(types[:-1]) + [FULL]  # transformers forces the last layer to full attention
+
+
+def _per_layer_config(cfg: dict[str, Any], where: str, field: str) -> None:
+    """transformers >= 5.2 writes the full layers' shapes as per-layer overrides; read them back into the hub's
+    ``global_head_dim`` / ``num_global_key_value_heads``, the spelling mlx-lm and the torch model read."""
+    per_layer = cfg.pop("per_layer_config", None)
+    if not per_layer:
+        return
+    name = f"'{field}per_layer_config'"
+    if not isinstance(per_layer, dict):
+        raise CheckpointError(f"target checkpoint {where}: field {name} must be an object, got {per_layer!r}")
+    full = [i for i, t in enumerate(cfg["layer_types"]) if t == FULL]
+    overrides = {int(k): v for k, v in per_layer.items()}
+    odd = sorted(set(overrides) - set(full))
+    if odd:
+        raise CheckpointError(
+            f"target checkpoint {where}: field {name} overrides layers {odd}, expected only the full-attention"
+            f" layers {full} (Gemma-4's global head shape)"
+        )
+    seen = {json.dumps(overrides.get(i, {}), sort_keys=True) for i in full}
+    if len(seen) != 1:
+        raise CheckpointError(
+            f"target checkpoint {where}: field {name} gives the full-attention layers different shapes {sorted(seen)},"
+            " expected one shape for all of them (Gemma-4's global_head_dim / num_global_key_value_heads)"
+        )
+    one = overrides.get(full[0], {}) if full else {}
+    extra = sorted(set(one) - {"head_dim", "num_key_value_heads"})
+    if extra:
+        raise CheckpointError(
+            f"target checkpoint {where}: field {name} overrides {extra}, expected only 'head_dim' and"
+            " 'num_key_value_heads'"
+        )
+    cfg["global_head_dim"] = int(one.get("head_dim", cfg["head_dim"]))
+    kv = one.get("num_key_value_heads")
+    if kv is not None and not cfg["attention_k_eq_v"] and kv != cfg["num_key_value_heads"]:
+        raise CheckpointError(
+            f"target checkpoint {where}: field {name} gives full layers {kv} key/value heads without"
+            f" 'attention_k_eq_v', expected num_key_value_heads ({cfg['num_key_value_heads']}): Gemma-4 has"
+            " other global key/value heads only on k_eq_v layers"
+        )
+    cfg["num_global_key_value_heads"] = None if kv is None else int(kv)
+
+
+def mlx_model_config(raw: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
+    """What mlx-lm's ``load_model(model_config=...)`` lays over ``raw`` so its model args read ``text`` (a
+    :func:`target_config` reading): the multimodal wrapper's args overwrite ``text_config.vocab_size`` with
+    their own top-level one (262144 when absent), so it goes at both levels."""
+    keep = {k: v for k, v in text.items() if k not in (PATH_KEY, "chat_template")}
+    if raw.get("model_type") in MULTIMODAL_MODEL_TYPES:
+        return {"text_config": keep, "vocab_size": text["vocab_size"]}
+    return keep
 
 
 def _eos_token_ids(d: Path, top: dict[str, Any], text: dict[str, Any]) -> list[int]:
@@ -97,41 +239,84 @@ def _eos_token_ids(d: Path, top: dict[str, Any], text: dict[str, Any]) -> list[i
     gen_file = d / "generation_config.json"
     eos: Any = None
     if gen_file.is_file():
-        try:
-            eos = json.loads(gen_file.read_text(encoding="utf-8")).get("eos_token_id")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-            raise CheckpointError(f"target checkpoint {gen_file}: unreadable generation_config.json ({exc})") from None
+        eos = _read_json(gen_file, "target").get("eos_token_id")
         where = gen_file
     if eos is None:
         eos = text.get("eos_token_id", top.get("eos_token_id"))
         where = d / "config.json"
     ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
-    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+    if not all(_int(i) for i in ids):
         raise CheckpointError(
             f"target checkpoint {where}: field 'eos_token_id' must be an integer or a list of them, got {eos!r}"
         )
     return ids
 
 
+def chat_template_source(d: str | Path) -> str | None:
+    """The checkpoint's chat template, as transformers reads it: ``chat_template.jinja`` when present, else
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named ones: the ``default``)."""
+    d = Path(d)
+    if (d / CHAT_TEMPLATE_FILE).is_file():
+        return (d / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8") or None
+    cfg_file = d / "tokenizer_config.json"
+    source = _read_json(cfg_file, "target").get("chat_template") if cfg_file.is_file() else None
+    if isinstance(source, list):
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+    if source is not None and not isinstance(source, str):
+        raise CheckpointError(
+            f"target checkpoint {cfg_file}: field 'chat_template' must be a string or a list of"
+            f" {{'name', 'template'}} objects, got {type(source).__name__}"
+        )
+    return source or None
+
+
+# --------------------------------------------------------------------------- the drafter
+
+
 def load_draft_config(path: str | Path) -> dict[str, Any]:
-    """Read a DFlash drafter's config; ``dflash_config`` must hold the DFlash fields."""
-    d, cfg = _read_config(path, "draft")
-    where = d / "config.json"
-    dflash = cfg.get("dflash_config")
+    """Read a DFlash drafter's config: :func:`draft_config`."""
+    d, raw = _read_config(path, "draft")
+    cfg = draft_config(raw, d)
+    cfg[PATH_KEY] = str(d)
+    return cfg
+
+
+def draft_config(raw: dict[str, Any], directory: str | Path | None = None) -> dict[str, Any]:
+    """The one reading of a DFlash drafter's ``config.json`` dict, as the ``dflash`` package and transformers'
+    ``Qwen3Config`` read it: the DFlash fields in ``dflash_config``, ``rope_parameters`` (and ``rope_theta`` /
+    ``rope_scaling`` beside it, the same values), ``layer_types`` / ``sliding_window`` explicit. Idempotent."""
+    where = f"{Path(directory) / 'config.json'}" if directory is not None else "config.json"
+    dflash = raw.get("dflash_config")
     if not isinstance(dflash, dict):
         raise CheckpointError(f"draft checkpoint {where}: no 'dflash_config' object -- not a DFlash drafter")
-    for key in DRAFT_REQUIRED:
+    cfg = dict(raw)
+    dflash = dict(dflash)
+    _require_int(cfg, "hidden_size", where, "draft")
+    _require_int(cfg, "num_hidden_layers", where, "draft")
+    # The dflash package reads each DFlash field from dflash_config first, then from the top level.
+    for key in ("block_size", "target_layer_ids", "mask_token_id", "input_embedding_scale", "output_multiplier"):
+        if key not in dflash and cfg.get(key) is not None:
+            dflash[key] = cfg[key]
+    if "final_logit_softcapping" not in dflash and cfg.get("final_logit_softcapping") is not None:
+        dflash["final_logit_softcapping"] = cfg["final_logit_softcapping"]
+    dflash.setdefault("block_size", DFLASH_DEFAULT_BLOCK)
+    if "target_layer_ids" not in dflash and _int(cfg.get("num_target_layers")):
+        dflash["target_layer_ids"] = _spread_layer_ids(cfg["num_target_layers"], cfg["num_hidden_layers"])
+    for key in ("target_layer_ids", "mask_token_id"):
         if key not in dflash:
-            raise CheckpointError(f"draft checkpoint {where}: field 'dflash_config.{key}' is missing")
+            raise CheckpointError(
+                f"draft checkpoint {where}: field 'dflash_config.{key}' is missing (nor at the top level"
+                + (", nor num_target_layers to spread them over)" if key == "target_layer_ids" else ")")
+            )
     ids = dflash["target_layer_ids"]
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not isinstance(ids, list) or not ids or not all(_int(i) for i in ids):
         raise CheckpointError(
             f"draft checkpoint {where}: field 'dflash_config.target_layer_ids' must be a"
             f" non-empty list of integers, got {ids!r}"
         )
     for key in ("block_size", "mask_token_id"):
         value = dflash[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not _int(value) or value < 0:
             raise CheckpointError(
                 f"draft checkpoint {where}: field 'dflash_config.{key}' must be a non-negative integer, got {value!r}"
             )
@@ -139,10 +324,63 @@ def load_draft_config(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"draft checkpoint {where}: field 'dflash_config.block_size' must be >= 2, got {dflash['block_size']}"
         )
-    _require_int(cfg, "hidden_size", str(where), "draft")
-    cfg = dict(cfg)
-    cfg[PATH_KEY] = str(d)
+    cfg["dflash_config"] = dflash
+    cfg.pop("block_size", None)  # one place for each DFlash field: dflash_config
+    _draft_rope(cfg)
+    _draft_layers(cfg, where)
     return cfg
+
+
+def _spread_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The dflash package's ``build_target_layer_ids``: the layers a drafter reads when its config names none."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def _draft_rope(cfg: dict[str, Any]) -> None:
+    """transformers' precedence: ``rope_scaling`` over ``rope_parameters``; a ``rope_theta`` inside them over
+    the top-level one over the default; ``type`` is the old name of ``rope_type``."""
+    rope = dict(cfg.pop("rope_scaling", None) or cfg.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", cfg.get("rope_theta") if cfg.get("rope_theta") is not None else QWEN3_DEFAULT_THETA)
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    cfg["rope_parameters"] = rope
+    cfg["rope_scaling"] = rope
+    cfg["rope_theta"] = float(rope["rope_theta"])
+
+
+def _draft_layers(cfg: dict[str, Any], where: str) -> None:
+    """Sliding drafter layers. Without ``layer_types``, ``Qwen3Config``'s rule: with ``use_sliding_window``,
+    the layers from ``max_window_layers`` on slide. With ``layer_types`` naming sliding layers, their
+    ``sliding_window`` holds -- as the dflash package's MLX model reads it; its torch model, through
+    ``Qwen3Config``, drops the window unless ``use_sliding_window`` is true. A drafter is read one way on both
+    backends, and an explicit window on layers named sliding is what its writer meant."""
+    n = cfg["num_hidden_layers"]
+    cfg["num_key_value_heads"] = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    if cfg.get("head_dim") is None:
+        cfg["head_dim"] = 128  # Qwen3Config's default (the dflash package reads config.head_dim)
+    types = cfg.get("layer_types")
+    window = cfg.get("sliding_window", 4096 if cfg.get("use_sliding_window") else None)
+    if types is None:
+        window = window if cfg.get("use_sliding_window") else None
+        first = cfg.get("max_window_layers", 28)
+        types = [SLIDING if window is not None and i >= first else FULL for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in (FULL, SLIDING) for t in types):
+        raise CheckpointError(
+            f"draft checkpoint {where}: field 'layer_types' must list {n} entries (num_hidden_layers),"
+            f" each 'sliding_attention' or 'full_attention', got {types!r}"
+        )
+    if SLIDING not in types:
+        window = None
+    elif not _int(window) or window < 1:
+        raise CheckpointError(
+            f"draft checkpoint {where}: field 'sliding_window' is {window!r}, expected a positive integer:"
+            " 'layer_types' names sliding_attention layers"
+        )
+    cfg["layer_types"] = list(types)
+    cfg["sliding_window"] = window
+    cfg["use_sliding_window"] = window is not None
 
 
 def check_pair(target_cfg: dict[str, Any], draft_cfg: dict[str, Any]) -> None:

@@ -6,10 +6,10 @@ refuse exactly the same checkpoints.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kakeya.checkpoints.config import PATH_KEY, draft_config, load_draft_config
 from kakeya.core.contract import FULL, SLIDING, check_layer_types
 from kakeya.core.request import MAX_BLOCK_SIZE
 
@@ -119,29 +119,29 @@ class DFlashConfig:
         return len(self.target_layer_ids) * self.hidden_size
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> DFlashConfig:
+    def from_dict(cls, cfg: dict, draft_dir: str | Path | None = None) -> DFlashConfig:
+        """The drafter of a ``config.json`` dict, read through ``checkpoints.config.draft_config`` (every
+        published spelling, one reading; ``draft_dir`` names the file in its errors)."""
         archs = cfg.get("architectures") or []
         other = [a for a in archs if "DFlash2" in a and a != DFLASH2]
         if other:
             raise ValueError(f"unsupported draft architecture {other}: expected {DFLASH!r} or {DFLASH2!r}")
-        dfl = cfg.get("dflash_config") or {}
-        for key in ("target_layer_ids", "mask_token_id"):
-            if key not in dfl:
-                raise ValueError(f"draft config.json has no dflash_config.{key}")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
-        softcap = dfl.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
+        cfg = draft_config(cfg, draft_dir)
+        dfl = cfg["dflash_config"]
+        rope = cfg["rope_parameters"]
+        softcap = dfl.get("final_logit_softcapping")
         return cls(
             hidden_size=int(cfg["hidden_size"]),
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=int(cfg["num_attention_heads"]),
             num_key_value_heads=int(cfg["num_key_value_heads"]),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
+            head_dim=int(cfg["head_dim"]),
             intermediate_size=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", (rope or {}).get("rope_theta", 10000.0))),
+            rope_theta=float(rope["rope_theta"]),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
-            block_size=int(dfl.get("block_size", cfg.get("block_size", 16))),
+            block_size=int(dfl["block_size"]),
             target_layer_ids=tuple(dfl["target_layer_ids"]),
             mask_token_id=int(dfl["mask_token_id"]),
             num_target_layers=cfg.get("num_target_layers"),
@@ -154,12 +154,12 @@ class DFlashConfig:
             is_causal=cfg.get("is_causal"),
             hidden_act=cfg.get("hidden_act", "silu"),
             dflash2=DFlash2Fields.from_dflash_config(dfl, int(cfg["hidden_size"])) if DFLASH2 in archs else None,
-            raw=dict(cfg),
+            raw={k: v for k, v in cfg.items() if k != PATH_KEY},
         )
 
     @classmethod
     def from_dir(cls, draft_dir: str | Path) -> DFlashConfig:
-        return cls.from_dict(json.loads((Path(draft_dir) / "config.json").read_text(encoding="utf-8")))
+        return cls.from_dict(load_draft_config(draft_dir), draft_dir)
 
 
 def check_draft_args(last_token, block_size, vocab_size: int) -> None:

@@ -23,13 +23,13 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kakeya.checkpoints.config import chat_template_source
 from kakeya.core import json_text
 from kakeya.core.request import Chat, ToolCall
 from kakeya.orchestrator.tools.calls import NAME
 from kakeya.orchestrator.tools.choice import ToolProblem, check_tools
 from kakeya.runtime.lifecycle import quote
 
-TEMPLATE_FILE = "chat_template.jinja"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continue_final_message
 
@@ -68,9 +68,7 @@ class ChatTemplate:
         path = Path(checkpoint_dir)
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        source = (path / TEMPLATE_FILE).read_text() if (path / TEMPLATE_FILE).is_file() else cfg.get("chat_template")
-        if isinstance(source, list):  # named templates: the default one
-            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        source = chat_template_source(path)  # chat_template.jinja or tokenizer_config.json's (one reading)
         if not source:
             return None
         return cls(source, _special_tokens(cfg))

@@ -118,11 +118,53 @@ def test_draft_without_dflash_config(tiny_pair, tmp_path):
         load_draft_config(tiny_pair.target)
 
 
-@pytest.mark.parametrize("field", ["target_layer_ids", "mask_token_id", "block_size"])
-def test_draft_missing_field(tiny_pair, tmp_path, field):
-    d = _edit(tiny_pair.draft, tmp_path / field, lambda c: c["dflash_config"].pop(field))
-    with pytest.raises(CheckpointError, match=rf"'dflash_config\.{field}' is missing"):
+def _dflash_reading(cfg: dict) -> dict:
+    """What the ``dflash`` package's own DFlashDraftModel reads from a config (the oracle)."""
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    model = DFlashDraftModel(Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("architectures",)}))
+    return {"block_size": model.block_size, "target_layer_ids": list(model.target_layer_ids),
+            "mask_token_id": model.mask_token_id}  # fmt: skip
+
+
+def _top_level_only(c):
+    """Every DFlash field at the top level, as z-lab's configs through May 2026 kept block_size."""
+    dflash = c.pop("dflash_config")
+    c.update(dflash)
+    c["dflash_config"] = {}
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda c: c["dflash_config"].pop("block_size"),  # top-level block_size (8) only
+        lambda c: (c["dflash_config"].pop("block_size"), c.pop("block_size")),  # neither: the package's 16
+        lambda c: c["dflash_config"].update(block_size=5),  # dflash_config's wins over the top level's
+        lambda c: c["dflash_config"].pop("target_layer_ids"),  # spread over num_target_layers
+        _top_level_only,
+    ],
+    ids=["top-level-block", "no-block", "both-blocks", "no-layer-ids", "all-top-level"],
+)
+def test_draft_fields_read_as_the_dflash_package_reads_them(tiny_pair, tmp_path, edit):
+    d = _edit(tiny_pair.draft, tmp_path / "d", edit)
+    raw = json.loads((d / "config.json").read_text())
+    mine = load_draft_config(d)["dflash_config"]
+    assert {k: mine[k] for k in ("block_size", "target_layer_ids", "mask_token_id")} == _dflash_reading(raw)
+
+
+@pytest.mark.parametrize(
+    "edit,field",
+    [
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+        (lambda c: (c["dflash_config"].pop("target_layer_ids"), c.pop("num_target_layers")), "target_layer_ids"),
+    ],
+)
+def test_draft_missing_field(tiny_pair, tmp_path, edit, field):
+    d = _edit(tiny_pair.draft, tmp_path / field, edit)
+    with pytest.raises(CheckpointError, match=rf"config\.json: field 'dflash_config\.{field}' is missing") as e:
         load_draft_config(d)
+    assert str(d) in str(e.value)
 
 
 def test_draft_bad_layer_ids(tiny_pair, tmp_path):

@@ -75,6 +75,7 @@ def test_accepts_batched_aux_and_edge_sizes(drafter):
 def test_config_errors(tmp_path):
     cfg = draft_config(VARIANTS["full"])
     del cfg["dflash_config"]["target_layer_ids"]
+    cfg.pop("num_target_layers", None)  # with it, the layers are spread over the target as the dflash package does
     with pytest.raises(ValueError, match="target_layer_ids"):
         DFlashConfig.from_dict(cfg)
     cfg = draft_config(VARIANTS["full"])

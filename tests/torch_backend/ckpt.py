@@ -72,11 +72,8 @@ def make_features_target(out: Path, seed: int = 0, multimodal_names: bool = Fals
     d = cfg.to_dict()
     d["architectures"] = ["Gemma4ForCausalLM"]
     d["model_type"] = "gemma4_text"
-    # Spell the full-layer shapes the way published checkpoints do (mlx-lm reads these,
-    # not transformers' per_layer_config).
-    d.pop("per_layer_config", None)
-    d["global_head_dim"] = FEATURES_CONFIG["global_head_dim"]
-    d["num_global_key_value_heads"] = None
+    # transformers' own spelling, as save_pretrained writes it (per_layer_config since 5.2): both
+    # backends read it through checkpoints/config.py.
     if multimodal_names:
         tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
         d = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": d}

@@ -35,6 +35,7 @@ from mlx import nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from kakeya.backends.mlx import sampling as sampling_mlx
+from kakeya.checkpoints.config import load_target_config
 from kakeya.checkpoints.layout import find_text_tensors, shard_files
 from kakeya.drafter import context
 from kakeya.drafter.backend import KV, bind, extend_and_draft, scale_embedding, scale_logits
@@ -430,7 +431,7 @@ def load_target_head(target_dir: str | Path, dtype: mx.Dtype | None = None) -> T
     head_d, hq = take(where.head) if where.head is not None else (None, None)
     tensors.clear()  # the lazy map of the target's other tensors: none of them is read
     th = TargetHead(embed, head_d, eq, hq)
-    text = cfg.get("text_config") or cfg
+    text = load_target_config(target_dir)  # vocab_size at either level of a multimodal config
     vocab = text.get("vocab_size")
     if vocab is not None and int(vocab) != th.vocab_size:
         raise ValueError(f"target embed has {th.vocab_size} rows, config vocab_size is {vocab}")

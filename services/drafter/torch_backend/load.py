@@ -3,12 +3,12 @@ head of its target (the drafter has neither of its own; see ``dflash_torch.Targe
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype
+from kakeya.checkpoints.config import load_target_config
 from kakeya.checkpoints.layout import find_text_tensors, is_quantized, shard_files, tensor_files
 from kakeya.drafter.backend import bind
 from kakeya.drafter.config import DFlashConfig
@@ -21,10 +21,12 @@ def load_target_head(target_dir: str | Path, device=None, dtype=None) -> TargetH
 
     target_dir = Path(target_dir)
     device, dtype = resolve_device(device), resolve_dtype(dtype)
-    cfg = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
     names = tensor_files(target_dir)
     if is_quantized(names):
-        raise ValueError(f"quantized target checkpoint {target_dir} is not supported by the torch drafter")
+        raise ValueError(
+            f"target checkpoint {target_dir}: MLX-quantized embedding / LM head (mlx_lm.convert -q) are read by"
+            " the MLX drafter only; use --backend mlx"
+        )
     where = find_text_tensors(names, target_dir)
 
     def get(name: str) -> torch.Tensor:
@@ -32,7 +34,7 @@ def load_target_head(target_dir: str | Path, device=None, dtype=None) -> TargetH
             return sf.get_tensor(name).to(device=device, dtype=dtype)
 
     th = TargetHead(get(where.embed + ".weight"), get(where.head + ".weight") if where.head is not None else None)
-    text = cfg.get("text_config") or cfg
+    text = load_target_config(target_dir)  # vocab_size at either level of a multimodal config
     vocab, hidden = text.get("vocab_size"), text.get("hidden_size")
     if vocab is not None and int(vocab) != th.vocab_size:
         raise ValueError(f"target embed has {th.vocab_size} rows, config vocab_size is {vocab}")

@@ -11,6 +11,7 @@ per-forward views of the sessions' caches (``mlx_backend/forward.py``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from mlx_lm.models.gemma4_text import logit_softcap
 from mlx_lm.utils import load_model
 
 from kakeya.backends.mlx import sampling as sampling_mlx
+from kakeya.checkpoints.config import load_target_config, mlx_model_config
 from kakeya.core.contract import SLIDING
 from kakeya.core.request import CachePolicy
 from kakeya.verifier.backend import Forward, Segment
@@ -52,8 +54,13 @@ class TargetMLX:
 
     @classmethod
     def load(cls, path: str | Path) -> TargetMLX:
+        """mlx-lm's model of the checkpoint at ``path``, built from our one reading of its config.json
+        (``checkpoints.config``), never from the raw file: mlx-lm's args read neither transformers >= 5.2's
+        ``per_layer_config`` nor a multimodal ``text_config.vocab_size``, and default absent fields unlike
+        transformers, which wrote them."""
         path = Path(path)
-        model, _ = load_model(path)
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        model, _ = load_model(path, model_config=mlx_model_config(raw, load_target_config(path)))
         return cls(model, path)
 
     # -- the backend protocol (verifier/backend.py) ----------------------------------------

@@ -84,9 +84,6 @@ class Gemma4Args:
     top_k_experts: int | None = None
     moe_intermediate_size: int | None = None
     max_position_embeddings: int = 131_072
-    # transformers >= 5.2x writes per-layer overrides instead of global_head_dim /
-    # num_global_key_value_heads: {"<layer>": {"head_dim": .., "num_key_value_heads": ..}}
-    per_layer_config: dict | None = None
 
     def __post_init__(self):
         if not self.layer_types:
@@ -109,8 +106,12 @@ class Gemma4Args:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> Gemma4Args:
-        if "text_config" in cfg and isinstance(cfg["text_config"], dict):
-            cfg = cfg["text_config"]
+        """The args of a ``checkpoints.config.target_config`` reading (transformers >= 5.2's
+        ``per_layer_config`` already read back into ``global_head_dim`` / ``num_global_key_value_heads``)."""
+        if "text_config" in cfg or "per_layer_config" in cfg:
+            from kakeya.checkpoints.config import target_config
+
+            cfg = target_config(cfg)
         names = {f for f in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in cfg.items() if k in names and v is not None}
         return cls(**kwargs)
@@ -120,24 +121,13 @@ class Gemma4Args:
         """Layers that own K/V (the rest reuse an earlier layer's)."""
         return self.num_hidden_layers - self.num_kv_shared_layers
 
-    def _override(self, i: int) -> dict | None:
-        if self.per_layer_config is None:
-            return None
-        return self.per_layer_config.get(str(i), self.per_layer_config.get(i, {}))
-
     def head_dim_of(self, i: int) -> int:
-        o = self._override(i)
-        if o is not None:
-            return int(o.get("head_dim", self.head_dim))
         return self.global_head_dim if self.layer_types[i] == FULL and self.global_head_dim else self.head_dim
 
     def k_eq_v(self, i: int) -> bool:
         return bool(self.attention_k_eq_v) and self.layer_types[i] == FULL
 
     def kv_heads_of(self, i: int) -> int:
-        o = self._override(i)
-        if o is not None:
-            return int(o.get("num_key_value_heads", self.num_key_value_heads))
         if self.k_eq_v(i) and self.num_global_key_value_heads is not None:
             return self.num_global_key_value_heads
         return self.num_key_value_heads

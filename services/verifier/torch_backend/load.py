@@ -7,11 +7,11 @@ and the q/k/v and gate/up projections are fused on the way in.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from kakeya.checkpoints.config import load_target_config
 from kakeya.checkpoints.layout import find_text_tensors, is_quantized, tensor_files
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, Gemma4Text
 
@@ -38,11 +38,13 @@ def load_gemma4(path: str | Path, device: torch.device, dtype: torch.dtype) -> G
     """The text model of the Hugging Face checkpoint at ``path`` (its ``config.json`` and
     safetensors), on ``device`` in ``dtype``, in eval mode."""
     path = Path(path)
-    cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    args = Gemma4Args.from_dict(cfg)
+    args = Gemma4Args.from_dict(load_target_config(path))  # every published spelling, read once
     names = tensor_files(path)
     if is_quantized(names):
-        raise ValueError("quantized (mlx) checkpoints are not supported by the torch backend")
+        raise ValueError(
+            f"target checkpoint {path}: MLX-quantized weights (.scales beside packed weights, mlx_lm.convert -q)"
+            " are read by the MLX backend only; use --backend mlx, or the unquantized checkpoint on torch"
+        )
     text = find_text_tensors(names, path)
     with torch.device("meta"):
         model = Gemma4Text(args)
