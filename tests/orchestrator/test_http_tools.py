@@ -167,14 +167,42 @@ def test_grammar_held_calls_stream_their_arguments_as_they_are_written(planted, 
 def test_text_that_only_looks_like_a_call_is_content(planted):
     service, base = planted
     service.sizes = (3,)
-    for text, finish in [("a <|tool_ca", "stop"), ("x <|tool_call>call:get_weather{city:", "length"),
-                         ("<|tool_call>call:get_weather{city:Paris}<tool_call|>", "stop")]:  # fmt: skip
+    for text, finish in [("a <|tool_ca", "stop"), ("<|tool_call>call:get_weather{city:Paris}<tool_call|>", "stop")]:
         service.text, service.finish = text, finish
         client = _client(base)
         whole = client.chat.completions.create(model="planted", messages=USER, tools=[WEATHER]).choices[0]
         assert (whole.message.content, whole.message.tool_calls, whole.finish_reason) == (text, None, finish)
         chunks = list(client.chat.completions.create(model="planted", messages=USER, tools=[WEATHER], stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
+
+@pytest.mark.parametrize("held", [False, True])
+@pytest.mark.parametrize("cut", [CALL[:20], CALL[:45], CALL[:-3], "Sure. " + CALL + CALL[:30]])
+def test_a_call_cut_by_max_tokens_is_the_same_call_whole_and_streamed(planted, cut, held):
+    """Issue 58: a call cut by max_tokens came back whole as template text in ``content`` (streamed: as a
+    call). Both now answer the call so far -- its name, its arguments as far as written -- with finish reason
+    "length", as OpenAI reports a call cut by the length limit; no marker ever reaches the content."""
+    service, base = planted
+    service.text, service.sizes, service.finish = cut, (4,), "length"
+    kw = {"model": "planted", "messages": USER, "tools": [WEATHER]} | ({"tool_choice": "required"} if held else {})
+    client = _client(base)
+    whole = client.chat.completions.create(**kw).choices[0]
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        content += (delta and delta.content) or ""
+        for d in (delta and delta.tool_calls) or ():
+            c = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            c["name"] += d.function.name or ""
+            c["arguments"] += d.function.arguments or ""
+        finish = (chunk.choices and chunk.choices[0].finish_reason) or finish
+    named = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == named
+    assert (whole.message.content or "") == content and whole.finish_reason == finish == "length"
+    for text in (content, whole.message.content or ""):
+        assert "<|tool_call>" not in text and '<|"|>' not in text and "call:" not in text
+    if cut.startswith(CALL[:45]):
+        assert named[0][0] == "get_weather" and named[0][1].startswith('{"city": "Paris')
 
 
 def test_tool_choice_none_reads_no_call(planted):
