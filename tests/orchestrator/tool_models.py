@@ -127,7 +127,7 @@ class SetAlarm(BaseModel):
 MODELS = [GetWeather, CreateContact, PlaceOrder, BookMeeting, SearchDocs, Transfer, PlanRoute, Rating, RunPipeline,
           SetAlarm]  # fmt: skip
 
-# Arguments each model takes (a call written with them is held) and, besides, arguments it refuses.
+# Arguments each model takes, every key given (as a strict schema wants), and arguments it refuses.
 VALID = {
     GetWeather: {"city": "Paris", "unit": "fahrenheit", "days": 7},
     CreateContact: {"name": "Ada", "email": None, "address": {"street": "1 Rue", "city": "Lyon", "postcode": "69001"},
@@ -136,9 +136,10 @@ VALID = {
     BookMeeting: {"title": "Sync", "start": "2026-12-06T10:30:00Z", "minutes": 45, "attendees": ["x@y.z"]},
     SearchDocs: {"query": "dflash", "limit": 50, "sort": "date", "since": "2026-02-28"},
     Transfer: {"source": "FR123456", "target": "DE654321", "amount": 12.5, "currency": "EUR", "note": None},
-    PlanRoute: {"stops": [{"lat": -90, "lon": 180}, {"lat": 48.85, "lon": 2.35}], "mode": "bike"},
+    PlanRoute: {"stops": [{"lat": -90, "lon": 180}, {"lat": 48.85, "lon": 2.35}], "mode": "bike", "avoid_tolls": None},
     Rating: {"product_id": "P-001", "stars": 5, "review": "Good", "verified": True},
-    RunPipeline: {"environment": "prod", "steps": [{"name": "build", "retries": 3}, {"name": "test"}]},
+    RunPipeline: {"environment": "prod", "steps": [{"name": "build", "retries": 3}, {"name": "test", "retries": 0}],
+                  "dry_run": False},
     SetAlarm: {"at": "07:30:00Z", "label": "wake", "repeat": ["mon", "fri"]},
 }  # fmt: skip
 INVALID = {
