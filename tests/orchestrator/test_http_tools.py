@@ -452,3 +452,67 @@ def test_strict_is_honoured_where_every_call_follows_its_schema(real):
     r = _client(base).chat.completions.create(model="tiny", messages=USER, tools=[strict], tool_choice="required",
                                               max_tokens=60, temperature=0)  # fmt: skip
     assert r.choices[0].message.tool_calls[0].function.name == "set_flag"
+
+
+def test_parallel_tool_calls_false_stops_after_one_call(real):
+    """``parallel_tool_calls: false`` (issue 58; it was refused): ``required`` answers exactly one call, the
+    very first call the request makes without it."""
+    _, base = real
+    kw = {"model": "tiny", "messages": USER, "tools": [WEATHER, FLAG], "tool_choice": "required", "max_tokens": 120,
+          "temperature": 0}  # fmt: skip
+    client = _client(base)
+    many = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    [one] = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0].message.tool_calls
+    assert (one.function.name, one.function.arguments) == (many[0].function.name, many[0].function.arguments)
+    with pytest.raises(Exception) as err:
+        client.chat.completions.create(**kw, parallel_tool_calls="no")
+    assert err.value.body["param"] == "parallel_tool_calls", err.value.body
+
+
+def test_langchain_structured_output_by_function_calling(real):
+    """langchain's ``with_structured_output(method="function_calling")`` (a named tool_choice and
+    ``parallel_tool_calls: false``; 0 of 4 before issue 58) against the HTTP front on loopback: 4 of 4
+    models come back parsed and valid."""
+    from typing import Literal
+
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Flag(BaseModel):
+        """Whether it is hot, and the unit."""
+
+        hot: bool
+        unit: Literal["c", "f"]
+
+    class Rating(BaseModel):
+        """A rating."""
+
+        stars: int = Field(ge=1, le=5)
+        verified: bool
+
+    class Pick(BaseModel):
+        """A pick of a colour."""
+
+        color: Literal["red", "green", "blue"]
+        count: int = Field(ge=0, le=9)
+        tag: str = Field(max_length=4)
+
+    class Point(BaseModel):
+        x: int = Field(ge=0, le=9)
+        y: int = Field(ge=0, le=9)
+
+    class Route(BaseModel):
+        """A route of one or two points."""
+
+        stops: list[Point] = Field(min_length=1, max_length=2)
+        mode: Literal["walk", "car"]
+
+    _, base = real
+    llm = ChatOpenAI(base_url=base + "/v1", api_key="unused", model="tiny", temperature=0, max_tokens=160,
+                     max_retries=0)  # fmt: skip
+    parsed = []
+    for model in (Flag, Rating, Pick, Route):
+        out = llm.with_structured_output(model, method="function_calling").invoke(f"Fill in a {model.__name__}.")
+        assert isinstance(out, model), out
+        parsed.append(model.model_validate(out.model_dump()))
+    assert len(parsed) == 4

@@ -17,7 +17,7 @@ from tokenizers import AddedToken, Tokenizer
 from kakeya.core.request import Tool
 from kakeya.orchestrator.text import TextCodec
 from kakeya.orchestrator.tools.calls import MARKERS, parse_call
-from kakeya.orchestrator.tools.grammar import GrammarError, marker_terms, tool_call_grammar
+from kakeya.orchestrator.tools.grammar import GrammarError, holds_calls, marker_terms, tool_call_grammar
 
 Q = '<|"|>'
 SCHEMA = {
@@ -259,3 +259,21 @@ def test_a_schema_the_grammar_cannot_hold_is_refused_by_name(schema, says):
     for choice in ("auto", "none", "other"):
         with pytest.raises(GrammarError):
             tool_call_grammar([TIME], choice)
+
+
+def test_parallel_tool_calls_false_holds_at_most_one_call(demo):
+    """``parallel_tool_calls: false`` (issue 58): ``required`` takes one call, then the grammar ends; ``auto`` is
+    held too, even with no strict tool, so text or text and one call (any arguments) and nothing after."""
+    codec, tokenizer = demo
+    weather, time = _written(codec, "get_weather", VALID[0]), "<|tool_call>call:time{}<tool_call|>"
+    one = tool_call_grammar([WEATHER, TIME], "required", parallel=False)
+    assert _accepts(tokenizer, one, _ids(codec, weather)) and _accepts(tokenizer, one, _ids(codec, time))
+    assert _accepts(tokenizer, one, _ids(codec, time + "<|tool_response>"))
+    assert not _accepts(tokenizer, one, _ids(codec, time + weather))
+    assert holds_calls([WEATHER, TIME], "auto", parallel=False) and not holds_calls([WEATHER, TIME], "auto")
+    auto = tool_call_grammar([WEATHER, TIME], "auto", parallel=False)
+    loose = f"<|tool_call>call:time{{a:1,b:[{Q}x{Q}]}}<tool_call|>"  # time is not strict: any arguments
+    for text in ["", "Plain text <b>", "Let me see. " + weather, loose + "<|tool_response>"]:
+        assert _accepts(tokenizer, auto, _ids(codec, text)), text
+    for text in [weather + time, "x " + loose + loose, weather + " and text"]:
+        assert not _accepts(tokenizer, auto, _ids(codec, text)), text

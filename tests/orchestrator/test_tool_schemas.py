@@ -81,8 +81,6 @@ def test_client_schemas_hold_the_arguments_their_model_takes_and_refuse_the_rest
             assert not _accepts(tokenizer, grammar, codec, _written(codec, model.__name__, bad)), (source, bad)
 
 
-
-
 @pytest.fixture(scope="module")
 def tiny_engines(tiny_pair):
     spec = build_local_engine(str(tiny_pair.target), str(tiny_pair.draft), "mlx")
