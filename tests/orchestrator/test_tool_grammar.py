@@ -277,3 +277,43 @@ def test_parallel_tool_calls_false_holds_at_most_one_call(demo):
         assert _accepts(tokenizer, auto, _ids(codec, text)), text
     for text in [weather + time, "x " + loose + loose, weather + " and text"]:
         assert not _accepts(tokenizer, auto, _ids(codec, text)), text
+
+
+DEFS = {"N": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array",
+                                                                                  "items": {"$ref": "#/$defs/N"}}},
+              "required": ["v"]}, "I": {"type": "integer", "minimum": 1}}  # fmt: skip
+KEYWORDS = [  # (the schema of one argument "x", values it takes, values it refuses)
+    ({"type": "string", "pattern": "b+"}, ["abba", "b"], ["acc", ""]),  # found anywhere, as JSON schema reads it
+    ({"type": "string", "pattern": "^a|c$"}, ["axx", "xxc", "a"], ["xax", "cx"]),
+    ({"type": "string", "pattern": r"^\d{2}$"}, ["07"], ["7", "123", "ab"]),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, ["ab", "a<c"], ["a", "abcd"]),
+    ({"type": "string", "format": "uuid"}, ["123e4567-e89b-12d3-a456-426614174000"], ["123e4567", "x"]),
+    ({"type": "string", "format": "email"}, ["a.b@example.org"], ["a@", "ab"]),
+    ({"type": "string", "format": "date-time"}, ["2026-12-06T05:00:00Z"], ["2026-12-06", "2026-12-06T25:00:00Z"]),
+    ({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10, "multipleOf": 3}, [3, 9], [0, 10, 4, 12]),
+    ({"type": "number", "minimum": -1.5, "maximum": 2}, [-1.5, 0.25, 2], [-2, 2.5]),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2}, [[1], [1, 2]], [[], [1, 2, 3]]),
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "minItems": 2, "maxItems": 2},
+     [[1, "a"]], [[1], ["a", 1], [1, "a", 2]]),
+    ({"$ref": "#/$defs/N"}, [{"v": 1, "kids": [{"v": 2, "kids": []}, {"v": 3}]}], [{"v": 1, "kids": [{"kids": []}]}]),
+    ({"$ref": "#/$defs/I", "maximum": 5}, [1, 5], [0, 6]),  # $ref beside a keyword: merged as an allOf
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"properties": {"b": {"type": "string", "maxLength": 1}}}]},
+     [{"a": 1, "b": "z"}, {"a": 1}], [{"b": "z"}, {"a": 1, "b": "zz"}]),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, [{"a": 1, "b": 2}, {}], [{"a": "x"}]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("schema", "good", "bad"), KEYWORDS)
+def test_the_keywords_response_format_holds_hold_a_call_too(demo, schema, good, bad):
+    """Issue 58: string patterns (JSON schema's search semantics), lengths and formats, number bounds, list
+    sizes and tuples, ``$ref`` (recursive too), ``allOf`` and maps are held, as ``response_format`` holds them:
+    what the schema takes is accepted, what it refuses is refused (checked against jsonschema first; a format
+    against llguidance's regex for it, the one ``response_format`` holds)."""
+    codec, tokenizer = demo
+    params = {"type": "object", "properties": {"x": schema}, "required": ["x"], "$defs": DEFS}
+    grammar = tool_call_grammar([Tool("f", "", params)], "f")
+    for value, takes in [(v, True) for v in good] + [(v, False) for v in bad]:
+        if "format" not in schema:  # jsonschema checks formats loosely offline ("a@" is an email to it)
+            assert jsonschema.Draft202012Validator(params).is_valid({"x": value}) == takes, value
+        assert _accepts(tokenizer, grammar, _ids(codec, _written(codec, "f", {"x": value}))) == takes, value

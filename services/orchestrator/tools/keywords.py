@@ -74,50 +74,23 @@ def string_regexes(schema: Mapping, where: str) -> list[str]:
 def _search(rx: str, where: str) -> str:
     """JSON schema's ``pattern`` matches anywhere in the string unless anchored; llguidance's regexes match
     the whole text (their ``^``/``$`` are not anchors). Each top-level alternative gets ``.*`` on the side
-    it is not anchored; an anchor elsewhere (inside a group) cannot be said and is refused."""
-    alternatives, depth, start, i, in_class = [], 0, 0, 0, False
-    while i < len(rx):
-        c = rx[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            i += 1 if i + 1 < len(rx) and rx[i + 1] == "]" else 0  # "[]...]": a leading ] is a member
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-        elif c == "|" and depth == 0:
-            alternatives.append(rx[start:i])
-            start = i + 1
-        elif c in "^$" and depth > 0:
-            raise GrammarError(where, "an anchor (^ or $) inside a group cannot be held in a tool call")
-        i += 1
-    alternatives.append(rx[start:])
+    it is not anchored; an anchor elsewhere (inside a group, mid-pattern) cannot be said and is refused."""
+    cuts = [i for i, c, depth in _structure(rx) if c == "|" and depth == 0]
     out = []
-    for alt in alternatives:
-        head = alt.startswith("^")
-        tail = alt.endswith("$") and _escapes_before(alt, len(alt) - 1) % 2 == 0 and len(alt) > int(head)
-        body = alt[int(head) : len(alt) - int(tail)]
-        if set("^$") & set(_outside_classes(body)):
+    for a, b in zip([-1, *cuts], [*cuts, len(rx)]):
+        alt = rx[a + 1 : b]
+        anchors = {i for i, c, _ in _structure(alt) if c in "^$"}
+        head, tail = 0 in anchors and alt[0] == "^", len(alt) - 1 in anchors and alt[-1] == "$" and len(alt) > 1
+        if anchors - {0} - {len(alt) - 1} or (anchors and not (head or tail)):
             raise GrammarError(where, "an anchor (^ or $) inside the pattern cannot be held in a tool call")
+        body = alt[int(head) : len(alt) - int(tail)]
         out.append(("" if head else "(?s:.*)") + f"(?:{body})" + ("" if tail else "(?s:.*)"))
     return out[0] if len(out) == 1 else "|".join(f"(?:{a})" for a in out)
 
 
-def _escapes_before(text: str, i: int) -> int:
-    n = 0
-    while i - n - 1 >= 0 and text[i - n - 1] == "\\":
-        n += 1
-    return n
-
-
-def _outside_classes(rx: str) -> str:
-    """``rx``'s characters outside ``[...]`` classes and escapes (to look for stray anchors)."""
-    out, i, in_class = [], 0, False
+def _structure(rx: str):
+    """(index, character, group depth) of each character of ``rx`` outside escapes and ``[...]`` classes."""
+    depth, i, in_class = 0, 0, False
     while i < len(rx):
         c = rx[i]
         if c == "\\":
@@ -127,10 +100,12 @@ def _outside_classes(rx: str) -> str:
             in_class = c != "]"
         elif c == "[":
             in_class = True
+            i += rx[i + 1 : i + 3] == "^]" or rx[i + 1 : i + 2] == "]"  # "[]...]": a leading "]" is a member
         else:
-            out.append(c)
+            depth -= c == ")"
+            yield i, c, depth
+            depth += c == "("
         i += 1
-    return "".join(out)
 
 
 def _checked(rx: str, where: str, keyword: str) -> str:
