@@ -61,10 +61,10 @@ def string_regexes(schema: Mapping, where: str) -> list[str]:
         out.append(_checked(_search(llguidance.regex_to_lark(pattern, "dw"), at(where, "pattern")), where, "pattern"))
     lo, hi = _bounds(schema, "minLength", "maxLength", where)
     if lo or hi is not None:
-        out.append(f"(?s:.{{{lo},{'' if hi is None else hi}}})")
+        out.append(_checked(f"(?s:.{{{lo},{'' if hi is None else hi}}})", where, "maxLength" if hi else "minLength"))
     fmt = schema.get("format")
     if fmt is not None:
-        if fmt not in FORMATS:
+        if not isinstance(fmt, str) or fmt not in FORMATS:
             known = ", ".join(FORMATS)
             raise GrammarError(at(where, "format"), f"{str(fmt)[:40]!r} is not a format this server holds ({known})")
         out.append(llguidance.regex_to_lark(FORMATS[fmt], ""))
@@ -201,7 +201,11 @@ def merged(schema: Mapping, root: Mapping, where: str) -> Mapping:
         parts = [{"$ref": schema["$ref"]}, *parts]
     out: dict = {}
     for i, part in enumerate([*parts, rest]):
-        out = _merge(out, _followed(part, root, at(where, f"allOf[{i}]")), at(where, f"allOf[{i}]"))
+        place = at(where, f"allOf[{i}]")
+        try:
+            out = _merge(out, _followed(part, root, place), place)
+        except (TypeError, AttributeError):  # a keyword of the wrong type in one of them: a refusal, not a 500
+            raise GrammarError(place, "holds a keyword of the wrong type: the allOf cannot be merged") from None
     return out
 
 
