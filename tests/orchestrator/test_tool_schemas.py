@@ -83,8 +83,9 @@ def test_client_schemas_hold_the_arguments_their_model_takes_and_refuse_the_rest
 
 @pytest.fixture(scope="module")
 def tiny_engines(tiny_pair):
-    spec = build_local_engine(str(tiny_pair.target), str(tiny_pair.draft), "mlx")
-    ar = build_local_engine(str(tiny_pair.target), str(tiny_pair.draft), "mlx", no_drafter=True)
+    # torch on the CPU: two MLX engines left to the interpreter's exit beside another module's servers crashed it
+    spec = build_local_engine(str(tiny_pair.target), str(tiny_pair.draft), "torch", "cpu")
+    ar = build_local_engine(str(tiny_pair.target), str(tiny_pair.draft), "torch", "cpu", no_drafter=True)
     return spec, ar
 
 
