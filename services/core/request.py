@@ -262,12 +262,14 @@ class Chat:
     turn, no new assistant header), as transformers' ``apply_chat_template`` does. ``tools``: the
     functions the template declares to the model; ``tool_choice`` (:data:`AUTO`, :data:`NONE`,
     :data:`REQUIRED` or a function's name) is the front's: it decides whether calls are parsed.
+    ``parallel_tool_calls`` False: the model makes at most one call (a grammar stops it after one).
     """
 
     messages: tuple[Message, ...]
     continue_final_message: bool = False
     tools: tuple[Tool, ...] = ()
     tool_choice: str = AUTO
+    parallel_tool_calls: bool = True
 
 
 Prompt = Sequence[int] | str | Chat  # token ids, a text to tokenize, or a conversation to render

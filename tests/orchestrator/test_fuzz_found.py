@@ -19,7 +19,7 @@ from .test_http_front import Client
 real = test_grpc_tools.real  # the tiny pair behind a gRPC server and the HTTP front, for this module too
 
 USER = [{"role": "user", "content": "hi"}]
-PATTERN = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^x$"}}}
+UNIQUE = {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}  # a keyword refused by name
 
 
 def _http(real, body: dict) -> tuple[int, dict]:
@@ -30,7 +30,9 @@ def _http(real, body: dict) -> tuple[int, dict]:
 @pytest.mark.parametrize(
     ("parameters", "at"),
     [
-        (PATTERN, "properties.a: schema keyword 'pattern' is not supported in a tool call's grammar"),
+        (UNIQUE, "properties.a.uniqueItems: unique items cannot be held in a tool call's grammar"),
+        ({"type": "object", "properties": {"a": {"not": {}}}}, "properties.a.not: this schema keyword is not supp"),
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}}, "properties.a.pattern: cannot"),
         ({"type": "object", "properties": {"a": {"anyOf": 5}}}, "properties.a.anyOf: must be a non-empty list"),
         ({"type": "object", "properties": {"a": {"oneOf": [5]}}}, "properties.a.oneOf[0]: a schema must be an"),
         ({"type": "object", "properties": {"a": {"type": 5}}}, "properties.a.type: must be a type's name"),

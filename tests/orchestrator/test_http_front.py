@@ -392,7 +392,7 @@ OPENAI = {
         "messages": HONOURED, "model": HONOURED, "audio": REFUSED, "frequency_penalty": REFUSED,
         "function_call": REFUSED, "functions": REFUSED, "logit_bias": REFUSED, "logprobs": HONOURED,
         "max_completion_tokens": HONOURED, "max_tokens": HONOURED, "metadata": HARMLESS, "modalities": REFUSED,
-        "n": REFUSED, "parallel_tool_calls": REFUSED, "prediction": HARMLESS, "presence_penalty": REFUSED,
+        "n": REFUSED, "parallel_tool_calls": HONOURED, "prediction": HARMLESS, "presence_penalty": REFUSED,
         "prompt_cache_key": HARMLESS, "prompt_cache_retention": HARMLESS, "reasoning_effort": REFUSED,
         "response_format": HONOURED, "safety_identifier": HARMLESS, "seed": HONOURED, "service_tier": HARMLESS,
         "stop": HONOURED, "store": HARMLESS, "stream": HONOURED, "stream_options": HONOURED, "temperature": HONOURED,
@@ -405,7 +405,7 @@ ASKS = {
     "best_of": 2, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"5": 10}, "n": 2,
     "presence_penalty": -1, "suffix": "end", "audio": {"voice": "alloy", "format": "wav"},
     "function_call": "auto", "functions": [{"name": "f"}], "modalities": ["text", "audio"], "reasoning_effort": "low",
-    "parallel_tool_calls": False, "verbosity": "low", "web_search_options": {},
+    "verbosity": "low", "web_search_options": {},
 }  # fmt: skip
 HARMLESS_VALUES = {
     "user": "u-1", "metadata": {"k": "v"}, "store": True,
@@ -438,7 +438,7 @@ def test_each_parameter_is_honoured_refused_or_harmless(front, path):
             assert status == 400 and _refusal(answer) == name, (name, answer)
     for name, value in [
         ("modalities", ["text"]), ("response_format", {"type": "text"}), ("n", 1), ("logprobs", False),
-        ("parallel_tool_calls", True),
+        ("parallel_tool_calls", True), ("parallel_tool_calls", False),
     ]:  # fmt: skip
         if name in OPENAI[path]:
             status, answer = client.post(path, BASE[path] | {name: value})

@@ -167,14 +167,42 @@ def test_grammar_held_calls_stream_their_arguments_as_they_are_written(planted, 
 def test_text_that_only_looks_like_a_call_is_content(planted):
     service, base = planted
     service.sizes = (3,)
-    for text, finish in [("a <|tool_ca", "stop"), ("x <|tool_call>call:get_weather{city:", "length"),
-                         ("<|tool_call>call:get_weather{city:Paris}<tool_call|>", "stop")]:  # fmt: skip
+    for text, finish in [("a <|tool_ca", "stop"), ("<|tool_call>call:get_weather{city:Paris}<tool_call|>", "stop")]:
         service.text, service.finish = text, finish
         client = _client(base)
         whole = client.chat.completions.create(model="planted", messages=USER, tools=[WEATHER]).choices[0]
         assert (whole.message.content, whole.message.tool_calls, whole.finish_reason) == (text, None, finish)
         chunks = list(client.chat.completions.create(model="planted", messages=USER, tools=[WEATHER], stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
+
+@pytest.mark.parametrize("held", [False, True])
+@pytest.mark.parametrize("cut", [CALL[:20], CALL[:45], CALL[:-3], "Sure. " + CALL + CALL[:30]])
+def test_a_call_cut_by_max_tokens_is_the_same_call_whole_and_streamed(planted, cut, held):
+    """Issue 58: a call cut by max_tokens came back whole as template text in ``content`` (streamed: as a
+    call). Both now answer the call so far -- its name, its arguments as far as written -- with finish reason
+    "length", as OpenAI reports a call cut by the length limit; no marker ever reaches the content."""
+    service, base = planted
+    service.text, service.sizes, service.finish = cut, (4,), "length"
+    kw = {"model": "planted", "messages": USER, "tools": [WEATHER]} | ({"tool_choice": "required"} if held else {})
+    client = _client(base)
+    whole = client.chat.completions.create(**kw).choices[0]
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        content += (delta and delta.content) or ""
+        for d in (delta and delta.tool_calls) or ():
+            c = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            c["name"] += d.function.name or ""
+            c["arguments"] += d.function.arguments or ""
+        finish = (chunk.choices and chunk.choices[0].finish_reason) or finish
+    named = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == named
+    assert (whole.message.content or "") == content and whole.finish_reason == finish == "length"
+    for text in (content, whole.message.content or ""):
+        assert "<|tool_call>" not in text and '<|"|>' not in text and "call:" not in text
+    if cut.startswith(CALL[:45]):
+        assert named[0][0] == "get_weather" and named[0][1].startswith('{"city": "Paris')
 
 
 def test_tool_choice_none_reads_no_call(planted):
@@ -424,3 +452,67 @@ def test_strict_is_honoured_where_every_call_follows_its_schema(real):
     r = _client(base).chat.completions.create(model="tiny", messages=USER, tools=[strict], tool_choice="required",
                                               max_tokens=60, temperature=0)  # fmt: skip
     assert r.choices[0].message.tool_calls[0].function.name == "set_flag"
+
+
+def test_parallel_tool_calls_false_stops_after_one_call(real):
+    """``parallel_tool_calls: false`` (issue 58; it was refused): ``required`` answers exactly one call, the
+    very first call the request makes without it."""
+    _, base = real
+    kw = {"model": "tiny", "messages": USER, "tools": [WEATHER, FLAG], "tool_choice": "required", "max_tokens": 120,
+          "temperature": 0}  # fmt: skip
+    client = _client(base)
+    many = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    [one] = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0].message.tool_calls
+    assert (one.function.name, one.function.arguments) == (many[0].function.name, many[0].function.arguments)
+    with pytest.raises(Exception) as err:
+        client.chat.completions.create(**kw, parallel_tool_calls="no")
+    assert err.value.body["param"] == "parallel_tool_calls", err.value.body
+
+
+def test_langchain_structured_output_by_function_calling(real):
+    """langchain's ``with_structured_output(method="function_calling")`` (a named tool_choice and
+    ``parallel_tool_calls: false``; 0 of 4 before issue 58) against the HTTP front on loopback: 4 of 4
+    models come back parsed and valid."""
+    from typing import Literal
+
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Flag(BaseModel):
+        """Whether it is hot, and the unit."""
+
+        hot: bool
+        unit: Literal["c", "f"]
+
+    class Rating(BaseModel):
+        """A rating."""
+
+        stars: int = Field(ge=1, le=5)
+        verified: bool
+
+    class Pick(BaseModel):
+        """A pick of a colour."""
+
+        color: Literal["red", "green", "blue"]
+        count: int = Field(ge=0, le=9)
+        tag: str = Field(max_length=4)
+
+    class Point(BaseModel):
+        x: int = Field(ge=0, le=9)
+        y: int = Field(ge=0, le=9)
+
+    class Route(BaseModel):
+        """A route of one or two points."""
+
+        stops: list[Point] = Field(min_length=1, max_length=2)
+        mode: Literal["walk", "car"]
+
+    _, base = real
+    llm = ChatOpenAI(base_url=base + "/v1", api_key="unused", model="tiny", temperature=0, max_tokens=160,
+                     max_retries=0)  # fmt: skip
+    parsed = []
+    for model in (Flag, Rating, Pick, Route):
+        out = llm.with_structured_output(model, method="function_calling").invoke(f"Fill in a {model.__name__}.")
+        assert isinstance(out, model), out
+        parsed.append(model.model_validate(out.model_dump()))
+    assert len(parsed) == 4

@@ -104,7 +104,9 @@ def test_content_streams_at_once_and_only_a_possible_marker_waits():
     assert stream.feed("b>") == ["<b>"]  # it did not
     assert stream.feed("x <|tool_c") == ["x "]
     assert stream.feed("all>call:f{") == [] and stream.feed("}<tool_call|>")[0].name == "f"
-    assert stream.feed("<|tool_call>call:f{a:") == [] and stream.end() == ["<|tool_call>call:f{a:"]
+    assert stream.feed("<|tool_call>call:f{a:") == []
+    [cut] = stream.end()  # a call cut short: the call so far, never its template text as content
+    assert (cut.name, cut.arguments) == ("f", '{"a": ')
 
 
 @pytest.mark.parametrize(("args", "want"), ARGUMENTS)
@@ -193,3 +195,36 @@ def test_special_tool_markers_stay_in_the_decoded_text(demo_pair, tmp_path):
     assert codec.decode(ids) == text
     plain = TextCodec(demo_pair.target)  # no such special tokens: every special token is skipped, as before
     assert plain.hidden is None and plain.decode([2, *plain.encode("x")[1:], 1]) == "x"
+
+
+def _answer(pieces: list[str], held: bool) -> tuple[str, list[tuple[str, str]]]:
+    """The content and the calls (name, arguments) a stream of ``pieces`` comes to, as the HTTP front joins
+    its chunks."""
+    stream, content, calls = CallStream(arguments=held), "", []
+    for e in [e for p in pieces for e in stream.feed(p)] + stream.end():
+        if isinstance(e, str):
+            content += e
+        elif isinstance(e, ArgumentsPiece):
+            calls[-1] = (calls[-1][0], calls[-1][1] + e.text)
+        else:
+            call = getattr(e, "call", e)
+            calls.append((call.name, call.arguments))
+    return content, calls
+
+
+def test_a_call_cut_anywhere_is_the_same_answer_whole_and_streamed_and_never_content():
+    """Issue 58: a call cut by max_tokens came back whole as its template text in ``content`` and streamed as
+    a call. Cut at every character: the whole answer (``split``) and streams of any block size, held or not,
+    agree on the content and on the calls (a cut call's arguments so far), and no content holds a marker."""
+    for k in range(len(TEXT) + 1):
+        content, calls = split(TEXT[:k])
+        whole = (content, [(c.name, c.arguments) for c in calls])
+        assert "<|tool_call>" not in content and Q not in content and "<tool_call|>" not in content, k
+        for held in (False, True):
+            for size in (1, 3, 7, 1000):
+                pieces = [TEXT[:k][i : i + size] for i in range(0, k, size)]
+                assert _answer(pieces, held) == whole, (k, held, size)
+    content, calls = split(TEXT[: TEXT.index("days:")])
+    assert content == "I'll check <both>.\n" and [c.name for c in calls] == ["get_weather"]
+    assert calls[0].arguments == '{"city": "Paris, {FR}: <b>", '
+    assert split(TEXT[: TEXT.index("weather")]) == ("I'll check <both>.\n", [])  # cut in its name: dropped

@@ -17,7 +17,7 @@ from tokenizers import AddedToken, Tokenizer
 from kakeya.core.request import Tool
 from kakeya.orchestrator.text import TextCodec
 from kakeya.orchestrator.tools.calls import MARKERS, parse_call
-from kakeya.orchestrator.tools.grammar import GrammarError, marker_terms, tool_call_grammar
+from kakeya.orchestrator.tools.grammar import GrammarError, holds_calls, marker_terms, tool_call_grammar
 
 Q = '<|"|>'
 SCHEMA = {
@@ -197,9 +197,43 @@ def _pieces(tok: Tokenizer, text: str) -> list[int]:
 @pytest.mark.parametrize(
     ("schema", "says"),
     [
-        ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^a"}}}, "'pattern'"),
-        ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}, "'minimum'"),
-        ({"type": "object", "properties": {"r": {"$ref": "#/x"}}}, "'$ref'"),
+        ({"type": "object", "properties": {"s": {"type": "array", "uniqueItems": True}}}, "s.uniqueItems: unique"),
+        ({"type": "object", "properties": {"n": {"not": {"type": "integer"}}}}, "n.not: this schema keyword"),
+        ({"type": "object", "patternProperties": {"^a": {}}}, "patternProperties: this schema keyword"),
+        ({"type": "object", "properties": {"r": {"$ref": "#/x"}}}, "r.$ref: '#/x' points at nothing"),
+        ({"type": "object", "properties": {"r": {"$ref": "https://x.org/s.json"}}}, "r.$ref: 'https://x.org/s.json'"),
+        ({"type": "object", "properties": {"s": {"type": "string", "format": "iri"}}}, "s.format: 'iri' is not a"),
+        ({"type": "object", "properties": {"s": {"type": "string", "pattern": "(?=a)b"}}}, "s.pattern: cannot be"),
+        ({"type": "object", "properties": {"s": {"type": "string", "pattern": "a(^b)"}}}, "s.pattern: an anchor"),
+        (
+            {"type": "object", "properties": {"s": {"type": "string", "minLength": 3, "maxLength": 2}}},
+            "s.maxLength: 2 is below minLength 3",
+        ),
+        ({"type": "object", "properties": {"n": {"type": "integer", "minimum": "1"}}}, "n.minimum: must be a number"),
+        ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 2, "maximum": 1}}}, "n: integer bounds"),
+        ({"type": "object", "properties": {"a": {"type": "array", "maxItems": 10**6}}}, "a: minItems/maxItems above"),
+        (
+            {"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"type": "integer"}]}}},
+            "a.allOf[1].type: the schemas of an allOf share no type",
+        ),
+        (
+            {"type": "object", "properties": {"a": {"allOf": [{"pattern": "a"}, {"pattern": "b"}]}}},
+            "a.allOf[1].pattern: set differently",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {
+                    "m": {"type": "object", "properties": {"k": {}}, "additionalProperties": {"type": "integer"}}
+                },
+            },
+            "m.additionalProperties: a schema for keys beside properties",
+        ),
+        ({"type": "object", "properties": {"m": {"type": "object", "minProperties": 1}}}, "m.minProperties"),
+        (
+            {"type": "object", "properties": {"t": {"type": "array", "prefixItems": [{}, {}], "minItems": 1}}},
+            "t.prefixItems: held only where minItems",
+        ),
         ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
         ({"type": "object", "properties": {"t": {"type": "date"}}}, "'date'"),
         ({"type": "object", "properties": {"a": {"anyOf": 5}}}, "anyOf: must be a non-empty list"),
@@ -217,10 +251,69 @@ def _pieces(tok: Tokenizer, text: str) -> list[int]:
 def test_a_schema_the_grammar_cannot_hold_is_refused_by_name(schema, says):
     """Named by the tool's index and the place in its schema (each front spells the tool's field its own way);
     a keyword of the wrong type is refused as one the grammar cannot hold, never a TypeError (the fuzz of
-    issue 43 found ``anyOf: 5``, ``type: 5``, ``required: 5`` and unhashable types answered with a 500)."""
+    issue 43 found ``anyOf: 5``, ``type: 5``, ``required: 5`` and unhashable types answered with a 500); a keyword
+    beyond what the grammar holds (issue 58: the rest are held, ``test_tool_schemas.py``) by its own place."""
     with pytest.raises(GrammarError) as err:
         tool_call_grammar([TIME, Tool("f", "", schema)], "required")
     assert err.value.tool == 1 and says in str(err.value), err.value
     for choice in ("auto", "none", "other"):
         with pytest.raises(GrammarError):
             tool_call_grammar([TIME], choice)
+
+
+def test_parallel_tool_calls_false_holds_at_most_one_call(demo):
+    """``parallel_tool_calls: false`` (issue 58): ``required`` takes one call, then the grammar ends; ``auto`` is
+    held too, even with no strict tool, so text or text and one call (any arguments) and nothing after."""
+    codec, tokenizer = demo
+    weather, time = _written(codec, "get_weather", VALID[0]), "<|tool_call>call:time{}<tool_call|>"
+    one = tool_call_grammar([WEATHER, TIME], "required", parallel=False)
+    assert _accepts(tokenizer, one, _ids(codec, weather)) and _accepts(tokenizer, one, _ids(codec, time))
+    assert _accepts(tokenizer, one, _ids(codec, time + "<|tool_response>"))
+    assert not _accepts(tokenizer, one, _ids(codec, time + weather))
+    assert holds_calls([WEATHER, TIME], "auto", parallel=False) and not holds_calls([WEATHER, TIME], "auto")
+    auto = tool_call_grammar([WEATHER, TIME], "auto", parallel=False)
+    loose = f"<|tool_call>call:time{{a:1,b:[{Q}x{Q}]}}<tool_call|>"  # time is not strict: any arguments
+    for text in ["", "Plain text <b>", "Let me see. " + weather, loose + "<|tool_response>"]:
+        assert _accepts(tokenizer, auto, _ids(codec, text)), text
+    for text in [weather + time, "x " + loose + loose, weather + " and text"]:
+        assert not _accepts(tokenizer, auto, _ids(codec, text)), text
+
+
+DEFS = {"N": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array",
+                                                                                  "items": {"$ref": "#/$defs/N"}}},
+              "required": ["v"]}, "I": {"type": "integer", "minimum": 1}}  # fmt: skip
+KEYWORDS = [  # (the schema of one argument "x", values it takes, values it refuses)
+    ({"type": "string", "pattern": "b+"}, ["abba", "b"], ["acc", ""]),  # found anywhere, as JSON schema reads it
+    ({"type": "string", "pattern": "^a|c$"}, ["axx", "xxc", "a"], ["xax", "cx"]),
+    ({"type": "string", "pattern": r"^\d{2}$"}, ["07"], ["7", "123", "ab"]),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, ["ab", "a<c"], ["a", "abcd"]),
+    ({"type": "string", "format": "uuid"}, ["123e4567-e89b-12d3-a456-426614174000"], ["123e4567", "x"]),
+    ({"type": "string", "format": "email"}, ["a.b@example.org"], ["a@", "ab"]),
+    ({"type": "string", "format": "date-time"}, ["2026-12-06T05:00:00Z"], ["2026-12-06", "2026-12-06T25:00:00Z"]),
+    ({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10, "multipleOf": 3}, [3, 9], [0, 10, 4, 12]),
+    ({"type": "number", "minimum": -1.5, "maximum": 2}, [-1.5, 0.25, 2], [-2, 2.5]),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2}, [[1], [1, 2]], [[], [1, 2, 3]]),
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "minItems": 2, "maxItems": 2},
+     [[1, "a"]], [[1], ["a", 1], [1, "a", 2]]),
+    ({"$ref": "#/$defs/N"}, [{"v": 1, "kids": [{"v": 2, "kids": []}, {"v": 3}]}], [{"v": 1, "kids": [{"kids": []}]}]),
+    ({"$ref": "#/$defs/I", "maximum": 5}, [1, 5], [0, 6]),  # $ref beside a keyword: merged as an allOf
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"properties": {"b": {"type": "string", "maxLength": 1}}}]},
+     [{"a": 1, "b": "z"}, {"a": 1}], [{"b": "z"}, {"a": 1, "b": "zz"}]),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, [{"a": 1, "b": 2}, {}], [{"a": "x"}]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("schema", "good", "bad"), KEYWORDS)
+def test_the_keywords_response_format_holds_hold_a_call_too(demo, schema, good, bad):
+    """Issue 58: string patterns (JSON schema's search semantics), lengths and formats, number bounds, list
+    sizes and tuples, ``$ref`` (recursive too), ``allOf`` and maps are held, as ``response_format`` holds them:
+    what the schema takes is accepted, what it refuses is refused (checked against jsonschema first; a format
+    against llguidance's regex for it, the one ``response_format`` holds)."""
+    codec, tokenizer = demo
+    params = {"type": "object", "properties": {"x": schema}, "required": ["x"], "$defs": DEFS}
+    grammar = tool_call_grammar([Tool("f", "", params)], "f")
+    for value, takes in [(v, True) for v in good] + [(v, False) for v in bad]:
+        if "format" not in schema:  # jsonschema checks formats loosely offline ("a@" is an email to it)
+            assert jsonschema.Draft202012Validator(params).is_valid({"x": value}) == takes, value
+        assert _accepts(tokenizer, grammar, _ids(codec, _written(codec, "f", {"x": value}))) == takes, value

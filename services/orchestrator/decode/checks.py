@@ -216,19 +216,22 @@ def _template_culprit(chat: Chat, codec: TextCodec) -> str:
 
 
 def _tool_calls(req: Request, engine: EngineFacts) -> Request:
-    """A chat whose ``tool_choice`` is ``required`` or a function's name, or ``auto`` with a ``strict`` tool: the
+    """A chat whose ``tool_choice`` is ``required`` or a function's name, or ``auto`` with a ``strict`` tool or
+    ``parallel_tool_calls`` false: the
     request constrained to well-formed calls (of that function) whose arguments follow their schemas
     (``tools/grammar.py``; under ``auto``, after any text), the markers named as the checkpoint's tokenizer
     holds them."""
     chat = req.prompt
-    if not isinstance(chat, Chat) or not holds_calls(chat.tools, chat.tool_choice):
+    if not isinstance(chat, Chat) or not holds_calls(chat.tools, chat.tool_choice, chat.parallel_tool_calls):
         return req
     if req.constraint is not None:
-        held = "a strict tool" if chat.tool_choice == AUTO else f"tool_choice {chat.tool_choice!r}"
+        held = f"tool_choice {chat.tool_choice!r}"
+        if chat.tool_choice == AUTO:  # held for a strict tool's sake, or to stop after one call
+            held = "a strict tool" if any(t.strict for t in chat.tools) else "parallel_tool_calls false"
         raise InvalidRequest("constraint", f"{held} constrains the output already")
     tokenizer = engine.codec.tokenizer if engine.codec is not None else None
     try:
-        grammar = tool_call_grammar(chat.tools, chat.tool_choice, marker_terms(tokenizer))
+        grammar = tool_call_grammar(chat.tools, chat.tool_choice, marker_terms(tokenizer), chat.parallel_tool_calls)
     except GrammarError as exc:  # a tool's schema this grammar cannot hold: named in the tool's parameters
         field = "prompt.tool_choice" if exc.tool is None else f"prompt.tools[{exc.tool}].parameters"
         raise InvalidRequest(field, str(exc)) from None

@@ -150,6 +150,7 @@ def field_names(chat: bool, max_tokens: str) -> dict[str, str]:
         "prompt.messages": "messages",
         "prompt.continue_final_message": "continue_final_message",
         "prompt.tool_choice": "tool_choice",
+        "prompt.parallel_tool_calls": "parallel_tool_calls",
         "prompt.tools": "tools",
         "prompt.tools[].parameters": "tools[].function.parameters",
         "prompt.messages[].tool_calls[].arguments": "messages[].tool_calls[].function.arguments",
@@ -284,9 +285,13 @@ def chat_request(body: dict, served: str) -> tuple[Request, Reply, dict[str, str
         raise ApiError(400, str(exc), exc.param) from None
     except InvalidRequest as exc:  # a tool_choice refused as every front refuses it (``tools/choice.py``)
         raise ApiError.invalid(exc, names) from None
-    prompt = Chat(tuple(turns), _flag(body, "continue_final_message"), tools, choice)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", f"must be true or false, got {type(parallel).__name__}")
+    prompt = Chat(tuple(turns), _flag(body, "continue_final_message"), tools, choice, parallel is not False)
     fields["stop_strings"] = tool_choice.stop_strings(fields["stop_strings"], prompt)
-    call = replace(call, tools=tool_choice.reads_calls(prompt), held_calls=holds_calls(tools, choice))
+    held = holds_calls(tools, choice, prompt.parallel_tool_calls)
+    call = replace(call, tools=tool_choice.reads_calls(prompt), held_calls=held)
     return Request(prompt, **fields), call, names
 
 

@@ -81,13 +81,13 @@ PARAMS: dict[str, Param] = {
     "audio": _refused(api=CHAT, why=_TEXT),
     "top_logprobs": Param(HONOURED, CHAT),  # with logprobs: true
     "tools": Param(HONOURED, CHAT),  # function tools (``fronts/http_tools.py``)
-    "tool_choice": Param(HONOURED, CHAT),  # "auto" and "none"; "required" and a named function are refused there
+    "tool_choice": Param(HONOURED, CHAT),  # auto, none, required or a named function (``fronts/http_tools.py``)
     "functions": _refused([], api=CHAT, why=_NO_TOOLS),
     "function_call": _refused("none", api=CHAT, why=_NO_TOOLS),
     "web_search_options": _refused(api=CHAT, why="it does not search the web"),
     "reasoning_effort": _refused(api=CHAT, why="it has no reasoning-effort setting"),
     "verbosity": _refused("medium", api=CHAT, why="it has no verbosity setting"),
-    "parallel_tool_calls": _refused(True, api=CHAT, why="calls are read as the model writes them, one or many"),
+    "parallel_tool_calls": Param(HONOURED, CHAT),  # false: at most one call, held by the tool grammar
     "prediction": _harmless(dict, api=CHAT),  # a latency hint: the output is the same without it
     "store": _harmless(bool, api=CHAT),  # OpenAI's storage of completions
     "metadata": _harmless(dict, api=CHAT),  # tags for OpenAI's stored completions

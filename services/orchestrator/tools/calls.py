@@ -5,7 +5,8 @@ A call is ``<|tool_call>call:NAME{ARGS}<tool_call|>`` (what Gemma-4's chat templ
 ARGS are ``key:value`` pairs, keys bare (or quoted), strings between ``<|"|>`` marks, numbers, ``true``,
 ``false``, ``null`` (or ``None``, as Gemma-4's template writes it), objects ``{...}`` and lists ``[...]`` as in JSON. :func:`parse_arguments` turns ARGS into
 the JSON object OpenAI's ``function.arguments`` carries; a call that does not parse stays in the text, as the
-model wrote it (it is content, not a call this server could hand a client).
+model wrote it (it is content, not a call this server could hand a client). A call the text ends inside
+(``max_tokens``) is the call so far, its arguments cut where it was cut (:meth:`CallStream.end`).
 
 :class:`CallStream` reads the text as it streams, whatever a block commits: text before a call streams as
 content, and a block's tail that may be the start of a marker (``<|tool``) is held back until the next block
@@ -241,12 +242,23 @@ class CallStream:
         return True
 
     def end(self) -> list:
-        """What the text's end leaves: a held-back tail, or an unfinished call, as content (an unfinished
-        streamed call stays the call it was: its pieces are sent)."""
-        rest = "" if self._args is not None else (CALL_START if self.in_call else "") + self.buffer
-        self.buffer, self.in_call, self._args = "", False, None
+        """What the text's end leaves: a held-back tail, as content; a call the text ends inside (cut by
+        ``max_tokens``, or a stop) as the call it was so far: its name, and its arguments as far as they were
+        written (a JSON text cut where the call was, as OpenAI reports a call cut by ``length``), never its
+        template text as content. A call cut before its name was whole is dropped. A streamed call has sent
+        these very arguments already (:class:`ArgumentsStream` pieces join to the same text however the text
+        came), so a whole answer and a stream agree."""
         out: list = []
-        self._content(out, rest)
+        if self.in_call and self._args is None:
+            m = _HEADER.match(self.buffer)
+            if m and NAME.fullmatch(m[1]):
+                body = self.buffer[m.end() - 1 :]
+                body = body[: len(body) - _held(body, CALL_END)]  # as a stream holds back a possible end mark
+                self.calls += 1
+                out.append(ToolCall(call_id(), m[1], ArgumentsStream().feed(body)))
+        elif not self.in_call:
+            self._content(out, self.buffer)
+        self.buffer, self.in_call, self._args = "", False, None
         return out
 
     @staticmethod

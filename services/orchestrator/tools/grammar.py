@@ -6,10 +6,12 @@ then optionally ``<|tool_response>``, where the model stops to wait for the resu
 JSON (``tools/calls.py``), so the schema is compiled here to rules of that syntax, not embedded with ``%json``:
 keys bare, in sorted order (as the template writes them), every ``required`` key present and no undeclared
 one; strings between ``<|"|>`` marks (without ``<|`` inside them, so a string can never swallow a mark);
-integers, numbers, booleans, ``null``, lists, nested objects, ``enum``/``const``, ``anyOf``/``oneOf`` and type
-lists. A schema keyword this grammar cannot hold the arguments to (``pattern``, ``minimum``, ``$ref`` ...)
-is refused by name (:class:`GrammarError`), never silently dropped; annotations (``description``,
-``title``, ``default``, ``examples``) say nothing about validity and are skipped.
+integers, numbers, booleans, ``null``, lists, nested objects, ``enum``/``const``, ``anyOf``/``oneOf``/``allOf``,
+type lists and ``$ref``; and the keywords beyond the shape that ``response_format`` holds too (string patterns,
+lengths and formats, number bounds, array sizes: ``tools/keywords.py``). A keyword this grammar cannot hold the
+arguments to (``uniqueItems``, ``not``, ``patternProperties`` ...) is refused by name (:class:`GrammarError`),
+never silently dropped; annotations (``description``, ``title``, ``default``, ``examples``) say nothing about
+validity and are skipped. ``docs/structured.md`` lists both.
 
 The markers are the tokenizer's: where it holds one as a special token (Gemma-4's does) the grammar names
 the token by id (``<[ID]>``), which no text can spell; else the marker is the text it is
@@ -24,35 +26,19 @@ import re
 from collections.abc import Mapping, Sequence
 
 from kakeya.core.request import AUTO, NONE, REQUIRED, Tool
+from kakeya.orchestrator.tools import keywords
 from kakeya.orchestrator.tools.calls import CALL_END, CALL_START, MARKERS, QUOTE, RESULT_START
+from kakeya.orchestrator.tools.keywords import ANNOTATIONS, KNOWN, GrammarError, at
 
-_ANNOTATIONS = {"description", "title", "default", "examples", "$schema", "$comment", "deprecated", "readOnly",
-                "writeOnly", "additionalProperties"}  # fmt: skip
-_KEYWORDS = {"type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "nullable"}
 _BARE_KEY = re.compile(r"[^:{}\[\],<\s\"]+")
 # A string's text: anything without "<|", so it cannot hold (or end inside) a marker.
 _TERMINALS = {
-    "STR": r"/([^<]|<[^<|])*/",
-    "STR_END": r"/([^<]|<[^<|])*" + re.escape(QUOTE) + "/",
+    "STR": f"/{keywords.TEXT}/",
+    "STR_END": f"/{keywords.TEXT}{re.escape(QUOTE)}/",
     "INT": r"/-?(0|[1-9][0-9]*)/",
     "NUM": r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/",
     "KEY": r"/[A-Za-z_][A-Za-z0-9_.\-]*/",
 }
-
-
-class GrammarError(ValueError):
-    """A tool this grammar cannot hold a call to: ``tool``, its index among the tools; ``at``, where in its
-    parameters' schema (``properties.city.items``; "" for the schema itself); ``reason``, the keyword and why.
-    Each front names the tool's field as its clients spell it (``checks.py``)."""
-
-    def __init__(self, at: str, reason: str, tool: int | None = None):
-        super().__init__(f"{at}: {reason}" if at else reason)
-        self.at, self.reason, self.tool = at, reason, tool
-
-
-def _at(where: str, part: str) -> str:
-    """A place inside a schema: ``part`` of the one at ``where``."""
-    return f"{where}.{part}" if where else part
 
 
 def marker_terms(tokenizer=None) -> dict[str, str]:
@@ -77,6 +63,14 @@ class _Rules:
         self.string = f"{self.q} STR_END" if self.q.startswith('"') else f"{self.q} STR {self.q}"
         self.rules: dict[str, str] = {}
         self.names: dict[str, str] = {}
+        self.terminals: dict[str, str] = {}  # a constrained string's text: its regexes -> terminal
+        self.root: Mapping = {}  # the parameters being compiled: where a $ref points
+        self.refs: dict[tuple[int, str], str] = {}  # (parameters, pointer) -> its rule
+
+    def tool(self, params: Mapping) -> str:
+        """The rule of a call's arguments: ``params`` as an object."""
+        self.root = params
+        return self.value(dict(params) | {"type": "object"}, "")
 
     def rule(self, body: str) -> str:
         """A rule of ``body`` (one rule per distinct body)."""
@@ -129,31 +123,33 @@ class _Rules:
             return self.any()
         if not isinstance(schema, Mapping):
             raise GrammarError(where, "a schema must be an object")
-        unknown = sorted(set(schema) - _KEYWORDS - _ANNOTATIONS)
+        unknown = sorted(set(schema) - KNOWN - ANNOTATIONS)
         if unknown:
-            raise GrammarError(where, f"schema keyword {unknown[0]!r} is not supported in a tool call's grammar")
-        if schema.get("additionalProperties") not in (None, True, False):
-            raise GrammarError(where, "additionalProperties with a schema is not supported in a tool call's grammar")
+            raise GrammarError(at(where, unknown[0]), "this schema keyword is not supported in a tool call's grammar")
+        if "allOf" in schema or ("$ref" in schema and set(schema) - ANNOTATIONS - {"$ref"}):
+            return self.value(keywords.merged(schema, self.root, where), where)
+        if "$ref" in schema:
+            return self.ref(schema["$ref"], where)
         if "const" in schema:
             return self.rule(self.literal(schema["const"], where))
         if "enum" in schema:
             if not isinstance(schema["enum"], list) or not schema["enum"]:
-                raise GrammarError(_at(where, "enum"), "must be a non-empty list")
+                raise GrammarError(at(where, "enum"), "must be a non-empty list")
             return self.rule(" | ".join(self.literal(v, where) for v in schema["enum"]))
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 alternatives = schema[key]
                 if not isinstance(alternatives, list) or not alternatives:
-                    raise GrammarError(_at(where, key), "must be a non-empty list of schemas")
+                    raise GrammarError(at(where, key), "must be a non-empty list of schemas")
                 base = {k: v for k, v in schema.items() if k != key}
                 options = [self.value({**base, **option} if isinstance(option, Mapping) else option,
-                                      _at(where, f"{key}[{i}]"))
+                                      at(where, f"{key}[{i}]"))
                            for i, option in enumerate(alternatives)]  # fmt: skip
                 return self.rule(" | ".join(options))
         kinds = schema.get("type")
         kinds = [kinds] if isinstance(kinds, str) else [] if "type" not in schema else kinds
         if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
-            raise GrammarError(_at(where, "type"), "must be a type's name or a list of them")
+            raise GrammarError(at(where, "type"), "must be a type's name or a list of them")
         if not kinds:
             kinds = ["object"] if "properties" in schema else []
         if not kinds:
@@ -162,42 +158,92 @@ class _Rules:
             kinds.append("null")
         return self.rule(" | ".join(self._typed(kind, schema, where) for kind in dict.fromkeys(kinds)))
 
+    def ref(self, pointer, where: str) -> str:
+        """A ``$ref``'s rule: one per place it points at, named before its body is written, so a recursive
+        model (a tree of nodes) is a recursive rule."""
+        place, target = keywords.resolve(self.root, pointer, where)
+        key = (id(self.root), pointer)
+        if key not in self.refs:
+            self.refs[key] = name = f"d{len(self.refs)}"
+            self.rules[name] = ""  # reserved: the body may refer to it
+            self.rules[name] = self.value(target, place)
+        return self.refs[key]
+
     def _typed(self, kind: str, schema: Mapping, where: str) -> str:
         if kind == "string":
-            return self.string
-        if kind == "integer":
-            return "INT"
-        if kind == "number":
-            return "NUM"
+            return self._string(schema, where)
+        if kind in ("integer", "number"):
+            bounded = keywords.number(kind, schema, where)
+            return self.rule(bounded) if bounded else "INT" if kind == "integer" else "NUM"
         if kind == "boolean":
             return '"true" | "false"'
         if kind == "null":
             return '"null" | "None"'
         if kind == "array":
-            item = self.value(schema.get("items", {}), _at(where, "items"))
-            return f'"[" ({item} ("," {item})*)? "]"'
+            return self._array(schema, where)
         if kind == "object":
             return self.members(schema, where)
-        raise GrammarError(_at(where, "type"), f"{kind!r} is not a JSON schema type")
+        raise GrammarError(at(where, "type"), f"{kind!r} is not a JSON schema type")
+
+    def _string(self, schema: Mapping, where: str) -> str:
+        """A string; with a pattern, length or format, its text is a terminal of all their regexes and of the
+        text any string may hold (no "<|")."""
+        regexes = keywords.string_regexes(schema, where)
+        if not regexes:
+            return self.string
+        text = " & ".join(f"/{rx}/" for rx in [*regexes, keywords.TEXT])
+        if text not in self.terminals:
+            self.terminals[text] = f"S{len(self.terminals)}"
+        name = self.terminals[text]
+        return f"{self.q} {name}_END" if self.q.startswith('"') else f"{self.q} {name} {self.q}"
+
+    def _array(self, schema: Mapping, where: str) -> str:
+        lo, hi = keywords.item_bounds(schema, where)
+        prefix = schema.get("prefixItems")
+        if prefix is None:
+            item = self.value(schema.get("items", {}), at(where, "items"))
+            return f'"[" {keywords.repeated(item, lo, hi)} "]"'
+        if not isinstance(prefix, list) or not prefix:
+            raise GrammarError(at(where, "prefixItems"), "must be a non-empty list of schemas")
+        if lo < len(prefix):  # a tuple whose last items may be left out: not what models' tuples say
+            raise GrammarError(at(where, "prefixItems"), "held only where minItems covers every prefix item")
+        items = [self.value(p, at(where, f"prefixItems[{i}]")) for i, p in enumerate(prefix)]
+        head = ' "," '.join(items)
+        rest = schema.get("items", {})
+        if rest is False or hi == len(prefix):
+            return f'"[" {head} "]"'
+        more = self.value(rest, at(where, "items"))
+        extra = "*" if hi is None else f"{{0,{hi - len(prefix)}}}"
+        return f'"[" {head} ("," {more}){extra} "]"'
 
     def members(self, schema: Mapping, where: str) -> str:
         """``{key:value,...}``: the declared keys in sorted order, each required one present, no other."""
-        props = schema.get("properties")
+        if schema.get("minProperties", 0) or schema.get("maxProperties") is not None:
+            key = "minProperties" if schema.get("minProperties", 0) else "maxProperties"
+            raise GrammarError(at(where, key), "property counts cannot be held in a tool call's grammar")
+        props, extra = schema.get("properties"), schema.get("additionalProperties", True)
+        extra = True if extra == {} else extra
+        if extra not in (True, False) and props:
+            raise GrammarError(at(where, "additionalProperties"), "a schema for keys beside properties is "
+                               "not supported in a tool call's grammar")  # fmt: skip
         if props is None:
-            if schema.get("additionalProperties", True) is False:
+            if extra is False:
                 return '"{" "}"'
-            self.any()
-            return "any_object"
+            if extra is True:
+                self.any()
+                return "any_object"
+            pair = f'(KEY | {self.string}) ":" {self.value(extra, at(where, "additionalProperties"))}'
+            return self.rule(f'"{{" ({pair} ("," {pair})*)? "}}"')  # a map: any keys, each value its schema
         if not isinstance(props, Mapping):
-            raise GrammarError(_at(where, "properties"), "must be an object")
+            raise GrammarError(at(where, "properties"), "must be an object")
         required = schema.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-            raise GrammarError(_at(where, "required"), "must be a list of strings")
+            raise GrammarError(at(where, "required"), "must be a list of strings")
         required = set(required)
         if not required <= set(props):
             raise GrammarError(where, "every required key must be among the properties")
         keys = sorted(props)
-        entry = [f"{self.key(k, where)} {self.value(props[k], _at(where, f'properties.{k}'))}" for k in keys]
+        entry = [f"{self.key(k, where)} {self.value(props[k], at(where, f'properties.{k}'))}" for k in keys]
 
         def tail(i: int) -> str:  # what may follow once a key before keys[i] was written
             return " ".join(f'"," {e}' if k in required else f'("," {e})?' for k, e in zip(keys[i:], entry[i:]))
@@ -213,11 +259,14 @@ class _Rules:
         return self.rule(alternatives)
 
 
-def tool_call_grammar(tools: Sequence[Tool], tool_choice: str, terms: Mapping[str, str] | None = None) -> str:
+def tool_call_grammar(
+    tools: Sequence[Tool], tool_choice: str, terms: Mapping[str, str] | None = None, parallel: bool = True
+) -> str:
     """The lark grammar (llguidance's) of the calls ``tool_choice`` asks for: ``required``, one or more calls of
     any of ``tools``; a function's name, one call of it; ``auto`` with a ``strict`` tool, text or calls (below).
-    ``terms``: the markers' lark terms (:func:`marker_terms`; by default their text). :class:`GrammarError`
-    names a tool it cannot hold.
+    ``terms``: the markers' lark terms (:func:`marker_terms`; by default their text). ``parallel`` False
+    (OpenAI's ``parallel_tool_calls: false``): at most one call, after which the grammar ends (a named function
+    is one call anyway). :class:`GrammarError` names a tool it cannot hold.
 
     ``auto`` (:func:`holds_calls` says when it has a grammar): any text without a call's opening mark, or text
     up to that mark and then one or more calls, each well-formed, a ``strict`` tool's arguments following
@@ -225,7 +274,7 @@ def tool_call_grammar(tools: Sequence[Tool], tool_choice: str, terms: Mapping[st
     would unconstrained; only a call, once opened, is held."""
     terms = dict(terms or marker_terms())
     rules = _Rules(terms)
-    if tool_choice == NONE or (tool_choice == AUTO and not holds_calls(tools, tool_choice)):
+    if tool_choice == NONE or (tool_choice == AUTO and not holds_calls(tools, tool_choice, parallel)):
         raise GrammarError("", f"tool_choice {tool_choice!r} holds no call: it has no grammar")
     chosen = [t for t in tools if t.name == tool_choice] if tool_choice not in (AUTO, REQUIRED) else list(tools)
     if not chosen:
@@ -234,12 +283,12 @@ def tool_call_grammar(tools: Sequence[Tool], tool_choice: str, terms: Mapping[st
     for i, tool in enumerate(tools):
         if tool in chosen:
             params = tool.parameters if tool.parameters is not None else {"type": "object", "properties": {}}
-            if tool_choice == AUTO and not tool.strict:
+            if tool_choice == AUTO and not tool.strict:  # held only to be one call (parallel False)
                 rules.any()
                 args = "any_object"  # well-formed, whatever its keys and values
             else:
                 try:
-                    args = rules.value(dict(params) | {"type": "object"}, "")
+                    args = rules.tool(params)
                 except GrammarError as exc:
                     raise GrammarError(exc.at, exc.reason, i) from None
                 except RecursionError:  # a schema nested deeper than this writer follows
@@ -248,12 +297,16 @@ def tool_call_grammar(tools: Sequence[Tool], tool_choice: str, terms: Mapping[st
     body = rules.rule(" | ".join(calls))
     call = f"{terms[CALL_START]} {body} {terms[CALL_END]}"
     if tool_choice == AUTO:
-        start = _text_or_calls(terms, body)
+        start = _text_or_calls(terms, body, parallel)
     else:
-        start = f"({call})+ {terms[RESULT_START]}?" if tool_choice == REQUIRED else f"{call} {terms[RESULT_START]}?"
+        calls = f"({call})+" if tool_choice == REQUIRED and parallel else call
+        start = f"{calls} {terms[RESULT_START]}?"
     lines = [f"start: {start}"]
     lines += [f"{name}: {body}" for name, body in rules.rules.items()]
     lines += [f"{name}: {regex}" for name, regex in _TERMINALS.items()]
+    for text, name in rules.terminals.items():  # a constrained string's text (and its closing mark, as STR_END)
+        lines.append(f"{name}: {text}")
+        lines.append(f"{name}_END: ({text}) /{re.escape(QUOTE)}/")
     if tool_choice == AUTO and not terms[CALL_START].startswith("<["):
         lines.append(f"TEXT: {_FREE} & ~/{_FREE[1:-1]}{re.escape(CALL_START)}{_FREE[1:-1]}/")
         lines.append(f"LEAD: TEXT {terms[CALL_START]}")
@@ -265,7 +318,7 @@ def tool_call_grammar(tools: Sequence[Tool], tool_choice: str, terms: Mapping[st
 _FREE = r"/(.|\n)*/"
 
 
-def _text_or_calls(terms: Mapping[str, str], body: str) -> str:
+def _text_or_calls(terms: Mapping[str, str], body: str, parallel: bool) -> str:
     """``auto``'s start: text alone, or text then calls. Where the opening mark is a special token (Gemma-4's)
     no text can spell it and the text simply ends at it. Where it is text, the text may not hold the mark,
     and text with the mark at its end is one lexeme (``LEAD``): llguidance's lexer cannot take back
@@ -275,13 +328,14 @@ def _text_or_calls(terms: Mapping[str, str], body: str) -> str:
 
     The text is free but for one thing: llguidance's lexemes read UTF-8 characters, so a byte sequence that
     is no text (only an untrained model writes one) is refused."""
-    rest = f"{body} {terms[CALL_END]} ({terms[CALL_START]} {body} {terms[CALL_END]})* {terms[RESULT_START]}?"
+    more = f"({terms[CALL_START]} {body} {terms[CALL_END]})*" if parallel else ""
+    rest = f"{body} {terms[CALL_END]} {more} {terms[RESULT_START]}?"
     if terms[CALL_START].startswith("<["):
         return f"TEXT | TEXT {terms[CALL_START]} {rest}"
     return f"TEXT | LEAD {rest}"
 
 
-def holds_calls(tools: Sequence[Tool], tool_choice: str) -> bool:
+def holds_calls(tools: Sequence[Tool], tool_choice: str, parallel: bool = True) -> bool:
     """Whether a grammar holds the calls ``tool_choice`` allows well-formed: ``required``, a named function,
-    and ``auto`` where a tool is ``strict``."""
-    return tool_choice != NONE and (tool_choice != AUTO or any(t.strict for t in tools))
+    and ``auto`` where a tool is ``strict`` or calls are not ``parallel`` (the grammar stops after one)."""
+    return tool_choice != NONE and (tool_choice != AUTO or not parallel or any(t.strict for t in tools))

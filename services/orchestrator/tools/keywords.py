@@ -1,0 +1,324 @@
+"""The JSON-schema keywords of a tool's parameters beyond their shape, turned into what the tool-call grammar
+(``tools/grammar.py``) needs: a string's ``pattern``, ``minLength``/``maxLength`` and ``format`` as regexes
+of the text between its ``<|"|>`` marks; a number's ``minimum``/``maximum`` (exclusive too) and
+``multipleOf`` as llguidance's own JSON-schema number (a number is written the same in a Gemma-4 call as in
+JSON, so ``%json`` holds it exactly as ``response_format`` would); ``$ref`` resolved within the parameters;
+``allOf`` merged into one schema. A keyword that cannot be held is a :class:`GrammarError` naming its place.
+
+Gemma-4's strings are raw text between marks, not JSON strings, so a string's constraints cannot be handed to
+``%json``: they become a regex terminal instead, each part checked by llguidance here so a bad ``pattern``
+is refused by its place in the schema, not by the grammar compiler with no tool named.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import llguidance
+
+ANNOTATIONS = {"description", "title", "default", "examples", "$schema", "$comment", "deprecated", "readOnly",
+               "writeOnly", "$id", "$defs", "definitions", "discriminator", "example"}  # fmt: skip
+NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+STRING = ("pattern", "minLength", "maxLength", "format")
+ARRAY = ("items", "prefixItems", "minItems", "maxItems", "uniqueItems")
+SHAPE = {"type", "properties", "required", "enum", "const", "anyOf", "oneOf", "allOf", "nullable", "$ref",
+         "additionalProperties", "minProperties", "maxProperties"}  # fmt: skip
+KNOWN = SHAPE | set(NUMERIC) | set(STRING) | set(ARRAY)
+MAX_REF_DEPTH = 16  # $ref to $ref to ... inside an allOf, which is merged (not a rule) and so inlined
+MAX_ITEMS = 256  # the largest minItems / maxItems bound spelt out as repetitions
+
+
+class GrammarError(ValueError):
+    """A tool this grammar cannot hold a call to: ``tool``, its index among the tools; ``at``, where in its
+    parameters' schema (``properties.city.items``; "" for the schema itself); ``reason``, the keyword and why.
+    Each front names the tool's field as its clients spell it (``checks.py``)."""
+
+    def __init__(self, at: str, reason: str, tool: int | None = None):
+        super().__init__(f"{at}: {reason}" if at else reason)
+        self.at, self.reason, self.tool = at, reason, tool
+
+
+def at(where: str, part: str) -> str:
+    """A place inside a schema: ``part`` of the one at ``where``."""
+    return f"{where}.{part}" if where else part
+
+
+# --------------------------------------------------------------------------- strings
+
+# A string's text: anything without "<|", so it cannot hold (or end inside) a marker.
+TEXT = r"([^<]|<[^<|])*"
+
+
+def string_regexes(schema: Mapping, where: str) -> list[str]:
+    """The regexes (llguidance's lark syntax, between ``/``) a string's text must all match: its pattern (as
+    JSON schema reads one: found anywhere unless anchored), its length bounds, its format."""
+    out = []
+    pattern = schema.get("pattern")
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            raise GrammarError(at(where, "pattern"), "must be a string")
+        out.append(_checked(_search(llguidance.regex_to_lark(pattern, "dw"), at(where, "pattern")), where, "pattern"))
+    lo, hi = _bounds(schema, "minLength", "maxLength", where)
+    if lo or hi is not None:
+        out.append(_checked(f"(?s:.{{{lo},{'' if hi is None else hi}}})", where, "maxLength" if hi else "minLength"))
+    fmt = schema.get("format")
+    if fmt is not None:
+        if not isinstance(fmt, str) or fmt not in FORMATS:
+            known = ", ".join(FORMATS)
+            raise GrammarError(at(where, "format"), f"{str(fmt)[:40]!r} is not a format this server holds ({known})")
+        out.append(llguidance.regex_to_lark(FORMATS[fmt], ""))
+    return out
+
+
+def _search(rx: str, where: str) -> str:
+    """JSON schema's ``pattern`` matches anywhere in the string unless anchored; llguidance's regexes match
+    the whole text (their ``^``/``$`` are not anchors). Each top-level alternative gets ``.*`` on the side
+    it is not anchored; an anchor elsewhere (inside a group, mid-pattern) cannot be said and is refused."""
+    cuts = [i for i, c, depth in _structure(rx) if c == "|" and depth == 0]
+    out = []
+    for a, b in zip([-1, *cuts], [*cuts, len(rx)]):
+        alt = rx[a + 1 : b]
+        anchors = {i for i, c, _ in _structure(alt) if c in "^$"}
+        head, tail = 0 in anchors and alt[0] == "^", len(alt) - 1 in anchors and alt[-1] == "$" and len(alt) > 1
+        if anchors - {0} - {len(alt) - 1} or (anchors and not (head or tail)):
+            raise GrammarError(where, "an anchor (^ or $) inside the pattern cannot be held in a tool call")
+        body = alt[int(head) : len(alt) - int(tail)]
+        out.append(("" if head else "(?s:.*)") + f"(?:{body})" + ("" if tail else "(?s:.*)"))
+    return out[0] if len(out) == 1 else "|".join(f"(?:{a})" for a in out)
+
+
+def _structure(rx: str):
+    """(index, character, group depth) of each character of ``rx`` outside escapes and ``[...]`` classes."""
+    depth, i, in_class = 0, 0, False
+    while i < len(rx):
+        c = rx[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += rx[i + 1 : i + 3] == "^]" or rx[i + 1 : i + 2] == "]"  # "[]...]": a leading "]" is a member
+        else:
+            depth -= c == ")"
+            yield i, c, depth
+            depth += c == "("
+        i += 1
+
+
+def _checked(rx: str, where: str, keyword: str) -> str:
+    """``rx`` if llguidance's regex compiler takes it; else a refusal naming the keyword's place."""
+    error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(f"start: /{rx}/"))
+    if error:
+        reason = " ".join(error.split())[:200]
+        raise GrammarError(at(where, keyword), f"cannot be held in a tool call: {reason}")
+    return rx
+
+
+def _bounds(schema: Mapping, low: str, high: str, where: str) -> tuple[int, int | None]:
+    lo, hi = schema.get(low, 0), schema.get(high)
+    for name, v in ((low, lo), (high, hi)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise GrammarError(at(where, name), "must be a non-negative integer")
+    if hi is not None and hi < lo:
+        raise GrammarError(at(where, high), f"{hi} is below {low} {lo}: no value can be written")
+    return lo, hi
+
+
+# --------------------------------------------------------------------------- numbers and arrays
+
+
+def number(kind: str, schema: Mapping, where: str) -> str | None:
+    """A bounded number's rule body: llguidance's JSON-schema number (``%json``), which Gemma-4 writes as JSON
+    does; None where ``schema`` bounds nothing (the plain INT/NUM terminal then)."""
+    bounds = {k: schema[k] for k in NUMERIC if k in schema}
+    if not bounds:
+        return None
+    for k, v in bounds.items():
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise GrammarError(at(where, k), "must be a number")
+    if "multipleOf" in bounds and bounds["multipleOf"] <= 0:
+        raise GrammarError(at(where, "multipleOf"), "must be above 0")
+    spec = json.dumps({"type": kind, **bounds})
+    error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(spec))
+    if error:
+        raise GrammarError(where, f"{kind} bounds cannot be held: {' '.join(error.split())[:200]}")
+    return f"%json {spec}"
+
+
+def item_bounds(schema: Mapping, where: str) -> tuple[int, int | None]:
+    """An array's ``minItems``/``maxItems``; ``uniqueItems: true`` cannot be held (a grammar cannot compare
+    items) and is refused."""
+    if schema.get("uniqueItems") not in (None, False):
+        raise GrammarError(at(where, "uniqueItems"), "unique items cannot be held in a tool call's grammar")
+    lo, hi = _bounds(schema, "minItems", "maxItems", where)
+    if lo > MAX_ITEMS or (hi or 0) > MAX_ITEMS:
+        raise GrammarError(where, f"minItems/maxItems above {MAX_ITEMS} cannot be held in a tool call's grammar")
+    return lo, hi
+
+
+def repeated(item: str, lo: int, hi: int | None) -> str:
+    """``[item, item, ...]``'s inside: between ``lo`` and ``hi`` (None: any number of) items."""
+    if hi == 0:
+        return ""
+    more = "*" if hi is None else f"{{{max(lo - 1, 0)},{hi - 1}}}"
+    if hi is None and lo > 1:
+        more = f"{{{lo - 1},}}"
+    seq = f'{item} ("," {item}){more}'
+    return f"({seq})?" if lo == 0 else seq
+
+
+# --------------------------------------------------------------------------- $ref and allOf
+
+
+def resolve(root: Mapping, ref, where: str) -> tuple[str, Mapping | bool]:
+    """A local ``$ref`` (``#``, ``#/$defs/Name``, any JSON pointer into the parameters): its place (as errors
+    name it, ``$defs.Name``) and the schema there. A remote reference is refused."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        raise GrammarError(at(where, "$ref"), f"{str(ref)[:60]!r}: only a reference inside the parameters is held")
+    node, parts = root, [p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/")] if ref != "#" else []
+    for p in parts:
+        if isinstance(node, Mapping) and p in node:
+            node = node[p]
+        elif isinstance(node, list) and p.isdigit() and int(p) < len(node):
+            node = node[int(p)]
+        else:
+            raise GrammarError(at(where, "$ref"), f"{ref[:60]!r} points at nothing in the parameters")
+    return ".".join(parts), node
+
+
+def merged(schema: Mapping, root: Mapping, where: str) -> Mapping:
+    """``allOf`` (and ``$ref`` beside other keywords) as one schema: each part's references followed, then the
+    parts merged keyword by keyword -- properties merged, required joined, types intersected, bounds tightened;
+    two parts that set one keyword differently otherwise are refused (the grammar holds one schema)."""
+    parts = schema.get("allOf", [])
+    if not isinstance(parts, list) or not parts and "allOf" in schema:
+        raise GrammarError(at(where, "allOf"), "must be a non-empty list of schemas")
+    rest = {k: v for k, v in schema.items() if k not in ("allOf", "$ref")}
+    if "$ref" in schema:
+        parts = [{"$ref": schema["$ref"]}, *parts]
+    out: dict = {}
+    for i, part in enumerate([*parts, rest]):
+        place = at(where, f"allOf[{i}]")
+        try:
+            out = _merge(out, _followed(part, root, place), place)
+        except (TypeError, AttributeError):  # a keyword of the wrong type in one of them: a refusal, not a 500
+            raise GrammarError(place, "holds a keyword of the wrong type: the allOf cannot be merged") from None
+    return out
+
+
+def _followed(schema, root: Mapping, where: str) -> Mapping:
+    for _ in range(MAX_REF_DEPTH):
+        if schema is True:
+            return {}
+        if not isinstance(schema, Mapping):
+            raise GrammarError(where, "a schema must be an object")
+        if "$ref" not in schema:
+            return merged(schema, root, where) if "allOf" in schema else schema
+        _, target = resolve(root, schema["$ref"], where)
+        extra = {k: v for k, v in schema.items() if k != "$ref"}
+        schema = {"allOf": [target, extra]} if extra else target
+    raise GrammarError(where, f"$ref chains deeper than {MAX_REF_DEPTH} cannot be merged in an allOf")
+
+
+_LOWER = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties"}
+_UPPER = {"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties"}
+
+
+def _merge(a: Mapping, b: Mapping, where: str) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        if k not in out or k in ANNOTATIONS:
+            out.setdefault(k, v)
+        elif k == "properties":
+            props = dict(out[k])
+            for name, s in v.items():
+                props[name] = {"allOf": [props[name], s]} if name in props else s
+            out[k] = props
+        elif k == "required":
+            out[k] = list(dict.fromkeys([*out[k], *v]))
+        elif k == "type":
+            out[k] = _types(out[k], v, where)
+        elif k in _LOWER or k in _UPPER:
+            out[k] = (max if k in _LOWER else min)(out[k], v)
+        elif k == "enum":
+            out[k] = [x for x in out[k] if x in v]
+            if not out[k]:
+                raise GrammarError(at(where, "enum"), "the merged enums share no value")
+        elif out[k] != v:
+            raise GrammarError(at(where, k), "set differently by two schemas of an allOf: cannot be merged")
+    return out
+
+
+def _types(a, b, where: str) -> list[str]:
+    """Two ``type`` keywords' common types (an integer is a number)."""
+    sa, sb = ({x} if isinstance(x, str) else set(x) for x in (a, b))
+    both = {t if t == u else "integer" for t in sa for u in sb if t == u or {t, u} == {"integer", "number"}}
+    if not both:
+        raise GrammarError(at(where, "type"), "the schemas of an allOf share no type")
+    return sorted(both)
+
+
+# The string formats llguidance's JSON-schema compiler enforces (response_format), as its own regexes
+# (llguidance parser/src/json/formats.rs, MIT licence; named groups made plain): a tool call holds the same.
+FORMATS = {
+    "date-time": (
+        r"(?:[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|("
+        r"?:02)-(?:0[1-9]|1[0-9]|2[0-9])))[tT](?:(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)"
+        r"?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9]))"
+    ),
+    "time": (
+        r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5]"
+        r"[0-9])"
+    ),
+    "date": (
+        r"(?:[0-9]{4}-(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01]))|(?:[0-9]{4}-(?:0[469]|11)-(?:0[1-9]|[12]["
+        r"0-9]|30))|(?:[0-9]{4}-02-(?:0[1-9]|1[0-9]|2[0-9]))"
+    ),
+    "duration": (
+        r"P(?:(?:(?:(?:[0-9]+Y(?:[0-9]+M(?:[0-9]+D)?)?)|(?:[0-9]+M(?:[0-9]+D)?)|(?:[0-9]+D))(?:T(?:(?:[0-9]+H("
+        r"?:[0-9]+M(?:[0-9]+S)?)?)|(?:[0-9]+M(?:[0-9]+S)?)|(?:[0-9]+S)))?)|(?:T(?:(?:[0-9]+H(?:[0-9]+M(?:[0-9]"
+        r"+S)?)?)|(?:[0-9]+M(?:[0-9]+S)?)|(?:[0-9]+S)))|(?:[0-9]+W))"
+    ),
+    "email": (
+        r"(?:(?:[a-zA-Z0-9!#$%&'*+\-/=?\^_`{|}~]+(\.[a-zA-Z0-9!#$%&'*+\-/=?\^_`{|}~]+)*))@((?:(?:[a-zA-Z0-9](["
+        r"a-zA-Z0-9-]*[a-zA-Z0-9])?)(\.(?:[a-zA-Z0-9]([a-zA-Z0-9-]*[a-zA-Z0-9])?))*)|\[(?:((([0-9])|(([1-9])[0"
+        r"-9]|(25[0-5]|(2[0-4]|(1)[0-9])[0-9])))\.){3}(([0-9])|(([1-9])[0-9]|(25[0-5]|(2[0-4]|(1)[0-9])[0-9]))"
+        r"))\])"
+    ),
+    "hostname": r"[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?(\.[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?)*",
+    "ipv4": (
+        r"((([0-9])|(([1-9])[0-9]|(25[0-5]|(2[0-4]|(1)[0-9])[0-9])))\.){3}(([0-9])|(([1-9])[0-9]|(25[0-5]|(2[0"
+        r"-4]|(1)[0-9])[0-9])))"
+    ),
+    "ipv6": (
+        r"(?:(?:(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}))|(?:::(?:[0-9a-fA-F]{1,4}:){0,5}(?:[0-9a-fA-F]{1,4}:"
+        r"[0-9a-fA-F]{1,4}))|(?:(?:[0-9a-fA-F]{1,4})?::(?:[0-9a-fA-F]{1,4}:){0,4}(?:[0-9a-fA-F]{1,4}:[0-9a-fA-"
+        r"F]{1,4}))|(?:((?:[0-9a-fA-F]{1,4}:){0,1}[0-9a-fA-F]{1,4})?::(?:[0-9a-fA-F]{1,4}:){0,3}(?:[0-9a-fA-F]"
+        r"{1,4}:[0-9a-fA-F]{1,4}))|(?:((?:[0-9a-fA-F]{1,4}:){0,2}[0-9a-fA-F]{1,4})?::(?:[0-9a-fA-F]{1,4}:){0,2"
+        r"}(?:[0-9a-fA-F]{1,4}:[0-9a-fA-F]{1,4}))|(?:((?:[0-9a-fA-F]{1,4}:){0,3}[0-9a-fA-F]{1,4})?::[0-9a-fA-F"
+        r"]{1,4}:(?:[0-9a-fA-F]{1,4}:[0-9a-fA-F]{1,4}))|(?:((?:[0-9a-fA-F]{1,4}:){0,4}[0-9a-fA-F]{1,4})?::(?:["
+        r"0-9a-fA-F]{1,4}:[0-9a-fA-F]{1,4}))|(?:((?:[0-9a-fA-F]{1,4}:){0,5}[0-9a-fA-F]{1,4})?::(?:[0-9a-fA-F]{"
+        r"1,4}))|(?:((?:[0-9a-fA-F]{1,4}:){0,6}[0-9a-fA-F]{1,4})?::)"
+    ),
+    "uuid": (
+        r"(?:[0-9a-fA-F]{8})-(?:[0-9a-fA-F]{4})-(?:[0-9a-fA-F]{4})-(?:[0-9a-fA-F]{2})(?:[0-9a-fA-F]{2})-(?:[0-"
+        r"9a-fA-F]{12})"
+    ),
+    "uri": (
+        r"(?:[a-zA-Z][a-zA-Z0-9+\-.]*):(?://(?:(?:(?:[a-zA-Z0-9\-._~!$&'()*+,;=:]|%[0-9a-fA-F]{2})*)@)?(?:\[(?"
+        r":(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}|(?:[0-9a-fA-F]{1,4}:){1,7}:|(?:[0-9a-fA-F]{1,4}:){1,6}:[0-"
+        r"9a-fA-F]{1,4}|(?:[0-9a-fA-F]{1,4}:){1,5}(?::[0-9a-fA-F]{1,4}){1,2}|(?:[0-9a-fA-F]{1,4}:){1,4}(?::[0-"
+        r"9a-fA-F]{1,4}){1,3}|(?:[0-9a-fA-F]{1,4}:){1,3}(?::[0-9a-fA-F]{1,4}){1,4}|(?:[0-9a-fA-F]{1,4}:){1,2}("
+        r"?::[0-9a-fA-F]{1,4}){1,5}|[0-9a-fA-F]{1,4}:(?::[0-9a-fA-F]{1,4}){1,6}|:(?::[0-9a-fA-F]{1,4}){1,7}|::"
+        r"|v[0-9a-fA-F]+\.[a-zA-Z0-9\-._~!$&'()*+,;=:]+)\]|(?:(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.)"
+        r"{3}(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])|(?:[a-zA-Z0-9\-._~!$&'()*+,;=]|%[0-9a-fA-F]{2})*)(?"
+        r"::(?:[0-9]*))?(?:(?:/(?:[a-zA-Z0-9\-._~!$&'()*+,;=:@]|%[0-9a-fA-F]{2})*)*)|(?:/(?:(?:[a-zA-Z0-9\-._~"
+        r"!$&'()*+,;=:@]|%[0-9a-fA-F]{2})+(?:/(?:[a-zA-Z0-9\-._~!$&'()*+,;=:@]|%[0-9a-fA-F]{2})*)*)?)|(?:(?:[a"
+        r"-zA-Z0-9\-._~!$&'()*+,;=:@]|%[0-9a-fA-F]{2})+(?:/(?:[a-zA-Z0-9\-._~!$&'()*+,;=:@]|%[0-9a-fA-F]{2})*)"
+        r"*)|(?:))(?:\?(?:(?:[a-zA-Z0-9\-._~!$&'()*+,;=:@/?]|%[0-9a-fA-F]{2})*))?(?:\#(?:(?:[a-zA-Z0-9\-._~!$&"
+        r"'()*+,;=:@/?]|%[0-9a-fA-F]{2})*))?"
+    ),
+}  # fmt: skip
