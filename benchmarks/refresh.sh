@@ -31,6 +31,8 @@
 #   grammar_masks      llguidance vs xgrammar masks per token                   grammar_masks.json      1 min
 #   files_crossed      the services/ files one greedy block and one streamed
 #                      HTTP chat request run code in                            files_crossed.json      1 min
+#   tool_schemas       ten pydantic models' forced tool calls, speculative vs
+#                      --no-drafter, validity against their schemas             tool_schemas.json       3 min
 #
 # Not here (their figures are History in the docs): GPU results (docs/cuda.md: benchmarks/gpu_session.sh),
 # A/B runs between two checkouts (cpu_fastpath.py --before, the *_ab folders), runs that need a drafter not
@@ -39,13 +41,13 @@
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-ALL="first_request first_request_mlx pair_cost adaptive ngram sampling chat concurrency isolation structured grammar_masks files_crossed"
+ALL="first_request first_request_mlx pair_cost adaptive ngram sampling chat concurrency isolation structured grammar_masks files_crossed tool_schemas"
 JOBS=${JOBS:-$ALL}
 [ -n "$(git status --porcelain -- services)" ] && echo "refresh: services/ has uncommitted changes: every JSON will record dirty=true" >&2
 
 declare -A LIMIT=([first_request]=480 [first_request_mlx]=480 [pair_cost]=180 [adaptive]=360 [ngram]=480
   [sampling]=360 [chat]=240 [concurrency]=900 [isolation]=360 [structured]=300 [grammar_masks]=180
-  [files_crossed]=240)
+  [files_crossed]=240 [tool_schemas]=480)
 cmd() {
   case $1 in
     first_request) echo "benchmarks/first_request.py --rounds 3 --readme --out benchmarks/results/first_request.json" ;;
@@ -60,6 +62,7 @@ cmd() {
     structured) echo "benchmarks/structured.py --rounds 2 --out benchmarks/results/structured.json" ;;
     grammar_masks) echo "benchmarks/grammar_masks.py --out benchmarks/results/grammar_masks.json" ;;
     files_crossed) echo "benchmarks/files_crossed.py --out benchmarks/results/files_crossed.json" ;;
+    tool_schemas) echo "benchmarks/tool_schemas.py --max-tokens 96 --out benchmarks/results/tool_schemas.json" ;;
     *) return 1 ;;
   esac
 }
