@@ -60,8 +60,17 @@ def test_bfloat16_on_torch_equals_transformers_generate(checkpoints, name, block
     assert speculative("torch", target, draft, block) == list(transformers_greedy(target, name))
 
 
-# moe: MLX's CPU gather_mm (the experts) computes float32 only ("[GatherMM::eval] Currently only supports
-# float32"), so a bfloat16 MoE runs on MLX where Metal is; its float32 and quantized cells run here.
+@pytest.mark.parametrize("block", BLOCKS)
+def test_bfloat16_moe_on_mlx_cpu_is_served_in_float32_and_equals_transformers_generate(checkpoints, block):
+    """MLX's CPU expert product computes float32 only ("[GatherMM::eval] Currently only supports float32"): a
+    bfloat16 MoE is upcast there (exactly), so it equals transformers' float32 decoding of the same file."""
+    from .cells import pair
+
+    target, draft = checkpoints("bfloat16", "moe"), checkpoints("draft", "moe")
+    assert pair("mlx", target, draft)[0].target.dtype_name == "float32"
+    assert speculative("mlx", target, draft, block) == list(transformers_greedy(target, "moe"))
+
+
 @pytest.mark.parametrize("name", ["e", "dense", "mm"])
 def test_bfloat16_on_mlx_equals_its_own_ar(checkpoints, name):
     from kakeya.orchestrator.decode.loop import run

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.gemma4_text import logit_softcap
 from mlx_lm.utils import load_model
 
@@ -29,6 +30,20 @@ from kakeya.verifier.caches import SessionCaches
 from kakeya.verifier.layout import RestoreView, RingLayout
 from kakeya.verifier.mlx_backend.cache import FullKVCache, LatentRing, QuantizedFullKVCache, RingKVCache
 from kakeya.verifier.mlx_backend.forward import attention_masks, layer_views
+
+
+def _float32_experts_on_a_cpu(model) -> None:
+    """A bfloat16 MoE on MLX's CPU is served in float32 (an exact upcast of the file's weights): MLX's CPU
+    expert product computes float32 only ("[GatherMM::eval] Currently only supports float32"), so such a
+    checkpoint could not run there at all. Metal computes it in bfloat16 and keeps it so."""
+    args = getattr(getattr(model, "language_model", model), "args", None)
+    if mx.default_device().type != mx.cpu or not getattr(args, "enable_moe_block", False):
+        return
+    params = tree_flatten(model.parameters())
+    if any(name.endswith(".scales") for name, _ in params):
+        return  # mlx_lm.convert's packed experts: the quantized product serves them as they are
+    if any(v.dtype == mx.bfloat16 for _, v in params):
+        model.set_dtype(mx.float32, lambda dtype: dtype == mx.bfloat16)
 
 
 class TargetMLX:
@@ -61,6 +76,7 @@ class TargetMLX:
         path = Path(path)
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
         model, _ = load_model(path, model_config=mlx_model_config(raw, load_target_config(path)))
+        _float32_experts_on_a_cpu(model)
         return cls(model, path)
 
     # -- the backend protocol (verifier/backend.py) ----------------------------------------
