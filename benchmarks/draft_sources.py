@@ -142,8 +142,8 @@ def measure(
     pair=None,
 ) -> dict:
     from kakeya.core.request import Request
-    from kakeya.orchestrator import engine as engine_mod
     from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
+    from kakeya.orchestrator.decode import engine as engine_mod
     from kakeya.orchestrator.decode.engine import RunOptions
 
     set_torch_threads(1, "cpu", embedded=True)
