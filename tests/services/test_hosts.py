@@ -59,14 +59,18 @@ def _client(hosts: Hosts, token, *args: str, timeout: float = 300) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def colocated_tokens():
+def _colocated(tokens: int) -> list[int]:
     """The same request colocated (one process, MLX): the reference every host layout must equal."""
     cmd = [sys.executable, "-m", "kakeya.app.main", "generate", *TINY_MLX, "--json", "--ignore-eos",
-           "--max-tokens", str(TOKENS), "--block-size", "8"]  # fmt: skip
+           "--max-tokens", str(tokens), "--block-size", "8"]  # fmt: skip
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def colocated_tokens():
+    return _colocated(TOKENS)
 
 
 def _reaches(hosts: Hosts, frm: str, to: str, port: int) -> bool:
@@ -148,11 +152,7 @@ def replicas(server_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def long_reference():
-    cmd = [sys.executable, "-m", "kakeya.app.main", "generate", *TINY_MLX, "--json", "--ignore-eos",
-           "--max-tokens", str(LONG), "--block-size", "8"]  # fmt: skip
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])["token_ids"]
+    return _colocated(LONG)
 
 
 def _metric(hosts: Hosts, host: str, name: str, label: str | None = None) -> float:
