@@ -46,19 +46,16 @@ def _module(path: str) -> str:
     return ".".join(("kakeya",) + parts)
 
 
-def rooms(rev: str | None = None) -> tuple[dict[str, int], set[tuple[str, str]]]:
-    """Each room's module count (``__init__`` and generated files not counted) and the arrows between rooms."""
+def import_graph(rev: str | None = None) -> tuple[dict[str, str], dict[str, set[str]]]:
+    """Each module's path, and the ``kakeya`` modules it imports (function-level imports included), each
+    resolved to the most specific module known: ``from pkg import mod`` imports the module, ``from mod import
+    name`` the module itself. ``tests/test_layering.py`` reads the same graph."""
     sources = {_module(p): (p, t) for p, t in _sources(rev).items() if not p.endswith(("_pb2.py", "_pb2_grpc.py"))}
     known = set(sources)
-    room_of = {m: (m if p.endswith("__init__.py") else m.rpartition(".")[0]) for m, (p, _) in sources.items()}
-    counts: dict[str, int] = {}
-    for m, (p, _) in sources.items():
-        counts.setdefault(room_of[m], 0)
-        if not p.endswith("__init__.py"):
-            counts[room_of[m]] += 1
-    arrows = set()
+    graph = {}
     for m, (p, text) in sources.items():
         pkg = m.split(".") if p.endswith("__init__.py") else m.split(".")[:-1]
+        found = set()
         for node in ast.walk(ast.parse(text)):
             targets = []
             if isinstance(node, ast.Import):
@@ -71,8 +68,21 @@ def rooms(rev: str | None = None) -> tuple[dict[str, int], set[tuple[str, str]]]
             for t in targets:
                 while t and t not in known:
                     t = t.rpartition(".")[0]
-                if t and t != "kakeya" and room_of[t] != room_of[m]:
-                    arrows.add((room_of[m], room_of[t]))
+                found.add(t)
+        graph[m] = found - {"", "kakeya", m}
+    return {m: p for m, (p, _) in sources.items()}, graph
+
+
+def rooms(rev: str | None = None) -> tuple[dict[str, int], set[tuple[str, str]]]:
+    """Each room's module count (``__init__`` and generated files not counted) and the arrows between rooms."""
+    paths, graph = import_graph(rev)
+    room_of = {m: (m if p.endswith("__init__.py") else m.rpartition(".")[0]) for m, p in paths.items()}
+    counts: dict[str, int] = {}
+    for m, p in paths.items():
+        counts.setdefault(room_of[m], 0)
+        if not p.endswith("__init__.py"):
+            counts[room_of[m]] += 1
+    arrows = {(room_of[m], room_of[t]) for m, deps in graph.items() for t in deps if room_of[t] != room_of[m]}
     keep = lambda r: r != "kakeya" and not r.startswith(LEFT_OUT) and counts[r] > 0
     return {r: n for r, n in counts.items() if keep(r)}, {
         (a, b) for a, b in arrows if keep(a) and keep(b) and b != "kakeya.core"

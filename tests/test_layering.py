@@ -44,34 +44,19 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """Modules of ``kakeya`` that ``name`` imports, resolved to the most specific known module."""
-    is_pkg = path.name == "__init__.py"
+def _rooms_script():
+    """``scripts/rooms.py``, which draws the rooms from the same import graph these tests read."""
+    import importlib.util
 
-    def resolve(t: str) -> str:
-        while t and t not in known:
-            t = t.rpartition(".")[0]
-        return t
-
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found |= {resolve(a.name) for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = name.split(".") if is_pkg else name.split(".")[:-1]
-                pkg = pkg[: len(pkg) - (node.level - 1)]
-                base = ".".join(pkg + ([base] if base else []))
-            # ``from pkg import mod`` imports the module; ``from mod import name`` the module itself
-            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else resolve(base) for a in node.names}
-    found -= {"", "kakeya", name}
-    return found
+    spec = importlib.util.spec_from_file_location("rooms", ROOT / "scripts" / "rooms.py")
+    rooms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rooms)
+    return rooms
 
 
 def _graph() -> dict[str, set[str]]:
-    mods = _modules()
-    return {name: _imports(name, path, set(mods)) for name, path in mods.items()}
+    """Every module of ``kakeya`` and the ``kakeya`` modules it imports (function-level imports included)."""
+    return _rooms_script().import_graph()[1]
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -199,11 +184,7 @@ def test_no_folder_holds_more_than_twelve_modules():
 def test_the_rooms_drawing_in_the_design_doc_is_the_codes():
     """docs/design.md draws the rooms and their imports (``scripts/rooms.py``); a move or a new import
     between rooms redraws it (run the script and paste its output)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rooms", ROOT / "scripts" / "rooms.py")
-    rooms = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rooms)
+    rooms = _rooms_script()
     doc = (ROOT / "docs" / "design.md").read_text()
     drawn = doc.split("```mermaid\n")[1].split("```")[0]
     assert drawn == rooms.mermaid(), "docs/design.md's rooms drawing is stale: python scripts/rooms.py"
