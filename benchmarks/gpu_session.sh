@@ -24,21 +24,17 @@
 #   concurrency benchmarks/concurrency.py on CUDA: colocated torch and `serve all`, 1..16 streams, a newcomer's first token
 #   split       benchmarks/split.py on CUDA: split (pre-draft off / on) vs colocated, one stream at block sizes
 #               1..16 and auto with each block's critical path as compute + wire, 1/4/8/16 streams, pre-draft hits;
-#               SPLIT_VARIANTS="--inline-steps=off --inline-steps=on": one run per variant, each a
-#               comma-separated list of split.py flags (--inline-steps: both servers', runtime/servicer.py;
-#               --graphed-min-batch: the drafters', backends/torch/graphs.py), OUT/split_cuda_<variant>.json
+#               SPLIT_VARIANTS="--graphed-min-batch=0 --graphed-min-batch=4": one run per variant, each a
+#               comma-separated list of split.py flags (--graphed-min-batch: the drafters',
+#               backends/torch/graphs.py), OUT/split_cuda_<variant>.json
 #   compile     `kakeya generate --compile --compare-ar` in bf16 at block 8 (not in the default PARTS)
 #   train       a next stage of the demo drafter (not in the default PARTS: ask for it): the shipped drafter
 #               fine-tuned on CUDA on TRAIN_SEQUENCES (49,152) new target continuations for TRAIN_STEPS (6,000)
 #               steps of TRAIN_BATCH (256) sequences, at most TRAIN_BUDGET_S (240) s of training, the whole
 #               step under 10 min (one device call; a rerun on the same node reuses the data made); the data
 #               (~240 KB a continuation) stays in TRAIN_DIR, the drafter and its report come back in
-#               OUT/draft_next/ (docs/demo-pair.md: what to do with it). TRAIN_LAYERS / TRAIN_INTERMEDIATE
-#               (2 / 384, the shipped shape) above it grow the shipped drafter into a larger one first
-#               (training/grow.py: it starts computing what the shipped one does); TRAIN_INIT=scratch trains
-#               one from random weights instead (then raise TRAIN_STEPS / TRAIN_BUDGET_S: stage 1 took 16,000 steps);
-#               TRAIN_PROMPT_DIR: training prompts from the Python files under it (text the target never saw, e.g.
-#               "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')")
+#               OUT/draft_next/ (docs/demo-pair.md: what to do with it). TRAIN_INIT=scratch trains
+#               one from random weights instead, of TRAIN_LAYERS / TRAIN_INTERMEDIATE (2 / 384, the shipped shape) (then raise TRAIN_STEPS / TRAIN_BUDGET_S: stage 1 took 16,000 steps)
 # First benchmarks/preflight.py checks pyproject's runtime dependencies (and, for train, transformers): a
 # lent node's image may lack some (docs/cuda.md: carry them as wheels); PREFLIGHT=off runs anyway.
 # SESSION_S bounds the whole session (a device call's limit): each step's time is cut to what is left,
@@ -187,8 +183,7 @@ if part train; then  # the stage-2 command's shape (services/models/demo/draft/r
     --time-budget "${TRAIN_BUDGET_S:-240}" --resume --lr 0.001 --warmup 100 --save-every 500 --eval-every 1000 \
     --layers "${TRAIN_LAYERS:-2}" --intermediate "${TRAIN_INTERMEDIATE:-384}" --heads 4 --kv-heads 2 --head-dim 32 --target-layer-ids 1,6,11,16 \
     --block-size 8 --train-block-sizes 8,16 --anchors 16 --prompt-len 64 --gen-len 128 --bos-prompts \
-    --temperatures 0,0,0.7,1 --soft-weight 1 --eval-backend torch ${TRAIN_EVAL_PROMPTS:+--eval-prompts $TRAIN_EVAL_PROMPTS} \
-    ${TRAIN_PROMPT_DIR:+--prompt-dir $TRAIN_PROMPT_DIR}
+    --temperatures 0,0,0.7,1 --soft-weight 1 --eval-backend torch ${TRAIN_EVAL_PROMPTS:+--eval-prompts $TRAIN_EVAL_PROMPTS}
   mkdir -p "$OUT/draft_next"
   cp "$TRAIN_DIR"/draft/{config.json,model.safetensors,report.json} "$OUT/draft_next/" 2>/dev/null
 fi
@@ -196,7 +191,7 @@ if part split; then
   if [ -z "${SPLIT_VARIANTS:-}" ]; then
     step split_cuda 480 $PY benchmarks/split.py --backend torch --device cuda --repeats $([ -n "$QUICK" ] && echo 2 || echo 5) \
       ${SPLIT_ARGS:-} --out "$OUT/split_cuda.json"
-  else  # one run per variant: its comma-separated split.py flags (--inline-steps=on,--graphed-min-batch=0)
+  else  # one run per variant: its comma-separated split.py flags (--graphed-min-batch=0,--dtype=bfloat16)
     for variant in $SPLIT_VARIANTS; do
       name=split_cuda_$(echo "$variant" | tr -c 'A-Za-z0-9_\n' '_' | tr -s '_')
       step "$name" 300 $PY benchmarks/split.py --backend torch --device cuda $(echo "$variant" | tr ',' ' ') \

@@ -300,12 +300,6 @@ def main(argv=None):
         help="skip the bare gRPC round trips (grpc_floor.py) and the overlap ceiling they price",
     )
     ap.add_argument(
-        "--inline-steps",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="both servers' --inline-steps (a GPU node's A/B: on/off)",
-    )
-    ap.add_argument(
         "--graphed-min-batch",
         type=int,
         default=None,
@@ -334,7 +328,7 @@ def main(argv=None):
     where = ["--backend", backend] + (["--device", device] if backend == "torch" and device else [])
     where += ["--dtype", args.dtype] if args.dtype else []
     where += ["--torch-threads", str(threads or 0)] if backend == "torch" else []
-    pair_args = ["--target", args.target, "--draft", args.draft, *where, "--inline-steps", args.inline_steps]
+    pair_args = ["--target", args.target, "--draft", args.draft, *where]
     drafter_args = [] if args.graphed_min_batch is None else ["--graphed-min-batch", str(args.graphed_min_batch)]
     prompt = local.codec.encode(args.prompt)
     stream_prompts = [local.codec.encode(f"{args.prompt}# part {k}\n    ") for k in range(8)]
@@ -407,7 +401,7 @@ def main(argv=None):
         "device": local.device,
         "device_name": _device_name(local.device),
         "dtype": args.dtype or "float32",
-        "knobs": {"inline_steps": args.inline_steps, "graphed_min_batch": args.graphed_min_batch},  # None: default
+        "knobs": {"graphed_min_batch": args.graphed_min_batch},  # None: default
         "torch_threads": threads or "torch's default",
         "placement": cpus or "off",
         "prompt_tokens": len(prompt),

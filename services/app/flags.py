@@ -64,9 +64,6 @@ def add_sessions(p) -> None:
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                    help=f"most sessions' steps that queue up together and run as one batched forward"
                         f" (default {DEFAULT_MAX_BATCH}; 1: each session's step alone, in turn)")  # fmt: skip
-    p.add_argument("--inline-steps", choices=["auto", "on", "off"], default="auto",
-                   help="run a lone stream's step on its request thread, saving two thread hand-offs"
-                        " (auto: torch on a CPU; on/off: torch anywhere, for an A/B on a GPU node)")  # fmt: skip
 
 
 AUTO = "auto"
@@ -256,7 +253,6 @@ def session_limits(args, device: str | None = None):
         max_context=args.max_context,
         max_batch=args.max_batch,
         prefix_cache_bytes=prefix_cache_bytes(args, device),
-        inline_steps=args.inline_steps,
     )
 
 
@@ -317,7 +313,7 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
     if role in ("verifier", "drafter"):
         out += ["--queue", str(args.queue), "--queue-timeout", str(args.queue_timeout),
                 "--idle-timeout", str(args.idle_timeout), "--reclaim-idle", str(args.reclaim_idle),
-                "--max-context", str(args.max_context), "--max-batch", str(args.max_batch), "--inline-steps", args.inline_steps,
+                "--max-context", str(args.max_context), "--max-batch", str(args.max_batch),
                 "--auth-token-file", backend_token_file, "--prefix-cache-bytes", str(args.prefix_cache_bytes)]  # fmt: skip
         if role == "drafter":
             out += ["--predraft-blocks", str(args.predraft_blocks)]

@@ -123,12 +123,6 @@ def drafter_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bos-prompts", action="store_true", help="prompts start with <bos>, as real requests do")
     p.add_argument(
-        "--prompt-dir",
-        help="training prompts from the Python files under this directory (text the target"
-        " never trained on, e.g. a site-packages folder) instead of its training split",
-    )
-    p.add_argument("--prompt-dir-bytes", type=int, default=16 << 20, help="at most this much of --prompt-dir's files")
-    p.add_argument(
         "--predraft-share",
         type=float,
         default=0.0,
@@ -139,8 +133,7 @@ def drafter_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--init-from",
         default=None,
-        help="start from this drafter checkpoint, e.g. to fine-tune (same config) or to grow it (a larger"
-        " --intermediate or more --layers: it starts computing what the checkpoint does; training/grow.py)",
+        help="start from this drafter checkpoint of the same config, e.g. to fine-tune it",
     )
     p.add_argument(
         "--val-sequences",

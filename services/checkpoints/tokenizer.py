@@ -182,16 +182,5 @@ def write_tokenizer(tok: Tokenizer, out_dir: str | Path) -> None:
     )
 
 
-def build_tokenizer(
-    out_dir: str | Path,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    progress: Progress | None = None,
-) -> Tokenizer:
-    """Train the tokenizer and write its files into ``out_dir``."""
-    tok = train_tokenizer(vocab_size, progress=progress)
-    write_tokenizer(tok, out_dir)
-    return tok
-
-
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)

@@ -103,28 +103,6 @@ def max_prompt_tokens(limit: int, max_position_embeddings: int) -> int:
     return min(limit or DEFAULT_MAX_PROMPT_TOKENS, max_position_embeddings)
 
 
-def check_prompt(n_prompt: int, max_tokens: int, limit: int, max_position_embeddings: int, field: str) -> None:
-    if n_prompt > limit:
-        raise ValueError(f"{field}: {n_prompt} tokens exceed this server's limit {limit} (--max-prompt-tokens)")
-    if n_prompt + max_tokens > max_position_embeddings:
-        raise ValueError(
-            f"{field}: {n_prompt} prompt tokens + sampling_params.max_tokens {max_tokens} exceed the model's"
-            f" max_position_embeddings {max_position_embeddings}"
-        )
-
-
-def check_stops(stops, stop_token_ids) -> None:
-    if len(stops) > MAX_STOP_STRINGS:
-        raise ValueError(f"sampling_params.stop: {len(stops)} strings, at most {MAX_STOP_STRINGS} allowed")
-    long = [len(s) for s in stops if len(s) > MAX_STOP_STRING_CHARS]
-    if long:
-        raise ValueError(
-            f"sampling_params.stop: a stop string of {long[0]} characters, at most {MAX_STOP_STRING_CHARS}"
-        )
-    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"sampling_params.stop_token_ids: {len(stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS}")
-
-
 # --------------------------------------------------------------------------- restoration sources
 
 

@@ -30,10 +30,8 @@ the thread holds for its own jobs, so model work still never overlaps. That
 saves the two thread hand-offs of a lone stream's step, a visible share of a
 split block on a CPU (measured by ``benchmarks/split.py``: ``docs/operations.md``,
 "Split cost and pre-drafting"). Jobs that queue up behind it batch as before.
-MLX keeps its arrays and streams on the thread that made them, so it stays off there.
-With torch on CUDA (``--inline-steps on``) a step run inline may capture a CUDA graph: the
-capture takes the process-wide lock (``backends/torch/graphs.py``, ``exclusive_capture``), so it
-never runs beside another thread's capture.
+MLX keeps its arrays and streams on the thread that made them, so it stays off there, and so
+does CUDA (no gain measured: docs/design.md, "History: removed, and why").
 
 **Progress** (:meth:`ComputeThread.progress`): what a handler waiting on a job
 watches to tell a slow process from a wedged one (``SessionServicer._await``

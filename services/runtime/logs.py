@@ -40,10 +40,6 @@ def reset(token: contextvars.Token) -> None:
         pass
 
 
-def current() -> dict:
-    return dict(_context.get())
-
-
 class ContextFilter(logging.Filter):
     """Copies the bound request/session ids onto each record ("" when none)."""
 

@@ -33,7 +33,6 @@ from kakeya.runtime.lifecycle import ServerSpec, invalid, precondition, session_
 from kakeya.runtime.metrics import ServerMetrics
 from kakeya.runtime.security.guard import add_servicer
 
-INLINE_STEPS = ("auto", "on", "off")  # --inline-steps (see SessionServicer._inline_if_safe)
 MIN_PROGRESS_S = 0.01  # the most often a stream hears Progress, whatever its client asks
 
 
@@ -57,7 +56,6 @@ class SessionLimits:
     max_context: int = 0  # positions a session may hold (0: the model's max_position_embeddings)
     max_batch: int = DEFAULT_MAX_BATCH  # queued steps of concurrent sessions run as one forward, up to this many
     prefix_cache_bytes: int = 0  # snapshots of finished sessions later prompts resume from
-    inline_steps: str = "auto"  # run a lone stream's step on its handler thread: auto (torch on a CPU), on, off
 
 
 class SessionServicer:
@@ -67,9 +65,6 @@ class SessionServicer:
     kv_kinds: tuple[str, ...] = ()  # the kinds of cache bytes its sessions hold; the last is the default
 
     def __init__(self, limits: SessionLimits = SessionLimits()):
-        if limits.inline_steps not in INLINE_STEPS:
-            raise ValueError(f"--inline-steps must be auto, on or off, got {limits.inline_steps!r}")
-        self.inline_steps = limits.inline_steps
         self.compute = ComputeThread(self.role, limits.max_batch)
         self.registry = SessionRegistry(
             limits.max_sessions, limits.max_kv_bytes, limits.queue, limits.queue_timeout_s, limits.idle_timeout_s,
@@ -104,14 +99,8 @@ class SessionServicer:
     def _inline_if_safe(self, backend: str) -> None:
         """Let a lone stream's steps run on its handler thread (``ComputeThread.inline``) where arrays may
         cross threads: torch on a CPU (set by ``load``, after ``device``). MLX keeps arrays on their thread,
-        so it never runs inline. ``--inline-steps on|off`` overrides the choice for torch, for a GPU
-        node's A/B (a CUDA graph replays on the calling thread's current stream, the device's default
-        stream on every thread, so a handler thread may replay what the compute thread captured). On a GPU
-        it made no difference beyond noise (docs/operations.md, "Split cost and pre-drafting"), so CUDA stays
-        off."""
-        choice = self.inline_steps
-        torch_on_cpu = backend == "torch" and self.device == "cpu"
-        self.compute.inline = torch_on_cpu if choice == "auto" else (backend == "torch" and choice == "on")
+        so it never runs inline; on CUDA it made no difference beyond noise (docs/design.md, "History: removed, and why")."""
+        self.compute.inline = backend == "torch" and self.device == "cpu"
 
     def info(self):
         raise NotImplementedError

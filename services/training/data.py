@@ -87,34 +87,6 @@ def encode_files(tokenizer, files: list[Path], root: Path, digest) -> np.ndarray
     return np.concatenate([np.asarray(e.ids, dtype=np.int32) for e in encs]) if encs else np.zeros(0, np.int32)
 
 
-def prompt_stream(tokenizer, root: Path, max_bytes: int = 16 << 20) -> tuple[np.ndarray, dict]:
-    """Python files under ``root`` (sorted; tests and caches skipped; at most ``max_bytes`` of them), tokenized and
-    concatenated like the corpus: prompts from text the target never trained on (``train-drafter --prompt-dir``),
-    as a deployed drafter meets. Returns the stream and what it holds."""
-    root = Path(root)
-    if not root.is_dir():
-        raise ValueError(f"--prompt-dir: {root} is not a directory")
-    files, total = [], 0
-    for f in sorted(root.rglob("*.py"), key=lambda q: q.relative_to(root).as_posix()):
-        if SKIP_DIRS.intersection(f.relative_to(root).parts[:-1]) or not f.is_file():
-            continue
-        if total >= max_bytes:
-            break
-        files.append(f)
-        total += f.stat().st_size
-    if not files:
-        raise ValueError(f"--prompt-dir: no Python files under {root}")
-    digest = hashlib.sha256()
-    stream = encode_files(tokenizer, files, root, digest)
-    return stream, {
-        "dir": str(root),
-        "files": len(files),
-        "bytes": total,
-        "tokens": int(stream.size),
-        "sha256": digest.hexdigest(),
-    }
-
-
 def sample_windows(stream: np.ndarray, n: int, length: int, rng: np.random.Generator) -> np.ndarray:
     """``n`` random windows of ``length`` tokens from ``stream`` -> ``[n, length]`` int32."""
     starts = rng.integers(0, stream.size - length, size=n)

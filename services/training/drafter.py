@@ -1,7 +1,6 @@
 """``kakeya train-drafter``: train a DFlash drafter for a target, the DFlash way.
 
-1. **Data** -- prompts are random windows of the stdlib train split (``--prompt-dir``: of Python
-   files the target never trained on, which is what a deployed drafter meets); the TARGET
+1. **Data** -- prompts are random windows of the stdlib train split; the TARGET
    continues each (batched generation): greedily, so every label is what the
    greedy verifier would choose, and with ``--temperatures`` also sampled, so the
    drafter sees the contexts a sampled request produces. The target's hidden
@@ -42,7 +41,7 @@ import numpy as np
 from kakeya.checkpoints import tiny
 from kakeya.checkpoints import tokenizer as tk
 from kakeya.core.contract import FULL
-from kakeya.training import common, data, grow
+from kakeya.training import common, data
 from kakeya.training.block_trainer import BlockTrainer, TorchTarget, cached_continuations, log, make_dataset
 from kakeya.training.drafter_eval import acceptance_record, evaluate, floats, heldout_prompts, ints
 
@@ -142,17 +141,12 @@ def train(args) -> dict:
     if any(x < 0 for x in temps):
         raise ValueError(f"--temperatures must be >= 0 (0: greedy), got {args.temperatures}")
     train_key = key | {"n_seq": args.sequences} | ({"temperatures": temps} if temps != [0.0] else {})
-    # Training prompts: the target's own training split, or (--prompt-dir) text it never saw
-    source, prompts_from = corpus.train, None
-    if getattr(args, "prompt_dir", None):
-        source, prompts_from = data.prompt_stream(tok, Path(args.prompt_dir), args.prompt_dir_bytes)
-        train_key |= {"prompts": prompts_from["sha256"]}
     train_set, data_s = cached_continuations(
         ckpt / "data",
         train_key,
         lambda out: make_dataset(
             get_target(),
-            source,
+            corpus.train,
             args.sequences,
             args.prompt_len,
             args.gen_len,
@@ -211,14 +205,9 @@ def train(args) -> dict:
         opt.load_state_dict(st["opt"])
     elif args.init_from:
         init = Path(args.init_from)
-        init_cfg = json.loads((init / "config.json").read_text())
-        if init_cfg == cfg:
-            trainer.load_weights(init)
-        else:  # a wider or deeper drafter starts as the smaller one, grown (``grow.py``)
-            why = grow.why_not(init_cfg, cfg)
-            if why:
-                raise ValueError(f"--init-from {init}: {why}")
-            trainer.load_tensors(grow.grow(trainer.read_weights(init), trainer.tensors()))
+        if json.loads((init / "config.json").read_text()) != cfg:
+            raise ValueError(f"--init-from {init}: another drafter config than this run's")
+        trainer.load_weights(init)
     step = meta["step"] if meta else 0
     curve = meta["curve"] if meta else []
     val_curve = meta.get("val_curve", []) if meta else []
@@ -346,13 +335,7 @@ def train(args) -> dict:
             "heldout_sequences": len(val[0]) if val else 0,
             "prompt_len": P,
             "gen_len": int(T - P),
-            "from": (
-                "train split windows"
-                if prompts_from is None
-                else f"windows of {prompts_from['files']} Python files under {prompts_from['dir']} "
-                f"({prompts_from['tokens']} tokens, sha256 {prompts_from['sha256'][:12]})"
-            )
-            + (", <bos> first" if args.bos_prompts else ""),
+            "from": "train split windows" + (", <bos> first" if args.bos_prompts else ""),
             "labels": "target continuations at temperatures "
             + ", ".join(f"{x:g}" for x in temps)
             + " (0: greedy)"

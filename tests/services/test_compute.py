@@ -268,28 +268,18 @@ def test_inline_or_not_model_work_never_overlaps():
 
 
 @pytest.mark.parametrize(
-    "backend, device, env, inline",
+    "backend, device, inline",
     [
-        ("torch", "cpu", None, True),  # the default: torch on a CPU runs a lone step inline
-        ("torch", "cuda", None, False),
-        ("torch", "cuda", "on", True),  # the split benchmark's A/B on a GPU node
-        ("torch", "cpu", "off", False),
-        ("mlx", "cpu", "on", False),  # MLX arrays stay on their thread, whatever is asked
+        ("torch", "cpu", True),  # torch on a CPU runs a lone step inline
+        ("torch", "cuda", False),  # no gain measured on a GPU (docs/design.md, "History: removed, and why")
+        ("mlx", "cpu", False),  # MLX arrays stay on their thread
     ],
 )
-def test_inline_steps_default_and_override(backend, device, env, inline):
-    """--inline-steps (SessionLimits.inline_steps): auto runs a lone step inline for torch on a CPU only."""
+def test_inline_steps_for_torch_on_a_cpu_only(backend, device, inline):
     from types import SimpleNamespace
 
     from kakeya.runtime.servicer import SessionServicer
 
-    server = SimpleNamespace(device=device, compute=SimpleNamespace(inline=None), inline_steps=env or "auto")
+    server = SimpleNamespace(device=device, compute=SimpleNamespace(inline=None))
     SessionServicer._inline_if_safe(server, backend)
     assert server.compute.inline is inline
-
-
-def test_inline_steps_must_be_known():
-    from kakeya.runtime.servicer import SessionLimits, SessionServicer
-
-    with pytest.raises(ValueError, match="--inline-steps"):
-        SessionServicer(SessionLimits(inline_steps="sometimes"))

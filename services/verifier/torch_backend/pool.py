@@ -156,7 +156,6 @@ class PooledCaches(SessionCaches):
         self.full_pages: list[int] = []
         self.last_logits: torch.Tensor | None = None  # the latest greedy step's logits rows (tests read them)
         self._plan_rows: tuple | None = None  # (plan, device write indices) of the dynamic forward running
-        self._ring_rows_dev: torch.Tensor | None = None
         self._release = weakref.finalize(
             self, _release, [(self.sliding, self.ring_pages), (self.full, self.full_pages)]
         )

@@ -189,10 +189,6 @@ class TargetTorch:
         with self.pool.stepping():
             caches.load(saved, positions)
 
-    def kv_pool_stats(self) -> dict:
-        """Pages per K/V pool (held, free, bytes, growths): what a server exports as metrics."""
-        return self.pool.stats()
-
     # -- the inputs of a forward -----------------------------------------------------------
 
     def kv_like(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
