@@ -2,31 +2,12 @@
 
     python -m kakeya.checkpoints.turn_tokens services/models/demo/target services/models/demo/draft
 
-Every real Gemma tokenizer has ``<start_of_turn>`` and ``<end_of_turn>`` as one special token each;
-the project's byte-level BPE (``tokenizer.py``) was trained on code that never contains them, so it
-spells each out in 7-8 pieces. A chat then spends some 40 tokens of template markup per turn, a
-real Gemma 10 (13 here once the markers are tokens: this BPE splits ``user`` and ``model``), and a
-demo conversation's prefix-cache figures (the share of a turn's prompt resumed
-from the previous turn) would say more about the demo tokenizer than about the cache.
-
-This appends the two markers after the BPE vocabulary (ids ``V`` and ``V + 1``), as special tokens
-that are split out of any text before BPE runs (as transformers and ``tokenizers`` do for Gemma's),
-and grows the target to match:
-
-* ``model.embed_tokens`` gets two rows: each the mean of the rows of the pieces the marker was
-  spelled with before, so a chat prompt reads to the model much as it did (the usual
-  initialisation of an added token);
-* ``lm_head`` gets two zero rows: their logit is exactly 0 (before and after the soft-cap), so the
-  model, never trained to end a turn, emits a marker only where every trained token scores below
-  0 -- the existing logits, and so greedy output on any text without the markers, are
-  unchanged bit for bit;
-* ``vocab_size`` in the target's and each drafter's ``config.json`` (a DFlash drafter borrows the
-  target's embedding and LM head and checks its vocabulary against them);
-* ``generation_config.json`` lists ``<end_of_turn>`` beside ``<eos>`` as an end of generation, as an
-  instruction-tuned Gemma's does.
-
-Nothing else changes; running it again on a checkpoint that has the markers does nothing. The
-tokenizer files stay loadable by ``tokenizers``, transformers and ``mlx_lm.load``.
+Appends ``<start_of_turn>`` / ``<end_of_turn>`` after the BPE vocabulary (ids ``V``, ``V + 1``) as special
+tokens split out before BPE runs, and grows the target to match: embedding rows the mean of the pieces
+that spelled each marker, LM-head rows zero (logit exactly 0, so greedy output on text without the
+markers is unchanged bit for bit), ``vocab_size`` in the target's and each drafter's ``config.json``,
+``<end_of_turn>`` beside ``<eos>`` in ``generation_config.json``. Why: ``docs/demo-pair.md``, "Chat turn
+markers". Running it again on a checkpoint that has the markers does nothing.
 """
 
 from __future__ import annotations

@@ -1,34 +1,18 @@
 """The prefix cache both sides keep: snapshots of a session's state after exactly ``ids``, found by a prompt.
 
-A verifier keeps snapshots of its sessions' K/V (``verifier/snapshot.py``), a
-drafter of its sessions' context caches (``drafter/snapshot.py``); each in its
-own :class:`PrefixCache`, so a split deployment's servers keep their own, each
-bounded by its own byte budget. What they agree on is the key: a snapshot of
-the state after the first ``P`` tokens of a conversation is found by any prompt
-that starts with those ``P`` tokens, and both sides find it by the same ``P``
-(the orchestrator resumes both from the same one, or from none).
+A verifier keeps its sessions' K/V (``verifier/snapshot.py``), a drafter its context caches
+(``drafter/snapshot.py``), each in its own :class:`PrefixCache` and byte budget; both find a snapshot by
+the same token prefix ``P``, so the orchestrator resumes both from the same one or from none.
+``docs/operations.md``, "Prefix cache", describes what is kept, the keys and the handshake.
 
-Keys are token-prefix hashes at block boundaries, as vLLM's prefix caching
-keys its blocks: a chained hash of every :data:`HASH_BLOCK` tokens, so a
-lookup costs one dict probe per boundary of the prompt (O(prompt) hashing, no
-per-entry scan). A snapshot at ``P`` sits under the hash of the boundary a
-block before its end, ``max(P - HASH_BLOCK, 0) // HASH_BLOCK * HASH_BLOCK``
-(so a prompt that leaves it within its last block still finds it, below), with
-its exact ids beside it, which a hit compares, so a collision can cost a miss
-but never a wrong state.
-
-A prompt that shares a snapshot's ids only up to a point past the boundary it is filed under (the
-history a chat client sends back re-rendered, its last tokens tokenized or trimmed otherwise: Gemma 2's
-and 3's templates trim each message) still finds it, as a match ``back`` positions short of it: the session resumes
-the snapshot and forgets its newest ``back`` positions, where that is exact (the verifier's ring
-within its slack, a drafter context that holds every row), instead of missing the whole turn.
-
-The cache never holds more than its budget: an insertion first evicts the
-least recently used snapshots; one larger than the whole budget is not kept.
-Snapshots are immutable values: a hit hands out the same object to every
-session that resumes from it, and each copies it into its own caches.
-Everything is guarded by one lock (handlers, compute threads and scrapes read
-it concurrently).
+Keys are chained hashes of every :data:`HASH_BLOCK` tokens (as vLLM keys its blocks): a lookup is one dict
+probe per boundary. A snapshot at ``P`` is filed under the boundary a block before its end,
+``max(P - HASH_BLOCK, 0) // HASH_BLOCK * HASH_BLOCK``, with its exact ids beside it (a collision costs a
+miss, never a wrong state), so a prompt that parts from it within its last block (a chat history sent back
+re-rendered) still finds it, ``back`` positions short: the session resumes it and forgets its newest
+``back`` positions where that is exact. Least recently used snapshots are evicted first; one larger than
+the budget is not kept. Snapshots are immutable and shared by every session that resumes them; one lock
+guards everything.
 """
 
 from __future__ import annotations

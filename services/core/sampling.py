@@ -1,38 +1,16 @@
 """Speculative sampling: the numpy reference, and the host-side steps every backend shares.
 
-Two rules, both exact in distribution (each committed token is distributed as
-AR sampling from p), picked per request (``SamplingParams.rule``):
+Two rules, both exact in distribution, picked per request (``SamplingParams.rule``; README, "Sampling",
+says what each guarantees): **coupled** (Daliri, Musco, Suresh 2024: every token is the Gumbel-max draw
+of ``noise.py``'s G, so candidates are kept while they equal the verifier's noisy argmax, the greedy rule)
+and **rejection** (Leviathan et al. 2023: accept with min(1, p/q'), resample from norm(max(0, p - q'));
+the drafter samples from the very top-K proposal it sends, never an argmax it pretends was drawn).
 
-Coupled (the default; Daliri, Musco, Suresh 2024, "Coupling without
-communication and drafter-invariant speculative decoding"). The token at
-absolute position t is argmax over p's support of (logits / temperature +
-G(seed, t, token)), G the Gumbel noise of ``noise.py``: by the Gumbel-max
-trick that is a draw from p. The drafter proposes argmax(its own processed
-logits + the same G), the verifier's choices are its own noisy argmax, and the
-loop keeps candidates while they equal the verifier's choice -- the greedy rule
-(greedy is the noise-free case). So every token is the one AR sampling with
-that seed picks, whatever the drafter proposed and whatever the block sizes:
-same seed, same tokens, on every path. A candidate matches with probability
->= (1 - TV(p, q)) / (1 + TV(p, q)).
-
-Rejection (Leviathan et al. 2023, Chen et al. 2023): candidate x at block
-position i, drawn from the drafter's proposal q'_i, is accepted with probability
-min(1, p_i(x) / q'_i(x)); at the first rejection the token is drawn from
-norm(max(0, p_i - q'_i)); if every candidate is accepted the bonus token is
-drawn from p at the last position. Each committed token is then distributed
-exactly as AR sampling from p, whatever q' was, provided the candidate really
-was drawn from q'. So the drafter samples from the very (top-K, renormalised)
-proposal it sends; it never takes an argmax and pretends. A candidate is
-accepted with probability 1 - TV(p, q'), but which tokens come out depends on
-the proposals and on how the uniforms fall into blocks.
-
-p is the *processed* distribution (``process``): logits / temperature, top-k,
-top-p, min-p, renormalised. ``services/backends/mlx/sampling.py`` and
-``services/backends/torch/sampling.py`` compute the same on the device; the tests hold
-both to this file. The rejection rule's random numbers are host uniforms
-(``session_rng`` in the contract) turned into tokens by inverse CDF over a fixed
-order (descending probability, ties by index), so both backends map a uniform
-to the same token.
+p is the *processed* distribution (``process``: temperature, top-k, top-p, min-p, renormalised);
+``backends/mlx/sampling.py`` and ``backends/torch/sampling.py`` compute the same on the device and the
+tests hold both to this file. The rejection rule's uniforms are host numbers (``session_rng``) turned into
+tokens by inverse CDF over a fixed order (descending probability, ties by index), so both backends map a
+uniform to the same token.
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
 """``kakeya train-drafter``: train a DFlash drafter for a target, the DFlash way.
 
-1. **Data** -- prompts are random windows of the stdlib train split; the TARGET
-   continues each (batched generation): greedily, so every label is what the
-   greedy verifier would choose, and with ``--temperatures`` also sampled, so the
-   drafter sees the contexts a sampled request produces. The target's hidden
-   states at ``target_layer_ids`` (outputs of those decoder layers, as the
-   verifier's aux capture returns them) and its final hidden state (its own
-   next-token distribution) are recorded for every position of prompt +
-   continuation, memory-mapped under ``OUT/ckpt/data/``.
-2. **Blocks** -- per sequence, ``--anchors`` random anchor positions ``a`` inside
-   the continuation. Each block is ``[token a, mask x (B-1)]`` at positions
-   ``a .. a+B-1``; its context is the aux of positions ``0 .. a-1`` (exactly what
-   the drafter's context cache holds when the loop drafts after token ``a``).
-   All blocks of a batch run in ONE forward (blocks in the batch dimension,
-   context K/V shared per sequence, per-block visibility masks).
-3. **Loss** -- cross-entropy of block positions ``1..B-1`` against the target's
-   greedy tokens ``a+1 .. a+B-1``, plus (``--soft-weight``) the KL divergence from
-   the target's own distribution at each of those positions to the drafter's --
-   the soft label that makes a drafter pay under sampling, where acceptance is
-   min(1, p/q); sampled continuations are trained on the KL term alone. Each
-   position weighted ``exp(-(k-1)/gamma)`` (earlier positions matter more: a block
-   is accepted left to right). Embedding and LM head are the target's, frozen
-   (block embedding = raw lookup x ``input_embedding_scale``).
-4. **Report** -- acceptance length per block size on held-out prompts, measured
-   with the real engine (``kakeya.orchestrator.decode.loop`` + MLX verifier/drafter).
-
-Training runs on torch (``kakeya.drafter.torch_backend.model`` has the reference
-parameter names); the checkpoint loads strictly in ``kakeya.drafter.mlx_backend.model``.
+Data, blocks, loss, shared embedding / LM head, held-out curve and report are described step by step
+in docs/demo-pair.md ("`kakeya train-drafter`"). Training runs on torch
+(``kakeya.drafter.torch_backend.model`` has the reference parameter names); the checkpoint loads
+strictly in ``kakeya.drafter.mlx_backend.model``.
 """
 
 from __future__ import annotations

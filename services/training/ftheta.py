@@ -2,35 +2,10 @@
 
     kakeya train-ftheta --target DIR --draft DIR --out DIR [--steps N --rank R ...] [--resume]
 
-Each step samples ``batch`` sequences of ``seq_len`` tokens from the Python
-standard library's own sources (tokenized with the target's tokenizer.json),
-runs the target over them with its NATIVE attention (no cache, the model's own
-window) and takes, for every layer f_theta decodes for, the true pre-norm and
-post-norm K/V and the layer's queries. f_theta predicts the K/V of every
-position from that position's aux row alone. The loss per layer (the hybrid that
-did best in the project's earlier prototype, ``docs/ftheta.md``):
-
-* attention-output distillation: the layer's real queries attend over keys
-  that are exact within a distance ``w`` and RESTORED beyond it, up to the
-  model's window (``w`` drawn per step: the deployment's sink-window split);
-  relative squared error against attention over the true K/V;
-* post-norm direction: ``1 - cos`` between restored and true K (and V) after
-  the layer's ``k_norm`` / ``v_norm``;
-* pre-norm magnitude: squared log-ratio of the pre-norm head norms (weight 0.1).
-
-Sliding layers drive the shared encoder. Full-attention layers get *probe*
-decoders trained on a detached latent (``--no-probe-full`` to skip): they
-never touch the encoder and are never used at inference (full-attention layers
-stay exact: "S5" in ``docs/design.md``'s glossary), they only tell the report how
-well f_theta would do there.
-
-Warm-up + cosine LR (``mlx.optimizers`` schedules), AdamW, gradient clipping.
-Progress goes to stderr. ``OUT/train_state/`` holds parameters, optimizer
-state and the loss curve every ``--save-every`` steps: ``--resume`` continues
-from there (same batches as an uninterrupted run: they are a function of the
-seed and the step). At the end ``OUT`` is an f_theta directory
-(``--restore OUT``) with ``OUT/report.json``: loss curve, relative K/V error
-per layer and layer type on held-out text, before and after training.
+The data (the stdlib through the target's NATIVE attention), the hybrid loss (attention-output
+distillation, post-norm direction, pre-norm magnitude), the probe decoders of full-attention layers,
+``--resume`` and ``OUT/report.json`` are described in ``docs/ftheta.md``. Warm-up + cosine LR, AdamW,
+gradient clipping; batches are a function of the seed and the step, so a resumed run sees the same ones.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Verifier cache policy and the sliding-layer ring layout (backend-neutral).
 
-Why a ring *with slack*: mlx-lm's ``RotatingKVCache(max_size=window)`` cannot
-be trimmed once it has wrapped: rejected draft K/V then stay in the ring and
-desynchronise RoPE and masks until the output collapses into repetition
-(``docs/design.md``, "The sliding-layer ring"). Here every sliding layer keeps
-``window - 1 + slack`` rotating slots. A block of ``L <= slack`` new positions
-then never overwrites a position any of its queries, or any query after a
-trim of up to ``slack`` positions, still needs; so rollback is just moving the
-offset back, exact at any point, and memory stays bounded.
-
-Which position each slot holds is tracked here on the host (it is the same for
-every sliding layer of a session), and the attention mask is derived from it:
-attention is order-free given the mask, so the ring never has to be reordered.
-The layout is a session's only position counter: each forward gets one
-immutable :class:`ForwardPlan` from it (where the new positions start, where
-they go in the ring, what each query sees), passed down to the backend as an
-argument; the backend caches (``verifier/caches.py`` and the backends'
-``cache.py``) only hold the arrays and apply the writes a plan says. A trim
-moves the layout back, and nothing else.
+Every sliding layer keeps ``window - 1 + slack`` rotating slots, so a block of ``L <= slack`` positions, and
+a trim of up to ``slack``, never lose a position a query still needs: rollback is moving the offset back,
+exact past wraps, in bounded memory (why: ``docs/design.md``, "The sliding-layer ring"). Which position each
+slot holds is tracked here on the host, once per session, and the mask is derived from it, so the ring is
+never reordered. The layout is a session's only position counter: each forward gets one immutable
+:class:`ForwardPlan` from it, and the backend caches (``verifier/caches.py``, the backends' ``cache.py``)
+only hold the arrays and apply the writes a plan says.
 """
 
 from __future__ import annotations

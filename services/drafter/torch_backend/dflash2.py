@@ -1,26 +1,9 @@
-"""The DFlash2 drafter (``DFlash2DraftModel``) in PyTorch: DFlash plus two things, as vLLM's
-``qwen3_dflash2.py`` and its ``dflash2/speculator.py`` define them (read, not copied):
-
-* a **grouped causal convolution over the block rows** around each layer's attention and around its MLP:
-  a layer's normed input ``a`` predicts, per row, coefficients for ``conv_kernel_size`` taps and two sides
-  (``kernel_projection``: one per ``conv_group_size`` channels, added to a learned ``base_kernel``); side 0
-  mixes ``a`` with the rows before it IN ITS OWN BLOCK before q/k/v (or gate/up), side 1 mixes the
-  attention's (MLP's) output the same way before the residual. The context is not convolved: its K/V
-  come from ``hidden_norm(fc(aux))`` exactly as in DFlash, so the pooled context caches are DFlash's;
-* a **candidate selector**: each drafted row's ``selector_top_k`` likeliest tokens under the target's
-  LM head (scaled and soft-capped as DFlash's logits), and a score for every (predecessor candidate,
-  candidate) pair: ``unary[c] + sum_r pred[prev, r] * g[r] * succ[c, r]`` (``g`` = the row's hidden
-  through ``hidden_projection``; ``pred``/``succ`` the two codebooks). The draft is a walk: from the
-  block's known token, each row takes its best candidate given the one chosen before it.
-
-What the drafter protocol hands back for a drafted row is the walk's REALIZED row: the scores of that
-row's candidates given the candidate the walk chose before it, at their token ids, ``-inf`` elsewhere
-(vLLM keeps the same row as the draft's distribution for rejection sampling). Its argmax is the walk's
-token, so greedy drafts, ``ranked`` alternatives and the sampling rules read it as DFlash's logits.
-
-A row's predecessor is the block's token before it when that token is known (the block's first token,
-or a pre-draft's pending candidates), else the walk's choice there (a mask row): for a plain block
-``[last, mask, ..]`` that is vLLM's walk from its anchor.
+"""The DFlash2 drafter (``DFlash2DraftModel``) in PyTorch: DFlash plus a grouped causal convolution over
+each block's rows and a candidate selector whose walk picks the draft, as vLLM's ``qwen3_dflash2.py`` and
+``dflash2/speculator.py`` define them (read, not copied). ``docs/dflash2.md`` describes both, the walk's
+realized rows this hands back as logits (argmax = the walk's token, ``-inf`` off its candidates), and
+where a row's predecessor comes from. The context is not convolved, so the pooled context caches are
+DFlash's.
 """
 
 from __future__ import annotations

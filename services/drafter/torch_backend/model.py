@@ -1,25 +1,10 @@
-"""DFlash block-diffusion drafter in PyTorch (same semantics as ``drafter/mlx_backend/model.py``).
+"""DFlash block-diffusion drafter in PyTorch: the semantics of ``drafter/mlx_backend/model.py`` (its docstring
+describes the context and block K/V, the "Gap-B" embedding convention and the reference parameter names).
 
-A stack of Qwen3-style decoder layers whose attention keys/values are
-
-* the *context*: ``hidden_norm(fc(aux))`` (``aux`` = the target's hidden states
-  at ``target_layer_ids``, concatenated) projected by each layer's
-  ``k_proj``/``v_proj`` (``k_norm`` + RoPE at the context positions on keys).
-  Context K/V only ever grows, so it is cached (pages of one pool per model,
-  ``pool.py``) and extended with the newly committed positions -- O(new) per block;
-* the *block*: ``[last committed token, mask, mask, ...]`` embedded with the
-  target's embedding table, queried at positions ``ctx_len .. ctx_len+B-1``.
-
-No embedding or LM head of its own: :class:`TargetHead` holds the target's two
-tensors (only those are read from the target checkpoint) and uses them with raw
-weight ops.
-
-Embedding convention ("Gap-B"): the block embedding is the target's RAW
-embedding row times ``input_embedding_scale`` -- never Gemma's sqrt(hidden).
-Logits: target LM head x ``output_multiplier``, then soft-capped.
-
-Parameter names follow the reference checkpoint layout (``fc``, ``hidden_norm``,
-``layers.N.self_attn.q_proj`` ..., ``norm``), so published drafters load as is.
+Here the context K/V are pages of one pool per model (``pool.py``), extended with the newly committed
+positions only, O(new) per block; :class:`TargetHead` holds the target's embedding and LM head (the only
+tensors read from the target checkpoint) and uses them with raw weight ops. Logits: target LM head x
+``output_multiplier``, then soft-capped.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """The torch drafter's context K/V: one pool per layer kind of a model, every session's context pages of it.
 
-A DFlash drafter's context only ever grows (one row per committed position,
-every layer projecting the same aux rows), so its K/V fit the verifier's pool
-design (``verifier/torch_backend/pool.py``) without rollback:
-
-* A :class:`~kakeya.backends.torch.pages.PagePool` (shared with the verifier) holds,
-  for every layer of one kind, K and V ``[n_kv, rows, head_dim]``, cut into pages
-  of ``page`` rows, handed out lowest first and given back when a session closes
-  (or is collected); it grows by whole chunks, only between steps (under
-  :meth:`DraftPool.stepping`).
-* A session (:class:`PooledContext`) holds its full-attention context as pages
-  of the full pool (position ``p`` at row ``pages[p // page] * page + p %
-  page``, pages taken as the context grows) and its sliding context as a ring
-  of ``ring`` slots (``>= sliding_window - 1``, the rows a window shows; whole
-  pages of the sliding pool taken when it opens): position ``p`` lives in slot
-  ``p % ring``, so the ring always holds the newest ``ring`` positions and a
-  long context never moves a row.
-* A batched step writes each block's own K/V into *scratch* rows of the pools
-  (:meth:`PagePool.scratch`, one run of rows per block lane), never into a
-  session's pages, so several blocks of one session (a pre-draft) run in one
-  step and the context holds committed positions only.
-
-Page 0 of every pool is never handed out: padded rows write there and padded
-table entries read there (with a position no query sees).
+The verifier's pool design (``verifier/torch_backend/pool.py``) without rollback, since a drafter's context
+only grows. A session (:class:`PooledContext`) holds its full-attention context as pages taken as it grows
+and its sliding context as a ring of ``ring >= sliding_window - 1`` slots (position ``p`` in slot
+``p % ring``, so a long context never moves a row). A batched step writes each block's own K/V into
+*scratch* rows (:meth:`PagePool.scratch`), never a session's pages, so several blocks of one session run
+in one step and the context holds committed positions only. Page 0 is never handed out.
 """
 
 from __future__ import annotations

@@ -1,37 +1,11 @@
 """f_theta: restore evicted sliding-layer K/V of the verifier from the drafter's context K/V (``docs/ftheta.md``).
 
-With ``sink-window(S, W)`` and a model window ``Wn > W``, a sliding layer's
-query ``t`` would, in the native model, still attend to positions
-``(t - Wn, t - W]`` that the bounded cache has evicted. f_theta gives those
-positions back *approximately*, from something much smaller than their K/V.
-
-The input for one position is what the DFlash drafter computes for it anyway:
-its per-layer context K/V, taken PRE-RoPE, ``k_norm(k_proj(h))`` and
-``v_proj(h)`` with ``h = hidden_norm(fc(aux))`` -- computable from the
-verifier's own aux rows with a copy of the draft's context projections (kept
-in the f_theta directory), so a verifier needs no drafter process.
-
-The module (:class:`FTheta`):
-
-* a shared low-rank encoder per path: draft K features -> ``z_k`` (rank r),
-  draft V features -> ``z_v`` (rank r). ``z = [z_k, z_v]`` is the *latent code*
-  of a position; it is all the verifier stores for it (``2r`` floats, shared by
-  every layer);
-* one decoder per verifier layer: ``z_k`` -> the layer's pre-norm K,
-  ``z_v`` -> its pre-norm V; the layer's own ``k_norm`` / ``v_norm`` then give
-  the PRE-RoPE K/V the layer would have computed. RoPE is applied at the
-  position's absolute offset when the K/V are used.
-
-Only sliding layers are restored. Decoders for full-attention layers may exist
-as *probes* (trained on a detached latent, reported by the trainer): full-attention
-layers always keep exact K/V (the "S5" rule, ``docs/design.md``'s glossary), so their
-decoders are never used at inference.
-
-A trained f_theta lives in a self-describing directory::
-
-    config.json                 dims, rank, layer mapping, target + draft it was trained against
-    ftheta.safetensors          encoder/decoder weights
-    draft_context.safetensors   the draft's fc / hidden_norm / per-layer k_proj, k_norm, v_proj (copied)
+With ``sink-window(S, W)`` and a model window ``Wn > W`` a sliding layer's query still attends, natively,
+to positions the bounded cache evicted; :class:`FTheta` gives them back approximately from a latent code
+of ``2r`` floats a position (shared low-rank encoders of the draft's pre-RoPE context K/V, one decoder per
+sliding layer). Full-attention layers are never restored (the "S5" rule); their decoders, if any, are
+report-only probes. ``docs/ftheta.md`` ("The module") describes the inputs, the decoders and the
+self-describing directory (``config.json``, ``ftheta.safetensors``, ``draft_context.safetensors``).
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
 """One K/V pool per layer kind of a torch target: every session's caches are pages of it, read through tables.
 
-A :class:`~kakeya.backends.torch.pages.PagePool` holds, for every layer of one kind
-that owns K/V, a K and a V tensor ``[kv_heads, rows, head_dim]`` (the layout the
-Triton decode-attention kernel reads), cut into pages of ``page`` rows (growth,
-page 0 and the free list: ``backends/torch/pages.py``, shared with the drafter's
-pool). A session (:class:`PooledCaches`) holds
-
-* its sliding rings as a fixed set of pages of the sliding pool, taken when it
-  opens: ring slot ``s`` is row ``pages[s // page] * page + s % page``. The
-  session's ``RingLayout`` stays the one position counter (what each slot
-  holds, rollback exact past wraps): the pool only says where slots live;
-* its full-attention K/V as pages of a full pool, position ``p`` at row
-  ``pages[p // page] * page + p % page``, taken as the context grows.
-
-Pages go back to their pool when the session closes (or is collected) and
-are handed out again, lowest first. A pool that runs out grows by whole chunks
-of pages (at least doubling, so O(log n) moves); growth moves the tensors but
-no page changes its rows, and it only happens between steps (under
-:meth:`KVPool.stepping`, which a running step holds), never during one. A
-growth bumps the pool's ``generation``: a captured CUDA graph holds the old
-tensors' addresses, so graphs are keyed by it.
-
-Page 0 of every pool is never handed out: the batched step's padded rows write
-there and padded table entries point there (with a position no query sees).
-
-Full-attention K/V may be stored affine-quantized (``cache_policy.full_kv_bits``):
-a quantized full pool holds codes, scales and biases per row (``cache.quantize``),
-one pool per (bits, group size), so sessions of one storage share a pool and
-batch together. Sliding rings are always exact and shared by every policy.
+A :class:`~kakeya.backends.torch.pages.PagePool` (growth, page 0 and the free list: ``backends/torch/pages.py``,
+shared with the drafter) holds per layer a K and a V ``[kv_heads, rows, head_dim]`` (the Triton
+decode-attention kernel's layout). A session (:class:`PooledCaches`) holds its sliding rings as pages taken
+when it opens (ring slot ``s`` at row ``pages[s // page] * page + s % page``; its ``RingLayout`` stays the one
+position counter, so rollback stays exact past wraps) and its full-attention K/V as pages taken as the
+context grows. Growth happens only between steps (:meth:`KVPool.stepping`) and bumps the pool's
+``generation``, which keys captured CUDA graphs. Page 0 is never handed out: padded rows write there.
+Quantized full K/V (``full_kv_bits``) live in a pool of their own per (bits, group size); sliding rings
+are always exact. ``docs/cuda.md``, "One verify = one static-shape step", has the whole design.
 """
 
 from __future__ import annotations
