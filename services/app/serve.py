@@ -1,24 +1,9 @@
-"""``kakeya serve ...``: run the gRPC services (``client.py`` calls them).
+"""``kakeya serve verifier|drafter|orchestrator|all``: run the gRPC services (README, "Split over gRPC").
 
-::
-
-    kakeya serve verifier     --port P --target DIR [--draft DIR | --aux-layers 1,4] [--max-sessions N]
-    kakeya serve drafter      --port P --draft DIR --target DIR [--max-sessions N]
-    kakeya serve orchestrator --port P --verifier HOST:PORT [--drafter HOST:PORT]   (split)
-    kakeya serve orchestrator --port P [--target DIR --draft DIR]                   (colocated)
-    kakeya serve all          --port P [--target DIR --draft DIR]
-
-Without checkpoint paths every server uses the embedded pair, the same one as
-``kakeya generate`` (``assembly.embedded_paths``); ``--backend auto`` (the default)
-is ``assembly.resolve_backend``'s choice, resolved here so each process is told
-a concrete backend. ``serve all``
-runs verifier, drafter and orchestrator as three processes (the backends on
-loopback ports of their own choosing, requiring a token made for this run,
-which only the orchestrator is given), forwards SIGTERM/SIGINT to them in
-order (orchestrator first, so it can drain), restarts a child that dies with
-backoff (``app/supervisor.py``), and takes them down with it if it dies. Every server: gRPC health checking and reflection, SERVING only once
-loaded and warmed up, ``--ready-file`` written at that moment, SIGTERM drains
-in-flight streams for ``--grace`` seconds.
+Without checkpoint paths every server uses the embedded pair, as ``kakeya generate`` does; ``--backend
+auto`` is resolved here, so each process is told a concrete backend. ``serve all`` runs the three as
+processes (``serve_all.py``, ``supervisor.py``). Every server: gRPC health and reflection, SERVING only once
+loaded and warmed up (``--ready-file`` written then), SIGTERM drains in-flight streams for ``--grace``.
 """
 
 from __future__ import annotations

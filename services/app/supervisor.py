@@ -1,14 +1,9 @@
 """The children of ``kakeya serve all``: started in order, restarted when they die, stopped in order.
 
-A child that exits while ``serve all`` is serving is started again, on the
-same port (and metrics port) it had, after an exponential backoff: 0.5 s,
-1 s, 2 s ... at most 10 s; the backoff starts over once a child has stayed up
-for ``stable_s``. Meanwhile the others keep serving: with the drafter down,
-requests complete through the verifier alone (AR fallback, same tokens) and
-the orchestrator goes back to speculation once it answers again
-(``remote_drafter.GrpcDrafter``'s own backoff); with the verifier down, requests end
-with ``UNAVAILABLE`` at once (connection refused, or "loading" while it warms
-up) until it is back. Only SIGTERM/SIGINT of ``serve all`` stops everything.
+A child that exits while ``serve all`` serves is restarted on the same ports after an exponential backoff
+(0.5 s doubling to 10 s, reset once it stayed up ``stable_s``); meanwhile the others keep serving (without
+the drafter, requests finish through the verifier alone; without the verifier they end ``UNAVAILABLE``).
+Only SIGTERM/SIGINT of ``serve all`` stops everything.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """A small byte-level BPE tokenizer for the project's tiny checkpoints.
 
-Trained offline on the running interpreter's standard-library sources (a
-deterministic, sorted subset of ``*.py`` files), with Gemma's special-token ids:
-
-    <pad>=0  <eos>=1  <bos>=2  <unk>=3  <mask>=4   (<mask> is DFlash's mask token)
-
-The written directory opens with ``transformers.AutoTokenizer.from_pretrained``
-and with ``mlx_lm.load``; byte-level pre-tokenisation and decoding make
-``decode(encode(text))`` round-trip any text exactly. It ships a minimal
-Gemma-style chat template (``chat_template.jinja``, :data:`CHAT_TEMPLATE`), so
-the pairs made from it (the tiny pairs, the trained demo pair) take chat
-messages offline. Its turn markers are plain text to this tokenizer (7-8 pieces
-each); ``turn_tokens.py`` adds them as single special tokens after training, as
-the shipped demo pair has them.
+Trained offline on a deterministic, sorted subset of the interpreter's stdlib ``*.py`` with Gemma's
+special-token ids (``<pad>=0 <eos>=1 <bos>=2 <unk>=3 <mask>=4``, ``<mask>`` DFlash's). The directory opens
+with transformers and ``mlx_lm.load``; ``decode(encode(text))`` round-trips any text. It ships a minimal
+Gemma-style chat template (:data:`CHAT_TEMPLATE`); the turn markers are plain text to it until
+``turn_tokens.py`` adds them as special tokens.
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """What the backend-neutral drafter asks of a loaded DFlash model: the ``DraftModel`` protocol.
 
-``session.py`` and ``batch.py`` drive a drafter through exactly these members,
-and the torch and MLX ``DFlashDraftModel`` (``drafter/torch_backend/model.py``,
-``drafter/mlx_backend/model.py``) implement all of them; nothing else is asked
-of a model and nothing is probed for. ``Array`` is the backend's own array type
-(``torch.Tensor`` or ``mx.array``); a cache is the backend's ``ContextKVCache``
-(its rows planned by ``context.py``).
+``session.py`` and ``batch.py`` drive a drafter through exactly these members; the torch and MLX
+``DFlashDraftModel`` implement all of them, and nothing is probed for. ``Array`` is the backend's array
+type; a cache is the backend's ``ContextKVCache`` (rows planned by ``context.py``). Backends differ in
+data, never in missing methods: ``min_batch`` (the fewest queued sessions ``draft_batch`` runs as one
+forward), ``static_step`` (None, or torch's static-shape steps for CUDA graphs) and ``release_cache``.
 
-What differs between backends is data or what a declared method does, never
-a missing method:
-
-* ``min_batch``: the fewest queued sessions ``draft_batch`` runs as one forward
-  (fewer go one by one: with CUDA graphs a captured step alone beats an eager
-  batch);
-* ``static_step``: None, or the steps with static shapes a draft runs through
-  (torch with CUDA graphs: ``torch_backend/batch_step.py``, one graph per shape
-  for any set of sessions);
-* ``release_cache``: what happens to a closed session's cache (torch with the
-  static step keeps it for the next session; otherwise its memory goes now).
-
-A draft call is ``draft_step``: extend every session's context cache by its new
-aux rows, then one block forward over every session's block, then the tokens:
-the greedy ones (one host sync) or, for a sampling session, its candidates
-from its logits rows through ``sampler``. MLX runs :func:`extend_and_draft`
-(:func:`extend`, ``block_logits``, ``argmax``); torch runs it all as one
-batched step over pooled K/V.
+A draft call is ``draft_step``: extend every session's context by its new aux rows, one block forward over
+every session's block, then the tokens (greedy, one host sync; or a sampling session's candidates through
+``sampler``). MLX runs :func:`extend_and_draft`; torch one batched step over pooled K/V.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """The drafter's context-cache plan: which rows each layer's K/V buffer holds, and the block mask.
 
-Backend-neutral host bookkeeping, in the way ``verifier/layout.py`` plans the
-verifier's rings. The context K/V of a DFlash drafter only ever grows (one row
-per committed position), so a layer's buffer is a preallocated array of
-``capacity`` rows whose rows ``[0, stop)`` are written; the visible ones are
-the last ``keep`` of them on a sliding layer, all of them on a full layer.
-
-* Capacity grows geometrically on full layers (``step * 2**k`` rows), so a
-  long generation reallocates O(log n) times and a backend can capture a
-  static-shape forward per capacity; a sliding layer's buffer has a fixed
-  capacity (``keep + max(step, MAX_BLOCK_SIZE)``: room for any block's scratch
-  rows) and is compacted in place (the visible rows moved to the front) when
-  it fills.
-* A block of ``B`` queries sits at positions ``length .. length+B-1``. The
-  backend either attends over ``visible ++ block`` (MLX: concatenation) or
-  writes the block's K/V into the scratch rows ``[stop, stop+B)`` and attends
-  over a span of its buffer (torch: :meth:`ContextLayout.block` with
-  ``scratch=True``). Its mask comes from here: ``span="valid"`` covers exactly
-  the visible rows and the block (same keys, in the same order, as the plain
-  concatenation), ``span="capacity"`` covers the whole buffer (a fixed shape
-  per capacity, rows that hold nothing masked out).
-
-Layers of the same kind (same ``keep``) share one layout, as all sliding rings
-of a verifier session share one ``RingLayout``.
+Backend-neutral host bookkeeping, as ``verifier/layout.py`` plans the verifier's rings. A context only
+grows, so a layer's buffer is ``capacity`` preallocated rows of which ``[0, stop)`` are written; the last
+``keep`` are visible on a sliding layer, all on a full one. Full layers grow geometrically (``step * 2**k``
+rows: O(log n) reallocations, a static-shape forward per capacity); a sliding buffer has a fixed capacity
+(``keep + max(step, MAX_BLOCK_SIZE)``) and is compacted in place when full. A block of ``B`` queries at
+``length ..`` is attended as ``visible ++ block`` (MLX) or written to scratch rows ``[stop, stop+B)``
+(torch, :meth:`ContextLayout.block` with ``scratch=True``); ``span="valid"`` masks exactly those keys,
+``span="capacity"`` the whole buffer (one shape per capacity). Layers of one ``keep`` share one layout.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""A sampling drafter's block under either rule (backend-neutral).
+"""A sampling drafter's block under either rule (backend-neutral; the rules: ``core/sampling.py``).
 
-The drafter's processed distribution q_i at each block position is the
-target's temperature / top-k / top-p / min-p applied to the drafter's own
-logits (which come through the target's LM head).
-
-Coupled rule: candidate i is argmax(q_i's processed logits + G(seed, position,
-token)), the noise the verifier adds to p at that position, made on the device
-(``services/core/noise.py``). Only the B-1 token ids leave the device, and they
-are all the verifier needs: it keeps each candidate that equals its own noisy
-argmax, which happens with probability >= (1 - TV(p, q)) / (1 + TV(p, q)).
-
-Rejection rule: q_i is cut to its top-K and renormalised; that q'_i is both
-what candidate i is sampled from and what goes to the verifier, so the
-verifier's acceptance test min(1, p/q') is exact. Only [B-1, K] ids and
-probabilities leave the device; the draw itself is on the host from the
-session's seeded stream, identical for MLX and torch.
+q_i is the target's temperature / top-k / top-p / min-p applied to the drafter's own logits. Coupled:
+candidate i is argmax(processed q_i + G(seed, position, token)), the verifier's noise, made on the device:
+only the B-1 ids leave it. Rejection: q_i cut to its top-K and renormalised is both what the candidate is
+drawn from and what the verifier tests min(1, p/q') against; [B-1, K] ids and probabilities leave the
+device and the draw is on the host from the session's seeded stream, alike for MLX and torch.
 """
 
 from __future__ import annotations

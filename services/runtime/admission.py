@@ -1,23 +1,12 @@
 """Admission and lifetime of a server's sessions (verifier and drafter streams).
 
-- a session limit (``--max-sessions``) checked when a stream opens, and a
-  per-peer one (``--max-sessions-per-peer``): one caller cannot hold them all;
-- a K/V-byte budget (``--max-kv-bytes``): a session is admitted only if its
-  bytes (the verifier: the cache policy's worst case at its ``max_positions``;
-  the drafter: its context cache as it grows) fit beside every admitted session's;
-- under pressure, idle sessions are reclaimed before anyone is refused: when a
-  limit would refuse a new session, the session that has waited longest on
-  its client (at least ``--reclaim-idle`` seconds) is ended (``ABORTED``,
-  saying why), oldest first, until the new one fits;
-- beyond that, ``RESOURCE_EXHAUSTED`` naming the limit, or a bounded wait
-  (``--queue N --queue-timeout S``);
-- idle expiry (``--idle-timeout``): a session whose client sent nothing for
-  that long (while the server waited on it) is ended (``DEADLINE_EXCEEDED``,
-  saying why) and freed.
-
-Every way a session ends -- finished, cancelled, errored, expired, reclaimed --
-goes through the idempotent :meth:`SessionRegistry.close`, which frees its
-cache and its reservation.
+``--max-sessions`` and ``--max-sessions-per-peer`` when a stream opens; ``--max-kv-bytes`` (the verifier:
+the policy's worst case at ``max_positions``; the drafter: its context as it grows); under pressure the
+longest-idle session (``--reclaim-idle``) is ended (``ABORTED``) before anyone is refused; then
+``RESOURCE_EXHAUSTED`` naming the limit, or a bounded wait (``--queue``, ``--queue-timeout``); idle expiry
+(``--idle-timeout``, ``DEADLINE_EXCEEDED``). ``docs/security.md`` says what each protects. Every way a
+session ends goes through the idempotent :meth:`SessionRegistry.close`, which frees its cache and
+reservation.
 """
 
 from __future__ import annotations

@@ -1,44 +1,24 @@
 """The one thread a server process runs its model work on, with batching of like work.
 
-All model work of a process runs on ONE thread (MLX arrays and streams stay on
-the thread that made them; there is one device to share anyway); gRPC handler
-threads only translate messages and wait. Jobs run in submission order, with
-one exception that is the point of this module: **batchable** jobs of one kind
-(say "verify") that queue up while the thread is busy are taken together and
-handed to their runner as one list, so N concurrent sessions' steps cost one
-batched forward instead of N. Nothing waits on purpose to form a batch (no
-gather window): a batch is whatever arrived during the previous job, which is
-what continuous batching in vLLM/SGLang amounts to at a step boundary. Under
-no load a batch has one item and costs what an unbatched call did.
+All model work of a process runs on ONE thread (MLX arrays and streams stay on the thread that made them;
+there is one device to share anyway); gRPC handler threads only translate messages and wait. Jobs run in
+submission order, except that **batchable** jobs of one kind that queued up while the thread was busy are
+handed to their runner together, so N sessions' steps cost one batched forward. Nothing waits on purpose to
+form a batch: a batch is whatever arrived during the previous job (continuous batching at a step boundary).
+Order between sessions may change; order within a session cannot (its handler waits for each result).
 
-**A group shares one runner.** Jobs join a group only when both their kind and their runner equal the
-group's first job's (bound methods compare equal when they are the same method of the same object): the
-runner called for the group is the first job's, so a job queued with another runner under the same kind
-would get results of a contract it never asked for (a drafter's stream drafts once did, beside its round
-drafts: ``TypeError`` and every stream of the group finishing without its drafter). Callers that want two
-call sites batched together give them the same runner and convert its results afterwards
-(``rounds.RoundWire.answer_of``).
+**A group shares one runner**: jobs join a group only when kind AND runner equal its first job's, since
+the group gets the first job's runner (a drafter's stream drafts once joined its round drafts' group and
+got results of another contract). Callers that want two call sites batched give them one runner and
+convert its results afterwards (``rounds.RoundWire.answer_of``).
 
-Order between sessions may change (a batch takes later jobs of its kind ahead
-of earlier jobs of another kind), order within a session cannot: a session's
-handler waits for each result before submitting its next job.
+**Inline when idle** (``inline``, torch on a CPU only: MLX keeps arrays on their thread, and on CUDA it
+did not pay, docs/design.md, "History: removed, and why"): a job that finds the thread idle runs on the
+calling handler thread under the same lock, saving a lone stream's two thread hand-offs
+(``docs/operations.md``, "Where a split block's extra time went").
 
-**Inline when idle** (``inline = True``, for backends whose arrays may be used
-from any thread: torch on a CPU). A job that finds the thread idle and nothing
-queued runs on the calling (gRPC handler) thread instead, under the same lock
-the thread holds for its own jobs, so model work still never overlaps. That
-saves the two thread hand-offs of a lone stream's step, a visible share of a
-split block on a CPU (measured by ``benchmarks/split.py``: ``docs/operations.md``,
-"Split cost and pre-drafting"). Jobs that queue up behind it batch as before.
-MLX keeps its arrays and streams on the thread that made them, so it stays off there, and so
-does CUDA (no gain measured: docs/design.md, "History: removed, and why").
-
-**Progress** (:meth:`ComputeThread.progress`): what a handler waiting on a job
-watches to tell a slow process from a wedged one (``SessionServicer._await``
-sends its client a Progress message only when it moved): jobs finished, and the
-CPU time of the process's model work (``cpu.py``, Linux: a long job that
-computes, or waits for a kernel compiler, shows progress; a thread blocked for
-good, on a lock or a wedged device, shows none).
+**Progress** (:meth:`ComputeThread.progress`): jobs finished and the CPU time of model work (``cpu.py``),
+which a waiting handler watches to tell a slow process from a wedged one.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
-"""CPU time a server process spends on model work, read from ``/proc`` (Linux).
+"""CPU time a server process spends on model work, read from ``/proc`` (Linux; elsewhere ``None``).
 
-How a stream waiting on the compute thread tells a busy process from a wedged one
-(``ComputeThread.progress``): a job that computes for long, without finishing, still spends CPU
-time; a thread blocked for good (a deadlock, a wedged device it waits on without spinning) spends
-none. Model work is
-
-- the compute thread and the thread running a job inline;
-- every thread the process did not start through Python's ``threading``: the native pools that MLX,
-  torch and BLAS compute on (a job on MLX's CPU stream runs there while the compute thread waits);
-- every process those threads started, and theirs: MLX's CPU backend compiles a kernel for each new
-  shape by running ``g++`` (seconds, on a busy machine) while the job that needs it waits.
-
-Not the gRPC handler threads (Python threads): they wake to look at their steps whether or not
-anything moves. Elsewhere (macOS) nothing is read: ``None``.
-
-Reading it takes a few dozen small ``/proc`` reads, each of which gives up the GIL: a
-:class:`CpuSampler` does it on a thread of its own while anyone looks (however many streams wait),
-so a handler's look costs an attribute read.
+How a waiting stream tells a busy process from a wedged one (``ComputeThread.progress``): a long job
+still spends CPU time, a thread blocked for good spends none. Model work is the compute thread (and one
+running a job inline), every thread not started through Python's ``threading`` (MLX's, torch's and BLAS's
+native pools), and every process those started (MLX's CPU backend runs ``g++`` for new shapes); not the
+gRPC handler threads, which wake whether or not anything moves. The reads give up the GIL, so a
+:class:`CpuSampler` does them on a thread of its own and a handler's look costs an attribute read.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The verifier's backend protocols: everything a session and the batch runner call on a target.
 
-``TargetMLX`` (``mlx_backend/target.py``) and ``TargetTorch``
-(``torch_backend/target.py``) implement :class:`Target` (checked by
-``tests/test_protocols.py``). What only one backend has is a capability,
-declared as data (a flag every target has), never probed for, with a protocol
-of its own that the backend implements:
-
-* ``static_verify`` (torch, :class:`StaticVerify`): a greedy block runs through
-  a static-shape step (CUDA graphs on a GPU, the same step eagerly elsewhere),
-  and so do several sessions' blocks at once, their greedy choices taken in
-  the step (one host sync for all);
-* ``restores`` (MLX, :class:`Restores`): f_theta restoration of evicted
-  sliding-layer K/V;
-* ``min_batch``: the fewest queued sessions ``verify_batch`` runs as one
-  forward; and per cache set, ``SessionCaches.batchable`` and
-  ``SessionCaches.batch_key`` (sets of one key share a forward).
-
-Every forward is :meth:`Target.forward` over one or more :class:`Segment`
-(one session's block each, with the immutable plan its session built from its
-own ``RingLayout``): a session's own forward is a batch of one.
+``TargetMLX`` and ``TargetTorch`` implement :class:`Target` (``tests/test_protocols.py``). What only one
+backend has is a capability declared as data, never probed for, with a protocol of its own:
+``static_verify`` (torch, :class:`StaticVerify`: greedy blocks of one or many sessions through a
+static-shape step, one host sync), ``restores`` (MLX, :class:`Restores`: f_theta), and ``min_batch`` with
+``SessionCaches.batchable`` / ``batch_key`` (sets of one key share a forward). Every forward is
+:meth:`Target.forward` over one or more :class:`Segment` (a session's block and the immutable plan of its
+``RingLayout``): a session's own forward is a batch of one.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """Give MLX on Linux an optimized BLAS: the one torch already carries.
 
-MLX's Linux CPU wheels (``mlx[cpu]``) link netlib's *reference* BLAS, a plain triple loop: a float32
-matrix product runs at 2-4 GFLOP/s and its time grows linearly with its rows, so a batched verify of
-eight sessions costs eight single ones and nothing batches (docs/benchmarks.md, "Many streams"). The
-torch wheel Kakeya installs beside it carries an optimized BLAS (MKL on x86-64) and exports its Fortran
-entry points (``sgemm_``, ...). The reference ``cblas_sgemm`` MLX calls is a thin wrapper over
-``sgemm_``, resolved through the process's global symbol scope, so loading torch's library there
-*before* ``mlx.core`` is imported sends MLX's products to torch's BLAS: 5x faster for one row, and
-sublinear in rows (``benchmarks/mlx_blas.py``). Nothing changes on macOS (MLX uses Accelerate and the
-GPU there), nor when ``mlx.core`` was imported first (it stays correct, on the reference loop).
+MLX's Linux CPU wheels link netlib's *reference* BLAS, whose time grows linearly with a product's rows, so
+nothing batches. The torch wheel beside it carries an optimized BLAS (MKL on x86-64) exporting the Fortran
+entry points (``sgemm_``, ...) the reference ``cblas_sgemm`` wraps; loading torch's library into the global
+symbol scope *before* ``mlx.core`` is imported sends MLX's products there. Nothing changes on macOS, nor
+when ``mlx.core`` was imported first. What it buys and costs (MKL rounds a row's result differently with
+its batch's size, so a long greedy run can part from AR at a near-tie): ``docs/benchmarks.md``, "Many
+streams"; ``KAKEYA_MLX_BLAS=reference`` keeps MLX's own BLAS (row-exact, slow; the test suite's exactness
+tests run on it, ``tests/conftest.py``).
 
-What it costs: MKL computes a product of 1-3 rows with other kernels than one of 4 or more, so a row's result
-can differ in its last bits with the size of its batch (the reference loop's never does; torch's own CPU
-products behave as MKL's). A verify of a block and an AR step of the same row then agree to float32
-rounding rather than bit for bit, and a long greedy run can part from AR at a near-tie: on the tiny random
-pair with f_θ restoration, at token 401 of 600 (a top-2 logit gap of 1.5e-3), where the demo pair's runs
-stayed identical (``tests/verifier/test_mlx_blas.py``; the benchmarks' lossless checks). The test suite
-runs MLX on the reference BLAS for its exactness tests (``tests/conftest.py``).
-
-``KAKEYA_MLX_BLAS=reference`` keeps MLX's own BLAS: row-exact, and slow.
-
-Its thread count is not torch's: torch pins MKL's threads per calling thread, and MLX calls the BLAS
-from a thread of its own, so :func:`set_threads` (``--torch-threads``, the same policy as torch's) sets
-MKL's process-wide default, which MKL reads at its first call.
+MLX calls the BLAS from a thread of its own, where torch's per-thread MKL setting does not reach, so
+:func:`set_threads` (``--torch-threads``' policy) sets MKL's process-wide default before its first call.
 """
 
 from __future__ import annotations

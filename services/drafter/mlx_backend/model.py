@@ -1,26 +1,13 @@
 """DFlash block-diffusion drafter in MLX.
 
-The drafter is a stack of Qwen3-style decoder layers whose attention sees two
-kinds of keys/values:
-
-* the *context*: ``hidden_norm(fc(aux))`` where ``aux`` is the concatenation of
-  the target's hidden states at ``target_layer_ids``; every layer projects it
-  with its own ``k_proj``/``v_proj`` (``k_norm`` on keys, RoPE at the context
-  positions). Context K/V only ever grows, so it is cached (``ContextKVCache``)
-  and extended with the newly committed positions;
-* the *block*: ``[last committed token, mask, mask, ...]`` embedded with the
-  target's embedding table, queried at positions ``ctx_len .. ctx_len+B-1``.
-
-It owns no embedding or LM head: both are borrowed from the target (only those
-two tensors are read from the target checkpoint, see ``load_dflash_mlx``).
-
-Embedding convention ("Gap-B"): the block embedding is the target's RAW
-embedding row times ``input_embedding_scale`` -- never Gemma's sqrt(hidden)
-input scale. (The ``dflash`` reference's MLX ``bind()`` multiplies by the
-target's ``embed_scale``; its torch code and training use the raw lookup.)
-
-Parameter names follow the reference checkpoint layout so that the published
-safetensors load with ``load_weights(strict=True)``.
+A stack of Qwen3-style decoder layers whose attention sees the *context*, ``hidden_norm(fc(aux))`` of the
+target's hidden states at ``target_layer_ids`` projected by each layer's ``k_proj``/``v_proj`` (``k_norm``,
+RoPE at the context positions; cached in ``ContextKVCache`` and only extended), and the *block*,
+``[last committed token, mask, ...]`` at positions ``ctx_len ..``. Embedding and LM head are the target's
+(only those two tensors are read from it, ``load_dflash_mlx``). "Gap-B": the block embedding is the
+target's RAW embedding row x ``input_embedding_scale``, never Gemma's sqrt(hidden) (the ``dflash``
+reference's MLX ``bind()`` differs here; its torch code and training do not). Parameter names follow the
+reference layout, so published safetensors load with ``load_weights(strict=True)``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """What one MLX forward hands mlx-lm's own decoder layers: per-forward cache views and masks.
 
-mlx-lm's Gemma-4 attention takes one cache per layer, reads ``cache.offset`` as
-the RoPE offset (which ``mx.fast.rope`` accepts per batch row) and calls
-``cache.update_and_fetch``. Our caches hold arrays only, so each forward binds
-them to its segments' plans in a short-lived :class:`LayerView` per layer,
-dropped after the forward. Sessions go on the BATCH axis (``[B, Lmax,
-hidden]``, short blocks padded at the end): a view's ``offset`` is every
-session's own start, and ``update_and_fetch`` hands each row's real positions
-to that session's own cache (written exactly as in its own forward -- padding
-never reaches a cache) and returns the K/V padded to a common key length. The
-masks are each session's own, padded with False (a padded query row sees key 0
-only, so it stays finite; its outputs are dropped). Projections, norms, MLP,
-MoE and the LM head run once over all rows; attention stays per row.
-
-A session's own forward is the batch of one: no padding, mlx-lm's own
-full-attention masks (``None`` / ``"causal"``) and, with f_theta, the restored
-K/V placed in front of each sliding layer's ring. Not batched (they run alone,
-see ``verifier/batch.py``): f_theta restoration and quantized full-attention
-caches (mlx-lm's quantized attention reads the packed codes, which a view does
-not pad).
+mlx-lm's attention reads ``cache.offset`` (the RoPE offset, per batch row) and calls
+``cache.update_and_fetch``; our caches hold arrays only, so each forward binds them to its segments'
+plans in a short-lived :class:`LayerView` per layer. Sessions go on the batch axis, short blocks padded at
+the end: each row's real positions reach its own cache exactly as in its own forward (padding never
+does), masks are padded with False (a padded row sees key 0 only and is dropped). Projections, norms,
+MLP, MoE and the LM head run once over all rows; attention stays per row. A session's own forward is the
+batch of one (mlx-lm's own masks; with f_theta the restored K/V in front of each ring). f_theta and
+quantized full-attention caches never batch (``verifier/batch.py``).
 """
 
 from __future__ import annotations

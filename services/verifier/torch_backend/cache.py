@@ -1,24 +1,12 @@
 """Per-session torch caches and the affine quantization of full-attention K/V.
 
-A served session's K/V are pages of its target's pools (``pool.py``, which
-stores quantized full K/V with :func:`quantize` / :func:`dequantize` here).
-These per-session classes are what the plain reference decode
-(``TargetTorch.greedy_reference``) keeps, and the semantics the pools keep:
-
-* :class:`RingKVCache` -- one sliding layer's K/V ring of ``capacity`` slots
-  (bounded: ``sink + window - 1 + slack``), written wherever the forward's plan
-  says (``caches.RingKV``), so a trim of up to ``slack`` positions is exact even
-  after the ring wrapped.
-* :class:`FullKVCache` -- a full-attention layer's exact K/V, preallocated
-  (``capacity`` positions up front, then doubled when full): a forward from
-  ``start`` writes positions ``start ..`` as a slice copy; a trim is the layout
-  moving back (the next write starts earlier), O(1) and nothing here;
-  ``fetch_at(positions, extent, keys, values)`` writes at a device index tensor
-  and attends over a fixed extent (the reference decode's ``IndexedAttention``).
-  :class:`QuantizedFullKVCache` stores the same affine-quantized (4/8 bits).
-
-All are ``[1, n_kv_heads, slots, head_dim]``, the layout torch's
-``scaled_dot_product_attention`` takes.
+A served session's K/V are pages of its target's pools (``pool.py``, which stores quantized full K/V with
+:func:`quantize` / :func:`dequantize` here). These per-session classes are what the plain reference decode
+(``TargetTorch.greedy_reference``) keeps, with the semantics the pools keep: :class:`RingKVCache` (a
+sliding layer's ring of ``sink + window - 1 + slack`` slots, written where the plan says, so a trim of up
+to ``slack`` is exact past wraps), :class:`FullKVCache` (exact K/V, doubled when full; a trim is the layout
+moving back) and :class:`QuantizedFullKVCache` (the same, affine 4/8 bits). All are
+``[1, n_kv_heads, slots, head_dim]``, as ``scaled_dot_product_attention`` takes them.
 """
 
 from __future__ import annotations
