@@ -19,6 +19,7 @@ from kakeya.app.options import (
     add_cache_args,
     add_generation_options,
     add_ngram,
+    add_torch_threads,
     cache_policy_from_args,
     logprobs_json,
     print_result,
@@ -82,24 +83,14 @@ def cmd_generate(args) -> int:
     return 0
 
 
-# The request's fields -> the flags that set them (a refusal names the flag).
+# The request's fields -> the flags that set them (a refusal names the flag): ``--`` and the field's last
+# part, dashed, but for two.
 FLAG_NAMES = {
-    "prompt": "--prompt",
-    "max_tokens": "--max-tokens",
-    "block_size": "--block-size",
-    "sampling.temperature": "--temperature",
-    "sampling.top_k": "--top-k",
-    "sampling.top_p": "--top-p",
-    "sampling.min_p": "--min-p",
-    "sampling.seed": "--seed",
-    "sampling.rule": "--sampling-rule",
-    "logprobs": "--logprobs",
-    "cache_policy": "--cache",
-    "cache_policy.window": "--window",
-    "cache_policy.sink": "--sink",
-    "cache_policy.full_kv_bits": "--full-kv-bits",
-    "cache_policy.restore": "--restore",
-}
+    f: "--" + f.rsplit(".", 1)[-1].replace("_", "-")
+    for f in ("prompt", "max_tokens", "block_size", "logprobs", "sampling.temperature", "sampling.top_k")
+    + ("sampling.top_p", "sampling.min_p", "sampling.seed", "cache_policy.window", "cache_policy.sink")
+    + ("cache_policy.full_kv_bits", "cache_policy.restore")
+} | {"sampling.rule": "--sampling-rule", "cache_policy": "--cache"}
 
 
 def _show(args, text: str) -> None:
@@ -210,13 +201,7 @@ def register_generate(sub) -> None:
     p.add_argument("--draft", help="DFlash drafter checkpoint directory")
     add_generation_options(p)
     add_backend_args(p)
-    p.add_argument(
-        "--torch-threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: 1 for the embedded pair on CPU, where a tiny model gains nothing "
-        "from more and a thread team stalls on a shared CPU; torch's own default otherwise; 0: torch's)",
-    )
+    add_torch_threads(p)
     p.add_argument(
         "--compare-ar",
         action="store_true",

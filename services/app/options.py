@@ -60,6 +60,13 @@ def add_backend_args(p, *, help_suffix: str = "") -> None:
     )
 
 
+def add_torch_threads(p) -> None:
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch CPU threads, and on Linux the BLAS threads of MLX's products (default: 1 for the"
+                        " embedded pair on CPU, where a tiny model gains nothing from more and a thread team stalls"
+                        " on a shared CPU; the library's own otherwise; 0: the library's)")  # fmt: skip
+
+
 def torch_options(args, drafter: bool = True) -> dict:
     """The torch fast-path options from --cuda-graphs/--graphed-min-batch/--compile (only what differs from
     the defaults). ``drafter``: whether a drafter loads here (--graphed-min-batch is the drafter's)."""

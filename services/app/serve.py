@@ -348,7 +348,9 @@ def register(sub) -> None:
     )
     a.add_argument("--device", help="torch processes: cuda, cuda:1, cpu (default: cuda when available, else cpu)")
     a.add_argument("--dtype", help="torch processes: float32, bfloat16, float16 (default float32)")
-    _torch_threads_arg(a)
+    from kakeya.app.options import add_torch_threads
+
+    add_torch_threads(a)
     a.add_argument("--placement", default="auto", choices=["auto", "off"],
                    help="auto (default): on Linux, torch on the CPU and 2+ CPUs, pin the verifier to its own CPUs and the"
                         " drafter and orchestrator to the rest (docs/operations.md, \"Placement\", says why); off: no pinning")  # fmt: skip
@@ -376,25 +378,15 @@ def _policy_and_front(p, prefix_cache_help: str) -> None:
 
 
 def _backend_args(p, suffix: str = "") -> None:
-    from kakeya.app.options import add_backend_args
+    from kakeya.app.options import add_backend_args, add_torch_threads
 
     add_backend_args(p, help_suffix=suffix)
-    _torch_threads_arg(p)
+    add_torch_threads(p)
 
 
 def _cpus_arg(p) -> None:
     p.add_argument("--cpus", help="Linux: pin this process to these CPUs, e.g. 0 or 2-3 (default: none; `serve all`"
                                   " places its processes itself, see its --placement)")  # fmt: skip
-
-
-def _torch_threads_arg(p) -> None:
-    p.add_argument(
-        "--torch-threads",
-        type=int,
-        default=None,
-        help="torch CPU threads, and on Linux the BLAS threads of MLX's products (default: 1 for the embedded"
-        " pair on CPU, the library's own otherwise; 0: the library's)",
-    )
 
 
 def _limits(p) -> None:

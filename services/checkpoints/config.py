@@ -1,28 +1,20 @@
-"""Checkpoint-directory reading: one normalised reading of every published spelling, and one clear error line
-per problem.
+"""Checkpoint-directory reading: one normalised reading of every published spelling, one clear error per problem.
 
-Users bring checkpoints that other tools wrote, each in its own spelling of the same facts. Both backends and
-every other reader (``kakeya inspect``, the servers, the KV memory model) read a config through the two
-functions here, so a spelling is understood -- or refused -- once, the same way everywhere:
+Both backends and every other reader (``kakeya inspect``, the servers, the KV memory model) read a config
+through the two functions here, so a spelling is understood -- or refused -- once, the same way everywhere:
 
-* :func:`target_config` (``load_target_config(dir)``): a Gemma-4 target's text model, as transformers reads the
-  file back. ``per_layer_config`` (written by transformers >= 5.2) becomes the hub's ``global_head_dim`` /
-  ``num_global_key_value_heads``; ``vocab_size`` is read from ``text_config`` or the top level of a multimodal
-  wrapper; every field the model code reads is made explicit with transformers' ``Gemma4TextConfig`` default
-  (mlx-lm's defaults differ: ``use_double_wide_mlp``, ``final_logit_softcapping``, the layer pattern ...);
-  the end ids come from ``generation_config.json`` when it lists them; the chat template from
-  ``chat_template.jinja`` or ``tokenizer_config.json``. :func:`mlx_model_config` is that reading in the
-  shape mlx-lm's model args take it.
-* :func:`draft_config` (``load_draft_config(dir)``): a DFlash drafter as the ``dflash`` package reads it --
-  ``block_size`` / ``target_layer_ids`` / ``mask_token_id`` and the scales from ``dflash_config`` or the top
-  level (z-lab's layout through May 2026 kept ``block_size`` there), RoPE from ``rope_scaling`` /
-  ``rope_parameters`` / ``rope_theta`` with transformers' precedence, sliding layers as ``Qwen3Config`` reads
-  ``use_sliding_window`` / ``sliding_window`` / ``max_window_layers``.
+* :func:`target_config` (``load_target_config``): a Gemma-4 target's text model as transformers reads it
+  back (``per_layer_config`` as the hub's ``global_head_dim`` / ``num_global_key_value_heads``; ``vocab_size``
+  from ``text_config`` or the top level; every field the model reads made explicit with transformers'
+  ``Gemma4TextConfig`` default, since mlx-lm's differ; end ids from ``generation_config.json``; the chat
+  template from ``chat_template.jinja`` or ``tokenizer_config.json``). :func:`mlx_model_config` is the same
+  reading in mlx-lm's shape.
+* :func:`draft_config` (``load_draft_config``): a DFlash drafter as the ``dflash`` package reads it
+  (``dflash_config`` or top-level fields, RoPE and sliding layers with transformers' precedence).
 
-``check_pair(target_cfg, draft_cfg)`` checks that a drafter fits a target. Every failure raises
-:class:`CheckpointError` (a ``ValueError``) naming the file, the field and what was expected. The dicts
-returned by the ``load_*`` functions carry the directory they came from under ``"_path"`` (a string) so
-``check_pair`` can name it; it is not part of the checkpoint.
+``check_pair`` checks that a drafter fits a target. Failures raise :class:`CheckpointError` (a
+``ValueError``) naming the file, the field and what was expected; the loaded dicts carry their directory
+under ``"_path"`` so errors can name it.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Tiny random Gemma-4 target + DFlash drafter, in real Hugging Face format.
 
-``make_tiny(out_dir)`` writes two checkpoint directories:
-
-* ``out_dir/target`` -- a ``gemma4_text`` / ``Gemma4ForCausalLM`` checkpoint
-  (config.json, generation_config.json, model.safetensors, tokenizer files) that
-  ``mlx_lm.load`` and ``transformers.AutoModelForCausalLM.from_pretrained`` open
-  and read identically. It has the real model's hybrid structure: sliding and
-  full-attention layers, a bigger ``global_head_dim`` and fewer KV heads on full
-  layers, ``attention_k_eq_v``, proportional partial RoPE on full layers, logit
-  soft-capping, optional MoE block.
-* ``out_dir/draft`` -- a DFlash drafter in the reference layout that
-  ``dflash.model_mlx.load_draft`` opens (fc, hidden_norm, layers.N.*, norm; no
-  embedding or LM head of its own).
-
-Weights are random (numpy, float32) and deterministic per seed: each tensor is
-drawn from its own generator seeded by ``(seed, crc32(name))``. They exist for
-correctness tests (fidelity, cache bookkeeping, wire format), not for quality.
-``default_pair()`` returns the copy shipped in ``services/models/tiny``.
+``make_tiny(out_dir)`` writes ``out_dir/target`` (a ``gemma4_text`` checkpoint that ``mlx_lm.load`` and
+transformers open and read identically, with the real model's hybrid structure: sliding and full layers,
+``global_head_dim``, ``attention_k_eq_v``, proportional partial RoPE, soft-capping, optional MoE) and
+``out_dir/draft`` (a DFlash drafter in the reference layout ``dflash.model_mlx.load_draft`` opens). Weights
+are random float32, each tensor from a generator seeded by ``(seed, crc32(name))``: for correctness tests,
+not quality. ``default_pair()`` is the copy shipped in ``services/models/tiny``.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ consumes committed tokens, rolls back, and writes the bitmask of the tokens allo
 
 llguidance (rather than xgrammar): Lark grammars with special tokens named by id (the tool-call grammar,
 ``orchestrator/tools/grammar.py``), the tokens a grammar forces (guided drafting), and a HF ``tokenizers``
-JSON taken as it is. Its masks are slower than xgrammar's on the demo tokenizer (8.7 vs 1.75 µs a token,
-``benchmarks/grammar_masks.py``, ``docs/structured.md``), both far below a verify step.
+JSON taken as it is. Its masks are slower than xgrammar's, both far below a verify step (``docs/structured.md``).
 """
 
 from __future__ import annotations
@@ -157,8 +156,8 @@ COMPILED = CompiledGrammars(maxsize=64)  # this process's compiled grammars
 def _yield_the_cores() -> None:
     """A grammar worker's CPU priority lowered (Linux: ``nice`` is a thread's own, by its thread id), so that a
     grammar which takes seconds to build (a regex bomb's lexer) runs on what the model threads leave, instead of
-    taking a core from them: colocated, other streams paused 2.7x their quiet pause while bombs compiled at the
-    same priority (``benchmarks/arrivals.py``). Elsewhere (macOS) the thread keeps the process's priority."""
+    taking a core from them (what it cost otherwise: ``docs/structured.md``). Elsewhere (macOS) the thread keeps
+    the process's priority."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):

@@ -1,17 +1,10 @@
 """Which CPUs the processes of a split on one machine run on (Linux): ``serve --cpus``, ``serve all --placement``.
 
-A split block wakes three processes in turn: the orchestrator posts a draft and sleeps, the
-drafter wakes, drafts, answers and sleeps, the orchestrator wakes and posts the verify, and so
-on. Left to the scheduler, each wake-up may land on another core, often one that sat idle (on a
-VM, a halted virtual CPU that must be woken first). Pinned, the orchestrator and the drafter
-share one core and take turns on it (they never work at once: the loop waits for each draft),
-and the verifier, which does most of the work, has the others, so a wake-up lands on a core its
-process just ran on rather than one that sat idle (what it buys: ``benchmarks/placement.py``,
-``docs/operations.md``, "Split cost and pre-drafting").
-
-Only for torch on the CPU, where it was measured: on a GPU node the devices do the work and host
-threads launch it (never measured pinned), and MLX's CPU backend was not measured either. Only
-where the platform can pin (``os.sched_setaffinity``: Linux; macOS has no such call).
+A split block wakes its three processes in turn. Pinned, the orchestrator and the drafter share one core
+(they never work at once) and the verifier has the others, so a wake-up lands on a core its process just
+ran on rather than an idle one (what it buys: ``docs/operations.md``, "History: split cost and pre-drafting"). Only
+for torch on the CPU, where it was measured, and only where the platform can pin
+(``os.sched_setaffinity``: Linux).
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""TLS and mutual TLS for every kakeya server and client, from PEM files.
+"""TLS and mutual TLS for every kakeya server and client, from PEM files (``docs/security.md``).
 
-Server side (``kakeya serve ...``)::
-
-    --tls-cert server.pem --tls-key server.key [--tls-client-ca clients-ca.pem]
-
-``--tls-client-ca`` turns on mutual TLS: a client must present a certificate
-signed by that CA. Client side (``kakeya client``, and the orchestrator
-towards its verifier and drafter)::
-
-    --tls-ca ca.pem [--tls-client-cert client.pem --tls-client-key client.key]
-
-Without these flags everything stays plaintext (loopback, a private network,
-or a mesh that terminates TLS).
+Servers take ``--tls-cert --tls-key [--tls-client-ca]`` (the CA turns on mutual TLS); clients, and the
+orchestrator towards its verifier and drafter, ``--tls-ca [--tls-client-cert --tls-client-key]``. Without
+them everything stays plaintext (loopback, a private network, or a mesh that terminates TLS).
 """
 
 from __future__ import annotations
