@@ -18,12 +18,6 @@ from kakeya.app import flags as serve_flags
 DEFAULT_PORTS = {"orchestrator": 50051, "verifier": 50061, "drafter": 50062}
 
 
-def _pair(target: str | None, draft: str | None) -> tuple[str, str]:
-    from kakeya.orchestrator.assembly import pair_paths
-
-    return pair_paths(target, draft)
-
-
 def _aux_layers(text: str | None, draft: str | None) -> list[int]:
     if text:
         try:
@@ -94,26 +88,21 @@ def _run(spec, args) -> int:
 
 
 def cmd_serve_verifier(args) -> int:
+    from kakeya.orchestrator.assembly import pair_paths
     from kakeya.verifier.server import server_spec
 
     _pin(args)
 
     if args.target is None:  # the embedded pair (its drafter's aux layers by default)
-        target, draft = _pair(None, None)
+        target, draft = pair_paths(None, None)
         draft = args.draft or draft
     else:  # without --draft/--aux-layers, sessions must name their aux layers at Open
         target, draft = args.target, args.draft
     layers = _aux_layers(args.aux_layers, draft)
     restore, args.restore = serve_flags.restore_sources(args)  # the default policy's: the bare DIR
     tls, token = serve_flags.internal_auth(args, "verifier")
-    backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
+    backend, kwargs = _backend_kwargs(args, embedded=args.target is None, server="verifier")
     limits = serve_flags.session_limits(args, kwargs.get("device"))
-    if backend == "torch":
-        from kakeya.app.options import torch_options
-        from kakeya.orchestrator.assembly import check_compile
-
-        kwargs |= torch_options(args, drafter=False)
-        check_compile(kwargs, kwargs.get("device"))
     spec = server_spec(
         target, layers, backend, limits, restore=restore, tls=tls, token=token, policy=_default_policy(args), **kwargs
     )
@@ -130,19 +119,14 @@ def _default_policy(args):
 
 def cmd_serve_drafter(args) -> int:
     from kakeya.drafter.server import server_spec
+    from kakeya.orchestrator.assembly import pair_paths
 
     _pin(args)
 
-    target, draft = _pair(args.target, args.draft)
+    target, draft = pair_paths(args.target, args.draft)
     tls, token = serve_flags.internal_auth(args, "drafter")
-    backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
+    backend, kwargs = _backend_kwargs(args, embedded=args.target is None, server="drafter")
     limits = serve_flags.session_limits(args, kwargs.get("device"))
-    if backend == "torch":
-        from kakeya.app.options import torch_options
-        from kakeya.orchestrator.assembly import check_compile
-
-        kwargs |= torch_options(args)
-        check_compile(kwargs, kwargs.get("device"))
     return _run(
         server_spec(
             draft, target, backend, limits, tls=tls, token=token, predraft_blocks=args.predraft_blocks, **kwargs
@@ -151,10 +135,12 @@ def cmd_serve_drafter(args) -> int:
     )
 
 
-def _backend_kwargs(args, embedded: bool) -> tuple[str, dict]:
+def _backend_kwargs(args, embedded: bool, server: str | None = None) -> tuple[str, dict]:
     """The concrete backend for --backend (auto: the fastest here) and, for torch, where and in which
-    dtype; pins torch's CPU threads (``--torch-threads``) for this process."""
-    from kakeya.orchestrator.assembly import resolve_backend, set_torch_threads
+    dtype (and for a ``server``, verifier or drafter, its fast-path options); pins torch's CPU threads
+    (``--torch-threads``) for this process."""
+    from kakeya.app.options import torch_options
+    from kakeya.orchestrator.assembly import check_compile, resolve_backend, set_torch_threads
 
     backend, device = resolve_backend(args.backend, args.device)
     if backend != "torch":
@@ -163,7 +149,11 @@ def _backend_kwargs(args, embedded: bool) -> tuple[str, dict]:
         set_torch_threads(args.torch_threads, device, embedded, backend)
         return backend, {}
     set_torch_threads(args.torch_threads, device, embedded)
-    return backend, {"device": device} | ({"dtype": args.dtype} if args.dtype else {})
+    kwargs = {"device": device} | ({"dtype": args.dtype} if args.dtype else {})
+    if server is not None:
+        kwargs |= torch_options(args, drafter=server == "drafter")
+        check_compile(kwargs, device)
+    return backend, kwargs
 
 
 def cmd_serve_orchestrator(args) -> int:
