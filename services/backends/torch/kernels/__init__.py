@@ -11,6 +11,6 @@ dtypes and launches them, and the eager torch reference it is tested against:
   expert's weights once (the expert-union floor);
 * ``head``      -- the LM head's soft-cap and the greedy choice on the device.
 
-Nothing here is imported by the models yet; the submodules need ``triton`` (Linux; with CUDA, or on
+Only ``attention`` is called by the models yet (the batched steps on CUDA); the submodules need ``triton`` (Linux; with CUDA, or on
 a CPU under ``TRITON_INTERPRET=1``, as ``tests/kernels`` runs them). See docs/cuda.md.
 """
