@@ -1,19 +1,12 @@
 """Keep freed heap memory in the process (Linux, glibc): a batched step's large temporaries reuse mapped
 pages instead of faulting fresh ones in.
 
-A batched verify allocates, layer after layer, temporaries of hundreds of KB (every session's K/V gathered
-from the pools, attention masks, activations over every row) and frees each a moment later. glibc hands such
-memory back to the kernel as soon as it can: a chunk above its mmap threshold is unmapped when freed, and a
-thread's arena (the compute thread's is not the main thread's) gives its free top back with
-``madvise(MADV_DONTNEED)``. The next step's allocation then faults every page in again, each zeroed by the
-kernel: at many streams a server spends its time faulting. Fixed thresholds (``mallopt``) keep freed memory in
-the arenas for the next step (what that buys, measured by ``benchmarks/heap.py``: docs/benchmarks.md, "keeping
-freed memory"). The price: the process keeps the
-high-water mark of its temporaries of up to :data:`MMAP_THRESHOLD` each (larger ones are still mapped and
-unmapped one by one), as allocators made for servers (jemalloc, tcmalloc) do.
-
-Every ``kakeya`` command sets them first (``app/main.py``). ``KAKEYA_MALLOC=system`` keeps glibc's defaults.
-Elsewhere (macOS, a libc that is not glibc) nothing changes.
+glibc unmaps a freed chunk above its mmap threshold and trims a thread arena's free top with
+``madvise(MADV_DONTNEED)``, so each step's temporaries (gathered K/V, masks, activations: hundreds of KB
+each) fault zeroed pages in again. Fixed thresholds (``mallopt``) keep that memory for the next step, at
+the price of the high-water mark of temporaries up to :data:`MMAP_THRESHOLD` each, as jemalloc or tcmalloc
+would (what it buys: ``docs/benchmarks.md``, "History: keeping freed memory"). Every ``kakeya`` command sets
+them first (``app/main.py``); ``KAKEYA_MALLOC=system`` keeps glibc's defaults; elsewhere nothing changes.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Round calls: one call carries a round's steps for many sessions of one caller (``VerifyRound``, ``DraftRound``).
 
-A continuous-batching orchestrator steps all its sessions in rounds (``orchestrator/decode/scheduler.py``). Sent
-one message per session stream, a round pays N messages, N handler-thread hops and N wake-ups per
-backend; sent as one call, it pays one. Sessions still live and die with their ``Session`` stream (open,
-prefill, save, close, cancellation); a round item names a session by the id its ``Opened`` answered, and
-only the caller (``auth.peer_of``) that opened it may name it (``SessionRegistry.find``).
-
-The items go to the compute thread at once (``ComputeThread.start_many``), so they run as one batch, with
-like steps other callers queued meanwhile. Each item fails alone: a bad step, a session that is unknown,
-not ready, busy with a step on its stream, or that ends (cancelled, closed) while its item is in hand, or
-an exception of its own in the batch, is that item's ``Error``; the others are answered as on their
-streams. While the round waits, the caller hears a Progress message every ``progress_ms`` in which compute
-got work done, exactly as a stream's step does (``SessionServicer._await``), so its deadline of silence
-(``orchestrator/remote/deadlines.py``) still tells a slow backend from a hung one.
+A continuous-batching orchestrator steps its sessions in rounds (``orchestrator/decode/scheduler.py``): one
+call instead of N messages, handler hops and wake-ups per backend. Sessions still live and die with their
+``Session`` stream; a round item names a session by the id its ``Opened`` answered, and only the caller
+that opened it may name it (``SessionRegistry.find``). The items go to the compute thread at once
+(``ComputeThread.start_many``) and run as one batch. Each item fails alone (a bad step; a session unknown,
+not ready, busy on its stream, or ending while its item is in hand; its own exception): that item's
+``Error``. While a round waits the caller hears Progress as a stream's step does
+(``SessionServicer._await``), so its deadline of silence still tells slow from hung.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
-"""Who may call a kakeya server: bearer tokens, the loopback rule, and who a caller is.
+"""Who may call a kakeya server: bearer tokens, the loopback rule, and who a caller is (``docs/security.md``).
 
-- A bearer token (``--auth-token-file``) rides as ``authorization: Bearer <token>``
-  metadata and is compared in constant time (:func:`bearer_ok`, also what an
-  HTTP front checks its header with). The public API takes one to admit its
-  clients; a verifier or drafter takes one to admit only its orchestrators,
-  which send it with ``--backend-token-file`` (:func:`with_bearer`).
-  ``kakeya serve all`` makes a fresh one per run (:func:`new_token`).
-- Mutual TLS (``runtime/security/tls.py``, ``--tls-client-ca``) is the other way to
-  authenticate a caller; both may be on.
-- A verifier or drafter listening beyond loopback with neither refuses to
-  start unless told ``--insecure`` (:func:`check_exposure`): anyone who reaches
-  such a port could open sessions and hold the server's memory.
-- :func:`peer_of` names a caller for the per-peer session caps.
-
-``docs/security.md`` has the threat model these pieces serve.
+A bearer token (``--auth-token-file``) rides as ``authorization: Bearer <token>`` and is compared in
+constant time (:func:`bearer_ok`, the HTTP front's check too): the public API admits its clients with one,
+a verifier or drafter only its orchestrators, which send it with ``--backend-token-file``
+(:func:`with_bearer`; ``serve all`` makes one per run, :func:`new_token`). Mutual TLS (``tls.py``) is the
+other way; both may be on. A verifier or drafter listening beyond loopback with neither refuses to start
+without ``--insecure`` (:func:`check_exposure`). :func:`peer_of` names a caller for the per-peer caps.
 """
 
 from __future__ import annotations

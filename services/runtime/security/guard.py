@@ -1,18 +1,10 @@
 """Registers a servicer so that bad bytes and missing credentials get clear statuses.
 
-grpc-python turns an exception in a request deserializer into ``INTERNAL:
-Exception deserializing request!``. So every method here is registered with
-no deserializer (the handler receives the raw bytes) and parses them itself:
-undecodable bytes, invalid UTF-8 in a ``string`` field included, end the RPC
-with ``INVALID_ARGUMENT``. On a streaming method each message is parsed as the
-servicer reads it, and a bad one raises :class:`~kakeya.runtime.lifecycle.RequestError`
-there (``session_stream`` turns it into the status).
-
-With a bearer token configured (``--auth-token-file``), every method of the
-service requires ``authorization: Bearer <token>`` metadata, else
-``UNAUTHENTICATED`` (``runtime/security/auth.py``), checked before the request is
-decoded. Health checking and reflection are registered elsewhere and stay
-open, so probes need no secret.
+grpc-python answers an exception in a request deserializer with ``INTERNAL``, so every method is registered
+without one and parses its raw bytes itself: undecodable bytes (invalid UTF-8 in a ``string`` field
+included) end the RPC ``INVALID_ARGUMENT``; on a stream, a bad message raises
+:class:`~kakeya.runtime.lifecycle.RequestError` where the servicer reads it. With a bearer token configured
+every method requires it (``UNAUTHENTICATED``), checked before decoding; health and reflection stay open.
 """
 
 from __future__ import annotations
