@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.batch import draft_batch
-from kakeya.verifier.batch import verify_batch
+from kakeya.verifier.batch import VerifyItem, verify_batch
 from kakeya.verifier.session import LocalVerifierSession
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
@@ -121,7 +121,7 @@ def measure(target, drafter, n: int, block: int, ctx: int, reps: int, device: st
         return out
 
     def verify_together():
-        out = verify_batch([(v, b, None) for v, b in zip(vs, blocks)])
+        out = verify_batch([VerifyItem(v, b) for v, b in zip(vs, blocks)])
         for v in vs:
             v.commit(0)
         return out

@@ -10,7 +10,7 @@ import torch
 from kakeya.backends.torch.graphs import GRAPHED_MIN_BATCH, GraphOptions
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.batch import draft_batch
-from kakeya.verifier.batch import verify_batch
+from kakeya.verifier.batch import VerifyItem, verify_batch
 from kakeya.verifier.session import LocalVerifierSession
 
 from .conftest import AUX_LAYERS, PROMPT
@@ -35,7 +35,7 @@ def test_verify_batch_runs_a_smaller_group_alone(torch_target, monkeypatch, min_
     monkeypatch.setattr(type(torch_target), "min_batch", min_batch)
     vs = [LocalVerifierSession(torch_target, AUX_LAYERS, CachePolicy()) for _ in range(2)]
     firsts = [v.prefill(PROMPT[:n])[0] for v, n in zip(vs, (9, 15))]
-    got = verify_batch([(v, [f, 61, 62], None) for v, f in zip(vs, firsts)])
+    got = verify_batch([VerifyItem(v, [f, 61, 62]) for v, f in zip(vs, firsts)])
     alone = []
     for n, f in zip((9, 15), firsts):
         s = LocalVerifierSession(torch_target, AUX_LAYERS, CachePolicy())
