@@ -9,7 +9,7 @@ import torch
 
 from kakeya.backends.torch.graphs import GRAPHED_MIN_BATCH, GraphOptions
 from kakeya.core.request import CachePolicy
-from kakeya.drafter.batch import draft_batch
+from kakeya.drafter.batch import DraftItem, draft_batch
 from kakeya.verifier.batch import VerifyItem, verify_batch
 from kakeya.verifier.session import LocalVerifierSession
 
@@ -57,7 +57,7 @@ def test_draft_batch_runs_a_smaller_group_alone(torch_drafter, monkeypatch, min_
     width = model.config.aux_width
     aux = [torch.randn(n, width, generator=torch.Generator().manual_seed(n)) for n in (7, 12)]
     ss = [torch_drafter.open_session() for _ in range(2)]
-    got = draft_batch([(s, a, 5, 6) for s, a in zip(ss, aux)])
+    got = draft_batch([DraftItem(s, a, 5, 6) for s, a in zip(ss, aux)])
     alone = [torch_drafter.open_session().draft(a, 5, 6) for a in aux]
     assert got == alone
     assert (2 in calls) == batched  # one forward over both sessions' blocks, or each alone
