@@ -38,18 +38,9 @@ def _normed(x, w_ptr, offs, mask, H, eps, HAS_WEIGHT: tl.constexpr, QWEN3: tl.co
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,
-    w_ptr,
-    y_ptr,
-    x_row,
-    y_row,
-    H,
-    eps,
-    HAS_WEIGHT: tl.constexpr,
-    QWEN3: tl.constexpr,
-    DTYPE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    x_ptr, w_ptr, y_ptr, x_row, y_row, H, eps,
+    HAS_WEIGHT: tl.constexpr, QWEN3: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -60,25 +51,10 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _add_rms_norm_kernel(
-    res_ptr,
-    b_ptr,
-    bw_ptr,
-    s_ptr,
-    w_ptr,
-    h_ptr,
-    y_ptr,
-    res_row,
-    b_row,
-    out_row,
-    H,
-    eps,
-    NORM_BRANCH: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    QWEN3: tl.constexpr,
-    DTYPE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    res_ptr, b_ptr, bw_ptr, s_ptr, w_ptr, h_ptr, y_ptr, res_row, b_row, out_row, H, eps,
+    NORM_BRANCH: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, QWEN3: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
