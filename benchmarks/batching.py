@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kakeya.core.request import CachePolicy
-from kakeya.drafter.batch import draft_batch
-from kakeya.verifier.batch import verify_batch
+from kakeya.drafter.batch import DraftItem, draft_batch
+from kakeya.verifier.batch import VerifyItem, verify_batch
 from kakeya.verifier.session import LocalVerifierSession
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
@@ -121,7 +121,7 @@ def measure(target, drafter, n: int, block: int, ctx: int, reps: int, device: st
         return out
 
     def verify_together():
-        out = verify_batch([(v, b, None) for v, b in zip(vs, blocks)])
+        out = verify_batch([VerifyItem(v, b) for v, b in zip(vs, blocks)])
         for v in vs:
             v.commit(0)
         return out
@@ -130,7 +130,7 @@ def measure(target, drafter, n: int, block: int, ctx: int, reps: int, device: st
         return [d.draft(a, b[0], block) for d, a, b in zip(ds, one_aux, blocks)]
 
     def draft_together():
-        return draft_batch([(d, a, b[0], block) for d, a, b in zip(ds, one_aux, blocks)])
+        return draft_batch([DraftItem(d, a, b[0], block) for d, a, b in zip(ds, one_aux, blocks)])
 
     for fn in (verify_alone, verify_together, draft_alone, draft_together):  # warm-up (graphs, allocator)
         fn()

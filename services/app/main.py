@@ -152,14 +152,16 @@ def _compare_ar(engine, req, gen) -> dict:
         reference = f"kakeya block size 1, same cache policy ({policy.label if policy else 'default'})"
         reference += "" if req.sampling.greedy else ", AR sampling with the same seed (coupled rule: the same tokens)"
         reference += "" if req.constraint is None else ", the same constraint"
-    ar_tok_s = (len(ar_ids) - 1) / decode_s if decode_s > 0 and len(ar_ids) > 1 else 0.0
-    return {
-        "ar_reference": reference,
-        "ar_token_ids": ar_ids,
-        "ar_decode_tok_s": round(ar_tok_s, 3),
-        "lossless": ar_ids == gen.token_ids,
-        "speedup": round(gen.decode_tok_s / ar_tok_s, 4) if ar_tok_s else 0.0,
-    }
+    keys = ("ar_token_ids", "ar_decode_tok_s", "lossless", "speedup")
+    return {"ar_reference": reference, **_beside(gen, ar_ids, decode_s, keys)}
+
+
+def _beside(gen, ids, decode_s: float, keys: tuple[str, ...]) -> dict:
+    """A reference run beside ours, under ``keys``: its tokens, its decode rate, whether ours are the same, our
+    speedup over it."""
+    tok_s = (len(ids) - 1) / decode_s if decode_s > 0 and len(ids) > 1 else 0.0
+    speedup = round(gen.decode_tok_s / tok_s, 4) if tok_s else 0.0
+    return dict(zip(keys, (ids, round(tok_s, 3), ids == gen.token_ids, speedup), strict=True))
 
 
 def _compare_transformers(engine, req, gen, args) -> dict:
@@ -185,14 +187,8 @@ def _compare_transformers(engine, req, gen, args) -> dict:
     stop = engine.stop_ids(req)
     greedy_reference(model, req.prompt_ids, 4, stop)  # its warm-up, as ours had one
     ids, _, decode_s = greedy_reference(model, req.prompt_ids, req.max_tokens, stop)
-    tok_s = (len(ids) - 1) / decode_s if decode_s > 0 and len(ids) > 1 else 0.0
-    return {
-        "hf_reference": NAME,
-        "hf_token_ids": ids,
-        "hf_decode_tok_s": round(tok_s, 3),
-        "hf_identical": ids == gen.token_ids,
-        "speedup_over_hf": round(gen.decode_tok_s / tok_s, 4) if tok_s else 0.0,
-    }
+    keys = ("hf_token_ids", "hf_decode_tok_s", "hf_identical", "speedup_over_hf")
+    return {"hf_reference": NAME, **_beside(gen, ids, decode_s, keys)}
 
 
 def register_generate(sub) -> None:

@@ -104,8 +104,13 @@ def _require_int(cfg: dict[str, Any], key: str, where: str, what: str) -> int:
 
 def load_target_config(path: str | Path) -> dict[str, Any]:
     """Read a Gemma-4 target's config (the ``text_config`` of a multimodal one): :func:`target_config`."""
-    d, raw = _read_config(path, "target")
-    cfg = target_config(raw, d)
+    return _load(path, "target", target_config)
+
+
+def _load(path: str | Path, what: str, reading) -> dict[str, Any]:
+    """``reading`` of the config at ``path`` (``what``: "target" / "draft", for errors), its directory kept."""
+    d, raw = _read_config(path, what)
+    cfg = reading(raw, d)
     cfg[PATH_KEY] = str(d)
     return cfg
 
@@ -267,10 +272,7 @@ def chat_template_source(d: str | Path) -> str | None:
 
 def load_draft_config(path: str | Path) -> dict[str, Any]:
     """Read a DFlash drafter's config: :func:`draft_config`."""
-    d, raw = _read_config(path, "draft")
-    cfg = draft_config(raw, d)
-    cfg[PATH_KEY] = str(d)
-    return cfg
+    return _load(path, "draft", draft_config)
 
 
 def draft_config(raw: dict[str, Any], directory: str | Path | None = None) -> dict[str, Any]:

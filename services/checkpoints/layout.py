@@ -108,6 +108,18 @@ def find_text_tensors(names: Iterable[str], ckpt: str | Path = "") -> TextTensor
     return TextTensors(prefix, embed, head)
 
 
+def torch_text_tensors(ckpt: str | Path, what: str) -> tuple[dict[str, Path], TextTensors]:
+    """:func:`tensor_files` and :func:`find_text_tensors` of a target the torch backend reads (``what``: which of
+    its tensors, for the error): MLX-quantized ones it refuses by name."""
+    names = tensor_files(ckpt)
+    if is_quantized(names):
+        raise ValueError(
+            f"target checkpoint {ckpt}: MLX-quantized {what} (.scales beside packed weights, mlx_lm.convert -q) are"
+            " read by the MLX backend only; use --backend mlx, or the unquantized checkpoint on torch"
+        )
+    return names, find_text_tensors(names, ckpt)
+
+
 def _find(names: set[str], known: tuple[str, ...], suffix: str) -> str | None:
     for n in known:
         if f"{n}.weight" in names:

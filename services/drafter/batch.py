@@ -25,36 +25,54 @@ either way.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kakeya.core.contract import Draft, Predrafts
 from kakeya.drafter.session import LocalDrafterSession, draft_together, predrafts
 
 
-def draft_batch(
-    items: Sequence[tuple[LocalDrafterSession, Any, int, int] | tuple[LocalDrafterSession, Any, int, int, tuple, int]],
-) -> list[Draft | Predrafts | Exception]:
-    """``items``: (session, new_aux, last_token, block_size) each, and two more elements for a pre-draft:
-    the candidates still being verified and the alternatives asked for (``LocalDrafterSession.predraft``).
-    One result per item, in order: its ``Draft`` (a pre-draft's ``Predrafts``), or the exception it
-    raised (to be raised to that item's caller alone)."""
+@dataclass(frozen=True, slots=True)
+class DraftItem:
+    """One session's draft call: extend its context by ``new_aux`` (None: no new rows), then draft
+    ``block_size - 1`` tokens after ``last_token`` (``LocalDrafterSession.draft``)."""
+
+    session: LocalDrafterSession
+    new_aux: Any
+    last_token: int
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class PredraftItem(DraftItem):
+    """A pre-draft (``LocalDrafterSession.predraft``): ``last_token`` opens the block whose candidates
+    ``pending`` are still being verified; ``alternatives`` as asked for."""
+
+    pending: tuple[int, ...]
+    alternatives: int
+
+
+def draft_batch(items: Sequence[DraftItem]) -> list[Draft | Predrafts | Exception]:
+    """One result per item, in order: its ``Draft`` (a :class:`PredraftItem`'s ``Predrafts``), or the
+    exception it raised (to be raised to that item's caller alone)."""
     results: list[Any] = [None] * len(items)
     groups: dict[int, list] = {}  # sessions of one loaded model batch together
     seen: set[int] = set()
-    for i, (session, new_aux, last_token, block_size, *ahead) in enumerate(items):
+    for i, item in enumerate(items):
+        session, ahead = item.session, isinstance(item, PredraftItem)
         try:
             if id(session) in seen:
                 raise ValueError("a session drafts at most once per batch (its next block needs this one's tokens)")
             if ahead:
-                pending, alternatives = ahead
-                calls = session.check_predraft(new_aux, [last_token, *pending], block_size, alternatives)
+                opening = [item.last_token, *item.pending]
+                calls = session.check_predraft(item.new_aux, opening, item.block_size, item.alternatives)
             else:
-                calls = [session.check(new_aux, last_token, block_size)]
+                calls = [session.check(item.new_aux, item.last_token, item.block_size)]
         except Exception as exc:  # noqa: BLE001 -- this item's own failure, reported to its caller
             results[i] = exc
             continue
         seen.add(id(session))
-        groups.setdefault(id(session.model), []).append((i, calls, bool(ahead)))
+        groups.setdefault(id(session.model), []).append((i, calls, ahead))
     for group in groups.values():
         first = group[0][1][0].session.model
         if len(group) >= first.min_batch:

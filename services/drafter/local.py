@@ -16,7 +16,7 @@ from kakeya.core.contract import Draft, SessionOptions
 from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import SamplingParams
 from kakeya.drafter.backend import DraftModel, bind
-from kakeya.drafter.batch import draft_batch
+from kakeya.drafter.batch import DraftItem, draft_batch
 from kakeya.drafter.session import PREDRAFT_BLOCKS, WARM_BLOCK_SIZES, LocalDrafterSession, check_predraft_blocks
 
 
@@ -47,7 +47,7 @@ class LocalDrafter:
 
     @staticmethod
     def draft_batch(items: Sequence[tuple[LocalDrafterSession, Any, int, int]]) -> list[Draft | Exception]:
-        return draft_batch(items)
+        return draft_batch([DraftItem(*item) for item in items])
 
     def warm_up(self, block_sizes: Iterable[int] = WARM_BLOCK_SIZES, ctx: int = 64, aux=None) -> float:
         """One short session drafting each block size once, before serving; returns the seconds it took.

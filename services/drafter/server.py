@@ -24,13 +24,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from kakeya.core.contract import Predrafts, SessionOptions, check_alternatives, check_ranked
-from kakeya.drafter.batch import draft_batch
+from kakeya.drafter.batch import DraftItem, PredraftItem, draft_batch
 from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.drafter.session import PREDRAFT_BLOCKS, check_predraft_blocks
 from kakeya.runtime import bounds
@@ -214,7 +215,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 finally:
                     if slot is not None:
                         slot.lock.release()
-                resp = pb.DrafterResponse(predrafted=predrafted_proto(found, len(item[-2]), stats))
+                resp = pb.DrafterResponse(predrafted=predrafted_proto(found, len(item[1].pending), stats))
             elif kind == "close":
                 stats = yield from self._compute(every, self._stats, session)
                 yield pb.DrafterResponse(
@@ -250,7 +251,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
             raise invalid(f"draft.block_size must be 0 (default) or 1..{self.max_block_size}, got {d.block_size}")
         if self.registry.max_kv_bytes:  # a session that holds a context grows only if room is left now
             self.registry.reserve(entry, self._context_bytes(session, shape[0]), wait=session.cache.length == 0)
-        return entry, session, d.new_aux, d.last_token, block
+        return entry, DraftItem(session, d.new_aux, d.last_token, block)  # new_aux: decoded on the compute thread
 
     def _check_aux(self, tensor, session, field: str) -> tuple:
         """A Draft's or Predraft's new aux: a float [n, aux width] tensor within --max-context (INVALID_ARGUMENT);
@@ -282,7 +283,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         return shape
 
     def _predraft_item(self, entry, session, p, vocab: int) -> tuple:
-        """A checked Predraft as a ``draft_batch`` item (its last two elements: the pending candidates, the alternatives)."""
+        """A checked Predraft as a ``_draft_batch`` item."""
         if session.rule is not None:
             raise precondition("predraft: pre-drafting is for greedy sessions (open.sampling is set)")
         if session.cache.length == 0:
@@ -301,7 +302,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         except ValueError as exc:
             raise invalid(str(exc)) from None
         aux = p.new_aux if p.HasField("new_aux") else None
-        return entry, session, aux, ids[0], p.block_size, tuple(ids[1:]), p.alternatives
+        return entry, PredraftItem(session, aux, ids[0], p.block_size, tuple(ids[1:]), p.alternatives)
 
     # -- compute-thread steps --------------------------------------------------------------
 
@@ -316,22 +317,22 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         return pb.DrafterStats(context_positions=session.cache.length, kv_bytes=session.cache.nbytes)
 
     def _draft_batch(self, items: list) -> list:
-        """The Draft requests that queued up together, as one batch; one result (or exception) per item."""
+        """The Draft requests that queued up together (``(entry, DraftItem)`` each, its aux still the wire's), as
+        one batch; one result (or exception) per item."""
         decoded = []
-        for _, session, tensor, last_token, block, *pending in items:
+        for _, item in items:
             try:
-                aux = None if tensor is None else self._decode(tensor)
-                decoded.append((session, aux, int(last_token), int(block), *pending))
+                decoded.append(replace(item, new_aux=None if item.new_aux is None else self._decode(item.new_aux)))
             except Exception as exc:  # noqa: BLE001 -- this stream's own failure
                 decoded.append(exc)
         drafted = iter(draft_batch([w for w in decoded if not isinstance(w, Exception)]))
         results = []
-        for (entry, session, *_), w in zip(items, decoded):
+        for (entry, item), w in zip(items, decoded):
             draft = w if isinstance(w, Exception) else next(drafted)
             if isinstance(draft, Exception):
                 results.append(draft)
                 continue
-            stats = self._stats(session)
+            stats = self._stats(item.session)
             if not entry.closed:
                 entry.cache_bytes = stats.kv_bytes
             results.append((draft, stats))

@@ -3,8 +3,8 @@
 ``decide_batch(items)`` is :meth:`LocalVerifierSession.decide` for many sessions at
 once (what the verifier server runs for the steps that queued up together), and
 ``verify_batch(items)`` its first half, :meth:`LocalVerifierSession.verify`; each item
-of that is ``(session, block_ids, proposal)`` and gets back exactly what its own
-``verify`` would have returned or raised:
+of that is a :class:`VerifyItem` and gets back exactly what its own ``verify`` would
+have returned or raised:
 
 * every item is validated as ``verify`` validates it; a bad one gets its own
   ValueError / RuntimeError as its result and the others still run;
@@ -36,11 +36,19 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kakeya.core.contract import Draft, Verdict
+from kakeya.core.contract import Draft, Proposal, Verdict
 from kakeya.verifier.backend import greedy_batch
 from kakeya.verifier.session import LocalVerifierSession, verdict
 
-Item = tuple  # (LocalVerifierSession, block_ids, Proposal | None)
+
+@dataclass(frozen=True, slots=True)
+class VerifyItem:
+    """One session's block: ``block_ids`` its newest committed token then the draft's candidates; ``proposal``
+    the rows they were drawn from (a rejection-rule session's), else None."""
+
+    session: LocalVerifierSession
+    block_ids: Sequence[int]
+    proposal: Proposal | None = None
 
 
 @dataclass
@@ -69,15 +77,16 @@ def _count(**add: int) -> None:
             setattr(_COUNTS, k, getattr(_COUNTS, k) + v)
 
 
-def verify_batch(items: Sequence[Item]) -> list[Any]:
+def verify_batch(items: Sequence[VerifyItem]) -> list[Any]:
     """One result per item, in order: its choices, or the exception its ``verify`` would raise."""
     results: list[Any] = [None] * len(items)
     groups: dict[tuple, list[int]] = {}  # (id(target), cache batch key) -> items batched together
     alone: list[int] = []
     seen: set[int] = set()
-    for i, (session, ids, proposal) in enumerate(items):
+    for i, item in enumerate(items):
+        session = item.session
         try:
-            session.check_block(ids, proposal)
+            session.check_block(item.block_ids, item.proposal)
             if id(session) in seen:  # a session has one step in flight; never two in one forward
                 raise RuntimeError("commit the previous block before verifying another")
         except (ValueError, RuntimeError) as exc:
@@ -91,7 +100,7 @@ def verify_batch(items: Sequence[Item]) -> list[Any]:
     if alone:
         _count(alone_policy=len(alone))
     for group in groups.values():
-        if len(group) < items[group[0]][0].target.min_batch:
+        if len(group) < items[group[0]].session.target.min_batch:
             alone += group
             _count(alone_few=len(group))
             continue
@@ -103,23 +112,25 @@ def verify_batch(items: Sequence[Item]) -> list[Any]:
             for i in group:
                 results[i] = exc
     for i in alone:
-        session, ids, proposal = items[i]
         try:
-            results[i] = session.verify(ids, proposal)
+            results[i] = items[i].session.verify(items[i].block_ids, items[i].proposal)
         except Exception as exc:  # noqa: BLE001 - its own failure, its result alone
             results[i] = exc
     return results
 
 
 def decide_batch(items: Sequence[tuple[LocalVerifierSession, int, Draft]]) -> list[Verdict | Exception]:
-    """:meth:`LocalVerifierSession.decide` for many sessions at once (each item ``(session, last_token, draft)``):
-    one :func:`verify_batch`, then each verified block kept as the acceptance rule keeps it."""
-    blocks = [[last, *draft.tokens] for _, last, draft in items]
-    choices = verify_batch([(s, ids, d.proposal) for (s, _, d), ids in zip(items, blocks)])
+    """:meth:`LocalVerifierSession.decide` for many sessions at once (each item ``(session, last_token, draft)``,
+    the contract's ``Verifier.decide_batch``): :func:`decide` of their blocks."""
+    return decide([VerifyItem(s, [last, *d.tokens], d.proposal) for s, last, d in items])
+
+
+def decide(items: Sequence[VerifyItem]) -> list[Verdict | Exception]:
+    """One :func:`verify_batch`, then each verified block kept as the acceptance rule keeps it."""
     out: list[Verdict | Exception] = []
-    for (session, _, _), ids, c in zip(items, blocks, choices):
+    for item, c in zip(items, verify_batch(items)):
         try:
-            out.append(c if isinstance(c, Exception) else verdict(session, ids, c))
+            out.append(c if isinstance(c, Exception) else verdict(item.session, item.block_ids, c))
         except Exception as exc:  # noqa: BLE001 - its own failure, its result alone
             out.append(exc)
     return out
@@ -133,10 +144,12 @@ def batchable(session: LocalVerifierSession) -> bool:
     return session.restorer is None and session.cache.batchable
 
 
-def _together(items: Sequence[Item]) -> list[list[int]]:
-    target = items[0][0].target
-    segments = [session.forward_plan(ids) for session, ids, _ in items]
-    wanted = [s.sampling is None and s.grammar is None for s, _, _ in items]  # the step's own argmax serves these
+def _together(items: Sequence[VerifyItem]) -> list[list[int]]:
+    target = items[0].session.target
+    segments = [it.session.forward_plan(it.block_ids) for it in items]
+    wanted = [
+        it.session.sampling is None and it.session.grammar is None for it in items
+    ]  # the step's argmax serves these
     if target.static_verify:  # the batched step takes every greedy row's choice itself
         outs, greedy = target.verify_segments(segments, wanted)
     else:
@@ -145,14 +158,14 @@ def _together(items: Sequence[Item]) -> list[list[int]]:
         if rows:  # one LM head over every greedy block, split back per block
             flat, at = greedy_batch(target, [outs[j].hidden for j in rows]), 0
             for j in rows:
-                n = len(items[j][1])
+                n = len(items[j].block_ids)
                 greedy[j], at = flat[at : at + n], at + n
-    for (session, _, _), segment, out in zip(items, segments, outs):
-        session.forward_done(segment, out)
+    for it, segment, out in zip(items, segments, outs):
+        it.session.forward_done(segment, out)
     out = []
-    for j, (s, ids, proposal) in enumerate(items):
+    for it, o, g in zip(items, outs, greedy):
         try:
-            out.append(s.choose(ids, proposal, outs[j], greedy[j]))
+            out.append(it.session.choose(it.block_ids, it.proposal, o, g))
         except Exception as exc:  # noqa: BLE001 - its own failure (a sampling session's), its result alone
             out.append(exc)
     return out

@@ -41,7 +41,7 @@ from kakeya.runtime.lifecycle import (
 )
 from kakeya.runtime.rounds import RoundSlot, RoundWire, serve_round
 from kakeya.runtime.servicer import SessionLimits, SessionServicer
-from kakeya.verifier.batch import decide_batch
+from kakeya.verifier.batch import VerifyItem, decide
 from kakeya.verifier.session import check_proposal
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
@@ -72,7 +72,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
 
     def __init__(self, limits: SessionLimits = SessionLimits(), restore: bounds.RestoreSources | None = None):
         # concurrent sessions' Verify steps that queue up meanwhile run as one batched forward
-        # (batch.decide_batch); a prefill runs one chunk per job, so verifies run between chunks.
+        # (batch.decide); a prefill runs one chunk per job, so verifies run between chunks.
         # Prefix snapshots live on the device beside the sessions' K/V, outside --max-kv-bytes.
         super().__init__(limits)
         self.verifier = None  # LocalVerifier, set by load()
@@ -336,7 +336,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                 f"verify.block_ids: {session.offset} + {len(ids)} positions exceed this session's"
                 f" max_positions {max_positions} (open.max_positions / --max-context)"
             )
-        return entry, session, ids, self._proposal(session, verify, ids, vocab)
+        return entry, VerifyItem(session, ids, self._proposal(session, verify, ids, vocab))
 
     @staticmethod
     def _proposal(session, verify, ids, vocab):
@@ -384,22 +384,20 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         return int(next_token), tensor, _stats_proto(stats)
 
     def _verify_batch(self, items: list) -> list:
-        """The Verify requests that queued up together, decided as one batch (``batch.decide_batch``) and
-        answered; one ``Verified`` (or exception) per item, each item's failure its own."""
-        drafts = [Draft(tuple(ids[1:]), proposal) for _, _, ids, proposal in items]
-        verdicts = decide_batch([(session, ids[0], d) for (_, session, ids, _), d in zip(items, drafts)])
+        """The Verify requests that queued up together (``(entry, VerifyItem)`` each), decided as one batch
+        (``batch.decide``) and answered; one ``Verified`` (or exception) per item, each item's failure its own."""
+        verdicts = decide([item for _, item in items])
         out = []
-        for item, verdict in zip(items, verdicts):
+        for (entry, item), verdict in zip(items, verdicts):
             if isinstance(verdict, ConstraintError):  # the request's grammar met a budget: its own refusal
                 verdict = _unfollowable(verdict)
             try:
-                out.append(verdict if isinstance(verdict, Exception) else self._verified(item, verdict))
+                out.append(verdict if isinstance(verdict, Exception) else self._verified(entry, item.session, verdict))
             except Exception as exc:  # noqa: BLE001 - its own failure (its stream ended meanwhile), its result alone
                 out.append(exc)
         return out
 
-    def _verified(self, item, verdict) -> pb.VerifierResponse.Verified:
-        entry, session, _, _ = item
+    def _verified(self, entry, session, verdict) -> pb.VerifierResponse.Verified:
         stats = session.stats()
         self._account(entry, stats)
         return pb.VerifierResponse.Verified(

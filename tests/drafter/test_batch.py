@@ -15,7 +15,7 @@ import pytest
 from kakeya.core.contract import Draft
 from kakeya.core.request import COUPLED, MAX_BLOCK_SIZE, REJECTION, SamplingParams
 from kakeya.drafter.backend import DraftModel
-from kakeya.drafter.batch import draft_batch
+from kakeya.drafter.batch import DraftItem, draft_batch
 from kakeya.drafter.session import LocalDrafterSession
 
 BACKENDS = ("torch", "mlx")
@@ -95,7 +95,7 @@ def test_batched_drafts_equal_drafting_alone_over_consecutive_calls(backend, pai
     for call in range(8):
         work = _calls(rng, 5, width, vocab, [1, 9, 30, 70, 3] if call == 0 else [])
         want = [s.draft(_aux(backend, a), t, b) for s, (a, t, b) in zip(alone, work)]
-        got = draft_batch([(s, _aux(backend, a), t, b) for s, (a, t, b) in zip(batched, work)])
+        got = draft_batch([DraftItem(s, _aux(backend, a), t, b) for s, (a, t, b) in zip(batched, work)])
         assert got == want, f"call {call}"
         assert all(len(g.tokens) == b - 1 and g.proposal is None for g, (_, _, b) in zip(got, work))
         for a, b in zip(alone, batched):
@@ -121,13 +121,13 @@ def test_a_bad_item_fails_alone_and_block_size_one_only_extends(backend, pairs):
     first = rows(4)
     want = twin.draft(first, 7, 6)
     got = draft_batch([
-        (good, first, 7, 6),
-        (ext, rows(5), 9, 1),
-        (bad_tok, rows(2), vocab, 4),
-        (closed, rows(2), 3, 4),
-        (bad_aux, _aux(backend, np.zeros((2, width + 1), np.float32)), 3, 4),
-        (good, rows(1), 7, 4),  # the same session twice in one batch
-        (dup, rows(0), 3, 4),  # the first call of a session with no aux
+        DraftItem(good, first, 7, 6),
+        DraftItem(ext, rows(5), 9, 1),
+        DraftItem(bad_tok, rows(2), vocab, 4),
+        DraftItem(closed, rows(2), 3, 4),
+        DraftItem(bad_aux, _aux(backend, np.zeros((2, width + 1), np.float32)), 3, 4),
+        DraftItem(good, rows(1), 7, 4),  # the same session twice in one batch
+        DraftItem(dup, rows(0), 3, 4),  # the first call of a session with no aux
     ])  # fmt: skip
     assert got[0] == want and len(want.tokens) == 5
     assert got[1] == Draft(()) and ext.cache.length == 11 and ext.calls == 2
@@ -140,7 +140,7 @@ def test_a_bad_item_fails_alone_and_block_size_one_only_extends(backend, pairs):
     _same_cache(good, twin)
     # every item extending only: nothing drafted, every cache extended
     before = [s.cache.length for s in (good, ext)]
-    assert draft_batch([(good, rows(3), 1, 1), (ext, rows(2), 1, 1)]) == [Draft(()), Draft(())]
+    assert draft_batch([DraftItem(good, rows(3), 1, 1), DraftItem(ext, rows(2), 1, 1)]) == [Draft(()), Draft(())]
     assert [s.cache.length for s in (good, ext)] == [before[0] + 3, before[1] + 2]
 
 
@@ -161,7 +161,7 @@ def test_seeded_sampling_sessions_draw_the_same_draft_in_a_batch(backend, pairs)
     for call in range(4):
         work = _calls(rng, len(params), width, vocab, [5, 17, 2, 40, 9] if call == 0 else [])
         want = [s.draft(_aux(backend, a), t, b) for s, (a, t, b) in zip(alone, work)]
-        got = draft_batch([(s, _aux(backend, a), t, b) for s, (a, t, b) in zip(batched, work)])
+        got = draft_batch([DraftItem(s, _aux(backend, a), t, b) for s, (a, t, b) in zip(batched, work)])
         for g, w, p in zip(got, want, params):
             assert g.tokens == w.tokens
             if p is None or p.rule == COUPLED:  # greedy or coupled: candidates only

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kakeya.drafter import session as drafter_session
-from kakeya.drafter.batch import draft_batch
+from kakeya.drafter.batch import DraftItem, PredraftItem, draft_batch
 from kakeya.drafter.session import DraftCall, LocalDrafterSession, draft_together
 
 from .test_batch import BACKENDS, _aux, _load
@@ -107,7 +107,7 @@ def test_a_batched_predraft_prepares_what_it_does_alone(backend, pair):
     for s in (other, other2):
         s.draft(_aux(backend, rows[2]), 6, 4)
     want = [a2.predraft(None, [9, *d.tokens], 8, 3)(), other2.draft(_aux(backend, rows[1]), 2, 4)]
-    got = draft_batch([(a, None, 9, 8, d.tokens, 3), (other, _aux(backend, rows[1]), 2, 4)])
+    got = draft_batch([PredraftItem(a, None, 9, 8, d.tokens, 3), DraftItem(other, _aux(backend, rows[1]), 2, 4)])
     assert got == want and len(got[0].blocks) == drafter_session.PREDRAFT_BLOCKS
 
 
@@ -119,7 +119,7 @@ def test_bad_alternatives_are_refused_naming_the_field(backend, pair):
     for bad in (-1, 5):
         with pytest.raises(ValueError, match="alternatives"):
             s.predraft(None, [3, *d.tokens], 4, bad)
-    assert draft_batch([(s, None, 3, 4, d.tokens, 9)])[0].args[0].startswith("alternatives")
+    assert draft_batch([PredraftItem(s, None, 3, 4, d.tokens, 9)])[0].args[0].startswith("alternatives")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="the kernels need triton (Linux only; no ma
 
 from kakeya.checkpoints.tiny import make_tiny
 from kakeya.core.request import CachePolicy
-from kakeya.verifier.batch import verify_batch
+from kakeya.verifier.batch import VerifyItem, verify_batch
 from kakeya.verifier.session import LocalVerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch
 
@@ -57,8 +57,8 @@ def test_kernel_attention_decodes_as_the_eager_step(targets, monkeypatch):
         for pair, last in chosen:
             L = int(rng.integers(1, pair[0].policy.slack + 1))
             blocks.append([last] + [int(t) for t in rng.integers(3, 1000, L - 1)])
-        got = verify_batch([(pair[0], b, None) for (pair, _), b in zip(chosen, blocks)])
-        want = verify_batch([(pair[1], b, None) for (pair, _), b in zip(chosen, blocks)])
+        got = verify_batch([VerifyItem(pair[0], b) for (pair, _), b in zip(chosen, blocks)])
+        want = verify_batch([VerifyItem(pair[1], b) for (pair, _), b in zip(chosen, blocks)])
         assert got == want, f"round {r}"
         for j, ((pair, _), b, c) in enumerate(zip(chosen, blocks, want)):
             keep = int(rng.integers(1, len(b) + 1))
@@ -98,14 +98,14 @@ def test_captured_batches_decode_as_the_eager_step(tmp_path):
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
-                    got = verify_batch([(p[0], b, None) for p, b in zip(pairs, blocks)])
+                    got = verify_batch([VerifyItem(p[0], b) for p, b in zip(pairs, blocks)])
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
             assert len(syncs) <= 1, syncs
         else:
-            got = verify_batch([(p[0], b, None) for p, b in zip(pairs, blocks)])
-        want = verify_batch([(p[1], b, None) for p, b in zip(pairs, blocks)])
+            got = verify_batch([VerifyItem(p[0], b) for p, b in zip(pairs, blocks)])
+        want = verify_batch([VerifyItem(p[1], b) for p, b in zip(pairs, blocks)])
         assert got == want, f"round {r}"
         for j, (p, b, c) in enumerate(zip(pairs, blocks, want)):
             keep = int(rng.integers(1, len(b) + 1))

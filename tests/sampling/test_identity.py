@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, CachePolicy, Request, SamplingParams
-from kakeya.drafter.batch import draft_batch
+from kakeya.drafter.batch import DraftItem, draft_batch
 from kakeya.orchestrator.decode.block_sizing import BlockSizer, CostCurve
 from kakeya.orchestrator.decode.engine import Engine
 from kakeya.orchestrator.decode.loop import run
@@ -121,7 +121,7 @@ def lockstep(verifier, drafter, specs, block_size: int) -> list[list[int]]:
         tokens.append([first])
         aux.append(prompt_aux)
     while live:
-        drafts = draft_batch([(sessions[i][1], aux[i], tokens[i][-1], block_size) for i in live])
+        drafts = draft_batch([DraftItem(sessions[i][1], aux[i], tokens[i][-1], block_size) for i in live])
         blocks = [[tokens[i][-1], *draft.tokens] for i, draft in zip(live, drafts)]
         verdicts = decide_batch([(sessions[i][0], ids[0], d) for i, ids, d in zip(live, blocks, drafts)])
         for i, ids, verdict in zip(live, blocks, verdicts):

@@ -99,7 +99,7 @@ def test_a_long_prefill_lets_another_streams_verify_run_between_its_chunks(serve
     long_prompt = _prompt(2, 4 * PREFILL_CHUNK + 100)  # five chunks
     events: list[str] = []  # what the compute thread ran, in order
     first_chunk = threading.Event()
-    real_chunk, real_batch = v._prefill_chunk, verifier_server.decide_batch
+    real_chunk, real_batch = v._prefill_chunk, verifier_server.decide
 
     def chunk(entry, session, steps):
         events.append("chunk")
@@ -113,7 +113,7 @@ def test_a_long_prefill_lets_another_streams_verify_run_between_its_chunks(serve
         return real_batch(items)
 
     monkeypatch.setattr(v, "_prefill_chunk", chunk)
-    monkeypatch.setattr(verifier_server, "decide_batch", batch)
+    monkeypatch.setattr(verifier_server, "decide", batch)
     long = client.open_session()
     with ThreadPoolExecutor(2) as ex:
         prefilled = ex.submit(long.prefill, long_prompt)

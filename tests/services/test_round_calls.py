@@ -15,7 +15,7 @@ import pytest
 importlib.import_module("torch")
 
 from kakeya.core.contract import Draft, Verdict
-from kakeya.orchestrator.remote import verifier as remote
+from kakeya.orchestrator.remote import streams as remote
 from kakeya.orchestrator.remote.streams import BackendError
 from kakeya.orchestrator.remote.verifier import GrpcVerifier
 from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kakeya.core.request import REJECTION, CachePolicy, SamplingParams
-from kakeya.verifier.batch import verify_batch
+from kakeya.verifier.batch import VerifyItem, verify_batch
 from kakeya.verifier.session import LocalVerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch
 
@@ -108,12 +108,12 @@ def test_a_bad_item_fails_alone_and_the_rest_run(torch_target):
     sampler.prefill(PROMPT)
     block = [9, 10, 11]
     items = [
-        (good[0], block, None),
-        (good[1], [], None),  # empty block
-        (pending, block, None),
-        (good[2], block, None),
-        (sampler, block, None),  # no proposal
-        (good[0], block, None),  # the same session twice in one batch
+        VerifyItem(good[0], block),
+        VerifyItem(good[1], []),  # empty block
+        VerifyItem(pending, block),
+        VerifyItem(good[2], block),
+        VerifyItem(sampler, block),  # no proposal
+        VerifyItem(good[0], block),  # the same session twice in one batch
     ]
     got = verify_batch(items)
     want = ref.verify(block)
@@ -138,7 +138,7 @@ def test_a_session_moving_between_batched_and_lone_verifies_matches_one_always_a
         block = [last] + [int(c) for c in rng.integers(3, torch_target.args.vocab_size, int(rng.integers(0, 8)))]
         want = alone.verify(block)
         if r % 3:  # batched with another session: the dynamic forward
-            got, theirs = verify_batch([(moving, block, None), (other, [other_last, 5, 6], None)])
+            got, theirs = verify_batch([VerifyItem(moving, block), VerifyItem(other, [other_last, 5, 6])])
             other.commit(1)
             other_last = theirs[0]
         else:  # alone: the static step
@@ -157,5 +157,5 @@ def test_a_batch_of_one_takes_the_static_step(torch_target, monkeypatch):
     calls = []
     real = torch_target.verify_static
     monkeypatch.setattr(torch_target, "verify_static", lambda *a: calls.append(1) or real(*a))
-    (choices,) = verify_batch([(s, [5, 6, 7], None)])
+    (choices,) = verify_batch([VerifyItem(s, [5, 6, 7])])
     assert len(choices) == 3 and calls == [1]

@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kakeya.core.contract import Draft
-from kakeya.drafter.batch import draft_batch
+from kakeya.drafter.batch import DraftItem, draft_batch
 from kakeya.drafter.local import TorchDrafter
 
 SIZES = [1 + (5 * k) % 16 for k in range(16)]  # every block size 1..16 once: ragged rows, extensions alone
@@ -95,11 +95,11 @@ def test_sixteen_sessions_draft_with_the_device_operations_of_one(drafter, monke
     auxs = [_aux(drafter, 1 + k % 4, 100 + k) for k in range(16)]  # (made outside: not the draft's own work)
 
     def batch():
-        got = draft_batch([(s, a, 7 + k, B) for k, (s, a, B) in enumerate(zip(many, auxs, SIZES))])
+        got = draft_batch([DraftItem(s, a, 7 + k, B) for k, (s, a, B) in enumerate(zip(many, auxs, SIZES))])
         assert [len(g.tokens) for g in got] == [B - 1 for B in SIZES], got
 
     def alone():
-        (got,) = draft_batch([(one, auxs[0], 7, 8)])
+        (got,) = draft_batch([DraftItem(one, auxs[0], 7, 8)])
         assert isinstance(got, Draft) and len(got.tokens) == 7
 
     batch(), alone()  # warm

@@ -9,8 +9,8 @@ import torch
 
 from kakeya.backends.torch.graphs import GRAPHED_MIN_BATCH, GraphOptions
 from kakeya.core.request import CachePolicy
-from kakeya.drafter.batch import draft_batch
-from kakeya.verifier.batch import verify_batch
+from kakeya.drafter.batch import DraftItem, draft_batch
+from kakeya.verifier.batch import VerifyItem, verify_batch
 from kakeya.verifier.session import LocalVerifierSession
 
 from .conftest import AUX_LAYERS, PROMPT
@@ -35,7 +35,7 @@ def test_verify_batch_runs_a_smaller_group_alone(torch_target, monkeypatch, min_
     monkeypatch.setattr(type(torch_target), "min_batch", min_batch)
     vs = [LocalVerifierSession(torch_target, AUX_LAYERS, CachePolicy()) for _ in range(2)]
     firsts = [v.prefill(PROMPT[:n])[0] for v, n in zip(vs, (9, 15))]
-    got = verify_batch([(v, [f, 61, 62], None) for v, f in zip(vs, firsts)])
+    got = verify_batch([VerifyItem(v, [f, 61, 62]) for v, f in zip(vs, firsts)])
     alone = []
     for n, f in zip((9, 15), firsts):
         s = LocalVerifierSession(torch_target, AUX_LAYERS, CachePolicy())
@@ -57,7 +57,7 @@ def test_draft_batch_runs_a_smaller_group_alone(torch_drafter, monkeypatch, min_
     width = model.config.aux_width
     aux = [torch.randn(n, width, generator=torch.Generator().manual_seed(n)) for n in (7, 12)]
     ss = [torch_drafter.open_session() for _ in range(2)]
-    got = draft_batch([(s, a, 5, 6) for s, a in zip(ss, aux)])
+    got = draft_batch([DraftItem(s, a, 5, 6) for s, a in zip(ss, aux)])
     alone = [torch_drafter.open_session().draft(a, 5, 6) for a in aux]
     assert got == alone
     assert (2 in calls) == batched  # one forward over both sessions' blocks, or each alone

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kakeya.core.request import CachePolicy
-from kakeya.verifier.batch import counts, verify_batch
+from kakeya.verifier.batch import VerifyItem, counts, verify_batch
 from kakeya.verifier.session import LocalVerifierSession
 from kakeya.verifier.torch_backend import batch_step
 from kakeya.verifier.torch_backend.target import TargetTorch
@@ -56,7 +56,7 @@ def _sessions(target, n: int, policies=(CachePolicy(), SINK)) -> tuple[list, lis
 
 
 def _items(sessions, lasts, sizes):
-    return [(s, [t] + [10 + j for j in range(L - 1)], None) for s, t, L in zip(sessions, lasts, sizes)]
+    return [VerifyItem(s, [t] + [10 + j for j in range(L - 1)]) for s, t, L in zip(sessions, lasts, sizes)]
 
 
 def _counted(fn):

@@ -14,7 +14,7 @@ import numpy as np
 
 from kakeya.core.contract import Proposal
 from kakeya.core.request import REJECTION
-from kakeya.verifier.batch import verify_batch
+from kakeya.verifier.batch import VerifyItem, verify_batch
 from kakeya.verifier.session import LocalVerifierSession
 
 
@@ -48,7 +48,7 @@ def lockstep(target, aux_layers, specs, rounds: int, seed: int = 0, close=np.tes
             block = [last[k]] + cands
             prop = proposal_for(cands, vocab) if a.sampling is not None and a.sampling.rule == REJECTION else None
             refs.append(a.verify(block, prop))
-            items.append((b, block, prop))
+            items.append(VerifyItem(b, block, prop))
             valid = refs[-1].index(-1) if -1 in refs[-1] else L  # rejection rule: -1 after the first rejection
             keeps.append(int(rng.integers(1, valid + 1)))
         got = verify_batch(items)

@@ -179,14 +179,7 @@ class sdpa_backends:
 
 
 def sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    *,
-    fold: bool | None = None,
-    chunks: int | None = None,
+    q, k, v, mask: torch.Tensor | None, scale: float, *, fold: bool | None = None, chunks: int | None = None
 ) -> torch.Tensor:
     """The one scaled-dot-product attention call of the target and the drafter (GQA when the
     head counts differ); callers run it inside :func:`sdpa_backends`. ``fold`` (:func:`folds`)
@@ -207,14 +200,7 @@ def folds(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
     return q.is_cuda and (mask is None or mask.dim() == 2)
 
 
-def sdpa_folded(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    chunks: int | None = None,
-) -> torch.Tensor:
+def sdpa_folded(q, k, v, mask: torch.Tensor | None, scale: float, chunks: int | None = None) -> torch.Tensor:
     """Attention with each KV head's query heads folded into its query rows (``mask``: None or
     ``[L, K]``), so every K/V head is read once: what CUDA runs.
 
@@ -246,14 +232,7 @@ def split_count(n_keys: int) -> int:
     return next((c for c in (32, 16, 8, 4, 2) if n_keys % c == 0 and n_keys // c >= 64), 1)
 
 
-def decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    chunks: int | None = None,
-) -> torch.Tensor:
+def decode_attention(q, k, v, mask: torch.Tensor | None, scale: float, chunks: int | None = None) -> torch.Tensor:
     """Attention for a few query rows over a long cache: two GEMMs and a float32 softmax.
 
     The fused kernels parallelise over query blocks and heads: with a handful of

@@ -9,7 +9,7 @@ import torch
 
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype
 from kakeya.checkpoints.config import load_target_config
-from kakeya.checkpoints.layout import find_text_tensors, is_quantized, shard_files, tensor_files
+from kakeya.checkpoints.layout import shard_files, torch_text_tensors
 from kakeya.drafter.backend import bind
 from kakeya.drafter.config import DFlashConfig
 from kakeya.drafter.torch_backend.model import DFlashDraftModel, TargetHead, rope_inv_freq
@@ -21,13 +21,7 @@ def load_target_head(target_dir: str | Path, device=None, dtype=None) -> TargetH
 
     target_dir = Path(target_dir)
     device, dtype = resolve_device(device), resolve_dtype(dtype)
-    names = tensor_files(target_dir)
-    if is_quantized(names):
-        raise ValueError(
-            f"target checkpoint {target_dir}: MLX-quantized embedding / LM head (mlx_lm.convert -q) are read by"
-            " the MLX drafter only; use --backend mlx"
-        )
-    where = find_text_tensors(names, target_dir)
+    names, where = torch_text_tensors(target_dir, "embedding / LM head")
 
     def get(name: str) -> torch.Tensor:
         with safe_open(str(names[name]), framework="pt") as sf:

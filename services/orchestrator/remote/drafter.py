@@ -18,21 +18,9 @@ import grpc
 
 from kakeya.core.contract import Draft, DrafterStats, Predrafts, SessionOptions, WireStats
 from kakeya.core.request import SamplingParams
-from kakeya.orchestrator.decode.loop import each
 from kakeya.orchestrator.remote.deadlines import StepClock
-from kakeya.orchestrator.remote.streams import (
-    BackendError,
-    Reply,
-    Stream,
-    backend_channel,
-    backend_healthy,
-    call_round,
-    call_unary,
-    fetch_info,
-    round_deadline,
-    status_code,
-)
-from kakeya.orchestrator.remote.verifier import _ON_STREAM, _RETRY_ON_STREAM, ROUND_MIN, _tensor, round_call_lost
+from kakeya.orchestrator.remote.streams import BackendError, RemoteBackend, Reply, Stream
+from kakeya.orchestrator.remote.verifier import _tensor
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import drafter_pb2 as dpb
 from kakeya.wire.kakeya.v1 import drafter_pb2_grpc
@@ -74,7 +62,7 @@ class GrpcDrafterSession:
     """
 
     def __init__(self, drafter: GrpcDrafter, sampling: SamplingParams | None, options: SessionOptions):
-        self.drafter = drafter
+        self.drafter = self.client = drafter
         self._timeout, self._request_id = options.timeout, options.request_id
         self._sampling = sampling if sampling is not None and not sampling.greedy else None
         self._ranked = options.ranked
@@ -150,29 +138,31 @@ class GrpcDrafterSession:
         return exc
 
     def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
-        return self._drafted(self._post_draft(new_aux, last_token, block_size))
+        return self._finish(self._post(new_aux, last_token, block_size))
 
-    def _post_draft(self, new_aux, last_token: int, block_size: int) -> tuple[float, int, Reply]:
-        """Send the draft call now (a batch sends every session's before it waits for any)."""
-        tensor = _tensor(new_aux)
-        d = dpb.DrafterRequest.Draft(
-            new_aux=tensor, last_token=last_token, block_size=block_size, resume_at=self._resume_at
+    def _step_msg(self, new_aux, last_token: int, block_size: int) -> dpb.DrafterRequest.Draft:
+        return dpb.DrafterRequest.Draft(
+            new_aux=_tensor(new_aux), last_token=last_token, block_size=block_size, resume_at=self._resume_at
         )
-        req = dpb.DrafterRequest(draft=d)
-        rows = int(tensor.shape[0]) if self._first and len(tensor.shape) else 0  # the first draft takes the prompt
+
+    def _post(self, new_aux, last_token: int, block_size: int) -> tuple[float, int, Reply]:
+        """Send the draft call now (a batch sends every session's before it waits for any)."""
+        req = dpb.DrafterRequest(draft=self._step_msg(new_aux, last_token, block_size))
+        shape = req.draft.new_aux.shape
+        rows = int(shape[0]) if self._first and len(shape) else 0  # the first draft takes the prompt
         reply = self._guarded(lambda: self._stream().post(req, "drafted"))
         return time.perf_counter(), rows, reply
 
-    def _drafted(self, posted: tuple[float, int, Reply]) -> Draft:
+    def _finish(self, posted: tuple[float, int, Reply]) -> Draft:
         t0, rows, reply = posted
         clock = self.drafter.clock
         r = self._guarded(lambda: self._s.wait(reply, clock.timeout(prefill_tokens=rows)))
         clock.record(time.perf_counter() - t0, prefill_tokens=rows)
         if self._opened is not None and self._opened.response is not None:
             self.session_id = self._opened.response.opened.session_id
-        return self._drafted_msg(r.drafted, r.elapsed_s)
+        return self._answer(r.drafted, r.elapsed_s)
 
-    def _drafted_msg(self, d: dpb.DrafterResponse.Drafted, elapsed_s: float) -> Draft:
+    def _answer(self, d: dpb.DrafterResponse.Drafted, elapsed_s: float) -> Draft:
         self._first, self._resume_at = False, 0
         self.server_s += elapsed_s
         self.drafter.backoff.success()
@@ -193,6 +183,10 @@ class GrpcDrafterSession:
         no answer outstanding (a pre-draft in hand), and not found missing by an earlier round."""
         s = self._s
         return bool(self.session_id) and self.round_ok and not self._broken and not s.done and not s._replies
+
+    @property
+    def ended(self) -> bool:
+        return self._broken
 
     def predraft(
         self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0
@@ -272,7 +266,8 @@ class _SkippedDrafterSession:
             skipped=True,
         )
 
-    _post_draft = draft  # a batch's call fails alike, before anything is sent
+    _post = draft  # a batch's call fails alike, before anything is sent
+    in_rounds = False
 
     def predraft(self, new_aux, block_ids, block_size, alternatives=0):
         return self.draft(new_aux, block_ids[0], block_size)  # fails alike
@@ -287,8 +282,11 @@ class _SkippedDrafterSession:
         pass
 
 
-class GrpcDrafter:
+class GrpcDrafter(RemoteBackend):
     """``Drafter`` reached over gRPC, with failure backoff and automatic reconnection."""
+
+    role, info_request, round_request = "drafter", dpb.GetDrafterInfoRequest, dpb.DraftRoundRequest
+    round_rpc, step, answer = "DraftRound", "draft", "drafted"
 
     def __init__(
         self,
@@ -301,11 +299,7 @@ class GrpcDrafter:
         token: str | None = None,
         clock: StepClock | None = None,
     ):
-        self.addr = addr
-        self.channel = channel or backend_channel(addr, tls, token)
-        self.clock = clock or StepClock()
-        self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
-        self.remote = fetch_info("drafter", addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), wait_s)
+        super().__init__(addr, drafter_pb2_grpc.DrafterServiceStub, wait_s, channel, tls, token, clock)
         self.backend = f"grpc:{addr}"
         self.block_size = self.remote.block_size
         self.target_layer_ids = tuple(self.remote.target_layer_ids)
@@ -313,9 +307,6 @@ class GrpcDrafter:
         self.vocab_size = self.remote.vocab_size
         self.prefix_cache = self.remote.prefix_cache_bytes > 0
         self.backoff = backoff or Backoff()
-
-    def get_info(self, timeout: float = 5.0) -> dpb.DrafterInfo:
-        return call_unary("drafter", self.addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), timeout)
 
     def open_session(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None):
         if not self.backoff.ready():
@@ -327,68 +318,9 @@ class GrpcDrafter:
         one replica's loss put the whole target in backoff."""
         return GrpcDrafterSession(self, sampling, options or SessionOptions())
 
-    def healthy(self, timeout: float = 1.0) -> bool:
-        return backend_healthy(self.channel, timeout)
-
-    @staticmethod
-    def draft_batch(items: Sequence[tuple]) -> list[Draft | Exception]:
-        """A round's drafts: the sessions of one drafter travel in ONE ``DraftRound`` call when there are
-        ``ROUND_MIN`` or more of them, the rest (first drafts among them) each on its stream, sent before any
-        answer is awaited (the server batches them all); each session's failure its own (a session handed out
-        while backing off fails at once)."""
-        groups: dict[GrpcDrafter, list[int]] = {}
-        for k, (s, *_) in enumerate(items):
-            if isinstance(s, GrpcDrafterSession) and s.in_rounds:
-                groups.setdefault(s.drafter, []).append(k)
-        rounds = [ks for ks in groups.values() if len(ks) >= ROUND_MIN]
-        in_round = {k for ks in rounds for k in ks}
-        alone = [k for k in range(len(items)) if k not in in_round]
-
-        def post(k):
-            return each(lambda s, aux, last, size: s._post_draft(aux, last, size), [items[k]])[0]
-
-        posted = {k: post(k) for k in alone}
-        out: list = [None] * len(items)
-        for ks in rounds:
-            for k, d in zip(ks, items[ks[0]][0].drafter.draft_round([items[k] for k in ks])):
-                if d is _ON_STREAM or d is _RETRY_ON_STREAM:  # not on the replica the round reached: its stream
-                    items[k][0].round_ok = d is _RETRY_ON_STREAM  # from now on, unless that replica died
-                    posted[k] = post(k)
-                else:
-                    out[k] = d
-        for k, p in posted.items():
-            out[k] = p if isinstance(p, Exception) else each(items[k][0]._drafted, [(p,)])[0]
-        return out
-
-    def draft_round(self, items: Sequence[tuple]) -> list:
-        """One ``DraftRound`` call for ``items`` (sessions of this drafter): a Draft or an exception per item,
-        or ``_ON_STREAM`` for a session the server that answered does not hold."""
-        req = dpb.DraftRoundRequest(progress_ms=self.clock.progress_ms)
-        for s, aux, last, size in items:
-            d = dpb.DrafterRequest.Draft(new_aux=_tensor(aux), last_token=last, block_size=size)
-            req.items.add(session_id=s.session_id).draft.CopyFrom(d)
-        t0 = time.perf_counter()
-        try:
-            timeout = round_deadline([s._s for s, *_ in items])
-            resp = call_round(self.stub.DraftRound, req, "drafter", self.addr, self.clock.timeout(), timeout)
-        except BackendError as exc:  # the call itself failed (a hung drafter): every session in it hears it
-            if round_call_lost(exc):
-                return [_RETRY_ON_STREAM] * len(items)
-            return [s._fail(exc) for s, *_ in items]
-        self.clock.record(time.perf_counter() - t0)
-        out = []
-        for (s, *_), sent, got in zip(items, req.items, resp.done.items):
-            s._s.bytes_sent += sent.ByteSize()
-            s._s.bytes_received += got.ByteSize()
-            if s._broken:  # cancelled meanwhile: as its stream would say
-                out.append(BackendError("drafter", self.addr, grpc.StatusCode.CANCELLED, "session is closed"))
-            elif got.WhichOneof("result") == "drafted":
-                out.append(s._drafted_msg(got.drafted, resp.elapsed_s))
-            elif got.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
-                out.append(_ON_STREAM)
-            else:
-                out.append(s._fail(BackendError("drafter", self.addr, status_code(got.error.code), got.error.message)))
-        return out
+    # A round's drafts: one DraftRound call per drafter (first drafts each on its stream; a session handed out
+    # while backing off fails at once).
+    draft_batch = staticmethod(RemoteBackend.batch)
 
     def failed(self, exc: Exception) -> None:
         delay = self.backoff.failure(str(exc))
@@ -404,6 +336,3 @@ class GrpcDrafter:
         return {"state": self.state, "failures": str(b.failures)} | (
             {"last_error": b.last_error[:500]} if b.last_error else {}
         )
-
-    def close(self) -> None:
-        self.channel.close()

@@ -8,7 +8,8 @@ and its responses read strictly in order, each into its reply, when that reply
 or a later one is waited for, each step bounded by a deadline from
 ``remote/deadlines.py`` that every Progress message the backend sends meanwhile
 re-arms. So a drafter session sends a ``Predraft`` right after a ``Draft``'s
-answer and reads it a block later.
+answer and reads it a block later. :class:`RemoteBackend` is what the two clients share: channel, GetInfo,
+health, and a round's steps sent in one round call per backend.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections import deque
 
 import grpc
 
-from kakeya.orchestrator.remote.deadlines import WATCHDOG
+from kakeya.orchestrator.remote.deadlines import WATCHDOG, StepClock
 from kakeya.wire.limits import channel_options
 
 # A backend that restarts is found again within ~2 s (gRPC's default backoff grows to 120 s).
@@ -285,3 +286,109 @@ def call_round(method, request, service: str, addr: str, step_timeout: float, ti
     if resp.WhichOneof("response") != "done" or len(resp.done.items) != len(request.items):
         raise BackendError(service, addr, grpc.StatusCode.INTERNAL, "round call answered out of protocol")
     return resp
+
+
+ROUND_MIN = 2  # sessions of one backend in a round before their steps travel in one round call
+_ON_STREAM = object()  # a round item the server did not find: sent again on the session's own stream
+# The round call itself found no replica (the one it reached died): each item goes on its own stream this round,
+# so only the sessions that were on the lost replica fail (and are taken over), not every session in the call.
+_RETRY_ON_STREAM = object()
+
+
+def round_call_lost(exc: BackendError) -> bool:
+    """A round call failed because the replica it reached is gone (not hung: a hung one answers no stream either)."""
+    return exc.replica_lost and not exc.step_timeout
+
+
+def _alone(call, *args):
+    """``call(*args)``, its exception its result (one session's failure is its own)."""
+    try:
+        return call(*args)
+    except Exception as exc:  # noqa: BLE001 - its own failure, its result alone
+        return exc
+
+
+class RemoteBackend:
+    """What the gRPC verifier and drafter clients share (``remote/verifier.py``, ``remote/drafter.py``): the
+    channel, step clock and stub, the server's GetInfo (``remote``, read at start), its health, and a round's
+    steps (:meth:`batch`, round calls: ``runtime/rounds.py``).
+
+    Their sessions offer ``client`` (this backend), ``session_id``, ``_s`` (their :class:`Stream`),
+    ``in_rounds`` / ``round_ok`` / ``ended``, ``_post(*args)`` then ``_finish(posted)`` (a step on their
+    stream), ``_step_msg(*args)`` (a round item's step), ``_answer(msg, elapsed_s)`` and ``_fail(exc)``."""
+
+    role = ""  # "verifier" | "drafter": what its errors name
+    info_request: type  # its GetInfo request
+    round_request: type  # its round call's request
+    round_rpc, step, answer = "", "", ""  # its round call, a round item's step field and its answer's
+
+    def __init__(self, addr: str, stub_class, wait_s, channel, tls, token, clock):
+        self.addr = addr
+        self.channel = channel or backend_channel(addr, tls, token)
+        self.clock = clock or StepClock()
+        self.stub = stub_class(self.channel)
+        self.remote = fetch_info(self.role, addr, self.stub.GetInfo, self.info_request(), wait_s)
+
+    def get_info(self, timeout: float = 5.0):
+        return call_unary(self.role, self.addr, self.stub.GetInfo, self.info_request(), timeout)
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        return backend_healthy(self.channel, timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    @staticmethod
+    def batch(items) -> list:
+        """A round's steps, ``(session, *args)`` each: the sessions of one backend travel in ONE round call
+        when there are ``ROUND_MIN`` or more of them (the wire paid per round, not per session), the rest each
+        on its stream, sent before any answer is awaited (the server's compute thread batches them all). Each
+        session's failure its own."""
+        groups: dict[RemoteBackend, list[int]] = {}
+        for k, (s, *_) in enumerate(items):
+            if s.in_rounds:
+                groups.setdefault(s.client, []).append(k)
+        rounds = [ks for ks in groups.values() if len(ks) >= ROUND_MIN]
+        in_round = {k for ks in rounds for k in ks}
+        posted = {k: _alone(s._post, *args) for k, (s, *args) in enumerate(items) if k not in in_round}
+        out: list = [None] * len(items)
+        for ks in rounds:
+            for k, r in zip(ks, items[ks[0]][0].client.round([items[k] for k in ks])):
+                if r is _ON_STREAM or r is _RETRY_ON_STREAM:  # not on the replica the round reached: its stream
+                    s, *args = items[k]
+                    s.round_ok = r is _RETRY_ON_STREAM  # from now on, unless that replica died
+                    posted[k] = _alone(s._post, *args)
+                else:
+                    out[k] = r
+        for k, p in posted.items():
+            out[k] = p if isinstance(p, Exception) else _alone(items[k][0]._finish, p)
+        return out
+
+    def round(self, items) -> list:
+        """One round call for ``items`` (sessions of this backend): each one's answer or exception, or
+        ``_ON_STREAM`` for a session the server that answered does not hold."""
+        req = self.round_request(progress_ms=self.clock.progress_ms)
+        for s, *args in items:
+            getattr(req.items.add(session_id=s.session_id), self.step).CopyFrom(s._step_msg(*args))
+        t0 = time.perf_counter()
+        try:
+            timeout = round_deadline([s._s for s, *_ in items])
+            resp = call_round(
+                getattr(self.stub, self.round_rpc), req, self.role, self.addr, self.clock.timeout(), timeout
+            )
+        except BackendError as exc:  # the call itself failed (a hung backend): every session in it hears it
+            return [_RETRY_ON_STREAM if round_call_lost(exc) else s._fail(exc) for s, *_ in items]
+        self.clock.record(time.perf_counter() - t0)
+        out = []
+        for (s, *_), sent, got in zip(items, req.items, resp.done.items):
+            s._s.bytes_sent += sent.ByteSize()
+            s._s.bytes_received += got.ByteSize()
+            if s.ended:  # cancelled meanwhile: as its stream would say
+                out.append(BackendError(self.role, self.addr, grpc.StatusCode.CANCELLED, "session is closed"))
+            elif got.WhichOneof("result") == self.answer:
+                out.append(s._answer(getattr(got, self.answer), resp.elapsed_s))
+            elif got.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
+                out.append(_ON_STREAM)
+            else:
+                out.append(s._fail(BackendError(self.role, self.addr, status_code(got.error.code), got.error.message)))
+        return out

@@ -36,24 +36,10 @@ import logging
 import time
 from collections.abc import Collection, Sequence
 
-import grpc
-
 from kakeya.core.contract import Draft, KVBytes, SessionOptions, Verdict, VerifierStats, WireStats
 from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy, SamplingParams
-from kakeya.orchestrator.decode.loop import each
 from kakeya.orchestrator.remote.deadlines import StepClock
-from kakeya.orchestrator.remote.streams import (
-    BackendError,
-    Reply,
-    Stream,
-    backend_channel,
-    backend_healthy,
-    call_round,
-    call_unary,
-    fetch_info,
-    round_deadline,
-    status_code,
-)
+from kakeya.orchestrator.remote.streams import BackendError, RemoteBackend, Reply, Stream
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb
@@ -61,17 +47,6 @@ from kakeya.wire.kakeya.v1 import verifier_pb2_grpc
 from kakeya.wire.kakeya.v1.tensor_pb2 import Tensor
 
 log = logging.getLogger("kakeya.remote")
-
-ROUND_MIN = 2  # sessions of one verifier in a round before their blocks travel in one VerifyRound call
-_ON_STREAM = object()  # a round item the server did not find: sent again on the session's own stream
-# The round call itself found no replica (the one it reached died): each item goes on its own stream this round,
-# so only the sessions that were on the lost replica fail (and are taken over), not every session in the call.
-_RETRY_ON_STREAM = object()
-
-
-def round_call_lost(exc: BackendError) -> bool:
-    """A round call failed because the replica it reached is gone (not hung: a hung one answers no stream either)."""
-    return exc.replica_lost and not exc.step_timeout
 
 
 # --------------------------------------------------------------------------- verifier
@@ -87,7 +62,7 @@ class GrpcVerifierSession:
         sampling: SamplingParams | None,
         options: SessionOptions,
     ):
-        self.verifier = verifier
+        self.verifier = self.client = verifier
         self.clock = verifier.clock
         self._s = Stream(verifier.stub.Session, "verifier", verifier.addr, options.timeout, options.request_id)
         if options.cancel is not None:
@@ -164,28 +139,28 @@ class GrpcVerifierSession:
         return True
 
     def decide(self, last_token: int, draft: Draft) -> Verdict:
-        return self._verdict(self._post_verify(last_token, draft))
+        return self._finish(self._post(last_token, draft))
 
     @staticmethod
-    def _verify_msg(last_token: int, draft: Draft) -> vpb.VerifierRequest.Verify:
+    def _step_msg(last_token: int, draft: Draft) -> vpb.VerifierRequest.Verify:
         v = vpb.VerifierRequest.Verify(block_ids=[last_token, *draft.tokens])
         if draft.proposal is not None:
             v.proposal.CopyFrom(wire_contract.proposal_to_proto(draft.proposal))
         return v
 
-    def _post_verify(self, last_token: int, draft: Draft) -> tuple[float, Reply]:
+    def _post(self, last_token: int, draft: Draft) -> tuple[float, Reply]:
         """Send the block now (a batch sends every session's before it waits for any)."""
-        verify = vpb.VerifierRequest(verify=self._verify_msg(last_token, draft))
+        verify = vpb.VerifierRequest(verify=self._step_msg(last_token, draft))
         return time.perf_counter(), self._s.post(verify, "verified")
 
-    def _verdict(self, posted: tuple[float, Reply]) -> Verdict:
+    def _finish(self, posted: tuple[float, Reply]) -> Verdict:
         t0, reply = posted
         resp = self._s.wait(reply, self.clock.timeout())
         self.clock.record(time.perf_counter() - t0)
-        self.server_s += resp.elapsed_s
-        return self._verified(resp.verified)
+        return self._answer(resp.verified, resp.elapsed_s)
 
-    def _verified(self, r: vpb.VerifierResponse.Verified) -> Verdict:
+    def _answer(self, r: vpb.VerifierResponse.Verified, elapsed_s: float) -> Verdict:
+        self.server_s += elapsed_s
         self._stats = r.stats
         logprobs = None
         if self.logprobs is not None:
@@ -199,6 +174,14 @@ class GrpcVerifierSession:
         """Its blocks may travel in a round call: prefilled (the server knows its id), its stream open, and
         not found missing by an earlier round (a replica other than the one round calls reach)."""
         return bool(self.session_id) and self.round_ok and not self._s.done
+
+    @property
+    def ended(self) -> bool:
+        return self._s.done
+
+    @staticmethod
+    def _fail(exc: BackendError) -> BackendError:
+        return exc  # a verifier's failure ends nothing here: the loop (its take-over) decides
 
     def stats(self) -> VerifierStats:
         s = self._stats
@@ -219,13 +202,16 @@ class GrpcVerifierSession:
         self._s.abort()
 
 
-class GrpcVerifier:
+class GrpcVerifier(RemoteBackend):
     """``Verifier`` reached over gRPC. ``info`` and the default ``policy`` come from the server's GetInfo.
 
     ``aux_layers``: the layers whose hidden states every session asks for (the
     drafter's, settled when the engine is assembled); none given: the server's
     default, or the last layer if it has none.
     """
+
+    role, info_request, round_request = "verifier", vpb.GetVerifierInfoRequest, vpb.VerifyRoundRequest
+    round_rpc, step, answer = "VerifyRound", "verify", "verified"
 
     def __init__(
         self,
@@ -239,12 +225,8 @@ class GrpcVerifier:
         token: str | None = None,
         clock: StepClock | None = None,
     ):
-        self.addr = addr
-        self.channel = channel or backend_channel(addr, tls, token)
-        self.clock = clock or StepClock()
-        self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
+        super().__init__(addr, verifier_pb2_grpc.VerifierServiceStub, wait_s, channel, tls, token, clock)
         self.aux_like = aux_like  # None: aux stays a wire Tensor; "mlx"/"torch"/"numpy": decoded
-        self.remote = fetch_info("verifier", addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), wait_s)
         r = self.remote
         self.info = wire_contract.model_info_from_verifier(
             r,
@@ -260,9 +242,6 @@ class GrpcVerifier:
         self.constrains = r.constrains  # the server has the tokenizer its sessions compile constraints against
         self._usage = (-1e9, 0.0)  # (when read, kv_usage) of the last GetInfo (``kv_usage``)
 
-    def healthy(self, timeout: float = 1.0) -> bool:
-        return backend_healthy(self.channel, timeout)
-
     def kv_usage(self) -> float:
         """Its K/V budget in use (reserved over ``--max-kv-bytes``, 0..1), as one replica's GetInfo says, read at
         most once a second (a gateway's endpoint picker scrapes every few ms); the last figure while it fails."""
@@ -275,9 +254,6 @@ class GrpcVerifier:
                 self._usage = (now, self._usage[1])
         return self._usage[1]
 
-    def get_info(self, timeout: float = 5.0) -> vpb.VerifierInfo:
-        return call_unary("verifier", self.addr, self.stub.GetInfo, vpb.GetVerifierInfoRequest(), timeout)
-
     def open_session(
         self,
         policy: CachePolicy | None = None,
@@ -286,63 +262,7 @@ class GrpcVerifier:
     ) -> GrpcVerifierSession:
         return GrpcVerifierSession(self, policy, sampling, options or SessionOptions())
 
-    @staticmethod
-    def decide_batch(items: Sequence[tuple[GrpcVerifierSession, int, Draft]]) -> list[Verdict | Exception]:
-        """A round's blocks: the sessions of one verifier travel in ONE ``VerifyRound`` call when there are
-        ``ROUND_MIN`` or more of them (the wire paid per round, not per session), the rest each on its stream,
-        sent before any answer is awaited; the server's compute thread verifies them all as one batch. Each
-        session's failure its own."""
-        groups: dict[GrpcVerifier, list[int]] = {}
-        for k, (s, _, _) in enumerate(items):
-            if s.in_rounds:
-                groups.setdefault(s.verifier, []).append(k)
-        rounds = [ks for ks in groups.values() if len(ks) >= ROUND_MIN]
-        in_round = {k for ks in rounds for k in ks}
-        alone = [k for k in range(len(items)) if k not in in_round]
-        out: list = [None] * len(items)
-        posted = dict(zip(alone, each(lambda s, last, draft: s._post_verify(last, draft), [items[k] for k in alone])))
-        for ks in rounds:
-            verdicts = items[ks[0]][0].verifier.verify_round([items[k] for k in ks])
-            for k, v in zip(ks, verdicts):
-                if v is _ON_STREAM or v is _RETRY_ON_STREAM:  # not on the replica the round reached: its stream
-                    items[k][0].round_ok = v is _RETRY_ON_STREAM  # from now on, unless that replica died
-                    posted[k] = each(lambda s, last, draft: s._post_verify(last, draft), [items[k]])[0]
-                else:
-                    out[k] = v
-        for k, p in posted.items():
-            out[k] = p if isinstance(p, Exception) else each(items[k][0]._verdict, [(p,)])[0]
-        return out
-
-    def verify_round(self, items: Sequence[tuple[GrpcVerifierSession, int, Draft]]) -> list:
-        """One ``VerifyRound`` call for ``items`` (sessions of this verifier): a Verdict or an exception per
-        item, or ``_ON_STREAM`` for a session the server that answered does not hold."""
-        req = vpb.VerifyRoundRequest(progress_ms=self.clock.progress_ms)
-        for s, last, draft in items:
-            req.items.add(session_id=s.session_id).verify.CopyFrom(GrpcVerifierSession._verify_msg(last, draft))
-        t0 = time.perf_counter()
-        try:
-            timeout = round_deadline([s._s for s, _, _ in items])
-            resp = call_round(self.stub.VerifyRound, req, "verifier", self.addr, self.clock.timeout(), timeout)
-        except BackendError as exc:  # the call itself failed (a hung verifier): every session in it hears it
-            return [_RETRY_ON_STREAM if round_call_lost(exc) else exc] * len(items)
-        self.clock.record(time.perf_counter() - t0)
-        out = []
-        for (s, _, _), sent, got in zip(items, req.items, resp.done.items):
-            s._s.bytes_sent += sent.ByteSize()
-            s._s.bytes_received += got.ByteSize()
-            s.server_s += resp.elapsed_s
-            if s._s.done:  # cancelled meanwhile: as its stream would say
-                out.append(BackendError("verifier", self.addr, grpc.StatusCode.CANCELLED, "session is closed"))
-            elif got.WhichOneof("result") == "verified":
-                out.append(s._verified(got.verified))
-            elif got.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
-                out.append(_ON_STREAM)
-            else:
-                out.append(BackendError("verifier", self.addr, status_code(got.error.code), got.error.message))
-        return out
-
-    def close(self) -> None:
-        self.channel.close()
+    decide_batch = staticmethod(RemoteBackend.batch)  # a round's blocks: one VerifyRound call per verifier
 
 
 # --------------------------------------------------------------------------- drafter

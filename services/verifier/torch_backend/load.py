@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kakeya.checkpoints.config import load_target_config
-from kakeya.checkpoints.layout import find_text_tensors, is_quantized, tensor_files
+from kakeya.checkpoints.layout import torch_text_tensors
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, Gemma4Text
 
 
@@ -39,13 +39,7 @@ def load_gemma4(path: str | Path, device: torch.device, dtype: torch.dtype) -> G
     safetensors), on ``device`` in ``dtype``, in eval mode."""
     path = Path(path)
     args = Gemma4Args.from_dict(load_target_config(path))  # every published spelling, read once
-    names = tensor_files(path)
-    if is_quantized(names):
-        raise ValueError(
-            f"target checkpoint {path}: MLX-quantized weights (.scales beside packed weights, mlx_lm.convert -q)"
-            " are read by the MLX backend only; use --backend mlx, or the unquantized checkpoint on torch"
-        )
-    text = find_text_tensors(names, path)
+    names, text = torch_text_tensors(path, "weights")
     with torch.device("meta"):
         model = Gemma4Text(args)
     _load_weights(model, _Reader(names, device, dtype), text.prefix, text.head)

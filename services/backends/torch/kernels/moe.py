@@ -64,26 +64,10 @@ def _choices(idx_ptr, T, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.con
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr,
-    idx_ptr,
-    gu_ptr,
-    act_ptr,
-    T,
-    H,
-    MI,
-    x_row,
-    gu_e,
-    gu_r,
-    act_row,
-    K: tl.constexpr,
-    DTYPE: tl.constexpr,
-    DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
+    x_ptr, idx_ptr, gu_ptr, act_ptr, T, H, MI, x_row, gu_e, gu_r, act_row,
+    K: tl.constexpr, DTYPE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
     p = tl.program_id(0)
     t, s, pair, ids = _choices(idx_ptr, T, K, BLOCK_T, BLOCK_K)
     e = tl.load(idx_ptr + p)
@@ -118,28 +102,10 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr,
-    idx_ptr,
-    w_ptr,
-    down_ptr,
-    out_ptr,
-    T,
-    E,
-    H,
-    MI,
-    act_row,
-    d_e,
-    d_r,
-    out_row,
-    K: tl.constexpr,
-    DTYPE: tl.constexpr,
-    DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
+    act_ptr, idx_ptr, w_ptr, down_ptr, out_ptr, T, E, H, MI, act_row, d_e, d_r, out_row,
+    K: tl.constexpr, DTYPE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
     t, s, pair, ids = _choices(idx_ptr, T, K, BLOCK_T, BLOCK_K)
     weights = tl.load(w_ptr + pair, mask=ids >= 0, other=0.0)
     h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)

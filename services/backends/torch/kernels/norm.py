@@ -37,53 +37,32 @@ def _normed(x, w_ptr, offs, mask, H, eps, HAS_WEIGHT: tl.constexpr, QWEN3: tl.co
 
 
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr,
-    w_ptr,
-    y_ptr,
-    x_row,
-    y_row,
-    H,
-    eps,
-    HAS_WEIGHT: tl.constexpr,
-    QWEN3: tl.constexpr,
-    DTYPE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0)
+def _row(ptr, stride, H, BLOCK: tl.constexpr):
+    """This program's row of ``ptr`` (rows ``stride`` apart) in float32, with its offsets and mask."""
     offs = tl.arange(0, BLOCK)
     mask = offs < H
-    x = tl.load(x_ptr + row * x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(ptr + tl.program_id(0) * stride + offs, mask=mask, other=0.0).to(tl.float32), offs, mask
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, y_ptr, x_row, y_row, H, eps,
+    HAS_WEIGHT: tl.constexpr, QWEN3: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    x, offs, mask = _row(x_ptr, x_row, H, BLOCK)
     y = _normed(x, w_ptr, offs, mask, H, eps, HAS_WEIGHT, QWEN3, DTYPE)
-    tl.store(y_ptr + row * y_row + offs, y.to(DTYPE), mask=mask)
+    tl.store(y_ptr + tl.program_id(0) * y_row + offs, y.to(DTYPE), mask=mask)
 
 
 @triton.jit
 def _add_rms_norm_kernel(
-    res_ptr,
-    b_ptr,
-    bw_ptr,
-    s_ptr,
-    w_ptr,
-    h_ptr,
-    y_ptr,
-    res_row,
-    b_row,
-    out_row,
-    H,
-    eps,
-    NORM_BRANCH: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    QWEN3: tl.constexpr,
-    DTYPE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    res_ptr, b_ptr, bw_ptr, s_ptr, w_ptr, h_ptr, y_ptr, res_row, b_row, out_row, H, eps,
+    NORM_BRANCH: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, QWEN3: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    res, offs, mask = _row(res_ptr, res_row, H, BLOCK)
+    branch, _, _ = _row(b_ptr, b_row, H, BLOCK)
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < H
-    res = tl.load(res_ptr + row * res_row + offs, mask=mask, other=0.0).to(tl.float32)
-    branch = tl.load(b_ptr + row * b_row + offs, mask=mask, other=0.0).to(tl.float32)
     if NORM_BRANCH:
         branch = _normed(branch, bw_ptr, offs, mask, H, eps, True, QWEN3, DTYPE)
     h = rounded(res + branch, DTYPE)
