@@ -129,14 +129,6 @@ def drafter_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prompt-dir-bytes", type=int, default=16 << 20, help="at most this much of --prompt-dir's files")
     p.add_argument(
-        "--predraft-share",
-        type=float,
-        default=0.0,
-        help="share of steps whose blocks are shaped as pre-drafts (serve --predraft-alternatives): 1..B-1 of"
-        " the target's tokens after the anchor (no aux for them yet), then B-1 masks, the loss on those"
-        " (default 0)",
-    )
-    p.add_argument(
         "--init-from",
         default=None,
         help="start from this drafter checkpoint, e.g. to fine-tune (same config) or to grow it (a larger"

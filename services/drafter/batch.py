@@ -27,45 +27,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kakeya.core.contract import Draft, Predrafts
-from kakeya.drafter.session import LocalDrafterSession, draft_together, predrafts
+from kakeya.core.contract import Draft
+from kakeya.drafter.session import LocalDrafterSession, draft_together
 
 
-def draft_batch(
-    items: Sequence[tuple[LocalDrafterSession, Any, int, int] | tuple[LocalDrafterSession, Any, int, int, tuple, int]],
-) -> list[Draft | Predrafts | Exception]:
-    """``items``: (session, new_aux, last_token, block_size) each, and two more elements for a pre-draft:
-    the candidates still being verified and the alternatives asked for (``LocalDrafterSession.predraft``).
-    One result per item, in order: its ``Draft`` (a pre-draft's ``Predrafts``), or the exception it
-    raised (to be raised to that item's caller alone)."""
+def draft_batch(items: Sequence[tuple[LocalDrafterSession, Any, int, int]]) -> list[Draft | Exception]:
+    """``items``: (session, new_aux, last_token, block_size) each. One result per item, in order: its
+    ``Draft``, or the exception it raised (to be raised to that item's caller alone)."""
     results: list[Any] = [None] * len(items)
     groups: dict[int, list] = {}  # sessions of one loaded model batch together
     seen: set[int] = set()
-    for i, (session, new_aux, last_token, block_size, *ahead) in enumerate(items):
+    for i, (session, new_aux, last_token, block_size) in enumerate(items):
         try:
             if id(session) in seen:
                 raise ValueError("a session drafts at most once per batch (its next block needs this one's tokens)")
-            if ahead:
-                pending, alternatives = ahead
-                calls = session.check_predraft(new_aux, [last_token, *pending], block_size, alternatives)
-            else:
-                calls = [session.check(new_aux, last_token, block_size)]
+            call = session.check(new_aux, last_token, block_size)
         except Exception as exc:  # noqa: BLE001 -- this item's own failure, reported to its caller
             results[i] = exc
             continue
         seen.add(id(session))
-        groups.setdefault(id(session.model), []).append((i, calls, bool(ahead)))
+        groups.setdefault(id(session.model), []).append((i, call))
     for group in groups.values():
-        first = group[0][1][0].session.model
-        if len(group) >= first.min_batch:
-            drafts = iter(draft_together([call for _, calls, _ in group for call in calls]))
-            for i, calls, ahead in group:
-                mine = [next(drafts) for _ in calls]
-                results[i] = predrafts(calls, mine) if ahead else mine[0]
+        if len(group) >= group[0][1].session.model.min_batch:
+            for (i, _), draft in zip(group, draft_together([call for _, call in group])):
+                results[i] = draft
             continue
-        for i, calls, ahead in group:
+        for i, call in group:
             try:
-                results[i] = predrafts(calls, draft_together(calls)) if ahead else calls[0].session.run(calls[0])
+                results[i] = call.session.run(call)
             except Exception as exc:  # noqa: BLE001 -- this item's own failure
                 results[i] = exc
     return results

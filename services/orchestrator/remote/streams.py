@@ -7,8 +7,7 @@ its requests queued (pipelined: ``post`` returns the request's :class:`Reply`)
 and its responses read strictly in order, each into its reply, when that reply
 or a later one is waited for, each step bounded by a deadline from
 ``remote/deadlines.py`` that every Progress message the backend sends meanwhile
-re-arms. So a drafter session sends a ``Predraft`` right after a ``Draft``'s
-answer and reads it a block later.
+re-arms.
 """
 
 from __future__ import annotations
