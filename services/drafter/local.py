@@ -8,11 +8,10 @@ one forward (``batch.draft_batch``); ``orchestrator/remote/drafter.py`` is the s
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-from kakeya.core.contract import Draft, SessionOptions
+from kakeya.core.contract import SessionOptions
 from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import SamplingParams
 from kakeya.drafter.backend import DraftModel, bind
@@ -45,9 +44,7 @@ class LocalDrafter:
     def status(self) -> dict[str, str]:
         return {}  # in this process: no connection to lose
 
-    @staticmethod
-    def draft_batch(items: Sequence[tuple[LocalDrafterSession, Any, int, int]]) -> list[Draft | Exception]:
-        return draft_batch(items)
+    draft_batch = staticmethod(draft_batch)  # ``batch.draft_batch`` itself: no wrapper a round passes through
 
     def warm_up(self, block_sizes: Iterable[int] = WARM_BLOCK_SIZES, ctx: int = 64, aux=None) -> float:
         """One short session drafting each block size once, before serving; returns the seconds it took.
