@@ -22,8 +22,8 @@
 #   adaptive    benchmarks/adaptive.py on CUDA (auto vs fixed block sizes)
 #   batching    benchmarks/batching.py: N sessions' verifies/drafts alone vs one batch (26B shape, demo pair)
 #   concurrency benchmarks/concurrency.py on CUDA: colocated torch and `serve all`, 1..16 streams, a newcomer's first token
-#   split       benchmarks/split.py on CUDA: split (pre-draft off / on) vs colocated, one stream at block sizes
-#               1..16 and auto with each block's critical path as compute + wire, 1/4/8/16 streams, pre-draft hits;
+#   split       benchmarks/split.py on CUDA: split vs colocated, one stream at block sizes
+#               1..16 and auto with each block's critical path as compute + wire, 1/4/8/16 streams;
 #               SPLIT_VARIANTS="--graphed-min-batch=0 --graphed-min-batch=4": one run per variant, each a
 #               comma-separated list of split.py flags (--graphed-min-batch: the drafters',
 #               backends/torch/graphs.py), OUT/split_cuda_<variant>.json

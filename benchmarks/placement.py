@@ -33,7 +33,7 @@ SPLIT_ARGS = ["--block-sizes", "8", "0", "--streams", "1", "16", "--repeats", "3
 
 
 def figures(split: dict) -> dict:
-    """What one split.py run says of the split (not pre-drafting): per block size and per stream count."""
+    """What one split.py run says of the split: per block size and per stream count."""
     blocks = {
         str(r["block_size"] or "auto"): {
             "wire_ms": r["critical_path_ms_median"]["split"]["wire"],

@@ -36,7 +36,7 @@
 #
 # Not here (their figures are History in the docs): GPU results (docs/cuda.md: benchmarks/gpu_session.sh),
 # A/B runs between two checkouts (cpu_fastpath.py --before, the *_ab folders), runs that need a drafter not
-# kept in the repository (draft_refine.py, predraft.py's trained drafters), and runs too long for the budget
+# kept in the repository (History figures of scripts since removed: draft_refine.py, predraft.py), and runs too long for the budget
 # (suite.py 12 min, acceptance_prompts.py's 128 prompts, split.py, heap.py, rounds.py).
 set -u
 cd "$(dirname "$0")/.."

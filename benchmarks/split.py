@@ -1,26 +1,18 @@
-"""Split vs colocated: one stream at each block size, where a split block's time goes, many streams, pre-drafts.
+"""Split vs colocated: one stream at each block size, where a split block's time goes, many streams.
 
 Starts ``kakeya serve verifier`` and ``kakeya serve drafter`` as processes on
-loopback and runs the same greedy generations of the same pair three ways,
+loopback and runs the same greedy generations of the same pair two ways,
 alternating run by run so machine noise falls on all alike:
 
 - colocated: verifier and drafter in this process (``build_local_engine``);
 - split: the same loop in this process over ``GrpcVerifier`` / ``GrpcDrafter``
-  (``split_engine``), pre-drafting off: one verifier and one drafter round trip
-  a block;
-- split + pre-draft: the drafter drafts block k+1 while the verifier verifies
-  block k (``--predraft on``), used when block k is accepted in full and the
-  drafter guessed the next token, or (``--predraft-alternatives N``) block k is
-  rejected at a candidate where one of the drafter's N next likeliest tokens
-  was the verifier's choice (the likeliest such verdicts, at most the drafter
-  server's ``--predraft-blocks`` blocks a pre-draft; ``--predraft-blocks`` here).
+  (``split_engine``): one verifier and one drafter round trip a block.
+  (Pre-drafting, a third mode until 2026-12-06, was removed: docs/benchmarks.md, History.)
 
 Per split block, the critical path (the loop's client-observed block time) is
 split into compute (the servers' own ``elapsed_s`` of the block's verify and
-draft; a pre-draft runs beside the verify and is not on it) and wire (the
-rest: serialisation, gRPC, thread hand-offs, waiting for a pre-draft). Then
-1/4/8/16 concurrent streams through the split engine, aggregate tok/s, pre-draft
-on and off. Every output is checked against the colocated one token for token. Last, the floor
+draft) and wire (the rest: serialisation, gRPC, thread hand-offs). Then
+1/4/8/16 concurrent streams through the split engine, aggregate tok/s. Every output is checked against the colocated one token for token. Last, the floor
 under the wire: a bare gRPC round trip to another process after idle gaps like a block's
 (``grpc_floor.py``).
 
@@ -53,13 +45,12 @@ from grpc_floor import block_wire, floor
 from wire import start, stop
 
 from kakeya.app.options import DEFAULT_PROMPT
-from kakeya.drafter.session import PREDRAFT_BLOCKS
-from kakeya.orchestrator.decode.engine import Request, RunOptions
+from kakeya.orchestrator.decode.engine import Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
 from record import write_result
 
-MODES = ("colocated", "split", "split_predraft")
+MODES = ("colocated", "split")
 STEP_TIMEOUT_S = 30.0  # a loaded machine is slow, not hung: no step deadline should end a measured run
 
 
@@ -93,10 +84,10 @@ class Sessions:
         return self.verifier.server_s
 
 
-def one_run(engine, req, predraft: bool | None, sessions: Sessions | None):
+def one_run(engine, req, sessions: Sessions | None):
     """One generation; per decode block (the block, servers' compute s or None, the verifier's part or None)."""
     blocks = []
-    with engine.start(req, RunOptions(predraft=predraft)) as run:
+    with engine.start(req) as run:
         before = None
         for block in run:
             now = (sessions.server_s(), sessions.verify_s()) if sessions is not None else None
@@ -109,9 +100,8 @@ def one_run(engine, req, predraft: bool | None, sessions: Sessions | None):
 
 def measure_block_size(engines, sessions, prompt, args, block_size):
     req = Request(prompt, max_tokens=args.max_tokens, block_size=block_size, ignore_eos=True)
-    options = {"colocated": None, "split": False, "split_predraft": True}
     for mode in MODES:  # warm-up (and, for block size 0, the cost curve's calibration)
-        one_run(engines[mode], req, options[mode], sessions.get(mode))
+        one_run(engines[mode], req, sessions.get(mode))
     tok_s = {m: [] for m in MODES}
     block_ms = {m: [] for m in MODES}
     compute_ms = {m: [] for m in MODES if m != "colocated"}
@@ -119,12 +109,11 @@ def measure_block_size(engines, sessions, prompt, args, block_size):
     draft_ms = []  # colocated: the loop's draft_s
     wire_ms = {m: [] for m in MODES if m != "colocated"}
     accepted = {m: [] for m in MODES}
-    predrafts = used = 0
-    used_accepted, identical = [], True
+    identical = True
     for _ in range(args.repeats):  # alternating, so drifts in machine load hit every mode alike
         outputs = {}
         for mode in MODES:
-            gen, blocks = one_run(engines[mode], req, options[mode], sessions.get(mode))
+            gen, blocks = one_run(engines[mode], req, sessions.get(mode))
             outputs[mode] = gen.token_ids
             tok_s[mode].append(gen.decode_tok_s)
             accepted[mode] += [b.accepted for b, _, _ in blocks]
@@ -137,11 +126,7 @@ def measure_block_size(engines, sessions, prompt, args, block_size):
                 else:
                     verify_ms[mode].append(b.verify_s * 1e3)
                     draft_ms.append(b.draft_s * 1e3)
-            if mode == "split_predraft":
-                predrafts += gen.predrafts
-                used += sum(b.predrafted for b, _, _ in blocks)
-                used_accepted += [b.accepted for b, _, _ in blocks if b.predrafted]
-        identical &= outputs["split"] == outputs["colocated"] == outputs["split_predraft"]
+        identical &= outputs["split"] == outputs["colocated"]
     co = med(tok_s["colocated"])
     return {
         "block_size": block_size,
@@ -155,18 +140,12 @@ def measure_block_size(engines, sessions, prompt, args, block_size):
         "verify_ms_median": {m: round(med(v), 3) for m, v in verify_ms.items()},
         "colocated_draft_ms_median": round(med(draft_ms), 3),
         "mean_accepted": {m: round(statistics.mean(v), 3) if v else 0.0 for m, v in accepted.items()},
-        "predraft": {
-            "started": predrafts,
-            "used": used,
-            "hit_rate": round(used / predrafts, 3) if predrafts else 0.0,
-            "mean_accepted_of_used": round(statistics.mean(used_accepted), 3) if used_accepted else 0.0,
-        },
     }
 
 
 def overlap_ceiling(row: dict, round_trip_ms: float) -> dict:
     """What split / colocated could reach if every draft were hidden beside the previous verify and were as good
-    as a fresh one (a pre-draft always used, no acceptance lost), with one bare round trip a block.
+    as a fresh one (no acceptance lost), with one bare round trip a block.
 
     A block then costs the verifier's forward plus that round trip; ``with_split_verify`` prices the forward
     as the split's verifier took it (its own elapsed_s, idle gaps and all), ``with_colocated_verify`` as the
@@ -181,7 +160,7 @@ def overlap_ceiling(row: dict, round_trip_ms: float) -> dict:
     }
 
 
-def measure_streams(engine, prompts, refs, n, args, predraft):
+def measure_streams(engine, prompts, refs, n, args):
     """``n`` client threads, each running ``--stream-requests`` generations back to back; aggregate tok/s."""
     lock = threading.Lock()
     tokens, mismatched, failed = [0], [0], []
@@ -191,7 +170,7 @@ def measure_streams(engine, prompts, refs, n, args, predraft):
             j = (i + r) % len(prompts)
             req = Request(prompts[j], max_tokens=args.max_tokens, block_size=args.stream_block_size, ignore_eos=True)
             try:
-                gen = engine.generate(req, RunOptions(predraft=predraft))
+                gen = engine.generate(req)
             except Exception as exc:  # noqa: BLE001 -- reported in the results, the other streams go on
                 with lock:
                     failed.append(str(exc)[:200])
@@ -230,18 +209,17 @@ def plot(out: dict, path: Path) -> None:
     x = range(len(rows))
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for k, mode in enumerate(MODES):
-        a.bar([i + (k - 1) * 0.27 for i in x], [r["decode_tok_s_median"][mode] for r in rows], 0.27, label=mode)
+        a.bar([i + (k - 0.5) * 0.4 for i in x], [r["decode_tok_s_median"][mode] for r in rows], 0.4, label=mode)
     a.set_xticks(list(x), labels)
     a.set_xlabel("block size")
     a.set_ylabel("decode tok/s (median)")
     a.set_title("one stream")
     a.legend()
-    for k, mode in enumerate(MODES[1:]):
-        at = [i + (k - 0.5) * 0.4 for i in x]
+    for mode in MODES[1:]:
         compute = [r["critical_path_ms_median"][mode]["compute"] for r in rows]
         wire = [r["critical_path_ms_median"][mode]["wire"] for r in rows]
-        b.bar(at, compute, 0.4, label=f"{mode}: compute")
-        b.bar(at, wire, 0.4, bottom=compute, label=f"{mode}: wire", alpha=0.6)
+        b.bar(list(x), compute, 0.6, label=f"{mode}: compute")
+        b.bar(list(x), wire, 0.6, bottom=compute, label=f"{mode}: wire", alpha=0.6)
     b.set_xticks(list(x), labels)
     b.set_xlabel("block size")
     b.set_ylabel("ms per block (median)")
@@ -266,21 +244,6 @@ def main(argv=None):
     ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 8, 16])
     ap.add_argument("--stream-requests", type=int, default=2, help="generations per stream, back to back")
     ap.add_argument("--stream-block-size", type=int, default=8)
-    ap.add_argument(
-        "--predraft-alternatives",
-        type=int,
-        default=0,
-        choices=range(5),
-        metavar="0..4",
-        help="split + pre-draft: the drafter's next likeliest tokens each pre-draft also prepares for (serve's --predraft-alternatives)",
-    )
-    ap.add_argument(
-        "--predraft-blocks",
-        type=int,
-        default=None,
-        help="the drafter server's cap on the blocks one pre-draft prepares (serve drafter --predraft-blocks;"
-        " default: its own)",
-    )
     ap.add_argument(
         "--torch-threads",
         type=int,
@@ -339,24 +302,12 @@ def main(argv=None):
             pinned = {role: ["--cpus", c] for role, c in cpus.items()}
             vp, vaddr = start("verifier", [*pair_args, "--max-sessions", "64", *pinned.get("verifier", [])], tmp)
             procs.append(vp)
-            blocks = ["--predraft-blocks", str(args.predraft_blocks)] if args.predraft_blocks else []
             dp, daddr = start(
-                "drafter", [*pair_args, *drafter_args, "--max-sessions", "64", *blocks, *pinned.get("drafter", [])], tmp
+                "drafter", [*pair_args, *drafter_args, "--max-sessions", "64", *pinned.get("drafter", [])], tmp
             )
             procs.append(dp)
             engines = {"colocated": local}
-            engines["split"] = split_engine(
-                vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S, predraft=False
-            )
-            engines["split_predraft"] = split_engine(
-                vaddr,
-                daddr,
-                args.target,
-                60.0,
-                backend_timeout_s=STEP_TIMEOUT_S,
-                predraft=True,
-                predraft_alternatives=args.predraft_alternatives,
-            )
+            engines["split"] = split_engine(vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S)
             sessions = {m: Sessions(engines[m]) for m in MODES[1:]}
             one = []
             for b in args.block_sizes:
@@ -369,11 +320,10 @@ def main(argv=None):
             ]
             streams = []
             for n in args.streams:
-                row = {"streams": n}
-                for mode, predraft in (("split", False), ("split_predraft", True)):  # one engine: its sessions batch
-                    print(f"{n} streams, {mode} ...", file=sys.stderr, flush=True)
-                    row[mode] = measure_streams(engines["split"], stream_prompts, refs, n, args, predraft)
-                streams.append(row)
+                print(f"{n} streams, split ...", file=sys.stderr, flush=True)
+                streams.append(
+                    {"streams": n, "split": measure_streams(engines["split"], stream_prompts, refs, n, args)}
+                )
         finally:
             stop(procs)
     grpc_floor = None
@@ -389,7 +339,7 @@ def main(argv=None):
         round_trip = grpc_floor["round_trip_ms"]["sync"]["0"]
         for row in one:
             row["overlap_ceiling"] = overlap_ceiling(row, round_trip)
-    base = {m: streams[0][m]["aggregate_tok_s"] for m in ("split", "split_predraft")} if streams else {}
+    base = {"split": streams[0]["split"]["aggregate_tok_s"]} if streams else {}
     for row in streams:
         for m, one_stream in base.items():
             row[m]["over_one_stream"] = round(row[m]["aggregate_tok_s"] / one_stream, 2) if one_stream else 0.0
@@ -407,8 +357,6 @@ def main(argv=None):
         "prompt_tokens": len(prompt),
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
-        "predraft_alternatives": args.predraft_alternatives,
-        "predraft_blocks": args.predraft_blocks or PREDRAFT_BLOCKS,
         "one_stream": one,
         "streams": streams,
         "stream_block_size": args.stream_block_size,
@@ -420,8 +368,7 @@ def main(argv=None):
             "pinned as `serve all --placement` pins them (placement: each role's CPUs; the colocated runs are in this "
             "process, on the orchestrator's). "
             "Medians over alternating runs after a warm-up. critical_path_ms: per split block, compute = the servers' "
-            "elapsed_s of its verify and draft (a used pre-draft's draft ran beside the previous verify), wire = the "
-            "client-observed block time minus that. predraft.hit_rate = pre-drafts used / started. grpc_floor: "
+            "elapsed_s of its verify and draft, wire = the client-observed block time minus that. grpc_floor: "
             "a bare bidirectional-stream echo of 4 KB to another process (benchmarks/grpc_floor.py; a sync grpc.server "
             "as Kakeya's, and a grpc.aio one), each message sent after an idle gap of 0 / 3 / 10 ms: the least a round "
             "trip costs here. grpc_floor.block: a bare block's wire with the servers burning a block's compute, as two "

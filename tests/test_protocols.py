@@ -83,3 +83,16 @@ def test_a_local_verifier_session_takes_its_collaborators_at_construction(tiny_p
     session = engine.verifier.open_session(CachePolicy())
     assert session.prefixes is cache
     session.close()
+
+
+def test_replica_lost_is_one_function_for_every_caller():
+    """The loop, the engine and the take-over ask ``contract.replica_lost``: a remote BackendError that lost its
+    replica says so; anything else (a refusal, our own end, a local error) is not a loss."""
+    import grpc
+
+    from kakeya.orchestrator.remote.streams import BackendError
+
+    assert contract.replica_lost(BackendError("drafter", "a", grpc.StatusCode.UNAVAILABLE, "gone"))
+    assert not contract.replica_lost(BackendError("drafter", "a", grpc.StatusCode.INVALID_ARGUMENT, "bad"))
+    assert not contract.replica_lost(BackendError("verifier", "a", grpc.StatusCode.CANCELLED, "client"))
+    assert not contract.replica_lost(ConnectionError("in process"))

@@ -7,7 +7,6 @@ commands themselves (``serve.py``) stay about starting processes.
 from __future__ import annotations
 
 from kakeya.app.options import add_ngram
-from kakeya.core.contract import MAX_PREDRAFT_ALTERNATIVES
 from kakeya.runtime.bounds import HttpTimeouts
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
 from kakeya.runtime.lifecycle import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S
@@ -131,24 +130,6 @@ def add_restore(p) -> None:
                         " default policy's; requests choose sources by NAME (CachePolicy.restore_path)")  # fmt: skip
 
 
-def add_predraft_blocks(p) -> None:
-    """The drafter: how many blocks one pre-draft prepares (``serve drafter`` and ``serve all``)."""
-    from kakeya.drafter.config import MAX_BLOCK_SIZE
-    from kakeya.drafter.session import PREDRAFT_BLOCKS
-
-    # Refused here, as --predraft-alternatives is, not by a child process of `serve all` that fails to start.
-    p.add_argument(
-        "--predraft-blocks",
-        type=int,
-        default=PREDRAFT_BLOCKS,
-        choices=range(1, 2 * MAX_BLOCK_SIZE + 1),
-        metavar=f"1..{2 * MAX_BLOCK_SIZE}",
-        help="the most blocks one pre-draft prepares (orchestrator --predraft on): the full acceptance's, then"
-        " the likeliest rejections' by the drafter's own probabilities (--predraft-alternatives); each is"
-        f" up to 2B rows of one drafter forward (default {PREDRAFT_BLOCKS}; see docs/operations.md)",
-    )
-
-
 def add_orchestrator(p) -> None:
     p.add_argument(
         "--max-prompt-tokens",
@@ -165,24 +146,6 @@ def add_orchestrator(p) -> None:
         default=2.0,
         help="split: how long a verifier/drafter step may go without an answer or a progress message before it"
         " counts as hung (default 2 s; 20x the median step if longer)",
-    )
-    p.add_argument(
-        "--predraft",
-        choices=["on", "off"],
-        default="off",
-        help="split: the drafter pre-drafts each next block while the verifier verifies (greedy requests; default off:"
-        " on the demo pair at block 8 almost no pre-draft is used, see benchmarks/split.py)",
-    )
-    p.add_argument(
-        "--predraft-alternatives",
-        type=int,
-        default=0,
-        choices=range(MAX_PREDRAFT_ALTERNATIVES + 1),
-        metavar=f"0..{MAX_PREDRAFT_ALTERNATIVES}",
-        help="with --predraft on: each pre-draft also prepares for a rejection at a candidate with one of the"
-        " drafter's next N likeliest tokens there, the likeliest such verdicts (the drafter's --predraft-blocks"
-        " caps them; default 0: the full acceptance only; on the demo pair these blocks are hit but accept"
-        " less, see docs/operations.md)",
     )
     add_ngram(p)
     add_client_args(p, "the verifier and drafter")
@@ -315,8 +278,6 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
                 "--idle-timeout", str(args.idle_timeout), "--reclaim-idle", str(args.reclaim_idle),
                 "--max-context", str(args.max_context), "--max-batch", str(args.max_batch),
                 "--auth-token-file", backend_token_file, "--prefix-cache-bytes", str(args.prefix_cache_bytes)]  # fmt: skip
-        if role == "drafter":
-            out += ["--predraft-blocks", str(args.predraft_blocks)]
         if role == "verifier":
             out += ["--max-kv-bytes", str(args.max_kv_bytes)]
             out += [x for spec in args.restore or [] for x in ("--restore", spec)]
@@ -324,7 +285,7 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
     out += ["--queue", str(args.queue), "--queue-timeout", str(args.queue_timeout),
             "--max-prompt-tokens", str(args.max_prompt_tokens), "--backend-timeout", str(args.backend_timeout),
             "--default-max-tokens", str(args.default_max_tokens), "--max-sessions-per-peer", str(args.max_sessions_per_peer),
-            "--backend-token-file", backend_token_file, "--predraft", args.predraft, "--predraft-alternatives", str(args.predraft_alternatives),
+            "--backend-token-file", backend_token_file,
             "--ngram", args.ngram]  # fmt: skip
     if args.auth_token_file:
         out += ["--auth-token-file", args.auth_token_file]

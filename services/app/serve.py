@@ -128,9 +128,7 @@ def cmd_serve_drafter(args) -> int:
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None, server="drafter")
     limits = serve_flags.session_limits(args, kwargs.get("device"))
     return _run(
-        server_spec(
-            draft, target, backend, limits, tls=tls, token=token, predraft_blocks=args.predraft_blocks, **kwargs
-        ),
+        server_spec(draft, target, backend, limits, tls=tls, token=token, **kwargs),
         args,
     )
 
@@ -187,9 +185,7 @@ def cmd_serve_orchestrator(args) -> int:
                 tls=client_tls,
                 token=backend_token,
                 backend_timeout_s=args.backend_timeout,
-                predraft=args.predraft == "on",
                 ngram=args.ngram == "on",
-                predraft_alternatives=args.predraft_alternatives,
             )
 
         colocated = False
@@ -281,7 +277,6 @@ def register(sub) -> None:
     serve_flags.add_sessions(d)
     serve_flags.add_internal_auth(d)
     serve_flags.add_prefix_cache(d, "the sessions' context caches")
-    serve_flags.add_predraft_blocks(d)
     d.set_defaults(func=cmd_serve_drafter)
 
     o = roles.add_parser(
@@ -345,7 +340,6 @@ def register(sub) -> None:
                    help="auto (default): on Linux, torch on the CPU and 2+ CPUs, pin the verifier to its own CPUs and the"
                         " drafter and orchestrator to the rest (docs/operations.md, \"Placement\", says why); off: no pinning")  # fmt: skip
     serve_flags.add_sessions(a)  # the verifier's and drafter's (--max-kv-bytes: the verifier's)
-    serve_flags.add_predraft_blocks(a)  # the drafter's
     # the verifier process's default policy; each of the verifier and drafter processes keeps a prefix cache
     _policy_and_front(a, "the verifier and the drafter process each keep one of this budget")
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")

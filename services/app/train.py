@@ -123,14 +123,6 @@ def drafter_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bos-prompts", action="store_true", help="prompts start with <bos>, as real requests do")
     p.add_argument(
-        "--predraft-share",
-        type=float,
-        default=0.0,
-        help="share of steps whose blocks are shaped as pre-drafts (serve --predraft-alternatives): 1..B-1 of"
-        " the target's tokens after the anchor (no aux for them yet), then B-1 masks, the loss on those"
-        " (default 0)",
-    )
-    p.add_argument(
         "--init-from",
         default=None,
         help="start from this drafter checkpoint of the same config, e.g. to fine-tune it",

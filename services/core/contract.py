@@ -39,13 +39,10 @@ def check_layer_types(layer_types, num_layers: int) -> None:
 Aux = Any  # [n_positions, len(target_layer_ids) * hidden] in the backend's own array type
 
 
-MAX_PREDRAFT_ALTERNATIVES = 4  # the most next-likeliest tokens a pre-draft prepares for at each candidate
-
-
-def check_alternatives(n: int, field: str = "alternatives") -> int:
-    if not 0 <= n <= MAX_PREDRAFT_ALTERNATIVES:
-        raise ValueError(f"{field} must be 0..{MAX_PREDRAFT_ALTERNATIVES}, got {n}")
-    return n
+def replica_lost(exc: BaseException) -> bool:
+    """``exc`` is a replica's loss another replica of its role may take over (``decode/takeover.py``): only
+    remote sessions raise such (``remote/streams.py``'s ``BackendError.replica_lost``)."""
+    return bool(getattr(exc, "replica_lost", False))
 
 
 # The most ids a drafter returns per candidate for a constrained request to choose among
@@ -156,16 +153,6 @@ class Draft:
                 raise ValueError(
                     f"a draft of {len(self.tokens)} candidates cannot carry {len(self.ranked)} ranked rows"
                 )
-
-
-@dataclass(frozen=True)
-class Predrafts:
-    """A pre-draft's blocks: each one's candidates, by the verdict ``(accepted, next_token)`` it assumes."""
-
-    blocks: dict[tuple[int, int], tuple[int, ...]]
-
-    def after(self, accepted: int, next_token: int) -> tuple[int, ...] | None:
-        return self.blocks.get((accepted, next_token))  # None: a miss, draft afresh
 
 
 def accept(candidates: Sequence[int], choices: Sequence[int]) -> tuple[int, int]:
@@ -377,17 +364,6 @@ class DrafterSession(Protocol):
         committed token, which the verifier has not seen yet: it opens the block.
         """
 
-    def predraft(
-        self, new_aux: Aux | None, block_ids: Sequence[int], block_size: int, alternatives: int = 0
-    ) -> Callable[[], Predrafts]:
-        """Start drafting the block after ``block_ids`` (being verified now) for the likeliest verdicts:
-        extend the context with ``new_aux`` as :meth:`draft` does (None: nothing new), then draft in one
-        forward the next block for each verdict it prepares for (:class:`Predrafts`): all of ``block_ids``
-        accepted and its guess of the next token; with ``alternatives`` = k, also the likeliest rejections
-        at a candidate with one of its k next likeliest tokens there (capped). Their context lacks
-        ``block_ids``' aux (the verdict's goes with the next call). Returns at once; the result waits.
-        Greedy sessions only."""
-
     def cached_prefixes(self, prompt_ids: Sequence[int]) -> list[int]:
         """The lengths of the prefixes of ``prompt_ids`` the drafter's prefix cache holds a snapshot of."""
 
@@ -449,6 +425,12 @@ class Drafter(Protocol):
     def open_session(
         self, sampling: SamplingParams | None = None, options: SessionOptions | None = None
     ) -> DrafterSession: ...
+
+    def open_session_now(
+        self, sampling: SamplingParams | None = None, options: SessionOptions | None = None
+    ) -> DrafterSession:
+        """:meth:`open_session`, never refused for earlier failures: a take-over (``decode/takeover.py``) found a
+        SERVING replica after one replica's loss put the whole drafter in backoff (in process: the same)."""
 
     def draft_batch(self, items: Sequence[tuple[DrafterSession, Aux, int, int]]) -> list[Draft | Exception]:
         """:meth:`DrafterSession.draft` of several of its sessions at once, each item ``(session, new aux, last

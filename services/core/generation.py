@@ -20,7 +20,6 @@ class Block:
     draft_s: float = 0.0
     verify_s: float = 0.0  # the verifier's one step: verify and commit
     total_s: float = 0.0
-    predrafted: bool = False  # its candidates were pre-drafted while the block before it was verified
     copied: bool = False  # its candidates were copied from earlier in the context (``orchestrator/proposers/ngram.py``)
     forced: bool = (
         False  # its candidates were the tokens a constraint's grammar forces (``orchestrator/proposers/forced.py``)
@@ -44,7 +43,6 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     drafter_fallback: bool = False  # the drafter failed and the verifier finished alone
-    predrafts: int = 0  # pre-drafts started (the blocks with ``predrafted`` set are the ones used)
     verifier_stats: VerifierStats = VerifierStats()  # the verifier session's stats() at the end
     sampling: SamplingParams = GREEDY  # as run: with the seed used when sampling
 

@@ -2,7 +2,8 @@
 (:class:`SamplingParams`) and how its verifier cache is bounded (:class:`CachePolicy`).
 
 Every front (the CLI, the gRPC API, the HTTP API) builds a :class:`Request` and hands it to the
-engine, which checks it in one place (``orchestrator/decode/checks.py``). A refused value raises
+engine, which checks it in one place (``orchestrator/decode/checks.py``): the result is a
+:class:`CheckedRequest`, the only kind a run accepts. A refused value raises
 :class:`InvalidRequest` naming the :class:`Request` field it came in (``max_tokens``,
 ``sampling.temperature``, ``cache_policy.window``); each front renames the field as its own clients
 spell it (``sampling_params.temperature`` on gRPC, ``temperature`` over HTTP).
@@ -280,7 +281,7 @@ class Request:
     """One generation, as every front (the CLI, the gRPC and HTTP APIs, benchmarks) hands it to the engine.
 
     ``prompt`` is what the client sent: token ids, a text, or a :class:`Chat`. The engine's check
-    (``Engine.check``) returns the request with the prompt as token ids (``prompt_ids``), its
+    (``Engine.check``) returns it as a :class:`CheckedRequest`: the prompt as token ids (``prompt_ids``), its
     defaults filled in (``max_tokens``, ``request_id``, a sampling seed) and every value checked.
     Cutting the streamed text at ``stop_strings`` is the engine's run's work with its codec.
     """
@@ -303,9 +304,14 @@ class Request:
     # limits); the run continues after them and streams only what follows (``decode/takeover.py``).
     resume_ids: Sequence[int] = ()
 
+
+@dataclass(frozen=True)
+class CheckedRequest(Request):
+    """A :class:`Request` as it runs: what ``Engine.check`` returns (``orchestrator/decode/checks.py``, nothing
+    else builds one) and a ``Run`` accepts. ``prompt`` is token ids, ``max_tokens`` and ``request_id`` are
+    filled in, a sampling request has its seed, and every value was checked against the model and the limits."""
+
     @property
     def prompt_ids(self) -> list[int]:
-        """The prompt as token ids (a text or chat prompt: after the engine's check has tokenized it)."""
-        if isinstance(self.prompt, (str, Chat)):
-            raise TypeError("a text or chat prompt has no ids before Engine.check tokenizes it")
+        """The prompt as token ids."""
         return list(self.prompt)

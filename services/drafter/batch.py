@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kakeya.core.contract import Draft, Predrafts
-from kakeya.drafter.session import LocalDrafterSession, draft_together, predrafts
+from kakeya.core.contract import Draft
+from kakeya.drafter.session import LocalDrafterSession, draft_together
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,47 +43,31 @@ class DraftItem:
     block_size: int
 
 
-@dataclass(frozen=True, slots=True)
-class PredraftItem(DraftItem):
-    """A pre-draft (``LocalDrafterSession.predraft``): ``last_token`` opens the block whose candidates
-    ``pending`` are still being verified; ``alternatives`` as asked for."""
-
-    pending: tuple[int, ...]
-    alternatives: int
-
-
-def draft_batch(items: Sequence[DraftItem]) -> list[Draft | Predrafts | Exception]:
-    """One result per item, in order: its ``Draft`` (a :class:`PredraftItem`'s ``Predrafts``), or the
-    exception it raised (to be raised to that item's caller alone)."""
+def draft_batch(items: Sequence[DraftItem]) -> list[Draft | Exception]:
+    """One result per item, in order: its ``Draft``, or the exception it raised (to be raised to that
+    item's caller alone)."""
     results: list[Any] = [None] * len(items)
     groups: dict[int, list] = {}  # sessions of one loaded model batch together
     seen: set[int] = set()
     for i, item in enumerate(items):
-        session, ahead = item.session, isinstance(item, PredraftItem)
+        session = item.session
         try:
             if id(session) in seen:
                 raise ValueError("a session drafts at most once per batch (its next block needs this one's tokens)")
-            if ahead:
-                opening = [item.last_token, *item.pending]
-                calls = session.check_predraft(item.new_aux, opening, item.block_size, item.alternatives)
-            else:
-                calls = [session.check(item.new_aux, item.last_token, item.block_size)]
+            call = session.check(item.new_aux, item.last_token, item.block_size)
         except Exception as exc:  # noqa: BLE001 -- this item's own failure, reported to its caller
             results[i] = exc
             continue
         seen.add(id(session))
-        groups.setdefault(id(session.model), []).append((i, calls, ahead))
+        groups.setdefault(id(session.model), []).append((i, call))
     for group in groups.values():
-        first = group[0][1][0].session.model
-        if len(group) >= first.min_batch:
-            drafts = iter(draft_together([call for _, calls, _ in group for call in calls]))
-            for i, calls, ahead in group:
-                mine = [next(drafts) for _ in calls]
-                results[i] = predrafts(calls, mine) if ahead else mine[0]
+        if len(group) >= group[0][1].session.model.min_batch:
+            for (i, _), draft in zip(group, draft_together([call for _, call in group])):
+                results[i] = draft
             continue
-        for i, calls, ahead in group:
+        for i, call in group:
             try:
-                results[i] = predrafts(calls, draft_together(calls)) if ahead else calls[0].session.run(calls[0])
+                results[i] = call.session.run(call)
             except Exception as exc:  # noqa: BLE001 -- this item's own failure
                 results[i] = exc
     return results

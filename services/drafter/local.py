@@ -17,20 +17,18 @@ from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import SamplingParams
 from kakeya.drafter.backend import DraftModel, bind
 from kakeya.drafter.batch import DraftItem, draft_batch
-from kakeya.drafter.session import PREDRAFT_BLOCKS, WARM_BLOCK_SIZES, LocalDrafterSession, check_predraft_blocks
+from kakeya.drafter.session import WARM_BLOCK_SIZES, LocalDrafterSession
 
 
 class LocalDrafter:
     """``Drafter`` protocol over one loaded DFlash model (either backend); sessions share the weights.
-    ``prefixes``: their prefix cache (None: none); ``predraft_blocks``: the most blocks one pre-draft of
-    its sessions prepares (``serve drafter --predraft-blocks``)."""
+    ``prefixes``: their prefix cache (None: none)."""
 
-    def __init__(self, model: DraftModel, prefixes: PrefixCache | None = None, predraft_blocks: int = PREDRAFT_BLOCKS):
+    def __init__(self, model: DraftModel, prefixes: PrefixCache | None = None):
         if model.target is None:
             raise ValueError("DFlashDraftModel must be bound to the target's embedding/LM head")
         self.model = model
         self.prefixes = prefixes
-        self.predraft_blocks = check_predraft_blocks(predraft_blocks, "--predraft-blocks")
         self.backend: str = model.backend
         self.block_size: int = int(model.config.block_size)
         self.mask_token_id: int = int(model.config.mask_token_id)
@@ -40,7 +38,9 @@ class LocalDrafter:
         self, sampling: SamplingParams | None = None, options: SessionOptions | None = None
     ) -> LocalDrafterSession:
         ranked = options.ranked if options is not None else 0
-        return LocalDrafterSession(self.model, sampling, self.prefixes, self.predraft_blocks, ranked)
+        return LocalDrafterSession(self.model, sampling, self.prefixes, ranked)
+
+    open_session_now = open_session  # in this process no failure backs the drafter off
 
     def status(self) -> dict[str, str]:
         return {}  # in this process: no connection to lose
@@ -71,7 +71,7 @@ class MLXDrafter(LocalDrafter):
     target's embedding / LM head; ``MLXDrafter(model)`` wraps an already bound model."""
 
     def __init__(self, draft, target_dir: str | Path | None = None, dtype=None, **shared):
-        """``shared``: :class:`LocalDrafter`'s ``prefixes`` and ``predraft_blocks``."""
+        """``shared``: :class:`LocalDrafter`'s ``prefixes``."""
         from kakeya.drafter.mlx_backend.model import DFlashDraftModel, load_dflash_mlx
 
         if isinstance(draft, DFlashDraftModel):
@@ -112,7 +112,7 @@ class TorchDrafter(LocalDrafter):
         (``--graphed-min-batch``); ``compile``:
         ``torch.compile`` the layers' row-wise halves (``DFlashDraftModel.compile_layers``);
         ``attention_kernel``: the Triton decode-attention kernel (``DFlashDraftModel.use_attention_kernel``);
-        ``shared``: :class:`LocalDrafter`'s ``prefixes`` and ``predraft_blocks``."""
+        ``shared``: :class:`LocalDrafter`'s ``prefixes``."""
         from kakeya.backends.torch.graphs import GraphOptions
 
         if model is None:

@@ -9,9 +9,9 @@ the drafter's memory. Per block the request carries the
 aux of the newly committed positions (a ``Tensor`` decoded by
 ``services/wire/codec.py``) and the token opening the block; the response
 carries ``B - 1`` candidate ids (and, in a sampling session, the compact
-proposal each was drawn from). A ``Predraft`` drafts the block after one the
-verifier is still verifying (``LocalDrafterSession.predraft``); it queues and
-batches with other streams' drafts like a Draft. After its first Draft (on its stream), a session's
+proposal each was drawn from). A ``Predraft`` (deprecated: pre-drafting was removed, measured not to pay,
+docs/benchmarks.md "History") only takes its new aux and is answered with no block, so an older client
+drafts afresh. After its first Draft (on its stream), a session's
 Drafts may come in a ``DraftRound`` call with other sessions' (``runtime/rounds.py``), each item checked
 and answered as its stream's Draft. The drafter loads only the target's embedding
 and LM head (``endpoints.local_drafter``), never the whole target. One servicer
@@ -30,10 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kakeya.core.contract import Predrafts, SessionOptions, check_alternatives, check_ranked
-from kakeya.drafter.batch import DraftItem, PredraftItem, draft_batch
+from kakeya.core.contract import SessionOptions, check_ranked
+from kakeya.drafter.batch import DraftItem, draft_batch
 from kakeya.drafter.config import MAX_BLOCK_SIZE
-from kakeya.drafter.session import PREDRAFT_BLOCKS, check_predraft_blocks
 from kakeya.runtime import bounds
 from kakeya.runtime.lifecycle import ServerSpec, check_token_ids, invalid, precondition, version
 from kakeya.runtime.rounds import RoundSlot, RoundWire, serve_round
@@ -53,7 +52,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
     role = "drafter"
     kv_kinds = ("context",)
 
-    def __init__(self, limits: SessionLimits = SessionLimits(), predraft_blocks: int = PREDRAFT_BLOCKS):
+    def __init__(self, limits: SessionLimits = SessionLimits()):
         # Draft requests of several streams that queue up while a batch runs go through ONE forward
         # (``batch.draft_batch``); max_batch 1: each alone, in turn.
         super().__init__(limits)
@@ -63,7 +62,6 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.names = ("", "")
         self.max_block_size = MAX_BLOCK_SIZE
         self.row_bytes = 0  # context K/V bytes per cache row of one layer, measured by load()
-        self.predraft_blocks = check_predraft_blocks(predraft_blocks, "--predraft-blocks")
 
     # -- loading -----------------------------------------------------------------------
 
@@ -77,7 +75,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         return self.compute.run(self._setup, make, str(draft_dir), str(target_dir), backend)
 
     def _setup(self, make, draft_dir: str, target_dir: str, backend: str) -> str:
-        self.drafter = make(prefixes=self.prefixes, predraft_blocks=self.predraft_blocks)  # its collaborators
+        self.drafter = make(prefixes=self.prefixes)  # its collaborators
         if self.drafter.backend != backend:
             raise ValueError(f"asked for a {backend} drafter, got a {self.drafter.backend} one")
         self.backend = backend
@@ -211,11 +209,11 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
                     slot.take("predraft")
                 try:
                     item = self._predraft_item(entry, session, req.predraft, vocab)
-                    found, stats = yield from self._compute_batch(every, "draft", item, self._draft_batch)
+                    _, stats = yield from self._compute_batch(every, "draft", item, self._draft_batch)
                 finally:
                     if slot is not None:
                         slot.lock.release()
-                resp = pb.DrafterResponse(predrafted=predrafted_proto(found, len(item[1].pending), stats))
+                resp = pb.DrafterResponse(predrafted=pb.DrafterResponse.Predrafted(stats=stats))  # no block: a miss
             elif kind == "close":
                 stats = yield from self._compute(every, self._stats, session)
                 yield pb.DrafterResponse(
@@ -283,26 +281,16 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         return shape
 
     def _predraft_item(self, entry, session, p, vocab: int) -> tuple:
-        """A checked Predraft as a ``_draft_batch`` item."""
-        if session.rule is not None:
-            raise precondition("predraft: pre-drafting is for greedy sessions (open.sampling is set)")
+        """A deprecated Predraft as a ``draft_batch`` item that only takes its new aux (a block of 1), so the
+        older client's context has no gap when it drafts afresh."""
         if session.cache.length == 0:
             raise precondition("predraft: draft the session's first block first (it brings the prompt's aux)")
         if p.HasField("new_aux"):
             self._check_aux(p.new_aux, session, "predraft.new_aux")
         ids = list(p.block_ids)
-        if not 2 <= len(ids) <= self.max_block_size or any(not 0 <= t < vocab for t in ids):
-            raise invalid(
-                f"predraft.block_ids: 2..{self.max_block_size} ids in the vocabulary [0, {vocab}), got {ids[:20]}"
-            )
-        if not 2 <= p.block_size <= self.max_block_size:
-            raise invalid(f"predraft.block_size must be 2..{self.max_block_size}, got {p.block_size}")
-        try:
-            check_alternatives(p.alternatives, "predraft.alternatives")
-        except ValueError as exc:
-            raise invalid(str(exc)) from None
-        aux = p.new_aux if p.HasField("new_aux") else None
-        return entry, PredraftItem(session, aux, ids[0], p.block_size, tuple(ids[1:]), p.alternatives)
+        if not ids or not 0 <= ids[0] < vocab:
+            raise invalid(f"predraft.block_ids: its first id must be in the vocabulary [0, {vocab})")
+        return entry, DraftItem(session, p.new_aux if p.HasField("new_aux") else None, ids[0], 1)
 
     # -- compute-thread steps --------------------------------------------------------------
 
@@ -353,18 +341,6 @@ def _drafted_proto(result) -> pb.DrafterResponse.Drafted:
 ROUND_WIRE = RoundWire(pb.DraftRoundResponse, "draft", "drafted", pb.DrafterResponse.Progress, _drafted_proto)
 
 
-def predrafted_proto(found: Predrafts, pending: int, stats) -> pb.DrafterResponse.Predrafted:
-    """A pre-draft's blocks on the wire: the full acceptance's (``pending`` candidates accepted) as
-    ``token_ids``, its guess first; every other as an ``Outcome``."""
-    msg = pb.DrafterResponse.Predrafted(stats=stats)
-    for (accepted, next_token), tokens in found.blocks.items():
-        if accepted == pending:
-            msg.token_ids.extend([next_token, *tokens])
-        else:
-            msg.outcomes.add(accepted=accepted, next_token=next_token, token_ids=tokens)
-    return msg
-
-
 def server_spec(
     draft_dir: str | Path,
     target_dir: str | Path,
@@ -373,13 +349,11 @@ def server_spec(
     *,
     tls=None,
     token: str | None = None,
-    predraft_blocks: int = PREDRAFT_BLOCKS,
     **kwargs,
 ) -> ServerSpec:
     """A drafter server: ``limits`` its sessions' (``SessionLimits``), ``token`` the bearer token callers
-    must present (None: none), ``predraft_blocks`` the most blocks one pre-draft prepares, ``kwargs`` the
-    loader's (``loader.local_drafter``)."""
-    servicer = DrafterServicer(limits, predraft_blocks)
+    must present (None: none), ``kwargs`` the loader's (``loader.local_drafter``)."""
+    servicer = DrafterServicer(limits)
     return servicer.spec(
         pb.DESCRIPTOR.services_by_name["DrafterService"],
         lambda: servicer.load(draft_dir, target_dir, backend, **kwargs),

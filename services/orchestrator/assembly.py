@@ -270,16 +270,13 @@ def split_engine(
     tls=None,
     token: str | None = None,
     backend_timeout_s: float | None = None,
-    predraft: bool = False,
     ngram: bool = True,
-    predraft_alternatives: int = 0,
 ):
     """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them.
 
     ``tls``: a ``kakeya.runtime.security.tls.ClientTLS`` for both; ``token``: the bearer token both require;
-    ``backend_timeout_s``: the step deadlines' floor; ``predraft``: greedy runs pre-draft the next
-    block while the verifier verifies (``Engine.predraft``, with ``predraft_alternatives``); ``ngram``: blocks whose context repeats are
-    drafted by copy (``Engine.ngram``).
+    ``backend_timeout_s``: the step deadlines' floor; ``ngram``: blocks whose context repeats are drafted by
+    copy (``Engine.ngram``).
     The verifier's sessions return the hidden states of the drafter's layers (without a drafter:
     the verifier server's default layers).
     """
@@ -329,8 +326,6 @@ def split_engine(
         codec,
         target=info.name,
         draft=draft_name,
-        predraft=predraft,
         prefix_cache=verifier.prefix_cache,
         ngram=ngram,
-        predraft_alternatives=predraft_alternatives,
     )

@@ -226,14 +226,8 @@ class BlockTrainer:
             logits = torch.tanh(logits / cap) * cap
         return logits.reshape(N * K, B - 1, -1)
 
-    def block_logits(
-        self, seqs: np.ndarray, aux: np.ndarray, anchors: np.ndarray, B: int, reveal: np.ndarray | None = None
-    ):
-        """Drafter logits ``[N*K, B-1, vocab]`` and labels ``[N*K, B-1]`` for blocks after ``anchors`` [N, K].
-
-        ``reveal`` [N, K]: a block's positions ``1 .. reveal`` hold the continuation's tokens instead of
-        masks, its context still ending before the anchor: the shape of a pre-draft's block
-        (``drafter/session.py``), whose tokens the verifier has not yet given aux for."""
+    def block_logits(self, seqs: np.ndarray, aux: np.ndarray, anchors: np.ndarray, B: int):
+        """Drafter logits ``[N*K, B-1, vocab]`` and labels ``[N*K, B-1]`` for blocks after ``anchors`` [N, K]."""
         from kakeya.drafter.context import Segment
         from kakeya.drafter.torch_backend.context import GivenContext
 
@@ -253,9 +247,6 @@ class BlockTrainer:
         blk = torch.full((N, K, B), c.mask_token_id, dtype=torch.long, device=dev)
         blk[..., 0] = torch.gather(ids, 1, a)
         labels = torch.gather(ids, 1, (pos[..., 1:]).reshape(N, -1)).reshape(N * K, B - 1)
-        if reveal is not None:
-            shown = offs[1:] <= torch.from_numpy(reveal.astype(np.int64)).to(dev)[..., None]  # [N, K, B-1]
-            blk[..., 1:] = torch.where(shown, labels.reshape(N, K, B - 1), blk[..., 1:])
         x = F.embedding(blk.reshape(N * K, B), self.embed)
         if c.input_embedding_scale != 1.0:
             x = x * c.input_embedding_scale
@@ -291,7 +282,6 @@ class BlockTrainer:
         final: np.ndarray | None = None,
         hard: np.ndarray | None = None,
         soft_weight: float = 0.0,
-        reveal: np.ndarray | None = None,
     ):
         """Mean position-weighted loss over ``N*K`` blocks; returns (loss, per-position accuracy [B-1]).
 
@@ -300,14 +290,12 @@ class BlockTrainer:
         next-token distribution there (from ``final``), q the drafter's. A sampled continuation's
         tokens are draws from p at some temperature: its hard weight is usually 0 and p teaches
         the drafter the whole distribution, which is what sampled requests accept against.
-        Accuracy: the drafter's argmax equals the continuation's token. ``reveal`` (see
-        :meth:`block_logits`): a block's revealed positions carry no loss, and its position weights
-        and its accuracy per position start at its first masked one.
+        Accuracy: the drafter's argmax equals the continuation's token.
         """
         torch, F = self.torch, self.torch.nn.functional
         N, K = anchors.shape
         dev = self.device
-        logits, labels = self.block_logits(seqs, aux, anchors, B, reveal)
+        logits, labels = self.block_logits(seqs, aux, anchors, B)
         logq = F.log_softmax(logits, dim=-1)
         per = -torch.gather(logq, -1, labels[..., None])[..., 0]  # [N*K, B-1] hard CE
         if hard is not None:
@@ -315,20 +303,9 @@ class BlockTrainer:
         if soft_weight:
             logp = F.log_softmax(self.target_logits(final, anchors, B), dim=-1)
             per = per + soft_weight * (logp.exp() * (logp - logq)).sum(-1)
-        k = torch.arange(B - 1, device=dev, dtype=torch.float32)
-        if reveal is None:
-            w = torch.exp(-k / gamma)
-            loss = (per * w).sum() / (w.sum() * N * K)
-        else:
-            r = torch.from_numpy(reveal.reshape(-1, 1).astype(np.float32)).to(dev)  # [N*K, 1]
-            w = torch.where(k >= r, torch.exp(-(k - r) / gamma), torch.zeros((), device=dev))
-            loss = (per * w).sum() / w.sum()
-        correct = (logits.argmax(-1) == labels).float()
-        if reveal is None:
-            return loss, correct.mean(0)
-        first = torch.from_numpy(reveal.reshape(-1).astype(np.int64)).to(dev)[:, None]  # each block's first mask row
-        width = B - 1 - int(reveal.max())
-        return loss, torch.gather(correct, 1, first + torch.arange(width, device=dev)).mean(0)
+        w = torch.exp(-torch.arange(B - 1, device=dev, dtype=torch.float32) / gamma)
+        loss = (per * w).sum() / (w.sum() * N * K)
+        return loss, (logits.argmax(-1) == labels).float().mean(0)
 
     def load_weights(self, draft_dir: Path) -> None:
         """The drafter weights of a reference-layout checkpoint directory (strict)."""

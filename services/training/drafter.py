@@ -82,8 +82,6 @@ def _data_on_device(data_set, device, mode: str, soft: float, quiet: bool):
 def train(args) -> dict:
     import torch
 
-    if not 0.0 <= args.predraft_share <= 1.0:
-        raise ValueError(f"--predraft-share must be in [0, 1], got {args.predraft_share}")
     out = Path(args.out)
     target_dir = Path(args.target)
     common.seed_all(args.seed)
@@ -236,14 +234,8 @@ def train(args) -> dict:
             break
         rng = np.random.default_rng([args.seed, 11, step])
         B = int(block_sizes[rng.integers(len(block_sizes))])
-        r = 0  # a pre-draft's shape: r known tokens after the anchor (a pending block's), then B - 1 masks
-        if (
-            args.predraft_share and rng.random() < args.predraft_share
-        ):  # drawn only then: a run without it keeps its stream
-            r = int(rng.integers(1, B))
         idx = rng.choice(len(seqs), size=args.batch, replace=False)
-        anchors = rng.integers(P, T - (B + r) + 1, size=(args.batch, args.anchors))
-        reveal = np.full(anchors.shape, r) if r else None
+        anchors = rng.integers(P, T - B + 1, size=(args.batch, args.anchors))
         lr = common.lr_at(step, args.steps, args.lr, args.warmup, spent=spent)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -258,12 +250,11 @@ def train(args) -> dict:
             seqs[idx],
             aux,
             anchors,
-            B + r,
+            B,
             gamma if gamma > 0 else B / 2,
             final=final,
             hard=hard,
             soft_weight=args.soft_weight,
-            reveal=reveal,
         )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)

@@ -7,7 +7,7 @@ def test_ceiling_prices_a_block_as_one_verify_and_one_round_trip(benchmark_scrip
     mod = benchmark_script("split")
     row = {
         "block_ms_median": {"colocated": 7.0},
-        "verify_ms_median": {"colocated": 6.0, "split": 6.7, "split_predraft": 6.8},
+        "verify_ms_median": {"colocated": 6.0, "split": 6.7},
     }
     got = mod.overlap_ceiling(row, 0.3)
     assert got["with_split_verify"] == round(7.0 / 7.0, 3) and got["with_colocated_verify"] == round(7.0 / 6.3, 3)

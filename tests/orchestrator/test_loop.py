@@ -2,9 +2,10 @@
 
 import pytest
 
-from kakeya.core.contract import Draft, Predrafts, Verdict, accept
+from kakeya.core.contract import Draft, Verdict, accept
 from kakeya.core.quality import find_runaway, quality_report
-from kakeya.orchestrator.decode.loop import run
+from kakeya.orchestrator.decode.loop import Decode, DecodeOptions, alone, run
+from kakeya.orchestrator.proposers import NGRAM, Proposal
 
 
 class ScriptedVerifier:
@@ -50,13 +51,12 @@ class ScriptedVerifier:
 
 
 class ScriptedDrafter:
-    """Drafts the target's continuation, one candidate in ``wrong_every`` wrong; its pre-drafts guess
-    the next token wrong every ``wrong_guess_every``-th time. Its context is the aux rows it was handed."""
+    """Drafts the target's continuation, one candidate in ``wrong_every`` wrong. Its context is the aux rows it
+    was handed."""
 
-    def __init__(self, verifier, wrong_every=3, wrong_guess_every=None):
-        self.v, self.calls, self.wrong_every, self.wrong_guess_every = verifier, 0, wrong_every, wrong_guess_every
+    def __init__(self, verifier, wrong_every=3):
+        self.v, self.calls, self.wrong_every = verifier, 0, wrong_every
         self.context: list[int] = []
-        self.predrafts = 0
 
     def _take(self, new_aux):
         self.context += new_aux or []
@@ -67,22 +67,6 @@ class ScriptedDrafter:
         good = self.v.cont[self.v.pos + 1 : self.v.pos + B]
         k = self.calls % self.wrong_every if self.wrong_every else -1
         return Draft([t if i != k else 999 for i, t in enumerate(good)])
-
-    def predraft(self, new_aux, block_ids, B, alternatives=0):
-        self._take(new_aux)
-        self.predrafts += 1
-        at = self.v.pos + len(block_ids)  # where the next block opens if all of block_ids is accepted
-        guess, *good = self.v.cont[at : at + B]
-        if self.wrong_guess_every and self.predrafts % self.wrong_guess_every == 0:
-            guess = 998
-        k = self.predrafts % self.wrong_every if self.wrong_every else -1
-        blocks = {(len(block_ids) - 1, guess): tuple(t if i != k else 999 for i, t in enumerate(good))}
-        if alternatives:  # its next likeliest token at a wrong candidate is the right one (a rejection there)
-            for n, c in enumerate(block_ids[1:]):
-                right = self.v.cont[self.v.pos + n + 1]
-                if c != right:
-                    blocks[(n, right)] = tuple(self.v.cont[self.v.pos + n + 2 : self.v.pos + n + 1 + B])
-        return lambda: Predrafts(blocks)
 
 
 CONT = list(range(100, 400))
@@ -155,73 +139,54 @@ def test_drafter_failure_falls_back_to_verifier_alone():
         run(v2, Dies(v2), [0], max_tokens=60, block_size=8)
 
 
-@pytest.mark.parametrize("B", [2, 4, 8, 16])
-@pytest.mark.parametrize("wrong_every, wrong_guess_every", [(None, None), (None, 2), (3, None), (2, 3)])
-def test_predrafting_commits_the_same_tokens_and_hands_every_aux_row_over_once(B, wrong_every, wrong_guess_every):
+class Scripted:
+    """A proposer that proposes the continuation's next ``n`` tokens (wrong from ``wrong_at`` on) every
+    ``every``-th block, else nothing: the next proposer is asked."""
+
+    def __init__(self, verifier, n, every, wrong_at=None):
+        self.v, self.n, self.every, self.wrong_at, self.asked = verifier, n, every, wrong_at, 0
+
+    def propose(self, state):
+        self.asked += 1
+        if self.asked % self.every:
+            return None
+        at = self.v.pos + 1
+        good = self.v.cont[at : at + min(self.n, state.room - 1)]
+        return Proposal(tuple(t if self.wrong_at is None or i < self.wrong_at else 999 for i, t in enumerate(good)),
+                        NGRAM, "scripted")  # fmt: skip
+
+
+@pytest.mark.parametrize("B", [2, 4, 8])
+def test_proposers_are_asked_in_order_and_the_drafter_still_takes_every_aux_row_once(B):
+    """A proposer's block goes to the verifier as the drafter's would (the same tokens committed); the drafter
+    is asked only when no proposer had one, yet its context gets every committed position once, in order."""
     v = ScriptedVerifier(3, CONT)
-    d = ScriptedDrafter(v, wrong_every, wrong_guess_every)
-    g = run(v, d, [1, 2, 3], max_tokens=61, block_size=B, predraft=True)
-    assert g.token_ids == CONT[:61] and g.finish_reason == "length"
-    used = [b for b in g.blocks[1:] if b.predrafted]
-    assert g.predrafts == d.predrafts and len(used) <= g.predrafts
-    if wrong_every is None and wrong_guess_every is None:  # every guess right: the drafter drafts only the first block
-        assert d.calls == 1 and len(used) == len(g.blocks) - 2
-    for before, block in zip(g.blocks[1:], g.blocks[2:]):
-        if block.predrafted:  # only after a block accepted in full, with the next token guessed
-            assert before.accepted == before.drafted and block.tokens[0] == before.tokens[-1] + 1
-    if wrong_every is not None or wrong_guess_every is not None:
-        assert len(used) < len(g.blocks) - 2
-    if wrong_every is None and wrong_guess_every is not None:  # every other guess right: half the pre-drafts used
-        assert 0 < len(used)
-    # the context the drafter was handed: every committed position once, in order, none skipped
-    assert d.context == list(range(len(d.context))) and len(d.context) >= 3 + 61 - B - 1
+    d = ScriptedDrafter(v, wrong_every=3)
+    first, second = Scripted(v, 5, every=3, wrong_at=2), Scripted(v, 3, every=2)
+    decode = Decode(v, d, [1, 2, 3], DecodeOptions(61, B))
+    decode.proposers[:0] = [first, second]  # asked before the drafter
+    blocks = list(alone(decode))
+    g = decode.generation
+    assert g.token_ids == CONT[:61] and first.asked == len(blocks) - 1
+    copied = [b for b in blocks[1:] if b.copied]
+    assert second.asked == first.asked - first.asked // 3  # asked only when the first had nothing
+    assert copied and all(b.drafted <= 5 for b in copied)  # a proposer's block, not the drafter's size
+    assert any(b.drafted == 5 and b.accepted == 2 for b in copied)  # the first's, wrong from its third candidate
+    assert d.calls == len(blocks) - 1  # a proposer's block hands the drafter the new positions all the same
+    assert d.context == list(range(len(d.context))) and len(d.context) >= 3 + 61 - 7  # all but the last block's
 
 
-@pytest.mark.parametrize("B", [2, 4, 8, 16])
-def test_predrafts_prepared_for_rejections_are_used_when_the_verdict_names_them(B):
-    v = ScriptedVerifier(3, CONT)
-    d = ScriptedDrafter(v, wrong_every=3)  # one candidate in three wrong: most blocks end in a rejection
-    g = run(v, d, [1, 2, 3], max_tokens=61, block_size=B, predraft=True, alternatives=2)
-    assert g.token_ids == CONT[:61]
-    after_rejection = [b for a, b in zip(g.blocks[1:], g.blocks[2:]) if b.predrafted and a.accepted < a.drafted]
-    assert after_rejection  # the block after a rejection opened with the pre-draft prepared for it
-    assert d.context == list(range(len(d.context)))  # every committed position handed over once, in order
-    v2 = ScriptedVerifier(3, CONT)
-    plain = run(v2, ScriptedDrafter(v2, wrong_every=3), [1, 2, 3], max_tokens=61, block_size=B, predraft=True)
-    assert sum(b.predrafted for b in g.blocks) > sum(b.predrafted for b in plain.blocks)
-
-
-def test_a_predraft_used_near_max_tokens_is_cut_to_the_room_left():
+def test_a_block_names_its_proposal_and_why():
     v = ScriptedVerifier(1, CONT)
-    g = run(v, ScriptedDrafter(v, wrong_every=None), [0], max_tokens=20, block_size=8, predraft=True)
-    assert g.token_ids == CONT[:20] and g.acceptance_lengths == [8, 8, 3]
-    assert [b.predrafted for b in g.blocks[1:]] == [False, True, True]
-
-
-def test_a_failing_predraft_falls_back_to_the_verifier_alone():
-    for where in ("post", "result"):
-        v = ScriptedVerifier(1, CONT)
-
-        class Dies(ScriptedDrafter):
-            def predraft(self, new_aux, block_ids, B, alternatives=0, where=where):
-                if self.predrafts == 2:
-                    if where == "post":
-                        raise ConnectionError("drafter gone")
-                    return lambda: (_ for _ in ()).throw(ConnectionError("drafter gone"))
-                return super().predraft(new_aux, block_ids, B)
-
-        errors = []
-        g = run(
-            v,
-            Dies(v, wrong_every=None),
-            [0],
-            max_tokens=60,
-            block_size=8,
-            on_drafter_error=errors.append,
-            predraft=True,
-        )
-        assert g.token_ids == CONT[:60] and g.drafter_fallback and len(errors) == 1, where
-        assert all(b.drafted == 0 for b in g.blocks[4:])  # the verifier alone from then on
+    decode = Decode(v, ScriptedDrafter(v, wrong_every=None), [0], DecodeOptions(10, 4))
+    decode.proposers.insert(0, Scripted(v, 3, every=2))
+    sources = []
+    it = alone(decode)
+    next(it)
+    for _ in it:
+        sources.append((decode.proposal.source, decode.proposal.why))
+    assert sources[0] == ("drafter", "no other source: the drafter drafts 3") and sources[1] == ("ngram", "scripted")
+    assert decode.generation.token_ids == CONT[:10]
 
 
 def test_bad_arguments():

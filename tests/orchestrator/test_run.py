@@ -111,6 +111,34 @@ def _sessions(engine):
     return engine.verifier.sessions[-1], engine.drafter.sessions[-1]
 
 
+def test_a_checked_request_is_its_own_type_and_a_run_is_cheap_until_it_begins():
+    """Engine.check makes a CheckedRequest (ids, defaults filled in); a Run takes only that, opens nothing when
+    made, and begins (sessions, prefill) as an explicit step; an unbegun run closes without model work."""
+    from kakeya.core.request import CheckedRequest
+    from kakeya.orchestrator.decode.engine import Run
+
+    engine = _engine()
+    req = Request(PROMPT, max_tokens=8, block_size=4)
+    assert not hasattr(req, "prompt_ids")  # an unchecked request has no ids to read
+    checked = engine.check(req)
+    assert isinstance(checked, CheckedRequest) and checked.prompt_ids == list(PROMPT) and checked.request_id
+    with pytest.raises(TypeError, match="CheckedRequest"):
+        Run(engine, req, RunOptions())
+    run = Run(engine, checked, RunOptions())
+    assert engine.verifier.sessions == [] and engine.drafter.sessions == []  # nothing opened, nothing prefilled
+    with pytest.raises(RuntimeError, match="begin"):
+        next(run)
+    run.close()
+    assert run.result.finish_reason == "abort" and run.result.token_ids == [] and engine.verifier.sessions == []
+    run = Run(engine, checked, RunOptions())
+    run.begin()
+    vs, ds = _sessions(engine)
+    assert vs.options.max_positions == len(PROMPT) + 8
+    with pytest.raises(RuntimeError, match="begun already"):
+        run.begin()
+    assert [t for b in run for t in b.tokens] == CONT[:8] and vs.closed and ds.closed
+
+
 def test_a_run_yields_its_blocks_then_its_result_and_closes_both_sessions():
     engine = _engine()
     run = engine.start(Request(PROMPT, max_tokens=20, block_size=4, request_id="r1"))
@@ -278,20 +306,6 @@ def test_a_cancellation_runs_each_hook_once_and_late_ones_at_once():
     c.cancel()
     c.on_cancel(lambda: seen.append("late"))
     assert seen == ["early", "late"] and c.cancelled
-
-
-def test_the_engine_predrafts_greedy_runs_only_and_a_run_may_say_otherwise():
-    from kakeya.core.request import SamplingParams
-
-    engine = _engine()
-    engine.predraft = True
-    gen = engine.generate(Request(PROMPT, max_tokens=40, block_size=4))
-    assert gen.token_ids == CONT[:40] and gen.predrafts > 0 and any(b.predrafted for b in gen.blocks)
-    assert engine.generate(Request(PROMPT, max_tokens=40, block_size=4), RunOptions(predraft=False)).predrafts == 0
-    sampled = engine.generate(Request(PROMPT, max_tokens=40, block_size=4, sampling=SamplingParams(0.8, seed=3)))
-    assert sampled.predrafts == 0  # a sampled block is drawn when it opens
-    engine.predraft = False
-    assert engine.generate(Request(PROMPT, max_tokens=40, block_size=4), RunOptions(predraft=True)).predrafts > 0
 
 
 def _newcomer_engine(prefill):

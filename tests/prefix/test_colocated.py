@@ -86,50 +86,6 @@ def test_a_history_that_comes_back_short_of_its_last_tokens_still_resumes(tiny_p
     assert cached.verifier.prefixes.stats()["misses"] == 1  # the first turn only
 
 
-@pytest.mark.parametrize("backend", ["torch", "mlx"])
-def test_pre_drafted_turns_leave_the_drafter_a_whole_snapshot(tiny_pair, backend):
-    """A pre-draft takes the newest aux before its block's verdict: the drafter's snapshot must still hold every
-    committed position once, so later turns resume on both sides (the verifier only resumes what the drafter
-    offers) with the cold run's output and acceptance."""
-    cached, cold = _engines(tiny_pair, backend)
-    prompt, turns = [2] + list(range(100, 140)), []
-    for t in range(3):
-        req = Request(list(prompt), max_tokens=40, block_size=4, ignore_eos=True)
-        turns.append(cached.generate(req, RunOptions(predraft=True)))
-        prompt = prompt + turns[-1].token_ids + USER[t % len(USER)]
-    assert sum(g.predrafts for g in turns) > 0
-    for gen in turns:
-        again = cold.generate(Request(list(gen.prompt_ids), max_tokens=40, block_size=4, ignore_eos=True))
-        assert gen.token_ids == again.token_ids
-        assert gen.acceptance_lengths == again.acceptance_lengths
-    for prev, gen in itertools.pairwise(turns):
-        assert gen.cached_tokens == len(prev.prompt_ids) + len(prev.token_ids) - 1
-
-
-def test_a_pre_drafting_run_saves_the_drafter_snapshot_a_plain_run_saves(demo_pair):
-    """Pre-drafts that are used (the demo pair accepts whole short blocks) skip a draft call; the aux they took
-    must leave the loop's unseen list, or the snapshot would hold some rows twice."""
-    import numpy as np
-
-    from kakeya.drafter.session import CONTEXT
-
-    engines = [build_local_engine(str(demo_pair.target), str(demo_pair.draft), "torch", "cpu", prefixes=PrefixCache(1 << 28))
-               for _ in range(2)]  # fmt: skip
-    prompt = engines[0].codec.encode("import os\nimport sys\n\ndef main(argv):\n    ")
-    req = Request(prompt, max_tokens=48, block_size=2, ignore_eos=True)
-    gens = [e.generate(req, RunOptions(predraft=p)) for e, p in zip(engines, (False, True))]
-    assert gens[0].token_ids == gens[1].token_ids and any(b.predrafted for b in gens[1].blocks)
-    ids = list(prompt) + gens[0].token_ids[:-1]
-    snaps = [
-        next(x.value for x in e.drafter.prefixes.find(CONTEXT, ids + [0]) if x.positions == len(ids)) for e in engines
-    ]
-    assert snaps[0].length == snaps[1].length == len(ids) and snaps[0].rows == snaps[1].rows
-    for (k0, v0), (k1, v1) in zip(snaps[0].kv, snaps[1].kv):
-        if k0 is not None:
-            np.testing.assert_allclose(k1.float().numpy(), k0.float().numpy(), atol=1e-4)
-            np.testing.assert_allclose(v1.float().numpy(), v0.float().numpy(), atol=1e-4)
-
-
 def test_a_verifier_only_snapshot_serves_the_verifier_only(tiny_pair):
     """Without a drafter session (block size 1) only the verifier saves: a speculative request cannot resume
     from it (its drafter would have a gap) and runs cold; a non-speculative one resumes it."""

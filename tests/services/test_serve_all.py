@@ -225,13 +225,12 @@ def test_the_openai_client_through_serve_all_gets_the_grpc_clients_tokens(server
 
 def test_serve_all_hands_each_child_both_branches_flags():
     """The prefix cache and the HTTP front's flags reach their children beside the internal token, the per-peer
-    cap and pre-drafting (no child is started: the argv alone)."""
+    cap and the n-gram switch (no child is started: the argv alone)."""
     from kakeya.app import flags as serve_flags
     from kakeya.app.main import build_parser
 
     a = build_parser().parse_args(["serve", "all", "--prefix-cache-bytes", "64M", "--http-port", "8000",
-                                   "--served-model-name", "m", "--max-sessions-per-peer", "3", "--predraft", "on",
-                                   "--predraft-alternatives", "2", "--predraft-blocks", "6",
+                                   "--served-model-name", "m", "--max-sessions-per-peer", "3", "--ngram", "off",
                                    "--http-header-timeout", "2", "--http-body-timeout", "3",
                                    "--queue", "8", "--queue-timeout", "4"])  # fmt: skip
 
@@ -241,19 +240,16 @@ def test_serve_all_hands_each_child_both_branches_flags():
     for role in ("verifier", "drafter"):
         argv = serve_flags.child_argv(a, role, "tok")
         assert value(argv, "--prefix-cache-bytes") == str(64 << 20) and value(argv, "--auth-token-file") == "tok"
-    assert value(serve_flags.child_argv(a, "drafter", "tok"), "--predraft-blocks") == "6"  # the drafter's cap
-    assert "--predraft-blocks" not in serve_flags.child_argv(a, "verifier", "tok")
-    for role in ("all", "drafter"):  # out of range: argparse refuses it before any process starts
+    for role in ("all", "drafter", "orchestrator"):  # pre-drafting was removed: its flags are refused by name
         with pytest.raises(SystemExit):
-            build_parser().parse_args(["serve", role, "--predraft-blocks", "0"])
+            build_parser().parse_args(["serve", role, "--predraft-blocks", "4"])
     argv = serve_flags.child_argv(a, "orchestrator", "tok")
     assert (value(argv, "--http-port"), value(argv, "--served-model-name")) == ("8000", "m")
-    assert (value(argv, "--max-sessions-per-peer"), value(argv, "--backend-token-file"), value(argv, "--predraft")) == (
+    assert (value(argv, "--max-sessions-per-peer"), value(argv, "--backend-token-file"), value(argv, "--ngram")) == (
         "3",
         "tok",
-        "on",
+        "off",
     )
-    assert value(argv, "--predraft-alternatives") == "2"
     # the public front queues generations too (issue 58: its --max-sessions refused before the backends' queue)
     assert (value(argv, "--queue"), value(argv, "--queue-timeout")) == ("8", "4.0")
     o = build_parser().parse_args(["serve", "orchestrator", *argv])

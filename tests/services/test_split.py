@@ -8,7 +8,6 @@ orchestrator holding the same embedded tiny pair in-process.
 from __future__ import annotations
 
 import json
-import queue
 import subprocess
 import sys
 import threading
@@ -360,11 +359,8 @@ BAD_DRAFTER = [
     ("last token outside vocab", [OPEN_D, D(draft=D.Draft(new_aux=_aux(), last_token=1024))], grpc.StatusCode.INVALID_ARGUMENT, "draft.last_token"),
     ("block size 100", [OPEN_D, D(draft=D.Draft(new_aux=_aux(), last_token=2, block_size=100))], grpc.StatusCode.INVALID_ARGUMENT, "draft.block_size"),
     ("predraft first", [OPEN_D, D(predraft=D.Predraft(new_aux=_aux(), block_ids=[2, 3], block_size=4))], grpc.StatusCode.FAILED_PRECONDITION, "predraft"),
-    ("predraft one id", [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2], block_size=4))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.block_ids"),
-    ("predraft id outside vocab", [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2, 1024], block_size=4))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.block_ids"),
-    ("predraft block size 1", [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2, 3], block_size=1))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.block_size"),
+    ("predraft id outside vocab", [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[1024], block_size=4))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.block_ids"),
     ("predraft aux wrong width", [OPEN_D, _DRAFT, D(predraft=D.Predraft(new_aux=_aux(width=100), block_ids=[2, 3], block_size=4))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.new_aux"),
-    ("predraft alternatives 5", [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2, 3], block_size=4, alternatives=5))], grpc.StatusCode.INVALID_ARGUMENT, "predraft.alternatives"),
 ]  # fmt: skip
 
 
@@ -405,48 +401,17 @@ def test_a_good_raw_verifier_session(servers):
     assert verified.stats.positions == out[3].closed.stats.positions == len(PROMPT) + verified.accepted + 1
 
 
-def test_a_good_raw_drafter_session_predrafts_the_block_after_the_pending_one(servers):
+def test_a_deprecated_predraft_only_extends_the_context_and_answers_no_block(servers):
+    """An older orchestrator's Predraft (pre-drafting was removed): the server takes its new aux, so the client's
+    fresh draft has no gap in its context, and answers with no block (a miss)."""
     out = _session(
         drafter_stub(servers["drafter"].addr),
         [OPEN_D, _DRAFT, D(predraft=D.Predraft(block_ids=[2, 3, 4, 5], block_size=4)),
          D(predraft=D.Predraft(new_aux=_aux(rows=4), block_ids=[6, 7], block_size=8)), D(close=D.Close())],
     )  # fmt: skip
     assert [r.WhichOneof("response") for r in out] == ["opened", "drafted", "predrafted", "predrafted", "closed"]
-    assert len(out[1].drafted.token_ids) == 3  # B - 1 candidates
-    assert len(out[2].predrafted.token_ids) == 4 and len(out[3].predrafted.token_ids) == 8  # the guess, then B - 1
-    assert all(0 <= t < 1024 for r in out[2:4] for t in r.predrafted.token_ids)
-    assert (
-        out[4].closed.stats.context_positions == 3 + 4
-    )  # the draft's rows and the second pre-draft's; none of a pending block
-
-
-def test_a_raw_predraft_with_alternatives_prepares_a_block_for_each_rejection(servers):
-    """Each request waits for the answer it needs: a pre-draft names the candidates its draft proposed, and
-    gets blocks for the likeliest verdicts (the server's cap, ``PREDRAFT_BLOCKS``, in all)."""
-    from kakeya.drafter.session import PREDRAFT_BLOCKS
-
-    requests: queue.Queue = queue.Queue()
-    call = drafter_stub(servers["drafter"].addr).Session(iter(requests.get, None), timeout=30)
-    for msg in (OPEN_D, _DRAFT):
-        requests.put(msg)
-    assert next(call).HasField("opened")
-    first = list(next(call).drafted.token_ids)
-    requests.put(D(predraft=D.Predraft(block_ids=[2, *first], block_size=4, alternatives=2)))
-    p = next(call).predrafted
-    assert len(p.token_ids) == 4 and not p.outcomes  # the first draft was not recorded: nobody had asked yet
-    requests.put(D(draft=D.Draft(new_aux=_aux(rows=2), last_token=6, block_size=4)))
-    second = list(next(call).drafted.token_ids)
-    requests.put(D(predraft=D.Predraft(block_ids=[6, *second], block_size=4, alternatives=2)))
-    p = next(call).predrafted
-    requests.put(D(close=D.Close()))
-    requests.put(None)
-    assert next(call).HasField("closed")
-    assert len(p.token_ids) == 4  # the full acceptance: the guess, then B - 1
-    assert len(p.outcomes) == min(PREDRAFT_BLOCKS - 1, 2 * 3)  # up to two alternatives at each candidate
-    assert len({(o.accepted, o.next_token) for o in p.outcomes}) == len(p.outcomes)
-    for o in p.outcomes:
-        assert o.next_token != second[o.accepted] and len(o.token_ids) == 3
-        assert all(0 <= t < 1024 for t in [o.next_token, *o.token_ids])
+    assert not any(r.predrafted.token_ids or r.predrafted.outcomes for r in out[2:4])
+    assert out[3].predrafted.stats.context_positions == out[4].closed.stats.context_positions == 3 + 4
 
 
 def test_session_limit_is_resource_exhausted_then_recovers(servers):
@@ -598,18 +563,3 @@ def test_client_block_size_0_is_auto_and_sampled_text_equals_the_local_generates
     assert remote["block_size"] == 0 and local["block_size"] == 3
     assert remote["token_ids"] == local["token_ids"] and remote["seed"] == local["seed"] == 42
     assert remote["sampling"] == local["sampling"] and remote["sampling"]["rule"] == "coupled"
-
-
-@pytest.mark.parametrize("block_size, alternatives", [(2, 0), (8, 0), (4, 2), (8, 3)])
-def test_a_predrafting_split_engine_commits_the_reference(servers, reference, block_size, alternatives):
-    """Pre-drafts over gRPC: each Predraft posted after a Draft, its answer read a block later
-    (used on a hit, passed over on a miss) -- the same tokens as greedy AR either way."""
-    from kakeya.core.request import Request
-    from kakeya.orchestrator.assembly import split_engine
-
-    engine = split_engine(
-        servers["verifier"].addr, servers["drafter"].addr, None, 30.0, predraft=True, predraft_alternatives=alternatives
-    )
-    gen = engine.generate(Request(PROMPT, max_tokens=100, block_size=block_size, ignore_eos=True))
-    assert gen.token_ids == reference[:100] and gen.predrafts > 0 and not gen.drafter_fallback
-    assert sum(b.predrafted for b in gen.blocks) <= gen.predrafts

@@ -332,49 +332,6 @@ def test_block_training_forward_equals_mlx_drafter(tiny_pair):
         assert labels[k].tolist() == seq[0, a + 1 : a + B].tolist()
 
 
-def test_revealed_training_blocks_are_the_drafters_predraft_blocks(tiny_pair):
-    """``--predraft-share``: a training block of r known tokens then B - 1 masks, its context ending before
-    them, is the block a pre-draft runs for a rejection (``DraftCall`` with r pending ids, ``guesses=False``)."""
-    import torch
-
-    from kakeya.drafter.backend import extend
-    from kakeya.drafter.session import DraftCall, LocalDrafterSession, draft_together
-    from kakeya.drafter.torch_backend.load import load_dflash_torch
-
-    rng = np.random.default_rng(1)
-    T, B, r = 34, 8, 3
-    seq = rng.integers(5, 1000, size=(1, T)).astype(np.int32)
-    trainer = tdraft.BlockTrainer(json.loads((tiny_pair.draft / "config.json").read_text()), tiny_pair.target, 0, "cpu")
-    trainer.load_weights(tiny_pair.draft)
-    aux = rng.standard_normal((1, T, trainer.dcfg.aux_width)).astype(np.float32)
-    anchors = np.array([[4, 12, 20]])
-    reveal = np.full(anchors.shape, r)
-    with torch.no_grad():
-        logits, labels = trainer.block_logits(seq, aux, anchors, B + r, reveal)
-        loss, acc = trainer.loss(seq, aux, anchors, B + r, 4.0, reveal=reveal)
-    assert labels[0].tolist() == seq[0, 5 : 5 + B + r - 1].tolist() and np.isfinite(float(loss))
-    assert acc.shape == (B - 1,)  # per masked position, from the first one
-    draft = load_dflash_torch(tiny_pair.draft, tiny_pair.target, "cpu", "float32")
-    for k, a in enumerate(anchors[0]):
-        s = LocalDrafterSession(draft)
-        extend(draft, [s.cache], [torch.from_numpy(aux[0, :a])])
-        pending = tuple(int(t) for t in seq[0, a + 1 : a + 1 + r])
-        call = DraftCall(s, draft.zeros_aux(0), int(seq[0, a]), B, pending, guesses=False)
-        got = draft.block_logits([(s.cache, call.opening + [draft.config.mask_token_id] * call.wanted)])
-        assert np.allclose(logits[k, r:].numpy(), got[r:].numpy(), atol=2e-4), k  # the masked rows: what it drafts
-        assert draft_together([call])[0].tokens == tuple(logits[k, r:].argmax(-1).tolist())
-
-
-def test_predraft_share_trains_finite_and_is_checked(tmp_path, tiny_pair):
-    base = ["--target", str(tiny_pair.target), "--out", str(tmp_path / "d"), "--sequences", "4", "--gen-len", "24",
-            "--prompt-len", "8", "--gen-batch", "4", "--batch", "2", "--anchors", "2", "--layers", "1",
-            "--val-sequences", "0", "--train-block-sizes", "2,4", "--no-eval", "--steps", "3", "--quiet"]  # fmt: skip
-    rep = tdraft.train(_args(drafter_arguments, base + ["--predraft-share", "1.0"]))
-    assert all(np.isfinite(row[2]) for row in rep["loss_curve"])
-    with pytest.raises(ValueError, match="predraft-share"):
-        tdraft.train(_args(drafter_arguments, base + ["--predraft-share", "1.5"]))
-
-
 def test_drafter_data_is_tokenized_with_the_targets_own_tokenizer(tmp_path, tiny_pair):
     """train-drafter reads prompts with the target's tokenizer.json, not one trained again from this
     interpreter's standard library (another Python's would differ); a target without one gets the

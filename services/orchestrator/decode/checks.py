@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Protocol
 
 from kakeya.core import constraints
@@ -28,6 +28,7 @@ from kakeya.core.request import (
     REJECTION,
     CachePolicy,
     Chat,
+    CheckedRequest,
     InvalidRequest,
     Request,
 )
@@ -81,7 +82,7 @@ def prompt_limit(engine: EngineFacts, limits: Limits) -> int:
     return bounds.max_prompt_tokens(limits.max_prompt_tokens, context_of(engine, limits))
 
 
-def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) -> Request:
+def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) -> CheckedRequest:
     """``req`` checked and completed as it will run (see the module docstring), or InvalidRequest."""
     request_id = bounds.check_request_id(req.request_id) or uuid.uuid4().hex[:16]
     max_prompt = prompt_limit(engine, limits)
@@ -122,8 +123,7 @@ def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) 
         # The coupled rule's tokens depend on no schedule: auto stays auto.
         block_size = min(engine.default_block_size, req.max_block_size, engine.max_block_size(policy))
     return replace(
-        req,
-        constraint=req.constraint,
+        CheckedRequest(**{f.name: getattr(req, f.name) for f in fields(Request)}),
         prompt=prompt,
         max_tokens=max_tokens,
         block_size=block_size,

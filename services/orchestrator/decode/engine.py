@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
-from kakeya.core.contract import Cancellation, Drafter, SessionOptions, Verifier, check_alternatives
+from kakeya.core.contract import Cancellation, Drafter, SessionOptions, Verifier, replica_lost
 from kakeya.core.generation import Block, Generation, Report
-from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, InvalidRequest, Request
+from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, CheckedRequest, InvalidRequest, Request
 from kakeya.orchestrator.decode.block_sizing import AdaptivePolicy, BlockSizer, measure_costs
 from kakeya.orchestrator.decode.checks import Limits, check_request
 from kakeya.orchestrator.decode.loop import Decode, DecodeOptions
 from kakeya.orchestrator.decode.scheduler import Scheduler
-from kakeya.orchestrator.decode.takeover import lost, reprefill, take_over
+from kakeya.orchestrator.decode.takeover import reprefill, take_over
 from kakeya.orchestrator.proposers.forced import RANKED, open_guide
 from kakeya.orchestrator.text import TextCodec, text_stream
 
@@ -31,11 +31,7 @@ log = logging.getLogger("kakeya.orchestrator")
 
 
 class Engine:
-    """``predraft``: greedy runs pre-draft each next block while the current one is verified (the
-    loop's ``predraft``): worth it where the drafter works beside the verifier, i.e. split;
-    ``predraft_alternatives``: the drafter's next likeliest tokens each pre-draft also prepares a
-    rejection for at a candidate, the likeliest such verdicts (the loop's ``alternatives``).
-    ``prefix_cache``: the verifier keeps a prefix cache (``core/prefix.py``), so every run asks it (and
+    """``prefix_cache``: the verifier keeps a prefix cache (``core/prefix.py``), so every run asks it (and
     the drafter) to resume the longest cached prefix of its prompt and leaves a snapshot when it ends.
     ``ngram``: a block whose context ends in a run seen before is drafted by copy (the loop's ``ngram``;
     greedy and coupled sampling)."""
@@ -48,20 +44,13 @@ class Engine:
         target: str = "",
         draft: str = "",
         device: str | None = None,
-        predraft: bool = False,
         prefix_cache: bool = False,
         ngram: bool = True,
-        predraft_alternatives: int = 0,
     ):
         self.verifier, self.drafter, self.codec = verifier, drafter, codec
         self.target, self.draft = target, draft
         self.prefix_cache = prefix_cache
         self.device = device  # what reports print (in-process torch: "cpu"/"cuda"; None: not known here)
-        # Checked here, not first by a drafter server: a refused pre-draft backs the drafter off for every request.
-        self.predraft, self.predraft_alternatives = (
-            predraft,
-            check_alternatives(predraft_alternatives, "predraft_alternatives"),
-        )
         self.ngram = ngram
         self.adaptive: AdaptivePolicy | None = None  # measured on the first request that asks for it
         self._calibrating = threading.Lock()
@@ -114,16 +103,18 @@ class Engine:
         eos = () if req.ignore_eos else self.verifier.info.eos_token_ids
         return frozenset(req.stop_ids) | frozenset(eos)
 
-    def check(self, req: Request, limits: Limits = Limits()) -> Request:
+    def check(self, req: Request, limits: Limits = Limits()) -> CheckedRequest:
         """``req`` as it will run, every value checked against the model and ``limits`` (``checks.py``):
         InvalidRequest naming the field, before any model work."""
         return check_request(req, self, limits)
 
     def start(self, req: Request, options: RunOptions | None = None) -> Run:
-        """Check ``req`` (:meth:`check`, with ``options.limits``), open its sessions and return the
-        :class:`Run` (its ``request``: the checked request)."""
+        """Check ``req`` (:meth:`check`, with ``options.limits``), and return its :class:`Run` begun: sessions
+        open, the prefill's first chunk run (its ``request``: the checked request)."""
         options = options or RunOptions()
-        return Run(self, self.check(req, options.limits), options)
+        run = Run(self, self.check(req, options.limits), options)
+        run.begin()
+        return run
 
     def generate(self, req: Request, options: RunOptions | None = None) -> Generation:
         """:meth:`start` ``req`` and run it to the end."""
@@ -147,8 +138,6 @@ class RunOptions:
     # A failing drafter: the verifier finishes alone (same tokens, ``drafter_fallback`` set) instead of
     # failing the run. Servers want that; tests and benchmarks want a broken drafter to fail loudly.
     drafter_fallback: bool = False
-    predraft: bool | None = None  # None: the engine's choice (``Engine.predraft``); sampling runs never pre-draft
-    predraft_alternatives: int | None = None  # None: the engine's choice (``Engine.predraft_alternatives``)
     ngram: bool | None = None  # None: the engine's choice (``Engine.ngram``); the rejection rule never copies
     guided: bool = True  # a constrained request drafts its grammar's forced tokens without the drafter (guided.py)
     limits: Limits = Limits()  # what the request is checked against (a server's flags)
@@ -170,10 +159,15 @@ class Run:
     however the run ends: exhausted, ended early (``close``), failed (the exception comes out of
     ``next``), or cancelled from any thread (``cancel``: the iteration then just ends). A context
     manager: leaving it closes the run.
+
+    Making one is cheap (no model work, nothing opened); :meth:`begin` opens the sessions and runs the
+    prefill's first chunk, an explicit step (``Engine.start`` takes it).
     """
 
-    def __init__(self, engine: Engine, req: Request, options: RunOptions):
-        self.request, self._engine, self._step = req, engine, options.step
+    def __init__(self, engine: Engine, req: CheckedRequest, options: RunOptions):
+        if not isinstance(req, CheckedRequest):
+            raise TypeError("a Run takes a CheckedRequest: Engine.check (or Engine.start) makes one")
+        self.request, self._engine, self._step, self._options = req, engine, options.step, options
         self._fallback = options.drafter_fallback
         self._sampling = req.sampling  # checked: seeded, one seed for both sessions' streams, reported back
         self._text = text_stream(engine.codec, req.stop_strings)  # each block's text, cut at a stop string
@@ -192,12 +186,12 @@ class Run:
         if req.resume_ids and self._text.add(list(req.resume_ids))[2]:
             raise InvalidRequest("resume_token_ids", "the generation already ended at a stop string")
         # a constrained request drafts with its grammar (guided.py): greedy ones choose among the drafter's ranks
-        guided = (
+        self._guided = guided = (
             req.constraint is not None
             and options.guided
             and (self._sampling.greedy or self._sampling.rule != REJECTION)
         )
-        self._session_options = sessions = SessionOptions(
+        self._session_options = SessionOptions(
             req.request_id,
             options.timeout,
             len(req.prompt_ids) + req.max_tokens,
@@ -206,6 +200,13 @@ class Run:
             constraint=req.constraint,
             ranked=RANKED if guided and self._sampling.greedy else 0,
         )
+
+    def begin(self) -> None:
+        """Open the sessions and run the prefill's first chunk (a short prompt's whole prefill): the step that
+        makes a run cost model work. A failure closes what was opened and is raised."""
+        if self._decode is not None:
+            raise RuntimeError("the run has begun already")
+        engine, req, options, sessions = self._engine, self.request, self._options, self._session_options
         # ONE model-thread job: on a busy engine each job waits for the round in flight, so a newcomer that
         # sized, opened, looked up its prefix and prefilled in separate jobs waited one round per job
         # (benchmarks/concurrency.py, "newcomer").
@@ -215,17 +216,11 @@ class Run:
         except BaseException:
             self._step(self._close_sessions)
             raise
-        predraft = (engine.predraft if options.predraft is None else options.predraft) and self._sampling.greedy
         ngram = (engine.ngram if options.ngram is None else options.ngram) and (
             self._sampling.greedy or self._sampling.rule != REJECTION
         )  # a copy has no proposal distribution
-        alternatives = (
-            engine.predraft_alternatives
-            if options.predraft_alternatives is None
-            else check_alternatives(options.predraft_alternatives, "predraft_alternatives")
-        )
         guide = None
-        if guided:
+        if self._guided:
             info = engine.verifier.info
             guide = open_guide(req.constraint, engine.codec.tokenizer_json, info.vocab_size, info.eos_token_ids)
         decoding = DecodeOptions(
@@ -233,9 +228,7 @@ class Run:
             self._sizer,
             engine.stop_ids(req),
             options.drafter_fallback,
-            predraft,
             ngram,
-            alternatives,
             guide,
             min(engine.max_block_size(req.cache_policy), req.max_block_size),
             self._takeover,
@@ -311,7 +304,7 @@ class Run:
                     return None
                 done = self._step(self._chunk, steps)
         except Exception as exc:
-            if not (self._takeover and lost(exc)) or self.cancelled:
+            if not (self._takeover and replica_lost(exc)) or self.cancelled:
                 raise
             done = reprefill(self, exc)  # the prefill's replica was lost: another one's
         first, aux, cached = done
@@ -340,6 +333,8 @@ class Run:
         """The next committed block, its ``text`` the text it added (cut at a stop string, which ends the run)."""
         if self._result is not None:
             raise StopIteration
+        if self._decode is None:
+            raise RuntimeError("the run has not begun: call begin() first (Engine.start does)")
         block = None if self.cancelled else self._advance()
         if self.cancelled:
             self._end("abort")
@@ -430,7 +425,9 @@ class Run:
 
     def close(self) -> None:
         """End the run now if it is not over; what was committed is the result (finish reason ``abort``)."""
-        if self._result is None:
+        if self._result is None and self._decode is None:  # never begun: nothing was opened
+            self._result = Generation(prompt_ids=self.request.prompt_ids, finish_reason="abort")
+        elif self._result is None:
             self._end("abort")
 
     def _stop_at(self, block: Block, keep: int) -> None:

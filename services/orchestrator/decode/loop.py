@@ -4,10 +4,10 @@ Knows no backend and no transport: each session is a verifier session and a draf
 (``services/core/contract.py``) between which only ints and opaque aux move. A :class:`Decode` is one
 generation's whole state; :func:`advance` runs one round over any number of them:
 
-1. **draft**: each session's next block gets its candidates from one of three sources -- a pre-draft that
-   guessed this verdict, a copy of what followed the same tokens earlier in the context (``proposers/ngram.py``), or
-   the drafter -- and every drafter call of the round (a copy's too: the drafter still takes the new
-   positions' aux, so its context never has a gap) goes out as ONE batch (``draft_many``);
+1. **draft**: each session asks its proposers in order (``orchestrator/proposers/``): the tokens a
+   constraint's grammar forces, a copy of what followed the same tokens earlier in the context, else the
+   drafter (:class:`DrafterProposer`). Every drafter call of the round (a copy's too: the drafter still takes
+   the new positions' aux, so its context never has a gap) goes out as ONE batch (``draft_many``);
 2. **verify**: every session's block ``[last, c1 .. c_{B-1}]`` goes to the verifier as ONE batch
    (``decide_many``): one forward, the verifier's own choice after every position, the acceptance rule
    (``core.contract.accept``: the leading run of candidates equal to its choices, then its choice after
@@ -20,10 +20,8 @@ generation's whole state; :func:`advance` runs one round over any number of them
 
 Sessions differ freely within a round: their block sizes (a fixed size or the adaptive sizer's choice,
 ``decode/block_sizing.py``), sampling rules and seeds, sources and positions; one session's failure is its own
-result, never its batch-mates'. With ``predraft``, the drafter drafts each session's next block while this
-one is verified (``DrafterSession.predraft``: for the verdicts likeliest to come), and the next round takes
-the one its verdict names, if it was prepared. The engine's scheduler (``scheduler.py``) runs the rounds
-for every live request; :func:`run` decodes one session alone, the same rounds with a batch of one.
+result, never its batch-mates'. The engine's scheduler (``scheduler.py``) runs the rounds for every live
+request; :func:`run` decodes one session alone, the same rounds with a batch of one.
 """
 
 from __future__ import annotations
@@ -33,10 +31,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kakeya.core.contract import Draft, DrafterSession, Predrafts, Verdict, VerifierSession
+from kakeya.core.contract import Draft, DrafterSession, Verdict, VerifierSession, replica_lost
 from kakeya.core.generation import Block, Generation
 from kakeya.core.request import MAX_BLOCK_SIZE, check_block_size
-from kakeya.orchestrator.proposers.ngram import NgramIndex
+from kakeya.orchestrator.proposers import DRAFTER, FORCED, NGRAM, DraftState, Proposal, Proposer
+from kakeya.orchestrator.proposers.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from kakeya.orchestrator.decode.block_sizing import BlockSizer
@@ -67,21 +66,17 @@ class DecodeOptions:
     ``block_size``: a fixed size, or a :class:`~kakeya.orchestrator.decode.block_sizing.BlockSizer` that picks each
     block's size from what it has seen (``choose``/``observe``). ``stop_ids``: tokens that end the
     generation (included in it). ``fallback``: a drafter failure ends drafting for this session and the
-    verifier finishes alone (same tokens) instead of failing it. ``predraft``: pre-draft the next block
-    while this one is verified (greedy sessions; it pays where the drafter works beside the verifier, a
-    remote one); ``alternatives``: the drafter's next likeliest tokens a pre-draft may also prepare for at
-    each candidate. ``ngram``: draft by copy where the context repeats (greedy and the coupled rule; never
-    the rejection rule, which needs the drafter's distribution). ``guide``: a constrained request's grammar,
-    whose forced tokens are drafted as one block without the drafter (``proposers/forced.py``; same exclusions as
-    ``ngram``), up to ``max_block`` positions (the cache policy's rollback slack)."""
+    verifier finishes alone (same tokens) instead of failing it. ``ngram``: draft by copy where the context
+    repeats (greedy and the coupled rule; never the rejection rule, which needs the drafter's distribution).
+    ``guide``: a constrained request's grammar, whose forced tokens are drafted as one block without the
+    drafter (``proposers/forced.py``; same exclusions as ``ngram``), up to ``max_block`` positions (the cache
+    policy's rollback slack)."""
 
     max_tokens: int
     block_size: int | BlockSizer = 1
     stop_ids: frozenset[int] = frozenset()
     fallback: bool = False
-    predraft: bool = False
     ngram: bool = False
-    alternatives: int = 0
     guide: Guide | None = None
     max_block: int = MAX_BLOCK_SIZE
     takeover: bool = False  # a lost replica's failure parks the decode (``lost``) for its run to take over
@@ -93,13 +88,19 @@ class DecodeOptions:
             check_block_size(self.block_size)
 
 
-class _Ahead(NamedTuple):
-    """A pre-draft in flight: its result (the blocks it prepared, by the verdict each assumes), the
-    candidates of the block being verified, and whether it prepared for their rejections too."""
+class DrafterProposer:
+    """The last proposer, which always answers: a block of the decode's chosen size, its candidates the
+    drafter's answer to this round's call (a fixed size of 1 never calls it; a sized block of 1 still hands it
+    the new positions, or its context would have gaps later)."""
 
-    result: Callable[[], Predrafts]
-    pending: int
-    alternatives: bool
+    def __init__(self, sized: bool):
+        self.sized = sized
+
+    def propose(self, state: DraftState) -> Proposal:
+        size = min(state.size(False), state.room)
+        return Proposal(
+            (), DRAFTER, f"no other source: the drafter drafts {size - 1}", size if size > 1 or self.sized else 0
+        )
 
 
 class Decode:
@@ -109,6 +110,7 @@ class Decode:
     ``unseen`` holds the aux the decode committed that no drafter call has taken yet (chunks, in order):
     what a drafter's prefix snapshot still needs when the generation ends. ``error``: why it failed (it
     is then ``done``); ``drafter_error``: why its drafter stopped, when it fell back to the verifier alone.
+    ``proposers``: the draft sources asked in order (the drafter's last); ``proposal``: this round's.
     """
 
     def __init__(
@@ -131,16 +133,14 @@ class Decode:
         self.cancelled = False  # its request went away: it takes no part in later rounds
         # the drafter's side: active while it answers; the newest verdict's aux until a drafter call takes it
         self.drafting = drafter is not None and (self.sizer is not None or self.block_size > 1)
-        self.ngram = NgramIndex() if options.ngram else None
-        self._stream = list(prompt_ids)  # prompt + committed tokens: what the n-gram index reads
+        sources: list[Proposer | None] = [options.guide, NgramProposer() if options.ngram else None]
+        self.proposers: list[Proposer] = [p for p in sources if p is not None] + [
+            DrafterProposer(self.sizer is not None)
+        ]
         self._new_aux = None
-        self._ahead: _Ahead | None = None  # the pre-draft in flight
-        self._want: int | None = None  # the next block's size, chosen early with that pre-draft
         self._last: int | None = None  # the newest committed token: it opens the next block
-        self._verdict: Verdict | None = None
-        # this round's block: its candidates and where they came from, the drafter call still to answer
-        self._draft, self._predrafted, self._copied, self._forced = NO_DRAFT, False, False, False
-        self._call: tuple[int, tuple[int, ...]] | None = None  # (block size asked of the drafter, a copy's tokens)
+        # this round's block: its candidates and the proposal they came from (None: the drafter sits it out)
+        self._draft, self.proposal = NO_DRAFT, None
         self._t_block = 0.0
         self._t_decode = 0.0
 
@@ -180,8 +180,7 @@ class Decode:
         """This decode failed (its verifier, or its drafter without fallback): it takes no part in later rounds.
         A replica's loss under ``takeover`` parks it instead (``lost``): the round's block is dropped, nothing
         committed, and its run reopens the sessions elsewhere (``decode/takeover.py``)."""
-        self._ahead = None
-        if self.options.takeover and getattr(exc, "replica_lost", False) and self.lost is None:
+        if self.options.takeover and replica_lost(exc) and self.lost is None:
             self.lost, self.lost_at = exc, time.perf_counter()
             return
         self.error = exc
@@ -190,7 +189,7 @@ class Decode:
         """Its sessions were reopened on prompt + every committed token but the last (``aux``: theirs, the new
         drafter's whole context): the next round drafts and verifies from the last committed token on."""
         self.verifier, self.drafter = verifier, drafter
-        self._verdict, self._ahead, self._want, self._call = None, None, None, None
+        self.proposal = None
         self._last = self.generation.token_ids[-1]
         self._new_aux, self.unseen = aux, [aux]
         self.drafting = drafter is not None and (self.sizer is not None or self.block_size > 1)
@@ -199,77 +198,34 @@ class Decode:
     # -- 1. draft ---------------------------------------------------------------------------
 
     def plan_draft(self) -> DrafterCall | None:
-        """Choose this round's source of candidates; the drafter call it needs (None: none)."""
+        """Ask the proposers in order for this round's block; the drafter call it needs (None: none)."""
         self._t_block = time.perf_counter()
-        ahead, self._ahead = self._ahead, None
-        want, self._want = self._want, None
-        self._draft, self._predrafted, self._copied, self._forced, self._call = NO_DRAFT, False, False, False, None
+        self._draft, self.proposal = NO_DRAFT, None
         if not self.drafting:
             return None
-        room = self.options.max_tokens - len(self.generation.token_ids)  # a block commits at most B tokens
-        # Was this verdict prepared for? (Without alternatives only a full acceptance was: a remote
-        # drafter's fresh draft is then sent at once, not after the pre-draft's answer.)
-        verdict, last = self._verdict, self._last
-        if ahead is not None and (ahead.alternatives or verdict.accepted == ahead.pending):
-            found = self._drafter_step(ahead.result)
-            prepared = None if found is None else found.after(verdict.accepted, last)
-            if prepared is not None:
-                self._draft, self._predrafted = self._allowed(Draft(prepared[: room - 1])), True
-                return None
-            if not self.drafting:
-                return None
-        forced = self._forced_run(room)
-        if forced:  # the grammar's own continuation: one block, the drafter only takes the new positions
-            self._call, self._forced = (1, forced), True
-            return (self.drafter, self._new_aux, last, 1)
-        copy = self._copy() if want is None else ()
-        if want is None and copy and self.sizer is not None:
-            want = self.sizer.choose(copy=True)
-            if want == 1:  # copies here break at once (their chain prices 1): draft instead
-                copy, want = (), None
-        if want is None:
-            want = self.block_size if self.sizer is None else self.sizer.choose()
-        size = min(want, room)
-        # A sized block of 1 still hands the drafter the new positions (a draft of size 1 only extends its
-        # context), or its context would have gaps later; a fixed size of 1 never drafts.
-        if size == 1 and self.sizer is None:
+        gen = self.generation
+        room = self.options.max_tokens - len(gen.token_ids)  # a block commits at most B tokens
+        state = DraftState(gen.prompt_ids, gen.token_ids, room, self.options.max_block, self._size)
+        self.proposal = next(p for source in self.proposers if (p := source.propose(state)) is not None)
+        if not self.proposal.ask:
             return None
-        if copy and size > 1:  # the drafter only takes the new positions; the candidates are the copy's
-            self._call = (1, tuple(copy[: size - 1]))
-            return (self.drafter, self._new_aux, last, 1)
-        self._call = (size, ())
-        return (self.drafter, self._new_aux, last, size)
+        return (self.drafter, self._new_aux, self._last, self.proposal.ask)
+
+    def _size(self, copy: bool) -> int:
+        """The next block's size: the fixed one, or the sizer's choice (``copy``: for a block drafted by copy)."""
+        return self.block_size if self.sizer is None else self.sizer.choose(copy=copy)
 
     def drafted(self, result: Draft | BaseException) -> None:
         """The drafter's answer to this round's call (an exception: it failed)."""
-        size, copy = self._call
-        self._call = None
         if isinstance(result, BaseException):
             self._drafter_failed(result)
             return
         self._taken()
-        if copy:
-            self._draft, self._copied = Draft(copy), not self._forced
-        elif size > 1:
+        proposal = self.proposal
+        if proposal.tokens:
+            self._draft = Draft(proposal.tokens)
+        elif proposal.ask > 1:
             self._draft = self._allowed(result)
-
-    def predraft(self) -> None:
-        """Start pre-drafting the block after this one (verified meanwhile): it takes the aux the drafter has
-        not had, and the next block's size is chosen now."""
-        block = self._draft
-        if not (self.options.predraft and self.drafting and block.tokens):
-            return
-        self._want = self.sizer.choose() if self.sizer is not None else self.block_size
-        if self._want < 2:
-            return
-        opening = [self._last, *block.tokens]
-        result = self._drafter_step(
-            self.drafter.predraft, self._new_aux, opening, self._want, self.options.alternatives
-        )
-        if result is not None:
-            self._taken()
-            self._ahead = _Ahead(result, len(block.tokens), self.options.alternatives > 0)
-            self.generation.predrafts += 1
 
     # -- 2. verify, 3. commit ------------------------------------------------------------
 
@@ -283,9 +239,9 @@ class Decode:
         if isinstance(verdict, BaseException):
             self.fail(verdict)
             return None
-        self._verdict = verdict
         self._committed(verdict.aux)
         draft = self._draft
+        source = self.proposal.source if self.proposal is not None and draft.tokens else DRAFTER
         tokens = list(draft.tokens[: verdict.accepted]) + [verdict.next_token]
         block = self._emit(
             Block(
@@ -295,13 +251,12 @@ class Decode:
                 draft_s=draft_s,
                 verify_s=verify_s,
                 total_s=time.perf_counter() - self._t_block,
-                predrafted=self._predrafted,
-                copied=self._copied,
+                copied=source == NGRAM,
                 logprobs=None if verdict.logprobs is None else list(verdict.logprobs),
-                forced=self._forced,
+                forced=source == FORCED,
             )
         )
-        if self.sizer is not None and self.drafting and not self._forced:  # the sizer prices the drafter's blocks
+        if self.sizer is not None and self.drafting and not block.forced:  # the sizer prices the drafter's blocks
             self.sizer.observe(block)
         self._last = tokens[-1]
         return block
@@ -330,37 +285,15 @@ class Decode:
         n = guide.allowed_prefix(self.generation.token_ids, draft.tokens)
         return draft if n == len(draft.tokens) else Draft(draft.tokens[:n])
 
-    def _forced_run(self, room: int) -> tuple[int, ...]:
-        """The tokens the constraint's grammar forces next, as many as a block of ``room`` takes, or ()."""
-        if self.options.guide is None:
-            return ()
-        return self.options.guide.forced(self.generation.token_ids, min(room, self.options.max_block) - 1)
-
-    def _copy(self) -> tuple[int, ...]:
-        """The n-gram index's candidates for the next block (the most any block takes), or ()."""
-        if self.ngram is None:
-            return ()
-        gen = self.generation
-        self._stream.extend(gen.token_ids[len(self._stream) - len(gen.prompt_ids) :])
-        return self.ngram.propose(self._stream, MAX_BLOCK_SIZE - 1)
-
-    def _drafter_step(self, step, *args):
-        """``step(*args)``; a drafter failure ends drafting (None) under fallback, else fails the decode."""
-        try:
-            return step(*args)
-        except Exception as exc:  # noqa: BLE001 - the verifier alone produces the same tokens
-            self._drafter_failed(exc)
-            return None
-
     def _drafter_failed(self, exc: BaseException) -> None:
-        if self.options.takeover and getattr(exc, "replica_lost", False):
+        if self.options.takeover and replica_lost(exc):
             self.fail(exc)  # another drafter replica first; the verifier alone only if none is left
             return
         if not self.options.fallback or not isinstance(exc, Exception):
             self.fail(exc)
             return
         self.drafter_error = exc
-        self.generation.drafter_fallback, self.drafting, self._ahead = True, False, None
+        self.generation.drafter_fallback, self.drafting = True, False
 
     def _emit(self, block: Block) -> Block:
         """Record a block, cut at a stop token (which ends the generation)."""
@@ -428,10 +361,7 @@ def draft_round(
     if calls:
         for (d, _), result in zip(calls, _batch(draft_many, [c for _, c in calls])):
             d.drafted(result)
-    t1 = time.perf_counter()
-    for d in live:
-        d.predraft()  # a remote drafter works on the next blocks while the verifier verifies these
-    return Drafted(live, t1 - t0)
+    return Drafted(live, time.perf_counter() - t0)
 
 
 def verify_round(
@@ -471,15 +401,11 @@ def run(
     block_size: int | BlockSizer,
     stop_ids: Iterable[int] = (),
     on_drafter_error: Callable[[Exception], None] | None = None,
-    predraft: bool = False,
     ngram: bool = False,
-    alternatives: int = 0,
 ) -> Generation:
     """Decode one session alone to the end (its prefill, then rounds of one) and return the generation.
     ``on_drafter_error``: fall back to the verifier alone when the drafter fails, telling it why."""
-    options = DecodeOptions(
-        max_tokens, block_size, frozenset(stop_ids), on_drafter_error is not None, predraft, ngram, alternatives
-    )
+    options = DecodeOptions(max_tokens, block_size, frozenset(stop_ids), on_drafter_error is not None, ngram)
     decode = Decode(verifier, drafter, prompt_ids, options)
     for _ in alone(decode):
         pass

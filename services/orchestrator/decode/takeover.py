@@ -33,6 +33,8 @@ import logging
 import time
 from collections.abc import Sequence
 
+from kakeya.core.contract import replica_lost as lost
+
 log = logging.getLogger("kakeya.orchestrator")
 
 # Every ``run`` here is a ``decode.engine.Run`` (its sessions, request and decode; not imported: engine imports us).
@@ -41,11 +43,6 @@ TRIES = 6  # reopen attempts per loss: 0.1 + 0.2 + ... + 1.6 s of waiting, ~3 s 
 BACKOFF_S = 0.1
 MAX_PER_RUN = 8  # take-overs one run may take: a replica that keeps failing ends it rather than looping
 HEALTH_TRIES = 3  # a drafter's health check right after a loss may reach the lost replica once
-
-
-def lost(exc: BaseException) -> bool:
-    """``exc`` is a replica's loss another replica may take over (only remote sessions raise such)."""
-    return bool(getattr(exc, "replica_lost", False))
 
 
 def role_of(exc: BaseException) -> str:
@@ -79,8 +76,7 @@ def _reopen_once(run, ids: Sequence[int], drafter: bool):
     run.verifier_session = e.verifier.open_session(run.request.cache_policy, run._sampling, run._session_options)
     run.drafter_session = None
     if drafter:
-        open_now = getattr(e.drafter, "open_session_now", e.drafter.open_session)  # past a backoff the loss set
-        run.drafter_session = open_now(run._sampling, run._session_options)
+        run.drafter_session = e.drafter.open_session_now(run._sampling, run._session_options)  # past the backoff
     steps = run._prefill_steps(ids)
     while True:
         try:

@@ -11,7 +11,7 @@ candidate, the likeliest ids of its row (``Draft.ranked``), and the block takes 
 best-ranked id the grammar allows after the committed tokens and the ids chosen before it
 (:meth:`Guide.choose`), ending where none of them is allowed; so the drafter never proposes a candidate the
 verifier must refuse. Any candidate is exact (greedy and coupled accept a candidate only where it equals the
-verifier's own choice); a block without ranks (a coupled request's, or a pre-draft) is cut before its first
+verifier's own choice); a block without ranks (a coupled request's) is cut before its first
 candidate the grammar refuses.
 """
 
@@ -20,19 +20,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kakeya.core.constraints import Constraint, Grammar, tokenizer
+from kakeya.orchestrator.proposers import FORCED, DraftState, Proposal
 
-# The drafter's likeliest ids per candidate a greedy constrained request chooses among (``Draft.ranked``):
-# 16 (the most a drafter gives) rather than 8 lifted the date regex's tokens per block 1.40 -> 1.57 and changed
-# no other case of ``benchmarks/structured.py``; a refused id costs one grammar check (microseconds).
+# The drafter's likeliest ids per candidate a greedy constrained request chooses among (``Draft.ranked``): the
+# most a drafter gives, since a refused id costs only one grammar check (why not 8: docs/structured.md).
 RANKED = 16
 
 
 class Guide:
-    """The grammar after the tokens committed so far; :meth:`forced` drafts from it."""
+    """The grammar after the tokens committed so far; as a proposer (:meth:`propose`) it drafts the tokens it
+    forces, and it cuts the drafter's blocks to what it allows (:meth:`choose`, :meth:`allowed_prefix`)."""
 
     def __init__(self, grammar: Grammar):
         self.grammar = grammar
         self._seen = 0
+
+    def propose(self, state: DraftState) -> Proposal | None:
+        """The tokens the grammar forces next, as many as one block takes (the cache's rollback slack), as one
+        block: the drafter only takes the new positions' aux."""
+        run = self.forced(state.committed, min(state.room, state.max_block) - 1)
+        return Proposal(run, FORCED, f"the grammar allows one continuation of {len(run)} tokens") if run else None
 
     def forced(self, committed: Sequence[int], limit: int) -> tuple[int, ...]:
         """At most ``limit`` tokens the grammar forces after ``committed`` (the generation's tokens so far)."""

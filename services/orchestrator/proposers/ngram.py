@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kakeya.core.request import MAX_BLOCK_SIZE
+from kakeya.orchestrator.proposers import NGRAM, DraftState, Proposal
+
 MIN_MATCH = 3  # shortest suffix whose earlier occurrence is trusted (2 matched as often but copied worse)
 MAX_MATCH = 8  # longest suffix looked up: the longest match wins, and past 8 tokens one is as good as another
 
@@ -52,3 +55,25 @@ class NgramIndex:
                 period = n_tokens - start
                 return tuple(tokens[start + i % period] for i in range(k))
         return ()
+
+
+class NgramProposer:
+    """Draft by copy (greedy and coupled decodes): the index over prompt + committed tokens proposes the next
+    block where the context's suffix occurred before, sized as the decode sizes a copy (a sizer that has seen
+    copies break at once says 1: the drafter drafts this block instead)."""
+
+    def __init__(self):
+        self.index, self._stream = NgramIndex(), []
+
+    def propose(self, state: DraftState) -> Proposal | None:
+        stream, committed = self._stream, state.committed
+        if not stream:
+            stream.extend(state.prompt_ids)
+        stream.extend(committed[len(stream) - len(state.prompt_ids) :])
+        copy = self.index.propose(stream, MAX_BLOCK_SIZE - 1)
+        if not copy:
+            return None
+        size = min(state.size(True), state.room)
+        if size < 2:
+            return None
+        return Proposal(copy[: size - 1], NGRAM, "the context's last tokens occurred before: what followed them")

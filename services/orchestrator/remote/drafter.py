@@ -1,7 +1,7 @@
 """The Drafter protocol (``services/core/contract.py``) over gRPC: ``GrpcDrafter`` and its sessions.
 
 As ``remote/verifier.py`` for the verifier: one bidirectional ``Session`` stream per session, opened with the
-first ``draft``; a ``Predraft`` is posted right after a ``Draft``'s answer and read a block later.
+first ``draft``.
 A ``GrpcDrafter`` that failed is skipped for a while (:class:`Backoff`) and then tried again, so the
 orchestrator reconnects once the drafter is back; meanwhile its sessions draft nothing
 (:class:`_SkippedDrafterSession`) and the loop falls back to AR.
@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import grpc
 
-from kakeya.core.contract import Draft, DrafterStats, Predrafts, SessionOptions, WireStats
+from kakeya.core.contract import Draft, DrafterStats, SessionOptions, WireStats
 from kakeya.core.request import SamplingParams
 from kakeya.orchestrator.remote.deadlines import StepClock
 from kakeya.orchestrator.remote.streams import BackendError, RemoteBackend, Reply, Stream
@@ -55,11 +55,7 @@ class Backoff:
 
 
 class GrpcDrafterSession:
-    """``DrafterSession`` over one Session stream, opened with the first ``draft``.
-
-    A ``predraft`` is posted at once and its answer read when its result is
-    asked for, or before the answer to the next request (answers come in order).
-    """
+    """``DrafterSession`` over one Session stream, opened with the first ``draft``."""
 
     def __init__(self, drafter: GrpcDrafter, sampling: SamplingParams | None, options: SessionOptions):
         self.drafter = self.client = drafter
@@ -75,7 +71,6 @@ class GrpcDrafterSession:
         self.round_ok = True  # False once a round call did not find it (draft_batch sends it on its stream)
         self._resume_at = 0
         self.server_s = 0.0  # server-side time of the drafts (the steps on a block's critical path)
-        self.predraft_s = 0.0  # ... and of the pre-drafts, which run beside the verifier's steps
         self._stats = dpb.DrafterStats()  # the server's, as its last answer reported them
         if options.cancel is not None:
             options.cancel.on_cancel(self.abort)
@@ -180,33 +175,13 @@ class GrpcDrafterSession:
     @property
     def in_rounds(self) -> bool:
         """Its drafts may travel in a round call: past the first (the server knows its id), its stream open with
-        no answer outstanding (a pre-draft in hand), and not found missing by an earlier round."""
+        no answer outstanding, and not found missing by an earlier round."""
         s = self._s
         return bool(self.session_id) and self.round_ok and not self._broken and not s.done and not s._replies
 
     @property
     def ended(self) -> bool:
         return self._broken
-
-    def predraft(
-        self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0
-    ) -> Callable[[], Predrafts]:
-        p = dpb.DrafterRequest.Predraft(block_ids=list(block_ids), block_size=block_size, alternatives=alternatives)
-        if new_aux is not None:
-            p.new_aux.CopyFrom(_tensor(new_aux))
-        reply = self._guarded(lambda: self._stream().post(dpb.DrafterRequest(predraft=p), "predrafted"))
-        found: list[Predrafts] = []
-
-        def result() -> Predrafts:
-            if not found:
-                r = self._guarded(lambda: self._s.wait(reply, self.drafter.clock.timeout()))
-                self.predraft_s += r.elapsed_s
-                found.append(
-                    predrafts_from_proto(r.predrafted, len(block_ids) - 1, block_size, self.drafter.vocab_size)
-                )
-            return found[0]
-
-        return result
 
     def stats(self) -> DrafterStats:
         s = self._s
@@ -221,21 +196,6 @@ class GrpcDrafterSession:
         self._broken = True
         if self._s is not None:
             self._s.abort()
-
-
-def predrafts_from_proto(msg, pending: int, block_size: int, vocab: int) -> Predrafts:
-    """A ``Predrafted`` answer to a pre-draft of ``pending`` candidates (``drafter/server.py``'s
-    ``predrafted_proto``), checked: a drafter that answers nonsense fails its call, and the run goes
-    on without it, rather than the verifier's next step."""
-    blocks = {(o.accepted, o.next_token): tuple(o.token_ids) for o in msg.outcomes}
-    if msg.token_ids:
-        blocks[(pending, msg.token_ids[0])] = tuple(msg.token_ids[1:])
-    for (accepted, token), ids in blocks.items():
-        if not 0 <= accepted <= pending or len(ids) > block_size - 1 or not all(0 <= t < vocab for t in (token, *ids)):
-            raise ValueError(
-                f"the drafter's pre-draft answer is malformed: block {(accepted, token)} of {len(ids)} ids"
-            )
-    return Predrafts(blocks)
 
 
 class _SkippedDrafterSession:
@@ -268,9 +228,6 @@ class _SkippedDrafterSession:
 
     _post = draft  # a batch's call fails alike, before anything is sent
     in_rounds = False
-
-    def predraft(self, new_aux, block_ids, block_size, alternatives=0):
-        return self.draft(new_aux, block_ids[0], block_size)  # fails alike
 
     def stats(self) -> DrafterStats:
         return DrafterStats()

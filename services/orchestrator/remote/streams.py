@@ -7,9 +7,8 @@ its requests queued (pipelined: ``post`` returns the request's :class:`Reply`)
 and its responses read strictly in order, each into its reply, when that reply
 or a later one is waited for, each step bounded by a deadline from
 ``remote/deadlines.py`` that every Progress message the backend sends meanwhile
-re-arms. So a drafter session sends a ``Predraft`` right after a ``Draft``'s
-answer and reads it a block later. :class:`RemoteBackend` is what the two clients share: channel, GetInfo,
-health, and a round's steps sent in one round call per backend.
+re-arms. :class:`RemoteBackend` is what the two clients share: channel, GetInfo, health, and a round's
+steps sent in one round call per backend.
 """
 
 from __future__ import annotations

@@ -4,9 +4,7 @@ One bidirectional ``Session`` stream per session: opening a session starts the
 stream, ``close`` ends it politely (``Close`` -> ``Closed``), ``abort`` cancels
 it; the server frees the session's cache either way. Requests are pipelined
 where the protocol allows it (``streams.py``: ``Open`` travels with ``Prefill``
-/ the first ``Draft``; a ``Predraft`` is answered while the verifier verifies),
-so a block costs two round trips: draft, and verify (which commits); one where
-its pre-draft was used.
+/ the first ``Draft``), so a block costs two round trips: draft, and verify (which commits).
 
 A scheduler's round (``decide_batch``; the drafter's ``draft_batch``) sends the blocks of every session
 of one backend in ONE round call (``VerifyRound`` / ``DraftRound``, ``runtime/rounds.py``), named by
