@@ -254,6 +254,9 @@ class SessionOptions:
     # A greedy drafter session: the ``ranked`` likeliest ids of each candidate's row with every draft
     # (``Draft.ranked``; a constrained request chooses among them); 0: none, and it pays nothing for them.
     ranked: int = 0
+    # A remote session's caller reopens it on another replica when its replica is lost (``decode/takeover.py``):
+    # a draining replica's session moves then; False: it finishes where it is, within that server's grace.
+    movable: bool = False
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from kakeya.orchestrator.decode.loop import each
 from kakeya.orchestrator.remote.deadlines import StepClock
 from kakeya.orchestrator.remote.streams import (
     BackendError,
+    Replicas,
     Reply,
     Stream,
     backend_channel,
@@ -76,6 +77,7 @@ class GrpcDrafterSession:
     def __init__(self, drafter: GrpcDrafter, sampling: SamplingParams | None, options: SessionOptions):
         self.drafter = drafter
         self._timeout, self._request_id = options.timeout, options.request_id
+        self._elsewhere = drafter.replicas.serving if options.movable else None  # a draining replica's session moves
         self._sampling = sampling if sampling is not None and not sampling.greedy else None
         self._ranked = options.ranked
         self._s: Stream | None = None
@@ -117,7 +119,8 @@ class GrpcDrafterSession:
 
     def _stream(self) -> Stream:
         if self._s is None:
-            self._s = Stream(self.drafter.stub.Session, "drafter", self.drafter.addr, self._timeout, self._request_id)
+            d = self.drafter
+            self._s = Stream(d.stub.Session, "drafter", d.addr, self._timeout, self._request_id, self._elsewhere)
             open_ = dpb.DrafterRequest.Open(
                 request_id=self._request_id, progress_ms=self.drafter.clock.progress_ms, ranked=self._ranked
             )
@@ -145,7 +148,8 @@ class GrpcDrafterSession:
         if self._s is not None:
             self._s.abort()
         if not aborted_here and not exc.ended_by_caller:
-            self.drafter.failed(exc)
+            if not exc.drained:  # a drain hand-off is no failure of the drafter: no backoff for the others
+                self.drafter.failed(exc)
             self._failure = exc
         return exc
 
@@ -190,9 +194,11 @@ class GrpcDrafterSession:
     @property
     def in_rounds(self) -> bool:
         """Its drafts may travel in a round call: past the first (the server knows its id), its stream open with
-        no answer outstanding (a pre-draft in hand), and not found missing by an earlier round."""
+        no answer outstanding (a pre-draft in hand), its replica not draining, and not found missing by an
+        earlier round."""
         s = self._s
-        return bool(self.session_id) and self.round_ok and not self._broken and not s.done and not s._replies
+        ok = bool(self.session_id) and self.round_ok and not self._broken
+        return ok and not s.done and not s._replies and not s.draining
 
     def predraft(
         self, new_aux, block_ids: Sequence[int], block_size: int, alternatives: int = 0
@@ -303,6 +309,7 @@ class GrpcDrafter:
     ):
         self.addr = addr
         self.channel = channel or backend_channel(addr, tls, token)
+        self.replicas = Replicas(self.channel)
         self.clock = clock or StepClock()
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.remote = fetch_info("drafter", addr, self.stub.GetInfo, dpb.GetDrafterInfoRequest(), wait_s)
@@ -383,6 +390,7 @@ class GrpcDrafter:
             if s._broken:  # cancelled meanwhile: as its stream would say
                 out.append(BackendError("drafter", self.addr, grpc.StatusCode.CANCELLED, "session is closed"))
             elif got.WhichOneof("result") == "drafted":
+                s._s.draining = s._s.draining or resp.draining
                 out.append(s._drafted_msg(got.drafted, resp.elapsed_s))
             elif got.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
                 out.append(_ON_STREAM)

@@ -44,6 +44,7 @@ from kakeya.orchestrator.decode.loop import each
 from kakeya.orchestrator.remote.deadlines import StepClock
 from kakeya.orchestrator.remote.streams import (
     BackendError,
+    Replicas,
     Reply,
     Stream,
     backend_channel,
@@ -89,7 +90,10 @@ class GrpcVerifierSession:
     ):
         self.verifier = verifier
         self.clock = verifier.clock
-        self._s = Stream(verifier.stub.Session, "verifier", verifier.addr, options.timeout, options.request_id)
+        elsewhere = verifier.replicas.serving if options.movable else None  # a draining replica's session moves
+        self._s = Stream(
+            verifier.stub.Session, "verifier", verifier.addr, options.timeout, options.request_id, elsewhere
+        )
         if options.cancel is not None:
             options.cancel.on_cancel(self.abort)
         open_ = vpb.VerifierRequest.Open(
@@ -196,9 +200,10 @@ class GrpcVerifierSession:
 
     @property
     def in_rounds(self) -> bool:
-        """Its blocks may travel in a round call: prefilled (the server knows its id), its stream open, and
-        not found missing by an earlier round (a replica other than the one round calls reach)."""
-        return bool(self.session_id) and self.round_ok and not self._s.done
+        """Its blocks may travel in a round call: prefilled (the server knows its id), its stream open, its
+        replica not draining (its next step decides on the stream whether it moves), and not found missing by
+        an earlier round (a replica other than the one round calls reach)."""
+        return bool(self.session_id) and self.round_ok and not self._s.done and not self._s.draining
 
     def stats(self) -> VerifierStats:
         s = self._stats
@@ -241,6 +246,7 @@ class GrpcVerifier:
     ):
         self.addr = addr
         self.channel = channel or backend_channel(addr, tls, token)
+        self.replicas = Replicas(self.channel)
         self.clock = clock or StepClock()
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
         self.aux_like = aux_like  # None: aux stays a wire Tensor; "mlx"/"torch"/"numpy": decoded
@@ -334,6 +340,7 @@ class GrpcVerifier:
             if s._s.done:  # cancelled meanwhile: as its stream would say
                 out.append(BackendError("verifier", self.addr, grpc.StatusCode.CANCELLED, "session is closed"))
             elif got.WhichOneof("result") == "verified":
+                s._s.draining = s._s.draining or resp.draining
                 out.append(s._verified(got.verified))
             elif got.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
                 out.append(_ON_STREAM)
