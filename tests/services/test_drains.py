@@ -14,22 +14,20 @@ from __future__ import annotations
 
 import json
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from kakeya.core.contract import Draft, SessionOptions
 from kakeya.orchestrator.remote.drafter import GrpcDrafter
 from kakeya.orchestrator.remote.streams import BackendError
 from kakeya.orchestrator.remote.verifier import GrpcVerifier
 from kakeya.runtime.metrics import ServerMetrics
-from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from kakeya.wire.limits import server_options
+from kakeya.wire.kakeya.v1 import verifier_pb2
 
 from ..waiting import wait_until
-from .conftest import verifier_stub
+from .conftest import in_process_mlx_pair, verifier_stub
 
 PROMPT = [2, 40, 41, 42, 43, 44, 45, 46]
 MOVABLE = SessionOptions(movable=True)
@@ -38,24 +36,7 @@ V = verifier_pb2.VerifierRequest
 
 @pytest.fixture(scope="module")
 def served(tiny_pair, aux_layers):
-    from kakeya.drafter.server import DrafterServicer
-    from kakeya.verifier.server import VerifierServicer
-
-    v, d = VerifierServicer(), DrafterServicer()
-    v.load(tiny_pair.target, aux_layers, "mlx")
-    d.load(tiny_pair.draft, tiny_pair.target, "mlx")
-    v.ready = d.ready = True
-    status = health.HealthServicer(experimental_non_blocking=True)
-    server = grpc.server(ThreadPoolExecutor(16), options=server_options())
-    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(v, server)
-    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(d, server)
-    health_pb2_grpc.add_HealthServicer_to_server(status, server)
-    addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
-    yield {"addr": addr, "verifier": v, "drafter": d, "health": status}
-    server.stop(0).wait()
-    v.compute.shutdown()
-    d.compute.shutdown()
+    yield from in_process_mlx_pair(tiny_pair, aux_layers)
 
 
 @pytest.fixture
