@@ -11,10 +11,15 @@ restarted on its port before the next repeat. Every output is checked against th
 uninterrupted. The baseline: a cold request whose prompt is as long as the take-over's context (random ids,
 never cached), its prefill time as the run reports it (sessions opened to first token), on the same servers.
 
+``--signal term`` sends SIGTERM instead: the replica drains (docs/operations.md, "Drains and rolling updates"),
+its session moves at its next step (a drain hand-off, not a take-over), and the row also records how long the
+replica was out of service: SIGTERM to its process's exit.
+
     python benchmarks/takeover.py                          # demo pair, both roles, 3 repeats each
     python benchmarks/takeover.py --roles verifier --repeats 5 --kill-after 96
+    python benchmarks/takeover.py --signal term            # a drain: writes benchmarks/results/drain.json
 
-Writes benchmarks/results/takeover.json.
+Writes benchmarks/results/takeover.json (``--signal term``: drain.json).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -82,6 +88,18 @@ class Replica:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
 
+    def terminate(self) -> dict:
+        """SIGTERM; the returned dict gets ``exit_s`` (SIGTERM to the process's exit) once it has exited."""
+        out, t0 = {}, time.perf_counter()
+        self.proc.send_signal(signal.SIGTERM)
+
+        def watch(proc=self.proc):
+            proc.wait()
+            out["exit_s"] = time.perf_counter() - t0
+
+        threading.Thread(target=watch, daemon=True).start()
+        return out
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -96,10 +114,11 @@ def med(xs):
 
 
 def one_takeover(engine, replicas, role, prompt, args, reference):
-    """One stream with the holder of its ``role`` session killed at ``--kill-after`` tokens."""
+    """One stream with the holder of its ``role`` session killed (or SIGTERMed) at ``--kill-after`` tokens."""
     req = Request(prompt, max_tokens=args.max_tokens, block_size=args.block_size, ignore_eos=True)
-    options = RunOptions(takeover=True, drafter_fallback=True)
-    killed, times, t_kill, t_after = None, [], None, None
+    heard = []  # (role, pause, drained) of each take-over or hand-off
+    options = RunOptions(takeover=True, drafter_fallback=True, on_takeover=lambda *event: heard.append(event))
+    killed, times, t_kill, t_after, exited = None, [], None, None, {}
     with engine.start(req, options) as run:
         for _block in run:
             now = time.perf_counter()
@@ -113,17 +132,25 @@ def one_takeover(engine, replicas, role, prompt, args, reference):
                 assert len(holders) == 1, f"{role} sessions on {len(holders)} replicas"
                 killed = holders[0]
                 context = len(gen.prompt_ids) + len(gen.token_ids) - 1
-                killed.kill()
+                if args.signal == "term":
+                    exited = killed.terminate()
+                else:
+                    killed.kill()
                 t_kill = time.perf_counter()
     gen = run.result
     assert gen.token_ids == reference, "the take-over changed the output"
-    assert [r for r, _ in run.takeovers] == [role], f"take-overs {run.takeovers}"
+    drain = args.signal == "term"
+    assert [(r, d) for r, _, d in heard] == [(role, drain)], f"take-overs {heard}"
+    assert [r for r, _ in run.takeovers] == ([] if drain else [role]), f"take-overs {run.takeovers}"
     assert not gen.drafter_fallback, "the stream fell back to the verifier alone"
     block_gaps = [b - a for a, b in itertools.pairwise(times)]
     during = t_after - t_kill
+    row = {"context_tokens": context, "pause_s": heard[0][1], "gap_s": during, "block_gap_median_s": med(block_gaps)}
+    if drain:
+        killed.proc.wait(60)
+        row["out_of_service_s"] = exited["exit_s"]  # SIGTERM to exit: the drain's whole length
     killed.start()  # back on its port for the next repeat
-    return {"context_tokens": context, "pause_s": run.takeovers[0][1], "gap_s": during,
-            "block_gap_median_s": med(block_gaps)}  # fmt: skip
+    return row
 
 
 def cold_prefill_s(engine, n: int, vocab: int, rng) -> float:
@@ -142,10 +169,19 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--kill-after", type=int, default=64)
     p.add_argument("--block-size", type=int, default=8)
+    p.add_argument(
+        "--signal",
+        choices=["kill", "term"],
+        default="kill",
+        help="SIGKILL the holder (a take-over) or SIGTERM it (a drain hand-off)",
+    )
     p.add_argument("--target", help="the verifier's checkpoint (default: the embedded demo pair)")
     p.add_argument("--draft", help="the drafter's checkpoint")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "takeover.json"))
+    p.add_argument("--out", help="default: benchmarks/results/takeover.json (--signal term: drain.json)")
     args = p.parse_args(argv)
+    args.out = args.out or str(
+        ROOT / "benchmarks" / "results" / ("drain.json" if args.signal == "term" else "takeover.json")
+    )
     record = provenance()
     from kakeya.orchestrator.assembly import split_engine
 
@@ -178,7 +214,8 @@ def main(argv=None) -> int:
                 rows[role].append(row)
                 print(f"{role} #{k}: pause {row['pause_s'] * 1e3:.0f} ms, one prefill of {row['context_tokens']}"
                       f" tokens {row['prefill_s'] * 1e3:.0f} ms: {row['pause_over_prefill']:.2f}x; the block gap"
-                      f" it fell in {row['gap_s'] * 1e3:.0f} ms (median gap {row['block_gap_median_s'] * 1e3:.0f} ms)",
+                      f" it fell in {row['gap_s'] * 1e3:.0f} ms (median gap {row['block_gap_median_s'] * 1e3:.0f} ms)"
+                      + (f"; out of service {row['out_of_service_s']:.2f} s" if "out_of_service_s" in row else ""),
                       flush=True)  # fmt: skip
     finally:
         for r in everyone:
@@ -190,9 +227,18 @@ def main(argv=None) -> int:
             "pause_over_prefill_median": med([r["pause_over_prefill"] for r in rs]),
             "pause_over_prefill_max": max(r["pause_over_prefill"] for r in rs),
         }
+        | (
+            {
+                "out_of_service_s_median": med([r["out_of_service_s"] for r in rs]),
+                "out_of_service_s_max": max(r["out_of_service_s"] for r in rs),
+            }
+            if args.signal == "term"
+            else {}
+        )
         for role, rs in rows.items()
     }
-    result = {"args": vars(args), "runs": rows, "summary": summary, "goal": "pause <= 2x one prefill of the context"}
+    goal = "pause <= 2x one prefill of the context" + ("; out of service <= 10 s" if args.signal == "term" else "")
+    result = {"args": vars(args), "runs": rows, "summary": summary, "goal": goal}
     write_result(Path(args.out), result, record=record)
     print(json.dumps(summary, indent=1))
     return 0

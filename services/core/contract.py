@@ -45,6 +45,11 @@ def replica_lost(exc: BaseException) -> bool:
     return bool(getattr(exc, "replica_lost", False))
 
 
+def drained(exc: BaseException) -> bool:
+    """``exc`` is a draining replica's hand-off (``BackendError.drained``): a loss to take over, not a failure."""
+    return bool(getattr(exc, "drained", False))
+
+
 # The most ids a drafter returns per candidate for a constrained request to choose among
 # (``SessionOptions.ranked``, ``Draft.ranked``, ``orchestrator/proposers/forced.py``).
 MAX_RANKED = 16
@@ -241,6 +246,9 @@ class SessionOptions:
     # A greedy drafter session: the ``ranked`` likeliest ids of each candidate's row with every draft
     # (``Draft.ranked``; a constrained request chooses among them); 0: none, and it pays nothing for them.
     ranked: int = 0
+    # A remote session's caller reopens it on another replica when its replica is lost (``decode/takeover.py``):
+    # a draining replica's session moves then; False: it finishes where it is, within that server's grace.
+    movable: bool = False
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,7 @@ session and the warm-up are the same code.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -33,7 +31,9 @@ import numpy as np
 from kakeya.core.contract import SessionOptions, check_ranked
 from kakeya.drafter.batch import DraftItem, draft_batch
 from kakeya.drafter.config import MAX_BLOCK_SIZE
+from kakeya.drafter.session import LocalDrafterSession
 from kakeya.runtime import bounds
+from kakeya.runtime.admission import SessionEntry
 from kakeya.runtime.lifecycle import ServerSpec, check_token_ids, invalid, precondition, version
 from kakeya.runtime.rounds import RoundSlot, RoundWire, serve_round
 from kakeya.runtime.servicer import SessionLimits, SessionServicer
@@ -48,9 +48,19 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DrafterService"].full_name
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
+@dataclass
+class _Stream:
+    """One Session stream's state between its messages (``SessionServicer._serve``)."""
+
+    entry: SessionEntry
+    session: LocalDrafterSession
+    every: float  # seconds between Progress messages while a step waits (open.progress_ms)
+
+
 class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
     role = "drafter"
     kv_kinds = ("context",)
+    steps = ("lookup", "draft", "predraft", "save")
 
     def __init__(self, limits: SessionLimits = SessionLimits()):
         # Draft requests of several streams that queue up while a batch runs go through ONE forward
@@ -147,85 +157,72 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
     def _progress(self, waited_s: float) -> pb.DrafterResponse:
         return pb.DrafterResponse(progress=pb.DrafterResponse.Progress(waited_s=waited_s))
 
-    def _serve(self, entry, requests) -> Iterator[pb.DrafterResponse]:
-        session = None
-        vocab = self.drafter.model.target.vocab_size
-        every = 0.0  # seconds between Progress messages while a step waits (open.progress_ms)
-        for req in requests:
-            kind = req.WhichOneof("request")
-            t0 = time.perf_counter()
-            if session is None:
-                self._check_open(req, kind)
-                try:
-                    sampling = wire_contract.sampling_from_proto(req.open.sampling, "open.sampling")
-                    ranked = check_ranked(req.open.ranked, "open.ranked")
-                except ValueError as exc:
-                    raise invalid(str(exc)) from None
-                if ranked and sampling is not None:
-                    raise invalid("open.ranked: the likeliest ids are for greedy sessions (open.sampling is set)")
-                every = self._progress_every(req.open)
-                kw = {} if sampling is None else {"sampling": sampling}
-                if ranked:
-                    kw["options"] = SessionOptions(ranked=ranked)
-                session = entry.session = yield from self._compute(every, self.drafter.open_session, **kw)
-                resp = pb.DrafterResponse(opened=pb.DrafterResponse.Opened(info=self.info(), session_id=entry.id))
-            elif kind == "lookup":
-                if session.calls:
-                    raise precondition("lookup: only before the first draft")
-                ids = check_token_ids(req.lookup.prompt_ids, vocab, "lookup.prompt_ids")
-                positions = yield from self._compute(every, session.cached_prefixes, ids)
-                resp = pb.DrafterResponse(found=pb.DrafterResponse.Found(positions=positions))
-            elif kind == "save":
-                ids = check_token_ids(req.save.token_ids, vocab, "save.token_ids", allow_empty=True)
-                for i, t in enumerate(req.save.unseen_aux):
-                    self._aux_shape(t, f"save.unseen_aux[{i}]")
-                kept = yield from self._compute(every, self._save, entry, session, ids, list(req.save.unseen_aux))
-                resp = pb.DrafterResponse(saved=pb.DrafterResponse.Saved(kept=kept))
-            elif kind == "draft":
-                d = req.draft
-                if d.resume_at:
-                    if session.calls:
-                        raise precondition("draft.resume_at: only on the first draft")
-                    try:
-                        yield from self._compute(every, session.resume, d.resume_at)
-                    except ValueError as exc:
-                        raise invalid(str(exc).replace("resume:", "draft.resume_at:", 1)) from None
-                if entry.round is None:  # the first draft (the prompt's aux): on the stream only
-                    item = self._draft_item(entry, session, d)
-                    draft, stats = yield from self._compute_batch(every, "draft", item, self._draft_batch)
-                    entry.round = RoundSlot(partial(self._round_draft_item, entry, session))
-                else:
-                    slot = entry.round
-                    slot.take("draft")
-                    try:
-                        item = slot.check(d)
-                        draft, stats = yield from self._compute_batch(every, "draft", item, self._draft_batch)
-                    finally:
-                        slot.lock.release()
-                resp = pb.DrafterResponse(drafted=_drafted_proto((draft, stats)))
-            elif kind == "predraft":
-                slot = entry.round
-                if slot is not None:
-                    slot.take("predraft")
-                try:
-                    item = self._predraft_item(entry, session, req.predraft, vocab)
-                    _, stats = yield from self._compute_batch(every, "draft", item, self._draft_batch)
-                finally:
-                    if slot is not None:
-                        slot.lock.release()
-                resp = pb.DrafterResponse(predrafted=pb.DrafterResponse.Predrafted(stats=stats))  # no block: a miss
-            elif kind == "close":
-                stats = yield from self._compute(every, self._stats, session)
-                yield pb.DrafterResponse(
-                    closed=pb.DrafterResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0
-                )
-                return
-            elif kind == "open":
-                raise precondition("open: the session is already open")
-            else:
-                raise invalid("request: no step set (open, lookup, draft, predraft, save or close)")
-            resp.elapsed_s = time.perf_counter() - t0
-            yield resp
+    def _open(self, entry, open_):
+        try:
+            sampling = wire_contract.sampling_from_proto(open_.sampling, "open.sampling")
+            ranked = check_ranked(open_.ranked, "open.ranked")
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        if ranked and sampling is not None:
+            raise invalid("open.ranked: the likeliest ids are for greedy sessions (open.sampling is set)")
+        every = self._progress_every(open_)
+        kw = {} if sampling is None else {"sampling": sampling}
+        if ranked:
+            kw["options"] = SessionOptions(ranked=ranked)
+        session = entry.session = yield from self._compute(every, self.drafter.open_session, **kw)
+        opened = pb.DrafterResponse.Opened(info=self.info(), session_id=entry.id)
+        return _Stream(entry, session, every), pb.DrafterResponse(opened=opened)
+
+    def _step_lookup(self, s: _Stream, lookup):
+        if s.session.calls:
+            raise precondition("lookup: only before the first draft")
+        ids = check_token_ids(lookup.prompt_ids, self._vocab, "lookup.prompt_ids")
+        positions = yield from self._compute(s.every, s.session.cached_prefixes, ids)
+        return pb.DrafterResponse(found=pb.DrafterResponse.Found(positions=positions))
+
+    def _step_save(self, s: _Stream, save):
+        ids = check_token_ids(save.token_ids, self._vocab, "save.token_ids", allow_empty=True)
+        for i, t in enumerate(save.unseen_aux):
+            self._aux_shape(t, f"save.unseen_aux[{i}]")
+        kept = yield from self._compute(s.every, self._save, s.entry, s.session, ids, list(save.unseen_aux))
+        return pb.DrafterResponse(saved=pb.DrafterResponse.Saved(kept=kept))
+
+    def _step_draft(self, s: _Stream, d):
+        if d.resume_at:
+            if s.session.calls:
+                raise precondition("draft.resume_at: only on the first draft")
+            try:
+                yield from self._compute(s.every, s.session.resume, d.resume_at)
+            except ValueError as exc:
+                raise invalid(str(exc).replace("resume:", "draft.resume_at:", 1)) from None
+        if s.entry.round is None:  # the first draft (the prompt's aux): on the stream only
+            item = self._draft_item(s.entry, s.session, d)
+            result = yield from self._compute_batch(s.every, "draft", item, self._draft_batch)
+            s.entry.round = RoundSlot(partial(self._round_draft_item, s.entry, s.session))
+        else:
+            result = yield from self._round_step(s.entry, "draft", d, s.every, self._draft_batch)
+        return pb.DrafterResponse(drafted=_drafted_proto(result))
+
+    def _step_predraft(self, s: _Stream, p):
+        """A deprecated Predraft (pre-drafting was removed): its aux is taken, the answer a miss (no block)."""
+        slot = s.entry.round
+        if slot is not None:
+            slot.take("predraft")
+        try:
+            item = self._predraft_item(s.entry, s.session, p, self._vocab)
+            _, stats = yield from self._compute_batch(s.every, "draft", item, self._draft_batch)
+        finally:
+            if slot is not None:
+                slot.lock.release()
+        return pb.DrafterResponse(predrafted=pb.DrafterResponse.Predrafted(stats=stats))
+
+    def _close(self, s: _Stream):
+        stats = yield from self._compute(s.every, self._stats, s.session)
+        return pb.DrafterResponse(closed=pb.DrafterResponse.Closed(stats=stats))
+
+    @property
+    def _vocab(self) -> int:
+        return self.drafter.model.target.vocab_size
 
     def DraftRound(self, request, context):
         # The streams' runner, its (draft, stats) results made protos after: a round's drafts and streams'

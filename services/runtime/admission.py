@@ -266,6 +266,14 @@ class SessionRegistry:
                 self._detach(entry)
         self._end(entry)
 
+    def end_all(self, code: grpc.StatusCode, why: str) -> int:
+        """End every live session's stream with ``code`` and ``why`` (a drain's last step); how many there were."""
+        with self._lock:
+            ended = [self._detach(e) for e in list(self._live.values())]
+        for e in ended:
+            self._end(e, code, why)
+        return len(ended)
+
     def _idle_watch(self) -> None:
         period = min(1.0, self.idle_timeout_s / 4)
         while True:

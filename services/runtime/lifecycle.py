@@ -215,7 +215,9 @@ class ServerSpec:
     add_to_server: Callable[[grpc.Server], None]  # registers the servicers (before start)
     load: Callable[[], str]  # loads + warms up (blocking); returns a one-line description
     set_ready: Callable[[bool], None]  # servicers refuse work (UNAVAILABLE) until ready
-    before_drain: Callable[[], None] = lambda: None  # e.g. stop admitting requests
+    # on SIGTERM, after health went NOT_SERVING: an orchestrator stops admitting, a session server's answers say
+    # ``draining`` (``servicer.py``: its sessions move to other replicas at their next step)
+    before_drain: Callable[[], None] = lambda: None
     near_deadline: Callable[[], None] = lambda: None  # grace almost over: end streams cleanly
     max_workers: int = 64  # also the concurrent-RPC cap: one more is RESOURCE_EXHAUSTED, never a hang
     max_receive_bytes: int | None = None  # None: the shared ceiling (services/wire/limits.py)
@@ -453,7 +455,8 @@ def run_server(
     while not stop.wait(0.5):
         pass
 
-    # Drain: NOT_SERVING (load balancers stop routing), refuse new RPCs, let in-flight ones finish.
+    # Drain: NOT_SERVING (load balancers stop routing), refuse new RPCs, let in-flight ones finish (or move: a
+    # session server's streams end as their clients hand them to other replicas); exit once none is left.
     health_servicer.enter_graceful_shutdown()
     spec.before_drain()
     if spec.http is not None:

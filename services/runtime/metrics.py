@@ -166,14 +166,20 @@ class ServerMetrics:
             "kakeya_takeovers", "sessions reopened on another replica after theirs was lost mid-stream, by role"
             " (verifier, drafter)", ["role"], registry=r,
         )  # fmt: skip
+        self.drain_handoffs = Counter(
+            "kakeya_drain_handoffs", "sessions moved to another replica because theirs was draining (SIGTERM), by"
+            " role (verifier, drafter); no failure: not in kakeya_takeovers", ["role"], registry=r,
+        )  # fmt: skip
         self.takeover_pause = Histogram(
-            "kakeya_takeover_pause_seconds", "a take-over's pause: the replica's loss noticed to the session"
-            " reopened (its prefill done), by role", ["role"], buckets=LATENCY_BUCKETS, registry=r,
+            "kakeya_takeover_pause_seconds", "a take-over's or drain hand-off's pause: the replica's loss (or"
+            " drain) noticed to the session reopened (its prefill done), by role", ["role"],
+            buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
 
-    def takeover(self, role: str, pause_s: float) -> None:
-        """One take-over (``orchestrator/decode/takeover.py``) and its pause."""
-        self.takeovers.labels(role).inc()
+    def takeover(self, role: str, pause_s: float, drained: bool = False) -> None:
+        """One take-over (``orchestrator/decode/takeover.py``) and its pause; ``drained``: a draining replica's
+        hand-off, counted apart from the losses."""
+        (self.drain_handoffs if drained else self.takeovers).labels(role).inc()
         self.takeover_pause.labels(role).observe(pause_s)
 
     # -- wiring ---------------------------------------------------------------------------

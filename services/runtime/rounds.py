@@ -54,7 +54,8 @@ class RoundWire:
 
 
 def serve_round(servicer, wire: RoundWire, runner: Callable, request, context):
-    """The body of a round RPC on ``servicer`` (a ``SessionServicer``): Progress messages, then one Done."""
+    """The body of a round RPC on ``servicer`` (a ``SessionServicer``): Progress messages, then one Done (which
+    says ``draining`` once the server drains, as its streams' answers do)."""
     log = logging.getLogger(f"kakeya.{servicer.role}")
     if not servicer.ready:
         context.abort(grpc.StatusCode.UNAVAILABLE, f"{servicer.role} is loading its model")
@@ -116,7 +117,8 @@ def serve_round(servicer, wire: RoundWire, runner: Callable, request, context):
         else:
             log.error("round item %s (session %s) failed", where, entry.id, exc_info=exc)
             out[i] = _error(wire, grpc.StatusCode.INTERNAL, f"{where}: {type(exc).__name__}: {exc}")
-    yield wire.response(done=wire.response.Done(items=out), elapsed_s=time.perf_counter() - t0)
+    done = wire.response.Done(items=out)
+    yield wire.response(done=done, elapsed_s=time.perf_counter() - t0, draining=servicer.draining)
 
 
 def _error(wire: RoundWire, code: grpc.StatusCode, message: str):

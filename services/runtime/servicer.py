@@ -3,8 +3,17 @@
 A session server (``verifier/server.py``, ``drafter/server.py``) is one :class:`SessionLimits` turned
 into one ``ComputeThread`` (all model work, batched), one ``SessionRegistry`` (admission and idle
 expiry), one ``ServerMetrics`` and, with a budget, one ``PrefixCache``. Both answer ``GetInfo`` and
-open ``Session`` streams only once loaded, and both become a ``ServerSpec`` the same way. The
-subclasses add their model: ``load``, ``info``, ``_serve`` (one stream's messages) and ``_progress``.
+open ``Session`` streams only once loaded, and both become a ``ServerSpec`` the same way. A stream's
+messages go through one loop (:meth:`SessionServicer._serve`): ``open`` first, the role's ``steps``, ``close``
+last, each answer timed. The subclasses add their model: ``load``, ``info``, ``_open``, a ``_step_<kind>``
+per step, ``_close`` and ``_progress``.
+
+Draining (SIGTERM, ``lifecycle.run_server``: health NOT_SERVING, no new call accepted): every answer from
+then on says ``draining``, so a client that can reopen the session on another SERVING replica (the
+orchestrator's take-over, ``orchestrator/decode/takeover.py``) ends it before its next step, at a round
+boundary, with nothing lost; one that cannot finishes here. The process exits once no stream is left
+(gRPC's ``stop(grace)``); the sessions still here when ``--grace`` is almost over end with UNAVAILABLE,
+which a take-over treats as a lost replica, rather than be cut with the process.
 
 A stream's steps wait on the compute thread through :meth:`SessionServicer._compute` (and
 ``_compute_batch``): a session opened with ``progress_ms`` hears a Progress message every
@@ -15,6 +24,8 @@ silence) without guessing how long a step may take.
 
 from __future__ import annotations
 
+import logging
+import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
@@ -33,6 +44,7 @@ from kakeya.runtime.lifecycle import ServerSpec, invalid, precondition, session_
 from kakeya.runtime.metrics import ServerMetrics
 from kakeya.runtime.security.guard import add_servicer
 
+log = logging.getLogger("kakeya")
 MIN_PROGRESS_S = 0.01  # the most often a stream hears Progress, whatever its client asks
 
 
@@ -63,6 +75,7 @@ class SessionServicer:
 
     role = ""  # "verifier" / "drafter": names its compute thread, metrics and errors
     kv_kinds: tuple[str, ...] = ()  # the kinds of cache bytes its sessions hold; the last is the default
+    steps: tuple[str, ...] = ()  # a stream's request kinds between open and close, each ``_step_<kind>``
 
     def __init__(self, limits: SessionLimits = SessionLimits()):
         self.compute = ComputeThread(self.role, limits.max_batch)
@@ -85,6 +98,7 @@ class SessionServicer:
         if self.prefixes is not None:
             self.metrics.track_prefix_cache(self.prefixes)
         self.ready = False  # set by run_server once load() has warmed the model up
+        self.draining = False  # set on SIGTERM (``_drain``): every answer says so
         self.aux_dtype = 0  # the wire dtype of the aux hidden states, set by load()
         self.device = ""  # where the model runs, set by load()
 
@@ -105,8 +119,65 @@ class SessionServicer:
     def info(self):
         raise NotImplementedError
 
-    def _serve(self, entry, requests):
+    def _open(self, entry, open_):
+        """A generator (``yield from`` it): the session opened by ``open_`` as ``(stream state, Opened answer)``;
+        the state is what the role's steps take."""
         raise NotImplementedError
+
+    def _close(self, stream):
+        """A generator: the ``Closed`` answer to ``stream``'s close (its final stats)."""
+        raise NotImplementedError
+
+    def _serve(self, entry, requests):
+        """One Session stream's messages, answered in order: ``open`` first (``_open``), then the role's
+        ``steps`` (``_step_<kind>``), ``close`` last (``_close``), which ends the stream. Each answer carries its
+        server-side time and, once the server drains, ``draining``; Progress messages come from the steps'
+        waits (``_compute``)."""
+        stream = None
+        for req in requests:
+            kind = req.WhichOneof("request")
+            t0 = time.perf_counter()
+            if stream is None:
+                self._check_open(req, kind)
+                stream, resp = yield from self._open(entry, req.open)
+            elif kind == "close":
+                resp = yield from self._close(stream)
+            elif kind == "open":
+                raise precondition("open: the session is already open")
+            elif kind in self.steps:
+                resp = yield from getattr(self, f"_step_{kind}")(stream, getattr(req, kind))
+            else:
+                raise invalid(f"request: no step set (open, {', '.join(self.steps)} or close)")
+            resp.elapsed_s = time.perf_counter() - t0
+            resp.draining = self.draining
+            yield resp
+            if kind == "close":
+                return
+
+    def _round_step(self, entry, kind: str, step, every_s: float, runner):
+        """A step that round calls take too (``rounds.RoundSlot``: ``verify``, ``draft``) on the session's stream:
+        one step of the session at a time, checked as a round item, batched with ``kind``'s ``runner``
+        (a generator: ``yield from`` it)."""
+        slot = entry.round
+        slot.take(kind)
+        try:
+            item = slot.check(step)
+            return (yield from self._compute_batch(every_s, kind, item, runner))
+        finally:
+            slot.lock.release()
+
+    def _drain(self) -> None:
+        """SIGTERM (health is NOT_SERVING already): every answer from now on says ``draining``."""
+        self.draining = True
+        log.info("%s draining: %d live sessions move to other replicas at their next step", self.role,
+                 self.registry.live)  # fmt: skip
+
+    def _end_sessions(self) -> None:
+        """The grace is almost over: the sessions still here end with UNAVAILABLE, which a take-over treats as
+        a lost replica (another replica may be SERVING by now), rather than be cut with the process."""
+        n = self.registry.end_all(grpc.StatusCode.UNAVAILABLE, f"{self.role} is shutting down (draining)")
+        if n:
+            log.warning("%s: %d sessions still open at the end of the grace: ended (UNAVAILABLE)", self.role, n)
 
     def _progress(self, waited_s: float):
         """This role's Progress response (``waited_s``: how long the step in hand has waited so far)."""
@@ -183,6 +254,8 @@ class SessionServicer:
             add_to_server=lambda server: add_servicer(server, self, service_descriptor, token),
             load=load,
             set_ready=set_ready,
+            before_drain=self._drain,
+            near_deadline=self._end_sessions,
             max_workers=workers_for(self.registry.max_sessions, self.registry.queue),
             tls=tls,
             metrics=self.metrics,

@@ -22,14 +22,15 @@ validates them, with errors that name the offending field.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 from kakeya.core.constraints import ConstraintError
 from kakeya.core.contract import Draft, VerifierStats
 from kakeya.runtime import bounds
+from kakeya.runtime.admission import SessionEntry
 from kakeya.runtime.lifecycle import (
     ServerSpec,
     check_policy,
@@ -42,7 +43,7 @@ from kakeya.runtime.lifecycle import (
 from kakeya.runtime.rounds import RoundSlot, RoundWire, serve_round
 from kakeya.runtime.servicer import SessionLimits, SessionServicer
 from kakeya.verifier.batch import VerifyItem, decide
-from kakeya.verifier.session import check_proposal
+from kakeya.verifier.session import LocalVerifierSession, check_proposal
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import verifier_pb2 as pb
@@ -64,11 +65,23 @@ def _stats_proto(stats: VerifierStats) -> pb.SessionStats:
     )
 
 
+@dataclass
+class _Stream:
+    """One Session stream's state between its messages (``SessionServicer._serve``)."""
+
+    entry: SessionEntry
+    session: LocalVerifierSession
+    max_positions: int  # the most positions it may hold (open.max_positions, --max-context)
+    every: float  # seconds between Progress messages while a step waits (open.progress_ms)
+    prefilled: bool = False
+
+
 class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceServicer):
     """Serves one loaded target (``LocalVerifier``) to many concurrent session streams."""
 
     role = "verifier"
     kv_kinds = ("sliding", "full")
+    steps = ("prefill", "verify", "save")
 
     def __init__(self, limits: SessionLimits = SessionLimits(), restore: bounds.RestoreSources | None = None):
         # concurrent sessions' Verify steps that queue up meanwhile run as one batched forward
@@ -136,8 +149,6 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
                 raise ValueError(f"--restore {name}={path}: {exc}") from None
 
     def _new_session(self, aux_layers, policy, sampling=None, logprobs=None, grammar=None):
-        from kakeya.verifier.session import LocalVerifierSession
-
         return LocalVerifierSession(
             self.verifier.target, aux_layers, policy, sampling, self.prefixes, logprobs=logprobs, grammar=grammar
         )
@@ -215,109 +226,86 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         alloc = -(-(positions + policy.slack) // 256) * 256
         return int(session_bytes(self.kv_shape, policy, alloc)["total_bytes"])
 
-    def _serve(self, entry, requests) -> Iterator[pb.VerifierResponse]:
-        vocab = self.verifier.info.vocab_size
+    def _open(self, entry, open_):
+        if open_.max_positions < 0:
+            raise invalid(f"open.max_positions must be >= 0 (0: the server's max_context), got {open_.max_positions}")
+        try:
+            max_positions = self.context_limits.check_positions(
+                open_.max_positions or self.context_limits.max_context, "open.max_positions"
+            )
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        policy = self._open_policy(open_, max_positions)
+        every = self._progress_every(open_)
         n_layers = self.verifier.info.num_layers
-        session = None
-        prefilled = False
-        policy = None
-        every = 0.0  # seconds between Progress messages while a step waits (open.progress_ms)
-        for req in requests:
-            kind = req.WhichOneof("request")
-            t0 = time.perf_counter()
-            if session is None:
-                self._check_open(req, kind)
-                if req.open.max_positions < 0:
-                    raise invalid(
-                        f"open.max_positions must be >= 0 (0: the server's max_context), got {req.open.max_positions}"
-                    )
-                try:
-                    max_positions = self.context_limits.check_positions(
-                        req.open.max_positions or self.context_limits.max_context, "open.max_positions"
-                    )
-                except ValueError as exc:
-                    raise invalid(str(exc)) from None
-                policy = self._open_policy(req.open, max_positions)
-                every = self._progress_every(req.open)
-                layers = list(req.open.target_layer_ids) or list(self.verifier.aux_layers)
-                if not layers:
-                    raise invalid("open.target_layer_ids: this verifier has no default aux layers: send them")
-                bad = [i for i in layers if not 0 <= i < n_layers]
-                if bad or len(set(layers)) != len(layers):
-                    shown = f"{layers}" if len(layers) <= 8 else f"{layers[:8]} ... ({len(layers)} ids)"
-                    raise invalid(f"open.target_layer_ids: {shown} must be distinct layers in [0, {n_layers})")
-                try:
-                    sampling = wire_contract.sampling_from_proto(req.open.sampling, "open.sampling")
-                    has = req.open.HasField("logprobs")
-                    logprobs = wire_contract.check_logprobs(req.open.logprobs, "open.logprobs") if has else None
-                except ValueError as exc:
-                    raise invalid(str(exc)) from None
-                grammar = self._open_grammar(req.open)
-                self.registry.reserve(entry, self._worst_case_bytes(policy, max_positions))  # may wait (--queue)
-                session = entry.session = yield from self._compute(
-                    every, self._new_session, layers, policy, sampling, logprobs, grammar
-                )
-                resolved = session.policy
-                resp = pb.VerifierResponse(
-                    opened=pb.VerifierResponse.Opened(
-                        info=self.info(), cache_policy=self._wire_policy(resolved), session_id=entry.id
-                    )
-                )
-            elif kind == "prefill":
-                if prefilled:
-                    raise precondition("prefill: already prefilled (chunked prefill is not supported yet)")
-                if len(req.prefill.token_ids) > max_positions:
-                    raise invalid(
-                        f"prefill.token_ids: {len(req.prefill.token_ids)} positions exceed this session's"
-                        f" max_positions {max_positions} (open.max_positions / --max-context)"
-                    )
-                ids = check_token_ids(req.prefill.token_ids, vocab, "prefill.token_ids")
-                reuse = None if req.prefill.reuse_any else tuple(req.prefill.reuse_positions)
-                try:
-                    next_token, aux, stats = yield from self._prefill(entry, session, ids, reuse, every)
-                except ConstraintError as exc:  # its grammar met llguidance's budget choosing the first token
-                    raise _unfollowable(exc) from None
-                prefilled = True
-                entry.round = RoundSlot(partial(self._verify_item, entry, session, max_positions))
-                resp = pb.VerifierResponse(
-                    prefilled=pb.VerifierResponse.Prefilled(
-                        next_token=next_token, aux=aux, stats=stats, cached_tokens=session.cached_tokens
-                    )
-                )
-                if session.first_logprobs is not None:
-                    resp.prefilled.logprobs.CopyFrom(wire_contract.logprobs_to_proto(session.first_logprobs))
-            elif kind == "verify":
-                if not prefilled:
-                    raise precondition("verify: prefill the prompt first")
-                slot = entry.round
-                slot.take("verify")
-                try:
-                    item = slot.check(req.verify)
-                    verified = yield from self._compute_batch(every, "verify", item, self._verify_batch)
-                finally:
-                    slot.lock.release()
-                resp = pb.VerifierResponse(verified=verified)
-            elif kind == "save":
-                if not prefilled:
-                    raise precondition("save: the session was never prefilled (save ends a generation)")
-                ids = check_token_ids(req.save.token_ids, vocab, "save.token_ids")
-                try:
-                    kept = yield from self._compute(every, session.save, ids)
-                except ValueError as exc:
-                    raise invalid(str(exc).replace("save:", "save.token_ids:", 1)) from None
-                resp = pb.VerifierResponse(saved=pb.VerifierResponse.Saved(kept=kept))
-            elif kind == "close":
-                stats = _stats_proto((yield from self._compute(every, session.stats)))
-                yield pb.VerifierResponse(
-                    closed=pb.VerifierResponse.Closed(stats=stats), elapsed_s=time.perf_counter() - t0
-                )
-                return
-            elif kind == "open":
-                raise precondition("open: the session is already open")
-            else:
-                raise invalid("request: no step set (open, prefill, verify, save or close)")
-            resp.elapsed_s = time.perf_counter() - t0
-            yield resp
+        layers = list(open_.target_layer_ids) or list(self.verifier.aux_layers)
+        if not layers:
+            raise invalid("open.target_layer_ids: this verifier has no default aux layers: send them")
+        bad = [i for i in layers if not 0 <= i < n_layers]
+        if bad or len(set(layers)) != len(layers):
+            shown = f"{layers}" if len(layers) <= 8 else f"{layers[:8]} ... ({len(layers)} ids)"
+            raise invalid(f"open.target_layer_ids: {shown} must be distinct layers in [0, {n_layers})")
+        try:
+            sampling = wire_contract.sampling_from_proto(open_.sampling, "open.sampling")
+            logprobs = (
+                wire_contract.check_logprobs(open_.logprobs, "open.logprobs") if open_.HasField("logprobs") else None
+            )
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        grammar = self._open_grammar(open_)
+        self.registry.reserve(entry, self._worst_case_bytes(policy, max_positions))  # may wait (--queue)
+        session = entry.session = yield from self._compute(
+            every, self._new_session, layers, policy, sampling, logprobs, grammar
+        )
+        opened = pb.VerifierResponse.Opened(
+            info=self.info(), cache_policy=self._wire_policy(session.policy), session_id=entry.id
+        )
+        return _Stream(entry, session, max_positions, every), pb.VerifierResponse(opened=opened)
+
+    def _step_prefill(self, s: _Stream, prefill):
+        if s.prefilled:
+            raise precondition("prefill: already prefilled (chunked prefill is not supported yet)")
+        if len(prefill.token_ids) > s.max_positions:
+            raise invalid(
+                f"prefill.token_ids: {len(prefill.token_ids)} positions exceed this session's"
+                f" max_positions {s.max_positions} (open.max_positions / --max-context)"
+            )
+        ids = check_token_ids(prefill.token_ids, self.verifier.info.vocab_size, "prefill.token_ids")
+        reuse = None if prefill.reuse_any else tuple(prefill.reuse_positions)
+        try:
+            next_token, aux, stats = yield from self._prefill(s.entry, s.session, ids, reuse, s.every)
+        except ConstraintError as exc:  # its grammar met llguidance's budget choosing the first token
+            raise _unfollowable(exc) from None
+        s.prefilled = True
+        s.entry.round = RoundSlot(partial(self._verify_item, s.entry, s.session, s.max_positions))
+        resp = pb.VerifierResponse(
+            prefilled=pb.VerifierResponse.Prefilled(
+                next_token=next_token, aux=aux, stats=stats, cached_tokens=s.session.cached_tokens
+            )
+        )
+        if s.session.first_logprobs is not None:
+            resp.prefilled.logprobs.CopyFrom(wire_contract.logprobs_to_proto(s.session.first_logprobs))
+        return resp
+
+    def _step_verify(self, s: _Stream, verify):
+        if not s.prefilled:
+            raise precondition("verify: prefill the prompt first")
+        verified = yield from self._round_step(s.entry, "verify", verify, s.every, self._verify_batch)
+        return pb.VerifierResponse(verified=verified)
+
+    def _step_save(self, s: _Stream, save):
+        if not s.prefilled:
+            raise precondition("save: the session was never prefilled (save ends a generation)")
+        ids = check_token_ids(save.token_ids, self.verifier.info.vocab_size, "save.token_ids")
+        try:
+            kept = yield from self._compute(s.every, s.session.save, ids)
+        except ValueError as exc:
+            raise invalid(str(exc).replace("save:", "save.token_ids:", 1)) from None
+        return pb.VerifierResponse(saved=pb.VerifierResponse.Saved(kept=kept))
+
+    def _close(self, s: _Stream):
+        stats = _stats_proto((yield from self._compute(s.every, s.session.stats)))
+        return pb.VerifierResponse(closed=pb.VerifierResponse.Closed(stats=stats))
 
     def VerifyRound(self, request, context):
         yield from serve_round(self, ROUND_WIRE, self._verify_batch, request, context)

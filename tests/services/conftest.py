@@ -289,3 +289,35 @@ def in_process_torch_verifier(tiny_pair, aux_layers, workers: int = 16):
     finally:
         server.stop(0).wait()
         v.compute.shutdown()
+
+
+def in_process_mlx_pair(tiny_pair, aux_layers):
+    """A verifier and a drafter servicer (the tiny pair, MLX) on one in-process loopback server with gRPC health
+    (SERVING), for tests that reach into the servicers: yields ``{"addr", "verifier", "drafter", "health"}``; a
+    module fixture's body (``yield from``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from kakeya.drafter.server import DrafterServicer
+    from kakeya.verifier.server import VerifierServicer
+    from kakeya.wire.limits import server_options
+
+    v, d = VerifierServicer(), DrafterServicer()
+    v.load(tiny_pair.target, aux_layers, "mlx")
+    d.load(tiny_pair.draft, tiny_pair.target, "mlx")
+    v.ready = d.ready = True
+    status = health.HealthServicer(experimental_non_blocking=True)
+    status.set("", health_pb2.HealthCheckResponse.SERVING)
+    server = grpc.server(ThreadPoolExecutor(16), options=server_options())
+    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(v, server)
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(d, server)
+    health_pb2_grpc.add_HealthServicer_to_server(status, server)
+    addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        yield {"addr": addr, "verifier": v, "drafter": d, "health": status}
+    finally:
+        server.stop(0).wait()
+        v.compute.shutdown()
+        d.compute.shutdown()

@@ -132,11 +132,14 @@ def replicas(server_factory, tmp_path_factory):
     names = ["v1", "v2", "d1", "d2", "o1", "o2", "client"]
     with Hosts(names) as hosts:
         a = hosts.addr
-        auth = ["--host", "0.0.0.0", "--auth-token-file", str(token), "--grace", "1"]
+        common = ["--host", "0.0.0.0", "--auth-token-file", str(token)]
+        auth = [*common, "--grace", "1"]
         servers = {}
         for name in ("v1", "v2", "d1", "d2"):
             role = "verifier" if name[0] == "v" else "drafter"
-            servers[name] = server_factory(name, [role, *TINY_MLX, *auth], PORT[role], hosts.prefix(name))
+            # the deployments' grace: a SIGTERM'd backend's drain hands its sessions over long before it ends
+            backend = [role, *TINY_MLX, *common, "--grace", "30"]
+            servers[name] = server_factory(name, backend, PORT[role], hosts.prefix(name))
         start_all([servers[n] for n in ("v1", "v2", "d1", "d2")])
         for name in ("o1", "o2"):
             servers[name] = server_factory(
@@ -167,6 +170,25 @@ def _metric(hosts: Hosts, host: str, name: str, label: str | None = None) -> flo
     res = subprocess.run([*hosts.prefix("client"), sys.executable, "-c", probe], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-1000:]
     return float(res.stdout)
+
+
+def _metrics(hosts: Hosts, host: str) -> dict[tuple[str, str], float]:
+    """Every sample of ``host``'s orchestrator as ``(name, label values joined by ",") -> value``, in one read."""
+    probe = (
+        "import json, urllib.request; from prometheus_client.parser import text_string_to_metric_families as f;"
+        f"t = urllib.request.urlopen('http://{hosts.addr[host]}:9464/metrics', timeout=5).read().decode();"
+        "print(json.dumps([[s.name, ','.join(s.labels.values()), s.value] for m in f(t) for s in m.samples]))"
+    )
+    res = subprocess.run([*hosts.prefix("client"), sys.executable, "-c", probe], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-1000:]
+    out: dict[tuple[str, str], float] = {}
+    for name, labels, value in json.loads(res.stdout):
+        out[(name, labels)] = out.get((name, labels), 0.0) + value
+    return out
+
+
+def _total(samples: dict, name: str, label: str | None = None) -> float:
+    return sum(v for (n, labels), v in samples.items() if n == name and (label is None or label in labels.split(",")))
 
 
 def _start_streams(hosts: Hosts, token, orchestrators: list[str]) -> list[subprocess.Popen]:
@@ -239,3 +261,36 @@ def test_an_orchestrator_host_killed_mid_stream_its_clients_resume_on_the_other(
     servers["o1"].signal(signal.SIGKILL)
     assert _outputs(procs) == [long_reference] * STREAMS  # 0 tokens lost or repeated
     servers["o1"].start().wait_ready()
+
+
+def test_a_rolling_restart_of_every_backend_under_8_streams_fails_none(replicas, long_reference):
+    """The issue's goal: each backend in turn (verifier A, B, drafter A, B) SIGTERMed while 8 streams run, then
+    restarted and SERVING again before the next. Its sessions move at their next step (drain hand-offs, never a
+    loss or an AR fallback), 0 requests fail, every output equals the uninterrupted run, and each backend is out
+    of service -- SIGTERM to its process's exit, long before the streams it served end -- within 10 s."""
+    hosts, token, servers = replicas
+    out_of_service, back = {}, {}
+    for name in ("v1", "v2", "d1", "d2"):
+        role = "verifier" if name[0] == "v" else "drafter"
+        time.sleep(2.5)  # the orchestrator's channel reconnects to a restarted replica (its backoff: at most 2 s)
+        before = _metrics(hosts, "o1")
+        procs = _start_streams(hosts, token, ["o1"])
+        _when_running(hosts, "o1", STREAMS)
+        t0 = time.monotonic()
+        servers[name].signal(signal.SIGTERM)
+        assert servers[name].wait(30) == 0, servers[name].log()
+        out_of_service[name] = time.monotonic() - t0
+        assert any(p.poll() is None for p in procs), "the streams ended before the drain: nothing was handed over"
+        servers[name].start()
+        assert _outputs(procs) == [long_reference] * STREAMS
+        after = _metrics(hosts, "o1")
+        moved = _total(after, "kakeya_drain_handoffs_total", role) - _total(before, "kakeya_drain_handoffs_total", role)
+        assert moved > 0, f"{name}: no session was handed over"
+        for lost in ("kakeya_takeovers_total", "kakeya_ar_fallbacks_total", "kakeya_errors_total"):
+            assert _total(after, lost) == _total(before, lost), f"{name}: {lost} moved"
+        assert _total(after, "kakeya_request_success_total", "error") == _total(
+            before, "kakeya_request_success_total", "error")  # fmt: skip
+        servers[name].wait_ready()
+        back[name] = time.monotonic() - t0
+    print(f"out of service (SIGTERM to exit, s): {out_of_service}; SERVING again after (s): {back}")
+    assert max(out_of_service.values()) <= 10.0, out_of_service

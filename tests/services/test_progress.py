@@ -15,7 +15,6 @@ import queue
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -25,11 +24,10 @@ from kakeya.orchestrator.remote.deadlines import StepClock
 from kakeya.orchestrator.remote.drafter import GrpcDrafter
 from kakeya.orchestrator.remote.streams import BackendError
 from kakeya.orchestrator.remote.verifier import GrpcVerifier
-from kakeya.wire.kakeya.v1 import drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from kakeya.wire.limits import server_options
+from kakeya.wire.kakeya.v1 import verifier_pb2
 
 from ..waiting import holds_for, wait_until
-from .conftest import verifier_stub
+from .conftest import in_process_mlx_pair, verifier_stub
 
 FLOOR_S = 1.0  # the clients' step deadline (--backend-timeout): Progress is asked for every 0.1 s
 SLOW_S = 4 * FLOOR_S  # a slow step: four deadlines long
@@ -42,22 +40,7 @@ linux_cpu_time = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def served(tiny_pair, aux_layers):
-    from kakeya.drafter.server import DrafterServicer
-    from kakeya.verifier.server import VerifierServicer
-
-    v, d = VerifierServicer(), DrafterServicer()
-    v.load(tiny_pair.target, aux_layers, "mlx")
-    d.load(tiny_pair.draft, tiny_pair.target, "mlx")
-    v.ready = d.ready = True
-    server = grpc.server(ThreadPoolExecutor(16), options=server_options())
-    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(v, server)
-    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(d, server)
-    addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
-    yield {"addr": addr, "verifier": v, "drafter": d}
-    server.stop(0).wait()
-    v.compute.shutdown()
-    d.compute.shutdown()
+    yield from in_process_mlx_pair(tiny_pair, aux_layers)
 
 
 def _clients(addr):

@@ -142,9 +142,10 @@ class RunOptions:
     guided: bool = True  # a constrained request drafts its grammar's forced tokens without the drafter (guided.py)
     limits: Limits = Limits()  # what the request is checked against (a server's flags)
     # A replica's loss mid-stream: reopen the sessions on another replica and go on (``decode/takeover.py``)
-    # instead of failing the run; ``on_takeover(role, pause_s)`` hears each one (a server's metrics).
+    # instead of failing the run; ``on_takeover(role, pause_s, drained)`` hears each one (a server's metrics;
+    # ``drained``: a draining replica's hand-off, no failure).
     takeover: bool = False
-    on_takeover: Callable[[str, float], None] | None = None
+    on_takeover: Callable[[str, float, bool], None] | None = None
 
 
 class Run:
@@ -199,6 +200,7 @@ class Run:
             logprobs=req.logprobs,
             constraint=req.constraint,
             ranked=RANKED if guided and self._sampling.greedy else 0,
+            movable=self._takeover,  # a draining replica's sessions move at a round boundary (``takeover.py``)
         )
 
     def begin(self) -> None:

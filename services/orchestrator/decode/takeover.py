@@ -25,6 +25,11 @@ A constrained request is not taken over: its grammar's state lives in the lost v
 
 The same reopening serves a request that resumes a stream a client already received part of
 (``Request.resume_ids``): its sessions open on prompt + those tokens (``resume``).
+
+A replica that drains (SIGTERM) hands its sessions over the same way: the session's next step fails with a
+loss marked ``drained`` (``remote/streams.py``: only while another replica serves) and is reopened here. A
+hand-off is no failure: it is counted apart (``on_takeover``'s ``drained``) and not against ``MAX_PER_RUN``
+(each replica drains once, and a draining one is never chosen again).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from kakeya.core.contract import drained
 from kakeya.core.contract import replica_lost as lost
 
 log = logging.getLogger("kakeya.orchestrator")
@@ -133,9 +139,11 @@ def take_over(run) -> None:
     """Reopen ``run``'s parked decode (``Decode.lost``) on other replicas and let it rejoin the rounds."""
     decode = run._decode
     cause = decode.lost
-    run.takeovers.append((role_of(cause), 0.0))
-    if len(run.takeovers) > MAX_PER_RUN:
-        raise cause
+    handoff = drained(cause)
+    if not handoff:
+        run.takeovers.append((role_of(cause), 0.0))
+        if len(run.takeovers) > MAX_PER_RUN:
+            raise cause
     gen = decode.generation
     if role_of(cause) == "drafter" and not _serving(run._engine.drafter):
         if not run._fallback:
@@ -144,11 +152,13 @@ def take_over(run) -> None:
         decode.drafter_error, gen.drafter_fallback, decode.drafting, decode.lost = cause, True, False, None
         log.warning("request %s: no drafter replica answers; the verifier goes on alone", run.request.request_id or "-")
         return
-    log.warning("request %s: %s lost after %d tokens (%s); taking the session over",
-                run.request.request_id or "-", role_of(cause), len(gen.token_ids), cause)  # fmt: skip
+    log.log(logging.INFO if handoff else logging.WARNING, "request %s: %s %s after %d tokens (%s); taking the"
+            " session over", run.request.request_id or "-", role_of(cause), "draining" if handoff else "lost",
+            len(gen.token_ids), cause)  # fmt: skip
     _first, aux, _cached = reopen(run, gen.prompt_ids + gen.token_ids[:-1], cause)
     pause = time.perf_counter() - decode.lost_at
-    run.takeovers[-1] = (role_of(cause), pause)
+    if not handoff:
+        run.takeovers[-1] = (role_of(cause), pause)
     decode.reopened(run.verifier_session, run.drafter_session, aux)
     if run._on_takeover is not None:
-        run._on_takeover(role_of(cause), pause)
+        run._on_takeover(role_of(cause), pause, handoff)

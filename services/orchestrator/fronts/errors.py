@@ -21,6 +21,9 @@ from kakeya.runtime.lifecycle import RequestError, bounded
 
 log = logging.getLogger("kakeya.orchestrator")
 
+# What a generation asked of a draining orchestrator hears (UNAVAILABLE; HTTP 503): its client retries elsewhere.
+DRAINING = "orchestrator is draining (shutting down): retry on another replica"
+
 # A verifier's request fields that carry a public request's values, and their public names.
 PUBLIC_FIELDS = (
     ("open.cache_policy", "cache_policy"),

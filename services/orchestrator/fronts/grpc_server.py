@@ -149,6 +149,7 @@ def server_spec(servicer: GenerationServicer, tls=None, http=None) -> ServerSpec
         ),
         load=servicer.load,
         set_ready=set_ready,
+        before_drain=servicer.drain,
         near_deadline=near_deadline,
         max_workers=workers_for(servicer.max_sessions, servicer.queue),  # queued generations hold a thread too
         max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES,

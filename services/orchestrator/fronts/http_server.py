@@ -41,6 +41,7 @@ from starlette.routing import Route
 from kakeya.core.generation import Block
 from kakeya.core.request import InvalidRequest
 from kakeya.orchestrator.fronts import http_api
+from kakeya.orchestrator.fronts.errors import DRAINING
 from kakeya.orchestrator.fronts.http_api import ApiError
 from kakeya.runtime.bounds import HttpTimeouts
 from kakeya.runtime.lifecycle import RequestError
@@ -187,6 +188,8 @@ class HttpFront:
     # -- routes ---------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        if self.servicer.draining:
+            return _error(ApiError(503, DRAINING))
         if self.servicer.ready:
             return JSONResponse({"status": "ok"})
         return _error(ApiError(503, "orchestrator is not ready (loading, warming up or draining)"))

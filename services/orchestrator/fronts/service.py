@@ -33,7 +33,7 @@ from kakeya.core.generation import Block, Report
 from kakeya.core.request import InvalidRequest, Request
 from kakeya.orchestrator.decode.checks import DEFAULT_MAX_TOKENS, Limits, constraint_field, context_of, prompt_limit
 from kakeya.orchestrator.decode.engine import Engine, RunOptions
-from kakeya.orchestrator.fronts.errors import fallback_reason, public_status
+from kakeya.orchestrator.fronts.errors import DRAINING, fallback_reason, public_status
 from kakeya.orchestrator.remote.streams import BackendError
 from kakeya.runtime import bounds, logs
 from kakeya.runtime.admission import DEFAULT_MAX_SESSIONS
@@ -124,6 +124,7 @@ class GenerationService:
         self.limits = Limits()  # set by load(), from the flags and the target's facts
         self.compute = ComputeThread("orchestrator") if colocated else None
         self.ready = False
+        self.draining = False  # SIGTERM (``drain``): no new generation starts, the ones in flight finish
         self.aborting = False  # the server is going down: in-flight generations end with finish reason "abort"
         self.verifier_down = False  # its health checks fail (the health watch): refuse at once, not after a timeout
         self._lock = threading.Lock()
@@ -174,8 +175,17 @@ class GenerationService:
             f" drafter {drafter} ({e.draft or '-'}), block {e.default_block_size}"
         )
 
+    def drain(self) -> None:
+        """SIGTERM: refuse every generation not started yet (queued ones too) with UNAVAILABLE, so its client
+        retries another replica; the ones in flight go on to their end (within --grace)."""
+        with self._lock:
+            self.draining = True
+            self._room.notify_all()  # the queued ones hear it now
+
     def stream(self, req: Request, call: ClientCall) -> Iterator[Block | Report]:
         """One generation: its blocks as they commit, then its :class:`Report` (see the module docstring)."""
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, DRAINING)
         if not self.ready:
             raise RequestError(
                 grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)"
@@ -209,6 +219,8 @@ class GenerationService:
                 problem = self._wait_for_room(peer, min(self.queue_timeout_s, _deadline(call) or float("inf")))
             elif full and self.queue:
                 problem += f", and {len(self._waiting)} wait in its queue (--queue {self.queue})"
+            if self.draining:  # it drained while this one waited in the queue
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, DRAINING)
             if problem:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"orchestrator: {problem}")
             self.active += 1
@@ -225,7 +237,7 @@ class GenerationService:
             while True:
                 problem, full = self._admission_problem(peer, first_in_line=self._waiting[0] == ticket)
                 left = t0 + wait_s - time.monotonic()
-                if not full or left <= 0 or not self.ready or self.aborting:
+                if not full or left <= 0 or not self.ready or self.aborting or self.draining:
                     break
                 self._room.wait(left)
         finally:

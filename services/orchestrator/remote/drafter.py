@@ -60,6 +60,7 @@ class GrpcDrafterSession:
     def __init__(self, drafter: GrpcDrafter, sampling: SamplingParams | None, options: SessionOptions):
         self.drafter = self.client = drafter
         self._timeout, self._request_id = options.timeout, options.request_id
+        self._elsewhere = drafter.replicas.serving if options.movable else None  # a draining replica's session moves
         self._sampling = sampling if sampling is not None and not sampling.greedy else None
         self._ranked = options.ranked
         self._s: Stream | None = None
@@ -100,7 +101,8 @@ class GrpcDrafterSession:
 
     def _stream(self) -> Stream:
         if self._s is None:
-            self._s = Stream(self.drafter.stub.Session, "drafter", self.drafter.addr, self._timeout, self._request_id)
+            d = self.drafter
+            self._s = Stream(d.stub.Session, "drafter", d.addr, self._timeout, self._request_id, self._elsewhere)
             open_ = dpb.DrafterRequest.Open(
                 request_id=self._request_id, progress_ms=self.drafter.clock.progress_ms, ranked=self._ranked
             )
@@ -128,7 +130,8 @@ class GrpcDrafterSession:
         if self._s is not None:
             self._s.abort()
         if not aborted_here and not exc.ended_by_caller:
-            self.drafter.failed(exc)
+            if not exc.drained:  # a drain hand-off is no failure of the drafter: no backoff for the others
+                self.drafter.failed(exc)
             self._failure = exc
         return exc
 
@@ -175,9 +178,10 @@ class GrpcDrafterSession:
     @property
     def in_rounds(self) -> bool:
         """Its drafts may travel in a round call: past the first (the server knows its id), its stream open with
-        no answer outstanding, and not found missing by an earlier round."""
+        no answer outstanding, its replica not draining, and not found missing by an earlier round."""
         s = self._s
-        return bool(self.session_id) and self.round_ok and not self._broken and not s.done and not s._replies
+        ok = bool(self.session_id) and self.round_ok and not self._broken
+        return ok and not s.done and not s._replies and not s.draining
 
     @property
     def ended(self) -> bool:

@@ -9,13 +9,21 @@ or a later one is waited for, each step bounded by a deadline from
 ``remote/deadlines.py`` that every Progress message the backend sends meanwhile
 re-arms. :class:`RemoteBackend` is what the two clients share: channel, GetInfo, health, and a round's
 steps sent in one round call per backend.
+
+A replica that drains (SIGTERM) says so in every answer (``draining``); a stream told so that may move
+(``elsewhere``: its caller takes sessions over, ``decode/takeover.py``) fails its next step at once with a
+``BackendError`` marked ``drained`` -- a replica's loss to the take-over, counted apart -- while another
+replica answers SERVING (:class:`Replicas`); with none, it goes on where it is and finishes within the
+server's grace.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import grpc
 
@@ -59,10 +67,29 @@ def backend_healthy(channel: grpc.Channel, timeout: float = 1.0) -> bool:
     return r.status == health_pb2.HealthCheckResponse.SERVING
 
 
+class Replicas:
+    """Whether a backend has a replica that answers SERVING, asked at most every ``every_s``: all of a draining
+    replica's sessions ask at their next step. The channel balances over SERVING replicas only (client-side
+    health checking), and a draining one says NOT_SERVING or takes no call, so it never answers yes itself."""
+
+    def __init__(self, channel: grpc.Channel, every_s: float = 0.25, timeout_s: float = 0.5):
+        self.channel, self.every_s, self.timeout_s = channel, every_s, timeout_s
+        self._lock = threading.Lock()
+        self._at, self._ok = -1e9, False
+
+    def serving(self) -> bool:
+        with self._lock:
+            if time.monotonic() - self._at >= self.every_s:
+                self._ok = backend_healthy(self.channel, self.timeout_s)
+                self._at = time.monotonic()
+            return self._ok
+
+
 class BackendError(RuntimeError):
     """A call to a verifier or drafter failed; ``code`` is its ``grpc.StatusCode``.
 
     ``step_timeout``: the backend did not answer one step within its deadline (hung, not merely slow).
+    ``drained``: its replica drains and another serves: the session moves (a replica's loss that is no failure).
     """
 
     def __init__(
@@ -73,11 +100,13 @@ class BackendError(RuntimeError):
         details: str,
         step_timeout: bool = False,
         skipped: bool = False,
+        drained: bool = False,
     ):
         super().__init__(f"{service} at {addr}: {code.name}: {details}")
         self.service, self.addr, self.code, self.details = service, addr, code, details
         self.step_timeout = step_timeout
         self.skipped = skipped  # never called: the drafter was backing off after earlier failures
+        self.drained = drained
 
     @property
     def ended_by_caller(self) -> bool:
@@ -126,6 +155,7 @@ def fetch_info(service: str, addr: str, fn, request, wait_s: float | None):
 
 
 _END = object()
+_ENDING = ("saved", "closed")  # a generation's last steps: they may go to a draining replica
 
 
 class Reply:
@@ -140,8 +170,19 @@ class Reply:
 class Stream:
     """One bidi Session call: requests are queued, responses read strictly in order, each into its reply."""
 
-    def __init__(self, method, service: str, addr: str, timeout: float | None, request_id: str):
+    def __init__(
+        self,
+        method,
+        service: str,
+        addr: str,
+        timeout: float | None,
+        request_id: str,
+        elsewhere: Callable[[], bool] | None = None,
+    ):
         self.service, self.addr = service, addr
+        # () -> whether another replica serves: a draining one's session moves there (None: it never moves)
+        self.elsewhere = elsewhere
+        self.draining = False  # the server said it drains (an answer's ``draining``)
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._replies: deque[Reply] = deque()
         metadata = (("x-request-id", request_id),) if request_id else None
@@ -156,6 +197,12 @@ class Stream:
     def post(self, request, expect: str) -> Reply:
         if self.done:
             raise BackendError(self.service, self.addr, grpc.StatusCode.CANCELLED, "session is closed")
+        if self.draining and expect not in _ENDING and self.elsewhere is not None and self.elsewhere():
+            self.abort()  # its server frees the session now: it exits once none is left
+            raise BackendError(
+                self.service, self.addr, grpc.StatusCode.UNAVAILABLE,
+                "replica draining (shutting down): the session moves to another replica", drained=True,
+            )  # fmt: skip
         self.bytes_sent += request.ByteSize()
         reply = Reply(expect)
         self._replies.append(reply)
@@ -210,6 +257,7 @@ class Stream:
             if key is not None:
                 WATCHDOG.disarm(key)
         self.bytes_received += resp.ByteSize()
+        self.draining = self.draining or resp.draining
         got = resp.WhichOneof("response")
         if got != expect:
             self.abort()
@@ -324,6 +372,7 @@ class RemoteBackend:
     def __init__(self, addr: str, stub_class, wait_s, channel, tls, token, clock):
         self.addr = addr
         self.channel = channel or backend_channel(addr, tls, token)
+        self.replicas = Replicas(self.channel)  # whether another replica serves (a draining one's sessions move)
         self.clock = clock or StepClock()
         self.stub = stub_class(self.channel)
         self.remote = fetch_info(self.role, addr, self.stub.GetInfo, self.info_request(), wait_s)
@@ -385,6 +434,7 @@ class RemoteBackend:
             if s.ended:  # cancelled meanwhile: as its stream would say
                 out.append(BackendError(self.role, self.addr, grpc.StatusCode.CANCELLED, "session is closed"))
             elif got.WhichOneof("result") == self.answer:
+                s._s.draining = s._s.draining or resp.draining
                 out.append(s._answer(getattr(got, self.answer), resp.elapsed_s))
             elif got.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
                 out.append(_ON_STREAM)

@@ -62,7 +62,10 @@ class GrpcVerifierSession:
     ):
         self.verifier = self.client = verifier
         self.clock = verifier.clock
-        self._s = Stream(verifier.stub.Session, "verifier", verifier.addr, options.timeout, options.request_id)
+        elsewhere = verifier.replicas.serving if options.movable else None  # a draining replica's session moves
+        self._s = Stream(
+            verifier.stub.Session, "verifier", verifier.addr, options.timeout, options.request_id, elsewhere
+        )
         if options.cancel is not None:
             options.cancel.on_cancel(self.abort)
         open_ = vpb.VerifierRequest.Open(
@@ -169,9 +172,10 @@ class GrpcVerifierSession:
 
     @property
     def in_rounds(self) -> bool:
-        """Its blocks may travel in a round call: prefilled (the server knows its id), its stream open, and
-        not found missing by an earlier round (a replica other than the one round calls reach)."""
-        return bool(self.session_id) and self.round_ok and not self._s.done
+        """Its blocks may travel in a round call: prefilled (the server knows its id), its stream open, its
+        replica not draining (its next step decides on the stream whether it moves), and not found missing by
+        an earlier round (a replica other than the one round calls reach)."""
+        return bool(self.session_id) and self.round_ok and not self._s.done and not self._s.draining
 
     @property
     def ended(self) -> bool:

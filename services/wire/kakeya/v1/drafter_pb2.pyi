@@ -147,7 +147,7 @@ class DrafterRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[DrafterRequest.Open, _Mapping]] = ..., draft: _Optional[_Union[DrafterRequest.Draft, _Mapping]] = ..., close: _Optional[_Union[DrafterRequest.Close, _Mapping]] = ..., predraft: _Optional[_Union[DrafterRequest.Predraft, _Mapping]] = ..., lookup: _Optional[_Union[DrafterRequest.Lookup, _Mapping]] = ..., save: _Optional[_Union[DrafterRequest.Save, _Mapping]] = ...) -> None: ...
 
 class DrafterResponse(_message.Message):
-    __slots__ = ("opened", "drafted", "closed", "predrafted", "found", "saved", "progress", "elapsed_s")
+    __slots__ = ("opened", "drafted", "closed", "predrafted", "found", "saved", "progress", "elapsed_s", "draining")
     class Opened(_message.Message):
         __slots__ = ("info", "session_id")
         INFO_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class DrafterResponse(_message.Message):
     SAVED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     opened: DrafterResponse.Opened
     drafted: DrafterResponse.Drafted
     closed: DrafterResponse.Closed
@@ -220,7 +221,8 @@ class DrafterResponse(_message.Message):
     saved: DrafterResponse.Saved
     progress: DrafterResponse.Progress
     elapsed_s: float
-    def __init__(self, opened: _Optional[_Union[DrafterResponse.Opened, _Mapping]] = ..., drafted: _Optional[_Union[DrafterResponse.Drafted, _Mapping]] = ..., closed: _Optional[_Union[DrafterResponse.Closed, _Mapping]] = ..., predrafted: _Optional[_Union[DrafterResponse.Predrafted, _Mapping]] = ..., found: _Optional[_Union[DrafterResponse.Found, _Mapping]] = ..., saved: _Optional[_Union[DrafterResponse.Saved, _Mapping]] = ..., progress: _Optional[_Union[DrafterResponse.Progress, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    draining: bool
+    def __init__(self, opened: _Optional[_Union[DrafterResponse.Opened, _Mapping]] = ..., drafted: _Optional[_Union[DrafterResponse.Drafted, _Mapping]] = ..., closed: _Optional[_Union[DrafterResponse.Closed, _Mapping]] = ..., predrafted: _Optional[_Union[DrafterResponse.Predrafted, _Mapping]] = ..., found: _Optional[_Union[DrafterResponse.Found, _Mapping]] = ..., saved: _Optional[_Union[DrafterResponse.Saved, _Mapping]] = ..., progress: _Optional[_Union[DrafterResponse.Progress, _Mapping]] = ..., elapsed_s: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class DraftRoundRequest(_message.Message):
     __slots__ = ("items", "progress_ms")
@@ -238,7 +240,7 @@ class DraftRoundRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[DraftRoundRequest.Item, _Mapping]]] = ..., progress_ms: _Optional[int] = ...) -> None: ...
 
 class DraftRoundResponse(_message.Message):
-    __slots__ = ("done", "progress", "elapsed_s")
+    __slots__ = ("done", "progress", "elapsed_s", "draining")
     class Error(_message.Message):
         __slots__ = ("code", "message")
         CODE_FIELD_NUMBER: _ClassVar[int]
@@ -261,7 +263,9 @@ class DraftRoundResponse(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     done: DraftRoundResponse.Done
     progress: DrafterResponse.Progress
     elapsed_s: float
-    def __init__(self, done: _Optional[_Union[DraftRoundResponse.Done, _Mapping]] = ..., progress: _Optional[_Union[DrafterResponse.Progress, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    draining: bool
+    def __init__(self, done: _Optional[_Union[DraftRoundResponse.Done, _Mapping]] = ..., progress: _Optional[_Union[DrafterResponse.Progress, _Mapping]] = ..., elapsed_s: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...

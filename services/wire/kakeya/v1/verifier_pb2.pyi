@@ -155,7 +155,7 @@ class VerifierRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[VerifierRequest.Open, _Mapping]] = ..., prefill: _Optional[_Union[VerifierRequest.Prefill, _Mapping]] = ..., verify: _Optional[_Union[VerifierRequest.Verify, _Mapping]] = ..., close: _Optional[_Union[VerifierRequest.Close, _Mapping]] = ..., save: _Optional[_Union[VerifierRequest.Save, _Mapping]] = ...) -> None: ...
 
 class VerifierResponse(_message.Message):
-    __slots__ = ("opened", "prefilled", "verified", "closed", "saved", "progress", "elapsed_s")
+    __slots__ = ("opened", "prefilled", "verified", "closed", "saved", "progress", "elapsed_s", "draining")
     class Opened(_message.Message):
         __slots__ = ("info", "cache_policy", "session_id")
         INFO_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class VerifierResponse(_message.Message):
     SAVED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     opened: VerifierResponse.Opened
     prefilled: VerifierResponse.Prefilled
     verified: VerifierResponse.Verified
@@ -220,7 +221,8 @@ class VerifierResponse(_message.Message):
     saved: VerifierResponse.Saved
     progress: VerifierResponse.Progress
     elapsed_s: float
-    def __init__(self, opened: _Optional[_Union[VerifierResponse.Opened, _Mapping]] = ..., prefilled: _Optional[_Union[VerifierResponse.Prefilled, _Mapping]] = ..., verified: _Optional[_Union[VerifierResponse.Verified, _Mapping]] = ..., closed: _Optional[_Union[VerifierResponse.Closed, _Mapping]] = ..., saved: _Optional[_Union[VerifierResponse.Saved, _Mapping]] = ..., progress: _Optional[_Union[VerifierResponse.Progress, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    draining: bool
+    def __init__(self, opened: _Optional[_Union[VerifierResponse.Opened, _Mapping]] = ..., prefilled: _Optional[_Union[VerifierResponse.Prefilled, _Mapping]] = ..., verified: _Optional[_Union[VerifierResponse.Verified, _Mapping]] = ..., closed: _Optional[_Union[VerifierResponse.Closed, _Mapping]] = ..., saved: _Optional[_Union[VerifierResponse.Saved, _Mapping]] = ..., progress: _Optional[_Union[VerifierResponse.Progress, _Mapping]] = ..., elapsed_s: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class VerifyRoundRequest(_message.Message):
     __slots__ = ("items", "progress_ms")
@@ -238,7 +240,7 @@ class VerifyRoundRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyRoundRequest.Item, _Mapping]]] = ..., progress_ms: _Optional[int] = ...) -> None: ...
 
 class VerifyRoundResponse(_message.Message):
-    __slots__ = ("done", "progress", "elapsed_s")
+    __slots__ = ("done", "progress", "elapsed_s", "draining")
     class Error(_message.Message):
         __slots__ = ("code", "message")
         CODE_FIELD_NUMBER: _ClassVar[int]
@@ -261,7 +263,9 @@ class VerifyRoundResponse(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     done: VerifyRoundResponse.Done
     progress: VerifierResponse.Progress
     elapsed_s: float
-    def __init__(self, done: _Optional[_Union[VerifyRoundResponse.Done, _Mapping]] = ..., progress: _Optional[_Union[VerifierResponse.Progress, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    draining: bool
+    def __init__(self, done: _Optional[_Union[VerifyRoundResponse.Done, _Mapping]] = ..., progress: _Optional[_Union[VerifierResponse.Progress, _Mapping]] = ..., elapsed_s: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
