@@ -75,6 +75,12 @@ def target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=tk.DEFAULT_VOCAB_SIZE)
     p.add_argument("--max-bytes", type=int, default=None, help="cap on train-file bytes (default: all)")
     p.add_argument("--eval-windows", type=int, default=64)
+    p.add_argument(
+        "--retrieval-frac",
+        type=float,
+        default=0.0,
+        help="fraction of each batch that is synthetic recall text (needle, question, answer; training/retrieval.py)",
+    )
     _run_arguments(p, steps=2000, lr=3e-3, warmup=100, eval_every=250)
 
 

@@ -62,6 +62,17 @@ def needle_code(context: int, depth: float, seed: int = 0) -> str:
     return str(1000 + (context * 7919 + round(depth * 1000) * 104729 + seed * 15485863) % 9000)
 
 
+def needle_distance(codec, ids: list[int], code: str) -> int | None:
+    """Tokens from the needle's code to the prompt's end: past the verifier's window, only a full
+    layer (or a restored band) can still see it. None if the code's tokens are not found as such."""
+    bos = 1 if codec.add_bos and codec.bos_id is not None else 0
+    want = codec.encode(f" {code}.")[bos:]
+    for at in range(len(ids) - len(want), -1, -1):
+        if ids[at : at + len(want)] == want:
+            return len(ids) - at
+    return None
+
+
 def build_prompt(codec, lines: list[str], context: int, depth: float, code: str) -> list[int]:
     """Token ids of at most ``context`` (and close to it) tokens: haystack, needle at ``depth``, question."""
     needle = NEEDLE.format(code=code)
@@ -149,6 +160,7 @@ def run_niah(
                     "depth": depth,
                     "prompt_tokens": len(ids),
                     "needle": code,
+                    "needle_distance": needle_distance(codec, ids, code),
                     "recalled": hit,
                     "output": text,
                     "mean_acceptance": round(gen.mean_acceptance, 3),

@@ -36,8 +36,9 @@ class TorchTarget:
         from transformers import Gemma4ForCausalLM
 
         self.torch = torch
-        self.model = Gemma4ForCausalLM.from_pretrained(
-            str(target_dir), dtype=torch.float32, attn_implementation="eager"
+        cfg = json.loads((Path(target_dir) / "config.json").read_text())
+        self.model = Gemma4ForCausalLM.from_pretrained(  # the layer types as written (an all-sliding target)
+            str(target_dir), config=common.hf_text_config(cfg), dtype=torch.float32, attn_implementation="eager"
         )
         self.model.to(device).eval()
         self.device = device

@@ -126,3 +126,25 @@ def device_label(device) -> str:
 
     d = torch.device(device)
     return f"{d.type} ({torch.cuda.get_device_name(d)})" if d.type == "cuda" else d.type
+
+
+def hf_text_config(cfg: dict):
+    """transformers' ``Gemma4TextConfig`` for a target config dict, its ``layer_types`` kept as written.
+
+    transformers forces a Gemma-4's last layer to full attention (with a warning); mlx-lm and our
+    verifiers do not, and a target whose every layer slides (``train-target --pattern s``) is the
+    vehicle where only f_theta can bring back an evicted needle. So the per-layer overrides (the
+    full layers' head size and K/V heads) are computed for the layers that really are full, and
+    the layer types are put back after the config's own checks.
+    """
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+
+    types = list(cfg["layer_types"])
+    conf = Gemma4TextConfig(**dict(cfg, layer_types=list(types)))
+    if conf.layer_types != types:
+        full = conf.per_layer_config[len(types) - 1]  # the forced layer's overrides: a full layer's
+        overrides = {"head_dim": full.head_dim, "num_key_value_heads": full.num_key_value_heads}
+        per_layer = {i: overrides for i, t in enumerate(types) if t == "full_attention"}
+        conf = Gemma4TextConfig(**dict(cfg, layer_types=list(types), per_layer_config=per_layer))
+        conf.layer_types = types
+    return conf

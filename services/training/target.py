@@ -27,7 +27,7 @@ import numpy as np
 from kakeya.checkpoints import tiny
 from kakeya.checkpoints import tokenizer as tk
 from kakeya.core.contract import FULL, SLIDING
-from kakeya.training import common, data
+from kakeya.training import common, data, retrieval
 
 if TYPE_CHECKING:  # MLX is imported where it runs: `train-target --backend torch` needs no MLX
     import mlx.core as mx
@@ -156,12 +156,11 @@ class TorchBackend:
     def __init__(self, cfg: dict, args):
         import torch
         from transformers import Gemma4ForCausalLM
-        from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
         self.torch, self.cfg, self.args = torch, cfg, args
         torch.manual_seed(args.seed)
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        conf = Gemma4TextConfig(**cfg)
+        conf = common.hf_text_config(cfg)
         conf._attn_implementation = "eager"
         self.model = Gemma4ForCausalLM(conf)
         w = tiny.target_weights(cfg, args.seed)
@@ -265,6 +264,10 @@ def train(args) -> dict:
     L = args.seq_len + 1
     held = data.fixed_windows(corpus.heldout, args.eval_windows, L)
     train_eval = data.fixed_windows(corpus.train, args.eval_windows, L)
+    if not 0.0 <= args.retrieval_frac <= 1.0:
+        raise ValueError(f"--retrieval-frac must lie in [0, 1], got {args.retrieval_frac}")
+    n_ret = round(args.retrieval_frac * args.batch)
+    ret = retrieval.RetrievalText(tok, L, args.heldout_pct, max_bytes=args.max_bytes) if n_ret else None
     bar = common.Progress(args.steps, "train-target", start=step, quiet=args.quiet)
     if not args.quiet:
         common_log(
@@ -289,6 +292,8 @@ def train(args) -> dict:
             break
         rng = np.random.default_rng([args.seed, step])
         batch = data.sample_windows(corpus.train, args.batch, L, rng)
+        if ret is not None:  # the first rows: synthetic recall text (training/retrieval.py)
+            batch[:n_ret] = ret.windows(n_ret, args.seed, step)
         lr = common.lr_at(step, args.steps, args.lr, args.warmup, spent=spent)
         loss = be.step(batch, lr)
         step += 1
@@ -328,6 +333,7 @@ def train(args) -> dict:
             )
         },
         "corpus": corpus.summary(),
+        "retrieval": None if ret is None else {"rows_per_batch": n_ret, "hay_lines": len(ret.lines)},
         "steps": step,
         "tokens_seen": int(step * args.batch * args.seq_len),
         "train_s": round(train_s, 1),

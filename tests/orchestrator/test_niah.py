@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kakeya.app.main import main
-from kakeya.orchestrator.niah import build_prompt, haystack_lines, needle_code
+from kakeya.orchestrator.niah import build_prompt, haystack_lines, needle_code, needle_distance
 from kakeya.orchestrator.text import TextCodec
 
 
@@ -77,6 +77,9 @@ def test_prompt_holds_the_needle_at_its_depth(tiny_pair):
         text = codec.decode(ids)
         assert 900 <= len(ids) <= 1024 and text.count(code) == 1 and text.endswith("The secret code is")
         depths.append(text.index(code) / len(text))
+        distance = needle_distance(codec, ids, code)  # tokens from the code to the prompt's end
+        assert codec.decode(ids[len(ids) - distance :]).lstrip().startswith(code)
+        assert (distance < 80) if depth == 1.0 else (distance > 400)
     assert depths[0] < 0.1 and 0.3 < depths[1] < 0.7 and 0.85 < depths[2]
 
 

@@ -1,0 +1,93 @@
+"""Synthetic retrieval text for ``train-target --retrieval-frac``: a target that can recall.
+
+A stdlib-only target never learns to look far back for a fact (the demo target answers
+``kakeya niah`` with code-comment text). These windows teach exactly what ``kakeya niah``
+asks, in its own format (``orchestrator/niah.py``'s ``NEEDLE`` and ``QUESTION``): haystack
+prose, the needle ``The secret code is NNNN.`` at a random line, more haystack, the question,
+and the answer `` NNNN.``. The code is random per example, so only copying from the needle
+lowers the loss on it.
+
+The haystack is the prose of *function and class* docstrings of the train-split stdlib files;
+``kakeya niah`` builds its haystack from *module* docstrings, so the evaluation haystack is text
+these examples never use. Examples have random lengths and are packed back to back into each
+window (each starting with ``<bos>``, as a niah prompt does), so questions come at many
+positions and needles at every distance up to the window's length.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import numpy as np
+
+from kakeya.orchestrator.niah import NEEDLE, QUESTION
+from kakeya.training import data
+
+
+def hay_lines(heldout_pct: int, max_bytes: int | None = None) -> list[str]:
+    """Docstring lines of functions and classes in the train-split stdlib files (no digits: no stray codes);
+    ``max_bytes`` caps the files read, as ``--max-bytes`` caps the corpus."""
+    lines, total = [], 0
+    for path in data.all_files():
+        if data.is_heldout(path, heldout_pct):
+            continue
+        if max_bytes is not None and total >= max_bytes:
+            break
+        total += path.stat().st_size
+        try:
+            tree = ast.parse(path.read_bytes().decode("utf-8", errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                for line in (ast.get_docstring(node) or "").splitlines():
+                    line = line.strip()
+                    if len(line) > 20 and not any(ch.isdigit() for ch in line):
+                        lines.append(line)
+    if not lines:
+        raise FileNotFoundError("no function or class docstrings in the standard library for the haystack")
+    return lines
+
+
+class RetrievalText:
+    """Packed retrieval windows of ``length`` tokens, a function of ``(seed, step)`` like the stdlib batches."""
+
+    def __init__(self, tokenizer, length: int, heldout_pct: int = 5, min_example: int = 64, max_bytes=None):
+        self.tok, self.length, self.min_example = tokenizer, length, min_example
+        lines = hay_lines(heldout_pct, max_bytes)
+        enc = tokenizer.encode_batch(lines, add_special_tokens=False)
+        keep = [i for i, e in enumerate(enc) if len(e.ids) < length // 4]  # short lines: needles at many depths
+        self.lines = [lines[i] for i in keep]
+        self.sizes = np.asarray([len(enc[i].ids) + 1 for i in keep])  # +1: the newline
+        self.fixed = len(tokenizer.encode(NEEDLE.format(code=1000) + QUESTION + " 1000.\n").ids)
+        if length <= self.fixed:
+            raise ValueError(
+                f"--retrieval-frac needs --seq-len of at least {self.fixed} (a needle, question and answer)"
+            )
+
+    def example(self, rng: np.random.Generator, budget: int) -> str:
+        """One example of about ``budget`` tokens: haystack, needle at a random line, haystack, question, answer."""
+        code = str(rng.integers(1000, 10000))
+        picked, used = [], 0
+        while True:
+            i = int(rng.integers(len(self.lines)))
+            if used + self.sizes[i] > budget - self.fixed:
+                break
+            picked.append(self.lines[i])
+            used += self.sizes[i]
+        at = int(rng.integers(0, len(picked) + 1))
+        hay = picked[:at] + [NEEDLE.format(code=code)] + picked[at:]
+        return "\n".join(hay) + QUESTION + f" {code}.\n"
+
+    def windows(self, n: int, seed: int, step: int) -> np.ndarray:
+        """``n`` windows ``[n, length]`` int32, each packed with examples of random length."""
+        rng = np.random.default_rng([seed, step, 0x7E7])
+        rows = []
+        for _ in range(n):
+            parts, have = [], 0
+            while have < self.length:  # an example's tokens only approximate its budget: count them
+                budget = int(rng.integers(min(self.min_example, self.length), self.length + 1))
+                parts.append(np.asarray(self.tok.encode(self.example(rng, budget)).ids, np.int32))
+                have += parts[-1].size
+            rows.append(np.concatenate(parts)[: self.length])
+        return np.stack(rows)

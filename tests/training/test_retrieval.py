@@ -1,0 +1,87 @@
+"""Synthetic recall text (``train-target --retrieval-frac``) and targets whose every layer slides."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import numpy as np
+import pytest
+
+from kakeya.app.train import target_arguments
+from kakeya.checkpoints import tiny
+from kakeya.checkpoints import tokenizer as tk
+from kakeya.orchestrator.niah import QUESTION
+from kakeya.training import common, retrieval
+from kakeya.training import target as ttarget
+from tests.training.test_trainers import TINY_TARGET
+
+
+def _args(argv):
+    p = argparse.ArgumentParser()
+    target_arguments(p)
+    return p.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tiny.DEMO_DIR / "target" / "tokenizer.json"))
+
+
+def test_windows_plant_a_needle_and_ask_for_it(tokenizer):
+    text = retrieval.RetrievalText(tokenizer, 257, max_bytes=200_000)
+    w = text.windows(4, seed=0, step=3)
+    assert w.shape == (4, 257) and w.dtype == np.int32
+    assert np.array_equal(w, text.windows(4, seed=0, step=3))  # a function of (seed, step)
+    assert not np.array_equal(w, text.windows(4, seed=0, step=4))
+    answered = 0
+    for row in w:
+        assert row[0] == tk.BOS_ID  # each window starts an example, as a niah prompt starts
+        for example in tokenizer.decode(list(row), skip_special_tokens=False).split("<bos>")[1:]:
+            planted = re.findall(r"^The secret code is (\d{4})\.$", example, re.MULTILINE)
+            assert len(planted) <= 1  # one needle per example: the answer can only come from it
+            asked = re.search(re.escape(QUESTION) + r" (\d{4})\.\n", example)
+            if asked:
+                answered += 1
+                assert planted == [asked.group(1)]
+    assert answered >= 4
+
+
+def test_train_target_mixes_recall_rows_in(tmp_path):
+    argv = ["--out", str(tmp_path / "t"), "--steps", "1", "--backend", "torch", "--retrieval-frac", "0.5"]
+    with pytest.raises(ValueError, match="--seq-len"):  # 32 tokens hold no needle, question and answer
+        ttarget.train(_args(argv + TINY_TARGET))
+    rep = ttarget.train(_args(argv + TINY_TARGET + ["--seq-len", "96"]))
+    assert rep["retrieval"]["rows_per_batch"] == 1 and rep["retrieval"]["hay_lines"] > 0
+    with pytest.raises(ValueError, match="--retrieval-frac"):
+        ttarget.train(_args(["--out", str(tmp_path / "u"), "--retrieval-frac", "1.5"] + TINY_TARGET))
+
+
+def test_a_target_whose_every_layer_slides_trains_as_the_verifier_runs_it():
+    """transformers forces a Gemma-4's last layer full; hf_text_config keeps the config's layer types, so
+    the torch trainer's model is the one mlx-lm (the MLX verifier's model code) builds from config.json."""
+    import mlx.core as mx
+    import torch
+    from mlx_lm.models.gemma4_text import Model, ModelArgs
+    from transformers import Gemma4ForCausalLM
+
+    cfg = ttarget.build_config(_args(["--out", "x", "--pattern", "s"] + TINY_TARGET))
+    assert set(cfg["layer_types"]) == {"sliding_attention"}
+    conf = common.hf_text_config(cfg)
+    conf._attn_implementation = "eager"
+    assert conf.layer_types == cfg["layer_types"]
+    model = Gemma4ForCausalLM(conf).eval()
+    w = tiny.target_weights(cfg, 0)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()}, strict=True)
+    ref = Model(ModelArgs.from_dict(cfg))
+    ref.load_weights([(k, mx.array(v)) for k, v in w.items()], strict=True)
+    ids = np.random.default_rng(0).integers(5, cfg["vocab_size"], size=(1, 3 * cfg["sliding_window"]))
+    with torch.no_grad():
+        got = model(torch.from_numpy(ids)).logits.numpy()
+    want = np.array(ref(mx.array(ids)))
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-3)
+    # a hybrid pattern is left exactly as transformers builds it
+    hybrid = ttarget.build_config(_args(["--out", "x", "--pattern", "s,s,f"] + TINY_TARGET))
+    assert common.hf_text_config(hybrid).layer_types == hybrid["layer_types"]
