@@ -95,21 +95,28 @@ class CorpusLookup:
 
 
 def _sourced_decode(base, source: str, reference: dict, corpus: CorpusLookup | None):
-    """A subclass of the loop's ``Decode`` (``base``) whose candidates come from ``source``."""
+    """A subclass of the loop's ``Decode`` (``base``) whose candidates come from ``source``: a corpus lookup
+    is one more proposer after the n-gram copy; the oracle swaps the drafter's block for the context's copy
+    where the reference says the copy matches more."""
     from kakeya.core.contract import Draft
     from kakeya.core.request import MAX_BLOCK_SIZE
+    from kakeya.orchestrator.proposers import NGRAM, Proposal
     from kakeya.orchestrator.proposers.ngram import NgramIndex
+
+    class CorpusProposer:
+        def propose(self, state):
+            copy = corpus.propose([*state.prompt_ids, *state.committed], MAX_BLOCK_SIZE - 1)
+            size = min(state.size(True), state.room)
+            if not copy or size < 2:
+                return None
+            return Proposal(tuple(copy[: size - 1]), NGRAM, "the corpus continues the context's last tokens")
 
     class Sourced(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.lookup = NgramIndex()  # the oracle's copy, beside the drafter's block (copies are off then)
-
-        def _copy(self):
-            got = super()._copy()  # with copies on (every corpus source), this brought self._stream up to date
-            if not got and corpus is not None:
-                got = corpus.propose(self._stream, MAX_BLOCK_SIZE - 1)
-            return got
+            if corpus is not None:  # after the context's own copy, before the drafter
+                self.proposers.insert(len(self.proposers) - 1, CorpusProposer())
 
         def drafted(self, result):
             super().drafted(result)
@@ -117,8 +124,7 @@ def _sourced_decode(base, source: str, reference: dict, corpus: CorpusLookup | N
             if source != "oracle" or isinstance(result, BaseException) or not draft.tokens:
                 return
             gen = self.generation  # the drafter's block (copies are off) against a copy, by the reference
-            self._stream.extend(gen.token_ids[len(self._stream) - len(gen.prompt_ids) :])
-            copy = self.lookup.propose(self._stream, len(draft.tokens))
+            copy = self.lookup.propose([*gen.prompt_ids, *gen.token_ids], len(draft.tokens))
             target = reference["tokens"][len(gen.token_ids) :]
 
             def matched(cands) -> int:
@@ -128,7 +134,8 @@ def _sourced_decode(base, source: str, reference: dict, corpus: CorpusLookup | N
                 return n
 
             if copy and matched(copy) > matched(draft.tokens):
-                self._draft, self._copied = Draft(tuple(copy)), True
+                self._draft = Draft(tuple(copy))
+                self.proposal = Proposal(tuple(copy), NGRAM, "the oracle: the copy matches the reference further")
 
     return Sourced
 
