@@ -6,7 +6,7 @@ thread (``runtime/compute.py``), N threads each generating ``--requests`` greedy
 all through the engine's one scheduler. Every round is recorded: sessions in it, rows verified (each
 block's last token and candidates), tokens committed, the batched draft's and verify's seconds. Reported
 per backend and stream count: aggregate tok/s, the medians over full rounds (at least 3/4 of the streams
-in them), and what ``round_costs.py`` fitted from them: ``g`` (a round's fixed cost), ``f`` (each
+in them), and what ``block_sizing.RoundCosts`` fitted from them: ``g`` (a round's fixed cost), ``f`` (each
 session's) and ``s`` (each row's), in ms -- what prices a block when sessions share a round. Also
 ``--block-size`` to hold every block at one size instead of the sizer's choice (the comparison that
 shows what the sizer's choice under batching is worth). ``busy_share`` is the rounds' share of the wall time

@@ -1,4 +1,4 @@
-"""Batched rounds price a block by what rounds cost (``round_costs.py``), and the sizer uses that price."""
+"""Batched rounds price a block by what rounds cost (``block_sizing.RoundCosts``), and the sizer uses that price."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from kakeya.orchestrator.decode.block_sizing import AcceptanceChain, AdaptivePolicy, BlockSizer, CostCurve
-from kakeya.orchestrator.decode.round_costs import RoundCosts
+from kakeya.orchestrator.decode.block_sizing import AcceptanceChain, AdaptivePolicy, BlockSizer, CostCurve, RoundCosts
 
 from .test_loop import CONT, ScriptedDrafter, ScriptedVerifier
 

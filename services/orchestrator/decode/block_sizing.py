@@ -1,51 +1,22 @@
 """Adaptive block size: pick each block's length to maximise expected tokens per second.
 
-A block of length ``L`` commits ``E(L) = 1 + sum_{k<L} prod_{j<=k} a_j`` tokens on
-average, where ``a_k`` is the chance that candidate ``k`` is accepted given
-that the ones before it were, and costs ``t(L) = t_draft(L) + t_verify(L)``.
-The best ``L`` maximises ``E(L) / t(L)``; it moves with the backend (a verify
-of 16 costs about one step on a GPU, several on a CPU, more on an MoE whose
-experts spread with ``L``) and with the text (repetitive code accepts long runs).
+A block of length ``L`` commits ``E(L) = 1 + sum_{k<L} prod_{j<=k} a_j`` tokens on average (``a_k``: the
+chance candidate ``k`` is accepted given the ones before it were) and costs ``t(L) = t_draft(L) +
+t_verify(L)``; the best ``L`` maximises ``E(L) / t(L)``. Both halves are measured, never assumed:
+:func:`measure_costs` times each size on the live endpoints at warm-up (the wire included), each block's
+own timings refine it, and the acceptance chain is counted from every block, older blocks weighing less
+(``FORGET``). A position short blocks never reach takes the rate of the position before it as its prior
+(the pooled rate, which the first positions dominate, would talk the sizer into short blocks).
 
-Both halves are measured, never assumed: ``measure_costs`` times draft and
-verify at each size on the live endpoints at warm-up (so the wire is in it
-for a split deployment), each block's own timings then refine it, and the
-acceptance chain ``a_k`` is counted from every block, the older blocks
-weighing less (``FORGET`` per block: text changes, and a hard opening must not
-price the easy rest of a request). Until a few blocks were seen the drafter's
-trained block size is used. A position short blocks never reach takes the rate
-of the position before it as its prior (not the pooled rate, which the first
-positions dominate: a drafter whose later positions accept as well as its
-first would otherwise look worse the longer its blocks, and the sizer would
-talk itself into short ones).
+Now and then a block is drafted one size longer than chosen (a probe), so a choice of 1 (which learns
+nothing) is not final; probes take about ``explore_share`` of the decode time. Blocks drafted by copy
+(``proposers/ngram.py``) accept by a law of their own (a repeat runs to its end or breaks at once), so
+they keep their own chain; where it prices 1, the block is drafted instead.
 
-Now and then one block is drafted one size longer than the model chose (a
-probe), so the positions just beyond its choice keep being tested: a choice of
-1 drafts nothing and so learns nothing, and without probes a request whose
-first blocks accepted little would stay autoregressive to its end. How often is
-set by what a probe costs: one is due once the blocks since the last have taken
-``1 / explore_share`` times its extra cost over the choice, so probing takes
-about ``explore_share`` of the decode time on every backend; a probe accepted
-whole paid for itself, and the next block probes again.
-
-Blocks the loop drafts by copy (``proposers/ngram.py``) accept by a law of their own
-(a repeat runs to its end or breaks at once), so they keep their own chain and
-their size is chosen from it; they are costed as drafted blocks, an upper bound
-(a copy's drafter call only extends the context). The first few are tried at
-the size a draft would have (at least 2); after that at the size their own
-chain prices best, and where that is 1 (copies here break at once) the block
-is drafted instead. Whether to copy is never decided by comparing a copy's price
-with the drafter's: priced as a drafted block, a copy looks dearer than it is.
-
-Batched rounds change the price (``BlockSizer.sharing``): when several sessions share a round, its
-fixed cost is paid once for all of them while each candidate is a row every batched forward pays for,
-so a block is priced by what rounds are measured to cost (``decode/round_costs.py``), not by the alone curve.
-A batched round's timing is the whole round's, not this block's, so it refines no size's cost.
-
-Only token counts and timings go in, so this knows no backend and changes no
-token: the loop is lossless at every block size, whichever is chosen. What these
-choices were measured to buy: ``docs/benchmarks.md`` (the sizer's paragraphs
-under "The demo pair as a user meets it").
+When several sessions share a round (``BlockSizer.sharing``), a block is priced by what rounds are
+measured to cost (:class:`RoundCosts`), not by the alone curve. Only token counts and timings go in: no
+token changes whichever size is chosen. What the choices buy: ``docs/benchmarks.md`` (the sizer's
+paragraphs under "The demo pair as a user meets it").
 """
 
 from __future__ import annotations
@@ -55,10 +26,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kakeya.core.contract import Draft
 from kakeya.core.generation import Block
 from kakeya.core.request import MAX_BLOCK_SIZE
-from kakeya.orchestrator.decode.round_costs import RoundCosts
 
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the pooled rate)
 COST_EMA = 0.2  # weight of a new timing in the machine's running pace (every size's cost alike)
@@ -69,17 +41,18 @@ EXPLORE_SHARE = 0.02  # the share of decode time probes (one size longer) may ta
 FORGET = 0.95  # each block scales the acceptance seen before it by this: about the last 20 blocks count ...
 FORGET_FLOOR = 8.0  # ... but never below this many first positions, so a run of blocks of 1 (which observe
 # nothing) does not melt the evidence back to the 0.5 prior and retry, unbudgeted, a drafter known to miss
+ROUND_FORGET = 0.98  # each round scales the rounds seen before it by this: about the last 50 count
+PRIOR_WEIGHT = 2.0  # each point of the alone curve counts as this many rounds of one session
+RIDGE = 1e-6  # keeps the rounds' solve defined before they spread; relative to the moments' scale
 
 
 @dataclass
 class CostCurve:
     """Seconds per block by block size: measured points, linear in between and beyond.
 
-    A block's timing moves every size's cost (the machine's pace: another process on a shared CPU
-    slows a block of 16 as it slows a block of 4) and, twenty times more slowly, its own size's
-    cost relative to the others (what calibration got wrong). Moving only the timed size would let
-    one slow spell price the sizes then chosen above the others, which are not re-timed while
-    they are not chosen, so the sizer would never learn otherwise."""
+    A timing moves every size's cost (the machine's pace) and, twenty times more slowly, its own size's
+    cost relative to the others: moving only the timed size would let one slow spell price the chosen
+    sizes above the others, which are not re-timed while not chosen."""
 
     seconds: dict[int, float] = field(default_factory=dict)
 
@@ -179,8 +152,7 @@ class BlockSizer:
         self.sharing = 1  # sessions in the round its next block runs in (``loop.advance`` sets it each round)
 
     def cost(self, size: int) -> float:
-        """A block of ``size``'s seconds: alone, the cost curve's; in a round shared by ``sharing`` sessions,
-        its price in such a round (``decode/round_costs.py``) once batched rounds were seen."""
+        """A block of ``size``'s seconds: alone, the cost curve's; shared by ``sharing`` sessions, the rounds' price."""
         if self.sharing > 1 and self.rounds is not None:
             price = self.rounds.price(self.sharing, size)
             if price is not None:
@@ -188,9 +160,8 @@ class BlockSizer:
         return self.costs(size)
 
     def candidates(self) -> list[int]:
-        """The sizes to choose from: those with a measured cost (calibration timed them on warm
-        shapes, every chosen size refines its own), and the largest allowed. An in-between size is
-        only ever interpolated, and its first forward in a process pays for a shape no one warmed."""
+        """The sizes with a measured cost, and the largest allowed: an in-between size is only interpolated,
+        and its first forward in a process pays for a shape no one warmed."""
         measured = [s for s in self.costs.seconds if s < self.max_size]
         return sorted(set(measured) | {self.max_size}) if measured else list(range(1, self.max_size + 1))
 
@@ -245,12 +216,8 @@ class BlockSizer:
 
 
 class AdaptivePolicy:
-    """An engine's shared state: the cost curve and the acceptance seen so far, across requests.
-
-    Each request starts from a copy (so concurrent requests never race on it)
-    whose acceptance weighs at most ``carry`` blocks, enough to start well and
-    little enough that the request's own text takes over within a few blocks.
-    """
+    """An engine's cost curve and acceptance, across requests. Each request starts from a copy (no races)
+    whose acceptance weighs at most ``carry`` blocks, so its own text takes over within a few blocks."""
 
     def __init__(
         self, costs: CostCurve | None = None, max_size: int = MAX_BLOCK_SIZE, carry: float = 32.0, initial: int = 0
@@ -288,16 +255,9 @@ def measure_costs(
     prompt_len: int = 32,
     clock=time.perf_counter,
 ) -> CostCurve:
-    """Time one block (draft + verify) at each size on live sessions; the fastest of ``repeats``.
-
-    Runs through the same session API as a generation, so a remote endpoint's
-    wire time is part of its cost, as it is in every real block. Every size
-    is run once untimed first: a fresh process's first forward at a shape pays
-    for allocations, kernel selection and (MLX) graph building, and timing that
-    would price the sizes many times dearer than they are, so a first request
-    would choose its blocks on a wrong curve. The fastest repeat, not the median,
-    because on a shared machine the noise only ever adds time.
-    """
+    """Time one block (draft + verify) at each size on live sessions (a remote endpoint's wire included);
+    the fastest of ``repeats`` (noise only adds time). Every size runs once untimed first: a process's first
+    forward at a shape pays for allocations and kernel selection, which would price the sizes far too dear."""
     vocab = verifier.info.vocab_size
     prompt = [(7 * i + 3) % vocab for i in range(prompt_len)]
     vs = verifier.open_session()
@@ -322,3 +282,65 @@ def measure_costs(
         if ds is not None:
             ds.close()
     return curve
+
+
+class RoundCosts:
+    """What a batched round costs, learnt from the rounds: a round of ``n`` sessions verifying ``R`` rows takes
+    ``T = g + f * n + s * R`` (``g`` the round's fixed cost, ``f`` each session's, ``s`` each row's), so one
+    session's block of ``L`` costs it ``g / n + f + s * L``. The alone curve (``g + f + s * L``) makes every
+    extra candidate look nearly free in a batch and the sizer drafts long, mostly rejected blocks; sharing
+    out the alone cost misses ``f`` and shrinks every block to 1.
+
+    Least squares on ``T / n = g / n + f + s * R / n`` over the rounds seen (``ROUND_FORGET`` per round) plus,
+    never forgotten, the alone curve as rounds of one session (``prime``): together they tell ``g`` from
+    ``f`` even when every round has the same ``n``. Thread-safe: the scheduler observes, sizers read."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._alone_xx, self._alone_xy = np.zeros((3, 3)), np.zeros(3)
+        self._xx, self._xy = np.zeros((3, 3)), np.zeros(3)
+        self._params: tuple[float, float, float] | None = None
+        self.rounds = 0  # batched rounds (more than one session) observed
+
+    def prime(self, alone: dict[int, float]) -> None:
+        """The alone cost curve (block size -> seconds of a block of one session) as rounds of one session."""
+        with self._lock:
+            self._alone_xx[:], self._alone_xy[:] = 0.0, 0.0
+            for size, seconds in alone.items():
+                x = np.array([1.0, 1.0, float(size)])
+                self._alone_xx += PRIOR_WEIGHT * np.outer(x, x)
+                self._alone_xy += PRIOR_WEIGHT * x * seconds
+            self._fit()
+
+    def observe(self, n: int, rows: int, seconds: float) -> None:
+        """One round: ``n`` sessions, ``rows`` verified rows in all, ``seconds`` its draft and verify."""
+        if n < 1 or rows < n or seconds <= 0:
+            return
+        x = np.array([1.0 / n, 1.0, rows / n])
+        with self._lock:
+            self._xx = ROUND_FORGET * self._xx + np.outer(x, x)
+            self._xy = ROUND_FORGET * self._xy + x * (seconds / n)
+            self.rounds += n > 1
+            self._fit()
+
+    def _fit(self) -> None:
+        xx, xy = self._alone_xx + self._xx, self._alone_xy + self._xy
+        if not xx.any():
+            return
+        ridge = RIDGE * np.trace(xx) * np.eye(3)
+        g, f, s = np.linalg.solve(xx + ridge, xy)
+        self._params = (max(float(g), 0.0), max(float(f), 0.0), max(float(s), 0.0))
+
+    def price(self, n: int, size: int) -> float | None:
+        """A block of ``size``'s seconds to one of ``n`` sessions sharing a round (None: nothing seen yet)."""
+        with self._lock:
+            if self._params is None or self.rounds == 0:
+                return None
+            g, f, s = self._params
+        return max(g / n + f + s * size, 1e-9)
+
+    @property
+    def params(self) -> tuple[float, float, float] | None:
+        """``(g, f, s)`` as fitted so far."""
+        with self._lock:
+            return self._params

@@ -80,7 +80,7 @@ class Engine:
             return self._schedulers[step]
 
     def _round_done(self, sessions: int, rows: int, seconds: float) -> None:
-        if self.adaptive is not None:  # what a round costs prices the blocks of the next (``decode/round_costs.py``)
+        if self.adaptive is not None:  # what a round costs prices the blocks of the next (``block_sizing.RoundCosts``)
             self.adaptive.rounds.observe(sessions, rows, seconds)
 
     def calibrate(self) -> AdaptivePolicy:

@@ -57,7 +57,7 @@ class Scheduler:
         queued: Callable[[], int] | None = None,
     ):
         self._draft_many, self._decide_many, self._step, self._queued = draft_many, decide_many, step, queued
-        self._on_round = on_round  # on_round(sessions, rows, seconds) after each round (``decode/round_costs.py``)
+        self._on_round = on_round  # on_round(sessions, rows, seconds) after each round (``block_sizing.RoundCosts``)
         self._cv = threading.Condition()
         self._live: dict[Decode, deque[Block]] = {}  # each joined decode and its blocks not yet taken
         self._driving = False
