@@ -1,10 +1,9 @@
 """An orchestrator engine: a verifier, a drafter and a tokenizer, and the one path a request takes.
 
-Every front (the CLI, the gRPC and HTTP APIs through ``service.py``, niah, the benchmarks) starts a
-:class:`Run` with :meth:`Engine.start` and iterates it, so all of them check, open, size, fall back,
-stop, cut text and close alike, and end with the same :class:`~kakeya.core.generation.Report`.
-Which verifier/drafter the engine holds (in-process MLX, in-process torch, remote gRPC) is decided
-by whoever builds it (``assembly.py``); the engine never looks.
+Every front (the CLI, both APIs through ``service.py``, niah, the benchmarks) starts a :class:`Run` with
+:meth:`Engine.start` and iterates it, so all of them check, open, size, fall back, stop, cut text and close
+alike, and end with the same ``Report``. Whether the backends are in-process or remote is ``assembly.py``'s
+choice; the engine never looks.
 """
 
 from __future__ import annotations
@@ -31,10 +30,8 @@ log = logging.getLogger("kakeya.orchestrator")
 
 
 class Engine:
-    """``prefix_cache``: the verifier keeps a prefix cache (``core/prefix.py``), so every run asks it (and
-    the drafter) to resume the longest cached prefix of its prompt and leaves a snapshot when it ends.
-    ``ngram``: a block whose context ends in a run seen before is drafted by copy (the loop's ``ngram``;
-    greedy and coupled sampling)."""
+    """``prefix_cache``: every run resumes the longest cached prefix of its prompt (``core/prefix.py``) and
+    leaves a snapshot when it ends. ``ngram``: a context that repeats is drafted by copy (``proposers/ngram.py``)."""
 
     def __init__(
         self,
@@ -62,15 +59,14 @@ class Engine:
         return self.drafter.block_size if self.drafter is not None else 1
 
     def max_block_size(self, policy=None) -> int:
-        """The largest block a session under ``policy`` (None: the verifier's default) can verify and roll back exactly."""
+        """The largest block a session under ``policy`` (None: the verifier's) can verify and roll back exactly."""
         if self.drafter is None:
             return 1
         resolved = (policy or self.verifier.policy).resolve(self.verifier.info.sliding_window)
         return min(MAX_BLOCK_SIZE, resolved.slack, resolved.window if resolved.restore else MAX_BLOCK_SIZE)
 
     def scheduler(self, step: Callable, queued: Callable[[], int] | None = None) -> Scheduler:
-        """The scheduler whose rounds decode every live request of this engine run through ``step`` (``queued``:
-        the jobs waiting for the thread ``step`` runs work on)."""
+        """The scheduler of the requests whose model work runs through ``step`` (``queued``: jobs waiting for it)."""
         with self._calibrating:
             if step not in self._schedulers:
                 draft_many = self.drafter.draft_batch if self.drafter is not None else None
@@ -104,13 +100,11 @@ class Engine:
         return frozenset(req.stop_ids) | frozenset(eos)
 
     def check(self, req: Request, limits: Limits = Limits()) -> CheckedRequest:
-        """``req`` as it will run, every value checked against the model and ``limits`` (``checks.py``):
-        InvalidRequest naming the field, before any model work."""
+        """``req`` as it will run, checked against the model and ``limits`` (``checks.py``)."""
         return check_request(req, self, limits)
 
     def start(self, req: Request, options: RunOptions | None = None) -> Run:
-        """Check ``req`` (:meth:`check`, with ``options.limits``), and return its :class:`Run` begun: sessions
-        open, the prefill's first chunk run (its ``request``: the checked request)."""
+        """Check ``req`` against ``options.limits`` and return its :class:`Run`, begun."""
         options = options or RunOptions()
         run = Run(self, self.check(req, options.limits), options)
         run.begin()
@@ -151,18 +145,12 @@ class RunOptions:
 class Run:
     """One request through an engine: iterate it for the committed blocks, then read ``result`` / ``report``.
 
-    It owns what lies between a request and its blocks, for every front alike: opening the verifier and
-    drafter sessions, the prefill (resuming a cached prefix, one chunk per model-thread job so other
-    requests' rounds run between the chunks), then joining the engine's scheduler, whose rounds decode
-    every live request together (``scheduler.py``); the adaptive sizer (block size 0) and what the engine
-    learns from it, the fallback to the verifier alone when the drafter fails, stop tokens and stop
-    strings (each block's ``text`` is the text it added, cut at a stop string), and closing both sessions
-    however the run ends: exhausted, ended early (``close``), failed (the exception comes out of
-    ``next``), or cancelled from any thread (``cancel``: the iteration then just ends). A context
-    manager: leaving it closes the run.
-
-    Making one is cheap (no model work, nothing opened); :meth:`begin` opens the sessions and runs the
-    prefill's first chunk, an explicit step (``Engine.start`` takes it).
+    It owns everything between a request and its blocks: opening both sessions, the prefill (resuming a
+    cached prefix, one chunk per model-thread job so other requests' rounds run between chunks), joining
+    the scheduler, the adaptive sizer, the drafter fallback, stop tokens and strings (each block's ``text``
+    is the text it added), and closing both sessions however the run ends: exhausted, ``close``d, failed
+    (raised from ``next``) or ``cancel``led from any thread. A context manager. Making one is cheap;
+    :meth:`begin` (which ``Engine.start`` calls) opens the sessions and runs the prefill's first chunk.
     """
 
     def __init__(self, engine: Engine, req: CheckedRequest, options: RunOptions):
@@ -204,14 +192,11 @@ class Run:
         )
 
     def begin(self) -> None:
-        """Open the sessions and run the prefill's first chunk (a short prompt's whole prefill): the step that
-        makes a run cost model work. A failure closes what was opened and is raised."""
+        """Open the sessions and run the prefill's first chunk; a failure closes what was opened and is raised."""
         if self._decode is not None:
             raise RuntimeError("the run has begun already")
         engine, req, options, sessions = self._engine, self.request, self._options, self._session_options
-        # ONE model-thread job: on a busy engine each job waits for the round in flight, so a newcomer that
-        # sized, opened, looked up its prefix and prefilled in separate jobs waited one round per job
-        # (benchmarks/concurrency.py, "newcomer").
+        # ONE model-thread job: on a busy engine each job waits for the round in flight
         try:
             with self._scheduler.starting():
                 self._step(self._begin, sessions)
@@ -250,9 +235,8 @@ class Run:
             self.drafter_session = e.drafter.open_session(self._sampling, options)
 
     def _begin(self, sessions: SessionOptions) -> None:
-        """On the model thread, at once: size the first block, open both sessions, and run the prefill's first
-        chunk (a short prompt's whole prefill). A failure of the prefill is kept for ``next`` to raise, as a
-        failure of any later step is."""
+        """On the model thread, at once: size the first block, open both sessions, run the prefill's first
+        chunk; a prefill's failure is kept for ``next`` to raise."""
         self._sizer = self._engine.block_sizer(self.request)
         self._open(sessions)
         self._prefill_t0 = time.perf_counter()
@@ -268,9 +252,8 @@ class Run:
         return self.request.prompt_ids + list(self.request.resume_ids[:-1])
 
     def _prefill_steps(self, ids):
-        """The verifier's prefill generator of ``ids``, resuming (with a prefix cache) from the longest prefix both the
-        verifier and the drafter hold a snapshot of (the drafter names its own; without a drafter: any the
-        verifier holds) -- both or neither, so the drafter's context never has a gap."""
+        """The verifier's prefill generator of ``ids``, resuming from the longest cached prefix both the verifier
+        and the drafter hold (both or neither, so the drafter's context never has a gap)."""
         ds, reuse = self.drafter_session, ()
         if self._engine.prefix_cache:
             reuse = None
@@ -285,16 +268,15 @@ class Run:
         return self.verifier_session.prefill_steps(ids, reuse)
 
     def _chunk(self, steps):
-        """One chunk of the prefill (a model-thread job); once the prompt is done, the drafter resumes the same
-        cached prefix in the same job, and the result is ``(first token, aux, cached tokens)``; None before."""
+        """One chunk of the prefill (a model-thread job): ``(first token, aux, cached tokens)`` once the prompt
+        is done (the drafter resuming the same cached prefix in the same job), None before."""
         done = _chunk(steps)
         if done is not None and self.drafter_session is not None and self._engine.prefix_cache:
             self.drafter_session.resume(done[2])
         return done
 
     def _prefill(self) -> Block:
-        """The rest of the prompt after ``_begin``'s first chunk, one model-thread job per chunk so other
-        requests' rounds run between the chunks of a long prompt; the first block (None: cancelled)."""
+        """The rest of the prompt, one model-thread job per chunk; the first block (None: cancelled)."""
         prefilling, self._prefilling = self._prefilling, None
         try:
             if isinstance(prefilling, Exception):
@@ -317,8 +299,8 @@ class Run:
         return self._decode.prefilled(first, aux, seconds)
 
     def _save(self) -> None:
-        """Leave what this run computed in the prefix caches: the state after its prompt and every committed
-        token but the last (which no forward has seen), the drafter's only if its context is whole."""
+        """Snapshot the prompt and every committed token but the last (which no forward has seen) in the prefix
+        caches; the drafter's only if its context is whole."""
         gen = self._decode.generation
         ids = gen.prompt_ids + gen.token_ids[:-1]
         try:
@@ -351,8 +333,7 @@ class Run:
         raise StopIteration
 
     def _advance(self) -> Block | None:
-        """The next block (the prefill's first, then the scheduler's); None once decoding is over; a failure
-        ends the run and comes out of here."""
+        """The next block (the prefill's, then the scheduler's); None once decoding is over."""
         try:
             if not self._joined:
                 block = self._prefill()
@@ -384,42 +365,24 @@ class Run:
 
     def report(self, total_s: float = 0.0, error: str = "") -> Report:
         """The finished run as every front reports it (``total_s``: end to end as the caller measured it)."""
-        gen, e, req = self.result, self._engine, self.request
-        stats = gen.verifier_stats
+        gen, e, stats = self.result, self._engine, self.result.verifier_stats
+        same = ("finish_reason", "cached_tokens", "decode_tok_s", "prefill_s", "decode_s", "drafter_fallback")
         return Report(
-            target=e.target,
-            draft=e.draft,
-            backend=e.verifier.info.backend,
-            device=e.device,
-            prompt_token_ids=tuple(gen.prompt_ids),
-            token_ids=tuple(gen.token_ids),
-            text="".join(self._streamed),
-            finish_reason=gen.finish_reason,
-            error=error,
-            block_size=req.block_size,
-            block_sizes=tuple(b.drafted + 1 for b in gen.blocks[1:]),
-            acceptance_lengths=tuple(gen.acceptance_lengths),
-            copied_blocks=sum(b.copied for b in gen.blocks),
-            forced_blocks=sum(b.forced for b in gen.blocks),
-            cached_tokens=gen.cached_tokens,
-            decode_tok_s=gen.decode_tok_s,
-            prefill_s=gen.prefill_s,
-            decode_s=gen.decode_s,
-            total_s=total_s,
-            drafter_fallback=gen.drafter_fallback,
-            kv_bytes=stats.kv_bytes,
-            cache_policy=stats.cache_policy,
-            cache_bounded=stats.bounded,
-            sampling=gen.sampling,
-        )
+            target=e.target, draft=e.draft, backend=e.verifier.info.backend, device=e.device, error=error,
+            prompt_token_ids=tuple(gen.prompt_ids), token_ids=tuple(gen.token_ids), text="".join(self._streamed),
+            block_size=self.request.block_size, block_sizes=tuple(b.drafted + 1 for b in gen.blocks[1:]),
+            acceptance_lengths=tuple(gen.acceptance_lengths), copied_blocks=sum(b.copied for b in gen.blocks),
+            forced_blocks=sum(b.forced for b in gen.blocks), total_s=total_s, kv_bytes=stats.kv_bytes,
+            cache_policy=stats.cache_policy, cache_bounded=stats.bounded, sampling=gen.sampling,
+            **{k: getattr(gen, k) for k in same},
+        )  # fmt: skip
 
     @property
     def cancelled(self) -> bool:
         return self._cancellation.cancelled
 
     def cancel(self) -> None:
-        """End the run from any thread (say, a gRPC cancel callback): remote sessions' streams end at once, its
-        decode takes no part in later rounds, the iteration ends at its next step and closes what is left."""
+        """End the run from any thread: remote streams end at once, the iteration ends at its next step."""
         self._cancellation.cancel()
         if self._decode is not None:
             self._decode.cancelled = True
@@ -433,8 +396,7 @@ class Run:
             self._end("abort")
 
     def _stop_at(self, block: Block, keep: int) -> None:
-        """End the run at a stop string the text found in ``block``: keep its first ``keep`` tokens (and no block
-        the scheduler committed after it)."""
+        """End the run at a stop string found in ``block``: keep its first ``keep`` tokens, no later block."""
         gen = self._decode.generation
         at = next(i for i, b in enumerate(gen.blocks) if b is block)
         del gen.blocks[at + 1 :]
@@ -466,8 +428,8 @@ class Run:
             self._engine.adaptive.learn(self._sizer)  # the next request starts from what this one saw
 
     def _finish(self, gen: Generation, keep: bool, save: bool) -> None:
-        """On the model thread: the verifier's stats as the cache ends (what reports show) and the prefix
-        snapshot when ``keep`` / ``save``; then both sessions closed, however those went."""
+        """On the model thread: the verifier's stats and the prefix snapshot when ``keep`` / ``save``; then
+        both sessions closed, however those went."""
         try:
             if keep:
                 gen.verifier_stats = self.verifier_session.stats()

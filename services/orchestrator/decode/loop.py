@@ -1,27 +1,20 @@
 """Speculative decoding (greedy, or lossless sampling by either rule) as per-session state advanced in rounds.
 
-Knows no backend and no transport: each session is a verifier session and a drafter session
-(``services/core/contract.py``) between which only ints and opaque aux move. A :class:`Decode` is one
-generation's whole state; :func:`advance` runs one round over any number of them:
+Knows no backend and no transport: between a verifier session and a drafter session (``core/contract.py``)
+only ints and opaque aux move. A :class:`Decode` is one generation's state; :func:`advance` runs one round
+over any number of them:
 
-1. **draft**: each session asks its proposers in order (``orchestrator/proposers/``): the tokens a
-   constraint's grammar forces, a copy of what followed the same tokens earlier in the context, else the
-   drafter (:class:`DrafterProposer`). Every drafter call of the round (a copy's too: the drafter still takes
-   the new positions' aux, so its context never has a gap) goes out as ONE batch (``draft_many``);
-2. **verify**: every session's block ``[last, c1 .. c_{B-1}]`` goes to the verifier as ONE batch
-   (``decide_many``): one forward, the verifier's own choice after every position, the acceptance rule
-   (``core.contract.accept``: the leading run of candidates equal to its choices, then its choice after
-   that run), the accepted positions kept and the rest trimmed. So every block commits between 1 and
-   ``B`` tokens, all of them the target's greedy tokens (coupled sampling: the target's noisy argmax, the
-   tokens of AR sampling with the seed whatever ``B``; rejection sampling: the choices already encode
-   acceptance, the residual draw and the bonus draw, so the same rule commits exactly-p-distributed tokens);
-3. **commit**: the verdict's next token opens the session's next block, and its aux (the kept positions')
-   goes to the drafter with the next draft.
+1. **draft**: each session asks its proposers in order (``orchestrator/proposers/``: grammar-forced tokens,
+   an n-gram copy, else the drafter); every drafter call of the round (a copy's too, so the drafter's
+   context never has a gap) goes out as ONE batch (``draft_many``);
+2. **verify**: every block ``[last, c1 .. c_{B-1}]`` goes to the verifier as ONE batch (``decide_many``),
+   which keeps the accepted positions (``core.contract.accept``) and trims the rest: every block commits
+   1..B of the target's own tokens (greedy, coupled or rejection sampling alike);
+3. **commit**: the verdict's next token opens the next block; its aux goes to the drafter with the next draft.
 
-Sessions differ freely within a round: their block sizes (a fixed size or the adaptive sizer's choice,
-``decode/block_sizing.py``), sampling rules and seeds, sources and positions; one session's failure is its own
-result, never its batch-mates'. The engine's scheduler (``scheduler.py``) runs the rounds for every live
-request; :func:`run` decodes one session alone, the same rounds with a batch of one.
+Sessions differ freely within a round (block sizes, sampling rules, seeds, sources); one session's failure
+is its own, never its batch-mates'. The engine's ``scheduler.py`` runs the rounds for every live request;
+:func:`run` decodes one session alone, the same rounds with a batch of one.
 """
 
 from __future__ import annotations
@@ -41,18 +34,6 @@ if TYPE_CHECKING:
     from kakeya.orchestrator.decode.block_sizing import BlockSizer
     from kakeya.orchestrator.proposers.forced import Guide
 
-__all__ = [
-    "MAX_BLOCK_SIZE",
-    "Block",
-    "Decode",
-    "DecodeOptions",
-    "Generation",
-    "advance",
-    "alone",
-    "check_block_size",
-    "run",
-]
-
 NO_DRAFT = Draft(())  # a block the drafter sits out: size 1, or the verifier decoding alone
 
 DrafterCall = tuple[DrafterSession, Any, int, int]  # (session, new aux, last token, block size)
@@ -61,16 +42,12 @@ VerifierCall = tuple[VerifierSession, int, Draft]  # (session, last token, draft
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """How one session decodes (the request's and the engine's choices, resolved by the engine).
-
-    ``block_size``: a fixed size, or a :class:`~kakeya.orchestrator.decode.block_sizing.BlockSizer` that picks each
-    block's size from what it has seen (``choose``/``observe``). ``stop_ids``: tokens that end the
-    generation (included in it). ``fallback``: a drafter failure ends drafting for this session and the
-    verifier finishes alone (same tokens) instead of failing it. ``ngram``: draft by copy where the context
-    repeats (greedy and the coupled rule; never the rejection rule, which needs the drafter's distribution).
-    ``guide``: a constrained request's grammar, whose forced tokens are drafted as one block without the
-    drafter (``proposers/forced.py``; same exclusions as ``ngram``), up to ``max_block`` positions (the cache
-    policy's rollback slack)."""
+    """How one session decodes, as the engine resolved it. ``block_size``: fixed, or a ``BlockSizer``;
+    ``stop_ids``: tokens that end the generation (included); ``fallback``: a drafter failure leaves the
+    verifier to finish alone (same tokens); ``ngram``: draft by copy where the context repeats; ``guide``: a
+    constrained request's grammar, its forced tokens drafted without the drafter (``proposers/forced.py``),
+    up to ``max_block`` positions (the cache policy's rollback slack). ``ngram`` and ``guide`` never serve
+    the rejection rule, which needs the drafter's distribution."""
 
     max_tokens: int
     block_size: int | BlockSizer = 1
@@ -89,9 +66,8 @@ class DecodeOptions:
 
 
 class DrafterProposer:
-    """The last proposer, which always answers: a block of the decode's chosen size, its candidates the
-    drafter's answer to this round's call (a fixed size of 1 never calls it; a sized block of 1 still hands it
-    the new positions, or its context would have gaps later)."""
+    """The last proposer, which always answers: a block of the chosen size drafted by the drafter (a sized
+    block of 1 still hands it the new positions, or its context would have gaps later)."""
 
     def __init__(self, sized: bool):
         self.sized = sized
@@ -104,14 +80,9 @@ class DrafterProposer:
 
 
 class Decode:
-    """One generation's whole decoding state, advanced by :func:`advance` (see the module docstring).
-
-    ``generation`` is the record, kept as the blocks come: a decode ended early keeps what was committed.
-    ``unseen`` holds the aux the decode committed that no drafter call has taken yet (chunks, in order):
-    what a drafter's prefix snapshot still needs when the generation ends. ``error``: why it failed (it
-    is then ``done``); ``drafter_error``: why its drafter stopped, when it fell back to the verifier alone.
-    ``proposers``: the draft sources asked in order (the drafter's last); ``proposal``: this round's.
-    """
+    """One generation's decoding state, advanced by :func:`advance`. ``generation``: the record, kept as the
+    blocks come; ``unseen``: committed aux no drafter call has taken yet (what a drafter's prefix snapshot
+    still needs); ``error``: why it failed; ``drafter_error``: why its drafter stopped, when it fell back."""
 
     def __init__(
         self,
@@ -158,36 +129,35 @@ class Decode:
 
     def prefilled(self, first: int, prompt_aux, seconds: float) -> Block:
         """The prompt ran (``seconds``): its first token is the first block, its aux the drafter's first context."""
-        self.generation.prefill_s = seconds
-        self._t_decode = time.perf_counter()
-        self._committed(prompt_aux)
         logprobs = self.verifier.first_logprobs
-        block = self._emit(Block([first], 0, 0, total_s=seconds, logprobs=None if logprobs is None else [logprobs]))
-        self._last = first
-        return block
+        return self._opened(
+            Block([first], 0, 0, total_s=seconds, logprobs=None if logprobs is None else [logprobs]), prompt_aux
+        )
 
     def resumed(self, ids: Sequence[int], aux, seconds: float) -> Block:
         """A resumed stream's prefill ran (prompt + ``ids`` but the last): ``ids`` stand as its first block,
-        committed but never streamed again, and the last of them opens the next block."""
-        self.generation.prefill_s = seconds
+        committed but never streamed again."""
+        return self._opened(Block(list(ids), 0, 0, total_s=seconds), aux)
+
+    def _opened(self, block: Block, aux) -> Block:
+        self.generation.prefill_s = block.total_s
         self._t_decode = time.perf_counter()
         self._committed(aux)
-        block = self._emit(Block(list(ids), 0, 0, total_s=seconds))
+        block = self._emit(block)
         self._last = block.tokens[-1]
         return block
 
     def fail(self, exc: BaseException) -> None:
-        """This decode failed (its verifier, or its drafter without fallback): it takes no part in later rounds.
-        A replica's loss under ``takeover`` parks it instead (``lost``): the round's block is dropped, nothing
-        committed, and its run reopens the sessions elsewhere (``decode/takeover.py``)."""
+        """This decode failed: it takes no part in later rounds. A replica's loss under ``takeover`` parks it
+        instead (``lost``), nothing committed, for its run to reopen the sessions (``decode/takeover.py``)."""
         if self.options.takeover and replica_lost(exc) and self.lost is None:
             self.lost, self.lost_at = exc, time.perf_counter()
             return
         self.error = exc
 
     def reopened(self, verifier: VerifierSession, drafter: DrafterSession | None, aux) -> None:
-        """Its sessions were reopened on prompt + every committed token but the last (``aux``: theirs, the new
-        drafter's whole context): the next round drafts and verifies from the last committed token on."""
+        """Its sessions were reopened on prompt + every committed token but the last (``aux``: the new
+        drafter's whole context)."""
         self.verifier, self.drafter = verifier, drafter
         self.proposal = None
         self._last = self.generation.token_ids[-1]
@@ -230,8 +200,7 @@ class Decode:
     # -- 2. verify, 3. commit ------------------------------------------------------------
 
     def verifier_call(self) -> VerifierCall:
-        """This round's block for the verifier: ``[last, *candidates]`` (rejection sampling: with the
-        proposal its candidates were drawn from)."""
+        """This round's block for the verifier: ``[last, *candidates]``."""
         return (self.verifier, self._last, self._draft)
 
     def verified(self, verdict: Verdict | BaseException, draft_s: float, verify_s: float) -> Block | None:
@@ -275,8 +244,7 @@ class Decode:
 
     def _allowed(self, draft: Draft) -> Draft:
         """The drafter's block as a constraint's grammar allows it: each position's best-ranked allowed id
-        (a draft with ranks), else the candidates up to the first one the grammar refuses (no proposal to
-        cut: the guide never serves the rejection rule)."""
+        (a draft with ranks), else the candidates up to the first one the grammar refuses."""
         guide = self.options.guide
         if guide is None or not draft.tokens or draft.proposal is not None:
             return draft
@@ -386,10 +354,8 @@ def advance(
     draft_many: Callable[[Sequence[DrafterCall]], list] = one_by_one_drafts,
     decide_many: Callable[[Sequence[VerifierCall]], list] = one_by_one_verdicts,
 ) -> list[tuple[Decode, Block]]:
-    """One round over every started, unfinished decode: one batched draft, one batched verify, each
-    block committed to its decode. Returns the blocks, by decode; a decode that failed gets no block
-    (its ``error`` says why) and never touches the others' results. (The scheduler runs the two halves,
-    :func:`draft_round` and :func:`verify_round`, as two model-thread jobs.)"""
+    """One round over every started, unfinished decode: the blocks, by decode (a failed decode gets none:
+    its ``error`` says why). The scheduler runs the two halves as two model-thread jobs."""
     return verify_round(draft_round(decodes, draft_many), decide_many)
 
 

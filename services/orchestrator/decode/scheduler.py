@@ -1,30 +1,20 @@
 """One scheduler per engine: every live request decoded together, in rounds.
 
-Each round is :func:`loop.advance` over every decode that has joined: ONE batched draft
-(``Drafter.draft_batch``) and ONE batched verify (``Verifier.decide_batch``) for all of them, whatever
-their number, block sizes, sampling rules or sources. Requests join (after their prefill) and leave
-at round boundaries. No thread of its own: the request that needs a block and finds no round running
-drives the next one (on the model thread: ``step``), and every other request waiting meanwhile gets
-its block from that round. So one request alone costs what it did before the scheduler -- its
-rounds are batches of one on its own thread -- and N requests cost one batched round per block.
+Each round is :func:`loop.advance` over every decode that has joined: ONE batched draft and ONE batched
+verify for all of them, whatever their block sizes, rules or sources. Requests join (after their prefill)
+and leave at round boundaries. No thread of its own: the request that needs a block and finds no round
+running drives the next one (on the model thread: ``step``), and every other request gets its block from
+that round: one request alone runs batches of one, N requests one batched round per block.
 
-A round is one model-thread job, except when other work was queued for the model thread during its
-draft (``queued``: a newcomer's prefill, another request's end): then the round's verify becomes a job of
-its own behind that work, so a newcomer waits for half a round, not a whole one (what it bought, measured:
-docs/benchmarks.md, "A round's verify yields to a newcomer").
+A newcomer waits for half a round, not a whole one: where other work was queued for the model thread
+during a round's draft (``queued``: a prefill), the verify becomes a job of its own behind it. Without a
+model thread (the split) a request counts as ``starting`` until its prefill's answer, and a round whose
+draft finds requests starting waits for them before it verifies (at most one round's time), so the idle
+verifier runs the prefill first. What both bought: docs/benchmarks.md ("A round's verify yields to a
+newcomer", "The split lets a newcomer's prefill go first").
 
-Without a model thread (the split: a round's draft and verify are calls to the drafter's and the verifier's
-servers) there is no queue to yield to, and a newcomer's prefill reached the verifier just after the round's
-verify had: the newcomer's drafter calls (open, prefix lookup) wait behind the round's draft on the drafter,
-so they are answered the moment that draft is, the same instant the round sends its verify. So a request
-counts as ``starting`` from its arrival to its prefill's answer, and a round whose draft finds requests
-starting waits for them before it verifies (at most as long as the last round took, so a long prompt's
-chunked prefill does not stall the rounds): the verifier, idle meanwhile, runs the prefill first (measured:
-docs/benchmarks.md, "The split lets a newcomer's prefill go first").
-
-Isolation: a decode's failure (its session's exception from a batch) is its own, and a request that
-is cancelled or closed leaves before the next round; its sessions are closed after it has left, so a
-round never runs on a closed session.
+A decode's failure is its own; a request cancelled or closed leaves before the next round, and its
+sessions are closed after it left, so a round never runs on a closed session.
 """
 
 from __future__ import annotations
@@ -88,8 +78,7 @@ class Scheduler:
 
     @contextmanager
     def starting(self) -> Iterator[None]:
-        """Around a request's start (its sessions' opening and its prefill): a round without a model thread waits
-        for it before its verify (see the module's text)."""
+        """Around a request's start (its sessions' opening and its prefill): see the module's text."""
         token = object()
         with self._cv:
             self._starting.add(token)
@@ -102,9 +91,8 @@ class Scheduler:
                 self._cv.notify_all()
 
     def _let_starters_in(self) -> None:
-        """Wait for the requests starting now, at most one round's time, and for each only once: one that waits
-        for something else (a server's admission queue) holds up one round, not every round (the split's
-        yield to a newcomer)."""
+        """Wait for the requests starting now, at most one round's time, and for each only once (one that
+        waits for something else holds up one round, not every round)."""
         deadline = time.monotonic() + self._round_s
         with self._cv:
             fresh = self._starting - self._waited_for
