@@ -1,15 +1,11 @@
 """The one check of a request: every value a client sent, against the model and this server's limits.
 
-Every front builds a :class:`~kakeya.core.request.Request` (the CLI from its flags, the gRPC API from
-a ``GenerateRequest``, the HTTP API from OpenAI's JSON) and :meth:`Engine.start` runs it through
-:func:`check_request` before anything is allocated or any model work is done. A refusal is an
-:class:`~kakeya.core.request.InvalidRequest` naming the :class:`Request` field (``max_tokens``,
-``sampling.top_p``, ``cache_policy.window``, ``prompt``); the front renames it as its clients spell it.
-Sizes are bounded before anything is tokenized past a coarse bound (``runtime/bounds.py``'s limits).
-
-What comes out is the request as it runs: the prompt as token ids, ``max_tokens`` and
-``request_id`` filled in, a sampling seed drawn, the block size fixed where the sampling rule needs
-one schedule, a named restoration source mapped to this server's directory.
+Every front's :class:`~kakeya.core.request.Request` goes through :func:`check_request` (``Engine.start``)
+before any model work. A refusal is an ``InvalidRequest`` naming the ``Request`` field (``sampling.top_p``,
+``cache_policy.window``), which the front renames as its clients spell it; sizes are bounded before
+anything is tokenized (``runtime/bounds.py``). What comes out is the request as it runs: prompt ids,
+``max_tokens`` and ``request_id`` filled in, a seed drawn, the block size fixed where the sampling rule
+needs one schedule, a named restoration source mapped to this server's directory.
 """
 
 from __future__ import annotations
@@ -56,13 +52,9 @@ class EngineFacts(Protocol):
 
 @dataclass(frozen=True)
 class Limits:
-    """What a server accepts (its flags; the CLI's are the defaults: only the model's own limits).
-
-    ``max_prompt_tokens`` 0: the default bound (``bounds.DEFAULT_MAX_PROMPT_TOKENS``), never above
-    the context; ``max_context`` 0: the target's (its verifier's ``max_context``, or the model's
-    ``max_position_embeddings``); ``max_tokens_limit`` 0: none. ``restore``: the ``--restore``
-    sources a request's cache policy may name when the verifier runs in this process; None: the
-    names travel to a remote verifier, which maps them itself."""
+    """What a server accepts (its flags). ``max_prompt_tokens`` 0: ``bounds.DEFAULT_MAX_PROMPT_TOKENS``;
+    ``max_context`` 0: the verifier's or the model's; ``max_tokens_limit`` 0: none. ``restore``: the
+    ``--restore`` sources a cache policy may name (None: a remote verifier maps the names itself)."""
 
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_tokens_limit: int = 0
@@ -202,8 +194,7 @@ def _prompt_ids(prompt, engine: EngineFacts, limit: int) -> list[int]:
 
 
 def _template_culprit(chat: Chat, codec: TextCodec) -> str:
-    """The field a chat template's failure names: the tools where the messages render without them (a schema
-    the template cannot write, ``required: 5``), else the conversation."""
+    """The field a chat template's failure names: the tools where the messages render without them."""
     if not chat.tools:
         return "prompt"
     try:
@@ -216,11 +207,8 @@ def _template_culprit(chat: Chat, codec: TextCodec) -> str:
 
 
 def _tool_calls(req: Request, engine: EngineFacts) -> Request:
-    """A chat whose ``tool_choice`` is ``required`` or a function's name, or ``auto`` with a ``strict`` tool or
-    ``parallel_tool_calls`` false: the
-    request constrained to well-formed calls (of that function) whose arguments follow their schemas
-    (``tools/grammar.py``; under ``auto``, after any text), the markers named as the checkpoint's tokenizer
-    holds them."""
+    """A chat whose tool choice holds its calls (``grammar.holds_calls``): the request constrained to
+    well-formed calls whose arguments follow their schemas (``tools/grammar.py``)."""
     chat = req.prompt
     if not isinstance(chat, Chat) or not holds_calls(chat.tools, chat.tool_choice, chat.parallel_tool_calls):
         return req
@@ -246,8 +234,8 @@ def _tool_calls(req: Request, engine: EngineFacts) -> Request:
 
 
 def constraint_field(req: Request) -> str:
-    """The field a refusal of the grammar that holds ``req`` (as the client sent it) names: its constraint's
-    spec, or where a tool choice holds it, the choice (the tools under ``auto``: a strict tool's)."""
+    """The field a refusal of the grammar that holds ``req`` names: its constraint's spec, or the tool choice
+    (the tools under ``auto``)."""
     chat = req.prompt
     if req.constraint is not None or not isinstance(chat, Chat):
         return "constraint.spec"
@@ -307,9 +295,8 @@ def _stops(req: Request, engine: EngineFacts) -> tuple[int, ...]:
 def _cache_policy(
     policy: CachePolicy | None, engine: EngineFacts, limits: Limits, block_size: int, positions: int
 ) -> CachePolicy | None:
-    """The request's own cache policy (None: the verifier's default), checked against the model and the
-    request's ``positions`` (prompt + max_tokens) as the verifier checks it, so a refusal names its fields;
-    the block size checked against the policy that will run."""
+    """The request's cache policy (None: the verifier's), checked as the verifier checks it against the
+    request's ``positions``, so a refusal names its fields; the block size checked against it."""
     window = engine.verifier.info.sliding_window
     if policy is not None:
         # a window (or sink count) beyond the session's positions would only allocate ring slots that never fill

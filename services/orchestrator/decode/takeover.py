@@ -1,35 +1,20 @@
 """Take-over: a run whose verifier or drafter replica is lost mid-stream continues on another replica.
 
-A remote session fails with a replica's loss (``BackendError.replica_lost``: UNAVAILABLE, its stream broken,
-a hung step) when the process serving it dies, is cut off or stops serving. The orchestrator holds
-everything a session is rebuilt from: the prompt and every committed token. So instead of failing the
-request, the decode is parked (``Decode.lost``: it sits out the rounds, its batch-mates go on untouched),
-and its own request thread reopens it here, outside any round:
+A remote session fails with a replica's loss (``BackendError.replica_lost``: UNAVAILABLE, a broken stream,
+a hung step). The orchestrator holds everything a session is rebuilt from -- the prompt and every
+committed token -- so the decode is parked instead (``Decode.lost``: its batch-mates go on untouched) and
+its own request thread reopens it here, outside any round: both sessions aborted; a new verifier session
+(balanced onto a SERVING replica, ``remote/streams.py``) prefills prompt + every committed token but the
+last, resuming its prefix cache; a new drafter session takes that prefill's aux with its first draft (the
+verifier's aux is the one source of a drafter's context, for a drafter's loss too); the decode resumes
+(``Decode.reopened``). Nothing committed changes, so greedy and coupled-sampling output is the
+uninterrupted run's token for token (the rejection rule's stays exactly distributed, not identical).
 
-1. both sessions are aborted (the survivor frees its state; the lost one is gone anyway);
-2. a new verifier session (the backend's channel balances it onto a SERVING replica: ``remote/streams.py``)
-   prefills prompt + every committed token but the last -- resuming what that replica's prefix cache holds,
-   as a run's first prefill does -- and a new drafter session takes the whole context's aux from that
-   prefill with its first draft (a drafter's context is the verifier's aux, which the orchestrator never
-   keeps: a new verifier prefill is the one source of it, for a drafter's loss too);
-3. the decode resumes from the last committed token (``Decode.reopened``).
-
-Nothing committed changes, so the output is the uninterrupted run's token for token: greedy, and the
-coupled sampling rule, whose noise is keyed by absolute position (``core/sampling.py``). (The rejection
-rule draws from a per-session stream: its output stays exactly distributed, not identical.)
-
-Each try that finds no replica waits (``BACKOFF_S``, doubling) and tries again, ``TRIES`` times; then the
-run fails with the last error, which names the role. A drafter replica's loss moves to another drafter
-replica while one answers its health check; with none, the verifier finishes alone (the AR fallback).
-A constrained request is not taken over: its grammar's state lives in the lost verifier session.
-
-The same reopening serves a request that resumes a stream a client already received part of
-(``Request.resume_ids``): its sessions open on prompt + those tokens (``resume``).
-
-A replica that drains (SIGTERM) hands its sessions over the same way: the session's next step fails with a
-loss marked ``drained`` (``remote/streams.py``: only while another replica serves) and is reopened here. A
-hand-off is no failure: it is counted apart (``on_takeover``'s ``drained``) and not against ``MAX_PER_RUN``
-(each replica drains once, and a draining one is never chosen again).
+A try that finds no replica waits (``BACKOFF_S``, doubling), ``TRIES`` times, then the run fails naming
+the role. A lost drafter with no other replica answering leaves the verifier to finish alone. A
+constrained request is not taken over (its grammar's state lived in the lost session). A draining
+replica hands its sessions over the same way (a loss marked ``drained``), counted apart and not against
+``MAX_PER_RUN``. A resumed stream (``Request.resume_ids``) reopens the same way.
 """
 
 from __future__ import annotations
@@ -84,14 +69,9 @@ def _reopen_once(run, ids: Sequence[int], drafter: bool):
     if drafter:
         run.drafter_session = e.drafter.open_session_now(run._sampling, run._session_options)  # past the backoff
     steps = run._prefill_steps(ids)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            first, aux, cached = done.value
-            if run.drafter_session is not None and e.prefix_cache:
-                run.drafter_session.resume(cached)
-            return first, aux, cached
+    while (done := run._chunk(steps)) is None:  # the drafter resumes the same cached prefix
+        pass
+    return done
 
 
 def reopen(run, ids: Sequence[int], cause: BaseException):
