@@ -185,9 +185,9 @@ def test_a_draining_orchestrator_finishes_its_streams_and_refuses_the_rest(tiny_
     import http.client
 
     from kakeya.orchestrator.assembly import build_local_engine
-    from kakeya.orchestrator.fronts.errors import DRAINING
     from kakeya.orchestrator.fronts.grpc_server import GenerationServicer
     from kakeya.orchestrator.fronts.http_server import HttpFront
+    from kakeya.orchestrator.fronts.service import DRAINING
 
     servicer = GenerationServicer(lambda: build_local_engine(str(tiny_pair.target), str(tiny_pair.draft), "mlx"),
                                   colocated=True, max_sessions=1, queue=1, queue_timeout_s=60)  # fmt: skip

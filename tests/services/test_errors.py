@@ -16,7 +16,7 @@ def test_request_errors_are_bounded():
 
 
 def test_public_errors_use_public_names_and_never_a_backend_address():
-    from kakeya.orchestrator.fronts.errors import public_status
+    from kakeya.orchestrator.fronts.service import public_status
     from kakeya.orchestrator.remote.streams import BackendError
 
     addr = "10.1.2.3:50061"

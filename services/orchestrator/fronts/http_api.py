@@ -46,7 +46,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
                413: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}  # fmt: skip
-# The public gRPC names a backend's refusal may carry (``errors.public_status``) -> the OpenAI parameter.
+# The public gRPC names a backend's refusal may carry (``service.public_status``) -> the OpenAI parameter.
 PARAMS = [("prompt.tokenized.ids", "prompt"), ("prompt.text", "prompt"), ("prompt.messages", "messages"),
           ("sampling_params.", ""), ("cache_policy", "cache_policy")]  # fmt: skip
 INT32 = 2**31

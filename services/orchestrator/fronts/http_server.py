@@ -41,8 +41,8 @@ from starlette.routing import Route
 from kakeya.core.generation import Block
 from kakeya.core.request import InvalidRequest
 from kakeya.orchestrator.fronts import http_api
-from kakeya.orchestrator.fronts.errors import DRAINING
 from kakeya.orchestrator.fronts.http_api import ApiError
+from kakeya.orchestrator.fronts.service import DRAINING
 from kakeya.runtime.bounds import HttpTimeouts
 from kakeya.runtime.lifecycle import RequestError
 from kakeya.runtime.security.auth import bearer_ok

@@ -1,19 +1,17 @@
 """The generation service: what every public front (the gRPC API, the HTTP API) runs a request through.
 
 A front turns what its client sent into a :class:`~kakeya.core.request.Request` and iterates
-:meth:`GenerationService.stream`: committed blocks (their token ids and the text they added, cut at
-stop strings), then one :class:`~kakeya.core.generation.Report`. In between the service does, for
-every front alike: readiness, admission (``--max-sessions`` with its wait queue ``--queue``,
-``--max-sessions-per-peer``), the
-engine's one check of the request (``checks.py``, against this server's :class:`Limits`), the run
-(``Engine.start``), cancellation when the client goes away, the server's drain, and the metrics.
+:meth:`GenerationService.stream`: committed blocks, then one :class:`~kakeya.core.generation.Report`. In
+between, for every front alike: readiness, admission (``--max-sessions``, its queue ``--queue``,
+``--max-sessions-per-peer``), the engine's check against this server's :class:`Limits`, the run,
+cancellation when the client goes away, the drain, and the metrics.
 
-Failures: before the first block a refusal raises -- :class:`~kakeya.core.request.InvalidRequest`
-naming the request's field (the front renames it), or :class:`~kakeya.runtime.lifecycle.RequestError`
-with a status (not ready, over capacity, a backend's refusal); after it, the report says
-``finish_reason`` "error" with the reason. A cancelled run ends the iteration without a report.
-Holds an :class:`~kakeya.orchestrator.decode.engine.Engine` whose verifier and drafter are in-process
-(colocated) or gRPC clients (split, ``remote/verifier.py``); it never asks which.
+Failures: before the first block a refusal raises -- ``InvalidRequest`` naming the request's field, or
+``RequestError`` with a status; after it, the report says ``finish_reason`` "error". A cancelled run ends
+without a report. What a public caller is told of a backend's failure is :func:`public_status`'s: a
+backend's error names its address and its own fields (``open.cache_policy``), which a public caller
+knows neither of; the status is kept, the fields a public request sets renamed, anything else replaced
+by a short reason, and the whole error logged for the operator.
 """
 
 from __future__ import annotations
@@ -33,18 +31,31 @@ from kakeya.core.generation import Block, Report
 from kakeya.core.request import InvalidRequest, Request
 from kakeya.orchestrator.decode.checks import DEFAULT_MAX_TOKENS, Limits, constraint_field, context_of, prompt_limit
 from kakeya.orchestrator.decode.engine import Engine, RunOptions
-from kakeya.orchestrator.fronts.errors import DRAINING, fallback_reason, public_status
 from kakeya.orchestrator.remote.streams import BackendError
 from kakeya.runtime import bounds, logs
 from kakeya.runtime.admission import DEFAULT_MAX_SESSIONS
 from kakeya.runtime.compute import ComputeThread
-from kakeya.runtime.lifecycle import RequestError
+from kakeya.runtime.lifecycle import RequestError, bounded
 from kakeya.runtime.metrics import NO_OBSERVER, ServerMetrics
 from kakeya.runtime.security.auth import peer_of
 
 log = logging.getLogger("kakeya.orchestrator")
 
 DEFAULT_MAX_TOKENS_LIMIT = 4096
+# What a generation asked of a draining orchestrator hears (UNAVAILABLE; HTTP 503): its client retries elsewhere.
+DRAINING = "orchestrator is draining (shutting down): retry on another replica"
+# A verifier's request fields that carry a public request's values, and their public names.
+PUBLIC_FIELDS = (
+    ("open.cache_policy", "cache_policy"),
+    ("open.sampling", "sampling_params"),
+    ("open.max_positions", "prompt + sampling_params.max_tokens"),
+    ("prefill.token_ids", "prompt"),
+)
+INTERNAL_FIELDS = ("open.", "prefill.", "verify.", "commit.", "draft.")
+# Statuses whose backend message is about capacity or the session's fate (no fields, no addresses).
+_CAPACITY = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
+# Statuses about a request's values (FAILED_PRECONDITION is about the session protocol: ours, never the caller's).
+_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 
 
 class ClientCall(Protocol):
@@ -210,9 +221,8 @@ class GenerationService:
 
     def _admit(self, peer: str, call: ClientCall | None) -> None:
         """Count one more generation of ``peer`` in, or raise RESOURCE_EXHAUSTED saying why. Over
-        ``--max-sessions`` it waits in the queue, when fewer than ``--queue`` do, until one ends (its turn
-        first come first served) or ``--queue-timeout`` / its client's deadline passes; over
-        ``--max-sessions-per-peer`` it is refused at once (waiting would not make that caller's room)."""
+        ``--max-sessions`` it waits in the queue (first come first served, up to ``--queue-timeout`` or its
+        deadline); over ``--max-sessions-per-peer`` it is refused at once (waiting makes that caller no room)."""
         with self._lock:
             problem, full = self._admission_problem(peer)
             if full and len(self._waiting) < self.queue:
@@ -318,10 +328,8 @@ class GenerationService:
 
 
 def _unfollowable(exc: Exception) -> str | None:
-    """Why the request's grammar cannot be followed, where ``exc`` says so, else None: met in this process (a
-    colocated session, the drafting guide) or by a split verifier, whose INVALID_ARGUMENT names its own
-    ``constraint`` field (``verifier/server.py``: at open, at a step): either way the request's 400 naming its
-    public field, never the verifier's failure."""
+    """Why the request's grammar cannot be followed, where ``exc`` (this process's, or a split verifier's
+    INVALID_ARGUMENT naming its ``constraint`` field) says so, else None: the request's 400, not a failure."""
     if isinstance(exc, constraints.ConstraintError):
         return str(exc)
     if isinstance(exc, BackendError) and exc.service == "verifier" and exc.code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -329,3 +337,57 @@ def _unfollowable(exc: Exception) -> str | None:
             if exc.details.startswith(prefix):
                 return exc.details.removeprefix(prefix)
     return None
+
+
+def public_status(exc: Exception, request_id: str = "") -> tuple[grpc.StatusCode, str]:
+    """The status and message a public caller gets for ``exc`` (the request's failure)."""
+    if isinstance(exc, BackendError):
+        log.warning("request %s: %s", request_id or "-", exc)  # the whole story, address included, for the operator
+        return _backend_status(exc)
+    if isinstance(exc, RequestError):
+        return exc.code, exc.message
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc))
+    log.exception("request %s failed", request_id or "-", exc_info=exc)
+    return (
+        grpc.StatusCode.INTERNAL,
+        f"internal error ({type(exc).__name__}); the orchestrator's log has request {request_id or '-'}",
+    )
+
+
+def _backend_status(exc: BackendError) -> tuple[grpc.StatusCode, str]:
+    service, code = exc.service, exc.code
+    if code in _CAPACITY:
+        return code, bounded(f"{service}: {exc.details}")
+    if code in _REFUSED:
+        details = exc.details
+        for internal, public in PUBLIC_FIELDS:
+            details = details.replace(internal, public)
+        if not any(f in details for f in INTERNAL_FIELDS):
+            return code, bounded(f"{service}: {details}")
+        return grpc.StatusCode.INTERNAL, f"{service} refused a step of this request (see the orchestrator's log)"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return code, f"{service} did not answer in time" if exc.step_timeout else "deadline exceeded"
+    if code == grpc.StatusCode.CANCELLED:
+        return code, "cancelled"
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        # unreachable, loading, draining, or refusing this orchestrator: for the caller, not there now
+        return grpc.StatusCode.UNAVAILABLE, f"{service} unavailable (not reachable, loading or draining); retry later"
+    return grpc.StatusCode.INTERNAL, f"{service} failed (see the orchestrator's log)"
+
+
+def fallback_reason(drafter_error: Exception | None, cancelled: bool) -> str | None:
+    """Why a run finished on the verifier alone, as ``kakeya_ar_fallbacks_total{reason}`` counts it:
+    ``drafter_failed`` (an error, a hang, unreachable), ``drafter_backoff`` (skipped after earlier
+    failures), ``drafter_busy`` (it refused for capacity). None when it did not fall back, or when
+    the client's own cancel or deadline ended the drafter's stream: never the drafter's failure."""
+    if drafter_error is None or cancelled:
+        return None
+    if isinstance(drafter_error, BackendError):
+        if drafter_error.ended_by_caller:
+            return None
+        if drafter_error.skipped:
+            return "drafter_backoff"
+        if drafter_error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return "drafter_busy"
+    return "drafter_failed"
