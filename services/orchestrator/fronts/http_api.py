@@ -31,7 +31,7 @@ import grpc
 from kakeya.core import json_text
 from kakeya.core.generation import Block, Report
 from kakeya.core.request import Chat, InvalidRequest, Request, SamplingParams, public_field
-from kakeya.orchestrator.fronts import http_constraints, http_logprobs, http_params, http_tools
+from kakeya.orchestrator.fronts import http_params, http_tools
 from kakeya.orchestrator.tools import calls as tool_calls
 from kakeya.orchestrator.tools import choice as tool_choice
 from kakeya.orchestrator.tools.grammar import holds_calls
@@ -102,7 +102,7 @@ class Reply:
     obfuscate: bool = False  # stream_options.include_obfuscation: pad each chunk with random characters
     tools: bool = False  # read the model's tool calls out of its text (``tool_choice`` auto, with tools)
     held_calls: bool = False  # a grammar holds the calls well-formed: stream their arguments as they come
-    logprobs: bool = False  # the answer lists each token's logprobs (``fronts/http_logprobs.py``)
+    logprobs: bool = False  # the answer lists each token's logprobs
 
 
 def _number(body: dict, name: str, default=None, integer: bool = False, low=None, high=None):
@@ -241,9 +241,9 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Reply, dict[str,
         "ignore_eos": _flag(body, "ignore_eos"),
         "sampling": sampling,
         "request_id": request_id,
-        "logprobs": http_logprobs.requested(body, chat, bad),
+        "logprobs": http_params.logprobs_requested(body, chat, bad),
     }
-    fields["constraint"], constraint_names = http_constraints.constraint(body, _nested_bad)
+    fields["constraint"], constraint_names = http_params.constraint(body, _nested_bad)
     call = Reply(chat, stream, include_usage, served, obfuscate, logprobs=fields["logprobs"] is not None)
     return fields, call, field_names(chat, max_name) | constraint_names
 
@@ -312,7 +312,7 @@ def _content(content, i: int) -> str:
 class Answer:
     """One request's answer, built from its run's blocks and its report: whole, or as stream chunks."""
 
-    def __init__(self, call: Reply, token: http_logprobs.Token | None = None):
+    def __init__(self, call: Reply, token: http_params.Token | None = None):
         """``token``: a token's text and bytes (``TextCodec.token``), for logprobs."""
         self.call = call
         self.id = ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -339,8 +339,8 @@ class Answer:
 
     def _render(self, logprobs: list, offset: int) -> dict:
         if self.call.chat:
-            return http_logprobs.chat(logprobs, self._token)
-        return http_logprobs.completion(logprobs, self._token, offset)
+            return http_params.chat_logprobs(logprobs, self._token)
+        return http_params.completion_logprobs(logprobs, self._token, offset)
 
     def _envelope(self, choices: list, chunk: bool = False) -> dict:
         kind = ("chat.completion" if self.call.chat else "text_completion") + (

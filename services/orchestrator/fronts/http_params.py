@@ -1,27 +1,39 @@
-"""What the HTTP front does with each parameter a request may send: honoured, refused, or harmless.
+"""What the HTTP front does with each parameter a request may send, and the parameters that need more than a type.
 
-Every parameter of OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions`` is in
-:data:`PARAMS`, with the extensions of vLLM's API that clients of OpenAI-compatible servers send:
+Every parameter of OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions`` is in :data:`PARAMS`,
+with the extensions of vLLM's API that clients of OpenAI-compatible servers send:
 
 - **honoured**: the generation runs as it asks (``fronts/http_api.py`` reads it);
-- **refused**: this server cannot do what it asks, so any value but the one that asks for nothing
-  (its ``accepts``) is a 400 naming it -- never a generation that silently differs from the request;
-- **harmless**: accepted (its type checked) and not used, because it does not change what comes back
-  (``user``, ``store``, ``metadata``: bookkeeping of OpenAI's own service).
+- **refused**: any value but the one that asks for nothing (its ``accepts``) is a 400 naming it -- never a
+  generation that silently differs from the request;
+- **harmless**: accepted (its type checked) and unused, as it changes nothing that comes back (``user``).
 
-A parameter one API honours and the other does not take (``messages`` sent to ``/v1/completions``)
-is refused by the other, naming the API that takes it. A name in no list is ignored, as the front
-always has (vLLM's server does the same): clients of OpenAI-compatible servers send vendor fields
-this table cannot know, and every field known to change the output is listed here.
+A parameter of the other endpoint is refused naming the endpoint that takes it. A name in no list is
+ignored, as vLLM's server does: clients send vendor fields this table cannot know, and every field known
+to change the output is listed here.
 
-The constraint parameters (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``) are
-honoured: ``fronts/http_constraints.py`` reads them into one constraint.
+The constraint parameters (:func:`constraint`): OpenAI's ``response_format`` (``text``, ``json_object``, or
+``json_schema``, held to the schema whatever ``strict`` says), vLLM's ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` (Lark) and its ``structured_outputs`` object; one per request (two
+are a 400 naming both), its spec's refusals naming the parameter the client sent.
+
+Logprobs (:func:`logprobs_requested`, written by :func:`chat_logprobs` / :func:`completion_logprobs`):
+``/v1/completions`` takes ``logprobs: k`` (0..20) and answers ``{tokens, token_logprobs, top_logprobs:
+[{token: logprob}], text_offset}``, each ``top_logprobs`` entry the k most probable tokens and the chosen
+one; ``/v1/chat/completions`` takes ``logprobs: true`` and ``top_logprobs: k`` and answers ``{content:
+[{token, logprob, bytes, top_logprobs}], refusal: null}``. Streamed, each chunk carries the tokens
+committed since the last one; the chunks' lists joined are the whole answer's. Values are the target's
+raw distribution, one entry per committed token, the stop token included.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kakeya.core.constraints import Constraint
+from kakeya.core.contract import TokenLogprobs
+from kakeya.core.request import MAX_LOGPROBS
 from kakeya.runtime.lifecycle import quote
 
 HONOURED, REFUSED, HARMLESS = "honoured", "refused", "harmless"
@@ -63,7 +75,7 @@ PARAMS: dict[str, Param] = {
     "stream": Param(HONOURED),
     "stream_options": Param(HONOURED),  # include_usage, include_obfuscation (``http_api.stream_options``)
     "n": _refused(1, why="one choice per request"),
-    "logprobs": Param(HONOURED),  # chat: true/false; completions: k (``fronts/http_logprobs.py``)
+    "logprobs": Param(HONOURED),  # chat: true/false; completions: k
     "logit_bias": _refused({}, why="it does not bias logits"),
     "presence_penalty": _refused(0, 0.0, why="it applies no penalties"),
     "frequency_penalty": _refused(0, 0.0, why="it applies no penalties"),
@@ -76,7 +88,7 @@ PARAMS: dict[str, Param] = {
     # -- OpenAI, /v1/chat/completions only
     "messages": Param(HONOURED, CHAT),
     "max_completion_tokens": Param(HONOURED, CHAT),
-    "response_format": Param(HONOURED, CHAT),  # http_constraints.py
+    "response_format": Param(HONOURED, CHAT),
     "modalities": _refused(["text"], api=CHAT, why=_TEXT),
     "audio": _refused(api=CHAT, why=_TEXT),
     "top_logprobs": Param(HONOURED, CHAT),  # with logprobs: true
@@ -112,11 +124,11 @@ PARAMS: dict[str, Param] = {
     "allowed_token_ids": _refused(why="it does not restrict the vocabulary"),
     "prompt_logprobs": _refused(0, why=_NO_LOGPROBS),
     "truncate_prompt_tokens": _refused(why="a prompt over the limit is refused, never truncated"),
-    "guided_json": Param(HONOURED),  # http_constraints.py
-    "guided_regex": Param(HONOURED),  # http_constraints.py
-    "guided_choice": Param(HONOURED),  # http_constraints.py
-    "guided_grammar": Param(HONOURED),  # http_constraints.py
-    "structured_outputs": Param(HONOURED),  # http_constraints.py
+    "guided_json": Param(HONOURED),
+    "guided_regex": Param(HONOURED),
+    "guided_choice": Param(HONOURED),
+    "guided_grammar": Param(HONOURED),
+    "structured_outputs": Param(HONOURED),
     # -- vLLM's extensions, /v1/chat/completions only
     "continue_final_message": Param(HONOURED, CHAT),
     "add_generation_prompt": _refused(True, api=CHAT, why="the template always opens the assistant's turn"),
@@ -158,3 +170,145 @@ def check(body: dict, chat: bool) -> None:
         elif param.kind == HARMLESS and value is not None and not isinstance(value, param.types):
             kinds = " or ".join({bool: "a boolean", str: "a string", dict: "an object"}[t] for t in param.types)
             raise Refused(name, f"must be {kinds}")
+
+
+# --------------------------------------------------------------------------- constraints
+
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def constraint(body: dict, bad: Callable[[str, str], Exception]) -> tuple[Constraint | None, dict[str, str]]:
+    """The one constraint ``body`` asks for (None: none) and the field names for its refusals
+    (``constraint.spec`` -> the parameter that carried it); ``bad(param, message)``: the 400 to raise."""
+    found: list[tuple[str, str, Constraint]] = []  # (parameter, its spec's public name, constraint)
+    rf = _response_format(body.get("response_format"), bad)
+    if rf is not None:
+        found.append(("response_format", *rf))
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, name, Constraint(kind, _spec(body[name], kind, name, bad))))
+    so = _structured(body.get("structured_outputs"), bad)
+    if so is not None:
+        found.append(("structured_outputs", *so))
+    if len(found) > 1:
+        names = ", ".join(p for p, _, _ in found)
+        raise bad(found[1][0], f"one constraint per request: {names} were sent together")
+    if not found:
+        return None, {}
+    param, spec_name, c = found[0]
+    return c, {"constraint": param, "constraint.spec": spec_name, "constraint.kind": param}
+
+
+def _spec(value, kind: str, name: str, bad):
+    """The spec of a ``kind`` as JSON carries it: a schema object or text, a list of strings, a string."""
+    if kind == "json_schema":
+        if not isinstance(value, (dict, str)):
+            raise bad(name, "must be a JSON schema (an object, or its JSON text)")
+        return value
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(s, str) and s for s in value):
+            raise bad(name, "must be a non-empty list of non-empty strings")
+        return tuple(value)
+    if not isinstance(value, str) or not value:
+        raise bad(name, "must be a non-empty string")
+    return value
+
+
+def _response_format(value, bad) -> tuple[str, Constraint] | None:
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(kind, str):
+        raise bad("response_format", 'must be an object with a "type"')
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "response_format", Constraint("json_object")
+    if kind != "json_schema":
+        raise bad("response_format", f'type {quote(kind)} is not supported: "text", "json_object" or "json_schema"')
+    js = value.get("json_schema")
+    if not isinstance(js, dict):
+        raise bad("response_format.json_schema", 'must be an object with a "schema" (and a "name")')
+    strict = js.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad("response_format.json_schema.strict", "must be true or false")
+    schema = js.get("schema")
+    if not isinstance(schema, dict):
+        raise bad("response_format.json_schema.schema", "must be a JSON schema object")
+    return "response_format.json_schema.schema", Constraint("json_schema", schema)
+
+
+def _structured(value, bad) -> tuple[str, Constraint] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad("structured_outputs", "must be an object")
+    unknown = sorted(k for k in value if k not in STRUCTURED and k != "json_object")
+    if unknown:
+        raise bad(
+            f"structured_outputs.{quote(unknown[0])}", "is not supported: json, regex, choice, grammar or json_object"
+        )
+    sent = [k for k, v in value.items() if v is not None and v is not False]
+    if len(sent) != 1:
+        raise bad(
+            "structured_outputs",
+            f"must hold exactly one of json, regex, choice, grammar, json_object (got {len(sent)})",
+        )
+    key = sent[0]
+    name = f"structured_outputs.{key}"
+    if key == "json_object":
+        if value[key] is not True:
+            raise bad(name, "must be true")
+        return name, Constraint("json_object")
+    return name, Constraint(STRUCTURED[key], _spec(value[key], STRUCTURED[key], name, bad))
+
+
+# --------------------------------------------------------------------------- logprobs
+
+Token = Callable[[int], tuple[str, bytes]]  # ``TextCodec.token``: a token's text and bytes
+
+
+def logprobs_requested(body: dict, chat: bool, bad: Callable[[str, str], Exception]) -> int | None:
+    """``Request.logprobs`` from a body: None when it asks for none, else k; ``bad(param, message)`` raised
+    for a bad value, or ``top_logprobs`` without ``logprobs: true``."""
+    k = body.get("top_logprobs") if chat else body.get("logprobs")
+    if not chat and k is False:  # asks for none, as null does
+        k = None
+    name = "top_logprobs" if chat else "logprobs"
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+        raise bad(name, f"must be an integer in 0..{MAX_LOGPROBS}, got {str(k)[:32]}")
+    if not chat:
+        return k
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise bad("logprobs", f"must be true or false, got {type(on).__name__}")
+    if k is not None and not on:
+        raise bad("top_logprobs", "needs logprobs: true")
+    return (k or 0) if on else None
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprobs], token: Token) -> dict:
+    """OpenAI's chat ``logprobs`` object of these tokens."""
+
+    def entry(t: int, lp: float) -> dict:
+        text, raw = token(t)
+        return {"token": text, "logprob": lp, "bytes": list(raw)}
+
+    content = [entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(logprobs: Sequence[TokenLogprobs], token: Token, offset: int = 0) -> dict:
+    """OpenAI's legacy completions ``logprobs`` object of these tokens, the first at character ``offset``."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in logprobs:
+        text = token(lp.token)[0]
+        top = {token(t)[0]: v for t, v in lp.top}
+        top.setdefault(text, lp.logprob)  # the chosen token is always listed (OpenAI: up to k + 1)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp.logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
