@@ -1,20 +1,12 @@
 """OpenAI's HTTP API <-> the request and the report: translation only (``fronts/http_server.py`` serves it).
 
-A body is checked for OpenAI's types, field by field (:class:`ApiError` 400 naming the parameter),
-then written as a :class:`~kakeya.core.request.Request`, which runs through the generation service
-(``service.py``) as a gRPC client's does: the same check of its values (``checks.py``; a refusal
-names the parameter as this API spells it, :func:`field_names`), run and stop-string cutting. The
-statuses of what the service refuses map to HTTP statuses here, with OpenAI's error body. The
-answers -- a completion, a chat completion, or their server-sent-event chunks -- are built from the
-run's blocks and its :class:`~kakeya.core.generation.Report`, with
+A body is checked for OpenAI's types field by field (:class:`ApiError` 400 naming the parameter; what each
+parameter does is ``fronts/http_params.py``'s table), then written as a :class:`~kakeya.core.request.Request`
+that runs through the generation service as a gRPC client's does, its refusals naming the parameter as
+this API spells it (:func:`field_names`). A body must be valid Unicode (no lone surrogate, escaped or not);
+an error quotes a client's value at most 64 characters long. The answers -- a completion, a chat
+completion, or their server-sent-event chunks -- are built from the run's blocks and its ``Report``, with
 ``usage.prompt_tokens_details.cached_tokens`` and Kakeya's speculative stats under ``kakeya``.
-
-What each parameter does here -- honoured, refused unless it asks for nothing, or accepted as harmless
--- is ``fronts/http_params.py``'s table: beyond OpenAI's, a request may send ``top_k``, ``min_p``,
-``ignore_eos``, ``stop_token_ids``, ``request_id`` and ``block_size`` (as vLLM does), and a chat request
-``continue_final_message``. A body must be valid Unicode (no lone surrogate, escaped or not) and its
-numbers within range, each refused with a 400 naming its parameter; an error quotes a client's value
-at most 64 characters long (``lifecycle.quote``) and is itself bounded.
 """
 
 from __future__ import annotations
@@ -93,7 +85,7 @@ def bad(param: str, message: str) -> ApiError:
 
 @dataclass(frozen=True)
 class Reply:
-    """What a request asks beyond the generation: which API, streamed or not, with a final usage chunk."""
+    """What a request asks of its answer: which API, streamed or not, with a final usage chunk."""
 
     chat: bool
     stream: bool
@@ -167,7 +159,7 @@ def field_names(chat: bool, max_tokens: str) -> dict[str, str]:
 
 def _unicode(body: dict) -> None:
     """Every string of ``body`` (keys too) is valid Unicode: JSON's ``\\ud800`` escape decodes to a lone
-    surrogate, which no tokenizer, template or UTF-8 answer can take. A 400 names the parameter."""
+    surrogate, which no tokenizer, template or UTF-8 answer can take."""
     for name, value in body.items():
         try:
             unicode = json_text.valid_unicode({name: value})
@@ -185,7 +177,7 @@ def model_not_found(model, served: str) -> ApiError:
 
 def stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     """``stream_options``: (``include_usage``: a last chunk with the usage; ``include_obfuscation``: random
-    padding in each chunk). Without ``stream`` the answer always has its usage and no chunks."""
+    padding in each chunk)."""
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("stream_options", "must be an object")

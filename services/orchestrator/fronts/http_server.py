@@ -1,23 +1,15 @@
 """The orchestrator's OpenAI-compatible HTTP front: Starlette on uvicorn, beside the gRPC server in one process.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``:
-server-sent events, ended by ``data: [DONE]``), ``GET /v1/models``,
-``GET /v1/models/{id}`` and ``GET /health`` (200 once the server is SERVING,
-else 503; open without a token, as gRPC health is). Every request runs through
-:meth:`GenerationService.stream` -- the same admission, check, engine
-run, metrics and draining as a gRPC ``Generate`` -- on a thread of its own,
-its messages handed to the event loop; a client that goes away cancels its
-run, streamed or not, which frees its session and the backends'. The bearer
-token (``--auth-token-file``; the scheme in any case, as RFC 7235 says) and TLS
-(``--tls-cert``/``--tls-key``, ``--tls-client-ca``) are the gRPC server's.
-Bodies beyond the public API's receive limit are 413; anything a client sends
-wrong is a 4xx in OpenAI's error shape (``fronts/http_api.py``), never a 500.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``: server-sent events ended by
+``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}`` and ``GET /health`` (200 once SERVING, else
+503; open without a token, as gRPC health is). Every request runs through :meth:`GenerationService.stream`
+-- the same admission, check, run, metrics and draining as a gRPC ``Generate`` -- on a thread of its own;
+a client that goes away cancels its run, streamed or not. The bearer token and TLS are the gRPC server's.
+Anything a client sends wrong is a 4xx in OpenAI's error shape (``fronts/http_api.py``), never a 500.
 
-Slow clients are bounded (``bounds.HttpTimeouts``, ``kakeya serve --http-*``):
-a request's headers must arrive within ``headers_s`` of its first byte (or of
-the connection), its body within ``body_s`` (408), and an idle keep-alive
-connection is closed after ``keep_alive_s``. uvicorn bounds only the last, so
-the first is :class:`_BoundedH11`, its HTTP/1.1 protocol with a timer.
+Slow clients are bounded (``bounds.HttpTimeouts``): headers within ``headers_s`` of the request's first byte
+(uvicorn has no such bound: :func:`_bounded_h11`), the body within ``body_s`` (408), an idle keep-alive
+connection closed after ``keep_alive_s``.
 """
 
 from __future__ import annotations
@@ -61,9 +53,8 @@ def served_model_name(target: str) -> str:
 
 
 class HttpCall:
-    """What ``GenerationService.stream`` asks of a call (``service.ClientCall``): the caller (``peer``, named as gRPC names its
-    peers, so --max-sessions-per-peer counts both fronts together), no deadline, and a callback when the
-    client leaves."""
+    """A ``service.ClientCall``: the caller named as gRPC names peers (so --max-sessions-per-peer counts both
+    fronts together), no deadline, and a callback when the client leaves."""
 
     def __init__(self, peer: str = "unknown"):
         self._peer = peer
@@ -131,9 +122,8 @@ async def _messages(servicer, request, call: HttpCall) -> AsyncIterator:
 
 
 async def _left(request: Request, call: HttpCall) -> None:
-    """Wait for the client of ``request`` (its body read) to go away, then cancel ``call``'s run. A
-    non-streamed answer is written only at its end, so nothing else would notice before the run did all
-    its tokens and held its session that long."""
+    """Wait for the client of ``request`` (its body read) to go away, then cancel ``call``'s run (a whole
+    answer is written only at its end: nothing else would notice before the run did all its tokens)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass  # nothing else comes once the body is read: uvicorn answers the disconnect (or the answer's end)
     call.leave()
@@ -173,7 +163,7 @@ class HttpFront:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
-                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
             ],
             exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
@@ -195,24 +185,18 @@ class HttpFront:
         return _error(ApiError(503, "orchestrator is not ready (loading, warming up or draining)"))
 
     async def models(self, request: Request) -> Response:
-        refused = self._refused(request)
-        if refused is not None:
-            return refused
-        if self.servicer.engine is None:
-            return _error(ApiError(503, "orchestrator is loading"))
-        return _Json(http_api.models(self.model_name, self.servicer.limits.max_context))
-
-    async def model(self, request: Request) -> Response:
-        """OpenAI's retrieve-model: the served model, or a 404 naming the id asked for."""
-        refused = self._refused(request)
-        if refused is not None:
-            return refused
-        if self.servicer.engine is None:
-            return _error(ApiError(503, "orchestrator is loading"))
-        name = request.path_params["model"]
-        if name != self.model_name:
-            return _error(http_api.model_not_found(name, self.model_name))
-        return _Json(http_api.models(self.model_name, self.servicer.limits.max_context)["data"][0])
+        """OpenAI's list-models; with an id, its retrieve-model (a 404 naming any other id)."""
+        try:
+            self._admitted(request)
+            listed = http_api.models(self.model_name, self.servicer.limits.max_context)
+            name = request.path_params.get("model")
+            if name is None:
+                return _Json(listed)
+            if name != self.model_name:
+                raise http_api.model_not_found(name, self.model_name)
+            return _Json(listed["data"][0])
+        except ApiError as exc:
+            return _error(exc)
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, http_api.completion_request)
@@ -221,12 +205,8 @@ class HttpFront:
         return await self._generate(request, http_api.chat_request)
 
     async def _generate(self, request: Request, translate) -> Response:
-        refused = self._refused(request)
-        if refused is not None:
-            return refused
         try:
-            if self.servicer.engine is None:
-                raise ApiError(503, "orchestrator is loading")
+            self._admitted(request)
             generate, what, names = translate(await self._body(request), self.model_name)
         except ApiError as exc:
             return _error(exc)
@@ -289,13 +269,12 @@ class HttpFront:
 
     # -- checks ---------------------------------------------------------------------------
 
-    def _refused(self, request: Request) -> Response | None:
-        """401 without the server's bearer token (when it has one)."""
-        if bearer_ok(request.headers.get("authorization", ""), self.servicer.auth_token):
-            return None
-        return _error(
-            ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)", code="invalid_api_key")
-        )
+    def _admitted(self, request: Request) -> None:
+        """401 without the server's bearer token (when it has one); 503 while the engine loads."""
+        if not bearer_ok(request.headers.get("authorization", ""), self.servicer.auth_token):
+            raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)", code="invalid_api_key")
+        if self.servicer.engine is None:
+            raise ApiError(503, "orchestrator is loading")
 
     async def _body(self, request: Request):
         """The JSON body, at most ``max_body`` bytes (413 beyond, as the gRPC API's receive limit)."""
@@ -371,8 +350,7 @@ class HttpFront:
 
 def _bounded_h11(headers_s: float):
     """uvicorn's HTTP/1.1 protocol (h11), closing a connection whose request headers are not all in within
-    ``headers_s`` of the connection or of the request's first byte (uvicorn waits for them forever: 50
-    connections that never finish a header line would stay open). The body's bound is ``HttpFront._body``'s."""
+    ``headers_s`` of the connection or of the request's first byte (uvicorn waits for them forever)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class BoundedH11(H11Protocol):
