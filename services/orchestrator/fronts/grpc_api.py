@@ -1,11 +1,9 @@
 """The public gRPC API's messages <-> the request and the report: translation only.
 
-A ``GenerateRequest`` becomes a :class:`~kakeya.core.request.Request` (what its fields say, nothing
-checked beyond the message's own shape: the engine checks the request, ``checks.py``), with the
-names its fields have on this wire (:data:`FIELD_NAMES`, so a refusal names ``sampling_params.top_p``
-where the request says ``sampling.top_p``). A finished run's
-:class:`~kakeya.core.generation.Report` becomes the stream's ``Complete``, and ``kakeya client``
-rebuilds the report from a stream with :func:`report_from_stream`.
+A ``GenerateRequest`` becomes a :class:`~kakeya.core.request.Request` (its shape checked here, its values
+by the engine) with the names its fields have on this wire (:data:`FIELD_NAMES`: a refusal names
+``sampling_params.top_p`` where the request says ``sampling.top_p``). A finished run's ``Report`` becomes
+the stream's ``Complete``; ``kakeya client`` rebuilds the report with :func:`report_from_stream`.
 """
 
 from __future__ import annotations
@@ -62,6 +60,9 @@ FINISH = {
     "error": pb.FINISH_REASON_ERROR,
 }
 FINISH_NAMES = {v: k for k, v in FINISH.items()} | {pb.FINISH_REASON_TOOL_CALLS: tool_choice.TOOL_CALLS}
+# The stats a Report and a SpecStats both carry, under the same names.
+SPEC_STATS = ("decode_tok_s", "prefill_s", "decode_s", "total_s", "drafter_fallback", "block_size", "cache_policy",
+              "cache_bounded", "copied_blocks", "forced_blocks")  # fmt: skip
 # ToolChoiceMode -> Chat.tool_choice (UNSPECIFIED: as unset, the default).
 _MODES = {pb.TOOL_CHOICE_MODE_UNSPECIFIED: None, pb.TOOL_CHOICE_MODE_AUTO: AUTO, pb.TOOL_CHOICE_MODE_NONE: NONE,
           pb.TOOL_CHOICE_MODE_REQUIRED: REQUIRED}  # fmt: skip
@@ -175,24 +176,11 @@ def complete_from_report(report: Report, reads_calls: bool = False) -> pb.Genera
     stopped after one (as the HTTP API's ``message.tool_calls`` and ``finish_reason``)."""
     s = report.sampling
     stats = pb.SpecStats(
-        acceptance_lengths=report.acceptance_lengths,
-        mean_acceptance=report.mean_acceptance,
-        decode_tok_s=report.decode_tok_s,
-        prefill_s=report.prefill_s,
-        drafter_fallback=report.drafter_fallback,
-        verifier_kv_bytes_sliding=report.kv_bytes.sliding,
-        verifier_kv_bytes_full=report.kv_bytes.full,
-        degenerate=report.quality["degenerate"],
-        decode_s=report.decode_s,
-        total_s=report.total_s,
-        block_size=report.block_size,
-        block_sizes=report.block_sizes,
-        cache_kind=_cache_kind(report.cache_policy),
-        cache_policy=report.cache_policy,
-        cache_bounded=report.cache_bounded,
-        copied_blocks=report.copied_blocks,
-        forced_blocks=report.forced_blocks,
-    )
+        mean_acceptance=report.mean_acceptance, verifier_kv_bytes_sliding=report.kv_bytes.sliding,
+        verifier_kv_bytes_full=report.kv_bytes.full, degenerate=report.quality["degenerate"],
+        cache_kind=_cache_kind(report.cache_policy), block_sizes=report.block_sizes,
+        acceptance_lengths=report.acceptance_lengths, **{k: getattr(report, k) for k in SPEC_STATS},
+    )  # fmt: skip
     complete = pb.GenerateResponse.Complete(
         finish_reason=FINISH[report.finish_reason],
         prompt_tokens=len(report.prompt_token_ids),
@@ -232,30 +220,13 @@ def report_from_stream(
             rule=wire_contract.rule_from_proto(sp.rule),
         )
     return Report(
-        target=model.target_model,
-        draft=model.draft_model,
-        backend=backend,
-        prompt_token_ids=tuple(complete.prompt_token_ids),
-        token_ids=tuple(token_ids),
-        text=text,
-        finish_reason=FINISH_NAMES.get(complete.finish_reason, "error"),
-        error=complete.error_message,
-        block_size=s.block_size,
-        block_sizes=tuple(s.block_sizes),
-        acceptance_lengths=tuple(s.acceptance_lengths),
-        copied_blocks=s.copied_blocks,
-        forced_blocks=s.forced_blocks,
-        cached_tokens=complete.cached_tokens,
-        decode_tok_s=s.decode_tok_s,
-        prefill_s=s.prefill_s,
-        decode_s=s.decode_s,
-        total_s=s.total_s,
-        drafter_fallback=s.drafter_fallback,
-        kv_bytes=KVBytes(s.verifier_kv_bytes_sliding, s.verifier_kv_bytes_full),
-        cache_policy=s.cache_policy,
-        cache_bounded=s.cache_bounded,
-        sampling=sampling,
-    )
+        target=model.target_model, draft=model.draft_model, backend=backend, text=text,
+        prompt_token_ids=tuple(complete.prompt_token_ids), token_ids=tuple(token_ids),
+        finish_reason=FINISH_NAMES.get(complete.finish_reason, "error"), error=complete.error_message,
+        block_sizes=tuple(s.block_sizes), acceptance_lengths=tuple(s.acceptance_lengths),
+        cached_tokens=complete.cached_tokens, kv_bytes=KVBytes(s.verifier_kv_bytes_sliding, s.verifier_kv_bytes_full),
+        sampling=sampling, **{k: getattr(s, k) for k in SPEC_STATS},
+    )  # fmt: skip
 
 
 def _cache_kind(label: str) -> int:

@@ -1,17 +1,12 @@
 """The public gRPC Generation API (``protos/kakeya/v1/generate.proto``): translation only.
 
-A ``GenerateRequest`` becomes a :class:`~kakeya.core.request.Request` (``fronts/grpc_api.py``) and runs
-through the generation service (``service.py``: admission, the engine's one check of the request,
-the run, metrics); each committed block goes out as a ``Chunk`` (token ids + their text, cut at stop
-strings), then one ``Complete`` translated from the run's report (a chat whose tool calls are read: with
-the calls parsed out of the text, ``grpc_api.complete_from_report``; the chunks keep the raw text).
-
-Faults: a drafter that fails mid-generation is dropped for the rest of that generation (the run's
-drafter fallback: the verifier finishes alone, same output, ``drafter_fallback`` set) and retried by
-later requests after a backoff. A failing verifier ends the RPC with its status (UNAVAILABLE,
-RESOURCE_EXHAUSTED, ...) before the first chunk, or with a ``Complete`` of ``FINISH_REASON_ERROR``
-after it. The client's deadline bounds the backend streams; cancelling the call cancels the run,
-which frees the backend sessions.
+A ``GenerateRequest`` becomes a ``Request`` (``fronts/grpc_api.py``) and runs through the generation
+service (``service.py``); each committed block goes out as a ``Chunk`` (token ids + their text, cut at
+stop strings), then one ``Complete`` from the run's report (a chat whose tool calls are read: the calls
+parsed out of the text; the chunks keep the raw text). A drafter that fails mid-generation leaves the
+verifier to finish alone (same output, ``drafter_fallback`` set). A failing verifier ends the RPC with its
+status before the first chunk, or with ``FINISH_REASON_ERROR`` after it. The client's deadline bounds the
+backend streams; cancelling the call cancels the run and frees the backend sessions.
 """
 
 from __future__ import annotations
@@ -101,9 +96,8 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
         )
 
     def GetServerInfo(self, request, context):
-        """The server's version, deployment, load and drafter state, as a public caller may see them: a
-        backend's kind ("grpc" for a remote one) but never its address, and never a backend's error text
-        (both are the operator's, in the orchestrator's log and metrics: docs/security.md)."""
+        """The server's version, deployment, load and drafter state, as a public caller may see them: never a
+        backend's address or error text (the operator's: docs/security.md)."""
         e = self.engine
         drafter = e.drafter if e is not None else None
         status = drafter.status() if drafter is not None else {}
