@@ -1,26 +1,12 @@
 """Per-step deadlines on the orchestrator's backend streams: a hung backend told from a slow one.
 
-A hung peer (a stopped process, a wedged accelerator) never closes its
-connection, so only a deadline notices it. The client's deadline bounds a
-whole generation; these bound ONE step (a draft, a verify, a commit, a
-prefill) by silence, not by its length: every session asks its backend for a
-Progress message every ``PROGRESS_FRACTION`` of the deadline
-(``Open.progress_ms``), which the backend sends only while its compute gets
-work done (``runtime/servicer.py``), and every Progress re-arms the step's
-deadline (``streams.Stream``). A backend that is slow -- queued behind other
-sessions, compiling, prefilling a long prompt, on a busy machine -- keeps
-talking; a stopped one or a wedged compute thread goes silent, and the step
-fails after ``max(--backend-timeout, 20 x the median step)`` of silence (a
-prefill's also ``+ 10 x`` the median prefill time per prompt token times its
-length: the allowance for one long job where no CPU time can be read, and for
-a backend that sends no Progress). A step past its deadline cancels the
-stream: the drafter's then falls back to AR, the verifier's ends the request
-with DEADLINE_EXCEEDED, within seconds.
-
-One :class:`Watchdog` thread per process watches every armed step: arming
-and disarming cost a dict update, not a timer thread per step. Its clock
-stops while this process does not run (a busy machine, a paused VM): the
-silence it measures is the backend's, not ours.
+A hung peer (a stopped process, a wedged accelerator) never closes its connection, so only a deadline
+notices it. These bound ONE step by silence, not length: every session asks its backend for a Progress
+message every ``PROGRESS_FRACTION`` of the deadline (``Open.progress_ms``), sent only while its compute
+gets work done, and each re-arms the step's deadline. A slow backend keeps talking; a stopped one goes
+silent, and the step fails after ``max(--backend-timeout, 20 x the median step)`` of silence (a prefill's
+plus ``10 x`` the median per-token prefill time per prompt token). One :class:`Watchdog` thread per
+process watches every armed step; its clock stops while this process does not run.
 """
 
 from __future__ import annotations
@@ -78,14 +64,9 @@ class StepClock:
 
 
 class Watchdog:
-    """Calls ``on_expiry`` of every armed step whose deadline passed (from its own thread).
-
-    Deadlines count only time this process ran: a tick that comes ``STALL_S`` or more late means nothing
-    of ours ran meanwhile (the process was descheduled, stopped, paused with its VM, or its threads held
-    off the GIL), so no reader could have heard the answer or Progress that may have come, and that
-    time is not the backend's silence. ``clock`` and ``sleep``: time.monotonic and time.sleep (tests
-    drive them).
-    """
+    """Calls ``on_expiry`` of every armed step whose deadline passed (from its own thread). Deadlines count
+    only time this process ran: a tick ``STALL_S`` or more late means nothing of ours ran meanwhile (no reader
+    could have heard an answer), so that time is not the backend's silence. Tests drive ``clock``/``sleep``."""
 
     def __init__(self, tick_s: float = 0.05, clock: Callable[[], float] = time.monotonic, sleep=time.sleep):
         self._tick = tick_s

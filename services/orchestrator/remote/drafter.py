@@ -1,10 +1,8 @@
-"""The Drafter protocol (``services/core/contract.py``) over gRPC: ``GrpcDrafter`` and its sessions.
+"""The Drafter protocol (``core/contract.py``) over gRPC: ``GrpcDrafter`` and its sessions.
 
-As ``remote/verifier.py`` for the verifier: one bidirectional ``Session`` stream per session, opened with the
-first ``draft``.
-A ``GrpcDrafter`` that failed is skipped for a while (:class:`Backoff`) and then tried again, so the
-orchestrator reconnects once the drafter is back; meanwhile its sessions draft nothing
-(:class:`_SkippedDrafterSession`) and the loop falls back to AR.
+As ``remote/verifier.py``: one ``Session`` stream per session, opened with the first ``draft``. A drafter
+that failed is skipped for a while (:class:`Backoff`) and then tried again; meanwhile its sessions draft
+nothing (:class:`_SkippedDrafterSession`) and the verifier decodes alone.
 """
 
 from __future__ import annotations
@@ -77,8 +75,7 @@ class GrpcDrafterSession:
             options.cancel.on_cancel(self.abort)
 
     def cached_prefixes(self, prompt_ids: Sequence[int]) -> list[int]:
-        """The server's snapshots of ``prompt_ids``' prefixes (held there for this session); [] without a prefix
-        cache. Opens the stream now: one round trip before the verifier's prefill."""
+        """The server's snapshots of ``prompt_ids``' prefixes ([] without a prefix cache); opens the stream."""
         if not self.drafter.prefix_cache:
             return []
         req = dpb.DrafterRequest(lookup=dpb.DrafterRequest.Lookup(prompt_ids=list(prompt_ids)))
@@ -89,8 +86,8 @@ class GrpcDrafterSession:
         self._resume_at = positions  # travels with the first Draft
 
     def save(self, ids: Sequence[int], unseen: Sequence) -> bool:
-        """Ask the server to keep the context after ``ids`` (``unseen``: the aux it has not had); sent now,
-        answered before ``Closed``. False when it keeps no prefix cache or the session failed."""
+        """Ask the server to keep the context after ``ids`` (``unseen``: the aux it has not had); False when
+        it keeps no prefix cache or the session failed."""
         if not self.drafter.prefix_cache or self._broken:
             return False
         req = dpb.DrafterRequest(
@@ -177,8 +174,8 @@ class GrpcDrafterSession:
 
     @property
     def in_rounds(self) -> bool:
-        """Its drafts may travel in a round call: past the first (the server knows its id), its stream open with
-        no answer outstanding, its replica not draining, and not found missing by an earlier round."""
+        """Its drafts may travel in a round call: past the first, its stream open with no answer outstanding,
+        its replica not draining, and not found missing by an earlier round."""
         s = self._s
         ok = bool(self.session_id) and self.round_ok and not self._broken
         return ok and not s.done and not s._replies and not s.draining
@@ -221,14 +218,9 @@ class _SkippedDrafterSession:
 
     def draft(self, new_aux, last_token, block_size):
         b = self.drafter.backoff
-        raise BackendError(
-            "drafter",
-            self.drafter.addr,
-            grpc.StatusCode.UNAVAILABLE,
-            f"backing off after {b.failures} failure(s), next try in {max(0.0, b.until - time.monotonic()):.1f} s"
-            f" (last: {b.last_error})",
-            skipped=True,
-        )
+        raise BackendError("drafter", self.drafter.addr, grpc.StatusCode.UNAVAILABLE, f"backing off after {b.failures}"
+                           f" failure(s), next try in {max(0.0, b.until - time.monotonic()):.1f} s (last: {b.last_error})",
+                           skipped=True)  # fmt: skip
 
     _post = draft  # a batch's call fails alike, before anything is sent
     in_rounds = False
@@ -275,8 +267,7 @@ class GrpcDrafter(RemoteBackend):
         return GrpcDrafterSession(self, sampling, options or SessionOptions())
 
     def open_session_now(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None):
-        """A session even while backing off: a take-over (``decode/takeover.py``) found a SERVING replica after
-        one replica's loss put the whole target in backoff."""
+        """A session even while backing off: a take-over found a SERVING replica after one's loss."""
         return GrpcDrafterSession(self, sampling, options or SessionOptions())
 
     # A round's drafts: one DraftRound call per drafter (first drafts each on its stream; a session handed out

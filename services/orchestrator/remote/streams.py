@@ -1,20 +1,14 @@
-"""The streams under the gRPC Verifier / Drafter clients (``remote/verifier.py``): channels, errors, one Session call.
+"""The streams under the gRPC Verifier / Drafter clients: channels, errors, one Session call, round calls.
 
-A backend's channel reconnects fast and balances sessions over its replicas
-(client-side health checking); a call's failure is a :class:`BackendError`
-with the gRPC status; :class:`Stream` is one bidirectional ``Session`` call,
-its requests queued (pipelined: ``post`` returns the request's :class:`Reply`)
-and its responses read strictly in order, each into its reply, when that reply
-or a later one is waited for, each step bounded by a deadline from
-``remote/deadlines.py`` that every Progress message the backend sends meanwhile
-re-arms. :class:`RemoteBackend` is what the two clients share: channel, GetInfo, health, and a round's
-steps sent in one round call per backend.
+A backend's channel reconnects fast and balances sessions over its SERVING replicas; a call's failure is a
+:class:`BackendError` with the gRPC status; :class:`Stream` is one bidirectional ``Session`` call, its
+requests pipelined (``post`` returns a :class:`Reply`) and its responses read strictly in order, each
+step bounded by a deadline of silence (``remote/deadlines.py``) that every Progress message re-arms.
+:class:`RemoteBackend` is what the two clients share: channel, GetInfo, health, and round calls.
 
-A replica that drains (SIGTERM) says so in every answer (``draining``); a stream told so that may move
-(``elsewhere``: its caller takes sessions over, ``decode/takeover.py``) fails its next step at once with a
-``BackendError`` marked ``drained`` -- a replica's loss to the take-over, counted apart -- while another
-replica answers SERVING (:class:`Replicas`); with none, it goes on where it is and finishes within the
-server's grace.
+A draining replica says so in every answer; a stream that may move (``elsewhere``: ``decode/takeover.py``)
+then fails its next step with a ``BackendError`` marked ``drained`` while another replica answers SERVING
+(:class:`Replicas`); with none, it finishes where it is within the server's grace.
 """
 
 from __future__ import annotations
@@ -38,10 +32,8 @@ RECONNECT_OPTIONS = [
 ]
 
 
-# Sessions are streams, so balancing is per session: a target that resolves to several replicas
-# (``dns:///verifier-headless:50061``, ``ipv4:10.0.0.1:50061,10.0.0.2:50061``) gets each new
-# session on the next replica; only replicas whose gRPC health says SERVING are picked, so one
-# that is loading or draining gets none (client-side health checking).
+# Balancing is per session (sessions are streams): a target that resolves to several replicas gets each new
+# session on the next one whose gRPC health says SERVING (client-side health checking).
 BALANCE_OPTIONS = [
     ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}}'),
 ]
@@ -68,9 +60,8 @@ def backend_healthy(channel: grpc.Channel, timeout: float = 1.0) -> bool:
 
 
 class Replicas:
-    """Whether a backend has a replica that answers SERVING, asked at most every ``every_s``: all of a draining
-    replica's sessions ask at their next step. The channel balances over SERVING replicas only (client-side
-    health checking), and a draining one says NOT_SERVING or takes no call, so it never answers yes itself."""
+    """Whether a backend has a replica that answers SERVING (a draining one never does), asked at most every
+    ``every_s``: all of a draining replica's sessions ask at their next step."""
 
     def __init__(self, channel: grpc.Channel, every_s: float = 0.25, timeout_s: float = 0.5):
         self.channel, self.every_s, self.timeout_s = channel, every_s, timeout_s
@@ -86,11 +77,8 @@ class Replicas:
 
 
 class BackendError(RuntimeError):
-    """A call to a verifier or drafter failed; ``code`` is its ``grpc.StatusCode``.
-
-    ``step_timeout``: the backend did not answer one step within its deadline (hung, not merely slow).
-    ``drained``: its replica drains and another serves: the session moves (a replica's loss that is no failure).
-    """
+    """A call to a verifier or drafter failed; ``code``: its ``grpc.StatusCode``; ``step_timeout``: a step
+    met its deadline of silence (hung); ``drained``: its replica drains and another serves (the session moves)."""
 
     def __init__(
         self,
@@ -115,8 +103,7 @@ class BackendError(RuntimeError):
 
     @property
     def replica_lost(self) -> bool:
-        """The replica serving the session is gone (unreachable, its stream broken, hung): another replica of
-        the role may take the session over (``decode/takeover.py``); never a refusal, nor our own end."""
+        """The replica serving the session is gone (unreachable, broken stream, hung): another may take over."""
         if self.ended_by_caller or self.skipped:
             return False
         return self.code == grpc.StatusCode.UNAVAILABLE or self.step_timeout or self.details.startswith("stream ended")
@@ -356,13 +343,10 @@ def _alone(call, *args):
 
 
 class RemoteBackend:
-    """What the gRPC verifier and drafter clients share (``remote/verifier.py``, ``remote/drafter.py``): the
-    channel, step clock and stub, the server's GetInfo (``remote``, read at start), its health, and a round's
-    steps (:meth:`batch`, round calls: ``runtime/rounds.py``).
-
-    Their sessions offer ``client`` (this backend), ``session_id``, ``_s`` (their :class:`Stream`),
-    ``in_rounds`` / ``round_ok`` / ``ended``, ``_post(*args)`` then ``_finish(posted)`` (a step on their
-    stream), ``_step_msg(*args)`` (a round item's step), ``_answer(msg, elapsed_s)`` and ``_fail(exc)``."""
+    """What the gRPC verifier and drafter clients share: channel, step clock, stub, the server's GetInfo
+    (``remote``), health, and a round's steps (:meth:`batch`). Their sessions offer ``client``, ``session_id``,
+    ``_s`` (their :class:`Stream`), ``in_rounds`` / ``round_ok`` / ``ended``, ``_post(*args)`` then
+    ``_finish(posted)`` (a step on their stream), ``_step_msg(*args)``, ``_answer(msg, elapsed_s)``, ``_fail(exc)``."""
 
     role = ""  # "verifier" | "drafter": what its errors name
     info_request: type  # its GetInfo request
@@ -388,10 +372,8 @@ class RemoteBackend:
 
     @staticmethod
     def batch(items) -> list:
-        """A round's steps, ``(session, *args)`` each: the sessions of one backend travel in ONE round call
-        when there are ``ROUND_MIN`` or more of them (the wire paid per round, not per session), the rest each
-        on its stream, sent before any answer is awaited (the server's compute thread batches them all). Each
-        session's failure its own."""
+        """A round's steps, ``(session, *args)`` each: ``ROUND_MIN`` or more sessions of one backend in ONE round
+        call, the rest each on its stream, all sent before any answer is awaited; each failure its own."""
         groups: dict[RemoteBackend, list[int]] = {}
         for k, (s, *_) in enumerate(items):
             if s.in_rounds:

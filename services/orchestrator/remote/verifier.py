@@ -1,31 +1,16 @@
-"""The Verifier protocol (``services/core/contract.py``) over gRPC (the Drafter's: ``remote/drafter.py``).
+"""The Verifier protocol (``core/contract.py``) over gRPC (the Drafter's: ``remote/drafter.py``).
 
-One bidirectional ``Session`` stream per session: opening a session starts the
-stream, ``close`` ends it politely (``Close`` -> ``Closed``), ``abort`` cancels
-it; the server frees the session's cache either way. Requests are pipelined
-where the protocol allows it (``streams.py``: ``Open`` travels with ``Prefill``
-/ the first ``Draft``), so a block costs two round trips: draft, and verify (which commits).
+One bidirectional ``Session`` stream per session: opening starts the stream, ``close`` ends it politely,
+``abort`` cancels it; the server frees the session's cache either way. Requests are pipelined where the
+protocol allows (``Open`` travels with ``Prefill``), so a block costs two round trips: draft and verify.
+A scheduler's round sends every session's block to one backend in ONE round call (``VerifyRound``,
+``runtime/rounds.py``), named by the ids ``Opened`` returned; a lone session's block, and any the server
+does not find (another replica), travel on the session's stream.
 
-A scheduler's round (``decide_batch``; the drafter's ``draft_batch``) sends the blocks of every session
-of one backend in ONE round call (``VerifyRound`` / ``DraftRound``, ``runtime/rounds.py``), named by
-the session ids ``Opened`` returned, so the wire is paid per round, not per session; a lone session's
-block, and any the server does not find (another replica), travel on the session's stream.
-
-Aux hidden states stay opaque: a verifier session returns the wire ``Tensor``
-as it came and a drafter session sends a ``Tensor`` as it is (an array is
-encoded with ``services/wire/codec.py``), so split deployments never decode
-aux in the orchestrator.
-
-A session takes its request's ``SessionOptions``: the request id travels with
-the stream, the client's deadline bounds it, and a cancelled request aborts it
-at once (from whichever thread cancels).
-
-Failures surface as ``streams.BackendError`` carrying the gRPC status code. The
-drafter's side is ``remote/drafter.py`` (a failed drafter is skipped for a while and
-tried again).
-Every session asks its backend for Progress messages while a step waits
-(``Open.progress_ms``), and a step fails only after a deadline of silence
-(``remote/deadlines.py``): a hung backend is noticed within seconds, a slow one is not.
+Aux hidden states stay opaque: a wire ``Tensor`` is passed on as it came, so a split deployment never
+decodes aux here. A session takes its request's ``SessionOptions`` (request id, deadline, cancel).
+Failures are ``streams.BackendError``s; a step fails only after a deadline of silence
+(``remote/deadlines.py``), so a hung backend is noticed within seconds and a slow one is not.
 """
 
 from __future__ import annotations
@@ -107,8 +92,7 @@ class GrpcVerifierSession:
         return first, aux
 
     def prefill_steps(self, prompt_ids: Sequence[int], reuse: Collection[int] | None = ()):
-        """One step, one round trip: the server chunks a long prompt itself (its other sessions' steps run
-        between the chunks there) and resumes what its prefix cache holds (``reuse``, as the contract says)."""
+        """One step, one round trip: the server chunks a long prompt itself and resumes its prefix cache."""
         p = vpb.VerifierRequest.Prefill(
             token_ids=list(prompt_ids), reuse_any=reuse is None, reuse_positions=reuse or ()
         )
@@ -172,9 +156,8 @@ class GrpcVerifierSession:
 
     @property
     def in_rounds(self) -> bool:
-        """Its blocks may travel in a round call: prefilled (the server knows its id), its stream open, its
-        replica not draining (its next step decides on the stream whether it moves), and not found missing by
-        an earlier round (a replica other than the one round calls reach)."""
+        """Its blocks may travel in a round call: prefilled, its stream open, its replica not draining, and
+        not found missing by an earlier round."""
         return bool(self.session_id) and self.round_ok and not self._s.done and not self._s.draining
 
     @property
@@ -205,12 +188,8 @@ class GrpcVerifierSession:
 
 
 class GrpcVerifier(RemoteBackend):
-    """``Verifier`` reached over gRPC. ``info`` and the default ``policy`` come from the server's GetInfo.
-
-    ``aux_layers``: the layers whose hidden states every session asks for (the
-    drafter's, settled when the engine is assembled); none given: the server's
-    default, or the last layer if it has none.
-    """
+    """``Verifier`` reached over gRPC; ``info`` and ``policy`` from the server's GetInfo. ``aux_layers``: the
+    layers whose hidden states every session asks for (none given: the server's default, or the last)."""
 
     role, info_request, round_request = "verifier", vpb.GetVerifierInfoRequest, vpb.VerifyRoundRequest
     round_rpc, step, answer = "VerifyRound", "verify", "verified"
@@ -245,8 +224,8 @@ class GrpcVerifier(RemoteBackend):
         self._usage = (-1e9, 0.0)  # (when read, kv_usage) of the last GetInfo (``kv_usage``)
 
     def kv_usage(self) -> float:
-        """Its K/V budget in use (reserved over ``--max-kv-bytes``, 0..1), as one replica's GetInfo says, read at
-        most once a second (a gateway's endpoint picker scrapes every few ms); the last figure while it fails."""
+        """Its K/V budget in use (0..1) as one replica's GetInfo says, read at most once a second; the last
+        figure while it fails."""
         now = time.monotonic()
         if now - self._usage[0] >= 1.0:
             try:
@@ -256,12 +235,7 @@ class GrpcVerifier(RemoteBackend):
                 self._usage = (now, self._usage[1])
         return self._usage[1]
 
-    def open_session(
-        self,
-        policy: CachePolicy | None = None,
-        sampling: SamplingParams | None = None,
-        options: SessionOptions | None = None,
-    ) -> GrpcVerifierSession:
+    def open_session(self, policy=None, sampling=None, options: SessionOptions | None = None) -> GrpcVerifierSession:
         return GrpcVerifierSession(self, policy, sampling, options or SessionOptions())
 
     decide_batch = staticmethod(RemoteBackend.batch)  # a round's blocks: one VerifyRound call per verifier
