@@ -1,11 +1,8 @@
 """Engine assembly: which verifier and drafter, in-process or remote, on which backend.
 
-The one place that turns "these checkpoints (or the embedded pair), this
-backend" or "these addresses" into an :class:`~kakeya.orchestrator.decode.engine.Engine`.
-The CLI, the servers, ``niah``, the trainers and the benchmarks all call it;
-it never calls them. Every backend import is lazy, so a node with only torch
-(or only MLX) assembles engines of that backend without the other installed.
-
+The one place that turns "these checkpoints (or the embedded pair), this backend" or "these addresses"
+into an :class:`~kakeya.orchestrator.decode.engine.Engine`; every caller (CLI, servers, niah, trainers,
+benchmarks) comes here. Backend imports are lazy, so a node with only torch (or only MLX) needs no other.
 Bad input raises ``ValueError`` (the CLI prints it as one line, exit 2).
 """
 
@@ -48,13 +45,9 @@ def resolve_backend(
     installed=_installed,
     cuda_available=None,
 ) -> tuple[str, str | None]:
-    """``(backend, device)`` for what was asked: ``"auto"`` picks the fastest backend here.
-
-    auto: MLX on Apple silicon (Metal), torch elsewhere (MLX on a Linux CPU is
-    slower than torch's kernels, docs/benchmarks.md); the other one if only it is
-    installed. torch's device defaults to ``cuda`` when ``torch.cuda.is_available()``,
-    else ``cpu``; MLX picks its own device (``None``).
-    """
+    """``(backend, device)`` for what was asked. ``"auto"``: MLX on Apple silicon, torch elsewhere (MLX on a
+    Linux CPU is slower, docs/benchmarks.md), the other if only it is installed. torch's device: ``cuda``
+    when available, else ``cpu``; MLX picks its own (``None``)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r} (expected one of {', '.join(BACKENDS)})")
     if backend == "auto":
@@ -82,8 +75,7 @@ def _torch_cuda_available() -> bool:
 
 def require_backend(backend: str) -> None:
     """Fail with one clear line when ``backend``'s package is missing (before any model import)."""
-    package = {"mlx": "mlx", "torch": "torch"}[backend]
-    if not _installed(package):
+    if not _installed(backend):
         extra = (
             "MLX (pip install mlx mlx-lm; Apple silicon or Linux CPU)"
             if backend == "mlx"
@@ -93,16 +85,10 @@ def require_backend(backend: str) -> None:
 
 
 def torch_threads(threads: int | None, device: str | None, embedded: bool) -> int:
-    """The torch intra-op thread count to pin (0: leave torch's default).
-
-    ``threads=None`` means: 1 for the embedded demo pair on CPU (a model this
-    small gains nothing from a second thread, and on a small shared CPU a thread
-    team as large as the machine stalls whenever another process takes a core;
-    see docs/benchmarks.md); another model on a CPU, as many as the CPUs this
-    process may run on when it is pinned to fewer than the machine has (torch's
-    default counts the machine's cores, and a team larger than its CPUs stalls:
-    a `serve all` child or a cpuset); torch's own default otherwise.
-    """
+    """The torch intra-op thread count to pin (0: leave torch's default). ``threads=None``: 1 for the
+    embedded demo pair on CPU (it gains nothing from a second thread, and a team as large as a small shared
+    machine stalls when another process takes a core: docs/benchmarks.md); on a CPU, the CPUs this process
+    may run on when pinned to fewer than the machine's (a larger team stalls); torch's default otherwise."""
     if threads is None:
         if not (device or "cpu").startswith("cpu"):
             return 0
@@ -197,10 +183,8 @@ def remote_drafter(addr: str, **kwargs):
 
 
 def check_compile(torch_options: dict | None, device: str | None) -> None:
-    """``--compile`` is for CUDA. On a CPU, ``kakeya generate --compile --compare-ar`` on the demo pair met more
-    shapes in the one compiled attention than torch's recompile limit allows (a KV head on full layers, two on
-    sliding ones; one row and many; the warm-up's prefill chunks) and failed a few blocks in; with the limit
-    raised it decoded slower than eager, so there is nothing to gain from it there."""
+    """``--compile`` is for CUDA: on a CPU the demo pair's attention met more shapes than torch's recompile
+    limit allows, and with the limit raised it decoded slower than eager."""
     if torch_options and torch_options.get("compile") and not str(device or "cpu").startswith("cuda"):
         raise ValueError(
             f"--compile applies to --device cuda, not {device or 'cpu'}: leave it out there (eager is faster)"
@@ -219,15 +203,10 @@ def build_local_engine(
     prefixes=None,
     ngram: bool = True,
 ):
-    """Load the pair in-process (the embedded default pair when no paths are given).
-
-    ``backend`` may be ``"auto"`` (see :func:`resolve_backend`); ``device``/``dtype``
-    apply to torch (MLX runs where MLX runs, in the weights' dtype), and so do
-    ``torch_options`` (``cuda_graphs``/``compile``, for the verifier and the drafter; ``graphed_min_batch``, the drafter's). What was
-    chosen: the verifier's ``info.backend`` and the engine's ``device``. ``prefixes``: a
-    ``core.prefix.PrefixCache`` the verifier and the drafter share (one budget for the process), or None.
-    ``ngram``: blocks whose context repeats are drafted by copy (``Engine.ngram``).
-    """
+    """Load the pair in-process (the embedded default pair when no paths are given). ``backend`` may be
+    ``"auto"``; ``device``/``dtype`` and ``torch_options`` (``cuda_graphs``/``compile`` for both,
+    ``graphed_min_batch`` the drafter's) apply to torch. ``prefixes``: a ``core.prefix.PrefixCache`` the
+    verifier and the drafter share, or None; ``ngram``: as ``Engine.ngram``."""
     from kakeya.checkpoints.config import check_pair, load_draft_config, load_target_config
     from kakeya.orchestrator.decode.engine import Engine
     from kakeya.orchestrator.text import TextCodec
@@ -249,16 +228,8 @@ def build_local_engine(
     verifier = local_verifier(target, aux_layers, backend, prefixes=prefixes, **vkw)
     dkw = torch_kw | (torch_options or {})
     drafter = None if no_drafter else local_drafter(draft, target, backend, prefixes=prefixes, **dkw)
-    return Engine(
-        verifier,
-        drafter,
-        TextCodec(target),
-        target=target,
-        draft="" if no_drafter else draft,
-        device=device,
-        prefix_cache=prefixes is not None,
-        ngram=ngram,
-    )
+    return Engine(verifier, drafter, TextCodec(target), target, "" if no_drafter else draft, device,
+                  prefixes is not None, ngram)  # fmt: skip
 
 
 def split_engine(
@@ -272,24 +243,17 @@ def split_engine(
     backend_timeout_s: float | None = None,
     ngram: bool = True,
 ):
-    """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them.
-
-    ``tls``: a ``kakeya.runtime.security.tls.ClientTLS`` for both; ``token``: the bearer token both require;
-    ``backend_timeout_s``: the step deadlines' floor; ``ngram``: blocks whose context repeats are drafted by
-    copy (``Engine.ngram``).
-    The verifier's sessions return the hidden states of the drafter's layers (without a drafter:
-    the verifier server's default layers).
-    """
+    """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them. ``tls``: a
+    ``ClientTLS`` for both; ``token``: the bearer token both require; ``backend_timeout_s``: the step
+    deadlines' floor. The verifier's sessions return the hidden states of the drafter's layers."""
     from kakeya.orchestrator.decode.engine import Engine
     from kakeya.orchestrator.remote.deadlines import DEFAULT_BACKEND_TIMEOUT_S, StepClock
     from kakeya.orchestrator.text import TextCodec
 
     floor = backend_timeout_s or DEFAULT_BACKEND_TIMEOUT_S
-    drafter = (
-        remote_drafter(drafter_addr, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor))
-        if drafter_addr
-        else None
-    )
+    drafter = None
+    if drafter_addr:
+        drafter = remote_drafter(drafter_addr, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor))
     aux_layers = drafter.target_layer_ids if drafter is not None else ()
     verifier = remote_verifier(
         verifier_addr, aux_layers=aux_layers, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor)
@@ -320,12 +284,4 @@ def split_engine(
             "no tokenizer (verifier's %s is not readable here; pass --tokenizer DIR): token-id prompts only", info.name
         )
     draft_name = drafter.remote.model_name if drafter is not None else ""
-    return Engine(
-        verifier,
-        drafter,
-        codec,
-        target=info.name,
-        draft=draft_name,
-        prefix_cache=verifier.prefix_cache,
-        ngram=ngram,
-    )
+    return Engine(verifier, drafter, codec, info.name, draft_name, prefix_cache=verifier.prefix_cache, ngram=ngram)
