@@ -1,19 +1,15 @@
 """The model's tool calls, in Gemma-4's syntax, read out of its text into OpenAI's ``tool_calls``.
 
-A call is ``<|tool_call>call:NAME{ARGS}<tool_call|>`` (what Gemma-4's chat template writes for an assistant's
-``tool_calls`` and the model writes back; ``checkpoints/chat_template.py`` renders the demo pair's the same way):
-ARGS are ``key:value`` pairs, keys bare (or quoted), strings between ``<|"|>`` marks, numbers, ``true``,
-``false``, ``null`` (or ``None``, as Gemma-4's template writes it), objects ``{...}`` and lists ``[...]`` as in JSON. :func:`parse_arguments` turns ARGS into
-the JSON object OpenAI's ``function.arguments`` carries; a call that does not parse stays in the text, as the
-model wrote it (it is content, not a call this server could hand a client). A call the text ends inside
-(``max_tokens``) is the call so far, its arguments cut where it was cut (:meth:`CallStream.end`).
+A call is ``<|tool_call>call:NAME{ARGS}<tool_call|>`` (as Gemma-4's chat template writes one): ARGS are
+``key:value`` pairs, keys bare or quoted, strings between ``<|"|>`` marks, numbers, ``true``, ``false``,
+``null`` (or ``None``), objects and lists as in JSON. :func:`parse_arguments` turns ARGS into the JSON object
+``function.arguments`` carries; a call that does not parse stays in the text as content.
 
-:class:`CallStream` reads the text as it streams, whatever a block commits: text before a call streams as
-content, and a block's tail that may be the start of a marker (``<|tool``) is held back until the next block
-says what it is. A call comes out whole once its end marker has arrived; or, where a grammar holds every call
-well-formed (``tool_choice`` ``required`` or a named function), as OpenAI streams one: its id and name as soon
-as its name is written, then its arguments in JSON pieces as they are written (:class:`ArgumentsStream`). A
-call the model may write malformed (``auto``) waits for its end: a streamed call could not be taken back.
+:class:`CallStream` reads the text as it streams: text before a call is content, and a tail that may start a
+marker is held back until the next block says what it is. A call comes out whole once its end marker has
+arrived; or, where a grammar holds every call well-formed, as OpenAI streams one: id and name, then its
+arguments in JSON pieces as they are written (:class:`ArgumentsStream`). A call the model may write
+malformed (``auto``) waits for its end: a streamed call could not be taken back.
 """
 
 from __future__ import annotations
@@ -242,12 +238,9 @@ class CallStream:
         return True
 
     def end(self) -> list:
-        """What the text's end leaves: a held-back tail, as content; a call the text ends inside (cut by
-        ``max_tokens``, or a stop) as the call it was so far: its name, and its arguments as far as they were
-        written (a JSON text cut where the call was, as OpenAI reports a call cut by ``length``), never its
-        template text as content. A call cut before its name was whole is dropped. A streamed call has sent
-        these very arguments already (:class:`ArgumentsStream` pieces join to the same text however the text
-        came), so a whole answer and a stream agree."""
+        """What the text's end leaves: a held-back tail, as content; a call the text ends inside as the call so
+        far (its arguments' JSON cut where the call was, as OpenAI reports a call cut by ``length``; dropped if
+        its name was not whole). A streamed call sent these very arguments already: answer and stream agree."""
         out: list = []
         if self.in_call and self._args is None:
             m = _HEADER.match(self.buffer)
@@ -273,13 +266,10 @@ _ENDS = ",:{}[]"  # what ends a bare key, a number or a word (besides white spac
 class ArgumentsStream:
     """Gemma-4 arguments text (from their ``{``), fed in pieces -> OpenAI's JSON text, in final pieces.
 
-    Each piece is translated as far as the text so far decides it: structure (``{`` ``}`` ``[`` ``]``, and
-    ``,`` / ``:`` spaced as ``json.dumps`` spaces them) and a string's characters go out at once; a bare key, a
-    number or a word (``true``, ``None`` ...) waits for the character that ends it, and a string's tail that may
-    be the start of its closing mark waits for the next piece. Joined, the pieces are exactly
-    ``json.dumps(parse_arguments(whole), ensure_ascii=False)``: the text a whole answer carries. The
-    translation trusts its input to be well-formed, as a grammar-held call is (``tools/grammar.py``); text it
-    cannot read stops it (:attr:`broken`) and nothing more is sent.
+    Each piece is translated as far as the text so far decides it (a bare word waits for the character that
+    ends it, a string's tail that may start its closing mark for the next piece). Joined, the pieces are
+    exactly ``json.dumps(parse_arguments(whole), ensure_ascii=False)``, the text a whole answer carries. The
+    input is trusted to be well-formed (grammar-held); text it cannot read stops it (:attr:`broken`).
     """
 
     def __init__(self):

@@ -1,16 +1,12 @@
 """``tool_choice`` (and the tools it chooses among) as every front reads them: the HTTP API's ``tool_choice``
-and the gRPC API's ``ChatMessages.tool_choice`` mean the same, are refused for the same reasons, and change a
-request and its answer in the same way, here; a tool's name and parameters are checked by :func:`check_tools`
-for both fronts and the chat template's renderer, each spelling the field as its clients do.
+and the gRPC API's ``ChatMessages.tool_choice`` mean the same and are refused for the same reasons, here.
 
-A front turns its own wire shape (OpenAI's string or ``{"type": "function", "function": {"name"}}``, gRPC's
-``ToolChoice`` oneof) into a mode or a function's name and calls :func:`choose`; a refusal is an
-:class:`~kakeya.core.request.InvalidRequest` naming ``prompt.tool_choice``, which each front renames as its
-clients spell it. A chat whose calls are read (:func:`reads_calls`: tools, and a choice other than ``none``)
-stops where the model would wait for a call's results (:func:`stop_strings`), and its answer is the text
-outside the calls plus the calls (``tool_calls.split``), with the finish reason "tool_calls" when the model
-stopped after at least one call (:func:`finish_reason`). ``required`` and a named function are held to
-well-formed calls by the engine's check (``checks.py``, ``tools/grammar.py``).
+A front turns its wire shape into a mode or a function's name and calls :func:`choose` (a refusal names
+``prompt.tool_choice``, which the front renames); :func:`check_tools` checks a tool's name and parameters.
+A chat whose calls are read (:func:`reads_calls`) stops where the model would wait for a call's results
+(:func:`stop_strings`); its answer is the text outside the calls plus the calls, finishing "tool_calls"
+when the model stopped after one (:func:`finish_reason`). ``required`` and a named function are held to
+well-formed calls by the engine's check (``tools/grammar.py``).
 """
 
 from __future__ import annotations

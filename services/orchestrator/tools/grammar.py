@@ -1,22 +1,16 @@
 """A grammar that admits exactly a well-formed Gemma-4 tool call whose arguments satisfy the function's schema.
 
-``tool_choice: "required"`` (one call or more, to any of the tools) and a named function (one call to it) hold
-the model to a call with this grammar, in llguidance's lark syntax: ``<|tool_call>call:NAME{ARGS}<tool_call|>``,
-then optionally ``<|tool_response>``, where the model stops to wait for the results. Gemma-4's arguments are not
-JSON (``tools/calls.py``), so the schema is compiled here to rules of that syntax, not embedded with ``%json``:
-keys bare, in sorted order (as the template writes them), every ``required`` key present and no undeclared
-one; strings between ``<|"|>`` marks (without ``<|`` inside them, so a string can never swallow a mark);
-integers, numbers, booleans, ``null``, lists, nested objects, ``enum``/``const``, ``anyOf``/``oneOf``/``allOf``,
-type lists and ``$ref``; and the keywords beyond the shape that ``response_format`` holds too (string patterns,
-lengths and formats, number bounds, array sizes: ``tools/keywords.py``). A keyword this grammar cannot hold the
-arguments to (``uniqueItems``, ``not``, ``patternProperties`` ...) is refused by name (:class:`GrammarError`),
-never silently dropped; annotations (``description``, ``title``, ``default``, ``examples``) say nothing about
-validity and are skipped. ``docs/structured.md`` lists both.
+``tool_choice: "required"`` (one call or more) and a named function (one call to it) hold the model to a
+call with this grammar, in llguidance's lark syntax: ``<|tool_call>call:NAME{ARGS}<tool_call|>``, then
+optionally ``<|tool_response>``. Gemma-4's arguments are not JSON (``tools/calls.py``), so the schema is
+compiled to rules of that syntax: keys bare, sorted (as the template writes them), every ``required`` key
+present and no undeclared one; strings between ``<|"|>`` marks with no ``<|`` inside (no string can swallow
+a mark); numbers, booleans, ``null``, lists, objects, ``enum``/``const``, ``anyOf``/``oneOf``/``allOf``,
+type lists, ``$ref``, and the keywords ``tools/keywords.py`` holds. A keyword it cannot hold is refused by
+name (:class:`GrammarError`), never dropped; annotations are skipped (``docs/structured.md`` lists both).
 
-The markers are the tokenizer's: where it holds one as a special token (Gemma-4's does) the grammar names
-the token by id (``<[ID]>``), which no text can spell; else the marker is the text it is
-(:func:`marker_terms`). The grammar is the ``spec`` of a ``Constraint("grammar", ...)`` once constrained
-decoding takes one.
+Where the tokenizer holds a marker as a special token (Gemma-4's does) the grammar names it by id
+(``<[ID]>``), which no text can spell; else by its text (:func:`marker_terms`).
 """
 
 from __future__ import annotations
