@@ -1,14 +1,10 @@
 """Chat messages -> the prompt text the checkpoint was tuned on, with the checkpoint's own chat template.
 
-The template is the checkpoint's: ``chat_template.jinja`` beside its tokenizer
-or ``chat_template`` in its ``tokenizer_config.json`` (a string, or a list of
-named templates of which ``default`` is used). It renders the way
-transformers' ``apply_chat_template`` renders it: jinja2's sandbox with
-``trim_blocks`` and ``lstrip_blocks``, the loop controls extension,
-``raise_exception``, ``tojson`` and ``strftime_now``, and the tokenizer's
-special tokens (``bos_token``, ``eos_token``, ...) as variables. The rendered
-text is tokenized without adding special tokens (the template writes its
-own), which is what transformers does too.
+The template is ``chat_template.jinja`` beside the tokenizer or ``chat_template`` in ``tokenizer_config.json``
+(a string, or named templates of which ``default`` is used), rendered as transformers'
+``apply_chat_template`` renders it (jinja2's sandbox, ``trim_blocks``/``lstrip_blocks``, loop controls,
+``raise_exception``, ``tojson``, ``strftime_now``, the special tokens as variables); the text is tokenized
+without adding special tokens (the template writes its own).
 """
 
 from __future__ import annotations

@@ -3,22 +3,12 @@
     kakeya niah --target DIR --draft DIR --contexts 1024 2048 --depths 0.1 0.5 0.9 \\
         --policies native sink-window sink-window+kv8 [--restore DIR] [--json]
 
-Each case is one prompt of about ``context`` tokens: haystack text (docstrings
-of the Python standard library: prose, available offline), a needle sentence
-``The secret code is NNNN.`` inserted at ``depth`` (a fraction of the
-haystack, at a line boundary), then a question whose answer starts the
-generation. The prompt runs through the engine (greedy speculative decoding
-with the drafter, the policy's verifier cache) for ``--max-tokens`` tokens;
-a case is recalled when the needle's digits appear in the output.
-
-Policies: ``native``, ``sink-window``, each optionally ``+kv8`` / ``+kv4``
-(quantized full-attention K/V) and ``+restore`` (f_theta, needs ``--restore``;
-sink-window only). ``--sink`` / ``--window`` set the sink-window shape
-(default: 4 sinks, half the model's window).
-
-On the embedded tiny random models recall is ~0 under every policy, native
-included: they are random weights, so this only proves the machinery. Run it
-on a real checkpoint for a verdict (docs/ftheta.md).
+Each case is one prompt of about ``context`` tokens of haystack (the standard library's docstrings: prose,
+offline) with ``The secret code is NNNN.`` inserted at ``depth``, then a question whose answer starts the
+generation; it runs through the engine for ``--max-tokens`` tokens and is recalled when the digits appear.
+Policies: ``native``, ``sink-window``, each optionally ``+kv8`` / ``+kv4`` and ``+restore`` (f_theta, needs
+``--restore``; sink-window only); ``--sink`` / ``--window`` shape the window. On the embedded random models
+recall is ~0 under every policy: this only proves the machinery (docs/ftheta.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Text <-> token ids for the fronts, with the checkpoint's own tokenizer.json; streamed text cut at stop strings.
-
-Uses the `tokenizers` library directly (what transformers' fast tokenizers
-wrap), so the orchestrator never imports a model framework.
-"""
+"""Text <-> token ids with the checkpoint's own tokenizer.json (the ``tokenizers`` library, no model
+framework); streamed text cut at stop strings."""
 
 from __future__ import annotations
 
@@ -109,12 +106,8 @@ _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class StreamDecoder:
-    """Turns token chunks into text chunks without splitting multi-byte characters.
-
-    Only a short trailing window is re-decoded per chunk (the ids since the last
-    emitted text, plus the chunk before them for context), so a long stream costs
-    O(chunk) per block, not O(everything so far).
-    """
+    """Turns token chunks into text chunks without splitting multi-byte characters; only a short trailing
+    window is re-decoded per chunk, so a long stream costs O(chunk) per block."""
 
     def __init__(self, codec: TextCodec):
         self.codec = codec
@@ -139,11 +132,8 @@ class StreamDecoder:
 
 
 class StopStrings:
-    """Cuts streamed text at the first stop string; holds back text that may still become one.
-
-    The stop string itself is not part of the output text; the token that
-    completed it is the last token id sent.
-    """
+    """Cuts streamed text at the first stop string (not part of the output; the token that completed it is the
+    last id sent), holding back text that may still become one."""
 
     def __init__(self, codec: TextCodec, stops: Sequence[str]):
         self.codec, self.stops = codec, tuple(stops)
@@ -204,9 +194,5 @@ class PlainText:
 
 
 def text_stream(codec: TextCodec | None, stop_strings: Sequence[str] = ()) -> StopStrings | PlainText:
-    """How a front streams a run's text: ``add(block tokens) -> (ids, text, stop string hit)``, then ``flush()``.
-
-    With ``stop_strings`` (they need a codec) the text ends before the first one
-    and the ids with the token that completed it.
-    """
+    """How a front streams a run's text: ``add(block tokens) -> (ids, text, stop string hit)``, then ``flush()``."""
     return StopStrings(codec, stop_strings) if stop_strings else PlainText(codec)

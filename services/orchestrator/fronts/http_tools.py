@@ -1,15 +1,11 @@
-"""OpenAI's function tools on ``POST /v1/chat/completions``: ``tools``, ``tool_choice``, the tool turns of
-``messages`` read into the request (``http_api.chat_request``), and the calls of an answer in OpenAI's shapes.
+"""OpenAI's function tools on ``POST /v1/chat/completions``: ``tools``, ``tool_choice`` and the tool turns of
+``messages`` read into the request, and the calls of an answer in OpenAI's shapes.
 
-``tool_choice`` (its JSON shape read here, its meaning and refusals ``tools/choice.py``'s, which the gRPC API's
-``ChatMessages.tool_choice`` shares): ``auto`` (the default with tools) renders the tools and reads the model's calls out of its
-text (``tools/calls.py``); ``none`` (the default without) renders them too, as vLLM does, but reads no call:
-the text comes back as content, whatever it holds. ``required`` and a named function hold the model to
-well-formed calls whose arguments follow their schemas, by a grammar (``tools/grammar.py``, compiled with the
-request's other checks in ``checks.py``). ``strict: true`` on a function holds its calls' arguments to its
-schema under ``auto`` too: the model still answers in any text it likes, but a call, once opened, is held
-well-formed (every tool's) and a strict tool's arguments follow its schema (the same grammar, in a form that
-lets text come first); under ``required`` and a named function every call is held anyway.
+``tool_choice`` (its JSON shape read here, its meaning ``tools/choice.py``'s): ``auto`` (the default with
+tools) reads the model's calls out of its text; ``none`` renders the tools too, as vLLM does, but reads no
+call. ``required`` and a named function hold the model to well-formed calls whose arguments follow their
+schemas (``tools/grammar.py``); ``strict: true`` on a function holds its arguments under ``auto`` too, once
+a call is opened (the text before it stays free).
 """
 
 from __future__ import annotations
@@ -55,9 +51,7 @@ def tools(value) -> tuple[Tool, ...]:
 
 
 def tool_choice(value, declared: tuple[Tool, ...]) -> str:
-    """``tool_choice`` as :attr:`Chat.tool_choice`: ``auto``, ``none``, ``required`` or the function's name. The
-    JSON shape is read here; what the choice means and which are refused is every front's (``tools/choice.py``:
-    an InvalidRequest naming ``prompt.tool_choice``)."""
+    """``tool_choice`` as :attr:`Chat.tool_choice`: ``auto``, ``none``, ``required`` or the function's name."""
     if isinstance(value, dict):
         f = value.get("function")
         name = f.get("name") if value.get("type") == "function" and isinstance(f, dict) else None

@@ -1,16 +1,10 @@
 """N-gram drafts: propose a block by copying what followed the context's last tokens the last time they occurred.
 
-Prompt-lookup decoding (vLLM's ``ngram`` method) and suffix decoding (Arctic Inference, which uses it beside
-a trained drafter the same way) in their simplest form. Code and chat repeat themselves (an identifier, a
-signature, a loop body, a quoted passage), and a small drafter continues such runs worse than a lookup does
-(what copies are worth: ``benchmarks/ngram.py``, ``docs/benchmarks.md``). So the loop drafts by copy when the
-match is at least ``MIN_MATCH`` tokens and asks the drafter otherwise. Any candidates are lossless: the verifier accepts only what equals its own
-choices (greedy, or coupled sampling's noisy argmax); the rejection rule needs the drafter's distribution
-beside each candidate, so it never copies.
-
-The index is incremental: each call indexes the tokens committed since the last one (every n-gram of
-``MIN_MATCH..MAX_MATCH`` tokens, keeping where each last ended), so a block costs a few dict operations
-whatever the context's length.
+Prompt-lookup decoding (vLLM's ``ngram`` method) in its simplest form: code and chat repeat themselves, and
+a small drafter continues such runs worse than a lookup does (``benchmarks/ngram.py``). The loop drafts by
+copy when the match is at least ``MIN_MATCH`` tokens and asks the drafter otherwise; the rejection rule
+needs the drafter's distribution, so it never copies. The index is incremental (each call indexes the
+tokens committed since the last), so a block costs a few dict operations whatever the context's length.
 """
 
 from __future__ import annotations
