@@ -100,14 +100,11 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         names = names | {tool_choice.FIELD: choice_field}
         prompt = Chat(messages, r.messages.continue_final_message, tools, choice)
     sp = r.sampling_params
-    sampling = SamplingParams(
-        temperature=wire_contract.decimal(sp.temperature),
-        top_k=sp.top_k,
-        top_p=wire_contract.decimal(sp.top_p) if sp.top_p else 1.0,
-        min_p=wire_contract.decimal(sp.min_p),
-        seed=sp.seed if sp.HasField("seed") else None,
-        rule=wire_contract.rule_from_proto(sp.rule),
-    )
+    sampling = SamplingParams(  # checked with the rest (checks.py)
+        wire_contract.decimal(sp.temperature), sp.top_k, wire_contract.decimal(sp.top_p) if sp.top_p else 1.0,
+        wire_contract.decimal(sp.min_p), sp.seed if sp.HasField("seed") else None,
+        wire_contract.rule_from_proto(sp.rule),
+    )  # fmt: skip
     try:
         constraint, spec_name = wire_contract.constraint_from_proto(r.constraint)
     except ValueError as exc:
@@ -115,19 +112,12 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         raise InvalidRequest(field, reason) from None
     names = names | {"constraint.spec": spec_name}
     request = Request(
-        prompt=prompt,
-        constraint=constraint,
-        max_tokens=sp.max_tokens or None,  # 0: the server's default
-        block_size=r.block_size,
-        stop_ids=tuple(sp.stop_token_ids),
-        stop_strings=tool_choice.stop_strings(sp.stop, prompt),
-        ignore_eos=sp.ignore_eos,
-        cache_policy=_cache_policy(r, default_policy),
-        sampling=sampling,
-        request_id=r.request_id,
+        prompt=prompt, constraint=constraint, max_tokens=sp.max_tokens or None,  # 0: the server's default
+        block_size=r.block_size, stop_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+        stop_strings=tool_choice.stop_strings(sp.stop, prompt), cache_policy=_cache_policy(r, default_policy),
+        sampling=sampling, request_id=r.request_id, resume_ids=tuple(r.resume_token_ids),
         logprobs=sp.logprobs if sp.HasField("logprobs") else None,  # checked with the rest (checks.py)
-        resume_ids=tuple(r.resume_token_ids),  # checked with the rest (checks.py)
-    )
+    )  # fmt: skip
     return request, names
 
 
@@ -182,15 +172,11 @@ def complete_from_report(report: Report, reads_calls: bool = False) -> pb.Genera
         acceptance_lengths=report.acceptance_lengths, **{k: getattr(report, k) for k in SPEC_STATS},
     )  # fmt: skip
     complete = pb.GenerateResponse.Complete(
-        finish_reason=FINISH[report.finish_reason],
-        prompt_tokens=len(report.prompt_token_ids),
-        completion_tokens=len(report.token_ids),
-        stats=stats,
-        error_message=report.error,
-        prompt_token_ids=report.prompt_token_ids,
-        cached_tokens=report.cached_tokens,
+        finish_reason=FINISH[report.finish_reason], prompt_tokens=len(report.prompt_token_ids),
+        completion_tokens=len(report.token_ids), stats=stats, error_message=report.error,
+        prompt_token_ids=report.prompt_token_ids, cached_tokens=report.cached_tokens,
         sampling=wire_contract.sampling_to_proto(s),
-    )
+    )  # fmt: skip
     if not s.greedy:
         complete.seed = s.seed
         complete.sampling_rule = wire_contract.rule_to_proto(s.rule)
@@ -208,17 +194,8 @@ def report_from_stream(
 ) -> Report:
     """The report of a generation streamed by a server (``kakeya client``): its ``Complete``, the token ids
     and text of its chunks, the model it served (``GetModelInfo``) and its verifier's backend."""
-    s, sp = complete.stats, complete.sampling
-    sampling = SamplingParams()
-    if sp.temperature:
-        sampling = SamplingParams(
-            temperature=wire_contract.decimal(sp.temperature),
-            top_k=sp.top_k,
-            top_p=wire_contract.decimal(sp.top_p) if sp.top_p else 1.0,
-            min_p=wire_contract.decimal(sp.min_p),
-            seed=sp.seed,
-            rule=wire_contract.rule_from_proto(sp.rule),
-        )
+    s = complete.stats
+    sampling = wire_contract.sampling_from_proto(complete.sampling) or SamplingParams()
     return Report(
         target=model.target_model, draft=model.draft_model, backend=backend, text=text,
         prompt_token_ids=tuple(complete.prompt_token_ids), token_ids=tuple(token_ids),
