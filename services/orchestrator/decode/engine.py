@@ -181,15 +181,10 @@ class Run:
             and (self._sampling.greedy or self._sampling.rule != REJECTION)
         )
         self._session_options = SessionOptions(
-            req.request_id,
-            options.timeout,
-            len(req.prompt_ids) + req.max_tokens,
-            self._cancellation,
-            logprobs=req.logprobs,
-            constraint=req.constraint,
-            ranked=RANKED if guided and self._sampling.greedy else 0,
+            req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation,
+            logprobs=req.logprobs, constraint=req.constraint, ranked=RANKED if guided and self._sampling.greedy else 0,
             movable=self._takeover,  # a draining replica's sessions move at a round boundary (``takeover.py``)
-        )
+        )  # fmt: skip
 
     def begin(self) -> None:
         """Open the sessions and run the prefill's first chunk; a failure closes what was opened and is raised."""
@@ -210,16 +205,9 @@ class Run:
         if self._guided:
             info = engine.verifier.info
             guide = open_guide(req.constraint, engine.codec.tokenizer_json, info.vocab_size, info.eos_token_ids)
-        decoding = DecodeOptions(
-            req.max_tokens,
-            self._sizer,
-            engine.stop_ids(req),
-            options.drafter_fallback,
-            ngram,
-            guide,
-            min(engine.max_block_size(req.cache_policy), req.max_block_size),
-            self._takeover,
-        )
+        max_block = min(engine.max_block_size(req.cache_policy), req.max_block_size)
+        decoding = DecodeOptions(req.max_tokens, self._sizer, engine.stop_ids(req), options.drafter_fallback, ngram,
+                                 guide, max_block, self._takeover)  # fmt: skip
         self._decode = Decode(self.verifier_session, self.drafter_session, req.prompt_ids, decoding)
 
     @property
