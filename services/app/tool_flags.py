@@ -25,7 +25,7 @@ def add_tool_options(p) -> None:
 
 def set_tools(messages, args) -> None:
     """``--tools`` and ``--tool-choice`` into ``messages`` (a ``ChatMessages``); ValueError naming the flag."""
-    from kakeya.orchestrator.fronts.http_tools import ToolError, tools
+    from kakeya.orchestrator.fronts.http_params import ToolError, tools
     from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
     if args.tools is not None:

@@ -23,7 +23,7 @@ from kakeya.checkpoints.config import chat_template_source
 from kakeya.core import json_text
 from kakeya.core.request import Chat, ToolCall
 from kakeya.orchestrator.tools.calls import NAME
-from kakeya.orchestrator.tools.choice import ToolProblem, check_tools
+from kakeya.orchestrator.tools.grammar import ToolProblem, check_tools
 from kakeya.runtime.lifecycle import quote
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

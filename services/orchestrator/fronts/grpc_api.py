@@ -25,7 +25,7 @@ from kakeya.core.request import (
     ToolCall,
 )
 from kakeya.orchestrator.tools import calls as tool_calls
-from kakeya.orchestrator.tools import choice as tool_choice
+from kakeya.orchestrator.tools import grammar as tool_choice
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import cache_pb2
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb

@@ -21,7 +21,7 @@ from kakeya.core.generation import Block
 from kakeya.core.request import CachePolicy, InvalidRequest
 from kakeya.orchestrator.fronts import grpc_api
 from kakeya.orchestrator.fronts.service import GenerationService
-from kakeya.orchestrator.tools import choice as tool_choice
+from kakeya.orchestrator.tools import grammar as tool_choice
 from kakeya.runtime.lifecycle import RequestError, ServerSpec, bounded, version, workers_for
 from kakeya.runtime.security.guard import add_servicer
 from kakeya.wire import convert as wire_contract

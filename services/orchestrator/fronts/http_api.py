@@ -23,9 +23,9 @@ import grpc
 from kakeya.core import json_text
 from kakeya.core.generation import Block, Report
 from kakeya.core.request import Chat, InvalidRequest, Request, SamplingParams, public_field
-from kakeya.orchestrator.fronts import http_params, http_tools
+from kakeya.orchestrator.fronts import http_params
 from kakeya.orchestrator.tools import calls as tool_calls
-from kakeya.orchestrator.tools import choice as tool_choice
+from kakeya.orchestrator.tools import grammar as tool_choice
 from kakeya.orchestrator.tools.grammar import holds_calls
 from kakeya.runtime.lifecycle import RequestError, bounded, quote
 
@@ -265,17 +265,17 @@ def chat_request(body: dict, served: str) -> tuple[Request, Reply, dict[str, str
         raise bad("messages", "must be a non-empty list of messages")
     turns = []
     try:
-        tools = http_tools.tools(body.get("tools"))
-        choice = http_tools.tool_choice(body.get("tool_choice"), tools)
+        tools = http_params.tools(body.get("tools"))
+        choice = http_params.tool_choice(body.get("tool_choice"), tools)
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise bad("messages", f"messages[{i}] must be an object with a role")
             # an assistant's turn that calls tools may have no content (OpenAI sends null)
             empty = m.get("content") is None and (m.get("tool_calls") or m["role"] == "tool")
-            turns.append(http_tools.message(m, i, "" if empty else _content(m.get("content"), i)))
-    except http_tools.ToolError as exc:
+            turns.append(http_params.message(m, i, "" if empty else _content(m.get("content"), i)))
+    except http_params.ToolError as exc:
         raise ApiError(400, str(exc), exc.param) from None
-    except InvalidRequest as exc:  # a tool_choice refused as every front refuses it (``tools/choice.py``)
+    except InvalidRequest as exc:  # a tool_choice refused as every front refuses it (``tools/grammar.py``)
         raise ApiError.invalid(exc, names) from None
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -384,9 +384,9 @@ class Answer:
             if isinstance(e, str):
                 deltas.append({"content": e})
             elif isinstance(e, tool_calls.ArgumentsPiece):  # of the call last opened
-                deltas.append(http_tools.arguments_delta(e.text, self.calls_sent - 1))
+                deltas.append(http_params.arguments_delta(e.text, self.calls_sent - 1))
             else:  # a call opened (its arguments to come) or whole
-                deltas += http_tools.call_deltas(getattr(e, "call", e), self.calls_sent)
+                deltas += http_params.call_deltas(getattr(e, "call", e), self.calls_sent)
                 self.calls_sent += 1
         return [self._envelope([{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}], chunk=True)
                 for d in deltas]  # fmt: skip
@@ -410,7 +410,7 @@ class Answer:
             choice = self._choice(content if content.strip() or not calls else None, self._finish(report, len(calls)),
                                   False)  # fmt: skip
             if calls:
-                choice["message"]["tool_calls"] = [http_tools.call_json(c) for c in calls]
+                choice["message"]["tool_calls"] = [http_params.call_json(c) for c in calls]
             body = self._envelope([choice])
         return body | {"usage": usage(report), "kakeya": stats(report)}
 
