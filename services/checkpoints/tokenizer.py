@@ -32,7 +32,7 @@ MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 
 Progress = Callable[[str], None]
 
-CHAT_TEMPLATE_FILE = "chat_template.jinja"  # what transformers (and orchestrator/chat.py) read beside the tokenizer
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # what transformers (and orchestrator/text.py) read beside the tokenizer
 CHAT_TEMPLATE = chat_template.CHAT_TEMPLATE  # Gemma's turn format, tools as Gemma-4 writes them
 
 

@@ -257,7 +257,7 @@ AUTO, NONE, REQUIRED = "auto", "none", "required"
 
 @dataclass(frozen=True)
 class Chat:
-    """A conversation to render with the checkpoint's chat template (``orchestrator/chat.py``).
+    """A conversation to render with the checkpoint's chat template (``orchestrator/text.py``).
 
     ``continue_final_message``: the last message is left open for the model to continue (no end of
     turn, no new assistant header), as transformers' ``apply_chat_template`` does. ``tools``: the

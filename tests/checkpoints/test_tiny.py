@@ -30,7 +30,7 @@ def _config(d: Path) -> dict:
 
 def test_layout(tiny_pair):
     assert sorted(_files(tiny_pair.target)) == [
-        "chat_template.jinja",  # the tokenizer writer's minimal Gemma-style template (orchestrator/chat.py)
+        "chat_template.jinja",  # the tokenizer writer's minimal Gemma-style template (orchestrator/text.py)
         "config.json",
         "generation_config.json",
         "model.safetensors",

@@ -1,4 +1,4 @@
-"""Chat templates (``orchestrator/chat.py``): rendered and tokenized exactly as transformers does it."""
+"""Chat templates (``orchestrator/text.py``): rendered and tokenized exactly as transformers does it."""
 
 import json
 import shutil
@@ -6,8 +6,7 @@ import shutil
 import pytest
 
 from kakeya.checkpoints import tokenizer as tk
-from kakeya.orchestrator.chat import ChatError, ChatTemplate
-from kakeya.orchestrator.text import TextCodec
+from kakeya.orchestrator.text import ChatError, ChatTemplate, TextCodec
 
 CONVERSATIONS = [
     [{"role": "user", "content": "def add(a, b):"}],

@@ -1,4 +1,4 @@
-"""Tools in the project's chat template (``checkpoints/chat_template.py``) and ``orchestrator/chat.py``.
+"""Tools in the project's chat template (``checkpoints/chat_template.py``) and ``orchestrator/text.py``.
 
 The expected strings are Gemma-4's tool syntax as its own ``chat_template.jinja`` writes it (the declaration,
 call and result blocks that vLLM's and mlx-lm's ``gemma4`` tool parsers read and that llama.cpp's and other
@@ -13,8 +13,7 @@ import json
 import pytest
 
 from kakeya.core.request import Chat, Message, Tool, ToolCall
-from kakeya.orchestrator.chat import template_inputs
-from kakeya.orchestrator.text import TextCodec
+from kakeya.orchestrator.text import TextCodec, template_inputs
 from kakeya.orchestrator.tools.calls import parse_call
 
 Q = '<|"|>'

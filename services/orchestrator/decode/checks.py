@@ -28,8 +28,7 @@ from kakeya.core.request import (
     InvalidRequest,
     Request,
 )
-from kakeya.orchestrator.chat import ChatError, template_inputs
-from kakeya.orchestrator.text import TextCodec
+from kakeya.orchestrator.text import ChatError, TextCodec, template_inputs
 from kakeya.orchestrator.tools.grammar import GrammarError, holds_calls, marker_terms, tool_call_grammar
 from kakeya.runtime import bounds
 
