@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Protocol
 
 import grpc
@@ -125,8 +126,7 @@ class GenerationService:
         self.colocated = colocated
         self.max_tokens_limit, self.default_max_tokens = max_tokens_limit, default_max_tokens
         self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
-        # --queue: generations that wait (first come, first served) for one of --max-sessions to end, up to
-        # --queue-timeout or their client's deadline, instead of RESOURCE_EXHAUSTED at once
+        # --queue: generations that wait for one of --max-sessions to end instead of RESOURCE_EXHAUSTED at once
         self.queue, self.queue_timeout_s = queue, queue_timeout_s
         self.max_prompt_tokens_flag = max_prompt_tokens
         self.restore = restore  # colocated: the --restore sources requests may name; None: the verifier maps names
@@ -160,22 +160,14 @@ class GenerationService:
         """Build the engine, set the limits and warm up through the very path requests take."""
         self.engine = e = self.step(self._build)
         limits = Limits(self.default_max_tokens, self.max_tokens_limit, self.max_prompt_tokens_flag, 0, self.restore)
-        self.limits = Limits(
-            self.default_max_tokens,
-            self.max_tokens_limit,
-            prompt_limit(e, limits),
-            context_of(e, limits),
-            self.restore,
-        )
+        self.limits = replace(limits, max_prompt_tokens=prompt_limit(e, limits), max_context=context_of(e, limits))
         usage = getattr(e.verifier, "kv_usage", None)  # a remote verifier's K/V budget in use (a gateway's gauge)
         self.metrics.track_kv_usage(usage if usage is not None else lambda: 0.0)
         vocab = e.verifier.info.vocab_size
         warmup = Request(
             [i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), ignore_eos=True, request_id="warmup"
         )
-        report = None
-        for item in self._generate(warmup, observe=False):  # warm-up: not in the metrics
-            report = item
+        *_, report = self._generate(warmup, observe=False)  # warm-up: not in the metrics
         if report.finish_reason == "error":
             raise RuntimeError(f"warm-up generation failed: {report.error}")
         if report.drafter_fallback:
@@ -187,8 +179,8 @@ class GenerationService:
         )
 
     def drain(self) -> None:
-        """SIGTERM: refuse every generation not started yet (queued ones too) with UNAVAILABLE, so its client
-        retries another replica; the ones in flight go on to their end (within --grace)."""
+        """SIGTERM: refuse every generation not started yet (queued ones too) with UNAVAILABLE; the ones in
+        flight go on to their end (within --grace)."""
         with self._lock:
             self.draining = True
             self._room.notify_all()  # the queued ones hear it now
@@ -238,8 +230,8 @@ class GenerationService:
             self.total += 1
 
     def _wait_for_room(self, peer: str, wait_s: float) -> str | None:
-        """Queued (under the lock) until this generation is first in line and may start, or ``wait_s`` passes,
-        or the server stops serving: None, or why it may not start."""
+        """Queued (under the lock) until this generation may start, ``wait_s`` passes or the server stops
+        serving: None, or why it may not start."""
         ticket = next(self._tickets)
         self._waiting.append(ticket)
         t0 = time.monotonic()
@@ -259,7 +251,7 @@ class GenerationService:
 
     def _admission_problem(self, peer: str, first_in_line: bool = False) -> tuple[str | None, bool]:
         """Why one more generation of ``peer`` is refused now (under the lock), or None; and whether the
-        reason is ``--max-sessions`` (full, or others queued ahead of it), the one a queue waits out."""
+        reason is ``--max-sessions``, the one a queue waits out."""
         if self.max_sessions and (self.active >= self.max_sessions or (self._waiting and not first_in_line)):
             return f"{self.active} of {self.max_sessions} generations in flight (--max-sessions)", True
         held = self.by_peer.get(peer, 0)
@@ -317,13 +309,8 @@ class GenerationService:
         if run.cancelled:
             return
         report = run.report(time.perf_counter() - t_start, error)
-        obs.finish(
-            report.finish_reason,
-            fallback=fallback,
-            prompt_tokens=len(report.prompt_token_ids),
-            tokens=len(report.token_ids),
-            cached_tokens=report.cached_tokens,
-        )
+        obs.finish(report.finish_reason, fallback=fallback, prompt_tokens=len(report.prompt_token_ids),
+                   tokens=len(report.token_ids), cached_tokens=report.cached_tokens)  # fmt: skip
         yield report
 
 
@@ -378,9 +365,8 @@ def _backend_status(exc: BackendError) -> tuple[grpc.StatusCode, str]:
 
 def fallback_reason(drafter_error: Exception | None, cancelled: bool) -> str | None:
     """Why a run finished on the verifier alone, as ``kakeya_ar_fallbacks_total{reason}`` counts it:
-    ``drafter_failed`` (an error, a hang, unreachable), ``drafter_backoff`` (skipped after earlier
-    failures), ``drafter_busy`` (it refused for capacity). None when it did not fall back, or when
-    the client's own cancel or deadline ended the drafter's stream: never the drafter's failure."""
+    ``drafter_failed``, ``drafter_backoff`` (skipped after earlier failures) or ``drafter_busy``; None when
+    it did not fall back, or the client's own cancel or deadline ended the drafter's stream."""
     if drafter_error is None or cancelled:
         return None
     if isinstance(drafter_error, BackendError):
