@@ -176,7 +176,6 @@ class Stream:
         self._call = method(iter(self._requests.get, _END), timeout=timeout, metadata=metadata)
         self.deadline = time.monotonic() + timeout if timeout is not None else None  # the client's, if any
         self.done = False
-        self.expired = 0.0  # the step deadline that passed (seconds), 0 while none did
         self.progress = 0  # Progress messages read (each re-armed the deadline of the step read then)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -204,45 +203,18 @@ class Stream:
         return reply.response
 
     def _read(self, expect: str, step_timeout: float | None):
-        """The next answer; Progress messages before it are counted and each re-arms ``step_timeout``."""
-        key, heard = None, 0
+        """The next answer, after the Progress messages that each re-arm ``step_timeout``."""
 
-        def expire(t=step_timeout):
-            self.expired = t
-            self.abort()
+        def progress(resp) -> None:
+            self.progress += 1
+            self.bytes_received += resp.ByteSize()
 
         try:
-            while True:
-                if step_timeout is not None:
-                    key = WATCHDOG.arm(step_timeout, expire)
-                resp = next(self._call)
-                if resp.WhichOneof("response") != "progress":
-                    break
-                heard += 1
-                self.progress += 1
-                self.bytes_received += resp.ByteSize()
-                if key is not None:
-                    WATCHDOG.disarm(key)
-        except StopIteration:
+            resp = heard_from(self._call, self.service, self.addr, expect, f"stream ended before {expect}",
+                              step_timeout, self.abort, progress)  # fmt: skip
+        except BackendError:
             self.abort()
-            raise BackendError(
-                self.service, self.addr, grpc.StatusCode.INTERNAL, f"stream ended before {expect}"
-            ) from None
-        except grpc.RpcError as exc:
-            self.abort()
-            if self.expired:
-                raise BackendError(
-                    self.service,
-                    self.addr,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"no {expect} answer or progress for {self.expired:.1f} s, after {heard} progress"
-                    " messages (hung? see --backend-timeout)",
-                    step_timeout=True,
-                ) from None
-            raise BackendError.of(self.service, self.addr, exc) from None
-        finally:
-            if key is not None:
-                WATCHDOG.disarm(key)
+            raise
         self.bytes_received += resp.ByteSize()
         self.draining = self.draining or resp.draining
         got = resp.WhichOneof("response")
@@ -291,32 +263,45 @@ def round_deadline(streams) -> float | None:
     return max(0.0, max(deadlines) - time.monotonic())
 
 
-def call_round(method, request, service: str, addr: str, step_timeout: float, timeout: float | None):
-    """A round call (``VerifyRound`` / ``DraftRound``): its ``Done`` message, after the Progress messages that
-    each re-arm ``step_timeout`` (a deadline of silence, as a stream's step: ``Stream._read``)."""
-    call = method(request, timeout=timeout)
-    expired = []
-    heard = 0
+def heard_from(call, service: str, addr: str, what: str, ended: str, step_timeout, cancel, on_progress=None):
+    """The next message of ``call`` that is no Progress; each Progress re-arms ``step_timeout``, a deadline of
+    silence whose expiry ``cancel``s the call (a BackendError marked ``step_timeout``: hung, not slow)."""
+    expired, heard, key = [], 0, None
+
+    def expire() -> None:
+        expired.append(step_timeout)
+        cancel()
+
     try:
         while True:
-            key = WATCHDOG.arm(step_timeout, lambda: (expired.append(step_timeout), call.cancel()))
+            if step_timeout is not None:
+                key = WATCHDOG.arm(step_timeout, expire)
             try:
                 resp = next(call)
             finally:
-                WATCHDOG.disarm(key)
+                if key is not None:
+                    WATCHDOG.disarm(key)
             if resp.WhichOneof("response") != "progress":
-                break
+                return resp
             heard += 1
+            if on_progress is not None:
+                on_progress(resp)
     except StopIteration:
-        raise BackendError(service, addr, grpc.StatusCode.INTERNAL, "round call ended before done") from None
+        raise BackendError(service, addr, grpc.StatusCode.INTERNAL, ended) from None
     except grpc.RpcError as exc:
         if expired:
             raise BackendError(
                 service, addr, grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"no round answer or progress for {expired[0]:.1f} s, after {heard} progress messages"
+                f"no {what} answer or progress for {expired[0]:.1f} s, after {heard} progress messages"
                 " (hung? see --backend-timeout)", step_timeout=True,
             ) from None  # fmt: skip
         raise BackendError.of(service, addr, exc) from None
+
+
+def call_round(method, request, service: str, addr: str, step_timeout: float, timeout: float | None):
+    """A round call (``VerifyRound`` / ``DraftRound``): its ``Done`` message, after its Progress messages."""
+    call = method(request, timeout=timeout)
+    resp = heard_from(call, service, addr, "round", "round call ended before done", step_timeout, call.cancel)
     if resp.WhichOneof("response") != "done" or len(resp.done.items) != len(request.items):
         raise BackendError(service, addr, grpc.StatusCode.INTERNAL, "round call answered out of protocol")
     return resp
