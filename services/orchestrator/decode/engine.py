@@ -129,15 +129,12 @@ class RunOptions:
     timeout: float | None = None  # the client's deadline in seconds: bounds the backend sessions; None: none
     step: Callable[..., Any] = _call  # runs each piece of model work; a colocated server: on its compute thread
     queued: Callable[[], int] | None = None  # jobs waiting for step's thread: a round lets them run before its verify
-    # A failing drafter: the verifier finishes alone (same tokens, ``drafter_fallback`` set) instead of
-    # failing the run. Servers want that; tests and benchmarks want a broken drafter to fail loudly.
-    drafter_fallback: bool = False
+    drafter_fallback: bool = False  # a failing drafter leaves the verifier to finish alone (servers), not fail loudly
     ngram: bool | None = None  # None: the engine's choice (``Engine.ngram``); the rejection rule never copies
-    guided: bool = True  # a constrained request drafts its grammar's forced tokens without the drafter (guided.py)
+    guided: bool = True  # a constrained request drafts its grammar's forced tokens (``proposers/forced.py``)
     limits: Limits = Limits()  # what the request is checked against (a server's flags)
-    # A replica's loss mid-stream: reopen the sessions on another replica and go on (``decode/takeover.py``)
-    # instead of failing the run; ``on_takeover(role, pause_s, drained)`` hears each one (a server's metrics;
-    # ``drained``: a draining replica's hand-off, no failure).
+    # A replica's loss mid-stream: go on on another replica (``decode/takeover.py``) instead of failing;
+    # ``on_takeover(role, pause_s, drained)`` hears each one (``drained``: a draining replica's hand-off).
     takeover: bool = False
     on_takeover: Callable[[str, float, bool], None] | None = None
 
@@ -174,12 +171,10 @@ class Run:
         # a resumed stream: what the client has is context, not output (its text held back alike)
         if req.resume_ids and self._text.add(list(req.resume_ids))[2]:
             raise InvalidRequest("resume_token_ids", "the generation already ended at a stop string")
-        # a constrained request drafts with its grammar (guided.py): greedy ones choose among the drafter's ranks
-        self._guided = guided = (
-            req.constraint is not None
-            and options.guided
-            and (self._sampling.greedy or self._sampling.rule != REJECTION)
-        )
+        # the rejection rule needs the drafter's distribution beside each candidate: it never copies nor is guided
+        self._exact = self._sampling.greedy or self._sampling.rule != REJECTION
+        # a constrained request drafts with its grammar: greedy ones choose among the drafter's ranks
+        self._guided = guided = req.constraint is not None and options.guided and self._exact
         self._session_options = SessionOptions(
             req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation,
             logprobs=req.logprobs, constraint=req.constraint, ranked=RANKED if guided and self._sampling.greedy else 0,
@@ -198,9 +193,7 @@ class Run:
         except BaseException:
             self._step(self._close_sessions)
             raise
-        ngram = (engine.ngram if options.ngram is None else options.ngram) and (
-            self._sampling.greedy or self._sampling.rule != REJECTION
-        )  # a copy has no proposal distribution
+        ngram = (engine.ngram if options.ngram is None else options.ngram) and self._exact
         guide = None
         if self._guided:
             info = engine.verifier.info

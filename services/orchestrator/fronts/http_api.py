@@ -277,10 +277,9 @@ def chat_request(body: dict, served: str) -> tuple[Request, Reply, dict[str, str
         raise ApiError(400, str(exc), exc.param) from None
     except InvalidRequest as exc:  # a tool_choice refused as every front refuses it (``tools/grammar.py``)
         raise ApiError.invalid(exc, names) from None
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise bad("parallel_tool_calls", f"must be true or false, got {type(parallel).__name__}")
-    prompt = Chat(tuple(turns), _flag(body, "continue_final_message"), tools, choice, parallel is not False)
+    _flag(body, "parallel_tool_calls")  # true or false; unset: true
+    parallel = body.get("parallel_tool_calls") is not False
+    prompt = Chat(tuple(turns), _flag(body, "continue_final_message"), tools, choice, parallel)
     fields["stop_strings"] = tool_choice.stop_strings(fields["stop_strings"], prompt)
     held = holds_calls(tools, choice, prompt.parallel_tool_calls)
     call = replace(call, tools=tool_choice.reads_calls(prompt), held_calls=held)
