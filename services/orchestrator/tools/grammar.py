@@ -43,9 +43,8 @@ class ToolProblem(ValueError):
 
 
 def check_tools(tools: Sequence[Tool]) -> None:
-    """Each tool's name (1-64 letters, digits, '_', '.' or '-', declared once) and parameters (none, or a JSON
-    schema of ``"type": "object"`` whose ``properties`` is an object and ``required`` a list of strings);
-    :class:`ToolProblem` for the first that is not."""
+    """Each tool's name (1-64 letters, digits, '_', '.' or '-', declared once) and parameters (none, or an
+    object schema); :class:`ToolProblem` for the first that is not."""
     for i, t in enumerate(tools):
         if not isinstance(t.name, str) or not NAME.fullmatch(t.name):
             raise ToolProblem(i, "name", "must be 1-64 letters, digits, '_', '.' or '-'")
@@ -337,15 +336,10 @@ def tool_call_grammar(
     tools: Sequence[Tool], tool_choice: str, terms: Mapping[str, str] | None = None, parallel: bool = True
 ) -> str:
     """The lark grammar (llguidance's) of the calls ``tool_choice`` asks for: ``required``, one or more calls of
-    any of ``tools``; a function's name, one call of it; ``auto`` with a ``strict`` tool, text or calls (below).
-    ``terms``: the markers' lark terms (:func:`marker_terms`; by default their text). ``parallel`` False
-    (OpenAI's ``parallel_tool_calls: false``): at most one call, after which the grammar ends (a named function
-    is one call anyway). :class:`GrammarError` names a tool it cannot hold.
-
-    ``auto`` (:func:`holds_calls` says when it has a grammar): any text without a call's opening mark, or text
-    up to that mark and then one or more calls, each well-formed, a ``strict`` tool's arguments following
-    its schema and another tool's any arguments. The text is free, so the model answers in text exactly as it
-    would unconstrained; only a call, once opened, is held."""
+    any of ``tools``; a function's name, one call of it; ``auto`` (when :func:`holds_calls`), free text, or
+    text up to a call's opening mark and then well-formed calls, a ``strict`` tool's arguments following its
+    schema. ``terms``: the markers' lark terms (:func:`marker_terms`). ``parallel`` False: at most one call.
+    :class:`GrammarError` names a tool it cannot hold."""
     terms = dict(terms or marker_terms())
     rules = _Rules(terms)
     if tool_choice == NONE or (tool_choice == AUTO and not holds_calls(tools, tool_choice, parallel)):
@@ -393,15 +387,11 @@ _FREE = r"/(.|\n)*/"
 
 
 def _text_or_calls(terms: Mapping[str, str], body: str, parallel: bool) -> str:
-    """``auto``'s start: text alone, or text then calls. Where the opening mark is a special token (Gemma-4's)
-    no text can spell it and the text simply ends at it. Where it is text, the text may not hold the mark,
-    and text with the mark at its end is one lexeme (``LEAD``): llguidance's lexer cannot take back
-    characters a longer lexeme already took, so a text lexeme followed by a mark lexeme would never see the
-    mark. (Not a ``stop=`` lexeme: llguidance 1.x rolls one back wrongly, and the verifier rolls back every
-    block's rejected candidates; ``test_tool_grammar.py`` checks a rolled-back state.)
-
-    The text is free but for one thing: llguidance's lexemes read UTF-8 characters, so a byte sequence that
-    is no text (only an untrained model writes one) is refused."""
+    """``auto``'s start: text alone, or text then calls. Where the opening mark is a special token no text can
+    spell it. Where it is text, text with the mark at its end is one lexeme (``LEAD``): llguidance's lexer
+    cannot take back characters a longer lexeme took, so a text lexeme then a mark lexeme would never see the
+    mark (not a ``stop=`` lexeme: llguidance 1.x rolls one back wrongly; ``test_tool_grammar.py`` checks a
+    rolled-back state). Bytes that are no UTF-8 text are refused (llguidance's lexemes read characters)."""
     more = f"({terms[CALL_START]} {body} {terms[CALL_END]})*" if parallel else ""
     rest = f"{body} {terms[CALL_END]} {more} {terms[RESULT_START]}?"
     if terms[CALL_START].startswith("<["):

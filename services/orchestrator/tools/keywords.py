@@ -30,9 +30,8 @@ MAX_ITEMS = 256  # the largest minItems / maxItems bound spelt out as repetition
 
 
 class GrammarError(ValueError):
-    """A tool this grammar cannot hold a call to: ``tool``, its index among the tools; ``at``, where in its
-    parameters' schema (``properties.city.items``; "" for the schema itself); ``reason``, the keyword and why.
-    Each front names the tool's field as its clients spell it (``checks.py``)."""
+    """A tool this grammar cannot hold a call to: ``tool``, its index; ``at``, where in its parameters' schema
+    (``properties.city.items``; "" for the schema itself); ``reason``, the keyword and why."""
 
     def __init__(self, at: str, reason: str, tool: int | None = None):
         super().__init__(f"{at}: {reason}" if at else reason)
