@@ -76,12 +76,7 @@ _TEXT = "this server generates text only"
 PARAMS: dict[str, Param] = {
     # -- OpenAI, both APIs
     "model": Param(HONOURED),  # must be the served model (404 otherwise)
-    "max_tokens": Param(HONOURED),
-    "temperature": Param(HONOURED),
-    "top_p": Param(HONOURED),
-    "seed": Param(HONOURED),
-    "stop": Param(HONOURED),
-    "stream": Param(HONOURED),
+    **dict.fromkeys(("max_tokens", "temperature", "top_p", "seed", "stop", "stream"), Param(HONOURED)),
     "stream_options": Param(HONOURED),  # include_usage, include_obfuscation (``http_api.stream_options``)
     "n": _refused(1, why="one choice per request"),
     "logprobs": Param(HONOURED),  # chat: true/false; completions: k
@@ -95,9 +90,7 @@ PARAMS: dict[str, Param] = {
     "echo": _refused(False, api=COMPLETIONS, why="it does not echo the prompt"),
     "suffix": _refused("", api=COMPLETIONS, why="it does not insert text"),
     # -- OpenAI, /v1/chat/completions only
-    "messages": Param(HONOURED, CHAT),
-    "max_completion_tokens": Param(HONOURED, CHAT),
-    "response_format": Param(HONOURED, CHAT),
+    **dict.fromkeys(("messages", "max_completion_tokens", "response_format"), Param(HONOURED, CHAT)),
     "modalities": _refused(["text"], api=CHAT, why=_TEXT),
     "audio": _refused(api=CHAT, why=_TEXT),
     "top_logprobs": Param(HONOURED, CHAT),  # with logprobs: true
@@ -117,10 +110,7 @@ PARAMS: dict[str, Param] = {
     "prompt_cache_retention": _harmless(str, api=CHAT),
     "safety_identifier": _harmless(str, api=CHAT),
     # -- vLLM's extensions, both APIs
-    "top_k": Param(HONOURED),
-    "min_p": Param(HONOURED),
-    "ignore_eos": Param(HONOURED),
-    "stop_token_ids": Param(HONOURED),
+    **dict.fromkeys(("top_k", "min_p", "ignore_eos", "stop_token_ids"), Param(HONOURED)),
     "request_id": Param(HONOURED),  # in the logs of every process the request reaches
     "block_size": Param(HONOURED),  # Kakeya's own: the speculative block size (0: auto)
     "repetition_penalty": _refused(1, 1.0, why="it applies no penalties"),
@@ -133,10 +123,7 @@ PARAMS: dict[str, Param] = {
     "allowed_token_ids": _refused(why="it does not restrict the vocabulary"),
     "prompt_logprobs": _refused(0, why=_NO_LOGPROBS),
     "truncate_prompt_tokens": _refused(why="a prompt over the limit is refused, never truncated"),
-    "guided_json": Param(HONOURED),
-    "guided_regex": Param(HONOURED),
-    "guided_choice": Param(HONOURED),
-    "guided_grammar": Param(HONOURED),
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar"), Param(HONOURED)),
     "structured_outputs": Param(HONOURED),
     # -- vLLM's extensions, /v1/chat/completions only
     "continue_final_message": Param(HONOURED, CHAT),
