@@ -38,37 +38,24 @@ log = logging.getLogger("kakeya.remote")
 class GrpcVerifierSession:
     """``VerifierSession`` over one Session stream."""
 
-    def __init__(
-        self,
-        verifier: GrpcVerifier,
-        policy: CachePolicy | None,
-        sampling: SamplingParams | None,
-        options: SessionOptions,
-    ):
+    def __init__(self, verifier: GrpcVerifier, policy: CachePolicy | None, sampling: SamplingParams | None,
+                 options: SessionOptions):  # fmt: skip
         self.verifier = self.client = verifier
         self.clock = verifier.clock
         elsewhere = verifier.replicas.serving if options.movable else None  # a draining replica's session moves
-        self._s = Stream(
-            verifier.stub.Session, "verifier", verifier.addr, options.timeout, options.request_id, elsewhere
-        )
+        self._s = Stream(verifier.stub.Session, "verifier", verifier.addr, options.timeout, options.request_id,
+                         elsewhere)  # fmt: skip
         if options.cancel is not None:
             options.cancel.on_cancel(self.abort)
         open_ = vpb.VerifierRequest.Open(
-            request_id=options.request_id,
-            target_layer_ids=list(verifier.aux_layers),
-            max_positions=options.max_positions,
-            progress_ms=self.clock.progress_ms,
-        )
-        if options.logprobs is not None:
-            open_.logprobs = options.logprobs
+            request_id=options.request_id, target_layer_ids=list(verifier.aux_layers),
+            max_positions=options.max_positions, progress_ms=self.clock.progress_ms, logprobs=options.logprobs,
+            sampling=None if sampling is None or sampling.greedy else wire_contract.sampling_to_proto(sampling),
+            cache_policy=None if policy is None else wire_contract.policy_to_proto(policy),
+            constraint=None if options.constraint is None else wire_contract.constraint_to_proto(options.constraint),
+        )  # fmt: skip
         self.logprobs = options.logprobs
         self.first_logprobs = None
-        if sampling is not None and not sampling.greedy:
-            open_.sampling.CopyFrom(wire_contract.sampling_to_proto(sampling))
-        if policy is not None:
-            open_.cache_policy.CopyFrom(wire_contract.policy_to_proto(policy))
-        if options.constraint is not None:
-            open_.constraint.CopyFrom(wire_contract.constraint_to_proto(options.constraint))
         self._opened = self._s.post(vpb.VerifierRequest(open=open_), "opened")  # answered with the prefill
         self.session_id = ""
         self.cache_policy = ""
