@@ -100,11 +100,9 @@ class GrpcDrafterSession:
         if self._s is None:
             d = self.drafter
             self._s = Stream(d.stub.Session, "drafter", d.addr, self._timeout, self._request_id, self._elsewhere)
-            open_ = dpb.DrafterRequest.Open(
-                request_id=self._request_id, progress_ms=self.drafter.clock.progress_ms, ranked=self._ranked
-            )
-            if self._sampling is not None:
-                open_.sampling.CopyFrom(wire_contract.sampling_to_proto(self._sampling))
+            sampling = None if self._sampling is None else wire_contract.sampling_to_proto(self._sampling)
+            open_ = dpb.DrafterRequest.Open(request_id=self._request_id, progress_ms=d.clock.progress_ms,
+                                            ranked=self._ranked, sampling=sampling)  # fmt: skip
             self._opened = self._s.post(dpb.DrafterRequest(open=open_), "opened")  # answered before the first draft's
         return self._s
 

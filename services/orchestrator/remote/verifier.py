@@ -115,10 +115,8 @@ class GrpcVerifierSession:
 
     @staticmethod
     def _step_msg(last_token: int, draft: Draft) -> vpb.VerifierRequest.Verify:
-        v = vpb.VerifierRequest.Verify(block_ids=[last_token, *draft.tokens])
-        if draft.proposal is not None:
-            v.proposal.CopyFrom(wire_contract.proposal_to_proto(draft.proposal))
-        return v
+        proposal = None if draft.proposal is None else wire_contract.proposal_to_proto(draft.proposal)
+        return vpb.VerifierRequest.Verify(block_ids=[last_token, *draft.tokens], proposal=proposal)
 
     def _post(self, last_token: int, draft: Draft) -> tuple[float, Reply]:
         """Send the block now (a batch sends every session's before it waits for any)."""
