@@ -21,7 +21,7 @@ from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, CheckedRequest, Inval
 from kakeya.orchestrator.decode.block_sizing import AdaptivePolicy, BlockSizer, measure_costs
 from kakeya.orchestrator.decode.checks import Limits, check_request
 from kakeya.orchestrator.decode.loop import Decode, DecodeOptions
-from kakeya.orchestrator.decode.scheduler import Scheduler
+from kakeya.orchestrator.decode.scheduler import Scheduler, here
 from kakeya.orchestrator.decode.takeover import reprefill, take_over
 from kakeya.orchestrator.proposers.forced import RANKED, open_guide
 from kakeya.orchestrator.text import TextCodec, text_stream
@@ -118,16 +118,12 @@ class Engine:
         return run.result
 
 
-def _call(fn: Callable, *args) -> Any:
-    return fn(*args)
-
-
 @dataclass(frozen=True)
 class RunOptions:
     """How a front runs a request (what to generate is the :class:`Request`)."""
 
     timeout: float | None = None  # the client's deadline in seconds: bounds the backend sessions; None: none
-    step: Callable[..., Any] = _call  # runs each piece of model work; a colocated server: on its compute thread
+    step: Callable[..., Any] = here  # runs each piece of model work; a colocated server: on its compute thread
     queued: Callable[[], int] | None = None  # jobs waiting for step's thread: a round lets them run before its verify
     drafter_fallback: bool = False  # a failing drafter leaves the verifier to finish alone (servers), not fail loudly
     ngram: bool | None = None  # None: the engine's choice (``Engine.ngram``); the rejection rule never copies

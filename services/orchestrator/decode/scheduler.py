@@ -29,7 +29,8 @@ from kakeya.core.generation import Block
 from kakeya.orchestrator.decode.loop import Decode, Drafted, draft_round, verify_round
 
 
-def _call(fn, *args):
+def here(fn, *args):
+    """The default ``step``: model work on the calling thread."""
     return fn(*args)
 
 
@@ -42,7 +43,7 @@ class Scheduler:
         self,
         draft_many: Callable,
         decide_many: Callable,
-        step: Callable = _call,
+        step: Callable = here,
         on_round: Callable | None = None,
         queued: Callable[[], int] | None = None,
     ):
