@@ -73,14 +73,8 @@ class ChatTemplate:
             return None
         return cls(source, _special_tokens(cfg))
 
-    def render(
-        self,
-        messages: Sequence[dict],
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        **kwargs: Any,
-    ) -> str:
+    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **kwargs: Any) -> str:  # fmt: skip
         """The prompt text of ``messages`` (``{"role", "content"}`` dicts): with the model's turn opened after
         them (``add_generation_prompt``), or the last (assistant) message left open to be continued."""
         check_messages(messages)
@@ -186,9 +180,7 @@ class TextCodec:
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         self.add_bos = bool(cfg.get("add_bos_token", True))
-        bos = cfg.get("bos_token")
-        if isinstance(bos, dict):
-            bos = bos.get("content")
+        bos = _special_tokens(cfg)["bos_token"]
         self.bos_id = self.tokenizer.token_to_id(bos) if bos else None
         self.chat = ChatTemplate.load(path)  # None: the checkpoint ships no chat template
         # Special tokens are skipped in the text, but for tool-call markers (Gemma-4's ``<|tool_call>`` ...):
