@@ -228,8 +228,9 @@ def build_local_engine(
     verifier = local_verifier(target, aux_layers, backend, prefixes=prefixes, **vkw)
     dkw = torch_kw | (torch_options or {})
     drafter = None if no_drafter else local_drafter(draft, target, backend, prefixes=prefixes, **dkw)
-    return Engine(verifier, drafter, TextCodec(target), target, "" if no_drafter else draft, device,
-                  prefixes is not None, ngram)  # fmt: skip
+    return Engine(
+        verifier, drafter, TextCodec(target), target, "" if no_drafter else draft, device, prefixes is not None, ngram
+    )
 
 
 def split_engine(

@@ -144,11 +144,19 @@ def run_niah(
             hit = code in text
             kv_bytes = gen.verifier_stats.kv_bytes
             kv = {"sliding": kv_bytes.sliding, "full": kv_bytes.full, "restored": kv_bytes.restored}
-            rows.append({
-                "context": context, "depth": depth, "prompt_tokens": len(ids), "needle": code,
-                "needle_distance": needle_distance(codec, ids, code), "recalled": hit, "output": text,
-                "mean_acceptance": round(gen.mean_acceptance, 3), "kv_bytes": kv,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "context": context,
+                    "depth": depth,
+                    "prompt_tokens": len(ids),
+                    "needle": code,
+                    "needle_distance": needle_distance(codec, ids, code),
+                    "recalled": hit,
+                    "output": text,
+                    "mean_acceptance": round(gen.mean_acceptance, 3),
+                    "kv_bytes": kv,
+                }
+            )
             grid.setdefault(str(context), {})[str(depth)] = 1.0 if hit else 0.0
             if log:
                 log(f"{name} context {context} depth {depth}: {'recalled' if hit else 'missed'} ({text[:40]!r})")

@@ -73,8 +73,14 @@ class ChatTemplate:
             return None
         return cls(source, _special_tokens(cfg))
 
-    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, **kwargs: Any) -> str:  # fmt: skip
+    def render(
+        self,
+        messages: Sequence[dict],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str:
         """The prompt text of ``messages`` (``{"role", "content"}`` dicts): with the model's turn opened after
         them (``add_generation_prompt``), or the last (assistant) message left open to be continued."""
         check_messages(messages)

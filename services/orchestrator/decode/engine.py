@@ -172,10 +172,15 @@ class Run:
         # a constrained request drafts with its grammar: greedy ones choose among the drafter's ranks
         self._guided = guided = req.constraint is not None and options.guided and self._exact
         self._session_options = SessionOptions(
-            req.request_id, options.timeout, len(req.prompt_ids) + req.max_tokens, self._cancellation,
-            logprobs=req.logprobs, constraint=req.constraint, ranked=RANKED if guided and self._sampling.greedy else 0,
+            req.request_id,
+            options.timeout,
+            len(req.prompt_ids) + req.max_tokens,
+            self._cancellation,
+            logprobs=req.logprobs,
+            constraint=req.constraint,
+            ranked=RANKED if guided and self._sampling.greedy else 0,
             movable=self._takeover,  # a draining replica's sessions move at a round boundary (``takeover.py``)
-        )  # fmt: skip
+        )
 
     def begin(self) -> None:
         """Open the sessions and run the prefill's first chunk; a failure closes what was opened and is raised."""
@@ -195,8 +200,16 @@ class Run:
             info = engine.verifier.info
             guide = open_guide(req.constraint, engine.codec.tokenizer_json, info.vocab_size, info.eos_token_ids)
         max_block = min(engine.max_block_size(req.cache_policy), req.max_block_size)
-        decoding = DecodeOptions(req.max_tokens, self._sizer, engine.stop_ids(req), options.drafter_fallback, ngram,
-                                 guide, max_block, self._takeover)  # fmt: skip
+        decoding = DecodeOptions(
+            req.max_tokens,
+            self._sizer,
+            engine.stop_ids(req),
+            options.drafter_fallback,
+            ngram,
+            guide,
+            max_block,
+            self._takeover,
+        )
         self._decode = Decode(self.verifier_session, self.drafter_session, req.prompt_ids, decoding)
 
     @property
@@ -345,14 +358,26 @@ class Run:
         gen, e, stats = self.result, self._engine, self.result.verifier_stats
         same = ("finish_reason", "cached_tokens", "decode_tok_s", "prefill_s", "decode_s", "drafter_fallback")
         return Report(
-            target=e.target, draft=e.draft, backend=e.verifier.info.backend, device=e.device, error=error,
-            prompt_token_ids=tuple(gen.prompt_ids), token_ids=tuple(gen.token_ids), text="".join(self._streamed),
-            block_size=self.request.block_size, block_sizes=tuple(b.drafted + 1 for b in gen.blocks[1:]),
-            acceptance_lengths=tuple(gen.acceptance_lengths), copied_blocks=sum(b.copied for b in gen.blocks),
-            forced_blocks=sum(b.forced for b in gen.blocks), total_s=total_s, kv_bytes=stats.kv_bytes,
-            cache_policy=stats.cache_policy, cache_bounded=stats.bounded, sampling=gen.sampling,
+            target=e.target,
+            draft=e.draft,
+            backend=e.verifier.info.backend,
+            device=e.device,
+            error=error,
+            prompt_token_ids=tuple(gen.prompt_ids),
+            token_ids=tuple(gen.token_ids),
+            text="".join(self._streamed),
+            block_size=self.request.block_size,
+            block_sizes=tuple(b.drafted + 1 for b in gen.blocks[1:]),
+            acceptance_lengths=tuple(gen.acceptance_lengths),
+            copied_blocks=sum(b.copied for b in gen.blocks),
+            forced_blocks=sum(b.forced for b in gen.blocks),
+            total_s=total_s,
+            kv_bytes=stats.kv_bytes,
+            cache_policy=stats.cache_policy,
+            cache_bounded=stats.bounded,
+            sampling=gen.sampling,
             **{k: getattr(gen, k) for k in same},
-        )  # fmt: skip
+        )
 
     @property
     def cancelled(self) -> bool:

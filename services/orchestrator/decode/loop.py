@@ -212,11 +212,19 @@ class Decode:
         draft = self._draft
         source = self.proposal.source if self.proposal is not None and draft.tokens else DRAFTER
         tokens = list(draft.tokens[: verdict.accepted]) + [verdict.next_token]
-        block = self._emit(Block(
-            tokens, drafted=len(draft.tokens), accepted=verdict.accepted, draft_s=draft_s, verify_s=verify_s,
-            total_s=time.perf_counter() - self._t_block, copied=source == NGRAM, forced=source == FORCED,
-            logprobs=None if verdict.logprobs is None else list(verdict.logprobs),
-        ))  # fmt: skip
+        block = self._emit(
+            Block(
+                tokens,
+                drafted=len(draft.tokens),
+                accepted=verdict.accepted,
+                draft_s=draft_s,
+                verify_s=verify_s,
+                total_s=time.perf_counter() - self._t_block,
+                copied=source == NGRAM,
+                forced=source == FORCED,
+                logprobs=None if verdict.logprobs is None else list(verdict.logprobs),
+            )
+        )
         if self.sizer is not None and self.drafting and not block.forced:  # the sizer prices the drafter's blocks
             self.sizer.observe(block)
         self._last = tokens[-1]

@@ -61,8 +61,18 @@ FINISH = {
 }
 FINISH_NAMES = {v: k for k, v in FINISH.items()} | {pb.FINISH_REASON_TOOL_CALLS: tool_choice.TOOL_CALLS}
 # The stats a Report and a SpecStats both carry, under the same names.
-SPEC_STATS = ("decode_tok_s", "prefill_s", "decode_s", "total_s", "drafter_fallback", "block_size", "cache_policy",
-              "cache_bounded", "copied_blocks", "forced_blocks")  # fmt: skip
+SPEC_STATS = (
+    "decode_tok_s",
+    "prefill_s",
+    "decode_s",
+    "total_s",
+    "drafter_fallback",
+    "block_size",
+    "cache_policy",
+    "cache_bounded",
+    "copied_blocks",
+    "forced_blocks",
+)
 # ToolChoiceMode -> Chat.tool_choice (UNSPECIFIED: as unset, the default).
 _MODES = {pb.TOOL_CHOICE_MODE_UNSPECIFIED: None, pb.TOOL_CHOICE_MODE_AUTO: AUTO, pb.TOOL_CHOICE_MODE_NONE: NONE,
           pb.TOOL_CHOICE_MODE_REQUIRED: REQUIRED}  # fmt: skip
@@ -101,10 +111,13 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         prompt = Chat(messages, r.messages.continue_final_message, tools, choice)
     sp = r.sampling_params
     sampling = SamplingParams(  # checked with the rest (checks.py)
-        wire_contract.decimal(sp.temperature), sp.top_k, wire_contract.decimal(sp.top_p) if sp.top_p else 1.0,
-        wire_contract.decimal(sp.min_p), sp.seed if sp.HasField("seed") else None,
+        wire_contract.decimal(sp.temperature),
+        sp.top_k,
+        wire_contract.decimal(sp.top_p) if sp.top_p else 1.0,
+        wire_contract.decimal(sp.min_p),
+        sp.seed if sp.HasField("seed") else None,
         wire_contract.rule_from_proto(sp.rule),
-    )  # fmt: skip
+    )
     try:
         constraint, spec_name = wire_contract.constraint_from_proto(r.constraint)
     except ValueError as exc:
@@ -112,12 +125,19 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         raise InvalidRequest(field, reason) from None
     names = names | {"constraint.spec": spec_name}
     request = Request(
-        prompt=prompt, constraint=constraint, max_tokens=sp.max_tokens or None,  # 0: the server's default
-        block_size=r.block_size, stop_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-        stop_strings=tool_choice.stop_strings(sp.stop, prompt), cache_policy=_cache_policy(r, default_policy),
-        sampling=sampling, request_id=r.request_id, resume_ids=tuple(r.resume_token_ids),
+        prompt=prompt,
+        constraint=constraint,
+        max_tokens=sp.max_tokens or None,  # 0: the server's default
+        block_size=r.block_size,
+        stop_ids=tuple(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        stop_strings=tool_choice.stop_strings(sp.stop, prompt),
+        cache_policy=_cache_policy(r, default_policy),
+        sampling=sampling,
+        request_id=r.request_id,
+        resume_ids=tuple(r.resume_token_ids),
         logprobs=sp.logprobs if sp.HasField("logprobs") else None,  # checked with the rest (checks.py)
-    )  # fmt: skip
+    )
     return request, names
 
 
@@ -166,17 +186,25 @@ def complete_from_report(report: Report, reads_calls: bool = False) -> pb.Genera
     stopped after one (as the HTTP API's ``message.tool_calls`` and ``finish_reason``)."""
     s = report.sampling
     stats = pb.SpecStats(
-        mean_acceptance=report.mean_acceptance, verifier_kv_bytes_sliding=report.kv_bytes.sliding,
-        verifier_kv_bytes_full=report.kv_bytes.full, degenerate=report.quality["degenerate"],
-        cache_kind=_cache_kind(report.cache_policy), block_sizes=report.block_sizes,
-        acceptance_lengths=report.acceptance_lengths, **{k: getattr(report, k) for k in SPEC_STATS},
-    )  # fmt: skip
+        mean_acceptance=report.mean_acceptance,
+        verifier_kv_bytes_sliding=report.kv_bytes.sliding,
+        verifier_kv_bytes_full=report.kv_bytes.full,
+        degenerate=report.quality["degenerate"],
+        cache_kind=_cache_kind(report.cache_policy),
+        block_sizes=report.block_sizes,
+        acceptance_lengths=report.acceptance_lengths,
+        **{k: getattr(report, k) for k in SPEC_STATS},
+    )
     complete = pb.GenerateResponse.Complete(
-        finish_reason=FINISH[report.finish_reason], prompt_tokens=len(report.prompt_token_ids),
-        completion_tokens=len(report.token_ids), stats=stats, error_message=report.error,
-        prompt_token_ids=report.prompt_token_ids, cached_tokens=report.cached_tokens,
+        finish_reason=FINISH[report.finish_reason],
+        prompt_tokens=len(report.prompt_token_ids),
+        completion_tokens=len(report.token_ids),
+        stats=stats,
+        error_message=report.error,
+        prompt_token_ids=report.prompt_token_ids,
+        cached_tokens=report.cached_tokens,
         sampling=wire_contract.sampling_to_proto(s),
-    )  # fmt: skip
+    )
     if not s.greedy:
         complete.seed = s.seed
         complete.sampling_rule = wire_contract.rule_to_proto(s.rule)
@@ -197,13 +225,21 @@ def report_from_stream(
     s = complete.stats
     sampling = wire_contract.sampling_from_proto(complete.sampling) or SamplingParams()
     return Report(
-        target=model.target_model, draft=model.draft_model, backend=backend, text=text,
-        prompt_token_ids=tuple(complete.prompt_token_ids), token_ids=tuple(token_ids),
-        finish_reason=FINISH_NAMES.get(complete.finish_reason, "error"), error=complete.error_message,
-        block_sizes=tuple(s.block_sizes), acceptance_lengths=tuple(s.acceptance_lengths),
-        cached_tokens=complete.cached_tokens, kv_bytes=KVBytes(s.verifier_kv_bytes_sliding, s.verifier_kv_bytes_full),
-        sampling=sampling, **{k: getattr(s, k) for k in SPEC_STATS},
-    )  # fmt: skip
+        target=model.target_model,
+        draft=model.draft_model,
+        backend=backend,
+        text=text,
+        prompt_token_ids=tuple(complete.prompt_token_ids),
+        token_ids=tuple(token_ids),
+        finish_reason=FINISH_NAMES.get(complete.finish_reason, "error"),
+        error=complete.error_message,
+        block_sizes=tuple(s.block_sizes),
+        acceptance_lengths=tuple(s.acceptance_lengths),
+        cached_tokens=complete.cached_tokens,
+        kv_bytes=KVBytes(s.verifier_kv_bytes_sliding, s.verifier_kv_bytes_full),
+        sampling=sampling,
+        **{k: getattr(s, k) for k in SPEC_STATS},
+    )
 
 
 def _cache_kind(label: str) -> int:

@@ -81,14 +81,19 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
         if self.restore is not None:  # colocated: a restoration directory goes out as its source's name
             policy = self.restore.to_wire(policy)
         return wire_contract.public_model_info(
-            i, target_model=model_name(e.target), draft_model=model_name(e.draft),
-            default_block_size=e.default_block_size, max_tokens_limit=self.max_tokens_limit,
-            default_max_tokens=self.default_max_tokens, has_tokenizer=e.codec is not None,
-            default_cache_policy=wire_contract.policy_to_proto(policy), target_layer_ids=list(e.verifier.aux_layers),
+            i,
+            target_model=model_name(e.target),
+            draft_model=model_name(e.draft),
+            default_block_size=e.default_block_size,
+            max_tokens_limit=self.max_tokens_limit,
+            default_max_tokens=self.default_max_tokens,
+            has_tokenizer=e.codec is not None,
+            default_cache_policy=wire_contract.policy_to_proto(policy),
+            target_layer_ids=list(e.verifier.aux_layers),
             max_prompt_tokens=self.limits.max_prompt_tokens,
             max_position_embeddings=i.max_position_embeddings or 131072,
             has_chat_template=e.codec is not None and e.codec.chat is not None,
-        )  # fmt: skip
+        )
 
     def GetServerInfo(self, request, context):
         """The server's version, deployment, load and drafter state, as a public caller may see them: never a
@@ -100,11 +105,15 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
         with self._lock:
             active, total = self.active, self.total
         return pb.ServerInfo(
-            version=version(), verifier_backend=public_backend(e.verifier.info.backend) if e is not None else "",
+            version=version(),
+            verifier_backend=public_backend(e.verifier.info.backend) if e is not None else "",
             drafter_backend=public_backend(drafter.backend) if drafter is not None else "",
-            deployment="colocated" if self.colocated else "split", active_requests=active, total_requests=total,
-            uptime_s=time.monotonic() - self.started, extra=extra,
-        )  # fmt: skip
+            deployment="colocated" if self.colocated else "split",
+            active_requests=active,
+            total_requests=total,
+            uptime_s=time.monotonic() - self.started,
+            extra=extra,
+        )
 
 
 # --------------------------------------------------------------------------- serving
@@ -128,9 +137,17 @@ def server_spec(servicer: GenerationServicer, tls=None, http=None) -> ServerSpec
 
     generation = pb.DESCRIPTOR.services_by_name["Generation"]
     return ServerSpec(
-        name="orchestrator", service_names=[SERVICE_NAME], load=servicer.load, set_ready=set_ready,
+        name="orchestrator",
+        service_names=[SERVICE_NAME],
+        load=servicer.load,
+        set_ready=set_ready,
         add_to_server=lambda server: add_servicer(server, servicer, generation, servicer.auth_token),
-        before_drain=servicer.drain, near_deadline=near_deadline, max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES,
+        before_drain=servicer.drain,
+        near_deadline=near_deadline,
+        max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES,
         max_workers=workers_for(servicer.max_sessions, servicer.queue),  # queued generations hold a thread too
-        health_watch=None if servicer.colocated else backends_ok, tls=tls, metrics=servicer.metrics, http=http,
-    )  # fmt: skip
+        health_watch=None if servicer.colocated else backends_ok,
+        tls=tls,
+        metrics=servicer.metrics,
+        http=http,
+    )

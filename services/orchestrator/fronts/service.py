@@ -309,8 +309,13 @@ class GenerationService:
         if run.cancelled:
             return
         report = run.report(time.perf_counter() - t_start, error)
-        obs.finish(report.finish_reason, fallback=fallback, prompt_tokens=len(report.prompt_token_ids),
-                   tokens=len(report.token_ids), cached_tokens=report.cached_tokens)  # fmt: skip
+        obs.finish(
+            report.finish_reason,
+            fallback=fallback,
+            prompt_tokens=len(report.prompt_token_ids),
+            tokens=len(report.token_ids),
+            cached_tokens=report.cached_tokens,
+        )
         yield report
 
 

@@ -101,8 +101,9 @@ class GrpcDrafterSession:
             d = self.drafter
             self._s = Stream(d.stub.Session, "drafter", d.addr, self._timeout, self._request_id, self._elsewhere)
             sampling = None if self._sampling is None else wire_contract.sampling_to_proto(self._sampling)
-            open_ = dpb.DrafterRequest.Open(request_id=self._request_id, progress_ms=d.clock.progress_ms,
-                                            ranked=self._ranked, sampling=sampling)  # fmt: skip
+            open_ = dpb.DrafterRequest.Open(
+                request_id=self._request_id, progress_ms=d.clock.progress_ms, ranked=self._ranked, sampling=sampling
+            )
             self._opened = self._s.post(dpb.DrafterRequest(open=open_), "opened")  # answered before the first draft's
         return self._s
 
@@ -216,9 +217,14 @@ class _SkippedDrafterSession:
 
     def draft(self, new_aux, last_token, block_size):
         b = self.drafter.backoff
-        raise BackendError("drafter", self.drafter.addr, grpc.StatusCode.UNAVAILABLE, f"backing off after {b.failures}"
-                           f" failure(s), next try in {max(0.0, b.until - time.monotonic()):.1f} s (last: {b.last_error})",
-                           skipped=True)  # fmt: skip
+        raise BackendError(
+            "drafter",
+            self.drafter.addr,
+            grpc.StatusCode.UNAVAILABLE,
+            f"backing off after {b.failures}"
+            f" failure(s), next try in {max(0.0, b.until - time.monotonic()):.1f} s (last: {b.last_error})",
+            skipped=True,
+        )
 
     _post = draft  # a batch's call fails alike, before anything is sent
     in_rounds = False

@@ -210,8 +210,16 @@ class Stream:
             self.bytes_received += resp.ByteSize()
 
         try:
-            resp = heard_from(self._call, self.service, self.addr, expect, f"stream ended before {expect}",
-                              step_timeout, self.abort, progress)  # fmt: skip
+            resp = heard_from(
+                self._call,
+                self.service,
+                self.addr,
+                expect,
+                f"stream ended before {expect}",
+                step_timeout,
+                self.abort,
+                progress,
+            )
         except BackendError:
             self.abort()
             raise

@@ -38,22 +38,31 @@ log = logging.getLogger("kakeya.remote")
 class GrpcVerifierSession:
     """``VerifierSession`` over one Session stream."""
 
-    def __init__(self, verifier: GrpcVerifier, policy: CachePolicy | None, sampling: SamplingParams | None,
-                 options: SessionOptions):  # fmt: skip
+    def __init__(
+        self,
+        verifier: GrpcVerifier,
+        policy: CachePolicy | None,
+        sampling: SamplingParams | None,
+        options: SessionOptions,
+    ):
         self.verifier = self.client = verifier
         self.clock = verifier.clock
         elsewhere = verifier.replicas.serving if options.movable else None  # a draining replica's session moves
-        self._s = Stream(verifier.stub.Session, "verifier", verifier.addr, options.timeout, options.request_id,
-                         elsewhere)  # fmt: skip
+        self._s = Stream(
+            verifier.stub.Session, "verifier", verifier.addr, options.timeout, options.request_id, elsewhere
+        )
         if options.cancel is not None:
             options.cancel.on_cancel(self.abort)
         open_ = vpb.VerifierRequest.Open(
-            request_id=options.request_id, target_layer_ids=list(verifier.aux_layers),
-            max_positions=options.max_positions, progress_ms=self.clock.progress_ms, logprobs=options.logprobs,
+            request_id=options.request_id,
+            target_layer_ids=list(verifier.aux_layers),
+            max_positions=options.max_positions,
+            progress_ms=self.clock.progress_ms,
+            logprobs=options.logprobs,
             sampling=None if sampling is None or sampling.greedy else wire_contract.sampling_to_proto(sampling),
             cache_policy=None if policy is None else wire_contract.policy_to_proto(policy),
             constraint=None if options.constraint is None else wire_contract.constraint_to_proto(options.constraint),
-        )  # fmt: skip
+        )
         self.logprobs = options.logprobs
         self.first_logprobs = None
         self._opened = self._s.post(vpb.VerifierRequest(open=open_), "opened")  # answered with the prefill
