@@ -201,8 +201,7 @@ class TextCodec:
         return self.tokenizer.to_str()
 
     def encode_chat(self, messages, **options) -> list[int]:
-        """The prompt ids of a conversation: rendered by the checkpoint's chat template (:class:`ChatTemplate`), then
-        tokenized without adding special tokens (the template writes its own), as transformers does."""
+        """The prompt ids of a conversation, rendered by the chat template (which writes its special tokens)."""
         if self.chat is None:
             raise ChatError(
                 "messages: this model's checkpoint ships no chat template (chat_template.jinja or"

@@ -91,8 +91,7 @@ class AcceptanceChain:
     accepted: list[float] = field(default_factory=lambda: [0.0] * MAX_BLOCK_SIZE)
 
     def observe(self, drafted: int, accepted: int, forget: float = 1.0, floor: float = 0.0) -> None:
-        """Count one block; ``forget`` first scales what was counted before it, while the first
-        position keeps at least ``floor`` observations."""
+        """Count one block; ``forget`` first scales the counts so far (the first position keeps ``floor``)."""
         if forget != 1.0 and self.reached[0] * forget >= floor:
             self.reached = [x * forget for x in self.reached]
             self.accepted = [x * forget for x in self.accepted]
@@ -177,8 +176,7 @@ class BlockSizer:
         return max(self.candidates(), key=lambda size: expected[size] / self.cost(size))
 
     def choose(self, copy: bool = False) -> int:
-        """The next block's size. ``copy``: the size for a block drafted by copy, the copies' chain
-        deciding (1: not worth copying, the loop drafts instead)."""
+        """The next block's size; ``copy``: for a block drafted by copy (1: not worth copying)."""
         best = min(self.initial, self.max_size) if self.warm else self._best(self.chain)
         if copy:  # no probing: a copy's later positions take the rate before them, and copies rarely stop midway
             if self.copies.reached[0] < WARM_BLOCKS:  # too few copies seen to judge: the size a draft would have
@@ -230,8 +228,7 @@ class AdaptivePolicy:
         self._lock = threading.Lock()
 
     def sizer(self, max_size: int | None = None) -> BlockSizer:
-        """A request's sizer, primed with what this policy has seen; ``max_size``: the request's own cap
-        (its ``max_block_size`` and its cache policy's), at most the policy's."""
+        """A request's sizer, primed with what this policy has seen, capped at ``max_size``."""
         with self._lock:
             chain = AcceptanceChain().merged(self.chain, self.carry)
             copies = AcceptanceChain().merged(self.copies, self.carry)

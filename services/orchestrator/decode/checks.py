@@ -206,8 +206,7 @@ def _template_culprit(chat: Chat, codec: TextCodec) -> str:
 
 
 def _tool_calls(req: Request, engine: EngineFacts) -> Request:
-    """A chat whose tool choice holds its calls (``grammar.holds_calls``): the request constrained to
-    well-formed calls whose arguments follow their schemas (``tools/grammar.py``)."""
+    """A chat whose tool choice holds its calls: the request constrained to well-formed calls."""
     chat = req.prompt
     if not isinstance(chat, Chat) or not holds_calls(chat.tools, chat.tool_choice, chat.parallel_tool_calls):
         return req
@@ -233,8 +232,7 @@ def _tool_calls(req: Request, engine: EngineFacts) -> Request:
 
 
 def constraint_field(req: Request) -> str:
-    """The field a refusal of the grammar that holds ``req`` names: its constraint's spec, or the tool choice
-    (the tools under ``auto``)."""
+    """The field a refusal of the grammar holding ``req`` names: its spec, or the tool choice."""
     chat = req.prompt
     if req.constraint is not None or not isinstance(chat, Chat):
         return "constraint.spec"

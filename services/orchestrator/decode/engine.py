@@ -225,8 +225,7 @@ class Run:
             self.drafter_session = e.drafter.open_session(self._sampling, options)
 
     def _begin(self, sessions: SessionOptions) -> None:
-        """On the model thread, at once: size the first block, open both sessions, run the prefill's first
-        chunk; a prefill's failure is kept for ``next`` to raise."""
+        """On the model thread: size, open both sessions, run the prefill's first chunk (its failure kept)."""
         self._sizer = self._engine.block_sizer(self.request)
         self._open(sessions)
         self._prefill_t0 = time.perf_counter()
@@ -237,8 +236,7 @@ class Run:
             self._prefilling = exc
 
     def _context(self) -> list[int]:
-        """What the first prefill runs: the prompt, and a resumed stream's tokens but the last (which opens the
-        first block, as a verdict's next token does)."""
+        """What the first prefill runs: the prompt, and a resumed stream's tokens but the last."""
         return self.request.prompt_ids + list(self.request.resume_ids[:-1])
 
     def _prefill_steps(self, ids):
@@ -430,8 +428,7 @@ class Run:
             self._engine.adaptive.learn(self._sizer)  # the next request starts from what this one saw
 
     def _finish(self, gen: Generation, keep: bool, save: bool) -> None:
-        """On the model thread: the verifier's stats and the prefix snapshot when ``keep`` / ``save``; then
-        both sessions closed, however those went."""
+        """On the model thread: the stats and snapshot (``keep``/``save``), then both sessions closed."""
         try:
             if keep:
                 gen.verifier_stats = self.verifier_session.stats()

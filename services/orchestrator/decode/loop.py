@@ -135,8 +135,7 @@ class Decode:
         )
 
     def resumed(self, ids: Sequence[int], aux, seconds: float) -> Block:
-        """A resumed stream's prefill ran (prompt + ``ids`` but the last): ``ids`` stand as its first block,
-        committed but never streamed again."""
+        """A resumed stream's prefill ran: ``ids`` stand as its first block, never streamed again."""
         return self._opened(Block(list(ids), 0, 0, total_s=seconds), aux)
 
     def _opened(self, block: Block, aux) -> Block:
@@ -156,8 +155,7 @@ class Decode:
         self.error = exc
 
     def reopened(self, verifier: VerifierSession, drafter: DrafterSession | None, aux) -> None:
-        """Its sessions were reopened on prompt + every committed token but the last (``aux``: the new
-        drafter's whole context)."""
+        """Its sessions were reopened on all but the last committed token (``aux``: the drafter's context)."""
         self.verifier, self.drafter = verifier, drafter
         self.proposal = None
         self._last = self.generation.token_ids[-1]
@@ -243,8 +241,7 @@ class Decode:
         self.unseen.clear()
 
     def _allowed(self, draft: Draft) -> Draft:
-        """The drafter's block as a constraint's grammar allows it: each position's best-ranked allowed id
-        (a draft with ranks), else the candidates up to the first one the grammar refuses."""
+        """The drafter's block as the grammar allows it: best-ranked allowed ids, else cut at a refused one."""
         guide = self.options.guide
         if guide is None or not draft.tokens or draft.proposal is not None:
             return draft
@@ -335,8 +332,7 @@ def draft_round(
 def verify_round(
     drafted: Drafted, decide_many: Callable[[Sequence[VerifierCall]], list] = one_by_one_verdicts
 ) -> list[tuple[Decode, Block]]:
-    """A round's second half: ONE batched verify of every drafted decode still unfinished (one cancelled
-    between the halves takes no part), each block committed to its decode."""
+    """A round's second half: ONE batched verify of every drafted decode still unfinished."""
     live = [d for d in drafted.live if not d.done]
     t0 = time.perf_counter()
     verdicts = _batch(decide_many, [d.verifier_call() for d in live]) if live else []

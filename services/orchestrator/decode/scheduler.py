@@ -92,8 +92,7 @@ class Scheduler:
                 self._cv.notify_all()
 
     def _let_starters_in(self) -> None:
-        """Wait for the requests starting now, at most one round's time, and for each only once (one that
-        waits for something else holds up one round, not every round)."""
+        """Wait for the requests starting now, at most one round's time, and for each only once."""
         deadline = time.monotonic() + self._round_s
         with self._cv:
             fresh = self._starting - self._waited_for
@@ -108,8 +107,7 @@ class Scheduler:
             self._cv.notify_all()
 
     def next_block(self, decode: Decode, stop: Callable[[], bool] = lambda: False) -> Block | None:
-        """``decode``'s next block, running rounds when no other request is; None once it is done (or failed:
-        its ``error``) or ``stop()`` says to stop waiting."""
+        """``decode``'s next block, running rounds when no one else is; None once done or ``stop()``."""
         with self._cv:
             while True:
                 blocks = self._live.get(decode)

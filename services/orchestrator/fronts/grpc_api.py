@@ -156,8 +156,7 @@ def _schema(text: str, i: int) -> dict | None:
 
 
 def _tool_choice(m: pb.ToolChoice, tools: tuple[Tool, ...]) -> tuple[str, str]:
-    """``ChatMessages.tool_choice`` as :attr:`Chat.tool_choice`, checked as every front checks it
-    (``tool_choice.choose``), and the name of the field that set it."""
+    """``ChatMessages.tool_choice`` as ``Chat.tool_choice`` (``choose``), and the field that set it."""
     which = m.WhichOneof("choice")
     field = f"prompt.messages.tool_choice.{which or 'mode'}"
     if which == "mode" and m.mode not in _MODES:

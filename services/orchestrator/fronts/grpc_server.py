@@ -36,8 +36,7 @@ PUBLIC_DRAFTER_STATUS = ("state", "failures")  # of ``Drafter.status()``: not ``
 
 
 def public_backend(name: str) -> str:
-    """A backend as ``GetServerInfo`` names it: "mlx", "torch", or "grpc" for a remote one, whose address
-    (``grpc:10.0.0.7:50061``) is the operator's."""
+    """A backend as ``GetServerInfo`` names it: its kind, never a remote one's address."""
     return name.partition(":")[0]
 
 

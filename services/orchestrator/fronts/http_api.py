@@ -176,8 +176,7 @@ def model_not_found(model, served: str) -> ApiError:
 
 
 def stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
-    """``stream_options``: (``include_usage``: a last chunk with the usage; ``include_obfuscation``: random
-    padding in each chunk)."""
+    """``stream_options``: (``include_usage``, ``include_obfuscation``) as asked."""
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("stream_options", "must be an object")
@@ -358,8 +357,7 @@ class Answer:
                                 "finish_reason": None}], chunk=True)  # fmt: skip
 
     def add(self, block: Block) -> list[dict]:
-        """A committed block's text as events (none when it carries no text yet, or the answer is not streamed:
-        :meth:`whole` then writes it all)."""
+        """A committed block's text as stream events (none unless streamed: :meth:`whole` writes it)."""
         self.token_ids.extend(block.tokens)
         self.logprobs.extend(block.logprobs or ())
         self.text.append(block.text)

@@ -408,8 +408,7 @@ def call_json(call: ToolCall) -> dict:
 
 
 def call_deltas(call: ToolCall, index: int) -> list[dict]:
-    """A call as OpenAI streams it: its id, type and name with empty arguments, then the arguments (none yet
-    for a call whose arguments stream in pieces, :func:`arguments_delta`)."""
+    """A call as OpenAI streams it: id, type and name, then its arguments (if whole already)."""
     opened = {"tool_calls": [{"index": index, "id": call.id, "type": "function",
                               "function": {"name": call.name, "arguments": ""}}]}  # fmt: skip
     return [opened, arguments_delta(call.arguments, index)] if call.arguments else [opened]

@@ -46,8 +46,7 @@ _END = object()
 
 
 def served_model_name(target: str) -> str:
-    """The ``model`` a checkpoint is served as by default: its directory's name (the parent's for the embedded
-    pairs' ``.../demo/target``)."""
+    """The ``model`` a checkpoint is served as by default: its directory's name (``target``'s parent's)."""
     path = Path(target)
     return path.parent.name if path.name == "target" and path.parent.name else path.name
 
@@ -307,8 +306,7 @@ class HttpFront:
     # -- serving --------------------------------------------------------------------------
 
     def start(self, host: str, tls=None, grace_s: float = 30.0) -> int:
-        """Listen on ``host:port`` (TLS as the gRPC server's); returns the port bound (``port`` 0: any free one).
-        OSError when the port cannot be bound."""
+        """Listen on ``host:port`` (TLS as gRPC's); the port bound (``port`` 0: any free one), or OSError."""
         import uvicorn
 
         bind_host = host.strip("[]")

@@ -179,8 +179,7 @@ class GenerationService:
         )
 
     def drain(self) -> None:
-        """SIGTERM: refuse every generation not started yet (queued ones too) with UNAVAILABLE; the ones in
-        flight go on to their end (within --grace)."""
+        """SIGTERM: refuse every generation not started (queued too); the ones in flight go on to their end."""
         with self._lock:
             self.draining = True
             self._room.notify_all()  # the queued ones hear it now
@@ -230,8 +229,7 @@ class GenerationService:
             self.total += 1
 
     def _wait_for_room(self, peer: str, wait_s: float) -> str | None:
-        """Queued (under the lock) until this generation may start, ``wait_s`` passes or the server stops
-        serving: None, or why it may not start."""
+        """Queued (under the lock) until this generation may start: None, or why it may not."""
         ticket = next(self._tickets)
         self._waiting.append(ticket)
         t0 = time.monotonic()
@@ -250,8 +248,7 @@ class GenerationService:
         return problem
 
     def _admission_problem(self, peer: str, first_in_line: bool = False) -> tuple[str | None, bool]:
-        """Why one more generation of ``peer`` is refused now (under the lock), or None; and whether the
-        reason is ``--max-sessions``, the one a queue waits out."""
+        """Why one more generation of ``peer`` is refused now, or None; and whether a queue waits it out."""
         if self.max_sessions and (self.active >= self.max_sessions or (self._waiting and not first_in_line)):
             return f"{self.active} of {self.max_sessions} generations in flight (--max-sessions)", True
         held = self.by_peer.get(peer, 0)
@@ -263,8 +260,7 @@ class GenerationService:
         return None, False
 
     def _generate(self, req: Request, call: ClientCall | None = None, observe: bool = True) -> Iterator[Block | Report]:
-        """Run ``req``: its blocks, then its report; a refusal before the first block raises, a failure after
-        it ends the report with the reason; a cancelled run (the client went away) just ends."""
+        """Run ``req``: its blocks, then its report (a cancelled run just ends)."""
         t_start = time.perf_counter()
         queued = (lambda: self.compute.queued) if self.compute is not None else None
         options = RunOptions(_deadline(call), self.step, queued, drafter_fallback=True, limits=self.limits,

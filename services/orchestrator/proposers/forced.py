@@ -47,8 +47,7 @@ class Guide:
         return self.grammar.allowed_prefix(candidates)
 
     def choose(self, committed: Sequence[int], ranked: Sequence[Sequence[int]]) -> tuple[int, ...]:
-        """Each position's best-ranked id the grammar allows after ``committed`` and the ids chosen before it,
-        up to the first position where none of its ranked ids is allowed."""
+        """Each position's best-ranked id the grammar allows, up to a position where none is."""
         self._catch_up(committed)
         return tuple(self.grammar.choose(ranked))
 

@@ -30,8 +30,7 @@ log = logging.getLogger("kakeya.orchestrator")
 
 
 class StepClock:
-    """Recent step times of one backend; turns them into the silence a step may keep (its deadline,
-    re-armed by every Progress) and the Progress interval its sessions ask for."""
+    """Recent step times of one backend, turned into a step's deadline of silence and the Progress interval."""
 
     def __init__(self, floor_s: float = DEFAULT_BACKEND_TIMEOUT_S, window: int = 64):
         if floor_s <= 0:

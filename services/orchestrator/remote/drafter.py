@@ -86,8 +86,7 @@ class GrpcDrafterSession:
         self._resume_at = positions  # travels with the first Draft
 
     def save(self, ids: Sequence[int], unseen: Sequence) -> bool:
-        """Ask the server to keep the context after ``ids`` (``unseen``: the aux it has not had); False when
-        it keeps no prefix cache or the session failed."""
+        """Ask the server to keep the context after ``ids`` (``unseen``: aux it lacks); False: not kept."""
         if not self.drafter.prefix_cache or self._broken:
             return False
         req = dpb.DrafterRequest(
@@ -173,8 +172,7 @@ class GrpcDrafterSession:
 
     @property
     def in_rounds(self) -> bool:
-        """Its drafts may travel in a round call: past the first, its stream open with no answer outstanding,
-        its replica not draining, and not found missing by an earlier round."""
+        """Its drafts may travel in a round call: past the first, no answer outstanding, not draining or missing."""
         s = self._s
         ok = bool(self.session_id) and self.round_ok and not self._broken
         return ok and not s.done and not s._replies and not s.draining

@@ -388,8 +388,7 @@ class RemoteBackend:
         return out
 
     def round(self, items) -> list:
-        """One round call for ``items`` (sessions of this backend): each one's answer or exception, or
-        ``_ON_STREAM`` for a session the server that answered does not hold."""
+        """One round call for ``items``: each one's answer, exception, or ``_ON_STREAM`` (not held there)."""
         req = self.round_request(progress_ms=self.clock.progress_ms)
         for s, *args in items:
             getattr(req.items.add(session_id=s.session_id), self.step).CopyFrom(s._step_msg(*args))

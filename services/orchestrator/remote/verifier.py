@@ -112,8 +112,7 @@ class GrpcVerifierSession:
         return r.prefilled.next_token, self._aux(r.prefilled.aux), r.prefilled.cached_tokens
 
     def save(self, ids: Sequence[int]) -> bool:
-        """Ask the server to keep this session's state after ``ids``; sent now, answered before ``Closed``
-        (the generation is over: nothing waits on it). False when the server keeps no prefix cache."""
+        """Ask the server to keep this session's state after ``ids``; False without a prefix cache."""
         if not self.verifier.prefix_cache:
             return False
         self._s.post(vpb.VerifierRequest(save=vpb.VerifierRequest.Save(token_ids=list(ids))), "saved")
@@ -150,8 +149,7 @@ class GrpcVerifierSession:
 
     @property
     def in_rounds(self) -> bool:
-        """Its blocks may travel in a round call: prefilled, its stream open, its replica not draining, and
-        not found missing by an earlier round."""
+        """Its blocks may travel in a round call: prefilled, stream open, not draining or found missing."""
         return bool(self.session_id) and self.round_ok and not self._s.done and not self._s.draining
 
     @property
@@ -218,8 +216,7 @@ class GrpcVerifier(RemoteBackend):
         self._usage = (-1e9, 0.0)  # (when read, kv_usage) of the last GetInfo (``kv_usage``)
 
     def kv_usage(self) -> float:
-        """Its K/V budget in use (0..1) as one replica's GetInfo says, read at most once a second; the last
-        figure while it fails."""
+        """Its K/V budget in use (0..1) per one replica's GetInfo, read at most once a second."""
         now = time.monotonic()
         if now - self._usage[0] >= 1.0:
             try:

@@ -86,8 +86,7 @@ def choose(value, tools: Sequence[Tool], named: bool = False) -> str:
 
 
 def reads_calls(prompt) -> bool:
-    """Whether the model's calls are read out of its text: a chat with tools and a choice other than ``none``
-    (which renders the tools but hands the text back as it is)."""
+    """Whether the model's calls are read out of its text: a chat with tools, its choice not ``none``."""
     return isinstance(prompt, Chat) and bool(prompt.tools) and prompt.tool_choice != NONE
 
 
@@ -115,8 +114,7 @@ _TERMINALS = {
 
 
 def marker_terms(tokenizer=None) -> dict[str, str]:
-    """Each marker's lark term: ``<[ID]>`` where ``tokenizer`` (a ``tokenizers.Tokenizer``) holds it as one
-    special token, else the literal text."""
+    """Each marker's lark term: ``<[ID]>`` where ``tokenizer`` holds it as a special token, else its text."""
     special = {}
     if tokenizer is not None:
         special = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}

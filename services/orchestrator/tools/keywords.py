@@ -148,8 +148,7 @@ def number(kind: str, schema: Mapping, where: str) -> str | None:
 
 
 def item_bounds(schema: Mapping, where: str) -> tuple[int, int | None]:
-    """An array's ``minItems``/``maxItems``; ``uniqueItems: true`` cannot be held (a grammar cannot compare
-    items) and is refused."""
+    """An array's ``minItems``/``maxItems``; ``uniqueItems: true`` (no grammar compares items) is refused."""
     if schema.get("uniqueItems") not in (None, False):
         raise GrammarError(at(where, "uniqueItems"), "unique items cannot be held in a tool call's grammar")
     lo, hi = _bounds(schema, "minItems", "maxItems", where)
