@@ -1,35 +1,17 @@
 """What the HTTP front does with each parameter a request may send, and the parameters that need more than a type.
 
-Every parameter of OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions`` is in :data:`PARAMS`,
-with the extensions of vLLM's API that clients of OpenAI-compatible servers send:
+Every parameter of OpenAI's two endpoints, and the extensions of vLLM's that clients send, is in :data:`PARAMS`:
+**honoured** (``http_api.py`` reads it), **refused** (any value but the one asking for nothing is a 400 naming
+it, never a generation that silently differs) or **harmless** (type-checked and unused: ``user``). A parameter
+of the other endpoint is refused naming the one that takes it; a name in no list is ignored, as vLLM does
+(clients send vendor fields; every field known to change the output is listed).
 
-- **honoured**: the generation runs as it asks (``fronts/http_api.py`` reads it);
-- **refused**: any value but the one that asks for nothing (its ``accepts``) is a 400 naming it -- never a
-  generation that silently differs from the request;
-- **harmless**: accepted (its type checked) and unused, as it changes nothing that comes back (``user``).
-
-A parameter of the other endpoint is refused naming the endpoint that takes it. A name in no list is
-ignored, as vLLM's server does: clients send vendor fields this table cannot know, and every field known
-to change the output is listed here.
-
-The constraint parameters (:func:`constraint`): OpenAI's ``response_format`` (``text``, ``json_object``, or
-``json_schema``, held to the schema whatever ``strict`` says), vLLM's ``guided_json`` / ``guided_regex`` /
-``guided_choice`` / ``guided_grammar`` (Lark) and its ``structured_outputs`` object; one per request (two
-are a 400 naming both), its spec's refusals naming the parameter the client sent.
-
-Logprobs (:func:`logprobs_requested`, written by :func:`chat_logprobs` / :func:`completion_logprobs`):
-``/v1/completions`` takes ``logprobs: k`` (0..20) and answers ``{tokens, token_logprobs, top_logprobs:
-[{token: logprob}], text_offset}``, each ``top_logprobs`` entry the k most probable tokens and the chosen
-one; ``/v1/chat/completions`` takes ``logprobs: true`` and ``top_logprobs: k`` and answers ``{content:
-[{token, logprob, bytes, top_logprobs}], refusal: null}``. Streamed, each chunk carries the tokens
-committed since the last one; the chunks' lists joined are the whole answer's. Values are the target's
-raw distribution, one entry per committed token, the stop token included.
-
-Function tools (:func:`tools`, :func:`tool_choice`, the tool turns of ``messages``; an answer's calls in
-OpenAI's shapes): ``tool_choice``'s JSON shape is read here, its meaning is ``tools/grammar.py``'s. ``auto``
-(the default with tools) reads the model's calls out of its text; ``none`` renders the tools too, as vLLM
-does, but reads no call; ``required``, a named function, and ``strict: true`` under ``auto`` (once a call is
-opened) hold the calls well-formed, their arguments following their schemas.
+Below the table, the parameters that need more than a type check: the constraint (:func:`constraint`:
+``response_format``, vLLM's ``guided_*`` and ``structured_outputs``, one per request, refusals naming the
+parameter sent); logprobs (:func:`logprobs_requested`; answered in OpenAI's two shapes, a stream's chunks
+carrying the tokens committed since the last, the target's raw distribution, the stop token included); and
+function tools (``tools``, ``tool_choice``'s JSON shape, the tool turns of ``messages``, an answer's calls;
+what a choice means is ``tools/grammar.py``'s).
 """
 
 from __future__ import annotations
