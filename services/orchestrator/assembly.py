@@ -165,20 +165,6 @@ def local_drafter(draft_dir, target_dir, backend: str = "mlx", **kwargs):
     return load(draft_dir, target_dir, backend, **kwargs)
 
 
-def remote_verifier(addr: str, **kwargs):
-    """A verifier served by ``kakeya serve verifier`` at ``addr`` (HOST:PORT), over gRPC."""
-    from kakeya.orchestrator.remote.verifier import GrpcVerifier
-
-    return GrpcVerifier(addr, **kwargs)
-
-
-def remote_drafter(addr: str, **kwargs):
-    """A drafter served by ``kakeya serve drafter`` at ``addr`` (HOST:PORT), over gRPC."""
-    from kakeya.orchestrator.remote.drafter import GrpcDrafter
-
-    return GrpcDrafter(addr, **kwargs)
-
-
 # --------------------------------------------------------------------------- engines
 
 
@@ -249,14 +235,16 @@ def split_engine(
     deadlines' floor. The verifier's sessions return the hidden states of the drafter's layers."""
     from kakeya.orchestrator.decode.engine import Engine
     from kakeya.orchestrator.remote.deadlines import DEFAULT_BACKEND_TIMEOUT_S, StepClock
+    from kakeya.orchestrator.remote.drafter import GrpcDrafter
+    from kakeya.orchestrator.remote.verifier import GrpcVerifier
     from kakeya.orchestrator.text import TextCodec
 
     floor = backend_timeout_s or DEFAULT_BACKEND_TIMEOUT_S
     drafter = None
     if drafter_addr:
-        drafter = remote_drafter(drafter_addr, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor))
+        drafter = GrpcDrafter(drafter_addr, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor))
     aux_layers = drafter.target_layer_ids if drafter is not None else ()
-    verifier = remote_verifier(
+    verifier = GrpcVerifier(
         verifier_addr, aux_layers=aux_layers, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor)
     )
     info = verifier.info
