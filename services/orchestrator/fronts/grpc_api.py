@@ -111,12 +111,12 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         prompt = Chat(messages, r.messages.continue_final_message, tools, choice)
     sp = r.sampling_params
     sampling = SamplingParams(  # checked with the rest (checks.py)
-        wire_contract.decimal(sp.temperature),
-        sp.top_k,
-        wire_contract.decimal(sp.top_p) if sp.top_p else 1.0,
-        wire_contract.decimal(sp.min_p),
-        sp.seed if sp.HasField("seed") else None,
-        wire_contract.rule_from_proto(sp.rule),
+        temperature=wire_contract.decimal(sp.temperature),
+        top_k=sp.top_k,
+        top_p=wire_contract.decimal(sp.top_p) if sp.top_p else 1.0,
+        min_p=wire_contract.decimal(sp.min_p),
+        seed=sp.seed if sp.HasField("seed") else None,
+        rule=wire_contract.rule_from_proto(sp.rule),
     )
     try:
         constraint, spec_name = wire_contract.constraint_from_proto(r.constraint)
