@@ -214,9 +214,9 @@ def build_local_engine(
     verifier = local_verifier(target, aux_layers, backend, prefixes=prefixes, **vkw)
     dkw = torch_kw | (torch_options or {})
     drafter = None if no_drafter else local_drafter(draft, target, backend, prefixes=prefixes, **dkw)
-    return Engine(
-        verifier, drafter, TextCodec(target), target, "" if no_drafter else draft, device, prefixes is not None, ngram
-    )
+    draft = "" if no_drafter else draft
+    codec, cached = TextCodec(target), prefixes is not None
+    return Engine(verifier, drafter, codec, target, draft, device=device, prefix_cache=cached, ngram=ngram)
 
 
 def split_engine(
