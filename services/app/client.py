@@ -20,17 +20,17 @@ import random
 import sys
 import time
 
-from kakeya.app.constraint_flags import constraint_from_args
 from kakeya.app.options import (
     DEFAULT_PROMPT,
     add_cache_args,
     add_generation_options,
     cache_policy_from_args,
+    constraint_from_args,
     logprobs_json,
     print_result,
+    text_or_file,
 )
 from kakeya.app.serve import DEFAULT_PORTS
-from kakeya.app.tool_flags import add_tool_options, calls_json, set_tools
 
 # A stream that broke this way (its orchestrator died, restarted or drains) resumes on the next address.
 RETRY_CODES = ("UNAVAILABLE", "CANCELLED")
@@ -48,6 +48,41 @@ def _rpc_error(exc) -> int:
     code = exc.code().name if exc.code() else "UNKNOWN"
     print(f"kakeya: error: {code}: {exc.details()}", file=sys.stderr)
     return 1
+
+
+TOOL_MODES = ("auto", "none", "required")
+
+
+def add_tool_options(p) -> None:
+    """``--tools FILE|JSON`` (OpenAI's ``tools``: a list of ``{"type": "function", "function": {name, description,
+    parameters}}``, read as the HTTP API reads it) and ``--tool-choice auto|none|required|NAME`` (a name: that
+    function). The server checks them as every front's (INVALID_ARGUMENT naming the field) and returns the calls
+    it reads in ``Complete.tool_calls``."""
+    g = p.add_argument_group("tools (with --chat; the calls come back parsed, see the README's Tool calls)")
+    g.add_argument("--tools", metavar="FILE|JSON", help="function tools in OpenAI's format (a JSON list)")
+    g.add_argument("--tool-choice", metavar="auto|none|required|NAME",
+                   help="whether the model may call a tool (default: auto with --tools), must call one, or must"
+                        " call NAME")  # fmt: skip
+
+
+def set_tools(messages, args) -> None:
+    """``--tools`` and ``--tool-choice`` into ``messages`` (a ``ChatMessages``); ValueError naming the flag."""
+    from kakeya.orchestrator.fronts.http_tools import ToolError, tools
+    from kakeya.wire.kakeya.v1 import generate_pb2 as pb
+
+    if args.tools is not None:
+        try:
+            declared = tools(json.loads(text_or_file(args.tools)))
+        except (ValueError, RecursionError) as exc:  # ToolError is a ValueError, as is bad JSON
+            why = str(exc) if isinstance(exc, ToolError) else f"not JSON ({exc})"
+            raise ValueError(f"--tools: {why}") from None
+        for t in declared:
+            schema = json.dumps(dict(t.parameters)) if t.parameters is not None else ""
+            messages.tools.add(name=t.name, description=t.description, parameters_json=schema)
+    if args.tool_choice in TOOL_MODES:
+        messages.tool_choice.mode = pb.ToolChoiceMode.Value(f"TOOL_CHOICE_MODE_{args.tool_choice.upper()}")
+    elif args.tool_choice is not None:
+        messages.tool_choice.function = args.tool_choice
 
 
 def generate_request(args):
@@ -156,7 +191,9 @@ def cmd_client_generate(args) -> int:
     if args.logprobs is not None:
         out["logprobs"] = logprobs_json([logprobs_from_proto(m) for m in logprobs])
     if complete.HasField("content"):  # the calls were read (tools, tool_choice not none)
-        out["content"], out["tool_calls"] = complete.content, calls_json(complete)
+        calls = [{"id": c.id, "name": c.name, "arguments": json.loads(c.arguments_json or "{}")}
+                 for c in complete.tool_calls]  # fmt: skip
+        out["content"], out["tool_calls"] = complete.content, calls
         if not args.json:
             print()
             for call in out["tool_calls"]:
@@ -203,11 +240,10 @@ def register(sub) -> None:
     from kakeya.app import flags as serve_flags
 
     p = sub.add_parser("client", help="call a running orchestrator (kakeya serve orchestrator|all)")
-    p.add_argument(
-        "--addr", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}",
-        help="HOST:PORT of the orchestrator; a comma-separated list: a generation whose stream breaks resumes on the"
-        " next one (resume_token_ids), with exactly the tokens it has not had",
-    )  # fmt: skip
+    p.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}",
+                   help="HOST:PORT of the orchestrator; a comma-separated list: a generation whose stream"
+                        " breaks resumes on the next one (resume_token_ids), with exactly the tokens it"
+                        " has not had")  # fmt: skip
     p.add_argument("--retries", type=int, default=3, help="turns through --addr a generation's stream may take")
     p.add_argument("--timeout", type=float, help="deadline in seconds (propagates to the verifier and drafter)")
     serve_flags.add_client(p)

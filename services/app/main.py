@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kakeya.app.constraint_flags import constraint_from_args
 from kakeya.app.options import (
     DEFAULT_PROMPT,
     add_backend_args,
@@ -21,6 +20,7 @@ from kakeya.app.options import (
     add_ngram,
     add_torch_threads,
     cache_policy_from_args,
+    constraint_from_args,
     logprobs_json,
     print_result,
     sampling_from_args,
@@ -198,13 +198,11 @@ def register_generate(sub) -> None:
     add_generation_options(p)
     add_backend_args(p)
     add_torch_threads(p)
-    p.add_argument(
-        "--compare-ar",
-        action="store_true",
-        help="also run AR and report the speedup; greedy and coupled sampling: and whether the tokens are "
-        "identical (lossless); the rejection rule: AR sampling, speed only; torch on a CPU, greedy: also "
-        "transformers' own generate on the same weights (speed-up and whether its tokens are ours)",
-    )
+    p.add_argument("--compare-ar", action="store_true",
+                   help="also run AR and report the speedup; greedy and coupled sampling: and whether the"
+                        " tokens are identical (lossless); the rejection rule: AR sampling, speed only;"
+                        " torch on a CPU, greedy: also transformers' own generate on the same weights"
+                        " (speed-up and whether its tokens are ours)")  # fmt: skip
     add_ngram(p)
     add_cache_args(p)
     p.set_defaults(func=cmd_generate)

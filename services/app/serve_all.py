@@ -27,7 +27,7 @@ def cmd_serve_all(args) -> int:
     log = logging.getLogger("kakeya.all")
     target, draft = pair_paths(args.target, args.draft)
     serve_flags.restore_sources(args)  # bad --restore specs: a usage error now, not a child's exit
-    serve_flags.server_tls(args), serve_flags.auth_token(args)
+    serve_flags.ServerTLS.from_args(args), serve_flags.auth_token(args)
     serve_flags.session_limits(args)
     for port in (args.port, args.http_port):
         taken = port_in_use(args.host, port) if port is not None else None
@@ -62,54 +62,19 @@ def cmd_serve_all(args) -> int:
             back = ["--host", "127.0.0.1", "--port", "0"]  # loopback only: the orchestrator is their one client
             cache = ["--cache", args.cache, "--sink", str(args.sink), "--full-kv-bits", str(args.full_kv_bits),
                      *(["--window", str(args.window)] if args.window else [])]  # fmt: skip
-            vlim, dlim = (serve_flags.child_argv(args, role, token_file) for role in ("verifier", "drafter"))
-            sup.spawn(
-                "verifier",
-                [
-                    *back,
-                    "--target",
-                    target,
-                    "--draft",
-                    draft,
-                    *vback,
-                    *cache,
-                    "--ready-file",
-                    str(files["verifier"]),
-                    *common,
-                    *vlim,
-                    *metrics(1),
-                    *pinned.get("verifier", []),
-                ],
-                files["verifier"],
-            )
-            sup.spawn(
-                "drafter",
-                [
-                    *back,
-                    "--draft",
-                    draft,
-                    "--target",
-                    target,
-                    *dback,
-                    "--ready-file",
-                    str(files["drafter"]),
-                    *common,
-                    *dlim,
-                    *metrics(2),
-                    *pinned.get("drafter", []),
-                ],
-                files["drafter"],
-            )
+
+            def spawn(role: str, *argv: str, port: int) -> None:  # port: the i-th of --metrics-port
+                child = serve_flags.child_argv(args, role, token_file)
+                sup.spawn(role, [*argv, "--ready-file", str(files[role]), *common, *child, *metrics(port),
+                                 *pinned.get(role, [])], files[role])  # fmt: skip
+
+            spawn("verifier", *back, "--target", target, "--draft", draft, *vback, *cache, port=1)
+            spawn("drafter", *back, "--draft", draft, "--target", target, *dback, port=2)
             ready = sup.wait_ready(["verifier", "drafter"], args.start_timeout)
-            orch = [
-                "--host", args.host, "--port", str(args.port),
-                "--verifier", ready["verifier"]["addr"], "--drafter", ready["drafter"]["addr"],
-                "--tokenizer", target, "--ready-file", str(files["orchestrator"]),
-                "--max-tokens-limit", str(args.max_tokens_limit), *common, *serve_flags.child_argv(args, "orchestrator", token_file),
-                *metrics(0), *(["--health-port", str(args.health_port)] if args.health_port is not None else []),
-                *pinned.get("orchestrator", []),
-            ]  # fmt: skip
-            sup.spawn("orchestrator", orch, files["orchestrator"])
+            health = ["--health-port", str(args.health_port)] if args.health_port is not None else []
+            spawn("orchestrator", "--host", args.host, "--port", str(args.port), "--verifier", ready["verifier"]["addr"],
+                  "--drafter", ready["drafter"]["addr"], "--tokenizer", target, "--max-tokens-limit",
+                  str(args.max_tokens_limit), *health, port=0)  # fmt: skip
             ready.update(sup.wait_ready(["orchestrator"], args.start_timeout))
 
             def summary() -> dict:
