@@ -7,9 +7,9 @@ commands themselves (``serve.py``) stay about starting processes.
 from __future__ import annotations
 
 from kakeya.app.options import add_ngram
+from kakeya.runtime.admission import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S
 from kakeya.runtime.bounds import HttpTimeouts
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
-from kakeya.runtime.lifecycle import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S
 from kakeya.runtime.security.tls import ClientTLS, ServerTLS, add_client_args, add_server_args
 
 

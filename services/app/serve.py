@@ -62,7 +62,8 @@ def _pin(args) -> None:
 
 
 def _run(spec, args) -> int:
-    from kakeya.runtime.lifecycle import run_server, setup_logging
+    from kakeya.runtime.lifecycle import run_server
+    from kakeya.runtime.logs import setup_logging
 
     setup_logging(spec.name, args.log_format)
     rc = run_server(spec, args.host, args.port, args.grace, args.ready_file, args.metrics_port, args.health_port)

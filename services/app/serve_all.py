@@ -20,7 +20,8 @@ from kakeya.app import flags as serve_flags
 def cmd_serve_all(args) -> int:
     from kakeya.app.supervisor import Supervisor, run_dir
     from kakeya.orchestrator.assembly import pair_paths
-    from kakeya.runtime.lifecycle import port_in_use, setup_logging, write_ready_file
+    from kakeya.runtime.lifecycle import port_in_use, write_ready_file
+    from kakeya.runtime.logs import setup_logging
     from kakeya.runtime.security.auth import new_token, write_token
 
     setup_logging("all", args.log_format)

@@ -17,21 +17,25 @@ did not pay, docs/design.md, "History: removed, and why"): a job that finds the 
 calling handler thread under the same lock, saving a lone stream's two thread hand-offs
 (``docs/operations.md``, "Where a split block's extra time went").
 
-**Progress** (:meth:`ComputeThread.progress`): jobs finished and the CPU time of model work (``cpu.py``),
-which a waiting handler watches to tell a slow process from a wedged one.
+**Progress** (:meth:`ComputeThread.progress`): jobs finished and the CPU time of model work, which a waiting
+handler watches to tell a slow process from a wedged one: a long job still spends CPU time, a thread blocked
+for good spends none. Model work is the compute thread (and one running a job inline), every thread not
+started through Python's ``threading`` (MLX's, torch's and BLAS's native pools), and every process those
+started (MLX's CPU backend runs ``g++`` for new shapes); not the gRPC handler threads, which wake whether or
+not anything moves. It is read from ``/proc`` (Linux; elsewhere ``None``); the reads give up the GIL, so a
+:class:`CpuSampler` does them on a thread of its own and a handler's look costs an attribute read.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
-
-from kakeya.runtime.cpu import CpuSampler
 
 DEFAULT_MAX_BATCH = 16
 BUSY_FRACTION = 0.05  # model work's CPU time, as a share of the time it was measured over, that is progress
@@ -93,7 +97,7 @@ class ComputeThread:
     # -- submitting -------------------------------------------------------------------
 
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
-        return self._put(_Job(fn=lambda: fn(*args, **kwargs)))
+        return self._put(_Job(fn=lambda: fn(*args, **kwargs)))[0]
 
     def start(self, fn: Callable, *args, **kwargs) -> Future:
         """``fn(*args, **kwargs)`` as a Future: run at once on the calling thread when ``inline`` finds
@@ -112,18 +116,7 @@ class ComputeThread:
         item, in order; a result that is an ``Exception`` instance is raised to
         that item's caller alone (one bad session must not fail its batch-mates).
         """
-        if self._idle():
-
-            def alone():
-                self.batches += 1
-                self.batched_items += 1
-                (result,) = _results(runner, [item])
-                if isinstance(result, BaseException):
-                    raise result
-                return result
-
-            return self._inline(alone)
-        return self._put(_Job(fn=None, kind=kind, item=item, runner=runner))
+        return self.start_many(kind, [item], runner)[0]
 
     def start_many(self, kind: Hashable, items: Sequence[Any], runner: Callable[[list], Sequence[Any]]) -> list[Future]:
         """Each of ``items``' results as a Future, like ``start_batch`` for each, but queued at once (a round
@@ -132,29 +125,22 @@ class ComputeThread:
         the thread idle."""
         if not items:
             return []
-        if self._idle():
-            futures = [Future() for _ in items]
-            done = self._inline(lambda: self._run_alone(items, runner, futures))
-            for f in futures:
-                if not f.done():  # the runner itself failed: every item hears it
-                    f.set_running_or_notify_cancel()
-                    f.set_exception(done.exception())
-            return futures
-        jobs = [_Job(fn=None, kind=kind, item=item, runner=runner) for item in items]
-        with self._cv:
-            if self._stopped:
-                raise RuntimeError("compute thread is shut down")
-            self._jobs.extend(jobs)
-            self._pending += len(jobs)
-            self._cv.notify()
-        return [j.future for j in jobs]
+        if not self._idle():
+            return self._put(*(_Job(fn=None, kind=kind, item=item, runner=runner) for item in items))
+        futures = [Future() for _ in items]
+        for f in futures:
+            f.set_running_or_notify_cancel()
+        done = self._inline(lambda: self._deliver(futures, runner, list(items)))
+        for f in futures:
+            if not f.done():  # the runner itself failed: every item hears it
+                f.set_exception(done.exception())
+        return futures
 
-    def _run_alone(self, items: Sequence[Any], runner: Callable[[list], Sequence[Any]], futures: list[Future]) -> None:
+    def _deliver(self, futures: list[Future], runner: Callable[[list], Sequence[Any]], items: list) -> None:
+        """One runner call for ``items``: each result (or exception) to its own future."""
         self.batches += 1
         self.batched_items += len(items)
-        results = _results(runner, list(items))
-        for f, r in zip(futures, results):
-            f.set_running_or_notify_cancel()
+        for f, r in zip(futures, _results(runner, items)):
             f.set_exception(r) if isinstance(r, BaseException) else f.set_result(r)
 
     def batch(self, kind: Hashable, item: Any, runner: Callable[[list], Sequence[Any]]) -> Any:
@@ -198,14 +184,14 @@ class ComputeThread:
             return False
         return True
 
-    def _put(self, job: _Job) -> Future:
+    def _put(self, *jobs: _Job) -> list[Future]:
         with self._cv:
             if self._stopped:
                 raise RuntimeError("compute thread is shut down")
-            self._jobs.append(job)
-            self._pending += 1
+            self._jobs.extend(jobs)
+            self._pending += len(jobs)
             self._cv.notify()
-        return job.future
+        return [j.future for j in jobs]
 
     def shutdown(self) -> None:
         with self._cv:
@@ -260,19 +246,11 @@ class ComputeThread:
         if group[0].fn is not None:
             _settle(group[0].future, group[0].fn)
             return
-        self.batches += 1
-        self.batched_items += len(group)
         try:
-            results = _results(group[0].runner, [j.item for j in group])
+            self._deliver([j.future for j in group], group[0].runner, [j.item for j in group])
         except BaseException as exc:  # noqa: BLE001 - the whole batch failed: every caller hears it
             for j in group:
                 j.future.set_exception(exc)
-            return
-        for j, r in zip(group, results):
-            if isinstance(r, BaseException):
-                j.future.set_exception(r)
-            else:
-                j.future.set_result(r)
 
 
 def _results(runner: Callable[[list], Sequence[Any]], items: list) -> list:
@@ -289,3 +267,106 @@ def _settle(future: Future, fn: Callable) -> None:
         future.set_exception(exc)
     else:
         future.set_result(result)
+
+
+# --------------------------------------------------------------------------- CPU time of model work
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def model_cpu_seconds(model_threads: Collection[int]) -> float | None:
+    """CPU seconds (so far) of the model work above; ``model_threads``: native ids of the Python threads
+    that run model work (the compute thread, an inline job's). None where ``/proc`` cannot be read."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    python = {t.native_id for t in threading.enumerate()} - set(model_threads)
+    total = 0.0
+    for name in tasks:
+        if int(name) in python:
+            continue
+        task = f"/proc/self/task/{name}"
+        total += _thread_seconds(task) + sum(_process_seconds(pid) for pid in _children(task))
+    return total
+
+
+def _thread_seconds(task: str) -> float:
+    """One thread's CPU time: ``schedstat``'s nanoseconds where the kernel keeps them, else ``stat``'s ticks."""
+    try:
+        with open(f"{task}/schedstat", "rb") as f:
+            ns = int(f.read().split()[0])
+        if ns:
+            return ns / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
+    return _stat_seconds(f"{task}/stat")
+
+
+def _process_seconds(pid: int, depth: int = 0) -> float:
+    """A child process's CPU time (all its threads), and its own children's (a compiler driver's)."""
+    seconds = _stat_seconds(f"/proc/{pid}/stat")
+    if depth < 4:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return seconds
+        for name in tasks:
+            seconds += sum(_process_seconds(child, depth + 1) for child in _children(f"/proc/{pid}/task/{name}"))
+    return seconds
+
+
+def _children(task: str) -> list[int]:
+    try:
+        with open(f"{task}/children", "rb") as f:
+            return [int(pid) for pid in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _stat_seconds(path: str) -> float:
+    """utime + stime of a ``stat`` file (fields 14 and 15 of proc(5)); 0.0 once it is gone."""
+    try:
+        with open(path, "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICKS
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class CpuSampler:
+    """``model_cpu_seconds`` read every ``every_s`` on a daemon thread, while someone called :meth:`read`
+    within the last ``idle_s`` (then it sleeps until the next call). ``model_threads``: the native ids of
+    the Python threads running model work now."""
+
+    def __init__(self, model_threads: Callable[[], Collection[int]], every_s: float = 0.05, idle_s: float = 2.0):
+        self._threads, self._every, self._idle = model_threads, every_s, idle_s
+        self._last: tuple[float | None, float] = (None, 0.0)  # (CPU seconds, monotonic time read)
+        self._asked = 0.0
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def read(self) -> tuple[float | None, float]:
+        """The latest (CPU seconds, when read); (None, 0.0) before a current reading (the first, or the first
+        since the sampler slept: a rate over its sleep would say nothing of now) or where there is none."""
+        now = self._asked = time.monotonic()
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="model-cpu", daemon=True)
+                    self._thread.start()
+        self._wake.set()
+        cpu, at = self._last
+        return (cpu, at) if now - at < self._idle / 2 else (None, 0.0)
+
+    def _run(self) -> None:
+        while True:
+            if time.monotonic() - self._asked > self._idle:
+                self._wake.clear()
+                self._wake.wait()
+            cpu = model_cpu_seconds(self._threads())
+            self._last = (cpu, time.monotonic())
+            if cpu is None:
+                return  # nothing to read here, ever
+            time.sleep(self._every)

@@ -1,20 +1,13 @@
-"""What every kakeya gRPC server process shares.
+"""What every kakeya gRPC server process shares: errors and the process's lifecycle.
 
-- :class:`ComputeThread` (``services/runtime/compute.py``): all model work of a process
-  runs on ONE thread; like steps of concurrent sessions that queue up meanwhile
-  run as one batch. gRPC handler threads only translate messages and wait.
-- :class:`SessionRegistry` (``services/runtime/admission.py``): live sessions, their
-  cache bytes, admission (session, per-peer and K/V-byte limits, idle reclaim, a
-  bounded wait queue) and idle expiry.
-- :class:`RequestError`: raised by servicer code to end an RPC with a status
-  (its message bounded: :func:`bounded`).
-- :func:`run_server`: the process lifecycle -- bind, health ``NOT_SERVING``,
-  load + warm up, health ``SERVING`` (and the ready file), wait for
-  SIGTERM/SIGINT or the parent's death, drain in-flight RPCs within a grace
-  period, exit.
+- :class:`RequestError`: raised by servicer code to end an RPC with a status (its message bounded:
+  :func:`bounded`); :func:`session_stream`, the body of a ``Session`` stream.
+- :func:`run_server`: bind, health ``NOT_SERVING``, load + warm up, health ``SERVING`` (and the ready
+  file), wait for SIGTERM/SIGINT or the parent's death, drain in-flight RPCs within a grace period, exit.
 
-Servicers live next to their models (``services/*/server.py``); the command
-line that starts them is ``services/app/serve.py``.
+Model work runs on one ``ComputeThread`` (``compute.py``), sessions are admitted by a
+``SessionRegistry`` (``admission.py``); servicers live next to their models (``services/*/server.py``),
+the command line that starts them is ``services/app/serve.py``.
 """
 
 from __future__ import annotations
@@ -39,16 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kakeya.core.request import CachePolicy
 from kakeya.runtime import logs
-from kakeya.runtime.admission import (  # noqa: F401  (re-exported: the servers import them from here)
-    DEFAULT_IDLE_TIMEOUT_S,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_RECLAIM_IDLE_S,
-    SessionEntry,
-    SessionLimitError,
-    SessionRegistry,
-    Watched,
-)
-from kakeya.runtime.compute import ComputeThread  # noqa: F401  (re-exported: servers build theirs from here)
+from kakeya.runtime.admission import DEFAULT_MAX_SESSIONS, SessionLimitError, SessionRegistry, Watched
 from kakeya.runtime.metrics import RpcInterceptor
 from kakeya.runtime.security.auth import peer_of
 from kakeya.wire import convert as wire_contract
@@ -66,16 +50,6 @@ def version() -> str:
         return v("kakeya")
     except Exception:  # noqa: BLE001  # pragma: no cover - not installed
         return "0.0.0+local"
-
-
-def setup_logging(name: str, fmt: str = "text") -> None:
-    """stderr, as text or JSON lines (``--log-format``), each line tagged with its request id."""
-    from kakeya.runtime.logs import setup_logging as setup
-
-    setup(name, fmt)
-
-
-# --------------------------------------------------------------------------- errors
 
 
 MAX_ERROR_CHARS = 1024  # a status message rides in a trailer: far below gRPC's 8 KiB metadata limit
@@ -157,15 +131,6 @@ def check_token_ids(ids: Sequence[int], vocab: int, field_name: str, allow_empty
     if bad:
         raise invalid(f"{field_name}: ids outside the vocabulary [0, {vocab}): {bad[:5]}")
     return ids
-
-
-# --------------------------------------------------------------------------- compute
-
-
-# --------------------------------------------------------------------------- sessions
-
-
-# --------------------------------------------------------------------------- lifecycle
 
 
 def session_stream(name: str, ready: bool, registry: SessionRegistry, serve, request_iterator, context):
@@ -316,6 +281,14 @@ def _serve_health(health_servicer, host: str, port: int) -> tuple[grpc.Server | 
     return server, bound
 
 
+def _failed(spec: ServerSpec, why: str, *servers) -> int:
+    """Say why ``spec``'s server cannot serve, stop what already runs of it (``servers``); exit status 2."""
+    print(f"kakeya: error: {spec.name}: {why}", file=sys.stderr)
+    for server in filter(None, servers):
+        server.stop(0)
+    return 2
+
+
 def run_server(
     spec: ServerSpec,
     host: str,
@@ -373,14 +346,9 @@ def run_server(
         except RuntimeError as exc:
             problem = str(exc)
         except ValueError as exc:  # unreadable certificate files
-            print(f"kakeya: error: {spec.name}: {exc}", file=sys.stderr)
-            return 2
+            return _failed(spec, str(exc))
     if not bound:
-        print(
-            f"kakeya: error: {spec.name}: cannot listen on {host}:{port}: {problem or 'address in use'}",
-            file=sys.stderr,
-        )
-        return 2
+        return _failed(spec, f"cannot listen on {host}:{port}: {problem or 'address in use'}")
     addr = f"{host}:{bound}"
     ready_extra: dict = {}
     httpd = None
@@ -388,27 +356,21 @@ def run_server(
         try:
             httpd = spec.metrics.serve_http(host, metrics_port)
         except OSError as exc:
-            print(f"kakeya: error: {spec.name}: cannot serve metrics on {host}:{metrics_port} ({exc})", file=sys.stderr)
-            server.stop(0)
-            return 2
+            return _failed(spec, f"cannot serve metrics on {host}:{metrics_port} ({exc})", server)
         ready_extra["metrics_port"] = httpd.server_port
         log.info("%s metrics on http://%s:%d/metrics", spec.name, host, httpd.server_port)
     health_server = None
     if health_port is not None:
         health_server, ready_extra["health_port"] = _serve_health(health_servicer, host, health_port)
         if health_server is None:
-            print(f"kakeya: error: {spec.name}: cannot serve health on {host}:{health_port}", file=sys.stderr)
-            server.stop(0)
-            return 2
+            return _failed(spec, f"cannot serve health on {host}:{health_port}", server)
     server.start()
     log.info("%s listening on %s (NOT_SERVING until loaded and warmed up)", spec.name, addr)
     if spec.http is not None:
         try:
             ready_extra["http_port"] = spec.http.start(host, spec.tls, grace_s)
         except (OSError, RuntimeError) as exc:
-            print(f"kakeya: error: {spec.name}: cannot serve HTTP on {host} ({exc})", file=sys.stderr)
-            server.stop(0)
-            return 2
+            return _failed(spec, f"cannot serve HTTP on {host} ({exc})", server)
         log.info("%s HTTP (OpenAI API) on %s:%d (503 until SERVING)", spec.name, host, ready_extra["http_port"])
 
     # Load in the background so a signal during a long load still stops us.
@@ -432,11 +394,7 @@ def run_server(
     if "error" in outcome:
         exc = outcome["error"]
         log.debug("%s", outcome["tb"])
-        print(f"kakeya: error: {spec.name}: {exc}", file=sys.stderr)
-        server.stop(0)
-        if health_server is not None:  # a probe must not see this process alive
-            health_server.stop(0)
-        return 2
+        return _failed(spec, str(exc), server, health_server)  # a probe must not see this process alive
     if loaded.is_set() and not stop.is_set():
         spec.set_ready(True)
         for n in ["", *names]:

@@ -1,25 +1,20 @@
 """What the verifier's and the drafter's servicers share: their limits and the parts built from them.
 
-A session server (``verifier/server.py``, ``drafter/server.py``) is one :class:`SessionLimits` turned
-into one ``ComputeThread`` (all model work, batched), one ``SessionRegistry`` (admission and idle
-expiry), one ``ServerMetrics`` and, with a budget, one ``PrefixCache``. Both answer ``GetInfo`` and
-open ``Session`` streams only once loaded, and both become a ``ServerSpec`` the same way. A stream's
-messages go through one loop (:meth:`SessionServicer._serve`): ``open`` first, the role's ``steps``, ``close``
-last, each answer timed. The subclasses add their model: ``load``, ``info``, ``_open``, a ``_step_<kind>``
-per step, ``_close`` and ``_progress``.
+A session server (``verifier/server.py``, ``drafter/server.py``) is one :class:`SessionLimits` turned into one
+``ComputeThread`` (all model work, batched), one ``SessionRegistry`` (admission and idle expiry), one
+``ServerMetrics`` and, with a budget, one ``PrefixCache``. A stream's messages go through one loop
+(:meth:`SessionServicer._serve`): ``open`` first, the role's ``steps``, ``close`` last, each answer timed. The
+subclasses add their model: ``load``, ``info``, ``_open``, a ``_step_<kind>`` per step, ``_close`` and ``_progress``.
 
-Draining (SIGTERM, ``lifecycle.run_server``: health NOT_SERVING, no new call accepted): every answer from
-then on says ``draining``, so a client that can reopen the session on another SERVING replica (the
-orchestrator's take-over, ``orchestrator/decode/takeover.py``) ends it before its next step, at a round
-boundary, with nothing lost; one that cannot finishes here. The process exits once no stream is left
-(gRPC's ``stop(grace)``); the sessions still here when ``--grace`` is almost over end with UNAVAILABLE,
-which a take-over treats as a lost replica, rather than be cut with the process.
+Draining (SIGTERM, ``lifecycle.run_server``): every answer from then on says ``draining``, so a client that can
+reopen the session on another SERVING replica (the orchestrator's take-over, ``orchestrator/decode/takeover.py``)
+ends it before its next step, with nothing lost; one that cannot finishes here. The sessions still here when
+``--grace`` is almost over end with UNAVAILABLE, which a take-over treats as a lost replica.
 
-A stream's steps wait on the compute thread through :meth:`SessionServicer._compute` (and
-``_compute_batch``): a session opened with ``progress_ms`` hears a Progress message every
-``progress_ms`` in which the process's compute got work done, so its client can tell a slow server
-(queued behind others, compiling, a long prefill) from a hung one (stopped, a wedged compute thread:
-silence) without guessing how long a step may take.
+A step waits on the compute thread through :meth:`SessionServicer._await`: a session opened with ``progress_ms``
+hears a Progress message every ``progress_ms`` in which the process's compute got work done, so its client can
+tell a slow server (queued, compiling, a long prefill) from a hung one (silence) without guessing how long a
+step may take.
 """
 
 from __future__ import annotations
@@ -86,14 +81,19 @@ class SessionServicer:
         self.max_context_flag = limits.max_context  # load() bounds it by the model's own
         self.metrics = ServerMetrics(self.role)
         self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
-        self.metrics.track_batches(self.compute)
+        batches = ("compute_batches", "compute_batched_items")
+        c = self.compute
+        self.metrics.track_steps(
+            batches, "batched compute calls (one forward each)", lambda: c.batches, lambda: c.batched_items
+        )
         self.metrics.track_kv_bytes(
             lambda: dict.fromkeys(self.kv_kinds, 0) | self.registry.bytes_by_kind(self.kv_kinds[-1])
         )
         self.metrics.track_kv_usage(lambda: kv_usage(self.registry.reserved_bytes, self.registry.max_kv_bytes))
         self.round_calls = 0  # round calls served (``rounds.py``) and the session steps they carried
         self.round_items = 0
-        self.metrics.track_rounds(self)
+        rounds = ("round_calls", "round_items")
+        self.metrics.track_steps(rounds, "round calls served", lambda: self.round_calls, lambda: self.round_items)
         self.prefixes = PrefixCache(limits.prefix_cache_bytes) if limits.prefix_cache_bytes else None
         if self.prefixes is not None:
             self.metrics.track_prefix_cache(self.prefixes)

@@ -7,8 +7,9 @@ them everything stays plaintext (loopback, a private network, or a mesh that ter
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 
@@ -23,19 +24,34 @@ def _read(path: str | None, flag: str) -> bytes | None:
 
 
 @dataclass(frozen=True)
-class ServerTLS:
+class _PemFiles:
+    """Three PEM files, each named by its flag in ``FLAGS`` (field order); ``check`` says which go together."""
+
+    FLAGS: ClassVar[tuple[str, str, str]]
+
+    @classmethod
+    def from_args(cls, args):
+        tls = cls(*(getattr(args, flag[2:].replace("-", "_"), None) for flag in cls.FLAGS))
+        tls.check()
+        return tls
+
+    def argv(self) -> list[str]:
+        """The flags that name these files again (``serve all`` passes them to its children)."""
+        return [x for flag, path in zip(self.FLAGS, astuple(self)) if path for x in (flag, path)]
+
+
+@dataclass(frozen=True)
+class ServerTLS(_PemFiles):
     cert: str | None = None
     key: str | None = None
     client_ca: str | None = None
+    FLAGS: ClassVar = ("--tls-cert", "--tls-key", "--tls-client-ca")
 
-    @classmethod
-    def from_args(cls, args) -> ServerTLS:
-        tls = cls(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_client_ca", None))
-        if bool(tls.cert) != bool(tls.key):
+    def check(self) -> None:
+        if bool(self.cert) != bool(self.key):
             raise ValueError("--tls-cert and --tls-key go together")
-        if tls.client_ca and not tls.cert:
+        if self.client_ca and not self.cert:
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-        return tls
 
     @property
     def enabled(self) -> bool:
@@ -46,52 +62,27 @@ class ServerTLS:
         ca = _read(self.client_ca, "--tls-client-ca")
         return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
-    def argv(self) -> list[str]:
-        out = []
-        for flag, value in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-client-ca", self.client_ca)):
-            if value:
-                out += [flag, value]
-        return out
-
 
 @dataclass(frozen=True)
-class ClientTLS:
+class ClientTLS(_PemFiles):
     ca: str | None = None
     client_cert: str | None = None
     client_key: str | None = None
+    FLAGS: ClassVar = ("--tls-ca", "--tls-client-cert", "--tls-client-key")
 
-    @classmethod
-    def from_args(cls, args) -> ClientTLS:
-        tls = cls(
-            getattr(args, "tls_ca", None), getattr(args, "tls_client_cert", None), getattr(args, "tls_client_key", None)
-        )
-        if bool(tls.client_cert) != bool(tls.client_key):
+    def check(self) -> None:
+        if bool(self.client_cert) != bool(self.client_key):
             raise ValueError("--tls-client-cert and --tls-client-key go together")
-        if tls.client_cert and not tls.ca:
+        if self.client_cert and not self.ca:
             raise ValueError("--tls-client-cert needs --tls-ca (the servers' CA)")
-        return tls
 
     @property
     def enabled(self) -> bool:
         return bool(self.ca)
 
     def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca, "--tls-ca"),
-            private_key=_read(self.client_key, "--tls-client-key"),
-            certificate_chain=_read(self.client_cert, "--tls-client-cert"),
-        )
-
-    def argv(self) -> list[str]:
-        out = []
-        for flag, value in (
-            ("--tls-ca", self.ca),
-            ("--tls-client-cert", self.client_cert),
-            ("--tls-client-key", self.client_key),
-        ):
-            if value:
-                out += [flag, value]
-        return out
+        ca, key = _read(self.ca, "--tls-ca"), _read(self.client_key, "--tls-client-key")
+        return grpc.ssl_channel_credentials(ca, key, _read(self.client_cert, "--tls-client-cert"))
 
 
 def channel(addr: str, tls: ClientTLS | None, options) -> grpc.Channel:
