@@ -90,16 +90,10 @@ def generate_request(args):
     from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
     sp = pb.SamplingParams(
-        max_tokens=args.max_tokens,
-        ignore_eos=args.ignore_eos,
-        stop=args.stop or [],
-        stop_token_ids=args.stop_token_id or [],
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        rule=wire_contract.rule_to_proto(args.sampling_rule),
-    )
+        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop or [],
+        stop_token_ids=args.stop_token_id or [], temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, rule=wire_contract.rule_to_proto(args.sampling_rule),
+    )  # fmt: skip
     if args.seed is not None:
         if not 0 <= args.seed < 2**64:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {args.seed}")

@@ -96,9 +96,8 @@ def add_prefix_cache(p, where: str) -> None:
 
 
 def prefix_cache_bytes(args, device: str | None = None) -> int:
-    """``--prefix-cache-bytes`` in bytes; ``auto`` is ``runtime/spare.py``'s share of the memory the snapshots
-    live in: ``device``'s when it is a CUDA device (a torch backend keeps them beside the model), else the
-    host's."""
+    """``--prefix-cache-bytes`` in bytes; ``auto`` is ``runtime/spare.py``'s share of the memory the snapshots live
+    in: ``device``'s when it is a CUDA device (a torch backend keeps them beside the model), else the host's."""
     if args.prefix_cache_bytes != AUTO:
         return args.prefix_cache_bytes
     from kakeya.runtime.spare import auto_prefix_cache_bytes

@@ -1,10 +1,8 @@
 """The ``kakeya`` command.
 
-Parses arguments and prints; engines are built by ``assembly.py``. Every
-sub-command registers itself with ``register(subparsers)`` and sets ``func``;
-errors a user can fix (bad paths, bad configs, bad arguments: library code
-raises ValueError) end as one ``kakeya: error: ...`` line and exit status 2,
-never a traceback.
+Parses arguments and prints; engines are built by ``assembly.py``. Every sub-command registers itself with
+``register(subparsers)`` and sets ``func``; errors a user can fix (bad paths, bad configs, bad arguments: library
+code raises ValueError) end as one ``kakeya: error: ...`` line and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -37,26 +35,16 @@ def cmd_generate(args) -> int:
     policy = cache_policy_from_args(args)
     backend, device = resolve_backend(args.backend, args.device)
     set_torch_threads(args.torch_threads, device, args.target is None, backend)  # before the first product
+    ngram, options = args.ngram == "on", torch_options(args)
     engine = build_local_engine(
-        args.target,
-        args.draft,
-        backend,
-        device,
-        args.dtype,
-        torch_options=torch_options(args),
-        ngram=args.ngram == "on",
+        args.target, args.draft, backend, device, args.dtype, torch_options=options, ngram=ngram
     )
     constraint, constraint_flags = constraint_from_args(args)
+    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     req = Request(
-        args.prompt if args.prompt is not None else DEFAULT_PROMPT,
-        constraint=constraint,
-        max_tokens=args.max_tokens,
-        block_size=args.block_size or 0,
-        ignore_eos=args.ignore_eos,
-        cache_policy=policy,
-        sampling=sampling_from_args(args),
-        logprobs=args.logprobs,
-    )
+        prompt, max_tokens=args.max_tokens, block_size=args.block_size or 0, ignore_eos=args.ignore_eos,
+        cache_policy=policy, sampling=sampling_from_args(args), logprobs=args.logprobs, constraint=constraint,
+    )  # fmt: skip
     try:
         req = engine.check(req)  # before the warm-up: a bad request costs no model work
     except InvalidRequest as exc:
@@ -115,13 +103,10 @@ def _warm_up(engine, req, ar: bool) -> None:
 def _compare_ar(engine, req, gen) -> dict:
     """AR decoding of the same target, as independent of the speculative path as the policy allows.
 
-    Greedy, native policy on MLX: mlx-lm's own ``generate_step`` with its own
-    caches. mlx-lm has no sink-window or quantized-full-layer cache and not our
-    sampling noise, so for those (other backends, and sampling) the reference
-    is this engine at block size 1 with the same policy and seed: plain AR
-    through the same cache semantics. Coupled sampling is compared token for
-    token like greedy; under the rejection rule AR sampling is a speed
-    reference only (same distribution, other tokens).
+    Greedy, native policy on MLX: mlx-lm's own ``generate_step`` with its own caches. mlx-lm has no sink-window
+    or quantized-full-layer cache and not our sampling noise, so elsewhere the reference is this engine at block
+    size 1 with the same policy and seed: plain AR through the same cache semantics. Coupled sampling is compared
+    token for token like greedy; under the rejection rule AR sampling is a speed reference only.
     """
     from dataclasses import replace
 
@@ -131,12 +116,10 @@ def _compare_ar(engine, req, gen) -> dict:
     if not req.sampling.greedy and req.sampling.rule == REJECTION:
         ar = engine.generate(replace(req, block_size=1))
         ar_tok_s = ar.decode_tok_s
-        return {
-            "ar_reference": "kakeya block size 1, AR sampling with the same parameters (same distribution, other tokens)",
-            "ar_token_ids": ar.token_ids,
-            "ar_decode_tok_s": round(ar_tok_s, 3),
-            "speedup": round(gen.decode_tok_s / ar_tok_s, 4) if ar_tok_s else 0.0,
-        }
+        reference = "kakeya block size 1, AR sampling with the same parameters (same distribution, other tokens)"
+        speedup = round(gen.decode_tok_s / ar_tok_s, 4) if ar_tok_s else 0.0
+        return {"ar_reference": reference, "ar_token_ids": ar.token_ids, "ar_decode_tok_s": round(ar_tok_s, 3),
+                "speedup": speedup}  # fmt: skip
     native = policy is None or (policy.kind == "native" and not policy.full_kv_bits)
     mlx = engine.verifier.info.backend == "mlx"
     if req.sampling.greedy and native and mlx and req.constraint is None:  # the CLI's engine holds the target

@@ -1,9 +1,8 @@
 """``kakeya serve all``: the verifier, the drafter and the orchestrator as three supervised processes.
 
-The backends listen on loopback ports of their own choosing and require a bearer token made for
-this run, which only the orchestrator is given; SIGTERM/SIGINT stop the orchestrator first (so it
-drains), then the backends; a child that dies is restarted with backoff (``supervisor.py``), and
-all of them go down with this process.
+The backends listen on loopback ports of their own choosing and require a bearer token made for this run, which only
+the orchestrator is given; SIGTERM/SIGINT stop the orchestrator first (so it drains), then the backends; a child
+that dies is restarted with backoff (``supervisor.py``), and all of them go down with this process.
 """
 
 from __future__ import annotations

@@ -111,13 +111,10 @@ def tokenizer(tokenizer_json: str, n_vocab: int, eos_ids: tuple[int, ...]) -> ll
 
 
 class CompiledGrammars:
-    """A bounded LRU of grammars compiled against a tokenizer: every request of an agent repeats its schema, and
-    a request compiles it where it is checked, for the verifier's session and for the loop's guide; each takes a
-    copy of one compiled matcher (llguidance's ``deep_copy``: microseconds, against milliseconds a compile).
-
-    Keyed by (grammar text, tokenizer): the tokenizer object itself, kept alive by its entries (``tokenizer``
-    builds one per checkpoint). A grammar that does not compile is not kept. Thread-safe (a server checks on
-    its front's threads and opens sessions on its compute thread)."""
+    """A bounded, thread-safe LRU of grammars compiled against a tokenizer (keyed by the grammar text and the
+    tokenizer object): every request of an agent repeats its schema, and its check, the verifier's session and
+    the loop's guide each take a copy of one compiled matcher (``deep_copy``: microseconds, a compile
+    milliseconds). A grammar that does not compile is not kept."""
 
     def __init__(self, maxsize: int):
         self.maxsize = maxsize
@@ -154,10 +151,8 @@ COMPILED = CompiledGrammars(maxsize=64)  # this process's compiled grammars
 
 
 def _yield_the_cores() -> None:
-    """A grammar worker's CPU priority lowered (Linux: ``nice`` is a thread's own, by its thread id), so that a
-    grammar which takes seconds to build (a regex bomb's lexer) runs on what the model threads leave, instead of
-    taking a core from them (what it cost otherwise: ``docs/structured.md``). Elsewhere (macOS) the thread keeps
-    the process's priority."""
+    """A grammar worker's CPU priority lowered (Linux: ``nice`` is a thread's own), so that a grammar which takes
+    seconds to build (a regex bomb's lexer) runs on what the model threads leave (``docs/structured.md``)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
@@ -169,11 +164,9 @@ _CHECKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check", 
 
 
 def check(grammar: str, tok: llguidance.LLTokenizer) -> None:
-    """:class:`ConstraintError` if ``grammar`` does not compile against ``tok`` (a bad regex, Lark rule, schema);
-    one that does is compiled once here for the sessions that follow (:data:`COMPILED`). Its first mask is
-    computed too: a grammar past llguidance's budgets there (or whose copies met them, :func:`_raise_if_failed`)
-    is refused here, by the field that carried it. The work runs on a low-priority worker (:data:`_CHECKS`); the
-    caller waits for it."""
+    """:class:`ConstraintError` if ``grammar`` does not compile against ``tok`` (a bad regex, Lark rule, schema)
+    or meets llguidance's budgets at its first masks; one that does is compiled once here for the sessions that
+    follow (:data:`COMPILED`). Runs on a low-priority worker (:data:`_CHECKS`); the caller waits for it."""
     _CHECKS.submit(_check, grammar, tok).result()
 
 
@@ -258,10 +251,9 @@ class Grammar:
         return not self._allowed(np.zeros(self.words, np.int32))
 
     def _drop_refused_specials(self, row: np.ndarray) -> None:
-        """Clear the special tokens a mask allows but the matcher would not consume. llguidance 1.9 allows a
-        special token whose text the grammar spells next (``<pad>`` of a choice ``["<pad>"]``), then refuses
-        it when committed (a special token is not its text to the parser): a committed token outside the
-        grammar, found by issue 43's fuzz."""
+        """Clear the special tokens a mask allows but the matcher would not consume: llguidance 1.9 allows a
+        special token whose text the grammar spells next (``<pad>`` of a choice ``["<pad>"]``), then refuses it
+        when committed (issue 43's fuzz)."""
         words = row.view(np.uint32)
         ids, at, bit = self.specials
         hit = words[at] & bit  # one gather: most masks allow no special token, and cost no more than this
@@ -317,9 +309,8 @@ class Grammar:
 
 
 def _raise_if_failed(matcher: llguidance.LLMatcher) -> None:
-    """:class:`ConstraintError` where ``matcher`` failed as it ran: a grammar that compiles can still exceed
-    llguidance's budgets once followed (``a{99999999}``: "lexer error: too many expressions constructed", found
-    by issue 43's fuzz), and its compiled copies share the failure. A ValueError: the request's, never a 500."""
+    """:class:`ConstraintError` (the request's, never a 500) where ``matcher`` failed as it ran: a grammar that
+    compiles can still exceed llguidance's budgets once followed (``a{99999999}``, issue 43's fuzz)."""
     if matcher.is_error():
         reason = matcher.get_error().split("\n")[0]  # the rest is the parser's state
         raise ConstraintError(f"the constraint cannot be followed: {_bounded(reason)}")

@@ -20,10 +20,8 @@ class Block:
     draft_s: float = 0.0
     verify_s: float = 0.0  # the verifier's one step: verify and commit
     total_s: float = 0.0
-    copied: bool = False  # its candidates were copied from earlier in the context (``orchestrator/proposers/ngram.py``)
-    forced: bool = (
-        False  # its candidates were the tokens a constraint's grammar forces (``orchestrator/proposers/forced.py``)
-    )
+    copied: bool = False  # its candidates were copied from earlier in the context (``proposers/ngram.py``)
+    forced: bool = False  # its candidates were the tokens a constraint's grammar forces (``proposers/forced.py``)
     logprobs: list[TokenLogprobs] | None = None  # one per token (a request with ``logprobs``); cut with ``tokens``
 
     def cut(self, keep: int) -> None:
@@ -51,10 +49,7 @@ class Generation:
         """Tokens committed per speculative block (the prefill token is not a block)."""
         return [len(b.tokens) for b in self.blocks[1:]]
 
-    @property
-    def mean_acceptance(self) -> float:
-        lengths = self.acceptance_lengths
-        return sum(lengths) / len(lengths) if lengths else 0.0
+    mean_acceptance = property(lambda self: _mean(self.acceptance_lengths))
 
     @property
     def decode_tok_s(self) -> float:
@@ -63,7 +58,8 @@ class Generation:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
+def _mean(lengths) -> float:
+    return sum(lengths) / len(lengths) if lengths else 0.0
 
 
 @dataclass(frozen=True)
@@ -103,10 +99,7 @@ class Report:
     error: str = ""  # why, when ``finish_reason`` is "error"
     device: str | None = None
 
-    @property
-    def mean_acceptance(self) -> float:
-        n = self.acceptance_lengths
-        return sum(n) / len(n) if n else 0.0
+    mean_acceptance = property(lambda self: _mean(self.acceptance_lengths))
 
     @property
     def quality(self) -> dict:
@@ -116,36 +109,23 @@ class Report:
     def to_json(self) -> dict:
         """The ``kakeya generate --json`` object (and ``kakeya client generate --json``'s)."""
         s = self.sampling
-        kv = {"sliding": self.kv_bytes.sliding, "full": self.kv_bytes.full}
-        return {
-            "target": self.target,
-            "draft": self.draft,
-            "backend": self.backend,
-            "device": self.device,
-            "block_size": self.block_size,
-            "block_sizes": list(self.block_sizes),
-            "copied_blocks": self.copied_blocks,
-            "forced_blocks": self.forced_blocks,
-            "prompt_token_ids": list(self.prompt_token_ids),
-            "cached_tokens": self.cached_tokens,
-            "token_ids": list(self.token_ids),
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "acceptance_lengths": list(self.acceptance_lengths),
-            "mean_acceptance": round(self.mean_acceptance, 4),
-            "decode_tok_s": round(self.decode_tok_s, 3),
-            "prefill_s": round(self.prefill_s, 6),
-            "drafter_fallback": self.drafter_fallback,
-            "verifier_kv_bytes": kv | ({"restored": self.kv_bytes.restored} if self.kv_bytes.restored else {}),
-            "cache_policy": self.cache_policy,
-            "cache_bounded": self.cache_bounded,
-            "quality": self.quality,
-            "sampling": {
-                "temperature": s.temperature,
-                "top_k": s.top_k,
-                "top_p": s.top_p,
-                "min_p": s.min_p,
-                "rule": None if s.greedy else s.rule,
-            },
-            "seed": s.seed,
-        } | ({"error": self.error} if self.error else {})
+        plain = ("target", "draft", "backend", "device", "block_size", "block_sizes", "copied_blocks", "forced_blocks",
+                 "prompt_token_ids", "cached_tokens", "token_ids", "text", "finish_reason", "acceptance_lengths")  # fmt: skip
+        out = {k: list(v) if isinstance(v := getattr(self, k), tuple) else v for k in plain}
+        sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p}
+        return (
+            out
+            | {
+                "mean_acceptance": round(self.mean_acceptance, 4),
+                "decode_tok_s": round(self.decode_tok_s, 3),
+                "prefill_s": round(self.prefill_s, 6),
+                "drafter_fallback": self.drafter_fallback,
+                "verifier_kv_bytes": self.kv_bytes.as_dict(),
+                "cache_policy": self.cache_policy,
+                "cache_bounded": self.cache_bounded,
+                "quality": self.quality,
+                "sampling": sampling | {"rule": None if s.greedy else s.rule},
+                "seed": s.seed,
+            }
+            | ({"error": self.error} if self.error else {})
+        )

@@ -1,18 +1,17 @@
 """The prefix cache both sides keep: snapshots of a session's state after exactly ``ids``, found by a prompt.
 
 A verifier keeps its sessions' K/V (``verifier/snapshot.py``), a drafter its context caches
-(``drafter/snapshot.py``), each in its own :class:`PrefixCache` and byte budget; both find a snapshot by
-the same token prefix ``P``, so the orchestrator resumes both from the same one or from none.
-``docs/operations.md``, "Prefix cache", describes what is kept, the keys and the handshake.
+(``drafter/snapshot.py``), each in its own :class:`PrefixCache` and byte budget; both find a snapshot by the same
+token prefix ``P``, so the orchestrator resumes both from the same one or from none. ``docs/operations.md``, "Prefix
+cache", describes what is kept, the keys and the handshake.
 
-Keys are chained hashes of every :data:`HASH_BLOCK` tokens (as vLLM keys its blocks): a lookup is one dict
-probe per boundary. A snapshot at ``P`` is filed under the boundary a block before its end,
-``max(P - HASH_BLOCK, 0) // HASH_BLOCK * HASH_BLOCK``, with its exact ids beside it (a collision costs a
-miss, never a wrong state), so a prompt that parts from it within its last block (a chat history sent back
-re-rendered) still finds it, ``back`` positions short: the session resumes it and forgets its newest
-``back`` positions where that is exact. Least recently used snapshots are evicted first; one larger than
-the budget is not kept. Snapshots are immutable and shared by every session that resumes them; one lock
-guards everything.
+Keys are chained hashes of every :data:`HASH_BLOCK` tokens (as vLLM keys its blocks): a lookup is one dict probe per
+boundary. A snapshot at ``P`` is filed under the boundary a block before its end, ``max(P - HASH_BLOCK, 0) //
+HASH_BLOCK * HASH_BLOCK``, with its exact ids beside it (a collision costs a miss, never a wrong state), so a prompt
+that parts from it within its last block (a chat history sent back re-rendered) still finds it, ``back`` positions
+short: the session resumes it and forgets its newest ``back`` positions where that is exact. Least recently used
+snapshots are evicted first; one larger than the budget is not kept. Snapshots are immutable and shared by every
+session that resumes them; one lock guards everything.
 """
 
 from __future__ import annotations
@@ -181,7 +180,7 @@ class PrefixCache:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
-                "bytes": self.bytes, "peak_bytes": self.peak_bytes, "budget_bytes": self.budget, "entries": len(self._entries), "hits": self.hits,
-                "misses": self.misses, "tokens_reused": self.tokens_reused, "insertions": self.insertions,
-                "evictions": self.evictions,
+                "bytes": self.bytes, "peak_bytes": self.peak_bytes, "budget_bytes": self.budget,
+                "entries": len(self._entries), "hits": self.hits, "misses": self.misses,
+                "tokens_reused": self.tokens_reused, "insertions": self.insertions, "evictions": self.evictions,
             }  # fmt: skip

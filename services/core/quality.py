@@ -1,8 +1,7 @@
 """Quality gate: flag output that collapsed into runaway repetition.
 
-Gate on what the output *is*, not on proxies like "more tokens than the
-window": a short unit of tokens tiled many times in a row is the signature of
-the cache-desync collapse (``由于由于…``), with or without newlines.
+Gate on what the output *is*, not on proxies like "more tokens than the window": a short unit of tokens tiled many
+times in a row is the signature of the cache-desync collapse (``由于由于…``), with or without newlines.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""What a client asks for: one generation (:class:`Request`), how its tokens are sampled
-(:class:`SamplingParams`) and how its verifier cache is bounded (:class:`CachePolicy`).
+"""What a client asks for: one generation (:class:`Request`), how its tokens are sampled (:class:`SamplingParams`)
+and how its verifier cache is bounded (:class:`CachePolicy`).
 
-Every front (the CLI, the gRPC API, the HTTP API) builds a :class:`Request` and hands it to the
-engine, which checks it in one place (``orchestrator/decode/checks.py``): the result is a
-:class:`CheckedRequest`, the only kind a run accepts. A refused value raises
-:class:`InvalidRequest` naming the :class:`Request` field it came in (``max_tokens``,
-``sampling.temperature``, ``cache_policy.window``); each front renames the field as its own clients
+Every front (the CLI, the gRPC API, the HTTP API) builds a :class:`Request` and hands it to the engine, which checks
+it in one place (``orchestrator/decode/checks.py``): the result is a :class:`CheckedRequest`, the only kind a run
+accepts. A refused value raises :class:`InvalidRequest` naming the :class:`Request` field it came in
+(``max_tokens``, ``sampling.temperature``, ``cache_policy.window``); each front renames the field as its own clients
 spell it (``sampling_params.temperature`` on gRPC, ``temperature`` over HTTP).
 """
 
@@ -75,13 +74,9 @@ def check_block_size(block_size: int, field: str = "block_size") -> None:
 
 @dataclass(frozen=True)
 class CachePolicy:
-    """How a session bounds its sliding-layer K/V. Full-attention layers always stay exact.
-
-    ``native``: the model's own sliding window, no sinks. Not bounded as a
-    whole: full-attention layers still grow with the context.
-    ``sink-window``: ``sink`` first positions are kept forever, plus a window of
-    ``window`` positions (including the query itself).
-    """
+    """How a session bounds its sliding-layer K/V (full-attention layers always stay exact). ``native``: the
+    model's own sliding window, no sinks (not bounded as a whole: full layers grow with the context).
+    ``sink-window``: ``sink`` first positions kept forever, plus a window of ``window`` (the query included)."""
 
     kind: str = "native"
     sink: int = 0
@@ -115,9 +110,8 @@ class CachePolicy:
             return replace(self, sink=0, window=model_window)
         window = self.window if self.window is not None else model_window
         if window < 1 or self.sink < 0:
-            raise InvalidRequest(
-                "cache_policy", f"sink-window needs window >= 1 and sink >= 0 (got window={window}, sink={self.sink})"
-            )
+            why = f"sink-window needs window >= 1 and sink >= 0 (got window={window}, sink={self.sink})"
+            raise InvalidRequest("cache_policy", why)
         if self.restore is not None and window >= model_window:
             raise InvalidRequest(
                 "cache_policy.window",
@@ -151,12 +145,10 @@ MIN_TEMPERATURE = 1e-5
 class SamplingParams:
     """How the target's next-token distribution p is processed and sampled.
 
-    p = softmax(logits / temperature) restricted by top-k, then top-p (the
-    smallest most-probable set reaching ``top_p``; the top token always stays),
-    then min-p (tokens with p >= ``min_p * max p``), renormalised. Temperature 0
-    is greedy: argmax, no randomness, token-identical to greedy AR. ``seed``
-    seeds the sampling (None: the engine draws one); ``rule`` is how
-    speculative blocks sample (:data:`COUPLED` or :data:`REJECTION`).
+    p = softmax(logits / temperature) restricted by top-k, then top-p (the smallest most-probable set reaching
+    ``top_p``; the top token always stays), then min-p (tokens with p >= ``min_p * max p``), renormalised.
+    Temperature 0 is greedy: argmax, token-identical to greedy AR. ``seed``: None, the engine draws one;
+    ``rule``: how speculative blocks sample (:data:`COUPLED` or :data:`REJECTION`).
     """
 
     temperature: float = 0.0

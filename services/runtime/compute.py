@@ -45,7 +45,7 @@ class Progress(NamedTuple):
     """What :meth:`ComputeThread.progress` saw at ``at`` (monotonic seconds)."""
 
     done: int  # jobs finished
-    cpu_s: float | None  # CPU seconds of model work so far (``cpu.py``; None: unknown, here or yet)
+    cpu_s: float | None  # CPU seconds of model work so far (``model_cpu_seconds``; None: unknown, here or yet)
     cpu_at: float  # when cpu_s was read
     at: float
 
@@ -119,10 +119,9 @@ class ComputeThread:
         return self.start_many(kind, [item], runner)[0]
 
     def start_many(self, kind: Hashable, items: Sequence[Any], runner: Callable[[list], Sequence[Any]]) -> list[Future]:
-        """Each of ``items``' results as a Future, like ``start_batch`` for each, but queued at once (a round
-        call's steps, ``SessionServicer._serve_round``): the thread takes them as one batch (up to
-        ``max_batch``) with like items queued meanwhile; run inline, as one runner call, when ``inline`` finds
-        the thread idle."""
+        """Each of ``items``' results as a Future, like ``start_batch`` for each, but queued at once (a round call's
+        steps, ``SessionServicer._serve_round``): the thread takes them as one batch (up to ``max_batch``) with like
+        items queued meanwhile; run inline, as one runner call, when ``inline`` finds the thread idle."""
         if not items:
             return []
         if not self._idle():

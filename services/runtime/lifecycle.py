@@ -89,9 +89,8 @@ class RequestError(Exception):
 def end_call(context, code: grpc.StatusCode, details: str) -> None:
     """End ``context``'s RPC now with ``code`` and ``details``, from any thread (idle expiry, reclaim).
 
-    grpc-python ends a call with a status only from its handler's thread (``abort``);
-    from another thread its ``cancel`` reaches the client as a bare CANCELLED. The
-    call object underneath cancels with a status, which the client then receives.
+    grpc-python ends a call with a status only from its handler's thread (``abort``); from another its
+    ``cancel`` reaches the client as a bare CANCELLED. The call object underneath cancels with a status.
     """
     try:
         context._rpc_event.call.cancel(code.value[0], bounded(details))
@@ -134,12 +133,9 @@ def check_token_ids(ids: Sequence[int], vocab: int, field_name: str, allow_empty
 
 
 def session_stream(name: str, ready: bool, registry: SessionRegistry, serve, request_iterator, context):
-    """The body of a bidirectional ``Session`` RPC, shared by the verifier and the drafter.
-
-    The stream IS the session: a registry entry is opened with it and closed
-    however it ends (client close, cancel, deadline, error), which frees the
-    session's cache. ``serve(entry, requests)`` yields the responses.
-    """
+    """The body of a bidirectional ``Session`` RPC, shared by the verifier and the drafter. The stream IS the
+    session: a registry entry opened with it is closed however it ends (client close, cancel, deadline,
+    error), which frees the session's cache. ``serve(entry, requests)`` yields the responses."""
     if not ready:
         context.abort(grpc.StatusCode.UNAVAILABLE, f"{name} is loading its model")
     try:
@@ -216,13 +212,11 @@ def write_ready_file(path: str | Path, payload: dict) -> None:
 
 
 def port_in_use(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be ours (another listener holds it), or None.
+    """Why ``host:port`` cannot be ours (another listener holds it), or None (port 0 always is free).
 
-    gRPC binds with SO_REUSEPORT, so a second server on a taken port would bind
-    as well and split the connections; a bind without SO_REUSEPORT fails on a
-    port another socket listens on. SO_REUSEADDR lets it pass the TIME_WAIT
-    leftovers of a server that just died (a restart on its own port). Port 0
-    is always free.
+    gRPC binds with SO_REUSEPORT, so a second server on a taken port would bind as well and split the
+    connections; a bind without it fails on a port another socket listens on. SO_REUSEADDR lets it pass the
+    TIME_WAIT leftovers of a server that just died (a restart on its own port).
     """
     import socket
 
@@ -264,11 +258,8 @@ def _health_watch(spec: ServerSpec, health_servicer, names: list[str], stop: thr
 
 
 def _serve_health(health_servicer, host: str, port: int) -> tuple[grpc.Server | None, int]:
-    """A plaintext server answering only ``grpc.health.v1`` with ``health_servicer``'s statuses.
-
-    Kubernetes' native gRPC probes speak no TLS: with mutual TLS on the main port they probe this
-    one. Health carries no data and opens no session, so it needs no credentials.
-    """
+    """A plaintext server answering only ``grpc.health.v1`` with ``health_servicer``'s statuses: Kubernetes'
+    native gRPC probes speak no TLS. Health carries no data and opens no session, so it needs no credentials."""
     server = grpc.server(ThreadPoolExecutor(max_workers=2), maximum_concurrent_rpcs=8)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -289,15 +280,8 @@ def _failed(spec: ServerSpec, why: str, *servers) -> int:
     return 2
 
 
-def run_server(
-    spec: ServerSpec,
-    host: str,
-    port: int,
-    grace_s: float = 30.0,
-    ready_file: str | None = None,
-    metrics_port: int | None = None,
-    health_port: int | None = None,
-) -> int:
+def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, ready_file: str | None = None,
+               metrics_port: int | None = None, health_port: int | None = None) -> int:  # fmt: skip
     """Serve until SIGTERM/SIGINT; return the process exit status. ``metrics_port``: /metrics (0: any port);
     ``health_port``: gRPC health alone, also in plaintext (0: any port), for probes that cannot speak TLS."""
     if ready_file:
@@ -320,12 +304,9 @@ def run_server(
         threading.Thread(target=_parent_watch, args=(int(parent), stop), daemon=True).start()
 
     interceptors = [RpcInterceptor(spec.metrics)] if spec.metrics is not None else []
-    server = grpc.server(
-        ThreadPoolExecutor(max_workers=spec.max_workers),
-        options=server_options(max_receive_bytes=spec.max_receive_bytes),
-        maximum_concurrent_rpcs=spec.max_workers,
-        interceptors=interceptors,
-    )
+    options = server_options(max_receive_bytes=spec.max_receive_bytes)
+    pool = ThreadPoolExecutor(max_workers=spec.max_workers)
+    server = grpc.server(pool, options=options, maximum_concurrent_rpcs=spec.max_workers, interceptors=interceptors)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     spec.add_to_server(server)

@@ -1,11 +1,9 @@
 """Process logging: plain text or JSON lines, each line tagged with the request it serves.
 
-The request id travels from the public API (``GenerateRequest.request_id``, or
-one the orchestrator makes up) to the verifier and drafter as ``x-request-id``
-gRPC metadata. Each server binds it (and the session id) to the handling
-thread's context for the length of the RPC (:func:`bind`), and a logging
-filter copies them onto every record, so every line a request causes, in any
-of the three processes, carries the same id.
+The request id travels from the public API (``GenerateRequest.request_id``, or one the orchestrator makes up) to the
+verifier and drafter as ``x-request-id`` gRPC metadata. Each server binds it (and the session id) to the handling
+thread's context for the length of the RPC (:func:`bind`), and a logging filter copies them onto every record, so
+every line a request causes, in any of the three processes, carries the same id.
 """
 
 from __future__ import annotations
@@ -59,14 +57,9 @@ class JsonFormatter(logging.Formatter):
         self.process = process
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {
-            "ts": _dt.datetime.fromtimestamp(record.created, _dt.UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname,
-            "logger": record.name,
-            "msg": record.getMessage(),
-            "process": self.process,
-            "pid": record.process,
-        }
+        ts = _dt.datetime.fromtimestamp(record.created, _dt.UTC).isoformat(timespec="milliseconds")
+        out = {"ts": ts, "level": record.levelname, "logger": record.name, "msg": record.getMessage(),
+               "process": self.process, "pid": record.process}  # fmt: skip
         for name in _FIELDS:
             value = getattr(record, name, "")
             if value:

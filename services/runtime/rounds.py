@@ -1,13 +1,12 @@
 """Round calls: one call carries a round's steps for many sessions of one caller (``VerifyRound``, ``DraftRound``).
 
-A continuous-batching orchestrator steps its sessions in rounds (``orchestrator/decode/scheduler.py``): one
-call instead of N messages, handler hops and wake-ups per backend. Sessions still live and die with their
-``Session`` stream; a round item names a session by the id its ``Opened`` answered, and only the caller
-that opened it may name it (``SessionRegistry.find``). The items go to the compute thread at once
-(``ComputeThread.start_many``) and run as one batch. Each item fails alone (a bad step; a session unknown,
-not ready, busy on its stream, or ending while its item is in hand; its own exception): that item's
-``Error``. While a round waits the caller hears Progress as a stream's step does
-(``SessionServicer._await``), so its deadline of silence still tells slow from hung.
+A continuous-batching orchestrator steps its sessions in rounds (``orchestrator/decode/scheduler.py``): one call
+instead of N messages, handler hops and wake-ups per backend. Sessions still live and die with their ``Session``
+stream; a round item names a session by the id its ``Opened`` answered, and only the caller that opened it may name
+it (``SessionRegistry.find``). The items go to the compute thread at once (``ComputeThread.start_many``) and run as
+one batch. Each item fails alone (a bad step; a session unknown, not ready, busy on its stream, or ending while its
+item is in hand; its own exception): that item's ``Error``. While a round waits the caller hears Progress as a
+stream's step does (``SessionServicer._await``), so its deadline of silence still tells slow from hung.
 """
 
 from __future__ import annotations
@@ -93,8 +92,7 @@ def serve_round(servicer, wire: RoundWire, runner: Callable, request, context):
             entry.last_active = time.monotonic()  # its client is working: not idle (SessionRegistry)
             taken.append((i, entry, slot))
         except RequestError as exc:
-            msg = exc.message if exc.message.startswith(where) else f"{where}.{exc.message}"
-            out[i] = _error(wire, exc.code, msg)
+            out[i] = _error(wire, exc.code, exc.message, where)
     try:
         futures = servicer.compute.start_many(wire.step, items, runner)
         progress = servicer._await_all(
@@ -113,7 +111,7 @@ def serve_round(servicer, wire: RoundWire, runner: Callable, request, context):
         elif exc is None:
             out[i] = wire.response.Item(**{wire.answer: wire.answer_of(future.result())})
         elif isinstance(exc, RequestError):
-            out[i] = _error(wire, exc.code, exc.message if exc.message.startswith(where) else f"{where}.{exc.message}")
+            out[i] = _error(wire, exc.code, exc.message, where)
         else:
             log.error("round item %s (session %s) failed", where, entry.id, exc_info=exc)
             out[i] = _error(wire, grpc.StatusCode.INTERNAL, f"{where}: {type(exc).__name__}: {exc}")
@@ -121,5 +119,8 @@ def serve_round(servicer, wire: RoundWire, runner: Callable, request, context):
     yield wire.response(done=done, elapsed_s=time.perf_counter() - t0, draining=servicer.draining)
 
 
-def _error(wire: RoundWire, code: grpc.StatusCode, message: str):
+def _error(wire: RoundWire, code: grpc.StatusCode, message: str, where: str = ""):
+    """An item's error answer; ``where`` (``items[i]``) prefixes a message that does not name it yet."""
+    if where and not message.startswith(where):
+        message = f"{where}.{message}"
     return wire.response.Item(error=wire.response.Error(code=code.value[0], message=bounded(message)))

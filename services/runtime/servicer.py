@@ -249,15 +249,8 @@ class SessionServicer:
             self.ready = flag
 
         return ServerSpec(
-            name=self.role,
-            service_names=[service_descriptor.full_name],
-            add_to_server=lambda server: add_servicer(server, self, service_descriptor, token),
-            load=load,
-            set_ready=set_ready,
-            before_drain=self._drain,
-            near_deadline=self._end_sessions,
-            max_workers=workers_for(self.registry.max_sessions, self.registry.queue),
-            tls=tls,
-            metrics=self.metrics,
+            self.role, [service_descriptor.full_name], lambda server: add_servicer(server, self, service_descriptor, token),
+            load, set_ready, before_drain=self._drain, near_deadline=self._end_sessions,
+            max_workers=workers_for(self.registry.max_sessions, self.registry.queue), tls=tls, metrics=self.metrics,
             **spec,
-        )
+        )  # fmt: skip
