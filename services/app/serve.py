@@ -2,7 +2,7 @@
 
 Without checkpoint paths every server uses the embedded pair, as ``kakeya generate`` does; ``--backend
 auto`` is resolved here, so each process is told a concrete backend. ``serve all`` runs the three as
-processes (``serve_all.py``, ``supervisor.py``). Every server: gRPC health and reflection, SERVING only once
+processes (``supervisor.py``). Every server: gRPC health and reflection, SERVING only once
 loaded and warmed up (``--ready-file`` written then), SIGTERM drains in-flight streams for ``--grace``.
 """
 
@@ -291,7 +291,7 @@ def register(sub) -> None:
     _policy_and_front(a, "the verifier and the drafter process each keep one of this budget")
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)
-    from kakeya.app.serve_all import cmd_serve_all
+    from kakeya.app.supervisor import cmd_serve_all
 
     a.set_defaults(func=cmd_serve_all)
 

@@ -2,16 +2,11 @@
 
 A verifier keeps its sessions' K/V (``verifier/snapshot.py``), a drafter its context caches
 (``drafter/snapshot.py``), each in its own :class:`PrefixCache` and byte budget; both find a snapshot by the same
-token prefix ``P``, so the orchestrator resumes both from the same one or from none. ``docs/operations.md``, "Prefix
-cache", describes what is kept, the keys and the handshake.
-
-Keys are chained hashes of every :data:`HASH_BLOCK` tokens (as vLLM keys its blocks): a lookup is one dict probe per
-boundary. A snapshot at ``P`` is filed under the boundary a block before its end, ``max(P - HASH_BLOCK, 0) //
-HASH_BLOCK * HASH_BLOCK``, with its exact ids beside it (a collision costs a miss, never a wrong state), so a prompt
-that parts from it within its last block (a chat history sent back re-rendered) still finds it, ``back`` positions
-short: the session resumes it and forgets its newest ``back`` positions where that is exact. Least recently used
-snapshots are evicted first; one larger than the budget is not kept. Snapshots are immutable and shared by every
-session that resumes them; one lock guards everything.
+token prefix, so the orchestrator resumes both from the same one or from none (``docs/operations.md``, "Prefix
+cache"). Keys are chained hashes of every :data:`HASH_BLOCK` tokens (as vLLM keys its blocks). A snapshot is filed
+under the boundary a block before its end, its exact ids beside it (a collision costs a miss, never a wrong
+state), so a prompt that parts from it within its last block (a chat history re-rendered) still finds it,
+``back`` positions short. Least recently used snapshots are evicted first; one lock guards everything.
 """
 
 from __future__ import annotations

@@ -1,29 +1,24 @@
 """The one thread a server process runs its model work on, with batching of like work.
 
-All model work of a process runs on ONE thread (MLX arrays and streams stay on the thread that made them;
-there is one device to share anyway); gRPC handler threads only translate messages and wait. Jobs run in
-submission order, except that **batchable** jobs of one kind that queued up while the thread was busy are
-handed to their runner together, so N sessions' steps cost one batched forward. Nothing waits on purpose to
-form a batch: a batch is whatever arrived during the previous job (continuous batching at a step boundary).
-Order between sessions may change; order within a session cannot (its handler waits for each result).
+All model work of a process runs on ONE thread (MLX arrays stay on the thread that made them; there is one
+device to share anyway); gRPC handler threads only translate messages and wait. Jobs run in submission order,
+except that **batchable** jobs of one kind that queued up while the thread was busy go to their runner together,
+so N sessions' steps cost one batched forward. Nothing waits on purpose to form a batch (continuous batching at
+a step boundary). Order within a session cannot change: its handler waits for each result.
 
-**A group shares one runner**: jobs join a group only when kind AND runner equal its first job's, since
-the group gets the first job's runner (a drafter's stream drafts once joined its round drafts' group and
-got results of another contract). Callers that want two call sites batched give them one runner and
-convert its results afterwards (``rounds.RoundWire.answer_of``).
+**A group shares one runner**: jobs join a group only when kind AND runner equal its first job's, whose runner
+the group gets. Callers that want two call sites batched give them one runner and convert its results
+afterwards (``rounds.RoundWire.answer_of``).
 
-**Inline when idle** (``inline``, torch on a CPU only: MLX keeps arrays on their thread, and on CUDA it
-did not pay, docs/design.md, "History: removed, and why"): a job that finds the thread idle runs on the
-calling handler thread under the same lock, saving a lone stream's two thread hand-offs
-(``docs/operations.md``, "Where a split block's extra time went").
+**Inline when idle** (``inline``, torch on a CPU only: docs/design.md, "History: removed, and why"): a job that
+finds the thread idle runs on the calling handler thread under the same lock, saving a lone stream's two thread
+hand-offs (``docs/operations.md``, "Where a split block's extra time went").
 
 **Progress** (:meth:`ComputeThread.progress`): jobs finished and the CPU time of model work, which a waiting
-handler watches to tell a slow process from a wedged one: a long job still spends CPU time, a thread blocked
-for good spends none. Model work is the compute thread (and one running a job inline), every thread not
-started through Python's ``threading`` (MLX's, torch's and BLAS's native pools), and every process those
-started (MLX's CPU backend runs ``g++`` for new shapes); not the gRPC handler threads, which wake whether or
-not anything moves. It is read from ``/proc`` (Linux; elsewhere ``None``); the reads give up the GIL, so a
-:class:`CpuSampler` does them on a thread of its own and a handler's look costs an attribute read.
+handler watches to tell a slow process from a wedged one (a thread blocked for good spends none). Model work is
+the compute thread (and one running a job inline), every thread not started through ``threading`` (MLX's,
+torch's, BLAS's pools) and the processes they start (MLX's ``g++``); not the gRPC handler threads. Read from
+``/proc`` (Linux; elsewhere ``None``) by a :class:`CpuSampler` on a thread of its own: the reads give up the GIL.
 """
 
 from __future__ import annotations

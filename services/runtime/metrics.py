@@ -1,11 +1,10 @@
 """Prometheus metrics of every kakeya server, named after vLLM's so its dashboards carry over.
 
-Each server owns a :class:`ServerMetrics` with its own ``CollectorRegistry`` (never the process-global one, so tests
-can run several servers in one process) and serves it on ``--metrics-port`` at ``/metrics``. Every server exports
-``kakeya_errors_total{code}`` (RPCs ending with a non-OK gRPC status, counted by :class:`RpcInterceptor`, which also
-binds each RPC's request id to the log context) and ``kakeya_sessions_live``. The orchestrator adds the request and
-speculative-decoding series (:class:`GenerationObserver`), the verifier and drafter their cache bytes.
-``docs/operations.md`` lists them all.
+Each server owns a :class:`ServerMetrics` with its own ``CollectorRegistry`` (never the process-global one, so
+tests can run several servers in one process), served on ``--metrics-port`` at ``/metrics``. Every server exports
+``kakeya_errors_total{code}`` (:class:`RpcInterceptor`, which also binds each RPC's request id to the log
+context) and ``kakeya_sessions_live``; the orchestrator adds the request and speculative-decoding series
+(:class:`GenerationObserver`), the verifier and drafter their cache bytes. ``docs/operations.md`` lists them.
 """
 
 from __future__ import annotations

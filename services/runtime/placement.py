@@ -1,9 +1,9 @@
 """Which CPUs the processes of a split on one machine run on (Linux): ``serve --cpus``, ``serve all --placement``.
 
-A split block wakes its three processes in turn. Pinned, the orchestrator and the drafter share one core (they never
-work at once) and the verifier has the others, so a wake-up lands on a core its process just ran on rather than an
-idle one (what it buys: ``docs/operations.md``, "History: split cost and pre-drafting"). Only for torch on the CPU,
-where it was measured, and only where the platform can pin (``os.sched_setaffinity``: Linux).
+A split block wakes its three processes in turn. Pinned, the orchestrator and the drafter share one core (they
+never work at once) and the verifier has the others, so a wake-up lands on a core its process just ran on (what
+it buys: ``docs/operations.md``, "History: split cost and pre-drafting"). For torch on the CPU, where it was
+measured, and only where the platform can pin (``os.sched_setaffinity``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Round calls: one call carries a round's steps for many sessions of one caller (``VerifyRound``, ``DraftRound``).
 
 A continuous-batching orchestrator steps its sessions in rounds (``orchestrator/decode/scheduler.py``): one call
-instead of N messages, handler hops and wake-ups per backend. Sessions still live and die with their ``Session``
-stream; a round item names a session by the id its ``Opened`` answered, and only the caller that opened it may name
-it (``SessionRegistry.find``). The items go to the compute thread at once (``ComputeThread.start_many``) and run as
-one batch. Each item fails alone (a bad step; a session unknown, not ready, busy on its stream, or ending while its
-item is in hand; its own exception): that item's ``Error``. While a round waits the caller hears Progress as a
-stream's step does (``SessionServicer._await``), so its deadline of silence still tells slow from hung.
+instead of N messages and wake-ups per backend. Sessions still live and die with their ``Session`` stream; an
+item names a session by the id its ``Opened`` answered, and only the caller that opened it may
+(``SessionRegistry.find``). The items go to the compute thread at once, as one batch; each fails alone, as its
+own ``Error``. While a round waits the caller hears Progress as a stream's step does.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The prefix cache's default budget: what a process can spare of the memory its snapshots live in.
-
-``--prefix-cache-bytes auto`` (the default of every server that keeps one) is a tenth of that memory,
-at most 4 GiB: the device's free memory when the snapshots live on a CUDA device (a torch verifier's
-K/V copies, a torch drafter's context caches: the caller measures it, ``backends/torch``), else the
-host's available memory (an MLX or CPU backend, Apple silicon's unified memory included) bounded by the
-process's container (its cgroup's limit less its usage). Measured once, when the server starts and
-before it loads its model; the cache then evicts least recently used snapshots to stay within it.
+"""The prefix cache's default budget (``--prefix-cache-bytes auto``): a tenth of the memory its snapshots live in,
+at most 4 GiB, measured once when the server starts: the device's free memory when they live on a CUDA device
+(the caller measures it), else the host's available memory bounded by the process's container (its cgroup).
 """
 
 from __future__ import annotations

@@ -25,64 +25,61 @@ def _read(path: str | None, flag: str) -> bytes | None:
 
 @dataclass(frozen=True)
 class _PemFiles:
-    """Three PEM files, each named by its flag in ``FLAGS`` (field order); ``check`` says which go together."""
+    """Three PEM files, each named by its flag in ``FLAGS`` (field order); the first turns TLS on. ``PAIR``: the
+    two that go together; ``NEEDS``: (a file, the file it needs, the message when it is missing)."""
 
     FLAGS: ClassVar[tuple[str, str, str]]
+    PAIR: ClassVar[tuple[int, int]]
+    NEEDS: ClassVar[tuple[int, int, str]]
 
     @classmethod
     def from_args(cls, args):
         tls = cls(*(getattr(args, flag[2:].replace("-", "_"), None) for flag in cls.FLAGS))
-        tls.check()
+        paths, (i, j), (k, needed, why) = astuple(tls), cls.PAIR, cls.NEEDS
+        if bool(paths[i]) != bool(paths[j]):
+            raise ValueError(f"{cls.FLAGS[i]} and {cls.FLAGS[j]} go together")
+        if paths[k] and not paths[needed]:
+            raise ValueError(why)
         return tls
+
+    @property
+    def enabled(self) -> bool:
+        return bool(astuple(self)[0])
 
     def argv(self) -> list[str]:
         """The flags that name these files again (``serve all`` passes them to its children)."""
         return [x for flag, path in zip(self.FLAGS, astuple(self)) if path for x in (flag, path)]
+
+    def _pem(self) -> list[bytes | None]:
+        return [_read(path, flag) for path, flag in zip(astuple(self), self.FLAGS)]
 
 
 @dataclass(frozen=True)
 class ServerTLS(_PemFiles):
     cert: str | None = None
     key: str | None = None
-    client_ca: str | None = None
+    client_ca: str | None = None  # mutual TLS: clients must present a certificate from this CA
     FLAGS: ClassVar = ("--tls-cert", "--tls-key", "--tls-client-ca")
-
-    def check(self) -> None:
-        if bool(self.cert) != bool(self.key):
-            raise ValueError("--tls-cert and --tls-key go together")
-        if self.client_ca and not self.cert:
-            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.cert)
+    PAIR: ClassVar = (0, 1)
+    NEEDS: ClassVar = (2, 0, "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
 
     def credentials(self) -> grpc.ServerCredentials:
-        pair = (_read(self.key, "--tls-key"), _read(self.cert, "--tls-cert"))
-        ca = _read(self.client_ca, "--tls-client-ca")
-        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+        cert, key, ca = self._pem()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
 @dataclass(frozen=True)
 class ClientTLS(_PemFiles):
     ca: str | None = None
-    client_cert: str | None = None
+    client_cert: str | None = None  # mutual TLS: this process's certificate and key
     client_key: str | None = None
     FLAGS: ClassVar = ("--tls-ca", "--tls-client-cert", "--tls-client-key")
-
-    def check(self) -> None:
-        if bool(self.client_cert) != bool(self.client_key):
-            raise ValueError("--tls-client-cert and --tls-client-key go together")
-        if self.client_cert and not self.ca:
-            raise ValueError("--tls-client-cert needs --tls-ca (the servers' CA)")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.ca)
+    PAIR: ClassVar = (1, 2)
+    NEEDS: ClassVar = (1, 0, "--tls-client-cert needs --tls-ca (the servers' CA)")
 
     def credentials(self) -> grpc.ChannelCredentials:
-        ca, key = _read(self.ca, "--tls-ca"), _read(self.client_key, "--tls-client-key")
-        return grpc.ssl_channel_credentials(ca, key, _read(self.client_cert, "--tls-client-cert"))
+        ca, cert, key = self._pem()
+        return grpc.ssl_channel_credentials(ca, key, cert)
 
 
 def channel(addr: str, tls: ClientTLS | None, options) -> grpc.Channel:
