@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 # The first held-out prompt of the drafter's evaluation (the start of a stdlib file the demo pair never
-# trained on, ``training.drafter_eval.heldout_prompts``): a rule, not a pick. The previous prompt sent
-# the 18-layer demo target into a repetition loop (README command 1 then printed a warning).
+# trained on, ``training.drafter_eval.heldout_prompts``): a rule, not a pick.
 DEFAULT_PROMPT = '"""Record of phased-in incompatible language changes.\n\nEach line is of the form:\n\n    FeatureName = "_Feature(" OptionalRelease "'
 
 

@@ -76,10 +76,9 @@ class ModelInfo:
     max_context: int = 0  # positions one session may hold (a verifier server's --max-context); 0: no lower limit
 
 
-# How many of its most probable tokens a drafter keeps per candidate under the rejection rule: the
-# proposal q' it samples from (and sends) is its processed distribution truncated to these and
-# renormalised. The acceptance rule is exact for ANY proposal it was really sampled from; a
-# smaller K only costs acceptance where the drafter's tail mattered.
+# How many of its most probable tokens a drafter keeps per candidate under the rejection rule (its proposal q', the
+# processed distribution truncated and renormalised): exact for any q' really sampled from; a smaller K only costs
+# acceptance where the drafter's tail mattered.
 PROPOSAL_TOP_K = 32
 
 

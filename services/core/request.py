@@ -127,12 +127,8 @@ class CachePolicy:
         return name + (f"+kv{self.full_kv_bits}" if self.full_kv_bits else "") + ("+restore" if self.restore else "")
 
 
-# The sampling rules (``services/core/sampling.py``). Coupled (the default): every token is
-# argmax(processed logits + G(seed, position, token)), the drafter proposes with the same noise
-# and the verifier keeps the candidates equal to its own choices, so the output is AR sampling
-# with that seed, token for token, whatever the drafter or the block schedule. Rejection: the
-# drafter samples from a proposal it sends and the verifier accepts with min(1, p/q'); exact in
-# distribution, but its tokens depend on the drafter's proposals and the block sizes.
+# The sampling rules (``core/sampling.py``): coupled (the default) gives AR sampling's tokens with the seed, whatever
+# the drafter or the block schedule; rejection is exact in distribution, its tokens depend on the block sizes.
 COUPLED, REJECTION = "coupled", "rejection"
 SAMPLING_RULES = (COUPLED, REJECTION)
 

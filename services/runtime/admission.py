@@ -48,7 +48,7 @@ class SessionEntry:
     last_active: float = field(default_factory=time.monotonic)
     waiting: bool = False  # blocked on the client's next message (idle time counts only then)
     end: Callable[[grpc.StatusCode, str], None] | None = None  # ends the stream with a status (expiry, reclaim)
-    # what a round call (``SessionServicer._serve_round``) needs to step this session beside its stream;
+    # what a round call (``servicer.serve_round``) needs to step this session beside its stream;
     # None until the session may step in one (the servicer sets it)
     round: Any = None
 

@@ -8,7 +8,7 @@ a step boundary). Order within a session cannot change: its handler waits for ea
 
 **A group shares one runner**: jobs join a group only when kind AND runner equal its first job's, whose runner
 the group gets. Callers that want two call sites batched give them one runner and convert its results
-afterwards (``rounds.RoundWire.answer_of``).
+afterwards (``servicer.RoundWire.answer_of``).
 
 **Inline when idle** (``inline``, torch on a CPU only: docs/design.md, "History: removed, and why"): a job that
 finds the thread idle runs on the calling handler thread under the same lock, saving a lone stream's two thread
@@ -89,8 +89,6 @@ class ComputeThread:
         self._thread = threading.Thread(target=self._loop, name=f"{name}-compute", daemon=True)
         self._thread.start()
 
-    # -- submitting -------------------------------------------------------------------
-
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
         return self._put(_Job(fn=lambda: fn(*args, **kwargs)))[0]
 
@@ -115,7 +113,7 @@ class ComputeThread:
 
     def start_many(self, kind: Hashable, items: Sequence[Any], runner: Callable[[list], Sequence[Any]]) -> list[Future]:
         """Each of ``items``' results as a Future, like ``start_batch`` for each, but queued at once (a round call's
-        steps, ``SessionServicer._serve_round``): the thread takes them as one batch (up to ``max_batch``) with like
+        steps, ``servicer.serve_round``): the thread takes them as one batch (up to ``max_batch``) with like
         items queued meanwhile; run inline, as one runner call, when ``inline`` finds the thread idle."""
         if not items:
             return []
@@ -194,8 +192,6 @@ class ComputeThread:
                 job.future.cancel()
             self._jobs.clear()
             self._cv.notify()
-
-    # -- the thread -------------------------------------------------------------------
 
     def _take(self) -> list[_Job] | None:
         with self._cv:

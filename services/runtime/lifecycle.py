@@ -356,26 +356,23 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
 
     # Load in the background so a signal during a long load still stops us.
     outcome: dict = {}
+    loaded = threading.Event()
 
     def load():
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             outcome["desc"] = spec.load()
-            outcome["load_s"] = time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - reported below
             outcome["error"] = exc
-            outcome["tb"] = traceback.format_exc()
-        finally:
-            loaded.set()
+            log.debug("%s", traceback.format_exc())
+        outcome["load_s"] = time.perf_counter() - t0
+        loaded.set()
 
-    loaded = threading.Event()
     threading.Thread(target=load, name=f"{spec.name}-load", daemon=True).start()
-    while not (loaded.is_set() or stop.is_set()):
-        loaded.wait(0.2)
-    if "error" in outcome:
-        exc = outcome["error"]
-        log.debug("%s", outcome["tb"])
-        return _failed(spec, str(exc), server, health_server)  # a probe must not see this process alive
+    while not (loaded.wait(0.2) or stop.is_set()):
+        pass
+    if "error" in outcome:  # a probe must not see this process alive
+        return _failed(spec, str(outcome["error"]), server, health_server)
     if loaded.is_set() and not stop.is_set():
         spec.set_ready(True)
         for n in ["", *names]:

@@ -138,8 +138,6 @@ class ServerMetrics:
         (self.drain_handoffs if drained else self.takeovers).labels(role).inc()
         self.takeover_pause.labels(role).observe(pause_s)
 
-    # -- wiring ---------------------------------------------------------------------------
-
     def track_sessions(self, live: Callable[[], int], total: Callable[[], int]) -> None:
         """``kakeya_sessions_live`` and ``kakeya_sessions_total``, read from the server at scrape time."""
         self.sessions_live.set_function(lambda: float(live()))
@@ -168,7 +166,7 @@ class ServerMetrics:
     def track_steps(self, names: tuple[str, str], doc: str, calls: Callable[[], int], items: Callable[[], int]):
         """Calls and the session steps they carried, read at scrape time as ``kakeya_<names[0]>_total`` and
         ``kakeya_<names[1]>_total`` (their ratio: steps per call): a ``ComputeThread``'s batched runner calls, a
-        session server's round calls (``runtime/rounds.py``)."""
+        session server's round calls (``runtime/servicer.py``)."""
         self.registry.register(_Total(f"kakeya_{names[0]}", doc, calls))
         self.registry.register(_Total(f"kakeya_{names[1]}", "session steps those calls carried", items))
 

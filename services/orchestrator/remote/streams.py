@@ -358,7 +358,7 @@ def _alone(call, *args):
 class RemoteBackend:
     """What the gRPC verifier and drafter clients share (``remote/verifier.py``, ``remote/drafter.py``): the
     channel, step clock and stub, the server's GetInfo (``remote``, read at start), its health, and a round's
-    steps (:meth:`batch`, round calls: ``runtime/rounds.py``).
+    steps (:meth:`batch`, round calls: ``runtime/servicer.py``).
 
     Their sessions offer ``client`` (this backend), ``session_id``, ``_s`` (their :class:`Stream`),
     ``in_rounds`` / ``round_ok`` / ``ended``, ``_post(*args)`` then ``_finish(posted)`` (a step on their

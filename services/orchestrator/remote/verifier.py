@@ -7,7 +7,7 @@ where the protocol allows it (``streams.py``: ``Open`` travels with ``Prefill``
 / the first ``Draft``), so a block costs two round trips: draft, and verify (which commits).
 
 A scheduler's round (``decide_batch``; the drafter's ``draft_batch``) sends the blocks of every session
-of one backend in ONE round call (``VerifyRound`` / ``DraftRound``, ``runtime/rounds.py``), named by
+of one backend in ONE round call (``VerifyRound`` / ``DraftRound``, ``runtime/servicer.py``), named by
 the session ids ``Opened`` returned, so the wire is paid per round, not per session; a lone session's
 block, and any the server does not find (another replica), travel on the session's stream.
 
