@@ -101,14 +101,11 @@ def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, ses
     shape = KVShape.from_config(kv_config(target_cfg))
     kv = session_bytes(shape, CachePolicy(), context)
     out = {
-        "context": context,
-        "sessions": sessions,
-        "cache_policy": "native",
-        "target_weights_bytes": target["bytes"],
+        "context": context, "sessions": sessions, "cache_policy": "native", "target_weights_bytes": target["bytes"],
         "target_kv_per_session": {"sliding": kv["sliding_bytes"], "full": kv["full_bytes"]},
         "full_attention": {"kv_heads": shape.full_kv_heads, "head_dim": shape.full_head_dim},
         "sliding_attention": {"kv_heads": shape.sliding_kv_heads, "head_dim": shape.sliding_head_dim},
-    }
+    }  # fmt: skip
     per_session = kv["total_bytes"]
     weights = target["bytes"]
     if draft is not None:

@@ -120,7 +120,7 @@ def _compare_ar(engine, req, gen) -> dict:
         speedup = round(gen.decode_tok_s / ar_tok_s, 4) if ar_tok_s else 0.0
         return {"ar_reference": reference, "ar_token_ids": ar.token_ids, "ar_decode_tok_s": round(ar_tok_s, 3),
                 "speedup": speedup}  # fmt: skip
-    native = policy is None or (policy.kind == "native" and not policy.full_kv_bits)
+    native = _native(policy)
     mlx = engine.verifier.info.backend == "mlx"
     if req.sampling.greedy and native and mlx and req.constraint is None:  # the CLI's engine holds the target
         from kakeya.verifier.mlx_backend.reference import greedy_reference
@@ -139,6 +139,11 @@ def _compare_ar(engine, req, gen) -> dict:
     return {"ar_reference": reference, **_beside(gen, ar_ids, decode_s, keys)}
 
 
+def _native(policy) -> bool:
+    """The model's own caches: no sink-window, no quantized full layers (what the reference runs have)."""
+    return policy is None or (policy.kind == "native" and not policy.full_kv_bits)
+
+
 def _beside(gen, ids, decode_s: float, keys: tuple[str, ...]) -> dict:
     """A reference run beside ours, under ``keys``: its tokens, its decode rate, whether ours are the same, our
     speedup over it."""
@@ -152,8 +157,7 @@ def _compare_transformers(engine, req, gen, args) -> dict:
     same target directory, a baseline that shares none of our code (the block-1 path above shares the forward
     and the cache). Elsewhere it is not what the run measures (another device or dtype, a bounded cache,
     a sampler or a grammar transformers does not run), so nothing is reported."""
-    policy = req.cache_policy
-    native = policy is None or (policy.kind == "native" and not policy.full_kv_bits)
+    native = _native(req.cache_policy)
     torch_cpu = engine.verifier.info.backend == "torch" and engine.device in (None, "cpu")
     if not (
         torch_cpu and native and req.sampling.greedy and req.constraint is None and args.dtype in (None, "float32")

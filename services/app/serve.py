@@ -67,9 +67,8 @@ def _run(spec, args) -> int:
 
     setup_logging(spec.name, args.log_format)
     rc = run_server(spec, args.host, args.port, args.grace, args.ready_file, args.metrics_port, args.health_port)
-    # Everything is drained and closed. Leave without joining the compute thread: MLX aborts the
-    # process ("terminate called without an active exception") when the thread that owns its
-    # arrays is joined while they are alive.
+    # Everything is drained and closed. Leave without joining the compute thread: MLX aborts the process ("terminate
+    # called without an active exception") when the thread that owns its arrays is joined while they are alive.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

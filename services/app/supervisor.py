@@ -282,15 +282,9 @@ def cmd_serve_all(args) -> int:
 
             def summary() -> dict:
                 c = sup.children
-                out = {
-                    "addr": c["orchestrator"].info["addr"],
-                    "verifier": c["verifier"].info["addr"],
-                    "drafter": c["drafter"].info["addr"],
-                    "pids": {n: p.pid for n, p in sup.procs.items()},
-                    "restarts": {n: ch.restarts for n, ch in c.items()},
-                    "pid": os.getpid(),
-                    "cpus": cpus,
-                }
+                out = {"addr": c["orchestrator"].info["addr"], "verifier": c["verifier"].info["addr"],
+                       "drafter": c["drafter"].info["addr"], "pids": {n: p.pid for n, p in sup.procs.items()},
+                       "restarts": {n: ch.restarts for n, ch in c.items()}, "pid": os.getpid(), "cpus": cpus}  # fmt: skip
                 if args.metrics_port is not None:
                     out["metrics_ports"] = {n: ch.info.get("metrics_port") for n, ch in c.items()}
                 if args.http_port is not None:  # the orchestrator's OpenAI API
@@ -342,14 +336,6 @@ def _child_backend(choice: str, args) -> list[str]:
     if backend != "torch":
         return ["--backend", backend, "--torch-threads", str(threads)]
     graphs = getattr(args, "cuda_graphs", "auto")
-    return [
-        "--backend",
-        "torch",
-        "--device",
-        device,
-        *(["--dtype", args.dtype] if args.dtype else []),
-        "--torch-threads",
-        str(threads),
-        *(["--cuda-graphs", graphs] if graphs != "auto" else []),
-        *(["--compile"] if getattr(args, "compile", False) else []),
-    ]
+    out = ["--backend", "torch", "--device", device, *(["--dtype", args.dtype] if args.dtype else [])]
+    out += ["--torch-threads", str(threads), *(["--cuda-graphs", graphs] if graphs != "auto" else [])]
+    return out + (["--compile"] if getattr(args, "compile", False) else [])

@@ -130,11 +130,8 @@ def _train_drafter(args) -> int:
     from kakeya.training.drafter import train
 
     rep = train(args)
-    summary = {
-        "out": args.out,
-        "steps": rep["steps"],
-        "final_loss": rep["loss_curve"][-1][2] if rep["loss_curve"] else None,
-    }
+    final_loss = rep["loss_curve"][-1][2] if rep["loss_curve"] else None
+    summary = {"out": args.out, "steps": rep["steps"], "final_loss": final_loss}
     if "acceptance" in rep:
         summary["mean_acceptance"] = {b: v["mean_acceptance"] for b, v in rep["acceptance"]["per_block_size"].items()}
     print(json.dumps(summary))

@@ -69,8 +69,7 @@ class Constraint:
             return _schema_grammar(self.spec)
         if not isinstance(self.spec, str) or not self.spec:
             raise ConstraintError(f"{self.kind} needs a non-empty string")
-        if len(self.spec) > MAX_SPEC_CHARS:
-            raise ConstraintError(f"longer than {MAX_SPEC_CHARS} characters")
+        _check_size(len(self.spec))
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.spec)
         return llguidance.LLMatcher.grammar_from_lark(self.spec)
@@ -78,8 +77,7 @@ class Constraint:
 
 def _schema_grammar(spec) -> str:
     if isinstance(spec, str):
-        if len(spec) > MAX_SPEC_CHARS:
-            raise ConstraintError(f"longer than {MAX_SPEC_CHARS} characters")
+        _check_size(len(spec))
         try:
             spec = json_text.loads(spec)
         except ValueError as exc:
@@ -87,15 +85,18 @@ def _schema_grammar(spec) -> str:
     if not isinstance(spec, dict):
         raise ConstraintError("a JSON schema must be a JSON object")
     try:
-        size = len(json.dumps(spec))
+        _check_size(len(json.dumps(spec)))
     except RecursionError:
         raise ConstraintError("nested too deeply") from None
-    if size > MAX_SPEC_CHARS:
-        raise ConstraintError(f"longer than {MAX_SPEC_CHARS} characters")
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
     except ValueError as exc:
         raise ConstraintError(_bounded(str(exc))) from None
+
+
+def _check_size(chars: int) -> None:
+    if chars > MAX_SPEC_CHARS:
+        raise ConstraintError(f"longer than {MAX_SPEC_CHARS} characters")
 
 
 def _bounded(message: str) -> str:
@@ -189,10 +190,9 @@ def _check(grammar: str, tok: llguidance.LLTokenizer) -> None:
 class Grammar:
     """One generation's grammar state over the tokens committed so far (an llguidance matcher).
 
-    :meth:`masks` gives, for a block ``[last, c1 .. c_{L-1}]``, the tokens allowed after the committed
-    prefix and after each run of candidates (``c1``, ``c1 c2``, ...), leaving the state where it was;
-    :meth:`advance` consumes what a block committed. Once the grammar is finished only the EOS ids are
-    allowed, so a constrained generation ends there.
+    :meth:`masks` gives, for a block ``[last, c1 .. c_{L-1}]``, the tokens allowed after the committed prefix and after
+    each run of candidates (``c1``, ``c1 c2``, ...), leaving the state where it was; :meth:`advance` consumes what a
+    block committed. Once the grammar is finished only the EOS ids are allowed, so a constrained generation ends there.
     """
 
     def __init__(self, grammar: str, tok: llguidance.LLTokenizer):

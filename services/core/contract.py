@@ -334,11 +334,10 @@ class DrafterSession(Protocol):
     server_s: float | None
 
     def draft(self, new_aux: Aux, last_token: int, block_size: int) -> Draft:
-        """Extend the context cache with ``new_aux`` (the aux of every position committed since the last call;
-        the whole prompt on the first) and propose ``block_size - 1`` tokens after ``last_token``, the newest
-        committed token, which opens the block. Greedy: the argmax; coupled: the argmax of the noisy processed
-        logits (the verifier's noise); rejection: each candidate sampled from its proposal q'_i, which the
-        :class:`Draft` carries."""
+        """Extend the context cache with ``new_aux`` (the aux of every position committed since the last call; the whole
+        prompt on the first) and propose ``block_size - 1`` tokens after ``last_token``, the newest committed token,
+        which opens the block. Greedy: the argmax; coupled: the argmax of the noisy processed logits (the verifier's
+        noise); rejection: each candidate sampled from its proposal q'_i, which the :class:`Draft` carries."""
 
     def cached_prefixes(self, prompt_ids: Sequence[int]) -> list[int]:
         """The lengths of the prefixes of ``prompt_ids`` the drafter's prefix cache holds a snapshot of."""

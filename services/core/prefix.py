@@ -70,7 +70,6 @@ def _filed_at(positions: int) -> int:
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
-    """The length of the longest common prefix of ``a`` and ``b``."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
 
@@ -134,12 +133,11 @@ class PrefixCache:
         allowed: Collection[int] | None = None,
         partial: bool = False,
     ) -> list[Match]:
-        """Every snapshot a session may resume ``prompt_ids`` from, longest first: its ids are a prefix of
-        the prompt (with ``partial``, also a snapshot the prompt shares at least a block of, up to a point
-        past the boundary it is filed under, matched that far: ``Match.back`` > 0; a snapshot longer than the
-        prompt too, so a prompt run again resumes), at least one prompt token is left to compute (the
-        next token's logits), and the match's length is in ``allowed`` (None: any). Marks them used (LRU)
-        but counts nothing: see :meth:`count`."""
+        """Every snapshot a session may resume ``prompt_ids`` from, longest first: its ids are a prefix of the prompt
+        (with ``partial``, also a snapshot the prompt shares at least a block of, up to a point past the boundary it is
+        filed under, matched that far: ``Match.back`` > 0; a snapshot longer than the prompt too, so a prompt run again
+        resumes), at least one prompt token is left to compute (the next token's logits), and the match's length is in
+        ``allowed`` (None: any). Marks them used (LRU) but counts nothing: see :meth:`count`."""
         prompt = tuple(prompt_ids)
         hashes = block_hashes(prompt, namespace, len(prompt) - 1)
         found = []

@@ -36,11 +36,10 @@ _INDEX = re.compile(r"\[\d+\]")
 
 
 def public_field(path: str, names: Mapping[str, str]) -> str:
-    """``path`` with its longest prefix found in ``names`` replaced (see :meth:`InvalidRequest.public`); an
-    item's index stays with its list's new name (``prompt.messages[1].role`` -> ``messages[1].role``). A
-    name whose lists are written ``[]`` renames a field inside their items, each index taking its ``[]`` in
-    turn: ``{"prompt.tools[].parameters": "tools[].function.parameters"}`` turns ``prompt.tools[2].parameters``
-    into ``tools[2].function.parameters``."""
+    """``path`` with its longest prefix found in ``names`` replaced (see :meth:`InvalidRequest.public`); an item's index
+    stays with its list's new name (``prompt.messages[1].role`` -> ``messages[1].role``). A name whose lists are written
+    ``[]`` renames a field inside their items, each index taking its ``[]`` in turn: ``{"prompt.tools[].parameters":
+    "tools[].function.parameters"}`` turns ``prompt.tools[2].parameters`` into ``tools[2].function.parameters``."""
     parts = path.split(".")
     for cut in range(len(parts), 0, -1):
         head, index = ".".join(parts[:cut]), ""
@@ -301,5 +300,4 @@ class CheckedRequest(Request):
 
     @property
     def prompt_ids(self) -> list[int]:
-        """The prompt as token ids."""
         return list(self.prompt)

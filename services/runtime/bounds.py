@@ -1,10 +1,9 @@
 """Bounds on everything a client controls, checked before anything is allocated.
 
-Each size (cache window and sinks, prompt length, max_tokens, aux rows) and string (request ids, restoration
-sources) a request names is checked against a limit the server was started with; a violation is a
-``ValueError`` naming the field (``INVALID_ARGUMENT``). Restoration sources (f_theta checkpoints) are configured
-on the verifier as ``--restore NAME=DIR`` (a bare DIR is ``default``) and chosen by NAME: a client never names a
-server path.
+Each size (cache window and sinks, prompt length, max_tokens, aux rows) and string (request ids, restoration sources) a
+request names is checked against a limit the server was started with; a violation is a ``ValueError`` naming the field
+(``INVALID_ARGUMENT``). Restoration sources (f_theta checkpoints) are configured on the verifier as ``--restore
+NAME=DIR`` (a bare DIR is ``default``) and chosen by NAME: a client never names a server path.
 """
 
 from __future__ import annotations

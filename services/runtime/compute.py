@@ -45,9 +45,8 @@ class Progress(NamedTuple):
     at: float
 
     def since(self, earlier: Progress) -> bool:
-        """Work got done between ``earlier`` and this: a job finished, or model work spent at least
-        ``BUSY_FRACTION`` of the time between the two readings on a CPU (a rate: idle threads' crumbs
-        never add up)."""
+        """Work got done between ``earlier`` and this: a job finished, or model work spent at least ``BUSY_FRACTION`` of
+        the time between the two readings on a CPU (a rate: idle threads' crumbs never add up)."""
         if self.done != earlier.done:
             return True
         if self.cpu_s is None or earlier.cpu_s is None or self.cpu_at <= earlier.cpu_at:
@@ -105,9 +104,8 @@ class ComputeThread:
     def start_batch(self, kind: Hashable, item: Any, runner: Callable[[list], Sequence[Any]]) -> Future:
         """``item``'s result as a Future: ``runner([item, ...])`` together with like items queued meanwhile.
 
-        ``runner`` gets a list of items of this ``kind`` and returns one result per
-        item, in order; a result that is an ``Exception`` instance is raised to
-        that item's caller alone (one bad session must not fail its batch-mates).
+        ``runner`` gets a list of items of this ``kind`` and returns one result per item, in order; a result that is an
+        ``Exception`` instance is raised to that item's caller alone (one bad session must not fail its batch-mates).
         """
         return self.start_many(kind, [item], runner)[0]
 

@@ -27,35 +27,24 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
                    20.0, 40.0, 80.0)  # fmt: skip
 
 
-class _Collected:
-    """A gauge family computed at scrape time (e.g. KV bytes by kind, read from the live sessions)."""
+class _Scraped:
+    """A family read from the server's own state at scrape time: a counter (``label`` None: e.g. the session
+    registry's total) or a gauge by ``label`` (``read`` returns a dict: e.g. KV bytes by kind)."""
 
-    def __init__(self, name: str, doc: str, label: str, read: Callable[[], dict[str, float]]):
-        self.name, self.doc, self.label, self.read = name, doc, label, read
-
-    def collect(self):
-        g = GaugeMetricFamily(self.name, self.doc, labels=[self.label])
-        for key, value in sorted(self.read().items()):
-            g.add_metric([key], float(value))
-        yield g
+    def __init__(self, name: str, doc: str, read: Callable, label: str | None = None):
+        self.name, self.doc, self.read, self.label = name, doc, read, label
 
     def describe(self):
+        if self.label is None:
+            return [CounterMetricFamily(self.name, self.doc)]
         return [GaugeMetricFamily(self.name, self.doc, labels=[self.label])]
 
-
-class _Total:
-    """A counter kept by the server itself (e.g. the session registry's total), read at scrape time."""
-
-    def __init__(self, name: str, doc: str, read: Callable[[], int]):
-        self.name, self.doc, self.read = name, doc, read
-
     def collect(self):
-        c = CounterMetricFamily(self.name, self.doc)
-        c.add_metric([], float(self.read()))
-        yield c
-
-    def describe(self):
-        return [CounterMetricFamily(self.name, self.doc)]
+        (family,) = self.describe()
+        values = sorted(self.read().items()) if self.label is not None else [(None, self.read())]
+        for key, value in values:
+            family.add_metric([] if key is None else [key], float(value))
+        yield family
 
 
 class _PrefixCacheMetrics:
@@ -141,15 +130,13 @@ class ServerMetrics:
     def track_sessions(self, live: Callable[[], int], total: Callable[[], int]) -> None:
         """``kakeya_sessions_live`` and ``kakeya_sessions_total``, read from the server at scrape time."""
         self.sessions_live.set_function(lambda: float(live()))
-        self.registry.register(_Total("kakeya_sessions", "sessions (orchestrator: generations) started", total))
+        self.registry.register(_Scraped("kakeya_sessions", "sessions (orchestrator: generations) started", total))
         if self.role == "orchestrator":
             self.running.set_function(lambda: float(live()))
 
     def track_kv_bytes(self, read: Callable[[], dict[str, int]]) -> None:
         """``kakeya_kv_cache_bytes{kind}``: bytes held by live sessions' caches, read at scrape time."""
-        self.registry.register(
-            _Collected("kakeya_kv_cache_bytes", "KV cache bytes held by live sessions", "kind", read)
-        )
+        self.registry.register(_Scraped("kakeya_kv_cache_bytes", "KV cache bytes held by live sessions", read, "kind"))
 
     def track_kv_usage(self, read: Callable[[], float]) -> None:
         """``kakeya_kv_cache_usage_perc``: the K/V bytes admitted sessions may grow to, as a fraction (0..1) of the
@@ -167,8 +154,8 @@ class ServerMetrics:
         """Calls and the session steps they carried, read at scrape time as ``kakeya_<names[0]>_total`` and
         ``kakeya_<names[1]>_total`` (their ratio: steps per call): a ``ComputeThread``'s batched runner calls, a
         session server's round calls (``runtime/servicer.py``)."""
-        self.registry.register(_Total(f"kakeya_{names[0]}", doc, calls))
-        self.registry.register(_Total(f"kakeya_{names[1]}", "session steps those calls carried", items))
+        self.registry.register(_Scraped(f"kakeya_{names[0]}", doc, calls))
+        self.registry.register(_Scraped(f"kakeya_{names[1]}", "session steps those calls carried", items))
 
     def generation(self, verifier_session: Any, drafter_session: Any, params: Any) -> GenerationObserver:
         """The observer of one generation of ``params`` (a ``CheckedRequest``) over these sessions."""

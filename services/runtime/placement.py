@@ -14,12 +14,10 @@ from collections.abc import Iterable
 
 
 def can_pin() -> bool:
-    """This platform can pin a process to CPUs."""
     return hasattr(os, "sched_setaffinity") and hasattr(os, "sched_getaffinity")
 
 
-def available() -> list[int]:
-    """The CPUs this process runs on now, in order."""
+def available() -> list[int]:  # the CPUs this process runs on now, in order
     return sorted(os.sched_getaffinity(0))
 
 
