@@ -83,7 +83,6 @@ def cmd_serve_verifier(args) -> int:
     from kakeya.verifier.server import server_spec
 
     _pin(args)
-
     if args.target is None:  # the embedded pair (its drafter's aux layers by default)
         target, draft = pair_paths(None, None)
         draft = args.draft or draft
@@ -112,7 +111,6 @@ def cmd_serve_drafter(args) -> int:
     from kakeya.orchestrator.assembly import pair_paths
 
     _pin(args)
-
     target, draft = pair_paths(args.target, args.draft)
     tls, token = serve_flags.internal_auth(args, "drafter")
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None, server="drafter")
@@ -146,7 +144,6 @@ def cmd_serve_orchestrator(args) -> int:
     from kakeya.orchestrator.fronts.grpc_server import GenerationServicer, server_spec
 
     _pin(args)
-
     if args.drafter and not args.verifier:
         raise ValueError("--drafter needs --verifier (a remote drafter with an in-process verifier is not supported)")
     prefixes = None
@@ -167,7 +164,6 @@ def cmd_serve_orchestrator(args) -> int:
             return split_engine(args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls,
                                 token=backend_token, backend_timeout_s=args.backend_timeout, ngram=args.ngram == "on")  # fmt: skip
 
-        colocated = False
         sources = None
     else:
         if args.backend_token_file:
@@ -191,12 +187,12 @@ def cmd_serve_orchestrator(args) -> int:
                                       _default_policy(args), no_drafter=args.no_drafter, torch_options=options,
                                       prefixes=prefixes, ngram=args.ngram == "on")  # fmt: skip
 
-        colocated = True
     servicer = GenerationServicer(
-        build, colocated=colocated, max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
-        max_sessions=args.max_sessions, max_sessions_per_peer=args.max_sessions_per_peer, queue=args.queue,
-        queue_timeout_s=args.queue_timeout, max_prompt_tokens=args.max_prompt_tokens, restore=sources,
-        auth_token=serve_flags.auth_token(args), prefixes=prefixes,
+        build, colocated=not args.verifier, max_tokens_limit=args.max_tokens_limit,
+        default_max_tokens=args.default_max_tokens, max_sessions=args.max_sessions,
+        max_sessions_per_peer=args.max_sessions_per_peer, queue=args.queue, queue_timeout_s=args.queue_timeout,
+        max_prompt_tokens=args.max_prompt_tokens, restore=sources, auth_token=serve_flags.auth_token(args),
+        prefixes=prefixes,
     )  # fmt: skip
     http = None
     if args.http_port is not None:

@@ -1,13 +1,50 @@
 """What a generation produced: its committed blocks, the record kept as they come (:class:`Generation`),
-and the one report every front translates when it ends (:class:`Report`)."""
+the one report every front translates when it ends (:class:`Report`), and its quality gate.
+
+The gate flags output that collapsed into runaway repetition: not a proxy like "more tokens than the window",
+but what the output *is*: a short unit of tokens tiled many times in a row, the signature of the cache-desync
+collapse (``由于由于…``), with or without newlines.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kakeya.core.contract import KVBytes, TokenLogprobs, VerifierStats
-from kakeya.core.quality import quality_report
 from kakeya.core.request import GREEDY, SamplingParams
+
+MAX_UNIT = 16  # longest repeating unit considered, in tokens
+MIN_REPEATS = 8  # how many back-to-back copies make a runaway
+
+
+@dataclass(frozen=True)
+class Runaway:
+    start: int  # index of the first token of the tiled span
+    unit: tuple[int, ...]
+    repeats: int
+
+
+def find_runaway(token_ids: Sequence[int], max_unit: int = MAX_UNIT, min_repeats: int = MIN_REPEATS) -> Runaway | None:
+    """The first span where a unit of <= ``max_unit`` tokens repeats >= ``min_repeats`` times back to back."""
+    ids = list(token_ids)
+    n = len(ids)
+    for unit in range(1, max_unit + 1):
+        # run[i] counts how far ids[i] == ids[i - unit] has held up to i.
+        run = 0
+        for i in range(unit, n):
+            run = run + 1 if ids[i] == ids[i - unit] else 0
+            if run >= unit * (min_repeats - 1):
+                start = i - unit * min_repeats + 1
+                return Runaway(start, tuple(ids[start : start + unit]), min_repeats)
+    return None
+
+
+def quality_report(token_ids: Sequence[int]) -> dict:
+    hit = find_runaway(token_ids)
+    if hit is None:
+        return {"degenerate": False}
+    return {"degenerate": True, "runaway": {"start": hit.start, "unit": list(hit.unit), "repeats": hit.repeats}}
 
 
 @dataclass
@@ -102,7 +139,7 @@ class Report:
 
     @property
     def quality(self) -> dict:
-        """The runaway-repetition gate on the tokens (``core/quality.py``)."""
+        """The runaway-repetition gate on the tokens (:func:`quality_report`)."""
         return quality_report(self.token_ids)
 
     def to_json(self) -> dict:
