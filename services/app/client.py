@@ -20,16 +20,7 @@ import random
 import sys
 import time
 
-from kakeya.app.options import (
-    DEFAULT_PROMPT,
-    add_cache_args,
-    add_generation_options,
-    cache_policy_from_args,
-    constraint_from_args,
-    logprobs_json,
-    print_result,
-    text_or_file,
-)
+from kakeya.app import options
 from kakeya.app.serve import DEFAULT_PORTS
 
 # A stream that broke this way (its orchestrator died, restarted or drains) resumes on the next address.
@@ -72,7 +63,7 @@ def set_tools(messages, args) -> None:
 
     if args.tools is not None:
         try:
-            declared = tools(json.loads(text_or_file(args.tools)))
+            declared = tools(json.loads(options.text_or_file(args.tools)))
         except (ValueError, RecursionError) as exc:  # ToolError is a ValueError, as is bad JSON
             why = str(exc) if isinstance(exc, ToolError) else f"not JSON ({exc})"
             raise ValueError(f"--tools: {why}") from None
@@ -101,11 +92,12 @@ def generate_request(args):
     if args.logprobs is not None:
         sp.logprobs = args.logprobs  # the server checks it (INVALID_ARGUMENT naming sampling_params.logprobs)
     req = pb.GenerateRequest(request_id=args.request_id or "", sampling_params=sp, block_size=args.block_size or 0)
-    constraint, _ = constraint_from_args(args)
+    constraint, _ = options.constraint_from_args(args)
     if constraint is not None:
         req.constraint.CopyFrom(wire_contract.constraint_to_proto(constraint))
     if (args.tools is not None or args.tool_choice is not None) and (not args.chat or args.prompt_ids is not None):
         raise ValueError("--tools and --tool-choice need --chat (tools are declared in the chat template)")
+    prompt = args.prompt if args.prompt is not None else options.DEFAULT_PROMPT
     if args.prompt_ids is not None:
         try:
             ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -115,11 +107,11 @@ def generate_request(args):
         if not ids:
             req.tokenized.SetInParent()
     elif args.chat:  # one user message, in the model's chat template (the server renders it)
-        req.messages.messages.add(role="user", content=args.prompt if args.prompt is not None else DEFAULT_PROMPT)
+        req.messages.messages.add(role="user", content=prompt)
         set_tools(req.messages, args)
     else:
-        req.text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    policy = cache_policy_from_args(args)
+        req.text = prompt
+    policy = options.cache_policy_from_args(args)
     if policy is not None:
         req.cache_policy.CopyFrom(wire_contract.policy_to_proto(policy))
     return req
@@ -183,7 +175,7 @@ def cmd_client_generate(args) -> int:
     report = report_from_stream(model, server.verifier_backend, complete, ids, "".join(text))
     out = report.to_json()
     if args.logprobs is not None:
-        out["logprobs"] = logprobs_json([logprobs_from_proto(m) for m in logprobs])
+        out["logprobs"] = options.logprobs_json([logprobs_from_proto(m) for m in logprobs])
     if complete.HasField("content"):  # the calls were read (tools, tool_choice not none)
         calls = [{"id": c.id, "name": c.name, "arguments": json.loads(c.arguments_json or "{}")}
                  for c in complete.tool_calls]  # fmt: skip
@@ -192,7 +184,7 @@ def cmd_client_generate(args) -> int:
             print()
             for call in out["tool_calls"]:
                 print(f"tool call {call['id']}: {call['name']} {json.dumps(call['arguments'], ensure_ascii=False)}")
-    print_result(args, out)
+    options.print_result(args, out)
     if complete.finish_reason == pb.FINISH_REASON_ERROR:
         print(f"kakeya: error: generation failed: {complete.error_message}", file=sys.stderr)
         return 1
@@ -244,14 +236,14 @@ def register(sub) -> None:
     cmds = p.add_subparsers(dest="client_command", required=True)
 
     g = cmds.add_parser("generate", help="streaming generation, same options and --json as `kakeya generate`")
-    add_generation_options(g)
+    options.add_generation_options(g)
     g.add_argument("--prompt-ids", help="pre-tokenized prompt, comma-separated ids (instead of --prompt)")
     g.add_argument("--chat", action="store_true", help="send --prompt as one user message in the model's chat template")
     g.add_argument("--stop", action="append", help="stop string (repeatable); cut from the output")
     g.add_argument("--stop-token-id", type=int, action="append", help="extra stop token id (repeatable)")
     g.add_argument("--request-id", help="request id for the server's logs")
     add_tool_options(g)
-    add_cache_args(g, default_kind=None)
+    options.add_cache_args(g, default_kind=None)
     g.set_defaults(func=cmd_client_generate)
 
     i = cmds.add_parser("info", help="GetModelInfo + GetServerInfo as JSON")

@@ -10,20 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kakeya.app.options import (
-    DEFAULT_PROMPT,
-    add_backend_args,
-    add_cache_args,
-    add_generation_options,
-    add_ngram,
-    add_torch_threads,
-    cache_policy_from_args,
-    constraint_from_args,
-    logprobs_json,
-    print_result,
-    sampling_from_args,
-    torch_options,
-)
+from kakeya.app import options
 from kakeya.core.request import InvalidRequest
 from kakeya.runtime import heap
 
@@ -32,18 +19,19 @@ def cmd_generate(args) -> int:
     from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine, resolve_backend, set_torch_threads
 
-    policy = cache_policy_from_args(args)
+    policy = options.cache_policy_from_args(args)
     backend, device = resolve_backend(args.backend, args.device)
     set_torch_threads(args.torch_threads, device, args.target is None, backend)  # before the first product
-    ngram, options = args.ngram == "on", torch_options(args)
-    engine = build_local_engine(
-        args.target, args.draft, backend, device, args.dtype, torch_options=options, ngram=ngram
+    ngram, fast = args.ngram == "on", options.torch_options(args)
+    engine = build_local_engine(args.target, args.draft, backend, device, args.dtype, torch_options=fast, ngram=ngram)
+    constraint, constraint_flags = options.constraint_from_args(args)
+    prompt, sampling = (
+        args.prompt if args.prompt is not None else options.DEFAULT_PROMPT,
+        options.sampling_from_args(args),
     )
-    constraint, constraint_flags = constraint_from_args(args)
-    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     req = Request(
         prompt, max_tokens=args.max_tokens, block_size=args.block_size or 0, ignore_eos=args.ignore_eos,
-        cache_policy=policy, sampling=sampling_from_args(args), logprobs=args.logprobs, constraint=constraint,
+        cache_policy=policy, sampling=sampling, logprobs=args.logprobs, constraint=constraint,
     )  # fmt: skip
     try:
         req = engine.check(req)  # before the warm-up: a bad request costs no model work
@@ -63,11 +51,11 @@ def cmd_generate(args) -> int:
     if args.dtype:
         out["dtype"] = args.dtype
     if req.logprobs is not None:
-        out["logprobs"] = logprobs_json(logprobs)
+        out["logprobs"] = options.logprobs_json(logprobs)
     if args.compare_ar:
         out.update(_compare_ar(engine, req, gen))
         out.update(_compare_transformers(engine, req, gen, args))
-    print_result(args, out)
+    options.print_result(args, out)
     return 0
 
 
@@ -182,16 +170,16 @@ def register_generate(sub) -> None:
     p = sub.add_parser("generate", help="speculative generation in-process (embedded default models if no paths)")
     p.add_argument("--target", help="Gemma-4 target checkpoint directory")
     p.add_argument("--draft", help="DFlash drafter checkpoint directory")
-    add_generation_options(p)
-    add_backend_args(p)
-    add_torch_threads(p)
+    options.add_generation_options(p)
+    options.add_backend_args(p)
+    options.add_torch_threads(p)
     p.add_argument("--compare-ar", action="store_true",
                    help="also run AR and report the speedup; greedy and coupled sampling: and whether the"
                         " tokens are identical (lossless); the rejection rule: AR sampling, speed only;"
                         " torch on a CPU, greedy: also transformers' own generate on the same weights"
                         " (speed-up and whether its tokens are ours)")  # fmt: skip
-    add_ngram(p)
-    add_cache_args(p)
+    options.add_ngram(p)
+    options.add_cache_args(p)
     p.set_defaults(func=cmd_generate)
 
 

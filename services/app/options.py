@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import suppress
 from pathlib import Path
 
 # The first held-out prompt of the drafter's evaluation (the start of a stdlib file the demo pair never
@@ -148,11 +149,9 @@ def add_constraint_options(p) -> None:
 
 def text_or_file(value: str) -> str:
     """A flag's value, or the contents of the file it names (a value that is a path to an existing file)."""
-    try:
+    with suppress(OSError):
         if len(value) < 4096 and "\n" not in value and Path(value).is_file():
             return Path(value).read_text(encoding="utf-8")
-    except OSError:
-        pass
     return value
 
 

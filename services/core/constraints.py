@@ -20,6 +20,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 
 import llguidance
@@ -154,10 +155,8 @@ COMPILED = CompiledGrammars(maxsize=64)  # this process's compiled grammars
 def _yield_the_cores() -> None:
     """A grammar worker's CPU priority lowered (Linux: ``nice`` is a thread's own), so that a grammar which takes
     seconds to build (a regex bomb's lexer) runs on what the model threads leave (``docs/structured.md``)."""
-    try:
+    with suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 # Where requests' grammars are checked: two at a time, below every other thread's priority.
@@ -251,9 +250,8 @@ class Grammar:
         return not self._allowed(np.zeros(self.words, np.int32))
 
     def _drop_refused_specials(self, row: np.ndarray) -> None:
-        """Clear the special tokens a mask allows but the matcher would not consume: llguidance 1.9 allows a
-        special token whose text the grammar spells next (``<pad>`` of a choice ``["<pad>"]``), then refuses it
-        when committed (issue 43's fuzz)."""
+        """Clear the special tokens a mask allows but the matcher would not consume: llguidance 1.9 allows one whose
+        text the grammar spells next (``<pad>`` of a choice ``["<pad>"]``), then refuses it when committed."""
         words = row.view(np.uint32)
         ids, at, bit = self.specials
         hit = words[at] & bit  # one gather: most masks allow no special token, and cost no more than this

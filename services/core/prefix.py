@@ -94,10 +94,8 @@ class PrefixCache:
         return len(self._entries)
 
     def put(self, namespace: Hashable, ids: Sequence[int], value: Any, nbytes: int) -> bool:
-        """Keep ``value``, the state after exactly ``ids``; False when it does not fit the budget at all.
-
-        A snapshot of the same ids is the same state: the one kept is refreshed, the new one dropped.
-        """
+        """Keep ``value``, the state after exactly ``ids``; False when it does not fit the budget at all. A snapshot
+        of the same ids is the same state: the one kept is refreshed, the new one dropped."""
         ids = tuple(ids)
         key = (namespace, ids)
         with self._lock:

@@ -66,9 +66,7 @@ class _Refusal:
 
 
 class SessionRegistry:
-    """Live sessions of one server: admission (count, per-peer and K/V-byte limits, idle reclaim, optional wait
-    queue), idle expiry, and the bytes they hold. ``close`` is idempotent and safe from any thread.
-    """
+    """Live sessions of one server: admission, idle expiry, the bytes they hold (see the module docstring)."""
 
     def __init__(self, max_sessions: int = 0, max_kv_bytes: int = 0, queue: int = 0, queue_timeout_s: float = 0.0,
                  idle_timeout_s: float = 0.0, *, max_per_peer: int = 0, reclaim_idle_s: float = 0.0,

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+from contextlib import suppress
 
 FORMATS = ("text", "json")
 
@@ -32,10 +33,8 @@ def bind(**fields: str) -> contextvars.Token:
 
 
 def reset(token: contextvars.Token) -> None:
-    try:
+    with suppress(ValueError):  # a generator finalised on another thread: that thread's context is not ours
         _context.reset(token)
-    except ValueError:  # a generator finalised on another thread: that thread's context is not ours
-        pass
 
 
 class ContextFilter(logging.Filter):

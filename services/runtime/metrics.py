@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import grpc
@@ -229,15 +230,7 @@ class GenerationObserver:
             log.warning("the verifier finished alone: AR fallback (%s)", fallback)
 
 
-class _NoObserver:
-    def block(self, b) -> None:
-        pass
-
-    def finish(self, reason: str, **_kw) -> None:
-        pass
-
-
-NO_OBSERVER = _NoObserver()
+NO_OBSERVER = SimpleNamespace(block=lambda b: None, finish=lambda reason, **kw: None)  # a generation not observed
 
 
 # --------------------------------------------------------------------------- RPC interceptor

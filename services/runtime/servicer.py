@@ -127,9 +127,8 @@ class SessionServicer:
             close()
 
     def _inline_if_safe(self, backend: str) -> None:
-        """Let a lone stream's steps run on its handler thread (``ComputeThread.inline``) where arrays may
-        cross threads: torch on a CPU (set by ``load``, after ``device``). MLX keeps arrays on their thread,
-        so it never runs inline; on CUDA it made no difference beyond noise (docs/design.md, "History: removed, and why")."""
+        """Let a lone stream's steps run on its handler thread (``ComputeThread.inline``) where that was measured to
+        pay: torch on a CPU (set by ``load``, after ``device``; see ``compute.py``)."""
         self.compute.inline = backend == "torch" and self.device == "cpu"
 
     def info(self):
@@ -170,9 +169,8 @@ class SessionServicer:
                 return
 
     def _round_step(self, entry, kind: str, step, every_s: float, runner):
-        """A step that round calls take too (``RoundSlot``: ``verify``, ``draft``) on the session's stream:
-        one step of the session at a time, checked as a round item, batched with ``kind``'s ``runner``
-        (a generator: ``yield from`` it)."""
+        """A step round calls take too (``verify``, ``draft``) on the session's stream: one step of the session at
+        a time, checked as a round item, batched with ``kind``'s ``runner`` (a generator: ``yield from`` it)."""
         slot = entry.round
         slot.take(kind)
         try:
@@ -207,9 +205,8 @@ class SessionServicer:
         return max(ms / 1000, MIN_PROGRESS_S) if ms else 0.0
 
     def _await(self, future: Future, every_s: float):
-        """A generator that returns ``future``'s result; meanwhile it yields a Progress message every
-        ``every_s`` seconds (0: none) in which the compute thread got work done (``ComputeThread.progress``).
-        A stopped process or a wedged compute thread gets none done: no message, and its client's
+        """A generator that returns ``future``'s result; meanwhile it yields a Progress message every ``every_s``
+        seconds (0: none) in which the compute thread got work done: a wedged one gets none done, and its client's
         deadline for the step (``orchestrator/remote/deadlines.py``) runs out."""
         yield from self._await_all([future], every_s, self._progress)
         return future.result()
@@ -256,9 +253,8 @@ class SessionServicer:
         yield from session_stream(self.role, self.ready, self.registry, self._serve, request_iterator, context)
 
     def spec(self, service_descriptor, load, *, tls=None, token: str | None = None, **spec) -> ServerSpec:
-        """This servicer's ``ServerSpec``: registered through ``guard.add_servicer`` (``token``: the bearer
-        token callers must present; None: none), ``load`` (no arguments) loads its model, ready once
-        loaded, threads for ``max_sessions`` streams + ``queue`` waiting; ``spec``: more ``ServerSpec`` fields."""
+        """This servicer's ``ServerSpec``: registered through ``guard.add_servicer`` (``token``: the bearer token
+        callers must present), ready once ``load`` loaded its model; ``spec``: more ``ServerSpec`` fields."""
 
         def set_ready(flag: bool) -> None:
             self.ready = flag

@@ -6,6 +6,7 @@ at most 4 GiB, measured once when the server starts: the device's free memory wh
 from __future__ import annotations
 
 import os
+from contextlib import suppress
 from pathlib import Path
 
 AUTO_FRACTION = 0.10
@@ -29,18 +30,14 @@ def available_host_bytes() -> int | None:
 
 
 def _system_available() -> int | None:
-    try:
+    with suppress(ImportError):
         import psutil
 
         return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
+    with suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
     for pages in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"):
         try:
             return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
