@@ -25,13 +25,11 @@ def cmd_generate(args) -> int:
     ngram, fast = args.ngram == "on", options.torch_options(args)
     engine = build_local_engine(args.target, args.draft, backend, device, args.dtype, torch_options=fast, ngram=ngram)
     constraint, constraint_flags = options.constraint_from_args(args)
-    prompt, sampling = (
-        args.prompt if args.prompt is not None else options.DEFAULT_PROMPT,
-        options.sampling_from_args(args),
-    )
+    prompt = args.prompt if args.prompt is not None else options.DEFAULT_PROMPT
     req = Request(
         prompt, max_tokens=args.max_tokens, block_size=args.block_size or 0, ignore_eos=args.ignore_eos,
-        cache_policy=policy, sampling=sampling, logprobs=args.logprobs, constraint=constraint,
+        cache_policy=policy, sampling=options.sampling_from_args(args), logprobs=args.logprobs,
+        constraint=constraint,
     )  # fmt: skip
     try:
         req = engine.check(req)  # before the warm-up: a bad request costs no model work
