@@ -75,9 +75,6 @@ def _run(spec, args) -> int:
     os._exit(rc)
 
 
-# --------------------------------------------------------------------------- serve <role>
-
-
 def cmd_serve_verifier(args) -> int:
     from kakeya.orchestrator.assembly import pair_paths
     from kakeya.verifier.server import server_spec
@@ -200,9 +197,6 @@ def cmd_serve_orchestrator(args) -> int:
 
         http = HttpFront(servicer, args.http_port, args.served_model_name, timeouts=serve_flags.http_timeouts(args))
     return _run(server_spec(servicer, tls=ServerTLS.from_args(args), http=http), args)
-
-
-# --------------------------------------------------------------------------- registration
 
 
 def register(sub) -> None:

@@ -34,23 +34,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from kakeya.core.prefix import PrefixCache
-from kakeya.runtime import bounds
-from kakeya.runtime.admission import (
-    DEFAULT_IDLE_TIMEOUT_S,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_RECLAIM_IDLE_S,
-    SessionRegistry,
-)
+from kakeya.runtime import admission, bounds, lifecycle
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH, ComputeThread
-from kakeya.runtime.lifecycle import (
-    RequestError,
-    ServerSpec,
-    bounded,
-    invalid,
-    precondition,
-    session_stream,
-    workers_for,
-)
+from kakeya.runtime.lifecycle import RequestError, ServerSpec, bounded, invalid, precondition
 from kakeya.runtime.metrics import ServerMetrics
 from kakeya.runtime.security.auth import peer_of
 from kakeya.runtime.security.guard import add_servicer
@@ -69,13 +55,13 @@ class SessionLimits:
     """A session server's limits: the ``serve verifier`` / ``serve drafter`` flags (``app/flags.session_limits``).
     0 means "none" for every byte, count and time limit below."""
 
-    max_sessions: int = DEFAULT_MAX_SESSIONS  # live sessions (streams) at once
+    max_sessions: int = admission.DEFAULT_MAX_SESSIONS  # live sessions (streams) at once
     max_kv_bytes: int = 0  # cache bytes all live sessions may hold together
     queue: int = 0  # Opens that may wait for a free session
     queue_timeout_s: float = 0.0  # how long one may wait
-    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # a session whose client sends nothing this long ends
+    idle_timeout_s: float = admission.DEFAULT_IDLE_TIMEOUT_S  # a session whose client sends nothing this long ends
     max_per_peer: int = 0  # live sessions one peer may hold
-    reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S  # when full, a session idle this long is reclaimed for a new one
+    reclaim_idle_s: float = admission.DEFAULT_RECLAIM_IDLE_S  # when full, one idle this long is reclaimed for a new one
     max_context: int = 0  # positions a session may hold (0: the model's max_position_embeddings)
     max_batch: int = DEFAULT_MAX_BATCH  # queued steps of concurrent sessions run as one forward, up to this many
     prefix_cache_bytes: int = 0  # snapshots of finished sessions later prompts resume from
@@ -90,7 +76,7 @@ class SessionServicer:
 
     def __init__(self, limits: SessionLimits = SessionLimits()):
         self.compute = ComputeThread(self.role, limits.max_batch)
-        self.registry = SessionRegistry(
+        self.registry = admission.SessionRegistry(
             limits.max_sessions, limits.max_kv_bytes, limits.queue, limits.queue_timeout_s, limits.idle_timeout_s,
             max_per_peer=limits.max_per_peer, reclaim_idle_s=limits.reclaim_idle_s, close=self._close_session,
         )  # fmt: skip
@@ -250,20 +236,22 @@ class SessionServicer:
         return self.info()
 
     def Session(self, request_iterator, context):
-        yield from session_stream(self.role, self.ready, self.registry, self._serve, request_iterator, context)
+        yield from lifecycle.session_stream(
+            self.role, self.ready, self.registry, self._serve, request_iterator, context
+        )
 
-    def spec(self, service_descriptor, load, *, tls=None, token: str | None = None, **spec) -> ServerSpec:
+    def spec(self, service, load, *, tls=None, token: str | None = None, **spec) -> ServerSpec:
         """This servicer's ``ServerSpec``: registered through ``guard.add_servicer`` (``token``: the bearer token
         callers must present), ready once ``load`` loaded its model; ``spec``: more ``ServerSpec`` fields."""
 
         def set_ready(flag: bool) -> None:
             self.ready = flag
 
+        workers = lifecycle.workers_for(self.registry.max_sessions, self.registry.queue)
         return ServerSpec(
-            self.role, [service_descriptor.full_name], lambda server: add_servicer(server, self, service_descriptor, token),
-            load, set_ready, before_drain=self._drain, near_deadline=self._end_sessions,
-            max_workers=workers_for(self.registry.max_sessions, self.registry.queue), tls=tls, metrics=self.metrics,
-            **spec,
+            self.role, [service.full_name], lambda server: add_servicer(server, self, service, token),
+            load, set_ready, before_drain=self._drain, near_deadline=self._end_sessions, max_workers=workers, tls=tls,
+            metrics=self.metrics, **spec,
         )  # fmt: skip
 
 
