@@ -47,7 +47,8 @@ def add_sessions(p) -> None:
                    help="when a limit would refuse a new session, first end sessions whose clients have sent nothing"
                         f" for this long, longest idle first (default {DEFAULT_RECLAIM_IDLE_S:g} s; 0: never)")  # fmt: skip
     p.add_argument("--max-context", type=int, default=0,
-                   help="most positions one session may hold (default: the model's max_position_embeddings)")  # fmt: skip
+                   help="most positions one session may hold (default: the model's"
+                        " max_position_embeddings)")  # fmt: skip
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                    help=f"most sessions' steps that queue up together and run as one batched forward"
                         f" (default {DEFAULT_MAX_BATCH}; 1: each session's step alone, in turn)")  # fmt: skip
@@ -119,7 +120,8 @@ def add_restore(p) -> None:
 
 def add_orchestrator(p) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=0,
-                   help="longest prompt accepted (default 8192, never above the target's max_position_embeddings)")  # fmt: skip
+                   help="longest prompt accepted (default 8192, never above the target's"
+                        " max_position_embeddings)")  # fmt: skip
     p.add_argument("--auth-token-file", help="require `authorization: Bearer <token>` on the public API (health"
                                              " stays open)")  # fmt: skip
     p.add_argument("--backend-timeout", type=float, default=2.0,
@@ -132,7 +134,8 @@ def add_orchestrator(p) -> None:
 def add_backend_auth(p) -> None:
     """The split orchestrator: the token its verifier and drafter require (their --auth-token-file)."""
     p.add_argument("--backend-token-file",
-                   help="split: send `authorization: Bearer <token>` from this file to the verifier and drafter")  # fmt: skip
+                   help="split: send `authorization: Bearer <token>` from this file to the verifier and"
+                        " drafter")  # fmt: skip
 
 
 def add_http(p) -> None:

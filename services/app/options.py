@@ -73,7 +73,8 @@ def add_cache_args(p, default_kind: str | None = "native") -> None:
     g = p.add_argument_group("verifier cache policy")
     g.add_argument("--cache", default=default_kind, choices=["native", "sink-window"],
                    help="native: the model's own sliding window (not bounded as a whole); "
-                        "sink-window: --sink first positions + a --window of recent ones on sliding layers")  # fmt: skip
+                        "sink-window: --sink first positions + a --window of recent ones on sliding"
+                        " layers")  # fmt: skip
     g.add_argument("--sink", type=int, default=4, help="attention sinks kept forever (sink-window)")
     g.add_argument("--window", type=int, help="sliding window (sink-window; default: the model's)")
     g.add_argument("--full-kv-bits", type=int, default=0, choices=[0, 4, 8],

@@ -159,7 +159,8 @@ def cmd_serve_orchestrator(args) -> int:
         def build():
             drafter = None if args.no_drafter else args.drafter
             return split_engine(args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls,
-                                token=backend_token, backend_timeout_s=args.backend_timeout, ngram=args.ngram == "on")  # fmt: skip
+                                token=backend_token, backend_timeout_s=args.backend_timeout,
+                                ngram=args.ngram == "on")  # fmt: skip
 
         sources = None
     else:

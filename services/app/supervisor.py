@@ -275,16 +275,17 @@ def cmd_serve_all(args) -> int:
             spawn("drafter", *back, "--draft", draft, "--target", target, *dback, port=2)
             ready = sup.wait_ready(["verifier", "drafter"], args.start_timeout)
             health = ["--health-port", str(args.health_port)] if args.health_port is not None else []
-            spawn("orchestrator", "--host", args.host, "--port", str(args.port), "--verifier", ready["verifier"]["addr"],
-                  "--drafter", ready["drafter"]["addr"], "--tokenizer", target, "--max-tokens-limit",
-                  str(args.max_tokens_limit), *health, port=0)  # fmt: skip
+            spawn("orchestrator", "--host", args.host, "--port", str(args.port), "--verifier",
+                  ready["verifier"]["addr"], "--drafter", ready["drafter"]["addr"], "--tokenizer", target,
+                  "--max-tokens-limit", str(args.max_tokens_limit), *health, port=0)  # fmt: skip
             ready.update(sup.wait_ready(["orchestrator"], args.start_timeout))
 
             def summary() -> dict:
                 c = sup.children
                 out = {"addr": c["orchestrator"].info["addr"], "verifier": c["verifier"].info["addr"],
                        "drafter": c["drafter"].info["addr"], "pids": {n: p.pid for n, p in sup.procs.items()},
-                       "restarts": {n: ch.restarts for n, ch in c.items()}, "pid": os.getpid(), "cpus": cpus}  # fmt: skip
+                       "restarts": {n: ch.restarts for n, ch in c.items()}, "pid": os.getpid(),
+                       "cpus": cpus}  # fmt: skip
                 if args.metrics_port is not None:
                     out["metrics_ports"] = {n: ch.info.get("metrics_port") for n, ch in c.items()}
                 if args.http_port is not None:  # the orchestrator's OpenAI API

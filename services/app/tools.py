@@ -19,8 +19,9 @@ def register(sub) -> None:
 def _make_tiny(args: argparse.Namespace) -> int:
     from kakeya.checkpoints.tiny import make_tiny
 
+    progress = lambda msg: print(msg, file=sys.stderr, flush=True)
     pair = make_tiny(args.out, seed=args.seed, sliding_window=args.sliding_window, moe=args.moe,
-                     vocab_size=args.vocab_size, progress=lambda msg: print(msg, file=sys.stderr, flush=True))  # fmt: skip
+                     vocab_size=args.vocab_size, progress=progress)  # fmt: skip
     print(f"target: {pair.target}")
     print(f"draft: {pair.draft}")
     return 0
@@ -106,7 +107,8 @@ def cmd_niah(args) -> int:
     )
     result = {"target": engine.target, "draft": engine.draft, "contexts": args.contexts, "depths": args.depths,
               "max_tokens": args.max_tokens, "block_size": args.block_size or engine.default_block_size,
-              "model_window": model_window, "sink": args.sink, "window": window, "note": TINY_NOTE, "policies": table}  # fmt: skip
+              "model_window": model_window, "sink": args.sink, "window": window, "note": TINY_NOTE,
+              "policies": table}  # fmt: skip
     if args.json:
         print(json.dumps(result))
         return 0

@@ -146,7 +146,8 @@ class Report:
         """The ``kakeya generate --json`` object (and ``kakeya client generate --json``'s)."""
         s = self.sampling
         plain = ("target", "draft", "backend", "device", "block_size", "block_sizes", "copied_blocks", "forced_blocks",
-                 "prompt_token_ids", "cached_tokens", "token_ids", "text", "finish_reason", "acceptance_lengths")  # fmt: skip
+                 "prompt_token_ids", "cached_tokens", "token_ids", "text", "finish_reason",
+                 "acceptance_lengths")  # fmt: skip
         out = {k: list(v) if isinstance(v := getattr(self, k), tuple) else v for k in plain}
         sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p}
         return (

@@ -97,9 +97,6 @@ def max_prompt_tokens(limit: int, max_position_embeddings: int) -> int:
     return min(limit or DEFAULT_MAX_PROMPT_TOKENS, max_position_embeddings)
 
 
-# --------------------------------------------------------------------------- restoration sources
-
-
 class RestoreSources:
     """Named f_theta directories a server may restore from; the wire carries only the names."""
 

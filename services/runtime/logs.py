@@ -27,9 +27,7 @@ _FIELDS = ("request_id", "session_id")
 
 def bind(**fields: str) -> contextvars.Token:
     """Add ``fields`` (request_id, session_id) to this thread's log context; returns a reset token."""
-    merged = dict(_context.get())
-    merged.update({k: v for k, v in fields.items() if v})
-    return _context.set(merged)
+    return _context.set(_context.get() | {k: v for k, v in fields.items() if v})
 
 
 def reset(token: contextvars.Token) -> None:

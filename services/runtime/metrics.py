@@ -110,9 +110,10 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency", "request start to Complete")
         phase = "one decode block's time by phase (wire: split deployments only)"
         self.block_latency = histogram("block_latency", phase, "phase")
-        self.ar_fallbacks = counter("ar_fallbacks", "generations the verifier finished alone, by reason (drafter_failed,"
-                                    " drafter_backoff, drafter_busy); a client's cancel or deadline is never one",
-                                    "reason")  # fmt: skip
+        fallbacks = "generations the verifier finished alone, by reason (drafter_failed, drafter_backoff, drafter_busy)"
+        self.ar_fallbacks = counter(
+            "ar_fallbacks", fallbacks + "; a client's cancel or deadline is never one", "reason"
+        )
         self.takeovers = counter("takeovers", "sessions reopened on another replica after theirs was lost mid-stream,"
                                  " by role (verifier, drafter)", "role")  # fmt: skip
         self.drain_handoffs = counter("drain_handoffs", "sessions moved to another replica because theirs was"
@@ -166,8 +167,7 @@ class ServerMetrics:
 
     def serve_http(self, host: str, port: int):
         """Serve ``/metrics`` on ``host:port`` (0: any free port); returns the HTTP server (``.server_port``)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server
+        return start_http_server(port, addr=host, registry=self.registry)[0]  # (server, thread)
 
 
 def _server_s(session: Any) -> float | None:

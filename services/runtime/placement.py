@@ -39,9 +39,8 @@ def parse_cpus(text: str, field: str = "--cpus") -> frozenset[int]:
 def format_cpus(cpus: Iterable[int]) -> str:
     """The inverse of :func:`parse_cpus`: ranges where they run, e.g. ``"0,2-3"``."""
     out = []
-    for _, run in itertools.groupby(
-        enumerate(sorted(set(cpus))), key=lambda ic: ic[1] - ic[0]
-    ):  # a run: c - i constant
+    runs = itertools.groupby(enumerate(sorted(set(cpus))), key=lambda ic: ic[1] - ic[0])  # a run: c - i constant
+    for _, run in runs:
         first, *rest = (c for _, c in run)
         out.append(f"{first}-{rest[-1]}" if rest else str(first))
     return ",".join(out)

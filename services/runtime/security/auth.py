@@ -105,9 +105,6 @@ def peer_of(context) -> str:
     return peer
 
 
-# --------------------------------------------------------------------------- client side
-
-
 class _Bearer(
     grpc.UnaryUnaryClientInterceptor,
     grpc.UnaryStreamClientInterceptor,
