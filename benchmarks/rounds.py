@@ -43,7 +43,7 @@ def measure(
     backend: str, streams: int, requests: int, max_tokens: int, block_size: int, device: str, profile: bool = False
 ) -> dict:
     import kakeya.orchestrator.decode.scheduler as scheduler_mod
-    from kakeya.app.main import DEFAULT_PROMPT
+    from kakeya.app.options import DEFAULT_PROMPT
     from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
     from kakeya.orchestrator.decode.engine import RunOptions

@@ -20,17 +20,8 @@ import random
 import sys
 import time
 
-from kakeya.app.constraint_flags import constraint_from_args
-from kakeya.app.options import (
-    DEFAULT_PROMPT,
-    add_cache_args,
-    add_generation_options,
-    cache_policy_from_args,
-    logprobs_json,
-    print_result,
-)
+from kakeya.app import options
 from kakeya.app.serve import DEFAULT_PORTS
-from kakeya.app.tool_flags import add_tool_options, calls_json, set_tools
 
 # A stream that broke this way (its orchestrator died, restarted or drains) resumes on the next address.
 RETRY_CODES = ("UNAVAILABLE", "CANCELLED")
@@ -50,21 +41,50 @@ def _rpc_error(exc) -> int:
     return 1
 
 
+TOOL_MODES = ("auto", "none", "required")
+
+
+def add_tool_options(p) -> None:
+    """``--tools FILE|JSON`` (OpenAI's ``tools``: a list of ``{"type": "function", "function": {name, description,
+    parameters}}``, read as the HTTP API reads it) and ``--tool-choice auto|none|required|NAME`` (a name: that
+    function). The server checks them as every front's (INVALID_ARGUMENT naming the field) and returns the calls
+    it reads in ``Complete.tool_calls``."""
+    g = p.add_argument_group("tools (with --chat; the calls come back parsed, see the README's Tool calls)")
+    g.add_argument("--tools", metavar="FILE|JSON", help="function tools in OpenAI's format (a JSON list)")
+    g.add_argument("--tool-choice", metavar="auto|none|required|NAME",
+                   help="whether the model may call a tool (default: auto with --tools), must call one, or must"
+                        " call NAME")  # fmt: skip
+
+
+def set_tools(messages, args) -> None:
+    """``--tools`` and ``--tool-choice`` into ``messages`` (a ``ChatMessages``); ValueError naming the flag."""
+    from kakeya.orchestrator.fronts.http_params import ToolError, tools
+    from kakeya.wire.kakeya.v1 import generate_pb2 as pb
+
+    if args.tools is not None:
+        try:
+            declared = tools(json.loads(options.text_or_file(args.tools)))
+        except (ValueError, RecursionError) as exc:  # ToolError is a ValueError, as is bad JSON
+            why = str(exc) if isinstance(exc, ToolError) else f"not JSON ({exc})"
+            raise ValueError(f"--tools: {why}") from None
+        for t in declared:
+            schema = json.dumps(dict(t.parameters)) if t.parameters is not None else ""
+            messages.tools.add(name=t.name, description=t.description, parameters_json=schema)
+    if args.tool_choice in TOOL_MODES:
+        messages.tool_choice.mode = pb.ToolChoiceMode.Value(f"TOOL_CHOICE_MODE_{args.tool_choice.upper()}")
+    elif args.tool_choice is not None:
+        messages.tool_choice.function = args.tool_choice
+
+
 def generate_request(args):
     from kakeya.wire import convert as wire_contract
     from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
     sp = pb.SamplingParams(
-        max_tokens=args.max_tokens,
-        ignore_eos=args.ignore_eos,
-        stop=args.stop or [],
-        stop_token_ids=args.stop_token_id or [],
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        rule=wire_contract.rule_to_proto(args.sampling_rule),
-    )
+        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop or [],
+        stop_token_ids=args.stop_token_id or [], temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, rule=wire_contract.rule_to_proto(args.sampling_rule),
+    )  # fmt: skip
     if args.seed is not None:
         if not 0 <= args.seed < 2**64:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {args.seed}")
@@ -72,11 +92,12 @@ def generate_request(args):
     if args.logprobs is not None:
         sp.logprobs = args.logprobs  # the server checks it (INVALID_ARGUMENT naming sampling_params.logprobs)
     req = pb.GenerateRequest(request_id=args.request_id or "", sampling_params=sp, block_size=args.block_size or 0)
-    constraint, _ = constraint_from_args(args)
+    constraint, _ = options.constraint_from_args(args)
     if constraint is not None:
         req.constraint.CopyFrom(wire_contract.constraint_to_proto(constraint))
     if (args.tools is not None or args.tool_choice is not None) and (not args.chat or args.prompt_ids is not None):
         raise ValueError("--tools and --tool-choice need --chat (tools are declared in the chat template)")
+    prompt = args.prompt if args.prompt is not None else options.DEFAULT_PROMPT
     if args.prompt_ids is not None:
         try:
             ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -86,11 +107,11 @@ def generate_request(args):
         if not ids:
             req.tokenized.SetInParent()
     elif args.chat:  # one user message, in the model's chat template (the server renders it)
-        req.messages.messages.add(role="user", content=args.prompt if args.prompt is not None else DEFAULT_PROMPT)
+        req.messages.messages.add(role="user", content=prompt)
         set_tools(req.messages, args)
     else:
-        req.text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    policy = cache_policy_from_args(args)
+        req.text = prompt
+    policy = options.cache_policy_from_args(args)
     if policy is not None:
         req.cache_policy.CopyFrom(wire_contract.policy_to_proto(policy))
     return req
@@ -154,14 +175,16 @@ def cmd_client_generate(args) -> int:
     report = report_from_stream(model, server.verifier_backend, complete, ids, "".join(text))
     out = report.to_json()
     if args.logprobs is not None:
-        out["logprobs"] = logprobs_json([logprobs_from_proto(m) for m in logprobs])
+        out["logprobs"] = options.logprobs_json([logprobs_from_proto(m) for m in logprobs])
     if complete.HasField("content"):  # the calls were read (tools, tool_choice not none)
-        out["content"], out["tool_calls"] = complete.content, calls_json(complete)
+        calls = [{"id": c.id, "name": c.name, "arguments": json.loads(c.arguments_json or "{}")}
+                 for c in complete.tool_calls]  # fmt: skip
+        out["content"], out["tool_calls"] = complete.content, calls
         if not args.json:
             print()
             for call in out["tool_calls"]:
                 print(f"tool call {call['id']}: {call['name']} {json.dumps(call['arguments'], ensure_ascii=False)}")
-    print_result(args, out)
+    options.print_result(args, out)
     if complete.finish_reason == pb.FINISH_REASON_ERROR:
         print(f"kakeya: error: generation failed: {complete.error_message}", file=sys.stderr)
         return 1
@@ -203,25 +226,24 @@ def register(sub) -> None:
     from kakeya.app import flags as serve_flags
 
     p = sub.add_parser("client", help="call a running orchestrator (kakeya serve orchestrator|all)")
-    p.add_argument(
-        "--addr", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}",
-        help="HOST:PORT of the orchestrator; a comma-separated list: a generation whose stream breaks resumes on the"
-        " next one (resume_token_ids), with exactly the tokens it has not had",
-    )  # fmt: skip
+    p.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}",
+                   help="HOST:PORT of the orchestrator; a comma-separated list: a generation whose stream"
+                        " breaks resumes on the next one (resume_token_ids), with exactly the tokens it"
+                        " has not had")  # fmt: skip
     p.add_argument("--retries", type=int, default=3, help="turns through --addr a generation's stream may take")
     p.add_argument("--timeout", type=float, help="deadline in seconds (propagates to the verifier and drafter)")
     serve_flags.add_client(p)
     cmds = p.add_subparsers(dest="client_command", required=True)
 
     g = cmds.add_parser("generate", help="streaming generation, same options and --json as `kakeya generate`")
-    add_generation_options(g)
+    options.add_generation_options(g)
     g.add_argument("--prompt-ids", help="pre-tokenized prompt, comma-separated ids (instead of --prompt)")
     g.add_argument("--chat", action="store_true", help="send --prompt as one user message in the model's chat template")
     g.add_argument("--stop", action="append", help="stop string (repeatable); cut from the output")
     g.add_argument("--stop-token-id", type=int, action="append", help="extra stop token id (repeatable)")
     g.add_argument("--request-id", help="request id for the server's logs")
     add_tool_options(g)
-    add_cache_args(g, default_kind=None)
+    options.add_cache_args(g, default_kind=None)
     g.set_defaults(func=cmd_client_generate)
 
     i = cmds.add_parser("info", help="GetModelInfo + GetServerInfo as JSON")

@@ -7,9 +7,9 @@ commands themselves (``serve.py``) stay about starting processes.
 from __future__ import annotations
 
 from kakeya.app.options import add_ngram
+from kakeya.runtime.admission import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S
 from kakeya.runtime.bounds import HttpTimeouts
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
-from kakeya.runtime.lifecycle import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S
 from kakeya.runtime.security.tls import ClientTLS, ServerTLS, add_client_args, add_server_args
 
 
@@ -19,21 +19,16 @@ def add_common(p) -> None:
         "--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
         help=f"concurrent sessions; one more is RESOURCE_EXHAUSTED (default {DEFAULT_MAX_SESSIONS}; the thread pool is sized from it)",
     )  # fmt: skip
-    p.add_argument(
-        "--max-sessions-per-peer",
-        type=int,
-        default=0,
-        help="most sessions one caller (one client address) may hold at once (0: no cap but --max-sessions)",
-    )
+    p.add_argument("--max-sessions-per-peer", type=int, default=0,
+                   help="most sessions one caller (one client address) may hold at once (0: no cap but"
+                        " --max-sessions)")  # fmt: skip
     add_server_args(p)
 
 
 def add_internal_auth(p) -> None:
     """Verifier and drafter: who may open sessions (docs/security.md)."""
-    p.add_argument(
-        "--auth-token-file",
-        help="require `authorization: Bearer <token>` (the orchestrators' --backend-token-file); health stays open",
-    )
+    p.add_argument("--auth-token-file", help="require `authorization: Bearer <token>` (the orchestrators'"
+                                             " --backend-token-file); health stays open")  # fmt: skip
     p.add_argument("--insecure", action="store_true",
                    help="listen beyond loopback without client authentication (neither --tls-client-ca nor"
                         " --auth-token-file): only behind something that authenticates callers")  # fmt: skip
@@ -45,21 +40,15 @@ def add_sessions(p) -> None:
                    help="K/V budget of all sessions (0: none): the verifier admits a session only if its worst case"
                         " fits; the drafter lets a session's context cache grow only while it fits")  # fmt: skip
     add_queue(p, "sessions")
-    p.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=DEFAULT_IDLE_TIMEOUT_S,
-        help=f"close a session that sends nothing for this long (default {DEFAULT_IDLE_TIMEOUT_S:g} s; 0: never)",
-    )
+    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
+                   help=f"close a session that sends nothing for this long (default {DEFAULT_IDLE_TIMEOUT_S:g} s;"
+                        " 0: never)")  # fmt: skip
     p.add_argument("--reclaim-idle", type=float, default=DEFAULT_RECLAIM_IDLE_S,
                    help="when a limit would refuse a new session, first end sessions whose clients have sent nothing"
                         f" for this long, longest idle first (default {DEFAULT_RECLAIM_IDLE_S:g} s; 0: never)")  # fmt: skip
-    p.add_argument(
-        "--max-context",
-        type=int,
-        default=0,
-        help="most positions one session may hold (default: the model's max_position_embeddings)",
-    )
+    p.add_argument("--max-context", type=int, default=0,
+                   help="most positions one session may hold (default: the model's"
+                        " max_position_embeddings)")  # fmt: skip
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                    help=f"most sessions' steps that queue up together and run as one batched forward"
                         f" (default {DEFAULT_MAX_BATCH}; 1: each session's step alone, in turn)")  # fmt: skip
@@ -108,9 +97,8 @@ def add_prefix_cache(p, where: str) -> None:
 
 
 def prefix_cache_bytes(args, device: str | None = None) -> int:
-    """``--prefix-cache-bytes`` in bytes; ``auto`` is ``runtime/spare.py``'s share of the memory the snapshots
-    live in: ``device``'s when it is a CUDA device (a torch backend keeps them beside the model), else the
-    host's."""
+    """``--prefix-cache-bytes`` in bytes; ``auto`` is ``runtime/spare.py``'s share of the memory the snapshots live
+    in: ``device``'s when it is a CUDA device (a torch backend keeps them beside the model), else the host's."""
     if args.prefix_cache_bytes != AUTO:
         return args.prefix_cache_bytes
     from kakeya.runtime.spare import auto_prefix_cache_bytes
@@ -131,48 +119,33 @@ def add_restore(p) -> None:
 
 
 def add_orchestrator(p) -> None:
-    p.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=0,
-        help="longest prompt accepted (default 8192, never above the target's max_position_embeddings)",
-    )
-    p.add_argument(
-        "--auth-token-file", help="require `authorization: Bearer <token>` on the public API (health stays open)"
-    )
-    p.add_argument(
-        "--backend-timeout",
-        type=float,
-        default=2.0,
-        help="split: how long a verifier/drafter step may go without an answer or a progress message before it"
-        " counts as hung (default 2 s; 20x the median step if longer)",
-    )
+    p.add_argument("--max-prompt-tokens", type=int, default=0,
+                   help="longest prompt accepted (default 8192, never above the target's"
+                        " max_position_embeddings)")  # fmt: skip
+    p.add_argument("--auth-token-file", help="require `authorization: Bearer <token>` on the public API (health"
+                                             " stays open)")  # fmt: skip
+    p.add_argument("--backend-timeout", type=float, default=2.0,
+                   help="split: how long a verifier/drafter step may go without an answer or a progress message"
+                        " before it counts as hung (default 2 s; 20x the median step if longer)")  # fmt: skip
     add_ngram(p)
     add_client_args(p, "the verifier and drafter")
 
 
 def add_backend_auth(p) -> None:
     """The split orchestrator: the token its verifier and drafter require (their --auth-token-file)."""
-    p.add_argument(
-        "--backend-token-file",
-        help="split: send `authorization: Bearer <token>` from this file to the verifier and drafter",
-    )
+    p.add_argument("--backend-token-file",
+                   help="split: send `authorization: Bearer <token>` from this file to the verifier and"
+                        " drafter")  # fmt: skip
 
 
 def add_http(p) -> None:
     """The orchestrator's OpenAI-compatible HTTP front (``orchestrator/fronts/http_server.py``)."""
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=None,
-        help="also serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on"
-        " this port of --host, with the gRPC server's TLS and bearer token (0: any free port; default: off)",
-    )
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model id of the HTTP API (default: the target checkpoint's directory name)",
-    )
+    p.add_argument("--http-port", type=int,
+                   help="also serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health)"
+                        " on this port of --host, with the gRPC server's TLS and bearer token (0: any free port;"
+                        " default: off)")  # fmt: skip
+    p.add_argument("--served-model-name",
+                   help="the model id of the HTTP API (default: the target checkpoint's directory name)")  # fmt: skip
     t = HttpTimeouts()
     p.add_argument("--http-header-timeout", type=float, default=t.headers_s, metavar="S",
                    help="HTTP: close a connection whose request headers are not all in after S seconds (from the"
@@ -206,17 +179,11 @@ def session_limits(args, device: str | None = None):
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     return SessionLimits(
-        max_sessions=args.max_sessions,
-        max_kv_bytes=args.max_kv_bytes,
-        queue=args.queue,
-        queue_timeout_s=args.queue_timeout,
-        idle_timeout_s=args.idle_timeout,
-        max_per_peer=args.max_sessions_per_peer,
-        reclaim_idle_s=args.reclaim_idle,
-        max_context=args.max_context,
-        max_batch=args.max_batch,
+        max_sessions=args.max_sessions, max_kv_bytes=args.max_kv_bytes, queue=args.queue,
+        queue_timeout_s=args.queue_timeout, idle_timeout_s=args.idle_timeout, max_per_peer=args.max_sessions_per_peer,
+        reclaim_idle_s=args.reclaim_idle, max_context=args.max_context, max_batch=args.max_batch,
         prefix_cache_bytes=prefix_cache_bytes(args, device),
-    )
+    )  # fmt: skip
 
 
 def restore_sources(args):
@@ -227,26 +194,13 @@ def restore_sources(args):
     return sources, sources.default_path
 
 
-def server_tls(args) -> ServerTLS:
-    return ServerTLS.from_args(args)
-
-
-def client_tls(args) -> ClientTLS:
-    return ClientTLS.from_args(args)
-
-
-def auth_token(args) -> str | None:
-    """The token callers must present (``--auth-token-file``), or None."""
+def auth_token(args, flag: str = "--auth-token-file") -> str | None:
+    """The token in ``flag``'s file, or None without one: callers must present ``--auth-token-file``'s, a split
+    orchestrator sends its verifier and drafter ``--backend-token-file``'s."""
     from kakeya.runtime.security.auth import read_token
 
-    return read_token(args.auth_token_file) if args.auth_token_file else None
-
-
-def backend_token(args) -> str | None:
-    """The token a split orchestrator sends its verifier and drafter (``--backend-token-file``), or None."""
-    from kakeya.runtime.security.auth import read_token
-
-    return read_token(args.backend_token_file, "--backend-token-file") if args.backend_token_file else None
+    path = getattr(args, flag[2:].replace("-", "_"))
+    return read_token(path, flag) if path else None
 
 
 def internal_auth(args, service: str) -> tuple[ServerTLS, str | None]:
@@ -256,7 +210,7 @@ def internal_auth(args, service: str) -> tuple[ServerTLS, str | None]:
 
     from kakeya.runtime.security.auth import check_exposure
 
-    tls, token = server_tls(args), auth_token(args)
+    tls, token = ServerTLS.from_args(args), auth_token(args)
     warning = check_exposure(
         service, args.host, mutual_tls=bool(tls.client_ca), token=token is not None, insecure=args.insecure
     )
@@ -271,7 +225,7 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
     ``backend_token_file``: the run's own secret, which verifier and drafter require and the
     orchestrator sends (so nothing else on this machine may open their sessions).
     """
-    tls = server_tls(args)
+    tls = ServerTLS.from_args(args)
     out = ["--max-sessions", str(args.max_sessions), *tls.argv()]
     if role in ("verifier", "drafter"):
         out += ["--queue", str(args.queue), "--queue-timeout", str(args.queue_timeout),
@@ -309,4 +263,4 @@ def client_channel(args):
     from kakeya.runtime.security.tls import channel
     from kakeya.wire.limits import channel_options
 
-    return with_bearer(channel(args.addr, client_tls(args), channel_options()), auth_token(args))
+    return with_bearer(channel(args.addr, ClientTLS.from_args(args), channel_options()), auth_token(args))

@@ -54,24 +54,15 @@ def describe_draft(path) -> dict:
     from kakeya.checkpoints.summary import layer_pattern
 
     return {
-        "path": cfg["_path"],
-        "kind": "draft",
-        "architectures": cfg.get("architectures") or [],
-        "layout": layout,
-        "num_hidden_layers": dc.num_hidden_layers,
-        "layer_pattern": layer_pattern(list(dc.layer_types)),
-        "sliding_window": dc.sliding_window,
-        "hidden_size": dc.hidden_size,
-        "vocab_size": dc.vocab_size,
+        "path": cfg["_path"], "kind": "draft", "architectures": cfg.get("architectures") or [], "layout": layout,
+        "num_hidden_layers": dc.num_hidden_layers, "layer_pattern": layer_pattern(list(dc.layer_types)),
+        "sliding_window": dc.sliding_window, "hidden_size": dc.hidden_size, "vocab_size": dc.vocab_size,
         "attention": {"heads": dc.num_attention_heads, "kv_heads": dc.num_key_value_heads, "head_dim": dc.head_dim},
-        "target_layer_ids": list(dc.target_layer_ids),
-        "mask_token_id": dc.mask_token_id,
-        "block_size": dc.block_size,
+        "target_layer_ids": list(dc.target_layer_ids), "mask_token_id": dc.mask_token_id, "block_size": dc.block_size,
         "dflash2": None if dc.dflash2 is None else dict(dc.dflash2.__dict__),
         "dtype": cfg.get("dtype") or cfg.get("torch_dtype"),
-        **{k: t[k] for k in ("files", "tensors", "bytes", "tensor_dtypes")},
-        "_config": dc,
-    }
+        **{k: t[k] for k in ("files", "tensors", "bytes", "tensor_dtypes")}, "_config": dc,
+    }  # fmt: skip
 
 
 def fit_problems(target_cfg: dict, draft_cfg_path: str, draft: dict) -> list[str]:
@@ -110,14 +101,11 @@ def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, ses
     shape = KVShape.from_config(kv_config(target_cfg))
     kv = session_bytes(shape, CachePolicy(), context)
     out = {
-        "context": context,
-        "sessions": sessions,
-        "cache_policy": "native",
-        "target_weights_bytes": target["bytes"],
+        "context": context, "sessions": sessions, "cache_policy": "native", "target_weights_bytes": target["bytes"],
         "target_kv_per_session": {"sliding": kv["sliding_bytes"], "full": kv["full_bytes"]},
         "full_attention": {"kv_heads": shape.full_kv_heads, "head_dim": shape.full_head_dim},
         "sliding_attention": {"kv_heads": shape.sliding_kv_heads, "head_dim": shape.sliding_head_dim},
-    }
+    }  # fmt: skip
     per_session = kv["total_bytes"]
     weights = target["bytes"]
     if draft is not None:

@@ -1,10 +1,8 @@
 """The ``kakeya`` command.
 
-Parses arguments and prints; engines are built by ``assembly.py``. Every
-sub-command registers itself with ``register(subparsers)`` and sets ``func``;
-errors a user can fix (bad paths, bad configs, bad arguments: library code
-raises ValueError) end as one ``kakeya: error: ...`` line and exit status 2,
-never a traceback.
+Parses arguments and prints; engines are built by ``assembly.py``. Every sub-command registers itself with
+``register(subparsers)`` and sets ``func``; errors a user can fix (bad paths, bad configs, bad arguments: library
+code raises ValueError) end as one ``kakeya: error: ...`` line and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -12,20 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kakeya.app.constraint_flags import constraint_from_args
-from kakeya.app.options import (
-    DEFAULT_PROMPT,
-    add_backend_args,
-    add_cache_args,
-    add_generation_options,
-    add_ngram,
-    add_torch_threads,
-    cache_policy_from_args,
-    logprobs_json,
-    print_result,
-    sampling_from_args,
-    torch_options,
-)
+from kakeya.app import options
 from kakeya.core.request import InvalidRequest
 from kakeya.runtime import heap
 
@@ -34,29 +19,18 @@ def cmd_generate(args) -> int:
     from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine, resolve_backend, set_torch_threads
 
-    policy = cache_policy_from_args(args)
+    policy = options.cache_policy_from_args(args)
     backend, device = resolve_backend(args.backend, args.device)
     set_torch_threads(args.torch_threads, device, args.target is None, backend)  # before the first product
-    engine = build_local_engine(
-        args.target,
-        args.draft,
-        backend,
-        device,
-        args.dtype,
-        torch_options=torch_options(args),
-        ngram=args.ngram == "on",
-    )
-    constraint, constraint_flags = constraint_from_args(args)
+    ngram, fast = args.ngram == "on", options.torch_options(args)
+    engine = build_local_engine(args.target, args.draft, backend, device, args.dtype, torch_options=fast, ngram=ngram)
+    constraint, constraint_flags = options.constraint_from_args(args)
+    prompt = args.prompt if args.prompt is not None else options.DEFAULT_PROMPT
     req = Request(
-        args.prompt if args.prompt is not None else DEFAULT_PROMPT,
+        prompt, max_tokens=args.max_tokens, block_size=args.block_size or 0, ignore_eos=args.ignore_eos,
+        cache_policy=policy, sampling=options.sampling_from_args(args), logprobs=args.logprobs,
         constraint=constraint,
-        max_tokens=args.max_tokens,
-        block_size=args.block_size or 0,
-        ignore_eos=args.ignore_eos,
-        cache_policy=policy,
-        sampling=sampling_from_args(args),
-        logprobs=args.logprobs,
-    )
+    )  # fmt: skip
     try:
         req = engine.check(req)  # before the warm-up: a bad request costs no model work
     except InvalidRequest as exc:
@@ -75,11 +49,11 @@ def cmd_generate(args) -> int:
     if args.dtype:
         out["dtype"] = args.dtype
     if req.logprobs is not None:
-        out["logprobs"] = logprobs_json(logprobs)
+        out["logprobs"] = options.logprobs_json(logprobs)
     if args.compare_ar:
         out.update(_compare_ar(engine, req, gen))
         out.update(_compare_transformers(engine, req, gen, args))
-    print_result(args, out)
+    options.print_result(args, out)
     return 0
 
 
@@ -115,13 +89,10 @@ def _warm_up(engine, req, ar: bool) -> None:
 def _compare_ar(engine, req, gen) -> dict:
     """AR decoding of the same target, as independent of the speculative path as the policy allows.
 
-    Greedy, native policy on MLX: mlx-lm's own ``generate_step`` with its own
-    caches. mlx-lm has no sink-window or quantized-full-layer cache and not our
-    sampling noise, so for those (other backends, and sampling) the reference
-    is this engine at block size 1 with the same policy and seed: plain AR
-    through the same cache semantics. Coupled sampling is compared token for
-    token like greedy; under the rejection rule AR sampling is a speed
-    reference only (same distribution, other tokens).
+    Greedy, native policy on MLX: mlx-lm's own ``generate_step`` with its own caches. mlx-lm has no sink-window
+    or quantized-full-layer cache and not our sampling noise, so elsewhere the reference is this engine at block
+    size 1 with the same policy and seed: plain AR through the same cache semantics. Coupled sampling is compared
+    token for token like greedy; under the rejection rule AR sampling is a speed reference only.
     """
     from dataclasses import replace
 
@@ -131,13 +102,11 @@ def _compare_ar(engine, req, gen) -> dict:
     if not req.sampling.greedy and req.sampling.rule == REJECTION:
         ar = engine.generate(replace(req, block_size=1))
         ar_tok_s = ar.decode_tok_s
-        return {
-            "ar_reference": "kakeya block size 1, AR sampling with the same parameters (same distribution, other tokens)",
-            "ar_token_ids": ar.token_ids,
-            "ar_decode_tok_s": round(ar_tok_s, 3),
-            "speedup": round(gen.decode_tok_s / ar_tok_s, 4) if ar_tok_s else 0.0,
-        }
-    native = policy is None or (policy.kind == "native" and not policy.full_kv_bits)
+        reference = "kakeya block size 1, AR sampling with the same parameters (same distribution, other tokens)"
+        speedup = round(gen.decode_tok_s / ar_tok_s, 4) if ar_tok_s else 0.0
+        return {"ar_reference": reference, "ar_token_ids": ar.token_ids, "ar_decode_tok_s": round(ar_tok_s, 3),
+                "speedup": speedup}  # fmt: skip
+    native = _native(policy)
     mlx = engine.verifier.info.backend == "mlx"
     if req.sampling.greedy and native and mlx and req.constraint is None:  # the CLI's engine holds the target
         from kakeya.verifier.mlx_backend.reference import greedy_reference
@@ -156,6 +125,11 @@ def _compare_ar(engine, req, gen) -> dict:
     return {"ar_reference": reference, **_beside(gen, ar_ids, decode_s, keys)}
 
 
+def _native(policy) -> bool:
+    """The model's own caches: no sink-window, no quantized full layers (what the reference runs have)."""
+    return policy is None or (policy.kind == "native" and not policy.full_kv_bits)
+
+
 def _beside(gen, ids, decode_s: float, keys: tuple[str, ...]) -> dict:
     """A reference run beside ours, under ``keys``: its tokens, its decode rate, whether ours are the same, our
     speedup over it."""
@@ -169,8 +143,7 @@ def _compare_transformers(engine, req, gen, args) -> dict:
     same target directory, a baseline that shares none of our code (the block-1 path above shares the forward
     and the cache). Elsewhere it is not what the run measures (another device or dtype, a bounded cache,
     a sampler or a grammar transformers does not run), so nothing is reported."""
-    policy = req.cache_policy
-    native = policy is None or (policy.kind == "native" and not policy.full_kv_bits)
+    native = _native(req.cache_policy)
     torch_cpu = engine.verifier.info.backend == "torch" and engine.device in (None, "cpu")
     if not (
         torch_cpu and native and req.sampling.greedy and req.constraint is None and args.dtype in (None, "float32")
@@ -195,18 +168,16 @@ def register_generate(sub) -> None:
     p = sub.add_parser("generate", help="speculative generation in-process (embedded default models if no paths)")
     p.add_argument("--target", help="Gemma-4 target checkpoint directory")
     p.add_argument("--draft", help="DFlash drafter checkpoint directory")
-    add_generation_options(p)
-    add_backend_args(p)
-    add_torch_threads(p)
-    p.add_argument(
-        "--compare-ar",
-        action="store_true",
-        help="also run AR and report the speedup; greedy and coupled sampling: and whether the tokens are "
-        "identical (lossless); the rejection rule: AR sampling, speed only; torch on a CPU, greedy: also "
-        "transformers' own generate on the same weights (speed-up and whether its tokens are ours)",
-    )
-    add_ngram(p)
-    add_cache_args(p)
+    options.add_generation_options(p)
+    options.add_backend_args(p)
+    options.add_torch_threads(p)
+    p.add_argument("--compare-ar", action="store_true",
+                   help="also run AR and report the speedup; greedy and coupled sampling: and whether the"
+                        " tokens are identical (lossless); the rejection rule: AR sampling, speed only;"
+                        " torch on a CPU, greedy: also transformers' own generate on the same weights"
+                        " (speed-up and whether its tokens are ours)")  # fmt: skip
+    options.add_ngram(p)
+    options.add_cache_args(p)
     p.set_defaults(func=cmd_generate)
 
 

@@ -1,67 +1,48 @@
 """What the `kakeya` sub-commands share: option groups, their parsing, the result line.
 
-Imported by ``app/main.py``, ``serve.py`` and ``client.py`` (never the reverse), and
-imports nothing heavy: building the parser needs neither MLX nor torch.
+Imported by ``app/main.py``, ``serve.py`` and ``client.py`` (never the reverse), and imports nothing
+heavy: building the parser needs neither MLX nor torch.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-
-from kakeya.app.constraint_flags import add_constraint_options
+from contextlib import suppress
+from pathlib import Path
 
 # The first held-out prompt of the drafter's evaluation (the start of a stdlib file the demo pair never
-# trained on, ``training.drafter_eval.heldout_prompts``): a rule, not a pick. The previous prompt sent
-# the 18-layer demo target into a repetition loop (README command 1 then printed a warning).
+# trained on, ``training.drafter_eval.heldout_prompts``): a rule, not a pick.
 DEFAULT_PROMPT = '"""Record of phased-in incompatible language changes.\n\nEach line is of the form:\n\n    FeatureName = "_Feature(" OptionalRelease "'
 
 
 def add_ngram(p) -> None:
     """--ngram: `kakeya generate` and `serve orchestrator` (``orchestrator/proposers/ngram.py``)."""
-    p.add_argument(
-        "--ngram",
-        choices=["on", "off"],
-        default="on",
-        help="draft a block by copying what followed the context's last 3-8 tokens where they occurred"
-        " before (prompt lookup), the drafter's block otherwise (default on; greedy and coupled"
-        " sampling; off: every block is the drafter's, e.g. to measure the drafter alone)",
-    )
+    p.add_argument("--ngram", choices=["on", "off"], default="on",
+                   help="draft a block by copying what followed the context's last 3-8 tokens where they occurred"
+                        " before (prompt lookup), the drafter's block otherwise (default on; greedy and coupled"
+                        " sampling; off: every block is the drafter's, e.g. to measure the drafter alone)")  # fmt: skip
 
 
 def add_backend_args(p, *, help_suffix: str = "") -> None:
     """--backend/--device/--dtype for commands that load models in-process."""
-    p.add_argument(
-        "--backend",
-        default="auto",
-        choices=["auto", "mlx", "torch"],
-        help="auto (default): MLX on Apple silicon, torch elsewhere" + help_suffix,
-    )
+    auto = "auto (default): MLX on Apple silicon, torch elsewhere"
+    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "torch"], help=auto + help_suffix)
     p.add_argument("--device", help="torch: cuda, cuda:1, cpu, mps (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="torch weights dtype (default float32)")
-    p.add_argument(
-        "--cuda-graphs",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="torch: capture the verify step and the drafter's block forward in CUDA graphs per block-size bucket (auto: on for cuda)",
-    )
-    p.add_argument(
-        "--graphed-min-batch",
-        type=int,
-        default=None,
-        help="torch with CUDA graphs: the fewest queued drafts run as one eager batched forward rather than"
-        " graph replays one after another (default 4, docs/cuda.md; 0: never batch)",
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch: torch.compile each layer's norms, projections, RoPE and MLP into fused kernels; "
-        "slow start-up, off by default",
-    )
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="torch: capture the verify step and the drafter's block forward in CUDA graphs per block-size"
+                        " bucket (auto: on for cuda)")  # fmt: skip
+    p.add_argument("--graphed-min-batch", type=int,
+                   help="torch with CUDA graphs: the fewest queued drafts run as one eager batched forward rather than"
+                        " graph replays one after another (default 4, docs/cuda.md; 0: never batch)")  # fmt: skip
+    p.add_argument("--compile", action="store_true",
+                   help="torch: torch.compile each layer's norms, projections, RoPE and MLP into fused kernels; "
+                        "slow start-up, off by default")  # fmt: skip
 
 
 def add_torch_threads(p) -> None:
-    p.add_argument("--torch-threads", type=int, default=None,
+    p.add_argument("--torch-threads", type=int,
                    help="torch CPU threads, and on Linux the BLAS threads of MLX's products (default: 1 for the"
                         " embedded pair on CPU, where a tiny model gains nothing from more and a thread team stalls"
                         " on a shared CPU; the library's own otherwise; 0: the library's)")  # fmt: skip
@@ -70,10 +51,8 @@ def add_torch_threads(p) -> None:
 def torch_options(args, drafter: bool = True) -> dict:
     """The torch fast-path options from --cuda-graphs/--graphed-min-batch/--compile (only what differs from
     the defaults). ``drafter``: whether a drafter loads here (--graphed-min-batch is the drafter's)."""
-    out = {}
     graphs = getattr(args, "cuda_graphs", "auto")
-    if graphs != "auto":
-        out["cuda_graphs"] = graphs == "on"
+    out = {} if graphs == "auto" else {"cuda_graphs": graphs == "on"}
     min_batch = getattr(args, "graphed_min_batch", None)
     if min_batch is not None:
         if not drafter:
@@ -92,33 +71,22 @@ def add_cache_args(p, default_kind: str | None = "native") -> None:
     ``default_kind=None`` (the client): no --cache means "the server's default policy".
     """
     g = p.add_argument_group("verifier cache policy")
-    g.add_argument(
-        "--cache",
-        default=default_kind,
-        choices=["native", "sink-window"],
-        help="native: the model's own sliding window (not bounded as a whole); "
-        "sink-window: --sink first positions + a --window of recent ones on sliding layers",
-    )
+    g.add_argument("--cache", default=default_kind, choices=["native", "sink-window"],
+                   help="native: the model's own sliding window (not bounded as a whole); "
+                        "sink-window: --sink first positions + a --window of recent ones on sliding"
+                        " layers")  # fmt: skip
     g.add_argument("--sink", type=int, default=4, help="attention sinks kept forever (sink-window)")
-    g.add_argument("--window", type=int, default=None, help="sliding window (sink-window; default: the model's)")
-    g.add_argument(
-        "--full-kv-bits",
-        type=int,
-        default=0,
-        choices=[0, 4, 8],
-        help="affine-quantize full-attention K/V to 4 or 8 bits (0: exact)",
-    )
+    g.add_argument("--window", type=int, help="sliding window (sink-window; default: the model's)")
+    g.add_argument("--full-kv-bits", type=int, default=0, choices=[0, 4, 8],
+                   help="affine-quantize full-attention K/V to 4 or 8 bits (0: exact)")  # fmt: skip
     if default_kind is None:  # the wire carries a source's name; the server holds its directory
-        g.add_argument("--restore", default=None, metavar="NAME",
+        g.add_argument("--restore", metavar="NAME",
                        help="restore evicted sliding-layer K/V with the server's f_theta source NAME (one of its"
                             " --restore NAME=DIR; a bare DIR there is 'default'; sink-window only)")  # fmt: skip
     else:
-        g.add_argument(
-            "--restore",
-            default=None,
-            metavar="ftheta:DIR",
-            help="restore evicted sliding-layer K/V with a trained f_theta (sink-window only; see kakeya train-ftheta)",
-        )
+        g.add_argument("--restore", metavar="ftheta:DIR",
+                       help="restore evicted sliding-layer K/V with a trained f_theta (sink-window only; see kakeya"
+                            " train-ftheta)")  # fmt: skip
 
 
 def cache_policy_from_args(args):
@@ -133,53 +101,76 @@ def cache_policy_from_args(args):
     restore = restore.removeprefix("ftheta:") if restore else None
     if args.cache == "native":
         return CachePolicy("native", full_kv_bits=args.full_kv_bits, restore=restore)
-    return CachePolicy(
-        "sink-window", sink=args.sink, window=args.window, full_kv_bits=args.full_kv_bits, restore=restore
-    )
+    return CachePolicy("sink-window", args.sink, args.window, full_kv_bits=args.full_kv_bits, restore=restore)
 
 
 def add_generation_options(p) -> None:
     """Options shared by `kakeya generate` and `kakeya client generate`."""
-    p.add_argument(
-        "--prompt", help="prompt text (default: the start of a standard-library file the demo pair never trained on)"
-    )
+    p.add_argument("--prompt", help="prompt text (default: the start of a standard-library file the demo pair never"
+                                    " trained on)")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="1..16, or 0 (the default): auto, each block sized for the most tokens per second; see docs/design.md)",
-    )
+    p.add_argument("--block-size", type=int,
+                   help="1..16, or 0 (the default): auto, each block sized for the most tokens per second; see"
+                        " docs/design.md)")  # fmt: skip
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    p.add_argument(
-        "--logprobs",
-        type=int,
-        default=None,
-        metavar="K",
-        help="each token's log-probability (the target's raw distribution) and the K most probable tokens "
-        "there (0..20), in the JSON's 'logprobs' (with --json)",
-    )
+    p.add_argument("--logprobs", type=int, metavar="K",
+                   help="each token's log-probability (the target's raw distribution) and the K most probable tokens "
+                        "there (0..20), in the JSON's 'logprobs' (with --json)")  # fmt: skip
     add_constraint_options(p)
     g = p.add_argument_group("sampling (lossless: distributed exactly as AR sampling from the processed p)")
-    g.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="0 (default): greedy, token-identical to greedy AR; else at least 1e-5",
-    )
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, token-identical to greedy AR; else at least 1e-5")  # fmt: skip
     g.add_argument("--top-k", type=int, default=0, help="keep the k most probable tokens (0: off)")
     g.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set reaching this mass (1: off)")
     g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * max p (0: off)")
-    g.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: drawn, and reported)")
-    g.add_argument(
-        "--sampling-rule",
-        default="coupled",
-        choices=["coupled", "rejection"],
-        help="coupled (default): the tokens of AR sampling with the seed, whatever the block sizes; "
-        "rejection: min(1, p/q) acceptance, its tokens depend on the block sizes (auto then runs "
-        "at the drafter's trained size); see README, Sampling",
-    )
+    g.add_argument("--seed", type=int, help="seed of the sampling (default: drawn, and reported)")
+    g.add_argument("--sampling-rule", default="coupled", choices=["coupled", "rejection"],
+                   help="coupled (default): the tokens of AR sampling with the seed, whatever the block sizes; "
+                        "rejection: min(1, p/q) acceptance, its tokens depend on the block sizes (auto then runs "
+                        "at the drafter's trained size); see README, Sampling")  # fmt: skip
+
+
+# ``--json-schema`` & co. (one at a time) -> the Request fields a refusal of the constraint names them by
+CONSTRAINT_FLAGS = {"json_schema": "--json-schema", "json_object": "--json-object", "regex": "--regex",
+                    "choice": "--choice", "grammar": "--grammar"}  # fmt: skip
+
+
+def add_constraint_options(p) -> None:
+    """The constrained-output flags of `kakeya generate` and `kakeya client generate`, read into one
+    :class:`~kakeya.core.constraints.Constraint` by :func:`constraint_from_args`."""
+    g = p.add_argument_group("constrained output (every token is one the grammar allows; see docs/structured.md)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--json-schema", metavar="FILE|JSON", help="the output is JSON valid under this schema")
+    x.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    x.add_argument("--regex", metavar="RE", help="the output matches this regular expression (whole)")
+    x.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeat the flag)")
+    x.add_argument("--grammar", metavar="FILE|LARK", help="the output follows this Lark grammar")
+
+
+def text_or_file(value: str) -> str:
+    """A flag's value, or the contents of the file it names (a value that is a path to an existing file)."""
+    with suppress(OSError):
+        if len(value) < 4096 and "\n" not in value and Path(value).is_file():
+            return Path(value).read_text(encoding="utf-8")
+    return value
+
+
+def constraint_from_args(args):
+    """The Constraint the flags ask for (None: none); the field names for a refusal of it."""
+    from kakeya.core.constraints import Constraint
+
+    kind = next((k for k in CONSTRAINT_FLAGS if getattr(args, k, None) not in (None, False, [])), None)
+    if kind is None:
+        return None, {}
+    value = getattr(args, kind)
+    if kind == "choice":
+        value = tuple(value)
+    elif kind in ("json_schema", "grammar"):
+        value = text_or_file(value)
+    flag = CONSTRAINT_FLAGS[kind]
+    c = Constraint(kind, None if kind == "json_object" else value)
+    return c, {"constraint": flag, "constraint.spec": flag, "constraint.kind": flag}
 
 
 def logprobs_json(logprobs) -> list[dict]:
@@ -207,35 +198,29 @@ def summary_line(out: dict) -> str:
     if sampled:
         head = head.replace("): ", f", sampling seed {out['seed']}, {sampling.get('rule')} rule): ", 1)
     ar_kind = "autoregressive sampling" if sampled else "autoregressive"
-    if "ar_decode_tok_s" in out and "lossless" not in out:  # the rejection rule: a speed reference only
+    if "ar_decode_tok_s" in out:
         speedup = f"{out['speedup']:.1f}x" if out.get("speedup") else "n/a"
-        head += (
-            f" vs {ar_kind} {out['ar_decode_tok_s']:.0f} tok/s -> {speedup}"
-            " (same distribution, not the same tokens: no token-identity claim under the rejection rule)"
-        )
+        head += f" vs {ar_kind} {out['ar_decode_tok_s']:.0f} tok/s -> {speedup}"
+    if "ar_decode_tok_s" in out and "lossless" not in out:  # the rejection rule: a speed reference only
+        head += " (same distribution, not the same tokens: no token-identity claim under the rejection rule)"
     elif "ar_decode_tok_s" in out:
         ids, ar = out["token_ids"], out["ar_token_ids"]
         same = next((i for i, (a, b) in enumerate(zip(ids, ar)) if a != b), min(len(ids), len(ar)))
-        verdict = (
-            f"lossless ({same}/{len(ar)} tokens identical)"
-            if out["lossless"]
-            else f"NOT lossless (first {same} of {len(ar)} tokens identical)"
-        )
+        if out["lossless"]:
+            head += f", lossless ({same}/{len(ar)} tokens identical)"
+        else:
+            head += f", NOT lossless (first {same} of {len(ar)} tokens identical)"
         if not out["lossless"] and out.get("dtype") in ("bfloat16", "float16"):
             # A verify of several rows and an AR step of one round differently in 16 bits, so where the
             # target's top two logits nearly tie they can pick apart (docs/cuda.md); float32 is exact.
-            verdict += f": {out['dtype']} rounds near-ties apart between a verify and an AR step, float32 does not"
-        speedup = f"{out['speedup']:.1f}x" if out.get("speedup") else "n/a"
-        head += f" vs {ar_kind} {out['ar_decode_tok_s']:.0f} tok/s -> {speedup}, {verdict}"
+            head += f": {out['dtype']} rounds near-ties apart between a verify and an AR step, float32 does not"
     if out.get("hf_decode_tok_s"):  # the independent baseline (torch CPU, greedy): transformers' own generate
         same = "the same tokens" if out["hf_identical"] else "OTHER tokens than ours"
         head += (
             f"; vs transformers' generate {out['hf_decode_tok_s']:.0f} tok/s -> {out['speedup_over_hf']:.1f}x, {same}"
         )
-    tail = (
-        f"{len(out['token_ids'])} tokens ({out['finish_reason']}), mean acceptance {out['mean_acceptance']:.2f} "
-        f"tokens/block, prefill {out['prefill_s'] * 1e3:.1f} ms"
-    )
+    tail = f"{len(out['token_ids'])} tokens ({out['finish_reason']}), mean acceptance {out['mean_acceptance']:.2f} "
+    tail += f"tokens/block, prefill {out['prefill_s'] * 1e3:.1f} ms"
     if out.get("copied_blocks"):
         tail += f"; {out['copied_blocks']} of {len(out['block_sizes'])} blocks drafted by n-gram copy"
     if out.get("forced_blocks"):

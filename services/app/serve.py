@@ -2,7 +2,7 @@
 
 Without checkpoint paths every server uses the embedded pair, as ``kakeya generate`` does; ``--backend
 auto`` is resolved here, so each process is told a concrete backend. ``serve all`` runs the three as
-processes (``serve_all.py``, ``supervisor.py``). Every server: gRPC health and reflection, SERVING only once
+processes (``supervisor.py``). Every server: gRPC health and reflection, SERVING only once
 loaded and warmed up (``--ready-file`` written then), SIGTERM drains in-flight streams for ``--grace``.
 """
 
@@ -14,6 +14,8 @@ import os
 import sys
 
 from kakeya.app import flags as serve_flags
+from kakeya.app.options import add_backend_args, add_cache_args, add_torch_threads, cache_policy_from_args
+from kakeya.runtime.security.tls import ClientTLS, ServerTLS
 
 DEFAULT_PORTS = {"orchestrator": 50051, "verifier": 50061, "drafter": 50062}
 
@@ -32,20 +34,17 @@ def _aux_layers(text: str | None, draft: str | None) -> list[int]:
 
 
 def _common(p: argparse.ArgumentParser, name: str) -> None:
+    port = DEFAULT_PORTS[name]
     p.add_argument(
         "--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 / [::] for all; default 127.0.0.1)"
     )
-    p.add_argument(
-        "--port", type=int, default=DEFAULT_PORTS[name], help=f"port (0: any free port; default {DEFAULT_PORTS[name]})"
-    )
+    p.add_argument("--port", type=int, default=port, help=f"port (0: any free port; default {port})")
     p.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight streams (default 30)")
     p.add_argument("--ready-file", help="write {addr, port, pid} as JSON here once SERVING")
     serve_flags.add_common(p)
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        help="serve Prometheus /metrics on this port of --host (0: any free port; default: off)",
-    )
+    p.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus /metrics on this port of --host (0: any free port; default:"
+                        " off)")  # fmt: skip
     p.add_argument("--health-port", type=int,
                    help="also answer gRPC health, alone and in plaintext, on this port of --host (for probes"
                         " that speak no TLS, e.g. Kubernetes'; 0: any free port; default: off)")  # fmt: skip
@@ -63,28 +62,17 @@ def _pin(args) -> None:
 
 
 def _run(spec, args) -> int:
-    from kakeya.runtime.lifecycle import run_server, setup_logging
+    from kakeya.runtime.lifecycle import run_server
+    from kakeya.runtime.logs import setup_logging
 
     setup_logging(spec.name, args.log_format)
-    rc = run_server(
-        spec,
-        args.host,
-        args.port,
-        args.grace,
-        args.ready_file,
-        metrics_port=args.metrics_port,
-        health_port=args.health_port,
-    )
-    # Everything is drained and closed. Leave without joining the compute thread: MLX aborts the
-    # process ("terminate called without an active exception") when the thread that owns its
-    # arrays is joined while they are alive.
+    rc = run_server(spec, args.host, args.port, args.grace, args.ready_file, args.metrics_port, args.health_port)
+    # Everything is drained and closed. Leave without joining the compute thread: MLX aborts the process ("terminate
+    # called without an active exception") when the thread that owns its arrays is joined while they are alive.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
-
-
-# --------------------------------------------------------------------------- serve <role>
 
 
 def cmd_serve_verifier(args) -> int:
@@ -92,7 +80,6 @@ def cmd_serve_verifier(args) -> int:
     from kakeya.verifier.server import server_spec
 
     _pin(args)
-
     if args.target is None:  # the embedded pair (its drafter's aux layers by default)
         target, draft = pair_paths(None, None)
         draft = args.draft or draft
@@ -111,7 +98,6 @@ def cmd_serve_verifier(args) -> int:
 
 def _default_policy(args):
     """The sessions' default cache policy from --cache & co. (each request may send its own)."""
-    from kakeya.app.options import cache_policy_from_args
     from kakeya.core.request import CachePolicy
 
     return cache_policy_from_args(args) or CachePolicy()  # checked against the model when it loads
@@ -122,15 +108,11 @@ def cmd_serve_drafter(args) -> int:
     from kakeya.orchestrator.assembly import pair_paths
 
     _pin(args)
-
     target, draft = pair_paths(args.target, args.draft)
     tls, token = serve_flags.internal_auth(args, "drafter")
     backend, kwargs = _backend_kwargs(args, embedded=args.target is None, server="drafter")
     limits = serve_flags.session_limits(args, kwargs.get("device"))
-    return _run(
-        server_spec(draft, target, backend, limits, tls=tls, token=token, **kwargs),
-        args,
-    )
+    return _run(server_spec(draft, target, backend, limits, tls=tls, token=token, **kwargs), args)
 
 
 def _backend_kwargs(args, embedded: bool, server: str | None = None) -> tuple[str, dict]:
@@ -159,7 +141,6 @@ def cmd_serve_orchestrator(args) -> int:
     from kakeya.orchestrator.fronts.grpc_server import GenerationServicer, server_spec
 
     _pin(args)
-
     if args.drafter and not args.verifier:
         raise ValueError("--drafter needs --verifier (a remote drafter with an in-process verifier is not supported)")
     prefixes = None
@@ -173,22 +154,14 @@ def cmd_serve_orchestrator(args) -> int:
                 "--prefix-cache-bytes keeps the models' state: give it to the verifier and drafter servers"
             )
 
-        client_tls, backend_token = serve_flags.client_tls(args), serve_flags.backend_token(args)
+        client_tls, backend_token = ClientTLS.from_args(args), serve_flags.auth_token(args, "--backend-token-file")
 
         def build():
             drafter = None if args.no_drafter else args.drafter
-            return split_engine(
-                args.verifier,
-                drafter,
-                args.tokenizer,
-                args.backend_wait,
-                tls=client_tls,
-                token=backend_token,
-                backend_timeout_s=args.backend_timeout,
-                ngram=args.ngram == "on",
-            )
+            return split_engine(args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls,
+                                token=backend_token, backend_timeout_s=args.backend_timeout,
+                                ngram=args.ngram == "on")  # fmt: skip
 
-        colocated = False
         sources = None
     else:
         if args.backend_token_file:
@@ -207,48 +180,27 @@ def cmd_serve_orchestrator(args) -> int:
         def build():  # no paths: the embedded pair, as `kakeya generate`
             from kakeya.app.options import torch_options
 
-            return build_local_engine(
-                args.target,
-                args.draft,
-                backend,
-                kwargs.get("device"),
-                kwargs.get("dtype"),
-                _default_policy(args),
-                no_drafter=args.no_drafter,
-                torch_options=torch_options(args) if backend == "torch" else None,
-                prefixes=prefixes,
-                ngram=args.ngram == "on",
-            )
+            options = torch_options(args) if backend == "torch" else None
+            return build_local_engine(args.target, args.draft, backend, kwargs.get("device"), kwargs.get("dtype"),
+                                      _default_policy(args), no_drafter=args.no_drafter, torch_options=options,
+                                      prefixes=prefixes, ngram=args.ngram == "on")  # fmt: skip
 
-        colocated = True
     servicer = GenerationServicer(
-        build,
-        colocated=colocated,
-        max_tokens_limit=args.max_tokens_limit,
-        default_max_tokens=args.default_max_tokens,
-        max_sessions=args.max_sessions,
-        max_sessions_per_peer=args.max_sessions_per_peer,
-        queue=args.queue,
-        queue_timeout_s=args.queue_timeout,
-        max_prompt_tokens=args.max_prompt_tokens,
-        restore=sources,
-        auth_token=serve_flags.auth_token(args),
+        build, colocated=not args.verifier, max_tokens_limit=args.max_tokens_limit,
+        default_max_tokens=args.default_max_tokens, max_sessions=args.max_sessions,
+        max_sessions_per_peer=args.max_sessions_per_peer, queue=args.queue, queue_timeout_s=args.queue_timeout,
+        max_prompt_tokens=args.max_prompt_tokens, restore=sources, auth_token=serve_flags.auth_token(args),
         prefixes=prefixes,
-    )
+    )  # fmt: skip
     http = None
     if args.http_port is not None:
         from kakeya.orchestrator.fronts.http_server import HttpFront
 
         http = HttpFront(servicer, args.http_port, args.served_model_name, timeouts=serve_flags.http_timeouts(args))
-    return _run(server_spec(servicer, tls=serve_flags.server_tls(args), http=http), args)
-
-
-# --------------------------------------------------------------------------- registration
+    return _run(server_spec(servicer, tls=ServerTLS.from_args(args), http=http), args)
 
 
 def register(sub) -> None:
-    from kakeya.app.options import add_cache_args
-
     p = sub.add_parser("serve", help="run the gRPC services (verifier, drafter, orchestrator, or all three)")
     roles = p.add_subparsers(dest="role", required=True)
 
@@ -279,19 +231,14 @@ def register(sub) -> None:
     serve_flags.add_prefix_cache(d, "the sessions' context caches")
     d.set_defaults(func=cmd_serve_drafter)
 
-    o = roles.add_parser(
-        "orchestrator",
-        help="the public Generate API (split: --verifier/--drafter; else colocated)",
-        conflict_handler="resolve",
-    )
+    o = roles.add_parser("orchestrator", help="the public Generate API (split: --verifier/--drafter; else colocated)",
+                         conflict_handler="resolve")  # fmt: skip
     _common(o, "orchestrator")
     _cpus_arg(o)
-    o.add_argument(
-        "--verifier",
-        metavar="TARGET",
-        help="a `kakeya serve verifier`: HOST:PORT, or a gRPC target naming several "
-        "replicas (dns:///verifier-headless:50061, ipv4:H1:P,H2:P); each session goes to the next SERVING one",
-    )
+    o.add_argument("--verifier", metavar="TARGET",
+                   help="a `kakeya serve verifier`: HOST:PORT, or a gRPC target naming several replicas"
+                        " (dns:///verifier-headless:50061, ipv4:H1:P,H2:P); each session goes to the next SERVING"
+                        " one")  # fmt: skip
     o.add_argument(
         "--drafter", metavar="TARGET", help="a `kakeya serve drafter`: HOST:PORT or a gRPC target, as --verifier"
     )
@@ -319,32 +266,22 @@ def register(sub) -> None:
     _common(a, "orchestrator")
     a.add_argument("--target", help="target checkpoint (default: the embedded pair, as `kakeya generate`)")
     a.add_argument("--draft", help="drafter checkpoint")
-    a.add_argument(
-        "--verifier-backend",
-        default="auto",
-        choices=["auto", "mlx", "torch"],
-        help="the verifier process's backend (auto: MLX on Apple silicon, torch elsewhere)",
-    )
-    a.add_argument(
-        "--drafter-backend",
-        default="auto",
-        choices=["auto", "mlx", "torch"],
-        help="the drafter process's backend (auto: MLX on Apple silicon, torch elsewhere)",
-    )
+    for role in ("verifier", "drafter"):
+        a.add_argument(f"--{role}-backend", default="auto", choices=["auto", "mlx", "torch"],
+                       help=f"the {role} process's backend (auto: MLX on Apple silicon, torch elsewhere)")  # fmt: skip
     a.add_argument("--device", help="torch processes: cuda, cuda:1, cpu (default: cuda when available, else cpu)")
     a.add_argument("--dtype", help="torch processes: float32, bfloat16, float16 (default float32)")
-    from kakeya.app.options import add_torch_threads
-
     add_torch_threads(a)
     a.add_argument("--placement", default="auto", choices=["auto", "off"],
-                   help="auto (default): on Linux, torch on the CPU and 2+ CPUs, pin the verifier to its own CPUs and the"
-                        " drafter and orchestrator to the rest (docs/operations.md, \"Placement\", says why); off: no pinning")  # fmt: skip
+                   help="auto (default): on Linux, torch on the CPU and 2+ CPUs, pin the verifier to its own CPUs and"
+                        " the drafter and orchestrator to the rest (docs/operations.md, \"Placement\", says why); off:"
+                        " no pinning")  # fmt: skip
     serve_flags.add_sessions(a)  # the verifier's and drafter's (--max-kv-bytes: the verifier's)
     # the verifier process's default policy; each of the verifier and drafter processes keeps a prefix cache
     _policy_and_front(a, "the verifier and the drafter process each keep one of this budget")
     a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
     _limits(a)
-    from kakeya.app.serve_all import cmd_serve_all
+    from kakeya.app.supervisor import cmd_serve_all
 
     a.set_defaults(func=cmd_serve_all)
 
@@ -352,8 +289,6 @@ def register(sub) -> None:
 def _policy_and_front(p, prefix_cache_help: str) -> None:
     """What an orchestrator that may hold the sessions takes: the cache policy and f_theta restores, its
     public front (limits, HTTP) and the prefix cache's budget."""
-    from kakeya.app.options import add_cache_args
-
     add_cache_args(p)
     serve_flags.add_restore(p)
     serve_flags.add_orchestrator(p)
@@ -362,8 +297,6 @@ def _policy_and_front(p, prefix_cache_help: str) -> None:
 
 
 def _backend_args(p, suffix: str = "") -> None:
-    from kakeya.app.options import add_backend_args, add_torch_threads
-
     add_backend_args(p, help_suffix=suffix)
     add_torch_threads(p)
 

@@ -16,48 +16,28 @@ def register(sub) -> None:
     _register_niah(sub)
 
 
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def _make_tiny(args: argparse.Namespace) -> int:
     from kakeya.checkpoints.tiny import make_tiny
 
-    pair = make_tiny(
-        args.out,
-        seed=args.seed,
-        sliding_window=args.sliding_window,
-        moe=args.moe,
-        vocab_size=args.vocab_size,
-        progress=_stderr,
-    )
+    progress = lambda msg: print(msg, file=sys.stderr, flush=True)
+    pair = make_tiny(args.out, seed=args.seed, sliding_window=args.sliding_window, moe=args.moe,
+                     vocab_size=args.vocab_size, progress=progress)  # fmt: skip
     print(f"target: {pair.target}")
     print(f"draft: {pair.draft}")
     return 0
 
 
-def tiny_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="output directory (gets target/ and draft/)")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    parser.add_argument("--sliding-window", type=int, default=32, help="target sliding window (default 32)")
-    parser.add_argument("--moe", action="store_true", help="give the target an MoE block")
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        default=tk.DEFAULT_VOCAB_SIZE,
-        help=f"tokenizer / model vocabulary (default {tk.DEFAULT_VOCAB_SIZE})",
-    )
-    parser.set_defaults(func=_make_tiny)
-
-
 def _register_tiny(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "make-tiny",
-        help="write a tiny random Gemma-4 target + DFlash drafter checkpoint pair",
-        description="Write OUT/target (Gemma-4, HF format) and OUT/draft (DFlash drafter)"
-        " with random weights, deterministic per seed.",
-    )
-    tiny_arguments(parser)
+    p = subparsers.add_parser("make-tiny", help="write a tiny random Gemma-4 target + DFlash drafter checkpoint pair",
+                              description="Write OUT/target (Gemma-4, HF format) and OUT/draft (DFlash drafter)"
+                                          " with random weights, deterministic per seed.")  # fmt: skip
+    p.add_argument("--out", required=True, help="output directory (gets target/ and draft/)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--sliding-window", type=int, default=32, help="target sliding window (default 32)")
+    p.add_argument("--moe", action="store_true", help="give the target an MoE block")
+    vocab = tk.DEFAULT_VOCAB_SIZE
+    p.add_argument("--vocab-size", type=int, default=vocab, help=f"tokenizer / model vocabulary (default {vocab})")
+    p.set_defaults(func=_make_tiny)
 
 
 def cmd_memory(args) -> int:
@@ -97,12 +77,8 @@ def _register_memory(sub) -> None:
     p.add_argument("--sink", type=int, default=4, help="sinks for the sink-window rows (default 4)")
     p.add_argument("--window", type=int, default=64, help="window for the sink-window rows (default 64)")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="K/V dtype (default: the config's)")
-    p.add_argument(
-        "--restore-rank",
-        type=int,
-        default=0,
-        help="also show sink-window+restore rows for an f_theta of this rank (its latent ring)",
-    )
+    p.add_argument("--restore-rank", type=int, default=0,
+                   help="also show sink-window+restore rows for an f_theta of this rank (its latent ring)")  # fmt: skip
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_memory)
 
@@ -129,19 +105,10 @@ def cmd_niah(args) -> int:
     table = run_niah(
         engine, args.contexts, args.depths, policies, args.max_tokens, args.block_size or 0, args.seed, log
     )
-    result = {
-        "target": engine.target,
-        "draft": engine.draft,
-        "contexts": args.contexts,
-        "depths": args.depths,
-        "max_tokens": args.max_tokens,
-        "block_size": args.block_size or engine.default_block_size,
-        "model_window": model_window,
-        "sink": args.sink,
-        "window": window,
-        "note": TINY_NOTE,
-        "policies": table,
-    }
+    result = {"target": engine.target, "draft": engine.draft, "contexts": args.contexts, "depths": args.depths,
+              "max_tokens": args.max_tokens, "block_size": args.block_size or engine.default_block_size,
+              "model_window": model_window, "sink": args.sink, "window": window, "note": TINY_NOTE,
+              "policies": table}  # fmt: skip
     if args.json:
         print(json.dumps(result))
         return 0
@@ -162,23 +129,15 @@ def _register_niah(sub) -> None:
     p.add_argument(
         "--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="needle depth, 0 (start) .. 1 (end)"
     )
-    p.add_argument(
-        "--policies",
-        nargs="+",
-        default=["native", "sink-window", "sink-window+kv8"],
-        help="native | sink-window, each optionally +kv8/+kv4 and +restore",
-    )
-    p.add_argument(
-        "--restore",
-        help="f_theta directory (ftheta:DIR or DIR) for +restore policies; "
-        "adds sink-window+restore when no listed policy restores",
-    )
+    p.add_argument("--policies", nargs="+", default=["native", "sink-window", "sink-window+kv8"],
+                   help="native | sink-window, each optionally +kv8/+kv4 and +restore")  # fmt: skip
+    p.add_argument("--restore",
+                   help="f_theta directory (ftheta:DIR or DIR) for +restore policies; adds"
+                        " sink-window+restore when no listed policy restores")  # fmt: skip
     p.add_argument("--sink", type=int, default=4, help="sinks of the sink-window policies")
-    p.add_argument(
-        "--window", type=int, default=None, help="window of the sink-window policies (default: half the model's)"
-    )
+    p.add_argument("--window", type=int, help="window of the sink-window policies (default: half the model's)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per case")
-    p.add_argument("--block-size", type=int, default=None, help="speculative block size (default: the drafter's)")
+    p.add_argument("--block-size", type=int, help="speculative block size (default: the drafter's)")
     p.add_argument("--seed", type=int, default=0, help="varies the needle codes")
     p.add_argument("--quiet", action="store_true", help="no per-case progress on stderr")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")

@@ -27,20 +27,16 @@ def _run_arguments(p: argparse.ArgumentParser, steps: int, lr: float, warmup: in
     """What every trainer takes: seed, schedule and optimizer, held-out split, device, checkpoints."""
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=steps)
-    p.add_argument(
-        "--time-budget",
-        type=float,
-        default=0,
-        help="stop after this many training seconds (0: none); the learning rate decays by steps or by"
-        " this budget, whichever runs out first",
-    )
+    p.add_argument("--time-budget", type=float, default=0,
+                   help="stop after this many training seconds (0: none); the learning rate decays by"
+                        " steps or by this budget, whichever runs out first")  # fmt: skip
     p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--warmup", type=int, default=warmup)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--heldout-pct", type=int, default=5)
     p.add_argument("--eval-every", type=int, default=eval_every, help="steps between held-out evaluations")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt if present")
@@ -59,12 +55,8 @@ def _layer_arguments(p: argparse.ArgumentParser, layers: int, intermediate: int)
 def target_arguments(p: argparse.ArgumentParser) -> None:
     """``kakeya train-target``'s options (the namespace ``training.target.train`` takes)."""
     p.add_argument("--out", required=True, help="output checkpoint directory")
-    p.add_argument(
-        "--backend",
-        default="mlx",
-        choices=["mlx", "torch"],
-        help="mlx (default) or torch (same model/data/output; much faster on Linux CPUs)",
-    )
+    p.add_argument("--backend", default="mlx", choices=["mlx", "torch"],
+                   help="mlx (default) or torch (same model/data/output; much faster on Linux CPUs)")  # fmt: skip
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--hidden", type=int, default=128)
@@ -73,14 +65,11 @@ def target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-head-dim", type=int, default=64)
     p.add_argument("--sliding-window", type=int, default=64)
     p.add_argument("--vocab-size", type=int, default=tk.DEFAULT_VOCAB_SIZE)
-    p.add_argument("--max-bytes", type=int, default=None, help="cap on train-file bytes (default: all)")
+    p.add_argument("--max-bytes", type=int, help="cap on train-file bytes (default: all)")
     p.add_argument("--eval-windows", type=int, default=64)
-    p.add_argument(
-        "--retrieval-frac",
-        type=float,
-        default=0.0,
-        help="fraction of each batch that is synthetic recall text (needle, question, answer; training/retrieval.py)",
-    )
+    p.add_argument("--retrieval-frac", type=float, default=0.0,
+                   help="fraction of each batch that is synthetic recall text (needle, question, answer;"
+                        " training/retrieval.py)")  # fmt: skip
     _run_arguments(p, steps=2000, lr=3e-3, warmup=100, eval_every=250)
 
 
@@ -107,54 +96,33 @@ def drafter_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--gen-batch", type=int, default=64)
-    p.add_argument(
-        "--temperatures",
-        default="0",
-        help="comma list: generation batch i continues its prompts at temperatures[i %% n] (0: greedy)",
-    )
-    p.add_argument(
-        "--data-on-device",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="copy the whole training set (aux, final) to the training device once, so that a step gathers"
-        " its batch there instead of from the memory-mapped files on the host; auto: on CUDA when it"
-        " takes under half the free GPU memory",
-    )
-    p.add_argument(
-        "--soft-weight",
-        type=float,
-        default=0.0,
-        help="weight of KL(target distribution || drafter) per block position (0: hard labels only; "
-        "then sampled continuations' tokens are the only labels)",
-    )
+    p.add_argument("--temperatures", default="0",
+                   help="comma list: generation batch i continues its prompts at temperatures[i %% n] (0:"
+                        " greedy)")  # fmt: skip
+    p.add_argument("--data-on-device", choices=["auto", "on", "off"], default="auto",
+                   help="copy the whole training set (aux, final) to the training device once, so that a"
+                        " step gathers its batch there instead of from the memory-mapped files on the"
+                        " host; auto: on CUDA when it takes under half the free GPU memory")  # fmt: skip
+    p.add_argument("--soft-weight", type=float, default=0.0,
+                   help="weight of KL(target distribution || drafter) per block position (0: hard labels"
+                        " only; then sampled continuations' tokens are the only labels)")  # fmt: skip
     p.add_argument("--bos-prompts", action="store_true", help="prompts start with <bos>, as real requests do")
-    p.add_argument(
-        "--init-from",
-        default=None,
-        help="start from this drafter checkpoint of the same config, e.g. to fine-tune it",
-    )
-    p.add_argument(
-        "--val-sequences",
-        type=int,
-        default=64,
-        help="target continuations of held-out prompts for a teacher-forced held-out curve (0: none)",
-    )
+    p.add_argument("--init-from",
+                   help="start from this drafter checkpoint of the same config, e.g. to fine-tune it")  # fmt: skip
+    p.add_argument("--val-sequences", type=int, default=64,
+                   help="target continuations of held-out prompts for a teacher-forced held-out curve (0:"
+                        " none)")  # fmt: skip
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the engine's acceptance")
     p.add_argument("--eval-max-tokens", type=int, default=128)
     p.add_argument("--eval-block-sizes", default="2,4,8,16")
-    p.add_argument(
-        "--eval-temperatures",
-        default="0.7,1.0",
-        help="sampled acceptance too, at these temperatures (coupled rule, one seed per prompt; '': greedy only)",
-    )
+    p.add_argument("--eval-temperatures", default="0.7,1.0",
+                   help="sampled acceptance too, at these temperatures (coupled rule, one seed per"
+                        " prompt; '': greedy only)")  # fmt: skip
     p.add_argument("--eval-sampled-block-sizes", default="8,16", help="block sizes of the sampled acceptance")
     p.add_argument("--no-eval", action="store_true", help="skip the acceptance measurement")
-    p.add_argument(
-        "--eval-backend",
-        default="mlx",
-        choices=["auto", "mlx", "torch"],
-        help="engine that measures acceptance (default mlx, as the shipped cards; auto: the fastest here)",
-    )
+    p.add_argument("--eval-backend", default="mlx", choices=["auto", "mlx", "torch"],
+                   help="engine that measures acceptance (default mlx, as the shipped cards; auto: the"
+                        " fastest here)")  # fmt: skip
     _run_arguments(p, steps=1000, lr=2e-3, warmup=50, eval_every=500)
 
 
@@ -162,11 +130,8 @@ def _train_drafter(args) -> int:
     from kakeya.training.drafter import train
 
     rep = train(args)
-    summary = {
-        "out": args.out,
-        "steps": rep["steps"],
-        "final_loss": rep["loss_curve"][-1][2] if rep["loss_curve"] else None,
-    }
+    final_loss = rep["loss_curve"][-1][2] if rep["loss_curve"] else None
+    summary = {"out": args.out, "steps": rep["steps"], "final_loss": final_loss}
     if "acceptance" in rep:
         summary["mean_acceptance"] = {b: v["mean_acceptance"] for b, v in rep["acceptance"]["per_block_size"].items()}
     print(json.dumps(summary))

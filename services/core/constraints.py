@@ -20,6 +20,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 
 import llguidance
@@ -69,8 +70,7 @@ class Constraint:
             return _schema_grammar(self.spec)
         if not isinstance(self.spec, str) or not self.spec:
             raise ConstraintError(f"{self.kind} needs a non-empty string")
-        if len(self.spec) > MAX_SPEC_CHARS:
-            raise ConstraintError(f"longer than {MAX_SPEC_CHARS} characters")
+        _check_size(len(self.spec))
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.spec)
         return llguidance.LLMatcher.grammar_from_lark(self.spec)
@@ -78,8 +78,7 @@ class Constraint:
 
 def _schema_grammar(spec) -> str:
     if isinstance(spec, str):
-        if len(spec) > MAX_SPEC_CHARS:
-            raise ConstraintError(f"longer than {MAX_SPEC_CHARS} characters")
+        _check_size(len(spec))
         try:
             spec = json_text.loads(spec)
         except ValueError as exc:
@@ -87,15 +86,18 @@ def _schema_grammar(spec) -> str:
     if not isinstance(spec, dict):
         raise ConstraintError("a JSON schema must be a JSON object")
     try:
-        size = len(json.dumps(spec))
+        _check_size(len(json.dumps(spec)))
     except RecursionError:
         raise ConstraintError("nested too deeply") from None
-    if size > MAX_SPEC_CHARS:
-        raise ConstraintError(f"longer than {MAX_SPEC_CHARS} characters")
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
     except ValueError as exc:
         raise ConstraintError(_bounded(str(exc))) from None
+
+
+def _check_size(chars: int) -> None:
+    if chars > MAX_SPEC_CHARS:
+        raise ConstraintError(f"longer than {MAX_SPEC_CHARS} characters")
 
 
 def _bounded(message: str) -> str:
@@ -111,13 +113,10 @@ def tokenizer(tokenizer_json: str, n_vocab: int, eos_ids: tuple[int, ...]) -> ll
 
 
 class CompiledGrammars:
-    """A bounded LRU of grammars compiled against a tokenizer: every request of an agent repeats its schema, and
-    a request compiles it where it is checked, for the verifier's session and for the loop's guide; each takes a
-    copy of one compiled matcher (llguidance's ``deep_copy``: microseconds, against milliseconds a compile).
-
-    Keyed by (grammar text, tokenizer): the tokenizer object itself, kept alive by its entries (``tokenizer``
-    builds one per checkpoint). A grammar that does not compile is not kept. Thread-safe (a server checks on
-    its front's threads and opens sessions on its compute thread)."""
+    """A bounded, thread-safe LRU of grammars compiled against a tokenizer (keyed by the grammar text and the
+    tokenizer object): every request of an agent repeats its schema, and its check, the verifier's session and
+    the loop's guide each take a copy of one compiled matcher (``deep_copy``: microseconds, a compile
+    milliseconds). A grammar that does not compile is not kept."""
 
     def __init__(self, maxsize: int):
         self.maxsize = maxsize
@@ -154,14 +153,10 @@ COMPILED = CompiledGrammars(maxsize=64)  # this process's compiled grammars
 
 
 def _yield_the_cores() -> None:
-    """A grammar worker's CPU priority lowered (Linux: ``nice`` is a thread's own, by its thread id), so that a
-    grammar which takes seconds to build (a regex bomb's lexer) runs on what the model threads leave, instead of
-    taking a core from them (what it cost otherwise: ``docs/structured.md``). Elsewhere (macOS) the thread keeps
-    the process's priority."""
-    try:
+    """A grammar worker's CPU priority lowered (Linux: ``nice`` is a thread's own), so that a grammar which takes
+    seconds to build (a regex bomb's lexer) runs on what the model threads leave (``docs/structured.md``)."""
+    with suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 # Where requests' grammars are checked: two at a time, below every other thread's priority.
@@ -169,11 +164,9 @@ _CHECKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check", 
 
 
 def check(grammar: str, tok: llguidance.LLTokenizer) -> None:
-    """:class:`ConstraintError` if ``grammar`` does not compile against ``tok`` (a bad regex, Lark rule, schema);
-    one that does is compiled once here for the sessions that follow (:data:`COMPILED`). Its first mask is
-    computed too: a grammar past llguidance's budgets there (or whose copies met them, :func:`_raise_if_failed`)
-    is refused here, by the field that carried it. The work runs on a low-priority worker (:data:`_CHECKS`); the
-    caller waits for it."""
+    """:class:`ConstraintError` if ``grammar`` does not compile against ``tok`` (a bad regex, Lark rule, schema)
+    or meets llguidance's budgets at its first masks; one that does is compiled once here for the sessions that
+    follow (:data:`COMPILED`). Runs on a low-priority worker (:data:`_CHECKS`); the caller waits for it."""
     _CHECKS.submit(_check, grammar, tok).result()
 
 
@@ -196,10 +189,9 @@ def _check(grammar: str, tok: llguidance.LLTokenizer) -> None:
 class Grammar:
     """One generation's grammar state over the tokens committed so far (an llguidance matcher).
 
-    :meth:`masks` gives, for a block ``[last, c1 .. c_{L-1}]``, the tokens allowed after the committed
-    prefix and after each run of candidates (``c1``, ``c1 c2``, ...), leaving the state where it was;
-    :meth:`advance` consumes what a block committed. Once the grammar is finished only the EOS ids are
-    allowed, so a constrained generation ends there.
+    :meth:`masks` gives, for a block ``[last, c1 .. c_{L-1}]``, the tokens allowed after the committed prefix and after
+    each run of candidates (``c1``, ``c1 c2``, ...), leaving the state where it was; :meth:`advance` consumes what a
+    block committed. Once the grammar is finished only the EOS ids are allowed, so a constrained generation ends there.
     """
 
     def __init__(self, grammar: str, tok: llguidance.LLTokenizer):
@@ -258,10 +250,8 @@ class Grammar:
         return not self._allowed(np.zeros(self.words, np.int32))
 
     def _drop_refused_specials(self, row: np.ndarray) -> None:
-        """Clear the special tokens a mask allows but the matcher would not consume. llguidance 1.9 allows a
-        special token whose text the grammar spells next (``<pad>`` of a choice ``["<pad>"]``), then refuses
-        it when committed (a special token is not its text to the parser): a committed token outside the
-        grammar, found by issue 43's fuzz."""
+        """Clear the special tokens a mask allows but the matcher would not consume: llguidance 1.9 allows one whose
+        text the grammar spells next (``<pad>`` of a choice ``["<pad>"]``), then refuses it when committed."""
         words = row.view(np.uint32)
         ids, at, bit = self.specials
         hit = words[at] & bit  # one gather: most masks allow no special token, and cost no more than this
@@ -317,9 +307,8 @@ class Grammar:
 
 
 def _raise_if_failed(matcher: llguidance.LLMatcher) -> None:
-    """:class:`ConstraintError` where ``matcher`` failed as it ran: a grammar that compiles can still exceed
-    llguidance's budgets once followed (``a{99999999}``: "lexer error: too many expressions constructed", found
-    by issue 43's fuzz), and its compiled copies share the failure. A ValueError: the request's, never a 500."""
+    """:class:`ConstraintError` (the request's, never a 500) where ``matcher`` failed as it ran: a grammar that
+    compiles can still exceed llguidance's budgets once followed (``a{99999999}``, issue 43's fuzz)."""
     if matcher.is_error():
         reason = matcher.get_error().split("\n")[0]  # the rest is the parser's state
         raise ConstraintError(f"the constraint cannot be followed: {_bounded(reason)}")

@@ -1,15 +1,13 @@
 """The contract between the accept/trim loop and its backends.
 
-What the loop, the sessions, the remote stubs, the servers and the engine agree on: the
-``Verifier``/``Drafter`` protocols and their sessions, the facts a verifier publishes
-(``ModelInfo``), the options a session is opened with, what a draft and a verdict carry, and THE
-acceptance rule. What a client asks for lives in ``request.py``, what a generation produced in
-``generation.py``. ``core`` imports nothing else from ``services``: every package may depend on
-it, it depends on none of them. Its wire form is ``services/wire/convert.py``.
+What the loop, the sessions, the remote stubs, the servers and the engine agree on: the ``Verifier``/``Drafter``
+protocols and their sessions, the facts a verifier publishes (``ModelInfo``), the options a session is opened
+with, what a draft and a verdict carry, and THE acceptance rule. What a client asks for lives in ``request.py``,
+what a generation produced in ``generation.py``. ``core`` imports nothing else from ``services``; its wire form
+is ``services/wire/convert.py``.
 
-Aux hidden states are opaque to the loop: whatever the verifier returns (an ``mx.array``, a
-``torch.Tensor``, an encoded proto tensor) is handed to the drafter unchanged. Token ids are
-plain Python ints.
+Aux hidden states are opaque to the loop: whatever the verifier returns (an ``mx.array``, a ``torch.Tensor``,
+an encoded proto tensor) is handed to the drafter unchanged. Token ids are plain Python ints.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ def check_layer_types(layer_types, num_layers: int) -> None:
 
 
 Aux = Any  # [n_positions, len(target_layer_ids) * hidden] in the backend's own array type
+Prefilling = Generator[int, None, tuple[int, Aux, int]]  # ``VerifierSession.prefill_steps``
 
 
 def replica_lost(exc: BaseException) -> bool:
@@ -77,10 +76,9 @@ class ModelInfo:
     max_context: int = 0  # positions one session may hold (a verifier server's --max-context); 0: no lower limit
 
 
-# How many of its most probable tokens a drafter keeps per candidate under the rejection rule: the
-# proposal q' it samples from (and sends) is its processed distribution truncated to these and
-# renormalised. The acceptance rule is exact for ANY proposal it was really sampled from; a
-# smaller K only costs acceptance where the drafter's tail mattered.
+# How many of its most probable tokens a drafter keeps per candidate under the rejection rule (its proposal q', the
+# processed distribution truncated and renormalised): exact for any q' really sampled from; a smaller K only costs
+# acceptance where the drafter's tail mattered.
 PROPOSAL_TOP_K = 32
 
 
@@ -88,9 +86,8 @@ PROPOSAL_TOP_K = 32
 class Proposal:
     """The distributions a drafter actually sampled its candidates from (compact).
 
-    Row i is candidate i's proposal q'_i: ``ids`` [n, K] (int32) and ``probs``
-    [n, K] (float32, summing to 1 per row), numpy arrays. Tokens outside a row's
-    ids have probability 0 under it. Never a full-vocabulary tensor.
+    Row i is candidate i's proposal q'_i: ``ids`` [n, K] (int32) and ``probs`` [n, K] (float32, summing to 1 per
+    row), numpy arrays. Tokens outside a row's ids have probability 0 under it. Never a full-vocabulary tensor.
     """
 
     ids: Any
@@ -106,13 +103,12 @@ class Proposal:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """One committed token's log-probability and the ``k`` most probable tokens at its position.
+    """One committed token's log-probability and the ``k`` most probable tokens at its position (``top``:
+    ``(token, logprob)`` pairs, most probable first; ``k`` = ``Request.logprobs``).
 
-    Always the target's RAW distribution there: log_softmax of the model's logits (after Gemma's final
-    soft-capping, before temperature, top-k, top-p or min-p), greedy and sampled alike -- what vLLM returns
-    by default. Taken from the forward that decided the token (the prefill's last row for the first token,
-    the block's verify row for the others), computed on the verifier's device in float32.
-    ``top``: ``(token, logprob)`` pairs, most probable first (``k`` = ``Request.logprobs``; empty for 0).
+    Always the target's RAW distribution there (log_softmax of the logits after Gemma's final soft-capping,
+    before any sampling filter), greedy and sampled alike, as vLLM returns by default; taken from the forward
+    that decided the token, in float32 on the verifier's device.
     """
 
     token: int
@@ -163,13 +159,10 @@ class Draft:
 def accept(candidates: Sequence[int], choices: Sequence[int]) -> tuple[int, int]:
     """THE acceptance rule, one definition for greedy and every sampling rule: ``(accepted, next_token)``.
 
-    ``choices[i]`` is the verifier's token after block position ``i`` (one more
-    than there are candidates). The leading run of candidates equal to their
-    choice is accepted; the choice right after that run is the next token (the
-    bonus after a full run, the correction at the first mismatch), so a block
-    commits between 1 and ``len(candidates) + 1`` tokens. Greedy choices are the
-    target's argmax; a sampling rule's choices already encode its acceptance and
-    draws (``VerifierSession.decide``), so the same rule commits its tokens.
+    ``choices[i]`` is the verifier's token after block position ``i`` (one more than there are candidates).
+    The leading run of candidates equal to their choice is accepted; the choice right after it is the next
+    token (the bonus after a full run, the correction at the first mismatch). Greedy choices are the target's
+    argmax; a sampling rule's choices already encode its acceptance and draws (``VerifierSession.decide``).
     """
     n = 0
     for candidate, choice in zip(candidates, choices):
@@ -180,11 +173,8 @@ def accept(candidates: Sequence[int], choices: Sequence[int]) -> tuple[int, int]
 
 
 def session_rng(seed: int, stream: int):
-    """The random stream of one rejection-rule session: ``stream`` 0 the verifier, 1 the drafter.
-
-    Host-side numpy PCG64 from the request's seed, so every backend and every
-    deployment (colocated, split, mixed) consumes identical uniforms.
-    """
+    """The random stream of one rejection-rule session (``stream`` 0: the verifier, 1: the drafter): host-side
+    numpy PCG64 from the request's seed, so every backend and deployment consumes identical uniforms."""
     import numpy as np
 
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(stream,))))
@@ -194,11 +184,8 @@ VERIFIER_STREAM, DRAFTER_STREAM = 0, 1
 
 
 class Cancellation:
-    """A flag set once, from any thread (a client went away); ``on_cancel`` hooks run when it is.
-
-    A remote session registers how to end its stream, so a cancelled request
-    frees the backends' sessions at once, even while a step waits on one.
-    """
+    """A flag set once, from any thread (a client went away); ``on_cancel`` hooks run when it is (a remote
+    session's: end its stream, so a cancelled request frees the backends' sessions at once)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -226,13 +213,9 @@ class Cancellation:
 class SessionOptions:
     """What one request tells the sessions it opens, beyond cache policy and sampling.
 
-    A remote session uses all of it: the request id travels with its stream,
-    the client's deadline bounds it, the verifier reserves ``max_positions``,
-    and ``cancel`` ends the stream. An in-process session takes ``logprobs`` and
-    ``constraint`` and ignores the rest: its steps run on the caller's (or the compute) thread, so
-    a cancelled run simply stops calling it and closes it. ``constraint`` is
-    honoured by every verifier session (``Verifier.constrains`` says whether a
-    verifier can; a request's check refuses a constraint where it cannot).
+    A remote session uses all of it: the request id travels with its stream, the client's deadline bounds it,
+    the verifier reserves ``max_positions``, and ``cancel`` ends the stream. An in-process session takes
+    ``logprobs``, ``constraint`` and ``ranked``: a cancelled run simply stops calling it and closes it.
     """
 
     request_id: str = ""
@@ -314,30 +297,21 @@ class VerifierSession(Protocol):
         """Run the prompt; return the target's next token (greedy, or sampled from p when the
         session samples) and the prompt's aux hidden states."""
 
-    def prefill_steps(
-        self, prompt_ids: Sequence[int], reuse: Collection[int] | None = ()
-    ) -> Generator[int, None, tuple[int, Aux, int]]:
-        """:meth:`prefill` one step per ``next()`` (a chunk of the prompt in this process; one round trip to a
-        remote verifier, whose server chunks itself), so whoever runs the model can run other sessions' steps
-        between them. With ``reuse`` it starts from the verifier's prefix cache: its longest snapshot of a
-        prefix of ``prompt_ids`` whose length is in ``reuse`` (None: any length; the default, none: a cold
-        prefill). Returns ``(first token, aux of the positions it ran, the prefix length resumed)``."""
+    def prefill_steps(self, prompt_ids: Sequence[int], reuse: Collection[int] | None = ()) -> Prefilling:
+        """:meth:`prefill` one step per ``next()`` (a chunk of the prompt here; one round trip to a remote
+        verifier), so whoever runs the model can run other sessions' steps between them. With ``reuse`` it starts
+        from the verifier's prefix cache: its longest snapshot of a prefix whose length is in ``reuse`` (None: any
+        length; empty: a cold prefill). Returns ``(first token, aux of the positions it ran, prefix resumed)``."""
 
     def decide(self, last_token: int, draft: Draft) -> Verdict:
-        """Verify the block ``[last_token, *draft.tokens]`` in ONE forward and commit its outcome.
+        """Verify the block ``[last_token, *draft.tokens]`` in ONE forward (one round trip to a remote verifier)
+        and commit its outcome: :func:`accept` applied to the session's choice after every position.
 
-        The session takes its choice after every position of the block and applies
-        :func:`accept` to them. Greedy: the target's argmax. Coupled sampling: the
-        argmax of the noisy processed logits (no proposal), the very token AR
-        sampling with this seed picks there. Rejection sampling (``draft.proposal``
-        holds the drafter's q'_i of candidate i): candidate i if accepted
-        (probability min(1, p_i(x)/q'_i(x))), at the first rejection a sample from
-        norm(max(0, p_i - q'_i)), never the rejected candidate, after all accepted
-        a sample from p at the last position. It keeps the accepted positions
-        (``last_token`` and the accepted candidates) in its cache, trims the rest
-        exactly, and returns the :class:`Verdict`, with the kept positions' aux
-        (captured by the forward, never recomputed). One step, so a remote
-        verifier costs one round trip.
+        Greedy: the target's argmax. Coupled sampling: the argmax of the noisy processed logits, the very token
+        AR sampling with this seed picks there. Rejection sampling (``draft.proposal`` holds candidate i's q'_i):
+        candidate i if accepted (probability min(1, p_i(x)/q'_i(x))), at the first rejection a sample from
+        norm(max(0, p_i - q'_i)), after all accepted a sample from p at the last position. The accepted
+        positions stay in the cache, the rest is trimmed exactly; the :class:`Verdict` carries their aux.
         """
 
     def save(self, ids: Sequence[int]) -> bool:
@@ -360,17 +334,10 @@ class DrafterSession(Protocol):
     server_s: float | None
 
     def draft(self, new_aux: Aux, last_token: int, block_size: int) -> Draft:
-        """Extend the context cache with ``new_aux`` and propose ``block_size - 1`` tokens.
-
-        A greedy session's candidates are its argmax, a coupled one's the argmax
-        of its noisy processed logits (the verifier's noise at the same
-        positions); a rejection-rule session samples each candidate from its
-        proposal q'_i and its :class:`Draft` carries the proposals.
-
-        ``new_aux`` holds the aux of every position committed since the last
-        call (the whole prompt on the first call). ``last_token`` is the newest
-        committed token, which the verifier has not seen yet: it opens the block.
-        """
+        """Extend the context cache with ``new_aux`` (the aux of every position committed since the last call; the whole
+        prompt on the first) and propose ``block_size - 1`` tokens after ``last_token``, the newest committed token,
+        which opens the block. Greedy: the argmax; coupled: the argmax of the noisy processed logits (the verifier's
+        noise); rejection: each candidate sampled from its proposal q'_i, which the :class:`Draft` carries."""
 
     def cached_prefixes(self, prompt_ids: Sequence[int]) -> list[int]:
         """The lengths of the prefixes of ``prompt_ids`` the drafter's prefix cache holds a snapshot of."""
@@ -405,12 +372,8 @@ class Verifier(Protocol):
     policy: CachePolicy
     constrains: bool  # its sessions enforce ``SessionOptions.constraint``
 
-    def open_session(
-        self,
-        policy: CachePolicy | None = None,
-        sampling: SamplingParams | None = None,
-        options: SessionOptions | None = None,
-    ) -> VerifierSession:
+    def open_session(self, policy: CachePolicy | None = None, sampling: SamplingParams | None = None,
+                     options: SessionOptions | None = None) -> VerifierSession:  # fmt: skip
         """A new session; ``policy`` overrides the verifier's default; ``sampling`` None: greedy."""
 
     def healthy(self, timeout: float = 1.0) -> bool:
@@ -430,13 +393,11 @@ class Drafter(Protocol):
     target_layer_ids: tuple[int, ...]  # the target layers whose hidden states it drafts from
     backend: str  # "mlx" | "torch" | "grpc:<addr>"
 
-    def open_session(
-        self, sampling: SamplingParams | None = None, options: SessionOptions | None = None
-    ) -> DrafterSession: ...
+    def open_session(self, sampling: SamplingParams | None = None,
+                     options: SessionOptions | None = None) -> DrafterSession: ...  # fmt: skip
 
-    def open_session_now(
-        self, sampling: SamplingParams | None = None, options: SessionOptions | None = None
-    ) -> DrafterSession:
+    def open_session_now(self, sampling: SamplingParams | None = None,
+                         options: SessionOptions | None = None) -> DrafterSession:  # fmt: skip
         """:meth:`open_session`, never refused for earlier failures: a take-over (``decode/takeover.py``) found a
         SERVING replica after one replica's loss put the whole drafter in backoff (in process: the same)."""
 

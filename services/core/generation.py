@@ -1,13 +1,50 @@
 """What a generation produced: its committed blocks, the record kept as they come (:class:`Generation`),
-and the one report every front translates when it ends (:class:`Report`)."""
+the one report every front translates when it ends (:class:`Report`), and its quality gate.
+
+The gate flags output that collapsed into runaway repetition: not a proxy like "more tokens than the window",
+but what the output *is*: a short unit of tokens tiled many times in a row, the signature of the cache-desync
+collapse (``由于由于…``), with or without newlines.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kakeya.core.contract import KVBytes, TokenLogprobs, VerifierStats
-from kakeya.core.quality import quality_report
 from kakeya.core.request import GREEDY, SamplingParams
+
+MAX_UNIT = 16  # longest repeating unit considered, in tokens
+MIN_REPEATS = 8  # how many back-to-back copies make a runaway
+
+
+@dataclass(frozen=True)
+class Runaway:
+    start: int  # index of the first token of the tiled span
+    unit: tuple[int, ...]
+    repeats: int
+
+
+def find_runaway(token_ids: Sequence[int], max_unit: int = MAX_UNIT, min_repeats: int = MIN_REPEATS) -> Runaway | None:
+    """The first span where a unit of <= ``max_unit`` tokens repeats >= ``min_repeats`` times back to back."""
+    ids = list(token_ids)
+    n = len(ids)
+    for unit in range(1, max_unit + 1):
+        # run[i] counts how far ids[i] == ids[i - unit] has held up to i.
+        run = 0
+        for i in range(unit, n):
+            run = run + 1 if ids[i] == ids[i - unit] else 0
+            if run >= unit * (min_repeats - 1):
+                start = i - unit * min_repeats + 1
+                return Runaway(start, tuple(ids[start : start + unit]), min_repeats)
+    return None
+
+
+def quality_report(token_ids: Sequence[int]) -> dict:
+    hit = find_runaway(token_ids)
+    if hit is None:
+        return {"degenerate": False}
+    return {"degenerate": True, "runaway": {"start": hit.start, "unit": list(hit.unit), "repeats": hit.repeats}}
 
 
 @dataclass
@@ -20,10 +57,8 @@ class Block:
     draft_s: float = 0.0
     verify_s: float = 0.0  # the verifier's one step: verify and commit
     total_s: float = 0.0
-    copied: bool = False  # its candidates were copied from earlier in the context (``orchestrator/proposers/ngram.py``)
-    forced: bool = (
-        False  # its candidates were the tokens a constraint's grammar forces (``orchestrator/proposers/forced.py``)
-    )
+    copied: bool = False  # its candidates were copied from earlier in the context (``proposers/ngram.py``)
+    forced: bool = False  # its candidates were the tokens a constraint's grammar forces (``proposers/forced.py``)
     logprobs: list[TokenLogprobs] | None = None  # one per token (a request with ``logprobs``); cut with ``tokens``
 
     def cut(self, keep: int) -> None:
@@ -51,10 +86,7 @@ class Generation:
         """Tokens committed per speculative block (the prefill token is not a block)."""
         return [len(b.tokens) for b in self.blocks[1:]]
 
-    @property
-    def mean_acceptance(self) -> float:
-        lengths = self.acceptance_lengths
-        return sum(lengths) / len(lengths) if lengths else 0.0
+    mean_acceptance = property(lambda self: _mean(self.acceptance_lengths))
 
     @property
     def decode_tok_s(self) -> float:
@@ -63,20 +95,20 @@ class Generation:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
+def _mean(lengths) -> float:
+    return sum(lengths) / len(lengths) if lengths else 0.0
 
 
 @dataclass(frozen=True)
 class Report:
-    """One finished generation, built once when it ends (``Run.report``) and translated by every front:
-    ``kakeya generate --json`` (:meth:`to_json`), the gRPC API's ``Complete``
-    (``orchestrator/fronts/grpc_api.py``), the HTTP API's ``usage`` and ``kakeya`` fields (``http_api.py``),
-    and ``kakeya client``, which rebuilds it from the stream.
+    """One finished generation, built once when it ends (``Run.report``) and translated by every front: ``kakeya
+    generate --json`` (:meth:`to_json`), the gRPC API's ``Complete`` (``orchestrator/fronts/grpc_api.py``), the HTTP
+    API's ``usage`` and ``kakeya`` fields (``http_api.py``), and ``kakeya client``, which rebuilds it from the stream.
 
-    ``block_size`` is the size asked for (0: auto), ``block_sizes`` each speculative block's size
-    (candidates drafted + 1) and ``acceptance_lengths`` the tokens each committed; the prefill's
-    first token is no block. ``sampling`` is what ran, with the seed it drew; ``device``: where the
-    models ran, when this process knows it (None for a remote server's run)."""
+    ``block_size`` is the size asked for (0: auto), ``block_sizes`` each speculative block's size (candidates drafted +
+    1) and ``acceptance_lengths`` the tokens each committed; the prefill's first token is no block. ``sampling`` is what
+    ran, with the seed it drew; ``device``: where the models ran, when this process knows it (None for a remote server's
+    run)."""
 
     target: str
     draft: str
@@ -103,49 +135,34 @@ class Report:
     error: str = ""  # why, when ``finish_reason`` is "error"
     device: str | None = None
 
-    @property
-    def mean_acceptance(self) -> float:
-        n = self.acceptance_lengths
-        return sum(n) / len(n) if n else 0.0
+    mean_acceptance = property(lambda self: _mean(self.acceptance_lengths))
 
     @property
     def quality(self) -> dict:
-        """The runaway-repetition gate on the tokens (``core/quality.py``)."""
+        """The runaway-repetition gate on the tokens (:func:`quality_report`)."""
         return quality_report(self.token_ids)
 
     def to_json(self) -> dict:
         """The ``kakeya generate --json`` object (and ``kakeya client generate --json``'s)."""
         s = self.sampling
-        kv = {"sliding": self.kv_bytes.sliding, "full": self.kv_bytes.full}
-        return {
-            "target": self.target,
-            "draft": self.draft,
-            "backend": self.backend,
-            "device": self.device,
-            "block_size": self.block_size,
-            "block_sizes": list(self.block_sizes),
-            "copied_blocks": self.copied_blocks,
-            "forced_blocks": self.forced_blocks,
-            "prompt_token_ids": list(self.prompt_token_ids),
-            "cached_tokens": self.cached_tokens,
-            "token_ids": list(self.token_ids),
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "acceptance_lengths": list(self.acceptance_lengths),
-            "mean_acceptance": round(self.mean_acceptance, 4),
-            "decode_tok_s": round(self.decode_tok_s, 3),
-            "prefill_s": round(self.prefill_s, 6),
-            "drafter_fallback": self.drafter_fallback,
-            "verifier_kv_bytes": kv | ({"restored": self.kv_bytes.restored} if self.kv_bytes.restored else {}),
-            "cache_policy": self.cache_policy,
-            "cache_bounded": self.cache_bounded,
-            "quality": self.quality,
-            "sampling": {
-                "temperature": s.temperature,
-                "top_k": s.top_k,
-                "top_p": s.top_p,
-                "min_p": s.min_p,
-                "rule": None if s.greedy else s.rule,
-            },
-            "seed": s.seed,
-        } | ({"error": self.error} if self.error else {})
+        plain = ("target", "draft", "backend", "device", "block_size", "block_sizes", "copied_blocks", "forced_blocks",
+                 "prompt_token_ids", "cached_tokens", "token_ids", "text", "finish_reason",
+                 "acceptance_lengths")  # fmt: skip
+        out = {k: list(v) if isinstance(v := getattr(self, k), tuple) else v for k in plain}
+        sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p}
+        return (
+            out
+            | {
+                "mean_acceptance": round(self.mean_acceptance, 4),
+                "decode_tok_s": round(self.decode_tok_s, 3),
+                "prefill_s": round(self.prefill_s, 6),
+                "drafter_fallback": self.drafter_fallback,
+                "verifier_kv_bytes": self.kv_bytes.as_dict(),
+                "cache_policy": self.cache_policy,
+                "cache_bounded": self.cache_bounded,
+                "quality": self.quality,
+                "sampling": sampling | {"rule": None if s.greedy else s.rule},
+                "seed": s.seed,
+            }
+            | ({"error": self.error} if self.error else {})
+        )

@@ -1,18 +1,12 @@
 """The prefix cache both sides keep: snapshots of a session's state after exactly ``ids``, found by a prompt.
 
 A verifier keeps its sessions' K/V (``verifier/snapshot.py``), a drafter its context caches
-(``drafter/snapshot.py``), each in its own :class:`PrefixCache` and byte budget; both find a snapshot by
-the same token prefix ``P``, so the orchestrator resumes both from the same one or from none.
-``docs/operations.md``, "Prefix cache", describes what is kept, the keys and the handshake.
-
-Keys are chained hashes of every :data:`HASH_BLOCK` tokens (as vLLM keys its blocks): a lookup is one dict
-probe per boundary. A snapshot at ``P`` is filed under the boundary a block before its end,
-``max(P - HASH_BLOCK, 0) // HASH_BLOCK * HASH_BLOCK``, with its exact ids beside it (a collision costs a
-miss, never a wrong state), so a prompt that parts from it within its last block (a chat history sent back
-re-rendered) still finds it, ``back`` positions short: the session resumes it and forgets its newest
-``back`` positions where that is exact. Least recently used snapshots are evicted first; one larger than
-the budget is not kept. Snapshots are immutable and shared by every session that resumes them; one lock
-guards everything.
+(``drafter/snapshot.py``), each in its own :class:`PrefixCache` and byte budget; both find a snapshot by the same
+token prefix, so the orchestrator resumes both from the same one or from none (``docs/operations.md``, "Prefix
+cache"). Keys are chained hashes of every :data:`HASH_BLOCK` tokens (as vLLM keys its blocks). A snapshot is filed
+under the boundary a block before its end, its exact ids beside it (a collision costs a miss, never a wrong
+state), so a prompt that parts from it within its last block (a chat history re-rendered) still finds it,
+``back`` positions short. Least recently used snapshots are evicted first; one lock guards everything.
 """
 
 from __future__ import annotations
@@ -76,7 +70,6 @@ def _filed_at(positions: int) -> int:
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
-    """The length of the longest common prefix of ``a`` and ``b``."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
 
@@ -101,10 +94,8 @@ class PrefixCache:
         return len(self._entries)
 
     def put(self, namespace: Hashable, ids: Sequence[int], value: Any, nbytes: int) -> bool:
-        """Keep ``value``, the state after exactly ``ids``; False when it does not fit the budget at all.
-
-        A snapshot of the same ids is the same state: the one kept is refreshed, the new one dropped.
-        """
+        """Keep ``value``, the state after exactly ``ids``; False when it does not fit the budget at all. A snapshot
+        of the same ids is the same state: the one kept is refreshed, the new one dropped."""
         ids = tuple(ids)
         key = (namespace, ids)
         with self._lock:
@@ -140,12 +131,11 @@ class PrefixCache:
         allowed: Collection[int] | None = None,
         partial: bool = False,
     ) -> list[Match]:
-        """Every snapshot a session may resume ``prompt_ids`` from, longest first: its ids are a prefix of
-        the prompt (with ``partial``, also a snapshot the prompt shares at least a block of, up to a point
-        past the boundary it is filed under, matched that far: ``Match.back`` > 0; a snapshot longer than the
-        prompt too, so a prompt run again resumes), at least one prompt token is left to compute (the
-        next token's logits), and the match's length is in ``allowed`` (None: any). Marks them used (LRU)
-        but counts nothing: see :meth:`count`."""
+        """Every snapshot a session may resume ``prompt_ids`` from, longest first: its ids are a prefix of the prompt
+        (with ``partial``, also a snapshot the prompt shares at least a block of, up to a point past the boundary it is
+        filed under, matched that far: ``Match.back`` > 0; a snapshot longer than the prompt too, so a prompt run again
+        resumes), at least one prompt token is left to compute (the next token's logits), and the match's length is in
+        ``allowed`` (None: any). Marks them used (LRU) but counts nothing: see :meth:`count`."""
         prompt = tuple(prompt_ids)
         hashes = block_hashes(prompt, namespace, len(prompt) - 1)
         found = []
@@ -181,7 +171,7 @@ class PrefixCache:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
-                "bytes": self.bytes, "peak_bytes": self.peak_bytes, "budget_bytes": self.budget, "entries": len(self._entries), "hits": self.hits,
-                "misses": self.misses, "tokens_reused": self.tokens_reused, "insertions": self.insertions,
-                "evictions": self.evictions,
+                "bytes": self.bytes, "peak_bytes": self.peak_bytes, "budget_bytes": self.budget,
+                "entries": len(self._entries), "hits": self.hits, "misses": self.misses,
+                "tokens_reused": self.tokens_reused, "insertions": self.insertions, "evictions": self.evictions,
             }  # fmt: skip

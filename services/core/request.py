@@ -1,11 +1,10 @@
-"""What a client asks for: one generation (:class:`Request`), how its tokens are sampled
-(:class:`SamplingParams`) and how its verifier cache is bounded (:class:`CachePolicy`).
+"""What a client asks for: one generation (:class:`Request`), how its tokens are sampled (:class:`SamplingParams`)
+and how its verifier cache is bounded (:class:`CachePolicy`).
 
-Every front (the CLI, the gRPC API, the HTTP API) builds a :class:`Request` and hands it to the
-engine, which checks it in one place (``orchestrator/decode/checks.py``): the result is a
-:class:`CheckedRequest`, the only kind a run accepts. A refused value raises
-:class:`InvalidRequest` naming the :class:`Request` field it came in (``max_tokens``,
-``sampling.temperature``, ``cache_policy.window``); each front renames the field as its own clients
+Every front (the CLI, the gRPC API, the HTTP API) builds a :class:`Request` and hands it to the engine, which checks
+it in one place (``orchestrator/decode/checks.py``): the result is a :class:`CheckedRequest`, the only kind a run
+accepts. A refused value raises :class:`InvalidRequest` naming the :class:`Request` field it came in
+(``max_tokens``, ``sampling.temperature``, ``cache_policy.window``); each front renames the field as its own clients
 spell it (``sampling_params.temperature`` on gRPC, ``temperature`` over HTTP).
 """
 
@@ -37,11 +36,10 @@ _INDEX = re.compile(r"\[\d+\]")
 
 
 def public_field(path: str, names: Mapping[str, str]) -> str:
-    """``path`` with its longest prefix found in ``names`` replaced (see :meth:`InvalidRequest.public`); an
-    item's index stays with its list's new name (``prompt.messages[1].role`` -> ``messages[1].role``). A
-    name whose lists are written ``[]`` renames a field inside their items, each index taking its ``[]`` in
-    turn: ``{"prompt.tools[].parameters": "tools[].function.parameters"}`` turns ``prompt.tools[2].parameters``
-    into ``tools[2].function.parameters``."""
+    """``path`` with its longest prefix found in ``names`` replaced (see :meth:`InvalidRequest.public`); an item's index
+    stays with its list's new name (``prompt.messages[1].role`` -> ``messages[1].role``). A name whose lists are written
+    ``[]`` renames a field inside their items, each index taking its ``[]`` in turn: ``{"prompt.tools[].parameters":
+    "tools[].function.parameters"}`` turns ``prompt.tools[2].parameters`` into ``tools[2].function.parameters``."""
     parts = path.split(".")
     for cut in range(len(parts), 0, -1):
         head, index = ".".join(parts[:cut]), ""
@@ -75,13 +73,9 @@ def check_block_size(block_size: int, field: str = "block_size") -> None:
 
 @dataclass(frozen=True)
 class CachePolicy:
-    """How a session bounds its sliding-layer K/V. Full-attention layers always stay exact.
-
-    ``native``: the model's own sliding window, no sinks. Not bounded as a
-    whole: full-attention layers still grow with the context.
-    ``sink-window``: ``sink`` first positions are kept forever, plus a window of
-    ``window`` positions (including the query itself).
-    """
+    """How a session bounds its sliding-layer K/V (full-attention layers always stay exact). ``native``: the
+    model's own sliding window, no sinks (not bounded as a whole: full layers grow with the context).
+    ``sink-window``: ``sink`` first positions kept forever, plus a window of ``window`` (the query included)."""
 
     kind: str = "native"
     sink: int = 0
@@ -115,9 +109,8 @@ class CachePolicy:
             return replace(self, sink=0, window=model_window)
         window = self.window if self.window is not None else model_window
         if window < 1 or self.sink < 0:
-            raise InvalidRequest(
-                "cache_policy", f"sink-window needs window >= 1 and sink >= 0 (got window={window}, sink={self.sink})"
-            )
+            why = f"sink-window needs window >= 1 and sink >= 0 (got window={window}, sink={self.sink})"
+            raise InvalidRequest("cache_policy", why)
         if self.restore is not None and window >= model_window:
             raise InvalidRequest(
                 "cache_policy.window",
@@ -133,12 +126,8 @@ class CachePolicy:
         return name + (f"+kv{self.full_kv_bits}" if self.full_kv_bits else "") + ("+restore" if self.restore else "")
 
 
-# The sampling rules (``services/core/sampling.py``). Coupled (the default): every token is
-# argmax(processed logits + G(seed, position, token)), the drafter proposes with the same noise
-# and the verifier keeps the candidates equal to its own choices, so the output is AR sampling
-# with that seed, token for token, whatever the drafter or the block schedule. Rejection: the
-# drafter samples from a proposal it sends and the verifier accepts with min(1, p/q'); exact in
-# distribution, but its tokens depend on the drafter's proposals and the block sizes.
+# The sampling rules (``core/sampling.py``): coupled (the default) gives AR sampling's tokens with the seed, whatever
+# the drafter or the block schedule; rejection is exact in distribution, its tokens depend on the block sizes.
 COUPLED, REJECTION = "coupled", "rejection"
 SAMPLING_RULES = (COUPLED, REJECTION)
 
@@ -151,12 +140,10 @@ MIN_TEMPERATURE = 1e-5
 class SamplingParams:
     """How the target's next-token distribution p is processed and sampled.
 
-    p = softmax(logits / temperature) restricted by top-k, then top-p (the
-    smallest most-probable set reaching ``top_p``; the top token always stays),
-    then min-p (tokens with p >= ``min_p * max p``), renormalised. Temperature 0
-    is greedy: argmax, no randomness, token-identical to greedy AR. ``seed``
-    seeds the sampling (None: the engine draws one); ``rule`` is how
-    speculative blocks sample (:data:`COUPLED` or :data:`REJECTION`).
+    p = softmax(logits / temperature) restricted by top-k, then top-p (the smallest most-probable set reaching
+    ``top_p``; the top token always stays), then min-p (tokens with p >= ``min_p * max p``), renormalised.
+    Temperature 0 is greedy: argmax, token-identical to greedy AR. ``seed``: None, the engine draws one;
+    ``rule``: how speculative blocks sample (:data:`COUPLED` or :data:`REJECTION`).
     """
 
     temperature: float = 0.0
@@ -313,5 +300,4 @@ class CheckedRequest(Request):
 
     @property
     def prompt_ids(self) -> list[int]:
-        """The prompt as token ids."""
         return list(self.prompt)

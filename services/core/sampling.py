@@ -1,16 +1,13 @@
 """Speculative sampling: the numpy reference, and the host-side steps every backend shares.
 
-Two rules, both exact in distribution, picked per request (``SamplingParams.rule``; README, "Sampling",
-says what each guarantees): **coupled** (Daliri, Musco, Suresh 2024: every token is the Gumbel-max draw
-of ``noise.py``'s G, so candidates are kept while they equal the verifier's noisy argmax, the greedy rule)
-and **rejection** (Leviathan et al. 2023: accept with min(1, p/q'), resample from norm(max(0, p - q'));
-the drafter samples from the very top-K proposal it sends, never an argmax it pretends was drawn).
+Two rules, both exact in distribution, picked per request (``SamplingParams.rule``; README, "Sampling"):
+**coupled** (Daliri, Musco, Suresh 2024: every token is the Gumbel-max draw of ``noise.py``'s G, so candidates
+are kept while they equal the verifier's noisy argmax) and **rejection** (Leviathan et al. 2023: accept with
+min(1, p/q'), resample from norm(max(0, p - q')); the drafter samples from the very top-K proposal it sends).
 
-p is the *processed* distribution (``process``: temperature, top-k, top-p, min-p, renormalised);
-``backends/mlx/sampling.py`` and ``backends/torch/sampling.py`` compute the same on the device and the
-tests hold both to this file. The rejection rule's uniforms are host numbers (``session_rng``) turned into
-tokens by inverse CDF over a fixed order (descending probability, ties by index), so both backends map a
-uniform to the same token.
+p is the *processed* distribution (``process``); ``backends/*/sampling.py`` compute the same on the device and
+the tests hold them to this file. The rejection rule's uniforms are host numbers (``session_rng``) turned into
+tokens by inverse CDF over a fixed order (descending probability, ties by index) on every backend.
 """
 
 from __future__ import annotations
@@ -68,9 +65,8 @@ def coupled(logits: np.ndarray, params: SamplingParams, keys: tuple[int, int], f
 def sample(w: np.ndarray, u: float) -> int:
     """Inverse CDF of the (unnormalised) weights ``w`` [V] at uniform ``u`` in [0, 1).
 
-    Order: descending weight, ties by index. The token is the count of entries
-    whose running sum is <= u * total, capped at the last positive entry, so a
-    zero-weight token is never drawn.
+    Order: descending weight, ties by index. The token is the count of entries whose running sum is <= u * total,
+    capped at the last positive entry, so a zero-weight token is never drawn.
     """
     w = np.asarray(w, np.float64)
     order = np.argsort(-w, kind="stable")
@@ -90,9 +86,8 @@ def proposal_rows(q: np.ndarray, k: int = PROPOSAL_TOP_K) -> tuple[np.ndarray, n
 def draw_from_proposal(ids: np.ndarray, probs: np.ndarray, u: np.ndarray) -> tuple[list[int], Proposal]:
     """Sample one candidate per row of the compact proposal (host, K entries a row).
 
-    ``probs`` [n, K] float32 in descending order: the drafter sends exactly
-    these, and samples exactly from them (normalised), so the verifier's
-    acceptance uses the very distribution each candidate came from.
+    ``probs`` [n, K] float32 in descending order: the drafter sends exactly these, and samples exactly from them
+    (normalised), so the verifier's acceptance uses the very distribution each candidate came from.
     """
     probs = np.ascontiguousarray(probs, np.float32)
     ids = np.ascontiguousarray(ids, np.int32)

@@ -12,7 +12,7 @@ carries ``B - 1`` candidate ids (and, in a sampling session, the compact
 proposal each was drawn from). A ``Predraft`` (deprecated: pre-drafting was removed, measured not to pay,
 docs/benchmarks.md "History") only takes its new aux and is answered with no block, so an older client
 drafts afresh. After its first Draft (on its stream), a session's
-Drafts may come in a ``DraftRound`` call with other sessions' (``runtime/rounds.py``), each item checked
+Drafts may come in a ``DraftRound`` call with other sessions' (``runtime/servicer.py``), each item checked
 and answered as its stream's Draft. The drafter loads only the target's embedding
 and LM head (``endpoints.local_drafter``), never the whole target. One servicer
 and one ``server_spec`` for both backends: ``backend`` picks the model, the
@@ -35,8 +35,7 @@ from kakeya.drafter.session import LocalDrafterSession
 from kakeya.runtime import bounds
 from kakeya.runtime.admission import SessionEntry
 from kakeya.runtime.lifecycle import ServerSpec, check_token_ids, invalid, precondition, version
-from kakeya.runtime.rounds import RoundSlot, RoundWire, serve_round
-from kakeya.runtime.servicer import SessionLimits, SessionServicer
+from kakeya.runtime.servicer import RoundSlot, RoundWire, SessionLimits, SessionServicer, serve_round
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import drafter_pb2 as pb

@@ -1,12 +1,11 @@
 """Admission and lifetime of a server's sessions (verifier and drafter streams).
 
-``--max-sessions`` and ``--max-sessions-per-peer`` when a stream opens; ``--max-kv-bytes`` (the verifier:
-the policy's worst case at ``max_positions``; the drafter: its context as it grows); under pressure the
-longest-idle session (``--reclaim-idle``) is ended (``ABORTED``) before anyone is refused; then
-``RESOURCE_EXHAUSTED`` naming the limit, or a bounded wait (``--queue``, ``--queue-timeout``); idle expiry
-(``--idle-timeout``, ``DEADLINE_EXCEEDED``). ``docs/security.md`` says what each protects. Every way a
-session ends goes through the idempotent :meth:`SessionRegistry.close`, which frees its cache and
-reservation.
+``--max-sessions`` and ``--max-sessions-per-peer`` when a stream opens; ``--max-kv-bytes`` (the verifier: the
+policy's worst case at ``max_positions``; the drafter: its context as it grows); under pressure the longest-idle
+session (``--reclaim-idle``) is ended (``ABORTED``) before anyone is refused; then ``RESOURCE_EXHAUSTED`` naming the
+limit, or a bounded wait (``--queue``, ``--queue-timeout``); idle expiry (``--idle-timeout``,
+``DEADLINE_EXCEEDED``). ``docs/security.md`` says what each protects. Every way a session ends goes through the
+idempotent :meth:`SessionRegistry.close`, which frees its cache and reservation.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ log = logging.getLogger("kakeya")
 
 
 class SessionLimitError(Exception):
-    pass
+    """A session refused (or ended) by a limit; the message names the flag."""
 
 
 DEFAULT_MAX_SESSIONS = 64  # each open stream holds a server thread: the pool is sized from this
@@ -49,7 +48,7 @@ class SessionEntry:
     last_active: float = field(default_factory=time.monotonic)
     waiting: bool = False  # blocked on the client's next message (idle time counts only then)
     end: Callable[[grpc.StatusCode, str], None] | None = None  # ends the stream with a status (expiry, reclaim)
-    # what a round call (``SessionServicer._serve_round``) needs to step this session beside its stream;
+    # what a round call (``servicer.serve_round``) needs to step this session beside its stream;
     # None until the session may step in one (the servicer sets it)
     round: Any = None
 
@@ -67,23 +66,11 @@ class _Refusal:
 
 
 class SessionRegistry:
-    """Live sessions of one server: admission (count, per-peer and K/V-byte limits, idle reclaim,
-    optional wait queue), idle expiry, and the bytes they hold. ``close`` is idempotent and safe
-    from any thread.
-    """
+    """Live sessions of one server: admission, idle expiry, the bytes they hold (see the module docstring)."""
 
-    def __init__(
-        self,
-        max_sessions: int = 0,
-        max_kv_bytes: int = 0,
-        queue: int = 0,
-        queue_timeout_s: float = 0.0,
-        idle_timeout_s: float = 0.0,
-        *,
-        max_per_peer: int = 0,
-        reclaim_idle_s: float = 0.0,
-        close: Callable[[Callable[[], None]], None] | None = None,
-    ):
+    def __init__(self, max_sessions: int = 0, max_kv_bytes: int = 0, queue: int = 0, queue_timeout_s: float = 0.0,
+                 idle_timeout_s: float = 0.0, *, max_per_peer: int = 0, reclaim_idle_s: float = 0.0,
+                 close: Callable[[Callable[[], None]], None] | None = None):  # fmt: skip
         # how a session is closed: where its steps run (a server's compute thread: a close queued behind the
         # steps already queued never lands in the middle of a batch of other sessions' steps); None: at once
         self._close = close or (lambda fn: fn())

@@ -1,15 +1,9 @@
 """Bounds on everything a client controls, checked before anything is allocated.
 
-A request names sizes (cache window and sinks, prompt length, max_tokens,
-aux rows) and strings (request ids, restoration sources). Each is checked
-here against a limit the server was started with, and a violation is a
-``ValueError`` naming the field; the servers turn it into
-``INVALID_ARGUMENT``. Nothing in this module allocates in proportion to a
-client's number.
-
-Restoration sources (f_theta checkpoints) are configured on the verifier as
-``--restore NAME=DIR`` (a plain ``--restore DIR`` is the source ``default``)
-and chosen by NAME on the wire: a client never names a server path.
+Each size (cache window and sinks, prompt length, max_tokens, aux rows) and string (request ids, restoration sources) a
+request names is checked against a limit the server was started with; a violation is a ``ValueError`` naming the field
+(``INVALID_ARGUMENT``). Restoration sources (f_theta checkpoints) are configured on the verifier as ``--restore
+NAME=DIR`` (a bare DIR is ``default``) and chosen by NAME: a client never names a server path.
 """
 
 from __future__ import annotations
@@ -101,9 +95,6 @@ def max_prompt_tokens(limit: int, max_position_embeddings: int) -> int:
     if limit < 0:
         raise ValueError(f"--max-prompt-tokens must be >= 0 (0: the default), got {limit}")
     return min(limit or DEFAULT_MAX_PROMPT_TOKENS, max_position_embeddings)
-
-
-# --------------------------------------------------------------------------- restoration sources
 
 
 class RestoreSources:

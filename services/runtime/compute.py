@@ -1,37 +1,36 @@
 """The one thread a server process runs its model work on, with batching of like work.
 
-All model work of a process runs on ONE thread (MLX arrays and streams stay on the thread that made them;
-there is one device to share anyway); gRPC handler threads only translate messages and wait. Jobs run in
-submission order, except that **batchable** jobs of one kind that queued up while the thread was busy are
-handed to their runner together, so N sessions' steps cost one batched forward. Nothing waits on purpose to
-form a batch: a batch is whatever arrived during the previous job (continuous batching at a step boundary).
-Order between sessions may change; order within a session cannot (its handler waits for each result).
+All model work of a process runs on ONE thread (MLX arrays stay on the thread that made them; there is one
+device to share anyway); gRPC handler threads only translate messages and wait. Jobs run in submission order,
+except that **batchable** jobs of one kind that queued up while the thread was busy go to their runner together,
+so N sessions' steps cost one batched forward. Nothing waits on purpose to form a batch (continuous batching at
+a step boundary). Order within a session cannot change: its handler waits for each result.
 
-**A group shares one runner**: jobs join a group only when kind AND runner equal its first job's, since
-the group gets the first job's runner (a drafter's stream drafts once joined its round drafts' group and
-got results of another contract). Callers that want two call sites batched give them one runner and
-convert its results afterwards (``rounds.RoundWire.answer_of``).
+**A group shares one runner**: jobs join a group only when kind AND runner equal its first job's, whose runner
+the group gets. Callers that want two call sites batched give them one runner and convert its results
+afterwards (``servicer.RoundWire.answer_of``).
 
-**Inline when idle** (``inline``, torch on a CPU only: MLX keeps arrays on their thread, and on CUDA it
-did not pay, docs/design.md, "History: removed, and why"): a job that finds the thread idle runs on the
-calling handler thread under the same lock, saving a lone stream's two thread hand-offs
-(``docs/operations.md``, "Where a split block's extra time went").
+**Inline when idle** (``inline``, torch on a CPU only: docs/design.md, "History: removed, and why"): a job that
+finds the thread idle runs on the calling handler thread under the same lock, saving a lone stream's two thread
+hand-offs (``docs/operations.md``, "Where a split block's extra time went").
 
-**Progress** (:meth:`ComputeThread.progress`): jobs finished and the CPU time of model work (``cpu.py``),
-which a waiting handler watches to tell a slow process from a wedged one.
+**Progress** (:meth:`ComputeThread.progress`): jobs finished and the CPU time of model work, which a waiting
+handler watches to tell a slow process from a wedged one (a thread blocked for good spends none). Model work is
+the compute thread (and one running a job inline), every thread not started through ``threading`` (MLX's,
+torch's, BLAS's pools) and the processes they start (MLX's ``g++``); not the gRPC handler threads. Read from
+``/proc`` (Linux; elsewhere ``None``) by a :class:`CpuSampler` on a thread of its own: the reads give up the GIL.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
-
-from kakeya.runtime.cpu import CpuSampler
 
 DEFAULT_MAX_BATCH = 16
 BUSY_FRACTION = 0.05  # model work's CPU time, as a share of the time it was measured over, that is progress
@@ -41,14 +40,13 @@ class Progress(NamedTuple):
     """What :meth:`ComputeThread.progress` saw at ``at`` (monotonic seconds)."""
 
     done: int  # jobs finished
-    cpu_s: float | None  # CPU seconds of model work so far (``cpu.py``; None: unknown, here or yet)
+    cpu_s: float | None  # CPU seconds of model work so far (``model_cpu_seconds``; None: unknown, here or yet)
     cpu_at: float  # when cpu_s was read
     at: float
 
     def since(self, earlier: Progress) -> bool:
-        """Work got done between ``earlier`` and this: a job finished, or model work spent at least
-        ``BUSY_FRACTION`` of the time between the two readings on a CPU (a rate: idle threads' crumbs
-        never add up)."""
+        """Work got done between ``earlier`` and this: a job finished, or model work spent at least ``BUSY_FRACTION`` of
+        the time between the two readings on a CPU (a rate: idle threads' crumbs never add up)."""
         if self.done != earlier.done:
             return True
         if self.cpu_s is None or earlier.cpu_s is None or self.cpu_at <= earlier.cpu_at:
@@ -90,10 +88,8 @@ class ComputeThread:
         self._thread = threading.Thread(target=self._loop, name=f"{name}-compute", daemon=True)
         self._thread.start()
 
-    # -- submitting -------------------------------------------------------------------
-
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
-        return self._put(_Job(fn=lambda: fn(*args, **kwargs)))
+        return self._put(_Job(fn=lambda: fn(*args, **kwargs)))[0]
 
     def start(self, fn: Callable, *args, **kwargs) -> Future:
         """``fn(*args, **kwargs)`` as a Future: run at once on the calling thread when ``inline`` finds
@@ -108,53 +104,33 @@ class ComputeThread:
     def start_batch(self, kind: Hashable, item: Any, runner: Callable[[list], Sequence[Any]]) -> Future:
         """``item``'s result as a Future: ``runner([item, ...])`` together with like items queued meanwhile.
 
-        ``runner`` gets a list of items of this ``kind`` and returns one result per
-        item, in order; a result that is an ``Exception`` instance is raised to
-        that item's caller alone (one bad session must not fail its batch-mates).
+        ``runner`` gets a list of items of this ``kind`` and returns one result per item, in order; a result that is an
+        ``Exception`` instance is raised to that item's caller alone (one bad session must not fail its batch-mates).
         """
-        if self._idle():
-
-            def alone():
-                self.batches += 1
-                self.batched_items += 1
-                (result,) = _results(runner, [item])
-                if isinstance(result, BaseException):
-                    raise result
-                return result
-
-            return self._inline(alone)
-        return self._put(_Job(fn=None, kind=kind, item=item, runner=runner))
+        return self.start_many(kind, [item], runner)[0]
 
     def start_many(self, kind: Hashable, items: Sequence[Any], runner: Callable[[list], Sequence[Any]]) -> list[Future]:
-        """Each of ``items``' results as a Future, like ``start_batch`` for each, but queued at once (a round
-        call's steps, ``SessionServicer._serve_round``): the thread takes them as one batch (up to
-        ``max_batch``) with like items queued meanwhile; run inline, as one runner call, when ``inline`` finds
-        the thread idle."""
+        """Each of ``items``' results as a Future, like ``start_batch`` for each, but queued at once (a round call's
+        steps, ``servicer.serve_round``): the thread takes them as one batch (up to ``max_batch``) with like
+        items queued meanwhile; run inline, as one runner call, when ``inline`` finds the thread idle."""
         if not items:
             return []
-        if self._idle():
-            futures = [Future() for _ in items]
-            done = self._inline(lambda: self._run_alone(items, runner, futures))
-            for f in futures:
-                if not f.done():  # the runner itself failed: every item hears it
-                    f.set_running_or_notify_cancel()
-                    f.set_exception(done.exception())
-            return futures
-        jobs = [_Job(fn=None, kind=kind, item=item, runner=runner) for item in items]
-        with self._cv:
-            if self._stopped:
-                raise RuntimeError("compute thread is shut down")
-            self._jobs.extend(jobs)
-            self._pending += len(jobs)
-            self._cv.notify()
-        return [j.future for j in jobs]
+        if not self._idle():
+            return self._put(*(_Job(fn=None, kind=kind, item=item, runner=runner) for item in items))
+        futures = [Future() for _ in items]
+        for f in futures:
+            f.set_running_or_notify_cancel()
+        done = self._inline(lambda: self._deliver(futures, runner, list(items)))
+        for f in futures:
+            if not f.done():  # the runner itself failed: every item hears it
+                f.set_exception(done.exception())
+        return futures
 
-    def _run_alone(self, items: Sequence[Any], runner: Callable[[list], Sequence[Any]], futures: list[Future]) -> None:
+    def _deliver(self, futures: list[Future], runner: Callable[[list], Sequence[Any]], items: list) -> None:
+        """One runner call for ``items``: each result (or exception) to its own future."""
         self.batches += 1
         self.batched_items += len(items)
-        results = _results(runner, list(items))
-        for f, r in zip(futures, results):
-            f.set_running_or_notify_cancel()
+        for f, r in zip(futures, _results(runner, items)):
             f.set_exception(r) if isinstance(r, BaseException) else f.set_result(r)
 
     def batch(self, kind: Hashable, item: Any, runner: Callable[[list], Sequence[Any]]) -> Any:
@@ -198,14 +174,14 @@ class ComputeThread:
             return False
         return True
 
-    def _put(self, job: _Job) -> Future:
+    def _put(self, *jobs: _Job) -> list[Future]:
         with self._cv:
             if self._stopped:
                 raise RuntimeError("compute thread is shut down")
-            self._jobs.append(job)
-            self._pending += 1
+            self._jobs.extend(jobs)
+            self._pending += len(jobs)
             self._cv.notify()
-        return job.future
+        return [j.future for j in jobs]
 
     def shutdown(self) -> None:
         with self._cv:
@@ -214,8 +190,6 @@ class ComputeThread:
                 job.future.cancel()
             self._jobs.clear()
             self._cv.notify()
-
-    # -- the thread -------------------------------------------------------------------
 
     def _take(self) -> list[_Job] | None:
         with self._cv:
@@ -260,19 +234,11 @@ class ComputeThread:
         if group[0].fn is not None:
             _settle(group[0].future, group[0].fn)
             return
-        self.batches += 1
-        self.batched_items += len(group)
         try:
-            results = _results(group[0].runner, [j.item for j in group])
+            self._deliver([j.future for j in group], group[0].runner, [j.item for j in group])
         except BaseException as exc:  # noqa: BLE001 - the whole batch failed: every caller hears it
             for j in group:
                 j.future.set_exception(exc)
-            return
-        for j, r in zip(group, results):
-            if isinstance(r, BaseException):
-                j.future.set_exception(r)
-            else:
-                j.future.set_result(r)
 
 
 def _results(runner: Callable[[list], Sequence[Any]], items: list) -> list:
@@ -289,3 +255,106 @@ def _settle(future: Future, fn: Callable) -> None:
         future.set_exception(exc)
     else:
         future.set_result(result)
+
+
+# --------------------------------------------------------------------------- CPU time of model work
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def model_cpu_seconds(model_threads: Collection[int]) -> float | None:
+    """CPU seconds (so far) of the model work above; ``model_threads``: native ids of the Python threads
+    that run model work (the compute thread, an inline job's). None where ``/proc`` cannot be read."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    python = {t.native_id for t in threading.enumerate()} - set(model_threads)
+    total = 0.0
+    for name in tasks:
+        if int(name) in python:
+            continue
+        task = f"/proc/self/task/{name}"
+        total += _thread_seconds(task) + sum(_process_seconds(pid) for pid in _children(task))
+    return total
+
+
+def _thread_seconds(task: str) -> float:
+    """One thread's CPU time: ``schedstat``'s nanoseconds where the kernel keeps them, else ``stat``'s ticks."""
+    try:
+        with open(f"{task}/schedstat", "rb") as f:
+            ns = int(f.read().split()[0])
+        if ns:
+            return ns / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
+    return _stat_seconds(f"{task}/stat")
+
+
+def _process_seconds(pid: int, depth: int = 0) -> float:
+    """A child process's CPU time (all its threads), and its own children's (a compiler driver's)."""
+    seconds = _stat_seconds(f"/proc/{pid}/stat")
+    if depth < 4:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return seconds
+        for name in tasks:
+            seconds += sum(_process_seconds(child, depth + 1) for child in _children(f"/proc/{pid}/task/{name}"))
+    return seconds
+
+
+def _children(task: str) -> list[int]:
+    try:
+        with open(f"{task}/children", "rb") as f:
+            return [int(pid) for pid in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _stat_seconds(path: str) -> float:
+    """utime + stime of a ``stat`` file (fields 14 and 15 of proc(5)); 0.0 once it is gone."""
+    try:
+        with open(path, "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICKS
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class CpuSampler:
+    """``model_cpu_seconds`` read every ``every_s`` on a daemon thread, while someone called :meth:`read`
+    within the last ``idle_s`` (then it sleeps until the next call). ``model_threads``: the native ids of
+    the Python threads running model work now."""
+
+    def __init__(self, model_threads: Callable[[], Collection[int]], every_s: float = 0.05, idle_s: float = 2.0):
+        self._threads, self._every, self._idle = model_threads, every_s, idle_s
+        self._last: tuple[float | None, float] = (None, 0.0)  # (CPU seconds, monotonic time read)
+        self._asked = 0.0
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def read(self) -> tuple[float | None, float]:
+        """The latest (CPU seconds, when read); (None, 0.0) before a current reading (the first, or the first
+        since the sampler slept: a rate over its sleep would say nothing of now) or where there is none."""
+        now = self._asked = time.monotonic()
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="model-cpu", daemon=True)
+                    self._thread.start()
+        self._wake.set()
+        cpu, at = self._last
+        return (cpu, at) if now - at < self._idle / 2 else (None, 0.0)
+
+    def _run(self) -> None:
+        while True:
+            if time.monotonic() - self._asked > self._idle:
+                self._wake.clear()
+                self._wake.wait()
+            cpu = model_cpu_seconds(self._threads())
+            self._last = (cpu, time.monotonic())
+            if cpu is None:
+                return  # nothing to read here, ever
+            time.sleep(self._every)

@@ -1,20 +1,13 @@
-"""What every kakeya gRPC server process shares.
+"""What every kakeya gRPC server process shares: errors and the process's lifecycle.
 
-- :class:`ComputeThread` (``services/runtime/compute.py``): all model work of a process
-  runs on ONE thread; like steps of concurrent sessions that queue up meanwhile
-  run as one batch. gRPC handler threads only translate messages and wait.
-- :class:`SessionRegistry` (``services/runtime/admission.py``): live sessions, their
-  cache bytes, admission (session, per-peer and K/V-byte limits, idle reclaim, a
-  bounded wait queue) and idle expiry.
-- :class:`RequestError`: raised by servicer code to end an RPC with a status
-  (its message bounded: :func:`bounded`).
-- :func:`run_server`: the process lifecycle -- bind, health ``NOT_SERVING``,
-  load + warm up, health ``SERVING`` (and the ready file), wait for
-  SIGTERM/SIGINT or the parent's death, drain in-flight RPCs within a grace
-  period, exit.
+- :class:`RequestError`: raised by servicer code to end an RPC with a status (its message bounded:
+  :func:`bounded`); :func:`session_stream`, the body of a ``Session`` stream.
+- :func:`run_server`: bind, health ``NOT_SERVING``, load + warm up, health ``SERVING`` (and the ready
+  file), wait for SIGTERM/SIGINT or the parent's death, drain in-flight RPCs within a grace period, exit.
 
-Servicers live next to their models (``services/*/server.py``); the command
-line that starts them is ``services/app/serve.py``.
+Model work runs on one ``ComputeThread`` (``compute.py``), sessions are admitted by a
+``SessionRegistry`` (``admission.py``); servicers live next to their models (``services/*/server.py``),
+the command line that starts them is ``services/app/serve.py``.
 """
 
 from __future__ import annotations
@@ -39,16 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kakeya.core.request import CachePolicy
 from kakeya.runtime import logs
-from kakeya.runtime.admission import (  # noqa: F401  (re-exported: the servers import them from here)
-    DEFAULT_IDLE_TIMEOUT_S,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_RECLAIM_IDLE_S,
-    SessionEntry,
-    SessionLimitError,
-    SessionRegistry,
-    Watched,
-)
-from kakeya.runtime.compute import ComputeThread  # noqa: F401  (re-exported: servers build theirs from here)
+from kakeya.runtime.admission import DEFAULT_MAX_SESSIONS, SessionLimitError, SessionRegistry, Watched
 from kakeya.runtime.metrics import RpcInterceptor
 from kakeya.runtime.security.auth import peer_of
 from kakeya.wire import convert as wire_contract
@@ -66,16 +50,6 @@ def version() -> str:
         return v("kakeya")
     except Exception:  # noqa: BLE001  # pragma: no cover - not installed
         return "0.0.0+local"
-
-
-def setup_logging(name: str, fmt: str = "text") -> None:
-    """stderr, as text or JSON lines (``--log-format``), each line tagged with its request id."""
-    from kakeya.runtime.logs import setup_logging as setup
-
-    setup(name, fmt)
-
-
-# --------------------------------------------------------------------------- errors
 
 
 MAX_ERROR_CHARS = 1024  # a status message rides in a trailer: far below gRPC's 8 KiB metadata limit
@@ -115,9 +89,8 @@ class RequestError(Exception):
 def end_call(context, code: grpc.StatusCode, details: str) -> None:
     """End ``context``'s RPC now with ``code`` and ``details``, from any thread (idle expiry, reclaim).
 
-    grpc-python ends a call with a status only from its handler's thread (``abort``);
-    from another thread its ``cancel`` reaches the client as a bare CANCELLED. The
-    call object underneath cancels with a status, which the client then receives.
+    grpc-python ends a call with a status only from its handler's thread (``abort``); from another its
+    ``cancel`` reaches the client as a bare CANCELLED. The call object underneath cancels with a status.
     """
     try:
         context._rpc_event.call.cancel(code.value[0], bounded(details))
@@ -159,22 +132,10 @@ def check_token_ids(ids: Sequence[int], vocab: int, field_name: str, allow_empty
     return ids
 
 
-# --------------------------------------------------------------------------- compute
-
-
-# --------------------------------------------------------------------------- sessions
-
-
-# --------------------------------------------------------------------------- lifecycle
-
-
 def session_stream(name: str, ready: bool, registry: SessionRegistry, serve, request_iterator, context):
-    """The body of a bidirectional ``Session`` RPC, shared by the verifier and the drafter.
-
-    The stream IS the session: a registry entry is opened with it and closed
-    however it ends (client close, cancel, deadline, error), which frees the
-    session's cache. ``serve(entry, requests)`` yields the responses.
-    """
+    """The body of a bidirectional ``Session`` RPC, shared by the verifier and the drafter. The stream IS the
+    session: a registry entry opened with it is closed however it ends (client close, cancel, deadline,
+    error), which frees the session's cache. ``serve(entry, requests)`` yields the responses."""
     if not ready:
         context.abort(grpc.StatusCode.UNAVAILABLE, f"{name} is loading its model")
     try:
@@ -251,13 +212,11 @@ def write_ready_file(path: str | Path, payload: dict) -> None:
 
 
 def port_in_use(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be ours (another listener holds it), or None.
+    """Why ``host:port`` cannot be ours (another listener holds it), or None (port 0 always is free).
 
-    gRPC binds with SO_REUSEPORT, so a second server on a taken port would bind
-    as well and split the connections; a bind without SO_REUSEPORT fails on a
-    port another socket listens on. SO_REUSEADDR lets it pass the TIME_WAIT
-    leftovers of a server that just died (a restart on its own port). Port 0
-    is always free.
+    gRPC binds with SO_REUSEPORT, so a second server on a taken port would bind as well and split the
+    connections; a bind without it fails on a port another socket listens on. SO_REUSEADDR lets it pass the
+    TIME_WAIT leftovers of a server that just died (a restart on its own port).
     """
     import socket
 
@@ -299,11 +258,8 @@ def _health_watch(spec: ServerSpec, health_servicer, names: list[str], stop: thr
 
 
 def _serve_health(health_servicer, host: str, port: int) -> tuple[grpc.Server | None, int]:
-    """A plaintext server answering only ``grpc.health.v1`` with ``health_servicer``'s statuses.
-
-    Kubernetes' native gRPC probes speak no TLS: with mutual TLS on the main port they probe this
-    one. Health carries no data and opens no session, so it needs no credentials.
-    """
+    """A plaintext server answering only ``grpc.health.v1`` with ``health_servicer``'s statuses: Kubernetes'
+    native gRPC probes speak no TLS. Health carries no data and opens no session, so it needs no credentials."""
     server = grpc.server(ThreadPoolExecutor(max_workers=2), maximum_concurrent_rpcs=8)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -316,15 +272,16 @@ def _serve_health(health_servicer, host: str, port: int) -> tuple[grpc.Server | 
     return server, bound
 
 
-def run_server(
-    spec: ServerSpec,
-    host: str,
-    port: int,
-    grace_s: float = 30.0,
-    ready_file: str | None = None,
-    metrics_port: int | None = None,
-    health_port: int | None = None,
-) -> int:
+def _failed(spec: ServerSpec, why: str, *servers) -> int:
+    """Say why ``spec``'s server cannot serve, stop what already runs of it (``servers``); exit status 2."""
+    print(f"kakeya: error: {spec.name}: {why}", file=sys.stderr)
+    for server in filter(None, servers):
+        server.stop(0)
+    return 2
+
+
+def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, ready_file: str | None = None,
+               metrics_port: int | None = None, health_port: int | None = None) -> int:  # fmt: skip
     """Serve until SIGTERM/SIGINT; return the process exit status. ``metrics_port``: /metrics (0: any port);
     ``health_port``: gRPC health alone, also in plaintext (0: any port), for probes that cannot speak TLS."""
     if ready_file:
@@ -347,12 +304,9 @@ def run_server(
         threading.Thread(target=_parent_watch, args=(int(parent), stop), daemon=True).start()
 
     interceptors = [RpcInterceptor(spec.metrics)] if spec.metrics is not None else []
-    server = grpc.server(
-        ThreadPoolExecutor(max_workers=spec.max_workers),
-        options=server_options(max_receive_bytes=spec.max_receive_bytes),
-        maximum_concurrent_rpcs=spec.max_workers,
-        interceptors=interceptors,
-    )
+    options = server_options(max_receive_bytes=spec.max_receive_bytes)
+    pool = ThreadPoolExecutor(max_workers=spec.max_workers)
+    server = grpc.server(pool, options=options, maximum_concurrent_rpcs=spec.max_workers, interceptors=interceptors)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     spec.add_to_server(server)
@@ -373,14 +327,9 @@ def run_server(
         except RuntimeError as exc:
             problem = str(exc)
         except ValueError as exc:  # unreadable certificate files
-            print(f"kakeya: error: {spec.name}: {exc}", file=sys.stderr)
-            return 2
+            return _failed(spec, str(exc))
     if not bound:
-        print(
-            f"kakeya: error: {spec.name}: cannot listen on {host}:{port}: {problem or 'address in use'}",
-            file=sys.stderr,
-        )
-        return 2
+        return _failed(spec, f"cannot listen on {host}:{port}: {problem or 'address in use'}")
     addr = f"{host}:{bound}"
     ready_extra: dict = {}
     httpd = None
@@ -388,55 +337,42 @@ def run_server(
         try:
             httpd = spec.metrics.serve_http(host, metrics_port)
         except OSError as exc:
-            print(f"kakeya: error: {spec.name}: cannot serve metrics on {host}:{metrics_port} ({exc})", file=sys.stderr)
-            server.stop(0)
-            return 2
+            return _failed(spec, f"cannot serve metrics on {host}:{metrics_port} ({exc})", server)
         ready_extra["metrics_port"] = httpd.server_port
         log.info("%s metrics on http://%s:%d/metrics", spec.name, host, httpd.server_port)
     health_server = None
     if health_port is not None:
         health_server, ready_extra["health_port"] = _serve_health(health_servicer, host, health_port)
         if health_server is None:
-            print(f"kakeya: error: {spec.name}: cannot serve health on {host}:{health_port}", file=sys.stderr)
-            server.stop(0)
-            return 2
+            return _failed(spec, f"cannot serve health on {host}:{health_port}", server)
     server.start()
     log.info("%s listening on %s (NOT_SERVING until loaded and warmed up)", spec.name, addr)
     if spec.http is not None:
         try:
             ready_extra["http_port"] = spec.http.start(host, spec.tls, grace_s)
         except (OSError, RuntimeError) as exc:
-            print(f"kakeya: error: {spec.name}: cannot serve HTTP on {host} ({exc})", file=sys.stderr)
-            server.stop(0)
-            return 2
+            return _failed(spec, f"cannot serve HTTP on {host} ({exc})", server)
         log.info("%s HTTP (OpenAI API) on %s:%d (503 until SERVING)", spec.name, host, ready_extra["http_port"])
 
     # Load in the background so a signal during a long load still stops us.
     outcome: dict = {}
+    loaded = threading.Event()
 
     def load():
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             outcome["desc"] = spec.load()
-            outcome["load_s"] = time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - reported below
             outcome["error"] = exc
-            outcome["tb"] = traceback.format_exc()
-        finally:
-            loaded.set()
+            log.debug("%s", traceback.format_exc())
+        outcome["load_s"] = time.perf_counter() - t0
+        loaded.set()
 
-    loaded = threading.Event()
     threading.Thread(target=load, name=f"{spec.name}-load", daemon=True).start()
-    while not (loaded.is_set() or stop.is_set()):
-        loaded.wait(0.2)
-    if "error" in outcome:
-        exc = outcome["error"]
-        log.debug("%s", outcome["tb"])
-        print(f"kakeya: error: {spec.name}: {exc}", file=sys.stderr)
-        server.stop(0)
-        if health_server is not None:  # a probe must not see this process alive
-            health_server.stop(0)
-        return 2
+    while not (loaded.wait(0.2) or stop.is_set()):
+        pass
+    if "error" in outcome:  # a probe must not see this process alive
+        return _failed(spec, str(outcome["error"]), server, health_server)
     if loaded.is_set() and not stop.is_set():
         spec.set_ready(True)
         for n in ["", *names]:

@@ -1,11 +1,9 @@
 """Process logging: plain text or JSON lines, each line tagged with the request it serves.
 
-The request id travels from the public API (``GenerateRequest.request_id``, or
-one the orchestrator makes up) to the verifier and drafter as ``x-request-id``
-gRPC metadata. Each server binds it (and the session id) to the handling
-thread's context for the length of the RPC (:func:`bind`), and a logging
-filter copies them onto every record, so every line a request causes, in any
-of the three processes, carries the same id.
+The request id travels from the public API (``GenerateRequest.request_id``, or one the orchestrator makes up) to the
+verifier and drafter as ``x-request-id`` gRPC metadata. Each server binds it (and the session id) to the handling
+thread's context for the length of the RPC (:func:`bind`), and a logging filter copies them onto every record, so
+every line a request causes, in any of the three processes, carries the same id.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ import json
 import logging
 import os
 import sys
+from contextlib import suppress
 
 FORMATS = ("text", "json")
 
@@ -28,16 +27,12 @@ _FIELDS = ("request_id", "session_id")
 
 def bind(**fields: str) -> contextvars.Token:
     """Add ``fields`` (request_id, session_id) to this thread's log context; returns a reset token."""
-    merged = dict(_context.get())
-    merged.update({k: v for k, v in fields.items() if v})
-    return _context.set(merged)
+    return _context.set(_context.get() | {k: v for k, v in fields.items() if v})
 
 
 def reset(token: contextvars.Token) -> None:
-    try:
+    with suppress(ValueError):  # a generator finalised on another thread: that thread's context is not ours
         _context.reset(token)
-    except ValueError:  # a generator finalised on another thread: that thread's context is not ours
-        pass
 
 
 class ContextFilter(logging.Filter):
@@ -59,14 +54,9 @@ class JsonFormatter(logging.Formatter):
         self.process = process
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {
-            "ts": _dt.datetime.fromtimestamp(record.created, _dt.UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname,
-            "logger": record.name,
-            "msg": record.getMessage(),
-            "process": self.process,
-            "pid": record.process,
-        }
+        ts = _dt.datetime.fromtimestamp(record.created, _dt.UTC).isoformat(timespec="milliseconds")
+        out = {"ts": ts, "level": record.levelname, "logger": record.name, "msg": record.getMessage(),
+               "process": self.process, "pid": record.process}  # fmt: skip
         for name in _FIELDS:
             value = getattr(record, name, "")
             if value:

@@ -1,13 +1,10 @@
 """Prometheus metrics of every kakeya server, named after vLLM's so its dashboards carry over.
 
-Each server owns a :class:`ServerMetrics` with its own ``CollectorRegistry``
-(never the process-global one, so tests can run several servers in one
-process) and serves it on ``--metrics-port`` at ``/metrics``. Every server
-exports ``kakeya_errors_total{code}`` (RPCs ending with a non-OK gRPC status,
-counted by :class:`RpcInterceptor`, which also binds each RPC's request id to
-the log context) and ``kakeya_sessions_live``. The orchestrator adds the
-request and speculative-decoding series (:class:`GenerationObserver`), the
-verifier and drafter their cache bytes. ``docs/operations.md`` lists them all.
+Each server owns a :class:`ServerMetrics` with its own ``CollectorRegistry`` (never the process-global one, so
+tests can run several servers in one process), served on ``--metrics-port`` at ``/metrics``. Every server exports
+``kakeya_errors_total{code}`` (:class:`RpcInterceptor`, which also binds each RPC's request id to the log
+context) and ``kakeya_sessions_live``; the orchestrator adds the request and speculative-decoding series
+(:class:`GenerationObserver`), the verifier and drafter their cache bytes. ``docs/operations.md`` lists them.
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import grpc
@@ -26,59 +24,28 @@ from kakeya.runtime import logs
 log = logging.getLogger("kakeya.orchestrator")
 
 # Seconds; from 1 ms (a tiny model's block) to 80 s (a long generation on a CPU).
-LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-PHASES = ("draft", "verify", "wire")
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                   20.0, 40.0, 80.0)  # fmt: skip
 
 
-class _Collected:
-    """A gauge family computed at scrape time (e.g. KV bytes by kind, read from the live sessions)."""
+class _Scraped:
+    """A family read from the server's own state at scrape time: a counter (``label`` None: e.g. the session
+    registry's total) or a gauge by ``label`` (``read`` returns a dict: e.g. KV bytes by kind)."""
 
-    def __init__(self, name: str, doc: str, label: str, read: Callable[[], dict[str, float]]):
-        self.name, self.doc, self.label, self.read = name, doc, label, read
-
-    def collect(self):
-        g = GaugeMetricFamily(self.name, self.doc, labels=[self.label])
-        for key, value in sorted(self.read().items()):
-            g.add_metric([key], float(value))
-        yield g
+    def __init__(self, name: str, doc: str, read: Callable, label: str | None = None):
+        self.name, self.doc, self.read, self.label = name, doc, read, label
 
     def describe(self):
+        if self.label is None:
+            return [CounterMetricFamily(self.name, self.doc)]
         return [GaugeMetricFamily(self.name, self.doc, labels=[self.label])]
 
-
-class _Total:
-    """A counter kept by the server itself (e.g. the session registry's total), read at scrape time."""
-
-    def __init__(self, name: str, doc: str, read: Callable[[], int]):
-        self.name, self.doc, self.read = name, doc, read
-
     def collect(self):
-        c = CounterMetricFamily(self.name, self.doc)
-        c.add_metric([], float(self.read()))
-        yield c
-
-    def describe(self):
-        return [CounterMetricFamily(self.name, self.doc)]
+        (family,) = self.describe()
+        values = sorted(self.read().items()) if self.label is not None else [(None, self.read())]
+        for key, value in values:
+            family.add_metric([] if key is None else [key], float(value))
+        yield family
 
 
 class _PrefixCacheMetrics:
@@ -119,62 +86,42 @@ class ServerMetrics:
             self._orchestrator(r)
 
     def _orchestrator(self, r: CollectorRegistry) -> None:
-        self.num_drafts = Counter(
-            "kakeya_spec_decode_num_drafts", "blocks the drafter proposed candidates for", registry=r
-        )
-        self.num_draft_tokens = Counter("kakeya_spec_decode_num_draft_tokens", "candidate tokens proposed", registry=r)
-        self.num_accepted_tokens = Counter(
-            "kakeya_spec_decode_num_accepted_tokens", "candidate tokens the target accepted", registry=r
-        )
-        self.accepted_per_pos = Counter(
-            "kakeya_spec_decode_num_accepted_tokens_per_pos", "accepted candidates by position in the block (0 = first)",
-            ["position"], registry=r,
-        )  # fmt: skip
-        self.request_success = Counter(
-            "kakeya_request_success", "generations finished, by finish reason", ["finished_reason"], registry=r
-        )
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"kakeya_{name}", doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, *labels: str) -> Histogram:
+            return Histogram(f"kakeya_{name}_seconds", doc, labels, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.num_drafts = counter("spec_decode_num_drafts", "blocks the drafter proposed candidates for")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "candidate tokens proposed")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "candidate tokens the target accepted")
+        by_pos = "accepted candidates by position in the block (0 = first)"
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", by_pos, "position")
+        self.request_success = counter("request_success", "generations finished, by finish reason", "finished_reason")
         self.running = Gauge("kakeya_num_requests_running", "generations in flight", registry=r)
         self.waiting = Gauge("kakeya_num_requests_waiting", "generations queued for admission (--queue)", registry=r)
-        self.prompt_tokens = Counter("kakeya_prompt_tokens", "prompt tokens prefilled", registry=r)
-        self.cached_tokens = Counter(
-            "kakeya_prompt_tokens_cached", "prompt tokens resumed from a prefix cache instead of prefilled", registry=r
+        self.prompt_tokens = counter("prompt_tokens", "prompt tokens prefilled")
+        cached = "prompt tokens resumed from a prefix cache instead of prefilled"
+        self.cached_tokens = counter("prompt_tokens_cached", cached)
+        self.generation_tokens = counter("generation_tokens", "tokens generated")
+        self.ttft = histogram("time_to_first_token", "request start to first token streamed")
+        itl = "time between streamed blocks (one observation per block, as vLLM per step)"
+        self.itl = histogram("inter_token_latency", itl)
+        self.e2e = histogram("e2e_request_latency", "request start to Complete")
+        phase = "one decode block's time by phase (wire: split deployments only)"
+        self.block_latency = histogram("block_latency", phase, "phase")
+        fallbacks = "generations the verifier finished alone, by reason (drafter_failed, drafter_backoff, drafter_busy)"
+        self.ar_fallbacks = counter(
+            "ar_fallbacks", fallbacks + "; a client's cancel or deadline is never one", "reason"
         )
-        self.generation_tokens = Counter("kakeya_generation_tokens", "tokens generated", registry=r)
-        self.ttft = Histogram(
-            "kakeya_time_to_first_token_seconds",
-            "request start to first token streamed",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "kakeya_inter_token_latency_seconds", "time between streamed blocks (one observation per block, as vLLM per step)",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            "kakeya_e2e_request_latency_seconds", "request start to Complete", buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.block_latency = Histogram(
-            "kakeya_block_latency_seconds", "one decode block's time by phase (wire: split deployments only)",
-            ["phase"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.ar_fallbacks = Counter(
-            "kakeya_ar_fallbacks", "generations the verifier finished alone, by reason (drafter_failed, drafter_backoff,"
-            " drafter_busy); a client's cancel or deadline is never one", ["reason"], registry=r,
-        )  # fmt: skip
-
-        self.takeovers = Counter(
-            "kakeya_takeovers", "sessions reopened on another replica after theirs was lost mid-stream, by role"
-            " (verifier, drafter)", ["role"], registry=r,
-        )  # fmt: skip
-        self.drain_handoffs = Counter(
-            "kakeya_drain_handoffs", "sessions moved to another replica because theirs was draining (SIGTERM), by"
-            " role (verifier, drafter); no failure: not in kakeya_takeovers", ["role"], registry=r,
-        )  # fmt: skip
-        self.takeover_pause = Histogram(
-            "kakeya_takeover_pause_seconds", "a take-over's or drain hand-off's pause: the replica's loss (or"
-            " drain) noticed to the session reopened (its prefill done), by role", ["role"],
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+        self.takeovers = counter("takeovers", "sessions reopened on another replica after theirs was lost mid-stream,"
+                                 " by role (verifier, drafter)", "role")  # fmt: skip
+        self.drain_handoffs = counter("drain_handoffs", "sessions moved to another replica because theirs was"
+                                      " draining (SIGTERM), by role (verifier, drafter); no failure: not in"
+                                      " kakeya_takeovers", "role")  # fmt: skip
+        self.takeover_pause = histogram("takeover_pause", "a take-over's or drain hand-off's pause: the replica's loss"
+                                        " (or drain) noticed to the session reopened (its prefill done), by role",
+                                        "role")  # fmt: skip
 
     def takeover(self, role: str, pause_s: float, drained: bool = False) -> None:
         """One take-over (``orchestrator/decode/takeover.py``) and its pause; ``drained``: a draining replica's
@@ -182,20 +129,16 @@ class ServerMetrics:
         (self.drain_handoffs if drained else self.takeovers).labels(role).inc()
         self.takeover_pause.labels(role).observe(pause_s)
 
-    # -- wiring ---------------------------------------------------------------------------
-
     def track_sessions(self, live: Callable[[], int], total: Callable[[], int]) -> None:
         """``kakeya_sessions_live`` and ``kakeya_sessions_total``, read from the server at scrape time."""
         self.sessions_live.set_function(lambda: float(live()))
-        self.registry.register(_Total("kakeya_sessions", "sessions (orchestrator: generations) started", total))
+        self.registry.register(_Scraped("kakeya_sessions", "sessions (orchestrator: generations) started", total))
         if self.role == "orchestrator":
             self.running.set_function(lambda: float(live()))
 
     def track_kv_bytes(self, read: Callable[[], dict[str, int]]) -> None:
         """``kakeya_kv_cache_bytes{kind}``: bytes held by live sessions' caches, read at scrape time."""
-        self.registry.register(
-            _Collected("kakeya_kv_cache_bytes", "KV cache bytes held by live sessions", "kind", read)
-        )
+        self.registry.register(_Scraped("kakeya_kv_cache_bytes", "KV cache bytes held by live sessions", read, "kind"))
 
     def track_kv_usage(self, read: Callable[[], float]) -> None:
         """``kakeya_kv_cache_usage_perc``: the K/V bytes admitted sessions may grow to, as a fraction (0..1) of the
@@ -209,40 +152,22 @@ class ServerMetrics:
         budget and entries held (gauges); hits, misses, tokens reused, insertions, evictions (counters)."""
         self.registry.register(_PrefixCacheMetrics(cache.stats))
 
-    def track_batches(self, compute: Any) -> None:
-        """``kakeya_compute_batches_total`` / ``kakeya_compute_batched_items_total`` of a ``ComputeThread``:
-        batched runner calls and the steps they carried (their ratio is the mean batch size)."""
-        self.registry.register(
-            _Total("kakeya_compute_batches", "batched compute calls (one forward each)", lambda: compute.batches)
-        )
-        self.registry.register(
-            _Total("kakeya_compute_batched_items", "session steps those calls carried", lambda: compute.batched_items)
-        )
+    def track_steps(self, names: tuple[str, str], doc: str, calls: Callable[[], int], items: Callable[[], int]):
+        """Calls and the session steps they carried, read at scrape time as ``kakeya_<names[0]>_total`` and
+        ``kakeya_<names[1]>_total`` (their ratio: steps per call): a ``ComputeThread``'s batched runner calls, a
+        session server's round calls (``runtime/servicer.py``)."""
+        self.registry.register(_Scraped(f"kakeya_{names[0]}", doc, calls))
+        self.registry.register(_Scraped(f"kakeya_{names[1]}", "session steps those calls carried", items))
 
-    def track_rounds(self, servicer: Any) -> None:
-        """``kakeya_round_calls_total`` / ``kakeya_round_items_total``: round calls (``runtime/rounds.py``) and
-        the session steps they carried (their ratio: sessions per round call)."""
-        self.registry.register(_Total("kakeya_round_calls", "round calls served", lambda: servicer.round_calls))
-        self.registry.register(
-            _Total("kakeya_round_items", "session steps those calls carried", lambda: servicer.round_items)
-        )
-
-    def generation(
-        self, verifier_session: Any = None, drafter_session: Any = None, params: Any = None
-    ) -> GenerationObserver:
-        if params is not None:
-            log.info(
-                "generate: %d prompt tokens, max_tokens %d, block %d",
-                len(params.prompt_ids),
-                params.max_tokens,
-                params.block_size,
-            )
+    def generation(self, verifier_session: Any, drafter_session: Any, params: Any) -> GenerationObserver:
+        """The observer of one generation of ``params`` (a ``CheckedRequest``) over these sessions."""
+        n = len(params.prompt_ids)
+        log.info("generate: %d prompt tokens, max_tokens %d, block %d", n, params.max_tokens, params.block_size)
         return GenerationObserver(self, verifier_session, drafter_session)
 
     def serve_http(self, host: str, port: int):
         """Serve ``/metrics`` on ``host:port`` (0: any free port); returns the HTTP server (``.server_port``)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server
+        return start_http_server(port, addr=host, registry=self.registry)[0]  # (server, thread)
 
 
 def _server_s(session: Any) -> float | None:
@@ -287,15 +212,7 @@ class GenerationObserver:
             for pos in range(b.accepted):
                 m.accepted_per_pos.labels(str(pos)).inc()
 
-    def finish(
-        self,
-        reason: str,
-        *,
-        fallback: str | None = None,
-        prompt_tokens: int = 0,
-        tokens: int = 0,
-        cached_tokens: int = 0,
-    ) -> None:
+    def finish(self, reason: str, *, fallback: str | None = None, prompt_tokens=0, tokens=0, cached_tokens=0) -> None:
         """The generation ended (``reason``: its finish reason); ``fallback``: why it lost its drafter, if it did;
         ``cached_tokens``: prompt positions resumed from the prefix caches."""
         if self.finished:
@@ -313,15 +230,7 @@ class GenerationObserver:
             log.warning("the verifier finished alone: AR fallback (%s)", fallback)
 
 
-class _NoObserver:
-    def block(self, b) -> None:
-        pass
-
-    def finish(self, reason: str, **_kw) -> None:
-        pass
-
-
-NO_OBSERVER = _NoObserver()
+NO_OBSERVER = SimpleNamespace(block=lambda b: None, finish=lambda reason, **kw: None)  # a generation not observed
 
 
 # --------------------------------------------------------------------------- RPC interceptor

@@ -1,10 +1,9 @@
 """Which CPUs the processes of a split on one machine run on (Linux): ``serve --cpus``, ``serve all --placement``.
 
-A split block wakes its three processes in turn. Pinned, the orchestrator and the drafter share one core
-(they never work at once) and the verifier has the others, so a wake-up lands on a core its process just
-ran on rather than an idle one (what it buys: ``docs/operations.md``, "History: split cost and pre-drafting"). Only
-for torch on the CPU, where it was measured, and only where the platform can pin
-(``os.sched_setaffinity``: Linux).
+A split block wakes its three processes in turn. Pinned, the orchestrator and the drafter share one core (they
+never work at once) and the verifier has the others, so a wake-up lands on a core its process just ran on (what
+it buys: ``docs/operations.md``, "History: split cost and pre-drafting"). For torch on the CPU, where it was
+measured, and only where the platform can pin (``os.sched_setaffinity``).
 """
 
 from __future__ import annotations
@@ -15,12 +14,10 @@ from collections.abc import Iterable
 
 
 def can_pin() -> bool:
-    """This platform can pin a process to CPUs."""
     return hasattr(os, "sched_setaffinity") and hasattr(os, "sched_getaffinity")
 
 
-def available() -> list[int]:
-    """The CPUs this process runs on now, in order."""
+def available() -> list[int]:  # the CPUs this process runs on now, in order
     return sorted(os.sched_getaffinity(0))
 
 
@@ -42,9 +39,8 @@ def parse_cpus(text: str, field: str = "--cpus") -> frozenset[int]:
 def format_cpus(cpus: Iterable[int]) -> str:
     """The inverse of :func:`parse_cpus`: ranges where they run, e.g. ``"0,2-3"``."""
     out = []
-    for _, run in itertools.groupby(
-        enumerate(sorted(set(cpus))), key=lambda ic: ic[1] - ic[0]
-    ):  # a run: c - i constant
+    runs = itertools.groupby(enumerate(sorted(set(cpus))), key=lambda ic: ic[1] - ic[0])  # a run: c - i constant
+    for _, run in runs:
         first, *rest = (c for _, c in run)
         out.append(f"{first}-{rest[-1]}" if rest else str(first))
     return ",".join(out)

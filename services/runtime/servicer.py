@@ -1,47 +1,44 @@
 """What the verifier's and the drafter's servicers share: their limits and the parts built from them.
 
-A session server (``verifier/server.py``, ``drafter/server.py``) is one :class:`SessionLimits` turned
-into one ``ComputeThread`` (all model work, batched), one ``SessionRegistry`` (admission and idle
-expiry), one ``ServerMetrics`` and, with a budget, one ``PrefixCache``. Both answer ``GetInfo`` and
-open ``Session`` streams only once loaded, and both become a ``ServerSpec`` the same way. A stream's
-messages go through one loop (:meth:`SessionServicer._serve`): ``open`` first, the role's ``steps``, ``close``
-last, each answer timed. The subclasses add their model: ``load``, ``info``, ``_open``, a ``_step_<kind>``
-per step, ``_close`` and ``_progress``.
+A session server (``verifier/server.py``, ``drafter/server.py``) is one :class:`SessionLimits` turned into one
+``ComputeThread`` (all model work, batched), one ``SessionRegistry`` (admission and idle expiry), one ``ServerMetrics``
+and, with a budget, one ``PrefixCache``. A stream's messages go through one loop (:meth:`SessionServicer._serve`):
+``open`` first, the role's ``steps``, ``close`` last, each answer timed. The subclasses add their model: ``load``,
+``info``, ``_open``, a ``_step_<kind>`` per step, ``_close`` and ``_progress``.
 
-Draining (SIGTERM, ``lifecycle.run_server``: health NOT_SERVING, no new call accepted): every answer from
-then on says ``draining``, so a client that can reopen the session on another SERVING replica (the
-orchestrator's take-over, ``orchestrator/decode/takeover.py``) ends it before its next step, at a round
-boundary, with nothing lost; one that cannot finishes here. The process exits once no stream is left
-(gRPC's ``stop(grace)``); the sessions still here when ``--grace`` is almost over end with UNAVAILABLE,
-which a take-over treats as a lost replica, rather than be cut with the process.
+Draining (SIGTERM, ``lifecycle.run_server``): every answer from then on says ``draining``, so a client that can reopen
+the session on another SERVING replica (the orchestrator's take-over, ``orchestrator/decode/takeover.py``) ends it
+before its next step, with nothing lost; one that cannot finishes here. The sessions still here when ``--grace`` is
+almost over end with UNAVAILABLE, which a take-over treats as a lost replica.
 
-A stream's steps wait on the compute thread through :meth:`SessionServicer._compute` (and
-``_compute_batch``): a session opened with ``progress_ms`` hears a Progress message every
-``progress_ms`` in which the process's compute got work done, so its client can tell a slow server
-(queued behind others, compiling, a long prefill) from a hung one (stopped, a wedged compute thread:
-silence) without guessing how long a step may take.
+A step waits on the compute thread through :meth:`SessionServicer._await`: a session opened with ``progress_ms`` hears a
+Progress message every ``progress_ms`` in which the process's compute got work done, so its client can tell a slow
+server (queued, compiling, a long prefill) from a hung one (silence) without guessing how long a step may take.
+
+**Round calls** (``VerifyRound``, ``DraftRound``: :func:`serve_round`) carry a round's steps for many sessions of one
+caller (``orchestrator/decode/scheduler.py``): one call instead of N messages and wake-ups per backend. Sessions still
+live and die with their ``Session`` stream; an item names a session by the id its ``Opened`` answered, and only the
+caller that opened it may (``SessionRegistry.find``). The items go to the compute thread at once, as one batch; each
+fails alone, as its own ``Error``; meanwhile the caller hears Progress.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from kakeya.core.prefix import PrefixCache
-from kakeya.runtime import bounds
-from kakeya.runtime.admission import (
-    DEFAULT_IDLE_TIMEOUT_S,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_RECLAIM_IDLE_S,
-    SessionRegistry,
-)
+from kakeya.runtime import admission, bounds, lifecycle
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH, ComputeThread
-from kakeya.runtime.lifecycle import ServerSpec, invalid, precondition, session_stream, workers_for
+from kakeya.runtime.lifecycle import RequestError, ServerSpec, bounded, invalid, precondition
 from kakeya.runtime.metrics import ServerMetrics
+from kakeya.runtime.security.auth import peer_of
 from kakeya.runtime.security.guard import add_servicer
 
 log = logging.getLogger("kakeya")
@@ -58,13 +55,13 @@ class SessionLimits:
     """A session server's limits: the ``serve verifier`` / ``serve drafter`` flags (``app/flags.session_limits``).
     0 means "none" for every byte, count and time limit below."""
 
-    max_sessions: int = DEFAULT_MAX_SESSIONS  # live sessions (streams) at once
+    max_sessions: int = admission.DEFAULT_MAX_SESSIONS  # live sessions (streams) at once
     max_kv_bytes: int = 0  # cache bytes all live sessions may hold together
     queue: int = 0  # Opens that may wait for a free session
     queue_timeout_s: float = 0.0  # how long one may wait
-    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # a session whose client sends nothing this long ends
+    idle_timeout_s: float = admission.DEFAULT_IDLE_TIMEOUT_S  # a session whose client sends nothing this long ends
     max_per_peer: int = 0  # live sessions one peer may hold
-    reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S  # when full, a session idle this long is reclaimed for a new one
+    reclaim_idle_s: float = admission.DEFAULT_RECLAIM_IDLE_S  # when full, one idle this long is reclaimed for a new one
     max_context: int = 0  # positions a session may hold (0: the model's max_position_embeddings)
     max_batch: int = DEFAULT_MAX_BATCH  # queued steps of concurrent sessions run as one forward, up to this many
     prefix_cache_bytes: int = 0  # snapshots of finished sessions later prompts resume from
@@ -79,21 +76,26 @@ class SessionServicer:
 
     def __init__(self, limits: SessionLimits = SessionLimits()):
         self.compute = ComputeThread(self.role, limits.max_batch)
-        self.registry = SessionRegistry(
+        self.registry = admission.SessionRegistry(
             limits.max_sessions, limits.max_kv_bytes, limits.queue, limits.queue_timeout_s, limits.idle_timeout_s,
             max_per_peer=limits.max_per_peer, reclaim_idle_s=limits.reclaim_idle_s, close=self._close_session,
         )  # fmt: skip
         self.max_context_flag = limits.max_context  # load() bounds it by the model's own
         self.metrics = ServerMetrics(self.role)
         self.metrics.track_sessions(lambda: self.registry.live, lambda: self.registry.total)
-        self.metrics.track_batches(self.compute)
+        batches = ("compute_batches", "compute_batched_items")
+        c = self.compute
+        self.metrics.track_steps(
+            batches, "batched compute calls (one forward each)", lambda: c.batches, lambda: c.batched_items
+        )
         self.metrics.track_kv_bytes(
             lambda: dict.fromkeys(self.kv_kinds, 0) | self.registry.bytes_by_kind(self.kv_kinds[-1])
         )
         self.metrics.track_kv_usage(lambda: kv_usage(self.registry.reserved_bytes, self.registry.max_kv_bytes))
-        self.round_calls = 0  # round calls served (``rounds.py``) and the session steps they carried
+        self.round_calls = 0  # round calls served (``serve_round``) and the session steps they carried
         self.round_items = 0
-        self.metrics.track_rounds(self)
+        rounds = ("round_calls", "round_items")
+        self.metrics.track_steps(rounds, "round calls served", lambda: self.round_calls, lambda: self.round_items)
         self.prefixes = PrefixCache(limits.prefix_cache_bytes) if limits.prefix_cache_bytes else None
         if self.prefixes is not None:
             self.metrics.track_prefix_cache(self.prefixes)
@@ -111,9 +113,8 @@ class SessionServicer:
             close()
 
     def _inline_if_safe(self, backend: str) -> None:
-        """Let a lone stream's steps run on its handler thread (``ComputeThread.inline``) where arrays may
-        cross threads: torch on a CPU (set by ``load``, after ``device``). MLX keeps arrays on their thread,
-        so it never runs inline; on CUDA it made no difference beyond noise (docs/design.md, "History: removed, and why")."""
+        """Let a lone stream's steps run on its handler thread (``ComputeThread.inline``) where that was measured to
+        pay: torch on a CPU (set by ``load``, after ``device``; see ``compute.py``)."""
         self.compute.inline = backend == "torch" and self.device == "cpu"
 
     def info(self):
@@ -129,10 +130,9 @@ class SessionServicer:
         raise NotImplementedError
 
     def _serve(self, entry, requests):
-        """One Session stream's messages, answered in order: ``open`` first (``_open``), then the role's
-        ``steps`` (``_step_<kind>``), ``close`` last (``_close``), which ends the stream. Each answer carries its
-        server-side time and, once the server drains, ``draining``; Progress messages come from the steps'
-        waits (``_compute``)."""
+        """One Session stream's messages, answered in order: ``open`` first (``_open``), then the role's ``steps``
+        (``_step_<kind>``), ``close`` last (``_close``), which ends the stream. Each answer carries its server-side time
+        and, once the server drains, ``draining``; Progress messages come from the steps' waits (``_compute``)."""
         stream = None
         for req in requests:
             kind = req.WhichOneof("request")
@@ -155,9 +155,8 @@ class SessionServicer:
                 return
 
     def _round_step(self, entry, kind: str, step, every_s: float, runner):
-        """A step that round calls take too (``rounds.RoundSlot``: ``verify``, ``draft``) on the session's stream:
-        one step of the session at a time, checked as a round item, batched with ``kind``'s ``runner``
-        (a generator: ``yield from`` it)."""
+        """A step round calls take too (``verify``, ``draft``) on the session's stream: one step of the session at
+        a time, checked as a round item, batched with ``kind``'s ``runner`` (a generator: ``yield from`` it)."""
         slot = entry.round
         slot.take(kind)
         try:
@@ -192,16 +191,15 @@ class SessionServicer:
         return max(ms / 1000, MIN_PROGRESS_S) if ms else 0.0
 
     def _await(self, future: Future, every_s: float):
-        """A generator that returns ``future``'s result; meanwhile it yields a Progress message every
-        ``every_s`` seconds (0: none) in which the compute thread got work done (``ComputeThread.progress``).
-        A stopped process or a wedged compute thread gets none done: no message, and its client's
+        """A generator that returns ``future``'s result; meanwhile it yields a Progress message every ``every_s``
+        seconds (0: none) in which the compute thread got work done: a wedged one gets none done, and its client's
         deadline for the step (``orchestrator/remote/deadlines.py``) runs out."""
         yield from self._await_all([future], every_s, self._progress)
         return future.result()
 
     def _await_all(self, futures: list[Future], every_s: float, progress):
         """A generator that returns once every one of ``futures`` is done, yielding ``progress(waited_s)``
-        as :meth:`_await` does meanwhile (a round call's steps: ``rounds.py``)."""
+        as :meth:`_await` does meanwhile (a round call's steps: ``serve_round``)."""
         if every_s > 0 and not all(f.done() for f in futures):
             first = last = self.compute.progress()
             while wait(futures, timeout=every_s).not_done:
@@ -238,26 +236,123 @@ class SessionServicer:
         return self.info()
 
     def Session(self, request_iterator, context):
-        yield from session_stream(self.role, self.ready, self.registry, self._serve, request_iterator, context)
+        yield from lifecycle.session_stream(
+            self.role, self.ready, self.registry, self._serve, request_iterator, context
+        )
 
-    def spec(self, service_descriptor, load, *, tls=None, token: str | None = None, **spec) -> ServerSpec:
-        """This servicer's ``ServerSpec``: registered through ``guard.add_servicer`` (``token``: the bearer
-        token callers must present; None: none), ``load`` (no arguments) loads its model, ready once
-        loaded, threads for ``max_sessions`` streams + ``queue`` waiting; ``spec``: more ``ServerSpec`` fields."""
+    def spec(self, service, load, *, tls=None, token: str | None = None, **spec) -> ServerSpec:
+        """This servicer's ``ServerSpec``: registered through ``guard.add_servicer`` (``token``: the bearer token
+        callers must present), ready once ``load`` loaded its model; ``spec``: more ``ServerSpec`` fields."""
 
         def set_ready(flag: bool) -> None:
             self.ready = flag
 
+        workers = lifecycle.workers_for(self.registry.max_sessions, self.registry.queue)
         return ServerSpec(
-            name=self.role,
-            service_names=[service_descriptor.full_name],
-            add_to_server=lambda server: add_servicer(server, self, service_descriptor, token),
-            load=load,
-            set_ready=set_ready,
-            before_drain=self._drain,
-            near_deadline=self._end_sessions,
-            max_workers=workers_for(self.registry.max_sessions, self.registry.queue),
-            tls=tls,
-            metrics=self.metrics,
-            **spec,
+            self.role, [service.full_name], lambda server: add_servicer(server, self, service, token),
+            load, set_ready, before_drain=self._drain, near_deadline=self._end_sessions, max_workers=workers, tls=tls,
+            metrics=self.metrics, **spec,
+        )  # fmt: skip
+
+
+@dataclass
+class RoundSlot:
+    """A session's standing for round calls (``SessionEntry.round``): ``check(step)`` turns one item's step
+    message into a compute item, raising ``RequestError`` naming the step's field as its stream would;
+    ``lock`` is held by whichever of the stream and a round call steps the session now."""
+
+    check: Callable
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self, what: str) -> None:
+        if not self.lock.acquire(blocking=False):
+            raise precondition(f"{what}: a step of this session is already in hand (one step at a time)")
+
+
+@dataclass(frozen=True)
+class RoundWire:
+    """One role's round messages: ``response`` (VerifyRoundResponse / DraftRoundResponse), the field of an
+    item's step (``verify`` / ``draft``) and of its answer (``verified`` / ``drafted``), the Progress message;
+    ``answer_of`` turns the runner's result into the answer message. The runner is the one the role's streams
+    use for the same step (their results: the same type), so a round's items and streams' steps batch
+    together on the compute thread (``ComputeThread``: a group shares one runner)."""
+
+    response: type
+    step: str
+    answer: str
+    progress: type
+    answer_of: Callable = lambda result: result  # the verifier's runner answers protos already
+
+
+def serve_round(servicer, wire: RoundWire, runner: Callable, request, context):
+    """The body of a round RPC on ``servicer`` (a ``SessionServicer``): Progress messages, then one Done (which
+    says ``draining`` once the server drains, as its streams' answers do)."""
+    log = logging.getLogger(f"kakeya.{servicer.role}")
+    if not servicer.ready:
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"{servicer.role} is loading its model")
+    t0 = time.perf_counter()
+    try:
+        every = servicer._progress_every(request, "progress_ms")
+        if not request.items:
+            raise invalid("items: must not be empty")
+        named = [it.session_id for it in request.items]
+        if len(set(named)) != len(named):
+            raise invalid("items.session_id: a session may be named once per round")
+    except RequestError as exc:
+        context.abort(exc.code, exc.message)
+    servicer.round_calls += 1
+    servicer.round_items += len(named)
+    peer = peer_of(context)
+    out: list = [None] * len(named)
+    taken: list[tuple[int, object, RoundSlot]] = []  # (index, entry, slot) of the items sent to compute
+    items = []
+    for i, it in enumerate(request.items):
+        where = f"items[{i}]"
+        try:
+            entry = servicer.registry.find(it.session_id, peer)
+            if entry is None:
+                raise RequestError(grpc.StatusCode.NOT_FOUND, f"{where}.session_id: no open session of this caller")
+            slot = entry.round
+            if slot is None:
+                raise precondition(f"{where}.session_id: the session is not ready for a round step yet")
+            slot.take(f"{where}.{wire.step}")
+            try:
+                items.append(slot.check(getattr(it, wire.step)))
+            except BaseException:
+                slot.lock.release()
+                raise
+            entry.last_active = time.monotonic()  # its client is working: not idle (SessionRegistry)
+            taken.append((i, entry, slot))
+        except RequestError as exc:
+            out[i] = _error(wire, exc.code, exc.message, where)
+    try:
+        futures = servicer.compute.start_many(wire.step, items, runner)
+        progress = servicer._await_all(
+            futures, every, lambda waited: wire.response(progress=wire.progress(waited_s=waited))
         )
+        yield from progress
+    finally:
+        for _, _, slot in taken:
+            slot.lock.release()
+    for (i, entry, _), future in zip(taken, futures):
+        entry.last_active = time.monotonic()
+        exc = future.exception()
+        where = f"items[{i}]"
+        if entry.closed:  # cancelled or closed while its step was in hand: its own error, nobody reads it
+            out[i] = _error(wire, grpc.StatusCode.CANCELLED, f"{where}.session_id: the session ended during the round")
+        elif exc is None:
+            out[i] = wire.response.Item(**{wire.answer: wire.answer_of(future.result())})
+        elif isinstance(exc, RequestError):
+            out[i] = _error(wire, exc.code, exc.message, where)
+        else:
+            log.error("round item %s (session %s) failed", where, entry.id, exc_info=exc)
+            out[i] = _error(wire, grpc.StatusCode.INTERNAL, f"{where}: {type(exc).__name__}: {exc}")
+    done = wire.response.Done(items=out)
+    yield wire.response(done=done, elapsed_s=time.perf_counter() - t0, draining=servicer.draining)
+
+
+def _error(wire: RoundWire, code: grpc.StatusCode, message: str, where: str = ""):
+    """An item's error answer; ``where`` (``items[i]``) prefixes a message that does not name it yet."""
+    if where and not message.startswith(where):
+        message = f"{where}.{message}"
+    return wire.response.Item(error=wire.response.Error(code=code.value[0], message=bounded(message)))

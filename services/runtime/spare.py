@@ -1,16 +1,12 @@
-"""The prefix cache's default budget: what a process can spare of the memory its snapshots live in.
-
-``--prefix-cache-bytes auto`` (the default of every server that keeps one) is a tenth of that memory,
-at most 4 GiB: the device's free memory when the snapshots live on a CUDA device (a torch verifier's
-K/V copies, a torch drafter's context caches: the caller measures it, ``backends/torch``), else the
-host's available memory (an MLX or CPU backend, Apple silicon's unified memory included) bounded by the
-process's container (its cgroup's limit less its usage). Measured once, when the server starts and
-before it loads its model; the cache then evicts least recently used snapshots to stay within it.
+"""The prefix cache's default budget (``--prefix-cache-bytes auto``): a tenth of the memory its snapshots live in,
+at most 4 GiB, measured once when the server starts: the device's free memory when they live on a CUDA device
+(the caller measures it), else the host's available memory bounded by the process's container (its cgroup).
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import suppress
 from pathlib import Path
 
 AUTO_FRACTION = 0.10
@@ -34,18 +30,14 @@ def available_host_bytes() -> int | None:
 
 
 def _system_available() -> int | None:
-    try:
+    with suppress(ImportError):
         import psutil
 
         return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
+    with suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
     for pages in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"):
         try:
             return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")

@@ -12,7 +12,7 @@ coupled rule from the candidates alone, under the rejection rule with the
 drafter's compact proposal beside them in each Verify.
 
 A continuous-batching orchestrator sends a round's blocks for many of its sessions in one
-``VerifyRound`` call (``runtime/rounds.py``); each item is checked and answered as its stream's Verify.
+``VerifyRound`` call (``runtime/servicer.py``); each item is checked and answered as its stream's Verify.
 
 All model work runs on the process's single compute thread
 (``kakeya.runtime.lifecycle.ComputeThread``); this module translates messages and
@@ -40,8 +40,7 @@ from kakeya.runtime.lifecycle import (
     precondition,
     version,
 )
-from kakeya.runtime.rounds import RoundSlot, RoundWire, serve_round
-from kakeya.runtime.servicer import SessionLimits, SessionServicer
+from kakeya.runtime.servicer import RoundSlot, RoundWire, SessionLimits, SessionServicer, serve_round
 from kakeya.verifier.batch import VerifyItem, decide
 from kakeya.verifier.session import LocalVerifierSession, check_proposal
 from kakeya.wire import codec

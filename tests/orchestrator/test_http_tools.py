@@ -1,4 +1,4 @@
-"""Tool calls on the HTTP front (``http_tools.py``, ``tool_calls.py``, ``http_api.Answer``) with the official client.
+"""Tool calls on the HTTP front (``http_params.py``, ``tools/calls.py``, ``http_api.Answer``) with the official client.
 
 Two fronts. The tiny pair, colocated and real: a request with tools and a tool-call history renders through
 the checkpoint's template (its prompt holds the declaration and the call, in Gemma-4's syntax) and its text

@@ -3,7 +3,7 @@
 import pytest
 
 from kakeya.core.contract import Draft, Verdict, accept
-from kakeya.core.quality import find_runaway, quality_report
+from kakeya.core.generation import find_runaway, quality_report
 from kakeya.orchestrator.decode.loop import Decode, DecodeOptions, alone, run
 from kakeya.orchestrator.proposers import NGRAM, Proposal
 

@@ -4,7 +4,7 @@ One bidirectional ``Session`` stream per session: opening starts the stream, ``c
 ``abort`` cancels it; the server frees the session's cache either way. Requests are pipelined where the
 protocol allows (``Open`` travels with ``Prefill``), so a block costs two round trips: draft and verify.
 A scheduler's round sends every session's block to one backend in ONE round call (``VerifyRound``,
-``runtime/rounds.py``), named by the ids ``Opened`` returned; a lone session's block, and any the server
+``runtime/servicer.py``), named by the ids ``Opened`` returned; a lone session's block, and any the server
 does not find (another replica), travel on the session's stream.
 
 Aux hidden states stay opaque: a wire ``Tensor`` is passed on as it came, so a split deployment never

@@ -47,12 +47,8 @@ def write_token(path: str | Path, token: str) -> Path:
 
 
 def bearer_ok(authorization: str, token: str | None) -> bool:
-    """``authorization`` (the header's value) is ``Bearer <token>``; always true without a token.
-
-    The scheme matches in any case (``bearer``, ``BEARER``: RFC 7235 makes auth schemes case-insensitive,
-    and clients send each); the token exactly, in constant time, so a wrong guess tells nothing about the
-    right one.
-    """
+    """``authorization`` (the header's value) is ``Bearer <token>``; always true without a token. The scheme
+    matches in any case (RFC 7235), the token exactly, in constant time (a wrong guess tells nothing of it)."""
     if token is None:
         return True
     scheme, _, credentials = authorization.partition(" ")
@@ -68,9 +64,6 @@ def authorized(context, token: str | None) -> bool:
     return bearer_ok(got, token)
 
 
-# --------------------------------------------------------------------------- exposure
-
-
 def is_loopback(host: str) -> bool:
     """``host`` (as given to ``--host``) is reachable only from this machine."""
     name = host.strip("[]").lower()
@@ -83,12 +76,9 @@ def is_loopback(host: str) -> bool:
 
 
 def check_exposure(service: str, host: str, *, mutual_tls: bool, token: bool, insecure: bool) -> str | None:
-    """Whether an internal service (verifier, drafter) may listen on ``host`` as configured.
-
-    Loopback, or a caller authenticated by mutual TLS or a token: fine (None).
-    Beyond loopback without either: ValueError naming the flags, or with
-    ``insecure`` a warning to log (returned).
-    """
+    """Whether an internal service (verifier, drafter) may listen on ``host`` as configured: loopback, or callers
+    authenticated by mutual TLS or a token: fine (None); else ValueError naming the flags, or with ``insecure`` a
+    warning to log (returned)."""
     if is_loopback(host) or mutual_tls or token:
         return None
     problem = (
@@ -104,24 +94,15 @@ def check_exposure(service: str, host: str, *, mutual_tls: bool, token: bool, in
     )
 
 
-# --------------------------------------------------------------------------- callers
-
-
 def peer_of(context) -> str:
-    """The caller, for per-peer limits: its address without the port (``ipv4:10.0.0.7``).
-
-    Every orchestrator pod, every client host is its own peer; callers behind
-    one proxy or NAT share one. The port changes with each connection, so it
-    is left out.
-    """
+    """The caller, for per-peer limits: its address without the port, which changes with each connection
+    (``ipv4:10.0.0.7``). Every orchestrator pod, every client host is its own peer; callers behind one proxy or
+    NAT share one."""
     peer = context.peer() or "unknown"
     kind, _, rest = peer.partition(":")
     if kind in ("ipv4", "ipv6"):
         return f"{kind}:{rest.rpartition(':')[0]}"
     return peer
-
-
-# --------------------------------------------------------------------------- client side
 
 
 class _Bearer(
@@ -135,20 +116,10 @@ class _Bearer(
     def __init__(self, token: str):
         self.header = ("authorization", f"Bearer {token}")
 
-    def _with(self, d):
-        return _Details(d, list(d.metadata or []) + [self.header])
+    def intercept_unary_unary(self, cont, details, request_or_iterator):
+        return cont(_Details(details, list(details.metadata or []) + [self.header]), request_or_iterator)
 
-    def intercept_unary_unary(self, cont, details, request):
-        return cont(self._with(details), request)
-
-    def intercept_unary_stream(self, cont, details, request):
-        return cont(self._with(details), request)
-
-    def intercept_stream_unary(self, cont, details, request_iterator):
-        return cont(self._with(details), request_iterator)
-
-    def intercept_stream_stream(self, cont, details, request_iterator):
-        return cont(self._with(details), request_iterator)
+    intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = intercept_unary_unary
 
 
 class _Details(grpc.ClientCallDetails):

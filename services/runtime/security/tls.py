@@ -7,8 +7,9 @@ them everything stays plaintext (loopback, a private network, or a mesh that ter
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 
@@ -23,75 +24,62 @@ def _read(path: str | None, flag: str) -> bytes | None:
 
 
 @dataclass(frozen=True)
-class ServerTLS:
-    cert: str | None = None
-    key: str | None = None
-    client_ca: str | None = None
+class _PemFiles:
+    """Three PEM files, each named by its flag in ``FLAGS`` (field order); the first turns TLS on. ``PAIR``: the
+    two that go together; ``NEEDS``: (a file, the file it needs, the message when it is missing)."""
+
+    FLAGS: ClassVar[tuple[str, str, str]]
+    PAIR: ClassVar[tuple[int, int]]
+    NEEDS: ClassVar[tuple[int, int, str]]
 
     @classmethod
-    def from_args(cls, args) -> ServerTLS:
-        tls = cls(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_client_ca", None))
-        if bool(tls.cert) != bool(tls.key):
-            raise ValueError("--tls-cert and --tls-key go together")
-        if tls.client_ca and not tls.cert:
-            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    def from_args(cls, args):
+        tls = cls(*(getattr(args, flag[2:].replace("-", "_"), None) for flag in cls.FLAGS))
+        paths, (i, j), (k, needed, why) = astuple(tls), cls.PAIR, cls.NEEDS
+        if bool(paths[i]) != bool(paths[j]):
+            raise ValueError(f"{cls.FLAGS[i]} and {cls.FLAGS[j]} go together")
+        if paths[k] and not paths[needed]:
+            raise ValueError(why)
         return tls
 
     @property
     def enabled(self) -> bool:
-        return bool(self.cert)
-
-    def credentials(self) -> grpc.ServerCredentials:
-        pair = (_read(self.key, "--tls-key"), _read(self.cert, "--tls-cert"))
-        ca = _read(self.client_ca, "--tls-client-ca")
-        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+        return bool(astuple(self)[0])
 
     def argv(self) -> list[str]:
-        out = []
-        for flag, value in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-client-ca", self.client_ca)):
-            if value:
-                out += [flag, value]
-        return out
+        """The flags that name these files again (``serve all`` passes them to its children)."""
+        return [x for flag, path in zip(self.FLAGS, astuple(self)) if path for x in (flag, path)]
+
+    def _pem(self) -> list[bytes | None]:
+        return [_read(path, flag) for path, flag in zip(astuple(self), self.FLAGS)]
 
 
 @dataclass(frozen=True)
-class ClientTLS:
+class ServerTLS(_PemFiles):
+    cert: str | None = None
+    key: str | None = None
+    client_ca: str | None = None  # mutual TLS: clients must present a certificate from this CA
+    FLAGS: ClassVar = ("--tls-cert", "--tls-key", "--tls-client-ca")
+    PAIR: ClassVar = (0, 1)
+    NEEDS: ClassVar = (2, 0, "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+
+    def credentials(self) -> grpc.ServerCredentials:
+        cert, key, ca = self._pem()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+@dataclass(frozen=True)
+class ClientTLS(_PemFiles):
     ca: str | None = None
-    client_cert: str | None = None
+    client_cert: str | None = None  # mutual TLS: this process's certificate and key
     client_key: str | None = None
-
-    @classmethod
-    def from_args(cls, args) -> ClientTLS:
-        tls = cls(
-            getattr(args, "tls_ca", None), getattr(args, "tls_client_cert", None), getattr(args, "tls_client_key", None)
-        )
-        if bool(tls.client_cert) != bool(tls.client_key):
-            raise ValueError("--tls-client-cert and --tls-client-key go together")
-        if tls.client_cert and not tls.ca:
-            raise ValueError("--tls-client-cert needs --tls-ca (the servers' CA)")
-        return tls
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.ca)
+    FLAGS: ClassVar = ("--tls-ca", "--tls-client-cert", "--tls-client-key")
+    PAIR: ClassVar = (1, 2)
+    NEEDS: ClassVar = (1, 0, "--tls-client-cert needs --tls-ca (the servers' CA)")
 
     def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca, "--tls-ca"),
-            private_key=_read(self.client_key, "--tls-client-key"),
-            certificate_chain=_read(self.client_cert, "--tls-client-cert"),
-        )
-
-    def argv(self) -> list[str]:
-        out = []
-        for flag, value in (
-            ("--tls-ca", self.ca),
-            ("--tls-client-cert", self.client_cert),
-            ("--tls-client-key", self.client_key),
-        ):
-            if value:
-                out += [flag, value]
-        return out
+        ca, cert, key = self._pem()
+        return grpc.ssl_channel_credentials(ca, key, cert)
 
 
 def channel(addr: str, tls: ClientTLS | None, options) -> grpc.Channel:
