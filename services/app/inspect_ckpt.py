@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kakeya.checkpoints.summary import CheckpointError, check_pair, describe_target, draft_checked, kv_config
+from kakeya.checkpoints.summary import CheckpointError, check_pair, describe_target, draft_checked
 from kakeya.core.contract import SLIDING
 from kakeya.core.request import CachePolicy
 
@@ -98,7 +98,7 @@ def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, ses
     the numbers a session reports as ``KVBytes`` -- and the drafter's context K/V rows."""
     from kakeya.verifier.memory import DTYPE_BYTES, KVShape, session_bytes
 
-    shape = KVShape.from_config(kv_config(target_cfg))
+    shape = KVShape.from_config(target_cfg)  # the loaders' reading: full layers' shapes in the hub's spelling
     kv = session_bytes(shape, CachePolicy(), context)
     out = {
         "context": context, "sessions": sessions, "cache_policy": "native", "target_weights_bytes": target["bytes"],
@@ -127,8 +127,7 @@ def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, ses
 
 def _embed_head_bytes(target: dict, path: str) -> int:
     """Bytes of the target's embedding table and LM head on disk (what a drafter loads of the target)."""
-    from kakeya.checkpoints.layout import find_text_tensors, shard_files
-    from kakeya.checkpoints.summary import safetensors_header
+    from kakeya.checkpoints.layout import find_text_tensors, safetensors_header, shard_files
 
     headers = {}
     for f in shard_files(path):

@@ -1,20 +1,12 @@
 """Checkpoint-directory reading: one normalised reading of every published spelling, one clear error per problem.
 
 Both backends and every other reader (``kakeya inspect``, the servers, the KV memory model) read a config
-through the two functions here, so a spelling is understood -- or refused -- once, the same way everywhere:
-
-* :func:`target_config` (``load_target_config``): a Gemma-4 target's text model as transformers reads it
-  back (``per_layer_config`` as the hub's ``global_head_dim`` / ``num_global_key_value_heads``; ``vocab_size``
-  from ``text_config`` or the top level; every field the model reads made explicit with transformers'
-  ``Gemma4TextConfig`` default, since mlx-lm's differ; end ids from ``generation_config.json``; the chat
-  template from ``chat_template.jinja`` or ``tokenizer_config.json``). :func:`mlx_model_config` is the same
-  reading in mlx-lm's shape.
-* :func:`draft_config` (``load_draft_config``): a DFlash drafter as the ``dflash`` package reads it
-  (``dflash_config`` or top-level fields, RoPE and sliding layers with transformers' precedence).
-
-``check_pair`` checks that a drafter fits a target. Failures raise :class:`CheckpointError` (a
-``ValueError``) naming the file, the field and what was expected; the loaded dicts carry their directory
-under ``"_path"`` so errors can name it.
+through :func:`target_config` (a Gemma-4 target's text model as transformers reads it back; every field the
+model reads made explicit with transformers' default, since mlx-lm's differ; :func:`mlx_model_config` is
+the same reading in mlx-lm's shape) and :func:`draft_config` (a DFlash drafter as the ``dflash`` package
+reads it), so a spelling is understood -- or refused -- once, the same way everywhere. ``check_pair``
+checks that a drafter fits a target. Failures raise :class:`CheckpointError` (a ``ValueError``) naming the
+file, the field and what was expected; loaded dicts carry their directory under ``"_path"``.
 """
 
 from __future__ import annotations
@@ -76,18 +68,6 @@ def _read_json(f: Path, what: str) -> dict[str, Any]:
     return cfg
 
 
-def _read_config(path: str | Path, what: str) -> tuple[Path, dict[str, Any]]:
-    d = Path(path).expanduser()
-    if not d.exists():
-        raise CheckpointError(f"{what} checkpoint {d}: directory does not exist")
-    if not d.is_dir():
-        raise CheckpointError(f"{what} checkpoint {d}: not a directory")
-    f = d / "config.json"
-    if not f.is_file():
-        raise CheckpointError(f"{what} checkpoint {d}: no config.json")
-    return d, _read_json(f, what)
-
-
 def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -109,8 +89,14 @@ def load_target_config(path: str | Path) -> dict[str, Any]:
 
 def _load(path: str | Path, what: str, reading) -> dict[str, Any]:
     """``reading`` of the config at ``path`` (``what``: "target" / "draft", for errors), its directory kept."""
-    d, raw = _read_config(path, what)
-    cfg = reading(raw, d)
+    d = Path(path).expanduser()
+    if not d.exists():
+        raise CheckpointError(f"{what} checkpoint {d}: directory does not exist")
+    if not d.is_dir():
+        raise CheckpointError(f"{what} checkpoint {d}: not a directory")
+    if not (d / "config.json").is_file():
+        raise CheckpointError(f"{what} checkpoint {d}: no config.json")
+    cfg = reading(_read_json(d / "config.json", what), d)
     cfg[PATH_KEY] = str(d)
     return cfg
 
@@ -229,10 +215,9 @@ def mlx_model_config(raw: dict[str, Any], text: dict[str, Any]) -> dict[str, Any
 
 
 def _eos_token_ids(d: Path, top: dict[str, Any], text: dict[str, Any]) -> list[int]:
-    """The ids that end a generation, read as transformers' ``generate`` and ``mlx_lm.load`` read them:
-    ``generation_config.json``'s ``eos_token_id`` when it names one -- an instruction-tuned Gemma lists its
-    end-of-turn token there beside ``<eos>``, and a chat that ignored it would run on past its answer --
-    else config.json's (a multimodal checkpoint's top level, where its ``text_config`` has none)."""
+    """The ids that end a generation, as transformers and ``mlx_lm.load`` read them: ``generation_config.json``'s
+    ``eos_token_id`` when it names one (an instruction-tuned Gemma lists its end-of-turn token there), else
+    config.json's (a multimodal checkpoint's top level, where its ``text_config`` has none)."""
     gen_file = d / "generation_config.json"
     eos: Any = None
     if gen_file.is_file():
@@ -347,9 +332,8 @@ def _draft_rope(cfg: dict[str, Any]) -> None:
 def _draft_layers(cfg: dict[str, Any], where: str) -> None:
     """Sliding drafter layers. Without ``layer_types``, ``Qwen3Config``'s rule: with ``use_sliding_window``,
     the layers from ``max_window_layers`` on slide. With ``layer_types`` naming sliding layers, their
-    ``sliding_window`` holds -- as the dflash package's MLX model reads it; its torch model, through
-    ``Qwen3Config``, drops the window unless ``use_sliding_window`` is true. A drafter is read one way on both
-    backends, and an explicit window on layers named sliding is what its writer meant."""
+    ``sliding_window`` holds, as the dflash package's MLX model reads it (its torch model drops the window
+    unless ``use_sliding_window``): one reading on both backends, what the writer meant."""
     n = cfg["num_hidden_layers"]
     cfg["num_key_value_heads"] = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
     if cfg.get("head_dim") is None:

@@ -1,15 +1,10 @@
 """Where a Hugging Face checkpoint directory keeps its tensors (framework-free: no torch, no MLX).
 
-* :func:`shard_files` / :func:`tensor_files`: the safetensors files of a
-  checkpoint and which file holds each tensor. A sharded checkpoint says so in
-  ``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file);
-  otherwise every ``*.safetensors`` in the directory is a shard and its header
-  lists its tensors.
-* :func:`find_text_tensors`: where a Gemma-style target keeps its text model --
-  the name prefix (``model.`` for a text-only checkpoint, ``model.language_model.``
-  for a multimodal one ...), the embedding table and the LM head (absent when the
-  head is tied to the embedding). The torch target reads its whole text model
-  under that prefix; both drafters borrow just the embedding and the head.
+* :func:`shard_files` / :func:`tensor_files`: the safetensors files and which holds each tensor (a sharded
+  checkpoint's ``model.safetensors.index.json`` ``weight_map``, else every ``*.safetensors``' header).
+* :func:`find_text_tensors`: where a Gemma-style target keeps its text model -- the name prefix
+  (``model.``, ``model.language_model.`` ...), the embedding and the LM head (None when tied). The torch
+  target reads its text model under that prefix; both drafters borrow the embedding and the head.
 """
 
 from __future__ import annotations
@@ -19,6 +14,8 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from kakeya.checkpoints.config import CheckpointError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -61,18 +58,27 @@ def tensor_files(ckpt_dir: str | Path) -> dict[str, Path]:
     return {name: f for f in shard_files(ckpt_dir) for name in safetensors_names(f)}
 
 
+def safetensors_header(path: str | Path) -> dict:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets), without its data."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) != 8:
+                raise ValueError("no header")
+            (n,) = struct.unpack("<Q", raw)
+            if n > Path(path).stat().st_size:
+                raise ValueError(f"header length {n} is past the end of the file")
+            header = json.loads(fh.read(n))
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a readable safetensors file (header is not an object)")
+    return {k: v for k, v in header.items() if k != "__metadata__"}
+
+
 def safetensors_names(path: str | Path) -> list[str]:
     """The tensor names in one safetensors file, read from its header alone."""
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path} is not a safetensors file (no header)")
-        (n,) = struct.unpack("<Q", raw)
-        try:
-            header = json.loads(fh.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path} is not a safetensors file ({e})") from None
-    return [k for k in header if k != "__metadata__"]
+    return list(safetensors_header(path))
 
 
 def _weight_map(index: Path) -> dict[str, str]:

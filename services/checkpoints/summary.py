@@ -1,63 +1,40 @@
 """What a checkpoint directory holds, whether a drafter fits a target, and what the pair needs in memory,
-from ``config.json`` and the safetensors headers alone: no tensor is read, no backend imported
-(``kakeya inspect``, ``app/inspect_ckpt.py``).
-
-The configs go through the readers every loader uses (``config.py``'s ``load_target_config`` /
-``load_draft_config`` / ``check_pair``, ``drafter/config.py``'s ``DFlashConfig``), so ``inspect`` refuses
-what a load would refuse, with the same message. The K/V figures are ``verifier/memory.py``'s model (the
-numbers a live session reports as ``KVBytes``).
+from ``config.json`` and the safetensors headers alone (``kakeya inspect``): no tensor is read, no backend
+imported. The configs go through the loaders' own readers (``config.py``), so ``inspect`` refuses what a
+load would refuse, with the same message.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from kakeya.checkpoints import layout
 from kakeya.checkpoints.config import PATH_KEY, CheckpointError, check_pair, load_draft_config, load_target_config
-from kakeya.checkpoints.layout import SAFETENSORS_INDEX, find_text_tensors, is_quantized, shard_files
 from kakeya.core.contract import FULL, SLIDING
 
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "U64": 8, "I32": 4, "U32": 4}
-
-
-def safetensors_header(path: Path) -> dict[str, Any]:
-    """A safetensors file's header (name -> dtype, shape, data_offsets), without its data."""
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(8)
-            if len(raw) != 8:
-                raise ValueError("no header")
-            (n,) = struct.unpack("<Q", raw)
-            if n > path.stat().st_size:
-                raise ValueError(f"header length {n} is past the end of the file")
-            header = json.loads(fh.read(n))
-    except (ValueError, UnicodeDecodeError, OSError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: not a readable safetensors file (header is not an object)")
-    return {k: v for k, v in header.items() if k != "__metadata__"}
 
 
 def tensors(ckpt: str | Path) -> dict[str, Any]:
     """``{"files", "sharded", "tensors", "bytes", "tensor_dtypes", "names"}`` of a checkpoint's safetensors."""
     d = Path(ckpt)
     try:
-        files = shard_files(d)
+        files = layout.shard_files(d)
     except (FileNotFoundError, ValueError) as exc:
         raise CheckpointError(str(exc)) from None
     names, dtypes, nbytes = [], Counter(), 0
     for f in files:
-        for name, meta in safetensors_header(f).items():
+        for name, meta in layout.safetensors_header(f).items():
             names.append(name)
             dtypes[meta.get("dtype", "?")] += 1
             start, end = meta.get("data_offsets", (0, 0))
             nbytes += int(end) - int(start)
     return {
         "files": len(files),
-        "sharded": (d / SAFETENSORS_INDEX).is_file(),
+        "sharded": (d / layout.SAFETENSORS_INDEX).is_file(),
         "tensors": len(names),
         "bytes": nbytes,
         "tensor_dtypes": dict(sorted(dtypes.items())),
@@ -81,30 +58,6 @@ def layer_pattern(types: list[str]) -> str:
     return text
 
 
-def kv_config(cfg: dict) -> dict:
-    """The target config with its full layers' shapes in the hub's spelling (``global_head_dim``,
-    ``num_global_key_value_heads``), which ``KVShape.from_config`` reads, taken from transformers >= 5.2's
-    ``per_layer_config`` where only that spelling is there (a no-op once the loaders normalise it)."""
-    out = dict(cfg)
-    per_layer = cfg.get("per_layer_config") or {}
-    for i, t in enumerate(cfg.get("layer_types") or []):
-        entry = per_layer.get(str(i)) if isinstance(per_layer, dict) else None
-        if t == FULL and isinstance(entry, dict):
-            for ours, theirs in (
-                ("global_head_dim", "head_dim"),
-                ("num_global_key_value_heads", "num_key_value_heads"),
-            ):
-                if out.get(ours) is None and entry.get(theirs) is not None:
-                    out[ours] = entry[theirs]
-            break
-    return out
-
-
-def _config_json(d: Path) -> dict:
-    """The directory's config.json as written (``load_*_config`` has already checked it reads)."""
-    return json.loads((d / "config.json").read_text(encoding="utf-8"))
-
-
 def quantization(top: dict, text: dict, names: list[str]) -> dict | None:
     """``mlx_lm.convert``'s ``quantization`` ({bits, group_size}) or a ``quantization_config``; quantized
     tensors (``.scales``) with neither are reported too: a loader must not take them for plain weights."""
@@ -112,17 +65,17 @@ def quantization(top: dict, text: dict, names: list[str]) -> dict | None:
     if isinstance(q, dict):
         keys = ("bits", "group_size", "mode", "quant_method")
         return {k: q[k] for k in keys if k in q and not isinstance(q[k], dict)}
-    return {"bits": None, "group_size": None} if is_quantized(names) else None
+    return {"bits": None, "group_size": None} if layout.is_quantized(names) else None
 
 
 def describe_target(path: str | Path) -> tuple[dict, dict]:
     """(what a target directory holds, its text config as the loaders read it)."""
     cfg = load_target_config(path)
     d = Path(cfg[PATH_KEY])
-    top = _config_json(d)
+    top = json.loads((d / "config.json").read_text(encoding="utf-8"))  # as written (the loader has read it)
     t = tensors(d)
     try:
-        text = find_text_tensors(t["names"], d)
+        text = layout.find_text_tensors(t["names"], d)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     types = list(cfg.get("layer_types") or [])
@@ -157,4 +110,4 @@ def draft_checked(path: str | Path) -> tuple[dict, dict]:
     return cfg, tensors(cfg[PATH_KEY])
 
 
-__all__ = ["CheckpointError", "check_pair", "describe_target", "draft_checked", "kv_config", "layer_pattern"]
+__all__ = ["CheckpointError", "check_pair", "describe_target", "draft_checked", "layer_pattern"]

@@ -11,7 +11,6 @@ not quality. ``default_pair()`` is the copy shipped in ``services/models/tiny``.
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import zlib
 from collections.abc import Callable
@@ -28,9 +27,8 @@ Progress = Callable[[str], None]
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny"
 
-# Architecture of the tiny target. Every field is written explicitly so that
-# mlx-lm's ModelArgs and transformers' Gemma4TextConfig read the same values
-# (their defaults differ, e.g. use_double_wide_mlp, sliding_window_pattern).
+# Architecture of the tiny target. Every field is written explicitly: mlx-lm's ModelArgs and transformers'
+# Gemma4TextConfig defaults differ (e.g. use_double_wide_mlp, sliding_window_pattern).
 HIDDEN = 64
 NUM_LAYERS = 6
 LAYER_TYPES = [SLIDING, SLIDING, FULL] * 2
@@ -53,12 +51,9 @@ DRAFT_INTERMEDIATE = 64
 BLOCK_SIZE = 8
 TARGET_LAYER_IDS = [1, 4]
 
-# Scale of the LM-head logits before soft-capping (std of the pre-cap logits).
-LOGIT_STD = 4.0
-# Factor on the special tokens' LM-head rows (keeps greedy runs from stopping early).
-SPECIAL_LOGIT_DAMP = 0.25
-# Spread of RMSNorm weights around 1 (non-trivial so a swapped norm is caught).
-NORM_JITTER = 0.1
+LOGIT_STD = 4.0  # std of the LM-head logits before soft-capping
+SPECIAL_LOGIT_DAMP = 0.25  # on the special tokens' LM-head rows: greedy runs rarely stop early
+NORM_JITTER = 0.1  # spread of RMSNorm weights around 1: a swapped norm is caught
 
 
 @dataclass(frozen=True)
@@ -67,8 +62,7 @@ class TinyPair:
     draft: Path
 
 
-# ---------------------------------------------------------------------------
-# configs
+# --------------------------------------------------------------------------- configs
 
 
 def target_config(
@@ -99,11 +93,7 @@ def target_config(
         "hidden_activation": "gelu_pytorch_tanh",
         "rms_norm_eps": RMS_EPS,
         "rope_parameters": {
-            FULL: {
-                "partial_rotary_factor": 0.25,
-                "rope_theta": 1000000.0,
-                "rope_type": "proportional",
-            },
+            FULL: {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
             SLIDING: {"rope_theta": 10000.0, "rope_type": "default"},
         },
         "global_partial_rotary_factor": 0.25,
@@ -164,8 +154,7 @@ def draft_config(vocab_size: int = tk.DEFAULT_VOCAB_SIZE) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------------------
-# weights
+# --------------------------------------------------------------------------- weights
 
 
 class _Init:
@@ -222,13 +211,8 @@ def target_weights(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
         n_kv = cfg["num_global_key_value_heads"] if k_eq_v else cfg["num_key_value_heads"]
         n_q = cfg["num_attention_heads"]
         w.attention_and_mlp(p, h, n_q, n_kv, hd, inter, v_proj=not k_eq_v)
-        for n in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-        ):
-            w.norm(p + n + ".weight", h)
+        for n in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            w.norm(p + n + "_layernorm.weight", h)
         if cfg["enable_moe_block"]:
             e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
             w.linear(p + "router.proj.weight", e, h)
@@ -237,17 +221,12 @@ def target_weights(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
             # gate rows first, then up rows (HF chunks the output in two; mlx-lm splits axis -2)
             w.normal(p + "experts.gate_up_proj", (e, 2 * mi, h), 1.0 / np.sqrt(h))
             w.normal(p + "experts.down_proj", (e, h, mi), 1.0 / np.sqrt(mi))
-            for n in (
-                "post_feedforward_layernorm_1",
-                "post_feedforward_layernorm_2",
-                "pre_feedforward_layernorm_2",
-            ):
+            for n in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"):
                 w.norm(p + n + ".weight", h)
         w.const(p + "layer_scalar", (1,), 1.0)
     w.norm("model.norm.weight", h)
     if not cfg["tie_word_embeddings"]:
         w.linear("lm_head.weight", v, h, gain=LOGIT_STD)
-        # Damp the special tokens' rows so random greedy text rarely hits <eos>/<mask>.
         w.tensors["lm_head.weight"][: len(tk.SPECIAL_TOKENS)] *= SPECIAL_LOGIT_DAMP
     return w.tensors
 
@@ -270,22 +249,20 @@ def draft_weights(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     return w.tensors
 
 
-# ---------------------------------------------------------------------------
-# writing
+# --------------------------------------------------------------------------- writing
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+def write_target_config(target: Path, cfg: dict[str, Any]) -> None:
+    """A target's config.json and its generation_config.json (greedy, the project tokenizer's ids)."""
+    tk.write_json(target / "config.json", cfg)
+    generation = {"bos_token_id": tk.BOS_ID, "do_sample": False, "eos_token_id": tk.EOS_ID, "pad_token_id": tk.PAD_ID}
+    tk.write_json(target / "generation_config.json", generation)
 
 
-def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     from safetensors.numpy import save_file
 
     save_file({k: tensors[k] for k in sorted(tensors)}, str(path), metadata={"format": "pt"})
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 _CARD = """\
@@ -296,14 +273,14 @@ Generated by `kakeya make-tiny` (`kakeya.checkpoints.tiny.make_tiny`) with
 (speculative output == target greedy output, cache bookkeeping, wire format,
 loading through mlx-lm, transformers and the DFlash reference), never quality.
 
-- `target/`: `gemma4_text` / `Gemma4ForCausalLM`, float32, hidden {hidden},
-  {layers} layers `{pattern}`, sliding window {window}, head_dim {hd} (full layers
-  {ghd}, k_eq_v, {gkv} KV head), proportional partial RoPE on full layers,
-  soft-cap {cap}, untied LM head{moe}. Byte-level BPE tokenizer
+- `target/`: `gemma4_text` / `Gemma4ForCausalLM`, float32, hidden {HIDDEN},
+  {NUM_LAYERS} layers `S S F S S F`, sliding window {window}, head_dim {HEAD_DIM} (full layers
+  {GLOBAL_HEAD_DIM}, k_eq_v, {NUM_GLOBAL_KV_HEADS} KV head), proportional partial RoPE on full layers,
+  soft-cap {SOFTCAP}, untied LM head{moe}. Byte-level BPE tokenizer
   (vocab {vocab}, Gemma special ids: pad 0, eos 1, bos 2, unk 3, mask 4)
   trained on the Python standard library's sources.
-- `draft/`: DFlash drafter, {dlayers} layers, block {block},
-  target_layer_ids {tids}, mask_token_id {mask}.
+- `draft/`: DFlash drafter, {DRAFT_LAYERS} layers, block {BLOCK_SIZE},
+  target_layer_ids {TARGET_LAYER_IDS}, mask_token_id {MASK_ID}.
 
 Same seed gives byte-identical weights and configs; `manifest.json` records
 file hashes and the tokenizer corpus fingerprint (the tokenizer depends on the
@@ -336,60 +313,39 @@ def make_tiny(
         tk.write_tokenizer(tk.train_tokenizer(vocab_size, progress=progress), target)
 
     tcfg = target_config(sliding_window=sliding_window, moe=moe, vocab_size=vocab_size)
-    _write_json(target / "config.json", tcfg)
-    _write_json(
-        target / "generation_config.json",
-        {
-            "bos_token_id": tk.BOS_ID,
-            "do_sample": False,
-            "eos_token_id": tk.EOS_ID,
-            "pad_token_id": tk.PAD_ID,
-        },
-    )
+    write_target_config(target, tcfg)
     if progress is not None:
         progress(f"writing target weights to {target}")
-    _write_safetensors(target / "model.safetensors", target_weights(tcfg, seed))
+    write_safetensors(target / "model.safetensors", target_weights(tcfg, seed))
 
     dcfg = draft_config(vocab_size=vocab_size)
-    _write_json(draft / "config.json", dcfg)
+    tk.write_json(draft / "config.json", dcfg)
     if progress is not None:
         progress(f"writing draft weights to {draft}")
-    _write_safetensors(draft / "model.safetensors", draft_weights(dcfg, seed))
+    write_safetensors(draft / "model.safetensors", draft_weights(dcfg, seed))
 
     args = {"seed": seed, "sliding_window": sliding_window, "moe": moe, "vocab_size": vocab_size}
     (out / "README.md").write_text(
         _CARD.format(
             args=", ".join(f"`{k}={v}`" for k, v in args.items()),
-            hidden=HIDDEN,
-            layers=NUM_LAYERS,
-            pattern="S S F S S F",
             window=sliding_window,
-            hd=HEAD_DIM,
-            ghd=GLOBAL_HEAD_DIM,
-            gkv=NUM_GLOBAL_KV_HEADS,
-            cap=SOFTCAP,
-            moe=f", MoE block ({NUM_EXPERTS} experts, top {TOP_K_EXPERTS})" if moe else "",
             vocab=vocab_size,
-            dlayers=DRAFT_LAYERS,
-            block=BLOCK_SIZE,
-            tids=TARGET_LAYER_IDS,
-            mask=tk.MASK_ID,
+            moe=f", MoE block ({NUM_EXPERTS} experts, top {TOP_K_EXPERTS})" if moe else "",
+            MASK_ID=tk.MASK_ID,
+            **{k: v for k, v in globals().items() if k.isupper()},  # the architecture's constants, by name
         ),
         encoding="utf-8",
     )
     files = sorted(p.relative_to(out).as_posix() for d in (target, draft) for p in d.iterdir() if p.is_file())
-    _write_json(
+    tk.write_json(
         out / "manifest.json",
         {
             "generator": "kakeya.checkpoints.tiny.make_tiny",
             "args": args,
-            "tokenizer_corpus": {
-                "python": ".".join(map(str, sys.version_info[:3])),
-                "sha256": tk.corpus_fingerprint(),
-            }
+            "tokenizer_corpus": {"python": ".".join(map(str, sys.version_info[:3])), "sha256": tk.corpus_fingerprint()}
             if with_tokenizer
             else None,
-            "files": {f: _sha256(out / f) for f in files},
+            "files": {f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in files},
         },
     )
     return TinyPair(target=target, draft=draft)

@@ -3,7 +3,7 @@
 Trained offline on a deterministic, sorted subset of the interpreter's stdlib ``*.py`` with Gemma's
 special-token ids (``<pad>=0 <eos>=1 <bos>=2 <unk>=3 <mask>=4``, ``<mask>`` DFlash's). The directory opens
 with transformers and ``mlx_lm.load``; ``decode(encode(text))`` round-trips any text. It ships a minimal
-Gemma-style chat template (:data:`CHAT_TEMPLATE`); the turn markers are plain text to it until
+Gemma-style chat template (``chat_template.py``); the turn markers are plain text to it until
 ``turn_tokens.py`` adds them as special tokens.
 """
 
@@ -12,9 +12,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import sys
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -33,50 +32,43 @@ MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 Progress = Callable[[str], None]
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # what transformers (and orchestrator/text.py) read beside the tokenizer
-CHAT_TEMPLATE = chat_template.CHAT_TEMPLATE  # Gemma's turn format, tools as Gemma-4 writes them
+SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
-def _stdlib_dir() -> Path:
+def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
-    """Sorted ``*.py`` files of the standard library, first ``max_bytes`` bytes' worth.
-
-    Third-party directories (site-/dist-packages) and tests are excluded so the
-    subset depends only on the interpreter's version.
-    """
-    root = _stdlib_dir()
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-    files = sorted(
-        (p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)),
+def stdlib_sources() -> list[Path]:
+    """The standard library's ``*.py`` files, sorted by relative path: third-party directories
+    (site-/dist-packages) and tests left out, so the list depends only on the interpreter's version."""
+    root = stdlib_root()
+    return sorted(
+        (p for p in root.rglob("*.py") if not SKIP_DIRS.intersection(p.relative_to(root).parts)),
         key=lambda p: p.relative_to(root).as_posix(),
     )
+
+
+def corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
+    """The first ``max_bytes`` bytes' worth of :func:`stdlib_sources`: the tokenizer's corpus."""
     chosen: list[Path] = []
     total = 0
-    for path in files:
+    for path in stdlib_sources():
         if total >= max_bytes:
             break
         chosen.append(path)
         total += path.stat().st_size
     if not chosen:
-        raise RuntimeError(f"no standard-library sources found under {root}")
+        raise RuntimeError(f"no standard-library sources found under {stdlib_root()}")
     return chosen
-
-
-def _corpus_texts(files: list[Path]) -> Iterator[str]:
-    for path in files:
-        yield path.read_bytes().decode("utf-8", errors="replace")
 
 
 def corpus_fingerprint(max_bytes: int = DEFAULT_CORPUS_BYTES) -> str:
     """sha256 of the training corpus (file names and contents)."""
-    root = _stdlib_dir()
+    root = stdlib_root()
     digest = hashlib.sha256()
     for path in corpus_files(max_bytes):
-        digest.update(path.relative_to(root).as_posix().encode())
-        digest.update(b"\0")
-        digest.update(path.read_bytes())
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
@@ -93,24 +85,21 @@ def _train_json(vocab_size: int, max_bytes: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus_texts(files), trainer=trainer, length=len(files))
+    texts = (path.read_bytes().decode("utf-8", errors="replace") for path in files)
+    tok.train_from_iterator(texts, trainer=trainer, length=len(files))
     for token, want in zip(SPECIAL_TOKENS, range(len(SPECIAL_TOKENS))):
         got = tok.token_to_id(token)
         if got != want:  # pragma: no cover - guarded by the trainer's contract
             raise RuntimeError(f"special token {token} got id {got}, expected {want}")
     # Gemma prepends <bos>; no <eos> is appended on encode.
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A",
-        pair=f"{BOS} $A $B",
-        special_tokens=[(BOS, BOS_ID)],
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)]
     )
     return tok.to_str(pretty=True)
 
 
 def train_tokenizer(
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    max_bytes: int = DEFAULT_CORPUS_BYTES,
-    progress: Progress | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE, max_bytes: int = DEFAULT_CORPUS_BYTES, progress: Progress | None = None
 ) -> Tokenizer:
     """Train (or fetch from the in-process cache) the byte-level BPE tokenizer."""
     if vocab_size < MIN_VOCAB_SIZE:
@@ -130,17 +119,11 @@ def train_tokenizer(
 
 def added_token(content: str) -> dict:
     """A special token's entry in ``tokenizer_config.json``'s ``added_tokens_decoder``, as transformers writes it."""
-    return {
-        "content": content,
-        "lstrip": False,
-        "normalized": False,
-        "rstrip": False,
-        "single_word": False,
-        "special": True,
-    }
+    return dict(content=content, lstrip=False, normalized=False, rstrip=False, single_word=False, special=True)
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def write_json(path: Path, obj) -> None:
+    """A config file as Hugging Face tools write them: indented, keys sorted."""
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -149,9 +132,9 @@ def write_tokenizer(tok: Tokenizer, out_dir: str | Path) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
-    (out / CHAT_TEMPLATE_FILE).write_text(CHAT_TEMPLATE + "\n", encoding="utf-8")
+    (out / CHAT_TEMPLATE_FILE).write_text(chat_template.CHAT_TEMPLATE + "\n", encoding="utf-8")
     added = {str(i): added_token(t) for i, t in enumerate(SPECIAL_TOKENS)}
-    _write_json(
+    write_json(
         out / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -168,11 +151,7 @@ def write_tokenizer(tok: Tokenizer, out_dir: str | Path) -> None:
             "padding_side": "left",
         },
     )
-    _write_json(
+    write_json(
         out / "special_tokens_map.json",
         {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK, "mask_token": MASK},
     )
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)

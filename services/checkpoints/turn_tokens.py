@@ -3,11 +3,10 @@
     python -m kakeya.checkpoints.turn_tokens services/models/demo/target services/models/demo/draft
 
 Appends ``<start_of_turn>`` / ``<end_of_turn>`` after the BPE vocabulary (ids ``V``, ``V + 1``) as special
-tokens split out before BPE runs, and grows the target to match: embedding rows the mean of the pieces
-that spelled each marker, LM-head rows zero (logit exactly 0, so greedy output on text without the
-markers is unchanged bit for bit), ``vocab_size`` in the target's and each drafter's ``config.json``,
-``<end_of_turn>`` beside ``<eos>`` in ``generation_config.json``. Why: ``docs/demo-pair.md``, "Chat turn
-markers". Running it again on a checkpoint that has the markers does nothing.
+tokens and grows the target to match: embedding rows the mean of the pieces that spelled each marker,
+LM-head rows zero (greedy output on text without them unchanged bit for bit), ``vocab_size`` in every
+``config.json``, ``<end_of_turn>`` beside ``<eos>`` in ``generation_config.json``. Why: ``docs/demo-pair.md``,
+"Chat turn markers". Running it again does nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 
 from kakeya.checkpoints.config import load_target_config
-from kakeya.checkpoints.tokenizer import added_token
+from kakeya.checkpoints.tokenizer import added_token, write_json
 
 TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -29,10 +28,6 @@ EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 def _read(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
-
-
-def _write(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def turn_token_ids(target_dir: str | Path) -> dict[str, int] | None:
@@ -66,7 +61,7 @@ def _stop_at_end_of_turn(target: Path, end_id: int) -> None:
         gen_file = target / "generation_config.json"
         gen = _read(gen_file) if gen_file.is_file() else {}
         gen["eos_token_id"] = eos + [end_id]
-        _write(gen_file, gen)
+        write_json(gen_file, gen)
 
 
 def _grow(target: Path, draft_dirs: tuple[Path, ...]) -> None:
@@ -101,20 +96,20 @@ def _grow(target: Path, draft_dirs: tuple[Path, ...]) -> None:
     for t in TURN_TOKENS:
         tcfg.setdefault("added_tokens_decoder", {})[str(ids[t])] = added_token(t)
     tcfg["additional_special_tokens"] = list(TURN_TOKENS)
-    _write(target / "tokenizer_config.json", tcfg)
+    write_json(target / "tokenizer_config.json", tcfg)
     smap_file = target / "special_tokens_map.json"
     smap = _read(smap_file) if smap_file.is_file() else {}
     smap["additional_special_tokens"] = list(TURN_TOKENS)
-    _write(smap_file, smap)
+    write_json(smap_file, smap)
 
     grown = vocab + len(TURN_TOKENS)
     for key in ("vocab_size", "vocab_size_per_layer_input"):
         if cfg.get(key) == vocab:
             cfg[key] = grown
-    _write(target / "config.json", cfg)
+    write_json(target / "config.json", cfg)
     for d, dcfg in dcfgs.items():
         dcfg["vocab_size"] = grown
-        _write(d / "config.json", dcfg)
+        write_json(d / "config.json", dcfg)
 
 
 def main(argv=None) -> int:

@@ -1,17 +1,14 @@
 """The DFlash block trainer (torch) and the target continuations it learns from.
 
-A data set is the TARGET's own continuations (greedy, and sampled at the
-temperatures asked for) with the aux hidden states of every position and the
-target's final hidden state there (its next-token distribution, recomputed
-through the frozen LM head when a soft-label loss wants it); a batch is many
-blocks at once, context K/V shared per sequence (see ``drafter.py`` for the
-whole recipe).
+A data set is the TARGET's own continuations (greedy, and sampled at the temperatures asked for) with the
+aux hidden states of every position and the target's final hidden state there (its next-token
+distribution through the frozen LM head, for a soft-label loss); a batch is many blocks at once, context
+K/V shared per sequence (the whole recipe: docs/demo-pair.md).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,10 +19,7 @@ import numpy as np
 from kakeya.checkpoints import tiny
 from kakeya.checkpoints import tokenizer as tk
 from kakeya.training import common, data
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+from kakeya.training.common import log
 
 
 class TorchTarget:
@@ -42,10 +36,6 @@ class TorchTarget:
         )
         self.model.to(device).eval()
         self.device = device
-
-    def greedy(self, prompts: np.ndarray, n_new: int) -> np.ndarray:
-        """``[N, P]`` prompts -> ``[N, P + n_new]`` (prompt + greedy continuation, no early stop)."""
-        return self.continue_(prompts, n_new, 0.0)
 
     def continue_(self, prompts: np.ndarray, n_new: int, temperature: float, seed: int = 0) -> np.ndarray:
         """``[N, P]`` prompts -> ``[N, P + n_new]``: greedy at temperature 0, else sampled from
@@ -67,10 +57,6 @@ class TorchTarget:
                 pad_token_id=tk.PAD_ID,
             )
         return out.cpu().numpy().astype(np.int32)
-
-    def aux(self, seqs: np.ndarray, layer_ids: Sequence[int]) -> np.ndarray:
-        """Outputs of decoder layers ``layer_ids`` for every position -> ``[N, T, len*hidden]`` float32."""
-        return self.hidden_states(seqs, layer_ids)[0]
 
     def hidden_states(self, seqs: np.ndarray, layer_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """``(aux [N, T, len*hidden], final [N, T, hidden])`` float32 for every position: the outputs of
@@ -193,11 +179,7 @@ class BlockTrainer:
         self.dcfg = dt.DFlashConfig.from_dict(cfg)
         self.model = dt.DFlashDraftModel(self.dcfg)
         w = tiny.draft_weights(cfg, seed)
-        sd_names = set(self.model.state_dict())
-        if sd_names != set(w):
-            raise RuntimeError(
-                f"draft parameter names differ from the reference layout: {sorted(sd_names ^ set(w))[:8]}"
-            )
+        common.check_names(self.model.state_dict(), w, "the reference layout")
         self.model.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()}, strict=True)
         self.model.to(device)
         head = load_target_head(target_dir, device=device, dtype=torch.float32)
@@ -215,17 +197,18 @@ class BlockTrainer:
     def target_logits(self, final: np.ndarray, anchors: np.ndarray, B: int):
         """The target's logits ``[N*K, B-1, vocab]`` for the tokens block positions ``1..B-1`` predict:
         position ``a+k`` is predicted from the target's final hidden state at ``a+k-1``."""
-        torch, c = self.torch, self.dcfg
+        torch = self.torch
         N, K = anchors.shape
         rows = anchors[..., None] + np.arange(B - 1)  # [N, K, B-1]: positions a .. a+B-2
         fin = self.rows_on_device(final)  # [N, T, H]
         at = torch.from_numpy(rows.reshape(N, -1)).to(self.device)[..., None].expand(-1, -1, fin.shape[-1])
         h = torch.gather(fin, 1, at).float()
-        logits = self.torch.nn.functional.linear(h, self.head)
-        cap = c.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.reshape(N * K, B - 1, -1)
+        return self.capped(self.torch.nn.functional.linear(h, self.head)).reshape(N * K, B - 1, -1)
+
+    def capped(self, logits):
+        """Gemma's final soft-cap, as target and drafter apply it to their logits."""
+        cap = self.dcfg.final_logit_softcapping
+        return self.torch.tanh(logits / cap) * cap if cap else logits
 
     def block_logits(self, seqs: np.ndarray, aux: np.ndarray, anchors: np.ndarray, B: int):
         """Drafter logits ``[N*K, B-1, vocab]`` and labels ``[N*K, B-1]`` for blocks after ``anchors`` [N, K]."""
@@ -268,10 +251,7 @@ class BlockTrainer:
         logits = F.linear(hfin, self.head)
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
-        cap = c.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits, labels
+        return self.capped(logits), labels
 
     def loss(
         self,
@@ -284,15 +264,11 @@ class BlockTrainer:
         hard: np.ndarray | None = None,
         soft_weight: float = 0.0,
     ):
-        """Mean position-weighted loss over ``N*K`` blocks; returns (loss, per-position accuracy [B-1]).
-
-        Per block position: ``hard[n]`` x cross-entropy against the continuation's token (1 for
-        every sequence when ``hard`` is None) + ``soft_weight`` x KL(p || q), p the target's own
-        next-token distribution there (from ``final``), q the drafter's. A sampled continuation's
-        tokens are draws from p at some temperature: its hard weight is usually 0 and p teaches
-        the drafter the whole distribution, which is what sampled requests accept against.
-        Accuracy: the drafter's argmax equals the continuation's token.
-        """
+        """Mean position-weighted loss over ``N*K`` blocks and the per-position accuracy ``[B-1]`` (the
+        drafter's argmax is the continuation's token). Per position: ``hard[n]`` (default 1) x cross-entropy
+        against the continuation's token + ``soft_weight`` x KL(p || q), p the target's next-token
+        distribution (from ``final``), q the drafter's: a sampled continuation's tokens are draws from p, so
+        p teaches it the whole distribution, what sampled requests accept against."""
         torch, F = self.torch, self.torch.nn.functional
         N, K = anchors.shape
         dev = self.device
@@ -310,29 +286,18 @@ class BlockTrainer:
 
     def load_weights(self, draft_dir: Path) -> None:
         """The drafter weights of a reference-layout checkpoint directory (strict)."""
-        self.load_tensors(self.read_weights(draft_dir))
+        from safetensors.torch import load_file
 
-    @staticmethod
-    def read_weights(draft_dir: Path) -> dict[str, np.ndarray]:
-        from safetensors.numpy import load_file
-
-        return load_file(Path(draft_dir) / "model.safetensors")
-
-    def load_tensors(self, w: dict[str, np.ndarray]) -> None:
-        """Every drafter weight, by its reference name (strict)."""
-        self.model.load_state_dict(
-            {k: self.torch.from_numpy(np.ascontiguousarray(v)) for k, v in w.items()}, strict=True
-        )
+        self.model.load_state_dict(load_file(Path(draft_dir) / "model.safetensors"), strict=True)
 
     def tensors(self) -> dict[str, np.ndarray]:
         return {k: v.detach().float().cpu().numpy() for k, v in self.model.state_dict().items()}
 
 
 def cached_continuations(path: Path, key: dict, make, quiet: bool) -> tuple[Continuations, float]:
-    """``(continuations, seconds it took to make them)`` from the folder ``path`` when it holds a
-    finished set made with ``key``, else ``make(path)`` (which writes there, and continues a set of the
-    same key that an interrupted run left half made). The arrays are memory-mapped, not read into
-    memory: a 32k-sequence set is gigabytes, and a step reads only its batch."""
+    """``(continuations, seconds it took to make them)`` from the folder ``path`` when it holds a finished set
+    made with ``key``, else ``make(path)`` (which continues a set an interrupted run left half made there).
+    The arrays are memory-mapped: a set is gigabytes, and a step reads only its batch."""
     meta = path / "key.json"
     saved = json.loads(meta.read_text()) if meta.is_file() else None
     if saved is not None and saved["key"] == key and saved.get("finished"):

@@ -161,6 +161,14 @@ def _stage_dir(i: int, n: int) -> str:
     return "OUT/draft" if i == n - 1 else f"OUT/draft-stage{i + 1}"
 
 
+def _stage_cmd(rep: dict, i: int, n: int) -> str:
+    """The command of drafter stage ``i`` of ``n``, reading the target and stage ``i - 1`` where :func:`_stage_dir` put them."""
+    paths = {rep["args"]["out"]: _stage_dir(i, n), rep["args"]["target"]: "OUT/target"}
+    if i:
+        paths[rep["args"]["init_from"]] = _stage_dir(i - 1, n)
+    return _cmd(rep, paths)
+
+
 def render(root: Path, pair_cost: Path | None = None) -> str:
     t = json.loads((root / "target" / "report.json").read_text())
     d = json.loads((root / "draft" / "report.json").read_text())
@@ -216,11 +224,7 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
             lines += _drafter_stage(
                 rep, f"Stage {i + 1} " + ("(fine-tune) " if i else ""), f"stage {i}'s weights" if i else ""
             )
-    lines += [
-        "",
-        "## Measured acceptance (held-out code prompts)",
-        "",
-    ]
+    lines += ["", "## Measured acceptance (held-out code prompts)", ""]
     acc = d.get("acceptance")
     if acc:
         lines += [
@@ -256,17 +260,7 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
         "",
         "```bash",
         _cmd(t, {t["args"]["out"]: "OUT/target"}),
-        *[
-            _cmd(
-                rep,
-                {
-                    rep["args"]["out"]: _stage_dir(i, len(stages)),
-                    rep["args"]["target"]: "OUT/target",
-                    **({rep["args"]["init_from"]: _stage_dir(i - 1, len(stages))} if i else {}),
-                },
-            )
-            for i, rep in enumerate(stages)
-        ],
+        *[_stage_cmd(rep, i, len(stages)) for i, rep in enumerate(stages)],
         *(
             ["python -m kakeya.checkpoints.turn_tokens OUT/target OUT/draft   # Gemma's turn markers, after training"]
             if has_turn_tokens(root / "target")

@@ -60,25 +60,28 @@ def budget_spent(train_s: float, time_budget: float) -> float:
     return min(1.0, train_s / time_budget) if time_budget else 0.0
 
 
-def make_optimizer(lr: float, weight_decay: float):
-    """mlx.optimizers.AdamW with the trainers' betas."""
-    import mlx.optimizers as optim
+def check_names(have, w: dict, layout: str = "the HF layout") -> None:
+    """A freshly built model's parameter names are the initial weights' (``tiny``'s), or stop."""
+    if set(have) != set(w):
+        raise RuntimeError(f"parameter names differ from {layout}: {sorted(set(have) ^ set(w))[:8]}")
 
-    return optim.AdamW(learning_rate=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+
+def write_meta(ckpt_dir: Path, meta: dict) -> None:
+    """``state.json`` written last and atomically: a checkpoint with one is whole."""
+    tmp = ckpt_dir / "state.json.tmp"
+    tmp.write_text(json.dumps(meta) + "\n")
+    tmp.replace(ckpt_dir / "state.json")
 
 
 def save_state(ckpt_dir: Path, model, opt, meta: dict) -> None:
-    """Model + optimizer state + meta (step, loss curve) -- written atomically-ish (meta last)."""
+    """MLX model + optimizer state + meta (step, loss curve)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(ckpt_dir / "model.safetensors"), dict(tree_flatten(model.trainable_parameters())))
-    opt_flat = dict(tree_flatten(opt.state))
-    mx.save_safetensors(str(ckpt_dir / "optimizer.safetensors"), opt_flat)
-    tmp = ckpt_dir / "state.json.tmp"
-    tmp.write_text(json.dumps(meta) + "\n")
-    tmp.replace(ckpt_dir / "state.json")
+    mx.save_safetensors(str(ckpt_dir / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
+    write_meta(ckpt_dir, meta)
 
 
 def load_state(ckpt_dir: Path, model, opt) -> dict | None:
@@ -88,13 +91,34 @@ def load_state(ckpt_dir: Path, model, opt) -> dict | None:
     import mlx.core as mx
     from mlx.utils import tree_unflatten
 
-    meta = json.loads((ckpt_dir / "state.json").read_text())
-    weights = mx.load(str(ckpt_dir / "model.safetensors"))
-    model.load_weights(list(weights.items()), strict=False)
-    opt_flat = mx.load(str(ckpt_dir / "optimizer.safetensors"))
-    opt.state = tree_unflatten(list(opt_flat.items()))
+    model.load_weights(list(mx.load(str(ckpt_dir / "model.safetensors")).items()), strict=False)
+    opt.state = tree_unflatten(list(mx.load(str(ckpt_dir / "optimizer.safetensors")).items()))
     mx.eval(model.parameters(), opt.state)
-    return meta
+    return json.loads((ckpt_dir / "state.json").read_text())
+
+
+def torch_device(device: str | None):
+    """The ``--device`` asked for, else CUDA when there is one, else the CPU."""
+    import torch
+
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def torch_adamw(params, lr: float, weight_decay: float):
+    """torch's AdamW with the trainers' betas, decaying matrices only (not norms' vectors)."""
+    import torch
+
+    params = list(params)
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def set_lr(opt, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -103,11 +127,13 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def _np_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
+    if isinstance(o, np.generic):  # numpy scalars in a report
+        return o.item()
     raise TypeError(type(o))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def seed_all(seed: int) -> None:
@@ -129,14 +155,10 @@ def device_label(device) -> str:
 
 
 def hf_text_config(cfg: dict):
-    """transformers' ``Gemma4TextConfig`` for a target config dict, its ``layer_types`` kept as written.
-
-    transformers forces a Gemma-4's last layer to full attention (with a warning); mlx-lm and our
-    verifiers do not, and a target whose every layer slides (``train-target --pattern s``) is the
-    vehicle where only f_theta can bring back an evicted needle. So the per-layer overrides (the
-    full layers' head size and K/V heads) are computed for the layers that really are full, and
-    the layer types are put back after the config's own checks.
-    """
+    """transformers' ``Gemma4TextConfig`` for a target config dict, its ``layer_types`` kept as written:
+    transformers forces the last layer to full attention, mlx-lm and our verifiers do not, and an
+    all-sliding target (``train-target --pattern s``) is where only f_theta brings back an evicted needle.
+    So the full layers' overrides are computed for the layers that really are full and the types put back."""
     from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
     types = list(cfg["layer_types"])

@@ -1,9 +1,7 @@
 """The training corpus: the running interpreter's standard-library sources.
 
-Files are split into train / held-out BY FILE, deterministically (crc32 of the
-path relative to the stdlib root), so held-out text never leaks into training.
-Each file is tokenized with the project's byte-level BPE tokenizer and prefixed
-with ``<bos>``; the training stream is the concatenation of the train files.
+Files are split into train / held-out BY FILE (crc32 of the path under the stdlib root), so held-out text
+never leaks into training; each is tokenized with ``<bos>`` first, the train stream their concatenation.
 """
 
 from __future__ import annotations
@@ -20,19 +18,7 @@ from tokenizers import Tokenizer
 
 from kakeya.checkpoints import tokenizer as tk
 
-SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def all_files() -> list[Path]:
-    root = stdlib_root()
-    return sorted(
-        (p for p in root.rglob("*.py") if not SKIP_DIRS.intersection(p.relative_to(root).parts)),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
+stdlib_root, all_files = tk.stdlib_root, tk.stdlib_sources  # the tokenizer's corpus is drawn from the same files
 
 
 def is_heldout(path: Path, heldout_pct: int) -> bool:

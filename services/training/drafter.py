@@ -19,10 +19,14 @@ from kakeya.checkpoints import tiny
 from kakeya.checkpoints import tokenizer as tk
 from kakeya.core.contract import FULL
 from kakeya.training import common, data
-from kakeya.training.block_trainer import BlockTrainer, TorchTarget, cached_continuations, log, make_dataset
+from kakeya.training.block_trainer import BlockTrainer, TorchTarget, cached_continuations, make_dataset
+from kakeya.training.common import log
 from kakeya.training.drafter_eval import acceptance_record, evaluate, floats, heldout_prompts, ints
 
 # --------------------------------------------------------------------------- config
+
+
+REPORTED_CONFIG = "hidden_size num_hidden_layers intermediate_size num_attention_heads num_key_value_heads head_dim"
 
 
 def build_draft_config(target_cfg: dict, args) -> dict[str, Any]:
@@ -58,10 +62,8 @@ def build_draft_config(target_cfg: dict, args) -> dict[str, Any]:
 
 def _data_on_device(data_set, device, mode: str, soft: float, quiet: bool):
     """``(aux, final)`` of the whole training set as tensors on ``device`` (``final`` None without the KL
-    term), or None to gather each batch from the memory-mapped files on the host. On a GPU that gather
-    and the copy after it likely set the pace of a small drafter's step (not profiled); a stage's set
-    runs to gigabytes, so ``auto`` copies it only to a CUDA device where it takes under half the free
-    memory."""
+    term), or None to gather each batch from the memory-mapped files on the host. A set runs to gigabytes:
+    ``auto`` copies it only to a CUDA device where it takes under half the free memory."""
     import torch
 
     arrays = [data_set.aux] + ([data_set.final] if soft else [])
@@ -87,7 +89,7 @@ def train(args) -> dict:
     common.seed_all(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = common.torch_device(args.device)
     tcfg = json.loads((target_dir / "config.json").read_text())
     cfg = build_draft_config(tcfg, args)
     tids = cfg["dflash_config"]["target_layer_ids"]
@@ -98,13 +100,8 @@ def train(args) -> dict:
 
     # 1. target continuations + aux (cached in ckpt/ so a resumed run reuses them); the held-out
     #    set continues prompts from held-out FILES, to watch the drafter on text it never saw.
-    key = {
-        "target": str(target_dir.resolve()),
-        "prompt_len": args.prompt_len,
-        "gen_len": args.gen_len,
-        "tids": tids,
-        "seed": args.seed,
-    } | ({"bos": True} if args.bos_prompts else {})
+    key = {"target": str(target_dir.resolve()), "prompt_len": args.prompt_len, "gen_len": args.gen_len}
+    key |= {"tids": tids, "seed": args.seed} | ({"bos": True} if args.bos_prompts else {})
     target_box: list[TorchTarget] = []
 
     def get_target() -> TorchTarget:
@@ -116,60 +113,32 @@ def train(args) -> dict:
     if any(x < 0 for x in temps):
         raise ValueError(f"--temperatures must be >= 0 (0: greedy), got {args.temperatures}")
     train_key = key | {"n_seq": args.sequences} | ({"temperatures": temps} if temps != [0.0] else {})
+
+    shared = dict(prompt_len=args.prompt_len, gen_len=args.gen_len, layer_ids=tids, gen_batch=args.gen_batch)
+    shared |= dict(quiet=args.quiet, bos=args.bos_prompts)
+
+    def continuations(stream, n: int, seed: int, temperatures=(0.0,)):
+        return lambda out: make_dataset(
+            get_target(), stream, n, seed=seed, temperatures=temperatures, out=out, **shared
+        )
+
     train_set, data_s = cached_continuations(
-        ckpt / "data",
-        train_key,
-        lambda out: make_dataset(
-            get_target(),
-            corpus.train,
-            args.sequences,
-            args.prompt_len,
-            args.gen_len,
-            tids,
-            args.seed,
-            args.gen_batch,
-            args.quiet,
-            args.bos_prompts,
-            temps,
-            out,
-        ),
-        args.quiet,
+        ckpt / "data", train_key, continuations(corpus.train, args.sequences, args.seed, temps), args.quiet
     )
     seqs = train_set.seqs
     val = None
     if args.val_sequences:  # greedy: the replayed acceptance is the greedy engine's
-        val_set, _ = cached_continuations(
-            ckpt / "val",
-            key | {"n_seq": args.val_sequences, "split": "heldout"},
-            lambda out: make_dataset(
-                get_target(),
-                corpus.heldout,
-                args.val_sequences,
-                args.prompt_len,
-                args.gen_len,
-                tids,
-                args.seed + 1,
-                args.gen_batch,
-                args.quiet,
-                args.bos_prompts,
-                out=out,
-            ),
-            args.quiet,
-        )
+        val_key = key | {"n_seq": args.val_sequences, "split": "heldout"}
+        make = continuations(corpus.heldout, args.val_sequences, args.seed + 1)
+        val_set, _ = cached_continuations(ckpt / "val", val_key, make, args.quiet)
         val = (np.asarray(val_set.seqs), np.asarray(val_set.aux))
     target_box.clear()
 
     # 2. training
     trainer = BlockTrainer(cfg, target_dir, args.seed, device)
-    params = [p for p in trainer.model.parameters()]
+    params = list(trainer.model.parameters())
     n_params = sum(p.numel() for p in params)
-    decay = [p for p in params if p.ndim >= 2]
-    other = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": other, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-    )
+    opt = common.torch_adamw(params, args.lr, args.weight_decay)
     meta = None
     if args.resume and (ckpt / "state.json").is_file():
         meta = json.loads((ckpt / "state.json").read_text())
@@ -183,12 +152,9 @@ def train(args) -> dict:
         if json.loads((init / "config.json").read_text()) != cfg:
             raise ValueError(f"--init-from {init}: another drafter config than this run's")
         trainer.load_weights(init)
-    step = meta["step"] if meta else 0
-    curve = meta["curve"] if meta else []
-    val_curve = meta.get("val_curve", []) if meta else []
-    train_s = meta["train_s"] if meta else 0.0
+    meta = meta or {"step": 0, "curve": [], "train_s": 0.0}
+    step, curve, val_curve, train_s = meta["step"], meta["curve"], meta.get("val_curve", []), meta["train_s"]
     block_sizes = [int(b) for b in args.train_block_sizes.split(",")] if args.train_block_sizes else [args.block_size]
-    gamma = args.gamma
     P, T = args.prompt_len, seqs.shape[1]
     if T - max(block_sizes) < P:
         raise ValueError("--gen-len must be >= the largest training block size")
@@ -202,20 +168,8 @@ def train(args) -> dict:
 
     def save() -> None:
         torch.save({"model": trainer.model.state_dict(), "opt": opt.state_dict()}, ckpt / "state.pt")
-        tmp = ckpt / "state.json.tmp"
-        tmp.write_text(
-            json.dumps(
-                {
-                    "step": step,
-                    "curve": curve,
-                    "val_curve": val_curve,
-                    "config": cfg,
-                    "train_s": train_s + time.time() - t_start,
-                }
-            )
-            + "\n"
-        )
-        tmp.replace(ckpt / "state.json")
+        meta = {"step": step, "curve": curve, "val_curve": val_curve, "config": cfg}
+        common.write_meta(ckpt, meta | {"train_s": train_s + time.time() - t_start})
 
     def held_out() -> None:
         ev = evaluate(trainer, val[0], val[1], P, args.block_size)
@@ -237,8 +191,7 @@ def train(args) -> dict:
         idx = rng.choice(len(seqs), size=args.batch, replace=False)
         anchors = rng.integers(P, T - B + 1, size=(args.batch, args.anchors))
         lr = common.lr_at(step, args.steps, args.lr, args.warmup, spent=spent)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        common.set_lr(opt, lr)
         idx.sort()  # ascending rows read the memory-mapped arrays in order
         hard = (train_set.temperature[idx] == 0).astype(np.float32) if args.soft_weight else None
         if on_device:
@@ -246,15 +199,9 @@ def train(args) -> dict:
             aux, final = on_device[0][rows], (on_device[1][rows] if args.soft_weight else None)
         else:  # float16 as stored (half the bytes read): the trainer widens it on the device
             aux, final = train_set.aux[idx], (train_set.final[idx] if args.soft_weight else None)
+        gamma = args.gamma if args.gamma > 0 else B / 2
         loss, acc = trainer.loss(
-            seqs[idx],
-            aux,
-            anchors,
-            B,
-            gamma if gamma > 0 else B / 2,
-            final=final,
-            hard=hard,
-            soft_weight=args.soft_weight,
+            seqs[idx], aux, anchors, B, gamma, final=final, hard=hard, soft_weight=args.soft_weight
         )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
@@ -276,42 +223,26 @@ def train(args) -> dict:
     train_s += time.time() - t_start
 
     # 3. write the reference-layout checkpoint
-    tiny._write_json(out / "config.json", cfg)
-    tiny._write_safetensors(out / "model.safetensors", trainer.tensors())
+    tk.write_json(out / "config.json", cfg)
+    tiny.write_safetensors(out / "model.safetensors", trainer.tensors())
 
     # 4. held-out teacher-forced accuracy and acceptance with the real engine
     trainer.model.eval()
+    soft = f"; + {args.soft_weight:g} x KL to the target's distribution (sampled continuations: KL only)"
+    soft = soft if args.soft_weight else ""
     report: dict[str, Any] = {
         "command": "kakeya train-drafter",
         "args": {k: v for k, v in vars(args).items() if k != "func"},
         "target": str(target_dir),
         "params": int(n_params),
-        "config": {
-            k: cfg[k]
-            for k in (
-                "hidden_size",
-                "num_hidden_layers",
-                "intermediate_size",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "head_dim",
-            )
-        }
-        | {"dflash_config": cfg["dflash_config"]},
+        "config": {k: cfg[k] for k in REPORTED_CONFIG.split()} | {"dflash_config": cfg["dflash_config"]},
         "data": {
             "sequences": len(seqs),
             "heldout_sequences": len(val[0]) if val else 0,
             "prompt_len": P,
             "gen_len": int(T - P),
             "from": "train split windows" + (", <bos> first" if args.bos_prompts else ""),
-            "labels": "target continuations at temperatures "
-            + ", ".join(f"{x:g}" for x in temps)
-            + " (0: greedy)"
-            + (
-                f"; + {args.soft_weight:g} x KL to the target's distribution (sampled continuations: KL only)"
-                if args.soft_weight
-                else ""
-            ),
+            "labels": f"target continuations at temperatures {', '.join(f'{x:g}' for x in temps)} (0: greedy){soft}",
             "data_s": round(data_s, 1),
         },
         "steps": step,
@@ -324,16 +255,8 @@ def train(args) -> dict:
         held_prompts = heldout_prompts(corpus, args.eval_prompts, args.prompt_len)
         if not args.quiet:
             log(f"measuring acceptance on {len(held_prompts)} held-out prompts ({args.eval_backend} engine) ...")
-        report["acceptance"] = acceptance_record(
-            target_dir,
-            out,
-            held_prompts,
-            args.prompt_len,
-            ints(args.eval_block_sizes),
-            args.eval_max_tokens,
-            args.eval_backend,
-            floats(args.eval_temperatures),
-            ints(args.eval_sampled_block_sizes),
-        )
+        measure = (ints(args.eval_block_sizes), args.eval_max_tokens, args.eval_backend)
+        measure += (floats(args.eval_temperatures), ints(args.eval_sampled_block_sizes))
+        report["acceptance"] = acceptance_record(target_dir, out, held_prompts, args.prompt_len, *measure)
     common.write_json(out / "report.json", report)
     return report

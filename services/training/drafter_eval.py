@@ -29,13 +29,10 @@ def replay(leading: np.ndarray) -> list[int]:
 def leading_right(
     trainer: BlockTrainer, seqs: np.ndarray, aux: np.ndarray, prompt_len: int, B: int, batch: int = 4
 ) -> tuple[np.ndarray, np.ndarray, float]:
-    """Teacher-forced blocks at EVERY anchor ``prompt_len .. T-B`` of each sequence.
-
-    Returns ``leading`` [N, anchors] (right candidates before the first wrong one), ``right``
-    [N * anchors, B-1] (each candidate right or not) and the mean cross-entropy. Labels are the
-    target's greedy tokens and the context is the target's aux of them, exactly what the engine
-    sees, so the candidates at anchor ``a`` are the ones the loop would draft there.
-    """
+    """Teacher-forced blocks at EVERY anchor ``prompt_len .. T-B`` of each sequence: ``leading`` [N, anchors]
+    (right candidates before the first wrong one), ``right`` [N * anchors, B-1] and the mean cross-entropy.
+    Labels are the target's greedy tokens and the context its aux of them, what the engine sees, so the
+    candidates at anchor ``a`` are the ones the loop would draft there."""
     torch = trainer.torch
     anchors = np.arange(prompt_len, seqs.shape[1] - B + 1)
     ce_sum, n, leading, right = 0.0, 0, [], []
@@ -60,13 +57,9 @@ def leading_right(
 
 
 def evaluate(trainer: BlockTrainer, seqs: np.ndarray, aux: np.ndarray, prompt_len: int, B: int) -> dict:
-    """Held-out figures at block size ``B``.
-
-    ``acceptance`` replays the loop on each sequence (:func:`replay`) and is tokens per block as
-    the engine counts it. ``acceptance_uniform_anchors`` (1 + mean right run over all anchors)
-    overstates it: a long accepted run is one block for the loop but many anchors, and the
-    blocks after a miss start at the hard positions.
-    """
+    """Held-out figures at block size ``B``: ``acceptance`` replays the loop on each sequence
+    (:func:`replay`), tokens per block as the engine counts them; ``acceptance_uniform_anchors`` (1 +
+    mean right run over all anchors) overstates it, a long accepted run being one block but many anchors."""
     lead, right, ce = leading_right(trainer, seqs, aux, prompt_len, B)
     lengths = [n for row in lead for n in replay(row)]
     return {
@@ -254,45 +247,24 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     corpus = data.load_corpus(data.target_tokenizer(Path(args.target)))
     prompts = heldout_prompts(corpus, args.prompts, args.prompt_len)
-    sizes = ints(args.block_sizes)
+    measure = (prompts, args.prompt_len, ints(args.block_sizes), args.max_tokens, args.backend)
+    measure += (floats(args.temperatures), ints(args.sampled_block_sizes))
     for draft in args.drafts:
         print(f"measuring {draft} on {len(prompts)} held-out prompts ...", file=sys.stderr, flush=True)
-        rec = acceptance_record(
-            Path(args.target),
-            Path(draft),
-            prompts,
-            args.prompt_len,
-            sizes,
-            args.max_tokens,
-            args.backend,
-            floats(args.temperatures),
-            ints(args.sampled_block_sizes),
-        )
-        per = rec["per_block_size"]
-        sampled = {
-            T: {b: v["mean_acceptance"] for b, v in row.items()}
-            for T, row in rec.get("sampled", {}).get("per_temperature", {}).items()
-        }
+        rec = acceptance_record(Path(args.target), Path(draft), *measure)
+        per, per_t = rec["per_block_size"], rec.get("sampled", {}).get("per_temperature", {})
         if args.record:
             report = Path(draft) / "report.json"
             if not report.is_file():
                 raise SystemExit(f"--record: {report} does not exist (the trainer writes it)")
             common.write_json(report, json.loads(report.read_text()) | {"acceptance": rec})
         lossless = all(v["lossless_vs_block1"] for v in per.values()) and all(
-            v["lossless_vs_ar_sampling"]
-            for row in rec.get("sampled", {}).get("per_temperature", {}).values()
-            for v in row.values()
+            v["lossless_vs_ar_sampling"] for row in per_t.values() for v in row.values()
         )
-        print(
-            json.dumps(
-                {
-                    "draft": draft,
-                    "mean_acceptance": {b: v["mean_acceptance"] for b, v in per.items()},
-                    "sampled_mean_acceptance": sampled,
-                    "lossless": lossless,
-                }
-            )
-        )
+        means = {b: v["mean_acceptance"] for b, v in per.items()}
+        sampled = {T: {b: v["mean_acceptance"] for b, v in row.items()} for T, row in per_t.items()}
+        line = {"draft": draft, "mean_acceptance": means, "sampled_mean_acceptance": sampled, "lossless": lossless}
+        print(json.dumps(line))
     return 0
 
 

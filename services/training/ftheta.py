@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import sysconfig
 import time
@@ -51,22 +52,16 @@ class TrainArgs:
 # --------------------------------------------------------------------------- data
 
 
-def stdlib_files() -> list[Path]:
-    """The standard library's top-level ``.py`` sources, in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(root.glob("*.py"))
-    if not files:
-        raise FileNotFoundError(f"no Python standard library sources under {root}")
-    return files
-
-
 def stdlib_tokens(target_dir, n_tokens: int) -> tuple[np.ndarray, int | None]:
-    """About ``n_tokens`` token ids of standard-library source text, and the tokenizer's BOS id."""
+    """About ``n_tokens`` token ids of the standard library's top-level ``.py`` sources (in a fixed order),
+    and the tokenizer's BOS id."""
     from kakeya.orchestrator.text import TextCodec
 
     codec = TextCodec(target_dir)
     chunks, total = [], 0
-    files = stdlib_files()
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    if not files:
+        raise FileNotFoundError("no Python standard library sources")
     for i in range(0, len(files), 16):
         texts = [f.read_text(encoding="utf-8", errors="replace") for f in files[i : i + 16]]
         for enc in codec.tokenizer.encode_batch(texts, add_special_tokens=False):
@@ -127,9 +122,7 @@ def _save_state(state_dir: Path, ftheta, optimizer, meta: dict) -> None:
         old = state_dir.with_name(state_dir.name + ".old")
         state_dir.rename(old)
         tmp.rename(state_dir)
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
+        shutil.rmtree(old)
     else:
         tmp.rename(state_dir)
 
@@ -144,10 +137,7 @@ def train(
     target_dir, draft_dir, out_dir, args: TrainArgs, *, resume: bool = False, log=None, stop_at: int | None = None
 ) -> dict:
     """Train (or resume) f_theta; write the f_theta directory and report.json into ``out_dir``; return the report.
-
-    ``stop_at``: save the training state after that many steps and return
-    ``{"stopped_at": step}`` without a report (a time-boxed slice of a run, or a test of --resume).
-    """
+    ``stop_at``: save the state after that many steps and return ``{"stopped_at": step}`` (a time-boxed slice)."""
     from kakeya.checkpoints.config import check_pair, load_draft_config, load_target_config
     from kakeya.drafter.mlx_backend.model import load_dflash_mlx
     from kakeya.verifier.mlx_backend.target import TargetMLX
@@ -172,16 +162,8 @@ def train(
     if seq_len < 2:
         raise ValueError(f"--seq-len must be >= 2, got {seq_len}")
     args.seq_len = seq_len
-    restorer = Restorer.init(
-        target,
-        draft,
-        rank=args.rank,
-        encoder_hidden=args.encoder_hidden,
-        draft_dir=draft_dir,
-        target_dir=target_dir,
-        probe_full=args.probe_full,
-        seed=args.seed,
-    )
+    hyper = {k: getattr(args, k) for k in ("rank", "encoder_hidden", "probe_full", "seed")}
+    restorer = Restorer.init(target, draft, draft_dir=draft_dir, target_dir=target_dir, **hyper)
     args.encoder_hidden = restorer.config.encoder_hidden
     ids, bos = stdlib_tokens(target_dir, args.data_tokens)
     data = Batches(ids, bos, seq_len, args.batch, args.eval_seqs, args.seed)
@@ -222,14 +204,8 @@ def train(
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(ftheta, grads)
         mx.eval(ftheta.parameters(), optimizer.state, main)
-        point = {
-            "step": step + 1,
-            "loss": round(float(main), 6),
-            "attn": round(float(attn), 6),
-            "dir": round(float(direction), 6),
-            "mag": round(float(mag), 6),
-            "lr": float(f"{lr:.4g}"),
-        }
+        terms = {"loss": main, "attn": attn, "dir": direction, "mag": mag}
+        point = {"step": step + 1} | {k: round(float(v), 6) for k, v in terms.items()} | {"lr": float(f"{lr:.4g}")}
         if not math.isfinite(point["loss"]):
             raise RuntimeError(f"f_theta loss is {point['loss']} at step {step + 1}: lower --lr")
         meta["curve"].append(point)
@@ -306,23 +282,8 @@ def cmd_train(args) -> int:
 
         pair = default_pair()
         target, draft = str(pair.target), str(pair.draft)
-    given = {
-        k: getattr(args, k)
-        for k in (
-            "steps",
-            "rank",
-            "encoder_hidden",
-            "lr",
-            "warmup",
-            "batch",
-            "seq_len",
-            "data_tokens",
-            "eval_seqs",
-            "seed",
-            "save_every",
-            "log_every",
-        )
-    }
+    flags = "steps rank encoder_hidden lr warmup batch seq_len data_tokens eval_seqs seed save_every log_every"
+    given = {k: getattr(args, k) for k in flags.split()}
     targs = TrainArgs(**{k: v for k, v in given.items() if v is not None}, probe_full=not args.no_probe_full)
     report = train(target, draft, args.out, targs, resume=args.resume)
     if args.json:

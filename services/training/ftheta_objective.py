@@ -36,10 +36,7 @@ def capture(target, ids: mx.array, aux_layers, wanted) -> tuple[mx.array, dict[i
         pli = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(ids))
         per_layer = [pli[:, :, i, :] for i in range(len(inner.layers))]
     q_pos, k_pos = np.arange(T)[:, None], np.arange(T)[None, :]
-    masks = {
-        FULL: mx.array(k_pos <= q_pos),
-        SLIDING: mx.array((k_pos <= q_pos) & (k_pos > q_pos - a.sliding_window)),
-    }
+    masks = {FULL: mx.array(k_pos <= q_pos), SLIDING: mx.array((k_pos <= q_pos) & (k_pos > q_pos - a.sliding_window))}
     aux_ids = {layer: i for i, layer in enumerate(aux_layers)}
     aux = [None] * len(aux_ids)
     truths: dict[int, LayerTruth] = {}

@@ -1,17 +1,12 @@
 """Synthetic retrieval text for ``train-target --retrieval-frac``: a target that can recall.
 
-A stdlib-only target never learns to look far back for a fact (the demo target answers
-``kakeya niah`` with code-comment text). These windows teach exactly what ``kakeya niah``
-asks, in its own format (``orchestrator/niah.py``'s ``NEEDLE`` and ``QUESTION``): haystack
-prose, the needle ``The secret code is NNNN.`` at a random line, more haystack, the question,
-and the answer `` NNNN.``. The code is random per example, so only copying from the needle
-lowers the loss on it.
-
-The haystack is the prose of *function and class* docstrings of the train-split stdlib files;
-``kakeya niah`` builds its haystack from *module* docstrings, so the evaluation haystack is text
-these examples never use. Examples have random lengths and are packed back to back into each
-window (each starting with ``<bos>``, as a niah prompt does), so questions come at many
-positions and needles at every distance up to the window's length.
+A stdlib-only target never learns to look far back for a fact. These windows teach what ``kakeya niah``
+asks, in its format (``orchestrator/niah.py``'s ``NEEDLE`` and ``QUESTION``): haystack prose, the needle
+``The secret code is NNNN.`` at a random line, more haystack, the question and the answer; the code is
+random per example, so only copying from the needle lowers the loss on it. The haystack is the train
+files' *function and class* docstrings (``kakeya niah`` uses *module* docstrings: text these examples
+never use). Examples of random lengths are packed back to back (each starting with ``<bos>``), so
+questions come at many positions and needles at every distance up to the window's length.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``kakeya train-target``: train a small Gemma-4 (gemma4_text) model on the stdlib (MLX or torch).
 
-The model is mlx-lm's own ``gemma4_text.Model`` built from the config dict that
-is written to ``config.json`` (the same fields ``kakeya.checkpoints.tiny``
-writes: sliding + full layers, ``global_head_dim``, k_eq_v, proportional
-partial RoPE, soft-capping), so the result opens with ``mlx_lm.load``,
-transformers and our loaders unchanged. Initial weights come from
-``tiny.target_weights`` (deterministic per seed), with a unit-scale LM head.
+The model (mlx-lm's ``gemma4_text.Model`` or transformers' ``Gemma4ForCausalLM``) is built from the config
+written to ``config.json`` (``kakeya.checkpoints.tiny``'s fields), so the result opens with ``mlx_lm.load``,
+transformers and our loaders unchanged; initial weights are ``tiny.target_weights`` (deterministic per seed).
 
 Output directory::
 
@@ -33,6 +30,10 @@ if TYPE_CHECKING:  # MLX is imported where it runs: `train-target --backend torc
     import mlx.core as mx
 
 
+REPORTED_CONFIG = """hidden_size num_hidden_layers layer_types sliding_window head_dim global_head_dim num_attention_heads
+num_key_value_heads intermediate_size vocab_size final_logit_softcapping"""
+
+
 def build_config(args) -> dict[str, Any]:
     cfg = tiny.target_config(sliding_window=args.sliding_window, vocab_size=args.vocab_size)
     n = args.layers
@@ -53,40 +54,18 @@ def build_config(args) -> dict[str, Any]:
     return cfg
 
 
-def init_model(cfg: dict, seed: int):
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models.gemma4_text import Model, ModelArgs
-
-    model = Model(ModelArgs.from_dict(cfg))
+def initial_weights(cfg: dict, seed: int) -> dict:
+    """``tiny.target_weights`` with a unit-scale LM head (and the special tokens' rows damped as there)."""
     w = tiny.target_weights(cfg, seed)
-    w["lm_head.weight"] = w["lm_head.weight"] / tiny.LOGIT_STD  # unit-scale logits at init
+    w["lm_head.weight"] = w["lm_head.weight"] / tiny.LOGIT_STD
     w["lm_head.weight"][: len(tk.SPECIAL_TOKENS)] /= tiny.SPECIAL_LOGIT_DAMP
-    names = {k for k, _ in tree_flatten(model.parameters())}
-    if names != set(w):
-        raise RuntimeError(f"parameter names differ from the HF layout: {sorted(names ^ set(w))[:8]}")
-    model.load_weights([(k, mx.array(v)) for k, v in w.items()], strict=True)
-    mx.eval(model.parameters())
-    return model
+    return w
 
 
 def loss_fn(model, batch: mx.array) -> mx.array:
     from mlx import nn
 
-    logits = model(batch[:, :-1])
-    return nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean")
-
-
-def evaluate(model, windows: np.ndarray, batch: int) -> float:
-    import mlx.core as mx
-
-    losses = []
-    for i in range(0, len(windows), batch):
-        b = mx.array(windows[i : i + batch])
-        l = loss_fn(model, b)
-        mx.eval(l)
-        losses.append(float(l) * len(b))
-    return sum(losses) / len(windows)
+    return nn.losses.cross_entropy(model(batch[:, :-1]), batch[:, 1:], reduction="mean")
 
 
 class MLXBackend:
@@ -103,13 +82,19 @@ class MLXBackend:
 
     def __init__(self, cfg: dict, args):
         import mlx.core as mx
+        import mlx.optimizers as optim
         from mlx import nn
         from mlx.utils import tree_flatten
+        from mlx_lm.models.gemma4_text import Model, ModelArgs
 
-        self.mx, self.tree_flatten = mx, tree_flatten
+        self.mx, self.tree_flatten, self.clip = mx, tree_flatten, optim.clip_grad_norm
         self.cfg, self.args = cfg, args
-        self.model = init_model(cfg, args.seed)
-        self.opt = common.make_optimizer(args.lr, args.weight_decay)
+        self.model = Model(ModelArgs.from_dict(cfg))
+        w = initial_weights(cfg, args.seed)
+        common.check_names((k for k, _ in tree_flatten(self.model.parameters())), w)
+        self.model.load_weights([(k, mx.array(v)) for k, v in w.items()], strict=True)
+        mx.eval(self.model.parameters())
+        self.opt = optim.AdamW(learning_rate=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
         self.vg = nn.value_and_grad(self.model, loss_fn)
 
     @property
@@ -117,17 +102,20 @@ class MLXBackend:
         return sum(v.size for _, v in self.tree_flatten(self.model.parameters()))
 
     def step(self, batch: np.ndarray, lr: float) -> float:
-        mx = self.mx
         self.opt.learning_rate = lr
-        loss, grads = self.vg(self.model, mx.array(batch))
+        loss, grads = self.vg(self.model, self.mx.array(batch))
         if self.args.grad_clip:
-            grads, _ = _clip(grads, self.args.grad_clip)
+            grads, _ = self.clip(grads, self.args.grad_clip)
         self.opt.update(self.model, grads)
-        mx.eval(loss, self.model.parameters(), self.opt.state)
+        self.mx.eval(loss, self.model.parameters(), self.opt.state)
         return float(loss)
 
     def evaluate(self, windows: np.ndarray) -> float:
-        return evaluate(self.model, windows, self.args.batch)
+        total = 0.0
+        for i in range(0, len(windows), self.args.batch):
+            b = windows[i : i + self.args.batch]
+            total += float(loss_fn(self.model, self.mx.array(b))) * len(b)
+        return total / len(windows)
 
     def save(self, ckpt: Path, meta: dict) -> None:
         common.save_state(ckpt, self.model, self.opt, meta)
@@ -140,13 +128,9 @@ class MLXBackend:
 
 
 class TorchBackend:
-    """transformers' Gemma4ForCausalLM from the same config (float32, CPU/CUDA).
-
-    MLX's CPU backend on Linux ran matmuls several times slower than torch's (on
-    netlib's reference BLAS, before ``backends/mlx/blas.py`` routed them to torch's),
-    so the demo pair was trained with this backend; the architecture, initial
-    weights, data and output layout are identical.
-    """
+    """transformers' Gemma4ForCausalLM from the same config (float32, CPU/CUDA): the same architecture,
+    initial weights, data and output layout. The demo pair was trained with it (MLX's Linux CPU wheels
+    ran on netlib's reference BLAS before ``backends/mlx/blas.py`` routed it to torch's)."""
 
     name = "torch"
 
@@ -159,25 +143,15 @@ class TorchBackend:
 
         self.torch, self.cfg, self.args = torch, cfg, args
         torch.manual_seed(args.seed)
-        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = common.torch_device(args.device)
         conf = common.hf_text_config(cfg)
         conf._attn_implementation = "eager"
         self.model = Gemma4ForCausalLM(conf)
-        w = tiny.target_weights(cfg, args.seed)
-        w["lm_head.weight"] = w["lm_head.weight"] / tiny.LOGIT_STD
-        w["lm_head.weight"][: len(tk.SPECIAL_TOKENS)] /= tiny.SPECIAL_LOGIT_DAMP
-        sd = self.model.state_dict()
-        if set(sd) != set(w):
-            raise RuntimeError(f"state_dict names differ from the HF layout: {sorted(set(sd) ^ set(w))[:8]}")
+        w = initial_weights(cfg, args.seed)
+        common.check_names(self.model.state_dict(), w)
         self.model.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()}, strict=True)
         self.model.to(self.device).train()
-        decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
-        other = [p for n, p in self.model.named_parameters() if p.ndim < 2]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": args.weight_decay}, {"params": other, "weight_decay": 0.0}],
-            lr=args.lr,
-            betas=(0.9, 0.95),
-        )
+        self.opt = common.torch_adamw(self.model.parameters(), args.lr, args.weight_decay)
 
     @property
     def n_params(self) -> int:
@@ -189,8 +163,7 @@ class TorchBackend:
         return self.torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), t[:, 1:].reshape(-1))
 
     def step(self, batch: np.ndarray, lr: float) -> float:
-        for g in self.opt.param_groups:
-            g["lr"] = lr
+        common.set_lr(self.opt, lr)
         loss = self._loss(batch)
         loss.backward()
         if self.args.grad_clip:
@@ -200,19 +173,17 @@ class TorchBackend:
         return float(loss.detach())
 
     def evaluate(self, windows: np.ndarray) -> float:
-        tot = 0.0
+        total = 0.0
         with self.torch.no_grad():
             for i in range(0, len(windows), self.args.batch):
                 b = windows[i : i + self.args.batch]
-                tot += float(self._loss(b)) * len(b)
-        return tot / len(windows)
+                total += float(self._loss(b)) * len(b)
+        return total / len(windows)
 
     def save(self, ckpt: Path, meta: dict) -> None:
         ckpt.mkdir(parents=True, exist_ok=True)
         self.torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict()}, ckpt / "state.pt")
-        tmp = ckpt / "state.json.tmp"
-        tmp.write_text(json.dumps(meta) + "\n")
-        tmp.replace(ckpt / "state.json")
+        common.write_meta(ckpt, meta)
 
     def load(self, ckpt: Path):
         if not (ckpt / "state.json").is_file():
@@ -229,12 +200,8 @@ class TorchBackend:
 def write_tensors(out: Path, tensors: dict, cfg: dict, tokenizer) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tk.write_tokenizer(tokenizer, out)
-    tiny._write_json(out / "config.json", cfg)
-    tiny._write_json(
-        out / "generation_config.json",
-        {"bos_token_id": tk.BOS_ID, "do_sample": False, "eos_token_id": tk.EOS_ID, "pad_token_id": tk.PAD_ID},
-    )
-    tiny._write_safetensors(out / "model.safetensors", tensors)
+    tiny.write_target_config(out, cfg)
+    tiny.write_safetensors(out / "model.safetensors", tensors)
 
 
 def train(args) -> dict:
@@ -244,7 +211,7 @@ def train(args) -> dict:
         import torch
 
         torch.set_num_threads(args.threads)
-    tok = data.tokenizer_for(args.vocab_size, progress=None if args.quiet else common_log)
+    tok = data.tokenizer_for(args.vocab_size, progress=None if args.quiet else common.log)
     corpus = data.load_corpus(tok, heldout_pct=args.heldout_pct, max_bytes=args.max_bytes)
     cfg = build_config(args)
     from kakeya.orchestrator.assembly import require_backend
@@ -257,10 +224,8 @@ def train(args) -> dict:
         raise ValueError(
             f"{ckpt}: checkpoint was trained with a different config/backend; drop --resume or change --out"
         )
-    step = meta["step"] if meta else 0
-    curve = meta["curve"] if meta else []
-    evals = meta["evals"] if meta else []
-    train_s = meta["train_s"] if meta else 0.0
+    meta = meta or {"step": 0, "curve": [], "evals": [], "train_s": 0.0}
+    step, curve, evals, train_s = meta["step"], meta["curve"], meta["evals"], meta["train_s"]
     L = args.seq_len + 1
     held = data.fixed_windows(corpus.heldout, args.eval_windows, L)
     train_eval = data.fixed_windows(corpus.train, args.eval_windows, L)
@@ -270,21 +235,15 @@ def train(args) -> dict:
     ret = retrieval.RetrievalText(tok, L, args.heldout_pct, max_bytes=args.max_bytes) if n_ret else None
     bar = common.Progress(args.steps, "train-target", start=step, quiet=args.quiet)
     if not args.quiet:
-        common_log(
+        common.log(
             f"target ({be.name}): {be.n_params / 1e6:.2f}M params, {corpus.train.size} train / "
             f"{corpus.heldout.size} held-out tokens" + (f", resuming at step {step}" if step else "")
         )
     t_start = time.time()
 
     def state() -> dict:
-        return {
-            "step": step,
-            "curve": curve,
-            "evals": evals,
-            "train_s": train_s + (time.time() - t_start),
-            "config": cfg,
-            "backend": be.name,
-        }
+        spent_s = train_s + (time.time() - t_start)
+        return {"step": step, "curve": curve, "evals": evals, "train_s": spent_s, "config": cfg, "backend": be.name}
 
     while step < args.steps:
         spent = common.budget_spent(train_s + time.time() - t_start, args.time_budget)  # 0: no budget
@@ -316,22 +275,7 @@ def train(args) -> dict:
         "backend": be.name,
         "args": {k: v for k, v in vars(args).items() if k != "func"},
         "params": int(be.n_params),
-        "config": {
-            k: cfg[k]
-            for k in (
-                "hidden_size",
-                "num_hidden_layers",
-                "layer_types",
-                "sliding_window",
-                "head_dim",
-                "global_head_dim",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "intermediate_size",
-                "vocab_size",
-                "final_logit_softcapping",
-            )
-        },
+        "config": {k: cfg[k] for k in REPORTED_CONFIG.split()},
         "corpus": corpus.summary(),
         "retrieval": None if ret is None else {"rows_per_batch": n_ret, "hay_lines": len(ret.lines)},
         "steps": step,
@@ -350,15 +294,3 @@ def train(args) -> dict:
     }
     common.write_json(out / "report.json", report)
     return report
-
-
-def _clip(grads, max_norm: float):
-    from mlx.optimizers import clip_grad_norm
-
-    return clip_grad_norm(grads, max_norm)
-
-
-def common_log(msg: str) -> None:
-    import sys
-
-    print(msg, file=sys.stderr, flush=True)

@@ -99,5 +99,5 @@ def test_quantized_checkpoints_are_recognised():
 
 def test_not_a_safetensors_file(tmp_path):
     (tmp_path / "x.safetensors").write_bytes(b"\x04")
-    with pytest.raises(ValueError, match="not a safetensors file"):
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
         safetensors_names(tmp_path / "x.safetensors")

@@ -61,8 +61,10 @@ def test_heldout_replay_predicts_the_engines_blocks(demo_pair):
     prompts = np.array([engine.codec.encode(t)[:P] for t in texts])
     target = TorchTarget(demo_pair.target, torch.device("cpu"))
     n_new, B = 48, 8
-    seqs = target.greedy(prompts, n_new)
-    lead, _, _ = leading_right(trainer, seqs, target.aux(seqs, cfg["dflash_config"]["target_layer_ids"]), P, B)
+    seqs = target.continue_(prompts, n_new, 0.0)
+    lead, _, _ = leading_right(
+        trainer, seqs, target.hidden_states(seqs, cfg["dflash_config"]["target_layer_ids"])[0], P, B
+    )
     total = 0
     for p, s, row in zip(prompts, seqs, lead):
         g = engine.generate(Request(p.tolist(), max_tokens=n_new, block_size=B, ignore_eos=True))

@@ -195,9 +195,9 @@ def test_sampled_continuations_and_the_soft_label_loss(tmp_path, tiny_pair):
     a, b = make(), make()
     assert a.temperature.tolist() == [0, 0, 1, 1, 0, 0]
     assert np.array_equal(a.seqs, b.seqs)  # seeded
-    greedy = tt.greedy(a.seqs[2:4, :8], 12)
+    greedy = tt.continue_(a.seqs[2:4, :8], 12, 0.0)
     assert not np.array_equal(greedy, a.seqs[2:4])  # the sampled batch is not the greedy one
-    assert np.array_equal(tt.greedy(a.seqs[:2, :8], 12), a.seqs[:2])
+    assert np.array_equal(tt.continue_(a.seqs[:2, :8], 12, 0.0), a.seqs[:2])
     # soft labels: the target's logits at position a+k-1 for block position k (transformers' own head)
     trainer = BlockTrainer(json.loads((tiny_pair.draft / "config.json").read_text()), tiny_pair.target, 0, "cpu")
     anchors, B = np.array([[9, 12]] * 6), 4
@@ -310,7 +310,7 @@ def test_block_training_forward_equals_mlx_drafter(tiny_pair):
     aux = np.array(mx.concatenate([saved[i][0] for i in tids], axis=-1))  # [T, A]
     # the same aux from the trainer's torch hooks
     tt = tdraft.TorchTarget(tiny_pair.target, torch.device("cpu"))
-    aux_t = tt.aux(seq, tids)[0]
+    aux_t = tt.hidden_states(seq, tids)[0][0]
     assert np.allclose(aux, aux_t, atol=2e-4)
 
     trainer = tdraft.BlockTrainer(json.loads((tiny_pair.draft / "config.json").read_text()), tiny_pair.target, 0, "cpu")

@@ -1,11 +1,9 @@
 """Sampling on MLX: the coupled rule's noisy argmax; the processed distribution, inverse-CDF draws
 and the acceptance test of the rejection rule.
 
-Mirrors ``services/core/sampling.py`` (the numpy reference) operation for operation;
-shared by the verifier and the drafter. The coupled rule's Gumbel noise is made
-here on the device (``services/core/noise.py``, in uint32), never a full-vocabulary
-array on the host; the rejection rule's uniforms come from the host. Only ints
-(and a rejection drafter's [n, K] proposal) come back.
+Mirrors ``core/sampling.py`` (the numpy reference) op for op, for the verifier and the drafter. The
+coupled rule's Gumbel noise is made on the device (``core/noise.py``, in uint32); the rejection rule's
+uniforms come from the host. Only ints (and a drafter's [n, K] proposal) come back.
 """
 
 from __future__ import annotations
@@ -82,11 +80,8 @@ def sample_next(logits: mx.array, params: SamplingParams, u: float) -> int:
 def verify_rows(
     logits: mx.array, candidates: Sequence[int], proposal: Proposal | None, params: SamplingParams, u_acc, u_samp
 ) -> tuple[list[bool], list[int]]:
-    """Acceptance of each candidate and the residual / bonus draws, in one host sync.
-
-    ``logits`` [L, V] at block positions 0..L-1; candidate i (``block_ids[i+1]``)
-    is tested at row i against the proposal's row i.
-    """
+    """Acceptance of each candidate and the residual / bonus draws, in one host sync: candidate i
+    (``block_ids[i+1]``) is tested at row i of ``logits`` [L, V] against the proposal's row i."""
     p = process(logits, params)
     L, V = p.shape
     n = len(candidates)
@@ -133,10 +128,8 @@ def logprobs(logits: mx.array, tokens: Sequence[int], k: int) -> list[TokenLogpr
 
 
 def restrict(logits: mx.array, bitmask: np.ndarray) -> mx.array:
-    """``logits`` [L, V] with every token a grammar does not allow there at -inf: what a constrained request's
-    choices and distributions are taken from. ``bitmask``: llguidance's packed rows [L, ceil(V / 32)] (int32,
-    token t at bit t % 32 of word t // 32), expanded on the device by shift and mask (``llguidance.mlx``'s
-    kernel is Metal-only)."""
+    """``logits`` [L, V] with every token a grammar does not allow there at -inf. ``bitmask``: llguidance's
+    packed rows [L, ceil(V / 32)], expanded on the device by shift and mask (``llguidance.mlx`` is Metal-only)."""
     words = mx.array(bitmask)
     keep = ((words[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1).reshape(words.shape[0], -1)
     return mx.where(keep[:, : logits.shape[-1]] != 0, logits, -mx.inf)

@@ -37,14 +37,5 @@ def from_host(arr: np.ndarray, bf16: bool, device=None) -> torch.Tensor:
     return out.view(torch.bfloat16) if bf16 else out
 
 
-_NUMPY_OK = {
-    torch.float32,
-    torch.float16,
-    torch.float64,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-}
+_NUMPY_OK = {torch.float32, torch.float16, torch.float64, torch.bool}  # what .numpy() takes as it is
+_NUMPY_OK |= {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}

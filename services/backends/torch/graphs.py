@@ -1,16 +1,10 @@
 """CUDA graphs for the static-shape steps: one captured graph per block-size bucket, replayed per block.
 
-The gpt-fast / vLLM pattern: a step function whose inputs live in static
-buffers (written in place before each call) and whose tensor shapes depend only
-on the bucket, so ``torch.cuda.CUDAGraph`` can record its kernels once and
-replay them with one launch. A verify of L tokens runs in the smallest bucket
-``>= L`` (padded positions are masked out by causality and trimmed afterwards),
-as vLLM pads a decode batch up to its captured batch size.
-
-With ``capture=False`` the very same objects run the step eagerly: that is how
-the bookkeeping (bucket choice, padding, static buffers, invalidation when a
-cache grows) is exercised on a CPU, and what serves on devices without graphs.
-Nothing here touches CUDA unless ``capture`` is True.
+The gpt-fast / vLLM pattern: a step function whose inputs live in static buffers (written in place before
+each call) and whose shapes depend only on the bucket, recorded once by ``torch.cuda.CUDAGraph`` and
+replayed with one launch. A verify of L tokens runs in the smallest bucket ``>= L`` (padded positions are
+masked by causality and trimmed), as vLLM pads a decode batch to its captured size. With ``capture=False``
+the same objects run eagerly: how the bookkeeping is exercised on a CPU, and what serves without graphs.
 """
 
 from __future__ import annotations
@@ -24,9 +18,8 @@ from dataclasses import dataclass
 import torch
 
 BUCKETS = (1, 2, 4, 8, 16)  # block sizes captured on CUDA (a verify pads up to the next one)
-# Fewest queued sessions worth one batched forward when single steps replay CUDA graphs: the
-# batched forward runs eagerly, so below this the replays win (docs/cuda.md, "Batching on CUDA": on an
-# H200 at the 26B shape the batch wins verifies from 4 sessions but loses drafts to graphed drafts).
+# Fewest queued sessions worth one (eager) batched forward when single steps replay CUDA graphs: below it
+# the replays win (docs/cuda.md, "Batching on CUDA").
 GRAPHED_MIN_BATCH = 4
 
 
@@ -54,13 +47,9 @@ def unpack(packed: torch.Tensor, fields: Sequence[tuple[str, int]]) -> dict[str,
 
 @dataclass(frozen=True)
 class GraphOptions:
-    """How the static steps of a model run.
-
-    ``capture``: record CUDA graphs (only on a CUDA device). ``buckets``: block
-    sizes to pad up to (None: run each length as is -- the CPU default, where
-    padding would only add work). ``static_extent``: attend over whole buffers
-    (fixed shapes, what capture needs) rather than just their filled prefix.
-    """
+    """How the static steps of a model run. ``capture``: record CUDA graphs (CUDA only). ``buckets``: block
+    sizes to pad up to (None: each length as is, the CPU default). ``static_extent``: attend over whole
+    buffers (fixed shapes, what capture needs) rather than their filled prefix."""
 
     capture: bool = False
     buckets: tuple[int, ...] | None = None
@@ -71,8 +60,7 @@ class GraphOptions:
     def for_device(
         cls, device: torch.device, cuda_graphs: bool | None = None, min_batch: int | None = None
     ) -> GraphOptions:
-        """The default for ``device``: graphs on CUDA (unless ``cuda_graphs`` is False), eager elsewhere.
-        ``min_batch``: see the field (``--graphed-min-batch``; default GRAPHED_MIN_BATCH)."""
+        """The default for ``device``: graphs on CUDA (unless ``cuda_graphs`` is False), eager elsewhere."""
         on_cuda = torch.device(device).type == "cuda"
         if cuda_graphs and not on_cuda:
             raise ValueError("CUDA graphs need a CUDA device")
@@ -89,12 +77,10 @@ class GraphOptions:
         return self.min_batch if self.capture else 2
 
 
-# One capture at a time in the process. torch.cuda.graph shares one capture stream between its
-# instances and starts by synchronising the device, and the caching allocator refuses a second
-# recording into a pool: on the H200 (2026-11-28, split at 16 streams) the drafter server met
-# cudaErrorStreamCaptureInvalidated, then "beginAllocateToPool: already recording to mempool_id"
-# on every capture after it. Any thread that captures (a compute thread, a handler thread running
-# a step inline) takes this lock for the warm-up and the capture.
+# One capture at a time in the process: torch.cuda.graph shares one capture stream between its instances
+# and synchronises the device, and the caching allocator refuses a second recording into a pool
+# (cudaErrorStreamCaptureInvalidated, then "already recording to mempool_id" on every later capture).
+# Any thread that captures takes this lock for the warm-up and the capture.
 _CAPTURE_LOCK = threading.Lock()
 _capturing = threading.local()
 
@@ -115,9 +101,8 @@ def exclusive_capture() -> Iterator[None]:
 
 def record(fn: Callable, inputs: Sequence[torch.Tensor], pool, warmup: int):
     """``(graph, outputs)``: ``fn(*inputs)`` warmed up on a side stream (lazy inits, cuBLAS workspaces,
-    autotuning), then captured. ``thread_local``: only this thread's unsafe calls (a host sync, an
-    allocation outside the pool) invalidate the capture, not another thread's work meanwhile (a
-    replay, a tensor freed or made on a handler thread). Callers hold :func:`exclusive_capture`."""
+    autotuning), then captured; ``thread_local``: only this thread's unsafe calls invalidate the capture,
+    not another thread's work meanwhile. Callers hold :func:`exclusive_capture`."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -131,13 +116,9 @@ def record(fn: Callable, inputs: Sequence[torch.Tensor], pool, warmup: int):
 
 
 class GraphedStep:
-    """One step function bound to static inputs: captured once and replayed, or run eagerly.
-
-    ``fn(*inputs)`` must read its inputs only through the given tensors (write
-    them in place before :meth:`__call__`) and return tensors; with ``capture``
-    the returned tensors are static outputs, overwritten by the next replay.
-    The capture holds :func:`exclusive_capture`: never two at once in a process.
-    """
+    """One step function bound to static inputs: captured once and replayed, or run eagerly. ``fn(*inputs)``
+    reads its inputs only through the given tensors (written in place before :meth:`__call__`); with
+    ``capture`` its outputs are static, overwritten by the next replay."""
 
     def __init__(self, fn: Callable, inputs: Sequence[torch.Tensor], capture: bool, pool=None, warmup: int = 2):
         self.fn, self.inputs, self.graph = fn, tuple(inputs), None
@@ -158,12 +139,9 @@ class GraphedStep:
 
 
 class StepGraphs:
-    """The graphed steps of one cache set, keyed by whatever fixes their shapes (bucket, extents).
-
-    A key's step is built on first use (``make(key)`` returns ``(fn, inputs)``);
-    :meth:`invalidate` drops them all -- call it whenever a buffer the steps
-    write or read is reallocated (a graph holds raw device pointers).
-    """
+    """The graphed steps of one cache set, keyed by what fixes their shapes (bucket, extents), each built
+    on first use (``make(key)`` returns ``(fn, inputs)``). :meth:`invalidate` drops them all: call it
+    whenever a buffer they read or write is reallocated (a graph holds raw device pointers)."""
 
     def __init__(self, options: GraphOptions, pool=None):
         self.options = options

@@ -2,18 +2,11 @@
 (``drafter/torch_backend/model.py``): device/dtype resolution, the two RMSNorm conventions, RoPE,
 the one SDPA call.
 
-Both models normalise in float32; they differ in *when* the result goes back to
-the activation dtype, which matters in bf16/fp16:
-
-* Gemma-4 (:func:`gemma4_rms_norm`) multiplies by the weight in float32 and casts
-  once at the end (transformers' ``Gemma4RMSNorm``). Gemma-4 scales by ``w``
-  itself -- not Gemma 1-3's ``1 + w`` -- and some of its norms have no weight.
-* Qwen3 (:func:`qwen3_rms_norm`, the DFlash drafter's layers) casts the
-  normalised rows back first and multiplies by the weight in the weight's
-  dtype (transformers' ``Qwen3RMSNorm``).
-
-In float32 the two give the same numbers; the names keep each model bit-exact
-with its reference in low precision.
+Both RMSNorms normalise in float32 and differ in *when* the result goes back to the activation dtype,
+which matters in bf16/fp16 only: Gemma-4 (:func:`gemma4_rms_norm`, transformers' ``Gemma4RMSNorm``)
+multiplies by the weight -- ``w`` itself, not Gemma 1-3's ``1 + w``; some norms have none -- in float32
+and casts once; Qwen3 (:func:`qwen3_rms_norm`, the DFlash drafter's layers) casts the normalised rows
+back first and multiplies in the weight's dtype.
 """
 
 from __future__ import annotations
@@ -22,14 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES |= {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the short names
 
 
 def cuda_available() -> bool:
@@ -77,10 +64,8 @@ def gemma4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
     """Gemma-4 RMSNorm: ``x * rsqrt(mean(x^2) + eps) * weight`` all in float32, then cast to x's
     dtype; ``weight=None`` is the scale-free norm (Gemma-4's V norm, router input)."""
     if weight is None or weight.dtype == x.dtype:
-        # One fused kernel instead of ~9 (cast, pow, mean, add, rsqrt, mul, weight cast, mul, cast):
-        # it computes in float32 and rounds once, which is this formula, bit for bit against
-        # transformers in float32, bf16 and fp16 (tests/torch_backend/test_torch_ops.py).
-        # A verify runs ~11 norms per layer (331 on the 26B shape).
+        # One fused kernel instead of ~9: it computes in float32 and rounds once, this formula bit for
+        # bit against transformers in float32, bf16 and fp16 (tests/torch_backend/test_torch_ops.py).
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     out = _normalized_f32(x, eps)
     if weight is not None:
@@ -140,12 +125,10 @@ def rope_from_positions(
 
 # --------------------------------------------------------------------------- attention
 
-# cuDNN's SDPA builds (and caches) an execution plan per new shape: with a context that grows every
-# block that is a CPU-side plan build on every call (what it cost: docs/cuda.md, "Attention backends").
-# Flash and memory-efficient attention take any length at no set-up cost; MATH is the fallback (and the CPU's).
+# cuDNN's SDPA builds an execution plan per new shape, a host-side build every block as the context grows
+# (docs/cuda.md, "Attention backends"); flash and memory-efficient attention take any length at no set-up
+# cost; MATH is the fallback (and the CPU's).
 SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-
-
 _ON = (False, True, True, True)  # cuDNN, flash, memory-efficient, math
 
 
@@ -181,10 +164,9 @@ class sdpa_backends:
 def sdpa(
     q, k, v, mask: torch.Tensor | None, scale: float, *, fold: bool | None = None, chunks: int | None = None
 ) -> torch.Tensor:
-    """The one scaled-dot-product attention call of the target and the drafter (GQA when the
-    head counts differ); callers run it inside :func:`sdpa_backends`. ``fold`` (:func:`folds`)
-    and ``chunks`` (:func:`split_count`), None: chosen here from the inputs; given, they are
-    choices :class:`CompiledAttention` made outside its graph."""
+    """The one scaled-dot-product attention call of the target and the drafter (GQA when the head counts
+    differ), inside :func:`sdpa_backends`. ``fold`` (:func:`folds`) and ``chunks`` (:func:`split_count`):
+    None, chosen here; given, :class:`CompiledAttention` chose them outside its graph."""
     Hq, Hkv = q.shape[1], k.shape[1]
     if folds(q, mask) if fold is None else fold:
         return sdpa_folded(q, k, v, mask, scale, chunks)
@@ -235,12 +217,10 @@ def split_count(n_keys: int) -> int:
 def decode_attention(q, k, v, mask: torch.Tensor | None, scale: float, chunks: int | None = None) -> torch.Tensor:
     """Attention for a few query rows over a long cache: two GEMMs and a float32 softmax.
 
-    The fused kernels parallelise over query blocks and heads: with a handful of
-    rows per KV head they run a few thread blocks that each walk the whole cache
-    (measured on an H200: ``docs/cuda.md``, "Attention backends"). Here the key axis is the GEMMs'
-    wide dimension, so the cache is read once at full bandwidth. Scores come out
-    in the inputs' dtype and are softmaxed in float32 (what eager attention does).
-    ``chunks``: the split of ``p @ v`` (None: :func:`split_count` of the keys).
+    The fused kernels parallelise over query blocks and heads, so a handful of rows per KV head runs on a
+    few thread blocks that each walk the whole cache (``docs/cuda.md``, "Attention backends"); here the key
+    axis is the GEMMs' wide dimension and the cache is read once at full bandwidth. Scores come out in the
+    inputs' dtype, softmaxed in float32 as eager attention does. ``chunks``: the split of ``p @ v``.
     """
     s = torch.matmul(q * scale if scale != 1.0 else q, k.transpose(-1, -2))
     if mask is not None:
@@ -262,9 +242,8 @@ def decode_attention(q, k, v, mask: torch.Tensor | None, scale: float, chunks: i
 
 
 def attention_kernel_wanted(device: torch.device, wanted: bool | None) -> bool:
-    """Whether a model's batched step (the verifier's or the drafter's) attends through the Triton
-    decode-attention kernel: by default on CUDA where triton imports; asked for, also on the CPU under
-    Triton's interpreter (how tests run it)."""
+    """Whether a batched step attends through the Triton decode-attention kernel: by default on CUDA where
+    triton imports; asked for, also on the CPU under Triton's interpreter (how tests run it)."""
     if wanted is False:
         return False
     try:
@@ -288,22 +267,17 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def compiled(fn):
-    """``--compile``: ``torch.compile`` one row-wise half of a layer (norms, projections, RoPE,
-    residuals, MLP) into a few fused kernels around its GEMMs.
-
-    ``dynamic``: one graph per layer kind serves every row count (verify buckets, prefill
-    chunks, extension rows) and every layer of that kind; ``fullgraph``: a graph break is an
-    error, not a silent slow path. Inductor keeps
-    intermediates in float32 inside a fused kernel unless told otherwise; with
-    ``emulate_precision_casts`` it rounds them to the activation dtype where eager does, so a
-    compiled bf16 model tracks the eager one (float32 is unaffected)."""
+    """``--compile``: ``torch.compile`` one row-wise half of a layer (norms, projections, RoPE, residuals,
+    MLP) into a few fused kernels around its GEMMs. ``dynamic``: one graph per layer kind serves every row
+    count and layer of that kind; ``fullgraph``: a graph break is an error, not a silent slow path;
+    ``emulate_precision_casts``: Inductor rounds intermediates to the activation dtype where eager does,
+    so a compiled bf16 model tracks the eager one."""
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
 
 
 def whole_buffer(x: torch.Tensor) -> torch.Tensor:
-    """The contiguous ``[B, H, capacity, D]`` buffer ``x`` ``[B, H, n, D]`` is the first ``n`` slots
-    of (a cache's ``keys[:, :, :n]``), as a view of the same memory; ``x`` itself when it is laid
-    out otherwise."""
+    """The contiguous ``[B, H, capacity, D]`` buffer whose first ``n`` slots ``x`` ``[B, H, n, D]`` is, as a
+    view of the same memory; ``x`` itself when it is laid out otherwise."""
     B, H, n, D = x.shape
     s = x.stride()
     if s[3] != 1 or s[2] != D or s[1] % max(D, 1) or (B > 1 and s[0] != H * s[1]):
@@ -325,23 +299,16 @@ ATTENTION_GRAPHS = 32  # CompiledAttention's recompile budget: five two-way bran
 class CompiledAttention:
     """``--compile``'s attention: :func:`sdpa` through :func:`compiled`, one graph set for every layer.
 
-    Dynamo guards a graph on everything the traced code branched on, strides included. A layer
-    attends over the first ``extent`` slots of its cache buffers, views whose strides follow the
-    buffer's capacity (a sliding ring's, a full buffer's that doubles) and whose contiguity
-    changes with ``extent == capacity``; and :func:`decode_attention`'s split count branches on
-    ``extent % 32`` and its range. Traced as they come, each took a graph: the H200 run of
-    2026-11-28 hit torch's recompile limit (8) on the 26B shape (``fullgraph`` makes that an
-    error), last on ``k.stride()[0]``. So the graph gets what does not vary in kind -- K and V as
-    their whole contiguous buffers (:func:`whole_buffer`) and the extent as an int, symbolic like
-    every size -- and the choices made from shapes (:func:`folds`, :func:`split_count`) are made
-    here, eagerly, and passed in.
+    Dynamo guards a graph on everything the traced code branched on, strides included: a layer attends
+    over the first ``extent`` slots of buffers whose strides follow their capacity, and the split count
+    branches on ``extent``, so traced as they come the views took a graph each and hit torch's recompile
+    limit on the 26B shape. So the graph gets K and V as their whole contiguous buffers
+    (:func:`whole_buffer`) and the extent as an int, and the choices made from shapes (:func:`folds`,
+    :func:`split_count`) are made here, eagerly, and passed in.
 
-    Left to guard on are five two-way branches, each taken once: a mask or none; one query row (a
-    size of 1 is specialised) or several; ``p @ v`` split or not; the decode GEMMs or the fused
-    kernels (``DECODE_ROWS``); the attended slots the whole buffer (a contiguous view: the
-    captured static step) or fewer (matmul's decomposition asks). ``ATTENTION_GRAPHS`` (2 ** 5)
-    is that budget, whatever the number of capacities; torch's recompile limit is raised to it
-    when lower (the limit is per compiled function; the layers' row-wise halves stay under it).
+    Left to guard on are five two-way branches: a mask or none; one query row or several; ``p @ v``
+    split or not; the decode GEMMs or the fused kernels (``DECODE_ROWS``); the whole buffer or fewer
+    slots. ``ATTENTION_GRAPHS`` (2 ** 5) is that budget; torch's recompile limit is raised to it.
     """
 
     def __init__(self):

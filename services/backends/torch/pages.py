@@ -1,15 +1,13 @@
 """Pages of K/V rows: the pool the torch verifier's and drafter's batched steps read through tables.
 
-A :class:`PagePool` holds, for every layer of one kind that owns K/V, a K and a V tensor
-``[kv_heads, rows, width]`` (the layout the Triton decode-attention kernel reads,
-``kernels/attention.py``), cut into pages of ``page`` rows. Sessions take pages as their caches grow and
-give them back when they close; they are handed out again, lowest first. A pool that runs out grows by
-whole chunks of pages (at least doubling, so O(log n) moves); growth moves the tensors but no page
-changes its rows, and it bumps ``generation`` (a captured CUDA graph holds the old tensors' addresses).
-Page 0 is never handed out: a batched step's padded rows write there and padded table entries read
-there. How a row is stored is its layer's :class:`Storage` (exact here; the verifier adds quantized
-full-attention rows). What a session's pages mean (rings, positions) is the caller's: the verifier's
-``verifier/torch_backend/pool.py`` and the drafter's ``drafter/torch_backend/pool.py``.
+A :class:`PagePool` holds, for every layer of one kind that owns K/V, a K and a V tensor ``[kv_heads,
+rows, width]`` (the layout ``kernels/attention.py`` reads), cut into pages of ``page`` rows. Sessions take
+pages as their caches grow and give them back, handed out again lowest first. A pool that runs out grows
+by whole chunks (at least doubling); no page changes its rows, but the tensors move and ``generation``
+is bumped (a captured CUDA graph holds the old addresses). Page 0 is never handed out: padded rows
+write there and padded table entries read there. A row's storage is its layer's :class:`Storage`
+(exact here; the verifier adds quantized rows). What pages mean (rings, positions) is the caller's:
+``verifier/torch_backend/pool.py`` and ``drafter/torch_backend/pool.py``.
 """
 
 from __future__ import annotations
@@ -50,12 +48,9 @@ class Storage:
 
 
 class PagePool:
-    """The rows of one layer kind's K and V, for every layer of that kind, handed out in pages.
-
-    ``shapes``: layer index -> (kv_heads, head_dim); ``storage``: layer index ->
-    :class:`Storage`. ``keys[i]`` / ``values[i]``: layer ``i``'s stored tensors,
-    each ``[kv_heads, rows, width]``.
-    """
+    """The rows of one layer kind's K and V, handed out in pages. ``shapes``: layer index -> (kv_heads,
+    head_dim); ``storage``: layer index -> :class:`Storage`; ``keys[i]`` / ``values[i]``: layer ``i``'s
+    stored tensors, each ``[kv_heads, rows, width]``."""
 
     def __init__(self, shapes: dict, storage: dict, device, dtype, page: int = PAGE, chunk: int = CHUNK_PAGES):
         if page < 1 or chunk < 1:
@@ -153,28 +148,19 @@ class PagePool:
 
     def gather(self, i: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s K and V at ``table`` (any shape of row indices): ``[kv_heads, *table.shape, head_dim]``."""
-        store = self.storage[i]
-        flat = table.reshape(-1)
-
-        def rows(t: torch.Tensor) -> torch.Tensor:  # index_select: advanced indexing cost ~5x on a CPU
-            return t.index_select(1, flat).view(t.shape[0], *table.shape, t.shape[-1])
-
-        k = store.load([rows(t) for t in self.keys[i]], self.dtype)
-        v = store.load([rows(t) for t in self.values[i]], self.dtype)
-        return k, v
+        flat = table.reshape(-1)  # index_select: advanced indexing cost ~5x on a CPU
+        return self._loaded(i, lambda t: t.index_select(1, flat).view(t.shape[0], *table.shape, t.shape[-1]))
 
     def span(self, i: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s K and V of rows ``first .. first + n - 1`` as :meth:`gather` of one table row
         returns them (``[kv_heads, 1, n, head_dim]``), as views where the storage is exact."""
+        return self._loaded(i, lambda t: t.narrow(1, first, n).unsqueeze(1))
+
+    def _loaded(self, i: int, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer ``i`` from ``rows`` of each stored tensor, as its :class:`Storage` loads them."""
         store = self.storage[i]
-
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            return t.narrow(1, first, n).unsqueeze(1)
-
-        return (
-            store.load([rows(t) for t in self.keys[i]], self.dtype),
-            store.load([rows(t) for t in self.values[i]], self.dtype),
-        )
+        k = store.load([rows(t) for t in self.keys[i]], self.dtype)
+        return k, store.load([rows(t) for t in self.values[i]], self.dtype)
 
     @property
     def exact(self) -> bool:

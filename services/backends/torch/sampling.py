@@ -1,11 +1,9 @@
 """Sampling on PyTorch: the coupled rule's noisy argmax; the processed distribution, inverse-CDF draws
 and the acceptance test of the rejection rule.
 
-Mirrors ``services/core/sampling.py`` (the numpy reference) operation for operation;
-shared by the verifier and the drafter. The coupled rule's Gumbel noise is made
-here on the device (``services/core/noise.py``, in int64 with 32-bit wrapping), never
-a full-vocabulary tensor on the host; the rejection rule's uniforms come from
-the host. Only ints (and a rejection drafter's [n, K] proposal) come back.
+Mirrors ``core/sampling.py`` (the numpy reference) op for op, for the verifier and the drafter. The
+coupled rule's Gumbel noise is made on the device (``core/noise.py``, int64 with 32-bit wrapping); the
+rejection rule's uniforms come from the host. Only ints (and a drafter's [n, K] proposal) come back.
 """
 
 from __future__ import annotations
@@ -87,11 +85,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
 def verify_rows(
     logits: torch.Tensor, candidates: Sequence[int], proposal: Proposal | None, params: SamplingParams, u_acc, u_samp
 ) -> tuple[list[bool], list[int]]:
-    """Acceptance of each candidate and the residual / bonus draws, in one host sync.
-
-    ``logits`` [L, V] at block positions 0..L-1; candidate i (``block_ids[i+1]``)
-    is tested at row i against the proposal's row i.
-    """
+    """Acceptance of each candidate and the residual / bonus draws, in one host sync: candidate i
+    (``block_ids[i+1]``) is tested at row i of ``logits`` [L, V] against the proposal's row i."""
     dev = logits.device
     p = process(logits, params)
     L, V = p.shape
@@ -133,11 +128,10 @@ def logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenL
 
 @torch.inference_mode()
 def restrict(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
-    """``logits`` [L, V] with every token a grammar does not allow there at -inf: what a constrained request's
-    choices and distributions are taken from. ``bitmask``: llguidance's packed rows [L, ceil(V / 32)] (int32,
-    token t at bit t % 32 of word t // 32), uploaded as they are (32x fewer bytes than bools) and expanded
-    here on the device. Not ``llguidance.torch.apply_token_bitmask_inplace``: that kernel is ``torch.compile``d
-    (a compile at first use, a C++ toolchain on a CPU) and writes in place, where logprobs read the raw rows."""
+    """``logits`` [L, V] with every token a grammar does not allow there at -inf. ``bitmask``: llguidance's
+    packed rows [L, ceil(V / 32)] (int32, token t at bit t % 32 of word t // 32), uploaded as they are and
+    expanded on the device. Not ``llguidance.torch.apply_token_bitmask_inplace``: it is ``torch.compile``d
+    (a C++ toolchain on a CPU) and writes in place, where logprobs read the raw rows."""
     words = torch.from_numpy(np.ascontiguousarray(bitmask)).to(logits.device, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     keep = ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1)[:, : logits.shape[-1]]

@@ -1,26 +1,21 @@
 """Split-K (flash-decoding) attention of a few query rows per session over a K/V pool read through
 an index table: the sliding ring and the full-attention buffers of a verify or a draft block.
 
-Per session ``b``: slot ``j`` holds pool row ``table[b, j]`` and the position ``key_pos[b, j]``
-(negative: an empty slot), in whatever order the host plan put it -- attention is order-free given
-the mask, so the ring is read as it lies. Query row ``l`` sits at ``query_pos[b, l]`` and sees key
-position ``k`` iff ``0 <= k <= q`` and, with a ``window``, ``k > q - window`` or ``k < sinks`` (the
-ring's sinks): the mask of ``verifier/layout.py`` and of the static step, built in the kernel from
-positions. A full layer is ``table = key_pos = arange(S)``, ``window=0``; the drafter's block,
-which sees all of its context and itself, puts every query row at the block's last position. One
-pool and one table row per session is how one launch later serves a batch of sessions.
+Per session ``b``: slot ``j`` holds pool row ``table[b, j]`` at position ``key_pos[b, j]`` (negative: an
+empty slot), in any order (attention is order-free given the mask, so a ring is read as it lies). Query
+row ``l`` at ``query_pos[b, l]`` sees key position ``k`` iff ``0 <= k <= q`` and, with a ``window``,
+``k > q - window`` or ``k < sinks``: ``verifier/layout.py``'s mask, built in the kernel from positions.
+A full layer is ``table = key_pos = arange(S)``, ``window=0``; the drafter's block, which sees all of its
+context and itself, puts every query row at the block's last position.
 
-GQA is folded: one program takes the ``G * L`` query rows of a KV head (its ``G`` query heads
-times ``L`` queries), so each K/V row is read once per KV head. The keys are split over programs
-(``splits``), each keeping a running max and sum (online softmax) and a float32 partial output; a
-second kernel combines the splits. K/V rows no query row sees are never read (empty slots, the
-unwritten tail of a full buffer, garbage in a pool), and a block of them costs no K/V traffic.
+GQA is folded: one program takes a KV head's ``G * L`` query rows, so each K/V row is read once per KV
+head. The keys are split over programs (``splits``), each keeping an online softmax and a float32 partial
+output; a second kernel combines the splits. K/V rows no query row sees are never read.
 
-Numerics follow the eager ``ops.decode_attention`` (what CUDA runs today): ``q * scale`` and the
-scores rounded to the activation dtype (a GEMM's output), the optional soft-cap ``tanh(s / cap) * cap``
-op by op, the softmax in float32, the probabilities rounded to the dtype for the ``p @ v`` product,
-float32 accumulation, one rounding at the end. What differs is only where the probabilities are
-rounded: before the softmax is normalised here (the running sum is not final yet), after it eagerly.
+Numerics follow the eager ``ops.decode_attention``: ``q * scale`` and the scores rounded to the activation
+dtype, the optional soft-cap op by op, the softmax in float32, the probabilities rounded to the dtype for
+``p @ v``, float32 accumulation, one rounding at the end -- except that the probabilities are rounded
+before the softmax is normalised here (the running sum is not final yet), after it eagerly.
 """
 
 from __future__ import annotations
@@ -44,54 +39,13 @@ def _tile(pid, M_TILES, HKV):
 
 @triton.jit
 def _split_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    table_ptr,
-    kpos_ptr,
-    qpos_ptr,
-    out_ptr,
-    acc_ptr,
-    m_ptr,
-    l_ptr,
-    sq_b,
-    sq_l,
-    sq_h,
-    sk_h,
-    sk_r,
-    sv_h,
-    sv_r,
-    st_b,
-    skp_b,
-    sqp_b,
-    so_b,
-    so_l,
-    so_h,
-    S,
-    KEYS_PER_SPLIT,
-    HKV,
-    M_TILES,
-    L,
-    G,
-    window,
-    sinks,
-    window_ptr,
-    sinks_ptr,
-    scale,
-    softcap,
-    HAS_WINDOW: tl.constexpr,
-    PER_SESSION: tl.constexpr,
-    SCALED: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    SPLITS: tl.constexpr,
-    D: tl.constexpr,
-    DTYPE: tl.constexpr,
-    DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, table_ptr, kpos_ptr, qpos_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
+    sq_b, sq_l, sq_h, sk_h, sk_r, sv_h, sv_r, st_b, skp_b, sqp_b, so_b, so_l, so_h,
+    S, KEYS_PER_SPLIT, HKV, M_TILES, L, G, window, sinks, window_ptr, sinks_ptr, scale, softcap,
+    HAS_WINDOW: tl.constexpr, PER_SESSION: tl.constexpr, SCALED: tl.constexpr, SOFTCAP: tl.constexpr,
+    SPLITS: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b, kvh, m_tile = _tile(pid, M_TILES, HKV)
@@ -165,23 +119,9 @@ def _split_kernel(
 
 @triton.jit
 def _combine_kernel(
-    acc_ptr,
-    m_ptr,
-    l_ptr,
-    out_ptr,
-    so_b,
-    so_l,
-    so_h,
-    HKV,
-    M_TILES,
-    L,
-    G,
-    SPLITS: tl.constexpr,
-    D: tl.constexpr,
-    DTYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    acc_ptr, m_ptr, l_ptr, out_ptr, so_b, so_l, so_h, HKV, M_TILES, L, G,
+    SPLITS: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     b, kvh, m_tile = _tile(pid, M_TILES, HKV)
     r = tl.arange(0, BLOCK_M)
@@ -291,77 +231,21 @@ def decode_attention(
         part_m = torch.empty((programs, splits, block_m), **f32)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((programs, splits, block_m, block_d), **f32)
+    shared = dict(SPLITS=splits, D=D, DTYPE=dtype, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
     _split_kernel[(programs, splits)](
-        q,
-        k_pool,
-        v_pool,
-        table,
-        key_pos,
-        query_pos,
-        out,
-        part_acc,
-        part_m,
-        part_l,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        k_pool.stride(0),
-        k_pool.stride(1),
-        v_pool.stride(0),
-        v_pool.stride(1),
-        table.stride(0),
-        key_pos.stride(0),
-        query_pos.stride(0),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        S,
-        keys_per_split,
-        Hkv,
-        m_tiles,
-        L,
-        G,
-        0 if per_session else window,
-        0 if per_session else sinks,
-        window if per_session else table,  # a pointer the kernel never reads without PER_SESSION
-        sinks if per_session else table,
-        scale,
-        softcap or 1.0,
-        HAS_WINDOW=per_session or window > 0,
-        PER_SESSION=per_session,
-        SCALED=scale != 1.0,
-        SOFTCAP=softcap is not None,
-        SPLITS=splits,
-        D=D,
-        DTYPE=dtype,
-        DOT=common.dot_dtype(q),
-        PRECISION=common.dot_precision(q),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        num_warps=warps,
-        num_stages=STAGES,
-    )
+        q, k_pool, v_pool, table, key_pos, query_pos, out, part_acc, part_m, part_l,
+        *q.stride()[:3], *k_pool.stride()[:2], *v_pool.stride()[:2], table.stride(0), key_pos.stride(0),
+        query_pos.stride(0), *out.stride()[:3],
+        S, keys_per_split, Hkv, m_tiles, L, G,
+        0 if per_session else window, 0 if per_session else sinks,
+        window if per_session else table, sinks if per_session else table,  # pointers read only with PER_SESSION
+        scale, softcap or 1.0,
+        HAS_WINDOW=per_session or window > 0, PER_SESSION=per_session, SCALED=scale != 1.0,
+        SOFTCAP=softcap is not None, DOT=common.dot_dtype(q), PRECISION=common.dot_precision(q), BLOCK_N=block_n,
+        num_stages=STAGES, **shared,
+    )  # fmt: skip
     if splits > 1:
-        _combine_kernel[(programs,)](
-            part_acc,
-            part_m,
-            part_l,
-            out,
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            Hkv,
-            m_tiles,
-            L,
-            G,
-            SPLITS=splits,
-            D=D,
-            DTYPE=dtype,
-            BLOCK_M=block_m,
-            BLOCK_D=block_d,
-            num_warps=warps,
-        )
+        _combine_kernel[(programs,)](part_acc, part_m, part_l, out, *out.stride()[:3], Hkv, m_tiles, L, G, **shared)
     return out
 
 

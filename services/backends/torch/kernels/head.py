@@ -1,12 +1,10 @@
 """The LM head's epilogue on the device: Gemma's final soft-cap ``tanh(x / cap) * cap`` of the
 logits (in float32, as ``Gemma4Text.logits`` spells it) and the greedy choice, its argmax.
 
-The LM head's GEMM stays cuBLAS's (it reads the whole embedding, which a GEMV does at full
-bandwidth); what follows it -- the cast to float32, three elementwise ops, the argmax -- becomes
-one pass over the logits in chunks (every SM busy at one row) and a tiny second kernel reducing
-the chunks' maxima. The choice is the argmax of the capped logits the kernel writes, the first
-index among equals (``torch.argmax``'s rule), so a sampler reading those logits and the greedy
-choice see the same numbers. ``write_logits=False`` skips writing them (greedy only).
+The LM head's GEMM stays cuBLAS's; what follows it -- the cast to float32, three elementwise ops, the
+argmax -- becomes one pass over the logits in chunks (every SM busy at one row) and a tiny kernel reducing
+the chunks' maxima. The choice is the first argmax of the capped logits the kernel writes (``torch.argmax``'s
+rule), so a sampler reading them sees the same numbers. ``write_logits=False`` skips writing them.
 """
 
 from __future__ import annotations
@@ -23,20 +21,9 @@ BLOCK = 1024  # logits per step of a chunk's loop
 
 @triton.jit
 def _chunk_kernel(
-    logits_ptr,
-    capped_ptr,
-    best_ptr,
-    where_ptr,
-    V,
-    row,
-    out_row,
-    cap,
-    CHUNK,
-    N_CHUNKS,
-    HAS_CAP: tl.constexpr,
-    WRITE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    logits_ptr, capped_ptr, best_ptr, where_ptr, V, row, out_row, cap, CHUNK, N_CHUNKS,
+    HAS_CAP: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     t = tl.program_id(0)
     c = tl.program_id(1)
     best = float("-inf")
@@ -86,20 +73,9 @@ def softcap_argmax(
     best = torch.empty((T, chunks), dtype=torch.float32, device=logits.device)
     where = torch.empty((T, chunks), dtype=torch.int32, device=logits.device)
     _chunk_kernel[(T, chunks)](
-        logits,
-        capped,
-        best,
-        where,
-        V,
-        logits.stride(0),
-        V,
-        cap or 1.0,
-        chunk,
-        chunks,
-        HAS_CAP=cap is not None,
-        WRITE=write_logits,
-        BLOCK=BLOCK,
-    )
+        logits, capped, best, where, V, logits.stride(0), V, cap or 1.0, chunk, chunks,
+        HAS_CAP=cap is not None, WRITE=write_logits, BLOCK=BLOCK,
+    )  # fmt: skip
     choices = torch.empty(T, dtype=torch.int64, device=logits.device)
     _choose_kernel[(T,)](best, where, choices, chunks, BLOCK_C=triton.next_power_of_2(chunks))
     return choices, capped

@@ -2,12 +2,11 @@
 once for all the rows that chose it -- each expert's weights are read once per call, the
 expert-union floor -- in two kernels and no host sync.
 
-Semantics of Gemma-4's ``MoE`` (``verifier/torch_backend/gemma4.py``): the router's softmax in
-float32, the top ``k``, renormalised over those ``k``, times the per-expert scale (float32 weights);
-each expert's fused ``gate_up`` ``[2 * mi, h]`` (gate rows, then up rows), GeGLU with tanh GELU,
-``down`` ``[h, mi]``; each row's weighted expert outputs summed in float32 in ascending expert
-order and rounded once (what the eager ``index_add_`` over expert-sorted pairs does on a CPU; on
-CUDA its atomic adds round each term in no fixed order), rounding elsewhere where the eager ops round.
+Semantics of Gemma-4's ``MoE`` (``verifier/torch_backend/gemma4.py``): the router's float32 softmax, top
+``k`` renormalised, times the per-expert scale; each expert's fused ``gate_up`` ``[2 * mi, h]`` (gate rows,
+then up rows), tanh-GELU GeGLU, ``down`` ``[h, mi]``; each row's weighted outputs summed in float32 in
+ascending expert order and rounded once (the eager ``index_add_`` on a CPU; CUDA's atomics add in no
+fixed order), rounding elsewhere where the eager ops round.
 
 * :func:`route`: one program per row over the router logits.
 * :func:`experts`: ``_gate_up_kernel`` -- one program per (routed expert, slice of ``mi``), the
@@ -146,16 +145,9 @@ def route(logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor) -> t
     idx = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
     _route_kernel[(T,)](
-        logits,
-        per_expert_scale,
-        idx,
-        w,
-        logits.stride(0),
-        E,
-        K=top_k,
-        BLOCK_E=triton.next_power_of_2(E),
-        BLOCK_K=triton.next_power_of_2(top_k),
-    )
+        logits, per_expert_scale, idx, w, logits.stride(0), E,
+        K=top_k, BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k),
+    )  # fmt: skip
     return idx, w
 
 
@@ -182,46 +174,21 @@ def experts(
             f"idx (integer) and weights (float32) must be [{T}, k], got {tuple(idx.shape)} {idx.dtype}, "
             f"{tuple(weights.shape)} {weights.dtype}"
         )
-    if not (
-        idx.is_contiguous()
-        and weights.is_contiguous()
-        and x.stride(1) == 1
-        and gate_up.stride(2) == 1
-        and down.stride(2) == 1
-    ):
+    rows_ok = x.stride(1) == 1 and gate_up.stride(2) == 1 and down.stride(2) == 1
+    if not (idx.is_contiguous() and weights.is_contiguous() and rows_ok):
         raise ValueError("idx and weights must be contiguous; x, gate_up and down need unit stride along their rows")
     act = torch.empty((T * K, MI), dtype=x.dtype, device=x.device)  # each (row, choice) pair's GeGLU output
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    blocks = {
-        "K": K,
-        "DTYPE": dtype,
-        "DOT": common.dot_dtype(x),
-        "PRECISION": common.dot_precision(x),
-        "BLOCK_I": 64,
-        "BLOCK_T": max(16, triton.next_power_of_2(T)),
-        "BLOCK_K": triton.next_power_of_2(K),
-        "BLOCK_H": 64,
-    }
+    blocks = dict(K=K, DTYPE=dtype, DOT=common.dot_dtype(x), PRECISION=common.dot_precision(x), BLOCK_I=64)
+    blocks |= dict(BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_K=triton.next_power_of_2(K), BLOCK_H=64)
     _gate_up_kernel[(T * K, triton.cdiv(MI, 64))](
         x, idx, gate_up, act, T, H, MI, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), **blocks
     )
     blocks["BLOCK_H"] = DOWN_BLOCK_H
     _down_kernel[(triton.cdiv(H, DOWN_BLOCK_H),)](
-        act,
-        idx,
-        weights,
-        down,
-        out,
-        T,
-        E,
-        H,
-        MI,
-        act.stride(0),
-        down.stride(0),
-        down.stride(1),
-        out.stride(0),
+        act, idx, weights, down, out, T, E, H, MI, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         **blocks,
-    )
+    )  # fmt: skip
     return out
 
 

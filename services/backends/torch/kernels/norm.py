@@ -93,18 +93,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, qwen3:
     rows = _rows(x)
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows,
-        weight,
-        y,
-        rows.stride(0),
-        y.stride(0),
-        H,
-        eps,
-        HAS_WEIGHT=weight is not None,
-        QWEN3=qwen3,
-        DTYPE=dtype,
-        BLOCK=triton.next_power_of_2(H),
-    )
+        rows, weight, y, rows.stride(0), y.stride(0), H, eps,
+        HAS_WEIGHT=weight is not None, QWEN3=qwen3, DTYPE=dtype, BLOCK=triton.next_power_of_2(H),
+    )  # fmt: skip
     return y.view(x.shape)
 
 
@@ -136,25 +127,10 @@ def add_rms_norm(
     h = torch.empty(res.shape, dtype=residual.dtype, device=residual.device)
     y = torch.empty_like(h)
     _add_rms_norm_kernel[(res.shape[0],)](
-        res,
-        b,
-        branch_weight,
-        scale,
-        weight,
-        h,
-        y,
-        res.stride(0),
-        b.stride(0),
-        h.stride(0),
-        H,
-        eps,
-        NORM_BRANCH=branch_weight is not None,
-        HAS_SCALE=scale is not None,
-        HAS_WEIGHT=weight is not None,
-        QWEN3=qwen3,
-        DTYPE=dtype,
-        BLOCK=triton.next_power_of_2(H),
-    )
+        res, b, branch_weight, scale, weight, h, y, res.stride(0), b.stride(0), h.stride(0), H, eps,
+        NORM_BRANCH=branch_weight is not None, HAS_SCALE=scale is not None,
+        HAS_WEIGHT=weight is not None, QWEN3=qwen3, DTYPE=dtype, BLOCK=triton.next_power_of_2(H),
+    )  # fmt: skip
     return h.view(residual.shape), y.view(residual.shape)
 
 

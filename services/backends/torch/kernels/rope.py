@@ -1,13 +1,10 @@
 """The q/k/v epilogue of an attention layer's fused projection: per-head RMSNorm of q and k, RoPE
 (half-split pairs), and V's own norm -- one kernel over the projection's rows.
 
-Gemma-4 (``Attention.project`` of the target): ``q = rope(norm(q; q_norm))``, ``k = rope(norm(k;
-k_norm))``, ``v = norm(v)`` without a weight, with ``v`` the raw K projection on ``k_eq_v``
-layers. The DFlash drafter (``qwen3=True, v_norm=False``): Qwen3 norms, V as projected. The RoPE
-tables are ``cos``/``sin`` ``[T, head_dim]`` in the activation dtype, as
-:func:`~kakeya.backends.torch.ops.rope_from_positions` makes them once per step for every layer,
-so Gemma-4's proportional partial RoPE on full layers is in the tables (cos 1, sin 0 past the
-rotated pairs) and the kernel rotates every pair alike.
+Gemma-4: ``q = rope(norm(q; q_norm))``, ``k = rope(norm(k; k_norm))``, ``v = norm(v)`` without a weight
+(``v`` the raw K projection on ``k_eq_v`` layers). The DFlash drafter (``qwen3=True, v_norm=False``):
+Qwen3 norms, V as projected. ``cos``/``sin`` are ``[T, head_dim]`` tables as ``ops.rope_from_positions``
+makes them, so Gemma-4's partial RoPE is in the tables (cos 1, sin 0 past the rotated pairs).
 
 ``cache=(k_pool, v_pool, rows)`` writes K and V straight into a K/V pool (``[kv_heads, slots,
 head_dim]`` views, row ``rows[t]`` for projection row ``t``) instead of returning them: the cache
@@ -65,32 +62,11 @@ def _store_halves(ptr, lo, hi, offs, mask, HALF, DTYPE: tl.constexpr):
 
 @triton.jit
 def _qkv_kernel(
-    qkv_ptr,
-    qw_ptr,
-    kw_ptr,
-    cos_ptr,
-    sin_ptr,
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    rows_ptr,
-    qkv_row,
-    cs_row,
-    q_row,
-    kv_row,
-    kv_head,
-    eps,
-    N_HEADS,
-    HALF,
-    V_OFFSET: tl.constexpr,
-    V_NORM: tl.constexpr,
-    WRITE_V: tl.constexpr,
-    QWEN3: tl.constexpr,
-    TO_POOL: tl.constexpr,
-    HAS_KV: tl.constexpr,
-    DTYPE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, rows_ptr,
+    qkv_row, cs_row, q_row, kv_row, kv_head, eps, N_HEADS, HALF,
+    V_OFFSET: tl.constexpr, V_NORM: tl.constexpr, WRITE_V: tl.constexpr, QWEN3: tl.constexpr,
+    TO_POOL: tl.constexpr, HAS_KV: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     t = tl.program_id(0)
     head = tl.program_id(1)  # query heads first, then KV heads
     offs = tl.arange(0, BLOCK)
@@ -177,32 +153,11 @@ def qkv_norm_rope(
         v = torch.empty_like(k) if write_v else v_raw.view(T, n_kv, D)
         rows, kv_row, kv_head = None, k.stride(0), k.stride(1)
     _qkv_kernel[(T, n_heads + n_kv)](
-        qkv,
-        q_weight,
-        k_weight,
-        cos,
-        sin,
-        q,
-        k,
-        v,
-        rows,
-        qkv.stride(0),
-        cos.stride(0),
-        q.stride(0),
-        kv_row,
-        kv_head,
-        eps,
-        n_heads,
-        D // 2,
-        V_OFFSET=0 if k_eq_v else k_cols,
-        V_NORM=v_norm,
-        WRITE_V=write_v,
-        QWEN3=qwen3,
-        TO_POOL=cache is not None,
-        HAS_KV=n_kv > 0,
-        DTYPE=dtype,
-        BLOCK=triton.next_power_of_2(D // 2),
-    )
+        qkv, q_weight, k_weight, cos, sin, q, k, v, rows,
+        qkv.stride(0), cos.stride(0), q.stride(0), kv_row, kv_head, eps, n_heads, D // 2,
+        V_OFFSET=0 if k_eq_v else k_cols, V_NORM=v_norm, WRITE_V=write_v, QWEN3=qwen3, TO_POOL=cache is not None,
+        HAS_KV=n_kv > 0, DTYPE=dtype, BLOCK=triton.next_power_of_2(D // 2),
+    )  # fmt: skip
     if n_kv == 0 or cache is not None:
         return q, None, None
     return q, k, v
