@@ -1,6 +1,6 @@
 """What the backend-neutral drafter asks of a loaded DFlash model: the ``DraftModel`` protocol.
 
-``session.py`` and ``batch.py`` drive a drafter through exactly these members; the torch and MLX
+``session.py`` drives a drafter through exactly these members; the torch and MLX
 ``DFlashDraftModel`` implement all of them, and nothing is probed for. ``Array`` is the backend's array
 type; a cache is the backend's ``ContextKVCache`` (rows planned by ``context.py``). Backends differ in
 data, never in missing methods: ``min_batch`` (the fewest queued sessions ``draft_batch`` runs as one
@@ -156,3 +156,14 @@ def scale_logits(config: DFlashConfig, logits: Array, tanh) -> Array:
     if cap is not None and cap > 0:
         logits = tanh(logits / cap) * cap
     return logits
+
+
+def aux_rows(shape: tuple, width: int) -> bool:
+    """Check an aux array's shape ([n, width] or [1, n, width]); True when it has the batch axis."""
+    if len(shape) == 3 and shape[0] != 1:
+        raise ValueError(f"new_aux batch must be 1, got shape {tuple(shape)}")
+    if len(shape) not in (2, 3):
+        raise ValueError(f"new_aux must be [n, {width}], got shape {tuple(shape)}")
+    if shape[-1] != width:
+        raise ValueError(f"new_aux width {shape[-1]} != len(target_layer_ids) * hidden_size = {width}")
+    return len(shape) == 3

@@ -2,22 +2,20 @@
 the Drafter protocol without a wire.
 
 It hands out :class:`~kakeya.drafter.session.DrafterSession` objects and drafts many sessions' blocks in
-one forward (``batch.draft_batch``); ``orchestrator/remote/drafter.py`` is the same protocol over gRPC.
+one forward (``session.draft_batch``); ``orchestrator/remote/drafter.py`` is the same protocol over gRPC.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-from kakeya.core.contract import Draft, SessionOptions
+from kakeya.core.contract import SessionOptions
 from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import SamplingParams
 from kakeya.drafter.backend import DraftModel, bind
-from kakeya.drafter.batch import DraftItem, draft_batch
-from kakeya.drafter.session import WARM_BLOCK_SIZES, LocalDrafterSession
+from kakeya.drafter.session import WARM_BLOCK_SIZES, LocalDrafterSession, draft_batch
 
 
 class LocalDrafter:
@@ -45,9 +43,7 @@ class LocalDrafter:
     def status(self) -> dict[str, str]:
         return {}  # in this process: no connection to lose
 
-    @staticmethod
-    def draft_batch(items: Sequence[tuple[LocalDrafterSession, Any, int, int]]) -> list[Draft | Exception]:
-        return draft_batch([DraftItem(*item) for item in items])
+    draft_batch = staticmethod(draft_batch)  # ``session.draft_batch`` itself: no wrapper a round passes through
 
     def warm_up(self, block_sizes: Iterable[int] = WARM_BLOCK_SIZES, ctx: int = 64, aux=None) -> float:
         """One short session drafting each block size once, before serving; returns the seconds it took.

@@ -29,9 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from kakeya.core.contract import SessionOptions, check_ranked
-from kakeya.drafter.batch import DraftItem, draft_batch
 from kakeya.drafter.config import MAX_BLOCK_SIZE
-from kakeya.drafter.session import LocalDrafterSession
+from kakeya.drafter.session import DraftItem, LocalDrafterSession, draft_batch
 from kakeya.runtime import bounds
 from kakeya.runtime.admission import SessionEntry
 from kakeya.runtime.lifecycle import ServerSpec, check_token_ids, invalid, precondition, version
@@ -64,7 +63,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
 
     def __init__(self, limits: SessionLimits = SessionLimits()):
         # Draft requests of several streams that queue up while a batch runs go through ONE forward
-        # (``batch.draft_batch``); max_batch 1: each alone, in turn.
+        # (``session.draft_batch``); max_batch 1: each alone, in turn.
         super().__init__(limits)
         self.max_context = 0  # set by load(): --max-context, at most the model's max_position_embeddings
         self.drafter = None  # a LocalDrafter (either backend), set by load()

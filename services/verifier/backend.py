@@ -145,6 +145,15 @@ def cat(target: Target, chunks: Sequence) -> Any:
     return chunks[0] if len(chunks) == 1 else target.concat(chunks, 0)
 
 
-def greedy_batch(target: Target, hiddens: Sequence) -> list[int]:
-    """``target.greedy`` of several blocks' hidden states, concatenated: one LM head, one host sync."""
-    return target.greedy(hiddens[0] if len(hiddens) == 1 else target.concat(hiddens, 1))
+def greedy_rows(target: Target, outs: Sequence[Forward], wanted: Sequence[bool]) -> list[list[int] | None]:
+    """``target.greedy`` of every ``wanted`` forward's rows through one LM head and one host sync, split
+    back per forward (None for the others)."""
+    rows = [j for j, w in enumerate(wanted) if w]
+    picks: list = [None] * len(outs)
+    if rows:
+        hs = [outs[j].hidden for j in rows]
+        flat, at = target.greedy(hs[0] if len(hs) == 1 else target.concat(hs, 1)), 0
+        for j in rows:
+            n = outs[j].hidden.shape[1]
+            picks[j], at = flat[at : at + n], at + n
+    return picks

@@ -1,7 +1,7 @@
 """A loaded target in this process (:class:`LocalVerifier`): the Verifier protocol without a wire.
 
 It hands out :class:`~kakeya.verifier.session.VerifierSession` objects and decides many sessions'
-blocks in one forward (``batch.decide_batch``); ``orchestrator/remote/verifier.py`` is the same protocol over gRPC.
+blocks in one forward (``session.decide_batch``); ``orchestrator/remote/verifier.py`` is the same protocol over gRPC.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import CachePolicy, SamplingParams
 from kakeya.verifier import constrained
 from kakeya.verifier.backend import Target
-from kakeya.verifier.batch import decide_batch
-from kakeya.verifier.session import LocalVerifierSession
+from kakeya.verifier.session import LocalVerifierSession, decide_batch
 
 
 class LocalVerifier:
@@ -77,7 +76,7 @@ class LocalVerifier:
     def healthy(self, timeout: float = 1.0) -> bool:
         return True  # in this process: it answers whenever it is asked
 
-    decide_batch = staticmethod(decide_batch)  # ``batch.decide_batch`` itself: no wrapper a round passes through
+    decide_batch = staticmethod(decide_batch)  # ``session.decide_batch`` itself: no wrapper a round passes through
 
 
 def mlx_verifier(

@@ -42,8 +42,7 @@ from kakeya.runtime.lifecycle import (
 )
 from kakeya.runtime.rounds import RoundSlot, RoundWire, serve_round
 from kakeya.runtime.servicer import SessionLimits, SessionServicer
-from kakeya.verifier.batch import VerifyItem, decide
-from kakeya.verifier.session import LocalVerifierSession, check_proposal
+from kakeya.verifier.session import LocalVerifierSession, VerifyItem, check_proposal, decide
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import verifier_pb2 as pb
@@ -85,7 +84,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
 
     def __init__(self, limits: SessionLimits = SessionLimits(), restore: bounds.RestoreSources | None = None):
         # concurrent sessions' Verify steps that queue up meanwhile run as one batched forward
-        # (batch.decide); a prefill runs one chunk per job, so verifies run between chunks.
+        # (session.decide); a prefill runs one chunk per job, so verifies run between chunks.
         # Prefix snapshots live on the device beside the sessions' K/V, outside --max-kv-bytes.
         super().__init__(limits)
         self.verifier = None  # LocalVerifier, set by load()
@@ -373,7 +372,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
 
     def _verify_batch(self, items: list) -> list:
         """The Verify requests that queued up together (``(entry, VerifyItem)`` each), decided as one batch
-        (``batch.decide``) and answered; one ``Verified`` (or exception) per item, each item's failure its own."""
+        (``session.decide``) and answered; one ``Verified`` (or exception) per item, each item's failure its own."""
         verdicts = decide([item for _, item in items])
         out = []
         for (entry, item), verdict in zip(items, verdicts):

@@ -74,3 +74,36 @@ def restore(session, snap: VerifierSnapshot, back: int = 0) -> bool:
         if back:
             layout.trim(back)
     return True
+
+
+def resume(session, reuse, count: bool) -> int:
+    """Resume a new ``session`` from the longest snapshot ``reuse`` allows (None: any), or the longest prefix
+    of one its prompt shares that the ring can trim back to exactly; the positions it holds (0: a cold
+    prefill). ``count``: the lookup counts as a hit or a miss (the verifier's lookup decides; a drafter
+    only offers what it holds)."""
+    if session.prefixes is None:
+        return 0
+    found = session.prefixes.find(session.policy, session.prompt, reuse, partial=True) if reuse is None or reuse else []
+    for match in found:  # longest first
+        if restore(session, match.value, match.back):
+            break
+    if count:
+        session.prefixes.count(session.offset)
+    return session.offset
+
+
+def save(session, ids) -> bool:
+    """Keep ``session``'s state after exactly ``ids`` in its prefix cache: the session (its generation over)
+    is trimmed back to ``len(ids)``, only as far as the ring stays exact (``RingLayout.can_trim``), and
+    closed after. False when nothing was kept (no prefix cache, out of reach, over budget)."""
+    session._check_open()
+    if session._pending is not None:
+        raise RuntimeError("save: commit the pending block first")
+    if tuple(ids[: len(session.prompt)]) != session.prompt or len(ids) < len(session.prompt):
+        raise ValueError("save: ids must start with the session's prompt")
+    back = session.offset - len(ids)
+    if session.prefixes is None or not session.layout.can_trim(back):
+        return False
+    session.trim(back)
+    snap = take(session)
+    return session.prefixes.put(session.policy, ids, snap, snap.nbytes)

@@ -19,8 +19,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kakeya.core.contract import Draft
-from kakeya.drafter.batch import DraftItem, draft_batch
 from kakeya.drafter.local import TorchDrafter
+from kakeya.drafter.session import DraftItem, draft_batch
 
 SIZES = [1 + (5 * k) % 16 for k in range(16)]  # every block size 1..16 once: ragged rows, extensions alone
 

@@ -25,8 +25,8 @@ from kakeya.backends.mlx import sampling as sampling_mlx
 from kakeya.checkpoints.config import load_target_config
 from kakeya.checkpoints.layout import find_text_tensors, shard_files
 from kakeya.drafter import context
-from kakeya.drafter.backend import KV, bind, extend_and_draft, scale_embedding, scale_logits
-from kakeya.drafter.config import DFlashConfig, aux_rows
+from kakeya.drafter.backend import KV, aux_rows, bind, extend_and_draft, scale_embedding, scale_logits
+from kakeya.drafter.config import DFlashConfig
 from kakeya.drafter.context import (
     DEFAULT_STEP,
     Append,

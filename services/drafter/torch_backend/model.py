@@ -26,8 +26,8 @@ from kakeya.backends.torch.ops import (
     rope_cos_sin,
     sdpa,
 )
-from kakeya.drafter.backend import KV, scale_embedding, scale_logits
-from kakeya.drafter.config import DFlashConfig, aux_rows
+from kakeya.drafter.backend import KV, aux_rows, scale_embedding, scale_logits
+from kakeya.drafter.config import DFlashConfig
 from kakeya.drafter.context import DEFAULT_STEP, Segment, split_rows
 from kakeya.drafter.torch_backend import batch_step
 from kakeya.drafter.torch_backend.pool import DraftPool, PooledContext

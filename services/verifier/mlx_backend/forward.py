@@ -7,7 +7,7 @@ the end: each row's real positions reach its own cache exactly as in its own for
 does), masks are padded with False (a padded row sees key 0 only and is dropped). Projections, norms,
 MLP, MoE and the LM head run once over all rows; attention stays per row. A session's own forward is the
 batch of one (mlx-lm's own masks; with f_theta the restored K/V in front of each ring). f_theta and
-quantized full-attention caches never batch (``verifier/batch.py``).
+quantized full-attention caches never batch (``verifier/session.py``).
 """
 
 from __future__ import annotations

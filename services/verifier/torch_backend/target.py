@@ -24,7 +24,7 @@ from kakeya.backends.torch.graphs import GraphOptions, bucket_for
 from kakeya.backends.torch.ops import attention_kernel_wanted, resolve_device, resolve_dtype
 from kakeya.core.contract import FULL, SLIDING
 from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy
-from kakeya.verifier.backend import Forward, Segment, greedy_batch
+from kakeya.verifier.backend import Forward, Segment, greedy_rows
 from kakeya.verifier.layout import ForwardPlan, RingLayout
 from kakeya.verifier.torch_backend import batch_step
 from kakeya.verifier.torch_backend.attention import IndexedAttention, SegmentAttention
@@ -132,13 +132,7 @@ class TargetTorch:
         in one argmax and one host sync."""
         if not poolable(segments):
             outs = self._segment_forward(segments)
-            rows = [j for j, g in enumerate(greedy) if g]
-            flat = greedy_batch(self, [outs[j].hidden for j in rows]) if rows else []
-            picks, at = [None] * len(segments), 0
-            for j in rows:
-                n = len(segments[j].ids)
-                picks[j], at = flat[at : at + n], at + n
-            return outs, picks
+            return outs, greedy_rows(self, outs, greedy)
         outs, picks, _ = batch_step.run(self, segments, choices=any(greedy))
         return outs, [p if g else None for p, g in zip(picks, greedy)]
 
