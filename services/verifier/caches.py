@@ -1,13 +1,10 @@
 """What every backend's verifier caches share: arrays only, written where a forward's plan says.
 
-A session's caches (:class:`SessionCaches`) are one object per layer that has
-its own K/V, in layer order: a :class:`RingKV` on sliding layers (bounded, see
-``layout.py``) and the backend's full-attention cache (exact or quantized) on
-the others. They hold arrays and nothing about a forward: no position counter
-(the session's ``RingLayout`` is the only one; a trim moves it back and leaves
-the arrays alone) and no plan (every write gets its ``ForwardPlan`` as an
-argument). The backends (``mlx_backend/cache.py``, ``torch_backend/cache.py``)
-add only their array operations.
+A session's caches (:class:`SessionCaches`) are one object per layer that has its own K/V, in layer
+order: a ring on sliding layers (bounded, see ``layout.py``) and a full-attention cache (exact or
+quantized) on the others (MLX: ``mlx_backend/cache.py``; torch: pages of its pools, ``pool.py``). They
+hold arrays and nothing about a forward: no position counter (the session's ``RingLayout`` is the only
+one; a trim moves it back and leaves the arrays alone) and no plan (each write gets its ``ForwardPlan``).
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kakeya.core.contract import SLIDING
-from kakeya.verifier.layout import ForwardPlan
 
 
 class LayerKV:
@@ -32,50 +28,6 @@ class LayerKV:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
-
-
-class RingKV(LayerKV):
-    """One sliding layer's K/V ring of ``capacity`` slots; all rings of a session share one layout.
-
-    ``plan.in_place``: write first, attend over ``ring[:used]``; otherwise attend
-    over ``ring[:used] ++ new`` and write afterwards (a forward longer than the
-    slack would overwrite slots its own first queries still need).
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-
-    def fetch(self, keys, values, plan: ForwardPlan) -> tuple[Any, Any]:
-        """Write this forward's ``keys``/``values`` where ``plan`` says; the K/V its queries attend over."""
-        if plan.in_place:
-            self._write(keys, values, plan)
-            return self.keys[..., : plan.used, :], self.values[..., : plan.used, :]
-        if self.keys is None or plan.used == 0:
-            all_k, all_v = keys, values
-        else:
-            all_k = self.concat([self.keys[..., : plan.used, :], keys])
-            all_v = self.concat([self.values[..., : plan.used, :], values])
-        self._write(keys, values, plan)
-        return all_k, all_v
-
-    def _write(self, keys, values, plan: ForwardPlan) -> None:
-        if self.keys is None:
-            self.keys, self.values = self.zeros(keys, self.capacity), self.zeros(values, self.capacity)
-        for w in plan.writes:
-            self.keys[..., w.dst : w.dst + w.length, :] = keys[..., w.src : w.src + w.length, :]
-            self.values[..., w.dst : w.dst + w.length, :] = values[..., w.src : w.src + w.length, :]
-
-    # -- the backend's array operations -------------------------------------------------
-
-    @staticmethod
-    def zeros(like, slots: int):
-        """Zeros shaped like ``like`` [1, heads, *, dim] with ``slots`` slots."""
-        raise NotImplementedError
-
-    @staticmethod
-    def concat(parts: Sequence):
-        """``parts`` joined along the slot axis."""
-        raise NotImplementedError
 
 
 class SessionCaches:

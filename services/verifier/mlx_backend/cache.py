@@ -1,7 +1,7 @@
 """MLX arrays for the verifier caches (the shared parts: ``verifier/caches.py``).
 
 * :class:`RingKVCache` -- one sliding layer's K/V ring, written wherever the
-  forward's plan says (``caches.RingKV``), so rollback is always exact.
+  forward's plan says, so rollback is always exact.
 * :class:`FullKVCache` -- a full-attention layer's exact K/V; a forward from
   ``start`` writes positions ``start ..``, a trim is the session's layout
   moving back. It grows as mlx-lm's ``KVCache`` does (256-position steps past
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from kakeya.verifier.caches import LayerKV, RingKV
+from kakeya.verifier.caches import LayerKV
 from kakeya.verifier.layout import ForwardPlan
 
 
@@ -27,14 +27,31 @@ def _zeros(like: mx.array, slots: int) -> mx.array:
     return mx.zeros((*like.shape[:2], slots, like.shape[-1]), like.dtype)
 
 
-class RingKVCache(RingKV):
-    """One sliding layer's K/V ring."""
+class RingKVCache(LayerKV):
+    """One sliding layer's K/V ring of ``capacity`` slots; all rings of a session share one layout.
 
-    zeros = staticmethod(_zeros)
+    ``plan.in_place``: write first, attend over ``ring[:used]``; otherwise attend over ``ring[:used] ++ new``
+    and write afterwards (a forward longer than the slack would overwrite slots its first queries need).
+    """
 
-    @staticmethod
-    def concat(parts: Sequence[mx.array]) -> mx.array:
-        return mx.concatenate(list(parts), axis=2)
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+
+    def fetch(self, keys: mx.array, values: mx.array, plan: ForwardPlan):
+        """Write this forward's ``keys``/``values`` where ``plan`` says; the K/V its queries attend over."""
+        if self.keys is None:
+            self.keys, self.values = _zeros(keys, self.capacity), _zeros(values, self.capacity)
+        out = None
+        if not plan.in_place:  # what the queries see is taken before the write
+            out = (keys, values)
+            if plan.used:
+                out = tuple(
+                    mx.concatenate([t[..., : plan.used, :], x], axis=2) for t, x in zip((self.keys, self.values), out)
+                )
+        for w in plan.writes:
+            self.keys[..., w.dst : w.dst + w.length, :] = keys[..., w.src : w.src + w.length, :]
+            self.values[..., w.dst : w.dst + w.length, :] = values[..., w.src : w.src + w.length, :]
+        return out or (self.keys[..., : plan.used, :], self.values[..., : plan.used, :])
 
     def load(self, saved: Sequence[mx.array]) -> None:
         """A prefix snapshot's ring (``SessionCaches.copy``), as arrays of this cache's own."""

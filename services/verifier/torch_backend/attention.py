@@ -12,8 +12,8 @@ forward of every session's block that fits the batched step is
   write its own session's pages as its plan says and attend over them with its
   own masks (``pool.PooledRing`` / ``pool.PooledFull``).
 * :class:`IndexedAttention` -- K/V written at device index tensors and
-  attended over fixed extents of per-layer caches: the plain reference decode
-  (``TargetTorch.greedy_reference``).
+  attended over fixed extents of per-layer :class:`FullKVCache`: the plain
+  reference decode (``TargetTorch.greedy_reference``).
 """
 
 from __future__ import annotations
@@ -66,3 +66,27 @@ class IndexedAttention:
         t = layer.layer_type
         kv = shared if shared is not None else self.caches[i].fetch_at(*self.where[t], k, v)
         return layer.attn.attend(q, *kv, self.masks[t], 1.0), kv
+
+
+class FullKVCache:
+    """One layer's exact K/V of every position ``[1, kv_heads, slots, head_dim]``, grown in 256-slot steps
+    to at least double (O(log n) moves): the plain reference decode's, no ring, no pool."""
+
+    keys = values = None
+
+    def reserve(self, n: int, keep: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Room for ``n`` positions, the first ``keep`` kept (``keys``/``values``: this layer's, for shape)."""
+        cap = 0 if self.keys is None else self.keys.shape[2]
+        if n <= cap:
+            return
+        size = (max(n, 2 * cap) + 255) // 256 * 256
+        new = [t.new_zeros((*t.shape[:2], size, t.shape[-1])) for t in (keys, values)]
+        if self.keys is not None:
+            new[0][:, :, :keep], new[1][:, :, :keep] = self.keys[:, :, :keep], self.values[:, :, :keep]
+        self.keys, self.values = new
+
+    def fetch_at(self, positions: torch.Tensor, extent: int, keys: torch.Tensor, values: torch.Tensor):
+        """``keys``/``values`` written at ``positions`` (room reserved), then the first ``extent`` positions."""
+        self.keys.index_copy_(2, positions, keys)
+        self.values.index_copy_(2, positions, values)
+        return self.keys[:, :, :extent], self.values[:, :, :extent]

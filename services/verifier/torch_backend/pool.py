@@ -7,8 +7,8 @@ when it opens (ring slot ``s`` at row ``pages[s // page] * page + s % page``; it
 position counter, so rollback stays exact past wraps) and its full-attention K/V as pages taken as the
 context grows. Growth happens only between steps (:meth:`KVPool.stepping`) and bumps the pool's
 ``generation``, which keys captured CUDA graphs. Page 0 is never handed out: padded rows write there.
-Quantized full K/V (``full_kv_bits``) live in a pool of their own per (bits, group size); sliding rings
-are always exact. ``docs/cuda.md``, "One verify = one static-shape step", has the whole design.
+Quantized full K/V (``full_kv_bits``: :func:`quantize`, the rule of ``mx.quantize``) live in a pool of
+their own per (bits, group size); sliding rings are always exact. ``docs/cuda.md``, "One verify = one static-shape step", has the whole design.
 """
 
 from __future__ import annotations
@@ -25,7 +25,42 @@ from kakeya.backends.torch.pages import CHUNK_PAGES, PAGE, PagePool, Storage
 from kakeya.core.contract import SLIDING
 from kakeya.verifier.caches import SessionCaches
 from kakeya.verifier.layout import ForwardPlan, RingLayout
-from kakeya.verifier.torch_backend.cache import dequantize, quantize
+
+
+def quantize(x: torch.Tensor, group_size: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Affine per-group quantization of the last dim, the same rule as ``mx.quantize``.
+
+    Returns ``(codes, scales, biases)``: codes uint8 ``[..., D * bits / 8]`` (two
+    4-bit codes per byte), scales/biases ``[..., D / group_size]`` in ``x.dtype``;
+    ``x ~= code * scale + bias``. One end of each group's range is represented
+    exactly (the one with the larger magnitude), as in MLX.
+    """
+    *lead, D = x.shape
+    if D % group_size:
+        raise ValueError(f"head dim {D} is not a multiple of the quantization group size {group_size}")
+    g = x.float().reshape(*lead, D // group_size, group_size)
+    n_bins = 2**bits - 1
+    w_max, w_min = g.amax(-1, keepdim=True), g.amin(-1, keepdim=True)
+    neg = w_min.abs() > w_max.abs()
+    scales = torch.clamp((w_max - w_min) / n_bins, min=1e-7)
+    scales = torch.where(neg, scales, -scales)
+    edge = torch.where(neg, w_min, w_max)
+    q0 = torch.round(edge / scales)
+    scales = torch.where(q0 != 0, edge / q0, scales)
+    biases = torch.where(q0 == 0, torch.zeros_like(edge), edge)
+    codes = torch.clamp(torch.round((g - biases) / scales), 0, n_bins).to(torch.uint8).reshape(*lead, D)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes, scales.squeeze(-1).to(x.dtype), biases.squeeze(-1).to(x.dtype)
+
+
+def dequantize(codes, scales, biases, group_size: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    if bits == 4:
+        codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+    *lead, D = codes.shape
+    g = codes.float().reshape(*lead, D // group_size, group_size)
+    out = g * scales.float().unsqueeze(-1) + biases.float().unsqueeze(-1)
+    return out.reshape(*lead, D).to(dtype)
 
 
 class QuantizedStorage(Storage):
@@ -235,7 +270,7 @@ class _PooledLayer:
 class PooledRing(_PooledLayer):
     """One sliding layer of a session, as its dynamic forward sees it (``SegmentAttention``): the ring's
     slots are rows of the sliding pool; ``plan.in_place``: write first, then read ``slots[:used]``,
-    else read ``slots[:used]`` ++ the new rows, then write (what ``caches.RingKV`` does)."""
+    else read ``slots[:used]`` ++ the new rows, then write (what MLX's ``RingKVCache`` does)."""
 
     def fetch(self, keys: torch.Tensor, values: torch.Tensor, plan: ForwardPlan):
         c, i = self.caches, self.i

@@ -27,9 +27,8 @@ from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy
 from kakeya.verifier.backend import Forward, Segment, greedy_rows
 from kakeya.verifier.layout import ForwardPlan, RingLayout
 from kakeya.verifier.torch_backend import batch_step
-from kakeya.verifier.torch_backend.attention import IndexedAttention, SegmentAttention
+from kakeya.verifier.torch_backend.attention import FullKVCache, IndexedAttention, SegmentAttention
 from kakeya.verifier.torch_backend.batch_step import DEFAULT_MIN_EXTENT, PAD_ID, BatchSteps, poolable
-from kakeya.verifier.torch_backend.cache import FullKVCache
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, Gemma4Text
 from kakeya.verifier.torch_backend.load import load_gemma4
 from kakeya.verifier.torch_backend.pool import CHUNK_PAGES, PAGE, KVPool, PooledCaches
