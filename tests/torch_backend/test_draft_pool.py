@@ -1,4 +1,4 @@
-"""The torch drafter's batched step over pooled context K/V (drafter/torch_backend/batch_step.py, pool.py), on a CPU.
+"""The torch drafter's batched step over pooled context K/V (drafter/torch_backend/batch_step.py), on a CPU.
 
 Structure: a batched draft of 16 sessions (ragged contexts, blocks of 1..16) runs as many device
 operations as one session's draft (within 10 %) and syncs with the host once. Exactness: each

@@ -9,7 +9,7 @@ changes its rows, and it bumps ``generation`` (a captured CUDA graph holds the o
 Page 0 is never handed out: a batched step's padded rows write there and padded table entries read
 there. How a row is stored is its layer's :class:`Storage` (exact here; the verifier adds quantized
 full-attention rows). What a session's pages mean (rings, positions) is the caller's: the verifier's
-``verifier/torch_backend/pool.py`` and the drafter's ``drafter/torch_backend/pool.py``.
+``verifier/torch_backend/pool.py`` and the drafter's ``drafter/torch_backend/batch_step.py``.
 """
 
 from __future__ import annotations

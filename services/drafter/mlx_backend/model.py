@@ -336,7 +336,7 @@ class DFlashDraftModel(nn.Module):
         x = self.embed_block(ids)
         lanes = np.concatenate([np.arange(n) for _, n in sized]) if self.config.dflash2 is not None else None
         lanes_mx = None if lanes is None else mx.array(lanes)  # each row's index in its block (DFlash2's conv)
-        for layer, segments in zip(self.layers, block_segments(sized, specs, mx.array, scratch=False)):
+        for layer, segments in zip(self.layers, block_segments(sized, specs, mx.array)):
             x = layer(x, segments, self.rope, lanes_mx)
         h = self.norm(x[0])
         rows = h[1:] if len(blocks) == 1 else h[mx.array(draft_rows(n for _, n in sized), dtype=mx.int32)]

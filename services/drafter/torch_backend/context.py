@@ -1,6 +1,6 @@
 """Context K/V handed in as tensors: the block trainer's (many blocks over one precomputed context).
 
-Sessions' context K/V live in the model's pool (``pool.py``); this is the ``Segment.context`` the
+Sessions' context K/V live in the model's pool (``batch_step.py``); this is the ``Segment.context`` the
 decoder layers' own forward (``DecoderLayer.forward``) attends to when the trainer supplies the context.
 """
 
