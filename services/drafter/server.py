@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from kakeya.core.contract import SessionOptions, check_ranked
-from kakeya.drafter.config import MAX_BLOCK_SIZE
+from kakeya.core.request import MAX_BLOCK_SIZE
 from kakeya.drafter.session import DraftItem, LocalDrafterSession, draft_batch
 from kakeya.runtime import bounds
 from kakeya.runtime.admission import SessionEntry

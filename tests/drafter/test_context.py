@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kakeya.core.request import MAX_BLOCK_SIZE
 from kakeya.drafter.backend import extend
-from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.drafter.context import ContextLayout, block_mask
 from kakeya.drafter.local import MLXDrafter
 from kakeya.drafter.mlx_backend.model import load_dflash_mlx
