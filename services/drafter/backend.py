@@ -1,14 +1,11 @@
 """What the backend-neutral drafter asks of a loaded DFlash model: the ``DraftModel`` protocol.
 
-``session.py`` drives a drafter through exactly these members; the torch and MLX
-``DFlashDraftModel`` implement all of them, and nothing is probed for. ``Array`` is the backend's array
-type; a cache is the backend's ``ContextKVCache`` (rows planned by ``context.py``). Backends differ in
-data, never in missing methods: ``min_batch`` (the fewest queued sessions ``draft_batch`` runs as one
-forward), ``static_step`` (None, or torch's static-shape steps for CUDA graphs) and ``release_cache``.
-
-A draft call is ``draft_step``: extend every session's context by its new aux rows, one block forward over
-every session's block, then the tokens (greedy, one host sync; or a sampling session's candidates through
-``sampler``). MLX runs :func:`extend_and_draft`; torch one batched step over pooled K/V.
+``session.py`` drives a drafter through exactly these members; the torch and MLX ``DFlashDraftModel``
+implement all of them, and nothing is probed for: backends differ in data (``min_batch``, the fewest
+queued sessions ``draft_batch`` runs as one forward; ``static_step``, torch's static-shape steps). A draft
+call is ``draft_step``: extend every session's context by its new aux rows, one block forward over every
+session's block, then the tokens (greedy: one host sync). MLX runs :func:`extend_and_draft`; torch one
+batched step over pooled K/V.
 """
 
 from __future__ import annotations

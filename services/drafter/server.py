@@ -1,22 +1,14 @@
-"""The drafter's gRPC servicer: one Session stream == one DFlash drafter session.
+"""The drafter's gRPC servicer: one Session stream == one DFlash drafter session (either backend).
 
-The stream IS the session: its context K/V cache is created at ``Open`` and
-freed when the stream ends, however it ends. With ``--max-kv-bytes`` the
-context caches of all sessions stay within that budget: before a Draft extends
-a session's context, the bytes its cache will then hold are reserved
-(``SessionRegistry.reserve``), so one client's 131,072 aux rows cannot take
-the drafter's memory. Per block the request carries the
-aux of the newly committed positions (a ``Tensor`` decoded by
-``services/wire/codec.py``) and the token opening the block; the response
-carries ``B - 1`` candidate ids (and, in a sampling session, the compact
-proposal each was drawn from). A ``Predraft`` (deprecated: pre-drafting was removed, measured not to pay,
-docs/benchmarks.md "History") only takes its new aux and is answered with no block, so an older client
-drafts afresh. After its first Draft (on its stream), a session's
-Drafts may come in a ``DraftRound`` call with other sessions' (``runtime/rounds.py``), each item checked
-and answered as its stream's Draft. The drafter loads only the target's embedding
-and LM head (``endpoints.local_drafter``), never the whole target. One servicer
-and one ``server_spec`` for both backends: ``backend`` picks the model, the
-session and the warm-up are the same code.
+The stream IS the session: its context K/V cache is created at ``Open`` and freed when the stream ends,
+however it ends. With ``--max-kv-bytes`` the bytes a Draft's context will hold are reserved before it
+extends it (``SessionRegistry.reserve``), so one client's long context cannot take the drafter's memory.
+Per block the request carries the aux of the newly committed positions (``wire/codec.py``) and the token
+opening the block; the response carries ``B - 1`` candidate ids (and, sampling, the proposal each was
+drawn from). A ``Predraft`` (deprecated: pre-drafting was removed, measured not to pay, docs/benchmarks.md
+"History") only takes its new aux and is answered with no block. After its first Draft, a session's Drafts
+may come in a ``DraftRound`` call with other sessions' (``runtime/rounds.py``), each checked and answered
+as its stream's Draft. The drafter loads only the target's embedding and LM head, never the whole target.
 """
 
 from __future__ import annotations

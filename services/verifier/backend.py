@@ -1,12 +1,9 @@
 """The verifier's backend protocols: everything a session and the batch runner call on a target.
 
-``TargetMLX`` and ``TargetTorch`` implement :class:`Target` (``tests/test_protocols.py``). What only one
-backend has is a capability declared as data, never probed for, with a protocol of its own:
-``static_verify`` (torch, :class:`StaticVerify`: greedy blocks of one or many sessions through a
-static-shape step, one host sync), ``restores`` (MLX, :class:`Restores`: f_theta), and ``min_batch`` with
-``SessionCaches.batchable`` / ``batch_key`` (sets of one key share a forward). Every forward is
-:meth:`Target.forward` over one or more :class:`Segment` (a session's block and the immutable plan of its
-``RingLayout``): a session's own forward is a batch of one.
+``TargetMLX`` and ``TargetTorch`` implement :class:`Target`. What only one backend has is a capability
+declared as data, never probed for: ``static_verify`` (torch, :class:`StaticVerify`), ``restores`` (MLX,
+:class:`Restores`: f_theta), and ``min_batch`` with ``SessionCaches.batchable`` / ``batch_key``. Every
+forward is :meth:`Target.forward` over one or more :class:`Segment`: a session's own is a batch of one.
 """
 
 from __future__ import annotations
@@ -108,7 +105,7 @@ class Target(Protocol):
         snapshot, which nothing the session does later changes."""
 
     def load_caches(self, caches: SessionCaches, saved: list[list], positions: int) -> None:
-        """A new session's ``caches`` set to a snapshot's (:meth:`copy_caches`), copied: the snapshot stays as it was."""
+        """A new session's ``caches`` set to a copy of a snapshot's (:meth:`copy_caches`)."""
 
 
 @runtime_checkable

@@ -39,8 +39,6 @@ from kakeya.drafter.context import (
 )
 from kakeya.drafter.mlx_backend import dflash2
 
-# --------------------------------------------------------------------------- layers
-
 
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
@@ -110,9 +108,6 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-# --------------------------------------------------------------------------- context cache
-
-
 class LayerKV:
     """One layer's context K/V: ``[1, n_kv, capacity, hd]`` buffers, rows planned by its layout.
 
@@ -173,9 +168,6 @@ class ContextKVCache(context.ContextKVCache):
     @property
     def state(self) -> list[mx.array]:
         return [a for l in self.layers if l.keys is not None for a in (l.keys, l.values)]
-
-
-# --------------------------------------------------------------------------- target tensors
 
 
 class TargetHead:
@@ -245,9 +237,6 @@ class TargetHead:
     def nbytes(self) -> int:
         n = sum(a.nbytes for a in self.embed.values())
         return n if self.tied else n + sum(a.nbytes for a in self.head.values())
-
-
-# --------------------------------------------------------------------------- model
 
 
 class DFlashDraftModel(nn.Module):
@@ -369,9 +358,6 @@ class DFlashDraftModel(nn.Module):
 
     def synchronize(self) -> None:
         mx.synchronize()
-
-
-# --------------------------------------------------------------------------- loading
 
 
 def _index_tensors(target_dir: Path) -> dict[str, mx.array]:

@@ -90,9 +90,6 @@ class FThetaConfig:
         return cls(**d)
 
 
-# --------------------------------------------------------------------------- modules
-
-
 class _DraftLayerKV(nn.Module):
     def __init__(self, hidden: int, kv_heads: int, head_dim: int, eps: float):
         super().__init__()
@@ -192,9 +189,6 @@ class FTheta(nn.Module):
         k = dec.k(z[..., : self.rank]).reshape(shape)
         v = k if spec.k_eq_v else dec.v(z[..., self.rank :]).reshape(shape)
         return k, v
-
-
-# --------------------------------------------------------------------------- restorer
 
 
 class Restorer:

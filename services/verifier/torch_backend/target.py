@@ -1,15 +1,11 @@
 """The Gemma-4 target on PyTorch: the verifier's backend (``backend.Target``) over ``Gemma4Text``.
 
-The model itself -- config, layers, the one layer loop -- is
-``torch_backend/gemma4.py``, its weight loading ``torch_backend/load.py``. Every
-session's K/V are pages of the target's pools (``torch_backend/pool.py``); a
-forward of one or many sessions' blocks runs as one batched step over them
-(``torch_backend/batch_step.py``: graphs per shape on CUDA, the same step eagerly
-elsewhere), except a forward a step cannot take (a prefill chunk longer than the
-ring's slack), which writes and reads the same pages one segment at a time
-(``torch_backend/attention.py``). What only the torch backend has (random weights
-for benchmarks, the plain-cache reference decode, a warm-up) comes last; f_theta
-restoration is MLX-only.
+The model is ``gemma4.py`` (weights: ``load.py``). Every session's K/V are pages of the target's pools
+(``pool.py``); a forward of one or many sessions' blocks runs as one batched step over them
+(``batch_step.py``: graphs per shape on CUDA, the same step eagerly elsewhere), except a prefill chunk
+longer than the ring's slack, which writes and reads the same pages one segment at a time
+(``attention.py``). What only torch has (random weights, the plain reference decode, a warm-up) comes
+last; f_theta restoration is MLX-only.
 """
 
 from __future__ import annotations
@@ -66,8 +62,7 @@ class TargetTorch:
         self.device = model.embed.device
         self.dtype = model.embed.dtype
         model.inv_freq = {t: f.to(self.device) for t, f in model.inv_freq.items()}
-        # graphs on CUDA, eager elsewhere (graph_options: tests run the graph bookkeeping eagerly on a
-        # CPU with capture=False)
+        # graphs on CUDA, eager elsewhere (tests run the graph bookkeeping eagerly with capture=False)
         self.graph_options = graph_options or GraphOptions.for_device(self.device, cuda_graphs)
         if self.graph_options.capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -77,8 +72,6 @@ class TargetTorch:
         self.pool = KVPool(self.args, self.device, self.dtype, page, chunk_pages)
         self.attention_kernel = attention_kernel_wanted(self.device, attention_kernel)
         self.steps = BatchSteps(self, torch.cuda.graph_pool_handle() if self.graph_options.capture else None)
-        # the batched step is the lone step too (and captured alike): two queued sessions already share one
-        self._min_batch = 2
 
     @classmethod
     def load(
@@ -93,11 +86,7 @@ class TargetTorch:
 
     # -- the backend protocol (verifier/backend.py) ----------------------------------------
 
-    @property
-    def min_batch(self) -> int:
-        """Fewest queued sessions ``verify_batch`` runs as one forward: two (the batched step is the lone
-        step too, captured alike on CUDA)."""
-        return self._min_batch
+    min_batch = 2  # the batched step is the lone step too (captured alike): two queued sessions share one
 
     @property
     def device_name(self) -> str:
@@ -136,8 +125,7 @@ class TargetTorch:
         return outs, [p if g else None for p, g in zip(picks, greedy)]
 
     def _segment_forward(self, segments: Sequence[Segment]) -> list[Forward]:
-        """Each segment's attention over its own session's pages, one after another (what a step cannot
-        take: a prefill chunk longer than the ring's slack)."""
+        """Each segment's attention over its own session's pages, one after another (a step cannot take it)."""
         with self.pool.stepping():
             for s in segments:
                 s.caches.reserve(s.plan.start + s.plan.n_new)
