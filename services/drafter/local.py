@@ -80,10 +80,6 @@ class MLXDrafter(LocalDrafter):
             model = load_dflash_mlx(draft, target_dir, dtype=dtype)
         super().__init__(model, **shared)
 
-    @classmethod
-    def load(cls, draft_dir: str | Path, target_dir: str | Path, dtype=None) -> MLXDrafter:
-        return cls(draft_dir, target_dir, dtype=dtype)
-
 
 class TorchDrafter(LocalDrafter):
     """The torch drafter: ``TorchDrafter(draft_dir, target_dir, device, dtype)`` or ``TorchDrafter(model=...)``."""

@@ -69,7 +69,7 @@ def test_sliding_buffers_stay_bounded(pairs):
 
 
 def test_session_draft_matches_model(pair):
-    drafter = MLXDrafter.load(pair.draft, pair.target)
+    drafter = MLXDrafter(pair.draft, pair.target)
     assert drafter.block_size == pair.variant.block_size
     model = drafter.model
     s = drafter.open_session()
@@ -97,7 +97,7 @@ def test_session_draft_matches_model(pair):
 
 def test_sessions_are_independent(pairs):
     pair = pairs["full"]
-    drafter = MLXDrafter.load(pair.draft, pair.target)
+    drafter = MLXDrafter(pair.draft, pair.target)
     aux = random_aux(30, drafter.model.config.aux_width, seed=11)
     a, b = drafter.open_session(), drafter.open_session()
     first = a.draft(aux[:10], 7, 8)

@@ -117,7 +117,7 @@ def test_mlx_growth_keeps_contents(pairs, name):
 
 
 def test_mlx_warm_up_drafts_every_block_size(pairs):
-    drafter = MLXDrafter.load(pairs["mixed"].draft, pairs["mixed"].target)
+    drafter = MLXDrafter(pairs["mixed"].draft, pairs["mixed"].target)
     seen = []
     block_logits = drafter.model.block_logits
     drafter.model.block_logits = lambda blocks: seen.extend(len(b) for _, b in blocks) or block_logits(blocks)

@@ -4,8 +4,8 @@ The model is ``gemma4.py`` (weights: ``load.py``). Every session's K/V are pages
 (``pool.py``); a forward of one or many sessions' blocks runs as one batched step over them
 (``batch_step.py``: graphs per shape on CUDA, the same step eagerly elsewhere), except a prefill chunk
 longer than the ring's slack, which writes and reads the same pages one segment at a time
-(``attention.py``). What only torch has (random weights, the plain reference decode, a warm-up) comes
-last; f_theta restoration is MLX-only.
+(``attention.py``). What only torch has (random weights, the plain reference decode) comes last;
+f_theta restoration is MLX-only.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ class TargetTorch:
         k = torch.arange(start + n, device=self.device)[None, :]
         return k <= q
 
-    # -- torch only: benchmarks, the reference decode, warm-up --------------------------
+    # -- torch only: benchmarks, the reference decode --------------------------
 
     @classmethod
     def random(
@@ -232,25 +232,6 @@ class TargetTorch:
         model.fuse_norms()
         model.eval()
         return cls(model, None, **options)
-
-    def warmup(self, aux_layers: Sequence[int], ctx: int = 1024, max_block: int = 16, policy=None) -> float:
-        """Run a full-length prefill and one verify of every block size once (kernel selection,
-        caching-allocator sizing, lazy CUDA init) before serving; returns the seconds it took."""
-        import time
-
-        from kakeya.verifier.session import LocalVerifierSession
-
-        t0 = time.perf_counter()
-        s = LocalVerifierSession(self, aux_layers, policy or CachePolicy(slack=max(max_block, 16)))
-        ids = [2] + [5 + (7 * i) % max(1, self.args.vocab_size - 5) for i in range(max(1, ctx) - 1)]
-        s.prefill(ids)
-        for L in range(1, max_block + 1):
-            s.verify(ids[:L])
-            s.commit(0)
-        s.close()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
 
     def greedy_reference(self, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:
         """Token-by-token greedy AR on plain full caches (no ring, no rollback): a test oracle."""
