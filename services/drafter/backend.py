@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kakeya.checkpoints.config import load_target_config
 from kakeya.core.request import SamplingParams
 from kakeya.drafter.config import DFlashConfig
 from kakeya.drafter.context import DEFAULT_STEP, ContextKVCache
@@ -107,6 +108,17 @@ class DraftModel(Protocol):
         """Finish writing the caches' new K/V now (a call that synced no ``argmax``: MLX builds arrays lazily)."""
 
     def synchronize(self) -> None: ...
+
+
+def check_target_head(head: TargetTensors, target_dir) -> TargetTensors:
+    """A target's embedding / LM head as read, checked against its config.json (either level of a
+    multimodal config)."""
+    text = load_target_config(target_dir)
+    for name, have in (("vocab_size", head.vocab_size), ("hidden_size", head.hidden_size)):
+        want = text.get(name)
+        if want is not None and int(want) != have:
+            raise ValueError(f"target embedding / LM head: {name} {have}, config.json says {want}")
+    return head
 
 
 def bind(model: DraftModel, target: TargetTensors) -> DraftModel:

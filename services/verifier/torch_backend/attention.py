@@ -1,19 +1,10 @@
-"""What the torch forwards that are not the batched step write and attend: ``Attend`` callables.
+"""The ``Attend`` callables of the torch forwards that are not the batched step (``batch_step.PooledAttention``).
 
-``Gemma4Text.forward`` is the one layer loop; each forward hands it an
-``Attend``, built for that forward from its arguments and dropped after it. The
-forward of every session's block that fits the batched step is
-``batch_step.PooledAttention``; here:
-
-* :class:`SegmentAttention` -- a dynamic forward of one or more sessions'
-  blocks (concatenated along the sequence axis, ``[1, sum L, hidden]``) that the
-  step cannot take (a prefill chunk longer than the ring's slack). Everything
-  row-wise runs once for all segments; attention is per segment: its rows
-  write its own session's pages as its plan says and attend over them with its
-  own masks (``pool.PooledRing`` / ``pool.PooledFull``).
-* :class:`IndexedAttention` -- K/V written at device index tensors and
-  attended over fixed extents of per-layer :class:`FullKVCache`: the plain
-  reference decode (``TargetTorch.greedy_reference``).
+``Gemma4Text.forward`` is the one layer loop; each forward hands it an ``Attend``: :class:`SegmentAttention`
+for sessions' blocks the step cannot take (a prefill chunk longer than the ring's slack: row-wise ops once
+for all segments, attention per segment over its own pages, ``pool.PooledRing`` / ``pool.PooledFull``), and
+:class:`IndexedAttention` over per-layer :class:`FullKVCache` for the plain reference decode
+(``TargetTorch.greedy_reference``).
 """
 
 from __future__ import annotations

@@ -1,32 +1,20 @@
 """The torch verify step over pooled K/V: any number of sessions' blocks in one forward whose device
 work does not grow with the number of sessions.
 
-A step takes one or more :class:`~kakeya.verifier.backend.Segment` (a session's block and the plan
-its own ``RingLayout`` made, every plan in place: ``n_new <= slack``) whose caches are pages of one
-target's pools (``pool.py``), and runs:
+A step takes :class:`~kakeya.verifier.backend.Segment` s (a session's block and its ``RingLayout``'s plan,
+in place: ``n_new <= slack``) whose caches are pages of one target's pools (``pool.py``), and runs every
+row-wise op (embeddings, norms, projections, RoPE, MLP, MoE, LM head) once over all rows; per layer ONE
+cache write and ONE attention call over every session's rows through a padded ``[sessions, slots]``
+table of pool rows, masks built on the device from positions (the Triton decode-attention kernel on
+CUDA; eagerly a gather, or a lone session's consecutive pages as a slice, and SDPA); then the greedy
+choices of all rows in one argmax, ONE host sync.
 
-* every row-wise op (embeddings, norms, projections, RoPE at each row's own position, MLP, MoE, the
-  LM head) once over all rows;
-* per layer ONE cache write (``index_copy_`` of every row's K and V into its pool row) and ONE
-  attention call over every session's rows: K/V read through a padded ``[sessions, slots]`` table of
-  pool rows with per-row masks built on the device from positions (each slot's position and each
-  session's ring geometry) -- the Triton decode-attention kernel on CUDA, which reads the pool through
-  the table itself; eagerly a gather (a lone session's consecutive pages: a slice of the pool) and SDPA;
-* the greedy choices of all rows in one argmax, read back in ONE host sync.
-
-What the host does per step is plan: pages reserved for the new positions (before anything runs),
-then one packed vector of integers -- token ids, positions, write rows, table pages, slot positions,
-each session's window and sinks -- copied to the device once. Tensor shapes depend only on
-:class:`Shape`: (sessions, block, rows, attended extents, aux layers, whether choices are taken, the
-pools' generations), so with ``static_extent`` (CUDA) sessions are padded up to a bucket, blocks up
-to a bucket, extents up to fixed sizes, and ``StepGraphs`` captures one graph per shape that serves
-any set of sessions. Padded rows write into the pools' trash page and read real keys or the trash
-row (never nothing: a softmax over no key is NaN); their outputs are dropped. Eagerly (the CPU) the
-same step runs with exact sizes, and the row-wise ops see the sessions' rows without padding
-(``ragged``): only attention lays them out ``[sessions, block]``, by one index op each way.
-
-Outputs equal each session's alone -- the same step with one segment -- up to the floating-point
-order of a matmul over more rows and of attention over more (masked) slots.
+The host reserves pages, then packs every integer input into one vector copied to the device once.
+Shapes depend only on :class:`Shape`: with ``static_extent`` (CUDA) sessions, blocks and extents are
+padded to buckets and ``StepGraphs`` captures one graph per shape (padded rows write the trash page and
+see one real key: a softmax over none is NaN); eagerly sizes are exact and the row-wise ops see the rows
+unpadded (``ragged``). Outputs equal each session's alone -- the same step with one segment -- up to the
+floating-point order of a matmul over more rows and of attention over more (masked) slots.
 """
 
 from __future__ import annotations
