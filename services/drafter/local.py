@@ -47,10 +47,7 @@ class LocalDrafter:
 
     def warm_up(self, block_sizes: Iterable[int] = WARM_BLOCK_SIZES, ctx: int = 64, aux=None) -> float:
         """One short session drafting each block size once, before serving; returns the seconds it took.
-
-        ``aux``: the first call's context rows (a server passes them through its
-        wire decoding); ``ctx`` zero rows by default.
-        """
+        ``aux``: the first call's context rows (a server's, through its wire decoding; default ``ctx`` zeros)."""
         t0 = time.perf_counter()
         s = self.open_session()
         s.draft(self.model.zeros_aux(max(1, ctx)) if aux is None else aux, 2, 1)
@@ -99,12 +96,9 @@ class TorchDrafter(LocalDrafter):
         attention_kernel: bool | None = None,
         **shared,
     ):
-        """``cuda_graphs``: capture every draft step (default: on for CUDA, see drafter/torch_backend/batch_step.py);
-        ``graph_options`` (a ``torch_graphs.GraphOptions``) overrides it and ``graphed_min_batch``
-        (``--graphed-min-batch``); ``compile``:
-        ``torch.compile`` the layers' row-wise halves (``DFlashDraftModel.compile_layers``);
-        ``attention_kernel``: the Triton decode-attention kernel (``DFlashDraftModel.use_attention_kernel``);
-        ``shared``: :class:`LocalDrafter`'s ``prefixes``."""
+        """``cuda_graphs``: capture every draft step (default: on for CUDA); ``graph_options`` (a
+        ``GraphOptions``) overrides it and ``graphed_min_batch``; ``compile``: ``DFlashDraftModel.compile_layers``;
+        ``attention_kernel``: ``DFlashDraftModel.use_attention_kernel``; ``shared``: :class:`LocalDrafter`'s."""
         from kakeya.backends.torch.graphs import GraphOptions
 
         if model is None:

@@ -32,12 +32,8 @@ class LayerKV:
 
 class SessionCaches:
     """A session's caches: one per layer with its own K/V, in layer order (``kinds``: each one's layer type).
-
-    ``batchable``: whether a batched forward may take this set (MLX: not with
-    quantized full-attention caches); ``batch_key``: sets of one key may share
-    a batched forward (torch: sessions whose full-attention K/V live in one
-    pool). A backend may subclass it (torch: pages of the target's pools).
-    """
+    ``batchable``: whether a batched forward may take this set (MLX: not with quantized full caches);
+    ``batch_key``: sets of one key may share one (torch: full-attention K/V in one pool)."""
 
     batch_key: object = None
 

@@ -1,14 +1,10 @@
 """A verifier session's state after a token prefix, kept in its verifier's prefix cache and resumed from.
 
-A snapshot is what a cold prefill of exactly those tokens leaves in a session,
-under one resolved cache policy: the ring layout (which position each slot
-holds), every layer's K/V (a ring whole, a full-attention cache's first
-``positions``) and, with f_theta restoration, the latent ring and its layout.
-It is taken from a session whose generation is over, trimmed back to the
-prefix first (at most the ring's slack, so exactly), and copied: nothing the
-session does afterwards reaches it. Resuming copies it into a new session's
-own caches, so any number of sessions may resume from one snapshot at once and
-none of them changes it (``core/prefix.py`` keys and bounds them).
+A snapshot is what a cold prefill of exactly those tokens leaves under one resolved cache policy: the ring
+layout, every layer's K/V (a ring whole, a full-attention cache's first ``positions``) and, with f_theta,
+the latent ring and its layout. It is taken from a session whose generation is over, trimmed back to the
+prefix first (exactly: at most the ring's slack), and copied; resuming copies it into a new session's own
+caches, so any number of sessions may resume from one snapshot and none changes it.
 """
 
 from __future__ import annotations

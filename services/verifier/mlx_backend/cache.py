@@ -1,16 +1,8 @@
-"""MLX arrays for the verifier caches (the shared parts: ``verifier/caches.py``).
-
-* :class:`RingKVCache` -- one sliding layer's K/V ring, written wherever the
-  forward's plan says, so rollback is always exact.
-* :class:`FullKVCache` -- a full-attention layer's exact K/V; a forward from
-  ``start`` writes positions ``start ..``, a trim is the session's layout
-  moving back. It grows as mlx-lm's ``KVCache`` does (256-position steps past
-  what it keeps), so ``kakeya memory``'s formula holds for it.
-  :class:`QuantizedFullKVCache` stores the same as ``mx.quantize`` codes, which
-  mlx-lm's quantized attention multiplies directly.
-
-They hold arrays only: mlx-lm's attention, which wants a cache with ``offset``
-and ``update_and_fetch``, gets a per-forward view of them (``forward.py``).
+"""MLX arrays for the verifier caches: :class:`RingKVCache` (a sliding layer's ring, written where the plan
+says, so rollback is exact), :class:`FullKVCache` (exact K/V, grown as mlx-lm's ``KVCache`` grows, so
+``kakeya memory``'s formula holds; a trim is the layout moving back) and :class:`QuantizedFullKVCache`
+(``mx.quantize`` codes, which mlx-lm's quantized attention multiplies directly). They hold arrays only:
+mlx-lm's attention gets a per-forward view of them with ``offset`` and ``update_and_fetch`` (``forward.py``).
 """
 
 from __future__ import annotations

@@ -172,13 +172,8 @@ class TargetMLX:
         return self._compiled[key](aux)
 
     def restored_kv(self, restorer, layer: int, latents: mx.array, offsets: mx.array):
-        """Layer ``layer``'s restored K/V ``[1, kv_heads, slots, head_dim]``, RoPE at each slot's position.
-
-        Slots stay in ring order (a position's index never depends on how the
-        sequence was split into forwards); each row is rotated at its own
-        absolute position (``offsets`` [slots]) through the layer's own RoPE
-        module, one batch offset per slot.
-        """
+        """Layer ``layer``'s restored K/V ``[1, kv_heads, slots, head_dim]`` in ring order, each slot rotated at
+        its own absolute position (``offsets`` [slots]) through the layer's own RoPE, one batch offset per slot."""
         attn = self.inner.layers[layer].self_attn
         k, v = restorer.layer_kv(latents, layer, attn)  # [slots, kv_heads, head_dim], pre-RoPE
         k = attn.rope(k[:, :, None, :], offset=offsets)[:, :, 0, :]

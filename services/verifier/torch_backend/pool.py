@@ -70,12 +70,8 @@ class QuantizedStorage(Storage):
         self.bits, self.group = bits, group
         self.key = (bits, group)
 
-    def widths(self, head_dim, dtype):
-        return [
-            (head_dim * self.bits // 8, torch.uint8),
-            (head_dim // self.group, dtype),
-            (head_dim // self.group, dtype),
-        ]
+    def widths(self, head_dim, dtype):  # codes, scales, biases
+        return [(head_dim * self.bits // 8, torch.uint8)] + [(head_dim // self.group, dtype)] * 2
 
     def parts(self, x):
         return list(quantize(x, self.group, self.bits))
