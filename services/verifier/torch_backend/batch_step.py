@@ -254,31 +254,17 @@ class PooledAttention:
             from kakeya.backends.torch.kernels import attention as kernel
 
             rows = q[0].transpose(0, 1)  # [rows, heads, D]: the projection's own layout
-            if sh.ragged:
-                rows = rows[self.f["to_pad"]]
+            rows = (rows[self.f["to_pad"]] if sh.ragged else rows).reshape(N, L, H, D)
+            window, sinks = 0 if win is None else win, 0 if snk is None else snk
             out = kernel.decode_attention(
-                rows.reshape(N, L, H, D),
-                pool.keys[kv][0],
-                pool.values[kv][0],
-                table,
-                kpos,
-                qpos,
-                window=0 if win is None else win,
-                sinks=0 if snk is None else snk,
+                rows, pool.keys[kv][0], pool.values[kv][0], table, kpos, qpos, window=window, sinks=sinks
             ).view(N * L, H, D)
-            if sh.ragged:
-                out = out[self.f["from_pad"]]
-            return out.transpose(0, 1)[None], kv
-        qq = q[0]  # [heads, rows, D]
-        if sh.ragged:
-            qq = qq[:, self.f["to_pad"]]
-        qq = qq.reshape(H, N, L, D).transpose(0, 1)
-        keys, values = kv
-        out = layer.attn.attend(qq, keys.transpose(0, 1), values.transpose(0, 1), mask, 1.0)  # [N, heads, L, D]
+            return (out[self.f["from_pad"]] if sh.ragged else out).transpose(0, 1)[None], kv
+        qq = q[0][:, self.f["to_pad"]] if sh.ragged else q[0]  # [heads, rows, D]
+        keys, values = (t.transpose(0, 1) for t in kv)
+        out = layer.attn.attend(qq.reshape(H, N, L, D).transpose(0, 1), keys, values, mask, 1.0)  # [N, heads, L, D]
         out = out.transpose(0, 1).reshape(H, N * L, -1)
-        if sh.ragged:
-            out = out[:, self.f["from_pad"]]
-        return out[None], kv
+        return (out[:, self.f["from_pad"]] if sh.ragged else out)[None], kv
 
 
 def batch_step(target, shape: Shape, packed: torch.Tensor, spans: dict[str, int] | None = None):
