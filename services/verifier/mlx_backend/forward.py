@@ -40,13 +40,8 @@ class LayerView:
             return self._fetch(0, keys, values)
         rows = [self._fetch(b, keys[b : b + 1, :, :n], values[b : b + 1, :, :n]) for b, n in enumerate(self.lengths)]
         width = max(k.shape[2] for k, _ in rows)  # = the padded masks' key length
-
-        def padded(x: mx.array) -> mx.array:
-            return mx.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)])
-
-        return mx.concatenate([padded(k) for k, _ in rows], axis=0), mx.concatenate(
-            [padded(v) for _, v in rows], axis=0
-        )
+        pad = lambda x: mx.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)])
+        return tuple(mx.concatenate([pad(kv[j]) for kv in rows], axis=0) for j in (0, 1))
 
     def _fetch(self, b: int, keys: mx.array, values: mx.array):
         k, v = self.caches[b].fetch(keys, values, self.plans[b])

@@ -210,25 +210,22 @@ class PooledCaches(SessionCaches):
     def copy(self, positions: int, copy=None) -> list[list]:
         """Per layer, its stored tensors ``[1, heads, n, width]``: a ring's every slot, a full layer's first
         ``positions`` (copies: gathered rows)."""
-        dev = self.pool.device
-        ring = torch.from_numpy(self.ring_rows()).to(dev)
-        full = torch.from_numpy(self.full_rows(0, positions)).to(dev)
-        out = []
-        for i, kind in enumerate(self.kinds):
-            pool, rows = (self.sliding, ring) if kind == SLIDING else (self.full, full)
-            out.append([t[:, rows][None] for t in pool.keys[i] + pool.values[i]])
-        return out
+        return [[t[:, rows][None] for t in pool.keys[i] + pool.values[i]] for i, pool, rows in self._layers(positions)]
 
     def load(self, saved: list[list], positions: int) -> None:
         """A snapshot's tensors (:meth:`copy`) into this session's rows (its full pages reserved first)."""
         self.reserve(positions)
+        for (i, pool, rows), arrays in zip(self._layers(positions), saved):
+            for dst, src in zip(pool.keys[i] + pool.values[i], arrays):
+                dst.index_copy_(1, rows, src[0].to(dst.dtype))
+
+    def _layers(self, positions: int):
+        """Per cached layer: its index, its pool and the rows of its slots (a ring's all, a full layer's first
+        ``positions``) on the device."""
         dev = self.pool.device
         ring = torch.from_numpy(self.ring_rows()).to(dev)
         full = torch.from_numpy(self.full_rows(0, positions)).to(dev)
-        for i, (kind, arrays) in enumerate(zip(self.kinds, saved)):
-            pool, rows = (self.sliding, ring) if kind == SLIDING else (self.full, full)
-            for dst, src in zip(pool.keys[i] + pool.values[i], arrays):
-                dst.index_copy_(1, rows, src[0].to(dst.dtype))
+        return [(i, *((self.sliding, ring) if k == SLIDING else (self.full, full))) for i, k in enumerate(self.kinds)]
 
     # -- a dynamic forward's write indices, made once per plan for every layer ------------------------
 
