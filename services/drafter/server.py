@@ -14,7 +14,7 @@ as its stream's Draft. The drafter loads only the target's embedding and LM head
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -298,7 +298,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         decoded = []
         for _, item in items:
             try:
-                decoded.append(replace(item, new_aux=None if item.new_aux is None else self._decode(item.new_aux)))
+                decoded.append(item._replace(new_aux=None if item.new_aux is None else self._decode(item.new_aux)))
             except Exception as exc:  # noqa: BLE001 -- this stream's own failure
                 decoded.append(exc)
         drafted = iter(draft_batch([w for w in decoded if not isinstance(w, Exception)]))

@@ -186,6 +186,17 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class GivenContext:
+    """Context K/V ``[N, n_kv, T, hd]`` handed in as tensors (the block trainer's: many blocks over one
+    precomputed context): the ``Segment.context`` a block attends to before its own keys."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    def with_block(self, view, k: torch.Tensor, v: torch.Tensor):
+        return torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment], scale: float):
     """Attention over rows that are several blocks in a row (dim 2): each segment's queries see its
     own context and its own block's keys, so a block attends in a batch as it does alone."""
