@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx import nn
+from mlx.utils import tree_flatten
 
 from kakeya.core.contract import SLIDING
 
@@ -292,11 +293,8 @@ class Restorer:
         return self.ftheta.encode(*self.features(aux, aux_layers))
 
     def layer_kv(self, z: mx.array, layer: int, attn) -> tuple[mx.array, mx.array]:
-        """Verifier layer ``layer``'s PRE-RoPE K/V ``[..., kv_heads, head_dim]`` from latents ``z``.
-
-        ``attn`` is that layer's mlx-lm attention module: its own ``k_norm`` and
-        ``v_norm`` finish the decoder's pre-norm output.
-        """
+        """Verifier layer ``layer``'s PRE-RoPE K/V ``[..., kv_heads, head_dim]`` from latents ``z``, finished by
+        that layer's own ``k_norm`` and ``v_norm`` (``attn``: its mlx-lm attention module)."""
         k, v = self.pre_norm_kv(z, layer)
         return attn.k_norm(k), attn.v_norm(v)
 
@@ -331,8 +329,8 @@ class Restorer:
         cfg = self.config.to_dict()
         if extra:
             cfg["training"] = extra
-        mx.save_safetensors(str(out / WEIGHTS_FILE), dict(_flatten(self.ftheta.parameters())))
-        mx.save_safetensors(str(out / DRAFT_FILE), dict(_flatten(self.context.parameters())))
+        mx.save_safetensors(str(out / WEIGHTS_FILE), dict(tree_flatten(self.ftheta.parameters())))
+        mx.save_safetensors(str(out / DRAFT_FILE), dict(tree_flatten(self.context.parameters())))
         (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
         return out
 
@@ -362,15 +360,9 @@ def load_ftheta(path: str | Path) -> Restorer:
     return Restorer(cfg, ftheta, context, path)
 
 
-def _flatten(tree, prefix: str = ""):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(tree, prefix=prefix)
-
-
 def _fingerprint(context: DraftContext) -> str:
     h = hashlib.sha256()
-    for name, a in sorted(_flatten(context.parameters())):
+    for name, a in sorted(tree_flatten(context.parameters())):
         h.update(name.encode())
         h.update(np.asarray(a.astype(mx.float32)).tobytes())
     return h.hexdigest()

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
-from kakeya.backends.torch.pages import CHUNK_PAGES, PAGE, PagePool, Storage
+from kakeya.backends.torch.pages import CHUNK_PAGES, PAGE, PagePool, Storage, page_rows
 from kakeya.core.contract import SLIDING
 from kakeya.verifier.caches import SessionCaches
 from kakeya.verifier.layout import ForwardPlan, RingLayout
@@ -174,7 +173,7 @@ class PooledCaches(SessionCaches):
 
     def ring_rows(self) -> np.ndarray:
         """Pool row of every ring slot, in slot order."""
-        return _rows(self.ring_pages, self.page)[: self.capacity]
+        return page_rows(self.ring_pages, self.page)[: self.capacity]
 
     def full_rows(self, lo: int, hi: int) -> np.ndarray:
         """Pool rows of full-attention positions ``lo .. hi`` (pages reserved)."""
@@ -242,10 +241,6 @@ class PooledCaches(SessionCaches):
             t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)
             self._plan_rows = (plan, t(ring[slots]), t(src), t(ring[: plan.used]), t(full[plan.start :]), t(full))
         return self._plan_rows[1:]
-
-
-def _rows(pages: Sequence[int], page: int) -> np.ndarray:
-    return (np.asarray(pages, dtype=np.int64)[:, None] * page + np.arange(page)).reshape(-1)
 
 
 class _PooledLayer:
