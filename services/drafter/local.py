@@ -1,8 +1,6 @@
 """A loaded DFlash drafter in this process (:class:`LocalDrafter`, :class:`MLXDrafter`, :class:`TorchDrafter`):
-the Drafter protocol without a wire.
-
-It hands out :class:`~kakeya.drafter.session.DrafterSession` objects and drafts many sessions' blocks in
-one forward (``session.draft_batch``); ``orchestrator/remote/drafter.py`` is the same protocol over gRPC.
+the Drafter protocol without a wire (over gRPC: ``orchestrator/remote/drafter.py``); many sessions' blocks
+drafted in one forward (``session.draft_batch``).
 """
 
 from __future__ import annotations

@@ -97,12 +97,9 @@ class LocalDrafterSession:
         self._held = {}
 
     def save(self, ids: Sequence[int], unseen: Sequence) -> bool:
-        """Keep the context after exactly ``ids`` (the prompt, then the committed tokens) in the prefix cache.
-
-        ``unseen``: the aux the loop committed after this session's last draft (a list of chunks, in order);
-        the context is extended by as many of their rows as ``ids`` needs. The generation must be over.
-        False when nothing was kept (no prefix cache, too few rows, over budget).
-        """
+        """Keep the context after exactly ``ids`` (the prompt, then the committed tokens) in the prefix cache, the
+        generation over: ``unseen``, the aux chunks committed after the last draft, extend it as far as ``ids``
+        needs. False when nothing was kept (no prefix cache, too few rows, over budget)."""
         need = len(ids) - self.cache.length
         if self.prefixes is None or self._closed or need < 0:
             return False

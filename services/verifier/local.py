@@ -1,7 +1,5 @@
-"""A loaded target in this process (:class:`LocalVerifier`): the Verifier protocol without a wire.
-
-It hands out :class:`~kakeya.verifier.session.VerifierSession` objects and decides many sessions'
-blocks in one forward (``session.decide_batch``); ``orchestrator/remote/verifier.py`` is the same protocol over gRPC.
+"""A loaded target in this process (:class:`LocalVerifier`): the Verifier protocol without a wire (over gRPC:
+``orchestrator/remote/verifier.py``); many sessions' blocks decided in one forward (``session.decide_batch``).
 """
 
 from __future__ import annotations

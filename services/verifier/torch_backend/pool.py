@@ -25,13 +25,9 @@ from kakeya.verifier.layout import ForwardPlan, RingLayout
 
 
 def quantize(x: torch.Tensor, group_size: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Affine per-group quantization of the last dim, the same rule as ``mx.quantize``.
-
-    Returns ``(codes, scales, biases)``: codes uint8 ``[..., D * bits / 8]`` (two
-    4-bit codes per byte), scales/biases ``[..., D / group_size]`` in ``x.dtype``;
-    ``x ~= code * scale + bias``. One end of each group's range is represented
-    exactly (the one with the larger magnitude), as in MLX.
-    """
+    """Affine per-group quantization of the last dim, ``mx.quantize``'s rule: ``(codes, scales, biases)``, codes
+    uint8 ``[..., D * bits / 8]``, scales/biases ``[..., D / group_size]`` in ``x.dtype``, ``x ~= code * scale +
+    bias``; the larger-magnitude end of each group's range is exact, as in MLX."""
     *lead, D = x.shape
     if D % group_size:
         raise ValueError(f"head dim {D} is not a multiple of the quantization group size {group_size}")

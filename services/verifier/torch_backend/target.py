@@ -269,13 +269,9 @@ def torch_verifier(
     compile: bool = False,
     prefixes=None,
 ):
-    """The in-process torch verifier (what ``loader.local_verifier(..., backend="torch")`` returns).
-
-    ``cuda_graphs``: capture the verify step per block-size bucket (default: on for CUDA);
-    ``max_context``: the fewest full-attention positions a captured step attends over (default 256);
-    ``compile``: ``torch.compile`` every layer's row-wise halves (``Gemma4Text.compile_layers``);
-    ``prefixes``: the prefix cache its sessions resume from and save to (None: none).
-    """
+    """The in-process torch verifier (``loader.local_verifier(..., backend="torch")``): ``cuda_graphs``, capture
+    the verify step per bucket (default: on for CUDA); ``max_context``: see :class:`TargetTorch`; ``compile``:
+    ``Gemma4Text.compile_layers``; ``prefixes``: the prefix cache its sessions resume from and save to."""
     from kakeya.verifier.local import LocalVerifier
 
     target = TargetTorch.load(target_dir, device, dtype, cuda_graphs=cuda_graphs, max_context=max_context)
