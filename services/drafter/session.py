@@ -3,7 +3,11 @@
 Per ``draft`` call the work is O(new positions + block): the new aux rows are projected to per-layer
 context K/V and appended to the session's context cache (never a rescan of the context), then ONE
 forward runs over the block ``[last_token, mask * (B-1)]`` and the argmax comes back in a single host
-sync (a sampling session: its candidates under its rule, ``sampling.py``).
+sync. A sampling session's candidates follow its rule (``core/sampling.py``): q_i, the target's temperature
+/ top-k / top-p / min-p on the drafter's own logits. Coupled (:class:`CoupledDrafts`): candidate i is
+argmax(q_i + G(seed, position, token)), the verifier's noise, made on the device (only the ids leave it).
+Rejection (:class:`RejectionDrafts`): q_i cut to its top-K and renormalised is what the candidate is drawn
+from (on the host, from the session's seeded stream) and what the verifier tests min(1, p/q') against.
 
 A draft alone is :func:`draft_together` of one session, the same code :func:`draft_batch` runs for
 several queued sessions of one model (on torch: one batched step over pooled K/V, captured in CUDA
@@ -21,11 +25,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from kakeya.core.contract import Draft, DrafterStats, check_ranked
+from kakeya.core import noise
+from kakeya.core import sampling as lossless
+from kakeya.core.contract import DRAFTER_STREAM, PROPOSAL_TOP_K, Draft, DrafterStats, check_ranked, session_rng
 from kakeya.core.prefix import PrefixCache
-from kakeya.core.request import MAX_BLOCK_SIZE, SamplingParams
+from kakeya.core.request import COUPLED, MAX_BLOCK_SIZE, SamplingParams
 from kakeya.drafter.backend import DraftModel, extend
-from kakeya.drafter.sampling import session_rule
 
 WARM_BLOCK_SIZES = range(2, 17)  # every block size the loop drafts (it stops at 16)
 
@@ -48,6 +53,40 @@ class DraftItem(NamedTuple):
     new_aux: Any
     last_token: int
     block_size: int
+
+
+class CoupledDrafts:
+    """A coupled-rule session's candidates: the noisy argmax of its processed logits."""
+
+    def __init__(self, params: SamplingParams):
+        self.params, self.keys = params, noise.session_keys(params.seed)
+
+    def draft(self, logits, sampler, first_position: int) -> Draft:
+        """Candidates for the ``logits`` rows [B-1, V] (device), row i at position ``first_position + i``."""
+        return Draft(sampler.coupled_rows(logits, self.params, self.keys, first_position))
+
+
+class RejectionDrafts:
+    """A rejection-rule session's candidates, each drawn from the top-``PROPOSAL_TOP_K`` proposal it sends."""
+
+    def __init__(self, params: SamplingParams):
+        self.params, self.rng = params, session_rng(params.seed, DRAFTER_STREAM)
+
+    def draft(self, logits, sampler, first_position: int) -> Draft:
+        """Candidates for the ``logits`` rows [B-1, V] (device) and their proposal (positions play no part)."""
+        ids, probs = sampler.proposal(logits, self.params, PROPOSAL_TOP_K)
+        probs = probs / probs.sum(-1, keepdims=True)  # the top-k cut renormalised: each row a distribution
+        tokens, proposal = lossless.draw_from_proposal(ids, probs, self.rng.random(ids.shape[0]))
+        return Draft(tokens, proposal)
+
+
+def session_rule(sampling: SamplingParams | None) -> CoupledDrafts | RejectionDrafts | None:
+    """How a drafter session samples its candidates: None when greedy."""
+    if sampling is None or sampling.check().greedy:
+        return None
+    if sampling.seed is None:
+        raise ValueError("seed: a sampling session needs the request's seed (the engine draws one)")
+    return CoupledDrafts(sampling) if sampling.rule == COUPLED else RejectionDrafts(sampling)
 
 
 class LocalDrafterSession:
