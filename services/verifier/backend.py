@@ -8,14 +8,47 @@ forward is :meth:`Target.forward` over one or more :class:`Segment`: a session's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
+from kakeya.core.contract import SLIDING
 from kakeya.core.request import CachePolicy
-from kakeya.verifier.caches import SessionCaches
 from kakeya.verifier.layout import ForwardPlan, RingLayout
+
+
+class SessionCaches:
+    """A session's caches, in layer order, one per layer that has its own K/V (``kinds``: each one's type): a
+    ring on sliding layers (``layout.py``), a full-attention cache (exact or quantized) on the others. They
+    hold arrays and nothing about a forward: no position counter (the session's ``RingLayout`` is the only
+    one) and no plan (each write gets its ``ForwardPlan``). ``batchable``: whether a batched forward may take
+    this set (MLX: not with quantized full caches); ``batch_key``: sets of one key may share one (torch:
+    full-attention K/V in one pool, whose pages its subclass holds)."""
+
+    batch_key: object = None
+
+    def __init__(self, layers: list, kinds: Sequence[str], batchable: bool = True):
+        self.layers = layers
+        self.kinds = list(kinds)
+        self.rings = [c for c, kind in zip(layers, kinds) if kind == SLIDING]
+        self.fulls = [c for c, kind in zip(layers, kinds) if kind != SLIDING]
+        self.batchable = batchable
+
+    def arrays(self) -> list:
+        return [a for c in self.layers for a in c.arrays()]
+
+    def kv_bytes(self) -> dict:
+        return {"sliding": sum(c.nbytes for c in self.rings), "full": sum(c.nbytes for c in self.fulls)}
+
+    def copy(self, positions: int, copy: Callable) -> list[list]:
+        """Every layer's arrays as they hold positions ``< positions``, each through the backend's ``copy``:
+        a ring whole (its slots hold what the layout says), a full-attention cache's first ``positions``
+        (its buffers may be longer). What a prefix snapshot keeps (``verifier/snapshot.py``)."""
+        return [
+            [copy(a) if kind == SLIDING else copy(a[:, :, :positions]) for a in layer.arrays()]
+            for layer, kind in zip(self.layers, self.kinds)
+        ]
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,26 @@ mlx-lm's attention gets a per-forward view of them with ``offset`` and ``update_
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 
-from kakeya.verifier.caches import LayerKV
 from kakeya.verifier.layout import ForwardPlan
+
+
+class LayerKV:
+    """One layer's K/V buffers ``[1, kv_heads, slots, head_dim]`` (None until first written)."""
+
+    keys: Any = None
+    values: Any = None
+
+    def arrays(self) -> list:
+        """Every buffer this layer holds (a quantized cache holds several per K and V)."""
+        return [] if self.keys is None else [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
 
 
 def _zeros(like: mx.array, slots: int) -> mx.array:

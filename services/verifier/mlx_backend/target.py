@@ -25,8 +25,7 @@ from kakeya.backends.mlx import sampling as sampling_mlx
 from kakeya.checkpoints.config import load_target_config, mlx_model_config
 from kakeya.core.contract import SLIDING
 from kakeya.core.request import CachePolicy
-from kakeya.verifier.backend import Forward, Segment
-from kakeya.verifier.caches import SessionCaches
+from kakeya.verifier.backend import Forward, Segment, SessionCaches
 from kakeya.verifier.layout import RestoreView, RingLayout
 from kakeya.verifier.mlx_backend.cache import FullKVCache, LatentRing, QuantizedFullKVCache, RingKVCache
 from kakeya.verifier.mlx_backend.forward import attention_masks, layer_views

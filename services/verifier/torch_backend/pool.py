@@ -20,7 +20,7 @@ import torch
 
 from kakeya.backends.torch.pages import CHUNK_PAGES, PAGE, PagePool, Storage, page_rows
 from kakeya.core.contract import SLIDING
-from kakeya.verifier.caches import SessionCaches
+from kakeya.verifier.backend import SessionCaches
 from kakeya.verifier.layout import ForwardPlan, RingLayout
 
 
