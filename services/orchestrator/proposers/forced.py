@@ -1,6 +1,6 @@
 """Grammar-aware drafting: the tokens a constraint's grammar forces are drafted without the drafter.
 
-A constrained request's verifier session holds the grammar that decides (``verifier/constrained.py``);
+A constrained request's verifier session holds the grammar that decides (``verifier/local.py``);
 the loop holds a copy of it here, advanced by the tokens the generation commits, only to draft from.
 Where the grammar allows one continuation for a while -- a JSON key, its quotes and colon, a closing
 bracket -- llguidance's fast-forward tokens are that continuation, and the loop sends the whole run as
