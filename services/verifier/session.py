@@ -1,20 +1,16 @@
 """One generation's verifier state (prefill, verify a block in one forward, commit/trim), and several
 sessions' blocks verified in one forward.
 
-Backend-neutral: the target (``TargetMLX`` or ``TargetTorch``) is driven only through ``backend.py``'s
-protocol. A session owns its caches and its ring layout (``layout.py``), the one position counter: each
-forward gets an immutable plan from it, and a trim only moves it back. Per block there is one host sync
-(the choices as ints); aux hidden states stay on the device and only the kept rows are handed on.
+Backend-neutral: the target is driven only through ``backend.py``'s protocol. A session owns its caches and
+its ring layout (``layout.py``), the one position counter: each forward gets an immutable plan from it, a
+trim only moves it back. Per block there is one host sync (the choices); aux stays on the device.
 
-A block is :meth:`LocalVerifierSession.decide` (the contract's one step): :meth:`~LocalVerifierSession.verify`
-(the forward and the choices, the block left pending), then :meth:`~LocalVerifierSession.commit` (keep a
-prefix, trim the rest). :func:`decide_batch` / :func:`verify_batch` run many sessions' blocks as ONE
-forward over their segments (``forward_plan``, ``target.forward``, ``forward_done``, ``choose``: the
-pieces ``verify`` is made of), each session's result exactly what its own ``verify`` returns or raises:
-a bad item gets its own error and the others still run; greedy rows go through one LM head and one host
-sync; a sampling session chooses from its own rows with its own seed and positions. Outputs stay those
-of running alone because sessions' rows meet only in row-wise operations (projections, norms, MLP, MoE,
-LM head); attention, caches, positions, masks, noise and random streams stay each session's own.
+A block is :meth:`LocalVerifierSession.decide` (the contract's step): :meth:`~LocalVerifierSession.verify`
+(the forward and the choices, the block left pending), then :meth:`~LocalVerifierSession.commit`.
+:func:`decide_batch` / :func:`verify_batch` run many sessions' blocks as ONE forward (``forward_plan``,
+``target.forward``, ``forward_done``, ``choose``: the pieces of ``verify``), each session getting exactly
+what its own ``verify`` returns or raises: sessions' rows meet only in row-wise operations (projections,
+norms, MLP, MoE, LM head); attention, caches, positions, masks, noise and random streams stay their own.
 """
 
 from __future__ import annotations
