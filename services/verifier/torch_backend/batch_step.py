@@ -107,20 +107,17 @@ class Batch:
         rows = sum(planned) if ragged else Nb * Lb
         self.offsets = list(np.cumsum([0] + planned[:-1])) if ragged else [b * Lb for b in range(N)]
         ring = full = 0
-        if pool.sliding is not None:
-            if opts.static_extent:
-                ring = max(len(c.ring_pages) for c in caches) * page
-            else:
-                ring = _up(max(s.plan.used for s in segments), page)
-        ends = [s.plan.start + s.plan.n_new for s in segments]
-        if c0.full is not None:
-            if opts.static_extent:
-                full = target.min_extent
-                while full < max(ends):
-                    full *= 2
-                full = _up(full, page)
-            else:
-                full = _up(max(ends), page)
+        if pool.sliding is not None:  # static: every ring slot; eagerly: the slots used
+            used = max(
+                len(c.ring_pages) * page if opts.static_extent else s.plan.used for c, s in zip(caches, segments)
+            )
+            ring = _up(used, page)
+        if c0.full is not None:  # static: a doubling extent from min_extent; eagerly: the positions held
+            end = max(s.plan.start + s.plan.n_new for s in segments)
+            full = target.min_extent if opts.static_extent else end
+            while full < end:
+                full *= 2
+            full = _up(full, page)
         aux = segments[0].aux_layers
         self.uniform_aux = all(s.aux_layers == aux for s in segments)
         if not self.uniform_aux:
