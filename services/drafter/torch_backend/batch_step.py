@@ -265,17 +265,16 @@ class Batch:
             at += n
         clens = [c.length for c, _ in blocks]
         S_full = 0
-        if pool.full is not None and N:
-            if static:
-                S_full = MIN_EXTENT
-                while S_full < max(clens):
-                    S_full *= 2
-            S_full = _up(max(S_full, *clens), page)
+        if pool.full is not None:  # static: a doubling extent from MIN_EXTENT; eagerly the context (or a page)
+            end = max(clens, default=0)
+            S_full = MIN_EXTENT if static and N else end
+            while S_full < end:
+                S_full *= 2
+            S_full = _up(S_full, page)
         scratch = {  # taken (the pools may grow) before the generations are read
             kind: p.scratch(Nb * Lb) for kind, p in (("ring", pool.sliding), ("full", pool.full)) if p is not None
         }
         gens = tuple(p.generation if p is not None else 0 for p in (pool.sliding, pool.full))
-        S_full = S_full or (page if pool.full is not None else 0)  # (an extension alone: no table, but its rows)
         self.shape = Shape(Nb, Lb, rows, drafts, X, pool.ring, S_full, ragged, gens)
         if N:
             self._blocks(f, pool, blocks, sizes, clens, scratch)
