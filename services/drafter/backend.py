@@ -176,3 +176,15 @@ def aux_rows(shape: tuple, width: int) -> bool:
     if shape[-1] != width:
         raise ValueError(f"new_aux width {shape[-1]} != len(target_layer_ids) * hidden_size = {width}")
     return len(shape) == 3
+
+
+def conv_layer(layer, x: Array, lanes: Array, attention) -> Array:
+    """Block rows ``x`` [1, rows, hidden] through a DFlash2 decoder layer (either backend's): a grouped causal
+    convolution before and after its attention and its MLP (``lanes``: each row's index in its block);
+    ``attention(rows)`` [rows, hidden] -> [rows, hidden] is the layer's attention with its output projection."""
+    a = layer.input_layernorm(x[0])
+    d = layer.attention_conv.deltas(a)
+    h = x[0] + layer.attention_conv.apply(attention(layer.attention_conv.apply(a, d, 0, lanes)), d, 1, lanes)
+    m = layer.post_attention_layernorm(h)
+    d = layer.mlp_conv.deltas(m)
+    return (h + layer.mlp_conv.apply(layer.mlp(layer.mlp_conv.apply(m, d, 0, lanes)), d, 1, lanes))[None]
