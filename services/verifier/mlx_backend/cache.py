@@ -2,7 +2,7 @@
 says, so rollback is exact), :class:`FullKVCache` (exact K/V, grown as mlx-lm's ``KVCache`` grows, so
 ``kakeya memory``'s formula holds; a trim is the layout moving back) and :class:`QuantizedFullKVCache`
 (``mx.quantize`` codes, which mlx-lm's quantized attention multiplies directly). They hold arrays only:
-mlx-lm's attention gets a per-forward view of them with ``offset`` and ``update_and_fetch`` (``forward.py``).
+mlx-lm's attention gets a per-forward view of them with ``offset`` and ``update_and_fetch`` (``target.LayerView``).
 """
 
 from __future__ import annotations
