@@ -49,7 +49,7 @@ def reference(verifier, ids: list[int]) -> np.ndarray:
     if target.backend == "torch":
         import torch
 
-        from kakeya.verifier.torch_backend.attention import FullKVCache
+        from kakeya.verifier.torch_backend.target import FullKVCache
 
         caches = [FullKVCache() for _ in range(target.n_cached)]
         hidden = target._plain_forward(ids, caches, 0)
