@@ -64,9 +64,6 @@ class DraftPool:
         """Held while pages are planned and a step runs: one step of a model at a time, no growth under it."""
         return self.lock
 
-    def stats(self) -> dict:  # pages per pool (``PagePool.stats``)
-        return {name: p.stats() for name, p in (("sliding", self.sliding), ("full", self.full)) if p is not None}
-
 
 def _release(pool: DraftPool, ring: list, full: list) -> None:
     with pool.lock:

@@ -119,11 +119,6 @@ class KVPool:
             for p in reversed(pools):
                 p.lock.release()
 
-    def stats(self) -> dict:
-        """Pages per pool (``PagePool.stats``), what a server exports."""
-        pools = [("sliding", self.sliding)] + [(f"full{k or ''}", p) for k, p in self.fulls.items()]
-        return {name: p.stats() for name, p in pools if p is not None}
-
 
 def _release(pools_pages: list) -> None:
     for pool, pages in pools_pages:
