@@ -151,11 +151,7 @@ class LocalDrafterSession:
 
     def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
         """Extend the context by ``new_aux`` and draft ``block_size - 1`` tokens after ``last_token``."""
-        return self.run(self.check(new_aux, last_token, block_size))
-
-    def run(self, call: DraftItem) -> Draft:
-        """A call ``check`` returned: :func:`draft_together` of this one call."""
-        return draft_together([call])[0]
+        return draft_together([self.check(new_aux, last_token, block_size)])[0]
 
     def check(self, new_aux, last_token: int, block_size: int) -> DraftItem:
         """Validate one draft call's arguments (ValueError naming the field): the call, with ``new_aux``
@@ -255,7 +251,7 @@ def draft_batch(items: Sequence[DraftItem]) -> list[Draft | Exception]:
             continue
         for i, call in group:
             try:
-                results[i] = call.session.run(call)
+                results[i] = draft_together([call])[0]
             except Exception as exc:  # noqa: BLE001 -- this item's own failure
                 results[i] = exc
     return results
