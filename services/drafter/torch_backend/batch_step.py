@@ -255,9 +255,9 @@ class Batch:
         for c, n in ext:  # the extensions first: the blocks' context includes them
             ring, full = c.write_rows(c.length, n)
             f["ext_pos"][at : at + n] = np.arange(c.length, c.length + n)
-            for name, rows in (("ext_ring", ring), ("ext_full", full)):
-                if rows is not None:
-                    f[name][at : at + n] = rows
+            for name, where in (("ext_ring", ring), ("ext_full", full)):
+                if where is not None:
+                    f[name][at : at + n] = where
             c.length += n
             at += n
         clens = [c.length for c, _ in blocks]
