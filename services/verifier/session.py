@@ -198,7 +198,7 @@ class LocalVerifierSession:
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
         self.prompt = tuple(prompt_ids)
-        self.cached_tokens = snapshot.resume(self, reuse, count)
+        self.cached_tokens = snapshot.resume(self, reuse, count) if self.prefixes is not None else 0
         chunks = []
         step = min(PREFILL_CHUNK, self.max_forward)
         for start in range(self.cached_tokens, len(prompt_ids), step):
