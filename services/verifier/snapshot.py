@@ -73,9 +73,9 @@ def restore(session, snap: VerifierSnapshot, back: int = 0) -> bool:
 
 
 def resume(session, reuse, count: bool) -> int:
-    """Resume a new ``session`` (with a prefix cache) from the longest snapshot ``reuse`` allows (None: any), or the longest prefix
-    of one its prompt shares that the ring can trim back to exactly; the positions it holds (0: a cold
-    prefill). ``count``: the lookup counts as a hit or a miss (the verifier's lookup decides; a drafter
+    """Resume a new ``session`` (with a prefix cache) from the longest snapshot ``reuse`` allows (None: any),
+    or the longest prefix of one its prompt shares that the ring can trim back to exactly; the positions it
+    holds (0: a cold prefill). ``count``: the lookup counts as a hit or a miss (the verifier's lookup decides; a drafter
     only offers what it holds)."""
     found = session.prefixes.find(session.policy, session.prompt, reuse, partial=True) if reuse is None or reuse else []
     for match in found:  # longest first
