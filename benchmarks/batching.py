@@ -5,8 +5,8 @@
 
 For N = 1, 2, 4, 8, 16 sessions, each prefilled with ``--ctx`` positions: the
 time of one step for all of them -- N ``verify`` + ``commit`` calls one after
-another vs one ``verify_batch`` (``services/verifier/batch.py``), and N
-``draft`` calls vs one ``draft_batch`` (``services/drafter/batch.py``) -- and
+another vs one ``verify_batch`` (``services/verifier/session.py``), and N
+``draft`` calls vs one ``draft_batch`` (``services/drafter/session.py``) -- and
 the aggregate positions per second each gives. The batched results are checked
 against the alone ones (choices and drafts identical). No gRPC: this is the
 ceiling the servers' compute threads reach when N steps queue up together.
@@ -37,9 +37,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kakeya.core.request import CachePolicy
-from kakeya.drafter.batch import DraftItem, draft_batch
-from kakeya.verifier.batch import VerifyItem, verify_batch
-from kakeya.verifier.session import LocalVerifierSession
+from kakeya.drafter.session import DraftItem, draft_batch
+from kakeya.verifier.session import LocalVerifierSession, VerifyItem, verify_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
 from record import write_result

@@ -1,14 +1,11 @@
 """What the backend-neutral drafter asks of a loaded DFlash model: the ``DraftModel`` protocol.
 
-``session.py`` and ``batch.py`` drive a drafter through exactly these members; the torch and MLX
-``DFlashDraftModel`` implement all of them, and nothing is probed for. ``Array`` is the backend's array
-type; a cache is the backend's ``ContextKVCache`` (rows planned by ``context.py``). Backends differ in
-data, never in missing methods: ``min_batch`` (the fewest queued sessions ``draft_batch`` runs as one
-forward), ``static_step`` (None, or torch's static-shape steps for CUDA graphs) and ``release_cache``.
-
-A draft call is ``draft_step``: extend every session's context by its new aux rows, one block forward over
-every session's block, then the tokens (greedy, one host sync; or a sampling session's candidates through
-``sampler``). MLX runs :func:`extend_and_draft`; torch one batched step over pooled K/V.
+``session.py`` drives a drafter through exactly these members; the torch and MLX ``DFlashDraftModel``
+implement all of them, and nothing is probed for: backends differ in data (``min_batch``, the fewest
+queued sessions ``draft_batch`` runs as one forward; ``static_step``, torch's static-shape steps). A draft
+call is ``draft_step``: extend every session's context by its new aux rows, one block forward over every
+session's block, then the tokens (greedy: one host sync). MLX runs :func:`extend_and_draft`; torch one
+batched step over pooled K/V.
 """
 
 from __future__ import annotations
@@ -18,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kakeya.checkpoints.config import load_target_config
 from kakeya.core.request import SamplingParams
 from kakeya.drafter.config import DFlashConfig
 from kakeya.drafter.context import DEFAULT_STEP, ContextKVCache
@@ -112,6 +110,17 @@ class DraftModel(Protocol):
     def synchronize(self) -> None: ...
 
 
+def check_target_head(head: TargetTensors, target_dir) -> TargetTensors:
+    """A target's embedding / LM head as read, checked against its config.json (either level of a
+    multimodal config)."""
+    text = load_target_config(target_dir)
+    for name, have in (("vocab_size", head.vocab_size), ("hidden_size", head.hidden_size)):
+        want = text.get(name)
+        if want is not None and int(want) != have:
+            raise ValueError(f"target embedding / LM head: {name} {have}, config.json says {want}")
+    return head
+
+
 def bind(model: DraftModel, target: TargetTensors) -> DraftModel:
     """Hand a drafter its target's embedding table and LM head (it has neither of its own)."""
     if target.hidden_size != model.config.hidden_size:
@@ -156,3 +165,26 @@ def scale_logits(config: DFlashConfig, logits: Array, tanh) -> Array:
     if cap is not None and cap > 0:
         logits = tanh(logits / cap) * cap
     return logits
+
+
+def aux_rows(shape: tuple, width: int) -> bool:
+    """Check an aux array's shape ([n, width] or [1, n, width]); True when it has the batch axis."""
+    if len(shape) == 3 and shape[0] != 1:
+        raise ValueError(f"new_aux batch must be 1, got shape {tuple(shape)}")
+    if len(shape) not in (2, 3):
+        raise ValueError(f"new_aux must be [n, {width}], got shape {tuple(shape)}")
+    if shape[-1] != width:
+        raise ValueError(f"new_aux width {shape[-1]} != len(target_layer_ids) * hidden_size = {width}")
+    return len(shape) == 3
+
+
+def conv_layer(layer, x: Array, lanes: Array, attention) -> Array:
+    """Block rows ``x`` [1, rows, hidden] through a DFlash2 decoder layer (either backend's): a grouped causal
+    convolution before and after its attention and its MLP (``lanes``: each row's index in its block);
+    ``attention(rows)`` [rows, hidden] -> [rows, hidden] is the layer's attention with its output projection."""
+    a = layer.input_layernorm(x[0])
+    d = layer.attention_conv.deltas(a)
+    h = x[0] + layer.attention_conv.apply(attention(layer.attention_conv.apply(a, d, 0, lanes)), d, 1, lanes)
+    m = layer.post_attention_layernorm(h)
+    d = layer.mlp_conv.deltas(m)
+    return (h + layer.mlp_conv.apply(layer.mlp(layer.mlp_conv.apply(m, d, 0, lanes)), d, 1, lanes))[None]

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from kakeya.checkpoints.config import PATH_KEY, draft_config, load_draft_config
 from kakeya.core.contract import FULL, SLIDING, check_layer_types
-from kakeya.core.request import MAX_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -87,9 +86,11 @@ class DFlashConfig:
     # walks the top-k of each row. None on a DFlash drafter.
     dflash2: DFlash2Fields | None = None
     raw: dict = field(default_factory=dict, repr=False)
+    aux_width: int = field(init=False)  # one aux row: len(target_layer_ids) * hidden_size
 
     def __post_init__(self):
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        self.aux_width = len(self.target_layer_ids) * self.hidden_size
         if not self.target_layer_ids:
             raise ValueError("dflash_config.target_layer_ids must not be empty")
         if not self.layer_types:
@@ -112,11 +113,6 @@ class DFlashConfig:
             is_causal=sliding if self.is_causal is None else bool(self.is_causal),
             scale=self.head_dim**-0.5,
         )
-
-    @property
-    def aux_width(self) -> int:
-        """Width of one aux row: ``len(target_layer_ids) * hidden_size``."""
-        return len(self.target_layer_ids) * self.hidden_size
 
     @classmethod
     def from_dict(cls, cfg: dict, draft_dir: str | Path | None = None) -> DFlashConfig:
@@ -160,26 +156,3 @@ class DFlashConfig:
     @classmethod
     def from_dir(cls, draft_dir: str | Path) -> DFlashConfig:
         return cls.from_dict(load_draft_config(draft_dir), draft_dir)
-
-
-def check_draft_args(last_token, block_size, vocab_size: int) -> None:
-    """Validate a draft call's scalars; ValueError naming the field (servers map it to INVALID_ARGUMENT)."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise ValueError(f"block_size must be an int, got {block_size!r}")
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
-    if isinstance(last_token, bool) or not isinstance(last_token, int):
-        raise ValueError(f"last_token must be an int, got {last_token!r}")
-    if not 0 <= last_token < vocab_size:
-        raise ValueError(f"last_token must be in 0..{vocab_size - 1}, got {last_token}")
-
-
-def aux_rows(shape: tuple, width: int) -> bool:
-    """Check an aux array's shape ([n, width] or [1, n, width]); True when it has the batch axis."""
-    if len(shape) == 3 and shape[0] != 1:
-        raise ValueError(f"new_aux batch must be 1, got shape {tuple(shape)}")
-    if len(shape) not in (2, 3):
-        raise ValueError(f"new_aux must be [n, {width}], got shape {tuple(shape)}")
-    if shape[-1] != width:
-        raise ValueError(f"new_aux width {shape[-1]} != len(target_layer_ids) * hidden_size = {width}")
-    return len(shape) == 3

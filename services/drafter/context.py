@@ -3,11 +3,10 @@
 Backend-neutral host bookkeeping, as ``verifier/layout.py`` plans the verifier's rings. A context only
 grows, so a layer's buffer is ``capacity`` preallocated rows of which ``[0, stop)`` are written; the last
 ``keep`` are visible on a sliding layer, all on a full one. Full layers grow geometrically (``step * 2**k``
-rows: O(log n) reallocations, a static-shape forward per capacity); a sliding buffer has a fixed capacity
-(``keep + max(step, MAX_BLOCK_SIZE)``) and is compacted in place when full. A block of ``B`` queries at
-``length ..`` is attended as ``visible ++ block`` (MLX) or written to scratch rows ``[stop, stop+B)``
-(torch, :meth:`ContextLayout.block` with ``scratch=True``); ``span="valid"`` masks exactly those keys,
-``span="capacity"`` the whole buffer (one shape per capacity). Layers of one ``keep`` share one layout.
+rows: O(log n) reallocations); a sliding buffer has a fixed capacity (``keep + max(step, MAX_BLOCK_SIZE)``)
+and is compacted in place when full. A block of ``B`` queries at ``length ..`` attends to ``visible ++
+block``. Layers of one ``keep`` share one layout. (The torch drafter keeps its context in pages of a pool,
+``torch_backend/batch_step.py``; it shares :class:`ContextSnapshot` and :class:`Segment` from here.)
 """
 
 from __future__ import annotations
@@ -28,11 +27,8 @@ DEFAULT_STEP = 256  # first capacity of a full layer; spare rows of a sliding la
 
 @dataclass(frozen=True)
 class Resize:
-    """Make the buffer ``capacity`` rows holding, at its front, the old rows ``[src, src+count)``.
-
-    ``capacity`` equal to the buffer's current one: compact in place (the
-    buffer keeps its storage); larger: allocate a new buffer.
-    """
+    """Make the buffer ``capacity`` rows holding, at its front, the old rows ``[src, src+count)`` (the same
+    capacity: compact in place; larger: a new buffer)."""
 
     capacity: int
     src: int
@@ -53,12 +49,10 @@ class Append:
 class BlockView:
     """How one layer kind's attention sees a block of ``n_block`` queries."""
 
-    resize: Resize | None  # room for the block's scratch rows (scratch=True only)
+    resize: Resize | None  # room for the block's rows after the context (scratch=True only)
     n_ctx: int  # visible context rows
     start: int  # buffer rows [start, stop) are the visible context
     stop: int
-    key_start: int  # scratch=True: attend over buffer rows [key_start, key_stop)
-    key_stop: int
 
 
 class ContextLayout:
@@ -92,11 +86,6 @@ class ContextLayout:
         self.capacity, self.stop = cap, carry
         return resize
 
-    def reserve(self, extra: int) -> Resize | None:
-        """Make room for ``extra`` more rows after the written ones, keeping every visible row
-        (the torch static step: its extension and block then need no resize)."""
-        return self._room(extra, self.stop - self.start)
-
     def append(self, n: int) -> Append:
         """Plan writing ``n`` new positions (oldest first)."""
         if n < 0:
@@ -111,33 +100,23 @@ class ContextLayout:
         self.stop += n
         return plan
 
-    def block(self, n_block: int, scratch: bool = False, span: str = "valid") -> BlockView:
-        """Plan one block forward; ``scratch``: the block's K/V go into rows ``[stop, stop+n_block)``."""
-        if span not in ("valid", "capacity"):
-            raise ValueError(f"span must be 'valid' or 'capacity', got {span!r}")
+    def block(self, n_block: int, scratch: bool = False) -> BlockView:
+        """Plan one block forward; ``scratch``: room for its K/V in rows ``[stop, stop+n_block)`` (what a
+        server's admission counts a block by, :meth:`ContextKVCache.rows_after`)."""
         resize = self._room(n_block, self.stop - self.start) if scratch else None
-        start, stop = self.start, self.stop
-        if scratch and span == "capacity":
-            key_start, key_stop = 0, self.capacity
-        else:
-            key_start, key_stop = start, stop + (n_block if scratch else 0)
-        return BlockView(resize, stop - start, start, stop, key_start, key_stop)
+        return BlockView(resize, self.stop - self.start, self.start, self.stop)
 
 
 class ContextPlan:
     """The context-cache plan of one drafter session: one layout per layer kind, one length."""
 
-    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP, full_step: int | None = None):
-        """``full_step``: first capacity of full layers (default ``step``); a captured forward
-        preallocates a long one, since every regrowth means new graphs."""
+    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP):
         self.length = 0  # context positions seen so far (absolute)
         kinds: dict[int | None, ContextLayout] = {}
         self.layer_layouts: list[ContextLayout] = []
         for t in config.layer_types:
             keep = int(config.sliding_window) - 1 if t == SLIDING else None
-            if keep not in kinds:
-                kinds[keep] = ContextLayout(keep, step if keep is not None else (full_step or step))
-            self.layer_layouts.append(kinds[keep])
+            self.layer_layouts.append(kinds.setdefault(keep, ContextLayout(keep, step)))
         self.layouts = list(kinds.values())
 
     def append(self, n: int) -> dict[ContextLayout, Append]:
@@ -146,27 +125,18 @@ class ContextPlan:
         self.length += n
         return plans
 
-    def block(self, n_block: int, scratch: bool = False, span: str = "valid") -> dict[ContextLayout, BlockView]:
-        return {l: l.block(n_block, scratch, span) for l in self.layouts}
-
-    def reset(self) -> None:
-        """Empty, keeping every capacity (a closed session's buffers reused by the next one)."""
-        self.length = 0
-        for layout in self.layouts:
-            layout.stop = 0
+    def block(self, n_block: int, scratch: bool = False) -> dict[ContextLayout, BlockView]:
+        return {l: l.block(n_block, scratch) for l in self.layouts}
 
 
 class ContextKVCache:
-    """Per-layer context K/V of one generation (only ever extended).
-
-    The bookkeeping is ``self.plan`` (shared by both backends); the arrays live
-    in one ``layer_kv`` per layer, the backend's own class.
-    """
+    """Per-layer context K/V of one generation (only ever extended): the bookkeeping is ``self.plan``, the
+    arrays live in one ``layer_kv`` per layer, the backend's own class."""
 
     layer_kv: type  # the backend's per-layer K/V: append(plan, k, v), with_block(view, k, v), visible(), nbytes
 
-    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP, full_step: int | None = None):
-        self.plan = ContextPlan(config, step, full_step)
+    def __init__(self, config: DFlashConfig, step: int = DEFAULT_STEP):
+        self.plan = ContextPlan(config, step)
         self.layers = [self.layer_kv(layout) for layout in self.plan.layer_layouts]
 
     @property
@@ -210,11 +180,7 @@ class ContextKVCache:
     def restore(self, snap: ContextSnapshot, back: int = 0) -> None:
         """An empty cache (of the same model) set to ``snap``'s rows, less its newest ``back`` positions
         (``snap.truncatable`` ones only), copied in as an extension writes rows."""
-        if self.length:
-            raise RuntimeError("only an empty context cache can resume a snapshot")
-        if back and not (snap.truncatable and 0 < back < snap.length):
-            raise ValueError(f"cannot resume {snap.length} context positions less {back}")
-        keep = snap.length - back
+        keep = snap.resumed(self.length, back)
         plans = {layout: layout.append(rows - back) for layout, rows in zip(self.plan.layouts, snap.rows)}
         self.plan.length = keep
         for layer, (k, v) in zip(self.layers, snap.kv):
@@ -236,6 +202,15 @@ class ContextSnapshot:
         """Every layout holds every position (no window dropped any), so the first ``n`` rows are exactly
         the context after ``n`` positions."""
         return all(rows == self.length for rows in self.rows)
+
+    def resumed(self, length: int, back: int) -> int:
+        """The positions a cache holding ``length`` (it must be empty) keeps when it resumes this snapshot
+        less its newest ``back`` (a truncatable one only)."""
+        if length:
+            raise RuntimeError("only an empty context cache can resume a snapshot")
+        if back and not (self.truncatable and 0 < back < self.length):
+            raise ValueError(f"cannot resume {self.length} context positions less {back}")
+        return self.length - back
 
 
 def split_rows(kv: list, counts: Sequence[int]) -> list[list]:
@@ -260,22 +235,17 @@ class Segment(NamedTuple):
     position: int | None = None  # the first row's position (MLX rotates per segment; torch's cos/sin cover all rows)
 
 
-def block_segments(
-    blocks, layers: Sequence[LayerAttention], as_array, *, scratch: bool, span: str = "valid"
-) -> list[list[Segment]]:
-    """Per layer, the :class:`Segment` of every ``(cache, n_rows)`` block of one forward.
-
-    ``as_array``: a numpy mask as the backend's array (one per session and
-    layer kind); ``scratch``, ``span``: see :meth:`ContextLayout.block`.
-    """
+def block_segments(blocks, layers: Sequence[LayerAttention], as_array) -> list[list[Segment]]:
+    """Per layer, the :class:`Segment` of every ``(cache, n_rows)`` block of one forward (``as_array``: a
+    numpy mask as the backend's array, one per session and layer kind)."""
     segments: list[list[Segment]] = [[] for _ in layers]
     for cache, n in blocks:
-        views, position = cache.plan.block(n, scratch, span), cache.length
+        views, position = cache.plan.block(n), cache.length
         masks: dict = {}
         for layer, (attn, ctx) in enumerate(zip(layers, cache.layers)):
             key = (ctx.layout, attn.is_causal)
             if key not in masks:
-                m = block_mask(views[ctx.layout], n, is_causal=attn.is_causal, window=attn.window, span=span)
+                m = block_mask(views[ctx.layout], n, is_causal=attn.is_causal, window=attn.window)
                 masks[key] = None if m is None else as_array(m)
             segments[layer].append(Segment(ctx, views[ctx.layout], masks[key], n, position))
     return segments
@@ -291,32 +261,18 @@ def draft_rows(block_sizes) -> list[int]:
     return rows
 
 
-def block_mask(
-    view: BlockView, n_block: int, *, is_causal: bool, window: int | None, span: str = "valid"
-) -> np.ndarray | None:
-    """Bool ``[n_block, keys]`` visibility (True = attend), or None when every key is visible.
-
-    Keys are the visible context then the block (``span="valid"``), or every
-    buffer row (``span="capacity"``: rows holding nothing, or a position a
-    query may not see, are False). Query ``i`` sits at ``C + i`` (``C`` = the
-    context length), the visible context at ``C - n_ctx .. C - 1``. Context keys
-    obey ``p_q - p_k < window``; block keys causality (if ``is_causal``) and, on
-    sliding layers, ``|p_q - p_k| < window`` (the reference's training mask;
-    it only bites when ``n_block > window``).
-    """
+def block_mask(view: BlockView, n_block: int, *, is_causal: bool, window: int | None) -> np.ndarray | None:
+    """Bool ``[n_block, keys]`` visibility (True = attend) over the visible context then the block, or None
+    when every key is visible. Query ``i`` sits at ``C + i`` (``C``: the context length), the context at
+    ``C - n_ctx .. C - 1``. Context keys obey ``p_q - p_k < window``; block keys causality (if ``is_causal``)
+    and, on sliding layers, ``|p_q - p_k| < window`` (the reference's training mask)."""
     n_ctx = view.n_ctx
-    if span == "valid":
-        need_ctx = window is not None and n_ctx + n_block - 1 >= window
-        need_block = is_causal or (window is not None and n_block > window)
-        if not (need_ctx or need_block):
-            return None
-        rel = np.arange(-n_ctx, n_block)  # key positions relative to C
-    else:
-        rel = np.full(view.key_stop - view.key_start, np.iinfo(np.int64).min // 2, dtype=np.int64)
-        rows = np.arange(view.start, view.stop + n_block) - view.key_start
-        rel[rows] = np.arange(-n_ctx, n_block)
-    q, k = np.arange(n_block)[:, None], rel[None, :]
-    vis = k > np.iinfo(np.int64).min // 4  # a row that holds a position
+    need_ctx = window is not None and n_ctx + n_block - 1 >= window
+    need_block = is_causal or (window is not None and n_block > window)
+    if not (need_ctx or need_block):
+        return None
+    q, k = np.arange(n_block)[:, None], np.arange(-n_ctx, n_block)[None, :]  # key positions relative to C
+    vis = np.ones((n_block, n_ctx + n_block), bool)
     if is_causal:
         vis = vis & (k <= q)
     if window is not None:

@@ -1,23 +1,19 @@
 """A loaded DFlash drafter in this process (:class:`LocalDrafter`, :class:`MLXDrafter`, :class:`TorchDrafter`):
-the Drafter protocol without a wire.
-
-It hands out :class:`~kakeya.drafter.session.DrafterSession` objects and drafts many sessions' blocks in
-one forward (``batch.draft_batch``); ``orchestrator/remote/drafter.py`` is the same protocol over gRPC.
+the Drafter protocol without a wire (over gRPC: ``orchestrator/remote/drafter.py``); many sessions' blocks
+drafted in one forward (``session.draft_batch``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-from kakeya.core.contract import Draft, SessionOptions
+from kakeya.core.contract import SessionOptions
 from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import SamplingParams
 from kakeya.drafter.backend import DraftModel, bind
-from kakeya.drafter.batch import DraftItem, draft_batch
-from kakeya.drafter.session import WARM_BLOCK_SIZES, LocalDrafterSession
+from kakeya.drafter.session import WARM_BLOCK_SIZES, LocalDrafterSession, draft_batch
 
 
 class LocalDrafter:
@@ -45,16 +41,11 @@ class LocalDrafter:
     def status(self) -> dict[str, str]:
         return {}  # in this process: no connection to lose
 
-    @staticmethod
-    def draft_batch(items: Sequence[tuple[LocalDrafterSession, Any, int, int]]) -> list[Draft | Exception]:
-        return draft_batch([DraftItem(*item) for item in items])
+    draft_batch = staticmethod(draft_batch)  # ``session.draft_batch`` itself: no wrapper a round passes through
 
     def warm_up(self, block_sizes: Iterable[int] = WARM_BLOCK_SIZES, ctx: int = 64, aux=None) -> float:
         """One short session drafting each block size once, before serving; returns the seconds it took.
-
-        ``aux``: the first call's context rows (a server passes them through its
-        wire decoding); ``ctx`` zero rows by default.
-        """
+        ``aux``: the first call's context rows (a server's, through its wire decoding; default ``ctx`` zeros)."""
         t0 = time.perf_counter()
         s = self.open_session()
         s.draft(self.model.zeros_aux(max(1, ctx)) if aux is None else aux, 2, 1)
@@ -84,10 +75,6 @@ class MLXDrafter(LocalDrafter):
             model = load_dflash_mlx(draft, target_dir, dtype=dtype)
         super().__init__(model, **shared)
 
-    @classmethod
-    def load(cls, draft_dir: str | Path, target_dir: str | Path, dtype=None) -> MLXDrafter:
-        return cls(draft_dir, target_dir, dtype=dtype)
-
 
 class TorchDrafter(LocalDrafter):
     """The torch drafter: ``TorchDrafter(draft_dir, target_dir, device, dtype)`` or ``TorchDrafter(model=...)``."""
@@ -107,12 +94,9 @@ class TorchDrafter(LocalDrafter):
         attention_kernel: bool | None = None,
         **shared,
     ):
-        """``cuda_graphs``: capture every draft step (default: on for CUDA, see drafter/torch_backend/batch_step.py);
-        ``graph_options`` (a ``torch_graphs.GraphOptions``) overrides it and ``graphed_min_batch``
-        (``--graphed-min-batch``); ``compile``:
-        ``torch.compile`` the layers' row-wise halves (``DFlashDraftModel.compile_layers``);
-        ``attention_kernel``: the Triton decode-attention kernel (``DFlashDraftModel.use_attention_kernel``);
-        ``shared``: :class:`LocalDrafter`'s ``prefixes``."""
+        """``cuda_graphs``: capture every draft step (default: on for CUDA); ``graph_options`` (a
+        ``GraphOptions``) overrides it and ``graphed_min_batch``; ``compile``: ``DFlashDraftModel.compile_layers``;
+        ``attention_kernel``: ``DFlashDraftModel.use_attention_kernel``; ``shared``: :class:`LocalDrafter`'s."""
         from kakeya.backends.torch.graphs import GraphOptions
 
         if model is None:

@@ -1,37 +1,28 @@
-"""The drafter's gRPC servicer: one Session stream == one DFlash drafter session.
+"""The drafter's gRPC servicer: one Session stream == one DFlash drafter session (either backend).
 
-The stream IS the session: its context K/V cache is created at ``Open`` and
-freed when the stream ends, however it ends. With ``--max-kv-bytes`` the
-context caches of all sessions stay within that budget: before a Draft extends
-a session's context, the bytes its cache will then hold are reserved
-(``SessionRegistry.reserve``), so one client's 131,072 aux rows cannot take
-the drafter's memory. Per block the request carries the
-aux of the newly committed positions (a ``Tensor`` decoded by
-``services/wire/codec.py``) and the token opening the block; the response
-carries ``B - 1`` candidate ids (and, in a sampling session, the compact
-proposal each was drawn from). A ``Predraft`` (deprecated: pre-drafting was removed, measured not to pay,
-docs/benchmarks.md "History") only takes its new aux and is answered with no block, so an older client
-drafts afresh. After its first Draft (on its stream), a session's
-Drafts may come in a ``DraftRound`` call with other sessions' (``runtime/servicer.py``), each item checked
-and answered as its stream's Draft. The drafter loads only the target's embedding
-and LM head (``endpoints.local_drafter``), never the whole target. One servicer
-and one ``server_spec`` for both backends: ``backend`` picks the model, the
-session and the warm-up are the same code.
+The stream IS the session: its context K/V cache is created at ``Open`` and freed when the stream ends,
+however it ends. With ``--max-kv-bytes`` the bytes a Draft's context will hold are reserved before it
+extends it (``SessionRegistry.reserve``), so one client's long context cannot take the drafter's memory.
+Per block the request carries the aux of the newly committed positions (``wire/codec.py``) and the token
+opening the block; the response carries ``B - 1`` candidate ids (and, sampling, the proposal each was
+drawn from). A ``Predraft`` (deprecated: pre-drafting was removed, measured not to pay, docs/benchmarks.md
+"History") only takes its new aux and is answered with no block. After its first Draft, a session's Drafts
+may come in a ``DraftRound`` call with other sessions' (``runtime/servicer.py``), each checked and answered
+as its stream's Draft. The drafter loads only the target's embedding and LM head, never the whole target.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from kakeya.core.contract import SessionOptions, check_ranked
-from kakeya.drafter.batch import DraftItem, draft_batch
-from kakeya.drafter.config import MAX_BLOCK_SIZE
-from kakeya.drafter.session import LocalDrafterSession
+from kakeya.core.request import MAX_BLOCK_SIZE
+from kakeya.drafter.session import DraftItem, LocalDrafterSession, draft_batch
 from kakeya.runtime import bounds
 from kakeya.runtime.admission import SessionEntry
 from kakeya.runtime.lifecycle import ServerSpec, check_token_ids, invalid, precondition, version
@@ -63,7 +54,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
 
     def __init__(self, limits: SessionLimits = SessionLimits()):
         # Draft requests of several streams that queue up while a batch runs go through ONE forward
-        # (``batch.draft_batch``); max_batch 1: each alone, in turn.
+        # (``session.draft_batch``); max_batch 1: each alone, in turn.
         super().__init__(limits)
         self.max_context = 0  # set by load(): --max-context, at most the model's max_position_embeddings
         self.drafter = None  # a LocalDrafter (either backend), set by load()
@@ -306,7 +297,7 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         decoded = []
         for _, item in items:
             try:
-                decoded.append(replace(item, new_aux=None if item.new_aux is None else self._decode(item.new_aux)))
+                decoded.append(item._replace(new_aux=None if item.new_aux is None else self._decode(item.new_aux)))
             except Exception as exc:  # noqa: BLE001 -- this stream's own failure
                 decoded.append(exc)
         drafted = iter(draft_batch([w for w in decoded if not isinstance(w, Exception)]))

@@ -1,19 +1,18 @@
-"""One generation's drafter state, and the loaded drafter that hands sessions out (backend-neutral).
+"""One generation's drafter state, and several sessions' draft calls as one forward (backend-neutral).
 
-Per ``draft`` call the work is O(new positions + block): the new aux rows are
-projected to per-layer context K/V and appended to the session's context cache
-(never a rescan of the context), then ONE forward runs over the block
-``[last_token, mask * (B-1)]`` and the argmax comes back in a single host sync
-(a sampling session: its noisy argmax under the coupled rule, or the [B-1, K]
-proposal each candidate is drawn from under the rejection rule; see
-``sampling.py``).
+Per ``draft`` call the new aux rows are projected to per-layer context K/V and appended to the session's
+cache (never a rescan), then ONE forward runs over the block ``[last_token, mask * (B-1)]`` and the argmax
+comes back in one host sync. A sampling session's candidates follow its rule (``core/sampling.py``) on q_i,
+the target's temperature / top-k / top-p / min-p over the drafter's own logits: coupled
+(:class:`CoupledDrafts`), argmax(q_i + G(seed, position, token)), the verifier's noise, on the device;
+rejection (:class:`RejectionDrafts`), drawn on the host from q_i cut to its top-K, which the verifier then
+tests min(1, p/q') against.
 
-A draft alone is :func:`draft_together` of one session, the same code
-``batch.draft_batch`` runs for several (on torch: the same batched step, captured
-in CUDA graphs when they are on). The model is a
-``DraftModel`` (``backend.py``: the torch or MLX ``DFlashDraftModel``), asked
-for nothing but what that protocol declares; the cache bookkeeping lives in
-``context.py``. A session owns its cache; sessions share only the weights.
+A draft alone is :func:`draft_together` of one session, the same code :func:`draft_batch` runs for several
+queued sessions of one model (torch: one batched step over pooled K/V). Each gets what it would alone,
+except that a matmul over more rows may round differently (~1e-5 in float32 logits on a CPU), which changes
+a token only at a float tie; drafts are proposals, so the verifier's acceptance keeps the output exact.
+The model is a ``DraftModel`` (``backend.py``); a session owns its cache, sessions share only the weights.
 """
 
 from __future__ import annotations
@@ -21,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from kakeya.core.contract import Draft, DrafterStats, check_ranked
+from kakeya.core import noise
+from kakeya.core import sampling as lossless
+from kakeya.core.contract import DRAFTER_STREAM, PROPOSAL_TOP_K, Draft, DrafterStats, check_ranked, session_rng
 from kakeya.core.prefix import PrefixCache
-from kakeya.core.request import SamplingParams
+from kakeya.core.request import COUPLED, MAX_BLOCK_SIZE, SamplingParams
 from kakeya.drafter.backend import DraftModel, extend
-from kakeya.drafter.config import check_draft_args
-from kakeya.drafter.sampling import session_rule
 
 WARM_BLOCK_SIZES = range(2, 17)  # every block size the loop drafts (it stops at 16)
 
@@ -37,24 +36,52 @@ class _Empty:
     length = nbytes = 0
 
 
-_EMPTY = _Empty()
 NOTHING = Draft(())  # a block of size 1 drafts nothing (its call only extends the context)
 CONTEXT = "context"  # the prefix cache's namespace: one drafter model per cache
 
 
-class DraftCall(NamedTuple):
-    """One checked draft call: ``aux`` (new context rows, the model's own array) and the ``block_size - 1``
-    candidates drafted after ``last_token``."""
+class DraftItem(NamedTuple):
+    """One session's draft call: extend its context by ``new_aux`` (unchecked: None, no new rows; checked,
+    a ``DraftItem``: the model's own array), then draft ``block_size - 1`` tokens after ``last_token``."""
 
     session: LocalDrafterSession
-    aux: Any
+    new_aux: Any
     last_token: int
     block_size: int
 
-    @property
-    def wanted(self) -> int:
-        """Tokens this call drafts (0: it only extends the context)."""
-        return self.block_size - 1
+
+class CoupledDrafts:
+    """A coupled-rule session's candidates: the noisy argmax of its processed logits."""
+
+    def __init__(self, params: SamplingParams):
+        self.params, self.keys = params, noise.session_keys(params.seed)
+
+    def draft(self, logits, sampler, first_position: int) -> Draft:
+        """Candidates for the ``logits`` rows [B-1, V] (device), row i at position ``first_position + i``."""
+        return Draft(sampler.coupled_rows(logits, self.params, self.keys, first_position))
+
+
+class RejectionDrafts:
+    """A rejection-rule session's candidates, each drawn from the top-``PROPOSAL_TOP_K`` proposal it sends."""
+
+    def __init__(self, params: SamplingParams):
+        self.params, self.rng = params, session_rng(params.seed, DRAFTER_STREAM)
+
+    def draft(self, logits, sampler, first_position: int) -> Draft:
+        """Candidates for the ``logits`` rows [B-1, V] (device) and their proposal (positions play no part)."""
+        ids, probs = sampler.proposal(logits, self.params, PROPOSAL_TOP_K)
+        probs = probs / probs.sum(-1, keepdims=True)  # the top-k cut renormalised: each row a distribution
+        tokens, proposal = lossless.draw_from_proposal(ids, probs, self.rng.random(ids.shape[0]))
+        return Draft(tokens, proposal)
+
+
+def session_rule(sampling: SamplingParams | None) -> CoupledDrafts | RejectionDrafts | None:
+    """How a drafter session samples its candidates: None when greedy."""
+    if sampling is None or sampling.check().greedy:
+        return None
+    if sampling.seed is None:
+        raise ValueError("seed: a sampling session needs the request's seed (the engine draws one)")
+    return CoupledDrafts(sampling) if sampling.rule == COUPLED else RejectionDrafts(sampling)
 
 
 class LocalDrafterSession:
@@ -104,12 +131,9 @@ class LocalDrafterSession:
         self._held = {}
 
     def save(self, ids: Sequence[int], unseen: Sequence) -> bool:
-        """Keep the context after exactly ``ids`` (the prompt, then the committed tokens) in the prefix cache.
-
-        ``unseen``: the aux the loop committed after this session's last draft (a list of chunks, in order);
-        the context is extended by as many of their rows as ``ids`` needs. The generation must be over.
-        False when nothing was kept (no prefix cache, too few rows, over budget).
-        """
+        """Keep the context after exactly ``ids`` (the prompt, then the committed tokens) in the prefix cache, the
+        generation over: ``unseen``, the aux chunks committed after the last draft, extend it as far as ``ids``
+        needs. False when nothing was kept (no prefix cache, too few rows, over budget)."""
         need = len(ids) - self.cache.length
         if self.prefixes is None or self._closed or need < 0:
             return False
@@ -127,23 +151,18 @@ class LocalDrafterSession:
 
     def draft(self, new_aux, last_token: int, block_size: int) -> Draft:
         """Extend the context by ``new_aux`` and draft ``block_size - 1`` tokens after ``last_token``."""
-        return self.run(self.check(new_aux, last_token, block_size))
+        return draft_together([self.check(new_aux, last_token, block_size)])[0]
 
-    def run(self, call: DraftCall) -> Draft:
-        """A call ``check`` returned: :func:`draft_together` of this one call."""
-        return draft_together([call])[0]
-
-    def check(self, new_aux, last_token: int, block_size: int) -> DraftCall:
+    def check(self, new_aux, last_token: int, block_size: int) -> DraftItem:
         """Validate one draft call's arguments (ValueError naming the field): the call, with ``new_aux``
         as the model's rows (None: no new rows)."""
         if self._closed:
             raise RuntimeError("drafter session is closed")
-        vocab = self.model.target.vocab_size
-        check_draft_args(last_token, block_size, vocab)
+        check_draft_args(last_token, block_size, self.model.target.vocab_size)
         aux = self.model.zeros_aux(0) if new_aux is None else self.model.read_aux(new_aux)
         if self.cache.length + aux.shape[0] == 0:
             raise ValueError("new_aux must hold at least one position on the first draft call")
-        return DraftCall(self, aux, last_token, block_size)
+        return DraftItem(self, aux, last_token, block_size)
 
     def stats(self) -> DrafterStats:
         return DrafterStats(context_len=self.cache.length, cache_bytes=self.cache.nbytes, draft_calls=self.calls)
@@ -157,10 +176,10 @@ class LocalDrafterSession:
             return
         self._closed = True
         self.model.release_cache(self.cache)
-        self.cache = _EMPTY  # frees the K/V now (or hands it to the next session), not when collected
+        self.cache = _Empty  # frees the K/V now (or hands it to the next session), not when collected
 
 
-def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
+def draft_together(work: Sequence[DraftItem]) -> list[Draft]:
     """Checked draft calls of sessions of one model: ONE step (``DraftModel.draft_step``) extending every
     context and drafting every block, one host sync for the greedy ones (a sampling session's candidates
     come from its own logits rows, its own seed and positions)."""
@@ -168,14 +187,14 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
     caches = [call.session.cache for call in work]
     for call in work:
         call.session.calls += 1
-    drafting = [call for call in work if call.wanted]
+    drafting = [call for call in work if call.block_size > 1]
     greedy = any(call.session.rule is None for call in drafting)
     # the top ids on the device, only k a row to the host: a constrained session's ranks
     top = max((call.session.ranked for call in drafting), default=0)
     mask = model.config.mask_token_id
     tokens, logits = model.draft_step(  # the greedy tokens: one host sync, which settles every cache too
-        [(call.session.cache, call.aux) for call in work],
-        [(call.session.cache, [call.last_token] + [mask] * call.wanted) for call in drafting],
+        [(call.session.cache, call.new_aux) for call in work],
+        [(call.session.cache, [call.last_token] + [mask] * (call.block_size - 1)) for call in drafting],
         greedy,
         keep_logits=bool(top) or not all(call.session.rule is None for call in drafting),
     )
@@ -185,11 +204,12 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
     ranked = model.ranked(logits, top) if top else None  # the argmax and the next likeliest
     drafts, at = [], 0
     for call in work:
-        if not call.wanted:
+        n = call.block_size - 1
+        if not n:
             drafts.append(NOTHING)
             continue
-        at += call.wanted  # the block's rows: its positions 1..
-        rows = slice(at - call.wanted, at)
+        at += n  # the block's rows: its positions 1..
+        rows = slice(at - n, at)
         if call.session.rule is None:
             k = call.session.ranked
             drafts.append(Draft(tokens[rows], ranked=_ranks(tokens[rows], ranked[0][rows], k) if k else None))
@@ -204,3 +224,46 @@ def draft_together(work: Sequence[DraftCall]) -> list[Draft]:
 def _ranks(tokens: Sequence[int], rows: Sequence[Sequence[int]], k: int) -> list[tuple[int, ...]]:
     """Each candidate's ``k`` likeliest ids, the candidate first (a float tie may rank another id first)."""
     return [(tok, *[t for t in row if t != tok])[:k] for tok, row in zip(tokens, rows)]
+
+
+def draft_batch(items: Sequence[DraftItem]) -> list[Draft | Exception]:
+    """Several sessions' draft calls (``DraftItem`` or plain 4-tuples, what ``Drafter.draft_batch`` takes):
+    one result per item, in order, its ``Draft`` or the exception it raised (for that item's caller alone).
+    Each is checked as :meth:`LocalDrafterSession.draft` checks it; the sessions of each model then draft
+    together (:func:`draft_together`), or one by one when fewer than the model's ``min_batch``."""
+    results: list[Any] = [None] * len(items)
+    groups: dict[int, list] = {}  # sessions of one loaded model batch together
+    seen: set[int] = set()
+    for i, (session, new_aux, last_token, block_size) in enumerate(items):
+        try:
+            if id(session) in seen:
+                raise ValueError("a session drafts at most once per batch (its next block needs this one's tokens)")
+            call = session.check(new_aux, last_token, block_size)
+        except Exception as exc:  # noqa: BLE001 -- this item's own failure, reported to its caller
+            results[i] = exc
+            continue
+        seen.add(id(session))
+        groups.setdefault(id(session.model), []).append((i, call))
+    for group in groups.values():
+        if len(group) >= group[0][1].session.model.min_batch:
+            for (i, _), draft in zip(group, draft_together([call for _, call in group])):
+                results[i] = draft
+            continue
+        for i, call in group:
+            try:
+                results[i] = draft_together([call])[0]
+            except Exception as exc:  # noqa: BLE001 -- this item's own failure
+                results[i] = exc
+    return results
+
+
+def check_draft_args(last_token, block_size, vocab_size: int) -> None:
+    """Validate a draft call's scalars; ValueError naming the field (servers map it to INVALID_ARGUMENT)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise ValueError(f"block_size must be an int, got {block_size!r}")
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+    if isinstance(last_token, bool) or not isinstance(last_token, int):
+        raise ValueError(f"last_token must be an int, got {last_token!r}")
+    if not 0 <= last_token < vocab_size:
+        raise ValueError(f"last_token must be in 0..{vocab_size - 1}, got {last_token}")

@@ -213,7 +213,7 @@ class BlockTrainer:
     def block_logits(self, seqs: np.ndarray, aux: np.ndarray, anchors: np.ndarray, B: int):
         """Drafter logits ``[N*K, B-1, vocab]`` and labels ``[N*K, B-1]`` for blocks after ``anchors`` [N, K]."""
         from kakeya.drafter.context import Segment
-        from kakeya.drafter.torch_backend.context import GivenContext
+        from kakeya.drafter.torch_backend.model import GivenContext
 
         torch, F, m, c = self.torch, self.torch.nn.functional, self.model, self.dcfg
         N, T = seqs.shape

@@ -1,24 +1,54 @@
 """The verifier's backend protocols: everything a session and the batch runner call on a target.
 
-``TargetMLX`` and ``TargetTorch`` implement :class:`Target` (``tests/test_protocols.py``). What only one
-backend has is a capability declared as data, never probed for, with a protocol of its own:
-``static_verify`` (torch, :class:`StaticVerify`: greedy blocks of one or many sessions through a
-static-shape step, one host sync), ``restores`` (MLX, :class:`Restores`: f_theta), and ``min_batch`` with
-``SessionCaches.batchable`` / ``batch_key`` (sets of one key share a forward). Every forward is
-:meth:`Target.forward` over one or more :class:`Segment` (a session's block and the immutable plan of its
-``RingLayout``): a session's own forward is a batch of one.
+``TargetMLX`` and ``TargetTorch`` implement :class:`Target`. What only one backend has is a capability
+declared as data, never probed for: ``static_verify`` (torch, :class:`StaticVerify`), ``restores`` (MLX,
+:class:`Restores`: f_theta), and ``min_batch`` with ``SessionCaches.batchable`` / ``batch_key``. Every
+forward is :meth:`Target.forward` over one or more :class:`Segment`: a session's own is a batch of one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
+from kakeya.core.contract import SLIDING
 from kakeya.core.request import CachePolicy
-from kakeya.verifier.caches import SessionCaches
 from kakeya.verifier.layout import ForwardPlan, RingLayout
+
+
+class SessionCaches:
+    """A session's caches, in layer order, one per layer that has its own K/V (``kinds``: each one's type): a
+    ring on sliding layers (``layout.py``), a full-attention cache (exact or quantized) on the others. They
+    hold arrays and nothing about a forward: no position counter (the session's ``RingLayout`` is the only
+    one) and no plan (each write gets its ``ForwardPlan``). ``batchable``: whether a batched forward may take
+    this set (MLX: not with quantized full caches); ``batch_key``: sets of one key may share one (torch:
+    full-attention K/V in one pool, whose pages its subclass holds)."""
+
+    batch_key: object = None
+
+    def __init__(self, layers: list, kinds: Sequence[str], batchable: bool = True):
+        self.layers = layers
+        self.kinds = list(kinds)
+        self.rings = [c for c, kind in zip(layers, kinds) if kind == SLIDING]
+        self.fulls = [c for c, kind in zip(layers, kinds) if kind != SLIDING]
+        self.batchable = batchable
+
+    def arrays(self) -> list:
+        return [a for c in self.layers for a in c.arrays()]
+
+    def kv_bytes(self) -> dict:
+        return {"sliding": sum(c.nbytes for c in self.rings), "full": sum(c.nbytes for c in self.fulls)}
+
+    def copy(self, positions: int, copy: Callable) -> list[list]:
+        """Every layer's arrays as they hold positions ``< positions``, each through the backend's ``copy``:
+        a ring whole (its slots hold what the layout says), a full-attention cache's first ``positions``
+        (its buffers may be longer). What a prefix snapshot keeps (``verifier/snapshot.py``)."""
+        return [
+            [copy(a) if kind == SLIDING else copy(a[:, :, :positions]) for a in layer.arrays()]
+            for layer, kind in zip(self.layers, self.kinds)
+        ]
 
 
 @dataclass(frozen=True)
@@ -108,7 +138,7 @@ class Target(Protocol):
         snapshot, which nothing the session does later changes."""
 
     def load_caches(self, caches: SessionCaches, saved: list[list], positions: int) -> None:
-        """A new session's ``caches`` set to a snapshot's (:meth:`copy_caches`), copied: the snapshot stays as it was."""
+        """A new session's ``caches`` set to a copy of a snapshot's (:meth:`copy_caches`)."""
 
 
 @runtime_checkable
@@ -145,6 +175,15 @@ def cat(target: Target, chunks: Sequence) -> Any:
     return chunks[0] if len(chunks) == 1 else target.concat(chunks, 0)
 
 
-def greedy_batch(target: Target, hiddens: Sequence) -> list[int]:
-    """``target.greedy`` of several blocks' hidden states, concatenated: one LM head, one host sync."""
-    return target.greedy(hiddens[0] if len(hiddens) == 1 else target.concat(hiddens, 1))
+def greedy_rows(target: Target, outs: Sequence[Forward], wanted: Sequence[bool]) -> list[list[int] | None]:
+    """``target.greedy`` of every ``wanted`` forward's rows through one LM head and one host sync, split
+    back per forward (None for the others)."""
+    rows = [j for j, w in enumerate(wanted) if w]
+    picks: list = [None] * len(outs)
+    if rows:
+        hs = [outs[j].hidden for j in rows]
+        flat, at = target.greedy(hs[0] if len(hs) == 1 else target.concat(hs, 1)), 0
+        for j in rows:
+            n = outs[j].hidden.shape[1]
+            picks[j], at = flat[at : at + n], at + n
+    return picks

@@ -1,12 +1,10 @@
-"""Verifier cache policy and the sliding-layer ring layout (backend-neutral).
+"""The sliding-layer ring layout (backend-neutral): a verifier session's only position counter.
 
 Every sliding layer keeps ``window - 1 + slack`` rotating slots, so a block of ``L <= slack`` positions, and
 a trim of up to ``slack``, never lose a position a query still needs: rollback is moving the offset back,
-exact past wraps, in bounded memory (why: ``docs/design.md``, "The sliding-layer ring"). Which position each
-slot holds is tracked here on the host, once per session, and the mask is derived from it, so the ring is
-never reordered. The layout is a session's only position counter: each forward gets one immutable
-:class:`ForwardPlan` from it, and the backend caches (``verifier/caches.py``, the backends' ``cache.py``)
-only hold the arrays and apply the writes a plan says.
+exact past wraps, in bounded memory (``docs/design.md``, "The sliding-layer ring"). Which position each
+slot holds is tracked here on the host and the mask derived from it, so the ring is never reordered. Each
+forward gets one immutable :class:`ForwardPlan`; the caches only hold the arrays and apply its writes.
 """
 
 from __future__ import annotations
@@ -40,12 +38,8 @@ class RestoreView:
 @dataclass(frozen=True)
 class ForwardPlan:
     """One forward of ``n_new`` positions from ``start``: everything a backend needs besides the arrays.
-
-    Full-attention layers write the new K/V at positions ``start .. start + n_new``
-    and attend causally over ``start + n_new`` positions; sliding layers write
-    the ring as ``writes`` says and attend as ``mask`` says; a restoring forward
-    (f_theta) also attends over ``restore``'s restored K/V, placed first.
-    """
+    Full-attention layers write positions ``start ..`` and attend causally; sliding layers write the ring as
+    ``writes`` says and attend as ``mask`` says; a restoring forward (f_theta) also attends over ``restore``'s."""
 
     start: int  # absolute position of the first new token
     n_new: int
@@ -53,10 +47,7 @@ class ForwardPlan:
     used: int  # slots attended to from the ring
     writes: tuple[RingWrite, ...]
     mask: np.ndarray  # bool [n_new, used (+ n_new if not in_place)], True = attend
-    slot_positions: (
-        np.ndarray
-    )  # int64 [capacity]: each slot's position before this forward (EMPTY: none); never mutated
-    serial: int  # forwards the layout applied before this one: a device copy of slot_positions is current iff it saw them all
+    slot_positions: np.ndarray  # int64 [capacity]: each slot's position before this forward (EMPTY: none)
     restore: RestoreView | None = None
 
 
@@ -71,11 +62,8 @@ class RingLayout:
         self.capacity = sink + self.rotating
         self.positions = np.full(self.capacity, EMPTY, dtype=np.int64)
         self.offset = 0  # absolute position of the next token
-        self.written = (
-            0  # one past the newest position ever written (a trimmed block's too): what trims reach back from
-        )
+        self.written = 0  # one past the newest position ever written (a trimmed block's too)
         self.used = 0  # slots [0, used) have been written at least once
-        self.forwards = 0  # forwards applied so far
         self._pending: ForwardPlan | None = None
 
     def slot(self, pos: np.ndarray) -> np.ndarray:
@@ -105,7 +93,7 @@ class RingLayout:
         else:
             mask = self._visible(np.concatenate([self.positions[: self.used], new_pos]), new_pos)
             used = self.used
-        plan = ForwardPlan(start, n_new, in_place, used, writes, mask, self.positions, self.forwards)
+        plan = ForwardPlan(start, n_new, in_place, used, writes, mask, self.positions)
         self._pending = plan
         self._after = after
         return plan
@@ -130,7 +118,6 @@ class RingLayout:
         self.used = max(self.used, max((w.dst + w.length for w in plan.writes), default=0))
         self.offset += plan.n_new
         self.written = max(self.written, self.offset)
-        self.forwards += 1
         self._pending = None
 
     def resume(self, positions: np.ndarray, offset: int, written: int, used: int) -> None:
@@ -172,15 +159,10 @@ def trim_is_exact(offset: int, written: int, n: int, slack: int) -> bool:
 def restore_mask(
     latent_positions: np.ndarray, start: int, n_new: int, sink: int, window: int, native_window: int
 ) -> np.ndarray:
-    """Bool ``[n_new, slots]``: which latent-ring slots each new query attends to as RESTORED K/V.
-
-    Query ``t`` sees position ``p`` restored iff ``p`` was evicted from the exact
-    window but the model itself would still attend to it: ``p >= sink`` and
-    ``t - native_window < p <= t - window``. Exact sinks and window positions
-    are never restored (they are in the K/V ring), and a restored position
-    always precedes ``start``: its latent comes from an earlier forward's aux,
-    which holds as long as ``n_new <= window``.
-    """
+    """Bool ``[n_new, slots]``: which latent-ring slots each new query attends to as RESTORED K/V: query
+    ``t`` sees ``p`` iff it was evicted from the exact window but the model would still attend to it (``p >=
+    sink`` and ``t - native_window < p <= t - window``). A restored position precedes ``start`` (its latent
+    comes from an earlier forward's aux) as long as ``n_new <= window``."""
     if n_new > window:
         raise ValueError(f"a restoring forward may hold at most window={window} positions, got {n_new}")
     q = np.arange(start, start + n_new)[:, None]

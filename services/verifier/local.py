@@ -1,23 +1,22 @@
-"""A loaded target in this process (:class:`LocalVerifier`): the Verifier protocol without a wire.
-
-It hands out :class:`~kakeya.verifier.session.VerifierSession` objects and decides many sessions'
-blocks in one forward (``batch.decide_batch``); ``orchestrator/remote/verifier.py`` is the same protocol over gRPC.
+"""A loaded target in this process (:class:`LocalVerifier`): the Verifier protocol without a wire (over gRPC:
+``orchestrator/remote/verifier.py``); many sessions' blocks decided in one forward (``session.decide_batch``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from kakeya.checkpoints.config import load_target_config
-from kakeya.core.constraints import Constraint, Grammar
+from kakeya.core.constraints import Constraint, ConstraintError, Grammar, tokenizer
 from kakeya.core.contract import ModelInfo, SessionOptions
 from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import CachePolicy, SamplingParams
-from kakeya.verifier import constrained
 from kakeya.verifier.backend import Target
-from kakeya.verifier.batch import decide_batch
-from kakeya.verifier.session import LocalVerifierSession
+from kakeya.verifier.session import LocalVerifierSession, decide_batch
 
 
 class LocalVerifier:
@@ -33,7 +32,7 @@ class LocalVerifier:
     ):
         cfg = load_target_config(target_dir)
         self.target_dir = str(target_dir)
-        self.constrains = constrained.available(target_dir)
+        self.constrains = _constrains(target_dir)
         self.target = target
         self.prefixes = prefixes
         self.aux_layers = tuple(aux_layers)
@@ -70,14 +69,15 @@ class LocalVerifier:
         )
 
     def open_grammar(self, constraint: Constraint) -> Grammar:
-        """``constraint`` compiled for a new session (``verifier/constrained.py``); ValueError naming its field."""
+        """``constraint`` compiled for a new session against the target's own tokenizer (over the model's
+        vocabulary; its first EOS id ends a finished grammar); ValueError naming its field."""
         info = self.info
-        return constrained.open_grammar(constraint, self.target_dir, info.vocab_size, info.eos_token_ids)
+        return _open_grammar(constraint, self.target_dir, info.vocab_size, info.eos_token_ids)
 
     def healthy(self, timeout: float = 1.0) -> bool:
         return True  # in this process: it answers whenever it is asked
 
-    decide_batch = staticmethod(decide_batch)  # ``batch.decide_batch`` itself: no wrapper a round passes through
+    decide_batch = staticmethod(decide_batch)  # ``session.decide_batch`` itself: no wrapper a round passes through
 
 
 def mlx_verifier(
@@ -86,3 +86,30 @@ def mlx_verifier(
     from kakeya.verifier.mlx_backend.target import TargetMLX
 
     return LocalVerifier(TargetMLX.load(target_dir), target_dir, aux_layers, policy, prefixes)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_json(target_dir: str) -> str | None:
+    """The checkpoint's tokenizer as ``tokenizers`` writes it (``to_str``): the text the front's codec hands its
+    checks and guide, so that a colocated verifier shares their llguidance tokenizer and compiled grammars."""
+    path = Path(target_dir) / "tokenizer.json"
+    return Tokenizer.from_file(str(path)).to_str() if path.is_file() else None
+
+
+def _constrains(target_dir: str | Path) -> bool:
+    """Whether a verifier of ``target_dir`` can take constraints (it has the checkpoint's tokenizer)."""
+    return _tokenizer_json(str(target_dir)) is not None
+
+
+def _open_grammar(constraint: Constraint, target_dir: str | Path, vocab: int, eos_ids: Sequence[int]) -> Grammar:
+    """``constraint``'s grammar state at the start of a generation; ValueError naming the field if it does not
+    compile (the orchestrator checked it already; a remote client may not have)."""
+    text = _tokenizer_json(str(target_dir))
+    if text is None:
+        raise ValueError("constraint: this verifier has no tokenizer to compile a constraint against")
+    if not eos_ids:
+        raise ValueError("constraint: the model declares no EOS token to end a constrained generation")
+    try:
+        return Grammar(constraint.grammar(), tokenizer(text, vocab, (int(eos_ids[0]),)))
+    except ConstraintError as exc:
+        raise ValueError(f"constraint.spec: {exc}") from None

@@ -20,32 +20,12 @@ from dataclasses import dataclass
 from kakeya.core.contract import FULL, SLIDING
 from kakeya.core.request import CachePolicy
 
-# Published text configs (only the fields the KV size depends on).
+# Published text configs (only the fields the KV size depends on): the two models differ in depth and heads.
+_GEMMA4 = {"sliding_window": 1024, "layer_pattern": 6, "head_dim": 256, "global_head_dim": 512}
+_GEMMA4 |= {"attention_k_eq_v": True, "num_kv_shared_layers": 0, "dtype": "bfloat16"}
 PRESETS = {
-    "gemma-4-26b-a4b": {
-        "num_hidden_layers": 30,
-        "sliding_window": 1024,
-        "layer_pattern": 6,
-        "num_key_value_heads": 8,
-        "head_dim": 256,
-        "num_global_key_value_heads": 2,
-        "global_head_dim": 512,
-        "attention_k_eq_v": True,
-        "num_kv_shared_layers": 0,
-        "dtype": "bfloat16",
-    },
-    "gemma-4-31b": {
-        "num_hidden_layers": 60,
-        "sliding_window": 1024,
-        "layer_pattern": 6,
-        "num_key_value_heads": 16,
-        "head_dim": 256,
-        "num_global_key_value_heads": 4,
-        "global_head_dim": 512,
-        "attention_k_eq_v": True,
-        "num_kv_shared_layers": 0,
-        "dtype": "bfloat16",
-    },
+    "gemma-4-26b-a4b": {**_GEMMA4, "num_hidden_layers": 30, "num_key_value_heads": 8, "num_global_key_value_heads": 2},
+    "gemma-4-31b": {**_GEMMA4, "num_hidden_layers": 60, "num_key_value_heads": 16, "num_global_key_value_heads": 4},
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -1,22 +1,13 @@
 """The verifier's gRPC servicer: one Session stream == one :class:`LocalVerifierSession`.
 
-The stream IS the session: the KV cache is created at ``Open`` and freed when
-the stream ends, however it ends (``Close``, half-close, cancellation,
-deadline, broken connection) -- through ``context.add_callback`` and the
-handler's ``finally``, both idempotent. A block is one Verify: only token ids
-go down, and the verdict (the acceptance rule applied here, the block
-committed) comes back with the kept positions' aux, encoded by
-``services/wire/codec.py`` in the model's own dtype; never logits. A
-sampling session (``Open.sampling``) samples with the request's seed: under the
-coupled rule from the candidates alone, under the rejection rule with the
-drafter's compact proposal beside them in each Verify.
-
-A continuous-batching orchestrator sends a round's blocks for many of its sessions in one
-``VerifyRound`` call (``runtime/servicer.py``); each item is checked and answered as its stream's Verify.
-
-All model work runs on the process's single compute thread
-(``kakeya.runtime.lifecycle.ComputeThread``); this module translates messages and
-validates them, with errors that name the offending field.
+The stream IS the session: the KV cache is created at ``Open`` and freed when the stream ends, however
+it ends (``runtime/servicer.py``). A block is one Verify: only token ids go down, and the verdict (the
+acceptance rule applied here, the block committed) comes back with the kept positions' aux in the model's
+own dtype (``wire/codec.py``); never logits. A sampling session samples with the request's seed: under the
+coupled rule from the candidates alone, under the rejection rule with the drafter's proposal beside them.
+A ``VerifyRound`` call carries a round's blocks of many sessions (``runtime/servicer.py``), each checked and
+answered as its stream's Verify. Model work runs on the process's one compute thread; this module
+translates and validates messages, with errors that name the offending field.
 """
 
 from __future__ import annotations
@@ -41,8 +32,7 @@ from kakeya.runtime.lifecycle import (
     version,
 )
 from kakeya.runtime.servicer import RoundSlot, RoundWire, SessionLimits, SessionServicer, serve_round
-from kakeya.verifier.batch import VerifyItem, decide
-from kakeya.verifier.session import LocalVerifierSession, check_proposal
+from kakeya.verifier.session import LocalVerifierSession, VerifyItem, check_proposal, decide
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import verifier_pb2 as pb
@@ -84,7 +74,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
 
     def __init__(self, limits: SessionLimits = SessionLimits(), restore: bounds.RestoreSources | None = None):
         # concurrent sessions' Verify steps that queue up meanwhile run as one batched forward
-        # (batch.decide); a prefill runs one chunk per job, so verifies run between chunks.
+        # (session.decide); a prefill runs one chunk per job, so verifies run between chunks.
         # Prefix snapshots live on the device beside the sessions' K/V, outside --max-kv-bytes.
         super().__init__(limits)
         self.verifier = None  # LocalVerifier, set by load()
@@ -105,7 +95,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
 
     def _setup(self, make, target_dir, aux_layers, dtype=None) -> str:
         from kakeya.checkpoints.config import load_target_config
-        from kakeya.verifier.memory import KVShape
+        from kakeya.verifier.memory import DTYPE_BYTES, KVShape
 
         cfg = load_target_config(target_dir)
         self.verifier = make()
@@ -114,12 +104,9 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             int(cfg.get("max_position_embeddings") or 131072), info.sliding_window, self.max_context_flag
         )
         self._check_restore_sources()
-        from kakeya.verifier.memory import DTYPE_BYTES
-
         dtype = str(dtype or self.verifier.target.dtype_name)
         self.kv_shape = KVShape.from_config(cfg, dtype if dtype in DTYPE_BYTES else None)
-        backend = self.verifier.info.backend
-        info = self.verifier.info
+        backend = info.backend
         warm_layers = aux_layers or (info.num_layers - 1,)
         session = self._new_session(warm_layers, self.verifier.policy)
         prompt = [i % info.vocab_size for i in range(1, 6)]
@@ -199,11 +186,8 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         return wire_contract.policy_to_proto(self.restore.to_wire(policy))
 
     def _open_policy(self, open_, max_positions: int):
-        """Open's cache policy, checked against this server's limits before anything is allocated.
-
-        A window (or sink count) beyond the session's positions would only allocate ring slots
-        that never fill: the bound is the larger of the model's window and ``max_positions``.
-        """
+        """Open's cache policy, checked before anything is allocated: a window (or sink count) beyond the
+        larger of the model's window and ``max_positions`` would only allocate slots that never fill."""
         field = "open.cache_policy"
         policy = policy_from_request(open_.cache_policy, self.verifier.policy, field)
         try:
@@ -350,10 +334,8 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             entry.cache_bytes = sum(entry.kv_bytes.values())
 
     def _prefill(self, entry, session, ids, reuse=(), every: float = 0.0):
-        """One compute job per prefill chunk (``session.prefill_steps``): other sessions' steps queued
-        meanwhile run between the chunks, so a long prompt never stalls a short request for its whole length.
-        ``reuse``: the prefix lengths it may resume from (None: any; empty: a cold prefill, no lookup).
-        A generator (``yield from`` it): Progress messages every ``every`` s while it waits."""
+        """One compute job per prefill chunk (``session.prefill_steps``), so other sessions' steps run between
+        a long prompt's chunks; a generator (``yield from`` it) sending Progress every ``every`` s."""
         steps = session.prefill_steps(ids, reuse)
         while (done := (yield from self._compute(every, self._prefill_chunk, entry, session, steps))) is None:
             pass
@@ -372,7 +354,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
 
     def _verify_batch(self, items: list) -> list:
         """The Verify requests that queued up together (``(entry, VerifyItem)`` each), decided as one batch
-        (``batch.decide``) and answered; one ``Verified`` (or exception) per item, each item's failure its own."""
+        (``session.decide``) and answered; one ``Verified`` (or exception) per item, each item's failure its own."""
         verdicts = decide([item for _, item in items])
         out = []
         for (entry, item), verdict in zip(items, verdicts):

@@ -1,26 +1,24 @@
-"""One generation's verifier state: prefill, verify a block in one forward, commit/trim.
+"""One generation's verifier state (prefill, verify a block in one forward, commit/trim), and several
+sessions' blocks verified in one forward.
 
-Backend-neutral: the target (``mlx_backend.target.TargetMLX`` or
-``torch_backend.target.TargetTorch``) is driven only through the protocol in
-``backend.py``; the session owns its caches and its ring layout (``layout.py``),
-the one position counter: each forward gets an immutable plan from it, and a
-trim only moves it back. Nothing is shared between sessions but the weights.
-Per block there is one host sync (the target's choices as ints); aux hidden
-states stay on the device and only the kept rows are handed on.
+Backend-neutral: the target is driven only through ``backend.py``'s protocol. A session owns its caches and
+its ring layout (``layout.py``), the one position counter: each forward gets an immutable plan from it, a
+trim only moves it back. Per block there is one host sync (the choices); aux stays on the device.
 
-A block is :meth:`LocalVerifierSession.decide` (the contract's one step); its two
-halves, :meth:`~LocalVerifierSession.verify` (the forward and the choices, the block
-left pending) and :meth:`~LocalVerifierSession.commit` (keep a prefix, trim the rest),
-are what the backend tests drive. The batch runner (``batch.py``) shares one
-forward among sessions with :meth:`~LocalVerifierSession.forward_plan`,
-:meth:`~LocalVerifierSession.forward_done` and :meth:`~LocalVerifierSession.choose`, the
-pieces :meth:`~LocalVerifierSession.verify` is made of.
+A block is :meth:`LocalVerifierSession.decide` (the contract's step): :meth:`~LocalVerifierSession.verify`
+(the forward and the choices, the block left pending), then :meth:`~LocalVerifierSession.commit`.
+:func:`decide_batch` / :func:`verify_batch` run many sessions' blocks as ONE forward (``forward_plan``,
+``target.forward``, ``forward_done``, ``choose``: the pieces of ``verify``), each session getting exactly
+what its own ``verify`` returns or raises: sessions' rows meet only in row-wise operations (projections,
+norms, MLP, MoE, LM head); attention, caches, positions, masks, noise and random streams stay their own.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Generator, Sequence
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -41,12 +39,10 @@ from kakeya.core.contract import (
 from kakeya.core.prefix import PrefixCache
 from kakeya.core.request import COUPLED, CachePolicy, SamplingParams
 from kakeya.verifier import snapshot
-from kakeya.verifier.backend import Forward, Segment, Target, cat
+from kakeya.verifier.backend import Forward, Segment, Target, cat, greedy_rows
 from kakeya.verifier.layout import RestoreView, RingLayout, restore_mask
 
 PREFILL_CHUNK = 512  # bounds prefill attention memory, like mlx-lm's prefill_step_size
-
-
 PROPOSAL_SUM_TOLERANCE = 1e-3  # a proposal row's probabilities sum to 1 within this (float32 rounding: ~1e-6)
 
 
@@ -82,11 +78,9 @@ def check_proposal(candidates: Sequence[int], proposal: Proposal | None, rule: s
 
 
 class LocalVerifierSession:
-    """``prefixes``: the verifier's prefix cache (None: none), which :meth:`resume` reads and :meth:`save` fills;
-    ``logprobs``: k, each committed token's log-probability and top k (``TokenLogprobs``) from the rows of the
-    forward that decided it (None: none, nothing kept for them). ``grammar``: a constrained request's grammar
-    state (None: unconstrained); every choice is then taken from the target's logits restricted to the tokens it
-    allows there (``verifier/constrained.py``)."""
+    """``prefixes``: the prefix cache :meth:`resume` reads and :meth:`save` fills (None: none); ``logprobs``: k,
+    each committed token's log-probability and top k from the forward that decided it (None: none);
+    ``grammar``: a constrained request's state (None: none), every choice then from the logits it allows."""
 
     server_s = None  # in this process a step's whole time is the backend's (the contract's attribute)
 
@@ -105,9 +99,8 @@ class LocalVerifierSession:
         self.logprobs = logprobs
         self.first_logprobs: TokenLogprobs | None = None
         self.grammar = grammar
-        # Sampling runs on the device (target.sampler). The coupled rule's noise is a function of
-        # the seed's keys and the positions; the rejection rule's uniforms come from this
-        # session's host stream. Both are seeded by the request.
+        # Seeded by the request: the coupled rule's noise from the seed's keys and the positions, the
+        # rejection rule's uniforms from this session's host stream.
         self.sampling = None if sampling is None or sampling.check().greedy else sampling
         if self.sampling is not None:
             if sampling.seed is None:
@@ -134,12 +127,8 @@ class LocalVerifierSession:
         return self.layout.offset
 
     def _open_restore(self, target: Target) -> None:
-        """f_theta restoration: a latent ring beside the K/V ring, same plan/applied/trim semantics.
-
-        It holds one latent code per position for the last ``Wn - 1 + slack``
-        positions (``Wn``: the model's window), enough for every position a
-        query may see restored, even after a trim of up to ``slack``.
-        """
+        """f_theta restoration: a latent ring beside the K/V ring (same plan/applied/trim semantics) of the last
+        ``Wn - 1 + slack`` positions' codes (``Wn``: the model's window): every position a query may see restored."""
         if not target.restores:
             raise ValueError(
                 f"cache policy restore: f_theta restoration is not implemented on the {target.backend} backend"
@@ -190,23 +179,16 @@ class LocalVerifierSession:
         return first, aux
 
     def resume(self, prompt_ids: Sequence[int], reuse: Collection[int] | None = None):
-        """:meth:`prefill_steps` run whole, its prefix-cache lookup counted as a hit or a miss whatever ``reuse``
-        allows: ``(first token, aux of the positions it ran, prefix length)``."""
+        """:meth:`prefill_steps` run whole, its prefix-cache lookup counted as a hit or a miss."""
         return run_steps(self._prefill_steps(prompt_ids, reuse, count=True))
 
     def prefill_steps(
         self, prompt_ids: Sequence[int], reuse: Collection[int] | None = ()
     ) -> Generator[int, None, tuple]:
-        """The prefill one chunk per ``next()``; returns ``(first token, aux of the positions it ran, the prefix
-        length resumed from the prefix cache)``.
-
-        Yields the positions done after every chunk but the last (which also takes
-        the first token). Whoever runs the model runs each ``next()`` as its own job, so
-        other sessions' steps run between the chunks of a long prompt; the chunks
-        are the same as a one-shot prefill's, so is the result. ``reuse``: the prefix
-        lengths it may resume from (None: any; the default, none: a cold prefill,
-        which is no prefix-cache lookup and counts as neither a hit nor a miss).
-        """
+        """The prefill one chunk per ``next()`` (each its own compute job, so other sessions' steps run between
+        a long prompt's chunks), yielding the positions done; returns ``(first token, aux of the positions it
+        ran, the prefix length resumed)``. ``reuse``: the prefix lengths it may resume from (None: any; the
+        default, none: a cold prefill, no prefix-cache lookup, counted as neither a hit nor a miss)."""
         return (yield from self._prefill_steps(prompt_ids, reuse, count=reuse != ()))
 
     def _prefill_steps(self, prompt_ids, reuse, count: bool) -> Generator[int, None, tuple]:
@@ -216,7 +198,7 @@ class LocalVerifierSession:
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
         self.prompt = tuple(prompt_ids)
-        self.cached_tokens = self._resume(reuse, count)
+        self.cached_tokens = snapshot.resume(self, reuse, count) if self.prefixes is not None else 0
         chunks = []
         step = min(PREFILL_CHUNK, self.max_forward)
         for start in range(self.cached_tokens, len(prompt_ids), step):
@@ -244,46 +226,14 @@ class LocalVerifierSession:
         return first, cat(self.target, chunks), self.cached_tokens
 
     def decide(self, last_token: int, draft: Draft) -> Verdict:
-        """The contract's step: :meth:`verify` ``[last_token, *draft.tokens]``, then keep what the acceptance
-        rule keeps (:func:`verdict`)."""
+        """The contract's step: :meth:`verify` ``[last_token, *draft.tokens]``, then :func:`verdict`."""
         block_ids = [last_token, *draft.tokens]
         return verdict(self, block_ids, self.verify(block_ids, draft.proposal))
 
-    def _resume(self, reuse: Collection[int] | None, count: bool) -> int:
-        """Resume from the longest snapshot ``reuse`` allows, or the longest prefix of one the prompt shares
-        that the ring can trim back to exactly; the positions it holds (0: none, a cold prefill)."""
-        if self.prefixes is None:
-            return 0
-        found = self.prefixes.find(self.policy, self.prompt, reuse, partial=True) if reuse is None or reuse else []
-        for match in found:  # longest first
-            if snapshot.restore(self, match.value, match.back):
-                break
-        if count:  # the verifier's lookup decides (a drafter only offers what it holds): it alone counts
-            self.prefixes.count(self.offset)
-        return self.offset
-
     def save(self, ids: Sequence[int]) -> bool:
-        """Keep the state after exactly ``ids`` (the prompt, then the committed tokens) in the prefix cache.
-
-        The generation must be over: the session is trimmed back to ``len(ids)``
-        (only as far as the ring stays exact, ``RingLayout.can_trim``; else nothing
-        is kept) and is only closed after.
-        False when nothing was kept (no prefix cache, out of reach, over budget).
-        """
-        self._check_open()
-        if self._pending is not None:
-            raise RuntimeError("save: commit the pending block first")
-        if tuple(ids[: len(self.prompt)]) != self.prompt or len(ids) < len(self.prompt):
-            raise ValueError("save: ids must start with the session's prompt")
-        back = self.offset - len(ids)
-        if self.prefixes is None or not self.layout.can_trim(back):
-            return False
-        if back:
-            self.layout.trim(back)
-            if self.latent_layout is not None:
-                self.latent_layout.trim(back)
-        snap = snapshot.take(self)
-        return self.prefixes.put(self.policy, ids, snap, snap.nbytes)
+        """Keep the state after exactly ``ids`` (the prompt, then the committed tokens) in the prefix cache
+        (:func:`snapshot.save`; the generation must be over); False when nothing was kept."""
+        return snapshot.save(self, ids)
 
     def verify(self, block_ids: Sequence[int], proposal: Proposal | None = None) -> list[int]:
         """Run ``block_ids`` in one forward; the choice after each position (see the contract's
@@ -324,7 +274,9 @@ class LocalVerifierSession:
         """After the block's forward ``out``: the pending block for :meth:`commit`, and the choices
         (greedy: the argmax rows, ``greedy`` when a batched caller already took them; coupled: the
         noisy argmax rows; rejection: the acceptance test on this session's logits with its own uniforms)."""
-        self._pending = (len(block_ids), out.aux, self._logprob_rows(out.hidden))
+        # the block's logits rows, kept for pending_logprobs when asked (the forward's own rows: no second forward)
+        rows = self.target.logits(out.hidden)[0] if self.logprobs is not None else None
+        self._pending = (len(block_ids), out.aux, rows)
         candidates = list(block_ids[1:])
         if self.sampling is None:
             if self.grammar is not None:
@@ -350,15 +302,8 @@ class LocalVerifierSession:
     def _argmax(self, hidden, candidates: Sequence[int]) -> list[int]:
         return self.target.sampler.argmax_rows(self._logits(hidden, candidates))
 
-    def _coupled(self, logits, first_position: int) -> list[int]:
-        """The coupled rule's token after each row of ``logits`` [L, V], row i predicting ``first_position + i``."""
+    def _coupled(self, logits, first_position: int) -> list[int]:  # row i predicts ``first_position + i``
         return self.target.sampler.coupled_rows(logits, self.sampling, self.noise_keys, first_position)
-
-    def _logprob_rows(self, hidden):
-        """The block's logits rows, kept for :meth:`pending_logprobs` (None: no logprobs asked, nothing kept).
-        The LM head over the forward's own final hidden rows: no second forward; the choices' arithmetic is
-        left as it is."""
-        return self.target.logits(hidden)[0] if self.logprobs is not None else None
 
     def pending_logprobs(self, tokens: Sequence[int]) -> tuple[TokenLogprobs, ...] | None:
         """The pending block's logprobs of ``tokens``, the ones it commits (row i chose ``tokens[i]``): top-k on the
@@ -374,10 +319,7 @@ class LocalVerifierSession:
         n, aux, _ = self._pending
         if not 0 <= n_keep <= n:
             raise ValueError(f"n_keep must be 0..{n}, got {n_keep}")
-        if n - n_keep:
-            self.layout.trim(n - n_keep)
-            if self.latent_layout is not None:
-                self.latent_layout.trim(n - n_keep)
+        self.trim(n - n_keep)
         self._pending = None
         return aux[:n_keep]
 
@@ -390,6 +332,13 @@ class LocalVerifierSession:
             positions=self.offset,
             kv_bytes=KVBytes(kv["sliding"], kv["full"], restored),
         )
+
+    def trim(self, n: int) -> None:
+        """Forget the newest ``n`` positions (the latent ring's too, with f_theta)."""
+        if n:
+            self.layout.trim(n)
+            if self.latent_layout is not None:
+                self.latent_layout.trim(n)
 
     def abort(self) -> None:
         """Nothing to end from another thread in this process: a cancelled run stops calling the session and
@@ -424,3 +373,123 @@ def verdict(session: LocalVerifierSession, block_ids: Sequence[int], choices: Se
     if session.grammar is not None:  # what the block committed: the accepted candidates and the next token
         session.grammar.advance([*block_ids[1 : accepted + 1], next_token])
     return Verdict(accepted, next_token, aux, logprobs)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyItem:
+    """One session's block: its newest committed token then the draft's candidates, and the ``proposal``
+    they were drawn from (a rejection-rule session's, else None)."""
+
+    session: LocalVerifierSession
+    block_ids: Sequence[int]
+    proposal: Proposal | None = None
+
+
+@dataclass
+class BatchCounts:
+    """Blocks :func:`verify_batch` ran, by how (process-wide, since start; a server exports them)."""
+
+    forwards: int = 0  # batched forwards run
+    batched: int = 0  # blocks verified in them
+    alone_policy: int = 0  # blocks verified alone: their session cannot join a batched forward (:func:`batchable`)
+    alone_few: int = 0  # blocks verified alone: fewer than ``min_batch`` of their group were queued
+
+
+_COUNTS, _COUNTS_LOCK = BatchCounts(), threading.Lock()
+
+
+def counts() -> dict[str, int]:
+    with _COUNTS_LOCK:
+        return asdict(_COUNTS)
+
+
+def _count(**add: int) -> None:
+    with _COUNTS_LOCK:
+        for k, v in add.items():
+            setattr(_COUNTS, k, getattr(_COUNTS, k) + v)
+
+
+def verify_batch(items: Sequence[VerifyItem]) -> list[Any]:
+    """One result per item, in order: its choices, or the exception its ``verify`` would raise. The good
+    items of one target and one ``cache.batch_key`` run as one forward; a lone item, fewer than
+    ``target.min_batch`` of a group, or one :func:`batchable` refuses runs ``session.verify``."""
+    results: list[Any] = [None] * len(items)
+    groups: dict[tuple, list[int]] = {}
+    alone: list[int] = []
+    seen: set[int] = set()
+    for i, (session, block_ids, proposal) in enumerate((it.session, it.block_ids, it.proposal) for it in items):
+        try:
+            session.check_block(block_ids, proposal)
+            if id(session) in seen:  # a session has one step in flight; never two in one forward
+                raise RuntimeError("commit the previous block before verifying another")
+        except (ValueError, RuntimeError) as exc:
+            results[i] = exc
+            continue
+        seen.add(id(session))
+        if batchable(session):
+            groups.setdefault((id(session.target), session.cache.batch_key), []).append(i)
+        else:
+            alone.append(i)
+    _count(alone_policy=len(alone))
+    for group in groups.values():
+        if len(group) < items[group[0]].session.target.min_batch:
+            alone += group
+            _count(alone_few=len(group))
+            continue
+        _count(forwards=1, batched=len(group))
+        try:
+            for i, r in zip(group, _together([items[i] for i in group])):
+                results[i] = r
+        except Exception as exc:  # noqa: BLE001 - the forward itself failed: every session in it hears why
+            for i in group:
+                results[i] = exc
+    for i in alone:
+        try:
+            results[i] = items[i].session.verify(items[i].block_ids, items[i].proposal)
+        except Exception as exc:  # noqa: BLE001 - its own failure, its result alone
+            results[i] = exc
+    return results
+
+
+def decide_batch(items: Sequence[tuple[LocalVerifierSession, int, Draft]]) -> list[Verdict | Exception]:
+    """The contract's ``Verifier.decide_batch``: :meth:`LocalVerifierSession.decide` of each
+    ``(session, last_token, draft)``, their blocks verified together (:func:`decide`)."""
+    return decide([VerifyItem(s, [last, *d.tokens], d.proposal) for s, last, d in items])
+
+
+def decide(items: Sequence[VerifyItem]) -> list[Verdict | Exception]:
+    """One :func:`verify_batch`, then each verified block kept as the acceptance rule keeps it."""
+    out: list[Verdict | Exception] = []
+    for item, c in zip(items, verify_batch(items)):
+        try:
+            out.append(c if isinstance(c, Exception) else verdict(item.session, item.block_ids, c))
+        except Exception as exc:  # noqa: BLE001 - its own failure, its result alone
+            out.append(exc)
+    return out
+
+
+def batchable(session: LocalVerifierSession) -> bool:
+    """Whether ``session`` may join a batched forward: not with f_theta restoration (MLX: it writes a latent
+    ring from each forward's aux and attends over restored K/V), nor with caches the backend's batched
+    forward cannot take (MLX: quantized full-attention caches)."""
+    return session.restorer is None and session.cache.batchable
+
+
+def _together(items: Sequence[VerifyItem]) -> list[list[int]]:
+    target = items[0].session.target
+    segments = [it.session.forward_plan(it.block_ids) for it in items]
+    wanted = [it.session.sampling is None and it.session.grammar is None for it in items]  # the argmax serves these
+    if target.static_verify:  # the batched step takes every greedy row's choice itself
+        outs, greedy = target.verify_segments(segments, wanted)
+    else:
+        outs = target.forward(segments)
+        greedy = greedy_rows(target, outs, wanted)
+    for it, segment, out in zip(items, segments, outs):
+        it.session.forward_done(segment, out)
+    out = []
+    for it, o, g in zip(items, outs, greedy):
+        try:
+            out.append(it.session.choose(it.block_ids, it.proposal, o, g))
+        except Exception as exc:  # noqa: BLE001 - its own failure (a sampling session's), its result alone
+            out.append(exc)
+    return out

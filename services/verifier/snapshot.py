@@ -1,14 +1,10 @@
 """A verifier session's state after a token prefix, kept in its verifier's prefix cache and resumed from.
 
-A snapshot is what a cold prefill of exactly those tokens leaves in a session,
-under one resolved cache policy: the ring layout (which position each slot
-holds), every layer's K/V (a ring whole, a full-attention cache's first
-``positions``) and, with f_theta restoration, the latent ring and its layout.
-It is taken from a session whose generation is over, trimmed back to the
-prefix first (at most the ring's slack, so exactly), and copied: nothing the
-session does afterwards reaches it. Resuming copies it into a new session's
-own caches, so any number of sessions may resume from one snapshot at once and
-none of them changes it (``core/prefix.py`` keys and bounds them).
+A snapshot is what a cold prefill of exactly those tokens leaves under one resolved cache policy: the ring
+layout, every layer's K/V (a ring whole, a full-attention cache's first ``positions``) and, with f_theta,
+the latent ring and its layout. It is taken from a session whose generation is over, trimmed back to the
+prefix first (exactly: at most the ring's slack), and copied; resuming copies it into a new session's own
+caches, so any number of sessions may resume from one snapshot and none changes it.
 """
 
 from __future__ import annotations
@@ -74,3 +70,34 @@ def restore(session, snap: VerifierSnapshot, back: int = 0) -> bool:
         if back:
             layout.trim(back)
     return True
+
+
+def resume(session, reuse, count: bool) -> int:
+    """Resume a new ``session`` (with a prefix cache) from the longest snapshot ``reuse`` allows (None: any),
+    or the longest prefix of one its prompt shares that the ring can trim back to exactly; the positions it
+    holds (0: a cold prefill). ``count``: the lookup counts as a hit or a miss (the verifier's lookup decides; a drafter
+    only offers what it holds)."""
+    found = session.prefixes.find(session.policy, session.prompt, reuse, partial=True) if reuse is None or reuse else []
+    for match in found:  # longest first
+        if restore(session, match.value, match.back):
+            break
+    if count:
+        session.prefixes.count(session.offset)
+    return session.offset
+
+
+def save(session, ids) -> bool:
+    """Keep ``session``'s state after exactly ``ids`` in its prefix cache: the session (its generation over)
+    is trimmed back to ``len(ids)``, only as far as the ring stays exact (``RingLayout.can_trim``), and
+    closed after. False when nothing was kept (no prefix cache, out of reach, over budget)."""
+    session._check_open()
+    if session._pending is not None:
+        raise RuntimeError("save: commit the pending block first")
+    if tuple(ids[: len(session.prompt)]) != session.prompt or len(ids) < len(session.prompt):
+        raise ValueError("save: ids must start with the session's prompt")
+    back = session.offset - len(ids)
+    if session.prefixes is None or not session.layout.can_trim(back):
+        return False
+    session.trim(back)
+    snap = take(session)
+    return session.prefixes.put(session.policy, ids, snap, snap.nbytes)

@@ -12,7 +12,7 @@ import pytest
 
 from kakeya.core.contract import Draft, SessionOptions
 from kakeya.core.request import Request
-from kakeya.verifier.batch import decide_batch
+from kakeya.verifier.session import decide_batch
 
 from .cases import PROMPTS, assert_matches, constraints
 

@@ -1,4 +1,4 @@
-"""Batched drafting (``batch.draft_batch``): each session drafts in a batch what it drafts alone.
+"""Batched drafting (``session.draft_batch``): each session drafts in a batch what it drafts alone.
 
 Both backends (torch float32 and MLX, on the CPU), the plain and the
 sliding+full drafter: sessions of different context lengths, block sizes and
@@ -15,8 +15,7 @@ import pytest
 from kakeya.core.contract import Draft
 from kakeya.core.request import COUPLED, MAX_BLOCK_SIZE, REJECTION, SamplingParams
 from kakeya.drafter.backend import DraftModel
-from kakeya.drafter.batch import DraftItem, draft_batch
-from kakeya.drafter.session import LocalDrafterSession
+from kakeya.drafter.session import DraftItem, LocalDrafterSession, draft_batch
 
 BACKENDS = ("torch", "mlx")
 KV_ATOL = 1e-4  # K/V written by a batched extension: a matmul over more rows rounds differently (~1e-6)
@@ -77,7 +76,7 @@ def _calls(rng, n_sessions: int, width: int, vocab: int, first: list[int]):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_each_backend_has_every_member_of_the_draft_model_protocol(backend, pair):
-    """session.py and batch.py ask a model for what ``DraftModel`` declares and nothing else."""
+    """session.py asks a model for what ``DraftModel`` declares and nothing else."""
     model = _load(backend, pair)
     members = {name for name in vars(DraftModel) if not name.startswith("_")} | set(DraftModel.__annotations__)
     assert {"block_logits", "context_kv", "min_batch", "static_step", "release_cache"} <= members

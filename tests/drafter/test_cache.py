@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kakeya.core.request import MAX_BLOCK_SIZE
 from kakeya.drafter.backend import extend
-from kakeya.drafter.config import MAX_BLOCK_SIZE
 from kakeya.drafter.context import BlockView, block_mask
 from kakeya.drafter.local import MLXDrafter
 from kakeya.drafter.mlx_backend.model import load_dflash_mlx
@@ -69,7 +69,7 @@ def test_sliding_buffers_stay_bounded(pairs):
 
 
 def test_session_draft_matches_model(pair):
-    drafter = MLXDrafter.load(pair.draft, pair.target)
+    drafter = MLXDrafter(pair.draft, pair.target)
     assert drafter.block_size == pair.variant.block_size
     model = drafter.model
     s = drafter.open_session()
@@ -97,7 +97,7 @@ def test_session_draft_matches_model(pair):
 
 def test_sessions_are_independent(pairs):
     pair = pairs["full"]
-    drafter = MLXDrafter.load(pair.draft, pair.target)
+    drafter = MLXDrafter(pair.draft, pair.target)
     aux = random_aux(30, drafter.model.config.aux_width, seed=11)
     a, b = drafter.open_session(), drafter.open_session()
     first = a.draft(aux[:10], 7, 8)
@@ -138,7 +138,7 @@ def _rule(n_ctx, n_block, is_causal, window):
     ],
 )
 def test_block_mask_rule(n_ctx, n_block, is_causal, window):
-    view = BlockView(None, n_ctx, 0, n_ctx, 0, n_ctx)
+    view = BlockView(None, n_ctx, 0, n_ctx)
     m = block_mask(view, n_block, is_causal=is_causal, window=window)
     want = _rule(n_ctx, n_block, is_causal, window)
     got = np.ones_like(want) if m is None else np.array(m)

@@ -21,7 +21,7 @@ from .conftest import VARIANTS, draft_config, random_aux
 @pytest.fixture(scope="module")
 def drafter(pairs):
     p = pairs["full"]
-    return MLXDrafter.load(p.draft, p.target)
+    return MLXDrafter(p.draft, p.target)
 
 
 @pytest.mark.parametrize(

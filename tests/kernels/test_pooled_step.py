@@ -18,8 +18,7 @@ pytest.importorskip("triton", reason="the kernels need triton (Linux only; no ma
 
 from kakeya.checkpoints.tiny import make_tiny
 from kakeya.core.request import CachePolicy
-from kakeya.verifier.batch import VerifyItem, verify_batch
-from kakeya.verifier.session import LocalVerifierSession
+from kakeya.verifier.session import LocalVerifierSession, VerifyItem, verify_batch
 from kakeya.verifier.torch_backend.target import TargetTorch
 
 AUX = (1, 4)

@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 
 from kakeya.core.request import MAX_BLOCK_SIZE, REJECTION, CachePolicy, Request, SamplingParams
-from kakeya.drafter.batch import DraftItem, draft_batch
+from kakeya.drafter.session import DraftItem, draft_batch
 from kakeya.orchestrator.decode.block_sizing import BlockSizer, CostCurve
 from kakeya.orchestrator.decode.engine import Engine
 from kakeya.orchestrator.decode.loop import run
-from kakeya.verifier.batch import decide_batch
+from kakeya.verifier.session import decide_batch
 
 from .conftest import BACKENDS
 

@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from kakeya.core.request import REJECTION, CachePolicy, SamplingParams
-from kakeya.verifier.batch import VerifyItem, verify_batch
-from kakeya.verifier.session import LocalVerifierSession
+from kakeya.verifier.session import LocalVerifierSession, VerifyItem, verify_batch
 from kakeya.verifier.torch_backend.target import TargetTorch
 
 from ..verifier.batch_scenario import lockstep

@@ -1,4 +1,5 @@
-"""Torch cache arrays: ring semantics, O(1) full-cache trim, quantized full-layer K/V (as mx.quantize)."""
+"""Verifier cache arrays: the ring holds what its layout says (MLX's ring; torch's is pages, ``test_pool.py``),
+quantized full-layer K/V (as mx.quantize)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from kakeya.core.request import CachePolicy
 from kakeya.verifier.layout import RingLayout
-from kakeya.verifier.torch_backend.cache import FullKVCache, QuantizedFullKVCache, RingKVCache, dequantize, quantize
+from kakeya.verifier.torch_backend.pool import dequantize, quantize
 
 from .conftest import AUX_LAYERS
 
@@ -21,38 +22,28 @@ def _kv(n, start, heads=2, dim=8):
 
 
 def test_ring_holds_exactly_the_positions_the_layout_says():
+    import mlx.core as mx
+
+    from kakeya.verifier.mlx_backend.cache import RingKVCache
+
     layout = RingLayout(sink=2, window=6, slack=4)
     ring = RingKVCache(layout.capacity)
     rng = np.random.default_rng(0)
     for _ in range(60):
         n = int(rng.integers(1, 9))
         plan = layout.plan(n)
-        k, v = _kv(n, layout.offset)
+        k, v = (mx.array(t.numpy()) for t in _kv(n, layout.offset))
         all_k, all_v = ring.fetch(k, v, plan)
-        assert all_k.shape[2] == plan.mask.shape[1] and torch.equal(all_v, -all_k)
+        assert all_k.shape[2] == plan.mask.shape[1] and mx.array_equal(all_v, -all_k).item()
         layout.applied()
         used = layout.used
         held = layout.positions[:used]
-        got = ring.keys[0, 0, :used, 0].numpy()
+        got = np.array(ring.keys[0, 0, :used, 0])
         live = held >= 0
         assert (got[live] == held[live]).all()
         keep = int(rng.integers(0, n + 1)) if n <= layout.slack else n
         layout.trim(n - keep)
     assert ring.keys.shape[2] == layout.capacity  # bounded: sink + window - 1 + slack
-
-
-def test_full_cache_trim_is_o1_and_exact():
-    c = FullKVCache(step=4)
-    k, v = _kv(5, 0)
-    c.write(0, k, v)
-    buf = c.keys
-    _k2, _ = c.write(5, *_kv(2, 5))
-    assert c.keys.shape[2] == 8 and c.keys is buf  # preallocated chunk, no realloc
-    # a trim of 3 is the session's layout moving back to 4: the cache holds no position counter,
-    # the next forward simply writes from position 4 into the same buffer
-    k3, _ = c.write(4, *_kv(3, 4))
-    assert k3[0, 0, :, 0].tolist() == list(range(7))
-    assert c.keys.shape[2] == 8 and c.keys is buf
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -68,18 +59,6 @@ def test_quantize_is_mx_quantize(bits, group):
     theirs = np.asarray(mx.dequantize(wq, ms, mb, group_size=group, bits=bits))
     assert np.array_equal(mine, theirs)
     assert np.abs(mine - x).max() <= np.abs(s.numpy()).max() + 1e-6  # one edge is snapped exact, as in MLX
-
-
-def test_quantized_full_cache_trims_and_shrinks():
-    c = QuantizedFullKVCache(bits=8, group_size=8, step=4)
-    k, v = _kv(6, 0, dim=16)
-    kk, _vv = c.write(0, k + 0.25, v)
-    assert kk.shape == k.shape and torch.allclose(kk, k + 0.25, atol=0.05)
-    kk, _ = c.write(4, *_kv(1, 4, dim=16))  # after a trim of 2
-    assert kk.shape[2] == 5 and torch.allclose(kk[0, 0, :, 0], torch.tensor([0.25, 1.25, 2.25, 3.25, 4.0]), atol=0.05)
-    exact = FullKVCache(step=4)
-    exact.write(0, *_kv(6, 0, dim=16))
-    assert c.nbytes * 2 == exact.nbytes  # 16 one-byte codes + 2 x 2 float32 (scale, bias) vs 16 x 4 bytes
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -1,4 +1,4 @@
-"""The torch drafter's batched step over pooled context K/V (drafter/torch_backend/batch_step.py, pool.py), on a CPU.
+"""The torch drafter's batched step over pooled context K/V (drafter/torch_backend/batch_step.py), on a CPU.
 
 Structure: a batched draft of 16 sessions (ragged contexts, blocks of 1..16) runs as many device
 operations as one session's draft (within 10 %) and syncs with the host once. Exactness: each
@@ -19,8 +19,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kakeya.core.contract import Draft
-from kakeya.drafter.batch import DraftItem, draft_batch
 from kakeya.drafter.local import TorchDrafter
+from kakeya.drafter.session import DraftItem, draft_batch
 
 SIZES = [1 + (5 * k) % 16 for k in range(16)]  # every block size 1..16 once: ragged rows, extensions alone
 

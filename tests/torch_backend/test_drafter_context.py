@@ -1,4 +1,4 @@
-"""The torch drafter's pooled context (drafter/torch_backend/pool.py): pages of one pool per layer kind,
+"""The torch drafter's pooled context (drafter/torch_backend/batch_step.py): pages of one pool per layer kind,
 grown by chunks without moving a session's rows, sliding rings of fixed pages, blocks in scratch rows."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from kakeya.backends.torch.graphs import BUCKETS, GraphOptions
 from kakeya.drafter.backend import extend
 from kakeya.drafter.local import TorchDrafter
 from kakeya.drafter.session import WARM_BLOCK_SIZES
+from kakeya.drafter.torch_backend.batch_step import DraftPool, PooledContext
 from kakeya.drafter.torch_backend.load import load_dflash_torch
-from kakeya.drafter.torch_backend.pool import DraftPool, PooledContext
 
 STATIC_CPU = GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)
 

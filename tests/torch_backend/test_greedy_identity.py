@@ -149,12 +149,11 @@ def test_aux_handed_to_the_drafter_stays_a_torch_tensor(verifier):
     assert verifier.info.backend == "torch"
 
 
-def test_warmup_and_colocated_drafter(tiny, torch_target, torch_drafter, reference):
-    """Serving helpers: warm-up leaves no state behind; the colocated drafter shares the
-    target's embedding / LM head tensors and drafts exactly like the standalone one."""
+def test_colocated_drafter(tiny, torch_target, torch_drafter, reference):
+    """The colocated drafter shares the target's embedding / LM head tensors and drafts exactly like the
+    standalone one."""
     from kakeya.drafter.local import TorchDrafter
 
-    assert torch_target.warmup(AUX_LAYERS, ctx=64) > 0
     co = TorchDrafter.colocated(tiny.draft, torch_target)
     assert co.model.target.embed is torch_target.model.embed
     assert co.warm_up(ctx=64) > 0

@@ -9,9 +9,8 @@ import torch
 
 from kakeya.backends.torch.graphs import GRAPHED_MIN_BATCH, GraphOptions
 from kakeya.core.request import CachePolicy
-from kakeya.drafter.batch import DraftItem, draft_batch
-from kakeya.verifier.batch import VerifyItem, verify_batch
-from kakeya.verifier.session import LocalVerifierSession
+from kakeya.drafter.session import DraftItem, draft_batch
+from kakeya.verifier.session import LocalVerifierSession, VerifyItem, verify_batch
 
 from .conftest import AUX_LAYERS, PROMPT
 

@@ -15,8 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kakeya.core.request import CachePolicy
-from kakeya.verifier.batch import VerifyItem, counts, verify_batch
-from kakeya.verifier.session import LocalVerifierSession
+from kakeya.verifier.session import LocalVerifierSession, VerifyItem, counts, verify_batch
 from kakeya.verifier.torch_backend import batch_step
 from kakeya.verifier.torch_backend.target import TargetTorch
 

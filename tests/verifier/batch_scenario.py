@@ -14,8 +14,7 @@ import numpy as np
 
 from kakeya.core.contract import Proposal
 from kakeya.core.request import REJECTION
-from kakeya.verifier.batch import VerifyItem, verify_batch
-from kakeya.verifier.session import LocalVerifierSession
+from kakeya.verifier.session import LocalVerifierSession, VerifyItem, verify_batch
 
 
 def proposal_for(candidates, vocab: int) -> Proposal | None:

@@ -9,7 +9,7 @@ inside the batch.
 from __future__ import annotations
 
 from kakeya.core.request import REJECTION, CachePolicy, SamplingParams
-from kakeya.verifier.batch import batchable
+from kakeya.verifier.session import batchable
 
 from .batch_scenario import lockstep
 

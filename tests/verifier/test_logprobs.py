@@ -13,7 +13,7 @@ from kakeya.core.contract import SessionOptions
 from kakeya.core.request import REJECTION, Request, SamplingParams
 from kakeya.orchestrator.decode.engine import Engine
 from kakeya.orchestrator.decode.loop import Decode, DecodeOptions, advance, run
-from kakeya.verifier.batch import decide_batch
+from kakeya.verifier.session import decide_batch
 
 PROMPT = [2, 500, 788, 12, 69, 16, 308, 305, 279, 328]  # "def add(a, b):\n    return" on the demo pair
 N = 24
@@ -49,7 +49,7 @@ def reference(verifier, ids: list[int]) -> np.ndarray:
     if target.backend == "torch":
         import torch
 
-        from kakeya.verifier.torch_backend.cache import FullKVCache
+        from kakeya.verifier.torch_backend.target import FullKVCache
 
         caches = [FullKVCache() for _ in range(target.n_cached)]
         hidden = target._plain_forward(ids, caches, 0)

@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
+from kakeya.drafter import backend
 from kakeya.drafter.config import DFlashConfig
 
 
@@ -46,15 +47,8 @@ def add_convs(layer: nn.Module, config: DFlashConfig) -> None:
 
 
 def conv_layer(layer, x: mx.array, segments, rope: nn.Module, lanes: mx.array) -> mx.array:
-    """Block rows ``x`` [1, rows, hidden] through a DFlash2 decoder layer (``lanes``: each row's index in
-    its block)."""
-    a = layer.input_layernorm(x[0])
-    d = layer.attention_conv.deltas(a)
-    o = layer.self_attn(layer.attention_conv.apply(a, d, 0, lanes)[None], segments, rope)[0]
-    h = x[0] + layer.attention_conv.apply(o, d, 1, lanes)
-    m = layer.post_attention_layernorm(h)
-    d = layer.mlp_conv.deltas(m)
-    return (h + layer.mlp_conv.apply(layer.mlp(layer.mlp_conv.apply(m, d, 0, lanes)), d, 1, lanes))[None]
+    """Block rows ``x`` [1, rows, hidden] through a DFlash2 decoder layer (``backend.conv_layer``)."""
+    return backend.conv_layer(layer, x, lanes, lambda rows: layer.self_attn(rows[None], segments, rope)[0])
 
 
 class CandidateSelector(nn.Module):

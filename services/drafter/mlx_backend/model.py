@@ -22,11 +22,10 @@ from mlx import nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from kakeya.backends.mlx import sampling as sampling_mlx
-from kakeya.checkpoints.config import load_target_config
 from kakeya.checkpoints.layout import find_text_tensors, shard_files
-from kakeya.drafter import context
-from kakeya.drafter.backend import KV, bind, extend_and_draft, scale_embedding, scale_logits
-from kakeya.drafter.config import DFlashConfig, aux_rows
+from kakeya.drafter import backend, context
+from kakeya.drafter.backend import KV, aux_rows, bind, extend_and_draft, scale_embedding, scale_logits
+from kakeya.drafter.config import DFlashConfig
 from kakeya.drafter.context import (
     DEFAULT_STEP,
     Append,
@@ -38,8 +37,6 @@ from kakeya.drafter.context import (
     split_rows,
 )
 from kakeya.drafter.mlx_backend import dflash2
-
-# --------------------------------------------------------------------------- layers
 
 
 class MLP(nn.Module):
@@ -110,15 +107,9 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-# --------------------------------------------------------------------------- context cache
-
-
 class LayerKV:
-    """One layer's context K/V: ``[1, n_kv, capacity, hd]`` buffers, rows planned by its layout.
-
-    A block attends over ``visible context ++ block`` (a concatenation: MLX
-    arrays are values, so writing the block into the buffer buys nothing).
-    """
+    """One layer's context K/V: ``[1, n_kv, capacity, hd]`` buffers, rows planned by its layout. A block
+    attends over ``visible context ++ block`` (MLX arrays are values: writing the block in buys nothing)."""
 
     def __init__(self, layout: ContextLayout):
         self.layout = layout
@@ -175,16 +166,9 @@ class ContextKVCache(context.ContextKVCache):
         return [a for l in self.layers if l.keys is not None for a in (l.keys, l.values)]
 
 
-# --------------------------------------------------------------------------- target tensors
-
-
 class TargetHead:
-    """The target's embedding table and LM head, used with raw weight ops.
-
-    A plain object (not an ``nn.Module``) so it stays out of the drafter's
-    parameter tree. Quantized tables (mlx-lm ``scales``/``biases``) are
-    supported without dequantizing the whole table.
-    """
+    """The target's embedding table and LM head, used with raw weight ops: a plain object, out of the
+    drafter's parameter tree; quantized tables (mlx-lm ``scales``/``biases``) are never dequantized whole."""
 
     def __init__(
         self,
@@ -243,11 +227,7 @@ class TargetHead:
 
     @property
     def nbytes(self) -> int:
-        n = sum(a.nbytes for a in self.embed.values())
-        return n if self.tied else n + sum(a.nbytes for a in self.head.values())
-
-
-# --------------------------------------------------------------------------- model
+        return sum(a.nbytes for t in ([self.embed] if self.tied else [self.embed, self.head]) for a in t.values())
 
 
 class DFlashDraftModel(nn.Module):
@@ -336,7 +316,7 @@ class DFlashDraftModel(nn.Module):
         x = self.embed_block(ids)
         lanes = np.concatenate([np.arange(n) for _, n in sized]) if self.config.dflash2 is not None else None
         lanes_mx = None if lanes is None else mx.array(lanes)  # each row's index in its block (DFlash2's conv)
-        for layer, segments in zip(self.layers, block_segments(sized, specs, mx.array, scratch=False)):
+        for layer, segments in zip(self.layers, block_segments(sized, specs, mx.array)):
             x = layer(x, segments, self.rope, lanes_mx)
         h = self.norm(x[0])
         rows = h[1:] if len(blocks) == 1 else h[mx.array(draft_rows(n for _, n in sized), dtype=mx.int32)]
@@ -369,9 +349,6 @@ class DFlashDraftModel(nn.Module):
 
     def synchronize(self) -> None:
         mx.synchronize()
-
-
-# --------------------------------------------------------------------------- loading
 
 
 def _index_tensors(target_dir: Path) -> dict[str, mx.array]:
@@ -417,14 +394,7 @@ def load_target_head(target_dir: str | Path, dtype: mx.Dtype | None = None) -> T
     embed, eq = take(where.embed)
     head_d, hq = take(where.head) if where.head is not None else (None, None)
     tensors.clear()  # the lazy map of the target's other tensors: none of them is read
-    th = TargetHead(embed, head_d, eq, hq)
-    text = load_target_config(target_dir)  # vocab_size at either level of a multimodal config
-    vocab = text.get("vocab_size")
-    if vocab is not None and int(vocab) != th.vocab_size:
-        raise ValueError(f"target embed has {th.vocab_size} rows, config vocab_size is {vocab}")
-    hidden = text.get("hidden_size")
-    if hidden is not None and int(hidden) != th.hidden_size:
-        raise ValueError(f"target embed width {th.hidden_size} != config hidden_size {hidden}")
+    th = backend.check_target_head(TargetHead(embed, head_d, eq, hq), target_dir)
     mx.eval(list(th.embed.values()) + ([] if th.tied else list(th.head.values())))
     return th
 
@@ -445,10 +415,6 @@ def load_draft_model(draft_dir: str | Path, dtype: mx.Dtype | None = None) -> DF
 
 
 def load_dflash_mlx(draft_dir: str | Path, target_dir: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraftModel:
-    """Load the DFlash draft and bind the target's embedding/LM head.
-
-    Compute dtype follows the draft weights unless ``dtype`` is given; the
-    target's (unquantized) tensors are cast to it.
-    """
+    """Load the DFlash draft and bind the target's embedding/LM head, cast to the draft's dtype (or ``dtype``)."""
     model = load_draft_model(draft_dir, dtype)
     return bind(model, load_target_head(target_dir, dtype=model.dtype))

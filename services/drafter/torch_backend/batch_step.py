@@ -1,33 +1,27 @@
-"""The torch drafter's draft step over pooled context K/V: any number of sessions' extensions and blocks in
-one step whose device work does not grow with the number of sessions.
+"""The torch drafter's context K/V pool and its draft step: any number of sessions' extensions and blocks
+in one step whose device work does not grow with the number of sessions.
 
-A step takes context extensions (a session's cache and its new aux rows) and blocks (a cache and the
-block's token ids; several blocks of one cache are a pre-draft's) over caches that are pages of one
-model's pools (``pool.py``), and runs:
+The pool is the verifier's design (``verifier/torch_backend/pool.py``) without rollback, since a drafter's
+context only grows: a session (:class:`PooledContext`) holds its full-attention context as pages taken as
+it grows and its sliding context as a ring of ``ring >= sliding_window - 1`` slots (position ``p`` in slot
+``p % ring``). A step writes each block's K/V into the pools' *scratch* rows, never a session's pages, so
+several blocks of one session (a pre-draft's) run in one step and the context holds committed positions.
 
-* the extension: ``fc``, ``hidden_norm`` and every layer's K/V projection once over all sessions' new
-  aux rows (RoPE from a tensor of positions), then per layer ONE ``index_copy_`` of K and of V into the
-  rows the host planned (ring slots, full-attention pages; rows a ring will not keep go to the trash);
-* the block: every row-wise op (embedding, norms, projections, RoPE at each row's position, MLP, LM head)
-  once over all rows; per layer ONE write of every row's K/V into scratch rows of the pools and ONE
-  attention call over every block, K/V read through a padded ``[blocks, context slots + block lanes]``
-  table with masks built on the device from positions (each slot's position, each block's context
-  length and end, the layer's causality and window); eagerly a gather and SDPA;
-* the greedy tokens of every drafted row in one argmax, read back in ONE host sync.
-
-The host plans (pages reserved, rows chosen) and packs every integer input into one vector copied to
-the device once. Shapes depend only on :class:`Shape`; with ``static_extent`` (CUDA) blocks are padded
-up to a sessions bucket, lanes to a block bucket, extension rows to ``sessions * bucket``, the full
-context to a doubling extent, so ``StepGraphs`` captures one graph per shape for any set of sessions.
-Padded rows write the trash row or unused scratch rows and see one real key (a softmax over none is
-NaN); their outputs are dropped. Eagerly (the CPU) sizes are exact and the row-wise ops see the blocks'
-rows unpadded (``ragged``): only attention lays them out ``[blocks, lanes]``, one index op each way.
-
-An extension longer than a block (a prompt) runs first as an eager step of its own when graphs are on.
+A step (:func:`run`) projects every extension's new aux rows at once (ONE ``index_copy_`` per layer into
+the rows the host planned), runs every row-wise op of the blocks once over all rows, per layer ONE write
+of the blocks' K/V and ONE attention call over every block through a padded ``[blocks, context slots +
+block lanes]`` table (masks built on the device from positions), then the greedy tokens in ONE host sync.
+The host packs every integer input into one vector. Shapes depend only on :class:`Shape`: with
+``static_extent`` (CUDA) everything is padded to buckets and ``StepGraphs`` captures one graph per shape
+(padded rows write the trash row and see one real key: a softmax over none is NaN); eagerly sizes are
+exact and the row-wise ops see the blocks' rows unpadded (``ragged``). A prompt-long extension runs
+first as an eager step of its own when graphs are on.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,12 +30,160 @@ import torch
 
 from kakeya.backends.torch.graphs import BUCKETS, GraphedStep, StepGraphs, bucket_for, unpack
 from kakeya.backends.torch.ops import rope_from_positions, sdpa, sdpa_backends
+from kakeya.backends.torch.pages import CHUNK_PAGES, PAGE, TRASH_PAGE, PagePool, Storage, page_rows
 from kakeya.core.contract import SLIDING
 from kakeya.core.request import MAX_BLOCK_SIZE
+from kakeya.drafter.context import ContextSnapshot
 
 SESSION_BUCKETS = (1, 2, 4, 8, 16)  # blocks a captured step has (beyond 16: multiples of 16)
 LANE_BUCKETS = BUCKETS + (2 * MAX_BLOCK_SIZE,)  # a pre-draft's block: its pending candidates, then a block
 MIN_EXTENT = 256  # full-attention positions a captured step attends over at least (then doubling)
+
+
+class DraftPool:
+    """A drafter model's pools: ``sliding`` (rings) and ``full`` (pages by position), None where no layer
+    is of that kind; ``ring``: slots of a session's ring (a whole number of pages)."""
+
+    def __init__(self, config, device, dtype, page: int = PAGE, chunk: int = CHUNK_PAGES):
+        self.config, self.device, self.dtype, self.page = config, device, dtype, page
+        self.kinds = list(config.layer_types)
+        a = config.layer_attention(0)  # every layer's K/V rows have the same shape
+        sliding = [i for i, t in enumerate(self.kinds) if t == SLIDING]
+        full = [i for i, t in enumerate(self.kinds) if t != SLIDING]
+        shapes = lambda layers: {i: (a.n_kv, a.head_dim) for i in layers}
+        make = lambda ls: PagePool(shapes(ls), {i: Storage() for i in ls}, device, dtype, page, chunk) if ls else None
+        self.sliding, self.full = make(sliding), make(full)
+        self.keep = int(config.sliding_window) - 1 if sliding else 0  # the context rows a window shows
+        self.ring = max(page, -(-self.keep // page) * page) if sliding else 0
+        self.lock = threading.RLock()
+
+    def of(self, i: int) -> PagePool:  # layer ``i``'s pool
+        return self.sliding if self.kinds[i] == SLIDING else self.full
+
+    def stepping(self) -> threading.RLock:
+        """Held while pages are planned and a step runs: one step of a model at a time, no growth under it."""
+        return self.lock
+
+
+def _release(pool: DraftPool, ring: list, full: list) -> None:
+    with pool.lock:
+        for p, pages in ((pool.sliding, ring), (pool.full, full)):
+            if pages:
+                p.give(pages)
+                pages.clear()
+
+
+class PooledContext:
+    """One session's context K/V as pages of its model's pools (the torch ``ContextKVCache``)."""
+
+    def __init__(self, pool: DraftPool):
+        self.pool, self.length = pool, 0  # length: context positions written (absolute)
+        with pool.lock:
+            self.ring_pages = pool.sliding.take(pool.ring // pool.page) if pool.sliding is not None else []
+        self.full_pages: list[int] = []
+        self._release = weakref.finalize(self, _release, pool, self.ring_pages, self.full_pages)
+
+    def reserve(self, positions: int) -> None:
+        """Full pages for ``positions`` positions (taken before a step, never during one)."""
+        need = -(-positions // self.pool.page) - len(self.full_pages)
+        if self.pool.full is not None and need > 0:
+            with self.pool.lock:
+                self.full_pages.extend(self.pool.full.take(need))
+
+    def ring_rows(self) -> np.ndarray:  # pool row of every ring slot, in slot order
+        return page_rows(self.ring_pages, self.pool.page)
+
+    def full_rows(self, lo: int, hi: int) -> np.ndarray:
+        """Pool rows of full-attention positions ``lo .. hi`` (pages reserved)."""
+        p = np.arange(lo, hi)
+        return np.asarray(self.full_pages, dtype=np.int64)[p // self.pool.page] * self.pool.page + p % self.pool.page
+
+    def write_rows(self, start: int, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(ring rows, full rows) where positions ``start .. start+n`` go (one the ring will not hold once
+        all are written goes to the trash row)."""
+        pool, ring, full = self.pool, None, None
+        if pool.sliding is not None:
+            p = np.arange(start, start + n)
+            ring = np.where(p >= start + n - pool.ring, self.ring_rows()[p % pool.ring], TRASH_PAGE * pool.page)
+        if pool.full is not None:
+            self.reserve(start + n)
+            full = self.full_rows(start, start + n)
+        return ring, full
+
+    @torch.inference_mode()  # the pools are inference tensors: written in that mode only
+    def append(self, kv: list) -> None:
+        """Eagerly (``backend.extend``): ``kv``, one ``(keys, values)`` ``[1, n_kv, n_new, head_dim]`` per layer."""
+        if len(kv) != len(self.pool.kinds):
+            raise ValueError(f"expected K/V for {len(self.pool.kinds)} layers, got {len(kv)}")
+        for i, (k, v) in enumerate(kv):
+            self._write_layer(i, self.length, k, v)
+        self.length += kv[0][0].shape[2]
+
+    def view(self, i: int):
+        """Layer ``i``'s visible context K/V ``[1, n_kv, n, head_dim]`` (the last ``keep`` positions on a
+        sliding layer; copies; None, None when empty)."""
+        pool = self.pool
+        sliding = pool.kinds[i] == SLIDING
+        lo = max(0, self.length - pool.keep) if sliding else 0
+        if self.length == lo:
+            return None, None
+        rows = self.ring_rows()[np.arange(lo, self.length) % pool.ring] if sliding else self.full_rows(lo, self.length)
+        k, v = pool.of(i).gather(i, torch.from_numpy(rows).to(pool.device))
+        return k[None], v[None]
+
+    @property
+    def nbytes(self) -> int:
+        pages = ((self.pool.sliding, self.ring_pages), (self.pool.full, self.full_pages))
+        return sum(len(held) * self.pool.page * p.row_bytes for p, held in pages if p is not None)
+
+    @property
+    def rows_held(self) -> int:
+        """Rows held over every layer (``nbytes`` per row: what a server's admission counts by)."""
+        return self.rows_after(None)
+
+    def rows_after(self, new_rows: int | None) -> int:
+        """``rows_held`` once ``new_rows`` more positions are in (None: now); a block's rows are the pool's
+        scratch, held by no session."""
+        pool, rows = self.pool, 0
+        if pool.sliding is not None:
+            rows += len(pool.sliding.shapes) * len(self.ring_pages) * pool.page
+        if pool.full is not None:
+            pages = max(len(self.full_pages), -(-(self.length + (new_rows or 0)) // pool.page))
+            rows += len(pool.full.shapes) * pages * pool.page
+        return rows
+
+    @torch.inference_mode()
+    def snapshot(self) -> ContextSnapshot:  # a prefix snapshot: per layer its visible rows, copied
+        kv = [self.view(i) for i in range(len(self.pool.kinds))]
+        nbytes = sum(k.nbytes + v.nbytes for k, v in kv if k is not None)
+        rows: dict = {}  # one row count per layer kind, as context.py's layouts
+        for (k, _), t in zip(kv, self.pool.kinds):
+            rows.setdefault(t, 0 if k is None else k.shape[2])
+        return ContextSnapshot(self.length, list(rows.values()), kv, nbytes)
+
+    @torch.inference_mode()
+    def restore(self, snap: ContextSnapshot, back: int = 0) -> None:
+        """An empty cache set to ``snap``'s rows, less its newest ``back`` positions (``snap.truncatable`` only)."""
+        keep = snap.resumed(self.length, back)
+        for i, (k, v) in enumerate(snap.kv):
+            if k is not None:  # its rows are positions lo .. snap.length (lo = 0 when truncatable)
+                lo = snap.length - k.shape[2]
+                self._write_layer(i, lo, k[:, :, : keep - lo], v[:, :, : keep - lo])
+        self.length = keep
+
+    def _write_layer(self, i: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        with self.pool.lock:
+            ring, full = self.write_rows(start, k.shape[2])
+            rows = ring if self.pool.kinds[i] == SLIDING else full
+            self.pool.of(i).write(i, torch.from_numpy(rows).to(self.pool.device), k[0], v[0])
+
+    def reset(self) -> None:
+        """Empty, for the next session: the ring's pages kept, the full pages given back."""
+        self.length = 0
+        _release(self.pool, [], self.full_pages)
+
+    def release(self) -> None:  # every page back to its pool (idempotent)
+        self._release()
 
 
 @dataclass(frozen=True)
@@ -108,32 +250,28 @@ class Batch:
         self.offsets = list(np.cumsum([0] + sizes[:-1])) if ragged else [b * Lb for b in range(N)]
         self.real = sum(n - 1 for n in sizes)  # drafted rows: each block's rows 1..
         drafts = Nb * (Lb - 1) if static and N else self.real
-        f: dict[str, np.ndarray] = {}
-        # the extensions first: the blocks' context includes them
-        ext_pos, ext_ring, ext_full, at = np.zeros(X, np.int64), np.zeros(X, np.int64), np.zeros(X, np.int64), 0
-        for c, n in ext:
+        f = {name: np.zeros(X, np.int64) for name in ("ext_pos", "ext_ring", "ext_full")}
+        at = 0
+        for c, n in ext:  # the extensions first: the blocks' context includes them
             ring, full = c.write_rows(c.length, n)
-            ext_pos[at : at + n] = np.arange(c.length, c.length + n)
-            if ring is not None:
-                ext_ring[at : at + n] = ring
-            if full is not None:
-                ext_full[at : at + n] = full
+            f["ext_pos"][at : at + n] = np.arange(c.length, c.length + n)
+            for name, where in (("ext_ring", ring), ("ext_full", full)):
+                if where is not None:
+                    f[name][at : at + n] = where
             c.length += n
             at += n
-        f.update(ext_pos=ext_pos, ext_ring=ext_ring, ext_full=ext_full)
         clens = [c.length for c, _ in blocks]
         S_full = 0
-        if pool.full is not None and N:
-            if static:
-                S_full = MIN_EXTENT
-                while S_full < max(clens):
-                    S_full *= 2
-            S_full = _up(max(S_full, *clens), page)
+        if pool.full is not None:  # static: a doubling extent from MIN_EXTENT; eagerly the context (or a page)
+            end = max(clens, default=0)
+            S_full = MIN_EXTENT if static and N else end
+            while S_full < end:
+                S_full *= 2
+            S_full = _up(S_full, page)
         scratch = {  # taken (the pools may grow) before the generations are read
             kind: p.scratch(Nb * Lb) for kind, p in (("ring", pool.sliding), ("full", pool.full)) if p is not None
         }
         gens = tuple(p.generation if p is not None else 0 for p in (pool.sliding, pool.full))
-        S_full = S_full or (page if pool.full is not None else 0)  # (an extension alone: no table, but its rows)
         self.shape = Shape(Nb, Lb, rows, drafts, X, pool.ring, S_full, ragged, gens)
         if N:
             self._blocks(f, pool, blocks, sizes, clens, scratch)
@@ -152,9 +290,7 @@ class Batch:
         ring_pages = np.zeros((Nb, sh.ring // page), np.int64)
         full_pages = np.zeros((Nb, sh.full // page), np.int64)
         for kind, rows in scratch.items():
-            table = rows.copy()
-            f[f"tab_{kind}"] = table
-            f[f"blk_{kind}"] = np.zeros(sh.rows, np.int64)
+            f[f"tab_{kind}"], f[f"blk_{kind}"] = rows.copy(), np.zeros(sh.rows, np.int64)
         at = 0
         for b, ((c, ids), n, C, o) in enumerate(zip(blocks, sizes, clens, self.offsets)):
             width = n if sh.ragged else Lb  # this block's rows in the row-wise layout
@@ -173,15 +309,15 @@ class Batch:
             if sh.ring:
                 ring_pages[b] = c.ring_pages
             if sh.full:
-                ring_full = c.full_pages[: sh.full // page]
-                full_pages[b, : len(ring_full)] = ring_full
+                held = c.full_pages[: sh.full // page]
+                full_pages[b, : len(held)] = held
         f["ring_pages"], f["full_pages"] = ring_pages.reshape(-1), full_pages.reshape(-1)
 
 
 class PooledAttention:
-    """Per layer: every block row's K/V into its scratch row, then one attention call over every block,
-    its context read through the tables: the Triton decode-attention kernel (``kernel``: it reads the
-    pool through the table itself) where the layer's rule fits it, else a gather and SDPA."""
+    """Per layer: every block row's K/V into its scratch row, then one attention call over every block
+    through the tables: the Triton decode-attention kernel where the layer's rule fits it, else a gather
+    and SDPA."""
 
     def __init__(self, pool, shape: Shape, f: dict, kernel: bool = False):
         self.pool, self.shape, self.f, self.kernel = pool, shape, f, kernel
@@ -193,9 +329,8 @@ class PooledAttention:
         return self.kernel and (spec.is_causal or spec.window is None)
 
     def _group(self, kind: str, spec) -> tuple:
-        """(write rows, table, key positions, query positions, mask) of a layer kind and attention rule,
-        made once per step on the device (query positions as the kernel takes them, or None; the mask
-        only where SDPA runs)."""
+        """(write rows, table, key positions, the kernel's query positions or None, SDPA's mask or None) of
+        a layer kind and attention rule, made once per step on the device."""
         key = (kind, spec.is_causal, spec.window)
         if key in self.groups:
             return self.groups[key]
@@ -237,34 +372,24 @@ class PooledAttention:
         sh, f = self.shape, self.f
         N, L = sh.sessions, sh.block
         H, D = q.shape[1], q.shape[3]
+        rows = q[0].transpose(0, 1)  # [rows, heads, hd]
+        rows = (rows[f["to_pad"]] if sh.ragged else rows).reshape(N, L, H, D)
         if qpos is not None:
             from kakeya.backends.torch.kernels import attention as kernel
 
-            rows = q[0].transpose(0, 1)  # [rows, heads, hd]
-            if sh.ragged:
-                rows = rows[f["to_pad"]]
             out = kernel.decode_attention(
-                rows.reshape(N, L, H, D), pages.keys[i][0], pages.values[i][0], table, kpos, qpos,
-                window=spec.window or 0, scale=spec.scale,
-            ).view(N * L, H, D)  # fmt: skip
-            if sh.ragged:
-                out = out[f["from_pad"]]
-            return out.transpose(0, 1)[None]
-        keys, values = pages.gather(i, table)  # [n_kv, blocks, slots, hd]
-        qq = q[0]  # [heads, rows, hd]
-        if sh.ragged:
-            qq = qq[:, f["to_pad"]]
-        qq = qq.reshape(H, N, L, D).transpose(0, 1)
-        out = sdpa(qq, keys.transpose(0, 1), values.transpose(0, 1), mask, spec.scale)  # [blocks, heads, lanes, hd]
-        out = out.transpose(0, 1).reshape(H, N * L, D)
-        if sh.ragged:
-            out = out[:, f["from_pad"]]
-        return out[None]
+                rows, pages.keys[i][0], pages.values[i][0], table, kpos, qpos, window=spec.window or 0, scale=spec.scale
+            )
+        else:
+            keys, values = (t.transpose(0, 1) for t in pages.gather(i, table))  # [blocks, n_kv, slots, hd]
+            out = sdpa(rows.transpose(1, 2), keys, values, mask, spec.scale).transpose(1, 2)
+        out = out.reshape(N * L, H, D)
+        return (out[f["from_pad"]] if sh.ragged else out).transpose(0, 1)[None]
 
 
 def draft_step(model, shape: Shape, packed: torch.Tensor, aux: torch.Tensor | None):
     """Device work of one step: ``(greedy tokens [drafts], logits [drafts, vocab])`` (None, None for an
-    extension alone); reads ``packed``, ``aux`` and the pools, writes only the pools."""
+    extension alone); writes only the pools."""
     pool = model.pool
     f = unpack(packed, shape.fields(pool.page))
     if shape.ext:
@@ -294,7 +419,7 @@ def draft_step(model, shape: Shape, packed: torch.Tensor, aux: torch.Tensor | No
 
 class DraftSteps:
     """A model's steps: with ``static_extent`` one per :class:`Shape`, kept (captured on CUDA) with its
-    static inputs; eagerly one made per call around the packed vector itself."""
+    static inputs; eagerly one per call."""
 
     def __init__(self, model, options, graph_pool=None):
         self.model, self.options = model, options

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kakeya.drafter.backend import conv_layer
 from kakeya.drafter.config import DFlashConfig
 from kakeya.drafter.torch_backend.model import DecoderLayer, DFlashDraftModel
 
@@ -49,17 +50,14 @@ class ConvDecoderLayer(DecoderLayer):
         self.mlp_conv = GroupedConv(config.hidden_size, f.conv_kernel_size, f.conv_group_size)
 
     def step(self, x: torch.Tensor, cos, sin, lanes: torch.Tensor, attend) -> torch.Tensor:
-        """Block rows ``x`` [1, rows, hidden] through the layer; ``attend(q, k, v)`` is the batched
-        step's attention over each block's own context and block."""
-        a = self.input_layernorm(x[0])
-        d = self.attention_conv.deltas(a)
-        q, k, v = self.self_attn.qkv(self.attention_conv.apply(a, d, 0, lanes)[None], cos, sin)
-        out = attend(q, k, v)
-        o = self.self_attn.o_proj(out.transpose(1, 2).reshape(out.shape[2], -1))
-        h = x[0] + self.attention_conv.apply(o, d, 1, lanes)
-        m = self.post_attention_layernorm(h)
-        d = self.mlp_conv.deltas(m)
-        return (h + self.mlp_conv.apply(self.mlp(self.mlp_conv.apply(m, d, 0, lanes)), d, 1, lanes))[None]
+        """Block rows ``x`` [1, rows, hidden] through the layer (``backend.conv_layer``); ``attend(q, k, v)`` is
+        the batched step's attention over each block's own context and block."""
+
+        def attention(rows: torch.Tensor) -> torch.Tensor:
+            out = attend(*self.self_attn.qkv(rows[None], cos, sin))
+            return self.self_attn.o_proj(out.transpose(1, 2).reshape(out.shape[2], -1))
+
+        return conv_layer(self, x, lanes, attention)
 
 
 class CandidateSelector(nn.Module):

@@ -8,9 +8,8 @@ from pathlib import Path
 import torch
 
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype
-from kakeya.checkpoints.config import load_target_config
 from kakeya.checkpoints.layout import shard_files, torch_text_tensors
-from kakeya.drafter.backend import bind
+from kakeya.drafter.backend import bind, check_target_head
 from kakeya.drafter.config import DFlashConfig
 from kakeya.drafter.torch_backend.model import DFlashDraftModel, TargetHead, rope_inv_freq
 
@@ -27,14 +26,8 @@ def load_target_head(target_dir: str | Path, device=None, dtype=None) -> TargetH
         with safe_open(str(names[name]), framework="pt") as sf:
             return sf.get_tensor(name).to(device=device, dtype=dtype)
 
-    th = TargetHead(get(where.embed + ".weight"), get(where.head + ".weight") if where.head is not None else None)
-    text = load_target_config(target_dir)  # vocab_size at either level of a multimodal config
-    vocab, hidden = text.get("vocab_size"), text.get("hidden_size")
-    if vocab is not None and int(vocab) != th.vocab_size:
-        raise ValueError(f"target embed has {th.vocab_size} rows, config vocab_size is {vocab}")
-    if hidden is not None and int(hidden) != th.hidden_size:
-        raise ValueError(f"target embed width {th.hidden_size} != config hidden_size {hidden}")
-    return th
+    head = get(where.head + ".weight") if where.head is not None else None
+    return check_target_head(TargetHead(get(where.embed + ".weight"), head), target_dir)
 
 
 def load_draft_model(draft_dir: str | Path, device=None, dtype=None) -> DFlashDraftModel:

@@ -1,10 +1,9 @@
 """DFlash block-diffusion drafter in PyTorch: the semantics of ``drafter/mlx_backend/model.py`` (its docstring
 describes the context and block K/V, the "Gap-B" embedding convention and the reference parameter names).
 
-Here the context K/V are pages of one pool per model (``pool.py``), extended with the newly committed
-positions only, O(new) per block; :class:`TargetHead` holds the target's embedding and LM head (the only
-tensors read from the target checkpoint) and uses them with raw weight ops. Logits: target LM head x
-``output_multiplier``, then soft-capped.
+Here the context K/V are pages of one pool per model (``batch_step.py``), extended with the newly committed
+positions only; :class:`TargetHead` holds the target's embedding and LM head (the only tensors read from
+the target checkpoint).
 """
 
 from __future__ import annotations
@@ -26,11 +25,11 @@ from kakeya.backends.torch.ops import (
     rope_cos_sin,
     sdpa,
 )
-from kakeya.drafter.backend import KV, scale_embedding, scale_logits
-from kakeya.drafter.config import DFlashConfig, aux_rows
+from kakeya.drafter.backend import KV, aux_rows, scale_embedding, scale_logits
+from kakeya.drafter.config import DFlashConfig
 from kakeya.drafter.context import DEFAULT_STEP, Segment, split_rows
 from kakeya.drafter.torch_backend import batch_step
-from kakeya.drafter.torch_backend.pool import DraftPool, PooledContext
+from kakeya.drafter.torch_backend.batch_step import DraftPool, PooledContext
 
 
 def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
@@ -57,9 +56,6 @@ def rope_inv_freq(config: DFlashConfig) -> tuple[torch.Tensor, float]:
 MAX_FREE_CACHES = 4  # closed sessions' caches (with their ring pages) kept for reuse
 
 
-# --------------------------------------------------------------------------- layers
-
-
 class Attention(nn.Module):
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
@@ -79,9 +75,8 @@ class Attention(nn.Module):
     qk_scale: torch.Tensor | None = None  # set by fuse() in float32: q_norm's and k_norm's weight per head
 
     def fuse(self) -> None:
-        """For inference: q, k and v as one weight, so a block's projections are one GEMM (a
-        few-row GEMM costs its launch, not its FLOPs). The Linear weights become views of it:
-        no second copy, the same names and values."""
+        """For inference: q, k and v as one weight, one GEMM (a few-row GEMM costs its launch, not its
+        FLOPs); the Linear weights become views of it (no second copy, the same names and values)."""
         if self.wqkv is not None:
             return
         w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
@@ -143,13 +138,11 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         """For inference: gate and up as one weight (one GEMM); the Linear weights become views."""
-        if self.w_gate_up is not None:
-            return
-        w = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
-        n = self.gate_proj.out_features
-        self.w_gate_up = w
-        self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
-        self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
+        if self.w_gate_up is None:
+            self.w_gate_up = w = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
+            n = self.gate_proj.out_features
+            self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
+            self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
 
     def forward(self, x):
         if self.w_gate_up is None:
@@ -183,8 +176,7 @@ class DecoderLayer(nn.Module):
         return self.finish(x, attend(q, k, v, segments, self.self_attn.spec.scale))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """The input norm, then the rows' q, k, v (normed and rotated): row-wise, so batches
-        flatten and ``compile_layers`` fuses it."""
+        """The input norm, then the rows' q, k, v (normed and rotated): row-wise (``compile_layers`` fuses it)."""
         return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
     def finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -192,6 +184,17 @@ class DecoderLayer(nn.Module):
         B, _, L, _ = out.shape
         h = x + self.self_attn.o_proj(out.transpose(1, 2).reshape(B, L, -1))
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class GivenContext:
+    """Context K/V ``[N, n_kv, T, hd]`` handed in as tensors (the block trainer's: many blocks over one
+    precomputed context): the ``Segment.context`` a block attends to before its own keys."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    def with_block(self, view, k: torch.Tensor, v: torch.Tensor):
+        return torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment], scale: float):
@@ -207,9 +210,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence
         outs.append(sdpa(q[:, :, rows], keys, values, s.mask, scale))
         at += s.rows
     return torch.cat(outs, dim=2)
-
-
-# --------------------------------------------------------------------------- target tensors
 
 
 class TargetHead:
@@ -236,11 +236,7 @@ class TargetHead:
 
     @property
     def nbytes(self) -> int:
-        n = self.embed.numel() * self.embed.element_size()
-        return n if self.tied else n + self.head.numel() * self.head.element_size()
-
-
-# --------------------------------------------------------------------------- model
+        return sum(t.numel() * t.element_size() for t in ([self.embed] if self.tied else [self.embed, self.head]))
 
 
 class DFlashDraftModel(nn.Module):
@@ -273,8 +269,8 @@ class DFlashDraftModel(nn.Module):
     attention_kernel = False  # the Triton decode-attention kernel in the step (``use_attention_kernel``)
 
     def use_attention_kernel(self, wanted: bool | None = None) -> DFlashDraftModel:
-        """Attend through the Triton decode-attention kernel: by default on CUDA where triton imports;
-        asked for, also on the CPU under Triton's interpreter (how tests run it)."""
+        """Attend through the Triton decode-attention kernel (default: on CUDA where triton imports; asked
+        for, also on the CPU under Triton's interpreter, how tests run it)."""
         self.attention_kernel = attention_kernel_wanted(self.device, wanted)
         return self
 
@@ -309,9 +305,8 @@ class DFlashDraftModel(nn.Module):
         return self._steps
 
     def fuse_projections(self) -> DFlashDraftModel:
-        """For inference (``TorchDrafter`` does it): each layer's q/k/v and gate/up weights as one
-        GEMM each, the way the target stores them (views: no memory added), and one GEMM for all
-        layers' context K/V. Training keeps the separate Linear layers."""
+        """For inference (``TorchDrafter``): each layer's q/k/v and gate/up weights as one GEMM each (views:
+        no memory added), and one GEMM for all layers' context K/V. Training keeps the separate Linears."""
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
@@ -348,16 +343,11 @@ class DFlashDraftModel(nn.Module):
         self.layers_kv = compiled(self.layers_kv)  # every layer's context K/V (fused or one by one)
 
     def make_cache(self, step: int = DEFAULT_STEP) -> PooledContext:
-        """A new session's context: pages of the model's pool (``step`` is MLX's buffer growth; pages
-        have a fixed size). A closed session's cache is reused when graphs are on: its ring pages stay."""
-        pool = self.pool
-        if self._free:
-            return self._free.pop()
-        return PooledContext(pool)
+        """A new session's context: pages of the model's pool (``step``: MLX's buffer growth), or a closed
+        session's cache, kept with its ring pages when graphs are on (:meth:`release_cache`)."""
+        return self._free.pop() if self._free else PooledContext(self.pool)
 
     def release_cache(self, cache: PooledContext) -> None:
-        """A closed session's cache: kept (emptied) for the next session when graphs are on, else its
-        pages go back to the pool now."""
         if self.static_step is not None and len(self._free) < MAX_FREE_CACHES:
             cache.reset()
             self._free.append(cache)
@@ -378,8 +368,7 @@ class DFlashDraftModel(nn.Module):
         return self.hidden_norm(self.fc(aux.to(device=self.device, dtype=self.dtype)))[None]
 
     def embed_block(self, ids: torch.Tensor) -> torch.Tensor:
-        """Block rows [1, L, hidden] of token ids [L] (Gap-B: the target's RAW embedding row times
-        ``input_embedding_scale``, never Gemma's sqrt(hidden))."""
+        """Block rows [1, L, hidden] of token ids [L] (Gap-B: ``backend.scale_embedding``)."""
         if self.target is None:
             raise RuntimeError("drafter is not bound to a target embedding/LM head")
         return scale_embedding(self.config, self.target.embed_rows(ids).to(self.dtype))[None]
@@ -425,7 +414,6 @@ class DFlashDraftModel(nn.Module):
         return batch_step.run(self, extensions, blocks, greedy, keep_logits)
 
     def argmax(self, logits: torch.Tensor, caches: Sequence[PooledContext]) -> list[int]:
-        """Greedy tokens of logits rows: one host sync (torch runs eagerly: the caches are written)."""
         return torch.argmax(logits, dim=-1).tolist()
 
     def ranked(self, logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -434,7 +422,7 @@ class DFlashDraftModel(nn.Module):
         return top.indices.tolist(), logp.tolist()
 
     def materialize(self, caches: Sequence[PooledContext]) -> None:
-        """Nothing to do: torch runs eagerly."""
+        """Nothing to do: torch runs eagerly (so does ``argmax``: the caches are written)."""
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

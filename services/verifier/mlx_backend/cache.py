@@ -1,40 +1,64 @@
-"""MLX arrays for the verifier caches (the shared parts: ``verifier/caches.py``).
-
-* :class:`RingKVCache` -- one sliding layer's K/V ring, written wherever the
-  forward's plan says (``caches.RingKV``), so rollback is always exact.
-* :class:`FullKVCache` -- a full-attention layer's exact K/V; a forward from
-  ``start`` writes positions ``start ..``, a trim is the session's layout
-  moving back. It grows as mlx-lm's ``KVCache`` does (256-position steps past
-  what it keeps), so ``kakeya memory``'s formula holds for it.
-  :class:`QuantizedFullKVCache` stores the same as ``mx.quantize`` codes, which
-  mlx-lm's quantized attention multiplies directly.
-
-They hold arrays only: mlx-lm's attention, which wants a cache with ``offset``
-and ``update_and_fetch``, gets a per-forward view of them (``forward.py``).
+"""MLX arrays for the verifier caches: :class:`RingKVCache` (a sliding layer's ring, written where the plan
+says, so rollback is exact), :class:`FullKVCache` (exact K/V, grown as mlx-lm's ``KVCache`` grows, so
+``kakeya memory``'s formula holds; a trim is the layout moving back) and :class:`QuantizedFullKVCache`
+(``mx.quantize`` codes, which mlx-lm's quantized attention multiplies directly). They hold arrays only:
+mlx-lm's attention gets a per-forward view of them with ``offset`` and ``update_and_fetch`` (``target.LayerView``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 
-from kakeya.verifier.caches import LayerKV, RingKV
 from kakeya.verifier.layout import ForwardPlan
+
+
+class LayerKV:
+    """One layer's K/V buffers ``[1, kv_heads, slots, head_dim]`` (None until first written)."""
+
+    keys: Any = None
+    values: Any = None
+
+    def arrays(self) -> list:
+        """Every buffer this layer holds (a quantized cache holds several per K and V)."""
+        return [] if self.keys is None else [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
 
 
 def _zeros(like: mx.array, slots: int) -> mx.array:
     return mx.zeros((*like.shape[:2], slots, like.shape[-1]), like.dtype)
 
 
-class RingKVCache(RingKV):
-    """One sliding layer's K/V ring."""
+class RingKVCache(LayerKV):
+    """One sliding layer's K/V ring of ``capacity`` slots; all rings of a session share one layout.
 
-    zeros = staticmethod(_zeros)
+    ``plan.in_place``: write first, attend over ``ring[:used]``; otherwise attend over ``ring[:used] ++ new``
+    and write afterwards (a forward longer than the slack would overwrite slots its first queries need).
+    """
 
-    @staticmethod
-    def concat(parts: Sequence[mx.array]) -> mx.array:
-        return mx.concatenate(list(parts), axis=2)
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+
+    def fetch(self, keys: mx.array, values: mx.array, plan: ForwardPlan):
+        """Write this forward's ``keys``/``values`` where ``plan`` says; the K/V its queries attend over."""
+        if self.keys is None:
+            self.keys, self.values = _zeros(keys, self.capacity), _zeros(values, self.capacity)
+        out = None
+        if not plan.in_place:  # what the queries see is taken before the write
+            out = (keys, values)
+            if plan.used:
+                out = tuple(
+                    mx.concatenate([t[..., : plan.used, :], x], axis=2) for t, x in zip((self.keys, self.values), out)
+                )
+        for w in plan.writes:
+            self.keys[..., w.dst : w.dst + w.length, :] = keys[..., w.src : w.src + w.length, :]
+            self.values[..., w.dst : w.dst + w.length, :] = values[..., w.src : w.src + w.length, :]
+        return out or (self.keys[..., : plan.used, :], self.values[..., : plan.used, :])
 
     def load(self, saved: Sequence[mx.array]) -> None:
         """A prefix snapshot's ring (``SessionCaches.copy``), as arrays of this cache's own."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx import nn
+from mlx.utils import tree_flatten
 
 from kakeya.core.contract import SLIDING
 
@@ -88,9 +89,6 @@ class FThetaConfig:
         d["target_layer_ids"] = tuple(d["target_layer_ids"])
         d["layers"] = tuple(LayerSpec(**l) for l in d["layers"])
         return cls(**d)
-
-
-# --------------------------------------------------------------------------- modules
 
 
 class _DraftLayerKV(nn.Module):
@@ -194,9 +192,6 @@ class FTheta(nn.Module):
         return k, v
 
 
-# --------------------------------------------------------------------------- restorer
-
-
 class Restorer:
     """A loaded f_theta: aux rows -> latents; latents -> a verifier layer's PRE-RoPE K/V."""
 
@@ -298,11 +293,8 @@ class Restorer:
         return self.ftheta.encode(*self.features(aux, aux_layers))
 
     def layer_kv(self, z: mx.array, layer: int, attn) -> tuple[mx.array, mx.array]:
-        """Verifier layer ``layer``'s PRE-RoPE K/V ``[..., kv_heads, head_dim]`` from latents ``z``.
-
-        ``attn`` is that layer's mlx-lm attention module: its own ``k_norm`` and
-        ``v_norm`` finish the decoder's pre-norm output.
-        """
+        """Verifier layer ``layer``'s PRE-RoPE K/V ``[..., kv_heads, head_dim]`` from latents ``z``, finished by
+        that layer's own ``k_norm`` and ``v_norm`` (``attn``: its mlx-lm attention module)."""
         k, v = self.pre_norm_kv(z, layer)
         return attn.k_norm(k), attn.v_norm(v)
 
@@ -337,8 +329,8 @@ class Restorer:
         cfg = self.config.to_dict()
         if extra:
             cfg["training"] = extra
-        mx.save_safetensors(str(out / WEIGHTS_FILE), dict(_flatten(self.ftheta.parameters())))
-        mx.save_safetensors(str(out / DRAFT_FILE), dict(_flatten(self.context.parameters())))
+        mx.save_safetensors(str(out / WEIGHTS_FILE), dict(tree_flatten(self.ftheta.parameters())))
+        mx.save_safetensors(str(out / DRAFT_FILE), dict(tree_flatten(self.context.parameters())))
         (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
         return out
 
@@ -368,15 +360,9 @@ def load_ftheta(path: str | Path) -> Restorer:
     return Restorer(cfg, ftheta, context, path)
 
 
-def _flatten(tree, prefix: str = ""):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(tree, prefix=prefix)
-
-
 def _fingerprint(context: DraftContext) -> str:
     h = hashlib.sha256()
-    for name, a in sorted(_flatten(context.parameters())):
+    for name, a in sorted(tree_flatten(context.parameters())):
         h.update(name.encode())
         h.update(np.asarray(a.astype(mx.float32)).tobytes())
     return h.hexdigest()

@@ -1,32 +1,20 @@
 """The torch verify step over pooled K/V: any number of sessions' blocks in one forward whose device
 work does not grow with the number of sessions.
 
-A step takes one or more :class:`~kakeya.verifier.backend.Segment` (a session's block and the plan
-its own ``RingLayout`` made, every plan in place: ``n_new <= slack``) whose caches are pages of one
-target's pools (``pool.py``), and runs:
+A step takes :class:`~kakeya.verifier.backend.Segment` s (a session's block and its ``RingLayout``'s plan,
+in place: ``n_new <= slack``) whose caches are pages of one target's pools (``pool.py``), and runs every
+row-wise op (embeddings, norms, projections, RoPE, MLP, MoE, LM head) once over all rows; per layer ONE
+cache write and ONE attention call over every session's rows through a padded ``[sessions, slots]``
+table of pool rows, masks built on the device from positions (the Triton decode-attention kernel on
+CUDA; eagerly a gather, or a lone session's consecutive pages as a slice, and SDPA); then the greedy
+choices of all rows in one argmax, ONE host sync.
 
-* every row-wise op (embeddings, norms, projections, RoPE at each row's own position, MLP, MoE, the
-  LM head) once over all rows;
-* per layer ONE cache write (``index_copy_`` of every row's K and V into its pool row) and ONE
-  attention call over every session's rows: K/V read through a padded ``[sessions, slots]`` table of
-  pool rows with per-row masks built on the device from positions (each slot's position and each
-  session's ring geometry) -- the Triton decode-attention kernel on CUDA, which reads the pool through
-  the table itself; eagerly a gather (a lone session's consecutive pages: a slice of the pool) and SDPA;
-* the greedy choices of all rows in one argmax, read back in ONE host sync.
-
-What the host does per step is plan: pages reserved for the new positions (before anything runs),
-then one packed vector of integers -- token ids, positions, write rows, table pages, slot positions,
-each session's window and sinks -- copied to the device once. Tensor shapes depend only on
-:class:`Shape`: (sessions, block, rows, attended extents, aux layers, whether choices are taken, the
-pools' generations), so with ``static_extent`` (CUDA) sessions are padded up to a bucket, blocks up
-to a bucket, extents up to fixed sizes, and ``StepGraphs`` captures one graph per shape that serves
-any set of sessions. Padded rows write into the pools' trash page and read real keys or the trash
-row (never nothing: a softmax over no key is NaN); their outputs are dropped. Eagerly (the CPU) the
-same step runs with exact sizes, and the row-wise ops see the sessions' rows without padding
-(``ragged``): only attention lays them out ``[sessions, block]``, by one index op each way.
-
-Outputs equal each session's alone -- the same step with one segment -- up to the floating-point
-order of a matmul over more rows and of attention over more (masked) slots.
+The host reserves pages, then packs every integer input into one vector copied to the device once.
+Shapes depend only on :class:`Shape`: with ``static_extent`` (CUDA) sessions, blocks and extents are
+padded to buckets and ``StepGraphs`` captures one graph per shape (padded rows write the trash page and
+see one real key: a softmax over none is NaN); eagerly sizes are exact and the row-wise ops see the rows
+unpadded (``ragged``). Outputs equal each session's alone -- the same step with one segment -- up to the
+floating-point order of a matmul over more rows and of attention over more (masked) slots.
 """
 
 from __future__ import annotations
@@ -119,20 +107,17 @@ class Batch:
         rows = sum(planned) if ragged else Nb * Lb
         self.offsets = list(np.cumsum([0] + planned[:-1])) if ragged else [b * Lb for b in range(N)]
         ring = full = 0
-        if pool.sliding is not None:
-            if opts.static_extent:
-                ring = max(len(c.ring_pages) for c in caches) * page
-            else:
-                ring = _up(max(s.plan.used for s in segments), page)
-        ends = [s.plan.start + s.plan.n_new for s in segments]
-        if c0.full is not None:
-            if opts.static_extent:
-                full = target.min_extent
-                while full < max(ends):
-                    full *= 2
-                full = _up(full, page)
-            else:
-                full = _up(max(ends), page)
+        if pool.sliding is not None:  # static: every ring slot; eagerly: the slots used
+            used = max(
+                len(c.ring_pages) * page if opts.static_extent else s.plan.used for c, s in zip(caches, segments)
+            )
+            ring = _up(used, page)
+        if c0.full is not None:  # static: a doubling extent from min_extent; eagerly: the positions held
+            end = max(s.plan.start + s.plan.n_new for s in segments)
+            full = target.min_extent if opts.static_extent else end
+            while full < end:
+                full *= 2
+            full = _up(full, page)
         aux = segments[0].aux_layers
         self.uniform_aux = all(s.aux_layers == aux for s in segments)
         if not self.uniform_aux:
@@ -266,31 +251,17 @@ class PooledAttention:
             from kakeya.backends.torch.kernels import attention as kernel
 
             rows = q[0].transpose(0, 1)  # [rows, heads, D]: the projection's own layout
-            if sh.ragged:
-                rows = rows[self.f["to_pad"]]
+            rows = (rows[self.f["to_pad"]] if sh.ragged else rows).reshape(N, L, H, D)
+            window, sinks = 0 if win is None else win, 0 if snk is None else snk
             out = kernel.decode_attention(
-                rows.reshape(N, L, H, D),
-                pool.keys[kv][0],
-                pool.values[kv][0],
-                table,
-                kpos,
-                qpos,
-                window=0 if win is None else win,
-                sinks=0 if snk is None else snk,
+                rows, pool.keys[kv][0], pool.values[kv][0], table, kpos, qpos, window=window, sinks=sinks
             ).view(N * L, H, D)
-            if sh.ragged:
-                out = out[self.f["from_pad"]]
-            return out.transpose(0, 1)[None], kv
-        qq = q[0]  # [heads, rows, D]
-        if sh.ragged:
-            qq = qq[:, self.f["to_pad"]]
-        qq = qq.reshape(H, N, L, D).transpose(0, 1)
-        keys, values = kv
-        out = layer.attn.attend(qq, keys.transpose(0, 1), values.transpose(0, 1), mask, 1.0)  # [N, heads, L, D]
+            return (out[self.f["from_pad"]] if sh.ragged else out).transpose(0, 1)[None], kv
+        qq = q[0][:, self.f["to_pad"]] if sh.ragged else q[0]  # [heads, rows, D]
+        keys, values = (t.transpose(0, 1) for t in kv)
+        out = layer.attn.attend(qq.reshape(H, N, L, D).transpose(0, 1), keys, values, mask, 1.0)  # [N, heads, L, D]
         out = out.transpose(0, 1).reshape(H, N * L, -1)
-        if sh.ragged:
-            out = out[:, self.f["from_pad"]]
-        return out[None], kv
+        return (out[:, self.f["from_pad"]] if sh.ragged else out)[None], kv
 
 
 def batch_step(target, shape: Shape, packed: torch.Tensor, spans: dict[str, int] | None = None):

@@ -1,23 +1,15 @@
 """The Gemma-4 text model in plain PyTorch: config and layers (weights: ``verifier/torch_backend/load.py``).
 
-The torch counterpart of mlx-lm's ``gemma4_text.py``, driven by the verifier's
-backend adapter ``TargetTorch`` (``torch_backend/target.py``). gpt-fast style: modules hold raw
-weight tensors, the forward is explicit tensor ops (no hooks, no accelerate, no
-transformers classes on the hot path). Weights are read from the checkpoint's
-safetensors under their Hugging Face names (text-only or multimodal prefix, see
-``checkpoints/layout.py``), so one directory opens here, in mlx-lm and in transformers.
+The torch counterpart of mlx-lm's ``gemma4_text.py``, gpt-fast style: modules hold raw weight tensors
+(read under their Hugging Face names, so one directory opens here, in mlx-lm and in transformers), the
+forward is explicit tensor ops, no transformers classes on the hot path.
 
-Covered (semantics of mlx-lm ``gemma4_text`` / transformers ``gemma4``): sliding /
-full layers; ``global_head_dim`` and ``num_global_key_value_heads`` on full layers;
-``attention_k_eq_v`` (V = raw K projection, then a scale-free RMSNorm); q/k norms;
-attention scale 1; default RoPE on sliding layers, *proportional* partial RoPE on
-full ones (``1 / (factor * theta^(2i/head_dim))`` for the first
-``partial_rotary_factor * head_dim / 2`` pairs, 0 for the rest); embedding scale
-sqrt(hidden); ``layer_scalar``; GeGLU MLP (tanh GELU), double width on KV-shared
-layers with ``use_double_wide_mlp``; the MoE block beside the dense MLP
-(``enable_moe_block``); per-layer inputs; KV sharing across the last
-``num_kv_shared_layers`` layers; ``final_logit_softcapping``. Config defaults are
-transformers' ``Gemma4TextConfig`` ones.
+Covered (semantics of mlx-lm ``gemma4_text`` / transformers ``gemma4``): sliding / full layers;
+``global_head_dim`` and ``num_global_key_value_heads`` on full layers; ``attention_k_eq_v`` (V = raw K
+projection, then a scale-free RMSNorm); q/k norms; attention scale 1; default RoPE on sliding layers,
+*proportional* partial RoPE on full ones; embedding scale sqrt(hidden); ``layer_scalar``; GeGLU MLP,
+double width on KV-shared layers with ``use_double_wide_mlp``; the MoE block beside the dense MLP; per-layer
+inputs; KV sharing across the last ``num_kv_shared_layers`` layers; ``final_logit_softcapping``.
 """
 
 from __future__ import annotations
@@ -43,8 +35,6 @@ from kakeya.backends.torch.ops import (
     sdpa_backends,
 )
 from kakeya.core.contract import FULL, SLIDING, check_layer_types
-
-# --------------------------------------------------------------------------- config
 
 
 def _default_rope_parameters() -> dict:
@@ -135,17 +125,10 @@ class Gemma4Args:
     def previous_kvs(self) -> list[int]:
         """For each layer, the layer whose K/V it attends with (itself unless KV-shared)."""
         out = list(range(self.num_hidden_layers))
-        first = self.n_cached
-        if self.num_kv_shared_layers:
-            last_of_type = {}
-            for i in range(first):
-                last_of_type[self.layer_types[i]] = i
-            for j in range(first, self.num_hidden_layers):
-                out[j] = last_of_type[self.layer_types[j]]
+        last_of_type = {t: i for i, t in enumerate(self.layer_types[: self.n_cached])}
+        for j in range(self.n_cached, self.num_hidden_layers):
+            out[j] = last_of_type[self.layer_types[j]]
         return out
-
-
-# --------------------------------------------------------------------------- building blocks
 
 
 def _act(name: str):
@@ -174,8 +157,6 @@ def rope_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
         return inv / factor
     raise ValueError(f"unsupported rope_type {rope_type!r} for Gemma-4")
 
-
-# --------------------------------------------------------------------------- layers
 
 # One forward's attention: ``(layer index, layer, q, k, v, shared) -> (output, kv)``. It writes the
 # layer's new ``k``/``v`` (None on a KV-shared layer, which gets ``shared``: the ``kv`` its source
@@ -206,10 +187,9 @@ class Attention(nn.Module):
         self.qk_scale: torch.Tensor | None = None  # q_norm and k_norm per head, one tensor (:meth:`fuse_norms`)
 
     def fuse_norms(self) -> None:
-        """In float32, normalise q, k and v in ONE scale-free norm and scale q and k by one
-        ``[heads + kv_heads, head_dim]`` tensor: bit for bit the three norms (float32 rounds nothing in
-        between), a third of their kernels (a CPU verify is mostly op dispatch at small batches). In a
-        half dtype the weighted norm rounds once and this would round twice: there the three stay."""
+        """In float32, q, k and v in ONE scale-free norm, q and k then scaled by one ``[heads + kv_heads,
+        head_dim]`` tensor: bit for bit the three norms, a third of their kernels. In a half dtype this would
+        round twice where the weighted norm rounds once: there the three stay."""
         if self.has_kv and self.q_norm.dtype == torch.float32:
             self.qk_scale = torch.cat(
                 [self.q_norm.expand(self.n_heads, -1), self.k_norm.expand(self.n_kv, -1)]
@@ -245,7 +225,9 @@ class Attention(nn.Module):
 
 
 @functools.cache
-def _grouped_mm_runs(device: str, dtype: torch.dtype) -> bool:
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` (one kernel for every expert) runs here: bf16 on Hopper and
+    on CPUs, not float32. Else the experts run as a batched GEMV per (token, expert)."""
     try:
         a = torch.zeros(4, 16, device=device, dtype=dtype)
         b = torch.zeros(2, 16, 16, device=device, dtype=dtype)
@@ -253,12 +235,6 @@ def _grouped_mm_runs(device: str, dtype: torch.dtype) -> bool:
         return True
     except (RuntimeError, NotImplementedError, AttributeError):
         return False
-
-
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` (one kernel for every expert) runs here: bf16 on Hopper and
-    on CPUs, not float32. Else the experts run as a batched GEMV per (token, expert)."""
-    return _grouped_mm_runs(str(torch.device(device)), dtype)
 
 
 class MoE(nn.Module):
@@ -422,14 +398,9 @@ class Gemma4Text(nn.Module):
     def forward(
         self, ids: torch.Tensor, pos: torch.Tensor, attention: Attend, aux_layers: Iterable[int]
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run ``ids`` [1, T] at positions ``pos`` [T] (a device tensor) through the body; no LM head.
-
-        The one layer loop of every forward. What differs between forwards -- where
-        each layer's new K/V go and what its queries attend over (several sessions'
-        segments with their plans, the static verify step, the plain reference
-        decode: ``torch_backend/attention.py``) -- is ``attention``. Returns the
-        final-norm hidden states [1, T, H] and each aux layer's output [1, T, H].
-        """
+        """Run ``ids`` [1, T] at positions ``pos`` [T] (a device tensor) through the body; no LM head: the
+        final-norm hidden states [1, T, H] and each aux layer's output [1, T, H]. The one layer loop of every
+        forward: where each layer's K/V go and what its queries attend over is ``attention``'s."""
         with sdpa_backends():
             return self._forward(ids, pos, attention, aux_layers)
 
@@ -452,15 +423,10 @@ class Gemma4Text(nn.Module):
         return gemma4_rms_norm(x, self.norm, self.args.rms_norm_eps), saved
 
     def compile_layers(self) -> None:
-        """``--compile``: ``torch.compile`` every layer's row-wise halves -- the input norm and the
-        q/k/v projection with its norms and RoPE (``DecoderLayer.qkv``), and everything after attention (norms,
-        residuals, MLP, MoE routing and experts, per-layer input, ``layer_scalar``) -- so each
-        becomes a few fused kernels around its GEMMs instead of ~70 eager ops; and the attention
-        arithmetic over the fetched K/V (``backends/torch/ops.py``'s ``sdpa``: on CUDA the mask, float32 softmax
-        and split-K sum fuse around its two GEMMs; ``ops.CompiledAttention``: not a graph per
-        cache capacity). The cache writes stay eager. One compiled
-        graph serves every layer of a kind and every length (``dynamic``), prefill chunks
-        included; CUDA graphs then capture the compiled kernels like any others."""
+        """``--compile``: ``torch.compile`` every layer's row-wise halves (``DecoderLayer.qkv`` and
+        ``after_attention``: a few fused kernels around the GEMMs instead of ~70 eager ops) and the attention
+        arithmetic over the fetched K/V (``ops.CompiledAttention``); the cache writes stay eager. One graph
+        serves every layer of a kind and every length; CUDA graphs then capture the compiled kernels."""
         attend = CompiledAttention()
         for layer in self.layers:
             if layer.moe is not None and layer.moe.grouped_mm is None:

@@ -1,31 +1,59 @@
 """One K/V pool per layer kind of a torch target: every session's caches are pages of it, read through tables.
 
-A :class:`~kakeya.backends.torch.pages.PagePool` (growth, page 0 and the free list: ``backends/torch/pages.py``,
-shared with the drafter) holds per layer a K and a V ``[kv_heads, rows, head_dim]`` (the Triton
-decode-attention kernel's layout). A session (:class:`PooledCaches`) holds its sliding rings as pages taken
-when it opens (ring slot ``s`` at row ``pages[s // page] * page + s % page``; its ``RingLayout`` stays the one
-position counter, so rollback stays exact past wraps) and its full-attention K/V as pages taken as the
-context grows. Growth happens only between steps (:meth:`KVPool.stepping`) and bumps the pool's
-``generation``, which keys captured CUDA graphs. Page 0 is never handed out: padded rows write there.
-Quantized full K/V (``full_kv_bits``) live in a pool of their own per (bits, group size); sliding rings
-are always exact. ``docs/cuda.md``, "One verify = one static-shape step", has the whole design.
+A ``PagePool`` (``backends/torch/pages.py``, shared with the drafter) holds per layer a K and a V ``[kv_heads,
+rows, head_dim]`` (the Triton kernel's layout). A session (:class:`PooledCaches`) holds its sliding rings as
+pages taken when it opens (its ``RingLayout`` stays the one position counter, so rollback stays exact) and
+its full-attention K/V as pages taken as the context grows. Growth happens only between steps
+(:meth:`KVPool.stepping`) and bumps the pool's ``generation``, which keys captured CUDA graphs. Quantized
+full K/V (``full_kv_bits``: :func:`quantize`, ``mx.quantize``'s rule) live in a pool of their own per (bits,
+group size); sliding rings are always exact. ``docs/cuda.md``, "One verify = one static-shape step".
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
-from kakeya.backends.torch.pages import CHUNK_PAGES, PAGE, PagePool, Storage
+from kakeya.backends.torch.pages import CHUNK_PAGES, PAGE, PagePool, Storage, page_rows
 from kakeya.core.contract import SLIDING
-from kakeya.verifier.caches import SessionCaches
+from kakeya.verifier.backend import SessionCaches
 from kakeya.verifier.layout import ForwardPlan, RingLayout
-from kakeya.verifier.torch_backend.cache import dequantize, quantize
+
+
+def quantize(x: torch.Tensor, group_size: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Affine per-group quantization of the last dim, ``mx.quantize``'s rule: ``(codes, scales, biases)``, codes
+    uint8 ``[..., D * bits / 8]``, scales/biases ``[..., D / group_size]`` in ``x.dtype``, ``x ~= code * scale +
+    bias``; the larger-magnitude end of each group's range is exact, as in MLX."""
+    *lead, D = x.shape
+    if D % group_size:
+        raise ValueError(f"head dim {D} is not a multiple of the quantization group size {group_size}")
+    g = x.float().reshape(*lead, D // group_size, group_size)
+    n_bins = 2**bits - 1
+    w_max, w_min = g.amax(-1, keepdim=True), g.amin(-1, keepdim=True)
+    neg = w_min.abs() > w_max.abs()
+    scales = torch.clamp((w_max - w_min) / n_bins, min=1e-7)
+    scales = torch.where(neg, scales, -scales)
+    edge = torch.where(neg, w_min, w_max)
+    q0 = torch.round(edge / scales)
+    scales = torch.where(q0 != 0, edge / q0, scales)
+    biases = torch.where(q0 == 0, torch.zeros_like(edge), edge)
+    codes = torch.clamp(torch.round((g - biases) / scales), 0, n_bins).to(torch.uint8).reshape(*lead, D)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes, scales.squeeze(-1).to(x.dtype), biases.squeeze(-1).to(x.dtype)
+
+
+def dequantize(codes, scales, biases, group_size: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    if bits == 4:
+        codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+    *lead, D = codes.shape
+    g = codes.float().reshape(*lead, D // group_size, group_size)
+    out = g * scales.float().unsqueeze(-1) + biases.float().unsqueeze(-1)
+    return out.reshape(*lead, D).to(dtype)
 
 
 class QuantizedStorage(Storage):
@@ -37,12 +65,8 @@ class QuantizedStorage(Storage):
         self.bits, self.group = bits, group
         self.key = (bits, group)
 
-    def widths(self, head_dim, dtype):
-        return [
-            (head_dim * self.bits // 8, torch.uint8),
-            (head_dim // self.group, dtype),
-            (head_dim // self.group, dtype),
-        ]
+    def widths(self, head_dim, dtype):  # codes, scales, biases
+        return [(head_dim * self.bits // 8, torch.uint8)] + [(head_dim // self.group, dtype)] * 2
 
     def parts(self, x):
         return list(quantize(x, self.group, self.bits))
@@ -95,11 +119,6 @@ class KVPool:
             for p in reversed(pools):
                 p.lock.release()
 
-    def stats(self) -> dict:
-        """Pages per pool (``PagePool.stats``), what a server exports."""
-        pools = [("sliding", self.sliding)] + [(f"full{k or ''}", p) for k, p in self.fulls.items()]
-        return {name: p.stats() for name, p in pools if p is not None}
-
 
 def _release(pools_pages: list) -> None:
     for pool, pages in pools_pages:
@@ -145,7 +164,7 @@ class PooledCaches(SessionCaches):
 
     def ring_rows(self) -> np.ndarray:
         """Pool row of every ring slot, in slot order."""
-        return _rows(self.ring_pages, self.page)[: self.capacity]
+        return page_rows(self.ring_pages, self.page)[: self.capacity]
 
     def full_rows(self, lo: int, hi: int) -> np.ndarray:
         """Pool rows of full-attention positions ``lo .. hi`` (pages reserved)."""
@@ -181,25 +200,22 @@ class PooledCaches(SessionCaches):
     def copy(self, positions: int, copy=None) -> list[list]:
         """Per layer, its stored tensors ``[1, heads, n, width]``: a ring's every slot, a full layer's first
         ``positions`` (copies: gathered rows)."""
-        dev = self.pool.device
-        ring = torch.from_numpy(self.ring_rows()).to(dev)
-        full = torch.from_numpy(self.full_rows(0, positions)).to(dev)
-        out = []
-        for i, kind in enumerate(self.kinds):
-            pool, rows = (self.sliding, ring) if kind == SLIDING else (self.full, full)
-            out.append([t[:, rows][None] for t in pool.keys[i] + pool.values[i]])
-        return out
+        return [[t[:, rows][None] for t in pool.keys[i] + pool.values[i]] for i, pool, rows in self._layers(positions)]
 
     def load(self, saved: list[list], positions: int) -> None:
         """A snapshot's tensors (:meth:`copy`) into this session's rows (its full pages reserved first)."""
         self.reserve(positions)
+        for (i, pool, rows), arrays in zip(self._layers(positions), saved):
+            for dst, src in zip(pool.keys[i] + pool.values[i], arrays):
+                dst.index_copy_(1, rows, src[0].to(dst.dtype))
+
+    def _layers(self, positions: int):
+        """Per cached layer: its index, its pool and the rows of its slots (a ring's all, a full layer's first
+        ``positions``) on the device."""
         dev = self.pool.device
         ring = torch.from_numpy(self.ring_rows()).to(dev)
         full = torch.from_numpy(self.full_rows(0, positions)).to(dev)
-        for i, (kind, arrays) in enumerate(zip(self.kinds, saved)):
-            pool, rows = (self.sliding, ring) if kind == SLIDING else (self.full, full)
-            for dst, src in zip(pool.keys[i] + pool.values[i], arrays):
-                dst.index_copy_(1, rows, src[0].to(dst.dtype))
+        return [(i, *((self.sliding, ring) if k == SLIDING else (self.full, full))) for i, k in enumerate(self.kinds)]
 
     # -- a dynamic forward's write indices, made once per plan for every layer ------------------------
 
@@ -218,10 +234,6 @@ class PooledCaches(SessionCaches):
         return self._plan_rows[1:]
 
 
-def _rows(pages: Sequence[int], page: int) -> np.ndarray:
-    return (np.asarray(pages, dtype=np.int64)[:, None] * page + np.arange(page)).reshape(-1)
-
-
 class _PooledLayer:
     """One layer of a session whose K/V live in the pools: it holds no arrays of its own."""
 
@@ -235,7 +247,7 @@ class _PooledLayer:
 class PooledRing(_PooledLayer):
     """One sliding layer of a session, as its dynamic forward sees it (``SegmentAttention``): the ring's
     slots are rows of the sliding pool; ``plan.in_place``: write first, then read ``slots[:used]``,
-    else read ``slots[:used]`` ++ the new rows, then write (what ``caches.RingKV`` does)."""
+    else read ``slots[:used]`` ++ the new rows, then write (what MLX's ``RingKVCache`` does)."""
 
     def fetch(self, keys: torch.Tensor, values: torch.Tensor, plan: ForwardPlan):
         c, i = self.caches, self.i

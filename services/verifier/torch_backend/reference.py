@@ -52,16 +52,8 @@ def greedy_reference(model, prompt_ids: Sequence[int], max_tokens: int, stop_ids
     model.generation_config.pad_token_id = stop[0] if stop else 0
     clock = _FirstTokenClock()
     t0 = time.perf_counter()
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_tokens,
-        do_sample=False,
-        streamer=clock,
-        top_p=None,
-        top_k=None,
-        temperature=None,
-    )
+    greedy = {"do_sample": False, "top_p": None, "top_k": None, "temperature": None}  # whatever the config says
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, streamer=clock, **greedy)
     t_end = time.perf_counter()
     new = out[0, ids.shape[1] :].tolist()
     first = clock.first or t_end

@@ -1,15 +1,12 @@
 """The Gemma-4 target on PyTorch: the verifier's backend (``backend.Target``) over ``Gemma4Text``.
 
-The model itself -- config, layers, the one layer loop -- is
-``torch_backend/gemma4.py``, its weight loading ``torch_backend/load.py``. Every
-session's K/V are pages of the target's pools (``torch_backend/pool.py``); a
-forward of one or many sessions' blocks runs as one batched step over them
-(``torch_backend/batch_step.py``: graphs per shape on CUDA, the same step eagerly
-elsewhere), except a forward a step cannot take (a prefill chunk longer than the
-ring's slack), which writes and reads the same pages one segment at a time
-(``torch_backend/attention.py``). What only the torch backend has (random weights
-for benchmarks, the plain-cache reference decode, a warm-up) comes last; f_theta
-restoration is MLX-only.
+The model is ``gemma4.py`` (weights: ``load.py``). Every session's K/V are pages of the target's pools
+(``pool.py``); a forward of one or many sessions' blocks runs as one batched step over them
+(``batch_step.py``: graphs per shape on CUDA, the same step eagerly elsewhere), except a prefill chunk
+longer than the ring's slack, which writes and reads the same pages one segment at a time
+(:class:`SegmentAttention`, the ``Attend`` it hands ``Gemma4Text.forward``). What only torch has (random
+weights, the plain reference decode over :class:`FullKVCache` and :class:`IndexedAttention`) comes last;
+f_theta restoration is MLX-only.
 """
 
 from __future__ import annotations
@@ -24,15 +21,80 @@ from kakeya.backends.torch.graphs import GraphOptions, bucket_for
 from kakeya.backends.torch.ops import attention_kernel_wanted, resolve_device, resolve_dtype
 from kakeya.core.contract import FULL, SLIDING
 from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy
-from kakeya.verifier.backend import Forward, Segment, greedy_batch
+from kakeya.verifier.backend import Forward, Segment, greedy_rows
 from kakeya.verifier.layout import ForwardPlan, RingLayout
 from kakeya.verifier.torch_backend import batch_step
-from kakeya.verifier.torch_backend.attention import IndexedAttention, SegmentAttention
 from kakeya.verifier.torch_backend.batch_step import DEFAULT_MIN_EXTENT, PAD_ID, BatchSteps, poolable
-from kakeya.verifier.torch_backend.cache import FullKVCache
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, Gemma4Text
 from kakeya.verifier.torch_backend.load import load_gemma4
 from kakeya.verifier.torch_backend.pool import CHUNK_PAGES, PAGE, KVPool, PooledCaches
+
+
+class SegmentAttention:
+    """Each segment's rows attend over its own session's caches, written as its plan says."""
+
+    def __init__(self, segments: Sequence[Segment], masks: Sequence[dict]):
+        self.segments, self.masks = segments, masks  # masks: per segment, layer type -> bool [L, keys] or None
+        self.spans, at = [], 0
+        for s in segments:
+            self.spans.append((at, at + len(s.ids)))
+            at += len(s.ids)
+
+    def __call__(self, i: int, layer, q: torch.Tensor, k, v, shared):
+        outs, kvs = [], []  # kvs: each segment's fetched (k, v), for the KV-shared layers after this one
+        for j, (s, (lo, hi)) in enumerate(zip(self.segments, self.spans)):
+            kv = shared[j] if shared is not None else s.caches.layers[i].fetch(k[:, :, lo:hi], v[:, :, lo:hi], s.plan)
+            kvs.append(kv)
+            outs.append(layer.attn.attend(q[:, :, lo:hi], *kv, self.masks[j][layer.layer_type], 1.0))
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)), kvs
+
+    def split(self, hidden: torch.Tensor, saved: dict[int, torch.Tensor]) -> list[Forward]:
+        """The body's outputs cut back into one :class:`Forward` per segment."""
+        out = []
+        for s, (lo, hi) in zip(self.segments, self.spans):
+            aux = torch.cat([saved[i][0, lo:hi] for i in s.aux_layers], dim=-1) if s.aux_layers else None
+            out.append(Forward(hidden[:, lo:hi], aux))
+        return out
+
+
+class IndexedAttention:
+    """Every layer of a kind writes its K/V at one index tensor and attends over one extent.
+
+    ``where``: layer type -> ``(index [L] on the device, extent)``, ``masks``: layer
+    type -> bool ``[L, extent]`` or None; ``caches``: one per layer with its own K/V.
+    """
+
+    def __init__(self, caches: Sequence, where: dict, masks: dict):
+        self.caches, self.where, self.masks = caches, where, masks
+
+    def __call__(self, i: int, layer, q: torch.Tensor, k, v, shared):
+        t = layer.layer_type
+        kv = shared if shared is not None else self.caches[i].fetch_at(*self.where[t], k, v)
+        return layer.attn.attend(q, *kv, self.masks[t], 1.0), kv
+
+
+class FullKVCache:
+    """One layer's exact K/V of every position ``[1, kv_heads, slots, head_dim]``, grown in 256-slot steps
+    to at least double (O(log n) moves): the plain reference decode's, no ring, no pool."""
+
+    keys = values = None
+
+    def reserve(self, n: int, keep: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Room for ``n`` positions, the first ``keep`` kept (``keys``/``values``: this layer's, for shape)."""
+        cap = 0 if self.keys is None else self.keys.shape[2]
+        if n <= cap:
+            return
+        size = (max(n, 2 * cap) + 255) // 256 * 256
+        new = [t.new_zeros((*t.shape[:2], size, t.shape[-1])) for t in (keys, values)]
+        if self.keys is not None:
+            new[0][:, :, :keep], new[1][:, :, :keep] = self.keys[:, :, :keep], self.values[:, :, :keep]
+        self.keys, self.values = new
+
+    def fetch_at(self, positions: torch.Tensor, extent: int, keys: torch.Tensor, values: torch.Tensor):
+        """``keys``/``values`` written at ``positions`` (room reserved), then the first ``extent`` positions."""
+        self.keys.index_copy_(2, positions, keys)
+        self.values.index_copy_(2, positions, values)
+        return self.keys[:, :, :extent], self.values[:, :, :extent]
 
 
 class TargetTorch:
@@ -67,8 +129,7 @@ class TargetTorch:
         self.device = model.embed.device
         self.dtype = model.embed.dtype
         model.inv_freq = {t: f.to(self.device) for t, f in model.inv_freq.items()}
-        # graphs on CUDA, eager elsewhere (graph_options: tests run the graph bookkeeping eagerly on a
-        # CPU with capture=False)
+        # graphs on CUDA, eager elsewhere (tests run the graph bookkeeping eagerly with capture=False)
         self.graph_options = graph_options or GraphOptions.for_device(self.device, cuda_graphs)
         if self.graph_options.capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -78,8 +139,6 @@ class TargetTorch:
         self.pool = KVPool(self.args, self.device, self.dtype, page, chunk_pages)
         self.attention_kernel = attention_kernel_wanted(self.device, attention_kernel)
         self.steps = BatchSteps(self, torch.cuda.graph_pool_handle() if self.graph_options.capture else None)
-        # the batched step is the lone step too (and captured alike): two queued sessions already share one
-        self._min_batch = 2
 
     @classmethod
     def load(
@@ -94,11 +153,7 @@ class TargetTorch:
 
     # -- the backend protocol (verifier/backend.py) ----------------------------------------
 
-    @property
-    def min_batch(self) -> int:
-        """Fewest queued sessions ``verify_batch`` runs as one forward: two (the batched step is the lone
-        step too, captured alike on CUDA)."""
-        return self._min_batch
+    min_batch = 2  # the batched step is the lone step too (captured alike): two queued sessions share one
 
     @property
     def device_name(self) -> str:
@@ -132,19 +187,12 @@ class TargetTorch:
         in one argmax and one host sync."""
         if not poolable(segments):
             outs = self._segment_forward(segments)
-            rows = [j for j, g in enumerate(greedy) if g]
-            flat = greedy_batch(self, [outs[j].hidden for j in rows]) if rows else []
-            picks, at = [None] * len(segments), 0
-            for j in rows:
-                n = len(segments[j].ids)
-                picks[j], at = flat[at : at + n], at + n
-            return outs, picks
+            return outs, greedy_rows(self, outs, greedy)
         outs, picks, _ = batch_step.run(self, segments, choices=any(greedy))
         return outs, [p if g else None for p, g in zip(picks, greedy)]
 
     def _segment_forward(self, segments: Sequence[Segment]) -> list[Forward]:
-        """Each segment's attention over its own session's pages, one after another (what a step cannot
-        take: a prefill chunk longer than the ring's slack)."""
+        """Each segment's attention over its own session's pages, one after another (a step cannot take it)."""
         with self.pool.stepping():
             for s in segments:
                 s.caches.reserve(s.plan.start + s.plan.n_new)
@@ -219,7 +267,7 @@ class TargetTorch:
         k = torch.arange(start + n, device=self.device)[None, :]
         return k <= q
 
-    # -- torch only: benchmarks, the reference decode, warm-up --------------------------
+    # -- torch only: benchmarks, the reference decode --------------------------
 
     @classmethod
     def random(
@@ -251,25 +299,6 @@ class TargetTorch:
         model.fuse_norms()
         model.eval()
         return cls(model, None, **options)
-
-    def warmup(self, aux_layers: Sequence[int], ctx: int = 1024, max_block: int = 16, policy=None) -> float:
-        """Run a full-length prefill and one verify of every block size once (kernel selection,
-        caching-allocator sizing, lazy CUDA init) before serving; returns the seconds it took."""
-        import time
-
-        from kakeya.verifier.session import LocalVerifierSession
-
-        t0 = time.perf_counter()
-        s = LocalVerifierSession(self, aux_layers, policy or CachePolicy(slack=max(max_block, 16)))
-        ids = [2] + [5 + (7 * i) % max(1, self.args.vocab_size - 5) for i in range(max(1, ctx) - 1)]
-        s.prefill(ids)
-        for L in range(1, max_block + 1):
-            s.verify(ids[:L])
-            s.commit(0)
-        s.close()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
 
     def greedy_reference(self, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:
         """Token-by-token greedy AR on plain full caches (no ring, no rollback): a test oracle."""
@@ -307,13 +336,9 @@ def torch_verifier(
     compile: bool = False,
     prefixes=None,
 ):
-    """The in-process torch verifier (what ``loader.local_verifier(..., backend="torch")`` returns).
-
-    ``cuda_graphs``: capture the verify step per block-size bucket (default: on for CUDA);
-    ``max_context``: the fewest full-attention positions a captured step attends over (default 256);
-    ``compile``: ``torch.compile`` every layer's row-wise halves (``Gemma4Text.compile_layers``);
-    ``prefixes``: the prefix cache its sessions resume from and save to (None: none).
-    """
+    """The in-process torch verifier (``loader.local_verifier(..., backend="torch")``): ``cuda_graphs``, capture
+    the verify step per bucket (default: on for CUDA); ``max_context``: see :class:`TargetTorch`; ``compile``:
+    ``Gemma4Text.compile_layers``; ``prefixes``: the prefix cache its sessions resume from and save to."""
     from kakeya.verifier.local import LocalVerifier
 
     target = TargetTorch.load(target_dir, device, dtype, cuda_graphs=cuda_graphs, max_context=max_context)
