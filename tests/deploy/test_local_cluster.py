@@ -17,7 +17,7 @@ import pytest
 from kakeya.checkpoints.tiny import embedded_pair
 from kakeya.orchestrator.assembly import build_local_engine, split_engine
 from kakeya.orchestrator.decode.engine import Request
-from tests.services.conftest import Server, assert_unauthenticated, generate, request, verifier_info
+from tests.services.conftest import Server, assert_unauthenticated, generate, request, stop_all, verifier_info
 
 from .manifests import DOCKER, ROOT, argv, flag, render
 
@@ -79,8 +79,7 @@ def cluster(tmp_path_factory):
         orch.start().wait_ready()
         yield {"orchestrator": orch, "verifiers": [v0, v1], "drafter": d0}
     finally:
-        for s in started:
-            s.stop()
+        stop_all(started)
 
 
 def test_cpu_dev_pods_serve_on_loopback_and_balance_sessions(cluster):

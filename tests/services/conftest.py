@@ -110,14 +110,15 @@ class Server:
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout)
 
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL the whole process group (children of `serve all` included)."""
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM, ``grace`` seconds to drain, then SIGKILL the whole process group (children of `serve all`
+        included). ``grace`` 0: SIGKILL at once (``stop_all`` has sent the SIGTERM and waited already)."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and grace > 0:
             self.proc.terminate()
             try:
-                self.proc.wait(15)
+                self.proc.wait(grace)
             except subprocess.TimeoutExpired:
                 pass
         try:
@@ -137,6 +138,23 @@ def start_all(servers: list[Server]) -> None:
         s.wait_ready()
 
 
+def stop_all(servers: list[Server], grace: float = 15.0) -> None:
+    """Stop servers together: SIGTERM to every one (the last started, e.g. orchestrators, first), ``grace`` seconds
+    for all their drains at once, then SIGKILL what is left. One by one, each waited out its own drain after the
+    last: test_hosts.py's seven servers took 54 s of teardown."""
+    live = [s for s in reversed(servers) if s.alive()]
+    for s in live:
+        s.proc.terminate()
+    deadline = time.monotonic() + grace
+    for s in live:
+        try:
+            s.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for s in servers:
+        s.stop(grace=0)
+
+
 @pytest.fixture(scope="module")
 def server_factory(tmp_path_factory):
     """Start servers that are stopped when the module is done, whatever happens."""
@@ -149,8 +167,7 @@ def server_factory(tmp_path_factory):
         return s
 
     yield make
-    for s in started:
-        s.stop()
+    stop_all(started)
 
 
 # --------------------------------------------------------------------------- clients
