@@ -32,10 +32,13 @@ def tokenizer():
 
 def test_windows_plant_a_needle_and_ask_for_it(tokenizer):
     text = retrieval.RetrievalText(tokenizer, 257, max_bytes=200_000)
-    w = text.windows(4, seed=0, step=3)
-    assert w.shape == (4, 257) and w.dtype == np.int32
-    assert np.array_equal(w, text.windows(4, seed=0, step=3))  # a function of (seed, step)
-    assert not np.array_equal(w, text.windows(4, seed=0, step=4))
+    w, answers = text.windows(4, seed=0, step=3)
+    assert w.shape == answers.shape == (4, 257) and w.dtype == np.int32 and answers.dtype == bool
+    assert np.array_equal(w, text.windows(4, seed=0, step=3)[0])  # a function of (seed, step)
+    assert not np.array_equal(w, text.windows(4, seed=0, step=4)[0])
+    # the mask marks exactly the answers: " NNNN." and its newline after each question
+    marked = [tokenizer.decode(list(row[m]), skip_special_tokens=False) for row, m in zip(w, answers)]
+    assert all(re.fullmatch(r"( \d{4}\.\n)*( \d{0,4}\.?)?", text) for text in marked)
     answered = 0
     for row in w:
         assert row[0] == tk.BOS_ID  # each window starts an example, as a niah prompt starts
@@ -47,14 +50,29 @@ def test_windows_plant_a_needle_and_ask_for_it(tokenizer):
                 answered += 1
                 assert planted == [asked.group(1)]
     assert answered >= 4
+    assert sum(len(re.findall(r" \d{4}\.\n", t)) for t in marked) >= answered
+
+
+def test_examples_keep_to_their_cap(tokenizer):
+    """--retrieval-max-example: every example (from one <bos> to the next) within the cap, so an all-sliding
+    target sees its needles within its window."""
+    text = retrieval.RetrievalText(tokenizer, 257, max_bytes=200_000, max_example=80)
+    w, _ = text.windows(4, seed=1, step=0)
+    for row in w:
+        starts = [i for i, t in enumerate(row) if t == tk.BOS_ID] + [len(row)]
+        assert len(starts) >= 4
+        assert max(b - a for a, b in zip(starts, starts[1:])) <= 80 + 12  # the budget counts words, not tokens exactly
 
 
 def test_train_target_mixes_recall_rows_in(tmp_path):
     argv = ["--out", str(tmp_path / "t"), "--steps", "1", "--backend", "torch", "--retrieval-frac", "0.5"]
     with pytest.raises(ValueError, match="--seq-len"):  # 32 tokens hold no needle, question and answer
         ttarget.train(_args(argv + TINY_TARGET))
-    rep = ttarget.train(_args(argv + TINY_TARGET + ["--seq-len", "96"]))
+    rep = ttarget.train(_args(argv + TINY_TARGET + ["--seq-len", "96", "--answer-weight", "10"]))
     assert rep["retrieval"]["rows_per_batch"] == 1 and rep["retrieval"]["hay_lines"] > 0
+    assert rep["retrieval"]["answer_weight"] == 10
+    with pytest.raises(ValueError, match="--answer-weight"):
+        ttarget.train(_args(argv + TINY_TARGET + ["--seq-len", "96", "--answer-weight", "0"]))
     with pytest.raises(ValueError, match="--retrieval-frac"):
         ttarget.train(_args(["--out", str(tmp_path / "u"), "--retrieval-frac", "1.5"] + TINY_TARGET))
 
