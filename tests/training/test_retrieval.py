@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 
 import numpy as np
@@ -61,7 +62,9 @@ def test_examples_keep_to_their_cap(tokenizer):
     for row in w:
         starts = [i for i, t in enumerate(row) if t == tk.BOS_ID] + [len(row)]
         assert len(starts) >= 4
-        assert max(b - a for a, b in zip(starts, starts[1:])) <= 80 + 12  # the budget counts words, not tokens exactly
+        assert (
+            max(b - a for a, b in itertools.pairwise(starts)) <= 80 + 12
+        )  # the budget counts words, not tokens exactly
 
 
 def test_train_target_mixes_recall_rows_in(tmp_path):
@@ -103,3 +106,27 @@ def test_a_target_whose_every_layer_slides_trains_as_the_verifier_runs_it():
     # a hybrid pattern is left exactly as transformers builds it
     hybrid = ttarget.build_config(_args(["--out", "x", "--pattern", "s,s,f"] + TINY_TARGET))
     assert common.hf_text_config(hybrid).layer_types == hybrid["layer_types"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_answer_weight_weighs_the_answers(tmp_path, backend):
+    """The weighted loss is the weighted mean of the per-token losses: all ones give the plain mean, and the
+    weight moves the loss towards the weighted tokens' own."""
+    args = _args(["--out", str(tmp_path / "t"), "--backend", backend] + TINY_TARGET)
+    cfg = ttarget.build_config(args)
+    be = (ttarget.TorchBackend if backend == "torch" else ttarget.MLXBackend)(cfg, args)
+    batch = np.random.default_rng(0).integers(3, 200, (2, 17)).astype(np.int32)
+    if backend == "torch":
+        loss = lambda w=None: float(be._loss(batch, w).detach())
+    else:
+        import mlx.core as mx
+
+        loss = lambda w=None: float(ttarget.loss_fn(be.model, mx.array(batch), None if w is None else mx.array(w)))
+    ones = np.ones((2, 16), np.float32)
+    only = np.zeros((2, 16), np.float32)
+    only[0, 3] = 1.0
+    heavy = ones.copy()
+    heavy[0, 3] = 1e6
+    assert loss(ones) == pytest.approx(loss(), rel=1e-5)
+    assert loss(heavy) == pytest.approx(loss(only), rel=1e-3)  # one token weighted far above the rest: its loss
+    assert loss(only) != pytest.approx(loss(), rel=1e-3)
