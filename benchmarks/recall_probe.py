@@ -61,7 +61,7 @@ def answer_ce(model, tok, seq_len: int) -> dict:
 
     from kakeya.training.retrieval import RetrievalText
 
-    w = RetrievalText(tok, seq_len + 1).windows(16, seed=99, step=0)
+    w, _ = RetrievalText(tok, seq_len + 1).windows(16, seed=99, step=0)
     ans = tok.encode("Answer: The secret code is", add_special_tokens=False).ids
     with torch.no_grad():
         logits = model(torch.from_numpy(w[:, :-1].astype(np.int64))).logits

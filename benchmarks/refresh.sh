@@ -33,21 +33,25 @@
 #                      HTTP chat request run code in                            files_crossed.json      1 min
 #   tool_schemas       ten pydantic models' forced tool calls, speculative vs
 #                      --no-drafter, validity against their schemas             tool_schemas.json       3 min
+#   niah_gemma         the recall pair's Gemma-shaped half: kakeya niah over
+#                      3 contexts x 5 depths x 9 cache policies                 niah_recall_gemma.json  2 min
+#   niah_slide         the same on its all-sliding half                         niah_recall_slide.json  2 min
+#   split_block8       one stream at block 8, colocated vs split, 5 alternations split_block8.json      2 min
 #
 # Not here (their figures are History in the docs): GPU results (docs/cuda.md: benchmarks/gpu_session.sh),
 # A/B runs between two checkouts (cpu_fastpath.py --before, the *_ab folders), runs that need a drafter not
 # kept in the repository (History figures of scripts since removed: draft_refine.py, predraft.py), and runs too long for the budget
-# (suite.py 12 min, acceptance_prompts.py's 128 prompts, split.py, heap.py, rounds.py).
+# (suite.py 12 min, acceptance_prompts.py's 128 prompts, split.py at its defaults, heap.py, rounds.py).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-ALL="first_request first_request_mlx pair_cost adaptive ngram sampling chat concurrency isolation structured grammar_masks files_crossed tool_schemas"
+ALL="first_request first_request_mlx pair_cost adaptive ngram sampling chat concurrency isolation structured grammar_masks files_crossed tool_schemas niah_gemma niah_slide split_block8"
 JOBS=${JOBS:-$ALL}
 [ -n "$(git status --porcelain -- services)" ] && echo "refresh: services/ has uncommitted changes: every JSON will record dirty=true" >&2
 
 declare -A LIMIT=([first_request]=480 [first_request_mlx]=480 [pair_cost]=180 [adaptive]=360 [ngram]=480
   [sampling]=360 [chat]=240 [concurrency]=900 [isolation]=360 [structured]=300 [grammar_masks]=180
-  [files_crossed]=240 [tool_schemas]=480)
+  [files_crossed]=240 [tool_schemas]=480 [niah_gemma]=300 [niah_slide]=300 [split_block8]=300)
 cmd() {
   case $1 in
     first_request) echo "benchmarks/first_request.py --rounds 3 --readme --out benchmarks/results/first_request.json" ;;
@@ -63,6 +67,9 @@ cmd() {
     grammar_masks) echo "benchmarks/grammar_masks.py --out benchmarks/results/grammar_masks.json" ;;
     files_crossed) echo "benchmarks/files_crossed.py --out benchmarks/results/files_crossed.json" ;;
     tool_schemas) echo "benchmarks/tool_schemas.py --max-tokens 96 --out benchmarks/results/tool_schemas.json" ;;
+    niah_gemma) echo "benchmarks/niah_recall.py --pairs services/models/recall/gemma --contexts 96 128 256 --depths 0 0.25 0.5 0.75 1.0 --out benchmarks/results/niah_recall_gemma.json --plot benchmarks/results/niah_recall_gemma.png" ;;
+    niah_slide) echo "benchmarks/niah_recall.py --pairs services/models/recall/slide --contexts 128 192 256 --depths 0 0.25 0.5 0.75 1.0 --out benchmarks/results/niah_recall_slide.json --plot benchmarks/results/niah_recall_slide.png" ;;
+    split_block8) echo "benchmarks/split.py --block-sizes 8 --streams --repeats 5 --no-floor --out benchmarks/results/split_block8.json" ;;
     *) return 1 ;;
   esac
 }

@@ -70,6 +70,12 @@ def target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retrieval-frac", type=float, default=0.0,
                    help="fraction of each batch that is synthetic recall text (needle, question, answer;"
                         " training/retrieval.py)")  # fmt: skip
+    p.add_argument("--answer-weight", type=float, default=1.0,
+                   help="loss weight of the recall text's answer tokens against 1 for every other token"
+                        " (default 1: a plain mean)")  # fmt: skip
+    p.add_argument("--retrieval-max-example", type=int, default=None,
+                   help="cap on a recall example's tokens (default: --seq-len); an all-sliding target learns"
+                        " only within its window")  # fmt: skip
     _run_arguments(p, steps=2000, lr=3e-3, warmup=100, eval_every=250)
 
 

@@ -160,7 +160,11 @@ def _layer_types(cfg: dict[str, Any], where: str, field: str) -> list[str]:
             f"target checkpoint {where}: field '{field}layer_types' must list {n} entries (num_hidden_layers),"
             f" each 'sliding_attention' or 'full_attention', got {types!r}"
         )
-    return list(types[:-1]) + [FULL]  # transformers forces the last layer to full attention
+    if FULL not in types:
+        # every layer slides: kept as written, as mlx-lm reads it (transformers would force the last layer full
+        # and could not load its weights); the vehicle on which only f_theta brings back an evicted needle
+        return list(types)
+    return list(types[:-1]) + [FULL]  # transformers forces the last layer of a hybrid to full attention
 
 
 def _per_layer_config(cfg: dict[str, Any], where: str, field: str) -> None:

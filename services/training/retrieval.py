@@ -47,8 +47,13 @@ def hay_lines(heldout_pct: int, max_bytes: int | None = None) -> list[str]:
 class RetrievalText:
     """Packed retrieval windows of ``length`` tokens, a function of ``(seed, step)`` like the stdlib batches."""
 
-    def __init__(self, tokenizer, length: int, heldout_pct: int = 5, min_example: int = 64, max_bytes=None):
+    def __init__(
+        self, tokenizer, length: int, heldout_pct: int = 5, min_example: int = 64, max_bytes=None, max_example=None
+    ):
+        # max_example caps an example's tokens: on a target whose every layer slides, a needle farther back
+        # than its window cannot be learned from, so its examples are kept near the window
         self.tok, self.length, self.min_example = tokenizer, length, min_example
+        self.max_example = min(max_example or length, length)
         lines = hay_lines(heldout_pct, max_bytes)
         enc = tokenizer.encode_batch(lines, add_special_tokens=False)
         keep = [i for i, e in enumerate(enc) if len(e.ids) < length // 4]  # short lines: needles at many depths
@@ -60,8 +65,9 @@ class RetrievalText:
                 f"--retrieval-frac needs --seq-len of at least {self.fixed} (a needle, question and answer)"
             )
 
-    def example(self, rng: np.random.Generator, budget: int) -> str:
-        """One example of about ``budget`` tokens: haystack, needle at a random line, haystack, question, answer."""
+    def example(self, rng: np.random.Generator, budget: int) -> tuple[str, str]:
+        """One example of about ``budget`` tokens: the prompt (haystack, needle at a random line, haystack,
+        question) and its answer, apart so the answer's tokens can be told (and weighted: ``--answer-weight``)."""
         code = str(rng.integers(1000, 10000))
         picked, used = [], 0
         while True:
@@ -72,17 +78,23 @@ class RetrievalText:
             used += self.sizes[i]
         at = int(rng.integers(0, len(picked) + 1))
         hay = picked[:at] + [NEEDLE.format(code=code)] + picked[at:]
-        return "\n".join(hay) + QUESTION + f" {code}.\n"
+        return "\n".join(hay) + QUESTION, f" {code}.\n"
 
-    def windows(self, n: int, seed: int, step: int) -> np.ndarray:
-        """``n`` windows ``[n, length]`` int32, each packed with examples of random length."""
+    def windows(self, n: int, seed: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` windows ``[n, length]`` int32, each packed with examples of random length, and a mask of the
+        same shape: True at the answers' tokens. Prompt and answer are encoded apart, as ``kakeya niah``
+        encodes its prompt and the model generates the answer."""
         rng = np.random.default_rng([seed, step, 0x7E7])
-        rows = []
+        rows, masks = [], []
         for _ in range(n):
-            parts, have = [], 0
+            parts, answer, have = [], [], 0
             while have < self.length:  # an example's tokens only approximate its budget: count them
-                budget = int(rng.integers(min(self.min_example, self.length), self.length + 1))
-                parts.append(np.asarray(self.tok.encode(self.example(rng, budget)).ids, np.int32))
-                have += parts[-1].size
+                budget = int(rng.integers(min(self.min_example, self.max_example), self.max_example + 1))
+                prompt, reply = self.example(rng, budget)
+                ids = self.tok.encode(prompt).ids, self.tok.encode(reply, add_special_tokens=False).ids
+                parts += [np.asarray(i, np.int32) for i in ids]
+                answer += [np.zeros(len(ids[0]), bool), np.ones(len(ids[1]), bool)]
+                have += len(ids[0]) + len(ids[1])
             rows.append(np.concatenate(parts)[: self.length])
-        return np.stack(rows)
+            masks.append(np.concatenate(answer)[: self.length])
+        return np.stack(rows), np.stack(masks)

@@ -62,10 +62,14 @@ def initial_weights(cfg: dict, seed: int) -> dict:
     return w
 
 
-def loss_fn(model, batch: mx.array) -> mx.array:
+def loss_fn(model, batch: mx.array, weights: mx.array | None = None) -> mx.array:
+    """Mean next-token cross-entropy; ``weights`` ``[b, L-1]``: a weighted mean (``--answer-weight``)."""
     from mlx import nn
 
-    return nn.losses.cross_entropy(model(batch[:, :-1]), batch[:, 1:], reduction="mean")
+    logits = model(batch[:, :-1])
+    if weights is None:
+        return nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean")
+    return (nn.losses.cross_entropy(logits, batch[:, 1:]) * weights).sum() / weights.sum()
 
 
 class MLXBackend:
@@ -101,9 +105,10 @@ class MLXBackend:
     def n_params(self) -> int:
         return sum(v.size for _, v in self.tree_flatten(self.model.parameters()))
 
-    def step(self, batch: np.ndarray, lr: float) -> float:
+    def step(self, batch: np.ndarray, lr: float, weights: np.ndarray | None = None) -> float:
+        mx = self.mx
         self.opt.learning_rate = lr
-        loss, grads = self.vg(self.model, self.mx.array(batch))
+        loss, grads = self.vg(self.model, mx.array(batch), None if weights is None else mx.array(weights))
         if self.args.grad_clip:
             grads, _ = self.clip(grads, self.args.grad_clip)
         self.opt.update(self.model, grads)
@@ -157,14 +162,21 @@ class TorchBackend:
     def n_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def _loss(self, batch: np.ndarray):
-        t = self.torch.from_numpy(batch.astype(np.int64)).to(self.device)
+    def _loss(self, batch: np.ndarray, weights: np.ndarray | None = None):
+        torch = self.torch
+        t = torch.from_numpy(batch.astype(np.int64)).to(self.device)
         logits = self.model(t[:, :-1]).logits
-        return self.torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), t[:, 1:].reshape(-1))
+        ce = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), t[:, 1:].reshape(-1), reduction="none"
+        )
+        if weights is None:
+            return ce.mean()
+        w = torch.from_numpy(weights.astype(np.float32)).to(self.device).reshape(-1)
+        return (ce * w).sum() / w.sum()
 
-    def step(self, batch: np.ndarray, lr: float) -> float:
+    def step(self, batch: np.ndarray, lr: float, weights: np.ndarray | None = None) -> float:
         common.set_lr(self.opt, lr)
-        loss = self._loss(batch)
+        loss = self._loss(batch, weights)
         loss.backward()
         if self.args.grad_clip:
             self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
@@ -232,7 +244,13 @@ def train(args) -> dict:
     if not 0.0 <= args.retrieval_frac <= 1.0:
         raise ValueError(f"--retrieval-frac must lie in [0, 1], got {args.retrieval_frac}")
     n_ret = round(args.retrieval_frac * args.batch)
-    ret = retrieval.RetrievalText(tok, L, args.heldout_pct, max_bytes=args.max_bytes) if n_ret else None
+    if args.answer_weight <= 0:
+        raise ValueError(f"--answer-weight must be > 0, got {args.answer_weight}")
+    ret = None
+    if n_ret:
+        ret = retrieval.RetrievalText(
+            tok, L, args.heldout_pct, max_bytes=args.max_bytes, max_example=args.retrieval_max_example
+        )
     bar = common.Progress(args.steps, "train-target", start=step, quiet=args.quiet)
     if not args.quiet:
         common.log(
@@ -251,10 +269,14 @@ def train(args) -> dict:
             break
         rng = np.random.default_rng([args.seed, step])
         batch = data.sample_windows(corpus.train, args.batch, L, rng)
+        weights = None
         if ret is not None:  # the first rows: synthetic recall text (training/retrieval.py)
-            batch[:n_ret] = ret.windows(n_ret, args.seed, step)
+            batch[:n_ret], answers = ret.windows(n_ret, args.seed, step)
+            if args.answer_weight != 1.0:  # the answers' tokens weigh more: copying is most of the gradient
+                weights = np.ones((len(batch), L - 1), np.float32)
+                weights[:n_ret][answers[:, 1:]] = args.answer_weight
         lr = common.lr_at(step, args.steps, args.lr, args.warmup, spent=spent)
-        loss = be.step(batch, lr)
+        loss = be.step(batch, lr, weights)
         step += 1
         curve.append([step, round(loss, 5)])
         bar.update(step, loss=loss, lr=lr)
@@ -277,7 +299,14 @@ def train(args) -> dict:
         "params": int(be.n_params),
         "config": {k: cfg[k] for k in REPORTED_CONFIG.split()},
         "corpus": corpus.summary(),
-        "retrieval": None if ret is None else {"rows_per_batch": n_ret, "hay_lines": len(ret.lines)},
+        "retrieval": None
+        if ret is None
+        else {
+            "rows_per_batch": n_ret,
+            "hay_lines": len(ret.lines),
+            "answer_weight": args.answer_weight,
+            "max_example": ret.max_example,
+        },
         "steps": step,
         "tokens_seen": int(step * args.batch * args.seq_len),
         "train_s": round(train_s, 1),

@@ -80,7 +80,7 @@ class Gemma4Args:
             self.layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(self.num_hidden_layers)]
         self.layer_types = list(self.layer_types)
         check_layer_types(self.layer_types, self.num_hidden_layers)
-        if self.layer_types[-1] != FULL:  # transformers forces this too
+        if FULL in self.layer_types and self.layer_types[-1] != FULL:  # transformers forces this (a hybrid's) too
             self.layer_types[-1] = FULL
         rope = _default_rope_parameters()
         for k, v in (self.rope_parameters or {}).items():
