@@ -369,9 +369,8 @@ DEMO_DIR = DEFAULT_DIR.parent / "demo"
 
 
 def demo_pair() -> TinyPair | None:
-    """The trained demo pair in ``services/models/demo`` (``kakeya train-target`` /
-    ``train-drafter``), or None when it is not shipped (both directories need
-    config.json and model.safetensors)."""
+    """The trained demo pair in ``services/models/demo`` (``kakeya train-target`` / ``train-drafter``), or None when it
+    is not shipped (both directories need config.json and model.safetensors)."""
     pair = TinyPair(target=DEMO_DIR / "target", draft=DEMO_DIR / "draft")
     for d in (pair.target, pair.draft):
         if not ((d / "config.json").is_file() and (d / "model.safetensors").is_file()):

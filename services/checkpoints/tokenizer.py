@@ -1,10 +1,9 @@
 """A small byte-level BPE tokenizer for the project's tiny checkpoints.
 
-Trained offline on a deterministic, sorted subset of the interpreter's stdlib ``*.py`` with Gemma's
-special-token ids (``<pad>=0 <eos>=1 <bos>=2 <unk>=3 <mask>=4``, ``<mask>`` DFlash's). The directory opens
-with transformers and ``mlx_lm.load``; ``decode(encode(text))`` round-trips any text. It ships a minimal
-Gemma-style chat template (``chat_template.py``); the turn markers are plain text to it until
-``turn_tokens.py`` adds them as special tokens.
+Trained offline on a deterministic, sorted subset of the interpreter's stdlib ``*.py`` with Gemma's special-token ids
+(``<pad>=0 <eos>=1 <bos>=2 <unk>=3 <mask>=4``, ``<mask>`` DFlash's). The directory opens with transformers and
+``mlx_lm.load``; ``decode(encode(text))`` round-trips any text. It ships a minimal Gemma-style chat template
+(``chat_template.py``); the turn markers are plain text to it until ``turn_tokens.py`` adds them as special tokens.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """What the backend-neutral drafter asks of a loaded DFlash model: the ``DraftModel`` protocol.
 
-``session.py`` drives a drafter through exactly these members; the torch and MLX ``DFlashDraftModel``
-implement all of them, and nothing is probed for: backends differ in data (``min_batch``, the fewest
-queued sessions ``draft_batch`` runs as one forward; ``static_step``, torch's static-shape steps). A draft
-call is ``draft_step``: extend every session's context by its new aux rows, one block forward over every
-session's block, then the tokens (greedy: one host sync). MLX runs :func:`extend_and_draft`; torch one
-batched step over pooled K/V.
+``session.py`` drives a drafter through exactly these members; the torch and MLX ``DFlashDraftModel`` implement all of
+them, and nothing is probed for: backends differ in data (``min_batch``, the fewest queued sessions ``draft_batch`` runs
+as one forward; ``static_step``, torch's static-shape steps). A draft call is ``draft_step``: extend every session's
+context by its new aux rows, one block forward over every session's block, then the tokens (greedy: one host sync). MLX
+runs :func:`extend_and_draft`; torch one batched step over pooled K/V.
 """
 
 from __future__ import annotations
@@ -111,8 +110,7 @@ class DraftModel(Protocol):
 
 
 def check_target_head(head: TargetTensors, target_dir) -> TargetTensors:
-    """A target's embedding / LM head as read, checked against its config.json (either level of a
-    multimodal config)."""
+    """A target's embedding / LM head as read, checked against its config.json (either level of a multimodal config)."""
     text = load_target_config(target_dir)
     for name, have in (("vocab_size", head.vocab_size), ("hidden_size", head.hidden_size)):
         want = text.get(name)

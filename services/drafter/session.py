@@ -1,12 +1,11 @@
 """One generation's drafter state, and several sessions' draft calls as one forward (backend-neutral).
 
-Per ``draft`` call the new aux rows are projected to per-layer context K/V and appended to the session's
-cache (never a rescan), then ONE forward runs over the block ``[last_token, mask * (B-1)]`` and the argmax
-comes back in one host sync. A sampling session's candidates follow its rule (``core/sampling.py``) on q_i,
-the target's temperature / top-k / top-p / min-p over the drafter's own logits: coupled
-(:class:`CoupledDrafts`), argmax(q_i + G(seed, position, token)), the verifier's noise, on the device;
-rejection (:class:`RejectionDrafts`), drawn on the host from q_i cut to its top-K, which the verifier then
-tests min(1, p/q') against.
+Per ``draft`` call the new aux rows are projected to per-layer context K/V and appended to the session's cache (never a
+rescan), then ONE forward runs over the block ``[last_token, mask * (B-1)]`` and the argmax comes back in one host sync.
+A sampling session's candidates follow its rule (``core/sampling.py``) on q_i, the target's temperature / top-k / top-p
+/ min-p over the drafter's own logits: coupled (:class:`CoupledDrafts`), argmax(q_i + G(seed, position, token)), the
+verifier's noise, on the device; rejection (:class:`RejectionDrafts`), drawn on the host from q_i cut to its top-K,
+which the verifier then tests min(1, p/q') against.
 
 A draft alone is :func:`draft_together` of one session, the same code :func:`draft_batch` runs for several
 queued sessions of one model (torch: one batched step over pooled K/V). Each gets what it would alone,

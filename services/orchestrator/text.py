@@ -1,11 +1,10 @@
 """Text <-> token ids with the checkpoint's own tokenizer.json (the ``tokenizers`` library, no model
 framework); streamed text cut at stop strings; chat messages rendered with the checkpoint's chat template.
 
-The template is ``chat_template.jinja`` beside the tokenizer or ``chat_template`` in ``tokenizer_config.json``
-(a string, or named templates of which ``default`` is used), rendered as transformers'
-``apply_chat_template`` renders it (jinja2's sandbox, ``trim_blocks``/``lstrip_blocks``, loop controls,
-``raise_exception``, ``tojson``, ``strftime_now``, the special tokens as variables); the text is tokenized
-without adding special tokens (the template writes its own).
+The template is ``chat_template.jinja`` beside the tokenizer or ``chat_template`` in ``tokenizer_config.json`` (a
+string, or named templates of which ``default`` is used), rendered as transformers' ``apply_chat_template`` renders it
+(jinja2's sandbox, ``trim_blocks``/``lstrip_blocks``, loop controls, ``raise_exception``, ``tojson``, ``strftime_now``,
+the special tokens as variables); the text is tokenized without adding special tokens (the template writes its own).
 """
 
 from __future__ import annotations

@@ -188,9 +188,8 @@ class BlockTrainer:
         self.device = device
 
     def rows_on_device(self, x):
-        """A batch's rows (``aux`` or ``final``) as a tensor on the trainer's device, in their stored
-        dtype: a numpy array (gathered from the memory-mapped data), or a tensor already there
-        (``--data-on-device``)."""
+        """A batch's rows (``aux`` or ``final``) as a tensor on the trainer's device, in their stored dtype: a numpy
+        array (gathered from the memory-mapped data), or a tensor already there (``--data-on-device``)."""
         t = x if isinstance(x, self.torch.Tensor) else self.torch.from_numpy(np.ascontiguousarray(x))
         return t.to(self.device)
 

@@ -92,10 +92,9 @@ def tokenizer_for(vocab_size: int, progress=None):
 
 
 def target_tokenizer(target_dir: Path, progress=None):
-    """The tokenizer a target was trained with: its own ``tokenizer.json``. Training one again here
-    would only match where the interpreter's standard library does (another Python version, another
-    vocabulary, and a drafter trained on prompts its target never read); a target without one gets
-    the project's, trained here."""
+    """The tokenizer a target was trained with: its own ``tokenizer.json``. Training one again here would only match
+    where the interpreter's standard library does (another Python version, another vocabulary, and a drafter trained on
+    prompts its target never read); a target without one gets the project's, trained here."""
     path = Path(target_dir) / "tokenizer.json"
     if path.is_file():
         return Tokenizer.from_file(str(path))

@@ -1,9 +1,8 @@
 """``kakeya train-drafter``: train a DFlash drafter for a target, the DFlash way.
 
-Data, blocks, loss, shared embedding / LM head, held-out curve and report are described step by step
-in docs/demo-pair.md ("`kakeya train-drafter`"). Training runs on torch
-(``kakeya.drafter.torch_backend.model`` has the reference parameter names); the checkpoint loads
-strictly in ``kakeya.drafter.mlx_backend.model``.
+Data, blocks, loss, shared embedding / LM head, held-out curve and report are described step by step in
+docs/demo-pair.md ("`kakeya train-drafter`"). Training runs on torch (``kakeya.drafter.torch_backend.model`` has the
+reference parameter names); the checkpoint loads strictly in ``kakeya.drafter.mlx_backend.model``.
 """
 
 from __future__ import annotations

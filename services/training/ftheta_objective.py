@@ -1,7 +1,6 @@
-"""What ``kakeya train-ftheta`` fits f_theta to (``ftheta.py`` runs the training): the target's own
-queries and pre-/post-norm K/V captured by a native forward, and the per-layer hybrid loss --
-attention-output distillation, post-norm direction, pre-norm magnitude -- with its held-out
-evaluation.
+"""What ``kakeya train-ftheta`` fits f_theta to (``ftheta.py`` runs the training): the target's own queries and
+pre-/post-norm K/V captured by a native forward, and the per-layer hybrid loss -- attention-output distillation,
+post-norm direction, pre-norm magnitude -- with its held-out evaluation.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Synthetic retrieval text for ``train-target --retrieval-frac``: a target that can recall.
 
-A stdlib-only target never learns to look far back for a fact. These windows teach what ``kakeya niah``
-asks, in its format (``orchestrator/niah.py``'s ``NEEDLE`` and ``QUESTION``): haystack prose, the needle
-``The secret code is NNNN.`` at a random line, more haystack, the question and the answer; the code is
-random per example, so only copying from the needle lowers the loss on it. The haystack is the train
-files' *function and class* docstrings (``kakeya niah`` uses *module* docstrings: text these examples
-never use). Examples of random lengths are packed back to back (each starting with ``<bos>``), so
-questions come at many positions and needles at every distance up to the window's length.
+A stdlib-only target never learns to look far back for a fact. These windows teach what ``kakeya niah`` asks, in its
+format (``orchestrator/niah.py``'s ``NEEDLE`` and ``QUESTION``): haystack prose, the needle ``The secret code is NNNN.``
+at a random line, more haystack, the question and the answer; the code is random per example, so only copying from the
+needle lowers the loss on it. The haystack is the train files' *function and class* docstrings (``kakeya niah`` uses
+*module* docstrings: text these examples never use). Examples of random lengths are packed back to back (each starting
+with ``<bos>``), so questions come at many positions and needles at every distance up to the window's length.
 """
 
 from __future__ import annotations

@@ -6,11 +6,9 @@ deployment can size its memory before loading anything:
     kakeya memory --preset gemma-4-26b-a4b --context 32768
     kakeya memory --config /models/gemma-4-26b-a4b --context 4096 --json
 
-Policies: ``full`` (every layer keeps every position: the yardstick),
-``native`` (sliding layers keep the model's window), ``sink-window`` (sinks +
-a smaller window), each also with 8- and 4-bit affine-quantized full layers.
-Sliding layers hold a ring of ``window - 1 + slack`` slots (+ sinks): that is
-the price of exact rollback (``cache.py``).
+Policies: ``full`` (every layer keeps every position: the yardstick), ``native`` (sliding layers keep the model's
+window), ``sink-window`` (sinks + a smaller window), each also with 8- and 4-bit affine-quantized full layers. Sliding
+layers hold a ring of ``window - 1 + slack`` slots (+ sinks): that is the price of exact rollback (``cache.py``).
 """
 
 from __future__ import annotations

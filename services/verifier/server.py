@@ -1,13 +1,12 @@
 """The verifier's gRPC servicer: one Session stream == one :class:`LocalVerifierSession`.
 
-The stream IS the session: the KV cache is created at ``Open`` and freed when the stream ends, however
-it ends (``runtime/servicer.py``). A block is one Verify: only token ids go down, and the verdict (the
-acceptance rule applied here, the block committed) comes back with the kept positions' aux in the model's
-own dtype (``wire/codec.py``); never logits. A sampling session samples with the request's seed: under the
-coupled rule from the candidates alone, under the rejection rule with the drafter's proposal beside them.
-A ``VerifyRound`` call carries a round's blocks of many sessions (``runtime/servicer.py``), each checked and
-answered as its stream's Verify. Model work runs on the process's one compute thread; this module
-translates and validates messages, with errors that name the offending field.
+The stream IS the session: the KV cache is created at ``Open`` and freed when the stream ends, however it ends
+(``runtime/servicer.py``). A block is one Verify: only token ids go down, and the verdict (the acceptance rule applied
+here, the block committed) comes back with the kept positions' aux in the model's own dtype (``wire/codec.py``); never
+logits. A sampling session samples with the request's seed: under the coupled rule from the candidates alone, under the
+rejection rule with the drafter's proposal beside them. A ``VerifyRound`` call carries a round's blocks of many sessions
+(``runtime/servicer.py``), each checked and answered as its stream's Verify. Model work runs on the process's one
+compute thread; this module translates and validates messages, with errors that name the offending field.
 """
 
 from __future__ import annotations

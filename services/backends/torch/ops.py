@@ -1,12 +1,10 @@
 """Tensor helpers shared by the PyTorch target (``verifier/torch_backend/gemma4.py``) and drafter
-(``drafter/torch_backend/model.py``): device/dtype resolution, the two RMSNorm conventions, RoPE,
-the one SDPA call.
+(``drafter/torch_backend/model.py``): device/dtype resolution, the two RMSNorm conventions, RoPE, the one SDPA call.
 
-Both RMSNorms normalise in float32 and differ in *when* the result goes back to the activation dtype,
-which matters in bf16/fp16 only: Gemma-4 (:func:`gemma4_rms_norm`, transformers' ``Gemma4RMSNorm``)
-multiplies by the weight -- ``w`` itself, not Gemma 1-3's ``1 + w``; some norms have none -- in float32
-and casts once; Qwen3 (:func:`qwen3_rms_norm`, the DFlash drafter's layers) casts the normalised rows
-back first and multiplies in the weight's dtype.
+Both RMSNorms normalise in float32 and differ in *when* the result goes back to the activation dtype, which matters in
+bf16/fp16 only: Gemma-4 (:func:`gemma4_rms_norm`, transformers' ``Gemma4RMSNorm``) multiplies by the weight -- ``w``
+itself, not Gemma 1-3's ``1 + w``; some norms have none -- in float32 and casts once; Qwen3 (:func:`qwen3_rms_norm`, the
+DFlash drafter's layers) casts the normalised rows back first and multiplies in the weight's dtype.
 """
 
 from __future__ import annotations
@@ -186,11 +184,10 @@ def sdpa_folded(q, k, v, mask: torch.Tensor | None, scale: float, chunks: int | 
     """Attention with each KV head's query heads folded into its query rows (``mask``: None or
     ``[L, K]``), so every K/V head is read once: what CUDA runs.
 
-    SDPA's own GQA with a mask falls back to the math kernel, which expands K/V to every query
-    head and upcasts it to float32 -- two full copies of the attended cache per layer, the
-    largest memory traffic of a decode step. Few rows per KV head (a verify or a draft block)
-    go through :func:`decode_attention` (``chunks``: its split count), more (a prefill chunk)
-    through the fused kernels.
+    SDPA's own GQA with a mask falls back to the math kernel, which expands K/V to every query head and upcasts it to
+    float32 -- two full copies of the attended cache per layer, the largest memory traffic of a decode step. Few rows
+    per KV head (a verify or a draft block) go through :func:`decode_attention` (``chunks``: its split count), more (a
+    prefill chunk) through the fused kernels.
     """
     B, Hq, L, D = q.shape
     G = Hq // k.shape[1]
@@ -267,11 +264,10 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def compiled(fn):
-    """``--compile``: ``torch.compile`` one row-wise half of a layer (norms, projections, RoPE, residuals,
-    MLP) into a few fused kernels around its GEMMs. ``dynamic``: one graph per layer kind serves every row
-    count and layer of that kind; ``fullgraph``: a graph break is an error, not a silent slow path;
-    ``emulate_precision_casts``: Inductor rounds intermediates to the activation dtype where eager does,
-    so a compiled bf16 model tracks the eager one."""
+    """``--compile``: ``torch.compile`` one row-wise half of a layer (norms, projections, RoPE, residuals, MLP) into a
+    few fused kernels around its GEMMs. ``dynamic``: one graph per layer kind serves every row count and layer of that
+    kind; ``fullgraph``: a graph break is an error, not a silent slow path; ``emulate_precision_casts``: Inductor rounds
+    intermediates to the activation dtype where eager does, so a compiled bf16 model tracks the eager one."""
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
 
 
@@ -299,12 +295,11 @@ ATTENTION_GRAPHS = 32  # CompiledAttention's recompile budget: five two-way bran
 class CompiledAttention:
     """``--compile``'s attention: :func:`sdpa` through :func:`compiled`, one graph set for every layer.
 
-    Dynamo guards a graph on everything the traced code branched on, strides included: a layer attends
-    over the first ``extent`` slots of buffers whose strides follow their capacity, and the split count
-    branches on ``extent``, so traced as they come the views took a graph each and hit torch's recompile
-    limit on the 26B shape. So the graph gets K and V as their whole contiguous buffers
-    (:func:`whole_buffer`) and the extent as an int, and the choices made from shapes (:func:`folds`,
-    :func:`split_count`) are made here, eagerly, and passed in.
+    Dynamo guards a graph on everything the traced code branched on, strides included: a layer attends over the first
+    ``extent`` slots of buffers whose strides follow their capacity, and the split count branches on ``extent``, so
+    traced as they come the views took a graph each and hit torch's recompile limit on the 26B shape. So the graph gets
+    K and V as their whole contiguous buffers (:func:`whole_buffer`) and the extent as an int, and the choices made from
+    shapes (:func:`folds`, :func:`split_count`) are made here, eagerly, and passed in.
 
     Left to guard on are five two-way branches: a mask or none; one query row or several; ``p @ v``
     split or not; the decode GEMMs or the fused kernels (``DECODE_ROWS``); the whole buffer or fewer

@@ -1,13 +1,12 @@
 """DFlash block-diffusion drafter in MLX.
 
-A stack of Qwen3-style decoder layers whose attention sees the *context*, ``hidden_norm(fc(aux))`` of the
-target's hidden states at ``target_layer_ids`` projected by each layer's ``k_proj``/``v_proj`` (``k_norm``,
-RoPE at the context positions; cached in ``ContextKVCache`` and only extended), and the *block*,
-``[last committed token, mask, ...]`` at positions ``ctx_len ..``. Embedding and LM head are the target's
-(only those two tensors are read from it, ``load_dflash_mlx``). "Gap-B": the block embedding is the
-target's RAW embedding row x ``input_embedding_scale``, never Gemma's sqrt(hidden) (the ``dflash``
-reference's MLX ``bind()`` differs here; its torch code and training do not). Parameter names follow the
-reference layout, so published safetensors load with ``load_weights(strict=True)``.
+A stack of Qwen3-style decoder layers whose attention sees the *context*, ``hidden_norm(fc(aux))`` of the target's
+hidden states at ``target_layer_ids`` projected by each layer's ``k_proj``/``v_proj`` (``k_norm``, RoPE at the context
+positions; cached in ``ContextKVCache`` and only extended), and the *block*, ``[last committed token, mask, ...]`` at
+positions ``ctx_len ..``. Embedding and LM head are the target's (only those two tensors are read from it,
+``load_dflash_mlx``). "Gap-B": the block embedding is the target's RAW embedding row x ``input_embedding_scale``, never
+Gemma's sqrt(hidden) (the ``dflash`` reference's MLX ``bind()`` differs here; its torch code and training do not).
+Parameter names follow the reference layout, so published safetensors load with ``load_weights(strict=True)``.
 """
 
 from __future__ import annotations
@@ -297,9 +296,8 @@ class DFlashDraftModel(nn.Module):
         return mx.zeros((n, self.config.aux_width), dtype=self.dtype)
 
     def context_kv(self, auxs: Sequence[mx.array], offsets: Sequence[int]) -> list[list[KV]]:
-        """Per aux, every layer's ``(k, v)`` ``[1, n_kv, n_i, head_dim]`` of ``auxs[i]`` [n_i, aux_width]
-        at positions ``offsets[i]..``: ``fc``, ``hidden_norm`` and the projections once over all rows,
-        RoPE per aux (lazy)."""
+        """Per aux, every layer's ``(k, v)`` ``[1, n_kv, n_i, head_dim]`` of ``auxs[i]`` [n_i, aux_width] at positions
+        ``offsets[i]..``: ``fc``, ``hidden_norm`` and the projections once over all rows, RoPE per aux (lazy)."""
         rows = auxs[0] if len(auxs) == 1 else mx.concatenate(list(auxs))
         h = self.hidden_norm(self.fc(rows.astype(self.dtype)[None]))
         kv = [layer.self_attn.project_kv(h) for layer in self.layers]

@@ -7,15 +7,14 @@ it grows and its sliding context as a ring of ``ring >= sliding_window - 1`` slo
 ``p % ring``). A step writes each block's K/V into the pools' *scratch* rows, never a session's pages, so
 several blocks of one session (a pre-draft's) run in one step and the context holds committed positions.
 
-A step (:func:`run`) projects every extension's new aux rows at once (ONE ``index_copy_`` per layer into
-the rows the host planned), runs every row-wise op of the blocks once over all rows, per layer ONE write
-of the blocks' K/V and ONE attention call over every block through a padded ``[blocks, context slots +
-block lanes]`` table (masks built on the device from positions), then the greedy tokens in ONE host sync.
-The host packs every integer input into one vector. Shapes depend only on :class:`Shape`: with
-``static_extent`` (CUDA) everything is padded to buckets and ``StepGraphs`` captures one graph per shape
-(padded rows write the trash row and see one real key: a softmax over none is NaN); eagerly sizes are
-exact and the row-wise ops see the blocks' rows unpadded (``ragged``). A prompt-long extension runs
-first as an eager step of its own when graphs are on.
+A step (:func:`run`) projects every extension's new aux rows at once (ONE ``index_copy_`` per layer into the rows the
+host planned), runs every row-wise op of the blocks once over all rows, per layer ONE write of the blocks' K/V and ONE
+attention call over every block through a padded ``[blocks, context slots + block lanes]`` table (masks built on the
+device from positions), then the greedy tokens in ONE host sync. The host packs every integer input into one vector.
+Shapes depend only on :class:`Shape`: with ``static_extent`` (CUDA) everything is padded to buckets and ``StepGraphs``
+captures one graph per shape (padded rows write the trash row and see one real key: a softmax over none is NaN); eagerly
+sizes are exact and the row-wise ops see the blocks' rows unpadded (``ragged``). A prompt-long extension runs first as
+an eager step of its own when graphs are on.
 """
 
 from __future__ import annotations
@@ -315,9 +314,8 @@ class Batch:
 
 
 class PooledAttention:
-    """Per layer: every block row's K/V into its scratch row, then one attention call over every block
-    through the tables: the Triton decode-attention kernel where the layer's rule fits it, else a gather
-    and SDPA."""
+    """Per layer: every block row's K/V into its scratch row, then one attention call over every block through the
+    tables: the Triton decode-attention kernel where the layer's rule fits it, else a gather and SDPA."""
 
     def __init__(self, pool, shape: Shape, f: dict, kernel: bool = False):
         self.pool, self.shape, self.f, self.kernel = pool, shape, f, kernel

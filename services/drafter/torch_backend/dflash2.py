@@ -1,9 +1,8 @@
-"""The DFlash2 drafter (``DFlash2DraftModel``) in PyTorch: DFlash plus a grouped causal convolution over
-each block's rows and a candidate selector whose walk picks the draft, as vLLM's ``qwen3_dflash2.py`` and
-``dflash2/speculator.py`` define them (read, not copied). ``docs/dflash2.md`` describes both, the walk's
-realized rows this hands back as logits (argmax = the walk's token, ``-inf`` off its candidates), and
-where a row's predecessor comes from. The context is not convolved, so the pooled context caches are
-DFlash's.
+"""The DFlash2 drafter (``DFlash2DraftModel``) in PyTorch: DFlash plus a grouped causal convolution over each block's
+rows and a candidate selector whose walk picks the draft, as vLLM's ``qwen3_dflash2.py`` and ``dflash2/speculator.py``
+define them (read, not copied). ``docs/dflash2.md`` describes both, the walk's realized rows this hands back as logits
+(argmax = the walk's token, ``-inf`` off its candidates), and where a row's predecessor comes from. The context is not
+convolved, so the pooled context caches are DFlash's.
 """
 
 from __future__ import annotations

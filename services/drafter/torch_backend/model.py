@@ -1,9 +1,8 @@
 """DFlash block-diffusion drafter in PyTorch: the semantics of ``drafter/mlx_backend/model.py`` (its docstring
 describes the context and block K/V, the "Gap-B" embedding convention and the reference parameter names).
 
-Here the context K/V are pages of one pool per model (``batch_step.py``), extended with the newly committed
-positions only; :class:`TargetHead` holds the target's embedding and LM head (the only tensors read from
-the target checkpoint).
+Here the context K/V are pages of one pool per model (``batch_step.py``), extended with the newly committed positions
+only; :class:`TargetHead` holds the target's embedding and LM head (the only tensors read from the target checkpoint).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Speculative decoding (greedy, or lossless sampling by either rule) as per-session state advanced in rounds.
 
-Knows no backend and no transport: between a verifier session and a drafter session (``core/contract.py``)
-only ints and opaque aux move. A :class:`Decode` is one generation's state; :func:`advance` runs one round
-over any number of them:
+Knows no backend and no transport: between a verifier session and a drafter session (``core/contract.py``) only ints and
+opaque aux move. A :class:`Decode` is one generation's state; :func:`advance` runs one round over any number of them:
 
 1. **draft**: each session asks its proposers in order (``orchestrator/proposers/``: grammar-forced tokens,
    an n-gram copy, else the drafter); every drafter call of the round (a copy's too, so the drafter's
@@ -42,12 +41,11 @@ VerifierCall = tuple[VerifierSession, int, Draft]  # (session, last token, draft
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """How one session decodes, as the engine resolved it. ``block_size``: fixed, or a ``BlockSizer``;
-    ``stop_ids``: tokens that end the generation (included); ``fallback``: a drafter failure leaves the
-    verifier to finish alone (same tokens); ``ngram``: draft by copy where the context repeats; ``guide``: a
-    constrained request's grammar, its forced tokens drafted without the drafter (``proposers/forced.py``),
-    up to ``max_block`` positions (the cache policy's rollback slack). ``ngram`` and ``guide`` never serve
-    the rejection rule, which needs the drafter's distribution."""
+    """How one session decodes, as the engine resolved it. ``block_size``: fixed, or a ``BlockSizer``; ``stop_ids``:
+    tokens that end the generation (included); ``fallback``: a drafter failure leaves the verifier to finish alone (same
+    tokens); ``ngram``: draft by copy where the context repeats; ``guide``: a constrained request's grammar, its forced
+    tokens drafted without the drafter (``proposers/forced.py``), up to ``max_block`` positions (the cache policy's
+    rollback slack). ``ngram`` and ``guide`` never serve the rejection rule, which needs the drafter's distribution."""
 
     max_tokens: int
     block_size: int | BlockSizer = 1

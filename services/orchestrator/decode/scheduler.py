@@ -6,12 +6,11 @@ and leave at round boundaries. No thread of its own: the request that needs a bl
 running drives the next one (on the model thread: ``step``), and every other request gets its block from
 that round: one request alone runs batches of one, N requests one batched round per block.
 
-A newcomer waits for half a round, not a whole one: where other work was queued for the model thread
-during a round's draft (``queued``: a prefill), the verify becomes a job of its own behind it. Without a
-model thread (the split) a request counts as ``starting`` until its prefill's answer, and a round whose
-draft finds requests starting waits for them before it verifies (at most one round's time), so the idle
-verifier runs the prefill first. What both bought: docs/benchmarks.md ("A round's verify yields to a
-newcomer", "The split lets a newcomer's prefill go first").
+A newcomer waits for half a round, not a whole one: where other work was queued for the model thread during a round's
+draft (``queued``: a prefill), the verify becomes a job of its own behind it. Without a model thread (the split) a
+request counts as ``starting`` until its prefill's answer, and a round whose draft finds requests starting waits for
+them before it verifies (at most one round's time), so the idle verifier runs the prefill first. What both bought:
+docs/benchmarks.md ("A round's verify yields to a newcomer", "The split lets a newcomer's prefill go first").
 
 A decode's failure is its own; a request cancelled or closed leaves before the next round, and its
 sessions are closed after it left, so a round never runs on a closed session.

@@ -1,13 +1,12 @@
 """Take-over: a run whose verifier or drafter replica is lost mid-stream continues on another replica.
 
-A remote session fails with a replica's loss (``BackendError.replica_lost``: UNAVAILABLE, a broken stream,
-a hung step). The orchestrator holds everything a session is rebuilt from -- the prompt and every
-committed token -- so the decode is parked instead (``Decode.lost``: its batch-mates go on untouched) and
-its own request thread reopens it here, outside any round: both sessions aborted; a new verifier session
-(balanced onto a SERVING replica, ``remote/streams.py``) prefills prompt + every committed token but the
-last, resuming its prefix cache; a new drafter session takes that prefill's aux with its first draft (the
-verifier's aux is the one source of a drafter's context, for a drafter's loss too); the decode resumes
-(``Decode.reopened``). Nothing committed changes, so greedy and coupled-sampling output is the
+A remote session fails with a replica's loss (``BackendError.replica_lost``: UNAVAILABLE, a broken stream, a hung step).
+The orchestrator holds everything a session is rebuilt from -- the prompt and every committed token -- so the decode is
+parked instead (``Decode.lost``: its batch-mates go on untouched) and its own request thread reopens it here, outside
+any round: both sessions aborted; a new verifier session (balanced onto a SERVING replica, ``remote/streams.py``)
+prefills prompt + every committed token but the last, resuming its prefix cache; a new drafter session takes that
+prefill's aux with its first draft (the verifier's aux is the one source of a drafter's context, for a drafter's loss
+too); the decode resumes (``Decode.reopened``). Nothing committed changes, so greedy and coupled-sampling output is the
 uninterrupted run's token for token (the rejection rule's stays exactly distributed, not identical).
 
 A try that finds no replica waits (``BACKOFF_S``, doubling), ``TRIES`` times, then the run fails naming

@@ -6,12 +6,11 @@ between, for every front alike: readiness, admission (``--max-sessions``, its qu
 ``--max-sessions-per-peer``), the engine's check against this server's :class:`Limits`, the run,
 cancellation when the client goes away, the drain, and the metrics.
 
-Failures: before the first block a refusal raises -- ``InvalidRequest`` naming the request's field, or
-``RequestError`` with a status; after it, the report says ``finish_reason`` "error". A cancelled run ends
-without a report. What a public caller is told of a backend's failure is :func:`public_status`'s: a
-backend's error names its address and its own fields (``open.cache_policy``), which a public caller
-knows neither of; the status is kept, the fields a public request sets renamed, anything else replaced
-by a short reason, and the whole error logged for the operator.
+Failures: before the first block a refusal raises -- ``InvalidRequest`` naming the request's field, or ``RequestError``
+with a status; after it, the report says ``finish_reason`` "error". A cancelled run ends without a report. What a public
+caller is told of a backend's failure is :func:`public_status`'s: a backend's error names its address and its own fields
+(``open.cache_policy``), which a public caller knows neither of; the status is kept, the fields a public request sets
+renamed, anything else replaced by a short reason, and the whole error logged for the operator.
 """
 
 from __future__ import annotations

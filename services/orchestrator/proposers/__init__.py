@@ -1,10 +1,9 @@
 """Draft sources as proposers: each block's candidates come from the first proposer that has some.
 
-A proposer looks at a decode's state (:class:`DraftState`) and returns a :class:`Proposal` -- what it
-drafted and why -- or None. The loop asks them in order: the grammar's forced tokens (``forced.py``), a
-copy from the context (``ngram.py``), then the drafter (``decode/loop.py``'s ``DrafterProposer``, which
-always answers), as vLLM's spec_decode proposers do. Every proposal is lossless: the verifier accepts only
-candidates equal to its own choices.
+A proposer looks at a decode's state (:class:`DraftState`) and returns a :class:`Proposal` -- what it drafted and why --
+or None. The loop asks them in order: the grammar's forced tokens (``forced.py``), a copy from the context
+(``ngram.py``), then the drafter (``decode/loop.py``'s ``DrafterProposer``, which always answers), as vLLM's spec_decode
+proposers do. Every proposal is lossless: the verifier accepts only candidates equal to its own choices.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Per-step deadlines on the orchestrator's backend streams: a hung backend told from a slow one.
 
-A hung peer (a stopped process, a wedged accelerator) never closes its connection, so only a deadline
-notices it. These bound ONE step by silence, not length: every session asks its backend for a Progress
-message every ``PROGRESS_FRACTION`` of the deadline (``Open.progress_ms``), sent only while its compute
-gets work done, and each re-arms the step's deadline. A slow backend keeps talking; a stopped one goes
-silent, and the step fails after ``max(--backend-timeout, 20 x the median step)`` of silence (a prefill's
-plus ``10 x`` the median per-token prefill time per prompt token). One :class:`Watchdog` thread per
-process watches every armed step; its clock stops while this process does not run.
+A hung peer (a stopped process, a wedged accelerator) never closes its connection, so only a deadline notices it. These
+bound ONE step by silence, not length: every session asks its backend for a Progress message every ``PROGRESS_FRACTION``
+of the deadline (``Open.progress_ms``), sent only while its compute gets work done, and each re-arms the step's
+deadline. A slow backend keeps talking; a stopped one goes silent, and the step fails after ``max(--backend-timeout, 20
+x the median step)`` of silence (a prefill's plus ``10 x`` the median per-token prefill time per prompt token). One
+:class:`Watchdog` thread per process watches every armed step; its clock stops while this process does not run.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """``tool_choice`` as every front reads it, and the grammar that holds the model to the calls it asks for.
 
-The HTTP API's ``tool_choice`` and the gRPC API's ``ChatMessages.tool_choice`` mean the same and are refused
-for the same reasons, here: a front turns its wire shape into a mode or a function's name and calls
-:func:`choose` (a refusal names ``prompt.tool_choice``, which the front renames); :func:`check_tools` checks
-a tool's name and parameters. A chat whose calls are read (:func:`reads_calls`) stops where the model would
-wait for a call's results (:func:`stop_strings`) and finishes "tool_calls" when the model stopped after one
-(:func:`finish_reason`).
+The HTTP API's ``tool_choice`` and the gRPC API's ``ChatMessages.tool_choice`` mean the same and are refused for the
+same reasons, here: a front turns its wire shape into a mode or a function's name and calls :func:`choose` (a refusal
+names ``prompt.tool_choice``, which the front renames); :func:`check_tools` checks a tool's name and parameters. A chat
+whose calls are read (:func:`reads_calls`) stops where the model would wait for a call's results (:func:`stop_strings`)
+and finishes "tool_calls" when the model stopped after one (:func:`finish_reason`).
 
 ``tool_choice: "required"`` (one call or more) and a named function (one call to it) hold the model to a
 call with this grammar, in llguidance's lark syntax: ``<|tool_call>call:NAME{ARGS}<tool_call|>``, then

@@ -121,10 +121,9 @@ class QuantizedFullKVCache(FullKVCache):
 class LatentRing:
     """f_theta latent codes of one session, one row per slot of its own :class:`RingLayout`.
 
-    The layout (sink 0, the model's window, the session's slack) plans, applies
-    and trims exactly like the K/V ring's, so rollback stays exact; rows are
-    written after each forward, from that forward's aux. Allocated whole at the
-    start: its size never changes.
+    The layout (sink 0, the model's window, the session's slack) plans, applies and trims exactly like the K/V ring's,
+    so rollback stays exact; rows are written after each forward, from that forward's aux. Allocated whole at the start:
+    its size never changes.
     """
 
     def __init__(self, capacity: int, dim: int):

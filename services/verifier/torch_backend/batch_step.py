@@ -1,13 +1,12 @@
 """The torch verify step over pooled K/V: any number of sessions' blocks in one forward whose device
 work does not grow with the number of sessions.
 
-A step takes :class:`~kakeya.verifier.backend.Segment` s (a session's block and its ``RingLayout``'s plan,
-in place: ``n_new <= slack``) whose caches are pages of one target's pools (``pool.py``), and runs every
-row-wise op (embeddings, norms, projections, RoPE, MLP, MoE, LM head) once over all rows; per layer ONE
-cache write and ONE attention call over every session's rows through a padded ``[sessions, slots]``
-table of pool rows, masks built on the device from positions (the Triton decode-attention kernel on
-CUDA; eagerly a gather, or a lone session's consecutive pages as a slice, and SDPA); then the greedy
-choices of all rows in one argmax, ONE host sync.
+A step takes :class:`~kakeya.verifier.backend.Segment` s (a session's block and its ``RingLayout``'s plan, in place:
+``n_new <= slack``) whose caches are pages of one target's pools (``pool.py``), and runs every row-wise op (embeddings,
+norms, projections, RoPE, MLP, MoE, LM head) once over all rows; per layer ONE cache write and ONE attention call over
+every session's rows through a padded ``[sessions, slots]`` table of pool rows, masks built on the device from positions
+(the Triton decode-attention kernel on CUDA; eagerly a gather, or a lone session's consecutive pages as a slice, and
+SDPA); then the greedy choices of all rows in one argmax, ONE host sync.
 
 The host reserves pages, then packs every integer input into one vector copied to the device once.
 Shapes depend only on :class:`Shape`: with ``static_extent`` (CUDA) sessions, blocks and extents are
@@ -85,8 +84,7 @@ def poolable(segments: Sequence[Segment]) -> bool:
 
 
 class Batch:
-    """The host half of one step: pages reserved, the :class:`Shape`, the packed inputs, each
-    segment's first row."""
+    """The host half of one step: pages reserved, the :class:`Shape`, the packed inputs, each segment's first row."""
 
     def __init__(self, target, segments: Sequence[Segment], choices: bool):
         opts = target.graph_options
@@ -325,9 +323,8 @@ class BatchSteps:
 
 
 def run(target, segments: Sequence[Segment], choices: bool) -> tuple[list[Forward], list | None, torch.Tensor]:
-    """Segments through one step: a :class:`Forward` per segment (its ``len(ids)`` rows), the greedy
-    choices of those rows (``choices``; one host sync for them all) and the logits of every row (None
-    without choices)."""
+    """Segments through one step: a :class:`Forward` per segment (its ``len(ids)`` rows), the greedy choices of those
+    rows (``choices``; one host sync for them all) and the logits of every row (None without choices)."""
     with target.pool.stepping():
         batch = Batch(target, segments, choices)
         step = target.steps(batch)

@@ -1,8 +1,7 @@
 """Weight loading for the torch Gemma-4 (``verifier/torch_backend/gemma4.py``) from a Hugging Face checkpoint.
 
-Tensors are read one at a time from the safetensors files under their HF names
-(text-only or multimodal prefix, see ``checkpoints/layout.py``), cast and moved,
-and the q/k/v and gate/up projections are fused on the way in.
+Tensors are read one at a time from the safetensors files under their HF names (text-only or multimodal prefix, see
+``checkpoints/layout.py``), cast and moved, and the q/k/v and gate/up projections are fused on the way in.
 """
 
 from __future__ import annotations

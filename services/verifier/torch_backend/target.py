@@ -1,11 +1,10 @@
 """The Gemma-4 target on PyTorch: the verifier's backend (``backend.Target``) over ``Gemma4Text``.
 
-The model is ``gemma4.py`` (weights: ``load.py``). Every session's K/V are pages of the target's pools
-(``pool.py``); a forward of one or many sessions' blocks runs as one batched step over them
-(``batch_step.py``: graphs per shape on CUDA, the same step eagerly elsewhere), except a prefill chunk
-longer than the ring's slack, which writes and reads the same pages one segment at a time
-(:class:`SegmentAttention`, the ``Attend`` it hands ``Gemma4Text.forward``). What only torch has (random
-weights, the plain reference decode over :class:`FullKVCache` and :class:`IndexedAttention`) comes last;
+The model is ``gemma4.py`` (weights: ``load.py``). Every session's K/V are pages of the target's pools (``pool.py``); a
+forward of one or many sessions' blocks runs as one batched step over them (``batch_step.py``: graphs per shape on CUDA,
+the same step eagerly elsewhere), except a prefill chunk longer than the ring's slack, which writes and reads the same
+pages one segment at a time (:class:`SegmentAttention`, the ``Attend`` it hands ``Gemma4Text.forward``). What only torch
+has (random weights, the plain reference decode over :class:`FullKVCache` and :class:`IndexedAttention`) comes last;
 f_theta restoration is MLX-only.
 """
 
