@@ -1,24 +1,17 @@
 """The one thread a server process runs its model work on, with batching of like work.
 
-All model work of a process runs on ONE thread (MLX arrays stay on the thread that made them; there is one
-device to share anyway); gRPC handler threads only translate messages and wait. Jobs run in submission order,
-except that **batchable** jobs of one kind that queued up while the thread was busy go to their runner together,
-so N sessions' steps cost one batched forward. Nothing waits on purpose to form a batch (continuous batching at
-a step boundary). Order within a session cannot change: its handler waits for each result.
+All model work runs on ONE thread (MLX arrays stay on the thread that made them; there is one device anyway); gRPC
+handler threads only translate and wait. Jobs run in submission order, except that **batchable** jobs of one kind AND
+one runner that queued while the thread was busy go to that runner together: N sessions' steps, one forward. Nothing
+waits on purpose to form a batch, and a session's order cannot change: its handler waits for each result.
 
-**A group shares one runner**: jobs join a group only when kind AND runner equal its first job's, whose runner
-the group gets. Callers that want two call sites batched give them one runner and convert its results
-afterwards (``servicer.RoundWire.answer_of``).
+**Inline when idle** (``inline``, torch on a CPU only): a job finding the thread idle runs on the calling handler
+thread under the same lock, saving a lone stream's two thread hand-offs.
 
-**Inline when idle** (``inline``, torch on a CPU only: docs/design.md, "History: removed, and why"): a job that
-finds the thread idle runs on the calling handler thread under the same lock, saving a lone stream's two thread
-hand-offs (``docs/operations.md``, "Where a split block's extra time went").
-
-**Progress** (:meth:`ComputeThread.progress`): jobs finished and the CPU time of model work, which a waiting
-handler watches to tell a slow process from a wedged one (a thread blocked for good spends none). Model work is
-the compute thread (and one running a job inline), every thread not started through ``threading`` (MLX's,
-torch's, BLAS's pools) and the processes they start (MLX's ``g++``); not the gRPC handler threads. Read from
-``/proc`` (Linux; elsewhere ``None``) by a :class:`CpuSampler` on a thread of its own: the reads give up the GIL.
+**Progress** (:meth:`ComputeThread.progress`): jobs finished and the CPU time of model work (the compute thread, threads
+not started through ``threading`` such as MLX's, torch's and BLAS's pools, and their processes; not gRPC's), which a
+waiting handler watches to tell a slow process from a wedged one. Read from ``/proc`` (Linux; elsewhere ``None``) by a
+:class:`CpuSampler` on its own thread.
 """
 
 from __future__ import annotations

@@ -1,25 +1,19 @@
 """What the verifier's and the drafter's servicers share: their limits and the parts built from them.
 
-A session server (``verifier/server.py``, ``drafter/server.py``) is one :class:`SessionLimits` turned into one
-``ComputeThread`` (all model work, batched), one ``SessionRegistry`` (admission and idle expiry), one ``ServerMetrics``
-and, with a budget, one ``PrefixCache``. A stream's messages go through one loop (:meth:`SessionServicer._serve`):
-``open`` first, the role's ``steps``, ``close`` last, each answer timed. The subclasses add their model: ``load``,
-``info``, ``_open``, a ``_step_<kind>`` per step, ``_close`` and ``_progress``.
+A session server is one :class:`SessionLimits` turned into one ``ComputeThread`` (all model work, batched), one
+``SessionRegistry`` (admission, idle expiry), one ``ServerMetrics`` and, with a budget, one ``PrefixCache``. A stream's
+messages go through :meth:`SessionServicer._serve`: ``open``, the role's ``steps``, ``close``. Subclasses add the model.
 
-Draining (SIGTERM, ``lifecycle.run_server``): every answer from then on says ``draining``, so a client that can reopen
-the session on another SERVING replica (the orchestrator's take-over, ``orchestrator/decode/takeover.py``) ends it
-before its next step, with nothing lost; one that cannot finishes here. The sessions still here when ``--grace`` is
-almost over end with UNAVAILABLE, which a take-over treats as a lost replica.
+Draining (SIGTERM): every answer says ``draining``, so a client that can reopen the session on another replica
+(``orchestrator/decode/takeover.py``) ends it before its next step; sessions left near the end of ``--grace`` end with
+UNAVAILABLE, which a take-over treats as a lost replica.
 
-A step waits on the compute thread through :meth:`SessionServicer._await`: a session opened with ``progress_ms`` hears a
-Progress message every ``progress_ms`` in which the process's compute got work done, so its client can tell a slow
-server (queued, compiling, a long prefill) from a hung one (silence) without guessing how long a step may take.
+A session opened with ``progress_ms`` hears Progress while its step waits on a compute thread that gets work done, so
+its client tells a slow server from a hung one (silence) without guessing how long a step may take.
 
-**Round calls** (``VerifyRound``, ``DraftRound``: :func:`serve_round`) carry a round's steps for many sessions of one
-caller (``orchestrator/decode/scheduler.py``): one call instead of N messages and wake-ups per backend. Sessions still
-live and die with their ``Session`` stream; an item names a session by the id its ``Opened`` answered, and only the
-caller that opened it may (``SessionRegistry.find``). The items go to the compute thread at once, as one batch; each
-fails alone, as its own ``Error``; meanwhile the caller hears Progress.
+**Round calls** (``VerifyRound``, ``DraftRound``: :func:`serve_round`) carry one round's steps for many sessions of one
+caller in one call. Sessions still live and die with their ``Session`` stream; only the caller that opened a session may
+name it (``SessionRegistry.find``); each item fails alone, as its own ``Error``.
 """
 
 from __future__ import annotations

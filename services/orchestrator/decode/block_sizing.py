@@ -1,20 +1,14 @@
 """Adaptive block size: pick each block's length to maximise expected tokens per second.
 
 A block of length ``L`` commits ``E(L) = 1 + sum_{k<L} prod_{j<=k} a_j`` tokens on average (``a_k``: the chance
-candidate ``k`` is accepted given the ones before it were) and costs ``t(L) = t_draft(L) + t_verify(L)``; the best ``L``
-maximises ``E(L) / t(L)``. Both halves are measured, never assumed: :func:`measure_costs` times each size on the live
-endpoints at warm-up (the wire included), each block's own timings refine it, and the acceptance chain is counted from
-every block, older blocks weighing less (``FORGET``). A position short blocks never reach takes the rate of the position
-before it as its prior (the pooled rate, which the first positions dominate, would talk the sizer into short blocks).
+candidate ``k`` is accepted given the ones before it) and costs ``t(L) = t_draft(L) + t_verify(L)``; the best ``L``
+maximises ``E(L) / t(L)``. Costs are timed on the live endpoints at warm-up (:func:`measure_costs`) and refined by each
+block; the acceptance chain is counted from every block, older ones weighing less (``FORGET``). A position short blocks
+never reach takes the previous position's rate as prior (the pooled rate would talk the sizer into short blocks).
 
-Now and then a block is drafted one size longer than chosen (a probe), so a choice of 1 (which learns
-nothing) is not final; probes take about ``explore_share`` of the decode time. Blocks drafted by copy
-(``proposers/ngram.py``) accept by a law of their own (a repeat runs to its end or breaks at once), so
-they keep their own chain; where it prices 1, the block is drafted instead.
-
-When several sessions share a round (``BlockSizer.sharing``), a block is priced by what rounds are measured to cost
-(:class:`RoundCosts`), not by the alone curve. Only token counts and timings go in: no token changes whichever size is
-chosen. What the choices buy: ``docs/benchmarks.md`` (the sizer's paragraphs under "The demo pair as a user meets it").
+Now and then a block is drafted one size longer (a probe), so a choice of 1 is not final. Copied blocks
+(``proposers/ngram.py``) accept by a law of their own, so they keep their own chain. Sessions sharing a round are priced
+by :class:`RoundCosts`. Only counts and timings go in: no token changes whichever size is chosen.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """One scheduler per engine: every live request decoded together, in rounds.
 
-Each round is :func:`loop.advance` over every decode that has joined: ONE batched draft and ONE batched
-verify for all of them, whatever their block sizes, rules or sources. Requests join (after their prefill)
-and leave at round boundaries. No thread of its own: the request that needs a block and finds no round
-running drives the next one (on the model thread: ``step``), and every other request gets its block from
-that round: one request alone runs batches of one, N requests one batched round per block.
+Each round is :func:`loop.advance` over every joined decode: ONE batched draft and ONE batched verify, whatever their
+block sizes, rules or sources. Requests join (after prefill) and leave at round boundaries. No thread of its own: the
+request that needs a block and finds no round running drives the next one; the others get their blocks from it.
 
-A newcomer waits for half a round, not a whole one: where other work was queued for the model thread during a round's
-draft (``queued``: a prefill), the verify becomes a job of its own behind it. Without a model thread (the split) a
-request counts as ``starting`` until its prefill's answer, and a round whose draft finds requests starting waits for
-them before it verifies (at most one round's time), so the idle verifier runs the prefill first. What both bought:
-docs/benchmarks.md ("A round's verify yields to a newcomer", "The split lets a newcomer's prefill go first").
-
-A decode's failure is its own; a request cancelled or closed leaves before the next round, and its
+A newcomer waits half a round, not a whole one: work queued for the model thread during a round's draft (``queued``: a
+prefill) goes before that round's verify; in the split, a round whose draft finds requests ``starting`` waits for their
+prefill before it verifies. A decode's failure is its own; a cancelled request leaves before the next round and its
 sessions are closed after it left, so a round never runs on a closed session.
 """
 

@@ -1,19 +1,14 @@
 """Take-over: a run whose verifier or drafter replica is lost mid-stream continues on another replica.
 
-A remote session fails with a replica's loss (``BackendError.replica_lost``: UNAVAILABLE, a broken stream, a hung step).
-The orchestrator holds everything a session is rebuilt from -- the prompt and every committed token -- so the decode is
-parked instead (``Decode.lost``: its batch-mates go on untouched) and its own request thread reopens it here, outside
-any round: both sessions aborted; a new verifier session (balanced onto a SERVING replica, ``remote/streams.py``)
-prefills prompt + every committed token but the last, resuming its prefix cache; a new drafter session takes that
-prefill's aux with its first draft (the verifier's aux is the one source of a drafter's context, for a drafter's loss
-too); the decode resumes (``Decode.reopened``). Nothing committed changes, so greedy and coupled-sampling output is the
-uninterrupted run's token for token (the rejection rule's stays exactly distributed, not identical).
+On a replica's loss (``BackendError.replica_lost``) the decode is parked (``Decode.lost``; its batch-mates go on) and
+its request thread reopens it outside any round: both sessions aborted, a new verifier session on a SERVING replica
+prefills prompt + committed tokens but the last (resuming its prefix cache), and a new drafter session takes that aux
+with its first draft. Nothing committed changes, so greedy and coupled output equals the uninterrupted run's.
 
-A try that finds no replica waits (``BACKOFF_S``, doubling), ``TRIES`` times, then the run fails naming
-the role. A lost drafter with no other replica answering leaves the verifier to finish alone. A
-constrained request is not taken over (its grammar's state lived in the lost session). A draining
-replica hands its sessions over the same way (a loss marked ``drained``), counted apart and not against
-``MAX_PER_RUN``. A resumed stream (``Request.resume_ids``) reopens the same way.
+A try finding no replica waits (``BACKOFF_S``, doubling) ``TRIES`` times, then the run fails naming the role; a lost
+drafter with no replica left leaves the verifier to finish alone. A constrained request is not taken over (its grammar
+state lived in the lost session). Draining hand-offs (``drained``, not counted against ``MAX_PER_RUN``) and resumed
+streams reopen the same way.
 """
 
 from __future__ import annotations

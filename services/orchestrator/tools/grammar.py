@@ -1,22 +1,15 @@
 """``tool_choice`` as every front reads it, and the grammar that holds the model to the calls it asks for.
 
-The HTTP API's ``tool_choice`` and the gRPC API's ``ChatMessages.tool_choice`` mean the same and are refused for the
-same reasons, here: a front turns its wire shape into a mode or a function's name and calls :func:`choose` (a refusal
-names ``prompt.tool_choice``, which the front renames); :func:`check_tools` checks a tool's name and parameters. A chat
-whose calls are read (:func:`reads_calls`) stops where the model would wait for a call's results (:func:`stop_strings`)
-and finishes "tool_calls" when the model stopped after one (:func:`finish_reason`).
+Both fronts turn their wire shape into a mode or a function's name and call :func:`choose` (a refusal names
+``prompt.tool_choice``, which the front renames); :func:`check_tools` checks a tool's name and parameters. A chat whose
+calls are read (:func:`reads_calls`) stops where the model would wait for results (:func:`stop_strings`).
 
-``tool_choice: "required"`` (one call or more) and a named function (one call to it) hold the model to a
-call with this grammar, in llguidance's lark syntax: ``<|tool_call>call:NAME{ARGS}<tool_call|>``, then
-optionally ``<|tool_response>``. Gemma-4's arguments are not JSON (``tools/calls.py``), so the schema is
-compiled to rules of that syntax: keys bare, sorted (as the template writes them), every ``required`` key
-present and no undeclared one; strings between ``<|"|>`` marks with no ``<|`` inside (no string can swallow
-a mark); numbers, booleans, ``null``, lists, objects, ``enum``/``const``, ``anyOf``/``oneOf``/``allOf``,
-type lists, ``$ref``, and the keywords ``tools/keywords.py`` holds. A keyword it cannot hold is refused by
-name (:class:`GrammarError`), never dropped; annotations are skipped (``docs/structured.md`` lists both).
-
-Where the tokenizer holds a marker as a special token (Gemma-4's does) the grammar names it by id
-(``<[ID]>``), which no text can spell; else by its text (:func:`marker_terms`).
+``"required"`` and a named function hold the model to a call with a grammar in llguidance's lark syntax:
+``<|tool_call>call:NAME{ARGS}<tool_call|>``. Gemma-4's arguments are not JSON (``tools/calls.py``), so the schema
+compiles to rules of that syntax: keys bare and sorted (as the template writes them), strings between ``<|"|>`` marks
+with no ``<|`` inside (no string can swallow a mark). A keyword it cannot hold is refused by name (:class:`GrammarError`),
+never dropped; annotations are skipped (``docs/structured.md`` lists both). Markers the tokenizer holds as special tokens
+are named by id (``<[ID]>``), which no text can spell (:func:`marker_terms`).
 """
 
 from __future__ import annotations
