@@ -1,19 +1,15 @@
-"""The chat template of the project's checkpoints (the tiny pairs, the trained demo pair): Gemma's turn format,
-with tools rendered as Gemma-4's own template renders them.
+"""The chat template of the project's checkpoints (the tiny pairs, the demo pair): Gemma's turn format, with tools
+rendered as Gemma-4's own template renders them.
 
-Turns: ``<start_of_turn>ROLE`` newline, the content verbatim (no trim: a conversation's next prompt then starts
-with the previous prompt and answer, token for token, as far as the tokenizer splits them alike),
-``<end_of_turn>`` newline; ``assistant`` is Gemma's ``model``; the model's turn is opened at the end when asked.
+Turns: ``<start_of_turn>ROLE`` newline, the content verbatim (no trim: a conversation's next prompt then starts with
+the previous prompt and answer, token for token), ``<end_of_turn>`` newline; ``assistant`` is Gemma's ``model``.
 
-Tools, in Gemma-4's syntax (its ``chat_template.jinja``; vLLM's and mlx-lm's ``gemma4`` tool parsers read the calls
-back): the functions are declared in a system turn (after the system message's content, if the conversation opens with
-one) as ``<|tool>declaration:NAME{description:<|"|>...<|"|>,parameters:{...}}<tool|>``, a schema written with bare keys
-in sorted order, ``<|"|>`` quoting strings and types in capitals; an assistant's calls are
-``<|tool_call>call:NAME{key:value,...}<tool_call|>`` (arguments in sorted order, strings quoted by ``<|"|>``), each
-result of the ``tool`` messages after it ``<|tool_response>response:NAME{value:<|"|>...<|"|>}<tool_response|>`` in the
-same turn, which stays open for the model to go on after the results (no new turn is opened after them). A call without
-its results yet ends with ``<|tool_response>``, where the model stops to wait for them. The turn markers stay Gemma's
-(these checkpoints' tokenizers were given ``<start_of_turn>``/``<end_of_turn>``, not Gemma-4's ``<|turn>``/``<turn|>``).
+Tools, in Gemma-4's syntax (its ``chat_template.jinja``, which vLLM's and mlx-lm's ``gemma4`` tool parsers read back):
+functions declared in a system turn as ``<|tool>declaration:NAME{...}<tool|>`` (bare keys, sorted, strings quoted by
+``<|"|>``); calls as ``<|tool_call>call:NAME{key:value,...}<tool_call|>``; each result in the same turn as
+``<|tool_response>response:NAME{value:...}<tool_response|>``, the turn left open for the model to go on. A call without
+results yet ends with ``<|tool_response>``, where the model stops to wait. The turn markers stay Gemma's (these
+tokenizers have ``<start_of_turn>``/``<end_of_turn>``, not Gemma-4's ``<|turn>``/``<turn|>``).
 """
 
 CHAT_TEMPLATE = """{%- macro quoted(text) -%}<|"|>{{ text }}<|"|>{%- endmacro -%}

@@ -1,17 +1,14 @@
 """One generation's drafter state, and several sessions' draft calls as one forward (backend-neutral).
 
 Per ``draft`` call the new aux rows are projected to per-layer context K/V and appended to the session's cache (never a
-rescan), then ONE forward runs over the block ``[last_token, mask * (B-1)]`` and the argmax comes back in one host sync.
-A sampling session's candidates follow its rule (``core/sampling.py``) on q_i, the target's temperature / top-k / top-p
-/ min-p over the drafter's own logits: coupled (:class:`CoupledDrafts`), argmax(q_i + G(seed, position, token)), the
-verifier's noise, on the device; rejection (:class:`RejectionDrafts`), drawn on the host from q_i cut to its top-K,
-which the verifier then tests min(1, p/q') against.
+rescan), then ONE forward runs over the block ``[last_token, mask * (B-1)]``. A sampling session's candidates follow
+its rule (``core/sampling.py``) on q_i, the target's processing over the drafter's logits: coupled
+(:class:`CoupledDrafts`, the verifier's noise, on the device) or rejection (:class:`RejectionDrafts`, drawn on the host
+from q_i cut to its top-K, which the verifier tests min(1, p/q') against).
 
-A draft alone is :func:`draft_together` of one session, the same code :func:`draft_batch` runs for several
-queued sessions of one model (torch: one batched step over pooled K/V). Each gets what it would alone,
-except that a matmul over more rows may round differently (~1e-5 in float32 logits on a CPU), which changes
-a token only at a float tie; drafts are proposals, so the verifier's acceptance keeps the output exact.
-The model is a ``DraftModel`` (``backend.py``); a session owns its cache, sessions share only the weights.
+A draft alone is :func:`draft_together` of one session, the same code :func:`draft_batch` runs for several sessions of
+one model. Each gets what it would alone up to the rounding of a matmul over more rows; drafts are proposals, so the
+verifier's acceptance keeps the output exact. A session owns its cache; sessions share only the weights.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
-"""One generation's verifier state (prefill, verify a block in one forward, commit/trim), and several
-sessions' blocks verified in one forward.
+"""One generation's verifier state (prefill, verify a block in one forward, commit/trim), and several sessions' blocks
+verified in one forward.
 
-Backend-neutral: the target is driven only through ``backend.py``'s protocol. A session owns its caches and
-its ring layout (``layout.py``), the one position counter: each forward gets an immutable plan from it, a
-trim only moves it back. Per block there is one host sync (the choices); aux stays on the device.
+Backend-neutral (``backend.py``'s protocol). A session owns its caches and its ring layout (``layout.py``), the one
+position counter: each forward gets an immutable plan from it, a trim only moves it back. One host sync per block.
 
-A block is :meth:`LocalVerifierSession.decide` (the contract's step): :meth:`~LocalVerifierSession.verify`
-(the forward and the choices, the block left pending), then :meth:`~LocalVerifierSession.commit`.
-:func:`decide_batch` / :func:`verify_batch` run many sessions' blocks as ONE forward (``forward_plan``,
-``target.forward``, ``forward_done``, ``choose``: the pieces of ``verify``), each session getting exactly
-what its own ``verify`` returns or raises: sessions' rows meet only in row-wise operations (projections,
-norms, MLP, MoE, LM head); attention, caches, positions, masks, noise and random streams stay their own.
+:meth:`LocalVerifierSession.decide` is :meth:`~LocalVerifierSession.verify` then :meth:`~LocalVerifierSession.commit`.
+:func:`decide_batch` / :func:`verify_batch` run many sessions' blocks as ONE forward, each session getting exactly what
+its own ``verify`` returns or raises: rows meet only in row-wise operations; attention, caches, positions, masks, noise
+and random streams stay their own.
 """
 
 from __future__ import annotations

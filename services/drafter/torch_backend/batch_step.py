@@ -1,20 +1,17 @@
-"""The torch drafter's context K/V pool and its draft step: any number of sessions' extensions and blocks
-in one step whose device work does not grow with the number of sessions.
+"""The torch drafter's context K/V pool and its draft step: any number of sessions' extensions and blocks in one step
+whose device work does not grow with the number of sessions.
 
-The pool is the verifier's design (``verifier/torch_backend/pool.py``) without rollback, since a drafter's
-context only grows: a session (:class:`PooledContext`) holds its full-attention context as pages taken as
-it grows and its sliding context as a ring of ``ring >= sliding_window - 1`` slots (position ``p`` in slot
-``p % ring``). A step writes each block's K/V into the pools' *scratch* rows, never a session's pages, so
-several blocks of one session (a pre-draft's) run in one step and the context holds committed positions.
+The pool is the verifier's design (``verifier/torch_backend/pool.py``) without rollback, since a drafter's context only
+grows: a session (:class:`PooledContext`) holds its full-attention context as pages and its sliding context as a ring
+of ``ring >= sliding_window - 1`` slots. A step writes each block's K/V into the pools' *scratch* rows, never a
+session's pages, so several blocks of one session (a pre-draft's) run in one step and the context holds committed
+positions only.
 
-A step (:func:`run`) projects every extension's new aux rows at once (ONE ``index_copy_`` per layer into the rows the
-host planned), runs every row-wise op of the blocks once over all rows, per layer ONE write of the blocks' K/V and ONE
-attention call over every block through a padded ``[blocks, context slots + block lanes]`` table (masks built on the
-device from positions), then the greedy tokens in ONE host sync. The host packs every integer input into one vector.
-Shapes depend only on :class:`Shape`: with ``static_extent`` (CUDA) everything is padded to buckets and ``StepGraphs``
-captures one graph per shape (padded rows write the trash row and see one real key: a softmax over none is NaN); eagerly
-sizes are exact and the row-wise ops see the blocks' rows unpadded (``ragged``). A prompt-long extension runs first as
-an eager step of its own when graphs are on.
+A step (:func:`run`) projects every extension's new aux rows at once, runs the blocks' row-wise ops once over all rows,
+and per layer ONE K/V write and ONE attention call through a padded ``[blocks, context slots + block lanes]`` table
+(masks built on the device from positions), then the greedy tokens in ONE host sync. Shapes depend only on
+:class:`Shape`: with ``static_extent`` (CUDA) everything is padded to buckets and ``StepGraphs`` captures one graph per
+shape (padded rows write the trash row and see one real key: a softmax over none is NaN); eagerly sizes are exact.
 """
 
 from __future__ import annotations

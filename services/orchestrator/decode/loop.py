@@ -1,18 +1,15 @@
 """Speculative decoding (greedy, or lossless sampling by either rule) as per-session state advanced in rounds.
 
-Knows no backend and no transport: between a verifier session and a drafter session (``core/contract.py``) only ints and
-opaque aux move. A :class:`Decode` is one generation's state; :func:`advance` runs one round over any number of them:
+Knows no backend and no transport: between a verifier session and a drafter session only ints and opaque aux move. A
+:class:`Decode` is one generation's state; :func:`advance` runs one round over any number of them:
 
-1. **draft**: each session asks its proposers in order (``orchestrator/proposers/``: grammar-forced tokens,
-   an n-gram copy, else the drafter); every drafter call of the round (a copy's too, so the drafter's
-   context never has a gap) goes out as ONE batch (``draft_many``);
-2. **verify**: every block ``[last, c1 .. c_{B-1}]`` goes to the verifier as ONE batch (``decide_many``),
-   which keeps the accepted positions (``core.contract.accept``) and trims the rest: every block commits
-   1..B of the target's own tokens (greedy, coupled or rejection sampling alike);
+1. **draft**: each session asks its proposers in order (``orchestrator/proposers/``); every drafter call of the round
+   (a copy's too, so the drafter's context never has a gap) goes out as ONE batch (``draft_many``);
+2. **verify**: every block ``[last, c1 .. c_{B-1}]`` goes to the verifier as ONE batch (``decide_many``), which keeps
+   the accepted positions and trims the rest: every block commits 1..B of the target's own tokens;
 3. **commit**: the verdict's next token opens the next block; its aux goes to the drafter with the next draft.
 
-Sessions differ freely within a round (block sizes, sampling rules, seeds, sources); one session's failure
-is its own, never its batch-mates'. The engine's ``scheduler.py`` runs the rounds for every live request;
+Sessions differ freely within a round (block sizes, rules, seeds, sources); one session's failure is its own.
 :func:`run` decodes one session alone, the same rounds with a batch of one.
 """
 

@@ -1,17 +1,12 @@
 """What the HTTP front does with each parameter a request may send, and the parameters that need more than a type.
 
-Every parameter of OpenAI's two endpoints, and the extensions of vLLM's that clients send, is in :data:`PARAMS`:
-**honoured** (``http_api.py`` reads it), **refused** (any value but the one asking for nothing is a 400 naming
-it, never a generation that silently differs) or **harmless** (type-checked and unused: ``user``). A parameter
-of the other endpoint is refused naming the one that takes it; a name in no list is ignored, as vLLM does
-(clients send vendor fields; every field known to change the output is listed).
+Every parameter of OpenAI's two endpoints, and vLLM's extensions clients send, is in :data:`PARAMS`: **honoured**,
+**refused** (any value but the one asking for nothing is a 400 naming it, never a silently different generation) or
+**harmless** (type-checked and unused). A parameter of the other endpoint is refused naming the one that takes it; an
+unknown name is ignored, as vLLM does (every field known to change the output is listed).
 
-Below the table, the parameters that need more than a type check: the constraint (:func:`constraint`:
-``response_format``, vLLM's ``guided_*`` and ``structured_outputs``, one per request, refusals naming the
-parameter sent); logprobs (:func:`logprobs_requested`; answered in OpenAI's two shapes, a stream's chunks
-carrying the tokens committed since the last, the target's raw distribution, the stop token included); and
-function tools (``tools``, ``tool_choice``'s JSON shape, the tool turns of ``messages``, an answer's calls;
-what a choice means is ``tools/grammar.py``'s).
+Below the table, the parameters needing more than a type check: the constraint (:func:`constraint`, one per request),
+logprobs (:func:`logprobs_requested`) and function tools (``tools``, ``tool_choice``'s JSON shape, tool turns).
 """
 
 from __future__ import annotations

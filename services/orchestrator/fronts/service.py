@@ -1,16 +1,13 @@
 """The generation service: what every public front (the gRPC API, the HTTP API) runs a request through.
 
 A front turns what its client sent into a :class:`~kakeya.core.request.Request` and iterates
-:meth:`GenerationService.stream`: committed blocks, then one :class:`~kakeya.core.generation.Report`. In
-between, for every front alike: readiness, admission (``--max-sessions``, its queue ``--queue``,
-``--max-sessions-per-peer``), the engine's check against this server's :class:`Limits`, the run,
-cancellation when the client goes away, the drain, and the metrics.
+:meth:`GenerationService.stream`: committed blocks, then one :class:`~kakeya.core.generation.Report`. In between, for
+every front alike: readiness, admission, the engine's check against :class:`Limits`, the run, cancellation, the drain.
 
-Failures: before the first block a refusal raises -- ``InvalidRequest`` naming the request's field, or ``RequestError``
-with a status; after it, the report says ``finish_reason`` "error". A cancelled run ends without a report. What a public
-caller is told of a backend's failure is :func:`public_status`'s: a backend's error names its address and its own fields
-(``open.cache_policy``), which a public caller knows neither of; the status is kept, the fields a public request sets
-renamed, anything else replaced by a short reason, and the whole error logged for the operator.
+Failures: before the first block a refusal raises (``InvalidRequest`` naming the field, or ``RequestError`` with a
+status); after it, the report says ``finish_reason`` "error". A cancelled run ends without a report. A backend's error
+names its address and its own fields, which a public caller knows neither of: :func:`public_status` keeps the status,
+renames the public fields, replaces anything else by a short reason, and logs the whole error.
 """
 
 from __future__ import annotations

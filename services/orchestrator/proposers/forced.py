@@ -1,16 +1,11 @@
 """Grammar-aware drafting: the tokens a constraint's grammar forces are drafted without the drafter.
 
-A constrained request's verifier session holds the grammar that decides (``verifier/local.py``); the loop holds a copy
-of it here, advanced by the tokens the generation commits, only to draft from. Where the grammar allows one continuation
-for a while -- a JSON key, its quotes and colon, a closing bracket -- llguidance's fast-forward tokens are that
-continuation, and the loop sends the whole run as one block's candidates (the drafter only takes the new positions'
-context, as for an n-gram copy). The verifier still decides every token, so the output is unchanged: this only saves the
-drafter's guesses where the grammar already knows the answer. Elsewhere a greedy request's drafter returns, with each
-candidate, the likeliest ids of its row (``Draft.ranked``), and the block takes at each position the best-ranked id the
-grammar allows after the committed tokens and the ids chosen before it (:meth:`Guide.choose`), ending where none of them
-is allowed; so the drafter never proposes a candidate the verifier must refuse. Any candidate is exact (greedy and
-coupled accept a candidate only where it equals the verifier's own choice); a block without ranks (a coupled request's)
-is cut before its first candidate the grammar refuses.
+The loop holds a copy of the verifier session's grammar, advanced by committed tokens, only to draft from. Where the
+grammar allows one continuation for a while (a JSON key, a closing bracket), llguidance's fast-forward tokens are sent
+as one block's candidates. Elsewhere a greedy request's drafter returns each candidate's likeliest ids
+(``Draft.ranked``) and the block takes at each position the best-ranked id the grammar allows (:meth:`Guide.choose`),
+so the drafter never proposes a candidate the verifier must refuse; a block without ranks is cut before its first
+refused candidate. The verifier still decides every token, so the output is unchanged.
 """
 
 from __future__ import annotations

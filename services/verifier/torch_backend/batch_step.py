@@ -1,19 +1,15 @@
-"""The torch verify step over pooled K/V: any number of sessions' blocks in one forward whose device
-work does not grow with the number of sessions.
+"""The torch verify step over pooled K/V: any number of sessions' blocks in one forward whose device work does not grow
+with the number of sessions.
 
 A step takes :class:`~kakeya.verifier.backend.Segment` s (a session's block and its ``RingLayout``'s plan, in place:
-``n_new <= slack``) whose caches are pages of one target's pools (``pool.py``), and runs every row-wise op (embeddings,
-norms, projections, RoPE, MLP, MoE, LM head) once over all rows; per layer ONE cache write and ONE attention call over
-every session's rows through a padded ``[sessions, slots]`` table of pool rows, masks built on the device from positions
-(the Triton decode-attention kernel on CUDA; eagerly a gather, or a lone session's consecutive pages as a slice, and
-SDPA); then the greedy choices of all rows in one argmax, ONE host sync.
+``n_new <= slack``) whose caches are pages of one target's pools (``pool.py``), runs every row-wise op once over all
+rows, and per layer ONE cache write and ONE attention call through a padded ``[sessions, slots]`` table of pool rows,
+masks built on the device from positions; then the greedy choices of all rows in ONE host sync.
 
-The host reserves pages, then packs every integer input into one vector copied to the device once.
-Shapes depend only on :class:`Shape`: with ``static_extent`` (CUDA) sessions, blocks and extents are
-padded to buckets and ``StepGraphs`` captures one graph per shape (padded rows write the trash page and
-see one real key: a softmax over none is NaN); eagerly sizes are exact and the row-wise ops see the rows
-unpadded (``ragged``). Outputs equal each session's alone -- the same step with one segment -- up to the
-floating-point order of a matmul over more rows and of attention over more (masked) slots.
+Shapes depend only on :class:`Shape`: with ``static_extent`` (CUDA) everything is padded to buckets and ``StepGraphs``
+captures one graph per shape (padded rows write the trash page and see one real key: a softmax over none is NaN);
+eagerly sizes are exact. Outputs equal each session's alone up to the floating-point order of a matmul over more rows
+and of attention over more (masked) slots.
 """
 
 from __future__ import annotations
