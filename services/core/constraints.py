@@ -1,14 +1,12 @@
 """Constrained decoding: what a request may ask its output to match, and the grammar state that enforces it.
 
-A :class:`Constraint` is what a client sent (``kind`` and ``spec``): a JSON schema, any JSON object, a
-regular expression, a choice among strings, or a Lark grammar. :meth:`Constraint.grammar` turns it into
-llguidance's grammar text, which depends on no tokenizer, so it is what travels (to a verifier in this
-process or over gRPC). :class:`Grammar` is that grammar run against a checkpoint's tokenizer: it
-consumes committed tokens, rolls back, and writes the bitmask of the tokens allowed next.
+A :class:`Constraint` is what a client sent: a JSON schema, any JSON object, a regex, a choice among strings, or a Lark
+grammar. :meth:`Constraint.grammar` turns it into llguidance's grammar text, which depends on no tokenizer, so it is
+what travels. :class:`Grammar` is that grammar run against a tokenizer: it consumes committed tokens, rolls back, and
+writes the bitmask of the tokens allowed next.
 
-llguidance (rather than xgrammar): Lark grammars with special tokens named by id (the tool-call grammar,
-``orchestrator/tools/grammar.py``), the tokens a grammar forces (guided drafting), and a HF ``tokenizers``
-JSON taken as it is. Its masks are slower than xgrammar's, both far below a verify step (``docs/structured.md``).
+llguidance (rather than xgrammar): Lark grammars with special tokens named by id (the tool-call grammar), the tokens a
+grammar forces (guided drafting), and a HF ``tokenizers`` JSON taken as it is.
 """
 
 from __future__ import annotations

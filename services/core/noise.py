@@ -1,19 +1,17 @@
 """Counter-based Gumbel noise G(seed, position, token): the same bits in numpy, torch and MLX.
 
-The coupled sampling rule (``sampling.py``) needs one Gumbel variable per (seed, absolute position, token id)
-that the verifier and the drafter each make on their own device, in any order and batch, bit for bit alike: a
-pure function of those three integers, not a stream.
+The coupled sampling rule (``sampling.py``) needs one Gumbel variable per (seed, absolute position, token id) that the
+verifier and the drafter each make on their own device, in any order and batch, bit for bit alike: a pure function of
+those three integers, not a stream.
 
 * ``session_keys(seed)``: two 32-bit words from the 64-bit seed;
 * per row: ``ra = mix(position ^ k1)`` and an odd ``step = (mix(ra ^ k2) >> 1) | 1``;
-* per token: ``bits = mix(token * step + ra)`` (mod 2**32): a bijection of the token within a row; across rows
-  progressions of different steps, which meet in scattered points, never in a pattern;
+* per token: ``bits = mix(token * step + ra)`` (mod 2**32): a bijection of the token within a row;
 * ``u = (2 * (bits >> 9) + 1) * 2**-24``: exact in float32, never 0 or 1; ``G = -log(-log(u))`` in float32.
 
-``mix`` is a 32-bit integer hash (xor-shift / multiply rounds, as Wellons' hash-prospector functions) for any
-integer array type: numpy and MLX compute in uint32, where a product wraps by itself; torch in int64 (``wrap``
-masks the product; both multipliers are below 2**31, so it never overflows). Only the float32 ``log`` may
-differ between backends (an ulp or so), which changes a choice only at a near-exact tie of two scores.
+``mix`` is a 32-bit integer hash (Wellons' hash-prospector style): numpy and MLX compute in uint32, where a product
+wraps by itself; torch in int64 (``wrap`` masks the product; both multipliers are below 2**31). Only the float32 ``log``
+may differ between backends (an ulp), which changes a choice only at a near-exact tie.
 """
 
 from __future__ import annotations

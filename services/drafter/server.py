@@ -1,14 +1,11 @@
 """The drafter's gRPC servicer: one Session stream == one DFlash drafter session (either backend).
 
-The stream IS the session: its context K/V cache is created at ``Open`` and freed when the stream ends,
-however it ends. With ``--max-kv-bytes`` the bytes a Draft's context will hold are reserved before it
-extends it (``SessionRegistry.reserve``), so one client's long context cannot take the drafter's memory.
-Per block the request carries the aux of the newly committed positions (``wire/codec.py``) and the token
-opening the block; the response carries ``B - 1`` candidate ids (and, sampling, the proposal each was
-drawn from). A ``Predraft`` (deprecated: pre-drafting was removed, measured not to pay, docs/benchmarks.md
-"History") only takes its new aux and is answered with no block. After its first Draft, a session's Drafts
-may come in a ``DraftRound`` call with other sessions' (``runtime/servicer.py``), each checked and answered
-as its stream's Draft. The drafter loads only the target's embedding and LM head, never the whole target.
+The stream IS the session: its context K/V cache is created at ``Open`` and freed when the stream ends, however it
+ends. With ``--max-kv-bytes`` the bytes a Draft's context will hold are reserved before it extends it, so one client's
+long context cannot take the drafter's memory. A Draft carries the newly committed positions' aux and the token opening
+the block; the answer carries ``B - 1`` candidate ids (and, sampling, their proposals). A ``Predraft`` (deprecated)
+only takes its new aux. After its first Draft, a session's Drafts may come in a ``DraftRound`` call. The drafter loads
+only the target's embedding and LM head.
 """
 
 from __future__ import annotations

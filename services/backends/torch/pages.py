@@ -1,14 +1,10 @@
 """Pages of K/V rows: the pool the torch verifier's and drafter's batched steps read through tables.
 
-A :class:`PagePool` holds, for every layer of one kind that owns K/V, a K and a V tensor ``[kv_heads, rows, width]``
-(the layout the Triton decode-attention kernel reads, ``kernels/attention.py``), cut into pages of ``page`` rows.
-Sessions take pages as their caches grow and give them back when they close; they are handed out again, lowest first. A
-pool that runs out grows by whole chunks of pages (at least doubling, so O(log n) moves); growth moves the tensors but
-no page changes its rows, and it bumps ``generation`` (a captured CUDA graph holds the old tensors' addresses). Page 0
-is never handed out: a batched step's padded rows write there and padded table entries read there. How a row is stored
-is its layer's :class:`Storage` (exact here; the verifier adds quantized full-attention rows). What a session's pages
-mean (rings, positions) is the caller's: the verifier's ``verifier/torch_backend/pool.py`` and the drafter's
-``drafter/torch_backend/batch_step.py``.
+A :class:`PagePool` holds, per layer of one kind that owns K/V, a K and a V tensor ``[kv_heads, rows, width]`` (the
+layout ``kernels/attention.py`` reads), cut into pages of ``page`` rows, handed out lowest first. A pool that runs out
+grows by whole chunks (at least doubling); growth moves the tensors but no page's rows, and bumps ``generation`` (a
+captured CUDA graph holds the old addresses). Page 0 is never handed out: padded rows write there and padded table
+entries read there. A row's storage is its layer's :class:`Storage`; what pages mean (rings, positions) is the caller's.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The orchestrator's OpenAI-compatible HTTP front: Starlette on uvicorn, beside the gRPC server in one process.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``: server-sent events ended by
-``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}`` and ``GET /health`` (200 once SERVING, else
-503; open without a token, as gRPC health is). Every request runs through :meth:`GenerationService.stream`
--- the same admission, check, run, metrics and draining as a gRPC ``Generate`` -- on a thread of its own;
-a client that goes away cancels its run, streamed or not. The bearer token and TLS are the gRPC server's.
-Anything a client sends wrong is a 4xx in OpenAI's error shape (``fronts/http_api.py``), never a 500.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``: server-sent events ended by ``data:
+[DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}`` and ``GET /health`` (200 once SERVING, else 503; open without a
+token). Every request runs through :meth:`GenerationService.stream` on a thread of its own; a client that goes away
+cancels its run. The bearer token and TLS are the gRPC server's. A client's mistake is a 4xx in OpenAI's error shape.
 
-Slow clients are bounded (``bounds.HttpTimeouts``): headers within ``headers_s`` of the request's first byte
-(uvicorn has no such bound: :func:`_bounded_h11`), the body within ``body_s`` (408), an idle keep-alive
-connection closed after ``keep_alive_s``.
+Slow clients are bounded (``bounds.HttpTimeouts``): headers within ``headers_s`` (uvicorn has no such bound:
+:func:`_bounded_h11`), the body within ``body_s`` (408), an idle keep-alive connection closed after ``keep_alive_s``.
 """
 
 from __future__ import annotations

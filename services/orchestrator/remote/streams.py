@@ -1,14 +1,12 @@
 """The streams under the gRPC Verifier / Drafter clients: channels, errors, one Session call, round calls.
 
-A backend's channel reconnects fast and balances sessions over its SERVING replicas; a call's failure is a
-:class:`BackendError` with the gRPC status; :class:`Stream` is one bidirectional ``Session`` call, its
-requests pipelined (``post`` returns a :class:`Reply`) and its responses read strictly in order, each
-step bounded by a deadline of silence (``remote/deadlines.py``) that every Progress message re-arms.
-:class:`RemoteBackend` is what the two clients share: channel, GetInfo, health, and round calls.
+A backend's channel reconnects fast and balances sessions over its SERVING replicas; a failure is a
+:class:`BackendError` with the gRPC status; :class:`Stream` is one ``Session`` call, requests pipelined (``post``
+returns a :class:`Reply`), responses read in order, each step bounded by a deadline of silence that every Progress
+re-arms. :class:`RemoteBackend` is what the two clients share: channel, GetInfo, health, round calls.
 
-A draining replica says so in every answer; a stream that may move (``elsewhere``: ``decode/takeover.py``)
-then fails its next step with a ``BackendError`` marked ``drained`` while another replica answers SERVING
-(:class:`Replicas`); with none, it finishes where it is within the server's grace.
+A stream that may move (``elsewhere``) fails its next step after a draining answer with a ``BackendError`` marked
+``drained`` while another replica answers SERVING (:class:`Replicas`); with none, it finishes where it is.
 """
 
 from __future__ import annotations

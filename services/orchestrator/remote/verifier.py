@@ -1,15 +1,12 @@
 """The Verifier protocol (``core/contract.py``) over gRPC (the Drafter's: ``remote/drafter.py``).
 
-One bidirectional ``Session`` stream per session: opening starts the stream, ``close`` ends it politely, ``abort``
-cancels it; the server frees the session's cache either way. Requests are pipelined where the protocol allows (``Open``
-travels with ``Prefill``), so a block costs two round trips: draft and verify. A scheduler's round sends every session's
-block to one backend in ONE round call (``VerifyRound``, ``runtime/servicer.py``), named by the ids ``Opened`` returned;
-a lone session's block, and any the server does not find (another replica), travel on the session's stream.
+One bidirectional ``Session`` stream per session: opening starts it, ``close`` ends it politely, ``abort`` cancels it;
+the server frees the session's cache either way. ``Open`` travels with ``Prefill``, so a block costs two round trips.
+A scheduler's round sends every session's block to one backend in ONE ``VerifyRound`` call; a lone session's block, and
+any the server does not find (another replica), travel on the session's stream.
 
-Aux hidden states stay opaque: a wire ``Tensor`` is passed on as it came, so a split deployment never
-decodes aux here. A session takes its request's ``SessionOptions`` (request id, deadline, cancel).
-Failures are ``streams.BackendError``s; a step fails only after a deadline of silence
-(``remote/deadlines.py``), so a hung backend is noticed within seconds and a slow one is not.
+Aux stays opaque: a wire ``Tensor`` is passed on as it came. Failures are ``streams.BackendError``s; a step fails only
+after a deadline of silence (``remote/deadlines.py``), so a hung backend is noticed within seconds and a slow one is not.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The model's tool calls, in Gemma-4's syntax, read out of its text into OpenAI's ``tool_calls``.
 
-A call is ``<|tool_call>call:NAME{ARGS}<tool_call|>`` (as Gemma-4's chat template writes one): ARGS are
-``key:value`` pairs, keys bare or quoted, strings between ``<|"|>`` marks, numbers, ``true``, ``false``,
-``null`` (or ``None``), objects and lists as in JSON. :func:`parse_arguments` turns ARGS into the JSON object
+A call is ``<|tool_call>call:NAME{ARGS}<tool_call|>``: ARGS are ``key:value`` pairs, keys bare or quoted, strings
+between ``<|"|>`` marks, other values as in JSON. :func:`parse_arguments` turns ARGS into the JSON object
 ``function.arguments`` carries; a call that does not parse stays in the text as content.
 
-:class:`CallStream` reads the text as it streams: text before a call is content, and a tail that may start a
-marker is held back until the next block says what it is. A call comes out whole once its end marker has
-arrived; or, where a grammar holds every call well-formed, as OpenAI streams one: id and name, then its
-arguments in JSON pieces as they are written (:class:`ArgumentsStream`). A call the model may write
-malformed (``auto``) waits for its end: a streamed call could not be taken back.
+:class:`CallStream` reads streamed text: a tail that may start a marker is held back until the next block says what it
+is. A call comes out whole once its end marker arrived; or, where a grammar holds every call well-formed, as OpenAI
+streams one (:class:`ArgumentsStream`). Under ``auto`` a call waits for its end: a streamed call cannot be taken back.
 """
 
 from __future__ import annotations

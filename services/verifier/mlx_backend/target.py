@@ -1,14 +1,11 @@
 """The Gemma-4 target on MLX (``backend.Target``): mlx-lm's model code, one forward that also returns aux.
 
-We drive mlx-lm's own decoder layers and re-spell only the short layer loop of ``Gemma4TextModel.__call__``
-(:meth:`TargetMLX.body`): the aux layers' outputs are taken inside the same forward, and sliding layers
-attend with our ring layout's masks. Every forward -- one session's, or several on the batch axis -- is that
-loop over per-forward views of the sessions' caches (:class:`LayerView`): mlx-lm's attention reads
-``cache.offset`` and calls ``cache.update_and_fetch``, our caches hold arrays only, so each forward binds
-them to its segments' plans. Sessions go on the batch axis, short blocks padded at the end: each row's real
-positions reach its own cache exactly as alone (padding never does), masks are padded with False (a padded
-row sees key 0 only and is dropped). Projections, norms, MLP, MoE and the LM head run once over all rows;
-attention stays per row. f_theta and quantized full-attention caches never batch (``session.batchable``).
+We drive mlx-lm's decoder layers and re-spell only the layer loop of ``Gemma4TextModel.__call__`` (:meth:`TargetMLX.body`)
+so the aux layers' outputs come from the same forward and sliding layers attend with our ring layout's masks. Each
+forward binds the sessions' array-only caches to its plans through per-forward views (:class:`LayerView`), since
+mlx-lm's attention reads ``cache.offset`` and calls ``cache.update_and_fetch``. Sessions go on the batch axis, short
+blocks padded at the end (a padded row sees key 0 only and is dropped); attention stays per row. f_theta and quantized
+full-attention caches never batch (``session.batchable``).
 """
 
 from __future__ import annotations

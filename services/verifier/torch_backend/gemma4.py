@@ -1,15 +1,12 @@
 """The Gemma-4 text model in plain PyTorch: config and layers (weights: ``verifier/torch_backend/load.py``).
 
-The torch counterpart of mlx-lm's ``gemma4_text.py``, gpt-fast style: modules hold raw weight tensors
-(read under their Hugging Face names, so one directory opens here, in mlx-lm and in transformers), the
-forward is explicit tensor ops, no transformers classes on the hot path.
+The torch counterpart of mlx-lm's ``gemma4_text.py``, gpt-fast style: modules hold raw weight tensors under their
+Hugging Face names (one directory opens here, in mlx-lm and in transformers), the forward is explicit tensor ops.
 
-Covered (semantics of mlx-lm ``gemma4_text`` / transformers ``gemma4``): sliding / full layers;
-``global_head_dim`` and ``num_global_key_value_heads`` on full layers; ``attention_k_eq_v`` (V = raw K
-projection, then a scale-free RMSNorm); q/k norms; attention scale 1; default RoPE on sliding layers,
-*proportional* partial RoPE on full ones; embedding scale sqrt(hidden); ``layer_scalar``; GeGLU MLP,
-double width on KV-shared layers with ``use_double_wide_mlp``; the MoE block beside the dense MLP; per-layer
-inputs; KV sharing across the last ``num_kv_shared_layers`` layers; ``final_logit_softcapping``.
+Covered (semantics of mlx-lm ``gemma4_text`` / transformers ``gemma4``): sliding / full layers; ``global_head_dim`` and
+``num_global_key_value_heads``; ``attention_k_eq_v``; q/k norms; attention scale 1; default RoPE on sliding layers,
+proportional partial RoPE on full ones; embedding scale; ``layer_scalar``; GeGLU MLP (double width with
+``use_double_wide_mlp``); MoE beside the dense MLP; per-layer inputs; KV sharing; ``final_logit_softcapping``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
-"""Split-K (flash-decoding) attention of a few query rows per session over a K/V pool read through
-an index table: the sliding ring and the full-attention buffers of a verify or a draft block.
+"""Split-K (flash-decoding) attention of a few query rows per session over a K/V pool read through an index table: the
+sliding ring and the full-attention buffers of a verify or a draft block.
 
-Per session ``b``: slot ``j`` holds pool row ``table[b, j]`` at position ``key_pos[b, j]`` (negative: an
-empty slot), in any order (attention is order-free given the mask, so a ring is read as it lies). Query
-row ``l`` at ``query_pos[b, l]`` sees key position ``k`` iff ``0 <= k <= q`` and, with a ``window``,
-``k > q - window`` or ``k < sinks``: ``verifier/layout.py``'s mask, built in the kernel from positions.
-A full layer is ``table = key_pos = arange(S)``, ``window=0``; the drafter's block, which sees all of its
-context and itself, puts every query row at the block's last position.
+Per session ``b``: slot ``j`` holds pool row ``table[b, j]`` at position ``key_pos[b, j]`` (negative: empty), in any
+order (a ring is read as it lies). Query row ``l`` at ``query_pos[b, l]`` sees key position ``k`` iff ``0 <= k <= q``
+and, with a ``window``, ``k > q - window`` or ``k < sinks``: ``verifier/layout.py``'s mask, built from positions. A full
+layer is ``table = key_pos = arange(S)``, ``window=0``; the drafter's block puts every query row at its last position.
 
-GQA is folded: one program takes a KV head's ``G * L`` query rows, so each K/V row is read once per KV
-head. The keys are split over programs (``splits``), each keeping an online softmax and a float32 partial
-output; a second kernel combines the splits. K/V rows no query row sees are never read.
+GQA is folded (one program takes a KV head's ``G * L`` query rows, so each K/V row is read once per KV head); keys are
+split over programs, each keeping an online softmax and a float32 partial, combined by a second kernel.
 
-Numerics follow the eager ``ops.decode_attention``: ``q * scale`` and the scores rounded to the activation
-dtype, the optional soft-cap op by op, the softmax in float32, the probabilities rounded to the dtype for
-``p @ v``, float32 accumulation, one rounding at the end -- except that the probabilities are rounded
-before the softmax is normalised here (the running sum is not final yet), after it eagerly.
+Numerics follow the eager ``ops.decode_attention`` (scores rounded to the activation dtype, soft-cap op by op, float32
+softmax, probabilities rounded for ``p @ v``, float32 accumulation), except that the probabilities are rounded before
+the softmax is normalised here (the running sum is not final yet), after it eagerly.
 """
 
 from __future__ import annotations

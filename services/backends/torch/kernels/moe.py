@@ -1,18 +1,13 @@
-"""The MoE block of a few rows (a verify or a draft): the router's top-k, then every routed expert
-once for all the rows that chose it -- each expert's weights are read once per call, the
-expert-union floor -- in two kernels and no host sync.
+"""The MoE block of a few rows: the router's top-k, then every routed expert once for all the rows that chose it (each
+expert's weights read once per call, the expert-union floor), in two kernels and no host sync.
 
-Semantics of Gemma-4's ``MoE`` (``verifier/torch_backend/gemma4.py``): the router's float32 softmax, top
-``k`` renormalised, times the per-expert scale; each expert's fused ``gate_up`` ``[2 * mi, h]`` (gate rows,
-then up rows), tanh-GELU GeGLU, ``down`` ``[h, mi]``; each row's weighted outputs summed in float32 in
-ascending expert order and rounded once (the eager ``index_add_`` on a CPU; CUDA's atomics add in no
-fixed order), rounding elsewhere where the eager ops round.
+Semantics of Gemma-4's ``MoE`` (``verifier/torch_backend/gemma4.py``): float32 router softmax, top ``k`` renormalised,
+times the per-expert scale; each expert's fused ``gate_up`` ``[2 * mi, h]``, tanh-GELU GeGLU, ``down`` ``[h, mi]``; each
+row's weighted outputs summed in float32 in ascending expert order and rounded once.
 
 * :func:`route`: one program per row over the router logits.
-* :func:`experts`: ``_gate_up_kernel`` -- one program per (routed expert, slice of ``mi``), the
-  first (row, choice) pair naming an expert does that expert's work for every row that chose it --
-  then ``_down_kernel`` -- one program per slice of ``h``, over the routed experts in ascending
-  order, so each row's sum is formed in registers in a fixed order (deterministic, no atomics).
+* :func:`experts`: ``_gate_up_kernel`` (one program per routed expert and slice of ``mi``, for every row that chose it),
+  then ``_down_kernel`` (one program per slice of ``h``, experts in ascending order: deterministic, no atomics).
 """
 
 from __future__ import annotations

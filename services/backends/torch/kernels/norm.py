@@ -1,14 +1,11 @@
 """RMSNorm, alone or fused with the residual add before it: one kernel, one read of each row.
 
-The two conventions of ``backends/torch/ops.py``: Gemma-4 (:func:`~kakeya.backends.torch.ops.gemma4_rms_norm`)
-multiplies by the weight in float32 and rounds once; Qwen3 (``qwen3=True``,
-:func:`~kakeya.backends.torch.ops.qwen3_rms_norm`, the drafter's layers and, with the router's scale
-as its weight, Gemma-4's router input) rounds the normalised row first and multiplies by the weight
-in the activation dtype. ``weight=None`` is the scale-free norm.
+The two conventions of ``backends/torch/ops.py``: Gemma-4 multiplies by the weight in float32 and rounds once; Qwen3
+(``qwen3=True``: the drafter's layers, and Gemma-4's router input) rounds the normalised row first and multiplies in the
+activation dtype. ``weight=None`` is the scale-free norm.
 
-:func:`add_rms_norm` is a decoder layer's residual step: ``h = residual + branch`` -- Gemma-4's
-sandwich norms the branch first (``branch_weight``), its ``layer_scalar`` multiplies the sum
-(``scale``) -- and the next norm of ``h``, rounding wherever the eager ops round.
+:func:`add_rms_norm` is a decoder layer's residual step: ``h = residual + branch`` (the branch normed first with
+``branch_weight``, the sum times ``scale``) and the next norm of ``h``, rounding wherever the eager ops round.
 """
 
 from __future__ import annotations

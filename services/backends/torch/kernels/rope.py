@@ -1,14 +1,12 @@
-"""The q/k/v epilogue of an attention layer's fused projection: per-head RMSNorm of q and k, RoPE
-(half-split pairs), and V's own norm -- one kernel over the projection's rows.
+"""The q/k/v epilogue of an attention layer's fused projection: per-head RMSNorm of q and k, RoPE (half-split pairs),
+and V's own norm, in one kernel over the projection's rows.
 
-Gemma-4: ``q = rope(norm(q; q_norm))``, ``k = rope(norm(k; k_norm))``, ``v = norm(v)`` without a weight
-(``v`` the raw K projection on ``k_eq_v`` layers). The DFlash drafter (``qwen3=True, v_norm=False``):
-Qwen3 norms, V as projected. ``cos``/``sin`` are ``[T, head_dim]`` tables as ``ops.rope_from_positions``
-makes them, so Gemma-4's partial RoPE is in the tables (cos 1, sin 0 past the rotated pairs).
+Gemma-4: ``q = rope(norm(q; q_norm))``, ``k = rope(norm(k; k_norm))``, ``v = norm(v)`` without a weight. The DFlash
+drafter (``qwen3=True, v_norm=False``): Qwen3 norms, V as projected. ``cos``/``sin`` are ``[T, head_dim]`` tables from
+``ops.rope_from_positions``, so Gemma-4's partial RoPE is in the tables (cos 1, sin 0 past the rotated pairs).
 
-``cache=(k_pool, v_pool, rows)`` writes K and V straight into a K/V pool (``[kv_heads, slots,
-head_dim]`` views, row ``rows[t]`` for projection row ``t``) instead of returning them: the cache
-write of a static step without its own ``index_copy_`` kernels.
+``cache=(k_pool, v_pool, rows)`` writes K and V straight into a K/V pool (row ``rows[t]`` for projection row ``t``)
+instead of returning them.
 """
 
 from __future__ import annotations
