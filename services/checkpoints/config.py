@@ -1,12 +1,10 @@
 """Checkpoint-directory reading: one normalised reading of every published spelling, one clear error per problem.
 
-Both backends and every other reader (``kakeya inspect``, the servers, the KV memory model) read a config
-through :func:`target_config` (a Gemma-4 target's text model as transformers reads it back; every field the
-model reads made explicit with transformers' default, since mlx-lm's differ; :func:`mlx_model_config` is
-the same reading in mlx-lm's shape) and :func:`draft_config` (a DFlash drafter as the ``dflash`` package
-reads it), so a spelling is understood -- or refused -- once, the same way everywhere. ``check_pair``
-checks that a drafter fits a target. Failures raise :class:`CheckpointError` (a ``ValueError``) naming the
-file, the field and what was expected; loaded dicts carry their directory under ``"_path"``.
+Every reader reads a config through :func:`target_config` (a Gemma-4 text model as transformers reads it, every field
+made explicit with transformers' default, since mlx-lm's differ; :func:`mlx_model_config`: the same in mlx-lm's shape)
+and :func:`draft_config` (a DFlash drafter as the ``dflash`` package reads it), so a spelling is understood or refused
+once. ``check_pair`` checks that a drafter fits a target. Failures raise :class:`CheckpointError` (a ``ValueError``)
+naming the file, the field and what was expected; loaded dicts carry their directory under ``"_path"``.
 """
 
 from __future__ import annotations

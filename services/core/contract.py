@@ -1,13 +1,10 @@
 """The contract between the accept/trim loop and its backends.
 
-What the loop, the sessions, the remote stubs, the servers and the engine agree on: the ``Verifier``/``Drafter``
-protocols and their sessions, the facts a verifier publishes (``ModelInfo``), the options a session is opened
-with, what a draft and a verdict carry, and THE acceptance rule. What a client asks for lives in ``request.py``,
-what a generation produced in ``generation.py``. ``core`` imports nothing else from ``services``; its wire form
-is ``services/wire/convert.py``.
+The ``Verifier``/``Drafter`` protocols and their sessions, the facts a verifier publishes (``ModelInfo``), session
+options, what a draft and a verdict carry, and THE acceptance rule. ``core`` imports nothing else from ``services``.
 
-Aux hidden states are opaque to the loop: whatever the verifier returns (an ``mx.array``, a ``torch.Tensor``,
-an encoded proto tensor) is handed to the drafter unchanged. Token ids are plain Python ints.
+Aux hidden states are opaque to the loop: whatever the verifier returns (an ``mx.array``, a ``torch.Tensor``, an encoded
+proto tensor) is handed to the drafter unchanged. Token ids are plain Python ints.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The prefix cache both sides keep: snapshots of a session's state after exactly ``ids``, found by a prompt.
 
-A verifier keeps its sessions' K/V (``verifier/snapshot.py``), a drafter its context caches
-(``drafter/snapshot.py``), each in its own :class:`PrefixCache` and byte budget; both find a snapshot by the same
-token prefix, so the orchestrator resumes both from the same one or from none (``docs/operations.md``, "Prefix
-cache"). Keys are chained hashes of every :data:`HASH_BLOCK` tokens (as vLLM keys its blocks). A snapshot is filed
-under the boundary a block before its end, its exact ids beside it (a collision costs a miss, never a wrong
-state), so a prompt that parts from it within its last block (a chat history re-rendered) still finds it,
-``back`` positions short. Least recently used snapshots are evicted first; one lock guards everything.
+A verifier keeps its sessions' K/V, a drafter its context caches, each in its own :class:`PrefixCache` and budget; both
+find a snapshot by the same token prefix, so the orchestrator resumes both from the same one or from none. Keys are
+chained hashes of every :data:`HASH_BLOCK` tokens (as vLLM keys its blocks). A snapshot is filed under the boundary a
+block before its end, its exact ids beside it (a collision costs a miss, never a wrong state), so a prompt parting from
+it within its last block still finds it, ``back`` positions short. LRU eviction; one lock guards everything.
 """
 
 from __future__ import annotations

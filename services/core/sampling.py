@@ -1,13 +1,12 @@
 """Speculative sampling: the numpy reference, and the host-side steps every backend shares.
 
-Two rules, both exact in distribution, picked per request (``SamplingParams.rule``; README, "Sampling"):
-**coupled** (Daliri, Musco, Suresh 2024: every token is the Gumbel-max draw of ``noise.py``'s G, so candidates
-are kept while they equal the verifier's noisy argmax) and **rejection** (Leviathan et al. 2023: accept with
-min(1, p/q'), resample from norm(max(0, p - q')); the drafter samples from the very top-K proposal it sends).
+Two rules, both exact in distribution, picked per request (``SamplingParams.rule``): **coupled** (Daliri, Musco, Suresh
+2024: every token is the Gumbel-max draw of ``noise.py``'s G, so candidates are kept while they equal the verifier's
+noisy argmax) and **rejection** (Leviathan et al. 2023: accept with min(1, p/q'), resample from norm(max(0, p - q'))).
 
-p is the *processed* distribution (``process``); ``backends/*/sampling.py`` compute the same on the device and
-the tests hold them to this file. The rejection rule's uniforms are host numbers (``session_rng``) turned into
-tokens by inverse CDF over a fixed order (descending probability, ties by index) on every backend.
+p is the *processed* distribution (``process``); ``backends/*/sampling.py`` compute the same on the device and the tests
+hold them to this file. The rejection rule's host uniforms (``session_rng``) become tokens by inverse CDF over a fixed
+order (descending probability, ties by index) on every backend.
 """
 
 from __future__ import annotations

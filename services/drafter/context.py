@@ -1,12 +1,10 @@
 """The drafter's context-cache plan: which rows each layer's K/V buffer holds, and the block mask.
 
-Backend-neutral host bookkeeping, as ``verifier/layout.py`` plans the verifier's rings. A context only
-grows, so a layer's buffer is ``capacity`` preallocated rows of which ``[0, stop)`` are written; the last
-``keep`` are visible on a sliding layer, all on a full one. Full layers grow geometrically (``step * 2**k``
-rows: O(log n) reallocations); a sliding buffer has a fixed capacity (``keep + max(step, MAX_BLOCK_SIZE)``)
-and is compacted in place when full. A block of ``B`` queries at ``length ..`` attends to ``visible ++
-block``. Layers of one ``keep`` share one layout. (The torch drafter keeps its context in pages of a pool,
-``torch_backend/batch_step.py``; it shares :class:`ContextSnapshot` and :class:`Segment` from here.)
+Backend-neutral host bookkeeping, as ``verifier/layout.py`` plans the verifier's rings. A context only grows, so a
+layer's buffer is ``capacity`` preallocated rows of which ``[0, stop)`` are written; the last ``keep`` are visible on
+a sliding layer, all on a full one. Full layers grow geometrically; a sliding buffer has a fixed capacity and is
+compacted in place when full. A block of ``B`` queries attends to ``visible ++ block``. (The torch drafter keeps its
+context in pool pages, ``torch_backend/batch_step.py``; it shares :class:`ContextSnapshot` and :class:`Segment`.)
 """
 
 from __future__ import annotations

@@ -3,12 +3,10 @@
     kakeya niah --target DIR --draft DIR --contexts 1024 2048 --depths 0.1 0.5 0.9 \\
         --policies native sink-window sink-window+kv8 [--restore DIR] [--json]
 
-Each case is one prompt of about ``context`` tokens of haystack (the standard library's docstrings: prose,
-offline) with ``The secret code is NNNN.`` inserted at ``depth``, then a question whose answer starts the
-generation; it runs through the engine for ``--max-tokens`` tokens and is recalled when the digits appear.
-Policies: ``native``, ``sink-window``, each optionally ``+kv8`` / ``+kv4`` and ``+restore`` (f_theta, needs
-``--restore``; sink-window only); ``--sink`` / ``--window`` shape the window. On the embedded random models
-recall is ~0 under every policy: this only proves the machinery (docs/ftheta.md).
+Each case is about ``context`` tokens of haystack (the standard library's docstrings: prose, offline) with ``The secret
+code is NNNN.`` inserted at ``depth``, then a question whose answer starts the generation; it is recalled when the
+digits appear within ``--max-tokens``. Policies: ``native``, ``sink-window``, each optionally ``+kv8`` / ``+kv4`` and
+``+restore`` (f_theta, sink-window only). On random models recall is ~0: this only proves the machinery.
 """
 
 from __future__ import annotations

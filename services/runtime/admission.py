@@ -1,11 +1,10 @@
 """Admission and lifetime of a server's sessions (verifier and drafter streams).
 
-``--max-sessions`` and ``--max-sessions-per-peer`` when a stream opens; ``--max-kv-bytes`` (the verifier: the
-policy's worst case at ``max_positions``; the drafter: its context as it grows); under pressure the longest-idle
-session (``--reclaim-idle``) is ended (``ABORTED``) before anyone is refused; then ``RESOURCE_EXHAUSTED`` naming the
-limit, or a bounded wait (``--queue``, ``--queue-timeout``); idle expiry (``--idle-timeout``,
-``DEADLINE_EXCEEDED``). ``docs/security.md`` says what each protects. Every way a session ends goes through the
-idempotent :meth:`SessionRegistry.close`, which frees its cache and reservation.
+``--max-sessions`` and ``--max-sessions-per-peer`` when a stream opens; ``--max-kv-bytes`` (the verifier: the policy's
+worst case at ``max_positions``; the drafter: its context as it grows); under pressure the longest-idle session
+(``--reclaim-idle``) is ended before anyone is refused; then ``RESOURCE_EXHAUSTED`` naming the limit, or a bounded wait
+(``--queue``); idle expiry (``--idle-timeout``). Every way a session ends goes through the idempotent
+:meth:`SessionRegistry.close`, which frees its cache and reservation.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""Keep freed heap memory in the process (Linux, glibc): a batched step's large temporaries reuse mapped
-pages instead of faulting fresh ones in.
+"""Keep freed heap memory in the process (Linux, glibc): a batched step's large temporaries reuse mapped pages instead
+of faulting fresh ones in.
 
-glibc unmaps a freed chunk above its mmap threshold and trims a thread arena's free top with
-``madvise(MADV_DONTNEED)``, so each step's temporaries (gathered K/V, masks, activations: hundreds of KB
-each) fault zeroed pages in again. Fixed thresholds (``mallopt``) keep that memory for the next step, at
-the price of the high-water mark of temporaries up to :data:`MMAP_THRESHOLD` each, as jemalloc or tcmalloc
-would (what it buys: ``docs/benchmarks.md``, "History: keeping freed memory"). Every ``kakeya`` command sets
-them first (``app/main.py``); ``KAKEYA_MALLOC=system`` keeps glibc's defaults; elsewhere nothing changes.
+glibc unmaps a freed chunk above its mmap threshold and trims a thread arena's free top, so each step's temporaries
+fault zeroed pages in again. Fixed thresholds (``mallopt``) keep that memory for the next step, at the price of the
+high-water mark of temporaries up to :data:`MMAP_THRESHOLD` each, as jemalloc or tcmalloc would. Every ``kakeya``
+command sets them first; ``KAKEYA_MALLOC=system`` keeps glibc's defaults; elsewhere nothing changes.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """What every kakeya gRPC server process shares: errors and the process's lifecycle.
 
-- :class:`RequestError`: raised by servicer code to end an RPC with a status (its message bounded:
-  :func:`bounded`); :func:`session_stream`, the body of a ``Session`` stream.
-- :func:`run_server`: bind, health ``NOT_SERVING``, load + warm up, health ``SERVING`` (and the ready
-  file), wait for SIGTERM/SIGINT or the parent's death, drain in-flight RPCs within a grace period, exit.
-
-Model work runs on one ``ComputeThread`` (``compute.py``), sessions are admitted by a
-``SessionRegistry`` (``admission.py``); servicers live next to their models (``services/*/server.py``),
-the command line that starts them is ``services/app/serve.py``.
+- :class:`RequestError`: raised by servicer code to end an RPC with a status (its message bounded: :func:`bounded`);
+  :func:`session_stream`, the body of a ``Session`` stream.
+- :func:`run_server`: bind, health ``NOT_SERVING``, load + warm up, health ``SERVING`` (and the ready file), wait for
+  SIGTERM/SIGINT or the parent's death, drain in-flight RPCs within a grace period, exit.
 """
 
 from __future__ import annotations

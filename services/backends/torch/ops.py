@@ -295,16 +295,10 @@ ATTENTION_GRAPHS = 32  # CompiledAttention's recompile budget: five two-way bran
 class CompiledAttention:
     """``--compile``'s attention: :func:`sdpa` through :func:`compiled`, one graph set for every layer.
 
-    Dynamo guards a graph on everything the traced code branched on, strides included: a layer attends over the first
-    ``extent`` slots of buffers whose strides follow their capacity, and the split count branches on ``extent``, so
-    traced as they come the views took a graph each and hit torch's recompile limit on the 26B shape. So the graph gets
-    K and V as their whole contiguous buffers (:func:`whole_buffer`) and the extent as an int, and the choices made from
-    shapes (:func:`folds`, :func:`split_count`) are made here, eagerly, and passed in.
-
-    Left to guard on are five two-way branches: a mask or none; one query row or several; ``p @ v``
-    split or not; the decode GEMMs or the fused kernels (``DECODE_ROWS``); the whole buffer or fewer
-    slots. ``ATTENTION_GRAPHS`` (2 ** 5) is that budget; torch's recompile limit is raised to it.
-    """
+    Dynamo guards a graph on everything the traced code branched on, strides included, so views of buffers sized by
+    capacity would take a graph each and hit torch's recompile limit. The graph gets K and V as whole contiguous buffers
+    (:func:`whole_buffer`) and the extent as an int; choices made from shapes (:func:`folds`, :func:`split_count`) are
+    made here, eagerly. Five two-way branches are left to guard on: ``ATTENTION_GRAPHS`` (2 ** 5) is that budget."""
 
     def __init__(self):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, ATTENTION_GRAPHS)

@@ -1,12 +1,9 @@
 """The public gRPC Generation API (``protos/kakeya/v1/generate.proto``): translation only.
 
-A ``GenerateRequest`` becomes a ``Request`` (``fronts/grpc_api.py``) and runs through the generation
-service (``service.py``); each committed block goes out as a ``Chunk`` (token ids + their text, cut at
-stop strings), then one ``Complete`` from the run's report (a chat whose tool calls are read: the calls
-parsed out of the text; the chunks keep the raw text). A drafter that fails mid-generation leaves the
-verifier to finish alone (same output, ``drafter_fallback`` set). A failing verifier ends the RPC with its
-status before the first chunk, or with ``FINISH_REASON_ERROR`` after it. The client's deadline bounds the
-backend streams; cancelling the call cancels the run and frees the backend sessions.
+A ``GenerateRequest`` becomes a ``Request`` (``fronts/grpc_api.py``) and runs through the generation service; each
+committed block goes out as a ``Chunk`` (ids + text, cut at stop strings), then one ``Complete`` from the report. A
+drafter failing mid-generation leaves the verifier to finish alone (``drafter_fallback``). A failing verifier ends the
+RPC with its status before the first chunk, or ``FINISH_REASON_ERROR`` after it. Cancelling the call cancels the run.
 """
 
 from __future__ import annotations

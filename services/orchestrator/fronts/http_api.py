@@ -1,12 +1,9 @@
 """OpenAI's HTTP API <-> the request and the report: translation only (``fronts/http_server.py`` serves it).
 
-A body is checked for OpenAI's types field by field (:class:`ApiError` 400 naming the parameter; what each
-parameter does is ``fronts/http_params.py``'s table), then written as a :class:`~kakeya.core.request.Request`
-that runs through the generation service as a gRPC client's does, its refusals naming the parameter as
-this API spells it (:func:`field_names`). A body must be valid Unicode (no lone surrogate, escaped or not);
-an error quotes a client's value at most 64 characters long. The answers -- a completion, a chat
-completion, or their server-sent-event chunks -- are built from the run's blocks and its ``Report``, with
-``usage.prompt_tokens_details.cached_tokens`` and Kakeya's speculative stats under ``kakeya``.
+A body is checked for OpenAI's types field by field (:class:`ApiError` 400 naming the parameter), then written as a
+:class:`~kakeya.core.request.Request`, its refusals naming the parameter as this API spells it (:func:`field_names`).
+A body must be valid Unicode (no lone surrogate); an error quotes at most 64 characters of a client's value. Answers
+are built from the run's blocks and its ``Report``, Kakeya's speculative stats under ``kakeya``.
 """
 
 from __future__ import annotations

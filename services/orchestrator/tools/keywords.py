@@ -1,13 +1,10 @@
-"""The JSON-schema keywords of a tool's parameters beyond their shape, turned into what the tool-call grammar
-(``tools/grammar.py``) needs: a string's ``pattern``, ``minLength``/``maxLength`` and ``format`` as regexes
-of the text between its ``<|"|>`` marks; a number's ``minimum``/``maximum`` (exclusive too) and
-``multipleOf`` as llguidance's own JSON-schema number (a number is written the same in a Gemma-4 call as in
-JSON, so ``%json`` holds it exactly as ``response_format`` would); ``$ref`` resolved within the parameters;
-``allOf`` merged into one schema. A keyword that cannot be held is a :class:`GrammarError` naming its place.
+"""The JSON-schema keywords of a tool's parameters beyond their shape, turned into what the tool-call grammar needs.
 
-Gemma-4's strings are raw text between marks, not JSON strings, so a string's constraints cannot be handed to
-``%json``: they become a regex terminal instead, each part checked by llguidance here so a bad ``pattern``
-is refused by its place in the schema, not by the grammar compiler with no tool named.
+A string's ``pattern``, ``minLength``/``maxLength`` and ``format`` become a regex of the text between its ``<|"|>``
+marks (Gemma-4's strings are raw text, not JSON, so ``%json`` cannot hold them), each part checked by llguidance here so
+a bad ``pattern`` is refused by its place in the schema. A number's bounds and ``multipleOf`` go to llguidance's own
+JSON-schema number (written the same in a call as in JSON). ``$ref`` is resolved, ``allOf`` merged. A keyword that
+cannot be held is a :class:`GrammarError` naming its place.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """One K/V pool per layer kind of a torch target: every session's caches are pages of it, read through tables.
 
-A ``PagePool`` (``backends/torch/pages.py``, shared with the drafter) holds per layer a K and a V ``[kv_heads,
-rows, head_dim]`` (the Triton kernel's layout). A session (:class:`PooledCaches`) holds its sliding rings as
-pages taken when it opens (its ``RingLayout`` stays the one position counter, so rollback stays exact) and
-its full-attention K/V as pages taken as the context grows. Growth happens only between steps
-(:meth:`KVPool.stepping`) and bumps the pool's ``generation``, which keys captured CUDA graphs. Quantized
-full K/V (``full_kv_bits``: :func:`quantize`, ``mx.quantize``'s rule) live in a pool of their own per (bits,
-group size); sliding rings are always exact. ``docs/cuda.md``, "One verify = one static-shape step".
+A session (:class:`PooledCaches`) holds its sliding rings as pages taken when it opens (its ``RingLayout`` stays the one
+position counter, so rollback stays exact) and its full-attention K/V as pages taken as the context grows. Growth
+happens only between steps (:meth:`KVPool.stepping`) and bumps ``generation``, which keys captured CUDA graphs.
+Quantized full K/V (``full_kv_bits``, ``mx.quantize``'s rule) live in a pool of their own; sliding rings stay exact.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""What every kernel family shares: the rounding and the transcendental functions a kernel
-spells the same way on a GPU and under Triton's interpreter, and the launch checks.
+"""What every kernel family shares: rounding and transcendental functions spelled the same on a GPU and under Triton's
+interpreter, and the launch checks.
 
-The kernels compute in float32 and round to the activation dtype where each eager torch op rounds, so
-their numbers are the eager path's up to the order of a reduction. Two gaps of the interpreter (the CPU
-tests' only way to run a kernel) shape the spelling: it truncates a float32 -> bfloat16 cast where a GPU
-rounds to nearest even, and its ``tl.dot`` multiplies bfloat16 bit patterns as integers. So bfloat16 is
-rounded here in integer arithmetic, and on the CPU a dot's operands are widened to float32 first (exact:
-a bfloat16 product fits in float32, and the accumulation is float32 on both).
+The kernels compute in float32 and round to the activation dtype where each eager torch op rounds. The interpreter (the
+CPU tests' only way to run a kernel) truncates a float32 -> bfloat16 cast where a GPU rounds to nearest even, and its
+``tl.dot`` multiplies bfloat16 bit patterns as integers. So bfloat16 is rounded here in integer arithmetic, and on the
+CPU a dot's operands are widened to float32 first (exact: a bfloat16 product fits in float32).
 """
 
 from __future__ import annotations
