@@ -188,9 +188,8 @@ class Grammar:
     """One generation's grammar state over the tokens committed so far (an llguidance matcher).
 
     :meth:`masks` gives, for a block ``[last, c1 .. c_{L-1}]``, the tokens allowed after the committed prefix and after
-    each run of candidates (``c1``, ``c1 c2``, ...), leaving the state where it was; :meth:`advance` consumes what a
-    block committed. Once the grammar is finished only the EOS ids are allowed, so a constrained generation ends there.
-    """
+    each run of candidates, leaving the state as it was; :meth:`advance` consumes what a block committed. Once the
+    grammar is finished only the EOS ids are allowed."""
 
     def __init__(self, grammar: str, tok: llguidance.LLTokenizer):
         self.matcher = COMPILED.matcher(grammar, tok)

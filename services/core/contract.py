@@ -81,11 +81,8 @@ PROPOSAL_TOP_K = 32
 
 @dataclass(frozen=True)
 class Proposal:
-    """The distributions a drafter actually sampled its candidates from (compact).
-
-    Row i is candidate i's proposal q'_i: ``ids`` [n, K] (int32) and ``probs`` [n, K] (float32, summing to 1 per
-    row), numpy arrays. Tokens outside a row's ids have probability 0 under it. Never a full-vocabulary tensor.
-    """
+    """The distributions a drafter actually sampled its candidates from (compact, never full-vocabulary): row i is q'_i,
+    ``ids`` [n, K] int32 and ``probs`` [n, K] float32 summing to 1 (numpy); ids outside a row have probability 0."""
 
     ids: Any
     probs: Any
@@ -100,13 +97,10 @@ class Proposal:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """One committed token's log-probability and the ``k`` most probable tokens at its position (``top``:
-    ``(token, logprob)`` pairs, most probable first; ``k`` = ``Request.logprobs``).
-
-    Always the target's RAW distribution there (log_softmax of the logits after Gemma's final soft-capping,
-    before any sampling filter), greedy and sampled alike, as vLLM returns by default; taken from the forward
-    that decided the token, in float32 on the verifier's device.
-    """
+    """One committed token's log-probability and the ``k`` most probable tokens at its position (``top``: ``(token,
+    logprob)`` pairs, most probable first; ``k`` = ``Request.logprobs``). Always the target's RAW distribution there
+    (after Gemma's final soft-capping, before any sampling filter), greedy and sampled alike, as vLLM returns by
+    default; in float32 from the forward that decided the token."""
 
     token: int
     logprob: float
@@ -126,14 +120,12 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Draft:
-    """What a drafter proposes for one block: its candidate ids and, under the rejection rule, the
-    :class:`Proposal` row each candidate was drawn from (None: greedy argmax, or coupled
-    candidates, which are the drafter's noisy argmax and need nothing beside them).
+    """What a drafter proposes for one block: its candidate ids and, under the rejection rule, the :class:`Proposal` row
+    each was drawn from (None: greedy or coupled candidates, which need nothing beside them).
 
-    ``ranked``: a greedy session opened with ``SessionOptions.ranked`` = k gets, per candidate, the k
-    likeliest ids of that candidate's row, the candidate first (the rows come from one forward over
-    ``[last, mask * (B-1)]``, so no row depends on the ids chosen before it): a constrained request
-    picks each position's best-ranked id its grammar allows (``orchestrator/proposers/forced.py``)."""
+    ``ranked``: a greedy session opened with ``SessionOptions.ranked`` = k gets, per candidate, the k likeliest ids of
+    its row, the candidate first (no row depends on the ids chosen before it): a constrained request picks each
+    position's best-ranked id its grammar allows (``orchestrator/proposers/forced.py``)."""
 
     tokens: tuple[int, ...]
     proposal: Proposal | None = None
@@ -156,11 +148,9 @@ class Draft:
 def accept(candidates: Sequence[int], choices: Sequence[int]) -> tuple[int, int]:
     """THE acceptance rule, one definition for greedy and every sampling rule: ``(accepted, next_token)``.
 
-    ``choices[i]`` is the verifier's token after block position ``i`` (one more than there are candidates).
-    The leading run of candidates equal to their choice is accepted; the choice right after it is the next
-    token (the bonus after a full run, the correction at the first mismatch). Greedy choices are the target's
-    argmax; a sampling rule's choices already encode its acceptance and draws (``VerifierSession.decide``).
-    """
+    ``choices[i]`` is the verifier's token after block position ``i`` (one more than there are candidates). The leading
+    run of candidates equal to their choice is accepted; the choice right after it is the next token (bonus or
+    correction). A sampling rule's choices already encode its acceptance and draws (``VerifierSession.decide``)."""
     n = 0
     for candidate, choice in zip(candidates, choices):
         if candidate != choice:
@@ -208,12 +198,8 @@ class Cancellation:
 
 @dataclass(frozen=True)
 class SessionOptions:
-    """What one request tells the sessions it opens, beyond cache policy and sampling.
-
-    A remote session uses all of it: the request id travels with its stream, the client's deadline bounds it,
-    the verifier reserves ``max_positions``, and ``cancel`` ends the stream. An in-process session takes
-    ``logprobs``, ``constraint`` and ``ranked``: a cancelled run simply stops calling it and closes it.
-    """
+    """What one request tells the sessions it opens, beyond cache policy and sampling. A remote session uses all of it;
+    an in-process one takes ``logprobs``, ``constraint`` and ``ranked`` (a cancelled run simply stops calling it)."""
 
     request_id: str = ""
     timeout: float | None = None  # seconds the session may live (the client's deadline); None: no bound
@@ -301,15 +287,13 @@ class VerifierSession(Protocol):
         length; empty: a cold prefill). Returns ``(first token, aux of the positions it ran, prefix resumed)``."""
 
     def decide(self, last_token: int, draft: Draft) -> Verdict:
-        """Verify the block ``[last_token, *draft.tokens]`` in ONE forward (one round trip to a remote verifier)
-        and commit its outcome: :func:`accept` applied to the session's choice after every position.
+        """Verify the block ``[last_token, *draft.tokens]`` in ONE forward and commit its outcome: :func:`accept`
+        applied to the session's choice after every position.
 
-        Greedy: the target's argmax. Coupled sampling: the argmax of the noisy processed logits, the very token
-        AR sampling with this seed picks there. Rejection sampling (``draft.proposal`` holds candidate i's q'_i):
-        candidate i if accepted (probability min(1, p_i(x)/q'_i(x))), at the first rejection a sample from
-        norm(max(0, p_i - q'_i)), after all accepted a sample from p at the last position. The accepted
-        positions stay in the cache, the rest is trimmed exactly; the :class:`Verdict` carries their aux.
-        """
+        Greedy: the target's argmax. Coupled: the argmax of the noisy processed logits (AR sampling's token with this
+        seed). Rejection (``draft.proposal`` holds q'_i): candidate i accepted with probability min(1, p_i(x)/q'_i(x)),
+        at the first rejection a sample from norm(max(0, p_i - q'_i)), after all accepted a sample from p. The accepted
+        positions stay in the cache, the rest is trimmed exactly; the :class:`Verdict` carries their aux."""
 
     def save(self, ids: Sequence[int]) -> bool:
         """Leave the state after exactly ``ids`` (the prompt, then committed tokens) in the prefix cache, the

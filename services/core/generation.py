@@ -101,13 +101,11 @@ def _mean(lengths) -> float:
 
 @dataclass(frozen=True)
 class Report:
-    """One finished generation, built once when it ends (``Run.report``) and translated by every front: ``kakeya
-    generate --json`` (:meth:`to_json`), the gRPC API's ``Complete`` (``orchestrator/fronts/grpc_api.py``), the HTTP
-    API's ``usage`` and ``kakeya`` fields (``http_api.py``), and ``kakeya client``, which rebuilds it from the stream.
+    """One finished generation, built once when it ends (``Run.report``) and translated by every front.
 
-    ``block_size`` is the size asked for (0: auto), ``block_sizes`` each speculative block's size (candidates drafted +
-    1) and ``acceptance_lengths`` the tokens each committed; the prefill's first token is no block. ``sampling`` is what
-    ran, with the seed it drew; ``device``: where the models ran, when this process knows it (None for a remote server's
+    ``block_size`` is the size asked for (0: auto), ``block_sizes`` each speculative block's size (candidates + 1) and
+    ``acceptance_lengths`` the tokens each committed; the prefill's first token is no block. ``sampling`` is what ran,
+    with the seed it drew; ``device``: where the models ran, when this process knows it (None for a remote server's
     run)."""
 
     target: str

@@ -140,11 +140,9 @@ MIN_TEMPERATURE = 1e-5
 class SamplingParams:
     """How the target's next-token distribution p is processed and sampled.
 
-    p = softmax(logits / temperature) restricted by top-k, then top-p (the smallest most-probable set reaching
-    ``top_p``; the top token always stays), then min-p (tokens with p >= ``min_p * max p``), renormalised.
-    Temperature 0 is greedy: argmax, token-identical to greedy AR. ``seed``: None, the engine draws one;
-    ``rule``: how speculative blocks sample (:data:`COUPLED` or :data:`REJECTION`).
-    """
+    p = softmax(logits / temperature) restricted by top-k, then top-p (the top token always stays), then min-p,
+    renormalised. Temperature 0 is greedy: token-identical to greedy AR. ``seed``: None, the engine draws one; ``rule``:
+    how speculative blocks sample (:data:`COUPLED` or :data:`REJECTION`)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0: off
@@ -246,12 +244,10 @@ AUTO, NONE, REQUIRED = "auto", "none", "required"
 class Chat:
     """A conversation to render with the checkpoint's chat template (``orchestrator/text.py``).
 
-    ``continue_final_message``: the last message is left open for the model to continue (no end of
-    turn, no new assistant header), as transformers' ``apply_chat_template`` does. ``tools``: the
-    functions the template declares to the model; ``tool_choice`` (:data:`AUTO`, :data:`NONE`,
-    :data:`REQUIRED` or a function's name) is the front's: it decides whether calls are parsed.
-    ``parallel_tool_calls`` False: the model makes at most one call (a grammar stops it after one).
-    """
+    ``continue_final_message``: the last message is left open for the model to continue, as transformers'
+    ``apply_chat_template`` does. ``tools``: the functions the template declares; ``tool_choice`` (:data:`AUTO`,
+    :data:`NONE`, :data:`REQUIRED` or a function's name) decides whether calls are parsed. ``parallel_tool_calls``
+    False: at most one call (a grammar stops the model after one)."""
 
     messages: tuple[Message, ...]
     continue_final_message: bool = False
@@ -265,13 +261,10 @@ Prompt = Sequence[int] | str | Chat  # token ids, a text to tokenize, or a conve
 
 @dataclass(frozen=True)
 class Request:
-    """One generation, as every front (the CLI, the gRPC and HTTP APIs, benchmarks) hands it to the engine.
+    """One generation, as every front hands it to the engine.
 
-    ``prompt`` is what the client sent: token ids, a text, or a :class:`Chat`. The engine's check
-    (``Engine.check``) returns it as a :class:`CheckedRequest`: the prompt as token ids (``prompt_ids``), its
-    defaults filled in (``max_tokens``, ``request_id``, a sampling seed) and every value checked.
-    Cutting the streamed text at ``stop_strings`` is the engine's run's work with its codec.
-    """
+    ``prompt`` is what the client sent: token ids, a text, or a :class:`Chat`. ``Engine.check`` returns it as a
+    :class:`CheckedRequest`: the prompt as token ids (``prompt_ids``), defaults filled in and every value checked."""
 
     prompt: Prompt
     max_tokens: int | None = None  # None: the server's default (the CLI's: 128)

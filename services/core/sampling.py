@@ -62,11 +62,8 @@ def coupled(logits: np.ndarray, params: SamplingParams, keys: tuple[int, int], f
 
 
 def sample(w: np.ndarray, u: float) -> int:
-    """Inverse CDF of the (unnormalised) weights ``w`` [V] at uniform ``u`` in [0, 1).
-
-    Order: descending weight, ties by index. The token is the count of entries whose running sum is <= u * total,
-    capped at the last positive entry, so a zero-weight token is never drawn.
-    """
+    """Inverse CDF of the (unnormalised) weights ``w`` [V] at uniform ``u`` in [0, 1): descending weight, ties by index,
+    capped at the last positive entry, so a zero-weight token is never drawn."""
     w = np.asarray(w, np.float64)
     order = np.argsort(-w, kind="stable")
     c = np.cumsum(w[order])
@@ -83,11 +80,8 @@ def proposal_rows(q: np.ndarray, k: int = PROPOSAL_TOP_K) -> tuple[np.ndarray, n
 
 
 def draw_from_proposal(ids: np.ndarray, probs: np.ndarray, u: np.ndarray) -> tuple[list[int], Proposal]:
-    """Sample one candidate per row of the compact proposal (host, K entries a row).
-
-    ``probs`` [n, K] float32 in descending order: the drafter sends exactly these, and samples exactly from them
-    (normalised), so the verifier's acceptance uses the very distribution each candidate came from.
-    """
+    """Sample one candidate per row of the compact proposal (host). ``probs`` [n, K] float32, descending: the drafter
+    sends exactly these, so the verifier's acceptance uses the very distribution each candidate came from."""
     probs = np.ascontiguousarray(probs, np.float32)
     ids = np.ascontiguousarray(ids, np.int32)
     tokens = [int(ids[i, _first_above(probs[i], u[i])]) for i in range(ids.shape[0])]
@@ -116,11 +110,8 @@ def verify_uniforms(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.nd
 
 
 def assemble(candidates: Sequence[int], accepted: Sequence[bool], samples: Sequence[int]) -> list[int]:
-    """The choices a sampling verify returns (see ``VerifierSession.verify``).
-
-    ``accepted[i]``: candidate i passed its test; ``samples[i]``: the draw from
-    the residual at position i (from p at the last position).
-    """
+    """The choices a sampling verify returns: ``accepted[i]``: candidate i passed its test; ``samples[i]``: the draw
+    from the residual at position i (from p at the last position)."""
     choices = [-1] * len(samples)
     for i, c in enumerate(candidates):
         if not accepted[i]:

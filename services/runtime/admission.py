@@ -91,11 +91,9 @@ class SessionRegistry:
             threading.Thread(target=self._idle_watch, name="session-idle-watch", daemon=True).start()
 
     def _admit(self, fits: Callable[[], _Refusal | None], reclaimed: list, wait: bool = True) -> None:
-        """Wait (under the lock) until ``fits()`` refuses nothing, within the queue's bounds (``wait``).
-
-        Idle sessions are reclaimed first: each goes, detached, into ``reclaimed`` as
-        ``(entry, why)`` for :meth:`_finish` (the caller's, once the lock is released).
-        """
+        """Wait (under the lock) until ``fits()`` refuses nothing, within the queue's bounds (``wait``). Idle sessions
+        are reclaimed first, each into ``reclaimed`` as ``(entry, why)`` for :meth:`_finish` once the lock is
+        released."""
         refusal = self._fit_reclaiming(fits, reclaimed)
         if refusal is None:
             return

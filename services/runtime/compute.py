@@ -57,11 +57,8 @@ class _Job:
 
 
 class ComputeThread:
-    """Runs callables on one dedicated thread; see the module docstring for batching.
-
-    ``max_batch``: most items one runner call gets (1: every job alone --
-    the serialised baseline the concurrency benchmark compares against).
-    """
+    """Runs callables on one dedicated thread (see the module docstring). ``max_batch``: most items one runner call gets
+    (1: every job alone)."""
 
     def __init__(self, name: str, max_batch: int = DEFAULT_MAX_BATCH):
         if max_batch < 1:
@@ -95,11 +92,8 @@ class ComputeThread:
         return self.start(fn, *args, **kwargs).result()
 
     def start_batch(self, kind: Hashable, item: Any, runner: Callable[[list], Sequence[Any]]) -> Future:
-        """``item``'s result as a Future: ``runner([item, ...])`` together with like items queued meanwhile.
-
-        ``runner`` gets a list of items of this ``kind`` and returns one result per item, in order; a result that is an
-        ``Exception`` instance is raised to that item's caller alone (one bad session must not fail its batch-mates).
-        """
+        """``item``'s result as a Future: ``runner([item, ...])`` together with like items queued meanwhile. ``runner``
+        returns one result per item, in order; an ``Exception`` result is raised to that item's caller alone."""
         return self.start_many(kind, [item], runner)[0]
 
     def start_many(self, kind: Hashable, items: Sequence[Any], runner: Callable[[list], Sequence[Any]]) -> list[Future]:

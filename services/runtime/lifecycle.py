@@ -83,11 +83,8 @@ class RequestError(Exception):
 
 
 def end_call(context, code: grpc.StatusCode, details: str) -> None:
-    """End ``context``'s RPC now with ``code`` and ``details``, from any thread (idle expiry, reclaim).
-
-    grpc-python ends a call with a status only from its handler's thread (``abort``); from another its
-    ``cancel`` reaches the client as a bare CANCELLED. The call object underneath cancels with a status.
-    """
+    """End ``context``'s RPC now with ``code`` and ``details``, from any thread (idle expiry, reclaim): grpc-python's
+    ``abort`` works only on the handler's thread, and ``cancel`` reaches the client as a bare CANCELLED."""
     try:
         context._rpc_event.call.cancel(code.value[0], bounded(details))
     except AttributeError:  # a grpc-python laid out otherwise: the call still ends, without the reason
@@ -210,10 +207,9 @@ def write_ready_file(path: str | Path, payload: dict) -> None:
 def port_in_use(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be ours (another listener holds it), or None (port 0 always is free).
 
-    gRPC binds with SO_REUSEPORT, so a second server on a taken port would bind as well and split the
-    connections; a bind without it fails on a port another socket listens on. SO_REUSEADDR lets it pass the
-    TIME_WAIT leftovers of a server that just died (a restart on its own port).
-    """
+    gRPC binds with SO_REUSEPORT, so a second server on a taken port would bind as well and split the connections; a
+    bind without it fails on a port another socket listens on, while SO_REUSEADDR passes a just-died server's TIME_WAIT
+    leftovers."""
     import socket
 
     if port == 0:

@@ -237,11 +237,8 @@ NO_OBSERVER = SimpleNamespace(block=lambda b: None, finish=lambda reason, **kw: 
 
 
 class RpcInterceptor(grpc.ServerInterceptor):
-    """Counts non-OK statuses into ``kakeya_errors_total{code}`` and binds the request id for logs.
-
-    The request id comes from ``x-request-id`` metadata (the orchestrator sends
-    it to the backends) or the request's own ``request_id`` field.
-    """
+    """Counts non-OK statuses into ``kakeya_errors_total{code}`` and binds the request id (``x-request-id`` metadata,
+    else the request's ``request_id``) for logs."""
 
     def __init__(self, metrics: ServerMetrics | None):
         self.metrics = metrics

@@ -265,11 +265,9 @@ class RoundSlot:
 
 @dataclass(frozen=True)
 class RoundWire:
-    """One role's round messages: ``response`` (VerifyRoundResponse / DraftRoundResponse), the field of an
-    item's step (``verify`` / ``draft``) and of its answer (``verified`` / ``drafted``), the Progress message;
-    ``answer_of`` turns the runner's result into the answer message. The runner is the one the role's streams
-    use for the same step (their results: the same type), so a round's items and streams' steps batch
-    together on the compute thread (``ComputeThread``: a group shares one runner)."""
+    """One role's round messages and ``answer_of`` (the runner's result -> the answer message). The runner is the one
+    the role's streams use for the same step, so a round's items and streams' steps batch together on the compute
+    thread."""
 
     response: type
     step: str

@@ -83,11 +83,8 @@ class TorchTarget:
 class Continuations(NamedTuple):
     """A drafter's training data: the target's continuations of prompts, per position.
 
-    ``seqs`` [N, T] int32 token ids (prompt + continuation); ``aux`` [N, T, A] float16 (the
-    verifier's aux capture: outputs of the ``target_layer_ids`` layers); ``final`` [N, T, H] float16
-    (the target's final-norm hidden state: its next-token distribution through the LM head);
-    ``temperature`` [N] float32 (0: greedy continuation, else sampled at that temperature).
-    """
+    ``seqs`` [N, T] int32 (prompt + continuation); ``aux`` [N, T, A] float16 (the ``target_layer_ids`` layers' outputs);
+    ``final`` [N, T, H] float16 (the target's final-norm hidden state); ``temperature`` [N] float32 (0: greedy)."""
 
     seqs: np.ndarray
     aux: np.ndarray
@@ -109,14 +106,10 @@ def make_dataset(
     temperatures: Sequence[float] = (0.0,),
     out: Path | None = None,
 ) -> Continuations:
-    """Prompts (random windows, ``<bos>`` first when ``bos``: every real request starts with it, and
-    the target's hidden states at every later position carry it) continued by the target: generation
-    batch ``i`` at ``temperatures[i % len(temperatures)]`` (0: greedy; sampled batches seeded per batch).
-
-    With ``out`` (a folder) every batch is written there as it is made, into memory-mapped ``.npy``
-    files, and a run that was interrupted continues after the last batch written; without it the
-    arrays are built in memory (small sets, tests).
-    """
+    """Prompts (random windows, ``<bos>`` first when ``bos``, as every real request starts) continued by the target:
+    batch ``i`` at ``temperatures[i % len(temperatures)]`` (0: greedy; sampled batches seeded per batch). With ``out``
+    every batch is written there into memory-mapped ``.npy`` files and an interrupted run continues after the last batch
+    written; without it the arrays are built in memory (small sets, tests)."""
     rng = np.random.default_rng([seed, 7])
     prompts = data.sample_windows(corpus_stream, n_seq, prompt_len - bos, rng)
     if bos:

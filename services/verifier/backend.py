@@ -19,12 +19,10 @@ from kakeya.verifier.layout import ForwardPlan, RingLayout
 
 
 class SessionCaches:
-    """A session's caches, in layer order, one per layer that has its own K/V (``kinds``: each one's type): a
-    ring on sliding layers (``layout.py``), a full-attention cache (exact or quantized) on the others. They
-    hold arrays and nothing about a forward: no position counter (the session's ``RingLayout`` is the only
-    one) and no plan (each write gets its ``ForwardPlan``). ``batchable``: whether a batched forward may take
-    this set (MLX: not with quantized full caches); ``batch_key``: sets of one key may share one (torch:
-    full-attention K/V in one pool, whose pages its subclass holds)."""
+    """A session's caches, in layer order, one per layer with its own K/V (``kinds``: each one's type): a ring on
+    sliding layers, a full-attention cache on the others. They hold arrays only: no position counter (the ``RingLayout``
+    is the one) and no plan. ``batchable``: whether a batched forward may take this set; ``batch_key``: sets of one key
+    may share one."""
 
     batch_key: object = None
 

@@ -1,14 +1,12 @@
-"""KV bytes one verifier session holds at a given context, per cache policy, from the config alone.
-
-The same numbers a live session reports (``stats().kv_bytes``), so a
-deployment can size its memory before loading anything:
+"""KV bytes one verifier session holds at a given context, per cache policy, from the config alone: the numbers a live
+session reports (``stats().kv_bytes``), so a deployment can size its memory before loading anything:
 
     kakeya memory --preset gemma-4-26b-a4b --context 32768
     kakeya memory --config /models/gemma-4-26b-a4b --context 4096 --json
 
-Policies: ``full`` (every layer keeps every position: the yardstick), ``native`` (sliding layers keep the model's
-window), ``sink-window`` (sinks + a smaller window), each also with 8- and 4-bit affine-quantized full layers. Sliding
-layers hold a ring of ``window - 1 + slack`` slots (+ sinks): that is the price of exact rollback (``cache.py``).
+Policies: ``full`` (the yardstick), ``native`` (sliding layers keep the model's window), ``sink-window`` (sinks + a
+smaller window), each also with 8- and 4-bit quantized full layers. Sliding layers hold a ring of ``window - 1 + slack``
+slots (+ sinks): the price of exact rollback (``cache.py``).
 """
 
 from __future__ import annotations

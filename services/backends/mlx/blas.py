@@ -1,14 +1,11 @@
 """Give MLX on Linux an optimized BLAS: the one torch already carries.
 
 MLX's Linux CPU wheels link netlib's *reference* BLAS, whose time grows linearly with a product's rows, so nothing
-batches. The torch wheel beside it carries an optimized BLAS (MKL on x86-64) exporting the Fortran entry points
-(``sgemm_``, ...) the reference ``cblas_sgemm`` wraps; loading torch's library into the global symbol scope *before*
-``mlx.core`` is imported sends MLX's products there (not on macOS). MKL rounds a row's result differently with its
-batch's size, so a long greedy run can part from AR at a near-tie (README, "Backends"); ``KAKEYA_MLX_BLAS=reference``
-keeps MLX's own BLAS (row-exact, slow; the test suite's exactness tests run on it, ``tests/conftest.py``).
-
-MLX calls the BLAS from a thread of its own, where torch's per-thread MKL setting does not reach, so
-:func:`set_threads` (``--torch-threads``' policy) sets MKL's process-wide default before its first call.
+batches. Loading torch's BLAS (MKL on x86-64, exporting ``sgemm_`` and friends) into the global symbol scope *before*
+``mlx.core`` is imported sends MLX's products there (not on macOS). MKL rounds a row differently with its batch's size,
+so a long greedy run can part from AR at a near-tie; ``KAKEYA_MLX_BLAS=reference`` keeps MLX's own (row-exact, slow;
+the exactness tests run on it). MLX calls the BLAS from its own thread, so :func:`set_threads` sets MKL's process-wide
+default before its first call.
 """
 
 from __future__ import annotations

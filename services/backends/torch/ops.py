@@ -181,14 +181,10 @@ def folds(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
 
 
 def sdpa_folded(q, k, v, mask: torch.Tensor | None, scale: float, chunks: int | None = None) -> torch.Tensor:
-    """Attention with each KV head's query heads folded into its query rows (``mask``: None or
-    ``[L, K]``), so every K/V head is read once: what CUDA runs.
-
-    SDPA's own GQA with a mask falls back to the math kernel, which expands K/V to every query head and upcasts it to
-    float32 -- two full copies of the attended cache per layer, the largest memory traffic of a decode step. Few rows
-    per KV head (a verify or a draft block) go through :func:`decode_attention` (``chunks``: its split count), more (a
-    prefill chunk) through the fused kernels.
-    """
+    """Attention with each KV head's query heads folded into its query rows (``mask``: None or ``[L, K]``), so every K/V
+    head is read once: what CUDA runs. SDPA's own GQA with a mask falls back to the math kernel, which expands K/V to
+    every query head in float32. Few rows per KV head go through :func:`decode_attention` (``chunks``: its split count),
+    more (a prefill chunk) through the fused kernels."""
     B, Hq, L, D = q.shape
     G = Hq // k.shape[1]
     qg = q.reshape(B, k.shape[1], G * L, D)  # head j*G + g, query l -> row g*L + l of KV head j
@@ -214,11 +210,10 @@ def split_count(n_keys: int) -> int:
 def decode_attention(q, k, v, mask: torch.Tensor | None, scale: float, chunks: int | None = None) -> torch.Tensor:
     """Attention for a few query rows over a long cache: two GEMMs and a float32 softmax.
 
-    The fused kernels parallelise over query blocks and heads, so a handful of rows per KV head runs on a
-    few thread blocks that each walk the whole cache (``docs/cuda.md``, "Attention backends"); here the key
-    axis is the GEMMs' wide dimension and the cache is read once at full bandwidth. Scores come out in the
-    inputs' dtype, softmaxed in float32 as eager attention does. ``chunks``: the split of ``p @ v``.
-    """
+    The fused kernels parallelise over query blocks and heads, so a handful of rows per KV head runs on a few thread
+    blocks that each walk the whole cache; here the key axis is the GEMMs' wide dimension and the cache is read once at
+    full bandwidth. Scores in the inputs' dtype, softmax in float32 as eager attention. ``chunks``: the split of ``p @
+    v``."""
     s = torch.matmul(q * scale if scale != 1.0 else q, k.transpose(-1, -2))
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))

@@ -2,10 +2,9 @@
 whose device work does not grow with the number of sessions.
 
 The pool is the verifier's design (``verifier/torch_backend/pool.py``) without rollback, since a drafter's context only
-grows: a session (:class:`PooledContext`) holds its full-attention context as pages and its sliding context as a ring
-of ``ring >= sliding_window - 1`` slots. A step writes each block's K/V into the pools' *scratch* rows, never a
-session's pages, so several blocks of one session (a pre-draft's) run in one step and the context holds committed
-positions only.
+grows: a session (:class:`PooledContext`) holds its full-attention context as pages and its sliding context as a ring of
+``ring >= sliding_window - 1`` slots. A step writes each block's K/V into the pools' *scratch* rows, never a session's
+pages, so several blocks of one session (a pre-draft's) run in one step and the context holds committed positions only.
 
 A step (:func:`run`) projects every extension's new aux rows at once, runs the blocks' row-wise ops once over all rows,
 and per layer ONE K/V write and ONE attention call through a padded ``[blocks, context slots + block lanes]`` table

@@ -40,11 +40,9 @@ RIDGE = 1e-6  # keeps the rounds' solve defined before they spread; relative to 
 
 @dataclass
 class CostCurve:
-    """Seconds per block by block size: measured points, linear in between and beyond.
-
-    A timing moves every size's cost (the machine's pace) and, twenty times more slowly, its own size's
-    cost relative to the others: moving only the timed size would let one slow spell price the chosen
-    sizes above the others, which are not re-timed while not chosen."""
+    """Seconds per block by block size: measured points, linear in between and beyond. A timing moves every size's cost
+    (the machine's pace) and, twenty times more slowly, its own size's relative cost, so one slow spell cannot price the
+    chosen sizes above the others, which are not re-timed while not chosen."""
 
     seconds: dict[int, float] = field(default_factory=dict)
 
@@ -274,15 +272,13 @@ def measure_costs(
 
 
 class RoundCosts:
-    """What a batched round costs, learnt from the rounds: a round of ``n`` sessions verifying ``R`` rows takes
-    ``T = g + f * n + s * R`` (``g`` the round's fixed cost, ``f`` each session's, ``s`` each row's), so one
-    session's block of ``L`` costs it ``g / n + f + s * L``. The alone curve (``g + f + s * L``) makes every
-    extra candidate look nearly free in a batch and the sizer drafts long, mostly rejected blocks; sharing
-    out the alone cost misses ``f`` and shrinks every block to 1.
+    """What a batched round costs, learnt from the rounds: ``n`` sessions verifying ``R`` rows take ``T = g + f * n + s
+    * R``, so one session's block of ``L`` costs it ``g / n + f + s * L``. The alone curve makes extra candidates look
+    nearly free in a batch (long, mostly rejected blocks); sharing out the alone cost misses ``f`` and shrinks every
+    block to 1.
 
-    Least squares on ``T / n = g / n + f + s * R / n`` over the rounds seen (``ROUND_FORGET`` per round) plus,
-    never forgotten, the alone curve as rounds of one session (``prime``): together they tell ``g`` from
-    ``f`` even when every round has the same ``n``. Thread-safe: the scheduler observes, sizers read."""
+    Least squares on ``T / n`` over the rounds seen (``ROUND_FORGET`` per round) plus, never forgotten, the alone curve
+    as rounds of one (``prime``), which tells ``g`` from ``f`` even when every round has the same ``n``. Thread-safe."""
 
     def __init__(self):
         self._lock = threading.Lock()

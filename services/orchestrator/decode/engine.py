@@ -138,13 +138,10 @@ class RunOptions:
 class Run:
     """One request through an engine: iterate it for the committed blocks, then read ``result`` / ``report``.
 
-    It owns everything between a request and its blocks: opening both sessions, the prefill (resuming a
-    cached prefix, one chunk per model-thread job so other requests' rounds run between chunks), joining
-    the scheduler, the adaptive sizer, the drafter fallback, stop tokens and strings (each block's ``text``
-    is the text it added), and closing both sessions however the run ends: exhausted, ``close``d, failed
-    (raised from ``next``) or ``cancel``led from any thread. A context manager. Making one is cheap;
-    :meth:`begin` (which ``Engine.start`` calls) opens the sessions and runs the prefill's first chunk.
-    """
+    It owns everything between a request and its blocks: both sessions, the prefill (one chunk per model-thread job, so
+    other requests' rounds run between chunks), the scheduler, the sizer, the drafter fallback, stop tokens and strings,
+    and closing both sessions however the run ends (exhausted, ``close``d, failed, or ``cancel``led from any thread). A
+    context manager. Making one is cheap; :meth:`begin` opens the sessions and runs the prefill's first chunk."""
 
     def __init__(self, engine: Engine, req: CheckedRequest, options: RunOptions):
         if not isinstance(req, CheckedRequest):

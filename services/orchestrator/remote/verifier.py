@@ -1,12 +1,13 @@
 """The Verifier protocol (``core/contract.py``) over gRPC (the Drafter's: ``remote/drafter.py``).
 
 One bidirectional ``Session`` stream per session: opening starts it, ``close`` ends it politely, ``abort`` cancels it;
-the server frees the session's cache either way. ``Open`` travels with ``Prefill``, so a block costs two round trips.
-A scheduler's round sends every session's block to one backend in ONE ``VerifyRound`` call; a lone session's block, and
+the server frees the session's cache either way. ``Open`` travels with ``Prefill``, so a block costs two round trips. A
+scheduler's round sends every session's block to one backend in ONE ``VerifyRound`` call; a lone session's block, and
 any the server does not find (another replica), travel on the session's stream.
 
 Aux stays opaque: a wire ``Tensor`` is passed on as it came. Failures are ``streams.BackendError``s; a step fails only
-after a deadline of silence (``remote/deadlines.py``), so a hung backend is noticed within seconds and a slow one is not.
+after a deadline of silence (``remote/deadlines.py``), so a hung backend is noticed within seconds and a slow one is
+not.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ calls are read (:func:`reads_calls`) stops where the model would wait for result
 ``"required"`` and a named function hold the model to a call with a grammar in llguidance's lark syntax:
 ``<|tool_call>call:NAME{ARGS}<tool_call|>``. Gemma-4's arguments are not JSON (``tools/calls.py``), so the schema
 compiles to rules of that syntax: keys bare and sorted (as the template writes them), strings between ``<|"|>`` marks
-with no ``<|`` inside (no string can swallow a mark). A keyword it cannot hold is refused by name (:class:`GrammarError`),
-never dropped; annotations are skipped (``docs/structured.md`` lists both). Markers the tokenizer holds as special tokens
-are named by id (``<[ID]>``), which no text can spell (:func:`marker_terms`).
+with no ``<|`` inside (no string can swallow a mark). A keyword it cannot hold is refused by name
+(:class:`GrammarError`), never dropped; annotations are skipped (``docs/structured.md`` lists both). Markers the
+tokenizer holds as special tokens are named by id (``<[ID]>``), which no text can spell (:func:`marker_terms`).
 """
 
 from __future__ import annotations

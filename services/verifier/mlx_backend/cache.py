@@ -35,11 +35,9 @@ def _zeros(like: mx.array, slots: int) -> mx.array:
 
 
 class RingKVCache(LayerKV):
-    """One sliding layer's K/V ring of ``capacity`` slots; all rings of a session share one layout.
-
-    ``plan.in_place``: write first, attend over ``ring[:used]``; otherwise attend over ``ring[:used] ++ new``
-    and write afterwards (a forward longer than the slack would overwrite slots its first queries need).
-    """
+    """One sliding layer's K/V ring of ``capacity`` slots; all rings of a session share one layout. ``plan.in_place``:
+    write, then attend over ``ring[:used]``; else attend over ``ring[:used] ++ new`` and write after (a forward longer
+    than the slack would overwrite slots its first queries need)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -119,12 +117,8 @@ class QuantizedFullKVCache(FullKVCache):
 
 
 class LatentRing:
-    """f_theta latent codes of one session, one row per slot of its own :class:`RingLayout`.
-
-    The layout (sink 0, the model's window, the session's slack) plans, applies and trims exactly like the K/V ring's,
-    so rollback stays exact; rows are written after each forward, from that forward's aux. Allocated whole at the start:
-    its size never changes.
-    """
+    """f_theta latent codes of one session, one row per slot of its own :class:`RingLayout`, which plans, applies and
+    trims exactly like the K/V ring's, so rollback stays exact. Allocated whole at the start."""
 
     def __init__(self, capacity: int, dim: int):
         self.data = mx.zeros((capacity, dim), mx.float32)

@@ -113,11 +113,9 @@ class DraftContext(nn.Module):
         ]
 
     def __call__(self, aux: mx.array) -> tuple[mx.array, mx.array]:
-        """``aux`` [..., aux_width] -> (K features, V features), each [..., draft_layers * kv_heads * head_dim].
-
-        K: exactly the draft's ``k_norm(k_proj(h))`` before RoPE. V: the draft's ``v_proj(h)``, RMS-normalised per head
-        (no scale) so both paths see inputs of a fixed scale whatever the checkpoint.
-        """
+        """``aux`` [..., aux_width] -> (K features, V features), each [..., draft_layers * kv_heads * head_dim]. K: the
+        draft's ``k_norm(k_proj(h))`` before RoPE; V: its ``v_proj(h)`` RMS-normalised per head, so both see inputs of a
+        fixed scale."""
         h = self.hidden_norm(self.fc(aux.astype(self.fc.weight.dtype)))
         shape = h.shape[:-1] + (self.kv_heads, self.head_dim)
         ks, vs = [], []

@@ -1,11 +1,11 @@
 """The Gemma-4 target on MLX (``backend.Target``): mlx-lm's model code, one forward that also returns aux.
 
-We drive mlx-lm's decoder layers and re-spell only the layer loop of ``Gemma4TextModel.__call__`` (:meth:`TargetMLX.body`)
-so the aux layers' outputs come from the same forward and sliding layers attend with our ring layout's masks. Each
-forward binds the sessions' array-only caches to its plans through per-forward views (:class:`LayerView`), since
-mlx-lm's attention reads ``cache.offset`` and calls ``cache.update_and_fetch``. Sessions go on the batch axis, short
-blocks padded at the end (a padded row sees key 0 only and is dropped); attention stays per row. f_theta and quantized
-full-attention caches never batch (``session.batchable``).
+We drive mlx-lm's decoder layers and re-spell only the layer loop of ``Gemma4TextModel.__call__``
+(:meth:`TargetMLX.body`) so the aux layers' outputs come from the same forward and sliding layers attend with our ring
+layout's masks. Each forward binds the sessions' array-only caches to its plans through per-forward views
+(:class:`LayerView`), since mlx-lm's attention reads ``cache.offset`` and calls ``cache.update_and_fetch``. Sessions go
+on the batch axis, short blocks padded at the end (a padded row sees key 0 only and is dropped); attention stays per
+row. f_theta and quantized full-attention caches never batch (``session.batchable``).
 """
 
 from __future__ import annotations

@@ -57,11 +57,9 @@ class SegmentAttention:
 
 
 class IndexedAttention:
-    """Every layer of a kind writes its K/V at one index tensor and attends over one extent.
-
-    ``where``: layer type -> ``(index [L] on the device, extent)``, ``masks``: layer
-    type -> bool ``[L, extent]`` or None; ``caches``: one per layer with its own K/V.
-    """
+    """Every layer of a kind writes its K/V at one index tensor and attends over one extent: ``where``: layer type ->
+    ``(index [L], extent)``; ``masks``: layer type -> bool ``[L, extent]`` or None; ``caches``: one per layer with
+    K/V."""
 
     def __init__(self, caches: Sequence, where: dict, masks: dict):
         self.caches, self.where, self.masks = caches, where, masks
