@@ -77,9 +77,6 @@ def _require_int(cfg: dict[str, Any], key: str, where: str, what: str) -> int:
     return value
 
 
-# --------------------------------------------------------------------------- the target
-
-
 def load_target_config(path: str | Path) -> dict[str, Any]:
     """Read a Gemma-4 target's config (the ``text_config`` of a multimodal one): :func:`target_config`."""
     return _load(path, "target", target_config)
@@ -252,9 +249,6 @@ def chat_template_source(d: str | Path) -> str | None:
             f" {{'name', 'template'}} objects, got {type(source).__name__}"
         )
     return source or None
-
-
-# --------------------------------------------------------------------------- the drafter
 
 
 def load_draft_config(path: str | Path) -> dict[str, Any]:

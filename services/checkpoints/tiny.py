@@ -62,9 +62,6 @@ class TinyPair:
     draft: Path
 
 
-# --------------------------------------------------------------------------- configs
-
-
 def target_config(
     sliding_window: int = 32, moe: bool = False, vocab_size: int = tk.DEFAULT_VOCAB_SIZE
 ) -> dict[str, Any]:
@@ -152,9 +149,6 @@ def draft_config(vocab_size: int = tk.DEFAULT_VOCAB_SIZE) -> dict[str, Any]:
             "output_multiplier": 1.0,
         },
     }
-
-
-# --------------------------------------------------------------------------- weights
 
 
 class _Init:
@@ -247,9 +241,6 @@ def draft_weights(cfg: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
         w.norm(p + "post_attention_layernorm.weight", h)
     w.norm("norm.weight", h)
     return w.tensors
-
-
-# --------------------------------------------------------------------------- writing
 
 
 def write_target_config(target: Path, cfg: dict[str, Any]) -> None:

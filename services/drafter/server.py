@@ -60,8 +60,6 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.max_block_size = MAX_BLOCK_SIZE
         self.row_bytes = 0  # context K/V bytes per cache row of one layer, measured by load()
 
-    # -- loading -----------------------------------------------------------------------
-
     def load(self, draft_dir: str | Path, target_dir: str | Path, backend: str = "mlx", **kwargs) -> str:
         """Load the drafter (``loader.local_drafter``) on the compute thread and warm it up."""
         from kakeya.drafter.loader import local_drafter
@@ -112,8 +110,6 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         if self.backend == "torch":
             return codec.from_proto(tensor, like="torch", device=self.drafter.model.device)
         return codec.from_proto(tensor, like=self.backend)
-
-    # -- RPCs ----------------------------------------------------------------------------
 
     def info(self) -> pb.DrafterInfo:
         d = self.drafter
@@ -275,8 +271,6 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         if not ids or not 0 <= ids[0] < vocab:
             raise invalid(f"predraft.block_ids: its first id must be in the vocabulary [0, {vocab})")
         return entry, DraftItem(session, p.new_aux if p.HasField("new_aux") else None, ids[0], 1)
-
-    # -- compute-thread steps --------------------------------------------------------------
 
     def _save(self, entry, session, ids, tensors) -> bool:
         kept = session.save(ids, [self._decode(t) for t in tensors])

@@ -20,9 +20,6 @@ log = logging.getLogger("kakeya.orchestrator")
 BACKENDS = ("auto", "mlx", "torch")
 
 
-# --------------------------------------------------------------------------- backend choice
-
-
 def _installed(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -126,9 +123,6 @@ def set_torch_threads(threads: int | None, device: str | None, embedded: bool, b
     return n
 
 
-# --------------------------------------------------------------------------- the pair
-
-
 def embedded_paths() -> tuple[str, str]:
     """The embedded pair every command uses without paths: the trained demo pair when shipped."""
     from kakeya.checkpoints.tiny import embedded_pair
@@ -146,9 +140,6 @@ def pair_paths(target: str | None, draft: str | None) -> tuple[str, str]:
     return str(target), str(draft)
 
 
-# --------------------------------------------------------------------------- verifiers and drafters
-
-
 def local_verifier(target_dir, aux_layers, backend: str = "mlx", **kwargs):
     """The in-process verifier for ``backend`` (``policy=``; ``device=``/``dtype=`` for torch)."""
     require_backend(backend)
@@ -163,9 +154,6 @@ def local_drafter(draft_dir, target_dir, backend: str = "mlx", **kwargs):
     from kakeya.drafter.loader import local_drafter as load
 
     return load(draft_dir, target_dir, backend, **kwargs)
-
-
-# --------------------------------------------------------------------------- engines
 
 
 def check_compile(torch_options: dict | None, device: str | None) -> None:

@@ -244,8 +244,6 @@ def _settle(future: Future, fn: Callable) -> None:
         future.set_result(result)
 
 
-# --------------------------------------------------------------------------- CPU time of model work
-
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 

@@ -233,9 +233,6 @@ class GenerationObserver:
 NO_OBSERVER = SimpleNamespace(block=lambda b: None, finish=lambda reason, **kw: None)  # a generation not observed
 
 
-# --------------------------------------------------------------------------- RPC interceptor
-
-
 class RpcInterceptor(grpc.ServerInterceptor):
     """Counts non-OK statuses into ``kakeya_errors_total{code}`` and binds the request id (``x-request-id`` metadata,
     else the request's ``request_id``) for logs."""

@@ -155,9 +155,6 @@ def make_dataset(
     return arrays
 
 
-# --------------------------------------------------------------------------- the training forward
-
-
 class BlockTrainer:
     """DFlash block loss for many blocks at once (torch)."""
 

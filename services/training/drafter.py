@@ -22,9 +22,6 @@ from kakeya.training.block_trainer import BlockTrainer, TorchTarget, cached_cont
 from kakeya.training.common import log
 from kakeya.training.drafter_eval import acceptance_record, evaluate, floats, heldout_prompts, ints
 
-# --------------------------------------------------------------------------- config
-
-
 REPORTED_CONFIG = "hidden_size num_hidden_layers intermediate_size num_attention_heads num_key_value_heads head_dim"
 
 

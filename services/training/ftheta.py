@@ -49,9 +49,6 @@ class TrainArgs:
     log_every: int = 10
 
 
-# --------------------------------------------------------------------------- data
-
-
 def stdlib_tokens(target_dir, n_tokens: int) -> tuple[np.ndarray, int | None]:
     """About ``n_tokens`` token ids of the standard library's top-level ``.py`` sources (in a fixed order),
     and the tokenizer's BOS id."""
@@ -98,9 +95,6 @@ class Batches:
 
     def eval(self) -> mx.array:
         return self._rows([self.eval_ids[i * self.body : (i + 1) * self.body] for i in range(self.eval_n)])
-
-
-# --------------------------------------------------------------------------- training
 
 
 def schedule(args: TrainArgs):
@@ -268,9 +262,6 @@ def train(
         f"(constant baseline K {s['baseline_rel_mse_k']:.3f} V {s['baseline_rel_mse_v']:.3f}); wrote {out}"
     )
     return report
-
-
-# --------------------------------------------------------------------------- CLI
 
 
 def cmd_train(args) -> int:

@@ -61,9 +61,6 @@ def _truth(attn, x: mx.array) -> LayerTruth:
     return LayerTruth(attn.rope(q), k_pre, v_pre, attn.k_norm(k_pre), attn.v_norm(v_pre))
 
 
-# --------------------------------------------------------------------------- loss
-
-
 def _cos(a: mx.array, b: mx.array) -> mx.array:
     return (a * b).sum(-1) / (mx.sqrt((a * a).sum(-1) * (b * b).sum(-1)) + 1e-8)
 

@@ -81,8 +81,6 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         self.kv_shape = None  # memory.KVShape: a session's worst-case bytes, before it allocates any
         self.restore = restore or bounds.RestoreSources()
 
-    # -- loading -----------------------------------------------------------------------
-
     def load(self, target_dir: str | Path, aux_layers: Sequence[int] = (), backend: str = "mlx", **kwargs) -> str:
         """Load the target (``loader.local_verifier``) on the compute thread and warm it up."""
         from kakeya.verifier.loader import local_verifier
@@ -150,8 +148,6 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         except ValueError as exc:
             message = str(exc)
             raise invalid(message if message.startswith("open.") else f"open.{message}") from None
-
-    # -- RPCs ----------------------------------------------------------------------------
 
     def info(self) -> pb.VerifierInfo:
         i = self.verifier.info
@@ -323,8 +319,6 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             msg = str(exc)  # check_proposal names "proposal...": the field is verify.proposal here
             raise invalid(f"verify.{msg}" if msg.startswith("proposal") else msg) from None
         return proposal
-
-    # -- compute-thread steps --------------------------------------------------------------
 
     @staticmethod
     def _account(entry, stats: VerifierStats) -> None:

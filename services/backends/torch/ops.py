@@ -50,9 +50,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-# --------------------------------------------------------------------------- RMSNorm
-
-
 def _normalized_f32(x: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -120,8 +117,6 @@ def rope_from_positions(
         cos, sin = cos * scale, sin * scale
     return cos.to(dtype), sin.to(dtype)
 
-
-# --------------------------------------------------------------------------- attention
 
 # cuDNN's SDPA builds an execution plan per new shape, a host-side build every block as the context grows
 # (docs/cuda.md, "Attention backends"); flash and memory-efficient attention take any length at no set-up
@@ -228,9 +223,6 @@ def decode_attention(q, k, v, mask: torch.Tensor | None, scale: float, chunks: i
     pc = p.unflatten(-1, (chunks, n_keys // chunks)).transpose(-3, -2)  # [B, H, chunks, rows, keys/chunks]
     vc = v.unflatten(-2, (chunks, n_keys // chunks))  # [B, H, chunks, keys/chunks, D]
     return torch.matmul(pc, vc).sum(dim=-3, dtype=torch.float32).to(v.dtype)
-
-
-# --------------------------------------------------------------------------- fused elementwise ops
 
 
 def attention_kernel_wanted(device: torch.device, wanted: bool | None) -> bool:

@@ -133,8 +133,6 @@ class PagePool:
         self.generation += 1
         self.growths += 1
 
-    # -- rows of layer i ---------------------------------------------------------------------
-
     def write(self, i: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """``k``/``v`` ``[kv_heads, n, head_dim]`` into ``rows`` [n] (device) of layer ``i``."""
         store = self.storage[i]

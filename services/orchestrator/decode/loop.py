@@ -110,8 +110,6 @@ class Decode:
         self._t_block = 0.0
         self._t_decode = 0.0
 
-    # -- state ----------------------------------------------------------------------------
-
     @property
     def done(self) -> bool:
         gen = self.generation
@@ -158,8 +156,6 @@ class Decode:
         self.drafting = drafter is not None and (self.sizer is not None or self.block_size > 1)
         self.lost = None  # last: a round may include it from here on
 
-    # -- 1. draft ---------------------------------------------------------------------------
-
     def plan_draft(self) -> DrafterCall | None:
         """Ask the proposers in order for this round's block; the drafter call it needs (None: none)."""
         self._t_block = time.perf_counter()
@@ -189,8 +185,6 @@ class Decode:
             self._draft = Draft(proposal.tokens)
         elif proposal.ask > 1:
             self._draft = self._allowed(result)
-
-    # -- 2. verify, 3. commit ------------------------------------------------------------
 
     def verifier_call(self) -> VerifierCall:
         """This round's block for the verifier: ``[last, *candidates]``."""
@@ -222,8 +216,6 @@ class Decode:
             self.sizer.observe(block)
         self._last = tokens[-1]
         return block
-
-    # -- the drafter's side -----------------------------------------------------------------
 
     def _committed(self, aux) -> None:
         """The aux of newly committed positions, for the next drafter call."""

@@ -112,9 +112,6 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
         )
 
 
-# --------------------------------------------------------------------------- serving
-
-
 def server_spec(servicer: GenerationServicer, tls=None, http=None) -> ServerSpec:
     """``http``: the OpenAI HTTP front (``http_server.HttpFront``) served beside the gRPC API, or None."""
 

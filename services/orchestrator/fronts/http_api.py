@@ -77,9 +77,6 @@ def bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param)
 
 
-# --------------------------------------------------------------------------- requests
-
-
 @dataclass(frozen=True)
 class Reply:
     """What a request asks of its answer: which API, streamed or not, with a final usage chunk."""
@@ -291,9 +288,6 @@ def _content(content, i: int) -> str:
             return "".join(p["text"] for p in content)
         raise bad("messages", f"messages[{i}].content: only text parts are supported")
     raise bad("messages", f"messages[{i}].content must be a string or a list of text parts")
-
-
-# --------------------------------------------------------------------------- answers
 
 
 class Answer:

@@ -145,8 +145,6 @@ def check(body: dict, chat: bool) -> None:
             raise Refused(name, f"must be {kinds}")
 
 
-# --------------------------------------------------------------------------- constraints
-
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
@@ -237,8 +235,6 @@ def _structured(value, bad) -> tuple[str, Constraint] | None:
     return name, Constraint(STRUCTURED[key], _spec(value[key], STRUCTURED[key], name, bad))
 
 
-# --------------------------------------------------------------------------- logprobs
-
 Token = Callable[[int], tuple[str, bytes]]  # ``TextCodec.token``: a token's text and bytes
 
 
@@ -285,9 +281,6 @@ def completion_logprobs(logprobs: Sequence[TokenLogprobs], token: Token, offset:
         out["text_offset"].append(offset)
         offset += len(text)
     return out
-
-
-# --------------------------------------------------------------------------- tools
 
 
 class ToolError(ValueError):

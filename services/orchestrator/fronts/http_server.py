@@ -171,8 +171,6 @@ class HttpFront:
     def model_name(self) -> str:
         return self._model_name or served_model_name(self.servicer.engine.target)
 
-    # -- routes ---------------------------------------------------------------------------
-
     async def health(self, request: Request) -> Response:
         if self.servicer.draining:
             return _error(ApiError(503, DRAINING))
@@ -263,8 +261,6 @@ class HttpFront:
             yield _event(exc.body())
         yield b"data: [DONE]\n\n"
 
-    # -- checks ---------------------------------------------------------------------------
-
     def _admitted(self, request: Request) -> None:
         """401 without the server's bearer token (when it has one); 503 while the engine loads."""
         if not bearer_ok(request.headers.get("authorization", ""), self.servicer.auth_token):
@@ -299,8 +295,6 @@ class HttpFront:
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
         log.exception("HTTP %s %s failed", request.method, request.url.path)
         return _error(ApiError(500, f"internal error ({type(exc).__name__}); the orchestrator's log has it"))
-
-    # -- serving --------------------------------------------------------------------------
 
     def start(self, host: str, tls=None, grace_s: float = 30.0) -> int:
         """Listen on ``host:port`` (TLS as gRPC's); the port bound (``port`` 0: any free one), or OSError."""

@@ -29,9 +29,6 @@ from kakeya.wire.kakeya.v1.tensor_pb2 import Tensor
 log = logging.getLogger("kakeya.remote")
 
 
-# --------------------------------------------------------------------------- verifier
-
-
 class GrpcVerifierSession:
     """``VerifierSession`` over one Session stream."""
 
@@ -227,9 +224,6 @@ class GrpcVerifier(RemoteBackend):
         return GrpcVerifierSession(self, policy, sampling, options or SessionOptions())
 
     decide_batch = staticmethod(RemoteBackend.batch)  # a round's blocks: one VerifyRound call per verifier
-
-
-# --------------------------------------------------------------------------- drafter
 
 
 def _tensor(aux) -> Tensor:

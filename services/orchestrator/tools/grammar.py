@@ -92,8 +92,6 @@ def finish_reason(reason: str, calls: int) -> str:
     return TOOL_CALLS if calls and reason == "stop" else reason
 
 
-# --------------------------------------------------------------------------- the calls' grammar
-
 _BARE_KEY = re.compile(r"[^:{}\[\],<\s\"]+")
 # A string's text: anything without "<|", so it cannot hold (or end inside) a marker.
 _TERMINALS = {

@@ -40,8 +40,6 @@ def at(where: str, part: str) -> str:
     return f"{where}.{part}" if where else part
 
 
-# --------------------------------------------------------------------------- strings
-
 # A string's text: anything without "<|", so it cannot hold (or end inside) a marker.
 TEXT = r"([^<]|<[^<|])*"
 
@@ -123,9 +121,6 @@ def _bounds(schema: Mapping, low: str, high: str, where: str) -> tuple[int, int 
     return lo, hi
 
 
-# --------------------------------------------------------------------------- numbers and arrays
-
-
 def number(kind: str, schema: Mapping, where: str) -> str | None:
     """A bounded number's rule body: llguidance's JSON-schema number (``%json``), which Gemma-4 writes as JSON
     does; None where ``schema`` bounds nothing (the plain INT/NUM terminal then)."""
@@ -163,9 +158,6 @@ def repeated(item: str, lo: int, hi: int | None) -> str:
         more = f"{{{lo - 1},}}"
     seq = f'{item} ("," {item}){more}'
     return f"({seq})?" if lo == 0 else seq
-
-
-# --------------------------------------------------------------------------- $ref and allOf
 
 
 def resolve(root: Mapping, ref, where: str) -> tuple[str, Mapping | bool]:

@@ -201,8 +201,6 @@ class Restorer:
     def latent_dim(self) -> int:
         return self.config.latent_dim
 
-    # -- construction ---------------------------------------------------------------------
-
     @classmethod
     def init(
         cls,
@@ -280,8 +278,6 @@ class Restorer:
             where = f" ({self.path})" if self.path else ""
             raise ValueError(f"f_theta{where} does not fit this target: " + "; ".join(problems))
 
-    # -- inference ------------------------------------------------------------------------
-
     def features(self, aux: mx.array, aux_layers: Sequence[int] | None = None) -> tuple[mx.array, mx.array]:
         return self.context(self._select(aux, aux_layers))
 
@@ -317,8 +313,6 @@ class Restorer:
                 )
         cols = self._columns[have]
         return aux if cols is None else mx.take(aux, cols, axis=-1)
-
-    # -- persistence ------------------------------------------------------------------------
 
     def save(self, out_dir: str | Path, extra: dict | None = None) -> Path:
         out = Path(out_dir)

@@ -264,8 +264,6 @@ class TargetMLX:
         kv = self._compiled[key](restore.latents, mx.array(np.maximum(restore.positions, 0)))
         return [(kv[2 * j], kv[2 * j + 1]) for j in range(len(layers))]
 
-    # -- the model itself ---------------------------------------------------------------
-
     def body(self, ids: mx.array, caches: Sequence, masks: dict, aux_layers) -> tuple[mx.array, dict]:
         """Run ``ids`` [B, L] through the decoder layers, each cached layer with its cache (anything with
         mlx-lm's ``offset`` and ``update_and_fetch``) and its type's mask; no LM head. Returns the

@@ -157,8 +157,6 @@ class PooledCaches(SessionCaches):
             self, _release, [(self.sliding, self.ring_pages), (self.full, self.full_pages)]
         )
 
-    # -- pages and rows ----------------------------------------------------------------------
-
     def ring_rows(self) -> np.ndarray:
         """Pool row of every ring slot, in slot order."""
         return page_rows(self.ring_pages, self.page)[: self.capacity]
@@ -213,8 +211,6 @@ class PooledCaches(SessionCaches):
         ring = torch.from_numpy(self.ring_rows()).to(dev)
         full = torch.from_numpy(self.full_rows(0, positions)).to(dev)
         return [(i, *((self.sliding, ring) if k == SLIDING else (self.full, full))) for i, k in enumerate(self.kinds)]
-
-    # -- a dynamic forward's write indices, made once per plan for every layer ------------------------
 
     def plan_rows(self, plan: ForwardPlan) -> tuple:
         """(ring rows written, the forward rows written there, full rows written, full rows attended) on

@@ -234,8 +234,6 @@ class TargetTorch:
         with self.pool.stepping():
             caches.load(saved, positions)
 
-    # -- the inputs of a forward -----------------------------------------------------------
-
     def kv_like(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A one-position K/V of cached layer ``i`` (shape, dtype, device) to size its buffers."""
         t = torch.zeros(
@@ -263,8 +261,6 @@ class TargetTorch:
         q = torch.arange(start, start + n, device=self.device)[:, None]
         k = torch.arange(start + n, device=self.device)[None, :]
         return k <= q
-
-    # -- torch only: benchmarks, the reference decode --------------------------
 
     @classmethod
     def random(

@@ -245,9 +245,6 @@ def decode_attention(
     return out
 
 
-# --------------------------------------------------------------------------- eager reference
-
-
 def visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window=0, sinks=0) -> torch.Tensor:
     """Bool ``[..., L, S]``: which slots each query row sees (the kernel's mask, spelled in torch);
     ``window``/``sinks``: integers, or tensors of the leading shape (each session's own)."""

@@ -81,9 +81,6 @@ def softcap_argmax(
     return choices, capped
 
 
-# --------------------------------------------------------------------------- eager reference
-
-
 def softcap_argmax_reference(logits: torch.Tensor, cap: float | None):
     """``Gemma4Text.logits`` after its GEMM, and the static step's ``argmax``."""
     out = logits.float()

@@ -190,9 +190,6 @@ def experts(
 DOWN_BLOCK_H = 32  # h columns per down-projection program: enough programs to stream every expert's down rows at once
 
 
-# --------------------------------------------------------------------------- eager references
-
-
 def route_reference(logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor):
     """``MoE.route`` after its router GEMM."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)

@@ -131,9 +131,6 @@ def add_rms_norm(
     return h.view(residual.shape), y.view(residual.shape)
 
 
-# --------------------------------------------------------------------------- eager references
-
-
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, qwen3: bool = False):
     """The model's own norms (``backends/torch/ops.py``)."""
     if qwen3:

@@ -161,9 +161,6 @@ def qkv_norm_rope(
     return q, k, v
 
 
-# --------------------------------------------------------------------------- eager reference
-
-
 def qkv_norm_rope_reference(
     qkv, n_heads, n_kv, head_dim, q_weight, k_weight, cos, sin, eps, *, k_eq_v=False, v_norm=True, qwen3=False
 ):
