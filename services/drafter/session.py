@@ -223,10 +223,9 @@ def _ranks(tokens: Sequence[int], rows: Sequence[Sequence[int]], k: int) -> list
 
 
 def draft_batch(items: Sequence[DraftItem]) -> list[Draft | Exception]:
-    """Several sessions' draft calls (``DraftItem`` or plain 4-tuples, what ``Drafter.draft_batch`` takes):
-    one result per item, in order, its ``Draft`` or the exception it raised (for that item's caller alone).
-    Each is checked as :meth:`LocalDrafterSession.draft` checks it; the sessions of each model then draft
-    together (:func:`draft_together`), or one by one when fewer than the model's ``min_batch``."""
+    """Several sessions' draft calls (``DraftItem`` or plain 4-tuples): one result per item, in order, its ``Draft`` or
+    the exception it raised (for that item's caller alone). The sessions of each model draft together
+    (:func:`draft_together`), or one by one when fewer than the model's ``min_batch``."""
     results: list[Any] = [None] * len(items)
     groups: dict[int, list] = {}  # sessions of one loaded model batch together
     seen: set[int] = set()

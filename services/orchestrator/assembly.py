@@ -82,10 +82,9 @@ def require_backend(backend: str) -> None:
 
 
 def torch_threads(threads: int | None, device: str | None, embedded: bool) -> int:
-    """The torch intra-op thread count to pin (0: leave torch's default). ``threads=None``: 1 for the
-    embedded demo pair on CPU (it gains nothing from a second thread, and a team as large as a small shared
-    machine stalls when another process takes a core: docs/benchmarks.md); on a CPU, the CPUs this process
-    may run on when pinned to fewer than the machine's (a larger team stalls); torch's default otherwise."""
+    """The torch intra-op thread count to pin (0: leave torch's default). ``threads=None``: 1 for the embedded demo pair
+    on CPU (a larger team stalls when another process takes a core); on a CPU pinned to fewer than the machine's CPUs,
+    those; torch's default otherwise."""
     if threads is None:
         if not (device or "cpu").startswith("cpu"):
             return 0
@@ -177,10 +176,8 @@ def build_local_engine(
     prefixes=None,
     ngram: bool = True,
 ):
-    """Load the pair in-process (the embedded default pair when no paths are given). ``backend`` may be
-    ``"auto"``; ``device``/``dtype`` and ``torch_options`` (``cuda_graphs``/``compile`` for both,
-    ``graphed_min_batch`` the drafter's) apply to torch. ``prefixes``: a ``core.prefix.PrefixCache`` the
-    verifier and the drafter share, or None; ``ngram``: as ``Engine.ngram``."""
+    """Load the pair in-process (the embedded default pair when no paths are given). ``device``/``dtype`` and
+    ``torch_options`` apply to torch; ``prefixes``: a ``PrefixCache`` the verifier and the drafter share, or None."""
     from kakeya.checkpoints.config import check_pair, load_draft_config, load_target_config
     from kakeya.orchestrator.decode.engine import Engine
     from kakeya.orchestrator.text import TextCodec

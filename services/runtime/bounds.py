@@ -25,10 +25,9 @@ DEFAULT_RESTORE_NAME = "default"
 
 @dataclass(frozen=True)
 class HttpTimeouts:
-    """How long an HTTP client may take (seconds): to send a request's headers (from the connection, or from
-    the request's first byte on a keep-alive one), its body, and the next request on an idle keep-alive
-    connection (``kakeya serve --http-header-timeout``, ``--http-body-timeout``, ``--http-keep-alive``).
-    Without the first two, a client that never finishes (slowloris) holds its connection forever."""
+    """How long an HTTP client may take (seconds) to send a request's headers, its body, and the next request on an idle
+    keep-alive connection. Without the first two, a client that never finishes (slowloris) holds its connection
+    forever."""
 
     headers_s: float = 10.0
     body_s: float = 30.0

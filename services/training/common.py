@@ -155,10 +155,9 @@ def device_label(device) -> str:
 
 
 def hf_text_config(cfg: dict):
-    """transformers' ``Gemma4TextConfig`` for a target config dict, its ``layer_types`` kept as written:
-    transformers forces the last layer to full attention, mlx-lm and our verifiers do not, and an
-    all-sliding target (``train-target --pattern s``) is where only f_theta brings back an evicted needle.
-    So the full layers' overrides are computed for the layers that really are full and the types put back."""
+    """transformers' ``Gemma4TextConfig`` for a target config dict, its ``layer_types`` kept as written: transformers
+    forces the last layer to full attention, mlx-lm and our verifiers do not (an all-sliding target is where only
+    f_theta brings back an evicted needle), so the full layers' overrides go to the layers that really are full."""
     from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
     types = list(cfg["layer_types"])

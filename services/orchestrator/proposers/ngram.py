@@ -29,10 +29,9 @@ class NgramIndex:
         self._indexed = 0  # n-grams ending at indices below this are in ``_ends``
 
     def propose(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
-        """Up to ``k`` tokens to follow ``tokens`` (the whole stream so far, the same list growing between
-        calls): the continuation of the latest earlier occurrence of its longest suffix of ``min_match`` to
-        ``max_match`` tokens; () when there is none. A continuation that runs into the stream's end
-        repeats the period it found (a loop continues itself)."""
+        """Up to ``k`` tokens to follow ``tokens`` (the whole stream so far, growing between calls): the continuation of
+        the latest earlier occurrence of its longest suffix of ``min_match`` to ``max_match`` tokens; () when there is
+        none. A continuation running into the stream's end repeats the period it found."""
         n_tokens = len(tokens)
         if n_tokens < self._indexed:
             raise ValueError("the token stream shrank: an NgramIndex follows one growing stream")

@@ -334,10 +334,9 @@ def _alone(call, *args):
 
 
 class RemoteBackend:
-    """What the gRPC verifier and drafter clients share: channel, step clock, stub, the server's GetInfo
-    (``remote``), health, and a round's steps (:meth:`batch`). Their sessions offer ``client``, ``session_id``,
-    ``_s`` (their :class:`Stream`), ``in_rounds`` / ``round_ok`` / ``ended``, ``_post(*args)`` then
-    ``_finish(posted)`` (a step on their stream), ``_step_msg(*args)``, ``_answer(msg, elapsed_s)``, ``_fail(exc)``."""
+    """What the gRPC verifier and drafter clients share: channel, step clock, stub, the server's GetInfo (``remote``),
+    health, and a round's steps (:meth:`batch`), which their sessions' ``_post`` / ``_finish`` / ``_answer`` hooks
+    serve."""
 
     role = ""  # "verifier" | "drafter": what its errors name
     info_request: type  # its GetInfo request

@@ -57,9 +57,8 @@ class SegmentAttention:
 
 
 class IndexedAttention:
-    """Every layer of a kind writes its K/V at one index tensor and attends over one extent: ``where``: layer type ->
-    ``(index [L], extent)``; ``masks``: layer type -> bool ``[L, extent]`` or None; ``caches``: one per layer with
-    K/V."""
+    """Every layer of a kind writes its K/V at one index tensor and attends over one extent (``where``: layer type ->
+    ``(index [L], extent)``; ``masks``: layer type -> bool ``[L, extent]`` or None)."""
 
     def __init__(self, caches: Sequence, where: dict, masks: dict):
         self.caches, self.where, self.masks = caches, where, masks
