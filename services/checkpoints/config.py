@@ -326,10 +326,9 @@ def _draft_rope(cfg: dict[str, Any]) -> None:
 
 
 def _draft_layers(cfg: dict[str, Any], where: str) -> None:
-    """Sliding drafter layers. Without ``layer_types``, ``Qwen3Config``'s rule: with ``use_sliding_window``,
-    the layers from ``max_window_layers`` on slide. With ``layer_types`` naming sliding layers, their
-    ``sliding_window`` holds, as the dflash package's MLX model reads it (its torch model drops the window
-    unless ``use_sliding_window``): one reading on both backends, what the writer meant."""
+    """Sliding drafter layers: without ``layer_types``, ``Qwen3Config``'s rule (``use_sliding_window``: the layers from
+    ``max_window_layers`` on); with it, its sliding layers keep ``sliding_window``, as the dflash package's MLX model
+    reads it: one reading on both backends, what the writer meant."""
     n = cfg["num_hidden_layers"]
     cfg["num_key_value_heads"] = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
     if cfg.get("head_dim") is None:

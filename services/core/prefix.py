@@ -129,11 +129,9 @@ class PrefixCache:
         allowed: Collection[int] | None = None,
         partial: bool = False,
     ) -> list[Match]:
-        """Every snapshot a session may resume ``prompt_ids`` from, longest first: its ids are a prefix of the prompt
-        (with ``partial``, also a snapshot the prompt shares at least a block of, up to a point past the boundary it is
-        filed under, matched that far: ``Match.back`` > 0; a snapshot longer than the prompt too, so a prompt run again
-        resumes), at least one prompt token is left to compute (the next token's logits), and the match's length is in
-        ``allowed`` (None: any). Marks them used (LRU) but counts nothing: see :meth:`count`."""
+        """Every snapshot a session may resume ``prompt_ids`` from, longest first: its ids a prefix of the prompt (with
+        ``partial``, also one sharing at least a block, matched that far: ``Match.back`` > 0), at least one prompt token
+        left to compute, and the length in ``allowed`` (None: any). Marks them used (LRU); :meth:`count` counts."""
         prompt = tuple(prompt_ids)
         hashes = block_hashes(prompt, namespace, len(prompt) - 1)
         found = []

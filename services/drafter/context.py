@@ -260,10 +260,9 @@ def draft_rows(block_sizes) -> list[int]:
 
 
 def block_mask(view: BlockView, n_block: int, *, is_causal: bool, window: int | None) -> np.ndarray | None:
-    """Bool ``[n_block, keys]`` visibility (True = attend) over the visible context then the block, or None
-    when every key is visible. Query ``i`` sits at ``C + i`` (``C``: the context length), the context at
-    ``C - n_ctx .. C - 1``. Context keys obey ``p_q - p_k < window``; block keys causality (if ``is_causal``)
-    and, on sliding layers, ``|p_q - p_k| < window`` (the reference's training mask)."""
+    """Bool ``[n_block, keys]`` visibility (True = attend) over the visible context then the block, or None when every
+    key is visible. Context keys obey ``p_q - p_k < window``; block keys causality (if ``is_causal``) and, on sliding
+    layers, ``|p_q - p_k| < window`` (the reference's training mask)."""
     n_ctx = view.n_ctx
     need_ctx = window is not None and n_ctx + n_block - 1 >= window
     need_block = is_causal or (window is not None and n_block > window)

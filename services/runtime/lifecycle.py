@@ -205,11 +205,9 @@ def write_ready_file(path: str | Path, payload: dict) -> None:
 
 
 def port_in_use(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be ours (another listener holds it), or None (port 0 always is free).
-
-    gRPC binds with SO_REUSEPORT, so a second server on a taken port would bind as well and split the connections; a
-    bind without it fails on a port another socket listens on, while SO_REUSEADDR passes a just-died server's TIME_WAIT
-    leftovers."""
+    """Why ``host:port`` cannot be ours (another listener holds it), or None (port 0 always is free). gRPC binds with
+    SO_REUSEPORT, so a second server on a taken port would bind too and split the connections; a bind without it fails,
+    and SO_REUSEADDR lets it pass a just-died server's TIME_WAIT leftovers (a restart on its own port)."""
     import socket
 
     if port == 0:

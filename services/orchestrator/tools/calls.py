@@ -261,11 +261,9 @@ _ENDS = ",:{}[]"  # what ends a bare key, a number or a word (besides white spac
 
 
 class ArgumentsStream:
-    """Gemma-4 arguments text (from their ``{``), fed in pieces -> OpenAI's JSON text, in final pieces.
-
-    Each piece is translated as far as the text so far decides it. Joined, the pieces are exactly
-    ``json.dumps(parse_arguments(whole), ensure_ascii=False)``. The input is trusted to be well-formed (grammar-held);
-    text it cannot read stops it (:attr:`broken`)."""
+    """Gemma-4 arguments text (from their ``{``), fed in pieces -> OpenAI's JSON text, each piece translated as far as
+    the text so far decides it; joined, exactly ``json.dumps(parse_arguments(whole), ensure_ascii=False)``. The input is
+    trusted to be well-formed (grammar-held); text it cannot read stops it (:attr:`broken`)."""
 
     def __init__(self):
         self.rest = ""  # text read but not yet translated

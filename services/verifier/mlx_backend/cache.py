@@ -35,9 +35,8 @@ def _zeros(like: mx.array, slots: int) -> mx.array:
 
 
 class RingKVCache(LayerKV):
-    """One sliding layer's K/V ring of ``capacity`` slots; all rings of a session share one layout. ``plan.in_place``:
-    write, then attend over ``ring[:used]``; else attend over ``ring[:used] ++ new`` and write after (a forward longer
-    than the slack would overwrite slots its first queries need)."""
+    """One sliding layer's K/V ring of ``capacity`` slots; all rings of a session share one layout. Out of place, a
+    forward attends over ``ring[:used] ++ new`` and writes after (it would overwrite slots its first queries need)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity

@@ -113,9 +113,8 @@ class DraftContext(nn.Module):
         ]
 
     def __call__(self, aux: mx.array) -> tuple[mx.array, mx.array]:
-        """``aux`` [..., aux_width] -> (K features, V features), each [..., draft_layers * kv_heads * head_dim]. K: the
-        draft's ``k_norm(k_proj(h))`` before RoPE; V: its ``v_proj(h)`` RMS-normalised per head, so both see inputs of a
-        fixed scale."""
+        """``aux`` -> (K features, V features): K the draft's ``k_norm(k_proj(h))`` before RoPE; V its ``v_proj(h)``
+        RMS-normalised per head, so both see inputs of a fixed scale whatever the checkpoint."""
         h = self.hidden_norm(self.fc(aux.astype(self.fc.weight.dtype)))
         shape = h.shape[:-1] + (self.kv_heads, self.head_dim)
         ks, vs = [], []
