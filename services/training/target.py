@@ -1,14 +1,9 @@
 """``kakeya train-target``: train a small Gemma-4 (gemma4_text) model on the stdlib (MLX or torch).
 
-The model (mlx-lm's ``gemma4_text.Model`` or transformers' ``Gemma4ForCausalLM``) is built from the config
-written to ``config.json`` (``kakeya.checkpoints.tiny``'s fields), so the result opens with ``mlx_lm.load``,
-transformers and our loaders unchanged; initial weights are ``tiny.target_weights`` (deterministic per seed).
-
-Output directory::
-
-    OUT/config.json, generation_config.json, model.safetensors, tokenizer files
-    OUT/report.json          loss curve, held-out loss / perplexity, corpus, timing
-    OUT/ckpt/                resumable state (weights + AdamW state + step)
+The model is built from the config written to ``config.json`` (``kakeya.checkpoints.tiny``'s fields), so the result
+opens with ``mlx_lm.load``, transformers and our loaders unchanged; initial weights are ``tiny.target_weights``.
+Output: ``OUT/`` the checkpoint and tokenizer, ``OUT/report.json`` (loss curve, held-out perplexity, timing) and
+``OUT/ckpt/`` (resumable state).
 """
 
 from __future__ import annotations

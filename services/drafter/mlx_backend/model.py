@@ -1,12 +1,11 @@
 """DFlash block-diffusion drafter in MLX.
 
-A stack of Qwen3-style decoder layers whose attention sees the *context*, ``hidden_norm(fc(aux))`` of the target's
-hidden states at ``target_layer_ids`` projected by each layer's ``k_proj``/``v_proj`` (``k_norm``, RoPE at the context
-positions; cached in ``ContextKVCache`` and only extended), and the *block*, ``[last committed token, mask, ...]`` at
-positions ``ctx_len ..``. Embedding and LM head are the target's (only those two tensors are read from it,
-``load_dflash_mlx``). "Gap-B": the block embedding is the target's RAW embedding row x ``input_embedding_scale``, never
-Gemma's sqrt(hidden) (the ``dflash`` reference's MLX ``bind()`` differs here; its torch code and training do not).
-Parameter names follow the reference layout, so published safetensors load with ``load_weights(strict=True)``.
+Qwen3-style decoder layers whose attention sees the *context* (``hidden_norm(fc(aux))`` of the target's hidden states
+at ``target_layer_ids``, projected by each layer's ``k_proj``/``v_proj``; cached in ``ContextKVCache``, only extended)
+and the *block* ``[last committed token, mask, ...]``. Embedding and LM head are the target's (the only two tensors read
+from it). "Gap-B": the block embedding is the target's RAW embedding row x ``input_embedding_scale``, never Gemma's
+sqrt(hidden) (the ``dflash`` reference's MLX ``bind()`` differs; its torch code and training do not). Parameter names
+follow the reference layout, so published safetensors load with ``load_weights(strict=True)``.
 """
 
 from __future__ import annotations
