@@ -111,13 +111,6 @@ def prefix_cache_bytes(args, device: str | None = None) -> int:
     return auto_prefix_cache_bytes(free)
 
 
-def add_restore(p) -> None:
-    """Restoration sources, chosen by name on the wire (replaces the plain --restore of the cache flags)."""
-    p.add_argument("--restore", action="append", metavar="NAME=DIR",
-                   help="an f_theta restoration source (repeatable); a bare DIR is the source 'default' and the"
-                        " default policy's; requests choose sources by NAME (CachePolicy.restore_path)")  # fmt: skip
-
-
 def add_orchestrator(p) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="longest prompt accepted (default 8192, never above the target's"

@@ -170,7 +170,6 @@ def register_generate(sub) -> None:
     p.add_argument("--draft", help="DFlash drafter checkpoint directory")
     options.add_generation_options(p)
     options.add_backend_args(p)
-    options.add_torch_threads(p)
     p.add_argument("--compare-ar", action="store_true",
                    help="also run AR and report the speedup; greedy and coupled sampling: and whether the"
                         " tokens are identical (lossless); the rejection rule: AR sampling, speed only;"

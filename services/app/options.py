@@ -25,7 +25,8 @@ def add_ngram(p) -> None:
 
 
 def add_backend_args(p, *, help_suffix: str = "") -> None:
-    """--backend/--device/--dtype for commands that load models in-process."""
+    """--backend/--device/--dtype, the torch fast paths and --torch-threads, for commands that load models
+    in-process."""
     auto = "auto (default): MLX on Apple silicon, torch elsewhere"
     p.add_argument("--backend", default="auto", choices=["auto", "mlx", "torch"], help=auto + help_suffix)
     p.add_argument("--device", help="torch: cuda, cuda:1, cpu, mps (default: cuda when available, else cpu)")
@@ -39,9 +40,11 @@ def add_backend_args(p, *, help_suffix: str = "") -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch: torch.compile each layer's norms, projections, RoPE and MLP into fused kernels; "
                         "slow start-up, off by default")  # fmt: skip
+    add_torch_threads(p)
 
 
 def add_torch_threads(p) -> None:
+    """--torch-threads: with the backend flags, and alone for ``serve all`` (whose children it configures)."""
     p.add_argument("--torch-threads", type=int,
                    help="torch CPU threads, and on Linux the BLAS threads of MLX's products (default: 1 for the"
                         " embedded pair on CPU, where a tiny model gains nothing from more and a thread team stalls"
@@ -65,10 +68,12 @@ def torch_options(args, drafter: bool = True) -> dict:
     return out
 
 
-def add_cache_args(p, default_kind: str | None = "native") -> None:
+def add_cache_args(p, default_kind: str | None = "native", *, restore_sources: bool = False) -> None:
     """Cache-policy flags, shared by every command that opens verifier sessions.
 
     ``default_kind=None`` (the client): no --cache means "the server's default policy".
+    ``restore_sources`` (the servers that hold sessions): --restore names the f_theta sources requests
+    choose from by name, a server-wide flag, not the one policy's directory.
     """
     g = p.add_argument_group("verifier cache policy")
     g.add_argument("--cache", default=default_kind, choices=["native", "sink-window"],
@@ -79,7 +84,11 @@ def add_cache_args(p, default_kind: str | None = "native") -> None:
     g.add_argument("--window", type=int, help="sliding window (sink-window; default: the model's)")
     g.add_argument("--full-kv-bits", type=int, default=0, choices=[0, 4, 8],
                    help="affine-quantize full-attention K/V to 4 or 8 bits (0: exact)")  # fmt: skip
-    if default_kind is None:  # the wire carries a source's name; the server holds its directory
+    if restore_sources:
+        p.add_argument("--restore", action="append", metavar="NAME=DIR",
+                       help="an f_theta restoration source (repeatable); a bare DIR is the source 'default' and the"
+                            " default policy's; requests choose sources by NAME (CachePolicy.restore_path)")  # fmt: skip
+    elif default_kind is None:  # the wire carries a source's name; the server holds its directory
         g.add_argument("--restore", metavar="NAME",
                        help="restore evicted sliding-layer K/V with the server's f_theta source NAME (one of its"
                             " --restore NAME=DIR; a bare DIR there is 'default'; sink-window only)")  # fmt: skip

@@ -204,7 +204,7 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="run the gRPC services (verifier, drafter, orchestrator, or all three)")
     roles = p.add_subparsers(dest="role", required=True)
 
-    v = roles.add_parser("verifier", help="the target model and its per-session KV caches", conflict_handler="resolve")
+    v = roles.add_parser("verifier", help="the target model and its per-session KV caches")
     _common(v, "verifier")
     _cpus_arg(v)
     v.add_argument("--target", help="Gemma-4 target checkpoint directory (default: the embedded pair's)")
@@ -212,9 +212,8 @@ def register(sub) -> None:
         "--draft", help="a DFlash drafter directory: only its target_layer_ids are read (the default aux layers)"
     )
     v.add_argument("--aux-layers", help="default aux layers, e.g. 1,4 (sessions may send their own)")
-    _backend_args(v)
-    add_cache_args(v)
-    serve_flags.add_restore(v)
+    add_backend_args(v)
+    add_cache_args(v, restore_sources=True)
     serve_flags.add_sessions(v)
     serve_flags.add_internal_auth(v)
     serve_flags.add_prefix_cache(v, "on the device beside the sessions' K/V, outside --max-kv-bytes")
@@ -225,14 +224,13 @@ def register(sub) -> None:
     _cpus_arg(d)
     d.add_argument("--draft", help="DFlash drafter checkpoint directory")
     d.add_argument("--target", help="the target checkpoint: only its embedding and LM head are loaded")
-    _backend_args(d)
+    add_backend_args(d)
     serve_flags.add_sessions(d)
     serve_flags.add_internal_auth(d)
     serve_flags.add_prefix_cache(d, "the sessions' context caches")
     d.set_defaults(func=cmd_serve_drafter)
 
-    o = roles.add_parser("orchestrator", help="the public Generate API (split: --verifier/--drafter; else colocated)",
-                         conflict_handler="resolve")  # fmt: skip
+    o = roles.add_parser("orchestrator", help="the public Generate API (split: --verifier/--drafter; else colocated)")
     _common(o, "orchestrator")
     _cpus_arg(o)
     o.add_argument("--verifier", metavar="TARGET",
@@ -249,7 +247,7 @@ def register(sub) -> None:
         "--tokenizer",
         help="split: directory with the target's tokenizer.json (default: the verifier's path, if readable)",
     )
-    _backend_args(o, " (colocated)")
+    add_backend_args(o, help_suffix=" (colocated)")
     serve_flags.add_backend_auth(o)
     # colocated: the sessions' default policy, and one prefix-cache budget for the verifier's and the drafter's
     _policy_and_front(o, "colocated: one budget for the verifier's and the drafter's")
@@ -260,9 +258,7 @@ def register(sub) -> None:
     serve_flags.add_queue(o, "generations")  # `serve all` has it from add_sessions, for its three processes
     o.set_defaults(func=cmd_serve_orchestrator)
 
-    a = roles.add_parser(
-        "all", help="verifier, drafter and orchestrator as three local processes", conflict_handler="resolve"
-    )
+    a = roles.add_parser("all", help="verifier, drafter and orchestrator as three local processes")
     _common(a, "orchestrator")
     a.add_argument("--target", help="target checkpoint (default: the embedded pair, as `kakeya generate`)")
     a.add_argument("--draft", help="drafter checkpoint")
@@ -289,16 +285,10 @@ def register(sub) -> None:
 def _policy_and_front(p, prefix_cache_help: str) -> None:
     """What an orchestrator that may hold the sessions takes: the cache policy and f_theta restores, its
     public front (limits, HTTP) and the prefix cache's budget."""
-    add_cache_args(p)
-    serve_flags.add_restore(p)
+    add_cache_args(p, restore_sources=True)
     serve_flags.add_orchestrator(p)
     serve_flags.add_http(p)
     serve_flags.add_prefix_cache(p, prefix_cache_help)
-
-
-def _backend_args(p, suffix: str = "") -> None:
-    add_backend_args(p, help_suffix=suffix)
-    add_torch_threads(p)
 
 
 def _cpus_arg(p) -> None:
