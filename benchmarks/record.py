@@ -9,6 +9,10 @@ The ``record`` block is what ``tests/test_records.py`` reads to tell a *current*
 left out, so re-rendering a model card from a result does not make that result stale), ``dirty``
 (uncommitted changes to those files when the run started: then the figure measured code no commit holds), ``date`` (UTC),
 ``machine`` (host, CPU count, platform, Python) and ``command`` (the command line that re-runs it).
+
+Paths inside the repository are written relative to its root (:func:`repo_relative`), in the result and in
+the command alike: a result read in another checkout names the model and the file it measured, not the
+worktree that happened to run it (``/work/main/services/models/demo/target`` -> ``services/models/demo/target``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,20 @@ def _dirty() -> bool:
     return any(not line.rstrip().endswith(".md") for line in changed)
 
 
+def repo_relative(value):
+    """``value`` (a JSON-able tree) with each string that is an absolute path inside the repository made
+    relative to its root; every other value as it is (a path elsewhere, an HTTP route such as ``/v1/models``)."""
+    if isinstance(value, dict):
+        return {k: repo_relative(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [repo_relative(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        for path in (Path(value), Path(value).resolve()):  # as written, then through any link
+            if path.is_relative_to(ROOT):
+                return path.relative_to(ROOT).as_posix()
+    return value
+
+
 def provenance(argv: list[str] | None = None) -> dict:
     """The record of this run: call it when the run starts (a commit made during a long run is not what ran)."""
     argv = sys.argv if argv is None else argv
@@ -62,7 +80,7 @@ def provenance(argv: list[str] | None = None) -> dict:
             "platform": platform.platform(),
             "python": platform.python_version(),
         },
-        "command": shlex.join(["python", str(script), *argv[1:]]),
+        "command": shlex.join(["python", str(script), *repo_relative(argv[1:])]),
     }
 
 
@@ -73,6 +91,6 @@ def write_result(path: Path | str, result: dict, record: dict | None = None) -> 
     """Write ``result`` as JSON at ``path`` with its ``record`` (this run's, taken when it started)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    out = {"record": record or _STARTED, **{k: v for k, v in result.items() if k != "record"}}
+    out = {"record": record or _STARTED, **repo_relative({k: v for k, v in result.items() if k != "record"})}
     path.write_text(json.dumps(out, indent=1) + "\n")
     return path

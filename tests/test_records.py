@@ -168,3 +168,22 @@ def citations_under(root: Path, doc: Path) -> list[Citation]:
         return citations(doc)
     finally:
         ROOT = saved
+
+
+def test_results_name_paths_inside_the_repository_relative_to_its_root(tmp_path):
+    """A result run in one worktree (``/work/main/...``) names its models and files as any checkout has them;
+    a path elsewhere and an HTTP route stay as they are, and so does the command's."""
+    demo = str(record.ROOT / "services" / "models" / "demo" / "target")
+    out = record.write_result(
+        tmp_path / "r.json",
+        {"target": demo, "runs": [{"out": str(record.ROOT / "benchmarks" / "results" / "x.json")}],
+         "scratch": str(tmp_path), "route": "/v1/models", "n": 3},
+        record={"commit": "a" * 40},
+    )  # fmt: skip
+    got = json.loads(out.read_text())
+    assert got["target"] == "services/models/demo/target" and got["runs"] == [{"out": "benchmarks/results/x.json"}]
+    assert (got["scratch"], got["route"], got["n"]) == (str(tmp_path), "/v1/models", 3)
+    command = record.provenance(
+        [str(record.ROOT / "benchmarks" / "split.py"), "--target", demo, "--out", "/tmp/s.json"]
+    )
+    assert command["command"] == "python benchmarks/split.py --target services/models/demo/target --out /tmp/s.json"
