@@ -39,6 +39,21 @@ def coupled_rows(logits: mx.array, params: SamplingParams, keys: tuple[int, int]
     return mx.argmax(score, axis=-1).tolist()
 
 
+def cumsum(w: mx.array, block: int = 64) -> mx.array:
+    """The running sum over the last axis of ``w`` [..., V], accurate to float32 rounding at any V: each block of
+    ``block`` summed alone, then the blocks' totals the same way. MLX's own ``cumsum`` adds one term at a time in
+    float32, so over Gemma's 262,144 tokens it drifts by up to ~2e-3 (torch's CPU ``cumsum`` accumulates in float64,
+    the reference is float64): enough to move the top-p cut by hundreds of tokens. This stays within ~1e-6."""
+    *lead, V = w.shape
+    if V <= block:
+        return mx.cumsum(w, axis=-1)
+    n = -(-V // block)
+    padded = mx.pad(w, [(0, 0)] * len(lead) + [(0, n * block - V)])
+    inner = mx.cumsum(padded.reshape(*lead, n, block), axis=-1)
+    totals = inner[..., -1]
+    return (inner + (cumsum(totals, block) - totals)[..., None]).reshape(*lead, n * block)[..., :V]
+
+
 def process_sorted(logits: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array]:
     """p over the last axis in descending order: (probabilities [L, V] float32, token ids [L, V])."""
     x = logits.astype(mx.float32) / params.temperature
@@ -50,7 +65,8 @@ def process_sorted(logits: mx.array, params: SamplingParams) -> tuple[mx.array, 
         keep = mx.broadcast_to(mx.arange(V) < params.top_k, xs.shape)
     ps = mx.softmax(mx.where(keep, xs, -mx.inf), axis=-1)
     if params.top_p < 1:
-        keep = keep & ((mx.cumsum(ps, axis=-1) - ps) < params.top_p)
+        c = cumsum(ps)  # against its own total, not 1: MLX's softmax sums V terms in float32 too
+        keep = keep & ((c - ps) < params.top_p * c[..., -1:])
     if params.min_p > 0:
         keep = keep & (ps >= params.min_p * ps[..., :1])
     ps = mx.where(keep, ps, 0.0)
@@ -66,7 +82,7 @@ def process(logits: mx.array, params: SamplingParams) -> mx.array:
 def sample_rows(w: mx.array, u: mx.array) -> mx.array:
     """Inverse CDF of each row of the weights ``w`` [L, V] at ``u`` [L] (descending order)."""
     order = mx.argsort(-w, axis=-1)
-    c = mx.cumsum(mx.take_along_axis(w, order, axis=-1), axis=-1)
+    c = cumsum(mx.take_along_axis(w, order, axis=-1))
     k = mx.sum(c <= u[:, None] * c[:, -1:], axis=-1)
     k = mx.minimum(k, mx.sum(w > 0, axis=-1) - 1)
     return mx.take_along_axis(order, k[:, None].astype(mx.int32), axis=-1)[:, 0]

@@ -52,7 +52,8 @@ def process_sorted(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.
         keep[..., params.top_k :] = False
     ps = torch.softmax(xs.masked_fill(~keep, float("-inf")), dim=-1)
     if params.top_p < 1:
-        keep &= (torch.cumsum(ps, dim=-1) - ps) < params.top_p
+        c = torch.cumsum(ps, dim=-1)  # against its own total, not 1: softmax's float32 sum is off by ~1e-5
+        keep &= (c - ps) < params.top_p * c[..., -1:]
     if params.min_p > 0:
         keep &= ps >= params.min_p * ps[..., :1]
     ps = ps.masked_fill(~keep, 0.0)
