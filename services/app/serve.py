@@ -214,9 +214,7 @@ def register(sub) -> None:
     v.add_argument("--aux-layers", help="default aux layers, e.g. 1,4 (sessions may send their own)")
     add_backend_args(v)
     add_cache_args(v, restore_sources=True)
-    serve_flags.add_sessions(v)
-    serve_flags.add_internal_auth(v)
-    serve_flags.add_prefix_cache(v, "on the device beside the sessions' K/V, outside --max-kv-bytes")
+    _sessions_server(v, "on the device beside the sessions' K/V, outside --max-kv-bytes")
     v.set_defaults(func=cmd_serve_verifier)
 
     d = roles.add_parser("drafter", help="the DFlash drafter and its per-session context caches")
@@ -225,9 +223,7 @@ def register(sub) -> None:
     d.add_argument("--draft", help="DFlash drafter checkpoint directory")
     d.add_argument("--target", help="the target checkpoint: only its embedding and LM head are loaded")
     add_backend_args(d)
-    serve_flags.add_sessions(d)
-    serve_flags.add_internal_auth(d)
-    serve_flags.add_prefix_cache(d, "the sessions' context caches")
+    _sessions_server(d, "the sessions' context caches")
     d.set_defaults(func=cmd_serve_drafter)
 
     o = roles.add_parser("orchestrator", help="the public Generate API (split: --verifier/--drafter; else colocated)")
@@ -280,6 +276,14 @@ def register(sub) -> None:
     from kakeya.app.supervisor import cmd_serve_all
 
     a.set_defaults(func=cmd_serve_all)
+
+
+def _sessions_server(p, prefix_cache_where: str) -> None:
+    """What the verifier and the drafter share as servers of sessions: the limits, who may open a session
+    and the prefix cache's budget (``prefix_cache_where``: where it lives)."""
+    serve_flags.add_sessions(p)
+    serve_flags.add_internal_auth(p)
+    serve_flags.add_prefix_cache(p, prefix_cache_where)
 
 
 def _policy_and_front(p, prefix_cache_help: str) -> None:
