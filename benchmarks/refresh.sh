@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-run every CPU figure the README and docs give as *current*, on the commit checked out now.
 #
-#   bash benchmarks/refresh.sh              # everything below, one job after the other (~33 min estimated, 2-core VM)
+#   bash benchmarks/refresh.sh              # everything below, one job after the other (~38 min estimated, 2-core VM)
 #   JOBS="first_request pair_cost" bash benchmarks/refresh.sh     # some jobs only
 #
 # Each job rewrites its JSON in benchmarks/results/ through benchmarks/record.py, whose `record` names the
@@ -35,7 +35,10 @@
 #                      --no-drafter, validity against their schemas             tool_schemas.json       3 min
 #   niah_gemma         the recall pair's Gemma-shaped half: kakeya niah over
 #                      3 contexts x 5 depths x 9 cache policies                 niah_recall_gemma.json  2 min
-#   niah_slide         the same on its all-sliding half                         niah_recall_slide.json  2 min
+#   niah_slide         the same on its all-sliding half, 5 contexts x 7 depths
+#                      (14 needles in the band only f_theta can restore)        niah_recall_slide.json  5 min
+#   ftheta_oracle      the slide band's needles under sink-window + perfect
+#                      (native) K/V in the restore path, and f_theta's K/V error ftheta_oracle_slide.json 2 min
 #   split_block8       one stream at block 8, colocated vs split, 5 alternations split_block8.json      2 min
 #
 # Not here (their figures are History in the docs): GPU results (docs/cuda.md: benchmarks/gpu_session.sh),
@@ -45,13 +48,14 @@
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-ALL="first_request first_request_mlx pair_cost adaptive ngram sampling chat concurrency isolation structured grammar_masks files_crossed tool_schemas niah_gemma niah_slide split_block8"
+ALL="first_request first_request_mlx pair_cost adaptive ngram sampling chat concurrency isolation structured grammar_masks files_crossed tool_schemas niah_gemma niah_slide ftheta_oracle split_block8"
 JOBS=${JOBS:-$ALL}
 [ -n "$(git status --porcelain -- services)" ] && echo "refresh: services/ has uncommitted changes: every JSON will record dirty=true" >&2
 
 declare -A LIMIT=([first_request]=480 [first_request_mlx]=480 [pair_cost]=180 [adaptive]=360 [ngram]=480
   [sampling]=360 [chat]=240 [concurrency]=900 [isolation]=360 [structured]=300 [grammar_masks]=180
-  [files_crossed]=240 [tool_schemas]=480 [niah_gemma]=300 [niah_slide]=300 [split_block8]=300)
+  [files_crossed]=240 [tool_schemas]=480 [niah_gemma]=300 [niah_slide]=600 [ftheta_oracle]=300
+  [split_block8]=300)
 cmd() {
   case $1 in
     first_request) echo "benchmarks/first_request.py --rounds 3 --readme --out benchmarks/results/first_request.json" ;;
@@ -68,7 +72,8 @@ cmd() {
     files_crossed) echo "benchmarks/files_crossed.py --out benchmarks/results/files_crossed.json" ;;
     tool_schemas) echo "benchmarks/tool_schemas.py --max-tokens 96 --out benchmarks/results/tool_schemas.json" ;;
     niah_gemma) echo "benchmarks/niah_recall.py --pairs services/models/recall/gemma --contexts 96 128 256 --depths 0 0.25 0.5 0.75 1.0 --out benchmarks/results/niah_recall_gemma.json --plot benchmarks/results/niah_recall_gemma.png" ;;
-    niah_slide) echo "benchmarks/niah_recall.py --pairs services/models/recall/slide --contexts 128 192 256 --depths 0 0.25 0.5 0.75 1.0 --out benchmarks/results/niah_recall_slide.json --plot benchmarks/results/niah_recall_slide.png" ;;
+    niah_slide) echo "benchmarks/niah_recall.py --pairs services/models/recall/slide --contexts 128 160 192 224 256 --depths 0 0.25 0.5 0.6 0.75 0.9 1.0 --out benchmarks/results/niah_recall_slide.json --plot benchmarks/results/niah_recall_slide.png" ;;
+    ftheta_oracle) echo "benchmarks/ftheta_oracle.py --pair services/models/recall/slide --out benchmarks/results/ftheta_oracle_slide.json" ;;
     split_block8) echo "benchmarks/split.py --block-sizes 8 --streams --repeats 5 --no-floor --out benchmarks/results/split_block8.json" ;;
     *) return 1 ;;
   esac

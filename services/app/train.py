@@ -172,6 +172,14 @@ def ftheta_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-probe-full", action="store_true", help="skip the full-layer probe decoders (report: sliding only)"
     )
+    p.add_argument("--retrieval-frac", type=float,
+                   help="fraction of each batch that is recall text (needle, question, answer; training/retrieval.py)"
+                        " instead of standard-library text (default 0)")  # fmt: skip
+    p.add_argument("--retrieval-max-example", type=int,
+                   help="cap on a recall example's tokens (default: --seq-len); keep needles within the window")  # fmt: skip
+    p.add_argument("--answer-weight", type=float,
+                   help="weight of the attention-output error at the recall text's queries that predict an answer"
+                        " token, against 1 for every other query (default 1)")  # fmt: skip
     p.add_argument("--save-every", type=int, help="checkpoint train_state/ every N steps (default 200)")
     p.add_argument("--log-every", type=int, help="default 10")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")

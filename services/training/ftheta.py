@@ -47,6 +47,12 @@ class TrainArgs:
     probe_full: bool = True
     save_every: int = 200
     log_every: int = 10
+    # recall text (training/retrieval.py, as train-target mixes it): the first round(frac x batch) rows of a
+    # step; answer_weight scales the attention-output error at the queries that predict an answer token
+    # (the ones that must find the needle), max_example caps an example's tokens (needles within the window)
+    retrieval_frac: float = 0.0
+    retrieval_max_example: int | None = None
+    answer_weight: float = 1.0
 
 
 def stdlib_tokens(target_dir, n_tokens: int) -> tuple[np.ndarray, int | None]:
@@ -87,14 +93,38 @@ class Batches:
             rows = [np.concatenate([[self.bos], r]) for r in rows]
         return mx.array(np.stack(rows).astype(np.int32))
 
-    def step(self, step: int, window: int) -> tuple[mx.array, int]:
+    def step(self, step: int, window: int, recall=None) -> tuple[mx.array, int, mx.array | None]:
+        """(ids [batch, seq_len], the exact window ``w``, per-query weights of the attention error or None).
+        ``recall``: ``(RetrievalText, rows, answer_weight)``: the first ``rows`` rows are recall text."""
         rng = np.random.default_rng([self.seed, step])
         starts = rng.integers(0, len(self.train) - self.body, size=self.batch)
         w = int(rng.integers(1, max(2, window)))
-        return self._rows([self.train[s : s + self.body] for s in starts]), w
+        ids = self._rows([self.train[s : s + self.body] for s in starts])
+        if recall is None:
+            return ids, w, None
+        text, rows, answer_weight = recall
+        windows, answers = text.windows(rows, self.seed, step)
+        ids = mx.concatenate([mx.array(windows), ids[rows:]])
+        weights = np.ones(ids.shape, np.float32)
+        weights[:rows, :-1][answers[:, 1:]] = answer_weight  # query t predicts token t + 1: an answer's
+        return ids, w, mx.array(weights)
 
     def eval(self) -> mx.array:
         return self._rows([self.eval_ids[i * self.body : (i + 1) * self.body] for i in range(self.eval_n)])
+
+
+def _recall_text(target_dir, args: TrainArgs, seq_len: int):
+    """``(recall, eval ids)`` for ``--retrieval-frac``: ``Batches.step``'s ``recall`` argument and fixed held-out
+    recall windows for the report (a step no run reaches), or ``(None, None)`` without recall text."""
+    rows = round(args.retrieval_frac * args.batch)
+    if not rows:
+        return None, None
+    from kakeya.orchestrator.text import TextCodec
+    from kakeya.training.retrieval import RetrievalText
+
+    text = RetrievalText(TextCodec(target_dir).tokenizer, seq_len, max_example=args.retrieval_max_example)
+    held, _ = text.windows(args.eval_seqs, args.seed + 1, 2**31 - 1)
+    return (text, rows, args.answer_weight), mx.array(held)
 
 
 def schedule(args: TrainArgs):
@@ -141,6 +171,10 @@ def train(
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    if not 0.0 <= args.retrieval_frac <= 1.0:
+        raise ValueError(f"--retrieval-frac must lie in [0, 1], got {args.retrieval_frac}")
+    if args.answer_weight <= 0:
+        raise ValueError(f"--answer-weight must be > 0, got {args.answer_weight}")
     out = Path(out_dir)
     state_dir = out / STATE_DIR
     if state_dir.exists() and not resume:
@@ -161,6 +195,7 @@ def train(
     args.encoder_hidden = restorer.config.encoder_hidden
     ids, bos = stdlib_tokens(target_dir, args.data_tokens)
     data = Batches(ids, bos, seq_len, args.batch, args.eval_seqs, args.seed)
+    recall, recall_eval = _recall_text(target_dir, args, seq_len)
     objective = Objective(target, restorer)
     ftheta = restorer.ftheta
     lr_at = schedule(args)
@@ -172,9 +207,11 @@ def train(
     if resume and (state_dir / "state.json").is_file():
         meta = _load_state(state_dir, ftheta, optimizer)
         saved = meta["args"]
-        for k in ("rank", "encoder_hidden", "probe_full", "seq_len", "batch", "seed", "data_tokens"):
-            if saved[k] != getattr(args, k):
-                raise ValueError(f"--resume: {k} was {saved[k]} in {state_dir}, now {getattr(args, k)}")
+        keys = "rank encoder_hidden probe_full seq_len batch seed data_tokens retrieval_frac retrieval_max_example"
+        for k in keys.split() + ["answer_weight"]:
+            was = saved.get(k, getattr(TrainArgs, k))  # a run from before a flag existed had its default
+            if was != getattr(args, k):
+                raise ValueError(f"--resume: {k} was {was} in {state_dir}, now {getattr(args, k)}")
         meta["resumed_at"].append(meta["step"])
         log(f"resuming {out} at step {meta['step']}/{args.steps}")
     elif resume:
@@ -191,10 +228,10 @@ def train(
     )
     t0, done0 = time.perf_counter(), meta["step"]
     for step in range(meta["step"], args.steps):
-        ids_b, w = data.step(step, window)
+        ids_b, w, qw = data.step(step, window, recall)
         fk, fv, truths = objective.teacher(ids_b)
         lr = float(lr_at(step))
-        (_, main, attn, direction, mag), grads = loss_and_grad(ftheta, fk, fv, truths, w)
+        (_, main, attn, direction, mag), grads = loss_and_grad(ftheta, fk, fv, truths, w, qw)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(ftheta, grads)
         mx.eval(ftheta.parameters(), optimizer.state, main)
@@ -221,6 +258,7 @@ def train(
             return {"stopped_at": step + 1}
 
     final = evaluate(objective, eval_ids)
+    final_recall = evaluate(objective, recall_eval)["by_type"] if recall else None
     report = {
         "format": "kakeya-ftheta-report/1",
         "target": str(target_dir),
@@ -229,7 +267,10 @@ def train(
         "steps": args.steps,
         "args": asdict(args),
         "data": {
-            "source": "python standard library sources (" + str(Path(sysconfig.get_paths()["stdlib"])) + ")",
+            "source": "python standard library sources ("
+            + str(Path(sysconfig.get_paths()["stdlib"]))
+            + ")"
+            + (f", {recall[1]} of {args.batch} rows recall text (training/retrieval.py)" if recall else ""),
             "train_tokens": len(data.train),
             "eval_tokens": int(data.eval_n * data.body),
         },
@@ -242,6 +283,7 @@ def train(
             k: {"rel_mse_k": v["rel_mse_k"], "rel_mse_v": v["rel_mse_v"], "restored": v["restored"]}
             for k, v in final["by_type"].items()
         },
+        "eval_recall": final_recall,
         "resumed_at": meta["resumed_at"],
         "elapsed_s": round(meta["elapsed_s"] + time.perf_counter() - t_start, 3),
         "notes": [
@@ -251,6 +293,7 @@ def train(
                 "attn: relative error of the layer's attention output with exact keys within "
                 f"{final['exact_window_for_attn']} positions and restored ones beyond, up to the model's window"
             ),
+            "eval_recall: the same on held-out recall text (training/retrieval.py's format, other codes)",
             "BRIEF §6: full-layer restoration needed rel MSE below ~0.36 before needle recall recovered; S5 keeps them exact",
         ],
     }
@@ -273,7 +316,10 @@ def cmd_train(args) -> int:
 
         pair = default_pair()
         target, draft = str(pair.target), str(pair.draft)
-    flags = "steps rank encoder_hidden lr warmup batch seq_len data_tokens eval_seqs seed save_every log_every"
+    flags = (
+        "steps rank encoder_hidden lr warmup batch seq_len data_tokens eval_seqs seed save_every log_every"
+        " retrieval_frac retrieval_max_example answer_weight"
+    )
     given = {k: getattr(args, k) for k in flags.split()}
     targs = TrainArgs(**{k: v for k, v in given.items() if v is not None}, probe_full=not args.no_probe_full)
     report = train(target, draft, args.out, targs, resume=args.resume)

@@ -81,8 +81,9 @@ def attention_masks(T: int, w: int, band: int) -> tuple[mx.array, mx.array]:
     return mx.array(np.concatenate([exact, restored], axis=1)), mx.array((d >= 0) & (d < band))
 
 
-def layer_terms(attn, spec, kh_pre, vh_pre, truth: LayerTruth, masks) -> dict[str, mx.array]:
-    """The hybrid loss terms of one layer, plus the relative K/V errors (for reports)."""
+def layer_terms(attn, spec, kh_pre, vh_pre, truth: LayerTruth, masks, qw=None) -> dict[str, mx.array]:
+    """The hybrid loss terms of one layer, plus the relative K/V errors (for reports). ``qw`` [B, T]: weights of
+    the queries in the attention-output error (``--answer-weight``), or None (all 1)."""
     kh, vh = attn.k_norm(kh_pre), attn.v_norm(vh_pre)
     k_rope, kh_rope = _rope_keys(attn, truth.k), _rope_keys(attn, kh)
     v_t, vh_t = truth.v.transpose(0, 2, 1, 3), vh.transpose(0, 2, 1, 3)
@@ -95,7 +96,8 @@ def layer_terms(attn, spec, kh_pre, vh_pre, truth: LayerTruth, masks) -> dict[st
         scale=attn.scale,
         mask=split,
     )
-    attn_err = ((out_hat - out_true) ** 2).sum() / ((out_true**2).sum() + 1e-8)
+    qw = 1.0 if qw is None else qw[:, None, :, None]  # [B, 1, T, 1] against [B, heads, T, hd]
+    attn_err = (qw * (out_hat - out_true) ** 2).sum() / ((qw * out_true**2).sum() + 1e-8)
     direction = (1 - _cos(kh, truth.k)).mean() + (1 - _cos(vh, truth.v)).mean()
     magnitude = ((_log_norm(kh_pre) - _log_norm(truth.k_pre)) ** 2).mean()
     magnitude = magnitude + ((_log_norm(vh_pre) - _log_norm(truth.v_pre)) ** 2).mean()
@@ -136,7 +138,7 @@ class Objective:
             self._masks[key] = attention_masks(T, *key[1:])
         return self._masks[key]
 
-    def terms(self, ftheta, fk, fv, truths, w: int) -> dict[int, dict]:
+    def terms(self, ftheta, fk, fv, truths, w: int, qw=None) -> dict[int, dict]:
         z = ftheta.encode(fk, fv)
         out = {}
         for j, spec in enumerate(self.restorer.config.layers):
@@ -144,12 +146,12 @@ class Objective:
             kh_pre, vh_pre = ftheta.decode_pre_norm(zz, j, spec)
             attn = self.target.inner.layers[spec.index].self_attn
             out[spec.index] = layer_terms(
-                attn, spec, kh_pre, vh_pre, truths[spec.index], self.masks(fk.shape[1], w, spec)
+                attn, spec, kh_pre, vh_pre, truths[spec.index], self.masks(fk.shape[1], w, spec), qw
             )
         return out
 
-    def loss(self, ftheta, fk, fv, truths, w: int):
-        terms = self.terms(ftheta, fk, fv, truths, w)
+    def loss(self, ftheta, fk, fv, truths, w: int, qw=None):
+        terms = self.terms(ftheta, fk, fv, truths, w, qw)
         specs = self.restorer.config.layers
         main = [terms[s.index] for s in specs if s.restored]
         probes = [terms[s.index] for s in specs if not s.restored]

@@ -11,6 +11,7 @@ with ``<bos>``), so questions come at many positions and needles at every distan
 from __future__ import annotations
 
 import ast
+import functools
 
 import numpy as np
 
@@ -18,7 +19,8 @@ from kakeya.orchestrator.niah import NEEDLE, QUESTION
 from kakeya.training import data
 
 
-def hay_lines(heldout_pct: int, max_bytes: int | None = None) -> list[str]:
+@functools.cache  # parsing the whole stdlib takes ~25 s on a shared core; one process may build several texts
+def hay_lines(heldout_pct: int, max_bytes: int | None = None) -> tuple[str, ...]:
     """Docstring lines of functions and classes in the train-split stdlib files (no digits: no stray codes);
     ``max_bytes`` caps the files read, as ``--max-bytes`` caps the corpus."""
     lines, total = [], 0
@@ -40,7 +42,7 @@ def hay_lines(heldout_pct: int, max_bytes: int | None = None) -> list[str]:
                         lines.append(line)
     if not lines:
         raise FileNotFoundError("no function or class docstrings in the standard library for the haystack")
-    return lines
+    return tuple(lines)
 
 
 class RetrievalText:

@@ -63,3 +63,15 @@ def test_all_sliding_target_recalls_only_within_the_window_it_is_given(slide):
     assert by["native"] == {62: True, 89: True, 138: False, 177: False}
     assert by["sink-window"] == {62: True, 89: False, 138: False, 177: False}
     assert not any(by["sink-window@32"].values())
+
+
+def test_all_sliding_target_recalls_a_band_needle_only_with_ftheta(slide):
+    """The band (64, 128]: a needle 89 tokens back is evicted by a sink + window of 64 and brought back by f_theta
+    restoring the model's own window; one 138 back lies past that window, where nothing restores it."""
+    restore = str(RECALL / "slide" / "ftheta")
+    out = recall_of(slide, [128, 160], [0.0], ["sink-window", "sink-window+restore"], window=64, restore=restore)
+    by = {name: {c["needle_distance"]: c["recalled"] for c in out[name]["cases"]} for name in out}
+    assert by["sink-window"] == {89: False, 138: False}
+    assert by["sink-window+restore"] == {89: True, 138: False}, [
+        c["output"] for c in out["sink-window+restore"]["cases"]
+    ]
