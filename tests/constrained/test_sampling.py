@@ -24,10 +24,9 @@ from kakeya.core import constraints as grammar_module
 from kakeya.core.constraints import Constraint
 from kakeya.core.contract import SessionOptions
 from kakeya.core.request import COUPLED, SAMPLING_RULES, Request, SamplingParams
-from kakeya.orchestrator.decode import loop
 
 from ..sampling.hf_reference import hf_process
-from ..sampling.test_statistical import chi_square
+from ..sampling.test_statistical import chi_square, decode_together
 from .cases import PROMPTS, assert_matches, constraints
 
 ALPHA = 1e-3
@@ -101,14 +100,14 @@ def exact_distribution(verifier) -> dict[tuple[int, ...], float]:
 
 
 def speculative_counts(verifier, drafter, params, seeds) -> collections.Counter:
-    counts = collections.Counter()
+    """One seeded generation per seed (its own sessions), decoded side by side in batches (``decode_together``)."""
     options = SessionOptions(constraint=Constraint("regex", REGEX))
-    for seed in seeds:
-        sp = replace(params, seed=seed)
-        v = verifier.open_session(sampling=sp, options=options)
-        gen = loop.run(v, drafter.open_session(sampling=sp), PROMPT, 3 + seed % 2, 4)
-        counts[tuple(gen.token_ids[:3])] += 1
-    return counts
+    sessions = ((seed, replace(params, seed=seed)) for seed in seeds)
+    starts = (
+        (verifier.open_session(sampling=sp, options=options), drafter.open_session(sampling=sp), PROMPT, 3 + seed % 2)
+        for seed, sp in sessions
+    )
+    return collections.Counter(tuple(gen.token_ids[:3]) for gen in decode_together(verifier, drafter, starts, 4))
 
 
 @pytest.mark.parametrize("rule", SAMPLING_RULES)

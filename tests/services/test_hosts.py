@@ -69,8 +69,16 @@ def _colocated(tokens: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def colocated_tokens():
-    return _colocated(TOKENS)
+def long_reference():
+    return _colocated(LONG)
+
+
+@pytest.fixture(scope="module")
+def colocated_tokens(long_reference):
+    """The first TOKENS of the replicas' reference: greedy output is AR's whatever the length asked (lossless),
+    so one colocated run of LONG tokens serves both (a second ``kakeya generate`` process cost ~5-15 s)."""
+    assert len(long_reference) == LONG > TOKENS
+    return long_reference[:TOKENS]
 
 
 def _reaches(hosts: Hosts, frm: str, to: str, port: int) -> bool:
@@ -151,11 +159,6 @@ def replicas(server_factory, tmp_path_factory):
             )  # fmt: skip
         start_all([servers["o1"], servers["o2"]])
         yield hosts, token, servers
-
-
-@pytest.fixture(scope="module")
-def long_reference():
-    return _colocated(LONG)
 
 
 def _metric(hosts: Hosts, host: str, name: str, label: str | None = None) -> float:

@@ -13,7 +13,6 @@ require identity up to the reference's first near-tie and a long prefix.
 
 import pytest
 
-from kakeya.core.contract import Draft
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.local import MLXDrafter
 from kakeya.orchestrator.decode.loop import Decode, DecodeOptions, alone, run
@@ -95,27 +94,22 @@ def test_policies_change_the_output(mlx_target, aux_layers, reference):
     assert native != bounded
 
 
-class RepeatDrafter:
-    """Proposes the last token over and over: nearly every block is rejected and trimmed, cheaply."""
-
-    def draft(self, new_aux, last_token, block_size):
-        return Draft([last_token] * (block_size - 1))
-
-    def close(self):
-        pass
-
-
-def test_sliding_bytes_flat_full_bytes_linear(mlx_target, aux_layers):
+def test_sliding_bytes_flat_full_bytes_linear(mlx_target, aux_layers, reference):
     policy = CachePolicy("sink-window", sink=4, window=16)
     session = LocalVerifierSession(mlx_target, aux_layers, policy)
     seen = {}
-    # 1,500 tokens (90 wraps of the ring, one verify forward each): the marks are far enough apart that a sliding
-    # layer that grew, or a full layer that stopped growing, shows
-    for _ in alone(Decode(session, RepeatDrafter(), PROMPT, DecodeOptions(1500, 8))):
+    # 1,500 tokens (90 wraps of the ring): the marks are far enough apart that a sliding layer that grew, or a full
+    # layer that stopped growing, shows. The planted drafter (on the reference the speculative test computed
+    # already) commits 1..16 tokens a block and trims the rest in three blocks of four: ~200 verify forwards where
+    # a drafter rejected at every block took 1,500, for the same cache growth, wraps and trims
+    ref, _ = reference(policy, 1500)
+    drafter = PlantedDrafterSession(ref, len(PROMPT), mlx_target.args.vocab_size, seed=1)
+    for _ in alone(Decode(session, drafter, PROMPT, DecodeOptions(1500, 16))):
         n = session.offset - len(PROMPT)
         for mark in (300, 1000, 1500 - 16):
             if mark not in seen and n >= mark:
                 seen[mark] = (n + len(PROMPT), session.stats().kv_bytes.as_dict())
+    assert len(seen) == 3 and min(drafter.kinds.values()) > 0  # every mark; full, partial and zero-accepted blocks
     a = mlx_target.args
     n_full = a.layer_types.count("full_attention")
     kv_heads = a.num_global_key_value_heads or a.num_key_value_heads
