@@ -1,4 +1,4 @@
-"""Every cache policy: greedy speculative == greedy AR of the same policy, for thousands of tokens.
+"""Every cache policy: greedy speculative == greedy AR of the same policy, over many wraps of the ring.
 
 The reference keeps every position and masks (tests/policy_reference.py), so it
 shares neither the ring nor its rollback with the code under test.
@@ -31,24 +31,34 @@ def drafter(tiny_pair):
     return MLXDrafter(tiny_pair.draft, tiny_pair.target)
 
 
-# The random drafter (nearly every block rejected: one verify forward per token) runs 1,200 tokens, 75 wraps of
-# the 16-slot ring; the planted one, whose blocks commit several tokens each, runs the same policy to 2,500.
+# What a run's length buys. The sliding layers' ring has ``window - 1 + slack`` rotating slots (slack 16: 31 for
+# a window of 16, 39 for 24, 47 for the native 32), so its slot arithmetic repeats every that many positions: a run
+# of 600 tokens goes round each ring 13-20 times (WRAPS, asserted per case), every block start and every trim
+# landing on every slot many times over, and the full layers' cache (mlx-lm's, grown in steps of 256 positions)
+# grows twice. The random drafter (nearly every block rejected: one verify forward per token, the block's other
+# positions written then trimmed) and the planted one (full, partial and zero-accepted blocks, asserted) each run
+# every policy that long; longer runs (1,200-2,500 tokens until this was measured) repeat the same situations and
+# cost a verify forward per token or two, and as much again for the reference.
 CASES = [
-    (CachePolicy("sink-window", sink=4, window=16), 8, "random", 1200),
-    (CachePolicy("sink-window", sink=4, window=16), 16, "planted", 2500),
-    (CachePolicy("sink-window", sink=0, window=24), 3, "planted", 1200),
-    (CachePolicy("sink-window", sink=4, window=16, full_kv_bits=8), 4, "planted", 1500),
-    (CachePolicy("native", full_kv_bits=8), 8, "random", 1200),
-    (CachePolicy("sink-window", sink=2, window=24, full_kv_bits=4), 16, "planted", 1200),
+    (CachePolicy("sink-window", sink=4, window=16), 8, "random", 600),
+    (CachePolicy("sink-window", sink=4, window=16), 16, "planted", 600),
+    (CachePolicy("sink-window", sink=0, window=24), 3, "planted", 600),
+    (CachePolicy("sink-window", sink=4, window=16, full_kv_bits=8), 4, "planted", 600),
+    (CachePolicy("native", full_kv_bits=8), 8, "random", 600),
+    (CachePolicy("sink-window", sink=2, window=24, full_kv_bits=4), 16, "planted", 600),
 ]
+WRAPS = 10  # times every case's ring must go round (the fewest, native's 47 slots over 600 tokens, is 13)
+KV_STEP = 256  # mlx-lm's KVCache (the full layers') grows by this many positions
+# test_sliding_bytes_flat_full_bytes_linear's run (its marks need the length), on a reference CASES' share
+BYTES_POLICY, BYTES_TOKENS = CachePolicy("sink-window", sink=4, window=16), 1500
 
 
 @pytest.fixture(scope="module")
 def reference(mlx_target):
     """``get(policy, n)``: policy_greedy's first ``n`` ids and margins, computed once per policy at the longest
     length CASES ask of it. A shorter run's reference is a prefix of the longer one (greedy AR takes the same
-    steps), and a reference costs about as much as the speculative run it checks."""
-    longest: dict[CachePolicy, int] = {}
+    steps), and a reference costs about as much as the speculative run it checks (the bytes test's too)."""
+    longest: dict[CachePolicy, int] = {BYTES_POLICY: BYTES_TOKENS}
     for policy, _, _, n in CASES:
         longest[policy] = max(longest.get(policy, 0), n)
     done: dict[CachePolicy, tuple[list[int], list[float]]] = {}
@@ -71,11 +81,19 @@ def test_speculative_equals_same_policy_ar(
 ):
     ref, margins = reference(policy, n)
     assert len(ref) == n and len(set(ref)) > 100
+    assert len(PROMPT) + n > 2 * KV_STEP + block_size  # the full layers' cache grew twice, blocks straddling
     if drafter_kind == "random":
         dsession = drafter.open_session()
     else:
         dsession = PlantedDrafterSession(ref, len(PROMPT), mlx_target.args.vocab_size, seed=block_size)
-    gen = run(LocalVerifierSession(mlx_target, aux_layers, policy), dsession, PROMPT, n, block_size)
+    session = LocalVerifierSession(mlx_target, aux_layers, policy)
+    gen = run(session, dsession, PROMPT, n, block_size)
+    layout = session.layout
+    assert (layout.offset - layout.sink) // layout.rotating >= WRAPS, "the ring did not go round often enough"
+    if drafter_kind == "random":  # nearly every block rejected, so every block start hit every slot
+        assert gen.acceptance_lengths.count(1) > 0.8 * len(gen.acceptance_lengths)
+    else:
+        assert min(dsession.kinds.values()) > 0, dsession.kinds  # full, partial and zero-accepted blocks
     first_diff = next((i for i, (a, b) in enumerate(zip(gen.token_ids, ref)) if a != b), None)
     if policy.full_kv_bits and first_diff is not None:
         assert margins[first_diff] < NEAR_TIE[policy.full_kv_bits], (
@@ -95,14 +113,14 @@ def test_policies_change_the_output(mlx_target, aux_layers, reference):
 
 
 def test_sliding_bytes_flat_full_bytes_linear(mlx_target, aux_layers, reference):
-    policy = CachePolicy("sink-window", sink=4, window=16)
+    policy = BYTES_POLICY
     session = LocalVerifierSession(mlx_target, aux_layers, policy)
     seen = {}
     # 1,500 tokens (90 wraps of the ring): the marks are far enough apart that a sliding layer that grew, or a full
     # layer that stopped growing, shows. The planted drafter (on the reference the speculative test computed
     # already) commits 1..16 tokens a block and trims the rest in three blocks of four: ~200 verify forwards where
     # a drafter rejected at every block took 1,500, for the same cache growth, wraps and trims
-    ref, _ = reference(policy, 1500)
+    ref, _ = reference(policy, BYTES_TOKENS)
     drafter = PlantedDrafterSession(ref, len(PROMPT), mlx_target.args.vocab_size, seed=1)
     for _ in alone(Decode(session, drafter, PROMPT, DecodeOptions(1500, 16))):
         n = session.offset - len(PROMPT)
