@@ -31,8 +31,8 @@ os.environ.setdefault("KAKEYA_MLX_BLAS", "reference")
 # Run first, the longest files overlap each other and the hundreds of short files fill in behind them.
 LONGEST_FIRST = [
     "tests/services/test_hosts.py",
-    "tests/verifier/test_policies.py",
-    "tests/sampling/test_statistical.py",  # ~2.3 min since its generations are decoded in batches (was ~6)
+    "tests/sampling/test_statistical.py",  # ~3.8 min on one core (271 s on a loaded VM)
+    "tests/verifier/test_policies.py",  # since its cases run 600 tokens: 295 s -> 128 s back to back, loaded VM
     "tests/compat/test_transformers.py",
     "tests/training/test_trainers.py",
     "tests/orchestrator/test_cli.py",
