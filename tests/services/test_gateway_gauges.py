@@ -20,6 +20,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 BUDGET = 64 * 2**20
 STREAMS = 4
+# Each stream's length: seconds of streaming on the 2-core machine, many times the orchestrator's once-a-second
+# refresh of its verifier's figure (600 tokens only made the test wait longer for the streams' end).
+TOKENS = 300
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,7 @@ def test_the_gauges_move_while_streams_run(servers):
 
     done = []
     threads = [
-        threading.Thread(target=lambda k=k: done.append(generate(orch.addr, request([2, 40 + k, 41, 42], max_tokens=600))))
+        threading.Thread(target=lambda k=k: done.append(generate(orch.addr, request([2, 40 + k, 41, 42], max_tokens=TOKENS))))
         for k in range(STREAMS)
     ]  # fmt: skip
     for t in threads:

@@ -31,6 +31,19 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _reap(s) -> None:
+    """Stop ``s``; SIGKILL any of its children that outlived it (only while still ours: never a reused pid)."""
+    s.stop()
+    for pid in s.info.get("pids", {}).values():
+        if pid_alive(pid):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                cmd = b""
+            if b"kakeya.app.main" in cmd:
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.fixture
 def serve_all(server_factory, tmp_path):
     """Start `kakeya serve all`; afterwards make sure none of its children survive."""
@@ -43,15 +56,18 @@ def serve_all(server_factory, tmp_path):
 
     yield start
     for s in started:
-        s.stop()
-        for pid in s.info.get("pids", {}).values():
-            if pid_alive(pid):
-                try:
-                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-                except OSError:
-                    cmd = b""
-                if b"kakeya.app.main" in cmd:  # still ours: never signal a reused pid
-                    os.kill(pid, signal.SIGKILL)
+        _reap(s)
+
+
+@pytest.fixture(scope="module")
+def http_all(server_factory):
+    """`serve all --http-port` (and a prefix cache), shared: the OpenAI client's test uses it, then the SIGTERM test
+    checks its processes and ends it (a stack of its own cost that test ~12-17 s of start-up)."""
+    s = server_factory(
+        "all-http", ["all", *TINY_ALL_MLX, "--grace", "5", "--http-port", "0", "--prefix-cache-bytes", "64M"],
+    ).start().wait_ready()  # fmt: skip
+    yield s
+    _reap(s)
 
 
 def client(addr, *args):
@@ -59,27 +75,6 @@ def client(addr, *args):
         [sys.executable, "-m", "kakeya.app.main", "client", "--addr", addr, *args],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-
-
-def test_serve_all_runs_three_processes_and_sigterm_stops_them_all(serve_all):
-    s = serve_all()
-    pids = s.info["pids"]
-    assert set(pids) == {"verifier", "drafter", "orchestrator"}
-    assert len({s.proc.pid, *pids.values()}) == 4 and all(pid_alive(p) for p in pids.values())
-    assert client(s.addr, "health").stdout.strip() == "SERVING"
-    for service in ("verifier", "drafter"):  # loopback only, and only for the orchestrator: a run's own token
-        assert s.info[service].startswith("127.0.0.1:")
-        assert_unauthenticated(service, s.info[service])
-    res = client(s.addr, "generate", "--json", "--max-tokens", "16", "--ignore-eos", "--block-size", "8")
-    assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(out["token_ids"]) == 16 and out["backend"] == "grpc"
-    # the blocks' real sizes (the client used to rebuild them from the acceptance lengths)
-    assert out["block_sizes"][0] == 8 and len(out["block_sizes"]) == len(out["acceptance_lengths"])
-    assert all(a <= b <= 8 for a, b in zip(out["acceptance_lengths"], out["block_sizes"]))
-    s.signal(signal.SIGTERM)
-    assert s.wait(60) == 0
-    wait_until(lambda: not any(pid_alive(p) for p in pids.values()), what="children gone")
 
 
 def test_children_die_with_the_parent(serve_all):
@@ -185,42 +180,59 @@ def test_client_help_documents_what_the_server_takes():
     assert res.returncode == 0 and "--restore NAME" in res.stdout and "ftheta:DIR" not in res.stdout, res.stdout
 
 
-def test_the_openai_client_through_serve_all_gets_the_grpc_clients_tokens(server_factory):
+def test_the_openai_client_through_serve_all_gets_the_grpc_clients_tokens(http_all):
     """`serve all --http-port`: the official client, completions and chat, streaming and not, gets the tokens
     `kakeya client generate` gets for the same greedy request; a second chat turn through HTTP resumes the
     first from both processes' prefix caches."""
     from openai import OpenAI
 
-    s = server_factory(
-        "all-http", ["all", *TINY_ALL_MLX, "--grace", "5", "--http-port", "0", "--prefix-cache-bytes", "64M"],
-    ).start().wait_ready()  # fmt: skip
-    try:
-        api = OpenAI(base_url=f"http://127.0.0.1:{s.info['http_port']}/v1", api_key="-", max_retries=0)
-        model = api.models.list().data[0].id
-        extra = {"ignore_eos": True}
-        prompt = "def load(path):"
-        for chat in (False, True):
-            res = client(s.addr, "generate", "--json", "--max-tokens", "24", "--ignore-eos", "--prompt", prompt,
-                         *(["--chat"] if chat else []))  # fmt: skip
-            assert res.returncode == 0, res.stderr
-            want = json.loads(res.stdout.strip().splitlines()[-1])["token_ids"]
-            for stream in (False, True):
-                if chat:
-                    out = api.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                      max_tokens=24, temperature=0, stream=stream, extra_body=extra)  # fmt: skip
-                else:
-                    out = api.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=stream,
-                                                 extra_body=extra)  # fmt: skip
-                last = list(out)[-1] if stream else out
-                assert last.model_extra["kakeya"]["token_ids"] == want, (chat, stream)
-        ids = [2] + list(range(100, 140))
-        first = api.completions.create(model=model, prompt=ids, max_tokens=20, temperature=0, extra_body=extra)
-        answer = first.model_extra["kakeya"]["token_ids"]
-        second = api.completions.create(model=model, prompt=ids + answer + [50, 51], max_tokens=8, temperature=0,
-                                        extra_body=extra)  # fmt: skip
-        assert second.usage.prompt_tokens_details.cached_tokens == len(ids) + len(answer) - 1
-    finally:
-        s.stop()
+    s = http_all
+    api = OpenAI(base_url=f"http://127.0.0.1:{s.info['http_port']}/v1", api_key="-", max_retries=0)
+    model = api.models.list().data[0].id
+    extra = {"ignore_eos": True}
+    prompt = "def load(path):"
+    for chat in (False, True):
+        res = client(s.addr, "generate", "--json", "--max-tokens", "24", "--ignore-eos", "--prompt", prompt,
+                     *(["--chat"] if chat else []))  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        want = json.loads(res.stdout.strip().splitlines()[-1])["token_ids"]
+        for stream in (False, True):
+            if chat:
+                out = api.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                  max_tokens=24, temperature=0, stream=stream, extra_body=extra)  # fmt: skip
+            else:
+                out = api.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=stream,
+                                             extra_body=extra)  # fmt: skip
+            last = list(out)[-1] if stream else out
+            assert last.model_extra["kakeya"]["token_ids"] == want, (chat, stream)
+    ids = [2] + list(range(100, 140))
+    first = api.completions.create(model=model, prompt=ids, max_tokens=20, temperature=0, extra_body=extra)
+    answer = first.model_extra["kakeya"]["token_ids"]
+    second = api.completions.create(model=model, prompt=ids + answer + [50, 51], max_tokens=8, temperature=0,
+                                    extra_body=extra)  # fmt: skip
+    assert second.usage.prompt_tokens_details.cached_tokens == len(ids) + len(answer) - 1
+
+
+def test_serve_all_runs_three_processes_and_sigterm_stops_them_all(http_all):
+    """After the OpenAI client's test, on its stack (in file order; alone, on a fresh one): SIGTERM ends it."""
+    s = http_all
+    pids = s.info["pids"]
+    assert set(pids) == {"verifier", "drafter", "orchestrator"}
+    assert len({s.proc.pid, *pids.values()}) == 4 and all(pid_alive(p) for p in pids.values())
+    assert client(s.addr, "health").stdout.strip() == "SERVING"
+    for service in ("verifier", "drafter"):  # loopback only, and only for the orchestrator: a run's own token
+        assert s.info[service].startswith("127.0.0.1:")
+        assert_unauthenticated(service, s.info[service])
+    res = client(s.addr, "generate", "--json", "--max-tokens", "16", "--ignore-eos", "--block-size", "8")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 16 and out["backend"] == "grpc"
+    # the blocks' real sizes (the client used to rebuild them from the acceptance lengths)
+    assert out["block_sizes"][0] == 8 and len(out["block_sizes"]) == len(out["acceptance_lengths"])
+    assert all(a <= b <= 8 for a, b in zip(out["acceptance_lengths"], out["block_sizes"]))
+    s.signal(signal.SIGTERM)
+    assert s.wait(60) == 0
+    wait_until(lambda: not any(pid_alive(p) for p in pids.values()), what="children gone")
 
 
 def test_serve_all_hands_each_child_both_branches_flags():
