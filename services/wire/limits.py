@@ -32,7 +32,13 @@ ENV_MAX_MESSAGE_BYTES = "KAKEYA_GRPC_MAX_MESSAGE_BYTES"
 
 KEEPALIVE_TIME_MS = 60_000
 KEEPALIVE_TIMEOUT_MS = 20_000
-MIN_CLIENT_PING_INTERVAL_MS = 30_000  # server side: must stay below KEEPALIVE_TIME_MS
+# The orchestrator's channels to verifier and drafter replicas ping every second: a replica cut off without a FIN or
+# RST is known dead within ~2 s (the default --backend-timeout), so round_robin stops opening sessions on it and a
+# take-over lands on a live replica. At 60 s + 20 s take-overs went back to a cut-off host for over a minute, each
+# try waiting out --backend-timeout. A ping is a few bytes a second per replica.
+BACKEND_KEEPALIVE_TIME_MS = 1_000
+BACKEND_KEEPALIVE_TIMEOUT_MS = 1_000
+MIN_CLIENT_PING_INTERVAL_MS = 500  # server side: must stay below every client's keepalive time
 PUBLIC_MAX_RECEIVE_BYTES = 4 * MiB  # the public API and the verifier take token ids, never tensors
 
 Options = list[tuple[str, int]]
@@ -64,13 +70,14 @@ def _size_options(limit: int | None) -> Options:
     ]
 
 
-def channel_options(max_message_bytes: int | None = None, keepalive: bool = True) -> Options:
-    """Options for ``grpc.insecure_channel`` / ``grpc.aio.insecure_channel`` (and secure ones)."""
+def channel_options(max_message_bytes: int | None = None, keepalive: bool = True, backend: bool = False) -> Options:
+    """Options for ``grpc.insecure_channel`` / ``grpc.aio.insecure_channel`` (and secure ones); ``backend``: a
+    channel to verifier or drafter replicas, whose keepalive finds a dead one within seconds."""
     opts = _size_options(max_message_bytes)
     if keepalive:
         opts += [
-            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_time_ms", BACKEND_KEEPALIVE_TIME_MS if backend else KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", BACKEND_KEEPALIVE_TIMEOUT_MS if backend else KEEPALIVE_TIMEOUT_MS),
             ("grpc.keepalive_permit_without_calls", 0),  # ping only while a session is open
             ("grpc.http2.max_pings_without_data", 0),  # keep pinging a quiet session
         ]

@@ -8,7 +8,9 @@ orchestrator's step deadline notices the silence and the verifier finishes alone
 
 from __future__ import annotations
 
+import collections
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -255,8 +257,12 @@ def test_a_verifier_host_killed_under_8_streams_fails_none_and_restarts(replicas
 
 
 def test_a_verifier_host_cut_off_under_8_streams_fails_none(replicas, long_reference):
-    hosts, token, _ = replicas
+    """A cut (no FIN, no RST: the peer just goes silent) is found by the backend channels' 1 s keepalive within ~2 s,
+    so each stream on the cut-off host is taken over once, onto the live replica: none goes back to the cut-off
+    host and waits out another step deadline there (with 60 s keepalives one request lost its verifier 3 times)."""
+    hosts, token, servers = replicas
     before = _metric(hosts, "o2", "kakeya_takeovers_total", "verifier")
+    log_from = len(servers["o2"].log_file.read_bytes())
     procs = _start_streams(hosts, token, ["o2"])
     _when_running(hosts, "o2", STREAMS)
     hosts.cut("v2")
@@ -265,6 +271,9 @@ def test_a_verifier_host_cut_off_under_8_streams_fails_none(replicas, long_refer
     finally:
         hosts.mend("v2")
     assert _metric(hosts, "o2", "kakeya_takeovers_total", "verifier") > before
+    log = servers["o2"].log_file.read_bytes()[log_from:].decode(errors="replace")
+    losses = collections.Counter(re.findall(r"request (\S+): verifier lost", log))
+    assert losses and max(losses.values()) == 1, losses
 
 
 def test_a_drafter_host_cut_off_under_8_streams_changes_no_token(replicas, long_reference):

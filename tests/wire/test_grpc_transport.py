@@ -149,10 +149,14 @@ def test_limit_options(monkeypatch):
     opts = dict(limits.channel_options())
     assert opts["grpc.max_send_message_length"] == opts["grpc.max_receive_message_length"] == 256 * limits.MiB
     assert dict(limits.server_options())["grpc.max_receive_message_length"] == 256 * limits.MiB
-    # the server tolerates client keepalive pings at least as often as clients send them
-    assert (
-        dict(limits.server_options())["grpc.http2.min_ping_interval_without_data_ms"] <= opts["grpc.keepalive_time_ms"]
-    )
+    # the server tolerates client keepalive pings at least as often as clients send them, backend channels' included
+    backend = dict(limits.channel_options(backend=True))
+    assert backend["grpc.keepalive_time_ms"] < opts["grpc.keepalive_time_ms"]
+    for client in (opts, backend):
+        assert (
+            dict(limits.server_options())["grpc.http2.min_ping_interval_without_data_ms"]
+            < client["grpc.keepalive_time_ms"]
+        )
     assert "grpc.keepalive_time_ms" not in dict(limits.channel_options(keepalive=False))
     assert dict(limits.channel_options(64 * limits.MiB))["grpc.max_send_message_length"] == 64 * limits.MiB
     monkeypatch.setenv(limits.ENV_MAX_MESSAGE_BYTES, str(512 * limits.MiB))

@@ -43,7 +43,7 @@ def backend_channel(addr: str, tls=None, token: str | None = None) -> grpc.Chann
     from kakeya.runtime.security.auth import with_bearer
     from kakeya.runtime.security.tls import channel
 
-    return with_bearer(channel(addr, tls, channel_options() + RECONNECT_OPTIONS + BALANCE_OPTIONS), token)
+    return with_bearer(channel(addr, tls, channel_options(backend=True) + RECONNECT_OPTIONS + BALANCE_OPTIONS), token)
 
 
 def backend_healthy(channel: grpc.Channel, timeout: float = 1.0) -> bool:
