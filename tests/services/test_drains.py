@@ -131,6 +131,8 @@ def test_with_no_replica_serving_or_no_take_over_the_session_finishes_where_it_i
     assert _rounds(verifier, 5, drain_alone, at=1) == (reference, None)
     node["verifier"].draining = False
     _serving(node, True)
+    # the channel hears SERVING on its health watch, not at once: until then a new session finds no healthy replica
+    grpc.channel_ready_future(verifier.channel).result(timeout=30)
     # another replica serves, but this caller cannot take sessions over
     assert _rounds(verifier, 5, node["verifier"]._drain, at=1, options=SessionOptions()) == (reference, None)
 
