@@ -175,6 +175,7 @@ class ServerSpec:
     near_deadline: Callable[[], None] = lambda: None  # grace almost over: end streams cleanly
     max_workers: int = 64  # also the concurrent-RPC cap: one more is RESOURCE_EXHAUSTED, never a hang
     max_receive_bytes: int | None = None  # None: the shared ceiling (services/wire/limits.py)
+    public: bool = False  # the public API: refuses keepalive pings more often than its clients send them
     health_watch: Callable[[], bool] | None = None  # polled while serving: False = NOT_SERVING
     health_interval_s: float = 1.0
     tls: Any = None  # kakeya.runtime.security.tls.ServerTLS; None/disabled: plaintext
@@ -294,7 +295,7 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
         threading.Thread(target=_parent_watch, args=(int(parent), stop), daemon=True).start()
 
     interceptors = [RpcInterceptor(spec.metrics)] if spec.metrics is not None else []
-    options = server_options(max_receive_bytes=spec.max_receive_bytes)
+    options = server_options(max_receive_bytes=spec.max_receive_bytes, public=spec.public)
     pool = ThreadPoolExecutor(max_workers=spec.max_workers)
     server = grpc.server(pool, options=options, maximum_concurrent_rpcs=spec.max_workers, interceptors=interceptors)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)

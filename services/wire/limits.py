@@ -11,9 +11,10 @@ is 4 MiB, which one prompt's aux hidden states exceed easily
 Keepalive: a session's KV cache lives as long as its stream, so a server must
 notice a peer that vanished without closing the connection (a node gone,
 a dropped route) to free that memory. Both ends ping an idle connection every
-60 s and drop it after 20 s without an answer; the server tolerates client
-pings as often as every 30 s, so the two settings never trip gRPC's
-"too_many_pings" defence.
+60 s and drop it after 20 s without an answer. The orchestrator's channels to
+its backends ping every second, so verifier and drafter servers tolerate pings
+every 0.5 s; the public API keeps 30 s. Neither trips gRPC's "too_many_pings"
+defence against the pings its clients send.
 
 Usage::
 
@@ -38,7 +39,8 @@ KEEPALIVE_TIMEOUT_MS = 20_000
 # try waiting out --backend-timeout. A ping is a few bytes a second per replica.
 BACKEND_KEEPALIVE_TIME_MS = 1_000
 BACKEND_KEEPALIVE_TIMEOUT_MS = 1_000
-MIN_CLIENT_PING_INTERVAL_MS = 500  # server side: must stay below every client's keepalive time
+MIN_CLIENT_PING_INTERVAL_MS = 500  # backend servers: must stay below the backend channels' keepalive time
+PUBLIC_MIN_CLIENT_PING_INTERVAL_MS = 30_000  # the public API: below the default channels' 60 s
 PUBLIC_MAX_RECEIVE_BYTES = 4 * MiB  # the public API and the verifier take token ids, never tensors
 
 Options = list[tuple[str, int]]
@@ -85,7 +87,10 @@ def channel_options(max_message_bytes: int | None = None, keepalive: bool = True
 
 
 def server_options(
-    max_message_bytes: int | None = None, keepalive: bool = True, max_receive_bytes: int | None = None
+    max_message_bytes: int | None = None,
+    keepalive: bool = True,
+    max_receive_bytes: int | None = None,
+    public: bool = False,
 ) -> Options:
     """Options for ``grpc.server`` / ``grpc.aio.server``.
 
@@ -93,7 +98,8 @@ def server_options(
     small requests but may answer big ones): a request over it is refused with
     RESOURCE_EXHAUSTED from its length prefix, before it is read whole.
     ``grpc.so_reuseport`` is off: a taken port fails to bind instead of
-    silently sharing the connections with another server.
+    silently sharing the connections with another server. ``public``: the
+    orchestrator's public API, whose clients ping at most every 60 s.
     """
     opts = _size_options(max_message_bytes)
     if max_receive_bytes is not None:
@@ -106,7 +112,10 @@ def server_options(
         opts += [
             ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
             ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-            ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+            (
+                "grpc.http2.min_ping_interval_without_data_ms",
+                PUBLIC_MIN_CLIENT_PING_INTERVAL_MS if public else MIN_CLIENT_PING_INTERVAL_MS,
+            ),
             ("grpc.keepalive_permit_without_calls", 1),  # idle pooled channels may ping too
             ("grpc.http2.max_pings_without_data", 0),  # keep pinging a quiet session
         ]

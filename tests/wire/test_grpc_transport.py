@@ -149,14 +149,15 @@ def test_limit_options(monkeypatch):
     opts = dict(limits.channel_options())
     assert opts["grpc.max_send_message_length"] == opts["grpc.max_receive_message_length"] == 256 * limits.MiB
     assert dict(limits.server_options())["grpc.max_receive_message_length"] == 256 * limits.MiB
-    # the server tolerates client keepalive pings at least as often as clients send them, backend channels' included
+    # a server tolerates client keepalive pings at least as often as its clients send them: a backend server the
+    # orchestrator's 1 s backend channels (and any default channel), the public API the default channels only
     backend = dict(limits.channel_options(backend=True))
     assert backend["grpc.keepalive_time_ms"] < opts["grpc.keepalive_time_ms"]
+    min_ping = "grpc.http2.min_ping_interval_without_data_ms"
     for client in (opts, backend):
-        assert (
-            dict(limits.server_options())["grpc.http2.min_ping_interval_without_data_ms"]
-            < client["grpc.keepalive_time_ms"]
-        )
+        assert dict(limits.server_options())[min_ping] < client["grpc.keepalive_time_ms"]
+    public = dict(limits.server_options(public=True))[min_ping]
+    assert backend["grpc.keepalive_time_ms"] < public < opts["grpc.keepalive_time_ms"]
     assert "grpc.keepalive_time_ms" not in dict(limits.channel_options(keepalive=False))
     assert dict(limits.channel_options(64 * limits.MiB))["grpc.max_send_message_length"] == 64 * limits.MiB
     monkeypatch.setenv(limits.ENV_MAX_MESSAGE_BYTES, str(512 * limits.MiB))

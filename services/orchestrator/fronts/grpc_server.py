@@ -138,6 +138,7 @@ def server_spec(servicer: GenerationServicer, tls=None, http=None) -> ServerSpec
         before_drain=servicer.drain,
         near_deadline=near_deadline,
         max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES,
+        public=True,
         max_workers=workers_for(servicer.max_sessions, servicer.queue),  # queued generations hold a thread too
         health_watch=None if servicer.colocated else backends_ok,
         tls=tls,
