@@ -174,9 +174,9 @@ class ServerSpec:
     before_drain: Callable[[], None] = lambda: None
     near_deadline: Callable[[], None] = lambda: None  # grace almost over: end streams cleanly
     # Whether the drain still has work to wait for (a session server: a live or queued session); None: every
-    # in-flight RPC is. Once it says no, the RPCs left are ones no client ends: a health Watch, a call from a peer
-    # gone without a FIN (kept open until keepalive's 80 s); waiting for them kept a backend whose sessions had all
-    # moved alive for its whole --grace.
+    # in-flight RPC is. Once it says no, the RPCs left are ones no client ends: a health Watch (held for the whole
+    # --grace), a call from a peer gone without a FIN (held until gRPC's shutdown ping times out, 20 s); waiting for
+    # them kept a backend whose sessions had all moved alive long after it had nothing left to hand off.
     busy: Callable[[], bool] | None = None
     max_workers: int = 64  # also the concurrent-RPC cap: one more is RESOURCE_EXHAUSTED, never a hang
     max_receive_bytes: int | None = None  # None: the shared ceiling (services/wire/limits.py)
