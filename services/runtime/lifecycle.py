@@ -173,6 +173,11 @@ class ServerSpec:
     # ``draining`` (``servicer.py``: its sessions move to other replicas at their next step)
     before_drain: Callable[[], None] = lambda: None
     near_deadline: Callable[[], None] = lambda: None  # grace almost over: end streams cleanly
+    # Whether the drain still has work to wait for (a session server: a live or queued session); None: every
+    # in-flight RPC is. Once it says no, the RPCs left are ones no client ends: a health Watch (held for the whole
+    # --grace), a call from a peer gone without a FIN (held until gRPC's shutdown ping times out, 20 s); waiting for
+    # them kept a backend whose sessions had all moved alive long after it had nothing left to hand off.
+    busy: Callable[[], bool] | None = None
     max_workers: int = 64  # also the concurrent-RPC cap: one more is RESOURCE_EXHAUSTED, never a hang
     max_receive_bytes: int | None = None  # None: the shared ceiling (services/wire/limits.py)
     public: bool = False  # the public API: refuses keepalive pings more often than its clients send them
@@ -269,6 +274,26 @@ def _failed(spec: ServerSpec, why: str, *servers) -> int:
     for server in filter(None, servers):
         server.stop(0)
     return 2
+
+
+IDLE_SETTLE_S = 0.5  # how long a drain sees no session before it ends the rest: the last trailers go out meanwhile
+
+
+def _until_idle(busy: Callable[[], bool], done: threading.Event, until: float) -> bool:
+    """Wait until ``busy()`` has said False for ``IDLE_SETTLE_S`` (True), or ``done`` is set or ``until`` passes
+    (False: nothing to cut short)."""
+    idle_since = None
+    while not done.wait(0.1):
+        now = time.monotonic()
+        if now >= until:
+            return False
+        if busy():
+            idle_since = None
+        elif idle_since is None:
+            idle_since = now
+        elif now - idle_since >= IDLE_SETTLE_S:
+            return True
+    return False
 
 
 def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, ready_file: str | None = None,
@@ -390,7 +415,12 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
         spec.http.drain()
     t_stop = time.monotonic()
     done = server.stop(grace_s)
-    if not done.wait(max(0.0, grace_s - 1.0)):
+    near = t_stop + max(0.0, grace_s - 1.0)
+    if spec.busy is not None and _until_idle(spec.busy, done, near):
+        log.info("%s: no session left after %.2f s of draining: ending the calls still open (health watches)",
+                 spec.name, time.monotonic() - t_stop)  # fmt: skip
+        done = server.stop(0)
+    if not done.wait(max(0.0, near - time.monotonic())):
         spec.near_deadline()
         done.wait(2.0 + 1.0)
     time.sleep(0.25)  # let gRPC's I/O threads flush the last messages and trailers before the process exits

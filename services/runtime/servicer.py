@@ -245,7 +245,7 @@ class SessionServicer:
         return ServerSpec(
             self.role, [service.full_name], lambda server: add_servicer(server, self, service, token),
             load, set_ready, before_drain=self._drain, near_deadline=self._end_sessions, max_workers=workers, tls=tls,
-            metrics=self.metrics, **spec,
+            metrics=self.metrics, busy=lambda: bool(self.registry.live or self.registry.waiting), **spec,
         )  # fmt: skip
 
 

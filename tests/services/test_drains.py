@@ -6,8 +6,8 @@ health went NOT_SERVING). From then on every answer says ``draining`` (the answe
 (``remote/streams.py``) ends a session that may move (``SessionOptions.movable``: its caller takes sessions
 over) before its next step while another replica answers SERVING -- here the same server's health stands
 for that other replica -- and one that may not, or has nowhere to go, finishes where it is. The process
-level (a rolling restart of every backend under 8 streams) is ``test_hosts.py``; an orchestrator's drain,
-here and in ``test_faults.py``.
+level (a rolling restart of every backend under 8 streams) is ``test_hosts.py``, a SIGTERM'd process's exit
+below; an orchestrator's drain, here and in ``test_faults.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kakeya.orchestrator.remote.verifier import GrpcVerifier
 from kakeya.runtime.metrics import ServerMetrics
 from kakeya.wire.kakeya.v1 import verifier_pb2
 
-from ..waiting import wait_until
+from ..waiting import holds_for, wait_until
 from .conftest import in_process_mlx_pair, verifier_stub
 
 PROMPT = [2, 40, 41, 42, 43, 44, 45, 46]
@@ -176,6 +176,35 @@ def test_hand_offs_are_counted_apart_from_losses():
     assert sample("kakeya_drain_handoffs_total", {"role": "drafter"}) == 1
     assert sample("kakeya_takeovers_total", {"role": "verifier"}) == 1
     assert sample("kakeya_takeovers_total", {"role": "drafter"}) in (None, 0)
+
+
+def test_a_sigterm_backend_waits_for_its_sessions_not_for_a_health_watch(server_factory):
+    """A process with a long grace: a live session holds its drain (it may still move at its next step), a
+    health Watch (which no client ends; nor does a peer gone without a FIN) does not: once the session is gone
+    the process exits at once, status 0, instead of waiting out --grace (the 15 s teardowns of test_hosts.py)."""
+    import queue
+    import signal
+
+    from grpc_health.v1 import health_pb2_grpc
+
+    from .conftest import TINY_MLX, channel
+
+    server = server_factory("verifier", ["verifier", *TINY_MLX, "--grace", "60"]).start().wait_ready()
+    watch = health_pb2_grpc.HealthStub(channel(server.addr)).Watch(health_pb2.HealthCheckRequest())
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    sent: queue.Queue = queue.Queue()
+    for req in (V(open=V.Open(request_id="drain-exit")), V(prefill=V.Prefill(token_ids=PROMPT))):
+        sent.put(req)
+    session = verifier_stub(server.addr).Session(iter(sent.get, None))
+    assert next(session).HasField("opened") and next(session).HasField("prefilled")
+    server.signal(signal.SIGTERM)
+    assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # the drain began
+    holds_for(server.alive, 2.0, what="the draining process with a live session")
+    session.cancel()  # its client moved it elsewhere
+    wait_until(lambda: not server.alive(), timeout=15, what="the process to exit, its last session gone")
+    assert server.proc.returncode == 0, server.log()
+    assert "verifier stopped after" in server.log()
+    watch.cancel()
 
 
 # --------------------------------------------------------------------------- an orchestrator's drain
