@@ -104,12 +104,10 @@ class RestoreSources:
         self.by_path = {v: k for k, v in self.by_name.items()}
 
     @classmethod
-    def parse(cls, specs) -> RestoreSources:
+    def parse(cls, specs: list[str]) -> RestoreSources:
         """``["NAME=DIR", "DIR", "ftheta:DIR"]`` (a bare DIR is the source ``default``); ValueError if bad."""
-        if isinstance(specs, str):
-            specs = [specs]
         out: dict[str, str] = {}
-        for spec in specs or ():
+        for spec in specs:
             spec = spec.removeprefix("ftheta:")
             name, sep, path = spec.partition("=")
             if not sep:
