@@ -1,19 +1,125 @@
 """``kakeya inspect DIR [--draft DIR]``: what a checkpoint directory holds, whether a drafter fits its
 target, and the memory the pair needs for a context and a number of sessions -- before any weight loads
-(config.json and the safetensors headers only; ``checkpoints/summary.py``). The first command to run on a
-download. A pair that does not fit is printed, then refused (exit status 2) with every reason.
+(config.json and the safetensors headers only: no tensor is read, no backend imported). The configs go
+through the loaders' own readers (``checkpoints/config.py``), so ``inspect`` refuses what a load would
+refuse, with the same message. The first command to run on a download. A pair that does not fit is
+printed, then refused (exit status 2) with every reason.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
-from kakeya.checkpoints.summary import CheckpointError, check_pair, describe_target, draft_checked
-from kakeya.core.contract import SLIDING
+from kakeya.checkpoints import layout
+from kakeya.checkpoints.config import PATH_KEY, CheckpointError, check_pair, load_draft_config, load_target_config
+from kakeya.core.contract import FULL, SLIDING
 from kakeya.core.request import CachePolicy
 
 UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB")
+
+
+def tensors(ckpt: str | Path) -> dict[str, Any]:
+    """``{"files", "sharded", "tensors", "bytes", "tensor_dtypes", "names", "headers"}`` of a checkpoint's
+    safetensors."""
+    d = Path(ckpt)
+    try:
+        files = layout.shard_files(d)
+    except (FileNotFoundError, ValueError) as exc:
+        raise CheckpointError(str(exc)) from None
+    headers = {name: meta for f in files for name, meta in layout.safetensors_header(f).items()}
+    names, dtypes = list(headers), Counter(meta.get("dtype", "?") for meta in headers.values())
+    return {
+        "files": len(files),
+        "sharded": (d / layout.SAFETENSORS_INDEX).is_file(),
+        "tensors": len(names),
+        "bytes": sum(_nbytes(meta) for meta in headers.values()),
+        "tensor_dtypes": dict(sorted(dtypes.items())),
+        "names": names,
+        "headers": headers,
+    }
+
+
+def _nbytes(meta: dict) -> int:
+    start, end = meta.get("data_offsets", (0, 0))
+    return int(end) - int(start)
+
+
+def layer_pattern(types: list[str]) -> str:
+    """``layer_types`` in short: ``"(5 sliding, 1 full) x 5"`` or the run lengths, ``"2 sliding, 1 full"``."""
+    runs: list[list] = []
+    for t in types:
+        kind = "sliding" if t == SLIDING else "full" if t == FULL else t
+        if runs and runs[-1][1] == kind:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, kind])
+    text = ", ".join(f"{n} {k}" for n, k in runs)
+    for period in range(2, len(runs) // 2 + 1):
+        if len(runs) % period == 0 and all(runs[i] == runs[i % period] for i in range(len(runs))):
+            return f"({', '.join(f'{n} {k}' for n, k in runs[:period])}) x {len(runs) // period}"
+    return text
+
+
+def quantization(top: dict, text: dict, names: list[str]) -> dict | None:
+    """``mlx_lm.convert``'s ``quantization`` ({bits, group_size}) or a ``quantization_config``; quantized
+    tensors (``.scales``) with neither are reported too: a loader must not take them for plain weights."""
+    q = top.get("quantization") or top.get("quantization_config") or text.get("quantization")
+    if isinstance(q, dict):
+        keys = ("bits", "group_size", "mode", "quant_method")
+        return {k: q[k] for k in keys if k in q and not isinstance(q[k], dict)}
+    return {"bits": None, "group_size": None} if layout.is_quantized(names) else None
+
+
+def describe_target(path: str | Path) -> tuple[dict, dict]:
+    """(what a target directory holds, its text config as the loaders read it)."""
+    cfg = load_target_config(path)
+    d = Path(cfg[PATH_KEY])
+    top = json.loads((d / "config.json").read_text(encoding="utf-8"))  # as written (the loader has read it)
+    t = tensors(d)
+    try:
+        text = layout.find_text_tensors(t["names"], d)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    types = list(cfg.get("layer_types") or [])
+    n_experts = cfg.get("num_experts") if cfg.get("enable_moe_block", cfg.get("num_experts")) else None
+    out = {
+        "path": str(d),
+        "kind": "target",
+        "architectures": top.get("architectures") or [],
+        "model_type": top.get("model_type"),
+        "multimodal": top.get("model_type") != cfg.get("model_type"),
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "hidden_size": cfg["hidden_size"],
+        "vocab_size": cfg["vocab_size"],
+        "layer_pattern": layer_pattern(types) if types else None,
+        "sliding_window": cfg.get("sliding_window"),
+        "attention_k_eq_v": bool(cfg.get("attention_k_eq_v")),
+        "kv_shared_layers": int(cfg.get("num_kv_shared_layers") or 0),
+        "per_layer_input": cfg.get("hidden_size_per_layer_input") or None,
+        "experts": {"num_experts": n_experts, "top_k": cfg.get("top_k_experts")} if n_experts else None,
+        "dtype": cfg.get("dtype") or cfg.get("torch_dtype") or top.get("dtype") or top.get("torch_dtype"),
+        "quantization": quantization(top, cfg, t["names"]),
+        "tied_lm_head": text.head is None,
+        "eos_token_id": cfg.get("eos_token_id"),
+        **{k: t[k] for k in ("files", "sharded", "tensors", "bytes", "tensor_dtypes")},
+        # what a drafter loads of the target: its embedding table and LM head (quantized: with scales, biases)
+        "embed_and_head_bytes": sum(
+            _nbytes(t["headers"][module + suffix])
+            for module in filter(None, (text.embed, text.head))
+            for suffix in (".weight", ".scales", ".biases")
+            if module + suffix in t["headers"]
+        ),
+    }
+    return out, cfg
+
+
+def draft_checked(path: str | Path) -> tuple[dict, dict]:
+    """(a drafter's config as ``load_draft_config`` checks it, its safetensors summary)."""
+    cfg = load_draft_config(path)
+    return cfg, tensors(cfg[PATH_KEY])
 
 
 def register(sub) -> None:
@@ -51,8 +157,6 @@ def describe_draft(path) -> dict:
         layout = "z-lab June 2026 (block_size in dflash_config, sliding drafter layers)"
     else:
         layout = "DFlash (block_size in dflash_config)"
-    from kakeya.checkpoints.summary import layer_pattern
-
     return {
         "path": cfg["_path"], "kind": "draft", "architectures": cfg.get("architectures") or [], "layout": layout,
         "num_hidden_layers": dc.num_hidden_layers, "layer_pattern": layer_pattern(list(dc.layer_types)),
@@ -67,8 +171,6 @@ def describe_draft(path) -> dict:
 
 def fit_problems(target_cfg: dict, draft_cfg_path: str, draft: dict) -> list[str]:
     """Every reason the drafter cannot run against the target ([] when it fits)."""
-    from kakeya.checkpoints.config import load_draft_config
-
     problems = []
     try:
         check_pair(target_cfg, load_draft_config(draft_cfg_path))
@@ -125,23 +227,6 @@ def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, ses
     return out
 
 
-def _embed_head_bytes(target: dict, path: str) -> int:
-    """Bytes of the target's embedding table and LM head on disk (what a drafter loads of the target)."""
-    from kakeya.checkpoints.layout import find_text_tensors, safetensors_header, shard_files
-
-    headers = {}
-    for f in shard_files(path):
-        headers.update(safetensors_header(f))
-    text = find_text_tensors(headers, path)
-    total = 0
-    for module in filter(None, (text.embed, text.head)):
-        for suffix in (".weight", ".scales", ".biases"):
-            meta = headers.get(module + suffix)
-            if meta:
-                total += int(meta["data_offsets"][1]) - int(meta["data_offsets"][0])
-    return total
-
-
 def inspect(path, draft_path=None, context: int = 8192, sessions: int = 1) -> tuple[dict, list[str]]:
     """(the report, the reasons the pair does not fit); CheckpointError for a directory that cannot be read."""
     if context < 1:
@@ -161,7 +246,6 @@ def inspect(path, draft_path=None, context: int = 8192, sessions: int = 1) -> tu
             report["draft"].pop("_config")
             return report, []
     target, target_cfg = describe_target(path)
-    target["embed_and_head_bytes"] = _embed_head_bytes(target, target["path"])
     target["backends"] = backends(target["quantization"] is not None)
     report: dict = {"target": target}
     problems: list[str] = []

@@ -150,16 +150,20 @@ def _layer_types(cfg: dict[str, Any], where: str, field: str) -> list[str]:
     types = cfg.get("layer_types")
     if types is None:  # transformers' default pattern (mlx-lm's sliding_window_pattern default differs)
         types = [SLIDING if (i + 1) % 6 else FULL for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in (FULL, SLIDING) for t in types):
-        raise CheckpointError(
-            f"target checkpoint {where}: field '{field}layer_types' must list {n} entries (num_hidden_layers),"
-            f" each 'sliding_attention' or 'full_attention', got {types!r}"
-        )
+    _check_layer_types(types, n, f"target checkpoint {where}: field '{field}layer_types'")
     if FULL not in types:
         # every layer slides: kept as written, as mlx-lm reads it (transformers would force the last layer full
         # and could not load its weights); the vehicle on which only f_theta brings back an evicted needle
         return list(types)
     return list(types[:-1]) + [FULL]  # transformers forces the last layer of a hybrid to full attention
+
+
+def _check_layer_types(types: Any, n: int, what: str) -> None:
+    if not isinstance(types, list) or len(types) != n or any(t not in (FULL, SLIDING) for t in types):
+        raise CheckpointError(
+            f"{what} must list {n} entries (num_hidden_layers), each 'sliding_attention' or 'full_attention',"
+            f" got {types!r}"
+        )
 
 
 def _per_layer_config(cfg: dict[str, Any], where: str, field: str) -> None:
@@ -339,11 +343,7 @@ def _draft_layers(cfg: dict[str, Any], where: str) -> None:
         window = window if cfg.get("use_sliding_window") else None
         first = cfg.get("max_window_layers", 28)
         types = [SLIDING if window is not None and i >= first else FULL for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in (FULL, SLIDING) for t in types):
-        raise CheckpointError(
-            f"draft checkpoint {where}: field 'layer_types' must list {n} entries (num_hidden_layers),"
-            f" each 'sliding_attention' or 'full_attention', got {types!r}"
-        )
+    _check_layer_types(types, n, f"draft checkpoint {where}: field 'layer_types'")
     if SLIDING not in types:
         window = None
     elif not _int(window) or window < 1:

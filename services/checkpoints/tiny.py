@@ -62,41 +62,50 @@ class TinyPair:
     draft: Path
 
 
+def _shared_config(vocab_size: int) -> dict[str, Any]:
+    """The fields target and drafter configs share (the drafter's attention is the target's sliding layers')."""
+    return {
+        "dtype": "float32",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "num_attention_heads": NUM_HEADS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": RMS_EPS,
+        "max_position_embeddings": MAX_POSITIONS,
+        "final_logit_softcapping": SOFTCAP,
+        "tie_word_embeddings": False,
+        "pad_token_id": tk.PAD_ID,
+        "bos_token_id": tk.BOS_ID,
+        "eos_token_id": tk.EOS_ID,
+    }
+
+
 def target_config(
     sliding_window: int = 32, moe: bool = False, vocab_size: int = tk.DEFAULT_VOCAB_SIZE
 ) -> dict[str, Any]:
     if sliding_window < 2:
         raise ValueError(f"sliding_window must be >= 2, got {sliding_window}")
-    return {
+    return _shared_config(vocab_size) | {
         "architectures": ["Gemma4ForCausalLM"],
         "model_type": "gemma4_text",
-        "dtype": "float32",
-        "vocab_size": vocab_size,
         "vocab_size_per_layer_input": vocab_size,
-        "hidden_size": HIDDEN,
         "intermediate_size": INTERMEDIATE,
         "num_hidden_layers": NUM_LAYERS,
         "layer_types": list(LAYER_TYPES),
         "sliding_window": sliding_window,
         "sliding_window_pattern": 3,
-        "num_attention_heads": NUM_HEADS,
-        "num_key_value_heads": NUM_KV_HEADS,
         "num_global_key_value_heads": NUM_GLOBAL_KV_HEADS,
-        "head_dim": HEAD_DIM,
         "global_head_dim": GLOBAL_HEAD_DIM,
         "attention_k_eq_v": True,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
         "hidden_activation": "gelu_pytorch_tanh",
-        "rms_norm_eps": RMS_EPS,
         "rope_parameters": {
             FULL: {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
             SLIDING: {"rope_theta": 10000.0, "rope_type": "default"},
         },
         "global_partial_rotary_factor": 0.25,
-        "max_position_embeddings": MAX_POSITIONS,
-        "final_logit_softcapping": SOFTCAP,
-        "tie_word_embeddings": False,
         "hidden_size_per_layer_input": 0,
         "num_kv_shared_layers": 0,
         "use_double_wide_mlp": False,
@@ -106,41 +115,23 @@ def target_config(
         "moe_intermediate_size": MOE_INTERMEDIATE if moe else None,
         "initializer_range": 0.02,
         "use_cache": True,
-        "pad_token_id": tk.PAD_ID,
-        "bos_token_id": tk.BOS_ID,
-        "eos_token_id": tk.EOS_ID,
     }
 
 
 def draft_config(vocab_size: int = tk.DEFAULT_VOCAB_SIZE) -> dict[str, Any]:
-    return {
+    return _shared_config(vocab_size) | {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "dtype": "float32",
-        "vocab_size": vocab_size,
-        "hidden_size": HIDDEN,
         "intermediate_size": DRAFT_INTERMEDIATE,
         "num_hidden_layers": DRAFT_LAYERS,
         "num_target_layers": NUM_LAYERS,
         "layer_types": [FULL] * DRAFT_LAYERS,
-        "num_attention_heads": NUM_HEADS,
-        "num_key_value_heads": NUM_KV_HEADS,
-        "head_dim": HEAD_DIM,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "rms_norm_eps": RMS_EPS,
         "rope_theta": 10000.0,
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-        "max_position_embeddings": MAX_POSITIONS,
-        "final_logit_softcapping": SOFTCAP,
-        "tie_word_embeddings": False,
         "use_sliding_window": False,
         "sliding_window": None,
         "block_size": BLOCK_SIZE,
-        "pad_token_id": tk.PAD_ID,
-        "bos_token_id": tk.BOS_ID,
-        "eos_token_id": tk.EOS_ID,
         "dflash_config": {
             "block_size": BLOCK_SIZE,
             "target_layer_ids": list(TARGET_LAYER_IDS),

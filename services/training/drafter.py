@@ -7,6 +7,7 @@ reference parameter names); the checkpoint loads strictly in ``kakeya.drafter.ml
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -53,9 +54,6 @@ def build_draft_config(target_cfg: dict, args) -> dict[str, Any]:
     return cfg
 
 
-# --------------------------------------------------------------------------- target side (torch)
-
-
 def _data_on_device(data_set, device, mode: str, soft: float, quiet: bool):
     """``(aux, final)`` of the whole training set as tensors on ``device`` (``final`` None without the KL
     term), or None to gather each batch from the memory-mapped files on the host. A set runs to gigabytes:
@@ -98,12 +96,7 @@ def train(args) -> dict:
     #    set continues prompts from held-out FILES, to watch the drafter on text it never saw.
     key = {"target": str(target_dir.resolve()), "prompt_len": args.prompt_len, "gen_len": args.gen_len}
     key |= {"tids": tids, "seed": args.seed} | ({"bos": True} if args.bos_prompts else {})
-    target_box: list[TorchTarget] = []
-
-    def get_target() -> TorchTarget:
-        if not target_box:
-            target_box.append(TorchTarget(target_dir, device))
-        return target_box[0]
+    get_target = functools.cache(lambda: TorchTarget(target_dir, device))  # loaded once, only to make data
 
     temps = [float(x) for x in args.temperatures.split(",")]
     if any(x < 0 for x in temps):
@@ -128,7 +121,7 @@ def train(args) -> dict:
         make = continuations(corpus.heldout, args.val_sequences, args.seed + 1)
         val_set, _ = cached_continuations(ckpt / "val", val_key, make, args.quiet)
         val = (np.asarray(val_set.seqs), np.asarray(val_set.aux))
-    target_box.clear()
+    get_target.cache_clear()
 
     # 2. training
     trainer = BlockTrainer(cfg, target_dir, args.seed, device)

@@ -267,9 +267,7 @@ def train(
         "steps": args.steps,
         "args": asdict(args),
         "data": {
-            "source": "python standard library sources ("
-            + str(Path(sysconfig.get_paths()["stdlib"]))
-            + ")"
+            "source": f"python standard library sources ({Path(sysconfig.get_paths()['stdlib'])})"
             + (f", {recall[1]} of {args.batch} rows recall text (training/retrieval.py)" if recall else ""),
             "train_tokens": len(data.train),
             "eval_tokens": int(data.eval_n * data.body),

@@ -218,7 +218,7 @@ def train(args) -> dict:
         import torch
 
         torch.set_num_threads(args.threads)
-    tok = data.tokenizer_for(args.vocab_size, progress=None if args.quiet else common.log)
+    tok = tk.train_tokenizer(args.vocab_size, progress=None if args.quiet else common.log)  # a new vocabulary
     corpus = data.load_corpus(tok, heldout_pct=args.heldout_pct, max_bytes=args.max_bytes)
     cfg = build_config(args)
     from kakeya.orchestrator.assembly import require_backend
