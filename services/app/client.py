@@ -217,8 +217,7 @@ def cmd_client_health(args) -> int:
         r = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout or 5)
     except grpc.RpcError as exc:
         return _rpc_error(exc)
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
-    print(status)
+    print(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
     return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 

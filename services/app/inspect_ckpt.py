@@ -116,12 +116,6 @@ def describe_target(path: str | Path) -> tuple[dict, dict]:
     return out, cfg
 
 
-def draft_checked(path: str | Path) -> tuple[dict, dict]:
-    """(a drafter's config as ``load_draft_config`` checks it, its safetensors summary)."""
-    cfg = load_draft_config(path)
-    return cfg, tensors(cfg[PATH_KEY])
-
-
 def register(sub) -> None:
     p = sub.add_parser(
         "inspect",
@@ -140,7 +134,8 @@ def describe_draft(path) -> dict:
     """What a drafter directory holds, read through ``load_draft_config`` and ``DFlashConfig``."""
     from kakeya.drafter.config import DFlashConfig
 
-    cfg, t = draft_checked(path)
+    cfg = load_draft_config(path)
+    t = tensors(cfg[PATH_KEY])
     where = Path(cfg["_path"]) / "config.json"
     try:
         dc = DFlashConfig.from_dict(cfg)
@@ -187,11 +182,6 @@ def fit_problems(target_cfg: dict, draft_cfg_path: str, draft: dict) -> list[str
     if not 0 <= draft["mask_token_id"] < vocab and not any("mask_token_id" in p for p in problems):
         problems.append(f"draft mask_token_id {draft['mask_token_id']} not below target vocab_size {vocab}")
     return problems
-
-
-def backends(quantized: bool) -> list[str]:
-    """The backends that load a target: an MLX-quantized one (and so a drafter over it) MLX only."""
-    return ["mlx"] if quantized else ["torch", "mlx"]
 
 
 def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, sessions: int) -> dict:
@@ -246,7 +236,8 @@ def inspect(path, draft_path=None, context: int = 8192, sessions: int = 1) -> tu
             report["draft"].pop("_config")
             return report, []
     target, target_cfg = describe_target(path)
-    target["backends"] = backends(target["quantization"] is not None)
+    # the backends that load it: an MLX-quantized one (and so a drafter over it) MLX only
+    target["backends"] = ["mlx"] if target["quantization"] is not None else ["torch", "mlx"]
     report: dict = {"target": target}
     problems: list[str] = []
     draft = None

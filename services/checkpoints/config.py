@@ -50,6 +50,8 @@ GEMMA4_ROPE_DEFAULTS = {
 }
 QWEN3_DEFAULT_THETA = 10_000.0  # transformers' default_theta, what a drafter without any RoPE field runs at
 DFLASH_DEFAULT_BLOCK = 16  # the dflash package's DFlashDraftModel default
+DFLASH_FIELDS = ("block_size", "target_layer_ids", "mask_token_id", "input_embedding_scale", "output_multiplier")
+DFLASH_FIELDS += ("final_logit_softcapping",)
 
 
 class CheckpointError(ValueError):
@@ -212,9 +214,8 @@ def mlx_model_config(raw: dict[str, Any], text: dict[str, Any]) -> dict[str, Any
     :func:`target_config` reading): the multimodal wrapper's args overwrite ``text_config.vocab_size`` with
     their own top-level one (262144 when absent), so it goes at both levels."""
     keep = {k: v for k, v in text.items() if k not in (PATH_KEY, "chat_template")}
-    if raw.get("model_type") in MULTIMODAL_MODEL_TYPES:
-        return {"text_config": keep, "vocab_size": text["vocab_size"]}
-    return keep
+    multimodal = raw.get("model_type") in MULTIMODAL_MODEL_TYPES
+    return {"text_config": keep, "vocab_size": text["vocab_size"]} if multimodal else keep
 
 
 def _eos_token_ids(d: Path, top: dict[str, Any], text: dict[str, Any]) -> list[int]:
@@ -268,16 +269,13 @@ def draft_config(raw: dict[str, Any], directory: str | Path | None = None) -> di
     dflash = raw.get("dflash_config")
     if not isinstance(dflash, dict):
         raise CheckpointError(f"draft checkpoint {where}: no 'dflash_config' object -- not a DFlash drafter")
-    cfg = dict(raw)
-    dflash = dict(dflash)
-    _require_int(cfg, "hidden_size", where, "draft")
-    _require_int(cfg, "num_hidden_layers", where, "draft")
+    cfg, dflash = dict(raw), dict(dflash)
+    for key in ("hidden_size", "num_hidden_layers"):
+        _require_int(cfg, key, where, "draft")
     # The dflash package reads each DFlash field from dflash_config first, then from the top level.
-    for key in ("block_size", "target_layer_ids", "mask_token_id", "input_embedding_scale", "output_multiplier"):
+    for key in DFLASH_FIELDS:
         if key not in dflash and cfg.get(key) is not None:
             dflash[key] = cfg[key]
-    if "final_logit_softcapping" not in dflash and cfg.get("final_logit_softcapping") is not None:
-        dflash["final_logit_softcapping"] = cfg["final_logit_softcapping"]
     dflash.setdefault("block_size", DFLASH_DEFAULT_BLOCK)
     if "target_layer_ids" not in dflash and _int(cfg.get("num_target_layers")):
         dflash["target_layer_ids"] = _spread_layer_ids(cfg["num_target_layers"], cfg["num_hidden_layers"])

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kakeya.checkpoints import tokenizer as tk
+from kakeya.checkpoints.config import CheckpointError
 from kakeya.core.contract import FULL, SLIDING
 
 Progress = Callable[[str], None]
@@ -285,8 +286,8 @@ def make_tiny(
         )
     out = Path(out_dir)
     target, draft = out / "target", out / "draft"
-    target.mkdir(parents=True, exist_ok=True)
-    draft.mkdir(parents=True, exist_ok=True)
+    for d in (target, draft):
+        d.mkdir(parents=True, exist_ok=True)
 
     # Below the byte-level tokenizer's minimum the pair speaks token ids only: small enough to
     # enumerate a distribution exactly (the lossless-sampling tests use vocab 32..64).
@@ -338,8 +339,6 @@ def default_pair() -> TinyPair:
     pair = TinyPair(target=DEFAULT_DIR / "target", draft=DEFAULT_DIR / "draft")
     for d in (pair.target, pair.draft):
         if not (d / "config.json").is_file():
-            from kakeya.checkpoints.config import CheckpointError
-
             raise CheckpointError(
                 f"{d}: embedded default checkpoint is missing config.json"
                 " (regenerate with `kakeya make-tiny --out services/models/tiny`)"

@@ -140,6 +140,5 @@ class RestoreSources:
 
     def to_wire(self, policy: CachePolicy) -> CachePolicy:
         """A server policy -> the same with its restoration directory replaced by the source's name."""
-        if policy.restore is None:
-            return policy
-        return replace(policy, restore=self.by_path.get(policy.restore, DEFAULT_RESTORE_NAME))
+        restore = policy.restore
+        return policy if restore is None else replace(policy, restore=self.by_path.get(restore, DEFAULT_RESTORE_NAME))

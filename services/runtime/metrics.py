@@ -148,8 +148,7 @@ class ServerMetrics:
         Gauge("kakeya_kv_cache_usage_perc", doc, registry=self.registry).set_function(lambda: float(read()))
 
     def track_prefix_cache(self, cache: Any) -> None:
-        """``kakeya_prefix_cache_*`` of a ``PrefixCache`` (``core/prefix.py``), read at scrape time: bytes,
-        budget and entries held (gauges); hits, misses, tokens reused, insertions, evictions (counters)."""
+        """``kakeya_prefix_cache_*`` of a ``PrefixCache`` (``core/prefix.py``), read at scrape time."""
         self.registry.register(_PrefixCacheMetrics(cache.stats))
 
     def track_steps(self, names: tuple[str, str], doc: str, calls: Callable[[], int], items: Callable[[], int]):

@@ -73,9 +73,6 @@ def evaluate(trainer: BlockTrainer, seqs: np.ndarray, aux: np.ndarray, prompt_le
     }
 
 
-# --------------------------------------------------------------------------- acceptance with the real engine
-
-
 def heldout_prompts(corpus: data.Corpus, n: int, length: int, stream=None) -> list[list[int]]:
     """``n`` held-out prompts of ``length`` tokens, evenly spaced over the held-out files, each starting with <bos>
     (``stream``: over that token stream instead, e.g. ``corpus.train``)."""
@@ -215,9 +212,6 @@ def floats(text: str) -> tuple[float, ...]:
 def ints(text: str) -> tuple[int, ...]:
     """``"8,16"`` -> (8, 16)."""
     return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-# --------------------------------------------------------------------------- main
 
 
 def main(argv=None) -> int:

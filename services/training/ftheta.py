@@ -85,8 +85,7 @@ class Batches:
         if len(ids) < n_eval + 4 * body:
             raise ValueError(f"only {len(ids)} tokens of training text for seq_len {seq_len}: raise --data-tokens")
         self.train, self.eval_ids = ids[:-n_eval], ids[-n_eval:]
-        self.bos, self.body, self.batch, self.seed = bos, body, batch, seed
-        self.eval_n = eval_seqs
+        self.bos, self.body, self.batch, self.seed, self.eval_n = bos, body, batch, seed, eval_seqs
 
     def _rows(self, rows: list[np.ndarray]) -> mx.array:
         if self.bos is not None:

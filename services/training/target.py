@@ -129,8 +129,7 @@ class MLXBackend:
 
 class TorchBackend:
     """transformers' Gemma4ForCausalLM from the same config (float32, CPU/CUDA): the same architecture,
-    initial weights, data and output layout. The demo pair was trained with it (MLX's Linux CPU wheels
-    ran on netlib's reference BLAS before ``backends/mlx/blas.py`` routed it to torch's)."""
+    initial weights, data and output layout (the demo pair was trained with it)."""
 
     name = "torch"
 
@@ -204,13 +203,6 @@ class TorchBackend:
         return {k: v.detach().float().cpu().numpy() for k, v in self.model.state_dict().items()}
 
 
-def write_tensors(out: Path, tensors: dict, cfg: dict, tokenizer) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    tk.write_tokenizer(tokenizer, out)
-    tiny.write_target_config(out, cfg)
-    tiny.write_safetensors(out / "model.safetensors", tensors)
-
-
 def train(args) -> dict:
     out = Path(args.out)
     common.seed_all(args.seed)
@@ -241,11 +233,8 @@ def train(args) -> dict:
     n_ret = round(args.retrieval_frac * args.batch)
     if args.answer_weight <= 0:
         raise ValueError(f"--answer-weight must be > 0, got {args.answer_weight}")
-    ret = None
-    if n_ret:
-        ret = retrieval.RetrievalText(
-            tok, L, args.heldout_pct, max_bytes=args.max_bytes, max_example=args.retrieval_max_example
-        )
+    recall = dict(max_bytes=args.max_bytes, max_example=args.retrieval_max_example)
+    ret = retrieval.RetrievalText(tok, L, args.heldout_pct, **recall) if n_ret else None
     bar = common.Progress(args.steps, "train-target", start=step, quiet=args.quiet)
     if not args.quiet:
         common.log(
@@ -286,7 +275,9 @@ def train(args) -> dict:
     be.save(ckpt, state())
     train_s += time.time() - t_start
     train_loss = be.evaluate(train_eval)
-    write_tensors(out, be.tensors(), cfg, tok)
+    tk.write_tokenizer(tok, out)  # makes the directory
+    tiny.write_target_config(out, cfg)
+    tiny.write_safetensors(out / "model.safetensors", be.tensors())
     report = {
         "command": "kakeya train-target",
         "backend": be.name,

@@ -27,10 +27,6 @@ def _decode(cls, raw: bytes, what: str):
         ) from None
 
 
-def _unauthenticated(context, service: str):
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{service}: missing or wrong bearer token (authorization metadata)")
-
-
 def _handler(method, impl, service: str, token: str | None):
     cls = message_factory.GetMessageClass(method.input_type)
     resp_ser = message_factory.GetMessageClass(method.output_type).SerializeToString
@@ -39,7 +35,8 @@ def _handler(method, impl, service: str, token: str | None):
         """The parsed request (a stream: decoded one message at a time as it is read), or the call aborted
         (UNAUTHENTICATED / INVALID_ARGUMENT)."""
         if not authorized(context, token):
-            _unauthenticated(context, service)
+            why = f"{service}: missing or wrong bearer token (authorization metadata)"
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
         if method.client_streaming:
             return (_decode(cls, message, method.name) for message in raw)
         try:
