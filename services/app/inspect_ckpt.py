@@ -17,6 +17,8 @@ from kakeya.checkpoints import layout
 from kakeya.checkpoints.config import PATH_KEY, CheckpointError, check_pair, load_draft_config, load_target_config
 from kakeya.core.contract import FULL, SLIDING
 from kakeya.core.request import CachePolicy
+from kakeya.drafter.config import DFlashConfig
+from kakeya.verifier.memory import DTYPE_BYTES, KVShape, session_bytes
 
 UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB")
 
@@ -132,8 +134,6 @@ def register(sub) -> None:
 
 def describe_draft(path) -> dict:
     """What a drafter directory holds, read through ``load_draft_config`` and ``DFlashConfig``."""
-    from kakeya.drafter.config import DFlashConfig
-
     cfg = load_draft_config(path)
     t = tensors(cfg[PATH_KEY])
     where = Path(cfg["_path"]) / "config.json"
@@ -188,8 +188,6 @@ def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, ses
     """Bytes the pair needs: weights once (the drafter's own, and its copy of the target's embedding and
     LM head), then per session the verifier's K/V under the default (native) policy -- ``verifier/memory.py``,
     the numbers a session reports as ``KVBytes`` -- and the drafter's context K/V rows."""
-    from kakeya.verifier.memory import DTYPE_BYTES, KVShape, session_bytes
-
     shape = KVShape.from_config(target_cfg)  # the loaders' reading: full layers' shapes in the hub's spelling
     kv = session_bytes(shape, CachePolicy(), context)
     out = {

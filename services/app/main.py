@@ -12,12 +12,11 @@ import sys
 from dataclasses import replace
 
 from kakeya.app import options
-from kakeya.core.request import InvalidRequest
+from kakeya.core.request import REJECTION, InvalidRequest, Request
 from kakeya.runtime import heap
 
 
 def cmd_generate(args) -> int:
-    from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine, resolve_backend, set_torch_threads
 
     policy = options.cache_policy_from_args(args)
@@ -93,8 +92,6 @@ def _compare_ar(engine, req, gen) -> dict:
     size 1 with the same policy and seed: plain AR through the same cache semantics. Coupled sampling is compared
     token for token like greedy; under the rejection rule AR sampling is a speed reference only.
     """
-    from kakeya.core.request import REJECTION
-
     policy = req.cache_policy
     if not req.sampling.greedy and req.sampling.rule == REJECTION:
         ar = engine.generate(replace(req, block_size=1))

@@ -9,6 +9,9 @@ import json
 import sys
 
 from kakeya.checkpoints import tokenizer as tk
+from kakeya.checkpoints.config import load_target_config
+from kakeya.checkpoints.tiny import make_tiny
+from kakeya.verifier.memory import DTYPE_BYTES, PRESETS, KVShape, policy_table
 
 
 def register(sub) -> None:
@@ -32,8 +35,6 @@ def register_train(sub) -> None:
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from kakeya.checkpoints.tiny import make_tiny
-
     progress = lambda msg: print(msg, file=sys.stderr, flush=True)
     pair = make_tiny(args.out, seed=args.seed, sliding_window=args.sliding_window, moe=args.moe,
                      vocab_size=args.vocab_size, progress=progress)  # fmt: skip
@@ -56,9 +57,6 @@ def _register_tiny(subparsers) -> None:
 
 
 def cmd_memory(args) -> int:
-    from kakeya.checkpoints.config import load_target_config
-    from kakeya.verifier.memory import PRESETS, KVShape, policy_table
-
     if (args.preset is None) == (args.config is None):
         raise ValueError("give exactly one of --preset or --config")
     if args.context < 1:
@@ -82,8 +80,6 @@ def cmd_memory(args) -> int:
 
 
 def _register_memory(sub) -> None:
-    from kakeya.verifier.memory import DTYPE_BYTES, PRESETS
-
     p = sub.add_parser("memory", help="KV bytes per session and cache policy, from a config")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS))
