@@ -196,8 +196,7 @@ def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, ses
         "full_attention": {"kv_heads": shape.full_kv_heads, "head_dim": shape.full_head_dim},
         "sliding_attention": {"kv_heads": shape.sliding_kv_heads, "head_dim": shape.sliding_head_dim},
     }  # fmt: skip
-    per_session = kv["total_bytes"]
-    weights = target["bytes"]
+    per_session, weights = kv["total_bytes"], target["bytes"]
     if draft is not None:
         dc = draft["_config"]
         width = 2 * dc.num_key_value_heads * dc.head_dim * DTYPE_BYTES.get(draft["dtype"] or "", shape.dtype_bytes)
@@ -252,10 +251,7 @@ def inspect(path, draft_path=None, context: int = 8192, sessions: int = 1) -> tu
 
 def cmd_inspect(args) -> int:
     report, problems = inspect(args.dir, args.draft, args.context, args.sessions)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(render(report))
+    print(json.dumps(report) if args.json else render(report))
     if problems:
         raise ValueError(f"draft {args.draft} does not fit target {args.dir}: " + "; ".join(problems))
     return 0
@@ -271,8 +267,7 @@ def _mib(n: int) -> str:
 
 def render(report: dict) -> str:
     lines = []
-    t = report.get("target")
-    if t:
+    if t := report.get("target"):
         lines.append(f"target {t['path']}")
         lines.append(
             f"  {t['model_type']} {', '.join(t['architectures'])}" + (" (multimodal)" if t["multimodal"] else "")
@@ -295,8 +290,7 @@ def render(report: dict) -> str:
             f" {_mib(t['bytes'])}; LM head {'tied to the embedding' if t['tied_lm_head'] else 'its own'}"
         )
         lines.append(f"  runs on {'/'.join(t['backends'])}")
-    d = report.get("draft")
-    if d:
+    if d := report.get("draft"):
         lines.append(f"draft {d['path']}")
         lines.append(f"  {', '.join(d['architectures']) or 'DFlash'}: {d['layout']}")
         lines.append(
@@ -310,12 +304,10 @@ def render(report: dict) -> str:
         if d["dflash2"]:
             lines.append("  " + ", ".join(f"{k} {v}" for k, v in d["dflash2"].items()))
         lines.append(f"  dtype {d['dtype']}; {d['tensors']} tensors, {_mib(d['bytes'])}")
-    fit = report.get("fit")
-    if fit:
+    if fit := report.get("fit"):
         lines.append("fit: yes" if fit["ok"] else "fit: NO")
         lines += [f"  - {p}" for p in fit["problems"]]
-    m = report.get("memory")
-    if m:
+    if m := report.get("memory"):
         kv = m["target_kv_per_session"]
         lines.append(f"memory at context {m['context']} x {m['sessions']} session(s), native cache policy:")
         sa, fa = m["sliding_attention"], m["full_attention"]

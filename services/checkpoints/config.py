@@ -179,8 +179,7 @@ def _per_layer_config(cfg: dict[str, Any], where: str, field: str) -> None:
         raise CheckpointError(f"target checkpoint {where}: field {name} must be an object, got {per_layer!r}")
     full = [i for i, t in enumerate(cfg["layer_types"]) if t == FULL]
     overrides = {int(k): v for k, v in per_layer.items()}
-    odd = sorted(set(overrides) - set(full))
-    if odd:
+    if odd := sorted(set(overrides) - set(full)):
         raise CheckpointError(
             f"target checkpoint {where}: field {name} overrides layers {odd}, expected only the full-attention"
             f" layers {full} (Gemma-4's global head shape)"
@@ -192,8 +191,7 @@ def _per_layer_config(cfg: dict[str, Any], where: str, field: str) -> None:
             " expected one shape for all of them (Gemma-4's global_head_dim / num_global_key_value_heads)"
         )
     one = overrides.get(full[0], {}) if full else {}
-    extra = sorted(set(one) - {"head_dim", "num_key_value_heads"})
-    if extra:
+    if extra := sorted(set(one) - {"head_dim", "num_key_value_heads"}):
         raise CheckpointError(
             f"target checkpoint {where}: field {name} overrides {extra}, expected only 'head_dim' and"
             " 'num_key_value_heads'"
@@ -360,8 +358,7 @@ def check_pair(target_cfg: dict[str, Any], draft_cfg: dict[str, Any]) -> None:
     dpath = draft_cfg.get(PATH_KEY, "<draft>")
     dflash = draft_cfg.get("dflash_config") or {}
     n_layers = target_cfg["num_hidden_layers"]
-    bad = [i for i in dflash.get("target_layer_ids", []) if not 0 <= i < n_layers]
-    if bad:
+    if bad := [i for i in dflash.get("target_layer_ids", []) if not 0 <= i < n_layers]:
         raise CheckpointError(
             f"draft checkpoint {dpath}: field 'dflash_config.target_layer_ids' has {bad}"
             f" out of range for target {tpath} (num_hidden_layers {n_layers})"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import sys
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,6 @@ import numpy as np
 from kakeya.checkpoints import tokenizer as tk
 from kakeya.checkpoints.config import CheckpointError
 from kakeya.core.contract import FULL, SLIDING
-
-Progress = Callable[[str], None]
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny"
 
@@ -154,15 +151,13 @@ class _Init:
         return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
 
     def normal(self, name: str, shape: tuple[int, ...], std: float) -> None:
-        x = self._rng(name).standard_normal(shape) * std
-        self.tensors[name] = x.astype(np.float32)
+        self.tensors[name] = (self._rng(name).standard_normal(shape) * std).astype(np.float32)
 
     def linear(self, name: str, out_dim: int, in_dim: int, gain: float = 1.0) -> None:
         self.normal(name, (out_dim, in_dim), gain / np.sqrt(in_dim))
 
     def norm(self, name: str, dim: int) -> None:
-        x = 1.0 + NORM_JITTER * self._rng(name).standard_normal(dim)
-        self.tensors[name] = x.astype(np.float32)
+        self.tensors[name] = (1.0 + NORM_JITTER * self._rng(name).standard_normal(dim)).astype(np.float32)
 
     def attention_and_mlp(self, p: str, h: int, n_q: int, n_kv: int, hd: int, inter: int, v_proj: bool = True) -> None:
         """A decoder layer's q/k/v/o projections with q/k norms and its gated MLP, under prefix ``p``
@@ -277,7 +272,7 @@ def make_tiny(
     sliding_window: int = 32,
     moe: bool = False,
     vocab_size: int = tk.DEFAULT_VOCAB_SIZE,
-    progress: Progress | None = None,
+    progress: tk.Progress | None = None,
 ) -> TinyPair:
     """Write ``out_dir/target`` and ``out_dir/draft`` (and README.md, manifest.json)."""
     if vocab_size < MIN_IDS_VOCAB_SIZE:

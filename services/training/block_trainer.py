@@ -138,12 +138,8 @@ def make_dataset(
                 arrays = Continuations(*(np.zeros(sh, dt) for sh, dt in shapes.values()))
             else:
                 out.mkdir(parents=True, exist_ok=True)
-                arrays = Continuations(
-                    *(
-                        np.lib.format.open_memmap(out / f"{f}.npy", mode="w+", shape=sh, dtype=dt)
-                        for f, (sh, dt) in shapes.items()
-                    )
-                )
+                new = lambda f, sh, dt: np.lib.format.open_memmap(out / f"{f}.npy", mode="w+", shape=sh, dtype=dt)
+                arrays = Continuations(*(new(f, sh, dt) for f, (sh, dt) in shapes.items()))
         j = i + len(s)
         arrays.seqs[i:j], arrays.aux[i:j], arrays.final[i:j], arrays.temperature[i:j] = s, aux, final, temp
         if out is not None:

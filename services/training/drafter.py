@@ -44,13 +44,7 @@ def build_draft_config(target_cfg: dict, args) -> dict[str, Any]:
         final_logit_softcapping=target_cfg.get("final_logit_softcapping"),
         block_size=args.block_size,
     )
-    cfg["dflash_config"] = {
-        "block_size": args.block_size,
-        "target_layer_ids": tids,
-        "mask_token_id": tk.MASK_ID,
-        "input_embedding_scale": 1.0,
-        "output_multiplier": 1.0,
-    }
+    cfg["dflash_config"] |= {"block_size": args.block_size, "target_layer_ids": tids}  # tiny's mask id, scales
     return cfg
 
 
@@ -197,10 +191,9 @@ def train(args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        accs = acc.detach().cpu().numpy()
-        lv = float(loss.detach())
-        curve.append([step, B, round(lv, 5), round(float(accs[0]), 4)])
-        bar.update(step, B=B, loss=lv, acc1=float(accs[0]))
+        lv, acc1 = float(loss.detach()), float(acc[0])
+        curve.append([step, B, round(lv, 5), round(acc1, 4)])
+        bar.update(step, B=B, loss=lv, acc1=acc1)
         if val is not None and args.eval_every and step % args.eval_every == 0:
             held_out()
         if step % args.save_every == 0:

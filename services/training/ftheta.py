@@ -162,10 +162,9 @@ def train(
     """Train (or resume) f_theta; write the f_theta directory and report.json into ``out_dir``; return the report.
     ``stop_at``: save the state after that many steps and return ``{"stopped_at": step}`` (a time-boxed slice)."""
     log = log or (lambda msg: print(f"train-ftheta: {msg}", file=sys.stderr, flush=True))
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    if args.batch < 1:
-        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    for flag, value in (("--steps", args.steps), ("--batch", args.batch)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if not 0.0 <= args.retrieval_frac <= 1.0:
         raise ValueError(f"--retrieval-frac must lie in [0, 1], got {args.retrieval_frac}")
     if args.answer_weight <= 0:

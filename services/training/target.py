@@ -19,6 +19,7 @@ import numpy as np
 from kakeya.checkpoints import tiny
 from kakeya.checkpoints import tokenizer as tk
 from kakeya.core.contract import FULL, SLIDING
+from kakeya.orchestrator.assembly import require_backend
 from kakeya.training import common, data, retrieval
 
 if TYPE_CHECKING:  # MLX is imported where it runs: `train-target --backend torch` needs no MLX
@@ -30,11 +31,10 @@ num_key_value_heads intermediate_size vocab_size final_logit_softcapping"""
 
 
 def build_config(args) -> dict[str, Any]:
-    cfg = tiny.target_config(sliding_window=args.sliding_window, vocab_size=args.vocab_size)
     n = args.layers
     pattern = args.pattern.split(",")
     layer_types = [(FULL if pattern[i % len(pattern)].strip() == "f" else SLIDING) for i in range(n)]
-    cfg.update(
+    return tiny.target_config(sliding_window=args.sliding_window, vocab_size=args.vocab_size) | dict(
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
         num_hidden_layers=n,
@@ -46,7 +46,6 @@ def build_config(args) -> dict[str, Any]:
         head_dim=args.head_dim,
         global_head_dim=args.global_head_dim,
     )
-    return cfg
 
 
 def initial_weights(cfg: dict, seed: int) -> dict:
@@ -213,8 +212,6 @@ def train(args) -> dict:
     tok = tk.train_tokenizer(args.vocab_size, progress=None if args.quiet else common.log)  # a new vocabulary
     corpus = data.load_corpus(tok, heldout_pct=args.heldout_pct, max_bytes=args.max_bytes)
     cfg = build_config(args)
-    from kakeya.orchestrator.assembly import require_backend
-
     require_backend(args.backend)
     be = (TorchBackend if args.backend == "torch" else MLXBackend)(cfg, args)
     ckpt = out / "ckpt"
