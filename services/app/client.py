@@ -20,16 +20,22 @@ import random
 import sys
 import time
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kakeya.app import flags as serve_flags
 from kakeya.app import options
 from kakeya.app.serve import DEFAULT_PORTS
+from kakeya.core.request import check_block_size
+from kakeya.wire import convert as wire_contract
+from kakeya.wire.kakeya.v1 import generate_pb2 as pb
+from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 
 # A stream that broke this way (its orchestrator died, restarted or drains) resumes on the next address.
 RETRY_CODES = ("UNAVAILABLE", "CANCELLED")
 
 
 def _channel(args, addr: str | None = None):
-    from kakeya.app import flags as serve_flags
-
     if addr is not None:
         args = argparse.Namespace(**{**vars(args), "addr": addr})
     return serve_flags.client_channel(args)  # TLS and the bearer token when asked for
@@ -59,7 +65,6 @@ def add_tool_options(p) -> None:
 def set_tools(messages, args) -> None:
     """``--tools`` and ``--tool-choice`` into ``messages`` (a ``ChatMessages``); ValueError naming the flag."""
     from kakeya.orchestrator.fronts.http_params import ToolError, tools
-    from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
     if args.tools is not None:
         try:
@@ -77,9 +82,6 @@ def set_tools(messages, args) -> None:
 
 
 def generate_request(args):
-    from kakeya.wire import convert as wire_contract
-    from kakeya.wire.kakeya.v1 import generate_pb2 as pb
-
     sp = pb.SamplingParams(
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop or [],
         stop_token_ids=args.stop_token_id or [], temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -118,12 +120,6 @@ def generate_request(args):
 
 
 def cmd_client_generate(args) -> int:
-    import grpc
-
-    from kakeya.core.request import check_block_size
-    from kakeya.wire.kakeya.v1 import generate_pb2 as pb
-    from kakeya.wire.kakeya.v1 import generate_pb2_grpc
-
     if args.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {args.max_tokens}")
     if args.block_size:  # as `kakeya generate`: 0 or omitted is auto, on the wire as everywhere
@@ -170,12 +166,11 @@ def cmd_client_generate(args) -> int:
         print("kakeya: error: the stream ended without a Complete message", file=sys.stderr)
         return 1
     from kakeya.orchestrator.fronts.grpc_api import report_from_stream
-    from kakeya.wire.convert import logprobs_from_proto
 
     report = report_from_stream(model, server.verifier_backend, complete, ids, "".join(text))
     out = report.to_json()
     if args.logprobs is not None:
-        out["logprobs"] = options.logprobs_json([logprobs_from_proto(m) for m in logprobs])
+        out["logprobs"] = options.logprobs_json([wire_contract.logprobs_from_proto(m) for m in logprobs])
     if complete.HasField("content"):  # the calls were read (tools, tool_choice not none)
         calls = [{"id": c.id, "name": c.name, "arguments": json.loads(c.arguments_json or "{}")}
                  for c in complete.tool_calls]  # fmt: skip
@@ -192,11 +187,7 @@ def cmd_client_generate(args) -> int:
 
 
 def cmd_client_info(args) -> int:
-    import grpc
     from google.protobuf.json_format import MessageToDict
-
-    from kakeya.wire.kakeya.v1 import generate_pb2 as pb
-    from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 
     stub = generate_pb2_grpc.GenerationStub(_channel(args))
     try:
@@ -209,22 +200,16 @@ def cmd_client_info(args) -> int:
 
 
 def cmd_client_health(args) -> int:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     stub = health_pb2_grpc.HealthStub(_channel(args))
     try:
         r = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout or 5)
     except grpc.RpcError as exc:
         return _rpc_error(exc)
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
-    print(status)
+    print(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
     return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def register(sub) -> None:
-    from kakeya.app import flags as serve_flags
-
     p = sub.add_parser("client", help="call a running orchestrator (kakeya serve orchestrator|all)")
     p.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}",
                    help="HOST:PORT of the orchestrator; a comma-separated list: a generation whose stream"

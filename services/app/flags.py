@@ -6,11 +6,15 @@ commands themselves (``serve.py``) stay about starting processes.
 
 from __future__ import annotations
 
+import sys
+
 from kakeya.app.options import add_ngram
 from kakeya.runtime.admission import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S
-from kakeya.runtime.bounds import HttpTimeouts
+from kakeya.runtime.bounds import HttpTimeouts, RestoreSources
 from kakeya.runtime.compute import DEFAULT_MAX_BATCH
-from kakeya.runtime.security.tls import ClientTLS, ServerTLS, add_client_args, add_server_args
+from kakeya.runtime.security.auth import check_exposure, read_token, with_bearer
+from kakeya.runtime.security.tls import ClientTLS, ServerTLS, add_client_args, add_server_args, channel
+from kakeya.runtime.spare import auto_prefix_cache_bytes
 
 
 def add_common(p) -> None:
@@ -101,7 +105,6 @@ def prefix_cache_bytes(args, device: str | None = None) -> int:
     in: ``device``'s when it is a CUDA device (a torch backend keeps them beside the model), else the host's."""
     if args.prefix_cache_bytes != AUTO:
         return args.prefix_cache_bytes
-    from kakeya.runtime.spare import auto_prefix_cache_bytes
 
     free = None
     if device is not None and device.startswith("cuda"):
@@ -181,8 +184,6 @@ def session_limits(args, device: str | None = None):
 
 def restore_sources(args):
     """(sources, the default policy's directory or None) from the repeatable --restore."""
-    from kakeya.runtime.bounds import RestoreSources
-
     sources = RestoreSources.parse(args.restore or [])
     return sources, sources.default_path
 
@@ -190,8 +191,6 @@ def restore_sources(args):
 def auth_token(args, flag: str = "--auth-token-file") -> str | None:
     """The token in ``flag``'s file, or None without one: callers must present ``--auth-token-file``'s, a split
     orchestrator sends its verifier and drafter ``--backend-token-file``'s."""
-    from kakeya.runtime.security.auth import read_token
-
     path = getattr(args, flag[2:].replace("-", "_"))
     return read_token(path, flag) if path else None
 
@@ -199,10 +198,6 @@ def auth_token(args, flag: str = "--auth-token-file") -> str | None:
 def internal_auth(args, service: str) -> tuple[ServerTLS, str | None]:
     """A verifier's or drafter's TLS and token; ValueError when it would listen beyond loopback
     with neither mutual TLS nor a token and no ``--insecure`` (``auth.check_exposure``)."""
-    import sys
-
-    from kakeya.runtime.security.auth import check_exposure
-
     tls, token = ServerTLS.from_args(args), auth_token(args)
     warning = check_exposure(
         service, args.host, mutual_tls=bool(tls.client_ca), token=token is not None, insecure=args.insecure
@@ -252,8 +247,6 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
 
 def client_channel(args):
     """The client's channel to ``args.addr`` (TLS with --tls-ca); a bearer token (--auth-token-file) rides on every call."""
-    from kakeya.runtime.security.auth import with_bearer
-    from kakeya.runtime.security.tls import channel
     from kakeya.wire.limits import channel_options
 
     return with_bearer(channel(args.addr, ClientTLS.from_args(args), channel_options()), auth_token(args))

@@ -1,19 +1,121 @@
 """``kakeya inspect DIR [--draft DIR]``: what a checkpoint directory holds, whether a drafter fits its
 target, and the memory the pair needs for a context and a number of sessions -- before any weight loads
-(config.json and the safetensors headers only; ``checkpoints/summary.py``). The first command to run on a
-download. A pair that does not fit is printed, then refused (exit status 2) with every reason.
+(config.json and the safetensors headers only: no tensor is read, no backend imported). The configs go
+through the loaders' own readers (``checkpoints/config.py``), so ``inspect`` refuses what a load would
+refuse, with the same message. The first command to run on a download. A pair that does not fit is
+printed, then refused (exit status 2) with every reason.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
-from kakeya.checkpoints.summary import CheckpointError, check_pair, describe_target, draft_checked
-from kakeya.core.contract import SLIDING
+from kakeya.checkpoints import layout
+from kakeya.checkpoints.config import PATH_KEY, CheckpointError, check_pair, load_draft_config, load_target_config
+from kakeya.core.contract import FULL, SLIDING
 from kakeya.core.request import CachePolicy
+from kakeya.drafter.config import DFlashConfig
+from kakeya.verifier.memory import DTYPE_BYTES, KVShape, session_bytes
 
 UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB")
+
+
+def tensors(ckpt: str | Path) -> dict[str, Any]:
+    """``{"files", "sharded", "tensors", "bytes", "tensor_dtypes", "names", "headers"}`` of a checkpoint's
+    safetensors."""
+    d = Path(ckpt)
+    try:
+        files = layout.shard_files(d)
+    except (FileNotFoundError, ValueError) as exc:
+        raise CheckpointError(str(exc)) from None
+    headers = {name: meta for f in files for name, meta in layout.safetensors_header(f).items()}
+    names, dtypes = list(headers), Counter(meta.get("dtype", "?") for meta in headers.values())
+    return {
+        "files": len(files),
+        "sharded": (d / layout.SAFETENSORS_INDEX).is_file(),
+        "tensors": len(names),
+        "bytes": sum(_nbytes(meta) for meta in headers.values()),
+        "tensor_dtypes": dict(sorted(dtypes.items())),
+        "names": names,
+        "headers": headers,
+    }
+
+
+def _nbytes(meta: dict) -> int:
+    start, end = meta.get("data_offsets", (0, 0))
+    return int(end) - int(start)
+
+
+def layer_pattern(types: list[str]) -> str:
+    """``layer_types`` in short: ``"(5 sliding, 1 full) x 5"`` or the run lengths, ``"2 sliding, 1 full"``."""
+    runs: list[list] = []
+    for t in types:
+        kind = "sliding" if t == SLIDING else "full" if t == FULL else t
+        if runs and runs[-1][1] == kind:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, kind])
+    text = ", ".join(f"{n} {k}" for n, k in runs)
+    for period in range(2, len(runs) // 2 + 1):
+        if len(runs) % period == 0 and all(runs[i] == runs[i % period] for i in range(len(runs))):
+            return f"({', '.join(f'{n} {k}' for n, k in runs[:period])}) x {len(runs) // period}"
+    return text
+
+
+def quantization(top: dict, text: dict, names: list[str]) -> dict | None:
+    """``mlx_lm.convert``'s ``quantization`` ({bits, group_size}) or a ``quantization_config``; quantized
+    tensors (``.scales``) with neither are reported too: a loader must not take them for plain weights."""
+    q = top.get("quantization") or top.get("quantization_config") or text.get("quantization")
+    if isinstance(q, dict):
+        keys = ("bits", "group_size", "mode", "quant_method")
+        return {k: q[k] for k in keys if k in q and not isinstance(q[k], dict)}
+    return {"bits": None, "group_size": None} if layout.is_quantized(names) else None
+
+
+def describe_target(path: str | Path) -> tuple[dict, dict]:
+    """(what a target directory holds, its text config as the loaders read it)."""
+    cfg = load_target_config(path)
+    d = Path(cfg[PATH_KEY])
+    top = json.loads((d / "config.json").read_text(encoding="utf-8"))  # as written (the loader has read it)
+    t = tensors(d)
+    try:
+        text = layout.find_text_tensors(t["names"], d)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    types = list(cfg.get("layer_types") or [])
+    n_experts = cfg.get("num_experts") if cfg.get("enable_moe_block", cfg.get("num_experts")) else None
+    out = {
+        "path": str(d),
+        "kind": "target",
+        "architectures": top.get("architectures") or [],
+        "model_type": top.get("model_type"),
+        "multimodal": top.get("model_type") != cfg.get("model_type"),
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "hidden_size": cfg["hidden_size"],
+        "vocab_size": cfg["vocab_size"],
+        "layer_pattern": layer_pattern(types) if types else None,
+        "sliding_window": cfg.get("sliding_window"),
+        "attention_k_eq_v": bool(cfg.get("attention_k_eq_v")),
+        "kv_shared_layers": int(cfg.get("num_kv_shared_layers") or 0),
+        "per_layer_input": cfg.get("hidden_size_per_layer_input") or None,
+        "experts": {"num_experts": n_experts, "top_k": cfg.get("top_k_experts")} if n_experts else None,
+        "dtype": cfg.get("dtype") or cfg.get("torch_dtype") or top.get("dtype") or top.get("torch_dtype"),
+        "quantization": quantization(top, cfg, t["names"]),
+        "tied_lm_head": text.head is None,
+        "eos_token_id": cfg.get("eos_token_id"),
+        **{k: t[k] for k in ("files", "sharded", "tensors", "bytes", "tensor_dtypes")},
+        # what a drafter loads of the target: its embedding table and LM head (quantized: with scales, biases)
+        "embed_and_head_bytes": sum(
+            _nbytes(t["headers"][module + suffix])
+            for module in filter(None, (text.embed, text.head))
+            for suffix in (".weight", ".scales", ".biases")
+            if module + suffix in t["headers"]
+        ),
+    }
+    return out, cfg
 
 
 def register(sub) -> None:
@@ -32,9 +134,8 @@ def register(sub) -> None:
 
 def describe_draft(path) -> dict:
     """What a drafter directory holds, read through ``load_draft_config`` and ``DFlashConfig``."""
-    from kakeya.drafter.config import DFlashConfig
-
-    cfg, t = draft_checked(path)
+    cfg = load_draft_config(path)
+    t = tensors(cfg[PATH_KEY])
     where = Path(cfg["_path"]) / "config.json"
     try:
         dc = DFlashConfig.from_dict(cfg)
@@ -51,8 +152,6 @@ def describe_draft(path) -> dict:
         layout = "z-lab June 2026 (block_size in dflash_config, sliding drafter layers)"
     else:
         layout = "DFlash (block_size in dflash_config)"
-    from kakeya.checkpoints.summary import layer_pattern
-
     return {
         "path": cfg["_path"], "kind": "draft", "architectures": cfg.get("architectures") or [], "layout": layout,
         "num_hidden_layers": dc.num_hidden_layers, "layer_pattern": layer_pattern(list(dc.layer_types)),
@@ -67,8 +166,6 @@ def describe_draft(path) -> dict:
 
 def fit_problems(target_cfg: dict, draft_cfg_path: str, draft: dict) -> list[str]:
     """Every reason the drafter cannot run against the target ([] when it fits)."""
-    from kakeya.checkpoints.config import load_draft_config
-
     problems = []
     try:
         check_pair(target_cfg, load_draft_config(draft_cfg_path))
@@ -87,17 +184,10 @@ def fit_problems(target_cfg: dict, draft_cfg_path: str, draft: dict) -> list[str
     return problems
 
 
-def backends(quantized: bool) -> list[str]:
-    """The backends that load a target: an MLX-quantized one (and so a drafter over it) MLX only."""
-    return ["mlx"] if quantized else ["torch", "mlx"]
-
-
 def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, sessions: int) -> dict:
     """Bytes the pair needs: weights once (the drafter's own, and its copy of the target's embedding and
     LM head), then per session the verifier's K/V under the default (native) policy -- ``verifier/memory.py``,
     the numbers a session reports as ``KVBytes`` -- and the drafter's context K/V rows."""
-    from kakeya.verifier.memory import DTYPE_BYTES, KVShape, session_bytes
-
     shape = KVShape.from_config(target_cfg)  # the loaders' reading: full layers' shapes in the hub's spelling
     kv = session_bytes(shape, CachePolicy(), context)
     out = {
@@ -106,8 +196,7 @@ def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, ses
         "full_attention": {"kv_heads": shape.full_kv_heads, "head_dim": shape.full_head_dim},
         "sliding_attention": {"kv_heads": shape.sliding_kv_heads, "head_dim": shape.sliding_head_dim},
     }  # fmt: skip
-    per_session = kv["total_bytes"]
-    weights = target["bytes"]
+    per_session, weights = kv["total_bytes"], target["bytes"]
     if draft is not None:
         dc = draft["_config"]
         width = 2 * dc.num_key_value_heads * dc.head_dim * DTYPE_BYTES.get(draft["dtype"] or "", shape.dtype_bytes)
@@ -123,23 +212,6 @@ def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, ses
     out["per_session_bytes"] = per_session
     out["total_bytes"] = weights + sessions * per_session
     return out
-
-
-def _embed_head_bytes(target: dict, path: str) -> int:
-    """Bytes of the target's embedding table and LM head on disk (what a drafter loads of the target)."""
-    from kakeya.checkpoints.layout import find_text_tensors, safetensors_header, shard_files
-
-    headers = {}
-    for f in shard_files(path):
-        headers.update(safetensors_header(f))
-    text = find_text_tensors(headers, path)
-    total = 0
-    for module in filter(None, (text.embed, text.head)):
-        for suffix in (".weight", ".scales", ".biases"):
-            meta = headers.get(module + suffix)
-            if meta:
-                total += int(meta["data_offsets"][1]) - int(meta["data_offsets"][0])
-    return total
 
 
 def inspect(path, draft_path=None, context: int = 8192, sessions: int = 1) -> tuple[dict, list[str]]:
@@ -161,8 +233,8 @@ def inspect(path, draft_path=None, context: int = 8192, sessions: int = 1) -> tu
             report["draft"].pop("_config")
             return report, []
     target, target_cfg = describe_target(path)
-    target["embed_and_head_bytes"] = _embed_head_bytes(target, target["path"])
-    target["backends"] = backends(target["quantization"] is not None)
+    # the backends that load it: an MLX-quantized one (and so a drafter over it) MLX only
+    target["backends"] = ["mlx"] if target["quantization"] is not None else ["torch", "mlx"]
     report: dict = {"target": target}
     problems: list[str] = []
     draft = None
@@ -179,10 +251,7 @@ def inspect(path, draft_path=None, context: int = 8192, sessions: int = 1) -> tu
 
 def cmd_inspect(args) -> int:
     report, problems = inspect(args.dir, args.draft, args.context, args.sessions)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(render(report))
+    print(json.dumps(report) if args.json else render(report))
     if problems:
         raise ValueError(f"draft {args.draft} does not fit target {args.dir}: " + "; ".join(problems))
     return 0
@@ -198,8 +267,7 @@ def _mib(n: int) -> str:
 
 def render(report: dict) -> str:
     lines = []
-    t = report.get("target")
-    if t:
+    if t := report.get("target"):
         lines.append(f"target {t['path']}")
         lines.append(
             f"  {t['model_type']} {', '.join(t['architectures'])}" + (" (multimodal)" if t["multimodal"] else "")
@@ -222,8 +290,7 @@ def render(report: dict) -> str:
             f" {_mib(t['bytes'])}; LM head {'tied to the embedding' if t['tied_lm_head'] else 'its own'}"
         )
         lines.append(f"  runs on {'/'.join(t['backends'])}")
-    d = report.get("draft")
-    if d:
+    if d := report.get("draft"):
         lines.append(f"draft {d['path']}")
         lines.append(f"  {', '.join(d['architectures']) or 'DFlash'}: {d['layout']}")
         lines.append(
@@ -237,12 +304,10 @@ def render(report: dict) -> str:
         if d["dflash2"]:
             lines.append("  " + ", ".join(f"{k} {v}" for k, v in d["dflash2"].items()))
         lines.append(f"  dtype {d['dtype']}; {d['tensors']} tensors, {_mib(d['bytes'])}")
-    fit = report.get("fit")
-    if fit:
+    if fit := report.get("fit"):
         lines.append("fit: yes" if fit["ok"] else "fit: NO")
         lines += [f"  - {p}" for p in fit["problems"]]
-    m = report.get("memory")
-    if m:
+    if m := report.get("memory"):
         kv = m["target_kv_per_session"]
         lines.append(f"memory at context {m['context']} x {m['sessions']} session(s), native cache policy:")
         sa, fa = m["sliding_attention"], m["full_attention"]

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from kakeya.app import options
-from kakeya.core.request import InvalidRequest
+from kakeya.core.request import REJECTION, InvalidRequest, Request
 from kakeya.runtime import heap
 
 
 def cmd_generate(args) -> int:
-    from kakeya.core.request import Request
     from kakeya.orchestrator.assembly import build_local_engine, resolve_backend, set_torch_threads
 
     policy = options.cache_policy_from_args(args)
@@ -77,8 +77,6 @@ def _show(args, text: str) -> None:
 def _warm_up(engine, req, ar: bool) -> None:
     """A few blocks first, so neither timed run pays for first-call allocation and kernel set-up
     (the servers warm up the same way before they report SERVING)."""
-    from dataclasses import replace
-
     block = req.block_size or engine.default_block_size
     req = replace(req, constraint=None)  # a constraint's grammar ends at EOS: the warm-up runs free for its length
     engine.generate(replace(req, max_tokens=2 * block, ignore_eos=True))
@@ -94,10 +92,6 @@ def _compare_ar(engine, req, gen) -> dict:
     size 1 with the same policy and seed: plain AR through the same cache semantics. Coupled sampling is compared
     token for token like greedy; under the rejection rule AR sampling is a speed reference only.
     """
-    from dataclasses import replace
-
-    from kakeya.core.request import REJECTION
-
     policy = req.cache_policy
     if not req.sampling.greedy and req.sampling.rule == REJECTION:
         ar = engine.generate(replace(req, block_size=1))
@@ -182,7 +176,7 @@ def register_generate(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every sub-command; imports neither MLX nor torch (each command imports its backend when it runs)."""
-    from kakeya.app import client, inspect_ckpt, serve, tools, train
+    from kakeya.app import client, inspect_ckpt, serve, tools
 
     parser = argparse.ArgumentParser(prog="kakeya", description="Speculative decoding for Gemma-4 with DFlash drafters")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -191,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     client.register(sub)
     tools.register(sub)
     inspect_ckpt.register(sub)
-    train.register(sub)
+    tools.register_train(sub)
     return parser
 
 

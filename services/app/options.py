@@ -11,6 +11,9 @@ import sys
 from contextlib import suppress
 from pathlib import Path
 
+from kakeya.core.constraints import Constraint
+from kakeya.core.request import CachePolicy, SamplingParams
+
 # The first held-out prompt of the drafter's evaluation (the start of a stdlib file the demo pair never
 # trained on, ``training.drafter_eval.heldout_prompts``): a rule, not a pick.
 DEFAULT_PROMPT = '"""Record of phased-in incompatible language changes.\n\nEach line is of the form:\n\n    FeatureName = "_Feature(" OptionalRelease "'
@@ -100,8 +103,6 @@ def add_cache_args(p, default_kind: str | None = "native", *, restore_sources: b
 
 def cache_policy_from_args(args):
     """The CachePolicy the flags ask for, or None when --cache was left to the server."""
-    from kakeya.core.request import CachePolicy
-
     restore = getattr(args, "restore", None)
     if args.cache is None:
         if args.full_kv_bits or args.window is not None or restore:
@@ -167,8 +168,6 @@ def text_or_file(value: str) -> str:
 
 def constraint_from_args(args):
     """The Constraint the flags ask for (None: none); the field names for a refusal of it."""
-    from kakeya.core.constraints import Constraint
-
     kind = next((k for k in CONSTRAINT_FLAGS if getattr(args, k, None) not in (None, False, [])), None)
     if kind is None:
         return None, {}
@@ -189,8 +188,6 @@ def logprobs_json(logprobs) -> list[dict]:
 
 def sampling_from_args(args):
     """The SamplingParams the flags ask for (ValueError naming the flag's field when one is off)."""
-    from kakeya.core.request import SamplingParams
-
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed, args.sampling_rule).check()
 
 

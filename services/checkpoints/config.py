@@ -50,6 +50,8 @@ GEMMA4_ROPE_DEFAULTS = {
 }
 QWEN3_DEFAULT_THETA = 10_000.0  # transformers' default_theta, what a drafter without any RoPE field runs at
 DFLASH_DEFAULT_BLOCK = 16  # the dflash package's DFlashDraftModel default
+DFLASH_FIELDS = ("block_size", "target_layer_ids", "mask_token_id", "input_embedding_scale", "output_multiplier")
+DFLASH_FIELDS += ("final_logit_softcapping",)
 
 
 class CheckpointError(ValueError):
@@ -150,16 +152,20 @@ def _layer_types(cfg: dict[str, Any], where: str, field: str) -> list[str]:
     types = cfg.get("layer_types")
     if types is None:  # transformers' default pattern (mlx-lm's sliding_window_pattern default differs)
         types = [SLIDING if (i + 1) % 6 else FULL for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in (FULL, SLIDING) for t in types):
-        raise CheckpointError(
-            f"target checkpoint {where}: field '{field}layer_types' must list {n} entries (num_hidden_layers),"
-            f" each 'sliding_attention' or 'full_attention', got {types!r}"
-        )
+    _check_layer_types(types, n, f"target checkpoint {where}: field '{field}layer_types'")
     if FULL not in types:
         # every layer slides: kept as written, as mlx-lm reads it (transformers would force the last layer full
         # and could not load its weights); the vehicle on which only f_theta brings back an evicted needle
         return list(types)
     return list(types[:-1]) + [FULL]  # transformers forces the last layer of a hybrid to full attention
+
+
+def _check_layer_types(types: Any, n: int, what: str) -> None:
+    if not isinstance(types, list) or len(types) != n or any(t not in (FULL, SLIDING) for t in types):
+        raise CheckpointError(
+            f"{what} must list {n} entries (num_hidden_layers), each 'sliding_attention' or 'full_attention',"
+            f" got {types!r}"
+        )
 
 
 def _per_layer_config(cfg: dict[str, Any], where: str, field: str) -> None:
@@ -173,8 +179,7 @@ def _per_layer_config(cfg: dict[str, Any], where: str, field: str) -> None:
         raise CheckpointError(f"target checkpoint {where}: field {name} must be an object, got {per_layer!r}")
     full = [i for i, t in enumerate(cfg["layer_types"]) if t == FULL]
     overrides = {int(k): v for k, v in per_layer.items()}
-    odd = sorted(set(overrides) - set(full))
-    if odd:
+    if odd := sorted(set(overrides) - set(full)):
         raise CheckpointError(
             f"target checkpoint {where}: field {name} overrides layers {odd}, expected only the full-attention"
             f" layers {full} (Gemma-4's global head shape)"
@@ -186,8 +191,7 @@ def _per_layer_config(cfg: dict[str, Any], where: str, field: str) -> None:
             " expected one shape for all of them (Gemma-4's global_head_dim / num_global_key_value_heads)"
         )
     one = overrides.get(full[0], {}) if full else {}
-    extra = sorted(set(one) - {"head_dim", "num_key_value_heads"})
-    if extra:
+    if extra := sorted(set(one) - {"head_dim", "num_key_value_heads"}):
         raise CheckpointError(
             f"target checkpoint {where}: field {name} overrides {extra}, expected only 'head_dim' and"
             " 'num_key_value_heads'"
@@ -208,9 +212,8 @@ def mlx_model_config(raw: dict[str, Any], text: dict[str, Any]) -> dict[str, Any
     :func:`target_config` reading): the multimodal wrapper's args overwrite ``text_config.vocab_size`` with
     their own top-level one (262144 when absent), so it goes at both levels."""
     keep = {k: v for k, v in text.items() if k not in (PATH_KEY, "chat_template")}
-    if raw.get("model_type") in MULTIMODAL_MODEL_TYPES:
-        return {"text_config": keep, "vocab_size": text["vocab_size"]}
-    return keep
+    multimodal = raw.get("model_type") in MULTIMODAL_MODEL_TYPES
+    return {"text_config": keep, "vocab_size": text["vocab_size"]} if multimodal else keep
 
 
 def _eos_token_ids(d: Path, top: dict[str, Any], text: dict[str, Any]) -> list[int]:
@@ -264,16 +267,13 @@ def draft_config(raw: dict[str, Any], directory: str | Path | None = None) -> di
     dflash = raw.get("dflash_config")
     if not isinstance(dflash, dict):
         raise CheckpointError(f"draft checkpoint {where}: no 'dflash_config' object -- not a DFlash drafter")
-    cfg = dict(raw)
-    dflash = dict(dflash)
-    _require_int(cfg, "hidden_size", where, "draft")
-    _require_int(cfg, "num_hidden_layers", where, "draft")
+    cfg, dflash = dict(raw), dict(dflash)
+    for key in ("hidden_size", "num_hidden_layers"):
+        _require_int(cfg, key, where, "draft")
     # The dflash package reads each DFlash field from dflash_config first, then from the top level.
-    for key in ("block_size", "target_layer_ids", "mask_token_id", "input_embedding_scale", "output_multiplier"):
+    for key in DFLASH_FIELDS:
         if key not in dflash and cfg.get(key) is not None:
             dflash[key] = cfg[key]
-    if "final_logit_softcapping" not in dflash and cfg.get("final_logit_softcapping") is not None:
-        dflash["final_logit_softcapping"] = cfg["final_logit_softcapping"]
     dflash.setdefault("block_size", DFLASH_DEFAULT_BLOCK)
     if "target_layer_ids" not in dflash and _int(cfg.get("num_target_layers")):
         dflash["target_layer_ids"] = _spread_layer_ids(cfg["num_target_layers"], cfg["num_hidden_layers"])
@@ -339,11 +339,7 @@ def _draft_layers(cfg: dict[str, Any], where: str) -> None:
         window = window if cfg.get("use_sliding_window") else None
         first = cfg.get("max_window_layers", 28)
         types = [SLIDING if window is not None and i >= first else FULL for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in (FULL, SLIDING) for t in types):
-        raise CheckpointError(
-            f"draft checkpoint {where}: field 'layer_types' must list {n} entries (num_hidden_layers),"
-            f" each 'sliding_attention' or 'full_attention', got {types!r}"
-        )
+    _check_layer_types(types, n, f"draft checkpoint {where}: field 'layer_types'")
     if SLIDING not in types:
         window = None
     elif not _int(window) or window < 1:
@@ -362,8 +358,7 @@ def check_pair(target_cfg: dict[str, Any], draft_cfg: dict[str, Any]) -> None:
     dpath = draft_cfg.get(PATH_KEY, "<draft>")
     dflash = draft_cfg.get("dflash_config") or {}
     n_layers = target_cfg["num_hidden_layers"]
-    bad = [i for i in dflash.get("target_layer_ids", []) if not 0 <= i < n_layers]
-    if bad:
+    if bad := [i for i in dflash.get("target_layer_ids", []) if not 0 <= i < n_layers]:
         raise CheckpointError(
             f"draft checkpoint {dpath}: field 'dflash_config.target_layer_ids' has {bad}"
             f" out of range for target {tpath} (num_hidden_layers {n_layers})"

@@ -38,8 +38,7 @@ def shard_files(ckpt_dir: str | Path) -> list[Path]:
     index = ckpt_dir / SAFETENSORS_INDEX
     if index.is_file():
         files = sorted({ckpt_dir / f for f in _weight_map(index).values()})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
+        if missing := [f.name for f in files if not f.is_file()]:
             raise FileNotFoundError(f"{index} names missing shards {missing}")
     else:
         files = sorted(ckpt_dir.glob("*.safetensors"))

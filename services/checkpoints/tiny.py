@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import sys
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,8 @@ from typing import Any
 import numpy as np
 
 from kakeya.checkpoints import tokenizer as tk
+from kakeya.checkpoints.config import CheckpointError
 from kakeya.core.contract import FULL, SLIDING
-
-Progress = Callable[[str], None]
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny"
 
@@ -62,41 +60,50 @@ class TinyPair:
     draft: Path
 
 
+def _shared_config(vocab_size: int) -> dict[str, Any]:
+    """The fields target and drafter configs share (the drafter's attention is the target's sliding layers')."""
+    return {
+        "dtype": "float32",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "num_attention_heads": NUM_HEADS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": RMS_EPS,
+        "max_position_embeddings": MAX_POSITIONS,
+        "final_logit_softcapping": SOFTCAP,
+        "tie_word_embeddings": False,
+        "pad_token_id": tk.PAD_ID,
+        "bos_token_id": tk.BOS_ID,
+        "eos_token_id": tk.EOS_ID,
+    }
+
+
 def target_config(
     sliding_window: int = 32, moe: bool = False, vocab_size: int = tk.DEFAULT_VOCAB_SIZE
 ) -> dict[str, Any]:
     if sliding_window < 2:
         raise ValueError(f"sliding_window must be >= 2, got {sliding_window}")
-    return {
+    return _shared_config(vocab_size) | {
         "architectures": ["Gemma4ForCausalLM"],
         "model_type": "gemma4_text",
-        "dtype": "float32",
-        "vocab_size": vocab_size,
         "vocab_size_per_layer_input": vocab_size,
-        "hidden_size": HIDDEN,
         "intermediate_size": INTERMEDIATE,
         "num_hidden_layers": NUM_LAYERS,
         "layer_types": list(LAYER_TYPES),
         "sliding_window": sliding_window,
         "sliding_window_pattern": 3,
-        "num_attention_heads": NUM_HEADS,
-        "num_key_value_heads": NUM_KV_HEADS,
         "num_global_key_value_heads": NUM_GLOBAL_KV_HEADS,
-        "head_dim": HEAD_DIM,
         "global_head_dim": GLOBAL_HEAD_DIM,
         "attention_k_eq_v": True,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
         "hidden_activation": "gelu_pytorch_tanh",
-        "rms_norm_eps": RMS_EPS,
         "rope_parameters": {
             FULL: {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
             SLIDING: {"rope_theta": 10000.0, "rope_type": "default"},
         },
         "global_partial_rotary_factor": 0.25,
-        "max_position_embeddings": MAX_POSITIONS,
-        "final_logit_softcapping": SOFTCAP,
-        "tie_word_embeddings": False,
         "hidden_size_per_layer_input": 0,
         "num_kv_shared_layers": 0,
         "use_double_wide_mlp": False,
@@ -106,41 +113,23 @@ def target_config(
         "moe_intermediate_size": MOE_INTERMEDIATE if moe else None,
         "initializer_range": 0.02,
         "use_cache": True,
-        "pad_token_id": tk.PAD_ID,
-        "bos_token_id": tk.BOS_ID,
-        "eos_token_id": tk.EOS_ID,
     }
 
 
 def draft_config(vocab_size: int = tk.DEFAULT_VOCAB_SIZE) -> dict[str, Any]:
-    return {
+    return _shared_config(vocab_size) | {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "dtype": "float32",
-        "vocab_size": vocab_size,
-        "hidden_size": HIDDEN,
         "intermediate_size": DRAFT_INTERMEDIATE,
         "num_hidden_layers": DRAFT_LAYERS,
         "num_target_layers": NUM_LAYERS,
         "layer_types": [FULL] * DRAFT_LAYERS,
-        "num_attention_heads": NUM_HEADS,
-        "num_key_value_heads": NUM_KV_HEADS,
-        "head_dim": HEAD_DIM,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "rms_norm_eps": RMS_EPS,
         "rope_theta": 10000.0,
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-        "max_position_embeddings": MAX_POSITIONS,
-        "final_logit_softcapping": SOFTCAP,
-        "tie_word_embeddings": False,
         "use_sliding_window": False,
         "sliding_window": None,
         "block_size": BLOCK_SIZE,
-        "pad_token_id": tk.PAD_ID,
-        "bos_token_id": tk.BOS_ID,
-        "eos_token_id": tk.EOS_ID,
         "dflash_config": {
             "block_size": BLOCK_SIZE,
             "target_layer_ids": list(TARGET_LAYER_IDS),
@@ -162,15 +151,13 @@ class _Init:
         return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
 
     def normal(self, name: str, shape: tuple[int, ...], std: float) -> None:
-        x = self._rng(name).standard_normal(shape) * std
-        self.tensors[name] = x.astype(np.float32)
+        self.tensors[name] = (self._rng(name).standard_normal(shape) * std).astype(np.float32)
 
     def linear(self, name: str, out_dim: int, in_dim: int, gain: float = 1.0) -> None:
         self.normal(name, (out_dim, in_dim), gain / np.sqrt(in_dim))
 
     def norm(self, name: str, dim: int) -> None:
-        x = 1.0 + NORM_JITTER * self._rng(name).standard_normal(dim)
-        self.tensors[name] = x.astype(np.float32)
+        self.tensors[name] = (1.0 + NORM_JITTER * self._rng(name).standard_normal(dim)).astype(np.float32)
 
     def attention_and_mlp(self, p: str, h: int, n_q: int, n_kv: int, hd: int, inter: int, v_proj: bool = True) -> None:
         """A decoder layer's q/k/v/o projections with q/k norms and its gated MLP, under prefix ``p``
@@ -285,7 +272,7 @@ def make_tiny(
     sliding_window: int = 32,
     moe: bool = False,
     vocab_size: int = tk.DEFAULT_VOCAB_SIZE,
-    progress: Progress | None = None,
+    progress: tk.Progress | None = None,
 ) -> TinyPair:
     """Write ``out_dir/target`` and ``out_dir/draft`` (and README.md, manifest.json)."""
     if vocab_size < MIN_IDS_VOCAB_SIZE:
@@ -294,8 +281,8 @@ def make_tiny(
         )
     out = Path(out_dir)
     target, draft = out / "target", out / "draft"
-    target.mkdir(parents=True, exist_ok=True)
-    draft.mkdir(parents=True, exist_ok=True)
+    for d in (target, draft):
+        d.mkdir(parents=True, exist_ok=True)
 
     # Below the byte-level tokenizer's minimum the pair speaks token ids only: small enough to
     # enumerate a distribution exactly (the lossless-sampling tests use vocab 32..64).
@@ -347,8 +334,6 @@ def default_pair() -> TinyPair:
     pair = TinyPair(target=DEFAULT_DIR / "target", draft=DEFAULT_DIR / "draft")
     for d in (pair.target, pair.draft):
         if not (d / "config.json").is_file():
-            from kakeya.checkpoints.config import CheckpointError
-
             raise CheckpointError(
                 f"{d}: embedded default checkpoint is missing config.json"
                 " (regenerate with `kakeya make-tiny --out services/models/tiny`)"

@@ -132,25 +132,18 @@ def write_tokenizer(tok: Tokenizer, out_dir: str | Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
     (out / CHAT_TEMPLATE_FILE).write_text(chat_template.CHAT_TEMPLATE + "\n", encoding="utf-8")
-    added = {str(i): added_token(t) for i, t in enumerate(SPECIAL_TOKENS)}
+    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK, "mask_token": MASK}
+    write_json(out / "special_tokens_map.json", special)
     write_json(
         out / "tokenizer_config.json",
-        {
+        special
+        | {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "added_tokens_decoder": added,
-            "bos_token": BOS,
-            "eos_token": EOS,
-            "pad_token": PAD,
-            "unk_token": UNK,
-            "mask_token": MASK,
+            "added_tokens_decoder": {str(i): added_token(t) for i, t in enumerate(SPECIAL_TOKENS)},
             "add_bos_token": True,
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
             "model_max_length": 131072,
             "padding_side": "left",
         },
-    )
-    write_json(
-        out / "special_tokens_map.json",
-        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK, "mask_token": MASK},
     )

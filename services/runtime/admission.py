@@ -85,7 +85,6 @@ class SessionRegistry:
         self._live: dict[str, SessionEntry] = {}
         self._waiting = 0
         self.total = 0
-        self.expired = 0
         self.reclaimed = 0
         if self.idle_timeout_s:
             threading.Thread(target=self._idle_watch, name="session-idle-watch", daemon=True).start()
@@ -265,7 +264,6 @@ class SessionRegistry:
             now = time.monotonic()
             with self._lock:
                 idle = [self._detach(e) for e in list(self._live.values()) if e.idle_s(now) > self.idle_timeout_s]
-                self.expired += len(idle)
             for e in idle:
                 why = f"session closed after {e.idle_s(now):.0f} s without a message from its client (--idle-timeout {self.idle_timeout_s:g})"
                 log.warning("session %s of %s: %s", e.id, e.peer or "?", why)

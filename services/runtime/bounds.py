@@ -104,12 +104,10 @@ class RestoreSources:
         self.by_path = {v: k for k, v in self.by_name.items()}
 
     @classmethod
-    def parse(cls, specs) -> RestoreSources:
+    def parse(cls, specs: list[str]) -> RestoreSources:
         """``["NAME=DIR", "DIR", "ftheta:DIR"]`` (a bare DIR is the source ``default``); ValueError if bad."""
-        if isinstance(specs, str):
-            specs = [specs]
         out: dict[str, str] = {}
-        for spec in specs or ():
+        for spec in specs:
             spec = spec.removeprefix("ftheta:")
             name, sep, path = spec.partition("=")
             if not sep:
@@ -142,6 +140,5 @@ class RestoreSources:
 
     def to_wire(self, policy: CachePolicy) -> CachePolicy:
         """A server policy -> the same with its restoration directory replaced by the source's name."""
-        if policy.restore is None:
-            return policy
-        return replace(policy, restore=self.by_path.get(policy.restore, DEFAULT_RESTORE_NAME))
+        restore = policy.restore
+        return policy if restore is None else replace(policy, restore=self.by_path.get(restore, DEFAULT_RESTORE_NAME))

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Sequence
 from concurrent.futures import Future
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -84,9 +85,7 @@ class ComputeThread:
     def start(self, fn: Callable, *args, **kwargs) -> Future:
         """``fn(*args, **kwargs)`` as a Future: run at once on the calling thread when ``inline`` finds
         the thread idle (the Future is then done), else queued for the thread."""
-        if self._idle():
-            return self._inline(lambda: fn(*args, **kwargs))
-        return self.submit(fn, *args, **kwargs)
+        return self._inline(lambda: fn(*args, **kwargs)) if self._idle() else self.submit(fn, *args, **kwargs)
 
     def run(self, fn: Callable, *args, **kwargs) -> Any:
         return self.start(fn, *args, **kwargs).result()
@@ -117,7 +116,10 @@ class ComputeThread:
         """One runner call for ``items``: each result (or exception) to its own future."""
         self.batches += 1
         self.batched_items += len(items)
-        for f, r in zip(futures, _results(runner, items)):
+        results = list(runner(items))
+        if len(results) != len(items):
+            raise RuntimeError(f"batch runner returned {len(results)} results for {len(items)} items")
+        for f, r in zip(futures, results):
             f.set_exception(r) if isinstance(r, BaseException) else f.set_result(r)
 
     def batch(self, kind: Hashable, item: Any, runner: Callable[[list], Sequence[Any]]) -> Any:
@@ -228,13 +230,6 @@ class ComputeThread:
                 j.future.set_exception(exc)
 
 
-def _results(runner: Callable[[list], Sequence[Any]], items: list) -> list:
-    results = list(runner(items))
-    if len(results) != len(items):
-        raise RuntimeError(f"batch runner returned {len(results)} results for {len(items)} items")
-    return results
-
-
 def _settle(future: Future, fn: Callable) -> None:
     try:
         result = fn()
@@ -266,13 +261,9 @@ def model_cpu_seconds(model_threads: Collection[int]) -> float | None:
 
 def _thread_seconds(task: str) -> float:
     """One thread's CPU time: ``schedstat``'s nanoseconds where the kernel keeps them, else ``stat``'s ticks."""
-    try:
-        with open(f"{task}/schedstat", "rb") as f:
-            ns = int(f.read().split()[0])
-        if ns:
+    with suppress(OSError, ValueError, IndexError), open(f"{task}/schedstat", "rb") as f:
+        if ns := int(f.read().split()[0]):
             return ns / 1e9
-    except (OSError, ValueError, IndexError):
-        pass
     return _stat_seconds(f"{task}/stat")
 
 
@@ -290,21 +281,17 @@ def _process_seconds(pid: int, depth: int = 0) -> float:
 
 
 def _children(task: str) -> list[int]:
-    try:
-        with open(f"{task}/children", "rb") as f:
-            return [int(pid) for pid in f.read().split()]
-    except (OSError, ValueError):
-        return []
+    with suppress(OSError, ValueError), open(f"{task}/children", "rb") as f:
+        return [int(pid) for pid in f.read().split()]
+    return []
 
 
 def _stat_seconds(path: str) -> float:
     """utime + stime of a ``stat`` file (fields 14 and 15 of proc(5)); 0.0 once it is gone."""
-    try:
-        with open(path, "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
+    with suppress(OSError, ValueError, IndexError), open(path, "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / _TICKS
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    return 0.0
 
 
 class CpuSampler:

@@ -10,6 +10,7 @@ command sets them first; ``KAKEYA_MALLOC=system`` keeps glibc's defaults; elsewh
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 
@@ -20,19 +21,12 @@ TOP_PAD = 16 << 20  # what a heap grows by at least, so growing is rare too
 SETTINGS = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
 
 ENV = "KAKEYA_MALLOC"  # "system": glibc's defaults; unset: the thresholds above; anything else is refused
-_kept: bool | None = None
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Set the thresholds above once per process; True where they are set (glibc, no opt-out). ValueError
     naming ``KAKEYA_MALLOC`` for a value it does not know."""
-    global _kept
-    if _kept is None:
-        _kept = _set()
-    return _kept
-
-
-def _set() -> bool:
     choice = os.environ.get(ENV, "")
     if choice not in ("", "system"):
         raise ValueError(f"{ENV} must be 'system' (glibc's defaults) or unset, got {choice!r}")

@@ -57,10 +57,7 @@ class JsonFormatter(logging.Formatter):
         ts = _dt.datetime.fromtimestamp(record.created, _dt.UTC).isoformat(timespec="milliseconds")
         out = {"ts": ts, "level": record.levelname, "logger": record.name, "msg": record.getMessage(),
                "process": self.process, "pid": record.process}  # fmt: skip
-        for name in _FIELDS:
-            value = getattr(record, name, "")
-            if value:
-                out[name] = value
+        out |= {name: value for name in _FIELDS if (value := getattr(record, name, ""))}
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)

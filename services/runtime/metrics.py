@@ -148,8 +148,7 @@ class ServerMetrics:
         Gauge("kakeya_kv_cache_usage_perc", doc, registry=self.registry).set_function(lambda: float(read()))
 
     def track_prefix_cache(self, cache: Any) -> None:
-        """``kakeya_prefix_cache_*`` of a ``PrefixCache`` (``core/prefix.py``), read at scrape time: bytes,
-        budget and entries held (gauges); hits, misses, tokens reused, insertions, evictions (counters)."""
+        """``kakeya_prefix_cache_*`` of a ``PrefixCache`` (``core/prefix.py``), read at scrape time."""
         self.registry.register(_PrefixCacheMetrics(cache.stats))
 
     def track_steps(self, names: tuple[str, str], doc: str, calls: Callable[[], int], items: Callable[[], int]):
@@ -237,17 +236,11 @@ class RpcInterceptor(grpc.ServerInterceptor):
     """Counts non-OK statuses into ``kakeya_errors_total{code}`` and binds the request id (``x-request-id`` metadata,
     else the request's ``request_id``) for logs."""
 
-    def __init__(self, metrics: ServerMetrics | None):
+    def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
 
     def _count(self, context, exc: BaseException | None) -> None:
-        if self.metrics is None:
-            return
-        code = None
-        try:
-            code = context.code()
-        except AttributeError:  # pragma: no cover - older grpc: no code() on the context
-            pass
+        code = context.code()
         if code is None and exc is not None:
             code = grpc.StatusCode.CANCELLED if isinstance(exc, GeneratorExit) else grpc.StatusCode.UNKNOWN
         if code is not None and code != grpc.StatusCode.OK:
@@ -258,10 +251,7 @@ class RpcInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:
             return None
-        rid = ""
-        for key, value in details.invocation_metadata or ():
-            if key == "x-request-id":
-                rid = value
+        rid = dict(details.invocation_metadata or ()).get("x-request-id", "")
         count = self._count
 
         def bound(request):

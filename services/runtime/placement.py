@@ -38,12 +38,9 @@ def parse_cpus(text: str, field: str = "--cpus") -> frozenset[int]:
 
 def format_cpus(cpus: Iterable[int]) -> str:
     """The inverse of :func:`parse_cpus`: ranges where they run, e.g. ``"0,2-3"``."""
-    out = []
     runs = itertools.groupby(enumerate(sorted(set(cpus))), key=lambda ic: ic[1] - ic[0])  # a run: c - i constant
-    for _, run in runs:
-        first, *rest = (c for _, c in run)
-        out.append(f"{first}-{rest[-1]}" if rest else str(first))
-    return ",".join(out)
+    runs = [[c for _, c in run] for _, run in runs]
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 def split_placement(cpus: Iterable[int]) -> dict[str, frozenset[int]] | None:

@@ -39,10 +39,8 @@ def _system_available() -> int | None:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     for pages in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"):
-        try:
+        with suppress(ValueError, OSError, AttributeError):
             return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            continue
     return None
 
 
@@ -52,11 +50,9 @@ def _cgroup_spare(root: Path = _CGROUP) -> int | None:
         ("memory.max", "memory.current"),
         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
     ):
-        try:
+        with suppress(OSError, ValueError):
             text = (root / limit).read_text().strip()
             if text == "max" or int(text) >= 2**60:  # v1 writes "no limit" as a huge number
                 return None
             return max(int(text) - int((root / usage).read_text().strip()), 0)
-        except (OSError, ValueError):
-            continue
     return None

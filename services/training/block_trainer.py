@@ -138,12 +138,8 @@ def make_dataset(
                 arrays = Continuations(*(np.zeros(sh, dt) for sh, dt in shapes.values()))
             else:
                 out.mkdir(parents=True, exist_ok=True)
-                arrays = Continuations(
-                    *(
-                        np.lib.format.open_memmap(out / f"{f}.npy", mode="w+", shape=sh, dtype=dt)
-                        for f, (sh, dt) in shapes.items()
-                    )
-                )
+                new = lambda f, sh, dt: np.lib.format.open_memmap(out / f"{f}.npy", mode="w+", shape=sh, dtype=dt)
+                arrays = Continuations(*(new(f, sh, dt) for f, (sh, dt) in shapes.items()))
         j = i + len(s)
         arrays.seqs[i:j], arrays.aux[i:j], arrays.final[i:j], arrays.temperature[i:j] = s, aux, final, temp
         if out is not None:
@@ -173,9 +169,7 @@ class BlockTrainer:
         self.model.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()}, strict=True)
         self.model.to(device)
         head = load_target_head(target_dir, device=device, dtype=torch.float32)
-        self.embed = head.embed.detach()
-        self.head = head.head.detach()
-        self.device = device
+        self.embed, self.head, self.device = head.embed.detach(), head.head.detach(), device
 
     def rows_on_device(self, x):
         """A batch's rows (``aux`` or ``final``) as a tensor on the trainer's device, in their stored dtype: a numpy
@@ -228,10 +222,8 @@ class BlockTrainer:
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = (emb.cos() * m.rope_scale)[:, None], (emb.sin() * m.rope_scale)[:, None]  # [NK,1,B,hd]
         vis_ctx = torch.arange(T, device=dev)[None, :] < a.reshape(-1)[:, None]  # [NK, T]: positions < a
-        mask = torch.cat(
-            [vis_ctx[:, None, :].expand(-1, B, -1), torch.ones(N * K, B, B, dtype=torch.bool, device=dev)], -1
-        )
-        mask = mask[:, None]  # [NK, 1, B, T+B]
+        block = torch.ones(N * K, B, B, dtype=torch.bool, device=dev)
+        mask = torch.cat([vis_ctx[:, None, :].expand(-1, B, -1), block], -1)[:, None]  # [NK, 1, B, T+B]
         for layer, (ck, cv) in zip(m.layers, ctx):
             if layer.self_attn.spec.is_causal or layer.self_attn.spec.window is not None:
                 raise ValueError("the block trainer supports full-attention, non-causal drafter layers only")

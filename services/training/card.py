@@ -5,6 +5,7 @@ python -m kakeya.training.card services/models/demo --pair-cost benchmarks/resul
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -278,15 +279,12 @@ def render(root: Path, pair_cost: Path | None = None) -> str:
 
 
 def main(argv=None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", type=Path, help="the pair's folder (target/ and draft/ with their report.json)")
     ap.add_argument("--pair-cost", type=Path, default=None, help="benchmarks/pair_cost.py's JSON, for the cost table")
     args = ap.parse_args(argv)
-    root = args.root
-    (root / "README.md").write_text(render(root, args.pair_cost), encoding="utf-8")
-    print(root / "README.md")
+    (args.root / "README.md").write_text(render(args.root, args.pair_cost), encoding="utf-8")
+    print(args.root / "README.md")
     return 0
 
 

@@ -86,11 +86,6 @@ def fixed_windows(stream: np.ndarray, n: int, length: int) -> np.ndarray:
     return np.stack([stream[s : s + length] for s in starts])
 
 
-def tokenizer_for(vocab_size: int, progress=None):
-    """The project's tokenizer, trained here (``train-target``: a new target's vocabulary)."""
-    return tk.train_tokenizer(vocab_size, progress=progress)
-
-
 def target_tokenizer(target_dir: Path, progress=None):
     """The tokenizer a target was trained with: its own ``tokenizer.json``. Training one again here would only match
     where the interpreter's standard library does (another Python version, another vocabulary, and a drafter trained on
@@ -98,4 +93,6 @@ def target_tokenizer(target_dir: Path, progress=None):
     path = Path(target_dir) / "tokenizer.json"
     if path.is_file():
         return Tokenizer.from_file(str(path))
-    return tokenizer_for(json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"], progress)
+    return tk.train_tokenizer(
+        json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"], progress=progress
+    )

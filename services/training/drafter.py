@@ -7,6 +7,7 @@ reference parameter names); the checkpoint loads strictly in ``kakeya.drafter.ml
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -43,17 +44,8 @@ def build_draft_config(target_cfg: dict, args) -> dict[str, Any]:
         final_logit_softcapping=target_cfg.get("final_logit_softcapping"),
         block_size=args.block_size,
     )
-    cfg["dflash_config"] = {
-        "block_size": args.block_size,
-        "target_layer_ids": tids,
-        "mask_token_id": tk.MASK_ID,
-        "input_embedding_scale": 1.0,
-        "output_multiplier": 1.0,
-    }
+    cfg["dflash_config"] |= {"block_size": args.block_size, "target_layer_ids": tids}  # tiny's mask id, scales
     return cfg
-
-
-# --------------------------------------------------------------------------- target side (torch)
 
 
 def _data_on_device(data_set, device, mode: str, soft: float, quiet: bool):
@@ -98,12 +90,7 @@ def train(args) -> dict:
     #    set continues prompts from held-out FILES, to watch the drafter on text it never saw.
     key = {"target": str(target_dir.resolve()), "prompt_len": args.prompt_len, "gen_len": args.gen_len}
     key |= {"tids": tids, "seed": args.seed} | ({"bos": True} if args.bos_prompts else {})
-    target_box: list[TorchTarget] = []
-
-    def get_target() -> TorchTarget:
-        if not target_box:
-            target_box.append(TorchTarget(target_dir, device))
-        return target_box[0]
+    get_target = functools.cache(lambda: TorchTarget(target_dir, device))  # loaded once, only to make data
 
     temps = [float(x) for x in args.temperatures.split(",")]
     if any(x < 0 for x in temps):
@@ -128,7 +115,7 @@ def train(args) -> dict:
         make = continuations(corpus.heldout, args.val_sequences, args.seed + 1)
         val_set, _ = cached_continuations(ckpt / "val", val_key, make, args.quiet)
         val = (np.asarray(val_set.seqs), np.asarray(val_set.aux))
-    target_box.clear()
+    get_target.cache_clear()
 
     # 2. training
     trainer = BlockTrainer(cfg, target_dir, args.seed, device)
@@ -204,10 +191,9 @@ def train(args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        accs = acc.detach().cpu().numpy()
-        lv = float(loss.detach())
-        curve.append([step, B, round(lv, 5), round(float(accs[0]), 4)])
-        bar.update(step, B=B, loss=lv, acc1=float(accs[0]))
+        lv, acc1 = float(loss.detach()), float(acc[0])
+        curve.append([step, B, round(lv, 5), round(acc1, 4)])
+        bar.update(step, B=B, loss=lv, acc1=acc1)
         if val is not None and args.eval_every and step % args.eval_every == 0:
             held_out()
         if step % args.save_every == 0:

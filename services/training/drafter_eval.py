@@ -12,6 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from kakeya.checkpoints import tokenizer as tk
+from kakeya.core.request import SamplingParams
+from kakeya.orchestrator.assembly import build_local_engine
+from kakeya.orchestrator.decode.engine import Request
 from kakeya.training import common, data
 from kakeya.training.block_trainer import BlockTrainer
 
@@ -73,9 +76,6 @@ def evaluate(trainer: BlockTrainer, seqs: np.ndarray, aux: np.ndarray, prompt_le
     }
 
 
-# --------------------------------------------------------------------------- acceptance with the real engine
-
-
 def heldout_prompts(corpus: data.Corpus, n: int, length: int, stream=None) -> list[list[int]]:
     """``n`` held-out prompts of ``length`` tokens, evenly spaced over the held-out files, each starting with <bos>
     (``stream``: over that token stream instead, e.g. ``corpus.train``)."""
@@ -86,8 +86,6 @@ def heldout_prompts(corpus: data.Corpus, n: int, length: int, stream=None) -> li
 def _engine(target_dir: Path, draft_dir: Path, backend: str):
     """The real loop (``backend`` verifier + drafter, native cache), measuring the drafter's own acceptance:
     without n-gram copies (``orchestrator/proposers/ngram.py``)."""
-    from kakeya.orchestrator.assembly import build_local_engine
-
     return build_local_engine(str(target_dir), str(draft_dir), backend, ngram=False)
 
 
@@ -113,8 +111,6 @@ def bootstrap_interval(
 
 def greedy_runs(engine, prompts: list[list[int]], block_size: int, max_tokens: int) -> list:
     """One greedy generation per prompt at ``block_size`` (n-gram copies as ``engine`` has them)."""
-    from kakeya.orchestrator.decode.engine import Request
-
     return [engine.generate(Request(p, max_tokens=max_tokens, block_size=block_size, ignore_eos=True)) for p in prompts]
 
 
@@ -150,9 +146,6 @@ def measure_sampled(
     """Mean acceptance of seeded sampled requests (the coupled rule, the default; prompt ``i`` with seed ``i``)
     per temperature and block size; each run checked against AR sampling with the same seed, which the coupled
     rule must reproduce token for token (``engine``: :func:`_engine`'s)."""
-    from kakeya.core.request import SamplingParams
-    from kakeya.orchestrator.decode.engine import Request
-
     out: dict = {}
     for T in temperatures:
 
@@ -215,9 +208,6 @@ def floats(text: str) -> tuple[float, ...]:
 def ints(text: str) -> tuple[int, ...]:
     """``"8,16"`` -> (8, 16)."""
     return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-# --------------------------------------------------------------------------- main
 
 
 def main(argv=None) -> int:

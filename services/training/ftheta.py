@@ -25,8 +25,14 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from kakeya.checkpoints.config import check_pair, load_draft_config, load_target_config
+from kakeya.checkpoints.tiny import default_pair
+from kakeya.drafter.mlx_backend.model import load_dflash_mlx
+from kakeya.orchestrator.text import TextCodec
 from kakeya.training.ftheta_objective import Objective, evaluate
+from kakeya.training.retrieval import RetrievalText
 from kakeya.verifier.mlx_backend.ftheta import Restorer
+from kakeya.verifier.mlx_backend.target import TargetMLX
 
 STATE_DIR = "train_state"
 REPORT_FILE = "report.json"
@@ -58,8 +64,6 @@ class TrainArgs:
 def stdlib_tokens(target_dir, n_tokens: int) -> tuple[np.ndarray, int | None]:
     """About ``n_tokens`` token ids of the standard library's top-level ``.py`` sources (in a fixed order),
     and the tokenizer's BOS id."""
-    from kakeya.orchestrator.text import TextCodec
-
     codec = TextCodec(target_dir)
     chunks, total = [], 0
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
@@ -85,8 +89,7 @@ class Batches:
         if len(ids) < n_eval + 4 * body:
             raise ValueError(f"only {len(ids)} tokens of training text for seq_len {seq_len}: raise --data-tokens")
         self.train, self.eval_ids = ids[:-n_eval], ids[-n_eval:]
-        self.bos, self.body, self.batch, self.seed = bos, body, batch, seed
-        self.eval_n = eval_seqs
+        self.bos, self.body, self.batch, self.seed, self.eval_n = bos, body, batch, seed, eval_seqs
 
     def _rows(self, rows: list[np.ndarray]) -> mx.array:
         if self.bos is not None:
@@ -119,9 +122,6 @@ def _recall_text(target_dir, args: TrainArgs, seq_len: int):
     rows = round(args.retrieval_frac * args.batch)
     if not rows:
         return None, None
-    from kakeya.orchestrator.text import TextCodec
-    from kakeya.training.retrieval import RetrievalText
-
     text = RetrievalText(TextCodec(target_dir).tokenizer, seq_len, max_example=args.retrieval_max_example)
     held, _ = text.windows(args.eval_seqs, args.seed + 1, 2**31 - 1)
     return (text, rows, args.answer_weight), mx.array(held)
@@ -139,8 +139,7 @@ def _save_state(state_dir: Path, ftheta, optimizer, meta: dict) -> None:
     tmp = state_dir.with_name(state_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(tmp / "ftheta.safetensors"), dict(tree_flatten(ftheta.parameters())))
-    opt = {k: v for k, v in tree_flatten(optimizer.state)}
-    mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
     (tmp / "state.json").write_text(json.dumps(meta) + "\n")
     if state_dir.exists():
         old = state_dir.with_name(state_dir.name + ".old")
@@ -162,15 +161,10 @@ def train(
 ) -> dict:
     """Train (or resume) f_theta; write the f_theta directory and report.json into ``out_dir``; return the report.
     ``stop_at``: save the state after that many steps and return ``{"stopped_at": step}`` (a time-boxed slice)."""
-    from kakeya.checkpoints.config import check_pair, load_draft_config, load_target_config
-    from kakeya.drafter.mlx_backend.model import load_dflash_mlx
-    from kakeya.verifier.mlx_backend.target import TargetMLX
-
     log = log or (lambda msg: print(f"train-ftheta: {msg}", file=sys.stderr, flush=True))
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    if args.batch < 1:
-        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    for flag, value in (("--steps", args.steps), ("--batch", args.batch)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if not 0.0 <= args.retrieval_frac <= 1.0:
         raise ValueError(f"--retrieval-frac must lie in [0, 1], got {args.retrieval_frac}")
     if args.answer_weight <= 0:
@@ -267,9 +261,7 @@ def train(
         "steps": args.steps,
         "args": asdict(args),
         "data": {
-            "source": "python standard library sources ("
-            + str(Path(sysconfig.get_paths()["stdlib"]))
-            + ")"
+            "source": f"python standard library sources ({Path(sysconfig.get_paths()['stdlib'])})"
             + (f", {recall[1]} of {args.batch} rows recall text (training/retrieval.py)" if recall else ""),
             "train_tokens": len(data.train),
             "eval_tokens": int(data.eval_n * data.body),
@@ -312,8 +304,6 @@ def cmd_train(args) -> int:
         raise ValueError("give both --target and --draft, or neither (for the embedded default models)")
     target, draft = args.target, args.draft
     if target is None:
-        from kakeya.checkpoints.tiny import default_pair
-
         pair = default_pair()
         target, draft = str(pair.target), str(pair.draft)
     flags = (

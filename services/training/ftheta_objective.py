@@ -182,8 +182,7 @@ def evaluate(objective: Objective, ids: mx.array) -> dict:
         if not rows:
             continue
         agg = {k: round(float(np.mean([r[k] for r in rows])), 6) for k in rows[0] if isinstance(rows[0][k], float)}
-        agg["layers"] = len(rows)
-        agg["restored"] = kind == SLIDING
+        agg |= {"layers": len(rows), "restored": kind == SLIDING}
         if kind != SLIDING:
             agg["note"] = "probe decoders only: S5 keeps full-attention K/V exact, f_theta is never used there"
         by_type[name] = agg

@@ -19,6 +19,7 @@ import numpy as np
 from kakeya.checkpoints import tiny
 from kakeya.checkpoints import tokenizer as tk
 from kakeya.core.contract import FULL, SLIDING
+from kakeya.orchestrator.assembly import require_backend
 from kakeya.training import common, data, retrieval
 
 if TYPE_CHECKING:  # MLX is imported where it runs: `train-target --backend torch` needs no MLX
@@ -30,11 +31,10 @@ num_key_value_heads intermediate_size vocab_size final_logit_softcapping"""
 
 
 def build_config(args) -> dict[str, Any]:
-    cfg = tiny.target_config(sliding_window=args.sliding_window, vocab_size=args.vocab_size)
     n = args.layers
     pattern = args.pattern.split(",")
     layer_types = [(FULL if pattern[i % len(pattern)].strip() == "f" else SLIDING) for i in range(n)]
-    cfg.update(
+    return tiny.target_config(sliding_window=args.sliding_window, vocab_size=args.vocab_size) | dict(
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
         num_hidden_layers=n,
@@ -46,7 +46,6 @@ def build_config(args) -> dict[str, Any]:
         head_dim=args.head_dim,
         global_head_dim=args.global_head_dim,
     )
-    return cfg
 
 
 def initial_weights(cfg: dict, seed: int) -> dict:
@@ -129,8 +128,7 @@ class MLXBackend:
 
 class TorchBackend:
     """transformers' Gemma4ForCausalLM from the same config (float32, CPU/CUDA): the same architecture,
-    initial weights, data and output layout. The demo pair was trained with it (MLX's Linux CPU wheels
-    ran on netlib's reference BLAS before ``backends/mlx/blas.py`` routed it to torch's)."""
+    initial weights, data and output layout (the demo pair was trained with it)."""
 
     name = "torch"
 
@@ -204,13 +202,6 @@ class TorchBackend:
         return {k: v.detach().float().cpu().numpy() for k, v in self.model.state_dict().items()}
 
 
-def write_tensors(out: Path, tensors: dict, cfg: dict, tokenizer) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    tk.write_tokenizer(tokenizer, out)
-    tiny.write_target_config(out, cfg)
-    tiny.write_safetensors(out / "model.safetensors", tensors)
-
-
 def train(args) -> dict:
     out = Path(args.out)
     common.seed_all(args.seed)
@@ -218,11 +209,9 @@ def train(args) -> dict:
         import torch
 
         torch.set_num_threads(args.threads)
-    tok = data.tokenizer_for(args.vocab_size, progress=None if args.quiet else common.log)
+    tok = tk.train_tokenizer(args.vocab_size, progress=None if args.quiet else common.log)  # a new vocabulary
     corpus = data.load_corpus(tok, heldout_pct=args.heldout_pct, max_bytes=args.max_bytes)
     cfg = build_config(args)
-    from kakeya.orchestrator.assembly import require_backend
-
     require_backend(args.backend)
     be = (TorchBackend if args.backend == "torch" else MLXBackend)(cfg, args)
     ckpt = out / "ckpt"
@@ -241,11 +230,8 @@ def train(args) -> dict:
     n_ret = round(args.retrieval_frac * args.batch)
     if args.answer_weight <= 0:
         raise ValueError(f"--answer-weight must be > 0, got {args.answer_weight}")
-    ret = None
-    if n_ret:
-        ret = retrieval.RetrievalText(
-            tok, L, args.heldout_pct, max_bytes=args.max_bytes, max_example=args.retrieval_max_example
-        )
+    recall = dict(max_bytes=args.max_bytes, max_example=args.retrieval_max_example)
+    ret = retrieval.RetrievalText(tok, L, args.heldout_pct, **recall) if n_ret else None
     bar = common.Progress(args.steps, "train-target", start=step, quiet=args.quiet)
     if not args.quiet:
         common.log(
@@ -286,7 +272,9 @@ def train(args) -> dict:
     be.save(ckpt, state())
     train_s += time.time() - t_start
     train_loss = be.evaluate(train_eval)
-    write_tensors(out, be.tensors(), cfg, tok)
+    tk.write_tokenizer(tok, out)  # makes the directory
+    tiny.write_target_config(out, cfg)
+    tiny.write_safetensors(out / "model.safetensors", be.tensors())
     report = {
         "command": "kakeya train-target",
         "backend": be.name,

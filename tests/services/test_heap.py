@@ -81,7 +81,7 @@ def test_an_unknown_setting_is_refused_by_name(monkeypatch, capsys):
     from kakeya.app import main as cli
     from kakeya.runtime import heap
 
-    monkeypatch.setattr(heap, "_kept", None)
+    heap.keep_freed_memory.cache_clear()  # set once per process: ask again
     monkeypatch.setenv("KAKEYA_MALLOC", "sytem")
     with pytest.raises(ValueError, match="KAKEYA_MALLOC must be 'system'.*'sytem'"):
         heap.keep_freed_memory()

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from kakeya.app.train import target_arguments
+from kakeya.app.tools import target_arguments
 from kakeya.checkpoints import tiny
 from kakeya.checkpoints import tokenizer as tk
 from kakeya.orchestrator.niah import QUESTION

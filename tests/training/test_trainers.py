@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from kakeya.app.train import drafter_arguments, target_arguments
+from kakeya.app.tools import drafter_arguments, target_arguments
 from kakeya.checkpoints import tokenizer as tk
 from kakeya.training import drafter as tdraft
 from kakeya.training import target as ttarget

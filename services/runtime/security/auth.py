@@ -100,9 +100,7 @@ def peer_of(context) -> str:
     NAT share one."""
     peer = context.peer() or "unknown"
     kind, _, rest = peer.partition(":")
-    if kind in ("ipv4", "ipv6"):
-        return f"{kind}:{rest.rpartition(':')[0]}"
-    return peer
+    return f"{kind}:{rest.rpartition(':')[0]}" if kind in ("ipv4", "ipv6") else peer
 
 
 class _Bearer(

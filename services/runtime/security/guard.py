@@ -27,62 +27,36 @@ def _decode(cls, raw: bytes, what: str):
         ) from None
 
 
-class _Requests:
-    """A request stream of raw bytes, decoded one message at a time."""
-
-    def __init__(self, raw_iterator, cls, what: str):
-        self._it, self._cls, self._what = raw_iterator, cls, what
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return _decode(self._cls, next(self._it), self._what)
-
-
-def _unauthenticated(context, service: str):
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{service}: missing or wrong bearer token (authorization metadata)")
-
-
 def _handler(method, impl, service: str, token: str | None):
     cls = message_factory.GetMessageClass(method.input_type)
     resp_ser = message_factory.GetMessageClass(method.output_type).SerializeToString
-    what = f"{method.name}"
-
-    if method.client_streaming:
-
-        def stream(raw_iterator, context):
-            if not authorized(context, token):
-                _unauthenticated(context, service)
-            return impl(_Requests(raw_iterator, cls, what), context)
-
-        make = (
-            grpc.stream_stream_rpc_method_handler if method.server_streaming else grpc.stream_unary_rpc_method_handler
-        )
-        return make(stream, request_deserializer=None, response_serializer=resp_ser)
 
     def admitted(raw, context):
-        """The parsed request, or the call aborted (UNAUTHENTICATED / INVALID_ARGUMENT)."""
+        """The parsed request (a stream: decoded one message at a time as it is read), or the call aborted
+        (UNAUTHENTICATED / INVALID_ARGUMENT)."""
         if not authorized(context, token):
-            _unauthenticated(context, service)
+            why = f"{service}: missing or wrong bearer token (authorization metadata)"
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+        if method.client_streaming:
+            return (_decode(cls, message, method.name) for message in raw)
         try:
-            return _decode(cls, raw, what)
+            return _decode(cls, raw, method.name)
         except RequestError as exc:
             context.abort(exc.code, exc.message)
 
-    if method.server_streaming:
-
-        def unary_stream(raw, context):
-            yield from impl(admitted(raw, context), context)
-
-        return grpc.unary_stream_rpc_method_handler(
-            unary_stream, request_deserializer=None, response_serializer=resp_ser
-        )
-
-    def unary(raw, context):
+    def call(raw, context):
         return impl(admitted(raw, context), context)
 
-    return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=None, response_serializer=resp_ser)
+    def stream(raw, context):
+        yield from impl(admitted(raw, context), context)
+
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[method.client_streaming, method.server_streaming]
+    return make(stream if method.server_streaming else call, request_deserializer=None, response_serializer=resp_ser)
 
 
 def add_servicer(server: grpc.Server, servicer, service_descriptor, token: str | None = None) -> None:
