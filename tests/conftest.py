@@ -31,7 +31,7 @@ os.environ.setdefault("KAKEYA_MLX_BLAS", "reference")
 # Run first, the longest files overlap each other and the hundreds of short files fill in behind them.
 LONGEST_FIRST = [
     "tests/services/test_hosts.py",
-    "tests/sampling/test_statistical.py",  # ~3.8 min on one core (271 s on a loaded VM)
+    "tests/sampling/test_statistical.py",  # 119 CPU-s (pytest -n 0, loaded VM) since its prompts batch; was ~3.8 min
     "tests/verifier/test_policies.py",  # since its cases run 600 tokens: 295 s -> 128 s back to back, loaded VM
     "tests/compat/test_transformers.py",
     "tests/training/test_trainers.py",

@@ -56,23 +56,32 @@ def _interrupted(addr: str, req, how: str, rng: random.Random) -> None:
         assert exc.code() == grpc.StatusCode.CANCELLED, exc
 
 
+def _fates() -> dict[int, str]:
+    """What becomes of each request under load: ~20% cancelled, ~10% past their deadline, the rest left alone. Drawn
+    up front (a seeded stream of its own), so that only the requests left alone are run by themselves first: the
+    others' runs alone were never compared with anything (~30% of this test's reference generations). Seed 3 draws 7
+    cancels and 4 deadlines of 40, near the 20% and 10% asked (seed 0 drew only 2 and 4)."""
+    rng = random.Random(3)
+    rolls = [rng.random() for _ in range(STREAMS * PER_STREAM)]
+    return {i: "cancel" if r < 0.2 else "deadline" if r < 0.3 else "alone" for i, r in enumerate(rolls)}
+
+
 @pytest.mark.parametrize("deployment", ["split", "colocated"])
 def test_cancels_and_deadlines_never_touch_the_other_streams(servers, deployment):
     addr = servers[deployment].addr
-    alone = {i: generate(addr, _req(i))[0] for i in range(STREAMS * PER_STREAM)}  # each request by itself
+    fates = _fates()
+    assert {"cancel", "deadline"} <= set(fates.values())  # both kinds of interruption land among the streams
+    alone = {i: generate(addr, _req(i))[0] for i, fate in fates.items() if fate == "alone"}  # each by itself
     failures, mismatches, done = [], [], []
     lock = threading.Lock()
 
     def client(k: int) -> None:
-        rng = random.Random(k)
+        rng = random.Random(k)  # where a cancelled stream is cancelled
         for j in range(PER_STREAM):
             i = k * PER_STREAM + j
-            roll = rng.random()
             try:
-                if roll < 0.2:
-                    _interrupted(addr, _req(i), "cancel", rng)
-                elif roll < 0.3:
-                    _interrupted(addr, _req(i), "deadline", rng)
+                if fates[i] != "alone":
+                    _interrupted(addr, _req(i), fates[i], rng)
                 else:
                     ids, _, complete, _ = generate(addr, _req(i))
                     with lock:
