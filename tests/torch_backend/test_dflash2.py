@@ -266,8 +266,8 @@ def test_sampling_with_the_realized_rows(tiny, torch_target, dflash2_dir, rule):
 
 
 def test_mlx_matches_torch(model, dflash2_dir, tiny):
-    """The MLX DFlash2 drafter (``drafter/mlx_backend/dflash2.py``) on the same blocks: the same realized
-    rows and walk tokens as the torch one (which the reference above pins)."""
+    """The MLX DFlash2 drafter (the DFlash2 part of ``drafter/mlx_backend/model.py``) on the same blocks: the same
+    realized rows and walk tokens as the torch one (which the reference above pins)."""
     import mlx.core as mx
 
     from kakeya.drafter.mlx_backend.model import load_dflash_mlx
