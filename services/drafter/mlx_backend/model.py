@@ -292,8 +292,8 @@ class DFlashDraftModel(nn.Module):
         return mx.zeros((n, self.config.aux_width), dtype=self.dtype)
 
     def context_kv(self, auxs: Sequence[mx.array], offsets: Sequence[int]) -> list[list[KV]]:
-        """Per aux, every layer's ``(k, v)`` ``[1, n_kv, n_i, head_dim]`` of ``auxs[i]`` [n_i, aux_width] at positions
-        ``offsets[i]..``: ``fc``, ``hidden_norm`` and the projections once over all rows, RoPE per aux (lazy)."""
+        """``DraftModel.context_kv``: ``fc``, ``hidden_norm`` and the projections once over all rows, then RoPE
+        per aux (lazy)."""
         rows = auxs[0] if len(auxs) == 1 else mx.concatenate(list(auxs))
         h = self.hidden_norm(self.fc(rows.astype(self.dtype)[None]))
         kv = [layer.self_attn.project_kv(h) for layer in self.layers]
@@ -301,9 +301,7 @@ class DFlashDraftModel(nn.Module):
         return [[(self.rope(k, offset=o), v) for k, v in part] for o, part in zip(offsets, parts)]
 
     def block_logits(self, blocks: Sequence[tuple[ContextKVCache, Sequence[int]]]) -> mx.array:
-        """Logits ``[sum (B_i - 1), vocab]`` of positions ``1..B_i-1`` of every ``(cache, block ids)``
-        (lazy): ONE forward over the blocks' rows in a row, each block attending to ``its visible
-        context ++ itself`` with its own mask."""
+        """``DraftModel.block_logits`` (lazy): each block attends to ``its visible context ++ itself``, its own mask."""
         ids = mx.array([t for _, block in blocks for t in block], dtype=mx.int32)
         sized = [(cache, len(block)) for cache, block in blocks]
         specs = [layer.self_attn.spec for layer in self.layers]

@@ -6,11 +6,9 @@ grows: a session (:class:`PooledContext`) holds its full-attention context as pa
 ``ring >= sliding_window - 1`` slots. A step writes each block's K/V into the pools' *scratch* rows, never a session's
 pages, so several blocks of one session (a pre-draft's) run in one step and the context holds committed positions only.
 
-A step (:func:`run`) projects every extension's new aux rows at once, runs the blocks' row-wise ops once over all rows,
-and per layer ONE K/V write and ONE attention call through a padded ``[blocks, context slots + block lanes]`` table
-(masks built on the device from positions), then the greedy tokens in ONE host sync. Shapes depend only on
-:class:`Shape`: with ``static_extent`` (CUDA) everything is padded to buckets and ``StepGraphs`` captures one graph per
-shape (padded rows write the trash row and see one real key: a softmax over none is NaN); eagerly sizes are exact.
+A step (:func:`run`) projects every extension's new aux rows at once, then runs as the verifier's step does
+(``verifier/torch_backend/batch_step.py``: shapes fixed by :class:`Shape`, captured per shape with ``static_extent``)
+over a padded ``[blocks, context slots + block lanes]`` table, then the greedy tokens in ONE host sync.
 """
 
 from __future__ import annotations

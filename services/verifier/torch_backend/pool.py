@@ -219,9 +219,6 @@ class _PooledLayer:
     def __init__(self, caches: PooledCaches, i: int):
         self.caches, self.i = caches, i
 
-    def arrays(self) -> list:
-        return []
-
 
 class PooledRing(_PooledLayer):
     """One sliding layer of a session, as its dynamic forward sees it (``SegmentAttention``): the ring's
