@@ -30,13 +30,13 @@ class LocalVerifier:
         policy: CachePolicy = CachePolicy(),
         prefixes: PrefixCache | None = None,
     ):
-        cfg = load_target_config(target_dir)
         self.target_dir = str(target_dir)
-        self.constrains = _constrains(target_dir)
+        self.constrains = _tokenizer_json(self.target_dir) is not None  # it can take constraints
         self.target = target
         self.prefixes = prefixes
         self.aux_layers = tuple(aux_layers)
         self.policy = policy
+        cfg = load_target_config(target_dir)
         eos = cfg["eos_token_id"]  # generation_config.json's when it has one (load_target_config)
         args = target.args
         self.info = ModelInfo(
@@ -94,11 +94,6 @@ def _tokenizer_json(target_dir: str) -> str | None:
     checks and guide, so that a colocated verifier shares their llguidance tokenizer and compiled grammars."""
     path = Path(target_dir) / "tokenizer.json"
     return Tokenizer.from_file(str(path)).to_str() if path.is_file() else None
-
-
-def _constrains(target_dir: str | Path) -> bool:
-    """Whether a verifier of ``target_dir`` can take constraints (it has the checkpoint's tokenizer)."""
-    return _tokenizer_json(str(target_dir)) is not None
 
 
 def _open_grammar(constraint: Constraint, target_dir: str | Path, vocab: int, eos_ids: Sequence[int]) -> Grammar:

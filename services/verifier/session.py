@@ -172,8 +172,7 @@ class LocalVerifierSession:
 
     def prefill(self, prompt_ids: Sequence[int]):
         """Run the prompt; ``(first token, aux of every prompt position)``."""
-        first, aux, _ = run_steps(self.prefill_steps(prompt_ids))
-        return first, aux
+        return run_steps(self.prefill_steps(prompt_ids))[:2]
 
     def resume(self, prompt_ids: Sequence[int], reuse: Collection[int] | None = None):
         """:meth:`prefill_steps` run whole, its prefix-cache lookup counted as a hit or a miss."""
@@ -344,8 +343,7 @@ class LocalVerifierSession:
     def close(self) -> None:
         if not self.closed:
             self.target.release_cache(self.cache)
-        self.cache, self._pending, self.closed = None, None, True
-        self.latents = None
+        self.cache, self._pending, self.closed, self.latents = None, None, True, None
 
     def _check_open(self):
         if self.closed:

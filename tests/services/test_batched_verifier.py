@@ -24,6 +24,7 @@ from kakeya.verifier import server as verifier_server
 from kakeya.verifier.session import PREFILL_CHUNK, LocalVerifierSession
 from kakeya.wire.kakeya.v1 import verifier_pb2_grpc
 
+from ..policy_reference import torch_greedy
 from .conftest import in_process_torch_verifier, wait_until
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -71,7 +72,7 @@ def _decode(session, first: int, reference: list[int], k: int) -> list[int]:
 def test_concurrent_streams_batch_and_match_greedy_ar(served):
     addr, v = served
     target = v.verifier.target
-    refs = [target.greedy_reference(_prompt(k), N_TOKENS + 8) for k in range(N_STREAMS)]
+    refs = [torch_greedy(target, _prompt(k), N_TOKENS + 8) for k in range(N_STREAMS)]
     client = GrpcVerifier(addr)
     sessions = [client.open_session() for _ in range(N_STREAMS)]
     firsts = [s.prefill(_prompt(k))[0] for k, s in enumerate(sessions)]

@@ -21,6 +21,7 @@ from kakeya.orchestrator.remote.verifier import GrpcVerifier
 from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb
 from kakeya.wire.kakeya.v1 import verifier_pb2_grpc
 
+from ..policy_reference import torch_greedy
 from .conftest import in_process_torch_verifier
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -52,7 +53,7 @@ def _opened(client, n: int):
 def test_a_round_of_n_sessions_is_one_call_and_matches_greedy_ar(served):
     addr, v = served
     target = v.verifier.target
-    refs = [target.greedy_reference(_prompt(k), N_TOKENS + 8) for k in range(N_SESSIONS)]
+    refs = [torch_greedy(target, _prompt(k), N_TOKENS + 8) for k in range(N_SESSIONS)]
     client = GrpcVerifier(addr)
     sessions, firsts = _opened(client, N_SESSIONS)
     outs = [[f] for f in firsts]
@@ -107,7 +108,7 @@ def test_one_bad_or_closed_item_fails_alone(served):
     assert "verify.block_ids" in results[1].details and "items[" in results[1].details
     assert isinstance(results[2], BackendError) and results[2].code == grpc.StatusCode.CANCELLED
     for k in (0, 3):  # the others: verified, exactly as greedy AR would
-        ref = target.greedy_reference(_prompt(k), 4)
+        ref = torch_greedy(target, _prompt(k), 4)
         assert isinstance(results[k], Verdict)
         want = 0 if ref[1] != 7 else (1 if ref[2] != 8 else 2)
         assert results[k].accepted == want and results[k].next_token == ref[1 + want]
@@ -167,6 +168,6 @@ def test_a_session_the_round_does_not_find_goes_on_its_stream_from_then_on(serve
             outs[k] += [7][: r.accepted] + [r.next_token]
     assert not sessions[0].round_ok and all(s.round_ok for s in sessions[1:])
     for k in range(3):  # on its stream or in the round: greedy AR all the same
-        assert outs[k] == target.greedy_reference(_prompt(k), len(outs[k]))[: len(outs[k])]
+        assert outs[k] == torch_greedy(target, _prompt(k), len(outs[k]))[: len(outs[k])]
     for s in sessions:
         s.close()

@@ -18,6 +18,7 @@ from kakeya.verifier.local import LocalVerifier
 from kakeya.verifier.session import LocalVerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch
 
+from ..policy_reference import torch_greedy
 from .conftest import PROMPT
 
 STATIC = GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)  # what CUDA captures, eagerly
@@ -42,7 +43,7 @@ def _graphs() -> int:
 def test_compiled_pair_decodes_greedy_ar_token_for_token_and_compiles_once(tiny_moe, compiled):
     target, drafter = compiled
     assert all(isinstance(layer.attn.attend, ops.CompiledAttention) for layer in target.model.layers)
-    ref = TargetTorch.load(tiny_moe.target, "cpu", "float32").greedy_reference(PROMPT, 48)  # eager, plain caches
+    ref = torch_greedy(TargetTorch.load(tiny_moe.target, "cpu", "float32"), PROMPT, 48)  # eager, plain caches
     v = LocalVerifier(target, tiny_moe.target, drafter.target_layer_ids)
 
     def decode(prompt, block_size):
@@ -119,7 +120,7 @@ def test_cuda_compiled_graphs_decode_what_eager_cuda_decodes(tiny_moe):
     """Triton kernels captured in the CUDA graphs of both models: float32 greedy output equals
     the eager CUDA target's own greedy AR, token for token."""
     torch._dynamo.reset()
-    ref = TargetTorch.load(tiny_moe.target, "cuda", "float32", cuda_graphs=False).greedy_reference(PROMPT, 48)
+    ref = torch_greedy(TargetTorch.load(tiny_moe.target, "cuda", "float32", cuda_graphs=False), PROMPT, 48)
     target = TargetTorch.load(tiny_moe.target, "cuda", "float32")
     target.model.compile_layers()
     drafter = TorchDrafter.colocated(tiny_moe.draft, target, compile=True)

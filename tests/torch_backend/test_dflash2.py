@@ -22,6 +22,7 @@ from kakeya.drafter.torch_backend.load import load_dflash_torch
 from kakeya.orchestrator.decode.loop import run
 from kakeya.verifier.local import LocalVerifier
 
+from ..policy_reference import torch_greedy
 from .conftest import AUX_LAYERS, PROMPT
 
 TAPS, GROUP, RANK, TOP_K, WINDOW = 3, 16, 8, 6, 12
@@ -227,7 +228,7 @@ def test_greedy_speculative_equals_target_ar(tiny, torch_target, dflash2_dir):
     n = 160  # window 32: the target's ring wraps 5 times
     verifier = LocalVerifier(torch_target, tiny.target, AUX_LAYERS)
     drafter = TorchDrafter(dflash2_dir, tiny.target, "cpu", "float32")
-    reference = torch_target.greedy_reference(PROMPT, n)
+    reference = torch_greedy(torch_target, PROMPT, n)
     for block_size in (4, 8):
         gen = run(verifier.open_session(CachePolicy()), drafter.open_session(), PROMPT, n, block_size)
         assert gen.token_ids == reference
@@ -266,8 +267,8 @@ def test_sampling_with_the_realized_rows(tiny, torch_target, dflash2_dir, rule):
 
 
 def test_mlx_matches_torch(model, dflash2_dir, tiny):
-    """The MLX DFlash2 drafter (``drafter/mlx_backend/dflash2.py``) on the same blocks: the same realized
-    rows and walk tokens as the torch one (which the reference above pins)."""
+    """The MLX DFlash2 drafter (the DFlash2 part of ``drafter/mlx_backend/model.py``) on the same blocks: the same
+    realized rows and walk tokens as the torch one (which the reference above pins)."""
     import mlx.core as mx
 
     from kakeya.drafter.mlx_backend.model import load_dflash_mlx

@@ -17,6 +17,7 @@ from kakeya.core.request import CachePolicy
 from kakeya.orchestrator.decode.loop import run
 from kakeya.verifier.local import LocalVerifier
 
+from ..policy_reference import torch_greedy
 from .conftest import AUX_LAYERS, PROMPT
 
 N = 400
@@ -32,7 +33,7 @@ def verifier(tiny, torch_target):
 def reference(tiny, torch_target):
     from transformers import AutoModelForCausalLM
 
-    ours = torch_target.greedy_reference(PROMPT, N)
+    ours = torch_greedy(torch_target, PROMPT, N)
     hf = AutoModelForCausalLM.from_pretrained(tiny.target, dtype=torch.float32).eval()
     out = hf.generate(torch.tensor([PROMPT]), max_new_tokens=N, min_new_tokens=N, do_sample=False)
     assert out[0, len(PROMPT) :].tolist() == ours, "our plain AR and transformers' greedy generate disagree"
@@ -65,7 +66,7 @@ def test_planted_error_drafter_matches_greedy_ar(verifier, reference, block_size
 
 
 def test_prompt_longer_than_the_window(verifier, torch_target, torch_drafter):
-    ref = torch_target.greedy_reference(LONG_PROMPT, 120)
+    ref = torch_greedy(torch_target, LONG_PROMPT, 120)
     gen = run(verifier.open_session(), torch_drafter.open_session(), LONG_PROMPT, 120, 8)
     assert gen.token_ids == ref
 

@@ -24,6 +24,7 @@ from kakeya.verifier.local import LocalVerifier
 from kakeya.verifier.session import LocalVerifierSession
 from kakeya.verifier.torch_backend.target import TargetTorch
 
+from ..policy_reference import torch_greedy
 from .conftest import AUX_LAYERS, PROMPT
 
 GRAPH_MODE = GraphOptions(capture=False, buckets=BUCKETS, static_extent=True)
@@ -205,7 +206,7 @@ def test_sdpa_runs_with_cudnn_off_in_the_target_and_the_drafter(torch_target, to
 
 
 def test_graph_layout_decodes_greedy_ar_with_the_drafter(tiny, graph_target, torch_drafter, torch_target):
-    ref = torch_target.greedy_reference(PROMPT, 80)
+    ref = torch_greedy(torch_target, PROMPT, 80)
     v = LocalVerifier(graph_target, tiny.target, AUX_LAYERS)
     for block_size in (3, 8, 16):
         assert run(v.open_session(), torch_drafter.open_session(), PROMPT, 80, block_size).token_ids == ref
@@ -216,7 +217,7 @@ def test_cuda_graph_replay_equals_eager_token_for_token(tiny, torch_drafter):
     eager = TargetTorch.load(tiny.target, "cuda", "float32", cuda_graphs=False)
     graphed = TargetTorch.load(tiny.target, "cuda", "float32")
     assert graphed.graph_options.capture
-    ref = eager.greedy_reference(PROMPT, 120)
+    ref = torch_greedy(eager, PROMPT, 120)
     drafter = type(torch_drafter)(tiny.draft, tiny.target, "cuda", "float32")
     for block_size in (1, 3, 8, 16):
         gen = run(

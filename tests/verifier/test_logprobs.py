@@ -15,6 +15,8 @@ from kakeya.orchestrator.decode.engine import Engine
 from kakeya.orchestrator.decode.loop import Decode, DecodeOptions, advance, run
 from kakeya.verifier.session import decide_batch
 
+from ..policy_reference import torch_plain
+
 PROMPT = [2, 500, 788, 12, 69, 16, 308, 305, 279, 328]  # "def add(a, b):\n    return" on the demo pair
 N = 24
 K = 5
@@ -49,10 +51,7 @@ def reference(verifier, ids: list[int]) -> np.ndarray:
     if target.backend == "torch":
         import torch
 
-        from kakeya.verifier.torch_backend.target import FullKVCache
-
-        caches = [FullKVCache() for _ in range(target.n_cached)]
-        hidden = target._plain_forward(ids, caches, 0)
+        hidden = torch_plain(target, len(ids))(ids, 0)
         with torch.inference_mode():
             return torch.log_softmax(target.model.logits(hidden)[0].float(), -1).numpy()
     import mlx.core as mx

@@ -15,9 +15,11 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 BUCKETS = (1, 2, 4, 8, 16)  # block sizes captured on CUDA (a verify pads up to the next one)
+SESSION_BUCKETS = (1, 2, 4, 8, 16)  # table rows a captured batched step has (beyond 16: multiples of 16)
 # Fewest queued sessions worth one (eager) batched forward when single steps replay CUDA graphs: below it
 # the replays win (docs/cuda.md, "Batching on CUDA").
 GRAPHED_MIN_BATCH = 4
@@ -34,6 +36,10 @@ def bucket_for(n: int, buckets: Sequence[int] | None, limit: int) -> int:
         if n <= b <= limit:
             return b
     return n
+
+
+def session_bucket(n: int) -> int:
+    return next((b for b in SESSION_BUCKETS if b >= n), -(-n // SESSION_BUCKETS[-1]) * SESSION_BUCKETS[-1])
 
 
 def unpack(packed: torch.Tensor, fields: Sequence[tuple[str, int]]) -> dict[str, torch.Tensor]:
@@ -140,14 +146,19 @@ class GraphedStep:
 
 class StepGraphs:
     """The graphed steps of one cache set, keyed by what fixes their shapes (bucket, extents), each built
-    on first use (``make(key)`` returns ``(fn, inputs)``). :meth:`invalidate` drops them all: call it
-    whenever a buffer they read or write is reallocated (a graph holds raw device pointers)."""
+    on first use (``make(key)`` returns ``(fn, inputs)``) with its static packed input (:meth:`stage`).
+    :meth:`invalidate` / :meth:`drop` forget them: call them whenever a buffer they read or write is
+    reallocated (a graph holds raw device pointers)."""
 
     def __init__(self, options: GraphOptions, pool=None):
         self.options = options
         self.pool = pool
         self.steps: dict[Hashable, GraphedStep] = {}
         self.captures = 0  # how many graphs were recorded (or, eagerly, steps built)
+        self.inputs: dict[Hashable, tuple] = {}  # key -> (device input, pinned staging, its numpy view)
+        # A step that ends with no host sync may still be copying out of the pinned staging when the next
+        # step of its key rewrites it: such a step leaves an event to wait on.
+        self.unsynced: dict[Hashable, torch.cuda.Event] = {}
 
     def get(self, key: Hashable, make: Callable[[Hashable], tuple[Callable, Sequence[torch.Tensor]]]) -> GraphedStep:
         step = self.steps.get(key)
@@ -158,5 +169,37 @@ class StepGraphs:
             self.captures += 1
         return step
 
+    def stage(self, key: Hashable, packed: np.ndarray, device: torch.device, syncs: bool) -> torch.Tensor:
+        """``packed`` copied into ``key``'s static device input (made on first use) through pinned staging;
+        ``syncs``: whether the step ends with a host sync."""
+        if key not in self.inputs:
+            staging = torch.zeros(len(packed), dtype=torch.long, pin_memory=device.type == "cuda")
+            self.inputs[key] = (torch.zeros(len(packed), dtype=torch.long, device=device), staging, staging.numpy())
+        static, staging, view = self.inputs[key]
+        pending = self.unsynced.pop(key, None)
+        if pending is not None:
+            pending.synchronize()
+        view[:] = packed
+        static.copy_(staging, non_blocking=True)
+        if not syncs and device.type == "cuda":
+            self.unsynced[key] = torch.cuda.Event()
+            self.unsynced[key].record()
+        return static
+
+    def drop(self, key: Hashable) -> None:
+        self.steps.pop(key, None)
+        self.inputs.pop(key, None)
+        self.unsynced.pop(key, None)
+
     def invalidate(self) -> None:
         self.steps.clear()
+        self.inputs.clear()
+        self.unsynced.clear()
+
+
+def eager_step(fn: Callable, packed: np.ndarray, device: torch.device) -> GraphedStep:
+    """An uncaptured step ``fn(packed input)``, its input copied to ``device`` once (pinned, asynchronously)."""
+    t = torch.from_numpy(packed)
+    if device.type != "cpu":
+        t = t.pin_memory().to(device, non_blocking=True)
+    return GraphedStep(lambda: fn(t), (), capture=False)

@@ -26,6 +26,19 @@ def page_rows(pages: Sequence[int], page: int) -> np.ndarray:
     return (np.asarray(pages, dtype=np.int64)[:, None] * page + np.arange(page)).reshape(-1)
 
 
+def whole_pages(n: int, page: int) -> int:
+    """``n`` rows rounded up to whole pages (at least one page)."""
+    return max(page, -(-n // page) * page)
+
+
+def give_back(held: Sequence[tuple]) -> None:
+    """Each ``(pool, pages)``'s pages back to its pool, the list emptied (idempotent: a finalizer)."""
+    for pool, pages in held:
+        if pages:
+            pool.give(pages)
+            pages.clear()
+
+
 class Storage:
     """How one layer's K (or V) rows are stored: exact, in the compute dtype."""
 
@@ -46,13 +59,13 @@ class Storage:
 
 class PagePool:
     """The rows of one layer kind's K and V, handed out in pages. ``shapes``: layer index -> (kv_heads,
-    head_dim); ``storage``: layer index -> :class:`Storage`; ``keys[i]`` / ``values[i]``: layer ``i``'s
-    stored tensors, each ``[kv_heads, rows, width]``."""
+    head_dim); ``storage``: layer index -> :class:`Storage` (None: every layer exact); ``keys[i]`` /
+    ``values[i]``: layer ``i``'s stored tensors, each ``[kv_heads, rows, width]``."""
 
-    def __init__(self, shapes: dict, storage: dict, device, dtype, page: int = PAGE, chunk: int = CHUNK_PAGES):
+    def __init__(self, shapes: dict, device, dtype, page: int = PAGE, chunk: int = CHUNK_PAGES, storage=None):
         if page < 1 or chunk < 1:
             raise ValueError(f"page and chunk must be >= 1, got {page}, {chunk}")
-        self.shapes, self.storage = shapes, storage
+        self.shapes, self.storage = shapes, storage or {i: Storage() for i in shapes}
         self.device, self.dtype, self.page, self.chunk = device, dtype, page, chunk
         self.keys: dict[int, list[torch.Tensor]] = {i: [] for i in shapes}
         self.values: dict[int, list[torch.Tensor]] = {i: [] for i in shapes}
@@ -99,6 +112,17 @@ class PagePool:
                 self._grow(n - len(self.free))
             return [heapq.heappop(self.free) for _ in range(n)]
 
+    def hold(self, pages: list[int], positions: int) -> None:
+        """``pages`` (one session's, position-ordered) extended to hold ``positions`` positions."""
+        need = -(-positions // self.page) - len(pages)
+        if need > 0:
+            pages.extend(self.take(need))
+
+    def position_rows(self, pages: Sequence[int], lo: int, hi: int) -> np.ndarray:
+        """Pool rows of positions ``lo .. hi`` held in order by ``pages``."""
+        p = np.arange(lo, hi)
+        return np.asarray(pages, dtype=np.int64)[p // self.page] * self.page + p % self.page
+
     def give(self, pages: Sequence[int]) -> None:
         """Pages a session no longer holds, back for the next one."""
         with self.lock:
@@ -108,9 +132,7 @@ class PagePool:
     def scratch(self, n: int) -> np.ndarray:
         """Rows of the first ``n`` scratch slots: a batched step's own rows, held by no session (pages taken on
         first need, then kept for every step)."""
-        need = -(-n // self.page) - len(self.scratch_pages)
-        if need > 0:
-            self.scratch_pages.extend(self.take(need))
+        self.hold(self.scratch_pages, n)
         return page_rows(self.scratch_pages, self.page)[:n]
 
     @torch.inference_mode()  # inference tensors, whichever thread or mode first asks for pages

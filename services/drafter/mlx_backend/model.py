@@ -6,6 +6,11 @@ and the *block* ``[last committed token, mask, ...]``. Embedding and LM head are
 from it). "Gap-B": the block embedding is the target's RAW embedding row x ``input_embedding_scale``, never Gemma's
 sqrt(hidden) (the ``dflash`` reference's MLX ``bind()`` differs; its torch code and training do not). Parameter names
 follow the reference layout, so published safetensors load with ``load_weights(strict=True)``.
+
+A DFlash2 config (``DFlash2DraftModel``) adds the parts at the end, with the torch module's semantics
+(``drafter/torch_backend/dflash2.py``, which says what DFlash2 adds): each layer's two block convolutions
+(:func:`backend.conv_layer` runs such a layer) and the model's candidate selector (:func:`realized_rows`); its block
+forward and context caches are the DFlash ones.
 """
 
 from __future__ import annotations
@@ -24,17 +29,7 @@ from kakeya.checkpoints.layout import find_text_tensors, shard_files
 from kakeya.drafter import backend, context
 from kakeya.drafter.backend import KV, aux_rows, bind, extend_and_draft, scale_embedding, scale_logits
 from kakeya.drafter.config import DFlashConfig
-from kakeya.drafter.context import (
-    DEFAULT_STEP,
-    Append,
-    BlockView,
-    ContextLayout,
-    Segment,
-    block_segments,
-    draft_rows,
-    split_rows,
-)
-from kakeya.drafter.mlx_backend import dflash2
+from kakeya.drafter.context import DEFAULT_STEP, block_segments, draft_rows, split_rows
 
 
 class MLP(nn.Module):
@@ -72,7 +67,7 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         return self.q_norm(self.q_proj(x).reshape(B, L, self.spec.n_heads, -1)).transpose(0, 2, 1, 3)
 
-    def __call__(self, x: mx.array, segments: Sequence[Segment], rope: nn.Module) -> mx.array:
+    def __call__(self, x: mx.array, segments: Sequence[context.Segment], rope: nn.Module) -> mx.array:
         """Block rows ``x`` [1, L, dim], several sessions' blocks in a row: each segment's rows are
         rotated at its own positions and attend to its own ``visible context ++ block``."""
         B, L, _ = x.shape
@@ -96,11 +91,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.dflash2 is not None:  # DFlash2: a block convolution around attention and MLP
-            dflash2.add_convs(self, config)
+            f, hidden = config.dflash2, config.hidden_size
+            self.attention_conv = GroupedConv(hidden, f.conv_kernel_size, f.conv_group_size)
+            self.mlp_conv = GroupedConv(hidden, f.conv_kernel_size, f.conv_group_size)
 
-    def __call__(self, x: mx.array, segments: Sequence[Segment], rope: nn.Module, lanes=None) -> mx.array:
-        if lanes is not None:
-            return dflash2.conv_layer(self, x, segments, rope, lanes)
+    def __call__(self, x: mx.array, segments: Sequence[context.Segment], rope: nn.Module, lanes=None) -> mx.array:
+        if lanes is not None:  # DFlash2
+            return backend.conv_layer(self, x, lanes, lambda rows: self.self_attn(rows[None], segments, rope)[0])
         h = x + self.self_attn(self.input_layernorm(x), segments, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -109,12 +106,12 @@ class LayerKV:
     """One layer's context K/V: ``[1, n_kv, capacity, hd]`` buffers, rows planned by its layout. A block
     attends over ``visible context ++ block`` (MLX arrays are values: writing the block in buys nothing)."""
 
-    def __init__(self, layout: ContextLayout):
+    def __init__(self, layout: context.ContextLayout):
         self.layout = layout
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
 
-    def append(self, plan: Append, k: mx.array, v: mx.array) -> None:
+    def append(self, plan: context.Append, k: mx.array, v: mx.array) -> None:
         r = plan.resize
         if r is not None:
             B, H, _, D = k.shape
@@ -143,7 +140,7 @@ class LayerKV:
         mx.eval(k, v)
         return k, v
 
-    def with_block(self, view: BlockView, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+    def with_block(self, view: context.BlockView, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         if view.n_ctx == 0:
             return k, v
         ck, cv = self.keys[..., view.start : view.stop, :], self.values[..., view.start : view.stop, :]
@@ -175,13 +172,8 @@ class TargetHead:
         embed_quant: dict | None = None,
         head_quant: dict | None = None,
     ):
-        self.embed = embed
-        self.embed_quant = embed_quant
-        if head is None:  # tied
-            self.head, self.head_quant = embed, embed_quant
-        else:
-            self.head, self.head_quant = head, head_quant
-        self.tied = head is None
+        self.embed, self.embed_quant, self.tied = embed, embed_quant, head is None
+        self.head, self.head_quant = (embed, embed_quant) if self.tied else (head, head_quant)
 
     @property
     def vocab_size(self) -> int:
@@ -244,8 +236,13 @@ class DFlashDraftModel(nn.Module):
             max_position_embeddings=config.max_position_embeddings,
         )
         self.target: TargetHead | None = None
-        if config.dflash2 is not None:  # DFlash2: its drafts are a walk over each row's top candidates
-            self.candidate_selector = dflash2.selector(config)
+        f = config.dflash2
+        if f is not None:  # DFlash2: its drafts are a walk over each row's top candidates
+            if f.selector_top_k > config.vocab_size:
+                raise ValueError(f"dflash_config.selector_top_k {f.selector_top_k} > vocab_size {config.vocab_size}")
+            self.candidate_selector = CandidateSelector(
+                config.hidden_size, config.vocab_size, f.selector_rank, f.selector_top_k
+            )
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -295,8 +292,8 @@ class DFlashDraftModel(nn.Module):
         return mx.zeros((n, self.config.aux_width), dtype=self.dtype)
 
     def context_kv(self, auxs: Sequence[mx.array], offsets: Sequence[int]) -> list[list[KV]]:
-        """Per aux, every layer's ``(k, v)`` ``[1, n_kv, n_i, head_dim]`` of ``auxs[i]`` [n_i, aux_width] at positions
-        ``offsets[i]..``: ``fc``, ``hidden_norm`` and the projections once over all rows, RoPE per aux (lazy)."""
+        """``DraftModel.context_kv``: ``fc``, ``hidden_norm`` and the projections once over all rows, then RoPE
+        per aux (lazy)."""
         rows = auxs[0] if len(auxs) == 1 else mx.concatenate(list(auxs))
         h = self.hidden_norm(self.fc(rows.astype(self.dtype)[None]))
         kv = [layer.self_attn.project_kv(h) for layer in self.layers]
@@ -304,9 +301,7 @@ class DFlashDraftModel(nn.Module):
         return [[(self.rope(k, offset=o), v) for k, v in part] for o, part in zip(offsets, parts)]
 
     def block_logits(self, blocks: Sequence[tuple[ContextKVCache, Sequence[int]]]) -> mx.array:
-        """Logits ``[sum (B_i - 1), vocab]`` of positions ``1..B_i-1`` of every ``(cache, block ids)``
-        (lazy): ONE forward over the blocks' rows in a row, each block attending to ``its visible
-        context ++ itself`` with its own mask."""
+        """``DraftModel.block_logits`` (lazy): each block attends to ``its visible context ++ itself``, its own mask."""
         ids = mx.array([t for _, block in blocks for t in block], dtype=mx.int32)
         sized = [(cache, len(block)) for cache, block in blocks]
         specs = [layer.self_attn.spec for layer in self.layers]
@@ -317,9 +312,9 @@ class DFlashDraftModel(nn.Module):
             x = layer(x, segments, self.rope, lanes_mx)
         h = self.norm(x[0])
         rows = h[1:] if len(blocks) == 1 else h[mx.array(draft_rows(n for _, n in sized), dtype=mx.int32)]
-        if lanes is not None:  # DFlash2: the walk's realized rows (``dflash2.py``)
+        if lanes is not None:  # DFlash2: the walk's realized rows
             flat = [t for _, block in blocks for t in block]
-            return dflash2.realized_rows(self, rows, flat, lanes, np.asarray(draft_rows(n for _, n in sized)))
+            return realized_rows(self, rows, flat, lanes, np.asarray(draft_rows(n for _, n in sized)))
         return self.compute_logits(rows)
 
     def draft_step(self, extensions, blocks, greedy: bool, keep_logits: bool):
@@ -348,10 +343,10 @@ class DFlashDraftModel(nn.Module):
         mx.synchronize()
 
 
-def _index_tensors(target_dir: Path) -> dict[str, mx.array]:
-    """Lazy name -> array map over the target's safetensors (nothing is read yet)."""
+def _index_tensors(directory: Path) -> dict[str, mx.array]:
+    """Lazy name -> array map over a checkpoint's safetensors (nothing is read yet)."""
     out: dict[str, mx.array] = {}
-    for f in shard_files(target_dir):
+    for f in shard_files(directory):
         out.update(mx.load(str(f)))  # lazy: only tensors that are used get read
     return out
 
@@ -399,9 +394,7 @@ def load_target_head(target_dir: str | Path, dtype: mx.Dtype | None = None) -> T
 def load_draft_model(draft_dir: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraftModel:
     draft_dir = Path(draft_dir)
     config = DFlashConfig.from_dir(draft_dir)
-    weights: dict[str, mx.array] = {}
-    for f in shard_files(draft_dir):
-        weights.update(mx.load(str(f)))
+    weights = _index_tensors(draft_dir)
     if dtype is not None:
         weights = {k: v.astype(dtype) for k, v in weights.items()}
     model = DFlashDraftModel(config)
@@ -415,3 +408,75 @@ def load_dflash_mlx(draft_dir: str | Path, target_dir: str | Path, dtype: mx.Dty
     """Load the DFlash draft and bind the target's embedding/LM head, cast to the draft's dtype (or ``dtype``)."""
     model = load_draft_model(draft_dir, dtype)
     return bind(model, load_target_head(target_dir, dtype=model.dtype))
+
+
+# -- DFlash2 ---------------------------------------------------------------------------------------------
+
+
+class GroupedConv(nn.Module):
+    """``base_kernel`` [2 sides, taps, hidden] plus per-row deltas from ``kernel_projection``."""
+
+    def __init__(self, hidden: int, taps: int, group: int):
+        super().__init__()
+        self.taps, self.group = taps, group
+        self.base_kernel = mx.zeros((2, taps, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * taps * (hidden // group), bias=False)
+
+    def deltas(self, a: mx.array) -> mx.array:
+        """Per-row coefficient deltas [rows, 2, taps, hidden] of normed rows ``a`` [rows, hidden]."""
+        d = self.kernel_projection(a).reshape(a.shape[0], 2, self.taps, -1)
+        return mx.repeat(d, self.group, axis=-1)
+
+    def apply(self, x: mx.array, deltas: mx.array, side: int, lanes: mx.array) -> mx.array:
+        """Rows ``x`` [rows, hidden] convolved causally within their blocks (``lanes``: each row's index
+        in its block; a tap reaching before the block's first row contributes nothing)."""
+        coeff = self.base_kernel[side] + deltas[:, side]
+        out = coeff[:, 0] * x
+        for tap in range(1, self.taps):
+            shifted = mx.pad(x[:-tap], [(tap, 0), (0, 0)])
+            out = out + coeff[:, tap] * shifted * (lanes >= tap).astype(x.dtype)[:, None]
+        return out
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, hidden: int, vocab: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = mx.zeros((vocab, rank))
+        self.successor_codebook = mx.zeros((vocab, rank))
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+
+    def scores(self, h: mx.array, cand: mx.array, unary: mx.array, pred_ids: mx.array) -> mx.array:
+        """Edge scores [rows, k predecessors, k candidates] (float32)."""
+        g = self.hidden_projection(h).astype(mx.float32)
+        pred = self.predecessor_codebook[pred_ids].astype(mx.float32) * g[:, None]
+        succ = self.successor_codebook[cand].astype(mx.float32)
+        return unary[:, None, :] + pred @ succ.transpose(0, 2, 1)
+
+
+def realized_rows(model, h: mx.array, flat: list[int], lanes: np.ndarray, rows: np.ndarray) -> mx.array:
+    """The walk's realized rows [drafted rows, vocab] (lazy) of final-norm hidden rows ``h`` [rows, hidden]
+    at block rows ``rows`` (block tokens ``flat``, each row's index in its block ``lanes``)."""
+    before = rows - 1
+    ids = np.asarray(flat)[before]
+    # the token before each drafted row is known (the block's first, or a pre-draft's pending one)
+    known_np = (lanes[before] == 0) | (ids != model.config.mask_token_id)
+    logits = model.compute_logits(h).astype(mx.float32)
+    k = model.candidate_selector.top_k
+    part = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
+    vals = mx.take_along_axis(logits, part, axis=-1)
+    order = mx.argsort(-vals, axis=-1)  # likeliest first, as a top-k hands them over
+    cand, unary = mx.take_along_axis(part, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+    known = mx.array(known_np)
+    prev_cand = mx.concatenate([cand[:1], cand[:-1]])
+    pred_ids = mx.where(known[:, None], mx.broadcast_to(mx.array(ids)[:, None], cand.shape), prev_cand)
+    scores = model.candidate_selector.scores(h, cand, unary, pred_ids)
+    at = mx.arange(scores.shape[0])
+    choice = mx.zeros(scores.shape[0], dtype=mx.int32)
+    prev = choice
+    runs = np.diff(np.flatnonzero(np.append(known_np, True)))  # drafted rows from each known token on
+    for _ in range(int(runs.max(initial=1))):  # each pass settles one more row of every run
+        prev = mx.where(known, 0, mx.concatenate([choice[:1], choice[:-1]]))
+        choice = mx.argmax(scores[at, prev], axis=-1).astype(mx.int32)
+    realized = mx.full(logits.shape, -mx.inf, dtype=mx.float32)
+    return mx.put_along_axis(realized, cand, scores[at, prev], axis=-1)

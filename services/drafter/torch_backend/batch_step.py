@@ -6,11 +6,9 @@ grows: a session (:class:`PooledContext`) holds its full-attention context as pa
 ``ring >= sliding_window - 1`` slots. A step writes each block's K/V into the pools' *scratch* rows, never a session's
 pages, so several blocks of one session (a pre-draft's) run in one step and the context holds committed positions only.
 
-A step (:func:`run`) projects every extension's new aux rows at once, runs the blocks' row-wise ops once over all rows,
-and per layer ONE K/V write and ONE attention call through a padded ``[blocks, context slots + block lanes]`` table
-(masks built on the device from positions), then the greedy tokens in ONE host sync. Shapes depend only on
-:class:`Shape`: with ``static_extent`` (CUDA) everything is padded to buckets and ``StepGraphs`` captures one graph per
-shape (padded rows write the trash row and see one real key: a softmax over none is NaN); eagerly sizes are exact.
+A step (:func:`run`) projects every extension's new aux rows at once, then runs as the verifier's step does
+(``verifier/torch_backend/batch_step.py``: shapes fixed by :class:`Shape`, captured per shape with ``static_extent``)
+over a padded ``[blocks, context slots + block lanes]`` table, then the greedy tokens in ONE host sync.
 """
 
 from __future__ import annotations
@@ -23,14 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kakeya.backends.torch.graphs import BUCKETS, GraphedStep, StepGraphs, bucket_for, unpack
+from kakeya.backends.torch.graphs import BUCKETS, StepGraphs, bucket_for, eager_step, session_bucket, unpack
 from kakeya.backends.torch.ops import rope_from_positions, sdpa, sdpa_backends
-from kakeya.backends.torch.pages import CHUNK_PAGES, PAGE, TRASH_PAGE, PagePool, Storage, page_rows
+from kakeya.backends.torch.pages import CHUNK_PAGES, PAGE, TRASH_PAGE, PagePool, give_back, page_rows, whole_pages
 from kakeya.core.contract import SLIDING
 from kakeya.core.request import MAX_BLOCK_SIZE
 from kakeya.drafter.context import ContextSnapshot
 
-SESSION_BUCKETS = (1, 2, 4, 8, 16)  # blocks a captured step has (beyond 16: multiples of 16)
 LANE_BUCKETS = BUCKETS + (2 * MAX_BLOCK_SIZE,)  # a pre-draft's block: its pending candidates, then a block
 MIN_EXTENT = 256  # full-attention positions a captured step attends over at least (then doubling)
 
@@ -46,10 +43,10 @@ class DraftPool:
         sliding = [i for i, t in enumerate(self.kinds) if t == SLIDING]
         full = [i for i, t in enumerate(self.kinds) if t != SLIDING]
         shapes = lambda layers: {i: (a.n_kv, a.head_dim) for i in layers}
-        make = lambda ls: PagePool(shapes(ls), {i: Storage() for i in ls}, device, dtype, page, chunk) if ls else None
+        make = lambda ls: PagePool(shapes(ls), device, dtype, page, chunk) if ls else None
         self.sliding, self.full = make(sliding), make(full)
         self.keep = int(config.sliding_window) - 1 if sliding else 0  # the context rows a window shows
-        self.ring = max(page, -(-self.keep // page) * page) if sliding else 0
+        self.ring = whole_pages(self.keep, page) if sliding else 0
         self.lock = threading.RLock()
 
     def of(self, i: int) -> PagePool:  # layer ``i``'s pool
@@ -62,10 +59,7 @@ class DraftPool:
 
 def _release(pool: DraftPool, ring: list, full: list) -> None:
     with pool.lock:
-        for p, pages in ((pool.sliding, ring), (pool.full, full)):
-            if pages:
-                p.give(pages)
-                pages.clear()
+        give_back([(pool.sliding, ring), (pool.full, full)])
 
 
 class PooledContext:
@@ -80,18 +74,16 @@ class PooledContext:
 
     def reserve(self, positions: int) -> None:
         """Full pages for ``positions`` positions (taken before a step, never during one)."""
-        need = -(-positions // self.pool.page) - len(self.full_pages)
-        if self.pool.full is not None and need > 0:
+        if self.pool.full is not None:
             with self.pool.lock:
-                self.full_pages.extend(self.pool.full.take(need))
+                self.pool.full.hold(self.full_pages, positions)
 
     def ring_rows(self) -> np.ndarray:  # pool row of every ring slot, in slot order
         return page_rows(self.ring_pages, self.pool.page)
 
     def full_rows(self, lo: int, hi: int) -> np.ndarray:
         """Pool rows of full-attention positions ``lo .. hi`` (pages reserved)."""
-        p = np.arange(lo, hi)
-        return np.asarray(self.full_pages, dtype=np.int64)[p // self.pool.page] * self.pool.page + p % self.pool.page
+        return self.pool.full.position_rows(self.full_pages, lo, hi)
 
     def write_rows(self, start: int, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(ring rows, full rows) where positions ``start .. start+n`` go (one the ring will not hold once
@@ -215,14 +207,6 @@ class Shape:
         return out
 
 
-def session_bucket(n: int) -> int:
-    return next((b for b in SESSION_BUCKETS if b >= n), -(-n // SESSION_BUCKETS[-1]) * SESSION_BUCKETS[-1])
-
-
-def _up(n: int, page: int) -> int:
-    return max(page, -(-n // page) * page)
-
-
 class Batch:
     """The host half of one step: caches' rows planned (their lengths advanced by the extensions), the
     :class:`Shape`, the packed inputs, and how many drafted rows are real."""
@@ -262,7 +246,7 @@ class Batch:
             S_full = MIN_EXTENT if static and N else end
             while S_full < end:
                 S_full *= 2
-            S_full = _up(S_full, page)
+            S_full = whole_pages(S_full, page)
         scratch = {  # taken (the pools may grow) before the generations are read
             kind: p.scratch(Nb * Lb) for kind, p in (("ring", pool.sliding), ("full", pool.full)) if p is not None
         }
@@ -418,41 +402,23 @@ class DraftSteps:
     def __init__(self, model, options, graph_pool=None):
         self.model, self.options = model, options
         self.graphs = StepGraphs(options, graph_pool)
-        self.inputs: dict[Shape, tuple] = {}  # shape -> (device input, pinned staging, its numpy view, aux)
+        self.aux: dict[Shape, torch.Tensor] = {}  # shape -> its static aux input
         self.generation: tuple | None = None
-        # A step that drafts nothing ends with no host sync, so its copy out of the pinned staging may still
-        # be pending when the next step of that shape rewrites it: such a step leaves an event to wait on.
-        self.unsynced: dict[Shape, torch.cuda.Event] = {}
 
-    def __call__(self, batch: Batch, aux: torch.Tensor | None, static: bool) -> GraphedStep:
+    def __call__(self, batch: Batch, aux: torch.Tensor | None, static: bool):
         model, sh = self.model, batch.shape
         if not static:
-            packed = torch.from_numpy(batch.packed)
-            if model.device.type != "cpu":
-                packed = packed.pin_memory().to(model.device, non_blocking=True)
-            return GraphedStep(lambda: draft_step(model, sh, packed, aux), (), capture=False)
+            return eager_step(lambda packed: draft_step(model, sh, packed, aux), batch.packed, model.device)
         if sh.generation != self.generation:  # a pool grew: every kept step reads stale tensors
             self.graphs.invalidate()
-            self.inputs.clear()
-            self.unsynced.clear()
+            self.aux.clear()
             self.generation = sh.generation
-        if sh not in self.inputs:
-            pin = model.device.type == "cuda"
-            staging = torch.zeros(len(batch.packed), dtype=torch.long, pin_memory=pin)
-            device = torch.zeros(len(batch.packed), dtype=torch.long, device=model.device)
-            static_aux = torch.zeros((sh.ext, model.config.aux_width), dtype=model.dtype, device=model.device)
-            self.inputs[sh] = (device, staging, staging.numpy(), static_aux)
-        device, staging, view, static_aux = self.inputs[sh]
-        pending = self.unsynced.pop(sh, None)
-        if pending is not None:
-            pending.synchronize()
-        view[:] = batch.packed
-        device.copy_(staging, non_blocking=True)
+        if sh not in self.aux:
+            self.aux[sh] = torch.zeros((sh.ext, model.config.aux_width), dtype=model.dtype, device=model.device)
+        static_aux = self.aux[sh]
+        device = self.graphs.stage(sh, batch.packed, model.device, syncs=bool(sh.block))
         if aux is not None:
             static_aux[: aux.shape[0]].copy_(aux)  # the rest are padded rows, written to the trash row
-        if not sh.block and model.device.type == "cuda":
-            self.unsynced[sh] = torch.cuda.Event()
-            self.unsynced[sh].record()
         return self.graphs.get(sh, lambda key: (lambda: draft_step(model, key, device, static_aux), ()))
 
 

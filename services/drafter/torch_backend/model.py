@@ -396,20 +396,17 @@ class DFlashDraftModel(nn.Module):
 
     @torch.inference_mode()
     def context_kv(self, auxs: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[list[KV]]:
-        """Per aux, every layer's ``(k, v)`` ``[1, n_kv, n_i, hd]`` of ``auxs[i]`` [n_i, aux_width] at
-        positions ``offsets[i]..``: ``fc``, ``hidden_norm`` and the K/V projection once over all rows."""
+        """``DraftModel.context_kv``: ``fc``, ``hidden_norm`` and the K/V projection once over all rows."""
         rows = auxs[0] if len(auxs) == 1 else torch.cat(list(auxs))
         kv = self.layers_kv(self.context_rows(rows), *self.rope([(o, a.shape[0]) for o, a in zip(offsets, auxs)]))
         return split_rows(kv, [a.shape[0] for a in auxs])
 
     def block_logits(self, blocks: Sequence[tuple[PooledContext, Sequence[int]]]) -> torch.Tensor:
-        """Logits ``[sum (B_i - 1), vocab]`` of positions ``1..B_i-1`` of every ``(cache, block ids)``:
-        one batched step (``batch_step.py``) with no extension."""
+        """``DraftModel.block_logits``: one batched step (``batch_step.py``) with no extension."""
         return batch_step.run(self, [], blocks, greedy=False, keep_logits=True)[1]
 
     def draft_step(self, extensions, blocks, greedy: bool, keep_logits: bool):
-        """Every ``(cache, aux)`` extended and every ``(cache, block ids)`` drafted in ONE step
-        (``batch_step.py``): ``(greedy tokens or None, logits rows or None)``, one host sync."""
+        """``DraftModel.draft_step`` as ONE batched step (``batch_step.py``): extensions and blocks, one host sync."""
         return batch_step.run(self, extensions, blocks, greedy, keep_logits)
 
     def argmax(self, logits: torch.Tensor, caches: Sequence[PooledContext]) -> list[int]:

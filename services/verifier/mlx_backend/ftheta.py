@@ -69,12 +69,6 @@ class FThetaConfig:
     def restored_layers(self) -> tuple[int, ...]:
         return tuple(l.index for l in self.layers if l.restored)
 
-    def spec(self, layer: int) -> LayerSpec:
-        for l in self.layers:
-            if l.index == layer:
-                return l
-        raise KeyError(f"f_theta has no decoder for layer {layer}")
-
     def to_dict(self) -> dict:
         d = asdict(self)
         d["target_layer_ids"] = list(self.target_layer_ids)
@@ -117,11 +111,9 @@ class DraftContext(nn.Module):
         RMS-normalised per head, so both see inputs of a fixed scale whatever the checkpoint."""
         h = self.hidden_norm(self.fc(aux.astype(self.fc.weight.dtype)))
         shape = h.shape[:-1] + (self.kv_heads, self.head_dim)
-        ks, vs = [], []
-        for l in self.layers:
-            ks.append(l.k_norm(l.k_proj(h).reshape(shape)).reshape(h.shape[:-1] + (-1,)))
-            v = mx.fast.rms_norm(l.v_proj(h).reshape(shape), None, self.eps)
-            vs.append(v.reshape(h.shape[:-1] + (-1,)))
+        flat = h.shape[:-1] + (-1,)
+        ks = [l.k_norm(l.k_proj(h).reshape(shape)).reshape(flat) for l in self.layers]
+        vs = [mx.fast.rms_norm(l.v_proj(h).reshape(shape), None, self.eps).reshape(flat) for l in self.layers]
         return mx.concatenate(ks, axis=-1), mx.concatenate(vs, axis=-1)
 
     @classmethod
@@ -132,9 +124,7 @@ class DraftContext(nn.Module):
         for i, layer in enumerate(draft.layers):
             a = layer.self_attn
             weights += [
-                (f"layers.{i}.k_proj.weight", a.k_proj.weight),
-                (f"layers.{i}.v_proj.weight", a.v_proj.weight),
-                (f"layers.{i}.k_norm.weight", a.k_norm.weight),
+                (f"layers.{i}.{name}.weight", getattr(a, name).weight) for name in ("k_proj", "v_proj", "k_norm")
             ]
         ctx.load_weights([(k, v.astype(mx.float32)) for k, v in weights], strict=True)
         ctx.freeze()
@@ -225,11 +215,8 @@ class Restorer:
             sliding = target.layer_types[i] == SLIDING
             if not sliding and not probe_full:
                 continue
-            layers.append(
-                LayerSpec(
-                    i, target.layer_types[i], attn.n_kv_heads, attn.head_dim, bool(attn.use_k_eq_v), restored=sliding
-                )
-            )
+            kind = target.layer_types[i]
+            layers.append(LayerSpec(i, kind, attn.n_kv_heads, attn.head_dim, bool(attn.use_k_eq_v), restored=sliding))
         if not any(l.restored for l in layers):
             raise ValueError("the target has no sliding-attention layers with their own K/V: nothing to restore")
         cfg = FThetaConfig(
@@ -243,7 +230,12 @@ class Restorer:
             draft_rms_norm_eps=dc.rms_norm_eps,
             sliding_window=a.sliding_window,
             layers=tuple(layers),
-            target=_target_facts(target, target_dir),
+            target={
+                "path": str(target_dir or target.path),
+                "model_type": getattr(a, "model_type", "gemma4_text"),
+                "num_hidden_layers": a.num_hidden_layers,
+                "layer_types": list(target.layer_types),
+            },
             draft={"path": str(draft_dir) if draft_dir else None},
         )
         mx.random.seed(seed)
@@ -356,13 +348,3 @@ def _fingerprint(context: DraftContext) -> str:
         h.update(name.encode())
         h.update(np.asarray(a.astype(mx.float32)).tobytes())
     return h.hexdigest()
-
-
-def _target_facts(target, target_dir) -> dict:
-    a = target.args
-    return {
-        "path": str(target_dir or target.path),
-        "model_type": getattr(a, "model_type", "gemma4_text"),
-        "num_hidden_layers": a.num_hidden_layers,
-        "layer_types": list(target.layer_types),
-    }

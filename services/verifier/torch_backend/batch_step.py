@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kakeya.backends.torch.graphs import GraphedStep, StepGraphs, bucket_for, unpack
+from kakeya.backends.torch.graphs import StepGraphs, bucket_for, eager_step, session_bucket, unpack
+from kakeya.backends.torch.pages import whole_pages
 from kakeya.core.contract import FULL, SLIDING
 from kakeya.core.request import MAX_BLOCK_SIZE
 from kakeya.verifier.backend import Forward, Segment
 from kakeya.verifier.torch_backend.pool import runs_of
 
 PAD_ID = 0  # token id of padded rows (their outputs are dropped)
-SESSION_BUCKETS = (1, 2, 4, 8, 16)  # table rows a captured step has (beyond 16: multiples of 16)
 DEFAULT_MIN_EXTENT = 256  # full-attention positions a captured step attends over at least (then doubling)
 
 
@@ -58,14 +58,6 @@ class Shape:
         if self.full:
             out += [("full_write", self.rows), ("full_pages", n * self.full // page), ("end", n)]
         return out
-
-
-def _up(n: int, page: int) -> int:
-    return max(page, -(-n // page) * page)
-
-
-def session_bucket(n: int) -> int:
-    return next((b for b in SESSION_BUCKETS if b >= n), -(-n // SESSION_BUCKETS[-1]) * SESSION_BUCKETS[-1])
 
 
 def poolable(segments: Sequence[Segment]) -> bool:
@@ -105,13 +97,13 @@ class Batch:
             used = max(
                 len(c.ring_pages) * page if opts.static_extent else s.plan.used for c, s in zip(caches, segments)
             )
-            ring = _up(used, page)
+            ring = whole_pages(used, page)
         if c0.full is not None:  # static: a doubling extent from min_extent; eagerly: the positions held
             end = max(s.plan.start + s.plan.n_new for s in segments)
             full = target.min_extent if opts.static_extent else end
             while full < end:
                 full *= 2
-            full = _up(full, page)
+            full = whole_pages(full, page)
         aux = segments[0].aux_layers
         self.uniform_aux = all(s.aux_layers == aux for s in segments)
         if not self.uniform_aux:
@@ -280,41 +272,19 @@ class BatchSteps:
     def __init__(self, target, graph_pool=None):
         self.target = target
         self.graphs = StepGraphs(target.graph_options, graph_pool)
-        self.inputs: dict[Shape, tuple] = {}  # shape -> (device input, pinned staging, its numpy view)
         self.generations: dict[tuple, tuple] = {}  # full pool -> the generations its kept steps read
-        # A step without choices ends with no host sync, so its copy out of the pinned staging may still be
-        # pending when the next step of that shape rewrites it: such a step leaves an event to wait on.
-        self.unsynced: dict[Shape, torch.cuda.Event] = {}
 
     def __call__(self, batch: Batch):
         target, sh = self.target, batch.shape
         if not target.graph_options.static_extent:
-            packed = torch.from_numpy(batch.packed)
-            if target.device.type != "cpu":
-                packed = packed.pin_memory().to(target.device, non_blocking=True)
-            return GraphedStep(lambda: batch_step(target, sh, packed, batch.spans), (), capture=False)
+            return eager_step(lambda packed: batch_step(target, sh, packed, batch.spans), batch.packed, target.device)
         if sh.generation != self.generations.get(sh.full_key):  # a pool grew: graphs that read it are stale
-            stale = [k for k in self.inputs if k.generation[0] != sh.generation[0] or k.full_key == sh.full_key]
-            for k in stale:
-                self.graphs.steps.pop(k, None)
-                self.inputs.pop(k)
-                self.unsynced.pop(k, None)
+            graphs = self.graphs
+            for k in [k for k in graphs.inputs if k.generation[0] != sh.generation[0] or k.full_key == sh.full_key]:
+                graphs.drop(k)
             self.generations = {k: g for k, g in self.generations.items() if g[0] == sh.generation[0]}
             self.generations[sh.full_key] = sh.generation
-        if sh not in self.inputs:
-            pin = target.device.type == "cuda"
-            staging = torch.zeros(len(batch.packed), dtype=torch.long, pin_memory=pin)
-            device = torch.zeros(len(batch.packed), dtype=torch.long, device=target.device)
-            self.inputs[sh] = (device, staging, staging.numpy())
-        device, staging, view = self.inputs[sh]
-        pending = self.unsynced.pop(sh, None)
-        if pending is not None:
-            pending.synchronize()
-        view[:] = batch.packed
-        device.copy_(staging, non_blocking=True)
-        if not sh.choices and target.device.type == "cuda":
-            self.unsynced[sh] = torch.cuda.Event()
-            self.unsynced[sh].record()
+        device = self.graphs.stage(sh, batch.packed, target.device, syncs=sh.choices)
         return self.graphs.get(sh, lambda key: (lambda: batch_step(target, key, device), ()))
 
 

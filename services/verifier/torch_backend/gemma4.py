@@ -356,20 +356,17 @@ class Gemma4Text(nn.Module):
             )
             self.register_buffer("ple_model_proj", torch.empty(n * self.ple, h), persistent=False)
             self.register_buffer("ple_proj_norm", torch.empty(self.ple), persistent=False)
-        self.inv_freq = {t: rope_inv_freq(args.rope_parameters[t], self._hd(t)) for t in set(args.layer_types)}
+        self.inv_freq = {
+            t: rope_inv_freq(args.rope_parameters[t], args.head_dim_of(args.layer_types.index(t)))
+            for t in set(args.layer_types)
+        }
         self._scalars: dict = {}
-
-    def _hd(self, layer_type: str) -> int:
-        i = self.args.layer_types.index(layer_type)
-        return self.args.head_dim_of(i)
 
     def rope(self, pos: torch.Tensor, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per layer type, ``cos``/``sin`` ``[L, 1, D]`` at the positions ``pos`` [L] (a device tensor)."""
-        out = {}
-        for t, inv in self.inv_freq.items():
-            cos, sin = rope_from_positions(inv, pos, dtype)
-            out[t] = (cos[:, None, :], sin[:, None, :])
-        return out
+        return {
+            t: tuple(c[:, None, :] for c in rope_from_positions(inv, pos, dtype)) for t, inv in self.inv_freq.items()
+        }
 
     def scalars(self, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding scales as 0-d tensors in ``dtype`` (rounded there, as in transformers), made once."""
@@ -398,25 +395,21 @@ class Gemma4Text(nn.Module):
         """Run ``ids`` [1, T] at positions ``pos`` [T] (a device tensor) through the body; no LM head: the
         final-norm hidden states [1, T, H] and each aux layer's output [1, T, H]. The one layer loop of every
         forward: where each layer's K/V go and what its queries attend over is ``attention``'s."""
-        with sdpa_backends():
-            return self._forward(ids, pos, attention, aux_layers)
-
-    def _forward(self, ids, pos, attention: Attend, aux_layers) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         x = F.embedding(ids, self.embed)
         x = x * self.scalars(x.dtype, x.device)[0]
         pli = self.per_layer_inputs(ids, x) if self.ple else None
         rope = self.rope(pos, x.dtype)
         saved = dict.fromkeys(aux_layers)
         kvs: list = [None] * len(self.layers)
-        n_cached = self.args.n_cached
-        for i, layer in enumerate(self.layers):
-            cos, sin = rope[layer.layer_type]
-            shared = kvs[self.previous_kvs[i]] if i >= n_cached else None
-            q, k, v = layer.qkv(x, cos, sin, shared is None)
-            a, kvs[i] = attention(i, layer, q, k, v, shared)
-            x = layer.after_attention(x, layer.attn.output(a), None if pli is None else pli[:, :, i])
-            if i in saved:
-                saved[i] = x
+        with sdpa_backends():
+            for i, layer in enumerate(self.layers):
+                cos, sin = rope[layer.layer_type]
+                shared = kvs[self.previous_kvs[i]] if i >= self.args.n_cached else None
+                q, k, v = layer.qkv(x, cos, sin, shared is None)
+                a, kvs[i] = attention(i, layer, q, k, v, shared)
+                x = layer.after_attention(x, layer.attn.output(a), None if pli is None else pli[:, :, i])
+                if i in saved:
+                    saved[i] = x
         return gemma4_rms_norm(x, self.norm, self.args.rms_norm_eps), saved
 
     def compile_layers(self) -> None:

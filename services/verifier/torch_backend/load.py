@@ -47,8 +47,7 @@ def load_gemma4(path: str | Path, device: torch.device, dtype: torch.dtype) -> G
 
 
 def _load_weights(model: Gemma4Text, rd: _Reader, prefix: str, head: str | None) -> None:
-    a = model.args
-    p = prefix
+    a, p = model.args, prefix
     model.embed = rd.get(p + "embed_tokens.weight")
     model.norm = rd.get(p + "norm.weight")
     if head is not None and not a.tie_word_embeddings:
@@ -62,8 +61,7 @@ def _load_weights(model: Gemma4Text, rd: _Reader, prefix: str, head: str | None)
         model.ple_model_proj = rd.get(p + "per_layer_model_projection.weight")
         model.ple_proj_norm = rd.get(p + "per_layer_projection_norm.weight")
     for i, layer in enumerate(model.layers):
-        lp = f"{p}layers.{i}."
-        at = layer.attn
+        lp, at = f"{p}layers.{i}.", layer.attn
         ws = [rd.get(lp + "self_attn.q_proj.weight")]
         if at.has_kv:
             ws.append(rd.get(lp + "self_attn.k_proj.weight"))

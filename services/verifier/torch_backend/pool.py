@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from kakeya.backends.torch.pages import CHUNK_PAGES, PAGE, PagePool, Storage, page_rows
+from kakeya.backends.torch.pages import CHUNK_PAGES, PAGE, PagePool, Storage, give_back, page_rows
 from kakeya.core.contract import SLIDING
 from kakeya.verifier.backend import SessionCaches
 from kakeya.verifier.layout import ForwardPlan, RingLayout
@@ -80,13 +80,14 @@ class KVPool:
         kinds = list(args.layer_types[: args.n_cached])
         self.sliding_layers = [i for i, t in enumerate(kinds) if t == SLIDING]
         self.full_layers = [i for i, t in enumerate(kinds) if t != SLIDING]
-        self.sliding = self._pool(self.sliding_layers, lambda i: Storage()) if self.sliding_layers else None
+        self.sliding = self._pool(self.sliding_layers) if self.sliding_layers else None
         self.fulls: dict[tuple, PagePool] = {}
         self.lock = threading.RLock()
 
-    def _pool(self, layers: list[int], storage) -> PagePool:
+    def _pool(self, layers: list[int], storage=None) -> PagePool:
         shapes = {i: (self.args.kv_heads_of(i), self.args.head_dim_of(i)) for i in layers}
-        return PagePool(shapes, {i: storage(i) for i in layers}, self.device, self.dtype, self.page, self.chunk)
+        stores = {i: storage(i) for i in layers} if storage else None
+        return PagePool(shapes, self.device, self.dtype, self.page, self.chunk, stores)
 
     def full(self, bits: int = 0, group: int = 64) -> PagePool | None:
         """The full pool of one storage (made on first use; None: the model has no full layers)."""
@@ -96,11 +97,7 @@ class KVPool:
         with self.lock:
             if key not in self.fulls:
                 args = self.args
-                storage = (
-                    (lambda i: QuantizedStorage(bits, min(group, args.head_dim_of(i))))
-                    if bits
-                    else (lambda i: Storage())
-                )
+                storage = (lambda i: QuantizedStorage(bits, min(group, args.head_dim_of(i)))) if bits else None
                 self.fulls[key] = self._pool(self.full_layers, storage)
             return self.fulls[key]
 
@@ -115,13 +112,6 @@ class KVPool:
         finally:
             for p in reversed(pools):
                 p.lock.release()
-
-
-def _release(pools_pages: list) -> None:
-    for pool, pages in pools_pages:
-        if pages:
-            pool.give(pages)
-            pages.clear()
 
 
 def runs_of(plan: ForwardPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -154,7 +144,7 @@ class PooledCaches(SessionCaches):
         self.last_logits: torch.Tensor | None = None  # the latest greedy step's logits rows (tests read them)
         self._plan_rows: tuple | None = None  # (plan, device write indices) of the dynamic forward running
         self._release = weakref.finalize(
-            self, _release, [(self.sliding, self.ring_pages), (self.full, self.full_pages)]
+            self, give_back, [(self.sliding, self.ring_pages), (self.full, self.full_pages)]
         )
 
     def ring_rows(self) -> np.ndarray:
@@ -165,16 +155,12 @@ class PooledCaches(SessionCaches):
         """Pool rows of full-attention positions ``lo .. hi`` (pages reserved)."""
         if self.full is None:
             return np.zeros(0, np.int64)
-        p = np.arange(lo, hi)
-        return np.asarray(self.full_pages, dtype=np.int64)[p // self.page] * self.page + p % self.page
+        return self.full.position_rows(self.full_pages, lo, hi)
 
     def reserve(self, positions: int) -> None:
         """Pages for ``positions`` full-attention positions (taken before a step, never during one)."""
-        if self.full is None:
-            return
-        need = -(-positions // self.page) - len(self.full_pages)
-        if need > 0:
-            self.full_pages.extend(self.full.take(need))
+        if self.full is not None:
+            self.full.hold(self.full_pages, positions)
 
     def release(self) -> None:
         """Every page back to its pool (the session is closed); idempotent."""
@@ -232,9 +218,6 @@ class _PooledLayer:
 
     def __init__(self, caches: PooledCaches, i: int):
         self.caches, self.i = caches, i
-
-    def arrays(self) -> list:
-        return []
 
 
 class PooledRing(_PooledLayer):

@@ -4,8 +4,8 @@ The model is ``gemma4.py`` (weights: ``load.py``). Every session's K/V are pages
 forward of one or many sessions' blocks runs as one batched step over them (``batch_step.py``: graphs per shape on CUDA,
 the same step eagerly elsewhere), except a prefill chunk longer than the ring's slack, which writes and reads the same
 pages one segment at a time (:class:`SegmentAttention`, the ``Attend`` it hands ``Gemma4Text.forward``). What only torch
-has (random weights, the plain reference decode over :class:`FullKVCache` and :class:`IndexedAttention`) comes last;
-f_theta restoration is MLX-only.
+has (random weights) comes last; f_theta restoration is MLX-only. The plain reference decode the tests hold it to is
+``tests/policy_reference.py``'s ``torch_greedy``.
 """
 
 from __future__ import annotations
@@ -54,43 +54,6 @@ class SegmentAttention:
             aux = torch.cat([saved[i][0, lo:hi] for i in s.aux_layers], dim=-1) if s.aux_layers else None
             out.append(Forward(hidden[:, lo:hi], aux))
         return out
-
-
-class IndexedAttention:
-    """Every layer of a kind writes its K/V at one index tensor and attends over one extent (``where``: layer type ->
-    ``(index [L], extent)``; ``masks``: layer type -> bool ``[L, extent]`` or None)."""
-
-    def __init__(self, caches: Sequence, where: dict, masks: dict):
-        self.caches, self.where, self.masks = caches, where, masks
-
-    def __call__(self, i: int, layer, q: torch.Tensor, k, v, shared):
-        t = layer.layer_type
-        kv = shared if shared is not None else self.caches[i].fetch_at(*self.where[t], k, v)
-        return layer.attn.attend(q, *kv, self.masks[t], 1.0), kv
-
-
-class FullKVCache:
-    """One layer's exact K/V of every position ``[1, kv_heads, slots, head_dim]``, grown in 256-slot steps
-    to at least double (O(log n) moves): the plain reference decode's, no ring, no pool."""
-
-    keys = values = None
-
-    def reserve(self, n: int, keep: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Room for ``n`` positions, the first ``keep`` kept (``keys``/``values``: this layer's, for shape)."""
-        cap = 0 if self.keys is None else self.keys.shape[2]
-        if n <= cap:
-            return
-        size = (max(n, 2 * cap) + 255) // 256 * 256
-        new = [t.new_zeros((*t.shape[:2], size, t.shape[-1])) for t in (keys, values)]
-        if self.keys is not None:
-            new[0][:, :, :keep], new[1][:, :, :keep] = self.keys[:, :, :keep], self.values[:, :, :keep]
-        self.keys, self.values = new
-
-    def fetch_at(self, positions: torch.Tensor, extent: int, keys: torch.Tensor, values: torch.Tensor):
-        """``keys``/``values`` written at ``positions`` (room reserved), then the first ``extent`` positions."""
-        self.keys.index_copy_(2, positions, keys)
-        self.values.index_copy_(2, positions, values)
-        return self.keys[:, :, :extent], self.values[:, :, :extent]
 
 
 class TargetTorch:
@@ -179,8 +142,7 @@ class TargetTorch:
 
     @torch.inference_mode()
     def verify_segments(self, segments: Sequence[Segment], greedy: Sequence[bool]):
-        """``StaticVerify.verify_segments``: one batched step, the greedy choices of every greedy segment
-        in one argmax and one host sync."""
+        """``StaticVerify.verify_segments``: one batched step (a step that cannot take them: one by one)."""
         if not poolable(segments):
             outs = self._segment_forward(segments)
             return outs, greedy_rows(self, outs, greedy)
@@ -192,8 +154,9 @@ class TargetTorch:
         with self.pool.stepping():
             for s in segments:
                 s.caches.reserve(s.plan.start + s.plan.n_new)
-            ids = self._ids([t for s in segments for t in s.ids])
-            pos = [self._positions(s.plan.start, len(s.ids)) for s in segments]
+            ids = [[t for s in segments for t in s.ids]]
+            ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+            pos = [torch.arange(s.plan.start, s.plan.start + len(s.ids), device=self.device) for s in segments]
             attention = SegmentAttention(segments, [self._masks(s.plan) for s in segments])
             aux_layers = {i for s in segments for i in s.aux_layers}
             hidden, saved = self.model(ids, pos[0] if len(pos) == 1 else torch.cat(pos), attention, aux_layers)
@@ -233,13 +196,6 @@ class TargetTorch:
         with self.pool.stepping():
             caches.load(saved, positions)
 
-    def kv_like(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A one-position K/V of cached layer ``i`` (shape, dtype, device) to size its buffers."""
-        t = torch.zeros(
-            (1, self.args.kv_heads_of(i), 1, self.args.head_dim_of(i)), dtype=self.dtype, device=self.device
-        )
-        return t, t
-
     def _masks(self, plan: ForwardPlan) -> dict:
         """Per layer type, what a dynamic forward's queries attend to (None: everything fetched)."""
         masks = {FULL: self._full_mask(plan.start, plan.n_new)}
@@ -247,12 +203,6 @@ class TargetTorch:
             m = plan.mask
             masks[SLIDING] = None if m.all() else torch.from_numpy(m).to(self.device, non_blocking=True)
         return masks
-
-    def _positions(self, start: int, n: int) -> torch.Tensor:
-        return torch.arange(start, start + n, device=self.device)
-
-    def _ids(self, ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor([list(ids)], dtype=torch.long).to(self.device, non_blocking=True)
 
     def _full_mask(self, start: int, n: int) -> torch.Tensor | None:
         if n == 1:
@@ -291,30 +241,6 @@ class TargetTorch:
         model.fuse_norms()
         model.eval()
         return cls(model, None, **options)
-
-    def greedy_reference(self, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """Token-by-token greedy AR on plain full caches (no ring, no rollback): a test oracle."""
-        caches = [FullKVCache() for _ in range(self.n_cached)]
-        hidden = self._plain_forward(prompt_ids, caches, 0)
-        toks, pos = [self.greedy(hidden[:, -1:])[0]], len(prompt_ids)
-        while len(toks) < max_tokens:
-            toks.append(self.greedy(self._plain_forward(toks[-1:], caches, pos))[0])
-            pos += 1
-        return toks
-
-    @torch.inference_mode()
-    def _plain_forward(self, ids: Sequence[int], caches: list[FullKVCache], start: int) -> torch.Tensor:
-        """Positions ``start ..`` with every layer keeping every position; sliding layers see
-        ``sliding_window`` keys by the mask."""
-        n, end = len(ids), start + len(ids)
-        for i, c in enumerate(caches):
-            c.reserve(end, start, *self.kv_like(i))
-        pos = self._positions(start, n)
-        q, k = pos[:, None], torch.arange(end, device=self.device)[None, :]
-        causal = k <= q
-        masks = {FULL: causal, SLIDING: causal & (k > q - self.args.sliding_window)}
-        attention = IndexedAttention(caches, {FULL: (pos, end), SLIDING: (pos, end)}, masks)
-        return self.model(self._ids(ids), pos, attention, ())[0]
 
 
 def torch_verifier(
