@@ -47,7 +47,7 @@ def drained(exc: BaseException) -> bool:
 
 
 # The most ids a drafter returns per candidate for a constrained request to choose among
-# (``SessionOptions.ranked``, ``Draft.ranked``, ``orchestrator/proposers/forced.py``).
+# (``SessionOptions.ranked``, ``Draft.ranked``, ``orchestrator/proposers.py``).
 MAX_RANKED = 16
 
 
@@ -125,7 +125,7 @@ class Draft:
 
     ``ranked``: a greedy session opened with ``SessionOptions.ranked`` = k gets, per candidate, the k likeliest ids of
     its row, the candidate first (no row depends on the ids chosen before it): a constrained request picks each
-    position's best-ranked id its grammar allows (``orchestrator/proposers/forced.py``)."""
+    position's best-ranked id its grammar allows (``orchestrator/proposers.py``)."""
 
     tokens: tuple[int, ...]
     proposal: Proposal | None = None

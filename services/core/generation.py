@@ -57,8 +57,8 @@ class Block:
     draft_s: float = 0.0
     verify_s: float = 0.0  # the verifier's one step: verify and commit
     total_s: float = 0.0
-    copied: bool = False  # its candidates were copied from earlier in the context (``proposers/ngram.py``)
-    forced: bool = False  # its candidates were the tokens a constraint's grammar forces (``proposers/forced.py``)
+    copied: bool = False  # its candidates were copied from earlier in the context (``proposers.py``)
+    forced: bool = False  # its candidates were the tokens a constraint's grammar forces (``proposers.py``)
     logprobs: list[TokenLogprobs] | None = None  # one per token (a request with ``logprobs``); cut with ``tokens``
 
     def cut(self, keep: int) -> None:

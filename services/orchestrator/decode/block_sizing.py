@@ -7,7 +7,7 @@ block; the acceptance chain is counted from every block, older ones weighing les
 never reach takes the previous position's rate as prior (the pooled rate would talk the sizer into short blocks).
 
 Now and then a block is drafted one size longer (a probe), so a choice of 1 is not final. Copied blocks
-(``proposers/ngram.py``) accept by a law of their own, so they keep their own chain. Sessions sharing a round are priced
+(``proposers.py``) accept by a law of their own, so they keep their own chain. Sessions sharing a round are priced
 by :class:`RoundCosts`. Only counts and timings go in: no token changes whichever size is chosen.
 """
 

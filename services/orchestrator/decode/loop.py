@@ -3,7 +3,7 @@
 Knows no backend and no transport: between a verifier session and a drafter session only ints and opaque aux move. A
 :class:`Decode` is one generation's state; :func:`advance` runs one round over any number of them:
 
-1. **draft**: each session asks its proposers in order (``orchestrator/proposers/``); every drafter call of the round
+1. **draft**: each session asks its proposers in order (``orchestrator/proposers.py``); every drafter call of the round
    (a copy's too, so the drafter's context never has a gap) goes out as ONE batch (``draft_many``);
 2. **verify**: every block ``[last, c1 .. c_{B-1}]`` goes to the verifier as ONE batch (``decide_many``), which keeps
    the accepted positions and trims the rest: every block commits 1..B of the target's own tokens;
@@ -23,12 +23,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kakeya.core.contract import Draft, DrafterSession, Verdict, VerifierSession, replica_lost
 from kakeya.core.generation import Block, Generation
 from kakeya.core.request import MAX_BLOCK_SIZE, check_block_size
-from kakeya.orchestrator.proposers import DRAFTER, FORCED, NGRAM, DraftState, Proposal, Proposer
-from kakeya.orchestrator.proposers.ngram import NgramProposer
+from kakeya.orchestrator.proposers import DRAFTER, FORCED, NGRAM, DraftState, Guide, NgramProposer, Proposal, Proposer
 
 if TYPE_CHECKING:
     from kakeya.orchestrator.decode.block_sizing import BlockSizer
-    from kakeya.orchestrator.proposers.forced import Guide
 
 NO_DRAFT = Draft(())  # a block the drafter sits out: size 1, or the verifier decoding alone
 
@@ -41,7 +39,7 @@ class DecodeOptions:
     """How one session decodes, as the engine resolved it. ``block_size``: fixed, or a ``BlockSizer``; ``stop_ids``:
     tokens that end the generation (included); ``fallback``: a drafter failure leaves the verifier to finish alone (same
     tokens); ``ngram``: draft by copy where the context repeats; ``guide``: a constrained request's grammar, its forced
-    tokens drafted without the drafter (``proposers/forced.py``), up to ``max_block`` positions (the cache policy's
+    tokens drafted without the drafter (``proposers.py``), up to ``max_block`` positions (the cache policy's
     rollback slack). ``ngram`` and ``guide`` never serve the rejection rule, which needs the drafter's distribution."""
 
     max_tokens: int
