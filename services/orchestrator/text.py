@@ -23,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from kakeya.checkpoints.config import chat_template_source
-from kakeya.core import json_text
+from kakeya.core.constraints import load_json
 from kakeya.core.request import Chat, ToolCall
 from kakeya.orchestrator.tools.calls import MARKERS, NAME
 from kakeya.orchestrator.tools.grammar import ToolProblem, check_tools
@@ -145,7 +145,7 @@ def template_inputs(chat: Chat) -> tuple[list[dict], list[dict] | None]:
 def _arguments(call: ToolCall, i: int, j: int) -> dict:
     """A call's arguments as the object their JSON text holds (ChatError naming the call if not one)."""
     try:
-        args = json_text.loads(call.arguments)
+        args = load_json(call.arguments)
     except ValueError as exc:
         raise ChatError(f"messages[{i}].tool_calls[{j}].arguments: {exc}") from None
     if not isinstance(args, dict) or not NAME.fullmatch(call.name):

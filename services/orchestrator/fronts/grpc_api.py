@@ -8,7 +8,7 @@ the stream's ``Complete``; ``kakeya client`` rebuilds the report with :func:`rep
 
 from __future__ import annotations
 
-from kakeya.core import json_text
+from kakeya.core.constraints import load_json
 from kakeya.core.contract import KVBytes
 from kakeya.core.generation import Report
 from kakeya.core.request import (
@@ -147,7 +147,7 @@ def _schema(text: str, i: int) -> dict | None:
         return None
     field = f"prompt.messages.tools[{i}].parameters_json"
     try:
-        schema = json_text.loads(text)
+        schema = load_json(text)
     except ValueError as exc:
         raise InvalidRequest(field, f"must be a JSON object's text: {exc}") from None
     if not isinstance(schema, dict):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from kakeya.core import json_text
+from kakeya.core.constraints import valid_unicode
 from kakeya.core.generation import Block, Report
 from kakeya.core.request import Chat, InvalidRequest, Request, SamplingParams, public_field
 from kakeya.orchestrator.fronts import http_params
@@ -156,7 +156,7 @@ def _unicode(body: dict) -> None:
     surrogate, which no tokenizer, template or UTF-8 answer can take."""
     for name, value in body.items():
         try:
-            unicode = json_text.valid_unicode({name: value})
+            unicode = valid_unicode({name: value})
         except RecursionError:
             raise bad(name, "nested too deeply") from None
         if not unicode:

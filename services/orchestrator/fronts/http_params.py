@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kakeya.core import json_text
-from kakeya.core.constraints import Constraint
+from kakeya.core.constraints import Constraint, load_json
 from kakeya.core.contract import TokenLogprobs
 from kakeya.core.request import MAX_LOGPROBS, Message, Tool, ToolCall
 from kakeya.orchestrator.tools.calls import NAME
@@ -344,7 +343,7 @@ def calls(value, i: int) -> tuple[ToolCall, ...]:
         if not isinstance(f.get("name"), str) or not NAME.fullmatch(f["name"]):
             raise ToolError("messages", f"{where}[{j}].function.name: must be 1-64 letters, digits, '_', '.' or '-'")
         try:
-            args = json_text.loads(f.get("arguments")) if isinstance(f.get("arguments"), str) else None
+            args = load_json(f.get("arguments")) if isinstance(f.get("arguments"), str) else None
         except ValueError as exc:
             raise ToolError(
                 "messages", f"{where}[{j}].function.arguments: must be a JSON object's text: {exc}"
