@@ -182,16 +182,13 @@ class GenerationService:
 
     def stream(self, req: Request, call: ClientCall) -> Iterator[Block | Report]:
         """One generation: its blocks as they commit, then its :class:`Report` (see the module docstring)."""
+        unavailable = grpc.StatusCode.UNAVAILABLE
         if self.draining:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, DRAINING)
+            raise RequestError(unavailable, DRAINING)
         if not self.ready:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)"
-            )
+            raise RequestError(unavailable, "orchestrator is not ready (loading, warming up or draining)")
         if self.verifier_down:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE, "verifier unavailable (its health checks fail); retry later"
-            )
+            raise RequestError(unavailable, "verifier unavailable (its health checks fail); retry later")
         peer = peer_of(call)  # the caller's host: its connections' ports vary
         self._admit(peer, call)
         token = logs.bind(request_id=req.request_id)

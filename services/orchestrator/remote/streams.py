@@ -208,16 +208,8 @@ class Stream:
             self.bytes_received += resp.ByteSize()
 
         try:
-            resp = heard_from(
-                self._call,
-                self.service,
-                self.addr,
-                expect,
-                f"stream ended before {expect}",
-                step_timeout,
-                self.abort,
-                progress,
-            )
+            ended = f"stream ended before {expect}"
+            resp = heard_from(self._call, self.service, self.addr, expect, ended, step_timeout, self.abort, progress)
         except BackendError:
             self.abort()
             raise
@@ -391,10 +383,8 @@ class RemoteBackend:
             getattr(req.items.add(session_id=s.session_id), self.step).CopyFrom(s._step_msg(*args))
         t0 = time.perf_counter()
         try:
-            timeout = round_deadline([s._s for s, *_ in items])
-            resp = call_round(
-                getattr(self.stub, self.round_rpc), req, self.role, self.addr, self.clock.timeout(), timeout
-            )
+            rpc, timeout = getattr(self.stub, self.round_rpc), round_deadline([s._s for s, *_ in items])
+            resp = call_round(rpc, req, self.role, self.addr, self.clock.timeout(), timeout)
         except BackendError as exc:  # the call itself failed (a hung backend): every session in it hears it
             return [_RETRY_ON_STREAM if round_call_lost(exc) else s._fail(exc) for s, *_ in items]
         self.clock.record(time.perf_counter() - t0)

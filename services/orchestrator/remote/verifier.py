@@ -12,7 +12,6 @@ not.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Collection, Sequence
 
@@ -25,8 +24,6 @@ from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb
 from kakeya.wire.kakeya.v1 import verifier_pb2_grpc
 from kakeya.wire.kakeya.v1.tensor_pb2 import Tensor
-
-log = logging.getLogger("kakeya.remote")
 
 
 class GrpcVerifierSession:
