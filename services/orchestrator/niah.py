@@ -106,11 +106,10 @@ def parse_policy(name: str, sink: int, window: int, restore: str | None):
             raise ValueError(f"policy {name!r}: unknown modifier {m!r} (kv8, kv4, restore)")
     if use_restore and not restore:
         raise ValueError(f"policy {name!r} needs --restore DIR (an f_theta directory)")
+    restore = restore if use_restore else None
     if base == "native":
-        return CachePolicy("native", full_kv_bits=bits, restore=restore if use_restore else None)
-    return CachePolicy(
-        "sink-window", sink=sink, window=window, full_kv_bits=bits, restore=restore if use_restore else None
-    )
+        return CachePolicy("native", full_kv_bits=bits, restore=restore)
+    return CachePolicy("sink-window", sink=sink, window=window, full_kv_bits=bits, restore=restore)
 
 
 def run_niah(

@@ -150,32 +150,19 @@ def sampling_to_proto(s: SamplingParams) -> spb.Sampling:
     )
 
 
-def _sampling(field: str, m, seed: int | None) -> SamplingParams:
-    """The sampling fields both ``Sampling`` (sessions) and the public ``SamplingParams`` carry (proto3 zeros: off)."""
-    return _checked(
-        field,
-        temperature=decimal(m.temperature),
-        top_k=m.top_k,
-        top_p=decimal(m.top_p) if m.top_p else 1.0,
-        min_p=decimal(m.min_p),
-        seed=seed,
-        rule=rule_from_proto(m.rule),
-    )
+def sampling_of(m: spb.Sampling | gpb.SamplingParams, seed: int | None) -> SamplingParams:
+    """The sampling fields both ``Sampling`` (sessions) and the public ``SamplingParams`` carry (proto3 zeros: off),
+    not checked yet."""
+    top_p = decimal(m.top_p) if m.top_p else 1.0
+    return SamplingParams(decimal(m.temperature), m.top_k, top_p, decimal(m.min_p), seed, rule_from_proto(m.rule))
 
 
 def sampling_from_proto(m: spb.Sampling, field: str = "sampling") -> SamplingParams | None:
-    """A session's ``Sampling`` (None: greedy); ValueError naming the field."""
-    return _sampling(field, m, m.seed) if m.temperature else None
-
-
-def public_sampling(sp: gpb.SamplingParams, field: str = "sampling_params") -> SamplingParams:
-    """The public ``SamplingParams``' sampling fields (seed unset: None)."""
-    return _sampling(field, sp, sp.seed if sp.HasField("seed") else None)
-
-
-def _checked(field: str, **values) -> SamplingParams:
+    """A session's ``Sampling`` (None: greedy), checked; ValueError naming the field."""
+    if not m.temperature:
+        return None
     try:
-        return SamplingParams(**values).check()
+        return sampling_of(m, m.seed).check()
     except InvalidRequest as exc:  # named as the message it came in names it
         raise InvalidRequest(public_field(exc.field, {"sampling": field}), exc.reason) from None
 

@@ -164,9 +164,7 @@ class Decode:
         room = self.options.max_tokens - len(gen.token_ids)  # a block commits at most B tokens
         state = DraftState(gen.prompt_ids, gen.token_ids, room, self.options.max_block, self._size)
         self.proposal = next(p for source in self.proposers if (p := source.propose(state)) is not None)
-        if not self.proposal.ask:
-            return None
-        return (self.drafter, self._new_aux, self._last, self.proposal.ask)
+        return (self.drafter, self._new_aux, self._last, self.proposal.ask) if self.proposal.ask else None
 
     def _size(self, copy: bool) -> int:
         """The next block's size: the fixed one, or the sizer's choice (``copy``: for a block drafted by copy)."""

@@ -110,14 +110,7 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         names = names | {tool_choice.FIELD: choice_field}
         prompt = Chat(messages, r.messages.continue_final_message, tools, choice)
     sp = r.sampling_params
-    sampling = SamplingParams(  # checked with the rest (checks.py)
-        temperature=wire_contract.decimal(sp.temperature),
-        top_k=sp.top_k,
-        top_p=wire_contract.decimal(sp.top_p) if sp.top_p else 1.0,
-        min_p=wire_contract.decimal(sp.min_p),
-        seed=sp.seed if sp.HasField("seed") else None,
-        rule=wire_contract.rule_from_proto(sp.rule),
-    )
+    sampling = wire_contract.sampling_of(sp, sp.seed if sp.HasField("seed") else None)  # checked with the rest
     try:
         constraint, spec_name = wire_contract.constraint_from_proto(r.constraint)
     except ValueError as exc:
@@ -245,6 +238,4 @@ def _cache_kind(label: str) -> int:
     """A policy label ("native", "sink-window(4+64)+kv8") -> its CacheKind."""
     if label.startswith("sink-window"):
         return cache_pb2.CACHE_KIND_SINK_WINDOW
-    if label.startswith("native"):
-        return cache_pb2.CACHE_KIND_NATIVE
-    return cache_pb2.CACHE_KIND_UNSPECIFIED
+    return cache_pb2.CACHE_KIND_NATIVE if label.startswith("native") else cache_pb2.CACHE_KIND_UNSPECIFIED

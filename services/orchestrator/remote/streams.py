@@ -256,9 +256,7 @@ def round_deadline(streams) -> float | None:
     """A round call's gRPC timeout: until the latest of its sessions' client deadlines (None: one has none);
     a session whose own deadline passes first is aborted on its stream and its item fails alone."""
     deadlines = [s.deadline for s in streams]
-    if any(d is None for d in deadlines):
-        return None
-    return max(0.0, max(deadlines) - time.monotonic())
+    return None if None in deadlines else max(0.0, max(deadlines) - time.monotonic())
 
 
 def heard_from(call, service: str, addr: str, what: str, ended: str, step_timeout, cancel, on_progress=None):
