@@ -1,7 +1,6 @@
-"""The contract between the accept/trim loop and its backends.
-
-The ``Verifier``/``Drafter`` protocols and their sessions, the facts a verifier publishes (``ModelInfo``), session
-options, what a draft and a verdict carry, and THE acceptance rule. ``core`` imports nothing else from ``services``.
+"""The contract between the accept/trim loop and its backends: the ``Verifier``/``Drafter`` protocols and their
+sessions, the facts a verifier publishes (``ModelInfo``), session options, what a draft and a verdict carry, and THE
+acceptance rule. ``core`` imports nothing else from ``services``.
 
 Aux hidden states are opaque to the loop: whatever the verifier returns (an ``mx.array``, a ``torch.Tensor``, an encoded
 proto tensor) is handed to the drafter unchanged. Token ids are plain Python ints.
@@ -134,15 +133,13 @@ class Draft:
     def __post_init__(self):
         object.__setattr__(self, "tokens", tuple(self.tokens))  # any sequence of ids in, an immutable value out
         if self.proposal is not None and len(self.proposal) != len(self.tokens):
-            raise ValueError(
-                f"a draft of {len(self.tokens)} candidates cannot carry {len(self.proposal)} proposal rows"
-            )
+            why = f"a draft of {len(self.tokens)} candidates cannot carry {len(self.proposal)} proposal rows"
+            raise ValueError(why)
         if self.ranked is not None:
             object.__setattr__(self, "ranked", tuple(tuple(int(t) for t in row) for row in self.ranked))
             if len(self.ranked) != len(self.tokens):
-                raise ValueError(
-                    f"a draft of {len(self.tokens)} candidates cannot carry {len(self.ranked)} ranked rows"
-                )
+                why = f"a draft of {len(self.tokens)} candidates cannot carry {len(self.ranked)} ranked rows"
+                raise ValueError(why)
 
 
 def accept(candidates: Sequence[int], choices: Sequence[int]) -> tuple[int, int]:
@@ -171,8 +168,8 @@ VERIFIER_STREAM, DRAFTER_STREAM = 0, 1
 
 
 class Cancellation:
-    """A flag set once, from any thread (a client went away); ``on_cancel`` hooks run when it is (a remote
-    session's: end its stream, so a cancelled request frees the backends' sessions at once)."""
+    """A flag set once, from any thread (a client went away); ``on_cancel`` hooks run when it is, now if it already
+    was (a remote session's: end its stream, so a cancelled request frees the backends' sessions at once)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -180,7 +177,6 @@ class Cancellation:
         self.cancelled = False
 
     def on_cancel(self, hook: Callable[[], None]) -> None:
-        """Run ``hook`` when cancelled (now, if that already happened)."""
         with self._lock:
             if not self.cancelled:
                 self._hooks.append(hook)

@@ -159,9 +159,8 @@ def check_compile(torch_options: dict | None, device: str | None) -> None:
     """``--compile`` is for CUDA: on a CPU the demo pair's attention met more shapes than torch's recompile
     limit allows, and with the limit raised it decoded slower than eager."""
     if torch_options and torch_options.get("compile") and not str(device or "cpu").startswith("cuda"):
-        raise ValueError(
-            f"--compile applies to --device cuda, not {device or 'cpu'}: leave it out there (eager is faster)"
-        )
+        why = f"--compile applies to --device cuda, not {device or 'cpu'}: leave it out there (eager is faster)"
+        raise ValueError(why)
 
 
 def build_local_engine(
@@ -244,9 +243,8 @@ def split_engine(
         if bad:
             problems.append(f"target_layer_ids {bad} outside the verifier's {info.num_layers} layers")
         if problems:
-            raise ValueError(
-                f"drafter at {drafter_addr} does not fit the verifier at {verifier_addr}: " + "; ".join(problems)
-            )
+            why = f"drafter at {drafter_addr} does not fit the verifier at {verifier_addr}: " + "; ".join(problems)
+            raise ValueError(why)
     tok_dir = tokenizer or info.name
     codec = None
     if tok_dir and (Path(tok_dir) / "tokenizer.json").is_file():

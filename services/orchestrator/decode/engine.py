@@ -69,10 +69,8 @@ class Engine:
         """The scheduler of the requests whose model work runs through ``step`` (``queued``: jobs waiting for it)."""
         with self._calibrating:
             if step not in self._schedulers:
-                draft_many = self.drafter.draft_batch if self.drafter is not None else None
-                self._schedulers[step] = Scheduler(
-                    draft_many, self.verifier.decide_batch, step, self._round_done, queued
-                )
+                drafts = self.drafter.draft_batch if self.drafter is not None else None
+                self._schedulers[step] = Scheduler(drafts, self.verifier.decide_batch, step, self._round_done, queued)
             return self._schedulers[step]
 
     def _round_done(self, sessions: int, rows: int, seconds: float) -> None:

@@ -67,9 +67,8 @@ class DrafterProposer:
 
     def propose(self, state: DraftState) -> Proposal:
         size = min(state.size(False), state.room)
-        return Proposal(
-            (), DRAFTER, f"no other source: the drafter drafts {size - 1}", size if size > 1 or self.sized else 0
-        )
+        ask = size if size > 1 or self.sized else 0
+        return Proposal((), DRAFTER, f"no other source: the drafter drafts {size - 1}", ask)
 
 
 class Decode:
@@ -121,9 +120,8 @@ class Decode:
     def prefilled(self, first: int, prompt_aux, seconds: float) -> Block:
         """The prompt ran (``seconds``): its first token is the first block, its aux the drafter's first context."""
         logprobs = self.verifier.first_logprobs
-        return self._opened(
-            Block([first], 0, 0, total_s=seconds, logprobs=None if logprobs is None else [logprobs]), prompt_aux
-        )
+        block = Block([first], 0, 0, total_s=seconds, logprobs=None if logprobs is None else [logprobs])
+        return self._opened(block, prompt_aux)
 
     def resumed(self, ids: Sequence[int], aux, seconds: float) -> Block:
         """A resumed stream's prefill ran: ``ids`` stand as its first block, never streamed again."""

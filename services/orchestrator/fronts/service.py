@@ -111,9 +111,8 @@ class GenerationService:
         prefixes=None,
     ):
         if not 1 <= default_max_tokens <= max_tokens_limit:
-            raise ValueError(
-                f"default max tokens {default_max_tokens} must be in 1..{max_tokens_limit} (--max-tokens-limit)"
-            )
+            why = f"default max tokens {default_max_tokens} must be in 1..{max_tokens_limit} (--max-tokens-limit)"
+            raise ValueError(why)
         if queue < 0 or queue_timeout_s < 0:
             raise ValueError(f"--queue and --queue-timeout must be >= 0, got {queue} and {queue_timeout_s}")
         if max_prompt_tokens < 0:
@@ -160,9 +159,8 @@ class GenerationService:
         usage = getattr(e.verifier, "kv_usage", None)  # a remote verifier's K/V budget in use (a gateway's gauge)
         self.metrics.track_kv_usage(usage if usage is not None else lambda: 0.0)
         vocab = e.verifier.info.vocab_size
-        warmup = Request(
-            [i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), ignore_eos=True, request_id="warmup"
-        )
+        ids = [i % vocab for i in range(1, 5)]
+        warmup = Request(ids, 3, min(2, e.default_block_size), ignore_eos=True, request_id="warmup")
         *_, report = self._generate(warmup, observe=False)  # warm-up: not in the metrics
         if report.finish_reason == "error":
             raise RuntimeError(f"warm-up generation failed: {report.error}")

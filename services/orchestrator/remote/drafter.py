@@ -166,9 +166,8 @@ class GrpcDrafterSession:
             return Draft(d.token_ids, ranked=[ids[i * k : (i + 1) * k] for i in range(n)])
         if not d.HasField("proposal"):
             return Draft(d.token_ids)
-        return Draft(
-            d.token_ids, wire_contract.proposal_from_proto(d.proposal, len(d.token_ids), self.drafter.vocab_size)
-        )
+        proposal = wire_contract.proposal_from_proto(d.proposal, len(d.token_ids), self.drafter.vocab_size)
+        return Draft(d.token_ids, proposal)
 
     @property
     def in_rounds(self) -> bool:

@@ -133,9 +133,8 @@ def fetch_info(service: str, addr: str, fn, request, wait_s: float | None):
             if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
             if left <= 0.5:
-                raise BackendError(
-                    service, addr, grpc.StatusCode.UNAVAILABLE, f"not ready within {wait_s:g} s (last: {exc.details})"
-                ) from None
+                why = f"not ready within {wait_s:g} s (last: {exc.details})"
+                raise BackendError(service, addr, grpc.StatusCode.UNAVAILABLE, why) from None
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 

@@ -199,9 +199,8 @@ class GrpcVerifier(RemoteBackend):
         )
         self.aux_layers = tuple(aux_layers) or tuple(r.target_layer_ids) or (self.info.num_layers - 1,)
         # restoration sources stay named as the server publishes them: it maps the names to directories
-        self.policy = wire_contract.policy_from_proto(
-            r.default_cache_policy, CachePolicy(slack=r.max_block_size or MAX_BLOCK_SIZE)
-        )
+        default = CachePolicy(slack=r.max_block_size or MAX_BLOCK_SIZE)
+        self.policy = wire_contract.policy_from_proto(r.default_cache_policy, default)
         self.prefix_cache = r.prefix_cache_bytes > 0  # the server resumes prefixes (and keeps what sessions save)
         self.constrains = r.constrains  # the server has the tokenizer its sessions compile constraints against
         self._usage = (-1e9, 0.0)  # (when read, kv_usage) of the last GetInfo (``kv_usage``)
