@@ -293,10 +293,9 @@ class Grammar:
             if int(t) == self.eos and self.matcher.validate_tokens([self.eos]) != 1 and self._dead_end():
                 self.ended = True  # the EOS _fill allowed where no token could continue the grammar
                 return
-            if self.matcher.validate_tokens([int(t)]) != 1:  # refused: never committed silently (a 500: ours)
-                _raise_if_failed(self.matcher)  # unless validating it met a budget of the grammar's
-                raise RuntimeError(f"constraint: committed token {int(t)} is outside the grammar")
-            if not self.matcher.consume_token(int(t)):  # taken, then a budget met: the grammar's (a refusal)
+            # refused: never committed silently (a 500: ours), unless validating or taking it met a budget of the
+            # grammar's (a refusal: the request's)
+            if self.matcher.validate_tokens([int(t)]) != 1 or not self.matcher.consume_token(int(t)):
                 _raise_if_failed(self.matcher)
                 raise RuntimeError(f"constraint: committed token {int(t)} is outside the grammar")
 

@@ -73,11 +73,8 @@ def _torch_cuda_available() -> bool:
 def require_backend(backend: str) -> None:
     """Fail with one clear line when ``backend``'s package is missing (before any model import)."""
     if not _installed(backend):
-        extra = (
-            "MLX (pip install mlx mlx-lm; Apple silicon or Linux CPU)"
-            if backend == "mlx"
-            else "PyTorch (pip install torch)"
-        )
+        mlx, torch = "MLX (pip install mlx mlx-lm; Apple silicon or Linux CPU)", "PyTorch (pip install torch)"
+        extra = mlx if backend == "mlx" else torch
         raise ValueError(f"the {backend} backend needs {extra}, which is not installed here")
 
 

@@ -29,17 +29,6 @@ import numpy as np
 
 from kakeya.wire.kakeya.v1.tensor_pb2 import DType, Tensor
 
-__all__ = [
-    "DType",
-    "Tensor",
-    "bfloat16_to_float32",
-    "dtype_name",
-    "float32_to_bfloat16",
-    "from_proto",
-    "to_proto",
-    "validate",
-]
-
 LIKES = ("numpy", "mlx", "torch")
 
 

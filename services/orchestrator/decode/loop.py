@@ -96,10 +96,8 @@ class Decode:
         self.cancelled = False  # its request went away: it takes no part in later rounds
         # the drafter's side: active while it answers; the newest verdict's aux until a drafter call takes it
         self.drafting = drafter is not None and (self.sizer is not None or self.block_size > 1)
-        sources: list[Proposer | None] = [options.guide, NgramProposer() if options.ngram else None]
-        self.proposers: list[Proposer] = [p for p in sources if p is not None] + [
-            DrafterProposer(self.sizer is not None)
-        ]
+        sources = [options.guide, NgramProposer() if options.ngram else None, DrafterProposer(self.sizer is not None)]
+        self.proposers: list[Proposer] = [p for p in sources if p is not None]
         self._new_aux = None
         self._last: int | None = None  # the newest committed token: it opens the next block
         # this round's block: its candidates and the proposal they came from (None: the drafter sits it out)

@@ -53,26 +53,11 @@ PROMPT_NAMES = {  # a prompt's fields, by the oneof the request set
     },
 }
 
-FINISH = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-    "error": pb.FINISH_REASON_ERROR,
-}
+FINISH = {reason: getattr(pb, f"FINISH_REASON_{reason.upper()}") for reason in ("stop", "length", "abort", "error")}
 FINISH_NAMES = {v: k for k, v in FINISH.items()} | {pb.FINISH_REASON_TOOL_CALLS: tool_choice.TOOL_CALLS}
 # The stats a Report and a SpecStats both carry, under the same names.
-SPEC_STATS = (
-    "decode_tok_s",
-    "prefill_s",
-    "decode_s",
-    "total_s",
-    "drafter_fallback",
-    "block_size",
-    "cache_policy",
-    "cache_bounded",
-    "copied_blocks",
-    "forced_blocks",
-)
+SPEC_STATS = ("decode_tok_s", "prefill_s", "decode_s", "total_s", "drafter_fallback", "block_size", "cache_policy",
+              "cache_bounded", "copied_blocks", "forced_blocks")  # fmt: skip
 # ToolChoiceMode -> Chat.tool_choice (UNSPECIFIED: as unset, the default).
 _MODES = {pb.TOOL_CHOICE_MODE_UNSPECIFIED: None, pb.TOOL_CHOICE_MODE_AUTO: AUTO, pb.TOOL_CHOICE_MODE_NONE: NONE,
           pb.TOOL_CHOICE_MODE_REQUIRED: REQUIRED}  # fmt: skip

@@ -324,9 +324,7 @@ class Answer:
         return http_params.completion_logprobs(logprobs, self._token, offset)
 
     def _envelope(self, choices: list, chunk: bool = False) -> dict:
-        kind = ("chat.completion" if self.call.chat else "text_completion") + (
-            ".chunk" if chunk and self.call.chat else ""
-        )
+        kind = "chat.completion" + (".chunk" if chunk else "") if self.call.chat else "text_completion"
         body = {"id": self.id, "object": kind, "created": self.created, "model": self.call.model, "choices": choices}
         if chunk and self.call.obfuscate:  # as OpenAI's: random characters, so a chunk's size does not tell its text
             body["obfuscation"] = secrets.token_urlsafe(12)[: 1 + secrets.randbelow(16)]

@@ -328,10 +328,8 @@ def public_status(exc: Exception, request_id: str = "") -> tuple[grpc.StatusCode
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc))
     log.exception("request %s failed", request_id or "-", exc_info=exc)
-    return (
-        grpc.StatusCode.INTERNAL,
-        f"internal error ({type(exc).__name__}); the orchestrator's log has request {request_id or '-'}",
-    )
+    why = f"internal error ({type(exc).__name__}); the orchestrator's log has request {request_id or '-'}"
+    return grpc.StatusCode.INTERNAL, why
 
 
 def _backend_status(exc: BackendError) -> tuple[grpc.StatusCode, str]:

@@ -182,10 +182,8 @@ class Stream:
             raise BackendError(self.service, self.addr, grpc.StatusCode.CANCELLED, "session is closed")
         if self.draining and expect not in _ENDING and self.elsewhere is not None and self.elsewhere():
             self.abort()  # its server frees the session now: it exits once none is left
-            raise BackendError(
-                self.service, self.addr, grpc.StatusCode.UNAVAILABLE,
-                "replica draining (shutting down): the session moves to another replica", drained=True,
-            )  # fmt: skip
+            why = "replica draining (shutting down): the session moves to another replica"
+            raise BackendError(self.service, self.addr, grpc.StatusCode.UNAVAILABLE, why, drained=True)
         self.bytes_sent += request.ByteSize()
         reply = Reply(expect)
         self._replies.append(reply)

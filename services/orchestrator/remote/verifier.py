@@ -192,11 +192,8 @@ class GrpcVerifier(RemoteBackend):
         super().__init__(addr, verifier_pb2_grpc.VerifierServiceStub, wait_s, channel, tls, token, clock)
         self.aux_like = aux_like  # None: aux stays a wire Tensor; "mlx"/"torch"/"numpy": decoded
         r = self.remote
-        self.info = wire_contract.model_info_from_verifier(
-            r,
-            f"grpc:{addr}",
-            {"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)},
-        )
+        extra = {"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)}
+        self.info = wire_contract.model_info_from_verifier(r, f"grpc:{addr}", extra)
         self.aux_layers = tuple(aux_layers) or tuple(r.target_layer_ids) or (self.info.num_layers - 1,)
         # restoration sources stay named as the server publishes them: it maps the names to directories
         default = CachePolicy(slack=r.max_block_size or MAX_BLOCK_SIZE)
