@@ -171,7 +171,8 @@ class Decode:
         if isinstance(result, BaseException):
             self._drafter_failed(result)
             return
-        self._taken()
+        self._new_aux = None  # the call took it: the drafter's context holds every committed position
+        self.unseen.clear()
         proposal = self.proposal
         if proposal.tokens:
             self._draft = Draft(proposal.tokens)
@@ -213,11 +214,6 @@ class Decode:
         """The aux of newly committed positions, for the next drafter call."""
         self._new_aux = aux
         self.unseen.append(aux)
-
-    def _taken(self) -> None:
-        """A drafter call took the new aux: its context now holds every committed position."""
-        self._new_aux = None
-        self.unseen.clear()
 
     def _allowed(self, draft: Draft) -> Draft:
         """The drafter's block as the grammar allows it: best-ranked allowed ids, else cut at a refused one."""

@@ -51,11 +51,6 @@ class Scheduler:
         self._round_s = 0.05  # the last round's draft + verify seconds: the most a round waits for them
         self.yields = 0  # rounds that waited for a starting request before their verify (no model thread)
 
-    @property
-    def live(self) -> int:
-        with self._cv:
-            return len(self._live)
-
     def join(self, decode: Decode) -> None:
         """``decode`` (prefilled) takes part from the next round on."""
         with self._cv:

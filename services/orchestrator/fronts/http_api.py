@@ -239,13 +239,11 @@ def completion_request(body: dict, served: str) -> tuple[Request, Reply, dict[st
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        pass
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         prompt = _ids(prompt, "prompt")
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise bad("prompt", "one prompt per request (this server does not batch prompts)")
-    else:
+    elif not isinstance(prompt, str):
         raise bad("prompt", "must be a string or a list of token ids")
     return Request(prompt, **fields), call, names
 

@@ -6,8 +6,7 @@ scheduler's round sends every session's block to one backend in ONE ``VerifyRoun
 any the server does not find (another replica), travel on the session's stream.
 
 Aux stays opaque: a wire ``Tensor`` is passed on as it came. Failures are ``streams.BackendError``s; a step fails only
-after a deadline of silence (``remote/deadlines.py``), so a hung backend is noticed within seconds and a slow one is
-not.
+after a deadline of silence (``remote/deadlines.py``): a hung backend is noticed within seconds, a slow one is not.
 """
 
 from __future__ import annotations
