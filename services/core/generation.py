@@ -148,19 +148,16 @@ class Report:
                  "acceptance_lengths")  # fmt: skip
         out = {k: list(v) if isinstance(v := getattr(self, k), tuple) else v for k in plain}
         sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p}
-        return (
-            out
-            | {
-                "mean_acceptance": round(self.mean_acceptance, 4),
-                "decode_tok_s": round(self.decode_tok_s, 3),
-                "prefill_s": round(self.prefill_s, 6),
-                "drafter_fallback": self.drafter_fallback,
-                "verifier_kv_bytes": self.kv_bytes.as_dict(),
-                "cache_policy": self.cache_policy,
-                "cache_bounded": self.cache_bounded,
-                "quality": self.quality,
-                "sampling": sampling | {"rule": None if s.greedy else s.rule},
-                "seed": s.seed,
-            }
-            | ({"error": self.error} if self.error else {})
-        )
+        out |= {
+            "mean_acceptance": round(self.mean_acceptance, 4),
+            "decode_tok_s": round(self.decode_tok_s, 3),
+            "prefill_s": round(self.prefill_s, 6),
+            "drafter_fallback": self.drafter_fallback,
+            "verifier_kv_bytes": self.kv_bytes.as_dict(),
+            "cache_policy": self.cache_policy,
+            "cache_bounded": self.cache_bounded,
+            "quality": self.quality,
+            "sampling": sampling | {"rule": None if s.greedy else s.rule},
+            "seed": s.seed,
+        }
+        return out | ({"error": self.error} if self.error else {})

@@ -126,11 +126,8 @@ def run_niah(
             policy.resolve(window)
         except ValueError as exc:
             raise ValueError(f"policy {name}: {exc}") from exc
-    cases = []
-    for context in contexts:
-        for depth in depths:
-            code = needle_code(context, depth, seed)
-            cases.append((context, depth, code, build_prompt(codec, lines, context, depth, code)))
+    coded = [(c, d, needle_code(c, d, seed)) for c in contexts for d in depths]
+    cases = [(c, d, code, build_prompt(codec, lines, c, d, code)) for c, d, code in coded]
     out = {}
     for name, policy in policies.items():
         rows, grid = [], {}

@@ -166,13 +166,8 @@ def _tokenizer_config(checkpoint_dir: str | Path) -> dict:
 
 def _special_tokens(cfg: dict) -> dict[str, str]:
     """The tokenizer's special tokens as the template sees them (a token may be written as a dict)."""
-    out = {}
-    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        tok = cfg.get(name)
-        if isinstance(tok, dict):
-            tok = tok.get("content")
-        out[name] = tok or ""
-    return out
+    toks = {name: cfg.get(name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    return {name: (tok.get("content") if isinstance(tok, dict) else tok) or "" for name, tok in toks.items()}
 
 
 class TextCodec:

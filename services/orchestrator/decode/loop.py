@@ -312,12 +312,8 @@ def verify_round(
     t0 = time.perf_counter()
     verdicts = _batch(decide_many, [d.verifier_call() for d in live]) if live else []
     verify_s = time.perf_counter() - t0
-    out = []
-    for d, verdict in zip(live, verdicts):
-        block = d.verified(verdict, drafted.draft_s, verify_s)
-        if block is not None:
-            out.append((d, block))
-    return out
+    blocks = [(d, d.verified(verdict, drafted.draft_s, verify_s)) for d, verdict in zip(live, verdicts)]
+    return [(d, block) for d, block in blocks if block is not None]
 
 
 def advance(
