@@ -339,8 +339,7 @@ class DrafterSession(Protocol):
 @runtime_checkable
 class Verifier(Protocol):
     """A target that hands out sessions: in this process (``verifier/session.py``) or over gRPC
-    (``orchestrator/remote/verifier.py``). What the public API needs of it is here, so no caller asks
-    which one it holds."""
+    (``orchestrator/remote/verifier.py``). What the public API needs of it is here: no caller asks which it holds."""
 
     info: ModelInfo  # also the limits: max_position_embeddings, max_context
     aux_layers: tuple[int, ...]  # the layers whose hidden states its sessions return (the drafter's)
@@ -380,8 +379,8 @@ class Drafter(Protocol):
 
     def draft_batch(self, items: Sequence[tuple[DrafterSession, Aux, int, int]]) -> list[Draft | Exception]:
         """:meth:`DrafterSession.draft` of several of its sessions at once, each item ``(session, new aux, last
-        token, block size)``: one forward where the backend can. One result per item, in order; an item's
-        failure is its result alone."""
+        token, block size)``: one forward where the backend can. One result per item, in order; an item's failure is
+        its result alone."""
 
     def status(self) -> dict[str, str]:
         """What a server reports of it beyond its backend (a remote one: its reconnection state); may be empty."""

@@ -105,8 +105,7 @@ class Report:
 
     ``block_size`` is the size asked for (0: auto), ``block_sizes`` each speculative block's size (candidates + 1) and
     ``acceptance_lengths`` the tokens each committed; the prefill's first token is no block. ``sampling`` is what ran,
-    with the seed it drew; ``device``: where the models ran, when this process knows it (None for a remote server's
-    run)."""
+    with the seed it drew; ``device``: where the models ran, when this process knows it (None: a remote server's)."""
 
     target: str
     draft: str

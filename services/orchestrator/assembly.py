@@ -80,8 +80,8 @@ def require_backend(backend: str) -> None:
 
 def torch_threads(threads: int | None, device: str | None, embedded: bool) -> int:
     """The torch intra-op thread count to pin (0: leave torch's default). ``threads=None``: 1 for the embedded demo pair
-    on CPU (a larger team stalls when another process takes a core); on a CPU pinned to fewer than the machine's CPUs,
-    those; torch's default otherwise."""
+    on CPU (a larger team stalls when another process takes a core); on a CPU pinned to fewer CPUs than the machine
+    has, those; else torch's default."""
     if threads is None:
         if not (device or "cpu").startswith("cpu"):
             return 0

@@ -151,8 +151,7 @@ def sampling_to_proto(s: SamplingParams) -> spb.Sampling:
 
 
 def sampling_of(m: spb.Sampling | gpb.SamplingParams, seed: int | None) -> SamplingParams:
-    """The sampling fields both ``Sampling`` (sessions) and the public ``SamplingParams`` carry (proto3 zeros: off),
-    not checked yet."""
+    """A ``Sampling`` (sessions) or a public ``SamplingParams`` as SamplingParams (proto3 zeros: off), unchecked."""
     top_p = decimal(m.top_p) if m.top_p else 1.0
     return SamplingParams(decimal(m.temperature), m.top_k, top_p, decimal(m.min_p), seed, rule_from_proto(m.rule))
 

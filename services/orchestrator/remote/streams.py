@@ -322,8 +322,7 @@ def _alone(call, *args):
 
 class RemoteBackend:
     """What the gRPC verifier and drafter clients share: channel, step clock, stub, the server's GetInfo (``remote``),
-    health, and a round's steps (:meth:`batch`), which their sessions' ``_post`` / ``_finish`` / ``_answer`` hooks
-    serve."""
+    health, and a round's steps (:meth:`batch`), served by their sessions' ``_post``/``_finish``/``_answer`` hooks."""
 
     role = ""  # "verifier" | "drafter": what its errors name
     info_request: type  # its GetInfo request
