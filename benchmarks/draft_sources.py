@@ -6,7 +6,7 @@ Greedy, torch CPU, the demo pair, the model card's held-out prompts (``drafter_e
 the same 32 prompts, 128 new tokens). Per block size it runs the real loop with the candidates taken from:
 
 - ``drafter``: the drafter alone (n-gram copies off: the card's figure);
-- ``engine``: what ships (``orchestrator/proposers/ngram.py``: a copy where the context's last 3-8 tokens occurred
+- ``engine``: what ships (``orchestrator/proposers.py``: a copy where the context's last 3-8 tokens occurred
   before in the prompt or output, else the drafter's block);
 - ``oracle``: at every block, whichever of that copy and the drafter's block matches more of the target's
   greedy continuation (known from the block-size-1 run). No rule that picks one of the two per block
@@ -100,8 +100,7 @@ def _sourced_decode(base, source: str, reference: dict, corpus: CorpusLookup | N
     where the reference says the copy matches more."""
     from kakeya.core.contract import Draft
     from kakeya.core.request import MAX_BLOCK_SIZE
-    from kakeya.orchestrator.proposers import NGRAM, Proposal
-    from kakeya.orchestrator.proposers.ngram import NgramIndex
+    from kakeya.orchestrator.proposers import NGRAM, NgramIndex, Proposal
 
     class CorpusProposer:
         def propose(self, state):

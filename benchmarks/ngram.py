@@ -1,4 +1,4 @@
-"""N-gram copies on and off, side by side: what drafting repeats by copy (``orchestrator/proposers/ngram.py``) is worth.
+"""N-gram copies on and off, side by side: what drafting repeats by copy (``orchestrator/proposers.py``) is worth.
 
     python benchmarks/ngram.py [--backends torch mlx] [--prompts 12] [--max-tokens 128] [--rounds 2]
 

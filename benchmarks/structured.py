@@ -4,7 +4,7 @@
 
 For a few JSON schemas and regexes (``tests/constrained/cases.py``) and two prompts, decodes each with the
 constraint and grammar-aware drafting (the grammar's forced tokens drafted without the drafter, the
-drafter's candidates chosen among its likeliest ids the grammar allows, ``orchestrator/proposers/forced.py``), with the constraint and grammar-blind drafting (``RunOptions(guided=False)``:
+drafter's candidates chosen among its likeliest ids the grammar allows, ``orchestrator/proposers.py``), with the constraint and grammar-blind drafting (``RunOptions(guided=False)``:
 the drafter guesses every candidate, the verifier's masks still decide), and without a constraint for the
 same number of tokens (``ignore_eos``); settings interleaved, the order flipping every round. Reports per
 case the mean tokens committed per block (the prefill's token excluded), the median decode tok/s, the share

@@ -20,7 +20,7 @@ DEFAULT_PROMPT = '"""Record of phased-in incompatible language changes.\n\nEach 
 
 
 def add_ngram(p) -> None:
-    """--ngram: `kakeya generate` and `serve orchestrator` (``orchestrator/proposers/ngram.py``)."""
+    """--ngram: `kakeya generate` and `serve orchestrator` (``orchestrator/proposers.py``)."""
     p.add_argument("--ngram", choices=["on", "off"], default="on",
                    help="draft a block by copying what followed the context's last 3-8 tokens where they occurred"
                         " before (prompt lookup), the drafter's block otherwise (default on; greedy and coupled"

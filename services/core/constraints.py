@@ -24,8 +24,6 @@ from dataclasses import dataclass
 import llguidance
 import numpy as np
 
-from kakeya.core import json_text
-
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 # JSON is written compactly but readably, as ``json.dumps`` writes it: one separator each, no free
@@ -37,6 +35,34 @@ MAX_ERROR_CHARS = 300  # what a refusal quotes of the grammar compiler's message
 
 class ConstraintError(ValueError):
     """A constraint that does not compile: the message says why (bounded), for the field that carried it."""
+
+
+def valid_unicode(value) -> bool:
+    """Whether every string of a JSON value (keys too) is valid Unicode: no lone surrogate (JSON's ``\\ud800``
+    escape, which ASCII text may carry), which no tokenizer, chat template or grammar compiler takes."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def load_json(text: str):
+    """JSON carried inside a request's strings (a tool call's arguments, a gRPC tool's ``parameters_json``, a
+    schema constraint's text), parsed as the HTTP front parses a body: the value, or ValueError saying why it
+    holds none this server takes (not JSON, nested beyond what the parser follows, a lone surrogate)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except ValueError as exc:
+        raise ValueError(f"not valid JSON ({exc})") from None
+    try:
+        if valid_unicode(value):
+            return value
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    raise ValueError("contains a lone surrogate (\\ud800-\\udfff): not valid Unicode")
 
 
 @dataclass(frozen=True)
@@ -78,7 +104,7 @@ def _schema_grammar(spec) -> str:
     if isinstance(spec, str):
         _check_size(len(spec))
         try:
-            spec = json_text.loads(spec)
+            spec = load_json(spec)
         except ValueError as exc:
             raise ConstraintError(str(exc)) from None
     if not isinstance(spec, dict):
@@ -267,10 +293,9 @@ class Grammar:
             if int(t) == self.eos and self.matcher.validate_tokens([self.eos]) != 1 and self._dead_end():
                 self.ended = True  # the EOS _fill allowed where no token could continue the grammar
                 return
-            if self.matcher.validate_tokens([int(t)]) != 1:  # refused: never committed silently (a 500: ours)
-                _raise_if_failed(self.matcher)  # unless validating it met a budget of the grammar's
-                raise RuntimeError(f"constraint: committed token {int(t)} is outside the grammar")
-            if not self.matcher.consume_token(int(t)):  # taken, then a budget met: the grammar's (a refusal)
+            # refused: never committed silently (a 500: ours), unless validating or taking it met a budget of the
+            # grammar's (a refusal: the request's)
+            if self.matcher.validate_tokens([int(t)]) != 1 or not self.matcher.consume_token(int(t)):
                 _raise_if_failed(self.matcher)
                 raise RuntimeError(f"constraint: committed token {int(t)} is outside the grammar")
 

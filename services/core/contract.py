@@ -1,7 +1,6 @@
-"""The contract between the accept/trim loop and its backends.
-
-The ``Verifier``/``Drafter`` protocols and their sessions, the facts a verifier publishes (``ModelInfo``), session
-options, what a draft and a verdict carry, and THE acceptance rule. ``core`` imports nothing else from ``services``.
+"""The contract between the accept/trim loop and its backends: the ``Verifier``/``Drafter`` protocols and their
+sessions, the facts a verifier publishes (``ModelInfo``), session options, what a draft and a verdict carry, and THE
+acceptance rule. ``core`` imports nothing else from ``services``.
 
 Aux hidden states are opaque to the loop: whatever the verifier returns (an ``mx.array``, a ``torch.Tensor``, an encoded
 proto tensor) is handed to the drafter unchanged. Token ids are plain Python ints.
@@ -47,7 +46,7 @@ def drained(exc: BaseException) -> bool:
 
 
 # The most ids a drafter returns per candidate for a constrained request to choose among
-# (``SessionOptions.ranked``, ``Draft.ranked``, ``orchestrator/proposers/forced.py``).
+# (``SessionOptions.ranked``, ``Draft.ranked``, ``orchestrator/proposers.py``).
 MAX_RANKED = 16
 
 
@@ -125,7 +124,7 @@ class Draft:
 
     ``ranked``: a greedy session opened with ``SessionOptions.ranked`` = k gets, per candidate, the k likeliest ids of
     its row, the candidate first (no row depends on the ids chosen before it): a constrained request picks each
-    position's best-ranked id its grammar allows (``orchestrator/proposers/forced.py``)."""
+    position's best-ranked id its grammar allows (``orchestrator/proposers.py``)."""
 
     tokens: tuple[int, ...]
     proposal: Proposal | None = None
@@ -134,15 +133,13 @@ class Draft:
     def __post_init__(self):
         object.__setattr__(self, "tokens", tuple(self.tokens))  # any sequence of ids in, an immutable value out
         if self.proposal is not None and len(self.proposal) != len(self.tokens):
-            raise ValueError(
-                f"a draft of {len(self.tokens)} candidates cannot carry {len(self.proposal)} proposal rows"
-            )
+            why = f"a draft of {len(self.tokens)} candidates cannot carry {len(self.proposal)} proposal rows"
+            raise ValueError(why)
         if self.ranked is not None:
             object.__setattr__(self, "ranked", tuple(tuple(int(t) for t in row) for row in self.ranked))
             if len(self.ranked) != len(self.tokens):
-                raise ValueError(
-                    f"a draft of {len(self.tokens)} candidates cannot carry {len(self.ranked)} ranked rows"
-                )
+                why = f"a draft of {len(self.tokens)} candidates cannot carry {len(self.ranked)} ranked rows"
+                raise ValueError(why)
 
 
 def accept(candidates: Sequence[int], choices: Sequence[int]) -> tuple[int, int]:
@@ -171,8 +168,8 @@ VERIFIER_STREAM, DRAFTER_STREAM = 0, 1
 
 
 class Cancellation:
-    """A flag set once, from any thread (a client went away); ``on_cancel`` hooks run when it is (a remote
-    session's: end its stream, so a cancelled request frees the backends' sessions at once)."""
+    """A flag set once, from any thread (a client went away); ``on_cancel`` hooks run when it is, now if it already
+    was (a remote session's: end its stream, so a cancelled request frees the backends' sessions at once)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -180,7 +177,6 @@ class Cancellation:
         self.cancelled = False
 
     def on_cancel(self, hook: Callable[[], None]) -> None:
-        """Run ``hook`` when cancelled (now, if that already happened)."""
         with self._lock:
             if not self.cancelled:
                 self._hooks.append(hook)
@@ -343,8 +339,7 @@ class DrafterSession(Protocol):
 @runtime_checkable
 class Verifier(Protocol):
     """A target that hands out sessions: in this process (``verifier/session.py``) or over gRPC
-    (``orchestrator/remote/verifier.py``). What the public API needs of it is here, so no caller asks
-    which one it holds."""
+    (``orchestrator/remote/verifier.py``). What the public API needs of it is here: no caller asks which it holds."""
 
     info: ModelInfo  # also the limits: max_position_embeddings, max_context
     aux_layers: tuple[int, ...]  # the layers whose hidden states its sessions return (the drafter's)
@@ -384,8 +379,8 @@ class Drafter(Protocol):
 
     def draft_batch(self, items: Sequence[tuple[DrafterSession, Aux, int, int]]) -> list[Draft | Exception]:
         """:meth:`DrafterSession.draft` of several of its sessions at once, each item ``(session, new aux, last
-        token, block size)``: one forward where the backend can. One result per item, in order; an item's
-        failure is its result alone."""
+        token, block size)``: one forward where the backend can. One result per item, in order; an item's failure is
+        its result alone."""
 
     def status(self) -> dict[str, str]:
         """What a server reports of it beyond its backend (a remote one: its reconnection state); may be empty."""

@@ -57,8 +57,8 @@ class Block:
     draft_s: float = 0.0
     verify_s: float = 0.0  # the verifier's one step: verify and commit
     total_s: float = 0.0
-    copied: bool = False  # its candidates were copied from earlier in the context (``proposers/ngram.py``)
-    forced: bool = False  # its candidates were the tokens a constraint's grammar forces (``proposers/forced.py``)
+    copied: bool = False  # its candidates were copied from earlier in the context (``proposers.py``)
+    forced: bool = False  # its candidates were the tokens a constraint's grammar forces (``proposers.py``)
     logprobs: list[TokenLogprobs] | None = None  # one per token (a request with ``logprobs``); cut with ``tokens``
 
     def cut(self, keep: int) -> None:
@@ -105,8 +105,7 @@ class Report:
 
     ``block_size`` is the size asked for (0: auto), ``block_sizes`` each speculative block's size (candidates + 1) and
     ``acceptance_lengths`` the tokens each committed; the prefill's first token is no block. ``sampling`` is what ran,
-    with the seed it drew; ``device``: where the models ran, when this process knows it (None for a remote server's
-    run)."""
+    with the seed it drew; ``device``: where the models ran, when this process knows it (None: a remote server's)."""
 
     target: str
     draft: str
@@ -148,19 +147,16 @@ class Report:
                  "acceptance_lengths")  # fmt: skip
         out = {k: list(v) if isinstance(v := getattr(self, k), tuple) else v for k in plain}
         sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p}
-        return (
-            out
-            | {
-                "mean_acceptance": round(self.mean_acceptance, 4),
-                "decode_tok_s": round(self.decode_tok_s, 3),
-                "prefill_s": round(self.prefill_s, 6),
-                "drafter_fallback": self.drafter_fallback,
-                "verifier_kv_bytes": self.kv_bytes.as_dict(),
-                "cache_policy": self.cache_policy,
-                "cache_bounded": self.cache_bounded,
-                "quality": self.quality,
-                "sampling": sampling | {"rule": None if s.greedy else s.rule},
-                "seed": s.seed,
-            }
-            | ({"error": self.error} if self.error else {})
-        )
+        out |= {
+            "mean_acceptance": round(self.mean_acceptance, 4),
+            "decode_tok_s": round(self.decode_tok_s, 3),
+            "prefill_s": round(self.prefill_s, 6),
+            "drafter_fallback": self.drafter_fallback,
+            "verifier_kv_bytes": self.kv_bytes.as_dict(),
+            "cache_policy": self.cache_policy,
+            "cache_bounded": self.cache_bounded,
+            "quality": self.quality,
+            "sampling": sampling | {"rule": None if s.greedy else s.rule},
+            "seed": s.seed,
+        }
+        return out | ({"error": self.error} if self.error else {})

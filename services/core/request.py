@@ -92,17 +92,14 @@ class CachePolicy:
         if self.full_kv_bits not in (0, 4, 8):
             raise InvalidRequest("cache_policy.full_kv_bits", f"must be 0 (exact), 4 or 8, got {self.full_kv_bits}")
         if self.full_kv_group_size not in (32, 64, 128):
-            raise InvalidRequest(
-                "cache_policy.full_kv_group_size", f"must be 32, 64 or 128, got {self.full_kv_group_size}"
-            )
+            why = f"must be 32, 64 or 128, got {self.full_kv_group_size}"
+            raise InvalidRequest("cache_policy.full_kv_group_size", why)
         if not 1 <= self.slack <= MAX_BLOCK_SIZE:
-            raise InvalidRequest(
-                "cache_policy.slack", f"must be 1..{MAX_BLOCK_SIZE} (the largest block), got {self.slack}"
-            )
+            why = f"must be 1..{MAX_BLOCK_SIZE} (the largest block), got {self.slack}"
+            raise InvalidRequest("cache_policy.slack", why)
         if self.restore is not None and (self.kind != "sink-window" or not str(self.restore)):
-            raise InvalidRequest(
-                "cache_policy.restore", "needs kind 'sink-window' (full-attention layers always stay exact)"
-            )
+            why = "needs kind 'sink-window' (full-attention layers always stay exact)"
+            raise InvalidRequest("cache_policy.restore", why)
         if self.kind == "native":
             if self.sink or self.window not in (None, model_window):
                 raise InvalidRequest("cache_policy", "the native policy takes no sink/window: use kind 'sink-window'")
@@ -166,9 +163,8 @@ class SamplingParams:
         if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise InvalidRequest("sampling.temperature", f"must be a finite number >= 0 (0 = greedy), got {t!r}")
         if 0 < t < MIN_TEMPERATURE:
-            raise InvalidRequest(
-                "sampling.temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}"
-            )
+            why = f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}"
+            raise InvalidRequest("sampling.temperature", why)
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequest("sampling.top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):

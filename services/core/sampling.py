@@ -66,9 +66,7 @@ def sample(w: np.ndarray, u: float) -> int:
     capped at the last positive entry, so a zero-weight token is never drawn."""
     w = np.asarray(w, np.float64)
     order = np.argsort(-w, kind="stable")
-    c = np.cumsum(w[order])
-    k = int(np.sum(c <= u * c[-1]))
-    return int(order[min(k, int(np.count_nonzero(w)) - 1)])
+    return int(order[_first_above(w[order], u)])
 
 
 def proposal_rows(q: np.ndarray, k: int = PROPOSAL_TOP_K) -> tuple[np.ndarray, np.ndarray]:

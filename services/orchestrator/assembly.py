@@ -73,18 +73,15 @@ def _torch_cuda_available() -> bool:
 def require_backend(backend: str) -> None:
     """Fail with one clear line when ``backend``'s package is missing (before any model import)."""
     if not _installed(backend):
-        extra = (
-            "MLX (pip install mlx mlx-lm; Apple silicon or Linux CPU)"
-            if backend == "mlx"
-            else "PyTorch (pip install torch)"
-        )
+        mlx, torch = "MLX (pip install mlx mlx-lm; Apple silicon or Linux CPU)", "PyTorch (pip install torch)"
+        extra = mlx if backend == "mlx" else torch
         raise ValueError(f"the {backend} backend needs {extra}, which is not installed here")
 
 
 def torch_threads(threads: int | None, device: str | None, embedded: bool) -> int:
     """The torch intra-op thread count to pin (0: leave torch's default). ``threads=None``: 1 for the embedded demo pair
-    on CPU (a larger team stalls when another process takes a core); on a CPU pinned to fewer than the machine's CPUs,
-    those; torch's default otherwise."""
+    on CPU (a larger team stalls when another process takes a core); on a CPU pinned to fewer CPUs than the machine
+    has, those; else torch's default."""
     if threads is None:
         if not (device or "cpu").startswith("cpu"):
             return 0
@@ -159,9 +156,8 @@ def check_compile(torch_options: dict | None, device: str | None) -> None:
     """``--compile`` is for CUDA: on a CPU the demo pair's attention met more shapes than torch's recompile
     limit allows, and with the limit raised it decoded slower than eager."""
     if torch_options and torch_options.get("compile") and not str(device or "cpu").startswith("cuda"):
-        raise ValueError(
-            f"--compile applies to --device cuda, not {device or 'cpu'}: leave it out there (eager is faster)"
-        )
+        why = f"--compile applies to --device cuda, not {device or 'cpu'}: leave it out there (eager is faster)"
+        raise ValueError(why)
 
 
 def build_local_engine(
@@ -244,9 +240,8 @@ def split_engine(
         if bad:
             problems.append(f"target_layer_ids {bad} outside the verifier's {info.num_layers} layers")
         if problems:
-            raise ValueError(
-                f"drafter at {drafter_addr} does not fit the verifier at {verifier_addr}: " + "; ".join(problems)
-            )
+            why = f"drafter at {drafter_addr} does not fit the verifier at {verifier_addr}: " + "; ".join(problems)
+            raise ValueError(why)
     tok_dir = tokenizer or info.name
     codec = None
     if tok_dir and (Path(tok_dir) / "tokenizer.json").is_file():

@@ -106,11 +106,10 @@ def parse_policy(name: str, sink: int, window: int, restore: str | None):
             raise ValueError(f"policy {name!r}: unknown modifier {m!r} (kv8, kv4, restore)")
     if use_restore and not restore:
         raise ValueError(f"policy {name!r} needs --restore DIR (an f_theta directory)")
+    restore = restore if use_restore else None
     if base == "native":
-        return CachePolicy("native", full_kv_bits=bits, restore=restore if use_restore else None)
-    return CachePolicy(
-        "sink-window", sink=sink, window=window, full_kv_bits=bits, restore=restore if use_restore else None
-    )
+        return CachePolicy("native", full_kv_bits=bits, restore=restore)
+    return CachePolicy("sink-window", sink=sink, window=window, full_kv_bits=bits, restore=restore)
 
 
 def run_niah(
@@ -127,11 +126,8 @@ def run_niah(
             policy.resolve(window)
         except ValueError as exc:
             raise ValueError(f"policy {name}: {exc}") from exc
-    cases = []
-    for context in contexts:
-        for depth in depths:
-            code = needle_code(context, depth, seed)
-            cases.append((context, depth, code, build_prompt(codec, lines, context, depth, code)))
+    coded = [(c, d, needle_code(c, d, seed)) for c in contexts for d in depths]
+    cases = [(c, d, code, build_prompt(codec, lines, c, d, code)) for c, d, code in coded]
     out = {}
     for name, policy in policies.items():
         rows, grid = [], {}

@@ -23,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from kakeya.checkpoints.config import chat_template_source
-from kakeya.core import json_text
+from kakeya.core.constraints import load_json
 from kakeya.core.request import Chat, ToolCall
 from kakeya.orchestrator.tools.calls import MARKERS, NAME
 from kakeya.orchestrator.tools.grammar import ToolProblem, check_tools
@@ -64,13 +64,8 @@ class ChatTemplate:
     @classmethod
     def load(cls, checkpoint_dir: str | Path) -> ChatTemplate | None:
         """The template of the tokenizer files in ``checkpoint_dir``; None when it ships none."""
-        path = Path(checkpoint_dir)
-        cfg_file = path / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        source = chat_template_source(path)  # chat_template.jinja or tokenizer_config.json's (one reading)
-        if not source:
-            return None
-        return cls(source, _special_tokens(cfg))
+        source = chat_template_source(Path(checkpoint_dir))  # chat_template.jinja or tokenizer_config.json's
+        return cls(source, _special_tokens(_tokenizer_config(checkpoint_dir))) if source else None
 
     def render(
         self,
@@ -145,7 +140,7 @@ def template_inputs(chat: Chat) -> tuple[list[dict], list[dict] | None]:
 def _arguments(call: ToolCall, i: int, j: int) -> dict:
     """A call's arguments as the object their JSON text holds (ChatError naming the call if not one)."""
     try:
-        args = json_text.loads(call.arguments)
+        args = load_json(call.arguments)
     except ValueError as exc:
         raise ChatError(f"messages[{i}].tool_calls[{j}].arguments: {exc}") from None
     if not isinstance(args, dict) or not NAME.fullmatch(call.name):
@@ -164,15 +159,15 @@ def check_messages(messages: Sequence[dict]) -> None:
             raise ChatError(f"messages[{i}].content must be a string")
 
 
+def _tokenizer_config(checkpoint_dir: str | Path) -> dict:
+    path = Path(checkpoint_dir) / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def _special_tokens(cfg: dict) -> dict[str, str]:
     """The tokenizer's special tokens as the template sees them (a token may be written as a dict)."""
-    out = {}
-    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        tok = cfg.get(name)
-        if isinstance(tok, dict):
-            tok = tok.get("content")
-        out[name] = tok or ""
-    return out
+    toks = {name: cfg.get(name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    return {name: (tok.get("content") if isinstance(tok, dict) else tok) or "" for name, tok in toks.items()}
 
 
 class TextCodec:
@@ -182,8 +177,7 @@ class TextCodec:
         if not tok_file.is_file():
             raise FileNotFoundError(f"{path}: no tokenizer.json")
         self.tokenizer = Tokenizer.from_file(str(tok_file))
-        cfg_file = path / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        cfg = _tokenizer_config(path)
         self.add_bos = bool(cfg.get("add_bos_token", True))
         bos = _special_tokens(cfg)["bos_token"]
         self.bos_id = self.tokenizer.token_to_id(bos) if bos else None

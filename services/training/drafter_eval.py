@@ -85,7 +85,7 @@ def heldout_prompts(corpus: data.Corpus, n: int, length: int, stream=None) -> li
 
 def _engine(target_dir: Path, draft_dir: Path, backend: str):
     """The real loop (``backend`` verifier + drafter, native cache), measuring the drafter's own acceptance:
-    without n-gram copies (``orchestrator/proposers/ngram.py``)."""
+    without n-gram copies (``orchestrator/proposers.py``)."""
     return build_local_engine(str(target_dir), str(draft_dir), backend, ngram=False)
 
 

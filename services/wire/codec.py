@@ -1,28 +1,21 @@
 """The ONE tensor codec: arrays <-> ``kakeya.v1.Tensor``.
 
-Every tensor that crosses a process goes through :func:`to_proto` and
-:func:`from_proto`; nothing else reads or writes ``Tensor.data``.
+Every tensor that crosses a process goes through :func:`to_proto` and :func:`from_proto`; nothing else reads or writes
+``Tensor.data``. Wire format (``protos/kakeya/v1/tensor.proto``): ``dtype`` + ``shape`` + ``data``, the elements raw,
+little-endian, C order, exactly ``prod(shape) * itemsize`` bytes.
 
-Wire format (``protos/kakeya/v1/tensor.proto``): ``dtype`` + ``shape`` +
-``data``, the elements raw, little-endian, C order, exactly
-``prod(shape) * itemsize`` bytes.
+Backends: numpy always; ``mx.array`` and ``torch.Tensor`` are recognised without importing mlx or torch (an input can
+only be one of theirs if its module is already loaded), and are imported only when ``like=`` asks for them; their
+conversions are the backends' own (``kakeya.backends.{torch,mlx}.arrays``).
 
-Backends: numpy always; ``mx.array`` and ``torch.Tensor`` are recognised
-without importing mlx or torch (an input can only be one of theirs if its
-module is already loaded), and are imported only when ``like=`` asks for them;
-their conversions are the backends' own (``kakeya.backends.{torch,mlx}.arrays``).
+Copies: encoding makes one host copy into ``bytes`` (plus a device-to-host copy for a GPU torch tensor); protobuf then
+copies that into the message. Decoding reads ``Tensor.data`` once (protobuf hands out a fresh ``bytes`` each time) and
+views it with ``np.frombuffer``; mlx copies that view into its own memory, torch copies it once, straight onto
+``device`` (default CPU).
 
-Copies: encoding makes one host copy into ``bytes`` (plus a device-to-host copy
-for a GPU torch tensor); protobuf then copies that into the message. Decoding
-reads ``Tensor.data`` once (protobuf hands out a fresh ``bytes`` each time) and
-views it with ``np.frombuffer``; mlx copies that view into its own memory, torch
-copies it once, straight onto ``device`` (default CPU).
-
-bfloat16 has no numpy dtype: numpy sees it as its ``uint16`` bit patterns
-(see :func:`bfloat16_to_float32`); mlx and torch get real bfloat16 arrays.
-
-Errors: a malformed Tensor raises ``ValueError`` naming the problem (servers map
-it to ``INVALID_ARGUMENT``); an input of an unsupported type raises ``TypeError``.
+bfloat16 has no numpy dtype: numpy sees it as its ``uint16`` bit patterns (see :func:`bfloat16_to_float32`); mlx and
+torch get real bfloat16 arrays. Errors: a malformed Tensor raises ``ValueError`` naming the problem (servers map it to
+``INVALID_ARGUMENT``); an input of an unsupported type raises ``TypeError``.
 """
 
 from __future__ import annotations
@@ -35,17 +28,6 @@ from typing import Any
 import numpy as np
 
 from kakeya.wire.kakeya.v1.tensor_pb2 import DType, Tensor
-
-__all__ = [
-    "DType",
-    "Tensor",
-    "bfloat16_to_float32",
-    "dtype_name",
-    "float32_to_bfloat16",
-    "from_proto",
-    "to_proto",
-    "validate",
-]
 
 LIKES = ("numpy", "mlx", "torch")
 
@@ -140,12 +122,9 @@ def _numpy_of(array: Any, want: _Spec | None) -> tuple[np.ndarray, _Spec]:
 
 
 def to_proto(array: Any, dtype: Any = None) -> Tensor:
-    """Encode a numpy array, ``mx.array`` or ``torch.Tensor`` as a ``Tensor``.
-
-    ``dtype`` (optional, a ``DType`` value or a name) must match the array's
-    own dtype, with one exception: a ``uint16``/``int16`` numpy array with
-    ``dtype="bfloat16"`` is sent as the bfloat16 values whose bit patterns it holds.
-    """
+    """Encode a numpy array, ``mx.array`` or ``torch.Tensor`` as a ``Tensor``. ``dtype`` (optional, a ``DType`` value
+    or a name) must match the array's own dtype, with one exception: a ``uint16``/``int16`` numpy array with
+    ``dtype="bfloat16"`` is sent as the bfloat16 values whose bit patterns it holds."""
     want = None if dtype is None else _spec_of_arg(dtype)
     arr, spec = _numpy_of(array, want)
     if want is not None and want is not spec:
@@ -181,11 +160,9 @@ def validate(tensor: Tensor) -> tuple[str, tuple[int, ...], bytes]:
 def from_proto(tensor: Tensor, like: str = "numpy", *, device: Any = None) -> Any:
     """Decode a ``Tensor`` into the array type ``like`` names.
 
-    - ``"numpy"``: a READ-ONLY view of the message's bytes (``.copy()`` it to
-      write); bfloat16 arrives as ``uint16`` bit patterns.
+    - ``"numpy"``: a READ-ONLY view of the message's bytes (``.copy()`` it to write); bfloat16 arrives as ``uint16``.
     - ``"mlx"``: an ``mx.array`` of the same dtype.
-    - ``"torch"``: a ``torch.Tensor`` of the same dtype, on ``device``
-      (default CPU), owning writable memory.
+    - ``"torch"``: a ``torch.Tensor`` of the same dtype, on ``device`` (default CPU), owning writable memory.
     """
     if like not in LIKES:
         raise ValueError(f"like must be one of {LIKES}, got {like!r}")
@@ -196,11 +173,7 @@ def from_proto(tensor: Tensor, like: str = "numpy", *, device: Any = None) -> An
     arr = np.frombuffer(data, dtype=spec.wire).reshape(shape)
     if sys.byteorder == "big" and spec.itemsize > 1:  # pragma: no cover - no such host in use
         arr = arr.astype(spec.wire.newbyteorder("="))
-
-    if like == "numpy":
-        return arr
-
-    return _backend(like).from_host(arr, spec is _BF16, device)
+    return arr if like == "numpy" else _backend(like).from_host(arr, spec is _BF16, device)
 
 
 # ---------------------------------------------------------------- helpers

@@ -1,11 +1,9 @@
 """The contract types (``services/core/contract.py``) <-> their wire messages: the one place they meet.
 
-Every ``CachePolicy`` field crosses: a policy a client asked for is never
-narrowed on the way (quantized full layers, f_theta restoration included).
-``ModelInfo`` travels inside the verifier's ``VerifierInfo`` (to the
-orchestrator) and the public ``ModelInfo`` (to clients). ``SamplingParams``
-crosses as the sessions' ``Sampling`` (and the public ``SamplingParams``), rule included; a
-rejection-rule drafter's ``Proposal`` as its compact [n, K] ids and probabilities.
+Every ``CachePolicy`` field crosses: a policy a client asked for is never narrowed on the way (quantized full layers,
+f_theta restoration included). ``ModelInfo`` travels inside the verifier's ``VerifierInfo`` (to the orchestrator) and
+the public ``ModelInfo`` (to clients). ``SamplingParams`` crosses as the sessions' ``Sampling`` (and the public
+``SamplingParams``), rule included; a rejection-rule drafter's ``Proposal`` as its compact [n, K] ids and probabilities.
 """
 
 from __future__ import annotations
@@ -51,22 +49,17 @@ def policy_to_proto(p: CachePolicy) -> cache_pb2.CachePolicy:
 
 
 def policy_from_proto(p: cache_pb2.CachePolicy, default: CachePolicy, field: str = "cache_policy") -> CachePolicy:
-    """A message with ``kind`` set is a whole policy (0 / "" mean exact, the model's window, no
-    restoration; ``slack`` 0 means the server's); with ``kind`` unset it is ``default``. Raises
-    ValueError naming the field.
-
-    Only the shape is checked here; ``CachePolicy.resolve`` checks the values
-    against the model when a session opens.
-    """
+    """A message with ``kind`` set is a whole policy (0 / "" mean exact, the model's window, no restoration; ``slack``
+    0 means the server's); with ``kind`` unset it is ``default``. Raises ValueError naming the field. Only the shape
+    is checked here; ``CachePolicy.resolve`` checks the values against the model when a session opens."""
     if p.kind == cache_pb2.CACHE_KIND_UNSPECIFIED:
         given = [f.name for f, _ in p.ListFields()]
         if given:  # never drop what a client asked for
             raise InvalidRequest(f"{field}.kind", f"must be set when {', '.join(given)} is given")
         return default
-    elif p.kind in KIND_TO_NAME:
-        kind = KIND_TO_NAME[p.kind]
-    else:
+    if p.kind not in KIND_TO_NAME:
         raise InvalidRequest(f"{field}.kind", f"unknown cache kind {p.kind}")
+    kind = KIND_TO_NAME[p.kind]
     if p.sink < 0:
         raise InvalidRequest(f"{field}.sink", f"must be >= 0, got {p.sink}")
     if p.window < 0:
@@ -123,11 +116,6 @@ def public_model_info(info: ModelInfo, **api_fields) -> gpb.ModelInfo:
     )
 
 
-def model_info_from_public(m: gpb.ModelInfo, backend: str) -> ModelInfo:
-    """What a client of the public API knows of the target (no layer or hidden sizes)."""
-    return ModelInfo(m.target_model, m.vocab_size, tuple(m.eos_token_ids), 0, 0, m.sliding_window, backend)
-
-
 # --------------------------------------------------------------------------- sampling
 
 
@@ -162,32 +150,18 @@ def sampling_to_proto(s: SamplingParams) -> spb.Sampling:
     )
 
 
-def _sampling(field: str, m, seed: int | None) -> SamplingParams:
-    """The sampling fields both ``Sampling`` (sessions) and the public ``SamplingParams`` carry (proto3 zeros: off)."""
-    return _checked(
-        field,
-        temperature=decimal(m.temperature),
-        top_k=m.top_k,
-        top_p=decimal(m.top_p) if m.top_p else 1.0,
-        min_p=decimal(m.min_p),
-        seed=seed,
-        rule=rule_from_proto(m.rule),
-    )
+def sampling_of(m: spb.Sampling | gpb.SamplingParams, seed: int | None) -> SamplingParams:
+    """A ``Sampling`` (sessions) or a public ``SamplingParams`` as SamplingParams (proto3 zeros: off), unchecked."""
+    top_p = decimal(m.top_p) if m.top_p else 1.0
+    return SamplingParams(decimal(m.temperature), m.top_k, top_p, decimal(m.min_p), seed, rule_from_proto(m.rule))
 
 
 def sampling_from_proto(m: spb.Sampling, field: str = "sampling") -> SamplingParams | None:
-    """A session's ``Sampling`` (None: greedy); ValueError naming the field."""
-    return _sampling(field, m, m.seed) if m.temperature else None
-
-
-def public_sampling(sp: gpb.SamplingParams, field: str = "sampling_params") -> SamplingParams:
-    """The public ``SamplingParams``' sampling fields (seed unset: None)."""
-    return _sampling(field, sp, sp.seed if sp.HasField("seed") else None)
-
-
-def _checked(field: str, **values) -> SamplingParams:
+    """A session's ``Sampling`` (None: greedy), checked; ValueError naming the field."""
+    if not m.temperature:
+        return None
     try:
-        return SamplingParams(**values).check()
+        return sampling_of(m, m.seed).check()
     except InvalidRequest as exc:  # named as the message it came in names it
         raise InvalidRequest(public_field(exc.field, {"sampling": field}), exc.reason) from None
 

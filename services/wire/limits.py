@@ -1,12 +1,9 @@
 """gRPC channel / server options shared by every kakeya client and server.
 
-Both ends must agree on the message-size ceiling: gRPC's default receive limit
-is 4 MiB, which one prompt's aux hidden states exceed easily
-(``positions x len(target_layer_ids) x hidden x itemsize``: e.g. 2048 x 5 x
-2816 x 2 bytes = 55 MiB in bfloat16). The default here is 256 MiB; set
-``KAKEYA_GRPC_MAX_MESSAGE_BYTES`` on both ends to change it (gRPC caps it below
-2 GiB). Prompts whose aux outgrows it need a chunked prefill (see
-``verifier.proto``).
+Both ends must agree on the message-size ceiling: gRPC's default receive limit is 4 MiB, which one prompt's aux hidden
+states exceed easily (``positions x len(target_layer_ids) x hidden x itemsize``: e.g. 2048 x 5 x 2816 x 2 bytes = 55
+MiB in bfloat16). The default here is 256 MiB; set ``KAKEYA_GRPC_MAX_MESSAGE_BYTES`` on both ends to change it (gRPC
+caps it below 2 GiB). Prompts whose aux outgrows it need a chunked prefill (see ``verifier.proto``).
 
 Keepalive: a session's KV cache lives as long as its stream, so a server must
 notice a peer that vanished without closing the connection (a node gone,

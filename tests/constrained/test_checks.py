@@ -84,7 +84,7 @@ def test_a_grammar_that_fails_to_compile_raises(tok):
 
 
 def test_the_guide_cuts_a_draft_before_the_first_refused_candidate(engine, tok):
-    from kakeya.orchestrator.proposers.forced import Guide
+    from kakeya.orchestrator.proposers import Guide
 
     guide = Guide(Grammar(Constraint("regex", "[0-9]{3}x").grammar(), tok))
     enc = engine.codec.tokenizer

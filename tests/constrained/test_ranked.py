@@ -1,6 +1,6 @@
 """Grammar-aware drafting among the drafter's ranks: a greedy constrained request's drafter returns each
 candidate's likeliest ids (``Draft.ranked``), and the loop takes at each position the best-ranked id the grammar
-allows after the committed tokens and the ids chosen before it (``orchestrator/proposers/forced.py``)."""
+allows after the committed tokens and the ids chosen before it (``orchestrator/proposers.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kakeya.core.contract import Draft, SessionOptions
 from kakeya.core.request import Request, SamplingParams
 from kakeya.orchestrator.decode.engine import RunOptions
 from kakeya.orchestrator.decode.loop import Decode, DecodeOptions, alone
-from kakeya.orchestrator.proposers.forced import RANKED, open_guide
+from kakeya.orchestrator.proposers import RANKED, open_guide
 
 from .cases import PROMPTS, constraints
 

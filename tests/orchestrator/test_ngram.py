@@ -9,7 +9,7 @@ from kakeya.core.contract import Draft
 from kakeya.core.generation import Block
 from kakeya.orchestrator.decode.block_sizing import AcceptanceChain, BlockSizer, CostCurve
 from kakeya.orchestrator.decode.loop import run
-from kakeya.orchestrator.proposers.ngram import NgramIndex
+from kakeya.orchestrator.proposers import NgramIndex
 
 from .test_loop import ScriptedDrafter, ScriptedVerifier
 

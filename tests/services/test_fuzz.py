@@ -19,7 +19,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kakeya.core.json_text import valid_unicode
+from kakeya.core.constraints import valid_unicode
 from kakeya.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, tensor_pb2, verifier_pb2
 
 from .. import fuzz_shapes as shapes

@@ -51,15 +51,15 @@ def test_sampling_round_trips_with_its_rule(params):
         seed=params.seed,
         rule=wire_contract.rule_to_proto(params.rule),
     )
-    assert wire_contract.public_sampling(public) == params
+    assert wire_contract.sampling_of(public, public.seed).check() == params
 
 
 def test_an_unset_rule_is_coupled_and_an_unknown_one_is_named():
-    assert wire_contract.public_sampling(generate_pb2.SamplingParams(temperature=0.5)).rule == COUPLED
+    assert wire_contract.sampling_of(generate_pb2.SamplingParams(temperature=0.5), None).rule == COUPLED
     assert wire_contract.sampling_from_proto(sampling_pb2.Sampling(temperature=0.5, seed=1)).rule == COUPLED
     with pytest.raises(ValueError, match=r"^sampling_params\.rule: must be one of coupled, rejection, got 9"):
-        wire_contract.public_sampling(generate_pb2.SamplingParams(temperature=0.5, rule=9))
+        wire_contract.sampling_from_proto(sampling_pb2.Sampling(temperature=0.5, rule=9), "sampling_params")
     with pytest.raises(ValueError, match=r"^open\.sampling\.rule: "):
         wire_contract.sampling_from_proto(sampling_pb2.Sampling(temperature=0.5, rule=9), "open.sampling")
     with pytest.raises(ValueError, match=r"^sampling_params\.temperature: must be 0 \(greedy\) or at least 1e-05"):
-        wire_contract.public_sampling(generate_pb2.SamplingParams(temperature=1e-39))
+        wire_contract.sampling_from_proto(sampling_pb2.Sampling(temperature=1e-39), "sampling_params")

@@ -7,7 +7,7 @@ block; the acceptance chain is counted from every block, older ones weighing les
 never reach takes the previous position's rate as prior (the pooled rate would talk the sizer into short blocks).
 
 Now and then a block is drafted one size longer (a probe), so a choice of 1 is not final. Copied blocks
-(``proposers/ngram.py``) accept by a law of their own, so they keep their own chain. Sessions sharing a round are priced
+(``proposers.py``) accept by a law of their own, so they keep their own chain. Sessions sharing a round are priced
 by :class:`RoundCosts`. Only counts and timings go in: no token changes whichever size is chosen.
 """
 
@@ -174,14 +174,10 @@ class BlockSizer:
             return self._best(self.copies)  # 1: copies here break at once; the loop drafts this block instead
         if self.warm:  # no acceptance seen yet: trust the drafter's training
             return best
-        longer = [s for s in self.candidates() if s > best]
-        if (
-            self.explore_share
-            and longer
-            and self.since_probe * self.explore_share >= self.cost(longer[0]) - self.cost(best)
-        ):
-            self.since_probe, self.probing = 0.0, longer[0]
-            return longer[0]
+        probe = next((s for s in self.candidates() if s > best), 0)
+        if probe and self.explore_share and self.since_probe * self.explore_share >= self.cost(probe) - self.cost(best):
+            self.since_probe, self.probing = 0.0, probe
+            return probe
         return best
 
     def observe(self, block: Block) -> None:

@@ -82,14 +82,12 @@ def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) 
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise InvalidRequest("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
     if limits.max_tokens_limit and max_tokens > limits.max_tokens_limit:
-        raise InvalidRequest(
-            "max_tokens", f"{max_tokens} exceeds this server's limit {limits.max_tokens_limit} (--max-tokens-limit)"
-        )
+        why = f"{max_tokens} exceeds this server's limit {limits.max_tokens_limit} (--max-tokens-limit)"
+        raise InvalidRequest("max_tokens", why)
     context = context_of(engine, limits)
     if len(prompt) + max_tokens > context:
-        raise InvalidRequest(
-            "max_tokens", f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the context limit {context}"
-        )
+        why = f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the context limit {context}"
+        raise InvalidRequest("max_tokens", why)
     stop_ids = _stops(req, engine)
     held = _tool_calls(req, engine)  # a tool choice's grammar, compiled there
     if held is req:
@@ -248,9 +246,8 @@ def _constraint(req: Request, engine: EngineFacts) -> None:
     if not isinstance(c, constraints.Constraint):
         raise InvalidRequest("constraint", "must be a Constraint")
     if c.kind not in constraints.KINDS:
-        raise InvalidRequest(
-            "constraint.kind", f"must be one of {', '.join(constraints.KINDS)}, got {str(c.kind)[:40]!r}"
-        )
+        why = f"must be one of {', '.join(constraints.KINDS)}, got {str(c.kind)[:40]!r}"
+        raise InvalidRequest("constraint.kind", why)
     if not engine.verifier.constrains:
         raise InvalidRequest("constraint", "this server's verifier does not take constraints")
     if engine.codec is None:
@@ -275,9 +272,8 @@ def _stops(req: Request, engine: EngineFacts) -> tuple[int, ...]:
         raise InvalidRequest("stop_strings", "stop strings must be non-empty strings")
     long = [len(s) for s in stops if len(s) > bounds.MAX_STOP_STRING_CHARS]
     if long:
-        raise InvalidRequest(
-            "stop_strings", f"a stop string of {long[0]} characters, at most {bounds.MAX_STOP_STRING_CHARS}"
-        )
+        why = f"a stop string of {long[0]} characters, at most {bounds.MAX_STOP_STRING_CHARS}"
+        raise InvalidRequest("stop_strings", why)
     if stops and engine.codec is None:
         raise InvalidRequest("stop_strings", "this server has no tokenizer (--tokenizer); use stop token ids")
     ids = list(req.stop_ids)
@@ -299,10 +295,8 @@ def _cache_policy(
         # a window (or sink count) beyond the session's positions would only allocate ring slots that never fill
         most = max(window, positions)
         if policy.window is not None and policy.window > most:
-            raise InvalidRequest(
-                "cache_policy.window",
-                f"{policy.window} exceeds this request's {most} positions (or the model's window)",
-            )
+            why = f"{policy.window} exceeds this request's {most} positions (or the model's window)"
+            raise InvalidRequest("cache_policy.window", why)
         if policy.sink > most:
             raise InvalidRequest("cache_policy.sink", f"{policy.sink} exceeds this request's {most} positions")
         policy.resolve(window)
@@ -310,15 +304,13 @@ def _cache_policy(
             name = policy.restore
             if name not in limits.restore.by_name:
                 known = ", ".join(limits.restore.names()) or "none configured"
-                raise InvalidRequest(
-                    "cache_policy.restore", f"unknown restoration source {name[:64]!r} (known: {known})"
-                )
+                why = f"unknown restoration source {name[:64]!r} (known: {known})"
+                raise InvalidRequest("cache_policy.restore", why)
             policy = replace(policy, restore=limits.restore.by_name[name])
     runs = (policy or engine.verifier.policy).resolve(window)
     if block_size > runs.slack:
-        raise InvalidRequest(
-            "cache_policy.slack", f"{runs.slack} is smaller than block_size {block_size}: rollback would not be exact"
-        )
+        why = f"{runs.slack} is smaller than block_size {block_size}: rollback would not be exact"
+        raise InvalidRequest("cache_policy.slack", why)
     if runs.restore and block_size > runs.window:
         raise InvalidRequest("block_size", f"{block_size} exceeds the restoring window {runs.window}")
     return policy

@@ -23,7 +23,7 @@ from kakeya.orchestrator.decode.checks import Limits, check_request
 from kakeya.orchestrator.decode.loop import Decode, DecodeOptions
 from kakeya.orchestrator.decode.scheduler import Scheduler, here
 from kakeya.orchestrator.decode.takeover import reprefill, take_over
-from kakeya.orchestrator.proposers.forced import RANKED, open_guide
+from kakeya.orchestrator.proposers import RANKED, open_guide
 from kakeya.orchestrator.text import TextCodec, text_stream
 
 log = logging.getLogger("kakeya.orchestrator")
@@ -31,7 +31,7 @@ log = logging.getLogger("kakeya.orchestrator")
 
 class Engine:
     """``prefix_cache``: every run resumes the longest cached prefix of its prompt (``core/prefix.py``) and
-    leaves a snapshot when it ends. ``ngram``: a context that repeats is drafted by copy (``proposers/ngram.py``)."""
+    leaves a snapshot when it ends. ``ngram``: a context that repeats is drafted by copy (``proposers.py``)."""
 
     def __init__(
         self,
@@ -69,10 +69,8 @@ class Engine:
         """The scheduler of the requests whose model work runs through ``step`` (``queued``: jobs waiting for it)."""
         with self._calibrating:
             if step not in self._schedulers:
-                draft_many = self.drafter.draft_batch if self.drafter is not None else None
-                self._schedulers[step] = Scheduler(
-                    draft_many, self.verifier.decide_batch, step, self._round_done, queued
-                )
+                drafts = self.drafter.draft_batch if self.drafter is not None else None
+                self._schedulers[step] = Scheduler(drafts, self.verifier.decide_batch, step, self._round_done, queued)
             return self._schedulers[step]
 
     def _round_done(self, sessions: int, rows: int, seconds: float) -> None:
@@ -127,7 +125,7 @@ class RunOptions:
     queued: Callable[[], int] | None = None  # jobs waiting for step's thread: a round lets them run before its verify
     drafter_fallback: bool = False  # a failing drafter leaves the verifier to finish alone (servers), not fail loudly
     ngram: bool | None = None  # None: the engine's choice (``Engine.ngram``); the rejection rule never copies
-    guided: bool = True  # a constrained request drafts its grammar's forced tokens (``proposers/forced.py``)
+    guided: bool = True  # a constrained request drafts its grammar's forced tokens (``proposers.py``)
     limits: Limits = Limits()  # what the request is checked against (a server's flags)
     # A replica's loss mid-stream: go on on another replica (``decode/takeover.py``) instead of failing;
     # ``on_takeover(role, pause_s, drained)`` hears each one (``drained``: a draining replica's hand-off).

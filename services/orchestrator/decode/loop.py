@@ -3,7 +3,7 @@
 Knows no backend and no transport: between a verifier session and a drafter session only ints and opaque aux move. A
 :class:`Decode` is one generation's state; :func:`advance` runs one round over any number of them:
 
-1. **draft**: each session asks its proposers in order (``orchestrator/proposers/``); every drafter call of the round
+1. **draft**: each session asks its proposers in order (``orchestrator/proposers.py``); every drafter call of the round
    (a copy's too, so the drafter's context never has a gap) goes out as ONE batch (``draft_many``);
 2. **verify**: every block ``[last, c1 .. c_{B-1}]`` goes to the verifier as ONE batch (``decide_many``), which keeps
    the accepted positions and trims the rest: every block commits 1..B of the target's own tokens;
@@ -23,12 +23,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kakeya.core.contract import Draft, DrafterSession, Verdict, VerifierSession, replica_lost
 from kakeya.core.generation import Block, Generation
 from kakeya.core.request import MAX_BLOCK_SIZE, check_block_size
-from kakeya.orchestrator.proposers import DRAFTER, FORCED, NGRAM, DraftState, Proposal, Proposer
-from kakeya.orchestrator.proposers.ngram import NgramProposer
+from kakeya.orchestrator.proposers import DRAFTER, FORCED, NGRAM, DraftState, Guide, NgramProposer, Proposal, Proposer
 
 if TYPE_CHECKING:
     from kakeya.orchestrator.decode.block_sizing import BlockSizer
-    from kakeya.orchestrator.proposers.forced import Guide
 
 NO_DRAFT = Draft(())  # a block the drafter sits out: size 1, or the verifier decoding alone
 
@@ -41,7 +39,7 @@ class DecodeOptions:
     """How one session decodes, as the engine resolved it. ``block_size``: fixed, or a ``BlockSizer``; ``stop_ids``:
     tokens that end the generation (included); ``fallback``: a drafter failure leaves the verifier to finish alone (same
     tokens); ``ngram``: draft by copy where the context repeats; ``guide``: a constrained request's grammar, its forced
-    tokens drafted without the drafter (``proposers/forced.py``), up to ``max_block`` positions (the cache policy's
+    tokens drafted without the drafter (``proposers.py``), up to ``max_block`` positions (the cache policy's
     rollback slack). ``ngram`` and ``guide`` never serve the rejection rule, which needs the drafter's distribution."""
 
     max_tokens: int
@@ -69,9 +67,8 @@ class DrafterProposer:
 
     def propose(self, state: DraftState) -> Proposal:
         size = min(state.size(False), state.room)
-        return Proposal(
-            (), DRAFTER, f"no other source: the drafter drafts {size - 1}", size if size > 1 or self.sized else 0
-        )
+        ask = size if size > 1 or self.sized else 0
+        return Proposal((), DRAFTER, f"no other source: the drafter drafts {size - 1}", ask)
 
 
 class Decode:
@@ -99,10 +96,8 @@ class Decode:
         self.cancelled = False  # its request went away: it takes no part in later rounds
         # the drafter's side: active while it answers; the newest verdict's aux until a drafter call takes it
         self.drafting = drafter is not None and (self.sizer is not None or self.block_size > 1)
-        sources: list[Proposer | None] = [options.guide, NgramProposer() if options.ngram else None]
-        self.proposers: list[Proposer] = [p for p in sources if p is not None] + [
-            DrafterProposer(self.sizer is not None)
-        ]
+        sources = [options.guide, NgramProposer() if options.ngram else None, DrafterProposer(self.sizer is not None)]
+        self.proposers: list[Proposer] = [p for p in sources if p is not None]
         self._new_aux = None
         self._last: int | None = None  # the newest committed token: it opens the next block
         # this round's block: its candidates and the proposal they came from (None: the drafter sits it out)
@@ -123,9 +118,8 @@ class Decode:
     def prefilled(self, first: int, prompt_aux, seconds: float) -> Block:
         """The prompt ran (``seconds``): its first token is the first block, its aux the drafter's first context."""
         logprobs = self.verifier.first_logprobs
-        return self._opened(
-            Block([first], 0, 0, total_s=seconds, logprobs=None if logprobs is None else [logprobs]), prompt_aux
-        )
+        block = Block([first], 0, 0, total_s=seconds, logprobs=None if logprobs is None else [logprobs])
+        return self._opened(block, prompt_aux)
 
     def resumed(self, ids: Sequence[int], aux, seconds: float) -> Block:
         """A resumed stream's prefill ran: ``ids`` stand as its first block, never streamed again."""
@@ -166,9 +160,7 @@ class Decode:
         room = self.options.max_tokens - len(gen.token_ids)  # a block commits at most B tokens
         state = DraftState(gen.prompt_ids, gen.token_ids, room, self.options.max_block, self._size)
         self.proposal = next(p for source in self.proposers if (p := source.propose(state)) is not None)
-        if not self.proposal.ask:
-            return None
-        return (self.drafter, self._new_aux, self._last, self.proposal.ask)
+        return (self.drafter, self._new_aux, self._last, self.proposal.ask) if self.proposal.ask else None
 
     def _size(self, copy: bool) -> int:
         """The next block's size: the fixed one, or the sizer's choice (``copy``: for a block drafted by copy)."""
@@ -179,7 +171,8 @@ class Decode:
         if isinstance(result, BaseException):
             self._drafter_failed(result)
             return
-        self._taken()
+        self._new_aux = None  # the call took it: the drafter's context holds every committed position
+        self.unseen.clear()
         proposal = self.proposal
         if proposal.tokens:
             self._draft = Draft(proposal.tokens)
@@ -221,11 +214,6 @@ class Decode:
         """The aux of newly committed positions, for the next drafter call."""
         self._new_aux = aux
         self.unseen.append(aux)
-
-    def _taken(self) -> None:
-        """A drafter call took the new aux: its context now holds every committed position."""
-        self._new_aux = None
-        self.unseen.clear()
 
     def _allowed(self, draft: Draft) -> Draft:
         """The drafter's block as the grammar allows it: best-ranked allowed ids, else cut at a refused one."""
@@ -324,12 +312,8 @@ def verify_round(
     t0 = time.perf_counter()
     verdicts = _batch(decide_many, [d.verifier_call() for d in live]) if live else []
     verify_s = time.perf_counter() - t0
-    out = []
-    for d, verdict in zip(live, verdicts):
-        block = d.verified(verdict, drafted.draft_s, verify_s)
-        if block is not None:
-            out.append((d, block))
-    return out
+    blocks = [(d, d.verified(verdict, drafted.draft_s, verify_s)) for d, verdict in zip(live, verdicts)]
+    return [(d, block) for d, block in blocks if block is not None]
 
 
 def advance(

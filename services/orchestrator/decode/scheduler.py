@@ -50,13 +50,6 @@ class Scheduler:
         self._waited_for: set[object] = set()  # those a round has waited for already (each one round at most)
         self._round_s = 0.05  # the last round's draft + verify seconds: the most a round waits for them
         self.yields = 0  # rounds that waited for a starting request before their verify (no model thread)
-        self.rounds = 0  # rounds run so far, and the decodes they advanced (their ratio: the mean batch)
-        self.advanced = 0
-
-    @property
-    def live(self) -> int:
-        with self._cv:
-            return len(self._live)
 
     def join(self, decode: Decode) -> None:
         """``decode`` (prefilled) takes part from the next round on."""
@@ -144,8 +137,6 @@ class Scheduler:
             for d in decodes:
                 d.fail(exc)
             return []
-        self.rounds += 1
-        self.advanced += len(decodes)
         if results:
             block = results[0][1]  # every block of a round carries the round's draft and verify times
             self._round_s = block.draft_s + block.verify_s

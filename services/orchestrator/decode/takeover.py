@@ -76,12 +76,8 @@ def reopen(run, ids: Sequence[int], cause: BaseException):
     if decode is not None and not decode.drafting and role_of(cause) != "drafter":
         want_drafter = False  # it already finished on the verifier alone
     if want_drafter and not _serving(run._engine.drafter):
-        if role_of(cause) == "drafter" and not run._fallback:
-            raise cause
+        _verifier_alone(run, cause)
         want_drafter = False
-        if decode is not None:
-            decode.drafter_error, decode.generation.drafter_fallback = cause, True
-        log.warning("request %s: no drafter replica answers; the verifier goes on alone", run.request.request_id or "-")
     last = cause
     for k in range(TRIES):
         if run.cancelled:  # the client went away meanwhile: the run just ends
@@ -97,6 +93,15 @@ def reopen(run, ids: Sequence[int], cause: BaseException):
     log.warning("request %s: no %s replica took the session over after %d tries", run.request.request_id or "-",
                 role_of(last), TRIES)  # fmt: skip
     raise last
+
+
+def _verifier_alone(run, cause: BaseException) -> None:
+    """No drafter replica answers: the verifier goes on alone, or a drafter's loss fails a run without fallback."""
+    if role_of(cause) == "drafter" and not run._fallback:
+        raise cause
+    if run._decode is not None:
+        run._decode.drafter_error, run._decode.generation.drafter_fallback = cause, True
+    log.warning("request %s: no drafter replica answers; the verifier goes on alone", run.request.request_id or "-")
 
 
 def reprefill(run, cause: BaseException):
@@ -120,11 +125,8 @@ def take_over(run) -> None:
             raise cause
     gen = decode.generation
     if role_of(cause) == "drafter" and not _serving(run._engine.drafter):
-        if not run._fallback:
-            raise cause
-        # no drafter replica left: the verifier session, untouched (the round verified nothing), goes on alone
-        decode.drafter_error, gen.drafter_fallback, decode.drafting, decode.lost = cause, True, False, None
-        log.warning("request %s: no drafter replica answers; the verifier goes on alone", run.request.request_id or "-")
+        _verifier_alone(run, cause)  # its verifier session, untouched (the round verified nothing), goes on
+        decode.drafting, decode.lost = False, None
         return
     log.log(logging.INFO if handoff else logging.WARNING, "request %s: %s %s after %d tokens (%s); taking the"
             " session over", run.request.request_id or "-", role_of(cause), "draining" if handoff else "lost",

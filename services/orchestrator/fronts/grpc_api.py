@@ -8,7 +8,7 @@ the stream's ``Complete``; ``kakeya client`` rebuilds the report with :func:`rep
 
 from __future__ import annotations
 
-from kakeya.core import json_text
+from kakeya.core.constraints import load_json
 from kakeya.core.contract import KVBytes
 from kakeya.core.generation import Report
 from kakeya.core.request import (
@@ -53,26 +53,11 @@ PROMPT_NAMES = {  # a prompt's fields, by the oneof the request set
     },
 }
 
-FINISH = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-    "error": pb.FINISH_REASON_ERROR,
-}
+FINISH = {reason: getattr(pb, f"FINISH_REASON_{reason.upper()}") for reason in ("stop", "length", "abort", "error")}
 FINISH_NAMES = {v: k for k, v in FINISH.items()} | {pb.FINISH_REASON_TOOL_CALLS: tool_choice.TOOL_CALLS}
 # The stats a Report and a SpecStats both carry, under the same names.
-SPEC_STATS = (
-    "decode_tok_s",
-    "prefill_s",
-    "decode_s",
-    "total_s",
-    "drafter_fallback",
-    "block_size",
-    "cache_policy",
-    "cache_bounded",
-    "copied_blocks",
-    "forced_blocks",
-)
+SPEC_STATS = ("decode_tok_s", "prefill_s", "decode_s", "total_s", "drafter_fallback", "block_size", "cache_policy",
+              "cache_bounded", "copied_blocks", "forced_blocks")  # fmt: skip
 # ToolChoiceMode -> Chat.tool_choice (UNSPECIFIED: as unset, the default).
 _MODES = {pb.TOOL_CHOICE_MODE_UNSPECIFIED: None, pb.TOOL_CHOICE_MODE_AUTO: AUTO, pb.TOOL_CHOICE_MODE_NONE: NONE,
           pb.TOOL_CHOICE_MODE_REQUIRED: REQUIRED}  # fmt: skip
@@ -110,14 +95,7 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         names = names | {tool_choice.FIELD: choice_field}
         prompt = Chat(messages, r.messages.continue_final_message, tools, choice)
     sp = r.sampling_params
-    sampling = SamplingParams(  # checked with the rest (checks.py)
-        temperature=wire_contract.decimal(sp.temperature),
-        top_k=sp.top_k,
-        top_p=wire_contract.decimal(sp.top_p) if sp.top_p else 1.0,
-        min_p=wire_contract.decimal(sp.min_p),
-        seed=sp.seed if sp.HasField("seed") else None,
-        rule=wire_contract.rule_from_proto(sp.rule),
-    )
+    sampling = wire_contract.sampling_of(sp, sp.seed if sp.HasField("seed") else None)  # checked with the rest
     try:
         constraint, spec_name = wire_contract.constraint_from_proto(r.constraint)
     except ValueError as exc:
@@ -147,7 +125,7 @@ def _schema(text: str, i: int) -> dict | None:
         return None
     field = f"prompt.messages.tools[{i}].parameters_json"
     try:
-        schema = json_text.loads(text)
+        schema = load_json(text)
     except ValueError as exc:
         raise InvalidRequest(field, f"must be a JSON object's text: {exc}") from None
     if not isinstance(schema, dict):
@@ -245,6 +223,4 @@ def _cache_kind(label: str) -> int:
     """A policy label ("native", "sink-window(4+64)+kv8") -> its CacheKind."""
     if label.startswith("sink-window"):
         return cache_pb2.CACHE_KIND_SINK_WINDOW
-    if label.startswith("native"):
-        return cache_pb2.CACHE_KIND_NATIVE
-    return cache_pb2.CACHE_KIND_UNSPECIFIED
+    return cache_pb2.CACHE_KIND_NATIVE if label.startswith("native") else cache_pb2.CACHE_KIND_UNSPECIFIED

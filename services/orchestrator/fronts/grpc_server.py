@@ -60,9 +60,8 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
                     continue
                 if item.text[streamed:]:  # the text held back to the end (a partial character, a stop string)
                     yield pb.GenerateResponse(chunk=pb.GenerateResponse.Chunk(text=item.text[streamed:]))
-                yield pb.GenerateResponse(
-                    complete=grpc_api.complete_from_report(item, tool_choice.reads_calls(req.prompt))
-                )
+                complete = grpc_api.complete_from_report(item, tool_choice.reads_calls(req.prompt))
+                yield pb.GenerateResponse(complete=complete)
         except InvalidRequest as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(exc.public(names)))
         except RequestError as exc:

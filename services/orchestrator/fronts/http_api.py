@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from kakeya.core import json_text
+from kakeya.core.constraints import valid_unicode
 from kakeya.core.generation import Block, Report
 from kakeya.core.request import Chat, InvalidRequest, Request, SamplingParams, public_field
 from kakeya.orchestrator.fronts import http_params
@@ -156,7 +156,7 @@ def _unicode(body: dict) -> None:
     surrogate, which no tokenizer, template or UTF-8 answer can take."""
     for name, value in body.items():
         try:
-            unicode = json_text.valid_unicode({name: value})
+            unicode = valid_unicode({name: value})
         except RecursionError:
             raise bad(name, "nested too deeply") from None
         if not unicode:
@@ -239,13 +239,11 @@ def completion_request(body: dict, served: str) -> tuple[Request, Reply, dict[st
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        pass
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         prompt = _ids(prompt, "prompt")
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise bad("prompt", "one prompt per request (this server does not batch prompts)")
-    else:
+    elif not isinstance(prompt, str):
         raise bad("prompt", "must be a string or a list of token ids")
     return Request(prompt, **fields), call, names
 
@@ -324,9 +322,7 @@ class Answer:
         return http_params.completion_logprobs(logprobs, self._token, offset)
 
     def _envelope(self, choices: list, chunk: bool = False) -> dict:
-        kind = ("chat.completion" if self.call.chat else "text_completion") + (
-            ".chunk" if chunk and self.call.chat else ""
-        )
+        kind = "chat.completion" + (".chunk" if chunk else "") if self.call.chat else "text_completion"
         body = {"id": self.id, "object": kind, "created": self.created, "model": self.call.model, "choices": choices}
         if chunk and self.call.obfuscate:  # as OpenAI's: random characters, so a chunk's size does not tell its text
             body["obfuscation"] = secrets.token_urlsafe(12)[: 1 + secrets.randbelow(16)]

@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kakeya.core import json_text
-from kakeya.core.constraints import Constraint
+from kakeya.core.constraints import Constraint, load_json
 from kakeya.core.contract import TokenLogprobs
 from kakeya.core.request import MAX_LOGPROBS, Message, Tool, ToolCall
 from kakeya.orchestrator.tools.calls import NAME
@@ -217,15 +216,12 @@ def _structured(value, bad) -> tuple[str, Constraint] | None:
         raise bad("structured_outputs", "must be an object")
     unknown = sorted(k for k in value if k not in STRUCTURED and k != "json_object")
     if unknown:
-        raise bad(
-            f"structured_outputs.{quote(unknown[0])}", "is not supported: json, regex, choice, grammar or json_object"
-        )
+        why = "is not supported: json, regex, choice, grammar or json_object"
+        raise bad(f"structured_outputs.{quote(unknown[0])}", why)
     sent = [k for k, v in value.items() if v is not None and v is not False]
     if len(sent) != 1:
-        raise bad(
-            "structured_outputs",
-            f"must hold exactly one of json, regex, choice, grammar, json_object (got {len(sent)})",
-        )
+        why = f"must hold exactly one of json, regex, choice, grammar, json_object (got {len(sent)})"
+        raise bad("structured_outputs", why)
     key = sent[0]
     name = f"structured_outputs.{key}"
     if key == "json_object":
@@ -344,11 +340,10 @@ def calls(value, i: int) -> tuple[ToolCall, ...]:
         if not isinstance(f.get("name"), str) or not NAME.fullmatch(f["name"]):
             raise ToolError("messages", f"{where}[{j}].function.name: must be 1-64 letters, digits, '_', '.' or '-'")
         try:
-            args = json_text.loads(f.get("arguments")) if isinstance(f.get("arguments"), str) else None
+            args = load_json(f.get("arguments")) if isinstance(f.get("arguments"), str) else None
         except ValueError as exc:
-            raise ToolError(
-                "messages", f"{where}[{j}].function.arguments: must be a JSON object's text: {exc}"
-            ) from None
+            why = f"{where}[{j}].function.arguments: must be a JSON object's text: {exc}"
+            raise ToolError("messages", why) from None
         if not isinstance(args, dict):
             raise ToolError("messages", f"{where}[{j}].function.arguments: must be a JSON object's text")
         out.append(ToolCall(c["id"], f["name"], f["arguments"]))
@@ -360,9 +355,8 @@ def message(m: dict, i: int, content: str) -> Message:
     role = m["role"]
     if role == "tool":
         if not isinstance(m.get("tool_call_id"), str):
-            raise ToolError(
-                "messages", f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers"
-            )
+            why = f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers"
+            raise ToolError("messages", why)
         name = m.get("name") or ""
         if not isinstance(name, str):
             raise ToolError("messages", f"messages[{i}].name: must be a string")

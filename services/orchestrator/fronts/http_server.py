@@ -247,15 +247,10 @@ class HttpFront:
             yield _event(opening)
         try:
             item = first
-            while item is not None:
-                if isinstance(item, Block):
-                    for event in answer.add(item):
-                        yield _event(event)
-                else:
-                    for event in answer.tail(item):
-                        yield _event(event)
-                    for event in answer.closing(item):
-                        yield _event(event)
+            while item is not None:  # blocks, then the report: the held-back text, the finish and usage
+                events = answer.add(item) if isinstance(item, Block) else answer.tail(item) + answer.closing(item)
+                for event in events:
+                    yield _event(event)
                 item = await anext(messages, None)
         except ApiError as exc:  # failed after the first chunk: the stream says so, as vLLM's does
             yield _event(exc.body())

@@ -111,9 +111,8 @@ class GenerationService:
         prefixes=None,
     ):
         if not 1 <= default_max_tokens <= max_tokens_limit:
-            raise ValueError(
-                f"default max tokens {default_max_tokens} must be in 1..{max_tokens_limit} (--max-tokens-limit)"
-            )
+            why = f"default max tokens {default_max_tokens} must be in 1..{max_tokens_limit} (--max-tokens-limit)"
+            raise ValueError(why)
         if queue < 0 or queue_timeout_s < 0:
             raise ValueError(f"--queue and --queue-timeout must be >= 0, got {queue} and {queue_timeout_s}")
         if max_prompt_tokens < 0:
@@ -160,9 +159,8 @@ class GenerationService:
         usage = getattr(e.verifier, "kv_usage", None)  # a remote verifier's K/V budget in use (a gateway's gauge)
         self.metrics.track_kv_usage(usage if usage is not None else lambda: 0.0)
         vocab = e.verifier.info.vocab_size
-        warmup = Request(
-            [i % vocab for i in range(1, 5)], 3, min(2, e.default_block_size), ignore_eos=True, request_id="warmup"
-        )
+        ids = [i % vocab for i in range(1, 5)]
+        warmup = Request(ids, 3, min(2, e.default_block_size), ignore_eos=True, request_id="warmup")
         *_, report = self._generate(warmup, observe=False)  # warm-up: not in the metrics
         if report.finish_reason == "error":
             raise RuntimeError(f"warm-up generation failed: {report.error}")
@@ -182,16 +180,13 @@ class GenerationService:
 
     def stream(self, req: Request, call: ClientCall) -> Iterator[Block | Report]:
         """One generation: its blocks as they commit, then its :class:`Report` (see the module docstring)."""
+        unavailable = grpc.StatusCode.UNAVAILABLE
         if self.draining:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, DRAINING)
+            raise RequestError(unavailable, DRAINING)
         if not self.ready:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE, "orchestrator is not ready (loading, warming up or draining)"
-            )
+            raise RequestError(unavailable, "orchestrator is not ready (loading, warming up or draining)")
         if self.verifier_down:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE, "verifier unavailable (its health checks fail); retry later"
-            )
+            raise RequestError(unavailable, "verifier unavailable (its health checks fail); retry later")
         peer = peer_of(call)  # the caller's host: its connections' ports vary
         self._admit(peer, call)
         token = logs.bind(request_id=req.request_id)
@@ -333,10 +328,8 @@ def public_status(exc: Exception, request_id: str = "") -> tuple[grpc.StatusCode
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc))
     log.exception("request %s failed", request_id or "-", exc_info=exc)
-    return (
-        grpc.StatusCode.INTERNAL,
-        f"internal error ({type(exc).__name__}); the orchestrator's log has request {request_id or '-'}",
-    )
+    why = f"internal error ({type(exc).__name__}); the orchestrator's log has request {request_id or '-'}"
+    return grpc.StatusCode.INTERNAL, why
 
 
 def _backend_status(exc: BackendError) -> tuple[grpc.StatusCode, str]:

@@ -76,14 +76,10 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self.stalled_s = 0.0  # time this process did not run (late ticks), counted against no deadline
 
-    def _running(self) -> float:
-        """Monotonic time less the stalls: the clock deadlines run on."""
-        return self._clock() - self.stalled_s
-
     def arm(self, seconds: float, on_expiry: Callable[[], None]) -> int:
         with self._lock:
             key = next(self._ids)
-            at = self._running() + seconds
+            at = self._clock() - self.stalled_s + seconds  # on the clock less the stalls, as _run's "now"
             self._armed[key] = (at, on_expiry)
             heapq.heappush(self._heap, (at, key))
             if self._thread is None:

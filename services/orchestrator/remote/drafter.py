@@ -166,9 +166,8 @@ class GrpcDrafterSession:
             return Draft(d.token_ids, ranked=[ids[i * k : (i + 1) * k] for i in range(n)])
         if not d.HasField("proposal"):
             return Draft(d.token_ids)
-        return Draft(
-            d.token_ids, wire_contract.proposal_from_proto(d.proposal, len(d.token_ids), self.drafter.vocab_size)
-        )
+        proposal = wire_contract.proposal_from_proto(d.proposal, len(d.token_ids), self.drafter.vocab_size)
+        return Draft(d.token_ids, proposal)
 
     @property
     def in_rounds(self) -> bool:
@@ -215,14 +214,9 @@ class _SkippedDrafterSession:
 
     def draft(self, new_aux, last_token, block_size):
         b = self.drafter.backoff
-        raise BackendError(
-            "drafter",
-            self.drafter.addr,
-            grpc.StatusCode.UNAVAILABLE,
-            f"backing off after {b.failures}"
-            f" failure(s), next try in {max(0.0, b.until - time.monotonic()):.1f} s (last: {b.last_error})",
-            skipped=True,
-        )
+        wait = max(0.0, b.until - time.monotonic())
+        why = f"backing off after {b.failures} failure(s), next try in {wait:.1f} s (last: {b.last_error})"
+        raise BackendError("drafter", self.drafter.addr, grpc.StatusCode.UNAVAILABLE, why, skipped=True)
 
     _post = draft  # a batch's call fails alike, before anything is sent
     in_rounds = False
@@ -258,15 +252,12 @@ class GrpcDrafter(RemoteBackend):
         self.backend = f"grpc:{addr}"
         self.block_size = self.remote.block_size
         self.target_layer_ids = tuple(self.remote.target_layer_ids)
-        self.mask_token_id = self.remote.mask_token_id
         self.vocab_size = self.remote.vocab_size
         self.prefix_cache = self.remote.prefix_cache_bytes > 0
         self.backoff = backoff or Backoff()
 
     def open_session(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None):
-        if not self.backoff.ready():
-            return _SkippedDrafterSession(self)
-        return GrpcDrafterSession(self, sampling, options or SessionOptions())
+        return self.open_session_now(sampling, options) if self.backoff.ready() else _SkippedDrafterSession(self)
 
     def open_session_now(self, sampling: SamplingParams | None = None, options: SessionOptions | None = None):
         """A session even while backing off: a take-over found a SERVING replica after one's loss."""

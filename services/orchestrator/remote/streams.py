@@ -133,9 +133,8 @@ def fetch_info(service: str, addr: str, fn, request, wait_s: float | None):
             if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
             if left <= 0.5:
-                raise BackendError(
-                    service, addr, grpc.StatusCode.UNAVAILABLE, f"not ready within {wait_s:g} s (last: {exc.details})"
-                ) from None
+                why = f"not ready within {wait_s:g} s (last: {exc.details})"
+                raise BackendError(service, addr, grpc.StatusCode.UNAVAILABLE, why) from None
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
@@ -183,10 +182,8 @@ class Stream:
             raise BackendError(self.service, self.addr, grpc.StatusCode.CANCELLED, "session is closed")
         if self.draining and expect not in _ENDING and self.elsewhere is not None and self.elsewhere():
             self.abort()  # its server frees the session now: it exits once none is left
-            raise BackendError(
-                self.service, self.addr, grpc.StatusCode.UNAVAILABLE,
-                "replica draining (shutting down): the session moves to another replica", drained=True,
-            )  # fmt: skip
+            why = "replica draining (shutting down): the session moves to another replica"
+            raise BackendError(self.service, self.addr, grpc.StatusCode.UNAVAILABLE, why, drained=True)
         self.bytes_sent += request.ByteSize()
         reply = Reply(expect)
         self._replies.append(reply)
@@ -208,16 +205,8 @@ class Stream:
             self.bytes_received += resp.ByteSize()
 
         try:
-            resp = heard_from(
-                self._call,
-                self.service,
-                self.addr,
-                expect,
-                f"stream ended before {expect}",
-                step_timeout,
-                self.abort,
-                progress,
-            )
+            ended = f"stream ended before {expect}"
+            resp = heard_from(self._call, self.service, self.addr, expect, ended, step_timeout, self.abort, progress)
         except BackendError:
             self.abort()
             raise
@@ -264,9 +253,7 @@ def round_deadline(streams) -> float | None:
     """A round call's gRPC timeout: until the latest of its sessions' client deadlines (None: one has none);
     a session whose own deadline passes first is aborted on its stream and its item fails alone."""
     deadlines = [s.deadline for s in streams]
-    if any(d is None for d in deadlines):
-        return None
-    return max(0.0, max(deadlines) - time.monotonic())
+    return None if None in deadlines else max(0.0, max(deadlines) - time.monotonic())
 
 
 def heard_from(call, service: str, addr: str, what: str, ended: str, step_timeout, cancel, on_progress=None):
@@ -335,8 +322,7 @@ def _alone(call, *args):
 
 class RemoteBackend:
     """What the gRPC verifier and drafter clients share: channel, step clock, stub, the server's GetInfo (``remote``),
-    health, and a round's steps (:meth:`batch`), which their sessions' ``_post`` / ``_finish`` / ``_answer`` hooks
-    serve."""
+    health, and a round's steps (:meth:`batch`), served by their sessions' ``_post``/``_finish``/``_answer`` hooks."""
 
     role = ""  # "verifier" | "drafter": what its errors name
     info_request: type  # its GetInfo request
@@ -391,10 +377,8 @@ class RemoteBackend:
             getattr(req.items.add(session_id=s.session_id), self.step).CopyFrom(s._step_msg(*args))
         t0 = time.perf_counter()
         try:
-            timeout = round_deadline([s._s for s, *_ in items])
-            resp = call_round(
-                getattr(self.stub, self.round_rpc), req, self.role, self.addr, self.clock.timeout(), timeout
-            )
+            rpc, timeout = getattr(self.stub, self.round_rpc), round_deadline([s._s for s, *_ in items])
+            resp = call_round(rpc, req, self.role, self.addr, self.clock.timeout(), timeout)
         except BackendError as exc:  # the call itself failed (a hung backend): every session in it hears it
             return [_RETRY_ON_STREAM if round_call_lost(exc) else s._fail(exc) for s, *_ in items]
         self.clock.record(time.perf_counter() - t0)

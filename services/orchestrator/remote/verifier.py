@@ -6,13 +6,11 @@ scheduler's round sends every session's block to one backend in ONE ``VerifyRoun
 any the server does not find (another replica), travel on the session's stream.
 
 Aux stays opaque: a wire ``Tensor`` is passed on as it came. Failures are ``streams.BackendError``s; a step fails only
-after a deadline of silence (``remote/deadlines.py``), so a hung backend is noticed within seconds and a slow one is
-not.
+after a deadline of silence (``remote/deadlines.py``): a hung backend is noticed within seconds, a slow one is not.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Collection, Sequence
 
@@ -25,8 +23,6 @@ from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import verifier_pb2 as vpb
 from kakeya.wire.kakeya.v1 import verifier_pb2_grpc
 from kakeya.wire.kakeya.v1.tensor_pb2 import Tensor
-
-log = logging.getLogger("kakeya.remote")
 
 
 class GrpcVerifierSession:
@@ -195,16 +191,12 @@ class GrpcVerifier(RemoteBackend):
         super().__init__(addr, verifier_pb2_grpc.VerifierServiceStub, wait_s, channel, tls, token, clock)
         self.aux_like = aux_like  # None: aux stays a wire Tensor; "mlx"/"torch"/"numpy": decoded
         r = self.remote
-        self.info = wire_contract.model_info_from_verifier(
-            r,
-            f"grpc:{addr}",
-            {"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)},
-        )
+        extra = {"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)}
+        self.info = wire_contract.model_info_from_verifier(r, f"grpc:{addr}", extra)
         self.aux_layers = tuple(aux_layers) or tuple(r.target_layer_ids) or (self.info.num_layers - 1,)
         # restoration sources stay named as the server publishes them: it maps the names to directories
-        self.policy = wire_contract.policy_from_proto(
-            r.default_cache_policy, CachePolicy(slack=r.max_block_size or MAX_BLOCK_SIZE)
-        )
+        default = CachePolicy(slack=r.max_block_size or MAX_BLOCK_SIZE)
+        self.policy = wire_contract.policy_from_proto(r.default_cache_policy, default)
         self.prefix_cache = r.prefix_cache_bytes > 0  # the server resumes prefixes (and keeps what sessions save)
         self.constrains = r.constrains  # the server has the tokenizer its sessions compile constraints against
         self._usage = (-1e9, 0.0)  # (when read, kv_usage) of the last GetInfo (``kv_usage``)

@@ -300,7 +300,7 @@ class ArgumentsStream:
                 return False
             out.append(_escaped(self.rest[:end]) + '"')
             self.rest, self.in_string = self.rest[end + len(QUOTE) :], False
-            self._after_value()
+            self.key_next = False  # a value ended
             return True
         c = self.rest[0]
         if c.isspace():
@@ -320,7 +320,7 @@ class ArgumentsStream:
             if not self.stack or "{[".index(self.stack.pop()) != "}]".index(c):
                 raise ValueError(c)
             out.append(c)
-            self._after_value()
+            self.key_next = False  # a value ended
         elif c == ",":
             self.key_next = self.stack[-1:] == ["{"]
             out.append(", ")
@@ -347,11 +347,8 @@ class ArgumentsStream:
             out.append(json.dumps(json.loads(word)))  # as json.dumps writes the parsed number: 2.5e1 -> 25.0
         else:
             raise ValueError(word)
-        self._after_value()
+        self.key_next = False  # a value ended
         return True
-
-    def _after_value(self) -> None:
-        self.key_next = False
 
 
 def _escaped(text: str) -> str:

@@ -93,7 +93,6 @@ def finish_reason(reason: str, calls: int) -> str:
 
 
 _BARE_KEY = re.compile(r"[^:{}\[\],<\s\"]+")
-# A string's text: anything without "<|", so it cannot hold (or end inside) a marker.
 _TERMINALS = {
     "STR": f"/{keywords.TEXT}/",
     "STR_END": f"/{keywords.TEXT}{re.escape(QUOTE)}/",
