@@ -173,7 +173,8 @@ class ServerSpec:
     # ``draining`` (``servicer.py``: its sessions move to other replicas at their next step)
     before_drain: Callable[[], None] = lambda: None
     near_deadline: Callable[[], None] = lambda: None  # grace almost over: end streams cleanly
-    # Whether the drain still has work to wait for (a session server: a live or queued session); None: every
+    # Whether the drain still has work to wait for (a session server: a live or queued session; an orchestrator:
+    # a generation in flight or queued, from either front); None: every
     # in-flight RPC is. Once it says no, the RPCs left are ones no client ends: a health Watch (held for the whole
     # --grace), a call from a peer gone without a FIN (held until gRPC's shutdown ping times out, 20 s); waiting for
     # them kept a backend whose sessions had all moved alive long after it had nothing left to hand off.
@@ -417,7 +418,7 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
     done = server.stop(grace_s)
     near = t_stop + max(0.0, grace_s - 1.0)
     if spec.busy is not None and _until_idle(spec.busy, done, near):
-        log.info("%s: no session left after %.2f s of draining: ending the calls still open (health watches)",
+        log.info("%s: nothing left in flight after %.2f s of draining: ending the calls still open (health watches)",
                  spec.name, time.monotonic() - t_stop)  # fmt: skip
         done = server.stop(0)
     if not done.wait(max(0.0, near - time.monotonic())):

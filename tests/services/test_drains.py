@@ -7,7 +7,8 @@ health went NOT_SERVING). From then on every answer says ``draining`` (the answe
 over) before its next step while another replica answers SERVING -- here the same server's health stands
 for that other replica -- and one that may not, or has nowhere to go, finishes where it is. The process
 level (a rolling restart of every backend under 8 streams) is ``test_hosts.py``, a SIGTERM'd process's exit
-below; an orchestrator's drain, here and in ``test_faults.py``.
+below; an orchestrator's drain (its streams finish, then it exits though a health Watch stays), here and in
+``test_faults.py``.
 """
 
 from __future__ import annotations
@@ -262,3 +263,27 @@ def test_a_draining_orchestrator_finishes_its_streams_and_refuses_the_rest(tiny_
     finally:
         front.drain()
         front.join(5)
+
+
+def test_a_sigterm_orchestrator_finishes_its_stream_then_exits_though_a_health_watch_stays(server_factory):
+    """As a backend above: a load balancer's health Watch (never ended by its client) must not hold a drained
+    orchestrator for its whole --grace. The generation in flight ends whole; then the process exits, status 0."""
+    import signal
+
+    from grpc_health.v1 import health_pb2_grpc
+
+    from .conftest import TINY, channel, generation_stub, request
+
+    orch = server_factory("orchestrator", ["orchestrator", *TINY, "--grace", "60"]).start().wait_ready()
+    watch = health_pb2_grpc.HealthStub(channel(orch.addr)).Watch(health_pb2.HealthCheckRequest())
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    stream = generation_stub(orch.addr).Generate(request(PROMPT, max_tokens=200, block_size=4))
+    first = next(stream)  # the generation is in flight
+    orch.signal(signal.SIGTERM)
+    assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # the drain began
+    answers = [first, *stream]
+    tokens = [t for r in answers if r.HasField("chunk") for t in r.chunk.token_ids]
+    assert len(tokens) == 200 and answers[-1].complete.completion_tokens == 200, "the stream in flight ends whole"
+    wait_until(lambda: not orch.alive(), timeout=15, what="the drained orchestrator to exit, a Watch still open")
+    assert orch.proc.returncode == 0, orch.log()
+    watch.cancel()

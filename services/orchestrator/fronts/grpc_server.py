@@ -136,6 +136,7 @@ def server_spec(servicer: GenerationServicer, tls=None, http=None) -> ServerSpec
         add_to_server=lambda server: add_servicer(server, servicer, generation, servicer.auth_token),
         before_drain=servicer.drain,
         near_deadline=near_deadline,
+        busy=servicer.busy,
         max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES,
         public=True,
         max_workers=workers_for(servicer.max_sessions, servicer.queue),  # queued generations hold a thread too

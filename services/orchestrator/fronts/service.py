@@ -178,6 +178,11 @@ class GenerationService:
             self.draining = True
             self._room.notify_all()  # the queued ones hear it now
 
+    def busy(self) -> bool:
+        """Generations in flight or queued: what a drain waits for (``ServerSpec.busy``; a health Watch it does not)."""
+        with self._lock:
+            return bool(self.active or self._waiting)
+
     def stream(self, req: Request, call: ClientCall) -> Iterator[Block | Report]:
         """One generation: its blocks as they commit, then its :class:`Report` (see the module docstring)."""
         unavailable = grpc.StatusCode.UNAVAILABLE
