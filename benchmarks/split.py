@@ -84,21 +84,49 @@ class Sessions:
         return self.verifier.server_s
 
 
-def one_run(engine, req, sessions: Sessions | None):
-    """One generation; per decode block (the block, servers' compute s or None, the verifier's part or None)."""
-    blocks = []
+def cpu_ms(pids: dict[str, int]) -> dict[str, float]:
+    """CPU milliseconds so far of each process in ``pids`` (every thread's, from ``/proc``), and ``grpc``: the
+    part of them gRPC's own threads ran (C-core's, named ``event_engine`` / ``grpc_*``). {} without ``/proc``."""
+    out: dict[str, float] = {}
+    for role, pid in pids.items():
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return {}
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    ms = int(f.read().split()[0]) / 1e6
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    grpc_thread = f.read().startswith(("event_engine", "grpc"))
+            except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+                continue
+            out[role] = out.get(role, 0.0) + ms
+            out["grpc"] = out.get("grpc", 0.0) + (ms if grpc_thread else 0.0)
+    return out
+
+
+def one_run(engine, req, sessions: Sessions | None, pids: dict[str, int] | None = None):
+    """One generation; per decode block (the block, servers' compute s or None, the verifier's part or None);
+    and the CPU ms each of ``pids``' processes spent from the first decode block's start to the last's end."""
+    blocks, cpu = [], {}
     with engine.start(req) as run:
         before = None
         for block in run:
+            if not cpu and pids:  # the prefill's block: decoding starts now
+                cpu = cpu_ms(pids)
             now = (sessions.server_s(), sessions.verify_s()) if sessions is not None else None
             if before is not None or sessions is None:
                 blocks.append((block, *((None, None) if now is None else (now[0] - before[0], now[1] - before[1]))))
             before = now
+        end = cpu_ms(pids) if cpu else {}
     gen = run.result
-    return gen, [(b, s, v) for b, s, v in blocks if b is not gen.blocks[0]]
+    spent = {k: end[k] - cpu[k] for k in end if k in cpu}
+    return gen, [(b, s, v) for b, s, v in blocks if b is not gen.blocks[0]], spent
 
 
-def measure_block_size(engines, sessions, prompt, args, block_size):
+def measure_block_size(engines, sessions, prompt, args, block_size, pids):
+    """``pids``: per mode, the processes whose CPU a decode block costs (colocated: this one; split: all three)."""
     req = Request(prompt, max_tokens=args.max_tokens, block_size=block_size, ignore_eos=True)
     for mode in MODES:  # warm-up (and, for block size 0, the cost curve's calibration)
         one_run(engines[mode], req, sessions.get(mode))
@@ -109,11 +137,14 @@ def measure_block_size(engines, sessions, prompt, args, block_size):
     draft_ms = []  # colocated: the loop's draft_s
     wire_ms = {m: [] for m in MODES if m != "colocated"}
     accepted = {m: [] for m in MODES}
+    cpu = {m: [] for m in MODES}  # per run: each process's CPU ms over its decode blocks
     identical = True
     for _ in range(args.repeats):  # alternating, so drifts in machine load hit every mode alike
         outputs = {}
         for mode in MODES:
-            gen, blocks = one_run(engines[mode], req, sessions.get(mode))
+            gen, blocks, spent = one_run(engines[mode], req, sessions.get(mode), pids[mode])
+            if spent and blocks:
+                cpu[mode].append({k: v / len(blocks) for k, v in spent.items()})
             outputs[mode] = gen.token_ids
             tok_s[mode].append(gen.decode_tok_s)
             accepted[mode] += [b.accepted for b, _, _ in blocks]
@@ -140,6 +171,11 @@ def measure_block_size(engines, sessions, prompt, args, block_size):
         "verify_ms_median": {m: round(med(v), 3) for m, v in verify_ms.items()},
         "colocated_draft_ms_median": round(med(draft_ms), 3),
         "mean_accepted": {m: round(statistics.mean(v), 3) if v else 0.0 for m, v in accepted.items()},
+        # The processes take turns (the loop waits for each step), so a block's wall time is about the CPU they
+        # spend on it: what the split adds shows here as CPU, by process, gRPC's own threads apart.
+        "cpu_ms_per_block_median": {
+            m: {k: round(med([r.get(k, 0.0) for r in runs]), 3) for k in runs[0]} for m, runs in cpu.items() if runs
+        },
     }
 
 
@@ -306,13 +342,15 @@ def main(argv=None):
                 "drafter", [*pair_args, *drafter_args, "--max-sessions", "64", *pinned.get("drafter", [])], tmp
             )
             procs.append(dp)
+            me = {"orchestrator": os.getpid()}
+            pids = {"colocated": me, "split": me | {"verifier": vp.pid, "drafter": dp.pid}}
             engines = {"colocated": local}
             engines["split"] = split_engine(vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S)
             sessions = {m: Sessions(engines[m]) for m in MODES[1:]}
             one = []
             for b in args.block_sizes:
                 print(f"one stream, block size {b or 'auto'} ...", file=sys.stderr, flush=True)
-                one.append(measure_block_size(engines, sessions, prompt, args, b))
+                one.append(measure_block_size(engines, sessions, prompt, args, b, pids))
                 print(json.dumps(one[-1]), file=sys.stderr, flush=True)
             refs = [
                 local.generate(Request(p, max_tokens=args.max_tokens, block_size=1, ignore_eos=True)).token_ids
@@ -376,7 +414,9 @@ def main(argv=None):
             "verify time a block; split, the verifier's own elapsed_s. overlap_ceiling: colocated block ms / (a verify + "
             "the bare round trip with no gap), the verify priced as the split's verifier took it or as the colocated one "
             "did: what split / colocated could reach if every draft were hidden beside the previous verify and were as "
-            "good as a fresh one."
+            "good as a fresh one. cpu_ms_per_block_median: per decode block (prefill, open and close left out), the CPU "
+            "ms each process spent (colocated: this one, as 'orchestrator'; split: this one and both servers; 'grpc': "
+            "the part gRPC's C-core threads ran, inside the others), from /proc schedstat; median over the runs."
         ),
     }
     path = Path(args.out)
