@@ -6,7 +6,9 @@ alternating run by run so machine noise falls on all alike:
 
 - colocated: verifier and drafter in this process (``build_local_engine``);
 - split: the same loop in this process over ``GrpcVerifier`` / ``GrpcDrafter``
-  (``split_engine``): one verifier and one drafter round trip a block.
+  (``split_engine``): one verifier and one drafter round trip a block;
+- split_here: the verifier over gRPC, the drafter in this process (``serve orchestrator
+  --verifier ... --target ... --draft ...``): one round trip a block.
   (Pre-drafting, a third mode until 2026-12-06, was removed: docs/benchmarks.md, History.)
 
 Per split block, the critical path (the loop's client-observed block time) is
@@ -50,7 +52,9 @@ from kakeya.orchestrator.decode.engine import Request
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
 from record import write_result
 
-MODES = ("colocated", "split")
+MODES = ("colocated", "split", "split_here")
+SPLITS = MODES[1:]
+TIMED = ("split",)  # the modes whose servers time each step: a block's compute and wire apart
 STEP_TIMEOUT_S = 30.0  # a loaded machine is slow, not hung: no step deadline should end a measured run
 
 
@@ -126,16 +130,17 @@ def one_run(engine, req, sessions: Sessions | None, pids: dict[str, int] | None 
 
 
 def measure_block_size(engines, sessions, prompt, args, block_size, pids):
-    """``pids``: per mode, the processes whose CPU a decode block costs (colocated: this one; split: all three)."""
+    """``pids``: per mode, the processes whose CPU a decode block costs (colocated: this one; split: all three;
+    split_here: this one and the verifier)."""
     req = Request(prompt, max_tokens=args.max_tokens, block_size=block_size, ignore_eos=True)
     for mode in MODES:  # warm-up (and, for block size 0, the cost curve's calibration)
         one_run(engines[mode], req, sessions.get(mode))
     tok_s = {m: [] for m in MODES}
     block_ms = {m: [] for m in MODES}
-    compute_ms = {m: [] for m in MODES if m != "colocated"}
-    verify_ms = {m: [] for m in MODES}  # colocated: the loop's verify_s; split: the verifier's own elapsed_s
+    compute_ms = {m: [] for m in TIMED}
+    verify_ms = {m: [] for m in MODES}  # the loop's verify_s; split: the verifier's own elapsed_s
     draft_ms = []  # colocated: the loop's draft_s
-    wire_ms = {m: [] for m in MODES if m != "colocated"}
+    wire_ms = {m: [] for m in TIMED}
     accepted = {m: [] for m in MODES}
     cpu = {m: [] for m in MODES}  # per run: each process's CPU ms over its decode blocks
     identical = True
@@ -156,14 +161,15 @@ def measure_block_size(engines, sessions, prompt, args, block_size, pids):
                     verify_ms[mode].append(server_verify_s * 1e3)
                 else:
                     verify_ms[mode].append(b.verify_s * 1e3)
-                    draft_ms.append(b.draft_s * 1e3)
-        identical &= outputs["split"] == outputs["colocated"]
+                    if mode == "colocated":
+                        draft_ms.append(b.draft_s * 1e3)
+        identical &= all(outputs[m] == outputs["colocated"] for m in SPLITS)
     co = med(tok_s["colocated"])
     return {
         "block_size": block_size,
         "output_identical": identical,
         "decode_tok_s_median": {m: round(med(v), 1) for m, v in tok_s.items()},
-        "over_colocated": {m: round(med(tok_s[m]) / co, 3) if co else 0.0 for m in MODES[1:]},
+        "over_colocated": {m: round(med(tok_s[m]) / co, 3) if co else 0.0 for m in SPLITS},
         "block_ms_median": {m: round(med(v), 3) for m, v in block_ms.items()},
         "critical_path_ms_median": {
             m: {"compute": round(med(compute_ms[m]), 3), "wire": round(med(wire_ms[m]), 3)} for m in compute_ms
@@ -245,13 +251,13 @@ def plot(out: dict, path: Path) -> None:
     x = range(len(rows))
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for k, mode in enumerate(MODES):
-        a.bar([i + (k - 0.5) * 0.4 for i in x], [r["decode_tok_s_median"][mode] for r in rows], 0.4, label=mode)
+        a.bar([i + (k - 1) * 0.27 for i in x], [r["decode_tok_s_median"][mode] for r in rows], 0.27, label=mode)
     a.set_xticks(list(x), labels)
     a.set_xlabel("block size")
     a.set_ylabel("decode tok/s (median)")
     a.set_title("one stream")
     a.legend()
-    for mode in MODES[1:]:
+    for mode in TIMED:
         compute = [r["critical_path_ms_median"][mode]["compute"] for r in rows]
         wire = [r["critical_path_ms_median"][mode]["wire"] for r in rows]
         b.bar(list(x), compute, 0.6, label=f"{mode}: compute")
@@ -308,7 +314,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from kakeya.checkpoints.tiny import demo_pair
-    from kakeya.orchestrator.assembly import build_local_engine, resolve_backend, set_torch_threads, split_engine
+    from kakeya.orchestrator.assembly import (
+        build_local_engine,
+        local_drafter,
+        resolve_backend,
+        set_torch_threads,
+        split_engine,
+    )
     from kakeya.runtime import placement
 
     embedded = args.target is None
@@ -324,6 +336,8 @@ def main(argv=None):
     threads = set_torch_threads(args.torch_threads, device, embedded) if backend == "torch" else None
     min_batch = {} if args.graphed_min_batch is None else {"graphed_min_batch": args.graphed_min_batch}
     local = build_local_engine(args.target, args.draft, backend, device, args.dtype, torch_options=min_batch)
+    # split_here's drafter: loaded as the colocated engine loads its own
+    drafter_kwargs = {"device": device, "dtype": args.dtype or "float32", **min_batch} if backend == "torch" else {}
     where = ["--backend", backend] + (["--device", device] if backend == "torch" and device else [])
     where += ["--dtype", args.dtype] if args.dtype else []
     where += ["--torch-threads", str(threads or 0)] if backend == "torch" else []
@@ -344,9 +358,12 @@ def main(argv=None):
             procs.append(dp)
             me = {"orchestrator": os.getpid()}
             pids = {"colocated": me, "split": me | {"verifier": vp.pid, "drafter": dp.pid}}
+            pids["split_here"] = me | {"verifier": vp.pid}
             engines = {"colocated": local}
             engines["split"] = split_engine(vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S)
-            sessions = {m: Sessions(engines[m]) for m in MODES[1:]}
+            here = local_drafter(args.draft, args.target, backend, **drafter_kwargs)
+            engines["split_here"] = split_engine(vaddr, here, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S)
+            sessions = {m: Sessions(engines[m]) for m in TIMED}
             one = []
             for b in args.block_sizes:
                 print(f"one stream, block size {b or 'auto'} ...", file=sys.stderr, flush=True)
@@ -404,7 +421,8 @@ def main(argv=None):
         "notes": (
             "Loopback; verifier, drafter and this client (the loop) are separate processes sharing the machine's cores, "
             "pinned as `serve all --placement` pins them (placement: each role's CPUs; the colocated runs are in this "
-            "process, on the orchestrator's). "
+            "process, on the orchestrator's). split_here: the verifier over gRPC, the drafter in this process (its "
+            "verify_ms the loop's verify time, a round trip included). "
             "Medians over alternating runs after a warm-up. critical_path_ms: per split block, compute = the servers' "
             "elapsed_s of its verify and draft, wire = the client-observed block time minus that. grpc_floor: "
             "a bare bidirectional-stream echo of 4 KB to another process (benchmarks/grpc_floor.py; a sync grpc.server "
@@ -415,7 +433,8 @@ def main(argv=None):
             "the bare round trip with no gap), the verify priced as the split's verifier took it or as the colocated one "
             "did: what split / colocated could reach if every draft were hidden beside the previous verify and were as "
             "good as a fresh one. cpu_ms_per_block_median: per decode block (prefill, open and close left out), the CPU "
-            "ms each process spent (colocated: this one, as 'orchestrator'; split: this one and both servers; 'grpc': "
+            "ms each process spent (colocated: this one, as 'orchestrator'; split: this one and both servers; split_here: "
+            "this one and the verifier; 'grpc': "
             "the part gRPC's C-core threads ran, inside the others), from /proc schedstat; median over the runs."
         ),
     }

@@ -137,29 +137,35 @@ def _backend_kwargs(args, embedded: bool, server: str | None = None) -> tuple[st
 
 
 def cmd_serve_orchestrator(args) -> int:
-    from kakeya.orchestrator.assembly import build_local_engine, split_engine
+    from kakeya.orchestrator.assembly import build_local_engine, local_drafter, split_engine
     from kakeya.orchestrator.fronts.grpc_server import GenerationServicer, server_spec
 
     _pin(args)
     if args.drafter and not args.verifier:
         raise ValueError("--drafter needs --verifier (a remote drafter with an in-process verifier is not supported)")
     prefixes = None
+    here = None  # the split's drafter in this process (--draft): its backend and options
     if args.verifier:
-        if args.target or args.draft:
-            raise ValueError(
-                "--target/--draft load in-process models: leave them out with --verifier (see --tokenizer)"
-            )
+        if args.draft and (args.drafter or args.no_drafter or not args.target):
+            raise ValueError("--draft with --verifier loads the drafter here: it needs --target (the checkpoint whose"
+                             " embeddings and head it shares), and neither --drafter nor --no-drafter")  # fmt: skip
+        if args.target and not args.draft:
+            raise ValueError("--target with --verifier is the in-process drafter's: give --draft too (see --tokenizer)")
         if args.prefix_cache_bytes not in (serve_flags.AUTO, 0):  # auto: nothing to keep here
             raise ValueError(
                 "--prefix-cache-bytes keeps the models' state: give it to the verifier and drafter servers"
             )
+        if args.draft:
+            here = _backend_kwargs(args, embedded=False, server="drafter")
 
         client_tls, backend_token = ClientTLS.from_args(args), serve_flags.auth_token(args, "--backend-token-file")
 
         def build():
             drafter = None if args.no_drafter else args.drafter
-            return split_engine(args.verifier, drafter, args.tokenizer, args.backend_wait, tls=client_tls,
-                                token=backend_token, backend_timeout_s=args.backend_timeout,
+            if here is not None:
+                drafter = local_drafter(args.draft, args.target, here[0], **here[1])
+            return split_engine(args.verifier, drafter, args.tokenizer or args.target, args.backend_wait,
+                                tls=client_tls, token=backend_token, backend_timeout_s=args.backend_timeout,
                                 ngram=args.ngram == "on")  # fmt: skip
 
         sources = None
@@ -186,7 +192,8 @@ def cmd_serve_orchestrator(args) -> int:
                                       prefixes=prefixes, ngram=args.ngram == "on")  # fmt: skip
 
     servicer = GenerationServicer(
-        build, colocated=not args.verifier, max_tokens_limit=args.max_tokens_limit,
+        build, colocated=not args.verifier, models_here=not args.verifier or here is not None,
+        max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens, max_sessions=args.max_sessions,
         max_sessions_per_peer=args.max_sessions_per_peer, queue=args.queue, queue_timeout_s=args.queue_timeout,
         max_prompt_tokens=args.max_prompt_tokens, restore=sources, auth_token=serve_flags.auth_token(args),
@@ -236,14 +243,16 @@ def register(sub) -> None:
     o.add_argument(
         "--drafter", metavar="TARGET", help="a `kakeya serve drafter`: HOST:PORT or a gRPC target, as --verifier"
     )
-    o.add_argument("--target", help="colocated: target checkpoint loaded in this process")
-    o.add_argument("--draft", help="colocated: drafter checkpoint loaded in this process")
+    o.add_argument("--target", help="colocated: target checkpoint loaded in this process; split (--verifier): the"
+                                    " one whose embeddings and head the in-process drafter shares")  # fmt: skip
+    o.add_argument("--draft", help="drafter checkpoint loaded in this process: colocated, or split with --verifier"
+                                   " (one round trip a block instead of two)")  # fmt: skip
     o.add_argument("--no-drafter", action="store_true", help="no speculation: the verifier decodes alone")
     o.add_argument(
         "--tokenizer",
         help="split: directory with the target's tokenizer.json (default: the verifier's path, if readable)",
     )
-    add_backend_args(o, help_suffix=" (colocated)")
+    add_backend_args(o, help_suffix=" (the models in this process)")
     serve_flags.add_backend_auth(o)
     # colocated: the sessions' default policy, and one prefix-cache budget for the verifier's and the drafter's
     _policy_and_front(o, "colocated: one budget for the verifier's and the drafter's")

@@ -29,6 +29,9 @@ class LocalDrafter:
         self.block_size: int = int(model.config.block_size)
         self.mask_token_id: int = int(model.config.mask_token_id)
         self.target_layer_ids: tuple[int, ...] = tuple(model.config.target_layer_ids)
+        # what must fit the target it drafts for
+        self.vocab_size, self.hidden_size = model.target.vocab_size, model.config.hidden_size
+        self.model_name = ""  # its checkpoint, once ``drafter/loader.py`` loaded it from one
 
     def open_session(
         self, sampling: SamplingParams | None = None, options: SessionOptions | None = None

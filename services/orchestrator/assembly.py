@@ -202,7 +202,7 @@ def build_local_engine(
 
 def split_engine(
     verifier_addr: str,
-    drafter_addr: str | None,
+    drafter,
     tokenizer: str | None,
     wait_s: float,
     *,
@@ -211,9 +211,11 @@ def split_engine(
     backend_timeout_s: float | None = None,
     ngram: bool = True,
 ):
-    """An engine whose verifier (and drafter) are gRPC services; waits up to ``wait_s`` for them. ``tls``: a
-    ``ClientTLS`` for both; ``token``: the bearer token both require; ``backend_timeout_s``: the step
-    deadlines' floor. The verifier's sessions return the hidden states of the drafter's layers."""
+    """An engine whose verifier is a gRPC service; waits up to ``wait_s`` for it. ``drafter``: a ``kakeya serve
+    drafter``'s address (waited for alike), a drafter loaded in this process (``local_drafter``: one round trip a
+    block instead of two), or None. ``tls``: a ``ClientTLS`` for the services; ``token``: the bearer token they
+    require; ``backend_timeout_s``: the step deadlines' floor. The verifier's sessions return the hidden states of
+    the drafter's layers (decoded here for an in-process drafter)."""
     from kakeya.orchestrator.decode.engine import Engine
     from kakeya.orchestrator.remote.deadlines import DEFAULT_BACKEND_TIMEOUT_S, StepClock
     from kakeya.orchestrator.remote.drafter import GrpcDrafter
@@ -221,26 +223,26 @@ def split_engine(
     from kakeya.orchestrator.text import TextCodec
 
     floor = backend_timeout_s or DEFAULT_BACKEND_TIMEOUT_S
-    drafter = None
-    if drafter_addr:
-        drafter = GrpcDrafter(drafter_addr, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor))
+    drafter_addr, aux_like = drafter, None
+    if isinstance(drafter, str):
+        drafter = GrpcDrafter(drafter, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor))
+    elif drafter is not None:
+        drafter_addr, aux_like = "this process", drafter.backend
     aux_layers = drafter.target_layer_ids if drafter is not None else ()
-    verifier = GrpcVerifier(
-        verifier_addr, aux_layers=aux_layers, wait_s=wait_s, tls=tls, token=token, clock=StepClock(floor)
-    )
+    verifier = GrpcVerifier(verifier_addr, aux_layers=aux_layers, wait_s=wait_s, aux_like=aux_like, tls=tls,
+                            token=token, clock=StepClock(floor))  # fmt: skip
     info = verifier.info
     if drafter is not None:
-        d = drafter.remote
         problems = []
-        if d.vocab_size != info.vocab_size:
-            problems.append(f"vocab_size {d.vocab_size} != verifier's {info.vocab_size}")
-        if d.hidden_size != info.hidden_size:
-            problems.append(f"hidden_size {d.hidden_size} != verifier's {info.hidden_size}")
-        bad = [i for i in d.target_layer_ids if not 0 <= i < info.num_layers]
+        if drafter.vocab_size != info.vocab_size:
+            problems.append(f"vocab_size {drafter.vocab_size} != verifier's {info.vocab_size}")
+        if drafter.hidden_size != info.hidden_size:
+            problems.append(f"hidden_size {drafter.hidden_size} != verifier's {info.hidden_size}")
+        bad = [i for i in drafter.target_layer_ids if not 0 <= i < info.num_layers]
         if bad:
             problems.append(f"target_layer_ids {bad} outside the verifier's {info.num_layers} layers")
         if problems:
-            why = f"drafter at {drafter_addr} does not fit the verifier at {verifier_addr}: " + "; ".join(problems)
+            why = f"drafter in {drafter_addr} does not fit the verifier at {verifier_addr}: " + "; ".join(problems)
             raise ValueError(why)
     tok_dir = tokenizer or info.name
     codec = None
@@ -252,5 +254,5 @@ def split_engine(
         log.warning(
             "no tokenizer (verifier's %s is not readable here; pass --tokenizer DIR): token-id prompts only", info.name
         )
-    draft_name = drafter.remote.model_name if drafter is not None else ""
+    draft_name = drafter.model_name if drafter is not None else ""
     return Engine(verifier, drafter, codec, info.name, draft_name, prefix_cache=verifier.prefix_cache, ngram=ngram)

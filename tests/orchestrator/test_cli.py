@@ -290,6 +290,22 @@ def test_servers_refuse_compile_on_a_cpu_before_loading(role, capsys):
     assert "--compile applies to --device cuda, not cpu" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--draft", "/d"], "it needs --target"),  # the in-process drafter shares the target's embeddings and head
+        (["--draft", "/d", "--target", "/t", "--drafter", "localhost:1"], "neither --drafter nor --no-drafter"),
+        (["--draft", "/d", "--target", "/t", "--no-drafter"], "neither --drafter nor --no-drafter"),
+        (["--target", "/t"], "give --draft too"),
+    ],
+)
+def test_a_split_orchestrator_refuses_an_in_process_drafter_it_cannot_load(flags, says, capsys):
+    """``--verifier`` with ``--draft``: the drafter in this process; the flags that contradict it are refused by name
+    before anything loads or connects."""
+    assert main(["serve", "orchestrator", "--verifier", "localhost:1", "--port", "0", *flags]) == 2
+    assert says in capsys.readouterr().err
+
+
 def test_a_16_bit_mismatch_says_why_and_a_float32_one_does_not():
     from kakeya.app.options import summary_line
 

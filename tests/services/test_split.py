@@ -1,8 +1,10 @@
 """Split (verifier + drafter + orchestrator processes) vs colocated vs mlx-lm greedy AR, and the API's edges.
 
-Four real servers for the whole module: a verifier (session limit 3), a
-drafter, a split orchestrator reaching both over gRPC, and a colocated
-orchestrator holding the same embedded tiny pair in-process.
+Five real servers for the whole module: a verifier (session limit 3), a
+drafter, a split orchestrator reaching both over gRPC, a split orchestrator
+reaching the verifier with its drafter in-process (torch, beside the MLX
+verifier: ``split_here``), and a colocated orchestrator holding the same tiny
+pair in-process.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kakeya.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, sampling
 
 from .conftest import (
     ROOT,
+    TINY,
     TINY_MLX,
     channel,
     drafter_info,
@@ -71,8 +74,10 @@ def servers(server_factory):
             "5",
         ],
     )
-    start_all([split])
-    return {"verifier": verifier, "drafter": drafter, "split": split, "colocated": colocated}
+    here = ["orchestrator", "--verifier", verifier.addr, *TINY, "--backend", "torch", "--grace", "5"]
+    split_here = server_factory("split_here", [*here, "--max-tokens-limit", str(LIMIT)])
+    start_all([split, split_here])
+    return {"verifier": verifier, "drafter": drafter, "split": split, "split_here": split_here, "colocated": colocated}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +114,7 @@ def test_every_server_is_serving_with_health_and_reflection(servers):
 
 def test_auto_block_size_is_lossless_split_and_colocated(servers, reference):
     """block_size 0: each block sized from the measured cost curve and the acceptance seen so far."""
-    for name in ("split", "colocated"):
+    for name in ("split", "split_here", "colocated"):
         ids, _, complete, _ = generate(
             servers[name].addr, request(PROMPT, max_tokens=LONG, ignore_eos=True, block_size=0)
         )
@@ -121,7 +126,7 @@ def test_auto_block_size_is_lossless_split_and_colocated(servers, reference):
 def test_split_equals_colocated_equals_mlx_lm_greedy_ar_past_ring_wraps(servers, reference):
     assert len(set(reference)) > 50, "degenerate reference: the comparison would prove little"
     results = {}
-    for name in ("split", "colocated"):
+    for name in ("split", "split_here", "colocated"):
         ids, _, complete, chunks = generate(servers[name].addr, request(PROMPT, max_tokens=LONG, ignore_eos=True))
         st = complete.stats
         assert complete.finish_reason == generate_pb2.FINISH_REASON_LENGTH
@@ -132,6 +137,7 @@ def test_split_equals_colocated_equals_mlx_lm_greedy_ar_past_ring_wraps(servers,
         assert st.verifier_kv_bytes_sliding > 0 and st.verifier_kv_bytes_full > 0 and not st.degenerate
         results[name] = ids
     assert results["split"] == reference
+    assert results["split_here"] == reference  # the drafter in the orchestrator's process: one round trip a block
     assert results["colocated"] == reference
 
 

@@ -92,13 +92,15 @@ class _SessionTime:
 
 class GenerationService:
     """One engine served to many clients (see the module docstring). ``build`` makes the engine at
-    :meth:`load`; ``prefixes``: the prefix cache a colocated engine's sessions share (its metrics)."""
+    :meth:`load`; ``prefixes``: the prefix cache a colocated engine's sessions share (its metrics); ``models_here``:
+    some of its models run in this process (colocated, or a split's in-process drafter; default: colocated)."""
 
     def __init__(
         self,
         build: Callable[[], Engine],
         *,
         colocated: bool,
+        models_here: bool | None = None,
         max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
@@ -128,7 +130,8 @@ class GenerationService:
         self.auth_token = auth_token
         self.engine: Engine | None = None
         self.limits = Limits()  # set by load(), from the flags and the target's facts
-        self.compute = ComputeThread("orchestrator") if colocated else None
+        models_here = colocated if models_here is None else models_here
+        self.compute = ComputeThread("orchestrator") if models_here else None
         self.ready = False
         self.draining = False  # SIGTERM (``drain``): no new generation starts, the ones in flight finish
         self.aborting = False  # the server is going down: in-flight generations end with finish reason "abort"

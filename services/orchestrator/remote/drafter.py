@@ -252,7 +252,8 @@ class GrpcDrafter(RemoteBackend):
         self.backend = f"grpc:{addr}"
         self.block_size = self.remote.block_size
         self.target_layer_ids = tuple(self.remote.target_layer_ids)
-        self.vocab_size = self.remote.vocab_size
+        self.vocab_size, self.hidden_size = self.remote.vocab_size, self.remote.hidden_size
+        self.model_name = self.remote.model_name
         self.prefix_cache = self.remote.prefix_cache_bytes > 0
         self.backoff = backoff or Backoff()
 
