@@ -58,8 +58,10 @@ def test_expected_tokens_is_the_geometric_sum_for_a_constant_rate():
         chain.observe(drafted=15, accepted=15)
     rates = chain.rates()
     assert rates[0] == pytest.approx(0.75, abs=0.01)
-    assert chain.expected_tokens(1) == 1.0
-    assert chain.expected_tokens(3) == pytest.approx(1 + rates[0] + rates[0] * rates[1])
+    assert chain.expected_tokens(1) == [1.0]
+    assert chain.expected_tokens(3) == pytest.approx([1, 1 + rates[0], 1 + rates[0] + rates[0] * rates[1]])
+    longest = chain.expected_tokens(len(rates) + 2)  # a block of len(rates) + 1 uses every rate the chain holds
+    assert longest[-3] < longest[-2] == longest[-1]  # past them a longer block adds nothing
 
 
 def _sizer(rate_accepted: int, costs: dict) -> BlockSizer:

@@ -101,12 +101,14 @@ class AcceptanceChain:
             out.append(prior)
         return out
 
-    def expected_tokens(self, size: int) -> float:
-        total, run = 1.0, 1.0
-        for a in self.rates()[: size - 1]:
+    def expected_tokens(self, most: int) -> list[float]:
+        """E(L) for L = 1 .. ``most``: what a block of L commits on average, 1 + r1 + r1 r2 + ... (one running
+        product; past the positions observed, nothing more)."""
+        out, run = [1.0], 1.0
+        for a in self.rates()[: most - 1]:
             run *= a
-            total += run
-        return total
+            out.append(out[-1] + run)
+        return out + [out[-1]] * (most - len(out))
 
     def merged(self, other: AcceptanceChain, cap: float) -> AcceptanceChain:
         """``self`` + ``other``, scaled so no position holds more than ``cap`` observations."""
@@ -156,14 +158,8 @@ class BlockSizer:
 
     def _best(self, chain: AcceptanceChain) -> int:
         """The candidate size with the most expected tokens a second under ``chain``."""
-        rates = chain.rates()  # once per block: E(L) for every L is one running product
-        expected, run, total = {}, 1.0, 1.0
-        for size in range(1, self.max_size + 1):
-            expected[size] = total
-            if size - 1 < len(rates):
-                run *= rates[size - 1]
-                total += run
-        return max(self.candidates(), key=lambda size: expected[size] / self.cost(size))
+        expected = chain.expected_tokens(self.max_size)  # once per block
+        return max(self.candidates(), key=lambda size: expected[size - 1] / self.cost(size))
 
     def choose(self, copy: bool = False) -> int:
         """The next block's size; ``copy``: for a block drafted by copy (1: not worth copying)."""
