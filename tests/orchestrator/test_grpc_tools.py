@@ -311,3 +311,13 @@ def test_tool_calls_is_the_finish_only_where_the_model_stopped_after_a_call(plan
     calls = [(name, json.loads(args)) for name, args in calls]
     assert calls == ([("get_weather", ARGS)] if text == CALL else [])  # a malformed call stays content
     assert complete.content == ("" if text == CALL else text)
+
+
+def test_a_marks_start_cut_after_a_call_is_no_content(planted):
+    """As the HTTP answer (``test_http_tools``): cut by max_tokens as the model opens the mark after its call,
+    ``Complete.content`` holds no "<|tool_re" (under a held choice no text outside the calls is content)."""
+    service, addr = planted
+    service.text, service.sizes, service.finish = CALL + "<|tool_re", (5,), "length"
+    for mode in (None, pb.TOOL_CHOICE_MODE_REQUIRED):
+        _, text, complete = _generate(addr, _request(tools=(WEATHER,), mode=mode))
+        assert text == service.text and complete.content == "" and len(complete.tool_calls) == 1

@@ -176,6 +176,7 @@ class CallStream:
     calls: int = 0
     _args: ArgumentsStream | None = field(default=None, repr=False)  # the call being streamed
     _body: str = ""  # its arguments' text so far
+    _opening: bool = True  # nothing but calls so far, or since the last call: a marker's start here opens one
 
     def feed(self, text: str) -> list:
         self.buffer += text
@@ -183,8 +184,9 @@ class CallStream:
         while True:
             if not self.in_call:
                 at = self.buffer.find(CALL_START)
-                if at < 0:
-                    cut = len(self.buffer) - _held(self.buffer, CALL_START)
+                if at < 0:  # hold a possible call mark; where only calls came, the results mark too
+                    held = max(_held(self.buffer, CALL_START), self._opening and _held(self.buffer, RESULT_START))
+                    cut = len(self.buffer) - held
                     self._content(out, self.buffer[:cut])
                     self.buffer = self.buffer[cut:]
                     return out
@@ -202,7 +204,7 @@ class CallStream:
                 if call is None:
                     self._content(out, CALL_START + body + CALL_END)
                 else:
-                    self.calls += 1
+                    self.calls, self._opening = self.calls + 1, True
                     out.append(call)
 
     def _open(self, out: list) -> bool:
@@ -211,7 +213,7 @@ class CallStream:
         end = self.buffer.find(CALL_END)
         if not m or not NAME.fullmatch(m[1]) or 0 <= end < m.end():
             return False
-        self.calls += 1
+        self.calls, self._opening = self.calls + 1, True
         out.append(CallOpened(ToolCall(call_id(), m[1], "")))
         self._args, self._body, self.buffer = ArgumentsStream(), "", self.buffer[m.end() - 1 :]
         return True
@@ -235,9 +237,11 @@ class CallStream:
         return True
 
     def end(self) -> list:
-        """What the text's end leaves: a held-back tail, as content; a call the text ends inside as the call so
-        far (its arguments' JSON cut where the call was, as OpenAI reports a call cut by ``length``; dropped if
-        its name was not whole). A streamed call sent these very arguments already: answer and stream agree."""
+        """What the text's end leaves: a held-back tail, as content -- unless only calls came before it, where it is
+        a mark's start cut (under a grammar-held ``tool_choice`` no other text can stand there); a call the text
+        ends inside as the call so far (its arguments' JSON cut where the call was, as OpenAI reports a call cut by
+        ``length``; dropped if its name was not whole). A streamed call sent these very arguments already: answer
+        and stream agree."""
         out: list = []
         if self.in_call and self._args is None:
             m = _HEADER.match(self.buffer)
@@ -246,15 +250,15 @@ class CallStream:
                 body = body[: len(body) - _held(body, CALL_END)]  # as a stream holds back a possible end mark
                 self.calls += 1
                 out.append(ToolCall(call_id(), m[1], ArgumentsStream().feed(body)))
-        elif not self.in_call:
+        elif not self.in_call and not self._opening:
             self._content(out, self.buffer)
         self.buffer, self.in_call, self._args = "", False, None
         return out
 
-    @staticmethod
-    def _content(out: list, text: str) -> None:
+    def _content(self, out: list, text: str) -> None:
         if text:
             out.append(text)
+            self._opening = False
 
 
 _ENDS = ",:{}[]"  # what ends a bare key, a number or a word (besides white space)
