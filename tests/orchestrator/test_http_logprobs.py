@@ -174,11 +174,6 @@ def test_bad_logprobs_values_get_a_400_naming_the_field(front, path, ask, param)
     assert body["error"]["message"].startswith(param)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: with tools (calls read), streamed content chunks carry logprobs null and the finish chunk carries "
-    "every token's (http_api.Answer._deltas writes 'logprobs': None), not the tokens since the previous chunk",
-)
 def test_streamed_chunks_with_tools_carry_their_tokens_logprobs(front):
     """The README (Logprobs): "Streamed, each chunk carries the logprobs of the tokens committed since the previous
     chunk", as OpenAI streams them beside each chunk's content. With ``tools`` (``auto``: the demo model writes no
@@ -191,3 +186,8 @@ def test_streamed_chunks_with_tools_carry_their_tokens_logprobs(front):
     assert texted  # the demo model answers in text under "auto"
     for choice in texted:
         assert choice.logprobs is not None and choice.logprobs.content, choice
+    whole = _client(front[1]).chat.completions.create(
+        model="demo", messages=MESSAGES, tools=tools, max_tokens=12, temperature=0, logprobs=True, top_logprobs=1
+    )
+    joined = [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert joined == [t.token for t in whole.choices[0].logprobs.content]  # each token once, in order

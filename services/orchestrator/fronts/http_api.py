@@ -372,8 +372,9 @@ class Answer:
             else:  # a call opened (its arguments to come) or whole
                 deltas += http_params.call_deltas(getattr(e, "call", e), self.calls_sent)
                 self.calls_sent += 1
-        return [self._envelope([{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}], chunk=True)
-                for d in deltas]  # fmt: skip
+        # the first chunk carries the logprobs of the tokens since the previous one (README, Logprobs)
+        return [self._envelope([{"index": 0, "delta": d, "logprobs": None if i else self._logprobs(True),
+                                 "finish_reason": None}], chunk=True) for i, d in enumerate(deltas)]  # fmt: skip
 
     def _finish(self, report: Report, calls: int) -> str:
         return tool_choice.finish_reason(finish_reason(report), calls)
