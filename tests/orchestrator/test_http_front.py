@@ -489,11 +489,6 @@ def test_vllm_parameters_that_change_the_output_are_honoured_or_refused(front, n
         assert tokens == [f"token_id:{t}" for t in answer["kakeya"]["token_ids"]], tokens
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: /v1/models' max_model_len is the model's context (131072) while a prompt over --max-prompt-tokens "
-    "(8192) is refused: http_server.HttpFront.models reports limits.max_context, not what a request may hold",
-)
 def test_a_request_within_max_model_len_is_not_refused_for_its_length(front):
     """vLLM's ``max_model_len`` (which clients read to fit a conversation) is what prompt + output may hold: a
     prompt of fewer tokens than it, with max_tokens 1, must not be refused for its length."""

@@ -182,7 +182,8 @@ class HttpFront:
         """OpenAI's list-models; with an id, its retrieve-model (a 404 naming any other id)."""
         try:
             self._admitted(request)
-            listed = http_api.models(self.model_name, self.servicer.limits.max_context)
+            limits = self.servicer.limits  # vLLM's max_model_len: what prompt + output may hold, never refused
+            listed = http_api.models(self.model_name, min(limits.max_context, limits.max_prompt_tokens))
             name = request.path_params.get("model")
             if name is None:
                 return _Json(listed)
