@@ -321,3 +321,14 @@ def test_a_marks_start_cut_after_a_call_is_no_content(planted):
     for mode in (None, pb.TOOL_CHOICE_MODE_REQUIRED):
         _, text, complete = _generate(addr, _request(tools=(WEATHER,), mode=mode))
         assert text == service.text and complete.content == "" and len(complete.tool_calls) == 1
+
+
+def test_the_most_stop_strings_are_taken_with_tools_too(real):
+    """As over HTTP (``test_http_tools``): the results mark a chat with tools stops at is the server's, so 16
+    ``sampling_params.stop`` strings are taken with tools and a 17th is refused, counting the client's."""
+    _, addr, _ = real
+    req = _request(max_tokens=2)
+    req.sampling_params.stop.extend(f"zq{i}" for i in range(16))
+    assert _generate(addr, req)[2].completion_tokens <= 2
+    req.sampling_params.stop.append("zq")
+    assert "17 strings, at most 16" in _refused(addr, req)

@@ -328,15 +328,11 @@ def test_the_template_renders_tools_and_calls_into_the_prompt(real):
         assert r.choices[0].message.content == codec.decode(r.model_extra["kakeya"]["token_ids"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: a chat whose calls are read gets the server's own '<|tool_response>' stop string appended before "
-    "the stop-count check (tools/grammar.stop_strings, then decode/checks.py), so 16 stop strings + tools is a 400 "
-    "saying '17 strings, at most 16 allowed'",
-)
 def test_the_most_stop_strings_are_taken_with_tools_too(real):
     """16 stop strings are taken without tools; with tools the client still sent 16: the results marker the server
     stops at is its own, not one of the client's."""
+    import openai
+
     _, base = real
     stops = [f"zq{i}" for i in range(16)]
     client = _client(base)
@@ -344,6 +340,8 @@ def test_the_most_stop_strings_are_taken_with_tools_too(real):
     assert plain.choices[0].finish_reason in ("length", "stop")
     r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, stop=stops, tools=[WEATHER])
     assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    with pytest.raises(openai.BadRequestError, match="17 strings, at most 16"):  # one more is the client's 17th
+        client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, stop=[*stops, "zq"], tools=[WEATHER])
 
 
 def test_a_schema_the_template_cannot_write_is_a_400_not_a_500(real):

@@ -29,7 +29,8 @@ from kakeya.core.request import (
     Request,
 )
 from kakeya.orchestrator.text import ChatError, TextCodec, template_inputs
-from kakeya.orchestrator.tools.grammar import GrammarError, holds_calls, marker_terms, tool_call_grammar
+from kakeya.orchestrator.tools.calls import RESULT_START
+from kakeya.orchestrator.tools.grammar import GrammarError, holds_calls, marker_terms, reads_calls, tool_call_grammar
 from kakeya.runtime import bounds
 
 DEFAULT_MAX_TOKENS = 128
@@ -266,8 +267,10 @@ def _constraint(req: Request, engine: EngineFacts) -> None:
 
 def _stops(req: Request, engine: EngineFacts) -> tuple[int, ...]:
     stops, vocab = tuple(req.stop_strings), engine.verifier.info.vocab_size
-    if len(stops) > bounds.MAX_STOP_STRINGS:
-        raise InvalidRequest("stop_strings", f"{len(stops)} strings, at most {bounds.MAX_STOP_STRINGS} allowed")
+    # the results mark a chat whose calls are read stops at (``tool_choice.stop_strings``) is the server's own
+    n = len(stops) - (stops[-1:] == (RESULT_START,) and reads_calls(req.prompt))
+    if n > bounds.MAX_STOP_STRINGS:
+        raise InvalidRequest("stop_strings", f"{n} strings, at most {bounds.MAX_STOP_STRINGS} allowed")
     if any(not isinstance(s, str) or not s for s in stops):
         raise InvalidRequest("stop_strings", "stop strings must be non-empty strings")
     long = [len(s) for s in stops if len(s) > bounds.MAX_STOP_STRING_CHARS]
