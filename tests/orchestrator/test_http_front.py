@@ -463,11 +463,6 @@ def test_unknown_parameters_are_ignored(front):
     assert status == 200 and answer["usage"]["completion_tokens"] == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: vLLM's add_special_tokens and return_tokens_as_token_ids change the output but are in no list of "
-    "http_params.PARAMS, so they are silently ignored (the module says every field known to change the output is listed)",
-)
 @pytest.mark.parametrize("name", ["add_special_tokens", "return_tokens_as_token_ids"])
 def test_vllm_parameters_that_change_the_output_are_honoured_or_refused(front, name):
     """vLLM's /v1/completions takes ``add_special_tokens`` (false: no BOS before the prompt) and
@@ -487,6 +482,24 @@ def test_vllm_parameters_that_change_the_output_are_honoured_or_refused(front, n
     else:
         tokens = answer["choices"][0]["logprobs"]["tokens"]
         assert tokens == [f"token_id:{t}" for t in answer["kakeya"]["token_ids"]], tokens
+
+
+@pytest.mark.parametrize(
+    ("path", "name", "neutral", "changing"),
+    [(COMPLETIONS, "add_special_tokens", True, False), (CHAT, "add_special_tokens", False, True),
+     (COMPLETIONS, "return_tokens_as_token_ids", False, True),
+     (CHAT, "repetition_detection", None, {"max_pattern_size": 4, "min_count": 3}),
+     (CHAT, "documents", [], [{"title": "a", "text": "b"}])],
+)  # fmt: skip
+def test_vllm_parameters_are_taken_at_their_default_and_refused_by_name_otherwise(front, path, name, neutral, changing):
+    """vLLM's defaults differ by endpoint: ``add_special_tokens`` is true for completions (the tokenizer's BOS)
+    and false for chat (the template writes it), which is what this server does; any other value is a 400 naming
+    the parameter, never the same answer as without it."""
+    client = Client(front[1])
+    status, answer = client.post(path, BASE[path] | {name: neutral})
+    assert status == 200, answer
+    status, answer = client.post(path, BASE[path] | {name: changing})
+    assert status == 400 and _refusal(answer) == name, answer
 
 
 def test_a_request_within_max_model_len_is_not_refused_for_its_length(front):

@@ -28,12 +28,13 @@ COMPLETIONS, CHAT, BOTH = "completions", "chat", "both"
 @dataclass(frozen=True)
 class Param:
     """``kind``: :data:`HONOURED`, :data:`REFUSED` or :data:`HARMLESS`; ``api``: which endpoint takes it;
-    ``accepts``: a refused parameter's values that ask for nothing (its default); ``types``: the JSON
+    ``accepts``: a refused parameter's values that ask for nothing (its default; by endpoint, where the
+    endpoints' defaults differ); ``types``: the JSON
     types a harmless one may have (None always may); ``why``: said when a value is refused."""
 
     kind: str
     api: str = BOTH
-    accepts: tuple = (None,)
+    accepts: tuple | dict[str, tuple] = (None,)
     types: tuple[type, ...] = ()
     why: str = ""
 
@@ -49,6 +50,7 @@ def _harmless(*types: type, api: str = BOTH) -> Param:
 _NO_LOGPROBS = "this server returns no log probabilities of prompt tokens"
 _NO_TOOLS = "the deprecated function-calling parameters are not supported: use tools and tool_choice"
 _TEXT = "this server generates text only"
+_SPECIAL = "the prompt's special tokens are the tokenizer's (completions), the template's (chat)"
 PARAMS: dict[str, Param] = {
     # -- OpenAI, both APIs
     "model": Param(HONOURED),  # must be the served model (404 otherwise)
@@ -99,6 +101,10 @@ PARAMS: dict[str, Param] = {
     "allowed_token_ids": _refused(why="it does not restrict the vocabulary"),
     "prompt_logprobs": _refused(0, why=_NO_LOGPROBS),
     "truncate_prompt_tokens": _refused(why="a prompt over the limit is refused, never truncated"),
+    "repetition_detection": _refused(why="it does not stop on repeated patterns"),
+    "return_tokens_as_token_ids": _refused(False, why="logprobs name tokens by their text (kakeya.token_ids: ids)"),
+    # vLLM's defaults: completions add the tokenizer's special tokens (BOS), chat only the template's
+    "add_special_tokens": Param(REFUSED, accepts={COMPLETIONS: (None, True), CHAT: (None, False)}, why=_SPECIAL),
     **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar"), Param(HONOURED)),
     "structured_outputs": Param(HONOURED),
     # -- vLLM's extensions, /v1/chat/completions only
@@ -106,6 +112,7 @@ PARAMS: dict[str, Param] = {
     "add_generation_prompt": _refused(True, api=CHAT, why="the template always opens the assistant's turn"),
     "chat_template": _refused(api=CHAT, why="the checkpoint's own template renders messages"),
     "chat_template_kwargs": _refused({}, api=CHAT, why="the template takes no arguments here"),
+    "documents": _refused([], api=CHAT, why="the template renders no documents here"),
 }
 ENDPOINTS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
 
@@ -137,7 +144,8 @@ def check(body: dict, chat: bool) -> None:
             continue  # not a parameter this server knows: ignored (the module docstring says why)
         if param.api not in (BOTH, api):
             raise Refused(name, f"not a parameter of {ENDPOINTS[api]} (it is one of {ENDPOINTS[param.api]})")
-        if param.kind == REFUSED and not any(_same(value, a) for a in param.accepts):
+        accepts = param.accepts[api] if isinstance(param.accepts, dict) else param.accepts
+        if param.kind == REFUSED and not any(_same(value, a) for a in accepts):
             raise Refused(name, f"{quote(value)} is not supported: {param.why}")
         elif param.kind == HARMLESS and value is not None and not isinstance(value, param.types):
             kinds = " or ".join({bool: "a boolean", str: "a string", dict: "an object"}[t] for t in param.types)
