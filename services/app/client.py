@@ -87,9 +87,8 @@ def generate_request(args):
         stop_token_ids=args.stop_token_id or [], temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, rule=wire_contract.rule_to_proto(args.sampling_rule),
     )  # fmt: skip
+    options.sampling_from_args(args)  # checked as `kakeya generate` checks it: the wire's top_p 0 would read as off
     if args.seed is not None:
-        if not 0 <= args.seed < 2**64:
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {args.seed}")
         sp.seed = args.seed
     if args.logprobs is not None:
         sp.logprobs = args.logprobs  # the server checks it (INVALID_ARGUMENT naming sampling_params.logprobs)

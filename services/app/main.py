@@ -34,7 +34,7 @@ def cmd_generate(args) -> int:
     try:
         req = engine.check(req)  # before the warm-up: a bad request costs no model work
     except InvalidRequest as exc:
-        raise ValueError(exc.public(FLAG_NAMES | constraint_flags)) from None
+        raise ValueError(exc.public(options.FLAG_NAMES | constraint_flags)) from None
     _warm_up(engine, req, args.compare_ar)
     shown, logprobs = 0, []
     with engine.start(req) as run:
@@ -55,16 +55,6 @@ def cmd_generate(args) -> int:
         out.update(_compare_transformers(engine, req, gen, args))
     options.print_result(args, out)
     return 0
-
-
-# The request's fields -> the flags that set them (a refusal names the flag): ``--`` and the field's last
-# part, dashed, but for two.
-FLAG_NAMES = {
-    f: "--" + f.rsplit(".", 1)[-1].replace("_", "-")
-    for f in ("prompt", "max_tokens", "block_size", "logprobs", "sampling.temperature", "sampling.top_k")
-    + ("sampling.top_p", "sampling.min_p", "sampling.seed", "cache_policy.window", "cache_policy.sink")
-    + ("cache_policy.full_kv_bits", "cache_policy.restore")
-} | {"sampling.rule": "--sampling-rule", "cache_policy": "--cache"}
 
 
 def _show(args, text: str) -> None:

@@ -12,7 +12,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from kakeya.core.constraints import Constraint
-from kakeya.core.request import CachePolicy, SamplingParams
+from kakeya.core.request import CachePolicy, InvalidRequest, SamplingParams
 
 # The first held-out prompt of the drafter's evaluation (the start of a stdlib file the demo pair never
 # trained on, ``training.drafter_eval.heldout_prompts``): a rule, not a pick.
@@ -186,9 +186,23 @@ def logprobs_json(logprobs) -> list[dict]:
     return [{"token": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]} for lp in logprobs]
 
 
+# The request's fields -> the flags that set them (a refusal names the flag): ``--`` and the field's last
+# part, dashed, but for two.
+FLAG_NAMES = {
+    f: "--" + f.rsplit(".", 1)[-1].replace("_", "-")
+    for f in ("prompt", "max_tokens", "block_size", "logprobs", "sampling.temperature", "sampling.top_k")
+    + ("sampling.top_p", "sampling.min_p", "sampling.seed", "cache_policy.window", "cache_policy.sink")
+    + ("cache_policy.full_kv_bits", "cache_policy.restore")
+} | {"sampling.rule": "--sampling-rule", "cache_policy": "--cache"}
+
+
 def sampling_from_args(args):
-    """The SamplingParams the flags ask for (ValueError naming the flag's field when one is off)."""
-    return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed, args.sampling_rule).check()
+    """The SamplingParams the flags ask for (a ValueError naming the flag when one is off)."""
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed, args.sampling_rule)
+    try:
+        return sampling.check()
+    except InvalidRequest as exc:
+        raise ValueError(exc.public(FLAG_NAMES)) from None
 
 
 def summary_line(out: dict) -> str:

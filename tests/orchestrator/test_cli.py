@@ -86,9 +86,9 @@ def bad_dirs(tmp_path, tiny_pair):
         (["--temperature", "-1"], "temperature"),
         (["--temperature", "nan"], "temperature"),
         (["--temperature", "1e-39"], "temperature"),
-        (["--temperature", "1", "--top-p", "0"], "top_p"),
-        (["--temperature", "1", "--top-k", "-2"], "top_k"),
-        (["--temperature", "1", "--min-p", "1.5"], "min_p"),
+        (["--temperature", "1", "--top-p", "0"], "--top-p"),
+        (["--temperature", "1", "--top-k", "-2"], "--top-k"),
+        (["--temperature", "1", "--min-p", "1.5"], "--min-p"),
         (["--backend", "torch", "--device", "cpu", "--compile"], "--compile applies to --device cuda"),
     ],
 )
@@ -344,14 +344,12 @@ def test_transformers_baseline_runs_where_it_measures_the_same_thing_and_says_wh
         assert _compare_transformers(other[0], other[1], None, other[2]) == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: `kakeya client generate` sends --top-p 0 as the wire's 0 = off (generate refuses it) and drops "
-    "--chat beside --prompt-ids (app/client.py: generate_request / cmd_client_generate check neither)",
-)
 @pytest.mark.parametrize(
     "args, fragment",
-    [(["--temperature", "1", "--top-p", "0"], "top_p"), (["--chat", "--prompt-ids", "2,3"], "--chat")],
+    [
+        (["--temperature", "1", "--top-p", "0"], "--top-p"),
+        (["--temperature", "1", "--seed", str(2**64)], "--seed"),
+    ],
 )
 def test_client_generate_refuses_what_it_would_silently_drop(args, fragment, capsys):
     """`kakeya client generate` takes "the same options as `kakeya generate`": a value generate refuses (--top-p 0,
