@@ -96,7 +96,9 @@ def generate_request(args):
     constraint, _ = options.constraint_from_args(args)
     if constraint is not None:
         req.constraint.CopyFrom(wire_contract.constraint_to_proto(constraint))
-    if (args.tools is not None or args.tool_choice is not None) and (not args.chat or args.prompt_ids is not None):
+    if args.chat and args.prompt_ids is not None:
+        raise ValueError("--chat renders a text prompt in the chat template: give --prompt, not --prompt-ids")
+    if (args.tools is not None or args.tool_choice is not None) and not args.chat:
         raise ValueError("--tools and --tool-choice need --chat (tools are declared in the chat template)")
     prompt = args.prompt if args.prompt is not None else options.DEFAULT_PROMPT
     if args.prompt_ids is not None:

@@ -348,6 +348,7 @@ def test_transformers_baseline_runs_where_it_measures_the_same_thing_and_says_wh
     "args, fragment",
     [
         (["--temperature", "1", "--top-p", "0"], "--top-p"),
+        (["--chat", "--prompt-ids", "2,3"], "--chat"),
         (["--temperature", "1", "--seed", str(2**64)], "--seed"),
     ],
 )
