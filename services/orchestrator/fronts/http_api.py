@@ -189,8 +189,10 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Reply, dict[str,
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _unicode(body)
-    model = body.get("model", served)
-    if model != served:
+    model = body.get("model")  # null: unset, as every optional field here (the served model)
+    if model is not None and not isinstance(model, str):
+        raise bad("model", f"must be a string, got {type(model).__name__}")
+    if model not in (None, served):
         raise model_not_found(model, served)
     try:
         http_params.check(body, chat)
