@@ -314,13 +314,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from kakeya.checkpoints.tiny import demo_pair
-    from kakeya.orchestrator.assembly import (
-        build_local_engine,
-        local_drafter,
-        resolve_backend,
-        set_torch_threads,
-        split_engine,
-    )
+    from kakeya.drafter.loader import local_drafter
+    from kakeya.orchestrator.assembly import build_local_engine, resolve_backend, set_torch_threads, split_engine
     from kakeya.runtime import placement
 
     embedded = args.target is None

@@ -137,7 +137,8 @@ def _backend_kwargs(args, embedded: bool, server: str | None = None) -> tuple[st
 
 
 def cmd_serve_orchestrator(args) -> int:
-    from kakeya.orchestrator.assembly import build_local_engine, local_drafter, split_engine
+    from kakeya.drafter.loader import local_drafter
+    from kakeya.orchestrator.assembly import build_local_engine, require_backend, split_engine
     from kakeya.orchestrator.fronts.grpc_server import GenerationServicer, server_spec
 
     _pin(args)
@@ -157,6 +158,7 @@ def cmd_serve_orchestrator(args) -> int:
             )
         if args.draft:
             here = _backend_kwargs(args, embedded=False, server="drafter")
+            require_backend(here[0])
 
         client_tls, backend_token = ClientTLS.from_args(args), serve_flags.auth_token(args, "--backend-token-file")
 

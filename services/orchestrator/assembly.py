@@ -136,22 +136,6 @@ def pair_paths(target: str | None, draft: str | None) -> tuple[str, str]:
     return str(target), str(draft)
 
 
-def local_verifier(target_dir, aux_layers, backend: str = "mlx", **kwargs):
-    """The in-process verifier for ``backend`` (``policy=``; ``device=``/``dtype=`` for torch)."""
-    require_backend(backend)
-    from kakeya.verifier.loader import local_verifier as load
-
-    return load(target_dir, aux_layers, backend, **kwargs)
-
-
-def local_drafter(draft_dir, target_dir, backend: str = "mlx", **kwargs):
-    """The in-process DFlash drafter for ``backend`` (``device=``/``dtype=`` for torch)."""
-    require_backend(backend)
-    from kakeya.drafter.loader import local_drafter as load
-
-    return load(draft_dir, target_dir, backend, **kwargs)
-
-
 def check_compile(torch_options: dict | None, device: str | None) -> None:
     """``--compile`` is for CUDA: on a CPU the demo pair's attention met more shapes than torch's recompile
     limit allows, and with the limit raised it decoded slower than eager."""
@@ -192,6 +176,10 @@ def build_local_engine(
     check_compile(torch_options, device)
     verifier_options = {k: v for k, v in (torch_options or {}).items() if k != "graphed_min_batch"}  # the drafter's
     vkw = torch_kw | verifier_options | ({"policy": policy} if policy else {})
+    require_backend(backend)
+    from kakeya.drafter.loader import local_drafter
+    from kakeya.verifier.loader import local_verifier
+
     verifier = local_verifier(target, aux_layers, backend, prefixes=prefixes, **vkw)
     dkw = torch_kw | (torch_options or {})
     drafter = None if no_drafter else local_drafter(draft, target, backend, prefixes=prefixes, **dkw)
@@ -212,7 +200,7 @@ def split_engine(
     ngram: bool = True,
 ):
     """An engine whose verifier is a gRPC service; waits up to ``wait_s`` for it. ``drafter``: a ``kakeya serve
-    drafter``'s address (waited for alike), a drafter loaded in this process (``local_drafter``: one round trip a
+    drafter``'s address (waited for alike), a drafter loaded in this process (``drafter/loader.py``: one round trip a
     block instead of two), or None. ``tls``: a ``ClientTLS`` for the services; ``token``: the bearer token they
     require; ``backend_timeout_s``: the step deadlines' floor. The verifier's sessions return the hidden states of
     the drafter's layers (decoded here for an in-process drafter)."""
