@@ -1,7 +1,8 @@
 """Take-over on real processes: a verifier or drafter replica SIGKILLed mid-stream under several streams.
 
 Two verifier replicas and two drafter replicas behind one orchestrator (``--verifier ipv4:A,B``, the
-way a headless Service's DNS lists pods), started with the project's own commands on loopback. Each
+way a headless Service's DNS lists pods), and a second orchestrator over the same verifiers with its drafter in its own
+process (MLX: its arrays live on the compute thread, a take-over's reopening included), started with the project's own commands on loopback. Each
 test kills one replica while 6 greedy streams and one seeded-sampling stream run: every request
 finishes (0 failed), every output equals the uninterrupted run's token for token, and the
 orchestrator's metrics count the take-overs (``decode/takeover.py``). Last, with every verifier replica
@@ -39,8 +40,13 @@ def cluster(server_factory):
         ["orchestrator", "--verifier", f"ipv4:{b['v0'].addr},{b['v1'].addr}", "--drafter",
          f"ipv4:{b['d0'].addr},{b['d1'].addr}", "--metrics-port", "0", "--grace", "5"],
     )  # fmt: skip
-    start_all([orch])
-    return {**backends, "orchestrator": orch}
+    here = server_factory(
+        "orchestrator_here",
+        ["orchestrator", "--verifier", f"ipv4:{b['v0'].addr},{b['v1'].addr}", *TINY_MLX, "--metrics-port", "0",
+         "--grace", "5"],
+    )  # fmt: skip
+    start_all([orch, here])
+    return {**backends, "orchestrator": orch, "orchestrator_here": here}
 
 
 def _requests():
@@ -61,17 +67,17 @@ def reference(cluster):
     return out
 
 
-def _takeovers(cluster, role: str) -> float:
-    port = cluster["orchestrator"].info["metrics_port"]
+def _takeovers(cluster, role: str, orchestrator: str = "orchestrator") -> float:
+    port = cluster[orchestrator].info["metrics_port"]
     return sum(
         v for (n, labels), v in scrape(port).items() if n == "kakeya_takeovers_total" and ("role", role) in labels
     )
 
 
-def _streams_while(cluster, kill) -> dict:
+def _streams_while(cluster, kill, orchestrator: str = "orchestrator") -> dict:
     """Run every request at once; ``kill()`` once each stream has had two chunks. Each name's (ids, Complete,
     chunks after the kill)."""
-    orch = cluster["orchestrator"]
+    orch = cluster[orchestrator]
     results, started, killed = {}, threading.Barrier(len(_requests()) + 1, timeout=120), threading.Event()
 
     def one(name, req):
@@ -142,6 +148,17 @@ def test_a_drafter_replica_killed_mid_stream_moves_to_the_other(cluster, referen
     # another drafter replica took each one over: none fell back to the verifier alone
     assert not any(c.stats.drafter_fallback for _, c, _ in results.values())
     cluster["d0"].wait_ready()
+
+
+def test_a_verifier_replica_killed_under_an_in_process_drafter_is_taken_over(cluster, reference):
+    """The drafter in the orchestrator's process (``--target/--draft`` beside ``--verifier``): the reopened verifier
+    session's aux rebuilds its context there; outputs equal the other orchestrator's uninterrupted run."""
+    before = _takeovers(cluster, "verifier", "orchestrator_here")
+    results = _streams_while(cluster, _kill(cluster["v1"], restart=True), "orchestrator_here")
+    _check(results, reference)
+    assert _takeovers(cluster, "verifier", "orchestrator_here") > before, "no stream was on the killed replica"
+    assert not any(c.stats.drafter_fallback for _, c, _ in results.values())
+    cluster["v1"].wait_ready()
 
 
 def test_with_no_verifier_replica_left_the_error_names_the_role(cluster, reference):
