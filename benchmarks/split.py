@@ -170,6 +170,8 @@ def measure_block_size(engines, sessions, prompt, args, block_size, pids):
         "output_identical": identical,
         "decode_tok_s_median": {m: round(med(v), 1) for m, v in tok_s.items()},
         "over_colocated": {m: round(med(tok_s[m]) / co, 3) if co else 0.0 for m in SPLITS},
+        # each alternation's own ratio (its split run against the colocated run beside it): the spread
+        "over_colocated_each": {m: [round(x / c, 3) for x, c in zip(tok_s[m], tok_s["colocated"])] for m in SPLITS},
         "block_ms_median": {m: round(med(v), 3) for m, v in block_ms.items()},
         "critical_path_ms_median": {
             m: {"compute": round(med(compute_ms[m]), 3), "wire": round(med(wire_ms[m]), 3)} for m in compute_ms
