@@ -45,9 +45,27 @@ def test_window_wraps_at_least_four_times(torch_target):
     assert torch_target.args.sliding_window * 4 <= len(PROMPT) + N
 
 
+@pytest.fixture(scope="module")
+def torch_run(verifier, torch_drafter):
+    """``get(n, block_size)``: the torch drafter's run of ``n`` tokens after PROMPT (native policy) and its
+    verifier's KV bytes at the end, run once per module: greedy decoding of one pair is deterministic, so the
+    identity test at block 8, the mixed test's pure-torch blocks and the memory test's 400-token run decoded the
+    very same tokens three times (~5 s each)."""
+    done = {}
+
+    def get(n: int, block_size: int):
+        if (n, block_size) not in done:
+            session = verifier.open_session()
+            gen = run(session, torch_drafter.open_session(), PROMPT, n, block_size)
+            done[n, block_size] = gen, session.stats().kv_bytes.as_dict()
+        return done[n, block_size]
+
+    return get
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 8, 16])
-def test_torch_drafter_matches_greedy_ar(verifier, torch_drafter, reference, block_size):
-    gen = run(verifier.open_session(), torch_drafter.open_session(), PROMPT, N, block_size)
+def test_torch_drafter_matches_greedy_ar(reference, torch_run, block_size):
+    gen, _ = torch_run(N, block_size)
     assert gen.token_ids == reference
     if block_size > 1:
         assert gen.mean_acceptance < 1.5  # random drafter: rollback on nearly every block
@@ -104,14 +122,14 @@ class MLXAux:
 
 
 @pytest.mark.parametrize("block_size", [8])
-def test_mixed_torch_verifier_mlx_drafter(tiny, verifier, torch_drafter, reference, block_size):
+def test_mixed_torch_verifier_mlx_drafter(tiny, verifier, torch_run, reference, block_size):
     from kakeya.drafter.local import MLXDrafter
 
     mlx_drafter = MLXDrafter(tiny.draft, tiny.target)
     mixed = run(verifier.open_session(), MLXAux(mlx_drafter.open_session()), PROMPT, N, block_size)
     assert mixed.token_ids == reference
     # same drafts too: the two drafters agree, so the blocks (acceptance lengths) agree
-    pure = run(verifier.open_session(), torch_drafter.open_session(), PROMPT, N, block_size)
+    pure, _ = torch_run(N, block_size)
     assert mixed.acceptance_lengths == pure.acceptance_lengths
 
 
@@ -123,13 +141,8 @@ def test_mixed_mlx_verifier_torch_drafter(tiny, torch_drafter, reference):
     assert gen.token_ids == reference
 
 
-def test_sliding_memory_is_bounded_and_full_layers_grow(verifier, torch_drafter, torch_target):
-    def kv(n):
-        s = verifier.open_session()
-        run(s, torch_drafter.open_session(), PROMPT, n, 8)
-        return s.stats().kv_bytes.as_dict()
-
-    short, long = kv(100), kv(N)
+def test_sliding_memory_is_bounded_and_full_layers_grow(torch_run, torch_target):
+    (_, short), (_, long) = torch_run(100, 8), torch_run(N, 8)
     assert long["sliding"] == short["sliding"]
     assert long["full"] > short["full"]
     a = torch_target.args
