@@ -44,19 +44,18 @@ def _reap(s) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-@pytest.fixture
-def serve_all(server_factory, tmp_path):
-    """Start `kakeya serve all`; afterwards make sure none of its children survive."""
-    started = []
-
-    def start():
-        s = server_factory("all", ["all", *TINY_ALL_MLX, "--grace", "5"]).start().wait_ready()
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        _reap(s)
+@pytest.fixture(scope="module")
+def policy_all(server_factory):
+    """`serve all` with a bounded default cache policy, shared: the policy flags' test uses it, then the SIGKILL test
+    kills it (a stack of its own cost that test ~15-20 s of start-up, the other tests' stacks take flags it has no
+    use for); afterwards none of its children survive."""
+    s = server_factory(
+        "all-policy",
+        ["all", *TINY_ALL_MLX, "--grace", "5", "--cache", "sink-window", "--sink", "4", "--window", "16",
+         "--full-kv-bits", "8"],
+    ).start().wait_ready()  # fmt: skip
+    yield s
+    _reap(s)
 
 
 @pytest.fixture(scope="module")
@@ -75,23 +74,6 @@ def client(addr, *args):
         [sys.executable, "-m", "kakeya.app.main", "client", "--addr", addr, *args],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-
-
-def test_children_die_with_the_parent(serve_all):
-    s = serve_all()
-    pids = s.info["pids"]
-    assert all(pid_alive(p) for p in pids.values())
-    s.signal(signal.SIGKILL)
-    s.wait(10)
-    wait_until(lambda: not any(pid_alive(p) for p in pids.values()), what="orphaned children to exit")
-    # killed outright, it could not remove its run directory (the children's token is in it): the next
-    # `serve all` does, and this test does it the same way instead of leaving one per run
-    from kakeya.app.supervisor import RUN_DIR_PREFIX, sweep_run_dirs
-
-    left = list(Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}{s.info['pid']}-*"))
-    assert len(left) == 1 and (left[0] / "backend.token").exists()
-    assert left[0] in sweep_run_dirs()
-    assert not left[0].exists()
 
 
 @pytest.mark.parametrize("verifier_backend,drafter_backend", [("torch", "mlx"), ("mlx", "torch")])
@@ -129,49 +111,45 @@ def test_mixed_backends_over_grpc_match_greedy_ar(server_factory, mlx_target, ve
         s.stop()
 
 
-def test_cache_policy_flags_on_servers_and_client(server_factory, mlx_target, aux_layers):
+def test_cache_policy_flags_on_servers_and_client(policy_all, mlx_target, aux_layers):
     """The verifier's default policy comes from `serve ... --cache`; a client may ask for another."""
     from kakeya.core.request import CachePolicy
     from kakeya.orchestrator.decode.loop import run
     from kakeya.verifier.session import LocalVerifierSession
 
-    s = (
-        server_factory(
-            "all-policy",
-            [
-                "all",
-                *TINY_ALL_MLX,
-                "--grace",
-                "5",
-                "--cache",
-                "sink-window",
-                "--sink",
-                "4",
-                "--window",
-                "16",
-                "--full-kv-bits",
-                "8",
-            ],
-        )
-        .start()
-        .wait_ready()
+    s = policy_all
+    outs = {}
+    for extra in ([], ["--cache", "native"]):
+        res = client(s.addr, "generate", "--json", "--max-tokens", "80", "--ignore-eos", *extra)
+        assert res.returncode == 0, res.stderr
+        outs[bool(extra)] = json.loads(res.stdout.strip().splitlines()[-1])
+    server_default, asked_native = outs[False], outs[True]
+    policy = CachePolicy("sink-window", sink=4, window=16, full_kv_bits=8)
+    assert server_default["cache_policy"] == policy.label and asked_native["cache_policy"] == "native"
+    expected = run(
+        LocalVerifierSession(mlx_target, aux_layers, policy), None, server_default["prompt_token_ids"], 80, 1
     )
-    try:
-        outs = {}
-        for extra in ([], ["--cache", "native"]):
-            res = client(s.addr, "generate", "--json", "--max-tokens", "80", "--ignore-eos", *extra)
-            assert res.returncode == 0, res.stderr
-            outs[bool(extra)] = json.loads(res.stdout.strip().splitlines()[-1])
-        server_default, asked_native = outs[False], outs[True]
-        policy = CachePolicy("sink-window", sink=4, window=16, full_kv_bits=8)
-        assert server_default["cache_policy"] == policy.label and asked_native["cache_policy"] == "native"
-        expected = run(
-            LocalVerifierSession(mlx_target, aux_layers, policy), None, server_default["prompt_token_ids"], 80, 1
-        )
-        assert server_default["token_ids"] == expected.token_ids
-        assert server_default["verifier_kv_bytes"]["sliding"] < asked_native["verifier_kv_bytes"]["sliding"]
-    finally:
-        s.stop()
+    assert server_default["token_ids"] == expected.token_ids
+    assert server_default["verifier_kv_bytes"]["sliding"] < asked_native["verifier_kv_bytes"]["sliding"]
+
+
+def test_children_die_with_the_parent(policy_all):
+    """After the policy flags' test, on its stack (in file order; alone, on a fresh one): SIGKILLed, it takes its
+    children with it."""
+    s = policy_all
+    pids = s.info["pids"]
+    assert all(pid_alive(p) for p in pids.values())
+    s.signal(signal.SIGKILL)
+    s.wait(10)
+    wait_until(lambda: not any(pid_alive(p) for p in pids.values()), what="orphaned children to exit")
+    # killed outright, it could not remove its run directory (the children's token is in it): the next
+    # `serve all` does, and this test does it the same way instead of leaving one per run
+    from kakeya.app.supervisor import RUN_DIR_PREFIX, sweep_run_dirs
+
+    left = list(Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}{s.info['pid']}-*"))
+    assert len(left) == 1 and (left[0] / "backend.token").exists()
+    assert left[0] in sweep_run_dirs()
+    assert not left[0].exists()
 
 
 def test_client_help_documents_what_the_server_takes():
