@@ -57,13 +57,17 @@ def _requests():
 
 
 @pytest.fixture(scope="module")
-def reference(cluster):
-    """Every request's uninterrupted output (all replicas up), one at a time."""
-    out = {}
-    for name, req in _requests().items():
-        ids, _, complete, _ = generate(cluster["orchestrator"].addr, req)
-        assert complete.finish_reason == generate_pb2.FINISH_REASON_LENGTH and len(ids) == N
-        out[name] = ids
+def reference(cluster, mlx_target):
+    """Every request's uninterrupted output: the greedy ones mlx-lm's own greedy AR of the tiny target, in process
+    (what every greedy path must equal, test_split.py's reference; ~0.6 s each where a run through the cluster cost
+    ~2 s), the seeded one the cluster's run with all replicas up."""
+    from kakeya.verifier.mlx_backend.reference import greedy_reference
+
+    out = {f"greedy-{k}": greedy_reference(mlx_target.model, p, N)[0] for k, p in enumerate(PROMPTS)}
+    ids, _, complete, _ = generate(cluster["orchestrator"].addr, _requests()["seeded"])
+    assert complete.finish_reason == generate_pb2.FINISH_REASON_LENGTH and len(ids) == N
+    out["seeded"] = ids
+    assert set(out) == set(_requests()) and all(len(ids) == N for ids in out.values())
     return out
 
 
