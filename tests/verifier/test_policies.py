@@ -33,21 +33,22 @@ def drafter(tiny_pair):
 
 # What a run's length buys. The sliding layers' ring has ``window - 1 + slack`` rotating slots (slack 16: 31 for
 # a window of 16, 39 for 24, 47 for the native 32), so its slot arithmetic repeats every that many positions: a run
-# of 600 tokens goes round each ring 13-20 times (WRAPS, asserted per case), every block start and every trim
+# of 500 tokens goes round each ring 11-17 times (WRAPS, asserted per case), every block start and every trim
 # landing on every slot many times over, and the full layers' cache (mlx-lm's, grown in steps of 256 positions)
-# grows twice. The random drafter (nearly every block rejected: one verify forward per token, the block's other
-# positions written then trimmed) and the planted one (full, partial and zero-accepted blocks, asserted) each run
-# every policy that long; longer runs (1,200-2,500 tokens until this was measured) repeat the same situations and
-# cost a verify forward per token or two, and as much again for the reference.
+# grows twice (prompt 41 + 500 > 2 * 256 + the largest block, asserted). The random drafter (nearly every block
+# rejected: one verify forward per token, the block's other positions written then trimmed) and the planted one
+# (full, partial and zero-accepted blocks, asserted) each run every policy that long; longer runs (1,200-2,500
+# tokens until this was measured, then 600) repeat the same situations and cost a verify forward per token or two,
+# and as much again for the reference.
 CASES = [
-    (CachePolicy("sink-window", sink=4, window=16), 8, "random", 600),
-    (CachePolicy("sink-window", sink=4, window=16), 16, "planted", 600),
-    (CachePolicy("sink-window", sink=0, window=24), 3, "planted", 600),
-    (CachePolicy("sink-window", sink=4, window=16, full_kv_bits=8), 4, "planted", 600),
-    (CachePolicy("native", full_kv_bits=8), 8, "random", 600),
-    (CachePolicy("sink-window", sink=2, window=24, full_kv_bits=4), 16, "planted", 600),
+    (CachePolicy("sink-window", sink=4, window=16), 8, "random", 500),
+    (CachePolicy("sink-window", sink=4, window=16), 16, "planted", 500),
+    (CachePolicy("sink-window", sink=0, window=24), 3, "planted", 500),
+    (CachePolicy("sink-window", sink=4, window=16, full_kv_bits=8), 4, "planted", 500),
+    (CachePolicy("native", full_kv_bits=8), 8, "random", 500),
+    (CachePolicy("sink-window", sink=2, window=24, full_kv_bits=4), 16, "planted", 500),
 ]
-WRAPS = 10  # times every case's ring must go round (the fewest, native's 47 slots over 600 tokens, is 13)
+WRAPS = 10  # times every case's ring must go round (the fewest, native's 47 slots over 500 tokens, is 11)
 KV_STEP = 256  # mlx-lm's KVCache (the full layers') grows by this many positions
 # test_sliding_bytes_flat_full_bytes_linear's run (its marks need the length), on a reference CASES' share
 BYTES_POLICY, BYTES_TOKENS = CachePolicy("sink-window", sink=4, window=16), 1500
