@@ -459,10 +459,11 @@ def test_client_cli_reports_status_and_exits_non_zero(servers):
 
     res = client("--addr", servers["split"].addr, "generate", "--prompt", "")
     assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "prompt.text" in res.stderr
+    # sampling flags are checked before sending, as `kakeya generate` checks them: exit 2 naming the flag
     res = client("--addr", servers["split"].addr, "generate", "--prompt", "x", "--top-p", "1.5")
-    assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "sampling_params.top_p" in res.stderr
+    assert res.returncode == 2 and "--top-p: must be in (0, 1]" in res.stderr
     res = client("--addr", servers["split"].addr, "generate", "--prompt", "x", "--temperature", "1e-39")
-    assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "sampling_params.temperature" in res.stderr
+    assert res.returncode == 2 and "--temperature: must be 0 (greedy) or at least" in res.stderr
     res = client("--addr", "127.0.0.1:1", "--timeout", "5", "generate", "--prompt", "x")
     assert res.returncode == 1 and "UNAVAILABLE" in res.stderr
     res = client("--addr", servers["split"].addr, "health")
