@@ -280,7 +280,7 @@ def test_auto_reads_the_calls_out_of_the_text_whatever_the_blocks(planted):
         ("get_weather", ARGS), ("get_weather", ARGS | {"city": "Rome, <é>{x}"})]  # fmt: skip
     assert len({c.id for c in complete.tool_calls}) == 2
     req = service.requests[-1]
-    assert req.prompt.tool_choice == "auto" and "<|tool_response>" in req.stop_strings  # as the HTTP front's
+    assert req.prompt.tool_choice == "auto" and req.stop_strings == ()  # as the HTTP front's: the checks add theirs
 
 
 def test_none_hands_the_text_back_as_it_is(planted):

@@ -92,7 +92,7 @@ def test_a_call_comes_back_as_tool_calls(planted):
     assert json.loads(call.function.arguments) == ARGS
     req = service.requests[-1]
     assert isinstance(req.prompt, Chat) and req.prompt.tools[0].name == "get_weather"
-    assert req.prompt.tool_choice == "auto" and "<|tool_response>" in req.stop_strings
+    assert req.prompt.tool_choice == "auto" and req.stop_strings == ()  # the client's stops; the checks add the server's
 
 
 def test_two_calls_and_no_content(planted):
@@ -481,6 +481,8 @@ def test_strict_under_auto_leaves_the_demo_models_text_as_it_was(demo_pair, bloc
             req, _, _ = chat_request({k: v for k, v in body.items() if v is not None} | {"tools": tools}, "demo")
             req = check_request(req, engine)
             assert (req.constraint is not None) == (name == "held")
+            # the server's own stop where a call's results would follow, once, however often it is checked
+            assert req.stop_strings == ("<|tool_response>",) == check_request(req, engine).stop_strings
             out[name] = engine.generate(replace(req, block_size=block_size)).token_ids
         assert out["held"] == out["free"] and len(out["free"]) == 40
 

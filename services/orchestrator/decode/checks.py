@@ -118,7 +118,7 @@ def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) 
         max_tokens=max_tokens,
         block_size=block_size,
         stop_ids=stop_ids,
-        stop_strings=tuple(req.stop_strings),
+        stop_strings=_own_stop(req),
         cache_policy=policy,
         sampling=sampling,
         request_id=request_id,
@@ -265,10 +265,16 @@ def _constraint(req: Request, engine: EngineFacts) -> None:
         raise InvalidRequest("constraint.spec", str(exc)) from None
 
 
+def _own_stop(req: Request) -> tuple[str, ...]:
+    """The client's stop strings and, for a chat whose calls are read, the server's own: where a call's results
+    would follow. Added once (a checked request may be checked again, as ``kakeya generate`` does)."""
+    stops = tuple(req.stop_strings)
+    return stops + ((RESULT_START,) if reads_calls(req.prompt) and RESULT_START not in stops else ())
+
+
 def _stops(req: Request, engine: EngineFacts) -> tuple[int, ...]:
     stops, vocab = tuple(req.stop_strings), engine.verifier.info.vocab_size
-    # the results mark a chat whose calls are read stops at (``tool_choice.stop_strings``) is the server's own
-    n = len(stops) - (stops[-1:] == (RESULT_START,) and reads_calls(req.prompt))
+    n = len(stops) - (RESULT_START in stops and reads_calls(req.prompt))  # the server's own is not counted
     if n > bounds.MAX_STOP_STRINGS:
         raise InvalidRequest("stop_strings", f"{n} strings, at most {bounds.MAX_STOP_STRINGS} allowed")
     if any(not isinstance(s, str) or not s for s in stops):

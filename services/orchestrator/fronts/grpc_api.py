@@ -109,7 +109,7 @@ def request_from_proto(r: pb.GenerateRequest, default_policy: CachePolicy) -> tu
         block_size=r.block_size,
         stop_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
-        stop_strings=tool_choice.stop_strings(sp.stop, prompt),
+        stop_strings=tuple(sp.stop),
         cache_policy=_cache_policy(r, default_policy),
         sampling=sampling,
         request_id=r.request_id,

@@ -273,7 +273,6 @@ def chat_request(body: dict, served: str) -> tuple[Request, Reply, dict[str, str
     _flag(body, "parallel_tool_calls")  # true or false; unset: true
     parallel = body.get("parallel_tool_calls") is not False
     prompt = Chat(tuple(turns), _flag(body, "continue_final_message"), tools, choice, parallel)
-    fields["stop_strings"] = tool_choice.stop_strings(fields["stop_strings"], prompt)
     held = holds_calls(tools, choice, prompt.parallel_tool_calls)
     call = replace(call, tools=tool_choice.reads_calls(prompt), held_calls=held)
     return Request(prompt, **fields), call, names

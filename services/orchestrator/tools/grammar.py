@@ -2,7 +2,7 @@
 
 Both fronts turn their wire shape into a mode or a function's name and call :func:`choose` (a refusal names
 ``prompt.tool_choice``, which the front renames); :func:`check_tools` checks a tool's name and parameters. A chat whose
-calls are read (:func:`reads_calls`) stops where the model would wait for results (:func:`stop_strings`).
+calls are read (:func:`reads_calls`) stops where the model would wait for results (``decode/checks.py`` adds that stop).
 
 ``"required"`` and a named function hold the model to a call with a grammar in llguidance's lark syntax:
 ``<|tool_call>call:NAME{ARGS}<tool_call|>``. Gemma-4's arguments are not JSON (``tools/calls.py``), so the schema
@@ -80,11 +80,6 @@ def choose(value, tools: Sequence[Tool], named: bool = False) -> str:
 def reads_calls(prompt) -> bool:
     """Whether the model's calls are read out of its text: a chat with tools, its choice not ``none``."""
     return isinstance(prompt, Chat) and bool(prompt.tools) and prompt.tool_choice != NONE
-
-
-def stop_strings(stops: Sequence[str], prompt) -> tuple[str, ...]:
-    """A request's stop strings: a chat whose calls are read also stops where a call's results would follow."""
-    return tuple(stops) + ((RESULT_START,) if reads_calls(prompt) else ())
 
 
 def finish_reason(reason: str, calls: int) -> str:
