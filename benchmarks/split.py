@@ -316,7 +316,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from kakeya.checkpoints.tiny import demo_pair
-    from kakeya.drafter.loader import local_drafter
     from kakeya.orchestrator.assembly import build_local_engine, resolve_backend, set_torch_threads, split_engine
     from kakeya.runtime import placement
 
@@ -333,8 +332,6 @@ def main(argv=None):
     threads = set_torch_threads(args.torch_threads, device, embedded) if backend == "torch" else None
     min_batch = {} if args.graphed_min_batch is None else {"graphed_min_batch": args.graphed_min_batch}
     local = build_local_engine(args.target, args.draft, backend, device, args.dtype, torch_options=min_batch)
-    # split_here's drafter: loaded as the colocated engine loads its own
-    drafter_kwargs = {"device": device, "dtype": args.dtype or "float32", **min_batch} if backend == "torch" else {}
     where = ["--backend", backend] + (["--device", device] if backend == "torch" and device else [])
     where += ["--dtype", args.dtype] if args.dtype else []
     where += ["--torch-threads", str(threads or 0)] if backend == "torch" else []
@@ -358,8 +355,10 @@ def main(argv=None):
             pids["split_here"] = me | {"verifier": vp.pid}
             engines = {"colocated": local}
             engines["split"] = split_engine(vaddr, daddr, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S)
-            here = local_drafter(args.draft, args.target, backend, **drafter_kwargs)
-            engines["split_here"] = split_engine(vaddr, here, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S)
+            # split_here's drafter: the colocated engine's own (the modes take turns; each opens its own sessions)
+            engines["split_here"] = split_engine(
+                vaddr, local.drafter, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S
+            )
             sessions = {m: Sessions(engines[m]) for m in TIMED}
             one = []
             for b in args.block_sizes:
