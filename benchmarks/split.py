@@ -54,7 +54,7 @@ from record import write_result
 
 MODES = ("colocated", "split", "split_here")
 SPLITS = MODES[1:]
-TIMED = ("split",)  # the modes whose servers time each step: a block's compute and wire apart
+TIMED = ("split",)  # the mode whose servers time every step: a block's compute and wire apart
 STEP_TIMEOUT_S = 30.0  # a loaded machine is slow, not hung: no step deadline should end a measured run
 
 
@@ -81,7 +81,8 @@ class Sessions:
 
     def server_s(self) -> float:
         """The servers' time on the critical path so far: the verifier's steps and the drafter's drafts."""
-        return self.verifier.server_s + (self.drafter.server_s if self.drafter is not None else 0.0)
+        drafted = getattr(self.drafter, "server_s", None)  # None: a drafter in this process (split_here)
+        return self.verifier.server_s + (drafted or 0.0)
 
     def verify_s(self) -> float:
         """The verifier's part of :meth:`server_s`."""
@@ -138,7 +139,8 @@ def measure_block_size(engines, sessions, prompt, args, block_size, pids):
     tok_s = {m: [] for m in MODES}
     block_ms = {m: [] for m in MODES}
     compute_ms = {m: [] for m in TIMED}
-    verify_ms = {m: [] for m in MODES}  # the loop's verify_s; split: the verifier's own elapsed_s
+    verify_ms = {m: [] for m in MODES}  # colocated: the loop's verify_s; the splits: the verifier's own elapsed_s
+    verify_wire_ms = {m: [] for m in SPLITS}  # the splits: the loop's verify_s less the verifier's own elapsed_s
     draft_ms = []  # colocated: the loop's draft_s
     wire_ms = {m: [] for m in TIMED}
     accepted = {m: [] for m in MODES}
@@ -156,9 +158,11 @@ def measure_block_size(engines, sessions, prompt, args, block_size, pids):
             for b, server_s, server_verify_s in blocks:
                 block_ms[mode].append(b.total_s * 1e3)
                 if server_s is not None:
-                    compute_ms[mode].append(server_s * 1e3)
-                    wire_ms[mode].append((b.total_s - server_s) * 1e3)
+                    if mode in TIMED:
+                        compute_ms[mode].append(server_s * 1e3)
+                        wire_ms[mode].append((b.total_s - server_s) * 1e3)
                     verify_ms[mode].append(server_verify_s * 1e3)
+                    verify_wire_ms[mode].append((b.verify_s - server_verify_s) * 1e3)
                 else:
                     verify_ms[mode].append(b.verify_s * 1e3)
                     if mode == "colocated":
@@ -177,6 +181,7 @@ def measure_block_size(engines, sessions, prompt, args, block_size, pids):
             m: {"compute": round(med(compute_ms[m]), 3), "wire": round(med(wire_ms[m]), 3)} for m in compute_ms
         },
         "verify_ms_median": {m: round(med(v), 3) for m, v in verify_ms.items()},
+        "verify_wire_ms_median": {m: round(med(v), 3) for m, v in verify_wire_ms.items()},
         "colocated_draft_ms_median": round(med(draft_ms), 3),
         "mean_accepted": {m: round(statistics.mean(v), 3) if v else 0.0 for m, v in accepted.items()},
         # The processes take turns (the loop waits for each step), so a block's wall time is about the CPU they
@@ -359,7 +364,7 @@ def main(argv=None):
             engines["split_here"] = split_engine(
                 vaddr, local.drafter, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S
             )
-            sessions = {m: Sessions(engines[m]) for m in TIMED}
+            sessions = {m: Sessions(engines[m]) for m in SPLITS}
             one = []
             for b in args.block_sizes:
                 print(f"one stream, block size {b or 'auto'} ...", file=sys.stderr, flush=True)
@@ -417,15 +422,15 @@ def main(argv=None):
         "notes": (
             "Loopback; verifier, drafter and this client (the loop) are separate processes sharing the machine's cores, "
             "pinned as `serve all --placement` pins them (placement: each role's CPUs; the colocated runs are in this "
-            "process, on the orchestrator's). split_here: the verifier over gRPC, the drafter in this process (its "
-            "verify_ms the loop's verify time, a round trip included). "
+            "process, on the orchestrator's). split_here: the verifier over gRPC, the drafter in this process. "
             "Medians over alternating runs after a warm-up. critical_path_ms: per split block, compute = the servers' "
             "elapsed_s of its verify and draft, wire = the client-observed block time minus that. grpc_floor: "
             "a bare bidirectional-stream echo of 4 KB to another process (benchmarks/grpc_floor.py; a sync grpc.server "
             "as Kakeya's, and a grpc.aio one), each message sent after an idle gap of 0 / 3 / 10 ms: the least a round "
             "trip costs here. grpc_floor.block: a bare block's wire with the servers burning a block's compute, as two "
             "round trips and as a relay chain (verifier -> drafter -> client). verify_ms_median: colocated, the loop's "
-            "verify time a block; split, the verifier's own elapsed_s. overlap_ceiling: colocated block ms / (a verify + "
+            "verify time a block; the splits, the verifier's own elapsed_s. verify_wire_ms_median: the splits' verify round "
+            "trip less the verifier's own elapsed_s (gRPC both ways, the messages' handling, the aux decoded). overlap_ceiling: colocated block ms / (a verify + "
             "the bare round trip with no gap), the verify priced as the split's verifier took it or as the colocated one "
             "did: what split / colocated could reach if every draft were hidden beside the previous verify and were as "
             "good as a fresh one. cpu_ms_per_block_median: per decode block (prefill, open and close left out), the CPU "
