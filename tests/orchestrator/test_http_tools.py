@@ -560,7 +560,6 @@ class SetFlag(BaseModel):  # FLAG's arguments
     unit: Literal["c", "f"]
 
 
-@pytest.mark.xfail(strict=True, reason="tools beside a response_format: refused or no call possible")
 @pytest.mark.parametrize("strict", [True, False])
 def test_tools_beside_a_response_format_answer_with_calls_or_that_json(real, strict):
     """OpenAI's model answers tools beside a ``response_format`` with calls or with that JSON: the ``openai``

@@ -319,7 +319,6 @@ def test_the_keywords_response_format_holds_hold_a_call_too(demo, schema, good, 
         assert _accepts(tokenizer, grammar, _ids(codec, _written(codec, "f", {"x": value}))) == takes, value
 
 
-@pytest.mark.xfail(strict=True, reason="tools beside a response_format: refused or no call possible")
 def test_auto_beside_a_json_answer_takes_that_json_or_calls(demo):
     """tools beside ``response_format`` (the ``openai`` SDK's ``parse(tools=..., response_format=Model)``,
     langchain's ``bind_tools(..., response_format=...)``): the answer is the JSON its schema takes, written as

@@ -90,10 +90,8 @@ def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) 
         why = f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the context limit {context}"
         raise InvalidRequest("max_tokens", why)
     stop_ids = _stops(req, engine)
-    held = _tool_calls(req, engine)  # a tool choice's grammar, compiled there
-    if held is req:
-        _constraint(req, engine)
-    req = held
+    _constraint(req, engine)  # the client's own, refused as its parameter before any tool grammar takes it in
+    req = _tool_calls(req, engine)  # a tool choice's grammar, compiled there
     sampling = req.sampling.check().seeded()  # an unseeded sampling request draws its seed here
     if not 1 <= req.max_block_size <= MAX_BLOCK_SIZE:
         raise InvalidRequest("max_block_size", f"must be between 1 and {MAX_BLOCK_SIZE}, got {req.max_block_size}")
@@ -205,18 +203,20 @@ def _template_culprit(chat: Chat, codec: TextCodec) -> str:
 
 
 def _tool_calls(req: Request, engine: EngineFacts) -> Request:
-    """A chat whose tool choice holds its calls: the request constrained to well-formed calls."""
-    chat = req.prompt
-    if not isinstance(chat, Chat) or not holds_calls(chat.tools, chat.tool_choice, chat.parallel_tool_calls):
+    """A chat whose calls a grammar holds (under ``auto``, beside a JSON answer too): the request constrained to them."""
+    chat, c, answer = req.prompt, req.constraint, None
+    if not isinstance(chat, Chat) or not reads_calls(chat):
         return req
-    if req.constraint is not None:
-        held = f"tool_choice {chat.tool_choice!r}"
-        if chat.tool_choice == AUTO:  # held for a strict tool's sake, or to stop after one call
-            held = "a strict tool" if any(t.strict for t in chat.tools) else "parallel_tool_calls false"
-        raise InvalidRequest("constraint", f"{held} constrains the output already")
-    tokenizer = engine.codec.tokenizer if engine.codec is not None else None
+    if c is not None:
+        if chat.tool_choice != AUTO or c.kind not in ("json_schema", "json_object"):  # a JSON answer or calls only
+            held = f"tool_choice {chat.tool_choice!r}{' (a call or a JSON answer)' if chat.tool_choice == AUTO else ''}"
+            raise InvalidRequest("constraint", f"{held} constrains the output already")
+        answer = constraints.load_json(c.spec) if isinstance(c.spec, str) else c.spec or {"type": "object"}
+    elif not holds_calls(chat.tools, chat.tool_choice, chat.parallel_tool_calls):
+        return req
+    terms = marker_terms(engine.codec.tokenizer if engine.codec is not None else None)
     try:
-        grammar = tool_call_grammar(chat.tools, chat.tool_choice, marker_terms(tokenizer), chat.parallel_tool_calls)
+        grammar = tool_call_grammar(chat.tools, chat.tool_choice, terms, chat.parallel_tool_calls, answer)
     except GrammarError as exc:  # a tool's schema this grammar cannot hold: named in the tool's parameters
         field = "prompt.tool_choice" if exc.tool is None else f"prompt.tools[{exc.tool}].parameters"
         raise InvalidRequest(field, str(exc)) from None

@@ -73,8 +73,9 @@ class ApiError(Exception):
 _NONE = http_params.Param("")
 
 
-def bad(param: str, message: str) -> ApiError:
-    return ApiError(400, f"{param}: {message}", param)
+def bad(path: str, message: str) -> ApiError:
+    """A 400 about a parameter or a field inside one (``response_format.json_schema.schema``): ``param`` the top."""
+    return ApiError(400, f"{path}: {message}", path.split(".")[0])
 
 
 @dataclass(frozen=True)
@@ -109,15 +110,10 @@ def _number(body: dict, name: str, default=None, integer: bool = False, low=None
     return v
 
 
-def _nested_bad(path: str, message: str) -> ApiError:
-    """A 400 about a nested field (``response_format.json_schema.schema``), its ``param`` the top parameter."""
-    return ApiError(400, f"{path}: {message}", path.split(".")[0])
-
-
 def _flag(body: dict, name: str, parent: str = "") -> bool:
     v = body.get(name, False)
     if not isinstance(v, bool) and v is not None:
-        raise bad(parent + name, f"must be true or false, got {type(v).__name__}")
+        raise ApiError(400, f"{parent}{name}: must be true or false, got {type(v).__name__}", parent + name)
     return bool(v)
 
 
@@ -230,7 +226,7 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Reply, dict[str,
         "request_id": request_id,
         "logprobs": http_params.logprobs_requested(body, chat, bad),
     }
-    fields["constraint"], constraint_names = http_params.constraint(body, _nested_bad)
+    fields["constraint"], constraint_names = http_params.constraint(body, bad)
     call = Reply(chat, stream, include_usage, served, obfuscate, logprobs=fields["logprobs"] is not None)
     return fields, call, field_names(chat, max_name) | constraint_names
 
@@ -396,7 +392,8 @@ class Answer:
             choice = self._choice(content if content.strip() or not calls else None, self._finish(report, len(calls)),
                                   False)  # fmt: skip
             if calls:
-                choice["message"]["tool_calls"] = [http_params.call_json(c) for c in calls]
+                choice["message"]["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                    "arguments": c.arguments}} for c in calls]  # fmt: skip
             body = self._envelope([choice])
         return body | {"usage": usage(report), "kakeya": stats(report)}
 

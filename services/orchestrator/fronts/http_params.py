@@ -374,11 +374,6 @@ def message(m: dict, i: int, content: str) -> Message:
     return Message(role, content, tool_calls=calls(m.get("tool_calls"), i))
 
 
-def call_json(call: ToolCall) -> dict:
-    """A call as ``message.tool_calls`` carries it."""
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
 def call_deltas(call: ToolCall, index: int) -> list[dict]:
     """A call as OpenAI streams it: id, type and name, then its arguments (if whole already)."""
     opened = {"tool_calls": [{"index": index, "id": call.id, "type": "function",

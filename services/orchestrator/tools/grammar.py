@@ -18,6 +18,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 
+from kakeya.core.constraints import JSON_OPTIONS
 from kakeya.core.request import AUTO, NONE, REQUIRED, Chat, InvalidRequest, Tool
 from kakeya.orchestrator.tools import keywords
 from kakeya.orchestrator.tools.calls import CALL_END, CALL_START, MARKERS, NAME, QUOTE, RESULT_START
@@ -315,16 +316,20 @@ class _Rules:
 
 
 def tool_call_grammar(
-    tools: Sequence[Tool], tool_choice: str, terms: Mapping[str, str] | None = None, parallel: bool = True
+    tools: Sequence[Tool],
+    tool_choice: str,
+    terms: Mapping[str, str] | None = None,
+    parallel: bool = True,
+    answer: Mapping | None = None,
 ) -> str:
     """The lark grammar (llguidance's) of the calls ``tool_choice`` asks for: ``required``, one or more calls of
     any of ``tools``; a function's name, one call of it; ``auto`` (when :func:`holds_calls`), free text, or
     text up to a call's opening mark and then well-formed calls, a ``strict`` tool's arguments following its
-    schema. ``terms``: the markers' lark terms (:func:`marker_terms`). ``parallel`` False: at most one call.
-    :class:`GrammarError` names a tool it cannot hold."""
+    schema. ``terms``: the markers' lark terms (:func:`marker_terms`). ``parallel`` False: at most one call. ``answer``
+    (``auto``): a JSON answer's schema, the alternative to calls. :class:`GrammarError` names a tool it cannot hold."""
     terms = dict(terms or marker_terms())
     rules = _Rules(terms)
-    if tool_choice == NONE or (tool_choice == AUTO and not holds_calls(tools, tool_choice, parallel)):
+    if tool_choice == NONE or (tool_choice == AUTO and answer is None and not holds_calls(tools, AUTO, parallel)):
         raise GrammarError("", f"tool_choice {tool_choice!r} holds no call: it has no grammar")
     chosen = [t for t in tools if t.name == tool_choice] if tool_choice not in (AUTO, REQUIRED) else list(tools)
     if not chosen:
@@ -347,7 +352,7 @@ def tool_call_grammar(
     body = rules.rule(" | ".join(calls))
     call = f"{terms[CALL_START]} {body} {terms[CALL_END]}"
     if tool_choice == AUTO:
-        start = _text_or_calls(terms, body, parallel)
+        start = _text_or_calls(terms, body, parallel, answer is not None)
     else:
         calls = f"({call})+" if tool_choice == REQUIRED and parallel else call
         start = f"{calls} {terms[RESULT_START]}?"
@@ -355,9 +360,10 @@ def tool_call_grammar(
     lines += [f"{name}: {body}" for name, body in rules.rules.items()]
     lines += [f"{name}: {regex}" for name, regex in _TERMINALS.items()]
     for text, name in rules.terminals.items():  # a constrained string's text (and its closing mark, as STR_END)
-        lines.append(f"{name}: {text}")
-        lines.append(f"{name}_END: ({text}) /{re.escape(QUOTE)}/")
-    if tool_choice == AUTO and not terms[CALL_START].startswith("<["):
+        lines += [f"{name}: {text}", f"{name}_END: ({text}) /{re.escape(QUOTE)}/"]
+    if answer is not None:  # written as every JSON answer is (``core/constraints.py``), unless the schema says
+        lines.append(f"answer: %json {json.dumps({'x-guidance': JSON_OPTIONS} | dict(answer))}")
+    elif tool_choice == AUTO and not terms[CALL_START].startswith("<["):
         lines.append(f"TEXT: {_FREE} & ~/{_FREE[1:-1]}{re.escape(CALL_START)}{_FREE[1:-1]}/")
         lines.append(f"LEAD: TEXT {terms[CALL_START]}")
     elif tool_choice == AUTO:
@@ -368,7 +374,7 @@ def tool_call_grammar(
 _FREE = r"/(.|\n)*/"
 
 
-def _text_or_calls(terms: Mapping[str, str], body: str, parallel: bool) -> str:
+def _text_or_calls(terms: Mapping[str, str], body: str, parallel: bool, json_answer: bool) -> str:
     """``auto``'s start: text alone, or text then calls. Where the opening mark is a special token no text can
     spell it. Where it is text, text with the mark at its end is one lexeme (``LEAD``): llguidance's lexer
     cannot take back characters a longer lexeme took, so a text lexeme then a mark lexeme would never see the
@@ -376,6 +382,8 @@ def _text_or_calls(terms: Mapping[str, str], body: str, parallel: bool) -> str:
     rolled-back state). Bytes that are no UTF-8 text are refused (llguidance's lexemes read characters)."""
     more = f"({terms[CALL_START]} {body} {terms[CALL_END]})*" if parallel else ""
     rest = f"{body} {terms[CALL_END]} {more} {terms[RESULT_START]}?"
+    if json_answer:  # no JSON text starts with the mark: the two alternatives part at the first character
+        return f"answer | {terms[CALL_START]} {rest}"
     if terms[CALL_START].startswith("<["):
         return f"TEXT | TEXT {terms[CALL_START]} {rest}"
     return f"TEXT | LEAD {rest}"
