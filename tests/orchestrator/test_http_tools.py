@@ -109,6 +109,30 @@ def test_two_calls_and_no_content(planted):
     assert len({c.id for c in choice.message.tool_calls}) == 2
 
 
+@pytest.mark.xfail(strict=True, reason="a streamed call-only answer's content is '' where the whole one's is null")
+@pytest.mark.parametrize(("text", "tools"), [(CALL, [WEATHER]), ("Sure. " + CALL, [WEATHER]), ("Sure.", None)])
+def test_the_sdks_streamed_message_is_the_whole_message(planted, text, tools):
+    """The ``openai`` SDK's stream accumulator (``ChatCompletionStreamState``, behind ``chat.completions.stream``)
+    joined a call-only answer's chunks to ``content: ""`` where the whole answer said ``null``: the opening chunk
+    said ``content: ""`` and the last ``{"content": ""}``. As OpenAI's: the opening says null where calls are read,
+    the last chunk's delta is empty, so the stream's message is the whole one's, content and calls."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    service, base = planted
+    service.text, service.sizes, service.finish = text, (5,), "stop"
+    kw = {"model": "planted", "messages": USER} | ({"tools": tools} if tools else {})
+    client, state = _client(base), ChatCompletionStreamState()
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    streamed, whole = state.get_final_completion().choices[0], client.chat.completions.create(**kw).choices[0]
+    assert streamed.message.content == whole.message.content and streamed.finish_reason == whole.finish_reason
+    calls = [
+        [(c.function.name, c.function.arguments) for c in m.tool_calls or ()] for m in (streamed.message, whole.message)
+    ]
+    assert calls[0] == calls[1] and chunks[-1].choices[0].delta.model_dump(exclude_none=True) == {}
+
+
 @pytest.mark.parametrize("sizes", [(1,), (2,), (3,), (5, 1), (7,), (13,), (1000,)])
 def test_streamed_deltas_join_to_the_same_call_whatever_the_blocks(planted, sizes):
     service, base = planted
