@@ -109,7 +109,6 @@ def test_two_calls_and_no_content(planted):
     assert len({c.id for c in choice.message.tool_calls}) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="a streamed call-only answer's content is '' where the whole one's is null")
 @pytest.mark.parametrize(("text", "tools"), [(CALL, [WEATHER]), ("Sure. " + CALL, [WEATHER]), ("Sure.", None)])
 def test_the_sdks_streamed_message_is_the_whole_message(planted, text, tools):
     """The ``openai`` SDK's stream accumulator (``ChatCompletionStreamState``, behind ``chat.completions.stream``)

@@ -330,15 +330,15 @@ class Answer:
         if not self.call.chat:
             return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         key = "delta" if chunk else "message"
-        body = {"content": text} if chunk else {"role": "assistant", "content": text}
+        body = ({"content": text} if text else {}) if chunk else {"role": "assistant", "content": text}  # last: {}
         return {"index": 0, key: body, "logprobs": logprobs, "finish_reason": finish}
 
     def opening(self) -> dict | None:
-        """A chat stream's first chunk (the assistant's role), as OpenAI sends it."""
+        """A chat stream's first chunk (the assistant's role), as OpenAI's: content null where calls may come."""
         if not self.call.chat:
             return None
-        return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}], chunk=True)  # fmt: skip
+        delta = {"role": "assistant", "content": None if self.calls is not None else ""}
+        return self._envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], chunk=True)
 
     def add(self, block: Block) -> list[dict]:
         """A committed block's text as stream events (none unless streamed: :meth:`whole` writes it)."""
