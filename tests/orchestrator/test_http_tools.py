@@ -203,14 +203,10 @@ def test_text_that_only_looks_like_a_call_is_content(planted):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
 
 
-_CUT = pytest.mark.xfail(strict=True, reason="a call cut by the client's stop string is reported as tool_calls")
-
-
 @pytest.mark.parametrize("choice", ["auto", "required"])
 @pytest.mark.parametrize(
     ("text", "finish"),
-    [pytest.param(CALL[:45], "stop", marks=_CUT), pytest.param(CALL + CALL[:30], "stop", marks=_CUT),
-     (CALL, "tool_calls")],
+    [(CALL[:45], "stop"), (CALL + CALL[:30], "stop"), (CALL, "tool_calls")],
 )  # fmt: skip
 def test_a_call_cut_by_a_stop_string_is_no_finished_call(planted, text, finish, choice):
     """Found driving the demo pair with ``stop`` beside ``tool_choice: "required"`` (``"stop": ["Par"]``): the

@@ -189,7 +189,7 @@ def complete_from_report(report: Report, reads_calls: bool = False) -> pb.Genera
         content, calls = tool_calls.split(report.text)
         complete.content = content
         complete.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments) for c in calls)
-        if tool_choice.finish_reason(report.finish_reason, len(calls)) == tool_choice.TOOL_CALLS:
+        if tool_choice.finish_reason(report.finish_reason, len(calls), report.text) == tool_choice.TOOL_CALLS:
             complete.finish_reason = pb.FINISH_REASON_TOOL_CALLS
     return complete
 

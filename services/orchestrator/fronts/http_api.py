@@ -374,7 +374,7 @@ class Answer:
                                  "finish_reason": None}], chunk=True) for i, d in enumerate(deltas)]  # fmt: skip
 
     def _finish(self, report: Report, calls: int) -> str:
-        return tool_choice.finish_reason(finish_reason(report), calls)
+        return tool_choice.finish_reason(finish_reason(report), calls, report.text)
 
     def closing(self, report: Report) -> list[dict]:
         """A stream's last events: the finish reason with Kakeya's stats, then (if asked) the usage."""

@@ -83,9 +83,9 @@ def reads_calls(prompt) -> bool:
     return isinstance(prompt, Chat) and bool(prompt.tools) and prompt.tool_choice != NONE
 
 
-def finish_reason(reason: str, calls: int) -> str:
-    """An answer's finish reason: "tool_calls" where the model stopped after ``calls`` > 0 calls (OpenAI's)."""
-    return TOOL_CALLS if calls and reason == "stop" else reason
+def finish_reason(reason: str, calls: int, text: str) -> str:
+    """An answer's finish reason: "tool_calls" where the model stopped after its calls (OpenAI's), not inside one."""
+    return TOOL_CALLS if calls and reason == "stop" and text.rfind(CALL_START) < text.rfind(CALL_END) else reason
 
 
 _BARE_KEY = re.compile(r"[^:{}\[\],<\s\"]+")
