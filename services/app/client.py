@@ -173,9 +173,8 @@ def cmd_client_generate(args) -> int:
     if args.logprobs is not None:
         out["logprobs"] = options.logprobs_json([wire_contract.logprobs_from_proto(m) for m in logprobs])
     if complete.HasField("content"):  # the calls were read (tools, tool_choice not none)
-        calls = [{"id": c.id, "name": c.name, "arguments": json.loads(c.arguments_json or "{}")}
-                 for c in complete.tool_calls]  # fmt: skip
-        out["content"], out["tool_calls"] = complete.content, calls
+        out["content"], out["tool_calls"] = complete.content, [
+            {"id": c.id, "name": c.name, "arguments": _arguments(c.arguments_json)} for c in complete.tool_calls]  # fmt: skip
         if not args.json:
             print()
             for call in out["tool_calls"]:
@@ -185,6 +184,13 @@ def cmd_client_generate(args) -> int:
         print(f"kakeya: error: generation failed: {complete.error_message}", file=sys.stderr)
         return 1
     return 0
+
+
+def _arguments(text: str):
+    try:  # a call's arguments: their object, or, where --max-tokens or a stop string cut the call, its JSON text so far
+        return json.loads(text or "{}")
+    except ValueError:
+        return text
 
 
 def cmd_client_info(args) -> int:

@@ -334,7 +334,6 @@ def test_the_most_stop_strings_are_taken_with_tools_too(real):
     assert "17 strings, at most 16" in _refused(addr, req)
 
 
-@pytest.mark.xfail(strict=True, reason="kakeya client json.loads a cut call's arguments and exits 2")
 def test_client_generate_prints_a_cut_call_as_its_arguments_so_far(real, tmp_path, capsys):
     """Found driving the demo pair: ``kakeya client generate --tool-choice required`` with a call cut by
     ``--max-tokens`` printed ``kakeya: error: Expecting property name enclosed in double quotes`` and exited 1: it

@@ -205,15 +205,13 @@ def _template_culprit(chat: Chat, codec: TextCodec) -> str:
 def _tool_calls(req: Request, engine: EngineFacts) -> Request:
     """A chat whose calls a grammar holds (under ``auto``, beside a JSON answer too): the request constrained to them."""
     chat, c, answer = req.prompt, req.constraint, None
-    if not isinstance(chat, Chat) or not reads_calls(chat):
+    if not reads_calls(chat) or (c is None and not holds_calls(chat.tools, chat.tool_choice, chat.parallel_tool_calls)):
         return req
     if c is not None:
         if chat.tool_choice != AUTO or c.kind not in ("json_schema", "json_object"):  # a JSON answer or calls only
             held = f"tool_choice {chat.tool_choice!r}{' (a call or a JSON answer)' if chat.tool_choice == AUTO else ''}"
             raise InvalidRequest("constraint", f"{held} constrains the output already")
         answer = constraints.load_json(c.spec) if isinstance(c.spec, str) else c.spec or {"type": "object"}
-    elif not holds_calls(chat.tools, chat.tool_choice, chat.parallel_tool_calls):
-        return req
     terms = marker_terms(engine.codec.tokenizer if engine.codec is not None else None)
     try:
         grammar = tool_call_grammar(chat.tools, chat.tool_choice, terms, chat.parallel_tool_calls, answer)

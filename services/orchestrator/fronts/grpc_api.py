@@ -53,8 +53,8 @@ PROMPT_NAMES = {  # a prompt's fields, by the oneof the request set
     },
 }
 
-FINISH = {reason: getattr(pb, f"FINISH_REASON_{reason.upper()}") for reason in ("stop", "length", "abort", "error")}
-FINISH_NAMES = {v: k for k, v in FINISH.items()} | {pb.FINISH_REASON_TOOL_CALLS: tool_choice.TOOL_CALLS}
+FINISH = {r: getattr(pb, f"FINISH_REASON_{r.upper()}") for r in ("stop", "length", "abort", "error", "tool_calls")}
+FINISH_NAMES = {v: k for k, v in FINISH.items()}
 # The stats a Report and a SpecStats both carry, under the same names.
 SPEC_STATS = ("decode_tok_s", "prefill_s", "decode_s", "total_s", "drafter_fallback", "block_size", "cache_policy",
               "cache_bounded", "copied_blocks", "forced_blocks")  # fmt: skip
@@ -189,8 +189,7 @@ def complete_from_report(report: Report, reads_calls: bool = False) -> pb.Genera
         content, calls = tool_calls.split(report.text)
         complete.content = content
         complete.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments) for c in calls)
-        if tool_choice.finish_reason(report.finish_reason, len(calls), report.text) == tool_choice.TOOL_CALLS:
-            complete.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+        complete.finish_reason = FINISH[tool_choice.finish_reason(report.finish_reason, len(calls), report.text)]
     return complete
 
 

@@ -66,11 +66,9 @@ class ApiError(Exception):
         for field, param in PARAMS:
             message = message.replace(field, param)
         m = re.match(r"([a-z_]+)[ .:\[]", message)
-        param = m.group(1) if m and http_params.PARAMS.get(m.group(1), _NONE).kind == http_params.HONOURED else None
+        kind = getattr(http_params.PARAMS.get(m.group(1) if m else ""), "kind", None)
+        param = m.group(1) if kind == http_params.HONOURED else None
         return cls(STATUS.get(exc.code, 500), message, param, exc.code.name.lower())
-
-
-_NONE = http_params.Param("")
 
 
 def bad(path: str, message: str) -> ApiError:

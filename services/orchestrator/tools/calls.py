@@ -173,7 +173,6 @@ class CallStream:
     arguments: bool = False  # stream each call's arguments as they come: the calls are grammar-held
     buffer: str = ""
     in_call: bool = False
-    calls: int = 0
     _args: ArgumentsStream | None = field(default=None, repr=False)  # the call being streamed
     _body: str = ""  # its arguments' text so far
     _opening: bool = True  # nothing but calls so far, or since the last call: a marker's start here opens one
@@ -204,7 +203,7 @@ class CallStream:
                 if call is None:
                     self._content(out, CALL_START + body + CALL_END)
                 else:
-                    self.calls, self._opening = self.calls + 1, True
+                    self._opening = True
                     out.append(call)
 
     def _open(self, out: list) -> bool:
@@ -213,7 +212,7 @@ class CallStream:
         end = self.buffer.find(CALL_END)
         if not m or not NAME.fullmatch(m[1]) or 0 <= end < m.end():
             return False
-        self.calls, self._opening = self.calls + 1, True
+        self._opening = True
         out.append(CallOpened(ToolCall(call_id(), m[1], "")))
         self._args, self._body, self.buffer = ArgumentsStream(), "", self.buffer[m.end() - 1 :]
         return True
@@ -248,7 +247,6 @@ class CallStream:
             if m and NAME.fullmatch(m[1]):
                 body = self.buffer[m.end() - 1 :]
                 body = body[: len(body) - _held(body, CALL_END)]  # as a stream holds back a possible end mark
-                self.calls += 1
                 out.append(ToolCall(call_id(), m[1], ArgumentsStream().feed(body)))
         elif not self.in_call and not self._opening:
             self._content(out, self.buffer)
