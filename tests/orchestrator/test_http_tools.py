@@ -109,12 +109,17 @@ def test_two_calls_and_no_content(planted):
     assert len({c.id for c in choice.message.tool_calls}) == 2
 
 
-@pytest.mark.parametrize(("text", "tools"), [(CALL, [WEATHER]), ("Sure. " + CALL, [WEATHER]), ("Sure.", None)])
+@pytest.mark.parametrize(
+    ("text", "tools"),
+    [(CALL, [WEATHER]), ("Sure. " + CALL, [WEATHER]), ("Sure.", None),
+     pytest.param("\n" + CALL, [WEATHER], marks=pytest.mark.xfail(strict=True, reason="whole drops white space"))],
+)  # fmt: skip
 def test_the_sdks_streamed_message_is_the_whole_message(planted, text, tools):
     """The ``openai`` SDK's stream accumulator (``ChatCompletionStreamState``, behind ``chat.completions.stream``)
     joined a call-only answer's chunks to ``content: ""`` where the whole answer said ``null``: the opening chunk
     said ``content: ""`` and the last ``{"content": ""}``. As OpenAI's: the opening says null where calls are read,
-    the last chunk's delta is empty, so the stream's message is the whole one's, content and calls."""
+    the last chunk's delta is empty, so the stream's message is the whole one's, content and calls. White space
+    the model wrote before a call is content in both (the whole answer dropped it, the stream sent it)."""
     from openai.lib.streaming.chat import ChatCompletionStreamState
 
     service, base = planted
