@@ -112,7 +112,7 @@ def test_two_calls_and_no_content(planted):
 @pytest.mark.parametrize(
     ("text", "tools"),
     [(CALL, [WEATHER]), ("Sure. " + CALL, [WEATHER]), ("Sure.", None),
-     pytest.param("\n" + CALL, [WEATHER], marks=pytest.mark.xfail(strict=True, reason="whole drops white space"))],
+     ("\n" + CALL, [WEATHER])],
 )  # fmt: skip
 def test_the_sdks_streamed_message_is_the_whole_message(planted, text, tools):
     """The ``openai`` SDK's stream accumulator (``ChatCompletionStreamState``, behind ``chat.completions.stream``)

@@ -385,10 +385,9 @@ class Answer:
     def whole(self, report: Report) -> dict:
         if self.calls is None:
             body = self._envelope([self._choice(report.text, finish_reason(report), False)])
-        else:  # content: the text outside the calls, null when there is none (as OpenAI's)
+        else:  # content: the text outside the calls, as streamed; null when there is none (as OpenAI's)
             content, calls = tool_calls.split(report.text)
-            choice = self._choice(content if content.strip() or not calls else None, self._finish(report, len(calls)),
-                                  False)  # fmt: skip
+            choice = self._choice(content or (None if calls else ""), self._finish(report, len(calls)), False)
             if calls:
                 choice["message"]["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
                                                     "arguments": c.arguments}} for c in calls]  # fmt: skip
