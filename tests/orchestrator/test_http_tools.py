@@ -644,6 +644,9 @@ def test_tools_beside_a_response_format_answer_with_calls_or_that_json(real, str
         answers = (client.chat.completions.create(**kw, response_format=rf),)
         chunks = list(client.chat.completions.create(**kw, response_format=rf, stream=True))
         assert chunks[-1].model_extra["kakeya"]["token_ids"] == answers[0].model_extra["kakeya"]["token_ids"]
+    for block_size in (1, 3):  # lossless: the greedy tokens of one token a block (AR under the grammar), and of 3
+        r = client.chat.completions.create(**kw, response_format=rf, extra_body={"block_size": block_size})
+        assert r.model_extra["kakeya"]["token_ids"] == answers[0].model_extra["kakeya"]["token_ids"]
     for r in answers:
         choice = r.choices[0]
         if choice.message.tool_calls:  # a call: whole and valid, or (not strict) cut by max_tokens
