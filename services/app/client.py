@@ -85,13 +85,10 @@ def generate_request(args):
     sp = pb.SamplingParams(
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop or [],
         stop_token_ids=args.stop_token_id or [], temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        min_p=args.min_p, rule=wire_contract.rule_to_proto(args.sampling_rule),
+        min_p=args.min_p, rule=wire_contract.rule_to_proto(args.sampling_rule), seed=args.seed,
+        logprobs=args.logprobs,  # None: unset; the server checks it (INVALID_ARGUMENT naming sampling_params.logprobs)
     )  # fmt: skip
     options.sampling_from_args(args)  # checked as `kakeya generate` checks it: the wire's top_p 0 would read as off
-    if args.seed is not None:
-        sp.seed = args.seed
-    if args.logprobs is not None:
-        sp.logprobs = args.logprobs  # the server checks it (INVALID_ARGUMENT naming sampling_params.logprobs)
     req = pb.GenerateRequest(request_id=args.request_id or "", sampling_params=sp, block_size=args.block_size or 0)
     constraint, _ = options.constraint_from_args(args)
     if constraint is not None:
@@ -129,7 +126,8 @@ def cmd_client_generate(args) -> int:
         raise ValueError("give --prompt or --prompt-ids, not both")
     req = generate_request(args)
     addrs = [a.strip() for a in args.addr.split(",") if a.strip()]
-    if len(addrs) > 1 and req.sampling_params.temperature > 0 and not req.sampling_params.HasField("seed"):
+    tries = max(1, args.retries) * len(addrs)
+    if req.sampling_params.temperature > 0 and not req.sampling_params.HasField("seed"):
         req.sampling_params.seed = random.getrandbits(63)  # a resumed sampled stream needs the seed it ran with
     ids: list[int] = []
     logprobs: list = []
@@ -152,17 +150,19 @@ def cmd_client_generate(args) -> int:
                         sys.stdout.flush()
                 else:
                     complete = resp.complete
-            break
+            # A drain's end stops a stream with a clean prefix (our own cancel gets no Complete): it goes on elsewhere.
+            if complete is None or complete.finish_reason != pb.FINISH_REASON_ABORT or k + 1 >= tries:
+                break
+            code = pb.FinishReason.Name(complete.finish_reason)
         except grpc.RpcError as exc:
             code = exc.code().name if exc.code() else "UNKNOWN"
-            if code in RETRY_CODES and k + 1 < max(1, args.retries) * len(addrs):
-                print(f"kakeya: {addrs[k % len(addrs)]}: {code}; resuming after {len(ids)} tokens"
-                      f" on {addrs[(k + 1) % len(addrs)]}", file=sys.stderr)  # fmt: skip
-                time.sleep(min(2.0, 0.1 * 2 ** (k // len(addrs))))  # a full turn of the list backs off
-                continue
-            if not args.json and text:
-                print()
-            return _rpc_error(exc)
+            if code not in RETRY_CODES or k + 1 >= tries:
+                if not args.json and text:
+                    print()
+                return _rpc_error(exc)
+        print(f"kakeya: {addrs[k % len(addrs)]}: {code}; resuming after {len(ids)} tokens"
+              f" on {addrs[(k + 1) % len(addrs)]}", file=sys.stderr)  # fmt: skip
+        time.sleep(min(2.0, 0.1 * 2 ** (k // len(addrs))))  # a full turn of the list backs off
     if complete is None:
         print("kakeya: error: the stream ended without a Complete message", file=sys.stderr)
         return 1

@@ -89,7 +89,6 @@ def test_the_client_resumes_on_another_orchestrator_when_its_own_dies(servers, r
     assert report["finish_reason"] == "length"
 
 
-@pytest.mark.xfail(strict=True, reason="a drain's FINISH_REASON_ABORT was taken for the generation's end")
 @pytest.mark.parametrize("name", ["greedy", "seeded"])
 def test_the_client_resumes_a_stream_its_draining_orchestrator_aborted(
     servers, backends, reference, server_factory, name
