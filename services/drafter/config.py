@@ -101,6 +101,9 @@ class DFlashConfig:
             raise ValueError("sliding_window is required for sliding_attention layers")
         if self.block_size < 1:
             raise ValueError(f"dflash_config.block_size must be >= 1, got {self.block_size}")
+        top_k = self.dflash2.selector_top_k if self.dflash2 is not None else 0  # both backends' candidate selector
+        if top_k > self.vocab_size:
+            raise ValueError(f"dflash_config.selector_top_k {top_k} > vocab_size {self.vocab_size}")
 
     def layer_attention(self, layer: int) -> LayerAttention:
         """Layer ``layer``'s attention: every layer has the same heads, a sliding one a window."""

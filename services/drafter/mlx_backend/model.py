@@ -238,8 +238,6 @@ class DFlashDraftModel(nn.Module):
         self.target: TargetHead | None = None
         f = config.dflash2
         if f is not None:  # DFlash2: its drafts are a walk over each row's top candidates
-            if f.selector_top_k > config.vocab_size:
-                raise ValueError(f"dflash_config.selector_top_k {f.selector_top_k} > vocab_size {config.vocab_size}")
             self.candidate_selector = CandidateSelector(
                 config.hidden_size, config.vocab_size, f.selector_rank, f.selector_top_k
             )

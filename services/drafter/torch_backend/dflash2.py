@@ -82,8 +82,6 @@ class DFlash2DraftModel(DFlashDraftModel):
         super().__init__(config)
         self.layers = nn.ModuleList(ConvDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         f = config.dflash2
-        if f.selector_top_k > config.vocab_size:
-            raise ValueError(f"dflash_config.selector_top_k {f.selector_top_k} > vocab_size {config.vocab_size}")
         self.candidate_selector = CandidateSelector(
             config.hidden_size, config.vocab_size, f.selector_rank, f.selector_top_k
         )

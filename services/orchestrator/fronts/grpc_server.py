@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -50,6 +51,9 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
         try:
             default = self.engine.verifier.policy if self.engine is not None else CachePolicy()
             req, names = grpc_api.request_from_proto(request, default)
+            proxy_id = dict(context.invocation_metadata()).get("x-request-id", "")
+            if proxy_id and not req.request_id:  # a proxy's id of the call (Envoy sends one) names it in every log
+                req, names = replace(req, request_id=proxy_id), names | {"request_id": "x-request-id metadata"}
             streamed = 0  # characters of text sent so far
             for item in self.stream(req, context):
                 if isinstance(item, Block):

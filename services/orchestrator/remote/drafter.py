@@ -121,9 +121,7 @@ class GrpcDrafterSession:
     def _fail(self, exc: BackendError) -> BackendError:
         """``exc`` breaks the session and, unless it is ours, counts against the drafter; returned."""
         aborted_here = self._broken  # abort() from our side (client cancelled): not the drafter's fault
-        self._broken = True
-        if self._s is not None:
-            self._s.abort()
+        self.abort()
         if not aborted_here and not exc.ended_by_caller:
             if not exc.drained:  # a drain hand-off is no failure of the drafter: no backoff for the others
                 self.drafter.failed(exc)
