@@ -119,7 +119,6 @@ def test_a_stop_cut_answer_is_saved_as_the_client_saw_it(tiny_pair):
     )
 
 
-@pytest.mark.xfail(strict=True, reason="a resume's own tokens found in the prefix cache were counted as cached prompt")
 def test_a_resumed_stream_counts_only_its_prompt_as_cached(tiny_pair):
     """``cached_tokens`` is a part of the prompt (OpenAI's ``prompt_tokens_details``): a resumed stream
     (``resume_ids``) prefills the prompt and the tokens its client has, both found in the snapshot of the run it

@@ -275,7 +275,7 @@ class Run:
                 raise
             done = reprefill(self, exc)  # the prefill's replica was lost: another one's
         first, aux, cached = done
-        self._decode.generation.cached_tokens = cached
+        self._decode.generation.cached_tokens = min(cached, len(self.request.prompt_ids))  # resumed ones aren't prompt
         seconds = time.perf_counter() - self._prefill_t0
         if self.request.resume_ids:
             return self._decode.resumed(self.request.resume_ids, aux, seconds)
