@@ -126,7 +126,6 @@ def test_none_and_a_tool_less_chat_read_no_calls(real):
         assert complete.finish_reason == pb.FINISH_REASON_LENGTH and text
 
 
-@pytest.mark.xfail(strict=True, reason="a resumed stream's Complete read calls out of the text after the resume only")
 def test_a_chat_whose_calls_are_read_is_refused_resuming_by_name(real):
     """Complete.tool_calls and content are read out of the generation's text, and a resumed stream's holds only
     what follows resume_token_ids: a chat whose calls are read (tools, tool_choice auto) cannot resume exactly

@@ -126,7 +126,7 @@ def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) 
 
 def _resume(req: Request, sampling, stop_ids, max_tokens: int, vocab: int) -> None:
     """A resumed stream's tokens continue only what this request would have generated, exactly: fewer than
-    ``max_tokens``, no stop token among them, a seed the client sent, a rule keyed by position, no grammar."""
+    ``max_tokens``, no stop token among them, a seed the client sent, a rule keyed by position, no grammar, no calls."""
     ids = req.resume_ids
     if not ids:
         return
@@ -143,8 +143,8 @@ def _resume(req: Request, sampling, stop_ids, max_tokens: int, vocab: int) -> No
         raise InvalidRequest(field, "a sampled stream resumes only with the seed it ran with (sampling seed)")
     if not sampling.greedy and sampling.rule == REJECTION:
         raise InvalidRequest(field, "the rejection rule's draws are not keyed by position: it cannot resume exactly")
-    if req.constraint is not None:
-        raise InvalidRequest(field, "a constrained generation (constraint, tool choice) cannot resume")
+    if req.constraint is not None or reads_calls(req.prompt):  # Complete's calls: read out of the resumed text alone
+        raise InvalidRequest(field, "a constrained generation or one whose tool calls are read cannot resume")
 
 
 def _prompt_ids(prompt, engine: EngineFacts, limit: int) -> list[int]:
