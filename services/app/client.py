@@ -82,13 +82,13 @@ def set_tools(messages, args) -> None:
 
 
 def generate_request(args):
+    options.sampling_from_args(args)  # checked as `kakeya generate` checks it: the wire's top_p 0 would read as off
     sp = pb.SamplingParams(
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop or [],
         stop_token_ids=args.stop_token_id or [], temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, rule=wire_contract.rule_to_proto(args.sampling_rule), seed=args.seed,
         logprobs=args.logprobs,  # None: unset; the server checks it (INVALID_ARGUMENT naming sampling_params.logprobs)
     )  # fmt: skip
-    options.sampling_from_args(args)  # checked as `kakeya generate` checks it: the wire's top_p 0 would read as off
     req = pb.GenerateRequest(request_id=args.request_id or "", sampling_params=sp, block_size=args.block_size or 0)
     constraint, _ = options.constraint_from_args(args)
     if constraint is not None:
