@@ -73,9 +73,13 @@ def _generate(servicer, constraint, context=None):
     from kakeya.orchestrator.fronts.http_server import HttpCall
     from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
+    class GrpcCall(HttpCall):  # a gRPC servicer context as Generate reads it: a caller, no metadata
+        def invocation_metadata(self):
+            return ()
+
     req = pb.GenerateRequest(text="x = ", sampling_params=pb.SamplingParams(max_tokens=40), constraint=constraint)
     ids, complete = [], None
-    for resp in servicer.Generate(req, context or HttpCall()):
+    for resp in servicer.Generate(req, context or GrpcCall()):
         if resp.HasField("chunk"):
             ids.extend(resp.chunk.token_ids)
         if resp.HasField("complete"):
@@ -110,6 +114,9 @@ def test_grpc_refuses_a_bad_constraint_naming_its_field(front, constraint, field
         def abort(self, code, details):
             self.code, self.details = code, details
             raise RuntimeError(details)
+
+        def invocation_metadata(self):
+            return ()
 
     context = Context()
     with pytest.raises(RuntimeError):

@@ -47,7 +47,7 @@ def front(tiny_pair):
 
 def _grpc_ids(servicer, req: pb.GenerateRequest) -> list[int]:
     ids = []
-    for resp in servicer.Generate(req, HttpCall()):
+    for resp in servicer.Generate(req, _Context()):
         if resp.HasField("chunk"):
             ids.extend(resp.chunk.token_ids)
     return ids
@@ -347,7 +347,7 @@ def test_per_peer_cap_counts_http_and_grpc_calls_of_one_host_together(front):
             with pytest.raises(_Aborted):
                 list(servicer.Generate(_greedy(text=PROMPT), context))
             assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert len(_grpc_ids(servicer, _greedy(text=PROMPT))) == 24  # HttpCall(): another peer, admitted
+            assert len(_grpc_ids(servicer, _greedy(text=PROMPT))) == 24  # _Context(): another peer, admitted
     finally:
         servicer.max_sessions_per_peer = limit
 
@@ -362,6 +362,9 @@ class _Context(HttpCall):
     def abort(self, code, details):
         self.code, self.details = code, details
         raise _Aborted(details)
+
+    def invocation_metadata(self):
+        return ()
 
 
 class _Cancelled:

@@ -418,6 +418,9 @@ class _Context(HttpCall):
         self.code, self.details = code, details
         raise _Aborted(details)
 
+    def invocation_metadata(self):
+        return ()
+
 
 def _grpc_chat(servicer, tools=(), history=HISTORY, arguments=None):
     req = pb.GenerateRequest(sampling_params=pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

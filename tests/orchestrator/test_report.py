@@ -51,11 +51,18 @@ def _cli(tiny_pair) -> dict:
     return json.loads(res.stdout)
 
 
+class _GrpcCall(HttpCall):
+    """A gRPC servicer context as ``Generate`` reads it: a caller, no metadata."""
+
+    def invocation_metadata(self):
+        return ()
+
+
 def _grpc(servicer) -> tuple[pb.GenerateResponse.Complete, dict]:
     """The gRPC stream's Complete, and the report ``kakeya client`` rebuilds from the whole stream."""
     sp = pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     ids, text, complete = [], [], None
-    for resp in servicer.Generate(pb.GenerateRequest(text=PROMPT, sampling_params=sp, block_size=BLOCK), HttpCall()):
+    for resp in servicer.Generate(pb.GenerateRequest(text=PROMPT, sampling_params=sp, block_size=BLOCK), _GrpcCall()):
         if resp.HasField("chunk"):
             ids += resp.chunk.token_ids
             text.append(resp.chunk.text)

@@ -106,6 +106,9 @@ class _Context(HttpCall):
     def abort(self, code, message):
         raise grpc.RpcError(code, message)
 
+    def invocation_metadata(self):
+        return ()
+
 
 @pytest.fixture(scope="module")
 def public(split):
