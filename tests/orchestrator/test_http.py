@@ -352,6 +352,31 @@ def test_per_peer_cap_counts_http_and_grpc_calls_of_one_host_together(front):
         servicer.max_sessions_per_peer = limit
 
 
+@pytest.mark.xfail(strict=True, reason="a malformed request on a full server was RESOURCE_EXHAUSTED")
+def test_a_full_server_refuses_a_bad_request_for_what_it_is(front):
+    """A request no server can run hears INVALID_ARGUMENT naming its field (HTTP 400) while --max-sessions is
+    full: not RESOURCE_EXHAUSTED (429), which clients retry as if it could succeed later."""
+    import grpc
+
+    servicer, base = front
+    limit, servicer.max_sessions = servicer.max_sessions, 1
+    try:
+        with _stream_in_flight(servicer, base):
+            status, answer = _post(base, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
+            assert status == 429, answer  # a good one waits its turn
+            status, answer = _post(base, "/v1/completions", b'{"prompt": "x", "max_tokens": 2, "top_p": 1.5}')
+            assert status == 400 and answer["error"]["message"].startswith("top_p"), answer
+            context = _Context("ipv4:127.0.0.2:50999")
+            req = _greedy(text=PROMPT)
+            req.sampling_params.top_p = 1.5
+            with pytest.raises(_Aborted):
+                list(servicer.Generate(req, context))
+            assert context.code == grpc.StatusCode.INVALID_ARGUMENT, context.details
+            assert context.details.startswith("sampling_params.top_p: "), context.details
+    finally:
+        servicer.max_sessions = limit
+
+
 class _Aborted(Exception):
     pass
 
