@@ -352,7 +352,6 @@ def test_per_peer_cap_counts_http_and_grpc_calls_of_one_host_together(front):
         servicer.max_sessions_per_peer = limit
 
 
-@pytest.mark.xfail(strict=True, reason="a malformed request on a full server was RESOURCE_EXHAUSTED")
 def test_a_full_server_refuses_a_bad_request_for_what_it_is(front):
     """A request no server can run hears INVALID_ARGUMENT naming its field (HTTP 400) while --max-sessions is
     full: not RESOURCE_EXHAUSTED (429), which clients retry as if it could succeed later."""

@@ -102,9 +102,9 @@ class Engine:
         return check_request(req, self, limits)
 
     def start(self, req: Request, options: RunOptions | None = None) -> Run:
-        """Check ``req`` against ``options.limits`` and return its :class:`Run`, begun."""
+        """Check ``req`` against ``options.limits`` (unless it was) and return its :class:`Run`, begun."""
         options = options or RunOptions()
-        run = Run(self, self.check(req, options.limits), options)
+        run = Run(self, req if isinstance(req, CheckedRequest) else self.check(req, options.limits), options)
         run.begin()
         return run
 

@@ -16,7 +16,6 @@ import itertools
 import logging
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -196,7 +195,7 @@ class GenerationService:
             raise RequestError(unavailable, "orchestrator is not ready (loading, warming up or draining)")
         if self.verifier_down:
             raise RequestError(unavailable, "verifier unavailable (its health checks fail); retry later")
-        req = replace(req, request_id=bounds.check_request_id(req.request_id) or uuid.uuid4().hex[:16])  # all logs' id
+        req = self.engine.check(req, self.limits)  # before admission: a bad request is refused for itself, never 429
         peer = peer_of(call)  # the caller's host: its connections' ports vary
         self._admit(peer, call)
         token = logs.bind(request_id=req.request_id)
