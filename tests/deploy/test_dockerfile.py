@@ -171,3 +171,13 @@ def test_healthcheck_port_follows_the_command_line():
     check = exec_form(inherited(STAGES, "runtime", "HEALTHCHECK").split("CMD", 1)[1].strip())
     assert check == ["python", "/opt/kakeya/healthcheck.py"]
     assert any(i == "COPY" and rest.split()[-1] == check[1] for i, rest in STAGES["runtime"].instructions)
+
+
+@pytest.mark.xfail(strict=True, reason="healthcheck.py probes --port, which speaks TLS when --health-port is given")
+def test_healthcheck_probes_the_plaintext_health_port_of_a_tls_server():
+    """A server with --tls-cert answers plaintext health only on --health-port (components/mtls): the image's
+    HEALTHCHECK speaks plaintext, so it must ask there, or the container is unhealthy forever."""
+    hc = _healthcheck_module()
+    tls = ["--tls-cert", "/tls/tls.crt", "--tls-key", "/tls/tls.key", "--tls-client-ca", "/tls/ca.crt"]
+    assert hc.port_from_argv(["kakeya", "serve", "verifier", "--port", "50061", *tls, "--health-port", "8081"]) == 8081
+    assert hc.port_from_argv(["kakeya", "serve", "drafter", "--health-port=8082", "--port=7001"]) == 8082
