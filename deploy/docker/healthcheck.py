@@ -2,7 +2,8 @@
 
 Kubernetes uses its native gRPC probes instead; this is for plain ``docker run``.
 The port is the one the container's ``kakeya serve ROLE`` was started with (its
-``--port``, else the role's default), read from PID 1's command line, so one
+``--health-port``, which answers health in plaintext when ``--port`` speaks TLS; else its
+``--port``; else the role's default), read from PID 1's command line, so one
 image serves every role; ``KAKEYA_HEALTH_ADDR`` overrides it. Imports only
 grpc: a probe every 30 s must not load the model libraries.
 """
@@ -16,15 +17,14 @@ DEFAULT_PORTS = {"orchestrator": 50051, "all": 50051, "verifier": 50061, "drafte
 
 
 def port_from_argv(argv: list[str]) -> int:
-    """The port ``kakeya serve ROLE [... --port N ...]`` listens on."""
-    port = None
-    for i, a in enumerate(argv):
-        if a == "--port" and i + 1 < len(argv):
-            port = int(argv[i + 1])
-        elif a.startswith("--port="):
-            port = int(a.split("=", 1)[1])
-    if port is not None:
-        return port
+    """Where ``kakeya serve ROLE [... --port N ... --health-port H ...]`` answers plaintext health."""
+    ports = {}
+    for i, a in enumerate(argv):  # the last one wins, as in argparse
+        name, eq, value = a.partition("=")
+        if name in ("--port", "--health-port") and (eq or i + 1 < len(argv)):
+            ports[name] = int(value if eq else argv[i + 1])
+    if ports:
+        return ports.get("--health-port", ports.get("--port"))
     role = next((a for a in argv if a in DEFAULT_PORTS), None)
     if role is None:
         raise ValueError(f"not a `kakeya serve ROLE` command line: {argv}")

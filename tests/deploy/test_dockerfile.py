@@ -173,7 +173,6 @@ def test_healthcheck_port_follows_the_command_line():
     assert any(i == "COPY" and rest.split()[-1] == check[1] for i, rest in STAGES["runtime"].instructions)
 
 
-@pytest.mark.xfail(strict=True, reason="healthcheck.py probes --port, which speaks TLS when --health-port is given")
 def test_healthcheck_probes_the_plaintext_health_port_of_a_tls_server():
     """A server with --tls-cert answers plaintext health only on --health-port (components/mtls): the image's
     HEALTHCHECK speaks plaintext, so it must ask there, or the container is unhealthy forever."""
