@@ -181,6 +181,20 @@ def test_volumes_secrets_config_and_budgets_line_up(overlay):
         )
 
 
+@pytest.mark.xfail(strict=True, reason="the public TLS Secret kakeya-tls is mounted in every pod, read by no flag")
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_mounted_secret_is_read_by_a_flag(overlay):
+    """A Secret mounted where no flag reads it is key material a pod holds for nothing (the public TLS key in the
+    model servers), and an operator who creates it believes it is in use (the orchestrator serving TLS)."""
+    docs = render(overlay)
+    for role in ROLES:
+        secrets = {v["name"] for v in deployment(docs, role)["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+        args = argv(docs, role)
+        for mount in container(docs, role)["volumeMounts"]:
+            if mount["name"] in secrets:
+                assert any(mount["mountPath"] + "/" in a for a in args), f"{role}: {mount['mountPath']} read by no flag"
+
+
 def test_service_monitor_scrapes_a_named_metrics_port():
     """A CRD kubernetes-validate has no schema for: checked structurally against the Services."""
     docs = render("cuda")
