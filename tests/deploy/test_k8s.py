@@ -167,7 +167,6 @@ def test_volumes_secrets_config_and_budgets_line_up(overlay):
             if "persistentVolumeClaim" in v:
                 assert v["persistentVolumeClaim"]["claimName"] in claims
                 assert v["persistentVolumeClaim"]["readOnly"] is True
-        assert vols["tls"]["secret"]["optional"] is True, "TLS is opt-in until the servers take TLS flags (#14)"
         assert {m["name"] for m in container(docs, role)["volumeMounts"]} <= set(vols)
         assert container(docs, role)["envFrom"] == [{"configMapRef": {"name": "kakeya-config"}}]
     assert {"KAKEYA_CACHE", "KAKEYA_SINK", "KAKEYA_FULL_KV_BITS", "KAKEYA_MAX_TOKENS_LIMIT"} <= set(env)
@@ -181,7 +180,6 @@ def test_volumes_secrets_config_and_budgets_line_up(overlay):
         )
 
 
-@pytest.mark.xfail(strict=True, reason="the public TLS Secret kakeya-tls is mounted in every pod, read by no flag")
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_mounted_secret_is_read_by_a_flag(overlay):
     """A Secret mounted where no flag reads it is key material a pod holds for nothing (the public TLS key in the
