@@ -117,3 +117,17 @@ def test_an_orchestrator_with_the_token_speculates_and_one_without_cannot_start(
     ).start()
     assert stranger.wait(60) != 0
     assert "UNAUTHENTICATED" in stranger.log()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, reason="the start-up error says UNAUTHENTICATED but not which flag to fix")
+def test_an_orchestrator_with_a_wrong_token_is_told_which_flag(guarded, server_factory, tmp_path):
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("wrong-token-0123456789abcdef\n")
+    v, d = guarded["verifier"].addr, guarded["drafter"].addr
+    argv = ["orchestrator", "--verifier", v, "--drafter", d, "--backend-wait", "5", "--backend-token-file", str(wrong)]
+    stranger = server_factory("wrong-token", argv).start()
+    assert stranger.wait(60) != 0
+    (error,) = [line for line in stranger.log().splitlines() if "UNAUTHENTICATED" in line]
+    assert "--backend-token-file" in error
