@@ -121,7 +121,6 @@ def test_an_orchestrator_with_the_token_speculates_and_one_without_cannot_start(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="the start-up error says UNAUTHENTICATED but not which flag to fix")
 def test_an_orchestrator_with_a_wrong_token_is_told_which_flag(guarded, server_factory, tmp_path):
     wrong = tmp_path / "wrong-token"
     wrong.write_text("wrong-token-0123456789abcdef\n")

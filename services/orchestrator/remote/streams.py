@@ -122,15 +122,15 @@ def call_unary(service: str, addr: str, fn, request, timeout: float | None, wait
 
 def fetch_info(service: str, addr: str, fn, request, wait_s: float | None):
     """GetInfo; with ``wait_s``, keep trying (backend not up yet, or still loading) for that long."""
-    if not wait_s:
-        return call_unary(service, addr, fn, request, 10.0)
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + (wait_s or 0)
     while True:
         left = deadline - time.monotonic()
         try:
-            return call_unary(service, addr, fn, request, max(0.1, left), wait=True)
+            return call_unary(service, addr, fn, request, max(0.1, left) if wait_s else 10.0, wait=bool(wait_s))
         except BackendError as exc:
-            if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if exc.code == grpc.StatusCode.UNAUTHENTICATED:  # our credentials: say which flag sets them
+                raise BackendError(service, addr, exc.code, f"{exc.details} (--backend-token-file)") from None
+            if not wait_s or exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
             if left <= 0.5:
                 why = f"not ready within {wait_s:g} s (last: {exc.details})"
