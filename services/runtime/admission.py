@@ -285,6 +285,10 @@ class SessionRegistry:
         with self._lock:
             return self._waiting
 
+    def info_counts(self) -> dict[str, int]:  # the GetInfo fields verifier and drafter both fill from here
+        return dict(live_sessions=self.live, max_sessions=self.max_sessions, live_kv_bytes=self.live_bytes,
+                    total_sessions=self.total)  # fmt: skip
+
     @property
     def reserved_bytes(self) -> int:
         with self._lock:
