@@ -220,6 +220,11 @@ def split_engine(
     verifier = GrpcVerifier(verifier_addr, aux_layers=aux_layers, wait_s=wait_s, aux_like=aux_like, tls=tls,
                             token=token, clock=StepClock(floor))  # fmt: skip
     info = verifier.info
+    same = ("name", "vocab_size", "hidden_size", "num_layers")  # one model behind a list: sessions go to any replica
+    for replica in verifier_addr.split(":", 1)[1].split(",") if verifier_addr.startswith(("ipv4:", "ipv6:")) else ():
+        (one := GrpcVerifier(replica, wait_s=wait_s, tls=tls, token=token)).close()
+        if [getattr(one.info, k) for k in same] != [getattr(info, k) for k in same]:
+            raise ValueError(f"--verifier: its replicas serve different models ({replica}: {one.info.name})")
     if drafter is not None:
         problems = []
         if drafter.vocab_size != info.vocab_size:
