@@ -43,7 +43,6 @@ class SessionEntry:
     kv_bytes: dict = field(default_factory=dict)  # by kind (verifier: sliding, full), for the metrics
     reserved_bytes: int = 0  # K/V bytes this session was admitted with (the budget counts these)
     closed: bool = False
-    opened_at: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)
     waiting: bool = False  # blocked on the client's next message (idle time counts only then)
     end: Callable[[grpc.StatusCode, str], None] | None = None  # ends the stream with a status (expiry, reclaim)
