@@ -120,12 +120,11 @@ def _backend_kwargs(args, embedded: bool, server: str | None = None) -> tuple[st
     dtype (and for a ``server``, verifier or drafter, its fast-path options); pins torch's CPU threads
     (``--torch-threads``) for this process."""
     from kakeya.app.options import torch_options
-    from kakeya.orchestrator.assembly import check_compile, resolve_backend, set_torch_threads
+    from kakeya.orchestrator.assembly import check_compile, refuse_torch_flags, resolve_backend, set_torch_threads
 
     backend, device = resolve_backend(args.backend, args.device)
+    refuse_torch_flags((backend,), device, args.dtype, torch_options(args))
     if backend != "torch":
-        if args.dtype:
-            raise ValueError("--device/--dtype apply to --backend torch (MLX picks its own device)")
         set_torch_threads(args.torch_threads, device, embedded, backend)
         return backend, {}
     set_torch_threads(args.torch_threads, device, embedded)

@@ -222,7 +222,7 @@ class Supervisor:
 
 
 def cmd_serve_all(args) -> int:
-    from kakeya.orchestrator.assembly import pair_paths
+    from kakeya.orchestrator.assembly import pair_paths, refuse_torch_flags
     from kakeya.runtime.lifecycle import port_in_use, write_ready_file
     from kakeya.runtime.logs import setup_logging
     from kakeya.runtime.security.auth import new_token, write_token
@@ -237,6 +237,8 @@ def cmd_serve_all(args) -> int:
         if taken:
             print(f"kakeya: error: serve all: cannot listen on {args.host}:{port}: {taken}", file=sys.stderr)
             return 2
+    vback, dback = _child_backend(args.verifier_backend, args), _child_backend(args.drafter_backend, args)
+    refuse_torch_flags((vback[1], dback[1]), args.device, args.dtype)
     if args.ready_file:
         Path(args.ready_file).unlink(missing_ok=True)
     sup = Supervisor(args.grace)
@@ -254,7 +256,6 @@ def cmd_serve_all(args) -> int:
             return []
         return ["--metrics-port", str(args.metrics_port + i if args.metrics_port else 0)]
 
-    vback, dback = _child_backend(args.verifier_backend, args), _child_backend(args.drafter_backend, args)
     cpus = _placement(args.placement, [vback, dback], log)
     pinned = {role: ["--cpus", c] for role, c in cpus.items()}
     rc = 0

@@ -64,6 +64,13 @@ def resolve_backend(
     return "torch", device
 
 
+def refuse_torch_flags(backends: tuple, device=None, dtype=None, options=None) -> None:
+    """Torch-only settings where no torch model loads: refused by flag name, never ignored (MLX picks its own device)."""
+    given = {"device": device not in (None, "cpu"), "dtype": dtype} | dict.fromkeys(options or {}, True)
+    if named := [f"--{k.replace('_', '-')}" for k, on in given.items() if on and "torch" not in backends]:
+        raise ValueError(f"{', '.join(named)}: for --backend torch only, not {backends[0]}")
+
+
 def _torch_cuda_available() -> bool:
     from kakeya.backends.torch.ops import cuda_available
 
@@ -164,15 +171,12 @@ def build_local_engine(
 
     target, draft = pair_paths(target, draft)
     backend, device = resolve_backend(backend, device)
-    if backend == "mlx" and dtype is not None:
-        raise ValueError("--device/--dtype apply to --backend torch (MLX picks its own device)")
+    refuse_torch_flags((backend,), device, dtype, torch_options)
     tcfg = load_target_config(target)
     dcfg = load_draft_config(draft)
     check_pair(tcfg, dcfg)
     aux_layers = dcfg["dflash_config"]["target_layer_ids"]
     torch_kw = {"device": device, "dtype": dtype or "float32"} if backend == "torch" else {}
-    if torch_options and backend != "torch":
-        raise ValueError("--cuda-graphs/--compile apply to --backend torch")
     check_compile(torch_options, device)
     verifier_options = {k: v for k, v in (torch_options or {}).items() if k != "graphed_min_batch"}  # the drafter's
     vkw = torch_kw | verifier_options | ({"policy": policy} if policy else {})

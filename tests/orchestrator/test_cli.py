@@ -283,7 +283,6 @@ def test_policy_block_size_limits_are_checked_up_front(tiny_pair, capsys):
     assert "restoring window" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason="torch-only flags are dropped silently on an MLX server")
 @pytest.mark.parametrize("role", ["verifier", "drafter", "orchestrator"])
 @pytest.mark.parametrize("flag", [["--compile"], ["--cuda-graphs", "on"], ["--graphed-min-batch", "4"]])
 def test_mlx_servers_refuse_torch_only_flags_by_name(role, flag, capsys, monkeypatch):
@@ -295,7 +294,6 @@ def test_mlx_servers_refuse_torch_only_flags_by_name(role, flag, capsys, monkeyp
     assert f"{flag[0]}: for --backend torch only" in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="serve all drops --device/--dtype when no child runs torch")
 @pytest.mark.parametrize("flag", [["--device", "cuda"], ["--dtype", "bfloat16"]])
 def test_serve_all_refuses_torch_flags_when_no_child_runs_torch(flag, capsys, monkeypatch):
     monkeypatch.setattr("kakeya.app.supervisor.Supervisor", None)  # starting the children fails the test
@@ -306,7 +304,6 @@ def test_serve_all_refuses_torch_flags_when_no_child_runs_torch(flag, capsys, mo
     assert f"{flag[0]}: for --backend torch only" in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="generate names --cuda-graphs/--compile for --graphed-min-batch")
 def test_generate_names_the_torch_only_flag_it_refuses(capsys):
     assert main(["generate", "--backend", "mlx", "--graphed-min-batch", "4", "--max-tokens", "2"]) == 2
     assert "--graphed-min-batch: for --backend torch only" in capsys.readouterr().err
