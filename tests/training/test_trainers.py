@@ -491,3 +491,13 @@ def test_a_time_budget_decays_the_learning_rate_by_the_time_spent():
     assert common.lr_at(10, 6000, lr, 100, spent=0.9) == pytest.approx(lr * 11 / 100)  # warm-up first
     assert common.budget_spent(105.0, 210.0) == 0.5 and common.budget_spent(500.0, 210.0) == 1.0
     assert common.budget_spent(105.0, 0.0) == 0.0
+
+
+@pytest.mark.xfail(strict=True, reason="train-target on MLX (its default backend) ignores --device")
+def test_train_target_refuses_a_torch_device_on_mlx(tmp_path):
+    """train-target's default backend is MLX, which picks its own device: --device cuda is refused by name
+    before any work, never trained past on another device."""
+    args = _args(target_arguments, ["--out", str(tmp_path / "t"), "--steps", "1", "--device", "cuda", *TINY_TARGET])
+    with pytest.raises(ValueError, match="--device: for --backend torch only"):
+        ttarget.train(args)
+    assert not (tmp_path / "t").exists()
