@@ -124,10 +124,9 @@ def _backend_kwargs(args, embedded: bool, server: str | None = None) -> tuple[st
 
     backend, device = resolve_backend(args.backend, args.device)
     refuse_torch_flags((backend,), device, args.dtype, torch_options(args))
+    set_torch_threads(args.torch_threads, device, embedded, backend)
     if backend != "torch":
-        set_torch_threads(args.torch_threads, device, embedded, backend)
         return backend, {}
-    set_torch_threads(args.torch_threads, device, embedded)
     kwargs = {"device": device} | ({"dtype": args.dtype} if args.dtype else {})
     if server is not None:
         kwargs |= torch_options(args, drafter=server == "drafter")

@@ -19,7 +19,7 @@ import numpy as np
 from kakeya.checkpoints import tiny
 from kakeya.checkpoints import tokenizer as tk
 from kakeya.core.contract import FULL, SLIDING
-from kakeya.orchestrator.assembly import require_backend
+from kakeya.orchestrator.assembly import refuse_torch_flags, require_backend
 from kakeya.training import common, data, retrieval
 
 if TYPE_CHECKING:  # MLX is imported where it runs: `train-target --backend torch` needs no MLX
@@ -204,6 +204,7 @@ class TorchBackend:
 
 def train(args) -> dict:
     out = Path(args.out)
+    refuse_torch_flags((args.backend,), args.device)  # before the tokenizer's and the model's work
     common.seed_all(args.seed)
     if args.threads:
         import torch

@@ -493,7 +493,6 @@ def test_a_time_budget_decays_the_learning_rate_by_the_time_spent():
     assert common.budget_spent(105.0, 0.0) == 0.0
 
 
-@pytest.mark.xfail(strict=True, reason="train-target on MLX (its default backend) ignores --device")
 def test_train_target_refuses_a_torch_device_on_mlx(tmp_path):
     """train-target's default backend is MLX, which picks its own device: --device cuda is refused by name
     before any work, never trained past on another device."""
