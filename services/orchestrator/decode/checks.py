@@ -110,13 +110,15 @@ def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) 
         # one that timings pick: auto runs at the drafter's trained size (within the policy's limits).
         # The coupled rule's tokens depend on no schedule: auto stays auto.
         block_size = min(engine.default_block_size, req.max_block_size, engine.max_block_size(policy))
+    # a chat whose calls are read stops where their results would follow: the server's own stop, added once
+    own_stop = (RESULT_START,) if reads_calls(req.prompt) and RESULT_START not in req.stop_strings else ()
     return replace(
         CheckedRequest(**{f.name: getattr(req, f.name) for f in fields(Request)}),
         prompt=prompt,
         max_tokens=max_tokens,
         block_size=block_size,
         stop_ids=stop_ids,
-        stop_strings=_own_stop(req),
+        stop_strings=(*req.stop_strings, *own_stop),
         cache_policy=policy,
         sampling=sampling,
         request_id=request_id,
@@ -261,13 +263,6 @@ def _constraint(req: Request, engine: EngineFacts) -> None:
         constraints.check(c.grammar(), tok)
     except constraints.ConstraintError as exc:
         raise InvalidRequest("constraint.spec", str(exc)) from None
-
-
-def _own_stop(req: Request) -> tuple[str, ...]:
-    """The client's stop strings and, for a chat whose calls are read, the server's own: where a call's results
-    would follow. Added once (a checked request may be checked again, as ``kakeya generate`` does)."""
-    stops = tuple(req.stop_strings)
-    return stops + ((RESULT_START,) if reads_calls(req.prompt) and RESULT_START not in stops else ())
 
 
 def _stops(req: Request, engine: EngineFacts) -> tuple[int, ...]:
