@@ -39,7 +39,7 @@
 #                      (14 needles in the band only f_theta can restore)        niah_recall_slide.json  5 min
 #   ftheta_oracle      the slide band's needles under sink-window + perfect
 #                      (native) K/V in the restore path, and f_theta's K/V error ftheta_oracle_slide.json 2 min
-#   split_block8       one stream at block 8, colocated vs both splits, 10 alternations split_block8.json  2 min
+#   split_block8       one stream at block 8, colocated vs both splits, 20 alternations split_block8.json  4 min
 #
 # Not here (their figures are History in the docs): GPU results (docs/cuda.md: benchmarks/gpu_session.sh),
 # A/B runs between two checkouts (cpu_fastpath.py --before, the *_ab folders), runs that need a drafter not
@@ -74,7 +74,7 @@ cmd() {
     niah_gemma) echo "benchmarks/niah_recall.py --pairs services/models/recall/gemma --contexts 96 128 256 --depths 0 0.25 0.5 0.75 1.0 --out benchmarks/results/niah_recall_gemma.json --plot benchmarks/results/niah_recall_gemma.png" ;;
     niah_slide) echo "benchmarks/niah_recall.py --pairs services/models/recall/slide --contexts 128 160 192 224 256 --depths 0 0.25 0.5 0.6 0.75 0.9 1.0 --out benchmarks/results/niah_recall_slide.json --plot benchmarks/results/niah_recall_slide.png" ;;
     ftheta_oracle) echo "benchmarks/ftheta_oracle.py --pair services/models/recall/slide --out benchmarks/results/ftheta_oracle_slide.json" ;;
-    split_block8) echo "benchmarks/split.py --block-sizes 8 --streams --repeats 10 --no-floor --out benchmarks/results/split_block8.json" ;;
+    split_block8) echo "benchmarks/split.py --block-sizes 8 --streams --repeats 20 --no-floor --out benchmarks/results/split_block8.json" ;;
     *) return 1 ;;
   esac
 }
