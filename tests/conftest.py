@@ -112,3 +112,18 @@ def benchmark_script():
         return mod
 
     return load
+
+
+@pytest.fixture(autouse=True)
+def _root_log_handlers():
+    """A test that runs ``kakeya`` in process (``main([...])``) installs a root handler on the stderr of that moment,
+    pytest's capture of it. Put the handlers back after each test: left in place, a background thread that logs
+    later (the backend watchdog's stall notice) writes to the closed capture and prints ``--- Logging error ---``
+    into another test's stderr."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

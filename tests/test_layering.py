@@ -139,7 +139,7 @@ TRAINERS = "kakeya.training"  # the trainers drive both backends' own training A
 def _third_party(path: Path) -> set[str]:
     """Top-level names of everything ``path`` imports (module level and inside functions)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(_rooms_script().parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
