@@ -63,11 +63,9 @@ def _blocks_streamed(server) -> float:
     return m.get(("kakeya_inter_token_latency_seconds_count", ()), 0.0)
 
 
-@pytest.mark.parametrize("name", ["greedy", "seeded"])
-def test_the_client_resumes_on_another_orchestrator_when_its_own_dies(servers, reference, name, tmp_path):
-    first, second = servers
-    if not first.alive():
-        first.start().wait_ready()
+def _client_across(first, second, name: str, interrupt) -> tuple[dict, str]:
+    """``kakeya client generate --json`` over ``first,second``; ``interrupt(first)`` once its stream is under way.
+    The client's final JSON report and its stderr, after checking it exited 0."""
     before = _blocks_streamed(first)
     sampling = ["--temperature", "0.8", "--seed", "77"] if name == "seeded" else []
     cmd = [sys.executable, "-m", "kakeya.app.main", "client", "--addr", f"{first.addr},{second.addr}", "generate",
@@ -76,15 +74,27 @@ def test_the_client_resumes_on_another_orchestrator_when_its_own_dies(servers, r
     client = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: _blocks_streamed(first) >= before + 3, interval=0.02, what="the stream to be under way")
-        first.signal(signal.SIGKILL)
-        first.wait(10)
+        interrupt(first)
         out, err = client.communicate(timeout=240)
     finally:
         if client.poll() is None:
             client.kill()
     assert client.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def _kill(server) -> None:
+    server.signal(signal.SIGKILL)
+    server.wait(10)
+
+
+@pytest.mark.parametrize("name", ["greedy", "seeded"])
+def test_the_client_resumes_on_another_orchestrator_when_its_own_dies(servers, reference, name, tmp_path):
+    first, second = servers
+    if not first.alive():
+        first.start().wait_ready()
+    report, err = _client_across(first, second, name, _kill)
     assert "resuming after" in err, f"the stream was not broken mid-way: {err}"
-    report = json.loads(out.strip().splitlines()[-1])
     assert report["token_ids"] == reference[name], "tokens lost or repeated across the resume"
     assert report["finish_reason"] == "length"
 
@@ -98,22 +108,9 @@ def test_the_client_resumes_a_stream_its_draining_orchestrator_aborted(
     with a broken stream and ends with the uninterrupted run's tokens, never with the prefix as the answer."""
     draining = server_factory(f"orch-grace-{name}", _orchestrator_argv(backends, "--grace", "1"))
     draining.start().wait_ready()
-    before = _blocks_streamed(draining)
-    sampling = ["--temperature", "0.8", "--seed", "77"] if name == "seeded" else []
-    cmd = [sys.executable, "-m", "kakeya.app.main", "client", "--addr", f"{draining.addr},{servers[1].addr}",
-           "generate", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", str(N), "--ignore-eos",
-           "--block-size", "8", "--json", *sampling]  # fmt: skip
-    client = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until(lambda: _blocks_streamed(draining) >= before + 3, interval=0.02, what="the stream to be under way")
-        draining.signal(signal.SIGTERM)  # --grace 1: its streams end with FINISH_REASON_ABORT at once
-        out, err = client.communicate(timeout=240)
-    finally:
-        if client.poll() is None:
-            client.kill()
-    assert client.returncode == 0, err
+    # --grace 1: its streams end with FINISH_REASON_ABORT at once
+    report, err = _client_across(draining, servers[1], name, lambda s: s.signal(signal.SIGTERM))
     assert "FINISH_REASON_ABORT; resuming after" in err, f"the stream was not aborted mid-way: {err}"
-    report = json.loads(out.strip().splitlines()[-1])
     assert report["token_ids"] == reference[name], "the aborted prefix was taken for the whole generation"
     assert report["finish_reason"] == "length"
 
