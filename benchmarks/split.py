@@ -65,7 +65,8 @@ def med(xs):
 class Sessions:
     """Keeps the sessions a remote engine opens, so a run's server-side times can be read per block."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, remote_drafter: bool):
+        """``remote_drafter`` False (split_here): the drafter is the colocated engine's own, left unwrapped."""
         self.verifier = self.drafter = None
         v_open, d_open = engine.verifier.open_session, engine.drafter.open_session
 
@@ -77,12 +78,13 @@ class Sessions:
             self.drafter = d_open(*args, **kwargs)
             return self.drafter
 
-        engine.verifier.open_session, engine.drafter.open_session = open_verifier, open_drafter
+        engine.verifier.open_session = open_verifier
+        if remote_drafter:
+            engine.drafter.open_session = open_drafter
 
     def server_s(self) -> float:
         """The servers' time on the critical path so far: the verifier's steps and the drafter's drafts."""
-        drafted = getattr(self.drafter, "server_s", None)  # None: a drafter in this process (split_here)
-        return self.verifier.server_s + (drafted or 0.0)
+        return self.verifier.server_s + (self.drafter.server_s if self.drafter is not None else 0.0)
 
     def verify_s(self) -> float:
         """The verifier's part of :meth:`server_s`."""
@@ -364,7 +366,7 @@ def main(argv=None):
             engines["split_here"] = split_engine(
                 vaddr, local.drafter, args.target, 60.0, backend_timeout_s=STEP_TIMEOUT_S
             )
-            sessions = {m: Sessions(engines[m]) for m in SPLITS}
+            sessions = {m: Sessions(engines[m], remote_drafter=m == "split") for m in SPLITS}
             one = []
             for b in args.block_sizes:
                 print(f"one stream, block size {b or 'auto'} ...", file=sys.stderr, flush=True)
