@@ -106,7 +106,8 @@ def test_dead_verifier_is_unavailable_within_the_bound_then_recovers(served, ref
     except grpc.RpcError as exc:
         assert exc.code() == grpc.StatusCode.UNAVAILABLE
     else:  # the take-over's retries outlasted the supervisor's restart: served by the new verifier, exactly
-        assert _restarted(served, "verifier", verifier_pid) and ids == reference[:8]
+        # (the old one is dead; the supervisor may write its summary a moment later -- the wait below checks it)
+        assert ids == reference[:8]
     assert time.monotonic() - t0 < UNAVAILABLE_BOUND_S
 
     wait_until(lambda: _restarted(served, "verifier", verifier_pid), interval=0.2, what="verifier restart")
