@@ -242,3 +242,70 @@ def test_choice_is_among_measured_sizes_and_the_largest_allowed():
     s.max_size = 12
     assert s.candidates() == [1, 4, 8, 12] and s.choose() == 12
     assert BlockSizer(CostCurve(), explore_share=0, max_size=4).candidates() == [1, 2, 3, 4]  # nothing measured yet
+
+
+@pytest.mark.xfail(strict=True, reason="the cost curve's ratio updates drift with noise")
+def test_noisy_timings_of_the_chosen_size_leave_the_others_relative_cost_alone():
+    import random
+
+    noise = random.Random(1)
+    c = CostCurve({8: 14.5, 16: 16.0})
+    for _ in range(600):  # a busy machine: only 16 is chosen, its timings spread 30 % either way around 16.0
+        c.observe(16, 16.0 * noise.lognormvariate(0, 0.3))
+    # nothing was learnt about 8 relative to 16: the ratio holds (it drifted to 1.11, 16 priced below 8, when
+    # each timing multiplied the curve by its ratio: noise alone made the chosen size look cheaper for good)
+    assert c(8) / c(16) == pytest.approx(14.5 / 16.0, rel=0.04)
+
+
+def _timed(sizer, true_costs: dict, accepts: int, blocks: int) -> list[int]:
+    """The sizes ``sizer`` chooses when each block accepts ``accepts`` candidates (or all of a shorter one) and is
+    timed at ``true_costs`` (which its curve may have wrong)."""
+    sizes = []
+    for _ in range(blocks):
+        size = sizer.choose()
+        sizer.observe(
+            Block(
+                [0] * size,
+                drafted=size - 1,
+                accepted=min(accepts, size - 1),
+                verify_s=true_costs[size],
+                total_s=true_costs[size],
+            )
+        )
+        sizes.append(size)
+    return sizes
+
+
+@pytest.mark.xfail(strict=True, reason="probes only go one size longer")
+def test_a_size_calibrated_too_dear_is_retimed_and_chosen_once_its_cost_shows():
+    true_costs = {4: 1.0, 8: 1.2, 16: 1.6}  # 7 candidates accepted, then a miss: 8 commits as much as 16, cheaper
+    chain = AcceptanceChain()
+    for _ in range(50):
+        chain.observe(drafted=15, accepted=7)
+    sizer = BlockSizer(CostCurve({4: 1.0, 8: 1.8, 16: 1.6}), chain)  # start-up calibration priced 8 50 % too dear
+    sizes = _timed(sizer, true_costs, accepts=7, blocks=400)
+    assert sizes[:5] == [16] * 5  # the curve's choice first ...
+    assert sizes[-50:].count(8) > 40  # ... until probes one size shorter re-timed 8 (never re-timed before: 16 stuck)
+
+
+@pytest.mark.xfail(strict=True, reason="calibration times each size's repeats in a row")
+def test_measure_costs_spreads_a_burst_over_every_size():
+    import types
+
+    from kakeya.orchestrator.decode import block_sizing as adaptive
+
+    clock = types.SimpleNamespace(t=0.0, calls=0)
+
+    class Session(_ColdFirstCall):
+        def decide(self, last, draft):
+            clock.calls += 1
+            clock.t += 0.01 * (len(draft.tokens) + 1) + (1.0 if 7 <= clock.calls <= 9 else 0.0)  # a neighbour's burst
+            return Verdict(accepted=0, next_token=2, aux=None)
+
+    session = Session(clock)
+    verifier = types.SimpleNamespace(info=types.SimpleNamespace(vocab_size=100), open_session=lambda: session)
+    drafter_session = types.SimpleNamespace(draft=lambda aux, last, n: Draft(tuple([3] * (n - 1))), close=lambda: None)
+    drafter = types.SimpleNamespace(open_session=lambda: drafter_session)
+    curve = adaptive.measure_costs(verifier, drafter, sizes=(1, 4, 16), repeats=3, clock=lambda: clock.t)
+    # the burst lasts three forwards: timing each size's repeats in a row put all three on 4 (priced at 1.04)
+    assert curve.seconds == pytest.approx({1: 0.01, 4: 0.04, 16: 0.16})
