@@ -21,12 +21,14 @@ def test_cost_curve_interpolates_and_extrapolates_linearly():
 def test_a_timing_moves_every_size_by_the_machines_pace_and_its_own_size_slowly():
     c = CostCurve({1: 1.0, 4: 4.0, 8: 6.0})
     c.observe(4, 2.0)  # twice as fast as thought: the machine is faster, every size alike ...
-    pace = 0.8 + 0.2 * 0.5
+    pace = 0.5**0.2  # a geometric step: a timing's ratio counts by its log
     assert c(1) == pytest.approx(pace) and c(8) == pytest.approx(6.0 * pace)
-    assert c(4) == pytest.approx(4.0 * pace * (1 + 0.05 * (0.5 / pace - 1)))  # ... and 4 a little on its own
+    assert c(4) == pytest.approx(4.0 * pace * (0.5 / pace) ** 0.05)  # ... and 4 a little on its own
     c = CostCurve({1: 1.0, 4: 4.0})
     c.observe(1, 50.0)  # a stalled block: counted as twice the estimate, not fifty times
-    assert c(4) == pytest.approx(4.0 * 1.2)
+    assert c(4) == pytest.approx(4.0 * 2**0.2)
+    c.observe(1, 0.0)  # nor a block timed at nothing (as little as half the estimate)
+    assert c(4) == pytest.approx(4.0)
 
 
 def test_a_slow_spell_while_one_size_is_chosen_does_not_price_it_out_for_good():
@@ -244,7 +246,6 @@ def test_choice_is_among_measured_sizes_and_the_largest_allowed():
     assert BlockSizer(CostCurve(), explore_share=0, max_size=4).candidates() == [1, 2, 3, 4]  # nothing measured yet
 
 
-@pytest.mark.xfail(strict=True, reason="the cost curve's ratio updates drift with noise")
 def test_noisy_timings_of_the_chosen_size_leave_the_others_relative_cost_alone():
     import random
 
@@ -252,7 +253,7 @@ def test_noisy_timings_of_the_chosen_size_leave_the_others_relative_cost_alone()
     c = CostCurve({8: 14.5, 16: 16.0})
     for _ in range(600):  # a busy machine: only 16 is chosen, its timings spread 30 % either way around 16.0
         c.observe(16, 16.0 * noise.lognormvariate(0, 0.3))
-    # nothing was learnt about 8 relative to 16: the ratio holds (it drifted to 1.11, 16 priced below 8, when
+    # nothing was learnt about 8 relative to 16: the ratio holds (it drifted to 1.17, 16 priced below 8, when
     # each timing multiplied the curve by its ratio: noise alone made the chosen size look cheaper for good)
     assert c(8) / c(16) == pytest.approx(14.5 / 16.0, rel=0.04)
 

@@ -13,6 +13,7 @@ by :class:`RoundCosts`. Only counts and timings go in: no token changes whicheve
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from kakeya.core.request import MAX_BLOCK_SIZE
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind each position's prior (the pooled rate)
 COST_EMA = 0.2  # weight of a new timing in the machine's running pace (every size's cost alike)
 SHAPE_EMA = 0.05  # weight of a new timing in its size's cost relative to the others
-SPIKE_CAP = 2.0  # a new timing counts as at most this many times the running cost
+SPIKE_CAP = 2.0  # a new timing counts as at most this many times the running cost (or as little as 1/this)
 WARM_BLOCKS = 4  # blocks drafted at the trained size before the model of E(L)/t(L) takes over
 EXPLORE_SHARE = 0.02  # the share of decode time probes (one size longer) may take beyond the chosen size's cost
 FORGET = 0.95  # each block scales the acceptance seen before it by this: about the last 20 blocks count ...
@@ -51,13 +52,13 @@ class CostCurve:
         if old is None:
             self.seconds[size] = seconds
             return
-        # one block stalled by the machine (a GC pause, a neighbour's burst) counts as at most twice the estimate
-        ratio = min(seconds, SPIKE_CAP * old) / old
-        pace = 1 + COST_EMA * (ratio - 1)  # the machine's speed: every size alike
-        own = 1 + SHAPE_EMA * (ratio / pace - 1)  # what is left is this size's own
+        # in logs: multiplying by noisy ratios drifts (their mean is over 1), priced the sizes not timed dearer and
+        # dearer on a busy machine and kept the choice; a stalled block (a GC pause, a burst) counts as at most 2x
+        ratio = math.log(min(max(seconds, old / SPIKE_CAP), SPIKE_CAP * old) / old)
+        pace = COST_EMA * ratio  # the machine's speed: every size alike
         for s in self.seconds:
-            self.seconds[s] *= pace
-        self.seconds[size] *= own
+            self.seconds[s] *= math.exp(pace)
+        self.seconds[size] *= math.exp(SHAPE_EMA * (ratio - pace))  # what is left is this size's own
 
     def __call__(self, size: int) -> float:
         pts = sorted(self.seconds.items())
