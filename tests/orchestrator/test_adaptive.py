@@ -289,7 +289,6 @@ def test_a_size_calibrated_too_dear_is_retimed_and_chosen_once_its_cost_shows():
     assert sizes[-50:].count(8) > 40  # ... until probes one size shorter re-timed 8 (never re-timed before: 16 stuck)
 
 
-@pytest.mark.xfail(strict=True, reason="calibration times each size's repeats in a row")
 def test_measure_costs_spreads_a_burst_over_every_size():
     import types
 

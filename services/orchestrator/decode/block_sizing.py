@@ -14,6 +14,7 @@ by :class:`RoundCosts`. Only counts and timings go in: no token changes whicheve
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -231,37 +232,33 @@ def measure_costs(
     verifier,
     drafter,
     sizes: Sequence[int] = (1, 2, 4, 8, 16),
-    repeats: int = 3,
+    repeats: int = 5,
     prompt_len: int = 32,
     clock=time.perf_counter,
 ) -> CostCurve:
-    """Time one block (draft + verify) at each size on live sessions (a remote endpoint's wire included);
-    the fastest of ``repeats`` (noise only adds time). Every size runs once untimed first: a process's first
-    forward at a shape pays for allocations and kernel selection, which would price the sizes far too dear."""
+    """Time one block (draft + verify) at each size on live sessions (a remote endpoint's wire included): ``repeats``
+    passes over every size, each size's median, so a burst of the machine's falls on several sizes once each, not on
+    one size's every timing (which priced it out for good). A first pass runs untimed: a process's first forward at
+    a shape pays for allocations and kernel selection, which would price the sizes far too dear."""
     vocab = verifier.info.vocab_size
     prompt = [(7 * i + 3) % vocab for i in range(prompt_len)]
     vs = verifier.open_session()
     ds = drafter.open_session() if drafter is not None else None
-    curve = CostCurve()
-    timed: set[int] = set()  # sizes run once untimed (first pass), then measured (second)
+    sized, times = [s for s in sizes if s == 1 or ds is not None], {}
     try:
         last, aux = vs.prefill(prompt)
-        for size in [s for s in sizes if s == 1 or ds is not None] * 2:
-            times = []
-            for _ in range(repeats if size in timed else 1):
-                t0 = clock()
-                draft = ds.draft(aux, last, size) if ds is not None else Draft(())  # size 1: the context still grows
-                verdict = vs.decide(last, draft)
-                times.append(clock() - t0)
-                aux, last = verdict.aux, verdict.next_token
-            if size in timed:
-                curve.seconds[size] = min(times)
-            timed.add(size)
+        for n, size in enumerate(sized * (repeats + 1)):
+            t0 = clock()
+            draft = ds.draft(aux, last, size) if ds is not None else Draft(())  # size 1: the context still grows
+            verdict = vs.decide(last, draft)
+            if n >= len(sized):
+                times.setdefault(size, []).append(clock() - t0)
+            aux, last = verdict.aux, verdict.next_token
     finally:
         vs.close()
         if ds is not None:
             ds.close()
-    return curve
+    return CostCurve({size: statistics.median(t) for size, t in times.items()})
 
 
 class RoundCosts:
