@@ -6,7 +6,8 @@ maximises ``E(L) / t(L)``. Costs are timed on the live endpoints at warm-up (:fu
 block; the acceptance chain is counted from every block, older ones weighing less (``FORGET``). A position short blocks
 never reach takes the previous position's rate as prior (the pooled rate would talk the sizer into short blocks).
 
-Now and then a block is drafted one size longer (a probe), so a choice of 1 is not final. Copied blocks
+Now and then a block is drafted one size longer or, in turn, shorter (a probe): a choice of 1 is not final, and sizes
+not chosen are timed again. Copied blocks
 (``proposers.py``) accept by a law of their own, so they keep their own chain. Sessions sharing a round are priced
 by :class:`RoundCosts`. Only counts and timings go in: no token changes whichever size is chosen.
 """
@@ -14,7 +15,6 @@ by :class:`RoundCosts`. Only counts and timings go in: no token changes whicheve
 from __future__ import annotations
 
 import math
-import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -44,7 +44,7 @@ RIDGE = 1e-6  # keeps the rounds' solve defined before they spread; relative to 
 class CostCurve:
     """Seconds per block by block size: measured points, linear in between and beyond. A timing moves every size's cost
     (the machine's pace) and, twenty times more slowly, its own size's relative cost, so one slow spell cannot price the
-    chosen sizes above the others, which are not re-timed while not chosen."""
+    chosen sizes above the others, which only probes re-time."""
 
     seconds: dict[int, float] = field(default_factory=dict)
 
@@ -53,8 +53,7 @@ class CostCurve:
         if old is None:
             self.seconds[size] = seconds
             return
-        # in logs: multiplying by noisy ratios drifts (their mean is over 1), priced the sizes not timed dearer and
-        # dearer on a busy machine and kept the choice; a stalled block (a GC pause, a burst) counts as at most 2x
+        # in logs (multiplied in, noisy ratios drift the sizes not timed ever dearer); a stalled block counts as 2x at most
         ratio = math.log(min(max(seconds, old / SPIKE_CAP), SPIKE_CAP * old) / old)
         pace = COST_EMA * ratio  # the machine's speed: every size alike
         for s in self.seconds:
@@ -62,11 +61,11 @@ class CostCurve:
         self.seconds[size] *= math.exp(SHAPE_EMA * (ratio - pace))  # what is left is this size's own
 
     def __call__(self, size: int) -> float:
+        if size in self.seconds:  # first: the sizer asks for measured sizes, every candidate of every block
+            return self.seconds[size]
         pts = sorted(self.seconds.items())
         if not pts:
             return float(size)  # nothing measured yet: cost grows with the block
-        if size in self.seconds:
-            return self.seconds[size]
         if len(pts) == 1:
             return pts[0][1] * size / pts[0][0] if pts[0][0] else pts[0][1]
         lo = [p for p in pts if p[0] < size]
@@ -141,7 +140,7 @@ class BlockSizer:
         # blocks still to draft at ``initial``: none when the chain carried enough from earlier requests
         self.warm = WARM_BLOCKS if initial and self.chain.reached[0] < WARM_BLOCKS else 0
         self.since_probe = 0.0  # the cost curve's seconds of the blocks since the last probe
-        self.probing = 0  # the size of the probe in flight (0: none)
+        self.probing, self.shorter = 0, False  # the size of the probe in flight (0: none); the next one shorter
         self.sharing = 1  # sessions in the round its next block runs in (``loop.advance`` sets it each round)
 
     def cost(self, size: int) -> float:
@@ -158,31 +157,37 @@ class BlockSizer:
         measured = [s for s in self.costs.seconds if s < self.max_size]
         return sorted(set(measured) | {self.max_size}) if measured else list(range(1, self.max_size + 1))
 
-    def _best(self, chain: AcceptanceChain) -> int:
-        """The candidate size with the most expected tokens a second under ``chain``."""
-        expected = chain.expected_tokens(self.max_size)  # once per block
+    def _best(self, expected: list[float]) -> int:
+        """The candidate size with the most tokens a second, committing ``expected`` (E(L) for L = 1 ..)."""
         return max(self.candidates(), key=lambda size: expected[size - 1] / self.cost(size))
 
     def choose(self, copy: bool = False) -> int:
         """The next block's size; ``copy``: for a block drafted by copy (1: not worth copying)."""
-        best = min(self.initial, self.max_size) if self.warm else self._best(self.chain)
+        expected = self.chain.expected_tokens(self.max_size)  # once per block
+        best = min(self.initial, self.max_size) if self.warm else self._best(expected)
         if copy:  # no probing: a copy's later positions take the rate before them, and copies rarely stop midway
             if self.copies.reached[0] < WARM_BLOCKS:  # too few copies seen to judge: the size a draft would have
                 return min(max(best, 2), self.max_size)
-            return self._best(self.copies)  # 1: copies here break at once; the loop drafts this block instead
+            return self._best(self.copies.expected_tokens(self.max_size))  # 1: copies break at once; a draft instead
         if self.warm:  # no acceptance seen yet: trust the drafter's training
             return best
-        probe = next((s for s in self.candidates() if s > best), 0)
-        if probe and self.explore_share and self.since_probe * self.explore_share >= self.cost(probe) - self.cost(best):
-            self.since_probe, self.probing = 0.0, probe
+        # probes take turns one size longer (acceptance past the choice) and shorter (re-timing what the curve keeps)
+        sizes = self.candidates()
+        at = sizes.index(best)
+        near = sizes[at + 1 : at + 2], sizes[max(at - 1, 0) : at]
+        probe = (near[self.shorter] or near[not self.shorter] or [0])[0]
+        # what a probe costs: its time beyond what its tokens take at the choice's pace
+        lost = self.cost(probe) - expected[probe - 1] * self.cost(best) / expected[best - 1] if probe else 0.0
+        if probe and self.explore_share and self.since_probe * self.explore_share >= lost:
+            self.since_probe, self.probing, self.shorter = 0.0, probe, probe > best
             return probe
         return best
 
     def observe(self, block: Block) -> None:
         size = block.drafted + 1
         self.since_probe += self.cost(size)
-        if self.probing == size and block.accepted == block.drafted:
-            self.since_probe = float("inf")  # a probe accepted whole paid for itself: probe again at once
+        if self.probing == size and block.accepted == block.drafted and self.shorter:
+            self.since_probe, self.shorter = float("inf"), False  # a longer probe accepted whole: another at once
         self.probing = 0
         if block.copied:  # its own chain; and its timing lacks the drafted block's forward, so it times no size
             self.copies.observe(block.drafted, block.accepted, FORGET, FORGET_FLOOR)
@@ -233,15 +238,13 @@ def measure_costs(
     drafter,
     sizes: Sequence[int] = (1, 2, 4, 8, 16),
     repeats: int = 5,
-    prompt_len: int = 32,
     clock=time.perf_counter,
 ) -> CostCurve:
     """Time one block (draft + verify) at each size on live sessions (a remote endpoint's wire included): ``repeats``
     passes over every size, each size's median, so a burst of the machine's falls on several sizes once each, not on
     one size's every timing (which priced it out for good). A first pass runs untimed: a process's first forward at
     a shape pays for allocations and kernel selection, which would price the sizes far too dear."""
-    vocab = verifier.info.vocab_size
-    prompt = [(7 * i + 3) % vocab for i in range(prompt_len)]
+    prompt = [(7 * i + 3) % verifier.info.vocab_size for i in range(32)]
     vs = verifier.open_session()
     ds = drafter.open_session() if drafter is not None else None
     sized, times = [s for s in sizes if s == 1 or ds is not None], {}
@@ -258,7 +261,7 @@ def measure_costs(
         vs.close()
         if ds is not None:
             ds.close()
-    return CostCurve({size: statistics.median(t) for size, t in times.items()})
+    return CostCurve({size: float(np.median(t)) for size, t in times.items()})
 
 
 class RoundCosts:

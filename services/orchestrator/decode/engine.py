@@ -81,8 +81,7 @@ class Engine:
         """Measure the cost of a block at each size on this engine's endpoints (once)."""
         with self._calibrating:
             if self.adaptive is None:
-                sizes = (1, 2, 4, 8, 16) if self.drafter is not None else (1,)
-                costs = measure_costs(self.verifier, self.drafter, sizes)
+                costs = measure_costs(self.verifier, self.drafter)  # without a drafter: size 1 alone
                 self.adaptive = AdaptivePolicy(costs, initial=self.default_block_size)
         return self.adaptive
 
