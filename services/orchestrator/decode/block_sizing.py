@@ -6,10 +6,10 @@ maximises ``E(L) / t(L)``. Costs are timed on the live endpoints at warm-up (:fu
 block; the acceptance chain is counted from every block, older ones weighing less (``FORGET``). A position short blocks
 never reach takes the previous position's rate as prior (the pooled rate would talk the sizer into short blocks).
 
-Now and then a block is drafted one size longer or, in turn, shorter (a probe): a choice of 1 is not final, and sizes
-not chosen are timed again. Copied blocks
-(``proposers.py``) accept by a law of their own, so they keep their own chain. Sessions sharing a round are priced
-by :class:`RoundCosts`. Only counts and timings go in: no token changes whichever size is chosen.
+Now and then a block is drafted one size longer or, in turn, shorter (a probe): a choice of 1 is not final, and the
+sizes not chosen are timed again. Copied blocks (``proposers.py``) accept by a law of their own, so they keep their own
+chain. Sessions sharing a round are priced by :class:`RoundCosts`. Only counts and timings go in: no token changes
+whichever size is chosen.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ COST_EMA = 0.2  # weight of a new timing in the machine's running pace (every si
 SHAPE_EMA = 0.05  # weight of a new timing in its size's cost relative to the others
 SPIKE_CAP = 2.0  # a new timing counts as at most this many times the running cost (or as little as 1/this)
 WARM_BLOCKS = 4  # blocks drafted at the trained size before the model of E(L)/t(L) takes over
-EXPLORE_SHARE = 0.02  # the share of decode time probes (one size longer) may take beyond the chosen size's cost
+EXPLORE_SHARE = 0.02  # the share of decode time probes may lose (their time beyond their tokens' at the choice's pace)
 FORGET = 0.95  # each block scales the acceptance seen before it by this: about the last 20 blocks count ...
 FORGET_FLOOR = 8.0  # ... but never below this many first positions, so a run of blocks of 1 (which observe
 # nothing) does not melt the evidence back to the 0.5 prior and retry, unbudgeted, a drafter known to miss
@@ -174,7 +174,7 @@ class BlockSizer:
         # probes take turns one size longer (acceptance past the choice) and shorter (re-timing what the curve keeps)
         sizes = self.candidates()
         at = sizes.index(best)
-        near = sizes[at + 1 : at + 2], sizes[max(at - 1, 0) : at]
+        near = sizes[at + 1 : at + 2], sizes[max(at - 1, 0) : at]  # (longer, shorter), indexed by ``shorter``
         probe = (near[self.shorter] or near[not self.shorter] or [0])[0]
         # what a probe costs: its time beyond what its tokens take at the choice's pace
         lost = self.cost(probe) - expected[probe - 1] * self.cost(best) / expected[best - 1] if probe else 0.0
