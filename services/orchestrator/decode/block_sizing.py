@@ -237,7 +237,7 @@ def measure_costs(
     verifier,
     drafter,
     sizes: Sequence[int] = (1, 2, 4, 8, 16),
-    repeats: int = 5,
+    repeats: int = 3,
     clock=time.perf_counter,
 ) -> CostCurve:
     """Time one block (draft + verify) at each size on live sessions (a remote endpoint's wire included): ``repeats``
