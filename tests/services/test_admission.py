@@ -229,3 +229,32 @@ def test_idle_streams_beyond_the_limit_leave_the_public_api_answering(servers):
         s.call.cancel()
     wait_until(lambda: verifier_info(small).live_sessions == 0, what="the held streams freed")
     assert len(list(stub.Generate(req, timeout=30))) >= 2
+
+
+@pytest.mark.xfail(strict=True, reason="--max-sessions 0 (no limit) leaves the gRPC pool at 64 + 16 threads")
+def test_no_session_limit_leaves_no_thread_limit_either(server_factory):
+    """``--max-sessions 0`` is no limit (deploy/mac/run.sh's default): streams beyond the 64 + 16 threads the pool
+    used to keep were refused RESOURCE_EXHAUSTED by gRPC itself ("Concurrent RPC limit exceeded"), GetInfo too."""
+    unbounded = server_factory("unbounded", ["drafter", *TINY_MLX, "--max-sessions", "0", "--grace", "1"])
+    start_all([unbounded])
+    stop = threading.Event()
+
+    def requests():
+        yield drafter_pb2.DrafterRequest(open=drafter_pb2.DrafterRequest.Open())
+        stop.wait(60)
+
+    held = [drafter_stub(unbounded.addr).Session(requests(), timeout=60) for _ in range(100)]
+    try:
+        opened = []
+        for call in held:
+            try:
+                opened.append(next(call).WhichOneof("response"))
+            except grpc.RpcError as exc:
+                opened.append(f"{exc.code().name}: {exc.details()}")
+        assert opened == ["opened"] * 100, sorted(set(opened))
+        info = drafter_info(unbounded.addr)  # answered beside the 100 sessions that hold a thread each
+        assert (info.max_sessions, info.live_sessions) == (0, 100)
+    finally:
+        stop.set()
+        for call in held:
+            call.cancel()
