@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kakeya.core.request import CachePolicy
 from kakeya.runtime import logs
-from kakeya.runtime.admission import DEFAULT_MAX_SESSIONS, SessionLimitError, SessionRegistry, Watched
+from kakeya.runtime.admission import SessionLimitError, SessionRegistry, Watched
 from kakeya.runtime.metrics import RpcInterceptor
 from kakeya.runtime.security.auth import peer_of
 from kakeya.wire import convert as wire_contract
@@ -192,9 +192,9 @@ class ServerSpec:
 
 
 def workers_for(max_sessions: int, queue: int = 0) -> int:
-    """Threads for a server whose streams may hold ``max_sessions`` (+ ``queue`` waiting):
-    a margin is left for GetInfo, health and short RPCs, so they answer while sessions are full."""
-    return (max_sessions or DEFAULT_MAX_SESSIONS) + queue + 16
+    """Threads for a server whose streams may hold ``max_sessions`` (+ ``queue`` waiting), and a margin for GetInfo,
+    health and short RPCs; no session limit (0) is none here either (the pool starts threads only as it needs them)."""
+    return max_sessions + queue + 16 if max_sessions else sys.maxsize
 
 
 def _parent_watch(parent: int, stop: threading.Event) -> None:

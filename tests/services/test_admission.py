@@ -231,7 +231,6 @@ def test_idle_streams_beyond_the_limit_leave_the_public_api_answering(servers):
     assert len(list(stub.Generate(req, timeout=30))) >= 2
 
 
-@pytest.mark.xfail(strict=True, reason="--max-sessions 0 (no limit) leaves the gRPC pool at 64 + 16 threads")
 def test_no_session_limit_leaves_no_thread_limit_either(server_factory):
     """``--max-sessions 0`` is no limit (deploy/mac/run.sh's default): streams beyond the 64 + 16 threads the pool
     used to keep were refused RESOURCE_EXHAUSTED by gRPC itself ("Concurrent RPC limit exceeded"), GetInfo too."""
