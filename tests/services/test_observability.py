@@ -165,7 +165,6 @@ def _completion(served, body: dict, headers: dict) -> tuple[int, str | None, dic
         conn.close()
 
 
-@pytest.mark.xfail(strict=True, reason="the HTTP front ignores X-Request-Id")
 def test_an_http_request_carries_its_x_request_id_to_every_process_and_back(served):
     """A load balancer's ``X-Request-Id`` names the request in the logs of all three processes, as the gRPC
     front's ``x-request-id`` metadata does, and comes back in the answer's header."""
@@ -175,7 +174,6 @@ def test_an_http_request_carries_its_x_request_id_to_every_process_and_back(serv
         wait_until(lambda: rid in _request_ids(served, process, ""), what=f"the {process}'s line")  # noqa: B023
 
 
-@pytest.mark.xfail(strict=True, reason="the HTTP front ignores X-Request-Id")
 def test_an_http_answer_names_its_request_id_whoever_made_it_and_on_errors(served):
     """Without ``X-Request-Id`` (nor a body ``request_id``) the answer names the id the logs have; a refused request
     still names the one it came with; the body's ``request_id`` goes first, as gRPC's field before its metadata."""
@@ -189,7 +187,6 @@ def test_an_http_answer_names_its_request_id_whoever_made_it_and_on_errors(serve
     assert _completion(served, body, {"X-Request-Id": "lb-3"})[:2] == (200, "own-id-3")
 
 
-@pytest.mark.xfail(strict=True, reason="the HTTP front ignores X-Request-Id")
 def test_a_malformed_x_request_id_header_is_refused_by_its_name(served):
     status, rid, body = _completion(served, {"prompt": PROMPT, "max_tokens": 4}, {"X-Request-Id": "x" * 129})
     assert status == 400 and rid is None, (status, rid)

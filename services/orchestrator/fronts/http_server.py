@@ -4,6 +4,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``: ser
 [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}`` and ``GET /health`` (200 once SERVING, else 503; open without a
 token). Every request runs through :meth:`GenerationService.stream` on a thread of its own; a client that goes away
 cancels its run. The bearer token and TLS are the gRPC server's. A client's mistake is a 4xx in OpenAI's error shape.
+A generation's answer (an error too) names its id in ``X-Request-Id``: the body's, else the request's header, as gRPC's.
 
 Slow clients are bounded (``bounds.HttpTimeouts``): headers within ``headers_s`` (uvicorn has no such bound:
 :func:`_bounded_h11`), the body within ``body_s`` (408), an idle keep-alive connection closed after ``keep_alive_s``.
@@ -18,7 +19,9 @@ import socket
 import ssl
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -32,7 +35,7 @@ from kakeya.core.request import InvalidRequest
 from kakeya.orchestrator.fronts import http_api
 from kakeya.orchestrator.fronts.http_api import ApiError
 from kakeya.orchestrator.fronts.service import DRAINING
-from kakeya.runtime.bounds import HttpTimeouts
+from kakeya.runtime.bounds import HttpTimeouts, check_request_id
 from kakeya.runtime.lifecycle import RequestError
 from kakeya.runtime.security.auth import bearer_ok
 from kakeya.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
@@ -132,8 +135,8 @@ class _Json(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode()
 
 
-def _error(exc: ApiError) -> JSONResponse:
-    return _Json(exc.body(), status_code=exc.status)
+def _error(exc: ApiError, headers: dict | None = None) -> JSONResponse:
+    return _Json(exc.body(), status_code=exc.status, headers=headers)
 
 
 def _event(body: dict) -> bytes:
@@ -200,11 +203,18 @@ class HttpFront:
         return await self._generate(request, http_api.chat_request)
 
     async def _generate(self, request: Request, translate) -> Response:
+        headers = {}  # the request's id, once known: every log line of every process names it
         try:
+            sent = check_request_id(request.headers.get("x-request-id", ""), "X-Request-Id")
+            headers = {"X-Request-Id": sent} if sent else {}
             self._admitted(request)
             generate, what, names = translate(await self._body(request), self.model_name)
+            generate = replace(generate, request_id=generate.request_id or sent or uuid.uuid4().hex[:16])
+            headers = {"X-Request-Id": check_request_id(generate.request_id)}
         except ApiError as exc:
-            return _error(exc)
+            return _error(exc, headers)
+        except InvalidRequest as exc:
+            return _error(ApiError.invalid(exc, {}), headers)
         call = HttpCall(grpc_peer(request))
         messages = _messages(self.servicer, generate, call)
         # From here until a stream's response takes over (it watches the client itself), a client that goes
@@ -216,31 +226,25 @@ class HttpFront:
             answer = http_api.Answer(what, codec.token if codec is not None else None)
             if what.stream:
                 watch.cancel()
-                return StreamingResponse(self._events(answer, first, messages), media_type="text/event-stream")
-            complete = None if first is None else self._consume(answer, first)  # None: cancelled before it began
-            async for message in messages:
-                complete = self._consume(answer, message) or complete
-            if complete is None:  # the run was cancelled under it (its client left, or the server is going down)
+                return StreamingResponse(self._events(answer, first, messages), 200, headers, "text/event-stream")
+            item = first
+            while isinstance(item, Block):  # its blocks, then its report
+                answer.add(item)
+                item = await anext(messages, None)
+            if item is None:  # the run was cancelled under it (its client left, or the server is going down)
                 raise ApiError(503, "the generation was cancelled")
-            return _Json(answer.whole(complete))
+            await anext(messages, None)  # its end, after the report
+            return _Json(answer.whole(item), headers=headers)
         except ApiError as exc:
-            return _error(exc)
+            return _error(exc, headers)
         except InvalidRequest as exc:
-            return _error(ApiError.invalid(exc, names))
+            return _error(ApiError.invalid(exc, names), headers)
         except RequestError as exc:
-            return _error(ApiError.of(exc))
+            return _error(ApiError.of(exc), headers)
         finally:
             watch.cancel()
             if not what.stream:
                 await messages.aclose()
-
-    @staticmethod
-    def _consume(answer: http_api.Answer, item):
-        """Add a block to ``answer``; the report is returned."""
-        if isinstance(item, Block):
-            answer.add(item)
-            return None
-        return item
 
     async def _events(self, answer: http_api.Answer, first, messages) -> AsyncIterator[bytes]:
         opening = answer.opening()

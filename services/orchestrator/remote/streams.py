@@ -291,25 +291,11 @@ def heard_from(call, service: str, addr: str, what: str, ended: str, step_timeou
         raise BackendError.of(service, addr, exc) from None
 
 
-def call_round(method, request, service: str, addr: str, step_timeout: float, timeout: float | None):
-    """A round call (``VerifyRound`` / ``DraftRound``): its ``Done`` message, after its Progress messages."""
-    call = method(request, timeout=timeout)
-    resp = heard_from(call, service, addr, "round", "round call ended before done", step_timeout, call.cancel)
-    if resp.WhichOneof("response") != "done" or len(resp.done.items) != len(request.items):
-        raise BackendError(service, addr, grpc.StatusCode.INTERNAL, "round call answered out of protocol")
-    return resp
-
-
 ROUND_MIN = 2  # sessions of one backend in a round before their steps travel in one round call
 _ON_STREAM = object()  # a round item the server did not find: sent again on the session's own stream
 # The round call itself found no replica (the one it reached died): each item goes on its own stream this round,
 # so only the sessions that were on the lost replica fail (and are taken over), not every session in the call.
 _RETRY_ON_STREAM = object()
-
-
-def round_call_lost(exc: BackendError) -> bool:
-    """A round call failed because the replica it reached is gone (not hung: a hung one answers no stream either)."""
-    return exc.replica_lost and not exc.step_timeout
 
 
 def _alone(call, *args):
@@ -376,11 +362,15 @@ class RemoteBackend:
         for s, *args in items:
             getattr(req.items.add(session_id=s.session_id), self.step).CopyFrom(s._step_msg(*args))
         t0 = time.perf_counter()
-        try:
-            rpc, timeout = getattr(self.stub, self.round_rpc), round_deadline([s._s for s, *_ in items])
-            resp = call_round(rpc, req, self.role, self.addr, self.clock.timeout(), timeout)
-        except BackendError as exc:  # the call itself failed (a hung backend): every session in it hears it
-            return [_RETRY_ON_STREAM if round_call_lost(exc) else s._fail(exc) for s, *_ in items]
+        try:  # its Done message, after its Progress messages
+            call = getattr(self.stub, self.round_rpc)(req, timeout=round_deadline([s._s for s, *_ in items]))
+            resp = heard_from(call, self.role, self.addr, "round", "round call ended before done", self.clock.timeout(),
+                              call.cancel)  # fmt: skip
+            if resp.WhichOneof("response") != "done" or len(resp.done.items) != len(req.items):
+                raise BackendError(self.role, self.addr, grpc.StatusCode.INTERNAL, "round call out of protocol")
+        except BackendError as exc:  # the call failed: every session in it hears it, unless the replica it reached
+            lost = exc.replica_lost and not exc.step_timeout  # is gone (a hung one would answer no stream either)
+            return [_RETRY_ON_STREAM if lost else s._fail(exc) for s, *_ in items]
         self.clock.record(time.perf_counter() - t0)
         out = []
         for (s, *_), sent, got in zip(items, req.items, resp.done.items):
