@@ -221,23 +221,20 @@ def split_engine(
     elif drafter is not None:
         drafter_addr, aux_like = "this process", drafter.backend
     aux_layers = drafter.target_layer_ids if drafter is not None else ()
-    verifier = GrpcVerifier(verifier_addr, aux_layers=aux_layers, wait_s=wait_s, aux_like=aux_like, tls=tls,
-                            token=token, clock=StepClock(floor))  # fmt: skip
+    listed = verifier_addr.split(":", 1)[1].split(",") if verifier_addr.startswith(("ipv4:", "ipv6:")) else ()
+    replicas = {r: GrpcVerifier(r, wait_s=wait_s, tls=tls, token=token) for r in listed}  # each one's GetInfo, once
+    verifier = GrpcVerifier(verifier_addr, aux_layers=aux_layers, wait_s=wait_s, aux_like=aux_like, tls=tls, token=token,
+                            clock=StepClock(floor), remote=next(iter(replicas.values())).remote if listed else None)  # fmt: skip
     info = verifier.info
-    same = ("name", "vocab_size", "hidden_size", "num_layers")  # one model behind a list: sessions go to any replica
-    for replica in verifier_addr.split(":", 1)[1].split(",") if verifier_addr.startswith(("ipv4:", "ipv6:")) else ():
-        (one := GrpcVerifier(replica, wait_s=wait_s, tls=tls, token=token)).close()
-        if [getattr(one.info, k) for k in same] != [getattr(info, k) for k in same]:
-            raise ValueError(f"--verifier: its replicas serve different models ({replica}: {one.info.name})")
+    for replica, one in replicas.items():  # one model behind a list: sessions go to any replica
+        one.close()
+        if not verifier.serves_its_model(one.remote):
+            raise ValueError(f"--verifier: its replicas serve different models ({replica}: {one.remote.model_name})")
     if drafter is not None:
-        problems = []
-        if drafter.vocab_size != info.vocab_size:
-            problems.append(f"vocab_size {drafter.vocab_size} != verifier's {info.vocab_size}")
-        if drafter.hidden_size != info.hidden_size:
-            problems.append(f"hidden_size {drafter.hidden_size} != verifier's {info.hidden_size}")
+        problems = [f"{k} {getattr(drafter, k)} != verifier's {getattr(info, k)}" for k in ("vocab_size", "hidden_size")
+                    if getattr(drafter, k) != getattr(info, k)]  # fmt: skip
         bad = [i for i in drafter.target_layer_ids if not 0 <= i < info.num_layers]
-        if bad:
-            problems.append(f"target_layer_ids {bad} outside the verifier's {info.num_layers} layers")
+        problems += [f"target_layer_ids {bad} outside the verifier's {info.num_layers} layers"] * bool(bad)
         if problems:
             why = f"drafter in {drafter_addr} does not fit the verifier at {verifier_addr}: " + "; ".join(problems)
             raise ValueError(why)

@@ -610,7 +610,6 @@ def test_a_verifier_replica_of_another_model_is_refused_and_its_session_moves(se
     assert pool in line and "demo" in line, line
 
 
-@pytest.mark.xfail(strict=True, reason="split_engine asks the first replica of a list for its GetInfo twice")
 def test_split_engine_asks_each_listed_verifier_replica_once(servers, monkeypatch):
     from kakeya.orchestrator.assembly import split_engine
     from kakeya.orchestrator.remote import streams

@@ -315,13 +315,13 @@ class RemoteBackend:
     round_request: type  # its round call's request
     round_rpc, step, answer = "", "", ""  # its round call, a round item's step field and its answer's
 
-    def __init__(self, addr: str, stub_class, wait_s, channel, tls, token, clock):
+    def __init__(self, addr: str, stub_class, wait_s, channel, tls, token, clock, remote=None):
         self.addr = addr
         self.channel = channel or backend_channel(addr, tls, token)
         self.replicas = Replicas(self.channel)  # whether another replica serves (a draining one's sessions move)
         self.clock = clock or StepClock()
         self.stub = stub_class(self.channel)
-        self.remote = fetch_info(self.role, addr, self.stub.GetInfo, self.info_request(), wait_s)
+        self.remote = remote or fetch_info(self.role, addr, self.stub.GetInfo, self.info_request(), wait_s)
 
     def get_info(self, timeout: float = 5.0):
         return call_unary(self.role, self.addr, self.stub.GetInfo, self.info_request(), timeout)

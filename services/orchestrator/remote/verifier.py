@@ -187,8 +187,9 @@ class GrpcVerifier(RemoteBackend):
         tls=None,
         token: str | None = None,
         clock: StepClock | None = None,
+        remote: vpb.VerifierInfo | None = None,  # its GetInfo, asked already: not asked again
     ):
-        super().__init__(addr, verifier_pb2_grpc.VerifierServiceStub, wait_s, channel, tls, token, clock)
+        super().__init__(addr, verifier_pb2_grpc.VerifierServiceStub, wait_s, channel, tls, token, clock, remote)
         self.aux_like = aux_like  # None: aux stays a wire Tensor; "mlx"/"torch"/"numpy": decoded
         r = self.remote
         extra = {"remote_backend": r.backend, "device": r.device, "aux_dtype": codec.dtype_name(r.aux_dtype)}
@@ -200,6 +201,11 @@ class GrpcVerifier(RemoteBackend):
         self.prefix_cache = r.prefix_cache_bytes > 0  # the server resumes prefixes (and keeps what sessions save)
         self.constrains = r.constrains  # the server has the tokenizer its sessions compile constraints against
         self._usage = (-1e9, 0.0)  # (when read, kv_usage) of the last GetInfo (``kv_usage``)
+
+    def serves_its_model(self, info: vpb.VerifierInfo) -> bool:
+        """A replica of ``info`` serves the model this one was checked for: sessions go to any replica."""
+        same = ("model_name", "vocab_size", "hidden_size", "num_layers")
+        return [getattr(info, k) for k in same] == [getattr(self.remote, k) for k in same]
 
     def kv_usage(self) -> float:
         """Its K/V budget in use (0..1) per one replica's GetInfo, read at most once a second."""
