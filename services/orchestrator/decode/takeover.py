@@ -47,16 +47,11 @@ def _serving(backend, tries: int = HEALTH_TRIES) -> bool:
     return False
 
 
-def _abort(run) -> None:
-    """Cancel both sessions' streams: each server frees what it held (the lost one holds nothing now)."""
+def _reopen_once(run, ids: Sequence[int], drafter: bool):
+    """Abort the run's sessions (their servers free them), open new ones, prefill ``ids``: ``(first, aux, cached)``."""
     for session in (run.drafter_session, run.verifier_session):
         if session is not None:
             session.abort()
-
-
-def _reopen_once(run, ids: Sequence[int], drafter: bool):
-    """Abort the run's sessions, open new ones and prefill ``ids``: ``(first, aux, cached)``."""
-    _abort(run)
     e = run._engine
     run.verifier_session = e.verifier.open_session(run.request.cache_policy, run._sampling, run._session_options)
     run.drafter_session = None
@@ -106,6 +101,8 @@ def _verifier_alone(run, cause: BaseException) -> None:
 
 def reprefill(run, cause: BaseException):
     """The run's first prefill lost its replica: the same prefill on another one (``(first, aux, cached)``)."""
+    log.warning("request %s: %s lost before its first token (%s); taking the session over",
+                run.request.request_id or "-", role_of(cause), cause)  # fmt: skip
     done = reopen(run, run._context(), cause)
     decode = run._decode
     decode.verifier, decode.drafter = run.verifier_session, run.drafter_session

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Sequence
 
+import grpc
+
 from kakeya.core.contract import Draft, KVBytes, SessionOptions, Verdict, VerifierStats, WireStats
 from kakeya.core.request import MAX_BLOCK_SIZE, CachePolicy, SamplingParams
 from kakeya.orchestrator.remote.deadlines import StepClock
@@ -90,6 +92,9 @@ class GrpcVerifierSession:
         t0 = time.perf_counter()
         prefilled = self._s.post(vpb.VerifierRequest(prefill=prefill), "prefilled")
         opened = self._s.wait(self._opened, self.clock.timeout()).opened
+        if not self.verifier.serves_its_model(opened.info):  # a lost replica, as to take-over: another opens it
+            why = f"replica serves another model ({opened.info.model_name}, its session {opened.session_id})"
+            raise BackendError("verifier", self.verifier.addr, grpc.StatusCode.UNAVAILABLE, why)
         self.session_id = opened.session_id
         self.cache_policy = wire_contract.policy_from_proto(opened.cache_policy, CachePolicy()).label
         r = self._s.wait(prefilled, self.clock.timeout(prefill_tokens=n))
