@@ -67,6 +67,21 @@ def test_probes_are_native_grpc_on_the_served_port(overlay):
             assert c[probe]["grpc"]["port"] == probed and c[probe]["grpc"].get("service", "") == ""
 
 
+@pytest.mark.xfail(strict=True, reason="every liveness probe asks the health an orchestrator turns with its verifiers")
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_liveness_asks_a_health_no_backend_outage_turns(overlay):
+    """An orchestrator's health ("") is NOT_SERVING while no verifier answers: readiness takes it out of the Service,
+    as it should; a liveness probe on it restarted every orchestrator a minute into a verifier outage (a restart, an
+    OOM kill), each then waiting out --backend-wait and the kubelet's back-off after the verifiers were back."""
+    from kakeya.runtime.lifecycle import LIVENESS
+
+    docs = render(overlay)
+    for role in ROLES:
+        c = container(docs, role)
+        assert c["livenessProbe"]["grpc"].get("service") == LIVENESS, role
+        assert c["readinessProbe"]["grpc"].get("service", "") == c["startupProbe"]["grpc"].get("service", "") == ""
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_non_root_and_locked_down(overlay):
     docs = render(overlay)
