@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 
 from kakeya.core.request import CachePolicy
 from kakeya.runtime import logs
@@ -37,6 +38,7 @@ from kakeya.wire.limits import server_options
 log = logging.getLogger("kakeya")
 
 ENV_PARENT_PID = "KAKEYA_PARENT_PID"  # set by `kakeya serve all`: exit when that process is gone
+LIVENESS = "liveness"  # a health service SERVING from listening to the drain, whatever the backends (livenessProbe)
 
 
 def version() -> str:
@@ -333,6 +335,7 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
     )
     for n in ["", *names]:
         health_servicer.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     problem = port_in_use(host, port)
     bound = 0
     if problem is None:
@@ -352,7 +355,7 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
     httpd = None
     if metrics_port is not None and spec.metrics is not None:
         try:
-            httpd = spec.metrics.serve_http(host, metrics_port)
+            httpd = start_http_server(metrics_port, addr=host, registry=spec.metrics.registry)[0]  # (server, thread)
         except OSError as exc:
             return _failed(spec, f"cannot serve metrics on {host}:{metrics_port} ({exc})", server)
         ready_extra["metrics_port"] = httpd.server_port

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kakeya.runtime import logs
@@ -163,10 +163,6 @@ class ServerMetrics:
         n = len(params.prompt_ids)
         log.info("generate: %d prompt tokens, max_tokens %d, block %d", n, params.max_tokens, params.block_size)
         return GenerationObserver(self, verifier_session, drafter_session)
-
-    def serve_http(self, host: str, port: int):
-        """Serve ``/metrics`` on ``host:port`` (0: any free port); returns the HTTP server (``.server_port``)."""
-        return start_http_server(port, addr=host, registry=self.registry)[0]  # (server, thread)
 
 
 def _server_s(session: Any) -> float | None:

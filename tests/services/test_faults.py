@@ -12,6 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kakeya.runtime.lifecycle import LIVENESS
 from kakeya.wire.kakeya.v1 import generate_pb2
 
 from .conftest import TINY_MLX, channel, generate, generation_stub, request, start_all, wait_until
@@ -46,9 +47,9 @@ def _server_info(addr):
     return generation_stub(addr).GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5)
 
 
-def _health(addr):
+def _health(addr, service: str = ""):
     stub = health_pb2_grpc.HealthStub(channel(addr))
-    return stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
 def test_drafter_killed_mid_stream_falls_back_then_reconnects(servers, reference):
@@ -103,6 +104,7 @@ def test_verifier_unreachable_is_unavailable_and_the_server_recovers(servers, se
         lambda: _health(orch.addr) == health_pb2.HealthCheckResponse.NOT_SERVING,
         what="the orchestrator to report its verifier down",
     )
+    assert _health(orch.addr, LIVENESS) == health_pb2.HealthCheckResponse.SERVING  # no livenessProbe restarts it
 
     # A new orchestrator started while its verifier is down: up, but NOT_SERVING until it can warm up.
     late = server_factory("late", ["orchestrator", "--verifier", verifier.addr, "--drafter", drafter.addr]).start()
