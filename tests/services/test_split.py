@@ -34,6 +34,7 @@ from .conftest import (
     generate,
     generation_stub,
     request,
+    scrape,
     sessions_freed,
     start_all,
     verifier_info,
@@ -586,14 +587,17 @@ def test_verifier_replicas_of_different_models_are_refused_at_start_up(servers, 
     assert "--verifier" in error and "different models" in error
 
 
+@pytest.mark.xfail(strict=True, reason="a take-over before the first token is not counted in kakeya_takeovers_total")
 def test_a_verifier_replica_of_another_model_is_refused_and_its_session_moves(servers, server_factory):
     """A --verifier pool whose replica comes back serving another checkpoint after start-up (a rollout half done; a
     DNS name's new pod alike): each session that opens on it is refused -- the orchestrator's log says so, naming
-    the pool and the model -- and moves to a replica of the right model; no request is served by the other one."""
+    the pool and the model, and kakeya_takeovers_total counts the move -- and moves to a replica of the right model;
+    no request is served by the other one."""
     replica = server_factory("replica", ["verifier", *TINY_MLX, "--grace", "1"])
     start_all([replica])
     pool = f"ipv4:{servers['verifier'].addr},{replica.addr}"
-    orchestrator = server_factory("pool", ["orchestrator", "--verifier", pool, "--drafter", servers["drafter"].addr])
+    argv = ["orchestrator", "--verifier", pool, "--drafter", servers["drafter"].addr, "--metrics-port", "0"]
+    orchestrator = server_factory("pool", argv)
     start_all([orchestrator])
     want = generate(orchestrator.addr, request(PROMPT, max_tokens=12, block_size=4))[0]
     replica.stop()
@@ -607,6 +611,8 @@ def test_a_verifier_replica_of_another_model_is_refused_and_its_session_moves(se
     wait_until(refused, what="a session refused by the other model's replica")
     line = next(x for x in orchestrator.log_file.read_text().splitlines() if "serves another model" in x)
     assert pool in line and "demo" in line, line
+    moved = scrape(orchestrator.info["metrics_port"]).get(("kakeya_takeovers_total", (("role", "verifier"),)), 0)
+    assert moved >= 1
 
 
 def test_split_engine_asks_each_listed_verifier_replica_once(servers, monkeypatch):
