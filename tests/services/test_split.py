@@ -587,7 +587,6 @@ def test_verifier_replicas_of_different_models_are_refused_at_start_up(servers, 
     assert "--verifier" in error and "different models" in error
 
 
-@pytest.mark.xfail(strict=True, reason="a take-over before the first token is not counted in kakeya_takeovers_total")
 def test_a_verifier_replica_of_another_model_is_refused_and_its_session_moves(servers, server_factory):
     """A --verifier pool whose replica comes back serving another checkpoint after start-up (a rollout half done; a
     DNS name's new pod alike): each session that opens on it is refused -- the orchestrator's log says so, naming

@@ -103,11 +103,14 @@ def reprefill(run, cause: BaseException):
     """The run's first prefill lost its replica: the same prefill on another one (``(first, aux, cached)``)."""
     log.warning("request %s: %s lost before its first token (%s); taking the session over",
                 run.request.request_id or "-", role_of(cause), cause)  # fmt: skip
+    t0 = time.perf_counter()
     done = reopen(run, run._context(), cause)
     decode = run._decode
     decode.verifier, decode.drafter = run.verifier_session, run.drafter_session
     decode.drafting = decode.drafting and run.drafter_session is not None
-    run.takeovers.append((role_of(cause), 0.0))
+    run.takeovers.append((role_of(cause), time.perf_counter() - t0))
+    if run._on_takeover is not None:  # in the metrics as the take-overs after the first token
+        run._on_takeover(*run.takeovers[-1], drained(cause))
     return done
 
 

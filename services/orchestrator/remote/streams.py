@@ -249,13 +249,6 @@ def status_code(value: int) -> grpc.StatusCode:
     return _CODES.get(value, grpc.StatusCode.UNKNOWN)
 
 
-def round_deadline(streams) -> float | None:
-    """A round call's gRPC timeout: until the latest of its sessions' client deadlines (None: one has none);
-    a session whose own deadline passes first is aborted on its stream and its item fails alone."""
-    deadlines = [s.deadline for s in streams]
-    return None if None in deadlines else max(0.0, max(deadlines) - time.monotonic())
-
-
 def heard_from(call, service: str, addr: str, what: str, ended: str, step_timeout, cancel, on_progress=None):
     """The next message of ``call`` that is no Progress; each Progress re-arms ``step_timeout``, a deadline of
     silence whose expiry ``cancel``s the call (a BackendError marked ``step_timeout``: hung, not slow)."""
@@ -362,8 +355,11 @@ class RemoteBackend:
         for s, *args in items:
             getattr(req.items.add(session_id=s.session_id), self.step).CopyFrom(s._step_msg(*args))
         t0 = time.perf_counter()
+        # Its timeout: the latest of its sessions' client deadlines (None: one has none); a session whose own deadline
+        deadlines = [s._s.deadline for s, *_ in items]  # passes first is aborted on its stream, its item failing alone
         try:  # its Done message, after its Progress messages
-            call = getattr(self.stub, self.round_rpc)(req, timeout=round_deadline([s._s for s, *_ in items]))
+            timeout = None if None in deadlines else max(0.0, max(deadlines) - time.monotonic())
+            call = getattr(self.stub, self.round_rpc)(req, timeout=timeout)
             resp = heard_from(call, self.role, self.addr, "round", "round call ended before done", self.clock.timeout(),
                               call.cancel)  # fmt: skip
             if resp.WhichOneof("response") != "done" or len(resp.done.items) != len(req.items):
