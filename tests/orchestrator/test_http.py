@@ -20,6 +20,7 @@ from kakeya.core.prefix import PrefixCache
 from kakeya.orchestrator.assembly import build_local_engine
 from kakeya.orchestrator.fronts.grpc_server import GenerationServicer
 from kakeya.orchestrator.fronts.http_server import HttpCall, HttpFront
+from kakeya.runtime.metrics import ServerMetrics
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 from kakeya.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
 
@@ -395,6 +396,7 @@ class _Cancelled:
     """A servicer whose every generation was cancelled before its first message (a server going down)."""
 
     ready, auth_token, engine, max_context = True, None, object(), 64
+    metrics = ServerMetrics("orchestrator")  # the answer's 503 is counted in its kakeya_errors_total
 
     def stream(self, request, call):
         yield from ()

@@ -22,6 +22,7 @@ from kakeya.core.request import Chat, Request
 from kakeya.orchestrator.assembly import build_local_engine
 from kakeya.orchestrator.fronts.grpc_server import GenerationServicer
 from kakeya.orchestrator.fronts.http_server import HttpCall, HttpFront
+from kakeya.runtime.metrics import ServerMetrics
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 
 WEATHER = {
@@ -53,6 +54,7 @@ class Planted:
     engine: object = True
     ready: bool = True
     auth_token: str | None = None
+    metrics: ServerMetrics = field(default_factory=lambda: ServerMetrics("orchestrator"))  # counts its 4xx
 
     def stream(self, req: Request, call):
         self.requests.append(req)

@@ -187,7 +187,6 @@ def test_an_http_answer_names_its_request_id_whoever_made_it_and_on_errors(serve
     assert _completion(served, body, {"X-Request-Id": "lb-3"})[:2] == (200, "own-id-3")
 
 
-@pytest.mark.xfail(strict=True, reason="the HTTP API's errors are not counted in kakeya_errors_total")
 def test_http_errors_are_counted_by_grpc_status_as_the_grpc_apis_are(served):
     """A dashboard's error rate (``kakeya_errors_total{code}``) counts the HTTP API's refusals too, under the gRPC
     code the same refusal has there: an HTTP-only deployment showed none."""

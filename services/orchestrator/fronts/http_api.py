@@ -39,6 +39,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 PARAMS = [("prompt.tokenized.ids", "prompt"), ("prompt.text", "prompt"), ("prompt.messages", "messages"),
           ("sampling_params.", ""), ("cache_policy", "cache_policy")]  # fmt: skip
 INT32 = 2**31
+# An HTTP error's gRPC code, as kakeya_errors_total{code} counts both APIs' (400: INVALID_ARGUMENT, the first).
+GRPC_CODES = {s: c.name for c, s in reversed(STATUS.items())} | {408: "DEADLINE_EXCEEDED", 413: "RESOURCE_EXHAUSTED"}
 
 
 class ApiError(Exception):

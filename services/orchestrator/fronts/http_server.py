@@ -135,10 +135,6 @@ class _Json(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode()
 
 
-def _error(exc: ApiError, headers: dict | None = None) -> JSONResponse:
-    return _Json(exc.body(), status_code=exc.status, headers=headers)
-
-
 def _event(body: dict) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
@@ -175,11 +171,10 @@ class HttpFront:
         return self._model_name or served_model_name(self.servicer.engine.target)
 
     async def health(self, request: Request) -> Response:
-        if self.servicer.draining:
-            return _error(ApiError(503, DRAINING))
-        if self.servicer.ready:
+        if self.servicer.ready and not self.servicer.draining:
             return JSONResponse({"status": "ok"})
-        return _error(ApiError(503, "orchestrator is not ready (loading, warming up or draining)"))
+        why = DRAINING if self.servicer.draining else "orchestrator is not ready (loading, warming up or draining)"
+        return _Json(ApiError(503, why).body(), status_code=503)
 
     async def models(self, request: Request) -> Response:
         """OpenAI's list-models; with an id, its retrieve-model (a 404 naming any other id)."""
@@ -194,7 +189,7 @@ class HttpFront:
                 raise http_api.model_not_found(name, self.model_name)
             return _Json(listed["data"][0])
         except ApiError as exc:
-            return _error(exc)
+            return self._error(exc)
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, http_api.completion_request)
@@ -212,9 +207,9 @@ class HttpFront:
             generate = replace(generate, request_id=generate.request_id or sent or uuid.uuid4().hex[:16])
             headers = {"X-Request-Id": check_request_id(generate.request_id)}
         except ApiError as exc:
-            return _error(exc, headers)
+            return self._error(exc, headers)
         except InvalidRequest as exc:
-            return _error(ApiError.invalid(exc, {}), headers)
+            return self._error(ApiError.invalid(exc, {}), headers)
         call = HttpCall(grpc_peer(request))
         messages = _messages(self.servicer, generate, call)
         # From here until a stream's response takes over (it watches the client itself), a client that goes
@@ -236,11 +231,11 @@ class HttpFront:
             await anext(messages, None)  # its end, after the report
             return _Json(answer.whole(item), headers=headers)
         except ApiError as exc:
-            return _error(exc, headers)
+            return self._error(exc, headers)
         except InvalidRequest as exc:
-            return _error(ApiError.invalid(exc, names), headers)
+            return self._error(ApiError.invalid(exc, names), headers)
         except RequestError as exc:
-            return _error(ApiError.of(exc), headers)
+            return self._error(ApiError.of(exc), headers)
         finally:
             watch.cancel()
             if not what.stream:
@@ -289,12 +284,17 @@ class HttpFront:
         except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting
             raise ApiError(400, f"the request body is not valid JSON ({str(exc)[:200]})") from None
 
+    def _error(self, exc: ApiError, headers: dict | None = None) -> JSONResponse:
+        """``exc``'s answer, in ``kakeya_errors_total{code}`` as the gRPC API's errors are (a health check's is not)."""
+        self.servicer.metrics.errors.labels(http_api.GRPC_CODES.get(exc.status, "INTERNAL")).inc()
+        return _Json(exc.body(), status_code=exc.status, headers=headers)
+
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
-        return _error(ApiError(exc.status_code, exc.detail or "not found"))
+        return self._error(ApiError(exc.status_code, exc.detail or "not found"))
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
         log.exception("HTTP %s %s failed", request.method, request.url.path)
-        return _error(ApiError(500, f"internal error ({type(exc).__name__}); the orchestrator's log has it"))
+        return self._error(ApiError(500, f"internal error ({type(exc).__name__}); the orchestrator's log has it"))
 
     def start(self, host: str, tls=None, grace_s: float = 30.0) -> int:
         """Listen on ``host:port`` (TLS as gRPC's); the port bound (``port`` 0: any free one), or OSError."""
