@@ -332,6 +332,20 @@ def test_a_split_orchestrator_refuses_an_in_process_drafter_it_cannot_load(flags
     assert says in capsys.readouterr().err
 
 
+@pytest.mark.xfail(strict=True, reason="a split orchestrator ignores the verifier's cache-policy flags")
+@pytest.mark.parametrize(
+    "flags",
+    [["--cache", "sink-window"], ["--window", "64"], ["--sink", "8"], ["--full-kv-bits", "8"], ["--restore", "d"]],
+)
+def test_a_split_orchestrator_refuses_the_verifiers_cache_policy_flags(flags):
+    """The sessions' default policy is the verifier's (its own --cache & co.): a split orchestrator went SERVING with
+    them, its sessions under whatever the verifier had, the flags silently dropped."""
+    argv = ["serve", "orchestrator", "--verifier", "localhost:1", "--no-drafter", "--backend-wait", "0", "--port", "0"]
+    cmd = [sys.executable, "-m", "kakeya.app.main", *argv, *flags]  # a server that starts ends its process: not ours
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"{flags[0]} is the verifier's" in out.stderr, out.stderr[-2000:]
+
+
 def test_a_16_bit_mismatch_says_why_and_a_float32_one_does_not():
     from kakeya.app.options import summary_line
 
