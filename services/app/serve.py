@@ -150,10 +150,11 @@ def cmd_serve_orchestrator(args) -> int:
                              " embeddings and head it shares), and neither --drafter nor --no-drafter")  # fmt: skip
         if args.target and not args.draft:
             raise ValueError("--target with --verifier is the in-process drafter's: give --draft too (see --tokenizer)")
-        if args.prefix_cache_bytes not in (serve_flags.AUTO, 0):  # auto: nothing to keep here
-            raise ValueError(
-                "--prefix-cache-bytes keeps the models' state: give it to the verifier and drafter servers"
-            )
+        held = {"--cache": args.cache != "native", "--sink": args.sink != 4, "--window": args.window,  # their defaults
+                "--full-kv-bits": args.full_kv_bits, "--restore": args.restore,
+                "--prefix-cache-bytes": args.prefix_cache_bytes not in (serve_flags.AUTO, 0)}  # fmt: skip
+        if given := [flag for flag, value in held.items() if value]:  # the models' state, the sessions' default policy
+            raise ValueError(f"{given[0]} is the verifier's (and the drafter's) to set: give it to those servers")
         if args.draft:
             here = _backend_kwargs(args, embedded=False, server="drafter")
             require_backend(here[0])

@@ -332,7 +332,6 @@ def test_a_split_orchestrator_refuses_an_in_process_drafter_it_cannot_load(flags
     assert says in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason="a split orchestrator ignores the verifier's cache-policy flags")
 @pytest.mark.parametrize(
     "flags",
     [["--cache", "sink-window"], ["--window", "64"], ["--sink", "8"], ["--full-kv-bits", "8"], ["--restore", "d"]],
