@@ -49,8 +49,6 @@ PUBLIC_FIELDS = (
     ("prefill.token_ids", "prompt"),
 )
 INTERNAL_FIELDS = ("open.", "prefill.", "verify.", "commit.", "draft.")
-# Statuses whose backend message is about capacity or the session's fate (no fields, no addresses).
-_CAPACITY = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
 # Statuses about a request's values (FAILED_PRECONDITION is about the session protocol: ours, never the caller's).
 _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 
@@ -305,13 +303,8 @@ class GenerationService:
         if run.cancelled:
             return
         report = run.report(time.perf_counter() - t_start, error)
-        obs.finish(
-            report.finish_reason,
-            fallback=fallback,
-            prompt_tokens=len(report.prompt_token_ids),
-            tokens=len(report.token_ids),
-            cached_tokens=report.cached_tokens,
-        )
+        obs.finish(report.finish_reason, fallback=fallback, prompt_tokens=len(report.prompt_token_ids),
+                   tokens=len(report.token_ids), cached_tokens=report.cached_tokens)  # fmt: skip
         yield report
 
 
@@ -343,8 +336,14 @@ def public_status(exc: Exception, request_id: str = "") -> tuple[grpc.StatusCode
 
 def _backend_status(exc: BackendError) -> tuple[grpc.StatusCode, str]:
     service, code = exc.service, exc.code
-    if code in _CAPACITY:
-        return code, bounded(f"{service}: {exc.details}")
+    if code == grpc.StatusCode.ABORTED:  # reclaimed (runtime/admission.py); its limits and figures stay in the log
+        return code, f"{service}: its session was ended to make room for others; retry"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # retrying helps, unless this request alone outgrows the K/V budget
+        if "more than the whole budget" in exc.details:  # then it is the request's size (a 400, never a 429 to retry)
+            out = grpc.StatusCode.OUT_OF_RANGE
+            return out, f"{service}: the request outgrows its K/V memory; ask for fewer tokens (prompt + max_tokens)"
+        full = "session limit reached" if "session limit" in exc.details else "K/V memory exhausted"
+        return code, f"{service}: {full}; retry later"
     if code in _REFUSED:
         details = exc.details
         for internal, public in PUBLIC_FIELDS:
