@@ -26,9 +26,13 @@ from kakeya.orchestrator.fronts.http_api import chat_request
 from kakeya.orchestrator.text import TextCodec
 from kakeya.orchestrator.tools.calls import parse_call
 from kakeya.orchestrator.tools.grammar import tool_call_grammar
-from tests.orchestrator.tool_models import INVALID, MODELS, VALID, schemas
+from tests.orchestrator.tool_models import INVALID, MODELS, VALID, SignUp, schemas
 
 SOURCES = ("pydantic", "openai")
+# pydantic's formats that llguidance has no regex for (SecretStr's "password", bytes' "binary", Path's "path", ...):
+# refused as unknown, where JSON Schema makes a format an annotation unless a validator asserts it
+UNHELD = pytest.mark.xfail(strict=True, reason="a format llguidance has no regex for is refused")
+CLIENT_MODELS = [*MODELS, pytest.param(SignUp, marks=UNHELD)]
 CHECKED_FORMATS = jsonschema.FormatChecker(formats=("date", "email", "uuid", "ipv4"))  # those it checks offline
 
 
@@ -62,7 +66,7 @@ def _valid(model, schema: dict, args: dict) -> bool:
     return True
 
 
-@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("model", CLIENT_MODELS, ids=lambda m: m.__name__)
 def test_client_schemas_hold_the_arguments_their_model_takes_and_refuse_the_rest(demo, model):
     codec, tokenizer = demo
     for source, schema in schemas(model).items():
@@ -89,7 +93,7 @@ def tiny_engines(tiny_pair):
     return spec, ar
 
 
-@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("model", CLIENT_MODELS, ids=lambda m: m.__name__)
 def test_a_forced_call_decodes_to_the_drafterless_tokens(tiny_engines, model):
     """Speculative == ``--no-drafter`` token for token under each client's schema, named and ``required``
     (the tiny models are untrained: their calls run to max_tokens, every token under the grammar)."""

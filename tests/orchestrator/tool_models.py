@@ -6,10 +6,13 @@ clients send (``test_tool_schemas.py``). Each comes with arguments it takes and 
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
+import pathlib
+import uuid
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, HttpUrl, IPvAnyAddress, SecretStr
 
 
 class Unit(str, Enum):
@@ -124,6 +127,20 @@ class SetAlarm(BaseModel):
     repeat: list[Literal["mon", "tue", "wed", "thu", "fri", "sat", "sun"]] = Field(default_factory=list, max_length=7)
 
 
+class SignUp(BaseModel):
+    """An account. Pydantic writes a ``format`` for every field but ``login``: ``uri`` and ``uuid`` are llguidance's
+    (enforced), ``password``, ``binary``, ``path``, ``ipv4network`` and ``ipvanyaddress`` are not (plain strings)."""
+
+    login: str = Field(max_length=12)
+    password: SecretStr = Field(max_length=16)
+    avatar: bytes = Field(max_length=16)
+    home: pathlib.Path
+    site: HttpUrl
+    id: uuid.UUID
+    subnet: ipaddress.IPv4Network
+    server: IPvAnyAddress
+
+
 MODELS = [GetWeather, CreateContact, PlaceOrder, BookMeeting, SearchDocs, Transfer, PlanRoute, Rating, RunPipeline,
           SetAlarm]  # fmt: skip
 
@@ -141,6 +158,8 @@ VALID = {
     RunPipeline: {"environment": "prod", "steps": [{"name": "build", "retries": 3}, {"name": "test", "retries": 0}],
                   "dry_run": False},
     SetAlarm: {"at": "07:30:00Z", "label": "wake", "repeat": ["mon", "fri"]},
+    SignUp: {"login": "ada", "password": "pw", "avatar": "abc", "home": "/home/ada", "site": "https://x.org/a",
+             "id": "0b8bef8b-bede-4ffe-8ffe-effecbedba8b", "subnet": "10.0.0.0/8", "server": "::1"},
 }  # fmt: skip
 INVALID = {
     GetWeather: [{"city": "", "days": 1}, {"city": "Paris", "days": 8}, {"city": "x" * 41}],
@@ -161,6 +180,8 @@ INVALID = {
     RunPipeline: [{"environment": "qa", "steps": [{"name": "b"}]}, {"environment": "dev", "steps": []},
                   {"environment": "dev", "steps": [{"name": "b", "retries": 4}]}],
     SetAlarm: [{"at": "25:00:00Z"}, {"at": "07:00:00Z", "repeat": ["monday"]}],
+    SignUp: [VALID[SignUp] | {"id": "0b8bef8b"}, VALID[SignUp] | {"site": "x.org"},
+             VALID[SignUp] | {"login": "a" * 13}],
 }  # fmt: skip
 
 
