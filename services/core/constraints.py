@@ -111,12 +111,30 @@ def _schema_grammar(spec) -> str:
         raise ConstraintError("a JSON schema must be a JSON object")
     try:
         _check_size(len(json.dumps(spec)))
+        spec = plain_formats(spec)
     except RecursionError:
         raise ConstraintError("nested too deeply") from None
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
     except ValueError as exc:
         raise ConstraintError(_bounded(str(exc))) from None
+
+
+LITERALS = {"enum", "const", "default", "examples"}  # values, not schemas: kept as they are
+NAMED = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}  # name -> schema
+
+
+def plain_formats(node, names: bool = False):
+    """A JSON schema with every ``format`` llguidance has no regex for (:data:`FORMATS`) left out, so its string is any
+    string: JSON Schema makes ``format`` an annotation unless a validator asserts it, and pydantic writes ones for
+    everyday types (``SecretStr``: ``password``, ``bytes``: ``binary``, ``Path``: ``path``). ``names``: ``node`` maps
+    names to schemas (``properties``), where a key ``format`` or ``enum`` is a name."""
+    if isinstance(node, list):
+        return [plain_formats(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: v if k in LITERALS and not names else plain_formats(v, k in NAMED and not names)
+            for k, v in node.items() if names or k != "format" or not isinstance(v, str) or v in FORMATS}  # fmt: skip
 
 
 def _check_size(chars: int) -> None:
@@ -347,3 +365,66 @@ def _specials(tok: llguidance.LLTokenizer) -> tuple[np.ndarray, np.ndarray, np.n
 def unpack(bits: np.ndarray, vocab: int) -> np.ndarray:
     """llguidance's bitmask rows (32 tokens an int32, lowest bit first) as bool [rows, vocab]."""
     return np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[:, :vocab].astype(bool)
+
+
+# The string formats llguidance's JSON-schema compiler enforces, as its own regexes (llguidance
+# parser/src/json/formats.rs, MIT licence; named groups made plain): a tool call's grammar holds the same.
+FORMATS = {
+    "date-time": (
+        r"(?:[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|("
+        r"?:02)-(?:0[1-9]|1[0-9]|2[0-9])))[tT](?:(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)"
+        r"?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9]))"
+    ),
+    "time": (
+        r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5]"
+        r"[0-9])"
+    ),
+    "date": (
+        r"(?:[0-9]{4}-(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01]))|(?:[0-9]{4}-(?:0[469]|11)-(?:0[1-9]|[12]["
+        r"0-9]|30))|(?:[0-9]{4}-02-(?:0[1-9]|1[0-9]|2[0-9]))"
+    ),
+    "duration": (
+        r"P(?:(?:(?:(?:[0-9]+Y(?:[0-9]+M(?:[0-9]+D)?)?)|(?:[0-9]+M(?:[0-9]+D)?)|(?:[0-9]+D))(?:T(?:(?:[0-9]+H("
+        r"?:[0-9]+M(?:[0-9]+S)?)?)|(?:[0-9]+M(?:[0-9]+S)?)|(?:[0-9]+S)))?)|(?:T(?:(?:[0-9]+H(?:[0-9]+M(?:[0-9]"
+        r"+S)?)?)|(?:[0-9]+M(?:[0-9]+S)?)|(?:[0-9]+S)))|(?:[0-9]+W))"
+    ),
+    "email": (
+        r"(?:(?:[a-zA-Z0-9!#$%&'*+\-/=?\^_`{|}~]+(\.[a-zA-Z0-9!#$%&'*+\-/=?\^_`{|}~]+)*))@((?:(?:[a-zA-Z0-9](["
+        r"a-zA-Z0-9-]*[a-zA-Z0-9])?)(\.(?:[a-zA-Z0-9]([a-zA-Z0-9-]*[a-zA-Z0-9])?))*)|\[(?:((([0-9])|(([1-9])[0"
+        r"-9]|(25[0-5]|(2[0-4]|(1)[0-9])[0-9])))\.){3}(([0-9])|(([1-9])[0-9]|(25[0-5]|(2[0-4]|(1)[0-9])[0-9]))"
+        r"))\])"
+    ),
+    "hostname": r"[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?(\.[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?)*",
+    "ipv4": (
+        r"((([0-9])|(([1-9])[0-9]|(25[0-5]|(2[0-4]|(1)[0-9])[0-9])))\.){3}(([0-9])|(([1-9])[0-9]|(25[0-5]|(2[0"
+        r"-4]|(1)[0-9])[0-9])))"
+    ),
+    "ipv6": (
+        r"(?:(?:(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}))|(?:::(?:[0-9a-fA-F]{1,4}:){0,5}(?:[0-9a-fA-F]{1,4}:"
+        r"[0-9a-fA-F]{1,4}))|(?:(?:[0-9a-fA-F]{1,4})?::(?:[0-9a-fA-F]{1,4}:){0,4}(?:[0-9a-fA-F]{1,4}:[0-9a-fA-"
+        r"F]{1,4}))|(?:((?:[0-9a-fA-F]{1,4}:){0,1}[0-9a-fA-F]{1,4})?::(?:[0-9a-fA-F]{1,4}:){0,3}(?:[0-9a-fA-F]"
+        r"{1,4}:[0-9a-fA-F]{1,4}))|(?:((?:[0-9a-fA-F]{1,4}:){0,2}[0-9a-fA-F]{1,4})?::(?:[0-9a-fA-F]{1,4}:){0,2"
+        r"}(?:[0-9a-fA-F]{1,4}:[0-9a-fA-F]{1,4}))|(?:((?:[0-9a-fA-F]{1,4}:){0,3}[0-9a-fA-F]{1,4})?::[0-9a-fA-F"
+        r"]{1,4}:(?:[0-9a-fA-F]{1,4}:[0-9a-fA-F]{1,4}))|(?:((?:[0-9a-fA-F]{1,4}:){0,4}[0-9a-fA-F]{1,4})?::(?:["
+        r"0-9a-fA-F]{1,4}:[0-9a-fA-F]{1,4}))|(?:((?:[0-9a-fA-F]{1,4}:){0,5}[0-9a-fA-F]{1,4})?::(?:[0-9a-fA-F]{"
+        r"1,4}))|(?:((?:[0-9a-fA-F]{1,4}:){0,6}[0-9a-fA-F]{1,4})?::)"
+    ),
+    "uuid": (
+        r"(?:[0-9a-fA-F]{8})-(?:[0-9a-fA-F]{4})-(?:[0-9a-fA-F]{4})-(?:[0-9a-fA-F]{2})(?:[0-9a-fA-F]{2})-(?:[0-"
+        r"9a-fA-F]{12})"
+    ),
+    "uri": (
+        r"(?:[a-zA-Z][a-zA-Z0-9+\-.]*):(?://(?:(?:(?:[a-zA-Z0-9\-._~!$&'()*+,;=:]|%[0-9a-fA-F]{2})*)@)?(?:\[(?"
+        r":(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}|(?:[0-9a-fA-F]{1,4}:){1,7}:|(?:[0-9a-fA-F]{1,4}:){1,6}:[0-"
+        r"9a-fA-F]{1,4}|(?:[0-9a-fA-F]{1,4}:){1,5}(?::[0-9a-fA-F]{1,4}){1,2}|(?:[0-9a-fA-F]{1,4}:){1,4}(?::[0-"
+        r"9a-fA-F]{1,4}){1,3}|(?:[0-9a-fA-F]{1,4}:){1,3}(?::[0-9a-fA-F]{1,4}){1,4}|(?:[0-9a-fA-F]{1,4}:){1,2}("
+        r"?::[0-9a-fA-F]{1,4}){1,5}|[0-9a-fA-F]{1,4}:(?::[0-9a-fA-F]{1,4}){1,6}|:(?::[0-9a-fA-F]{1,4}){1,7}|::"
+        r"|v[0-9a-fA-F]+\.[a-zA-Z0-9\-._~!$&'()*+,;=:]+)\]|(?:(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.)"
+        r"{3}(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])|(?:[a-zA-Z0-9\-._~!$&'()*+,;=]|%[0-9a-fA-F]{2})*)(?"
+        r"::(?:[0-9]*))?(?:(?:/(?:[a-zA-Z0-9\-._~!$&'()*+,;=:@]|%[0-9a-fA-F]{2})*)*)|(?:/(?:(?:[a-zA-Z0-9\-._~"
+        r"!$&'()*+,;=:@]|%[0-9a-fA-F]{2})+(?:/(?:[a-zA-Z0-9\-._~!$&'()*+,;=:@]|%[0-9a-fA-F]{2})*)*)?)|(?:(?:[a"
+        r"-zA-Z0-9\-._~!$&'()*+,;=:@]|%[0-9a-fA-F]{2})+(?:/(?:[a-zA-Z0-9\-._~!$&'()*+,;=:@]|%[0-9a-fA-F]{2})*)"
+        r"*)|(?:))(?:\?(?:(?:[a-zA-Z0-9\-._~!$&'()*+,;=:@/?]|%[0-9a-fA-F]{2})*))?(?:\#(?:(?:[a-zA-Z0-9\-._~!$&"
+        r"'()*+,;=:@/?]|%[0-9a-fA-F]{2})*))?"
+    ),
+}  # fmt: skip

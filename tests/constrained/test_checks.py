@@ -92,3 +92,32 @@ def test_the_guide_cuts_a_draft_before_the_first_refused_candidate(engine, tok):
     assert guide.allowed_prefix(one, two) == 1  # after "1": "2" yes, "a" no
     assert guide.allowed_prefix(one, enc.encode("23x", add_special_tokens=False).ids) == 3
     assert guide.forced(one, 4) == ()  # digits are free: nothing forced
+
+
+def test_only_formats_llguidance_has_no_regex_for_are_left_out():
+    """``plain_formats``: a ``format`` llguidance has no regex for goes, its own stay; a property named ``format`` or
+    ``enum``, and values (``const``, ``enum``, ``default``) holding a key ``format``, are not touched."""
+    from kakeya.core.constraints import plain_formats
+
+    value = {"format": "pdf"}
+    schema = {
+        "type": "object",
+        "properties": {
+            "format": {"type": "string", "format": "password"},
+            "enum": {"type": "string", "format": "uuid", "enum": [value]},
+            "kind": {"const": value, "default": value},
+            "many": {"type": "array", "items": {"anyOf": [{"format": "binary"}, {"format": "date"}]}},
+        },
+        "$defs": {"P": {"format": "path", "type": "string"}},
+    }
+    assert plain_formats(schema) == {
+        "type": "object",
+        "properties": {
+            "format": {"type": "string"},
+            "enum": {"type": "string", "format": "uuid", "enum": [value]},
+            "kind": {"const": value, "default": value},
+            "many": {"type": "array", "items": {"anyOf": [{}, {"format": "date"}]}},
+        },
+        "$defs": {"P": {"type": "string"}},
+    }
+    Constraint("json_schema", schema).grammar()  # compiles

@@ -18,7 +18,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 
-from kakeya.core.constraints import JSON_OPTIONS
+from kakeya.core.constraints import JSON_OPTIONS, plain_formats
 from kakeya.core.request import AUTO, NONE, REQUIRED, Chat, InvalidRequest, Tool
 from kakeya.orchestrator.tools import keywords
 from kakeya.orchestrator.tools.calls import CALL_END, CALL_START, MARKERS, NAME, QUOTE, RESULT_START
@@ -362,7 +362,7 @@ def tool_call_grammar(
     for text, name in rules.terminals.items():  # a constrained string's text (and its closing mark, as STR_END)
         lines += [f"{name}: {text}", f"{name}_END: ({text}) /{re.escape(QUOTE)}/"]
     if answer is not None:  # written as every JSON answer is (``core/constraints.py``), unless the schema says
-        lines.append(f"answer: %json {json.dumps({'x-guidance': JSON_OPTIONS} | dict(answer))}")
+        lines.append(f"answer: %json {json.dumps({'x-guidance': JSON_OPTIONS} | plain_formats(dict(answer)))}")
     elif tool_choice == AUTO and not terms[CALL_START].startswith("<["):
         lines.append(f"TEXT: {_FREE} & ~/{_FREE[1:-1]}{re.escape(CALL_START)}{_FREE[1:-1]}/")
         lines.append(f"LEAD: TEXT {terms[CALL_START]}")
