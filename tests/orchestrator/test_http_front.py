@@ -636,3 +636,37 @@ def test_the_bearer_scheme_matches_in_any_case(front):
             return (("authorization", f"bearer {TOKEN}"),)
 
     assert authorized(Context(), TOKEN)
+
+
+UNIQUE = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+
+
+@pytest.mark.xfail(strict=True, reason="param is the top parameter and code null where OpenAI names the field")
+@pytest.mark.parametrize(
+    "extra, param, code",
+    [
+        ({"max_tokens": -1}, "max_tokens", "invalid_value"),
+        ({"n": 2}, "n", "invalid_value"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": UNIQUE}}},
+         "response_format.json_schema.schema", "invalid_value"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": {}, "strict": 1}}},
+         "response_format.json_schema.strict", "invalid_value"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": UNIQUE}}], "tool_choice": "required"},
+         "tools[0].function.parameters", "invalid_function_parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "invalid_value"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages[0].content", "invalid_value"),
+    ],
+)  # fmt: skip
+def test_the_sdk_reads_the_field_and_a_code_from_a_400(front, extra, param, code):
+    """What the ``openai`` SDK raises (``BadRequestError``: ``.param``, ``.code``, ``.type``) names the field as
+    OpenAI names one -- inside a list too (``tools[0].function.parameters``, ``messages[0].content``), not only the
+    top parameter -- with OpenAI's code (``invalid_function_parameters`` for a tool's schema, else ``invalid_value``)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{front[1]}/v1", api_key=TOKEN, max_retries=0)
+    body = {"model": "tiny", "messages": BASE[CHAT]["messages"], "max_tokens": 2} | extra
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**body)
+    assert (err.value.param, err.value.code, err.value.type) == (param, code, "invalid_request_error"), err.value
+    assert f"{param}: " in err.value.message, err.value  # the message leads with the same field
