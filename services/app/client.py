@@ -64,13 +64,13 @@ def add_tool_options(p) -> None:
 
 def set_tools(messages, args) -> None:
     """``--tools`` and ``--tool-choice`` into ``messages`` (a ``ChatMessages``); ValueError naming the flag."""
-    from kakeya.orchestrator.fronts.http_params import ToolError, tools
+    from kakeya.orchestrator.fronts.http_params import Refused, tools
 
     if args.tools is not None:
         try:
             declared = tools(json.loads(options.text_or_file(args.tools)))
-        except (ValueError, RecursionError) as exc:  # ToolError is a ValueError, as is bad JSON
-            why = str(exc) if isinstance(exc, ToolError) else f"not JSON ({exc})"
+        except (ValueError, RecursionError) as exc:  # Refused is a ValueError, as is bad JSON
+            why = str(exc) if isinstance(exc, Refused) else f"not JSON ({exc})"
             raise ValueError(f"--tools: {why}") from None
         for t in declared:
             schema = json.dumps(dict(t.parameters)) if t.parameters is not None else ""

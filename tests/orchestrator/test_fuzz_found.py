@@ -54,7 +54,7 @@ def test_a_schema_the_call_grammar_cannot_hold_names_the_tools_parameters_on_eac
         "function": {"type": "function", "function": {"name": "f"}},
     }
     status, answer = _http(real, {"tools": [weather, tool], "tool_choice": http_choice[choice]})
-    assert status == 400 and answer["error"]["param"] == "tools", answer
+    assert status == 400 and answer["error"]["param"] == "tools[1].function.parameters", answer
     assert answer["error"]["message"].startswith(f"tools[1].function.parameters: {at}"), answer
     req = _request(tools=(weather, tool), max_tokens=2, **{
         "required": {"mode": pb.TOOL_CHOICE_MODE_REQUIRED}, "function": {"function": "f"},
@@ -70,7 +70,7 @@ def test_a_calls_arguments_holding_an_escaped_lone_surrogate_are_refused_naming_
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}
     messages = USER + [{"role": "assistant", "content": None, "tool_calls": [call]}]
     status, answer = _http(real, {"messages": messages})
-    assert status == 400 and answer["error"]["param"] == "messages", answer
+    assert status == 400 and answer["error"]["param"] == "messages[1].tool_calls[0].function.arguments", answer
     assert answer["error"]["message"].startswith("messages[1].tool_calls[0].function.arguments: "), answer
     assert "lone surrogate" in answer["error"]["message"]
     req = _request(tools=(), max_tokens=2)

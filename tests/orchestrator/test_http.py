@@ -185,12 +185,12 @@ def test_models_health_and_auth(front):
         ("/v1/completions", b'{"prompt": [1, 99999999]}', 400, "prompt"),
         ("/v1/completions", b'{"prompt": "x", "stop": [1]}', 400, "stop"),
         ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
-        ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "messages"),
+        ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "messages[0]"),
         (
             "/v1/chat/completions",
             b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
             400,
-            "messages",
+            "messages[0].content",
         ),
     ],
 )
@@ -315,7 +315,7 @@ def test_a_tool_message_answering_no_earlier_call_is_refused_by_name_on_both_fro
         ([asked[0], {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, asked[1]], 1),
     ]:
         status, answer = _post(base, "/v1/chat/completions", json.dumps(body | {"messages": messages}).encode())
-        assert status == 400 and answer["error"]["param"] == "messages", answer
+        assert status == 400 and answer["error"]["param"] == f"messages[{index}].tool_call_id", answer
         assert answer["error"]["message"].startswith(f"messages[{index}].tool_call_id: 'call_"), answer
         req = _greedy()
         for m in messages:

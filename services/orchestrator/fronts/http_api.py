@@ -44,11 +44,18 @@ GRPC_CODES = {s: c.name for c, s in reversed(STATUS.items())} | {408: "DEADLINE_
 
 
 class ApiError(Exception):
-    """An answer in OpenAI's error shape: ``status``, then ``{"error": {message, type, param, code}}``."""
+    """An answer in OpenAI's error shape: ``status``, then ``{"error": {message, type, param, code}}``. ``param`` is the
+    field the message leads with where it lies inside the parameter given, as OpenAI names one (``messages[0].content``,
+    ``tools[0].function.parameters``); a 400 naming a field has OpenAI's code for it, which the ``openai`` SDK reads."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         message = bounded(message)  # whatever it quotes, an answer's error stays small
         super().__init__(message)
+        field = re.match(r"[A-Za-z_][\w.\[\]]*(?=: )", message)
+        if param and field and re.match(re.escape(param) + r"($|[.\[])", field.group()):
+            param = field.group()
+        if status == 400 and param and not code:
+            code = "invalid_function_parameters" if ".function.parameters" in param else "invalid_value"
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
@@ -58,8 +65,7 @@ class ApiError(Exception):
     @classmethod
     def invalid(cls, exc: InvalidRequest, names: dict[str, str]) -> ApiError:
         """The engine's refusal of a value, named as this request sent it."""
-        param = public_field(exc.field, names)
-        return cls(400, exc.public(names), param.split(".")[0].split("[")[0] or None, "invalid_request")
+        return cls(400, exc.public(names), public_field(exc.field, names) or None)
 
     @classmethod
     def of(cls, exc: RequestError) -> ApiError:
@@ -74,8 +80,8 @@ class ApiError(Exception):
 
 
 def bad(path: str, message: str) -> ApiError:
-    """A 400 about a parameter or a field inside one (``response_format.json_schema.schema``): ``param`` the top."""
-    return ApiError(400, f"{path}: {message}", path.split(".")[0])
+    """A 400 about a parameter or a field inside one (``response_format.json_schema.schema``), named as ``param``."""
+    return ApiError(400, f"{path}: {message}", path)
 
 
 @dataclass(frozen=True)
@@ -258,11 +264,11 @@ def chat_request(body: dict, served: str) -> tuple[Request, Reply, dict[str, str
         choice = http_params.tool_choice(body.get("tool_choice"), tools)
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise bad("messages", f"messages[{i}] must be an object with a role")
+                raise bad(f"messages[{i}]", "must be an object with a role")
             # an assistant's turn that calls tools may have no content (OpenAI sends null)
             empty = m.get("content") is None and (m.get("tool_calls") or m["role"] == "tool")
             turns.append(http_params.message(m, i, "" if empty else _content(m.get("content"), i)))
-    except http_params.ToolError as exc:
+    except http_params.Refused as exc:
         raise ApiError(400, str(exc), exc.param) from None
     except InvalidRequest as exc:  # a tool_choice refused as every front refuses it (``tools/grammar.py``)
         raise ApiError.invalid(exc, names) from None
@@ -281,8 +287,8 @@ def _content(content, i: int) -> str:
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             return "".join(p["text"] for p in content)
-        raise bad("messages", f"messages[{i}].content: only text parts are supported")
-    raise bad("messages", f"messages[{i}].content must be a string or a list of text parts")
+        raise bad(f"messages[{i}].content", "only text parts are supported")
+    raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
 
 
 class Answer:

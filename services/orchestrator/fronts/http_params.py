@@ -118,7 +118,8 @@ ENDPOINTS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
 
 
 class Refused(ValueError):
-    """A parameter's value this server does not take: ``param`` names it (a 400 ``http_api`` makes)."""
+    """A parameter's value this server does not take, or a field's inside one: ``param`` names it (a 400 ``http_api``
+    makes; ``tools[0].function.strict``)."""
 
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
@@ -225,7 +226,7 @@ def _structured(value, bad) -> tuple[str, Constraint] | None:
     unknown = sorted(k for k in value if k not in STRUCTURED and k != "json_object")
     if unknown:
         why = "is not supported: json, regex, choice, grammar or json_object"
-        raise bad(f"structured_outputs.{quote(unknown[0])}", why)
+        raise bad("structured_outputs", f"{quote(unknown[0])} {why}")
     sent = [k for k, v in value.items() if v is not None and v is not False]
     if len(sent) != 1:
         why = f"must hold exactly one of json, regex, choice, grammar, json_object (got {len(sent)})"
@@ -287,37 +288,29 @@ def completion_logprobs(logprobs: Sequence[TokenLogprobs], token: Token, offset:
     return out
 
 
-class ToolError(ValueError):
-    """A bad tool parameter: ``param`` is the request parameter to name in the 400."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
 def tools(value) -> tuple[Tool, ...]:
     """``tools``: OpenAI function tools, each ``{"type": "function", "function": {name, description, parameters}}``."""
     if value is None:
         return ()
     if not isinstance(value, list):
-        raise ToolError("tools", "tools: must be a list of function tools")
+        raise Refused("tools", "must be a list of function tools")
     out: list[Tool] = []
     for i, t in enumerate(value):
         where = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-            raise ToolError("tools", f'{where}: must be {{"type": "function", "function": {{...}}}}')
+            raise Refused(where, 'must be {"type": "function", "function": {...}}')
         f = t["function"]
         description = f.get("description", "")
         if not isinstance(description, str | None):
-            raise ToolError("tools", f"{where}.function.description: must be a string")
+            raise Refused(f"{where}.function.description", "must be a string")
         strict = f.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise ToolError("tools", f"{where}.function.strict: must be true or false")
+            raise Refused(f"{where}.function.strict", "must be true or false")
         out.append(Tool(f.get("name"), description or "", f.get("parameters"), bool(strict)))
     try:  # the name and the parameters, as every front checks them
         check_tools(out)
     except ToolProblem as exc:
-        raise ToolError("tools", f"tools[{exc.index}].function.{exc.part}: {exc.reason}") from None
+        raise Refused(f"tools[{exc.index}].function.{exc.part}", exc.reason) from None
     return tuple(out)
 
 
@@ -327,8 +320,8 @@ def tool_choice(value, declared: tuple[Tool, ...]) -> str:
         f = value.get("function")
         name = f.get("name") if value.get("type") == "function" and isinstance(f, dict) else None
         if not isinstance(name, str):
-            raise ToolError("tool_choice", 'tool_choice: must be "none", "auto", "required" or '
-                            '{"type": "function", "function": {"name": ...}}')  # fmt: skip
+            why = 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+            raise Refused("tool_choice", why)
         return choose(name, declared, named=True)
     return choose(value, declared)
 
@@ -339,21 +332,20 @@ def calls(value, i: int) -> tuple[ToolCall, ...]:
         return ()
     where = f"messages[{i}].tool_calls"
     if not isinstance(value, list):
-        raise ToolError("messages", f"{where}: must be a list of calls")
+        raise Refused(where, "must be a list of calls")
     out = []
     for j, c in enumerate(value):
         f = c.get("function") if isinstance(c, dict) else None
         if not isinstance(f, dict) or c.get("type", "function") != "function" or not isinstance(c.get("id"), str):
-            raise ToolError("messages", f'{where}[{j}]: must be {{"id", "type": "function", "function": {{...}}}}')
+            raise Refused(f"{where}[{j}]", 'must be {"id", "type": "function", "function": {...}}')
         if not isinstance(f.get("name"), str) or not NAME.fullmatch(f["name"]):
-            raise ToolError("messages", f"{where}[{j}].function.name: must be 1-64 letters, digits, '_', '.' or '-'")
+            raise Refused(f"{where}[{j}].function.name", "must be 1-64 letters, digits, '_', '.' or '-'")
         try:
             args = load_json(f.get("arguments")) if isinstance(f.get("arguments"), str) else None
         except ValueError as exc:
-            why = f"{where}[{j}].function.arguments: must be a JSON object's text: {exc}"
-            raise ToolError("messages", why) from None
+            raise Refused(f"{where}[{j}].function.arguments", f"must be a JSON object's text: {exc}") from None
         if not isinstance(args, dict):
-            raise ToolError("messages", f"{where}[{j}].function.arguments: must be a JSON object's text")
+            raise Refused(f"{where}[{j}].function.arguments", "must be a JSON object's text")
         out.append(ToolCall(c["id"], f["name"], f["arguments"]))
     return tuple(out)
 
@@ -363,14 +355,13 @@ def message(m: dict, i: int, content: str) -> Message:
     role = m["role"]
     if role == "tool":
         if not isinstance(m.get("tool_call_id"), str):
-            why = f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers"
-            raise ToolError("messages", why)
+            raise Refused(f"messages[{i}].tool_call_id", "a tool message needs the id of the call it answers")
         name = m.get("name") or ""
         if not isinstance(name, str):
-            raise ToolError("messages", f"messages[{i}].name: must be a string")
+            raise Refused(f"messages[{i}].name", "must be a string")
         return Message(role, content, tool_call_id=m["tool_call_id"], name=name)
     if m.get("tool_calls") is not None and role != "assistant":
-        raise ToolError("messages", f"messages[{i}].tool_calls: only an assistant's message calls tools")
+        raise Refused(f"messages[{i}].tool_calls", "only an assistant's message calls tools")
     return Message(role, content, tool_calls=calls(m.get("tool_calls"), i))
 
 
