@@ -120,20 +120,16 @@ def _schema_grammar(spec) -> str:
         raise ConstraintError(_bounded(str(exc))) from None
 
 
-LITERALS = {"enum", "const", "default", "examples"}  # values, not schemas: kept as they are
-NAMED = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}  # name -> schema
-
-
 def plain_formats(node, names: bool = False):
-    """A JSON schema with every ``format`` llguidance has no regex for (:data:`FORMATS`) left out, so its string is any
-    string: JSON Schema makes ``format`` an annotation unless a validator asserts it, and pydantic writes ones for
-    everyday types (``SecretStr``: ``password``, ``bytes``: ``binary``, ``Path``: ``path``). ``names``: ``node`` maps
-    names to schemas (``properties``), where a key ``format`` or ``enum`` is a name."""
+    """A JSON schema without the ``format`` values llguidance has no regex for (:data:`FORMATS`): JSON Schema makes
+    ``format`` an annotation unless a validator asserts it, and pydantic writes ones for everyday types (``SecretStr``:
+    ``password``, ``bytes``: ``binary``, ``Path``: ``path``). ``names``: ``node`` maps names to schemas (``properties``)."""
     if isinstance(node, list):
         return [plain_formats(n) for n in node]
     if not isinstance(node, dict):
         return node
-    return {k: v if k in LITERALS and not names else plain_formats(v, k in NAMED and not names)
+    values, maps = {"enum", "const", "default", "examples"}, {"properties", "patternProperties", "$defs", "definitions"}
+    return {k: v if k in values and not names else plain_formats(v, k in maps and not names)
             for k, v in node.items() if names or k != "format" or not isinstance(v, str) or v in FORMATS}  # fmt: skip
 
 

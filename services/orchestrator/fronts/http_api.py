@@ -23,7 +23,6 @@ from kakeya.core.request import Chat, InvalidRequest, Request, SamplingParams, p
 from kakeya.orchestrator.fronts import http_params
 from kakeya.orchestrator.tools import calls as tool_calls
 from kakeya.orchestrator.tools import grammar as tool_choice
-from kakeya.orchestrator.tools.grammar import holds_calls
 from kakeya.runtime.lifecycle import RequestError, bounded, quote
 
 STATUS = {
@@ -31,10 +30,9 @@ STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }  # fmt: skip
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
-               413: "invalid_request_error",
-               429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}  # fmt: skip
+# a status's error type; another 4xx is an invalid_request_error, another 5xx a server_error
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
+               503: "service_unavailable_error", 504: "timeout_error"}  # fmt: skip
 # The public gRPC names a backend's refusal may carry (``service.public_status``) -> the OpenAI parameter.
 PARAMS = [("prompt.tokenized.ids", "prompt"), ("prompt.text", "prompt"), ("prompt.messages", "messages"),
           ("sampling_params.", ""), ("cache_policy", "cache_policy")]  # fmt: skip
@@ -44,22 +42,18 @@ GRPC_CODES = {s: c.name for c, s in reversed(STATUS.items())} | {408: "DEADLINE_
 
 
 class ApiError(Exception):
-    """An answer in OpenAI's error shape: ``status``, then ``{"error": {message, type, param, code}}``. ``param`` is the
-    field the message leads with where it lies inside the parameter given, as OpenAI names one (``messages[0].content``,
-    ``tools[0].function.parameters``); a 400 naming a field has OpenAI's code for it, which the ``openai`` SDK reads."""
+    """An answer in OpenAI's error shape: ``status``, then ``{"error": {message, type, param, code}}``: ``param`` the field
+    as OpenAI names one, in a list too (``messages[0].content``), a 400's ``code`` OpenAI's for it (the SDK reads both)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         message = bounded(message)  # whatever it quotes, an answer's error stays small
         super().__init__(message)
-        field = re.match(r"[A-Za-z_][\w.\[\]]*(?=: )", message)
-        if param and field and re.match(re.escape(param) + r"($|[.\[])", field.group()):
-            param = field.group()
         if status == 400 and param and not code:
             code = "invalid_function_parameters" if ".function.parameters" in param else "invalid_value"
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        kind = ERROR_TYPES.get(self.status, "server_error")
+        kind = ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     @classmethod
@@ -73,8 +67,8 @@ class ApiError(Exception):
         message = exc.message
         for field, param in PARAMS:
             message = message.replace(field, param)
-        m = re.match(r"([a-z_]+)[ .:\[]", message)
-        kind = getattr(http_params.PARAMS.get(m.group(1) if m else ""), "kind", None)
+        m = re.match(r"(([a-z_]+)[\w.\[\]]*)[ :]", message)  # the field it leads with, and its parameter
+        kind = getattr(http_params.PARAMS.get(m.group(2) if m else ""), "kind", None)
         param = m.group(1) if kind == http_params.HONOURED else None
         return cls(STATUS.get(exc.code, 500), message, param, exc.code.name.lower())
 
@@ -275,7 +269,7 @@ def chat_request(body: dict, served: str) -> tuple[Request, Reply, dict[str, str
     _flag(body, "parallel_tool_calls")  # true or false; unset: true
     parallel = body.get("parallel_tool_calls") is not False
     prompt = Chat(tuple(turns), _flag(body, "continue_final_message"), tools, choice, parallel)
-    held = holds_calls(tools, choice, prompt.parallel_tool_calls)
+    held = tool_choice.holds_calls(tools, choice, prompt.parallel_tool_calls)
     call = replace(call, tools=tool_choice.reads_calls(prompt), held_calls=held)
     return Request(prompt, **fields), call, names
 
