@@ -121,9 +121,8 @@ def _schema_grammar(spec) -> str:
 
 
 def plain_formats(node, names: bool = False):
-    """A JSON schema without the ``format`` values llguidance has no regex for (:data:`FORMATS`): JSON Schema makes
-    ``format`` an annotation unless a validator asserts it, and pydantic writes ones for everyday types (``SecretStr``:
-    ``password``, ``bytes``: ``binary``, ``Path``: ``path``). ``names``: ``node`` maps names to schemas (``properties``)."""
+    """A JSON schema without the ``format`` values llguidance has no regex for (:data:`FORMATS`), annotations then
+    (``docs/structured.md``). ``names``: ``node`` maps names to schemas (``properties``), its keys no keywords."""
     if isinstance(node, list):
         return [plain_formats(n) for n in node]
     if not isinstance(node, dict):
@@ -227,7 +226,7 @@ def _check(grammar: str, tok: llguidance.LLTokenizer) -> None:
 class Grammar:
     """One generation's grammar state over the tokens committed so far (an llguidance matcher).
 
-    :meth:`masks` gives, for a block ``[last, c1 .. c_{L-1}]``, the tokens allowed after the committed prefix and after
+    :meth:`bitmask` gives, for a block ``[last, c1 .. c_{L-1}]``, the tokens allowed after the committed prefix and after
     each run of candidates, leaving the state as it was; :meth:`advance` consumes what a block committed. Once the
     grammar is finished only the EOS ids are allowed."""
 
@@ -243,10 +242,6 @@ class Grammar:
         # there (ConstraintError, the request's) stay off the model thread; used by the first bitmask.
         self._first: np.ndarray | None = np.full(self.words, -1, np.int32)
         self._fill(self._first)
-
-    def masks(self, candidates: Sequence[int]) -> np.ndarray:
-        """:meth:`bitmask` as bools [len(candidates) + 1, vocab] (a row's allowed tokens, to read)."""
-        return unpack(self.bitmask(candidates), self.vocab)
 
     def bitmask(self, candidates: Sequence[int]) -> np.ndarray:
         """Allowed tokens, llguidance's packed rows [len(candidates) + 1, ceil(vocab / 32)] (int32, token t at

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kakeya.core.constraints import Constraint, ConstraintError, Grammar, tokenizer
+from kakeya.core.constraints import Constraint, ConstraintError, Grammar, tokenizer, unpack
 from kakeya.core.request import InvalidRequest, Request
 
 
@@ -48,25 +48,30 @@ def tok(engine):
     return tokenizer(engine.codec.tokenizer_json, info.vocab_size, info.eos_token_ids[:1])
 
 
+def _masks(g: Grammar, candidates) -> np.ndarray:
+    """``g``'s allowed tokens after the committed prefix and each run of ``candidates``, as bools to read."""
+    return unpack(g.bitmask(candidates), g.vocab)
+
+
 def test_masks_follow_the_candidates_and_leave_the_state_as_it_was(engine, tok):
     g = Grammar(Constraint("choice", ["yes", "no"]).grammar(), tok)
     yes = engine.codec.tokenizer.encode("yes", add_special_tokens=False).ids
-    before = g.masks([])
-    rows = g.masks(yes)
+    before = _masks(g, [])
+    rows = _masks(g, yes)
     assert rows.shape == (len(yes) + 1, engine.verifier.info.vocab_size)
-    assert (g.masks([]) == before).all()  # the candidates were rolled back
+    assert (_masks(g, []) == before).all()  # the candidates were rolled back
     assert all(rows[i, t] for i, t in enumerate(yes))  # each candidate allowed where it stands
     eos = engine.verifier.info.eos_token_ids[0]
     assert rows[-1].sum() == 1 and rows[-1, eos]  # after "yes" only EOS
     assert not before[0, eos]  # nothing finished yet: no EOS
     g.advance(yes)
-    assert g.finished and g.masks([])[0].nonzero()[0].tolist() == [eos]
+    assert g.finished and _masks(g, [])[0].nonzero()[0].tolist() == [eos]
 
 
 def test_a_refused_candidate_leaves_later_rows_open(engine, tok):
     g = Grammar(Constraint("regex", "[0-9]+").grammar(), tok)
     letter = engine.codec.tokenizer.encode("x", add_special_tokens=False).ids[0]
-    rows = g.masks([letter, letter])
+    rows = _masks(g, [letter, letter])
     assert not rows[0, letter] and rows[1:].all()  # never reached by the acceptance rule
 
 
@@ -75,7 +80,7 @@ def test_forced_tokens_are_the_grammars_fixed_text(engine, tok):
     g = Grammar(Constraint("json_schema", schema).grammar(), tok)
     assert engine.codec.decode(g.forced()).startswith('{"name":')  # the fixed text up to where a token may merge
     with pytest.raises(RuntimeError):
-        g.advance([int(np.argmin(g.masks([])[0]))])  # a token the grammar refuses is never committed silently
+        g.advance([int(np.argmin(_masks(g, [])[0]))])  # a token the grammar refuses is never committed silently
 
 
 def test_a_grammar_that_fails_to_compile_raises(tok):

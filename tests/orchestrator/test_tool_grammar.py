@@ -159,11 +159,11 @@ def test_auto_masks_after_rolled_back_candidates_are_those_of_a_fresh_matcher(de
     ids = _ids(codec, "#\n#\n Sure <b> here it is: " + _written(codec, "get_weather", VALID[3]))
     rolled = Grammar(grammar, tok)
     for k in range(0, len(ids) - 4, 3):
-        rolled.masks(ids[k : k + 5])  # five candidates taken and rolled back, three of them then committed
+        rolled.bitmask(ids[k : k + 5])  # five candidates taken and rolled back, three of them then committed
         rolled.advance(ids[k : k + 3])
         fresh = Grammar(grammar, tok)
         fresh.advance(ids[: k + 3])
-        assert (rolled.masks([]) == fresh.masks([])).all(), k
+        assert (rolled.bitmask([]) == fresh.bitmask([])).all(), k
 
 
 def test_special_token_markers_match_by_id_not_by_text(demo_pair, tmp_path):

@@ -30,7 +30,6 @@ STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }  # fmt: skip
-# a status's error type; another 4xx is an invalid_request_error, another 5xx a server_error
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
                503: "service_unavailable_error", 504: "timeout_error"}  # fmt: skip
 # The public gRPC names a backend's refusal may carry (``service.public_status``) -> the OpenAI parameter.
