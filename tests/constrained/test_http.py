@@ -179,3 +179,31 @@ def test_pydantic_formats_are_held_or_plain_strings_through_the_clients(front): 
     assert answer["raw"].response_metadata["finish_reason"] == "length" and answer["parsed"] is None, answer
     [call] = answer["raw"].invalid_tool_calls  # the named function's call, cut
     assert call["name"] == "SignUp" and call["args"].startswith('{"'), call
+
+
+@pytest.mark.xfail(strict=True, reason="llguidance's refusal names the keyword, not where it is")
+def test_a_keyword_response_format_refuses_is_named_by_its_place_as_a_tools_is(front):  # noqa: F811 - the fixture
+    """pydantic writes ``uniqueItems: true`` for a ``set[str]``, which no grammar holds: ``parse(response_format=M)``
+    is refused naming where it is in the schema (``$defs.Inner.properties.tags.uniqueItems``), as the same model as a
+    tool is, not only the keyword (llguidance's ``Unimplemented keys: ["uniqueItems"]``)."""
+    import openai
+    from pydantic import BaseModel
+
+    from ..orchestrator.test_http_front import TOKEN
+
+    class Inner(BaseModel):
+        tags: set[str]
+
+    class Outer(BaseModel):
+        name: str
+        inner: list[Inner]
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{front[1]}/v1", api_key=TOKEN, max_retries=0)
+    messages = [{"role": "user", "content": "x"}]
+    for kw, param in [({"response_format": Outer}, "response_format.json_schema.schema"),
+                      ({"tools": [openai.pydantic_function_tool(Outer)], "tool_choice": "required"},
+                       "tools[0].function.parameters")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.parse(model="tiny", messages=messages, max_tokens=2, **kw)
+        assert err.value.param == param, err.value
+        assert f"{param}: $defs.Inner.properties.tags.uniqueItems: " in err.value.message, err.value
