@@ -105,3 +105,23 @@ def test_a_forced_call_decodes_to_the_drafterless_tokens(tiny_engines, model):
         reference = ar.generate(check_request(req, ar))
         assert out.token_ids == reference.token_ids, (source, out.token_ids, reference.token_ids)
         assert spec.codec.decode(out.token_ids).startswith(f"<|tool_call>call:{model.__name__}{{")
+
+
+@pytest.mark.xfail(strict=True, reason="contentMediaType / contentSchema and x- extensions are refused in a tool call")
+def test_annotations_pydantic_writes_beyond_the_core_ones_are_skipped_in_a_tool_call(demo):
+    """pydantic's ``Json[dict[str, int]]`` writes JSON Schema's content vocabulary (``contentMediaType``,
+    ``contentSchema``: annotations, a string that holds JSON) and ``json_schema_extra`` vendor keys (``x-order``),
+    which ``response_format`` takes: a tool's parameters with them are held too, the keys skipped as annotations."""
+    from pydantic import BaseModel, Field, Json
+
+    class Upload(BaseModel):
+        name: str = Field(json_schema_extra={"x-order": 1})
+        payload: Json[dict[str, int]]
+
+    codec, tokenizer = demo
+    args = {"name": "a", "payload": '{"n": 1}'}
+    for source, schema in schemas(Upload).items():
+        assert "contentMediaType" in schema["properties"]["payload"] and "x-order" in schema["properties"]["name"]
+        grammar = tool_call_grammar([Tool("Upload", "", schema)], "Upload")
+        assert _valid(Upload, schema, args), source
+        assert _accepts(tokenizer, grammar, codec, _written(codec, "Upload", args)), source
