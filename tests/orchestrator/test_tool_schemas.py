@@ -107,7 +107,6 @@ def test_a_forced_call_decodes_to_the_drafterless_tokens(tiny_engines, model):
         assert spec.codec.decode(out.token_ids).startswith(f"<|tool_call>call:{model.__name__}{{")
 
 
-@pytest.mark.xfail(strict=True, reason="contentMediaType / contentSchema and x- extensions are refused in a tool call")
 def test_annotations_pydantic_writes_beyond_the_core_ones_are_skipped_in_a_tool_call(demo):
     """pydantic's ``Json[dict[str, int]]`` writes JSON Schema's content vocabulary (``contentMediaType``,
     ``contentSchema``: annotations, a string that holds JSON) and ``json_schema_extra`` vendor keys (``x-order``),

@@ -179,7 +179,7 @@ class _Rules:
             return self.any()
         if not isinstance(schema, Mapping):
             raise GrammarError(where, "a schema must be an object")
-        unknown = sorted(set(schema) - KNOWN - ANNOTATIONS)
+        unknown = sorted(k for k in set(schema) - KNOWN - ANNOTATIONS if not str(k).startswith("x-"))
         if unknown:
             raise GrammarError(at(where, unknown[0]), "this schema keyword is not supported in a tool call's grammar")
         if "allOf" in schema or ("$ref" in schema and set(schema) - ANNOTATIONS - {"$ref"}):

@@ -17,13 +17,13 @@ import llguidance
 from kakeya.core.constraints import FORMATS
 
 ANNOTATIONS = {"description", "title", "default", "examples", "$schema", "$comment", "deprecated", "readOnly",
-               "writeOnly", "$id", "$defs", "definitions", "discriminator", "example"}  # fmt: skip
+               "writeOnly", "$id", "$defs", "definitions", "discriminator", "example", "contentMediaType",
+               "contentEncoding", "contentSchema"}  # and vendor keys, x-...  # fmt: skip
 NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-STRING = ("pattern", "minLength", "maxLength", "format")
-ARRAY = ("items", "prefixItems", "minItems", "maxItems", "uniqueItems")
 SHAPE = {"type", "properties", "required", "enum", "const", "anyOf", "oneOf", "allOf", "nullable", "$ref",
          "additionalProperties", "minProperties", "maxProperties"}  # fmt: skip
-KNOWN = SHAPE | set(NUMERIC) | set(STRING) | set(ARRAY)
+KNOWN = SHAPE | set(NUMERIC) | {"pattern", "minLength", "maxLength", "format", "items", "prefixItems", "minItems",
+                                 "maxItems", "uniqueItems"}  # a string's, an array's  # fmt: skip
 MAX_REF_DEPTH = 16  # $ref to $ref to ... inside an allOf, which is merged (not a rule) and so inlined
 MAX_ITEMS = 256  # the largest minItems / maxItems bound spelt out as repetitions
 
