@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -22,7 +23,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
-from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -47,8 +47,8 @@ _END = object()
 
 def served_model_name(target: str) -> str:
     """The ``model`` a checkpoint is served as by default: its directory's name (``target``'s parent's)."""
-    path = Path(target)
-    return path.parent.name if path.name == "target" and path.parent.name else path.name
+    parent, name = os.path.split(os.path.abspath(target))  # "." and "./" are the working directory, named
+    return os.path.basename(parent) if name == "target" and os.path.basename(parent) else name
 
 
 class HttpCall:
