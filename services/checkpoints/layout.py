@@ -54,7 +54,7 @@ def tensor_files(ckpt_dir: str | Path) -> dict[str, Path]:
     if index.is_file():
         shard_files(ckpt_dir)  # every listed shard exists
         return {name: ckpt_dir / f for name, f in _weight_map(index).items()}
-    return {name: f for f in shard_files(ckpt_dir) for name in safetensors_names(f)}
+    return {name: f for f in shard_files(ckpt_dir) for name in safetensors_header(f)}
 
 
 def safetensors_header(path: str | Path) -> dict:
@@ -73,11 +73,6 @@ def safetensors_header(path: str | Path) -> dict:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: not a readable safetensors file (header is not an object)")
     return {k: v for k, v in header.items() if k != "__metadata__"}
-
-
-def safetensors_names(path: str | Path) -> list[str]:
-    """The tensor names in one safetensors file, read from its header alone."""
-    return list(safetensors_header(path))
 
 
 def _weight_map(index: Path) -> dict[str, str]:

@@ -12,7 +12,7 @@ from kakeya.checkpoints.layout import (
     SAFETENSORS_INDEX,
     find_text_tensors,
     is_quantized,
-    safetensors_names,
+    safetensors_header,
     shard_files,
     tensor_files,
 )
@@ -29,7 +29,7 @@ def test_single_file_checkpoint_lists_its_tensors_from_the_header(tmp_path):
         "model.embed_tokens.weight": tmp_path / "model.safetensors",
         "model.norm.weight": tmp_path / "model.safetensors",
     }
-    assert sorted(safetensors_names(tmp_path / "model.safetensors")) == [
+    assert sorted(safetensors_header(tmp_path / "model.safetensors")) == [
         "model.embed_tokens.weight",
         "model.norm.weight",
     ]
@@ -100,4 +100,4 @@ def test_quantized_checkpoints_are_recognised():
 def test_not_a_safetensors_file(tmp_path):
     (tmp_path / "x.safetensors").write_bytes(b"\x04")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
-        safetensors_names(tmp_path / "x.safetensors")
+        safetensors_header(tmp_path / "x.safetensors")

@@ -15,7 +15,6 @@ import pytest
 from kakeya.app.main import main
 
 BACKENDS = ("torch", "mlx")
-MLX_UNCHECKED = pytest.mark.xfail(strict=True, reason="mlx-lm lists the missing parameters, not the shard")
 TRUNCATED = pytest.mark.xfail(strict=True, reason="a traceback from safetensors / MLX")
 
 
@@ -26,7 +25,7 @@ def generate(target, draft, backend: str, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("mlx", marks=MLX_UNCHECKED)])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_shard_the_index_names_but_the_directory_lacks_is_named(checkpoints, tmp_path, capsys, backend):
     """An interrupted download of a sharded target: the index names a shard that is not there."""
     target = shutil.copytree(checkpoints("float32", "e"), tmp_path / "target")

@@ -22,6 +22,7 @@ from mlx_lm.utils import load_model
 
 from kakeya.backends.mlx import sampling as sampling_mlx
 from kakeya.checkpoints.config import load_target_config, mlx_model_config
+from kakeya.checkpoints.layout import shard_files
 from kakeya.core.contract import FULL, SLIDING
 from kakeya.core.request import CachePolicy
 from kakeya.verifier.backend import Forward, Segment, SessionCaches
@@ -145,6 +146,7 @@ class TargetMLX:
         ``per_layer_config`` nor a multimodal ``text_config.vocab_size``, and default absent fields unlike
         transformers, which wrote them."""
         path = Path(path)
+        shard_files(path)  # each shard the index names is there (mlx-lm lists missing parameters, not files)
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
         model, _ = load_model(path, model_config=mlx_model_config(raw, load_target_config(path)))
         _float32_experts_on_a_cpu(model)
