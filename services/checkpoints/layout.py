@@ -33,7 +33,7 @@ NOT_TEXT = ("vision", "audio", "multi_modal", "per_layer")
 
 
 def shard_files(ckpt_dir: str | Path) -> list[Path]:
-    """The checkpoint's safetensors files (the index's shards when it has one), sorted."""
+    """The checkpoint's safetensors files (the index's shards when it has one), sorted, each checked whole."""
     ckpt_dir = Path(ckpt_dir)
     index = ckpt_dir / SAFETENSORS_INDEX
     if index.is_file():
@@ -44,17 +44,18 @@ def shard_files(ckpt_dir: str | Path) -> list[Path]:
         files = sorted(ckpt_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in checkpoint {ckpt_dir}")
+    for f in files:
+        safetensors_header(f)  # a download cut short is named here, not deep in a backend's loader
     return files
 
 
 def tensor_files(ckpt_dir: str | Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it (no tensor data is read)."""
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir, files = Path(ckpt_dir), shard_files(ckpt_dir)  # every shard there and whole
     index = ckpt_dir / SAFETENSORS_INDEX
     if index.is_file():
-        shard_files(ckpt_dir)  # every listed shard exists
         return {name: ckpt_dir / f for name, f in _weight_map(index).items()}
-    return {name: f for f in shard_files(ckpt_dir) for name in safetensors_header(f)}
+    return {name: f for f in files for name in safetensors_header(f)}
 
 
 def safetensors_header(path: str | Path) -> dict:
@@ -64,15 +65,17 @@ def safetensors_header(path: str | Path) -> dict:
             raw = fh.read(8)
             if len(raw) != 8:
                 raise ValueError("no header")
-            (n,) = struct.unpack("<Q", raw)
-            if n > Path(path).stat().st_size:
+            (n,), size = struct.unpack("<Q", raw), Path(path).stat().st_size
+            if n > size:
                 raise ValueError(f"header length {n} is past the end of the file")
             header = json.loads(fh.read(n))
-    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        end = 8 + n + max((meta["data_offsets"][1] for meta in tensors.values()), default=0)
+    except (ValueError, UnicodeDecodeError, OSError, AttributeError, LookupError, TypeError) as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: not a readable safetensors file (header is not an object)")
-    return {k: v for k, v in header.items() if k != "__metadata__"}
+    if end > size:
+        raise CheckpointError(f"{path}: truncated at {size} bytes, its tensors end at {end}: download it again")
+    return tensors
 
 
 def _weight_map(index: Path) -> dict[str, str]:

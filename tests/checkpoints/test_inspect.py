@@ -165,11 +165,13 @@ def test_missing_and_garbled_files_are_named(capsys, tiny_pair, tmp_path):
 
 
 def test_reads_headers_only(capsys, tiny_pair, tmp_path):
-    """Every tensor's data cut off (the header alone left): inspect says the same as on the whole file."""
+    """Every tensor's data overwritten (the header alone left as it was): inspect says the same as on the whole file.
+    (A file cut after its header is refused as truncated: test_a_truncated_safetensors_file_is_named.)"""
     cut = tmp_path / "cut"
     shutil.copytree(tiny_pair.target, cut)
     raw = (cut / "model.safetensors").read_bytes()
-    (cut / "model.safetensors").write_bytes(raw[: 8 + int.from_bytes(raw[:8], "little")])
+    header_end = 8 + int.from_bytes(raw[:8], "little")
+    (cut / "model.safetensors").write_bytes(raw[:header_end] + b"\xff" * (len(raw) - header_end))
     rc, whole, _ = _inspect(capsys, tiny_pair.target, "--draft", tiny_pair.draft, "--json")
     rc_cut, headers, _ = _inspect(capsys, cut, "--draft", tiny_pair.draft, "--json")
     assert rc == rc_cut == 0
