@@ -8,6 +8,7 @@ with an index, a bfloat16 target in one file), copied and then damaged as a down
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -68,3 +69,38 @@ def test_the_served_model_is_named_after_the_directory_however_it_is_spelled(tmp
     monkeypatch.chdir(tmp_path / ("gemma-4-E2B-it" if spelling.startswith(".") else ""))
     assert served_model_name(spelling) == "gemma-4-E2B-it"
     assert served_model_name(str(tmp_path / "gemma-4-E2B-it" / "target")) == "gemma-4-E2B-it"  # a make-tiny pair
+
+
+@pytest.mark.xfail(strict=True, reason="json's own message, no file named")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_malformed_index_is_named(checkpoints, tmp_path, capsys, backend):
+    target = shutil.copytree(checkpoints("float32", "e"), tmp_path / "target")
+    index = target / "model.safetensors.index.json"
+    index.write_text(index.read_text()[:40])  # cut short
+    code, err = generate(target, checkpoints("draft", "e"), backend, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert f"kakeya: error: {index}: unreadable" in err
+
+
+@pytest.mark.xfail(strict=True, reason="a KeyError traceback")
+def test_a_tensor_the_torch_target_lacks_is_named(checkpoints, tmp_path, capsys):
+    """The index (which the torch target reads tensors through) lists no down projection for one layer."""
+    target = shutil.copytree(checkpoints("float32", "e"), tmp_path / "target")
+    index = target / "model.safetensors.index.json"
+    listed = json.loads(index.read_text())
+    del listed["weight_map"]["model.layers.3.mlp.down_proj.weight"]
+    index.write_text(json.dumps(listed))
+    code, err = generate(target, checkpoints("draft", "e"), "torch", capsys)
+    assert code == 2 and "Traceback" not in err
+    assert f"target checkpoint {target}: no tensor 'model.layers.3.mlp.down_proj.weight'" in err
+
+
+@pytest.mark.parametrize("backend", ["mlx", pytest.param("torch", marks=pytest.mark.xfail(strict=True))])
+def test_an_untied_config_without_an_lm_head_is_refused_naming_both(checkpoints, tmp_path, capsys, backend):
+    """A tied checkpoint (no lm_head.weight) whose config.json was edited to say the head is untied."""
+    target = shutil.copytree(checkpoints("bfloat16", "e"), tmp_path / "target")
+    cfg = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(cfg | {"tie_word_embeddings": False}))
+    code, err = generate(target, checkpoints("draft", "e"), backend, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "lm_head.weight" in err and (backend == "mlx" or "tie_word_embeddings" in err)
