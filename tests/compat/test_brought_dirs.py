@@ -82,7 +82,6 @@ def test_a_malformed_index_is_named(checkpoints, tmp_path, capsys, backend):
     assert f"kakeya: error: {index}: unreadable" in err
 
 
-@pytest.mark.xfail(strict=True, reason="a KeyError traceback")
 def test_a_tensor_the_torch_target_lacks_is_named(checkpoints, tmp_path, capsys):
     """The index (which the torch target reads tensors through) lists no down projection for one layer."""
     target = shutil.copytree(checkpoints("float32", "e"), tmp_path / "target")
@@ -95,7 +94,7 @@ def test_a_tensor_the_torch_target_lacks_is_named(checkpoints, tmp_path, capsys)
     assert f"target checkpoint {target}: no tensor 'model.layers.3.mlp.down_proj.weight'" in err
 
 
-@pytest.mark.parametrize("backend", ["mlx", pytest.param("torch", marks=pytest.mark.xfail(strict=True))])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_an_untied_config_without_an_lm_head_is_refused_naming_both(checkpoints, tmp_path, capsys, backend):
     """A tied checkpoint (no lm_head.weight) whose config.json was edited to say the head is untied."""
     target = shutil.copytree(checkpoints("bfloat16", "e"), tmp_path / "target")

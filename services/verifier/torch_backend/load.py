@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kakeya.checkpoints.config import load_target_config
+from kakeya.checkpoints.config import CheckpointError, load_target_config
 from kakeya.checkpoints.layout import torch_text_tensors
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, Gemma4Text
 
@@ -18,10 +18,10 @@ from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, Gemma4Text
 class _Reader:
     """Reads single tensors from the checkpoint's safetensors files, cast and moved."""
 
-    def __init__(self, names: dict[str, Path], device: torch.device, dtype: torch.dtype):
+    def __init__(self, path: Path, names: dict[str, Path], device: torch.device, dtype: torch.dtype):
         from safetensors import safe_open
 
-        self.names, self.device, self.dtype = names, device, dtype
+        self.path, self.names, self.device, self.dtype = path, names, device, dtype
         self._open = {f: safe_open(str(f), framework="pt") for f in set(names.values())}
 
     def __contains__(self, name: str) -> bool:
@@ -29,7 +29,7 @@ class _Reader:
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.names:
-            raise KeyError(f"missing tensor {name!r} in the target checkpoint")
+            raise CheckpointError(f"target checkpoint {self.path}: no tensor {name!r} (a Gemma-4 text model has one)")
         return self._open[self.names[name]].get_tensor(name).to(device=self.device, dtype=self.dtype)
 
 
@@ -41,7 +41,7 @@ def load_gemma4(path: str | Path, device: torch.device, dtype: torch.dtype) -> G
     names, text = torch_text_tensors(path, "weights")
     with torch.device("meta"):
         model = Gemma4Text(args)
-    _load_weights(model, _Reader(names, device, dtype), text.prefix, text.head)
+    _load_weights(model, _Reader(path, names, device, dtype), text.prefix, text.head)
     model.fuse_norms()
     return model.eval()
 
@@ -55,7 +55,7 @@ def _load_weights(model: Gemma4Text, rd: _Reader, prefix: str, head: str | None)
     elif head is not None and a.tie_word_embeddings:
         model.lm_head = None
     elif not a.tie_word_embeddings:
-        raise KeyError("untied checkpoint without lm_head.weight")
+        raise CheckpointError(f"target checkpoint {rd.path}: tie_word_embeddings is false, yet no lm_head.weight")
     if model.ple:
         model.embed_per_layer = rd.get(p + "embed_tokens_per_layer.weight")
         model.ple_model_proj = rd.get(p + "per_layer_model_projection.weight")
