@@ -79,7 +79,10 @@ def safetensors_header(path: str | Path) -> dict:
 
 
 def _weight_map(index: Path) -> dict[str, str]:
-    wm = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    try:
+        wm = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (ValueError, OSError, AttributeError) as exc:  # cut short, not JSON, not an object
+        raise CheckpointError(f"{index}: unreadable ({exc})") from None
     if not isinstance(wm, dict) or not wm:
         raise ValueError(f"{index} has no weight_map")
     return wm

@@ -71,7 +71,6 @@ def test_the_served_model_is_named_after_the_directory_however_it_is_spelled(tmp
     assert served_model_name(str(tmp_path / "gemma-4-E2B-it" / "target")) == "gemma-4-E2B-it"  # a make-tiny pair
 
 
-@pytest.mark.xfail(strict=True, reason="json's own message, no file named")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_malformed_index_is_named(checkpoints, tmp_path, capsys, backend):
     target = shutil.copytree(checkpoints("float32", "e"), tmp_path / "target")

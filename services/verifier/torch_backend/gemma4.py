@@ -31,14 +31,8 @@ from kakeya.backends.torch.ops import (
     sdpa,
     sdpa_backends,
 )
+from kakeya.checkpoints.config import GEMMA4_ROPE_DEFAULTS
 from kakeya.core.contract import FULL, SLIDING, check_layer_types
-
-
-def _default_rope_parameters() -> dict:
-    return {
-        SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
-    }
 
 
 @dataclass
@@ -59,7 +53,7 @@ class Gemma4Args:
     rms_norm_eps: float = 1e-6
     sliding_window: int = 512
     layer_types: list[str] = field(default_factory=list)
-    rope_parameters: dict = field(default_factory=_default_rope_parameters)
+    rope_parameters: dict = field(default_factory=dict)  # over transformers' defaults (__post_init__)
     final_logit_softcapping: float | None = None
     tie_word_embeddings: bool = True
     vocab_size_per_layer_input: int = 262_144
@@ -79,7 +73,7 @@ class Gemma4Args:
         check_layer_types(self.layer_types, self.num_hidden_layers)
         if FULL in self.layer_types and self.layer_types[-1] != FULL:  # transformers forces this (a hybrid's) too
             self.layer_types[-1] = FULL
-        rope = _default_rope_parameters()
+        rope = {k: dict(v) for k, v in GEMMA4_ROPE_DEFAULTS.items()}
         for k, v in (self.rope_parameters or {}).items():
             if isinstance(v, dict):
                 rope[k] = dict(v)
