@@ -176,7 +176,7 @@ def _jitter(model, seed: int) -> None:
 
 
 def save_target(fam: Family, out: Path, dtype: str) -> Path:
-    """``save_pretrained`` of the family: float32 sharded with an index, bfloat16 in one file."""
+    """``save_pretrained`` of the family: float32 sharded with an index, bfloat16 (or float16) in one file."""
     import torch
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
@@ -188,15 +188,16 @@ def save_target(fam: Family, out: Path, dtype: str) -> Path:
     else:
         model = Gemma4ForCausalLM(Gemma4TextConfig(**fam.text))
     _jitter(model.eval(), fam.seed + 1)
-    if dtype == "bfloat16":
-        model.to(torch.bfloat16).save_pretrained(out)
+    if dtype != "float32":
+        model.to(getattr(torch, dtype)).save_pretrained(out)
     else:
         model.save_pretrained(out, max_shard_size="120KB")
     return out
 
 
-def save_drafter(fam: Family, out: Path) -> Path:
-    """The ``dflash`` package's own ``DFlashDraftModel.save_pretrained``, in one of z-lab's two layouts."""
+def save_drafter(fam: Family, out: Path, layers: int = 0, block: int = 8, ids=(), dtype: str = "float32") -> Path:
+    """The ``dflash`` package's own ``DFlashDraftModel.save_pretrained``, in one of z-lab's two layouts (2 layers
+    May, 3 June, block 8, the family's target layers, float32 unless given)."""
     import torch
     from dflash.model import DFlashDraftModel
     from transformers import Qwen3Config
@@ -207,20 +208,21 @@ def save_drafter(fam: Family, out: Path) -> Path:
         num_key_value_heads=2, head_dim=8, vocab_size=t["vocab_size"], num_target_layers=t["num_hidden_layers"],
         rms_norm_eps=1e-6, max_position_embeddings=4096,
     )  # fmt: skip
-    dflash = {"mask_token_id": t["vocab_size"] - 1, "target_layer_ids": list(fam.target_layer_ids)}
+    dflash = {"mask_token_id": t["vocab_size"] - 1, "target_layer_ids": list(ids or fam.target_layer_ids)}
     if fam.drafter == "may":  # block_size beside dflash_config, every layer full attention
-        cfg = Qwen3Config(**common, num_hidden_layers=2, block_size=8, dflash_config=dflash)
+        cfg = Qwen3Config(**common, num_hidden_layers=layers or 2, block_size=block, dflash_config=dflash)
     else:  # June 2026: block_size inside dflash_config, RoPE in rope_parameters, sliding layers
+        layers = layers or 3
         cfg = Qwen3Config(
-            **common, num_hidden_layers=3, dflash_config={**dflash, "block_size": 8},
-            layer_types=[S, S, F], use_sliding_window=True, sliding_window=6,
+            **common, num_hidden_layers=layers, dflash_config={**dflash, "block_size": block},
+            layer_types=[S] * (layers - 1) + [F], use_sliding_window=True, sliding_window=6,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         )  # fmt: skip
     cfg.architectures = ["DFlashDraftModel"]
     torch.manual_seed(fam.seed + 2)
     model = DFlashDraftModel(cfg).eval()
     _jitter(model, fam.seed + 3)
-    model.save_pretrained(out)
+    model.to(getattr(torch, dtype)).save_pretrained(out)
     return out
 
 
@@ -269,7 +271,7 @@ def checkpoints(compat_dir):
         if key not in built:
             fam = FAMILIES[name]
             out = compat_dir / f"{name}-{kind}{f'-q{bits}g{group}' if bits else ''}"
-            if kind in ("float32", "bfloat16"):
+            if kind in ("float32", "bfloat16", "float16"):
                 built[key] = save_target(fam, out, kind)
             elif kind == "draft":
                 built[key] = save_drafter(fam, out)

@@ -1,0 +1,82 @@
+"""Variants of what users bring beyond the matrix's cells (``test_transformers.py``), each served losslessly: greedy
+speculative output equals the writing tool's own greedy decoding token for token, at block 8 and auto.
+
+* a target saved by transformers in float16 (one file): torch serves it in float32 (an exact upcast), equal to
+  transformers' float32 ``generate`` of the same file; MLX computes in float16, equal to its own greedy AR;
+* drafters saved by the dflash package with another shape than the cells' (block 4 with one layer reading the
+  target's last layer, which the E family shares K/V into; block 16 with four June-layout layers reading four target
+  layers; bfloat16 weights), on both backends against the float32 ``e`` target;
+* the same directories reached through a symlink and a trailing slash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from .cells import BLOCKS, N, pair, sizer, speculative, transformers_greedy
+from .conftest import FAMILIES, PROMPT, save_drafter
+
+BACKENDS = ("torch", "mlx")
+DRAFTERS = {  # name -> save_drafter options (family e: 7 layers, the last one KV-shared)
+    "block4-1layer-last": dict(layers=1, block=4, ids=(6,)),
+    "block16-4layers-june": dict(layers=4, block=16, ids=(0, 2, 4, 6)),
+    "bfloat16": dict(dtype="bfloat16"),
+}
+
+
+@pytest.fixture(scope="module")
+def drafters(compat_dir):
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            fam = FAMILIES["e"]
+            if name == "block16-4layers-june":
+                fam = replace(fam, drafter="june")
+            built[name] = save_drafter(fam, compat_dir / f"e-draft-{name}", **DRAFTERS[name])
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_float16_on_torch_equals_transformers_generate(checkpoints, block):
+    target, draft = checkpoints("float16", "e"), checkpoints("draft", "e")
+    assert (target / "model.safetensors").is_file()
+    assert pair("torch", target, draft)[0].target.dtype_name == "float32"
+    assert speculative("torch", target, draft, block) == list(transformers_greedy(target, "e"))
+
+
+def test_float16_on_mlx_equals_its_own_ar(checkpoints):
+    from kakeya.orchestrator.decode.loop import run
+
+    target, draft = checkpoints("float16", "e"), checkpoints("draft", "e")
+    verifier, drafter = pair("mlx", target, draft)
+    assert verifier.target.dtype_name == "float16"
+    ar = run(verifier.open_session(), None, PROMPT, N, 1).token_ids
+    assert len(set(ar)) >= 16
+    for block in BLOCKS:
+        assert run(verifier.open_session(), drafter.open_session(), PROMPT, N, sizer(block)).token_ids == ar
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_other_drafter_shapes_are_lossless(checkpoints, drafters, name, backend, block):
+    from kakeya.checkpoints.config import load_draft_config
+
+    draft = drafters(name)
+    dflash = load_draft_config(draft)["dflash_config"]
+    assert dflash["block_size"] == DRAFTERS[name].get("block", 8)
+    target = checkpoints("float32", "e")
+    assert speculative(backend, target, draft, block) == list(transformers_greedy(target, "e"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_symlinked_directory_and_a_trailing_slash_are_the_same_checkpoint(checkpoints, tmp_path, backend):
+    target, draft = checkpoints("float32", "e"), checkpoints("draft", "e")
+    (tmp_path / "linked").symlink_to(target, target_is_directory=True)
+    linked, slashed = f"{tmp_path / 'linked'}/", f"{draft}/"  # as a shell completes them
+    assert speculative(backend, linked, slashed, 8) == list(transformers_greedy(target, "e"))
