@@ -238,7 +238,8 @@ def save_tokenizer(out: Path, vocab_size: int) -> None:
 
 
 def mlx_convert(src: Path, out: Path, bits: int, group: int) -> Path:
-    """``mlx_lm.convert(src, out, quantize=True, ...)``, its ``load`` handed Kakeya's reading of the config."""
+    """``mlx_lm.convert(src, out, quantize=True, ...)`` (bits 0: unquantized, mlx-lm's names and layout alone), its
+    ``load`` handed Kakeya's reading of the config."""
     import functools
     import importlib
 
@@ -250,7 +251,7 @@ def mlx_convert(src: Path, out: Path, bits: int, group: int) -> Path:
     patched = functools.partial(mc.load, model_config=mlx_model_config(raw, load_target_config(src)))
     original, mc.load = mc.load, patched
     try:
-        mc.convert(str(src), str(out), quantize=True, q_bits=bits, q_group_size=group)
+        mc.convert(str(src), str(out), **(dict(quantize=True, q_bits=bits, q_group_size=group) if bits else {}))
     finally:
         mc.load = original
     return out
