@@ -127,11 +127,8 @@ def _compare_transformers(engine, req, gen, args) -> dict:
     same target directory, a baseline that shares none of our code (the block-1 path above shares the forward
     and the cache). Elsewhere it is not what the run measures (another device or dtype, a bounded cache,
     a sampler or a grammar transformers does not run), so nothing is reported."""
-    native = _native(req.cache_policy)
-    torch_cpu = engine.verifier.info.backend == "torch" and engine.device in (None, "cpu")
-    if not (
-        torch_cpu and native and req.sampling.greedy and req.constraint is None and args.dtype in (None, "float32")
-    ):
+    comparable = engine.verifier.info.backend == "torch" and engine.device in (None, "cpu") and req.sampling.greedy
+    if not (comparable and _native(req.cache_policy) and req.constraint is None and args.dtype in (None, "float32")):
         return {}
     import importlib.util
 
@@ -141,6 +138,8 @@ def _compare_transformers(engine, req, gen, args) -> dict:
     from kakeya.verifier.torch_backend.reference import NAME, greedy_reference, load_reference
 
     model = load_reference(pair_paths(args.target, args.draft)[0])
+    if model is None:  # its verdict would be on random weights
+        return {"hf_reference": "not run: transformers cannot read this checkpoint's weights (mlx_lm.convert's names?)"}
     stop = engine.stop_ids(req)
     greedy_reference(model, req.prompt_ids, 4, stop)  # its warm-up, as ours had one
     ids, _, decode_s = greedy_reference(model, req.prompt_ids, req.max_tokens, stop)

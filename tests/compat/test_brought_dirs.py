@@ -104,7 +104,6 @@ def test_an_untied_config_without_an_lm_head_is_refused_naming_both(checkpoints,
     assert "lm_head.weight" in err and (backend == "mlx" or "tie_word_embeddings" in err)
 
 
-@pytest.mark.xfail(strict=True, reason="transformers decodes the weights it could not read as random ones")
 def test_compare_ar_reports_no_transformers_verdict_on_weights_transformers_cannot_read(checkpoints, capsys):
     """``mlx_lm.convert`` without -q of a multimodal target names its tensors ``language_model.model.*`` (mlx-lm's
     layout), which torch serves (the same tokens as transformers on the source) but transformers' loader skips:

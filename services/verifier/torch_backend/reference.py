@@ -32,12 +32,13 @@ class _FirstTokenClock:
 
 
 def load_reference(target_dir: str, device: str = "cpu"):
-    """The target as transformers loads it, float32, in eval mode."""
+    """The target as transformers loads it, float32, in eval mode; None where it cannot read every weight."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # the command's stderr is its summary line
-    return AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
+    model, info = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32, output_loading_info=True)
+    return None if info["missing_keys"] else model.to(device).eval()  # None: it would decode random weights there
 
 
 @torch.inference_mode()
