@@ -80,3 +80,12 @@ def test_a_symlinked_directory_and_a_trailing_slash_are_the_same_checkpoint(chec
     (tmp_path / "linked").symlink_to(target, target_is_directory=True)
     linked, slashed = f"{tmp_path / 'linked'}/", f"{draft}/"  # as a shell completes them
     assert speculative(backend, linked, slashed, 8) == list(transformers_greedy(target, "e"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_unquantized_mlx_convert_of_the_multimodal_target_equals_transformers_on_its_source(checkpoints, backend):
+    """``mlx_lm.convert`` without -q renames the text model ``language_model.model.*`` (and keeps float32)."""
+    converted, source = checkpoints("mlx", "mm"), checkpoints("float32", "mm")
+    assert "language_model.model.embed_tokens.weight" in (converted / "model.safetensors.index.json").read_text()
+    draft = checkpoints("draft", "mm")
+    assert speculative(backend, converted, draft, 8) == list(transformers_greedy(source, "mm"))
