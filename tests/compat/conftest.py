@@ -237,9 +237,9 @@ def save_tokenizer(out: Path, vocab_size: int) -> None:
     fast.save_pretrained(out)
 
 
-def mlx_convert(src: Path, out: Path, bits: int, group: int) -> Path:
-    """``mlx_lm.convert(src, out, quantize=True, ...)`` (bits 0: unquantized, mlx-lm's names and layout alone), its
-    ``load`` handed Kakeya's reading of the config."""
+def mlx_convert(src: Path, out: Path, bits: int, group: int, **options) -> Path:
+    """``mlx_lm.convert(src, out, quantize=True, ...)`` (bits 0: unquantized, mlx-lm's names and layout alone, or
+    as ``options`` say), its ``load`` handed Kakeya's reading of the config."""
     import functools
     import importlib
 
@@ -251,7 +251,7 @@ def mlx_convert(src: Path, out: Path, bits: int, group: int) -> Path:
     patched = functools.partial(mc.load, model_config=mlx_model_config(raw, load_target_config(src)))
     original, mc.load = mc.load, patched
     try:
-        mc.convert(str(src), str(out), **(dict(quantize=True, q_bits=bits, q_group_size=group) if bits else {}))
+        mc.convert(str(src), str(out), **(dict(quantize=True, q_bits=bits, q_group_size=group) if bits else options))
     finally:
         mc.load = original
     return out
