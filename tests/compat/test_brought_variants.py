@@ -91,7 +91,6 @@ def test_an_unquantized_mlx_convert_of_the_multimodal_target_equals_transformers
     assert speculative(backend, converted, draft, 8) == list(transformers_greedy(source, "mm"))
 
 
-@pytest.mark.xfail(strict=True, reason="the MLX drafter's int(None) on the per-module group_size")
 def test_a_mixed_precision_mlx_convert_equals_mlx_lm(checkpoints, compat_dir):
     """``mlx_lm.convert -q --quant-predicate mixed_3_6`` (mlx-community's mixed recipes) writes a quantization entry
     per module, each with ``group_size: null`` (the mode's default, as mlx-lm reads it) -- the embedding's too."""

@@ -359,7 +359,7 @@ def _quant_for(cfg: dict, module: str) -> dict | None:
     if not isinstance(spec, dict):
         spec = q
     return {
-        "group_size": int(spec.get("group_size", 64)),
+        "group_size": spec.get("group_size"),  # None (mixed recipes): the mode's default, as MLX and mlx-lm read it
         "bits": int(spec.get("bits", 4)),
         "mode": spec.get("mode", "affine"),
     }
