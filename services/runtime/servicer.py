@@ -330,8 +330,8 @@ def serve_round(servicer, wire: RoundWire, runner: Callable, request, context):
         entry.last_active = time.monotonic()
         exc = future.exception()
         where = f"items[{i}]"
-        if entry.closed:  # cancelled or closed while its step was in hand: its own error, nobody reads it
-            out[i] = _error(wire, grpc.StatusCode.CANCELLED, f"{where}.session_id: the session ended during the round")
+        if entry.closed:  # ended meanwhile: by its client (unread) or by this server (a drain: lost, to take over)
+            out[i] = _error(wire, grpc.StatusCode.UNAVAILABLE, f"{where}.session_id: the session ended in the round")
         elif exc is None:
             out[i] = wire.response.Item(**{wire.answer: wire.answer_of(future.result())})
         elif isinstance(exc, RequestError):

@@ -118,11 +118,11 @@ def test_one_bad_or_closed_item_fails_alone(served):
         s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="the item says CANCELLED, which the orchestrator reads as its client's cancel")
 def test_a_session_its_server_ends_during_the_round_is_a_lost_replica(served, monkeypatch):
     """A drain's last step (``end_all``) while a round holds the session's step: the item said CANCELLED, which the
     orchestrator reads as its own client's cancel, so the stream failed "cancelled" instead of moving to another
-    replica (test_hosts' rolling restart, once in a suite run). It is UNAVAILABLE: take-over moves it."""
+    replica (test_hosts' rolling restart, once in a suite run). It is UNAVAILABLE, a replica lost to the session:
+    take-over moves it."""
     addr, v = served
     client = GrpcVerifier(addr)
     sessions, firsts = _opened(client, 2)
