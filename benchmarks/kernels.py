@@ -40,6 +40,7 @@ from kakeya.backends.torch import ops
 from kakeya.core.contract import FULL, SLIDING
 from kakeya.verifier.layout import RingLayout
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, MoE, rope_inv_freq
+from tests.kernels import reference  # the eager math each kernel equals
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
 from record import write_result
@@ -78,7 +79,7 @@ def cases(shape: dict, rows: int, ctx: int, device: torch.device, dtype: torch.d
             T,
             (4 * T * H + 2 * H) * es,
             lambda: norm.add_rms_norm(x, branch, w, eps, branch_weight=bw, scale=one),
-            lambda: norm.add_rms_norm_reference(x, branch, w, eps, branch_weight=bw, scale=one),
+            lambda: reference.add_rms_norm_reference(x, branch, w, eps, branch_weight=bw, scale=one),
         )
     )
     pos = torch.arange(ctx, ctx + T, device=device)
@@ -98,7 +99,7 @@ def cases(shape: dict, rows: int, ctx: int, device: torch.device, dtype: torch.d
                 T,
                 moved,
                 lambda args=args, k=k_eq_v: rope.qkv_norm_rope(*args, k_eq_v=k),
-                lambda args=args, k=k_eq_v: rope.qkv_norm_rope_reference(*args, k_eq_v=k),
+                lambda args=args, k=k_eq_v: reference.qkv_norm_rope_reference(*args, k_eq_v=k),
             )
         )
         out.append(_attention_case(kind, a, T, ctx, n_kv, D, rand, device, es, attention))
@@ -111,7 +112,7 @@ def cases(shape: dict, rows: int, ctx: int, device: torch.device, dtype: torch.d
             T,
             T * E * es + E * es + T * k * 12,
             lambda: moe.route(logits, k, scale),
-            lambda: moe.route_reference(logits, k, scale),
+            lambda: reference.route_reference(logits, k, scale),
         )
     )
     out.append(_experts_case(a, T, rand, device, dtype, es, moe))
@@ -124,7 +125,7 @@ def cases(shape: dict, rows: int, ctx: int, device: torch.device, dtype: torch.d
             T,
             T * V * (es + 4),
             lambda: head.softcap_argmax(lm, cap),
-            lambda: head.softcap_argmax_reference(lm, cap),
+            lambda: reference.softcap_argmax_reference(lm, cap),
         )
     )
     return out

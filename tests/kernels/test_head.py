@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from . import reference
 from .conftest import cuda_only
 
 pytest.importorskip("triton", reason="the kernels need triton (Linux only; no macOS wheels)")
@@ -26,7 +27,7 @@ def _logits(device, dtype, T, V, seed=0, scale=8.0):
 def test_choices_and_capped_logits(device, dtype, T, V, chunks, cap):
     logits = _logits(device, dtype, T, V, seed=T)
     choices, capped = head.softcap_argmax(logits, cap, chunks=chunks)
-    want_choices, want = head.softcap_argmax_reference(logits, cap)
+    want_choices, want = reference.softcap_argmax_reference(logits, cap)
     assert torch.equal(choices, want_choices) and choices.dtype == torch.int64
     torch.testing.assert_close(capped, want, rtol=0, atol=30 * 2.5e-7 if cap else 0)
 
@@ -37,13 +38,13 @@ def test_ties_go_to_the_first_index(device):
     logits[0, [3900, 2100, 2050]] = 100.0
     logits[1, [10, 11]] = 100.0
     choices, _ = head.softcap_argmax(logits, 30.0, chunks=4, write_logits=False)
-    assert choices.tolist() == [2050, 10] == head.softcap_argmax_reference(logits, 30.0)[0].tolist()
+    assert choices.tolist() == [2050, 10] == reference.softcap_argmax_reference(logits, 30.0)[0].tolist()
 
 
 def test_greedy_only_writes_no_logits(device):
     logits = _logits(device, torch.bfloat16, 4, 2000, seed=2)
     choices, capped = head.softcap_argmax(logits, 30.0, write_logits=False)
-    assert capped is None and torch.equal(choices, head.softcap_argmax_reference(logits, 30.0)[0])
+    assert capped is None and torch.equal(choices, reference.softcap_argmax_reference(logits, 30.0)[0])
 
 
 def test_bad_inputs_are_refused(device):
@@ -59,6 +60,6 @@ def test_real_shape_on_cuda(T):
     """Gemma-4's 262,144-entry vocabulary, soft-cap 30, bf16 logits."""
     logits = _logits("cuda", torch.bfloat16, T, 262_144, seed=T, scale=4.0)
     choices, capped = head.softcap_argmax(logits, 30.0)
-    want_choices, want = head.softcap_argmax_reference(logits, 30.0)
+    want_choices, want = reference.softcap_argmax_reference(logits, 30.0)
     assert torch.equal(choices, want_choices)
     torch.testing.assert_close(capped, want, rtol=0, atol=30 * 2.5e-7)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from . import reference
 from .conftest import cuda_only
 from .numerics import assert_within_steps
 
@@ -112,7 +113,7 @@ def test_route_ties_go_to_the_lowest_index(device):
     scale = torch.linspace(0.5, 2.0, E).to(device, torch.bfloat16)
     idx, w = moe.route(logits, k, scale)
     assert idx.tolist() == [[3, 9, 12, 5], [0, 1, 2, 3], [15, 4, 11, 0]]
-    idx_ref, w_ref = moe.route_reference(logits, k, scale)  # torch.topk: its own order among equals
+    idx_ref, w_ref = reference.route_reference(logits, k, scale)  # torch.topk: its own order among equals
     _assert_same_route(logits, scale, idx, w, idx_ref, w_ref)
 
 
@@ -133,7 +134,7 @@ def test_experts_are_the_model_experts(device, dtype, T, E, k):
         assert_within_steps(out, m.experts(x, idx, w), 2, row_scale=True)
     else:
         _close(out, m.experts(x, idx, w))
-    _close(out, moe.experts_reference(x, idx, w, m.gate_up, m.down))
+    _close(out, reference.experts_reference(x, idx, w, m.gate_up, m.down))
 
 
 def test_experts_no_row_chose_are_never_read(device):
@@ -180,4 +181,4 @@ def test_real_shape_on_cuda(T):
     idx, w = moe.route(logits, 8, m.per_expert_scale)
     idx_ref, w_ref = m.route(x)
     _assert_same_route(logits, m.per_expert_scale, idx, w, idx_ref, w_ref)
-    _close(moe.experts(x, idx, w, m.gate_up, m.down), moe.experts_reference(x, idx, w, m.gate_up, m.down))
+    _close(moe.experts(x, idx, w, m.gate_up, m.down), reference.experts_reference(x, idx, w, m.gate_up, m.down))

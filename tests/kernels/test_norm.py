@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from . import reference
 from .conftest import cuda_only
 from .numerics import assert_within_steps
 
@@ -48,14 +49,14 @@ def test_rms_norm_matches_the_model_norm(device, dtype, H, qwen3, weighted):
     w = w if weighted else None
     y = norm.rms_norm(x, w, EPS, qwen3=qwen3)
     assert y.shape == x.shape and y.dtype == dtype
-    _close(y, norm.rms_norm_reference(x, w, EPS, qwen3=qwen3))
+    _close(y, reference.rms_norm_reference(x, w, EPS, qwen3=qwen3))
 
 
 def test_the_two_conventions_differ_in_bf16_and_each_kernel_follows_its_own(device):
     """Gemma-4 rounds once, Qwen3 rounds the normalised row before the weight: in bf16 they differ
     in many elements, so the bit-exact share above is what tells a kernel's convention."""
     x, _, w, _ = _inputs(device, torch.bfloat16, 16, 64, seed=3)
-    gemma, qwen = (norm.rms_norm_reference(x, w, EPS, qwen3=q) for q in (False, True))
+    gemma, qwen = (reference.rms_norm_reference(x, w, EPS, qwen3=q) for q in (False, True))
     assert (gemma != qwen).double().mean() > 0.05
     for qwen3, own, other in ((False, gemma, qwen), (True, qwen, gemma)):
         y = norm.rms_norm(x, w, EPS, qwen3=qwen3)
@@ -79,7 +80,7 @@ def test_gemma4_sandwich_residual_with_layer_scalar(device, dtype, H):
     scale = torch.tensor([0.7], dtype=dtype, device=device)
     for s in (None, scale):
         h, y = norm.add_rms_norm(x, a, w, EPS, branch_weight=bw, scale=s)
-        h_ref, y_ref = norm.add_rms_norm_reference(x, a, w, EPS, branch_weight=bw, scale=s)
+        h_ref, y_ref = reference.add_rms_norm_reference(x, a, w, EPS, branch_weight=bw, scale=s)
         _close(h, h_ref)
         _close(y, y_ref)
 
@@ -89,7 +90,7 @@ def test_qwen3_residual_add_then_norm(device, dtype):
     """The drafter's pre-norm residual: ``h = x + a`` as is, then its Qwen3 norm."""
     x, a, w, _ = _inputs(device, dtype, 16, 64, seed=2)
     h, y = norm.add_rms_norm(x, a, w, EPS, qwen3=True)
-    h_ref, y_ref = norm.add_rms_norm_reference(x, a, w, EPS, qwen3=True)
+    h_ref, y_ref = reference.add_rms_norm_reference(x, a, w, EPS, qwen3=True)
     assert torch.equal(h, h_ref)  # one rounded add: exact
     _close(y, y_ref)
 
@@ -97,7 +98,7 @@ def test_qwen3_residual_add_then_norm(device, dtype):
 def test_a_weightless_output_norm(device):
     x, a, _, bw = _inputs(device, torch.bfloat16, 8, 64)
     h, y = norm.add_rms_norm(x, a, None, EPS, branch_weight=bw)
-    _close(y, norm.rms_norm_reference(h, None, EPS))
+    _close(y, reference.rms_norm_reference(h, None, EPS))
 
 
 def test_bad_inputs_are_refused(device):
@@ -118,6 +119,6 @@ def test_real_shape_on_cuda(qwen3):
     """gemma-4-26B-A4B's hidden size, a verify of 16 rows, bf16."""
     x, a, w, bw = _inputs("cuda", torch.bfloat16, 16, 2816)
     h, y = norm.add_rms_norm(x, a, w, EPS, branch_weight=None if qwen3 else bw, qwen3=qwen3)
-    h_ref, y_ref = norm.add_rms_norm_reference(x, a, w, EPS, branch_weight=None if qwen3 else bw, qwen3=qwen3)
+    h_ref, y_ref = reference.add_rms_norm_reference(x, a, w, EPS, branch_weight=None if qwen3 else bw, qwen3=qwen3)
     _close(h, h_ref)
     _close(y, y_ref)

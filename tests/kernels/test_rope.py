@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from . import reference
 from .conftest import cuda_only
 from .numerics import assert_within_steps
 
@@ -54,7 +55,7 @@ def test_matches_the_eager_epilogue(device, dtype, n_heads, n_kv, D, k_eq_v, v_n
     qkv, qw, kw, cos, sin = _case(device, dtype, 4, n_heads, n_kv, D, k_eq_v)
     kw_ = kw if n_kv else None
     out = rope.qkv_norm_rope(qkv, n_heads, n_kv, D, qw, kw_, cos, sin, EPS, k_eq_v=k_eq_v, v_norm=v_norm, qwen3=qwen3)
-    ref = rope.qkv_norm_rope_reference(
+    ref = reference.qkv_norm_rope_reference(
         qkv, n_heads, n_kv, D, qw, kw_, cos, sin, EPS, k_eq_v=k_eq_v, v_norm=v_norm, qwen3=qwen3
     )
     for got, want in zip(out, ref):
@@ -200,6 +201,6 @@ def test_real_shape_on_cuda(n_kv, D, k_eq_v):
         inv = torch.cat([inv, torch.zeros(D // 2 - inv.numel())])
     qkv, qw, kw, cos, sin = _case("cuda", torch.bfloat16, 16, 16, n_kv, D, k_eq_v, inv_freq=inv)
     out = rope.qkv_norm_rope(qkv, 16, n_kv, D, qw, kw, cos, sin, EPS, k_eq_v=k_eq_v)
-    ref = rope.qkv_norm_rope_reference(qkv, 16, n_kv, D, qw, kw, cos, sin, EPS, k_eq_v=k_eq_v)
+    ref = reference.qkv_norm_rope_reference(qkv, 16, n_kv, D, qw, kw, cos, sin, EPS, k_eq_v=k_eq_v)
     for got, want in zip(out, ref):
         _close(got, want)

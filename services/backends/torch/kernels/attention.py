@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kakeya.backends.torch import ops
 from kakeya.backends.torch.kernels import common
 from kakeya.backends.torch.kernels.common import round_to, rounded, tanh, tl_dtype
 
@@ -254,27 +253,3 @@ def visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window=0, sinks=0) -
         window, sinks = window[..., None, None], sinks[..., None, None]
         return seen & ((k > q - window) | (k < sinks))
     return seen & ((k > q - window) | (k < sinks)) if window else seen
-
-
-def decode_attention_reference(
-    q, k_pool, v_pool, table, key_pos, query_pos, *, window=0, sinks=0, scale=1.0, softcap=None
-):
-    """Per session: gather K/V through the table, build the mask from positions, fold each KV head's
-    query heads into its rows (as ``ops.sdpa_folded``) and attend with ``ops.decode_attention``, the
-    eager math CUDA runs for a verify; with a soft-cap, the same math spelled out."""
-    B, L, Hq, D = q.shape
-    out = []
-    for b in range(B):
-        k, v = k_pool[None, :, table[b]], v_pool[None, :, table[b]]
-        G = Hq // k.shape[1]
-        qg = q[b].transpose(0, 1).reshape(1, k.shape[1], G * L, D)  # head j*G + g, query l -> row g*L + l of KV head j
-        w, s = (window[b], sinks[b]) if isinstance(window, torch.Tensor) else (window, sinks)
-        mask = visible(key_pos[b], query_pos[b], w, s).repeat(G, 1)
-        if softcap is None:
-            o = ops.decode_attention(qg, k, v, mask, scale)
-        else:
-            s = torch.matmul(qg * scale if scale != 1.0 else qg, k.transpose(-1, -2))
-            s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask, float("-inf"))
-            o = torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype), v)
-        out.append(o.reshape(Hq, L, D).transpose(0, 1))
-    return torch.stack(out)

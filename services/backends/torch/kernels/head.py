@@ -79,10 +79,3 @@ def softcap_argmax(
     choices = torch.empty(T, dtype=torch.int64, device=logits.device)
     _choose_kernel[(T,)](best, where, choices, chunks, BLOCK_C=triton.next_power_of_2(chunks))
     return choices, capped
-
-
-def softcap_argmax_reference(logits: torch.Tensor, cap: float | None):
-    """``Gemma4Text.logits`` after its GEMM, and the static step's ``argmax``."""
-    out = logits.float()
-    out = torch.tanh(out / cap) * cap if cap else out
-    return torch.argmax(out, dim=-1), out

@@ -13,7 +13,6 @@ row's weighted outputs summed in float32 in ascending expert order and rounded o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -188,24 +187,3 @@ def experts(
 
 
 DOWN_BLOCK_H = 32  # h columns per down-projection program: enough programs to stream every expert's down rows at once
-
-
-def route_reference(logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor):
-    """``MoE.route`` after its router GEMM."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    w, idx = torch.topk(probs, top_k, dim=-1)
-    w = w / w.sum(dim=-1, keepdim=True)
-    return idx, w * per_expert_scale[idx]
-
-
-def experts_reference(x, idx, weights, gate_up, down):
-    """Expert by expert, ascending: its rows through GeGLU, weighted, added into their output rows in
-    float32 (what ``MoE.experts``' one ``index_add_`` in bf16 does on a CPU)."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # the sum in float32, rounded once
-    mi = down.shape[-1]
-    for e in idx.unique().tolist():
-        rows, choice = (idx == e).nonzero(as_tuple=True)
-        gate, up = F.linear(x[rows], gate_up[e]).split(mi, dim=-1)
-        y = F.linear(F.gelu(gate, approximate="tanh") * up, down[e])
-        out.index_add_(0, rows, (y * weights[rows, choice, None].to(y.dtype)).float())
-    return out.to(x.dtype)

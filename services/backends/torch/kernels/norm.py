@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kakeya.backends.torch import ops
 from kakeya.backends.torch.kernels import common
 from kakeya.backends.torch.kernels.common import rounded, tl_dtype
 
@@ -129,20 +128,3 @@ def add_rms_norm(
         HAS_WEIGHT=weight is not None, QWEN3=qwen3, DTYPE=dtype, BLOCK=triton.next_power_of_2(H),
     )  # fmt: skip
     return h.view(residual.shape), y.view(residual.shape)
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, qwen3: bool = False):
-    """The model's own norms (``backends/torch/ops.py``)."""
-    if qwen3:
-        return ops.qwen3_rms_norm(x, weight, eps) if weight is not None else ops.gemma4_rms_norm(x, None, eps)
-    return ops.gemma4_rms_norm(x, weight, eps)
-
-
-def add_rms_norm_reference(residual, branch, weight, eps, *, branch_weight=None, scale=None, qwen3=False):
-    """:func:`add_rms_norm` as the eager layer spells it (``DecoderLayer.after_attention``)."""
-    if branch_weight is not None:
-        branch = rms_norm_reference(branch, branch_weight, eps, qwen3=qwen3)
-    h = residual + branch
-    if scale is not None:
-        h = h * scale.to(h.dtype)
-    return h, rms_norm_reference(h, weight, eps, qwen3=qwen3)

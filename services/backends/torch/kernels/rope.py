@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kakeya.backends.torch import ops
 from kakeya.backends.torch.kernels import common
 from kakeya.backends.torch.kernels.common import round_to, rounded, tl_dtype
 
@@ -159,20 +158,3 @@ def qkv_norm_rope(
     if n_kv == 0 or cache is not None:
         return q, None, None
     return q, k, v
-
-
-def qkv_norm_rope_reference(
-    qkv, n_heads, n_kv, head_dim, q_weight, k_weight, cos, sin, eps, *, k_eq_v=False, v_norm=True, qwen3=False
-):
-    """The models' own spelling (``Attention.project`` of the target, ``Attention.qkv`` of the drafter)."""
-    T, D = qkv.shape[0], head_dim
-    norm = ops.qwen3_rms_norm if qwen3 else ops.gemma4_rms_norm
-    cos, sin = cos.reshape(T, 1, D), sin.reshape(T, 1, D)
-    parts = qkv.split([n_heads * D, n_kv * D, 0 if k_eq_v else n_kv * D], dim=-1)
-    q = norm(parts[0].view(T, n_heads, D), q_weight, eps)
-    if n_kv == 0:
-        return ops.apply_rope(q, cos, sin), None, None
-    k = parts[1].view(T, n_kv, D)
-    v = k if k_eq_v else parts[2].view(T, n_kv, D)
-    q, k = ops.apply_rope(torch.cat([q, norm(k, k_weight, eps)], dim=1), cos, sin).split([n_heads, n_kv], dim=1)
-    return q, k, ops.gemma4_rms_norm(v, None, eps) if v_norm else v
