@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -130,6 +131,26 @@ def plain_formats(node, names: bool = False):
     values, maps = {"enum", "const", "default", "examples"}, {"properties", "patternProperties", "$defs", "definitions"}
     return {k: v if k in values and not names else plain_formats(v, k in maps and not names)
             for k, v in node.items() if names or k != "format" or not isinstance(v, str) or v in FORMATS}  # fmt: skip
+
+
+def placed(error: str, c: Constraint) -> str:
+    """llguidance's refusal of schema keywords (``Unimplemented keys: ["uniqueItems"]``) led by where the first one
+    sits in ``c``'s JSON schema (``$defs.Inner.properties.tags.uniqueItems``), as a tool's schema names its places."""
+    keys = re.findall(r'"([^"]+)"', error.partition("Unimplemented keys: ")[2])
+    if c.kind != "json_schema" or not keys:
+        return error
+    where = _place(load_json(c.spec) if isinstance(c.spec, str) else c.spec, keys[0], "")
+    return f"{where}: {error}" if where else error
+
+
+def _place(node, key: str, where: str) -> str | None:
+    """Where schema keyword ``key`` first sits in ``node`` (the schema at ``where``), or None."""
+    if isinstance(node, list):
+        return next(filter(None, (_place(v, key, f"{where}[{i}]") for i, v in enumerate(node))), None)
+    if not isinstance(node, dict):
+        return None
+    here = lambda k: f"{where}.{k}" if where else k
+    return here(key) if key in node else next(filter(None, (_place(v, key, here(k)) for k, v in node.items())), None)
 
 
 def _check_size(chars: int) -> None:

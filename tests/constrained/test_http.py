@@ -181,7 +181,6 @@ def test_pydantic_formats_are_held_or_plain_strings_through_the_clients(front): 
     assert call["name"] == "SignUp" and call["args"].startswith('{"'), call
 
 
-@pytest.mark.xfail(strict=True, reason="llguidance's refusal names the keyword, not where it is")
 def test_a_keyword_response_format_refuses_is_named_by_its_place_as_a_tools_is(front):  # noqa: F811 - the fixture
     """pydantic writes ``uniqueItems: true`` for a ``set[str]``, which no grammar holds: ``parse(response_format=M)``
     is refused naming where it is in the schema (``$defs.Inner.properties.tags.uniqueItems``), as the same model as a

@@ -262,7 +262,7 @@ def _constraint(req: Request, engine: EngineFacts) -> None:
         tok = constraints.tokenizer(engine.codec.tokenizer_json, info.vocab_size, (info.eos_token_ids[0],))
         constraints.check(c.grammar(), tok)
     except constraints.ConstraintError as exc:
-        raise InvalidRequest("constraint.spec", str(exc)) from None
+        raise InvalidRequest("constraint.spec", constraints.placed(str(exc), c)) from None
 
 
 def _stops(req: Request, engine: EngineFacts) -> tuple[int, ...]:
