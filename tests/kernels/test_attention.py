@@ -50,7 +50,9 @@ def _check(out, q, k, v, table, key_pos, query_pos, **mask):
     ref = reference.decode_attention_reference(q, k, v, table, key_pos, query_pos, **mask)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if q.dtype == torch.float32:
-        exact = reference.decode_attention_reference(q.double(), k.double(), v.double(), table, key_pos, query_pos, **mask)
+        exact = reference.decode_attention_reference(
+            q.double(), k.double(), v.double(), table, key_pos, query_pos, **mask
+        )
         ours, eager = steps(out, exact.float(), True).max(), steps(ref, exact.float(), True).max()
         assert ours <= max(2 * eager, 8), (float(ours), float(eager))
     else:

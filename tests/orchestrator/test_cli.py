@@ -345,6 +345,25 @@ def test_a_split_orchestrator_refuses_the_verifiers_cache_policy_flags(flags):
     assert out.returncode == 2 and f"{flags[0]} is the verifier's" in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.xfail(strict=True, reason="accepted and dropped")
+@pytest.mark.parametrize(
+    "split, flags",
+    [(True, ["--device", "cpu"]), (True, ["--dtype", "bfloat16"]), (True, ["--backend", "torch"]),
+     (True, ["--torch-threads", "2"]), (True, ["--compile"]), (True, ["--cuda-graphs", "off"]),
+     (False, ["--tokenizer", "/t"]), (False, ["--backend-wait", "5"])],
+)  # fmt: skip
+def test_an_orchestrator_refuses_the_flags_its_layout_has_no_use_for(split, flags):
+    """Split with no model here (no ``--draft``), the backend's flags went nowhere; colocated, the split's
+    ``--tokenizer`` and ``--backend-wait`` did: each started SERVING with the flag dropped. Refused by name now."""
+    where = ["--verifier", "localhost:1", "--no-drafter", "--backend-wait", "0"] if split else []
+    cmd = [sys.executable, "-m", "kakeya.app.main", "serve", "orchestrator", *where, "--port", "0", *flags]
+    try:  # a server that starts (the flag dropped) serves until the timeout: in a process of its own
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{flags[0]}: the orchestrator started serving with it")
+    assert out.returncode == 2 and flags[0] in out.stderr, out.stderr[-2000:]
+
+
 def test_a_16_bit_mismatch_says_why_and_a_float32_one_does_not():
     from kakeya.app.options import summary_line
 
