@@ -106,6 +106,18 @@ def test_an_untied_config_without_an_lm_head_is_refused_naming_both(checkpoints,
     assert "lm_head.weight" in err and (backend == "mlx" or "tie_word_embeddings" in err)
 
 
+@pytest.mark.xfail(strict=True, reason="inspect accepts the untied config without an lm_head that a load refuses")
+def test_inspect_refuses_an_untied_config_without_an_lm_head_as_a_load_does(checkpoints, tmp_path, capsys):
+    target = shutil.copytree(checkpoints("bfloat16", "e"), tmp_path / "target")
+    cfg = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(cfg | {"tie_word_embeddings": False}))
+    code, load_err = generate(target, checkpoints("draft", "e"), "torch", capsys)
+    assert code == 2
+    assert main(["inspect", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err == load_err and f"{target}: tie_word_embeddings is false, yet no lm_head.weight" in err
+
+
 def test_compare_ar_reports_no_transformers_verdict_on_weights_transformers_cannot_read(checkpoints, capsys):
     """``mlx_lm.convert`` without -q of a multimodal target names its tensors ``language_model.model.*`` (mlx-lm's
     layout), which torch serves (the same tokens as transformers on the source) but transformers' loader skips:
