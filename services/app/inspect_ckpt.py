@@ -82,7 +82,7 @@ def describe_target(path: str | Path) -> tuple[dict, dict]:
     top = json.loads((d / "config.json").read_text(encoding="utf-8"))  # as written (the loader has read it)
     t = tensors(d)
     try:
-        text = layout.find_text_tensors(t["names"], d)
+        text = layout.find_text_tensors(t["names"], d, cfg["tie_word_embeddings"])
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     types = list(cfg.get("layer_types") or [])

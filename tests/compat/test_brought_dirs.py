@@ -106,7 +106,6 @@ def test_an_untied_config_without_an_lm_head_is_refused_naming_both(checkpoints,
     assert "lm_head.weight" in err and (backend == "mlx" or "tie_word_embeddings" in err)
 
 
-@pytest.mark.xfail(strict=True, reason="inspect accepts the untied config without an lm_head that a load refuses")
 def test_inspect_refuses_an_untied_config_without_an_lm_head_as_a_load_does(checkpoints, tmp_path, capsys):
     target = shutil.copytree(checkpoints("bfloat16", "e"), tmp_path / "target")
     cfg = json.loads((target / "config.json").read_text())

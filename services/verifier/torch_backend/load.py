@@ -38,7 +38,7 @@ def load_gemma4(path: str | Path, device: torch.device, dtype: torch.dtype) -> G
     safetensors), on ``device`` in ``dtype``, in eval mode."""
     path = Path(path)
     args = Gemma4Args.from_dict(load_target_config(path))  # every published spelling, read once
-    names, text = torch_text_tensors(path, "weights")
+    names, text = torch_text_tensors(path, "weights", args.tie_word_embeddings)
     with torch.device("meta"):
         model = Gemma4Text(args)
     _load_weights(model, _Reader(path, names, device, dtype), text.prefix, text.head)
@@ -54,8 +54,6 @@ def _load_weights(model: Gemma4Text, rd: _Reader, prefix: str, head: str | None)
         model.lm_head = rd.get(head + ".weight")
     elif head is not None and a.tie_word_embeddings:
         model.lm_head = None
-    elif not a.tie_word_embeddings:
-        raise CheckpointError(f"target checkpoint {rd.path}: tie_word_embeddings is false, yet no lm_head.weight")
     if model.ple:
         model.embed_per_layer = rd.get(p + "embed_tokens_per_layer.weight")
         model.ple_model_proj = rd.get(p + "per_layer_model_projection.weight")
