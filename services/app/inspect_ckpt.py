@@ -67,11 +67,16 @@ def layer_pattern(types: list[str]) -> str:
 
 def quantization(top: dict, text: dict, names: list[str]) -> dict | None:
     """``mlx_lm.convert``'s ``quantization`` ({bits, group_size}) or a ``quantization_config``; quantized
-    tensors (``.scales``) with neither are reported too: a loader must not take them for plain weights."""
+    tensors (``.scales``) with neither are reported too. A mixed convert's modules (own entries; the rest and null
+    group sizes take the top-level default) are counted per bits/group size, the default alone would mislead."""
     q = top.get("quantization") or top.get("quantization_config") or text.get("quantization")
     if isinstance(q, dict):
-        keys = ("bits", "group_size", "mode", "quant_method")
-        return {k: q[k] for k in keys if k in q and not isinstance(q[k], dict)}
+        own = [s for s in q.values() if isinstance(s, dict)]
+        keys = ("mode", "quant_method") if own else ("bits", "group_size", "mode", "quant_method")
+        out = {k: q[k] for k in keys if k in q and not isinstance(q[k], dict)}
+        specs = own + [q] * (sum(n.endswith(".scales") for n in names) - len(own))
+        per_bits = Counter(f"{s['bits']}-bit/{s.get('group_size') or q.get('group_size')}" for s in specs)
+        return out | ({"modules_per_bits": dict(sorted(per_bits.items()))} if own else {})
     return {"bits": None, "group_size": None} if layout.is_quantized(names) else None
 
 
