@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +141,23 @@ def test_compare_ar_on_shards_without_their_index_reports_no_transformers_verdic
     assert main([*argv, "--prompt", "t5 t9", "--max-tokens", "12", "--ignore-eos", "--compare-ar", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["lossless"] is True and out["hf_reference"].startswith("not run: transformers")
+
+
+@pytest.mark.xfail(strict=True, reason="the verifier publishes its --target as spelled, read in the orchestrator's cwd")
+def test_a_split_orchestrator_started_elsewhere_reads_the_verifiers_relative_target_as_the_verifier(
+    mlx_target, tiny_pair, tmp_path, monkeypatch
+):
+    """``kakeya serve verifier --target target`` run in the pair's directory, the orchestrator in another one that has
+    a ``target/`` of its own: the orchestrator names the served model and finds the tokenizer (``split_engine``) by
+    the path the verifier publishes in GetInfo, which must be the verifier's directory wherever it is read."""
+    from kakeya.orchestrator.fronts.http_server import served_model_name
+    from kakeya.verifier.local import LocalVerifier
+    from kakeya.wire.convert import verifier_info_to_proto
+
+    monkeypatch.chdir(tiny_pair.target.parent)
+    published = verifier_info_to_proto(LocalVerifier(mlx_target, "target", (1,)).info, (1,)).model_name
+    elsewhere = tmp_path / "elsewhere"
+    save_tokenizer(elsewhere / "target", 64)  # another model's tokenizer, where the relative path points from here
+    monkeypatch.chdir(elsewhere)
+    assert served_model_name(published) == tiny_pair.target.parent.name
+    assert (Path(published) / "tokenizer.json").samefile(tiny_pair.target / "tokenizer.json")
