@@ -40,7 +40,7 @@ class LocalVerifier:
         eos = cfg["eos_token_id"]  # generation_config.json's when it has one (load_target_config)
         args = target.args
         self.info = ModelInfo(
-            name=str(target_dir),
+            name=str(Path(target_dir).absolute()),  # GetInfo's: a split orchestrator reads it in another cwd
             vocab_size=args.vocab_size,
             eos_token_ids=tuple(eos),
             hidden_size=args.hidden_size,

@@ -143,7 +143,6 @@ def test_compare_ar_on_shards_without_their_index_reports_no_transformers_verdic
     assert out["lossless"] is True and out["hf_reference"].startswith("not run: transformers")
 
 
-@pytest.mark.xfail(strict=True, reason="the verifier publishes its --target as spelled, read in the orchestrator's cwd")
 def test_a_split_orchestrator_started_elsewhere_reads_the_verifiers_relative_target_as_the_verifier(
     mlx_target, tiny_pair, tmp_path, monkeypatch
 ):
