@@ -86,10 +86,7 @@ def describe_target(path: str | Path) -> tuple[dict, dict]:
     d = Path(cfg[PATH_KEY])
     top = json.loads((d / "config.json").read_text(encoding="utf-8"))  # as written (the loader has read it)
     t = tensors(d)
-    try:
-        text = layout.find_text_tensors(t["names"], d, cfg["tie_word_embeddings"])
-    except ValueError as exc:
-        raise CheckpointError(str(exc)) from None
+    text = layout.find_text_tensors(t["names"], d, cfg["tie_word_embeddings"])
     types = list(cfg.get("layer_types") or [])
     n_experts = cfg.get("num_experts") if cfg.get("enable_moe_block", cfg.get("num_experts")) else None
     out = {

@@ -108,7 +108,7 @@ def find_text_tensors(names: Iterable[str], ckpt: str | Path = "", tied: bool = 
     names = set(names)
     embed = _find(names, EMBED_NAMES, "embed_tokens")
     if embed is None:
-        raise ValueError(f"no embed_tokens weight in target checkpoint {ckpt}".rstrip())
+        raise CheckpointError(f"no embed_tokens weight in target checkpoint {ckpt}".rstrip())
     prefix = embed[: -len("embed_tokens")]
     head = _find(names, HEAD_NAMES + (prefix + "lm_head",), "lm_head")
     if head is None and not tied:
