@@ -153,6 +153,10 @@ def cmd_serve_orchestrator(args) -> int:
         held = {"--cache": args.cache != "native", "--sink": args.sink != 4, "--window": args.window,  # their defaults
                 "--full-kv-bits": args.full_kv_bits, "--restore": args.restore,
                 "--prefix-cache-bytes": args.prefix_cache_bytes not in (serve_flags.AUTO, 0)}  # fmt: skip
+        if not args.draft:  # no model in this process: its backend's flags are the servers' too
+            held |= {"--backend": args.backend != "auto", "--device": args.device, "--dtype": args.dtype,
+                     "--torch-threads": args.torch_threads is not None, "--compile": args.compile,
+                     "--cuda-graphs": args.cuda_graphs != "auto", "--graphed-min-batch": args.graphed_min_batch}  # fmt: skip
         if given := [flag for flag, value in held.items() if value]:  # the models' state, the sessions' default policy
             raise ValueError(f"{given[0]} is the verifier's (and the drafter's) to set: give it to those servers")
         if args.draft:
@@ -165,16 +169,17 @@ def cmd_serve_orchestrator(args) -> int:
             drafter = None if args.no_drafter else args.drafter
             if here is not None:
                 drafter = local_drafter(args.draft, args.target, here[0], **here[1])
-            return split_engine(args.verifier, drafter, args.tokenizer or args.target, args.backend_wait,
+            return split_engine(args.verifier, drafter, args.tokenizer or args.target,
+                                120.0 if args.backend_wait is None else args.backend_wait,
                                 tls=client_tls, token=backend_token, backend_timeout_s=args.backend_timeout,
                                 ngram=args.ngram == "on")  # fmt: skip
 
         sources = None
     else:
-        if args.backend_token_file:
-            raise ValueError(
-                "--backend-token-file is for a split orchestrator (--verifier): colocated, nothing to send it to"
-            )
+        split_only = {"--backend-token-file": args.backend_token_file, "--tokenizer": args.tokenizer,
+                      "--backend-wait": args.backend_wait is not None}  # fmt: skip
+        if given := [flag for flag, value in split_only.items() if value]:
+            raise ValueError(f"{given[0]} is for a split orchestrator (--verifier): colocated, the models are here")
         sources, args.restore = serve_flags.restore_sources(args)
 
         backend, kwargs = _backend_kwargs(args, embedded=args.target is None)
@@ -258,7 +263,7 @@ def register(sub) -> None:
     # colocated: the sessions' default policy, and one prefix-cache budget for the verifier's and the drafter's
     _policy_and_front(o, "colocated: one budget for the verifier's and the drafter's")
     o.add_argument(
-        "--backend-wait", type=float, default=120.0, help="split: seconds to wait for verifier/drafter at start"
+        "--backend-wait", type=float, help="split: seconds to wait for verifier/drafter at start (default 120)"
     )
     _limits(o)
     serve_flags.add_queue(o, "generations")  # `serve all` has it from add_sessions, for its three processes

@@ -345,7 +345,6 @@ def test_a_split_orchestrator_refuses_the_verifiers_cache_policy_flags(flags):
     assert out.returncode == 2 and f"{flags[0]} is the verifier's" in out.stderr, out.stderr[-2000:]
 
 
-@pytest.mark.xfail(strict=True, reason="accepted and dropped")
 @pytest.mark.parametrize(
     "split, flags",
     [(True, ["--device", "cpu"]), (True, ["--dtype", "bfloat16"]), (True, ["--backend", "torch"]),
