@@ -86,21 +86,8 @@ def test_choice_follows_cost_and_acceptance():
 
 def _explored(sizer, blocks: int, share: float = 0.02) -> list[int]:
     """The sizes ``sizer`` chooses for ``blocks`` blocks, each observed at its curve's cost, nothing accepted."""
-    sizer.explore_share, sizes = share, []
-    for _ in range(blocks):
-        size = sizer.choose()
-        sizer.observe(
-            Block(
-                [0] * size,
-                drafted=size - 1,
-                accepted=0,
-                draft_s=0.0,
-                verify_s=sizer.costs(size),
-                total_s=sizer.costs(size),
-            )
-        )
-        sizes.append(size)
-    return sizes
+    sizer.explore_share = share
+    return _timed(sizer, sizer.costs, accepts=0, blocks=blocks)
 
 
 def test_probing_takes_its_share_of_time_whatever_a_longer_block_costs():
@@ -262,9 +249,9 @@ def test_noisy_timings_of_the_chosen_size_leave_the_others_relative_cost_alone()
     assert c(8) / c(16) == pytest.approx(14.5 / 16.0, rel=0.04)
 
 
-def _timed(sizer, true_costs: dict, accepts: int, blocks: int) -> list[int]:
+def _timed(sizer, true_cost, accepts: int, blocks: int) -> list[int]:
     """The sizes ``sizer`` chooses when each block accepts ``accepts`` candidates (or all of a shorter one) and is
-    timed at ``true_costs`` (which its curve may have wrong)."""
+    timed at ``true_cost(size)`` (which its curve may have wrong)."""
     sizes = []
     for _ in range(blocks):
         size = sizer.choose()
@@ -273,8 +260,8 @@ def _timed(sizer, true_costs: dict, accepts: int, blocks: int) -> list[int]:
                 [0] * size,
                 drafted=size - 1,
                 accepted=min(accepts, size - 1),
-                verify_s=true_costs[size],
-                total_s=true_costs[size],
+                verify_s=true_cost(size),
+                total_s=true_cost(size),
             )
         )
         sizes.append(size)
@@ -287,7 +274,7 @@ def test_a_size_calibrated_too_dear_is_retimed_and_chosen_once_its_cost_shows():
     for _ in range(50):
         chain.observe(drafted=15, accepted=7)
     sizer = BlockSizer(CostCurve({4: 1.0, 8: 1.8, 16: 1.6}), chain)  # start-up calibration priced 8 50 % too dear
-    sizes = _timed(sizer, true_costs, accepts=7, blocks=400)
+    sizes = _timed(sizer, true_costs.__getitem__, accepts=7, blocks=400)
     assert sizes[:5] == [16] * 5  # the curve's choice first ...
     assert sizes[-50:].count(8) > 40  # ... until probes one size shorter re-timed 8 (never re-timed before: 16 stuck)
     assert {4, 16} < set(sizes[-100:])  # from 8, probes take turns: one size longer, one shorter
