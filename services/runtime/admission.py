@@ -3,7 +3,8 @@
 ``--max-sessions`` and ``--max-sessions-per-peer`` when a stream opens; ``--max-kv-bytes`` (the verifier: the policy's
 worst case at ``max_positions``; the drafter: its context as it grows); under pressure the longest-idle session
 (``--reclaim-idle``) is ended before anyone is refused; then ``RESOURCE_EXHAUSTED`` naming the limit, or a bounded wait
-(``--queue``); idle expiry (``--idle-timeout``). Every way a session ends goes through the idempotent
+(``--queue``); a session that alone outgrows the K/V budget is ``OUT_OF_RANGE`` at once (no wait or reclaim could
+make it fit); idle expiry (``--idle-timeout``). Every way a session ends goes through the idempotent
 :meth:`SessionRegistry.close`, which frees its cache and reservation.
 """
 
@@ -23,7 +24,12 @@ log = logging.getLogger("kakeya")
 
 
 class SessionLimitError(Exception):
-    """A session refused (or ended) by a limit; the message names the flag."""
+    """A session refused (or ended) by a limit; the message names the flag. ``code``: RESOURCE_EXHAUSTED (the
+    server is full now: a retry may fit) or OUT_OF_RANGE (this session alone outgrows the limit: none will)."""
+
+    def __init__(self, problem: str, code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED):
+        super().__init__(problem)
+        self.code = code
 
 
 DEFAULT_MAX_SESSIONS = 64  # each open stream holds a server thread: the pool is sized from this
@@ -61,6 +67,7 @@ class _Refusal:
 
     problem: str
     peer: str | None = None
+    code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED  # OUT_OF_RANGE: it never fits (no wait, no reclaim)
 
 
 class SessionRegistry:
@@ -95,6 +102,8 @@ class SessionRegistry:
         refusal = self._fit_reclaiming(fits, reclaimed)
         if refusal is None:
             return
+        if refusal.code == grpc.StatusCode.OUT_OF_RANGE:
+            raise SessionLimitError(refusal.problem, refusal.code)
         if not wait or not self.queue or self._waiting >= self.queue:
             extra = f"; wait queue full ({self._waiting} of {self.queue}, --queue)" if wait and self.queue else ""
             raise SessionLimitError(refusal.problem + extra)
@@ -122,7 +131,7 @@ class SessionRegistry:
     def _fit_reclaiming(self, fits, reclaimed: list) -> _Refusal | None:
         """``fits()``, reclaiming the longest-idle session it may take while that names a limit."""
         while (refusal := fits()) is not None:
-            victim = self._longest_idle(refusal.peer)
+            victim = None if refusal.code == grpc.StatusCode.OUT_OF_RANGE else self._longest_idle(refusal.peer)
             if victim is None:
                 return refusal
             why = (
@@ -194,7 +203,8 @@ class SessionRegistry:
             if nbytes > self.max_kv_bytes:
                 return _Refusal(
                     f"K/V budget: this session may need {nbytes} bytes, more than the whole budget"
-                    f" {self.max_kv_bytes} (--max-kv-bytes); ask for fewer positions or a bounded cache policy"
+                    f" {self.max_kv_bytes} (--max-kv-bytes); ask for fewer positions or a bounded cache policy",
+                    code=grpc.StatusCode.OUT_OF_RANGE,
                 )
             held = self._reserved() - entry.reserved_bytes
             if held + nbytes > self.max_kv_bytes:

@@ -136,7 +136,7 @@ def session_stream(name: str, ready: bool, registry: SessionRegistry, serve, req
     try:
         entry = registry.open(peer_of(context))
     except SessionLimitError as exc:
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {exc}")
+        context.abort(exc.code, f"{name}: {exc}")
     entry.end = lambda code, why: end_call(context, code, f"{name}: {why}")
     context.add_callback(lambda: registry.close(entry))
     slog = logging.getLogger(f"kakeya.{name}")
@@ -146,7 +146,7 @@ def session_stream(name: str, ready: bool, registry: SessionRegistry, serve, req
     try:
         yield from serve(entry, Watched(request_iterator, entry))
     except SessionLimitError as exc:
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{name}: {exc}")
+        context.abort(exc.code, f"{name}: {exc}")
     except RequestError as exc:
         context.abort(exc.code, exc.message)
     except grpc.RpcError:

@@ -150,6 +150,21 @@ def test_a_queued_session_waits_for_room(servers):
     wait_until(lambda: _free(addr), what="everything freed")
 
 
+def test_a_session_that_alone_outgrows_the_budget_is_out_of_range_at_once(servers):
+    """No wait in the queue and no retry can make it fit: OUT_OF_RANGE (its orchestrator's caller gets a 400, not a
+    429 to retry), refused while a session that fits would still wait for its room."""
+    addr = servers["queued"].addr
+    a = Session(addr)
+    assert a.next().WhichOneof("response") == "opened"
+    huge = Session(addr, max_positions=3 * POSITIONS)  # its worst case is more than the whole budget
+    with pytest.raises(grpc.RpcError) as err:
+        huge.next()
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE and "more than the whole budget" in err.value.details()
+    assert verifier_info(addr).queued_sessions == 0
+    a.call.cancel()
+    wait_until(lambda: _free(addr), what="everything freed")
+
+
 @pytest.mark.parametrize("ending", ["finished", "half-closed", "cancelled", "errored", "deadline", "idle"])
 def test_every_way_a_session_ends_frees_its_memory(servers, ending):
     addr = servers["strict"].addr

@@ -77,7 +77,7 @@ def test_a_backends_capacity_refusal_says_what_helps_without_its_limits():
     assert public(grpc.StatusCode.RESOURCE_EXHAUSTED, full) == "verifier: K/V memory exhausted; retry later"
     never = ("K/V budget: this session may need 5000 bytes, more than the whole budget 1000 (--max-kv-bytes); ask for"
              " fewer positions or a bounded cache policy")  # fmt: skip
-    msg = public(grpc.StatusCode.RESOURCE_EXHAUSTED, never, grpc.StatusCode.OUT_OF_RANGE)  # retrying never fits: a 400
+    msg = public(grpc.StatusCode.OUT_OF_RANGE, never)  # retrying never fits (runtime/admission.py): a 400
     assert msg == "verifier: the request outgrows its K/V memory; ask for fewer tokens (prompt + max_tokens)"
     reclaimed = ("session reclaimed after 31 s without a message from its client: a new session needed its room"
                  " (session limit reached; --reclaim-idle 30)")  # fmt: skip

@@ -104,6 +104,19 @@ def test_the_kv_budget_reclaims_idle_reservations_and_growth_never_waits():
         q.reserve(_open(q, "b"), 50)  # as a new session's reservation does
 
 
+def test_a_session_that_alone_outgrows_the_budget_takes_no_one_elses_room():
+    """Refused OUT_OF_RANGE at once: reclaiming idle sessions or waiting in the queue could never make it fit."""
+    r = SessionRegistry(max_kv_bytes=100, queue=2, queue_timeout_s=60.0, reclaim_idle_s=1.0)
+    idle = _open(r, "a", idle_s=30.0)
+    r.reserve(idle, 10)
+    with pytest.raises(SessionLimitError, match="more than the whole budget") as err:
+        r.reserve(_open(r, "b"), 101)
+    assert err.value.code == grpc.StatusCode.OUT_OF_RANGE and "--queue" not in str(err.value)
+    assert not idle.closed and r.reclaimed == 0 and r.waiting == 0
+    r.reserve(_open(r, "c"), 95)  # one that fits once the idle session's room is reclaimed takes it
+    assert idle.closed and r.reclaimed == 1
+
+
 def test_a_queued_session_gets_the_room_of_one_that_idles_meanwhile():
     r = SessionRegistry(max_sessions=1, queue=1, queue_timeout_s=60.0, reclaim_idle_s=0.5)
     held = _open(r, "a")

@@ -49,8 +49,6 @@ PUBLIC_FIELDS = (
     ("prefill.token_ids", "prompt"),
 )
 INTERNAL_FIELDS = ("open.", "prefill.", "verify.", "commit.", "draft.")
-# Statuses about a request's values (FAILED_PRECONDITION is about the session protocol: ours, never the caller's).
-_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 
 
 class ClientCall(Protocol):
@@ -338,13 +336,13 @@ def _backend_status(exc: BackendError) -> tuple[grpc.StatusCode, str]:
     service, code = exc.service, exc.code
     if code == grpc.StatusCode.ABORTED:  # reclaimed (runtime/admission.py); its limits and figures stay in the log
         return code, f"{service}: its session was ended to make room for others; retry"
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # retrying helps, unless this request alone outgrows the K/V budget
-        if "more than the whole budget" in exc.details:  # then it is the request's size (a 400, never a 429 to retry)
-            out = grpc.StatusCode.OUT_OF_RANGE
-            return out, f"{service}: the request outgrows its K/V memory; ask for fewer tokens (prompt + max_tokens)"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # full now: retrying helps
         full = "session limit reached" if "session limit" in exc.details else "K/V memory exhausted"
         return code, f"{service}: {full}; retry later"
-    if code in _REFUSED:
+    if code == grpc.StatusCode.OUT_OF_RANGE:  # the session alone outgrows its K/V budget (runtime/admission.py): a 400
+        return code, f"{service}: the request outgrows its K/V memory; ask for fewer tokens (prompt + max_tokens)"
+    # about the request's values (FAILED_PRECONDITION is about the session protocol: ours, never the caller's)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
         details = exc.details
         for internal, public in PUBLIC_FIELDS:
             details = details.replace(internal, public)
