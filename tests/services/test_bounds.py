@@ -135,6 +135,19 @@ def test_prompt_length_and_context_limits(servers):
     assert len(ids) == MAX_CONTEXT - len(PROMPT)
 
 
+@pytest.mark.xfail(strict=True, reason="GetModelInfo reports the model's positions, not the --max-context")
+def test_model_info_says_how_many_positions_a_request_may_fill(servers):
+    """``ModelInfo.max_position_embeddings`` is what prompt + max_tokens must fit in (generate.proto): a client
+    that sizes its request by it is never refused for the context. The verifier's --max-context is that limit
+    here, not the model's own 131072 positions."""
+    addr = servers["orchestrator"].addr
+    info = generation_stub(addr).GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
+    assert info.max_position_embeddings == MAX_CONTEXT and info.max_prompt_tokens <= info.max_position_embeddings
+    over = request(PROMPT, max_tokens=info.max_position_embeddings - len(PROMPT) + 1)
+    code, details, _ = _code(lambda: generate(addr, over))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and f"exceed the context limit {MAX_CONTEXT}" in details
+
+
 def test_the_verifier_holds_a_session_to_its_max_positions(servers):
     stub = verifier_stub(servers["verifier"].addr)
     msgs = [
