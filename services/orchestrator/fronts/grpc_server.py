@@ -90,7 +90,7 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
             default_cache_policy=wire_contract.policy_to_proto(policy),
             target_layer_ids=list(e.verifier.aux_layers),
             max_prompt_tokens=self.limits.max_prompt_tokens,
-            max_position_embeddings=i.max_position_embeddings or 131072,
+            max_position_embeddings=self.limits.max_context,  # the servers' --max-context, else the model's
             has_chat_template=e.codec is not None and e.codec.chat is not None,
         )
 
