@@ -68,6 +68,8 @@ def policy_from_proto(p: cache_pb2.CachePolicy, default: CachePolicy, field: str
         raise InvalidRequest(f"{field}.slack", f"must be 0 (default) or 1..{MAX_BLOCK_SIZE}, got {p.slack}")
     if kind == "native" and (p.sink or p.window):
         raise InvalidRequest(field, "sink and window apply to CACHE_KIND_SINK_WINDOW only")
+    if p.full_kv_group_size and not p.full_kv_bits:  # it would be dropped: the session runs exact
+        raise InvalidRequest(f"{field}.full_kv_group_size", "applies with full_kv_bits 4 or 8 only (0: exact K/V)")
     values = {
         "kind": kind,
         "sink": p.sink,

@@ -36,7 +36,6 @@ def test_unset_fields_take_the_default_and_bad_fields_are_named():
         wire_contract.policy_from_proto(cache_pb2.CachePolicy(kind=cache_pb2.CACHE_KIND_NATIVE, sink=3), default)
 
 
-@pytest.mark.xfail(strict=True, reason="a group size beside full_kv_bits 0 is dropped: the policy runs exact")
 def test_a_group_size_without_quantization_is_refused_by_name():
     """``full_kv_group_size`` sizes the groups of ``full_kv_bits`` 4 or 8: beside 0 (exact K/V) it would be
     dropped (the request ran exact, said nothing), so it is refused naming the field; with the bits it is kept."""

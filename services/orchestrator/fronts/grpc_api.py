@@ -149,12 +149,8 @@ def _tool_choice(m: pb.ToolChoice, tools: tuple[Tool, ...]) -> tuple[str, str]:
 
 def _cache_policy(r: pb.GenerateRequest, default: CachePolicy) -> CachePolicy | None:
     """The request's own policy (its unset fields: the default's); None when it sent none, or an empty one."""
-    if not r.HasField("cache_policy") or r.cache_policy.kind == cache_pb2.CACHE_KIND_UNSPECIFIED:
-        if r.HasField("cache_policy") and r.cache_policy.ListFields():
-            given = ", ".join(f.name for f, _ in r.cache_policy.ListFields())
-            raise InvalidRequest("cache_policy.kind", f"must be set when {given} is given")
-        return None
-    return wire_contract.policy_from_proto(r.cache_policy, default, "cache_policy")
+    policy = wire_contract.policy_from_proto(r.cache_policy, default, "cache_policy")  # refuses fields without a kind
+    return None if r.cache_policy.kind == cache_pb2.CACHE_KIND_UNSPECIFIED else policy
 
 
 def complete_from_report(report: Report, reads_calls: bool = False) -> pb.GenerateResponse.Complete:
