@@ -187,6 +187,19 @@ def test_a_bad_tool_choice_is_invalid_argument_naming_the_field_and_the_server_g
     assert complete.finish_reason == pb.FINISH_REASON_TOOL_CALLS  # still serving
 
 
+@pytest.mark.xfail(strict=True, reason="tool_call_id and name on another role's message are dropped")
+@pytest.mark.parametrize(("role", "field"), [("user", "tool_call_id"), ("assistant", "tool_call_id"), ("user", "name")])
+def test_a_tool_messages_own_fields_on_another_role_are_refused_by_name(real, role, field):
+    """``ChatMessage.tool_call_id`` and ``name`` are a "tool" message's (generate.proto): on another role's message
+    the template never sees them, so they are refused naming the field rather than dropped without a word."""
+    _, addr, _ = real
+    req = _request(mode=pb.TOOL_CHOICE_MODE_NONE, max_tokens=4)
+    req.messages.messages.insert(0, pb.ChatMessage(role=role, content="x", **{field: "call_1"}))
+    assert _refused(addr, req).startswith(f"prompt.messages.messages[0].{field}: "), req
+    _, _, complete = _generate(addr, _request(mode=pb.TOOL_CHOICE_MODE_NONE, max_tokens=4))
+    assert complete.completion_tokens == 4  # still serving
+
+
 def test_any_tool_choice_is_answered_or_refused_by_name_never_an_internal_error(real):
     """Fuzzed: modes (unknown values too), names (declared, undeclared, a mode's), tools and a constraint."""
     from hypothesis import HealthCheck, given, settings
