@@ -110,20 +110,20 @@ def template_inputs(chat: Chat) -> tuple[list[dict], list[dict] | None]:
     for i, m in enumerate(chat.messages):
         message: dict[str, Any] = {"role": m.role, "content": m.content}
         called.update(c.id for c in m.tool_calls)
-        if m.role == "tool" and m.tool_call_id not in called:
-            raise ChatError(
-                f"messages[{i}].tool_call_id: {quote(m.tool_call_id)} answers no call of an earlier assistant"
-                " message (a tool message answers one of their tool_calls by its id)"
-            )
+        if m.role == "tool":
+            if m.tool_call_id not in called:
+                raise ChatError(
+                    f"messages[{i}].tool_call_id: {quote(m.tool_call_id)} answers no call of an earlier assistant"
+                    " message (a tool message answers one of their tool_calls by its id)"
+                )
+            message |= {"tool_call_id": m.tool_call_id} | ({"name": m.name} if m.name else {})
+        elif m.tool_call_id or m.name:  # a tool message's own fields: the template would never see them
+            raise ChatError(f"messages[{i}].{'tool_call_id' if m.tool_call_id else 'name'}: only for role 'tool'")
         if m.tool_calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c, i, j)}}
                 for j, c in enumerate(m.tool_calls)
             ]
-        if m.role == "tool":
-            message["tool_call_id"] = m.tool_call_id
-            if m.name:
-                message["name"] = m.name
         messages.append(message)
     try:
         check_tools(chat.tools)

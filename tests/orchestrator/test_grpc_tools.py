@@ -187,7 +187,6 @@ def test_a_bad_tool_choice_is_invalid_argument_naming_the_field_and_the_server_g
     assert complete.finish_reason == pb.FINISH_REASON_TOOL_CALLS  # still serving
 
 
-@pytest.mark.xfail(strict=True, reason="tool_call_id and name on another role's message are dropped")
 @pytest.mark.parametrize(("role", "field"), [("user", "tool_call_id"), ("assistant", "tool_call_id"), ("user", "name")])
 def test_a_tool_messages_own_fields_on_another_role_are_refused_by_name(real, role, field):
     """``ChatMessage.tool_call_id`` and ``name`` are a "tool" message's (generate.proto): on another role's message
