@@ -261,6 +261,15 @@ def test_a_schema_the_grammar_cannot_hold_is_refused_by_name(schema, says):
             tool_call_grammar([TIME], choice)
 
 
+@pytest.mark.xfail(strict=True, reason="a schema's unknown type name is quoted whole")
+def test_a_refusal_quotes_a_long_type_name_cut_as_every_client_value_is():
+    """docs/security.md: error texts quote a client's value at most 64 characters long. A 500-character ``type``
+    came back whole (beside a long property name it pushed the reason past the status's 1024 characters)."""
+    with pytest.raises(GrammarError) as err:
+        tool_call_grammar([Tool("f", "", {"type": "object", "properties": {"a": {"type": "t" * 500}}})], "required")
+    assert str(err.value).endswith(" is not a JSON schema type") and "t" * 64 not in str(err.value), err.value
+
+
 def test_parallel_tool_calls_false_holds_at_most_one_call(demo):
     """``parallel_tool_calls: false`` (issue 58): ``required`` takes one call, then the grammar ends; ``auto`` is
     held too, even with no strict tool, so text or text and one call (any arguments) and nothing after."""
