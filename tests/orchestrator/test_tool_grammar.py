@@ -261,7 +261,6 @@ def test_a_schema_the_grammar_cannot_hold_is_refused_by_name(schema, says):
             tool_call_grammar([TIME], choice)
 
 
-@pytest.mark.xfail(strict=True, reason="a schema's unknown type name is quoted whole")
 def test_a_refusal_quotes_a_long_type_name_cut_as_every_client_value_is():
     """docs/security.md: error texts quote a client's value at most 64 characters long. A 500-character ``type``
     came back whole (beside a long property name it pushed the reason past the status's 1024 characters)."""

@@ -156,7 +156,7 @@ class _Rules:
         if isinstance(value, dict):
             pairs = ' "," '.join(f"{self.key(k, where)} {self.literal(v, where)}" for k, v in sorted(value.items()))
             return f'"{{" {pairs} "}}"' if value else '"{" "}"'
-        raise GrammarError(where, f"{value!r} is not a JSON value")
+        raise GrammarError(where, f"{quote(value)} is not a JSON value")
 
     def key(self, key: str, where: str) -> str:
         if "<|" in key:
@@ -239,7 +239,7 @@ class _Rules:
             return self._array(schema, where)
         if kind == "object":
             return self.members(schema, where)
-        raise GrammarError(at(where, "type"), f"{kind!r} is not a JSON schema type")
+        raise GrammarError(at(where, "type"), f"{quote(kind)} is not a JSON schema type")
 
     def _string(self, schema: Mapping, where: str) -> str:
         """A string; with a pattern, length or format, its text is a terminal of all their regexes and of the
