@@ -147,6 +147,24 @@ def test_model_info_says_how_many_positions_a_request_may_fill(servers):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and f"exceed the context limit {MAX_CONTEXT}" in details
 
 
+@pytest.mark.xfail(strict=True, reason="a drafter whose --max-context is full counts as a failed one")
+def test_a_drafter_whose_context_is_full_has_not_failed(servers, server_factory):
+    """A drafter's --max-context below the verifier's: a request that outgrows it finishes with the verifier alone
+    (the same tokens), but the drafter did not fail, it is full: it is not reported failing nor backed off for the
+    other requests (the orchestrator logged "drafter ... failed", GetServerInfo said 1 failure, "retrying")."""
+    short = server_factory("short-drafter", ["drafter", *TINY_MLX, "--max-context", "64", "--grace", "2"])
+    start_all([short])
+    orch = server_factory(
+        "short-orch", ["orchestrator", "--verifier", servers["verifier"].addr, "--drafter", short.addr]
+    )
+    start_all([orch])
+    ids, _, complete, _ = generate(orch.addr, request(PROMPT, max_tokens=100))
+    assert ids == generate(servers["orchestrator"].addr, request(PROMPT, max_tokens=100))[0]
+    assert complete.stats.drafter_fallback  # past the drafter's 64 positions the verifier went on alone
+    info = generation_stub(orch.addr).GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=10)
+    assert dict(info.extra) == {"drafter_state": "ok", "drafter_failures": "0"}, info.extra
+
+
 def test_the_verifier_holds_a_session_to_its_max_positions(servers):
     stub = verifier_stub(servers["verifier"].addr)
     msgs = [
