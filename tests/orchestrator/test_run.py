@@ -1,5 +1,6 @@
 """The one request path: ``Engine.start`` -> ``Run``, against scripted verifier/drafter endpoints (no model)."""
 
+import dataclasses
 import threading
 import time
 
@@ -177,6 +178,35 @@ def test_a_stop_string_cuts_the_block_that_completed_it_and_ends_the_run():
     assert gen.finish_reason == "stop" and gen.token_ids == CONT[:3] and gen.acceptance_lengths == [2]
     assert first.text + second.text == run.report().text == f"<{CONT[0]}><{CONT[1]}>"
     assert _sessions(engine)[0].closed
+
+
+@pytest.fixture(scope="module")
+def demo_engine(demo_pair):
+    from kakeya.orchestrator.assembly import build_local_engine
+
+    return build_local_engine(demo_pair.target, demo_pair.draft, "torch", "cpu")
+
+
+@pytest.mark.parametrize("end", ["length", "stop token", "stop string"])
+def test_a_resume_holding_the_whole_generation_gets_its_end_and_no_block(demo_engine, end):
+    """A stream that broke after its last token, before its Complete: resumed with every token, the run streams
+    nothing again and ends as the uninterrupted one did (its finish reason, every token counted). Tokens past
+    that end are no stream this request could have sent: refused naming the field."""
+    base = Request("def fibonacci(n):", max_tokens=24, block_size=8, ignore_eos=True)
+    free = demo_engine.generate(base)
+    ends = {
+        "length": {"max_tokens": 12},
+        "stop token": {"stop_ids": (free.token_ids[9],)},
+        "stop string": {"stop_strings": (demo_engine.codec.decode(free.token_ids[7:10]).strip()[-3:],)},
+    }
+    req = dataclasses.replace(base, **ends[end])
+    whole = demo_engine.generate(req)
+    assert whole.finish_reason == ("length" if end == "length" else "stop") and len(whole.token_ids) <= 12
+    run = demo_engine.start(dataclasses.replace(req, resume_ids=tuple(whole.token_ids)))
+    assert list(run) == []
+    assert (run.result.token_ids, run.result.finish_reason) == (whole.token_ids, whole.finish_reason)
+    with pytest.raises(ValueError, match="resume_token_ids"):
+        demo_engine.start(dataclasses.replace(req, resume_ids=(*whole.token_ids, free.token_ids[0])))
 
 
 def test_cancel_from_another_thread_aborts_remote_streams_and_ends_the_iteration():

@@ -119,18 +119,18 @@ def test_the_client_resumes_a_stream_its_draining_orchestrator_aborted(
 def test_every_split_point_gives_the_exact_remainder(servers, reference, name):
     orch = servers[1]
     sampling = SEEDED if name == "seeded" else {}
-    for k in (1, 7, 64, N - 1):
+    for k in (1, 7, 64, N - 1, N):  # N: broken before its Complete, which comes alone
         req = request(PROMPT, max_tokens=N, **sampling)
         req.resume_token_ids.extend(reference[name][:k])
         ids, _, complete, _ = generate(orch.addr, req)
         assert ids == reference[name][k:], f"resumed after {k}: not the remainder"
-        assert complete.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        assert complete.finish_reason == generate_pb2.FINISH_REASON_LENGTH and complete.completion_tokens == N
 
 
 def test_what_cannot_resume_exactly_is_refused_by_name(servers, reference):
     orch = servers[1]
     cases = [
-        (request(PROMPT, max_tokens=8), reference["greedy"][:8], "max_tokens"),
+        (request(PROMPT, max_tokens=8), reference["greedy"][:9], "max_tokens"),  # 8: the Complete alone
         (request(PROMPT, max_tokens=N, temperature=0.8), reference["seeded"][:4], "seed"),
         (request(PROMPT, max_tokens=N, stop_token_ids=[reference["greedy"][2]]), reference["greedy"][:4], "stop token"),
         (request(PROMPT, max_tokens=N), [10**9], "vocabulary"),

@@ -127,8 +127,9 @@ def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) 
 
 
 def _resume(req: Request, sampling, stop_ids, max_tokens: int, vocab: int) -> None:
-    """A resumed stream's tokens continue only what this request would have generated, exactly: fewer than
-    ``max_tokens``, no stop token among them, a seed the client sent, a rule keyed by position, no grammar, no calls."""
+    """A resumed stream's tokens continue only what this request would have generated, exactly: at most
+    ``max_tokens``, no stop token but the last, a seed the client sent, a rule keyed by position, no grammar, no
+    calls. Tokens that end the generation (a stream broken after its last token) get its Complete and no block."""
     ids = req.resume_ids
     if not ids:
         return
@@ -136,11 +137,11 @@ def _resume(req: Request, sampling, stop_ids, max_tokens: int, vocab: int) -> No
     bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidRequest(field, f"token id {bad!r} is not in the vocabulary (0..{vocab - 1})")
-    if len(ids) >= max_tokens:
-        raise InvalidRequest(field, f"{len(ids)} tokens already reach max_tokens {max_tokens}: nothing left to resume")
-    stop = next((t for t in ids if t in stop_ids), None)
+    if len(ids) > max_tokens:
+        raise InvalidRequest(field, f"{len(ids)} tokens are more than max_tokens {max_tokens}")
+    stop = next((t for t in ids[:-1] if t in stop_ids), None)  # the last may end it: the run owes its Complete
     if stop is not None:
-        raise InvalidRequest(field, f"the generation already ended at stop token {stop}")
+        raise InvalidRequest(field, f"tokens follow stop token {stop}, where the generation ended")
     if not req.sampling.greedy and req.sampling.seed is None:
         raise InvalidRequest(field, "a sampled stream resumes only with the seed it ran with (sampling seed)")
     if not sampling.greedy and sampling.rule == REJECTION:

@@ -158,9 +158,13 @@ class Run:
         self._prefill_t0, self._prefilling = 0.0, None  # the prefill as _begin left it (see _prefill)
         self._takeover, self._on_takeover = options.takeover and req.constraint is None, options.on_takeover
         self.takeovers: list[tuple[str, float]] = []  # (role, pause seconds) of each take-over (``takeover.py``)
-        # a resumed stream: what the client has is context, not output (its text held back alike)
-        if req.resume_ids and self._text.add(list(req.resume_ids))[2]:
-            raise InvalidRequest("resume_token_ids", "the generation already ended at a stop string")
+        # a resumed stream: what the client has is context, not output (its text held back alike); one that
+        # completes a stop string with its last token ends the run as soon as its prefill ran (``_prefill``)
+        self._resumed_stop = False
+        if req.resume_ids:
+            kept, _, self._resumed_stop = self._text.add(list(req.resume_ids))
+            if len(kept) < len(req.resume_ids):
+                raise InvalidRequest("resume_token_ids", "tokens follow a stop string, where the generation ended")
         # the rejection rule needs the drafter's distribution beside each candidate: it never copies nor is guided
         self._exact = self._sampling.greedy or self._sampling.rule != REJECTION
         # a constrained request drafts with its grammar: greedy ones choose among the drafter's ranks
@@ -277,7 +281,10 @@ class Run:
         self._decode.generation.cached_tokens = min(cached, len(self.request.prompt_ids))  # resumed ones aren't prompt
         seconds = time.perf_counter() - self._prefill_t0
         if self.request.resume_ids:
-            return self._decode.resumed(self.request.resume_ids, aux, seconds)
+            block = self._decode.resumed(self.request.resume_ids, aux, seconds)
+            if self._resumed_stop:
+                self._decode.generation.finish_reason = "stop"
+            return block
         return self._decode.prefilled(first, aux, seconds)
 
     def _save(self) -> None:
