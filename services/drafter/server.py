@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from kakeya.core.contract import SessionOptions, check_ranked
@@ -22,7 +23,7 @@ from kakeya.core.request import MAX_BLOCK_SIZE
 from kakeya.drafter.session import DraftItem, LocalDrafterSession, draft_batch
 from kakeya.runtime import bounds
 from kakeya.runtime.admission import SessionEntry
-from kakeya.runtime.lifecycle import ServerSpec, check_token_ids, invalid, precondition, version
+from kakeya.runtime.lifecycle import RequestError, ServerSpec, check_token_ids, invalid, precondition, version
 from kakeya.runtime.servicer import RoundSlot, RoundWire, SessionLimits, SessionServicer, serve_round
 from kakeya.wire import codec
 from kakeya.wire import convert as wire_contract
@@ -229,13 +230,14 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
         return entry, DraftItem(session, d.new_aux, d.last_token, block)  # new_aux: decoded on the compute thread
 
     def _check_aux(self, tensor, session, field: str) -> tuple:
-        """A Draft's or Predraft's new aux: a float [n, aux width] tensor within --max-context (INVALID_ARGUMENT);
-        its shape."""
+        """A Draft's or Predraft's new aux: a float [n, aux width] tensor within --max-context; its shape. Past it is
+        OUT_OF_RANGE: the session outgrew this drafter (its client goes on without it), the drafter did not fail."""
         shape = self._aux_shape(tensor, field)
         if session.cache.length + shape[0] > self.max_context:
-            raise invalid(
+            raise RequestError(
+                grpc.StatusCode.OUT_OF_RANGE,
                 f"{field}: {shape[0]} rows on top of {session.cache.length} context positions exceed"
-                f" this server's limit {self.max_context} (--max-context)"
+                f" this server's limit {self.max_context} (--max-context)",
             )
         if shape[0] == 0 and session.cache.length == 0:
             raise invalid(f"{field}: the first draft of a session needs the prompt's aux (n >= 1)")

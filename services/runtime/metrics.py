@@ -110,7 +110,7 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency", "request start to Complete")
         phase = "one decode block's time by phase (wire: split deployments only)"
         self.block_latency = histogram("block_latency", phase, "phase")
-        fallbacks = "generations the verifier finished alone, by reason (drafter_failed, drafter_backoff, drafter_busy)"
+        fallbacks = "generations the verifier finished alone, by reason (drafter_failed, drafter_backoff, drafter_busy, drafter_full)"
         self.ar_fallbacks = counter(
             "ar_fallbacks", fallbacks + "; a client's cancel or deadline is never one", "reason"
         )

@@ -19,6 +19,7 @@ from kakeya.wire.kakeya.v1 import cache_pb2, drafter_pb2, generate_pb2, verifier
 
 from .conftest import (
     TINY_MLX,
+    ar_fallbacks,
     channel,
     drafter_stub,
     generate,
@@ -147,7 +148,6 @@ def test_model_info_says_how_many_positions_a_request_may_fill(servers):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and f"exceed the context limit {MAX_CONTEXT}" in details
 
 
-@pytest.mark.xfail(strict=True, reason="a drafter whose --max-context is full counts as a failed one")
 def test_a_drafter_whose_context_is_full_has_not_failed(servers, server_factory):
     """A drafter's --max-context below the verifier's: a request that outgrows it finishes with the verifier alone
     (the same tokens), but the drafter did not fail, it is full: it is not reported failing nor backed off for the
@@ -155,7 +155,8 @@ def test_a_drafter_whose_context_is_full_has_not_failed(servers, server_factory)
     short = server_factory("short-drafter", ["drafter", *TINY_MLX, "--max-context", "64", "--grace", "2"])
     start_all([short])
     orch = server_factory(
-        "short-orch", ["orchestrator", "--verifier", servers["verifier"].addr, "--drafter", short.addr]
+        "short-orch",
+        ["orchestrator", "--verifier", servers["verifier"].addr, "--drafter", short.addr, "--metrics-port", "0"],
     )
     start_all([orch])
     ids, _, complete, _ = generate(orch.addr, request(PROMPT, max_tokens=100))
@@ -163,6 +164,8 @@ def test_a_drafter_whose_context_is_full_has_not_failed(servers, server_factory)
     assert complete.stats.drafter_fallback  # past the drafter's 64 positions the verifier went on alone
     info = generation_stub(orch.addr).GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=10)
     assert dict(info.extra) == {"drafter_state": "ok", "drafter_failures": "0"}, info.extra
+    port = orch.info["metrics_port"]
+    assert (ar_fallbacks(port, "drafter_full"), ar_fallbacks(port, "drafter_failed")) == (1, 0)
 
 
 def test_the_verifier_holds_a_session_to_its_max_positions(servers):
@@ -189,7 +192,7 @@ def test_drafter_aux_rows_are_bounded(servers):
         drafter_pb2.DrafterRequest(draft=drafter_pb2.DrafterRequest.Draft(new_aux=aux, last_token=3, block_size=4)),
     ]
     code, details, _ = _code(lambda: list(drafter_stub(info.addr).Session(iter(msgs), timeout=10)))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "draft.new_aux" in details and "--max-context" in details
+    assert code == grpc.StatusCode.OUT_OF_RANGE and "draft.new_aux" in details and "--max-context" in details
 
 
 class _DraftSession:
@@ -223,7 +226,8 @@ def test_the_drafter_holds_its_context_caches_to_a_byte_budget(servers):
     huge = _DraftSession(addr, width)
     with pytest.raises(grpc.RpcError) as err:
         huge.draft(4096)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-kv-bytes" in err.value.details()
+    # more than the whole budget: OUT_OF_RANGE (no retry would fit; its orchestrator goes on without the drafter)
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE and "--max-kv-bytes" in err.value.details()
     a, b = _DraftSession(addr, width), _DraftSession(addr, width)
     assert a.draft(100).HasField("drafted") and b.draft(100).HasField("drafted")
     c = _DraftSession(addr, width)

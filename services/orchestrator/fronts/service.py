@@ -361,8 +361,9 @@ def _backend_status(exc: BackendError) -> tuple[grpc.StatusCode, str]:
 
 def fallback_reason(drafter_error: Exception | None, cancelled: bool) -> str | None:
     """Why a run finished on the verifier alone, as ``kakeya_ar_fallbacks_total{reason}`` counts it:
-    ``drafter_failed``, ``drafter_backoff`` (skipped after earlier failures) or ``drafter_busy``; None when
-    it did not fall back, or the client's own cancel or deadline ended the drafter's stream."""
+    ``drafter_failed``, ``drafter_backoff`` (skipped after earlier failures), ``drafter_busy`` or ``drafter_full``
+    (this generation outgrew the drafter); None when it did not fall back, or the client's own cancel or deadline
+    ended the drafter's stream."""
     if drafter_error is None or cancelled:
         return None
     if isinstance(drafter_error, BackendError):
@@ -372,4 +373,6 @@ def fallback_reason(drafter_error: Exception | None, cancelled: bool) -> str | N
             return "drafter_backoff"
         if drafter_error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return "drafter_busy"
+        if drafter_error.code == grpc.StatusCode.OUT_OF_RANGE:
+            return "drafter_full"
     return "drafter_failed"

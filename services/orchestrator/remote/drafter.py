@@ -123,7 +123,9 @@ class GrpcDrafterSession:
         aborted_here = self._broken  # abort() from our side (client cancelled): not the drafter's fault
         self.abort()
         if not aborted_here and not exc.ended_by_caller:
-            if not exc.drained:  # a drain hand-off is no failure of the drafter: no backoff for the others
+            # no failure of the drafter, so no backoff for the others: a drain's hand-off, or this session outgrowing
+            # it (OUT_OF_RANGE: past its --max-context or its whole K/V budget)
+            if not exc.drained and exc.code != grpc.StatusCode.OUT_OF_RANGE:
                 self.drafter.failed(exc)
             self._failure = exc
         return exc
