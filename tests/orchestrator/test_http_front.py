@@ -718,7 +718,6 @@ def test_vllms_prefill_flags_are_taken_as_vllm_takes_them(front):
     assert status == 400 and _refusal(answer) == "add_generation_prompt", answer
 
 
-@pytest.mark.xfail(strict=True, reason="a 405 names no Allow header")
 def test_a_wrong_method_is_a_405_naming_the_allowed_one(front):
     """RFC 9110: a 405 carries ``Allow``; the body is OpenAI's error shape."""
     conn = http.client.HTTPConnection("127.0.0.1", front[1], timeout=60)

@@ -290,7 +290,7 @@ class HttpFront:
         return _Json(exc.body(), status_code=exc.status, headers=headers)
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
-        return self._error(ApiError(exc.status_code, exc.detail or "not found"))
+        return self._error(ApiError(exc.status_code, exc.detail or "not found"), exc.headers)  # a 405's Allow
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
         log.exception("HTTP %s %s failed", request.method, request.url.path)
