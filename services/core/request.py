@@ -221,8 +221,8 @@ class Tool:
 
 @dataclass(frozen=True)
 class Message:
-    """One turn of a conversation, as the checkpoint's chat template reads it: an assistant's turn may call
-    tools (``tool_calls``); a ``tool`` message answers the call ``tool_call_id`` (of function ``name``)."""
+    """One turn of a conversation, as the checkpoint's chat template reads it (``name``: its participant's, or a
+    ``tool`` message's function): an assistant's turn may call tools; a ``tool`` message answers ``tool_call_id``."""
 
     role: str
     content: str

@@ -116,9 +116,11 @@ def template_inputs(chat: Chat) -> tuple[list[dict], list[dict] | None]:
                     f"messages[{i}].tool_call_id: {quote(m.tool_call_id)} answers no call of an earlier assistant"
                     " message (a tool message answers one of their tool_calls by its id)"
                 )
-            message |= {"tool_call_id": m.tool_call_id} | ({"name": m.name} if m.name else {})
-        elif m.tool_call_id or m.name:  # a tool message's own fields: the template would never see them
-            raise ChatError(f"messages[{i}].{'tool_call_id' if m.tool_call_id else 'name'}: only for role 'tool'")
+            message["tool_call_id"] = m.tool_call_id
+        elif m.tool_call_id:  # a tool message's own field: the template would never see it
+            raise ChatError(f"messages[{i}].tool_call_id: only for role 'tool'")
+        if m.name:  # a participant's name, a tool message's function: the template's to render (as vLLM's)
+            message["name"] = m.name
         if m.tool_calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c, i, j)}}

@@ -187,10 +187,11 @@ def test_a_bad_tool_choice_is_invalid_argument_naming_the_field_and_the_server_g
     assert complete.finish_reason == pb.FINISH_REASON_TOOL_CALLS  # still serving
 
 
-@pytest.mark.parametrize(("role", "field"), [("user", "tool_call_id"), ("assistant", "tool_call_id"), ("user", "name")])
+@pytest.mark.parametrize(("role", "field"), [("user", "tool_call_id"), ("assistant", "tool_call_id")])
 def test_a_tool_messages_own_fields_on_another_role_are_refused_by_name(real, role, field):
-    """``ChatMessage.tool_call_id`` and ``name`` are a "tool" message's (generate.proto): on another role's message
-    the template never sees them, so they are refused naming the field rather than dropped without a word."""
+    """``ChatMessage.tool_call_id`` is a "tool" message's (generate.proto): on another role's message the template
+    never sees it, so it is refused naming the field rather than dropped without a word (``name`` is any
+    participant's: the template gets it, test_http_front's ``test_a_messages_name_reaches_the_template...``)."""
     _, addr, _ = real
     req = _request(mode=pb.TOOL_CHOICE_MODE_NONE, max_tokens=4)
     req.messages.messages.insert(0, pb.ChatMessage(role=role, content="x", **{field: "call_1"}))

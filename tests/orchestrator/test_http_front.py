@@ -674,7 +674,6 @@ def test_the_sdk_reads_the_field_and_a_code_from_a_400(front, extra, param, code
 # --------------------------------------------------------------------------- 9. an app migrating from vLLM or OpenAI
 
 
-@pytest.mark.xfail(strict=True, reason="a message's name is dropped before the template, any type accepted")
 def test_a_messages_name_reaches_the_template_and_is_type_checked(front):
     """OpenAI's messages may carry a participant's ``name`` (vLLM hands it to the template, which may render it): it
     is the template's to use, never dropped on the way; one that is not a string is a 400 naming it."""

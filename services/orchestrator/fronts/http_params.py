@@ -351,18 +351,18 @@ def calls(value, i: int) -> tuple[ToolCall, ...]:
 
 
 def message(m: dict, i: int, content: str) -> Message:
-    """A message with its tool fields: an assistant's ``tool_calls``, a ``tool`` message's ``tool_call_id``."""
-    role = m["role"]
+    """A message with its ``name`` (a participant's, for the template) and its tool fields: an assistant's
+    ``tool_calls``, a ``tool`` message's ``tool_call_id``."""
+    role, name = m["role"], m.get("name") or ""
+    if not isinstance(name, str):
+        raise Refused(f"messages[{i}].name", "must be a string")
     if role == "tool":
         if not isinstance(m.get("tool_call_id"), str):
             raise Refused(f"messages[{i}].tool_call_id", "a tool message needs the id of the call it answers")
-        name = m.get("name") or ""
-        if not isinstance(name, str):
-            raise Refused(f"messages[{i}].name", "must be a string")
         return Message(role, content, tool_call_id=m["tool_call_id"], name=name)
     if m.get("tool_calls") is not None and role != "assistant":
         raise Refused(f"messages[{i}].tool_calls", "only an assistant's message calls tools")
-    return Message(role, content, tool_calls=calls(m.get("tool_calls"), i))
+    return Message(role, content, tool_calls=calls(m.get("tool_calls"), i), name=name)
 
 
 def call_deltas(call: ToolCall, index: int) -> list[dict]:
