@@ -689,7 +689,6 @@ def test_a_messages_name_reaches_the_template_and_is_type_checked(front):
     assert status == 400 and _refusal(answer) == "messages[0].name", answer
 
 
-@pytest.mark.xfail(strict=True, reason="max_tokens is silently ignored beside max_completion_tokens")
 def test_max_tokens_beside_a_different_max_completion_tokens_is_refused(front):
     """OpenAI refuses the two together (``param`` max_tokens); one of two different limits must not be dropped
     silently. The same limit sent under both names (clients that fill in both) is that limit."""

@@ -208,6 +208,8 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Reply, dict[str,
     )
     limit = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     max_name = next((n for n in limit if body.get(n) is not None), limit[-1])
+    if chat and None is not body.get("max_tokens") != body.get("max_completion_tokens") is not None:  # as OpenAI's
+        raise bad("max_tokens", f"{quote(body['max_tokens'])} beside a different max_completion_tokens: send one")
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
