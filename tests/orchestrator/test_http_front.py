@@ -699,7 +699,6 @@ def test_max_tokens_beside_a_different_max_completion_tokens_is_refused(front):
     assert status == 200 and answer["usage"]["completion_tokens"] == 3, answer
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM's prefill flags are refused, and their forbidden pair accepted")
 def test_vllms_prefill_flags_are_taken_as_vllm_takes_them(front):
     """vLLM's prefill is ``continue_final_message: true`` with ``add_generation_prompt: false`` (both true is its 400:
     the final message is continued, no new turn opened); alone, ``add_generation_prompt: false`` is refused here."""

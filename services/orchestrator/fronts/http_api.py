@@ -269,7 +269,11 @@ def chat_request(body: dict, served: str) -> tuple[Request, Reply, dict[str, str
         raise ApiError.invalid(exc, names) from None
     _flag(body, "parallel_tool_calls")  # true or false; unset: true
     parallel = body.get("parallel_tool_calls") is not False
-    prompt = Chat(tuple(turns), _flag(body, "continue_final_message"), tools, choice, parallel)
+    last = _flag(body, "continue_final_message")  # vLLM's prefill: with add_generation_prompt false, never true
+    if body.get("add_generation_prompt") is not None and _flag(body, "add_generation_prompt") is last:
+        why = "the template continues the final message (continue_final_message) or opens the assistant's turn"
+        raise bad("add_generation_prompt", f"{'true with' if last else 'false without'} continue_final_message: {why}")
+    prompt = Chat(tuple(turns), last, tools, choice, parallel)
     held = tool_choice.holds_calls(tools, choice, prompt.parallel_tool_calls)
     call = replace(call, tools=tool_choice.reads_calls(prompt), held_calls=held)
     return Request(prompt, **fields), call, names

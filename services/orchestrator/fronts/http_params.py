@@ -109,7 +109,7 @@ PARAMS: dict[str, Param] = {
     "structured_outputs": Param(HONOURED),
     # -- vLLM's extensions, /v1/chat/completions only
     "continue_final_message": Param(HONOURED, CHAT),
-    "add_generation_prompt": _refused(True, api=CHAT, why="the template always opens the assistant's turn"),
+    "add_generation_prompt": Param(HONOURED, CHAT),  # false exactly with continue_final_message, as vLLM's
     "chat_template": _refused(api=CHAT, why="the checkpoint's own template renders messages"),
     "chat_template_kwargs": _refused({}, api=CHAT, why="the template takes no arguments here"),
     "documents": _refused([], api=CHAT, why="the template renders no documents here"),
