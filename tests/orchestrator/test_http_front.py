@@ -727,7 +727,6 @@ def test_a_wrong_method_is_a_405_naming_the_allowed_one(front):
     assert r.status == 405 and r.getheader("allow") == "POST" and _refusal(body) is None, (r.getheaders(), body)
 
 
-@pytest.mark.xfail(strict=True, reason="a stop token's own text ends the answer's text")
 def test_a_stop_token_ids_text_is_not_in_the_answer(front):
     """vLLM ends a generation at a ``stop_token_ids`` token without its text (unless include_stop_str_in_output,
     refused here), as a stop string's: the token is counted and listed, its text is not in the answer."""

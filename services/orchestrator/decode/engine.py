@@ -314,7 +314,10 @@ class Run:
         elif block is None:
             self._end(self._decode.generation.finish_reason, learn=True)
         else:
-            ids, block.text, hit = self._text.add(block.tokens)
+            tokens = block.tokens  # a stop token (``_emit`` cut the block after it) is counted, its text no output
+            if tokens and tokens[-1] in self._decode.options.stop_ids:  # (EOS's and stop_token_ids', as vLLM's)
+                tokens = tokens[:-1]
+            ids, block.text, hit = self._text.add(tokens)
             self._streamed.append(block.text)
             if hit:
                 self._stop_at(block, len(ids))
