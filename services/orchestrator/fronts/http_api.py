@@ -136,8 +136,7 @@ def field_names(chat: bool, max_tokens: str) -> dict[str, str]:
         "prompt.tools[].parameters": "tools[].function.parameters",
         "prompt.messages[].tool_calls[].arguments": "messages[].tool_calls[].function.arguments",
     }
-    prompt = prompt if chat else {}
-    return prompt | {
+    return (prompt if chat else {}) | {
         "max_tokens": max_tokens,
         "logprobs": "top_logprobs" if chat else "logprobs",
         "sampling": "",
@@ -169,14 +168,13 @@ def stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("stream_options", "must be an object")
-    # strict, as vLLM is: an option of a stream that is not one, or one misspelt, would be silently ignored
+    # strict, as vLLM is: an option of a stream that is not one (so none below), or one misspelt, would be ignored
     if options and not stream:
         raise bad("stream_options", 'only with "stream": true (a whole answer always carries its usage)')
     unknown = sorted(set(options) - {"include_usage", "include_obfuscation"}, key=str)
     if unknown:
         raise bad("stream_options", f"unknown option {quote(unknown[0])} (include_usage and include_obfuscation are)")
-    usage, obfuscate = (_flag(options, k, "stream_options.") for k in ("include_usage", "include_obfuscation"))
-    return stream and usage, stream and obfuscate
+    return tuple(_flag(options, k, "stream_options.") for k in ("include_usage", "include_obfuscation"))
 
 
 def _common(body: dict, served: str, chat: bool) -> tuple[dict, Reply, dict[str, str]]:
@@ -195,14 +193,11 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Reply, dict[str,
         raise ApiError(400, str(exc), exc.param) from None
     stream = _flag(body, "stream")
     include_usage, obfuscate = stream_options(body, stream)
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise bad("top_p", f"must be in (0, 1], got {top_p}")
     top_k = _number(body, "top_k", 0, integer=True, low=-1, high=INT32)
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, low=0, high=1e6),  # OpenAI's default: 1
         top_k=0 if top_k == -1 else top_k,  # vLLM's -1 is off, as our 0
-        top_p=top_p,
+        top_p=_number(body, "top_p", 1.0),  # its range and min_p's: SamplingParams.check's, as gRPC's
         min_p=_number(body, "min_p", 0.0, low=0, high=1e6),
         seed=_number(body, "seed", integer=True, low=0, high=2**64),
     )
@@ -267,12 +262,10 @@ def chat_request(body: dict, served: str) -> tuple[Request, Reply, dict[str, str
         raise ApiError(400, str(exc), exc.param) from None
     except InvalidRequest as exc:  # a tool_choice refused as every front refuses it (``tools/grammar.py``)
         raise ApiError.invalid(exc, names) from None
-    _flag(body, "parallel_tool_calls")  # true or false; unset: true
-    parallel = body.get("parallel_tool_calls") is not False
+    parallel = body.get("parallel_tool_calls") is None or _flag(body, "parallel_tool_calls")  # unset: true
     last = _flag(body, "continue_final_message")  # vLLM's prefill: with add_generation_prompt false, never true
     if body.get("add_generation_prompt") is not None and _flag(body, "add_generation_prompt") is last:
-        why = "the template continues the final message (continue_final_message) or opens the assistant's turn"
-        raise bad("add_generation_prompt", f"{'true with' if last else 'false without'} continue_final_message: {why}")
+        raise bad("add_generation_prompt", "cannot be true with continue_final_message (as vLLM) nor false without it")
     prompt = Chat(tuple(turns), last, tools, choice, parallel)
     held = tool_choice.holds_calls(tools, choice, prompt.parallel_tool_calls)
     call = replace(call, tools=tool_choice.reads_calls(prompt), held_calls=held)

@@ -59,8 +59,7 @@ PARAMS: dict[str, Param] = {
     "n": _refused(1, why="one choice per request"),
     "logprobs": Param(HONOURED),  # chat: true/false; completions: k
     "logit_bias": _refused({}, why="it does not bias logits"),
-    "presence_penalty": _refused(0, 0.0, why="it applies no penalties"),
-    "frequency_penalty": _refused(0, 0.0, why="it applies no penalties"),
+    **dict.fromkeys(("presence_penalty", "frequency_penalty"), _refused(0, 0.0, why="it applies no penalties")),
     "user": _harmless(str),  # an end-user id for OpenAI's abuse monitoring
     # -- OpenAI, /v1/completions only
     "prompt": Param(HONOURED, COMPLETIONS),
@@ -84,9 +83,8 @@ PARAMS: dict[str, Param] = {
     "store": _harmless(bool, api=CHAT),  # OpenAI's storage of completions
     "metadata": _harmless(dict, api=CHAT),  # tags for OpenAI's stored completions
     "service_tier": _harmless(str, api=CHAT),  # OpenAI's processing tier: the output is the same
-    "prompt_cache_key": _harmless(str, api=CHAT),  # a cache-routing hint: the prefix cache needs none
-    "prompt_cache_retention": _harmless(str, api=CHAT),
-    "safety_identifier": _harmless(str, api=CHAT),
+    # a cache-routing hint (the prefix cache needs none), its retention, an end-user id for OpenAI's monitoring
+    **dict.fromkeys(("prompt_cache_key", "prompt_cache_retention", "safety_identifier"), _harmless(str, api=CHAT)),
     # -- vLLM's extensions, both APIs
     **dict.fromkeys(("top_k", "min_p", "ignore_eos", "stop_token_ids"), Param(HONOURED)),
     "request_id": Param(HONOURED),  # in the logs of every process the request reaches
@@ -108,8 +106,8 @@ PARAMS: dict[str, Param] = {
     **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar"), Param(HONOURED)),
     "structured_outputs": Param(HONOURED),
     # -- vLLM's extensions, /v1/chat/completions only
-    "continue_final_message": Param(HONOURED, CHAT),
-    "add_generation_prompt": Param(HONOURED, CHAT),  # false exactly with continue_final_message, as vLLM's
+    # vLLM's prefill: continue_final_message with add_generation_prompt false (``http_api.chat_request``)
+    **dict.fromkeys(("continue_final_message", "add_generation_prompt"), Param(HONOURED, CHAT)),
     "chat_template": _refused(api=CHAT, why="the checkpoint's own template renders messages"),
     "chat_template_kwargs": _refused({}, api=CHAT, why="the template takes no arguments here"),
     "documents": _refused([], api=CHAT, why="the template renders no documents here"),
