@@ -209,7 +209,7 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Reply, dict[str,
     stops = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad("stop", "must be a string or a list of strings")
-    request_id = body.get("request_id") or ""
+    request_id = "" if body.get("request_id") is None else body["request_id"]  # 0 or false is no string either
     if not isinstance(request_id, str):
         raise bad("request_id", "must be a string")
     fields = {
