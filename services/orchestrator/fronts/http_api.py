@@ -165,7 +165,7 @@ def model_not_found(model, served: str) -> ApiError:
 
 def stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     """``stream_options``: (``include_usage``, ``include_obfuscation``) as asked."""
-    options = body.get("stream_options") or {}
+    options = {} if body.get("stream_options") is None else body["stream_options"]  # null, never any falsy value
     if not isinstance(options, dict):
         raise bad("stream_options", "must be an object")
     # strict, as vLLM is: an option of a stream that is not one (so none below), or one misspelt, would be ignored
@@ -205,8 +205,8 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Reply, dict[str,
     max_name = next((n for n in limit if body.get(n) is not None), limit[-1])
     if chat and None is not body.get("max_tokens") != body.get("max_completion_tokens") is not None:  # as OpenAI's
         raise bad("max_tokens", f"{quote(body['max_tokens'])} beside a different max_completion_tokens: send one")
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop or []
+    stop, stop_ids = ([] if body.get(k) is None else body[k] for k in ("stop", "stop_token_ids"))  # null, no falsy
+    stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad("stop", "must be a string or a list of strings")
     request_id = "" if body.get("request_id") is None else body["request_id"]  # 0 or false is no string either
@@ -216,7 +216,7 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Reply, dict[str,
         "max_tokens": _number(body, max_name, None, integer=True, low=1, high=INT32),
         "block_size": _number(body, "block_size", 0, integer=True, low=-INT32, high=INT32),
         "stop_strings": tuple(stops),
-        "stop_ids": tuple(_ids(body.get("stop_token_ids") or [], "stop_token_ids")),
+        "stop_ids": tuple(_ids(stop_ids, "stop_token_ids")),
         "ignore_eos": _flag(body, "ignore_eos"),
         "sampling": sampling,
         "request_id": request_id,

@@ -351,7 +351,7 @@ def calls(value, i: int) -> tuple[ToolCall, ...]:
 def message(m: dict, i: int, content: str) -> Message:
     """A message with its ``name`` (a participant's, for the template) and its tool fields: an assistant's
     ``tool_calls``, a ``tool`` message's ``tool_call_id``."""
-    role, name = m["role"], m.get("name") or ""
+    role, name = m["role"], "" if m.get("name") is None else m["name"]
     if not isinstance(name, str):
         raise Refused(f"messages[{i}].name", "must be a string")
     if role == "tool":
