@@ -767,3 +767,21 @@ def test_a_falsy_value_of_the_wrong_type_is_refused_as_any_other(front, field, v
         body = BASE[CHAT] | {field: value, "stream": field == "stream_options"}
     status, answer = Client(front[1]).post(CHAT, body)
     assert status == 400 and _refusal(answer) == field, answer
+
+
+@pytest.mark.xfail(strict=True, reason="vLLM parameters that change the answer are missing from the table: ignored")
+@pytest.mark.parametrize(
+    ("path", "name", "neutral", "changing"),
+    [(CHAT, "guided_whitespace_pattern", None, "[ ]?"), (CHAT, "logits_processors", None, ["pkg.Processor"]),
+     (COMPLETIONS, "prompt_embeds", None, "AAAAAA=="), (CHAT, "return_token_ids", False, True),
+     (COMPLETIONS, "spaces_between_special_tokens", True, False), (CHAT, "structural_tag", None, "{}")],
+)  # fmt: skip
+def test_more_vllm_parameters_that_change_the_answer_are_refused_by_name(front, path, name, neutral, changing):
+    """vLLM's whitespace of guided JSON, custom logits processors, prompt embeddings, the token ids in the answer,
+    the spacing of special tokens and its structural tags each change what comes back: taken at the value that asks
+    for nothing, refused by name otherwise -- never ignored as an unknown name is."""
+    client = Client(front[1])
+    status, answer = client.post(path, BASE[path] | {name: neutral})
+    assert status == 200, answer
+    status, answer = client.post(path, BASE[path] | {name: changing})
+    assert status == 400 and _refusal(answer) == name, answer
