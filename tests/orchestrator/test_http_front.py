@@ -769,7 +769,6 @@ def test_a_falsy_value_of_the_wrong_type_is_refused_as_any_other(front, field, v
     assert status == 400 and _refusal(answer) == field, answer
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM parameters that change the answer are missing from the table: ignored")
 @pytest.mark.parametrize(
     ("path", "name", "neutral", "changing"),
     [(CHAT, "guided_whitespace_pattern", None, "[ ]?"), (CHAT, "logits_processors", None, ["pkg.Processor"]),

@@ -47,7 +47,6 @@ def _harmless(*types: type, api: str = BOTH) -> Param:
     return Param(HARMLESS, api, types=types)
 
 
-_NO_LOGPROBS = "this server returns no log probabilities of prompt tokens"
 _NO_TOOLS = "the deprecated function-calling parameters are not supported: use tools and tool_choice"
 _TEXT = "this server generates text only"
 _SPECIAL = "the prompt's special tokens are the tokenizer's (completions), the template's (chat)"
@@ -93,18 +92,23 @@ PARAMS: dict[str, Param] = {
     "min_tokens": _refused(0, why="it cannot hold back EOS"),
     "use_beam_search": _refused(False, why="it does not search beams"),
     "length_penalty": _refused(1, 1.0, why="it does not search beams"),
-    "include_stop_str_in_output": _refused(False, why="stop strings are cut from the text"),
+    "include_stop_str_in_output": _refused(False, why="stop strings and stop tokens are cut from the text"),
     "skip_special_tokens": _refused(True, why="special tokens are always skipped in the text"),
+    "spaces_between_special_tokens": _refused(True, why="special tokens are always skipped in the text"),
     "bad_words": _refused([], why="it does not ban words"),
     "allowed_token_ids": _refused(why="it does not restrict the vocabulary"),
-    "prompt_logprobs": _refused(0, why=_NO_LOGPROBS),
+    "prompt_logprobs": _refused(0, why="this server returns no log probabilities of prompt tokens"),
     "truncate_prompt_tokens": _refused(why="a prompt over the limit is refused, never truncated"),
     "repetition_detection": _refused(why="it does not stop on repeated patterns"),
     "return_tokens_as_token_ids": _refused(False, why="logprobs name tokens by their text (kakeya.token_ids: ids)"),
+    "return_token_ids": _refused(False, why="the answer's token ids are under kakeya.token_ids"),
+    "logits_processors": _refused(why="it runs no custom logits processors"),
+    "prompt_embeds": _refused(api=COMPLETIONS, why="a prompt is text or token ids"),
     # vLLM's defaults: completions add the tokenizer's special tokens (BOS), chat only the template's
     "add_special_tokens": Param(REFUSED, accepts={COMPLETIONS: (None, True), CHAT: (None, False)}, why=_SPECIAL),
     **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar"), Param(HONOURED)),
     "structured_outputs": Param(HONOURED),
+    **dict.fromkeys(("guided_whitespace_pattern", "structural_tag"), _refused(why="guided output has no such option")),
     # -- vLLM's extensions, /v1/chat/completions only
     # vLLM's prefill: continue_final_message with add_generation_prompt false (``http_api.chat_request``)
     **dict.fromkeys(("continue_final_message", "add_generation_prompt"), Param(HONOURED, CHAT)),
@@ -223,8 +227,7 @@ def _structured(value, bad) -> tuple[str, Constraint] | None:
         raise bad("structured_outputs", "must be an object")
     unknown = sorted(k for k in value if k not in STRUCTURED and k != "json_object")
     if unknown:
-        why = "is not supported: json, regex, choice, grammar or json_object"
-        raise bad("structured_outputs", f"{quote(unknown[0])} {why}")
+        raise bad("structured_outputs", f"{quote(unknown[0])} is not one of json, regex, choice, grammar, json_object")
     sent = [k for k, v in value.items() if v is not None and v is not False]
     if len(sent) != 1:
         why = f"must hold exactly one of json, regex, choice, grammar, json_object (got {len(sent)})"
