@@ -784,3 +784,12 @@ def test_more_vllm_parameters_that_change_the_answer_are_refused_by_name(front, 
     assert status == 200, answer
     status, answer = client.post(path, BASE[path] | {name: changing})
     assert status == 400 and _refusal(answer) == name, answer
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_float_that_is_not_finite_is_a_400_naming_its_field(front, field, value):
+    """Python's JSON reads NaN and Infinity: the sampling checks every front shares refuse them by name."""
+    body = json.dumps(BASE[COMPLETIONS])[:-1].encode() + f', "{field}": {value}}}'.encode()
+    status, answer = Client(front[1]).post(COMPLETIONS, body)
+    assert status == 400 and _refusal(answer) == field, answer
