@@ -795,7 +795,6 @@ def test_a_float_that_is_not_finite_is_a_400_naming_its_field(front, field, valu
     assert status == 400 and _refusal(answer) == field, answer
 
 
-@pytest.mark.xfail(strict=True, reason="completions refuse response_format, chat refuses even echo: false")
 def test_vllms_completions_take_response_format_and_its_chat_echo_false(front):
     """vLLM's /v1/completions takes ``response_format`` (as its chat does); its chat takes ``echo`` (false: nothing
     asked, true: the last message repeated, refused here by name)."""

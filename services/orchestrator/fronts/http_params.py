@@ -63,10 +63,10 @@ PARAMS: dict[str, Param] = {
     # -- OpenAI, /v1/completions only
     "prompt": Param(HONOURED, COMPLETIONS),
     "best_of": _refused(1, api=COMPLETIONS, why="one candidate per request"),
-    "echo": _refused(False, api=COMPLETIONS, why="it does not echo the prompt"),
+    "echo": _refused(False, why="it does not echo the prompt"),  # vLLM's chat has it too (the last message)
     "suffix": _refused("", api=COMPLETIONS, why="it does not insert text"),
     # -- OpenAI, /v1/chat/completions only
-    **dict.fromkeys(("messages", "max_completion_tokens", "response_format"), Param(HONOURED, CHAT)),
+    **dict.fromkeys(("messages", "max_completion_tokens"), Param(HONOURED, CHAT)),
     "modalities": _refused(["text"], api=CHAT, why=_TEXT),
     "audio": _refused(api=CHAT, why=_TEXT),
     "top_logprobs": Param(HONOURED, CHAT),  # with logprobs: true
@@ -84,8 +84,8 @@ PARAMS: dict[str, Param] = {
     "service_tier": _harmless(str, api=CHAT),  # OpenAI's processing tier: the output is the same
     # a cache-routing hint (the prefix cache needs none), its retention, an end-user id for OpenAI's monitoring
     **dict.fromkeys(("prompt_cache_key", "prompt_cache_retention", "safety_identifier"), _harmless(str, api=CHAT)),
-    # -- vLLM's extensions, both APIs
-    **dict.fromkeys(("top_k", "min_p", "ignore_eos", "stop_token_ids"), Param(HONOURED)),
+    # -- vLLM's extensions, both APIs (response_format: OpenAI's on chat)
+    **dict.fromkeys(("top_k", "min_p", "ignore_eos", "stop_token_ids", "response_format"), Param(HONOURED)),
     "request_id": Param(HONOURED),  # in the logs of every process the request reaches
     "block_size": Param(HONOURED),  # Kakeya's own: the speculative block size (0: auto)
     "repetition_penalty": _refused(1, 1.0, why="it applies no penalties"),
