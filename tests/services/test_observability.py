@@ -135,13 +135,15 @@ def _request_ids(served, process: str, msg_start: str) -> list[str]:
 def test_a_request_has_one_id_in_every_process_whoever_names_it(served, proxy_id):
     """A request without ``request_id``: the id the orchestrator makes up is on its own lines too, or the one a
     proxy sent as ``x-request-id`` metadata (Envoy adds one to every call) names it in all three processes --
-    never one id in the orchestrator's log and another in the verifier's."""
+    never one id in the orchestrator's log and another in the verifier's. The call's initial metadata says it."""
     before = len(_request_ids(served, "orchestrator", "finished:"))
     metadata = (("x-request-id", proxy_id),) if proxy_id else ()
-    list(generation_stub(served.addr).Generate(request(PROMPT, max_tokens=8, block_size=4), metadata=metadata))
+    call = generation_stub(served.addr).Generate(request(PROMPT, max_tokens=8, block_size=4), metadata=metadata)
+    list(call)
     finished = wait_until(lambda: _request_ids(served, "orchestrator", "finished:")[before:], what="its line")
     rid = finished[0]
     assert rid and rid == (proxy_id or rid), finished
+    assert dict(call.initial_metadata())["x-request-id"] == rid  # the client can quote it, as HTTP's header
     assert _request_ids(served, "orchestrator", "generate:")[-1] == rid
     for backend in ("verifier", "drafter"):
         wait_until(lambda: rid in _request_ids(served, backend, ""), what=f"the {backend}'s line")  # noqa: B023

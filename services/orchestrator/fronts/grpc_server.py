@@ -9,6 +9,7 @@ RPC with its status before the first chunk, or ``FINISH_REASON_ERROR`` after it.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -54,8 +55,12 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
             proxy_id = dict(context.invocation_metadata()).get("x-request-id", "")
             if proxy_id and not req.request_id:  # a proxy's id of the call (Envoy sends one) names it in every log
                 req, names = replace(req, request_id=proxy_id), names | {"request_id": "x-request-id metadata"}
-            streamed = 0  # characters of text sent so far
+            req = replace(req, request_id=req.request_id or uuid.uuid4().hex[:16])
+            streamed, told = 0, False  # characters of text sent so far; whether the id went back
             for item in self.stream(req, context):
+                if not told:  # checked by now: the id every log line names goes back, as HTTP's X-Request-Id
+                    context.send_initial_metadata((("x-request-id", req.request_id),))
+                    told = True
                 if isinstance(item, Block):
                     streamed += len(item.text)
                     logprobs = [wire_contract.logprobs_to_proto(lp) for lp in item.logprobs or ()]
