@@ -13,7 +13,7 @@ copies that into the message. Decoding reads ``Tensor.data`` once (protobuf hand
 views it with ``np.frombuffer``; mlx copies that view into its own memory, torch copies it once, straight onto
 ``device`` (default CPU).
 
-bfloat16 has no numpy dtype: numpy sees it as its ``uint16`` bit patterns (see :func:`bfloat16_to_float32`); mlx and
+bfloat16 has no numpy dtype: numpy sees it as its ``uint16`` bit patterns (the upper half of a float32's); mlx and
 torch get real bfloat16 arrays. Errors: a malformed Tensor raises ``ValueError`` naming the problem (servers map it to
 ``INVALID_ARGUMENT``); an input of an unsupported type raises ``TypeError``.
 """
@@ -174,22 +174,3 @@ def from_proto(tensor: Tensor, like: str = "numpy", *, device: Any = None) -> An
     if sys.byteorder == "big" and spec.itemsize > 1:  # pragma: no cover - no such host in use
         arr = arr.astype(spec.wire.newbyteorder("="))
     return arr if like == "numpy" else _backend(like).from_host(arr, spec is _BF16, device)
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns (``uint16``) -> float32 values (exact)."""
-    bits = np.asarray(bits)
-    if bits.dtype.itemsize != 2 or bits.dtype.kind not in "ui":
-        raise ValueError(f"bfloat16 bits must be a 16-bit integer array, got {bits.dtype}")
-    return (bits.astype(np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
-    """float32 values -> bfloat16 bit patterns (``uint16``), round-to-nearest-even; NaN stays NaN."""
-    v = np.asarray(values, dtype=np.float32)
-    u = v.view(np.uint32)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(v), np.uint16(0x7FC0) | (u >> 16).astype(np.uint16), rounded)

@@ -7,16 +7,25 @@ import numpy as np
 import pytest
 import torch
 
-from kakeya.wire.codec import (
-    DType,
-    Tensor,
-    bfloat16_to_float32,
-    dtype_name,
-    float32_to_bfloat16,
-    from_proto,
-    to_proto,
-    validate,
-)
+from kakeya.wire.codec import DType, Tensor, dtype_name, from_proto, to_proto, validate
+
+
+# bfloat16's bit patterns as numpy holds them (uint16), converted by hand: what the backends' arrays must match
+def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (``uint16``) -> float32 values (exact)."""
+    bits = np.asarray(bits)
+    if bits.dtype.itemsize != 2 or bits.dtype.kind not in "ui":
+        raise ValueError(f"bfloat16 bits must be a 16-bit integer array, got {bits.dtype}")
+    return (bits.astype(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
+    """float32 values -> bfloat16 bit patterns (``uint16``), round-to-nearest-even; NaN stays NaN."""
+    v = np.asarray(values, dtype=np.float32)
+    u = v.view(np.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(v), np.uint16(0x7FC0) | (u >> 16).astype(np.uint16), rounded)
+
 
 NAMES = ["float32", "float16", "bfloat16", "int32", "int64", "uint8", "int8", "bool"]
 SHAPES = [(), (0,), (7,), (2, 3, 5), (4, 0, 2)]
