@@ -102,11 +102,17 @@ def add_cache_args(p, default_kind: str | None = "native", *, restore_sources: b
 
 
 def cache_policy_from_args(args):
-    """The CachePolicy the flags ask for, or None when --cache was left to the server."""
-    restore = getattr(args, "restore", None)
+    """The CachePolicy the flags ask for, or None when --cache was left to the server; a ValueError names a flag
+    that is off or that the policy has no use for (--sink's default 4 passes: deployments hand it to any policy)."""
+    restore, windowed = getattr(args, "restore", None), {"--sink": args.sink != 4, "--window": args.window is not None}
+    if args.cache is None and (args.full_kv_bits or restore or any(windowed.values())):
+        raise ValueError("--sink/--window/--full-kv-bits/--restore need --cache native|sink-window")
+    if args.cache == "native" and (given := [flag for flag, value in windowed.items() if value]):
+        raise ValueError(f"{given[0]}: for --cache sink-window (native keeps the model's own sliding window)")
+    for flag, value, least in (("--sink", args.sink, 0), ("--window", args.window, 1)):
+        if value is not None and value < least:  # a client's window 0 would be the wire's "the model's own"
+            raise ValueError(f"{flag}: must be an integer >= {least}, got {value}")
     if args.cache is None:
-        if args.full_kv_bits or args.window is not None or restore:
-            raise ValueError("--window/--full-kv-bits/--restore need --cache native|sink-window")
         return None
     restore = restore.removeprefix("ftheta:") if restore else None
     if args.cache == "native":

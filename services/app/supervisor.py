@@ -265,7 +265,7 @@ def cmd_serve_all(args) -> int:
         try:
             back = ["--host", "127.0.0.1", "--port", "0"]  # loopback only: the orchestrator is their one client
             cache = ["--cache", args.cache, "--sink", str(args.sink), "--full-kv-bits", str(args.full_kv_bits),
-                     *(["--window", str(args.window)] if args.window else [])]  # fmt: skip
+                     *(["--window", str(args.window)] if args.window is not None else [])]  # fmt: skip
 
             def spawn(role: str, *argv: str, port: int) -> None:  # port: the i-th of --metrics-port
                 child = serve_flags.child_argv(args, role, token_file)

@@ -401,11 +401,9 @@ def test_transformers_baseline_runs_where_it_measures_the_same_thing_and_says_wh
         assert _compare_transformers(other[0], other[1], None, other[2]) == {}
 
 
-CACHE_FLAGS_XFAIL = pytest.mark.xfail(strict=True, reason="--sink/--window dropped, or window 0 sent as unset")
 FIELD_NAMED_XFAIL = pytest.mark.xfail(strict=True, reason="the client's own checks name max_tokens/block_size")
 
 
-@pytest.mark.xfail(strict=True, reason="a native policy drops --sink/--window; window 0 is refused naming --cache")
 @pytest.mark.parametrize(
     "flags, named",
     [
@@ -440,9 +438,9 @@ def test_a_flag_another_command_has_is_not_read_as_a_longer_one(capsys):
         (["--temperature", "1", "--top-p", "0"], "--top-p"),
         (["--chat", "--prompt-ids", "2,3"], "--chat"),
         (["--temperature", "1", "--seed", str(2**64)], "--seed"),
-        pytest.param(["--cache", "sink-window", "--window", "0"], "--window", marks=CACHE_FLAGS_XFAIL),  # wire 0: unset
-        pytest.param(["--sink", "8"], "--sink", marks=CACHE_FLAGS_XFAIL),  # no --cache: the server's policy
-        pytest.param(["--cache", "native", "--window", "16"], "--window", marks=CACHE_FLAGS_XFAIL),
+        (["--cache", "sink-window", "--window", "0"], "--window"),  # wire 0: unset
+        (["--sink", "8"], "--sink"),  # no --cache: the server's policy
+        (["--cache", "native", "--window", "16"], "--window"),
         pytest.param(["--max-tokens", "0"], "--max-tokens", marks=FIELD_NAMED_XFAIL),  # wire 0: the default
         pytest.param(["--block-size", "17"], "--block-size", marks=FIELD_NAMED_XFAIL),
     ],
