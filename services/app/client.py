@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kakeya.app import flags as serve_flags
 from kakeya.app import options
 from kakeya.app.serve import DEFAULT_PORTS
-from kakeya.core.request import check_block_size
+from kakeya.core.request import MAX_BLOCK_SIZE
 from kakeya.wire import convert as wire_contract
 from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 from kakeya.wire.kakeya.v1 import generate_pb2_grpc
@@ -118,10 +118,10 @@ def generate_request(args):
 
 
 def cmd_client_generate(args) -> int:
-    if args.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {args.max_tokens}")
-    if args.block_size:  # as `kakeya generate`: 0 or omitted is auto, on the wire as everywhere
-        check_block_size(args.block_size)
+    if args.max_tokens < 1:  # refused here, as `kakeya generate` refuses it: the wire's 0 is the server's default
+        raise ValueError(f"--max-tokens: must be an integer >= 1, got {args.max_tokens}")
+    if not 0 <= (args.block_size or 0) <= MAX_BLOCK_SIZE:  # as `kakeya generate`: 0 or omitted is auto
+        raise ValueError(f"--block-size: must be 0 (auto) or 1..{MAX_BLOCK_SIZE}, got {args.block_size}")
     if args.prompt is not None and args.prompt_ids is not None:
         raise ValueError("give --prompt or --prompt-ids, not both")
     req = generate_request(args)

@@ -66,11 +66,6 @@ MAX_LOGPROBS = 20
 MAX_BLOCK_SIZE = 16
 
 
-def check_block_size(block_size: int, field: str = "block_size") -> None:
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise InvalidRequest(field, f"must be between 1 and {MAX_BLOCK_SIZE}, got {block_size}")
-
-
 @dataclass(frozen=True)
 class CachePolicy:
     """How a session bounds its sliding-layer K/V (full-attention layers always stay exact). ``native``: the

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kakeya.core.contract import Draft, DrafterSession, Verdict, VerifierSession, replica_lost
 from kakeya.core.generation import Block, Generation
-from kakeya.core.request import MAX_BLOCK_SIZE, check_block_size
+from kakeya.core.request import MAX_BLOCK_SIZE
 from kakeya.orchestrator.proposers import DRAFTER, FORCED, NGRAM, DraftState, Guide, NgramProposer, Proposal, Proposer
 
 if TYPE_CHECKING:
@@ -54,8 +54,8 @@ class DecodeOptions:
     def __post_init__(self):  # the engine checked the request; these guard direct callers (tests, benchmarks)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if isinstance(self.block_size, int):
-            check_block_size(self.block_size)
+        if isinstance(self.block_size, int) and not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be between 1 and {MAX_BLOCK_SIZE}, got {self.block_size}")
 
 
 class DrafterProposer:
