@@ -109,9 +109,8 @@ def cache_policy_from_args(args):
         raise ValueError("--sink/--window/--full-kv-bits/--restore need --cache native|sink-window")
     if args.cache == "native" and (given := [flag for flag, value in windowed.items() if value]):
         raise ValueError(f"{given[0]}: for --cache sink-window (native keeps the model's own sliding window)")
-    for flag, value, least in (("--sink", args.sink, 0), ("--window", args.window, 1)):
-        if value is not None and value < least:  # a client's window 0 would be the wire's "the model's own"
-            raise ValueError(f"{flag}: must be an integer >= {least}, got {value}")
+    if args.window is not None and args.window < 1:  # a client's 0 would go out as the wire's "the model's own"
+        raise ValueError(f"--window: must be an integer >= 1, got {args.window}")
     if args.cache is None:
         return None
     restore = restore.removeprefix("ftheta:") if restore else None

@@ -100,9 +100,9 @@ class CachePolicy:
                 raise InvalidRequest("cache_policy", "the native policy takes no sink/window: use kind 'sink-window'")
             return replace(self, sink=0, window=model_window)
         window = self.window if self.window is not None else model_window
-        if window < 1 or self.sink < 0:
+        if window < 1 or self.sink < 0:  # the field that is off, so a refusal names what its caller set
             why = f"sink-window needs window >= 1 and sink >= 0 (got window={window}, sink={self.sink})"
-            raise InvalidRequest("cache_policy", why)
+            raise InvalidRequest("cache_policy.window" if window < 1 else "cache_policy.sink", why)
         if self.restore is not None and window >= model_window:
             raise InvalidRequest(
                 "cache_policy.window",
