@@ -371,7 +371,7 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
         try:
             ready_extra["http_port"] = spec.http.start(host, spec.tls, grace_s)
         except (OSError, RuntimeError) as exc:
-            return _failed(spec, f"cannot serve HTTP on {host} ({exc})", server)
+            return _failed(spec, f"cannot serve HTTP on {host}:{spec.http.port} (--http-port: {exc})", server)
         log.info("%s HTTP (OpenAI API) on %s:%d (503 until SERVING)", spec.name, host, ready_extra["http_port"])
 
     # Load in the background so a signal during a long load still stops us.

@@ -58,7 +58,6 @@ def test_serve_all_default_max_tokens_and_a_second_serve_all_on_its_port(server_
     assert len(generate(first.addr, request([2, 40, 41, 42], max_tokens=5))[0]) == 5  # the first one is untouched
 
 
-@pytest.mark.xfail(strict=True, reason="the HTTP refusal names neither the port nor --http-port")
 def test_an_http_port_held_by_another_socket_is_refused_naming_it():
     """It said "cannot serve HTTP on 127.0.0.1 ([Errno 98] Address already in use)": which of its ports, and which
     flag sets it, were left to guess (the gRPC and metrics refusals name host:port)."""
