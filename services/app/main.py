@@ -167,7 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     """Every sub-command; imports neither MLX nor torch (each command imports its backend when it runs)."""
     from kakeya.app import client, inspect_ckpt, serve, tools
 
-    parser = argparse.ArgumentParser(prog="kakeya", description="Speculative decoding for Gemma-4 with DFlash drafters")
+    class WholeFlags(argparse.ArgumentParser):  # sub-parsers too: `serve all --backend 5` is not --backend-timeout
+        def __init__(self, *args, **kwargs):  # a flag of another command is refused, never read as one it starts
+            super().__init__(*args, **kwargs, allow_abbrev=False)
+
+    parser = WholeFlags(prog="kakeya", description="Speculative decoding for Gemma-4 with DFlash drafters")
     sub = parser.add_subparsers(dest="command", required=True)
     register_generate(sub)
     serve.register(sub)

@@ -246,10 +246,8 @@ def summary_line(out: dict) -> str:
         )
     tail = f"{len(out['token_ids'])} tokens ({out['finish_reason']}), mean acceptance {out['mean_acceptance']:.2f} "
     tail += f"tokens/block, prefill {out['prefill_s'] * 1e3:.1f} ms"
-    if out.get("copied_blocks"):
-        tail += f"; {out['copied_blocks']} of {len(out['block_sizes'])} blocks drafted by n-gram copy"
-    if out.get("forced_blocks"):
-        tail += f"; {out['forced_blocks']} of {len(out['block_sizes'])} blocks forced by the grammar"
+    for key, how in (("copied_blocks", "drafted by n-gram copy"), ("forced_blocks", "forced by the grammar")):
+        tail += f"; {out[key]} of {len(out['block_sizes'])} blocks {how}" if out.get(key) else ""
     if out["drafter_fallback"]:
         tail += "; drafter failed, verifier finished alone"
     if out["quality"]["degenerate"]:

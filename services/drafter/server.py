@@ -132,7 +132,6 @@ class DrafterServicer(SessionServicer, drafter_pb2_grpc.DrafterServiceServicer):
             **self.registry.info_counts(),
             max_context=self.max_context,
             prefix_cache_bytes=self.prefixes.budget if self.prefixes is not None else 0,
-            queued_sessions=self.registry.waiting,
         )
 
     def _progress(self, waited_s: float) -> pb.DrafterResponse:

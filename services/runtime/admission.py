@@ -296,7 +296,7 @@ class SessionRegistry:
 
     def info_counts(self) -> dict[str, int]:  # the GetInfo fields verifier and drafter both fill from here
         return dict(live_sessions=self.live, max_sessions=self.max_sessions, live_kv_bytes=self.live_bytes,
-                    total_sessions=self.total)  # fmt: skip
+                    total_sessions=self.total, queued_sessions=self.waiting)  # fmt: skip
 
     @property
     def reserved_bytes(self) -> int:

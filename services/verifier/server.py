@@ -167,7 +167,6 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
             reserved_kv_bytes=self.registry.reserved_bytes,
             restore_sources=self.restore.names(),
             prefix_cache_bytes=self.prefixes.budget if self.prefixes is not None else 0,
-            queued_sessions=self.registry.waiting,
         )
 
     def _progress(self, waited_s: float) -> pb.VerifierResponse:
