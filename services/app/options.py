@@ -111,12 +111,9 @@ def cache_policy_from_args(args):
         raise ValueError(f"{given[0]}: for --cache sink-window (native keeps the model's own sliding window)")
     if args.window is not None and args.window < 1:  # a client's 0 would go out as the wire's "the model's own"
         raise ValueError(f"--window: must be an integer >= 1, got {args.window}")
-    if args.cache is None:
-        return None
     restore = restore.removeprefix("ftheta:") if restore else None
-    if args.cache == "native":
-        return CachePolicy("native", full_kv_bits=args.full_kv_bits, restore=restore)
-    return CachePolicy("sink-window", args.sink, args.window, full_kv_bits=args.full_kv_bits, restore=restore)
+    sink = args.sink if args.cache == "sink-window" else 0  # native: no --window, a --sink at its default (above)
+    return args.cache and CachePolicy(args.cache, sink, args.window, full_kv_bits=args.full_kv_bits, restore=restore)
 
 
 def add_generation_options(p) -> None:
@@ -203,6 +200,8 @@ FLAG_NAMES = {
 
 def sampling_from_args(args):
     """The SamplingParams the flags ask for (a ValueError naming the flag when one is off)."""
+    if args.logprobs is not None and not args.json:  # the summary line has no room for them: refused, not dropped
+        raise ValueError("--logprobs: they are listed in the JSON only, give --json too")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed, args.sampling_rule)
     try:
         return sampling.check()
