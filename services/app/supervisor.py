@@ -222,6 +222,7 @@ class Supervisor:
 
 
 def cmd_serve_all(args) -> int:
+    from kakeya.checkpoints.config import check_pair, load_draft_config, load_target_config
     from kakeya.orchestrator.assembly import pair_paths, refuse_torch_flags
     from kakeya.runtime.lifecycle import port_in_use, write_ready_file
     from kakeya.runtime.logs import setup_logging
@@ -229,12 +230,12 @@ def cmd_serve_all(args) -> int:
 
     setup_logging("all", args.log_format)
     target, draft = pair_paths(args.target, args.draft)
+    check_pair(load_target_config(target), load_draft_config(draft))  # here, as one usage error, not a child's exit
     serve_flags.restore_sources(args)  # bad --restore specs: a usage error now, not a child's exit
     serve_flags.ServerTLS.from_args(args), serve_flags.auth_token(args)
     serve_flags.session_limits(args)
-    for port in (args.port, args.http_port):
-        taken = port_in_use(args.host, port) if port is not None else None
-        if taken:
+    for port in filter(None, (args.port, args.http_port)):  # None: no HTTP; 0: any free port
+        if taken := port_in_use(args.host, port):
             print(f"kakeya: error: serve all: cannot listen on {args.host}:{port}: {taken}", file=sys.stderr)
             return 2
     vback, dback = _child_backend(args.verifier_backend, args), _child_backend(args.drafter_backend, args)

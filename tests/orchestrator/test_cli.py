@@ -308,7 +308,6 @@ def test_serve_all_refuses_torch_flags_when_no_child_runs_torch(flag, capsys, mo
 MODELS = Path(__file__).resolve().parents[2] / "services" / "models"
 
 
-@pytest.mark.xfail(strict=True, reason="serve all starts its children on a pair that cannot load")
 @pytest.mark.parametrize(
     "pair, says",
     [
