@@ -183,13 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse, run, and turn what a user can fix (ValueError, a missing file) into one line and exit 2."""
+    """Parse, run, and turn what a user can fix (ValueError, a path it cannot read or write) into one line and exit 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         heap.keep_freed_memory()  # before any model work: a step's temporaries reuse pages (runtime/heap.py)
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:  # CheckpointError is a ValueError
+    except (ValueError, OSError) as exc:  # CheckpointError is a ValueError; OSError: a missing file, a file for a dir
         print(f"kakeya: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -326,7 +326,6 @@ def test_serve_all_refuses_a_pair_that_cannot_load_before_starting_children(pair
     assert err.startswith("kakeya: error:") and "\n" not in err and says in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="an OSError other than FileNotFoundError escapes main as a traceback")
 def test_a_path_that_cannot_be_written_is_one_error_line(tmp_path, capsys):
     """`make-tiny --out FILE` (a file where a directory goes) ended in a NotADirectoryError traceback."""
     (tmp_path / "a_file").write_text("")
