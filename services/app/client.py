@@ -13,7 +13,6 @@ parsed (``content`` and ``tool_calls`` in ``--json``; one ``tool call`` line eac
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import random
@@ -33,12 +32,6 @@ from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 
 # A stream that broke this way (its orchestrator died, restarted or drains) resumes on the next address.
 RETRY_CODES = ("UNAVAILABLE", "CANCELLED")
-
-
-def _channel(args, addr: str | None = None):
-    if addr is not None:
-        args = argparse.Namespace(**{**vars(args), "addr": addr})
-    return serve_flags.client_channel(args)  # TLS and the bearer token when asked for
 
 
 def _rpc_error(exc) -> int:
@@ -125,7 +118,8 @@ def cmd_client_generate(args) -> int:
     if args.prompt is not None and args.prompt_ids is not None:
         raise ValueError("give --prompt or --prompt-ids, not both")
     req = generate_request(args)
-    addrs = [a.strip() for a in args.addr.split(",") if a.strip()]
+    if not (addrs := [a.strip() for a in args.addr.split(",") if a.strip()]):
+        raise ValueError(f"--addr: give HOST:PORT, or a comma-separated list of them, got {args.addr!r}")
     tries = max(1, args.retries) * len(addrs)
     if req.sampling_params.temperature > 0 and not req.sampling_params.HasField("seed"):
         req.sampling_params.seed = random.getrandbits(63)  # a resumed sampled stream needs the seed it ran with
@@ -134,7 +128,7 @@ def cmd_client_generate(args) -> int:
     text: list[str] = []
     complete = model = server = None
     for k in itertools.count():  # each orchestrator in turn, resuming after what came (``resume_token_ids``)
-        stub = generate_pb2_grpc.GenerationStub(_channel(args, addrs[k % len(addrs)]))
+        stub = generate_pb2_grpc.GenerationStub(serve_flags.client_channel(args, addrs[k % len(addrs)]))
         del req.resume_token_ids[:]
         req.resume_token_ids.extend(ids)
         try:
@@ -196,7 +190,7 @@ def _arguments(text: str):
 def cmd_client_info(args) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    stub = generate_pb2_grpc.GenerationStub(_channel(args))
+    stub = generate_pb2_grpc.GenerationStub(serve_flags.client_channel(args))
     try:
         model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout or 10)
         server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=args.timeout or 10)
@@ -207,7 +201,7 @@ def cmd_client_info(args) -> int:
 
 
 def cmd_client_health(args) -> int:
-    stub = health_pb2_grpc.HealthStub(_channel(args))
+    stub = health_pb2_grpc.HealthStub(serve_flags.client_channel(args))
     try:
         r = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout or 5)
     except grpc.RpcError as exc:

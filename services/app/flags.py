@@ -245,8 +245,11 @@ def child_argv(args, role: str, backend_token_file: str) -> list[str]:
     return out
 
 
-def client_channel(args):
-    """The client's channel to ``args.addr`` (TLS with --tls-ca); a bearer token (--auth-token-file) rides on every call."""
+def client_channel(args, addr: str | None = None):
+    """The client's channel to ``addr`` (default ``args.addr``; TLS with --tls-ca); a bearer token (--auth-token-file)
+    rides on every call."""
     from kakeya.wire.limits import channel_options
 
-    return with_bearer(channel(args.addr, ClientTLS.from_args(args), channel_options()), auth_token(args))
+    if args.timeout is not None and args.timeout <= 0:  # a deadline already past: gRPC fails the call at once
+        raise ValueError(f"--timeout: must be > 0 seconds, got {args.timeout}")
+    return with_bearer(channel(addr or args.addr, ClientTLS.from_args(args), channel_options()), auth_token(args))

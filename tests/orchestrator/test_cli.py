@@ -334,7 +334,6 @@ def test_a_path_that_cannot_be_written_is_one_error_line(tmp_path, capsys):
     assert err.startswith("kakeya: error:") and "\n" not in err and "a_file" in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="--addr '' is a ZeroDivisionError traceback; --timeout <= 0 fails every call")
 @pytest.mark.parametrize(
     "argv, named",
     [
