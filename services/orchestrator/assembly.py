@@ -96,7 +96,9 @@ def torch_threads(threads: int | None, device: str | None, embedded: bool) -> in
             return 1
         allowed = usable_cpus()
         return allowed if allowed < (os.cpu_count() or allowed) else 0
-    return max(0, threads)
+    if threads < 0:  # was read as 0: torch's whole team, the very stall the default of 1 avoids
+        raise ValueError(f"--torch-threads must be >= 0 (0: the library's own count), got {threads}")
+    return threads
 
 
 def usable_cpus() -> int:

@@ -349,7 +349,6 @@ def test_the_client_refuses_an_address_list_or_deadline_it_cannot_use(argv, name
     assert err.startswith(f"kakeya: error: {named}") and "\n" not in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="a negative --torch-threads ran as 0, the library's own thread count")
 @pytest.mark.parametrize("command", [["generate"], ["serve", "verifier", "--port", "0"]])
 def test_a_negative_torch_threads_is_refused_by_name(command, capsys, monkeypatch):
     """`--torch-threads -1` ran on torch's default team (every core: 6 tok/s on the shared 2-core VM, 186 with 1), the
