@@ -57,10 +57,9 @@ def resolve_backend(
         if device not in (None, "cpu"):
             raise ValueError("--device/--dtype apply to --backend torch (MLX picks its own device)")
         return "mlx", None
-    if device is None:
-        if cuda_available is None:
-            cuda_available = _torch_cuda_available
-        device = "cuda" if cuda_available() else "cpu"
+    device = device or ("cuda" if (cuda_available or _torch_cuda_available)() else "cpu")
+    if device.split(":")[0] not in ("cpu", "cuda", "mps"):  # torch's own refusal comes later, as a traceback
+        raise ValueError(f"--device: expected cpu, cuda, cuda:N or mps, got {device!r}")
     return "torch", device
 
 

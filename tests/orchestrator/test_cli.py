@@ -358,7 +358,6 @@ def test_a_negative_torch_threads_is_refused_by_name(command, capsys, monkeypatc
     assert "--torch-threads" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason="torch's RuntimeError for an unknown device escapes as a traceback")
 @pytest.mark.parametrize("command", [["generate"], ["serve", "drafter", "--port", "0"]])
 def test_an_unknown_device_is_refused_by_name(command, capsys, monkeypatch):
     """`--device nope` ended in torch's RuntimeError traceback ("Expected one of cpu, cuda, ipu, xpu, ...")."""
