@@ -367,6 +367,22 @@ def test_an_unknown_device_is_refused_by_name(command, capsys, monkeypatch):
     assert err.startswith("kakeya: error: --device") and "\n" not in err, err
 
 
+@pytest.mark.xfail(strict=True, reason="Ctrl-C while the parser imports the sub-commands is a traceback")
+def test_ctrl_c_while_the_commands_load_exits_130_without_a_traceback(monkeypatch):
+    """Building the parser imports every sub-command's module (half a second here): a Ctrl-C then printed a
+    KeyboardInterrupt traceback, where one a moment later exits 130 quietly."""
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("kakeya.app.main.build_parser", interrupted)
+    try:
+        rc = main(["generate"])
+    except KeyboardInterrupt:  # what reached the interpreter: its traceback (caught here, or it stops pytest)
+        rc = "traceback"
+    assert rc == 130
+
+
 def test_generate_names_the_torch_only_flag_it_refuses(capsys):
     assert main(["generate", "--backend", "mlx", "--graphed-min-batch", "4", "--max-tokens", "2"]) == 2
     assert "--graphed-min-batch: for --backend torch only" in capsys.readouterr().err
