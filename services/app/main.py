@@ -184,9 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, run, and turn what a user can fix (ValueError, a path it cannot read or write) into one line and exit 2."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
+    try:  # building the parser imports every sub-command (half a second): a Ctrl-C there exits as one later does
+        args = build_parser().parse_args(argv)
         heap.keep_freed_memory()  # before any model work: a step's temporaries reuse pages (runtime/heap.py)
         return int(args.func(args) or 0)
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError; OSError: a missing file, a file for a dir

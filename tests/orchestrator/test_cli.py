@@ -367,7 +367,6 @@ def test_an_unknown_device_is_refused_by_name(command, capsys, monkeypatch):
     assert err.startswith("kakeya: error: --device") and "\n" not in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="Ctrl-C while the parser imports the sub-commands is a traceback")
 def test_ctrl_c_while_the_commands_load_exits_130_without_a_traceback(monkeypatch):
     """Building the parser imports every sub-command's module (half a second here): a Ctrl-C then printed a
     KeyboardInterrupt traceback, where one a moment later exits 130 quietly."""
