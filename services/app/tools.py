@@ -61,6 +61,8 @@ def cmd_memory(args) -> int:
         raise ValueError("give exactly one of --preset or --config")
     if args.context < 1:
         raise ValueError(f"--context must be >= 1, got {args.context}")
+    if args.window < 1 or args.sink < 0:  # the policy's own refusal names its gRPC fields
+        raise ValueError(f"--window must be >= 1 and --sink >= 0, got {args.window} and {args.sink}")
     cfg = PRESETS[args.preset] if args.preset else load_target_config(args.config)
     shape = KVShape.from_config(cfg, args.dtype)
     table = policy_table(shape, args.context, args.sink, args.window, args.restore_rank)

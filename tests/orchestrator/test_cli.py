@@ -382,7 +382,6 @@ def test_ctrl_c_while_the_commands_load_exits_130_without_a_traceback(monkeypatc
     assert rc == 130
 
 
-@pytest.mark.xfail(strict=True, reason="kakeya memory names the policy's fields, not its flags")
 @pytest.mark.parametrize("flags, named", [(["--window", "0"], "--window"), (["--sink", "-3"], "--sink")])
 def test_memory_names_the_cache_flag_it_refuses(flags, named, capsys):
     """`kakeya memory --window 0` said "cache_policy.window: ...", a field of the gRPC API, not the flag typed."""
