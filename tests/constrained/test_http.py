@@ -78,6 +78,9 @@ def _generate(servicer, constraint, context=None):
         def invocation_metadata(self):
             return ()
 
+        def send_initial_metadata(self, metadata):  # grpc's: Generate sends the request id in it
+            self.sent_metadata = metadata
+
     req = pb.GenerateRequest(text="x = ", sampling_params=pb.SamplingParams(max_tokens=40), constraint=constraint)
     ids, complete = [], None
     for resp in servicer.Generate(req, context or GrpcCall()):
@@ -118,6 +121,9 @@ def test_grpc_refuses_a_bad_constraint_naming_its_field(front, constraint, field
 
         def invocation_metadata(self):
             return ()
+
+        def send_initial_metadata(self, metadata):  # grpc's: Generate sends the request id in it
+            self.sent_metadata = metadata
 
     context = Context()
     with pytest.raises(RuntimeError):

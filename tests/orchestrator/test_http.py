@@ -391,6 +391,9 @@ class _Context(HttpCall):
     def invocation_metadata(self):
         return ()
 
+    def send_initial_metadata(self, metadata):  # grpc's: Generate sends the request id in it
+        self.sent_metadata = metadata
+
 
 class _Cancelled:
     """A servicer whose every generation was cancelled before its first message (a server going down)."""

@@ -423,6 +423,9 @@ class _Context(HttpCall):
     def invocation_metadata(self):
         return ()
 
+    def send_initial_metadata(self, metadata):  # grpc's: Generate sends the request id in it
+        self.sent_metadata = metadata
+
 
 def _grpc_chat(servicer, tools=(), history=HISTORY, arguments=None):
     req = pb.GenerateRequest(sampling_params=pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

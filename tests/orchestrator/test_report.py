@@ -57,6 +57,9 @@ class _GrpcCall(HttpCall):
     def invocation_metadata(self):
         return ()
 
+    def send_initial_metadata(self, metadata):  # grpc's: Generate sends the request id in it
+        self.sent_metadata = metadata
+
 
 def _grpc(servicer) -> tuple[pb.GenerateResponse.Complete, dict]:
     """The gRPC stream's Complete, and the report ``kakeya client`` rebuilds from the whole stream."""

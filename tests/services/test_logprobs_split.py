@@ -109,6 +109,9 @@ class _Context(HttpCall):
     def invocation_metadata(self):
         return ()
 
+    def send_initial_metadata(self, metadata):  # grpc's: Generate sends the request id in it
+        self.sent_metadata = metadata
+
 
 @pytest.fixture(scope="module")
 def public(split):
