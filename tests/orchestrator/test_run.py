@@ -209,6 +209,22 @@ def test_a_resume_holding_the_whole_generation_gets_its_end_and_no_block(demo_en
         demo_engine.start(dataclasses.replace(req, resume_ids=(*whole.token_ids, free.token_ids[0])))
 
 
+def test_a_resume_ending_in_a_stop_token_adds_none_of_its_text(demo_engine):
+    """A stop token's text is never output (as vLLM's), also when it ends a resumed stream's tokens: here that
+    text begins a stop string, so a text stream fed the stop token would hold it back and flush it at the end.
+    What the resumed run adds is exactly the text the broken stream still owed (held back until its end)."""
+    base = Request("def fibonacci(n):", max_tokens=24, block_size=8, ignore_eos=True)
+    stop = demo_engine.generate(base).token_ids[9]
+    req = dataclasses.replace(base, stop_ids=(stop,), stop_strings=(demo_engine.codec.decode([stop]) + "\x00",))
+    with demo_engine.start(req) as run:
+        streamed = "".join(block.text for block in run)  # what a stream broken before its Complete had sent
+        whole = run.report()
+    assert whole.finish_reason == "stop" and whole.token_ids[-1] == stop
+    run = demo_engine.start(dataclasses.replace(req, resume_ids=whole.token_ids))
+    assert list(run) == [] and run.result.finish_reason == "stop"
+    assert streamed + run.report().text == whole.text
+
+
 def test_cancel_from_another_thread_aborts_remote_streams_and_ends_the_iteration():
     engine = _engine()
     run = engine.start(Request(PROMPT, max_tokens=200, block_size=4))

@@ -162,8 +162,10 @@ class Run:
         # completes a stop string with its last token ends the run as soon as its prefill ran (``_prefill``)
         self._resumed_stop = False
         if req.resume_ids:
-            kept, _, self._resumed_stop = self._text.add(list(req.resume_ids))
-            if len(kept) < len(req.resume_ids):
+            ids = list(req.resume_ids)  # a stop token ending them: counted, its text no output (as in ``__next__``)
+            ids = ids[:-1] if ids[-1] in engine.stop_ids(req) else ids
+            kept, _, self._resumed_stop = self._text.add(ids)
+            if len(kept) < len(ids):
                 raise InvalidRequest("resume_token_ids", "tokens follow a stop string, where the generation ended")
         # the rejection rule needs the drafter's distribution beside each candidate: it never copies nor is guided
         self._exact = self._sampling.greedy or self._sampling.rule != REJECTION
