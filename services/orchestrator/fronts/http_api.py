@@ -200,7 +200,8 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Reply, dict[str,
     )
     limit = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     max_name = next((n for n in limit if body.get(n) is not None), limit[-1])
-    if chat and None is not body.get("max_tokens") != body.get("max_completion_tokens") is not None:  # as OpenAI's
+    both = [body.get(n) for n in ("max_tokens", "max_completion_tokens")]
+    if chat and None not in both and both[0] != both[1]:  # as OpenAI's
         raise bad("max_tokens", f"{quote(body['max_tokens'])} beside a different max_completion_tokens: send one")
     stop, stop_ids = ([] if body.get(k) is None else body[k] for k in ("stop", "stop_token_ids"))  # null, no falsy
     stops = [stop] if isinstance(stop, str) else stop
