@@ -225,6 +225,21 @@ def test_a_resume_ending_in_a_stop_token_adds_none_of_its_text(demo_engine):
     assert streamed + run.report().text == whole.text
 
 
+def test_a_stream_broken_after_any_block_and_resumed_gets_exactly_the_text_it_was_owed(demo_engine):
+    """Text held back at a stop string's possible start (here any text ending in a space) is owed, not lost:
+    whichever block the stream broke after, what it had sent and what the resumed run sends make the whole text."""
+    req = Request("def fibonacci(n):", max_tokens=40, block_size=4, ignore_eos=True, stop_strings=(" \x00",))
+    with demo_engine.start(req) as run:
+        sent = [(block.text, len(block.tokens)) for block in run]
+        whole = run.report()
+    assert whole.text == demo_engine.codec.decode(whole.token_ids) and len(sent) > 3
+    for k in range(1, len(sent)):
+        had = sum(n for _, n in sent[:k])
+        with demo_engine.start(dataclasses.replace(req, resume_ids=whole.token_ids[:had])) as run:
+            list(run)
+            assert "".join(t for t, _ in sent[:k]) + run.report().text == whole.text, k  # the blocks' and the end's
+
+
 def test_cancel_from_another_thread_aborts_remote_streams_and_ends_the_iteration():
     engine = _engine()
     run = engine.start(Request(PROMPT, max_tokens=200, block_size=4))
