@@ -293,9 +293,6 @@ def test_cuda_overlay_is_mutual_tls_with_a_cert_manager_ca():
     assert not of_kind(render("cpu-dev"), "Certificate"), "cpu-dev must apply on clusters without cert-manager"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="the internal CA takes cert-manager's default rotationPolicy (Always since 1.18)"
-)
 def test_the_internal_ca_keeps_its_key_when_cert_manager_renews_it():
     """cert-manager renews the CA at two thirds of its year by itself, and since 1.18 a Certificate without a
     rotationPolicy gets a fresh key then (Always). Leaves signed by the old key do not verify against the new root:
