@@ -169,7 +169,6 @@ def test_orchestrator_balances_over_headless_services(overlay):
         assert int(port) in [p["port"] for p in svc["spec"]["ports"]] and int(port) == DEFAULT_PORTS[role]
 
 
-@pytest.mark.xfail(strict=True, reason="orchestrators admit 4x the verifier sessions behind them, with no queue")
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_orchestrators_admit_what_the_verifiers_hold_and_queue_the_rest(overlay):
     """Every generation holds a verifier session. Orchestrators that together admit more generations than the
