@@ -154,7 +154,6 @@ def test_cpu_dev_is_small_and_needs_no_volume_or_gpu():
         assert not [v for v in d["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
 
 
-@pytest.mark.xfail(strict=True, reason="the cuda overlay's verifiers run without --max-kv-bytes")
 def test_gpu_verifiers_admit_sessions_against_a_kv_budget():
     """A GPU verifier holds its sessions' K/V beside the weights. Without --max-kv-bytes it admits by --max-sessions
     alone, whatever each session's context (no --max-context either: up to the model's max_position_embeddings; one
