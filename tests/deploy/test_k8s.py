@@ -227,6 +227,35 @@ def test_volumes_secrets_config_and_budgets_line_up(overlay):
         )
 
 
+PORT_FLAGS = {"--port": "grpc", "--http-port": "http", "--metrics-port": "metrics", "--health-port": "health"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_path_a_flag_names_is_mounted_and_every_port_is_declared(overlay):
+    """A path no volume mounts is a read-only root's empty directory (the pod starts, then fails on a file it expects);
+    a served port no containerPort names is one the Services, probes and NetworkPolicies (all by port name) never
+    reach."""
+    docs = render(overlay)
+    services = of_kind(docs, "Service")
+    for role in ROLES:
+        c = container(docs, role)
+        mounts = [m["mountPath"] for m in c["volumeMounts"]]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        args = argv(docs, role)
+        for a in args[2:]:
+            value = a.split("=", 1)[-1]
+            if value.startswith("/"):
+                assert any(value.startswith(m + "/") for m in mounts), f"{overlay} {role}: {a} is on no volume"
+        for name, port_name in PORT_FLAGS.items():
+            if (value := flag(args, name)) is not None:
+                assert ports.get(port_name) == int(value), f"{overlay} {role}: {name}={value} vs containerPorts {ports}"
+        labels = deployment(docs, role)["spec"]["template"]["metadata"]["labels"]
+        for svc in services.values():
+            if svc["spec"].get("selector") and svc["spec"]["selector"].items() <= labels.items():
+                for p in svc["spec"]["ports"]:
+                    assert p["targetPort"] in ports, f"{svc['metadata']['name']}: targetPort {p['targetPort']}"
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_mounted_secret_is_read_by_a_flag(overlay):
     """A Secret mounted where no flag reads it is key material a pod holds for nothing (the public TLS key in the
