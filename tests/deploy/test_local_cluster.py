@@ -11,13 +11,22 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from kakeya.checkpoints.tiny import embedded_pair
 from kakeya.orchestrator.assembly import build_local_engine, split_engine
 from kakeya.orchestrator.decode.engine import Request
-from tests.services.conftest import Server, assert_unauthenticated, generate, request, stop_all, verifier_info
+from tests.services.conftest import (
+    Server,
+    assert_unauthenticated,
+    generate,
+    request,
+    stop_all,
+    verifier_info,
+    wait_until,
+)
 
 from .manifests import DOCKER, ROOT, argv, flag, render
 
@@ -124,3 +133,49 @@ def test_image_healthcheck_script_against_a_live_server(cluster):
         [sys.executable, script], env=env, check=False, capture_output=True, text=True, timeout=30, cwd=ROOT
     )
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="a drain hands sessions to a replica with no room, which refuses them")
+def test_a_rolling_update_at_full_load_fails_no_stream(tmp_path):
+    """A rolling update (or a node drain) SIGTERMs a verifier pod while every replica is at its --max-sessions. Its
+    sessions move to another SERVING replica at their next step (docs/operations.md, "Drains"); here the only other
+    one is full, and the orchestrators may know no other: they re-resolve the headless Service only when a connection
+    drops, so the surge pod maxSurge brought up is not among their replicas yet. The refused hand-off failed the
+    stream (HTTP 500 / INTERNAL "generation failed: verifier: session limit reached"), where staying would have
+    finished it within --grace, as a drain with nowhere to go does."""
+    per_replica = 2
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    cap = [f"--max-sessions={per_replica}"]  # the last --max-sessions wins, as in argparse
+    started: list[Server] = []
+    try:
+        backends = [
+            Server(f"verifier-{k}", [*local_argv("verifier", {}, str(token_file)), *cap], tmp_path) for k in "01"
+        ]
+        backends.append(Server("drafter", local_argv("drafter", {}, str(token_file)), tmp_path))
+        started += backends
+        for s in backends:
+            s.start()
+        for s in backends:
+            s.wait_ready()
+        v0, v1, d0 = backends
+        services = {
+            "kakeya-verifier-headless:50061": f"ipv4:{v0.addr},{v1.addr}",
+            "kakeya-drafter-headless:50062": d0.addr,
+        }
+        orch = Server(
+            "orchestrator", [*local_argv("orchestrator", services, str(token_file)), "--max-sessions=4"], tmp_path
+        )
+        started.append(orch)
+        orch.start().wait_ready()
+        max_tokens = 400  # long enough that the other replica's own streams still hold it when the hand-off comes
+        with ThreadPoolExecutor(2 * per_replica) as pool:
+            streams = [pool.submit(generate, orch.addr, request(text=p, max_tokens=max_tokens)) for p in PROMPTS]
+            wait_until(lambda: all(verifier_info(v.addr, TOKEN).live_sessions == per_replica for v in (v0, v1)),
+                       what="both verifier replicas full")  # fmt: skip
+            v0.signal(15)  # SIGTERM, as the kubelet sends it
+            finished = [f.result()[2] for f in streams]
+        assert v0.wait(60) == 0
+        assert [(c.error_message, c.completion_tokens) for c in finished] == [("", max_tokens)] * len(PROMPTS)
+    finally:
+        stop_all(started)
