@@ -273,7 +273,6 @@ def test_every_mounted_secret_is_read_by_a_flag(overlay):
                 assert any(mount["mountPath"] + "/" in a for a in args), f"{role}: {mount['mountPath']} read by no flag"
 
 
-@pytest.mark.xfail(strict=True, reason="docs/deploy.md's registry command maps kakeya-accel only")
 def test_the_docs_registry_command_maps_every_image_the_overlay_uses():
     """docs/deploy.md's command that points the cuda overlay at a registry: copied as it stands, every image
     placeholder must get a registry name. Mapping kakeya-accel alone left the orchestrators on a bare
