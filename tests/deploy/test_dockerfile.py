@@ -8,6 +8,7 @@ the tests ran against), the CUDA image without MLX, and an ENTRYPOINT + CMD that
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import json
 import re
 import shlex
@@ -17,7 +18,7 @@ import pytest
 
 from kakeya.app.main import build_parser
 
-from .manifests import DOCKER, ROOT, dockerfile_stages, inherited
+from .manifests import DOCKER, ROOT, dockerfile_stages, inherited, lineage
 
 TARGETS = ("cpu", "cuda")  # the images the manifests use: kakeya:<version>-<target>
 STAGES = dockerfile_stages()
@@ -129,6 +130,33 @@ def test_cuda_image_is_torch_only_and_cpu_image_has_no_torch():
     copies = {t: [rest for i, rest in STAGES[t].instructions if i == "COPY" and "--from=" in rest] for t in TARGETS}
     assert any("--from=build-cuda" in c for c in copies["cuda"]) and not any("build-cpu" in c for c in copies["cuda"])
     assert any("--from=build-cpu" in c for c in copies["cpu"]) and not any("build-cuda" in c for c in copies["cpu"])
+
+
+@pytest.mark.xfail(strict=True, reason="the cuda image has no C compiler for Triton's CUDA launcher")
+def test_the_cuda_image_has_the_c_compiler_triton_builds_its_launcher_with(monkeypatch):
+    """On CUDA the torch servers' batched steps attend through a Triton kernel (``ops.attention_kernel_wanted``: on by
+    default there), and Triton builds its CUDA driver module from C source, with gcc or clang (or $CC), the first time
+    a process launches a kernel. python:3.11-slim has neither: a pod's first batched step (several sessions' steps
+    queued together: under load) raised "Failed to find C compiler", failing the requests in that batch."""
+    import triton.backends.nvidia.driver as nvidia
+    from triton.runtime import build
+
+    # the premise, read from the installed Triton: its CUDA driver compiles C, and with no compiler that fails
+    assert "compile_module_from_file" in inspect.getsource(nvidia.CudaUtils.__init__)
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    build._find_compiler.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="C compiler"):
+            build._find_compiler("c")
+    finally:
+        build._find_compiler.cache_clear()
+    # the image: a compiler, and libc's development files that linking a shared object needs, in the cuda target
+    runs = " ".join(rest for st in lineage(STAGES, "cuda") for i, rest in st.instructions if i == "RUN")
+    assert re.search(r"apt-get install [^&]*\bgcc\b", runs) and re.search(r"apt-get install [^&]*\blibc6-dev\b", runs)
+    assert not re.search(r"apt-get install [^&]*\b(gcc|libc6-dev)\b", " ".join(
+        rest for st in lineage(STAGES, "cpu") for i, rest in st.instructions if i == "RUN"
+    )), "the cpu image runs no Triton: it stays slim"  # fmt: skip
 
 
 @pytest.mark.parametrize("target", TARGETS)
