@@ -132,7 +132,6 @@ def test_cuda_image_is_torch_only_and_cpu_image_has_no_torch():
     assert any("--from=build-cpu" in c for c in copies["cpu"]) and not any("build-cuda" in c for c in copies["cpu"])
 
 
-@pytest.mark.xfail(strict=True, reason="the cuda image has no C compiler for Triton's CUDA launcher")
 def test_the_cuda_image_has_the_c_compiler_triton_builds_its_launcher_with(monkeypatch):
     """On CUDA the torch servers' batched steps attend through a Triton kernel (``ops.attention_kernel_wanted``: on by
     default there), and Triton builds its CUDA driver module from C source, with gcc or clang (or $CC), the first time
