@@ -146,7 +146,6 @@ def test_cuda_overlay_gpus_nodes_and_separation():
     assert "nvidia.com/gpu" not in orch["resources"].get("requests", {}), "the orchestrator holds no model"
 
 
-@pytest.mark.xfail(strict=True, reason="the cpu-dev recipe neither builds nor loads the image it runs")
 def test_the_cpu_dev_recipe_builds_and_loads_the_image_it_runs():
     """cpu-dev's recipe (its kustomization's header) is for kind or minikube, whose nodes do not see the host's
     images: applied as written, every pod asked Docker Hub for `kakeya:0.1.0-cpu` (ImagePullBackOff). The recipe
