@@ -135,7 +135,6 @@ def test_image_healthcheck_script_against_a_live_server(cluster):
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="a drain hands sessions to a replica with no room, which refuses them")
 def test_a_rolling_update_at_full_load_fails_no_stream(tmp_path):
     """A rolling update (or a node drain) SIGTERMs a verifier pod while every replica is at its --max-sessions. Its
     sessions move to another SERVING replica at their next step (docs/operations.md, "Drains"); here the only other

@@ -8,7 +8,7 @@ with its first draft. Nothing committed changes, so greedy and coupled output eq
 A try finding no replica waits (``BACKOFF_S``, doubling) ``TRIES`` times, then the run fails naming the role; a lost
 drafter with no replica left leaves the verifier to finish alone. A constrained request is not taken over (its grammar
 state lived in the lost session). Draining hand-offs (``drained``, not counted against ``MAX_PER_RUN``) and resumed
-streams reopen the same way.
+streams reopen the same way, a hand-off keeping its old sessions until the new ones hold the context (refused: it stays).
 """
 
 from __future__ import annotations
@@ -47,23 +47,36 @@ def _serving(backend, tries: int = HEALTH_TRIES) -> bool:
     return False
 
 
-def _reopen_once(run, ids: Sequence[int], drafter: bool):
-    """Abort the run's sessions (their servers free them), open new ones, prefill ``ids``: ``(first, aux, cached)``."""
-    for session in (run.drafter_session, run.verifier_session):
-        if session is not None:
-            session.abort()
-    e = run._engine
-    run.verifier_session = e.verifier.open_session(run.request.cache_policy, run._sampling, run._session_options)
-    run.drafter_session = None
-    if drafter:
-        run.drafter_session = e.drafter.open_session_now(run._sampling, run._session_options)  # past the backoff
-    steps = run._prefill_steps(ids)
-    while (done := run._chunk(steps)) is None:  # the drafter resumes the same cached prefix
-        pass
+def _reopen_once(run, ids: Sequence[int], drafter: bool, handoff: bool):
+    """Open new sessions and prefill ``ids``: ``(first, aux, cached)``. The old ones are aborted (their servers free
+    them) first, or for a drain's ``handoff`` once the new ones hold the context: a refused one leaves them in place."""
+    kept = run.drafter_session, run.verifier_session
+    old = [s for s in kept if s is not None]
+    for session in () if handoff else old:
+        session.abort()
+    e, new = run._engine, []
+    try:
+        run.verifier_session = e.verifier.open_session(run.request.cache_policy, run._sampling, run._session_options)
+        run.drafter_session = None
+        new.append(run.verifier_session)
+        if drafter:
+            run.drafter_session = e.drafter.open_session_now(run._sampling, run._session_options)  # past the backoff
+            new.append(run.drafter_session)
+        steps = run._prefill_steps(ids)
+        while (done := run._chunk(steps)) is None:  # the drafter resumes the same cached prefix
+            pass
+    except BaseException:
+        if handoff:
+            for session in new:
+                session.abort()
+            run.drafter_session, run.verifier_session = kept
+        raise
+    for session in old if handoff else ():
+        session.abort()
     return done
 
 
-def reopen(run, ids: Sequence[int], cause: BaseException):
+def reopen(run, ids: Sequence[int], cause: BaseException, handoff: bool = False):
     """Reopen ``run``'s sessions on SERVING replicas and prefill ``ids``, trying ``TRIES`` times: ``(first, aux,
     cached)``; a drafter only if one was lost or in use and a replica of it answers (else the verifier alone)."""
     decode = run._decode
@@ -78,7 +91,7 @@ def reopen(run, ids: Sequence[int], cause: BaseException):
         if run.cancelled:  # the client went away meanwhile: the run just ends
             raise last
         try:
-            return _reopen_once(run, ids, want_drafter)
+            return _reopen_once(run, ids, want_drafter, handoff)
         except Exception as exc:  # a loss tries again; anything else is the run's failure
             if not lost(exc):
                 raise
@@ -131,10 +144,29 @@ def take_over(run) -> None:
     log.log(logging.INFO if handoff else logging.WARNING, "request %s: %s %s after %d tokens (%s); taking the"
             " session over", run.request.request_id or "-", role_of(cause), "draining" if handoff else "lost",
             len(gen.token_ids), cause)  # fmt: skip
-    _first, aux, _cached = reopen(run, gen.prompt_ids + gen.token_ids[:-1], cause)
+    try:
+        _first, aux, _cached = reopen(run, gen.prompt_ids + gen.token_ids[:-1], cause, handoff)
+    except Exception as exc:
+        if not handoff:
+            raise
+        _stay(run, cause, exc)
+        return
     pause = time.perf_counter() - decode.lost_at
     if not handoff:
         run.takeovers[-1] = (role_of(cause), pause)
     decode.reopened(run.verifier_session, run.drafter_session, aux)
     if run._on_takeover is not None:
         run._on_takeover(role_of(cause), pause, handoff)
+
+
+def _stay(run, cause: BaseException, refused: Exception) -> None:
+    """A drain's hand-off found no room elsewhere (say, every other replica at its --max-sessions during a rolling
+    update): the session finishes where it is, within that server's grace, as one with nowhere to go does. A
+    drafter's session broke on the hand-off: the verifier goes on alone (or the run fails without the fallback)."""
+    log.info("request %s: no other %s replica took the session (%s); it stays on the draining one",
+             run.request.request_id or "-", role_of(cause), refused)  # fmt: skip
+    decode = run._decode
+    if role_of(cause) == "drafter":
+        _verifier_alone(run, cause)
+        decode.drafting = False
+    decode.proposal, decode.lost = None, None  # last: the next round plans its block afresh

@@ -181,7 +181,7 @@ class Stream:
         if self.done:
             raise BackendError(self.service, self.addr, grpc.StatusCode.CANCELLED, "session is closed")
         if self.draining and expect not in _ENDING and self.elsewhere is not None and self.elsewhere():
-            self.abort()  # its server frees the session now: it exits once none is left
+            self.elsewhere = None  # asked once: the take-over aborts it once moved, or it stays (refused elsewhere)
             why = "replica draining (shutting down): the session moves to another replica"
             raise BackendError(self.service, self.addr, grpc.StatusCode.UNAVAILABLE, why, drained=True)
         self.bytes_sent += request.ByteSize()
