@@ -43,8 +43,8 @@ def local_argv(role: str, services: dict[str, str], token_file: str) -> list[str
 
     Kept: every flag as rendered. Changed: listen on loopback (Server adds `--port 0` and a ready
     file: the last --port wins, as in argparse), a Service name resolves to local addresses,
-    the mounted Secret's token file is ``token_file``, and metrics take any free port (the pods'
-    9464 would collide on one host).
+    the mounted Secret's token file is ``token_file``, and metrics and HTTP take any free port (the pods'
+    9464 and 8000 would collide on one host: two orchestrators run at once here).
     """
     cmd = argv(render("cpu-dev"), role)
     assert cmd[:2] == ["kakeya", "serve"]
@@ -54,8 +54,8 @@ def local_argv(role: str, services: dict[str, str], token_file: str) -> list[str
             a = "--host=127.0.0.1"
         for name, local in services.items():
             a = a.replace(f"dns:///{name}", local)
-        if a.startswith("--metrics-port="):
-            a = "--metrics-port=0"
+        if a.startswith(("--metrics-port=", "--http-port=")):
+            a = a.split("=")[0] + "=0"
         out.append(a.replace(f"={MOUNTED_TOKEN}", f"={token_file}"))
     return out
 
