@@ -738,7 +738,6 @@ def test_vllms_prefill_flags_are_taken_as_vllm_takes_them(front):
     assert status == 400 and _refusal(answer) == "add_generation_prompt", answer
 
 
-@pytest.mark.xfail(strict=True, reason="a 405 is counted as an INTERNAL error")
 def test_a_wrong_method_is_counted_as_unimplemented_not_internal(front):
     """An operator alerting on ``kakeya_errors_total{code="INTERNAL"}`` (the server's own faults) was paged by a
     client that GETs a POST route: the 405 fell through the HTTP->gRPC table to INTERNAL. gRPC answers a method

@@ -35,8 +35,10 @@ ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_
 PARAMS = [("prompt.tokenized.ids", "prompt"), ("prompt.text", "prompt"), ("prompt.messages", "messages"),
           ("sampling_params.", ""), ("cache_policy", "cache_policy")]  # fmt: skip
 INT32 = 2**31
-# An HTTP error's gRPC code, as kakeya_errors_total{code} counts both APIs' (400: INVALID_ARGUMENT, the first).
-GRPC_CODES = {s: c.name for c, s in reversed(STATUS.items())} | {408: "DEADLINE_EXCEEDED", 413: "RESOURCE_EXHAUSTED"}
+# An HTTP error's gRPC code, as kakeya_errors_total{code} counts both APIs' (400: INVALID_ARGUMENT, the first; a 405,
+# a method the route lacks, is gRPC's UNIMPLEMENTED: not INTERNAL, the server's own faults an operator is paged for).
+GRPC_CODES = {s: c.name for c, s in reversed(STATUS.items())} | {405: "UNIMPLEMENTED", 408: "DEADLINE_EXCEEDED",
+                                                                 413: "RESOURCE_EXHAUSTED"}  # fmt: skip
 
 
 class ApiError(Exception):

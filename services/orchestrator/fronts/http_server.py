@@ -198,7 +198,7 @@ class HttpFront:
         return await self._generate(request, http_api.chat_request)
 
     async def _generate(self, request: Request, translate) -> Response:
-        headers = {}  # the request's id, once known: every log line of every process names it
+        headers, names, messages = {}, {}, None  # headers: the request's id, once known (every log line names it)
         try:
             sent = check_request_id(request.headers.get("x-request-id", ""), "X-Request-Id")
             headers = {"X-Request-Id": sent} if sent else {}
@@ -206,16 +206,11 @@ class HttpFront:
             generate, what, names = translate(await self._body(request), self.model_name)
             generate = replace(generate, request_id=generate.request_id or sent or uuid.uuid4().hex[:16])
             headers = {"X-Request-Id": check_request_id(generate.request_id)}
-        except ApiError as exc:
-            return self._error(exc, headers)
-        except InvalidRequest as exc:
-            return self._error(ApiError.invalid(exc, {}), headers)
-        call = HttpCall(grpc_peer(request))
-        messages = _messages(self.servicer, generate, call)
-        # From here until a stream's response takes over (it watches the client itself), a client that goes
-        # away cancels the run: while it opens its sessions and prefills, and all through a whole answer.
-        watch = asyncio.create_task(_left(request, call))
-        try:
+            call = HttpCall(grpc_peer(request))
+            messages = _messages(self.servicer, generate, call)
+            # From here until a stream's response takes over (it watches the client itself), a client that goes
+            # away cancels the run: while it opens its sessions and prefills, and all through a whole answer.
+            watch = asyncio.create_task(_left(request, call))
             first = await anext(messages, None)
             codec = self.servicer.engine.codec if what.logprobs else None  # the tokens' text, for logprobs
             answer = http_api.Answer(what, codec.token if codec is not None else None)
@@ -237,9 +232,10 @@ class HttpFront:
         except RequestError as exc:
             return self._error(ApiError.of(exc), headers)
         finally:
-            watch.cancel()
-            if not what.stream:
-                await messages.aclose()
+            if messages is not None:  # the request was translated: its run began
+                watch.cancel()
+                if not what.stream:
+                    await messages.aclose()
 
     async def _events(self, answer: http_api.Answer, first, messages) -> AsyncIterator[bytes]:
         opening = answer.opening()
