@@ -159,7 +159,6 @@ def test_clients_that_leave_whole_answers_free_their_sessions(front):
         servicer.max_sessions = limit
 
 
-@pytest.mark.xfail(strict=True, reason="a client that leaves a whole answer is counted UNAVAILABLE")
 def test_a_client_that_leaves_a_whole_answer_is_counted_cancelled_as_over_grpc(front):
     """A client that gives up on a non-streamed request (the ``openai`` SDK's ``timeout``) was counted in
     ``kakeya_errors_total{code="UNAVAILABLE"}``, the code of a server that cannot serve (loading, draining):

@@ -36,9 +36,10 @@ PARAMS = [("prompt.tokenized.ids", "prompt"), ("prompt.text", "prompt"), ("promp
           ("sampling_params.", ""), ("cache_policy", "cache_policy")]  # fmt: skip
 INT32 = 2**31
 # An HTTP error's gRPC code, as kakeya_errors_total{code} counts both APIs' (400: INVALID_ARGUMENT, the first; a 405,
-# a method the route lacks, is gRPC's UNIMPLEMENTED: not INTERNAL, the server's own faults an operator is paged for).
+# a method the route lacks, is gRPC's UNIMPLEMENTED: not INTERNAL, the server's own faults an operator is paged for;
+# 499, a client that left, is a caller's cancel as gRPC counts one: not UNAVAILABLE, a server that cannot serve).
 GRPC_CODES = {s: c.name for c, s in reversed(STATUS.items())} | {405: "UNIMPLEMENTED", 408: "DEADLINE_EXCEEDED",
-                                                                 413: "RESOURCE_EXHAUSTED"}  # fmt: skip
+                                                                 413: "RESOURCE_EXHAUSTED", 499: "CANCELLED"}  # fmt: skip
 
 
 class ApiError(Exception):

@@ -221,8 +221,8 @@ class HttpFront:
             while isinstance(item, Block):  # its blocks, then its report
                 answer.add(item)
                 item = await anext(messages, None)
-            if item is None:  # the run was cancelled under it (its client left, or the server is going down)
-                raise ApiError(503, "the generation was cancelled")
+            if item is None:  # the run was cancelled under it: its client left (499, nginx's) or the server stops
+                raise ApiError(499 if call.gone else 503, "the generation was cancelled")
             await anext(messages, None)  # its end, after the report
             return _Json(answer.whole(item), headers=headers)
         except ApiError as exc:
