@@ -534,6 +534,24 @@ def test_a_request_within_max_model_len_is_not_refused_for_its_length(front):
     assert status == 200, (limit, n, answer)
 
 
+@pytest.mark.xfail(strict=True, reason="a prompt over the limit is code invalid_value")
+def test_a_prompt_over_the_limit_is_openais_context_length_exceeded(front):
+    """OpenAI answers a prompt longer than the model takes with ``code: context_length_exceeded``, which
+    agent frameworks read to trim a conversation and retry: langchain-openai raises its ``ContextOverflowError``
+    on it. The code was ``invalid_value``: an agent's history outgrowing the server was an error like any other."""
+    from langchain_core.exceptions import ContextOverflowError
+    from langchain_openai import ChatOpenAI
+
+    servicer, port = front
+    over = servicer.limits.max_prompt_tokens + 1
+    status, answer = Client(port).post(COMPLETIONS, {"prompt": [2] + [40] * over, "max_tokens": 1})
+    assert status == 400 and (_refusal(answer), answer["error"]["code"]) == ("prompt", "context_length_exceeded")
+    llm = ChatOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, model="tiny", max_tokens=1, max_retries=0)
+    with pytest.raises(ContextOverflowError) as caught:
+        llm.invoke("hi " * over)
+    assert (caught.value.status_code, caught.value.param) == (400, "messages")
+
+
 @pytest.mark.parametrize("model", [None, 5, ["tiny"]])
 def test_a_model_that_is_not_a_string_is_a_400_naming_it(front, model):
     """OpenAI's ``model`` is a string; null may stand for "unset" (the served model, as when it is left out)."""
