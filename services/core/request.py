@@ -19,11 +19,12 @@ from kakeya.core.constraints import Constraint
 
 
 class InvalidRequest(ValueError):
-    """A value of a request that is refused: ``field`` is its path in :class:`Request`, ``reason`` why."""
+    """A value of a request that is refused: ``field`` is its path in :class:`Request`, ``reason`` why, ``code``
+    OpenAI's error code for it where it has its own (``context_length_exceeded``, which agent frameworks act on)."""
 
-    def __init__(self, field: str, reason: str):
+    def __init__(self, field: str, reason: str, code: str | None = None):
         super().__init__(f"{field}: {reason}")
-        self.field, self.reason = field, reason
+        self.field, self.reason, self.code = field, reason, code
 
     def public(self, names: Mapping[str, str]) -> str:
         """The message with the field renamed by ``names`` (a front's spelling of a field or of one of its

@@ -188,7 +188,8 @@ def _prompt_ids(prompt, engine: EngineFacts, limit: int) -> list[int]:
         if bad:
             raise InvalidRequest("prompt", f"ids outside the vocabulary [0, {vocab}): {bad[:5]}")
     if len(ids) > limit:
-        raise InvalidRequest("prompt", f"{len(ids)} tokens exceed this server's limit {limit} (--max-prompt-tokens)")
+        why = f"the prompt is too long: {len(ids)} tokens exceed this server's limit {limit} (--max-prompt-tokens)"
+        raise InvalidRequest("prompt", why, "context_length_exceeded")
     return ids
 
 

@@ -60,7 +60,7 @@ class ApiError(Exception):
     @classmethod
     def invalid(cls, exc: InvalidRequest, names: dict[str, str]) -> ApiError:
         """The engine's refusal of a value, named as this request sent it."""
-        return cls(400, exc.public(names), public_field(exc.field, names) or None)
+        return cls(400, exc.public(names), public_field(exc.field, names) or None, exc.code)
 
     @classmethod
     def of(cls, exc: RequestError) -> ApiError:
