@@ -214,8 +214,7 @@ class HttpFront:
             first = await anext(messages, None)
             codec = self.servicer.engine.codec if what.logprobs else None  # the tokens' text, for logprobs
             answer = http_api.Answer(what, codec.token if codec is not None else None)
-            if what.stream:
-                watch.cancel()
+            if what.stream:  # (finally stops the watch: the response watches its client itself)
                 return StreamingResponse(self._events(answer, first, messages), 200, headers, "text/event-stream")
             item = first
             while isinstance(item, Block):  # its blocks, then its report
