@@ -174,6 +174,33 @@ def test_a_client_that_leaves_a_whole_answer_is_counted_cancelled_as_over_grpc(f
     assert {code: _errors(servicer, code) for code in before} == before | {"CANCELLED": before["CANCELLED"] + 1}
 
 
+@pytest.mark.xfail(strict=True, reason="a queued request whose client left keeps its place and runs")
+def test_clients_that_leave_the_queue_free_their_places_at_once(front):
+    """With ``--queue``, two agents whose requests waited for room gave up (the ``openai`` SDK's timeout): their
+    requests kept their places in the queue (``kakeya_num_requests_waiting`` 2, a third client 429 with a
+    --queue 2) until room freed, then each opened its sessions and prefilled before it was cancelled. Now a queued
+    request whose client leaves goes at once, and never runs."""
+    servicer, port = front
+    _wait(lambda: servicer.active == 0, 60, "earlier runs to end")
+    limits = servicer.max_sessions, servicer.queue, servicer.queue_timeout_s
+    servicer.max_sessions, servicer.queue, servicer.queue_timeout_s = 1, 2, 600
+    long = _open_request(port, {"prompt": [2] + list(range(100, 140)), "max_tokens": 4000, "ignore_eos": True})
+    try:
+        _wait(lambda: servicer.active == 1, 60, "the long generation to start")
+        admitted, aborted = servicer.total, _aborted(servicer)
+        queued = [_open_request(port, BASE[COMPLETIONS]) for _ in range(2)]
+        _wait(lambda: len(servicer._waiting) == 2, 60, "two requests in the queue")
+        for sock in queued:
+            sock.close()
+        _wait(lambda: not servicer._waiting, 60, "the queue to empty")
+        assert (servicer.total, _aborted(servicer)) == (admitted, aborted)  # neither ran
+        assert servicer.active == 1  # the long one goes on: the queue emptied without room being made
+    finally:
+        long.close()
+        servicer.max_sessions, servicer.queue, servicer.queue_timeout_s = limits
+        _wait(lambda: servicer.active == 0, 60, "the long generation to end")
+
+
 # --------------------------------------------------------------------------- 2. invalid Unicode, huge numbers
 
 
