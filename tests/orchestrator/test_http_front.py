@@ -184,7 +184,7 @@ def test_clients_that_leave_the_queue_free_their_places_at_once(front):
     _wait(lambda: servicer.active == 0, 60, "earlier runs to end")
     limits = servicer.max_sessions, servicer.queue, servicer.queue_timeout_s
     servicer.max_sessions, servicer.queue, servicer.queue_timeout_s = 1, 2, 600
-    long = _open_request(port, {"prompt": [2] + list(range(100, 140)), "max_tokens": 4000, "ignore_eos": True})
+    long = _open_request(port, {"prompt": [2] + list(range(100, 140)), "max_tokens": 2000, "ignore_eos": True})
     try:
         _wait(lambda: servicer.active == 1, 60, "the long generation to start")
         admitted, aborted = servicer.total, _aborted(servicer)
