@@ -792,6 +792,24 @@ def test_a_wrong_method_is_counted_as_unimplemented_not_internal(front):
     assert (_errors(servicer, "INTERNAL"), _errors(servicer, "UNIMPLEMENTED")) == (internal, unimplemented + 1)
 
 
+LEGACY_CALL = {"name": "add", "arguments": "{}"}
+
+
+@pytest.mark.xfail(strict=True, reason="an assistant message's function_call is dropped or blamed on its content")
+@pytest.mark.parametrize("content", ["let me add", None])
+def test_a_messages_legacy_function_call_is_refused_by_its_name(front, content):
+    """A history written for OpenAI's deprecated function calling (an assistant's ``function_call``): with text
+    beside it the call was silently dropped from the conversation the model saw; with ``content`` null the 400
+    blamed ``messages[1].content``. The call is refused by its name, as the top-level ``functions`` is."""
+    history = [
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": content, "function_call": LEGACY_CALL},
+    ]
+    status, answer = Client(front[1]).post(CHAT, BASE[CHAT] | {"messages": history})
+    assert status == 400 and _refusal(answer) == "messages[1].function_call", answer
+    assert "tool_calls" in answer["error"]["message"], answer  # what to send instead
+
+
 def test_a_wrong_method_is_a_405_naming_the_allowed_one(front):
     """RFC 9110: a 405 carries ``Allow``; the body is OpenAI's error shape."""
     conn = http.client.HTTPConnection("127.0.0.1", front[1], timeout=60)
