@@ -165,10 +165,7 @@ def train(args) -> dict:
 
     on_device = _data_on_device(train_set, device, args.data_on_device, args.soft_weight, args.quiet)
     trainer.model.train()
-    while step < args.steps:
-        spent = common.budget_spent(train_s + time.time() - t_start, args.time_budget)  # 0: no budget
-        if spent >= 1.0:
-            break
+    while step < args.steps and (spent := common.budget_spent(train_s + time.time() - t_start, args.time_budget)) < 1:
         rng = np.random.default_rng([args.seed, 11, step])
         B = int(block_sizes[rng.integers(len(block_sizes))])
         idx = rng.choice(len(seqs), size=args.batch, replace=False)

@@ -245,10 +245,7 @@ def train(args) -> dict:
         spent_s = train_s + (time.time() - t_start)
         return {"step": step, "curve": curve, "evals": evals, "train_s": spent_s, "config": cfg, "backend": be.name}
 
-    while step < args.steps:
-        spent = common.budget_spent(train_s + time.time() - t_start, args.time_budget)  # 0: no budget
-        if spent >= 1.0:
-            break
+    while step < args.steps and (spent := common.budget_spent(train_s + time.time() - t_start, args.time_budget)) < 1:
         rng = np.random.default_rng([args.seed, step])
         batch = data.sample_windows(corpus.train, args.batch, L, rng)
         weights = None

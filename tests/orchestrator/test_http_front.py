@@ -795,7 +795,6 @@ def test_a_wrong_method_is_counted_as_unimplemented_not_internal(front):
 LEGACY_CALL = {"name": "add", "arguments": "{}"}
 
 
-@pytest.mark.xfail(strict=True, reason="an assistant message's function_call is dropped or blamed on its content")
 @pytest.mark.parametrize("content", ["let me add", None])
 def test_a_messages_legacy_function_call_is_refused_by_its_name(front, content):
     """A history written for OpenAI's deprecated function calling (an assistant's ``function_call``): with text

@@ -256,6 +256,8 @@ def chat_request(body: dict, served: str) -> tuple[Request, Reply, dict[str, str
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise bad(f"messages[{i}]", "must be an object with a role")
+            if m.get("function_call") is not None:  # refused by name: dropped, the history would lose the call
+                raise bad(f"messages[{i}].function_call", "not supported (deprecated): send tool_calls instead")
             # an assistant's turn that calls tools may have no content (OpenAI sends null)
             empty = m.get("content") is None and (m.get("tool_calls") or m["role"] == "tool")
             turns.append(http_params.message(m, i, "" if empty else _content(m.get("content"), i)))
