@@ -213,7 +213,7 @@ class GenerationService:
         with self._lock:
             problem, full = self._admission_problem(peer)
             if full and len(self._waiting) < self.queue:
-                problem = self._wait_for_room(peer, min(self.queue_timeout_s, _deadline(call) or float("inf")))
+                problem = self._wait_for_room(peer, min(self.queue_timeout_s, _deadline(call) or float("inf")), call)
             elif full and self.queue:
                 problem += f", and {len(self._waiting)} wait in its queue (--queue {self.queue})"
             if self.draining:  # it drained while this one waited in the queue
@@ -224,13 +224,17 @@ class GenerationService:
             self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
             self.total += 1
 
-    def _wait_for_room(self, peer: str, wait_s: float) -> str | None:
-        """Queued (under the lock) until this generation may start: None, or why it may not."""
+    def _wait_for_room(self, peer: str, wait_s: float, call: ClientCall | None) -> str | None:
+        """Queued (under the lock) until this generation may start: None, or why it may not. A client that goes
+        away leaves the queue at once (its place freed, nothing run), raised as the cancel it is."""
         ticket = next(self._tickets)
         self._waiting.append(ticket)
+        gone = threading.Event()
         t0 = time.monotonic()
         try:
-            while True:
+            if call is not None and not call.add_callback(lambda: (gone.set(), self._wake())):
+                gone.set()
+            while not gone.is_set():
                 problem, full = self._admission_problem(peer, first_in_line=self._waiting[0] == ticket)
                 left = t0 + wait_s - time.monotonic()
                 if not full or left <= 0 or not self.ready or self.aborting or self.draining:
@@ -239,9 +243,15 @@ class GenerationService:
         finally:
             self._waiting.remove(ticket)
             self._room.notify_all()  # the next in line may be the one to start now
+        if gone.is_set():
+            raise RequestError(grpc.StatusCode.CANCELLED, "the client went away while its request was queued")
         if full:
             return f"{problem}, after {time.monotonic() - t0:.1f} s in its queue (--queue {self.queue})"
         return problem
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._room.notify_all()
 
     def _admission_problem(self, peer: str, first_in_line: bool = False) -> tuple[str | None, bool]:
         """Why one more generation of ``peer`` is refused now, or None; and whether a queue waits it out."""
