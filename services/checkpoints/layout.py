@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,16 @@ def safetensors_header(path: str | Path) -> dict:
     if end > size:
         raise CheckpointError(f"{path}: truncated at {size} bytes, its tensors end at {end}: download it again")
     return tensors
+
+
+@contextmanager
+def loading(ckpt: str | Path, what: str):
+    """A weights loader's complaint (a tensor missing, unexpected or of another shape: torch's RuntimeError, mlx's
+    ValueError, each over several lines and naming no directory) as one line naming the ``what`` checkpoint."""
+    try:
+        yield
+    except (ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{what} checkpoint {ckpt}: {' '.join(str(exc).split())}") from None
 
 
 def _weight_map(index: Path) -> dict[str, str]:

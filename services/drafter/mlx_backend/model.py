@@ -25,7 +25,7 @@ from mlx import nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from kakeya.backends.mlx import sampling as sampling_mlx
-from kakeya.checkpoints.layout import find_text_tensors, shard_files
+from kakeya.checkpoints.layout import find_text_tensors, loading, shard_files
 from kakeya.drafter import backend, context
 from kakeya.drafter.backend import KV, aux_rows, bind, extend_and_draft, scale_embedding, scale_logits
 from kakeya.drafter.config import DFlashConfig
@@ -396,7 +396,8 @@ def load_draft_model(draft_dir: str | Path, dtype: mx.Dtype | None = None) -> DF
     if dtype is not None:
         weights = {k: v.astype(dtype) for k, v in weights.items()}
     model = DFlashDraftModel(config)
-    model.load_weights(list(weights.items()), strict=True)
+    with loading(draft_dir, "draft"):
+        model.load_weights(list(weights.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())
     return model

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype
-from kakeya.checkpoints.layout import shard_files, torch_text_tensors
+from kakeya.checkpoints.layout import loading, shard_files, torch_text_tensors
 from kakeya.drafter.backend import bind, check_target_head
 from kakeya.drafter.config import DFlashConfig
 from kakeya.drafter.torch_backend.model import DFlashDraftModel, TargetHead, rope_inv_freq
@@ -36,9 +36,7 @@ def load_draft_model(draft_dir: str | Path, device=None, dtype=None) -> DFlashDr
     draft_dir = Path(draft_dir)
     device, dtype = resolve_device(device), resolve_dtype(dtype)
     config = DFlashConfig.from_dir(draft_dir)
-    weights: dict[str, torch.Tensor] = {}
-    for f in shard_files(draft_dir):
-        weights.update(load_file(str(f)))
+    weights = {name: w for f in shard_files(draft_dir) for name, w in load_file(str(f)).items()}
     with torch.device("meta"):
         if config.dflash2 is not None:
             from kakeya.drafter.torch_backend.dflash2 import DFlash2DraftModel
@@ -47,7 +45,8 @@ def load_draft_model(draft_dir: str | Path, device=None, dtype=None) -> DFlashDr
         else:
             model = DFlashDraftModel(config)
     model.inv_freq = rope_inv_freq(config)[0]
-    model.load_state_dict(weights, strict=True, assign=True)
+    with loading(draft_dir, "draft"):
+        model.load_state_dict(weights, strict=True, assign=True)
     model = model.to(device=device, dtype=dtype)
     model.inv_freq = model.inv_freq.float()
     model.eval().requires_grad_(False)

@@ -22,7 +22,7 @@ from mlx_lm.utils import load_model
 
 from kakeya.backends.mlx import sampling as sampling_mlx
 from kakeya.checkpoints.config import load_target_config, mlx_model_config
-from kakeya.checkpoints.layout import shard_files
+from kakeya.checkpoints.layout import loading, shard_files
 from kakeya.core.contract import FULL, SLIDING
 from kakeya.core.request import CachePolicy
 from kakeya.verifier.backend import Forward, Segment, SessionCaches
@@ -148,7 +148,9 @@ class TargetMLX:
         path = Path(path)
         shard_files(path)  # each shard the index names is there (mlx-lm lists missing parameters, not files)
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        model, _ = load_model(path, model_config=mlx_model_config(raw, load_target_config(path)))
+        config = mlx_model_config(raw, load_target_config(path))
+        with loading(path, "target"):
+            model, _ = load_model(path, model_config=config)
         _float32_experts_on_a_cpu(model)
         return cls(model, path)
 

@@ -10,18 +10,18 @@ from pathlib import Path
 
 import torch
 
-from kakeya.checkpoints.config import CheckpointError, load_target_config
-from kakeya.checkpoints.layout import torch_text_tensors
+from kakeya.checkpoints.config import load_target_config
+from kakeya.checkpoints.layout import loading, torch_text_tensors
 from kakeya.verifier.torch_backend.gemma4 import Gemma4Args, Gemma4Text
 
 
 class _Reader:
     """Reads single tensors from the checkpoint's safetensors files, cast and moved."""
 
-    def __init__(self, path: Path, names: dict[str, Path], device: torch.device, dtype: torch.dtype):
+    def __init__(self, names: dict[str, Path], device: torch.device, dtype: torch.dtype):
         from safetensors import safe_open
 
-        self.path, self.names, self.device, self.dtype = path, names, device, dtype
+        self.names, self.device, self.dtype = names, device, dtype
         self._open = {f: safe_open(str(f), framework="pt") for f in set(names.values())}
 
     def __contains__(self, name: str) -> bool:
@@ -29,7 +29,7 @@ class _Reader:
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.names:
-            raise CheckpointError(f"target checkpoint {self.path}: no tensor {name!r} (a Gemma-4 text model has one)")
+            raise ValueError(f"no tensor {name!r} (a Gemma-4 text model has one)")  # named by ``loading``
         return self._open[self.names[name]].get_tensor(name).to(device=self.device, dtype=self.dtype)
 
 
@@ -41,7 +41,11 @@ def load_gemma4(path: str | Path, device: torch.device, dtype: torch.dtype) -> G
     names, text = torch_text_tensors(path, "weights", args.tie_word_embeddings)
     with torch.device("meta"):
         model = Gemma4Text(args)
-    _load_weights(model, _Reader(path, names, device, dtype), text.prefix, text.head)
+    shapes = {name: b.shape for name, b in model.named_buffers()}  # what config.json makes each, on meta
+    with loading(path, "target"):  # a tensor missing, of another shape, or torch.cat's of misfit projections
+        _load_weights(model, _Reader(names, device, dtype), text.prefix, text.head)
+        if bad := next(((n, b.shape) for n, b in model.named_buffers() if b.shape != shapes.get(n, b.shape)), None):
+            raise ValueError(f"{bad[0]} is {list(bad[1])}, config.json makes it {list(shapes[bad[0]])}")
     model.fuse_norms()
     return model.eval()
 
@@ -50,10 +54,8 @@ def _load_weights(model: Gemma4Text, rd: _Reader, prefix: str, head: str | None)
     a, p = model.args, prefix
     model.embed = rd.get(p + "embed_tokens.weight")
     model.norm = rd.get(p + "norm.weight")
-    if head is not None and not a.tie_word_embeddings:
+    if head is not None and not a.tie_word_embeddings:  # else lm_head stays None: tied to the embedding
         model.lm_head = rd.get(head + ".weight")
-    elif head is not None and a.tie_word_embeddings:
-        model.lm_head = None
     if model.ple:
         model.embed_per_layer = rd.get(p + "embed_tokens_per_layer.weight")
         model.ple_model_proj = rd.get(p + "per_layer_model_projection.weight")
@@ -67,14 +69,9 @@ def _load_weights(model: Gemma4Text, rd: _Reader, prefix: str, head: str | None)
                 ws.append(rd.get(lp + "self_attn.v_proj.weight"))
             at.k_norm = rd.get(lp + "self_attn.k_norm.weight")
         at.wqkv = torch.cat(ws, dim=0).contiguous()
-        if at.wqkv.shape[0] != sum(at.split):
-            raise ValueError(f"layer {i}: q/k/v projection rows {at.wqkv.shape[0]} != expected {sum(at.split)}")
         at.wo = rd.get(lp + "self_attn.o_proj.weight")
         at.q_norm = rd.get(lp + "self_attn.q_norm.weight")
-        gate, up = rd.get(lp + "mlp.gate_proj.weight"), rd.get(lp + "mlp.up_proj.weight")
-        if gate.shape[0] != layer.inter:
-            raise ValueError(f"layer {i}: mlp width {gate.shape[0]} != expected {layer.inter} (use_double_wide_mlp?)")
-        layer.w_gate_up = torch.cat([gate, up], dim=0).contiguous()
+        layer.w_gate_up = torch.cat([rd.get(f"{lp}mlp.{m}_proj.weight") for m in ("gate", "up")]).contiguous()
         layer.w_down = rd.get(lp + "mlp.down_proj.weight")
         layer.input_ln = rd.get(lp + "input_layernorm.weight")
         layer.post_attn_ln = rd.get(lp + "post_attention_layernorm.weight")
