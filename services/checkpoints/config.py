@@ -352,32 +352,31 @@ def _draft_layers(cfg: dict[str, Any], where: str) -> None:
     cfg["use_sliding_window"] = window is not None
 
 
-def check_pair(target_cfg: dict[str, Any], draft_cfg: dict[str, Any]) -> None:
-    """Raise CheckpointError if the drafter cannot run against the target."""
+def pair_problems(target_cfg: dict[str, Any], draft_cfg: dict[str, Any]) -> list[str]:
+    """Each field of the drafter that does not fit the target, naming the target ([] when it fits)."""
     tpath = target_cfg.get(PATH_KEY, "<target>")
-    dpath = draft_cfg.get(PATH_KEY, "<draft>")
     dflash = draft_cfg.get("dflash_config") or {}
-    n_layers = target_cfg["num_hidden_layers"]
+    n_layers, vocab, problems = target_cfg["num_hidden_layers"], target_cfg["vocab_size"], []
     if bad := [i for i in dflash.get("target_layer_ids", []) if not 0 <= i < n_layers]:
-        raise CheckpointError(
-            f"draft checkpoint {dpath}: field 'dflash_config.target_layer_ids' has {bad}"
-            f" out of range for target {tpath} (num_hidden_layers {n_layers})"
+        problems.append(
+            f"field 'dflash_config.target_layer_ids' has {bad} out of range for target {tpath}"
+            f" (num_hidden_layers {n_layers})"
         )
     if draft_cfg.get("hidden_size") != target_cfg["hidden_size"]:
-        raise CheckpointError(
-            f"draft checkpoint {dpath}: field 'hidden_size' is {draft_cfg.get('hidden_size')},"
-            f" target {tpath} has hidden_size {target_cfg['hidden_size']}"
+        problems.append(
+            f"field 'hidden_size' is {draft_cfg.get('hidden_size')}, target {tpath} has hidden_size"
+            f" {target_cfg['hidden_size']}"
         )
     mask = dflash.get("mask_token_id")
-    vocab = target_cfg["vocab_size"]
     if not isinstance(mask, int) or not 0 <= mask < vocab:
-        raise CheckpointError(
-            f"draft checkpoint {dpath}: field 'dflash_config.mask_token_id' is {mask},"
-            f" not below target {tpath} vocab_size {vocab}"
-        )
+        problems.append(f"field 'dflash_config.mask_token_id' is {mask}, not below target {tpath} vocab_size {vocab}")
     n_target = draft_cfg.get("num_target_layers")
     if n_target is not None and n_target != n_layers:
-        raise CheckpointError(
-            f"draft checkpoint {dpath}: field 'num_target_layers' is {n_target},"
-            f" target {tpath} has num_hidden_layers {n_layers}"
-        )
+        problems.append(f"field 'num_target_layers' is {n_target}, target {tpath} has num_hidden_layers {n_layers}")
+    return problems
+
+
+def check_pair(target_cfg: dict[str, Any], draft_cfg: dict[str, Any]) -> None:
+    """Raise CheckpointError naming every field of the drafter that does not fit the target."""
+    if problems := pair_problems(target_cfg, draft_cfg):
+        raise CheckpointError(f"draft checkpoint {draft_cfg.get(PATH_KEY, '<draft>')}: " + "; ".join(problems))

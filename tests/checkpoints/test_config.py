@@ -197,7 +197,6 @@ def test_pair_mask_token_out_of_vocab(tiny_pair, tmp_path):
     assert "mask_token_id" in msg and "vocab_size 1024" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="check_pair stops at the first misfit: target_layer_ids alone is named")
 def test_pair_names_every_field_that_does_not_fit_in_one_line(tiny_pair, tmp_path):
     """A drafter made for another target: every misfit is named at once, not one per try."""
     msg = _pair_error(tiny_pair, tmp_path, lambda c: c.update(hidden_size=128, dflash_config={**c["dflash_config"], "target_layer_ids": [9], "mask_token_id": 4096}))  # fmt: skip
