@@ -189,7 +189,7 @@ def build_local_engine(
     dkw = torch_kw | (torch_options or {})
     drafter = None if no_drafter else local_drafter(draft, target, backend, prefixes=prefixes, **dkw)
     draft = "" if no_drafter else draft
-    codec, cached = TextCodec(target), prefixes is not None
+    codec, cached = TextCodec(target, verifier.info.vocab_size), prefixes is not None
     return Engine(verifier, drafter, codec, target, draft, device=device, prefix_cache=cached, ngram=ngram)
 
 
@@ -242,7 +242,7 @@ def split_engine(
     tok_dir = tokenizer or info.name
     codec = None
     if tok_dir and (Path(tok_dir) / "tokenizer.json").is_file():
-        codec = TextCodec(tok_dir)
+        codec = TextCodec(tok_dir, info.vocab_size)
     elif tokenizer:
         raise FileNotFoundError(f"{tokenizer}: no tokenizer.json")
     else:

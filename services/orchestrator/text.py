@@ -173,12 +173,14 @@ def _special_tokens(cfg: dict) -> dict[str, str]:
 
 
 class TextCodec:
-    def __init__(self, checkpoint_dir: str | Path):
+    def __init__(self, checkpoint_dir: str | Path, model_vocab: int | None = None):
         path = Path(checkpoint_dir)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"{path}: no tokenizer.json")
         self.tokenizer = Tokenizer.from_file(str(tok_file))
+        if model_vocab is not None and self.vocab_size > model_vocab:  # another model's: ids past the embedding
+            raise ValueError(f"{path}: tokenizer.json has {self.vocab_size} tokens, vocab_size is {model_vocab}")
         cfg = _tokenizer_config(path)
         self.add_bos = bool(cfg.get("add_bos_token", True))
         bos = _special_tokens(cfg)["bos_token"]
