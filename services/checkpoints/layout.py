@@ -53,10 +53,11 @@ def shard_files(ckpt_dir: str | Path) -> list[Path]:
 def tensor_files(ckpt_dir: str | Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it (no tensor data is read)."""
     ckpt_dir, files = Path(ckpt_dir), shard_files(ckpt_dir)  # every shard there and whole
-    index = ckpt_dir / SAFETENSORS_INDEX
-    if index.is_file():
-        return {name: ckpt_dir / f for name, f in _weight_map(index).items()}
-    return {name: f for f in files for name in safetensors_header(f)}
+    held, index = {name: f for f in files for name in safetensors_header(f)}, ckpt_dir / SAFETENSORS_INDEX
+    listed = {name: ckpt_dir / f for name, f in _weight_map(index).items()} if index.is_file() else held
+    if wrong := next((n for n, f in listed.items() if held.get(n) != f), None):
+        raise CheckpointError(f"{index}: weight_map puts {wrong!r} in {listed[wrong].name}, which does not hold it")
+    return listed
 
 
 def safetensors_header(path: str | Path) -> dict:
