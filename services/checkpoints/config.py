@@ -172,7 +172,7 @@ def _per_layer_config(cfg: dict[str, Any], where: str, field: str) -> None:
     """transformers >= 5.2 writes the full layers' shapes as per-layer overrides; read them back into the hub's
     ``global_head_dim`` / ``num_global_key_value_heads``, the spelling mlx-lm and the torch model read."""
     per_layer = cfg.pop("per_layer_config", None)
-    if not per_layer:
+    if per_layer is None:  # absent; {} (no layer overridden) means full layers of head_dim, as transformers builds
         return
     name = f"'{field}per_layer_config'"
     if not isinstance(per_layer, dict):

@@ -54,7 +54,6 @@ def test_per_layer_config_reads_as_the_hub_spelling():
         assert layer.self_attn.k_proj.out_features == (1 if full else 2) * layer.self_attn.head_dim
 
 
-@pytest.mark.xfail(strict=True, reason="an empty per_layer_config was read as absent: global_head_dim 512")
 def test_full_layers_shaped_as_the_sliding_ones_read_as_transformers_builds_them():
     """Full layers with the sliding layers' head size and key/value heads: transformers writes no override,
     ``per_layer_config: {}``, and builds them at ``head_dim``, not its 512 default for an absent field."""
