@@ -148,6 +148,26 @@ FAMILIES = {
         41,
         multimodal=True,
     ),
+    "plain": Family(  # full layers of the sliding layers' shape (transformers writes per_layer_config {}), the
+        "plain",  # default layer pattern, an untied head, no soft-capping
+        dict(
+            vocab_size=256,
+            vocab_size_per_layer_input=256,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=8,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=32,
+            global_head_dim=32,
+            sliding_window=13,
+            hidden_size_per_layer_input=0,
+            tie_word_embeddings=False,
+        ),
+        "may",
+        (1, 5),
+        51,
+    ),
 }
 TINY_VISION = dict(
     hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,

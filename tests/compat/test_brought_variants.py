@@ -6,11 +6,14 @@ speculative output equals the writing tool's own greedy decoding token for token
 * drafters saved by the dflash package with another shape than the cells' (block 4 with one layer reading the
   target's last layer, which the E family shares K/V into; block 16 with four June-layout layers reading four target
   layers; bfloat16 weights), on both backends against the float32 ``e`` target;
-* the same directories reached through a symlink and a trailing slash.
+* the same directories reached through a symlink and a trailing slash;
+* a target whose full layers have the sliding layers' shape (transformers writes ``per_layer_config: {}`` and no
+  ``global_head_dim``), in the default layer pattern.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import replace
 
@@ -134,3 +137,13 @@ def test_inspect_of_a_mixed_precision_convert_counts_the_modules_per_bits(mixed_
     assert main(["inspect", str(mixed_target)]) == 0
     out = capsys.readouterr().out
     assert f"quantization mode affine, modules_per_bits {{'3-bit/64': {bits[3]}, '6-bit/64': {bits[6]}}};" in out
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_full_layers_of_the_sliding_shape_equal_transformers_generate(checkpoints, backend, block):
+    """Read as an absent field, ``per_layer_config: {}`` gave the full layers transformers' 512 default head size
+    and both backends refused the checkpoint."""
+    target, draft = checkpoints("float32", "plain"), checkpoints("draft", "plain")
+    assert json.loads((target / "config.json").read_text())["per_layer_config"] == {}
+    assert speculative(backend, target, draft, block) == list(transformers_greedy(target, "plain"))
