@@ -97,6 +97,15 @@ def _train_json(vocab_size: int, max_bytes: int) -> str:
     return tok.to_str(pretty=True)
 
 
+def read_tokenizer(checkpoint_dir: str | Path) -> Tokenizer | None:
+    """A checkpoint's ``tokenizer.json`` (None without one); one error line naming it when it cannot be parsed."""
+    path = Path(checkpoint_dir) / "tokenizer.json"
+    try:
+        return Tokenizer.from_file(str(path)) if path.is_file() else None
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception on a bad file
+        raise ValueError(f"{path}: unreadable ({exc})") from None
+
+
 def train_tokenizer(
     vocab_size: int = DEFAULT_VOCAB_SIZE, max_bytes: int = DEFAULT_CORPUS_BYTES, progress: Progress | None = None
 ) -> Tokenizer:

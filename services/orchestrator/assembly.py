@@ -241,10 +241,8 @@ def split_engine(
             raise ValueError(why)
     tok_dir = tokenizer or info.name
     codec = None
-    if tok_dir and (Path(tok_dir) / "tokenizer.json").is_file():
+    if tokenizer or tok_dir and (Path(tok_dir) / "tokenizer.json").is_file():  # a --tokenizer without one: named
         codec = TextCodec(tok_dir, info.vocab_size)
-    elif tokenizer:
-        raise FileNotFoundError(f"{tokenizer}: no tokenizer.json")
     else:
         log.warning(
             "no tokenizer (verifier's %s is not readable here; pass --tokenizer DIR): token-id prompts only", info.name

@@ -20,9 +20,9 @@ from typing import Any
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
 
 from kakeya.checkpoints.config import chat_template_source
+from kakeya.checkpoints.tokenizer import read_tokenizer
 from kakeya.core.constraints import load_json
 from kakeya.core.request import Chat, ToolCall
 from kakeya.orchestrator.tools.calls import MARKERS, NAME
@@ -175,10 +175,9 @@ def _special_tokens(cfg: dict) -> dict[str, str]:
 class TextCodec:
     def __init__(self, checkpoint_dir: str | Path, model_vocab: int | None = None):
         path = Path(checkpoint_dir)
-        tok_file = path / "tokenizer.json"
-        if not tok_file.is_file():
+        self.tokenizer = read_tokenizer(path)
+        if self.tokenizer is None:
             raise FileNotFoundError(f"{path}: no tokenizer.json")
-        self.tokenizer = Tokenizer.from_file(str(tok_file))
         if model_vocab is not None and self.vocab_size > model_vocab:  # another model's: ids past the embedding
             raise ValueError(f"{path}: tokenizer.json has {self.vocab_size} tokens, vocab_size is {model_vocab}")
         cfg = _tokenizer_config(path)

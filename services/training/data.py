@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from kakeya.checkpoints import tokenizer as tk
 
@@ -90,9 +89,6 @@ def target_tokenizer(target_dir: Path, progress=None):
     """The tokenizer a target was trained with: its own ``tokenizer.json``. Training one again here would only match
     where the interpreter's standard library does (another Python version, another vocabulary, and a drafter trained on
     prompts its target never read); a target without one gets the project's, trained here."""
-    path = Path(target_dir) / "tokenizer.json"
-    if path.is_file():
-        return Tokenizer.from_file(str(path))
-    return tk.train_tokenizer(
+    return tk.read_tokenizer(target_dir) or tk.train_tokenizer(
         json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"], progress=progress
     )

@@ -8,9 +8,8 @@ import functools
 from collections.abc import Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer
-
 from kakeya.checkpoints.config import load_target_config
+from kakeya.checkpoints.tokenizer import read_tokenizer
 from kakeya.core.constraints import Constraint, ConstraintError, Grammar, tokenizer
 from kakeya.core.contract import ModelInfo, SessionOptions
 from kakeya.core.prefix import PrefixCache
@@ -92,8 +91,7 @@ def mlx_verifier(
 def _tokenizer_json(target_dir: str) -> str | None:
     """The checkpoint's tokenizer as ``tokenizers`` writes it (``to_str``): the text the front's codec hands its
     checks and guide, so that a colocated verifier shares their llguidance tokenizer and compiled grammars."""
-    path = Path(target_dir) / "tokenizer.json"
-    return Tokenizer.from_file(str(path)).to_str() if path.is_file() else None
+    return None if (tok := read_tokenizer(target_dir)) is None else tok.to_str()
 
 
 def _open_grammar(constraint: Constraint, target_dir: str | Path, vocab: int, eos_ids: Sequence[int]) -> Grammar:
