@@ -87,6 +87,8 @@ def loading(ckpt: str | Path, what: str):
     try:
         yield
     except (ValueError, RuntimeError) as exc:
+        if type(exc).__name__ == "OutOfMemoryError":  # torch's, a RuntimeError: the device is full, not the checkpoint
+            raise
         raise CheckpointError(f"{what} checkpoint {ckpt}: {' '.join(str(exc).split())}") from None
 
 

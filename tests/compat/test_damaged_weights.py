@@ -114,3 +114,19 @@ def test_a_tokenizer_json_cut_short_is_named(pair, tmp_path, capsys, backend):
     code, err = generate(target, pair[1], backend, capsys)
     assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
     assert err.startswith(f"kakeya: error: {tok}: unreadable ("), err
+
+
+def test_a_device_out_of_memory_while_loading_is_not_called_the_checkpoints_fault():
+    """torch's OutOfMemoryError is a RuntimeError, as its misfit-tensor errors are: only the latter name the checkpoint."""
+    import torch
+
+    from kakeya.checkpoints.config import CheckpointError
+    from kakeya.checkpoints.layout import loading
+
+    with pytest.raises(torch.OutOfMemoryError), loading("/ckpt", "target"):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with (
+        pytest.raises(CheckpointError, match=r"^target checkpoint /ckpt: size mismatch for w: \[2\]$"),
+        loading("/ckpt", "target"),
+    ):
+        raise RuntimeError("size mismatch for w:\n  [2]")
