@@ -116,21 +116,22 @@ class TextTensors:
     head: str | None  # e.g. "lm_head"; None: the checkpoint has no LM head (tied to the embedding)
 
 
-def find_text_tensors(names: Iterable[str], ckpt: str | Path = "", tied: bool = True) -> TextTensors:
+def find_text_tensors(names: Iterable[str], ckpt: str | Path, tied: bool) -> TextTensors:
     """Locate the embedding table, its prefix and the LM head among a checkpoint's tensor names
-    (``ckpt`` only names the checkpoint in the error); ``tied``: its config's ``tie_word_embeddings``."""
+    (``ckpt`` only names the checkpoint in the error); ``tied``: its config's ``tie_word_embeddings``, which
+    makes the embedding the head (a stray ``lm_head`` ignored, as transformers ties it)."""
     names = set(names)
     embed = _find(names, EMBED_NAMES, "embed_tokens")
     if embed is None:
         raise CheckpointError(f"no embed_tokens weight in target checkpoint {ckpt}".rstrip())
     prefix = embed[: -len("embed_tokens")]
-    head = _find(names, HEAD_NAMES + (prefix + "lm_head",), "lm_head")
+    head = None if tied else _find(names, HEAD_NAMES + (prefix + "lm_head",), "lm_head")
     if head is None and not tied:
         raise CheckpointError(f"target checkpoint {ckpt}: tie_word_embeddings is false, yet no lm_head.weight")
     return TextTensors(prefix, embed, head)
 
 
-def torch_text_tensors(ckpt: str | Path, what: str, tied: bool = True) -> tuple[dict[str, Path], TextTensors]:
+def torch_text_tensors(ckpt: str | Path, what: str, tied: bool) -> tuple[dict[str, Path], TextTensors]:
     """:func:`tensor_files` and :func:`find_text_tensors` of a target the torch backend reads (``what``: which of
     its tensors, for the error): MLX-quantized ones it refuses by name."""
     names = tensor_files(ckpt)

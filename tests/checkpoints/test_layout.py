@@ -64,13 +64,20 @@ def test_missing_shards_and_empty_dirs_are_clear_errors(tmp_path):
 
 
 def test_text_only_checkpoint_with_an_untied_head():
-    t = find_text_tensors(["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"])
+    t = find_text_tensors(
+        ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"], "", False
+    )
     assert (t.prefix, t.embed, t.head) == ("model.", "model.embed_tokens", "lm_head")
 
 
-def test_tied_embeddings_have_no_head():
-    t = find_text_tensors(["model.embed_tokens.weight", "model.norm.weight"])
-    assert (t.prefix, t.embed, t.head) == ("model.", "model.embed_tokens", None)
+def test_tied_embeddings_have_no_head_even_beside_a_stray_lm_head():
+    """tie_word_embeddings makes the embedding the head, as transformers ties it: an lm_head.weight left beside (a
+    re-save's) is not read, by the verifier nor by a drafter borrowing the target's head."""
+    for names in (["model.embed_tokens.weight", "model.norm.weight"], ["model.embed_tokens.weight", "lm_head.weight"]):
+        t = find_text_tensors(names, "", True)
+        assert (t.prefix, t.embed, t.head) == ("model.", "model.embed_tokens", None)
+    with pytest.raises(ValueError, match="tie_word_embeddings is false, yet no lm_head.weight"):
+        find_text_tensors(["model.embed_tokens.weight"], "/ckpt", False)
 
 
 def test_multimodal_names_skip_the_towers_and_per_layer_tables():
@@ -80,16 +87,16 @@ def test_multimodal_names_skip_the_towers_and_per_layer_tables():
         "model.language_model.embed_tokens.weight",
         "model.language_model.norm.weight",
     ]
-    t = find_text_tensors(names)
+    t = find_text_tensors(names, "", True)
     assert (t.prefix, t.embed, t.head) == ("model.language_model.", "model.language_model.embed_tokens", None)
     # an unlisted nesting is still found by suffix, towers still skipped; the head under the same prefix
-    t = find_text_tensors(["audio.x.embed_tokens.weight", "a.b.embed_tokens.weight", "a.b.lm_head.weight"])
+    t = find_text_tensors(["audio.x.embed_tokens.weight", "a.b.embed_tokens.weight", "a.b.lm_head.weight"], "", False)
     assert (t.prefix, t.embed, t.head) == ("a.b.", "a.b.embed_tokens", "a.b.lm_head")
 
 
 def test_no_embedding_is_a_value_error_naming_the_checkpoint():
     with pytest.raises(ValueError, match="no embed_tokens weight in target checkpoint /ckpt"):
-        find_text_tensors(["model.norm.weight", "model.vision_tower.embed_tokens.weight"], "/ckpt")
+        find_text_tensors(["model.norm.weight", "model.vision_tower.embed_tokens.weight"], "/ckpt", True)
 
 
 def test_quantized_checkpoints_are_recognised():

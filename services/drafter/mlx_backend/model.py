@@ -25,6 +25,7 @@ from mlx import nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from kakeya.backends.mlx import sampling as sampling_mlx
+from kakeya.checkpoints.config import load_target_config
 from kakeya.checkpoints.layout import find_text_tensors, loading, shard_files
 from kakeya.drafter import backend, context
 from kakeya.drafter.backend import KV, aux_rows, bind, extend_and_draft, scale_embedding, scale_logits
@@ -370,7 +371,7 @@ def load_target_head(target_dir: str | Path, dtype: mx.Dtype | None = None) -> T
     target_dir = Path(target_dir)
     cfg = json.loads((target_dir / "config.json").read_text())
     tensors = _index_tensors(target_dir)
-    where = find_text_tensors(tensors, target_dir)
+    where = find_text_tensors(tensors, target_dir, load_target_config(target_dir)["tie_word_embeddings"])
 
     def take(prefix: str) -> tuple[dict[str, mx.array], dict | None]:
         d = {p: tensors[f"{prefix}.{p}"] for p in ("weight", "scales", "biases") if f"{prefix}.{p}" in tensors}

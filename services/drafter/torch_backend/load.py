@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from kakeya.backends.torch.ops import resolve_device, resolve_dtype
+from kakeya.checkpoints.config import load_target_config
 from kakeya.checkpoints.layout import loading, shard_files, torch_text_tensors
 from kakeya.drafter.backend import bind, check_target_head
 from kakeya.drafter.config import DFlashConfig
@@ -20,7 +21,8 @@ def load_target_head(target_dir: str | Path, device=None, dtype=None) -> TargetH
 
     target_dir = Path(target_dir)
     device, dtype = resolve_device(device), resolve_dtype(dtype)
-    names, where = torch_text_tensors(target_dir, "embedding / LM head")
+    tied = load_target_config(target_dir)["tie_word_embeddings"]
+    names, where = torch_text_tensors(target_dir, "embedding / LM head", tied)
 
     def get(name: str) -> torch.Tensor:
         with safe_open(str(names[name]), framework="pt") as sf:
