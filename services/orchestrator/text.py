@@ -65,7 +65,10 @@ class ChatTemplate:
     def load(cls, checkpoint_dir: str | Path) -> ChatTemplate | None:
         """The template of the tokenizer files in ``checkpoint_dir``; None when it ships none."""
         source = chat_template_source(Path(checkpoint_dir))  # chat_template.jinja or tokenizer_config.json's
-        return cls(source, _special_tokens(_tokenizer_config(checkpoint_dir))) if source else None
+        try:
+            return cls(source, _special_tokens(_tokenizer_config(checkpoint_dir))) if source else None
+        except ValueError as exc:  # a template that does not compile: the user's file, so its checkpoint named
+            raise ValueError(f"checkpoint {checkpoint_dir}: {exc}") from None
 
     def render(
         self,

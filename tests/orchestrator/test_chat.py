@@ -77,6 +77,9 @@ def test_templates_from_tokenizer_config_and_none(tiny_pair, tmp_path):
     assert ChatTemplate.load(d) is None
     with pytest.raises(ChatError, match="ships no chat template"):
         TextCodec(d).encode_chat([{"role": "user", "content": "hi"}])
+    (d / tk.CHAT_TEMPLATE_FILE).write_text("{% for m in messages %}{{ m.content }")  # a file that does not compile
+    with pytest.raises(ValueError, match=f"^checkpoint {d}: chat template: unexpected '}}'"):
+        ChatTemplate.load(d)
 
 
 def test_bad_conversations_are_chat_errors_naming_the_message(tiny_pair):
