@@ -436,7 +436,6 @@ def _sampled(base, body: dict) -> tuple[int, dict]:
     return _post(base, "/v1/completions", json.dumps(body).encode())
 
 
-@pytest.mark.xfail(strict=True, reason="pinned: other servers' samplers are silently ignored over HTTP")
 @pytest.mark.parametrize("name,on,off", SAMPLERS)
 def test_another_servers_sampler_is_refused_by_name_unless_off(front, name, on, off):
     _, base = front

@@ -193,10 +193,9 @@ def _common(body: dict, served: str, chat: bool) -> tuple[dict, Reply, dict[str,
         raise ApiError(400, str(exc), exc.param) from None
     stream = _flag(body, "stream")
     include_usage, obfuscate = stream_options(body, stream)
-    top_k = _number(body, "top_k", 0, integer=True, low=-1, high=INT32)
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, low=0),  # OpenAI's default: 1
-        top_k=0 if top_k == -1 else top_k,  # vLLM's -1 is off, as our 0
+        top_k=max(_number(body, "top_k", 0, integer=True, low=-1, high=INT32), 0),  # vLLM's -1 is off, as our 0
         top_p=_number(body, "top_p", 1.0),  # its range and min_p's: SamplingParams.check's, as gRPC's
         min_p=_number(body, "min_p", 0.0),
         seed=_number(body, "seed", integer=True, low=0, high=2**64),

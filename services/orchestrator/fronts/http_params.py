@@ -89,6 +89,9 @@ PARAMS: dict[str, Param] = {
     "request_id": Param(HONOURED),  # in the logs of every process the request reaches
     "block_size": Param(HONOURED),  # Kakeya's own: the speculative block size (0: auto)
     "repetition_penalty": _refused(1, 1.0, why="it applies no penalties"),
+    **dict.fromkeys(("typical_p", "repeat_penalty"), _refused(1, why="it has no such sampler")),  # llama.cpp's
+    **dict.fromkeys(("xtc_probability", "mirostat", "dry_multiplier"), _refused(0, why="it has no such sampler")),
+    "top_n_sigma": _refused(-1, why="it has no such sampler"),  # llama.cpp's, as the 4 above (XTC: mlx-lm's too)
     "min_tokens": _refused(0, why="it cannot hold back EOS"),
     "use_beam_search": _refused(False, why="it does not search beams"),
     "length_penalty": _refused(1, 1.0, why="it does not search beams"),
@@ -247,10 +250,8 @@ Token = Callable[[int], tuple[str, bytes]]  # ``TextCodec.token``: a token's tex
 def logprobs_requested(body: dict, chat: bool, bad: Callable[[str, str], Exception]) -> int | None:
     """``Request.logprobs`` from a body: None when it asks for none, else k; ``bad(param, message)`` raised
     for a bad value, or ``top_logprobs`` without ``logprobs: true``."""
-    k = body.get("top_logprobs") if chat else body.get("logprobs")
-    if not chat and k is False:  # asks for none, as null does
-        k = None
     name = "top_logprobs" if chat else "logprobs"
+    k = None if not chat and body.get(name) is False else body.get(name)  # completions' false asks for none, as null
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
         raise bad(name, f"must be an integer in 0..{MAX_LOGPROBS}, got {str(k)[:32]}")
     if not chat:
