@@ -193,7 +193,6 @@ def test_streamed_chunks_with_tools_carry_their_tokens_logprobs(front):
     assert joined == [t.token for t in whole.choices[0].logprobs.content]  # each token once, in order
 
 
-@pytest.mark.xfail(strict=True, reason="pinned: a less probable token of the same text overwrites the chosen one's")
 def test_completions_top_logprobs_keep_the_most_probable_of_tokens_sharing_a_text():
     """Completions' ``top_logprobs`` are keyed by text, and byte tokens (each part of a character) share U+FFFD:
     the sampled token 257 (-2.76) stays listed at its value, not at a less probable byte token's (as seen on the

@@ -279,13 +279,11 @@ def completion_logprobs(logprobs: Sequence[TokenLogprobs], token: Token, offset:
     """OpenAI's legacy completions ``logprobs`` object of these tokens, the first at character ``offset``."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp in logprobs:
-        text = token(lp.token)[0]
-        top = {token(t)[0]: v for t, v in lp.top}
-        top.setdefault(text, lp.logprob)  # the chosen token is always listed (OpenAI: up to k + 1)
-        out["tokens"].append(text)
-        out["token_logprobs"].append(lp.logprob)
-        out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
+        text, top = token(lp.token)[0], {}
+        for t, v in (*lp.top, (lp.token, lp.logprob)):  # the chosen token is always listed (OpenAI: up to k + 1)
+            top.setdefault(token(t)[0], v)  # of tokens sharing a text (byte tokens: U+FFFD), the most probable's
+        for key, value in zip(out, (text, lp.logprob, top, offset)):
+            out[key].append(value)
         offset += len(text)
     return out
 
