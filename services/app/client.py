@@ -76,6 +76,10 @@ def set_tools(messages, args) -> None:
 
 def generate_request(args):
     options.sampling_from_args(args)  # checked as `kakeya generate` checks it: the wire's top_p 0 would read as off
+    for name in ("temperature", "top_p", "min_p", "top_k", "max_tokens", "logprobs"):  # float32 0 would read as off
+        v = getattr(args, name) or 0  # as the wire's int32 / float32 carries it (1e-50 is 0 there, 1e40 inf)
+        if abs(v) >= 2**31 if isinstance(v, int) else not 0 < abs(pb.SamplingParams(min_p=v).min_p) < float("inf"):
+            raise ValueError(f"--{name.replace('_', '-')}: {v} does not fit the wire's 32 bits")
     sp = pb.SamplingParams(
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop or [],
         stop_token_ids=args.stop_token_id or [], temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -96,9 +100,8 @@ def generate_request(args):
             ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError:
             raise ValueError(f"--prompt-ids must be comma-separated token ids, got {args.prompt_ids!r}") from None
+        req.tokenized.SetInParent()  # set, even with no ids (the server refuses an empty prompt by name)
         req.tokenized.ids.extend(ids)
-        if not ids:
-            req.tokenized.SetInParent()
     elif args.chat:  # one user message, in the model's chat template (the server renders it)
         req.messages.messages.add(role="user", content=prompt)
         set_tools(req.messages, args)

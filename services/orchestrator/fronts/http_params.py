@@ -135,9 +135,8 @@ def _same(value, accepted) -> bool:
     """JSON equality that tells ``true`` from ``1`` (``True == 1`` in Python)."""
     if isinstance(value, bool) or isinstance(accepted, bool):
         return value is accepted
-    if isinstance(value, (int, float)) and isinstance(accepted, (int, float)):
-        return value == accepted
-    return type(value) is type(accepted) and value == accepted
+    numbers = isinstance(value, (int, float)) and isinstance(accepted, (int, float))
+    return (numbers or type(value) is type(accepted)) and value == accepted
 
 
 def check(body: dict, chat: bool) -> None:
