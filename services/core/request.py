@@ -15,6 +15,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from kakeya.core.constraints import Constraint
 
 
@@ -127,6 +129,14 @@ SAMPLING_RULES = (COUPLED, REJECTION)
 # The smallest temperature that samples (0 is greedy). Below it logits / temperature can leave
 # float32's range (1e-39 makes every logit infinite): such a request is refused, naming the field.
 MIN_TEMPERATURE = 1e-5
+F32_TINY, F32_MAX = (float(v) for v in (np.finfo(np.float32).smallest_subnormal, np.finfo(np.float32).max))
+
+
+def wire_float(x: float) -> float:
+    """``x`` as the wire's float32 carries it, read back as the shortest decimal that round-trips it (0.7f -> 0.7),
+    so a split deployment samples with the very numbers a colocated one does. 0 stays 0; past float32's range, the
+    nearest value that keeps its meaning (a top-p of 1e-50 keeps the top token alone, as float32's smallest)."""
+    return float(str(np.float32(min(max(x, F32_TINY), F32_MAX)))) if x else 0.0
 
 
 @dataclass(frozen=True)
@@ -171,7 +181,7 @@ class SamplingParams:
             raise InvalidRequest("sampling.seed", f"must be an integer in [0, 2**64), got {self.seed!r}")
         if self.rule not in SAMPLING_RULES:
             raise InvalidRequest("sampling.rule", f"must be one of {', '.join(SAMPLING_RULES)}, got {self.rule!r}")
-        return self
+        return replace(self, temperature=wire_float(t), top_p=wire_float(self.top_p), min_p=wire_float(self.min_p))
 
     def seeded(self) -> SamplingParams:
         """These params with a seed: an unseeded sampling request draws one here (and reports it)."""

@@ -24,6 +24,7 @@ from kakeya.core.request import (
     InvalidRequest,
     SamplingParams,
     public_field,
+    wire_float,
 )
 from kakeya.wire.kakeya.v1 import cache_pb2
 from kakeya.wire.kakeya.v1 import generate_pb2 as gpb
@@ -121,12 +122,6 @@ def public_model_info(info: ModelInfo, **api_fields) -> gpb.ModelInfo:
 # --------------------------------------------------------------------------- sampling
 
 
-def decimal(x: float) -> float:
-    """A wire float32 back as the shortest decimal that round-trips it (0.7f -> 0.7), so a split
-    deployment processes p with the very numbers a colocated one does."""
-    return float(str(np.float32(x)))
-
-
 _RULES = {COUPLED: spb.SAMPLING_RULE_COUPLED, REJECTION: spb.SAMPLING_RULE_REJECTION}
 _RULE_NAMES = {v: k for k, v in _RULES.items()} | {spb.SAMPLING_RULE_UNSPECIFIED: COUPLED}
 
@@ -154,8 +149,8 @@ def sampling_to_proto(s: SamplingParams) -> spb.Sampling:
 
 def sampling_of(m: spb.Sampling | gpb.SamplingParams, seed: int | None) -> SamplingParams:
     """A ``Sampling`` (sessions) or a public ``SamplingParams`` as SamplingParams (proto3 zeros: off), unchecked."""
-    top_p = decimal(m.top_p) if m.top_p else 1.0
-    return SamplingParams(decimal(m.temperature), m.top_k, top_p, decimal(m.min_p), seed, rule_from_proto(m.rule))
+    top_p = wire_float(m.top_p) if m.top_p else 1.0
+    return SamplingParams(wire_float(m.temperature), m.top_k, top_p, wire_float(m.min_p), seed, rule_from_proto(m.rule))
 
 
 def sampling_from_proto(m: spb.Sampling, field: str = "sampling") -> SamplingParams | None:

@@ -73,3 +73,20 @@ def test_an_unset_rule_is_coupled_and_an_unknown_one_is_named():
         wire_contract.sampling_from_proto(sampling_pb2.Sampling(temperature=0.5, rule=9), "open.sampling")
     with pytest.raises(ValueError, match=r"^sampling_params\.temperature: must be 0 \(greedy\) or at least 1e-05"):
         wire_contract.sampling_from_proto(sampling_pb2.Sampling(temperature=1e-39), "sampling_params")
+
+
+@pytest.mark.parametrize(
+    "sent,checked",
+    [
+        ((0.8624577756921689, 0.9137406201, 0.0123456789012), (0.86245775, 0.91374063, 0.012345679)),
+        ((1e39, 1e-50, 1e-50), (3.4028235e38, 1e-45, 1e-45)),
+        ((0.7, 0.95, 0.0), (0.7, 0.95, 0.0)),
+    ],
+)
+def test_checked_sampling_is_what_the_wire_carries_so_colocated_samples_as_split(sent, checked):
+    """A colocated engine samples with the checked values, a split one with the wire's float32 of them: the check
+    makes them one (a many-digit temperature's 1/t differed by a step in ~30 % of cases), and a value float32
+    cannot hold keeps its meaning (top-p 1e-50 was 0 on the wire: off, the whole distribution sampled)."""
+    params = SamplingParams(sent[0], 0, *sent[1:], 7).check()
+    assert (params.temperature, params.top_p, params.min_p) == checked
+    assert wire_contract.sampling_from_proto(wire_contract.sampling_to_proto(params)) == params == params.check()
