@@ -126,3 +126,25 @@ def test_only_formats_llguidance_has_no_regex_for_are_left_out():
         "$defs": {"P": {"type": "string"}},
     }
     Constraint("json_schema", schema).grammar()  # compiles
+
+
+@pytest.mark.xfail(strict=True, reason="llguidance's conversion of a Python dict stops at 64-bit integers")
+def test_a_schema_holding_an_integer_beyond_64_bits_is_held(engine, tok):
+    """Valid JSON Schema with an integer past 64 bits -- pydantic's ``Field(le=10**20)``, a big ``default`` or
+    ``enum`` value -- was a 400 'Value is not JSON serializable: 100000000000000000000' at the request's check."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 10**20, "default": 10**20},
+            "c": {"enum": [10**30]},
+        },
+        "required": ["n", "c"],
+    }
+    constraint = Constraint("json_schema", schema)
+    engine.check(Request(engine.codec.encode("x = "), max_tokens=4, constraint=constraint))
+    encode = lambda text: engine.codec.tokenizer.encode(text, add_special_tokens=False).ids
+    g = Grammar(constraint.grammar(), tok)
+    assert g.allowed_prefix(encode('{"n": -1')) < len(encode('{"n": -1'))  # the bound is held
+    assert g.allowed_prefix(encode('{"n": 5, "c": 1e30')) < len(encode('{"n": 5, "c": 1e30'))  # the enum's own digits
+    g.advance(encode(f'{{"n": 5, "c": {10**30}}}') + [g.eos])
+    assert g.finished
