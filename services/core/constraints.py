@@ -111,7 +111,7 @@ def _schema_grammar(spec) -> str:
     if not isinstance(spec, dict):
         raise ConstraintError("a JSON schema must be a JSON object")
     try:
-        _check_size(len(json.dumps(spec)))
+        _check_size(len(json.dumps(spec, separators=(",", ":"))))  # as compact JSON, the bound's unit
         spec = plain_formats(spec)
     except RecursionError:
         raise ConstraintError("nested too deeply") from None
