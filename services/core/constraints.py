@@ -102,8 +102,7 @@ class Constraint:
 
 
 def _schema_grammar(spec) -> str:
-    if isinstance(spec, str):
-        _check_size(len(spec))
+    if isinstance(spec, str):  # measured once parsed, as compact JSON, not as sent (the transport bounds the text)
         try:
             spec = load_json(spec)
         except ValueError as exc:

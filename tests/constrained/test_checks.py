@@ -165,7 +165,6 @@ def test_a_schema_is_measured_as_compact_json():
         Constraint("json_schema", {"enum": [f"c{i:05d}" for i in range(12000)]}).grammar()
 
 
-@pytest.mark.xfail(strict=True, reason="a schema's text was measured as sent, indentation included")
 def test_a_schema_sent_as_indented_text_is_measured_as_compact_json():
     """A schema file as editors and ``json.dumps(indent=2)`` write it (``kakeya client generate --json-schema FILE``,
     gRPC's ``constraint.json_schema``, a ``guided_json`` string) is bounded by its compact JSON, as the same schema
