@@ -110,7 +110,7 @@ def _schema_grammar(spec) -> str:
     if not isinstance(spec, dict):
         raise ConstraintError("a JSON schema must be a JSON object")
     try:
-        _check_size(len(json.dumps(spec, separators=(",", ":"))))  # as compact JSON, the bound's unit
+        _check_size(len(json.dumps(spec, separators=(",", ":"), ensure_ascii=False)))  # as compact JSON text
         spec = plain_formats(spec)
     except RecursionError:
         raise ConstraintError("nested too deeply") from None
