@@ -115,7 +115,7 @@ def _schema_grammar(spec) -> str:
     except RecursionError:
         raise ConstraintError("nested too deeply") from None
     try:  # as text: llguidance reads a dict's integers only up to 64 bits (pydantic's Field(le=10**20))
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec), defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec | {"x-guidance": JSON_OPTIONS}))
     except ValueError as exc:
         raise ConstraintError(_bounded(str(exc))) from None
 

@@ -185,7 +185,6 @@ def test_a_schema_with_non_ascii_text_is_measured_by_its_characters():
     Constraint("json_schema", schema).grammar()
 
 
-@pytest.mark.xfail(strict=True, reason="a schema's own x-guidance overrode the server's JSON options")
 def test_a_schemas_x_guidance_is_an_annotation_not_the_servers_options(engine, tok):
     """A vendor key ``x-...`` is an annotation (docs/structured.md), ``x-guidance`` too: it neither makes llguidance
     lenient, silently dropping a keyword it would refuse (``uniqueItems``), nor frees the fixed JSON style."""

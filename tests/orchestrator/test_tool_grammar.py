@@ -340,3 +340,5 @@ def test_auto_beside_a_json_answer_takes_that_json_or_calls(demo):
     bad = ['{"summary":"sun"}', '{"summary": "sunny!"}', "", "Sure.", '{"summary": "a"}' + time, "Sure. " + weather]
     for text in bad + ["Text. " + _written(codec, "get_weather", INVALID[0])]:
         assert not _accepts(tokenizer, grammar, _ids(codec, text)), text
+    loose = tool_call_grammar([TIME], "auto", answer=answer | {"x-guidance": {"whitespace_flexible": True}})
+    assert not _accepts(tokenizer, loose, _ids(codec, '{"summary":"sun"}'))  # its x-guidance an annotation

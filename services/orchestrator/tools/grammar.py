@@ -361,8 +361,8 @@ def tool_call_grammar(
     lines += [f"{name}: {regex}" for name, regex in _TERMINALS.items()]
     for text, name in rules.terminals.items():  # a constrained string's text (and its closing mark, as STR_END)
         lines += [f"{name}: {text}", f"{name}_END: ({text}) /{re.escape(QUOTE)}/"]
-    if answer is not None:  # written as every JSON answer is (``core/constraints.py``), unless the schema says
-        lines.append(f"answer: %json {json.dumps({'x-guidance': JSON_OPTIONS} | plain_formats(dict(answer)))}")
+    if answer is not None:  # written as every JSON answer is (``core/constraints.py``), whatever its x-guidance says
+        lines.append(f"answer: %json {json.dumps(plain_formats(dict(answer)) | {'x-guidance': JSON_OPTIONS})}")
     elif tool_choice == AUTO and not terms[CALL_START].startswith("<["):
         lines.append(f"TEXT: {_FREE} & ~/{_FREE[1:-1]}{re.escape(CALL_START)}{_FREE[1:-1]}/")
         lines.append(f"LEAD: TEXT {terms[CALL_START]}")
