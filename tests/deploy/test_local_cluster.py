@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -60,15 +62,16 @@ def local_argv(role: str, services: dict[str, str], token_file: str) -> list[str
     return out
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cpu-dev")
+@contextmanager
+def local_cluster(tmp: Path, verifier_flags: tuple[str, ...] = (), orchestrator_flags: tuple[str, ...] = ()):
+    """cpu-dev's pods as loopback processes: verifier-0, verifier-1, drafter-0 and the orchestrator over them (the
+    rendered flags, then ``*_flags``: the last of a flag wins, as in argparse), stopped on the way out."""
     token_file = tmp / "token"
     token_file.write_text(TOKEN + "\n")
     started: list[Server] = []
     try:
         backends = [
-            Server(n, local_argv(r, {}, str(token_file)), tmp)
+            Server(n, [*local_argv(r, {}, str(token_file)), *(verifier_flags if r == "verifier" else ())], tmp)
             for n, r in (("verifier-0", "verifier"), ("verifier-1", "verifier"), ("drafter-0", "drafter"))
         ]
         started += backends
@@ -83,12 +86,18 @@ def cluster(tmp_path_factory):
         services = {"kakeya-verifier-headless:50061": verifiers, "kakeya-drafter-headless:50062": drafters}
         orch_args = local_argv("orchestrator", services, str(token_file))
         assert flag(orch_args, "--verifier") == verifiers and flag(orch_args, "--drafter") == drafters
-        orch = Server("orchestrator", orch_args, tmp)
+        orch = Server("orchestrator", [*orch_args, *orchestrator_flags], tmp)
         started.append(orch)
         orch.start().wait_ready()
         yield {"orchestrator": orch, "verifiers": [v0, v1], "drafter": d0}
     finally:
         stop_all(started)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with local_cluster(tmp_path_factory.mktemp("cpu-dev")) as pods:
+        yield pods
 
 
 def test_cpu_dev_pods_serve_on_loopback_and_balance_sessions(cluster):
@@ -139,34 +148,12 @@ def test_a_rolling_update_at_full_load_fails_no_stream(tmp_path):
     """A rolling update (or a node drain) SIGTERMs a verifier pod while every replica is at its --max-sessions. Its
     sessions move to another SERVING replica at their next step (docs/operations.md, "Drains"); here the only other
     one is full, and the orchestrators may know no other: they re-resolve the headless Service only when a connection
-    drops, so the surge pod maxSurge brought up is not among their replicas yet. The refused hand-off failed the
-    stream (HTTP 500 / INTERNAL "generation failed: verifier: session limit reached"), where staying would have
-    finished it within --grace, as a drain with nowhere to go does."""
+    drops, so the surge pod maxSurge brought up is not among their replicas yet. A refused hand-off stays and finishes
+    within --grace, as a drain with nowhere to go does (until 2026-12-07 it failed the stream: HTTP 500 / INTERNAL
+    "generation failed: verifier: session limit reached")."""
     per_replica = 2
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN + "\n")
-    cap = [f"--max-sessions={per_replica}"]  # the last --max-sessions wins, as in argparse
-    started: list[Server] = []
-    try:
-        backends = [
-            Server(f"verifier-{k}", [*local_argv("verifier", {}, str(token_file)), *cap], tmp_path) for k in "01"
-        ]
-        backends.append(Server("drafter", local_argv("drafter", {}, str(token_file)), tmp_path))
-        started += backends
-        for s in backends:
-            s.start()
-        for s in backends:
-            s.wait_ready()
-        v0, v1, d0 = backends
-        services = {
-            "kakeya-verifier-headless:50061": f"ipv4:{v0.addr},{v1.addr}",
-            "kakeya-drafter-headless:50062": d0.addr,
-        }
-        orch = Server(
-            "orchestrator", [*local_argv("orchestrator", services, str(token_file)), "--max-sessions=4"], tmp_path
-        )
-        started.append(orch)
-        orch.start().wait_ready()
+    with local_cluster(tmp_path, (f"--max-sessions={per_replica}",), ("--max-sessions=4",)) as pods:
+        orch, (v0, v1) = pods["orchestrator"], pods["verifiers"]
         max_tokens = 400  # long enough that the other replica's own streams still hold it when the hand-off comes
         with ThreadPoolExecutor(2 * per_replica) as pool:
             streams = [pool.submit(generate, orch.addr, request(text=p, max_tokens=max_tokens)) for p in PROMPTS]
@@ -176,5 +163,3 @@ def test_a_rolling_update_at_full_load_fails_no_stream(tmp_path):
             finished = [f.result()[2] for f in streams]
         assert v0.wait(60) == 0
         assert [(c.error_message, c.completion_tokens) for c in finished] == [("", max_tokens)] * len(PROMPTS)
-    finally:
-        stop_all(started)
