@@ -68,28 +68,20 @@ DRAFT_EDITS = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("edit", list(TARGET_EDITS))
-def test_a_target_tensor_missing_or_of_another_shape_is_one_line_naming_the_checkpoint(
-    pair, tmp_path, capsys, edit, backend
-):
-    change, named = TARGET_EDITS[edit]
-    target = edited(pair[0], tmp_path / "target", change)
-    code, err = generate(target, pair[1], backend, capsys)
-    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
-    assert err.startswith(f"kakeya: error: target checkpoint {target}: ") and named in err, err
+EDITS = {("target", e): v for e, v in TARGET_EDITS.items()} | {("draft", e): v for e, v in DRAFT_EDITS.items()}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("edit", list(DRAFT_EDITS))
-def test_a_drafter_tensor_missing_extra_or_of_another_shape_is_one_line_naming_the_checkpoint(
-    pair, tmp_path, capsys, edit, backend
+@pytest.mark.parametrize("which,edit", list(EDITS))
+def test_a_tensor_missing_extra_or_of_another_shape_is_one_line_naming_the_checkpoint(
+    pair, tmp_path, capsys, which, edit, backend
 ):
-    change, named = DRAFT_EDITS[edit]
-    draft = edited(pair[1], tmp_path / "draft", change)
-    code, err = generate(pair[0], draft, backend, capsys)
+    change, named = EDITS[which, edit]
+    dirs = dict(zip(("target", "draft"), pair, strict=True))
+    dirs[which] = edited(dirs[which], tmp_path / which, change)
+    code, err = generate(dirs["target"], dirs["draft"], backend, capsys)
     assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
-    assert err.startswith(f"kakeya: error: draft checkpoint {draft}: ") and named in err, err
+    assert err.startswith(f"kakeya: error: {which} checkpoint {dirs[which]}: ") and named in err, err
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
