@@ -930,7 +930,6 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
-@pytest.mark.xfail(strict=True, reason="uvicorn's own logging config writes its lines past --log-format json")
 def test_the_http_servers_own_lines_go_to_the_processs_log(front):
     """Any client could make an orchestrator run with ``--log-format json`` write a plain-text line
     (``WARNING:  Invalid HTTP request received.``) into the JSON stream an operator's pipeline parses: uvicorn logged

@@ -309,7 +309,7 @@ class HttpFront:
             kw = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
             if tls.client_ca:
                 kw |= {"ssl_ca_certs": tls.client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+        config = uvicorn.Config(self.app, log_level="warning", log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=max(1, int(grace_s)), http=_bounded_h11(self.timeouts.headers_s),
                                 timeout_keep_alive=self.timeouts.keep_alive_s, **kw)  # fmt: skip
         self.server = uvicorn.Server(config)
