@@ -26,31 +26,16 @@ class LayerTruth:
 
 
 def capture(target, ids: mx.array, aux_layers, wanted) -> tuple[mx.array, dict[int, LayerTruth]]:
-    """The target's native forward over ``ids`` [B, T]: aux rows [B, T, A] and each wanted layer's true Q/K/V."""
-    inner, a = target.inner, target.args
-    _B, T = ids.shape
-    h = inner.embed_tokens(ids) * inner.embed_scale
-    per_layer = [None] * len(inner.layers)
-    if inner.hidden_size_per_layer_input:
-        pli = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(ids))
-        per_layer = [pli[:, :, i, :] for i in range(len(inner.layers))]
+    """The target's native forward over ``ids`` [B, T] (``TargetMLX.body``, uncached): aux rows [B, T, A] and each
+    wanted layer's true Q/K/V, from its input: the output of the layer before it (layer 0's: the embedding)."""
+    inner, T = target.inner, ids.shape[1]
     q_pos, k_pos = np.arange(T)[:, None], np.arange(T)[None, :]
-    masks = {FULL: mx.array(k_pos <= q_pos), SLIDING: mx.array((k_pos <= q_pos) & (k_pos > q_pos - a.sliding_window))}
-    aux_ids = {layer: i for i, layer in enumerate(aux_layers)}
-    aux = [None] * len(aux_ids)
-    truths: dict[int, LayerTruth] = {}
-    intermediates = [(None, None)] * len(inner.layers)
-    for idx, layer in enumerate(inner.layers):
-        if idx in wanted:
-            truths[idx] = _truth(layer.self_attn, layer.input_layernorm(h))
-        kvs, offset = intermediates[inner.previous_kvs[idx]]
-        h, kvs, offset = layer(
-            h, masks[layer.layer_type], None, per_layer_input=per_layer[idx], shared_kv=kvs, offset=offset
-        )
-        intermediates[idx] = (kvs, offset)
-        if idx in aux_ids:
-            aux[aux_ids[idx]] = h
-    return mx.concatenate(aux, axis=-1), truths
+    window = k_pos > q_pos - target.args.sliding_window
+    masks = {FULL: mx.array(k_pos <= q_pos), SLIDING: mx.array((k_pos <= q_pos) & window)}
+    _, outputs = target.body(ids, [], masks, {*aux_layers, *(w - 1 for w in wanted)})
+    outputs[-1] = inner.embed_tokens(ids) * inner.embed_scale if 0 in wanted else None
+    truths = {w: _truth(inner.layers[w].self_attn, inner.layers[w].input_layernorm(outputs[w - 1])) for w in wanted}
+    return mx.concatenate([outputs[layer] for layer in aux_layers], axis=-1), truths
 
 
 def _truth(attn, x: mx.array) -> LayerTruth:
