@@ -942,7 +942,6 @@ def test_the_http_servers_own_lines_go_to_the_processs_log(front):
     assert any(r.name.startswith("uvicorn") and "Invalid HTTP" in r.getMessage() for r in handler.records), answer
 
 
-@pytest.mark.xfail(strict=True, reason="Starlette redirects a trailing slash to a URL made of the Host header")
 @pytest.mark.parametrize("path", [CHAT + "/", COMPLETIONS + "/", "/health/"])
 def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_host_header(front, path):
     """``POST /v1/chat/completions/`` was a 307 with an empty body to ``http://<the Host header>/v1/chat/completions``:

@@ -163,6 +163,7 @@ class HttpFront:
             ],
             exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
         )
+        self.app.router.redirect_slashes = False  # a 307 to the Host header's URL: behind a proxy, an internal one
         self.server = None
         self._thread: threading.Thread | None = None
 
