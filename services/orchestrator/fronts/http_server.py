@@ -135,6 +135,16 @@ class _Json(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode()
 
 
+def _once(pairs: list) -> dict:
+    """A JSON object of a body; a key in it twice is a 400 naming it (which of its values was meant, nothing tells)."""
+    obj: dict = {}
+    for key, value in pairs:
+        if key in obj:
+            raise http_api.bad(key[:64], "sent twice in one JSON object: send it once")
+        obj[key] = value
+    return obj
+
+
 def _event(body: dict) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
@@ -276,7 +286,7 @@ class HttpFront:
         except ClientDisconnect:  # nobody reads the answer: it only ends the request
             raise ApiError(400, "the client closed the connection before its body ended") from None
         try:
-            return json.loads(raw)
+            return json.loads(raw, object_pairs_hook=_once)
         except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting
             raise ApiError(400, f"the request body is not valid JSON ({str(exc)[:200]})") from None
 
