@@ -35,11 +35,12 @@ ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_
 PARAMS = [("prompt.tokenized.ids", "prompt"), ("prompt.text", "prompt"), ("prompt.messages", "messages"),
           ("sampling_params.", ""), ("cache_policy", "cache_policy")]  # fmt: skip
 INT32 = 2**31
-# An HTTP error's gRPC code, as kakeya_errors_total{code} counts both APIs' (400: INVALID_ARGUMENT, the first; a 405,
-# a method the route lacks, is gRPC's UNIMPLEMENTED: not INTERNAL, the server's own faults an operator is paged for;
-# 499, a client that left, is a caller's cancel as gRPC counts one: not UNAVAILABLE, a server that cannot serve).
+# An HTTP error's gRPC code, as kakeya_errors_total{code} counts both APIs' (400: INVALID_ARGUMENT, the first; a 405
+# or 415, a method or body coding it lacks, is UNIMPLEMENTED: not INTERNAL, the server's own faults an operator is paged
+# for; 499, a client that left, is a caller's cancel as gRPC counts one: not UNAVAILABLE, a server that cannot serve).
 GRPC_CODES = {s: c.name for c, s in reversed(STATUS.items())} | {405: "UNIMPLEMENTED", 408: "DEADLINE_EXCEEDED",
-                                                                 413: "RESOURCE_EXHAUSTED", 499: "CANCELLED"}  # fmt: skip
+                                                                 413: "RESOURCE_EXHAUSTED", 415: "UNIMPLEMENTED",
+                                                                 499: "CANCELLED"}  # fmt: skip
 
 
 class ApiError(Exception):

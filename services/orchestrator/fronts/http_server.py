@@ -271,6 +271,8 @@ class HttpFront:
 
     async def _body(self, request: Request):
         """The JSON body, at most ``max_body`` bytes (413 beyond, as the gRPC API's receive limit)."""
+        if request.headers.get("content-encoding", "identity").lower() != "identity":  # RFC 7694's answer
+            raise ApiError(415, "Content-Encoding: this server takes a body only uncompressed (identity)")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body:
             raise ApiError(413, f"request body of {declared} bytes exceeds this server's limit of {self.max_body}")
