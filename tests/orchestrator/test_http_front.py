@@ -175,11 +175,13 @@ def test_a_client_that_leaves_a_whole_answer_is_counted_cancelled_as_over_grpc(f
     assert {code: _errors(servicer, code) for code in before} == before | {"CANCELLED": before["CANCELLED"] + 1}
 
 
+@pytest.mark.xfail(strict=True, reason="a client that left the queue was a 500 counted INTERNAL")
 def test_clients_that_leave_the_queue_free_their_places_at_once(front):
     """With ``--queue``, two agents whose requests waited for room gave up (the ``openai`` SDK's timeout): their
     requests kept their places in the queue (``kakeya_num_requests_waiting`` 2, a third client 429 with a
     --queue 2) until room freed, then each opened its sessions and prefilled before it was cancelled. Now a queued
-    request whose client leaves goes at once, and never runs."""
+    request whose client leaves goes at once, and never runs; it is counted a caller's cancel (CANCELLED, as over
+    gRPC), not ``kakeya_errors_total{code="INTERNAL"}``: the server's own faults, which page an operator."""
     servicer, port = front
     _wait(lambda: servicer.active == 0, 60, "earlier runs to end")
     limits = servicer.max_sessions, servicer.queue, servicer.queue_timeout_s
@@ -188,6 +190,7 @@ def test_clients_that_leave_the_queue_free_their_places_at_once(front):
     try:
         _wait(lambda: servicer.active == 1, 60, "the long generation to start")
         admitted, aborted = servicer.total, _aborted(servicer)
+        internal, cancelled = _errors(servicer, "INTERNAL"), _errors(servicer, "CANCELLED")
         queued = [_open_request(port, BASE[COMPLETIONS]) for _ in range(2)]
         _wait(lambda: len(servicer._waiting) == 2, 60, "two requests in the queue")
         for sock in queued:
@@ -195,6 +198,9 @@ def test_clients_that_leave_the_queue_free_their_places_at_once(front):
         _wait(lambda: not servicer._waiting, 60, "the queue to empty")
         assert (servicer.total, _aborted(servicer)) == (admitted, aborted)  # neither ran
         assert servicer.active == 1  # the long one goes on: the queue emptied without room being made
+        counts = lambda: (_errors(servicer, "INTERNAL"), _errors(servicer, "CANCELLED"))
+        _wait(lambda: sum(counts()) == internal + cancelled + 2, 60, "the two requests' answers")
+        assert counts() == (internal, cancelled + 2)
     finally:
         long.close()
         servicer.max_sessions, servicer.queue, servicer.queue_timeout_s = limits
@@ -973,7 +979,7 @@ def test_a_compressed_body_is_a_415_naming_content_encoding(front):
     the server takes no content coding, and says so by the header's name (415, as RFC 7694 answers)."""
     import gzip
 
-    raw = json.dumps(BASE[COMPLETIONS]).encode()
+    raw, internal = json.dumps(BASE[COMPLETIONS]).encode(), _errors(front[0], "INTERNAL")
     for coding, body in (("gzip", gzip.compress(raw)), ("br", raw)):
         conn = http.client.HTTPConnection("127.0.0.1", front[1], timeout=60)
         headers = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json", "content-encoding": coding}
@@ -984,5 +990,5 @@ def test_a_compressed_body_is_a_415_naming_content_encoding(front):
         finally:
             conn.close()
         assert r.status == 415 and "Content-Encoding" in answer["error"]["message"], answer
-    assert _errors(front[0], "INTERNAL") == 0  # counted as a client's mistake
+    assert _errors(front[0], "INTERNAL") == internal  # counted as a client's mistake
     assert Client(front[1]).post(COMPLETIONS, BASE[COMPLETIONS])[0] == 200
