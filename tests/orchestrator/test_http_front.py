@@ -175,7 +175,6 @@ def test_a_client_that_leaves_a_whole_answer_is_counted_cancelled_as_over_grpc(f
     assert {code: _errors(servicer, code) for code in before} == before | {"CANCELLED": before["CANCELLED"] + 1}
 
 
-@pytest.mark.xfail(strict=True, reason="a client that left the queue was a 500 counted INTERNAL")
 def test_clients_that_leave_the_queue_free_their_places_at_once(front):
     """With ``--queue``, two agents whose requests waited for room gave up (the ``openai`` SDK's timeout): their
     requests kept their places in the queue (``kakeya_num_requests_waiting`` 2, a third client 429 with a

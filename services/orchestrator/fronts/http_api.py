@@ -28,6 +28,7 @@ STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.CANCELLED: 499,  # a client that left its place in the queue (nginx's status)
 }  # fmt: skip
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
                503: "service_unavailable_error", 504: "timeout_error"}  # fmt: skip
@@ -39,8 +40,7 @@ INT32 = 2**31
 # or 415, a method or body coding it lacks, is UNIMPLEMENTED: not INTERNAL, the server's own faults an operator is paged
 # for; 499, a client that left, is a caller's cancel as gRPC counts one: not UNAVAILABLE, a server that cannot serve).
 GRPC_CODES = {s: c.name for c, s in reversed(STATUS.items())} | {405: "UNIMPLEMENTED", 408: "DEADLINE_EXCEEDED",
-                                                                 413: "RESOURCE_EXHAUSTED", 415: "UNIMPLEMENTED",
-                                                                 499: "CANCELLED"}  # fmt: skip
+                                                                 413: "RESOURCE_EXHAUSTED", 415: "UNIMPLEMENTED"}  # fmt: skip
 
 
 class ApiError(Exception):
