@@ -991,3 +991,21 @@ def test_a_compressed_body_is_a_415_naming_content_encoding(front):
         assert r.status == 415 and "Content-Encoding" in answer["error"]["message"], answer
     assert _errors(front[0], "INTERNAL") == internal  # counted as a client's mistake
     assert Client(front[1]).post(COMPLETIONS, BASE[COMPLETIONS])[0] == 200
+
+
+@pytest.mark.xfail(strict=True, reason="h11 takes Transfer-Encoding over Content-Length and keeps the connection")
+@pytest.mark.parametrize("after_another", [False, True])
+def test_a_request_framed_by_both_headers_ends_its_connection(front, after_another):
+    """A request with both ``Transfer-Encoding: chunked`` and ``Content-Length`` (a request smuggling attempt: a proxy
+    that frames by the length sees another request in the chunks) was answered, then the connection served the next
+    request on it. RFC 9112 6.3: the server MUST close the connection after answering it -- pipelined too."""
+    body = json.dumps(BASE[COMPLETIONS]).encode()
+    head = (
+        f"POST {COMPLETIONS} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {TOKEN}\r\ncontent-type: application/json\r\n"
+    )
+    plain = f"{head}content-length: {len(body)}\r\n\r\n".encode() + body
+    both = f"{head}transfer-encoding: chunked\r\ncontent-length: 5\r\n\r\n{len(body):x}\r\n".encode() + body
+    answer = _raw(
+        front[1], (plain if after_another else b"") + both + b"\r\n0\r\n\r\nGET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+    )
+    assert answer.count(b"HTTP/1.1 200 OK") == 1 + after_another and b'{"status":"ok"}' not in answer, answer
