@@ -32,7 +32,6 @@ from kakeya.wire.kakeya.v1 import drafter_pb2_grpc
 
 log = logging.getLogger("kakeya.drafter")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DrafterService"].full_name
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 

@@ -28,10 +28,9 @@ class LayerTruth:
 def capture(target, ids: mx.array, aux_layers, wanted) -> tuple[mx.array, dict[int, LayerTruth]]:
     """The target's native forward over ``ids`` [B, T] (``TargetMLX.body``, uncached): aux rows [B, T, A] and each
     wanted layer's true Q/K/V, from its input: the output of the layer before it (layer 0's: the embedding)."""
-    inner, T = target.inner, ids.shape[1]
+    inner, a, T = target.inner, target.args, ids.shape[1]
     q_pos, k_pos = np.arange(T)[:, None], np.arange(T)[None, :]
-    window = k_pos > q_pos - target.args.sliding_window
-    masks = {FULL: mx.array(k_pos <= q_pos), SLIDING: mx.array((k_pos <= q_pos) & window)}
+    masks = {FULL: mx.array(k_pos <= q_pos), SLIDING: mx.array((k_pos <= q_pos) & (k_pos > q_pos - a.sliding_window))}
     _, outputs = target.body(ids, [], masks, {*aux_layers, *(w - 1 for w in wanted)})
     outputs[-1] = inner.embed_tokens(ids) * inner.embed_scale if 0 in wanted else None
     truths = {w: _truth(inner.layers[w].self_attn, inner.layers[w].input_layernorm(outputs[w - 1])) for w in wanted}

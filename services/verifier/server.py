@@ -40,7 +40,6 @@ from kakeya.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
 
 log = logging.getLogger("kakeya.verifier")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VerifierService"].full_name
 ROUND_WIRE = RoundWire(pb.VerifyRoundResponse, "verify", "verified", pb.VerifierResponse.Progress)
 
 

@@ -28,8 +28,7 @@ from kakeya.wire.kakeya.v1 import generate_pb2 as pb
 from kakeya.wire.kakeya.v1 import generate_pb2_grpc
 from kakeya.wire.limits import PUBLIC_MAX_RECEIVE_BYTES
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-
+GENERATION = pb.DESCRIPTOR.services_by_name["Generation"]
 
 PUBLIC_DRAFTER_STATUS = ("state", "failures")  # of ``Drafter.status()``: not ``last_error`` (an address, a trace)
 
@@ -136,13 +135,12 @@ def server_spec(servicer: GenerationServicer, tls=None, http=None) -> ServerSpec
     def near_deadline() -> None:
         servicer.aborting = True  # in-flight generations end with FINISH_REASON_ABORT
 
-    generation = pb.DESCRIPTOR.services_by_name["Generation"]
     return ServerSpec(
         name="orchestrator",
-        service_names=[SERVICE_NAME],
+        service_names=[GENERATION.full_name],
         load=servicer.load,
         set_ready=set_ready,
-        add_to_server=lambda server: add_servicer(server, servicer, generation, servicer.auth_token),
+        add_to_server=lambda server: add_servicer(server, servicer, GENERATION, servicer.auth_token),
         before_drain=servicer.drain,
         near_deadline=near_deadline,
         busy=servicer.busy,

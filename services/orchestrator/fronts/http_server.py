@@ -369,9 +369,8 @@ def _bounded_h11(headers_s: float):
                 self._timer = None
 
         def connection_lost(self, exc) -> None:
-            if self._timer is not None:
+            if self._timer is not None:  # (never set again: a lost connection receives nothing)
                 self._timer.cancel()
-                self._timer = None
             super().connection_lost(exc)
 
         def _expire(self) -> None:
