@@ -993,7 +993,6 @@ def test_a_compressed_body_is_a_415_naming_content_encoding(front):
     assert Client(front[1]).post(COMPLETIONS, BASE[COMPLETIONS])[0] == 200
 
 
-@pytest.mark.xfail(strict=True, reason="h11 takes Transfer-Encoding over Content-Length and keeps the connection")
 @pytest.mark.parametrize("after_another", [False, True])
 def test_a_request_framed_by_both_headers_ends_its_connection(front, after_another):
     """A request with both ``Transfer-Encoding: chunked`` and ``Content-Length`` (a request smuggling attempt: a proxy

@@ -368,6 +368,11 @@ def _bounded_h11(headers_s: float):
                 self._timer.cancel()
                 self._timer = None
 
+        def handle_events(self) -> None:  # parses the requests in: each one's cycle made as its headers are read
+            super().handle_events()  # RFC 9112 6.3: a request framed both ways (smuggling?) ends its connection
+            if self.cycle and {b"content-length", b"transfer-encoding"} <= dict(self.cycle.scope["headers"]).keys():
+                self.cycle.keep_alive = False
+
         def connection_lost(self, exc) -> None:
             if self._timer is not None:  # (never set again: a lost connection receives nothing)
                 self._timer.cancel()
