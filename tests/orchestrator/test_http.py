@@ -353,6 +353,26 @@ def test_per_peer_cap_counts_http_and_grpc_calls_of_one_host_together(front):
         servicer.max_sessions_per_peer = limit
 
 
+@pytest.mark.xfail(strict=True, reason="uvicorn takes X-Forwarded-For from 127.0.0.1 as the client's address")
+def test_a_forwarded_for_header_is_no_other_peer(front):
+    """With --max-sessions-per-peer 1 and a stream in flight from 127.0.0.1, a second request from there that said
+    ``X-Forwarded-For: 10.9.8.7`` was admitted: uvicorn trusted the header from loopback (all of ``serve all``'s
+    clients by default), so any client could name itself anyone and run past its cap. A peer is its address, as
+    over gRPC (``auth.peer_of``: callers behind one proxy share one)."""
+    servicer, base = front
+    limit, servicer.max_sessions_per_peer = servicer.max_sessions_per_peer, 1
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    try:
+        with _stream_in_flight(servicer, base):
+            headers = {"authorization": f"Bearer {TOKEN}", "x-forwarded-for": "10.9.8.7"}
+            conn.request("POST", "/v1/completions", b'{"prompt": "x", "max_tokens": 2}', headers)
+            r = conn.getresponse()
+            assert r.status == 429 and "--max-sessions-per-peer" in json.loads(r.read())["error"]["message"]
+    finally:
+        conn.close()
+        servicer.max_sessions_per_peer = limit
+
+
 def test_a_full_server_refuses_a_bad_request_for_what_it_is(front):
     """A request no server can run hears INVALID_ARGUMENT naming its field (HTTP 400) while --max-sessions is
     full: not RESOURCE_EXHAUSTED (429), which clients retry as if it could succeed later."""
