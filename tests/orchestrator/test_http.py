@@ -353,7 +353,6 @@ def test_per_peer_cap_counts_http_and_grpc_calls_of_one_host_together(front):
         servicer.max_sessions_per_peer = limit
 
 
-@pytest.mark.xfail(strict=True, reason="uvicorn takes X-Forwarded-For from 127.0.0.1 as the client's address")
 def test_a_forwarded_for_header_is_no_other_peer(front):
     """With --max-sessions-per-peer 1 and a stream in flight from 127.0.0.1, a second request from there that said
     ``X-Forwarded-For: 10.9.8.7`` was admitted: uvicorn trusted the header from loopback (all of ``serve all``'s

@@ -324,7 +324,7 @@ class HttpFront:
                 kw |= {"ssl_ca_certs": tls.client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
         config = uvicorn.Config(self.app, log_level="warning", log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=max(1, int(grace_s)), http=_bounded_h11(self.timeouts.headers_s),
-                                timeout_keep_alive=self.timeouts.keep_alive_s, **kw)  # fmt: skip
+                                timeout_keep_alive=self.timeouts.keep_alive_s, proxy_headers=False, **kw)  # fmt: skip
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
         self._thread.start()
