@@ -1010,7 +1010,6 @@ def test_a_request_framed_by_both_headers_ends_its_connection(front, after_anoth
     assert answer.count(b"HTTP/1.1 200 OK") == 1 + after_another and b'{"status":"ok"}' not in answer, answer
 
 
-@pytest.mark.xfail(strict=True, reason="uvicorn routes the whole absolute-form target as the path: 404")
 @pytest.mark.parametrize("target", ["http://x/v1/completions", "https://api.example:443/v1/completions"])
 def test_an_absolute_form_target_is_served_as_its_path(front, target):
     """``POST http://host/v1/completions HTTP/1.1`` (the form a client sends a proxy: one whose proxy setting names

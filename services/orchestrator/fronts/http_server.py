@@ -368,10 +368,12 @@ def _bounded_h11(headers_s: float):
                 self._timer.cancel()
                 self._timer = None
 
-        def handle_events(self) -> None:  # parses the requests in: each one's cycle made as its headers are read
-            super().handle_events()  # RFC 9112 6.3: a request framed both ways (smuggling?) ends its connection
+        def handle_events(self) -> None:  # parses the requests in, making each one's cycle (its app to run) as read
+            super().handle_events()  # then, RFC 9112: an absolute-form target is served as its path (3.2.2) ...
+            if self.cycle and self.cycle.scope["path"].startswith(("http://", "https://")):
+                self.cycle.scope["path"] = "/" + self.cycle.scope["path"].partition("//")[2].partition("/")[2]
             if self.cycle and {b"content-length", b"transfer-encoding"} <= dict(self.cycle.scope["headers"]).keys():
-                self.cycle.keep_alive = False
+                self.cycle.keep_alive = False  # ... and one framed both ways (smuggling?) ends its connection (6.3)
 
         def connection_lost(self, exc) -> None:
             if self._timer is not None:  # (never set again: a lost connection receives nothing)
