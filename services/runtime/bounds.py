@@ -89,13 +89,6 @@ class ContextLimits:
         return n
 
 
-def max_prompt_tokens(limit: int, max_position_embeddings: int) -> int:
-    """``--max-prompt-tokens`` (0: the default), never above the model's ``max_position_embeddings``."""
-    if limit < 0:
-        raise ValueError(f"--max-prompt-tokens must be >= 0 (0: the default), got {limit}")
-    return min(limit or DEFAULT_MAX_PROMPT_TOKENS, max_position_embeddings)
-
-
 class RestoreSources:
     """Named f_theta directories a server may restore from; the wire carries only the names."""
 

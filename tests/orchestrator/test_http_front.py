@@ -584,7 +584,6 @@ def test_a_prompt_over_the_limit_is_openais_context_length_exceeded(front):
     assert (caught.value.status_code, caught.value.param) == (400, "messages")
 
 
-@pytest.mark.xfail(strict=True, reason="a left-out max_tokens is the default 128 even where the context has less room")
 def test_a_conversation_near_the_context_end_without_max_tokens_is_not_refused_for_it(front, monkeypatch):
     """A chat app that leaves ``max_tokens`` out (OpenAI's chat then runs to the context's end) sent a history
     within ``max_model_len`` but less than the default 128 tokens short of it, and got a 400 naming ``max_tokens``,

@@ -71,7 +71,8 @@ def context_of(engine: EngineFacts, limits: Limits) -> int:
 
 
 def prompt_limit(engine: EngineFacts, limits: Limits) -> int:
-    return bounds.max_prompt_tokens(limits.max_prompt_tokens, context_of(engine, limits))
+    """--max-prompt-tokens (0: the default; a negative one the servicer refuses), never above the context."""
+    return min(limits.max_prompt_tokens or bounds.DEFAULT_MAX_PROMPT_TOKENS, context_of(engine, limits))
 
 
 def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) -> CheckedRequest:
@@ -79,13 +80,16 @@ def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) 
     request_id = bounds.check_request_id(req.request_id) or uuid.uuid4().hex[:16]
     max_prompt = prompt_limit(engine, limits)
     prompt = _prompt_ids(req.prompt, engine, max_prompt)
-    max_tokens = limits.default_max_tokens if req.max_tokens is None else req.max_tokens
+    context = context_of(engine, limits)
+    if req.max_tokens is None and len(prompt) >= context:  # left out, it is what the context leaves: here nothing
+        why = f"the prompt is too long: {len(prompt)} tokens leave no room for output in the context limit {context}"
+        raise InvalidRequest("prompt", why, "context_length_exceeded")
+    max_tokens = min(limits.default_max_tokens, context - len(prompt)) if req.max_tokens is None else req.max_tokens
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise InvalidRequest("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
     if limits.max_tokens_limit and max_tokens > limits.max_tokens_limit:
         why = f"{max_tokens} exceeds this server's limit {limits.max_tokens_limit} (--max-tokens-limit)"
         raise InvalidRequest("max_tokens", why)
-    context = context_of(engine, limits)
     if len(prompt) + max_tokens > context:
         why = f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the context limit {context}"
         raise InvalidRequest("max_tokens", why)
