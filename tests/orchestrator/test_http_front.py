@@ -610,6 +610,18 @@ def test_a_conversation_near_the_context_end_without_max_tokens_is_not_refused_f
     assert status == 400 and _refusal(answer) == "max_tokens", answer
 
 
+@pytest.mark.xfail(strict=True, reason="the prompt's refusal names --max-prompt-tokens whatever limit held it")
+def test_a_prompt_over_the_context_is_refused_naming_the_limit_that_held_it(front, monkeypatch):
+    """A server whose context (a verifier's --max-context, or the model's) is below its --max-prompt-tokens refused
+    a longer prompt saying it exceeded ``--max-prompt-tokens``, a limit its operator never set that low."""
+    servicer, port = front
+    monkeypatch.setattr(servicer, "limits", replace(servicer.limits, max_context=64, max_prompt_tokens=64))
+    status, answer = Client(port).post(COMPLETIONS, {"prompt": [2] + [40] * 64, "max_tokens": 1})
+    assert (status, _refusal(answer), answer["error"]["code"]) == (400, "prompt", "context_length_exceeded"), answer
+    assert "--max-prompt-tokens" not in answer["error"]["message"] and "context" in answer["error"]["message"], answer
+    assert servicer.max_prompt_tokens_flag == 0  # the flag left at its default, 8192: the context held the prompt
+
+
 @pytest.mark.parametrize("model", [None, 5, ["tiny"]])
 def test_a_model_that_is_not_a_string_is_a_400_naming_it(front, model):
     """OpenAI's ``model`` is a string; null may stand for "unset" (the served model, as when it is left out)."""
