@@ -610,7 +610,6 @@ def test_a_conversation_near_the_context_end_without_max_tokens_is_not_refused_f
     assert status == 400 and _refusal(answer) == "max_tokens", answer
 
 
-@pytest.mark.xfail(strict=True, reason="the prompt's refusal names --max-prompt-tokens whatever limit held it")
 def test_a_prompt_over_the_context_is_refused_naming_the_limit_that_held_it(front, monkeypatch):
     """A server whose context (a verifier's --max-context, or the model's) is below its --max-prompt-tokens refused
     a longer prompt saying it exceeded ``--max-prompt-tokens``, a limit its operator never set that low."""

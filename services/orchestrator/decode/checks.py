@@ -78,9 +78,9 @@ def prompt_limit(engine: EngineFacts, limits: Limits) -> int:
 def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) -> CheckedRequest:
     """``req`` checked and completed as it will run (see the module docstring), or InvalidRequest."""
     request_id = bounds.check_request_id(req.request_id) or uuid.uuid4().hex[:16]
-    max_prompt = prompt_limit(engine, limits)
-    prompt = _prompt_ids(req.prompt, engine, max_prompt)
-    context = context_of(engine, limits)
+    max_prompt, context = prompt_limit(engine, limits), context_of(engine, limits)
+    held_by = "--max-prompt-tokens" if max_prompt < context else "its context"  # the limit the operator set lower
+    prompt = _prompt_ids(req.prompt, engine, max_prompt, held_by)
     if req.max_tokens is None and len(prompt) >= context:  # left out, it is what the context leaves: here nothing
         why = f"the prompt is too long: {len(prompt)} tokens leave no room for output in the context limit {context}"
         raise InvalidRequest("prompt", why, "context_length_exceeded")
@@ -154,7 +154,7 @@ def _resume(req: Request, sampling, stop_ids, max_tokens: int, vocab: int) -> No
         raise InvalidRequest(field, "a constrained generation or one whose tool calls are read cannot resume")
 
 
-def _prompt_ids(prompt, engine: EngineFacts, limit: int) -> list[int]:
+def _prompt_ids(prompt, engine: EngineFacts, limit: int, held_by: str) -> list[int]:
     """The prompt as token ids: a text tokenized, a conversation rendered by the chat template, ids checked;
     each bounded before it is tokenized past ``bounds.CHARS_PER_TOKEN_BOUND`` characters a token."""
     codec, vocab = engine.codec, engine.verifier.info.vocab_size
@@ -192,7 +192,7 @@ def _prompt_ids(prompt, engine: EngineFacts, limit: int) -> list[int]:
         if bad:
             raise InvalidRequest("prompt", f"ids outside the vocabulary [0, {vocab}): {bad[:5]}")
     if len(ids) > limit:
-        why = f"the prompt is too long: {len(ids)} tokens exceed this server's limit {limit} (--max-prompt-tokens)"
+        why = f"the prompt is too long: {len(ids)} tokens exceed this server's limit {limit} ({held_by})"
         raise InvalidRequest("prompt", why, "context_length_exceeded")
     return ids
 
