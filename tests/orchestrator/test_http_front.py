@@ -621,6 +621,32 @@ def test_a_prompt_over_the_context_is_refused_naming_the_limit_that_held_it(fron
     assert servicer.max_prompt_tokens_flag == 0  # the flag left at its default, 8192: the context held the prompt
 
 
+@pytest.mark.xfail(
+    strict=True, reason="a prompt refused by its characters is invalid_value, not context_length_exceeded"
+)
+def test_a_prompt_refused_by_its_characters_is_context_length_exceeded_too(front, monkeypatch):
+    """A text far beyond the token limit is refused before it is tokenized (over 64 characters a token): that is the
+    same refusal as a prompt counted too long, ``context_length_exceeded`` saying "the prompt is too long", which
+    langchain-openai raises as ``ContextOverflowError`` so that an agent trims its history; it was ``invalid_value``
+    ("N characters, far beyond ..."), so a chat that pasted a huge document failed as any other error."""
+    from langchain_core.exceptions import ContextOverflowError
+    from langchain_openai import ChatOpenAI
+
+    servicer, port = front
+    monkeypatch.setattr(servicer, "limits", replace(servicer.limits, max_context=64, max_prompt_tokens=64))
+    huge = "x" * (64 * 64 + 1)
+    for path, body, field in [
+        (COMPLETIONS, {"prompt": huge}, "prompt"),
+        (CHAT, {"messages": [{"role": "user", "content": huge}]}, "messages"),
+    ]:
+        status, answer = Client(port).post(path, body | {"max_tokens": 1})
+        assert (status, _refusal(answer), answer["error"]["code"]) == (400, field, "context_length_exceeded"), answer
+        assert "the prompt is too long" in answer["error"]["message"], answer
+    llm = ChatOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, model="tiny", max_tokens=1, max_retries=0)
+    with pytest.raises(ContextOverflowError):
+        llm.invoke(huge)
+
+
 @pytest.mark.parametrize("model", [None, 5, ["tiny"]])
 def test_a_model_that_is_not_a_string_is_a_400_naming_it(front, model):
     """OpenAI's ``model`` is a string; null may stand for "unset" (the served model, as when it is left out)."""
