@@ -621,9 +621,6 @@ def test_a_prompt_over_the_context_is_refused_naming_the_limit_that_held_it(fron
     assert servicer.max_prompt_tokens_flag == 0  # the flag left at its default, 8192: the context held the prompt
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a prompt refused by its characters is invalid_value, not context_length_exceeded"
-)
 def test_a_prompt_refused_by_its_characters_is_context_length_exceeded_too(front, monkeypatch):
     """A text far beyond the token limit is refused before it is tokenized (over 64 characters a token): that is the
     same refusal as a prompt counted too long, ``context_length_exceeded`` saying "the prompt is too long", which

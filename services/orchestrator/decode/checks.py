@@ -168,8 +168,9 @@ def _prompt_ids(prompt, engine: EngineFacts, limit: int, held_by: str) -> list[i
         else:
             chars = sum(len(m.content) + len(m.role) + sum(len(c.arguments) for c in m.tool_calls)
                         for m in prompt.messages) + len(repr(prompt.tools))  # fmt: skip
-        if chars > limit * bounds.CHARS_PER_TOKEN_BOUND:
-            raise InvalidRequest("prompt", f"{chars} characters, far beyond the {limit}-token limit")
+        if chars > limit * bounds.CHARS_PER_TOKEN_BOUND:  # too long as surely as a prompt counted: refused as one
+            why = f"the prompt is too long: {chars} characters, far over this server's limit {limit} tokens ({held_by})"
+            raise InvalidRequest("prompt", why, "context_length_exceeded")
         if isinstance(prompt, str):
             ids = codec.encode(prompt)
         else:
