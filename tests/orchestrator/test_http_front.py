@@ -644,6 +644,28 @@ def test_a_prompt_refused_by_its_characters_is_context_length_exceeded_too(front
         llm.invoke(huge)
 
 
+@pytest.mark.xfail(strict=True, reason="prompt + max_tokens over the context is invalid_value")
+def test_a_history_that_leaves_max_tokens_no_room_is_context_length_exceeded(front, monkeypatch):
+    """A chat app that sends the same ``max_tokens`` every turn sees its history outgrow the context as prompt +
+    max_tokens exceeding it, not as the prompt alone. OpenAI answers that with ``context_length_exceeded`` too (its
+    "maximum context length ... in the messages, ... in the completion"), which langchain-openai raises as
+    ``ContextOverflowError`` so that an agent trims its history; it was ``invalid_value``: any other error."""
+    from langchain_core.exceptions import ContextOverflowError
+    from langchain_openai import ChatOpenAI
+
+    servicer, port = front
+    context = 64
+    monkeypatch.setattr(servicer, "limits", replace(servicer.limits, max_context=context, max_prompt_tokens=context))
+    messages = [{"role": "user", "content": "hi"}]
+    status, answer = Client(port).post(CHAT, {"messages": messages, "max_tokens": 1})
+    assert status == 200 and answer["usage"]["prompt_tokens"] < context - 1, answer
+    status, answer = Client(port).post(CHAT, {"messages": messages, "max_tokens": context - 1})
+    assert (status, _refusal(answer), answer["error"]["code"]) == (400, "max_tokens", "context_length_exceeded"), answer
+    llm = ChatOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, model="tiny", max_tokens=60, max_retries=0)
+    with pytest.raises(ContextOverflowError):
+        llm.invoke("hi " * 8)
+
+
 @pytest.mark.parametrize("model", [None, 5, ["tiny"]])
 def test_a_model_that_is_not_a_string_is_a_400_naming_it(front, model):
     """OpenAI's ``model`` is a string; null may stand for "unset" (the served model, as when it is left out)."""
