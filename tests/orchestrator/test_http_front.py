@@ -644,7 +644,6 @@ def test_a_prompt_refused_by_its_characters_is_context_length_exceeded_too(front
         llm.invoke(huge)
 
 
-@pytest.mark.xfail(strict=True, reason="prompt + max_tokens over the context is invalid_value")
 def test_a_history_that_leaves_max_tokens_no_room_is_context_length_exceeded(front, monkeypatch):
     """A chat app that sends the same ``max_tokens`` every turn sees its history outgrow the context as prompt +
     max_tokens exceeding it, not as the prompt alone. OpenAI answers that with ``context_length_exceeded`` too (its

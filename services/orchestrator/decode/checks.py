@@ -91,8 +91,8 @@ def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) 
         why = f"{max_tokens} exceeds this server's limit {limits.max_tokens_limit} (--max-tokens-limit)"
         raise InvalidRequest("max_tokens", why)
     if len(prompt) + max_tokens > context:
-        why = f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the context limit {context}"
-        raise InvalidRequest("max_tokens", why)
+        why = f"the prompt is too long for it: {len(prompt)} + {max_tokens} tokens exceed the context limit {context}"
+        raise InvalidRequest("max_tokens", why, "context_length_exceeded")  # as OpenAI's: a history outgrows it so
     stop_ids = _stops(req, engine)
     _constraint(req, engine)  # the client's own, refused as its parameter before any tool grammar takes it in
     req = _tool_calls(req, engine)  # a tool choice's grammar, compiled there
