@@ -81,7 +81,7 @@ def check_request(req: Request, engine: EngineFacts, limits: Limits = Limits()) 
     max_prompt, context = prompt_limit(engine, limits), context_of(engine, limits)
     held_by = "--max-prompt-tokens" if max_prompt < context else "its context"  # the limit the operator set lower
     prompt = _prompt_ids(req.prompt, engine, max_prompt, held_by)
-    if req.max_tokens is None and len(prompt) >= context:  # left out, it is what the context leaves: here nothing
+    if len(prompt) >= context:  # no room for any output: the prompt is what does not fit, whatever max_tokens says
         why = f"the prompt is too long: {len(prompt)} tokens leave no room for output in the context limit {context}"
         raise InvalidRequest("prompt", why, "context_length_exceeded")
     max_tokens = min(limits.default_max_tokens, context - len(prompt)) if req.max_tokens is None else req.max_tokens
