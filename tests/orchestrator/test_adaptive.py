@@ -222,9 +222,9 @@ def test_measure_costs_times_warm_shapes():
 
     clock = types.SimpleNamespace(t=0.0)
     session = _ColdFirstCall(clock)
-    verifier = types.SimpleNamespace(info=types.SimpleNamespace(vocab_size=100), open_session=lambda: session)
+    verifier = types.SimpleNamespace(info=types.SimpleNamespace(vocab_size=100), open_session=lambda *_: session)
     drafter_session = types.SimpleNamespace(draft=lambda aux, last, n: Draft(tuple([3] * (n - 1))), close=lambda: None)
-    drafter = types.SimpleNamespace(open_session=lambda: drafter_session)
+    drafter = types.SimpleNamespace(open_session=lambda *_: drafter_session)
     curve = adaptive.measure_costs(verifier, drafter, sizes=(1, 4, 16), repeats=1, clock=lambda: clock.t)
     assert curve.seconds == pytest.approx({1: 0.01, 4: 0.04, 16: 0.16})  # no first-call second in any size
 
@@ -294,9 +294,9 @@ def test_measure_costs_spreads_a_burst_over_every_size():
             return Verdict(accepted=0, next_token=2, aux=None)
 
     session = Session(clock)
-    verifier = types.SimpleNamespace(info=types.SimpleNamespace(vocab_size=100), open_session=lambda: session)
+    verifier = types.SimpleNamespace(info=types.SimpleNamespace(vocab_size=100), open_session=lambda *_: session)
     drafter_session = types.SimpleNamespace(draft=lambda aux, last, n: Draft(tuple([3] * (n - 1))), close=lambda: None)
-    drafter = types.SimpleNamespace(open_session=lambda: drafter_session)
+    drafter = types.SimpleNamespace(open_session=lambda *_: drafter_session)
     curve = adaptive.measure_costs(verifier, drafter, sizes=(1, 4, 16), repeats=3, clock=lambda: clock.t)
     # the burst lasts three forwards: timing each size's repeats in a row put all three on 4 (priced at 1.04)
     assert curve.seconds == pytest.approx({1: 0.01, 4: 0.04, 16: 0.16})

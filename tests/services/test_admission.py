@@ -278,7 +278,6 @@ def test_no_session_limit_leaves_no_thread_limit_either(server_factory):
             call.cancel()
 
 
-@pytest.mark.xfail(strict=True, reason="auto block sizes' timing sessions ask for the verifier's whole context")
 def test_auto_block_sizes_start_within_a_budget_that_holds_the_request(servers, server_factory):
     """The first auto-sized request (auto is the default) times each block size on live sessions
     (``block_sizing.measure_costs``), which opened asking for the verifier's whole context (``max_positions`` 0): a

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kakeya.core.contract import Draft
+from kakeya.core.contract import Draft, SessionOptions
 from kakeya.core.generation import Block
 from kakeya.core.request import MAX_BLOCK_SIZE
 
@@ -245,8 +245,9 @@ def measure_costs(
     one size's every timing (which priced it out for good). A first pass runs untimed: a process's first forward at
     a shape pays for allocations and kernel selection, which would price the sizes far too dear."""
     prompt = [(7 * i + 3) % verifier.info.vocab_size for i in range(32)]
-    vs = verifier.open_session()
-    ds = drafter.open_session() if drafter is not None else None
+    options = SessionOptions(max_positions=len(prompt) + (repeats + 1) * sum(sizes))  # not the whole context:
+    vs = verifier.open_session(None, None, options)  # a --max-kv-bytes budget below it refused every auto request
+    ds = drafter.open_session(None, options) if drafter is not None else None
     sized, times = [s for s in sizes if s == 1 or ds is not None], {}
     try:
         last, aux = vs.prefill(prompt)
