@@ -144,7 +144,6 @@ class Run:
         if not isinstance(req, CheckedRequest):
             raise TypeError("a Run takes a CheckedRequest: Engine.check (or Engine.start) makes one")
         self.request, self._engine, self._step, self._options = req, engine, options.step, options
-        self._fallback = options.drafter_fallback
         self._sampling = req.sampling  # checked: seeded, one seed for both sessions' streams, reported back
         self._text = text_stream(engine.codec, req.stop_strings)  # each block's text, cut at a stop string
         self._streamed: list[str] = []
@@ -249,7 +248,7 @@ class Run:
                 try:
                     reuse = ds.cached_prefixes(ids)
                 except Exception as exc:  # its first draft fails the same way: the fallback takes over there
-                    if not self._fallback:
+                    if not self._options.drafter_fallback:
                         raise
                     log.warning("request %s: drafter prefix lookup failed (%s)", self.request.request_id or "-", exc)
                     reuse = []  # none usable: a lookup all the same (a miss), cold
@@ -404,6 +403,8 @@ class Run:
     def _stop_at(self, block: Block, keep: int) -> None:
         """End the run at a stop string found in ``block``: keep its first ``keep`` tokens, no later block."""
         gen = self._decode.generation
+        gen.finish_reason = "stop"  # done: no later round takes it, and the cut waits for the one in flight
+        self._scheduler.leave(self._decode)
         at = next(i for i, b in enumerate(gen.blocks) if b is block)
         del gen.blocks[at + 1 :]
         block.cut(keep)
@@ -419,8 +420,7 @@ class Run:
     def _end(self, finish_reason: str, learn: bool = False) -> None:
         decode = self._decode
         gen = decode.generation
-        if self._joined:
-            self._scheduler.leave(decode)  # no round runs on its sessions from here on
+        self._scheduler.leave(decode)  # no round runs on its sessions from here on (never joined: at once)
         gen.finish_reason, gen.sampling = finish_reason, self._sampling
         self._streamed.append(self._text.flush())  # text held back for a stop string or a partial character
         self._result = gen

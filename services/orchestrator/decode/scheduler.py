@@ -59,7 +59,7 @@ class Scheduler:
     def leave(self, decode: Decode) -> None:
         """``decode`` takes no part in any later round; returns once no round runs on it."""
         with self._cv:
-            while self._driving and decode in self._live:
+            while decode in self._in_round:
                 self._cv.wait()
             self._live.pop(decode, None)
 
