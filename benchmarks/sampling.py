@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 from kakeya.app.options import DEFAULT_PROMPT
 from kakeya.core import noise
-from kakeya.core import sampling as reference
 from kakeya.core.request import SAMPLING_RULES, Request, SamplingParams
 from kakeya.orchestrator.assembly import build_local_engine, set_torch_threads
+from tests.sampling import reference  # the numpy reference the backends are held to
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: record.py, the results' one writer
 from record import write_result

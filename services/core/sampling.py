@@ -1,11 +1,11 @@
-"""Speculative sampling: the numpy reference, and the host-side steps every backend shares.
+"""Speculative sampling: the host-side steps every backend shares.
 
 Two rules, both exact in distribution, picked per request (``SamplingParams.rule``): **coupled** (Daliri, Musco, Suresh
 2024: every token is the Gumbel-max draw of ``noise.py``'s G, so candidates are kept while they equal the verifier's
 noisy argmax) and **rejection** (Leviathan et al. 2023: accept with min(1, p/q'), resample from norm(max(0, p - q'))).
 
-p is the *processed* distribution (``process``); ``backends/*/sampling.py`` compute the same on the device and the tests
-hold them to this file. The rejection rule's host uniforms (``session_rng``) become tokens by inverse CDF over a fixed
+p is the *processed* distribution; ``backends/*/sampling.py`` compute it on the device, and the tests hold them to the
+numpy reference of both rules (``tests/sampling/reference.py``). The rejection rule's host uniforms (``session_rng``) become tokens by inverse CDF over a fixed
 order (descending probability, ties by index) on every backend.
 """
 
@@ -15,33 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kakeya.core import noise
-from kakeya.core.contract import PROPOSAL_TOP_K, Proposal
+from kakeya.core.contract import Proposal
 from kakeya.core.request import SamplingParams
-
-
-def process(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The processed distribution p over the last axis (float64), for ``params.temperature > 0``."""
-    x = np.asarray(logits, np.float64) / params.temperature
-    order = np.argsort(-x, axis=-1, kind="stable")  # descending, ties by index
-    xs = np.take_along_axis(x, order, axis=-1)
-    keep = np.ones_like(xs, dtype=bool)
-    V = xs.shape[-1]
-    if 0 < params.top_k < V:
-        keep[..., params.top_k :] = False
-    xs = np.where(keep, xs, -np.inf)
-    ps = np.exp(xs - xs[..., :1])
-    ps /= ps.sum(-1, keepdims=True)
-    if params.top_p < 1:
-        before = np.cumsum(ps, -1) - ps  # mass strictly before each entry
-        keep &= before < params.top_p  # the smallest prefix reaching top_p (the first always)
-    if params.min_p > 0:
-        keep &= ps >= params.min_p * ps[..., :1]
-    ps = np.where(keep, ps, 0.0)
-    ps /= ps.sum(-1, keepdims=True)
-    out = np.empty_like(ps)
-    np.put_along_axis(out, order, ps, axis=-1)
-    return out
 
 
 def inverse_temperature(params: SamplingParams) -> float:
@@ -51,53 +26,19 @@ def inverse_temperature(params: SamplingParams) -> float:
     return float(np.float32(1.0 / params.temperature))
 
 
-def coupled(logits: np.ndarray, params: SamplingParams, keys: tuple[int, int], first_position: int) -> list[int]:
-    """The coupled rule's token for each row of ``logits`` [L, V], row i predicting position
-    ``first_position + i``: argmax over p's support of logits * (1 / temperature) + G, in float32."""
-    x = np.asarray(logits, np.float32)
-    score = x * np.float32(inverse_temperature(params)) + noise.gumbel(keys, first_position, *x.shape)
-    if params.filtered:
-        score = np.where(process(logits, params) > 0, score, -np.inf)
-    return np.argmax(score, axis=-1).tolist()
-
-
-def sample(w: np.ndarray, u: float) -> int:
-    """Inverse CDF of the (unnormalised) weights ``w`` [V] at uniform ``u`` in [0, 1): descending weight, ties by index,
-    capped at the last positive entry, so a zero-weight token is never drawn."""
-    w = np.asarray(w, np.float64)
-    order = np.argsort(-w, kind="stable")
-    return int(order[_first_above(w[order], u)])
-
-
-def proposal_rows(q: np.ndarray, k: int = PROPOSAL_TOP_K) -> tuple[np.ndarray, np.ndarray]:
-    """The top-``k`` of each row of ``q`` [n, V] (descending, ties by index), renormalised."""
-    k = min(k, q.shape[-1])
-    ids = np.argsort(-q, axis=-1, kind="stable")[:, :k]
-    probs = np.take_along_axis(q, ids, axis=-1)
-    return ids.astype(np.int32), (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
-
-
 def draw_from_proposal(ids: np.ndarray, probs: np.ndarray, u: np.ndarray) -> tuple[list[int], Proposal]:
     """Sample one candidate per row of the compact proposal (host). ``probs`` [n, K] float32, descending: the drafter
     sends exactly these, so the verifier's acceptance uses the very distribution each candidate came from."""
     probs = np.ascontiguousarray(probs, np.float32)
     ids = np.ascontiguousarray(ids, np.int32)
-    tokens = [int(ids[i, _first_above(probs[i], u[i])]) for i in range(ids.shape[0])]
+    tokens = [int(ids[i, first_above(probs[i], u[i])]) for i in range(ids.shape[0])]
     return tokens, Proposal(ids, probs)
 
 
-def _first_above(row: np.ndarray, u: float) -> int:
+def first_above(row: np.ndarray, u: float) -> int:
     c = np.cumsum(row, dtype=np.float64)
     k = int(np.sum(c <= u * c[-1]))
     return min(k, int(np.count_nonzero(row)) - 1)
-
-
-def dense(proposal: Proposal, vocab: int) -> np.ndarray:
-    """q' as [n, vocab] (float64, each row normalised): for the reference and tests only."""
-    q = np.zeros((len(proposal), vocab))
-    probs = proposal.probs.astype(np.float64)
-    np.put_along_axis(q, proposal.ids.astype(np.int64), probs / probs.sum(-1, keepdims=True), axis=-1)
-    return q
 
 
 def verify_uniforms(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -118,16 +59,3 @@ def assemble(candidates: Sequence[int], accepted: Sequence[bool], samples: Seque
         choices[i] = int(c)
     choices[len(candidates)] = int(samples[len(candidates)])
     return choices
-
-
-def verify(
-    p: np.ndarray, candidates: Sequence[int], proposal: Proposal | None, u_acc, u_samp
-) -> tuple[list[bool], list[int]]:
-    """Reference acceptance and residual draws for p [L, V] (``len(candidates) == L - 1``)."""
-    L, V = p.shape
-    q = np.zeros((L, V))
-    if candidates:
-        q[: L - 1] = dense(proposal, V)
-    accepted = [bool(u_acc[i] * q[i, x] < p[i, x]) for i, x in enumerate(candidates)]
-    w = np.maximum(p - q, 0.0)
-    return accepted, [sample(w[i], u_samp[i]) for i in range(L)]

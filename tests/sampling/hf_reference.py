@@ -1,6 +1,6 @@
 """The processed distribution p computed by Hugging Face transformers' own logits warpers.
 
-An independent statement of what ``kakeya.core.sampling.process`` means: logits / temperature, then
+An independent statement of what ``reference.process`` (``tests/sampling/reference.py``) means: logits / temperature, then
 top-k, top-p and min-p, in the order ``transformers``' ``generate`` applies them
 (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``, ``MinPLogitsWarper``), then
 the softmax. The sampling tests measure speculative samples against this p, not against the code

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kakeya.core import noise
-from kakeya.core import sampling as ref
 from kakeya.core.request import SamplingParams
 
+from . import reference as ref
 from .hf_reference import hf_process
 from .test_reference import PARAMS, _backend
 from .test_statistical import chi_square_p

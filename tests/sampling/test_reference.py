@@ -1,4 +1,4 @@
-"""Both backends' processing, draws and acceptance == the numpy reference (services/core/sampling.py),
+"""Both backends' processing, draws and acceptance == the numpy reference (tests/sampling/reference.py),
 and the reference itself keeps p exactly (enumerated, no sampling)."""
 
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kakeya.core import sampling as ref
 from kakeya.core.contract import Proposal
 from kakeya.core.request import InvalidRequest, SamplingParams
+
+from . import reference as ref
 
 PARAMS = [
     SamplingParams(1.0),

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from kakeya.core import sampling as ref
+from kakeya.core import sampling as lossless
 from kakeya.core.request import COUPLED, SAMPLING_RULES
 from kakeya.orchestrator.decode import loop
 from kakeya.verifier import session as verifier_session
@@ -167,9 +167,9 @@ def test_speculative_sampling_is_exact_and_a_broken_rule_is_caught(backend, sett
             verifier_session, "accept", lambda candidates, choices: (len(candidates), int(choices[len(candidates)]))
         )
     else:  # the verifier sessions call it through the module: patch it to accept everything
-        exact = ref.assemble
+        exact = lossless.assemble
         monkeypatch.setattr(
-            ref, "assemble", lambda cands, accepted, samples: exact(cands, [True] * len(cands), samples)
+            lossless, "assemble", lambda cands, accepted, samples: exact(cands, [True] * len(cands), samples)
         )
     counts = speculative_counts(verifier, drafter, params, range(N_EXACT, N_EXACT + N_BROKEN))
     stat, df, pval = chi_square(counts, dist, N_BROKEN)

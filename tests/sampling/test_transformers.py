@@ -1,4 +1,4 @@
-"""Kakeya's processed p (``core/sampling.process``) == transformers' logits warpers (``hf_reference.py``).
+"""Kakeya's processed p (``reference.process``) == transformers' logits warpers (``hf_reference.py``).
 
 Every backend is held to ``process`` (``test_reference.py``) and the statistical tests measure samples
 against transformers' p, so this is where ``process`` itself meets an independent implementation:
@@ -16,9 +16,9 @@ import itertools
 import numpy as np
 import pytest
 
-from kakeya.core import sampling as ref
 from kakeya.core.request import SamplingParams
 
+from . import reference as ref
 from .hf_reference import hf_process
 
 V = 64

@@ -1,7 +1,7 @@
 """Sampling on PyTorch: the coupled rule's noisy argmax; the processed distribution, inverse-CDF draws
 and the acceptance test of the rejection rule.
 
-Mirrors ``core/sampling.py`` (the numpy reference) op for op, for the verifier and the drafter. The
+Mirrors the numpy reference (``tests/sampling/reference.py``) op for op, for the verifier and the drafter. The
 coupled rule's Gumbel noise is made on the device (``core/noise.py``, int64 with 32-bit wrapping); the
 rejection rule's uniforms come from the host. Only ints (and a drafter's [n, K] proposal) come back.
 """
