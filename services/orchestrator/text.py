@@ -320,10 +320,9 @@ class StopStrings:
                     out = text[self.sent : at] if at > self.sent else ""
                     self.sent, self.stopped = max(self.sent, at), True
                     return list(tokens[: i + 1]), out, True
-        self.searched = len(text)
-        safe = len(text) - self.hold
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
-            safe = min(safe, len(text) - 1)
+        # trailing U+FFFDs may be a character whose last bytes are still to come: searched and sent again then
+        self.searched = len(text.rstrip("\ufffd"))
+        safe = self.searched - self.hold
         out = text[self.sent : safe] if safe > self.sent else ""
         self.sent = max(self.sent, safe)
         return list(tokens), out, False
