@@ -20,6 +20,7 @@ from typing import Any
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
 
 from kakeya.checkpoints.config import chat_template_source
 from kakeya.checkpoints.tokenizer import read_tokenizer
@@ -41,18 +42,12 @@ def _raise(message: str):
     raise ChatError(message)
 
 
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
-) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
 class ChatTemplate:
     """One checkpoint's chat template, compiled once; :meth:`render` is pure (thread-safe)."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = _tojson
+        env.filters["tojson"] = functools.partial(json.dumps, ensure_ascii=False)  # as transformers'
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
@@ -190,9 +185,9 @@ class TextCodec:
         self.chat = ChatTemplate.load(path)  # None: the checkpoint ships no chat template
         # Special tokens are skipped in the text, but for tool-call markers (Gemma-4's ``<|tool_call>`` ...):
         # the front reads calls out of the text (``tools/calls.py``), as vLLM keeps them for its tool parsers.
-        special = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
-        kept = {i for i, content in special.items() if content in MARKERS}
-        self.hidden = frozenset(special) - kept if kept else None  # None: skip every special token
+        self.special = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        kept = {i for i, content in self.special.items() if content in MARKERS}
+        self.hidden = frozenset(self.special) - kept if kept else None  # None: skip every special token
 
     @functools.cached_property
     def tokenizer_json(self) -> str:
@@ -200,13 +195,34 @@ class TextCodec:
         return self.tokenizer.to_str()
 
     def encode_chat(self, messages, **options) -> list[int]:
-        """The prompt ids of a conversation, rendered by the chat template (which writes its special tokens)."""
+        """The prompt ids of a conversation, rendered by the chat template: its markers are special tokens, a
+        message's content is text (``<end_of_turn>`` typed in it cannot end its turn, as in OpenAI's API)."""
         if self.chat is None:
             raise ChatError(
                 "messages: this model's checkpoint ships no chat template (chat_template.jinja or"
                 " tokenizer_config.json's chat_template); send a text or token prompt"
             )
-        return self.tokenizer.encode(self.chat.render(messages, **options), add_special_tokens=False).ids
+        text = self.chat.render(messages, **options)
+        typed = [i for i, m in enumerate(messages) if any(s in m["content"] for s in self.special.values())]
+        if not typed:  # the whole rendering at once, as transformers tokenizes it
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # the template around a mark in place of each such content, those contents tokenized as text between
+        marked = [m | {"content": f"\ue000{i}\ue001"} if i in typed else m for i, m in enumerate(messages)]
+        parts = re.split("\ue000([0-9]+)\ue001", self.chat.render(marked, **options))
+        pieces = sum(zip(parts[::2], [messages[int(i)]["content"] for i in parts[1::2]] + [""]), ())
+        if sorted(map(int, parts[1::2])) != typed or "".join(pieces) != text:
+            raise ChatError(f"messages[{typed[0]}].content: holds a special token's text, and the template alters it")
+        tokenizers = (self.tokenizer, self._plain)  # the template's pieces, the contents
+        return [
+            t for k, piece in enumerate(pieces) for t in tokenizers[k % 2].encode(piece, add_special_tokens=False).ids
+        ]
+
+    @functools.cached_property
+    def _plain(self) -> Tokenizer:
+        """The tokenizer reading a special token's text as text (its own copy: that is a setting of the tokenizer)."""
+        plain = Tokenizer.from_str(self.tokenizer_json)
+        plain.encode_special_tokens = True
+        return plain
 
     @property
     def vocab_size(self) -> int:
@@ -231,7 +247,7 @@ class TextCodec:
         piece = self.tokenizer.id_to_token(token_id) or ""
         if _BYTE_PIECE.fullmatch(piece):
             return text, bytes([int(piece[3:5], 16)])
-        if self._byte_level and all(c in _UNBYTE for c in piece) and not self._special(token_id):
+        if self._byte_level and all(c in _UNBYTE for c in piece) and token_id not in self.special:
             return text, bytes(_UNBYTE[c] for c in piece)
         return text, text.encode()
 
@@ -241,21 +257,12 @@ class TextCodec:
         decoder = self.tokenizer.decoder  # its own JSON, not the whole tokenizer's (a 262k vocabulary)
         return decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
 
-    def _special(self, token_id: int) -> bool:
-        return self.tokenizer.decode([token_id], skip_special_tokens=True) == ""
-
 
 def _gpt2_bytes() -> dict[str, int]:
     """GPT-2's byte -> printable character table (what byte-level BPE pieces are spelled in), inverted."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    moved = [b for b in range(256) if b not in keep]  # the others, spelled from U+0100 on in byte order
+    return {chr(b): b for b in keep} | {chr(256 + i): b for i, b in enumerate(moved)}
 
 
 _UNBYTE = _gpt2_bytes()
@@ -272,20 +279,17 @@ class StreamDecoder:
         self.prefix = 0  # window start: ids[prefix:read] are already emitted
         self.read = 0
 
-    def add(self, ids: Sequence[int]) -> str:
+    def add(self, ids: Sequence[int], final: bool = False) -> str:
         self.ids.extend(ids)
         done = self.codec.decode(self.ids[self.prefix : self.read])
         text = self.codec.decode(self.ids[self.prefix :])
-        if text.endswith("\ufffd") or len(text) <= len(done):  # an incomplete UTF-8 sequence: wait
+        if not final and (text.endswith("\ufffd") or len(text) <= len(done)):  # an incomplete UTF-8 sequence: wait
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(done) :]
 
     def flush(self) -> str:
-        done = self.codec.decode(self.ids[self.prefix : self.read])
-        text = self.codec.decode(self.ids[self.prefix :])
-        self.prefix = self.read = len(self.ids)
-        return text[len(done) :]
+        return self.add((), final=True)
 
 
 class StopStrings:
@@ -329,11 +333,7 @@ class StopStrings:
 
     def flush(self) -> str:
         """The held-back text at the end (nothing after a stop string)."""
-        if self.stopped:
-            return ""
-        text = self.codec.decode(self.ids)
-        out, self.sent = text[self.sent :], len(text)
-        return out
+        return "" if self.stopped else self.codec.decode(self.ids)[self.sent :]
 
 
 class PlainText:
