@@ -201,6 +201,15 @@ def test_bad_requests_get_openai_errors(front, path, body, status, param):
     assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["param"] == param
 
 
+@pytest.mark.xfail(strict=True, reason="a list of ids holding a float or a string is refused as a batch of prompts")
+@pytest.mark.parametrize("prompt", [[2, 5.0], [2, "a"], [[2, 5], 7]])
+def test_a_token_prompt_with_a_bad_id_is_refused_for_it_not_as_a_batch(front, prompt):
+    _, base = front
+    got, answer = _post(base, "/v1/completions", json.dumps({"prompt": prompt}).encode())
+    assert got == 400 and answer["error"]["param"] == "prompt"
+    assert "token ids" in answer["error"]["message"] and "batch" not in answer["error"]["message"]
+
+
 def test_a_body_beyond_the_limit_is_413(front):
     """Refused on its declared length, before the server reads it."""
     _, base = front
