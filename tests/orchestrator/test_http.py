@@ -201,7 +201,6 @@ def test_bad_requests_get_openai_errors(front, path, body, status, param):
     assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["param"] == param
 
 
-@pytest.mark.xfail(strict=True, reason="a list of ids holding a float or a string is refused as a batch of prompts")
 @pytest.mark.parametrize("prompt", [[2, 5.0], [2, "a"], [[2, 5], 7]])
 def test_a_token_prompt_with_a_bad_id_is_refused_for_it_not_as_a_batch(front, prompt):
     _, base = front

@@ -234,10 +234,10 @@ def completion_request(body: dict, served: str) -> tuple[Request, Reply, dict[st
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        prompt = _ids(prompt, "prompt")
-    elif isinstance(prompt, list) and len(prompt) > 1:
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise bad("prompt", "one prompt per request (this server does not batch prompts)")
+    if isinstance(prompt, list) and prompt:  # token ids (a bad one refused as such)
+        prompt = _ids(prompt, "prompt")
     elif not isinstance(prompt, str):
         raise bad("prompt", "must be a string or a list of token ids")
     return Request(prompt, **fields), call, names
