@@ -209,6 +209,16 @@ def test_a_token_prompt_with_a_bad_id_is_refused_for_it_not_as_a_batch(front, pr
     assert "token ids" in answer["error"]["message"] and "batch" not in answer["error"]["message"]
 
 
+@pytest.mark.xfail(strict=True, reason="a prompt of whitespace is refused as an empty prompt")
+@pytest.mark.parametrize("prompt", ["\n", "    ", "\u3000"])
+def test_a_prompt_of_whitespace_is_a_prompt(front, prompt):
+    """Whitespace is text (a code model's newline or indentation, CJK's ideographic space): tokenized and answered,
+    as vLLM and OpenAI answer it, not refused as an empty prompt."""
+    _, base = front
+    got, answer = _post(base, "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2}).encode())
+    assert got == 200 and answer["usage"]["prompt_tokens"] > 1, answer
+
+
 def test_a_body_beyond_the_limit_is_413(front):
     """Refused on its declared length, before the server reads it."""
     _, base = front
