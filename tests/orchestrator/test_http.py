@@ -209,7 +209,6 @@ def test_a_token_prompt_with_a_bad_id_is_refused_for_it_not_as_a_batch(front, pr
     assert "token ids" in answer["error"]["message"] and "batch" not in answer["error"]["message"]
 
 
-@pytest.mark.xfail(strict=True, reason="a prompt of whitespace is refused as an empty prompt")
 @pytest.mark.parametrize("prompt", ["\n", "    ", "\u3000"])
 def test_a_prompt_of_whitespace_is_a_prompt(front, prompt):
     """Whitespace is text (a code model's newline or indentation, CJK's ideographic space): tokenized and answered,

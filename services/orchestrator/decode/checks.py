@@ -162,7 +162,7 @@ def _prompt_ids(prompt, engine: EngineFacts, limit: int, held_by: str) -> list[i
         if codec is None:
             raise InvalidRequest("prompt", "this server has no tokenizer (--tokenizer); send token ids")
         if isinstance(prompt, str):
-            if not prompt.strip():
+            if not prompt:  # whitespace is text (a newline, an indentation): tokenized as any
                 raise InvalidRequest("prompt", "empty prompt")
             chars = len(prompt)
         else:
