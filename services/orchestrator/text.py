@@ -203,14 +203,18 @@ class TextCodec:
                 " tokenizer_config.json's chat_template); send a text or token prompt"
             )
         text = self.chat.render(messages, **options)
-        typed = [i for i, m in enumerate(messages) if any(s in m["content"] for s in self.special.values())]
-        if not typed:  # the whole rendering at once, as transformers tokenizes it
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
-        # the template around a mark in place of each such content, those contents tokenized as text between
-        marked = [m | {"content": f"\ue000{i}\ue001"} if i in typed else m for i, m in enumerate(messages)]
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids  # the whole at once, as transformers does
+        marked = [m | {"content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]  # a mark for each content
         parts = re.split("\ue000([0-9]+)\ue001", self.chat.render(marked, **options))
+        template = self.tokenizer.encode("".join(parts[::2]), add_special_tokens=False).ids
+        if sum(t in self.special for t in ids) == sum(t in self.special for t in template):
+            return ids  # every special token is the template's
+        contents = (self.tokenizer.encode(m["content"], add_special_tokens=False).ids for m in messages)
+        typed = [i for i, c in enumerate(contents) if self.special.keys() & set(c)]  # those holding a special's text
+        if not typed:  # the template wrote other tokens for the marks
+            return ids
         pieces = sum(zip(parts[::2], [messages[int(i)]["content"] for i in parts[1::2]] + [""]), ())
-        if sorted(map(int, parts[1::2])) != typed or "".join(pieces) != text:
+        if "".join(pieces) != text:  # the contents are not where the marks were: the template changed them
             raise ChatError(f"messages[{typed[0]}].content: holds a special token's text, and the template alters it")
         tokenizers = (self.tokenizer, self._plain)  # the template's pieces, the contents
         return [
@@ -270,26 +274,26 @@ _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class StreamDecoder:
-    """Turns token chunks into text chunks without splitting multi-byte characters; only a short trailing
-    window is re-decoded per chunk, so a long stream costs O(chunk) per block."""
+    """Streamed text without stop strings (no tokenizer: no text), ``add`` and ``flush`` as :class:`StopStrings`': no
+    multi-byte character split, and only a short trailing window re-decoded per chunk (O(chunk) per block)."""
 
-    def __init__(self, codec: TextCodec):
+    def __init__(self, codec: TextCodec | None):
         self.codec = codec
         self.ids: list[int] = []
         self.prefix = 0  # window start: ids[prefix:read] are already emitted
         self.read = 0
 
-    def add(self, ids: Sequence[int], final: bool = False) -> str:
+    def add(self, ids: Sequence[int], final: bool = False) -> tuple[list[int], str, bool]:
         self.ids.extend(ids)
-        done = self.codec.decode(self.ids[self.prefix : self.read])
-        text = self.codec.decode(self.ids[self.prefix :])
+        done = self.codec.decode(self.ids[self.prefix : self.read]) if self.codec else ""
+        text = self.codec.decode(self.ids[self.prefix :]) if self.codec else ""
         if not final and (text.endswith("\ufffd") or len(text) <= len(done)):  # an incomplete UTF-8 sequence: wait
-            return ""
+            return list(ids), "", False
         self.prefix, self.read = self.read, len(self.ids)
-        return text[len(done) :]
+        return list(ids), text[len(done) :], False
 
     def flush(self) -> str:
-        return self.add((), final=True)
+        return self.add((), final=True)[1]
 
 
 class StopStrings:
@@ -336,19 +340,6 @@ class StopStrings:
         return "" if self.stopped else self.codec.decode(self.ids)[self.sent :]
 
 
-class PlainText:
-    """Streamed text without stop strings (no tokenizer: no text); ``add`` and ``flush`` as :class:`StopStrings`'."""
-
-    def __init__(self, codec: TextCodec | None):
-        self.dec = StreamDecoder(codec) if codec is not None else None
-
-    def add(self, tokens):
-        return list(tokens), (self.dec.add(tokens) if self.dec else ""), False
-
-    def flush(self) -> str:
-        return self.dec.flush() if self.dec else ""
-
-
-def text_stream(codec: TextCodec | None, stop_strings: Sequence[str] = ()) -> StopStrings | PlainText:
+def text_stream(codec: TextCodec | None, stop_strings: Sequence[str] = ()) -> StopStrings | StreamDecoder:
     """How a front streams a run's text: ``add(block tokens) -> (ids, text, stop string hit)``, then ``flush()``."""
-    return StopStrings(codec, stop_strings) if stop_strings else PlainText(codec)
+    return StopStrings(codec, stop_strings) if stop_strings else StreamDecoder(codec)

@@ -18,7 +18,7 @@ def test_stream_chunks_concatenate_to_the_full_decode(tiny_pair, seed):
         dec, out, i = StreamDecoder(codec), [], 0
         while i < len(ids):
             n = rng.randint(1, 9)
-            out.append(dec.add(ids[i : i + n]))
+            out.append(dec.add(ids[i : i + n])[1])
             i += n
         out.append(dec.flush())
         assert "".join(out) == codec.decode(ids)
