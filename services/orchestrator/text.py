@@ -204,11 +204,11 @@ class TextCodec:
             )
         text = self.chat.render(messages, **options)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids  # the whole at once, as transformers does
-        marked = [m | {"content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]  # a mark for each content
+        marked = [m | {"content": f"\ue000{i}\ue001"} if m["content"] else m for i, m in enumerate(messages)]
         parts = re.split("\ue000([0-9]+)\ue001", self.chat.render(marked, **options))
         template = self.tokenizer.encode("".join(parts[::2]), add_special_tokens=False).ids
-        if sum(t in self.special for t in ids) == sum(t in self.special for t in template):
-            return ids  # every special token is the template's
+        if sum(t in self.special for t in ids) <= sum(t in self.special for t in template):
+            return ids  # every special token is the template's (with a mark for each content)
         contents = (self.tokenizer.encode(m["content"], add_special_tokens=False).ids for m in messages)
         typed = [i for i, c in enumerate(contents) if self.special.keys() & set(c)]  # those holding a special's text
         if not typed:  # the template wrote other tokens for the marks
