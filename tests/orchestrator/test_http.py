@@ -218,6 +218,23 @@ def test_a_prompt_of_whitespace_is_a_prompt(front, prompt):
     assert got == 200 and answer["usage"]["prompt_tokens"] > 1, answer
 
 
+@pytest.mark.parametrize(
+    "stop,text", [("说", ""), ("。", "说中文"), (["😀 o", "😀"], "说中文。"), ("🏽", "说中文。😀 ok👍")]
+)
+def test_a_stop_string_of_characters_split_over_tokens_ends_the_answer_streamed_or_not(front, stop, text):
+    """The tiny pair's BPE spells each of these characters in 2-4 tokens: the answer (forced by guided_choice) is cut
+    before the first stop, also where it is its first character, streamed or not, over the official client."""
+    _, base = front
+    client = _client(base)
+    kw = dict(model="tiny", prompt="x = ", max_tokens=40, temperature=0, stop=stop)
+    kw["extra_body"] = {"guided_choice": ["说中文。😀 ok👍🏽 é̃!"]}
+    whole = client.completions.create(**kw).choices[0]
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert (whole.text, whole.finish_reason) == (text, "stop")
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
 def test_a_body_beyond_the_limit_is_413(front):
     """Refused on its declared length, before the server reads it."""
     _, base = front
