@@ -130,7 +130,7 @@ def check_token_ids(ids: Sequence[int], vocab: int, field_name: str, allow_empty
 def session_stream(name: str, ready: bool, registry: SessionRegistry, serve, request_iterator, context):
     """The body of a bidirectional ``Session`` RPC, shared by the verifier and the drafter. The stream IS the
     session: a registry entry opened with it is closed however it ends (client close, cancel, deadline,
-    error), which frees the session's cache. ``serve(entry, requests)`` yields the responses."""
+    error), which frees the session's cache. ``serve(entry, requests, context)`` yields the responses."""
     if not ready:
         context.abort(grpc.StatusCode.UNAVAILABLE, f"{name} is loading its model")
     try:
@@ -144,7 +144,7 @@ def session_stream(name: str, ready: bool, registry: SessionRegistry, serve, req
     slog.info("session opened (%d live)", registry.live)
     t_open = time.monotonic()
     try:
-        yield from serve(entry, Watched(request_iterator, entry))
+        yield from serve(entry, Watched(request_iterator, entry), context)
     except SessionLimitError as exc:
         context.abort(exc.code, f"{name}: {exc}")
     except RequestError as exc:

@@ -286,12 +286,8 @@ class RpcInterceptor(grpc.ServerInterceptor):
 
             return run
 
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                streaming(handler.unary_stream), handler.request_deserializer, handler.response_serializer
-            )
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                streaming(handler.stream_stream), handler.request_deserializer, handler.response_serializer
-            )
+        for kind in ("unary_stream", "stream_stream"):
+            if inner := getattr(handler, kind):
+                serde = handler.request_deserializer, handler.response_serializer
+                return getattr(grpc, f"{kind}_rpc_method_handler")(streaming(inner), *serde)
         return handler  # client streaming: none in kakeya's services

@@ -123,7 +123,7 @@ class SessionServicer:
         """A generator: the ``Closed`` answer to ``stream``'s close (its final stats)."""
         raise NotImplementedError
 
-    def _serve(self, entry, requests):
+    def _serve(self, entry, requests, context):
         """One Session stream's messages, answered in order: ``open`` first (``_open``), then the role's ``steps``
         (``_step_<kind>``), ``close`` last (``_close``), which ends the stream. Each answer carries its server-side time
         and, once the server drains, ``draining``; Progress messages come from the steps' waits (``_compute``)."""
@@ -144,6 +144,8 @@ class SessionServicer:
                 raise invalid(f"request: no step set (open, {', '.join(self.steps)} or close)")
             resp.elapsed_s = time.perf_counter() - t0
             resp.draining = self.draining
+            if kind == "close":  # the last answer: the call ended well, though its client may cancel it once read
+                context.set_code(grpc.StatusCode.OK)
             yield resp
             if kind == "close":
                 return
@@ -340,6 +342,7 @@ def serve_round(servicer, wire: RoundWire, runner: Callable, request, context):
             log.error("round item %s (session %s) failed", where, entry.id, exc_info=exc)
             out[i] = _error(wire, grpc.StatusCode.INTERNAL, f"{where}: {type(exc).__name__}: {exc}")
     done = wire.response.Done(items=out)
+    context.set_code(grpc.StatusCode.OK)  # the last answer: the call ended well, though its client may drop it
     yield wire.response(done=done, elapsed_s=time.perf_counter() - t0, draining=servicer.draining)
 
 

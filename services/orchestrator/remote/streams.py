@@ -226,12 +226,11 @@ class Stream:
         if self.done:
             return None
         try:
-            resp = self.ask(request, expect, step_timeout)
+            return self.ask(request, expect, step_timeout)
         except BackendError:
             return None
         finally:
             self.abort()
-        return resp
 
     def abort(self) -> None:
         """Cancel the call (the server frees the session); idempotent, any thread."""
