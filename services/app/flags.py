@@ -6,6 +6,7 @@ commands themselves (``serve.py``) stay about starting processes.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from kakeya.app.options import add_ngram
@@ -15,6 +16,12 @@ from kakeya.runtime.compute import DEFAULT_MAX_BATCH
 from kakeya.runtime.security.auth import check_exposure, read_token, with_bearer
 from kakeya.runtime.security.tls import ClientTLS, ServerTLS, add_client_args, add_server_args, channel
 from kakeya.runtime.spare import auto_prefix_cache_bytes
+
+
+def port(text: str) -> int:  # gRPC took 99999 modulo 65536 (another port), a socket raised: refused by its flag
+    if not 0 <= (value := int(text)) <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 (any free port) to 65535, got {value}")
+    return value
 
 
 def add_common(p) -> None:
@@ -136,7 +143,7 @@ def add_backend_auth(p) -> None:
 
 def add_http(p) -> None:
     """The orchestrator's OpenAI-compatible HTTP front (``orchestrator/fronts/http_server.py``)."""
-    p.add_argument("--http-port", type=int,
+    p.add_argument("--http-port", type=port,
                    help="also serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health)"
                         " on this port of --host, with the gRPC server's TLS and bearer token (0: any free port;"
                         " default: off)")  # fmt: skip

@@ -38,14 +38,14 @@ def _common(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 / [::] for all; default 127.0.0.1)"
     )
-    p.add_argument("--port", type=int, default=port, help=f"port (0: any free port; default {port})")
+    p.add_argument("--port", type=serve_flags.port, default=port, help=f"port (0: any free port; default {port})")
     p.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight streams (default 30)")
     p.add_argument("--ready-file", help="write {addr, port, pid} as JSON here once SERVING")
     serve_flags.add_common(p)
-    p.add_argument("--metrics-port", type=int,
+    p.add_argument("--metrics-port", type=serve_flags.port,
                    help="serve Prometheus /metrics on this port of --host (0: any free port; default:"
                         " off)")  # fmt: skip
-    p.add_argument("--health-port", type=int,
+    p.add_argument("--health-port", type=serve_flags.port,
                    help="also answer gRPC health, alone and in plaintext, on this port of --host (for probes"
                         " that speak no TLS, e.g. Kubernetes'; 0: any free port; default: off)")  # fmt: skip
     p.add_argument(

@@ -16,8 +16,6 @@ import os
 import sys
 from contextlib import suppress
 
-FORMATS = ("text", "json")
-
 _context: contextvars.ContextVar[dict] = contextvars.ContextVar(
     "kakeya_log_context",
     default={},  # noqa: B039 - never mutated: bind() sets a new dict
@@ -74,8 +72,6 @@ class TextFormatter(logging.Formatter):
 
 def setup_logging(process: str, fmt: str = "text") -> None:
     """Log to stderr in ``fmt`` ("text" or "json") at $KAKEYA_LOG_LEVEL (default INFO)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"log format must be one of {FORMATS}, got {fmt!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(ContextFilter())
     if fmt == "json":

@@ -240,8 +240,7 @@ class RpcInterceptor(grpc.ServerInterceptor):
         if code is None and exc is not None:
             code = grpc.StatusCode.CANCELLED if isinstance(exc, GeneratorExit) else grpc.StatusCode.UNKNOWN
         if code is not None and code != grpc.StatusCode.OK:
-            name = code.name if isinstance(code, grpc.StatusCode) else str(code)
-            self.metrics.errors.labels(name).inc()
+            self.metrics.errors.labels(getattr(code, "name", str(code))).inc()
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)

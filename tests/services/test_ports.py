@@ -71,7 +71,6 @@ def test_an_http_port_held_by_another_socket_is_refused_naming_it():
     assert len(line) == 1 and f"127.0.0.1:{port}" in line[0] and "--http-port" in line[0], r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="pinned: a port past 65535 is a traceback, or bound modulo 65536")
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--health-port", "--http-port"])
 def test_a_port_past_65535_is_refused_naming_its_flag(flag):
     """--health-port 99999 listened on port 34463 (gRPC took it modulo 65536, so a typo's probe found nothing there);
