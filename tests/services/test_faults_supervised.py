@@ -5,7 +5,8 @@
   drafter, and a later request speculates again;
 - verifier SIGKILLed: a request gets UNAVAILABLE within UNAVAILABLE_BOUND_S,
   and once it is restarted requests succeed;
-- orchestrator SIGKILLed: restarted on the same port, new requests succeed;
+- orchestrator SIGKILLed: restarted on the same port, new requests succeed; its HTTP and health ports
+  (--http-port 0, --health-port 0: picked at its first start) stay its own too;
 - SIGTERM still stops everything and exits 0.
 
 The tests run in this order on one `serve all` (module scope).
@@ -13,6 +14,7 @@ The tests run in this order on one `serve all` (module scope).
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -20,6 +22,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .conftest import TINY_ALL_MLX, generate, generation_stub, request, wait_until
 from .test_serve_all import pid_alive
@@ -33,7 +36,8 @@ UNAVAILABLE_BOUND_S = 5.0  # docs/operations.md: a dead verifier is UNAVAILABLE 
 
 @pytest.fixture(scope="module")
 def served(server_factory):
-    s = server_factory("all-faults", ["all", *TINY_ALL_MLX, "--grace", "5"]).start().wait_ready()
+    argv = ["all", *TINY_ALL_MLX, "--grace", "5", "--http-port", "0", "--health-port", "0"]
+    s = server_factory("all-faults", argv).start().wait_ready()
     yield s
     s.stop()
     for pid in _info(s)["pids"].values():  # children started after a restart too
@@ -129,6 +133,24 @@ def test_dead_orchestrator_is_restarted_on_its_port(served, reference):
     assert info["addr"] == served.addr
     ids, _, complete, _ = generate(served.addr, request(PROMPT, max_tokens=N), timeout=30)
     assert ids == reference and not complete.stats.drafter_fallback
+
+
+@pytest.mark.xfail(strict=True, reason="pinned: a restart moves the HTTP and health ports; health_port not listed")
+def test_a_restarted_orchestrator_keeps_its_http_and_health_ports(served):
+    """With --http-port 0 a restarted orchestrator served its HTTP API on another port (41715, then 37207), and the
+    health port --health-port 0 picked was in no ready file of serve all's (nor in any log line)."""
+    before = _info(served)
+    assert before.get("health_port") and before.get("http_port"), before
+    orch_pid = before["pids"]["orchestrator"]
+    _kill(orch_pid)
+    after = wait_until(lambda: _restarted(served, "orchestrator", orch_pid), interval=0.2, what="orchestrator restart")
+    assert (after["http_port"], after["health_port"]) == (before["http_port"], before["health_port"])
+    with grpc.insecure_channel(f"127.0.0.1:{after['health_port']}") as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    conn = http.client.HTTPConnection("127.0.0.1", after["http_port"], timeout=10)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
 
 
 def test_sigterm_still_stops_everything(served):
