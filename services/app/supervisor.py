@@ -52,8 +52,7 @@ def run_dir() -> tempfile.TemporaryDirectory:
     a ``serve all`` killed outright (SIGKILL, the OOM killer) never runs its cleanup and would leave
     its token file behind for good. Each start first removes such leftovers (:func:`sweep_run_dirs`).
     """
-    removed = sweep_run_dirs()
-    if removed:
+    if removed := sweep_run_dirs():
         plural = "y" if len(removed) == 1 else "ies"
         log.info("removed %d run director%s left by a serve all that was killed", len(removed), plural)
     return tempfile.TemporaryDirectory(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
@@ -154,10 +153,10 @@ class Supervisor:
         if child.ready_at is None and child.ready_file.is_file():
             child.info = json.loads(child.ready_file.read_text())
             child.ready_at = time.monotonic()
-            # A restart comes back where it was: the others (and scrapers) keep their addresses.
-            child.argv = with_option(child.argv, "--port", str(child.info["port"]))
-            if "metrics_port" in child.info:
-                child.argv = with_option(child.argv, "--metrics-port", str(child.info["metrics_port"]))
+            # A restart comes back where it was: the others (clients, probes and scrapers) keep their addresses.
+            for key in ("port", "metrics_port", "http_port", "health_port"):
+                if key in child.info:
+                    child.argv = with_option(child.argv, f"--{key.replace('_', '-')}", str(child.info[key]))
             return True
         return False
 
@@ -290,8 +289,9 @@ def cmd_serve_all(args) -> int:
                        "cpus": cpus}  # fmt: skip
                 if args.metrics_port is not None:
                     out["metrics_ports"] = {n: ch.info.get("metrics_port") for n, ch in c.items()}
-                if args.http_port is not None:  # the orchestrator's OpenAI API
-                    out["http_port"] = c["orchestrator"].info.get("http_port")
+                for key in ("http_port", "health_port"):  # the orchestrator's OpenAI API, its plaintext health
+                    if getattr(args, key) is not None:
+                        out[key] = c["orchestrator"].info.get(key)
                 return out
 
             def publish() -> None:  # the ready file follows restarts (new pids)

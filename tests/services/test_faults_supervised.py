@@ -135,7 +135,6 @@ def test_dead_orchestrator_is_restarted_on_its_port(served, reference):
     assert ids == reference and not complete.stats.drafter_fallback
 
 
-@pytest.mark.xfail(strict=True, reason="pinned: a restart moves the HTTP and health ports; health_port not listed")
 def test_a_restarted_orchestrator_keeps_its_http_and_health_ports(served):
     """With --http-port 0 a restarted orchestrator served its HTTP API on another port (41715, then 37207), and the
     health port --health-port 0 picked was in no ready file of serve all's (nor in any log line)."""
