@@ -78,10 +78,8 @@ class RequestError(Exception):
     """End the current RPC with ``code`` and ``message`` (the message names the field; bounded)."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
-        message = bounded(message)
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        self.code, self.message = code, bounded(message)
+        super().__init__(self.message)
 
 
 def end_call(context, code: grpc.StatusCode, details: str) -> None:

@@ -72,6 +72,8 @@ class TextFormatter(logging.Formatter):
 
 def setup_logging(process: str, fmt: str = "text") -> None:
     """Log to stderr in ``fmt`` ("text" or "json") at $KAKEYA_LOG_LEVEL (default INFO)."""
+    if (level := os.environ.get("KAKEYA_LOG_LEVEL", "INFO").upper()) not in logging.getLevelNamesMapping():
+        raise ValueError(f"KAKEYA_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(ContextFilter())
     if fmt == "json":
@@ -82,4 +84,4 @@ def setup_logging(process: str, fmt: str = "text") -> None:
     for h in list(root.handlers):
         root.removeHandler(h)
     root.addHandler(handler)
-    root.setLevel(os.environ.get("KAKEYA_LOG_LEVEL", "INFO").upper())
+    root.setLevel(level)

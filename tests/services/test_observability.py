@@ -229,7 +229,6 @@ def test_concurrent_split_streams_share_one_round_call_per_backend(served):
         assert calls >= 1 and items >= 2 * calls, (role, calls, items)  # every round call carried 2+ sessions
 
 
-@pytest.mark.xfail(strict=True, reason="pinned: a bad KAKEYA_LOG_LEVEL is refused without naming it")
 @pytest.mark.parametrize("role", ["drafter", "all"])
 def test_an_unknown_log_level_is_refused_naming_kakeya_log_level(role):
     """KAKEYA_LOG_LEVEL=verbose ended in "kakeya: error: Unknown level: 'VERBOSE'": which setting it came from was
