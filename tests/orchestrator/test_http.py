@@ -272,7 +272,6 @@ def test_a_client_that_leaves_a_stream_cancels_its_run(front):
     assert aborted == 1  # cancelled, not run to its 4000 tokens
 
 
-@pytest.mark.xfail(strict=True, reason="pinned: /health says ok while the verifier's health checks fail")
 def test_health_is_503_while_the_verifier_is_down(front):
     """A split orchestrator whose verifier fails its health checks (the health watch: its gRPC health NOT_SERVING)
     refused every completion with 503 "verifier unavailable", while GET /health answered 200 {"status": "ok"}: an

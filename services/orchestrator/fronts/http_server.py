@@ -34,7 +34,6 @@ from kakeya.core.generation import Block
 from kakeya.core.request import InvalidRequest
 from kakeya.orchestrator.fronts import http_api
 from kakeya.orchestrator.fronts.http_api import ApiError
-from kakeya.orchestrator.fronts.service import DRAINING
 from kakeya.runtime.bounds import HttpTimeouts, check_request_id
 from kakeya.runtime.lifecycle import RequestError
 from kakeya.runtime.security.auth import bearer_ok
@@ -182,10 +181,9 @@ class HttpFront:
         return self._model_name or served_model_name(self.servicer.engine.target)
 
     async def health(self, request: Request) -> Response:
-        if self.servicer.ready and not self.servicer.draining:
-            return JSONResponse({"status": "ok"})
-        why = DRAINING if self.servicer.draining else "orchestrator is not ready (loading, warming up or draining)"
-        return _Json(ApiError(503, why).body(), status_code=503)
+        if why := self.servicer.unavailable():  # draining, loading, or its verifier failing its health checks
+            return _Json(ApiError(503, why).body(), status_code=503)
+        return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
         """OpenAI's list-models; with an id, its retrieve-model (a 404 naming any other id)."""

@@ -182,15 +182,16 @@ class GenerationService:
         with self._lock:
             return bool(self.active or self._waiting)
 
+    def unavailable(self) -> str | None:
+        """Why no generation may start now (None: they may), as a refusal says it and the HTTP front's /health."""
+        why = {DRAINING: self.draining, "orchestrator is not ready (loading, warming up or draining)": not self.ready,
+               "verifier unavailable (its health checks fail); retry later": self.verifier_down}  # fmt: skip
+        return next((text for text, holds in why.items() if holds), None)
+
     def stream(self, req: Request, call: ClientCall) -> Iterator[Block | Report]:
         """One generation: its blocks as they commit, then its :class:`Report` (see the module docstring)."""
-        unavailable = grpc.StatusCode.UNAVAILABLE
-        if self.draining:
-            raise RequestError(unavailable, DRAINING)
-        if not self.ready:
-            raise RequestError(unavailable, "orchestrator is not ready (loading, warming up or draining)")
-        if self.verifier_down:
-            raise RequestError(unavailable, "verifier unavailable (its health checks fail); retry later")
+        if why := self.unavailable():
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, why)
         req = self.engine.check(req, self.limits)  # before admission: a bad request is refused for itself, never 429
         peer = peer_of(call)  # the caller's host: its connections' ports vary
         self._admit(peer, call)
