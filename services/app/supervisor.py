@@ -100,6 +100,10 @@ def with_option(argv: list[str], name: str, value: str) -> list[str]:
     return out
 
 
+def ended(rc: int) -> str:  # Popen's -9 is no exit status: the child died of signal 9 (the OOM killer's SIGKILL)
+    return f"was killed by signal {-rc} ({signal.strsignal(-rc)})" if rc < 0 else f"exited with status {rc}"
+
+
 def backoff_delay(failures: int, initial: float = 0.5, maximum: float = 10.0) -> float:
     """Delay before restart number ``failures`` (1, 2, ...): 0.5, 1, 2, 4, 8, 10, 10 ... s."""
     return min(maximum, initial * 2 ** max(0, failures - 1))
@@ -167,7 +171,7 @@ class Supervisor:
                 c = self.children[n]
                 self._check_ready(c)
                 if c.ready_at is None and c.proc.poll() is not None:
-                    raise RuntimeError(f"{n} exited with status {c.proc.returncode} before it was ready")
+                    raise RuntimeError(f"{n} {ended(c.proc.returncode)} before it was ready")
             if all(self.children[n].ready_at is not None for n in names):
                 return {n: self.children[n].info for n in names}
             if self.stop.is_set():
@@ -192,8 +196,8 @@ class Supervisor:
                 c.failures += 1
                 delay = backoff_delay(c.failures, self.initial, self.maximum)
                 c.restart_at = now + delay
-                log.error("%s (pid %d) exited with status %s: restarting it in %.1f s (failure %d in a row)",
-                          c.name, c.proc.pid, c.proc.returncode, delay, c.failures)  # fmt: skip
+                log.error("%s (pid %d) %s: restarting it in %.1f s (failure %d in a row)",
+                          c.name, c.proc.pid, ended(c.proc.returncode), delay, c.failures)  # fmt: skip
             elif c.restart_at is not None and now >= c.restart_at and not self.stop.is_set():
                 c.restarts += 1
                 p = self.spawn(c.name, c.argv, c.ready_file)

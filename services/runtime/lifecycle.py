@@ -119,8 +119,7 @@ def check_token_ids(ids: Sequence[int], vocab: int, field_name: str, allow_empty
     ids = list(ids)
     if not ids and not allow_empty:
         raise invalid(f"{field_name}: must not be empty")
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
+    if bad := [t for t in ids if not 0 <= t < vocab]:
         raise invalid(f"{field_name}: ids outside the vocabulary [0, {vocab}): {bad[:5]}")
     return ids
 

@@ -170,8 +170,7 @@ class SessionServicer:
     def _end_sessions(self) -> None:
         """The grace is almost over: the sessions still here end with UNAVAILABLE, which a take-over treats as
         a lost replica (another replica may be SERVING by now), rather than be cut with the process."""
-        n = self.registry.end_all(grpc.StatusCode.UNAVAILABLE, f"{self.role} is shutting down (draining)")
-        if n:
+        if n := self.registry.end_all(grpc.StatusCode.UNAVAILABLE, f"{self.role} is shutting down (draining)"):
             log.warning("%s: %d sessions still open at the end of the grace: ended (UNAVAILABLE)", self.role, n)
 
     def _progress(self, waited_s: float):

@@ -279,8 +279,7 @@ def _stops(req: Request, engine: EngineFacts) -> tuple[int, ...]:
         raise InvalidRequest("stop_strings", f"{n} strings, at most {bounds.MAX_STOP_STRINGS} allowed")
     if any(not isinstance(s, str) or not s for s in stops):
         raise InvalidRequest("stop_strings", "stop strings must be non-empty strings")
-    long = [len(s) for s in stops if len(s) > bounds.MAX_STOP_STRING_CHARS]
-    if long:
+    if long := [len(s) for s in stops if len(s) > bounds.MAX_STOP_STRING_CHARS]:
         why = f"a stop string of {long[0]} characters, at most {bounds.MAX_STOP_STRING_CHARS}"
         raise InvalidRequest("stop_strings", why)
     if stops and engine.codec is None:

@@ -227,8 +227,7 @@ def _structured(value, bad) -> tuple[str, Constraint] | None:
         return None
     if not isinstance(value, dict):
         raise bad("structured_outputs", "must be an object")
-    unknown = sorted(k for k in value if k not in STRUCTURED and k != "json_object")
-    if unknown:
+    if unknown := sorted(k for k in value if k not in STRUCTURED and k != "json_object"):
         raise bad("structured_outputs", f"{quote(unknown[0])} is not one of json, regex, choice, grammar, json_object")
     sent = [k for k, v in value.items() if v is not None and v is not False]
     if len(sent) != 1:
