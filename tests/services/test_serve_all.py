@@ -249,3 +249,24 @@ def test_serve_all_hands_each_child_both_branches_flags():
     assert timeouts == ["2.0", "3.0", "5.0"]
     auto = build_parser().parse_args(["serve", "all"])  # each model server sizes its own cache when it starts
     assert value(serve_flags.child_argv(auto, "verifier", "tok"), "--prefix-cache-bytes") == "auto"
+
+
+@pytest.mark.xfail(strict=True, reason="pinned: serve flags whose help hides the default they run with")
+def test_every_serve_flag_with_a_default_says_it_in_its_help():
+    """`kakeya serve all --help` read "--start-timeout: seconds to wait for each process to be SERVING" (600),
+    "--max-tokens-limit: largest max_tokens accepted" (4096), "--default-max-tokens: what max_tokens = 0 means" (128)
+    and "--sink: attention sinks kept forever" (4): what runs when the flag is left out was in the source alone; and
+    --max-sessions never said that 0 lifts the limit (and the thread pool's) altogether."""
+    import argparse
+
+    from kakeya.app.main import build_parser
+
+    serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    roles = next(a for a in serve._actions if isinstance(a, argparse._SubParsersAction)).choices
+    silent = []
+    for role, parser in roles.items():
+        defaulted = [a for a in parser._actions if a.default not in (None, False, argparse.SUPPRESS) and not a.choices]
+        silent += [f"serve {role} {a.option_strings[0]}" for a in defaulted if "default" not in (a.help or "")]
+        sessions = next(a for a in parser._actions if "--max-sessions" in a.option_strings)
+        assert "0: no limit" in sessions.help, (role, sessions.help)
+    assert silent == []
