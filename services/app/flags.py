@@ -28,7 +28,7 @@ def add_common(p) -> None:
     """Every server: TLS and the session limits."""
     p.add_argument(
         "--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
-        help=f"concurrent sessions; one more is RESOURCE_EXHAUSTED (default {DEFAULT_MAX_SESSIONS}; the thread pool is sized from it)",
+        help=f"concurrent sessions; one more is RESOURCE_EXHAUSTED (default {DEFAULT_MAX_SESSIONS}; 0: no limit; the thread pool is sized from it)",
     )  # fmt: skip
     p.add_argument("--max-sessions-per-peer", type=int, default=0,
                    help="most sessions one caller (one client address) may hold at once (0: no cap but"

@@ -83,7 +83,7 @@ def add_cache_args(p, default_kind: str | None = "native", *, restore_sources: b
                    help="native: the model's own sliding window (not bounded as a whole); "
                         "sink-window: --sink first positions + a --window of recent ones on sliding"
                         " layers")  # fmt: skip
-    g.add_argument("--sink", type=int, default=4, help="attention sinks kept forever (sink-window)")
+    g.add_argument("--sink", type=int, default=4, help="attention sinks kept forever (sink-window; default 4)")
     g.add_argument("--window", type=int, help="sliding window (sink-window; default: the model's)")
     g.add_argument("--full-kv-bits", type=int, default=0, choices=[0, 4, 8],
                    help="affine-quantize full-attention K/V to 4 or 8 bits (0: exact)")  # fmt: skip

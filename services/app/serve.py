@@ -286,7 +286,7 @@ def register(sub) -> None:
     serve_flags.add_sessions(a)  # the verifier's and drafter's (--max-kv-bytes: the verifier's)
     # the verifier process's default policy; each of the verifier and drafter processes keeps a prefix cache
     _policy_and_front(a, "the verifier and the drafter process each keep one of this budget")
-    a.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each process to be SERVING")
+    a.add_argument("--start-timeout", type=float, default=600.0, help="seconds each child may take to be SERVING (default 600)")  # fmt: skip
     _limits(a)
     from kakeya.app.supervisor import cmd_serve_all
 
@@ -319,5 +319,5 @@ def _limits(p) -> None:
     from kakeya.orchestrator.decode.checks import DEFAULT_MAX_TOKENS
     from kakeya.orchestrator.fronts.service import DEFAULT_MAX_TOKENS_LIMIT
 
-    p.add_argument("--max-tokens-limit", type=int, default=DEFAULT_MAX_TOKENS_LIMIT, help="largest max_tokens accepted")
-    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="what max_tokens = 0 means")
+    p.add_argument("--max-tokens-limit", type=int, default=DEFAULT_MAX_TOKENS_LIMIT, help="largest max_tokens accepted (default %(default)s)")  # fmt: skip
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="what max_tokens = 0 means (default %(default)s)")  # fmt: skip

@@ -251,7 +251,6 @@ def test_serve_all_hands_each_child_both_branches_flags():
     assert value(serve_flags.child_argv(auto, "verifier", "tok"), "--prefix-cache-bytes") == "auto"
 
 
-@pytest.mark.xfail(strict=True, reason="pinned: serve flags whose help hides the default they run with")
 def test_every_serve_flag_with_a_default_says_it_in_its_help():
     """`kakeya serve all --help` read "--start-timeout: seconds to wait for each process to be SERVING" (600),
     "--max-tokens-limit: largest max_tokens accepted" (4096), "--default-max-tokens: what max_tokens = 0 means" (128)
