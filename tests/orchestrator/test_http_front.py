@@ -1112,7 +1112,6 @@ def test_an_absolute_form_target_is_served_as_its_path(front, target):
     assert Client(front[1]).get("/v1/models/http://x")[0] == 404  # a model id may hold a scheme-like part
 
 
-@pytest.mark.xfail(strict=True, reason="uvicorn answers a request h11 cannot parse itself, in text/plain")
 @pytest.mark.parametrize("length", ["-5", "abc", "99999999999999999999999"])
 def test_a_request_that_is_not_http_gets_openais_error_shape(front, length):
     """A Content-Length that is no length was answered ``400 Invalid HTTP request received.`` in text/plain: every

@@ -373,6 +373,16 @@ def _bounded_h11(headers_s: float):
             if self.cycle and {b"content-length", b"transfer-encoding"} <= dict(self.cycle.scope["headers"]).keys():
                 self.cycle.keep_alive = False  # ... and one framed both ways (smuggling?) ends its connection (6.3)
 
+        def send_400_response(self, msg: str) -> None:  # what h11 cannot parse: in OpenAI's shape too, as every answer
+            import h11
+
+            body = json.dumps(ApiError(400, msg).body()).encode()
+            head = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            answer = h11.Response(status_code=400, headers=head, reason="Bad Request")
+            for event in (answer, h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
         def connection_lost(self, exc) -> None:
             if self._timer is not None:  # (never set again: a lost connection receives nothing)
                 self._timer.cancel()
