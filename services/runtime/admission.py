@@ -198,7 +198,7 @@ class SessionRegistry:
         False: one that already holds memory must never wait for others that might wait for it."""
 
         def fits() -> _Refusal | None:
-            if not self.max_kv_bytes:
+            if not self.max_kv_bytes or entry.closed:  # (a closed one's wait ends: its client left the queue)
                 return None
             if nbytes > self.max_kv_bytes:
                 return _Refusal(

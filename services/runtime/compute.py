@@ -142,7 +142,7 @@ class ComputeThread:
         future.set_running_or_notify_cancel()
         self._worker = threading.get_native_id()
         try:
-            _settle(future, fn)
+            settle(future, fn)
         finally:
             self._worker = None
             self.completed += 1
@@ -221,7 +221,7 @@ class ComputeThread:
         if not group:
             return
         if group[0].fn is not None:
-            _settle(group[0].future, group[0].fn)
+            settle(group[0].future, group[0].fn)
             return
         try:
             self._deliver([j.future for j in group], group[0].runner, [j.item for j in group])
@@ -230,7 +230,7 @@ class ComputeThread:
                 j.future.set_exception(exc)
 
 
-def _settle(future: Future, fn: Callable) -> None:
+def settle(future: Future, fn: Callable) -> None:
     try:
         result = fn()
     except BaseException as exc:  # noqa: BLE001 - the caller waiting on the future hears it

@@ -18,6 +18,7 @@ name it (``SessionRegistry.find``); each item fails alone, as its own ``Error``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -29,7 +30,7 @@ import grpc
 
 from kakeya.core.prefix import PrefixCache
 from kakeya.runtime import admission, bounds, lifecycle
-from kakeya.runtime.compute import DEFAULT_MAX_BATCH, ComputeThread
+from kakeya.runtime.compute import DEFAULT_MAX_BATCH, ComputeThread, settle
 from kakeya.runtime.lifecycle import RequestError, ServerSpec, bounded, invalid, precondition
 from kakeya.runtime.metrics import ServerMetrics
 from kakeya.runtime.security.auth import peer_of
@@ -206,6 +207,19 @@ class SessionServicer:
                 last = now
         else:
             wait(futures)
+
+    def _queued(self, every_s: float, admit, *args):
+        """``admit(*args)``, which may wait in the ``--queue`` (bounded by ``--queue-timeout``), waited for on a thread of
+        its own (``yield from`` it): meanwhile Progress every ``every_s`` s, the compute thread busy or not, since a
+        session that waits its turn is no hung server to its client."""
+        if not (every_s and self.registry.queue):
+            return admit(*args)
+        waiting, t0 = Future(), time.monotonic()
+        run = functools.partial(settle, waiting, functools.partial(admit, *args))  # its refusal: ours to raise
+        threading.Thread(target=run, name=f"{self.role}-queued", daemon=True).start()
+        while wait([waiting], every_s).not_done:
+            yield self._progress(time.monotonic() - t0)
+        return waiting.result()
 
     def _compute(self, every_s: float, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the compute thread, waited for by :meth:`_await` (``yield from`` it)."""

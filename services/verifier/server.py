@@ -226,7 +226,7 @@ class VerifierServicer(SessionServicer, verifier_pb2_grpc.VerifierServiceService
         except ValueError as exc:
             raise invalid(str(exc)) from None
         grammar = self._open_grammar(open_)
-        self.registry.reserve(entry, self._worst_case_bytes(policy, max_positions))  # may wait (--queue)
+        yield from self._queued(every, self.registry.reserve, entry, self._worst_case_bytes(policy, max_positions))
         session = entry.session = yield from self._compute(
             every, self._new_session, layers, policy, sampling, logprobs, grammar
         )

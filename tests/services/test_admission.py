@@ -70,12 +70,12 @@ def servers(server_factory, tiny_pair):
 class Session:
     """A verifier Session stream driven message by message."""
 
-    def __init__(self, addr, timeout=60, max_positions=POSITIONS):
+    def __init__(self, addr, timeout=60, max_positions=POSITIONS, progress_ms=0):
         self._q: list = []
         self._cv = threading.Condition()
         self._closed = False
         self.call = verifier_stub(addr).Session(self._requests(), timeout=timeout)
-        self.send(V(open=V.Open(max_positions=max_positions)))
+        self.send(V(open=V.Open(max_positions=max_positions, progress_ms=progress_ms)))
 
     def _requests(self):
         while True:
@@ -149,6 +149,28 @@ def test_a_queued_session_waits_for_room(servers):
         c.next()
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--queue-timeout" in err.value.details()
     b.call.cancel()
+    wait_until(lambda: _free(addr), what="everything freed")
+
+
+def test_a_queued_session_hears_progress_and_leaves_the_queue_with_its_client(servers):
+    """A session waiting in the --queue for K/V room hears Progress (``open.progress_ms``) though no compute runs for
+    anyone (its client's deadline for a silent step must not take it for a hung server); its client's cancel frees
+    its place in the queue at once, not at its --queue-timeout (8 s)."""
+    addr = servers["queued"].addr
+    a = Session(addr)
+    assert a.next().WhichOneof("response") == "opened"
+    b = Session(addr, progress_ms=100)
+    assert b.next().WhichOneof("response") == "progress"  # a holds the budget, idle
+    assert verifier_info(addr).queued_sessions == 1
+    b.call.cancel()
+    wait_until(lambda: verifier_info(addr).queued_sessions == 0, timeout=4, what="b's queue place freed")
+    c = Session(addr, progress_ms=100)  # the place b left is c's
+    assert c.next().WhichOneof("response") == "progress"
+    a.call.cancel()
+    while (answer := c.next()).WhichOneof("response") == "progress":
+        pass
+    assert answer.WhichOneof("response") == "opened"
+    c.call.cancel()
     wait_until(lambda: _free(addr), what="everything freed")
 
 
@@ -292,9 +314,6 @@ def test_auto_block_sizes_start_within_a_budget_that_holds_the_request(servers, 
     assert len(ids) == 8 and complete.finish_reason == generate_pb2.FINISH_REASON_LENGTH
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a verifier session queued for K/V room sends no Progress: its orchestrator calls it hung"
-)
 def test_a_generation_whose_verifier_session_waits_for_kv_room_is_served_once_there_is_room(servers, server_factory):
     """Found by a batch on `serve all --max-kv-bytes 20000000 --queue 64` (the demo pair): the verifier queued the
     sessions its budget had no room for, as --queue says, but a queued session sent its orchestrator nothing, which
