@@ -24,6 +24,12 @@ def port(text: str) -> int:  # gRPC took 99999 modulo 65536 (another port), a so
     return value
 
 
+def seconds(text: str) -> float:  # --grace -1 ran as 0, a NaN as no wait: a length of time is a number >= 0
+    if not (value := float(text)) >= 0:
+        raise argparse.ArgumentTypeError(f"a number of seconds >= 0, got {text}")
+    return value
+
+
 def add_common(p) -> None:
     """Every server: TLS and the session limits."""
     p.add_argument(

@@ -39,7 +39,12 @@ def _common(p: argparse.ArgumentParser, name: str) -> None:
         "--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 / [::] for all; default 127.0.0.1)"
     )
     p.add_argument("--port", type=serve_flags.port, default=port, help=f"port (0: any free port; default {port})")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight streams (default 30)")
+    p.add_argument(
+        "--grace",
+        type=serve_flags.seconds,
+        default=30.0,
+        help="seconds SIGTERM waits for in-flight streams (default 30)",
+    )
     p.add_argument("--ready-file", help="write {addr, port, pid} as JSON here once SERVING")
     serve_flags.add_common(p)
     p.add_argument("--metrics-port", type=serve_flags.port,
@@ -263,7 +268,9 @@ def register(sub) -> None:
     # colocated: the sessions' default policy, and one prefix-cache budget for the verifier's and the drafter's
     _policy_and_front(o, "colocated: one budget for the verifier's and the drafter's")
     o.add_argument(
-        "--backend-wait", type=float, help="split: seconds to wait for verifier/drafter at start (default 120)"
+        "--backend-wait",
+        type=serve_flags.seconds,
+        help="split: seconds to wait for verifier/drafter at start (default 120)",
     )
     _limits(o)
     serve_flags.add_queue(o, "generations")  # `serve all` has it from add_sessions, for its three processes
@@ -286,7 +293,7 @@ def register(sub) -> None:
     serve_flags.add_sessions(a)  # the verifier's and drafter's (--max-kv-bytes: the verifier's)
     # the verifier process's default policy; each of the verifier and drafter processes keeps a prefix cache
     _policy_and_front(a, "the verifier and the drafter process each keep one of this budget")
-    a.add_argument("--start-timeout", type=float, default=600.0, help="seconds each child may take to be SERVING (default 600)")  # fmt: skip
+    a.add_argument("--start-timeout", type=serve_flags.seconds, default=600.0, help="seconds each child may take to be SERVING (default 600)")  # fmt: skip
     _limits(a)
     from kakeya.app.supervisor import cmd_serve_all
 

@@ -79,3 +79,10 @@ def test_a_port_past_65535_is_refused_naming_its_flag(flag):
     r = _serve("orchestrator", "--backend", "mlx", "--port", "0", flag, "99999", timeout=30)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert f"argument {flag}: " in r.stderr and "65535" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_a_length_of_time_below_zero_is_refused_naming_its_flag(value):
+    """--grace -1 was taken (a drain that waits for nothing), as was NaN: refused by argparse, exit status 2."""
+    r = _serve("orchestrator", "--backend", "mlx", "--port", "0", "--grace", value, timeout=30)
+    assert r.returncode == 2 and "argument --grace: a number of seconds >= 0" in r.stderr, r.stderr
