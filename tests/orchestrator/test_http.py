@@ -190,7 +190,7 @@ def test_models_health_and_auth(front):
             "/v1/chat/completions",
             b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
             400,
-            "messages[0].content",
+            "messages[0].content[0]",
         ),
     ],
 )

@@ -817,7 +817,10 @@ UNIQUE = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItem
          "tools[0].function.parameters", "invalid_function_parameters"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "invalid_value"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-         "messages[0].content", "invalid_value"),
+         "messages[0].content[0]", "invalid_value"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}]},
+         "messages[0].content[1].text", "invalid_value"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_value"),
     ],
 )  # fmt: skip
 def test_the_sdk_reads_the_field_and_a_code_from_a_400(front, extra, param, code):

@@ -279,11 +279,14 @@ def _content(content, i: int) -> str:
     """A message's text: a string, or a list of text parts (other parts, e.g. images, are not supported)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            return "".join(p["text"] for p in content)
-        raise bad(f"messages[{i}].content", "only text parts are supported")
-    raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
+    if not isinstance(content, list):
+        raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
+    for j, part in enumerate(content):  # the part a refusal names: the app finds the image or the bad one among many
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise bad(f"messages[{i}].content[{j}]", "only text parts (type 'text') are supported")
+        if not isinstance(part.get("text"), str):
+            raise bad(f"messages[{i}].content[{j}].text", "must be a string")
+    return "".join(part["text"] for part in content)
 
 
 class Answer:
