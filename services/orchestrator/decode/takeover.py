@@ -105,7 +105,7 @@ def reopen(run, ids: Sequence[int], cause: BaseException, handoff: bool = False)
 
 def _verifier_alone(run, cause: BaseException) -> None:
     """No drafter replica answers: the verifier goes on alone, or a drafter's loss fails a run without fallback."""
-    if role_of(cause) == "drafter" and not run._fallback:
+    if role_of(cause) == "drafter" and not run._options.drafter_fallback:
         raise cause
     if run._decode is not None:
         run._decode.drafter_error, run._decode.generation.drafter_fallback = cause, True
