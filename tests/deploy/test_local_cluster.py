@@ -152,7 +152,10 @@ def test_a_rolling_update_at_full_load_fails_no_stream(tmp_path):
     within --grace, as a drain with nowhere to go does (until 2026-12-07 it failed the stream: HTTP 500 / INTERNAL
     "generation failed: verifier: session limit reached")."""
     per_replica = 2
-    with local_cluster(tmp_path, (f"--max-sessions={per_replica}",), ("--max-sessions=4",)) as pods:
+    # a grace the streams finish within on a loaded runner (a full suite beside it: 400 tokens took over the manifests'
+    # 30 s); a grace that ends first ends its sessions UNAVAILABLE, as docs/operations.md says: not what this tests
+    verifier_flags = (f"--max-sessions={per_replica}", "--grace=300")
+    with local_cluster(tmp_path, verifier_flags, ("--max-sessions=4",)) as pods:
         orch, (v0, v1) = pods["orchestrator"], pods["verifiers"]
         max_tokens = 400  # long enough that the other replica's own streams still hold it when the hand-off comes
         with ThreadPoolExecutor(2 * per_replica) as pool:
