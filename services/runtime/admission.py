@@ -51,6 +51,7 @@ class SessionEntry:
     closed: bool = False
     last_active: float = field(default_factory=time.monotonic)
     waiting: bool = False  # blocked on the client's next message (idle time counts only then)
+    queued: bool = False  # not admitted yet: waits for a slot in the --queue once its open is read (servicer._serve)
     end: Callable[[grpc.StatusCode, str], None] | None = None  # ends the stream with a status (expiry, reclaim)
     # what a round call (``servicer.serve_round``) needs to step this session beside its stream;
     # None until the session may step in one (the servicer sets it)
@@ -159,10 +160,19 @@ class SessionRegistry:
             log.warning("session %s of %s: %s", entry.id, entry.peer or "?", why)
             self._end(entry, grpc.StatusCode.ABORTED, why)
 
-    def open(self, peer: str = "") -> SessionEntry:
-        """A new session of ``peer`` (``auth.peer_of``), or SessionLimitError naming the limit."""
+    def may_queue(self) -> bool:
+        """Whether a session refused now could wait in the ``--queue`` (a place is free in it)."""
+        with self._lock:
+            return bool(self.queue) and self._waiting < self.queue
+
+    def open(self, peer: str = "", entry: SessionEntry | None = None, wait: bool = True) -> SessionEntry:
+        """A new session of ``peer`` (``auth.peer_of``), or SessionLimitError naming the limit. ``entry``: one made
+        before it waits (``lifecycle.session_stream``), so that its client, leaving, ends the wait (``close``)."""
+        entry = entry or SessionEntry(uuid.uuid4().hex[:12], peer)
 
         def fits() -> _Refusal | None:
+            if entry.closed:
+                return None
             if self.max_per_peer:
                 held = sum(1 for e in self._live.values() if e.peer == peer)
                 if held >= self.max_per_peer:
@@ -177,10 +187,10 @@ class SessionRegistry:
         reclaimed: list = []
         try:
             with self._lock:
-                self._admit(fits, reclaimed)
-                entry = SessionEntry(uuid.uuid4().hex[:12], peer)
-                self._live[entry.id] = entry
-                self.total += 1
+                self._admit(fits, reclaimed, wait)
+                if not entry.closed:
+                    self._live[entry.id] = entry
+                    self.total += 1
         finally:
             self._finish(reclaimed)
         return entry

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from prometheus_client import start_http_server
 
 from kakeya.core.request import CachePolicy
 from kakeya.runtime import logs
-from kakeya.runtime.admission import SessionLimitError, SessionRegistry, Watched
+from kakeya.runtime.admission import SessionEntry, SessionLimitError, SessionRegistry, Watched
 from kakeya.runtime.metrics import RpcInterceptor
 from kakeya.runtime.security.auth import peer_of
 from kakeya.wire import convert as wire_contract
@@ -130,10 +131,13 @@ def session_stream(name: str, ready: bool, registry: SessionRegistry, serve, req
     error), which frees the session's cache. ``serve(entry, requests, context)`` yields the responses."""
     if not ready:
         context.abort(grpc.StatusCode.UNAVAILABLE, f"{name} is loading its model")
-    try:
-        entry = registry.open(peer_of(context))
+    peer, queue = peer_of(context), registry.may_queue()
+    try:  # room now, or refused now; with a place in the --queue, it waits once its open is read (servicer._serve)
+        entry = registry.open(peer, wait=not queue)
     except SessionLimitError as exc:
-        context.abort(exc.code, f"{name}: {exc}")
+        if not queue:
+            context.abort(exc.code, f"{name}: {exc}")
+        entry = SessionEntry(uuid.uuid4().hex[:12], peer, queued=True)
     entry.end = lambda code, why: end_call(context, code, f"{name}: {why}")
     context.add_callback(lambda: registry.close(entry))
     slog = logging.getLogger(f"kakeya.{name}")

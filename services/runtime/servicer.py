@@ -134,6 +134,11 @@ class SessionServicer:
             t0 = time.perf_counter()
             if stream is None:
                 self._check_open(req, kind)
+                if entry.queued:  # waits for a slot, hearing Progress as its open asks: no hung server to its client
+                    admit = functools.partial(self.registry.open, entry.peer, entry)
+                    yield from self._queued(self._progress_every(req.open), admit)
+                    if entry.closed:  # its client left the queue
+                        return
                 stream, resp = yield from self._open(entry, req.open)
             elif kind == "close":
                 resp = yield from self._close(stream)

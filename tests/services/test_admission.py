@@ -174,15 +174,11 @@ def test_a_queued_session_hears_progress_and_leaves_the_queue_with_its_client(se
     wait_until(lambda: _free(addr), what="everything freed")
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a session queued for a --max-sessions slot waits before its open is read: silent"
-)
 def test_a_generation_whose_verifier_session_waits_for_a_session_slot_is_served(server_factory):
-    """The --max-sessions queue's twin of the K/V queue's case below: the registry admits a session before its stream's
-    open (and its ``progress_ms``) is read, so a session waiting for a slot hears nothing and its orchestrator, after
-    --backend-timeout, calls the verifier hung ("verifier did not answer in time"). Not met by ``serve all`` (its
-    orchestrator admits no more sessions than its backends hold); met by several orchestrators on a verifier with
-    --queue."""
+    """The --max-sessions queue's twin of the K/V queue's case below: a session that waits for a slot waits after its
+    stream's open (and its ``progress_ms``) is read, hearing Progress, so its orchestrator does not call the verifier
+    hung after --backend-timeout ("verifier did not answer in time"). Not met by ``serve all`` (its orchestrator admits
+    no more sessions than its backends hold); met by several orchestrators on a verifier with --queue."""
     one = ["--max-sessions", "1", "--queue", "2", "--queue-timeout", "8", "--reclaim-idle", "0", "--grace", "1"]
     verifier = server_factory("one-slot", ["verifier", *TINY_MLX, *one])
     drafter = server_factory("one-slot-drafter", ["drafter", *TINY_MLX, "--grace", "1"])
@@ -194,6 +190,11 @@ def test_a_generation_whose_verifier_session_waits_for_a_session_slot_is_served(
     start_all([orch])
     a = Session(verifier.addr)
     assert a.next().WhichOneof("response") == "opened"
+    b = Session(verifier.addr, progress_ms=100)  # waits for a's slot, hearing Progress; its cancel frees its place
+    assert b.next().WhichOneof("response") == "progress" and verifier_info(verifier.addr).queued_sessions == 1
+    b.call.cancel()
+    wait_until(lambda: verifier_info(verifier.addr).queued_sessions == 0, timeout=4, what="b's queue place freed")
+    assert verifier_info(verifier.addr).live_sessions == 1
     req = generate_pb2.GenerateRequest(sampling_params=generate_pb2.SamplingParams(max_tokens=16))
     req.tokenized.ids.extend(PROMPT)
     call = generation_stub(orch.addr).Generate(req, timeout=60)
