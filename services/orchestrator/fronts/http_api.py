@@ -100,8 +100,8 @@ def _number(body: dict, name: str, default=None, integer: bool = False, low=None
         return default
     if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
         raise bad(name, f"must be {'an integer' if integer else 'a number'}, got {type(v).__name__}")
-    if (low is not None and v < low) or (high is not None and v >= high):  # exact, however many digits
-        raise bad(name, f"{quote(v)} is out of range")
+    if bound := (low is not None and v < low and f">= {low}") or (high is not None and v >= high and f"< {high}"):
+        raise bad(name, f"{quote(v)} is out of range (must be {bound})")  # compared exactly, however many digits
     if not integer:
         try:
             v = float(v)  # an integer of 400 digits has no float; NaN: SamplingParams.check refuses it, as inf
