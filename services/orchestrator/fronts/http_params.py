@@ -170,7 +170,7 @@ def constraint(body: dict, bad: Callable[[str, str], Exception]) -> tuple[Constr
         found.append(("response_format", *rf))
     for name, kind in GUIDED.items():
         if body.get(name) is not None:
-            found.append((name, name, Constraint(kind, _spec(body[name], kind, name, bad))))
+            found.append((name, name, Constraint(kind, body[name])))  # its type: checked where it compiles
     so = _structured(body.get("structured_outputs"), bad)
     if so is not None:
         found.append(("structured_outputs", *so))
@@ -183,36 +183,21 @@ def constraint(body: dict, bad: Callable[[str, str], Exception]) -> tuple[Constr
     return c, {"constraint": param, "constraint.spec": spec_name, "constraint.kind": param}
 
 
-def _spec(value, kind: str, name: str, bad):
-    """The spec of a ``kind`` as JSON carries it: a schema object or text, a list of strings, a string."""
-    if kind == "json_schema":
-        if not isinstance(value, (dict, str)):
-            raise bad(name, "must be a JSON schema (an object, or its JSON text)")
-        return value
-    if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(s, str) and s for s in value):
-            raise bad(name, "must be a non-empty list of non-empty strings")
-        return tuple(value)
-    if not isinstance(value, str) or not value:
-        raise bad(name, "must be a non-empty string")
-    return value
-
-
 def _response_format(value, bad) -> tuple[str, Constraint] | None:
     if value is None:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
     if not isinstance(kind, str):
         raise bad("response_format", 'must be an object with a "type"')
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return "response_format", Constraint("json_object")
-    if kind != "json_schema":
+    if kind not in ("text", "json_object", "json_schema"):
         raise bad("response_format", f'type {quote(kind)} is not supported: "text", "json_object" or "json_schema"')
+    _known_fields(value, ("type", "json_schema") if kind == "json_schema" else ("type",), "response_format", bad)
+    if kind != "json_schema":
+        return None if kind == "text" else ("response_format", Constraint("json_object"))
     js = value.get("json_schema")
     if not isinstance(js, dict):
         raise bad("response_format.json_schema", 'must be an object with a "schema" (and a "name")')
+    _known_fields(js, ("name", "description", "schema", "strict"), "response_format.json_schema", bad)
     strict = js.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad("response_format.json_schema.strict", "must be true or false")
@@ -222,13 +207,19 @@ def _response_format(value, bad) -> tuple[str, Constraint] | None:
     return "response_format.json_schema.schema", Constraint("json_schema", schema)
 
 
+def _known_fields(value: dict, known: tuple[str, ...], where: str, bad) -> None:
+    """Another field of ``where`` is refused naming it, as OpenAI does: dropped, it would change the answer unsaid
+    (a ``schema`` beside ``json_object``, which llama.cpp honours, answered any object; a misspelt ``strict``)."""
+    if unknown := [k for k in value if k not in known]:
+        raise bad(f"{where}.{unknown[0][:64]}", f"not a field of this {where} (it takes {', '.join(known)})")
+
+
 def _structured(value, bad) -> tuple[str, Constraint] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
         raise bad("structured_outputs", "must be an object")
-    if unknown := sorted(k for k in value if k not in STRUCTURED and k != "json_object"):
-        raise bad("structured_outputs", f"{quote(unknown[0])} is not one of json, regex, choice, grammar, json_object")
+    _known_fields(value, (*STRUCTURED, "json_object"), "structured_outputs", bad)
     sent = [k for k, v in value.items() if v is not None and v is not False]
     if len(sent) != 1:
         why = f"must hold exactly one of json, regex, choice, grammar, json_object (got {len(sent)})"
@@ -239,7 +230,7 @@ def _structured(value, bad) -> tuple[str, Constraint] | None:
         if value[key] is not True:
             raise bad(name, "must be true")
         return name, Constraint("json_object")
-    return name, Constraint(STRUCTURED[key], _spec(value[key], STRUCTURED[key], name, bad))
+    return name, Constraint(STRUCTURED[key], value[key])
 
 
 Token = Callable[[int], tuple[str, bytes]]  # ``TextCodec.token``: a token's text and bytes
