@@ -121,15 +121,17 @@ def _schema_grammar(spec) -> str:
 
 
 def plain_formats(node, names: bool = False):
-    """A JSON schema without the ``format`` values llguidance has no regex for (:data:`FORMATS`), annotations then
-    (``docs/structured.md``). ``names``: ``node`` maps names to schemas (``properties``), its keys no keywords."""
+    """A JSON schema without what llguidance refuses though it asks for nothing: a ``format`` it has no regex for
+    (:data:`FORMATS`; an annotation, ``docs/structured.md``), ``uniqueItems: false`` (a tool's parameters take it).
+    ``names``: ``node`` maps names to schemas (``properties``), its keys no keywords."""
     if isinstance(node, list):
         return [plain_formats(n) for n in node]
     if not isinstance(node, dict):
         return node
     values, maps = {"enum", "const", "default", "examples"}, {"properties", "patternProperties", "$defs", "definitions"}
     return {k: v if k in values and not names else plain_formats(v, k in maps and not names)
-            for k, v in node.items() if names or k != "format" or not isinstance(v, str) or v in FORMATS}  # fmt: skip
+            for k, v in node.items() if names or (k != "format" or not isinstance(v, str) or v in FORMATS)
+            and (k, v) != ("uniqueItems", False)}  # fmt: skip
 
 
 def placed(error: str, c: Constraint) -> str:
@@ -268,8 +270,7 @@ class Grammar:
         bit t % 32 of word t // 32; the backends expand them on the device): row i after the committed prefix and
         ``candidates[:i]``. A row after a candidate the grammar refuses is all allowed: the acceptance rule
         never reaches it (the choice before it, being allowed, differs from that candidate)."""
-        bits = np.zeros((len(candidates) + 1, self.words), np.int32)
-        bits[:] = -1
+        bits = np.full((len(candidates) + 1, self.words), -1, np.int32)
         consumed = 0
         for i in range(len(candidates) + 1):
             if i == 0 and self._first is not None:

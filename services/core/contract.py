@@ -256,7 +256,6 @@ class DrafterStats:
 
     context_len: int = 0  # context positions cached
     cache_bytes: int = 0
-    draft_calls: int = 0
     wire: WireStats | None = None  # a remote session's stream; None in this process
 
 

@@ -161,7 +161,7 @@ class LocalDrafterSession:
         return DraftItem(self, aux, last_token, block_size)
 
     def stats(self) -> DrafterStats:
-        return DrafterStats(context_len=self.cache.length, cache_bytes=self.cache.nbytes, draft_calls=self.calls)
+        return DrafterStats(context_len=self.cache.length, cache_bytes=self.cache.nbytes)
 
     def abort(self) -> None:
         """Nothing to end from another thread in this process: a cancelled run stops calling the session and
