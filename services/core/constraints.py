@@ -368,9 +368,9 @@ def _raise_if_failed(matcher: llguidance.LLMatcher) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _specials(tok: llguidance.LLTokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The special tokens of ``tok`` but EOS (which a finished grammar allows by itself): their ids, and the
+    """The special tokens of ``tok``, EOS too (a mask allows it by its text, ``["<eos>x"]``): their ids, and the
     word and bit of each in a mask row."""
-    ids = np.array([i for i in range(tok.vocab_size) if tok.is_special_token(i) and i != tok.eos_token], np.int64)
+    ids = np.array([i for i in range(tok.vocab_size) if tok.is_special_token(i)], np.int64)
     return ids, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)).astype(np.uint32)
 
 
