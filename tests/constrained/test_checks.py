@@ -219,3 +219,13 @@ def test_a_choice_spelling_the_eos_tokens_text_ends_at_eos_not_a_500(engine, tok
     for block in (1, 8):
         out = engine.generate(Request(engine.codec.encode("x = "), max_tokens=12, block_size=block, constraint=c))
         assert out.token_ids == [tok.eos_token] and out.finish_reason == "stop", block
+
+
+@pytest.mark.xfail(strict=True, reason="llguidance's advice names its own option")
+def test_a_oneof_refusal_gives_advice_a_client_can_follow(tok):
+    """``oneOf`` branches llguidance cannot prove disjoint (``integer`` and ``number``) are refused, and the refusal
+    said 'Enable 'coerce_one_of' option': a server option no client sets (a schema's own x-guidance is an annotation
+    here). It says what the client can do: anyOf."""
+    with pytest.raises(ConstraintError) as info:
+        Grammar(Constraint("json_schema", {"oneOf": [{"type": "integer"}, {"type": "number"}]}).grammar(), tok)
+    assert "oneOf" in str(info.value) and "anyOf" in str(info.value) and "coerce_one_of" not in str(info.value)
