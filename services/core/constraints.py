@@ -32,6 +32,7 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_SPEC_CHARS = 100_000  # a constraint's text (schema, regex, grammar, choices) at most
 MAX_ERROR_CHARS = 300  # what a refusal quotes of the grammar compiler's message
+_ONE_OF = "oneOf constraints are not supported. Enable 'coerce_one_of' option to approximate oneOf with anyOf"
 
 
 class ConstraintError(ValueError):
@@ -198,8 +199,9 @@ class CompiledGrammars:
                 return pristine.deep_copy()
             self.misses += 1
         pristine = llguidance.LLMatcher(tok, grammar, log_level=0)  # compiled outside the lock
-        if pristine.is_error():
-            raise ConstraintError(_bounded(pristine.get_error()))
+        if pristine.is_error():  # its advice to set its own option (x-guidance: an annotation here) is none to give
+            why = pristine.get_error().replace(_ONE_OF, "oneOf branches one value may match are not held: use anyOf")
+            raise ConstraintError(_bounded(why))
         with self._lock:
             self._matchers[key] = pristine
             self._matchers.move_to_end(key)

@@ -221,7 +221,6 @@ def test_a_choice_spelling_the_eos_tokens_text_ends_at_eos_not_a_500(engine, tok
         assert out.token_ids == [tok.eos_token] and out.finish_reason == "stop", block
 
 
-@pytest.mark.xfail(strict=True, reason="llguidance's advice names its own option")
 def test_a_oneof_refusal_gives_advice_a_client_can_follow(tok):
     """``oneOf`` branches llguidance cannot prove disjoint (``integer`` and ``number``) are refused, and the refusal
     said 'Enable 'coerce_one_of' option': a server option no client sets (a schema's own x-guidance is an annotation
