@@ -228,3 +228,30 @@ def test_a_oneof_refusal_gives_advice_a_client_can_follow(tok):
     with pytest.raises(ConstraintError) as info:
         Grammar(Constraint("json_schema", {"oneOf": [{"type": "integer"}, {"type": "number"}]}).grammar(), tok)
     assert "oneOf" in str(info.value) and "anyOf" in str(info.value) and "coerce_one_of" not in str(info.value)
+
+
+def test_strict_true_closes_objects_that_do_not_say_additional_properties(engine, tok):
+    """``strict: true`` means what OpenAI's strict mode (and vLLM's) means: an object schema without
+    ``additionalProperties`` takes no other keys. A raw pydantic ``model_json_schema()`` sent with it let the model add
+    keys; without strict, JSON Schema's default (any other key) holds. ``tools[].function.strict`` alike."""
+    from kakeya.orchestrator.fronts import http_api
+
+    inner = {"type": "object", "properties": {"properties": {"type": "integer"}}, "required": ["properties"]}
+    schema = {"$defs": {"In": inner}, "type": "object", "properties": {"a": {"anyOf": [{"$ref": "#/$defs/In"}]}},
+              "required": ["a"]}  # fmt: skip
+    texts = ['{"a": {"properties": 1}}', '{"a": {"properties": 1, "x": 2}}', '{"a": {"properties": 1}, "y": 3}']
+
+    def taken(strict: bool) -> list[bool]:
+        fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": strict}}
+        body = {"messages": [{"role": "user", "content": "hi"}], "response_format": fmt}
+        g = Grammar(http_api.chat_request(body, "m")[0].constraint.grammar(), tok)
+        ids = [engine.codec.tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+        return [g.allowed_prefix(i) == len(i) for i in ids]
+
+    assert taken(False) == [True, True, True]
+    assert taken(True) == [True, False, False]
+    assert schema["properties"]["a"] == {"anyOf": [{"$ref": "#/$defs/In"}]}  # the client's own schema is not changed
+    body = {"type": "function", "function": {"name": "f", "parameters": inner, "strict": True}}
+    from kakeya.orchestrator.fronts import http_params
+
+    assert http_params.tools([body])[0].parameters["additionalProperties"] is False

@@ -204,7 +204,26 @@ def _response_format(value, bad) -> tuple[str, Constraint] | None:
     schema = js.get("schema")
     if not isinstance(schema, dict):
         raise bad("response_format.json_schema.schema", "must be a JSON schema object")
-    return "response_format.json_schema.schema", Constraint("json_schema", schema)
+    return "response_format.json_schema.schema", Constraint("json_schema", _closed(schema) if strict else schema)
+
+
+SCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def _closed(schema):
+    """``strict: true``, as OpenAI's strict mode means it (and vLLM's): every object schema that does not say
+    ``additionalProperties`` takes no other keys (JSON Schema's default, without strict, allows any)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) if k in SCHEMAS else v for k, v in schema.items()}
+    out |= {k: [_closed(v) for v in schema[k]] for k in SCHEMA_LISTS if isinstance(schema.get(k), list)}
+    out |= {k: {n: _closed(v) for n, v in schema[k].items()} for k in SCHEMA_MAPS if isinstance(schema.get(k), dict)}
+    kinds = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
+    if ("object" in kinds or isinstance(schema.get("properties"), dict)) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 def _known_fields(value: dict, known: tuple[str, ...], where: str, bad) -> None:
@@ -295,7 +314,8 @@ def tools(value) -> tuple[Tool, ...]:
         strict = f.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise Refused(f"{where}.function.strict", "must be true or false")
-        out.append(Tool(f.get("name"), description or "", f.get("parameters"), bool(strict)))
+        params = _closed(f.get("parameters")) if strict else f.get("parameters")  # as response_format's strict
+        out.append(Tool(f.get("name"), description or "", params, bool(strict)))
     try:  # the name and the parameters, as every front checks them
         check_tools(out)
     except ToolProblem as exc:
