@@ -243,6 +243,21 @@ def test_a_resume_holding_the_whole_generation_gets_its_end_and_no_block(demo_en
         demo_engine.start(dataclasses.replace(req, resume_ids=(*whole.token_ids, free.token_ids[0])))
 
 
+@pytest.mark.xfail(strict=True, reason="decode_tok_s counted the resumed tokens as decoded")
+def test_a_resumed_runs_decode_speed_counts_only_the_tokens_it_decoded(demo_engine):
+    """``decode_tok_s`` (gRPC SpecStats, HTTP, the CLI) is this run's speed: the tokens a client resumed with were
+    decoded by another run, so a resume holding the whole generation decoded none (it reported millions a second)."""
+    req = Request("def fibonacci(n):", max_tokens=20, block_size=8, ignore_eos=True)
+    whole = demo_engine.generate(req)
+    with demo_engine.start(dataclasses.replace(req, resume_ids=tuple(whole.token_ids))) as run:
+        list(run)
+        assert run.report().decode_tok_s == 0.0
+    with demo_engine.start(dataclasses.replace(req, resume_ids=tuple(whole.token_ids[:12]))) as run:
+        list(run)
+        report = run.report()
+    assert report.decode_s > 0 and report.decode_tok_s == pytest.approx(8 / report.decode_s)
+
+
 def test_a_resume_ending_in_a_stop_token_adds_none_of_its_text(demo_engine):
     """A stop token's text is never output (as vLLM's), also when it ends a resumed stream's tokens: here that
     text begins a stop string, so a text stream fed the stop token would hold it back and flush it at the end.
