@@ -90,8 +90,8 @@ class Generation:
 
     @property
     def decode_tok_s(self) -> float:
-        """Tokens after the first one, per second of decoding (the first comes from prefill)."""
-        n = len(self.token_ids) - 1
+        """Tokens after the first block (the prefill's token, or the ids a resumed stream sent) per second of decoding."""
+        n = len(self.token_ids) - (len(self.blocks[0].tokens) if self.blocks else 1)
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 

@@ -243,7 +243,6 @@ def test_a_resume_holding_the_whole_generation_gets_its_end_and_no_block(demo_en
         demo_engine.start(dataclasses.replace(req, resume_ids=(*whole.token_ids, free.token_ids[0])))
 
 
-@pytest.mark.xfail(strict=True, reason="decode_tok_s counted the resumed tokens as decoded")
 def test_a_resumed_runs_decode_speed_counts_only_the_tokens_it_decoded(demo_engine):
     """``decode_tok_s`` (gRPC SpecStats, HTTP, the CLI) is this run's speed: the tokens a client resumed with were
     decoded by another run, so a resume holding the whole generation decoded none (it reported millions a second)."""
