@@ -162,6 +162,21 @@ def test_a_malformed_x_request_id_is_refused_by_its_name(served):
     assert err.value.details().startswith("x-request-id metadata: "), err.value.details()
 
 
+@pytest.mark.xfail(strict=True, reason="a refused Generate returned no x-request-id")
+def test_a_refused_generate_names_its_request_id_as_http_does(served):
+    """A refused Generate names the id it came with (its field, else its ``x-request-id`` metadata), and one the
+    orchestrator made up, in the call's trailing metadata, as the HTTP front's ``X-Request-Id`` header does on
+    errors: a client quotes it to the operator, whose log has the request under it."""
+    stub = generation_stub(served.addr)
+    for metadata, rid in (((("x-request-id", "lb-err-2"),), "lb-err-2"), ((), None)):
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request(PROMPT, max_tokens=10**6), metadata=metadata))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert err.value.details().startswith("sampling_params.max_tokens: "), err.value.details()
+        sent = dict(err.value.trailing_metadata() or ()).get("x-request-id")
+        assert sent == (rid or sent) and sent, err.value.trailing_metadata()
+
+
 def _completion(served, body: dict, headers: dict) -> tuple[int, str | None, dict]:
     """POST /v1/completions: the status, the answer's X-Request-Id header (None: absent) and its JSON body."""
     conn = http.client.HTTPConnection("127.0.0.1", served.info["http_port"], timeout=120)
