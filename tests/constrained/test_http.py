@@ -89,6 +89,8 @@ def _generate(servicer, constraint, context=None):
         def send_initial_metadata(self, metadata):  # grpc's: Generate sends the request id in it
             self.sent_metadata = metadata
 
+        set_trailing_metadata = send_initial_metadata  # and in its trailers
+
     req = pb.GenerateRequest(text="x = ", sampling_params=pb.SamplingParams(max_tokens=40), constraint=constraint)
     ids, complete = [], None
     for resp in servicer.Generate(req, context or GrpcCall()):
@@ -132,6 +134,8 @@ def test_grpc_refuses_a_bad_constraint_naming_its_field(front, constraint, field
 
         def send_initial_metadata(self, metadata):  # grpc's: Generate sends the request id in it
             self.sent_metadata = metadata
+
+        set_trailing_metadata = send_initial_metadata  # and in its trailers
 
     context = Context()
     with pytest.raises(RuntimeError):

@@ -126,6 +126,8 @@ def test_a_grammar_past_llguidances_budget_is_the_requests_own_refusal_on_the_sp
         def send_initial_metadata(self, metadata):  # grpc's: Generate sends the request id in it
             self.sent_metadata = metadata
 
+        set_trailing_metadata = send_initial_metadata  # and in its trailers
+
     try:
         for regex, checked in (("e{99999994}", True), ("f{99999993}", False)):
             if not checked:  # the check lets it by: the sessions meet the budget as they run

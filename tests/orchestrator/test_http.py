@@ -463,6 +463,8 @@ class _Context(HttpCall):
     def send_initial_metadata(self, metadata):  # grpc's: Generate sends the request id in it
         self.sent_metadata = metadata
 
+    set_trailing_metadata = send_initial_metadata  # and in its trailers
+
 
 class _Cancelled:
     """A servicer whose every generation was cancelled before its first message (a server going down)."""

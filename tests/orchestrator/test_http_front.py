@@ -811,6 +811,8 @@ def test_the_bearer_scheme_matches_in_any_case(front):
         def send_initial_metadata(self, metadata):  # grpc's: Generate sends the request id in it
             self.sent_metadata = metadata
 
+        set_trailing_metadata = send_initial_metadata  # and in its trailers
+
     assert authorized(Context(), TOKEN)
 
 

@@ -426,6 +426,8 @@ class _Context(HttpCall):
     def send_initial_metadata(self, metadata):  # grpc's: Generate sends the request id in it
         self.sent_metadata = metadata
 
+    set_trailing_metadata = send_initial_metadata  # and in its trailers
+
 
 def _grpc_chat(servicer, tools=(), history=HISTORY, arguments=None):
     req = pb.GenerateRequest(sampling_params=pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

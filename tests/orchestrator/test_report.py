@@ -60,6 +60,8 @@ class _GrpcCall(HttpCall):
     def send_initial_metadata(self, metadata):  # grpc's: Generate sends the request id in it
         self.sent_metadata = metadata
 
+    set_trailing_metadata = send_initial_metadata  # and in its trailers
+
 
 def _grpc(servicer) -> tuple[pb.GenerateResponse.Complete, dict]:
     """The gRPC stream's Complete, and the report ``kakeya client`` rebuilds from the whole stream."""

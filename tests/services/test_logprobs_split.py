@@ -112,6 +112,8 @@ class _Context(HttpCall):
     def send_initial_metadata(self, metadata):  # grpc's: Generate sends the request id in it
         self.sent_metadata = metadata
 
+    set_trailing_metadata = send_initial_metadata  # and in its trailers
+
 
 @pytest.fixture(scope="module")
 def public(split):

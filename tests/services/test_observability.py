@@ -162,7 +162,6 @@ def test_a_malformed_x_request_id_is_refused_by_its_name(served):
     assert err.value.details().startswith("x-request-id metadata: "), err.value.details()
 
 
-@pytest.mark.xfail(strict=True, reason="a refused Generate returned no x-request-id")
 def test_a_refused_generate_names_its_request_id_as_http_does(served):
     """A refused Generate names the id it came with (its field, else its ``x-request-id`` metadata), and one the
     orchestrator made up, in the call's trailing metadata, as the HTTP front's ``X-Request-Id`` header does on

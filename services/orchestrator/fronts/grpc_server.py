@@ -21,6 +21,7 @@ from kakeya.core.request import CachePolicy, InvalidRequest
 from kakeya.orchestrator.fronts import grpc_api
 from kakeya.orchestrator.fronts.service import GenerationService
 from kakeya.orchestrator.tools import grammar as tool_choice
+from kakeya.runtime.bounds import check_request_id
 from kakeya.runtime.lifecycle import RequestError, ServerSpec, bounded, version, workers_for
 from kakeya.runtime.security.guard import add_servicer
 from kakeya.wire import convert as wire_contract
@@ -54,12 +55,12 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
             proxy_id = dict(context.invocation_metadata()).get("x-request-id", "")
             if proxy_id and not req.request_id:  # a proxy's id of the call (Envoy sends one) names it in every log
                 req, names = replace(req, request_id=proxy_id), names | {"request_id": "x-request-id metadata"}
-            req = replace(req, request_id=req.request_id or uuid.uuid4().hex[:16])
-            streamed, told = 0, False  # characters of text sent so far; whether the id went back
+            req = replace(req, request_id=check_request_id(req.request_id) or uuid.uuid4().hex[:16])
+            told = (("x-request-id", req.request_id),)  # the id every log line names goes back, as HTTP's X-Request-Id:
+            context.send_initial_metadata(told)  # at once, and in the trailers (where a refusal's client reads it)
+            context.set_trailing_metadata(told)
+            streamed = 0  # characters of text sent so far
             for item in self.stream(req, context):
-                if not told:  # checked by now: the id every log line names goes back, as HTTP's X-Request-Id
-                    context.send_initial_metadata((("x-request-id", req.request_id),))
-                    told = True
                 if isinstance(item, Block):
                     streamed += len(item.text)
                     logprobs = [wire_contract.logprobs_to_proto(lp) for lp in item.logprobs or ()]
@@ -122,9 +123,6 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
 def server_spec(servicer: GenerationServicer, tls=None, http=None) -> ServerSpec:
     """``http``: the OpenAI HTTP front (``http_server.HttpFront``) served beside the gRPC API, or None."""
 
-    def set_ready(flag: bool) -> None:
-        servicer.ready = flag
-
     def backends_ok() -> bool:
         """SERVING only while the verifier answers (a missing drafter only costs speed: AR fallback)."""
         e = servicer.engine
@@ -139,7 +137,7 @@ def server_spec(servicer: GenerationServicer, tls=None, http=None) -> ServerSpec
         name="orchestrator",
         service_names=[GENERATION.full_name],
         load=servicer.load,
-        set_ready=set_ready,
+        set_ready=lambda flag: setattr(servicer, "ready", flag),
         add_to_server=lambda server: add_servicer(server, servicer, GENERATION, servicer.auth_token),
         before_drain=servicer.drain,
         near_deadline=near_deadline,
