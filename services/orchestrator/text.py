@@ -138,13 +138,15 @@ def template_inputs(chat: Chat) -> tuple[list[dict], list[dict] | None]:
 
 
 def _arguments(call: ToolCall, i: int, j: int) -> dict:
-    """A call's arguments as the object their JSON text holds (ChatError naming the call if not one)."""
+    """A call's arguments as the object their JSON text holds (ChatError naming its field if not one, or its name)."""
     try:
         args = load_json(call.arguments)
     except ValueError as exc:
         raise ChatError(f"messages[{i}].tool_calls[{j}].arguments: {exc}") from None
-    if not isinstance(args, dict) or not NAME.fullmatch(call.name):
-        raise ChatError(f"messages[{i}].tool_calls[{j}]: needs a function's name and its arguments as a JSON object")
+    if not isinstance(args, dict):
+        raise ChatError(f"messages[{i}].tool_calls[{j}].arguments: must be a JSON object's text")
+    if not NAME.fullmatch(call.name):
+        raise ChatError(f"messages[{i}].tool_calls[{j}].name: must be 1-64 letters, digits, '_', '.' or '-'")
     return args
 
 

@@ -465,7 +465,6 @@ def test_grpc_takes_the_same_tools_and_tool_turns(real):
     assert "tools[1].name" in str(err.value)
 
 
-@pytest.mark.xfail(strict=True, reason="the refusal named the whole call, not its arguments_json")
 def test_grpc_names_a_calls_arguments_that_are_no_object_by_their_field(real):
     """A call's ``arguments_json`` holding JSON that is no object (``[1]``) is refused naming that field, as HTTP
     names ``function.arguments``: it named the whole call (``...tool_calls[0]: needs a function's name and ...``)."""
