@@ -182,8 +182,8 @@ class TextCodec:
             raise ValueError(f"{path}: tokenizer.json has {self.vocab_size} tokens, vocab_size is {model_vocab}")
         cfg = _tokenizer_config(path)
         self.add_bos = bool(cfg.get("add_bos_token", True))
-        bos = _special_tokens(cfg)["bos_token"]
-        self.bos_id = self.tokenizer.token_to_id(bos) if bos else None
+        bos = _special_tokens(cfg)["bos_token"]  # none named: what tokenizer.json prepends, as transformers reads it
+        self.bos_id = self.tokenizer.token_to_id(bos) if bos else next(iter(self.tokenizer.encode("").ids), None)
         self.chat = ChatTemplate.load(path)  # None: the checkpoint ships no chat template
         # Special tokens are skipped in the text, but for tool-call markers (Gemma-4's ``<|tool_call>`` ...):
         # the front reads calls out of the text (``tools/calls.py``), as vLLM keeps them for its tool parsers.

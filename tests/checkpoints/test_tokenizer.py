@@ -62,7 +62,6 @@ def test_transformers_auto_tokenizer(tiny_pair):
         assert tok.decode(ids, skip_special_tokens=True) == text
 
 
-@pytest.mark.xfail(strict=True, reason="no tokenizer_config.json: the codec dropped the <bos> tokenizer.json adds")
 @pytest.mark.parametrize("config", ["none", "without bos_token"])
 def test_a_tokenizer_json_alone_encodes_as_transformers_does(tiny_pair, tmp_path, config):
     """A checkpoint holding tokenizer.json but no tokenizer_config.json (or one naming no bos_token): its
