@@ -174,3 +174,23 @@ def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_named(checkpoints, tm
     code, err = generate(target, checkpoints("draft", "e"), "torch", capsys)
     assert code == 2 and "Traceback" not in err
     assert f"kakeya: error: {index}: weight_map puts '{name}' in {wrong}, which does not hold it\n" in err
+
+
+@pytest.mark.xfail(strict=True, reason="~ was expanded reading config.json but not finding the weights")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_home_relative_path_no_shell_expanded_is_the_same_checkpoint(
+    checkpoints, tmp_path, monkeypatch, capsys, backend
+):
+    """``--target=~/models/e``: no shell expands a ``~`` after ``=`` (nor one in a unit file or a script's
+    quotes). config.json was read from the home directory but the weights were looked for in ``./~``: 'no
+    *.safetensors in checkpoint ~/models/e'."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(checkpoints("float32", "e"), tmp_path / "models" / "e")
+    shutil.copytree(checkpoints("draft", "e"), tmp_path / "models" / "e-draft")
+    argv = ["generate", "--backend", backend, "--prompt", "t5 t9", "--max-tokens", "6", "--ignore-eos", "--json"]
+    runs = []
+    for target, draft in [("~/models/e", "~/models/e-draft"), (tmp_path / "models" / "e", checkpoints("draft", "e"))]:
+        assert main([*argv, f"--target={target}", f"--draft={draft}"]) == 0, capsys.readouterr().err
+        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"])
+    assert runs[0] == runs[1]
+    assert main(["inspect", "~/models/e", "--draft=~/models/e-draft"]) == 0
