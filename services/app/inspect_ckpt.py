@@ -210,7 +210,7 @@ def inspect(path, draft_path=None, context: int = 8192, sessions: int = 1) -> tu
         raise ValueError(f"--context must be >= 1, got {context}")
     if sessions < 1:
         raise ValueError(f"--sessions must be >= 1, got {sessions}")
-    config = Path(path).expanduser() / "config.json"
+    config = Path(path) / "config.json"
     if config.is_file():
         try:
             is_draft = "dflash_config" in json.loads(config.read_text(encoding="utf-8"))

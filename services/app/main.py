@@ -8,6 +8,7 @@ code raises ValueError) end as one ``kakeya: error: ...`` line and exit status 2
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, run, and turn what a user can fix (ValueError, a path it cannot read or write) into one line and exit 2."""
     try:  # building the parser imports every sub-command (half a second): a Ctrl-C there exits as one later does
         args = build_parser().parse_args(argv)
+        for name in {"target", "draft", "dir", "tokenizer", "config", "out"} & vars(args).keys():  # --x=~/y: unexpanded
+            setattr(args, name, getattr(args, name) and os.path.expanduser(getattr(args, name)))
         heap.keep_freed_memory()  # before any model work: a step's temporaries reuse pages (runtime/heap.py)
         return int(args.func(args) or 0)
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError; OSError: a missing file, a file for a dir

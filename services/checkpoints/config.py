@@ -86,7 +86,7 @@ def load_target_config(path: str | Path) -> dict[str, Any]:
 
 def _load(path: str | Path, what: str, reading) -> dict[str, Any]:
     """``reading`` of the config at ``path`` (``what``: "target" / "draft", for errors), its directory kept."""
-    d = Path(path).expanduser()
+    d = Path(path)
     if not d.exists():
         raise CheckpointError(f"{what} checkpoint {d}: directory does not exist")
     if not d.is_dir():
