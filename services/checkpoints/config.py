@@ -58,7 +58,7 @@ class CheckpointError(ValueError):
     """A checkpoint directory is missing, malformed, or does not fit its partner."""
 
 
-def _read_json(f: Path, what: str) -> dict[str, Any]:
+def read_json(f: Path, what: str) -> dict[str, Any]:
     try:
         cfg = json.loads(f.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -93,7 +93,7 @@ def _load(path: str | Path, what: str, reading) -> dict[str, Any]:
         raise CheckpointError(f"{what} checkpoint {d}: not a directory")
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{what} checkpoint {d}: no config.json")
-    cfg = reading(_read_json(d / "config.json", what), d)
+    cfg = reading(read_json(d / "config.json", what), d)
     cfg[PATH_KEY] = str(d)
     return cfg
 
@@ -223,7 +223,7 @@ def _eos_token_ids(d: Path, top: dict[str, Any], text: dict[str, Any]) -> list[i
     gen_file = d / "generation_config.json"
     eos: Any = None
     if gen_file.is_file():
-        eos = _read_json(gen_file, "target").get("eos_token_id")
+        eos = read_json(gen_file, "target").get("eos_token_id")
         where = gen_file
     if eos is None:
         eos = text.get("eos_token_id", top.get("eos_token_id"))
@@ -243,7 +243,7 @@ def chat_template_source(d: str | Path) -> str | None:
     if (d / CHAT_TEMPLATE_FILE).is_file():
         return (d / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8") or None
     cfg_file = d / "tokenizer_config.json"
-    source = _read_json(cfg_file, "target").get("chat_template") if cfg_file.is_file() else None
+    source = read_json(cfg_file, "target").get("chat_template") if cfg_file.is_file() else None
     if isinstance(source, list):
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
     if source is not None and not isinstance(source, str):

@@ -22,7 +22,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from kakeya.checkpoints.config import chat_template_source
+from kakeya.checkpoints.config import chat_template_source, read_json
 from kakeya.checkpoints.tokenizer import read_tokenizer
 from kakeya.core.constraints import load_json
 from kakeya.core.request import Chat, ToolCall
@@ -163,7 +163,7 @@ def check_messages(messages: Sequence[dict]) -> None:
 
 def _tokenizer_config(checkpoint_dir: str | Path) -> dict:
     path = Path(checkpoint_dir) / "tokenizer_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path, "target") if path.is_file() else {}  # a garbled one named
 
 
 def _special_tokens(cfg: dict) -> dict[str, str]:

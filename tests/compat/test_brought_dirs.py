@@ -196,7 +196,6 @@ def test_a_home_relative_path_no_shell_expanded_is_the_same_checkpoint(
     assert main(["inspect", "~/models/e", "--draft=~/models/e-draft"]) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="the JSON error came out alone: 'Expecting value: line 1 column 19 (char 18)'")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_garbled_tokenizer_config_is_named(checkpoints, tmp_path, capsys, backend):
     """A tokenizer_config.json cut short (or hand-edited into invalid JSON) beside a whole tokenizer.json and the
