@@ -197,6 +197,20 @@ def test_pair_mask_token_out_of_vocab(tiny_pair, tmp_path):
     assert "mask_token_id" in msg and "vocab_size 1024" in msg
 
 
+@pytest.mark.xfail(strict=True, reason="only inspect compared the vocabularies: generate served the pair")
+def test_pair_vocab_size_mismatch_is_refused_by_a_load_as_by_inspect(tiny_pair, tmp_path, capsys):
+    """A drafter trained for a target with another vocabulary (another Gemma-4's tokenizer): ``kakeya inspect``
+    said it does not fit, ``kakeya generate`` served it, drafting with the wrong token ids."""
+    from kakeya.app.main import main
+
+    msg = _pair_error(tiny_pair, tmp_path, lambda c: c.update(vocab_size=2048))
+    assert "field 'vocab_size' is 2048, target" in msg and "vocab_size 1024" in msg
+    argv = ["generate", "--target", str(tiny_pair.target), "--draft", str(tmp_path / "d"), "--max-tokens", "2"]
+    assert main(argv) == 2 and msg in capsys.readouterr().err
+    assert main(["inspect", str(tiny_pair.target), "--draft", str(tmp_path / "d")]) == 2
+    assert "field 'vocab_size' is 2048" in capsys.readouterr().err
+
+
 def test_pair_names_every_field_that_does_not_fit_in_one_line(tiny_pair, tmp_path):
     """A drafter made for another target: every misfit is named at once, not one per try."""
     msg = _pair_error(tiny_pair, tmp_path, lambda c: c.update(hidden_size=128, dflash_config={**c["dflash_config"], "target_layer_ids": [9], "mask_token_id": 4096}))  # fmt: skip
