@@ -166,14 +166,6 @@ def describe_draft(path) -> dict:
     }  # fmt: skip
 
 
-def fit_problems(target_cfg: dict, draft_cfg_path: str, draft: dict) -> list[str]:
-    """Every reason the drafter cannot run against the target ([] when it fits)."""
-    problems = pair_problems(target_cfg, load_draft_config(draft_cfg_path))
-    if draft["vocab_size"] != target_cfg["vocab_size"]:
-        problems.append(f"draft vocab_size {draft['vocab_size']} != target vocab_size {target_cfg['vocab_size']}")
-    return problems
-
-
 def memory(target: dict, target_cfg: dict, draft: dict | None, context: int, sessions: int) -> dict:
     """Bytes the pair needs: weights once (the drafter's own, and its copy of the target's embedding and
     LM head), then per session the verifier's K/V under the default (native) policy -- ``verifier/memory.py``,
@@ -230,7 +222,7 @@ def inspect(path, draft_path=None, context: int = 8192, sessions: int = 1) -> tu
     draft = None
     if draft_path is not None:
         draft = describe_draft(draft_path)
-        problems = fit_problems(target_cfg, draft_path, draft)
+        problems = pair_problems(target_cfg, load_draft_config(draft_path))  # every reason it cannot run
         report["draft"] = draft
         report["fit"] = {"ok": not problems, "problems": problems}
     report["memory"] = memory(target, target_cfg, None if problems else draft, context, sessions)

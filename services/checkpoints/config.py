@@ -370,6 +370,8 @@ def pair_problems(target_cfg: dict[str, Any], draft_cfg: dict[str, Any]) -> list
     mask = dflash.get("mask_token_id")
     if not isinstance(mask, int) or not 0 <= mask < vocab:
         problems.append(f"field 'dflash_config.mask_token_id' is {mask}, not below target {tpath} vocab_size {vocab}")
+    if (draft_vocab := draft_cfg.get("vocab_size")) not in (None, vocab):  # drafts in another tokenizer's ids
+        problems.append(f"field 'vocab_size' is {draft_vocab}, target {tpath} has vocab_size {vocab}")
     n_target = draft_cfg.get("num_target_layers")
     if n_target is not None and n_target != n_layers:
         problems.append(f"field 'num_target_layers' is {n_target}, target {tpath} has num_hidden_layers {n_layers}")
