@@ -74,6 +74,21 @@ def test_the_served_model_is_named_after_the_directory_however_it_is_spelled(tmp
     assert served_model_name(str(tmp_path / "gemma-4-E2B-it" / "target")) == "gemma-4-E2B-it"  # a make-tiny pair
 
 
+@pytest.mark.xfail(strict=True, reason="served as the snapshot's commit hash")
+@pytest.mark.parametrize("snapshot", ["0123abc", "0123abc/"])
+def test_a_hub_cache_snapshot_is_served_as_its_repo_id(tmp_path, monkeypatch, snapshot):
+    """``--target ~/.cache/huggingface/hub/models--google--gemma-4-E2B-it/snapshots/<commit>`` (the directory
+    ``huggingface-cli download`` fills, its files links into ``blobs/``) was served as the model ``<commit>``, a
+    name no client sends; the repo id is what vLLM serves a hub model as."""
+    from kakeya.orchestrator.fronts.http_server import served_model_name
+
+    repo = tmp_path / "hub" / "models--google--gemma-4-E2B-it" / "snapshots"
+    assert served_model_name(str(repo / snapshot)) == "google/gemma-4-E2B-it"
+    repo.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "hub")  # a relative path too
+    assert served_model_name(f"models--google--gemma-4-E2B-it/snapshots/{snapshot}") == "google/gemma-4-E2B-it"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_malformed_index_is_named(checkpoints, tmp_path, capsys, backend):
     target = shutil.copytree(checkpoints("float32", "e"), tmp_path / "target")
