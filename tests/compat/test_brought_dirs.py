@@ -74,7 +74,6 @@ def test_the_served_model_is_named_after_the_directory_however_it_is_spelled(tmp
     assert served_model_name(str(tmp_path / "gemma-4-E2B-it" / "target")) == "gemma-4-E2B-it"  # a make-tiny pair
 
 
-@pytest.mark.xfail(strict=True, reason="served as the snapshot's commit hash")
 @pytest.mark.parametrize("snapshot", ["0123abc", "0123abc/"])
 def test_a_hub_cache_snapshot_is_served_as_its_repo_id(tmp_path, monkeypatch, snapshot):
     """``--target ~/.cache/huggingface/hub/models--google--gemma-4-E2B-it/snapshots/<commit>`` (the directory

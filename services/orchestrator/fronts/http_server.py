@@ -45,8 +45,11 @@ _END = object()
 
 
 def served_model_name(target: str) -> str:
-    """The ``model`` a checkpoint is served as by default: its directory's name (``target``'s parent's)."""
+    """The ``model`` a checkpoint is served as by default: its directory's name (a make-tiny ``target``'s parent's)."""
     parent, name = os.path.split(os.path.abspath(target))  # "." and "./" are the working directory, named
+    cache, snapshots = os.path.split(parent)  # a hub cache's models--org--name/snapshots/<commit>: the repo id
+    if snapshots == "snapshots" and (repo := os.path.basename(cache)).startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
     return os.path.basename(parent) if name == "target" and os.path.basename(parent) else name
 
 
