@@ -87,6 +87,24 @@ def test_a_symlinked_directory_and_a_trailing_slash_are_the_same_checkpoint(chec
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_hub_cache_snapshot_whose_files_are_links_into_blobs_is_the_same_checkpoint(checkpoints, tmp_path, backend):
+    """``huggingface-cli download``'s layout: ``models--org--name/snapshots/<commit>/<file>``, each file a relative
+    link to ``../../blobs/<hash>`` -- a sharded target and its drafter, read through the links."""
+    pair = {"target": checkpoints("float32", "e"), "draft": checkpoints("draft", "e")}
+    snapshots = {}
+    for name, source in pair.items():
+        repo = tmp_path / f"models--org--{name}"
+        (repo / "blobs").mkdir(parents=True)
+        snapshots[name] = repo / "snapshots" / "0123abc"
+        snapshots[name].mkdir(parents=True)
+        for i, f in enumerate(sorted(source.iterdir())):
+            (repo / "blobs" / f"{i:040x}").write_bytes(f.read_bytes())
+            (snapshots[name] / f.name).symlink_to(f"../../blobs/{i:040x}")
+    got = speculative(backend, snapshots["target"], snapshots["draft"], 8)
+    assert got == list(transformers_greedy(pair["target"], "e"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_an_unquantized_mlx_convert_of_the_multimodal_target_equals_transformers_on_its_source(checkpoints, backend):
     """``mlx_lm.convert`` without -q renames the text model ``language_model.model.*`` (and keeps float32)."""
     converted, source = checkpoints("mlx", "mm"), checkpoints("float32", "mm")
