@@ -178,3 +178,17 @@ def test_reads_headers_only(capsys, tiny_pair, tmp_path):
     for r in (whole, headers):
         r["target"].pop("path")
     assert headers == whole
+
+
+@pytest.mark.xfail(strict=True, reason="inspect read no tokenizer file: it said the checkpoint runs")
+@pytest.mark.parametrize("damage", ["tokenizer_config.json", "tokenizer.json"])
+def test_a_tokenizer_a_load_refuses_is_refused_by_inspect_alike(capsys, tiny_pair, tmp_path, damage):
+    """A target whose tokenizer file is cut short: ``kakeya generate`` refuses it in one line, ``kakeya inspect``
+    printed 'runs on torch/mlx' and exit status 0. (A target with no tokenizer at all is fine: a verifier serves
+    it, the orchestrator reading ``--tokenizer``.)"""
+    target = shutil.copytree(tiny_pair.target, tmp_path / "target")
+    (target / damage).write_text((target / damage).read_text()[:40])
+    assert main(["generate", "--target", str(target), "--draft", str(tiny_pair.draft), "--max-tokens", "2"]) == 2
+    load_err = capsys.readouterr().err
+    rc, _, err = _inspect(capsys, target)
+    assert rc == 2 and err == load_err and f"{target / damage}: unreadable" in err
