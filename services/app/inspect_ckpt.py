@@ -1,9 +1,8 @@
-"""``kakeya inspect DIR [--draft DIR]``: what a checkpoint directory holds, whether a drafter fits its
-target, and the memory the pair needs for a context and a number of sessions -- before any weight loads
-(config.json and the safetensors headers only: no tensor is read, no backend imported). The configs go
-through the loaders' own readers (``checkpoints/config.py``), so ``inspect`` refuses what a load would
-refuse, with the same message. The first command to run on a download. A pair that does not fit is
-printed, then refused (exit status 2) with every reason.
+"""``kakeya inspect DIR [--draft DIR]``: what a checkpoint directory holds, whether a drafter fits its target, and the
+memory the pair needs for a context and a number of sessions -- before any weight loads (the configs, the tokenizer and
+the safetensors headers only: no tensor is read, no backend imported). They go through the loaders' own readers
+(``checkpoints/config.py``, ``orchestrator/text.py``), so ``inspect`` refuses what a load would refuse, with the same
+message. The first command to run on a download. A pair that does not fit is printed, then refused with every reason.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from kakeya.checkpoints.config import PATH_KEY, CheckpointError, load_draft_conf
 from kakeya.core.contract import FULL, SLIDING
 from kakeya.core.request import CachePolicy
 from kakeya.drafter.config import DFlashConfig
+from kakeya.orchestrator.text import TextCodec
 from kakeya.verifier.memory import DTYPE_BYTES, KVShape, session_bytes
 
 UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB")
@@ -58,11 +58,10 @@ def layer_pattern(types: list[str]) -> str:
             runs[-1][0] += 1
         else:
             runs.append([1, kind])
-    text = ", ".join(f"{n} {k}" for n, k in runs)
     for period in range(2, len(runs) // 2 + 1):
         if len(runs) % period == 0 and all(runs[i] == runs[i % period] for i in range(len(runs))):
             return f"({', '.join(f'{n} {k}' for n, k in runs[:period])}) x {len(runs) // period}"
-    return text
+    return ", ".join(f"{n} {k}" for n, k in runs)
 
 
 def quantization(top: dict, text: dict, names: list[str]) -> dict | None:
@@ -124,7 +123,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "inspect",
         help="what a checkpoint directory holds, whether a drafter fits it, and the memory the pair needs",
-        description="Reads config.json and the safetensors headers only: no weights load.",
+        description="Reads the configs, the tokenizer and the safetensors headers only: no weights load.",
     )
     p.add_argument("dir", help="a Gemma-4 target checkpoint directory (or a DFlash drafter's)")
     p.add_argument("--draft", help="a DFlash drafter directory to check against the target DIR")
@@ -211,10 +210,10 @@ def inspect(path, draft_path=None, context: int = 8192, sessions: int = 1) -> tu
         if is_draft:
             if draft_path is not None:
                 raise ValueError(f"{path} is a drafter: give the target as DIR and the drafter as --draft")
-            report = {"draft": describe_draft(path)}
-            report["draft"].pop("_config")
-            return report, []
+            return {"draft": {k: v for k, v in describe_draft(path).items() if k != "_config"}}, []
     target, target_cfg = describe_target(path)
+    if (Path(path) / "tokenizer.json").is_file():  # what a load refuses of it (a verifier alone serves without one)
+        TextCodec(path, target_cfg["vocab_size"])
     # the backends that load it: an MLX-quantized one (and so a drafter over it) MLX only
     target["backends"] = ["mlx"] if target["quantization"] is not None else ["torch", "mlx"]
     report: dict = {"target": target}

@@ -180,7 +180,6 @@ def test_reads_headers_only(capsys, tiny_pair, tmp_path):
     assert headers == whole
 
 
-@pytest.mark.xfail(strict=True, reason="inspect read no tokenizer file: it said the checkpoint runs")
 @pytest.mark.parametrize("damage", ["tokenizer_config.json", "tokenizer.json"])
 def test_a_tokenizer_a_load_refuses_is_refused_by_inspect_alike(capsys, tiny_pair, tmp_path, damage):
     """A target whose tokenizer file is cut short: ``kakeya generate`` refuses it in one line, ``kakeya inspect``
