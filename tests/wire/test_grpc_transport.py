@@ -158,6 +158,7 @@ def test_limit_options(monkeypatch):
         assert dict(limits.server_options())[min_ping] < client["grpc.keepalive_time_ms"]
     public = dict(limits.server_options(public=True))[min_ping]
     assert backend["grpc.keepalive_time_ms"] < public < opts["grpc.keepalive_time_ms"]
+    assert public <= 10_000  # grpc-go's shortest client keepalive, which services in Go often set (was 30 s: GOAWAY)
     assert "grpc.keepalive_time_ms" not in dict(limits.channel_options(keepalive=False))
     assert dict(limits.channel_options(64 * limits.MiB))["grpc.max_send_message_length"] == 64 * limits.MiB
     monkeypatch.setenv(limits.ENV_MAX_MESSAGE_BYTES, str(512 * limits.MiB))
