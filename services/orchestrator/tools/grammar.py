@@ -144,11 +144,9 @@ class _Rules:
             if "<|" in value:
                 raise GrammarError(where, "a value holding '<|' cannot be written in a tool call")
             return self.quoted(value)
-        if isinstance(value, bool):
-            return '"true"' if value else '"false"'
         if value is None:
             return '("null" | "None")'
-        if isinstance(value, int | float):
+        if isinstance(value, bool | int | float):  # JSON's true, false and numbers, as Gemma-4 writes them
             return _lit(json.dumps(value))
         if isinstance(value, list):
             items = ' "," '.join(self.literal(v, where) for v in value)
@@ -191,6 +189,8 @@ class _Rules:
         if "enum" in schema:
             if not isinstance(schema["enum"], list) or not schema["enum"]:
                 raise GrammarError(at(where, "enum"), "must be a non-empty list")
+            if all(isinstance(v, str) and v and "<|" not in v for v in schema["enum"]):  # one lexeme, not a rule
+                return self._string(schema, where, " | ".join(map(_lit, schema["enum"])))  # of <= 2000 alternatives
             return self.rule(" | ".join(self.literal(v, where) for v in schema["enum"]))
         for key in ("anyOf", "oneOf"):
             if key in schema:
@@ -241,13 +241,13 @@ class _Rules:
             return self.members(schema, where)
         raise GrammarError(at(where, "type"), f"{quote(kind)} is not a JSON schema type")
 
-    def _string(self, schema: Mapping, where: str) -> str:
+    def _string(self, schema: Mapping, where: str, text: str = "") -> str:
         """A string; with a pattern, length or format, its text is a terminal of all their regexes and of the
-        text any string may hold (no "<|")."""
-        regexes = keywords.string_regexes(schema, where)
-        if not regexes:
+        text any string may hold (no "<|"); ``text``: its terminal, given (an enum's values)."""
+        regexes = [] if text else keywords.string_regexes(schema, where)
+        if not text and not regexes:
             return self.string
-        text = " & ".join(f"/{rx}/" for rx in [*regexes, keywords.TEXT])
+        text = text or " & ".join(f"/{rx}/" for rx in [*regexes, keywords.TEXT])
         if text not in self.terminals:
             self.terminals[text] = f"S{len(self.terminals)}"
         name = self.terminals[text]
