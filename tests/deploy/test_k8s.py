@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -430,3 +431,28 @@ def test_network_policies_let_only_orchestrators_in_to_the_model_servers(overlay
         else:
             assert _admits(policy, "grpc", orchestrator) and not _admits(policy, "grpc", stranger)
             assert not _admits(policy, "grpc", prometheus)
+
+
+@pytest.mark.parametrize(
+    "overlay",
+    [
+        pytest.param("cuda", marks=pytest.mark.xfail(strict=True, reason="served as 'models', the volume's folder")),
+        "cpu-dev",
+    ],
+)
+def test_the_http_api_serves_the_model_under_a_name_of_its_own(overlay):
+    """OpenAI clients name the model in every request, and the HTTP front answers any other id 404. By default the id
+    is the checkpoint folder's name, which here is the manifests' own layout: /models/target made every orchestrator
+    serve the model `models` (`/v1/models`), a name clients (and a gateway's model routing) must guess. The id is one
+    knob in the ConfigMap, passed as --served-model-name."""
+    from kakeya.orchestrator.assembly import pair_paths
+    from kakeya.orchestrator.fronts.http_server import served_model_name
+
+    docs = render(overlay)
+    env = config_env(docs)
+    orchestrator = build_parser().parse_args(argv(docs, "orchestrator")[1:])
+    verifier = build_parser().parse_args(argv(docs, "verifier")[1:])
+    target = orchestrator.tokenizer or verifier.target or pair_paths(None, None)[0]
+    served = orchestrator.served_model_name or served_model_name(target)
+    assert served not in Path(env["KAKEYA_TARGET_DIR"]).parts, f"{overlay}: the model is served as {served!r}"
+    assert orchestrator.served_model_name == env.get("KAKEYA_SERVED_MODEL_NAME"), "one knob, in the ConfigMap"
