@@ -433,13 +433,7 @@ def test_network_policies_let_only_orchestrators_in_to_the_model_servers(overlay
             assert not _admits(policy, "grpc", prometheus)
 
 
-@pytest.mark.parametrize(
-    "overlay",
-    [
-        pytest.param("cuda", marks=pytest.mark.xfail(strict=True, reason="served as 'models', the volume's folder")),
-        "cpu-dev",
-    ],
-)
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_http_api_serves_the_model_under_a_name_of_its_own(overlay):
     """OpenAI clients name the model in every request, and the HTTP front answers any other id 404. By default the id
     is the checkpoint folder's name, which here is the manifests' own layout: /models/target made every orchestrator
