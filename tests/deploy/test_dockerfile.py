@@ -264,7 +264,6 @@ def test_the_build_context_builds_the_package(tmp_path):
     assert not list((models / "recall").rglob("*.safetensors")), "the recall pair's weights stay out of the image"
 
 
-@pytest.mark.xfail(strict=True, reason="the header's verifier listens on 0.0.0.0 with no client authentication")
 def test_the_dockerfiles_docker_run_examples_start():
     """The Dockerfile's header shows how to run each image. Its verifier example listened on 0.0.0.0 with neither a
     token nor mutual TLS, which a verifier refuses at start ("verifier on 0.0.0.0 without client authentication"):
