@@ -30,7 +30,7 @@ from tests.services.conftest import (
     wait_until,
 )
 
-from .manifests import DOCKER, ROOT, argv, flag, render
+from .manifests import DOCKER, ROOT, argv, config_env, flag, render
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "import os\n"]
 MAX_TOKENS = 12
@@ -166,3 +166,14 @@ def test_a_rolling_update_at_full_load_fails_no_stream(tmp_path):
             finished = [f.result()[2] for f in streams]
         assert v0.wait(60) == 0
         assert [(c.error_message, c.completion_tokens) for c in finished] == [("", max_tokens)] * len(PROMPTS)
+
+
+def test_the_http_api_lists_the_model_under_the_configmaps_name(cluster):
+    """An OpenAI client reads the model id from /v1/models and sends it back: the ConfigMap's, as the pod serves it."""
+    import json
+    import urllib.request
+
+    orch = cluster["orchestrator"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{orch.info['http_port']}/v1/models", timeout=30) as r:
+        listed = [m["id"] for m in json.load(r)["data"]]
+    assert listed == [config_env(render("cpu-dev"))["KAKEYA_SERVED_MODEL_NAME"]]
