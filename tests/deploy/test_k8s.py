@@ -455,7 +455,6 @@ def test_the_http_api_serves_the_model_under_a_name_of_its_own(overlay):
 CRD_OWNERS = {"cert-manager.io": "cert-manager", "monitoring.coreos.com": "Prometheus Operator"}
 
 
-@pytest.mark.xfail(strict=True, reason="the quick start applies the cuda overlay with no word of its CRDs")
 def test_the_docs_quick_start_names_what_the_cuda_overlay_needs_installed():
     """`kubectl apply -k deploy/k8s/overlays/cuda`, as docs/deploy.md's quick start has it, on a cluster without
     cert-manager: the Certificates are refused ("no matches for kind Certificate") and every pod waits for its TLS
