@@ -111,7 +111,6 @@ def test_the_endpoint_picker_may_scrape_the_orchestrators_and_only_them(docs):
     assert not _admits(policies["kakeya-drafter"], "metrics", epp)
 
 
-@pytest.mark.xfail(strict=True, reason="the endpoint picker's pod sets no securityContext")
 def test_every_pod_passes_the_restricted_pod_security_standard(docs):
     """A namespace that enforces Pod Security "restricted" (`pod-security.kubernetes.io/enforce: restricted`, the
     usual one for serving workloads) admits the Kakeya pods, which set what it asks; the endpoint picker's set nothing,
