@@ -471,7 +471,6 @@ def test_the_docs_quick_start_names_what_the_cuda_overlay_needs_installed():
         )
 
 
-@pytest.mark.xfail(strict=True, reason="the recipe's Secret volume has no defaultMode: the key is world-readable")
 def test_the_docs_public_tls_patch_serves_tls_with_a_key_only_the_pod_reads(tmp_path):
     """docs/deploy.md's JSON patch for public TLS, applied to the cuda overlay as it says: the orchestrator serves TLS
     from files on the mounted Secret, its probes stay on the plaintext health port, and the private key is not
