@@ -37,7 +37,7 @@ KEEPALIVE_TIMEOUT_MS = 20_000
 BACKEND_KEEPALIVE_TIME_MS = 1_000
 BACKEND_KEEPALIVE_TIMEOUT_MS = 1_000
 MIN_CLIENT_PING_INTERVAL_MS = 500  # backend servers: must stay below the backend channels' keepalive time
-PUBLIC_MIN_CLIENT_PING_INTERVAL_MS = 10_000  # the public API: grpc-go's shortest client keepalive (a 10 s ping was GOAWAY)
+PUBLIC_MIN_CLIENT_PING_INTERVAL_MS = 10_000  # the public API: grpc-go clients' shortest keepalive
 PUBLIC_MAX_RECEIVE_BYTES = 4 * MiB  # the public API and the verifier take token ids, never tensors
 
 Options = list[tuple[str, int]]
