@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import suppress
 
 from kakeya.app.options import add_ngram
 from kakeya.runtime.admission import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_SESSIONS, DEFAULT_RECLAIM_IDLE_S
@@ -53,8 +54,8 @@ def add_internal_auth(p) -> None:
 
 def add_sessions(p) -> None:
     """Verifier and drafter: memory budget, admission queue, idle expiry and reclaim, context limit."""
-    p.add_argument("--max-kv-bytes", type=int, default=0,
-                   help="K/V budget of all sessions (0: none): the verifier admits a session only if its worst case"
+    p.add_argument("--max-kv-bytes", type=lambda text: byte_size(text, auto=False), default=0, metavar="BYTES",
+                   help="K/V budget of all sessions, e.g. 16G (0: none): the verifier admits a session only if its worst case"
                         " fits; the drafter lets a session's context cache grow only while it fits")  # fmt: skip
     add_queue(p, "sessions")
     p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
@@ -74,22 +75,17 @@ def add_sessions(p) -> None:
 AUTO = "auto"
 
 
-def byte_size(text: str) -> int | str:
-    """``--prefix-cache-bytes``: a byte count, optionally with a binary suffix (``512M``, ``2G``, ``1.5GiB``),
-    or ``auto`` (:func:`prefix_cache_bytes` sizes it when the server starts)."""
-    if text.strip().lower() == AUTO:
+def byte_size(text: str, auto: bool = True) -> int | str:
+    """``--prefix-cache-bytes`` and ``--max-kv-bytes``: a byte count, optionally with a binary suffix (``512M``,
+    ``2G``, ``1.5GiB``), or where ``auto``, ``auto`` (:func:`prefix_cache_bytes` sizes it when the server starts)."""
+    if auto and text.strip().lower() == AUTO:
         return AUTO
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
-    try:
-        n = float(t[:-1] if scale > 1 else t) * scale
-    except ValueError:
-        raise ValueError(
-            f"--prefix-cache-bytes must be auto or a byte count like 1073741824, 512M or 2G, got {text!r}"
-        ) from None
-    if n < 0:
-        raise ValueError(f"--prefix-cache-bytes must be >= 0, got {text!r}")
-    return int(n)
+    with suppress(ValueError):
+        if 0 <= (n := float(t[:-1] if scale > 1 else t) * scale) < float("inf"):  # inf, nan: no int to make
+            return int(n)
+    raise argparse.ArgumentTypeError(f"a byte count >= 0 like 1073741824, 512M or 2G{', or auto' * auto}, got {text!r}")
 
 
 def add_queue(p, what: str) -> None:
@@ -180,7 +176,7 @@ def session_limits(args, device: str | None = None):
     runs, None for MLX: what ``--prefix-cache-bytes auto`` is a share of)."""
     from kakeya.runtime.servicer import SessionLimits
 
-    for flag, value in (("--max-kv-bytes", args.max_kv_bytes), ("--queue", args.queue), ("--max-context", args.max_context),
+    for flag, value in (("--queue", args.queue), ("--max-context", args.max_context),
                         ("--max-sessions-per-peer", args.max_sessions_per_peer), ("--reclaim-idle", args.reclaim_idle),
                         ("--max-sessions", args.max_sessions)):  # fmt: skip
         if value < 0:
