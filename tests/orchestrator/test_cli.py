@@ -560,3 +560,26 @@ def test_client_generate_refuses_what_it_would_silently_drop(args, fragment, cap
     assert main(["client", "--addr", "127.0.0.1:1", "--retries", "0", "--timeout", "5", "generate", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kakeya: error:") and "\n" not in err and fragment in err, err
+
+
+@pytest.mark.xfail(strict=True, reason="--prompt - was the one-character prompt '-', stdin was never read")
+def test_prompt_dash_reads_standard_input():
+    """`echo TEXT | kakeya generate --prompt -` generates from TEXT, as `--prompt TEXT` does."""
+    text = "def add(a, b):\n"
+    argv = [sys.executable, "-m", "kakeya.app.main", "generate", "--max-tokens", "4", "--json", "--prompt"]
+    piped = subprocess.run([*argv, "-"], input=text, capture_output=True, text=True, timeout=300)
+    given = subprocess.run([*argv, text], capture_output=True, text=True, timeout=300)
+    assert piped.returncode == given.returncode == 0, piped.stderr + given.stderr
+    piped_out, given_out = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (piped, given))
+    assert piped_out["prompt_token_ids"] == given_out["prompt_token_ids"]
+    assert piped_out["token_ids"] == given_out["token_ids"]
+
+
+@pytest.mark.xfail(strict=True, reason="bytes that are not UTF-8 reached the tokenizer: a TypeError traceback, exit 1")
+@pytest.mark.parametrize("argv_prompt, stdin", [(b"abc\xff\xfe", b""), (b"-", b"abc\xff\xfe")])
+def test_a_prompt_that_is_not_utf8_is_one_clear_line(argv_prompt, stdin):
+    argv = [sys.executable.encode(), b"-m", b"kakeya.app.main", b"generate", b"--max-tokens", b"2", b"--prompt"]
+    r = subprocess.run([*argv, argv_prompt], input=stdin, capture_output=True, timeout=300)
+    err = r.stderr.decode(errors="replace").strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr.decode(errors="replace"), err
+    assert "--prompt" in err[-1] and "UTF-8" in err[-1], err
