@@ -142,9 +142,7 @@ def cmd_client_generate(args) -> int:
                     ids.extend(resp.chunk.token_ids)
                     logprobs.extend(resp.chunk.logprobs)
                     text.append(resp.chunk.text)
-                    if not args.json and resp.chunk.text:
-                        sys.stdout.write(resp.chunk.text)
-                        sys.stdout.flush()
+                    options.show(args, resp.chunk.text)
                 else:
                     complete = resp.complete
             # A drain's end stops a stream with a clean prefix (our own cancel gets no Complete): it goes on elsewhere.

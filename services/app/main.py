@@ -40,11 +40,11 @@ def cmd_generate(args) -> int:
     shown, logprobs = 0, []
     with engine.start(req) as run:
         for block in run:
-            _show(args, block.text)
+            options.show(args, block.text)
             shown += len(block.text)
             logprobs += block.logprobs or ()
     report = run.report()
-    _show(args, report.text[shown:])
+    options.show(args, report.text[shown:])
     gen = run.result
     out = report.to_json()
     if args.dtype:
@@ -56,13 +56,6 @@ def cmd_generate(args) -> int:
         out.update(_compare_transformers(engine, req, gen, args))
     options.print_result(args, out)
     return 0
-
-
-def _show(args, text: str) -> None:
-    """The text as it streams (not with --json: stdout is the JSON line then)."""
-    if not args.json:
-        sys.stdout.write(text)
-        sys.stdout.flush()
 
 
 def _warm_up(engine, req, ar: bool) -> None:

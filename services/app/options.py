@@ -6,6 +6,7 @@ heavy: building the parser needs neither MLX nor torch.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from contextlib import suppress
@@ -116,10 +117,19 @@ def cache_policy_from_args(args):
     return args.cache and CachePolicy(args.cache, sink, args.window, full_kv_bits=args.full_kv_bits, restore=restore)
 
 
+def prompt_text(text: str) -> str:
+    """--prompt: the text, or ``-``: standard input's; UTF-8 only (argv keeps other bytes as lone surrogates, which
+    the tokenizer cannot take)."""
+    raw = sys.stdin.buffer.read() if text == "-" else text.encode("utf-8", "surrogateescape")
+    with suppress(UnicodeDecodeError):
+        return raw.decode("utf-8")
+    raise argparse.ArgumentTypeError("not UTF-8 text")
+
+
 def add_generation_options(p) -> None:
     """Options shared by `kakeya generate` and `kakeya client generate`."""
-    p.add_argument("--prompt", help="prompt text (default: the start of a standard-library file the demo pair never"
-                                    " trained on)")  # fmt: skip
+    p.add_argument("--prompt", type=prompt_text, help="prompt text, UTF-8; - reads it from standard input (default:"
+                   " the start of a standard-library file the demo pair never trained on)")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int,
                    help="1..16, or 0 (the default): auto, each block sized for the most tokens per second; see"
@@ -211,20 +221,15 @@ def sampling_from_args(args):
 
 def summary_line(out: dict) -> str:
     """One line that says what ran and, with an AR reference, what was compared and how it came out."""
-    where = out.get("backend") or "?"
-    if out.get("device"):
-        where += f"/{out['device']}"
+    where = "/".join(filter(None, (out.get("backend") or "?", out.get("device"))))
     sizes = out.get("block_sizes") or [0]
     block = f"block {out['block_size']}" if out["block_size"] else f"auto blocks, mean {sum(sizes) / len(sizes):.1f}"
     head = f"speculative (DFlash, {block}, {where}): {out['decode_tok_s']:.0f} tok/s"
-    sampling = out.get("sampling", {})
-    sampled = sampling.get("temperature", 0) > 0
-    if sampled:
-        head = head.replace("): ", f", sampling seed {out['seed']}, {sampling.get('rule')} rule): ", 1)
-    ar_kind = "autoregressive sampling" if sampled else "autoregressive"
+    if sampled := out.get("sampling", {}).get("temperature", 0) > 0:
+        head = head.replace("): ", f", sampling seed {out['seed']}, {out['sampling'].get('rule')} rule): ", 1)
     if "ar_decode_tok_s" in out:
         speedup = f"{out['speedup']:.1f}x" if out.get("speedup") else "n/a"
-        head += f" vs {ar_kind} {out['ar_decode_tok_s']:.0f} tok/s -> {speedup}"
+        head += f" vs autoregressive{' sampling' * sampled} {out['ar_decode_tok_s']:.0f} tok/s -> {speedup}"
     if "ar_decode_tok_s" in out and "lossless" not in out:  # the rejection rule: a speed reference only
         head += " (same distribution, not the same tokens: no token-identity claim under the rejection rule)"
     elif "ar_decode_tok_s" in out:
@@ -252,6 +257,13 @@ def summary_line(out: dict) -> str:
     if out["quality"]["degenerate"]:
         tail += "; WARNING: runaway repetition"
     return f"{head}; {tail}"
+
+
+def show(args, text: str) -> None:
+    """The text as it streams, from `generate` and `client generate` (not with --json: stdout is the JSON line then)."""
+    if not args.json:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
 
 def print_result(args, out: dict) -> None:

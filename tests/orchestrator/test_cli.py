@@ -562,7 +562,6 @@ def test_client_generate_refuses_what_it_would_silently_drop(args, fragment, cap
     assert err.startswith("kakeya: error:") and "\n" not in err and fragment in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="--prompt - was the one-character prompt '-', stdin was never read")
 def test_prompt_dash_reads_standard_input():
     """`echo TEXT | kakeya generate --prompt -` generates from TEXT, as `--prompt TEXT` does."""
     text = "def add(a, b):\n"
@@ -575,7 +574,6 @@ def test_prompt_dash_reads_standard_input():
     assert piped_out["token_ids"] == given_out["token_ids"]
 
 
-@pytest.mark.xfail(strict=True, reason="bytes that are not UTF-8 reached the tokenizer: a TypeError traceback, exit 1")
 @pytest.mark.parametrize("argv_prompt, stdin", [(b"abc\xff\xfe", b""), (b"-", b"abc\xff\xfe")])
 def test_a_prompt_that_is_not_utf8_is_one_clear_line(argv_prompt, stdin):
     argv = [sys.executable.encode(), b"-m", b"kakeya.app.main", b"generate", b"--max-tokens", b"2", b"--prompt"]
