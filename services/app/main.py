@@ -19,6 +19,7 @@ from kakeya.runtime import heap
 
 def cmd_generate(args) -> int:
     from kakeya.orchestrator.assembly import build_local_engine, resolve_backend, set_torch_threads
+    from kakeya.orchestrator.decode.checks import Limits
 
     policy = options.cache_policy_from_args(args)
     backend, device = resolve_backend(args.backend, args.device)
@@ -33,7 +34,7 @@ def cmd_generate(args) -> int:
         constraint=constraint,
     )  # fmt: skip
     try:
-        req = engine.check(req)  # before the warm-up: a bad request costs no model work
+        req = engine.check(req, Limits(max_prompt_tokens=sys.maxsize))  # no server's cap: the model's context
     except InvalidRequest as exc:
         raise ValueError(exc.public(options.FLAG_NAMES | constraint_flags)) from None
     _warm_up(engine, req, args.compare_ar)
