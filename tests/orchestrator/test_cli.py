@@ -595,3 +595,27 @@ def test_generate_takes_a_prompt_up_to_the_models_context_and_names_no_server_fl
     assert main(["generate", "--prompt", "x = 1\n" * 200_000, "--max-tokens", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kakeya: error: --prompt:") and "context" in err and "--max-prompt-tokens" not in err, err
+
+
+@pytest.mark.xfail(strict=True, reason="--max-tokens, client --retries/--timeout, memory --preset/--json said nothing")
+def test_every_flag_of_the_commands_a_user_runs_says_what_it_does():
+    """`kakeya CMD --help` explains each flag of generate, serve, client and the tools a user runs (the train-*
+    hyper-parameters are the report's open item); a flag with a default that is not off names it."""
+    import argparse
+
+    from kakeya.app.main import build_parser
+
+    def flags(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    if not name.startswith("train-"):
+                        yield from flags(sub, [*path, name])
+            elif action.option_strings and action.dest != "help":
+                yield " ".join([*path, action.option_strings[0]]), action
+
+    silent = [name for name, action in flags(build_parser(), ["kakeya"]) if not action.help]
+    assert silent == [], silent
+    helps = dict(flags(build_parser(), ["kakeya"]))
+    for name in ("kakeya generate --max-tokens", "kakeya client --retries", "kakeya client --timeout"):
+        assert "default" in helps[name].help, name
