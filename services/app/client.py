@@ -126,9 +126,7 @@ def cmd_client_generate(args) -> int:
     tries = max(1, args.retries) * len(addrs)
     if req.sampling_params.temperature > 0 and not req.sampling_params.HasField("seed"):
         req.sampling_params.seed = random.getrandbits(63)  # a resumed sampled stream needs the seed it ran with
-    ids: list[int] = []
-    logprobs: list = []
-    text: list[str] = []
+    ids, logprobs, text = [], [], []  # what has streamed: token ids, their logprobs (wire messages), text pieces
     complete = model = server = None
     for k in itertools.count():  # each orchestrator in turn, resuming after what came (``resume_token_ids``)
         stub = generate_pb2_grpc.GenerationStub(serve_flags.client_channel(args, addrs[k % len(addrs)]))
@@ -217,8 +215,9 @@ def register(sub) -> None:
                    help="HOST:PORT of the orchestrator; a comma-separated list: a generation whose stream"
                         " breaks resumes on the next one (resume_token_ids), with exactly the tokens it"
                         " has not had")  # fmt: skip
-    p.add_argument("--retries", type=int, default=3, help="turns through --addr a generation's stream may take")
-    p.add_argument("--timeout", type=float, help="deadline in seconds (propagates to the verifier and drafter)")
+    p.add_argument("--retries", type=int, default=3, help="turns through --addr a stream may take (default 3)")
+    p.add_argument("--timeout", type=float, help="deadline in seconds (propagates to the verifier and drafter;"
+                                                 " default: none for generate, 10 for info, 5 for health)")  # fmt: skip
     serve_flags.add_client(p)
     cmds = p.add_subparsers(dest="client_command", required=True)
 

@@ -130,7 +130,7 @@ def add_generation_options(p) -> None:
     """Options shared by `kakeya generate` and `kakeya client generate`."""
     p.add_argument("--prompt", type=prompt_text, help="prompt text, UTF-8; - reads it from standard input (default:"
                    " the start of a standard-library file the demo pair never trained on)")  # fmt: skip
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--block-size", type=int,
                    help="1..16, or 0 (the default): auto, each block sized for the most tokens per second; see"
                         " docs/design.md)")  # fmt: skip

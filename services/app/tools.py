@@ -84,7 +84,7 @@ def cmd_memory(args) -> int:
 def _register_memory(sub) -> None:
     p = sub.add_parser("memory", help="KV bytes per session and cache policy, from a config")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=sorted(PRESETS))
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a published model's shape, no checkpoint needed")
     src.add_argument("--config", help="a checkpoint directory (its config.json)")
     p.add_argument("--context", type=int, required=True, help="positions in the session (prompt + generated)")
     p.add_argument("--sink", type=int, default=4, help="sinks for the sink-window rows (default 4)")
@@ -92,7 +92,7 @@ def _register_memory(sub) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="K/V dtype (default: the config's)")
     p.add_argument("--restore-rank", type=int, default=0,
                    help="also show sink-window+restore rows for an f_theta of this rank (its latent ring)")  # fmt: skip
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(func=cmd_memory)
 
 

@@ -597,7 +597,6 @@ def test_generate_takes_a_prompt_up_to_the_models_context_and_names_no_server_fl
     assert err.startswith("kakeya: error: --prompt:") and "context" in err and "--max-prompt-tokens" not in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="--max-tokens, client --retries/--timeout, memory --preset/--json said nothing")
 def test_every_flag_of_the_commands_a_user_runs_says_what_it_does():
     """`kakeya CMD --help` explains each flag of generate, serve, client and the tools a user runs (the train-*
     hyper-parameters are the report's open item); a flag with a default that is not off names it."""
