@@ -324,10 +324,8 @@ def _placement(choice: str, backends: list[list[str]], log) -> dict[str, str]:
     both models run on torch's CPU backend and this process may use two CPUs or more; else none."""
     from kakeya.runtime import placement
 
-    def on_cpu(argv: list[str]) -> bool:  # torch on --device cpu: what was measured (not MLX's CPU backend)
-        return argv[1] == "torch" and argv[argv.index("--device") + 1] == "cpu"
-
-    cpus = placement.for_split(choice, all(on_cpu(b) for b in backends))
+    # both on torch with --device cpu: what was measured (not MLX's CPU backend)
+    cpus = placement.for_split(choice, all(b[1] == "torch" and b[b.index("--device") + 1] == "cpu" for b in backends))
     if cpus:
         log.info("placement: verifier on CPUs %s, drafter and orchestrator on %s (--placement off: none)",
                  cpus["verifier"], cpus["drafter"])  # fmt: skip

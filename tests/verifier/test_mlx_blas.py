@@ -88,7 +88,6 @@ def test_on_the_route_the_demo_pair_decodes_losslessly():
     assert summary and "lossless (48/48 tokens identical)" in summary[0], done.stderr[-2000:]
 
 
-@pytest.mark.xfail(strict=True, reason="an unknown KAKEYA_MLX_BLAS (a typo of reference) ran torch's BLAS silently")
 def test_an_unknown_choice_is_refused_by_name():
     """The README's KAKEYA_MLX_BLAS=reference mistyped is one error line naming the variable, exit 2, as
     KAKEYA_MALLOC's and KAKEYA_LOG_LEVEL's are; it ran on torch's BLAS, the one it was set to avoid."""

@@ -26,9 +26,11 @@ def route() -> str:
     global state
     if state != "not tried":
         return state
+    if (choice := os.environ.get(ENV, "")).lower() not in ("", "reference"):  # a typo must not run the other BLAS
+        raise ValueError(f"{ENV} must be 'reference' (MLX's own BLAS) or unset (torch's), got {choice!r}")
     if sys.platform != "linux":
         state = "not linux: MLX's own BLAS"
-    elif os.environ.get(ENV, "").lower() == "reference":
+    elif choice.lower() == "reference":
         state = f"{ENV}=reference: MLX's own BLAS"
     elif "mlx.core" in sys.modules:
         state = "mlx.core was imported first: MLX's own BLAS"
