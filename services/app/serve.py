@@ -39,12 +39,8 @@ def _common(p: argparse.ArgumentParser, name: str) -> None:
         "--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 / [::] for all; default 127.0.0.1)"
     )
     p.add_argument("--port", type=serve_flags.port, default=port, help=f"port (0: any free port; default {port})")
-    p.add_argument(
-        "--grace",
-        type=serve_flags.seconds,
-        default=30.0,
-        help="seconds SIGTERM waits for in-flight streams (default 30)",
-    )
+    p.add_argument("--grace", type=serve_flags.seconds, default=30.0,
+                   help="seconds SIGTERM or Ctrl-C waits for in-flight streams (default 30; a second one: none)")  # fmt: skip
     p.add_argument("--ready-file", help="write {addr, port, pid} as JSON here once SERVING")
     serve_flags.add_common(p)
     p.add_argument("--metrics-port", type=serve_flags.port,

@@ -248,6 +248,11 @@ def cmd_serve_all(args) -> int:
     sup = Supervisor(args.grace)
 
     def on_signal(signum, _frame):
+        if sup.stop.is_set():  # a second Ctrl-C: the user will not wait out the drain
+            log.warning("received %s again: killing the children now", signal.Signals(signum).name)
+            for proc in sup.procs.values():
+                proc.kill()  # Popen's: a child already reaped is left alone
+            return
         log.info("received %s: stopping orchestrator, then verifier and drafter", signal.Signals(signum).name)
         sup.stop.set()
 

@@ -271,7 +271,6 @@ def test_every_serve_flag_with_a_default_says_it_in_its_help():
     assert silent == []
 
 
-@pytest.mark.xfail(strict=True, reason="a second Ctrl-C was logged and ignored: serve all waited out the drain")
 def test_a_second_ctrl_c_stops_serve_all_without_waiting_out_the_drain(server_factory):
     """Ctrl-C drains in-flight streams for --grace (here longer than the test); a second one stops the children at
     once, as a user pressing it twice means: the open stream ends short of its tokens, every child is gone."""
