@@ -53,8 +53,7 @@ def run_dir() -> tempfile.TemporaryDirectory:
     its token file behind for good. Each start first removes such leftovers (:func:`sweep_run_dirs`).
     """
     if removed := sweep_run_dirs():
-        plural = "y" if len(removed) == 1 else "ies"
-        log.info("removed %d run director%s left by a serve all that was killed", len(removed), plural)
+        log.info("removed the run directories a killed serve all left: %d", len(removed))
     return tempfile.TemporaryDirectory(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
 
 
@@ -92,11 +91,10 @@ def _pid_exists(pid: int) -> bool:
 
 def with_option(argv: list[str], name: str, value: str) -> list[str]:
     """``argv`` with ``name``'s value replaced (or appended)."""
+    if name not in argv:
+        return [*argv, name, value]
     out = list(argv)
-    if name in out:
-        out[out.index(name) + 1] = value
-    else:
-        out += [name, value]
+    out[out.index(name) + 1] = value
     return out
 
 
@@ -307,8 +305,10 @@ def cmd_serve_all(args) -> int:
                 if args.ready_file:
                     write_ready_file(args.ready_file, summary())
 
-            s = summary()
-            log.info("all SERVING: orchestrator %s, verifier %s, drafter %s", s["addr"], s["verifier"], s["drafter"])
+            s = summary()  # the line says where to connect: the gRPC API, and the HTTP one where it listens
+            http = f", HTTP (OpenAI API) http://{args.host}:{s.get('http_port')}/v1" * ("http_port" in s)
+            log.info("all SERVING: orchestrator %s%s, verifier %s, drafter %s", s["addr"], http, s["verifier"],
+                     s["drafter"])  # fmt: skip
             publish()
             sup.on_change = publish
             sup.watch()  # restarts dead children until SIGTERM/SIGINT

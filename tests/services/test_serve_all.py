@@ -191,6 +191,13 @@ def test_the_openai_client_through_serve_all_gets_the_grpc_clients_tokens(http_a
     assert second.usage.prompt_tokens_details.cached_tokens == len(ids) + len(answer) - 1
 
 
+def test_the_ready_line_says_where_the_http_api_listens(http_all):
+    """Before the SIGTERM test, on its stack: with --http-port 0 serve all picks the port; its ready line names it."""
+    s = http_all
+    ready = next(line for line in s.log_file.read_text().splitlines() if "all SERVING" in line)  # log(): its tail
+    assert f"HTTP (OpenAI API) http://127.0.0.1:{s.info['http_port']}/v1" in ready, ready
+
+
 def test_serve_all_runs_three_processes_and_sigterm_stops_them_all(http_all):
     """After the OpenAI client's test, on its stack (in file order; alone, on a fresh one): SIGTERM ends it."""
     s = http_all
@@ -287,11 +294,3 @@ def test_a_second_ctrl_c_stops_serve_all_without_waiting_out_the_drain(server_fa
     out, err = stream.communicate(timeout=120)
     assert stream.returncode != 0 or len(json.loads(out.strip().splitlines()[-1])["token_ids"]) < 4000, err
     wait_until(lambda: not any(pid_alive(p) for p in pids.values()), what="children gone")
-
-
-@pytest.mark.xfail(strict=True, reason="the 'all SERVING' line named the gRPC addresses only, not the HTTP API's")
-def test_the_ready_line_says_where_the_http_api_listens(http_all):
-    """`serve all --http-port 0` picks a port: the line that says it is ready names it beside the gRPC address."""
-    s = http_all
-    ready = next(line for line in s.log().splitlines() if "all SERVING" in line)
-    assert f"HTTP (OpenAI API) http://127.0.0.1:{s.info['http_port']}/v1" in ready, ready
