@@ -8,6 +8,7 @@ test sees exactly the command line a pod would start.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shlex
 import shutil
@@ -43,6 +44,20 @@ def render(overlay: str) -> tuple[dict, ...]:
         timeout=60,
     )
     assert out.returncode == 0, f"kubectl kustomize {overlay} failed:\n{out.stderr}"
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+def render_over(tmp: Path, overlay: str, **more) -> tuple[dict, ...]:
+    """``overlay`` rendered through a kustomization in ``tmp`` that adds ``more`` (``components``, ``patches``, their
+    paths relative to ``tmp``): what a user's own kustomization on top of it renders."""
+    base = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
+    resources = [os.path.relpath(K8S / "overlays" / overlay, tmp)]
+    (tmp / "kustomization.yaml").write_text(yaml.safe_dump(base | {"resources": resources} | more))
+    out = subprocess.run(
+        [kubectl(), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(tmp)],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
     return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 
 

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import jsonschema
 import pytest
-import yaml
 from prometheus_client.core import GaugeMetricFamily
 
 from kakeya.runtime.metrics import ServerMetrics
 
-from .manifests import K8S, container, deployment, kubectl, of_kind
+from .manifests import K8S, container, deployment, of_kind, render_over
 from .test_k8s import _admits
 
 COMPONENT = K8S / "components" / "inference-gateway"
@@ -28,19 +26,7 @@ SCHEMA = json.loads((K8S.parents[1] / "tests" / "deploy" / "data" / "inferencepo
 def docs(tmp_path_factory):
     """cpu-dev with the component, as a user's overlay would add it."""
     tmp = tmp_path_factory.mktemp("gateway")
-    (tmp / "kustomization.yaml").write_text(
-        yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": [os.path.relpath(K8S / "overlays" / "cpu-dev", tmp)],
-            "components": [os.path.relpath(COMPONENT, tmp)],
-        })
-    )  # fmt: skip
-    out = subprocess.run(
-        [kubectl(), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(tmp)],
-        check=False, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+    return render_over(tmp, "cpu-dev", components=[os.path.relpath(COMPONENT, tmp)])
 
 
 def _pool(docs) -> dict:

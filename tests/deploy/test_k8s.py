@@ -475,28 +475,14 @@ def test_the_docs_public_tls_patch_serves_tls_with_a_key_only_the_pod_reads(tmp_
     """docs/deploy.md's JSON patch for public TLS, applied to the cuda overlay as it says: the orchestrator serves TLS
     from files on the mounted Secret, its probes stay on the plaintext health port, and the private key is not
     world-readable (a Secret volume without defaultMode is 0644), as the internal token and certificates are not."""
-    import os
-    import subprocess
-
     from kakeya.runtime.security.tls import ServerTLS
 
-    from .manifests import expand, kubectl
+    from .manifests import expand, render_over
 
     text = (K8S.parents[1] / "docs" / "deploy.md").read_text()
     (patch,) = re.findall(r"\*\*Public TLS\*\*.*?```yaml\n(.*?)```", text, re.DOTALL)
-    (tmp_path / "kustomization.yaml").write_text(
-        yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": [os.path.relpath(K8S / "overlays" / "cuda", tmp_path)],
-            "patches": [{"target": {"kind": "Deployment", "name": "kakeya-orchestrator"}, "patch": patch}],
-        })
-    )  # fmt: skip
-    out = subprocess.run(
-        [kubectl(), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(tmp_path)],
-        check=False, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    docs = tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+    orchestrator = {"kind": "Deployment", "name": "kakeya-orchestrator"}
+    docs = render_over(tmp_path, "cuda", patches=[{"target": orchestrator, "patch": patch}])
     c = container(docs, "orchestrator")
     args = build_parser().parse_args(
         [expand(a, config_env(docs) | {"HOME": "/tmp"}) for a in c["command"][1:] + c["args"]]
