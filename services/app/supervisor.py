@@ -306,7 +306,7 @@ def cmd_serve_all(args) -> int:
                     write_ready_file(args.ready_file, summary())
 
             s = summary()  # the line says where to connect: the gRPC API, and the HTTP one where it listens
-            http = f", HTTP (OpenAI API) http://{args.host}:{s.get('http_port')}/v1" * ("http_port" in s)
+            http = f", HTTP (OpenAI API) http://{args.host}:{s['http_port']}/v1" if "http_port" in s else ""
             log.info("all SERVING: orchestrator %s%s, verifier %s, drafter %s", s["addr"], http, s["verifier"],
                      s["drafter"])  # fmt: skip
             publish()
