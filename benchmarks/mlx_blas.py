@@ -63,7 +63,9 @@ print(json.dumps(out))
 
 
 def measure(blas: str, reps: int, bits: int = 0) -> dict:
-    env = dict(os.environ, KAKEYA_MLX_BLAS=blas, MKL_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, MKL_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    env.pop("KAKEYA_MLX_BLAS", None)  # unset: torch's BLAS (any value but "reference" is refused)
+    env |= {"KAKEYA_MLX_BLAS": "reference"} if blas == "reference" else {}
     arg = json.dumps([SHAPES, ROWS, reps, bits])
     done = subprocess.run([sys.executable, "-c", CHILD, arg], env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # server routes them to torch's MKL (``backends/mlx/blas.py``), which picks other kernels for products of 1-3
 # rows (as torch's own CPU products do): there a long run can part from AR at a near-tie.
 # ``tests/verifier/test_mlx_blas.py`` checks the route and its output in fresh processes;
-# ``KAKEYA_MLX_BLAS=torch ./scripts/check.sh`` runs the whole suite on it.
+# ``KAKEYA_MLX_BLAS= ./scripts/check.sh`` (set, empty: the route's default) runs the whole suite on it.
 os.environ.setdefault("KAKEYA_MLX_BLAS", "reference")
 
 
