@@ -42,7 +42,7 @@ RECLAIM_POLL_S = 0.25  # how often a queued session looks for one that has gone 
 
 @dataclass
 class SessionEntry:
-    id: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # in the logs and the Opened reply
     peer: str = ""  # who opened it (``auth.peer_of``): the per-peer limit counts by this
     session: Any = None
     cache_bytes: int = 0
@@ -168,7 +168,7 @@ class SessionRegistry:
     def open(self, peer: str = "", entry: SessionEntry | None = None, wait: bool = True) -> SessionEntry:
         """A new session of ``peer`` (``auth.peer_of``), or SessionLimitError naming the limit. ``entry``: one made
         before it waits (``lifecycle.session_stream``), so that its client, leaving, ends the wait (``close``)."""
-        entry = entry or SessionEntry(uuid.uuid4().hex[:12], peer)
+        entry = entry or SessionEntry(peer=peer)
 
         def fits() -> _Refusal | None:
             if entry.closed:

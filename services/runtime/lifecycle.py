@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 import traceback
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -137,7 +136,7 @@ def session_stream(name: str, ready: bool, registry: SessionRegistry, serve, req
     except SessionLimitError as exc:
         if not queue:
             context.abort(exc.code, f"{name}: {exc}")
-        entry = SessionEntry(uuid.uuid4().hex[:12], peer, queued=True)
+        entry = SessionEntry(peer=peer, queued=True)
     entry.end = lambda code, why: end_call(context, code, f"{name}: {why}")
     context.add_callback(lambda: registry.close(entry))
     slog = logging.getLogger(f"kakeya.{name}")
