@@ -283,6 +283,12 @@ def test_health_is_503_while_the_verifier_is_down(front):
         conn.request("GET", "/health")
         answer = conn.getresponse()
         assert answer.status == 503 and "verifier unavailable" in json.loads(answer.read())["error"]["message"]
+        assert answer.getheader("Retry-After") is None  # a health probe's answer asks no client to retry
+        conn.request(
+            "POST", "/v1/completions", b'{"prompt": "x", "max_tokens": 2}', {"authorization": f"Bearer {TOKEN}"}
+        )
+        answer = conn.getresponse()  # a request's 503 says when to retry, as the openai SDK reads it
+        assert answer.status == 503 and answer.getheader("Retry-After") == "1" and json.loads(answer.read())
     finally:
         servicer.verifier_down = False
     assert _get(base, "/health", token=None) == 200
@@ -417,6 +423,7 @@ def test_a_forwarded_for_header_is_no_other_peer(front):
             conn.request("POST", "/v1/completions", b'{"prompt": "x", "max_tokens": 2}', headers)
             r = conn.getresponse()
             assert r.status == 429 and "--max-sessions-per-peer" in json.loads(r.read())["error"]["message"]
+            assert r.getheader("Retry-After") == "1"  # the openai SDK's retries wait as long as it asks
     finally:
         conn.close()
         servicer.max_sessions_per_peer = limit
