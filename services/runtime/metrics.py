@@ -26,6 +26,15 @@ log = logging.getLogger("kakeya.orchestrator")
 # Seconds; from 1 ms (a tiny model's block) to 80 s (a long generation on a CPU).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                    20.0, 40.0, 80.0)  # fmt: skip
+ROLES, FINISHED = ("verifier", "drafter"), ("stop", "length", "abort", "error")
+FALLBACKS = ("drafter_failed", "drafter_backoff", "drafter_busy", "drafter_full")
+
+
+def _known(family, values: tuple):
+    """``family`` with a series (0) for each of ``values`` of its label: a rate or an alert reads 0, not no data."""
+    for value in values:
+        family.labels(value)
+    return family
 
 
 class _Scraped:
@@ -86,42 +95,40 @@ class ServerMetrics:
             self._orchestrator(r)
 
     def _orchestrator(self, r: CollectorRegistry) -> None:
-        def counter(name: str, doc: str, *labels: str) -> Counter:
-            return Counter(f"kakeya_{name}", doc, labels, registry=r)
+        def counter(name: str, doc: str, *labels: str, known: tuple = ()) -> Counter:
+            return _known(Counter(f"kakeya_{name}", doc, labels, registry=r), known)
 
-        def histogram(name: str, doc: str, *labels: str) -> Histogram:
-            return Histogram(f"kakeya_{name}_seconds", doc, labels, buckets=LATENCY_BUCKETS, registry=r)
+        def histogram(name: str, doc: str, *labels: str, known: tuple = ()) -> Histogram:
+            return _known(Histogram(f"kakeya_{name}_seconds", doc, labels, buckets=LATENCY_BUCKETS, registry=r), known)
 
         self.num_drafts = counter("spec_decode_num_drafts", "blocks the drafter proposed candidates for")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "candidate tokens proposed")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "candidate tokens the target accepted")
         by_pos = "accepted candidates by position in the block (0 = first)"
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", by_pos, "position")
-        self.request_success = counter("request_success", "generations finished, by finish reason", "finished_reason")
+        self.request_success = counter("request_success", "generations finished", "finished_reason", known=FINISHED)
         self.running = Gauge("kakeya_num_requests_running", "generations in flight", registry=r)
         self.waiting = Gauge("kakeya_num_requests_waiting", "generations queued for admission (--queue)", registry=r)
         self.prompt_tokens = counter("prompt_tokens", "prompt tokens prefilled")
         cached = "prompt tokens resumed from a prefix cache instead of prefilled"
         self.cached_tokens = counter("prompt_tokens_cached", cached)
         self.generation_tokens = counter("generation_tokens", "tokens generated")
-        self.ttft = histogram("time_to_first_token", "request start to first token streamed")
+        self.ttft = histogram("time_to_first_token", "request start to first token streamed (prefill included)")
         itl = "time between streamed blocks (one observation per block, as vLLM per step)"
         self.itl = histogram("inter_token_latency", itl)
         self.e2e = histogram("e2e_request_latency", "request start to Complete")
         phase = "one decode block's time by phase (wire: split deployments only)"
         self.block_latency = histogram("block_latency", phase, "phase")
-        fallbacks = "generations the verifier finished alone, by reason (drafter_failed, drafter_backoff, drafter_busy, drafter_full)"
-        self.ar_fallbacks = counter(
-            "ar_fallbacks", fallbacks + "; a client's cancel or deadline is never one", "reason"
-        )
+        fallbacks = f"generations the verifier finished alone, by reason ({', '.join(FALLBACKS)}); no client's cancel"
+        self.ar_fallbacks = counter("ar_fallbacks", fallbacks, "reason", known=FALLBACKS)
         self.takeovers = counter("takeovers", "sessions reopened on another replica after theirs was lost mid-stream,"
-                                 " by role (verifier, drafter)", "role")  # fmt: skip
+                                 " by role (verifier, drafter)", "role", known=ROLES)  # fmt: skip
         self.drain_handoffs = counter("drain_handoffs", "sessions moved to another replica because theirs was"
                                       " draining (SIGTERM), by role (verifier, drafter); no failure: not in"
-                                      " kakeya_takeovers", "role")  # fmt: skip
+                                      " kakeya_takeovers", "role", known=ROLES)  # fmt: skip
         self.takeover_pause = histogram("takeover_pause", "a take-over's or drain hand-off's pause: the replica's loss"
                                         " (or drain) noticed to the session reopened (its prefill done), by role",
-                                        "role")  # fmt: skip
+                                        "role", known=ROLES)  # fmt: skip
 
     def takeover(self, role: str, pause_s: float, drained: bool = False) -> None:
         """One take-over (``orchestrator/decode/takeover.py``) and its pause; ``drained``: a draining replica's
@@ -158,11 +165,11 @@ class ServerMetrics:
         self.registry.register(_Scraped(f"kakeya_{names[0]}", doc, calls))
         self.registry.register(_Scraped(f"kakeya_{names[1]}", "session steps those calls carried", items))
 
-    def generation(self, verifier_session: Any, drafter_session: Any, params: Any) -> GenerationObserver:
-        """The observer of one generation of ``params`` (a ``CheckedRequest``) over these sessions."""
+    def generation(self, verifier_session: Any, drafter_session: Any, params: Any, t0: float) -> GenerationObserver:
+        """The observer of one generation of ``params`` (a ``CheckedRequest``) begun at ``t0``, before it prefilled."""
         n = len(params.prompt_ids)
         log.info("generate: %d prompt tokens, max_tokens %d, block %d", n, params.max_tokens, params.block_size)
-        return GenerationObserver(self, verifier_session, drafter_session)
+        return GenerationObserver(self, verifier_session, drafter_session, t0)
 
 
 def _server_s(session: Any) -> float | None:
@@ -173,12 +180,10 @@ def _server_s(session: Any) -> float | None:
 class GenerationObserver:
     """Feeds one generation's blocks into the orchestrator's metrics as they stream."""
 
-    def __init__(self, metrics: ServerMetrics, vs: Any, ds: Any):
-        self.m, self.vs, self.ds = metrics, vs, ds
-        self.t0 = time.perf_counter()
+    def __init__(self, metrics: ServerMetrics, vs: Any, ds: Any, t0: float):
+        self.m, self.vs, self.ds, self.t0 = metrics, vs, ds, t0
         self.t_last: float | None = None
         self.server_s = self._server_total()
-        self.finished = False
         self.accepted = self.drafts = 0
 
     def _server_total(self) -> float | None:
@@ -210,18 +215,14 @@ class GenerationObserver:
     def finish(self, reason: str, *, fallback: str | None = None, prompt_tokens=0, tokens=0, cached_tokens=0) -> None:
         """The generation ended (``reason``: its finish reason); ``fallback``: why it lost its drafter, if it did;
         ``cached_tokens``: prompt positions resumed from the prefix caches."""
-        if self.finished:
-            return
-        self.finished = True
-        m = self.m
-        m.request_success.labels(reason).inc()
-        m.e2e.observe(time.perf_counter() - self.t0)
-        m.prompt_tokens.inc(prompt_tokens)
-        m.cached_tokens.inc(cached_tokens)
-        m.generation_tokens.inc(tokens)
+        self.m.request_success.labels(reason).inc()
+        self.m.e2e.observe(time.perf_counter() - self.t0)
+        self.m.prompt_tokens.inc(prompt_tokens)
+        self.m.cached_tokens.inc(cached_tokens)
+        self.m.generation_tokens.inc(tokens)
         log.info("finished: %s, %d tokens, %d drafts, %d accepted", reason, tokens, self.drafts, self.accepted)
         if fallback:
-            m.ar_fallbacks.labels(fallback).inc()
+            self.m.ar_fallbacks.labels(fallback).inc()
             log.warning("the verifier finished alone: AR fallback (%s)", fallback)
 
 
@@ -247,7 +248,6 @@ class RpcInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         rid = dict(details.invocation_metadata or ()).get("x-request-id", "")
-        count = self._count
 
         def bound(request):
             own = "" if hasattr(request, "__next__") else getattr(request, "request_id", "")
@@ -261,11 +261,11 @@ class RpcInterceptor(grpc.ServerInterceptor):
                 try:
                     out = inner(request, context)
                 except BaseException as exc:
-                    count(context, exc)
+                    self._count(context, exc)
                     raise
                 finally:
                     logs.reset(token)
-                count(context, None)
+                self._count(context, None)
                 return out
 
             return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
@@ -276,10 +276,10 @@ class RpcInterceptor(grpc.ServerInterceptor):
                 try:
                     yield from inner(request, context)
                 except BaseException as exc:
-                    count(context, exc)
+                    self._count(context, exc)
                     raise
                 else:
-                    count(context, None)
+                    self._count(context, None)
                 finally:
                     logs.reset(token)
 

@@ -73,7 +73,6 @@ def test_every_documented_metric_is_exported_with_its_type_and_labels(servicer):
         assert got <= labels, (name, got, labels)
 
 
-@pytest.mark.xfail(strict=True, reason="TTFT and e2e latency start after the prefill")
 def test_time_to_first_token_and_e2e_latency_include_the_prefill(servicer):
     """TTFT is documented as "request start to the first token streamed (includes prefill)", but the observer's
     clock started only once the run had opened its sessions and prefilled: a colocated request whose prefill took
@@ -106,7 +105,6 @@ def test_time_to_first_token_and_e2e_latency_include_the_prefill(servicer):
         ("kakeya_takeover_pause_seconds", "role", {"verifier", "drafter"}),
     ],
 )
-@pytest.mark.xfail(strict=True, reason="labelled series appear only at their first increment")
 def test_series_whose_labels_are_known_exist_before_anything_happened(servicer, family, label, values):
     """A labelled counter had no series until its first increment: ``rate(kakeya_request_success_total{
     finished_reason="error"}[5m])`` or an alert on ``increase(kakeya_takeovers_total[10m])`` read an empty result

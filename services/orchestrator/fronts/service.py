@@ -285,7 +285,7 @@ class GenerationService:
             run.cancel()  # the call ended while the sessions opened
         checked = run.request
         vs, ds = _SessionTime(run, "verifier_session"), _SessionTime(run, "drafter_session")
-        obs = self.metrics.generation(vs, ds, checked) if observe else NO_OBSERVER
+        obs = self.metrics.generation(vs, ds, checked, t_start) if observe else NO_OBSERVER
         blocks, error = 0, ""
         try:
             for block in run:
