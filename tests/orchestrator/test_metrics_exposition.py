@@ -8,6 +8,7 @@ before anything happened, so an alert or a ratio over them reads 0 rather than n
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -111,3 +112,72 @@ def test_series_whose_labels_are_known_exist_before_anything_happened(servicer, 
     (no data) instead of 0 on a healthy server, and an error ratio over them had no value at all."""
     samples = _families(servicer)[family].samples
     assert {s.labels.get(label) for s in samples} >= values, sorted({s.labels.get(label) for s in samples} - {None})
+
+
+class _Aborted(Exception):
+    pass
+
+
+def _refusal_lines(caplog, rid: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if getattr(r, "request_id", "") == rid and r.levelno >= logging.INFO]
+
+
+@pytest.mark.xfail(strict=True, reason="a refused request leaves no log line under its id")
+def test_a_refused_http_request_has_a_log_line_under_the_id_its_answer_names(servicer, caplog):
+    """A refused request's answer names its id (``X-Request-Id``) for its client to quote to the operator, but the
+    orchestrator logged nothing under it: ``generate:`` / ``finished:`` are written only for a run that starts. The
+    line names the status and the field, never the request's text."""
+    import http.client
+    import json
+
+    from kakeya.orchestrator.fronts.http_server import HttpFront
+
+    front = HttpFront(servicer, 0, "tiny")
+    port = front.start("127.0.0.1")
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = {"model": "tiny", "prompt": "SECRET-PROMPT", "max_tokens": -5}
+        with caplog.at_level(logging.INFO):
+            conn.request("POST", "/v1/completions", json.dumps(body), {"X-Request-Id": "obs-refused-1"})
+            r = conn.getresponse()
+            r.read()
+        assert (r.status, r.getheader("X-Request-Id")) == (400, "obs-refused-1")
+    finally:
+        front.drain()
+        front.join(5)
+    (line,) = _refusal_lines(caplog, "obs-refused-1")
+    assert "400" in line.getMessage() and "max_tokens" in line.getMessage(), line.getMessage()
+    assert "SECRET" not in line.getMessage()
+
+
+@pytest.mark.xfail(strict=True, reason="a refused request leaves no log line under its id")
+def test_a_refused_grpc_generate_has_a_log_line_under_the_id_its_trailers_name(servicer, caplog):
+    """The same over gRPC, through the server's interceptor as a real server runs it, with the id the orchestrator
+    made up (the client sent none): the trailers name it, and so does the log line."""
+    import grpc
+
+    from kakeya.runtime.metrics import RpcInterceptor
+
+    class Context(_Call):
+        code_ = None
+
+        def abort(self, code, details):
+            self.code_ = code
+            raise _Aborted(details)  # as grpc's own abort raises
+
+        def code(self):
+            return self.code_
+
+        def set_trailing_metadata(self, metadata):
+            self.trailers = dict(metadata)
+
+    handler = grpc.unary_stream_rpc_method_handler(servicer.Generate)
+    details = type("Details", (), {"invocation_metadata": (), "method": "/kakeya.v1.Generation/Generate"})()
+    wrapped = RpcInterceptor(servicer.metrics).intercept_service(lambda _: handler, details)
+    sp = pb.SamplingParams(max_tokens=10**6)
+    context = Context()
+    with caplog.at_level(logging.INFO), pytest.raises(_Aborted):
+        list(wrapped.unary_stream(pb.GenerateRequest(text="SECRET-PROMPT", sampling_params=sp), context))
+    assert context.code_ == grpc.StatusCode.INVALID_ARGUMENT
+    (line,) = _refusal_lines(caplog, context.trailers["x-request-id"])
+    assert "INVALID_ARGUMENT" in line.getMessage() and "SECRET" not in line.getMessage(), line.getMessage()
