@@ -172,11 +172,6 @@ class ServerMetrics:
         return GenerationObserver(self, verifier_session, drafter_session, t0)
 
 
-def _server_s(session: Any) -> float | None:
-    """A remote session's backend time so far (the contract's ``server_s``); None in this process or without one."""
-    return None if session is None else session.server_s
-
-
 class GenerationObserver:
     """Feeds one generation's blocks into the orchestrator's metrics as they stream."""
 
@@ -187,8 +182,8 @@ class GenerationObserver:
         self.accepted = self.drafts = 0
 
     def _server_total(self) -> float | None:
-        v = _server_s(self.vs)
-        return None if v is None else v + (_server_s(self.ds) or 0.0)
+        v = self.vs.server_s  # (``service._SessionTime``: a remote session's backend time so far; None in process)
+        return None if v is None else v + (self.ds.server_s or 0.0)
 
     def block(self, b) -> None:
         m, now = self.m, time.perf_counter()
@@ -201,7 +196,7 @@ class GenerationObserver:
             m.block_latency.labels("verify").observe(b.verify_s)
             if total is not None and self.server_s is not None:
                 # client time minus the backends' own handler time (their Session responses' elapsed_s)
-                client = b.verify_s + (b.draft_s if _server_s(self.ds) is not None else 0.0)
+                client = b.verify_s + (b.draft_s if self.ds.server_s is not None else 0.0)
                 m.block_latency.labels("wire").observe(max(0.0, client - (total - self.server_s)))
         self.t_last, self.server_s = now, total
         if b.drafted > 0:
@@ -240,8 +235,9 @@ class RpcInterceptor(grpc.ServerInterceptor):
         code = context.code()
         if code is None and exc is not None:
             code = grpc.StatusCode.CANCELLED if isinstance(exc, GeneratorExit) else grpc.StatusCode.UNKNOWN
-        if code is not None and code != grpc.StatusCode.OK:
-            self.metrics.errors.labels(getattr(code, "name", str(code))).inc()
+        if code is not None and code != grpc.StatusCode.OK:  # counted, and logged under the call's request id
+            self.metrics.errors.labels(name := getattr(code, "name", str(code))).inc()
+            log.info("call ended with %s", name)
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)

@@ -21,6 +21,7 @@ from kakeya.core.request import CachePolicy, InvalidRequest
 from kakeya.orchestrator.fronts import grpc_api
 from kakeya.orchestrator.fronts.service import GenerationService
 from kakeya.orchestrator.tools import grammar as tool_choice
+from kakeya.runtime import logs
 from kakeya.runtime.bounds import check_request_id
 from kakeya.runtime.lifecycle import RequestError, ServerSpec, bounded, version, workers_for
 from kakeya.runtime.security.guard import add_servicer
@@ -56,6 +57,7 @@ class GenerationServicer(GenerationService, generate_pb2_grpc.GenerationServicer
             if proxy_id and not req.request_id:  # a proxy's id of the call (Envoy sends one) names it in every log
                 req, names = replace(req, request_id=proxy_id), names | {"request_id": "x-request-id metadata"}
             req = replace(req, request_id=check_request_id(req.request_id) or uuid.uuid4().hex[:16])
+            logs.bind(request_id=req.request_id)  # a refusal's line too (RpcInterceptor, which resets the context)
             told = (("x-request-id", req.request_id),)  # the id every log line names goes back, as HTTP's X-Request-Id:
             context.send_initial_metadata(told)  # at once, and in the trailers (where a refusal's client reads it)
             context.set_trailing_metadata(told)

@@ -295,7 +295,9 @@ class HttpFront:
 
     def _error(self, exc: ApiError, headers: dict | None = None) -> JSONResponse:
         """``exc``'s answer, in ``kakeya_errors_total{code}`` as the gRPC API's errors are (a health check's is not)."""
-        self.servicer.metrics.errors.labels(http_api.GRPC_CODES.get(exc.status, "INTERNAL")).inc()
+        self.servicer.metrics.errors.labels(code := http_api.GRPC_CODES.get(exc.status, "INTERNAL")).inc()
+        rid = (headers or {}).get("X-Request-Id", "")  # its line names the field, never the request's text
+        log.info("refused: HTTP %d %s %s", exc.status, code, exc.param or "-", extra={"request_id": rid})
         if exc.status in (429, 503):  # full, loading or draining: the openai SDK's retries wait as long as this asks
             headers = {"Retry-After": "1"} | (headers or {})
         return _Json(exc.body(), status_code=exc.status, headers=headers)
