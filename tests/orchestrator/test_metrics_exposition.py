@@ -183,7 +183,6 @@ def test_a_refused_grpc_generate_has_a_log_line_under_the_id_its_trailers_name(s
     assert "INVALID_ARGUMENT" in line.getMessage() and "SECRET" not in line.getMessage(), line.getMessage()
 
 
-@pytest.mark.xfail(strict=True, reason="the orchestrator's K/V gauge is registered only once loaded")
 def test_the_gateway_gauges_are_served_while_the_orchestrator_loads(tiny_pair):
     """``/metrics`` is served from the start (before the models load), but ``kakeya_kv_cache_usage_perc`` was
     registered only at the end of ``load()``: while a replica loaded (minutes for a large checkpoint) it lacked one

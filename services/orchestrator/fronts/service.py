@@ -143,6 +143,8 @@ class GenerationService:
         self.metrics = ServerMetrics("orchestrator")
         self.metrics.track_sessions(lambda: self.active, lambda: self.total)
         self.metrics.waiting.set_function(lambda: float(len(self._waiting)))
+        # a remote verifier's K/V budget in use (a gateway's gauge); 0 colocated, and while loading (served already)
+        self.metrics.track_kv_usage(lambda: getattr(getattr(self.engine, "verifier", None), "kv_usage", float)())
         if prefixes is not None:  # colocated: the prefix cache the engine's verifier and drafter share
             self.metrics.track_prefix_cache(prefixes)
 
@@ -155,8 +157,6 @@ class GenerationService:
         self.engine = e = self.step(self._build)
         limits = Limits(self.default_max_tokens, self.max_tokens_limit, self.max_prompt_tokens_flag, 0, self.restore)
         self.limits = replace(limits, max_prompt_tokens=prompt_limit(e, limits), max_context=context_of(e, limits))
-        usage = getattr(e.verifier, "kv_usage", None)  # a remote verifier's K/V budget in use (a gateway's gauge)
-        self.metrics.track_kv_usage(usage if usage is not None else lambda: 0.0)
         vocab = e.verifier.info.vocab_size
         ids = [i % vocab for i in range(1, 5)]
         warmup = Request(ids, 3, min(2, e.default_block_size), ignore_eos=True, request_id="warmup")
