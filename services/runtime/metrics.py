@@ -109,7 +109,7 @@ class ServerMetrics:
         self.request_success = counter("request_success", "generations finished", "finished_reason", known=FINISHED)
         self.running = Gauge("kakeya_num_requests_running", "generations in flight", registry=r)
         self.waiting = Gauge("kakeya_num_requests_waiting", "generations queued for admission (--queue)", registry=r)
-        self.prompt_tokens = counter("prompt_tokens", "prompt tokens prefilled")
+        self.prompt_tokens = counter("prompt_tokens", "prompt tokens (prefix-cached ones included)")
         cached = "prompt tokens resumed from a prefix cache instead of prefilled"
         self.cached_tokens = counter("prompt_tokens_cached", cached)
         self.generation_tokens = counter("generation_tokens", "tokens generated")
