@@ -237,7 +237,7 @@ class RpcInterceptor(grpc.ServerInterceptor):
             code = grpc.StatusCode.CANCELLED if isinstance(exc, GeneratorExit) else grpc.StatusCode.UNKNOWN
         if code is not None and code != grpc.StatusCode.OK:  # counted, and logged under the call's request id
             self.metrics.errors.labels(name := getattr(code, "name", str(code))).inc()
-            log.info("call ended with %s", name)
+            logging.getLogger("kakeya").info("call ended with %s", name)  # on every server, not the orchestrator alone
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
