@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from kakeya.runtime.lifecycle import MAX_ERROR_CHARS, RequestError, bounded
 
@@ -108,3 +109,36 @@ def test_server_info_names_no_backend_address_and_no_backend_error():
         assert internal not in public, (internal, public)
     assert (info.verifier_backend, info.drafter_backend, info.deployment) == ("grpc", "grpc", "split")
     assert dict(info.extra) == {"drafter_state": "backoff", "drafter_failures": "3"}
+
+
+@pytest.mark.xfail(strict=True, reason="a split verifier's refusal passes its own flag names to the public caller")
+def test_a_backends_refusal_of_a_request_value_names_none_of_its_flags():
+    """A public client naming an unknown cache_policy.restore_path on a split deployment got the verifier's own
+    text: "... (known: none configured (--restore NAME=DIR))", a flag of a process it cannot reach (colocated says
+    "none configured"). The field and the client's value stay; the backend's flags stay in the orchestrator's log."""
+    from kakeya.core.request import CachePolicy
+    from kakeya.orchestrator.fronts.service import public_status
+    from kakeya.orchestrator.remote.streams import BackendError
+    from kakeya.runtime.bounds import ContextLimits, RestoreSources
+
+    wire = CachePolicy(kind="sink-window", sink=4, window=16, restore="../../etc")
+    refusals = []
+    for refuse in (
+        lambda: RestoreSources().to_server(wire, "open.cache_policy"),
+        lambda: ContextLimits(64, 32, 16).check_positions(40, "open.positions"),
+    ):
+        with pytest.raises(ValueError) as err:
+            refuse()
+        refusals.append(str(err.value))
+    assert "--restore" in refusals[0] and "--max-context" in refusals[1]  # the verifier's own words name them
+    for details in refusals:
+        code, message = public_status(
+            BackendError("verifier", "10.1.2.3:50061", grpc.StatusCode.INVALID_ARGUMENT, details)
+        )
+        assert "--" not in message, message
+    code, message = public_status(
+        BackendError("verifier", "10.1.2.3:50061", grpc.StatusCode.INVALID_ARGUMENT, refusals[0])
+    )
+    assert (
+        code == grpc.StatusCode.INVALID_ARGUMENT and "cache_policy.restore_path" in message and "'../../etc'" in message
+    )
