@@ -111,7 +111,6 @@ def test_server_info_names_no_backend_address_and_no_backend_error():
     assert dict(info.extra) == {"drafter_state": "backoff", "drafter_failures": "3"}
 
 
-@pytest.mark.xfail(strict=True, reason="a split verifier's refusal passes its own flag names to the public caller")
 def test_a_backends_refusal_of_a_request_value_names_none_of_its_flags():
     """A public client naming an unknown cache_policy.restore_path on a split deployment got the verifier's own
     text: "... (known: none configured (--restore NAME=DIR))", a flag of a process it cannot reach (colocated says
@@ -125,7 +124,7 @@ def test_a_backends_refusal_of_a_request_value_names_none_of_its_flags():
     refusals = []
     for refuse in (
         lambda: RestoreSources().to_server(wire, "open.cache_policy"),
-        lambda: ContextLimits(64, 32, 16).check_positions(40, "open.positions"),
+        lambda: ContextLimits(64, 32, 16).check_positions(40, "open.max_positions"),
     ):
         with pytest.raises(ValueError) as err:
             refuse()

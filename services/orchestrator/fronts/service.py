@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -354,7 +355,7 @@ def _backend_status(exc: BackendError) -> tuple[grpc.StatusCode, str]:
         return code, f"{service}: the request outgrows its K/V memory; ask for fewer tokens (prompt + max_tokens)"
     # about the request's values (FAILED_PRECONDITION is about the session protocol: ours, never the caller's)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        details = exc.details
+        details = re.sub(r" ?\(--[^()]*\)", "", exc.details)  # its flags ("(--restore NAME=DIR)") stay in our log
         for internal, public in PUBLIC_FIELDS:
             details = details.replace(internal, public)
         if not any(f in details for f in INTERNAL_FIELDS):

@@ -58,8 +58,6 @@ def bearer_ok(authorization: str, token: str | None) -> bool:
 
 def authorized(context, token: str | None) -> bool:
     """The gRPC call's ``authorization`` metadata carries ``token`` (True without a token)."""
-    if token is None:
-        return True
     got = dict(context.invocation_metadata() or ()).get("authorization", "")
     return bearer_ok(got, token)
 
