@@ -40,7 +40,7 @@ class HttpTimeouts:
                 raise ValueError(f"{flag} must be > 0 seconds, got {getattr(self, name)}")
 
 
-_REQUEST_ID = re.compile(r"[\x21-\x7e]*")  # printable ASCII, no space
+REQUEST_ID = re.compile(r"[\x21-\x7e]*")  # printable ASCII, no space
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -48,7 +48,7 @@ def check_request_id(value: str, field: str = "request_id") -> str:
     """A request id safe to log and to send as gRPC metadata, or InvalidRequest."""
     if not isinstance(value, str) or len(value) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(field, f"at most {MAX_REQUEST_ID_CHARS} characters of printable ASCII")
-    if not _REQUEST_ID.fullmatch(value):
+    if not REQUEST_ID.fullmatch(value):
         raise InvalidRequest(field, "only printable ASCII without whitespace or control characters is allowed")
     return value
 

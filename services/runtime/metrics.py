@@ -19,7 +19,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kakeya.runtime import logs
+from kakeya.runtime import bounds, logs
 
 log = logging.getLogger("kakeya.orchestrator")
 
@@ -244,6 +244,7 @@ class RpcInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         rid = dict(details.invocation_metadata or ()).get("x-request-id", "")
+        rid = rid if len(rid) <= bounds.MAX_REQUEST_ID_CHARS and bounds.REQUEST_ID.fullmatch(rid) else ""  # as checked
 
         def bound(request):
             own = "" if hasattr(request, "__next__") else getattr(request, "request_id", "")

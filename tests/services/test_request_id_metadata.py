@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 
 import grpc
-import pytest
 
 from kakeya.runtime import logs
 from kakeya.runtime.metrics import RpcInterceptor, ServerMetrics
@@ -35,7 +34,6 @@ def _bound_id(metadata) -> str:
     return seen[0]
 
 
-@pytest.mark.xfail(strict=True, reason="the x-request-id metadata reaches the log lines unchecked")
 def test_a_malformed_x_request_id_never_tags_a_log_line():
     assert _bound_id([("x-request-id", "abc-123")]) == "abc-123"  # a well-formed one names the call's lines
     for bad in ("evil] INFO forged [request_id=x", "y" * 3000, "a b", ""):
