@@ -188,6 +188,7 @@ class TextCodec:
         # Special tokens are skipped in the text, but for tool-call markers (Gemma-4's ``<|tool_call>`` ...):
         # the front reads calls out of the text (``tools/calls.py``), as vLLM keeps them for its tool parsers.
         self.special = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        self._quoted = [json.dumps(t)[1:-1] for t in self.special.values() if t]  # as a JSON text spells them
         kept = {i for i, content in self.special.items() if content in MARKERS}
         self.hidden = frozenset(self.special) - kept if kept else None  # None: skip every special token
 
@@ -204,6 +205,9 @@ class TextCodec:
                 "messages: this model's checkpoint ships no chat template (chat_template.jinja or"
                 " tokenizer_config.json's chat_template); send a text or token prompt"
             )
+        held = json.dumps([[m | {"content": ""} for m in messages], options.get("tools")], default=str)  # not contents
+        if typed := next((t for t in self._quoted if t in held), ""):  # (checks.py names the tools where they hold it)
+            raise ChatError(f"holds a special token's text ({typed}) outside a message's content")
         text = self.chat.render(messages, **options)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids  # the whole at once, as transformers does
         marked = [m | {"content": f"\ue000{i}\ue001"} if m["content"] else m for i, m in enumerate(messages)]

@@ -162,8 +162,7 @@ class SessionServicer:
         slot = entry.round
         slot.take(kind)
         try:
-            item = slot.check(step)
-            return (yield from self._compute_batch(every_s, kind, item, runner))
+            return (yield from self._compute_batch(every_s, kind, slot.check(step), runner))
         finally:
             slot.lock.release()
 

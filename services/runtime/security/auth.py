@@ -52,14 +52,12 @@ def bearer_ok(authorization: str, token: str | None) -> bool:
     if token is None:
         return True
     scheme, _, credentials = authorization.partition(" ")
-    ok = hmac.compare_digest(credentials.encode(errors="replace"), token.encode())
-    return ok and scheme.lower() == "bearer"
+    return hmac.compare_digest(credentials.encode(errors="replace"), token.encode()) and scheme.lower() == "bearer"
 
 
 def authorized(context, token: str | None) -> bool:
     """The gRPC call's ``authorization`` metadata carries ``token`` (True without a token)."""
-    got = dict(context.invocation_metadata() or ()).get("authorization", "")
-    return bearer_ok(got, token)
+    return bearer_ok(dict(context.invocation_metadata() or ()).get("authorization", ""), token)
 
 
 def is_loopback(host: str) -> bool:
