@@ -283,19 +283,19 @@ IDLE_SETTLE_S = 0.5  # how long a drain sees no session before it ends the rest:
 
 
 def _until_idle(busy: Callable[[], bool], done: threading.Event, until: float) -> bool:
-    """Wait until ``busy()`` has said False for ``IDLE_SETTLE_S`` (True), or ``done`` is set or ``until`` passes
-    (False: nothing to cut short)."""
+    """Wait until ``busy()`` has said False for ``IDLE_SETTLE_S`` (True), or, nothing busy (HTTP generations are no
+    gRPC call), ``done`` is set, or ``until`` passes (False: nothing to cut short)."""
     idle_since = None
-    while not done.wait(0.1):
-        now = time.monotonic()
-        if now >= until:
-            return False
+    while (now := time.monotonic()) < until:
         if busy():
             idle_since = None
+        elif done.is_set():
+            return False
         elif idle_since is None:
             idle_since = now
         elif now - idle_since >= IDLE_SETTLE_S:
             return True
+        time.sleep(0.1)
     return False
 
 
@@ -424,9 +424,9 @@ def run_server(spec: ServerSpec, host: str, port: int, grace_s: float = 30.0, re
         log.info("%s: nothing left in flight after %.2f s of draining: ending the calls still open (health watches)",
                  spec.name, time.monotonic() - t_stop)  # fmt: skip
         done = server.stop(0)
-    if not done.wait(max(0.0, near - time.monotonic())):
+    if not done.wait(max(0.0, near - time.monotonic())) or (spec.busy is not None and spec.busy()):
         spec.near_deadline()
-        done.wait(2.0 + 1.0)
+        _until_idle(spec.busy or (lambda: False), done, time.monotonic() + 2.0 + 1.0)
     time.sleep(0.25)  # let gRPC's I/O threads flush the last messages and trailers before the process exits
     if spec.http is not None:
         spec.http.join(max(0.5, grace_s - (time.monotonic() - t_stop)))

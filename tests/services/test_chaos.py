@@ -36,11 +36,6 @@ def _sse(resp) -> tuple[list[dict], bool, str]:
     return events, done, cut
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an orchestrator's drain with only HTTP streams in flight never ends them with finish_reason abort:"
-    " gRPC's stop is done at once (no gRPC call), so near_deadline is skipped and uvicorn cuts the connection",
-)
 def test_an_http_stream_in_flight_at_the_end_of_a_drain_ends_with_abort_not_a_cut(server_factory):
     """docs/operations.md, "Drains and rolling updates": generations still running one second before the grace
     ends stop with finish reason abort, a clean prefix. Over HTTP that is a last event with ``finish_reason``
