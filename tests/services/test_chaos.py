@@ -60,11 +60,6 @@ def test_an_http_stream_in_flight_at_the_end_of_a_drain_ends_with_abort_not_a_cu
     assert orch.wait(30) == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the orchestrator's health probe is one Check over the round_robin channel: when it lands on a hung"
-    " replica it times out, so the orchestrator says NOT_SERVING and refuses new generations though another serves",
-)
 def test_one_hung_verifier_replica_of_two_leaves_the_orchestrator_serving(server_factory):
     """docs/operations.md, "Take-over": a replica that hangs does not fail the streams; with another verifier
     replica SERVING, the orchestrator stays SERVING (else readiness takes every orchestrator out of its Service

@@ -27,15 +27,15 @@ log = logging.getLogger("kakeya.orchestrator")
 TRIES = 6  # reopen attempts per loss: 0.1 + 0.2 + ... + 1.6 s of waiting, ~3 s for a replica to be found
 BACKOFF_S = 0.1
 MAX_PER_RUN = 8  # take-overs one run may take: a replica that keeps failing ends it rather than looping
-HEALTH_TRIES = 3  # a drafter's health check right after a loss may reach the lost replica once
+HEALTH_TRIES = 3  # a health check right after a loss, or during a hang, may reach the lost replica once
 
 
 def role_of(exc: BaseException) -> str:
     return getattr(exc, "service", "verifier")
 
 
-def _serving(backend, tries: int = HEALTH_TRIES) -> bool:
-    """Some replica of ``backend`` answers SERVING (a backend with no health check: assumed)."""
+def some_replica_serving(backend, tries: int = HEALTH_TRIES) -> bool:
+    """Some replica answers SERVING in ``tries`` checks, each to the next replica (no health check: assumed)."""
     healthy = getattr(backend, "healthy", None)
     if healthy is None:
         return True
@@ -83,7 +83,7 @@ def reopen(run, ids: Sequence[int], cause: BaseException, handoff: bool = False)
     want_drafter = run._engine.drafter is not None and (role_of(cause) == "drafter" or run.drafter_session is not None)
     if decode is not None and not decode.drafting and role_of(cause) != "drafter":
         want_drafter = False  # it already finished on the verifier alone
-    if want_drafter and not _serving(run._engine.drafter):
+    if want_drafter and not some_replica_serving(run._engine.drafter):
         _verifier_alone(run, cause)
         want_drafter = False
     last = cause
@@ -137,7 +137,7 @@ def take_over(run) -> None:
         if len(run.takeovers) > MAX_PER_RUN:
             raise cause
     gen = decode.generation
-    if role_of(cause) == "drafter" and not _serving(run._engine.drafter):
+    if role_of(cause) == "drafter" and not some_replica_serving(run._engine.drafter):
         _verifier_alone(run, cause)  # its verifier session, untouched (the round verified nothing), goes on
         decode.drafting, decode.lost = False, None
         return

@@ -18,6 +18,7 @@ import grpc
 
 from kakeya.core.generation import Block
 from kakeya.core.request import CachePolicy, InvalidRequest
+from kakeya.orchestrator.decode.takeover import some_replica_serving
 from kakeya.orchestrator.fronts import grpc_api
 from kakeya.orchestrator.fronts.service import GenerationService
 from kakeya.orchestrator.tools import grammar as tool_choice
@@ -127,8 +128,7 @@ def server_spec(servicer: GenerationServicer, tls=None, http=None) -> ServerSpec
 
     def backends_ok() -> bool:
         """SERVING only while the verifier answers (a missing drafter only costs speed: AR fallback)."""
-        e = servicer.engine
-        ok = e is None or e.verifier.healthy(timeout=1.0)
+        ok = (e := servicer.engine) is None or some_replica_serving(e.verifier)  # one hung replica of several: SERVING
         servicer.verifier_down = not ok
         return ok
 
