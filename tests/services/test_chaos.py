@@ -90,3 +90,47 @@ def test_one_hung_verifier_replica_of_two_leaves_the_orchestrator_serving(server
             assert len(ids) == 8, complete.error_message
     finally:
         v0.signal(signal.SIGCONT)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a non-streamed HTTP generation whose verifier is lost mid-way with none left answers 500 server_error"
+    " (counted INTERNAL) though its message says the verifier is unavailable, retry later: the refusal's 503",
+)
+def test_a_non_streamed_http_generation_whose_verifiers_all_die_mid_way_is_a_503_naming_the_role(server_factory):
+    """docs/operations.md: with every verifier replica gone the request fails with the role's error; over HTTP the
+    status a client, a proxy or ``kakeya_errors_total{code}`` reads is the same refusal's (503 UNAVAILABLE), not an
+    internal error's 500, and the answer names no internal address."""
+    import threading
+
+    from .conftest import scrape, start_all, wait_until
+
+    backend = [*TINY, "--backend", "torch", "--grace", "2"]
+    verifier, drafter = server_factory("nv", ["verifier", *backend]), server_factory("nd", ["drafter", *backend])
+    start_all([verifier, drafter])
+    orch = server_factory("norch", ["orchestrator", "--verifier", verifier.addr, "--drafter", drafter.addr,
+                                    "--http-port", "0", "--metrics-port", "0"])  # fmt: skip
+    start_all([orch])
+    answer: dict = {}
+
+    def post():
+        conn = http.client.HTTPConnection("127.0.0.1", orch.info["http_port"], timeout=120)
+        body = {"prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        r = conn.getresponse()
+        answer.update(status=r.status, body=json.loads(r.read()))
+        conn.close()
+
+    t = threading.Thread(target=post)
+    t.start()
+    metrics = orch.info["metrics_port"]
+    drafts = ("kakeya_spec_decode_num_drafts_total", ())
+    wait_until(lambda: scrape(metrics).get(drafts, 0) > 0, what="the generation's first blocks")
+    verifier.signal(signal.SIGKILL)
+    t.join(120)
+    message = answer["body"]["error"]["message"]
+    assert message == "generation failed: verifier unavailable (not reachable, loading or draining); retry later"
+    assert verifier.addr not in message and str(verifier.port) not in message
+    assert answer["status"] == 503, answer
+    errors = {dict(labels).get("code"): v for (n, labels), v in scrape(metrics).items() if n == "kakeya_errors_total"}
+    assert errors.get("UNAVAILABLE") == 1 and "INTERNAL" not in errors, errors
