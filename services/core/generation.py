@@ -130,6 +130,7 @@ class Report:
     cache_bounded: bool = False
     sampling: SamplingParams = GREEDY
     error: str = ""  # why, when ``finish_reason`` is "error"
+    error_code: str = ""  # and its status's name, as a refusal's (``UNAVAILABLE`` ...): an HTTP answer's status
     device: str | None = None
 
     mean_acceptance = property(lambda self: _mean(self.acceptance_lengths))

@@ -287,14 +287,9 @@ def _until_idle(busy: Callable[[], bool], done: threading.Event, until: float) -
     gRPC call), ``done`` is set, or ``until`` passes (False: nothing to cut short)."""
     idle_since = None
     while (now := time.monotonic()) < until:
-        if busy():
-            idle_since = None
-        elif done.is_set():
-            return False
-        elif idle_since is None:
-            idle_since = now
-        elif now - idle_since >= IDLE_SETTLE_S:
-            return True
+        idle_since = None if busy() else idle_since or now
+        if idle_since is not None and (done.is_set() or now - idle_since >= IDLE_SETTLE_S):
+            return not done.is_set()
         time.sleep(0.1)
     return False
 

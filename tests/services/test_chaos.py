@@ -92,11 +92,6 @@ def test_one_hung_verifier_replica_of_two_leaves_the_orchestrator_serving(server
         v0.signal(signal.SIGCONT)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a non-streamed HTTP generation whose verifier is lost mid-way with none left answers 500 server_error"
-    " (counted INTERNAL) though its message says the verifier is unavailable, retry later: the refusal's 503",
-)
 def test_a_non_streamed_http_generation_whose_verifiers_all_die_mid_way_is_a_503_naming_the_role(server_factory):
     """docs/operations.md: with every verifier replica gone the request fails with the role's error; over HTTP the
     status a client, a proxy or ``kakeya_errors_total{code}`` reads is the same refusal's (503 UNAVAILABLE), not an

@@ -402,9 +402,10 @@ class Answer:
 
 
 def finish_reason(report: Report) -> str:
-    if report.finish_reason == "error":
-        raise ApiError(500, f"generation failed: {report.error}")
-    return report.finish_reason
+    if report.finish_reason != "error":
+        return report.finish_reason
+    code = getattr(grpc.StatusCode, report.error_code, None)  # the status a refusal for the same cause has
+    raise ApiError(STATUS.get(code, 500), f"generation failed: {report.error}")
 
 
 def usage(r: Report) -> dict:

@@ -287,7 +287,7 @@ class GenerationService:
         checked = run.request
         vs, ds = _SessionTime(run, "verifier_session"), _SessionTime(run, "drafter_session")
         obs = self.metrics.generation(vs, ds, checked, t_start) if observe else NO_OBSERVER
-        blocks, error = 0, ""
+        blocks, error, error_code = 0, "", ""
         try:
             for block in run:
                 obs.block(block)
@@ -303,7 +303,7 @@ class GenerationService:
             if not blocks:
                 raise RequestError(code, msg) from None
             log.warning("request %s failed mid-generation: %s", checked.request_id, msg)
-            error = msg
+            error, error_code = msg, code.name
         finally:
             run.close()  # also when the client went away while a block was on its way
             fallback = fallback_reason(run.drafter_error, run.cancelled)
@@ -312,7 +312,7 @@ class GenerationService:
                 obs.finish("abort", fallback=fallback, prompt_tokens=len(gen.prompt_ids), tokens=len(gen.token_ids))
         if run.cancelled:
             return
-        report = run.report(time.perf_counter() - t_start, error)
+        report = replace(run.report(time.perf_counter() - t_start, error), error_code=error_code)
         obs.finish(report.finish_reason, fallback=fallback, prompt_tokens=len(report.prompt_token_ids),
                    tokens=len(report.token_ids), cached_tokens=report.cached_tokens)  # fmt: skip
         yield report
