@@ -870,7 +870,6 @@ def test_a_messages_name_reaches_the_template_and_is_type_checked(front):
     assert status == 400 and _refusal(answer) == "messages[0].name", answer
 
 
-@pytest.mark.xfail(strict=True, reason="an image part's 400 said only 'only text parts are supported', not its type")
 @pytest.mark.parametrize(
     "part",
     [

@@ -282,8 +282,8 @@ def _content(content, i: int) -> str:
     if not isinstance(content, list):
         raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
     for j, part in enumerate(content):  # the part a refusal names: the app finds the image or the bad one among many
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise bad(f"messages[{i}].content[{j}]", "only text parts (type 'text') are supported")
+        if (kind := part.get("type") if isinstance(part, dict) else type(part).__name__) != "text":  # image_url ...
+            raise bad(f"messages[{i}].content[{j}]", f"type {quote(kind)} is not supported: this model reads text only")
         if not isinstance(part.get("text"), str):
             raise bad(f"messages[{i}].content[{j}].text", "must be a string")
     return "".join(part["text"] for part in content)
