@@ -138,6 +138,7 @@ class GenerationService:
         self._waiting: deque[int] = deque()  # tickets of the queued generations, first come first
         self._tickets = itertools.count()
         self.active = 0
+        self.leaving = 0  # generations in flight whose client went away: each frees its place at its run's end
         self.by_peer: dict[str, int] = {}  # generations in flight per caller (auth.peer_of)
         self.total = 0
         self.started = time.monotonic()
@@ -196,12 +197,21 @@ class GenerationService:
         req = self.engine.check(req, self.limits)  # before admission: a bad request is refused for itself, never 429
         peer = peer_of(call)  # the caller's host: its connections' ports vary
         self._admit(peer, call)
+        mark = [0]  # 1: its client left (its place frees within a round: a newcomer waits for it, no 429); 2: ended
+
+        def left() -> None:
+            with self._lock:
+                if mark[0] == 0:
+                    mark[0], self.leaving = 1, self.leaving + 1
+
+        if not call.add_callback(left):
+            left()
         token = logs.bind(request_id=req.request_id)
         try:
             yield from self._generate(req, call)
         finally:
             with self._lock:
-                self.active -= 1
+                self.active, self.leaving, mark[0] = self.active - 1, self.leaving - (mark[0] == 1), 2
                 self.by_peer[peer] -= 1
                 if not self.by_peer[peer]:
                     del self.by_peer[peer]
@@ -214,7 +224,7 @@ class GenerationService:
         deadline); over ``--max-sessions-per-peer`` it is refused at once (waiting makes that caller no room)."""
         with self._lock:
             problem, full = self._admission_problem(peer)
-            if full and len(self._waiting) < self.queue:
+            if full and len(self._waiting) < self.queue + self.leaving:  # (the leaving: room within a round)
                 problem = self._wait_for_room(peer, min(self.queue_timeout_s, _deadline(call) or float("inf")), call)
             elif full and self.queue:
                 problem += f", and {len(self._waiting)} wait in its queue (--queue {self.queue})"
