@@ -223,7 +223,7 @@ class GenerationService:
         ``--max-sessions`` it waits in the queue (first come first served, up to ``--queue-timeout`` or its
         deadline); over ``--max-sessions-per-peer`` it is refused at once (waiting makes that caller no room)."""
         with self._lock:
-            problem, full = self._admission_problem(peer)
+            problem, full = self._admission_problem(peer, len(self._waiting))
             if full and len(self._waiting) < self.queue + self.leaving:  # (the leaving: room within a round)
                 problem = self._wait_for_room(peer, min(self.queue_timeout_s, _deadline(call) or float("inf")), call)
             elif full and self.queue:
@@ -247,7 +247,7 @@ class GenerationService:
             if call is not None and not call.add_callback(lambda: (gone.set(), self._wake())):
                 gone.set()
             while not gone.is_set():
-                problem, full = self._admission_problem(peer, first_in_line=self._waiting[0] == ticket)
+                problem, full = self._admission_problem(peer, self._waiting.index(ticket))
                 left = t0 + wait_s - time.monotonic()
                 if not full or left <= 0 or not self.ready or self.aborting or self.draining:
                     break
@@ -265,10 +265,12 @@ class GenerationService:
         with self._lock:
             self._room.notify_all()
 
-    def _admission_problem(self, peer: str, first_in_line: bool = False) -> tuple[str | None, bool]:
-        """Why one more generation of ``peer`` is refused now, or None; and whether a queue waits it out."""
-        if self.max_sessions and (self.active >= self.max_sessions or (self._waiting and not first_in_line)):
-            return f"{self.active} of {self.max_sessions} generations in flight (--max-sessions)", True
+    def _admission_problem(self, peer: str, ahead: int) -> tuple[str | None, bool]:
+        """Why one more generation of ``peer`` is refused now, with ``ahead`` queued before it (first come first
+        served: they take the free places first), or None; and whether a queue waits it out."""
+        if self.max_sessions and self.active + ahead >= self.max_sessions:
+            queued = f" and {ahead} queued before it" if ahead else ""
+            return f"{self.active} of {self.max_sessions} generations in flight{queued} (--max-sessions)", True
         held = self.by_peer.get(peer, 0)
         if self.max_sessions_per_peer and held >= self.max_sessions_per_peer:
             return (
