@@ -138,7 +138,7 @@ class GenerationService:
         self._waiting: deque[int] = deque()  # tickets of the queued generations, first come first
         self._tickets = itertools.count()
         self.active = 0
-        self.leaving = 0  # generations in flight whose client went away: each frees its place at its run's end
+        self._running: list[threading.Event] = []  # per generation in flight: set once its client went away
         self.by_peer: dict[str, int] = {}  # generations in flight per caller (auth.peer_of)
         self.total = 0
         self.started = time.monotonic()
@@ -196,36 +196,29 @@ class GenerationService:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, why)
         req = self.engine.check(req, self.limits)  # before admission: a bad request is refused for itself, never 429
         peer = peer_of(call)  # the caller's host: its connections' ports vary
-        self._admit(peer, call)
-        mark = [0]  # 1: its client left (its place frees within a round: a newcomer waits for it, no 429); 2: ended
-
-        def left() -> None:
-            with self._lock:
-                if mark[0] == 0:
-                    mark[0], self.leaving = 1, self.leaving + 1
-
-        if not call.add_callback(left):
-            left()
+        gone = threading.Event()  # its client went away: queued, it leaves the queue; running, it ends within a round
+        call.add_callback(lambda: (gone.set(), self._wake())) or gone.set()  # (False: it has already gone)
+        self._admit(peer, call, gone)
         token = logs.bind(request_id=req.request_id)
         try:
             yield from self._generate(req, call)
         finally:
             with self._lock:
-                self.active, self.leaving, mark[0] = self.active - 1, self.leaving - (mark[0] == 1), 2
-                self.by_peer[peer] -= 1
-                if not self.by_peer[peer]:
-                    del self.by_peer[peer]
+                self.active -= 1
+                self._running.remove(gone)
+                if held := self.by_peer.pop(peer) - 1:
+                    self.by_peer[peer] = held
                 self._room.notify_all()
             logs.reset(token)
 
-    def _admit(self, peer: str, call: ClientCall | None) -> None:
+    def _admit(self, peer: str, call: ClientCall | None, gone: threading.Event) -> None:
         """Count one more generation of ``peer`` in, or raise RESOURCE_EXHAUSTED saying why. Over
         ``--max-sessions`` it waits in the queue (first come first served, up to ``--queue-timeout`` or its
         deadline); over ``--max-sessions-per-peer`` it is refused at once (waiting makes that caller no room)."""
         with self._lock:
             problem, full = self._admission_problem(peer, len(self._waiting))
-            if full and len(self._waiting) < self.queue + self.leaving:  # (the leaving: room within a round)
-                problem = self._wait_for_room(peer, min(self.queue_timeout_s, _deadline(call) or float("inf")), call)
+            if full and len(self._waiting) < self.queue + sum(g.is_set() for g in self._running):  # (+ leaving ones)
+                problem = self._wait_for_room(peer, min(self.queue_timeout_s, _deadline(call) or float("inf")), gone)
             elif full and self.queue:
                 problem += f", and {len(self._waiting)} wait in its queue (--queue {self.queue})"
             if self.draining:  # it drained while this one waited in the queue
@@ -233,19 +226,17 @@ class GenerationService:
             if problem:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"orchestrator: {problem}")
             self.active += 1
+            self._running.append(gone)
             self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
             self.total += 1
 
-    def _wait_for_room(self, peer: str, wait_s: float, call: ClientCall | None) -> str | None:
+    def _wait_for_room(self, peer: str, wait_s: float, gone: threading.Event) -> str | None:
         """Queued (under the lock) until this generation may start: None, or why it may not. A client that goes
         away leaves the queue at once (its place freed, nothing run), raised as the cancel it is."""
         ticket = next(self._tickets)
         self._waiting.append(ticket)
-        gone = threading.Event()
         t0 = time.monotonic()
         try:
-            if call is not None and not call.add_callback(lambda: (gone.set(), self._wake())):
-                gone.set()
             while not gone.is_set():
                 problem, full = self._admission_problem(peer, self._waiting.index(ticket))
                 left = t0 + wait_s - time.monotonic()
@@ -266,17 +257,14 @@ class GenerationService:
             self._room.notify_all()
 
     def _admission_problem(self, peer: str, ahead: int) -> tuple[str | None, bool]:
-        """Why one more generation of ``peer`` is refused now, with ``ahead`` queued before it (first come first
-        served: they take the free places first), or None; and whether a queue waits it out."""
+        """Why one more generation of ``peer`` is refused now, ``ahead`` queued before it, or None; and whether to wait."""
         if self.max_sessions and self.active + ahead >= self.max_sessions:
             queued = f" and {ahead} queued before it" if ahead else ""
             return f"{self.active} of {self.max_sessions} generations in flight{queued} (--max-sessions)", True
         held = self.by_peer.get(peer, 0)
         if self.max_sessions_per_peer and held >= self.max_sessions_per_peer:
-            return (
-                f"{held} of {self.max_sessions_per_peer} generations in flight from this caller"
-                " (--max-sessions-per-peer)"
-            ), False
+            why = f"{held} of {self.max_sessions_per_peer} generations in flight from this caller (--max-sessions-per-peer)"
+            return why, False
         return None, False
 
     def _generate(self, req: Request, call: ClientCall | None = None, observe: bool = True) -> Iterator[Block | Report]:
