@@ -345,7 +345,10 @@ def test_queue_holds_requests_over_max_sessions_until_room_and_refuses_past_it(f
         first = pool.submit(_post, base, "/v1/completions", body)
         wait_until(lambda: waiting() == 1, what="one request queued")
         status, answer = _post(base, "/v1/completions", body)  # the queue is full: refused at once
-        assert status == 429 and "1 wait in its queue (--queue 1)" in answer["error"]["message"]
+        assert (
+            status == 429
+            and "1 queued before it (--max-sessions), and its queue is full (--queue 1)" in answer["error"]["message"]
+        )
         held.pop().close()
         assert first.result(120)[0] == 200
     finally:

@@ -220,7 +220,7 @@ class GenerationService:
             if full and len(self._waiting) < self.queue + sum(g.is_set() for g in self._running):  # (+ leaving ones)
                 problem = self._wait_for_room(peer, min(self.queue_timeout_s, _deadline(call) or float("inf")), gone)
             elif full and self.queue:
-                problem += f", and {len(self._waiting)} wait in its queue (--queue {self.queue})"
+                problem += f", and its queue is full (--queue {self.queue})"
             if self.draining:  # it drained while this one waited in the queue
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, DRAINING)
             if problem:
