@@ -135,8 +135,8 @@ F32_TINY, F32_MAX = (float(v) for v in (np.finfo(np.float32).smallest_subnormal,
 def wire_float(x: float) -> float:
     """``x`` as the wire's float32 carries it, read back as the shortest decimal that round-trips it (0.7f -> 0.7),
     so a split deployment samples with the very numbers a colocated one does. 0 stays 0; past float32's range, the
-    nearest value that keeps its meaning (a top-p of 1e-50 keeps the top token alone, as float32's smallest)."""
-    return float(str(np.float32(min(max(x, F32_TINY), F32_MAX)))) if x else 0.0
+    nearest value that keeps its meaning and sign (a top-p of 1e-50 keeps the top token alone; -0.5 stays refused)."""
+    return float(str(np.float32(math.copysign(min(max(abs(x), F32_TINY), F32_MAX), x)))) if x else 0.0
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from kakeya.wire.convert import sampling_of
 from kakeya.wire.kakeya.v1 import generate_pb2 as gpb
 
 
-@pytest.mark.xfail(strict=True, reason="wire_float clamps a negative value to float32's smallest positive one")
 @pytest.mark.parametrize("field", ["temperature", "top_p", "min_p"])
 def test_a_negative_value_is_refused_naming_its_field_and_the_value_sent(field):
     sent = gpb.SamplingParams(temperature=1.0) if field != "temperature" else gpb.SamplingParams()
