@@ -8,6 +8,7 @@ The interceptor that binds the id for every server (the public one too) now bind
 
 from __future__ import annotations
 
+import contextvars
 import logging
 
 import grpc
@@ -30,7 +31,7 @@ def _bound_id(metadata) -> str:
     wrapped = RpcInterceptor(ServerMetrics("verifier")).intercept_service(
         lambda _: grpc.unary_unary_rpc_method_handler(handler), details
     )
-    wrapped.unary_unary(object(), context)
+    contextvars.Context().run(wrapped.unary_unary, object(), context)  # as a server's fresh pool thread: nothing bound
     return seen[0]
 
 
