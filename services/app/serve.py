@@ -276,9 +276,10 @@ def register(sub) -> None:
     _common(a, "orchestrator")
     a.add_argument("--target", help="target checkpoint (default: the embedded pair, as `kakeya generate`)")
     a.add_argument("--draft", help="drafter checkpoint")
+    a.add_argument("--backend", default="auto", choices=["auto", "mlx", "torch"],
+                   help="both model processes' backend (default auto: MLX on Apple silicon, torch elsewhere)")  # fmt: skip
     for role in ("verifier", "drafter"):
-        a.add_argument(f"--{role}-backend", default="auto", choices=["auto", "mlx", "torch"],
-                       help=f"the {role} process's backend (auto: MLX on Apple silicon, torch elsewhere)")  # fmt: skip
+        a.add_argument(f"--{role}-backend", choices=["auto", "mlx", "torch"], help=f"the {role}'s (default --backend)")
     a.add_argument("--device", help="torch processes: cuda, cuda:1, cpu (default: cuda when available, else cpu)")
     a.add_argument("--dtype", help="torch processes: float32, bfloat16, float16 (default float32)")
     add_torch_threads(a)

@@ -239,7 +239,7 @@ def cmd_serve_all(args) -> int:
         if taken := port_in_use(args.host, port):
             print(f"kakeya: error: serve all: cannot listen on {args.host}:{port}: {taken}", file=sys.stderr)
             return 2
-    vback, dback = _child_backend(args.verifier_backend, args), _child_backend(args.drafter_backend, args)
+    vback, dback = child_backend(args, "verifier"), child_backend(args, "drafter")
     refuse_torch_flags((vback[1], dback[1]), args.device, args.dtype)
     if args.ready_file:
         Path(args.ready_file).unlink(missing_ok=True)
@@ -337,15 +337,14 @@ def _placement(choice: str, backends: list[list[str]], log) -> dict[str, str]:
     return cpus
 
 
-def _child_backend(choice: str, args) -> list[str]:
-    """A child's backend flags: auto resolved here, so the supervisor's log and the children agree."""
+def child_backend(args, role: str) -> list[str]:
+    """A child's backend flags (its --ROLE-backend, else --backend), auto resolved here as the children see it."""
     from kakeya.orchestrator.assembly import resolve_backend, torch_threads
 
+    choice = getattr(args, f"{role}_backend") or args.backend
     backend, device = resolve_backend(choice, None if choice == "mlx" else args.device)
     threads = torch_threads(args.torch_threads, device, embedded=args.target is None)  # children get explicit paths
     if backend != "torch":
         return ["--backend", backend, "--torch-threads", str(threads)]
-    graphs = getattr(args, "cuda_graphs", "auto")
-    out = ["--backend", "torch", "--device", device, *(["--dtype", args.dtype] if args.dtype else [])]
-    out += ["--torch-threads", str(threads), *(["--cuda-graphs", graphs] if graphs != "auto" else [])]
-    return out + (["--compile"] if getattr(args, "compile", False) else [])
+    dtype = ["--dtype", args.dtype] if args.dtype else []
+    return ["--backend", "torch", "--device", device, *dtype, "--torch-threads", str(threads)]

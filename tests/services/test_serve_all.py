@@ -296,23 +296,20 @@ def test_a_second_ctrl_c_stops_serve_all_without_waiting_out_the_drain(server_fa
     wait_until(lambda: not any(pid_alive(p) for p in pids.values()), what="children gone")
 
 
-@pytest.mark.xfail(
-    strict=True, reason="serve all has no --backend: `kakeya serve all --backend mlx` is 'unrecognized arguments'"
-)
 def test_serve_all_takes_backend_for_both_children_as_every_serve_role_does():
     """The README calls `--backend` the default "of `generate` and every `serve` role"; a Mac user typed
     `kakeya serve all --backend mlx` and got "unrecognized arguments: --backend mlx", and the refusal of an
     MLX-quantized target on a torch child told them to "use --backend mlx". It is both children's backend;
     `--verifier-backend` / `--drafter-backend` still choose one each (no child is started: the argv alone)."""
     from kakeya.app.main import build_parser
-    from kakeya.app.supervisor import child_backends
+    from kakeya.app.supervisor import child_backend
 
     def backends(*flags):
         try:
             args = build_parser().parse_args(["serve", "all", *flags])
         except SystemExit:
             pytest.fail(f"serve all refused {flags}")
-        return [argv[argv.index("--backend") + 1] for argv in child_backends(args)]
+        return [(argv := child_backend(args, role))[argv.index("--backend") + 1] for role in ("verifier", "drafter")]
 
     assert backends("--backend", "mlx") == ["mlx", "mlx"]
     assert backends("--backend", "mlx", "--drafter-backend", "torch") == ["mlx", "torch"]
