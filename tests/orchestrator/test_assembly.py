@@ -263,3 +263,12 @@ def test_torch_serve_all_and_client_run_without_mlx(tmp_path):
     log = (tmp_path / "serve.log").read_text()
     assert rc == 0, log[-2000:]
     assert "blocked" not in log  # no child tried to import MLX
+
+
+@pytest.mark.xfail(strict=True, reason="--backend mlx --device cpu is accepted and ignored (MLX picks its own device)")
+def test_an_explicit_mlx_backend_refuses_a_device_by_name():
+    """`kakeya generate --backend mlx --device cpu` on a Mac ran MLX on its default device, the GPU: the flag
+    was accepted and ignored, where `--device mps`, `--dtype` and `--compile` are refused by name."""
+    with pytest.raises(ValueError, match="--device"):
+        resolve_backend("mlx", "cpu", system="darwin", machine="arm64", installed=has("mlx"))
+    assert resolve_backend("mlx", system="darwin", machine="arm64", installed=has("mlx")) == ("mlx", None)
