@@ -52,9 +52,9 @@ def resolve_backend(
         found = [b for b in order if installed(b)]
         if not found:
             raise ValueError("no backend installed: install torch (Linux, CUDA) or mlx (Apple silicon)")
-        backend = found[0]
+        backend, device = found[0], None if found[0] == "mlx" and device == "cpu" else device  # auto: as before
     if backend == "mlx":
-        if device not in (None, "cpu"):
+        if device:  # asked for by name, MLX would ignore it
             raise ValueError("--device/--dtype apply to --backend torch (MLX picks its own device)")
         return "mlx", None
     device = device or ("cuda" if (cuda_available or _torch_cuda_available)() else "cpu")

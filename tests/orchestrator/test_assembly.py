@@ -265,7 +265,6 @@ def test_torch_serve_all_and_client_run_without_mlx(tmp_path):
     assert "blocked" not in log  # no child tried to import MLX
 
 
-@pytest.mark.xfail(strict=True, reason="--backend mlx --device cpu is accepted and ignored (MLX picks its own device)")
 def test_an_explicit_mlx_backend_refuses_a_device_by_name():
     """`kakeya generate --backend mlx --device cpu` on a Mac ran MLX on its default device, the GPU: the flag
     was accepted and ignored, where `--device mps`, `--dtype` and `--compile` are refused by name."""
