@@ -36,7 +36,8 @@ RETRY_CODES = ("UNAVAILABLE", "CANCELLED")
 
 def _rpc_error(exc) -> int:
     code = exc.code().name if exc.code() else "UNKNOWN"
-    print(f"kakeya: error: {code}: {exc.details()}", file=sys.stderr)
+    rid = dict(exc.trailing_metadata() or ()).get("x-request-id")  # what the server's logs name it by
+    print(f"kakeya: error: {code}: {exc.details()}" + (f" (request id {rid})" if rid else ""), file=sys.stderr)
     return 1
 
 

@@ -266,6 +266,12 @@ def test_client_generate_sends_tools_and_prints_the_parsed_calls(real, tmp_path,
     assert "\ntool call call_" in printed.out and "(tool_calls)" in printed.err
     assert main([*base, "--tool-choice", "nope"]) == 1
     assert "INVALID_ARGUMENT: prompt.messages.tool_choice.function: names 'nope'" in capsys.readouterr().err
+    over = [*base[:-2], "--max-tokens", "999999"]  # refused by the server's limit, once the request has its id
+    assert main(over) == 1
+    err = capsys.readouterr().err  # the id the server made up and logged it under, from the call's trailers
+    assert "INVALID_ARGUMENT: sampling_params.max_tokens" in err and "(request id " in err, err
+    assert main([*over, "--request-id", "cli-refused-1"]) == 1
+    assert capsys.readouterr().err.rstrip().endswith("(request id cli-refused-1)")  # what to quote to the operator
     assert main(["client", "--addr", addr, "generate", "--tools", str(path)]) == 2  # tools need --chat
     assert "--tools and --tool-choice need --chat" in capsys.readouterr().err
 
