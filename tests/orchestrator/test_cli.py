@@ -515,7 +515,7 @@ def test_generate_refuses_a_cache_flag_by_its_name(flags, named, capsys):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["serve", "all", "--backend", "5"],  # was --backend-timeout 5
+        ["serve", "all", "--metrics", "9090"],  # not --metrics-port 9090 (`serve all --backend` is now its own flag)
         ["serve", "orchestrator", "--max-tokens", "64"],  # was --max-tokens-limit 64, not a default
         ["serve", "all", "--verifier", "localhost:1"],  # was --verifier-backend's "invalid choice"
         ["memory", "--context", "64", "--restore", "d"],  # was --restore-rank's "invalid int value"
